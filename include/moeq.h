@@ -1,0 +1,168 @@
+/*
+ * moeq: post-training quantization (GPTQ, RTN -> NVFP4, INT4) of Mixture-of-Experts and dense LLMs,
+ * lm-evaluation-harness-exact evaluation, serving-engine checkpoints, and quantized MoE kernels.
+ *
+ * This is the only public header. Conventions:
+ *  - Every fallible call returns moeq_status (MOEQ_OK = 0, errors < 0). The text of the last
+ *    failure on the calling thread is moeq_last_error(); it names the file, tensor or flag.
+ *  - Objects are opaque handles: *_open / *_create make them, *_free releases them, *_free(NULL)
+ *    is a no-op. Pointers returned by getters are borrowed and live as long as their owner.
+ *  - The library never exits, aborts or writes to stdout on bad input.
+ */
+#ifndef MOEQ_H
+#define MOEQ_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOEQ_VERSION_STRING "0.1.0"
+const char *moeq_version(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Status codes. The list only grows; values never change.                                     */
+/* ------------------------------------------------------------------------------------------ */
+#define MOEQ_STATUS_LIST(X)                                                                        \
+    X(MOEQ_OK, 0, "ok")                                                                            \
+    X(MOEQ_E_IO, -1, "input/output error")                                                         \
+    X(MOEQ_E_FORMAT, -2, "malformed input")                                                        \
+    X(MOEQ_E_SHAPE, -3, "shape mismatch")                                                          \
+    X(MOEQ_E_NOMEM, -4, "out of memory")                                                           \
+    X(MOEQ_E_ARG, -5, "invalid argument")                                                          \
+    X(MOEQ_E_UNSUPPORTED, -6, "unsupported")                                                       \
+    X(MOEQ_E_NUMERIC, -7, "non-finite value")                                                      \
+    X(MOEQ_E_INTERRUPTED, -8, "interrupted")                                                       \
+    X(MOEQ_E_NOTFOUND, -9, "not found")                                                            \
+    X(MOEQ_E_EXISTS, -10, "already exists")
+
+typedef enum {
+#define MOEQ__STATUS_ENUM(name, value, text) name = value,
+    MOEQ_STATUS_LIST(MOEQ__STATUS_ENUM)
+#undef MOEQ__STATUS_ENUM
+} moeq_status;
+
+/* "MOEQ_E_IO" for MOEQ_E_IO; "unknown" for values outside the list. */
+const char *moeq_status_name(moeq_status st);
+/* A short fixed description ("input/output error"). */
+const char *moeq_status_text(moeq_status st);
+/* The message of the last failure on this thread ("" when none). Borrowed, valid until the next
+ * failing call on this thread. */
+const char *moeq_last_error(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Process-wide runtime settings                                                              */
+/* ------------------------------------------------------------------------------------------ */
+/* Number of worker threads of the one thread pool (n <= 0: the number of online CPUs).
+ * Results never depend on this number. */
+void moeq_set_threads(int n);
+int moeq_threads(void);
+
+/* Cooperative cancellation: long jobs poll this flag and return MOEQ_E_INTERRUPTED with their
+ * partial result. Safe to call from a signal handler. */
+void moeq_interrupt(void);
+void moeq_clear_interrupt(void);
+int moeq_interrupted(void);
+
+/* Progress reporting for long jobs (eval, calibration, GPTQ, writing). The callback gets a label,
+ * the units done so far and the total; it is called from the thread that runs the job. */
+typedef void (*moeq_progress_fn)(void *user, const char *label, int64_t done, int64_t total);
+void moeq_set_progress(moeq_progress_fn fn, void *user);
+
+/* Log messages (warnings, retries such as a raised GPTQ damping). Default: stderr. level 0 = info,
+ * 1 = warning. */
+typedef void (*moeq_log_fn)(void *user, int level, const char *msg);
+void moeq_set_log(moeq_log_fn fn, void *user);
+
+/* Force the scalar reference kernels (also: environment MOEQ_FORCE_REF=1). */
+void moeq_set_force_ref(int on);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tensor element types (safetensors dtype names).                                            */
+/* ------------------------------------------------------------------------------------------ */
+typedef enum {
+    MOEQ_DT_BOOL = 0,
+    MOEQ_DT_U8,
+    MOEQ_DT_I8,
+    MOEQ_DT_F8_E5M2,
+    MOEQ_DT_F8_E4M3,
+    MOEQ_DT_I16,
+    MOEQ_DT_U16,
+    MOEQ_DT_F16,
+    MOEQ_DT_BF16,
+    MOEQ_DT_I32,
+    MOEQ_DT_U32,
+    MOEQ_DT_F32,
+    MOEQ_DT_F64,
+    MOEQ_DT_I64,
+    MOEQ_DT_U64,
+    MOEQ_DT_COUNT
+} moeq_dtype;
+
+const char *moeq_dtype_name(moeq_dtype dt);     /* "BF16" */
+size_t moeq_dtype_size(moeq_dtype dt);          /* bytes per element */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tokenizer (tokenizer.json, byte-level BPE)                                                 */
+/* ------------------------------------------------------------------------------------------ */
+typedef struct moeq_tokenizer moeq_tokenizer;
+
+moeq_status moeq_tokenizer_load(const char *tokenizer_json_path, moeq_tokenizer **out);
+void moeq_tokenizer_free(moeq_tokenizer *tok);
+int32_t moeq_tokenizer_vocab_size(const moeq_tokenizer *tok);
+/* Special ids from tokenizer_config.json / config.json; -1 when absent. */
+int32_t moeq_tokenizer_bos(const moeq_tokenizer *tok);
+int32_t moeq_tokenizer_eos(const moeq_tokenizer *tok);
+/* Encode UTF-8 text (no special tokens added; special tokens inside the text are matched).
+ * *ids is malloc'ed, owned by the caller. */
+moeq_status moeq_tokenizer_encode(const moeq_tokenizer *tok, const char *text, size_t len,
+                                  int32_t **ids, size_t *n_ids);
+/* Decode ids to UTF-8 (malloc'ed, NUL-terminated, owned by the caller). */
+moeq_status moeq_tokenizer_decode(const moeq_tokenizer *tok, const int32_t *ids, size_t n_ids,
+                                  char **text, size_t *len);
+/* The token's string as stored in the vocabulary (byte-level alphabet); NULL if out of range. */
+const char *moeq_tokenizer_token(const moeq_tokenizer *tok, int32_t id);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Models                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+typedef struct moeq_model moeq_model;
+
+typedef struct {
+    int keep_packed;   /* quantized checkpoints: keep weights packed and run quantized kernels */
+    int no_tokenizer;  /* do not load tokenizer.json */
+} moeq_model_options;
+
+typedef struct {
+    const char *model_type;   /* "llama", "olmoe", "qwen2_moe", "qwen3_moe", "mixtral" */
+    int32_t vocab_size, hidden_size, n_layers, n_heads, n_kv_heads, head_dim;
+    int32_t intermediate_size;        /* dense MLP width (0 if none) */
+    int32_t n_experts, n_experts_per_tok, moe_intermediate_size;
+    int32_t shared_expert_intermediate_size;
+    int32_t max_position_embeddings;
+    int32_t bos_token_id, eos_token_id;
+    int64_t n_params;
+    const char *quant_scheme;  /* NULL for an unquantized checkpoint, else e.g. "nvfp4" */
+} moeq_model_info;
+
+moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq_model **out);
+void moeq_model_free(moeq_model *m);
+const moeq_model_info *moeq_model_get_info(const moeq_model *m);
+/* Borrowed; NULL when the model was opened without a tokenizer. */
+const moeq_tokenizer *moeq_model_tokenizer(const moeq_model *m);
+
+/* A session: KV cache and scratch for one sequence of up to max_tokens positions. */
+typedef struct moeq_session moeq_session;
+moeq_status moeq_session_create(const moeq_model *m, int32_t max_tokens, moeq_session **out);
+void moeq_session_free(moeq_session *s);
+void moeq_session_reset(moeq_session *s);
+int32_t moeq_session_pos(const moeq_session *s);
+/* Appends n tokens at the current position. logits: [n, vocab] (all rows) or NULL. */
+moeq_status moeq_session_forward(moeq_session *s, const int32_t *ids, int32_t n, float *logits);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOEQ_H */

@@ -1,0 +1,136 @@
+/*
+ * Internal core services shared by every module: error messages, memory, files, the one thread
+ * pool, progress/log/interrupt plumbing, timers, checked arithmetic, the deterministic GEMM.
+ * Internal symbols are prefixed mq_ (the public API is moeq_).
+ */
+#ifndef MOEQ_CORE_H
+#define MOEQ_CORE_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "moeq.h"
+
+#if defined(__GNUC__)
+#define MQ_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#define MQ_UNUSED __attribute__((unused))
+#else
+#define MQ_PRINTF(a, b)
+#define MQ_UNUSED
+#endif
+
+/* ---- errors ---------------------------------------------------------------------------- */
+/* Sets this thread's last-error message and returns st, so callers write
+ *   return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s': offsets past end of file", path, name); */
+moeq_status mq_err(moeq_status st, const char *fmt, ...) MQ_PRINTF(2, 3);
+/* Prepends "prefix: " to the current last-error message (adds context on the way up). */
+moeq_status mq_err_prefix(moeq_status st, const char *fmt, ...) MQ_PRINTF(2, 3);
+
+/* Invariant check for programming errors (never for bad input): prints file:line and aborts. */
+#define MQ_ASSERT(x)                                                                               \
+    do {                                                                                           \
+        if (!(x)) mq_assert_fail(#x, __FILE__, __LINE__);                                          \
+    } while (0)
+void mq_assert_fail(const char *expr, const char *file, int line);
+
+/* ---- memory ---------------------------------------------------------------------------- */
+/* All return NULL and set the last error (MOEQ_E_NOMEM, naming what) on failure. Sizes are
+ * checked for overflow. mq_alloc memory is 64-byte aligned and released with mq_free. */
+void *mq_alloc(size_t n, const char *what);
+void *mq_alloc_zero(size_t n, const char *what);
+void *mq_alloc_array(size_t count, size_t elem, const char *what);
+void mq_free(void *p);
+char *mq_strdup(const char *s);
+char *mq_strndup(const char *s, size_t n);
+/* printf into a new malloc'ed string (free with free()). */
+char *mq_asprintf(const char *fmt, ...) MQ_PRINTF(1, 2);
+
+/* Checked arithmetic: return false on overflow. */
+bool mq_mul_size(size_t a, size_t b, size_t *out);
+bool mq_add_size(size_t a, size_t b, size_t *out);
+bool mq_mul_i64(int64_t a, int64_t b, int64_t *out);
+
+/* ---- files ----------------------------------------------------------------------------- */
+typedef struct {
+    void *data;     /* read-only mapping (or heap buffer for empty files) */
+    size_t size;
+    int is_mmap;
+} mq_map;
+
+moeq_status mq_map_file(const char *path, mq_map *out);
+void mq_unmap(mq_map *m);
+/* Reads a whole file into a NUL-terminated heap buffer (free with free()). */
+moeq_status mq_read_file(const char *path, char **out, size_t *len);
+bool mq_file_exists(const char *path);
+bool mq_dir_exists(const char *path);
+char *mq_path_join(const char *dir, const char *name);   /* malloc'ed */
+
+/* Atomic file output: data goes to "<path>.tmp.<pid>" and is renamed over path on commit.
+ * abort (or a failed commit) removes the temporary file. */
+typedef struct {
+    FILE *f;
+    char *path;
+    char *tmp_path;
+} mq_atomic_file;
+moeq_status mq_atomic_open(mq_atomic_file *af, const char *path);
+moeq_status mq_atomic_write(mq_atomic_file *af, const void *data, size_t n);
+moeq_status mq_atomic_commit(mq_atomic_file *af);
+void mq_atomic_abort(mq_atomic_file *af);
+/* Convenience: write a whole buffer atomically. */
+moeq_status mq_write_file_atomic(const char *path, const void *data, size_t n);
+
+/* Recursively removes a directory tree (used to clean temporary output directories). */
+void mq_remove_tree(const char *path);
+
+/* ---- thread pool ----------------------------------------------------------------------- */
+/* Runs fn(ctx, task, thread) for task in [0, n_tasks) on the process pool; the calling thread
+ * takes part. Tasks are handed out dynamically, so fn must not depend on which thread runs a task
+ * except for choosing per-thread scratch (thread in [0, mq_pool_size())). Nested calls run
+ * serially on the calling thread. */
+typedef void (*mq_task_fn)(void *ctx, int64_t task, int thread);
+void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx);
+int mq_pool_size(void);
+
+/* ---- deterministic dense linear algebra (OpenBLAS underneath, single-threaded per call) ---- */
+/* C[M,N] = alpha * A[M,K] @ B[N,K]^T + beta * C. Row-major, leading dims = row lengths given.
+ * Split over the pool in fixed column blocks so the result is independent of the thread count. */
+void mq_gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+/* C[M,N] = alpha * A[M,K] @ B[K,N] + beta * C. */
+void mq_gemm_nn(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
+/* Measures this machine's sgemm rate (GFLOP/s) on n x n x n with the pool. */
+double mq_measure_sgemm_gflops(int n, double min_seconds);
+
+/* ---- runtime plumbing ------------------------------------------------------------------ */
+void mq_progress(const char *label, int64_t done, int64_t total);
+void mq_log(int level, const char *fmt, ...) MQ_PRINTF(2, 3);
+#define mq_info(...) mq_log(0, __VA_ARGS__)
+#define mq_warn(...) mq_log(1, __VA_ARGS__)
+bool mq_force_ref(void);
+bool mq_cpu_has_avx2_fma(void);
+
+/* ---- time ------------------------------------------------------------------------------ */
+double mq_now(void);   /* monotonic seconds */
+
+/* ---- small numeric helpers --------------------------------------------------------------- */
+static inline float mq_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+/* Round-to-nearest-even fp32 -> bf16 (NaN stays NaN). */
+static inline uint16_t mq_f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)((v.u + rounding) >> 16);
+}
+float mq_f16_to_f32(uint16_t h);
+uint16_t mq_f32_to_f16(float f);   /* round to nearest even, overflow to inf */
+
+#endif /* MOEQ_CORE_H */

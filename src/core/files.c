@@ -1,0 +1,187 @@
+/* File helpers: read-only mappings, whole-file reads, and atomic (temp + rename) output. */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core.h"
+
+moeq_status mq_map_file(const char *path, mq_map *out) {
+    memset(out, 0, sizeof *out);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return mq_err(MOEQ_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return mq_err(MOEQ_E_IO, "%s: cannot stat: %s", path, strerror(e));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return mq_err(MOEQ_E_IO, "%s: not a regular file", path);
+    }
+    out->size = (size_t)st.st_size;
+    if (out->size == 0) {
+        close(fd);
+        out->data = calloc(1, 1);
+        return out->data ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    void *p = mmap(NULL, out->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    int e = errno;
+    close(fd);
+    if (p == MAP_FAILED) return mq_err(MOEQ_E_IO, "%s: cannot map: %s", path, strerror(e));
+    out->data = p;
+    out->is_mmap = 1;
+    return MOEQ_OK;
+}
+
+void mq_unmap(mq_map *m) {
+    if (!m || !m->data) return;
+    if (m->is_mmap)
+        munmap(m->data, m->size);
+    else
+        free(m->data);
+    memset(m, 0, sizeof *m);
+}
+
+moeq_status mq_read_file(const char *path, char **out, size_t *len) {
+    *out = NULL;
+    if (len) *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return mq_err(MOEQ_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    if (!buf) {
+        fclose(f);
+        return mq_err(MOEQ_E_NOMEM, "%s: out of memory", path);
+    }
+    for (;;) {
+        if (n + 1 >= cap) {
+            char *nb = realloc(buf, cap * 2);
+            if (!nb) {
+                free(buf);
+                fclose(f);
+                return mq_err(MOEQ_E_NOMEM, "%s: out of memory", path);
+            }
+            buf = nb;
+            cap *= 2;
+        }
+        size_t got = fread(buf + n, 1, cap - 1 - n, f);
+        n += got;
+        if (got == 0) break;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        free(buf);
+        return mq_err(MOEQ_E_IO, "%s: read error", path);
+    }
+    buf[n] = 0;
+    *out = buf;
+    if (len) *len = n;
+    return MOEQ_OK;
+}
+
+bool mq_file_exists(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool mq_dir_exists(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+char *mq_path_join(const char *dir, const char *name) {
+    size_t n = strlen(dir);
+    if (n > 0 && dir[n - 1] == '/') return mq_asprintf("%s%s", dir, name);
+    return mq_asprintf("%s/%s", dir, name);
+}
+
+moeq_status mq_atomic_open(mq_atomic_file *af, const char *path) {
+    memset(af, 0, sizeof *af);
+    af->path = mq_strdup(path);
+    af->tmp_path = mq_asprintf("%s.tmp.%ld", path, (long)getpid());
+    if (!af->path || !af->tmp_path) {
+        mq_atomic_abort(af);
+        return MOEQ_E_NOMEM;
+    }
+    af->f = fopen(af->tmp_path, "wb");
+    if (!af->f) {
+        moeq_status st = mq_err(MOEQ_E_IO, "%s: cannot create: %s", af->tmp_path, strerror(errno));
+        mq_atomic_abort(af);
+        return st;
+    }
+    return MOEQ_OK;
+}
+
+moeq_status mq_atomic_write(mq_atomic_file *af, const void *data, size_t n) {
+    if (n && fwrite(data, 1, n, af->f) != n)
+        return mq_err(MOEQ_E_IO, "%s: write failed: %s", af->tmp_path, strerror(errno));
+    return MOEQ_OK;
+}
+
+moeq_status mq_atomic_commit(mq_atomic_file *af) {
+    moeq_status st = MOEQ_OK;
+    if (fflush(af->f) != 0 || fsync(fileno(af->f)) != 0)
+        st = mq_err(MOEQ_E_IO, "%s: write failed: %s", af->tmp_path, strerror(errno));
+    if (fclose(af->f) != 0 && st == MOEQ_OK)
+        st = mq_err(MOEQ_E_IO, "%s: close failed: %s", af->tmp_path, strerror(errno));
+    af->f = NULL;
+    if (st == MOEQ_OK && rename(af->tmp_path, af->path) != 0)
+        st = mq_err(MOEQ_E_IO, "%s: cannot rename into place: %s", af->path, strerror(errno));
+    if (st != MOEQ_OK) {
+        mq_atomic_abort(af);
+        return st;
+    }
+    free(af->path);
+    free(af->tmp_path);
+    memset(af, 0, sizeof *af);
+    return MOEQ_OK;
+}
+
+void mq_atomic_abort(mq_atomic_file *af) {
+    if (af->f) fclose(af->f);
+    if (af->tmp_path) unlink(af->tmp_path);
+    free(af->path);
+    free(af->tmp_path);
+    memset(af, 0, sizeof *af);
+}
+
+moeq_status mq_write_file_atomic(const char *path, const void *data, size_t n) {
+    mq_atomic_file af;
+    moeq_status st = mq_atomic_open(&af, path);
+    if (st) return st;
+    if ((st = mq_atomic_write(&af, data, n)) != MOEQ_OK) {
+        mq_atomic_abort(&af);
+        return st;
+    }
+    return mq_atomic_commit(&af);
+}
+
+void mq_remove_tree(const char *path) {
+    DIR *d = opendir(path);
+    if (!d) {
+        unlink(path);
+        return;
+    }
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char *p = mq_path_join(path, e->d_name);
+        if (!p) continue;
+        struct stat st;
+        if (lstat(p, &st) == 0 && S_ISDIR(st.st_mode))
+            mq_remove_tree(p);
+        else
+            unlink(p);
+        free(p);
+    }
+    closedir(d);
+    rmdir(path);
+}

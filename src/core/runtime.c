@@ -1,0 +1,74 @@
+/* Process-wide plumbing: progress and log callbacks, the interrupt flag, CPU features, time. */
+#define _POSIX_C_SOURCE 200809L
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core.h"
+
+static moeq_progress_fn g_progress;
+static void *g_progress_user;
+static moeq_log_fn g_log;
+static void *g_log_user;
+static volatile sig_atomic_t g_interrupt;
+static int g_force_ref = -1;   /* -1: not decided yet (read MOEQ_FORCE_REF) */
+
+void moeq_set_progress(moeq_progress_fn fn, void *user) {
+    g_progress = fn;
+    g_progress_user = user;
+}
+
+void mq_progress(const char *label, int64_t done, int64_t total) {
+    if (g_progress) g_progress(g_progress_user, label, done, total);
+}
+
+void moeq_set_log(moeq_log_fn fn, void *user) {
+    g_log = fn;
+    g_log_user = user;
+}
+
+void mq_log(int level, const char *fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (g_log)
+        g_log(g_log_user, level, buf);
+    else
+        fprintf(stderr, "moeq: %s%s\n", level > 0 ? "warning: " : "", buf);
+}
+
+void moeq_interrupt(void) { g_interrupt = 1; }
+void moeq_clear_interrupt(void) { g_interrupt = 0; }
+int moeq_interrupted(void) { return g_interrupt != 0; }
+
+void moeq_set_force_ref(int on) { g_force_ref = on ? 1 : 0; }
+
+bool mq_force_ref(void) {
+    if (g_force_ref < 0) {
+        const char *e = getenv("MOEQ_FORCE_REF");
+        g_force_ref = (e && *e && strcmp(e, "0") != 0) ? 1 : 0;
+    }
+    return g_force_ref == 1;
+}
+
+bool mq_cpu_has_avx2_fma(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return cached == 1;
+#else
+    return false;
+#endif
+}
+
+double mq_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}

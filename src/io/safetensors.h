@@ -1,0 +1,87 @@
+/*
+ * safetensors reading (mmap, single file or sharded with model.safetensors.index.json) and writing
+ * (8-aligned header, __metadata__ {"format":"pt"}, tensors sorted by dtype alignment then name,
+ * atomic temp+rename). Spec: ../shared/docs/formats.md section 1.
+ *
+ * Every header field is validated before any tensor byte is touched; a corrupt, truncated or
+ * hostile file gives MOEQ_E_FORMAT (or MOEQ_E_IO) with a message naming the file and the problem.
+ */
+#ifndef MOEQ_SAFETENSORS_H
+#define MOEQ_SAFETENSORS_H
+
+#include "core/core.h"
+
+#define MQ_MAX_DIMS 8
+
+typedef struct {
+    const char *name;
+    moeq_dtype dtype;
+    int ndim;
+    int64_t shape[MQ_MAX_DIMS];
+    int64_t numel;
+    const uint8_t *data;   /* borrowed: points into the file mapping */
+    size_t nbytes;
+    const char *file;      /* path of the file that holds it */
+} mq_tensor_view;
+
+typedef struct mq_st mq_st;   /* one file, or all shards of a checkpoint */
+
+/* One .safetensors file. */
+moeq_status mq_st_open_file(const char *path, mq_st **out);
+/* A buffer that stays owned by the caller and must outlive the handle (tests, fuzzing). label
+ * names it in error messages. */
+moeq_status mq_st_open_buffer(const void *buf, size_t len, const char *label, mq_st **out);
+/* A checkpoint directory: model.safetensors.index.json if present (every shard named in the
+ * weight_map must exist and every mapped tensor must be in its shard), else model.safetensors,
+ * else the single *.safetensors file in the directory. */
+moeq_status mq_st_open_dir(const char *dir, mq_st **out);
+void mq_st_close(mq_st *st);
+
+size_t mq_st_count(const mq_st *st);
+/* Tensors in a stable order (sorted by name). */
+const mq_tensor_view *mq_st_at(const mq_st *st, size_t i);
+/* NULL if absent (no error set). */
+const mq_tensor_view *mq_st_find(const mq_st *st, const char *name);
+/* A __metadata__ value of the (first) file, or NULL. */
+const char *mq_st_metadata(const mq_st *st, const char *key);
+
+/* moeq_dtype from its safetensors name ("BF16"); returns false if unknown. */
+bool mq_dtype_from_name(const char *name, moeq_dtype *out);
+
+/* Converts a floating tensor (F32, F16, BF16, F8_E4M3, F64) to fp32, n = numel values. */
+moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out);
+
+/* ---- writing ---------------------------------------------------------------------------- */
+typedef struct mq_st_writer mq_st_writer;
+
+mq_st_writer *mq_stw_new(void);
+void mq_stw_free(mq_st_writer *w);
+/* Adds a tensor; the data is copied. Duplicate names and size/shape mismatches are errors. */
+moeq_status mq_stw_add(mq_st_writer *w, const char *name, moeq_dtype dtype, int ndim,
+                       const int64_t *shape, const void *data, size_t nbytes);
+/* Same, taking ownership of a buffer from mq_alloc (freed by the writer, also on error). */
+moeq_status mq_stw_add_owned(mq_st_writer *w, const char *name, moeq_dtype dtype, int ndim,
+                             const int64_t *shape, void *data, size_t nbytes);
+moeq_status mq_stw_set_metadata(mq_st_writer *w, const char *key, const char *value);
+size_t mq_stw_data_bytes(const mq_st_writer *w);
+size_t mq_stw_count(const mq_st_writer *w);
+/* Writes the file atomically (temporary name, renamed when complete). */
+moeq_status mq_stw_write(mq_st_writer *w, const char *path);
+
+/* ---- sharded checkpoint writing ------------------------------------------------------------ */
+/* Streams tensors into shards of at most max_shard_bytes of tensor data (a tensor larger than
+ * that gets a shard of its own). finish() names them model-0000i-of-0000K.safetensors and writes
+ * model.safetensors.index.json ({"metadata":{"total_size":N},"weight_map":{...}}); with a single
+ * shard it writes model.safetensors and no index. Shards are flushed to temporary names as they
+ * fill, so memory stays bounded by one shard. Directory must exist. */
+typedef struct mq_shard_writer mq_shard_writer;
+moeq_status mq_shards_open(const char *dir, size_t max_shard_bytes, mq_shard_writer **out);
+moeq_status mq_shards_add(mq_shard_writer *sw, const char *name, moeq_dtype dtype, int ndim,
+                          const int64_t *shape, const void *data, size_t nbytes);
+moeq_status mq_shards_add_owned(mq_shard_writer *sw, const char *name, moeq_dtype dtype, int ndim,
+                                const int64_t *shape, void *data, size_t nbytes);
+moeq_status mq_shards_finish(mq_shard_writer *sw);
+/* Frees; if finish() was not reached, removes every shard file written so far. */
+void mq_shards_free(mq_shard_writer *sw);
+
+#endif

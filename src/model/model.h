@@ -1,0 +1,133 @@
+/*
+ * Model configuration, weights and the fp32 reference forward pass.
+ *
+ * Families: llama (dense), olmoe (q_norm/k_norm over the whole projection), qwen2_moe (q/k/v
+ * bias, shared expert with sigmoid gate), qwen3_moe (per-head q/k norm), mixtral
+ * (block_sparse_moe.experts.N.w1/w2/w3). Experts fused on disk (experts.gate_up_proj [E,2F,D],
+ * experts.down_proj [E,D,F]) are accepted too.
+ *
+ * Dimension vocabulary: T tokens, D hidden, F ffn width, E experts, K top-k, V vocab.
+ * Every weight matrix is [out, in] row-major, as on disk.
+ */
+#ifndef MOEQ_MODEL_H
+#define MOEQ_MODEL_H
+
+#include "core/core.h"
+#include "io/safetensors.h"
+
+typedef enum {
+    MQ_ARCH_LLAMA = 0,
+    MQ_ARCH_OLMOE,
+    MQ_ARCH_QWEN2_MOE,
+    MQ_ARCH_QWEN3_MOE,
+    MQ_ARCH_MIXTRAL,
+} mq_arch;
+
+typedef enum {
+    MQ_QKNORM_NONE = 0,
+    MQ_QKNORM_FULL,   /* olmoe: RMSNorm over the whole q (H*hd) / k (KV*hd) projection */
+    MQ_QKNORM_HEAD,   /* qwen3: RMSNorm over each head (hd) */
+} mq_qknorm;
+
+typedef struct {
+    mq_arch arch;
+    char model_type[32];
+    int32_t vocab, D, n_layers, n_heads, n_kv_heads, head_dim;
+    int32_t ffn;                 /* dense MLP width (llama; qwen2_moe mlp_only_layers) */
+    int32_t n_experts, top_k, moe_ffn;
+    bool norm_topk_prob;         /* renormalise the top-k routing weights */
+    int32_t shared_ffn;          /* 0: no shared expert */
+    bool shared_gate;            /* sigmoid(shared_expert_gate(x)) scales the shared expert */
+    bool qkv_bias;
+    mq_qknorm qk_norm;
+    float rms_eps;
+    double rope_theta;
+    int32_t max_pos;
+    bool tie_embeddings;
+    int32_t bos, eos, pad;       /* -1 when absent */
+    uint8_t *layer_is_moe;       /* [n_layers] */
+} mq_config;
+
+/* Parses config.json text. Unknown model_type, missing or inconsistent fields: MOEQ_E_FORMAT or
+ * MOEQ_E_UNSUPPORTED with a message naming the file and field(s). */
+moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_config *out);
+void mq_config_free(mq_config *c);
+
+/* A linear layer y = x W^T + b. The weight is fp32 [out, in] (bf16 upcast on load, or a
+ * dequantized checkpoint), or kept packed for the quantized kernels (qw != NULL, w == NULL). */
+struct mq_packed_weight;   /* defined by the quantized-kernel module */
+typedef struct {
+    int64_t out, in;
+    float *w;                        /* [out, in], owned; NULL when packed */
+    float *bias;                     /* [out] or NULL */
+    struct mq_packed_weight *qw;     /* owned, or NULL */
+    char *name;                      /* HF module name, e.g. "model.layers.0.self_attn.q_proj" */
+} mq_linear;
+
+/* y[T, out] = x[T, in] @ W^T (+ bias). */
+void mq_linear_forward(const mq_linear *l, const float *x, int64_t T, float *y);
+
+typedef struct {
+    float *attn_norm, *ffn_norm;     /* [D] */
+    mq_linear q, k, v, o;
+    float *q_norm, *k_norm;          /* FULL: [H*hd] / [KV*hd]; HEAD: [hd]; else NULL */
+    bool is_moe;
+    mq_linear gate, up, down;        /* dense MLP */
+    float *router;                   /* [E, D] fp32 */
+    mq_linear *exp_gate, *exp_up, *exp_down;   /* [E] each: gate/up [F, D], down [D, F] */
+    mq_linear sh_gate, sh_up, sh_down;         /* shared expert */
+    float *sh_gate_w;                /* [D]: shared_expert_gate weight (1 output) */
+} mq_layer;
+
+struct moeq_model {
+    mq_config cfg;
+    moeq_model_info info;
+    char *dir;
+    float *embed;                    /* [V, D] */
+    float *final_norm;               /* [D] */
+    float *lm_head;                  /* [V, D]; == embed when tied */
+    mq_layer *layers;                /* [n_layers] */
+    moeq_tokenizer *tok;             /* NULL if not loaded */
+    char *quant_scheme;              /* NULL, or the scheme of a quantized checkpoint */
+};
+
+/* ---- forward pass ----------------------------------------------------------------------------- */
+/* Where the calibration hooks see a Linear's input. For routed experts the rows are exactly the
+ * tokens routed to that expert (routing weights not applied); for the shared expert all tokens. */
+typedef enum {
+    MQ_SITE_QKV = 0,     /* input of q/k/v (after attn norm) */
+    MQ_SITE_O,           /* input of o_proj (attention output) */
+    MQ_SITE_MLP,         /* dense gate/up input */
+    MQ_SITE_MLP_DOWN,    /* dense down input: silu(gate)*up */
+    MQ_SITE_EXPERT,      /* expert e gate/up input */
+    MQ_SITE_EXPERT_DOWN, /* expert e down input */
+    MQ_SITE_SHARED,      /* shared expert gate/up input */
+    MQ_SITE_SHARED_DOWN, /* shared expert down input */
+    MQ_SITE_COUNT
+} mq_site;
+
+/* Called synchronously on the forward's calling thread, in a fixed order, with x [rows, cols]. */
+typedef void (*mq_capture_fn)(void *user, int layer, mq_site site, int expert, const float *x,
+                              int64_t rows, int64_t cols);
+typedef struct {
+    mq_capture_fn fn;
+    void *user;
+} mq_hooks;
+
+/* KV cache and scratch for sequences of up to max_tokens positions. */
+typedef struct mq_state mq_state;
+moeq_status mq_state_new(const moeq_model *m, int32_t max_tokens, mq_state **out);
+void mq_state_free(mq_state *s);
+void mq_state_reset(mq_state *s);
+
+/* x[T, D] = embedding rows of ids (ids validated against the vocabulary). */
+moeq_status mq_embed(const moeq_model *m, const int32_t *ids, int64_t T, float *x);
+/* Runs decoder layers [l0, l1) on x[T, D] in place, for positions pos .. pos+T-1, appending to the
+ * state's KV cache of those layers. hooks may be NULL. */
+moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_t T, int64_t pos,
+                              int l0, int l1, const mq_hooks *hooks);
+/* Final RMSNorm in place on x[T, D], then logits[T, V] = x @ lm_head^T (logits may be NULL). */
+void mq_final_norm(const moeq_model *m, float *x, int64_t T);
+void mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits);
+
+#endif

@@ -1,0 +1,124 @@
+#define _GNU_SOURCE
+#include "harness.h"
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#ifndef MOEQ_SOURCE_DIR
+#define MOEQ_SOURCE_DIR "."
+#endif
+
+static jmp_buf g_jmp;
+static int g_failed_case, g_skipped_case;
+static char g_tmp_root[512];
+static int g_tmp_count;
+
+void mq_test_fail(const char *file, int line, const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "  FAIL %s:%d: ", file, line);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    g_failed_case = 1;
+    longjmp(g_jmp, 1);
+}
+
+void mq_test_skip(const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "  SKIP: ");
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    g_skipped_case = 1;
+    longjmp(g_jmp, 1);
+}
+
+const char *mq_test_shared(const char *rel) {
+    static char buf[4096];
+    const char *root = getenv("MOEQ_SHARED");
+    char def[2048];
+    if (!root || !*root) {
+        snprintf(def, sizeof def, "%s/../shared", MOEQ_SOURCE_DIR);
+        root = def;
+    }
+    struct stat st;
+    if (stat(root, &st) != 0 || !S_ISDIR(st.st_mode))
+        mq_test_skip("shared fixtures folder '%s' not found: set MOEQ_SHARED to the folder that "
+                     "holds fixtures/ and docs/ (default: ../shared beside the repository)", root);
+    snprintf(buf, sizeof buf, "%s/%s", root, rel);
+    if (stat(buf, &st) != 0) mq_test_skip("shared fixture '%s' is missing", buf);
+    return buf;
+}
+
+const char *mq_test_repo(const char *rel) {
+    static char buf[4096];
+    snprintf(buf, sizeof buf, "%s/%s", MOEQ_SOURCE_DIR, rel);
+    return buf;
+}
+
+static void remove_tmp_root(void) {
+    if (g_tmp_root[0]) {
+        char cmd[700];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp_root);
+        if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", g_tmp_root);
+    }
+}
+
+const char *mq_test_tmpdir(void) {
+    static char buf[600];
+    if (!g_tmp_root[0]) {
+        const char *t = getenv("TMPDIR");
+        snprintf(g_tmp_root, sizeof g_tmp_root, "%s/moeq-test-XXXXXX", t && *t ? t : "/tmp");
+        if (!mkdtemp(g_tmp_root)) {
+            g_tmp_root[0] = 0;
+            FAIL("cannot create a temporary directory");
+        }
+        atexit(remove_tmp_root);
+    }
+    snprintf(buf, sizeof buf, "%s/case%d", g_tmp_root, ++g_tmp_count);
+    if (mkdir(buf, 0755) != 0) FAIL("cannot create %s", buf);
+    return buf;
+}
+
+double mq_test_rel_maxdiff(const float *a, const float *b, size_t n) {
+    double maxref = 0, maxdiff = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        if (d != d) return INFINITY;
+        if (d > maxdiff) maxdiff = d;
+        if (fabs((double)b[i]) > maxref) maxref = fabs((double)b[i]);
+    }
+    if (maxref == 0) return maxdiff == 0 ? 0 : INFINITY;
+    return maxdiff / maxref;
+}
+
+int mq_test_run(int argc, char **argv, const mq_test_case *cases, size_t n) {
+    volatile int failed = 0, skipped = 0, ran = 0;
+    const char *only = argc > 1 ? argv[1] : NULL;
+    for (volatile size_t i = 0; i < n; i++) {
+        if (only && !strstr(cases[i].name, only)) continue;
+        ran++;
+        g_failed_case = g_skipped_case = 0;
+        fprintf(stderr, "[ RUN  ] %s\n", cases[i].name);
+        if (setjmp(g_jmp) == 0) cases[i].fn();
+        if (g_failed_case) {
+            failed++;
+            fprintf(stderr, "[ FAIL ] %s\n", cases[i].name);
+        } else if (g_skipped_case) {
+            skipped++;
+            fprintf(stderr, "[ SKIP ] %s\n", cases[i].name);
+        } else {
+            fprintf(stderr, "[  OK  ] %s\n", cases[i].name);
+        }
+    }
+    fprintf(stderr, "%d cases: %d passed, %d failed, %d skipped\n", ran, ran - failed - skipped,
+            failed, skipped);
+    if (failed) return 1;
+    if (ran > 0 && skipped == ran) return 77;
+    return 0;
+}

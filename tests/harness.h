@@ -1,0 +1,107 @@
+/*
+ * Minimal test harness: each tests/test_*.c file is one ctest executable with a table of cases.
+ *   static void test_something(void) { ASSERT_EQ_INT(2, 1 + 1); }
+ *   TEST_MAIN(T(test_something))
+ * A failing assertion prints file:line with both values and ends the case; the executable exits
+ * 1 if any case failed, 77 (ctest SKIP) if every case was skipped, else 0.
+ */
+#ifndef MOEQ_TEST_HARNESS_H
+#define MOEQ_TEST_HARNESS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "moeq.h"
+
+typedef struct {
+    const char *name;
+    void (*fn)(void);
+} mq_test_case;
+
+int mq_test_run(int argc, char **argv, const mq_test_case *cases, size_t n);
+void mq_test_fail(const char *file, int line, const char *fmt, ...);
+void mq_test_skip(const char *fmt, ...);
+
+/* Path of a file under the shared fixtures folder: $MOEQ_SHARED, default <repo>/../shared.
+ * Skips the current case with a clear message when the folder is missing. Returns a static
+ * buffer (copy it before the next call). */
+const char *mq_test_shared(const char *rel);
+/* Directory holding the bundled demo model etc. (<repo>/models). */
+const char *mq_test_repo(const char *rel);
+/* A fresh temporary directory for this case (removed when the test executable ends). */
+const char *mq_test_tmpdir(void);
+/* Largest |a-b| / max|b| over n values (0 if b is all zero and a == b). */
+double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
+
+#define T(fn) {#fn, fn}
+#define TEST_MAIN(...)                                                                             \
+    int main(int argc, char **argv) {                                                              \
+        static const mq_test_case cases_[] = {__VA_ARGS__};                                        \
+        return mq_test_run(argc, argv, cases_, sizeof cases_ / sizeof cases_[0]);                  \
+    }
+
+#define FAIL(...) mq_test_fail(__FILE__, __LINE__, __VA_ARGS__)
+#define SKIP(...) mq_test_skip(__VA_ARGS__)
+
+#define ASSERT_TRUE(x)                                                                             \
+    do {                                                                                           \
+        if (!(x)) FAIL("expected true: %s", #x);                                                   \
+    } while (0)
+#define ASSERT_FALSE(x)                                                                            \
+    do {                                                                                           \
+        if (x) FAIL("expected false: %s", #x);                                                     \
+    } while (0)
+#define ASSERT_EQ_INT(expected, actual)                                                            \
+    do {                                                                                           \
+        long long e_ = (long long)(expected), a_ = (long long)(actual);                            \
+        if (e_ != a_) FAIL("%s == %s: expected %lld, got %lld", #expected, #actual, e_, a_);       \
+    } while (0)
+#define ASSERT_EQ_HEX(expected, actual)                                                            \
+    do {                                                                                           \
+        unsigned long long e_ = (unsigned long long)(expected), a_ = (unsigned long long)(actual); \
+        if (e_ != a_) FAIL("%s == %s: expected 0x%llx, got 0x%llx", #expected, #actual, e_, a_);   \
+    } while (0)
+#define ASSERT_EQ_STR(expected, actual)                                                            \
+    do {                                                                                           \
+        const char *e_ = (expected), *a_ = (actual);                                               \
+        if (!e_ || !a_ || strcmp(e_, a_) != 0)                                                     \
+            FAIL("%s == %s: expected \"%s\", got \"%s\"", #expected, #actual, e_ ? e_ : "(null)",  \
+                 a_ ? a_ : "(null)");                                                              \
+    } while (0)
+#define ASSERT_NEAR(expected, actual, tol)                                                         \
+    do {                                                                                           \
+        double e_ = (double)(expected), a_ = (double)(actual), t_ = (double)(tol);                 \
+        if (!(fabs(e_ - a_) <= t_))                                                                \
+            FAIL("%s ~ %s: expected %.9g, got %.9g (|diff| %.3g > %.3g)", #expected, #actual, e_,  \
+                 a_, fabs(e_ - a_), t_);                                                           \
+    } while (0)
+#define ASSERT_REL(expected, actual, rtol)                                                         \
+    do {                                                                                           \
+        double e_ = (double)(expected), a_ = (double)(actual), t_ = (double)(rtol);                \
+        if (!(fabs(e_ - a_) <= t_ * fabs(e_)))                                                     \
+            FAIL("%s ~ %s: expected %.12g, got %.12g (rel diff %.3g > %.3g)", #expected, #actual,  \
+                 e_, a_, fabs(e_ - a_) / fabs(e_), t_);                                            \
+    } while (0)
+#define ASSERT_OK(expr)                                                                            \
+    do {                                                                                           \
+        moeq_status s_ = (expr);                                                                   \
+        if (s_ != MOEQ_OK)                                                                         \
+            FAIL("%s failed: %s: %s", #expr, moeq_status_name(s_), moeq_last_error());             \
+    } while (0)
+#define ASSERT_STATUS(expected, expr)                                                              \
+    do {                                                                                           \
+        moeq_status s_ = (expr);                                                                   \
+        if (s_ != (expected))                                                                      \
+            FAIL("%s: expected %s, got %s (%s)", #expr, moeq_status_name(expected),                \
+                 moeq_status_name(s_), moeq_last_error());                                         \
+    } while (0)
+/* Asserts the last error message contains a substring (errors must name the culprit). */
+#define ASSERT_ERROR_MENTIONS(substr)                                                              \
+    do {                                                                                           \
+        if (!strstr(moeq_last_error(), (substr)))                                                  \
+            FAIL("error message \"%s\" does not mention \"%s\"", moeq_last_error(), (substr));     \
+    } while (0)
+
+#endif

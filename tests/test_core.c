@@ -1,0 +1,97 @@
+/* Core services: status names, errors, the pool, GEMM determinism, half conversions, atomic files. */
+#include <stdlib.h>
+
+#include "core/core.h"
+#include "harness.h"
+
+static void test_status_names(void) {
+    ASSERT_EQ_STR("MOEQ_E_FORMAT", moeq_status_name(MOEQ_E_FORMAT));
+    ASSERT_EQ_STR("unknown", moeq_status_name((moeq_status)-999));
+    ASSERT_EQ_INT(MOEQ_E_IO, mq_err(MOEQ_E_IO, "%s: boom", "x.bin"));
+    ASSERT_EQ_STR("x.bin: boom", moeq_last_error());
+    mq_err_prefix(MOEQ_E_IO, "loading %s", "m");
+    ASSERT_EQ_STR("loading m: x.bin: boom", moeq_last_error());
+}
+
+typedef struct {
+    int64_t *out;
+} sq_ctx;
+static void square_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    ((sq_ctx *)ctx)->out[t] = t * t;
+}
+
+static void test_pool_covers_every_task(void) {
+    int64_t out[1000];
+    for (int threads = 1; threads <= 4; threads++) {
+        moeq_set_threads(threads);
+        memset(out, 0xff, sizeof out);
+        sq_ctx c = {out};
+        mq_parallel_for(1000, square_task, &c);
+        for (int i = 0; i < 1000; i++) ASSERT_EQ_INT((int64_t)i * i, out[i]);
+    }
+    moeq_set_threads(0);
+}
+
+static void test_gemm_matches_naive_and_is_thread_independent(void) {
+    const int M = 300, N = 517, K = 129;
+    float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * N * K);
+    float *C1 = malloc(sizeof(float) * M * N), *C2 = malloc(sizeof(float) * M * N);
+    uint32_t s = 1;
+    for (int i = 0; i < M * K; i++) A[i] = (float)((s = s * 1103515245u + 12345u) >> 16) / 65536.0f - 0.5f;
+    for (int i = 0; i < N * K; i++) B[i] = (float)((s = s * 1103515245u + 12345u) >> 16) / 65536.0f - 0.5f;
+    moeq_set_threads(1);
+    mq_gemm_nt(M, N, K, 1.0f, A, K, B, K, 0.0f, C1, N);
+    moeq_set_threads(3);
+    mq_gemm_nt(M, N, K, 1.0f, A, K, B, K, 0.0f, C2, N);
+    moeq_set_threads(0);
+    ASSERT_TRUE(memcmp(C1, C2, sizeof(float) * M * N) == 0);
+    for (int i = 0; i < M; i += 37)
+        for (int j = 0; j < N; j += 41) {
+            double acc = 0;
+            for (int k = 0; k < K; k++) acc += (double)A[i * K + k] * B[j * K + k];
+            ASSERT_NEAR(acc, C1[i * N + j], 1e-4);
+        }
+    free(A); free(B); free(C1); free(C2);
+}
+
+static void test_half_conversions(void) {
+    ASSERT_EQ_HEX(0x3f80, mq_f32_to_bf16(1.0f));
+    ASSERT_EQ_HEX(0x3f80, mq_f32_to_bf16(1.00390625f));      /* tie to even: stays */
+    ASSERT_EQ_HEX(0x3f82, mq_f32_to_bf16(1.01171875f));      /* tie to even: rounds up */
+    ASSERT_NEAR(1.0, mq_bf16_to_f32(0x3f80), 0);
+    ASSERT_EQ_HEX(0x3c00, mq_f32_to_f16(1.0f));
+    ASSERT_EQ_HEX(0x7bff, mq_f32_to_f16(65504.0f));
+    ASSERT_EQ_HEX(0x7c00, mq_f32_to_f16(65520.0f));          /* rounds to inf */
+    ASSERT_EQ_HEX(0x0001, mq_f32_to_f16(0x1p-24f));          /* smallest subnormal */
+    ASSERT_EQ_HEX(0x0000, mq_f32_to_f16(0x1p-25f));          /* tie to even: zero */
+    ASSERT_EQ_HEX(0x0002, mq_f32_to_f16(0x1.8p-24f));        /* 1.5 ulp: tie to even -> 2 */
+    ASSERT_EQ_HEX(0x8000, mq_f32_to_f16(-0.0f));
+    ASSERT_NEAR(0x1p-24, mq_f16_to_f32(0x0001), 0);
+    ASSERT_NEAR(-2.0, mq_f16_to_f32(0xc000), 0);
+    for (uint32_t h = 0; h < 0x7c00; h++) ASSERT_EQ_HEX(h, mq_f32_to_f16(mq_f16_to_f32((uint16_t)h)));
+}
+
+static void test_atomic_file_leaves_nothing_on_abort(void) {
+    const char *dir = mq_test_tmpdir();
+    char path[700];
+    snprintf(path, sizeof path, "%s/out.bin", dir);
+    mq_atomic_file af;
+    ASSERT_OK(mq_atomic_open(&af, path));
+    ASSERT_OK(mq_atomic_write(&af, "abc", 3));
+    mq_atomic_abort(&af);
+    ASSERT_FALSE(mq_file_exists(path));
+    ASSERT_OK(mq_write_file_atomic(path, "hello", 5));
+    char *buf;
+    size_t n;
+    ASSERT_OK(mq_read_file(path, &buf, &n));
+    ASSERT_EQ_INT(5, n);
+    ASSERT_EQ_STR("hello", buf);
+    free(buf);
+    ASSERT_STATUS(MOEQ_E_IO, mq_read_file("/nonexistent/zzz", &buf, &n));
+    ASSERT_ERROR_MENTIONS("/nonexistent/zzz");
+}
+
+TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task),
+          T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
+          T(test_atomic_file_leaves_nothing_on_abort))

@@ -1,0 +1,266 @@
+/* Option parsing, usage, the progress bar and signal handling for the moeq CLI. */
+#define _POSIX_C_SOURCE 200809L
+#include "cli.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef MOEQ_SOURCE_DIR
+#define MOEQ_SOURCE_DIR "."
+#endif
+
+int cli_usage_error(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "moeq %s: ", cmd);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\n(see 'moeq %s --help')\n", cmd);
+    return CLI_USAGE;
+}
+
+int cli_fail(const char *cmd, moeq_status st) {
+    cli_progress_finish();
+    const char *msg = moeq_last_error();
+    fprintf(stderr, "moeq %s: error: %s\n", cmd, msg && *msg ? msg : moeq_status_text(st));
+    return st == MOEQ_E_INTERRUPTED ? CLI_INTERRUPTED : CLI_FAIL;
+}
+
+void cli_usage(const cli_command *cmd, FILE *to) {
+    fprintf(to, "usage: moeq %s %s\n\n%s\n", cmd->name, cmd->synopsis, cmd->description);
+    if (cmd->n_opts) fprintf(to, "\noptions:\n");
+    for (int i = 0; i < cmd->n_opts; i++) {
+        const cli_opt *o = &cmd->opts[i];
+        char left[96];
+        if (o->kind == OPT_FLAG)
+            snprintf(left, sizeof left, "%s", o->name);
+        else if (o->kind == OPT_CHOICE)
+            snprintf(left, sizeof left, "%s %s", o->name, o->choices);
+        else
+            snprintf(left, sizeof left, "%s %s", o->name, o->metavar ? o->metavar : "X");
+        fprintf(to, "  %-30s %s\n", left, o->help ? o->help : "");
+    }
+    fprintf(to, "  %-30s %s\n", "--help", "show this help");
+}
+
+static int set_value(const cli_command *cmd, const cli_opt *o, const char *v) {
+    char *end = NULL;
+    switch (o->kind) {
+    case OPT_INT: {
+        errno = 0;
+        long long x = strtoll(v, &end, 10);
+        if (errno || end == v || *end)
+            return cli_usage_error(cmd->name, "%s expects an integer, got '%s'", o->name, v);
+        if (o->min <= o->max && (x < o->min || x > o->max))
+            return cli_usage_error(cmd->name, "%s must be between %lld and %lld, got %lld", o->name,
+                                   (long long)o->min, (long long)o->max, x);
+        *(int64_t *)o->dest = x;
+        break;
+    }
+    case OPT_DOUBLE: {
+        errno = 0;
+        double x = strtod(v, &end);
+        if (errno || end == v || *end || x != x)
+            return cli_usage_error(cmd->name, "%s expects a number, got '%s'", o->name, v);
+        *(double *)o->dest = x;
+        break;
+    }
+    case OPT_STRING: *(const char **)o->dest = v; break;
+    case OPT_CHOICE: {
+        size_t n = strlen(v);
+        const char *c = o->choices;
+        bool ok = false;
+        while (c && *c) {
+            const char *bar = strchr(c, '|');
+            size_t len = bar ? (size_t)(bar - c) : strlen(c);
+            if (len == n && n > 0 && strncmp(c, v, n) == 0) ok = true;
+            c = bar ? bar + 1 : NULL;
+        }
+        if (!ok) return cli_usage_error(cmd->name, "%s must be one of %s, got '%s'", o->name, o->choices, v);
+        *(const char **)o->dest = v;
+        break;
+    }
+    case OPT_LIST: {
+        cli_list *l = o->dest;
+        const char **items = realloc(l->items, sizeof(char *) * (size_t)(l->n + 1));
+        if (!items) return cli_usage_error(cmd->name, "out of memory");
+        l->items = items;
+        l->items[l->n++] = v;
+        break;
+    }
+    case OPT_FLAG: *(bool *)o->dest = true; break;
+    }
+    if (o->seen) *o->seen = true;
+    return -1;
+}
+
+int cli_parse(const cli_command *cmd, int argc, char **argv, const char **pos, int *n_pos) {
+    *n_pos = 0;
+    bool only_positional = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!only_positional && strcmp(a, "--") == 0) {
+            only_positional = true;
+            continue;
+        }
+        if (!only_positional && (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)) {
+            cli_usage(cmd, stdout);
+            return CLI_OK;
+        }
+        if (!only_positional && a[0] == '-' && a[1] != 0) {
+            const char *eq = strchr(a, '=');
+            size_t name_len = eq ? (size_t)(eq - a) : strlen(a);
+            const cli_opt *o = NULL;
+            for (int k = 0; k < cmd->n_opts; k++)
+                if (strlen(cmd->opts[k].name) == name_len && strncmp(cmd->opts[k].name, a, name_len) == 0)
+                    o = &cmd->opts[k];
+            if (!o) return cli_usage_error(cmd->name, "unknown option '%.*s'", (int)name_len, a);
+            if (o->kind == OPT_FLAG) {
+                if (eq) return cli_usage_error(cmd->name, "%s takes no value", o->name);
+                set_value(cmd, o, "");
+                continue;
+            }
+            const char *v = eq ? eq + 1 : NULL;
+            if (!v) {
+                if (i + 1 >= argc) return cli_usage_error(cmd->name, "%s needs a value (%s)", o->name, o->metavar ? o->metavar : o->choices);
+                v = argv[++i];
+            }
+            int rc = set_value(cmd, o, v);
+            if (rc >= 0) return rc;
+            continue;
+        }
+        if (*n_pos >= cmd->max_positional)
+            return cli_usage_error(cmd->name, "unexpected argument '%s'", a);
+        pos[(*n_pos)++] = a;
+    }
+    if (*n_pos < cmd->min_positional)
+        return cli_usage_error(cmd->name, "missing %s", cmd->positional_names ? cmd->positional_names : "argument");
+    return -1;
+}
+
+/* ---- progress bar ---------------------------------------------------------------------- */
+static struct {
+    bool on;
+    double t_start;
+    double t_last;
+    char label[64];
+    int drawn;
+} g_bar;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void fmt_secs(char *buf, size_t n, double s) {
+    if (s < 0 || s != s || s > 1e7) {
+        snprintf(buf, n, "--:--");
+        return;
+    }
+    long t = (long)(s + 0.5);
+    if (t >= 3600)
+        snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
+    else
+        snprintf(buf, n, "%02ld:%02ld", t / 60, t % 60);
+}
+
+static void progress_cb(void *user, const char *label, int64_t done, int64_t total) {
+    (void)user;
+    double t = now_s();
+    if (strncmp(g_bar.label, label, sizeof g_bar.label - 1) != 0) {
+        if (g_bar.drawn) fputc('\n', stderr);
+        snprintf(g_bar.label, sizeof g_bar.label, "%s", label);
+        g_bar.t_start = t;
+        g_bar.t_last = 0;
+        g_bar.drawn = 0;
+    }
+    bool final = total > 0 && done >= total;
+    if (!final && t - g_bar.t_last < 0.1) return;   /* at most 10 redraws a second */
+    g_bar.t_last = t;
+    double frac = total > 0 ? (double)done / (double)total : 0;
+    if (frac > 1) frac = 1;
+    int width = 30, fill = (int)(frac * width);
+    char bar[64];
+    for (int i = 0; i < width; i++) bar[i] = i < fill ? '#' : '.';
+    bar[width] = 0;
+    double el = t - g_bar.t_start;
+    char e1[32], e2[32];
+    fmt_secs(e1, sizeof e1, el);
+    fmt_secs(e2, sizeof e2, frac > 0 ? el / frac - el : -1);
+    fprintf(stderr, "\r%-18.18s [%s] %5.1f%% %lld/%lld  %s elapsed, ETA %s ", label, bar,
+            100 * frac, (long long)done, (long long)total, e1, e2);
+    fflush(stderr);
+    g_bar.drawn = 1;
+    if (final) {
+        fputc('\n', stderr);
+        g_bar.drawn = 0;
+        g_bar.label[0] = 0;
+    }
+}
+
+void cli_progress_enable(bool quiet) {
+    g_bar.on = !quiet && isatty(STDERR_FILENO);
+    if (g_bar.on) moeq_set_progress(progress_cb, NULL);
+}
+
+void cli_progress_finish(void) {
+    if (g_bar.on && g_bar.drawn) {
+        fputc('\n', stderr);
+        g_bar.drawn = 0;
+        g_bar.label[0] = 0;
+    }
+}
+
+static volatile sig_atomic_t g_sigint_count;
+static void on_sigint(int sig) {
+    (void)sig;
+    if (++g_sigint_count >= 2) _exit(CLI_INTERRUPTED);
+    moeq_interrupt();
+}
+
+void cli_install_sigint(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+}
+
+const char *cli_shared_dir(void) {
+    static char buf[4096];
+    const char *root = getenv("MOEQ_SHARED");
+    if (root && *root)
+        snprintf(buf, sizeof buf, "%s", root);
+    else
+        snprintf(buf, sizeof buf, "%s/../shared", MOEQ_SOURCE_DIR);
+    struct stat st;
+    if (stat(buf, &st) != 0 || !S_ISDIR(st.st_mode)) return NULL;
+    return buf;
+}
+
+void cli_print_json_string(FILE *f, const char *s) {
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        switch (*p) {
+        case '"': fputs("\\\"", f); break;
+        case '\\': fputs("\\\\", f); break;
+        case '\n': fputs("\\n", f); break;
+        case '\r': fputs("\\r", f); break;
+        case '\t': fputs("\\t", f); break;
+        default:
+            if (*p < 0x20)
+                fprintf(f, "\\u%04x", *p);
+            else
+                fputc(*p, f);
+        }
+    }
+    fputc('"', f);
+}

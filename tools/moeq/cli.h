@@ -1,0 +1,76 @@
+/*
+ * Shared pieces of the moeq command line: option tables, usage text, exit codes, the progress
+ * bar and Ctrl-C handling. Each subcommand lives in cmd_<name>.c and is listed in main.c.
+ */
+#ifndef MOEQ_CLI_H
+#define MOEQ_CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "moeq.h"
+
+/* Exit codes: 0 success, 1 the job failed (bad input file, numeric error, ...), 2 bad usage,
+ * 130 interrupted by Ctrl-C (after printing the partial result). */
+enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2, CLI_INTERRUPTED = 130 };
+
+typedef enum {
+    OPT_FLAG,     /* bool: present or not */
+    OPT_INT,      /* int64_t */
+    OPT_DOUBLE,   /* double */
+    OPT_STRING,   /* const char * */
+    OPT_LIST,     /* cli_list: repeatable string */
+    OPT_CHOICE,   /* const char *, one of choices ("a|b|c") */
+} cli_opt_kind;
+
+typedef struct {
+    const char **items;
+    int n;
+} cli_list;
+
+typedef struct {
+    const char *name;       /* "--max-length" */
+    cli_opt_kind kind;
+    void *dest;
+    const char *metavar;    /* "L" (ignored for flags) */
+    const char *help;
+    const char *choices;    /* OPT_CHOICE: "nvfp4|nvfp4a16|int4" */
+    int64_t min, max;       /* OPT_INT bounds (min > max: unbounded) */
+    bool *seen;             /* optional: set when given */
+} cli_opt;
+
+typedef struct {
+    const char *name;          /* "eval" */
+    const char *synopsis;      /* "MODEL_DIR --task wikitext --data FILE [options]" */
+    const char *description;   /* one paragraph */
+    const cli_opt *opts;
+    int n_opts;
+    int min_positional, max_positional;
+    const char *positional_names;   /* "MODEL_DIR" */
+} cli_command;
+
+/* Parses argv (argv[0] is the subcommand name). Positional arguments are stored in pos (up to
+ * max_positional). Returns -1 when parsing succeeded, else the exit code to return (0 after
+ * --help, 2 after a usage error, with the message printed). */
+int cli_parse(const cli_command *cmd, int argc, char **argv, const char **pos, int *n_pos);
+void cli_usage(const cli_command *cmd, FILE *to);
+/* Prints "moeq <cmd>: <message>" to stderr and returns CLI_USAGE. */
+int cli_usage_error(const char *cmd, const char *fmt, ...);
+/* Prints "moeq <cmd>: error: <moeq_last_error()>" and returns CLI_FAIL (or CLI_INTERRUPTED). */
+int cli_fail(const char *cmd, moeq_status st);
+
+/* Progress bar with ETA on stderr: enabled when stderr is a terminal and quiet is false. */
+void cli_progress_enable(bool quiet);
+void cli_progress_finish(void);
+/* Installs a SIGINT handler that asks the library to stop (moeq_interrupt); a second Ctrl-C
+ * kills the process. */
+void cli_install_sigint(void);
+
+/* Path of the shared fixtures folder ($MOEQ_SHARED or <repo>/../shared); NULL if missing. */
+const char *cli_shared_dir(void);
+
+/* JSON-safe printing of a string (with quotes). */
+void cli_print_json_string(FILE *f, const char *s);
+
+#endif

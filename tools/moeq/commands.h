@@ -1,0 +1,10 @@
+/* The subcommands; each takes argv with argv[0] = its own name. */
+#ifndef MOEQ_COMMANDS_H
+#define MOEQ_COMMANDS_H
+int cmd_inspect(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+int cmd_generate(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
+int cmd_quantize(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+#endif

@@ -1,0 +1,48 @@
+/* moeq: the command-line front end. Each subcommand is one function in cmd_<name>.c. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+#include "commands.h"
+
+static const struct {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *summary;
+} g_commands[] = {
+    {"inspect", cmd_inspect, "show a checkpoint's architecture, tensors, dtypes and sizes"},
+    {"tokenize", cmd_tokenize, "turn text into token ids with the model's tokenizer"},
+    {"generate", cmd_generate, "generate text from a prompt"},
+    {"eval", cmd_eval, "wikitext perplexity and KL divergence, exactly as lm-eval"},
+    {"quantize", cmd_quantize, "quantize a model (RTN or GPTQ) into NVFP4 or INT4 checkpoints"},
+    {"bench", cmd_bench, "benchmarks: forward, gptq, moe-ffn, tokenizer"},
+};
+
+static void usage(FILE *to) {
+    fprintf(to, "moeq %s - quantize Mixture-of-Experts LLMs (GPTQ/RTN -> NVFP4, INT4), "
+                "evaluate them and run them\n\nusage: moeq <command> [options]\n\ncommands:\n",
+            moeq_version());
+    for (size_t i = 0; i < sizeof g_commands / sizeof g_commands[0]; i++)
+        fprintf(to, "  %-10s %s\n", g_commands[i].name, g_commands[i].summary);
+    fprintf(to, "\n'moeq <command> --help' describes a command's options.\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return CLI_USAGE;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return CLI_OK;
+    }
+    if (!strcmp(argv[1], "--version")) {
+        printf("moeq %s\n", moeq_version());
+        return CLI_OK;
+    }
+    for (size_t i = 0; i < sizeof g_commands / sizeof g_commands[0]; i++)
+        if (!strcmp(argv[1], g_commands[i].name)) return g_commands[i].run(argc - 1, argv + 1);
+    fprintf(stderr, "moeq: unknown command '%s'\n\n", argv[1]);
+    usage(stderr);
+    return CLI_USAGE;
+}
