@@ -162,6 +162,24 @@ int32_t moeq_session_pos(const moeq_session *s);
 /* Appends n tokens at the current position. logits: [n, vocab] (all rows) or NULL. */
 moeq_status moeq_session_forward(moeq_session *s, const int32_t *ids, int32_t n, float *logits);
 
+/* ------------------------------------------------------------------------------------------ */
+/* Evaluation (src/eval)                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+/* (eval API goes here) */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Quantization (src/quant, src/formats, src/export)                                          */
+/* ------------------------------------------------------------------------------------------ */
+
+/* (quantization API goes here) */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Quantized MoE feed-forward op (src/kernels)                                                */
+/* ------------------------------------------------------------------------------------------ */
+
+/* (MoE FFN op API goes here) */
+
 #ifdef __cplusplus
 }
 #endif
