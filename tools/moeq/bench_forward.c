@@ -1,0 +1,12 @@
+/* moeq bench forward (not implemented yet). */
+#include <stdio.h>
+
+#include "bench.h"
+#include "cli.h"
+
+int bench_forward(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    fprintf(stderr, "moeq bench: forward: not implemented yet\n");
+    return CLI_FAIL;
+}

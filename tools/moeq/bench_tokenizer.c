@@ -1,0 +1,12 @@
+/* moeq bench tokenizer (not implemented yet). */
+#include <stdio.h>
+
+#include "bench.h"
+#include "cli.h"
+
+int bench_tokenizer(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    fprintf(stderr, "moeq bench: tokenizer: not implemented yet\n");
+    return CLI_FAIL;
+}
