@@ -8,8 +8,17 @@
  * every checkpoint layout (compressed-tensors, ModelOpt, GPTQ) packs from and unpacks to it, so a
  * quantize -> write -> load round trip is bit-identical to the in-memory fake quantization.
  *
- * Conventions (compressed-tensors): NVFP4 global_scale gs = 448*6/amax is a *divisor*:
- *   block scale s = E4M3(gs * block_amax / 6);  code = E2M1(x * gs / s);  x^ = e2m1(code) * s / gs
+ * NVFP4 has two conventions for the global scale (spec.nvfp4_conv):
+ *  - MQ_NVFP4_CT (compressed-tensors, the default): gs = 448*6/amax is a *divisor*.
+ *        t = amax_blk / 6;  t = gs * t;  s = E4M3(min(max(t, scale_min), 448))
+ *        step = s / gs;  code = E2M1(x / step);  x^ = e2m1(code) * step
+ *  - MQ_NVFP4_MUL (ModelOpt weight_scale_2 / torchao per_tensor_scale / the fixture reference):
+ *    g = amax / (448*6) is a *multiplier*.
+ *        t = amax_blk / 6;  t = t / g;  s = E4M3(min(max(t, scale_min), 448))
+ *        step = s * g;  code = E2M1(x / step);  x^ = e2m1(code) * step
+ * Every operation above is one IEEE fp32 operation in the order written. A block whose scale
+ * is 0 (all-zero block) gets zero codes and dequantizes to 0; a non-zero block whose scale would
+ * round to 0 in E4M3 gets the smallest subnormal 2^-9 instead, so it is not wiped out.
  */
 #ifndef MOEQ_FORMATS_H
 #define MOEQ_FORMATS_H
@@ -18,19 +27,26 @@
 
 /* ---- scalar codecs (bit-exact, IEEE, no fast-math) ------------------------------------------ */
 /* E2M1 code = sign<<3 | idx, idx -> {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Round to nearest, ties to even;
- * |x| > 6 saturates to 6; negative values that round to zero keep the sign (0x8). */
+ * |x| > 6 saturates to 6; negative values that round to zero keep the sign (0x8). NaN gives 0x7
+ * (callers reject NaN before quantizing). */
 uint8_t mq_e2m1_encode(float x);
 float mq_e2m1_decode(uint8_t code);
-/* E4M3 (float8_e4m3fn): round to nearest even, saturating at +-448, subnormals down to 2^-9,
- * NaN -> 0x7F. */
+/* E4M3 (float8_e4m3fn): round to nearest even, saturating at +-448 (also for +-Inf), subnormals
+ * down to 2^-9, NaN -> 0x7F. */
 uint8_t mq_e4m3_encode(float x);
 float mq_e4m3_decode(uint8_t bits);
-/* E8M0 (power of two 2^(e-127)), used by MXFP4 scales. */
+/* E8M0 (power of two 2^(e-127), 0xFF = NaN), used by MXFP4 scales. encode_ceil gives the smallest
+ * power of two >= x (clamped to [2^-127, 2^127]; x <= 0 -> 2^-127). */
 uint8_t mq_e8m0_encode_ceil(float x);
 float mq_e8m0_decode(uint8_t bits);
 
+/* A float rounded to a storage dtype (F32: unchanged; BF16, F16 round to nearest even; F16
+ * saturates at 65504 instead of overflowing). */
+float mq_round_to_dtype(float x, moeq_dtype dt);
+
 /* ---- schemes ----------------------------------------------------------------------------- */
 typedef enum { MQ_QS_NONE = 0, MQ_QS_NVFP4, MQ_QS_INT4, MQ_QS_MXFP4 } mq_qscheme;
+typedef enum { MQ_NVFP4_CT = 0, MQ_NVFP4_MUL } mq_nvfp4_conv;
 
 typedef struct {
     mq_qscheme scheme;
@@ -39,21 +55,33 @@ typedef struct {
     float int4_sym_div;      /* INT4 sym: scale = amax / div; 7 (no clipping) or 7.5 (CT/GPTQ) */
     moeq_dtype scale_dtype;  /* INT4: dtype the scale is stored in (BF16/F16/F32); scales are
                                 rounded to it before quantizing so loads are bit-identical */
+    mq_nvfp4_conv nvfp4_conv;   /* NVFP4: meaning of the global scale (see the top comment) */
+    float nvfp4_scale_min;   /* NVFP4: lower clamp of the block scale before E4M3 rounding;
+                                0 = none (an all-zero block gets scale 0) */
     bool mse;                /* search each group's scale over a shrink grid (least squared error) */
     int32_t mse_steps;       /* grid points (default 17) */
     float mse_lo, mse_hi;    /* grid range as multiples of the max-based scale (0.70 .. 1.10) */
 } mq_qspec;
 
-/* Defaults for a scheme (group_size 16 for NVFP4, 128 for INT4, 32 for MXFP4). */
+/* Defaults for a scheme: NVFP4 group 16, CT convention, no clamp; INT4 group 128, symmetric,
+ * div 7.5, BF16 scales; MXFP4 group 32. mse off (grid 17 points, 0.70 .. 1.10). */
 mq_qspec mq_qspec_default(mq_qscheme scheme);
+/* The conventions of ../shared/fixtures/reference.json: NVFP4 MUL with block scales clamped to
+ * [2^-9, 448]; INT4 symmetric amax/7 with F32 scales. */
+mq_qspec mq_qspec_reference(mq_qscheme scheme);
 /* Checks the spec against a weight shape: group divides cols, NVFP4 cols % 16 == 0, ...
  * Errors name the tensor. */
 moeq_status mq_qspec_check(const mq_qspec *s, int64_t rows, int64_t cols, const char *tensor);
 int64_t mq_qspec_group(const mq_qspec *s, int64_t cols);   /* effective group size */
+/* Storage cost per weight in bits: codes + per-group scale (+ zero point) + global scale. */
+double mq_qspec_bits_per_weight(const mq_qspec *s, int64_t rows, int64_t cols);
+/* "nvfp4", "int4", "mxfp4" or "none". */
+const char *mq_qscheme_name(mq_qscheme scheme);
 
-/* NVFP4 global scale (divisor) from the absolute max of the (fused) tensor: 448*6/amax,
- * 1.0 when amax is 0 or not finite. */
-float mq_nvfp4_global_scale(float amax);
+/* The global scale of an NVFP4 tensor (or fused group of tensors) with absolute max amax, in the
+ * spec's convention: CT 448*6/amax, MUL amax/(448*6); 1.0 when amax is 0 or not finite or the
+ * result is not a positive finite number. Other schemes: 1.0. */
+float mq_nvfp4_global_scale(const mq_qspec *s, float amax);
 
 /* Quantization parameters of one group (one row x group_size columns). */
 typedef struct {
@@ -65,12 +93,15 @@ typedef struct {
 /* Computes a group's params from its n values (x[i*stride]). global_scale is used by NVFP4. */
 void mq_group_params(const mq_qspec *s, float global_scale, const float *x, int64_t n,
                      int64_t stride, mq_gparams *out);
+/* The quantization step of a group: the value of one unit of the code grid (NVFP4: s/gs or s*g;
+ * INT4 and MXFP4: scale). 0 for an all-zero group. */
+float mq_group_step(const mq_qspec *s, float global_scale, const mq_gparams *g);
 /* Code of one value (NVFP4/MXFP4: 4-bit E2M1 code; INT4: unsigned 0..15, i.e. q+8 when symmetric,
  * q in 0..15 with the zero point when asymmetric) and its dequantized value. */
 uint8_t mq_quant_value(const mq_qspec *s, float global_scale, const mq_gparams *g, float x);
 float mq_dequant_value(const mq_qspec *s, float global_scale, const mq_gparams *g, uint8_t code);
 /* Quantize-dequantize n values that each have their own group params (GPTQ's per-column step:
- * one column, all rows). codes may be NULL. */
+ * one column, all rows). codes and deq may each be NULL. */
 void mq_qdq_n(const mq_qspec *s, float global_scale, const mq_gparams *g, const float *x,
               int64_t n, uint8_t *codes, float *deq);
 
@@ -80,22 +111,48 @@ typedef struct {
     int64_t rows, cols;      /* weight [rows = out features, cols = in features] */
     int64_t group_size;      /* effective */
     int64_t n_groups;        /* cols / group_size */
-    float global_scale;      /* NVFP4 divisor (1 otherwise) */
+    float global_scale;      /* NVFP4: in spec.nvfp4_conv's convention (1 otherwise) */
     uint8_t *codes;          /* [rows, cols] unpacked codes */
     mq_gparams *params;      /* [rows, n_groups] */
     int32_t *g_idx;          /* [cols] group of each column (act-order); NULL = col / group_size */
 } mq_qtensor;
 
+/* Allocates codes and params (zeroed); global_scale 1, g_idx NULL. */
 moeq_status mq_qtensor_init(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols,
                             const char *tensor);
 void mq_qtensor_free(mq_qtensor *q);
-/* Round-to-nearest quantization of w [rows, cols]. A NaN or Inf weight is MOEQ_E_NUMERIC naming
- * the tensor and the position. */
+/* Group of column c. */
+static inline int64_t mq_qtensor_group_of(const mq_qtensor *q, int64_t c) {
+    return q->g_idx ? q->g_idx[c] : c / q->group_size;
+}
+/* Fails with MOEQ_E_NUMERIC naming the tensor, row and column of the first NaN/Inf in w. */
+moeq_status mq_check_finite(const float *w, int64_t rows, int64_t cols, const char *tensor);
+/* Round-to-nearest quantization of w [rows, cols]. global_scale (NVFP4): in the spec's
+ * convention, e.g. from the joint amax of a fused group; <= 0 means "from this tensor's amax".
+ * A NaN or Inf weight is MOEQ_E_NUMERIC naming the tensor and the position. out is initialised
+ * here (free it with mq_qtensor_free, also after an error). */
 moeq_status mq_quantize_rtn(const mq_qspec *s, const float *w, int64_t rows, int64_t cols,
                             float global_scale, const char *tensor, mq_qtensor *out);
 /* w [rows, cols] = dequantized values, exactly as a loader of the written checkpoint computes. */
 void mq_dequantize(const mq_qtensor *q, float *w);
 /* Absolute max of n values; NaN if any is NaN. */
 float mq_absmax(const float *x, int64_t n);
+
+/* ---- 4-bit packing (shared by every checkpoint layout) -------------------------------------- */
+/* out[i] = codes[2i] | codes[2i+1] << 4 (first element in the low nibble); n even. */
+void mq_pack_u4_bytes(const uint8_t *codes, int64_t n, uint8_t *out);
+void mq_unpack_u4_bytes(const uint8_t *packed, int64_t n, uint8_t *codes);
+/* out[i] = sum_j codes[8i+j] << 4j (LSB first); n % 8 == 0. */
+void mq_pack_u4_words(const uint8_t *codes, int64_t n, uint32_t *out);
+void mq_unpack_u4_words(const uint32_t *packed, int64_t n, uint8_t *codes);
+
+/* ---- activation fake quantization (W4A4 emulation) ------------------------------------------ */
+/* NVFP4 quantize-dequantize of an activation x [rows, cols] in place, as torchao's dynamic
+ * activation quantization does: g = amax(x over the whole 2D tensor) / (448*6); per row, blocks
+ * of 16 along cols (a shorter tail block if cols % 16 != 0):
+ *     s = E4M3(min(max((amax_blk / 6) / g, 2^-6), 448));  r = (1 / g) / s;
+ *     code = E2M1(x * r);  x^ = e2m1(code) * (g * s)
+ * An all-zero (or non-finite amax) x is left unchanged. */
+void mq_nvfp4_act_qdq(float *x, int64_t rows, int64_t cols);
 
 #endif

@@ -1,0 +1,401 @@
+/*
+ * Weight quantization schemes (NVFP4, INT4 sym/asym, MXFP4): group parameters, per-value
+ * quantize/dequantize, the optional MSE scale search, and round-to-nearest over a whole tensor
+ * into the canonical mq_qtensor. Conventions: formats.md sections 2.1-2.4 (compressed-tensors,
+ * ModelOpt, GPTQ), torchao_gptq.md section 11; the op order is written out in formats.h.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "formats/formats.h"
+
+#define E4M3_MAX 448.0f
+#define E2M1_MAX 6.0f
+#define NVFP4_GS_NUM 2688.0f   /* 448 * 6, exact in fp32 */
+
+mq_qspec mq_qspec_default(mq_qscheme scheme) {
+    mq_qspec s;
+    memset(&s, 0, sizeof s);
+    s.scheme = scheme;
+    s.group_size = scheme == MQ_QS_NVFP4 ? 16 : scheme == MQ_QS_MXFP4 ? 32 : 128;
+    s.int4_sym_div = 7.5f;
+    s.scale_dtype = MOEQ_DT_BF16;
+    s.nvfp4_conv = MQ_NVFP4_CT;
+    s.nvfp4_scale_min = 0.0f;
+    s.mse = false;
+    s.mse_steps = 17;
+    s.mse_lo = 0.70f;
+    s.mse_hi = 1.10f;
+    return s;
+}
+
+mq_qspec mq_qspec_reference(mq_qscheme scheme) {
+    mq_qspec s = mq_qspec_default(scheme);
+    s.int4_sym_div = 7.0f;
+    s.scale_dtype = MOEQ_DT_F32;
+    s.nvfp4_conv = MQ_NVFP4_MUL;
+    s.nvfp4_scale_min = 0x1p-9f;
+    return s;
+}
+
+const char *mq_qscheme_name(mq_qscheme scheme) {
+    switch (scheme) {
+    case MQ_QS_NVFP4: return "nvfp4";
+    case MQ_QS_INT4: return "int4";
+    case MQ_QS_MXFP4: return "mxfp4";
+    default: return "none";
+    }
+}
+
+int64_t mq_qspec_group(const mq_qspec *s, int64_t cols) {
+    return s->group_size <= 0 ? cols : s->group_size;
+}
+
+moeq_status mq_qspec_check(const mq_qspec *s, int64_t rows, int64_t cols, const char *tensor) {
+    if (rows <= 0 || cols <= 0)
+        return mq_err(MOEQ_E_SHAPE, "tensor '%s': cannot quantize an empty weight [%lld, %lld]",
+                      tensor, (long long)rows, (long long)cols);
+    switch (s->scheme) {
+    case MQ_QS_NVFP4:
+    case MQ_QS_MXFP4: {
+        int32_t want = s->scheme == MQ_QS_NVFP4 ? 16 : 32;
+        if (s->group_size != want)
+            return mq_err(MOEQ_E_ARG, "tensor '%s': %s needs group size %d, got %d", tensor,
+                          mq_qscheme_name(s->scheme), want, s->group_size);
+        if (cols % want)
+            return mq_err(MOEQ_E_SHAPE, "tensor '%s': %s needs in-features divisible by %d, got %lld",
+                          tensor, mq_qscheme_name(s->scheme), want, (long long)cols);
+        if (s->mse && (s->mse_steps < 1 || !(s->mse_lo > 0) || !(s->mse_hi >= s->mse_lo)))
+            return mq_err(MOEQ_E_ARG, "tensor '%s': bad MSE grid", tensor);
+        return MOEQ_OK;
+    }
+    case MQ_QS_INT4:
+        if (s->group_size != -1 && s->group_size <= 0)
+            return mq_err(MOEQ_E_ARG, "tensor '%s': INT4 group size must be positive or -1, got %d",
+                          tensor, s->group_size);
+        if (s->group_size > 0 && cols % s->group_size)
+            return mq_err(MOEQ_E_SHAPE,
+                          "tensor '%s': in-features %lld not divisible by the group size %d",
+                          tensor, (long long)cols, s->group_size);
+        if (!s->asym && !(s->int4_sym_div > 0))
+            return mq_err(MOEQ_E_ARG, "tensor '%s': INT4 symmetric divisor must be positive",
+                          tensor);
+        if (s->scale_dtype != MOEQ_DT_F32 && s->scale_dtype != MOEQ_DT_BF16 &&
+            s->scale_dtype != MOEQ_DT_F16)
+            return mq_err(MOEQ_E_ARG, "tensor '%s': INT4 scale dtype must be F32, BF16 or F16",
+                          tensor);
+        if (s->mse && (s->mse_steps < 1 || !(s->mse_lo > 0) || !(s->mse_hi >= s->mse_lo)))
+            return mq_err(MOEQ_E_ARG, "tensor '%s': bad MSE grid", tensor);
+        return MOEQ_OK;
+    default:
+        return mq_err(MOEQ_E_ARG, "tensor '%s': no quantization scheme", tensor);
+    }
+}
+
+double mq_qspec_bits_per_weight(const mq_qspec *s, int64_t rows, int64_t cols) {
+    double n = (double)rows * (double)cols;
+    double g = (double)mq_qspec_group(s, cols);
+    switch (s->scheme) {
+    case MQ_QS_NVFP4: return 4.0 + 8.0 / g + 32.0 / n;
+    case MQ_QS_MXFP4: return 4.0 + 8.0 / g;
+    case MQ_QS_INT4:
+        return 4.0 + (s->scale_dtype == MOEQ_DT_F32 ? 32.0 : 16.0) / g + (s->asym ? 4.0 / g : 0.0);
+    default: return 32.0;
+    }
+}
+
+float mq_nvfp4_global_scale(const mq_qspec *s, float amax) {
+    if (s->scheme != MQ_QS_NVFP4 || !(amax > 0) || !isfinite(amax)) return 1.0f;
+    float g = s->nvfp4_conv == MQ_NVFP4_MUL ? amax / NVFP4_GS_NUM : NVFP4_GS_NUM / amax;
+    return (g > 0 && isfinite(g)) ? g : 1.0f;
+}
+
+float mq_absmax(const float *x, int64_t n) {
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        if (isnan(a)) return NAN;
+        if (a > m) m = a;
+    }
+    return m;
+}
+
+/* ---- per-value ops ------------------------------------------------------------------------ */
+
+float mq_group_step(const mq_qspec *s, float global_scale, const mq_gparams *g) {
+    if (s->scheme == MQ_QS_NVFP4)
+        return s->nvfp4_conv == MQ_NVFP4_MUL ? g->scale * global_scale : g->scale / global_scale;
+    return g->scale;
+}
+
+/* Code and dequantized value of x for a group whose step is `step`. */
+static inline uint8_t quant_step(const mq_qspec *s, float step, float zero, float x) {
+    if (s->scheme == MQ_QS_INT4) {
+        if (step == 0.0f) return s->asym ? (uint8_t)zero : 8;
+        float q = rintf(x / step);   /* default rounding mode: half to even */
+        if (s->asym) {
+            q += zero;
+            q = q < 0.0f ? 0.0f : q > 15.0f ? 15.0f : q;
+            return (uint8_t)q;
+        }
+        q = q < -8.0f ? -8.0f : q > 7.0f ? 7.0f : q;
+        return (uint8_t)(int)(q + 8.0f);
+    }
+    if (step == 0.0f) return 0;
+    return mq_e2m1_encode(x / step);
+}
+
+static inline float dequant_step(const mq_qspec *s, float step, float zero, uint8_t code) {
+    if (s->scheme == MQ_QS_INT4) {
+        float q = s->asym ? (float)code - zero : (float)code - 8.0f;
+        return q * step;
+    }
+    return mq_e2m1_decode(code) * step;
+}
+
+uint8_t mq_quant_value(const mq_qspec *s, float global_scale, const mq_gparams *g, float x) {
+    return quant_step(s, mq_group_step(s, global_scale, g), g->zero, x);
+}
+
+float mq_dequant_value(const mq_qspec *s, float global_scale, const mq_gparams *g, uint8_t code) {
+    return dequant_step(s, mq_group_step(s, global_scale, g), g->zero, code);
+}
+
+void mq_qdq_n(const mq_qspec *s, float global_scale, const mq_gparams *g, const float *x,
+              int64_t n, uint8_t *codes, float *deq) {
+    for (int64_t i = 0; i < n; i++) {
+        float step = mq_group_step(s, global_scale, &g[i]);
+        uint8_t c = quant_step(s, step, g[i].zero, x[i]);
+        if (codes) codes[i] = c;
+        if (deq) deq[i] = dequant_step(s, step, g[i].zero, c);
+    }
+}
+
+/* ---- group parameters --------------------------------------------------------------------- */
+
+/* Params from the max-based statistic times multiplier m (m = 1: plain RTN). */
+static void params_scaled(const mq_qspec *s, float global_scale, float amax, float xmin,
+                          float xmax, float m, mq_gparams *out) {
+    out->zero = 0.0f;
+    out->scale_code = 0;
+    switch (s->scheme) {
+    case MQ_QS_NVFP4: {
+        float t = amax / E2M1_MAX;
+        t = s->nvfp4_conv == MQ_NVFP4_MUL ? t / global_scale : global_scale * t;
+        if (m != 1.0f) t = t * m;
+        if (t < s->nvfp4_scale_min) t = s->nvfp4_scale_min;
+        if (t > E4M3_MAX) t = E4M3_MAX;
+        uint8_t code = mq_e4m3_encode(t);
+        if (code == 0 && amax > 0) code = 0x01;   /* keep a tiny non-zero block alive: 2^-9 */
+        out->scale_code = code;
+        out->scale = mq_e4m3_decode(code);
+        return;
+    }
+    case MQ_QS_MXFP4: {
+        float t = amax / E2M1_MAX;
+        if (m != 1.0f) t = t * m;
+        if (!(amax > 0)) {
+            out->scale_code = 0;
+            out->scale = 0.0f;
+            return;
+        }
+        out->scale_code = mq_e8m0_encode_ceil(t);
+        out->scale = mq_e8m0_decode(out->scale_code);
+        return;
+    }
+    case MQ_QS_INT4: {
+        float scale;
+        if (s->asym) {
+            float lo = xmin < 0.0f ? xmin : 0.0f, hi = xmax > 0.0f ? xmax : 0.0f;
+            if (m != 1.0f) {
+                lo = lo * m;
+                hi = hi * m;
+            }
+            scale = (hi - lo) / 15.0f;
+            if (scale > 0.0f) {
+                scale = mq_round_to_dtype(scale, s->scale_dtype);
+                if (scale == 0.0f) scale = mq_round_to_dtype(0x1p-24f, s->scale_dtype);
+                float z = rintf(-lo / scale);
+                out->zero = z < 0.0f ? 0.0f : z > 15.0f ? 15.0f : z;
+            } else {
+                scale = 0.0f;
+            }
+        } else {
+            scale = amax / s->int4_sym_div;
+            if (m != 1.0f) scale = scale * m;
+            if (scale > 0.0f) {
+                scale = mq_round_to_dtype(scale, s->scale_dtype);
+                /* a non-zero group must not get a zero scale when the storage dtype underflows */
+                if (scale == 0.0f) scale = 0x1p-24f;
+            } else {
+                scale = 0.0f;
+            }
+        }
+        out->scale = scale;
+        return;
+    }
+    default: out->scale = 0.0f; return;
+    }
+}
+
+static double group_sse(const mq_qspec *s, float global_scale, const mq_gparams *g,
+                        const float *x, int64_t n, int64_t stride) {
+    float step = mq_group_step(s, global_scale, g);
+    double sse = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i * stride];
+        double d = (double)v - dequant_step(s, step, g->zero, quant_step(s, step, g->zero, v));
+        sse += d * d;
+    }
+    return sse;
+}
+
+void mq_group_params(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                     int64_t stride, mq_gparams *out) {
+    float amax = 0.0f, xmin = 0.0f, xmax = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i * stride];
+        if (v < xmin) xmin = v;
+        if (v > xmax) xmax = v;
+    }
+    amax = -xmin > xmax ? -xmin : xmax;
+    params_scaled(s, global_scale, amax, xmin, xmax, 1.0f, out);
+    if (!s->mse || !(amax > 0)) return;
+    /* Grid search: m_i = lo + (hi - lo) * i / (steps - 1); the first least squared error wins. */
+    double best = INFINITY;
+    mq_gparams cand, prev = {0}, best_p = *out;
+    for (int32_t i = 0; i < s->mse_steps; i++) {
+        float m = s->mse_steps == 1 ? s->mse_lo
+                                    : s->mse_lo + (s->mse_hi - s->mse_lo) * (float)i /
+                                                      (float)(s->mse_steps - 1);
+        params_scaled(s, global_scale, amax, xmin, xmax, m, &cand);
+        /* rounded scales repeat along the grid (E4M3 has 3 mantissa bits): skip repeats */
+        if (i > 0 && cand.scale == prev.scale && cand.zero == prev.zero) continue;
+        prev = cand;
+        double e = group_sse(s, global_scale, &cand, x, n, stride);
+        if (e < best) {
+            best = e;
+            best_p = cand;
+        }
+    }
+    *out = best_p;
+}
+
+/* ---- tensors ------------------------------------------------------------------------------ */
+
+moeq_status mq_qtensor_init(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols,
+                            const char *tensor) {
+    memset(q, 0, sizeof *q);
+    moeq_status st = mq_qspec_check(s, rows, cols, tensor);
+    if (st) return st;
+    q->spec = *s;
+    q->rows = rows;
+    q->cols = cols;
+    q->group_size = mq_qspec_group(s, cols);
+    q->n_groups = cols / q->group_size;
+    q->global_scale = 1.0f;
+    q->codes = mq_alloc_zero((size_t)rows * (size_t)cols, "quantized codes");
+    q->params = mq_alloc_array((size_t)rows * (size_t)q->n_groups, sizeof(mq_gparams),
+                               "quantization params");
+    if (!q->codes || !q->params) {
+        mq_qtensor_free(q);
+        return mq_err_prefix(MOEQ_E_NOMEM, "tensor '%s'", tensor);
+    }
+    memset(q->params, 0, (size_t)rows * (size_t)q->n_groups * sizeof(mq_gparams));
+    return MOEQ_OK;
+}
+
+void mq_qtensor_free(mq_qtensor *q) {
+    if (!q) return;
+    mq_free(q->codes);
+    mq_free(q->params);
+    mq_free(q->g_idx);
+    q->codes = NULL;
+    q->params = NULL;
+    q->g_idx = NULL;
+}
+
+moeq_status mq_check_finite(const float *w, int64_t rows, int64_t cols, const char *tensor) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            float v = w[r * cols + c];
+            if (!isfinite(v))
+                return mq_err(MOEQ_E_NUMERIC, "tensor '%s': non-finite weight %g at row %lld, column %lld",
+                              tensor, (double)v, (long long)r, (long long)c);
+        }
+    return MOEQ_OK;
+}
+
+#define ROWS_PER_TASK 8
+
+typedef struct {
+    const float *w;
+    mq_qtensor *q;
+} rtn_ctx;
+
+static void rtn_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    rtn_ctx *c = vctx;
+    mq_qtensor *q = c->q;
+    int64_t r1 = (task + 1) * ROWS_PER_TASK;
+    if (r1 > q->rows) r1 = q->rows;
+    for (int64_t r = task * ROWS_PER_TASK; r < r1; r++)
+        for (int64_t g = 0; g < q->n_groups; g++) {
+            const float *x = c->w + r * q->cols + g * q->group_size;
+            mq_gparams *p = &q->params[r * q->n_groups + g];
+            mq_group_params(&q->spec, q->global_scale, x, q->group_size, 1, p);
+            float step = mq_group_step(&q->spec, q->global_scale, p);
+            uint8_t *codes = q->codes + r * q->cols + g * q->group_size;
+            for (int64_t i = 0; i < q->group_size; i++)
+                codes[i] = quant_step(&q->spec, step, p->zero, x[i]);
+        }
+}
+
+moeq_status mq_quantize_rtn(const mq_qspec *s, const float *w, int64_t rows, int64_t cols,
+                            float global_scale, const char *tensor, mq_qtensor *out) {
+    moeq_status st = mq_qtensor_init(out, s, rows, cols, tensor);
+    if (st) return st;
+    if ((st = mq_check_finite(w, rows, cols, tensor))) return st;
+    if (s->scheme == MQ_QS_NVFP4)
+        out->global_scale = global_scale > 0 ? global_scale
+                                             : mq_nvfp4_global_scale(s, mq_absmax(w, rows * cols));
+    rtn_ctx c = {w, out};
+    mq_parallel_for((rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, rtn_task, &c);
+    return MOEQ_OK;
+}
+
+typedef struct {
+    const mq_qtensor *q;
+    float *w;
+} deq_ctx;
+
+static void deq_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    deq_ctx *c = vctx;
+    const mq_qtensor *q = c->q;
+    int64_t r1 = (task + 1) * ROWS_PER_TASK;
+    if (r1 > q->rows) r1 = q->rows;
+    for (int64_t r = task * ROWS_PER_TASK; r < r1; r++) {
+        const mq_gparams *p = &q->params[r * q->n_groups];
+        const uint8_t *codes = q->codes + r * q->cols;
+        float *w = c->w + r * q->cols;
+        if (!q->g_idx) {
+            for (int64_t g = 0; g < q->n_groups; g++) {
+                float step = mq_group_step(&q->spec, q->global_scale, &p[g]);
+                for (int64_t i = g * q->group_size; i < (g + 1) * q->group_size; i++)
+                    w[i] = dequant_step(&q->spec, step, p[g].zero, codes[i]);
+            }
+        } else {
+            for (int64_t i = 0; i < q->cols; i++) {
+                const mq_gparams *pg = &p[q->g_idx[i]];
+                w[i] = dequant_step(&q->spec, mq_group_step(&q->spec, q->global_scale, pg),
+                                    pg->zero, codes[i]);
+            }
+        }
+    }
+}
+
+void mq_dequantize(const mq_qtensor *q, float *w) {
+    deq_ctx c = {q, w};
+    mq_parallel_for((q->rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, deq_task, &c);
+}

@@ -1,0 +1,472 @@
+/* Number formats and RTN quantization: hand-made bit vectors, slow brute-force references,
+ * hand-computed group params and dequantized values, packing round trips. */
+#include <stdlib.h>
+
+#include "formats/formats.h"
+#include "harness.h"
+
+/* ---- slow references -------------------------------------------------------------------- */
+
+/* Nearest E2M1 magnitude by brute force over the 8 values, ties to the even index. */
+static uint8_t ref_e2m1(float x) {
+    static const double v[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    double a = fabs((double)x);
+    int best = 0;
+    for (int i = 1; i < 8; i++) {
+        double d = fabs(a - v[i]), db = fabs(a - v[best]);
+        if (d < db || (d == db && (i % 2) == 0)) best = i;
+    }
+    return (uint8_t)((signbit(x) ? 8 : 0) | best);
+}
+
+/* Value of an E4M3 bit pattern computed from the definition (bias 7, 3 mantissa bits). */
+static double ref_e4m3_value(int b) {
+    int e = (b >> 3) & 15, m = b & 7;
+    double v = e == 0 ? m / 8.0 * pow(2, -6) : (1 + m / 8.0) * pow(2, e - 7);
+    return (b & 0x80) ? -v : v;
+}
+
+/* Nearest E4M3 by brute force over the 127 non-negative finite codes (ties to even mantissa),
+ * saturating at 448. */
+static uint8_t ref_e4m3(float x) {
+    double a = fabs((double)x);
+    int best = 0;
+    for (int b = 1; b <= 0x7E; b++) {
+        double d = fabs(a - ref_e4m3_value(b)), db = fabs(a - ref_e4m3_value(best));
+        if (d < db || (d == db && (b & 1) == 0)) best = b;
+    }
+    return (uint8_t)((signbit(x) ? 0x80 : 0) | best);
+}
+
+static uint32_t rng_state = 12345;
+static float rnd_uniform(float lo, float hi) {
+    rng_state = rng_state * 1664525u + 1013904223u;
+    return lo + (hi - lo) * (float)(rng_state >> 8) / 16777216.0f;
+}
+
+/* ---- codecs ---------------------------------------------------------------------------- */
+
+static void test_e2m1_bit_vectors(void) {
+    ASSERT_EQ_HEX(0x0, mq_e2m1_encode(0.0f));
+    ASSERT_EQ_HEX(0x8, mq_e2m1_encode(-0.0f));
+    ASSERT_EQ_HEX(0x8, mq_e2m1_encode(-0.1f));   /* rounds to zero, keeps the sign */
+    /* ties: 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0 */
+    ASSERT_EQ_HEX(0x0, mq_e2m1_encode(0.25f));
+    ASSERT_EQ_HEX(0x2, mq_e2m1_encode(0.75f));
+    ASSERT_EQ_HEX(0x2, mq_e2m1_encode(1.25f));
+    ASSERT_EQ_HEX(0x4, mq_e2m1_encode(1.75f));
+    ASSERT_EQ_HEX(0x4, mq_e2m1_encode(2.5f));
+    ASSERT_EQ_HEX(0x6, mq_e2m1_encode(3.5f));
+    ASSERT_EQ_HEX(0x6, mq_e2m1_encode(5.0f));
+    ASSERT_EQ_HEX(0xE, mq_e2m1_encode(-5.0f));
+    ASSERT_EQ_HEX(0xC, mq_e2m1_encode(-1.75f));
+    /* just beside the ties */
+    ASSERT_EQ_HEX(0x1, mq_e2m1_encode(nextafterf(0.25f, 1)));
+    ASSERT_EQ_HEX(0x1, mq_e2m1_encode(nextafterf(0.75f, 0)));
+    ASSERT_EQ_HEX(0x3, mq_e2m1_encode(nextafterf(1.25f, 2)));
+    ASSERT_EQ_HEX(0x5, mq_e2m1_encode(nextafterf(2.5f, 3)));
+    ASSERT_EQ_HEX(0x5, mq_e2m1_encode(nextafterf(3.5f, 0)));
+    ASSERT_EQ_HEX(0x7, mq_e2m1_encode(nextafterf(5.0f, 6)));
+    /* +-6 and beyond saturate */
+    ASSERT_EQ_HEX(0x7, mq_e2m1_encode(6.0f));
+    ASSERT_EQ_HEX(0x7, mq_e2m1_encode(7.0f));
+    ASSERT_EQ_HEX(0x7, mq_e2m1_encode(1e30f));
+    ASSERT_EQ_HEX(0x7, mq_e2m1_encode(INFINITY));
+    ASSERT_EQ_HEX(0xF, mq_e2m1_encode(-6.0f));
+    ASSERT_EQ_HEX(0xF, mq_e2m1_encode(-100.0f));
+    static const float vals[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+    for (int c = 0; c < 16; c++) {
+        ASSERT_NEAR(vals[c], mq_e2m1_decode((uint8_t)c), 0);
+        ASSERT_EQ_HEX(c, mq_e2m1_encode(mq_e2m1_decode((uint8_t)c)));
+    }
+    ASSERT_TRUE(signbit(mq_e2m1_decode(0x8)));
+    for (int i = 0; i < 20000; i++) {
+        float x = rnd_uniform(-7.0f, 7.0f);
+        if (mq_e2m1_encode(x) != ref_e2m1(x)) FAIL("e2m1(%.9g): 0x%x vs ref 0x%x", x, mq_e2m1_encode(x), ref_e2m1(x));
+    }
+}
+
+static void test_e4m3_bit_vectors(void) {
+    ASSERT_EQ_HEX(0x00, mq_e4m3_encode(0.0f));
+    ASSERT_EQ_HEX(0x80, mq_e4m3_encode(-0.0f));
+    ASSERT_EQ_HEX(0x38, mq_e4m3_encode(1.0f));
+    ASSERT_EQ_HEX(0x38, mq_e4m3_encode(1.0625f));   /* tie between m=0 and m=1 -> even */
+    ASSERT_EQ_HEX(0x3A, mq_e4m3_encode(1.1875f));   /* tie between m=1 and m=2 -> even */
+    ASSERT_EQ_HEX(0x78, mq_e4m3_encode(256.0f));
+    ASSERT_EQ_HEX(0x7D, mq_e4m3_encode(416.0f));
+    ASSERT_EQ_HEX(0x7E, mq_e4m3_encode(432.0f));    /* tie 416/448 -> 448 (even) */
+    ASSERT_EQ_HEX(0x7E, mq_e4m3_encode(448.0f));
+    /* beyond 448: saturate (the plain c10 cast would give NaN from 464 on) */
+    ASSERT_EQ_HEX(0x7E, mq_e4m3_encode(449.0f));
+    ASSERT_EQ_HEX(0x7E, mq_e4m3_encode(464.0f));
+    ASSERT_EQ_HEX(0x7E, mq_e4m3_encode(1e9f));
+    ASSERT_EQ_HEX(0x7E, mq_e4m3_encode(INFINITY));
+    ASSERT_EQ_HEX(0xFE, mq_e4m3_encode(-448.0f));
+    ASSERT_EQ_HEX(0xFE, mq_e4m3_encode(-INFINITY));
+    ASSERT_EQ_HEX(0x7F, mq_e4m3_encode(NAN));
+    ASSERT_EQ_HEX(0x7F, mq_e4m3_encode(-NAN));
+    /* subnormals: k * 2^-9 */
+    ASSERT_EQ_HEX(0x01, mq_e4m3_encode(0x1p-9f));
+    ASSERT_EQ_HEX(0x04, mq_e4m3_encode(0x1p-7f));
+    ASSERT_EQ_HEX(0x08, mq_e4m3_encode(0x1p-6f));     /* smallest normal */
+    ASSERT_EQ_HEX(0x00, mq_e4m3_encode(0x1p-10f));    /* half the smallest subnormal: tie -> 0 */
+    ASSERT_EQ_HEX(0x01, mq_e4m3_encode(0x1.2p-10f));
+    ASSERT_EQ_HEX(0x02, mq_e4m3_encode(0x1.8p-9f));   /* 1.5 ulp: tie -> 2 */
+    ASSERT_EQ_HEX(0x02, mq_e4m3_encode(0x1.4p-8f));   /* 2.5 ulp: tie -> 2 */
+    ASSERT_EQ_HEX(0x08, mq_e4m3_encode(0x1.ep-7f));   /* 7.5 ulp: tie -> 8 = 2^-6 */
+    ASSERT_EQ_HEX(0x87, mq_e4m3_encode(-0x1.cp-7f));  /* -7 * 2^-9 */
+    ASSERT_NEAR(0x1p-9, mq_e4m3_decode(0x01), 0);
+    ASSERT_NEAR(0x1p-6, mq_e4m3_decode(0x08), 0);
+    ASSERT_NEAR(448.0, mq_e4m3_decode(0x7E), 0);
+    ASSERT_NEAR(-1.0, mq_e4m3_decode(0xB8), 0);
+    ASSERT_TRUE(isnan(mq_e4m3_decode(0x7F)));
+    ASSERT_TRUE(isnan(mq_e4m3_decode(0xFF)));
+    for (int b = 0; b < 256; b++) {
+        if ((b & 0x7F) == 0x7F) continue;
+        ASSERT_NEAR(ref_e4m3_value(b), mq_e4m3_decode((uint8_t)b), 0);
+        ASSERT_EQ_HEX(b, mq_e4m3_encode(mq_e4m3_decode((uint8_t)b)));
+    }
+    /* random values over the whole range (log-uniform) and exact midpoints */
+    for (int i = 0; i < 5000; i++) {
+        float x = ldexpf(rnd_uniform(1.0f, 2.0f), (int)rnd_uniform(-13.0f, 10.0f));
+        if (i & 1) x = -x;
+        if (mq_e4m3_encode(x) != ref_e4m3(x))
+            FAIL("e4m3(%.9g): 0x%x vs ref 0x%x", x, mq_e4m3_encode(x), ref_e4m3(x));
+    }
+    for (int b = 0; b < 0x7E; b++) {
+        float mid = (float)((ref_e4m3_value(b) + ref_e4m3_value(b + 1)) / 2);
+        if (mq_e4m3_encode(mid) != ref_e4m3(mid))
+            FAIL("e4m3 midpoint %.9g: 0x%x vs ref 0x%x", mid, mq_e4m3_encode(mid), ref_e4m3(mid));
+    }
+}
+
+static void test_e8m0_and_storage_rounding(void) {
+    ASSERT_EQ_INT(127, mq_e8m0_encode_ceil(1.0f));
+    ASSERT_EQ_INT(128, mq_e8m0_encode_ceil(1.5f));
+    ASSERT_EQ_INT(127, mq_e8m0_encode_ceil(0.75f));
+    ASSERT_EQ_INT(130, mq_e8m0_encode_ceil(8.0f));
+    ASSERT_EQ_INT(0, mq_e8m0_encode_ceil(0.0f));
+    ASSERT_EQ_INT(0xFF, mq_e8m0_encode_ceil(NAN));
+    ASSERT_NEAR(1.0, mq_e8m0_decode(127), 0);
+    ASSERT_NEAR(0.25, mq_e8m0_decode(125), 0);
+    ASSERT_NEAR(0.142578125, mq_round_to_dtype(1.0f / 7.0f, MOEQ_DT_BF16), 0);
+    ASSERT_NEAR(0.142822265625, mq_round_to_dtype(1.0f / 7.0f, MOEQ_DT_F16), 0);
+    ASSERT_NEAR(65504.0, mq_round_to_dtype(1e6f, MOEQ_DT_F16), 0);
+    ASSERT_NEAR(1.0f / 7.0f, mq_round_to_dtype(1.0f / 7.0f, MOEQ_DT_F32), 0);
+}
+
+/* ---- NVFP4 ----------------------------------------------------------------------------- */
+
+static void test_nvfp4_ct_group_by_hand(void) {
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    float gs = mq_nvfp4_global_scale(&s, 6.0f);   /* 2688 / 6 */
+    ASSERT_NEAR(448.0, gs, 0);
+    ASSERT_NEAR(1.0, mq_nvfp4_global_scale(&s, 0.0f), 0);
+    ASSERT_NEAR(1.0, mq_nvfp4_global_scale(&s, NAN), 0);
+    /* block amax 3: t = 3/6 * 448 = 224 = E4M3 0x76; step = 224/448 = 0.5 */
+    float x[16] = {3, -3, 1.25f, 0.5f, -0.75f, 0.1f, 2.0f, 0, 0, 0, 0, 0, 0, 0, 0, -0.0f};
+    mq_gparams p;
+    mq_group_params(&s, gs, x, 16, 1, &p);
+    ASSERT_EQ_HEX(0x76, p.scale_code);
+    ASSERT_NEAR(224.0, p.scale, 0);
+    ASSERT_NEAR(0.5, mq_group_step(&s, gs, &p), 0);
+    /* x/0.5 = 6, -6, 2.5 (tie->2), 1, -1.5, 0.2, 4 */
+    static const uint8_t want[7] = {0x7, 0xF, 0x4, 0x2, 0xB, 0x0, 0x6};
+    static const float deq[7] = {3, -3, 1.0f, 0.5f, -0.75f, 0, 2.0f};
+    for (int i = 0; i < 7; i++) {
+        ASSERT_EQ_HEX(want[i], mq_quant_value(&s, gs, &p, x[i]));
+        ASSERT_NEAR(deq[i], mq_dequant_value(&s, gs, &p, want[i]), 0);
+    }
+    ASSERT_EQ_HEX(0x8, mq_quant_value(&s, gs, &p, -0.0f));
+    /* all-zero block: scale 0, codes 0, dequant 0, no NaN */
+    float z[16] = {0};
+    mq_group_params(&s, gs, z, 16, 1, &p);
+    ASSERT_EQ_HEX(0, p.scale_code);
+    ASSERT_NEAR(0, p.scale, 0);
+    ASSERT_EQ_HEX(0, mq_quant_value(&s, gs, &p, 0.0f));
+    ASSERT_NEAR(0, mq_dequant_value(&s, gs, &p, 0), 0);
+    /* saturation: a block bigger than the tensor amax clamps its scale to 448 and values to 6 */
+    float big[16] = {12};
+    mq_group_params(&s, gs, big, 16, 1, &p);
+    ASSERT_EQ_HEX(0x7E, p.scale_code);
+    ASSERT_EQ_HEX(0x7, mq_quant_value(&s, gs, &p, 12.0f));
+    /* a tiny non-zero block keeps the smallest subnormal scale instead of 0 */
+    float tiny[16] = {1e-6f};
+    mq_group_params(&s, gs, tiny, 16, 1, &p);
+    ASSERT_EQ_HEX(0x01, p.scale_code);
+}
+
+static void test_nvfp4_mul_reference_convention(void) {
+    mq_qspec s = mq_qspec_reference(MQ_QS_NVFP4);
+    float g = mq_nvfp4_global_scale(&s, 2688.0f);
+    ASSERT_NEAR(1.0, g, 0);
+    /* block amax 12: t = 12/6/1 = 2 -> E4M3 0x40; step = 2 */
+    float x[16] = {12, 5, -7, 0.5f, 1.5f};
+    mq_gparams p;
+    mq_group_params(&s, g, x, 16, 1, &p);
+    ASSERT_EQ_HEX(0x40, p.scale_code);
+    ASSERT_NEAR(2.0, mq_group_step(&s, g, &p), 0);
+    ASSERT_EQ_HEX(0x4, mq_quant_value(&s, g, &p, 5.0f));    /* 2.5 -> 2 (tie) */
+    ASSERT_EQ_HEX(0x6, mq_quant_value(&s, g, &p, 7.0f));    /* 3.5 -> 4 (tie) */
+    ASSERT_EQ_HEX(0xE, mq_quant_value(&s, g, &p, -7.0f));   /* -3.5 -> -4 (tie) */
+    ASSERT_NEAR(-8.0, mq_dequant_value(&s, g, &p, 0xE), 0);
+    /* all-zero block: the [2^-9, 448] clamp gives scale 2^-9, codes still 0 */
+    float z[16] = {0};
+    mq_group_params(&s, g, z, 16, 1, &p);
+    ASSERT_EQ_HEX(0x01, p.scale_code);
+    ASSERT_EQ_HEX(0, mq_quant_value(&s, g, &p, 0.0f));
+    ASSERT_NEAR(0, mq_dequant_value(&s, g, &p, 0), 0);
+}
+
+/* ---- INT4 ------------------------------------------------------------------------------ */
+
+static void test_int4_sym_by_hand(void) {
+    mq_qspec s = mq_qspec_reference(MQ_QS_INT4);   /* amax/7, F32 scales */
+    s.group_size = 8;
+    float x[8] = {7, -3.5f, 0.5f, -1.5f, 2.5f, -0.5f, 1.5f, -7};
+    mq_gparams p;
+    mq_group_params(&s, 1, x, 8, 1, &p);
+    ASSERT_NEAR(1.0, p.scale, 0);
+    /* half-even: 0.5->0, -1.5->-2, 2.5->2, -0.5->0, 1.5->2, -3.5->-4 */
+    static const int q[8] = {7, -4, 0, -2, 2, 0, 2, -7};
+    for (int i = 0; i < 8; i++) {
+        ASSERT_EQ_INT(q[i] + 8, mq_quant_value(&s, 1, &p, x[i]));
+        ASSERT_NEAR(q[i], mq_dequant_value(&s, 1, &p, (uint8_t)(q[i] + 8)), 0);
+    }
+    /* div 7.5 (CT/GPTQ): 7.5 -> 8 clamps to 7, -7.5 -> -8 */
+    s.int4_sym_div = 7.5f;
+    float y[8] = {7.5f, -7.5f, 0, 0, 0, 0, 0, 0};
+    mq_group_params(&s, 1, y, 8, 1, &p);
+    ASSERT_NEAR(1.0, p.scale, 0);
+    ASSERT_EQ_INT(15, mq_quant_value(&s, 1, &p, 7.5f));
+    ASSERT_EQ_INT(0, mq_quant_value(&s, 1, &p, -7.5f));
+    /* BF16 scale rounded before the codes: 1/7 -> 0.142578125 */
+    s.int4_sym_div = 7.0f;
+    s.scale_dtype = MOEQ_DT_BF16;
+    float w[8] = {1, -1, 0, 0, 0, 0, 0, 0};
+    mq_group_params(&s, 1, w, 8, 1, &p);
+    ASSERT_NEAR(0.142578125, p.scale, 0);
+    ASSERT_EQ_INT(15, mq_quant_value(&s, 1, &p, 1.0f));
+    ASSERT_NEAR(0.998046875, mq_dequant_value(&s, 1, &p, 15), 0);
+    /* all-zero group */
+    float z[8] = {0};
+    mq_group_params(&s, 1, z, 8, 1, &p);
+    ASSERT_NEAR(0, p.scale, 0);
+    ASSERT_EQ_INT(8, mq_quant_value(&s, 1, &p, 0.0f));
+    ASSERT_NEAR(0, mq_dequant_value(&s, 1, &p, 8), 0);
+}
+
+static void test_int4_asym_by_hand(void) {
+    mq_qspec s = mq_qspec_default(MQ_QS_INT4);
+    s.asym = true;
+    s.scale_dtype = MOEQ_DT_F32;
+    s.group_size = 8;
+    /* min -3, max 4.5: scale 7.5/15 = 0.5, zero = round(3/0.5) = 6 */
+    float x[8] = {-3, 4.5f, 0.25f, 0.75f, 1.25f, -0.25f, 0, 2};
+    mq_gparams p;
+    mq_group_params(&s, 1, x, 8, 1, &p);
+    ASSERT_NEAR(0.5, p.scale, 0);
+    ASSERT_NEAR(6, p.zero, 0);
+    static const int q[8] = {0, 15, 6, 8, 8, 6, 6, 10};
+    for (int i = 0; i < 8; i++) ASSERT_EQ_INT(q[i], mq_quant_value(&s, 1, &p, x[i]));
+    ASSERT_NEAR(1.0, mq_dequant_value(&s, 1, &p, 8), 0);
+    ASSERT_NEAR(-3.0, mq_dequant_value(&s, 1, &p, 0), 0);
+    /* all positive: the range still includes 0 -> zero point 0 */
+    float y[8] = {1, 2, 3, 1.5f, 1, 1, 1, 1};
+    mq_group_params(&s, 1, y, 8, 1, &p);
+    ASSERT_NEAR(0, p.zero, 0);
+    ASSERT_NEAR(0.2, p.scale, 1e-7);
+    float z[8] = {0};
+    mq_group_params(&s, 1, z, 8, 1, &p);
+    ASSERT_NEAR(0, p.scale, 0);
+    ASSERT_NEAR(0, mq_dequant_value(&s, 1, &p, mq_quant_value(&s, 1, &p, 0.0f)), 0);
+}
+
+/* ---- MSE search ------------------------------------------------------------------------ */
+
+static double sse_of(const mq_qspec *s, float gs, const mq_gparams *p, const float *x, int n) {
+    double e = 0;
+    for (int i = 0; i < n; i++) {
+        double d = (double)x[i] - mq_dequant_value(s, gs, p, mq_quant_value(s, gs, p, x[i]));
+        e += d * d;
+    }
+    return e;
+}
+
+static void check_mse_scheme(mq_qspec s, float gs) {
+    float x[32];
+    for (int trial = 0; trial < 50; trial++) {
+        for (int i = 0; i < 32; i++) x[i] = rnd_uniform(-1, 1) * rnd_uniform(0, 1);
+        x[trial % 32] = 3.0f;   /* an outlier makes shrinking pay */
+        int n = (int)mq_qspec_group(&s, 32);
+        mq_gparams rtn, mse;
+        s.mse = false;
+        mq_group_params(&s, gs, x, n, 1, &rtn);
+        s.mse = true;
+        mq_group_params(&s, gs, x, n, 1, &mse);
+        double e_mse = sse_of(&s, gs, &mse, x, n);
+        ASSERT_TRUE(e_mse <= sse_of(&s, gs, &rtn, x, n));
+        /* brute force: scale every candidate of the grid by hand; none beats the choice */
+        for (int k = 0; k < 17; k++) {
+            float m = 0.70f + (1.10f - 0.70f) * (float)k / 16.0f;
+            mq_gparams c = rtn;
+            if (s.scheme == MQ_QS_NVFP4) {
+                float amax = mq_absmax(x, n);
+                c.scale_code = mq_e4m3_encode(fminf(gs * (amax / 6.0f) * m, 448.0f));
+                c.scale = mq_e4m3_decode(c.scale_code);
+            } else {
+                c.scale = mq_round_to_dtype(mq_absmax(x, n) / s.int4_sym_div * m, s.scale_dtype);
+            }
+            if (sse_of(&s, gs, &c, x, n) < e_mse) FAIL("grid point %d beats the MSE choice", k);
+        }
+    }
+}
+
+static void test_mse_search_picks_grid_minimum(void) {
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    check_mse_scheme(s, mq_nvfp4_global_scale(&s, 3.0f));
+    s = mq_qspec_default(MQ_QS_INT4);
+    s.group_size = 32;
+    check_mse_scheme(s, 1.0f);
+}
+
+/* ---- tensors ----------------------------------------------------------------------------- */
+
+static void test_rtn_tensor_and_dequant(void) {
+    const int R = 37, C = 64;
+    float *w = malloc(sizeof(float) * R * C), *d1 = malloc(sizeof(float) * R * C);
+    float *d2 = malloc(sizeof(float) * R * C);
+    for (int i = 0; i < R * C; i++) w[i] = rnd_uniform(-2, 2);
+    for (int c = 0; c < C; c++) w[5 * C + c] = 0;   /* an all-zero row */
+    mq_qscheme schemes[3] = {MQ_QS_NVFP4, MQ_QS_INT4, MQ_QS_MXFP4};
+    for (int k = 0; k < 3; k++) {
+        mq_qspec s = mq_qspec_default(schemes[k]);
+        if (schemes[k] == MQ_QS_INT4) s.group_size = 32;
+        mq_qtensor q1, q2;
+        moeq_set_threads(1);
+        ASSERT_OK(mq_quantize_rtn(&s, w, R, C, 0, "t", &q1));
+        moeq_set_threads(3);
+        ASSERT_OK(mq_quantize_rtn(&s, w, R, C, 0, "t", &q2));
+        moeq_set_threads(0);
+        ASSERT_TRUE(memcmp(q1.codes, q2.codes, (size_t)R * C) == 0);
+        mq_dequantize(&q1, d1);
+        /* dequant equals the per-value path group by group, and the all-zero row stays 0 */
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) {
+                const mq_gparams *p = &q1.params[r * q1.n_groups + c / q1.group_size];
+                float want = mq_dequant_value(&s, q1.global_scale, p, q1.codes[r * C + c]);
+                if (memcmp(&want, &d1[r * C + c], 4)) FAIL("%d,%d: %g vs %g", r, c, want, d1[r * C + c]);
+            }
+        for (int c = 0; c < C; c++) ASSERT_NEAR(0, d1[5 * C + c], 0);
+        ASSERT_TRUE(mq_test_rel_maxdiff(d1, w, (size_t)R * C) < 0.25);
+        /* g_idx equal to the default mapping changes nothing */
+        q1.g_idx = mq_alloc(sizeof(int32_t) * C, "g_idx");
+        for (int c = 0; c < C; c++) q1.g_idx[c] = (int32_t)(c / q1.group_size);
+        mq_dequantize(&q1, d2);
+        ASSERT_TRUE(memcmp(d1, d2, sizeof(float) * R * C) == 0);
+        mq_qtensor_free(&q1);
+        mq_qtensor_free(&q2);
+    }
+    /* NVFP4 global scale from the tensor amax, and an explicit (fused) one is kept */
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_qtensor q;
+    ASSERT_OK(mq_quantize_rtn(&s, w, R, C, 0, "t", &q));
+    ASSERT_NEAR(2688.0f / mq_absmax(w, R * C), q.global_scale, 0);
+    mq_qtensor_free(&q);
+    ASSERT_OK(mq_quantize_rtn(&s, w, R, C, 100.0f, "t", &q));
+    ASSERT_NEAR(100.0, q.global_scale, 0);
+    mq_qtensor_free(&q);
+    free(w); free(d1); free(d2);
+}
+
+static void test_nan_inf_is_an_error_naming_the_position(void) {
+    float w[4 * 32] = {0};
+    w[2 * 32 + 5] = NAN;
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_qtensor q;
+    ASSERT_STATUS(MOEQ_E_NUMERIC, mq_quantize_rtn(&s, w, 4, 32, 0, "layers.0.q_proj", &q));
+    ASSERT_ERROR_MENTIONS("layers.0.q_proj");
+    ASSERT_ERROR_MENTIONS("row 2, column 5");
+    mq_qtensor_free(&q);
+    w[2 * 32 + 5] = 0;
+    w[3 * 32 + 31] = -INFINITY;
+    s = mq_qspec_default(MQ_QS_INT4);
+    s.group_size = 32;
+    ASSERT_STATUS(MOEQ_E_NUMERIC, mq_quantize_rtn(&s, w, 4, 32, 0, "w", &q));
+    ASSERT_ERROR_MENTIONS("row 3, column 31");
+    mq_qtensor_free(&q);
+}
+
+static void test_spec_checks(void) {
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    ASSERT_STATUS(MOEQ_E_SHAPE, mq_qspec_check(&s, 4, 40, "odd"));
+    ASSERT_ERROR_MENTIONS("odd");
+    s = mq_qspec_default(MQ_QS_INT4);
+    ASSERT_STATUS(MOEQ_E_SHAPE, mq_qspec_check(&s, 4, 192, "g"));
+    s.group_size = -1;
+    ASSERT_OK(mq_qspec_check(&s, 4, 192, "g"));
+    ASSERT_EQ_INT(192, mq_qspec_group(&s, 192));
+    s.group_size = 128;
+    ASSERT_NEAR(4.125, mq_qspec_bits_per_weight(&s, 256, 256), 1e-12);
+    s = mq_qspec_default(MQ_QS_NVFP4);
+    ASSERT_NEAR(4.5 + 32.0 / 65536, mq_qspec_bits_per_weight(&s, 256, 256), 1e-12);
+}
+
+static void test_packing_round_trips(void) {
+    const uint8_t codes[4] = {0x1, 0x2, 0xF, 0x0};
+    uint8_t b[2], back[8];
+    mq_pack_u4_bytes(codes, 4, b);
+    ASSERT_EQ_HEX(0x21, b[0]);
+    ASSERT_EQ_HEX(0x0F, b[1]);
+    mq_unpack_u4_bytes(b, 4, back);
+    ASSERT_TRUE(memcmp(codes, back, 4) == 0);
+    const uint8_t c8[16] = {0, 1, 2, 3, 4, 5, 6, 7, 15, 14, 13, 12, 11, 10, 9, 8};
+    uint32_t words[2];
+    uint8_t back16[16];
+    mq_pack_u4_words(c8, 16, words);
+    ASSERT_EQ_HEX(0x76543210u, words[0]);
+    ASSERT_EQ_HEX(0x89ABCDEFu, words[1]);
+    mq_unpack_u4_words(words, 16, back16);
+    ASSERT_TRUE(memcmp(c8, back16, 16) == 0);
+    uint8_t all[256], pk[128], un[256];
+    for (int i = 0; i < 256; i++) all[i] = (uint8_t)((i * 7 + i / 16) & 15);
+    mq_pack_u4_bytes(all, 256, pk);
+    mq_unpack_u4_bytes(pk, 256, un);
+    ASSERT_TRUE(memcmp(all, un, 256) == 0);
+}
+
+static void test_activation_fake_quant(void) {
+    /* whole-tensor amax 5.25 -> g = 5.25/2688 = 2^-9 exactly.
+     * block 0 (amax 5.25): s = E4M3(0.875 * 512) = 448, step = 0.875
+     * block 1 (amax 0.5): t = 0.5/6*512 = 42.67 -> E4M3 44, step = 44/512 = 0.0859375 */
+    float x[2 * 32];
+    memset(x, 0, sizeof x);
+    x[0] = 5.25f;
+    x[1] = 1.0f;
+    x[2] = -2.0f;
+    x[16] = 0.5f;
+    x[17] = 0.1f;
+    x[18] = -0.2f;
+    x[32] = 3.0f;   /* row 1: amax 3 -> t = 0.5*512 = 256, step = 0.5 */
+    x[33] = 1.3f;
+    mq_nvfp4_act_qdq(x, 2, 32);
+    ASSERT_NEAR(5.25, x[0], 0);
+    ASSERT_NEAR(0.875, x[1], 0);       /* 1.0 * 1.142857 -> e2m1 1.0 */
+    ASSERT_NEAR(-1.75, x[2], 0);       /* -2.2857 -> -2 */
+    ASSERT_NEAR(0.515625, x[16], 0);   /* 5.818 -> 6 */
+    ASSERT_NEAR(0.0859375, x[17], 0);  /* 1.1636 -> 1 */
+    ASSERT_NEAR(-0.171875, x[18], 0);  /* -2.327 -> -2 */
+    ASSERT_NEAR(3.0, x[32], 0);
+    ASSERT_NEAR(1.5, x[33], 0);        /* 2.6 -> 3 */
+    ASSERT_NEAR(0, x[20], 0);
+    float z[16] = {0};
+    mq_nvfp4_act_qdq(z, 1, 16);
+    for (int i = 0; i < 16; i++) ASSERT_NEAR(0, z[i], 0);
+}
+
+TEST_MAIN(T(test_e2m1_bit_vectors), T(test_e4m3_bit_vectors), T(test_e8m0_and_storage_rounding),
+          T(test_nvfp4_ct_group_by_hand), T(test_nvfp4_mul_reference_convention),
+          T(test_int4_sym_by_hand), T(test_int4_asym_by_hand),
+          T(test_mse_search_picks_grid_minimum), T(test_rtn_tensor_and_dequant),
+          T(test_nan_inf_is_an_error_naming_the_position), T(test_spec_checks),
+          T(test_packing_round_trips), T(test_activation_fake_quant))
