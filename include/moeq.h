@@ -166,7 +166,33 @@ moeq_status moeq_session_forward(moeq_session *s, const int32_t *ids, int32_t n,
 /* Evaluation (src/eval)                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 
-/* (eval API goes here) */
+/* Documents to evaluate. Layouts:
+ *  - MOEQ_DOCS_WIKITEXT: a document starts at each " = Title = " line (one '=' on each side, as the
+ *    pages of EleutherAI/wikitext_document_level); each keeps its text byte for byte, so the pages
+ *    partition the file (text before the first title is a document of its own);
+ *  - MOEQ_DOCS_JSONL: one JSON object a line with the document in its "page" field, else "text"
+ *    (blank lines are skipped);
+ *  - MOEQ_DOCS_WHOLE: the whole file is one document.
+ * The input must be valid UTF-8 (error: the file and byte offset) and hold at least one document
+ * (an empty file is an error). */
+typedef struct moeq_docs moeq_docs;
+typedef enum { MOEQ_DOCS_WIKITEXT = 0, MOEQ_DOCS_JSONL = 1, MOEQ_DOCS_WHOLE = 2 } moeq_docs_layout;
+
+moeq_status moeq_docs_load(const char *path, moeq_docs_layout layout, moeq_docs **out);
+/* The same from memory; name is used in error messages. */
+moeq_status moeq_docs_parse(const char *name, const char *data, size_t len, moeq_docs_layout layout,
+                            moeq_docs **out);
+void moeq_docs_free(moeq_docs *d);
+int64_t moeq_docs_count(const moeq_docs *d);
+/* Document i's UTF-8 text (borrowed, NUL-terminated) and its length in bytes; NULL if out of range. */
+const char *moeq_docs_text(const moeq_docs *d, int64_t i, size_t *len);
+
+/* lm-eval's wikitext detokenizer (preprocess_wikitext.wikitext_detokenizer), byte-exact.
+ * *out is malloc'ed and NUL-terminated, owned by the caller. */
+moeq_status moeq_wikitext_detokenize(const char *text, size_t len, char **out, size_t *out_len);
+/* len(re.split(r"\s+", text)) with Python's Unicode whitespace: 1 + the number of maximal
+ * whitespace runs (leading and trailing whitespace each count an empty word). */
+int64_t moeq_count_words(const char *text, size_t len);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Quantization (src/quant, src/formats, src/export)                                          */
