@@ -1,0 +1,45 @@
+/*
+ * Internal helpers of the tokenizer.json reader (public API: moeq_tokenizer_* in moeq.h).
+ *
+ * Supported (everything else fails at load with MOEQ_E_UNSUPPORTED naming the file and field):
+ *  - model: BPE (vocab object; merges as ["a","b"] pairs or "a b" strings; ignore_merges;
+ *    unk_token/fuse_unk/byte_fallback); no dropout, no continuing_subword_prefix/end_of_word_suffix.
+ *  - normalizer: null.
+ *  - pre_tokenizer: ByteLevel (add_prefix_space, use_regex with the GPT-2 split regex), or a
+ *    Sequence of Split pre-tokenizers (Regex or String pattern, behavior Isolated, not inverted)
+ *    ending in ByteLevel (the Llama-3 / Qwen2 / DeepSeek layout).
+ *  - decoder: ByteLevel.
+ *  - added_tokens: matched in the raw text before pre-tokenization, leftmost-longest;
+ *    normalized=false tokens first, then normalized=true ones in the remaining pieces (the same
+ *    text here, as no normalizer is supported); lstrip/rstrip take Unicode White_Space;
+ *    single_word rejects a match touching a word character (\w with PCRE2 Unicode properties,
+ *    which may differ from Rust's \w on rare marks).
+ * Regexes run on PCRE2 (UTF + UCP, JIT when available) where HF uses Oniguruma: \s, \p{L} and
+ * \p{N} agree except that PCRE2's \s also takes U+180E.
+ * Decoding follows HF's ByteLevel decoder: a token whose characters all belong to the byte
+ * alphabet becomes those bytes, any other token (e.g. an added token with a space) its raw UTF-8.
+ * A loaded tokenizer is immutable; encode/decode may run on several threads at once.
+ */
+#ifndef MOEQ_IO_TOKENIZER_H
+#define MOEQ_IO_TOKENIZER_H
+
+#include "core/core.h"
+
+/* Id of a token string (added tokens first, then the model vocabulary, as HF token_to_id);
+ * -1 if unknown. */
+int32_t mq_tokenizer_token_to_id(const moeq_tokenizer *tok, const char *s, size_t len);
+
+/* The bytes one id decodes to (borrowed, not NUL-terminated; may be part of a UTF-8 character).
+ * NULL for an id outside the vocabulary. Streaming output concatenates these. */
+const char *mq_tokenizer_token_bytes(const moeq_tokenizer *tok, int32_t id, size_t *len);
+
+/* Like moeq_tokenizer_decode but returns the raw bytes (no U+FFFD replacement of invalid UTF-8).
+ * *out is malloc'ed and NUL-terminated. */
+moeq_status mq_tokenizer_decode_bytes(const moeq_tokenizer *tok, const int32_t *ids, size_t n_ids,
+                                      char **out, size_t *len);
+
+/* Byte offset of the first invalid UTF-8 sequence in s[0..n), or n when s is valid (strict: no
+ * overlong forms, surrogates or code points above U+10FFFF). */
+size_t mq_utf8_check(const char *s, size_t n);
+
+#endif
