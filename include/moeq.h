@@ -109,17 +109,27 @@ size_t moeq_dtype_size(moeq_dtype dt);          /* bytes per element */
 /* ------------------------------------------------------------------------------------------ */
 typedef struct moeq_tokenizer moeq_tokenizer;
 
+/* Loads tokenizer.json (byte-level BPE as GPT-2/OLMo/Llama-3 use it; src/io/tokenizer.h lists
+ * what is supported). Other model, normalizer, pre-tokenizer or decoder types give
+ * MOEQ_E_UNSUPPORTED naming the file and the field. A loaded tokenizer is immutable: encode and
+ * decode may be called from several threads at once. */
 moeq_status moeq_tokenizer_load(const char *tokenizer_json_path, moeq_tokenizer **out);
 void moeq_tokenizer_free(moeq_tokenizer *tok);
 int32_t moeq_tokenizer_vocab_size(const moeq_tokenizer *tok);
-/* Special ids from tokenizer_config.json / config.json; -1 when absent. */
+/* Special ids from tokenizer_config.json (bos_token/eos_token, a string or {"content": ...})
+ * next to tokenizer.json, else config.json's bos_token_id/eos_token_id (the first of a list);
+ * -1 when absent. */
 int32_t moeq_tokenizer_bos(const moeq_tokenizer *tok);
 int32_t moeq_tokenizer_eos(const moeq_tokenizer *tok);
-/* Encode UTF-8 text (no special tokens added; special tokens inside the text are matched).
- * *ids is malloc'ed, owned by the caller. */
+/* Encode UTF-8 text (no special tokens added; special tokens inside the text are matched), id for
+ * id as HF tokenizers' encode(text, add_special_tokens=False). *ids is malloc'ed, owned by the
+ * caller (non-NULL even when *n_ids is 0). Text that is not valid UTF-8 gives MOEQ_E_FORMAT with
+ * a message "... at byte offset N ..." (N: the first bad byte). */
 moeq_status moeq_tokenizer_encode(const moeq_tokenizer *tok, const char *text, size_t len,
                                   int32_t **ids, size_t *n_ids);
-/* Decode ids to UTF-8 (malloc'ed, NUL-terminated, owned by the caller). */
+/* Decode ids to UTF-8 (malloc'ed, NUL-terminated, owned by the caller), keeping special tokens.
+ * Bytes that do not form valid UTF-8 (a character cut between ids) become U+FFFD, as HF's decode
+ * does. An id outside the vocabulary gives MOEQ_E_ARG. */
 moeq_status moeq_tokenizer_decode(const moeq_tokenizer *tok, const int32_t *ids, size_t n_ids,
                                   char **text, size_t *len);
 /* The token's string as stored in the vocabulary (byte-level alphabet); NULL if out of range. */

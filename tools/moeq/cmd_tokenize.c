@@ -1,12 +1,109 @@
-/* moeq tokenize (not implemented yet). */
-#include <stdio.h>
+/*
+ * moeq tokenize MODEL_DIR (--text T | --file F) [--json]: encodes text with the model's
+ * tokenizer.json (only the tokenizer is loaded, never the weights). With --json stdout is exactly
+ * one JSON array of ids; otherwise one line per token: id, vocabulary string, decoded bytes.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "commands.h"
+#include "core/core.h"
+#include "io/tokenizer.h"
+
+/* MODEL_DIR/tokenizer.json, or the argument itself when it names a file. */
+static char *tokenizer_path(const char *arg) {
+    struct stat st;
+    if (stat(arg, &st) == 0 && S_ISREG(st.st_mode)) return mq_strdup(arg);
+    return mq_path_join(arg, "tokenizer.json");
+}
+
+/* Prints bytes quoted, escaping control bytes and bytes that are not whole UTF-8 characters
+ * (a token may hold part of a character). */
+static void print_quoted(FILE *f, const char *b, size_t n) {
+    fputc('"', f);
+    for (size_t i = 0; i < n;) {
+        uint8_t c = (uint8_t)b[i];
+        size_t k = c < 0x80 ? 1 : c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : 2;
+        if (c >= 0x80 && k <= n - i && mq_utf8_check(b + i, k) == k) {
+            fwrite(b + i, 1, k, f);
+            i += k;
+            continue;
+        }
+        switch (c) {
+        case '\n': fputs("\\n", f); break;
+        case '\t': fputs("\\t", f); break;
+        case '\r': fputs("\\r", f); break;
+        case '"': fputs("\\\"", f); break;
+        case '\\': fputs("\\\\", f); break;
+        default:
+            if (c < 0x20 || c >= 0x7f)
+                fprintf(f, "\\x%02x", c);
+            else
+                fputc(c, f);
+        }
+        i++;
+    }
+    fputc('"', f);
+}
 
 int cmd_tokenize(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "moeq tokenize: not implemented yet\n");
-    return CLI_FAIL;
+    const char *text = NULL, *file = NULL;
+    bool json = false;
+    const cli_opt opts[] = {
+        {"--text", OPT_STRING, &text, "T", "the text to encode", NULL, 0, 0, NULL},
+        {"--file", OPT_STRING, &file, "F", "encode this UTF-8 file instead", NULL, 0, 0, NULL},
+        {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON array of ids on stdout", NULL, 0, 0,
+         NULL},
+    };
+    const cli_command cmd = {
+        "tokenize", "MODEL_DIR (--text T | --file F) [--json]",
+        "Encodes text with MODEL_DIR/tokenizer.json (MODEL_DIR may also be the tokenizer.json file)\n"
+        "as Hugging Face tokenizers does with add_special_tokens=False: special tokens written in\n"
+        "the text are matched, none are added.",
+        opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
+    const char *pos[1];
+    int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
+    if (rc >= 0) return rc;
+    if (!text == !file) return cli_usage_error("tokenize", "give exactly one of --text and --file");
+
+    char *path = tokenizer_path(pos[0]);
+    if (!path) return cli_fail("tokenize", MOEQ_E_NOMEM);
+    moeq_tokenizer *tok = NULL;
+    char *buf = NULL;
+    int32_t *ids = NULL;
+    size_t len = text ? strlen(text) : 0, n = 0;
+    moeq_status st = moeq_tokenizer_load(path, &tok);
+    if (st == MOEQ_OK && file) st = mq_read_file(file, &buf, &len);
+    if (st == MOEQ_OK) st = moeq_tokenizer_encode(tok, file ? buf : text, len, &ids, &n);
+    if (st != MOEQ_OK && file && buf) mq_err_prefix(st, "%s", file);
+    if (st == MOEQ_OK) {
+        if (json) {
+            putchar('[');
+            for (size_t i = 0; i < n; i++) printf(i ? ",%d" : "%d", ids[i]);
+            puts("]");
+        } else {
+            printf("%8s  %-24s %s\n", "id", "token", "bytes");
+            for (size_t i = 0; i < n; i++) {
+                size_t blen = 0;
+                const char *bytes = mq_tokenizer_token_bytes(tok, ids[i], &blen);
+                const char *name = moeq_tokenizer_token(tok, ids[i]);
+                printf("%8d  ", ids[i]);
+                print_quoted(stdout, name, strlen(name));
+                int width = 0;   /* characters, not bytes */
+                for (const char *c = name; *c; c++) width += ((uint8_t)*c & 0xc0) != 0x80;
+                int pad = 22 - width;
+                printf("%*s ", pad > 0 ? pad : 0, "");
+                print_quoted(stdout, bytes, blen);
+                putchar('\n');
+            }
+            fprintf(stderr, "%zu tokens from %zu bytes\n", n, len);
+        }
+    }
+    free(ids);
+    free(buf);
+    free(path);
+    moeq_tokenizer_free(tok);
+    return st == MOEQ_OK ? CLI_OK : cli_fail("tokenize", st);
 }
