@@ -38,20 +38,39 @@ typedef struct {
     bool norm_topk_prob;         /* renormalise the top-k routing weights */
     int32_t shared_ffn;          /* 0: no shared expert */
     bool shared_gate;            /* sigmoid(shared_expert_gate(x)) scales the shared expert */
-    bool qkv_bias;
+    bool qkv_bias;               /* q/k/v_proj have a bias */
+    bool o_bias;                 /* o_proj has a bias (llama/olmoe/qwen3 attention_bias) */
+    bool mlp_bias;               /* dense gate/up/down have a bias (llama mlp_bias) */
     mq_qknorm qk_norm;
+    float clip_qkv;              /* olmoe: clamp q/k/v to [-c, c] after the norms; 0 = off */
     float rms_eps;
     double rope_theta;
     int32_t max_pos;
+    int32_t sliding_window;      /* window of the layers marked in layer_sliding (0: none) */
     bool tie_embeddings;
-    int32_t bos, eos, pad;       /* -1 when absent */
+    int32_t bos, eos, pad;       /* -1 when absent; eos is the first of eos_ids */
+    int32_t n_eos, eos_ids[8];   /* every id that ends generation (eos_token_id may be a list) */
     uint8_t *layer_is_moe;       /* [n_layers] */
+    uint8_t *layer_sliding;      /* [n_layers]: 1 = sliding-window attention */
+    char *quant_method;          /* quantization_config.quant_method, or NULL */
+    char *quant_format;          /* quantization_config.format, or NULL */
 } mq_config;
 
 /* Parses config.json text. Unknown model_type, missing or inconsistent fields: MOEQ_E_FORMAT or
  * MOEQ_E_UNSUPPORTED with a message naming the file and field(s). */
 moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_config *out);
+/* Reads and parses MODEL_DIR/config.json (a missing directory or file is MOEQ_E_NOTFOUND). */
+moeq_status mq_config_load(const char *dir, mq_config *out);
 void mq_config_free(mq_config *c);
+/* Supported model_type values, for messages: "llama, olmoe, qwen2_moe, qwen3_moe, mixtral". */
+const char *mq_supported_model_types(void);
+/* Parameter counts implied by the config (what an unquantized checkpoint holds; tied embeddings
+ * counted once). active: what one token uses, i.e. the total less the routed experts outside the
+ * top_k (embeddings and lm_head included, as model cards count them). */
+void mq_config_param_counts(const mq_config *c, int64_t *total, int64_t *active);
+/* FLOPs of one forward of T new tokens after pos cached ones: 2 * (every Linear's in*out that the
+ * tokens use, lm_head included, embedding lookup excluded) + causal attention (QK^T and PV). */
+double mq_config_forward_flops(const mq_config *c, int64_t T, int64_t pos);
 
 /* A linear layer y = x W^T + b. The weight is fp32 [out, in] (bf16 upcast on load, or a
  * dequantized checkpoint), or kept packed for the quantized kernels (qw != NULL, w == NULL). */

@@ -1,0 +1,435 @@
+/*
+ * config.json -> mq_config for the supported families. Field names and defaults follow the
+ * transformers 5.x configuration classes (LlamaConfig, OlmoeConfig, Qwen2MoeConfig,
+ * Qwen3MoeConfig, MixtralConfig). A null value counts as absent. Every problem found is collected
+ * and reported in one message.
+ */
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model_internal.h"
+
+static const struct {
+    const char *name;
+    mq_arch arch;
+} g_types[] = {
+    {"llama", MQ_ARCH_LLAMA},         {"olmoe", MQ_ARCH_OLMOE},     {"qwen2_moe", MQ_ARCH_QWEN2_MOE},
+    {"qwen3_moe", MQ_ARCH_QWEN3_MOE}, {"mixtral", MQ_ARCH_MIXTRAL},
+};
+
+const char *mq_supported_model_types(void) { return "llama, olmoe, qwen2_moe, qwen3_moe, mixtral"; }
+
+/* ---- typed field access ------------------------------------------------------------------ */
+typedef struct {
+    const cJSON *root;
+    mq_problems *p;
+} fields;
+
+static const cJSON *field(const fields *f, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(f->root, key);
+    return v && !cJSON_IsNull(v) ? v : NULL;
+}
+
+/* Integer field; absent: def if !required, else a problem. */
+static int32_t get_int(const fields *f, const char *key, bool required, int32_t def) {
+    const cJSON *v = field(f, key);
+    if (!v) {
+        if (required) mq_problems_add(f->p, "missing field '%s'", key);
+        return def;
+    }
+    double d = v->valuedouble;
+    if (!cJSON_IsNumber(v) || d != floor(d) || d < -2147483648.0 || d > 2147483647.0) {
+        mq_problems_add(f->p, "field '%s' must be an integer", key);
+        return def;
+    }
+    return (int32_t)d;
+}
+
+static double get_num(const fields *f, const char *key, double def) {
+    const cJSON *v = field(f, key);
+    if (!v) return def;
+    if (!cJSON_IsNumber(v)) {
+        mq_problems_add(f->p, "field '%s' must be a number", key);
+        return def;
+    }
+    return v->valuedouble;
+}
+
+static bool get_bool(const fields *f, const char *key, bool def) {
+    const cJSON *v = field(f, key);
+    if (!v) return def;
+    if (!cJSON_IsBool(v)) {
+        mq_problems_add(f->p, "field '%s' must be true or false", key);
+        return def;
+    }
+    return cJSON_IsTrue(v);
+}
+
+static const char *get_str(const fields *f, const char *key) {
+    const cJSON *v = field(f, key);
+    if (!v) return NULL;
+    if (!cJSON_IsString(v)) {
+        mq_problems_add(f->p, "field '%s' must be a string", key);
+        return NULL;
+    }
+    return v->valuestring;
+}
+
+static void require_positive(mq_problems *p, const char *key, int32_t v) {
+    if (v <= 0) mq_problems_add(p, "field '%s' must be positive (got %d)", key, v);
+}
+
+/* ---- pieces ------------------------------------------------------------------------------ */
+/* RoPE: rope_parameters (transformers 5) or rope_scaling (4.x) and top-level rope_theta; only
+ * the default (unscaled) rotation is implemented. */
+static void parse_rope(const fields *f, double def_theta, mq_config *c) {
+    c->rope_theta = get_num(f, "rope_theta", def_theta);
+    const char *src = "rope_parameters";
+    const cJSON *rp = field(f, src);
+    if (!rp) rp = field(f, src = "rope_scaling");
+    if (rp && !cJSON_IsObject(rp)) {
+        mq_problems_add(f->p, "field '%s' must be an object", src);
+        rp = NULL;
+    }
+    if (rp) {
+        fields sub = {rp, f->p};
+        c->rope_theta = get_num(&sub, "rope_theta", c->rope_theta);
+        const char *type = get_str(&sub, "rope_type");
+        if (!type) type = get_str(&sub, "type");
+        if (type && strcmp(type, "default") != 0)
+            mq_problems_add(f->p, "%s.rope_type '%s' is not supported (only 'default' RoPE is)",
+                            src, type);
+        double prf = get_num(&sub, "partial_rotary_factor", 1.0);
+        if (prf != 1.0)
+            mq_problems_add(f->p, "%s.partial_rotary_factor %g is not supported (only 1)", src, prf);
+    }
+    double prf = get_num(f, "partial_rotary_factor", 1.0);
+    if (prf != 1.0) mq_problems_add(f->p, "partial_rotary_factor %g is not supported (only 1)", prf);
+    if (!(c->rope_theta > 0)) mq_problems_add(f->p, "rope_theta must be positive");
+}
+
+/* eos_token_id: an integer or a list of integers. */
+static void parse_eos(const fields *f, mq_config *c) {
+    c->n_eos = 0;
+    const cJSON *v = field(f, "eos_token_id");
+    if (v && cJSON_IsArray(v)) {
+        const cJSON *e;
+        cJSON_ArrayForEach(e, v) {
+            if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble)) {
+                mq_problems_add(f->p, "field 'eos_token_id' must hold integers");
+                break;
+            }
+            if (c->n_eos < 8) c->eos_ids[c->n_eos++] = (int32_t)e->valuedouble;
+        }
+    } else {
+        int32_t id = get_int(f, "eos_token_id", false, -1);
+        if (id >= 0) c->eos_ids[c->n_eos++] = id;
+    }
+    c->eos = c->n_eos > 0 ? c->eos_ids[0] : -1;
+    c->bos = get_int(f, "bos_token_id", false, -1);
+    c->pad = get_int(f, "pad_token_id", false, -1);
+}
+
+/* qwen2_moe / qwen3_moe: which layers are sparse, which use sliding-window attention. */
+static void parse_qwen_layers(const fields *f, mq_config *c) {
+    int32_t step = get_int(f, "decoder_sparse_step", false, 1);
+    if (step <= 0) mq_problems_add(f->p, "field 'decoder_sparse_step' must be positive");
+    const cJSON *only = field(f, "mlp_only_layers");
+    for (int i = 0; i < c->n_layers; i++)
+        c->layer_is_moe[i] = c->n_experts > 0 && step > 0 && (i + 1) % step == 0;
+    if (only) {
+        const cJSON *e;
+        if (!cJSON_IsArray(only)) mq_problems_add(f->p, "field 'mlp_only_layers' must be a list");
+        else
+            cJSON_ArrayForEach(e, only) {
+                double d = e->valuedouble;
+                if (!cJSON_IsNumber(e) || d != floor(d) || d < 0 || d >= c->n_layers) {
+                    mq_problems_add(f->p, "mlp_only_layers: %s is not a layer index (0..%d)",
+                                    cJSON_IsNumber(e) ? "value" : "entry", c->n_layers - 1);
+                    break;
+                }
+                c->layer_is_moe[(int)d] = 0;
+            }
+    }
+    bool use_sw = get_bool(f, "use_sliding_window", false);
+    int32_t window = get_int(f, "sliding_window", false, 0);
+    int32_t max_window_layers = get_int(f, "max_window_layers", false, c->n_layers);
+    const cJSON *types = field(f, "layer_types");
+    if (types) {
+        if (!cJSON_IsArray(types) || cJSON_GetArraySize(types) != c->n_layers) {
+            mq_problems_add(f->p, "field 'layer_types' must list num_hidden_layers = %d entries",
+                            c->n_layers);
+            return;
+        }
+        int i = 0;
+        const cJSON *e;
+        cJSON_ArrayForEach(e, types) {
+            const char *t = cJSON_IsString(e) ? e->valuestring : "";
+            if (!strcmp(t, "sliding_attention")) c->layer_sliding[i] = 1;
+            else if (strcmp(t, "full_attention") != 0)
+                mq_problems_add(f->p, "layer_types[%d] '%s' is not supported", i, t);
+            i++;
+        }
+    } else if (use_sw) {
+        for (int i = max_window_layers; i < c->n_layers; i++) c->layer_sliding[i] = 1;
+    }
+    bool any = false;
+    for (int i = 0; i < c->n_layers; i++) any |= c->layer_sliding[i] != 0;
+    if (any) {
+        if (window <= 0) mq_problems_add(f->p, "sliding-window layers need a positive 'sliding_window'");
+        c->sliding_window = window;
+    }
+}
+
+static void fill_all(uint8_t *v, int n, uint8_t x) {
+    for (int i = 0; i < n; i++) v[i] = x;
+}
+
+moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_config *out) {
+    memset(out, 0, sizeof *out);
+    cJSON *root = cJSON_ParseWithLength(json, len);
+    if (!root || !cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return mq_err(MOEQ_E_FORMAT, "%s: not a JSON object", path);
+    }
+    mq_problems probs;
+    mq_problems_init(&probs);
+    fields f = {root, &probs};
+    mq_config *c = out;
+    moeq_status st = MOEQ_OK;
+
+    const char *type = get_str(&f, "model_type");
+    if (!type) {
+        st = mq_err(MOEQ_E_FORMAT, "%s: missing field 'model_type' (supported: %s)", path,
+                    mq_supported_model_types());
+        goto done;
+    }
+    bool known = false;
+    for (size_t i = 0; i < sizeof g_types / sizeof g_types[0]; i++)
+        if (!strcmp(type, g_types[i].name)) {
+            c->arch = g_types[i].arch;
+            known = true;
+        }
+    if (!known) {
+        st = mq_err(MOEQ_E_UNSUPPORTED, "%s: model_type '%s' is not supported (supported: %s)",
+                    path, type, mq_supported_model_types());
+        goto done;
+    }
+    snprintf(c->model_type, sizeof c->model_type, "%s", type);
+
+    c->vocab = get_int(&f, "vocab_size", true, 0);
+    c->D = get_int(&f, "hidden_size", true, 0);
+    c->n_layers = get_int(&f, "num_hidden_layers", true, 0);
+    c->n_heads = get_int(&f, "num_attention_heads", true, 0);
+    c->n_kv_heads = get_int(&f, "num_key_value_heads", false, c->n_heads);
+    require_positive(&probs, "vocab_size", c->vocab);
+    require_positive(&probs, "hidden_size", c->D);
+    require_positive(&probs, "num_hidden_layers", c->n_layers);
+    require_positive(&probs, "num_attention_heads", c->n_heads);
+    require_positive(&probs, "num_key_value_heads", c->n_kv_heads);
+    if (c->n_heads > 0 && c->n_kv_heads > 0 && c->n_heads % c->n_kv_heads != 0)
+        mq_problems_add(&probs, "num_attention_heads %d is not a multiple of num_key_value_heads %d",
+                        c->n_heads, c->n_kv_heads);
+    int32_t def_hd = 0;
+    if (c->n_heads > 0 && c->D > 0) {
+        def_hd = c->D / c->n_heads;
+        if (!field(&f, "head_dim") && c->D % c->n_heads != 0)
+            mq_problems_add(&probs, "hidden_size %d is not a multiple of num_attention_heads %d "
+                            "and head_dim is not given", c->D, c->n_heads);
+    }
+    c->head_dim = get_int(&f, "head_dim", false, def_hd);
+    if (c->head_dim <= 0 || c->head_dim % 2 != 0)
+        mq_problems_add(&probs, "head_dim must be a positive even number (got %d)", c->head_dim);
+
+    const char *act = get_str(&f, "hidden_act");
+    if (act && strcmp(act, "silu") != 0)
+        mq_problems_add(&probs, "hidden_act '%s' is not supported (only silu)", act);
+    c->tie_embeddings = get_bool(&f, "tie_word_embeddings", false);
+    parse_eos(&f, c);
+
+    /* Defaults of each transformers config class. */
+    double def_eps = 1e-6, def_theta = 10000.0;
+    int32_t def_max_pos = 2048;
+    switch (c->arch) {
+    case MQ_ARCH_OLMOE: def_eps = 1e-5; def_max_pos = 4096; break;
+    case MQ_ARCH_MIXTRAL: def_eps = 1e-5; def_theta = 1e6; def_max_pos = 4096 * 32; break;
+    case MQ_ARCH_QWEN2_MOE:
+    case MQ_ARCH_QWEN3_MOE: def_max_pos = 32768; break;
+    case MQ_ARCH_LLAMA: break;
+    }
+    c->rms_eps = (float)get_num(&f, "rms_norm_eps", def_eps);
+    if (!(c->rms_eps > 0)) mq_problems_add(&probs, "rms_norm_eps must be positive");
+    c->max_pos = get_int(&f, "max_position_embeddings", false, def_max_pos);
+    require_positive(&probs, "max_position_embeddings", c->max_pos);
+    parse_rope(&f, def_theta, c);
+
+    if (c->n_layers > 0 && c->n_layers <= 1 << 20) {
+        c->layer_is_moe = calloc((size_t)c->n_layers, 1);
+        c->layer_sliding = calloc((size_t)c->n_layers, 1);
+        if (!c->layer_is_moe || !c->layer_sliding) {
+            st = mq_err(MOEQ_E_NOMEM, "%s: out of memory", path);
+            goto done;
+        }
+    } else if (c->n_layers > 1 << 20) {
+        mq_problems_add(&probs, "num_hidden_layers %d is implausible", c->n_layers);
+    }
+    bool have_layers = c->layer_is_moe != NULL;
+
+    switch (c->arch) {
+    case MQ_ARCH_LLAMA:
+        c->ffn = get_int(&f, "intermediate_size", true, 0);
+        require_positive(&probs, "intermediate_size", c->ffn);
+        c->qkv_bias = c->o_bias = get_bool(&f, "attention_bias", false);
+        c->mlp_bias = get_bool(&f, "mlp_bias", false);
+        break;
+    case MQ_ARCH_OLMOE:
+        c->n_experts = get_int(&f, "num_experts", true, 0);
+        c->top_k = get_int(&f, "num_experts_per_tok", true, 0);
+        c->moe_ffn = get_int(&f, "intermediate_size", true, 0);
+        c->norm_topk_prob = get_bool(&f, "norm_topk_prob", false);
+        c->qkv_bias = c->o_bias = get_bool(&f, "attention_bias", false);
+        c->qk_norm = MQ_QKNORM_FULL;
+        c->clip_qkv = (float)get_num(&f, "clip_qkv", 0.0);
+        if (c->clip_qkv < 0) mq_problems_add(&probs, "clip_qkv must not be negative");
+        if (have_layers) fill_all(c->layer_is_moe, c->n_layers, 1);
+        break;
+    case MQ_ARCH_MIXTRAL: {
+        c->n_experts = get_int(&f, "num_local_experts", true, 0);
+        c->top_k = get_int(&f, "num_experts_per_tok", true, 0);
+        c->moe_ffn = get_int(&f, "intermediate_size", true, 0);
+        c->norm_topk_prob = true;   /* MixtralSparseMoeBlock always renormalises */
+        c->sliding_window = get_int(&f, "sliding_window", false, 0);
+        if (c->sliding_window < 0) mq_problems_add(&probs, "sliding_window must not be negative");
+        if (have_layers) {
+            fill_all(c->layer_is_moe, c->n_layers, 1);
+            fill_all(c->layer_sliding, c->n_layers, c->sliding_window > 0);
+        }
+        break;
+    }
+    case MQ_ARCH_QWEN2_MOE:
+    case MQ_ARCH_QWEN3_MOE:
+        c->n_experts = get_int(&f, "num_experts", true, 0);
+        c->top_k = get_int(&f, "num_experts_per_tok", true, 0);
+        c->moe_ffn = get_int(&f, "moe_intermediate_size", true, 0);
+        c->ffn = get_int(&f, "intermediate_size", false, 0);
+        c->norm_topk_prob = get_bool(&f, "norm_topk_prob", false);
+        if (c->arch == MQ_ARCH_QWEN2_MOE) {
+            c->shared_ffn = get_int(&f, "shared_expert_intermediate_size", true, 0);
+            require_positive(&probs, "shared_expert_intermediate_size", c->shared_ffn);
+            c->shared_gate = true;
+            c->qkv_bias = get_bool(&f, "qkv_bias", true);
+        } else {
+            c->qkv_bias = c->o_bias = get_bool(&f, "attention_bias", false);
+            c->qk_norm = MQ_QKNORM_HEAD;
+        }
+        if (have_layers) {
+            parse_qwen_layers(&f, c);
+            bool any_dense = false;
+            for (int i = 0; i < c->n_layers; i++) any_dense |= !c->layer_is_moe[i];
+            if (any_dense && c->ffn <= 0)
+                mq_problems_add(&probs, "dense layers (mlp_only_layers / decoder_sparse_step) need "
+                                "a positive 'intermediate_size'");
+        }
+        break;
+    }
+    if (c->arch != MQ_ARCH_LLAMA) {
+        require_positive(&probs, c->arch == MQ_ARCH_MIXTRAL ? "num_local_experts" : "num_experts",
+                         c->n_experts);
+        require_positive(&probs, "num_experts_per_tok", c->top_k);
+        require_positive(&probs, c->arch == MQ_ARCH_QWEN2_MOE || c->arch == MQ_ARCH_QWEN3_MOE
+                                     ? "moe_intermediate_size" : "intermediate_size",
+                         c->moe_ffn);
+        if (c->top_k > 64)
+            mq_problems_add(&probs, "num_experts_per_tok %d is not supported (at most 64)", c->top_k);
+        if (c->top_k > c->n_experts && c->n_experts > 0)
+            mq_problems_add(&probs, "num_experts_per_tok %d exceeds the number of experts %d",
+                            c->top_k, c->n_experts);
+    }
+
+    const cJSON *q = field(&f, "quantization_config");
+    if (q && cJSON_IsObject(q)) {
+        fields qf = {q, &probs};
+        const char *m = get_str(&qf, "quant_method");
+        const char *fmt = get_str(&qf, "format");
+        c->quant_method = mq_strdup(m ? m : "unknown");
+        c->quant_format = fmt ? mq_strdup(fmt) : NULL;
+    }
+
+    if (probs.n > 0) st = mq_problems_error(&probs, MOEQ_E_FORMAT, "%s", path);
+
+done:
+    mq_problems_free(&probs);
+    cJSON_Delete(root);
+    if (st != MOEQ_OK) mq_config_free(out);
+    return st;
+}
+
+void mq_config_free(mq_config *c) {
+    if (!c) return;
+    free(c->layer_is_moe);
+    free(c->layer_sliding);
+    free(c->quant_method);
+    free(c->quant_format);
+    c->layer_is_moe = c->layer_sliding = NULL;
+    c->quant_method = c->quant_format = NULL;
+}
+
+/* ---- derived figures ------------------------------------------------------------------- */
+typedef struct {
+    int64_t attn, dense, router, expert, shared;   /* Linear weights (in*out), per layer */
+    int64_t other;                                 /* norms and biases of one layer */
+} layer_params;
+
+static layer_params count_layer(const mq_config *c, int layer) {
+    int64_t D = c->D, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
+    layer_params p = {0};
+    p.attn = D * q + 2 * D * kv + q * D;
+    p.other = 2 * D;
+    if (c->qkv_bias) p.other += q + 2 * kv;
+    if (c->o_bias) p.other += D;
+    if (c->qk_norm == MQ_QKNORM_FULL) p.other += q + kv;
+    if (c->qk_norm == MQ_QKNORM_HEAD) p.other += 2 * (int64_t)c->head_dim;
+    if (c->layer_is_moe && c->layer_is_moe[layer]) {
+        p.router = (int64_t)c->n_experts * D;
+        p.expert = 3 * D * c->moe_ffn;
+        if (c->shared_ffn > 0) p.shared = 3 * D * c->shared_ffn + (c->shared_gate ? D : 0);
+    } else {
+        p.dense = 3 * D * c->ffn;
+        if (c->mlp_bias) p.other += 2 * (int64_t)c->ffn + D;
+    }
+    return p;
+}
+
+void mq_config_param_counts(const mq_config *c, int64_t *total, int64_t *active) {
+    int64_t VD = (int64_t)c->vocab * c->D;
+    int64_t t = VD + c->D + (c->tie_embeddings ? 0 : VD);
+    int64_t a = t;   /* embeddings counted whole, as model cards do */
+    for (int l = 0; l < c->n_layers; l++) {
+        layer_params p = count_layer(c, l);
+        int64_t common = p.attn + p.dense + p.router + p.shared + p.other;
+        t += common + p.expert * c->n_experts;
+        a += common + p.expert * c->top_k;
+    }
+    if (total) *total = t;
+    if (active) *active = a;
+}
+
+double mq_config_forward_flops(const mq_config *c, int64_t T, int64_t pos) {
+    double per_token = (double)c->vocab * c->D;   /* lm_head */
+    double attn = 0;
+    /* Keys seen by the T new tokens together: sum over i of (pos + i + 1), capped by a window. */
+    for (int l = 0; l < c->n_layers; l++) {
+        layer_params p = count_layer(c, l);
+        per_token += (double)(p.attn + p.dense + p.router + p.shared + p.expert * c->top_k);
+        double keys = 0;
+        int64_t w = c->layer_sliding && c->layer_sliding[l] ? c->sliding_window : 0;
+        for (int64_t i = 0; i < T; i++) {
+            int64_t k = pos + i + 1;
+            keys += (double)(w > 0 && k > w ? w : k);
+        }
+        attn += 4.0 * keys * c->head_dim * c->n_heads;   /* QK^T and PV, 2 flops per MAC */
+    }
+    return 2.0 * per_token * (double)T + attn;
+}

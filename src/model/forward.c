@@ -1,0 +1,574 @@
+/*
+ * The fp32 reference forward pass, following transformers 5.x (LlamaDecoderLayer and the
+ * Olmoe/Qwen2Moe/Qwen3Moe/Mixtral variants):
+ *   x += o_proj(attention(rope(qk_norm(q_proj(n1(x)))), rope(qk_norm(k_proj(n1(x)))), v_proj(n1(x))))
+ *   x += mlp(n2(x))  or  moe(n2(x))
+ * RMSNorm: w * (x * rsqrt(mean(x^2) + eps)). RoPE uses the rotate_half convention with
+ * inv_freq = 1 / theta^(2i/hd) computed in fp32. Attention: causal (optionally sliding window),
+ * softmax in fp32 after max subtraction, scale 1/sqrt(hd). MoE: fp32 router, softmax over all
+ * experts, top-k (ties to the lower index), optional renormalisation; each routed expert's output
+ * is scaled by its weight and the contributions are summed in increasing expert order, as
+ * transformers' index_add_ loop does; the qwen2_moe shared expert is scaled by
+ * sigmoid(shared_expert_gate(x)) and added last.
+ *
+ * Threads: Linear layers through mq_gemm_nt (fixed tiles); attention split into (head, query
+ * block) tasks and the routed experts into (expert, row block) tasks, so every value is computed
+ * by the same operations whatever the thread count.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model_internal.h"
+
+enum {
+    ATT_QB = 64,     /* query rows per attention task */
+    MOE_ROWS = 64,   /* routed rows per expert task */
+};
+
+struct mq_state {
+    const moeq_model *m;
+    int32_t max_tokens;
+    int64_t kv_dim;              /* n_kv_heads * head_dim */
+    float **kc, **vc;            /* [n_layers] -> [max_tokens, kv_dim] */
+    int64_t *filled;             /* [n_layers]: positions present in the cache */
+    float *rope_cos, *rope_sin;  /* [max_tokens, head_dim / 2] */
+
+    int64_t cap;                 /* rows the scratch below holds */
+    float *xn, *q, *k, *v, *att, *tmp, *g, *u;
+    float *rlog, *rw;            /* router probabilities [cap, E], top-k weights [cap, K] */
+    int32_t *rsel;               /* top-k experts [cap, K] */
+    int32_t *cnt, *start;        /* [E], [E + 1] */
+    int32_t *slot_tok;           /* [cap * K]: token of each expert-major slot */
+    int32_t *tok_slot;           /* [cap, K]: slot of each (token, k) */
+    float *xg, *hg, *hu, *yg;    /* expert-major slots [cap * K, D or F] */
+    float *sgate;                /* [cap] shared expert gate logits */
+    int64_t *tasks;              /* MoE tasks: expert << 32 | row block */
+    int64_t n_tasks_cap;
+
+    int n_thr;                   /* per-thread attention scratch */
+    float *scores;               /* [n_thr, ATT_QB * max_tokens] */
+};
+
+/* ---- small kernels ------------------------------------------------------------------------- */
+/* Row-wise RMSNorm of x[rows, n] into out (may alias x). The mean of squares is accumulated in
+ * double and rounded, then everything is fp32 as in LlamaRMSNorm. */
+static void rmsnorm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        double ss = 0;
+        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        float var = (float)(ss / (double)n);
+        float inv = 1.0f / sqrtf(var + eps);
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* g = silu(g) * u over n values. */
+static void swiglu(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = silu(g[i]) * u[i];
+}
+
+void mq_linear_forward(const mq_linear *l, const float *x, int64_t T, float *y) {
+    MQ_ASSERT(l->w != NULL);   /* packed weights are run by the quantized-kernel module */
+    mq_gemm_nt(T, l->out, l->in, 1.0f, x, l->in, l->w, l->in, 0.0f, y, l->out);
+    if (l->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t o = 0; o < l->out; o++) y[t * l->out + o] += l->bias[o];
+}
+
+static void hook(const mq_hooks *h, int layer, mq_site site, int expert, const float *x,
+                 int64_t rows, int64_t cols) {
+    if (h && h->fn) h->fn(h->user, layer, site, expert, x, rows, cols);
+}
+
+/* ---- state --------------------------------------------------------------------------------- */
+static void scratch_free(mq_state *s) {
+    float **f[] = {&s->xn, &s->q,  &s->k,  &s->v,  &s->att, &s->tmp, &s->g,
+                   &s->u,  &s->rlog, &s->rw, &s->xg, &s->hg, &s->hu, &s->yg, &s->sgate};
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        mq_free(*f[i]);
+        *f[i] = NULL;
+    }
+    int32_t **ip[] = {&s->rsel, &s->cnt, &s->start, &s->slot_tok, &s->tok_slot};
+    for (size_t i = 0; i < sizeof ip / sizeof ip[0]; i++) {
+        mq_free(*ip[i]);
+        *ip[i] = NULL;
+    }
+    mq_free(s->tasks);
+    s->tasks = NULL;
+    s->cap = 0;
+}
+
+/* Makes the scratch hold T rows (grows only; never per token). */
+static moeq_status scratch_reserve(mq_state *s, int64_t T) {
+    if (T <= s->cap) return MOEQ_OK;
+    scratch_free(s);
+    const mq_config *c = &s->m->cfg;
+    size_t R = (size_t)T, D = (size_t)c->D, Q = (size_t)c->n_heads * (size_t)c->head_dim;
+    size_t KV = (size_t)s->kv_dim;
+    size_t F = (size_t)(c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn);
+    size_t E = (size_t)c->n_experts, K = (size_t)c->top_k, FE = (size_t)c->moe_ffn;
+    const char *w = "forward scratch";
+    s->xn = mq_alloc_array(R, D * 4, w);
+    s->q = mq_alloc_array(R, Q * 4, w);
+    s->k = mq_alloc_array(R, KV * 4, w);
+    s->v = mq_alloc_array(R, KV * 4, w);
+    s->att = mq_alloc_array(R, Q * 4, w);
+    s->tmp = mq_alloc_array(R, D * 4, w);
+    bool ok = s->xn && s->q && s->k && s->v && s->att && s->tmp;
+    if (F > 0) {
+        s->g = mq_alloc_array(R, F * 4, w);
+        s->u = mq_alloc_array(R, F * 4, w);
+        ok = ok && s->g && s->u;
+    }
+    if (E > 0) {
+        s->rlog = mq_alloc_array(R, E * 4, w);
+        s->rw = mq_alloc_array(R, K * 4, w);
+        s->rsel = mq_alloc_array(R, K * 4, w);
+        s->cnt = mq_alloc_array(E, 4, w);
+        s->start = mq_alloc_array(E + 1, 4, w);
+        s->slot_tok = mq_alloc_array(R * K, 4, w);
+        s->tok_slot = mq_alloc_array(R * K, 4, w);
+        s->xg = mq_alloc_array(R * K, D * 4, w);
+        s->hg = mq_alloc_array(R * K, FE * 4, w);
+        s->hu = mq_alloc_array(R * K, FE * 4, w);
+        s->yg = mq_alloc_array(R * K, D * 4, w);
+        s->sgate = mq_alloc_array(R, 4, w);
+        s->n_tasks_cap = (int64_t)(E + R * K / MOE_ROWS + 1);
+        s->tasks = mq_alloc_array((size_t)s->n_tasks_cap, sizeof(int64_t), w);
+        ok = ok && s->rlog && s->rw && s->rsel && s->cnt && s->start && s->slot_tok &&
+             s->tok_slot && s->xg && s->hg && s->hu && s->yg && s->sgate && s->tasks;
+    }
+    if (!ok) {
+        scratch_free(s);
+        return MOEQ_E_NOMEM;
+    }
+    s->cap = T;
+    return MOEQ_OK;
+}
+
+static moeq_status scores_reserve(mq_state *s) {
+    int n = mq_pool_size();
+    if (n <= s->n_thr) return MOEQ_OK;
+    mq_free(s->scores);
+    s->scores = mq_alloc_array((size_t)n * ATT_QB, (size_t)s->max_tokens * 4, "attention scratch");
+    s->n_thr = s->scores ? n : 0;
+    return s->scores ? MOEQ_OK : MOEQ_E_NOMEM;
+}
+
+moeq_status mq_state_new(const moeq_model *m, int32_t max_tokens, mq_state **out) {
+    *out = NULL;
+    if (max_tokens <= 0) return mq_err(MOEQ_E_ARG, "max_tokens must be positive (got %d)", max_tokens);
+    const mq_config *c = &m->cfg;
+    mq_state *s = calloc(1, sizeof *s);
+    if (!s) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    s->m = m;
+    s->max_tokens = max_tokens;
+    s->kv_dim = (int64_t)c->n_kv_heads * c->head_dim;
+    s->kc = calloc((size_t)c->n_layers, sizeof(float *));
+    s->vc = calloc((size_t)c->n_layers, sizeof(float *));
+    s->filled = calloc((size_t)c->n_layers, sizeof(int64_t));
+    int64_t half = c->head_dim / 2;
+    s->rope_cos = mq_alloc_array((size_t)max_tokens, (size_t)half * 4, "rope table");
+    s->rope_sin = mq_alloc_array((size_t)max_tokens, (size_t)half * 4, "rope table");
+    bool ok = s->kc && s->vc && s->filled && s->rope_cos && s->rope_sin;
+    for (int l = 0; ok && l < c->n_layers; l++) {
+        s->kc[l] = mq_alloc_array((size_t)max_tokens, (size_t)s->kv_dim * 4, "KV cache");
+        s->vc[l] = mq_alloc_array((size_t)max_tokens, (size_t)s->kv_dim * 4, "KV cache");
+        ok = s->kc[l] && s->vc[l];
+    }
+    if (!ok) {
+        mq_state_free(s);
+        return mq_err(MOEQ_E_NOMEM, "out of memory for a KV cache of %d positions", max_tokens);
+    }
+    /* Like transformers' default rotary embedding: the exponent 2i/hd and the power are fp32,
+     * and so is pos * inv_freq. */
+    float theta = (float)c->rope_theta;
+    for (int64_t i = 0; i < half; i++) {
+        float inv = 1.0f / powf(theta, (float)(2 * i) / (float)c->head_dim);
+        for (int32_t p = 0; p < max_tokens; p++) {
+            float a = (float)p * inv;
+            s->rope_cos[(int64_t)p * half + i] = cosf(a);
+            s->rope_sin[(int64_t)p * half + i] = sinf(a);
+        }
+    }
+    *out = s;
+    return MOEQ_OK;
+}
+
+void mq_state_free(mq_state *s) {
+    if (!s) return;
+    for (int l = 0; l < s->m->cfg.n_layers; l++) {
+        if (s->kc) mq_free(s->kc[l]);
+        if (s->vc) mq_free(s->vc[l]);
+    }
+    free(s->kc);
+    free(s->vc);
+    free(s->filled);
+    mq_free(s->rope_cos);
+    mq_free(s->rope_sin);
+    mq_free(s->scores);
+    scratch_free(s);
+    free(s);
+}
+
+void mq_state_reset(mq_state *s) {
+    for (int l = 0; l < s->m->cfg.n_layers; l++) s->filled[l] = 0;
+}
+
+/* ---- embeddings, head ---------------------------------------------------------------------- */
+moeq_status mq_embed(const moeq_model *m, const int32_t *ids, int64_t T, float *x) {
+    int64_t D = m->cfg.D;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= m->cfg.vocab)
+            return mq_err(MOEQ_E_ARG, "token id %d at position %lld is outside the vocabulary "
+                          "(0..%d)", ids[t], (long long)t, m->cfg.vocab - 1);
+    for (int64_t t = 0; t < T; t++) memcpy(x + t * D, m->embed + (int64_t)ids[t] * D, (size_t)D * 4);
+    return MOEQ_OK;
+}
+
+void mq_final_norm(const moeq_model *m, float *x, int64_t T) {
+    rmsnorm(x, T, m->cfg.D, m->final_norm, m->cfg.rms_eps, x);
+}
+
+void mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits) {
+    if (!logits) return;
+    mq_gemm_nt(T, m->cfg.vocab, m->cfg.D, 1.0f, x, m->cfg.D, m->lm_head, m->cfg.D, 0.0f, logits,
+               m->cfg.vocab);
+}
+
+/* ---- attention ----------------------------------------------------------------------------- */
+/* rotate_half RoPE on x[T, n_heads, hd] for positions pos.. */
+static void rope(const mq_state *s, float *x, int64_t T, int64_t n_heads, int64_t pos) {
+    int64_t hd = s->m->cfg.head_dim, half = hd / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = s->rope_cos + (pos + t) * half, *sn = s->rope_sin + (pos + t) * half;
+        for (int64_t h = 0; h < n_heads; h++) {
+            float *v = x + (t * n_heads + h) * hd;
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * cs[i] - b * sn[i];
+                v[i + half] = b * cs[i] + a * sn[i];
+            }
+        }
+    }
+}
+
+typedef struct {
+    mq_state *s;
+    int layer;
+    int64_t T, pos, n_qb;
+    float scale;
+} att_job;
+
+static void attention_task(void *ctx, int64_t task, int thread) {
+    const att_job *j = ctx;
+    mq_state *s = j->s;
+    const mq_config *c = &s->m->cfg;
+    int64_t H = c->n_heads, hd = c->head_dim, ldq = H * hd, ldk = s->kv_dim;
+    int64_t h = task / j->n_qb, b = task % j->n_qb;
+    int64_t kvh = h / (H / c->n_kv_heads);
+    int64_t i0 = b * ATT_QB, rows = j->T - i0 < ATT_QB ? j->T - i0 : ATT_QB;
+    int64_t window = c->layer_sliding[j->layer] ? c->sliding_window : 0;
+    /* Keys [k0, k1) cover every row of the block. */
+    int64_t k1 = j->pos + i0 + rows;
+    int64_t k0 = window > 0 && j->pos + i0 - window + 1 > 0 ? j->pos + i0 - window + 1 : 0;
+    int64_t nk = k1 - k0;
+    float *S = s->scores + (int64_t)thread * ATT_QB * s->max_tokens;
+    const float *kc = s->kc[j->layer] + k0 * ldk + kvh * hd;
+    const float *vc = s->vc[j->layer] + k0 * ldk + kvh * hd;
+    mq_gemm_nt(rows, nk, hd, j->scale, s->q + i0 * ldq + h * hd, ldq, kc, ldk, 0.0f, S, nk);
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = S + r * nk;
+        int64_t p = j->pos + i0 + r;   /* this query's position */
+        int64_t lo = window > 0 && p - window + 1 > k0 ? p - window + 1 - k0 : 0;
+        int64_t hi = p + 1 - k0;       /* keys [lo, hi) are visible */
+        float mx = sr[lo];
+        for (int64_t i = lo + 1; i < hi; i++) mx = sr[i] > mx ? sr[i] : mx;
+        double sum = 0;
+        for (int64_t i = lo; i < hi; i++) {
+            sr[i] = expf(sr[i] - mx);
+            sum += sr[i];
+        }
+        for (int64_t i = 0; i < lo; i++) sr[i] = 0.0f;
+        for (int64_t i = lo; i < hi; i++) sr[i] = (float)(sr[i] / sum);
+        for (int64_t i = hi; i < nk; i++) sr[i] = 0.0f;
+    }
+    mq_gemm_nn(rows, hd, nk, 1.0f, S, nk, vc, ldk, 0.0f, s->att + i0 * ldq + h * hd, ldq);
+}
+
+static void attention_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
+                            int64_t pos, const mq_hooks *hk) {
+    const mq_config *c = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    int64_t D = c->D, H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim;
+    rmsnorm(x, T, D, ly->attn_norm, c->rms_eps, s->xn);
+    hook(hk, l, MQ_SITE_QKV, -1, s->xn, T, D);
+    mq_linear_forward(&ly->q, s->xn, T, s->q);
+    mq_linear_forward(&ly->k, s->xn, T, s->k);
+    mq_linear_forward(&ly->v, s->xn, T, s->v);
+    if (c->qk_norm == MQ_QKNORM_FULL) {
+        rmsnorm(s->q, T, H * hd, ly->q_norm, c->rms_eps, s->q);
+        rmsnorm(s->k, T, KV * hd, ly->k_norm, c->rms_eps, s->k);
+    } else if (c->qk_norm == MQ_QKNORM_HEAD) {
+        rmsnorm(s->q, T * H, hd, ly->q_norm, c->rms_eps, s->q);
+        rmsnorm(s->k, T * KV, hd, ly->k_norm, c->rms_eps, s->k);
+    }
+    if (c->clip_qkv > 0) {
+        float lim = c->clip_qkv;
+        float *bufs[3] = {s->q, s->k, s->v};
+        int64_t n[3] = {T * H * hd, T * KV * hd, T * KV * hd};
+        for (int b = 0; b < 3; b++)
+            for (int64_t i = 0; i < n[b]; i++)
+                bufs[b][i] = bufs[b][i] < -lim ? -lim : bufs[b][i] > lim ? lim : bufs[b][i];
+    }
+    rope(s, s->q, T, H, pos);
+    rope(s, s->k, T, KV, pos);
+    memcpy(s->kc[l] + pos * s->kv_dim, s->k, (size_t)(T * s->kv_dim) * 4);
+    memcpy(s->vc[l] + pos * s->kv_dim, s->v, (size_t)(T * s->kv_dim) * 4);
+
+    att_job j = {s, l, T, pos, (T + ATT_QB - 1) / ATT_QB, (float)(1.0 / sqrt((double)hd))};
+    mq_parallel_for(H * j.n_qb, attention_task, &j);
+
+    hook(hk, l, MQ_SITE_O, -1, s->att, T, H * hd);
+    mq_linear_forward(&ly->o, s->att, T, s->tmp);
+    for (int64_t i = 0; i < T * D; i++) x[i] += s->tmp[i];
+}
+
+/* ---- feed-forward -------------------------------------------------------------------------- */
+/* SwiGLU MLP of xn[T, D] into out[T, D] (g, u: [T, F] scratch). */
+static void mlp(const mq_linear *gate, const mq_linear *up, const mq_linear *down, const float *xn,
+                int64_t T, float *g, float *u, float *out, const mq_hooks *hk, int l,
+                mq_site site_in, mq_site site_down) {
+    hook(hk, l, site_in, -1, xn, T, gate->in);
+    mq_linear_forward(gate, xn, T, g);
+    mq_linear_forward(up, xn, T, u);
+    swiglu(g, u, T * gate->out);
+    hook(hk, l, site_down, -1, g, T, gate->out);
+    mq_linear_forward(down, g, T, out);
+}
+
+/* Softmax over all experts, then top-k (ties to the lower index) and optional renormalisation. */
+static void route(const mq_config *c, float *probs, int64_t T, int32_t *sel, float *w) {
+    int64_t E = c->n_experts, K = c->top_k;
+    for (int64_t t = 0; t < T; t++) {
+        float *p = probs + t * E;
+        float mx = p[0];
+        for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+        double sum = 0;
+        for (int64_t e = 0; e < E; e++) {
+            p[e] = expf(p[e] - mx);
+            sum += p[e];
+        }
+        for (int64_t e = 0; e < E; e++) p[e] = (float)(p[e] / sum);
+        int32_t *st = sel + t * K;
+        float *wt = w + t * K;
+        for (int64_t k = 0; k < K; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                bool taken = false;
+                for (int64_t j = 0; j < k; j++) taken |= st[j] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            st[k] = (int32_t)best;
+            wt[k] = p[best];
+        }
+        if (c->norm_topk_prob) {
+            float ws = 0;
+            for (int64_t k = 0; k < K; k++) ws += wt[k];
+            for (int64_t k = 0; k < K; k++) wt[k] /= ws;
+        }
+    }
+}
+
+typedef struct {
+    const moeq_model *m;
+    mq_state *s;
+    int layer;
+} moe_job;
+
+/* One expert on up to MOE_ROWS of its routed rows: gather, gate/up, SwiGLU, down. */
+static void expert_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    const moe_job *j = ctx;
+    mq_state *s = j->s;
+    const mq_config *c = &j->m->cfg;
+    const mq_layer *ly = &j->m->layers[j->layer];
+    int64_t code = s->tasks[task];
+    int64_t e = code >> 32, r0 = (code & 0xffffffff) * MOE_ROWS;
+    int64_t n = s->cnt[e] - r0 < MOE_ROWS ? s->cnt[e] - r0 : MOE_ROWS;
+    int64_t D = c->D, F = c->moe_ffn, s0 = s->start[e] + r0;
+    for (int64_t r = 0; r < n; r++)
+        memcpy(s->xg + (s0 + r) * D, s->xn + (int64_t)s->slot_tok[s0 + r] * D, (size_t)D * 4);
+    mq_linear_forward(&ly->exp_gate[e], s->xg + s0 * D, n, s->hg + s0 * F);
+    mq_linear_forward(&ly->exp_up[e], s->xg + s0 * D, n, s->hu + s0 * F);
+    swiglu(s->hg + s0 * F, s->hu + s0 * F, n * F);
+    mq_linear_forward(&ly->exp_down[e], s->hg + s0 * F, n, s->yg + s0 * D);
+}
+
+static void moe_block(const moeq_model *m, mq_state *s, int l, int64_t T, float *out,
+                      const mq_hooks *hk) {
+    const mq_config *c = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    int64_t D = c->D, E = c->n_experts, K = c->top_k, F = c->moe_ffn;
+    mq_gemm_nt(T, E, D, 1.0f, s->xn, D, ly->router, D, 0.0f, s->rlog, E);
+    route(c, s->rlog, T, s->rsel, s->rw);
+
+    /* Expert-major slots, tokens in increasing order within each expert. */
+    for (int64_t e = 0; e < E; e++) s->cnt[e] = 0;
+    for (int64_t i = 0; i < T * K; i++) s->cnt[s->rsel[i]]++;
+    s->start[0] = 0;
+    for (int64_t e = 0; e < E; e++) s->start[e + 1] = s->start[e] + s->cnt[e];
+    int64_t n_tasks = 0;
+    for (int64_t e = 0; e < E; e++) {
+        for (int64_t b = 0; b * MOE_ROWS < s->cnt[e]; b++) s->tasks[n_tasks++] = e << 32 | b;
+        s->cnt[e] = 0;   /* refilled below */
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) {
+            int32_t e = s->rsel[t * K + k];
+            int32_t slot = s->start[e] + s->cnt[e]++;
+            s->slot_tok[slot] = (int32_t)t;
+            s->tok_slot[t * K + k] = slot;
+        }
+    moe_job j = {m, s, l};
+    mq_parallel_for(n_tasks, expert_task, &j);
+    for (int64_t e = 0; e < E; e++) {
+        hook(hk, l, MQ_SITE_EXPERT, (int)e, s->xg + (int64_t)s->start[e] * D, s->cnt[e], D);
+        hook(hk, l, MQ_SITE_EXPERT_DOWN, (int)e, s->hg + (int64_t)s->start[e] * F, s->cnt[e], F);
+    }
+
+    /* out[t] = sum over the token's experts in increasing expert order of w * y. */
+    for (int64_t t = 0; t < T; t++) {
+        int32_t order[64], *sel = s->rsel + t * K;
+        int64_t kk = K < 64 ? K : 64;
+        for (int64_t k = 0; k < kk; k++) order[k] = (int32_t)k;
+        for (int64_t a = 1; a < kk; a++)   /* insertion sort by expert id */
+            for (int64_t b = a; b > 0 && sel[order[b - 1]] > sel[order[b]]; b--) {
+                int32_t tmp = order[b];
+                order[b] = order[b - 1];
+                order[b - 1] = tmp;
+            }
+        float *o = out + t * D;
+        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+        for (int64_t k = 0; k < kk; k++) {
+            float w = s->rw[t * K + order[k]];
+            const float *y = s->yg + (int64_t)s->tok_slot[t * K + order[k]] * D;
+            for (int64_t i = 0; i < D; i++) o[i] += y[i] * w;
+        }
+    }
+
+    if (c->shared_ffn > 0) {
+        float *sy = s->yg;   /* routed outputs are consumed; reuse for the shared expert */
+        mlp(&ly->sh_gate, &ly->sh_up, &ly->sh_down, s->xn, T, s->g, s->u, sy, hk, l,
+            MQ_SITE_SHARED, MQ_SITE_SHARED_DOWN);
+        if (c->shared_gate) mq_gemm_nt(T, 1, D, 1.0f, s->xn, D, ly->sh_gate_w, D, 0.0f, s->sgate, 1);
+        for (int64_t t = 0; t < T; t++) {
+            float gsc = c->shared_gate ? 1.0f / (1.0f + expf(-s->sgate[t])) : 1.0f;
+            for (int64_t i = 0; i < D; i++) out[t * D + i] += gsc * sy[t * D + i];
+        }
+    }
+}
+
+static void ffn_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
+                      const mq_hooks *hk) {
+    const mq_config *c = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    rmsnorm(x, T, c->D, ly->ffn_norm, c->rms_eps, s->xn);
+    if (ly->is_moe)
+        moe_block(m, s, l, T, s->tmp, hk);
+    else
+        mlp(&ly->gate, &ly->up, &ly->down, s->xn, T, s->g, s->u, s->tmp, hk, l, MQ_SITE_MLP,
+            MQ_SITE_MLP_DOWN);
+    for (int64_t i = 0; i < T * c->D; i++) x[i] += s->tmp[i];
+}
+
+moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_t T, int64_t pos,
+                              int l0, int l1, const mq_hooks *hooks) {
+    if (T <= 0) return MOEQ_OK;
+    if (pos < 0 || pos + T > s->max_tokens)
+        return mq_err(MOEQ_E_ARG, "positions %lld..%lld do not fit a state of %d tokens",
+                      (long long)pos, (long long)(pos + T - 1), s->max_tokens);
+    if (l0 < 0 || l1 > m->cfg.n_layers || l0 > l1)
+        return mq_err(MOEQ_E_ARG, "layer range [%d, %d) is outside 0..%d", l0, l1, m->cfg.n_layers);
+    for (int l = l0; l < l1; l++)
+        if (pos > s->filled[l])
+            return mq_err(MOEQ_E_ARG, "layer %d: position %lld follows a gap (the cache holds %lld)",
+                          l, (long long)pos, (long long)s->filled[l]);
+    if (scratch_reserve(s, T) || scores_reserve(s))
+        return mq_err(MOEQ_E_NOMEM, "out of memory for the forward scratch of %lld tokens",
+                      (long long)T);
+    for (int l = l0; l < l1; l++) {
+        attention_block(m, s, l, x, T, pos, hooks);
+        ffn_block(m, s, l, x, T, hooks);
+        s->filled[l] = pos + T;
+    }
+    return MOEQ_OK;
+}
+
+/* ---- sessions ------------------------------------------------------------------------------ */
+struct moeq_session {
+    const moeq_model *m;
+    mq_state *st;
+    int32_t pos;
+    float *x;
+    int64_t x_rows;
+};
+
+moeq_status moeq_session_create(const moeq_model *m, int32_t max_tokens, moeq_session **out) {
+    if (!m || !out) return mq_err(MOEQ_E_ARG, "moeq_session_create: NULL argument");
+    *out = NULL;
+    moeq_session *s = calloc(1, sizeof *s);
+    if (!s) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    s->m = m;
+    moeq_status st = mq_state_new(m, max_tokens, &s->st);
+    if (st) {
+        free(s);
+        return st;
+    }
+    *out = s;
+    return MOEQ_OK;
+}
+
+void moeq_session_free(moeq_session *s) {
+    if (!s) return;
+    mq_state_free(s->st);
+    mq_free(s->x);
+    free(s);
+}
+
+void moeq_session_reset(moeq_session *s) {
+    mq_state_reset(s->st);
+    s->pos = 0;
+}
+
+int32_t moeq_session_pos(const moeq_session *s) { return s->pos; }
+
+moeq_status moeq_session_forward(moeq_session *s, const int32_t *ids, int32_t n, float *logits) {
+    if (!s || (!ids && n > 0)) return mq_err(MOEQ_E_ARG, "moeq_session_forward: NULL argument");
+    if (n < 0) return mq_err(MOEQ_E_ARG, "moeq_session_forward: negative token count %d", n);
+    if (n == 0) return MOEQ_OK;
+    if ((int64_t)s->pos + n > s->st->max_tokens)
+        return mq_err(MOEQ_E_ARG, "session full: %d + %d tokens exceed its %d positions", s->pos, n,
+                      s->st->max_tokens);
+    const mq_config *c = &s->m->cfg;
+    if (n > s->x_rows) {
+        mq_free(s->x);
+        s->x = mq_alloc_array((size_t)n, (size_t)c->D * 4, "session activations");
+        s->x_rows = s->x ? n : 0;
+        if (!s->x) return MOEQ_E_NOMEM;
+    }
+    moeq_status st = mq_embed(s->m, ids, n, s->x);
+    if (!st) st = mq_forward_layers(s->m, s->st, s->x, n, s->pos, 0, c->n_layers, NULL);
+    if (st) return st;
+    if (logits) {
+        mq_final_norm(s->m, s->x, n);
+        mq_lm_head(s->m, s->x, n, logits);
+    }
+    s->pos += n;
+    return MOEQ_OK;
+}

@@ -1,0 +1,474 @@
+/*
+ * moeq_model_open: config.json + safetensors weights (bf16/f16/f32 upcast to fp32) + tokenizer.
+ * Tensor names are the Hugging Face hub's (model.layers.N.self_attn.q_proj.weight, ...); routed
+ * experts are read per expert (mlp.experts.E.gate_proj / Mixtral block_sparse_moe.experts.E.w1)
+ * or fused as transformers 5 keeps them (experts.gate_up_proj [E, 2F, D] with the gate rows
+ * first, experts.down_proj [E, D, F]); see ../shared/docs/formats.md sections 1 and 2.5.
+ * Every missing or misshapen tensor is reported in one error.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/model_internal.h"
+
+/* One fp32 destination filled from (a slice of) one checkpoint tensor. */
+typedef struct {
+    char *name;
+    int ndim;
+    int64_t shape[3];
+    float **dest;
+    int64_t off, count;   /* elements [off, off + count) of the tensor */
+    int layer;            /* -1 for the embeddings, final norm and lm_head */
+    const mq_tensor_view *t;
+} want;
+
+typedef struct {
+    want *w;
+    size_t n, cap;
+    bool oom;
+} want_list;
+
+static void want_add(want_list *L, int layer, char *name, int ndim, const int64_t *shape,
+                     float **dest, int64_t off, int64_t count) {
+    if (!name) {
+        L->oom = true;
+        return;
+    }
+    if (L->n == L->cap) {
+        size_t cap = L->cap ? L->cap * 2 : 256;
+        want *w = realloc(L->w, cap * sizeof *w);
+        if (!w) {
+            L->oom = true;
+            free(name);
+            return;
+        }
+        L->w = w;
+        L->cap = cap;
+    }
+    want *w = &L->w[L->n++];
+    memset(w, 0, sizeof *w);
+    w->name = name;
+    w->ndim = ndim;
+    for (int i = 0; i < ndim; i++) w->shape[i] = shape[i];
+    w->dest = dest;
+    w->off = off;
+    w->count = count;
+    w->layer = layer;
+}
+
+static void want_vec(want_list *L, int layer, char *name, int64_t n, float **dest) {
+    want_add(L, layer, name, 1, &n, dest, 0, n);
+}
+
+/* A Linear named `module` (HF module path): module.weight [out, in] and optionally module.bias. */
+static void want_linear(want_list *L, int layer, const char *module, int64_t out, int64_t in,
+                        bool bias, mq_linear *lin) {
+    lin->out = out;
+    lin->in = in;
+    lin->name = mq_strdup(module);
+    if (!lin->name) L->oom = true;
+    int64_t shape[2] = {out, in};
+    want_add(L, layer, mq_asprintf("%s.weight", module), 2, shape, &lin->w, 0, out * in);
+    if (bias) want_vec(L, layer, mq_asprintf("%s.bias", module), out, &lin->bias);
+}
+
+static void want_free(want_list *L) {
+    for (size_t i = 0; i < L->n; i++) free(L->w[i].name);
+    free(L->w);
+}
+
+static void fmt_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
+    size_t k = 0;
+    k += (size_t)snprintf(buf + k, n - k, "[");
+    for (int i = 0; i < ndim && k < n; i++)
+        k += (size_t)snprintf(buf + k, n - k, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (k < n) snprintf(buf + k, n - k, "]");
+}
+
+/* ---- the tensors each family needs ---------------------------------------------------- */
+static bool has(const mq_st *st, const char *name) { return mq_st_find(st, name) != NULL; }
+
+static void want_attention(want_list *L, const mq_config *c, int l, mq_layer *ly) {
+    char p[160];
+    int64_t D = c->D, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
+    snprintf(p, sizeof p, "model.layers.%d.self_attn", l);
+    char m[200];
+    snprintf(m, sizeof m, "%s.q_proj", p);
+    want_linear(L, l, m, q, D, c->qkv_bias, &ly->q);
+    snprintf(m, sizeof m, "%s.k_proj", p);
+    want_linear(L, l, m, kv, D, c->qkv_bias, &ly->k);
+    snprintf(m, sizeof m, "%s.v_proj", p);
+    want_linear(L, l, m, kv, D, c->qkv_bias, &ly->v);
+    snprintf(m, sizeof m, "%s.o_proj", p);
+    want_linear(L, l, m, D, q, c->o_bias, &ly->o);
+    if (c->qk_norm != MQ_QKNORM_NONE) {
+        bool full = c->qk_norm == MQ_QKNORM_FULL;
+        want_vec(L, l, mq_asprintf("%s.q_norm.weight", p), full ? q : c->head_dim, &ly->q_norm);
+        want_vec(L, l, mq_asprintf("%s.k_norm.weight", p), full ? kv : c->head_dim, &ly->k_norm);
+    }
+}
+
+/* Routed experts, router and shared expert of one sparse layer. */
+static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, int l, mq_layer *ly) {
+    int64_t D = c->D, F = c->moe_ffn, E = c->n_experts;
+    char mp[160], m[240];
+    /* Mixtral's hub layout says block_sparse_moe; transformers 5 re-saves it under mlp. */
+    snprintf(mp, sizeof mp, "model.layers.%d.block_sparse_moe", l);
+    snprintf(m, sizeof m, "%s.gate.weight", mp);
+    bool mixtral_names = c->arch == MQ_ARCH_MIXTRAL && has(st, m);
+    if (!mixtral_names) snprintf(mp, sizeof mp, "model.layers.%d.mlp", l);
+
+    ly->exp_gate = calloc((size_t)E, sizeof(mq_linear));
+    ly->exp_up = calloc((size_t)E, sizeof(mq_linear));
+    ly->exp_down = calloc((size_t)E, sizeof(mq_linear));
+    if (!ly->exp_gate || !ly->exp_up || !ly->exp_down)
+        return mq_err(MOEQ_E_NOMEM, "layer %d: out of memory for %lld experts", l, (long long)E);
+
+    int64_t rshape[2] = {E, D};
+    want_add(L, l, mq_asprintf("%s.gate.weight", mp), 2, rshape, &ly->router, 0, E * D);
+
+    /* Module names are the per-expert hub names whatever the storage, so exports keep them. */
+    const char *gn = "gate_proj", *un = "up_proj", *dn = "down_proj";
+    char ep[180];
+    snprintf(ep, sizeof ep, "%s.experts", mp);
+    if (c->arch == MQ_ARCH_MIXTRAL) {
+        gn = "w1", un = "w3", dn = "w2";
+        snprintf(ep, sizeof ep, "model.layers.%d.block_sparse_moe.experts", l);
+    }
+    snprintf(m, sizeof m, "%s.experts.gate_up_proj", mp);
+    bool fused = has(st, m);
+    for (int64_t e = 0; e < E; e++) {
+        char n[260];
+        snprintf(n, sizeof n, "%s.%lld.%s", ep, (long long)e, gn);
+        if (fused) {
+            ly->exp_gate[e] = (mq_linear){.out = F, .in = D, .name = mq_strdup(n)};
+            snprintf(n, sizeof n, "%s.%lld.%s", ep, (long long)e, un);
+            ly->exp_up[e] = (mq_linear){.out = F, .in = D, .name = mq_strdup(n)};
+            snprintf(n, sizeof n, "%s.%lld.%s", ep, (long long)e, dn);
+            ly->exp_down[e] = (mq_linear){.out = D, .in = F, .name = mq_strdup(n)};
+            if (!ly->exp_gate[e].name || !ly->exp_up[e].name || !ly->exp_down[e].name) L->oom = true;
+            int64_t gu[3] = {E, 2 * F, D}, dw[3] = {E, D, F};
+            want_add(L, l, mq_asprintf("%s.experts.gate_up_proj", mp), 3, gu, &ly->exp_gate[e].w,
+                     e * 2 * F * D, F * D);
+            want_add(L, l, mq_asprintf("%s.experts.gate_up_proj", mp), 3, gu, &ly->exp_up[e].w,
+                     e * 2 * F * D + F * D, F * D);
+            want_add(L, l, mq_asprintf("%s.experts.down_proj", mp), 3, dw, &ly->exp_down[e].w,
+                     e * D * F, D * F);
+        } else {
+            /* On disk under mp (block_sparse_moe for hub Mixtral, mlp otherwise). */
+            char disk[260];
+            snprintf(disk, sizeof disk, "%s.experts.%lld.%s", mp, (long long)e, gn);
+            want_linear(L, l, disk, F, D, false, &ly->exp_gate[e]);
+            snprintf(disk, sizeof disk, "%s.experts.%lld.%s", mp, (long long)e, un);
+            want_linear(L, l, disk, F, D, false, &ly->exp_up[e]);
+            snprintf(disk, sizeof disk, "%s.experts.%lld.%s", mp, (long long)e, dn);
+            want_linear(L, l, disk, D, F, false, &ly->exp_down[e]);
+        }
+    }
+    if (c->shared_ffn > 0) {
+        int64_t S = c->shared_ffn;
+        snprintf(m, sizeof m, "%s.shared_expert.gate_proj", mp);
+        want_linear(L, l, m, S, D, false, &ly->sh_gate);
+        snprintf(m, sizeof m, "%s.shared_expert.up_proj", mp);
+        want_linear(L, l, m, S, D, false, &ly->sh_up);
+        snprintf(m, sizeof m, "%s.shared_expert.down_proj", mp);
+        want_linear(L, l, m, D, S, false, &ly->sh_down);
+        if (c->shared_gate) {
+            int64_t gs[2] = {1, D};
+            want_add(L, l, mq_asprintf("%s.shared_expert_gate.weight", mp), 2, gs, &ly->sh_gate_w,
+                     0, D);
+        }
+    }
+    return MOEQ_OK;
+}
+
+static moeq_status build_wants(want_list *L, const mq_st *st, moeq_model *m) {
+    const mq_config *c = &m->cfg;
+    int64_t V = c->vocab, D = c->D;
+    int64_t vd[2] = {V, D};
+    want_add(L, -1, mq_strdup("model.embed_tokens.weight"), 2, vd, &m->embed, 0, V * D);
+    want_vec(L, -1, mq_strdup("model.norm.weight"), D, &m->final_norm);
+    if (!c->tie_embeddings) want_add(L, -1, mq_strdup("lm_head.weight"), 2, vd, &m->lm_head, 0, V * D);
+    for (int l = 0; l < c->n_layers; l++) {
+        mq_layer *ly = &m->layers[l];
+        want_vec(L, l, mq_asprintf("model.layers.%d.input_layernorm.weight", l), D, &ly->attn_norm);
+        want_vec(L, l, mq_asprintf("model.layers.%d.post_attention_layernorm.weight", l), D,
+                 &ly->ffn_norm);
+        want_attention(L, c, l, ly);
+        ly->is_moe = c->layer_is_moe[l] != 0;
+        if (ly->is_moe) {
+            moeq_status s = want_moe(L, st, c, l, ly);
+            if (s) return s;
+        } else {
+            char p[160];
+            snprintf(p, sizeof p, "model.layers.%d.mlp.gate_proj", l);
+            want_linear(L, l, p, c->ffn, D, c->mlp_bias, &ly->gate);
+            snprintf(p, sizeof p, "model.layers.%d.mlp.up_proj", l);
+            want_linear(L, l, p, c->ffn, D, c->mlp_bias, &ly->up);
+            snprintf(p, sizeof p, "model.layers.%d.mlp.down_proj", l);
+            want_linear(L, l, p, D, c->ffn, c->mlp_bias, &ly->down);
+        }
+    }
+    if (L->oom) return mq_err(MOEQ_E_NOMEM, "out of memory listing the model's tensors");
+    return MOEQ_OK;
+}
+
+/* Finds every wanted tensor and checks dtype and shape; one error lists all problems. */
+static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *m, const char *dir) {
+    const mq_config *c = &m->cfg;
+    mq_problems probs;
+    mq_problems_init(&probs);
+    /* A layer with none of its tensors present gets one line instead of one per tensor. */
+    int *missing = calloc((size_t)c->n_layers + 1, sizeof(int));
+    int *total = calloc((size_t)c->n_layers + 1, sizeof(int));
+    if (!missing || !total) {
+        free(missing);
+        free(total);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < L->n; i++) {
+        want *w = &L->w[i];
+        w->t = mq_st_find(st, w->name);
+        if (w->layer >= 0 && (i == 0 || strcmp(L->w[i - 1].name, w->name) != 0)) {
+            total[w->layer]++;
+            if (!w->t) missing[w->layer]++;
+        }
+    }
+    for (int l = 0; l < c->n_layers; l++)
+        if (total[l] > 0 && missing[l] == total[l])
+            mq_problems_add(&probs, "layer %d: none of its %d tensors are present (config.json "
+                            "says num_hidden_layers = %d)", l, total[l], c->n_layers);
+    for (size_t i = 0; i < L->n; i++) {
+        const want *w = &L->w[i];
+        if (i > 0 && strcmp(L->w[i - 1].name, w->name) == 0) continue;   /* fused: once */
+        if (w->layer >= 0 && missing[w->layer] == total[w->layer]) continue;
+        char exp[96], got[96];
+        fmt_shape(exp, sizeof exp, w->ndim, w->shape);
+        if (!w->t) {
+            mq_problems_add(&probs, "missing tensor '%s' (expected %s)", w->name, exp);
+            continue;
+        }
+        const mq_tensor_view *t = w->t;
+        if (t->dtype != MOEQ_DT_F32 && t->dtype != MOEQ_DT_F16 && t->dtype != MOEQ_DT_BF16) {
+            mq_problems_add(&probs, "tensor '%s' has dtype %s (expected BF16, F16 or F32)", w->name,
+                            moeq_dtype_name(t->dtype));
+            continue;
+        }
+        bool same = t->ndim == w->ndim;
+        for (int d = 0; same && d < w->ndim; d++) same = t->shape[d] == w->shape[d];
+        if (!same) {
+            fmt_shape(got, sizeof got, t->ndim, t->shape);
+            mq_problems_add(&probs, "tensor '%s': expected shape %s, found %s", w->name, exp, got);
+        }
+    }
+    /* Layers beyond num_hidden_layers. */
+    int max_layer = -1;
+    const char *example = NULL;
+    for (size_t i = 0; i < mq_st_count(st); i++) {
+        const char *n = mq_st_at(st, i)->name;
+        int l;
+        if (sscanf(n, "model.layers.%d.", &l) == 1 && l > max_layer) {
+            max_layer = l;
+            example = n;
+        }
+    }
+    if (max_layer >= c->n_layers)
+        mq_problems_add(&probs, "the checkpoint has tensors for layer %d (e.g. '%s') but config.json "
+                        "says num_hidden_layers = %d", max_layer, example, c->n_layers);
+    free(missing);
+    free(total);
+    moeq_status s = MOEQ_OK;
+    if (probs.n > 0) {
+        if (c->quant_method)
+            s = mq_problems_error(&probs, MOEQ_E_SHAPE, "%s: %s checkpoint (quantization_config "
+                                  "quant_method '%s') does not load as fp32", dir, c->model_type,
+                                  c->quant_method);
+        else
+            s = mq_problems_error(&probs, MOEQ_E_SHAPE, "%s: %s checkpoint does not match its "
+                                  "config.json", dir, c->model_type);
+    }
+    mq_problems_free(&probs);
+    return s;
+}
+
+typedef struct {
+    want_list *L;
+    moeq_status *status;
+} convert_job;
+
+static void convert_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    convert_job *j = ctx;
+    const want *w = &j->L->w[i];
+    mq_tensor_view v = *w->t;
+    size_t es = moeq_dtype_size(v.dtype);
+    v.data += (size_t)w->off * es;
+    v.numel = w->count;
+    v.nbytes = (size_t)w->count * es;
+    v.ndim = 1;
+    v.shape[0] = w->count;
+    j->status[i] = mq_tensor_to_f32(&v, *w->dest);
+}
+
+static moeq_status load_wants(want_list *L) {
+    for (size_t i = 0; i < L->n; i++) {
+        want *w = &L->w[i];
+        *w->dest = mq_alloc_array((size_t)w->count, sizeof(float), w->name);
+        if (!*w->dest) return MOEQ_E_NOMEM;
+    }
+    moeq_status *status = calloc(L->n ? L->n : 1, sizeof *status);
+    if (!status) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    convert_job j = {L, status};
+    mq_parallel_for((int64_t)L->n, convert_task, &j);
+    moeq_status s = MOEQ_OK;
+    for (size_t i = 0; i < L->n && !s; i++)
+        if (status[i]) s = mq_err(status[i], "tensor '%s': cannot convert to fp32", L->w[i].name);
+    free(status);
+    return s;
+}
+
+/* ---- open / free --------------------------------------------------------------------------- */
+static void linear_free(mq_linear *l) {
+    mq_free(l->w);
+    mq_free(l->bias);
+    free(l->name);
+    /* Packed weights belong to the quantized-kernel module, which frees them (l->qw). */
+}
+
+void moeq_model_free(moeq_model *m) {
+    if (!m) return;
+    for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
+        mq_layer *ly = &m->layers[l];
+        mq_free(ly->attn_norm);
+        mq_free(ly->ffn_norm);
+        linear_free(&ly->q);
+        linear_free(&ly->k);
+        linear_free(&ly->v);
+        linear_free(&ly->o);
+        mq_free(ly->q_norm);
+        mq_free(ly->k_norm);
+        linear_free(&ly->gate);
+        linear_free(&ly->up);
+        linear_free(&ly->down);
+        mq_free(ly->router);
+        for (int e = 0; e < m->cfg.n_experts; e++) {
+            if (ly->exp_gate) linear_free(&ly->exp_gate[e]);
+            if (ly->exp_up) linear_free(&ly->exp_up[e]);
+            if (ly->exp_down) linear_free(&ly->exp_down[e]);
+        }
+        free(ly->exp_gate);
+        free(ly->exp_up);
+        free(ly->exp_down);
+        linear_free(&ly->sh_gate);
+        linear_free(&ly->sh_up);
+        linear_free(&ly->sh_down);
+        mq_free(ly->sh_gate_w);
+    }
+    free(m->layers);
+    if (m->lm_head != m->embed) mq_free(m->lm_head);
+    mq_free(m->embed);
+    mq_free(m->final_norm);
+    moeq_tokenizer_free(m->tok);
+    free(m->quant_scheme);
+    free(m->dir);
+    mq_config_free(&m->cfg);
+    free(m);
+}
+
+static void fill_info(moeq_model *m) {
+    const mq_config *c = &m->cfg;
+    moeq_model_info *i = &m->info;
+    i->model_type = c->model_type;
+    i->vocab_size = c->vocab;
+    i->hidden_size = c->D;
+    i->n_layers = c->n_layers;
+    i->n_heads = c->n_heads;
+    i->n_kv_heads = c->n_kv_heads;
+    i->head_dim = c->head_dim;
+    i->intermediate_size = c->ffn;
+    i->n_experts = c->n_experts;
+    i->n_experts_per_tok = c->top_k;
+    i->moe_intermediate_size = c->moe_ffn;
+    i->shared_expert_intermediate_size = c->shared_ffn;
+    i->max_position_embeddings = c->max_pos;
+    i->bos_token_id = c->bos >= 0 ? c->bos : (m->tok ? moeq_tokenizer_bos(m->tok) : -1);
+    i->eos_token_id = c->eos >= 0 ? c->eos : (m->tok ? moeq_tokenizer_eos(m->tok) : -1);
+    mq_config_param_counts(c, &i->n_params, NULL);
+    i->quant_scheme = m->quant_scheme;
+}
+
+moeq_status mq_config_load(const char *dir, mq_config *out) {
+    memset(out, 0, sizeof *out);
+    if (!dir || !mq_dir_exists(dir))
+        return mq_err(MOEQ_E_NOTFOUND, "model directory '%s' not found", dir ? dir : "(null)");
+    char *path = mq_path_join(dir, "config.json");
+    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!mq_file_exists(path)) {
+        moeq_status s = mq_err(MOEQ_E_NOTFOUND, "%s: no config.json in the model directory", dir);
+        free(path);
+        return s;
+    }
+    char *json = NULL;
+    size_t len = 0;
+    moeq_status s = mq_read_file(path, &json, &len);
+    if (!s) s = mq_config_parse(json, len, path, out);
+    free(json);
+    free(path);
+    return s;
+}
+
+moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq_model **out) {
+    if (!out) return mq_err(MOEQ_E_ARG, "moeq_model_open: out is NULL");
+    *out = NULL;
+    moeq_model_options o = {0};
+    if (opt) o = *opt;
+    moeq_model *m = calloc(1, sizeof *m);
+    if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    mq_st *st = NULL;
+    want_list L = {0};
+    moeq_status s = mq_config_load(dir, &m->cfg);
+    if (s) goto fail;
+    m->dir = mq_strdup(dir);
+    if (m->cfg.quant_method)
+        m->quant_scheme = m->cfg.quant_format
+                              ? mq_asprintf("%s/%s", m->cfg.quant_method, m->cfg.quant_format)
+                              : mq_strdup(m->cfg.quant_method);
+    m->layers = calloc((size_t)m->cfg.n_layers, sizeof(mq_layer));
+    if (!m->layers || !m->dir) {
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        goto fail;
+    }
+    s = mq_st_open_dir(dir, &st);
+    if (s) goto fail;
+    s = build_wants(&L, st, m);
+    if (!s) s = check_wants(&L, st, m, dir);
+    if (!s) s = load_wants(&L);
+    if (s) goto fail;
+    if (m->cfg.tie_embeddings) m->lm_head = m->embed;
+    want_free(&L);
+    L = (want_list){0};
+    mq_st_close(st);
+    st = NULL;
+
+    if (!o.no_tokenizer) {
+        char *tp = mq_path_join(dir, "tokenizer.json");
+        if (tp && mq_file_exists(tp)) {
+            s = moeq_tokenizer_load(tp, &m->tok);
+            if (s) s = mq_err_prefix(s, "%s", dir);
+        }
+        free(tp);
+        if (s) goto fail;
+    }
+    fill_info(m);
+    *out = m;
+    return MOEQ_OK;
+
+fail:
+    want_free(&L);
+    mq_st_close(st);
+    moeq_model_free(m);
+    return s;
+}
+
+const moeq_model_info *moeq_model_get_info(const moeq_model *m) { return m ? &m->info : NULL; }
+const moeq_tokenizer *moeq_model_tokenizer(const moeq_model *m) { return m ? m->tok : NULL; }

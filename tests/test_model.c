@@ -1,0 +1,218 @@
+/*
+ * The fp32 forward pass against transformers: per-layer hidden states and logits from
+ * ../shared/fixtures/models/<model>.golden.safetensors (see fixtures/README.md) must match within
+ * 1e-4 relative (max|diff| / max|ref|). Also: chunked prefill through the KV cache equals one
+ * prefill, results do not depend on the thread count, the calibration hooks see what they
+ * document, and tests/data/<name>/ goldens (made by the lead on a GPU box) when present.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "model/model.h"
+
+static const double GOLDEN_RTOL = 1e-4;
+
+typedef struct {
+    moeq_model *m;
+    mq_st *golden;
+    int32_t ids[4096];
+    int64_t T;
+} golden_case;
+
+static void tensor_f32(const mq_st *st, const char *name, float *out, int64_t numel) {
+    const mq_tensor_view *t = mq_st_find(st, name);
+    if (!t) FAIL("golden tensor '%s' missing", name);
+    ASSERT_EQ_INT(numel, t->numel);
+    ASSERT_OK(mq_tensor_to_f32(t, out));
+}
+
+static void open_case(const char *model_dir, const char *golden_path, golden_case *g) {
+    memset(g, 0, sizeof *g);
+    moeq_model_options opt = {.no_tokenizer = 1};
+    ASSERT_OK(moeq_model_open(model_dir, &opt, &g->m));
+    ASSERT_OK(mq_st_open_file(golden_path, &g->golden));
+    const mq_tensor_view *ids = mq_st_find(g->golden, "input_ids");
+    ASSERT_TRUE(ids != NULL);
+    ASSERT_TRUE(ids->dtype == MOEQ_DT_I32 || ids->dtype == MOEQ_DT_I64);
+    ASSERT_TRUE(ids->numel <= 4096);
+    g->T = ids->numel;
+    for (int64_t i = 0; i < g->T; i++) {
+        if (ids->dtype == MOEQ_DT_I32) {
+            memcpy(&g->ids[i], ids->data + 4 * i, 4);
+        } else {
+            int64_t v;
+            memcpy(&v, ids->data + 8 * i, 8);
+            g->ids[i] = (int32_t)v;
+        }
+    }
+}
+
+static void close_case(golden_case *g) {
+    mq_st_close(g->golden);
+    moeq_model_free(g->m);
+}
+
+/* Layer by layer against the goldens; stops at the first layer out of tolerance. */
+static void run_golden(const char *label, const char *model_dir, const char *golden_path) {
+    golden_case g;
+    open_case(model_dir, golden_path, &g);
+    const mq_config *c = &g.m->cfg;
+    int64_t T = g.T, D = c->D, V = c->vocab, L = c->n_layers;
+    float *x = malloc(sizeof(float) * (size_t)(T * D));
+    float *ref = malloc(sizeof(float) * (size_t)(T * (V > D ? V : D)));
+    float *logits = malloc(sizeof(float) * (size_t)(T * V));
+    mq_state *st = NULL;
+    ASSERT_OK(mq_state_new(g.m, (int32_t)T, &st));
+    ASSERT_OK(mq_embed(g.m, g.ids, T, x));
+    char name[64];
+    for (int64_t l = 0; l <= L; l++) {
+        if (l > 0) {
+            ASSERT_OK(mq_forward_layers(g.m, st, x, T, 0, (int)l - 1, (int)l, NULL));
+            if (l == L) mq_final_norm(g.m, x, T);
+        }
+        snprintf(name, sizeof name, "hidden_states.%lld", (long long)l);
+        tensor_f32(g.golden, name, ref, T * D);
+        double err = mq_test_rel_maxdiff(x, ref, (size_t)(T * D));
+        fprintf(stderr, "  %s %s: rel err %.3g\n", label, name, err);
+        if (!(err <= GOLDEN_RTOL)) FAIL("%s: %s rel err %.3g > %.0e", label, name, err, GOLDEN_RTOL);
+    }
+    mq_lm_head(g.m, x, T, logits);
+    tensor_f32(g.golden, "logits", ref, T * V);
+    double err = mq_test_rel_maxdiff(logits, ref, (size_t)(T * V));
+    fprintf(stderr, "  %s logits: rel err %.3g\n", label, err);
+    if (!(err <= GOLDEN_RTOL)) FAIL("%s: logits rel err %.3g", label, err);
+    mq_state_free(st);
+    free(x);
+    free(ref);
+    free(logits);
+    close_case(&g);
+}
+
+static void golden_fixture(const char *model) {
+    char dir[4096], gold[4096], rel[256];
+    snprintf(rel, sizeof rel, "fixtures/models/%s", model);
+    snprintf(dir, sizeof dir, "%s", mq_test_shared(rel));
+    snprintf(rel, sizeof rel, "fixtures/models/%s.golden.safetensors", model);
+    snprintf(gold, sizeof gold, "%s", mq_test_shared(rel));
+    run_golden(model, dir, gold);
+}
+
+static void test_golden_olmoe(void) { golden_fixture("olmoe-tiny"); }
+static void test_golden_qwen2moe(void) { golden_fixture("qwen2moe-tiny"); }
+static void test_golden_llama(void) { golden_fixture("llama-tiny"); }
+
+/* The bundled demo model is the fixture's olmoe-tiny: same golden. */
+static void test_golden_bundled_olmoe(void) {
+    char gold[4096];
+    snprintf(gold, sizeof gold, "%s", mq_test_shared("fixtures/models/olmoe-tiny.golden.safetensors"));
+    run_golden("bundled olmoe-tiny", mq_test_repo("models/olmoe-tiny"), gold);
+}
+
+/* tests/data/<name>/ holds a model directory plus golden.safetensors (same layout as the shared
+ * goldens); every such folder is checked. */
+static void test_golden_tests_data(void) {
+    const char *names[] = {"qwen3moe-tiny", "mixtral-tiny"};
+    int found = 0;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char dir[4096], gold[4200];
+        snprintf(dir, sizeof dir, "%s", mq_test_repo("tests/data"));
+        size_t n = strlen(dir);
+        snprintf(dir + n, sizeof dir - n, "/%s", names[i]);
+        snprintf(gold, sizeof gold, "%s/golden.safetensors", dir);
+        FILE *f = fopen(gold, "rb");
+        if (!f) continue;
+        fclose(f);
+        found++;
+        run_golden(names[i], dir, gold);
+    }
+    if (!found) SKIP("no tests/data/<name>/golden.safetensors yet (qwen3moe-tiny, mixtral-tiny)");
+}
+
+/* ---- KV cache, sessions, threads ------------------------------------------------------------ */
+static float *session_logits(moeq_model *m, const int32_t *ids, int64_t T, const int *chunks,
+                             int n_chunks) {
+    int64_t V = m->cfg.vocab;
+    float *out = malloc(sizeof(float) * (size_t)(T * V));
+    moeq_session *s = NULL;
+    ASSERT_OK(moeq_session_create(m, (int32_t)T, &s));
+    int64_t done = 0;
+    for (int i = 0; i < n_chunks; i++) {
+        ASSERT_OK(moeq_session_forward(s, ids + done, chunks[i], out + done * V));
+        done += chunks[i];
+        ASSERT_EQ_INT(done, moeq_session_pos(s));
+    }
+    ASSERT_EQ_INT(T, done);
+    moeq_session_free(s);
+    return out;
+}
+
+static void chunked_for(const char *model) {
+    char rel[256], dir[4096], gold[4096];
+    snprintf(rel, sizeof rel, "fixtures/models/%s", model);
+    snprintf(dir, sizeof dir, "%s", mq_test_shared(rel));
+    snprintf(rel, sizeof rel, "fixtures/models/%s.golden.safetensors", model);
+    snprintf(gold, sizeof gold, "%s", mq_test_shared(rel));
+    golden_case g;
+    open_case(dir, gold, &g);
+    int64_t V = g.m->cfg.vocab, T = g.T;
+    int one[1] = {(int)T};
+    int three[3] = {50, 1, (int)T - 51};
+    int tokens[128];
+    for (int i = 0; i < 128; i++) tokens[i] = 1;
+    float *a = session_logits(g.m, g.ids, T, one, 1);
+    float *b = session_logits(g.m, g.ids, T, three, 3);
+    float *c = session_logits(g.m, g.ids, T, tokens, (int)T);   /* token by token: decode path */
+    double e1 = mq_test_rel_maxdiff(b, a, (size_t)(T * V));
+    double e2 = mq_test_rel_maxdiff(c, a, (size_t)(T * V));
+    fprintf(stderr, "  %s: chunks 50+1+77 vs prefill %.3g, one by one vs prefill %.3g\n", model, e1, e2);
+    ASSERT_TRUE(e1 <= 1e-5);
+    ASSERT_TRUE(e2 <= 1e-5);
+    /* and the session path agrees with the goldens */
+    float *ref = malloc(sizeof(float) * (size_t)(T * V));
+    tensor_f32(g.golden, "logits", ref, T * V);
+    ASSERT_TRUE(mq_test_rel_maxdiff(a, ref, (size_t)(T * V)) <= GOLDEN_RTOL);
+    free(ref);
+    free(a);
+    free(b);
+    free(c);
+    close_case(&g);
+}
+
+static void test_chunked_olmoe(void) { chunked_for("olmoe-tiny"); }
+static void test_chunked_qwen2moe(void) { chunked_for("qwen2moe-tiny"); }
+static void test_chunked_llama(void) { chunked_for("llama-tiny"); }
+
+static void test_threads_bit_identical(void) {
+    const char *models[] = {"olmoe-tiny", "qwen2moe-tiny"};
+    for (int mi = 0; mi < 2; mi++) {
+        char rel[256], dir[4096], gold[4096];
+        snprintf(rel, sizeof rel, "fixtures/models/%s", models[mi]);
+        snprintf(dir, sizeof dir, "%s", mq_test_shared(rel));
+        snprintf(rel, sizeof rel, "fixtures/models/%s.golden.safetensors", models[mi]);
+        snprintf(gold, sizeof gold, "%s", mq_test_shared(rel));
+        golden_case g;
+        open_case(dir, gold, &g);
+        int64_t V = g.m->cfg.vocab, T = g.T;
+        int chunks[2] = {100, (int)T - 100};
+        float *ref = NULL;
+        for (int th = 1; th <= 3; th++) {
+            moeq_set_threads(th);
+            float *out = session_logits(g.m, g.ids, T, chunks, 2);
+            if (!ref) {
+                ref = out;
+                continue;
+            }
+            if (memcmp(ref, out, sizeof(float) * (size_t)(T * V)) != 0)
+                FAIL("%s: logits with %d threads differ from 1 thread", models[mi], th);
+            free(out);
+        }
+        moeq_set_threads(0);
+        free(ref);
+        close_case(&g);
+    }
+}
+
+TEST_MAIN(T(test_golden_olmoe), T(test_golden_qwen2moe), T(test_golden_llama),
+          T(test_golden_bundled_olmoe), T(test_golden_tests_data), T(test_chunked_olmoe),
+          T(test_chunked_qwen2moe), T(test_chunked_llama), T(test_threads_bit_identical))
