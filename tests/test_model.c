@@ -5,8 +5,10 @@
  * prefill, results do not depend on the thread count, the calibration hooks see what they
  * document, and tests/data/<name>/ goldens (made by the lead on a GPU box) when present.
  */
+#include <dirent.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "harness.h"
 #include "model/model.h"
@@ -109,24 +111,40 @@ static void test_golden_bundled_olmoe(void) {
     run_golden("bundled olmoe-tiny", mq_test_repo("models/olmoe-tiny"), gold);
 }
 
-/* tests/data/<name>/ holds a model directory plus golden.safetensors (same layout as the shared
- * goldens); every such folder is checked. */
+/* tests/data/<name>/ holds a model directory; its golden is tests/data/<name>.golden.safetensors
+ * (same layout as the shared goldens), or that of its twin <base> for <base>-fused. Every such
+ * folder is checked, so goldens added later are picked up without code changes. */
 static void test_golden_tests_data(void) {
-    const char *names[] = {"qwen3moe-tiny", "mixtral-tiny"};
-    int found = 0;
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        char dir[4096], gold[4200];
-        snprintf(dir, sizeof dir, "%s", mq_test_repo("tests/data"));
-        size_t n = strlen(dir);
-        snprintf(dir + n, sizeof dir - n, "/%s", names[i]);
-        snprintf(gold, sizeof gold, "%s/golden.safetensors", dir);
-        FILE *f = fopen(gold, "rb");
-        if (!f) continue;
-        fclose(f);
-        found++;
-        run_golden(names[i], dir, gold);
+    char root[4096];
+    snprintf(root, sizeof root, "%s", mq_test_repo("tests/data"));
+    DIR *d = opendir(root);
+    if (!d) SKIP("no tests/data folder");
+    char names[64][256];
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL && n < 64) {
+        char cfg[4600];
+        snprintf(cfg, sizeof cfg, "%s/%s/config.json", root, e->d_name);
+        if (e->d_name[0] != '.' && access(cfg, R_OK) == 0) snprintf(names[n++], 256, "%s", e->d_name);
     }
-    if (!found) SKIP("no tests/data/<name>/golden.safetensors yet (qwen3moe-tiny, mixtral-tiny)");
+    closedir(d);
+    qsort(names, (size_t)n, sizeof names[0], (int (*)(const void *, const void *))strcmp);
+    int checked = 0;
+    for (int i = 0; i < n; i++) {
+        char dir[4400], gold[4600], base[256];
+        snprintf(dir, sizeof dir, "%s/%.200s", root, names[i]);
+        snprintf(base, sizeof base, "%.200s", names[i]);
+        size_t len = strlen(base);
+        snprintf(gold, sizeof gold, "%s/%s.golden.safetensors", root, base);
+        if (access(gold, R_OK) != 0 && len > 6 && strcmp(base + len - 6, "-fused") == 0) {
+            base[len - 6] = 0;
+            snprintf(gold, sizeof gold, "%s/%s.golden.safetensors", root, base);
+        }
+        if (access(gold, R_OK) != 0) FAIL("tests/data/%s has no golden (%s)", names[i], gold);
+        run_golden(names[i], dir, gold);
+        checked++;
+    }
+    if (!checked) SKIP("tests/data holds no model folders");
 }
 
 /* ---- KV cache, sessions, threads ------------------------------------------------------------ */

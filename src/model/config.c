@@ -77,8 +77,9 @@ static const char *get_str(const fields *f, const char *key) {
     return v->valuestring;
 }
 
-static void require_positive(mq_problems *p, const char *key, int32_t v) {
-    if (v <= 0) mq_problems_add(p, "field '%s' must be positive (got %d)", key, v);
+/* A missing required field was reported already by get_int. */
+static void require_positive(const fields *f, const char *key, int32_t v) {
+    if (v <= 0 && field(f, key)) mq_problems_add(f->p, "field '%s' must be positive (got %d)", key, v);
 }
 
 /* ---- pieces ------------------------------------------------------------------------------ */
@@ -183,6 +184,13 @@ static void parse_qwen_layers(const fields *f, mq_config *c) {
     }
 }
 
+/* The expert count goes by two names across transformers versions (qwen3_moe configs written by
+ * transformers 5 say num_local_experts); the family's usual name comes first. */
+static int32_t n_experts_field(const fields *f, const char *name, const char *alias) {
+    if (field(f, name) || !field(f, alias)) return get_int(f, name, true, 0);
+    return get_int(f, alias, true, 0);
+}
+
 static void fill_all(uint8_t *v, int n, uint8_t x) {
     for (int i = 0; i < n; i++) v[i] = x;
 }
@@ -224,11 +232,11 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
     c->n_layers = get_int(&f, "num_hidden_layers", true, 0);
     c->n_heads = get_int(&f, "num_attention_heads", true, 0);
     c->n_kv_heads = get_int(&f, "num_key_value_heads", false, c->n_heads);
-    require_positive(&probs, "vocab_size", c->vocab);
-    require_positive(&probs, "hidden_size", c->D);
-    require_positive(&probs, "num_hidden_layers", c->n_layers);
-    require_positive(&probs, "num_attention_heads", c->n_heads);
-    require_positive(&probs, "num_key_value_heads", c->n_kv_heads);
+    require_positive(&f, "vocab_size", c->vocab);
+    require_positive(&f, "hidden_size", c->D);
+    require_positive(&f, "num_hidden_layers", c->n_layers);
+    require_positive(&f, "num_attention_heads", c->n_heads);
+    require_positive(&f, "num_key_value_heads", c->n_kv_heads);
     if (c->n_heads > 0 && c->n_kv_heads > 0 && c->n_heads % c->n_kv_heads != 0)
         mq_problems_add(&probs, "num_attention_heads %d is not a multiple of num_key_value_heads %d",
                         c->n_heads, c->n_kv_heads);
@@ -240,7 +248,7 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
                             "and head_dim is not given", c->D, c->n_heads);
     }
     c->head_dim = get_int(&f, "head_dim", false, def_hd);
-    if (c->head_dim <= 0 || c->head_dim % 2 != 0)
+    if ((field(&f, "head_dim") || def_hd > 0) && (c->head_dim <= 0 || c->head_dim % 2 != 0))
         mq_problems_add(&probs, "head_dim must be a positive even number (got %d)", c->head_dim);
 
     const char *act = get_str(&f, "hidden_act");
@@ -262,7 +270,7 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
     c->rms_eps = (float)get_num(&f, "rms_norm_eps", def_eps);
     if (!(c->rms_eps > 0)) mq_problems_add(&probs, "rms_norm_eps must be positive");
     c->max_pos = get_int(&f, "max_position_embeddings", false, def_max_pos);
-    require_positive(&probs, "max_position_embeddings", c->max_pos);
+    require_positive(&f, "max_position_embeddings", c->max_pos);
     parse_rope(&f, def_theta, c);
 
     if (c->n_layers > 0 && c->n_layers <= 1 << 20) {
@@ -280,7 +288,7 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
     switch (c->arch) {
     case MQ_ARCH_LLAMA:
         c->ffn = get_int(&f, "intermediate_size", true, 0);
-        require_positive(&probs, "intermediate_size", c->ffn);
+        require_positive(&f, "intermediate_size", c->ffn);
         c->qkv_bias = c->o_bias = get_bool(&f, "attention_bias", false);
         c->mlp_bias = get_bool(&f, "mlp_bias", false);
         break;
@@ -296,7 +304,7 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
         if (have_layers) fill_all(c->layer_is_moe, c->n_layers, 1);
         break;
     case MQ_ARCH_MIXTRAL: {
-        c->n_experts = get_int(&f, "num_local_experts", true, 0);
+        c->n_experts = n_experts_field(&f, "num_local_experts", "num_experts");
         c->top_k = get_int(&f, "num_experts_per_tok", true, 0);
         c->moe_ffn = get_int(&f, "intermediate_size", true, 0);
         c->norm_topk_prob = true;   /* MixtralSparseMoeBlock always renormalises */
@@ -310,14 +318,14 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
     }
     case MQ_ARCH_QWEN2_MOE:
     case MQ_ARCH_QWEN3_MOE:
-        c->n_experts = get_int(&f, "num_experts", true, 0);
+        c->n_experts = n_experts_field(&f, "num_experts", "num_local_experts");
         c->top_k = get_int(&f, "num_experts_per_tok", true, 0);
         c->moe_ffn = get_int(&f, "moe_intermediate_size", true, 0);
         c->ffn = get_int(&f, "intermediate_size", false, 0);
         c->norm_topk_prob = get_bool(&f, "norm_topk_prob", false);
         if (c->arch == MQ_ARCH_QWEN2_MOE) {
             c->shared_ffn = get_int(&f, "shared_expert_intermediate_size", true, 0);
-            require_positive(&probs, "shared_expert_intermediate_size", c->shared_ffn);
+            require_positive(&f, "shared_expert_intermediate_size", c->shared_ffn);
             c->shared_gate = true;
             c->qkv_bias = get_bool(&f, "qkv_bias", true);
         } else {
@@ -335,10 +343,10 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
         break;
     }
     if (c->arch != MQ_ARCH_LLAMA) {
-        require_positive(&probs, c->arch == MQ_ARCH_MIXTRAL ? "num_local_experts" : "num_experts",
+        require_positive(&f, field(&f, "num_experts") ? "num_experts" : "num_local_experts",
                          c->n_experts);
-        require_positive(&probs, "num_experts_per_tok", c->top_k);
-        require_positive(&probs, c->arch == MQ_ARCH_QWEN2_MOE || c->arch == MQ_ARCH_QWEN3_MOE
+        require_positive(&f, "num_experts_per_tok", c->top_k);
+        require_positive(&f, c->arch == MQ_ARCH_QWEN2_MOE || c->arch == MQ_ARCH_QWEN3_MOE
                                      ? "moe_intermediate_size" : "intermediate_size",
                          c->moe_ffn);
         if (c->top_k > 64)

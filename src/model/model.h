@@ -125,7 +125,12 @@ typedef enum {
     MQ_SITE_COUNT
 } mq_site;
 
-/* Called synchronously on the forward's calling thread, in a fixed order, with x [rows, cols]. */
+/* Called synchronously on the forward's calling thread with x [rows, cols] (borrowed: valid only
+ * during the call), after the layer's block that consumes x has run. Fixed order per layer:
+ *   QKV, O, then MLP, MLP_DOWN (dense layer)
+ *   or EXPERT 0, EXPERT_DOWN 0, ..., EXPERT E-1, EXPERT_DOWN E-1, [SHARED, SHARED_DOWN] (MoE).
+ * expert is the expert index for EXPERT/EXPERT_DOWN and -1 otherwise. Every expert is reported,
+ * with rows = 0 when no token was routed to it; its rows are its tokens in increasing order. */
 typedef void (*mq_capture_fn)(void *user, int layer, mq_site site, int expert, const float *x,
                               int64_t rows, int64_t cols);
 typedef struct {
@@ -141,11 +146,14 @@ void mq_state_reset(mq_state *s);
 
 /* x[T, D] = embedding rows of ids (ids validated against the vocabulary). */
 moeq_status mq_embed(const moeq_model *m, const int32_t *ids, int64_t T, float *x);
-/* Runs decoder layers [l0, l1) on x[T, D] in place, for positions pos .. pos+T-1, appending to the
- * state's KV cache of those layers. hooks may be NULL. */
+/* Runs decoder layers [l0, l1) on x[T, D] in place, for positions pos .. pos+T-1, writing the
+ * state's KV cache of those layers at those positions (pos may not exceed what each layer's
+ * cache holds; a smaller pos overwrites, so one state serves many windows without a reset).
+ * pos + T <= max_tokens. hooks may be NULL. Results do not depend on the thread count. */
 moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_t T, int64_t pos,
                               int l0, int l1, const mq_hooks *hooks);
-/* Final RMSNorm in place on x[T, D], then logits[T, V] = x @ lm_head^T (logits may be NULL). */
+/* mq_final_norm: the final RMSNorm in place on x[T, D]. mq_lm_head: logits[T, V] = x @ lm_head^T
+ * (nothing when logits is NULL). */
 void mq_final_norm(const moeq_model *m, float *x, int64_t T);
 void mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits);
 
