@@ -231,6 +231,34 @@ static void test_threads_bit_identical(void) {
     }
 }
 
-TEST_MAIN(T(test_golden_olmoe), T(test_golden_qwen2moe), T(test_golden_llama),
+/* moeq_model_open with the tokenizer, and the info it fills. */
+static void test_model_info(void) {
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_model_open(mq_test_repo("models/olmoe-tiny"), NULL, &m));
+    const moeq_model_info *i = moeq_model_get_info(m);
+    ASSERT_EQ_STR("olmoe", i->model_type);
+    ASSERT_EQ_INT(4096, i->vocab_size);
+    ASSERT_EQ_INT(256, i->hidden_size);
+    ASSERT_EQ_INT(4, i->n_layers);
+    ASSERT_EQ_INT(4, i->n_heads);
+    ASSERT_EQ_INT(4, i->n_kv_heads);
+    ASSERT_EQ_INT(64, i->head_dim);
+    ASSERT_EQ_INT(8, i->n_experts);
+    ASSERT_EQ_INT(2, i->n_experts_per_tok);
+    ASSERT_EQ_INT(256, i->moe_intermediate_size);
+    ASSERT_EQ_INT(512, i->max_position_embeddings);
+    /* The bf16 file holds 2 bytes per parameter plus its header (< 20 KB). */
+    ASSERT_TRUE(18914848 - 2 * i->n_params > 0 && 18914848 - 2 * i->n_params < 20000);
+    ASSERT_EQ_INT(0, i->eos_token_id);
+    ASSERT_EQ_INT(0, i->bos_token_id);   /* config says null; the tokenizer's <|endoftext|> */
+    ASSERT_TRUE(i->quant_scheme == NULL);
+    const moeq_tokenizer *tok = moeq_model_tokenizer(m);
+    ASSERT_TRUE(tok != NULL);
+    ASSERT_EQ_INT(4096, moeq_tokenizer_vocab_size(tok));
+    moeq_model_free(m);
+    moeq_model_free(NULL);
+}
+
+TEST_MAIN(T(test_model_info), T(test_golden_olmoe), T(test_golden_qwen2moe), T(test_golden_llama),
           T(test_golden_bundled_olmoe), T(test_golden_tests_data), T(test_chunked_olmoe),
           T(test_chunked_qwen2moe), T(test_chunked_llama), T(test_threads_bit_identical))
