@@ -860,7 +860,7 @@ static void test_shard_writer_single(void) {
     /* A stale index from an earlier sharded write must not shadow the new single file. */
     write_index(dir, "{\"weight_map\":{\"old\":\"model-00001-of-00002.safetensors\"}}");
     mq_shard_writer *sw = NULL;
-    ASSERT_OK(mq_shards_open(dir, 1 << 20, &sw));
+    ASSERT_OK(mq_shards_open(dir, 0, &sw));   /* 0: no limit */
     uint16_t h[3] = {0x3f80, 0x4000, 0x4040};
     int64_t s3 = 3;
     ASSERT_OK(mq_shards_add(sw, "w", MOEQ_DT_BF16, 1, &s3, h, 6));

@@ -19,12 +19,16 @@ typedef struct {
     int ndim;
     int64_t shape[MQ_MAX_DIMS];
     int64_t numel;
-    const uint8_t *data;   /* borrowed: points into the file mapping */
+    const uint8_t *data;   /* borrowed: points into the file mapping. Not necessarily aligned to
+                              the element size (files from other writers): load with memcpy */
     size_t nbytes;
     const char *file;      /* path of the file that holds it */
 } mq_tensor_view;
 
 typedef struct mq_st mq_st;   /* one file, or all shards of a checkpoint */
+
+/* Errors: MOEQ_E_FORMAT for anything wrong in a file's content (the message names the file and,
+ * where there is one, the tensor), MOEQ_E_IO when the OS cannot open/map/read it. */
 
 /* One .safetensors file. */
 moeq_status mq_st_open_file(const char *path, mq_st **out);
@@ -32,8 +36,10 @@ moeq_status mq_st_open_file(const char *path, mq_st **out);
  * names it in error messages. */
 moeq_status mq_st_open_buffer(const void *buf, size_t len, const char *label, mq_st **out);
 /* A checkpoint directory: model.safetensors.index.json if present (every shard named in the
- * weight_map must exist and every mapped tensor must be in its shard), else model.safetensors,
- * else the single *.safetensors file in the directory. */
+ * weight_map must exist and every mapped tensor must be in its shard, else MOEQ_E_FORMAT naming
+ * the shard and tensor; tensors a shard holds beyond the map are exposed too; a name stored in two
+ * shards is an error), else model.safetensors, else the single *.safetensors file in the
+ * directory. No such file: MOEQ_E_NOTFOUND; several without an index: MOEQ_E_FORMAT. */
 moeq_status mq_st_open_dir(const char *dir, mq_st **out);
 void mq_st_close(mq_st *st);
 
@@ -42,13 +48,16 @@ size_t mq_st_count(const mq_st *st);
 const mq_tensor_view *mq_st_at(const mq_st *st, size_t i);
 /* NULL if absent (no error set). */
 const mq_tensor_view *mq_st_find(const mq_st *st, const char *name);
-/* A __metadata__ value of the (first) file, or NULL. */
+/* A __metadata__ value of the (first) file, or NULL. For an index, the first shard in name
+ * order. */
 const char *mq_st_metadata(const mq_st *st, const char *key);
 
 /* moeq_dtype from its safetensors name ("BF16"); returns false if unknown. */
 bool mq_dtype_from_name(const char *name, moeq_dtype *out);
 
-/* Converts a floating tensor (F32, F16, BF16, F8_E4M3, F64) to fp32, n = numel values. */
+/* Converts a floating tensor (F32, F16, BF16, F64) to fp32, n = numel values. F8_E4M3 gives
+ * MOEQ_E_UNSUPPORTED until the formats module's mq_e4m3_decode is wired in; integer dtypes give
+ * MOEQ_E_UNSUPPORTED. */
 moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out);
 
 /* ---- writing ---------------------------------------------------------------------------- */
@@ -56,7 +65,8 @@ typedef struct mq_st_writer mq_st_writer;
 
 mq_st_writer *mq_stw_new(void);
 void mq_stw_free(mq_st_writer *w);
-/* Adds a tensor; the data is copied. Duplicate names and size/shape mismatches are errors. */
+/* Adds a tensor; the data is copied. A duplicate name is MOEQ_E_EXISTS, nbytes != numel * dtype
+ * size (or a negative/overflowing shape) MOEQ_E_SHAPE, other bad arguments MOEQ_E_ARG. */
 moeq_status mq_stw_add(mq_st_writer *w, const char *name, moeq_dtype dtype, int ndim,
                        const int64_t *shape, const void *data, size_t nbytes);
 /* Same, taking ownership of a buffer from mq_alloc (freed by the writer, also on error). */
@@ -65,12 +75,17 @@ moeq_status mq_stw_add_owned(mq_st_writer *w, const char *name, moeq_dtype dtype
 moeq_status mq_stw_set_metadata(mq_st_writer *w, const char *key, const char *value);
 size_t mq_stw_data_bytes(const mq_st_writer *w);
 size_t mq_stw_count(const mq_st_writer *w);
-/* Writes the file atomically (temporary name, renamed when complete). */
+/* Writes the file atomically (temporary name, renamed when complete), in the reference writer's
+ * layout: {"__metadata__":{"format":"pt",...}, tensors...} padded with spaces to a multiple of 8,
+ * tensors ordered by dtype descending in the safetensors enum order (8-byte types first, then 4,
+ * 2, 1) and then by name, so each is naturally aligned. Set "format" to replace "pt". The writer
+ * keeps its tensors and may be written again. */
 moeq_status mq_stw_write(mq_st_writer *w, const char *path);
 
 /* ---- sharded checkpoint writing ------------------------------------------------------------ */
 /* Streams tensors into shards of at most max_shard_bytes of tensor data (a tensor larger than
- * that gets a shard of its own). finish() names them model-0000i-of-0000K.safetensors and writes
+ * that gets a shard of its own; 0 = no limit, one file). Shards keep the order tensors are added
+ * in: a new one starts when the next tensor would push the current one past the limit. finish() names them model-0000i-of-0000K.safetensors and writes
  * model.safetensors.index.json ({"metadata":{"total_size":N},"weight_map":{...}}); with a single
  * shard it writes model.safetensors and no index. Shards are flushed to temporary names as they
  * fill, so memory stays bounded by one shard. Directory must exist. */
@@ -81,6 +96,8 @@ moeq_status mq_shards_add(mq_shard_writer *sw, const char *name, moeq_dtype dtyp
 moeq_status mq_shards_add_owned(mq_shard_writer *sw, const char *name, moeq_dtype dtype, int ndim,
                                 const int64_t *shape, void *data, size_t nbytes);
 moeq_status mq_shards_finish(mq_shard_writer *sw);
+/* A single-shard finish also deletes a stale model.safetensors.index.json, which would otherwise
+ * shadow the new model.safetensors. */
 /* Frees; if finish() was not reached, removes every shard file written so far. */
 void mq_shards_free(mq_shard_writer *sw);
 
