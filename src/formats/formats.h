@@ -52,6 +52,8 @@ typedef struct {
     mq_qscheme scheme;
     int32_t group_size;      /* NVFP4: 16; MXFP4: 32; INT4: 32/64/128, or -1 = one group per row */
     bool asym;               /* INT4 only: scale=(max-min)/15, integer zero point */
+    int8_t int4_zero_min;    /* INT4 asym: smallest zero point (1 for GPTQ v1, whose stored
+                                zero - 1 cannot hold -1); default 0 */
     float int4_sym_div;      /* INT4 sym: scale = amax / div; 7 (no clipping) or 7.5 (CT/GPTQ) */
     moeq_dtype scale_dtype;  /* INT4: dtype the scale is stored in (BF16/F16/F32); scales are
                                 rounded to it before quantizing so loads are bit-identical */

@@ -216,7 +216,8 @@ static void params_scaled(const mq_qspec *s, float global_scale, float amax, flo
                 scale = mq_round_to_dtype(scale, s->scale_dtype);
                 if (scale == 0.0f) scale = mq_round_to_dtype(0x1p-24f, s->scale_dtype);
                 float z = rintf(-lo / scale);
-                out->zero = z < 0.0f ? 0.0f : z > 15.0f ? 15.0f : z;
+                float zmin = (float)s->int4_zero_min;
+                out->zero = z < zmin ? zmin : z > 15.0f ? 15.0f : z;
             } else {
                 scale = 0.0f;
             }

@@ -1,0 +1,68 @@
+/*
+ * Checkpoint layouts of one quantized Linear: packing an mq_qtensor into the tensors a serving
+ * engine loads, and unpacking them back. Spec: ../shared/docs/formats.md sections 2.1-2.4.
+ *
+ *   compressed-tensors NVFP4 (nvfp4-pack-quantized):
+ *       P.weight_packed U8 [N, K/2] (even column in the low nibble), P.weight_scale F8_E4M3
+ *       [N, K/16], P.weight_global_scale F32 [1] (divisor 2688/amax), P.input_global_scale F32 [1]
+ *       (W4A4 only)
+ *   compressed-tensors INT4 (pack-quantized):
+ *       P.weight_packed I32 [N, K/8] (unsigned code, LSB first), P.weight_scale [N, K/G] in the
+ *       spec's scale dtype, P.weight_shape I64 [2], P.weight_zero_point I32 [ceil(N/8), K/G]
+ *       (asym only, packed along the out dim), P.weight_g_idx I32 [K] (act-order only)
+ *   ModelOpt NVFP4: P.weight U8 [N, K/2], P.weight_scale F8_E4M3 [N, K/16], P.weight_scale_2 F32 []
+ *       (multiplier amax/2688), P.input_scale F32 [] (W4A4 only)
+ *   GPTQ v1: P.qweight I32 [K/8, N], P.qzeros I32 [G, N/8] (zero - 1, the v1 quirk), P.scales F16
+ *       [G, N], P.g_idx I32 [K]
+ *
+ * NVFP4 global scales are stored in the format's own convention; a tensor quantized in the other
+ * convention is stored as the reciprocal (not bit-exact on reload), so the quantize driver
+ * quantizes CT checkpoints in MQ_NVFP4_CT and ModelOpt ones in MQ_NVFP4_MUL.
+ */
+#ifndef MOEQ_EXPORT_LAYOUT_H
+#define MOEQ_EXPORT_LAYOUT_H
+
+#include "formats/formats.h"
+#include "io/safetensors.h"
+
+typedef enum { MQ_FMT_CT = 0, MQ_FMT_MODELOPT, MQ_FMT_GPTQ } mq_ckpt_format;
+
+const char *mq_ckpt_format_name(mq_ckpt_format f);   /* "compressed-tensors", "modelopt", "gptq" */
+
+/* Receives one output tensor; data was allocated with mq_alloc and is owned by the callee from
+ * the call on (also when it fails). */
+typedef moeq_status (*mq_emit_fn)(void *user, const char *name, moeq_dtype dtype, int ndim,
+                                  const int64_t *shape, void *data, size_t nbytes);
+
+/* Emits the tensors of the quantized Linear `module` (e.g. "model.layers.0.mlp.experts.3.w1").
+ * input_amax > 0 adds the W4A4 activation scale (NVFP4 only). Shape limits of the format (K % 8,
+ * N % 8 for GPTQ, ...) are checked here and reported naming the module. */
+moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qtensor *q,
+                           float input_amax, mq_emit_fn emit, void *user);
+
+/* Looks a tensor up by its full name; NULL when absent. */
+typedef const mq_tensor_view *(*mq_lookup_fn)(void *user, const char *name);
+
+/* What a checkpoint holds for one Linear module. */
+typedef enum {
+    MQ_LIN_ABSENT = 0,    /* no tensor of the module */
+    MQ_LIN_DENSE,         /* P.weight in a float dtype */
+    MQ_LIN_CT_NVFP4,
+    MQ_LIN_CT_INT4,
+    MQ_LIN_MODELOPT_NVFP4,
+    MQ_LIN_GPTQ,
+} mq_linear_kind;
+
+mq_linear_kind mq_layout_detect(const char *module, mq_lookup_fn lookup, void *user);
+
+/* Rebuilds the mq_qtensor of a quantized Linear with `rows` x `cols` (the shape the model config
+ * implies; checked against the tensors). Every shape, dtype and code is validated: a malformed
+ * tensor is MOEQ_E_FORMAT naming the tensor. out is initialised here; free it with
+ * mq_qtensor_free (also after an error). */
+moeq_status mq_layout_read(const char *module, int64_t rows, int64_t cols, mq_lookup_fn lookup,
+                           void *user, mq_qtensor *out);
+
+/* Tensor name suffixes of every layout (for recognising quantization tensors in a checkpoint). */
+bool mq_layout_is_quant_suffix(const char *suffix);
+
+#endif
