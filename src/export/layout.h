@@ -65,4 +65,26 @@ moeq_status mq_layout_read(const char *module, int64_t rows, int64_t cols, mq_lo
 /* Tensor name suffixes of every layout (for recognising quantization tensors in a checkpoint). */
 bool mq_layout_is_quant_suffix(const char *suffix);
 
+/* ---- for the model loader and inspect ------------------------------------------------------ */
+/* The fp32 weight w [rows, cols] of the Linear `module` of st, whatever its storage: a float
+ * `module.weight`, or any quantized layout above, dequantized exactly as mq_dequantize does (so
+ * quantize -> write -> load is bit-identical to the in-memory fake quantization). kind may be
+ * NULL. MOEQ_E_NOTFOUND when the module has no tensor. */
+moeq_status mq_load_linear_weight(const mq_st *st, const char *module, int64_t rows, int64_t cols,
+                                  float *w, mq_linear_kind *kind);
+
+typedef struct {
+    mq_linear_kind kind;
+    mq_qscheme scheme;         /* MQ_QS_NONE for a dense weight */
+    int64_t rows, cols;        /* from the tensors */
+    int64_t group_size;
+    bool asym, act_order, has_input_scale;
+    double bits_per_weight;    /* stored bytes of the module's weight tensors * 8 / (rows * cols) */
+} mq_linear_qinfo;
+
+/* Describes the Linear `module` of st from its tensors (shapes inferred, scales not read). */
+moeq_status mq_linear_qinfo_get(const mq_st *st, const char *module, mq_linear_qinfo *out);
+/* "dense", "nvfp4 (compressed-tensors)", ... */
+const char *mq_linear_kind_name(mq_linear_kind k);
+
 #endif
