@@ -538,7 +538,95 @@ static void test_load_errors(void) {
     ASSERT_ERROR_MENTIONS(cfg_path);
 }
 
+/* ---- NFC (Qwen2/Qwen3 normalizer); expected forms from Python's unicodedata.normalize ----------- */
+
+static void test_nfc_unit(void) {
+    static const struct {
+        const char *in, *nfc;
+    } cases[] = {
+        {"e\xcc\x81", "\xc3\xa9"},                                    /* e + acute -> é */
+        {"\xe1\xb8\x8b\xcc\xa3", "\xe1\xb8\x8d\xcc\x87"},             /* reorder, then compose */
+        {"\xe1\x84\x80\xe1\x85\xa1\xe1\x86\xa8", "\xea\xb0\x81"},     /* Hangul L V T */
+        {"\xea\xb0\x80\xe1\x86\xa8", "\xea\xb0\x81"},                 /* Hangul LV + T */
+        {"\xe2\x84\xab", "\xc3\x85"},                                 /* singleton Å (U+212B) */
+        {"\xe2\x84\xa6", "\xce\xa9"},                                 /* Ohm -> Omega */
+        {"\xe0\xa5\x98", "\xe0\xa4\x95\xe0\xa4\xbc"},                 /* excluded from composition */
+        {"a\xcc\xa8\xcc\x81", "\xc4\x85\xcc\x81"},                    /* ogonek composes first */
+        {"a\xcc\x81\xcc\xa8", "\xc4\x85\xcc\x81"},
+        {"\xcc\x81" "e", "\xcc\x81" "e"},                             /* leading mark stays */
+        {"\xcd\x84", "\xcc\x88\xcc\x81"},                             /* non-starter decomposition */
+        {"\xe1\xbe\x82", "\xe1\xbe\x82"},                             /* already composed */
+        {"A\xcc\x8a\xcc\x81x\xcc\x80\xcc\x80", "\xc7\xbax\xcc\x80\xcc\x80"},   /* blocked 2nd grave */
+        {"plain ASCII", "plain ASCII"},
+        /* Only the spans around marks are rewritten; the starter before a mark takes part. */
+        {"xe\xcc\x81y", "x\xc3\xa9y"},
+        {"\xc3\xa9\xcc\xa3!", "\xe1\xba\xb9\xcc\x81!"},                  /* é + dot below */
+        {"ok \xe1\x84\x80\xe1\x85\xa1 \xcc\x81", "ok \xea\xb0\x80 \xcc\x81"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *out = NULL;
+        size_t n = 0;
+        ASSERT_OK(mq_nfc(cases[i].in, strlen(cases[i].in), &out, &n));
+        ASSERT_EQ_INT(strlen(cases[i].nfc), n);
+        ASSERT_EQ_STR(cases[i].nfc, out);
+        free(out);
+    }
+    ASSERT_TRUE(mq_nfc_quick_yes("caf\xc3\xa9 \xe6\x97\xa5", 9));   /* café 日 */
+    ASSERT_FALSE(mq_nfc_quick_yes("e\xcc\x81", 3));
+    ASSERT_FALSE(mq_nfc_quick_yes("\xe2\x84\xab", 3));
+}
+
+/* Writes the fixture tokenizer.json with `normalizer` replaced; returns its path. */
+static const char *fixture_with_normalizer(const char *normalizer_json) {
+    char *json = NULL;
+    ASSERT_OK(mq_read_file(mq_test_shared(FIXTURE_TOKENIZER), &json, NULL));
+    cJSON *root = cJSON_Parse(json);
+    cJSON_ReplaceItemInObject(root, "normalizer", cJSON_Parse(normalizer_json));
+    char *text = cJSON_PrintUnformatted(root);
+    const char *path = write_file(mq_test_tmpdir(), "tokenizer.json", text);
+    free(text);
+    cJSON_Delete(root);
+    free(json);
+    return path;
+}
+
+static void test_nfc_normalizer(void) {
+    moeq_tokenizer *plain = load_fixture(), *nfc = NULL;
+    ASSERT_OK(moeq_tokenizer_load(fixture_with_normalizer("{\"type\":\"NFC\"}"), &nfc));
+    /* Decomposed input encodes as its composed form; specials still cut the text first. */
+    const char *in = "Cafe\xcc\x81<|endoftext|>\xe2\x84\xab ok", *composed = "Caf\xc3\xa9<|endoftext|>\xc3\x85 ok";
+    int32_t *a = NULL, *b = NULL;
+    size_t na = 0, nb = 0;
+    ASSERT_OK(moeq_tokenizer_encode(nfc, in, strlen(in), &a, &na));
+    ASSERT_OK(moeq_tokenizer_encode(plain, composed, strlen(composed), &b, &nb));
+    assert_ids("NFC input", b, nb, a, na);
+    free(a);
+    free(b);
+    /* wikitext is already NFC (it holds combining marks, so the slow path runs): same ids. */
+    char *text = NULL;
+    size_t len = 0;
+    ASSERT_OK(mq_read_file(mq_test_shared("fixtures/text/wikitext2_test.txt"), &text, &len));
+    ASSERT_FALSE(mq_nfc_quick_yes(text, len));
+    ASSERT_OK(moeq_tokenizer_encode(nfc, text, len, &a, &na));
+    ASSERT_OK(moeq_tokenizer_encode(plain, text, len, &b, &nb));
+    assert_ids("wikitext with NFC", b, nb, a, na);
+    free(a);
+    free(b);
+    free(text);
+    moeq_tokenizer_free(nfc);
+    /* Sequence of NFC loads; anything else in a Sequence is named. */
+    ASSERT_OK(moeq_tokenizer_load(
+        fixture_with_normalizer("{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"NFC\"}]}"), &nfc));
+    moeq_tokenizer_free(nfc);
+    ASSERT_STATUS(MOEQ_E_UNSUPPORTED, moeq_tokenizer_load(
+        fixture_with_normalizer("{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"NFC\"},"
+                                "{\"type\":\"Lowercase\"}]}"), &nfc));
+    ASSERT_ERROR_MENTIONS("normalizer.normalizers[1].type 'Lowercase'");
+    moeq_tokenizer_free(plain);
+}
+
 TEST_MAIN(T(test_golden_ids), T(test_fixture_metadata), T(test_hand_cases), T(test_invalid_utf8),
           T(test_decode_lossy_and_errors), T(test_matches_slow_reference_on_wikitext),
           T(test_wikitext_round_trip), T(test_small_tokenizer_added_token_flags),
-          T(test_small_tokenizer_sequence_split), T(test_load_errors))
+          T(test_small_tokenizer_sequence_split), T(test_load_errors), T(test_nfc_unit),
+          T(test_nfc_normalizer))

@@ -85,6 +85,7 @@ struct moeq_tokenizer {
     int n_split;
     int bl_level;                  /* index of the ByteLevel stage among the split levels */
     bool prefix_space;
+    bool nfc;                      /* normalizer: NFC */
 
     int32_t bos, eos;
 };
@@ -605,6 +606,30 @@ static moeq_status parse_pre_tokenizer(moeq_tokenizer *t, const cJSON *pt) {
     return MOEQ_OK;
 }
 
+/* null, NFC, or a Sequence of NFC entries. */
+static moeq_status parse_normalizer(moeq_tokenizer *t, const cJSON *norm) {
+    if (!norm || cJSON_IsNull(norm)) return MOEQ_OK;
+    const cJSON *type = jget(norm, "type");
+    const char *ty = cJSON_IsString(type) ? type->valuestring : "";
+    if (!strcmp(ty, "NFC")) {
+        t->nfc = true;
+        return MOEQ_OK;
+    }
+    if (strcmp(ty, "Sequence")) return unsupported(t, "normalizer.type", type, "null or NFC");
+    const cJSON *list = jget(norm, "normalizers");
+    int i = 0;
+    for (const cJSON *e = cJSON_IsArray(list) ? list->child : NULL; e; e = e->next, i++) {
+        const cJSON *et = jget(e, "type");
+        if (!cJSON_IsString(et) || strcmp(et->valuestring, "NFC")) {
+            char field[64];
+            snprintf(field, sizeof field, "normalizer.normalizers[%d].type", i);
+            return unsupported(t, field, et, "NFC only");
+        }
+        t->nfc = true;
+    }
+    return MOEQ_OK;
+}
+
 /* Per-id token strings and decoded bytes, byte ids of the alphabet. */
 static moeq_status build_id_tables(moeq_tokenizer *t) {
     size_t n = (size_t)t->n_ids;
@@ -747,8 +772,7 @@ moeq_status moeq_tokenizer_load(const char *path, moeq_tokenizer **out) {
     if (st == MOEQ_OK && !cJSON_IsObject(root))
         st = mq_err(MOEQ_E_FORMAT, "%s: top level is not a JSON object", path);
     const cJSON *norm = jget(root, "normalizer"), *dec = jget(root, "decoder");
-    if (st == MOEQ_OK && norm && !cJSON_IsNull(norm))
-        st = unsupported(t, "normalizer.type", jget(norm, "type"), "no normalizer");
+    if (st == MOEQ_OK) st = parse_normalizer(t, norm);
     if (st == MOEQ_OK && !(cJSON_IsString(jget(dec, "type")) &&
                            !strcmp(jget(dec, "type")->valuestring, "ByteLevel")))
         st = unsupported(t, "decoder.type", jget(dec, "type"), "ByteLevel");
@@ -1087,14 +1111,15 @@ static const added_token *added_at(const moeq_tokenizer *t, const added_index *i
     return NULL;
 }
 
+static moeq_status split_added(enc_state *e, int pass, const char *s, size_t n);
+
 /* Cuts the added tokens of pass `pass` out of s (HF AddedVocabulary::find_matches); the pieces in
  * between go to the next pass, and after the last pass to the pre-tokenizer. */
-static moeq_status split_added(enc_state *e, int pass, const char *s, size_t n) {
+static moeq_status cut_added(enc_state *e, int pass, const char *s, size_t n) {
     const moeq_tokenizer *t = e->tok;
-    if (pass == 2) return pretokenize(e, 0, s, n);
+    moeq_status st;
     const added_index *ix = &t->pass[pass];
     if (ix->start[256] == 0) return split_added(e, pass + 1, s, n);
-    moeq_status st;
     size_t done = 0, p = 0;
     while (p < n) {
         const added_token *a = ix->start[(uint8_t)s[p] + 1] > ix->start[(uint8_t)s[p]]
@@ -1138,6 +1163,21 @@ static moeq_status split_added(enc_state *e, int pass, const char *s, size_t n) 
         done = stop;
     }
     return done < n ? split_added(e, pass + 1, s + done, n - done) : MOEQ_OK;
+}
+
+static moeq_status split_added(enc_state *e, int pass, const char *s, size_t n) {
+    if (pass == 2) return pretokenize(e, 0, s, n);
+    if (pass == 1 && e->tok->nfc && !mq_nfc_quick_yes(s, n)) {
+        /* The normalizer runs on the pieces left by the non-normalized tokens (HF
+         * extract_and_normalize); the normalized copy lives until the piece is encoded. */
+        char *norm = NULL;
+        size_t nn = 0;
+        moeq_status st = mq_nfc(s, n, &norm, &nn);
+        if (st == MOEQ_OK) st = cut_added(e, 1, norm, nn);
+        free(norm);
+        return st;
+    }
+    return cut_added(e, pass, s, n);
 }
 
 moeq_status moeq_tokenizer_encode(const moeq_tokenizer *t, const char *text, size_t len,

@@ -4,7 +4,10 @@
  * Supported (everything else fails at load with MOEQ_E_UNSUPPORTED naming the file and field):
  *  - model: BPE (vocab object; merges as ["a","b"] pairs or "a b" strings; ignore_merges;
  *    unk_token/fuse_unk/byte_fallback); no dropout, no continuing_subword_prefix/end_of_word_suffix.
- *  - normalizer: null.
+ *  - normalizer: null, NFC, or a Sequence of NFC entries (Qwen2/Qwen3); NFC applies to the text
+ *    between normalized=false added tokens, as in HF. normalized=true added tokens are matched
+ *    by their content as written (HF matches their NFC form; the two differ only for content
+ *    that is not NFC).
  *  - pre_tokenizer: ByteLevel (add_prefix_space, use_regex with the GPT-2 split regex), or a
  *    Sequence of Split pre-tokenizers (Regex or String pattern, behavior Isolated, not inverted)
  *    ending in ByteLevel (the Llama-3 / Qwen2 / DeepSeek layout).
@@ -41,5 +44,11 @@ moeq_status mq_tokenizer_decode_bytes(const moeq_tokenizer *tok, const int32_t *
 /* Byte offset of the first invalid UTF-8 sequence in s[0..n), or n when s is valid (strict: no
  * overlong forms, surrogates or code points above U+10FFFF). */
 size_t mq_utf8_check(const char *s, size_t n);
+
+/* NFC (tokenizer_nfc.c). mq_nfc_quick_yes: true when s is NFC by the quick check (every code
+ * point a starter with NFC_Quick_Check=Yes), so mq_nfc would return it unchanged. mq_nfc: the NFC
+ * form of valid UTF-8 s[0..n) in a malloc'ed, NUL-terminated buffer. */
+bool mq_nfc_quick_yes(const char *s, size_t n);
+moeq_status mq_nfc(const char *s, size_t n, char **out, size_t *out_len);
 
 #endif
