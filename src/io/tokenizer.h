@@ -13,8 +13,8 @@
  *    ending in ByteLevel (the Llama-3 / Qwen2 / DeepSeek layout).
  *  - decoder: ByteLevel.
  *  - added_tokens: matched in the raw text before pre-tokenization, leftmost-longest;
- *    normalized=false tokens first, then normalized=true ones in the remaining pieces (the same
- *    text here, as no normalizer is supported); lstrip/rstrip take Unicode White_Space;
+ *    normalized=false tokens first, then normalized=true ones in the remaining pieces (after NFC
+ *    when the normalizer is NFC); lstrip/rstrip take Unicode White_Space;
  *    single_word rejects a match touching a word character (\w with PCRE2 Unicode properties,
  *    which may differ from Rust's \w on rare marks).
  * Regexes run on PCRE2 (UTF + UCP, JIT when available) where HF uses Oniguruma: \s, \p{L} and
@@ -22,6 +22,10 @@
  * Decoding follows HF's ByteLevel decoder: a token whose characters all belong to the byte
  * alphabet becomes those bytes, any other token (e.g. an added token with a space) its raw UTF-8.
  * A loaded tokenizer is immutable; encode/decode may run on several threads at once.
+ * Not supported: SentencePiece-style BPE (Metaspace pre-tokenizer, Replace/Prepend normalizers,
+ * ByteFallback/Fuse/Strip decoders, e.g. Mixtral/Llama-2), WordPiece, Unigram, WordLevel.
+ * Edge: after an rstrip token HF may still report a match that starts inside the stripped
+ * spaces (overlapping pieces); here scanning resumes after the stripped spaces.
  */
 #ifndef MOEQ_IO_TOKENIZER_H
 #define MOEQ_IO_TOKENIZER_H
