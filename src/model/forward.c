@@ -23,7 +23,7 @@
 
 enum {
     ATT_QB = 64,     /* query rows per attention task */
-    MOE_ROWS = 64,   /* routed rows per expert task */
+    MOE_ROWS = 128,   /* routed rows per expert task */
 };
 
 struct mq_state {
@@ -294,8 +294,9 @@ static void attention_task(void *ctx, int64_t task, int thread) {
             sr[i] = expf(sr[i] - mx);
             sum += sr[i];
         }
+        float sumf = (float)sum;
         for (int64_t i = 0; i < lo; i++) sr[i] = 0.0f;
-        for (int64_t i = lo; i < hi; i++) sr[i] = (float)(sr[i] / sum);
+        for (int64_t i = lo; i < hi; i++) sr[i] /= sumf;
         for (int64_t i = hi; i < nk; i++) sr[i] = 0.0f;
     }
     mq_gemm_nn(rows, hd, nk, 1.0f, S, nk, vc, ldk, 0.0f, s->att + i0 * ldq + h * hd, ldq);

@@ -1,12 +1,238 @@
-/* moeq inspect (not implemented yet). */
-#include <stdio.h>
+/*
+ * moeq inspect MODEL_DIR [--tensors]: what a checkpoint holds, read from config.json and the
+ * safetensors headers only (no weight is loaded, so it is instant on any size): architecture,
+ * layer and expert layout, parameter counts (total and active per token), values and bytes per
+ * dtype, the quantization scheme when config.json has a quantization_config, and with --tensors
+ * every tensor's dtype, shape and size.
+ */
+#include <cjson/cJSON.h>
+#include <ctype.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cli.h"
 #include "commands.h"
+#include "model/model.h"
+
+/* "9.45M" style figure. */
+static void human(char *buf, size_t n, double v, const char *unit) {
+    const char *suffix[] = {"", "K", "M", "G", "T"};
+    int k = 0;
+    while (v >= 1000 && k < 4) {
+        v /= 1000;
+        k++;
+    }
+    snprintf(buf, n, k ? "%.2f %s%s" : "%.0f %s%s", v, suffix[k], unit);
+}
+
+/* Orders tensor names with digit runs compared as numbers (layers.2 before layers.10). */
+static int natural_cmp(const char *a, const char *b) {
+    while (*a && *b) {
+        if (isdigit((unsigned char)*a) && isdigit((unsigned char)*b)) {
+            char *ea, *eb;
+            unsigned long long x = strtoull(a, &ea, 10), y = strtoull(b, &eb, 10);
+            if (x != y) return x < y ? -1 : 1;
+            a = ea;
+            b = eb;
+            continue;
+        }
+        if (*a != *b) return (unsigned char)*a < (unsigned char)*b ? -1 : 1;
+        a++;
+        b++;
+    }
+    return *a ? 1 : *b ? -1 : 0;
+}
+
+static int cmp_views(const void *x, const void *y) {
+    const mq_tensor_view *a = *(const mq_tensor_view *const *)x, *b = *(const mq_tensor_view *const *)y;
+    return natural_cmp(a->name, b->name);
+}
+
+/* ---- quantization_config ------------------------------------------------------------------- */
+static const char *jstr(const cJSON *o, const char *k) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+static void print_json_compact(const char *label, const cJSON *v) {
+    char *s = cJSON_PrintUnformatted(v);
+    if (s) printf("  %-20s %s\n", label, s);
+    free(s);
+}
+
+/* compressed-tensors: one line per config group (targets, weight / activation scheme). */
+static void print_ct_groups(const cJSON *q) {
+    const cJSON *groups = cJSON_GetObjectItemCaseSensitive(q, "config_groups"), *g;
+    cJSON_ArrayForEach(g, groups) {
+        printf("  group %-14s", g->string);
+        const char *parts[] = {"weights", "input_activations"};
+        for (int i = 0; i < 2; i++) {
+            const cJSON *w = cJSON_GetObjectItemCaseSensitive(g, parts[i]);
+            if (!cJSON_IsObject(w)) continue;
+            const cJSON *bits = cJSON_GetObjectItemCaseSensitive(w, "num_bits");
+            const cJSON *gs = cJSON_GetObjectItemCaseSensitive(w, "group_size");
+            printf(" %s: %s%d", i ? "activations" : "weights", jstr(w, "type") ? jstr(w, "type") : "?",
+                   cJSON_IsNumber(bits) ? bits->valueint : 0);
+            if (jstr(w, "strategy")) printf(" %s", jstr(w, "strategy"));
+            if (cJSON_IsNumber(gs)) printf(" g%d", gs->valueint);
+            const cJSON *sym = cJSON_GetObjectItemCaseSensitive(w, "symmetric");
+            if (cJSON_IsBool(sym)) printf(" %s", cJSON_IsTrue(sym) ? "sym" : "asym");
+            printf(";");
+        }
+        const cJSON *targets = cJSON_GetObjectItemCaseSensitive(g, "targets");
+        if (targets) {
+            char *t = cJSON_PrintUnformatted(targets);
+            printf(" targets %s", t ? t : "?");
+            free(t);
+        }
+        printf("\n");
+    }
+}
+
+/* Prints the scheme of a quantized checkpoint. Each quant_method gets its own branch here;
+ * unknown ones are shown as raw JSON. */
+static void print_quantization(const char *config_path) {
+    char *json = NULL;
+    size_t len = 0;
+    if (mq_read_file(config_path, &json, &len) != MOEQ_OK) return;
+    cJSON *root = cJSON_ParseWithLength(json, len);
+    free(json);
+    const cJSON *q = cJSON_GetObjectItemCaseSensitive(root, "quantization_config");
+    if (!cJSON_IsObject(q)) {
+        printf("quantization          none (unquantized checkpoint)\n");
+        cJSON_Delete(root);
+        return;
+    }
+    const char *method = jstr(q, "quant_method");
+    printf("quantization          %s", method ? method : "(no quant_method)");
+    if (jstr(q, "format")) printf(", format %s", jstr(q, "format"));
+    printf("\n");
+    if (method && !strcmp(method, "compressed-tensors")) {
+        print_ct_groups(q);
+        const cJSON *ign = cJSON_GetObjectItemCaseSensitive(q, "ignore");
+        if (ign) print_json_compact("ignore", ign);
+    } else if (method && (!strcmp(method, "gptq") || !strcmp(method, "awq"))) {
+        const char *keys[] = {"bits", "group_size", "desc_act", "sym", "checkpoint_format"};
+        for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+            const cJSON *v = cJSON_GetObjectItemCaseSensitive(q, keys[i]);
+            if (v) print_json_compact(keys[i], v);
+        }
+    } else {
+        print_json_compact("config", q);
+    }
+    cJSON_Delete(root);
+}
+
+/* ---- the command --------------------------------------------------------------------------- */
+static const char *arch_notes(const mq_config *c) {
+    switch (c->arch) {
+    case MQ_ARCH_LLAMA: return "dense";
+    case MQ_ARCH_OLMOE: return "MoE, q/k RMSNorm over the whole projection";
+    case MQ_ARCH_QWEN2_MOE: return "MoE with a shared expert (sigmoid gate), q/k/v bias";
+    case MQ_ARCH_QWEN3_MOE: return "MoE, per-head q/k RMSNorm";
+    case MQ_ARCH_MIXTRAL: return "MoE (block_sparse_moe)";
+    }
+    return "";
+}
+
+static int inspect(const char *dir, bool tensors) {
+    mq_config c;
+    moeq_status st = mq_config_load(dir, &c);
+    if (st) return cli_fail("inspect", st);
+    mq_st *sf = NULL;
+    st = mq_st_open_dir(dir, &sf);
+    if (st) {
+        mq_config_free(&c);
+        return cli_fail("inspect", st);
+    }
+    char a[32], b[32];
+    int n_moe = 0;
+    for (int l = 0; l < c.n_layers; l++) n_moe += c.layer_is_moe[l];
+    printf("model                 %s\n", dir);
+    printf("architecture          %s (%s)\n", c.model_type, arch_notes(&c));
+    printf("layers                %d (%d MoE, %d dense)\n", c.n_layers, n_moe, c.n_layers - n_moe);
+    printf("hidden size           %d\n", c.D);
+    printf("attention             %d heads, %d kv heads, head_dim %d%s%s\n", c.n_heads,
+           c.n_kv_heads, c.head_dim, c.qkv_bias ? ", q/k/v bias" : "",
+           c.sliding_window > 0 ? ", sliding window" : "");
+    printf("rope theta            %g\n", c.rope_theta);
+    printf("vocab / context       %d / %d\n", c.vocab, c.max_pos);
+    if (n_moe > 0) {
+        printf("experts               %d per MoE layer, top-%d, expert ffn %d, top-k weights %s\n",
+               c.n_experts, c.top_k, c.moe_ffn, c.norm_topk_prob ? "renormalised" : "as softmax");
+        if (c.shared_ffn > 0) printf("shared expert         ffn %d%s\n", c.shared_ffn,
+                                     c.shared_gate ? ", sigmoid gate" : "");
+    }
+    if (n_moe < c.n_layers) printf("dense ffn             %d\n", c.ffn);
+    printf("tied embeddings       %s\n", c.tie_embeddings ? "yes" : "no");
+    int64_t total = 0, active = 0;
+    mq_config_param_counts(&c, &total, &active);
+    human(a, sizeof a, (double)total, "");
+    human(b, sizeof b, (double)active, "");
+    printf("parameters            %s total (%lld), %s active per token (%lld)\n", a,
+           (long long)total, b, (long long)active);
+
+    int64_t numel[MOEQ_DT_COUNT] = {0};
+    size_t bytes[MOEQ_DT_COUNT] = {0}, all_bytes = 0;
+    size_t n = mq_st_count(sf);
+    for (size_t i = 0; i < n; i++) {
+        const mq_tensor_view *t = mq_st_at(sf, i);
+        numel[t->dtype] += t->numel;
+        bytes[t->dtype] += t->nbytes;
+        all_bytes += t->nbytes;
+    }
+    human(a, sizeof a, (double)all_bytes, "B");
+    printf("tensors               %zu, %s of data\n", n, a);
+    for (int d = 0; d < MOEQ_DT_COUNT; d++) {
+        if (!bytes[d] && !numel[d]) continue;
+        human(a, sizeof a, (double)bytes[d], "B");
+        printf("  %-20s %lld values, %s\n", moeq_dtype_name((moeq_dtype)d), (long long)numel[d], a);
+    }
+    char *cfg_path = mq_path_join(dir, "config.json");
+    if (cfg_path) print_quantization(cfg_path);
+    free(cfg_path);
+
+    if (tensors) {
+        const mq_tensor_view **v = malloc(sizeof *v * (n ? n : 1));
+        if (!v) {
+            mq_st_close(sf);
+            mq_config_free(&c);
+            return cli_fail("inspect", mq_err(MOEQ_E_NOMEM, "out of memory"));
+        }
+        for (size_t i = 0; i < n; i++) v[i] = mq_st_at(sf, i);
+        qsort(v, n, sizeof *v, cmp_views);
+        printf("\n%-64s %-8s %-20s %12s\n", "tensor", "dtype", "shape", "bytes");
+        for (size_t i = 0; i < n; i++) {
+            char shape[96];
+            size_t k = (size_t)snprintf(shape, sizeof shape, "[");
+            for (int d = 0; d < v[i]->ndim && k < sizeof shape; d++)
+                k += (size_t)snprintf(shape + k, sizeof shape - k, "%s%lld", d ? ", " : "",
+                                      (long long)v[i]->shape[d]);
+            if (k < sizeof shape) snprintf(shape + k, sizeof shape - k, "]");
+            printf("%-64s %-8s %-20s %12zu\n", v[i]->name, moeq_dtype_name(v[i]->dtype), shape,
+                   v[i]->nbytes);
+        }
+        free(v);
+    }
+    mq_st_close(sf);
+    mq_config_free(&c);
+    return CLI_OK;
+}
 
 int cmd_inspect(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "moeq inspect: not implemented yet\n");
-    return CLI_FAIL;
+    bool tensors = false;
+    const cli_opt opts[] = {
+        {"--tensors", OPT_FLAG, &tensors, NULL, "also list every tensor: dtype, shape, bytes", NULL,
+         0, 0, NULL},
+    };
+    const cli_command cmd = {
+        "inspect", "MODEL_DIR [--tensors]",
+        "Shows a checkpoint's architecture, layer and expert layout, parameter counts (total and\n"
+        "active per token), values and bytes per dtype and its quantization scheme, from\n"
+        "config.json and the safetensors headers (no weights are loaded).",
+        opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
+    const char *pos[1];
+    int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
+    if (rc >= 0) return rc;
+    return inspect(pos[0], tensors);
 }
