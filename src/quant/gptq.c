@@ -1,0 +1,722 @@
+/*
+ * GPTQ on weights W [N, K] with input Hessian H [K, K] (Frantar et al., arXiv 2210.17323;
+ * IST-DASLab gptq.py; torchao prototype/gptq: ../shared/docs/torchao_gptq.md sections 3-6).
+ *
+ * Factor: dead columns (diag 0 -> H_ii = 1, W[:, i] = 0), optional act-order permutation,
+ * damping percdamp * mean(diag) (doubled and retried while Cholesky fails), then U with
+ * U^T U = H^-1, U upper. The reference computes U = chol(cholesky_inverse(chol(H)), upper). We
+ * take the lower Cholesky factor of H with rows and columns reversed, which rotated by 180
+ * degrees is an upper R with H = R R^T; then H^-1 = R^-T R^-1, so U = R^-1 (uniqueness of the
+ * Cholesky factor) at half the cost: one potrf and one trtri.
+ *
+ * Column loop: rows are independent, so a task takes a fixed block of ROW_BLOCK rows through all
+ * K columns, holding them transposed (Wt[p][i]: one column is contiguous over the rows). Three
+ * levels of blocking: blocks of block_size columns whose errors update the trailing columns in
+ * one GEMM (the lazy batch update); sub-blocks of SUB_BLOCK columns whose errors update the rest
+ * of their block in one GEMM; rank-1 updates inside a sub-block. Quantizing column p:
+ *     q = qdq(w_p);  e = (w_p - q) / U_pp;  w_j -= U_pj e  for every later column j.
+ * Group parameters are taken when a group's first column is reached, from the current weights
+ * of its columns: errors of the current block not yet applied to a column are added on the fly,
+ * so the result does not depend on the block sizes (up to float rounding).
+ *
+ * Losses: with E the matrix of the e above, W0 - Q = E U (U upper), so
+ * tr((W0-Q) H' (W0-Q)^T) = ||E||^2 exactly, H' the damped matrix; the loss for the given H is
+ * ||E||^2 - damp ||W0-Q||^2 (dead columns contribute nothing to either). The RTN loss is
+ * ||D R||^2 - damp ||D||^2 with D = W0 - Q_rtn (one triangular multiply).
+ */
+#include "quant/gptq.h"
+
+#include <cblas.h>
+#include <lapacke.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ROW_BLOCK = 256, SUB_BLOCK = 16, MAX_RETRIES = 16 };
+
+static pthread_once_t g_blas_once = PTHREAD_ONCE_INIT;
+/* Every BLAS/LAPACK call here runs inside one pool task: OpenBLAS must not start its own threads
+ * (that would oversubscribe the cores and could change results with the thread count). */
+static void blas_single_thread(void) { openblas_set_num_threads(1); }
+
+mq_gptq_opts mq_gptq_opts_default(void) {
+    mq_gptq_opts o;
+    memset(&o, 0, sizeof o);
+    o.percdamp = 0.01;
+    o.block_size = 128;
+    o.act_order = false;
+    o.groups = MQ_GPTQ_GROUPS_DYNAMIC;
+    o.rtn_loss = true;
+    return o;
+}
+
+/* ---- factor ------------------------------------------------------------------------------- */
+
+void mq_gptq_factor_free(mq_gptq_factor *f) {
+    if (!f) return;
+    mq_free(f->U);
+    mq_free(f->R);
+    mq_free(f->perm);
+    mq_free(f->inv_perm);
+    mq_free(f->dead);
+    memset(f, 0, sizeof *f);
+}
+
+typedef struct {
+    float d;
+    int32_t i;
+} diag_ref;
+
+/* Decreasing diagonal; ties by column index so the order is fully determined. */
+static int cmp_diag_desc(const void *a, const void *b) {
+    const diag_ref *x = a, *y = b;
+    if (x->d != y->d) return x->d > y->d ? -1 : 1;
+    return x->i < y->i ? -1 : x->i > y->i;
+}
+
+typedef enum { FAC_OK = 0, FAC_NOMEM, FAC_NOT_PD, FAC_SINGULAR } fac_result;
+
+/* Does the work of mq_gptq_factor_init without touching the thread's error state (it runs in
+ * pool tasks); the caller turns the result into a message. */
+static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *o, bool want_R,
+                                 mq_gptq_factor *f) {
+    memset(f, 0, sizeof *f);
+    f->K = K;
+    size_t kk = (size_t)K * (size_t)K;
+    f->dead = mq_alloc_zero((size_t)K, "GPTQ dead columns");
+    float *diag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
+    float *A = mq_alloc_array(kk, sizeof(float), "GPTQ factor");
+    if (!f->dead || !diag || !A) goto nomem;
+
+    double mean = 0;
+    for (int64_t i = 0; i < K; i++) {
+        float d = H[i * K + i];
+        if (d == 0.0f) {
+            f->dead[i] = 1;
+            f->n_dead++;
+            d = 1.0f;
+        }
+        diag[i] = d;
+        mean += d;
+    }
+    mean /= (double)K;
+
+    if (o->act_order) {
+        f->perm = mq_alloc_array((size_t)K, sizeof(int32_t), "GPTQ permutation");
+        f->inv_perm = mq_alloc_array((size_t)K, sizeof(int32_t), "GPTQ permutation");
+        diag_ref *refs = mq_alloc_array((size_t)K, sizeof(diag_ref), "GPTQ permutation");
+        if (!f->perm || !f->inv_perm || !refs) {
+            mq_free(refs);
+            goto nomem;
+        }
+        for (int64_t i = 0; i < K; i++) refs[i] = (diag_ref){diag[i], (int32_t)i};
+        qsort(refs, (size_t)K, sizeof *refs, cmp_diag_desc);
+        for (int64_t p = 0; p < K; p++) {
+            f->perm[p] = refs[p].i;
+            f->inv_perm[refs[p].i] = (int32_t)p;
+        }
+        mq_free(refs);
+    }
+
+    /* A = H' with rows and columns in reverse processing order; only the lower triangle (row
+     * major) is read by the factorisation. */
+    double percdamp = o->percdamp;
+    int attempt = 0;
+    for (;; attempt++) {
+        float damp = (float)(percdamp * mean);
+        for (int64_t a = 0; a < K; a++) {
+            int64_t pa = K - 1 - a, ca = f->perm ? f->perm[pa] : pa;
+            for (int64_t b = 0; b <= a; b++) {
+                int64_t pb = K - 1 - b, cb = f->perm ? f->perm[pb] : pb;
+                A[a * K + b] = H[ca * K + cb];
+            }
+            A[a * K + a] = diag[ca] + damp;
+        }
+        /* Column-major 'U' on our row-major storage is the row-major lower triangle. */
+        lapack_int info = LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', (lapack_int)K, A, (lapack_int)K);
+        MQ_ASSERT(info >= 0);
+        if (info == 0) break;
+        if (attempt + 1 >= MAX_RETRIES || percdamp * 2 > MQ_GPTQ_MAX_PERCDAMP) {
+            f->percdamp = percdamp;
+            f->retries = attempt + 1;
+            mq_free(diag);
+            mq_free(A);
+            return FAC_NOT_PD;
+        }
+        percdamp = percdamp == 0 ? 1e-4 : percdamp * 2;
+    }
+    f->percdamp = percdamp;
+    f->damp = (double)(float)(percdamp * mean);
+    f->retries = attempt;
+    mq_free(diag);
+
+    /* Rotating the lower factor L by 180 degrees (reversing the flat array) gives R, upper. */
+    for (size_t i = 0, j = kk - 1; i < j; i++, j--) {
+        float t = A[i];
+        A[i] = A[j];
+        A[j] = t;
+    }
+    for (int64_t a = 1; a < K; a++) memset(A + a * K, 0, (size_t)a * sizeof(float));
+    if (want_R) {
+        f->R = A;
+        A = mq_alloc_array(kk, sizeof(float), "GPTQ factor");
+        if (!A) goto nomem;
+        memcpy(A, f->R, kk * sizeof(float));
+    }
+    /* Row-major upper R is column-major lower R^T; its inverse in place is U = R^-1. */
+    lapack_int info = LAPACKE_strtri(LAPACK_COL_MAJOR, 'L', 'N', (lapack_int)K, A, (lapack_int)K);
+    if (info != 0) {
+        mq_free(A);
+        return FAC_SINGULAR;
+    }
+    f->U = A;
+    return FAC_OK;
+
+nomem:
+    mq_free(diag);
+    mq_free(A);
+    return FAC_NOMEM;
+}
+
+static moeq_status check_hessian(const float *H, int64_t K, const char *name) {
+    if (K <= 0) return mq_err(MOEQ_E_SHAPE, "%s: Hessian size %lld", name, (long long)K);
+    for (int64_t i = 0; i < K * K; i++)
+        if (!isfinite(H[i]))
+            return mq_err(MOEQ_E_NUMERIC, "%s: non-finite Hessian entry %g at (%lld, %lld)", name,
+                          (double)H[i], (long long)(i / K), (long long)(i % K));
+    return MOEQ_OK;
+}
+
+/* Turns a factor_compute result into the thread's error message and the damping log. */
+static moeq_status factor_report(fac_result r, const mq_gptq_opts *o, const char *name,
+                                 mq_gptq_factor *f) {
+    switch (r) {
+    case FAC_OK:
+        if (f->retries > 0)
+            mq_warn("%s: Hessian not positive definite with percdamp %g; raised to %g", name,
+                    o->percdamp, f->percdamp);
+        return MOEQ_OK;
+    case FAC_NOMEM:
+        mq_gptq_factor_free(f);
+        return mq_err(MOEQ_E_NOMEM, "%s: out of memory factorising the Hessian", name);
+    case FAC_NOT_PD: {
+        double pd = f->percdamp;
+        mq_gptq_factor_free(f);
+        return mq_err(MOEQ_E_NUMERIC,
+                      "%s: Hessian not positive definite even with percdamp raised to %g", name, pd);
+    }
+    default:
+        mq_gptq_factor_free(f);
+        return mq_err(MOEQ_E_NUMERIC, "%s: Cholesky factor of the Hessian is singular", name);
+    }
+}
+
+moeq_status mq_gptq_factor_init(const float *H, int64_t K, const mq_gptq_opts *o, bool want_R,
+                                const char *name, mq_gptq_factor *f) {
+    memset(f, 0, sizeof *f);
+    moeq_status st = check_hessian(H, K, name);
+    if (st) return st;
+    pthread_once(&g_blas_once, blas_single_thread);
+    return factor_report(factor_compute(H, K, o, want_R, f), o, name, f);
+}
+
+typedef struct {
+    const float *const *H;
+    int64_t K;
+    const mq_gptq_opts *o;
+    bool want_R;
+    mq_gptq_factor *f;
+    fac_result *res;
+} factor_ctx;
+
+static void factor_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    factor_ctx *c = vctx;
+    if (!c->H[task]) {
+        memset(&c->f[task], 0, sizeof c->f[task]);
+        c->res[task] = FAC_OK;
+        return;
+    }
+    c->res[task] = factor_compute(c->H[task], c->K, c->o, c->want_R, &c->f[task]);
+}
+
+moeq_status mq_gptq_factor_many(const float *const *H, int64_t n, int64_t K,
+                                const mq_gptq_opts *o, bool want_R, const char *const *names,
+                                mq_gptq_factor *f) {
+    memset(f, 0, (size_t)n * sizeof *f);
+    for (int64_t i = 0; i < n; i++) {
+        if (!H[i]) continue;
+        moeq_status st = check_hessian(H[i], K, names[i]);
+        if (st) return st;
+    }
+    fac_result *res = mq_alloc_array((size_t)n, sizeof *res, "GPTQ factor results");
+    if (!res) return MOEQ_E_NOMEM;
+    pthread_once(&g_blas_once, blas_single_thread);
+    factor_ctx c = {H, K, o, want_R, f, res};
+    mq_parallel_for(n, factor_task, &c);
+    moeq_status st = MOEQ_OK;
+    for (int64_t i = 0; i < n; i++) {
+        moeq_status si = factor_report(res[i], o, names[i], &f[i]);
+        if (si && !st) st = si;   /* the first failure keeps its message */
+    }
+    mq_free(res);
+    if (st)
+        for (int64_t i = 0; i < n; i++) mq_gptq_factor_free(&f[i]);
+    return st;
+}
+
+/* ---- column loop -------------------------------------------------------------------------- */
+
+/* Column quantize-dequantize with precomputed steps: the same operations, in the same order, as
+ * formats.h's mq_qdq_n (quant_step / dequant_step), written without branches so the compiler
+ * vectorises it. Tested against mq_qdq_n value for value. */
+void mq_gptq_qdq_column(const mq_qspec *s, const float *step, const float *zero, const float *x,
+                        int64_t n, uint8_t *code, float *dq) {
+    static const float e2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    if (s->scheme == MQ_QS_INT4) {
+        const float lo = s->asym ? 0.0f : -8.0f, hi = s->asym ? 15.0f : 7.0f;
+        for (int64_t i = 0; i < n; i++) {
+            float st = step[i], z = s->asym ? zero[i] : 0.0f;
+            float q = rintf(x[i] / st) + z;
+            q = q < lo ? lo : q > hi ? hi : q;
+            if (st == 0.0f) q = z;   /* all-zero group: the zero point (8 when symmetric) */
+            uint8_t c = (uint8_t)(int)(s->asym ? q : q + 8.0f);
+            code[i] = c;
+            dq[i] = (s->asym ? (float)c - z : (float)c - 8.0f) * st;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float st = step[i], y = x[i] / st, a = fabsf(y);
+        int idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                  (a >= 3.5f) + (a > 5.0f);
+        int neg = signbit(y) != 0;
+        uint8_t c = (uint8_t)(neg << 3 | idx);
+        float v = neg ? -e2m1[idx] : e2m1[idx];
+        code[i] = st == 0.0f ? 0 : c;
+        dq[i] = st == 0.0f ? 0.0f : v * st;
+    }
+}
+
+typedef struct {
+    float *wt;          /* [K][ROW_BLOCK] working copy, transposed, processing order */
+    float *et;          /* [block][ROW_BLOCK] scaled errors of the current block */
+    float *tmp;         /* [G][ROW_BLOCK] current values of a group's columns */
+    float *dq;          /* [ROW_BLOCK] */
+    uint8_t *ct;        /* [K][ROW_BLOCK] codes, transposed, processing order */
+    mq_gparams *gp;     /* [n_groups][ROW_BLOCK] */
+    float *step, *zero; /* [n_groups][ROW_BLOCK] quantization step and zero point of gp */
+    uint8_t *ready;     /* [n_groups] */
+    float *w0t;         /* [K][ROW_BLOCK] original weights (W0'), then the quantized ones */
+    float *d;           /* [ROW_BLOCK][K] RTN residual rows (rtn_loss only) */
+} scratch;
+
+typedef struct {
+    int64_t job, rb;
+} task_ref;
+
+typedef struct {
+    double e2;          /* sum of squared scaled errors */
+    double dsq;         /* ||W0' - Q||^2 */
+    double rtn_e2, rtn_dsq;
+    double seconds;
+} task_out;
+
+typedef struct {
+    const mq_qspec *s;
+    const mq_gptq_opts *o;
+    mq_gptq_job *jobs;
+    task_ref *tasks;
+    task_out *outs;
+    scratch *scr;
+    int64_t block;      /* effective block size */
+} run_ctx;
+
+static inline int64_t col_of(const mq_gptq_factor *f, int64_t p) { return f->perm ? f->perm[p] : p; }
+static inline int64_t pos_of(const mq_gptq_factor *f, int64_t c) {
+    return f->inv_perm ? f->inv_perm[c] : c;
+}
+
+/* Loop state of one task, passed to the helpers below. */
+typedef struct {
+    const mq_qspec *s;
+    const mq_gptq_factor *f;
+    scratch *sc;
+    int64_t K, nr, G;
+    float gs;
+    bool gidx;          /* groups in processing order */
+    int64_t b0, b1, s0, s1;   /* current block and sub-block */
+} loop_state;
+
+/* Processing position of the t-th column of group g. */
+static inline int64_t group_pos(const loop_state *L, int64_t g, int64_t t) {
+    return L->gidx ? g * L->G + t : pos_of(L->f, g * L->G + t);
+}
+
+static void set_params(const loop_state *L, int64_t g, int64_t i, const float *x, int64_t stride) {
+    scratch *sc = L->sc;
+    mq_gparams *gp = &sc->gp[g * L->nr + i];
+    mq_group_params(L->s, L->gs, x, L->G, stride, gp);
+    sc->step[g * L->nr + i] = mq_group_step(L->s, L->gs, gp);
+    sc->zero[g * L->nr + i] = gp->zero;
+}
+
+/* Params of group g, first reached at position p, from the current values of its columns:
+ * the stored values minus the errors of the current block that have not reached them yet. */
+static void group_params_dynamic(const loop_state *L, int64_t g, int64_t p) {
+    scratch *sc = L->sc;
+    const int64_t nr = L->nr, K = L->K;
+    for (int64_t t = 0; t < L->G; t++) {
+        int64_t q = group_pos(L, g, t);
+        float *out = sc->tmp + t * nr;
+        memcpy(out, sc->wt + q * nr, (size_t)nr * sizeof(float));
+        int64_t from = q < L->s1 ? p : q < L->b1 ? L->s0 : L->b0;
+        for (int64_t k = from; k < p; k++) {
+            float u = L->f->U[k * K + q];
+            const float *e = sc->et + (k - L->b0) * nr;
+            for (int64_t i = 0; i < nr; i++) out[i] -= u * e[i];
+        }
+    }
+    for (int64_t i = 0; i < nr; i++) set_params(L, g, i, sc->tmp + i, nr);
+    sc->ready[g] = 1;
+}
+
+/* Static groups: params from the original weights (dead columns zeroed), original groups. */
+static void group_params_static(const loop_state *L, const float *w, int64_t r0) {
+    scratch *sc = L->sc;
+    const int64_t K = L->K, G = L->G;
+    for (int64_t i = 0; i < L->nr; i++) {
+        const float *row = w + (r0 + i) * K;
+        for (int64_t g = 0; g < K / G; g++) {
+            for (int64_t t = 0; t < G; t++)
+                sc->tmp[t] = L->f->dead[g * G + t] ? 0.0f : row[g * G + t];
+            set_params(L, g, i, sc->tmp, 1);
+        }
+    }
+    memset(sc->ready, 1, (size_t)(K / G));
+}
+
+/* RTN loss terms of this row block (see the file comment). */
+static void rtn_loss_rows(const loop_state *L, const float *w, int64_t r0, task_out *out) {
+    scratch *sc = L->sc;
+    const int64_t K = L->K, G = L->G, nr = L->nr;
+    double dsq = 0;
+    for (int64_t i = 0; i < nr; i++) {
+        const float *row = w + (r0 + i) * K;
+        float *d = sc->d + i * K;
+        for (int64_t g = 0; g < K / G; g++) {
+            mq_gparams gp;
+            mq_group_params(L->s, L->gs, row + g * G, G, 1, &gp);
+            float step = mq_group_step(L->s, L->gs, &gp);
+            for (int64_t c = g * G; c < (g + 1) * G; c++) {
+                uint8_t code;
+                float q;
+                mq_gptq_qdq_column(L->s, &step, &gp.zero, row + c, 1, &code, &q);
+                float v = L->f->dead[c] ? 0.0f : row[c] - q;
+                d[pos_of(L->f, c)] = v;
+                dsq += (double)v * v;
+            }
+        }
+    }
+    cblas_strmm(CblasRowMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, (int)nr, (int)K,
+                1.0f, L->f->R, (int)K, sc->d, (int)K);
+    double e2 = 0;
+    for (int64_t i = 0; i < nr * K; i++) e2 += (double)sc->d[i] * sc->d[i];
+    out->rtn_e2 = e2;
+    out->rtn_dsq = dsq;
+}
+
+/* Transposed, permuted load of the row block: Wt[pos(c)][i] = W[r0+i][c], dead columns 0; a
+ * second copy keeps the original values (W0'). Tiles of 16 rows keep the scattered writes within
+ * a few cache lines. */
+static void load_rows(const loop_state *L, const float *w, int64_t r0) {
+    const int64_t K = L->K, nr = L->nr;
+    float *wt = L->sc->wt;
+    for (int64_t i0 = 0; i0 < nr; i0 += 16) {
+        int64_t i1 = i0 + 16 < nr ? i0 + 16 : nr;
+        for (int64_t c = 0; c < K; c++) {
+            float *dst = wt + pos_of(L->f, c) * nr;
+            const float *src = w + r0 * K + c;
+            bool dead = L->f->dead[c];
+            for (int64_t i = i0; i < i1; i++) dst[i] = dead ? 0.0f : src[i * K];
+        }
+    }
+    memcpy(L->sc->w0t, wt, (size_t)(K * nr) * sizeof(float));
+}
+
+/* out[i][c] = in[pos(c)][i]: transposed block back to rows in the original column order. */
+#define DEFINE_UNLOAD(name, type)                                                                  \
+    static void name(const loop_state *L, const type *in, type *out, int64_t ld_out) {            \
+        const int64_t K = L->K, nr = L->nr;                                                        \
+        for (int64_t i0 = 0; i0 < nr; i0 += 16) {                                                  \
+            int64_t i1 = i0 + 16 < nr ? i0 + 16 : nr;                                              \
+            for (int64_t c = 0; c < K; c++) {                                                      \
+                const type *src = in + pos_of(L->f, c) * nr;                                       \
+                for (int64_t i = i0; i < i1; i++) out[i * ld_out + c] = src[i];                    \
+            }                                                                                      \
+        }                                                                                          \
+    }
+DEFINE_UNLOAD(unload_codes, uint8_t)
+DEFINE_UNLOAD(unload_floats, float)
+
+/* Writes codes, params and (if wanted) the dequantized rows of the block to the job's outputs. */
+static void store_rows(const loop_state *L, mq_gptq_job *j, int64_t r0) {
+    scratch *sc = L->sc;
+    const int64_t K = L->K, nr = L->nr;
+    mq_qtensor *qt = j->out;
+    const int64_t ng = qt->n_groups;
+    unload_codes(L, sc->ct, qt->codes + r0 * K, K);
+    if (j->deq) unload_floats(L, sc->w0t, j->deq + r0 * K, K);
+    for (int64_t i = 0; i < nr; i++)
+        for (int64_t g = 0; g < ng; g++) qt->params[(r0 + i) * ng + g] = sc->gp[g * nr + i];
+}
+
+/* e = (x - q) / u_pp (the scaled error, IEEE division as the reference); w0 (the original
+ * column) is replaced by q after ||w0 - q||^2 is added to *dsq. Returns ||e||^2. */
+static double column_errors(const float *restrict x, const float *restrict q, float upp,
+                            float *restrict w0, int64_t n, float *restrict e, double *dsq) {
+    float se = 0, sd = 0;
+    for (int64_t i = 0; i < n; i++) {
+        e[i] = (x[i] - q[i]) / upp;
+        se += e[i] * e[i];
+        float d = w0[i] - q[i];
+        sd += d * d;
+        w0[i] = q[i];
+    }
+    *dsq += sd;
+    return se;
+}
+
+static void run_task(void *vctx, int64_t task, int thread) {
+    run_ctx *c = vctx;
+    if (moeq_interrupted()) return;
+    double t0 = mq_now();
+    const task_ref *tr = &c->tasks[task];
+    mq_gptq_job *j = &c->jobs[tr->job];
+    const mq_gptq_factor *f = j->f;
+    scratch *sc = &c->scr[thread];
+    mq_qtensor *qt = j->out;
+    const int64_t K = f->K, r0 = tr->rb * ROW_BLOCK;
+    const int64_t nr = j->rows - r0 < ROW_BLOCK ? j->rows - r0 : ROW_BLOCK;
+    const int64_t G = qt->group_size, ng = qt->n_groups, B = c->block;
+    const float *U = f->U;
+    loop_state L = {c->s, f, sc, K, nr, G, qt->global_scale,
+                    c->o->act_order && c->o->groups == MQ_GPTQ_GROUPS_GIDX, 0, 0, 0, 0};
+    task_out *out = &c->outs[task];
+
+    load_rows(&L, j->w, r0);
+    memset(sc->ready, 0, (size_t)ng);
+    if (c->o->groups == MQ_GPTQ_GROUPS_STATIC) group_params_static(&L, j->w, r0);
+
+    double e2 = 0, dsq = 0;
+    for (L.b0 = 0; L.b0 < K; L.b0 = L.b1) {
+        L.b1 = L.b0 + B < K ? L.b0 + B : K;
+        for (L.s0 = L.b0; L.s0 < L.b1; L.s0 = L.s1) {
+            L.s1 = L.s0 + SUB_BLOCK < L.b1 ? L.s0 + SUB_BLOCK : L.b1;
+            for (int64_t p = L.s0; p < L.s1; p++) {
+                const int64_t g = L.gidx ? p / G : col_of(f, p) / G;
+                if (!sc->ready[g]) group_params_dynamic(&L, g, p);
+                float *x = sc->wt + p * nr, *e = sc->et + (p - L.b0) * nr;
+                mq_gptq_qdq_column(c->s, sc->step + g * nr, sc->zero + g * nr, x, nr,
+                                   sc->ct + p * nr, sc->dq);
+                e2 += column_errors(x, sc->dq, U[p * K + p], sc->w0t + p * nr, nr, e, &dsq);
+                if (p + 1 < L.s1)   /* rank-1 update of the rest of the sub-block */
+                    cblas_sger(CblasRowMajor, (int)(L.s1 - p - 1), (int)nr, -1.0f, U + p * K + p + 1,
+                               1, e, 1, sc->wt + (p + 1) * nr, (int)nr);
+            }
+            if (L.s1 < L.b1)
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)(L.b1 - L.s1), (int)nr,
+                            (int)(L.s1 - L.s0), -1.0f, U + L.s0 * K + L.s1, (int)K,
+                            sc->et + (L.s0 - L.b0) * nr, (int)nr, 1.0f, sc->wt + L.s1 * nr,
+                            (int)nr);
+        }
+        if (L.b1 < K)
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)(K - L.b1), (int)nr,
+                        (int)(L.b1 - L.b0), -1.0f, U + L.b0 * K + L.b1, (int)K, sc->et, (int)nr,
+                        1.0f, sc->wt + L.b1 * nr, (int)nr);
+    }
+    out->e2 = e2;
+    out->dsq = dsq;
+    store_rows(&L, j, r0);
+    if (c->o->rtn_loss) rtn_loss_rows(&L, j->w, r0, out);
+    out->seconds = mq_now() - t0;
+}
+
+static void scratch_free(scratch *s, int n) {
+    if (!s) return;
+    for (int i = 0; i < n; i++) {
+        mq_free(s[i].wt);
+        mq_free(s[i].et);
+        mq_free(s[i].tmp);
+        mq_free(s[i].dq);
+        mq_free(s[i].ct);
+        mq_free(s[i].gp);
+        mq_free(s[i].step);
+        mq_free(s[i].zero);
+        mq_free(s[i].ready);
+        mq_free(s[i].d);
+        mq_free(s[i].w0t);
+    }
+    free(s);
+}
+
+static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, bool rtn) {
+    scratch *s = calloc((size_t)n, sizeof *s);
+    if (!s) {
+        mq_err(MOEQ_E_NOMEM, "GPTQ scratch");
+        return NULL;
+    }
+    const size_t rb = ROW_BLOCK;
+    for (int i = 0; i < n; i++) {
+        s[i].wt = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ working weights");
+        s[i].et = mq_alloc_array((size_t)B * rb, sizeof(float), "GPTQ errors");
+        s[i].tmp = mq_alloc_array((size_t)G * rb, sizeof(float), "GPTQ group values");
+        s[i].dq = mq_alloc_array(rb, sizeof(float), "GPTQ column");
+        s[i].ct = mq_alloc((size_t)K * rb, "GPTQ codes");
+        s[i].gp = mq_alloc_array((size_t)ng * rb, sizeof(mq_gparams), "GPTQ group params");
+        s[i].step = mq_alloc_array((size_t)ng * rb, sizeof(float), "GPTQ group steps");
+        s[i].zero = mq_alloc_array((size_t)ng * rb, sizeof(float), "GPTQ group zeros");
+        s[i].ready = mq_alloc((size_t)ng, "GPTQ group flags");
+        s[i].w0t = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ original weights");
+        if (rtn) s[i].d = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ RTN residual");
+        if (!s[i].wt || !s[i].et || !s[i].tmp || !s[i].dq || !s[i].ct || !s[i].gp ||
+            !s[i].step || !s[i].zero || !s[i].ready || !s[i].w0t || (rtn && !s[i].d)) {
+            scratch_free(s, n);
+            return NULL;
+        }
+    }
+    return s;
+}
+
+static void free_outs(mq_gptq_job *jobs, int64_t n) {
+    for (int64_t i = 0; i < n; i++) mq_qtensor_free(jobs[i].out);
+}
+
+moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *jobs,
+                        int64_t n_jobs) {
+    moeq_status st = MOEQ_OK;
+    for (int64_t i = 0; i < n_jobs; i++) memset(jobs[i].out, 0, sizeof *jobs[i].out);
+    if (o->block_size < 1)
+        return mq_err(MOEQ_E_ARG, "GPTQ block size %d (must be >= 1)", (int)o->block_size);
+    if (!(o->percdamp >= 0))
+        return mq_err(MOEQ_E_ARG, "GPTQ percdamp %g (must be >= 0)", o->percdamp);
+    int64_t maxK = 1, maxB = 1, maxG = 1, maxNg = 1, n_tasks = 0;
+    bool gidx = o->act_order && o->groups == MQ_GPTQ_GROUPS_GIDX;
+    for (int64_t i = 0; i < n_jobs; i++) {
+        mq_gptq_job *j = &jobs[i];
+        const char *name = j->name ? j->name : "(unnamed)";
+        const int64_t K = j->f->K;
+        if ((st = mq_qtensor_init(j->out, s, j->rows, K, name))) goto fail;
+        if ((st = mq_check_finite(j->w, j->rows, K, name))) goto fail;
+        if (o->rtn_loss && !j->f->R) {
+            st = mq_err(MOEQ_E_ARG, "%s: the RTN loss needs a factor made with want_R", name);
+            goto fail;
+        }
+        if (gidx && s->scheme != MQ_QS_INT4) {
+            st = mq_err(MOEQ_E_UNSUPPORTED, "%s: act-order with g_idx groups needs INT4 (use "
+                        "static or dynamic groups with %s)", name, mq_qscheme_name(s->scheme));
+            goto fail;
+        }
+        mq_qtensor *q = j->out;
+        if (s->scheme == MQ_QS_NVFP4)
+            q->global_scale = j->global_scale > 0 && isfinite(j->global_scale)
+                                  ? j->global_scale
+                                  : mq_nvfp4_global_scale(s, mq_absmax(j->w, j->rows * K));
+        if (gidx) {
+            q->g_idx = mq_alloc_array((size_t)K, sizeof(int32_t), "GPTQ g_idx");
+            if (!q->g_idx) {
+                st = mq_err_prefix(MOEQ_E_NOMEM, "%s", name);
+                goto fail;
+            }
+            for (int64_t p = 0; p < K; p++) q->g_idx[col_of(j->f, p)] = (int32_t)(p / q->group_size);
+        }
+        if (K > maxK) maxK = K;
+        if (q->group_size > maxG) maxG = q->group_size;
+        if (q->n_groups > maxNg) maxNg = q->n_groups;
+        int64_t B = o->block_size < K ? o->block_size : K;
+        if (B > maxB) maxB = B;
+        n_tasks += (j->rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    }
+
+    task_ref *tasks = mq_alloc_array((size_t)n_tasks + 1, sizeof *tasks, "GPTQ tasks");
+    task_out *outs = mq_alloc_zero(((size_t)n_tasks + 1) * sizeof *outs, "GPTQ task results");
+    int nthreads = mq_pool_size();
+    scratch *scr = scratch_new(nthreads, maxK, maxB, maxG, maxNg, o->rtn_loss);
+    if (!tasks || !outs || !scr) {
+        mq_free(tasks);
+        mq_free(outs);
+        scratch_free(scr, nthreads);
+        st = MOEQ_E_NOMEM;
+        goto fail;
+    }
+    int64_t t = 0;
+    for (int64_t i = 0; i < n_jobs; i++)
+        for (int64_t rb = 0; rb * ROW_BLOCK < jobs[i].rows; rb++) tasks[t++] = (task_ref){i, rb};
+
+    pthread_once(&g_blas_once, blas_single_thread);
+    run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size};
+    mq_parallel_for(n_tasks, run_task, &c);
+
+    /* Per-job sums in task order: independent of which thread ran what. */
+    t = 0;
+    for (int64_t i = 0; i < n_jobs; i++) {
+        mq_gptq_job *j = &jobs[i];
+        double e2 = 0, dsq = 0, re2 = 0, rdsq = 0, sec = 0;
+        for (int64_t rb = 0; rb * ROW_BLOCK < j->rows; rb++, t++) {
+            e2 += outs[t].e2;
+            dsq += outs[t].dsq;
+            re2 += outs[t].rtn_e2;
+            rdsq += outs[t].rtn_dsq;
+            sec += outs[t].seconds;
+        }
+        j->stats.loss = e2 - j->f->damp * dsq;
+        j->stats.rtn_loss = o->rtn_loss ? re2 - j->f->damp * rdsq : NAN;
+        j->stats.percdamp = j->f->percdamp;
+        j->stats.n_dead = j->f->n_dead;
+        j->stats.seconds = sec;
+    }
+    mq_free(tasks);
+    mq_free(outs);
+    scratch_free(scr, nthreads);
+    if (moeq_interrupted()) {
+        st = mq_err(MOEQ_E_INTERRUPTED, "GPTQ interrupted");
+        goto fail;
+    }
+    return MOEQ_OK;
+
+fail:
+    free_outs(jobs, n_jobs);
+    return st;
+}
+
+moeq_status mq_gptq_quantize(const mq_qspec *s, const mq_gptq_opts *o, const float *H,
+                             const float *w, int64_t rows, int64_t cols, float global_scale,
+                             const char *name, mq_qtensor *out, float *deq,
+                             mq_gptq_stats *stats) {
+    memset(out, 0, sizeof *out);
+    mq_gptq_factor f;
+    moeq_status st = mq_gptq_factor_init(H, cols, o, o->rtn_loss, name, &f);
+    if (st) return st;
+    mq_gptq_job j = {&f, w, rows, global_scale, name, out, deq, {0, 0, 0, 0, 0}};
+    st = mq_gptq_run(s, o, &j, 1);
+    if (!st && stats) *stats = j.stats;
+    mq_gptq_factor_free(&f);
+    return st;
+}
+
+double mq_gptq_loss(const float *H, int64_t K, const float *w, const float *q, int64_t rows) {
+    size_t n = (size_t)rows * (size_t)K;
+    float *d = mq_alloc_array(n, sizeof(float), "GPTQ loss");
+    float *dh = mq_alloc_array(n, sizeof(float), "GPTQ loss");
+    double loss = NAN;
+    if (d && dh) {
+        for (size_t i = 0; i < n; i++) d[i] = w[i] - q[i];
+        mq_gemm_nn(rows, K, K, 1.0f, d, K, H, K, 0.0f, dh, K);
+        loss = 0;
+        for (size_t i = 0; i < n; i++) loss += (double)d[i] * dh[i];
+    }
+    mq_free(d);
+    mq_free(dh);
+    return loss;
+}

@@ -1,0 +1,113 @@
+/*
+ * GPTQ (Frantar et al., arXiv 2210.17323) on weights W [rows, K] whose input has the Hessian
+ * H [K, K] = (2/n) sum x x^T. See ../shared/docs/torchao_gptq.md sections 3-6 and
+ * ../shared/docs/formats.md section 4 for the reference algorithm.
+ *
+ * Two steps, so weights that read the same activation (q/k/v; gate/up; an expert's w1/w3) share
+ * one factorisation:
+ *   mq_gptq_factor_init   dead columns, damping (raised and retried if Cholesky fails), the
+ *                         act-order permutation and U = upper Cholesky factor of H^-1;
+ *   mq_gptq_run           the column loop for any number of (factor, weight) jobs at once: all
+ *                         row blocks of all jobs form one parallel loop, so the experts of a layer
+ *                         run in parallel. Results never depend on the thread count.
+ */
+#ifndef MOEQ_GPTQ_H
+#define MOEQ_GPTQ_H
+
+#include "formats/formats.h"
+
+/* When a group's quantization parameters are taken. */
+typedef enum {
+    /* From the current weights (with the error feedback of every column processed before) when
+     * the group's first column is reached: the group start in natural order (GPTQ's default);
+     * with act-order, the first of its columns in act order. Groups stay runs of consecutive
+     * columns of the original order, so every checkpoint format can store the result. */
+    MQ_GPTQ_GROUPS_DYNAMIC = 0,
+    /* From the original weights, before the loop (GPTQ's --static-groups). */
+    MQ_GPTQ_GROUPS_STATIC,
+    /* With act-order: groups are runs of group_size consecutive columns in act order and g_idx
+     * gives each column's group (the GPTQ checkpoint format; INT4 only). Without act-order the
+     * same as DYNAMIC. */
+    MQ_GPTQ_GROUPS_GIDX,
+} mq_gptq_groups;
+
+typedef struct {
+    double percdamp;         /* damping = percdamp * mean(diag H) added to the diagonal */
+    int32_t block_size;      /* columns per lazy batch update */
+    bool act_order;          /* process columns in order of decreasing diag(H) */
+    mq_gptq_groups groups;
+    bool rtn_loss;           /* also compute the RTN loss (N*K^2 more flops) */
+} mq_gptq_opts;
+
+/* percdamp 0.01, block 128, natural order, dynamic groups, RTN loss on. */
+mq_gptq_opts mq_gptq_opts_default(void);
+
+/* The part of GPTQ that depends on H only. */
+typedef struct {
+    int64_t K;
+    float *U;                /* [K, K] upper Cholesky factor of H'^-1 in processing order (lower
+                                part zero); H' = H with dead columns fixed, permuted, damped */
+    float *R;                /* [K, K] upper, H' = R R^T (for the RTN loss); NULL if not kept */
+    int32_t *perm;           /* [K] processing position -> original column; NULL = identity */
+    int32_t *inv_perm;       /* [K] original column -> processing position; NULL = identity */
+    uint8_t *dead;           /* [K] 1 where diag(H) == 0 (input never non-zero), original order */
+    int64_t n_dead;
+    double percdamp;         /* damping fraction finally used (after retries) */
+    double damp;             /* absolute damping added to the diagonal */
+    int retries;             /* failed Cholesky attempts before the one that worked */
+} mq_gptq_factor;
+
+/* H [K, K] symmetric (read in full; must be finite). name is used in messages. Not positive
+ * definite even after the damping was raised up to MQ_GPTQ_MAX_PERCDAMP: MOEQ_E_NUMERIC. Each
+ * raise is logged with mq_warn. want_R keeps the factor the RTN loss needs. */
+#define MQ_GPTQ_MAX_PERCDAMP 100.0
+moeq_status mq_gptq_factor_init(const float *H, int64_t K, const mq_gptq_opts *o, bool want_R,
+                                const char *name, mq_gptq_factor *f);
+/* Factorises n Hessians in parallel (one task each, single-threaded LAPACK). H[i] may be NULL
+ * to skip (f[i] is then zeroed). On error every factor is freed. */
+moeq_status mq_gptq_factor_many(const float *const *H, int64_t n, int64_t K,
+                                const mq_gptq_opts *o, bool want_R, const char *const *names,
+                                mq_gptq_factor *f);
+void mq_gptq_factor_free(mq_gptq_factor *f);
+
+typedef struct {
+    double loss;             /* tr((W-Q) H (W-Q)^T) with the H given (undamped) */
+    double rtn_loss;         /* the same for round-to-nearest with the same spec and global
+                                scale; NaN unless opts.rtn_loss */
+    double percdamp;         /* damping fraction used */
+    int64_t n_dead;
+    double seconds;          /* wall time of this job's share (factor excluded) */
+} mq_gptq_stats;
+
+typedef struct {
+    const mq_gptq_factor *f;
+    const float *w;          /* [rows, f->K] original weights (not modified) */
+    int64_t rows;
+    float global_scale;      /* NVFP4 (spec convention), e.g. shared by fused gate/up;
+                                <= 0: from the absolute max of this w */
+    const char *name;
+    mq_qtensor *out;         /* initialised by mq_gptq_run (free with mq_qtensor_free) */
+    float *deq;              /* optional [rows, K]: the dequantized result, in original order */
+    mq_gptq_stats stats;     /* filled by mq_gptq_run */
+} mq_gptq_job;
+
+/* Runs GPTQ for every job. Errors (bad shape or spec, non-finite weights, out of memory,
+ * interrupt) name the tensor; on error every out is freed. */
+moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *jobs,
+                        int64_t n_jobs);
+
+/* One weight, one Hessian: factor + run. */
+moeq_status mq_gptq_quantize(const mq_qspec *s, const mq_gptq_opts *o, const float *H,
+                             const float *w, int64_t rows, int64_t cols, float global_scale,
+                             const char *name, mq_qtensor *out, float *deq,
+                             mq_gptq_stats *stats);
+
+/* Quantize-dequantize of n values with precomputed group steps (mq_group_step) and zero points:
+ * bit-identical to mq_qdq_n, without per-value branches (the column step of the loop). */
+void mq_gptq_qdq_column(const mq_qspec *s, const float *step, const float *zero, const float *x,
+                        int64_t n, uint8_t *code, float *dq);
+
+/* tr((W-Q) H (W-Q)^T) computed directly (2*rows*K^2 flops, double accumulation). */
+double mq_gptq_loss(const float *H, int64_t K, const float *w, const float *q, int64_t rows);
+
+#endif

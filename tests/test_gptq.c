@@ -1,0 +1,646 @@
+/*
+ * GPTQ (src/quant/gptq.c) against a slow, obvious implementation written here: double precision,
+ * textbook formulas (H^-1 through the Cholesky factor, U = upper Cholesky factor of H^-1), no
+ * blocking, column by column. Scalar quantization of one value goes through formats.h, whose own
+ * tests cover it; what is tested here is the algorithm around it.
+ */
+#include <stdlib.h>
+
+#include "harness.h"
+#include "quant/gptq.h"
+
+/* ---- deterministic random data --------------------------------------------------------------- */
+static uint64_t g_rng;
+static double rnd_unit(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return ((double)(g_rng >> 11) + 0.5) * 0x1p-53;
+}
+static double rnd_normal(void) {
+    double u = rnd_unit(), v = rnd_unit();
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+/* Weights with a few outliers (so that group scales vary). */
+static float *make_weights(int64_t N, int64_t K, uint64_t seed) {
+    g_rng = seed;
+    float *w = malloc((size_t)(N * K) * sizeof(float));
+    for (int64_t i = 0; i < N * K; i++) {
+        double v = 0.02 * rnd_normal();
+        if (rnd_unit() < 0.01) v *= 6;
+        w[i] = (float)v;
+    }
+    return w;
+}
+
+/* H = (2/T) X^T X for T tokens of inputs with correlated features and uneven scales (so both
+ * error feedback and act-order matter). dead: columns of X that are all zero (may be NULL). */
+static float *make_hessian(int64_t K, int64_t T, uint64_t seed, const int *dead, int n_dead) {
+    g_rng = seed;
+    double *x = calloc((size_t)(T * K), sizeof(double));
+    double *scale = malloc((size_t)K * sizeof(double));
+    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * rnd_normal());
+    for (int64_t t = 0; t < T; t++) {
+        double prev = 0;
+        for (int64_t k = 0; k < K; k++) {
+            double z = rnd_normal() + 0.7 * prev;
+            prev = z;
+            x[t * K + k] = z * scale[k];
+        }
+    }
+    for (int i = 0; i < n_dead; i++)
+        for (int64_t t = 0; t < T; t++) x[t * K + dead[i]] = 0;
+    float *H = malloc((size_t)(K * K) * sizeof(float));
+    for (int64_t a = 0; a < K; a++)
+        for (int64_t b = 0; b <= a; b++) {
+            double s = 0;
+            for (int64_t t = 0; t < T; t++) s += x[t * K + a] * x[t * K + b];
+            H[a * K + b] = H[b * K + a] = (float)(2.0 * s / (double)T);
+        }
+    free(x);
+    free(scale);
+    return H;
+}
+
+/* ---- the textbook algorithm, double precision ------------------------------------------------ */
+
+/* Lower Cholesky factor in place (a = L L^T); returns 0 if not positive definite. */
+static int chol_lower(double *a, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        double d = a[j * n + j];
+        for (int64_t k = 0; k < j; k++) d -= a[j * n + k] * a[j * n + k];
+        if (!(d > 0)) return 0;
+        d = sqrt(d);
+        a[j * n + j] = d;
+        for (int64_t i = j + 1; i < n; i++) {
+            double s = a[i * n + j];
+            for (int64_t k = 0; k < j; k++) s -= a[i * n + k] * a[j * n + k];
+            a[i * n + j] = s / d;
+        }
+        for (int64_t k = j + 1; k < n; k++) a[j * n + k] = 0;
+    }
+    return 1;
+}
+
+/* u = upper Cholesky factor of h^-1 (h damped, positive definite). */
+static void textbook_u(const double *h, int64_t K, double *u) {
+    double *l = malloc((size_t)(K * K) * sizeof(double));
+    double *li = calloc((size_t)(K * K), sizeof(double));
+    memcpy(l, h, (size_t)(K * K) * sizeof(double));
+    if (!chol_lower(l, K)) abort();
+    for (int64_t j = 0; j < K; j++) {   /* li = L^-1 by forward substitution, column by column */
+        li[j * K + j] = 1.0 / l[j * K + j];
+        for (int64_t i = j + 1; i < K; i++) {
+            double s = 0;
+            for (int64_t k = j; k < i; k++) s += l[i * K + k] * li[k * K + j];
+            li[i * K + j] = -s / l[i * K + i];
+        }
+    }
+    for (int64_t a = 0; a < K; a++)      /* h^-1 = L^-T L^-1 */
+        for (int64_t b = 0; b < K; b++) {
+            double s = 0;
+            for (int64_t k = a > b ? a : b; k < K; k++) s += li[k * K + a] * li[k * K + b];
+            u[a * K + b] = s;
+        }
+    if (!chol_lower(u, K)) abort();     /* h^-1 = C C^T, so U = C^T */
+    for (int64_t a = 0; a < K; a++)
+        for (int64_t b = a + 1; b < K; b++) {
+            u[a * K + b] = u[b * K + a];
+            u[b * K + a] = 0;
+        }
+    free(l);
+    free(li);
+}
+
+typedef struct {
+    uint8_t *codes;       /* [N, K] original column order */
+    float *deq;
+    mq_gparams *params;   /* [N, ng] */
+    int32_t *perm;
+    double *u;
+} ref_result;
+
+static void ref_free(ref_result *r) {
+    free(r->codes);
+    free(r->deq);
+    free(r->params);
+    free(r->perm);
+    free(r->u);
+}
+
+static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const float *W, int64_t N,
+                           int64_t K, const mq_gptq_opts *o) {
+    const int64_t G = mq_qspec_group(s, K), ng = K / G;
+    ref_result r;
+    r.codes = malloc((size_t)(N * K));
+    r.deq = malloc((size_t)(N * K) * sizeof(float));
+    r.params = malloc((size_t)(N * ng) * sizeof(mq_gparams));
+    r.perm = malloc((size_t)K * sizeof(int32_t));
+    r.u = malloc((size_t)(K * K) * sizeof(double));
+    double *h = malloc((size_t)(K * K) * sizeof(double));
+    double *w = malloc((size_t)(N * K) * sizeof(double));
+    double *diag = malloc((size_t)K * sizeof(double));
+    int32_t *pos = malloc((size_t)K * sizeof(int32_t));
+    uint8_t *ready = calloc((size_t)ng, 1);
+    float *vals = malloc((size_t)G * sizeof(float));
+
+    for (int64_t i = 0; i < K; i++) {
+        diag[i] = H[i * K + i] == 0 ? 1.0 : H[i * K + i];
+        r.perm[i] = (int32_t)i;
+    }
+    if (o->act_order)   /* insertion sort: decreasing diagonal, ties by index */
+        for (int64_t i = 1; i < K; i++)
+            for (int64_t j = i; j > 0 && diag[r.perm[j]] > diag[r.perm[j - 1]]; j--) {
+                int32_t t = r.perm[j];
+                r.perm[j] = r.perm[j - 1];
+                r.perm[j - 1] = t;
+            }
+    for (int64_t p = 0; p < K; p++) pos[r.perm[p]] = (int32_t)p;
+    double mean = 0;
+    for (int64_t i = 0; i < K; i++) mean += diag[i];
+    mean /= (double)K;
+    for (int64_t a = 0; a < K; a++) {
+        for (int64_t b = 0; b < K; b++) h[a * K + b] = H[r.perm[a] * K + r.perm[b]];
+        h[a * K + a] = diag[r.perm[a]] + (double)(float)(o->percdamp * mean);
+    }
+    textbook_u(h, K, r.u);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t p = 0; p < K; p++) {
+            int64_t c = r.perm[p];
+            w[n * K + p] = H[c * K + c] == 0 ? 0 : W[n * K + c];
+        }
+    bool gidx = o->act_order && o->groups == MQ_GPTQ_GROUPS_GIDX;
+    if (o->groups == MQ_GPTQ_GROUPS_STATIC) {
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t g = 0; g < ng; g++) {
+                for (int64_t t = 0; t < G; t++) vals[t] = (float)w[n * K + pos[g * G + t]];
+                mq_group_params(s, gs, vals, G, 1, &r.params[n * ng + g]);
+            }
+        memset(ready, 1, (size_t)ng);
+    }
+    for (int64_t p = 0; p < K; p++) {
+        int64_t c = r.perm[p], g = gidx ? p / G : c / G;
+        if (!ready[g]) {
+            for (int64_t n = 0; n < N; n++) {
+                for (int64_t t = 0; t < G; t++)
+                    vals[t] = (float)w[n * K + (gidx ? g * G + t : pos[g * G + t])];
+                mq_group_params(s, gs, vals, G, 1, &r.params[n * ng + g]);
+            }
+            ready[g] = 1;
+        }
+        for (int64_t n = 0; n < N; n++) {
+            const mq_gparams *gp = &r.params[n * ng + g];
+            uint8_t code = mq_quant_value(s, gs, gp, (float)w[n * K + p]);
+            float q = mq_dequant_value(s, gs, gp, code);
+            double err = (w[n * K + p] - q) / r.u[p * K + p];
+            for (int64_t j = p; j < K; j++) w[n * K + j] -= err * r.u[p * K + j];
+            r.codes[n * K + c] = code;
+            r.deq[n * K + c] = q;
+        }
+    }
+    free(h);
+    free(w);
+    free(diag);
+    free(pos);
+    free(ready);
+    free(vals);
+    return r;
+}
+
+/* ---- helpers --------------------------------------------------------------------------------- */
+
+static double direct_loss(const float *H, int64_t K, const float *w, const float *q, int64_t N) {
+    double loss = 0;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t a = 0; a < K; a++) {
+            double da = (double)w[n * K + a] - q[n * K + a], s = 0;
+            for (int64_t b = 0; b < K; b++) s += (double)H[a * K + b] * ((double)w[n * K + b] - q[n * K + b]);
+            loss += da * s;
+        }
+    return loss;
+}
+
+static int64_t count_diff(const uint8_t *a, const uint8_t *b, int64_t n) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++) d += a[i] != b[i];
+    return d;
+}
+
+static mq_qspec int4_spec(int group) {
+    mq_qspec s = mq_qspec_default(MQ_QS_INT4);
+    s.group_size = group;
+    s.scale_dtype = MOEQ_DT_F32;
+    return s;
+}
+
+/* Runs both implementations on one case and checks agreement, the loss and GPTQ <= RTN. */
+static void check_against_reference(const mq_qspec *s, const mq_gptq_opts *o, int64_t N, int64_t K,
+                                    const int *dead, int n_dead, double max_code_diff) {
+    float *W = make_weights(N, K, 11 + (uint64_t)K);
+    float *H = make_hessian(K, 2 * K, 5 + (uint64_t)N, dead, n_dead);
+    mq_qtensor q;
+    mq_gptq_stats st;
+    float *deq = malloc((size_t)(N * K) * sizeof(float));
+    ASSERT_OK(mq_gptq_quantize(s, o, H, W, N, K, 0, "layer.w", &q, deq, &st));
+    ref_result r = ref_gptq(s, q.global_scale, H, W, N, K, o);
+    int64_t diff = count_diff(q.codes, r.codes, N * K);
+    if (getenv("GPTQ_TEST_VERBOSE")) printf("diff %lld/%lld loss %g rtn %g\n", (long long)diff, (long long)(N * K), st.loss, st.rtn_loss);
+    if ((double)diff > max_code_diff * (double)(N * K))
+        FAIL("%lld of %lld codes differ from the reference", (long long)diff, (long long)(N * K));
+    ASSERT_EQ_INT(n_dead, st.n_dead);
+    double ref_loss = direct_loss(H, K, W, r.deq, N), loss = direct_loss(H, K, W, deq, N);
+    ASSERT_REL(ref_loss, loss, 0.01);
+    ASSERT_REL(loss, st.loss, 1e-3);   /* the loss identity, against the direct formula */
+    /* RTN of the same spec and global scale, loss computed directly */
+    mq_qtensor rq;
+    ASSERT_OK(mq_quantize_rtn(s, W, N, K, q.global_scale, "layer.w", &rq));
+    float *rdeq = malloc((size_t)(N * K) * sizeof(float));
+    mq_dequantize(&rq, rdeq);
+    ASSERT_REL(direct_loss(H, K, W, rdeq, N), st.rtn_loss, 1e-3);
+    if (!(st.loss <= st.rtn_loss)) FAIL("GPTQ loss %g > RTN loss %g", st.loss, st.rtn_loss);
+    /* the dequantized output is what a loader of the codes computes */
+    float *back = malloc((size_t)(N * K) * sizeof(float));
+    mq_dequantize(&q, back);
+    ASSERT_TRUE(memcmp(back, deq, (size_t)(N * K) * sizeof(float)) == 0);
+    for (int i = 0; i < n_dead; i++)
+        for (int64_t n = 0; n < N; n++) ASSERT_EQ_INT(0, deq[n * K + dead[i]] != 0.0f);
+    free(back);
+    free(rdeq);
+    mq_qtensor_free(&rq);
+    ref_free(&r);
+    free(deq);
+    mq_qtensor_free(&q);
+    free(W);
+    free(H);
+}
+
+/* ---- cases ----------------------------------------------------------------------------------- */
+
+static void test_reference_nvfp4(void) {
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    check_against_reference(&s, &o, 160, 256, NULL, 0, 0.003);
+}
+
+static void test_reference_int4(void) {
+    mq_qspec s = int4_spec(64);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.block_size = 32;
+    check_against_reference(&s, &o, 160, 256, NULL, 0, 0.003);
+}
+
+static void test_reference_act_order(void) {
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.act_order = true;
+    mq_qspec nv = mq_qspec_default(MQ_QS_NVFP4), i4 = int4_spec(64);
+    o.groups = MQ_GPTQ_GROUPS_DYNAMIC;   /* params at each group's first column in act order */
+    check_against_reference(&nv, &o, 130, 192, NULL, 0, 0.003);
+    check_against_reference(&i4, &o, 130, 192, NULL, 0, 0.003);
+    o.groups = MQ_GPTQ_GROUPS_STATIC;
+    check_against_reference(&nv, &o, 130, 192, NULL, 0, 0.003);
+    o.groups = MQ_GPTQ_GROUPS_GIDX;
+    check_against_reference(&i4, &o, 130, 192, NULL, 0, 0.003);
+}
+
+static void test_reference_mse(void) {
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    s.mse = true;
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.act_order = true;
+    check_against_reference(&s, &o, 64, 128, NULL, 0, 0.003);
+}
+
+static void test_dead_columns(void) {
+    static const int dead[] = {0, 5, 17, 100, 127};
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    check_against_reference(&s, &o, 48, 128, dead, 5, 0.003);
+    o.act_order = true;
+    mq_qspec i4 = int4_spec(32);
+    check_against_reference(&i4, &o, 48, 128, dead, 5, 0.003);
+}
+
+static int g_warnings;
+static char g_last_warning[512];
+static void capture_log(void *user, int level, const char *msg) {
+    (void)user;
+    if (level > 0) {
+        g_warnings++;
+        snprintf(g_last_warning, sizeof g_last_warning, "%s", msg);
+    }
+}
+
+static void test_damping_retry(void) {
+    const int64_t K = 32, N = 16;
+    float *H = make_hessian(K, 64, 3, NULL, 0);
+    H[7 * K + 7] = -0.5f * H[7 * K + 7];   /* indefinite: needs damping beyond 1% of the mean */
+    float *W = make_weights(N, K, 4);
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    mq_qtensor q;
+    mq_gptq_stats st;
+    g_warnings = 0;
+    moeq_set_log(capture_log, NULL);
+    moeq_status rc = mq_gptq_quantize(&s, &o, H, W, N, K, 0, "blk.0.q", &q, NULL, &st);
+    moeq_set_log(NULL, NULL);
+    ASSERT_OK(rc);
+    ASSERT_TRUE(st.percdamp > 0.01);
+    ASSERT_EQ_INT(1, g_warnings);
+    ASSERT_TRUE(strstr(g_last_warning, "blk.0.q") != NULL);
+    /* the factor really is of the damped matrix it reports */
+    mq_gptq_factor f;
+    moeq_set_log(capture_log, NULL);
+    ASSERT_OK(mq_gptq_factor_init(H, K, &o, true, "blk.0.q", &f));
+    moeq_set_log(NULL, NULL);
+    ASSERT_REL(st.percdamp, f.percdamp, 0);
+    double mean = 0;
+    for (int64_t i = 0; i < K; i++) mean += H[i * K + i];
+    mean /= (double)K;
+    for (int64_t a = 0; a < K; a++)   /* H + damp I == R R^T */
+        for (int64_t b = 0; b < K; b++) {
+            double v = 0;
+            for (int64_t k = 0; k < K; k++) v += (double)f.R[a * K + k] * f.R[b * K + k];
+            double want = H[a * K + b] + (a == b ? f.damp : 0.0);
+            ASSERT_NEAR(want, v, 1e-4 * mean);
+        }
+    ASSERT_NEAR(f.percdamp * mean, f.damp, 1e-6 * mean);
+    mq_gptq_factor_free(&f);
+    mq_qtensor_free(&q);
+    /* hopeless: negative definite */
+    for (int64_t i = 0; i < K * K; i++) H[i] = i % (K + 1) == 0 ? -1.0f : 0.0f;
+    moeq_set_log(capture_log, NULL);
+    rc = mq_gptq_quantize(&s, &o, H, W, N, K, 0, "blk.0.q", &q, NULL, &st);
+    moeq_set_log(NULL, NULL);
+    ASSERT_STATUS(MOEQ_E_NUMERIC, rc);
+    ASSERT_ERROR_MENTIONS("blk.0.q");
+    free(H);
+    free(W);
+}
+
+static void test_factor_matches_textbook(void) {
+    const int64_t K = 96;
+    float *H = make_hessian(K, 200, 9, NULL, 0);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.act_order = true;
+    mq_gptq_factor f;
+    ASSERT_OK(mq_gptq_factor_init(H, K, &o, false, "h", &f));
+    float *W = make_weights(1, K, 1);
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    ref_result r = ref_gptq(&s, 1.0f, H, W, 1, K, &o);
+    for (int64_t p = 0; p < K; p++) ASSERT_EQ_INT(r.perm[p], f.perm[p]);
+    double umax = 0;
+    for (int64_t i = 0; i < K * K; i++) umax = fmax(umax, fabs(r.u[i]));
+    for (int64_t i = 0; i < K * K; i++) ASSERT_NEAR(r.u[i], f.U[i], 1e-4 * umax);
+    ref_free(&r);
+    mq_gptq_factor_free(&f);
+    free(H);
+    free(W);
+}
+
+static void test_gidx_consistency(void) {
+    const int64_t N = 40, K = 256, G = 64;
+    float *W = make_weights(N, K, 21);
+    float *H = make_hessian(K, 300, 22, NULL, 0);
+    mq_qspec s = int4_spec((int)G);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.act_order = true;
+    o.groups = MQ_GPTQ_GROUPS_GIDX;
+    mq_qtensor q;
+    float *deq = malloc((size_t)(N * K) * sizeof(float)), *back = malloc((size_t)(N * K) * sizeof(float));
+    ASSERT_OK(mq_gptq_quantize(&s, &o, H, W, N, K, 0, "w", &q, deq, NULL));
+    ASSERT_TRUE(q.g_idx != NULL);
+    int count[4] = {0};
+    for (int64_t c = 0; c < K; c++) {
+        ASSERT_TRUE(q.g_idx[c] >= 0 && q.g_idx[c] < 4);
+        count[q.g_idx[c]]++;
+    }
+    for (int g = 0; g < 4; g++) ASSERT_EQ_INT(G, count[g]);
+    /* the column with the largest diagonal is in group 0, the smallest in the last group */
+    int64_t cmax = 0, cmin = 0;
+    for (int64_t c = 1; c < K; c++) {
+        if (H[c * K + c] > H[cmax * K + cmax]) cmax = c;
+        if (H[c * K + c] < H[cmin * K + cmin]) cmin = c;
+    }
+    ASSERT_EQ_INT(0, q.g_idx[cmax]);
+    ASSERT_EQ_INT(3, q.g_idx[cmin]);
+    mq_dequantize(&q, back);
+    ASSERT_TRUE(memcmp(back, deq, (size_t)(N * K) * sizeof(float)) == 0);
+    /* NVFP4 cannot store g_idx */
+    mq_qspec nv = mq_qspec_default(MQ_QS_NVFP4);
+    ASSERT_STATUS(MOEQ_E_UNSUPPORTED, mq_gptq_quantize(&nv, &o, H, W, N, K, 0, "w", &q, deq, NULL));
+    ASSERT_ERROR_MENTIONS("w");
+    free(deq);
+    free(back);
+    free(W);
+    free(H);
+}
+
+static void test_static_vs_dynamic(void) {
+    const int64_t N = 24, K = 128;
+    float *W = make_weights(N, K, 31);
+    float *H = make_hessian(K, 300, 32, NULL, 0);
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    mq_qtensor rtn, dyn, sta;
+    ASSERT_OK(mq_quantize_rtn(&s, W, N, K, 0, "w", &rtn));
+    ASSERT_OK(mq_gptq_quantize(&s, &o, H, W, N, K, 0, "w", &dyn, NULL, NULL));
+    o.groups = MQ_GPTQ_GROUPS_STATIC;
+    ASSERT_OK(mq_gptq_quantize(&s, &o, H, W, N, K, 0, "w", &sta, NULL, NULL));
+    const int64_t ng = K / 16;
+    int64_t dyn_differs = 0;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t g = 0; g < ng; g++) {
+            const mq_gparams *r = &rtn.params[n * ng + g];
+            /* static: exactly RTN's params of the original weights */
+            ASSERT_EQ_HEX(r->scale_code, sta.params[n * ng + g].scale_code);
+            /* dynamic: the first group has seen no error feedback yet */
+            if (g == 0) ASSERT_EQ_HEX(r->scale_code, dyn.params[n * ng + g].scale_code);
+            dyn_differs += r->scale_code != dyn.params[n * ng + g].scale_code;
+        }
+    ASSERT_TRUE(dyn_differs > 0);
+    ASSERT_TRUE(count_diff(dyn.codes, sta.codes, N * K) > 0);
+    mq_qtensor_free(&rtn);
+    mq_qtensor_free(&dyn);
+    mq_qtensor_free(&sta);
+    free(W);
+    free(H);
+}
+
+static void run_blocks(const mq_qspec *s, mq_gptq_opts o, int64_t N, int64_t K) {
+    float *W = make_weights(N, K, 41);
+    float *H = make_hessian(K, 2 * K, 42, NULL, 0);
+    static const int sizes[] = {1, 16, 128, 0};
+    mq_qtensor q[4];
+    mq_gptq_stats st[4];
+    for (int i = 0; i < 4; i++) {
+        o.block_size = sizes[i] ? sizes[i] : (int)K;
+        ASSERT_OK(mq_gptq_quantize(s, &o, H, W, N, K, 0, "w", &q[i], NULL, &st[i]));
+    }
+    for (int i = 1; i < 4; i++) {
+        int64_t d = count_diff(q[0].codes, q[i].codes, N * K);
+        if ((double)d > 0.002 * (double)(N * K))
+            FAIL("block %d: %lld of %lld codes differ from block 1", sizes[i], (long long)d,
+                 (long long)(N * K));
+        ASSERT_REL(st[0].loss, st[i].loss, 2e-3);
+    }
+    for (int i = 0; i < 4; i++) mq_qtensor_free(&q[i]);
+    free(W);
+    free(H);
+}
+
+static void test_block_sizes(void) {
+    mq_qspec nv = mq_qspec_default(MQ_QS_NVFP4), i4 = int4_spec(128);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    run_blocks(&nv, o, 64, 256);
+    run_blocks(&i4, o, 64, 256);
+    o.act_order = true;   /* first-column-in-act-order groups: pending errors applied on the fly */
+    run_blocks(&nv, o, 64, 256);
+    run_blocks(&i4, o, 64, 256);
+    o.groups = MQ_GPTQ_GROUPS_GIDX;
+    run_blocks(&i4, o, 64, 256);
+}
+
+static void test_thread_count_independent(void) {
+    const int64_t N = 300, K = 128;
+    float *W = make_weights(N, K, 51);
+    float *H = make_hessian(K, 256, 52, NULL, 0);
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.act_order = true;
+    mq_qtensor a, b;
+    mq_gptq_stats sa, sb;
+    int saved = moeq_threads();
+    moeq_set_threads(1);
+    ASSERT_OK(mq_gptq_quantize(&s, &o, H, W, N, K, 0, "w", &a, NULL, &sa));
+    moeq_set_threads(3);
+    ASSERT_OK(mq_gptq_quantize(&s, &o, H, W, N, K, 0, "w", &b, NULL, &sb));
+    moeq_set_threads(saved);
+    ASSERT_EQ_INT(0, count_diff(a.codes, b.codes, N * K));
+    for (int64_t i = 0; i < N * K / 16; i++) {
+        ASSERT_TRUE(a.params[i].scale == b.params[i].scale);
+        ASSERT_EQ_HEX(a.params[i].scale_code, b.params[i].scale_code);
+    }
+    ASSERT_TRUE(sa.loss == sb.loss && sa.rtn_loss == sb.rtn_loss);
+    mq_qtensor_free(&a);
+    mq_qtensor_free(&b);
+    free(W);
+    free(H);
+}
+
+/* Several jobs in one run (experts of a layer; gate and up sharing a factor) give the same
+ * result as separate runs. */
+static void test_many_jobs(void) {
+    const int64_t K = 64, N = 48, E = 3;
+    float *H[3], *W[3][2];
+    const char *names[3] = {"e0", "e1", "e2"};
+    for (int e = 0; e < E; e++) {
+        H[e] = make_hessian(K, 128, 60 + (uint64_t)e, NULL, 0);
+        W[e][0] = make_weights(N, K, 70 + (uint64_t)e);
+        W[e][1] = make_weights(N, K, 80 + (uint64_t)e);
+    }
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    mq_gptq_factor f[3];
+    ASSERT_OK(mq_gptq_factor_many((const float *const *)H, E, K, &o, true, names, f));
+    mq_gptq_job jobs[6];
+    mq_qtensor q[6];
+    for (int e = 0; e < E; e++)
+        for (int k = 0; k < 2; k++) jobs[2 * e + k] = (mq_gptq_job){&f[e], W[e][k], N, 0.5f, names[e], &q[2 * e + k], NULL, {0, 0, 0, 0, 0}};
+    ASSERT_OK(mq_gptq_run(&s, &o, jobs, 6));
+    for (int e = 0; e < E; e++)
+        for (int k = 0; k < 2; k++) {
+            mq_qtensor one;
+            mq_gptq_stats st;
+            ASSERT_OK(mq_gptq_quantize(&s, &o, H[e], W[e][k], N, K, 0.5f, "x", &one, NULL, &st));
+            ASSERT_EQ_INT(0, count_diff(one.codes, q[2 * e + k].codes, N * K));
+            ASSERT_TRUE(one.global_scale == 0.5f);
+            ASSERT_TRUE(st.loss == jobs[2 * e + k].stats.loss);
+            mq_qtensor_free(&one);
+            mq_qtensor_free(&q[2 * e + k]);
+            free(W[e][k]);
+        }
+    for (int e = 0; e < E; e++) {
+        mq_gptq_factor_free(&f[e]);
+        free(H[e]);
+    }
+}
+
+/* The loop's branch-free column qdq is bit-identical to formats.h's mq_qdq_n, ties included. */
+static void test_qdq_column_matches_formats(void) {
+    const int64_t n = 4096;
+    static const float ties[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f, 7.0f, 0.5f};
+    mq_qspec specs[4] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(32), int4_spec(32),
+                         mq_qspec_default(MQ_QS_NVFP4)};
+    specs[2].asym = true;
+    specs[3].nvfp4_conv = MQ_NVFP4_MUL;
+    float *x = malloc((size_t)n * sizeof(float)), *step = malloc((size_t)n * sizeof(float));
+    float *zero = malloc((size_t)n * sizeof(float)), *dq = malloc((size_t)n * sizeof(float));
+    float *dq2 = malloc((size_t)n * sizeof(float));
+    uint8_t *code = malloc((size_t)n), *code2 = malloc((size_t)n);
+    mq_gparams *gp = malloc((size_t)n * sizeof(mq_gparams));
+    for (int k = 0; k < 4; k++) {
+        const mq_qspec *s = &specs[k];
+        g_rng = 99 + (uint64_t)k;
+        for (int64_t i = 0; i < n; i++) {
+            float v[16];
+            for (int t = 0; t < 16; t++) v[t] = (float)(0.05 * rnd_normal());
+            if (i % 97 == 0) memset(v, 0, sizeof v);   /* all-zero group: step 0 */
+            mq_group_params(s, 0.37f, v, 16, 1, &gp[i]);
+            step[i] = mq_group_step(s, 0.37f, &gp[i]);
+            zero[i] = gp[i].zero;
+            double u = rnd_unit();
+            float sign = rnd_unit() < 0.5 ? -1.0f : 1.0f;
+            if (u < 0.3)   /* exactly on a rounding tie or grid point */
+                x[i] = sign * ties[(int)(rnd_unit() * 10)] * step[i];
+            else if (u < 0.35)
+                x[i] = sign * 0.0f;
+            else
+                x[i] = (float)(0.08 * rnd_normal());
+        }
+        mq_gptq_qdq_column(s, step, zero, x, n, code, dq);
+        mq_qdq_n(s, 0.37f, gp, x, n, code2, dq2);
+        for (int64_t i = 0; i < n; i++) {
+            ASSERT_EQ_HEX(code2[i], code[i]);
+            ASSERT_EQ_HEX(*(uint32_t *)&dq2[i], *(uint32_t *)&dq[i]);
+        }
+    }
+    free(x);
+    free(step);
+    free(zero);
+    free(dq);
+    free(dq2);
+    free(code);
+    free(code2);
+    free(gp);
+}
+
+static void test_bad_input(void) {
+    const int64_t K = 32, N = 8;
+    float *W = make_weights(N, K, 1);
+    float *H = make_hessian(K, 64, 2, NULL, 0);
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    mq_qtensor q;
+    W[3 * K + 5] = NAN;
+    ASSERT_STATUS(MOEQ_E_NUMERIC, mq_gptq_quantize(&s, &o, H, W, N, K, 0, "mlp.up", &q, NULL, NULL));
+    ASSERT_ERROR_MENTIONS("mlp.up");
+    W[3 * K + 5] = 0;
+    H[K + 2] = INFINITY;
+    ASSERT_STATUS(MOEQ_E_NUMERIC, mq_gptq_quantize(&s, &o, H, W, N, K, 0, "mlp.up", &q, NULL, NULL));
+    ASSERT_ERROR_MENTIONS("mlp.up");
+    free(W);
+    free(H);
+    W = make_weights(N, 24, 1);   /* NVFP4 needs K % 16 == 0 */
+    H = make_hessian(24, 64, 2, NULL, 0);
+    ASSERT_STATUS(MOEQ_E_SHAPE, mq_gptq_quantize(&s, &o, H, W, N, 24, 0, "mlp.down", &q, NULL, NULL));
+    ASSERT_ERROR_MENTIONS("mlp.down");
+    free(W);
+    free(H);
+}
+
+TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_order),
+          T(test_reference_mse), T(test_dead_columns), T(test_damping_retry),
+          T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
+          T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs),
+          T(test_qdq_column_matches_formats), T(test_bad_input))
