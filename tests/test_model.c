@@ -202,8 +202,8 @@ static void test_chunked_qwen2moe(void) { chunked_for("qwen2moe-tiny"); }
 static void test_chunked_llama(void) { chunked_for("llama-tiny"); }
 
 static void test_threads_bit_identical(void) {
-    const char *models[] = {"olmoe-tiny", "qwen2moe-tiny"};
-    for (int mi = 0; mi < 2; mi++) {
+    const char *models[] = {"olmoe-tiny", "qwen2moe-tiny", "llama-tiny"};
+    for (int mi = 0; mi < 3; mi++) {
         char rel[256], dir[4096], gold[4096];
         snprintf(rel, sizeof rel, "fixtures/models/%s", models[mi]);
         snprintf(dir, sizeof dir, "%s", mq_test_shared(rel));

@@ -122,21 +122,22 @@ static char *fixture(const char *model) {
 }
 
 /* ---- equivalent checkpoints ---------------------------------------------------------------- */
-static void test_mixtral_from_llama_copies(void) {
+/* A Mixtral checkpoint made of llama-tiny's first n_layers layers, each MLP copied into 4 experts,
+ * with a random router; window > 0 sets sliding_window. */
+static void build_mixtral_from_llama(const char *dst, int n_layers, int window) {
     char *src = fixture("llama-tiny");
-    golden g;
-    load_golden("llama-tiny", &g);
     mq_st *st = NULL;
     ASSERT_OK(mq_st_open_dir(src, &st));
-    char *dst = new_dir("mixtral-from-llama");
-    const int E = 4, L = 4;
+    const int E = 4;
     mq_st_writer *w = mq_stw_new();
     for (size_t i = 0; i < mq_st_count(st); i++) {
         const mq_tensor_view *t = mq_st_at(st, i);
+        int l = -1;
+        if (sscanf(t->name, "model.layers.%d.", &l) == 1 && l >= n_layers) continue;
         if (!strstr(t->name, ".mlp.")) add_copy(w, t);
     }
     uint32_t r = 99;
-    for (int l = 0; l < L; l++) {
+    for (int l = 0; l < n_layers; l++) {
         const char *hub[3] = {"gate_proj", "up_proj", "down_proj"}, *mix[3] = {"w1", "w3", "w2"};
         for (int k = 0; k < 3; k++) {
             char name[128];
@@ -162,28 +163,97 @@ static void test_mixtral_from_llama_copies(void) {
     }
     write_st(w, dst);
     char *cfg = read_text(src, "config.json");
-    char *c1 = replace(cfg, "\"model_type\": \"llama\"", "\"model_type\": \"mixtral\", "
-                       "\"num_local_experts\": 4, \"num_experts_per_tok\": 2, \"sliding_window\": null");
-    write_text(dst, "config.json", c1);
+    char extra[200], layers[64];
+    snprintf(extra, sizeof extra, "\"model_type\": \"mixtral\", \"num_local_experts\": 4, "
+             "\"num_experts_per_tok\": 2, \"sliding_window\": %d", window);
+    if (window <= 0) snprintf(strstr(extra, "\"sliding_window\""), 32, "\"sliding_window\": null");
+    char *c1 = replace(cfg, "\"model_type\": \"llama\"", extra);
+    snprintf(layers, sizeof layers, "\"num_hidden_layers\": %d", n_layers);
+    char *c2 = replace(c1, "\"num_hidden_layers\": 4", layers);
+    write_text(dst, "config.json", c2);
+    free(c1);
+    free(c2);
+    free(cfg);
+    mq_st_close(st);
+    free(src);
+}
+
+static void test_mixtral_from_llama_copies(void) {
+    golden g;
+    load_golden("llama-tiny", &g);
+    char *dst = new_dir("mixtral-from-llama");
+    build_mixtral_from_llama(dst, 4, 0);
     float *out = logits_of(dst, g.ids, g.T, 4096);
     double err = mq_test_rel_maxdiff(out, g.logits, (size_t)(g.T * 4096));
     fprintf(stderr, "  mixtral made of llama-tiny MLP copies vs llama-tiny golden: %.3g\n", err);
     ASSERT_TRUE(err <= 1e-4);
-    /* and the router really mixes: the model is not just running expert 0 */
     moeq_model *m = NULL;
     moeq_model_options opt = {.no_tokenizer = 1};
     ASSERT_OK(moeq_model_open(dst, &opt, &m));
     ASSERT_EQ_INT(MQ_ARCH_MIXTRAL, m->cfg.arch);
     ASSERT_TRUE(m->cfg.norm_topk_prob);
     ASSERT_EQ_STR("model.layers.0.block_sparse_moe.experts.3.w2", m->layers[0].exp_down[3].name);
+    /* the router really mixes: every expert of layer 0 gets tokens */
+    int hits[4] = {0};
+    for (int64_t t = 0; t < g.T; t++) {
+        float x[256], logit[4];
+        ASSERT_OK(mq_embed(m, g.ids + t, 1, x));
+        for (int e = 0; e < 4; e++) {
+            logit[e] = 0;
+            for (int i = 0; i < 256; i++) logit[e] += m->layers[0].router[e * 256 + i] * x[i];
+        }
+        int best = 0;
+        for (int e = 1; e < 4; e++) best = logit[e] > logit[best] ? e : best;
+        hits[best]++;
+    }
+    for (int e = 0; e < 4; e++) ASSERT_TRUE(hits[e] > 0);
     moeq_model_free(m);
     free(out);
-    free(c1);
-    free(cfg);
     free(dst);
-    mq_st_close(st);
     free_golden(&g);
-    free(src);
+}
+
+/* Sliding-window attention, one layer, window W: the logits at position p >= W-1 equal those of
+ * the full-attention model run on the last W tokens only (RoPE is relative); before that they equal
+ * the full-attention model's on the whole sequence. */
+static void test_sliding_window_one_layer(void) {
+    golden g;
+    load_golden("llama-tiny", &g);
+    const int W = 16, T = 100;   /* > ATT_QB + W: later query blocks start past key 0 */
+    char *full = new_dir("mixtral-1l-full"), *win = new_dir("mixtral-1l-window");
+    build_mixtral_from_llama(full, 1, 0);
+    build_mixtral_from_llama(win, 1, W);
+    float *a = logits_of(win, g.ids, T, 4096);
+    float *b = logits_of(full, g.ids, T, 4096);
+    ASSERT_TRUE(mq_test_rel_maxdiff(a, b, (size_t)(W * 4096)) == 0);
+    double worst = 0;
+    for (int p = W; p < T; p++) {
+        float *c = logits_of(full, g.ids + p - W + 1, W, 4096);
+        double e = mq_test_rel_maxdiff(a + (int64_t)p * 4096, c + (int64_t)(W - 1) * 4096, 4096);
+        worst = e > worst ? e : worst;
+        free(c);
+    }
+    fprintf(stderr, "  sliding window %d vs full attention on the last %d tokens: %.3g\n", W, W, worst);
+    ASSERT_TRUE(worst <= 1e-4);
+    /* token by token through the KV cache (the decode path) gives the same */
+    moeq_model *m = NULL;
+    moeq_model_options opt = {.no_tokenizer = 1};
+    ASSERT_OK(moeq_model_open(win, &opt, &m));
+    moeq_session *s = NULL;
+    ASSERT_OK(moeq_session_create(m, T, &s));
+    float *d = malloc(sizeof(float) * 4096 * (size_t)T);
+    for (int p = 0; p < T; p++) ASSERT_OK(moeq_session_forward(s, g.ids + p, 1, d + (int64_t)p * 4096));
+    ASSERT_TRUE(mq_test_rel_maxdiff(d, a, (size_t)T * 4096) <= 1e-5);
+    moeq_session_free(s);
+    moeq_model_free(m);
+    free(d);
+    /* and the window matters */
+    ASSERT_TRUE(mq_test_rel_maxdiff(a + (int64_t)(T - 1) * 4096, b + (int64_t)(T - 1) * 4096, 4096) > 1e-3);
+    free(a);
+    free(b);
+    free(full);
+    free(win);
+    free_golden(&g);
 }
 
 /* Writes olmoe-tiny in dtype (F32 or F16), its experts optionally fused (as F32), optionally
@@ -433,6 +503,7 @@ static void test_session_errors(void) {
     free(src);
 }
 
-TEST_MAIN(T(test_mixtral_from_llama_copies), T(test_olmoe_fused_and_dtypes_bit_identical),
+TEST_MAIN(T(test_mixtral_from_llama_copies), T(test_sliding_window_one_layer),
+          T(test_olmoe_fused_and_dtypes_bit_identical),
           T(test_missing_and_misshapen_listed_together), T(test_layer_count_mismatch),
           T(test_bad_directories_and_configs), T(test_session_errors))
