@@ -490,6 +490,7 @@ static void ffn_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t
 
 moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_t T, int64_t pos,
                               int l0, int l1, const mq_hooks *hooks) {
+    if (s->m != m) return mq_err(MOEQ_E_ARG, "mq_forward_layers: the state was made for another model");
     if (T <= 0) return MOEQ_OK;
     if (pos < 0 || pos + T > s->max_tokens)
         return mq_err(MOEQ_E_ARG, "positions %lld..%lld do not fit a state of %d tokens",
