@@ -126,7 +126,7 @@ typedef enum {
 } mq_site;
 
 /* Called synchronously on the forward's calling thread with x [rows, cols] (borrowed: valid only
- * during the call), after the layer's block that consumes x has run. Fixed order per layer:
+ * during the call) while the layer runs; x must not be modified. Fixed order per layer:
  *   QKV, O, then MLP, MLP_DOWN (dense layer)
  *   or EXPERT 0, EXPERT_DOWN 0, ..., EXPERT E-1, EXPERT_DOWN E-1, [SHARED, SHARED_DOWN] (MoE).
  * expert is the expert index for EXPERT/EXPERT_DOWN and -1 otherwise. Every expert is reported,
