@@ -352,12 +352,15 @@ static void test_fused_experts_on_disk_are_split_per_expert(void) {
     mq_st *src, *st;
     ASSERT_OK(mq_st_open_dir(model, &src));
     ASSERT_OK(mq_st_open_dir(out, &st));
-    expect(st, "model.layers.0.mlp.experts.2.w1.weight_packed", MOEQ_DT_U8, 2, 96, 32);
-    expect(st, "model.layers.0.mlp.experts.2.w3.weight_packed", MOEQ_DT_U8, 2, 96, 32);
-    expect(st, "model.layers.0.mlp.experts.2.w2.weight_packed", MOEQ_DT_U8, 2, 64, 48);
+    /* per-expert hub names: Mixtral's MoE block goes back under block_sparse_moe */
+    expect(st, "model.layers.0.block_sparse_moe.experts.2.w1.weight_packed", MOEQ_DT_U8, 2, 96, 32);
+    expect(st, "model.layers.0.block_sparse_moe.experts.2.w3.weight_packed", MOEQ_DT_U8, 2, 96, 32);
+    expect(st, "model.layers.0.block_sparse_moe.experts.2.w2.weight_packed", MOEQ_DT_U8, 2, 64, 48);
+    expect(st, "model.layers.0.block_sparse_moe.gate.weight", MOEQ_DT_BF16, 2, 4, 64);
     ASSERT_TRUE(mq_st_find(st, "model.layers.0.mlp.experts.gate_up_proj") == NULL);
-    float g1 = scalar(st, "model.layers.0.mlp.experts.2.w1.weight_global_scale");
-    ASSERT_NEAR(g1, scalar(st, "model.layers.0.mlp.experts.2.w3.weight_global_scale"), 0);
+    ASSERT_TRUE(mq_st_find(st, "model.layers.0.mlp.gate.weight") == NULL);
+    float g1 = scalar(st, "model.layers.0.block_sparse_moe.experts.2.w1.weight_global_scale");
+    ASSERT_NEAR(g1, scalar(st, "model.layers.0.block_sparse_moe.experts.2.w3.weight_global_scale"), 0);
     /* expert 2's gate_up slice: its joint amax gives the shared scale */
     const mq_tensor_view *gu = mq_st_find(src, "model.layers.0.mlp.experts.gate_up_proj");
     float *all = malloc(sizeof(float) * (size_t)gu->numel);
@@ -366,7 +369,7 @@ static void test_fused_experts_on_disk_are_split_per_expert(void) {
     /* w1 = the first 96 rows of the slice */
     mq_qtensor q, back;
     ASSERT_OK(mq_quantize_rtn(&o.spec, all + 2 * 192 * 64, 96, 64, g1, "w1", &q));
-    ASSERT_OK(mq_layout_read("model.layers.0.mlp.experts.2.w1", 96, 64, st_lookup, st, &back));
+    ASSERT_OK(mq_layout_read("model.layers.0.block_sparse_moe.experts.2.w1", 96, 64, st_lookup, st, &back));
     ASSERT_TRUE(back.codes && memcmp(q.codes, back.codes, 96 * 64) == 0);
     mq_qtensor_free(&q);
     mq_qtensor_free(&back);

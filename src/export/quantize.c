@@ -9,6 +9,7 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <stdarg.h>
 #include <math.h>
 #include <pcre2.h>
 #include <stdlib.h>
@@ -91,6 +92,27 @@ static moeq_status plan_add(plan *p, char *module, const mq_tensor_view *src, in
     return MOEQ_OK;
 }
 
+/* Output name of a source tensor or module. Mixtral re-saved by transformers 5 keeps its MoE
+ * block under "mlp."; per-expert checkpoints (what vLLM and the hub use) name it
+ * "block_sparse_moe.", so its names move back there. */
+static char *out_name(const char *name, bool mixtral) {
+    int l, n = 0;
+    if (mixtral && sscanf(name, "model.layers.%d.mlp.%n", &l, &n) == 1 && n > 0)
+        return mq_asprintf("%.*sblock_sparse_moe.%s", n - 4, name, name + n);
+    return mq_strdup(name);
+}
+
+static char *out_namef(bool mixtral, const char *fmt, ...) MQ_PRINTF(2, 3);
+static char *out_namef(bool mixtral, const char *fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (k < 0 || k >= (int)sizeof buf) return NULL;
+    return out_name(buf, mixtral);
+}
+
 static const char *leaf_of(const char *module) {
     const char *d = strrchr(module, '.');
     return d ? d + 1 : module;
@@ -118,7 +140,9 @@ static moeq_status plan_build(plan *p, const mq_st *st, bool mixtral) {
         if (strncmp(t->name, "model.layers.", 13) != 0 || !is_float(t->dtype)) continue;
         moeq_status s = MOEQ_OK;
         if (t->ndim == 2 && ends_with(t->name, ".weight")) {
-            char *module = mq_strndup(t->name, strlen(t->name) - 7);
+            char *src = mq_strndup(t->name, strlen(t->name) - 7);
+            char *module = src ? out_name(src, mixtral) : NULL;
+            free(src);
             s = plan_add(p, module, t, 0, t->shape[0], t->shape[1]);
         } else if (t->ndim == 3 && (ends_with(t->name, ".experts.gate_up_proj") ||
                                     ends_with(t->name, ".experts.down_proj"))) {
@@ -131,13 +155,13 @@ static moeq_status plan_build(plan *p, const mq_st *st, bool mixtral) {
             for (int64_t e = 0; e < E && !s; e++) {
                 if (gu) {
                     int64_t F = R / 2;
-                    s = plan_add(p, mq_asprintf("%.*s.%lld.%s", (int)plen, t->name, (long long)e, gn),
+                    s = plan_add(p, out_namef(mixtral, "%.*s.%lld.%s", (int)plen, t->name, (long long)e, gn),
                                  t, e * R * C, F, C);
                     if (!s)
-                        s = plan_add(p, mq_asprintf("%.*s.%lld.%s", (int)plen, t->name, (long long)e, un),
+                        s = plan_add(p, out_namef(mixtral, "%.*s.%lld.%s", (int)plen, t->name, (long long)e, un),
                                      t, e * R * C + F * C, F, C);
                 } else {
-                    s = plan_add(p, mq_asprintf("%.*s.%lld.%s", (int)plen, t->name, (long long)e, dn),
+                    s = plan_add(p, out_namef(mixtral, "%.*s.%lld.%s", (int)plen, t->name, (long long)e, dn),
                                  t, e * R * C, R, C);
                 }
             }
@@ -559,7 +583,7 @@ static moeq_status read_config(const char *model_dir, cJSON **out, bool *mixtral
 }
 
 static moeq_status write_all(const mq_st *st, const plan *p, const mq_quantize_opts *o,
-                             const char *tmp, cJSON *config, mq_quantize_stats *stats) {
+                             bool mixtral, const char *tmp, cJSON *config, mq_quantize_stats *stats) {
     mq_shard_writer *sw = NULL;
     size_t max_bytes = o->max_shard_bytes ? o->max_shard_bytes : (size_t)5 << 30;
     moeq_status s = mq_shards_open(tmp, max_bytes, &sw);
@@ -573,7 +597,10 @@ static moeq_status write_all(const mq_st *st, const plan *p, const mq_quantize_o
         if (moeq_interrupted()) s = mq_err(MOEQ_E_INTERRUPTED, "quantization interrupted");
         if (s || p->tensor_is_linear[i]) continue;
         const mq_tensor_view *t = mq_st_at(st, i);
-        s = mq_shards_add(sw, t->name, t->dtype, t->ndim, t->shape, t->data, t->nbytes);
+        char *name = out_name(t->name, mixtral);
+        s = name ? mq_shards_add(sw, name, t->dtype, t->ndim, t->shape, t->data, t->nbytes)
+                 : mq_err(MOEQ_E_NOMEM, "out of memory");
+        free(name);
         stats->n_tensors++;
         stats->bytes_written += t->nbytes;
     }
@@ -661,7 +688,7 @@ moeq_status mq_quantize_checkpoint(const char *model_dir, const char *out_dir,
         tmp = NULL;
         goto done;
     }
-    s = write_all(st, &p, o, tmp, config, &stats);
+    s = write_all(st, &p, o, mixtral, tmp, config, &stats);
     for (size_t i = 0; !s && i < sizeof extra_files / sizeof extra_files[0]; i++)
         s = copy_file(model_dir, tmp, extra_files[i]);
     if (!s) s = publish_dir(tmp, out, exists);

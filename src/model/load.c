@@ -4,11 +4,13 @@
  * experts are read per expert (mlp.experts.E.gate_proj / Mixtral block_sparse_moe.experts.E.w1)
  * or fused as transformers 5 keeps them (experts.gate_up_proj [E, 2F, D] with the gate rows
  * first, experts.down_proj [E, D, F]); see ../shared/docs/formats.md sections 1 and 2.5.
- * Every missing or misshapen tensor is reported in one error.
+ * Every missing or misshapen tensor is reported in one error. A Linear stored quantized
+ * (compressed-tensors, ModelOpt, GPTQ) is dequantized by mq_load_linear_weight (src/export).
  */
 #include <stdlib.h>
 #include <string.h>
 
+#include "export/layout.h"
 #include "model/model_internal.h"
 
 /* One fp32 destination filled from (a slice of) one checkpoint tensor. */
@@ -20,6 +22,8 @@ typedef struct {
     int64_t off, count;   /* elements [off, off + count) of the tensor */
     int layer;            /* -1 for the embeddings, final norm and lm_head */
     const mq_tensor_view *t;
+    char *module;         /* a Linear's weight: its module name (may be stored quantized) */
+    bool quantized;       /* module.weight absent, a quantized layout present */
 } want;
 
 typedef struct {
@@ -60,6 +64,13 @@ static void want_vec(want_list *L, int layer, char *name, int64_t n, float **des
     want_add(L, layer, name, 1, &n, dest, 0, n);
 }
 
+/* The last want is the weight of Linear `module`, which a quantized checkpoint may store packed. */
+static void want_mark_linear(want_list *L, const char *module) {
+    if (L->oom || L->n == 0) return;
+    L->w[L->n - 1].module = mq_strdup(module);
+    if (!L->w[L->n - 1].module) L->oom = true;
+}
+
 /* A Linear named `module` (HF module path): module.weight [out, in] and optionally module.bias. */
 static void want_linear(want_list *L, int layer, const char *module, int64_t out, int64_t in,
                         bool bias, mq_linear *lin) {
@@ -69,11 +80,15 @@ static void want_linear(want_list *L, int layer, const char *module, int64_t out
     if (!lin->name) L->oom = true;
     int64_t shape[2] = {out, in};
     want_add(L, layer, mq_asprintf("%s.weight", module), 2, shape, &lin->w, 0, out * in);
+    want_mark_linear(L, module);
     if (bias) want_vec(L, layer, mq_asprintf("%s.bias", module), out, &lin->bias);
 }
 
 static void want_free(want_list *L) {
-    for (size_t i = 0; i < L->n; i++) free(L->w[i].name);
+    for (size_t i = 0; i < L->n; i++) {
+        free(L->w[i].name);
+        free(L->w[i].module);
+    }
     free(L->w);
 }
 
@@ -188,7 +203,10 @@ static moeq_status build_wants(want_list *L, const mq_st *st, moeq_model *m) {
     int64_t vd[2] = {V, D};
     want_add(L, -1, mq_strdup("model.embed_tokens.weight"), 2, vd, &m->embed, 0, V * D);
     want_vec(L, -1, mq_strdup("model.norm.weight"), D, &m->final_norm);
-    if (!c->tie_embeddings) want_add(L, -1, mq_strdup("lm_head.weight"), 2, vd, &m->lm_head, 0, V * D);
+    if (!c->tie_embeddings) {
+        want_add(L, -1, mq_strdup("lm_head.weight"), 2, vd, &m->lm_head, 0, V * D);
+        want_mark_linear(L, "lm_head");
+    }
     for (int l = 0; l < c->n_layers; l++) {
         mq_layer *ly = &m->layers[l];
         want_vec(L, l, mq_asprintf("model.layers.%d.input_layernorm.weight", l), D, &ly->attn_norm);
@@ -213,6 +231,10 @@ static moeq_status build_wants(want_list *L, const mq_st *st, moeq_model *m) {
     return MOEQ_OK;
 }
 
+static const mq_tensor_view *st_lookup(void *user, const char *name) {
+    return mq_st_find((const mq_st *)user, name);
+}
+
 /* Finds every wanted tensor and checks dtype and shape; one error lists all problems. */
 static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *m, const char *dir) {
     const mq_config *c = &m->cfg;
@@ -229,9 +251,13 @@ static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *
     for (size_t i = 0; i < L->n; i++) {
         want *w = &L->w[i];
         w->t = mq_st_find(st, w->name);
+        if (w->module) {   /* absent, or U8 for ModelOpt NVFP4, when stored quantized */
+            mq_linear_kind k = mq_layout_detect(w->module, st_lookup, (void *)st);
+            w->quantized = k != MQ_LIN_ABSENT && k != MQ_LIN_DENSE;
+        }
         if (w->layer >= 0 && (i == 0 || strcmp(L->w[i - 1].name, w->name) != 0)) {
             total[w->layer]++;
-            if (!w->t) missing[w->layer]++;
+            if (!w->t && !w->quantized) missing[w->layer]++;
         }
     }
     for (int l = 0; l < c->n_layers; l++)
@@ -244,6 +270,7 @@ static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *
         if (w->layer >= 0 && missing[w->layer] == total[w->layer]) continue;
         char exp[96], got[96];
         fmt_shape(exp, sizeof exp, w->ndim, w->shape);
+        if (w->quantized) continue;   /* validated when mq_load_linear_weight reads it */
         if (!w->t) {
             mq_problems_add(&probs, "missing tensor '%s' (expected %s)", w->name, exp);
             continue;
@@ -300,6 +327,7 @@ static void convert_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     convert_job *j = ctx;
     const want *w = &j->L->w[i];
+    if (w->quantized) return;   /* dequantized afterwards, on this thread, for its messages */
     mq_tensor_view v = *w->t;
     size_t es = moeq_dtype_size(v.dtype);
     v.data += (size_t)w->off * es;
@@ -310,7 +338,7 @@ static void convert_task(void *ctx, int64_t i, int thread) {
     j->status[i] = mq_tensor_to_f32(&v, *w->dest);
 }
 
-static moeq_status load_wants(want_list *L) {
+static moeq_status load_wants(want_list *L, const mq_st *st) {
     for (size_t i = 0; i < L->n; i++) {
         want *w = &L->w[i];
         *w->dest = mq_alloc_array((size_t)w->count, sizeof(float), w->name);
@@ -324,6 +352,10 @@ static moeq_status load_wants(want_list *L) {
     for (size_t i = 0; i < L->n && !s; i++)
         if (status[i]) s = mq_err(status[i], "tensor '%s': cannot convert to fp32", L->w[i].name);
     free(status);
+    for (size_t i = 0; i < L->n && !s; i++)
+        if (L->w[i].quantized)
+            s = mq_load_linear_weight(st, L->w[i].module, L->w[i].shape[0], L->w[i].shape[1],
+                                      *L->w[i].dest, NULL);
     return s;
 }
 
@@ -442,7 +474,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     if (s) goto fail;
     s = build_wants(&L, st, m);
     if (!s) s = check_wants(&L, st, m, dir);
-    if (!s) s = load_wants(&L);
+    if (!s) s = load_wants(&L, st);
     if (s) goto fail;
     if (m->cfg.tie_embeddings) m->lm_head = m->embed;
     want_free(&L);
