@@ -3,6 +3,7 @@
  * every unquantized tensor is the source's, and the forward pass runs. One case per format. */
 #include <stdlib.h>
 
+#include "export/act_amax.h"
 #include "export/quantize.h"
 #include "harness.h"
 #include "model/model.h"
@@ -156,5 +157,60 @@ static void test_fused_mixtral(void) {
     check_model(mq_test_repo("tests/data/qwen2moe-dense-tiny-fused"), &o, "qwen2moe-dense-fused");
 }
 
-TEST_MAIN(T(test_ct_nvfp4_olmoe), T(test_modelopt_nvfp4_qwen2moe), T(test_ct_int4_asym_qwen2moe),
+/* Calibration amax: one value per hook site, shared by the Linears that read it; experts with no
+ * token take the layer's largest; the table outlives the model. */
+typedef struct {
+    float qkv0, exp_seen[8];
+    int calls;
+} raw;
+static void raw_hook(void *user, int layer, mq_site site, int expert, const float *x, int64_t rows,
+                     int64_t cols) {
+    raw *r = user;
+    r->calls++;
+    if (layer != 1 || rows == 0) return;
+    if (site == MQ_SITE_QKV) r->qkv0 = fmaxf(r->qkv0, mq_absmax(x, rows * cols));
+    if (site == MQ_SITE_EXPERT) r->exp_seen[expert] = fmaxf(r->exp_seen[expert], mq_absmax(x, rows * cols));
+}
+
+static void test_activation_amax(void) {
+    moeq_model *m;
+    moeq_model_options mo = {0};
+    mo.no_tokenizer = 1;
+    ASSERT_OK(moeq_model_open(fixture("olmoe-tiny"), &mo, &m));
+    if (!m) return;
+    int32_t ids[40];
+    for (int i = 0; i < 40; i++) ids[i] = (i * 97 + 11) % 4096;
+    mq_act_amax *a;
+    ASSERT_OK(mq_act_amax_collect(m, ids, 40, 16, &a));
+    /* an independent pass over the same chunks, capturing the raw inputs */
+    raw r = {0};
+    mq_state *st;
+    ASSERT_OK(mq_state_new(m, 16, &st));
+    float x[16 * 256];
+    mq_hooks h = {raw_hook, &r};
+    for (int off = 0; off < 40; off += 16) {
+        int T = 40 - off < 16 ? 40 - off : 16;
+        ASSERT_OK(mq_embed(m, ids + off, T, x));
+        ASSERT_OK(mq_forward_layers(m, st, x, T, 0, 0, m->cfg.n_layers, &h));
+    }
+    mq_state_free(st);
+    moeq_model_free(m);   /* lookups work after the model is gone */
+    ASSERT_TRUE(r.calls > 0);
+    ASSERT_TRUE(r.qkv0 > 0);
+    ASSERT_NEAR(r.qkv0, mq_act_amax_get(a, "model.layers.1.self_attn.q_proj"), 0);
+    ASSERT_NEAR(r.qkv0, mq_act_amax_get(a, "model.layers.1.self_attn.v_proj"), 0);
+    float mx = 0;
+    for (int e = 0; e < 8; e++) mx = fmaxf(mx, r.exp_seen[e]);
+    for (int e = 0; e < 8; e++) {
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj", e);
+        ASSERT_NEAR(r.exp_seen[e] > 0 ? r.exp_seen[e] : mx, mq_act_amax_get(a, name), 0);
+        snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj", e);
+        ASSERT_NEAR(r.exp_seen[e] > 0 ? r.exp_seen[e] : mx, mq_act_amax_get(a, name), 0);
+    }
+    ASSERT_NEAR(0, mq_act_amax_get(a, "model.layers.1.mlp.gate"), 0);
+    mq_act_amax_free(a);
+}
+
+TEST_MAIN(T(test_activation_amax), T(test_ct_nvfp4_olmoe), T(test_modelopt_nvfp4_qwen2moe), T(test_ct_int4_asym_qwen2moe),
           T(test_gptq_llama), T(test_fused_mixtral))
