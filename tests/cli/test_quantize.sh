@@ -27,6 +27,13 @@ header_has "$tmp/ct/model.safetensors" model.layers.0.mlp.gate.weight BF16
 grep -q '"nvfp4-pack-quantized"' "$tmp/ct/config.json" || fail "ct: config lacks the format"
 grep -q '"model.layers.2.mlp.gate"' "$tmp/ct/config.json" || fail "ct: router not in ignore"
 [ -f "$tmp/ct/tokenizer.json" ] || fail "ct: tokenizer.json not copied"
+# inspect: storage and bits per weight, per kind and per weight
+out=$("$cli" inspect "$tmp/ct" --weights) || fail "inspect exited $?"
+printf '%s\n' "$out" | grep -q 'nvfp4 (compressed-tensors) *112 weights.*4.500 bits per weight' ||
+    fail "inspect: no NVFP4 summary"
+printf '%s\n' "$out" | grep -q '^  model.layers.0.mlp.experts.3.up_proj  *nvfp4 (compressed-tensors) *16  *4.500$' ||
+    fail "inspect: no per-weight line"
+printf '%s\n' "$out" | grep -q '^  model.layers.0.mlp.gate  *dense .*16.000$' || fail "inspect: router line"
 
 # INT4 group 64 asymmetric, sharded
 "$cli" quantize "$model" --out "$tmp/int4" --scheme int4 --group-size 64 --asym \
@@ -41,6 +48,8 @@ grep -q 'weight_zero_point' "$tmp/int4/model.safetensors.index.json" || fail "in
 header_has "$tmp/gptq/model.safetensors" model.layers.1.self_attn.o_proj.qweight I32
 header_has "$tmp/gptq/model.safetensors" model.layers.1.self_attn.o_proj.scales F16
 [ -f "$tmp/gptq/quantize_config.json" ] || fail "gptq: no quantize_config.json"
+"$cli" inspect "$tmp/gptq" | grep -q 'int4 (gptq) *112 weights.*4.281 bits per weight' ||
+    fail "inspect gptq: 4 + 16/128 (scales) + 4/128 (zeros) + 32/256 (g_idx) bits per weight"
 out=$("$cli" quantize "$model" --out "$tmp/mo" --scheme nvfp4a16 --format modelopt --mse) ||
     fail "modelopt exited $?"
 printf '%s' "$out" | grep -q '112 Linears quantized' || fail "modelopt summary: $out"

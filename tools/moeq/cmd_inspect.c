@@ -2,8 +2,9 @@
  * moeq inspect MODEL_DIR [--tensors]: what a checkpoint holds, read from config.json and the
  * safetensors headers only (no weight is loaded, so it is instant on any size): architecture,
  * layer and expert layout, parameter counts (total and active per token), values and bytes per
- * dtype, the quantization scheme when config.json has a quantization_config, and with --tensors
- * every tensor's dtype, shape and size.
+ * dtype, the quantization scheme when config.json has a quantization_config, the storage of the
+ * 2-D weights (dense or a quantized layout, src/export/layout.h) with their bits per weight, and
+ * with --tensors every tensor's dtype, shape and size, with --weights every weight's storage.
  */
 #include <cjson/cJSON.h>
 #include <ctype.h>
@@ -12,6 +13,7 @@
 
 #include "cli.h"
 #include "commands.h"
+#include "export/layout.h"
 #include "model/model.h"
 
 /* "9.45M" style figure. */
@@ -123,6 +125,68 @@ static void print_quantization(const char *config_path) {
     cJSON_Delete(root);
 }
 
+/* ---- weight storage (scheme and bits per weight of every 2-D weight) ------------------------- */
+/* Module name of a tensor that carries a weight: P.weight (2-D), P.weight_packed, P.qweight. */
+static char *weight_module(const mq_tensor_view *t) {
+    const char *dot = strrchr(t->name, '.');
+    if (!dot) return NULL;
+    const char *suf = dot + 1;
+    if ((!strcmp(suf, "weight") && t->ndim == 2) || !strcmp(suf, "weight_packed") ||
+        !strcmp(suf, "qweight"))
+        return mq_strndup(t->name, (size_t)(dot - t->name));
+    return NULL;
+}
+
+typedef struct {
+    mq_linear_kind kind;
+    int64_t n, weights;
+    double bits;   /* sum of bits */
+} storage_sum;
+
+static int cmp_names(const void *x, const void *y) {
+    return natural_cmp(*(char *const *)x, *(char *const *)y);
+}
+
+/* One summary line per storage kind; with list, one indented line per weight in layer order. */
+static moeq_status print_storage(const mq_st *sf, bool list) {
+    storage_sum sum[MQ_LIN_GPTQ + 1];
+    memset(sum, 0, sizeof sum);
+    size_t n = 0, cnt = mq_st_count(sf);
+    char **mods = malloc(sizeof *mods * (cnt ? cnt : 1));
+    if (!mods) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < cnt; i++) {
+        char *m = weight_module(mq_st_at(sf, i));
+        if (m) mods[n++] = m;
+    }
+    qsort(mods, n, sizeof *mods, cmp_names);
+    if (list) printf("\n  %-62s %-28s %6s %6s\n", "weight", "storage", "group", "bits");
+    moeq_status s = MOEQ_OK;
+    for (size_t i = 0; i < n && !s; i++) {
+        mq_linear_qinfo qi;
+        if ((s = mq_linear_qinfo_get(sf, mods[i], &qi))) break;
+        if (list) {
+            char g[16] = "-";
+            if (qi.scheme != MQ_QS_NONE) snprintf(g, sizeof g, "%lld", (long long)qi.group_size);
+            printf("  %-62s %-28s %6s %6.3f\n", mods[i], mq_linear_kind_name(qi.kind), g,
+                   qi.bits_per_weight);
+        }
+        sum[qi.kind].n++;
+        sum[qi.kind].weights += qi.rows * qi.cols;
+        sum[qi.kind].bits += qi.bits_per_weight * (double)qi.rows * (double)qi.cols;
+    }
+    for (size_t i = 0; i < n; i++) free(mods[i]);
+    free(mods);
+    for (int k = MQ_LIN_DENSE; k <= MQ_LIN_GPTQ && !list && !s; k++) {
+        if (!sum[k].n) continue;
+        char a[32];
+        human(a, sizeof a, (double)sum[k].weights, "");
+        printf("  %-20s %lld weights (%s values), %.3f bits per weight\n",
+               mq_linear_kind_name((mq_linear_kind)k), (long long)sum[k].n, a,
+               sum[k].bits / (double)sum[k].weights);
+    }
+    return s;
+}
+
 /* ---- the command --------------------------------------------------------------------------- */
 static const char *arch_notes(const mq_config *c) {
     switch (c->arch) {
@@ -135,7 +199,7 @@ static const char *arch_notes(const mq_config *c) {
     return "";
 }
 
-static int inspect(const char *dir, bool tensors) {
+static int inspect(const char *dir, bool tensors, bool weights) {
     mq_config c;
     moeq_status st = mq_config_load(dir, &c);
     if (st) return cli_fail("inspect", st);
@@ -191,6 +255,13 @@ static int inspect(const char *dir, bool tensors) {
     char *cfg_path = mq_path_join(dir, "config.json");
     if (cfg_path) print_quantization(cfg_path);
     free(cfg_path);
+    printf("2-D weights by storage\n");
+    st = print_storage(sf, false);
+    if (st) {
+        mq_st_close(sf);
+        mq_config_free(&c);
+        return cli_fail("inspect", st);
+    }
 
     if (tensors) {
         const mq_tensor_view **v = malloc(sizeof *v * (n ? n : 1));
@@ -214,19 +285,26 @@ static int inspect(const char *dir, bool tensors) {
         }
         free(v);
     }
+    if (weights) st = print_storage(sf, true);
     mq_st_close(sf);
+    if (st) {
+        mq_config_free(&c);
+        return cli_fail("inspect", st);
+    }
     mq_config_free(&c);
     return CLI_OK;
 }
 
 int cmd_inspect(int argc, char **argv) {
-    bool tensors = false;
+    bool tensors = false, weights = false;
     const cli_opt opts[] = {
         {"--tensors", OPT_FLAG, &tensors, NULL, "also list every tensor: dtype, shape, bytes", NULL,
          0, 0, NULL},
+        {"--weights", OPT_FLAG, &weights, NULL, "also list every 2-D weight: storage (dense or "
+         "quantized layout), group size, bits per weight", NULL, 0, 0, NULL},
     };
     const cli_command cmd = {
-        "inspect", "MODEL_DIR [--tensors]",
+        "inspect", "MODEL_DIR [--tensors] [--weights]",
         "Shows a checkpoint's architecture, layer and expert layout, parameter counts (total and\n"
         "active per token), values and bytes per dtype and its quantization scheme, from\n"
         "config.json and the safetensors headers (no weights are loaded).",
@@ -234,5 +312,5 @@ int cmd_inspect(int argc, char **argv) {
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
-    return inspect(pos[0], tensors);
+    return inspect(pos[0], tensors, weights);
 }
