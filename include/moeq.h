@@ -214,7 +214,109 @@ int64_t moeq_count_words(const char *text, size_t len);
 /* Quantized MoE feed-forward op (src/kernels)                                                */
 /* ------------------------------------------------------------------------------------------ */
 
-/* (MoE FFN op API goes here) */
+/*
+ * out[t] = sum_{j<k} w[t,j] * FFN(e[t,j], x[t])  +  g[t] * FFN_shared(x[t])        t = 0..T-1
+ *
+ * FFN(e, x) = down_e( silu(gate_e x) * (up_e x) ), silu(v) = v / (1 + exp(-v)), with the expert's
+ * quantized weights (gate_up_e = [gate_proj; up_proj], [2F, D]; down_e [D, F]).
+ *
+ * Routing (fp32, the model runtime's semantics):
+ *   logits[t,e] = x[t] . router[e]                                  (router [E, D], no bias)
+ *   softmax scoring: p[t,e] = exp(logits - max) / sum_e' exp(...)  (over ALL E experts, as
+ *                    transformers' Mixtral / Qwen2-MoE / OLMoE / Qwen3-MoE)
+ *   sigmoid scoring: p[t,e] = 1 / (1 + exp(-logits[t,e]))           (DeepSeek-V3, ExecuTorch)
+ *   selection: the k experts with the largest p[t,e] + bias[e] (bias optional, DeepSeek-V3's
+ *              e_score_correction_bias: it only chooses, it never weights); ties go to the lower
+ *              expert index, NaN scores rank below every number; slot j holds the j-th largest.
+ *   weights:   w[t,j] = p[t,e[t,j]]; if renormalize: w[t,j] /= sum_j' w[t,j'] (skipped when the
+ *              sum is 0); then w[t,j] *= route_scale.
+ *   softmax + renormalize is Mixtral / Qwen3-MoE / Qwen2-MoE(norm_topk_prob) and equals
+ *   ExecuTorch's post-top-k softmax; softmax without it is OLMoE / Qwen2-MoE default; sigmoid +
+ *   bias + renormalize + route_scale is DeepSeek-V3 and ExecuTorch's sigmoid path.
+ * Shared expert (Qwen2-MoE): g[t] = sigmoid(x[t] . shared_gate) when shared_gate is given, else 1.
+ * The shared expert is quantized with the same scheme and group size as the routed experts (every
+ * Linear of a quantized checkpoint is; the router and the shared gate stay fp32).
+ *
+ * Weight schemes (canonical unpacked form, what moeq_moe_experts_pack reads):
+ *   INT4:  codes u in 0..15 (= q + 8, q in -8..7), fp32 scale per (row, group of group_size
+ *          inputs); w = (u - 8) * scale. group_size: a multiple of 32 dividing D and F.
+ *   NVFP4: codes are 4-bit E2M1 (sign<<3 | idx, idx -> 0, .5, 1, 1.5, 2, 3, 4, 6), one E4M3 byte
+ *          per (row, 16 inputs), one FP32 global scale per expert tensor, used as a divisor
+ *          (compressed-tensors): w = e2m1(code) * e4m3(scale) / global_scale. group_size 16.
+ *
+ * Numerics: the kernels quantize activations (x, and silu(gate)*up) per block of 32 (INT4) or 16
+ * (NVFP4) inputs to 16-bit integers (scale = max|v| / 32512, round to nearest even) and take exact
+ * integer dot products with the 4-bit weights; block results are scaled and summed in fp32.
+ * Results agree with the fp32 computation on the dequantized weights to about 85 dB SQNR (a
+ * relative error near 6e-5) and do not depend on the thread count; the scalar reference kernels
+ * (moeq_set_force_ref) give bit-identical results to the AVX2 ones.
+ * Non-finite inputs propagate (NaN out), they are not errors.
+ */
+
+/* A borrowed, dense, row-major tensor. data == NULL marks an absent optional input. */
+typedef struct {
+    const void *data;
+    moeq_dtype dtype;
+    int32_t ndim;          /* 1..4 */
+    int64_t shape[4];
+    size_t nbytes;         /* size of the buffer at data: must hold prod(shape) elements */
+} moeq_tensor_ref;
+
+typedef enum { MOEQ_MOE_INT4 = 1, MOEQ_MOE_NVFP4 = 2 } moeq_moe_scheme;
+typedef enum { MOEQ_MOE_SOFTMAX = 0, MOEQ_MOE_SIGMOID = 1 } moeq_moe_scoring;
+
+/* One quantized weight (rows x cols per expert; leading dimension E for routed experts). */
+typedef struct {
+    moeq_tensor_ref codes;         /* U8 [E, rows, cols] (shared expert: [rows, cols]) */
+    moeq_tensor_ref scales;        /* INT4: F32 [E, rows, cols/group]; NVFP4: F8_E4M3 [.., cols/16] */
+    moeq_tensor_ref global_scale;  /* NVFP4 only, F32: [E] (shared: [1]); for gate_up also [E, 2]
+                                      (shared: [2]) = separate (gate, up) scales. INT4: absent. */
+} moeq_moe_qweight;
+
+typedef struct {
+    moeq_moe_scheme scheme;
+    int32_t group_size;          /* INT4: 32, 64, 128, ... (multiple of 32); NVFP4: 16 */
+    int32_t n_experts;           /* E */
+    int32_t hidden;              /* D (hidden_size) */
+    int32_t ffn;                 /* F (moe_intermediate_size) */
+    moeq_moe_qweight gate_up;    /* [E, 2F, D]: rows 0..F-1 gate_proj, F..2F-1 up_proj */
+    moeq_moe_qweight down;       /* [E, D, F] */
+    int32_t shared_ffn;          /* Fs (shared_expert_intermediate_size); 0: no shared expert */
+    moeq_moe_qweight shared_gate_up;   /* [2Fs, D] */
+    moeq_moe_qweight shared_down;      /* [D, Fs] */
+} moeq_moe_experts_desc;
+
+/* Packed experts (the kernels' layout), built once per MoE layer. */
+typedef struct moeq_moe_experts moeq_moe_experts;
+
+/* Checks every field of d (scheme, group size, shapes, dtypes, buffer sizes, NULL pointers)
+ * without reading weight values. MOEQ_E_ARG / MOEQ_E_SHAPE / MOEQ_E_UNSUPPORTED name the field. */
+moeq_status moeq_moe_experts_check(const moeq_moe_experts_desc *d);
+/* Checks d, validates every code (0..15) and scale (finite; E4M3 not NaN; global scale finite and
+ * > 0: MOEQ_E_FORMAT / MOEQ_E_NUMERIC naming tensor, expert, row and column) and packs. The
+ * caller's buffers are not referenced afterwards. */
+moeq_status moeq_moe_experts_pack(const moeq_moe_experts_desc *d, moeq_moe_experts **out);
+void moeq_moe_experts_free(moeq_moe_experts *w);
+/* Resident bytes of the packed weights (codes and scales). */
+size_t moeq_moe_experts_bytes(const moeq_moe_experts *w);
+
+typedef struct {
+    moeq_tensor_ref x;             /* F32 [T, D] (flatten leading dims); T may be 0 */
+    moeq_tensor_ref router;        /* F32 [E, D] */
+    moeq_tensor_ref router_bias;   /* F32 [E], selection bias; optional */
+    moeq_tensor_ref shared_gate;   /* F32 [D] or [1, D]; optional, needs a shared expert */
+    const moeq_moe_experts *experts;
+    int32_t top_k;                 /* 1..E */
+    moeq_moe_scoring scoring;
+    int32_t renormalize;           /* 0 or 1 */
+    float route_scale;             /* finite; 1 for most models */
+} moeq_moe_ffn_args;
+
+/* The op's shape function: checks every argument without computing and sets out_shape = {T, D}.
+ * Errors (MOEQ_E_ARG / MOEQ_E_SHAPE / MOEQ_E_UNSUPPORTED) name the argument. */
+moeq_status moeq_moe_ffn_check(const moeq_moe_ffn_args *a, int64_t out_shape[2]);
+/* Runs the op on the process pool: out [T, D] fp32, out_capacity = number of floats at out. */
+moeq_status moeq_moe_ffn(const moeq_moe_ffn_args *a, float *out, size_t out_capacity);
 
 #ifdef __cplusplus
 }

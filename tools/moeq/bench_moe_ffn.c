@@ -1,12 +1,284 @@
-/* moeq bench moe_ffn (not implemented yet). */
+/*
+ * moeq bench moe-ffn: speed of the quantized MoE feed-forward op (moeq_moe_ffn) on random INT4 or
+ * NVFP4 experts, per token count, in two routings:
+ *   fixed:  the same input every iteration, so the same experts (as llama.cpp's test-backend-ops
+ *           MUL_MAT_ID perf case, where the chosen experts' weights stay in cache);
+ *   varied: a different input every iteration from a pool, so different experts, whose weights
+ *           stream from memory as in real decoding across layers (all E experts are allocated).
+ * GFLOP/s counts 2*T*k*(2F*D + D*F) (routed experts only); GB/s counts the packed bytes of the
+ * distinct experts each call uses. The same run measures this machine's sgemm rate (OpenBLAS) and
+ * streaming read bandwidth, and prints our figures as ratios of both.
+ */
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "bench.h"
 #include "cli.h"
+#include "core/core.h"
+#include "kernels/moe_ffn.h"
+
+typedef struct {
+    int64_t E, k, D, F, group, threads;
+    int nvfp4;
+} shape;
+
+static uint64_t g_s = 88172645463325252ull;
+static inline uint64_t rnd64(void) {
+    g_s ^= g_s << 13;
+    g_s ^= g_s >> 7;
+    g_s ^= g_s << 17;
+    return g_s;
+}
+static float rnd_normal(void) {
+    float u1 = ((float)(rnd64() >> 40) + 0.5f) * 0x1p-24f, u2 = (float)(rnd64() >> 40) * 0x1p-24f;
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+}
+
+static void fill_codes(uint8_t *c, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        uint64_t r = rnd64();
+        for (int j = 0; j < 16; j++) c[i + j] = (uint8_t)((r >> (4 * j)) & 15);
+    }
+    for (; i < n; i++) c[i] = (uint8_t)(rnd64() & 15);
+}
+
+static void *fill_scales(size_t n, int nvfp4) {
+    if (nvfp4) {
+        uint8_t *s = malloc(n);
+        if (s)
+            for (size_t i = 0; i < n; i++) s[i] = (uint8_t)(40 + rnd64() % 40);   /* ~1..8 */
+        return s;
+    }
+    float *s = malloc(n * 4);
+    if (s)
+        for (size_t i = 0; i < n; i++) s[i] = 0.01f + 0.01f * (float)(rnd64() >> 40) * 0x1p-24f;
+    return s;
+}
+
+static moeq_tensor_ref ref3(const void *p, moeq_dtype dt, int64_t a, int64_t b, int64_t c, size_t es) {
+    moeq_tensor_ref r = {p, dt, c ? 3 : (b ? 2 : 1), {a, b, c, 0}, 0};
+    r.nbytes = (size_t)a * (size_t)(b ? b : 1) * (size_t)(c ? c : 1) * es;
+    return r;
+}
+
+/* Random packed experts of the given shape (codes uniform in 0..15). */
+static moeq_status make_experts(const shape *s, moeq_moe_experts **out) {
+    const size_t E = (size_t)s->E, D = (size_t)s->D, F = (size_t)s->F, g = (size_t)s->group;
+    const size_t ngu = E * 2 * F * D, ndn = E * D * F;
+    uint8_t *guc = malloc(ngu), *dnc = malloc(ndn);
+    void *gus = fill_scales(ngu / g, s->nvfp4), *dns = fill_scales(ndn / g, s->nvfp4);
+    float *gg = malloc(E * 4), *dg = malloc(E * 4);
+    moeq_status st = MOEQ_E_NOMEM;
+    if (guc && dnc && gus && dns && gg && dg) {
+        fill_codes(guc, ngu);
+        fill_codes(dnc, ndn);
+        for (size_t e = 0; e < E; e++) gg[e] = dg[e] = 100.0f;
+        moeq_dtype sdt = s->nvfp4 ? MOEQ_DT_F8_E4M3 : MOEQ_DT_F32;
+        size_t ss = s->nvfp4 ? 1 : 4;
+        moeq_moe_experts_desc d;
+        memset(&d, 0, sizeof d);
+        d.scheme = s->nvfp4 ? MOEQ_MOE_NVFP4 : MOEQ_MOE_INT4;
+        d.group_size = (int32_t)g;
+        d.n_experts = (int32_t)E;
+        d.hidden = (int32_t)D;
+        d.ffn = (int32_t)F;
+        d.gate_up.codes = ref3(guc, MOEQ_DT_U8, (int64_t)E, (int64_t)(2 * F), (int64_t)D, 1);
+        d.gate_up.scales = ref3(gus, sdt, (int64_t)E, (int64_t)(2 * F), (int64_t)(D / g), ss);
+        d.down.codes = ref3(dnc, MOEQ_DT_U8, (int64_t)E, (int64_t)D, (int64_t)F, 1);
+        d.down.scales = ref3(dns, sdt, (int64_t)E, (int64_t)D, (int64_t)(F / g), ss);
+        if (s->nvfp4) {
+            d.gate_up.global_scale = ref3(gg, MOEQ_DT_F32, (int64_t)E, 0, 0, 4);
+            d.down.global_scale = ref3(dg, MOEQ_DT_F32, (int64_t)E, 0, 0, 4);
+        }
+        st = moeq_moe_experts_pack(&d, out);
+    } else {
+        mq_err(MOEQ_E_NOMEM, "bench moe-ffn: out of memory for the random experts");
+    }
+    free(guc); free(dnc); free(gus); free(dns); free(gg); free(dg);
+    return st;
+}
+
+/* Distinct experts the op picks for x [T, D] (softmax top-k = largest logits). */
+static int64_t distinct_experts(const shape *s, const float *router, const float *x, int64_t T,
+                                uint8_t *used, float *logits) {
+    memset(used, 0, (size_t)s->E);
+    mq_gemm_nt(T, s->E, s->D, 1.0f, x, s->D, router, s->D, 0.0f, logits, s->E);
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; t++) {
+        float *l = logits + t * s->E;
+        for (int64_t j = 0; j < s->k; j++) {
+            int64_t best = 0;
+            for (int64_t e = 1; e < s->E; e++)
+                if (l[e] > l[best]) best = e;
+            if (!used[best]) n++;
+            used[best] = 1;
+            l[best] = -INFINITY;
+        }
+    }
+    return n;
+}
+
+typedef struct {
+    int64_t tokens;
+    const char *routing;
+    double ms, gflops, gbps;
+} result;
+
+static int parse_tokens(const char *s, int64_t *out, int max) {
+    int n = 0;
+    while (*s && n < max) {
+        char *end;
+        long long v = strtoll(s, &end, 10);
+        if (end == s || v < 1 || v > 1 << 20) return -1;
+        out[n++] = v;
+        s = end;
+        if (*s == ',') s++;
+        else if (*s) return -1;
+    }
+    return n;
+}
 
 int bench_moe_ffn(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "moeq bench: moe_ffn: not implemented yet\n");
-    return CLI_FAIL;
+    int64_t E = 128, k = 8, D = 2048, F = 768, threads = 2, group = 0;
+    double seconds = 1.0;
+    const char *tokens_s = "1,16,512", *scheme = "int4", *routing_s = "both";
+    bool json = false;
+    const cli_opt opts[] = {
+        {"--experts", OPT_INT, &E, "E", "number of routed experts (default 128)", NULL, 1, 4096, NULL},
+        {"--topk", OPT_INT, &k, "K", "experts per token (default 8)", NULL, 1, 4096, NULL},
+        {"--hidden", OPT_INT, &D, "D", "hidden size (default 2048)", NULL, 16, 1 << 16, NULL},
+        {"--ffn", OPT_INT, &F, "F", "expert intermediate size (default 768)", NULL, 16, 1 << 16, NULL},
+        {"--tokens", OPT_STRING, &tokens_s, "LIST", "token counts, comma separated (default 1,16,512)", NULL, 0, -1, NULL},
+        {"--scheme", OPT_CHOICE, &scheme, NULL, "weight scheme (default int4)", "int4|nvfp4", 0, -1, NULL},
+        {"--group", OPT_INT, &group, "G", "INT4 group size (default 32)", NULL, 32, 1 << 16, NULL},
+        {"--routing", OPT_CHOICE, &routing_s, NULL, "routings to run (default both)", "fixed|varied|both", 0, -1, NULL},
+        {"--threads", OPT_INT, &threads, "N", "threads (default 2)", NULL, 1, 1024, NULL},
+        {"--seconds", OPT_DOUBLE, &seconds, "S", "minimum time per measurement (default 1)", NULL, 0, -1, NULL},
+        {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
+    };
+    const cli_command cmd = {"bench moe-ffn", "[options]",
+                             "Speed of the quantized MoE FFN op: GFLOP/s and GB/s of weights read, "
+                             "fixed and varied routing, against this machine's sgemm rate and read "
+                             "bandwidth.",
+                             opts, (int)(sizeof opts / sizeof opts[0]), 0, 0, NULL};
+    const char *pos[1];
+    int npos;
+    int rc = cli_parse(&cmd, argc, argv, pos, &npos);
+    if (rc >= 0) return rc;
+    int64_t toks[32];
+    int ntok = parse_tokens(tokens_s, toks, 32);
+    if (ntok <= 0) return cli_usage_error(cmd.name, "--tokens expects a list like 1,16,512");
+    if (k > E) return cli_usage_error(cmd.name, "--topk %lld > --experts %lld", (long long)k, (long long)E);
+    shape s = {E, k, D, F, 0, threads, strcmp(scheme, "nvfp4") == 0};
+    s.group = s.nvfp4 ? 16 : (group ? group : 32);
+    if (s.nvfp4 && group) return cli_usage_error(cmd.name, "--group applies to int4 only");
+    moeq_set_threads((int)threads);
+    cli_install_sigint();
+
+    double sgemm = mq_measure_sgemm_gflops(2048, 1.0);
+    double bw = mq_measure_read_gbps((size_t)1 << 30, 1.0);
+    if (!json) {
+        printf("machine: sgemm %.1f GFLOP/s (OpenBLAS 2048^3), read bandwidth %.1f GB/s, %lld threads\n",
+               sgemm, bw, (long long)threads);
+        fflush(stdout);
+    }
+    moeq_moe_experts *w = NULL;
+    double t0 = mq_now();
+    moeq_status st = make_experts(&s, &w);
+    if (st) return cli_fail("bench moe-ffn", st);
+    const double ex_bytes = (double)moeq_moe_experts_bytes(w) / (double)E;
+    if (!json)
+        printf("experts: %s%s%lld, E=%lld k=%lld D=%lld F=%lld, packed %.1f MB (%.2f bits/weight), "
+               "made in %.1f s\n",
+               s.nvfp4 ? "nvfp4" : "int4", s.nvfp4 ? "" : " g", s.nvfp4 ? 16LL : (long long)s.group,
+               (long long)E, (long long)k, (long long)D, (long long)F,
+               (double)moeq_moe_experts_bytes(w) * 1e-6, ex_bytes * 8.0 / (3.0 * (double)D * (double)F),
+               mq_now() - t0);
+
+    float *router = malloc(sizeof(float) * (size_t)(E * D));
+    for (int64_t i = 0; i < E * D; i++) router[i] = rnd_normal();
+    int64_t tmax = 0;
+    for (int i = 0; i < ntok; i++) tmax = toks[i] > tmax ? toks[i] : tmax;
+    /* inputs: a pool big enough that varied routing keeps changing experts */
+    int64_t pool = (int64_t)((256u << 20) / ((size_t)tmax * (size_t)D * 4));
+    pool = pool < 2 ? 2 : pool > 64 ? 64 : pool;
+    float *xs = malloc(sizeof(float) * (size_t)(pool * tmax * D));
+    float *out = malloc(sizeof(float) * (size_t)(tmax * D));
+    float *logits = malloc(sizeof(float) * (size_t)(tmax * E));
+    uint8_t *used = malloc((size_t)E);
+    if (!router || !xs || !out || !logits || !used) {
+        fprintf(stderr, "moeq bench moe-ffn: out of memory\n");
+        return CLI_FAIL;
+    }
+    for (int64_t i = 0; i < pool * tmax * D; i++) xs[i] = rnd_normal();
+    int64_t *nused = malloc(sizeof(int64_t) * (size_t)pool);
+
+    result res[64];
+    int nres = 0;
+    const char *routings[2] = {"fixed", "varied"};
+    for (int ti = 0; ti < ntok; ti++) {
+        const int64_t T = toks[ti];
+        for (int64_t p = 0; p < pool; p++)
+            nused[p] = distinct_experts(&s, router, xs + p * T * D, T, used, logits);
+        for (int ri = 0; ri < 2; ri++) {
+            if (strcmp(routing_s, "both") && strcmp(routing_s, routings[ri])) continue;
+            const int varied = ri == 1;
+            moeq_moe_ffn_args a;
+            memset(&a, 0, sizeof a);
+            a.router = ref3(router, MOEQ_DT_F32, E, D, 0, 4);
+            a.experts = w;
+            a.top_k = (int32_t)k;
+            a.scoring = MOEQ_MOE_SOFTMAX;
+            a.renormalize = 1;
+            a.route_scale = 1.0f;
+            a.x = ref3(xs, MOEQ_DT_F32, T, D, 0, 4);
+            if ((st = moeq_moe_ffn(&a, out, (size_t)(T * D)))) return cli_fail("bench moe-ffn", st);
+            double bytes = 0, elapsed = 0;
+            int64_t reps = 0;
+            double t_end = mq_now() + seconds;
+            do {
+                int64_t p = varied ? (reps + 1) % pool : 0;
+                a.x.data = xs + p * T * D;
+                double t1 = mq_now();
+                st = moeq_moe_ffn(&a, out, (size_t)(T * D));
+                elapsed += mq_now() - t1;
+                if (st) return cli_fail("bench moe-ffn", st);
+                bytes += (double)nused[p] * ex_bytes;
+                reps++;
+            } while ((mq_now() < t_end || reps < 3) && !moeq_interrupted());
+            double flops = 2.0 * (double)T * (double)k * 3.0 * (double)F * (double)D * (double)reps;
+            result *r = &res[nres++];
+            r->tokens = T;
+            r->routing = routings[ri];
+            r->ms = elapsed / (double)reps * 1e3;
+            r->gflops = flops / elapsed * 1e-9;
+            r->gbps = bytes / elapsed * 1e-9;
+            if (!json) {
+                printf("tokens %4lld %-6s %9.3f ms  %7.1f GFLOP/s (%.2f x sgemm)  %6.1f GB/s (%.2f x bw)\n",
+                       (long long)T, r->routing, r->ms, r->gflops, r->gflops / sgemm, r->gbps,
+                       r->gbps / bw);
+                fflush(stdout);
+            }
+            if (moeq_interrupted()) break;
+        }
+    }
+    if (json) {
+        printf("{\"scheme\": \"%s\", \"group\": %lld, \"experts\": %lld, \"topk\": %lld, "
+               "\"hidden\": %lld, \"ffn\": %lld, \"threads\": %lld, \"packed_bytes\": %zu, "
+               "\"sgemm_gflops\": %.3f, \"dram_gbps\": %.3f, \"results\": [",
+               s.nvfp4 ? "nvfp4" : "int4", (long long)s.group, (long long)E, (long long)k,
+               (long long)D, (long long)F, (long long)threads, moeq_moe_experts_bytes(w), sgemm, bw);
+        for (int i = 0; i < nres; i++)
+            printf("%s{\"tokens\": %lld, \"routing\": \"%s\", \"ms\": %.4f, \"gflops\": %.3f, "
+                   "\"gbps\": %.3f, \"x_sgemm\": %.4f, \"x_bw\": %.4f}",
+                   i ? ", " : "", (long long)res[i].tokens, res[i].routing, res[i].ms, res[i].gflops,
+                   res[i].gbps, res[i].gflops / sgemm, res[i].gbps / bw);
+        printf("]}\n");
+    }
+    moeq_moe_experts_free(w);
+    free(router); free(xs); free(out); free(logits); free(used); free(nused);
+    return moeq_interrupted() ? CLI_INTERRUPTED : CLI_OK;
 }

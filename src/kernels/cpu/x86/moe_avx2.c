@@ -1,0 +1,290 @@
+/*
+ * AVX2+FMA kernels of the quantized MoE feed-forward op, twins of src/kernels/cpu/ref/moe_ref.c
+ * (same operations in the same order, bit-identical results). Layout and integer scheme: see
+ * src/kernels/moe_ffn.h. The micro-tile is one tile pair (16 weight rows) x up to 4 activation
+ * rows: one 32-byte load gives 4 columns of 8 rows per nibble half; _mm256_maddubs_epi16 multiplies
+ * them by a broadcast 4-column activation quad and the int16 sums of one block (at most 4 maddubs
+ * pairs of <= 2*24*127, or 8 of <= 2*15*127, so no saturation) are widened once per block with
+ * _mm256_madd_epi16. The approach follows the classic int8-activation dot products of llama.cpp's
+ * Q4_0 x Q8_0 and torchao's 8-bit-activation kernels, with our own interleaved layout.
+ */
+/* -O3 completely unrolls the tile loops before scalar replacement, so the accumulators stay in
+ * registers (at -O2 the arrays are unrolled too late and live on the stack). */
+#pragma GCC optimize("O3")
+
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "kernels/moe_ffn.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+#ifndef PF_DIST
+#define PF_DIST 4096
+#endif
+
+INLINE __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* 8 E4M3 bytes -> fp32: the magnitude bits shifted into an fp32 exponent/mantissa are the value
+ * times 2^-120 (E4M3 subnormals land on fp32 subnormals), so one exact multiply finishes it. */
+INLINE __m256 e4m3x8(const uint8_t *p) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7f)), 20);
+    __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(mag, sgn)), _mm256_set1_ps(0x1p120f));
+}
+
+/* Lane-wise mq_moe_expf. */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+INLINE __m256 silu8(__m256 x) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* ---- activation quantization ---------------------------------------------------------------- */
+INLINE float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+INLINE int32_t hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Packs nv vectors of int32 (each in -128..127) to 8 * nv int8 in column order at dst. */
+INLINE void store_i8(const __m256i *c, int nv, int8_t *dst) {
+    /* packs work per 128-bit lane; the permute restores column order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    if (nv == 4) {
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+        _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(p, order));
+    } else {
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_setzero_si256());
+        p = _mm256_permutevar8x32_epi32(p, order);
+        _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(p));
+    }
+}
+
+static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t row,
+                           int64_t col0) {
+    const int32_t B = A->block, nv = B / 8;   /* 2 or 4 vectors per block */
+    const int split = A->q2 != NULL;
+    int8_t *q = A->q + row * A->ld + col0, *q2 = split ? A->q2 + row * A->ld + col0 : NULL;
+    float *sc = A->scale + row * (A->ld / B) + col0 / B;
+    int32_t *cr = A->corr + row * (A->ld / B) + col0 / B;
+    const float qmax = split ? 32512.0f : 127.0f;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < n / B; b++) {
+        const float *v = x + b * B;
+        __m256 vx[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int j = 0; j < nv; j++) {
+            vx[j] = _mm256_loadu_ps(v + 8 * j);
+            __m256 a = _mm256_and_ps(vx[j], absmask);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            amax = _mm256_max_ps(amax, a);
+        }
+        float m = hmax8(amax);
+        int bad = _mm256_movemask_ps(nan) != 0 || m == INFINITY;
+        if (bad || !(m >= 0x1p-100f)) {
+            memset(q + b * B, 0, (size_t)B);
+            if (split) memset(q2 + b * B, 0, (size_t)B);
+            sc[b] = bad ? NAN : 0.0f;
+            cr[b] = 0;
+            continue;
+        }
+        __m256 inv = _mm256_set1_ps(qmax / m);
+        __m256i sum = _mm256_setzero_si256(), c[4], lo[4];
+        for (int j = 0; j < nv; j++) {
+            c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(vx[j], inv));
+            sum = _mm256_add_epi32(sum, c[j]);
+            if (split) {
+                __m256i hi = _mm256_srai_epi32(_mm256_add_epi32(c[j], _mm256_set1_epi32(128)), 8);
+                lo[j] = _mm256_sub_epi32(c[j], _mm256_slli_epi32(hi, 8));
+                c[j] = hi;
+            }
+        }
+        store_i8(c, nv, q + b * B);
+        if (split) store_i8(lo, nv, q2 + b * B);
+        sc[b] = m / qmax;
+        cr[b] = hsum8i(sum) * A->offset;
+    }
+}
+
+/* ---- GEMM micro-tile -------------------------------------------------------------------------- */
+/* One tile pair x nt activation rows, with the epilogue: o[t] receives 8 SwiGLU outputs or the 16
+ * row results of activation row t. */
+INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow,
+                 float *const *o, int swiglu, const int nt, const int nvfp4, const int split) {
+    const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes;
+    const int B = nvfp4 ? 16 : 32, CH = B / 8;
+    const int64_t nb = W->cols / B, lds = A->ld / B;
+    const uint8_t *rb1 = rb0 + W->rb_bytes;
+    const uint8_t *s0 = rb0 + (size_t)W->cols * 4, *s1 = rb1 + (size_t)W->cols * 4;
+    const int bpg = nvfp4 ? 1 : W->group / B;   /* activation blocks per weight group */
+    const int8_t *aq[MQ_MOE_NT], *aq2[MQ_MOE_NT];
+    const float *as[MQ_MOE_NT];
+    const int32_t *ac[MQ_MOE_NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) {
+        aq[t] = A->q + arow[t] * A->ld;
+        aq2[t] = split ? A->q2 + arow[t] * A->ld : NULL;
+        as[t] = A->scale + arow[t] * lds;
+        ac[t] = A->corr + arow[t] * lds;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    __m256 f[2][MQ_MOE_NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) f[0][t] = f[1][t] = _mm256_setzero_ps();
+    int64_t g = 0;
+    int in_group = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i acc[2][MQ_MOE_NT], acc2[2][MQ_MOE_NT];
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            acc[0][t] = acc[1][t] = _mm256_setzero_si256();
+            if (split) acc2[0][t] = acc2[1][t] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < CH; c++) {
+            const size_t off = (size_t)(b * CH + c) * 32;
+            if (PF_DIST && (c & 1) == 0) {
+                _mm_prefetch((const char *)(rb0 + off + PF_DIST), _MM_HINT_T0);
+                _mm_prefetch((const char *)(rb1 + off + PF_DIST), _MM_HINT_T0);
+            }
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)(rb0 + off));
+            __m256i v1 = _mm256_loadu_si256((const __m256i *)(rb1 + off));
+            __m256i l0 = _mm256_and_si256(v0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            __m256i l1 = _mm256_and_si256(v1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            if (nvfp4) {
+                l0 = _mm256_shuffle_epi8(lut, l0);
+                h0 = _mm256_shuffle_epi8(lut, h0);
+                l1 = _mm256_shuffle_epi8(lut, l1);
+                h1 = _mm256_shuffle_epi8(lut, h1);
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) {
+                const int8_t *xq = aq[t] + b * B + c * 8;
+                __m256i a0 = bcast4(xq), a1 = bcast4(xq + 4);
+                acc[0][t] = _mm256_add_epi16(acc[0][t], _mm256_maddubs_epi16(l0, a0));
+                acc[0][t] = _mm256_add_epi16(acc[0][t], _mm256_maddubs_epi16(h0, a1));
+                acc[1][t] = _mm256_add_epi16(acc[1][t], _mm256_maddubs_epi16(l1, a0));
+                acc[1][t] = _mm256_add_epi16(acc[1][t], _mm256_maddubs_epi16(h1, a1));
+                if (split) {
+                    const int8_t *xq2 = aq2[t] + b * B + c * 8;
+                    __m256i b0 = bcast4(xq2), b1 = bcast4(xq2 + 4);
+                    acc2[0][t] = _mm256_add_epi16(acc2[0][t], _mm256_maddubs_epi16(l0, b0));
+                    acc2[0][t] = _mm256_add_epi16(acc2[0][t], _mm256_maddubs_epi16(h0, b1));
+                    acc2[1][t] = _mm256_add_epi16(acc2[1][t], _mm256_maddubs_epi16(l1, b0));
+                    acc2[1][t] = _mm256_add_epi16(acc2[1][t], _mm256_maddubs_epi16(h1, b1));
+                }
+            }
+        }
+        __m256 sw0, sw1;
+        if (nvfp4) {
+            sw0 = e4m3x8(s0 + b * 8);
+            sw1 = e4m3x8(s1 + b * 8);
+        } else {
+            sw0 = _mm256_loadu_ps((const float *)s0 + g * 8);
+            sw1 = _mm256_loadu_ps((const float *)s1 + g * 8);
+            if (++in_group == bpg) {
+                in_group = 0;
+                g++;
+            }
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            __m256 sa = _mm256_set1_ps(as[t][b]);
+            __m256i cr = _mm256_set1_epi32(ac[t][b]);
+            __m256i i0 = _mm256_madd_epi16(acc[0][t], ones), i1 = _mm256_madd_epi16(acc[1][t], ones);
+            if (split) {
+                i0 = _mm256_add_epi32(_mm256_slli_epi32(i0, 8), _mm256_madd_epi16(acc2[0][t], ones));
+                i1 = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), _mm256_madd_epi16(acc2[1][t], ones));
+            }
+            i0 = _mm256_sub_epi32(i0, cr);
+            i1 = _mm256_sub_epi32(i1, cr);
+            f[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(sw0, sa), f[0][t]);
+            f[1][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(sw1, sa), f[1][t]);
+        }
+    }
+    const __m256 d0 = _mm256_set1_ps(W->div[0]), d1 = _mm256_set1_ps(W->div[1]);
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) {
+        __m256 y0 = _mm256_div_ps(f[0][t], d0), y1 = _mm256_div_ps(f[1][t], d1);
+        if (swiglu) {
+            _mm256_storeu_ps(o[t], _mm256_mul_ps(silu8(y0), y1));
+        } else {
+            _mm256_storeu_ps(o[t], y0);
+            _mm256_storeu_ps(o[t] + 8, y1);
+        }
+    }
+}
+
+/* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
+ * accumulators in registers. */
+typedef void (*tile_fn)(const mq_pmat *, int64_t, const mq_qact *, const int64_t *, float *const *,
+                        int);
+#define TILE_FN(NT, NV, SP)                                                                        \
+    static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
+        const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
+        int swiglu) {                                                                              \
+        tile(W, pair, A, arow, o, swiglu, NT, NV, SP);                                             \
+    }
+#define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
+TILE_FNS(1)
+TILE_FNS(2)
+TILE_FNS(3)
+TILE_FNS(4)
+static const tile_fn k_tiles[2][2][MQ_MOE_NT] = {
+    {{tile_1_0_0, tile_2_0_0, tile_3_0_0, tile_4_0_0}, {tile_1_0_1, tile_2_0_1, tile_3_0_1, tile_4_0_1}},
+    {{tile_1_1_0, tile_2_1_0, tile_3_1_0, tile_4_1_0}, {tile_1_1_1, tile_2_1_1, tile_3_1_1, tile_4_1_1}},
+};
+
+static void gemm_avx2(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qact *A,
+                      const int32_t *act_rows, int64_t row0, int64_t m, float *out, int64_t ldo,
+                      int swiglu) {
+    const tile_fn *fns = k_tiles[W->nvfp4 != 0][A->q2 != NULL];
+    for (int64_t pair = pair0; pair < pair1; pair++) {
+        for (int64_t i0 = 0; i0 < m; i0 += MQ_MOE_NT) {
+            int nt = m - i0 < MQ_MOE_NT ? (int)(m - i0) : MQ_MOE_NT;
+            int64_t arow[MQ_MOE_NT];
+            float *o[MQ_MOE_NT];
+            for (int t = 0; t < nt; t++) {
+                arow[t] = act_rows ? act_rows[i0 + t] : row0 + i0 + t;
+                o[t] = out + (i0 + t) * ldo + (swiglu ? 8 * (pair - pair0) : 16 * pair);
+            }
+            fns[nt - 1](W, pair, A, arow, o, swiglu);
+        }
+    }
+}
+
+const mq_moe_kernels mq_moe_kernels_avx2 = {quant_act_avx2, gemm_avx2};

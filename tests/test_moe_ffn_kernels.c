@@ -1,0 +1,270 @@
+/*
+ * MoE FFN kernels one by one: activation quantization (int8 and split int16) against its
+ * definition and AVX2 vs scalar reference bit for bit (NaN, Inf, zero, tiny blocks included); the
+ * packed GEMM against a double-precision dot product of dequantized weights and activations, and
+ * AVX2 vs reference bit for bit over schemes, group sizes, token counts, pair ranges and both
+ * epilogues; every E4M3 scale byte; the polynomial exp/silu against libm.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "kernels/moe_ffn.h"
+
+static uint64_t g_rng = 7;
+static uint32_t rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (uint32_t)(g_rng >> 11);
+}
+static float rnd_sym(void) { return (float)(rnd() & 0xffffff) * 0x1p-23f - 1.0f; }
+
+static double e2m1_dec(uint8_t c) {
+    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    return (c & 8) ? -mag[c & 7] : mag[c & 7];
+}
+static double e4m3_dec(uint8_t b) {
+    int e = (b >> 3) & 15, m = b & 7;
+    double v = e == 0 ? m / 512.0 : ldexp(1.0 + m / 8.0, e - 7);
+    return (b & 0x80) ? -v : v;
+}
+
+static const mq_moe_kernels *avx2_or_skip(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (mq_cpu_has_avx2_fma()) return &mq_moe_kernels_avx2;
+#endif
+    SKIP("no AVX2+FMA on this CPU");
+    return NULL;
+}
+
+typedef struct {
+    int8_t q[2][256], q2[2][256];
+    float scale[2][16];
+    int32_t corr[2][16];
+} act_buf;
+
+static mq_qact act_of(act_buf *b, int which, int B, int split, int offset) {
+    mq_qact a = {b->q[which], split ? b->q2[which] : NULL, b->scale[which], b->corr[which], 256, B,
+                 offset};
+    return a;
+}
+
+static void test_quant_act_definition_and_twins(void) {
+    const mq_moe_kernels *avx = avx2_or_skip();
+    if (!avx) return;
+    float x[256];
+    for (int rep = 0; rep < 40; rep++) {
+        for (int i = 0; i < 256; i++) x[i] = rnd_sym() * (rep % 3 == 0 ? 1e4f : 1.0f);
+        if (rep == 1) x[3] = NAN;                               /* block 0 poisoned */
+        if (rep == 2) x[40] = INFINITY;                         /* block 1 (B=32) poisoned */
+        if (rep == 3) memset(x + 64, 0, 32 * sizeof(float));    /* zero block */
+        if (rep == 4)
+            for (int i = 96; i < 128; i++) x[i] = 1e-25f;       /* small, above 2^-100: quantized */
+        if (rep == 5)
+            for (int i = 128; i < 160; i++) x[i] = 0x1p-110f;   /* tiny: treated as zero */
+        for (int B = 16; B <= 32; B += 16)
+            for (int split = 0; split < 2; split++) {
+                act_buf b;
+                memset(&b, 0x55, sizeof b);
+                mq_qact r = act_of(&b, 0, B, split, 8), v = act_of(&b, 1, B, split, 8);
+                mq_moe_kernels_ref.quant_act(x, 256, &r, 0, 0);
+                avx->quant_act(x, 256, &v, 0, 0);
+                ASSERT_TRUE(memcmp(b.q[0], b.q[1], 256) == 0);
+                if (split) ASSERT_TRUE(memcmp(b.q2[0], b.q2[1], 256) == 0);
+                ASSERT_TRUE(memcmp(b.scale[0], b.scale[1], sizeof(float) * (size_t)(256 / B)) == 0);
+                ASSERT_TRUE(memcmp(b.corr[0], b.corr[1], sizeof(int32_t) * (size_t)(256 / B)) == 0);
+                /* the definition: v = q (or 256 q + q2), |x - v * scale| <= scale / 2 */
+                for (int blk = 0; blk < 256 / B; blk++) {
+                    float sc = b.scale[0][blk];
+                    int32_t sum = 0, bad = 0;
+                    for (int i = blk * B; i < (blk + 1) * B; i++) bad |= !isfinite(x[i]);
+                    if (bad) {
+                        ASSERT_TRUE(isnan(sc));
+                        continue;
+                    }
+                    for (int i = blk * B; i < (blk + 1) * B; i++) {
+                        int32_t val = split ? 256 * b.q[0][i] + b.q2[0][i] : b.q[0][i];
+                        if (split) ASSERT_TRUE(b.q[0][i] >= -127 && b.q[0][i] <= 127);
+                        sum += val;
+                        double err = fabs((double)x[i] - (double)val * sc);
+                        /* half a step, plus the fp32 rounding of x * (qmax / amax); blocks below
+                         * 2^-100 are zero */
+                        if (sc == 0.0f ? !(val == 0 && fabs(x[i]) < 0x1p-100)
+                                       : !(err <= (0.5 + fabs((double)val) * 0x1p-22) * sc)) FAIL("block %d col %d: |%g - %d * %g| = %g", blk, i, x[i], val, sc, err);
+                    }
+                    ASSERT_EQ_INT(8 * sum, b.corr[0][blk]);
+                    if (rep == 5 && blk == 128 / B) ASSERT_TRUE(sc == 0.0f);
+                }
+            }
+    }
+}
+
+/* ---- GEMM ------------------------------------------------------------------------------------- */
+typedef struct {
+    int nvfp4, group, split, rows, K, m;
+} gemm_case;
+
+static double wval(const gemm_case *c, const uint8_t *codes, const void *scales, int r, int k) {
+    uint8_t q = codes[r * c->K + k];
+    int g = k / c->group, ng = c->K / c->group;
+    if (c->nvfp4) return e2m1_dec(q) * e4m3_dec(((const uint8_t *)scales)[r * ng + g]);
+    return ((int)q - 8) * (double)((const float *)scales)[r * ng + g];
+}
+
+static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
+    const int R = c->rows, K = c->K, m = c->m, B = c->nvfp4 ? 16 : 32, ng = K / c->group;
+    uint8_t *codes = malloc((size_t)R * K);
+    void *scales = malloc((size_t)R * ng * 4);
+    for (int i = 0; i < R * K; i++) codes[i] = (uint8_t)(rnd() & 15);
+    for (int i = 0; i < R * ng; i++) {
+        if (c->nvfp4) ((uint8_t *)scales)[i] = (uint8_t)(rnd() % 0x7f);   /* any non-NaN positive */
+        else ((float *)scales)[i] = rnd_sym() * 0.1f;
+    }
+    size_t rbb = mq_moe_rb_bytes(K, c->group, c->nvfp4);
+    uint8_t *W = mq_alloc(rbb * (size_t)(R / 8), "test W");
+    mq_moe_src src = {codes, scales, c->nvfp4 ? 1 : 4};
+    for (int rb = 0; rb < R / 8; rb++) mq_moe_pack_rb(&src, K, c->group, c->nvfp4, rb * 8, W + rb * rbb);
+    const float gs = 3.0f;
+    mq_pmat P = {W, rbb, R, K, c->group, c->nvfp4, {c->nvfp4 ? 2 * gs : 1.0f, c->nvfp4 ? 2 * gs : 1.0f}};
+    /* activations: rows in reverse order through act_rows, to exercise the indirection */
+    const int arows = m + 3;
+    float *x = malloc(sizeof(float) * (size_t)arows * K);
+    for (int i = 0; i < arows * K; i++) x[i] = rnd_sym();
+    int8_t *q = malloc((size_t)arows * K * 2);
+    float *sc = malloc(sizeof(float) * (size_t)arows * (K / B));
+    int32_t *cr = malloc(sizeof(int32_t) * (size_t)arows * (K / B));
+    mq_qact A = {q, c->split ? q + arows * K : NULL, sc, cr, K, B, c->nvfp4 ? 12 : 8};
+    for (int i = 0; i < arows; i++) mq_moe_kernels_ref.quant_act(x + (size_t)i * K, K, &A, i, 0);
+    int32_t *rows = malloc(sizeof(int32_t) * (size_t)m);
+    for (int i = 0; i < m; i++) rows[i] = arows - 1 - i;
+    const int np = R / 16, p0 = np > 1 ? 1 : 0;
+    for (int swiglu = 0; swiglu < 2; swiglu++) {
+        const int ldo = swiglu ? 8 * (np - p0) : R;
+        float *o1 = calloc((size_t)m * ldo, sizeof(float)), *o2 = calloc((size_t)m * ldo, sizeof(float));
+        mq_moe_kernels_ref.gemm(&P, p0, np, &A, rows, 0, m, o1, ldo, swiglu);
+        if (avx) {
+            avx->gemm(&P, p0, np, &A, rows, 0, m, o2, ldo, swiglu);
+            if (memcmp(o1, o2, sizeof(float) * (size_t)m * ldo) != 0) {
+                int j = 0;
+                while (o1[j] == o2[j]) j++;
+                FAIL("nvfp4 %d group %d split %d m %d swiglu %d: ref %.9g avx2 %.9g at %d", c->nvfp4,
+                     c->group, c->split, m, swiglu, o1[j], o2[j], j);
+            }
+        }
+        /* independent: double dot of dequantized weights and dequantized activations */
+        for (int i = 0; i < m; i++) {
+            const int ar = rows[i];
+            for (int p = p0; p < np; p++) {
+                double y[16], mag[16];
+                for (int l = 0; l < 16; l++) {
+                    /* packed in natural order: pair p = rows 16p..16p+15; with swiglu the
+                     * first 8 act as gate and the next 8 as up */
+                    const int r = 16 * p + l;
+                    double acc = 0, am = 0;
+                    for (int k = 0; k < K; k++) {
+                        int blk = k / B;
+                        double v = c->split ? 256.0 * q[ar * K + k] + A.q2[ar * K + k] : q[ar * K + k];
+                        double term = wval(c, codes, scales, r, k) * v * sc[ar * (K / B) + blk];
+                        acc += term;
+                        am += fabs(term);
+                    }
+                    y[l] = c->nvfp4 ? acc / gs : acc;
+                    mag[l] = c->nvfp4 ? am / gs : am;
+                }
+                for (int l = 0; l < (swiglu ? 8 : 16); l++) {
+                    /* fp32 block sums: errors of ~1e-6 of the sum of |terms| (mag), carried
+                     * through silu(g) * u with |silu'| < 1.1 */
+                    double want = y[l], tol = 1e-6 * mag[l];
+                    if (swiglu) {
+                        double sg = y[l] / (1.0 + exp(-y[l]));
+                        want = sg * y[l + 8];
+                        tol = 1e-6 * (1.1 * mag[l] * fabs(y[l + 8]) + fabs(sg) * mag[l + 8]) + 1e-30;
+                    }
+                    float got = swiglu ? o1[i * ldo + 8 * (p - p0) + l] : o1[i * ldo + 16 * p + l];
+                    if (!(fabs(got - want) <= tol))
+                        FAIL("nvfp4 %d group %d split %d swiglu %d row %d pair %d lane %d: %.9g vs %.9g",
+                             c->nvfp4, c->group, c->split, swiglu, i, p, l, got, want);
+                }
+            }
+        }
+        free(o1);
+        free(o2);
+    }
+    free(codes); free(scales); mq_free(W); free(x); free(q); free(sc); free(cr); free(rows);
+}
+
+static void test_gemm_reference_and_twins(void) {
+    const mq_moe_kernels *avx = NULL;
+#if defined(__x86_64__) || defined(__i386__)
+    if (mq_cpu_has_avx2_fma()) avx = &mq_moe_kernels_avx2;
+#endif
+    const int groups[4] = {16, 32, 64, 128};
+    for (int gi = 0; gi < 4; gi++)
+        for (int split = 0; split < 2; split++)
+            for (int m = 1; m <= 9; m += (m < 5 ? 1 : 4)) {
+                gemm_case c = {gi == 0, groups[gi], split, 48, 256, m};
+                run_gemm_case(&c, avx);
+            }
+    if (!avx) SKIP("no AVX2+FMA: reference checked against doubles only");
+}
+
+/* Every non-NaN E4M3 byte through the NVFP4 kernels: codes 2 (= 1.0) and activations 1.0 give
+ * 16 * 2 * 127 * (e4m3(b) * (1/127)) / (2 * gs) per 16-column block. */
+static void test_every_e4m3_scale(void) {
+    const int K = 16;
+    uint8_t codes[16 * 16];
+    uint8_t scales[16];
+    memset(codes, 2, sizeof codes);
+    float x[16];
+    for (int i = 0; i < 16; i++) x[i] = 1.0f;
+    int8_t q[32];
+    float sc[1];
+    int32_t cr[1];
+    mq_qact A = {q, NULL, sc, cr, K, 16, 12};
+    mq_moe_kernels_ref.quant_act(x, K, &A, 0, 0);
+    size_t rbb = mq_moe_rb_bytes(K, 16, 1);
+    uint8_t *W = mq_alloc(2 * rbb, "test W");
+    const mq_moe_kernels *ks[2] = {&mq_moe_kernels_ref, NULL};
+#if defined(__x86_64__) || defined(__i386__)
+    if (mq_cpu_has_avx2_fma()) ks[1] = &mq_moe_kernels_avx2;
+#endif
+    for (int b0 = 0; b0 < 256; b0 += 16) {
+        for (int r = 0; r < 16; r++) scales[r] = (uint8_t)(b0 + r);
+        if (b0 == 0x70 || b0 == 0xf0) scales[15] = 0x00;   /* 0x7f / 0xff are NaN */
+        mq_moe_src src = {codes, scales, 1};
+        mq_moe_pack_rb(&src, K, 16, 1, 0, W);
+        mq_moe_pack_rb(&src, K, 16, 1, 8, W + rbb);
+        mq_pmat P = {W, rbb, 16, K, 16, 1, {2.0f, 2.0f}};
+        for (int ki = 0; ki < 2 && ks[ki]; ki++) {
+            float out[16];
+            ks[ki]->gemm(&P, 0, 1, &A, NULL, 0, 1, out, 16, 0);
+            for (int r = 0; r < 16; r++) {
+                double want = 16.0 * 2 * 127 * e4m3_dec(scales[r]) * (double)sc[0] / 2.0;
+                if (!(fabs(out[r] - want) <= 1e-6 * fabs(want)))
+                    FAIL("kernel %d scale byte 0x%02x: %.9g vs %.9g", ki, scales[r], out[r], want);
+            }
+        }
+    }
+    mq_free(W);
+}
+
+static void test_exp_and_silu(void) {
+    double worst = 0;
+    for (int i = 0; i <= 200000; i++) {
+        float x = -87.0f + 175.0f * (float)i / 200000.0f;
+        double want = exp((double)x), got = mq_moe_expf(x);
+        double rel = fabs(got - want) / want;
+        if (rel > worst) worst = rel;
+    }
+    ASSERT_TRUE(worst < 3e-7);   /* within ~2.5 ulp */
+    ASSERT_TRUE(isnan(mq_moe_expf(NAN)));
+    ASSERT_NEAR(0.0, mq_moe_silu(-200.0f), 1e-30);
+    ASSERT_REL(200.0, mq_moe_silu(200.0f), 1e-7);
+    ASSERT_REL(0.7310585786300049, mq_moe_silu(1.0f), 3e-7);
+    ASSERT_REL(-0.2689414213699951, mq_moe_silu(-1.0f), 3e-7);
+}
+
+TEST_MAIN(T(test_quant_act_definition_and_twins), T(test_gemm_reference_and_twins),
+          T(test_every_e4m3_scale), T(test_exp_and_silu))
