@@ -542,7 +542,8 @@ static void test_many_jobs(void) {
     mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
     mq_gptq_opts o = mq_gptq_opts_default();
     mq_gptq_factor f[3];
-    ASSERT_OK(mq_gptq_factor_many((const float *const *)H, E, K, &o, true, names, f));
+    const int64_t Ks[3] = {K, K, K};
+    ASSERT_OK(mq_gptq_factor_many((const float *const *)H, Ks, E, &o, true, names, f));
     mq_gptq_job jobs[6];
     mq_qtensor q[6];
     for (int e = 0; e < E; e++)

@@ -223,7 +223,7 @@ moeq_status mq_gptq_factor_init(const float *H, int64_t K, const mq_gptq_opts *o
 
 typedef struct {
     const float *const *H;
-    int64_t K;
+    const int64_t *K;
     const mq_gptq_opts *o;
     bool want_R;
     mq_gptq_factor *f;
@@ -238,16 +238,16 @@ static void factor_task(void *vctx, int64_t task, int thread) {
         c->res[task] = FAC_OK;
         return;
     }
-    c->res[task] = factor_compute(c->H[task], c->K, c->o, c->want_R, &c->f[task]);
+    c->res[task] = factor_compute(c->H[task], c->K[task], c->o, c->want_R, &c->f[task]);
 }
 
-moeq_status mq_gptq_factor_many(const float *const *H, int64_t n, int64_t K,
+moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t n,
                                 const mq_gptq_opts *o, bool want_R, const char *const *names,
                                 mq_gptq_factor *f) {
     memset(f, 0, (size_t)n * sizeof *f);
     for (int64_t i = 0; i < n; i++) {
         if (!H[i]) continue;
-        moeq_status st = check_hessian(H[i], K, names[i]);
+        moeq_status st = check_hessian(H[i], K[i], names[i]);
         if (st) return st;
     }
     fac_result *res = mq_alloc_array((size_t)n, sizeof *res, "GPTQ factor results");

@@ -103,13 +103,18 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
     const char **names = calloc((size_t)chunk, sizeof *names);
     double t = -1;
     if (!fg || !fd || !jobs || !q || !names || !wd[chunk - 1]) goto done;
-    for (int64_t e = 0; e < chunk; e++) names[e] = "bench.expert";
+    int64_t kg[64], kd[64];
+    for (int64_t e = 0; e < chunk; e++) {
+        names[e] = "bench.expert";
+        kg[e] = D;
+        kd[e] = F;
+    }
     fprintf(stderr, "moe layer: %lld experts, %lld at a time...\n", (long long)E, (long long)chunk);
     double t0 = mq_now();
     for (int64_t e0 = 0; e0 < E && !st; e0 += chunk) {
         int64_t n = E - e0 < chunk ? E - e0 : chunk;
-        st = mq_gptq_factor_many((const float *const *)hg, n, D, &b->opts, b->opts.rtn_loss, names, fg);
-        if (!st) st = mq_gptq_factor_many((const float *const *)hd, n, F, &b->opts, b->opts.rtn_loss, names, fd);
+        st = mq_gptq_factor_many((const float *const *)hg, kg, n, &b->opts, b->opts.rtn_loss, names, fg);
+        if (!st) st = mq_gptq_factor_many((const float *const *)hd, kd, n, &b->opts, b->opts.rtn_loss, names, fd);
         if (st) break;
         for (int64_t e = 0; e < n; e++) {
             /* gate and up share the expert's global scale, as fused checkpoints require */

@@ -1,0 +1,231 @@
+/*
+ * Calibration samples for GPTQ (see calib.h). The default protocol follows
+ * ../shared/docs/gptq_reference_study.md: calib.txt tokenized as one string without special
+ * tokens, the first 128 consecutive 512-token chunks. IST-DASLab's gptq uses random 2048-token
+ * windows (MQ_CALIB_RANDOM); torchao's scripts one document per sample (MQ_CALIB_DOCS).
+ */
+#include "quant/calib.h"
+
+#include <cjson/cJSON.h>
+#include <stdlib.h>
+#include <string.h>
+
+void mq_calib_opts_init(mq_calib_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->nsamples = 128;
+    o->seqlen = 512;
+    o->mode = MQ_CALIB_CHUNKS;
+}
+
+void mq_calib_free(mq_calib_set *s) {
+    if (!s) return;
+    for (int64_t i = 0; i < s->n; i++) free(s->ids[i]);
+    free(s->ids);
+    free(s->len);
+    memset(s, 0, sizeof *s);
+}
+
+static moeq_status set_alloc(mq_calib_set *s, int64_t cap) {
+    memset(s, 0, sizeof *s);
+    s->ids = calloc((size_t)(cap > 0 ? cap : 1), sizeof *s->ids);
+    s->len = calloc((size_t)(cap > 0 ? cap : 1), sizeof *s->len);
+    if (!s->ids || !s->len) {
+        mq_calib_free(s);
+        return mq_err(MOEQ_E_NOMEM, "out of memory for calibration samples");
+    }
+    return MOEQ_OK;
+}
+
+/* Appends one sample: [bos] + ids[0..n). bos < 0: none. */
+static moeq_status set_add(mq_calib_set *s, int32_t bos, const int32_t *ids, int64_t n) {
+    int64_t len = n + (bos >= 0 ? 1 : 0);
+    int32_t *v = malloc((size_t)len * sizeof(int32_t));
+    if (!v) return mq_err(MOEQ_E_NOMEM, "out of memory for calibration samples");
+    if (bos >= 0) v[0] = bos;
+    memcpy(v + (bos >= 0 ? 1 : 0), ids, (size_t)n * sizeof(int32_t));
+    s->ids[s->n] = v;
+    s->len[s->n++] = len;
+    s->total += len;
+    if (len > s->max_len) s->max_len = len;
+    return MOEQ_OK;
+}
+
+static moeq_status check_opts(const mq_calib_opts *o) {
+    if (o->nsamples < 1) return mq_err(MOEQ_E_ARG, "--nsamples %lld: must be >= 1", (long long)o->nsamples);
+    if (o->seqlen < 2) return mq_err(MOEQ_E_ARG, "--seqlen %lld: must be >= 2", (long long)o->seqlen);
+    return MOEQ_OK;
+}
+
+static moeq_status from_ids(const int32_t *ids, int64_t n_ids, const mq_calib_opts *o, int32_t bos,
+                            const char *what, mq_calib_set *out) {
+    moeq_status st = check_opts(o);
+    if (st) return st;
+    if (n_ids <= 0) return mq_err(MOEQ_E_FORMAT, "%s: no calibration tokens", what);
+    const int64_t L = o->seqlen - (bos >= 0 ? 1 : 0);
+    if ((st = set_alloc(out, o->nsamples))) return st;
+    if (o->mode == MQ_CALIB_RANDOM) {
+        uint64_t r = o->seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
+        for (int64_t i = 0; i < o->nsamples && !st; i++) {
+            r ^= r << 13;
+            r ^= r >> 7;
+            r ^= r << 17;
+            int64_t span = n_ids > L ? n_ids - L + 1 : 1, len = n_ids < L ? n_ids : L;
+            st = set_add(out, bos, ids + (int64_t)(r % (uint64_t)span), len);
+        }
+    } else {
+        for (int64_t i = 0; i < o->nsamples && i * L < n_ids && !st; i++) {
+            int64_t len = n_ids - i * L < L ? n_ids - i * L : L;
+            if (len < L && i > 0) break;   /* a short tail chunk only when it is the only one */
+            st = set_add(out, bos, ids + i * L, len);
+        }
+        if (!st && out->n < o->nsamples)
+            mq_warn("%s: %lld tokens make only %lld of the %lld calibration samples of %lld tokens",
+                    what, (long long)n_ids, (long long)out->n, (long long)o->nsamples,
+                    (long long)o->seqlen);
+    }
+    if (st) mq_calib_free(out);
+    return st;
+}
+
+moeq_status mq_calib_from_ids(const int32_t *ids, int64_t n_ids, const mq_calib_opts *o,
+                              mq_calib_set *out) {
+    memset(out, 0, sizeof *out);
+    return from_ids(ids, n_ids, o, -1, "calibration ids", out);
+}
+
+static bool ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && strcmp(s + a - b, suf) == 0;
+}
+
+/* The documents of the file: JSONL records' "text", or for a text file either the whole text
+ * (one document) or, with per_line, each non-empty line. Pointers into text or into cJSON
+ * strings copied to the heap; lens in bytes. */
+typedef struct {
+    char **doc;
+    size_t *len;
+    int64_t n, cap;
+} doc_list;
+
+static void docs_free(doc_list *d) {
+    for (int64_t i = 0; i < d->n; i++) free(d->doc[i]);
+    free(d->doc);
+    free(d->len);
+    memset(d, 0, sizeof *d);
+}
+
+static moeq_status docs_add(doc_list *d, const char *s, size_t n) {
+    if (d->n == d->cap) {
+        int64_t cap = d->cap ? 2 * d->cap : 256;
+        char **a = realloc(d->doc, (size_t)cap * sizeof *a);
+        if (a) d->doc = a;
+        size_t *b = realloc(d->len, (size_t)cap * sizeof *b);
+        if (b) d->len = b;
+        if (!a || !b) return mq_err(MOEQ_E_NOMEM, "out of memory reading calibration documents");
+        d->cap = cap;
+    }
+    d->doc[d->n] = mq_strndup(s, n);
+    if (!d->doc[d->n]) return mq_err(MOEQ_E_NOMEM, "out of memory reading calibration documents");
+    d->len[d->n++] = n;
+    return MOEQ_OK;
+}
+
+static bool blank(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (s[i] != ' ' && s[i] != '\t' && s[i] != '\r') return false;
+    return true;
+}
+
+static moeq_status read_docs(const char *path, const char *text, size_t len, bool per_line,
+                             doc_list *d) {
+    size_t i = 0;
+    while (i < len && (text[i] == ' ' || text[i] == '\t' || text[i] == '\r' || text[i] == '\n')) i++;
+    bool jsonl = ends_with(path, ".jsonl") || (i < len && text[i] == '{');
+    if (!jsonl && !per_line) return docs_add(d, text, len);
+    int64_t line_no = 0;
+    for (size_t p = 0; p < len;) {
+        const char *nl = memchr(text + p, '\n', len - p);
+        size_t e = nl ? (size_t)(nl - text) : len;
+        line_no++;
+        const char *line = text + p;
+        size_t n = e - p;
+        p = e + 1;
+        if (blank(line, n)) continue;
+        if (!jsonl) {
+            moeq_status st = docs_add(d, line, n);
+            if (st) return st;
+            continue;
+        }
+        cJSON *j = cJSON_ParseWithLength(line, n);
+        const cJSON *t = j ? cJSON_GetObjectItemCaseSensitive(j, "text") : NULL;
+        if (!cJSON_IsString(t)) {
+            cJSON_Delete(j);
+            return mq_err(MOEQ_E_FORMAT, "%s:%lld: expected a JSON object with a string \"text\"",
+                          path, (long long)line_no);
+        }
+        moeq_status st = docs_add(d, t->valuestring, strlen(t->valuestring));
+        cJSON_Delete(j);
+        if (st) return st;
+    }
+    return MOEQ_OK;
+}
+
+moeq_status mq_calib_load(const moeq_tokenizer *tok, const mq_calib_opts *o, mq_calib_set *out) {
+    memset(out, 0, sizeof *out);
+    moeq_status st = check_opts(o);
+    if (st) return st;
+    if (!tok) return mq_err(MOEQ_E_ARG, "%s: calibration needs the model's tokenizer", o->path);
+    int32_t bos = o->bos ? moeq_tokenizer_bos(tok) : -1;
+    if (o->bos && bos < 0)
+        return mq_err(MOEQ_E_ARG, "%s: the tokenizer has no BOS token for --calib-bos", o->path);
+    char *text;
+    size_t len;
+    if ((st = mq_read_file(o->path, &text, &len))) return st;
+    doc_list d = {0};
+    st = read_docs(o->path, text, len, o->mode == MQ_CALIB_DOCS, &d);
+    free(text);
+    if (st) {
+        docs_free(&d);
+        return st;
+    }
+    if (o->mode == MQ_CALIB_DOCS) {
+        if ((st = set_alloc(out, o->nsamples))) goto done;
+        const int64_t L = o->seqlen - (bos >= 0 ? 1 : 0);
+        for (int64_t i = 0; i < d.n && out->n < o->nsamples && !st; i++) {
+            int32_t *ids;
+            size_t n;
+            if ((st = moeq_tokenizer_encode(tok, d.doc[i], d.len[i], &ids, &n))) break;
+            if (n > 0) st = set_add(out, bos, ids, (int64_t)n < L ? (int64_t)n : L);
+            free(ids);
+        }
+        if (!st && out->n == 0) st = mq_err(MOEQ_E_FORMAT, "%s: no calibration documents", o->path);
+        if (!st && out->n < o->nsamples)
+            mq_warn("%s: only %lld documents for %lld calibration samples", o->path,
+                    (long long)out->n, (long long)o->nsamples);
+        if (st) mq_calib_free(out);
+    } else {
+        /* one token stream: the documents tokenized one by one, concatenated */
+        int32_t *all = NULL;
+        int64_t n_all = 0;
+        for (int64_t i = 0; i < d.n && !st; i++) {
+            int32_t *ids;
+            size_t n;
+            if ((st = moeq_tokenizer_encode(tok, d.doc[i], d.len[i], &ids, &n))) break;
+            int32_t *grown = realloc(all, (size_t)(n_all + (int64_t)n + 1) * sizeof(int32_t));
+            if (!grown) {
+                free(ids);
+                st = mq_err(MOEQ_E_NOMEM, "out of memory tokenizing %s", o->path);
+                break;
+            }
+            all = grown;
+            memcpy(all + n_all, ids, n * sizeof(int32_t));
+            n_all += (int64_t)n;
+            free(ids);
+        }
+        if (!st) st = from_ids(all, n_all, o, bos, o->path, out);
+        free(all);
+    }
+done:
+    docs_free(&d);
+    return st;
+}

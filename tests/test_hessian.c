@@ -1,0 +1,204 @@
+/*
+ * GPTQ Hessian accumulation (src/quant/hessian.c) against a direct double-precision sum, and the
+ * calibration sample builder (src/quant/calib.c) against hand-computed slices and the tokenizer.
+ */
+#include <stdlib.h>
+
+#include "harness.h"
+#include "quant/calib.h"
+#include "quant/hessian.h"
+
+static uint64_t g_rng = 7;
+static float rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (float)((double)(g_rng >> 11) * 0x1p-53 - 0.5);
+}
+
+static void test_hessian_matches_direct_sum(void) {
+    const int64_t K = 40, T = 300;
+    float *x = malloc((size_t)(T * K) * sizeof(float));
+    for (int64_t i = 0; i < T * K; i++) x[i] = rnd() * (float)(1 + i % K);
+    mq_hessian a, b;
+    ASSERT_OK(mq_hessian_init(&a, K, "a"));
+    ASSERT_OK(mq_hessian_init(&b, K, "b"));
+    mq_hessian_add(&a, x, T);                      /* one call */
+    mq_hessian_add(&b, x, 0);                      /* empty calls count nothing */
+    for (int64_t t0 = 0; t0 < T; t0 += 37)         /* uneven batches */
+        mq_hessian_add(&b, x + t0 * K, T - t0 < 37 ? T - t0 : 37);
+    ASSERT_EQ_INT(T, a.n);
+    ASSERT_EQ_INT(T, b.n);
+    float *ha = malloc((size_t)(K * K) * sizeof(float)), *hb = malloc((size_t)(K * K) * sizeof(float));
+    mq_hessian_get(&a, ha);
+    mq_hessian_get(&b, hb);
+    for (int64_t i = 0; i < K; i++)
+        for (int64_t j = 0; j < K; j++) {
+            double s = 0;
+            for (int64_t t = 0; t < T; t++) s += (double)x[t * K + i] * x[t * K + j];
+            s *= 2.0 / (double)T;
+            double scale = sqrt((double)ha[i * K + i] * ha[j * K + j]);   /* cancellation */
+            ASSERT_NEAR(s, ha[i * K + j], 1e-5 * scale);
+            ASSERT_NEAR(s, hb[i * K + j], 1e-5 * scale);
+            ASSERT_TRUE(ha[i * K + j] == ha[j * K + i]);   /* symmetric */
+        }
+    /* merge: two halves give the whole */
+    mq_hessian c, d;
+    ASSERT_OK(mq_hessian_init(&c, K, "c"));
+    ASSERT_OK(mq_hessian_init(&d, K, "d"));
+    mq_hessian_add(&c, x, 100);
+    mq_hessian_add(&d, x + 100 * K, T - 100);
+    mq_hessian_merge(&c, &d);
+    ASSERT_EQ_INT(T, c.n);
+    mq_hessian_get(&c, hb);
+    for (int64_t i = 0; i < K; i++)
+        for (int64_t j = 0; j < K; j++)
+            ASSERT_NEAR(ha[i * K + j], hb[i * K + j], 1e-5 * sqrt((double)ha[i * K + i] * ha[j * K + j]));
+    /* no rows: zero */
+    mq_hessian_free(&d);
+    ASSERT_OK(mq_hessian_init(&d, K, "d"));
+    mq_hessian_get(&d, hb);
+    for (int64_t i = 0; i < K * K; i++) ASSERT_TRUE(hb[i] == 0.0f);
+    mq_hessian_free(&a);
+    mq_hessian_free(&b);
+    mq_hessian_free(&c);
+    mq_hessian_free(&d);
+    free(x);
+    free(ha);
+    free(hb);
+}
+
+static void test_calib_chunks_and_random(void) {
+    int32_t ids[100];
+    for (int i = 0; i < 100; i++) ids[i] = 1000 + i;
+    mq_calib_opts o;
+    mq_calib_opts_init(&o);
+    ASSERT_EQ_INT(128, o.nsamples);
+    ASSERT_EQ_INT(512, o.seqlen);
+    o.nsamples = 3;
+    o.seqlen = 30;
+    mq_calib_set s;
+    ASSERT_OK(mq_calib_from_ids(ids, 100, &o, &s));
+    ASSERT_EQ_INT(3, s.n);
+    for (int k = 0; k < 3; k++) {
+        ASSERT_EQ_INT(30, s.len[k]);
+        for (int t = 0; t < 30; t++) ASSERT_EQ_INT(1000 + 30 * k + t, s.ids[k][t]);
+    }
+    ASSERT_EQ_INT(90, s.total);
+    mq_calib_free(&s);
+    /* more samples than the stream holds: the full chunks only */
+    o.nsamples = 10;
+    ASSERT_OK(mq_calib_from_ids(ids, 100, &o, &s));
+    ASSERT_EQ_INT(3, s.n);
+    mq_calib_free(&s);
+    /* a stream shorter than one sample: one short sample */
+    ASSERT_OK(mq_calib_from_ids(ids, 12, &o, &s));
+    ASSERT_EQ_INT(1, s.n);
+    ASSERT_EQ_INT(12, s.len[0]);
+    mq_calib_free(&s);
+    /* random windows: inside the stream, consecutive ids, reproducible, seed-dependent */
+    o.mode = MQ_CALIB_RANDOM;
+    o.nsamples = 20;
+    o.seed = 5;
+    mq_calib_set r1, r2, r3;
+    ASSERT_OK(mq_calib_from_ids(ids, 100, &o, &r1));
+    ASSERT_OK(mq_calib_from_ids(ids, 100, &o, &r2));
+    o.seed = 6;
+    ASSERT_OK(mq_calib_from_ids(ids, 100, &o, &r3));
+    ASSERT_EQ_INT(20, r1.n);
+    int differ = 0;
+    for (int k = 0; k < 20; k++) {
+        ASSERT_EQ_INT(30, r1.len[k]);
+        ASSERT_TRUE(r1.ids[k][0] >= 1000 && r1.ids[k][29] <= 1099);
+        for (int t = 1; t < 30; t++) ASSERT_EQ_INT(r1.ids[k][0] + t, r1.ids[k][t]);
+        ASSERT_EQ_INT(r1.ids[k][0], r2.ids[k][0]);
+        differ += r1.ids[k][0] != r3.ids[k][0];
+    }
+    ASSERT_TRUE(differ > 0);
+    mq_calib_free(&r1);
+    mq_calib_free(&r2);
+    mq_calib_free(&r3);
+    o.seqlen = 1;
+    ASSERT_STATUS(MOEQ_E_ARG, mq_calib_from_ids(ids, 100, &o, &s));
+    ASSERT_ERROR_MENTIONS("--seqlen");
+}
+
+static moeq_tokenizer *load_tok(void) {
+    moeq_tokenizer *tok = NULL;
+    ASSERT_OK(moeq_tokenizer_load(mq_test_shared("fixtures/models/olmoe-tiny/tokenizer.json"), &tok));
+    return tok;
+}
+
+static const char *write_tmp(const char *name, const char *text) {
+    static char path[512];
+    snprintf(path, sizeof path, "%s/%s", mq_test_tmpdir(), name);
+    ASSERT_OK(mq_write_file_atomic(path, text, strlen(text)));
+    return path;
+}
+
+static void test_calib_files(void) {
+    moeq_tokenizer *tok = load_tok();
+    const char *text = "The quick brown fox jumps over the lazy dog.\nA second line of text here.\n"
+                       "\nAnd a third, after a blank line.\n";
+    int32_t *ids;
+    size_t n;
+    ASSERT_OK(moeq_tokenizer_encode(tok, text, strlen(text), &ids, &n));
+    mq_calib_opts o;
+    mq_calib_opts_init(&o);
+    o.path = write_tmp("calib.txt", text);
+    o.nsamples = 4;
+    o.seqlen = 5;
+    mq_calib_set s;
+    ASSERT_OK(mq_calib_load(tok, &o, &s));   /* the whole text as one string, chunked */
+    ASSERT_TRUE(s.n >= 1);
+    for (int64_t k = 0; k < s.n; k++)
+        for (int64_t t = 0; t < s.len[k]; t++) ASSERT_EQ_INT(ids[k * 5 + t], s.ids[k][t]);
+    mq_calib_free(&s);
+    /* BOS first, counted in seqlen */
+    o.bos = true;
+    ASSERT_OK(mq_calib_load(tok, &o, &s));
+    ASSERT_EQ_INT(moeq_tokenizer_bos(tok), s.ids[0][0]);
+    ASSERT_EQ_INT(5, s.len[0]);
+    ASSERT_EQ_INT(ids[0], s.ids[0][1]);
+    ASSERT_EQ_INT(ids[4], s.ids[1][1]);
+    mq_calib_free(&s);
+    o.bos = false;
+    /* documents: one per non-empty line, truncated */
+    o.mode = MQ_CALIB_DOCS;
+    o.nsamples = 10;
+    o.seqlen = 100;
+    ASSERT_OK(mq_calib_load(tok, &o, &s));
+    ASSERT_EQ_INT(3, s.n);
+    int32_t *d3;
+    size_t n3;
+    const char *third = "And a third, after a blank line.";
+    ASSERT_OK(moeq_tokenizer_encode(tok, third, strlen(third), &d3, &n3));
+    ASSERT_EQ_INT((int64_t)n3, s.len[2]);
+    for (size_t t = 0; t < n3; t++) ASSERT_EQ_INT(d3[t], s.ids[2][t]);
+    mq_calib_free(&s);
+    /* JSONL: one document per record */
+    o.path = write_tmp("calib.jsonl", "{\"text\": \"And a third, after a blank line.\"}\n\n"
+                                      "{\"text\": \"x\", \"meta\": 1}\n");
+    ASSERT_OK(mq_calib_load(tok, &o, &s));
+    ASSERT_EQ_INT(2, s.n);
+    ASSERT_EQ_INT((int64_t)n3, s.len[0]);
+    mq_calib_free(&s);
+    o.path = write_tmp("bad.jsonl", "{\"text\": \"fine\"}\n{\"txt\": 3}\n");
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("bad.jsonl:2");
+    o.path = write_tmp("empty.txt", "\n\n");
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("empty.txt");
+    o.mode = MQ_CALIB_CHUNKS;
+    o.path = write_tmp("empty2.txt", "");
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("empty2.txt");
+    o.path = "/nonexistent/calib.txt";
+    ASSERT_STATUS(MOEQ_E_IO, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("/nonexistent/calib.txt");
+    free(ids);
+    free(d3);
+    moeq_tokenizer_free(tok);
+}
+
+TEST_MAIN(T(test_hessian_matches_direct_sum), T(test_calib_chunks_and_random), T(test_calib_files))
