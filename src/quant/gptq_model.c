@@ -527,7 +527,7 @@ moeq_status mq_gptq_report_write(const mq_gptq_results *r, const mq_gptq_model_o
 moeq_status mq_gptq_quantize_checkpoint(const char *model_dir, const char *out_dir,
                                         mq_quantize_opts *qo, const mq_gptq_model_opts *go,
                                         const mq_calib_opts *co, const char *report_path,
-                                        mq_gptq_results *results) {
+                                        mq_gptq_results *results, mq_quantize_stats *stats) {
     memset(results, 0, sizeof *results);
     if (go->spec.scheme != qo->spec.scheme)
         return mq_err(MOEQ_E_ARG, "GPTQ and the checkpoint writer disagree on the scheme");
@@ -541,9 +541,10 @@ moeq_status mq_gptq_quantize_checkpoint(const char *model_dir, const char *out_d
     moeq_model_free(m);
     mq_calib_free(&calib);
     if (st) return st;
-    /* the report first: it stays useful if writing the checkpoint fails */
-    if (report_path && (st = mq_gptq_report_write(results, go, co, report_path))) return st;
     qo->step = mq_gptq_take;
     qo->step_user = results;
-    return mq_quantize_checkpoint(model_dir, out_dir, qo, NULL);
+    st = mq_quantize_checkpoint(model_dir, out_dir, qo, stats);
+    /* after the checkpoint: the report may go into OUT_DIR, which the writer replaces */
+    if (!st && report_path) st = mq_gptq_report_write(results, go, co, report_path);
+    return st;
 }

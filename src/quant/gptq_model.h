@@ -87,11 +87,12 @@ moeq_status mq_gptq_report_write(const mq_gptq_results *r, const mq_gptq_model_o
                                  const mq_calib_opts *calib, const char *path);
 
 /* The whole `moeq quantize --method gptq`: open the model, load the calibration data, run
- * mq_gptq_model, write the checkpoint with the export driver (qo->step is set here) and, when
- * report_path is not NULL, the report. */
+ * mq_gptq_model, write the checkpoint with the export driver (qo->step is set here) and then,
+ * when report_path is not NULL, the report (it may be inside out_dir). results keep the
+ * statistics (the quantized tensors are handed to the writer); free them in any case. */
 moeq_status mq_gptq_quantize_checkpoint(const char *model_dir, const char *out_dir,
                                         mq_quantize_opts *qo, const mq_gptq_model_opts *go,
                                         const mq_calib_opts *co, const char *report_path,
-                                        mq_gptq_results *results);
+                                        mq_gptq_results *results, mq_quantize_stats *stats);
 
 #endif

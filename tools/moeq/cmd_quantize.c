@@ -2,7 +2,8 @@
  * moeq quantize MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4 [options]: round-to-nearest
  * quantization of every decoder Linear into a checkpoint vLLM loads (compressed-tensors, ModelOpt
  * NVFP4 or GPTQ v1; see src/export/quantize.h). W4A4 (--scheme nvfp4) also calibrates the
- * activation scales on --calib text with the fp32 model.
+ * activation scales on --calib text with the fp32 model. --method gptq runs GPTQ on --calib
+ * (quantize_gptq.c) and hands its tensors to the same writer.
  */
 #include <ctype.h>
 #include <stdlib.h>
@@ -13,6 +14,7 @@
 #include "core/core.h"
 #include "export/act_amax.h"
 #include "export/quantize.h"
+#include "quantize_gptq.h"
 
 /* "5GB", "500MB", "64KiB", "1048576" -> bytes (KB/MB/GB decimal, KiB/MiB/GiB binary). */
 static bool parse_size(const char *s, size_t *out) {
@@ -77,6 +79,8 @@ int cmd_quantize(int argc, char **argv) {
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
     bool reference = false, group_seen = false;
     cli_list ignore = {0};
+    gptq_cli gq;
+    gptq_cli_defaults(&gq);
     const cli_opt opts[] = {
         {"--out", OPT_STRING, &out, "OUT_DIR", "output checkpoint directory (required)", NULL, 0, 0, NULL},
         {"--scheme", OPT_CHOICE, &scheme, NULL,
@@ -87,7 +91,8 @@ int cmd_quantize(int argc, char **argv) {
         {"--sym", OPT_FLAG, &sym, NULL, "INT4 symmetric (default): scale = amax/7.5", NULL, 0, 0, NULL},
         {"--asym", OPT_FLAG, &asym, NULL, "INT4 asymmetric: scale = (max-min)/15, zero point", NULL,
          0, 0, NULL},
-        {"--method", OPT_CHOICE, &method, NULL, "quantization method", "rtn", 0, 0, NULL},
+        {"--method", OPT_CHOICE, &method, NULL, "round to nearest (default) or GPTQ "
+         "(needs --calib)", "rtn|gptq", 0, 0, NULL},
         {"--format", OPT_CHOICE, &format, NULL, "checkpoint layout (default compressed-tensors)",
          "compressed-tensors|modelopt|gptq", 0, 0, NULL},
         {"--ignore", OPT_LIST, &ignore, "REGEX", "keep Linears whose module name matches "
@@ -99,7 +104,8 @@ int cmd_quantize(int argc, char **argv) {
         {"--reference", OPT_FLAG, &reference, NULL, "the conventions of shared/fixtures/reference.json: "
          "INT4 amax/7 with F32 scales; NVFP4 per-tensor global scales, block scales >= 2^-9", NULL,
          0, 0, NULL},
-        {"--calib", OPT_STRING, &calib, "FILE", "calibration text for the W4A4 activation scales",
+        {"--calib", OPT_STRING, &calib, "FILE", "calibration text (or JSONL) for the W4A4 "
+         "activation scales and the GPTQ Hessians",
          NULL, 0, 0, NULL},
         {"--calib-tokens", OPT_INT, &calib_tokens, "N", "calibration tokens (default 65536)", NULL,
          1, (int64_t)1 << 40, NULL},
@@ -107,6 +113,7 @@ int cmd_quantize(int argc, char **argv) {
          "2GiB; default 5GB)", NULL, 0, 0, NULL},
         {"--force", OPT_FLAG, &force, NULL, "replace OUT_DIR if it exists", NULL, 0, 0, NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary", NULL, 0, 0, NULL},
+        GPTQ_CLI_OPTS(gq),
     };
     const cli_command cmd = {
         "quantize", "MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4 [options]",
@@ -138,7 +145,10 @@ int cmd_quantize(int argc, char **argv) {
     if (w4a4 && !calib)
         return cli_usage_error("quantize", "--scheme nvfp4 (W4A4) needs --calib FILE for its activation "
                                "scales; --scheme nvfp4a16 is weight-only");
-    if (!w4a4 && calib) return cli_usage_error("quantize", "--calib is only used by --scheme nvfp4");
+    bool gptq = strcmp(method, "gptq") == 0;
+    if (gptq && !calib) return cli_usage_error("quantize", "--method gptq needs --calib FILE");
+    if (!w4a4 && !gptq && calib)
+        return cli_usage_error("quantize", "--calib is only used by --scheme nvfp4 and --method gptq");
     mq_quantize_opts o;
     mq_quantize_opts_init(&o, nv ? MQ_QS_NVFP4 : MQ_QS_INT4, fmt);
     if (max_shard && !parse_size(max_shard, &o.max_shard_bytes))
@@ -159,7 +169,6 @@ int cmd_quantize(int argc, char **argv) {
     o.ignore = ignore.items;
     o.n_ignore = ignore.n;
     o.force = force;
-    (void)method;   /* rtn only; GPTQ plugs in through o.step */
 
     cli_install_sigint();
     cli_progress_enable(quiet);
@@ -173,7 +182,8 @@ int cmd_quantize(int argc, char **argv) {
     }
     mq_quantize_stats stats;
     memset(&stats, 0, sizeof stats);
-    if (!st) st = mq_quantize_checkpoint(pos[0], out, &o, &stats);
+    if (!st && gptq) st = gptq_cli_run(pos[0], out, &o, calib, &gq, quiet, &stats);
+    else if (!st) st = mq_quantize_checkpoint(pos[0], out, &o, &stats);
     mq_act_amax_free(amax);
     free(ignore.items);
     if (st) return cli_fail("quantize", st);

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# moeq quantize --method gptq on the bundled olmoe-tiny with a small calibration set: the
+# checkpoint and the JSON report (every module present, GPTQ loss <= RTN loss for every weight,
+# experts without calibration tokens handled by the fallback), act-order g_idx in the GPTQ v1
+# format, JSONL calibration, the ignore list, and usage errors.
+set -u
+cli=${MOEQ_CLI:?MOEQ_CLI is not set}
+model=${MOEQ_REPO:?MOEQ_REPO is not set}/models/olmoe-tiny
+shared=${MOEQ_SHARED:-$MOEQ_REPO/../shared}
+calib=$shared/fixtures/text/calib.txt
+[ -f "$calib" ] || { echo "SKIP: no $calib"; exit 77; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+
+header_has() {
+    local n
+    n=$(od -An -t u8 -N 8 "$1" | tr -d ' ')
+    head -c $((8 + n)) "$1" | tail -c "$n" | grep -q "\"$2\":{\"dtype\":\"$3\"" ||
+        fail "$1: no tensor $2 of dtype $3"
+}
+
+# NVFP4 (weight-only), defaults
+out=$("$cli" quantize "$model" --out "$tmp/nv" --scheme nvfp4a16 --method gptq --calib "$calib" \
+      --nsamples 8 --seqlen 64) || fail "nvfp4 gptq exited $?"
+printf '%s' "$out" | grep -q "report: $tmp/nv/gptq_report.json" || fail "report path not printed: $out"
+printf '%s' "$out" | grep -q '112 Linears quantized' || fail "writer summary: $out"
+header_has "$tmp/nv/model.safetensors" model.layers.3.mlp.experts.7.down_proj.weight_packed U8
+r=$tmp/nv/gptq_report.json
+[ "$(grep -c '"module":' "$r")" -eq 112 ] || fail "report: not 112 modules"
+grep -q '"modules_worse_than_rtn":[[:space:]]*0' "$r" || fail "report: a module has GPTQ loss > RTN loss"
+grep -q '"method":[[:space:]]*"gptq-block-hessian"' "$r" || fail "report: no expert fallback"
+grep -q '"tokens":[[:space:]]*512' "$r" || fail "report: calibration tokens"
+"$cli" inspect "$tmp/nv" | grep -q 'nvfp4 (compressed-tensors) *112 weights' || fail "inspect nvfp4"
+
+# INT4 act-order with g_idx into GPTQ v1, nonsequential, RTN fallback, JSONL documents
+printf '{"text": "The quick brown fox jumps over the lazy dog."}\n{"text": "It was a bright cold day in April, and the clocks were striking thirteen."}\n' > "$tmp/c.jsonl"
+"$cli" quantize "$model" --out "$tmp/i4" --scheme int4 --format gptq --method gptq --calib "$tmp/c.jsonl" \
+    --calib-sampling docs --act-order --groups gidx --gptq-mode nonsequential \
+    --expert-fallback rtn --min-expert-tokens 4 --report "$tmp/i4.json" --quiet || fail "int4 gptq exited $?"
+header_has "$tmp/i4/model.safetensors" model.layers.1.mlp.experts.0.up_proj.g_idx I32
+grep -q '"desc_act":[[:space:]]*true' "$tmp/i4/config.json" || fail "int4: desc_act not set"
+grep -q '"method":[[:space:]]*"rtn"' "$tmp/i4.json" || fail "int4: no RTN fallback"
+grep -q '"mode":[[:space:]]*"nonsequential"' "$tmp/i4.json" || fail "int4: mode"
+grep -q '"sampling":[[:space:]]*"docs"' "$tmp/i4.json" || fail "int4: sampling"
+grep -q '"samples":[[:space:]]*2' "$tmp/i4.json" || fail "int4: two documents"
+
+# --ignore: those modules are neither calibrated-quantized nor reported
+"$cli" quantize "$model" --out "$tmp/ig" --scheme nvfp4a16 --method gptq --calib "$calib" \
+    --nsamples 2 --seqlen 32 --ignore 'self_attn' --quiet || fail "ignore exited $?"
+grep -q 'self_attn' "$tmp/ig/gptq_report.json" && fail "ignored modules in the report"
+header_has "$tmp/ig/model.safetensors" model.layers.0.self_attn.q_proj.weight BF16
+
+# errors: usage (exit 2) and bad settings (exit 1, nothing left behind)
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq >/dev/null 2>&1
+[ $? -eq 2 ] || fail "gptq without --calib: expected exit 2"
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --gptq-mode fast >/dev/null 2>&1
+[ $? -eq 2 ] || fail "bad --gptq-mode: expected exit 2"
+"$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" \
+    --act-order --groups gidx --nsamples 2 --seqlen 16 2>"$tmp/err"
+[ $? -eq 1 ] || fail "gidx with nvfp4: expected exit 1"
+grep -q 'gidx' "$tmp/err" || fail "gidx with nvfp4: message"
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$tmp/none.txt" 2>"$tmp/err"
+[ $? -eq 1 ] || fail "missing calibration file: expected exit 1"
+grep -q 'none.txt' "$tmp/err" || fail "missing calibration file: message"
+[ ! -e "$tmp/u" ] || fail "a failed job left $tmp/u"
+
+[ $fails -eq 0 ] && echo "all gptq CLI checks passed"
+exit $((fails > 0))

@@ -1,0 +1,54 @@
+/*
+ * The GPTQ part of `moeq quantize --method gptq`: its options (spliced into the option table of
+ * cmd_quantize.c with GPTQ_CLI_OPTS) and the run (calibration, GPTQ, checkpoint, report).
+ */
+#ifndef MOEQ_QUANTIZE_GPTQ_H
+#define MOEQ_QUANTIZE_GPTQ_H
+
+#include "cli.h"
+#include "export/quantize.h"
+
+typedef struct {
+    int64_t nsamples, seqlen, seed, block_size, min_expert_tokens;
+    double percdamp;
+    const char *sampling, *groups, *mode, *fallback, *report;
+    bool calib_bos, act_order, no_act_order, static_groups, no_mse;
+} gptq_cli;
+
+void gptq_cli_defaults(gptq_cli *g);
+
+#define GPTQ_CLI_OPTS(g)                                                                           \
+    {"--nsamples", OPT_INT, &(g).nsamples, "N", "GPTQ: calibration samples (default 128)", NULL, 1, 1 << 24, NULL}, \
+    {"--seqlen", OPT_INT, &(g).seqlen, "L", "GPTQ: tokens per sample (default 512)", NULL, 2, 1 << 20, NULL}, \
+    {"--calib-sampling", OPT_CHOICE, &(g).sampling, NULL, "GPTQ: consecutive chunks of the text "  \
+     "(default), random windows (--seed) or one document (JSONL record / line) per sample",      \
+     "chunks|random|docs", 0, 0, NULL},                                                            \
+    {"--seed", OPT_INT, &(g).seed, "S", "GPTQ: seed of --calib-sampling random (default 0)", NULL, 0, -1, NULL}, \
+    {"--calib-bos", OPT_FLAG, &(g).calib_bos, NULL, "GPTQ: start every sample with BOS", NULL, 0, 0, NULL}, \
+    {"--percdamp", OPT_DOUBLE, &(g).percdamp, "F", "GPTQ: damping, fraction of mean(diag H) "      \
+     "(default 0.01; raised automatically while Cholesky fails)", NULL, 0, 0, NULL},              \
+    {"--block-size", OPT_INT, &(g).block_size, "B", "GPTQ: lazy-update block (default 128)", NULL, 1, 1 << 20, NULL}, \
+    {"--act-order", OPT_FLAG, &(g).act_order, NULL, "GPTQ: columns in decreasing diag(H) order", NULL, 0, 0, NULL}, \
+    {"--groups", OPT_CHOICE, &(g).groups, NULL, "GPTQ: group scales from the updated weights "    \
+     "when the group is reached (dynamic, default), from the original weights (static), or "     \
+     "act-order groups with g_idx (int4)", "dynamic|static|gidx", 0, 0, NULL},                   \
+    {"--static-groups", OPT_FLAG, &(g).static_groups, NULL, "GPTQ: same as --groups static", NULL, 0, 0, NULL}, \
+    {"--no-mse", OPT_FLAG, &(g).no_mse, NULL, "GPTQ: no MSE scale search (on by default with "     \
+     "--method gptq)", NULL, 0, 0, NULL},                                                         \
+    {"--gptq-mode", OPT_CHOICE, &(g).mode, NULL, "GPTQ: each block calibrated on the outputs of "  \
+     "the quantized blocks before it (default), or every Hessian from the unquantized model",     \
+     "sequential|nonsequential", 0, 0, NULL},                                                      \
+    {"--min-expert-tokens", OPT_INT, &(g).min_expert_tokens, "N", "GPTQ: experts with fewer "     \
+     "calibration tokens use --expert-fallback (default 1)", NULL, 0, -1, NULL},                  \
+    {"--expert-fallback", OPT_CHOICE, &(g).fallback, NULL, "GPTQ: Hessians of all tokens of the "  \
+     "MoE block (default) or round to nearest", "block|rtn", 0, 0, NULL},                          \
+    {"--report", OPT_STRING, &(g).report, "FILE", "GPTQ: JSON report (default "                    \
+     "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL}
+
+/* Runs GPTQ and writes the checkpoint; prints the report path unless quiet. o: the writer's
+ * options as cmd_quantize built them (spec, format, ignore list, ...). */
+moeq_status gptq_cli_run(const char *model_dir, const char *out_dir, mq_quantize_opts *o,
+                         const char *calib, const gptq_cli *g, bool quiet,
+                         mq_quantize_stats *stats);
+
+#endif
