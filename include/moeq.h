@@ -276,6 +276,10 @@ typedef struct {
 typedef struct {
     moeq_moe_scheme scheme;
     int32_t group_size;          /* INT4: 32, 64, 128, ... (multiple of 32); NVFP4: 16 */
+    int32_t nvfp4_global_multiplier;   /* NVFP4: 0 = global_scale is the divisor above
+                                          (compressed-tensors weight_global_scale); 1 = it is a
+                                          multiplier, w = e2m1 * e4m3 * global_scale (ModelOpt
+                                          weight_scale_2) */
     int32_t n_experts;           /* E */
     int32_t hidden;              /* D (hidden_size) */
     int32_t ffn;                 /* F (moe_intermediate_size) */

@@ -395,11 +395,11 @@ static void test_pack_layout_bits(void) {
     for (int r = 0; r < R; r++)
         for (int k = 0; k < K; k++) codes[r * K + k] = (uint8_t)((r + 3 * k) & 15);
     for (int i = 0; i < R * 2; i++) scales[i] = 1.0f + (float)i;
-    mq_moe_src src = {codes, (const uint8_t *)scales, 4};
-    size_t rbb = mq_moe_rb_bytes(K, 32, 0);
+    mq_moe_src src = {codes, (const uint8_t *)scales, 4, 1.0f, 0};
+    size_t rbb = mq_moe_rb_bytes(K, 32, MQ_MOE_S_F32);
     ASSERT_EQ_INT(320, rbb);   /* 256 code bytes + 2 groups x 8 rows x 4 */
     uint8_t *dst = malloc(rbb);
-    mq_moe_pack_rb(&src, K, 32, 0, 0, dst);
+    mq_moe_pack_rb(&src, R, K, 32, 0, MQ_MOE_S_F32, 0, dst);
     ASSERT_EQ_HEX(12 << 4, dst[0]);                /* row 0: col 0 (0) low, col 4 (12) high */
     ASSERT_EQ_HEX(((1 + 12) << 4) | 1, dst[4]);    /* row 1: col 0 = 1, col 4 = 13 */
     ASSERT_EQ_HEX((((2 + 3 * 14) & 15) << 4) | ((2 + 3 * 10) & 15), dst[32 + 8 + 2]);   /* row 2, col 10/14 */

@@ -104,6 +104,8 @@ static void test_quant_act_definition_and_twins(void) {
 /* ---- GEMM ------------------------------------------------------------------------------------- */
 typedef struct {
     int nvfp4, group, split, rows, K, m;
+    mq_moe_stype stype;   /* INT4 scale storage */
+    int global_mul;       /* NVFP4 global scale convention */
 } gemm_case;
 
 static double wval(const gemm_case *c, const uint8_t *codes, const void *scales, int r, int k) {
@@ -120,14 +122,24 @@ static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
     for (int i = 0; i < R * K; i++) codes[i] = (uint8_t)(rnd() & 15);
     for (int i = 0; i < R * ng; i++) {
         if (c->nvfp4) ((uint8_t *)scales)[i] = (uint8_t)(rnd() % 0x7f);   /* any non-NaN positive */
-        else ((float *)scales)[i] = rnd_sym() * 0.1f;
+        else {
+            float f = rnd_sym() * 0.1f;   /* made exact in the storage type under test */
+            if (c->stype == MQ_MOE_S_F16) f = mq_f16_to_f32(mq_f32_to_f16(f));
+            if (c->stype == MQ_MOE_S_BF16) f = mq_bf16_to_f32(mq_f32_to_bf16(f));
+            ((float *)scales)[i] = f;
+        }
     }
-    size_t rbb = mq_moe_rb_bytes(K, c->group, c->nvfp4);
+    const mq_moe_stype st = c->nvfp4 ? MQ_MOE_S_E4M3 : c->stype;
+    size_t rbb = mq_moe_rb_bytes(K, c->group, st);
     uint8_t *W = mq_alloc(rbb * (size_t)(R / 8), "test W");
-    mq_moe_src src = {codes, scales, c->nvfp4 ? 1 : 4};
-    for (int rb = 0; rb < R / 8; rb++) mq_moe_pack_rb(&src, K, c->group, c->nvfp4, rb * 8, W + rb * rbb);
+    mq_moe_src src = {codes, scales, c->nvfp4 ? 1 : 4, 1.0f, 0};
+    for (int rb = 0; rb < R / 8; rb++)
+        mq_moe_pack_rb(&src, R, K, c->group, c->nvfp4, st, rb * 8, W + rb * rbb);
+    /* NVFP4: y = acc / (2 gs) (divisor convention) or acc * g / 2 (multiplier convention) */
     const float gs = 3.0f;
-    mq_pmat P = {W, rbb, R, K, c->group, c->nvfp4, {c->nvfp4 ? 2 * gs : 1.0f, c->nvfp4 ? 2 * gs : 1.0f}};
+    const float mul = c->nvfp4 && c->global_mul ? gs : 1.0f;
+    const float div = c->nvfp4 ? (c->global_mul ? 2.0f : 2 * gs) : 1.0f;
+    mq_pmat P = {W, rbb, R, K, c->group, c->nvfp4, st, {mul, mul}, {div, div}};
     /* activations: rows in reverse order through act_rows, to exercise the indirection */
     const int arows = m + 3;
     float *x = malloc(sizeof(float) * (size_t)arows * K);
@@ -149,8 +161,8 @@ static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
             if (memcmp(o1, o2, sizeof(float) * (size_t)m * ldo) != 0) {
                 int j = 0;
                 while (o1[j] == o2[j]) j++;
-                FAIL("nvfp4 %d group %d split %d m %d swiglu %d: ref %.9g avx2 %.9g at %d", c->nvfp4,
-                     c->group, c->split, m, swiglu, o1[j], o2[j], j);
+                FAIL("nvfp4 %d group %d split %d stype %d m %d swiglu %d: ref %.9g avx2 %.9g at %d",
+                     c->nvfp4, c->group, c->split, (int)c->stype, m, swiglu, o1[j], o2[j], j);
             }
         }
         /* independent: double dot of dequantized weights and dequantized activations */
@@ -170,8 +182,9 @@ static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
                         acc += term;
                         am += fabs(term);
                     }
-                    y[l] = c->nvfp4 ? acc / gs : acc;
-                    mag[l] = c->nvfp4 ? am / gs : am;
+                    const double f = !c->nvfp4 ? 1.0 : c->global_mul ? gs : 1.0 / gs;
+                    y[l] = acc * f;
+                    mag[l] = am * f;
                 }
                 for (int l = 0; l < (swiglu ? 8 : 16); l++) {
                     /* fp32 block sums: errors of ~1e-6 of the sum of |terms| (mag), carried
@@ -204,7 +217,8 @@ static void test_gemm_reference_and_twins(void) {
     for (int gi = 0; gi < 4; gi++)
         for (int split = 0; split < 2; split++)
             for (int m = 1; m <= 9; m += (m < 5 ? 1 : 4)) {
-                gemm_case c = {gi == 0, groups[gi], split, 48, 256, m};
+                /* INT4: the three scale storages in turn; NVFP4: both global conventions */
+                gemm_case c = {gi == 0, groups[gi], split, 48, 256, m, (mq_moe_stype)(m % 3), m & 1};
                 run_gemm_case(&c, avx);
             }
     if (!avx) SKIP("no AVX2+FMA: reference checked against doubles only");
@@ -224,7 +238,7 @@ static void test_every_e4m3_scale(void) {
     int32_t cr[1];
     mq_qact A = {q, NULL, sc, cr, K, 16, 12};
     mq_moe_kernels_ref.quant_act(x, K, &A, 0, 0);
-    size_t rbb = mq_moe_rb_bytes(K, 16, 1);
+    size_t rbb = mq_moe_rb_bytes(K, 16, MQ_MOE_S_E4M3);
     uint8_t *W = mq_alloc(2 * rbb, "test W");
     const mq_moe_kernels *ks[2] = {&mq_moe_kernels_ref, NULL};
 #if defined(__x86_64__) || defined(__i386__)
@@ -233,10 +247,10 @@ static void test_every_e4m3_scale(void) {
     for (int b0 = 0; b0 < 256; b0 += 16) {
         for (int r = 0; r < 16; r++) scales[r] = (uint8_t)(b0 + r);
         if (b0 == 0x70 || b0 == 0xf0) scales[15] = 0x00;   /* 0x7f / 0xff are NaN */
-        mq_moe_src src = {codes, scales, 1};
-        mq_moe_pack_rb(&src, K, 16, 1, 0, W);
-        mq_moe_pack_rb(&src, K, 16, 1, 8, W + rbb);
-        mq_pmat P = {W, rbb, 16, K, 16, 1, {2.0f, 2.0f}};
+        mq_moe_src src = {codes, scales, 1, 1.0f, 0};
+        mq_moe_pack_rb(&src, 16, K, 16, 1, MQ_MOE_S_E4M3, 0, W);
+        mq_moe_pack_rb(&src, 16, K, 16, 1, MQ_MOE_S_E4M3, 8, W + rbb);
+        mq_pmat P = {W, rbb, 16, K, 16, 1, MQ_MOE_S_E4M3, {1.0f, 1.0f}, {2.0f, 2.0f}};
         for (int ki = 0; ki < 2 && ks[ki]; ki++) {
             float out[16];
             ks[ki]->gemm(&P, 0, 1, &A, NULL, 0, 1, out, 16, 0);

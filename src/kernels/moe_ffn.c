@@ -8,28 +8,11 @@
  * with SwiGLU and int8 re-quantization, then the down GEMM. Each token finally sums its slots in
  * slot order, so the result does not depend on the thread count.
  */
-#define _DEFAULT_SOURCE   /* madvise(MADV_HUGEPAGE) */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "kernels/moe_ffn.h"
-
-typedef struct {
-    int32_t ffn;
-    mq_pmat gate_up;   /* 2F rows, gate/up row blocks interleaved */
-    mq_pmat down;      /* D rows */
-} mq_pexpert;
-
-struct moeq_moe_experts {
-    moeq_moe_scheme scheme;
-    int32_t group, E, D, F, Fs;
-    int32_t n_mats;        /* E, plus 1 for the shared expert (last) */
-    mq_pexpert *ex;
-    uint8_t *blob;
-    size_t blob_bytes;
-};
 
 /* ---- small helpers ------------------------------------------------------------------------- */
 static const char *dt_name(moeq_dtype dt) {
@@ -139,6 +122,11 @@ moeq_status moeq_moe_experts_check(const moeq_moe_experts_desc *d) {
     if (d->hidden < 1) return mq_err(MOEQ_E_ARG, "%s: hidden %d < 1", k_ex, (int)d->hidden);
     if (d->ffn < 1) return mq_err(MOEQ_E_ARG, "%s: ffn %d < 1", k_ex, (int)d->ffn);
     if (d->shared_ffn < 0) return mq_err(MOEQ_E_ARG, "%s: shared_ffn %d < 0", k_ex, (int)d->shared_ffn);
+    if (d->nvfp4_global_multiplier != 0 && d->nvfp4_global_multiplier != 1)
+        return mq_err(MOEQ_E_ARG, "%s: nvfp4_global_multiplier %d (expected 0 or 1)", k_ex,
+                      (int)d->nvfp4_global_multiplier);
+    if (d->nvfp4_global_multiplier && d->scheme != MOEQ_MOE_NVFP4)
+        return mq_err(MOEQ_E_ARG, "%s: nvfp4_global_multiplier is set for an INT4 layer", k_ex);
     const char *gname = d->scheme == MOEQ_MOE_NVFP4 ? "NVFP4 block" : "group_size";
     if (d->hidden % d->group_size)
         return mq_err(MOEQ_E_SHAPE, "%s: hidden %d is not a multiple of the %s %d", k_ex,
@@ -172,248 +160,53 @@ moeq_status moeq_moe_experts_check(const moeq_moe_experts_desc *d) {
     return MOEQ_OK;
 }
 
-/* ---- experts: packing ---------------------------------------------------------------------- */
-size_t mq_moe_rb_bytes(int32_t cols, int32_t group, int nvfp4) {
-    size_t b = (size_t)cols * 4 + (size_t)(cols / group) * MQ_MOE_RB * (nvfp4 ? 1 : 4);
-    return (b + 63) & ~(size_t)63;
-}
-
-void mq_moe_pack_rb(const mq_moe_src *src, int32_t cols, int32_t group, int nvfp4, int64_t row0,
-                    uint8_t *dst) {
-    const size_t rb_bytes = mq_moe_rb_bytes(cols, group, nvfp4);
-    memset(dst, 0, rb_bytes);
-    for (int l = 0; l < MQ_MOE_RB; l++) {
-        const uint8_t *c = src->codes + (size_t)(row0 + l) * (size_t)cols;
-        for (int32_t k = 0; k < cols; k++) {
-            uint8_t *byte = dst + (size_t)(k / 8) * 32 + (size_t)l * 4 + (size_t)(k % 4);
-            *byte |= (k % 8) < 4 ? c[k] : (uint8_t)(c[k] << 4);
-        }
-    }
-    const int32_t ng = cols / group;
-    uint8_t *s = dst + (size_t)cols * 4;
+/* ---- experts: packing from the descriptor -------------------------------------------------- */
+/* Expert e's matrix (e < 0: the shared one, without the leading dimension), from row row_off. */
+static mq_moe_src src_of(const moeq_moe_experts_desc *d, const moeq_moe_qweight *w, int64_t e,
+                         int64_t rows, int64_t cols, int64_t row_off, int64_t gs_index) {
+    const int nvfp4 = d->scheme == MOEQ_MOE_NVFP4;
     const size_t sb = nvfp4 ? 1 : 4;
-    for (int l = 0; l < MQ_MOE_RB; l++)
-        for (int32_t g = 0; g < ng; g++)
-            memcpy(s + ((size_t)g * MQ_MOE_RB + (size_t)l) * sb,
-                   src->scales + ((size_t)(row0 + l) * (size_t)ng + (size_t)g) * src->scale_stride, sb);
-}
-
-/* One matrix to pack: source rows of its row blocks come from `a` (first half, or all rows) and
- * `b` (second half of gate_up: up_proj). */
-typedef struct {
-    mq_moe_src a, b;
-    int32_t rows, cols;       /* of the packed matrix */
-    int interleave;           /* gate_up: row block 2i from a (rows 8i..), 2i+1 from b */
-    uint8_t *dst;
-    const char *tensor;       /* for messages */
-    int64_t expert;           /* -1: shared */
-} pack_job;
-
-typedef struct {
-    const moeq_moe_experts_desc *d;
-    moeq_moe_experts *w;
-    pack_job *jobs;
-    int32_t *bad;             /* per job: 1 if a value failed validation */
-} pack_ctx;
-
-/* Validates the codes and scales of a job (the first bad value sets the error message). */
-static moeq_status job_check(const pack_job *j, int nvfp4, int32_t group) {
-    char ex[40] = "";
-    if (j->expert >= 0) snprintf(ex, sizeof ex, "expert %lld ", (long long)j->expert);
-    const int32_t half = j->interleave ? j->rows / 2 : j->rows, ng = j->cols / group;
-    for (int h = 0; h < (j->interleave ? 2 : 1); h++) {
-        const mq_moe_src *s = h ? &j->b : &j->a;
-        for (int64_t r = 0; r < half; r++) {
-            const uint8_t *c = s->codes + r * j->cols;
-            for (int32_t k = 0; k < j->cols; k++)
-                if (c[k] > 15)
-                    return mq_err(MOEQ_E_FORMAT, "%s: %s.codes: %srow %lld col %d: code %d > 15",
-                                  k_ex, j->tensor, ex, (long long)(r + h * half), (int)k, c[k]);
-            for (int32_t g = 0; g < ng; g++) {
-                const uint8_t *p = s->scales + ((size_t)r * (size_t)ng + (size_t)g) * s->scale_stride;
-                float f = 0.0f;
-                if (!nvfp4) memcpy(&f, p, 4);
-                if (nvfp4 ? (*p & 0x7f) == 0x7f : !isfinite(f))
-                    return mq_err(MOEQ_E_NUMERIC, "%s: %s.scales: %srow %lld group %d: %s", k_ex,
-                                  j->tensor, ex, (long long)(r + h * half), (int)g,
-                                  nvfp4 ? "E4M3 NaN" : "not finite");
-            }
-        }
-    }
-    return MOEQ_OK;
-}
-
-static void pack_task(void *ctx, int64_t task, int thread) {
-    (void)thread;
-    pack_ctx *c = ctx;
-    const pack_job *j = &c->jobs[task];
-    const int nvfp4 = c->d->scheme == MOEQ_MOE_NVFP4;
-    const int32_t group = c->d->group_size;
-    if (job_check(j, nvfp4, group) != MOEQ_OK) {
-        c->bad[task] = 1;
-        return;
-    }
-    const size_t rbb = mq_moe_rb_bytes(j->cols, group, nvfp4);
-    for (int32_t rb = 0; rb < j->rows / MQ_MOE_RB; rb++) {
-        const mq_moe_src *s = &j->a;
-        int64_t row0 = (int64_t)rb * MQ_MOE_RB;
-        if (j->interleave) {
-            s = (rb & 1) ? &j->b : &j->a;
-            row0 = (int64_t)(rb / 2) * MQ_MOE_RB;
-        }
-        mq_moe_pack_rb(s, j->cols, group, nvfp4, row0, j->dst + (size_t)rb * rbb);
-    }
-}
-
-/* Source of expert e's matrix (e < 0: a shared one without the leading dimension). */
-static mq_moe_src src_of(const moeq_moe_qweight *w, int64_t e, int64_t rows, int64_t cols,
-                         int64_t group, int nvfp4, int64_t row_off) {
-    const size_t sb = nvfp4 ? 1 : 4;
-    const int64_t ng = cols / group;
-    const int64_t base = e < 0 ? 0 : e * rows;
+    const int64_t ng = cols / d->group_size, base = (e < 0 ? 0 : e * rows) + row_off;
     mq_moe_src s;
-    s.codes = (const uint8_t *)w->codes.data + (size_t)(base + row_off) * (size_t)cols;
-    s.scales = (const uint8_t *)w->scales.data + (size_t)(base + row_off) * (size_t)ng * sb;
+    s.codes = (const uint8_t *)w->codes.data + (size_t)base * (size_t)cols;
+    s.scales = (const uint8_t *)w->scales.data + (size_t)base * (size_t)ng * sb;
     s.scale_stride = sb;
+    s.global_scale = nvfp4 ? ((const float *)w->global_scale.data)[gs_index] : 1.0f;
+    s.global_mul = d->nvfp4_global_multiplier;
     return s;
 }
 
-static moeq_status global_divs(const moeq_moe_qweight *w, int64_t e, bool fused, const char *tensor,
-                               float div[2]) {
-    const float *g = w->global_scale.data;
-    int per = fused && w->global_scale.shape[w->global_scale.ndim - 1] == 2 &&
-                      (w->global_scale.ndim == 2 || e < 0)
-                  ? 2
-                  : 1;
-    int64_t i0 = (e < 0 ? 0 : e) * per;
-    for (int h = 0; h < 2; h++) {
-        float gs = g[i0 + (per == 2 ? h : 0)];
-        div[h] = 2.0f * gs;
-        if (!(gs > 0.0f) || !isfinite(div[h])) {
-            if (e >= 0)
-                return mq_err(MOEQ_E_NUMERIC, "%s: %s.global_scale: expert %lld: %g (must be finite and > 0)",
-                              k_ex, tensor, (long long)e, (double)gs);
-            return mq_err(MOEQ_E_NUMERIC, "%s: %s.global_scale: %g (must be finite and > 0)", k_ex,
-                          tensor, (double)gs);
-        }
-    }
-    return MOEQ_OK;
+/* Index of the gate (h = 0) or up (h = 1) global scale of expert e in gate_up.global_scale. */
+static int64_t gu_gs_index(const moeq_moe_qweight *w, int64_t e, int h) {
+    const moeq_tensor_ref *g = &w->global_scale;
+    const bool pairs = g->data && g->shape[g->ndim - 1] == 2 && (g->ndim == 2 || e < 0);
+    return pairs ? (e < 0 ? 0 : e) * 2 + h : (e < 0 ? 0 : e);
 }
-
-/* Packed weights on 2 MiB-aligned transparent huge pages where the kernel allows it: decoding
- * streams hundreds of MB, and with 4 KiB pages every page boundary stops the hardware prefetcher
- * and costs a TLB miss. Freed with free(). */
-static uint8_t *alloc_huge(size_t n) {
-    const size_t huge = (size_t)2 << 20;
-    size_t r = (n + huge - 1) & ~(huge - 1);
-    if (r < n) return NULL;
-    uint8_t *p = aligned_alloc(huge, r);
-#ifdef MADV_HUGEPAGE
-    if (p) madvise(p, r, MADV_HUGEPAGE);
-#endif
-    return p;
-}
-
-void moeq_moe_experts_free(moeq_moe_experts *w) {
-    if (!w) return;
-    free(w->blob);
-    mq_free(w->ex);
-    mq_free(w);
-}
-
-size_t moeq_moe_experts_bytes(const moeq_moe_experts *w) { return w ? w->blob_bytes : 0; }
 
 moeq_status moeq_moe_experts_pack(const moeq_moe_experts_desc *d, moeq_moe_experts **out) {
     if (!out) return mq_err(MOEQ_E_ARG, "%s: out is NULL", k_ex);
     *out = NULL;
     moeq_status st = moeq_moe_experts_check(d);
     if (st) return st;
-    const int nvfp4 = d->scheme == MOEQ_MOE_NVFP4;
-    const int32_t group = d->group_size, E = d->n_experts, D = d->hidden;
-    moeq_moe_experts *w = mq_alloc_zero(sizeof *w, "moe experts");
-    if (!w) return MOEQ_E_NOMEM;
-    w->scheme = d->scheme;
-    w->group = group;
-    w->E = E;
-    w->D = D;
-    w->F = d->ffn;
-    w->Fs = d->shared_ffn;
-    w->n_mats = E + (d->shared_ffn > 0);
-    w->ex = mq_alloc_zero(sizeof(mq_pexpert) * (size_t)w->n_mats, "moe experts");
-    pack_job *jobs = mq_alloc_zero(sizeof(pack_job) * 2 * (size_t)w->n_mats, "moe pack jobs");
-    int32_t *bad = mq_alloc_zero(sizeof(int32_t) * 2 * (size_t)w->n_mats, "moe pack jobs");
-    if (!w->ex || !jobs || !bad) {
-        st = MOEQ_E_NOMEM;
-        goto done;
+    const int64_t E = d->n_experts, D = d->hidden, F = d->ffn, Fs = d->shared_ffn;
+    const int32_t n = (int32_t)E + (Fs > 0);
+    mq_moe_expert_src *src = mq_alloc_zero(sizeof *src * (size_t)n, "moe expert sources");
+    if (!src) return MOEQ_E_NOMEM;
+    for (int32_t i = 0; i < n; i++) {
+        const bool sh = i == E;
+        const int64_t e = sh ? -1 : i, f = sh ? Fs : F;
+        const moeq_moe_qweight *gu = sh ? &d->shared_gate_up : &d->gate_up;
+        const moeq_moe_qweight *dn = sh ? &d->shared_down : &d->down;
+        src[i].ffn = (int32_t)f;
+        src[i].gate = src_of(d, gu, e, 2 * f, D, 0, gu_gs_index(gu, e, 0));
+        src[i].up = src_of(d, gu, e, 2 * f, D, f, gu_gs_index(gu, e, 1));
+        src[i].down = src_of(d, dn, e, D, f, 0, e < 0 ? 0 : e);
     }
-    /* sizes and offsets */
-    size_t total = 0;
-    for (int32_t e = 0; e < w->n_mats; e++) {
-        const int32_t F = e < E ? d->ffn : d->shared_ffn;
-        size_t gu = (size_t)(2 * F / MQ_MOE_RB) * mq_moe_rb_bytes(D, group, nvfp4);
-        size_t dn = (size_t)(D / MQ_MOE_RB) * mq_moe_rb_bytes(F, group, nvfp4);
-        w->ex[e].ffn = F;
-        w->ex[e].gate_up.data = (const uint8_t *)(uintptr_t)total;   /* offsets for now */
-        w->ex[e].down.data = (const uint8_t *)(uintptr_t)(total + gu);
-        if (!mq_add_size(total, gu, &total) || !mq_add_size(total, dn, &total)) {
-            st = mq_err(MOEQ_E_NOMEM, "%s: packed size overflows", k_ex);
-            goto done;
-        }
-    }
-    w->blob = alloc_huge(total);
-    if (!w->blob) {
-        st = mq_err(MOEQ_E_NOMEM, "%s: out of memory for %zu packed bytes", k_ex, total);
-        goto done;
-    }
-    w->blob_bytes = total;
-    for (int32_t e = 0; e < w->n_mats; e++) {
-        const bool shared = e >= E;
-        const int64_t ei = shared ? -1 : e;
-        const int32_t F = w->ex[e].ffn;
-        const moeq_moe_qweight *gu = shared ? &d->shared_gate_up : &d->gate_up;
-        const moeq_moe_qweight *dn = shared ? &d->shared_down : &d->down;
-        mq_pexpert *x = &w->ex[e];
-        x->gate_up.data = w->blob + (uintptr_t)x->gate_up.data;
-        x->down.data = w->blob + (uintptr_t)x->down.data;
-        x->gate_up = (mq_pmat){x->gate_up.data, mq_moe_rb_bytes(D, group, nvfp4), 2 * F, D,
-                               nvfp4 ? 16 : group, nvfp4, {1.0f, 1.0f}};
-        x->down = (mq_pmat){x->down.data, mq_moe_rb_bytes(F, group, nvfp4), D, F,
-                            nvfp4 ? 16 : group, nvfp4, {1.0f, 1.0f}};
-        const char *gun = shared ? "shared_gate_up" : "gate_up", *dnn = shared ? "shared_down" : "down";
-        if (nvfp4) {
-            if ((st = global_divs(gu, ei, true, gun, x->gate_up.div))) goto done;
-            if ((st = global_divs(dn, ei, false, dnn, x->down.div))) goto done;
-        }
-        pack_job *j = &jobs[2 * e];
-        j->a = src_of(gu, ei, 2 * F, D, group, nvfp4, 0);
-        j->b = src_of(gu, ei, 2 * F, D, group, nvfp4, F);
-        j->rows = 2 * F;
-        j->cols = D;
-        j->interleave = 1;
-        j->dst = (uint8_t *)x->gate_up.data;
-        j->tensor = gun;
-        j->expert = ei;
-        j = &jobs[2 * e + 1];
-        j->a = src_of(dn, ei, D, F, group, nvfp4, 0);
-        j->rows = D;
-        j->cols = F;
-        j->dst = (uint8_t *)x->down.data;
-        j->tensor = dnn;
-        j->expert = ei;
-    }
-    pack_ctx c = {d, w, jobs, bad};
-    mq_parallel_for(2 * (int64_t)w->n_mats, pack_task, &c);
-    for (int32_t i = 0; i < 2 * w->n_mats && !st; i++)
-        if (bad[i]) st = job_check(&jobs[i], nvfp4, group);   /* the message, on this thread */
-done:
-    mq_free(jobs);
-    mq_free(bad);
-    if (st) {
-        moeq_moe_experts_free(w);
-        return st;
-    }
-    *out = w;
-    return MOEQ_OK;
+    mq_moe_names names = {k_ex, "gate_up", "gate_up", "down", 1};
+    st = mq_moe_experts_build(d->scheme == MOEQ_MOE_NVFP4, d->group_size, (int32_t)E, (int32_t)D,
+                              src, Fs > 0, &names, out);
+    mq_free(src);
+    return st;
 }
 
 /* ---- the op: validation -------------------------------------------------------------------- */
@@ -768,6 +561,63 @@ moeq_status mq_moe_layer_forward(const mq_moe_layer *L, const float *x, int64_t 
         .experts = w, .top_k = L->top_k, .scoring = L->scoring, .renormalize = L->renormalize,
         .route_scale = L->route_scale};
     return moeq_moe_ffn(&a, out, xb / 4);
+}
+
+/* ---- packed dense Linear ----------------------------------------------------------------------- */
+typedef struct {
+    const struct mq_packed_weight *w;
+    const mq_moe_kernels *K;
+    const float *x;
+    float *y;
+    int64_t T, ldy, n_chunks;
+    mq_qact A;
+} lin_ctx;
+
+enum { LIN_TOKENS = 64 };
+
+static void lin_quant_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    lin_ctx *c = ctx;
+    for (int64_t t = task * TOK_CHUNK; t < c->T && t < (task + 1) * TOK_CHUNK; t++)
+        c->K->quant_act(c->x + t * c->w->in, c->w->in, &c->A, t, 0);
+}
+
+static void lin_gemm_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    lin_ctx *c = ctx;
+    const int64_t np = c->w->W.rows / 16, p0 = (task % c->n_chunks) * PAIRS_B;
+    const int64_t p1 = p0 + PAIRS_B < np ? p0 + PAIRS_B : np;
+    const int64_t t0 = (task / c->n_chunks) * LIN_TOKENS;
+    const int64_t m = c->T - t0 < LIN_TOKENS ? c->T - t0 : LIN_TOKENS;
+    c->K->gemm(&c->w->W, p0, p1, &c->A, NULL, t0, m, c->y + t0 * c->ldy, c->ldy, 0);
+}
+
+moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const float *x, int64_t T,
+                                     float *y) {
+    if (!w || (T > 0 && (!x || !y))) return mq_err(MOEQ_E_ARG, "packed linear: NULL argument");
+    if (T <= 0) return MOEQ_OK;
+    const int nvfp4 = w->W.nvfp4;
+    const int32_t B = nvfp4 ? 16 : 32, prow = w->W.rows;
+    const bool direct = prow == w->out;
+    size_t qb, ob = 0;
+    if (!mq_mul_size((size_t)T, (size_t)w->in * 2 + (size_t)(w->in / B) * 8, &qb) ||
+        (!direct && !mq_mul_size((size_t)T, (size_t)prow * 4, &ob)))
+        return mq_err(MOEQ_E_NOMEM, "packed linear: %lld tokens need too much memory", (long long)T);
+    void *ptr[4];
+    const size_t sizes[4] = {(size_t)T * (size_t)w->in * 2, (size_t)T * (size_t)(w->in / B) * 4,
+                             (size_t)T * (size_t)(w->in / B) * 4, ob};
+    void *base = alloc_pieces(4, sizes, ptr);
+    if (!base) return MOEQ_E_NOMEM;
+    lin_ctx c = {w, mq_moe_kernels_active(), x, direct ? y : ptr[3], T, direct ? w->out : prow,
+                 (prow / 16 + PAIRS_B - 1) / PAIRS_B,
+                 {ptr[0], (int8_t *)ptr[0] + T * w->in, ptr[1], ptr[2], w->in, B, nvfp4 ? 12 : 8}};
+    mq_parallel_for((T + TOK_CHUNK - 1) / TOK_CHUNK, lin_quant_task, &c);
+    mq_parallel_for(c.n_chunks * ((T + LIN_TOKENS - 1) / LIN_TOKENS), lin_gemm_task, &c);
+    if (!direct)
+        for (int64_t t = 0; t < T; t++)
+            memcpy(y + t * w->out, c.y + t * prow, sizeof(float) * (size_t)w->out);
+    mq_free(base);
+    return MOEQ_OK;
 }
 
 void mq_moe_layer_free(mq_moe_layer *L) {

@@ -28,22 +28,30 @@
 #define MOEQ_KERNELS_MOE_FFN_H
 
 #include "core/core.h"
+#include "formats/formats.h"
 
 #define MQ_MOE_RB 8      /* rows per row block */
 #define MQ_MOE_NT 4      /* tokens per micro-tile (kernels take any count; this is the tile) */
+
+/* Storage of the per-group weight scales inside a row block. INT4 scales are stored in 16 bits
+ * when every scale of the tensor set is exactly representable (checkpoints keep BF16 or F16
+ * scales), else in fp32; NVFP4 keeps the E4M3 byte. */
+typedef enum { MQ_MOE_S_F32 = 0, MQ_MOE_S_F16, MQ_MOE_S_BF16, MQ_MOE_S_E4M3 } mq_moe_stype;
+size_t mq_moe_stype_bytes(mq_moe_stype t);
 
 /* One packed matrix. */
 typedef struct {
     const uint8_t *data;   /* row block 0 (64-byte aligned) */
     size_t rb_bytes;       /* bytes per row block */
-    int32_t rows, cols;    /* rows % 16 == 0, cols % group == 0 */
+    int32_t rows, cols;    /* packed rows (a multiple of 16), cols % group == 0 */
     int32_t group;         /* columns per weight scale: INT4 group size, NVFP4 16 */
-    int32_t nvfp4;         /* 0: INT4 with fp32 scales; 1: NVFP4 with E4M3 scales */
-    float div[2];          /* divisor of the results of the first / second row block of a pair */
+    int32_t nvfp4;         /* 0: INT4; 1: NVFP4 */
+    int32_t stype;         /* mq_moe_stype of the scales */
+    float mul[2], div[2];  /* row block h of a pair: result = acc * mul[h] / div[h] */
 } mq_pmat;
 
 /* Bytes of one packed row block of K columns. */
-size_t mq_moe_rb_bytes(int32_t cols, int32_t group, int nvfp4);
+size_t mq_moe_rb_bytes(int32_t cols, int32_t group, mq_moe_stype st);
 
 /* Where the codes and scales of one [rows, cols] source matrix are. The scale of (row r, group g)
  * is read at scales + (r * (cols / group) + g) * scale_stride: a float for INT4, a byte (E4M3) for
@@ -52,12 +60,51 @@ typedef struct {
     const uint8_t *codes;    /* [rows, cols] */
     const uint8_t *scales;
     size_t scale_stride;
+    float global_scale;      /* NVFP4 */
+    int global_mul;          /* NVFP4: 0 = divisor (compressed-tensors weight_global_scale),
+                                1 = multiplier (ModelOpt weight_scale_2) */
 } mq_moe_src;
 
-/* Packs rows [row0, row0 + 8) of src into one row block at dst. Codes must be 0..15 (validated
- * by the caller). */
-void mq_moe_pack_rb(const mq_moe_src *src, int32_t cols, int32_t group, int nvfp4, int64_t row0,
-                    uint8_t *dst);
+/* Packs rows [row0, row0 + 8) of src into one row block at dst; rows >= src_rows are padding
+ * (weight 0). Codes must be 0..15 and INT4 scales representable in st (checked by the caller). */
+void mq_moe_pack_rb(const mq_moe_src *src, int64_t src_rows, int32_t cols, int32_t group, int nvfp4,
+                    mq_moe_stype st, int64_t row0, uint8_t *dst);
+
+/* ---- packed experts ---------------------------------------------------------------------------- */
+typedef struct {
+    int32_t ffn;
+    mq_pmat gate_up;   /* 2F rows, gate/up row blocks interleaved */
+    mq_pmat down;      /* D rows */
+} mq_pexpert;
+
+struct moeq_moe_experts {
+    moeq_moe_scheme scheme;
+    int32_t group, E, D, F, Fs;
+    int32_t n_mats;        /* E, plus 1 for the shared expert (last) */
+    mq_pexpert *ex;
+    uint8_t *blob;
+    size_t blob_bytes;
+};
+
+/* The unpacked weights of one expert (the shared one included): gate and up [ffn, D], down
+ * [D, ffn]. */
+typedef struct {
+    int32_t ffn;
+    mq_moe_src gate, up, down;
+} mq_moe_expert_src;
+
+/* Validates the values (codes 0..15, finite scales, E4M3 not NaN, NVFP4 global scales finite and
+ * > 0) and packs E routed experts plus, when has_shared, src[E] as the shared expert. `what`
+ * prefixes error messages; names[3] name gate, up and down (e.g. "gate_up" with up_row_offset F
+ * for the fused descriptor, so rows are reported in the fused numbering). */
+typedef struct {
+    const char *what;
+    const char *gate, *up, *down;
+    int up_row_offset;     /* report up rows as row + F (fused gate_up numbering) */
+} mq_moe_names;
+moeq_status mq_moe_experts_build(int nvfp4, int32_t group, int32_t E, int32_t D,
+                                 const mq_moe_expert_src *src, int has_shared,
+                                 const mq_moe_names *names, moeq_moe_experts **out);
 
 /* Quantized activation rows. Per block of B columns:
  *  int8 (q2 == NULL):  q = rne(x * 127 / amax), scale = amax / 127;
@@ -118,6 +165,35 @@ typedef struct {
 /* out [T, D] = the layer applied to x [T, D]. */
 moeq_status mq_moe_layer_forward(const mq_moe_layer *L, const float *x, int64_t T, float *out);
 void mq_moe_layer_free(mq_moe_layer *L);   /* frees the experts, keeps the borrowed tensors */
+
+/* Experts of one MoE layer from the formats module's quantized tensors: gate[e], up[e] [F, D] and
+ * down[e] [D, F] for e < E; sh_gate/sh_up/sh_down the shared expert (all NULL when none). All
+ * share one scheme (NVFP4, or symmetric INT4 with a group that is a multiple of 32) and group
+ * size, without act-order; NVFP4 global scales follow each tensor's spec.nvfp4_conv (gate and up
+ * may differ). MOEQ_E_UNSUPPORTED otherwise, so the caller keeps its dequantized path. `what`
+ * (e.g. "model.layers.3.mlp") prefixes messages. The tensors are not referenced afterwards. */
+moeq_status mq_moe_experts_from_qtensors(const mq_qtensor *gate, const mq_qtensor *up,
+                                         const mq_qtensor *down, int32_t E,
+                                         const mq_qtensor *sh_gate, const mq_qtensor *sh_up,
+                                         const mq_qtensor *sh_down, const char *what,
+                                         moeq_moe_experts **out);
+
+/* A dense Linear kept packed (model.h's struct mq_packed_weight), e.g. attention projections or
+ * a dense MLP of a quantized checkpoint. Rows are padded to a multiple of 16 internally. */
+struct mq_packed_weight {
+    mq_pmat W;
+    uint8_t *blob;
+    size_t bytes;
+    int32_t out, in;
+};
+moeq_status mq_packed_weight_from_qtensor(const mq_qtensor *q, const char *name,
+                                          struct mq_packed_weight **out);
+void mq_packed_weight_free(struct mq_packed_weight *w);
+size_t mq_packed_weight_bytes(const struct mq_packed_weight *w);
+/* y [T, out] = x [T, in] W^T (no bias), on the pool, activations as split int16 blocks (the same
+ * numerics as the MoE op). */
+moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const float *x, int64_t T,
+                                     float *y);
 
 /* Streaming read bandwidth of this machine on the pool (GB/s), reading `bytes` repeatedly for at
  * least min_seconds (bench helper). */

@@ -52,9 +52,11 @@ static void *fill_scales(size_t n, int nvfp4) {
             for (size_t i = 0; i < n; i++) s[i] = (uint8_t)(40 + rnd64() % 40);   /* ~1..8 */
         return s;
     }
+    /* INT4 scales rounded to bf16, as checkpoints store them (so they pack as 16-bit scales) */
     float *s = malloc(n * 4);
     if (s)
-        for (size_t i = 0; i < n; i++) s[i] = 0.01f + 0.01f * (float)(rnd64() >> 40) * 0x1p-24f;
+        for (size_t i = 0; i < n; i++)
+            s[i] = mq_bf16_to_f32(mq_f32_to_bf16(0.01f + 0.01f * (float)(rnd64() >> 40) * 0x1p-24f));
     return s;
 }
 

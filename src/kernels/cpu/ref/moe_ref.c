@@ -98,10 +98,15 @@ static inline int32_t wcode(const uint8_t *rb, int l, int64_t k, int nvfp4) {
 
 static inline float wscale(const uint8_t *rb, const mq_pmat *W, int l, int64_t g) {
     const uint8_t *s = rb + (size_t)W->cols * 4;
-    if (W->nvfp4) return e4m3_value(s[g * 8 + l]);
+    const size_t i = (size_t)(g * 8 + l);
+    uint16_t h;
     float f;
-    memcpy(&f, s + (g * 8 + l) * 4, 4);
-    return f;
+    switch (W->stype) {
+        case MQ_MOE_S_E4M3: return e4m3_value(s[i]);
+        case MQ_MOE_S_F16: memcpy(&h, s + 2 * i, 2); return mq_f16_to_f32(h);
+        case MQ_MOE_S_BF16: memcpy(&h, s + 2 * i, 2); return mq_bf16_to_f32(h);
+        default: memcpy(&f, s + 4 * i, 4); return f;
+    }
 }
 
 static void gemm_ref(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qact *A,
@@ -130,7 +135,7 @@ static void gemm_ref(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qa
                         float sw = wscale(rb, W, l, b * B / W->group);
                         acc = fmaf((float)(dot - cr[b]), sw * sa[b], acc);
                     }
-                    res[h][l] = acc / W->div[h];
+                    res[h][l] = acc * W->mul[h] / W->div[h];
                 }
             }
             float *o = out + i * ldo;

@@ -39,6 +39,15 @@ INLINE __m256 e4m3x8(const uint8_t *p) {
     return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(mag, sgn)), _mm256_set1_ps(0x1p120f));
 }
 
+/* The 8 INT4 scales of group g of a row block (fp32, or exact 16-bit storage). */
+INLINE __m256 int4_scales(const uint8_t *s, int64_t g, int stype) {
+    if (stype == MQ_MOE_S_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g * 16)));
+    if (stype == MQ_MOE_S_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + g * 16))), 16));
+    return _mm256_loadu_ps((const float *)s + g * 8);
+}
+
 /* Lane-wise mq_moe_expf. */
 INLINE __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
@@ -149,6 +158,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     const uint8_t *rb1 = rb0 + W->rb_bytes;
     const uint8_t *s0 = rb0 + (size_t)W->cols * 4, *s1 = rb1 + (size_t)W->cols * 4;
     const int bpg = nvfp4 ? 1 : W->group / B;   /* activation blocks per weight group */
+    const int stype = W->stype;
     const int8_t *aq[MQ_MOE_NT], *aq2[MQ_MOE_NT];
     const float *as[MQ_MOE_NT];
     const int32_t *ac[MQ_MOE_NT];
@@ -214,8 +224,8 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
             sw0 = e4m3x8(s0 + b * 8);
             sw1 = e4m3x8(s1 + b * 8);
         } else {
-            sw0 = _mm256_loadu_ps((const float *)s0 + g * 8);
-            sw1 = _mm256_loadu_ps((const float *)s1 + g * 8);
+            sw0 = int4_scales(s0, g, stype);
+            sw1 = int4_scales(s1, g, stype);
             if (++in_group == bpg) {
                 in_group = 0;
                 g++;
@@ -237,9 +247,11 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         }
     }
     const __m256 d0 = _mm256_set1_ps(W->div[0]), d1 = _mm256_set1_ps(W->div[1]);
+    const __m256 u0 = _mm256_set1_ps(W->mul[0]), u1 = _mm256_set1_ps(W->mul[1]);
 #pragma GCC unroll 4
     for (int t = 0; t < nt; t++) {
-        __m256 y0 = _mm256_div_ps(f[0][t], d0), y1 = _mm256_div_ps(f[1][t], d1);
+        __m256 y0 = _mm256_div_ps(_mm256_mul_ps(f[0][t], u0), d0);
+        __m256 y1 = _mm256_div_ps(_mm256_mul_ps(f[1][t], u1), d1);
         if (swiglu) {
             _mm256_storeu_ps(o[t], _mm256_mul_ps(silu8(y0), y1));
         } else {
@@ -273,16 +285,21 @@ static void gemm_avx2(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_q
                       const int32_t *act_rows, int64_t row0, int64_t m, float *out, int64_t ldo,
                       int swiglu) {
     const tile_fn *fns = k_tiles[W->nvfp4 != 0][A->q2 != NULL];
-    for (int64_t pair = pair0; pair < pair1; pair++) {
-        for (int64_t i0 = 0; i0 < m; i0 += MQ_MOE_NT) {
-            int nt = m - i0 < MQ_MOE_NT ? (int)(m - i0) : MQ_MOE_NT;
-            int64_t arow[MQ_MOE_NT];
-            float *o[MQ_MOE_NT];
-            for (int t = 0; t < nt; t++) {
-                arow[t] = act_rows ? act_rows[i0 + t] : row0 + i0 + t;
-                o[t] = out + (i0 + t) * ldo + (swiglu ? 8 * (pair - pair0) : 16 * pair);
+    /* blocks of 64 activation rows (128 KiB of split int16 at K = 1024) stay in L2 while the
+     * pairs stream by; each pair's 16 rows stay in L1 across the block's 4-row tiles */
+    for (int64_t ib = 0; ib < m; ib += 64) {
+        const int64_t ie = ib + 64 < m ? ib + 64 : m;
+        for (int64_t pair = pair0; pair < pair1; pair++) {
+            for (int64_t i0 = ib; i0 < ie; i0 += MQ_MOE_NT) {
+                int nt = ie - i0 < MQ_MOE_NT ? (int)(ie - i0) : MQ_MOE_NT;
+                int64_t arow[MQ_MOE_NT];
+                float *o[MQ_MOE_NT];
+                for (int t = 0; t < nt; t++) {
+                    arow[t] = act_rows ? act_rows[i0 + t] : row0 + i0 + t;
+                    o[t] = out + (i0 + t) * ldo + (swiglu ? 8 * (pair - pair0) : 16 * pair);
+                }
+                fns[nt - 1](W, pair, A, arow, o, swiglu);
             }
-            fns[nt - 1](W, pair, A, arow, o, swiglu);
         }
     }
 }
