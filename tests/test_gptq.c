@@ -603,7 +603,15 @@ static void test_qdq_column_matches_formats(void) {
         mq_qdq_n(s, 0.37f, gp, x, n, code2, dq2);
         for (int64_t i = 0; i < n; i++) {
             ASSERT_EQ_HEX(code2[i], code[i]);
-            ASSERT_EQ_HEX(*(uint32_t *)&dq2[i], *(uint32_t *)&dq[i]);
+            ASSERT_TRUE(memcmp(&dq2[i], &dq[i], sizeof(float)) == 0);
+        }
+        if (mq_cpu_has_avx2_fma()) {   /* the SIMD twin, on a length with a scalar tail */
+            memset(code2, 0xff, (size_t)n);
+            mq_gptq_qdq_column_avx2(s, step, zero, x, n - 3, code2, dq2);
+            for (int64_t i = 0; i < n - 3; i++) {
+                ASSERT_EQ_HEX(code[i], code2[i]);
+                ASSERT_TRUE(memcmp(&dq2[i], &dq[i], sizeof(float)) == 0);
+            }
         }
     }
     free(x);
@@ -614,6 +622,59 @@ static void test_qdq_column_matches_formats(void) {
     free(code);
     free(code2);
     free(gp);
+}
+
+static void test_column_errors_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    const int64_t n = 1003;
+    float *x = malloc((size_t)n * sizeof(float)), *q = malloc((size_t)n * sizeof(float));
+    float *w0a = malloc((size_t)n * sizeof(float)), *w0b = malloc((size_t)n * sizeof(float));
+    float *ea = malloc((size_t)n * sizeof(float)), *eb = malloc((size_t)n * sizeof(float));
+    g_rng = 5;
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = (float)rnd_normal();
+        q[i] = (float)(0.5 * rnd_normal());
+        w0a[i] = w0b[i] = (float)rnd_normal();
+    }
+    double da = 0.25, db = 0.25;
+    double sa = mq_gptq_column_errors_ref(x, q, 0.7f, w0a, n, ea, &da);
+    double sb = mq_gptq_column_errors_avx2(x, q, 0.7f, w0b, n, eb, &db);
+    ASSERT_TRUE(memcmp(ea, eb, (size_t)n * sizeof(float)) == 0);
+    ASSERT_TRUE(memcmp(w0a, q, (size_t)n * sizeof(float)) == 0);
+    ASSERT_TRUE(memcmp(w0b, q, (size_t)n * sizeof(float)) == 0);
+    ASSERT_REL(sa, sb, 1e-5);
+    ASSERT_REL(da, db, 1e-5);
+    double direct = 0;
+    for (int64_t i = 0; i < n; i++) direct += (double)ea[i] * ea[i];
+    ASSERT_REL(direct, sa, 1e-5);
+    free(x);
+    free(q);
+    free(w0a);
+    free(w0b);
+    free(ea);
+    free(eb);
+}
+
+/* The whole loop with the scalar reference kernels gives the same codes as with AVX2. */
+static void test_force_ref_same_codes(void) {
+    const int64_t N = 70, K = 128;
+    float *W = make_weights(N, K, 61);
+    float *H = make_hessian(K, 256, 62, NULL, 0);
+    mq_qspec specs[2] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(32)};
+    specs[1].asym = true;
+    for (int k = 0; k < 2; k++) {
+        mq_gptq_opts o = mq_gptq_opts_default();
+        mq_qtensor a, b;
+        moeq_set_force_ref(1);
+        ASSERT_OK(mq_gptq_quantize(&specs[k], &o, H, W, N, K, 0, "w", &a, NULL, NULL));
+        moeq_set_force_ref(0);
+        ASSERT_OK(mq_gptq_quantize(&specs[k], &o, H, W, N, K, 0, "w", &b, NULL, NULL));
+        ASSERT_EQ_INT(0, count_diff(a.codes, b.codes, N * K));
+        mq_qtensor_free(&a);
+        mq_qtensor_free(&b);
+    }
+    free(W);
+    free(H);
 }
 
 static void test_bad_input(void) {
@@ -644,4 +705,5 @@ TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_
           T(test_reference_mse), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
           T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs),
-          T(test_qdq_column_matches_formats), T(test_bad_input))
+          T(test_qdq_column_matches_formats), T(test_column_errors_twin),
+          T(test_force_ref_same_codes), T(test_bad_input))

@@ -77,6 +77,81 @@ static int cmp_diag_desc(const void *a, const void *b) {
 
 typedef enum { FAC_OK = 0, FAC_NOMEM, FAC_NOT_PD, FAC_SINGULAR } fac_result;
 
+/* Blocked right-looking Cholesky and triangular inverse over fixed FAC_BLOCK tiles: each tile
+ * operation is one single-threaded BLAS/LAPACK call, the tiles of a step run on the pool (or
+ * serially inside a pool task), so the result does not depend on the thread count. */
+enum { FAC_BLOCK = 128 };
+
+typedef struct {
+    float *A;
+    const float *R;
+    float *U;
+    int64_t K, kb;
+} fac_ctx;
+
+static inline int64_t fac_dim(int64_t K, int64_t b) {
+    return K - b * FAC_BLOCK < FAC_BLOCK ? K - b * FAC_BLOCK : FAC_BLOCK;
+}
+
+/* Panel: A[i, k] = A[i, k] L_kk^-T for the row tile i = kb + 1 + task. */
+static void chol_panel_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    fac_ctx *c = vctx;
+    const int64_t K = c->K, k0 = c->kb * FAC_BLOCK, i0 = (c->kb + 1 + task) * FAC_BLOCK;
+    cblas_strsm(CblasRowMajor, CblasRight, CblasLower, CblasTrans, CblasNonUnit,
+                (int)fac_dim(K, c->kb + 1 + task), (int)fac_dim(K, c->kb), 1.0f, c->A + k0 * K + k0,
+                (int)K, c->A + i0 * K + k0, (int)K);
+}
+
+/* Trailing update of tile (i, j), kb < j <= i: A_ij -= A_ik A_jk^T (lower triangle only). */
+static void chol_update_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    fac_ctx *c = vctx;
+    int64_t i = 0;
+    while ((i + 1) * (i + 2) / 2 <= task) i++;
+    int64_t j = task - i * (i + 1) / 2;
+    i += c->kb + 1;
+    j += c->kb + 1;
+    const int64_t K = c->K, k0 = c->kb * FAC_BLOCK, kn = fac_dim(K, c->kb);
+    const float *aik = c->A + i * FAC_BLOCK * K + k0, *ajk = c->A + j * FAC_BLOCK * K + k0;
+    float *aij = c->A + i * FAC_BLOCK * K + j * FAC_BLOCK;
+    if (i == j)
+        cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)fac_dim(K, i), (int)kn, -1.0f,
+                    aik, (int)K, 1.0f, aij, (int)K);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)fac_dim(K, i), (int)fac_dim(K, j),
+                    (int)kn, -1.0f, aik, (int)K, ajk, (int)K, 1.0f, aij, (int)K);
+}
+
+/* Lower Cholesky factor of the row-major lower triangle of A, in place; false if A is not
+ * positive definite. */
+static bool cholesky_lower(float *A, int64_t K) {
+    const int64_t nb = (K + FAC_BLOCK - 1) / FAC_BLOCK;
+    fac_ctx c = {A, NULL, NULL, K, 0};
+    for (c.kb = 0; c.kb < nb; c.kb++) {
+        const int64_t k0 = c.kb * FAC_BLOCK, m = nb - c.kb - 1;
+        /* column-major 'U' on our row-major storage is the row-major lower triangle */
+        lapack_int info = LAPACKE_spotrf_work(LAPACK_COL_MAJOR, 'U', (lapack_int)fac_dim(K, c.kb),
+                                              A + k0 * K + k0, (lapack_int)K);
+        MQ_ASSERT(info >= 0);
+        if (info > 0) return false;
+        mq_parallel_for(m, chol_panel_task, &c);
+        mq_parallel_for(m * (m + 1) / 2, chol_update_task, &c);
+    }
+    return true;
+}
+
+/* Column tile j of U = R^-1: solve R[0:j1, 0:j1] X = I[0:j1, j0:j1] (U is upper). */
+static void inverse_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    fac_ctx *c = vctx;
+    const int64_t K = c->K, j0 = task * FAC_BLOCK, jn = fac_dim(K, task), j1 = j0 + jn;
+    float *X = c->U + j0;
+    for (int64_t t = 0; t < jn; t++) X[(j0 + t) * K + t] = 1.0f;
+    cblas_strsm(CblasRowMajor, CblasLeft, CblasUpper, CblasNoTrans, CblasNonUnit, (int)j1, (int)jn,
+                1.0f, c->R, (int)K, X, (int)K);
+}
+
 /* Does the work of mq_gptq_factor_init without touching the thread's error state (it runs in
  * pool tasks); the caller turns the result into a message. */
 static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *o, bool want_R,
@@ -133,10 +208,7 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
             }
             A[a * K + a] = diag[ca] + damp;
         }
-        /* Column-major 'U' on our row-major storage is the row-major lower triangle. */
-        lapack_int info = LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', (lapack_int)K, A, (lapack_int)K);
-        MQ_ASSERT(info >= 0);
-        if (info == 0) break;
+        if (cholesky_lower(A, K)) break;
         if (attempt + 1 >= MAX_RETRIES || percdamp * 2 > MQ_GPTQ_MAX_PERCDAMP) {
             f->percdamp = percdamp;
             f->retries = attempt + 1;
@@ -158,19 +230,14 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
         A[j] = t;
     }
     for (int64_t a = 1; a < K; a++) memset(A + a * K, 0, (size_t)a * sizeof(float));
-    if (want_R) {
-        f->R = A;
-        A = mq_alloc_array(kk, sizeof(float), "GPTQ factor");
-        if (!A) goto nomem;
-        memcpy(A, f->R, kk * sizeof(float));
-    }
-    /* Row-major upper R is column-major lower R^T; its inverse in place is U = R^-1. */
-    lapack_int info = LAPACKE_strtri(LAPACK_COL_MAJOR, 'L', 'N', (lapack_int)K, A, (lapack_int)K);
-    if (info != 0) {
-        mq_free(A);
-        return FAC_SINGULAR;
-    }
-    f->U = A;
+    f->U = mq_alloc_zero(kk * sizeof(float), "GPTQ factor");
+    if (!f->U) goto nomem;
+    fac_ctx c = {NULL, A, f->U, K, 0};
+    mq_parallel_for((K + FAC_BLOCK - 1) / FAC_BLOCK, inverse_task, &c);
+    if (want_R) f->R = A;
+    else mq_free(A);
+    for (int64_t i = 0; i < K; i++)
+        if (!isfinite(f->U[i * K + i])) return FAC_SINGULAR;
     return FAC_OK;
 
 nomem:
@@ -331,6 +398,9 @@ typedef struct {
     task_out *outs;
     scratch *scr;
     int64_t block;      /* effective block size */
+    void (*qdq)(const mq_qspec *, const float *, const float *, const float *, int64_t, uint8_t *,
+                float *);
+    double (*errors)(const float *, const float *, float, float *, int64_t, float *, double *);
 } run_ctx;
 
 static inline int64_t col_of(const mq_gptq_factor *f, int64_t p) { return f->perm ? f->perm[p] : p; }
@@ -474,8 +544,8 @@ static void store_rows(const loop_state *L, mq_gptq_job *j, int64_t r0) {
 
 /* e = (x - q) / u_pp (the scaled error, IEEE division as the reference); w0 (the original
  * column) is replaced by q after ||w0 - q||^2 is added to *dsq. Returns ||e||^2. */
-static double column_errors(const float *restrict x, const float *restrict q, float upp,
-                            float *restrict w0, int64_t n, float *restrict e, double *dsq) {
+double mq_gptq_column_errors_ref(const float *restrict x, const float *restrict q, float upp,
+                                 float *restrict w0, int64_t n, float *restrict e, double *dsq) {
     float se = 0, sd = 0;
     for (int64_t i = 0; i < n; i++) {
         e[i] = (x[i] - q[i]) / upp;
@@ -518,9 +588,8 @@ static void run_task(void *vctx, int64_t task, int thread) {
                 const int64_t g = L.gidx ? p / G : col_of(f, p) / G;
                 if (!sc->ready[g]) group_params_dynamic(&L, g, p);
                 float *x = sc->wt + p * nr, *e = sc->et + (p - L.b0) * nr;
-                mq_gptq_qdq_column(c->s, sc->step + g * nr, sc->zero + g * nr, x, nr,
-                                   sc->ct + p * nr, sc->dq);
-                e2 += column_errors(x, sc->dq, U[p * K + p], sc->w0t + p * nr, nr, e, &dsq);
+                c->qdq(c->s, sc->step + g * nr, sc->zero + g * nr, x, nr, sc->ct + p * nr, sc->dq);
+                e2 += c->errors(x, sc->dq, U[p * K + p], sc->w0t + p * nr, nr, e, &dsq);
                 if (p + 1 < L.s1)   /* rank-1 update of the rest of the sub-block */
                     cblas_sger(CblasRowMajor, (int)(L.s1 - p - 1), (int)nr, -1.0f, U + p * K + p + 1,
                                1, e, 1, sc->wt + (p + 1) * nr, (int)nr);
@@ -655,7 +724,14 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         for (int64_t rb = 0; rb * ROW_BLOCK < jobs[i].rows; rb++) tasks[t++] = (task_ref){i, rb};
 
     pthread_once(&g_blas_once, blas_single_thread);
-    run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size};
+    run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
+                 mq_gptq_column_errors_ref};
+#if defined(__x86_64__)
+    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
+        c.qdq = mq_gptq_qdq_column_avx2;
+        c.errors = mq_gptq_column_errors_avx2;
+    }
+#endif
     mq_parallel_for(n_tasks, run_task, &c);
 
     /* Per-job sums in task order: independent of which thread ran what. */

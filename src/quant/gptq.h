@@ -107,6 +107,17 @@ moeq_status mq_gptq_quantize(const mq_qspec *s, const mq_gptq_opts *o, const flo
 void mq_gptq_qdq_column(const mq_qspec *s, const float *step, const float *zero, const float *x,
                         int64_t n, uint8_t *code, float *dq);
 
+/* The loop's per-column error step: e = (x - q) / upp; ||w0 - q||^2 added to *dsq; w0 = q.
+ * Returns ||e||^2. */
+double mq_gptq_column_errors_ref(const float *x, const float *q, float upp, float *w0, int64_t n,
+                                 float *e, double *dsq);
+/* AVX2 twins (src/kernels/cpu/x86/gptq_avx2.c; call only when mq_cpu_has_avx2_fma()): codes,
+ * values and e bit-identical to the scalar versions; the sums in another order. */
+void mq_gptq_qdq_column_avx2(const mq_qspec *s, const float *step, const float *zero,
+                             const float *x, int64_t n, uint8_t *code, float *dq);
+double mq_gptq_column_errors_avx2(const float *x, const float *q, float upp, float *w0, int64_t n,
+                                  float *e, double *dsq);
+
 /* tr((W-Q) H (W-Q)^T) computed directly (2*rows*K^2 flops, double accumulation). */
 double mq_gptq_loss(const float *H, int64_t K, const float *w, const float *q, int64_t rows);
 

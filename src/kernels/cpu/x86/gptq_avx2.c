@@ -1,0 +1,102 @@
+/*
+ * AVX2 twins of GPTQ's per-column steps in src/quant/gptq.c (mq_gptq_qdq_column and
+ * mq_gptq_column_errors_ref): the same IEEE operations in the same order per element, so codes,
+ * dequantized values and scaled errors are bit-identical; only the two squared-error sums are
+ * accumulated in another order. E2M1 follows the decision thresholds of formats.md (ties to
+ * even); INT4 rounds with roundps (nearest even, as rintf in the default mode).
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "quant/gptq.h"
+
+/* 8 int32 lanes (0..255) to 8 bytes. */
+static inline void store_u8x8(uint8_t *out, __m256i v) {
+    __m128i p16 = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(p16, p16));
+}
+
+void mq_gptq_qdq_column_avx2(const mq_qspec *s, const float *step, const float *zero,
+                             const float *x, int64_t n, uint8_t *code, float *dq) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), zf = _mm256_setzero_ps();
+    int64_t i = 0;
+    if (s->scheme == MQ_QS_INT4) {
+        const bool asym = s->asym;
+        const __m256 lo = _mm256_set1_ps(asym ? 0.0f : -8.0f), hi = _mm256_set1_ps(asym ? 15.0f : 7.0f);
+        const __m256 eight = _mm256_set1_ps(8.0f);
+        for (; i + 8 <= n; i += 8) {
+            __m256 st = _mm256_loadu_ps(step + i);
+            __m256 z = asym ? _mm256_loadu_ps(zero + i) : zf;
+            __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), st),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, z), lo), hi);
+            q = _mm256_blendv_ps(q, z, _mm256_cmp_ps(st, zf, _CMP_EQ_OQ));
+            __m256 cf = asym ? q : _mm256_add_ps(q, eight);
+            __m256i c = _mm256_cvttps_epi32(cf);
+            store_u8x8(code + i, c);
+            __m256 back = _mm256_sub_ps(_mm256_cvtepi32_ps(c), asym ? z : eight);
+            _mm256_storeu_ps(dq + i, _mm256_mul_ps(back, st));
+        }
+    } else {
+        const __m256 t1 = _mm256_set1_ps(0.25f), t2 = _mm256_set1_ps(0.75f), t3 = _mm256_set1_ps(1.25f);
+        const __m256 t4 = _mm256_set1_ps(1.75f), t5 = _mm256_set1_ps(2.5f), t6 = _mm256_set1_ps(3.5f);
+        const __m256 t7 = _mm256_set1_ps(5.0f);
+        const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+        for (; i + 8 <= n; i += 8) {
+            __m256 st = _mm256_loadu_ps(step + i);
+            __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), st);
+            __m256 a = _mm256_andnot_ps(sign, y), sg = _mm256_and_ps(sign, y);
+            __m256 m1 = _mm256_cmp_ps(a, t1, _CMP_GT_OQ), m2 = _mm256_cmp_ps(a, t2, _CMP_GE_OQ);
+            __m256 m3 = _mm256_cmp_ps(a, t3, _CMP_GT_OQ), m4 = _mm256_cmp_ps(a, t4, _CMP_GE_OQ);
+            __m256 m5 = _mm256_cmp_ps(a, t5, _CMP_GT_OQ), m6 = _mm256_cmp_ps(a, t6, _CMP_GE_OQ);
+            __m256 m7 = _mm256_cmp_ps(a, t7, _CMP_GT_OQ);
+            /* the grid value as a sum of its steps (exact): 0.5 x 4, then 1, 1, 2 */
+            __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_and_ps(m1, half), _mm256_and_ps(m2, half)),
+                                     _mm256_add_ps(_mm256_and_ps(m3, half), _mm256_and_ps(m4, half)));
+            v = _mm256_add_ps(v, _mm256_add_ps(_mm256_add_ps(_mm256_and_ps(m5, one), _mm256_and_ps(m6, one)),
+                                               _mm256_and_ps(m7, two)));
+            /* index = number of thresholds passed (each mask is -1) */
+            __m256i idx = _mm256_sub_epi32(
+                _mm256_setzero_si256(),
+                _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_add_epi32(_mm256_castps_si256(m1), _mm256_castps_si256(m2)),
+                                     _mm256_add_epi32(_mm256_castps_si256(m3), _mm256_castps_si256(m4))),
+                    _mm256_add_epi32(_mm256_add_epi32(_mm256_castps_si256(m5), _mm256_castps_si256(m6)),
+                                     _mm256_castps_si256(m7))));
+            __m256i c = _mm256_or_si256(idx, _mm256_srli_epi32(_mm256_castps_si256(sg), 28));
+            __m256 zs = _mm256_cmp_ps(st, zf, _CMP_EQ_OQ);
+            c = _mm256_andnot_si256(_mm256_castps_si256(zs), c);
+            store_u8x8(code + i, c);
+            __m256 d = _mm256_mul_ps(_mm256_or_ps(v, sg), st);
+            _mm256_storeu_ps(dq + i, _mm256_andnot_ps(zs, d));
+        }
+    }
+    if (i < n) mq_gptq_qdq_column(s, step + i, zero + i, x + i, n - i, code + i, dq + i);
+}
+
+static inline double hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return (double)_mm_cvtss_f32(a);
+}
+
+double mq_gptq_column_errors_avx2(const float *x, const float *q, float upp, float *w0, int64_t n,
+                                  float *e, double *dsq) {
+    const __m256 u = _mm256_set1_ps(upp);
+    __m256 se = _mm256_setzero_ps(), sd = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        __m256 ev = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), qv), u);
+        _mm256_storeu_ps(e + i, ev);
+        se = _mm256_fmadd_ps(ev, ev, se);
+        __m256 d = _mm256_sub_ps(_mm256_loadu_ps(w0 + i), qv);
+        sd = _mm256_fmadd_ps(d, d, sd);
+        _mm256_storeu_ps(w0 + i, qv);
+    }
+    double tail_d = 0;
+    double r = hsum(se) + (i < n ? mq_gptq_column_errors_ref(x + i, q + i, upp, w0 + i, n - i, e + i, &tail_d) : 0);
+    *dsq += hsum(sd) + tail_d;
+    return r;
+}
