@@ -212,7 +212,9 @@ static void on_capture(void *user, int layer, mq_site site, int expert, const fl
     b->t_hessian += mq_now() - t0;
 }
 
-/* Hessian of expert e's down input if every block token had been routed to it. */
+/* Hessian of expert e's down input if every block token had been routed to it, from the first
+ * FALLBACK_TOKENS tokens (a fallback needs the shape of the distribution, not every token). */
+enum { FALLBACK_TOKENS = 8192 };
 static moeq_status fallback_down_hessian(block_ctx *b, int e, const mq_calib_set *calib,
                                          mq_hessian *h) {
     const mq_layer *ly = &b->m->layers[b->layer];
@@ -224,9 +226,10 @@ static moeq_status fallback_down_hessian(block_ctx *b, int e, const mq_calib_set
         mq_free(u);
         return MOEQ_E_NOMEM;
     }
-    for (int64_t s = 0; s < calib->n; s++) {
+    for (int64_t s = 0, used = 0; s < calib->n && used < FALLBACK_TOKENS; s++) {
         const float *x = b->ffn_in + s * b->max_len * D;
         int64_t T = calib->len[s];
+        used += T;
         mq_linear_forward(&ly->exp_gate[e], x, T, g);
         mq_linear_forward(&ly->exp_up[e], x, T, u);
         for (int64_t k = 0; k < T * F; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];

@@ -12,7 +12,7 @@
 
 #include "bench.h"
 #include "cli.h"
-#include "quant/gptq.h"
+#include "quant/gptq_model.h"
 
 static uint64_t g_rng;
 static float rnd_normal(void) {
@@ -152,6 +152,32 @@ done:
     return t;
 }
 
+/* End to end on a model: calibration (chunks of calib), sequential GPTQ with the defaults of
+ * `moeq quantize --method gptq` (MSE on), no checkpoint written. */
+static moeq_status time_model(const char *dir, const char *calib, const bench_cfg *b,
+                              int64_t nsamples, int64_t seqlen, mq_gptq_results *r, double *total) {
+    double t0 = mq_now();
+    moeq_model *m = NULL;
+    mq_calib_set cs = {0};
+    mq_calib_opts co;
+    mq_calib_opts_init(&co);
+    co.path = calib;
+    co.nsamples = nsamples;
+    co.seqlen = seqlen;
+    moeq_status st = moeq_model_open(dir, NULL, &m);
+    if (!st) st = mq_calib_load(moeq_model_tokenizer(m), &co, &cs);
+    if (!st) {
+        mq_gptq_model_opts o;
+        mq_gptq_model_opts_init(&o, &b->spec);
+        o.spec.mse = true;
+        st = mq_gptq_model(m, &cs, &o, r);
+    }
+    mq_calib_free(&cs);
+    moeq_model_free(m);
+    *total = mq_now() - t0;
+    return st;
+}
+
 int bench_gptq(int argc, char **argv) {
     int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3, threads = 0;
     int64_t experts = 64, chunk = 8, seed = 1;
@@ -159,6 +185,8 @@ int bench_gptq(int argc, char **argv) {
     const char *scheme = "nvfp4";
     bool act_order = false, mse = false, static_groups = false, json = false, moe = false;
     bool rtn_loss = false;
+    const char *model = NULL, *calib = NULL;
+    int64_t nsamples = 128, seqlen = 512;
     const cli_opt opts[] = {
         {"--rows", OPT_INT, &rows, "N", "output features (default 4096)", NULL, 1, 1 << 20, NULL},
         {"--cols", OPT_INT, &cols, "K", "input features (default 2048)", NULL, 16, 1 << 16, NULL},
@@ -176,6 +204,12 @@ int bench_gptq(int argc, char **argv) {
         {"--moe", OPT_FLAG, &moe, NULL, "also time one OLMoE-1B-7B-shaped MoE layer", NULL, 0, -1, NULL},
         {"--experts", OPT_INT, &experts, "E", "experts in the --moe layer (default 64)", NULL, 1, 4096, NULL},
         {"--moe-chunk", OPT_INT, &chunk, "C", "experts factorised and run together (default 8)", NULL, 1, 64, NULL},
+        {"--model", OPT_STRING, &model, "DIR", "also time GPTQ end to end on a model (load, "
+         "calibrate, quantize; no checkpoint written)", NULL, 0, -1, NULL},
+        {"--calib", OPT_STRING, &calib, "FILE", "calibration text for --model (default "
+         "shared/fixtures/text/calib.txt)", NULL, 0, -1, NULL},
+        {"--nsamples", OPT_INT, &nsamples, "N", "--model calibration samples (default 128)", NULL, 1, 1 << 20, NULL},
+        {"--seqlen", OPT_INT, &seqlen, "L", "--model tokens per sample (default 512)", NULL, 2, 1 << 20, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
     };
     const cli_command cmd = {"bench gptq", "[options]",
@@ -215,6 +249,20 @@ int bench_gptq(int argc, char **argv) {
         moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048);
         if (moe_s < 0) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     }
+    mq_gptq_results mr;
+    memset(&mr, 0, sizeof mr);
+    double model_s = -1;
+    char calib_buf[4200];
+    if (model) {
+        if (!calib) {
+            const char *sh = cli_shared_dir();
+            if (!sh) return cli_usage_error("bench gptq", "--model needs --calib FILE (no shared fixtures)");
+            snprintf(calib_buf, sizeof calib_buf, "%s/fixtures/text/calib.txt", sh);
+            calib = calib_buf;
+        }
+        moeq_status st = time_model(model, calib, &b, nsamples, seqlen, &mr, &model_s);
+        if (st) return cli_fail("bench gptq", st);
+    }
     if (json) {
         printf("{\"rows\": %lld, \"cols\": %lld, \"scheme\": \"%s\", \"block_size\": %lld, "
                "\"act_order\": %s, \"mse\": %s, \"threads\": %d, \"seconds\": %.6f, "
@@ -225,6 +273,10 @@ int bench_gptq(int argc, char **argv) {
                gflops, sgemm, gflops / sgemm);
         if (rtn_loss) printf(", \"loss\": %.6g, \"rtn_loss\": %.6g", stats.loss, stats.rtn_loss);
         if (moe) printf(", \"moe_layer_experts\": %lld, \"moe_layer_seconds\": %.3f", (long long)experts, moe_s);
+        if (model)
+            printf(", \"model_seconds\": %.3f, \"model_forward_seconds\": %.3f, "
+                   "\"model_hessian_seconds\": %.3f, \"model_gptq_seconds\": %.3f, \"model_tokens\": %lld",
+                   model_s, mr.seconds_forward, mr.seconds_hessian, mr.seconds_gptq, (long long)mr.tokens);
         printf("}\n");
     } else {
         printf("gptq %s %lldx%lld (block %lld%s%s%s), %d threads: %.3f s (factor %.3f s), "
@@ -237,6 +289,11 @@ int bench_gptq(int argc, char **argv) {
         if (moe)
             printf("MoE layer, %lld experts (gate/up 1024x2048, down 2048x1024): %.2f s "
                    "(torchao on an H200: 65 s)\n", (long long)experts, moe_s);
+        if (model)
+            printf("%s end to end (%lld tokens, sequential, mse): %.2f s = load + calibration forward "
+                   "%.2f s + Hessians %.2f s + GPTQ %.2f s\n", model, (long long)mr.tokens, model_s,
+                   mr.seconds_forward, mr.seconds_hessian, mr.seconds_gptq);
     }
+    mq_gptq_results_free(&mr);
     return CLI_OK;
 }
