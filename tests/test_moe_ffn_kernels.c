@@ -121,7 +121,8 @@ static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
     void *scales = malloc((size_t)R * ng * 4);
     for (int i = 0; i < R * K; i++) codes[i] = (uint8_t)(rnd() & 15);
     for (int i = 0; i < R * ng; i++) {
-        if (c->nvfp4) ((uint8_t *)scales)[i] = (uint8_t)(rnd() % 0x7f);   /* any non-NaN positive */
+        /* any non-NaN byte; negative ones (sign bit) in every other case */
+        if (c->nvfp4) ((uint8_t *)scales)[i] = (uint8_t)((rnd() % 0x7f) | (c->global_mul && (rnd() & 1) ? 0x80 : 0));
         else {
             float f = rnd_sym() * 0.1f;   /* made exact in the storage type under test */
             if (c->stype == MQ_MOE_S_F16) f = mq_f16_to_f32(mq_f32_to_f16(f));
@@ -139,7 +140,9 @@ static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
     const float gs = 3.0f;
     const float mul = c->nvfp4 && c->global_mul ? gs : 1.0f;
     const float div = c->nvfp4 ? (c->global_mul ? 2.0f : 2 * gs) : 1.0f;
-    mq_pmat P = {W, rbb, R, K, c->group, c->nvfp4, st, {mul, mul}, {div, div}};
+    int neg = 0;
+    for (int i = 0; c->nvfp4 && i < R * ng; i++) neg |= ((uint8_t *)scales)[i] >> 7;
+    mq_pmat P = {W, rbb, R, K, c->group, c->nvfp4, st, {mul, mul}, {div, div}, neg};
     /* activations: rows in reverse order through act_rows, to exercise the indirection */
     const int arows = m + 3;
     float *x = malloc(sizeof(float) * (size_t)arows * K);
@@ -250,7 +253,7 @@ static void test_every_e4m3_scale(void) {
         mq_moe_src src = {codes, scales, 1, 1.0f, 0};
         mq_moe_pack_rb(&src, 16, K, 16, 1, MQ_MOE_S_E4M3, 0, W);
         mq_moe_pack_rb(&src, 16, K, 16, 1, MQ_MOE_S_E4M3, 8, W + rbb);
-        mq_pmat P = {W, rbb, 16, K, 16, 1, MQ_MOE_S_E4M3, {1.0f, 1.0f}, {2.0f, 2.0f}};
+        mq_pmat P = {W, rbb, 16, K, 16, 1, MQ_MOE_S_E4M3, {1.0f, 1.0f}, {2.0f, 2.0f}, b0 >= 0x80};
         for (int ki = 0; ki < 2 && ks[ki]; ki++) {
             float out[16];
             ks[ki]->gemm(&P, 0, 1, &A, NULL, 0, 1, out, 16, 0);

@@ -48,6 +48,7 @@ typedef struct {
     int32_t nvfp4;         /* 0: INT4; 1: NVFP4 */
     int32_t stype;         /* mq_moe_stype of the scales */
     float mul[2], div[2];  /* row block h of a pair: result = acc * mul[h] / div[h] */
+    int32_t neg_scales;    /* NVFP4: some E4M3 scale has its sign bit set (slower decode) */
 } mq_pmat;
 
 /* Bytes of one packed row block of K columns. */

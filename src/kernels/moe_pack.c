@@ -85,6 +85,13 @@ static mq_moe_stype pick_stype(bool ok_f16, bool ok_bf16) {
     return ok_f16 ? MQ_MOE_S_F16 : ok_bf16 ? MQ_MOE_S_BF16 : MQ_MOE_S_F32;
 }
 
+/* Whether any E4M3 scale of a [rows, cols / 16] NVFP4 source has its sign bit set. */
+static int any_neg_scale(const mq_moe_src *s, int64_t rows, int64_t ng) {
+    for (int64_t i = 0; i < rows * ng; i++)
+        if (s->scales[(size_t)i * s->scale_stride] & 0x80) return 1;
+    return 0;
+}
+
 /* ---- value validation ------------------------------------------------------------------------- */
 /* Checks codes and scales of a [rows, cols] source; the first bad value sets the message. */
 static moeq_status src_check(const mq_moe_src *s, int64_t rows, int32_t cols, int32_t group,
@@ -251,9 +258,14 @@ moeq_status mq_moe_experts_build(int nvfp4, int32_t group, int32_t E, int32_t D,
         mq_pexpert *x = &w->ex[e];
         x->ffn = F;
         x->gate_up = (mq_pmat){(const uint8_t *)(uintptr_t)total, rbd, 2 * F, D, group, nvfp4,
-                               stype, {1, 1}, {1, 1}};
+                               stype, {1, 1}, {1, 1}, 0};
         x->down = (mq_pmat){(const uint8_t *)(uintptr_t)(total + gu), rbf, D, F, group, nvfp4,
-                            stype, {1, 1}, {1, 1}};
+                            stype, {1, 1}, {1, 1}, 0};
+        if (nvfp4) {
+            x->gate_up.neg_scales = any_neg_scale(&src[e].gate, F, D / 16) ||
+                                    any_neg_scale(&src[e].up, F, D / 16);
+            x->down.neg_scales = any_neg_scale(&src[e].down, D, F / 16);
+        }
         if (!mq_add_size(total, gu, &total) || !mq_add_size(total, dn, &total)) {
             st = mq_err(MOEQ_E_NOMEM, "%s: packed size overflows", names->what);
             goto done;
@@ -426,7 +438,8 @@ moeq_status mq_packed_weight_from_qtensor(const mq_qtensor *q, const char *name,
     w->out = rows;
     w->in = cols;
     w->bytes = rbb * (size_t)(prow / MQ_MOE_RB);
-    w->W = (mq_pmat){NULL, rbb, prow, cols, (int32_t)group, nvfp4, stype, {1, 1}, {1, 1}};
+    w->W = (mq_pmat){NULL, rbb, prow, cols, (int32_t)group, nvfp4, stype, {1, 1}, {1, 1},
+                     nvfp4 ? any_neg_scale(&src, rows, cols / 16) : 0};
     if ((st = global_of(&src, nvfp4, name, "weight", -1, &w->W.mul[0], &w->W.div[0]))) {
         mq_free(w);
         return st;

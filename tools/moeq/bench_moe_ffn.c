@@ -193,9 +193,9 @@ int bench_moe_ffn(int argc, char **argv) {
     if (st) return cli_fail("bench moe-ffn", st);
     const double ex_bytes = (double)moeq_moe_experts_bytes(w) / (double)E;
     if (!json)
-        printf("experts: %s%s%lld, E=%lld k=%lld D=%lld F=%lld, packed %.1f MB (%.2f bits/weight), "
+        printf("experts: %s g%lld, E=%lld k=%lld D=%lld F=%lld, packed %.1f MB (%.2f bits/weight), "
                "made in %.1f s\n",
-               s.nvfp4 ? "nvfp4" : "int4", s.nvfp4 ? "" : " g", s.nvfp4 ? 16LL : (long long)s.group,
+               s.nvfp4 ? "nvfp4" : "int4", (long long)s.group,
                (long long)E, (long long)k, (long long)D, (long long)F,
                (double)moeq_moe_experts_bytes(w) * 1e-6, ex_bytes * 8.0 / (3.0 * (double)D * (double)F),
                mq_now() - t0);

@@ -20,9 +20,7 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-#ifndef PF_DIST
-#define PF_DIST 4096
-#endif
+
 
 INLINE __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -31,12 +29,17 @@ INLINE __m256i bcast4(const int8_t *p) {
 }
 
 /* 8 E4M3 bytes -> fp32: the magnitude bits shifted into an fp32 exponent/mantissa are the value
- * times 2^-120 (E4M3 subnormals land on fp32 subnormals), so one exact multiply finishes it. */
-INLINE __m256 e4m3x8(const uint8_t *p) {
+ * times 2^-120 (E4M3 subnormals land on fp32 subnormals), so one exact multiply finishes it.
+ * Without negative scales (the usual case: block scales are amax / 6) the sign needs no work. */
+INLINE __m256 e4m3x8(const uint8_t *p, int neg) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7f)), 20);
-    __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(mag, sgn)), _mm256_set1_ps(0x1p120f));
+    __m256i bits = _mm256_slli_epi32(v, 20);
+    if (neg) {
+        __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7f)), 20);
+        __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+        bits = _mm256_or_si256(mag, sgn);
+    }
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
 }
 
 /* The 8 INT4 scales of group g of a row block (fp32, or exact 16-bit storage). */
@@ -151,14 +154,17 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
 /* One tile pair x nt activation rows, with the epilogue: o[t] receives 8 SwiGLU outputs or the 16
  * row results of activation row t. */
 INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow,
-                 float *const *o, int swiglu, const int nt, const int nvfp4, const int split) {
+                 float *const *o, int swiglu, int prefetch, const int nt, const int nvfp4,
+                 const int split) {
     const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes;
+    const uint8_t *pf = prefetch ? rb0 + 2 * W->rb_bytes : NULL;
+    const size_t pf_step = (2 * W->rb_bytes + (size_t)(W->cols / 8) - 1) / (size_t)(W->cols / 8);
     const int B = nvfp4 ? 16 : 32, CH = B / 8;
     const int64_t nb = W->cols / B, lds = A->ld / B;
     const uint8_t *rb1 = rb0 + W->rb_bytes;
     const uint8_t *s0 = rb0 + (size_t)W->cols * 4, *s1 = rb1 + (size_t)W->cols * 4;
     const int bpg = nvfp4 ? 1 : W->group / B;   /* activation blocks per weight group */
-    const int stype = W->stype;
+    const int stype = W->stype, neg = W->neg_scales;
     const int8_t *aq[MQ_MOE_NT], *aq2[MQ_MOE_NT];
     const float *as[MQ_MOE_NT];
     const int32_t *ac[MQ_MOE_NT];
@@ -169,7 +175,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         as[t] = A->scale + arow[t] * lds;
         ac[t] = A->corr + arow[t] * lds;
     }
-    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
     const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
     __m256 f[2][MQ_MOE_NT];
@@ -187,9 +193,11 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
 #pragma GCC unroll 4
         for (int c = 0; c < CH; c++) {
             const size_t off = (size_t)(b * CH + c) * 32;
-            if (PF_DIST && (c & 1) == 0) {
-                _mm_prefetch((const char *)(rb0 + off + PF_DIST), _MM_HINT_T0);
-                _mm_prefetch((const char *)(rb1 + off + PF_DIST), _MM_HINT_T0);
+            if (pf) {
+                /* the next pair, into L2, at the pace this pair is consumed (step < 128) */
+                const uint8_t *p = pf + (size_t)(b * CH + c) * pf_step;
+                _mm_prefetch((const char *)p, _MM_HINT_T1);
+                _mm_prefetch((const char *)p + 64, _MM_HINT_T1);
             }
             __m256i v0 = _mm256_loadu_si256((const __m256i *)(rb0 + off));
             __m256i v1 = _mm256_loadu_si256((const __m256i *)(rb1 + off));
@@ -221,8 +229,8 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         }
         __m256 sw0, sw1;
         if (nvfp4) {
-            sw0 = e4m3x8(s0 + b * 8);
-            sw1 = e4m3x8(s1 + b * 8);
+            sw0 = e4m3x8(s0 + b * 8, neg);
+            sw1 = e4m3x8(s1 + b * 8, neg);
         } else {
             sw0 = int4_scales(s0, g, stype);
             sw1 = int4_scales(s1, g, stype);
@@ -237,8 +245,8 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
             __m256i cr = _mm256_set1_epi32(ac[t][b]);
             __m256i i0 = _mm256_madd_epi16(acc[0][t], ones), i1 = _mm256_madd_epi16(acc[1][t], ones);
             if (split) {
-                i0 = _mm256_add_epi32(_mm256_slli_epi32(i0, 8), _mm256_madd_epi16(acc2[0][t], ones));
-                i1 = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), _mm256_madd_epi16(acc2[1][t], ones));
+                i0 = _mm256_add_epi32(_mm256_madd_epi16(acc[0][t], k256), _mm256_madd_epi16(acc2[0][t], ones));
+                i1 = _mm256_add_epi32(_mm256_madd_epi16(acc[1][t], k256), _mm256_madd_epi16(acc2[1][t], ones));
             }
             i0 = _mm256_sub_epi32(i0, cr);
             i1 = _mm256_sub_epi32(i1, cr);
@@ -264,12 +272,12 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
 /* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
  * accumulators in registers. */
 typedef void (*tile_fn)(const mq_pmat *, int64_t, const mq_qact *, const int64_t *, float *const *,
-                        int);
+                        int, int);
 #define TILE_FN(NT, NV, SP)                                                                        \
     static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
         const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
-        int swiglu) {                                                                              \
-        tile(W, pair, A, arow, o, swiglu, NT, NV, SP);                                             \
+        int swiglu, int prefetch) {                                                                \
+        tile(W, pair, A, arow, o, swiglu, prefetch, NT, NV, SP);                                   \
     }
 #define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
 TILE_FNS(1)
@@ -298,7 +306,7 @@ static void gemm_avx2(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_q
                     arow[t] = act_rows ? act_rows[i0 + t] : row0 + i0 + t;
                     o[t] = out + (i0 + t) * ldo + (swiglu ? 8 * (pair - pair0) : 16 * pair);
                 }
-                fns[nt - 1](W, pair, A, arow, o, swiglu);
+                fns[nt - 1](W, pair, A, arow, o, swiglu, i0 == ib);
             }
         }
     }
