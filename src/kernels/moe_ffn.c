@@ -9,6 +9,9 @@
  * slot order, so the result does not depend on the thread count.
  */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -281,7 +284,10 @@ typedef struct {
     int64_t *off;         /* [n_mats + 1] first permuted row of each matrix */
     int32_t *perm_tok;    /* [P] */
     int64_t *pos;         /* [T, k] permuted row of (token, slot) */
-    int32_t *task_mat, *task_chunk;
+    int32_t *task_mat, *task_chunk;   /* work items: gate_up ones first, then down ones */
+    int64_t n_a, n_items;
+    _Atomic int64_t next_item;
+    _Atomic int32_t *pending;         /* [n_mats] gate_up items of each matrix not done yet */
     mq_qact xq, mq;       /* x [T, D]; mid [P, Fmax] */
     float *y;             /* [P, D] */
     float *scratch;       /* [threads][scratch_stride] */
@@ -339,8 +345,7 @@ static void quant_x_task(void *ctx, int64_t task, int thread) {
         c->K->quant_act(c->x + t * c->w->D, c->w->D, &c->xq, t, 0);
 }
 
-static void phase_a_task(void *ctx, int64_t task, int thread) {
-    run_ctx *c = ctx;
+static void phase_a_item(run_ctx *c, int64_t task, int thread) {
     const int32_t e = c->task_mat[task];
     const mq_pexpert *ex = &c->w->ex[e];
     const int64_t p0 = (int64_t)c->task_chunk[task] * PAIRS_A;
@@ -351,15 +356,36 @@ static void phase_a_task(void *ctx, int64_t task, int thread) {
     for (int64_t i = 0; i < m; i++) c->K->quant_act(s + i * ldo, ldo, &c->mq, r0 + i, 8 * p0);
 }
 
-static void phase_b_task(void *ctx, int64_t task, int thread) {
-    (void)thread;
-    run_ctx *c = ctx;
+static void phase_b_item(run_ctx *c, int64_t task) {
     const int32_t e = c->task_mat[task];
     const mq_pexpert *ex = &c->w->ex[e];
     const int64_t D = c->w->D, p0 = (int64_t)c->task_chunk[task] * PAIRS_B;
     const int64_t np = D / 16, p1 = p0 + PAIRS_B < np ? p0 + PAIRS_B : np;
     const int64_t r0 = c->off[e], m = c->off[e + 1] - r0;
     c->K->gemm(&ex->down, p0, p1, &c->mq, NULL, r0, m, c->y + r0 * D, D, 0);
+}
+
+/* One pool task per thread drains the work items in order. A down item waits for the gate_up
+ * items of its matrix, which were all claimed earlier (items are claimed in increasing order)
+ * by workers that are running them, so the wait always ends. One pass over the pool instead of
+ * two saves a wake-up and lets a thread start on down projections while the last gate_up items
+ * finish elsewhere. Which thread runs an item never changes its result. */
+static void expert_worker(void *ctx, int64_t task, int thread) {
+    (void)task;
+    run_ctx *c = ctx;
+    for (;;) {
+        const int64_t i = atomic_fetch_add(&c->next_item, 1);
+        if (i >= c->n_items) return;
+        const int32_t e = c->task_mat[i];
+        if (i < c->n_a) {
+            phase_a_item(c, i, thread);
+            atomic_fetch_sub_explicit(&c->pending[e], 1, memory_order_release);
+            continue;
+        }
+        for (int spins = 0; atomic_load_explicit(&c->pending[e], memory_order_acquire) > 0; spins++)
+            if (spins > 64) sched_yield();
+        phase_b_item(c, i);
+    }
 }
 
 /* out[t] = sum_j wt[t,j] * y[pos(t,j)], slot by slot, then + g[t] * y_shared[t]. */
@@ -385,8 +411,56 @@ static void combine_task(void *ctx, int64_t task, int thread) {
     }
 }
 
-/* Lays out n buffers in one allocation (64-byte aligned pieces). */
-static void *alloc_pieces(size_t n, const size_t *sizes, void **ptrs) {
+/* One cached workspace for the op's scratch: consecutive calls (layer after layer) reuse it
+ * instead of mapping and faulting in fresh pages each time (tens of MB for a long prefill). A
+ * concurrent call that finds it busy allocates its own. */
+static pthread_mutex_t g_ws_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint8_t *g_ws;
+static size_t g_ws_size;
+static bool g_ws_busy;
+
+static uint8_t *ws_acquire(size_t n, bool *cached) {
+    pthread_mutex_lock(&g_ws_mu);
+    if (!g_ws_busy) {
+        if (g_ws_size < n) {
+            mq_free(g_ws);
+            g_ws = mq_alloc(n, "moe_ffn workspace");
+            g_ws_size = g_ws ? n : 0;
+        }
+        if (g_ws) {
+            g_ws_busy = true;
+            pthread_mutex_unlock(&g_ws_mu);
+            *cached = true;
+            return g_ws;
+        }
+    }
+    pthread_mutex_unlock(&g_ws_mu);
+    *cached = false;
+    return mq_alloc(n, "moe_ffn workspace");
+}
+
+static void ws_release(uint8_t *p, bool cached) {
+    if (!cached) {
+        mq_free(p);
+        return;
+    }
+    pthread_mutex_lock(&g_ws_mu);
+    g_ws_busy = false;
+    pthread_mutex_unlock(&g_ws_mu);
+}
+
+void mq_moe_workspace_free(void) {
+    pthread_mutex_lock(&g_ws_mu);
+    if (!g_ws_busy) {
+        mq_free(g_ws);
+        g_ws = NULL;
+        g_ws_size = 0;
+    }
+    pthread_mutex_unlock(&g_ws_mu);
+}
+
+/* Lays out n buffers in the workspace (64-byte aligned pieces). */
+static uint8_t *alloc_pieces(size_t n, const size_t *sizes, void **ptrs, bool *cached) {
     size_t total = 0;
     for (size_t i = 0; i < n; i++) {
         size_t s = (sizes[i] + 63) & ~(size_t)63;
@@ -395,7 +469,7 @@ static void *alloc_pieces(size_t n, const size_t *sizes, void **ptrs) {
             return NULL;
         }
     }
-    uint8_t *base = mq_alloc(total ? total : 64, "moe_ffn workspace");
+    uint8_t *base = ws_acquire(total ? total : 64, cached);
     if (!base) return NULL;
     size_t o = 0;
     for (size_t i = 0; i < n; i++) {
@@ -420,7 +494,7 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
     int64_t max_tasks = 0;
     for (int64_t e = 0; e < nm; e++) {
         int64_t a = (w->ex[e].ffn / 8 + PAIRS_A - 1) / PAIRS_A, b = (D / 16 + PAIRS_B - 1) / PAIRS_B;
-        max_tasks += a > b ? a : b;
+        max_tasks += a + b;
     }
     run_ctx c = {.w = w, .K = mq_moe_kernels_active(), .x = x, .router = router, .bias = bias,
                  .sgate = sgate, .T = T, .P = P, .k = k, .scoring = scoring, .renorm = renorm,
@@ -432,8 +506,8 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
         !mq_mul_size(c.scratch_stride * 4, (size_t)threads, &big) ||
         !mq_mul_size((size_t)T, (size_t)E * 4, &big))
         return mq_err(MOEQ_E_NOMEM, "%s: %lld tokens need too much memory", k_op, (long long)T);
-    void *ptr[17];
-    const size_t sizes[17] = {
+    void *ptr[18];
+    const size_t sizes[18] = {
         (size_t)T * E * 4,                   /* logits */
         (size_t)T * 4,                       /* gsh */
         (size_t)T * k * 4,                   /* sel */
@@ -451,8 +525,10 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
         c.scratch_stride * 4 * (size_t)threads,
         (size_t)E * 5,                       /* routing scratch: probabilities + taken flags */
         (size_t)nm * 8,                      /* counting-sort cursors */
+        (size_t)nm * sizeof(_Atomic int32_t),   /* pending */
     };
-    void *base = alloc_pieces(17, sizes, ptr);
+    bool cached;
+    uint8_t *base = alloc_pieces(18, sizes, ptr, &cached);
     if (!base) return MOEQ_E_NOMEM;
     c.logits = ptr[0];
     c.gsh = ptr[1];
@@ -469,6 +545,7 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
                      Fmax, B, nvfp4 ? 12 : 8};
     c.y = ptr[13];
     c.scratch = ptr[14];
+    c.pending = ptr[17];
 
     /* routing (fp32): logits, scores, top-k, weights */
     mq_gemm_nt(T, E, D, 1.0f, x, D, router, D, 0.0f, c.logits, E);
@@ -497,20 +574,20 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
     /* x -> int8 blocks */
     mq_parallel_for((T + TOK_CHUNK - 1) / TOK_CHUNK, quant_x_task, &c);
 
-    /* phase A: gate+up, SwiGLU, mid -> int8 */
+    /* work items: gate_up + SwiGLU + mid quantization per (matrix, 64 outputs), then down per
+     * (matrix, 128 rows), matrices in index order */
     int64_t n = 0;
     for (int64_t e = 0; e < nm; e++) {
+        atomic_store(&c.pending[e], 0);
         if (c.off[e + 1] == c.off[e]) continue;
         int64_t chunks = (w->ex[e].ffn / 8 + PAIRS_A - 1) / PAIRS_A;
+        atomic_store(&c.pending[e], (int32_t)chunks);
         for (int64_t i = 0; i < chunks; i++, n++) {
             c.task_mat[n] = (int32_t)e;
             c.task_chunk[n] = (int32_t)i;
         }
     }
-    mq_parallel_for(n, phase_a_task, &c);
-
-    /* phase B: down */
-    n = 0;
+    c.n_a = n;
     for (int64_t e = 0; e < nm; e++) {
         if (c.off[e + 1] == c.off[e]) continue;
         int64_t chunks = (D / 16 + PAIRS_B - 1) / PAIRS_B;
@@ -519,10 +596,12 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
             c.task_chunk[n] = (int32_t)i;
         }
     }
-    mq_parallel_for(n, phase_b_task, &c);
+    c.n_items = n;
+    atomic_store(&c.next_item, 0);
+    mq_parallel_for(threads, expert_worker, &c);
 
     mq_parallel_for((T + TOK_CHUNK - 1) / TOK_CHUNK, combine_task, &c);
-    mq_free(base);
+    ws_release(base, cached);
     return MOEQ_OK;
 }
 
@@ -606,7 +685,8 @@ moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const flo
     void *ptr[4];
     const size_t sizes[4] = {(size_t)T * (size_t)w->in * 2, (size_t)T * (size_t)(w->in / B) * 4,
                              (size_t)T * (size_t)(w->in / B) * 4, ob};
-    void *base = alloc_pieces(4, sizes, ptr);
+    bool cached;
+    uint8_t *base = alloc_pieces(4, sizes, ptr, &cached);
     if (!base) return MOEQ_E_NOMEM;
     lin_ctx c = {w, mq_moe_kernels_active(), x, direct ? y : ptr[3], T, direct ? w->out : prow,
                  (prow / 16 + PAIRS_B - 1) / PAIRS_B,
@@ -616,7 +696,7 @@ moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const flo
     if (!direct)
         for (int64_t t = 0; t < T; t++)
             memcpy(y + t * w->out, c.y + t * prow, sizeof(float) * (size_t)w->out);
-    mq_free(base);
+    ws_release(base, cached);
     return MOEQ_OK;
 }
 

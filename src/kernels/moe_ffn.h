@@ -196,6 +196,9 @@ size_t mq_packed_weight_bytes(const struct mq_packed_weight *w);
 moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const float *x, int64_t T,
                                      float *y);
 
+/* Frees the op's cached scratch workspace (kept between calls; sized by the largest call). */
+void mq_moe_workspace_free(void);
+
 /* Streaming read bandwidth of this machine on the pool (GB/s), reading `bytes` repeatedly for at
  * least min_seconds (bench helper). */
 double mq_measure_read_gbps(size_t bytes, double min_seconds);
