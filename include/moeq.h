@@ -204,6 +204,67 @@ moeq_status moeq_wikitext_detokenize(const char *text, size_t len, char **out, s
  * whitespace runs (leading and trailing whitespace each count an empty word). */
 int64_t moeq_count_words(const char *text, size_t len);
 
+/* Perplexity the way lm-evaluation-harness computes loglikelihood_rolling (docs formats.md s3):
+ * each document (detokenized for MOEQ_TASK_WIKITEXT) is tokenized without special tokens, split
+ * into disjoint windows of max_length tokens, each conditioned on one token of context (the prefix
+ * token before the first), and its log-likelihood summed over every token. Words and bytes are
+ * counted on the original text. Documents run in parallel on the thread pool; the result does
+ * not depend on the thread count. A document that tokenizes to nothing counts with 0 tokens and
+ * log-likelihood 0 (its words and bytes still count, as in lm-eval) and a warning is logged. */
+typedef enum {
+    MOEQ_TASK_WIKITEXT = 0,   /* lm-eval "wikitext": wikitext detokenizer, word perplexity */
+    MOEQ_TASK_TEXT = 1,       /* any text as is */
+} moeq_eval_task;
+
+#define MOEQ_EVAL_DEFAULT_TOP_K 32
+
+typedef struct {
+    moeq_eval_task task;
+    int32_t max_length;          /* tokens per window; 0: config max_position_embeddings */
+    int64_t limit;               /* only the first N documents; 0: all */
+    int add_bos;                 /* prepend BOS to each document's tokens (lm-eval >= 0.4.10 with
+                                  * a tokenizer that adds BOS) */
+    int32_t prefix_token;        /* -1: the tokenizer's BOS, else its EOS (lm-eval's prefix_token_id) */
+    /* KL(p_base || p_model) per scored token: against a base model run on the same windows, or
+     * against top-k logits saved earlier with save_logits (at most one of the two). */
+    const moeq_model *kl_base;
+    const char *kl_logits;
+    /* Write this model's top-k logits and row log-sum-exp per scored token (atomically). */
+    const char *save_logits;
+    int32_t save_top_k;          /* 0: MOEQ_EVAL_DEFAULT_TOP_K */
+    /* Optional outputs, moeq_docs_count() entries each (documents not evaluated: NaN / -1). */
+    double *doc_loglikelihood;
+    int64_t *doc_tokens;
+} moeq_eval_options;
+
+void moeq_eval_options_init(moeq_eval_options *o);
+
+typedef struct {
+    double loglikelihood;        /* natural log, summed over every scored token */
+    int64_t tokens, words, bytes, documents;
+    int64_t empty_documents;     /* of documents: those that tokenized to nothing */
+    double word_perplexity;      /* exp(-loglikelihood / words) */
+    double byte_perplexity;      /* exp(-loglikelihood / bytes) */
+    double bits_per_byte;        /* -loglikelihood / bytes / ln 2 */
+    double token_perplexity;     /* exp(-loglikelihood / tokens) */
+    int32_t max_length, prefix_token;
+    double seconds, tokens_per_second;
+    int interrupted;             /* 1: only the documents finished before the interrupt count */
+    /* KL, when requested */
+    int has_kl;
+    int64_t kl_tokens;
+    double kl_mean;              /* mean KL(p_base || p_model) per scored token, nats */
+    double kl_p99;               /* its 99th percentile (numpy linear interpolation) */
+    double top1_changed;         /* share of tokens whose argmax differs from the base's */
+    int32_t kl_top_k;            /* 0: exact over the vocabulary; else from saved top-k logits */
+    double kl_gap_bound;         /* top-k: mean per-token upper bound of (exact - reported) KL */
+} moeq_eval_result;
+
+/* Evaluates m on docs. On MOEQ_E_INTERRUPTED (moeq_interrupt) *res holds the documents finished
+ * so far (res->interrupted = 1) and no logits file is written. */
+moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eval_options *opt,
+                      moeq_eval_result *res);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Quantization (src/quant, src/formats, src/export)                                          */
 /* ------------------------------------------------------------------------------------------ */
