@@ -1,12 +1,221 @@
-/* moeq eval (not implemented yet). */
-#include <stdio.h>
+/*
+ * moeq eval MODEL_DIR --task wikitext|text --data FILE [options]: perplexity exactly as
+ * lm-evaluation-harness's loglikelihood_rolling (wikitext task: detokenizer, word/byte perplexity,
+ * bits per byte), and KL divergence against a base model or saved top-k logits. With --json,
+ * stdout is exactly one JSON object. Ctrl-C prints the result of the documents finished so far
+ * and exits 130.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cli.h"
 #include "commands.h"
 
+static bool ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+/* A JSON number, or null for NaN/inf (JSON has neither). */
+static void json_num(FILE *f, const char *key, double v, bool last) {
+    fprintf(f, "  \"%s\": ", key);
+    if (isfinite(v))
+        fprintf(f, "%.17g", v);
+    else
+        fputs("null", f);
+    fputs(last ? "\n" : ",\n", f);
+}
+
+static void json_int(FILE *f, const char *key, long long v) { fprintf(f, "  \"%s\": %lld,\n", key, v); }
+
+static void print_json(const char *model_dir, const char *data, const char *task,
+                       const moeq_eval_result *r, const moeq_docs *docs, const double *doc_ll,
+                       const int64_t *doc_tok) {
+    FILE *f = stdout;
+    fputs("{\n  \"model\": ", f);
+    cli_print_json_string(f, model_dir);
+    fputs(",\n  \"data\": ", f);
+    cli_print_json_string(f, data);
+    fprintf(f, ",\n  \"task\": \"%s\",\n", task);
+    json_int(f, "max_length", r->max_length);
+    json_int(f, "prefix_token", r->prefix_token);
+    json_num(f, "word_perplexity", r->word_perplexity, false);
+    json_num(f, "byte_perplexity", r->byte_perplexity, false);
+    json_num(f, "bits_per_byte", r->bits_per_byte, false);
+    json_num(f, "token_perplexity", r->token_perplexity, false);
+    json_num(f, "loglikelihood", r->loglikelihood, false);
+    json_int(f, "tokens", r->tokens);
+    json_int(f, "words", r->words);
+    json_int(f, "bytes", r->bytes);
+    json_int(f, "documents", r->documents);
+    json_int(f, "empty_documents", r->empty_documents);
+    if (r->has_kl) {
+        json_num(f, "kl_mean", r->kl_mean, false);
+        json_num(f, "kl_p99", r->kl_p99, false);
+        json_num(f, "top1_changed", r->top1_changed, false);
+        json_int(f, "kl_tokens", r->kl_tokens);
+        json_int(f, "kl_top_k", r->kl_top_k);
+        if (r->kl_top_k) json_num(f, "kl_gap_bound", r->kl_gap_bound, false);
+    }
+    if (doc_ll) {
+        fputs("  \"per_doc\": [", f);
+        bool first = true;
+        for (int64_t d = 0; d < moeq_docs_count(docs); d++) {
+            if (doc_tok[d] < 0) continue;   /* not evaluated (--limit, interrupted) */
+            size_t len = 0;
+            const char *t = moeq_docs_text(docs, d, &len);
+            fprintf(f, "%s\n    {\"doc\": %lld, \"loglikelihood\": %.17g, \"tokens\": %lld, "
+                    "\"words\": %lld, \"bytes\": %zu}", first ? "" : ",", (long long)d,
+                    doc_ll[d], (long long)doc_tok[d], (long long)moeq_count_words(t, len), len);
+            first = false;
+        }
+        fputs("\n  ],\n", f);
+    }
+    fprintf(f, "  \"interrupted\": %s,\n", r->interrupted ? "true" : "false");
+    json_num(f, "seconds", r->seconds, false);
+    json_num(f, "tokens_per_second", r->tokens_per_second, true);
+    fputs("}\n", f);
+}
+
+static void print_text(const char *model_dir, const char *task, const moeq_eval_result *r,
+                       const moeq_docs *docs, const double *doc_ll, const int64_t *doc_tok) {
+    FILE *f = stdout;
+    if (doc_ll) {
+        fprintf(f, "%6s %18s %8s %8s %8s\n", "doc", "loglikelihood", "tokens", "words", "bytes");
+        for (int64_t d = 0; d < moeq_docs_count(docs); d++) {
+            if (doc_tok[d] < 0) continue;
+            size_t len = 0;
+            const char *t = moeq_docs_text(docs, d, &len);
+            fprintf(f, "%6lld %18.6f %8lld %8lld %8zu\n", (long long)d, doc_ll[d], (long long)doc_tok[d],
+                    (long long)moeq_count_words(t, len), len);
+        }
+        fputc('\n', f);
+    }
+    fprintf(f, "%s: %s, max_length %d, prefix token %d%s\n", model_dir, task, r->max_length,
+            r->prefix_token, r->interrupted ? "  (INTERRUPTED: partial result)" : "");
+    fprintf(f, "  word_perplexity   %.6f\n", r->word_perplexity);
+    fprintf(f, "  byte_perplexity   %.6f\n", r->byte_perplexity);
+    fprintf(f, "  bits_per_byte     %.6f\n", r->bits_per_byte);
+    fprintf(f, "  token_perplexity  %.6f\n", r->token_perplexity);
+    fprintf(f, "  loglikelihood     %.4f\n", r->loglikelihood);
+    fprintf(f, "  documents %lld (%lld empty), tokens %lld, words %lld, bytes %lld\n",
+            (long long)r->documents, (long long)r->empty_documents, (long long)r->tokens,
+            (long long)r->words, (long long)r->bytes);
+    if (r->has_kl) {
+        fprintf(f, "  kl_mean           %.6g nats/token (%s)\n", r->kl_mean,
+                r->kl_top_k ? "from saved top-k logits: a lower bound" : "exact");
+        fprintf(f, "  kl_p99            %.6g\n", r->kl_p99);
+        fprintf(f, "  top1_changed      %.6f\n", r->top1_changed);
+        if (r->kl_top_k)
+            fprintf(f, "  top-%d: the exact mean KL is at most %.4g higher\n", r->kl_top_k,
+                    r->kl_gap_bound);
+    }
+    fprintf(f, "  %.1f s, %.0f tokens/s\n", r->seconds, r->tokens_per_second);
+}
+
 int cmd_eval(int argc, char **argv) {
-    (void)argc;
-    (void)argv;
-    fprintf(stderr, "moeq eval: not implemented yet\n");
-    return CLI_FAIL;
+    const char *task = "wikitext", *data = NULL, *layout = NULL, *kl_base = NULL, *kl_logits = NULL,
+               *save_logits = NULL;
+    int64_t max_length = 0, limit = 0, threads = 0, top_k = MOEQ_EVAL_DEFAULT_TOP_K;
+    bool json = false, add_bos = false, quiet = false, per_doc = false;
+    const cli_opt opts[] = {
+        {"--task", OPT_CHOICE, &task, NULL, "wikitext (lm-eval's task, default) or any text",
+         "wikitext|text", 0, 0, NULL},
+        {"--data", OPT_STRING, &data, "FILE", "the documents (required)", NULL, 0, 0, NULL},
+        {"--data-format", OPT_CHOICE, &layout, NULL,
+         "documents: ' = Title = ' pages, JSONL page/text, or one (default: jsonl for *.jsonl, else "
+         "wikitext for --task wikitext, whole for text)", "wikitext|jsonl|whole", 0, 0, NULL},
+        {"--max-length", OPT_INT, &max_length, "L",
+         "tokens per window (default: config max_position_embeddings)", NULL, 1, 1 << 30, NULL},
+        {"--limit", OPT_INT, &limit, "N", "only the first N documents", NULL, 1, INT64_MAX, NULL},
+        {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 1, 1024, NULL},
+        {"--add-bos", OPT_FLAG, &add_bos, NULL,
+         "prepend BOS to each document (lm-eval >= 0.4.10 with BOS-adding tokenizers)", NULL, 0, 0, NULL},
+        {"--kl-base", OPT_STRING, &kl_base, "DIR", "KL divergence against this (unquantized) model",
+         NULL, 0, 0, NULL},
+        {"--save-logits", OPT_STRING, &save_logits, "FILE",
+         "save this model's top-k logits for a later --kl-logits", NULL, 0, 0, NULL},
+        {"--kl-logits", OPT_STRING, &kl_logits, "FILE", "KL divergence against saved logits", NULL,
+         0, 0, NULL},
+        {"--top-k", OPT_INT, &top_k, "K", "logits per token that --save-logits keeps (default 32)",
+         NULL, 1, 1 << 20, NULL},
+        {"--per-doc", OPT_FLAG, &per_doc, NULL, "also print each document's log-likelihood", NULL, 0,
+         0, NULL},
+        {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON object on stdout", NULL, 0, 0, NULL},
+        {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar", NULL, 0, 0, NULL},
+    };
+    const cli_command cmd = {
+        "eval", "MODEL_DIR --data FILE [--task wikitext|text] [options]",
+        "Perplexity as lm-evaluation-harness computes loglikelihood_rolling: each document\n"
+        "(wikitext-detokenized for --task wikitext) is tokenized without special tokens and scored\n"
+        "in disjoint windows of --max-length tokens, each conditioned on one token (BOS, else EOS,\n"
+        "before the first). Reports word and byte perplexity, bits per byte and token perplexity;\n"
+        "words and bytes are counted on the original text. A document that tokenizes to nothing\n"
+        "counts with 0 tokens (a warning says so). --kl-base or --kl-logits adds the mean and 99th\n"
+        "percentile of KL(p_base || p_model) per token and the share of changed top-1 predictions;\n"
+        "saved logits keep the top-k logits of each token, so that KL is a lower bound (tokens\n"
+        "outside the top-k form one bucket). Ctrl-C prints the partial result and exits 130.",
+        opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
+    const char *pos[1];
+    int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
+    if (rc >= 0) return rc;
+    if (!data) return cli_usage_error("eval", "--data FILE is required");
+    if (kl_base && kl_logits) return cli_usage_error("eval", "give only one of --kl-base and --kl-logits");
+    const char *model_dir = pos[0];
+    bool wikitext = strcmp(task, "wikitext") == 0;
+    moeq_docs_layout lay = wikitext ? MOEQ_DOCS_WIKITEXT : MOEQ_DOCS_WHOLE;
+    if (layout)
+        lay = !strcmp(layout, "jsonl") ? MOEQ_DOCS_JSONL
+              : !strcmp(layout, "whole") ? MOEQ_DOCS_WHOLE : MOEQ_DOCS_WIKITEXT;
+    else if (ends_with(data, ".jsonl"))
+        lay = MOEQ_DOCS_JSONL;
+    if (threads) moeq_set_threads((int)threads);
+    cli_install_sigint();
+    cli_progress_enable(quiet);
+
+    moeq_docs *docs = NULL;
+    moeq_model *m = NULL, *base = NULL;
+    double *doc_ll = NULL;
+    int64_t *doc_tok = NULL;
+    moeq_status st = moeq_docs_load(data, lay, &docs);
+    if (!st) st = moeq_model_open(model_dir, NULL, &m);
+    if (!st && kl_base) st = moeq_model_open(kl_base, NULL, &base);
+    if (!st && per_doc) {
+        doc_ll = calloc((size_t)moeq_docs_count(docs), sizeof *doc_ll);
+        doc_tok = calloc((size_t)moeq_docs_count(docs), sizeof *doc_tok);
+        if (!doc_ll || !doc_tok) st = MOEQ_E_NOMEM;
+    }
+    moeq_eval_result r;
+    memset(&r, 0, sizeof r);
+    if (!st) {
+        moeq_eval_options o;
+        moeq_eval_options_init(&o);
+        o.task = wikitext ? MOEQ_TASK_WIKITEXT : MOEQ_TASK_TEXT;
+        o.max_length = (int32_t)max_length;
+        o.limit = limit;
+        o.add_bos = add_bos;
+        o.kl_base = base;
+        o.kl_logits = kl_logits;
+        o.save_logits = save_logits;
+        o.save_top_k = (int32_t)top_k;
+        o.doc_loglikelihood = doc_ll;
+        o.doc_tokens = doc_tok;
+        st = moeq_eval(m, docs, &o, &r);
+    }
+    cli_progress_finish();
+    if (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED) {
+        if (json)
+            print_json(model_dir, data, task, &r, docs, doc_ll, doc_tok);
+        else
+            print_text(model_dir, task, &r, docs, doc_ll, doc_tok);
+        fflush(stdout);
+    }
+    int code = st == MOEQ_OK ? CLI_OK : cli_fail("eval", st);
+    free(doc_ll);
+    free(doc_tok);
+    moeq_model_free(base);
+    moeq_model_free(m);
+    moeq_docs_free(docs);
+    return code;
 }

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# moeq eval on the bundled olmoe-tiny with small generated texts: the --json object and its
+# counts, thread independence, --task text on JSONL, --limit, KL against itself and through saved
+# logits, a silent stderr when it is not a terminal, Ctrl-C (partial result, exit 130), and the
+# errors for bad input (missing/empty file, invalid UTF-8, --max-length, mismatched logits).
+set -u
+cli=${MOEQ_CLI:?MOEQ_CLI is not set}
+model=${MOEQ_REPO:?MOEQ_REPO is not set}/models/olmoe-tiny
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+# json_get FILE KEY: the value of a top-level scalar key of our (one key per line) JSON output.
+json_get() { sed -n "s/^  \"$2\": \([^,]*\),\{0,1\}$/\1/p" "$1"; }
+have_python=0
+command -v python3 >/dev/null && have_python=1
+
+# Three small wikitext-layout documents: 3 + 4 + 3 lines, one " = = " heading (not a title).
+cat > "$tmp/wiki.txt" <<'EOF'
+ = First Title = 
+ The cat sat on the mat . It was a sunny day , and the cat was happy @-@ ish . 
+ = Second Title = 
+ Robert ( born 1960 ) is an English actor . He said " hello " to everyone . 
+ = = Career = = 
+ He played in 2001 and 2002 , earning 1 @,@ 000 dollars . 
+ = Third Title = 
+ Short page . 
+EOF
+"$cli" eval "$model" --data "$tmp/wiki.txt" --json > "$tmp/out.json" 2> "$tmp/err"
+rc=$?
+[ $rc -eq 0 ] || fail "eval exited $rc: $(cat "$tmp/err")"
+[ ! -s "$tmp/err" ] || fail "stderr not silent when it is not a terminal: $(cat "$tmp/err")"
+[ "$(head -c1 "$tmp/out.json")" = "{" ] && [ "$(tail -n1 "$tmp/out.json")" = "}" ] ||
+    fail "--json: stdout is not one object"
+for key in word_perplexity byte_perplexity bits_per_byte loglikelihood tokens words bytes \
+           documents tokens_per_second; do
+    [ -n "$(json_get "$tmp/out.json" $key)" ] || fail "--json lacks $key"
+done
+[ "$(json_get "$tmp/out.json" documents)" = 3 ] || fail "documents: $(json_get "$tmp/out.json" documents)"
+[ "$(json_get "$tmp/out.json" bytes)" = "$(wc -c < "$tmp/wiki.txt")" ] || fail "bytes"
+# words: sum over pages of len(re.split(r"\s+", page)), computed with CPython.
+[ "$(json_get "$tmp/out.json" words)" = 78 ] || fail "words: $(json_get "$tmp/out.json" words)"
+[ "$(json_get "$tmp/out.json" max_length)" = 512 ] || fail "default max_length"
+if [ $have_python = 1 ]; then
+    python3 - "$tmp/out.json" <<'EOF' || fail "--json output does not parse or is inconsistent"
+import json, math, sys
+r = json.load(open(sys.argv[1]))
+assert abs(r["word_perplexity"] - math.exp(-r["loglikelihood"] / r["words"])) < 1e-9 * r["word_perplexity"]
+assert abs(r["bits_per_byte"] + r["loglikelihood"] / r["bytes"] / math.log(2)) < 1e-12
+EOF
+fi
+
+# Same numbers with one thread and with --max-length smaller than the documents.
+"$cli" eval "$model" --data "$tmp/wiki.txt" --json --threads 1 > "$tmp/t1.json" 2>/dev/null
+[ "$(json_get "$tmp/t1.json" loglikelihood)" = "$(json_get "$tmp/out.json" loglikelihood)" ] ||
+    fail "--threads 1 changes the log-likelihood"
+"$cli" eval "$model" --data "$tmp/wiki.txt" --json --max-length 8 --threads 2 > "$tmp/l8a.json" 2>/dev/null
+"$cli" eval "$model" --data "$tmp/wiki.txt" --json --max-length 8 --threads 1 > "$tmp/l8b.json" 2>/dev/null
+[ "$(json_get "$tmp/l8a.json" loglikelihood)" = "$(json_get "$tmp/l8b.json" loglikelihood)" ] ||
+    fail "--max-length 8: threads change the result"
+[ "$(json_get "$tmp/l8a.json" tokens)" = "$(json_get "$tmp/out.json" tokens)" ] || fail "--max-length 8: token count"
+[ "$(json_get "$tmp/l8a.json" loglikelihood)" != "$(json_get "$tmp/out.json" loglikelihood)" ] ||
+    fail "--max-length 8 gives the same log-likelihood as 512"
+"$cli" eval "$model" --data "$tmp/wiki.txt" --json --limit 1 > "$tmp/lim.json" 2>/dev/null
+[ "$(json_get "$tmp/lim.json" documents)" = 1 ] || fail "--limit 1"
+
+# --task text on JSONL (no detokenizer), with an empty document (counted, warned about).
+printf '{"text": "The cat sat on the mat ."}\n{"page": ""}\n\n{"text": "A dog barked at night."}\n' > "$tmp/d.jsonl"
+"$cli" eval "$model" --task text --data "$tmp/d.jsonl" --json > "$tmp/txt.json" 2> "$tmp/err" ||
+    fail "--task text exited $?: $(cat "$tmp/err")"
+[ "$(json_get "$tmp/txt.json" documents)" = 3 ] || fail "--task text: documents"
+[ "$(json_get "$tmp/txt.json" empty_documents)" = 1 ] || fail "--task text: empty_documents"
+grep -q "document 2 (0 bytes) tokenizes to nothing" "$tmp/err" || fail "no warning for the empty document"
+[ -n "$(json_get "$tmp/txt.json" token_perplexity)" ] || fail "--task text: token_perplexity"
+"$cli" eval "$model" --task text --data "$tmp/wiki.txt" --json > "$tmp/whole.json" 2>/dev/null
+[ "$(json_get "$tmp/whole.json" documents)" = 1 ] || fail "--task text on a text file: one document"
+
+# KL against itself, directly and through saved logits.
+"$cli" eval "$model" --data "$tmp/wiki.txt" --kl-base "$model" --json > "$tmp/kl.json" 2>/dev/null ||
+    fail "--kl-base exited $?"
+[ "$(json_get "$tmp/kl.json" kl_mean)" = 0 ] || fail "KL against itself: $(json_get "$tmp/kl.json" kl_mean)"
+[ "$(json_get "$tmp/kl.json" top1_changed)" = 0 ] || fail "top1_changed against itself"
+[ -n "$(json_get "$tmp/kl.json" kl_p99)" ] || fail "kl_p99 missing"
+"$cli" eval "$model" --data "$tmp/wiki.txt" --save-logits "$tmp/base.topk" --top-k 16 --quiet > /dev/null 2>&1 ||
+    fail "--save-logits exited $?"
+[ -s "$tmp/base.topk" ] || fail "--save-logits wrote nothing"
+"$cli" eval "$model" --data "$tmp/wiki.txt" --kl-logits "$tmp/base.topk" --json > "$tmp/kll.json" 2>/dev/null ||
+    fail "--kl-logits exited $?"
+[ "$(json_get "$tmp/kll.json" kl_top_k)" = 16 ] || fail "--kl-logits: kl_top_k"
+[ "$(json_get "$tmp/kll.json" top1_changed)" = 0 ] || fail "--kl-logits against itself: top1_changed"
+"$cli" eval "$model" --data "$tmp/wiki.txt" --kl-logits "$tmp/base.topk" --limit 2 > /dev/null 2> "$tmp/err"
+[ $? -eq 1 ] || fail "saved logits of other documents: expected exit 1"
+grep -q "base.topk: saved for other token ids" "$tmp/err" || fail "mismatch message: $(cat "$tmp/err")"
+
+# Bad input.
+expect_fail() {   # expect_fail CODE PATTERN args...
+    local code=$1 pat=$2
+    shift 2
+    "$cli" eval "$@" > "$tmp/o" 2> "$tmp/err"
+    local rc=$?
+    [ $rc -eq "$code" ] || fail "eval $*: expected exit $code, got $rc"
+    grep -q -- "$pat" "$tmp/err" || fail "eval $*: message lacks '$pat': $(cat "$tmp/err")"
+    [ ! -s "$tmp/o" ] || fail "eval $*: printed a result"
+}
+expect_fail 1 "$tmp/missing.txt" "$model" --data "$tmp/missing.txt"
+: > "$tmp/empty.txt"
+expect_fail 1 "empty.txt: the file is empty" "$model" --data "$tmp/empty.txt"
+printf ' = T = \nab\377c\n' > "$tmp/bad.txt"
+expect_fail 1 "bad.txt: invalid UTF-8 at byte offset 10" "$model" --data "$tmp/bad.txt"
+printf '{"text": 3}\n' > "$tmp/bad.jsonl"
+expect_fail 1 "bad.jsonl:1" "$model" --data "$tmp/bad.jsonl"
+expect_fail 1 "exceeds the model's max_position_embeddings" "$model" --data "$tmp/wiki.txt" --max-length 100000
+expect_fail 1 "$tmp/nomodel" "$tmp/nomodel" --data "$tmp/wiki.txt"
+expect_fail 2 "--data" "$model"
+expect_fail 2 "only one of --kl-base and --kl-logits" "$model" --data "$tmp/wiki.txt" --kl-base "$model" --kl-logits x
+expect_fail 2 "--task" "$model" --data "$tmp/wiki.txt" --task nope
+"$cli" eval --help > /dev/null || fail "--help: expected exit 0"
+
+# Ctrl-C: a long text (about 100K tokens), interrupted after a moment, prints the partial result.
+for i in $(seq 1 40); do
+    printf ' = Page %d = \n' "$i"
+    for j in $(seq 1 60); do
+        printf ' Sentence %d of page %d tells of the river , the hills and the %d old towns . \n' "$j" "$i" "$((i * j))"
+    done
+done > "$tmp/long.txt"
+"$cli" eval "$model" --data "$tmp/long.txt" --json > "$tmp/int.json" 2> "$tmp/err" &
+pid=$!
+sleep 2
+kill -INT $pid
+wait $pid
+rc=$?
+[ $rc -eq 130 ] || fail "Ctrl-C: expected exit 130, got $rc"
+[ "$(json_get "$tmp/int.json" interrupted)" = true ] || fail "Ctrl-C: no partial result: $(cat "$tmp/int.json")"
+docs=$(json_get "$tmp/int.json" documents)
+[ -n "$docs" ] && [ "$docs" -lt 40 ] || fail "Ctrl-C: documents $docs"
+grep -q "interrupted after $docs of 40 documents" "$tmp/err" || fail "Ctrl-C: message: $(cat "$tmp/err")"
+
+[ $fails -eq 0 ] || exit 1
+echo "test_eval: all checks passed"
