@@ -216,7 +216,7 @@ typedef enum {
     MOEQ_TASK_TEXT = 1,       /* any text as is */
 } moeq_eval_task;
 
-#define MOEQ_EVAL_DEFAULT_TOP_K 32
+#define MOEQ_EVAL_DEFAULT_TOP_K 64
 
 typedef struct {
     moeq_eval_task task;

@@ -209,12 +209,12 @@ static void test_saved_logits(void) {
     ASSERT_TRUE(plain.loglikelihood == saved.loglikelihood);   /* saving changes nothing */
     struct stat sb;
     ASSERT_TRUE(stat(path, &sb) == 0);
-    ASSERT_EQ_INT(MQ_LOGITS_HEADER + (size_t)saved.tokens * mq_logits_record_size(32), sb.st_size);
+    ASSERT_EQ_INT(MQ_LOGITS_HEADER + (size_t)saved.tokens * mq_logits_record_size(MOEQ_EVAL_DEFAULT_TOP_K), sb.st_size);
 
     o.save_logits = NULL;
     o.kl_logits = path;
     ASSERT_OK(moeq_eval(m, docs, &o, &self));
-    ASSERT_TRUE(self.has_kl && self.kl_top_k == 32 && self.kl_tokens == self.tokens);
+    ASSERT_TRUE(self.has_kl && self.kl_top_k == 64 && self.kl_tokens == self.tokens);
     ASSERT_NEAR(0.0, self.kl_mean, 1e-9);
     ASSERT_TRUE(self.top1_changed == 0.0);
 
@@ -222,7 +222,7 @@ static void test_saved_logits(void) {
     o.kl_logits = NULL;
     o.kl_base = m;
     ASSERT_OK(moeq_eval(other, docs, &o, &exact));
-    fprintf(stderr, "  qwen2moe-tiny vs olmoe-tiny: KL exact %.6f, from top-32 %.6f (gap %.2f%%, "
+    fprintf(stderr, "  qwen2moe-tiny vs olmoe-tiny: KL exact %.6f, from top-64 %.6f (gap %.2f%%, "
             "bound %.4f), top1_changed %.4f\n", exact.kl_mean, approx.kl_mean,
             100 * (exact.kl_mean - approx.kl_mean) / exact.kl_mean, approx.kl_gap_bound,
             exact.top1_changed);

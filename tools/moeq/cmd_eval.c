@@ -138,7 +138,7 @@ int cmd_eval(int argc, char **argv) {
          "save this model's top-k logits for a later --kl-logits", NULL, 0, 0, NULL},
         {"--kl-logits", OPT_STRING, &kl_logits, "FILE", "KL divergence against saved logits", NULL,
          0, 0, NULL},
-        {"--top-k", OPT_INT, &top_k, "K", "logits per token that --save-logits keeps (default 32)",
+        {"--top-k", OPT_INT, &top_k, "K", "logits per token that --save-logits keeps (default 64)",
          NULL, 1, 1 << 20, NULL},
         {"--per-doc", OPT_FLAG, &per_doc, NULL, "also print each document's log-likelihood", NULL, 0,
          0, NULL},
