@@ -208,8 +208,8 @@ int64_t moeq_count_words(const char *text, size_t len);
  * each document (detokenized for MOEQ_TASK_WIKITEXT) is tokenized without special tokens, split
  * into disjoint windows of max_length tokens, each conditioned on one token of context (the prefix
  * token before the first), and its log-likelihood summed over every token. Words and bytes are
- * counted on the original text. Documents run in parallel on the thread pool; the result does
- * not depend on the thread count. A document that tokenizes to nothing counts with 0 tokens and
+ * counted on the original text. The windows run in parallel on the thread pool; the result
+ * does not depend on the thread count. A document that tokenizes to nothing counts with 0 tokens and
  * log-likelihood 0 (its words and bytes still count, as in lm-eval) and a warning is logged. */
 typedef enum {
     MOEQ_TASK_WIKITEXT = 0,   /* lm-eval "wikitext": wikitext detokenizer, word perplexity */
