@@ -4,6 +4,7 @@
  * blocking, column by column. Scalar quantization of one value goes through formats.h, whose own
  * tests cover it; what is tested here is the algorithm around it.
  */
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "harness.h"
@@ -677,6 +678,50 @@ static void test_force_ref_same_codes(void) {
     free(H);
 }
 
+typedef struct {
+    pthread_t caller;
+    int calls, foreign;
+    int64_t last, total;
+    bool decreasing;
+} progress_log;
+
+static void on_progress(void *user, const char *label, int64_t done, int64_t total) {
+    progress_log *p = user;
+    if (strcmp(label, "gptq-test") != 0) return;
+    p->calls++;
+    p->foreign += !pthread_equal(pthread_self(), p->caller);
+    p->decreasing |= done < p->last;
+    p->last = done;
+    p->total = total;
+}
+
+/* Progress comes from the calling thread, never goes back, stays inside its span. */
+static void test_progress(void) {
+    const int64_t N = 1500, K = 64;
+    float *W = make_weights(N, K, 71);
+    float *H = make_hessian(K, 128, 72, NULL, 0);
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.progress_label = "gptq-test";
+    o.progress_base = 10;
+    o.progress_span = 5;
+    o.progress_total = 20;
+    progress_log p = {pthread_self(), 0, 0, 0, 0, false};
+    moeq_set_progress(on_progress, &p);
+    mq_qtensor q;
+    moeq_status st = mq_gptq_quantize(&s, &o, H, W, N, K, 0, "w", &q, NULL, NULL);
+    moeq_set_progress(NULL, NULL);
+    ASSERT_OK(st);
+    ASSERT_TRUE(p.calls >= 1);
+    ASSERT_EQ_INT(0, p.foreign);
+    ASSERT_FALSE(p.decreasing);
+    ASSERT_EQ_INT(15, p.last);
+    ASSERT_EQ_INT(20, p.total);
+    mq_qtensor_free(&q);
+    free(W);
+    free(H);
+}
+
 static void test_bad_input(void) {
     const int64_t K = 32, N = 8;
     float *W = make_weights(N, K, 1);
@@ -706,4 +751,4 @@ TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
           T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs),
           T(test_qdq_column_matches_formats), T(test_column_errors_twin),
-          T(test_force_ref_same_codes), T(test_bad_input))
+          T(test_force_ref_same_codes), T(test_progress), T(test_bad_input))

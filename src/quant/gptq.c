@@ -30,6 +30,7 @@
 #include <lapacke.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -401,6 +402,8 @@ typedef struct {
     void (*qdq)(const mq_qspec *, const float *, const float *, const float *, int64_t, uint8_t *,
                 float *);
     double (*errors)(const float *, const float *, float, float *, int64_t, float *, double *);
+    int64_t n_tasks;
+    atomic_int_fast64_t done;
 } run_ctx;
 
 static inline int64_t col_of(const mq_gptq_factor *f, int64_t p) { return f->perm ? f->perm[p] : p; }
@@ -610,6 +613,11 @@ static void run_task(void *vctx, int64_t task, int thread) {
     store_rows(&L, j, r0);
     if (c->o->rtn_loss) rtn_loss_rows(&L, j->w, r0, out);
     out->seconds = mq_now() - t0;
+    int64_t done = atomic_fetch_add(&c->done, 1) + 1;
+    const mq_gptq_opts *o = c->o;
+    if (thread == 0 && o->progress_label)   /* thread 0 is the caller's */
+        mq_progress(o->progress_label, o->progress_base + o->progress_span * done / c->n_tasks,
+                    o->progress_total);
 }
 
 static void scratch_free(scratch *s, int n) {
@@ -725,7 +733,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
 
     pthread_once(&g_blas_once, blas_single_thread);
     run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
-                 mq_gptq_column_errors_ref};
+                 mq_gptq_column_errors_ref, n_tasks, 0};
 #if defined(__x86_64__)
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         c.qdq = mq_gptq_qdq_column_avx2;
@@ -733,6 +741,8 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     }
 #endif
     mq_parallel_for(n_tasks, run_task, &c);
+    if (o->progress_label)
+        mq_progress(o->progress_label, o->progress_base + o->progress_span, o->progress_total);
 
     /* Per-job sums in task order: independent of which thread ran what. */
     t = 0;

@@ -37,6 +37,10 @@ typedef struct {
     bool act_order;          /* process columns in order of decreasing diag(H) */
     mq_gptq_groups groups;
     bool rtn_loss;           /* also compute the RTN loss (N*K^2 more flops) */
+    /* Progress of mq_gptq_run (label NULL: none): mq_progress(label, base + span * done tasks /
+     * all tasks, total), from the calling thread. */
+    const char *progress_label;
+    int64_t progress_base, progress_span, progress_total;
 } mq_gptq_opts;
 
 /* percdamp 0.01, block 128, natural order, dynamic groups, RTN loss on. */

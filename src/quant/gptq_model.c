@@ -377,7 +377,9 @@ moeq_status mq_gptq_model(moeq_model *m, const mq_calib_set *calib, const mq_gpt
     out->samples = S;
     out->tokens = calib->total;
     const bool seq = o->mode == MQ_GPTQ_SEQUENTIAL;
-    const int64_t per_layer = S * (seq ? 2 : 1) + S / 4 + 1, total = per_layer * c->n_layers;
+    /* progress units: one per sample forward, and a block's GPTQ weighted like a quarter pass */
+    const int64_t quant_units = S / 4 + 1, per_layer = S * (seq ? 2 : 1) + quant_units;
+    const int64_t total = per_layer * c->n_layers;
     int64_t done_units = 0;
     for (int l = 0; l < c->n_layers && !st; l++) {
         block_ctx b;
@@ -401,9 +403,16 @@ moeq_status mq_gptq_model(moeq_model *m, const mq_calib_set *calib, const mq_gpt
         double t1 = mq_now();
         /* 2. Hessians, fallbacks, GPTQ for every weight of the block */
         if (!st) st = block_hessians(&b, calib);
+        mq_gptq_model_opts ol = *o;   /* progress over this block's GPTQ tasks */
+        ol.gptq.progress_label = "gptq";
+        ol.gptq.progress_base = done_units;
+        ol.gptq.progress_span = quant_units;
+        ol.gptq.progress_total = total;
+        b.o = &ol;
         if (!st) st = block_quantize(&b, out);
+        b.o = o;
         double t2 = mq_now();
-        done_units += S / 4 + 1;
+        done_units += quant_units;
         mq_progress("gptq", done_units, total);
         out->seconds_hessian += b.t_hessian;
         out->seconds_forward += (t1 - t0) - b.t_hessian;
