@@ -6,6 +6,7 @@
  * [2048, 1024] (torchao on an H200: 0.94 s for 4096x2048, 65 s for the layer).
  */
 #include <math.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,19 +49,28 @@ typedef struct {
     mq_gptq_opts opts;
 } bench_cfg;
 
+/* CPU seconds of this process: with the wall time it shows whether other processes took cores
+ * from the benchmark (the figures are then pessimistic). */
+static double cpu_seconds(void) {
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return (double)u.ru_utime.tv_sec + 1e-6 * (double)u.ru_utime.tv_usec +
+           (double)u.ru_stime.tv_sec + 1e-6 * (double)u.ru_stime.tv_usec;
+}
+
 /* One weight: returns the best wall time over reps (factor + loop), or < 0 on error. */
 static double time_one(const bench_cfg *b, const float *H, const float *W, int64_t N, int64_t K,
-                       int reps, double *factor_s, mq_gptq_stats *stats) {
+                       int reps, double *factor_s, mq_gptq_stats *stats, double *cores) {
     double best = INFINITY;
     for (int r = 0; r < reps; r++) {
-        double t0 = mq_now();
+        double t0 = mq_now(), c0 = cpu_seconds();
         mq_gptq_factor f;
         if (mq_gptq_factor_init(H, K, &b->opts, b->opts.rtn_loss, "bench.weight", &f)) return -1;
         double t1 = mq_now();
         mq_qtensor q;
         mq_gptq_job j = {&f, W, N, 0, "bench.weight", &q, NULL, {0, 0, 0, 0, 0}};
         moeq_status st = mq_gptq_run(&b->spec, &b->opts, &j, 1);
-        double t2 = mq_now();
+        double t2 = mq_now(), c2 = cpu_seconds();
         mq_gptq_factor_free(&f);
         if (st) return -1;
         mq_qtensor_free(&q);
@@ -68,6 +78,7 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
             best = t2 - t0;
             *factor_s = t1 - t0;
             *stats = j.stats;
+            *cores = (c2 - c0) / (t2 - t0);
         }
     }
     return best;
@@ -76,7 +87,8 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
 /* One MoE layer of E experts, processed `chunk` experts at a time (bounded memory): per chunk,
  * factorise the 2*chunk Hessians in parallel, then run the 3*chunk weights in one parallel
  * loop. Random inputs are made once per chunk slot and reused (values do not change the time). */
-static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64_t F, int64_t D) {
+static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64_t F, int64_t D,
+                             double *cores) {
     moeq_status st = MOEQ_OK;
     float *hg[64] = {0}, *hd[64] = {0}, *wg[64] = {0}, *wu[64] = {0}, *wd[64] = {0};
     if (chunk > 64) chunk = 64;
@@ -110,7 +122,7 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
         kd[e] = F;
     }
     fprintf(stderr, "moe layer: %lld experts, %lld at a time...\n", (long long)E, (long long)chunk);
-    double t0 = mq_now();
+    double t0 = mq_now(), c0 = cpu_seconds();
     for (int64_t e0 = 0; e0 < E && !st; e0 += chunk) {
         int64_t n = E - e0 < chunk ? E - e0 : chunk;
         st = mq_gptq_factor_many((const float *const *)hg, kg, n, &b->opts, b->opts.rtn_loss, names, fg);
@@ -136,6 +148,7 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
     }
     fprintf(stderr, "\n");
     if (!st) t = mq_now() - t0;
+    *cores = (cpu_seconds() - c0) / (mq_now() - t0);
 done:
     for (int64_t e = 0; e < chunk; e++) {
         mq_free(hg[e]);
@@ -238,7 +251,8 @@ int bench_gptq(int argc, char **argv) {
     double sgemm = mq_measure_sgemm_gflops(1024, 1.0);
     double factor_s = 0;
     mq_gptq_stats stats = {0, 0, 0, 0, 0};
-    double sec = time_one(&b, H, W, rows, cols, (int)reps, &factor_s, &stats);
+    double cores = 0, moe_cores = 0;
+    double sec = time_one(&b, H, W, rows, cols, (int)reps, &factor_s, &stats, &cores);
     mq_free(W);
     mq_free(H);
     if (sec < 0) return cli_fail("bench gptq", MOEQ_E_NUMERIC);
@@ -246,7 +260,7 @@ int bench_gptq(int argc, char **argv) {
     double gflops = flops / sec * 1e-9;
     double moe_s = -1;
     if (moe) {
-        moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048);
+        moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048, &moe_cores);
         if (moe_s < 0) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     }
     mq_gptq_results mr;
@@ -267,12 +281,14 @@ int bench_gptq(int argc, char **argv) {
         printf("{\"rows\": %lld, \"cols\": %lld, \"scheme\": \"%s\", \"block_size\": %lld, "
                "\"act_order\": %s, \"mse\": %s, \"threads\": %d, \"seconds\": %.6f, "
                "\"factor_seconds\": %.6f, \"gflops\": %.3f, \"sgemm_gflops\": %.3f, "
-               "\"fraction_of_sgemm\": %.4f",
+               "\"fraction_of_sgemm\": %.4f, \"cores_used\": %.2f",
                (long long)rows, (long long)cols, scheme, (long long)block,
                act_order ? "true" : "false", mse ? "true" : "false", moeq_threads(), sec, factor_s,
-               gflops, sgemm, gflops / sgemm);
+               gflops, sgemm, gflops / sgemm, cores);
         if (rtn_loss) printf(", \"loss\": %.6g, \"rtn_loss\": %.6g", stats.loss, stats.rtn_loss);
-        if (moe) printf(", \"moe_layer_experts\": %lld, \"moe_layer_seconds\": %.3f", (long long)experts, moe_s);
+        if (moe)
+            printf(", \"moe_layer_experts\": %lld, \"moe_layer_seconds\": %.3f, \"moe_layer_cores_used\": %.2f",
+                   (long long)experts, moe_s, moe_cores);
         if (model)
             printf(", \"model_seconds\": %.3f, \"model_forward_seconds\": %.3f, "
                    "\"model_hessian_seconds\": %.3f, \"model_gptq_seconds\": %.3f, \"model_tokens\": %lld",
@@ -280,15 +296,18 @@ int bench_gptq(int argc, char **argv) {
         printf("}\n");
     } else {
         printf("gptq %s %lldx%lld (block %lld%s%s%s), %d threads: %.3f s (factor %.3f s), "
-               "%.1f GFLOP/s = %.0f%% of sgemm (%.1f GFLOP/s)\n",
+               "%.1f GFLOP/s = %.0f%% of sgemm (%.1f GFLOP/s); %.2f cores busy\n",
                scheme, (long long)rows, (long long)cols, (long long)block,
                act_order ? ", act-order" : "", mse ? ", mse" : "", static_groups ? ", static" : "",
-               moeq_threads(), sec, factor_s, gflops, 100.0 * gflops / sgemm, sgemm);
+               moeq_threads(), sec, factor_s, gflops, 100.0 * gflops / sgemm, sgemm, cores);
+        if (cores < 0.8 * moeq_threads())
+            printf("note: other processes held the cores (%.2f of %d busy for us): times are "
+                   "pessimistic\n", cores, moeq_threads());
         if (rtn_loss) printf("loss %.6g vs RTN %.6g\n", stats.loss, stats.rtn_loss);
         printf("torchao on an H200 GPU: 0.94 s for 4096x2048 nvfp4\n");
         if (moe)
             printf("MoE layer, %lld experts (gate/up 1024x2048, down 2048x1024): %.2f s "
-                   "(torchao on an H200: 65 s)\n", (long long)experts, moe_s);
+                   "(torchao on an H200: 65 s); %.2f cores busy\n", (long long)experts, moe_s, moe_cores);
         if (model)
             printf("%s end to end (%lld tokens, sequential, mse): %.2f s = load + calibration forward "
                    "%.2f s + Hessians %.2f s + GPTQ %.2f s\n", model, (long long)mr.tokens, model_s,
