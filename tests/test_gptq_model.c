@@ -185,10 +185,10 @@ static void test_layer0_hessians_independent(void) {
     mq_gptq_results r;
     ASSERT_OK(mq_gptq_model(m, &cs, &o, &r));
     const mq_layer *ly = &ref->layers[0];
-    check_module(&r, &ly->q, &h, 0, &spec, &o.gptq);
-    check_module(&r, &ly->v, &h, 0, &spec, &o.gptq);
-    check_module(&r, &ly->exp_up[3], &h, 1, &spec, &o.gptq);
-    check_module(&r, &ly->exp_down[3], &h, 2, &spec, &o.gptq);
+    check_module(&r, &ly->q, &h, 0, &o.spec, &o.gptq);
+    check_module(&r, &ly->v, &h, 0, &o.spec, &o.gptq);
+    check_module(&r, &ly->exp_up[3], &h, 1, &o.spec, &o.gptq);
+    check_module(&r, &ly->exp_down[3], &h, 2, &o.spec, &o.gptq);
     for (int i = 0; i < 3; i++) free(h.sum[i]);
     free(x);
     mq_state_free(state);
@@ -216,7 +216,7 @@ static void test_fallback_rtn(void) {
             const mq_linear *g = &ref->layers[l].exp_gate[e], *u = &ref->layers[l].exp_up[e];
             float amax = fmaxf(mq_absmax(g->w, g->out * g->in), mq_absmax(u->w, u->out * u->in));
             mq_qtensor q;
-            ASSERT_OK(mq_quantize_rtn(&spec, u->w, u->out, u->in, mq_nvfp4_global_scale(&spec, amax), "u", &q));
+            ASSERT_OK(mq_quantize_rtn(&o.spec, u->w, u->out, u->in, mq_nvfp4_global_scale(&spec, amax), "u", &q));
             const mq_gptq_result *x = mq_gptq_results_find(&r, u->name);
             ASSERT_EQ_INT(0, count_diff(q.codes, x->q.codes, u->out * u->in));
             ASSERT_TRUE(isnan(x->stats.loss));

@@ -15,7 +15,9 @@
 void mq_gptq_model_opts_init(mq_gptq_model_opts *o, const mq_qspec *spec) {
     memset(o, 0, sizeof *o);
     o->spec = *spec;
+    o->spec.mse = true;
     o->gptq = mq_gptq_opts_default();
+    o->gptq.act_order = spec->scheme == MQ_QS_INT4;
     o->mode = MQ_GPTQ_SEQUENTIAL;
     o->min_expert_tokens = 1;
     o->fallback = MQ_FALLBACK_BLOCK;

@@ -28,7 +28,10 @@ void gptq_cli_defaults(gptq_cli *g);
     {"--percdamp", OPT_DOUBLE, &(g).percdamp, "F", "GPTQ: damping, fraction of mean(diag H) "      \
      "(default 0.01; raised automatically while Cholesky fails)", NULL, 0, 0, NULL},              \
     {"--block-size", OPT_INT, &(g).block_size, "B", "GPTQ: lazy-update block (default 128)", NULL, 1, 1 << 20, NULL}, \
-    {"--act-order", OPT_FLAG, &(g).act_order, NULL, "GPTQ: columns in decreasing diag(H) order", NULL, 0, 0, NULL}, \
+    {"--act-order", OPT_FLAG, &(g).act_order, NULL, "GPTQ: columns in decreasing diag(H) order "  \
+     "(default for int4)", NULL, 0, 0, NULL},                                                     \
+    {"--no-act-order", OPT_FLAG, &(g).no_act_order, NULL, "GPTQ: columns in their natural order "  \
+     "(default for nvfp4)", NULL, 0, 0, NULL},                                                    \
     {"--groups", OPT_CHOICE, &(g).groups, NULL, "GPTQ: group scales from the updated weights "    \
      "when the group is reached (dynamic, default), from the original weights (static), or "     \
      "act-order groups with g_idx (int4)", "dynamic|static|gidx", 0, 0, NULL},                   \
