@@ -19,7 +19,7 @@ void mq_gptq_model_opts_init(mq_gptq_model_opts *o, const mq_qspec *spec) {
     o->gptq = mq_gptq_opts_default();
     o->gptq.act_order = spec->scheme == MQ_QS_INT4;
     o->mode = MQ_GPTQ_SEQUENTIAL;
-    o->min_expert_tokens = 1;
+    o->min_expert_tokens = 32;
     o->fallback = MQ_FALLBACK_BLOCK;
 }
 

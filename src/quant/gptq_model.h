@@ -37,7 +37,7 @@ typedef struct {
     mq_qspec spec;                  /* the checkpoint's spec (conventions of its format) */
     mq_gptq_opts gptq;
     mq_gptq_mode mode;
-    int64_t min_expert_tokens;      /* default 1 */
+    int64_t min_expert_tokens;      /* default 32 */
     mq_expert_fallback fallback;
     bool no_fuse;                   /* one NVFP4 global scale per tensor */
     /* Which Linear modules to quantize (NULL: every decoder Linear). */
@@ -47,7 +47,7 @@ typedef struct {
 
 /* The defaults measured in docs/gptq_results.md: the spec with the MSE scale search on,
  * sequential, percdamp 0.01, block 128, dynamic groups, act-order for INT4 only (it hurts
- * NVFP4's 16-column groups), experts below 1 token on the block Hessian. */
+ * NVFP4's 16-column groups), experts below 32 tokens on the block Hessian. */
 void mq_gptq_model_opts_init(mq_gptq_model_opts *o, const mq_qspec *spec);
 
 /* How one Linear was quantized. */

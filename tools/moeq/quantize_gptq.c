@@ -14,7 +14,7 @@ void gptq_cli_defaults(gptq_cli *g) {
     g->seqlen = 512;
     g->seed = 0;
     g->block_size = 128;
-    g->min_expert_tokens = 1;
+    g->min_expert_tokens = 32;
     g->percdamp = 0.01;
     g->sampling = "chunks";
     g->groups = "dynamic";

@@ -42,7 +42,7 @@ void gptq_cli_defaults(gptq_cli *g);
      "the quantized blocks before it (default), or every Hessian from the unquantized model",     \
      "sequential|nonsequential", 0, 0, NULL},                                                      \
     {"--min-expert-tokens", OPT_INT, &(g).min_expert_tokens, "N", "GPTQ: experts with fewer "     \
-     "calibration tokens use --expert-fallback (default 1)", NULL, 0, -1, NULL},                  \
+     "calibration tokens use --expert-fallback (default 32)", NULL, 0, -1, NULL},                  \
     {"--expert-fallback", OPT_CHOICE, &(g).fallback, NULL, "GPTQ: Hessians of all tokens of the "  \
      "MoE block (default) or round to nearest", "block|rtn", 0, 0, NULL},                          \
     {"--report", OPT_STRING, &(g).report, "FILE", "GPTQ: JSON report (default "                    \
