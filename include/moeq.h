@@ -194,7 +194,8 @@ moeq_status moeq_docs_parse(const char *name, const char *data, size_t len, moeq
                             moeq_docs **out);
 void moeq_docs_free(moeq_docs *d);
 int64_t moeq_docs_count(const moeq_docs *d);
-/* Document i's UTF-8 text (borrowed, NUL-terminated) and its length in bytes; NULL if out of range. */
+/* Document i's UTF-8 text (borrowed, NUL-terminated) and its length in bytes; NULL if out of
+ * range. */
 const char *moeq_docs_text(const moeq_docs *d, int64_t i, size_t *len);
 
 /* lm-eval's wikitext detokenizer (preprocess_wikitext.wikitext_detokenizer), byte-exact.
@@ -209,8 +210,9 @@ int64_t moeq_count_words(const char *text, size_t len);
  * into disjoint windows of max_length tokens, each conditioned on one token of context (the prefix
  * token before the first), and its log-likelihood summed over every token. Words and bytes are
  * counted on the original text. The windows run in parallel on the thread pool; the result
- * does not depend on the thread count. A document that tokenizes to nothing counts with 0 tokens and
- * log-likelihood 0 (its words and bytes still count, as in lm-eval) and a warning is logged. */
+ * does not depend on the thread count. A document that tokenizes to nothing counts with 0
+ * tokens and log-likelihood 0 (its words and bytes still count, as in lm-eval) and a warning is
+ * logged. */
 typedef enum {
     MOEQ_TASK_WIKITEXT = 0,   /* lm-eval "wikitext": wikitext detokenizer, word perplexity */
     MOEQ_TASK_TEXT = 1,       /* any text as is */
@@ -224,9 +226,13 @@ typedef struct {
     int64_t limit;               /* only the first N documents; 0: all */
     int add_bos;                 /* prepend BOS to each document's tokens (lm-eval >= 0.4.10 with
                                   * a tokenizer that adds BOS) */
-    int32_t prefix_token;        /* -1: the tokenizer's BOS, else its EOS (lm-eval's prefix_token_id) */
-    /* KL(p_base || p_model) per scored token: against a base model run on the same windows, or
-     * against top-k logits saved earlier with save_logits (at most one of the two). */
+    int32_t prefix_token;        /* -1: the tokenizer's BOS, else its EOS (lm-eval's
+                                  * prefix_token_id); >= 0: this id */
+    /* KL(p_base || p_model) per scored token: against a base model run on the same windows
+     * (exact), or against top-k logits saved earlier with save_logits (at most one of the two).
+     * Saved logits give the KL between the distributions coarsened to the base's top-k tokens
+     * plus one bucket for the rest: a lower bound of the exact KL (the rest of the vocabulary
+     * counts as one token); top1_changed is exact either way. */
     const moeq_model *kl_base;
     const char *kl_logits;
     /* Write this model's top-k logits and row log-sum-exp per scored token (atomically). */

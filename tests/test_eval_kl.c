@@ -1,17 +1,18 @@
 /* Scoring math of the evaluator: log-sum-exp, exact KL, top-k selection, the top-k KL
  * approximation and its error bound, numpy's percentile, and the saved-logits file format.
- * References: closed forms worked out by hand, slow long-double loops written here, numpy values. */
+ * References: closed forms worked out by hand, slow long-double loops written here, numpy
+ * values. */
 #include <stdlib.h>
 
 #include "eval/eval.h"
 #include "harness.h"
 
 static uint32_t g_rng = 12345;
-static double urand(void) {   /* uniform in [0, 1) */
+static double urand(void) { /* uniform in [0, 1) */
     g_rng = g_rng * 1664525u + 1013904223u;
     return (double)(g_rng >> 8) / 16777216.0;
 }
-static double nrand(void) {   /* standard normal (Box-Muller) */
+static double nrand(void) { /* standard normal (Box-Muller) */
     double u = urand() + 1e-12, v = urand();
     return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
 }
@@ -36,15 +37,15 @@ static void test_kl_hand_case(void) {
      * = 2 l_i - 2, so KL = sum p_i (2 l_i - 2) = 2 (p_3 - p_1) = 2 (e^2 - 1) / (1 + e + e^2). */
     const float lb[3] = {0, 1, 2}, lm[3] = {2, 1, 0};
     double e = exp(1.0), want = 2 * (e * e - 1) / (1 + e + e * e);
-    ASSERT_NEAR(1.1504207, want, 1e-7);   /* the closed form, evaluated by hand */
+    ASSERT_NEAR(1.1504207, want, 1e-7); /* the closed form, evaluated by hand */
     int32_t am = -1;
     double zb = mq_logsumexp(lb, 3, &am);
     ASSERT_EQ_INT(2, am);
-    ASSERT_NEAR(log(1 + e + e * e), zb, 1e-7);   /* expf terms: ~1e-8 */
+    ASSERT_NEAR(log(1 + e + e * e), zb, 1e-7); /* expf terms: ~1e-8 */
     double zm = mq_logsumexp(lm, 3, &am);
     ASSERT_EQ_INT(0, am);
     ASSERT_NEAR(want, mq_kl_rows(lb, zb, lm, zm, 3), 1e-7);
-    ASSERT_TRUE(mq_kl_rows(lb, zb, lb, zb, 3) == 0.0);   /* exactly zero against itself */
+    ASSERT_TRUE(mq_kl_rows(lb, zb, lb, zb, 3) == 0.0); /* exactly zero against itself */
     /* top-k with k = V is the exact KL; k = 1 coarsens to {token 2, rest} */
     uint32_t ids[3];
     float vals[3];
@@ -66,24 +67,24 @@ static void test_logsumexp_and_argmax(void) {
     enum { V = 1000 };
     float l[V];
     for (int trial = 0; trial < 20; trial++) {
-        double off = trial < 10 ? 0 : 3000.0 * (trial - 15);   /* far outside exp's range */
+        double off = trial < 10 ? 0 : 3000.0 * (trial - 15); /* far outside exp's range */
         for (int v = 0; v < V; v++) l[v] = (float)(off + 8 * nrand());
-        l[trial * 7] = l[trial * 7 + 3] = (float)(off + 100);    /* a tie for the maximum */
+        l[trial * 7] = l[trial * 7 + 3] = (float)(off + 100); /* a tie for the maximum */
         int32_t am = -1;
         double z = mq_logsumexp(l, V, &am);
-        ASSERT_EQ_INT(trial * 7, am);   /* first index of the maximum */
+        ASSERT_EQ_INT(trial * 7, am); /* first index of the maximum */
         long double mx = l[am], s = 0;
         for (int v = 0; v < V; v++) s += expl((long double)l[v] - mx);
         ASSERT_NEAR((double)(mx + logl(s)), z, 1e-9 * fabs(off + 100));
     }
     l[5] = NAN;
-    ASSERT_FALSE(isfinite(mq_logsumexp(l, V, NULL)));   /* a NaN anywhere: not finite */
+    ASSERT_FALSE(isfinite(mq_logsumexp(l, V, NULL))); /* a NaN anywhere: not finite */
     l[0] = NAN;
     ASSERT_FALSE(isfinite(mq_logsumexp(l, V, NULL)));
 }
 
 static int cmp_entry(const void *a, const void *b) {
-    const float *x = a, *y = b;   /* (value, id) pairs packed as two floats */
+    const float *x = a, *y = b; /* (value, id) pairs packed as two floats */
     if (x[0] != y[0]) return x[0] > y[0] ? -1 : 1;
     return x[1] < y[1] ? -1 : x[1] > y[1];
 }
@@ -95,7 +96,7 @@ static void test_topk_matches_sort(void) {
     float vals[64];
     for (int trial = 0; trial < 30; trial++) {
         for (int v = 0; v < V; v++) {
-            l[v] = (float)floor(nrand() * 4) / 4;   /* coarse values: many ties */
+            l[v] = (float)floor(nrand() * 4) / 4; /* coarse values: many ties */
             pairs[v][0] = l[v];
             pairs[v][1] = (float)v;
         }
@@ -161,10 +162,12 @@ static void test_kl_topk_approximation(void) {
         for (int i = 0; i < K; i++) lm[ids[i]] += (float)(0.3 * nrand());
         zm = mq_logsumexp(lm, V, NULL);
         exact = mq_kl_rows(lb, zb, lm, zm, V);
-        ASSERT_NEAR(exact, mq_kl_topk(ids, vals, K, zb, lm, zm, V, mark, NULL), 1e-9 + 1e-6 * exact);
+        ASSERT_NEAR(exact, mq_kl_topk(ids, vals, K, zb, lm, zm, V, mark, NULL),
+                    1e-9 + 1e-6 * exact);
     }
     for (int v = 0; v < V; v++) ASSERT_EQ_INT(0, mark[v]);
-    fprintf(stderr, "  top-%d KL on N(0, t^2) logits, V=%d: worst relative underestimate %.3f\n", K, V, worst_rel);
+    fprintf(stderr, "  top-%d KL on N(0, t^2) logits, V=%d: worst relative underestimate %.3f\n", K,
+            V, worst_rel);
     free(lb);
     free(lm);
     free(ids);
@@ -173,8 +176,8 @@ static void test_kl_topk_approximation(void) {
 
 static void test_percentile_like_numpy(void) {
     double v[100];
-    for (int i = 0; i < 100; i++) v[i] = 100 - i;   /* 100 .. 1, unsorted on purpose */
-    ASSERT_NEAR(99.01, mq_percentile(v, 100, 99), 1e-12);   /* numpy.percentile(range(1,101), 99) */
+    for (int i = 0; i < 100; i++) v[i] = 100 - i;         /* 100 .. 1, unsorted on purpose */
+    ASSERT_NEAR(99.01, mq_percentile(v, 100, 99), 1e-12); /* numpy.percentile(range(1,101), 99) */
     ASSERT_NEAR(50.5, mq_percentile(v, 100, 50), 1e-12);
     ASSERT_NEAR(100, mq_percentile(v, 100, 100), 0);
     ASSERT_NEAR(1, mq_percentile(v, 100, 0), 0);
@@ -186,21 +189,27 @@ static void test_percentile_like_numpy(void) {
 }
 
 static void test_logits_file_format(void) {
-    mq_logits_header h = {.vocab = 4096, .k = 3, .max_length = 512, .flags = 1, .prefix = 0,
-                          .tokens = 2, .documents = 1, .ids_checksum = 0x0123456789abcdefull};
+    mq_logits_header h = {.vocab = 4096,
+                          .k = 3,
+                          .max_length = 512,
+                          .flags = 1,
+                          .prefix = 0,
+                          .tokens = 2,
+                          .documents = 1,
+                          .ids_checksum = 0x0123456789abcdefull};
     size_t rec = mq_logits_record_size(3), size = MQ_LOGITS_HEADER + 2 * rec;
     ASSERT_EQ_INT(32, rec);
     uint8_t *buf = calloc(size, 1);
     mq_logits_header_encode(&h, buf);
     ASSERT_TRUE(memcmp(buf, "MQTOPKLG", 8) == 0);
-    ASSERT_EQ_INT(1, buf[8]);        /* version, little-endian */
-    ASSERT_EQ_HEX(0x00, buf[12]);    /* vocab 4096 = 0x1000 */
+    ASSERT_EQ_INT(1, buf[8]);     /* version, little-endian */
+    ASSERT_EQ_HEX(0x00, buf[12]); /* vocab 4096 = 0x1000 */
     ASSERT_EQ_HEX(0x10, buf[13]);
-    ASSERT_EQ_HEX(0xef, buf[48]);    /* checksum low byte first */
+    ASSERT_EQ_HEX(0xef, buf[48]); /* checksum low byte first */
     const uint32_t ids[3] = {7, 4095, 0};
     const float vals[3] = {3.25f, -1e-30f, -INFINITY};
     mq_logits_record_encode(buf + MQ_LOGITS_HEADER, -12.5, ids, vals, 3);
-    ASSERT_EQ_HEX(0xc0, buf[MQ_LOGITS_HEADER + 7]);   /* -12.5 = 0xC029000000000000 */
+    ASSERT_EQ_HEX(0xc0, buf[MQ_LOGITS_HEADER + 7]); /* -12.5 = 0xC029000000000000 */
     ASSERT_EQ_HEX(0x29, buf[MQ_LOGITS_HEADER + 6]);
     double lse;
     uint32_t ids2[3];
@@ -220,7 +229,7 @@ static void test_logits_file_format(void) {
     ASSERT_STATUS(MOEQ_E_FORMAT, mq_logits_header_decode("f.bin", buf, size - 1, &g));
     ASSERT_ERROR_MENTIONS("f.bin: ");
     ASSERT_ERROR_MENTIONS("truncated");
-    buf[20] ^= 1;   /* max_length changed behind the header checksum */
+    buf[20] ^= 1; /* max_length changed behind the header checksum */
     ASSERT_STATUS(MOEQ_E_FORMAT, mq_logits_header_decode("f.bin", buf, size, &g));
     ASSERT_ERROR_MENTIONS("checksum");
     buf[20] ^= 1;

@@ -25,7 +25,8 @@ static moeq_model *open_model(const char *name) {
 
 static moeq_docs *wikitext_docs(void) {
     moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
+    ASSERT_OK(
+        moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
     return d;
 }
 
@@ -68,8 +69,8 @@ static void test_first_documents_match_reference_and_threads(void) {
     }
     moeq_set_threads(0);
     ASSERT_EQ_INT(2, r[0].documents);
-    ASSERT_EQ_INT(512, r[0].max_length);   /* default: max_position_embeddings */
-    ASSERT_TRUE(r[0].loglikelihood == r[1].loglikelihood);   /* bit for bit */
+    ASSERT_EQ_INT(512, r[0].max_length);                   /* default: max_position_embeddings */
+    ASSERT_TRUE(r[0].loglikelihood == r[1].loglikelihood); /* bit for bit */
     for (int d = 0; d < 2; d++) {
         const cJSON *e = cJSON_GetArrayItem(per_doc, d);
         ASSERT_TRUE(ll[0][d] == ll[1][d]);
@@ -79,7 +80,7 @@ static void test_first_documents_match_reference_and_threads(void) {
     ASSERT_EQ_INT(cJSON_GetObjectItem(cJSON_GetArrayItem(per_doc, 0), "words")->valuedouble +
                       cJSON_GetObjectItem(cJSON_GetArrayItem(per_doc, 1), "words")->valuedouble,
                   r[0].words);
-    ASSERT_TRUE(isnan(ll[0][2]) && tok[2] == -1);   /* past --limit: not evaluated */
+    ASSERT_TRUE(isnan(ll[0][2]) && tok[2] == -1); /* past --limit: not evaluated */
     ASSERT_REL(exp(-(ll[0][0] + ll[0][1]) / (double)r[0].words), r[0].word_perplexity, 1e-12);
     ASSERT_REL(-(ll[0][0] + ll[0][1]) / (double)r[0].bytes / log(2.0), r[0].bits_per_byte, 1e-12);
     ASSERT_REL(exp(-r[0].loglikelihood / (double)r[0].tokens), r[0].token_perplexity, 1e-12);
@@ -115,7 +116,8 @@ static slow_result slow_eval(moeq_model *m, moeq_model *base, const moeq_docs *d
     moeq_session *s = NULL, *sb = NULL;
     ASSERT_OK(moeq_session_create(m, L, &s));
     ASSERT_OK(moeq_session_create(base, L, &sb));
-    float *lg = malloc(sizeof(float) * (size_t)(L * V)), *lgb = malloc(sizeof(float) * (size_t)(L * V));
+    float *lg = malloc(sizeof(float) * (size_t)(L * V)),
+          *lgb = malloc(sizeof(float) * (size_t)(L * V));
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)L);
     for (int64_t d = 0; d < moeq_docs_count(docs); d++) {
         size_t len = 0;
@@ -158,7 +160,7 @@ static slow_result slow_eval(moeq_model *m, moeq_model *base, const moeq_docs *d
 static void test_against_slow_session_reference(void) {
     moeq_model *m = open_model("olmoe-tiny"), *base = open_model("qwen2moe-tiny");
     moeq_docs *docs = calib_docs();
-    const int32_t L = 48;   /* several windows, the last one partial */
+    const int32_t L = 48; /* several windows, the last one partial */
     slow_result want = slow_eval(m, base, docs, L);
     moeq_eval_options o;
     moeq_eval_options_init(&o);
@@ -206,10 +208,12 @@ static void test_saved_logits(void) {
     ASSERT_OK(moeq_eval(m, docs, &o, &plain));
     o.save_logits = path;
     ASSERT_OK(moeq_eval(m, docs, &o, &saved));
-    ASSERT_TRUE(plain.loglikelihood == saved.loglikelihood);   /* saving changes nothing */
+    ASSERT_TRUE(plain.loglikelihood == saved.loglikelihood); /* saving changes nothing */
     struct stat sb;
     ASSERT_TRUE(stat(path, &sb) == 0);
-    ASSERT_EQ_INT(MQ_LOGITS_HEADER + (size_t)saved.tokens * mq_logits_record_size(MOEQ_EVAL_DEFAULT_TOP_K), sb.st_size);
+    ASSERT_EQ_INT(MQ_LOGITS_HEADER +
+                      (size_t)saved.tokens * mq_logits_record_size(MOEQ_EVAL_DEFAULT_TOP_K),
+                  sb.st_size);
 
     o.save_logits = NULL;
     o.kl_logits = path;
@@ -222,14 +226,15 @@ static void test_saved_logits(void) {
     o.kl_logits = NULL;
     o.kl_base = m;
     ASSERT_OK(moeq_eval(other, docs, &o, &exact));
-    fprintf(stderr, "  qwen2moe-tiny vs olmoe-tiny: KL exact %.6f, from top-64 %.6f (gap %.2f%%, "
-            "bound %.4f), top1_changed %.4f\n", exact.kl_mean, approx.kl_mean,
-            100 * (exact.kl_mean - approx.kl_mean) / exact.kl_mean, approx.kl_gap_bound,
-            exact.top1_changed);
+    fprintf(stderr,
+            "  qwen2moe-tiny vs olmoe-tiny: KL exact %.6f, from top-64 %.6f (gap %.2f%%, "
+            "bound %.4f), top1_changed %.4f\n",
+            exact.kl_mean, approx.kl_mean, 100 * (exact.kl_mean - approx.kl_mean) / exact.kl_mean,
+            approx.kl_gap_bound, exact.top1_changed);
     ASSERT_TRUE(approx.kl_mean <= exact.kl_mean + 1e-9);
     ASSERT_TRUE(exact.kl_mean - approx.kl_mean <= approx.kl_gap_bound);
     ASSERT_TRUE(approx.kl_mean > 0.5 * exact.kl_mean);
-    ASSERT_TRUE(approx.top1_changed == exact.top1_changed);   /* the base's top-1 is stored exactly */
+    ASSERT_TRUE(approx.top1_changed == exact.top1_changed); /* the base's top-1 is stored exactly */
     ASSERT_TRUE(approx.loglikelihood == exact.loglikelihood);
     free(path);
     moeq_docs_free(docs);
@@ -257,7 +262,7 @@ static void test_saved_logits_mismatch(void) {
     ASSERT_STATUS(MOEQ_E_ARG, moeq_eval(m, docs, &o, &r));
     ASSERT_ERROR_MENTIONS("llama.topk: saved for other token ids");
     o.limit = 0;
-    o.task = MOEQ_TASK_WIKITEXT;   /* the detokenizer changes the ids */
+    o.task = MOEQ_TASK_WIKITEXT; /* the detokenizer changes the ids */
     ASSERT_STATUS(MOEQ_E_ARG, moeq_eval(m, docs, &o, &r));
     ASSERT_ERROR_MENTIONS("llama.topk: saved for other token ids");
     o.task = MOEQ_TASK_TEXT;
@@ -328,7 +333,7 @@ static void test_bad_options_and_empty_document(void) {
     ASSERT_EQ_INT(1, r.empty_documents);
     ASSERT_EQ_INT(0, tok[0]);
     ASSERT_TRUE(ll[0] == 0.0);
-    ASSERT_EQ_INT(1 + 2, r.words);   /* "" is one (empty) word, "Hello there." two */
+    ASSERT_EQ_INT(1 + 2, r.words); /* "" is one (empty) word, "Hello there." two */
     ASSERT_EQ_INT(12, r.bytes);
     ASSERT_TRUE(tok[1] > 0 && r.tokens == tok[1]);
     o.add_bos = 1;
@@ -463,13 +468,14 @@ static void test_interrupt_keeps_finished_documents(void) {
     ASSERT_EQ_INT(tok[0], r.tokens);
     ASSERT_TRUE(ll[0] == full_ll[0] && r.loglikelihood == full_ll[0]);
     ASSERT_TRUE(isnan(ll[1]));
-    ASSERT_FALSE(mq_file_exists(path));   /* no partial logits file */
+    ASSERT_FALSE(mq_file_exists(path)); /* no partial logits file */
     free(path);
     moeq_docs_free(docs);
     moeq_model_free(m);
 }
 
-TEST_MAIN(T(test_first_documents_match_reference_and_threads), T(test_against_slow_session_reference),
-          T(test_kl_against_itself_is_zero), T(test_saved_logits), T(test_saved_logits_mismatch),
+TEST_MAIN(T(test_first_documents_match_reference_and_threads),
+          T(test_against_slow_session_reference), T(test_kl_against_itself_is_zero),
+          T(test_saved_logits), T(test_saved_logits_mismatch),
           T(test_bad_options_and_empty_document), T(test_kl_base_with_other_vocabulary),
           T(test_interrupt_keeps_finished_documents))

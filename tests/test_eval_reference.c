@@ -36,7 +36,8 @@ static void check_model(const char *name) {
     snprintf(rel, sizeof rel, "fixtures/models/%s", name);
     char *dir = mq_strdup(mq_test_shared(rel));
     moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &docs));
+    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
+                             &docs));
     moeq_model *m = NULL;
     ASSERT_OK(moeq_model_open(dir, NULL, &m));
     const cJSON *ref = reference(name, "wikitext_fp32");
@@ -49,10 +50,11 @@ static void check_model(const char *name) {
     o.doc_tokens = doc_tok;
     moeq_eval_result r;
     ASSERT_OK(moeq_eval(m, docs, &o, &r));
-    fprintf(stderr, "  %s: word_perplexity %.6f (reference %.6f), loglikelihood %.4f (%.4f), %lld tokens, "
-            "%.1f s, %.0f tokens/s\n", name, r.word_perplexity, ref_num(ref, "word_perplexity"),
-            r.loglikelihood, ref_num(ref, "loglikelihood"), (long long)r.tokens, r.seconds,
-            r.tokens_per_second);
+    fprintf(stderr,
+            "  %s: word_perplexity %.6f (reference %.6f), loglikelihood %.4f (%.4f), %lld tokens, "
+            "%.1f s, %.0f tokens/s\n",
+            name, r.word_perplexity, ref_num(ref, "word_perplexity"), r.loglikelihood,
+            ref_num(ref, "loglikelihood"), (long long)r.tokens, r.seconds, r.tokens_per_second);
     ASSERT_EQ_INT(ref_num(ref, "docs"), r.documents);
     ASSERT_EQ_INT(ref_num(ref, "words"), r.words);
     ASSERT_EQ_INT(ref_num(ref, "bytes"), r.bytes);
@@ -65,7 +67,7 @@ static void check_model(const char *name) {
     ASSERT_REL(ref_num(ref, "bits_per_byte"), r.bits_per_byte, 1e-5);
     ASSERT_REL(ref_num(ref, "loglikelihood"), r.loglikelihood, 1e-6);
     const cJSON *per_doc = cJSON_GetObjectItem(ref, "per_doc");
-    if (per_doc) {   /* olmoe-tiny: each document too */
+    if (per_doc) { /* olmoe-tiny: each document too */
         ASSERT_EQ_INT(cJSON_GetArraySize(per_doc), moeq_docs_count(docs));
         for (int d = 0; d < cJSON_GetArraySize(per_doc); d++) {
             const cJSON *e = cJSON_GetArrayItem(per_doc, d);

@@ -22,7 +22,8 @@ static cJSON *load_json(const char *path) {
 
 static moeq_docs *load_wikitext(void) {
     moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
+    ASSERT_OK(
+        moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
     return d;
 }
 
@@ -46,9 +47,11 @@ static void test_detok_matches_lm_eval_on_fixture_pages(void) {
         if (strcmp(out, want) != 0) {
             size_t k = 0;
             while (out[k] == want[k]) k++;
-            FAIL("page %d differs at byte %zu: got \"%.40s\" want \"%.40s\"", i, k, out + k, want + k);
+            FAIL("page %d differs at byte %zu: got \"%.40s\" want \"%.40s\"", i, k, out + k,
+                 want + k);
         }
-        ASSERT_EQ_INT(cJSON_GetObjectItem(e, "words")->valueint, moeq_count_words(page, strlen(page)));
+        ASSERT_EQ_INT(cJSON_GetObjectItem(e, "words")->valueint,
+                      moeq_count_words(page, strlen(page)));
         free(out);
         i++;
     }
@@ -71,7 +74,7 @@ static void test_wikitext_documents_words_bytes_match_reference(void) {
         const cJSON *r = cJSON_GetArrayItem(per_doc, (int)i);
         ASSERT_EQ_INT(cJSON_GetObjectItem(r, "bytes")->valuedouble, len);
         ASSERT_EQ_INT(cJSON_GetObjectItem(r, "words")->valuedouble, moeq_count_words(t, len));
-        ASSERT_TRUE(len > 0 && t[len - 1] == '\n');   /* every page ends with one newline */
+        ASSERT_TRUE(len > 0 && t[len - 1] == '\n'); /* every page ends with one newline */
         words += moeq_count_words(t, len);
         bytes += (int64_t)len;
     }
@@ -84,19 +87,20 @@ static void test_wikitext_documents_words_bytes_match_reference(void) {
 /* Expected outputs from CPython running preprocess_wikitext.wikitext_detokenizer. */
 static void test_detok_regex_semantics(void) {
     static const char *const cases[][2] = {
-        {"( a ( b ) c )", "(a ( b) c )"},              /* inner may hold an opener; ends at 1st ')' */
+        {"( a ( b ) c )", "(a ( b) c )"}, /* inner may hold an opener; ends at 1st ')' */
         {"x ( unclosed", "x ( unclosed"},
-        {"( \n multi \n line \n ) end", "(multi\nline) end"},   /* spans newlines */
-        {"(\xc2\xa0nbsp\xe3\x80\x80)", "(nbsp)"},      /* U+00A0, U+3000 are \s */
-        {"(\xe2\x80\x8b zw \xe2\x80\x8b)", "(\xe2\x80\x8b zw \xe2\x80\x8b)"},   /* U+200B is not */
+        {"( \n multi \n line \n ) end", "(multi\nline) end"}, /* spans newlines */
+        {"(\xc2\xa0nbsp\xe3\x80\x80)", "(nbsp)"},             /* U+00A0, U+3000 are \s */
+        {"(\xe2\x80\x8b zw \xe2\x80\x8b)", "(\xe2\x80\x8b zw \xe2\x80\x8b)"}, /* U+200B is not */
         {"\" a \" b \" c", "\"a\" b \" c"},
         {"' it ' s ' ok '", "'it' s'ok'"},
-        {"path /' 5/ and /' x/", "path /'[0-9]/ and /' x/"},   /* literal replacement text */
+        {"path /' 5/ and /' x/", "path /'[0-9]/ and /' x/"}, /* literal replacement text */
         {"the dogs ' bones", "the dogs' bones"},
         {"a @-@ b @,@ c @.@ d", "a-b,c.d"},
         {"= = = = H = = = =", "==== H ===="},
         {"= = = H = = =", "=== H ==="},
-        {"10 \xc2\xb0 C", "10\xc2\xb0" "C"},
+        {"10 \xc2\xb0 C", "10\xc2\xb0"
+                          "C"},
         {"line \n next", "line\nnext"},
         {"a N b", "a 1 b"},
         {"John 's", "John's"},
@@ -128,33 +132,59 @@ static void test_word_count_python_whitespace(void) {
         const char *s;
         int64_t words;
     } cases[] = {
-        {"", 1},   {" ", 2},   {"a", 1},   {"a b", 2},   {" a ", 3},   {"a \t\n b", 2},
-        {"a\xc2\xa0" "b", 2},                 /* U+00A0 */
-        {"a\xe3\x80\x80" "b\xe2\x80\x8a" "c", 3},   /* U+3000, U+200A */
-        {"a\xe2\x80\x8b" "b", 1},             /* U+200B zero width space: not whitespace */
-        {"a\x1c" "b\x1f" "c\x0b" "d", 4},     /* \x1c-\x1f and \v */
-        {"a\xc2\x85" "b", 2},                 /* U+0085 */
-        {"a\xe1\x9a\x80" "b\xe2\x81\x9f" "c", 3},   /* U+1680, U+205F */
-        {"a\xe2\x80\xaf" "b\xe2\x80\xa8" "c\xe2\x80\xa9", 4},   /* U+202F, U+2028, U+2029 */
+        {"", 1},
+        {" ", 2},
+        {"a", 1},
+        {"a b", 2},
+        {" a ", 3},
+        {"a \t\n b", 2},
+        {"a\xc2\xa0"
+         "b",
+         2}, /* U+00A0 */
+        {"a\xe3\x80\x80"
+         "b\xe2\x80\x8a"
+         "c",
+         3}, /* U+3000, U+200A */
+        {"a\xe2\x80\x8b"
+         "b",
+         1}, /* U+200B zero width space: not whitespace */
+        {"a\x1c"
+         "b\x1f"
+         "c\x0b"
+         "d",
+         4}, /* \x1c-\x1f and \v */
+        {"a\xc2\x85"
+         "b",
+         2}, /* U+0085 */
+        {"a\xe1\x9a\x80"
+         "b\xe2\x81\x9f"
+         "c",
+         3}, /* U+1680, U+205F */
+        {"a\xe2\x80\xaf"
+         "b\xe2\x80\xa8"
+         "c\xe2\x80\xa9",
+         4}, /* U+202F, U+2028, U+2029 */
         {"\xc3\xa9t\xc3\xa9 x", 2},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         if (moeq_count_words(cases[i].s, strlen(cases[i].s)) != cases[i].words)
             FAIL("case %zu: got %lld words, want %lld", i,
-                 (long long)moeq_count_words(cases[i].s, strlen(cases[i].s)), (long long)cases[i].words);
+                 (long long)moeq_count_words(cases[i].s, strlen(cases[i].s)),
+                 (long long)cases[i].words);
 }
 
 static void test_py_isspace_table(void) {
     /* The full set of code points with str.isspace() in CPython (29 of them). */
-    static const uint32_t spaces[] = {0x9,    0xa,    0xb,    0xc,    0xd,    0x1c,   0x1d,   0x1e,
-                                      0x1f,   0x20,   0x85,   0xa0,   0x1680, 0x2000, 0x2001, 0x2002,
-                                      0x2003, 0x2004, 0x2005, 0x2006, 0x2007, 0x2008, 0x2009, 0x200a,
-                                      0x2028, 0x2029, 0x202f, 0x205f, 0x3000};
+    static const uint32_t spaces[] = {
+        0x9,    0xa,    0xb,    0xc,    0xd,    0x1c,   0x1d,   0x1e,   0x1f,   0x20,
+        0x85,   0xa0,   0x1680, 0x2000, 0x2001, 0x2002, 0x2003, 0x2004, 0x2005, 0x2006,
+        0x2007, 0x2008, 0x2009, 0x200a, 0x2028, 0x2029, 0x202f, 0x205f, 0x3000};
     size_t k = 0, count = 0;
     for (uint32_t c = 0; c < 0x110000; c++) {
         bool want = k < sizeof spaces / sizeof spaces[0] && spaces[k] == c;
         if (want) k++;
-        if (mq_py_isspace(c) != want) FAIL("U+%04X: isspace %d, want %d", c, mq_py_isspace(c), want);
+        if (mq_py_isspace(c) != want)
+            FAIL("U+%04X: isspace %d, want %d", c, mq_py_isspace(c), want);
         count += want;
     }
     ASSERT_EQ_INT(29, count);
@@ -163,17 +193,17 @@ static void test_py_isspace_table(void) {
 static void test_utf8_validation(void) {
     static const struct {
         const char *s;
-        size_t bad;   /* (size_t)-1: valid */
+        size_t bad; /* (size_t)-1: valid */
     } cases[] = {
         {"plain", (size_t)-1},
         {"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", (size_t)-1},
-        {"ab\x80", 2},                    /* stray continuation byte */
-        {"a\xc0\xaf", 1},                 /* overlong '/' */
-        {"a\xe0\x80\xaf", 1},             /* overlong, 3 bytes */
-        {"xy\xed\xa0\x80", 2},            /* UTF-16 surrogate U+D800 */
-        {"\xf4\x90\x80\x80", 0},          /* above U+10FFFF */
-        {"ok\xe2\x82", 2},                /* truncated at the end */
-        {"\xc3(", 0},                     /* bad continuation */
+        {"ab\x80", 2},           /* stray continuation byte */
+        {"a\xc0\xaf", 1},        /* overlong '/' */
+        {"a\xe0\x80\xaf", 1},    /* overlong, 3 bytes */
+        {"xy\xed\xa0\x80", 2},   /* UTF-16 surrogate U+D800 */
+        {"\xf4\x90\x80\x80", 0}, /* above U+10FFFF */
+        {"ok\xe2\x82", 2},       /* truncated at the end */
+        {"\xc3(", 0},            /* bad continuation */
         {"\xf5\x80\x80\x80", 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -186,22 +216,25 @@ static void test_utf8_validation(void) {
 
 static void test_docs_layouts(void) {
     moeq_docs *d = NULL;
-    const char *wt = " = A = \n text a \n = = Section = = \n more\n = National record \n = B = \n b\n";
+    const char *wt =
+        " = A = \n text a \n = = Section = = \n more\n = National record \n = B = \n b\n";
     ASSERT_OK(moeq_docs_parse("wt.txt", wt, strlen(wt), MOEQ_DOCS_WIKITEXT, &d));
     ASSERT_EQ_INT(2, moeq_docs_count(d));
-    ASSERT_EQ_STR(" = A = \n text a \n = = Section = = \n more\n = National record \n", moeq_docs_text(d, 0, NULL));
+    ASSERT_EQ_STR(" = A = \n text a \n = = Section = = \n more\n = National record \n",
+                  moeq_docs_text(d, 0, NULL));
     ASSERT_EQ_STR(" = B = \n b\n", moeq_docs_text(d, 1, NULL));
     ASSERT_TRUE(moeq_docs_text(d, 2, NULL) == NULL);
     moeq_docs_free(d);
 
-    const char *lead = "preamble\n = T = \nbody";   /* text before the first title, no final \n */
+    const char *lead = "preamble\n = T = \nbody"; /* text before the first title, no final \n */
     ASSERT_OK(moeq_docs_parse("lead.txt", lead, strlen(lead), MOEQ_DOCS_WIKITEXT, &d));
     ASSERT_EQ_INT(2, moeq_docs_count(d));
     ASSERT_EQ_STR("preamble\n", moeq_docs_text(d, 0, NULL));
     ASSERT_EQ_STR(" = T = \nbody", moeq_docs_text(d, 1, NULL));
     moeq_docs_free(d);
 
-    const char *jl = "{\"page\": \"p1 \\u00e9\\n\", \"text\": \"ignored\"}\n\n  \n{\"text\": \"t2\"}";
+    const char *jl =
+        "{\"page\": \"p1 \\u00e9\\n\", \"text\": \"ignored\"}\n\n  \n{\"text\": \"t2\"}";
     ASSERT_OK(moeq_docs_parse("d.jsonl", jl, strlen(jl), MOEQ_DOCS_JSONL, &d));
     ASSERT_EQ_INT(2, moeq_docs_count(d));
     size_t len = 0;
@@ -222,8 +255,10 @@ static void test_docs_errors(void) {
     ASSERT_ERROR_MENTIONS("empty.txt");
     ASSERT_ERROR_MENTIONS("empty");
     ASSERT_TRUE(d == NULL);
-    const char bad[] = " = A = \nab\xff" "cd\n";
-    ASSERT_STATUS(MOEQ_E_FORMAT, moeq_docs_parse("bad.txt", bad, sizeof bad - 1, MOEQ_DOCS_WHOLE, &d));
+    const char bad[] = " = A = \nab\xff"
+                       "cd\n";
+    ASSERT_STATUS(MOEQ_E_FORMAT,
+                  moeq_docs_parse("bad.txt", bad, sizeof bad - 1, MOEQ_DOCS_WHOLE, &d));
     ASSERT_ERROR_MENTIONS("bad.txt: invalid UTF-8 at byte offset 10");
     const char *jl = "{\"page\": \"ok\"}\n{\"page\": 3}\n";
     ASSERT_STATUS(MOEQ_E_FORMAT, moeq_docs_parse("d.jsonl", jl, strlen(jl), MOEQ_DOCS_JSONL, &d));
@@ -232,9 +267,10 @@ static void test_docs_errors(void) {
     ASSERT_STATUS(MOEQ_E_FORMAT, moeq_docs_parse("d.jsonl", jl, strlen(jl), MOEQ_DOCS_JSONL, &d));
     ASSERT_ERROR_MENTIONS("d.jsonl:2: not a JSON object");
     jl = "\n \n";
-    ASSERT_STATUS(MOEQ_E_FORMAT, moeq_docs_parse("blank.jsonl", jl, strlen(jl), MOEQ_DOCS_JSONL, &d));
+    ASSERT_STATUS(MOEQ_E_FORMAT,
+                  moeq_docs_parse("blank.jsonl", jl, strlen(jl), MOEQ_DOCS_JSONL, &d));
     ASSERT_ERROR_MENTIONS("blank.jsonl: no documents");
-    jl = "{\"text\": \"\\ud800\"}\n";   /* a lone surrogate escape cannot become UTF-8 */
+    jl = "{\"text\": \"\\ud800\"}\n"; /* a lone surrogate escape cannot become UTF-8 */
     ASSERT_TRUE(moeq_docs_parse("s.jsonl", jl, strlen(jl), MOEQ_DOCS_JSONL, &d) != MOEQ_OK);
     ASSERT_ERROR_MENTIONS("s.jsonl:1");
     ASSERT_STATUS(MOEQ_E_IO, moeq_docs_load("/nonexistent/file.txt", MOEQ_DOCS_WIKITEXT, &d));

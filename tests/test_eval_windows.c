@@ -21,15 +21,15 @@ static int64_t pyslice(const int32_t *a, int64_t n, int64_t lo, int64_t hi, int3
 }
 
 typedef struct {
-    int32_t *input;   /* model input */
+    int32_t *input; /* model input */
     int64_t n_input;
-    int32_t *cont;    /* scored targets: the logits of the last n_cont input positions */
+    int32_t *cont; /* scored targets: the logits of the last n_cont input positions */
     int64_t n_cont;
 } ref_window;
 
 /* Emits one (context, continuation) pair the way lm-eval's HF model consumes it. */
-static void ref_emit(const int32_t *ctx_full, int64_t n_ctx_full, const int32_t *cont, int64_t n_cont,
-                     int32_t L, ref_window *w) {
+static void ref_emit(const int32_t *ctx_full, int64_t n_ctx_full, const int32_t *cont,
+                     int64_t n_cont, int32_t L, ref_window *w) {
     /* make_disjoint_window: a[: len(a) - (len(b) - 1)] */
     int32_t *joined = malloc(sizeof(int32_t) * (size_t)(n_ctx_full + n_cont + 1));
     int64_t nc = pyslice(ctx_full, n_ctx_full, 0, n_ctx_full - (n_cont - 1), joined);
@@ -80,7 +80,9 @@ static void check_case(int64_t n, int32_t L) {
     ref_window *ref = calloc((size_t)(n + 2), sizeof *ref);
     int64_t nref = ref_windows(T, n, P, L, ref);
     int64_t nw = mq_rolling_window_count(n, L);
-    if (nw != nref) FAIL("n=%lld L=%d: %lld windows, reference %lld", (long long)n, L, (long long)nw, (long long)nref);
+    if (nw != nref)
+        FAIL("n=%lld L=%d: %lld windows, reference %lld", (long long)n, L, (long long)nw,
+             (long long)nref);
     mq_window *w = calloc((size_t)(nw + 1), sizeof *w);
     mq_rolling_windows(n, L, w);
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)(L + 1));
@@ -88,26 +90,28 @@ static void check_case(int64_t n, int32_t L) {
     for (int64_t k = 0; k < nw; k++) {
         if (w[k].n_input != ref[k].n_input || w[k].n_score != ref[k].n_cont)
             FAIL("n=%lld L=%d window %lld: input %d score %d, reference %lld/%lld", (long long)n, L,
-                 (long long)k, w[k].n_input, w[k].n_score, (long long)ref[k].n_input, (long long)ref[k].n_cont);
+                 (long long)k, w[k].n_input, w[k].n_score, (long long)ref[k].n_input,
+                 (long long)ref[k].n_cont);
         ASSERT_TRUE(w[k].n_input <= L && w[k].n_score >= 1 && w[k].n_score <= w[k].n_input);
         mq_window_input(&w[k], T, P, ids);
         for (int32_t i = 0; i < w[k].n_input; i++)
             if (ids[i] != ref[k].input[i])
                 FAIL("n=%lld L=%d window %lld input[%d]: %d, reference %d", (long long)n, L,
                      (long long)k, i, ids[i], ref[k].input[i]);
-        for (int32_t i = 0; i < w[k].n_score; i++) ASSERT_EQ_INT(ref[k].cont[i], T[w[k].first_target + i]);
+        for (int32_t i = 0; i < w[k].n_score; i++)
+            ASSERT_EQ_INT(ref[k].cont[i], T[w[k].first_target + i]);
         /* the input position before each target is that target's predecessor (or the prefix) */
         for (int32_t i = 0; i < w[k].n_score; i++) {
             int64_t t = w[k].first_target + i;
             int32_t before = ids[w[k].n_input - w[k].n_score + i];
             ASSERT_EQ_INT(t == 0 ? P : T[t - 1], before);
         }
-        ASSERT_EQ_INT(scored, w[k].first_target);   /* disjoint and in order */
+        ASSERT_EQ_INT(scored, w[k].first_target); /* disjoint and in order */
         scored += w[k].n_score;
         free(ref[k].input);
         free(ref[k].cont);
     }
-    ASSERT_EQ_INT(n, scored);   /* every token scored exactly once */
+    ASSERT_EQ_INT(n, scored); /* every token scored exactly once */
     free(ids);
     free(w);
     free(ref);
@@ -118,12 +122,12 @@ static void test_named_cases(void) {
     const int32_t L = 16;
     check_case(0, L);
     check_case(1, L);
-    check_case(5, L);          /* n < L */
-    check_case(L, L);          /* n == L */
-    check_case(L + 1, L);      /* one more: the second window has L inputs and scores 1 */
+    check_case(5, L);     /* n < L */
+    check_case(L, L);     /* n == L */
+    check_case(L + 1, L); /* one more: the second window has L inputs and scores 1 */
     check_case(3 * L + 5, L);
     check_case(4 * L, L);
-    check_case(3, 1);          /* L = 1: each token conditioned on its predecessor only */
+    check_case(3, 1); /* L = 1: each token conditioned on its predecessor only */
     ASSERT_EQ_INT(1, mq_rolling_window_count(L, L));
     ASSERT_EQ_INT(2, mq_rolling_window_count(L + 1, L));
     ASSERT_EQ_INT(4, mq_rolling_window_count(3 * L + 5, L));

@@ -12,7 +12,7 @@
 #include "eval/eval.h"
 
 struct moeq_docs {
-    char *data;       /* all document texts (the file itself, or decoded JSONL strings) */
+    char *data; /* all document texts (the file itself, or decoded JSONL strings) */
     size_t data_len;
     int64_t n, cap;
     size_t *off, *len;
@@ -76,7 +76,7 @@ static moeq_status split_jsonl(moeq_docs *d, const char *name) {
         size_t end = nl ? (size_t)(nl - raw) : n, a = pos, w;
         pos = nl ? end + 1 : n;
         while (a < end && (w = mq_utf8_space_len(raw + a, end - a)) != 0) a += w;
-        if (a == end) continue;   /* blank line */
+        if (a == end) continue; /* blank line */
         cJSON *obj = cJSON_ParseWithLength(raw + a, end - a);
         if (!obj || !cJSON_IsObject(obj)) {
             st = mq_err(MOEQ_E_FORMAT, "%s:%zu: not a JSON object", name, line_no);
@@ -89,13 +89,15 @@ static moeq_status split_jsonl(moeq_docs *d, const char *name) {
             } else {
                 size_t len = strlen(f->valuestring), bad = 0;
                 if (!mq_utf8_valid(f->valuestring, len, &bad))
-                    st = mq_err(MOEQ_E_FORMAT, "%s:%zu: the decoded string is not valid UTF-8 "
-                                "(byte %zu of the string)", name, line_no, bad);
+                    st = mq_err(MOEQ_E_FORMAT,
+                                "%s:%zu: the decoded string is not valid UTF-8 "
+                                "(byte %zu of the string)",
+                                name, line_no, bad);
                 else if (used + len + 1 > n)
                     st = mq_err(MOEQ_E_FORMAT, "%s:%zu: decoded string longer than its line", name,
                                 line_no);
                 else {
-                    memcpy(out + used, f->valuestring, len + 1);   /* with its NUL */
+                    memcpy(out + used, f->valuestring, len + 1); /* with its NUL */
                     st = docs_add(d, name, used, len);
                     used += len + 1;
                 }
@@ -138,8 +140,8 @@ void moeq_docs_free(moeq_docs *d) {
 }
 
 /* Takes ownership of buf (len bytes plus a NUL). */
-static moeq_status docs_from_buffer(const char *name, char *buf, size_t len, moeq_docs_layout layout,
-                                    moeq_docs **out) {
+static moeq_status docs_from_buffer(const char *name, char *buf, size_t len,
+                                    moeq_docs_layout layout, moeq_docs **out) {
     *out = NULL;
     moeq_status st = MOEQ_OK;
     size_t bad = 0;
@@ -177,7 +179,8 @@ moeq_status moeq_docs_parse(const char *name, const char *data, size_t len, moeq
                             moeq_docs **out) {
     *out = NULL;
     char *buf = malloc(len + 1);
-    if (!buf) return mq_err(MOEQ_E_NOMEM, "%s: out of memory (%zu bytes)", name ? name : "(text)", len);
+    if (!buf)
+        return mq_err(MOEQ_E_NOMEM, "%s: out of memory (%zu bytes)", name ? name : "(text)", len);
     if (len) memcpy(buf, data, len);
     buf[len] = 0;
     return docs_from_buffer(name ? name : "(text)", buf, len, layout, out);

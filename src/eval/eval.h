@@ -23,7 +23,8 @@ bool mq_utf8_valid(const char *s, size_t n, size_t *bad_offset);
 /* ---- rolling windows (lm-eval get_rolling_token_windows + make_disjoint_window, context 1) -- */
 /* A window feeds n_input tokens to the model and scores the targets predicted by its last n_score
  * positions. With has_prefix the input is [prefix] + T[0 : n_input-1] (the first window), else
- * T[in_start : in_start + n_input]. The scored targets are T[first_target : first_target+n_score]. */
+ * T[in_start : in_start + n_input]. The scored targets are
+ * T[first_target : first_target + n_score]. */
 typedef struct {
     int64_t in_start;
     int64_t first_target;
@@ -50,10 +51,10 @@ double mq_kl_rows(const float *lb, double lse_b, const float *lm, double lse_m, 
 void mq_topk(const float *l, int64_t V, int32_t k, uint32_t *ids, float *vals);
 /* KL from a base distribution known only by its top-k logits (ids, vals, decreasing) and its
  * log-sum-exp: the KL between the two distributions coarsened to the k tokens plus one "rest"
- * bucket, Σ_topk p (log p − log q) + p_rest (log p_rest − log q_rest). It never exceeds the true
- * KL (data-processing inequality); the gap is p_rest · KL(p_rest-conditional || q_rest-conditional)
- * and *bound (may be NULL) gets an upper bound of it that needs no more base information:
- * p_rest · (log(p_k / p_rest) − log min_rest(q / q_rest)), p_k the k-th base probability.
+ * bucket, sum_topk p (log p - log q) + p_rest (log p_rest - log q_rest). It never exceeds the
+ * true KL (data-processing inequality); the gap is p_rest * KL(p | rest || q | rest), and *bound
+ * (may be NULL) gets an upper bound of it that needs no more base information:
+ * p_rest * (log(p_k / p_rest) - log min_rest(q / q_rest)), p_k the k-th base probability.
  * mark is scratch of V bytes, all zero on entry and on return. */
 double mq_kl_topk(const uint32_t *ids, const float *vals, int32_t k, double lse_b, const float *lm,
                   double lse_m, int64_t V, uint8_t *mark, double *bound);
@@ -84,7 +85,8 @@ moeq_status mq_logits_header_decode(const char *path, const uint8_t *data, size_
                                     mq_logits_header *h);
 void mq_logits_record_encode(uint8_t *out, double lse, const uint32_t *ids, const float *vals,
                              uint32_t k);
-void mq_logits_record_decode(const uint8_t *in, uint32_t k, double *lse, uint32_t *ids, float *vals);
+void mq_logits_record_decode(const uint8_t *in, uint32_t k, double *lse, uint32_t *ids,
+                             float *vals);
 /* FNV-1a 64 over bytes, continuing from h (start with MQ_FNV_INIT). */
 #define MQ_FNV_INIT 0xcbf29ce484222325ull
 uint64_t mq_fnv1a(uint64_t h, const void *data, size_t n);

@@ -54,11 +54,12 @@ moeq_status mq_logits_header_decode(const char *path, const uint8_t *data, size_
                                     mq_logits_header *h) {
     memset(h, 0, sizeof *h);
     if (size < MQ_LOGITS_HEADER || memcmp(data, MQ_LOGITS_MAGIC, 8) != 0)
-        return mq_err(MOEQ_E_FORMAT, "%s: not a moeq logits file (no %s header)", path, MQ_LOGITS_MAGIC);
+        return mq_err(MOEQ_E_FORMAT, "%s: not a moeq logits file (no %s header)", path,
+                      MQ_LOGITS_MAGIC);
     uint32_t version = get_u32(data + 8);
     if (version != MQ_LOGITS_VERSION)
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: logits file version %u, this moeq reads version %u", path,
-                      version, MQ_LOGITS_VERSION);
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: logits file version %u, this moeq reads version %u",
+                      path, version, MQ_LOGITS_VERSION);
     if (get_u64(data + 56) != mq_fnv1a(MQ_FNV_INIT, data, 56))
         return mq_err(MOEQ_E_FORMAT, "%s: corrupt logits file header (checksum mismatch)", path);
     h->vocab = get_u32(data + 12);
@@ -74,8 +75,10 @@ moeq_status mq_logits_header_decode(const char *path, const uint8_t *data, size_
     size_t body, want;
     if (!mq_mul_size((size_t)h->tokens, mq_logits_record_size(h->k), &body) ||
         !mq_add_size(body, MQ_LOGITS_HEADER, &want) || want != size)
-        return mq_err(MOEQ_E_FORMAT, "%s: %zu bytes, but the header promises %llu tokens of top-%u "
-                      "(truncated or corrupt)", path, size, (unsigned long long)h->tokens, h->k);
+        return mq_err(MOEQ_E_FORMAT,
+                      "%s: %zu bytes, but the header promises %llu tokens of top-%u "
+                      "(truncated or corrupt)",
+                      path, size, (unsigned long long)h->tokens, h->k);
     return MOEQ_OK;
 }
 
@@ -92,7 +95,8 @@ void mq_logits_record_encode(uint8_t *out, double lse, const uint32_t *ids, cons
     }
 }
 
-void mq_logits_record_decode(const uint8_t *in, uint32_t k, double *lse, uint32_t *ids, float *vals) {
+void mq_logits_record_decode(const uint8_t *in, uint32_t k, double *lse, uint32_t *ids,
+                             float *vals) {
     uint64_t bits = get_u64(in);
     memcpy(lse, &bits, 8);
     for (uint32_t i = 0; i < k; i++) ids[i] = get_u32(in + 8 + 4 * (size_t)i);

@@ -21,18 +21,18 @@
 #include "eval/eval.h"
 #include "model/model.h"
 
-enum { CHUNK = 128 };   /* lm_head rows per call: bounds the [rows, vocab] logits scratch */
+enum { CHUNK = 128 }; /* lm_head rows per call: bounds the [rows, vocab] logits scratch */
 
 typedef struct {
     bool ready;
     mq_state *st, *st_base;
-    float *x, *xb;           /* [L, D] hidden states of the model / the base */
-    float *lg, *lgb;         /* [CHUNK, V] logits */
-    int32_t *ids;            /* [L] window input */
-    uint8_t *mark;           /* [V] for mq_kl_topk */
-    uint32_t *tk_ids;        /* [k] */
-    float *tk_vals;          /* [k] */
-    uint8_t *rec;            /* [L * record] a window's saved records */
+    float *x, *xb;    /* [L, D] hidden states of the model / the base */
+    float *lg, *lgb;  /* [CHUNK, V] logits */
+    int32_t *ids;     /* [L] window input */
+    uint8_t *mark;    /* [V] for mq_kl_topk */
+    uint32_t *tk_ids; /* [k] */
+    float *tk_vals;   /* [k] */
+    uint8_t *rec;     /* [L * record] a window's saved records */
 } scratch;
 
 typedef struct {
@@ -42,10 +42,10 @@ typedef struct {
     int32_t L, prefix;
     int add_bos;
     int64_t V, n_docs;
-    int32_t **tok;           /* [n_docs] token ids */
-    int64_t *ntok;           /* [n_docs] */
-    int64_t *tok_off;        /* [n_docs + 1] global index of each document's first token */
-    int64_t *win_first;      /* [n_docs + 1] each document's first window */
+    int32_t **tok;      /* [n_docs] token ids */
+    int64_t *ntok;      /* [n_docs] */
+    int64_t *tok_off;   /* [n_docs + 1] global index of each document's first token */
+    int64_t *win_first; /* [n_docs + 1] each document's first window */
     mq_window *win;
     int32_t *win_doc;
     int64_t n_win;
@@ -114,8 +114,10 @@ static void tokenize_task(void *vc, int64_t d, int thread) {
         if (ids[i] < 0 || ids[i] >= c->V) {
             free(ids);
             free(t);
-            task_fail(c, mq_err(MOEQ_E_FORMAT, "document %lld: token id %d outside the model's "
-                                "vocabulary of %lld", (long long)d + 1, ids[i], (long long)c->V));
+            task_fail(c, mq_err(MOEQ_E_FORMAT,
+                                "document %lld: token id %d outside the model's "
+                                "vocabulary of %lld",
+                                (long long)d + 1, ids[i], (long long)c->V));
             return;
         }
         t[k++] = ids[i];
@@ -137,7 +139,8 @@ static moeq_status scratch_init(eval_ctx *c, scratch *s) {
     if (!s->x || !s->lg || !s->ids) return MOEQ_E_NOMEM;
     if (c->base) {
         if ((st = mq_state_new(c->base, c->L, &s->st_base)) != MOEQ_OK) return st;
-        s->xb = mq_alloc_array((size_t)(L * c->base->cfg.D), sizeof(float), "eval base hidden states");
+        s->xb =
+            mq_alloc_array((size_t)(L * c->base->cfg.D), sizeof(float), "eval base hidden states");
         s->lgb = mq_alloc_array((size_t)(CHUNK * V), sizeof(float), "eval base logits");
         if (!s->xb || !s->lgb) return MOEQ_E_NOMEM;
     }
@@ -191,7 +194,7 @@ static moeq_status score_window(eval_ctx *c, scratch *s, int64_t wi) {
     if (!st && c->base) st = run_hidden(c->base, s->st_base, s->ids, w, s->xb);
     if (st) return mq_err_prefix(st, "document %lld", (long long)d + 1);
     size_t rec_size = c->save_k ? mq_logits_record_size(c->save_k) : 0;
-    int64_t g0 = c->tok_off[d] + w->first_target;   /* global index of the first scored token */
+    int64_t g0 = c->tok_off[d] + w->first_target; /* global index of the first scored token */
     double ll = 0;
     for (int64_t c0 = 0; c0 < w->n_score; c0 += CHUNK) {
         int64_t rows = w->n_score - c0 < CHUNK ? w->n_score - c0 : CHUNK;
@@ -216,18 +219,23 @@ static moeq_status score_window(eval_ctx *c, scratch *s, int64_t wi) {
                 int32_t amb = 0;
                 double lse_b = mq_logsumexp(rb, V, &amb);
                 if (!isfinite(lse_b))
-                    return mq_err(MOEQ_E_NUMERIC, "KL base: document %lld, token %lld: non-finite "
-                                  "logits", (long long)d + 1, (long long)t);
+                    return mq_err(MOEQ_E_NUMERIC,
+                                  "KL base: document %lld, token %lld: non-finite "
+                                  "logits",
+                                  (long long)d + 1, (long long)t);
                 c->tok_kl[g] = mq_kl_rows(rb, lse_b, row, lse, V);
                 c->tok_changed[g] = am != amb;
             } else if (c->kl_data) {
                 double lse_b;
-                const uint8_t *rec = c->kl_data + MQ_LOGITS_HEADER + (size_t)g * mq_logits_record_size(c->kl_k);
+                const uint8_t *rec =
+                    c->kl_data + MQ_LOGITS_HEADER + (size_t)g * mq_logits_record_size(c->kl_k);
                 mq_logits_record_decode(rec, c->kl_k, &lse_b, s->tk_ids, s->tk_vals);
                 for (uint32_t i = 0; i < c->kl_k; i++)
                     if (s->tk_ids[i] >= (uint32_t)V)
-                        return mq_err(MOEQ_E_FORMAT, "saved logits: token %lld holds id %u outside "
-                                      "the vocabulary", (long long)g, s->tk_ids[i]);
+                        return mq_err(MOEQ_E_FORMAT,
+                                      "saved logits: token %lld holds id %u outside "
+                                      "the vocabulary",
+                                      (long long)g, s->tk_ids[i]);
                 c->tok_kl[g] = mq_kl_topk(s->tk_ids, s->tk_vals, (int32_t)c->kl_k, lse_b, row, lse,
                                           V, s->mark, &c->tok_bound[g]);
                 c->tok_changed[g] = (uint32_t)am != s->tk_ids[0];
@@ -259,7 +267,7 @@ static void window_task(void *vc, int64_t wi, int thread) {
     }
     c->win_done[wi] = 1;
     int64_t done = atomic_fetch_add(&c->tokens_done, c->win[wi].n_score) + c->win[wi].n_score;
-    if (thread == 0) mq_progress("eval", done, c->tokens_total);   /* the caller's thread only */
+    if (thread == 0) mq_progress("eval", done, c->tokens_total); /* the caller's thread only */
 }
 
 /* ---- setup and results -------------------------------------------------------------------- */
@@ -270,7 +278,7 @@ void moeq_eval_options_init(moeq_eval_options *o) {
 }
 
 static bool same_tokenizer(const moeq_tokenizer *a, const moeq_tokenizer *b) {
-    if (!a || !b) return true;   /* nothing to compare; the vocabulary sizes were checked */
+    if (!a || !b) return true; /* nothing to compare; the vocabulary sizes were checked */
     int32_t n = moeq_tokenizer_vocab_size(a);
     if (n != moeq_tokenizer_vocab_size(b)) return false;
     for (int32_t i = 0; i < n; i++) {
@@ -284,15 +292,19 @@ static moeq_status check_inputs(const moeq_model *m, const moeq_eval_options *o,
                                 int32_t *prefix) {
     const moeq_model_info *info = moeq_model_get_info(m);
     const moeq_tokenizer *tok = moeq_model_tokenizer(m);
-    if (!tok) return mq_err(MOEQ_E_ARG, "%s: eval needs the model's tokenizer (tokenizer.json)", m->dir);
+    if (!tok)
+        return mq_err(MOEQ_E_ARG, "%s: eval needs the model's tokenizer (tokenizer.json)", m->dir);
     if (o->task != MOEQ_TASK_WIKITEXT && o->task != MOEQ_TASK_TEXT)
         return mq_err(MOEQ_E_ARG, "eval: unknown task %d", (int)o->task);
-    if (o->max_length < 0) return mq_err(MOEQ_E_ARG, "--max-length %d: must be positive", o->max_length);
+    if (o->max_length < 0)
+        return mq_err(MOEQ_E_ARG, "--max-length %d: must be positive", o->max_length);
     *L = o->max_length ? o->max_length : info->max_position_embeddings;
-    if (*L <= 0) return mq_err(MOEQ_E_ARG, "%s: no max_position_embeddings; give --max-length", m->dir);
+    if (*L <= 0)
+        return mq_err(MOEQ_E_ARG, "%s: no max_position_embeddings; give --max-length", m->dir);
     if (*L > info->max_position_embeddings)
-        return mq_err(MOEQ_E_ARG, "--max-length %d exceeds the model's max_position_embeddings %d (%s)",
-                      *L, info->max_position_embeddings, m->dir);
+        return mq_err(MOEQ_E_ARG,
+                      "--max-length %d exceeds the model's max_position_embeddings %d (%s)", *L,
+                      info->max_position_embeddings, m->dir);
     if (o->kl_base && o->kl_logits)
         return mq_err(MOEQ_E_ARG, "--kl-base and --kl-logits: give only one");
     if (o->save_top_k < 0 || o->save_top_k > info->vocab_size)
@@ -301,24 +313,26 @@ static moeq_status check_inputs(const moeq_model *m, const moeq_eval_options *o,
     int32_t bos = moeq_tokenizer_bos(tok), eos = moeq_tokenizer_eos(tok);
     if (bos < 0) bos = info->bos_token_id;
     if (eos < 0) eos = info->eos_token_id;
-    if (o->add_bos && bos < 0)
-        return mq_err(MOEQ_E_ARG, "--add-bos: %s has no BOS token", m->dir);
+    if (o->add_bos && bos < 0) return mq_err(MOEQ_E_ARG, "--add-bos: %s has no BOS token", m->dir);
     *prefix = o->prefix_token >= 0 ? o->prefix_token : bos >= 0 ? bos : eos;
     if (*prefix < 0)
-        return mq_err(MOEQ_E_ARG, "%s: the tokenizer has neither BOS nor EOS for the prefix token", m->dir);
+        return mq_err(MOEQ_E_ARG, "%s: the tokenizer has neither BOS nor EOS for the prefix token",
+                      m->dir);
     if (*prefix >= info->vocab_size)
-        return mq_err(MOEQ_E_ARG, "prefix token %d outside the vocabulary of %d", *prefix, info->vocab_size);
+        return mq_err(MOEQ_E_ARG, "prefix token %d outside the vocabulary of %d", *prefix,
+                      info->vocab_size);
     if (o->kl_base) {
         const moeq_model_info *bi = moeq_model_get_info(o->kl_base);
         if (bi->vocab_size != info->vocab_size)
             return mq_err(MOEQ_E_ARG, "--kl-base %s: vocabulary of %d tokens, the model has %d",
                           o->kl_base->dir, bi->vocab_size, info->vocab_size);
         if (!same_tokenizer(tok, moeq_model_tokenizer(o->kl_base)))
-            return mq_err(MOEQ_E_ARG, "--kl-base %s: its tokenizer differs from %s's", o->kl_base->dir,
-                          m->dir);
+            return mq_err(MOEQ_E_ARG, "--kl-base %s: its tokenizer differs from %s's",
+                          o->kl_base->dir, m->dir);
         if (*L > bi->max_position_embeddings)
-            return mq_err(MOEQ_E_ARG, "--max-length %d exceeds the KL base's max_position_embeddings %d",
-                          *L, bi->max_position_embeddings);
+            return mq_err(MOEQ_E_ARG,
+                          "--max-length %d exceeds the KL base's max_position_embeddings %d", *L,
+                          bi->max_position_embeddings);
     }
     return MOEQ_OK;
 }
@@ -339,11 +353,11 @@ static uint64_t ids_checksum(const eval_ctx *c) {
     return h;
 }
 
-static moeq_status check_saved_header(const eval_ctx *c, const char *path, const mq_logits_header *h,
-                                      uint64_t checksum) {
+static moeq_status check_saved_header(const eval_ctx *c, const char *path,
+                                      const mq_logits_header *h, uint64_t checksum) {
     if ((int64_t)h->vocab != c->V)
-        return mq_err(MOEQ_E_ARG, "%s: saved with a vocabulary of %u tokens, the model has %lld", path,
-                      h->vocab, (long long)c->V);
+        return mq_err(MOEQ_E_ARG, "%s: saved with a vocabulary of %u tokens, the model has %lld",
+                      path, h->vocab, (long long)c->V);
     if ((int32_t)h->max_length != c->L)
         return mq_err(MOEQ_E_ARG, "%s: saved with --max-length %u, this run uses %d", path,
                       h->max_length, c->L);
@@ -351,15 +365,17 @@ static moeq_status check_saved_header(const eval_ctx *c, const char *path, const
         return mq_err(MOEQ_E_ARG, "%s: saved %s --add-bos, this run %s it", path,
                       (h->flags & 1u) ? "with" : "without", c->add_bos ? "uses" : "does not use");
     if (h->prefix != c->prefix)
-        return mq_err(MOEQ_E_ARG, "%s: saved with prefix token %d, this run uses %d", path, h->prefix,
-                      c->prefix);
+        return mq_err(MOEQ_E_ARG, "%s: saved with prefix token %d, this run uses %d", path,
+                      h->prefix, c->prefix);
     if ((int64_t)h->documents != c->n_docs || (int64_t)h->tokens != c->tokens_total ||
         h->ids_checksum != checksum)
-        return mq_err(MOEQ_E_ARG, "%s: saved for other token ids (%llu documents, %llu tokens; this run "
-                      "%lld documents, %lld tokens%s): another data file, --task, --limit or tokenizer?",
-                      path, (unsigned long long)h->documents, (unsigned long long)h->tokens,
-                      (long long)c->n_docs, (long long)c->tokens_total,
-                      (int64_t)h->tokens == c->tokens_total ? ", checksum differs" : "");
+        return mq_err(
+            MOEQ_E_ARG,
+            "%s: saved for other token ids (%llu documents, %llu tokens; this run "
+            "%lld documents, %lld tokens%s): another data file, --task, --limit or tokenizer?",
+            path, (unsigned long long)h->documents, (unsigned long long)h->tokens,
+            (long long)c->n_docs, (long long)c->tokens_total,
+            (int64_t)h->tokens == c->tokens_total ? ", checksum differs" : "");
     return MOEQ_OK;
 }
 
@@ -369,7 +385,8 @@ static void fill_result(const eval_ctx *c, const moeq_eval_options *o, moeq_eval
     double *kl_vals = c->kl ? malloc(sizeof(double) * (size_t)(c->tokens_total + 1)) : NULL;
     for (int64_t d = 0; d < c->n_docs; d++) {
         bool complete = true;
-        for (int64_t w = c->win_first[d]; w < c->win_first[d + 1]; w++) complete &= c->win_done[w] != 0;
+        for (int64_t w = c->win_first[d]; w < c->win_first[d + 1]; w++)
+            complete &= c->win_done[w] != 0;
         if (!complete) continue;
         double ll_d = 0;
         for (int64_t w = c->win_first[d]; w < c->win_first[d + 1]; w++) ll_d += c->win_ll[w];
@@ -549,9 +566,13 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
             mq_atomic_abort(&af);
         } else {
             uint8_t h[MQ_LOGITS_HEADER];
-            mq_logits_header hw = {.vocab = (uint32_t)c.V, .k = c.save_k, .max_length = (uint32_t)c.L,
-                                   .flags = c.add_bos ? 1u : 0u, .prefix = c.prefix,
-                                   .tokens = (uint64_t)c.tokens_total, .documents = (uint64_t)nd,
+            mq_logits_header hw = {.vocab = (uint32_t)c.V,
+                                   .k = c.save_k,
+                                   .max_length = (uint32_t)c.L,
+                                   .flags = c.add_bos ? 1u : 0u,
+                                   .prefix = c.prefix,
+                                   .tokens = (uint64_t)c.tokens_total,
+                                   .documents = (uint64_t)nd,
                                    .ids_checksum = checksum};
             mq_logits_header_encode(&hw, h);
             if (pwrite(c.save_fd, h, sizeof h, 0) != (ssize_t)sizeof h) {

@@ -19,7 +19,7 @@ double mq_logsumexp(const float *l, int64_t V, int32_t *argmax) {
     if (!isfinite(mx)) return (double)mx;
     double s = 0;
     for (int64_t v = 0; v < V; v++) s += (double)expf(l[v] - mx);
-    return (double)mx + log(s);   /* s >= 1: the maximum contributes exp(0) */
+    return (double)mx + log(s); /* s >= 1: the maximum contributes exp(0) */
 }
 
 double mq_kl_rows(const float *lb, double lse_b, const float *lm, double lse_m, int64_t V) {
@@ -56,7 +56,7 @@ void mq_topk(const float *l, int64_t V, int32_t k, uint32_t *ids, float *vals) {
     for (int32_t i = 0; i < k; i++) ids[i] = (uint32_t)i, vals[i] = l[i];
     for (int32_t i = k / 2 - 1; i >= 0; i--) sift_down(ids, vals, k, i);
     for (int64_t v = k; v < V; v++)
-        if (l[v] > vals[0]) {   /* ids only grow, so an equal value never ranks above the root */
+        if (l[v] > vals[0]) { /* ids only grow, so an equal value never ranks above the root */
             ids[0] = (uint32_t)v, vals[0] = l[v];
             sift_down(ids, vals, k, 0);
         }
@@ -99,7 +99,7 @@ double mq_kl_topk(const uint32_t *ids, const float *vals, int32_t k, double lse_
         double log_q_rest = (double)mx - lse_m + log(s);
         double log_p_rest = log1p(-p_top);
         kl += p_rest * (log_p_rest - log_q_rest);
-        double log_min_cond = (double)mn - lse_m - log_q_rest;   /* min over rest of q / q_rest */
+        double log_min_cond = (double)mn - lse_m - log_q_rest; /* min over rest of q / q_rest */
         b = p_rest * (log(p_k) - log_p_rest - log_min_cond);
         if (b < 0) b = 0;
     }

@@ -1,7 +1,7 @@
 /*
- * Text side of lm-evaluation-harness's wikitext task (lm_eval/tasks/wikitext/preprocess_wikitext.py,
- * see docs formats.md section 3): the wikitext detokenizer, the word count
- * len(re.split(r"\s+", page)), Python's Unicode whitespace set and a strict UTF-8 check.
+ * Text side of lm-evaluation-harness's wikitext task (lm_eval/tasks/wikitext/
+ * preprocess_wikitext.py, see docs formats.md section 3): the wikitext detokenizer, the word
+ * count len(re.split(r"\s+", page)), Python's Unicode whitespace set and a strict UTF-8 check.
  *
  * Everything works on UTF-8 bytes. The detokenizer's patterns and replacements are ASCII or whole
  * UTF-8 sequences, so byte-level str.replace is the same as Python's code-point-level one; only
@@ -62,7 +62,7 @@ bool mq_utf8_valid(const char *s, size_t n, size_t *bad_offset) {
     const unsigned char *u = (const unsigned char *)s;
     size_t i = 0;
     while (i < n) {
-        if (u[i] < 0x80) {   /* fast path for ASCII runs */
+        if (u[i] < 0x80) { /* fast path for ASCII runs */
             i++;
             continue;
         }
@@ -175,11 +175,11 @@ static void strip_brackets(const sbuf *in, sbuf *out, char open, char close) {
         if (!o) break;
         size_t a = (size_t)(o - s) + 1;
         const char *c = memchr(s + a, close, in->len - a);
-        if (!c) break;   /* no closer after this opener, hence none after any later one */
+        if (!c) break; /* no closer after this opener, hence none after any later one */
         size_t b = (size_t)(c - s);
         size_t lo = a, w;
         while (lo < b && (w = mq_utf8_space_len(s + lo, b - lo)) != 0) lo += w;
-        size_t hi = lo;   /* end of the last non-whitespace character in [lo, b) */
+        size_t hi = lo; /* end of the last non-whitespace character in [lo, b) */
         for (size_t k = lo; k < b;) {
             w = mq_utf8_space_len(s + k, b - k);
             if (w) {
@@ -189,7 +189,7 @@ static void strip_brackets(const sbuf *in, sbuf *out, char open, char close) {
                 hi = k;
             }
         }
-        sb_put(out, s + start, a - start);   /* text before and the opener */
+        sb_put(out, s + start, a - start); /* text before and the opener */
         sb_put(out, s + lo, hi - lo);
         sb_put(out, &close, 1);
         i = start = b + 1;
@@ -209,14 +209,15 @@ moeq_status moeq_wikitext_detokenize(const char *text, size_t len, char **out, s
         {" @-@ ", "-"}, {" @,@ ", ","}, {" @.@ ", "."}, {" : ", ": "}, {" ; ", "; "},
         {" . ", ". "},  {" ! ", "! "},  {" ? ", "? "},  {" , ", ", "},
     };
-    static const char brackets[][2] = {{'(', ')'}, {'[', ']'}, {'{', '}'}, {'"', '"'}, {'\'', '\''}};
+    static const char brackets[][2] = {
+        {'(', ')'}, {'[', ']'}, {'{', '}'}, {'"', '"'}, {'\'', '\''}};
     static const char *const misc[][2] = {
-        {"= = = =", "===="}, {"= = =", "==="}, {"= =", "=="}, {" \xc2\xb0 ", "\xc2\xb0"},
+        {"= = = =", "===="}, {"= = =", "==="}, {"= =", "=="},  {" \xc2\xb0 ", "\xc2\xb0"},
         {" \n", "\n"},       {"\n ", "\n"},    {" N ", " 1 "}, {" 's", "'s"},
     };
     *out = NULL;
     if (out_len) *out_len = 0;
-    sbuf a = {0}, b = {0};   /* each pass reads a and writes b, then they swap */
+    sbuf a = {0}, b = {0}; /* each pass reads a and writes b, then they swap */
     sb_put(&a, text, len);
     replace_all(&a, &b, "s '", "s'");
     sb_swap(&a, &b);
@@ -235,7 +236,7 @@ moeq_status moeq_wikitext_detokenize(const char *text, size_t len, char **out, s
         sb_swap(&a, &b);
     }
     free(b.p);
-    if (!a.oom && !b.oom && !a.p) a.p = calloc(1, 1);   /* empty result */
+    if (!a.oom && !b.oom && !a.p) a.p = calloc(1, 1); /* empty result */
     if (a.oom || b.oom || !a.p) {
         free(a.p);
         return mq_err(MOEQ_E_NOMEM, "wikitext detokenizer: out of memory (%zu bytes of text)", len);

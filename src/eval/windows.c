@@ -18,13 +18,19 @@ int64_t mq_rolling_window_count(int64_t n, int32_t L) {
 void mq_rolling_windows(int64_t n, int32_t L, mq_window *out) {
     if (n <= 0 || L <= 0) return;
     int64_t k = n < L ? n : L;
-    out[0] = (mq_window){.in_start = 0, .first_target = 0, .n_input = (int32_t)k,
-                         .n_score = (int32_t)k, .has_prefix = 1};
+    out[0] = (mq_window){.in_start = 0,
+                         .first_target = 0,
+                         .n_input = (int32_t)k,
+                         .n_score = (int32_t)k,
+                         .has_prefix = 1};
     int64_t pos = k, w = 1;
     while (pos < n) {
         int64_t m = n - pos < L ? n - pos : L, end = pos + m;
-        out[w++] = (mq_window){.in_start = end - L - 1, .first_target = pos, .n_input = L,
-                               .n_score = (int32_t)m, .has_prefix = 0};
+        out[w++] = (mq_window){.in_start = end - L - 1,
+                               .first_target = pos,
+                               .n_input = L,
+                               .n_score = (int32_t)m,
+                               .has_prefix = 0};
         pos = end;
     }
 }

@@ -116,6 +116,17 @@ expect_fail 2 "only one of --kl-base and --kl-logits" "$model" --data "$tmp/wiki
 expect_fail 2 "--task" "$model" --data "$tmp/wiki.txt" --task nope
 "$cli" eval --help > /dev/null || fail "--help: expected exit 0"
 
+# The progress bar: drawn with an ETA when stderr is a terminal (a pty from script(1)), not with
+# --quiet; stdout keeps only the result.
+if command -v script >/dev/null; then
+    script -qec "'$cli' eval '$model' --data '$tmp/wiki.txt' --json > '$tmp/tty.json'" /dev/null > "$tmp/tty.out" 2>&1
+    grep -q "ETA" "$tmp/tty.out" || fail "no progress bar on a terminal: $(cat "$tmp/tty.out")"
+    [ "$(json_get "$tmp/tty.json" loglikelihood)" = "$(json_get "$tmp/out.json" loglikelihood)" ] ||
+        fail "stdout under a terminal differs"
+    script -qec "'$cli' eval '$model' --data '$tmp/wiki.txt' --quiet > /dev/null" /dev/null > "$tmp/tty.out" 2>&1
+    ! grep -q "ETA" "$tmp/tty.out" || fail "--quiet still draws the progress bar"
+fi
+
 # Ctrl-C: a long text (about 100K tokens), interrupted after a moment, prints the partial result.
 for i in $(seq 1 40); do
     printf ' = Page %d = \n' "$i"

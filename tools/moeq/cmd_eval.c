@@ -27,7 +27,9 @@ static void json_num(FILE *f, const char *key, double v, bool last) {
     fputs(last ? "\n" : ",\n", f);
 }
 
-static void json_int(FILE *f, const char *key, long long v) { fprintf(f, "  \"%s\": %lld,\n", key, v); }
+static void json_int(FILE *f, const char *key, long long v) {
+    fprintf(f, "  \"%s\": %lld,\n", key, v);
+}
 
 static void print_json(const char *model_dir, const char *data, const char *task,
                        const moeq_eval_result *r, const moeq_docs *docs, const double *doc_ll,
@@ -62,12 +64,14 @@ static void print_json(const char *model_dir, const char *data, const char *task
         fputs("  \"per_doc\": [", f);
         bool first = true;
         for (int64_t d = 0; d < moeq_docs_count(docs); d++) {
-            if (doc_tok[d] < 0) continue;   /* not evaluated (--limit, interrupted) */
+            if (doc_tok[d] < 0) continue; /* not evaluated (--limit, interrupted) */
             size_t len = 0;
             const char *t = moeq_docs_text(docs, d, &len);
-            fprintf(f, "%s\n    {\"doc\": %lld, \"loglikelihood\": %.17g, \"tokens\": %lld, "
-                    "\"words\": %lld, \"bytes\": %zu}", first ? "" : ",", (long long)d,
-                    doc_ll[d], (long long)doc_tok[d], (long long)moeq_count_words(t, len), len);
+            fprintf(f,
+                    "%s\n    {\"doc\": %lld, \"loglikelihood\": %.17g, \"tokens\": %lld, "
+                    "\"words\": %lld, \"bytes\": %zu}",
+                    first ? "" : ",", (long long)d, doc_ll[d], (long long)doc_tok[d],
+                    (long long)moeq_count_words(t, len), len);
             first = false;
         }
         fputs("\n  ],\n", f);
@@ -87,8 +91,8 @@ static void print_text(const char *model_dir, const char *task, const moeq_eval_
             if (doc_tok[d] < 0) continue;
             size_t len = 0;
             const char *t = moeq_docs_text(docs, d, &len);
-            fprintf(f, "%6lld %18.6f %8lld %8lld %8zu\n", (long long)d, doc_ll[d], (long long)doc_tok[d],
-                    (long long)moeq_count_words(t, len), len);
+            fprintf(f, "%6lld %18.6f %8lld %8lld %8zu\n", (long long)d, doc_ll[d],
+                    (long long)doc_tok[d], (long long)moeq_count_words(t, len), len);
         }
         fputc('\n', f);
     }
@@ -124,14 +128,18 @@ int cmd_eval(int argc, char **argv) {
          "wikitext|text", 0, 0, NULL},
         {"--data", OPT_STRING, &data, "FILE", "the documents (required)", NULL, 0, 0, NULL},
         {"--data-format", OPT_CHOICE, &layout, NULL,
-         "documents: ' = Title = ' pages, JSONL page/text, or one (default: jsonl for *.jsonl, else "
-         "wikitext for --task wikitext, whole for text)", "wikitext|jsonl|whole", 0, 0, NULL},
+         "documents: ' = Title = ' pages, JSONL page/text, or one (default: jsonl for *.jsonl, "
+         "else "
+         "wikitext for --task wikitext, whole for text)",
+         "wikitext|jsonl|whole", 0, 0, NULL},
         {"--max-length", OPT_INT, &max_length, "L",
          "tokens per window (default: config max_position_embeddings)", NULL, 1, 1 << 30, NULL},
         {"--limit", OPT_INT, &limit, "N", "only the first N documents", NULL, 1, INT64_MAX, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 1, 1024, NULL},
+        {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 1, 1024,
+         NULL},
         {"--add-bos", OPT_FLAG, &add_bos, NULL,
-         "prepend BOS to each document (lm-eval >= 0.4.10 with BOS-adding tokenizers)", NULL, 0, 0, NULL},
+         "prepend BOS to each document (lm-eval >= 0.4.10 with BOS-adding tokenizers)", NULL, 0, 0,
+         NULL},
         {"--kl-base", OPT_STRING, &kl_base, "DIR", "KL divergence against this (unquantized) model",
          NULL, 0, 0, NULL},
         {"--save-logits", OPT_STRING, &save_logits, "FILE",
@@ -140,34 +148,46 @@ int cmd_eval(int argc, char **argv) {
          0, 0, NULL},
         {"--top-k", OPT_INT, &top_k, "K", "logits per token that --save-logits keeps (default 64)",
          NULL, 1, 1 << 20, NULL},
-        {"--per-doc", OPT_FLAG, &per_doc, NULL, "also print each document's log-likelihood", NULL, 0,
-         0, NULL},
-        {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON object on stdout", NULL, 0, 0, NULL},
+        {"--per-doc", OPT_FLAG, &per_doc, NULL, "also print each document's log-likelihood", NULL,
+         0, 0, NULL},
+        {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON object on stdout", NULL, 0, 0,
+         NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar", NULL, 0, 0, NULL},
     };
     const cli_command cmd = {
-        "eval", "MODEL_DIR --data FILE [--task wikitext|text] [options]",
+        "eval",
+        "MODEL_DIR --data FILE [--task wikitext|text] [options]",
         "Perplexity as lm-evaluation-harness computes loglikelihood_rolling: each document\n"
-        "(wikitext-detokenized for --task wikitext) is tokenized without special tokens and scored\n"
-        "in disjoint windows of --max-length tokens, each conditioned on one token (BOS, else EOS,\n"
+        "(wikitext-detokenized for --task wikitext) is tokenized without special tokens and "
+        "scored\n"
+        "in disjoint windows of --max-length tokens, each conditioned on one token (BOS, else "
+        "EOS,\n"
         "before the first). Reports word and byte perplexity, bits per byte and token perplexity;\n"
         "words and bytes are counted on the original text. A document that tokenizes to nothing\n"
-        "counts with 0 tokens (a warning says so). --kl-base or --kl-logits adds the mean and 99th\n"
-        "percentile of KL(p_base || p_model) per token and the share of changed top-1 predictions;\n"
+        "counts with 0 tokens (a warning says so). --kl-base or --kl-logits adds the mean and "
+        "99th\n"
+        "percentile of KL(p_base || p_model) per token and the share of changed top-1 "
+        "predictions;\n"
         "saved logits keep the top-k logits of each token, so that KL is a lower bound (tokens\n"
         "outside the top-k form one bucket). Ctrl-C prints the partial result and exits 130.",
-        opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
+        opts,
+        (int)(sizeof opts / sizeof opts[0]),
+        1,
+        1,
+        "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
     if (!data) return cli_usage_error("eval", "--data FILE is required");
-    if (kl_base && kl_logits) return cli_usage_error("eval", "give only one of --kl-base and --kl-logits");
+    if (kl_base && kl_logits)
+        return cli_usage_error("eval", "give only one of --kl-base and --kl-logits");
     const char *model_dir = pos[0];
     bool wikitext = strcmp(task, "wikitext") == 0;
     moeq_docs_layout lay = wikitext ? MOEQ_DOCS_WIKITEXT : MOEQ_DOCS_WHOLE;
     if (layout)
-        lay = !strcmp(layout, "jsonl") ? MOEQ_DOCS_JSONL
-              : !strcmp(layout, "whole") ? MOEQ_DOCS_WHOLE : MOEQ_DOCS_WIKITEXT;
+        lay = !strcmp(layout, "jsonl")   ? MOEQ_DOCS_JSONL
+              : !strcmp(layout, "whole") ? MOEQ_DOCS_WHOLE
+                                         : MOEQ_DOCS_WIKITEXT;
     else if (ends_with(data, ".jsonl"))
         lay = MOEQ_DOCS_JSONL;
     if (threads) moeq_set_threads((int)threads);
