@@ -52,21 +52,28 @@ static moeq_status check_tref(const char *op, const char *name, const moeq_tenso
     if (r->dtype != dt)
         return mq_err(MOEQ_E_ARG, "%s: %s: dtype %s, expected %s", op, name, dt_name(r->dtype),
                       dt_name(dt));
-    shape_str(want, sizeof want, ndim, shape);
-    if (r->ndim < 0 || r->ndim > 4)
-        return mq_err(MOEQ_E_SHAPE, "%s: %s: ndim %d, expected shape %s", op, name, (int)r->ndim,
-                      want);
-    shape_str(got, sizeof got, r->ndim, r->shape);
+    /* the shape strings are formatted only for messages: this runs on every op call */
     bool same = r->ndim == ndim;
     for (int i = 0; same && i < ndim; i++) same = r->shape[i] == shape[i];
-    if (!same) return mq_err(MOEQ_E_SHAPE, "%s: %s: shape %s, expected %s", op, name, got, want);
+    if (!same) {
+        shape_str(want, sizeof want, ndim, shape);
+        if (r->ndim < 0 || r->ndim > 4)
+            return mq_err(MOEQ_E_SHAPE, "%s: %s: ndim %d, expected shape %s", op, name,
+                          (int)r->ndim, want);
+        shape_str(got, sizeof got, r->ndim, r->shape);
+        return mq_err(MOEQ_E_SHAPE, "%s: %s: shape %s, expected %s", op, name, got, want);
+    }
     size_t need = dt_size(dt);
     for (int i = 0; i < ndim; i++)
-        if (!mq_mul_size(need, (size_t)shape[i], &need))
+        if (!mq_mul_size(need, (size_t)shape[i], &need)) {
+            shape_str(got, sizeof got, r->ndim, r->shape);
             return mq_err(MOEQ_E_SHAPE, "%s: %s: shape %s is too large", op, name, got);
-    if (r->nbytes < need)
+        }
+    if (r->nbytes < need) {
+        shape_str(got, sizeof got, r->ndim, r->shape);
         return mq_err(MOEQ_E_ARG, "%s: %s: buffer of %zu bytes, shape %s %s needs %zu", op, name,
                       r->nbytes, got, dt_name(dt), need);
+    }
     return MOEQ_OK;
 }
 
@@ -598,7 +605,11 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
     }
     c.n_items = n;
     atomic_store(&c.next_item, 0);
-    mq_parallel_for(threads, expert_worker, &c);
+    /* below ~1M multiply-adds waking the other threads costs more than it saves */
+    double macs = 0;
+    for (int64_t e = 0; e < nm; e++)
+        macs += (double)(c.off[e + 1] - c.off[e]) * 3.0 * (double)w->ex[e].ffn * (double)D;
+    mq_parallel_for(macs < 1e6 ? 1 : threads, expert_worker, &c);
 
     mq_parallel_for((T + TOK_CHUNK - 1) / TOK_CHUNK, combine_task, &c);
     ws_release(base, cached);
@@ -691,8 +702,15 @@ moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const flo
     lin_ctx c = {w, mq_moe_kernels_active(), x, direct ? y : ptr[3], T, direct ? w->out : prow,
                  (prow / 16 + PAIRS_B - 1) / PAIRS_B,
                  {ptr[0], (int8_t *)ptr[0] + T * w->in, ptr[1], ptr[2], w->in, B, nvfp4 ? 12 : 8}};
-    mq_parallel_for((T + TOK_CHUNK - 1) / TOK_CHUNK, lin_quant_task, &c);
-    mq_parallel_for(c.n_chunks * ((T + LIN_TOKENS - 1) / LIN_TOKENS), lin_gemm_task, &c);
+    const int64_t nq = (T + TOK_CHUNK - 1) / TOK_CHUNK;
+    const int64_t ng = c.n_chunks * ((T + LIN_TOKENS - 1) / LIN_TOKENS);
+    if ((double)T * (double)prow * (double)w->in < 1e6) {   /* too small to wake the pool */
+        for (int64_t i = 0; i < nq; i++) lin_quant_task(&c, i, 0);
+        for (int64_t i = 0; i < ng; i++) lin_gemm_task(&c, i, 0);
+    } else {
+        mq_parallel_for(nq, lin_quant_task, &c);
+        mq_parallel_for(ng, lin_gemm_task, &c);
+    }
     if (!direct)
         for (int64_t t = 0; t < T; t++)
             memcpy(y + t * w->out, c.y + t * prow, sizeof(float) * (size_t)w->out);

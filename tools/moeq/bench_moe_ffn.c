@@ -204,9 +204,9 @@ int bench_moe_ffn(int argc, char **argv) {
     double bw = mq_measure_read_gbps(quick ? (size_t)64 << 20 : (size_t)1 << 30, quick ? 0.05 : 1.0);
     const double load = load_average();
     if (!json) {
-        printf("machine: sgemm %.1f GFLOP/s (OpenBLAS 2048^3), read bandwidth %.1f GB/s, %lld threads, "
+        printf("machine: sgemm %.1f GFLOP/s (OpenBLAS %d^3), read bandwidth %.1f GB/s, %lld threads, "
                "load average %.2f\n",
-               sgemm, bw, (long long)threads, load);
+               sgemm, quick ? 256 : 2048, bw, (long long)threads, load);
         fflush(stdout);
     }
     moeq_moe_experts *w = NULL;
