@@ -3,14 +3,17 @@
  * runtime uses (the public op is moeq_moe_ffn in include/moeq.h, which documents the semantics).
  *
  * Packed layout. Every weight matrix W [rows, cols] (rows = outputs, cols = K = reduction) is a
- * sequence of row blocks of 8 rows; rows is always a multiple of 16 (group sizes divide D and F),
- * so kernels work on tile pairs of two row blocks (16 rows). A row block of K columns is
+ * sequence of row blocks of 8 rows; rows is always a multiple of 16 (group sizes divide D and F;
+ * a packed dense Linear pads), so kernels work on tile pairs of two row blocks (16 rows). A row
+ * block of K columns is
  *   codes:  K/8 chunks of 32 bytes; chunk c, byte 4*l + i (lane l = row 0..7, i = 0..3) holds
  *           the code of (row l, col 8c+i) in its low nibble and of (row l, col 8c+4+i) in its
  *           high nibble -- so one 32-byte load gives, after a mask and a shift, four consecutive
  *           columns of all 8 rows per 32-bit lane: the operand shape of _mm256_maddubs_epi16;
- *   scales: K/group entries of 8 (one per row): fp32 (INT4) or the E4M3 byte (NVFP4);
- *   padding to 64 bytes.
+ *   scales: K/group entries of 8 (one per row): INT4 fp16/bf16 when lossless, else fp32; NVFP4
+ *           the E4M3 byte;
+ *   padding to 64 bytes. Row blocks follow each other, so a tile pair is one contiguous stream
+ *   and the kernels prefetch the next pair into L2 while they work on the current one.
  * gate_up interleaves its halves: tile pair i = (gate rows 8i..8i+7, up rows 8i..8i+7), so the
  * SwiGLU of 8 outputs happens in registers. down keeps the natural order (pair i = rows 16i..).
  *
@@ -21,8 +24,20 @@
  * ~45 dB on Gaussian inputs and ~41 dB on the heavier-tailed SwiGLU output, i.e. ~40 dB end to end,
  * so the op uses the split form for both GEMMs; the kernels support both.
  * A block's exact integer product is I = dot(u, v) - corr (|I| < 2^24, exact in fp32), and
- *   y[r] = sum_blocks fma(float(I), sw[r, block] * sa[block], acc) / div
- * with div = 1 (INT4) or 2 * global_scale (NVFP4; the 2 undoes the doubled E2M1 values).
+ *   y[r] = sum_blocks fma(float(I), sw[r, block] * sa[block], acc) * mul / div
+ * with mul = div = 1 (INT4); NVFP4 div = 2 * global_scale (compressed-tensors divisor) or mul =
+ * global_scale, div = 2 (ModelOpt multiplier); the 2 undoes the doubled E2M1 values.
+ *
+ * Runtime integration (src/model is not touched here; the lead wires it):
+ *  - MoE layer: mq_moe_experts_from_qtensors(gate[E], up[E], down[E], E, shared gate/up/down or
+ *    NULL, "model.layers.N.mlp", &experts) once at load; then per forward fill an mq_moe_layer
+ *    {experts, router [E, D], selection bias or NULL, shared_expert_gate [D] or NULL, top_k,
+ *    scoring, renormalize, route_scale} and call mq_moe_layer_forward(&L, x, T, out). Resident
+ *    bytes: moeq_moe_experts_bytes(). MOEQ_E_UNSUPPORTED (asymmetric INT4, act-order, other
+ *    schemes/groups) means: keep the dequantized fp32 path for that layer.
+ *  - Any other quantized Linear (attention, dense MLP): mq_packed_weight_from_qtensor() into
+ *    mq_linear.qw, mq_packed_weight_forward(qw, x, T, y) then add the bias; free with
+ *    mq_packed_weight_free().
  */
 #ifndef MOEQ_KERNELS_MOE_FFN_H
 #define MOEQ_KERNELS_MOE_FFN_H
