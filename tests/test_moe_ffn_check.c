@@ -124,6 +124,8 @@ static void break_desc(int id, moeq_moe_experts_desc *d) {
         case 31: d->shared_down.global_scale.dtype = MOEQ_DT_F16; break;   /* NVFP4 */
         case 32: d->scheme = MOEQ_MOE_NVFP4; break;            /* from INT4: group 32 */
         case 33: d->down.codes.ndim = 5; break;
+        case 34: d->nvfp4_global_multiplier = 2; break;        /* NVFP4 */
+        case 35: d->nvfp4_global_multiplier = 1; break;        /* INT4 */
     }
 }
 
@@ -162,6 +164,8 @@ static const desc_case k_desc_cases[] = {
     {1, MOEQ_E_ARG, "shared_down.global_scale: dtype F16, expected F32"},
     {0, MOEQ_E_UNSUPPORTED, "NVFP4 needs 16"},
     {0, MOEQ_E_SHAPE, "down.codes: ndim 5"},
+    {1, MOEQ_E_ARG, "nvfp4_global_multiplier 2 (expected 0 or 1)"},
+    {0, MOEQ_E_ARG, "nvfp4_global_multiplier is set for an INT4 layer"},
 };
 
 static void test_experts_check_rejects_each_argument(void) {
