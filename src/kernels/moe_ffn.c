@@ -1,12 +1,13 @@
 /*
  * The quantized MoE feed-forward op (moeq_moe_ffn, semantics in include/moeq.h): argument
  * validation (the shape function, like ExecuTorch's Meta kernel for llama::quantized_moe_ffn),
- * packing of canonical INT4 / NVFP4 weights into the kernel layout (src/kernels/moe_ffn.h), routing
- * (fp32 router, softmax or sigmoid scores, top-k, renormalisation as in transformers'
- * Mixtral/Qwen2-MoE/OLMoE/DeepSeek-V3 and ExecuTorch's op), a counting sort of (token, slot)
- * pairs by expert, and two parallel phases over (expert, row range) tasks: fused gate+up GEMM
- * with SwiGLU and int8 re-quantization, then the down GEMM. Each token finally sums its slots in
- * slot order, so the result does not depend on the thread count.
+ * the public descriptor's weights handed to the packer (moe_pack.c), routing (fp32 router,
+ * softmax or sigmoid scores, top-k, renormalisation as in transformers' Mixtral/Qwen2-MoE/OLMoE/
+ * DeepSeek-V3 and ExecuTorch's op), a counting sort of (token, slot) pairs by expert, and one pass
+ * over the pool of ordered work items: fused gate+up GEMM with SwiGLU and re-quantization per
+ * (expert, 64 outputs), then the down GEMM per (expert, 128 rows). Each token finally sums its
+ * slots in slot order, so the result does not depend on the thread count. Also the forward of a
+ * packed dense Linear on the same kernels.
  */
 #include <math.h>
 #include <pthread.h>
@@ -232,7 +233,8 @@ moeq_status moeq_moe_ffn_check(const moeq_moe_ffn_args *a, int64_t out_shape[2])
         return mq_err(MOEQ_E_SHAPE, "%s: x: ndim %d, expected 2 ([tokens, %lld])", k_op,
                       (int)a->x.ndim, (long long)D);
     const int64_t T = a->x.shape[0];
-    if (T < 0) return mq_err(MOEQ_E_SHAPE, "%s: x: %lld tokens", k_op, (long long)T);
+    if (T < 0 || T > INT32_MAX)
+        return mq_err(MOEQ_E_SHAPE, "%s: x: %lld tokens", k_op, (long long)T);
     moeq_status st;
     if (T > 0) {
         if ((st = check_tref(k_op, "x", &a->x, MOEQ_DT_F32, 2, (int64_t[]){T, D}))) return st;
@@ -578,7 +580,7 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
     if (w->Fs > 0)
         for (int64_t t = 0; t < T; t++) c.perm_tok[c.off[E] + t] = (int32_t)t;
 
-    /* x -> int8 blocks */
+    /* x -> split int16 blocks */
     mq_parallel_for((T + TOK_CHUNK - 1) / TOK_CHUNK, quant_x_task, &c);
 
     /* work items: gate_up + SwiGLU + mid quantization per (matrix, 64 outputs), then down per
