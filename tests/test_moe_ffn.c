@@ -300,9 +300,14 @@ static double sqnr_db(const double *ref, const float *out, size_t n) {
     return e == 0 ? 300.0 : 10.0 * log10(s / e);
 }
 
+static int g_outliers;   /* make_x: a few channels 50x larger, as LLM hidden states have */
+
 static float *make_x(int64_t T, int64_t D) {
     float *x = malloc(sizeof(float) * (size_t)(T * D));
     for (int64_t i = 0; i < T * D; i++) x[i] = rnd_normal();
+    if (g_outliers)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d = 3; d < D; d += 37) x[t * D + d] *= 50.0f;
     return x;
 }
 
@@ -439,6 +444,19 @@ static void test_ref_avx2_threads_identical(void) {
     }
 }
 
+static void test_outlier_channels(void) {
+    g_outliers = 1;
+    for (int nv = 0; nv < 2; nv++) {
+        problem p = make_problem(nv, 128, 8, 256, 128, 128, 23 + (uint64_t)nv);
+        routing r = {2, 1, 0, 1, MOEQ_MOE_SOFTMAX, 1.0f};
+        double db = check_case(&p, &r, 9, NULL);
+        printf("    %s with outlier channels: %.1f dB\n", nv ? "nvfp4" : "int4 g128", db);
+        if (!(db > 60.0)) FAIL("outlier channels: %.1f dB", db);
+        free_problem(&p);
+    }
+    g_outliers = 0;
+}
+
 static void test_empty_input(void) {
     problem p = make_problem(0, 32, 4, 64, 32, 0, 21);
     moeq_moe_experts *w = pack(&p);
@@ -452,4 +470,4 @@ TEST_MAIN(T(test_int4_g32_softmax_renorm), T(test_int4_g128_softmax_no_renorm),
           T(test_nvfp4_sigmoid_bias_route_scale), T(test_nvfp4_softmax_no_renorm),
           T(test_shared_expert_with_gate), T(test_top_k_equals_E_and_one_token),
           T(test_zero_token_expert_and_all_on_one), T(test_many_tokens_tile_remainders),
-          T(test_ref_avx2_threads_identical), T(test_empty_input))
+          T(test_ref_avx2_threads_identical), T(test_outlier_channels), T(test_empty_input))
