@@ -452,8 +452,17 @@ static void test_to_f32(void) {
     ASSERT_OK(mq_tensor_to_f32(&v, out));
     ASSERT_TRUE(memcmp(out, f32, sizeof f32) == 0);
 
-    v = view_of(MOEQ_DT_F8_E4M3, buf, 4);
-    ASSERT_STATUS(MOEQ_E_UNSUPPORTED, mq_tensor_to_f32(&v, out));
+    /* float8_e4m3fn bytes, decoded by hand: 0x38 = 1.0, 0xC0 = -2.0, 0x7E = 448 (max),
+     * 0x01 = 2^-9 (smallest subnormal), 0x7F = NaN. */
+    const uint8_t e4m3[] = {0x38, 0xC0, 0x7E, 0x01, 0x7F};
+    memcpy(buf + 1, e4m3, sizeof e4m3);
+    v = view_of(MOEQ_DT_F8_E4M3, buf + 1, 5);
+    ASSERT_OK(mq_tensor_to_f32(&v, out));
+    ASSERT_NEAR(1.0, out[0], 0);
+    ASSERT_NEAR(-2.0, out[1], 0);
+    ASSERT_NEAR(448.0, out[2], 0);
+    ASSERT_NEAR(0x1p-9, out[3], 0);
+    ASSERT_TRUE(out[4] != out[4]);
     v = view_of(MOEQ_DT_I32, buf, 4);
     ASSERT_STATUS(MOEQ_E_UNSUPPORTED, mq_tensor_to_f32(&v, out));
     ASSERT_ERROR_MENTIONS("I32");

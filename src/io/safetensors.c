@@ -13,6 +13,7 @@
  * spaces to a multiple of 8, so every tensor is naturally aligned; written atomically.
  */
 #include "io/safetensors.h"
+#include "formats/formats.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -870,11 +871,9 @@ moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out) {
             out[i] = (float)d;
         }
         return MOEQ_OK;
-    case MOEQ_DT_F8_E4M3:
-        /* The formats module (src/formats, mq_e4m3_decode) owns E4M3 decoding; it is wired in
-         * here once that lands. */
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: tensor '%s': F8_E4M3 to fp32 is not supported yet",
-                      t->file ? t->file : "?", t->name);
+    case MOEQ_DT_F8_E4M3:   /* float8_e4m3fn (e.g. NVFP4 block scales, FP8 checkpoints) */
+        for (size_t i = 0; i < n; i++) out[i] = mq_e4m3_decode(p[i]);
+        return MOEQ_OK;
     default:
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: tensor '%s': dtype %s is not a floating type",
                       t->file ? t->file : "?", t->name, moeq_dtype_name(t->dtype));

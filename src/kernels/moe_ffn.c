@@ -19,23 +19,6 @@
 #include "kernels/moe_ffn.h"
 
 /* ---- small helpers ------------------------------------------------------------------------- */
-static const char *dt_name(moeq_dtype dt) {
-    static const char *const names[MOEQ_DT_COUNT] = {"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3",
-                                                     "I16", "U16", "F16", "BF16", "I32", "U32",
-                                                     "F32", "F64", "I64", "U64"};
-    return (dt >= 0 && dt < MOEQ_DT_COUNT) ? names[dt] : "unknown";
-}
-
-static size_t dt_size(moeq_dtype dt) {
-    switch (dt) {
-        case MOEQ_DT_BOOL: case MOEQ_DT_U8: case MOEQ_DT_I8: case MOEQ_DT_F8_E5M2:
-        case MOEQ_DT_F8_E4M3: return 1;
-        case MOEQ_DT_I16: case MOEQ_DT_U16: case MOEQ_DT_F16: case MOEQ_DT_BF16: return 2;
-        case MOEQ_DT_I32: case MOEQ_DT_U32: case MOEQ_DT_F32: return 4;
-        default: return 8;
-    }
-}
-
 static void shape_str(char *buf, size_t n, int ndim, const int64_t *shape) {
     size_t o = (size_t)snprintf(buf, n, "[");
     for (int i = 0; i < ndim && o < n; i++)
@@ -51,8 +34,8 @@ static moeq_status check_tref(const char *op, const char *name, const moeq_tenso
     char want[96], got[96];
     if (!r->data) return mq_err(MOEQ_E_ARG, "%s: %s: data is NULL", op, name);
     if (r->dtype != dt)
-        return mq_err(MOEQ_E_ARG, "%s: %s: dtype %s, expected %s", op, name, dt_name(r->dtype),
-                      dt_name(dt));
+        return mq_err(MOEQ_E_ARG, "%s: %s: dtype %s, expected %s", op, name, moeq_dtype_name(r->dtype),
+                      moeq_dtype_name(dt));
     /* the shape strings are formatted only for messages: this runs on every op call */
     bool same = r->ndim == ndim;
     for (int i = 0; same && i < ndim; i++) same = r->shape[i] == shape[i];
@@ -64,7 +47,7 @@ static moeq_status check_tref(const char *op, const char *name, const moeq_tenso
         shape_str(got, sizeof got, r->ndim, r->shape);
         return mq_err(MOEQ_E_SHAPE, "%s: %s: shape %s, expected %s", op, name, got, want);
     }
-    size_t need = dt_size(dt);
+    size_t need = moeq_dtype_size(dt);
     for (int i = 0; i < ndim; i++)
         if (!mq_mul_size(need, (size_t)shape[i], &need)) {
             shape_str(got, sizeof got, r->ndim, r->shape);
@@ -73,7 +56,7 @@ static moeq_status check_tref(const char *op, const char *name, const moeq_tenso
     if (r->nbytes < need) {
         shape_str(got, sizeof got, r->ndim, r->shape);
         return mq_err(MOEQ_E_ARG, "%s: %s: buffer of %zu bytes, shape %s %s needs %zu", op, name,
-                      r->nbytes, got, dt_name(dt), need);
+                      r->nbytes, got, moeq_dtype_name(dt), need);
     }
     return MOEQ_OK;
 }

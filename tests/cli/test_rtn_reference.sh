@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 4's check: RTN checkpoints written by `moeq quantize --reference` (the reference's fake
+# quantization: NVFP4 per-tensor global scale amax/2688 not fused, block scale E4M3(amax/6/global);
+# INT4 symmetric amax/7) have wikitext word perplexity within 1% of reference.json for every
+# fixture model and scheme, and, for one checkpoint, mean KL / top-1 agreement close to the
+# reference's. The quantized models agree with the reference to 0.1-0.6% in perplexity, not
+# bit-for-bit (README "Formats and checkpoints" says why), so the bounds are the issue's 1% and
+# 3% on KL. Two full-file evaluations per model: about two minutes of CPU per model.
+set -u
+cli=${MOEQ_CLI:?MOEQ_CLI is not set}
+shared=${MOEQ_SHARED:-${MOEQ_REPO:?MOEQ_REPO is not set}/../shared}
+data=$shared/fixtures/text/wikitext2_test.txt
+ref=$shared/fixtures/reference.json
+if [ ! -f "$data" ] || [ ! -f "$ref" ]; then
+    echo "SKIP: shared fixtures not found under $shared (set MOEQ_SHARED)"
+    exit 77
+fi
+command -v python3 >/dev/null || { echo "SKIP: python3 is needed to read reference.json"; exit 77; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+for model in olmoe-tiny qwen2moe-tiny llama-tiny; do
+    for scheme in nvfp4 int4_g128 int4_g32; do
+        case $scheme in
+            nvfp4) args="--scheme nvfp4a16" ;;
+            int4_g128) args="--scheme int4 --group-size 128" ;;
+            int4_g32) args="--scheme int4 --group-size 32" ;;
+        esac
+        q=$tmp/$model-$scheme
+        "$cli" quantize "$shared/fixtures/models/$model" --out "$q" $args --method rtn --reference --quiet ||
+            { echo "FAIL: quantize $model $scheme exited $?"; fail=1; continue; }
+        extra=""
+        [ "$model-$scheme" = "llama-tiny-int4_g128" ] && extra="--kl-base $shared/fixtures/models/$model"
+        "$cli" eval "$q" --data "$data" --max-length 512 --json --quiet $extra > "$q.json" ||
+            { echo "FAIL: eval $model $scheme exited $?"; fail=1; continue; }
+        python3 - "$q.json" "$ref" "$model" "wikitext_${scheme}_rtn" <<'PY' || fail=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+ref = json.load(open(sys.argv[2]))[sys.argv[3]][sys.argv[4]]
+rel = (r["word_perplexity"] - ref["word_perplexity"]) / ref["word_perplexity"]
+print("%-14s %-22s word_perplexity %.3f reference %.3f (%+.3f%%)" % (sys.argv[3], sys.argv[4], r["word_perplexity"], ref["word_perplexity"], 100 * rel))
+ok = abs(rel) <= 0.01
+if "kl_mean" in r:
+    krel = (r["kl_mean"] - ref["kl_mean"]) / ref["kl_mean"]
+    agree = 1 - r["top1_changed"]
+    print("    kl_mean %.6f reference %.6f (%+.2f%%); top-1 agree %.5f reference %.5f" % (r["kl_mean"], ref["kl_mean"], 100 * krel, agree, ref["top1_agree"]))
+    ok = ok and abs(krel) <= 0.03 and abs(agree - ref["top1_agree"]) <= 0.005 and r["kl_tokens"] == ref["tokens"]
+if not ok:
+    print("FAIL")
+sys.exit(0 if ok else 1)
+PY
+        rm -rf "$q"
+    done
+done
+exit $fail
