@@ -29,21 +29,21 @@ else
     runs="olmoe-tiny:nvfp4 llama-tiny:int4_g128"
 fi
 for run in $runs; do
-        model=${run%%:*}
-        scheme=${run##*:}
-        case $scheme in
-            nvfp4) args="--scheme nvfp4a16" ;;
-            int4_g128) args="--scheme int4 --group-size 128" ;;
-            int4_g32) args="--scheme int4 --group-size 32" ;;
-        esac
-        q=$tmp/$model-$scheme
-        "$cli" quantize "$shared/fixtures/models/$model" --out "$q" $args --method rtn --reference --quiet ||
-            { echo "FAIL: quantize $model $scheme exited $?"; fail=1; continue; }
-        extra=""
-        [ "$model-$scheme" = "llama-tiny-int4_g128" ] && extra="--kl-base $shared/fixtures/models/$model"
-        "$cli" eval "$q" --data "$data" --max-length 512 --json --quiet $extra > "$q.json" ||
-            { echo "FAIL: eval $model $scheme exited $?"; fail=1; continue; }
-        python3 - "$q.json" "$ref" "$model" "wikitext_${scheme}_rtn" <<'PY' || fail=1
+    model=${run%%:*}
+    scheme=${run##*:}
+    case $scheme in
+        nvfp4) args="--scheme nvfp4a16" ;;
+        int4_g128) args="--scheme int4 --group-size 128" ;;
+        int4_g32) args="--scheme int4 --group-size 32" ;;
+    esac
+    q=$tmp/$model-$scheme
+    "$cli" quantize "$shared/fixtures/models/$model" --out "$q" $args --method rtn --reference --quiet ||
+        { echo "FAIL: quantize $model $scheme exited $?"; fail=1; continue; }
+    extra=""
+    [ "$model-$scheme" = "llama-tiny-int4_g128" ] && extra="--kl-base $shared/fixtures/models/$model"
+    "$cli" eval "$q" --data "$data" --max-length 512 --json --quiet $extra > "$q.json" ||
+        { echo "FAIL: eval $model $scheme exited $?"; fail=1; continue; }
+    python3 - "$q.json" "$ref" "$model" "wikitext_${scheme}_rtn" <<'PY' || fail=1
 import json, sys
 r = json.load(open(sys.argv[1]))
 ref = json.load(open(sys.argv[2]))[sys.argv[3]][sys.argv[4]]
@@ -59,6 +59,6 @@ if not ok:
     print("FAIL")
 sys.exit(0 if ok else 1)
 PY
-        rm -rf "$q"
+    rm -rf "$q"
 done
 exit $fail
