@@ -7,7 +7,8 @@
  * U^T U = H^-1, U upper. The reference computes U = chol(cholesky_inverse(chol(H)), upper). We
  * take the lower Cholesky factor of H with rows and columns reversed, which rotated by 180
  * degrees is an upper R with H = R R^T; then H^-1 = R^-T R^-1, so U = R^-1 (uniqueness of the
- * Cholesky factor) at half the cost: one potrf and one trtri.
+ * Cholesky factor) at half the cost: one Cholesky and one triangular inverse, both blocked over
+ * fixed tiles on the pool (so a single large Hessian uses every core, deterministically).
  *
  * Column loop: rows are independent, so a task takes a fixed block of ROW_BLOCK rows through all
  * K columns, holding them transposed (Wt[p][i]: one column is contiguous over the rows). Three

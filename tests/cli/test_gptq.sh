@@ -33,6 +33,10 @@ grep -q '"modules_worse_than_rtn":[[:space:]]*0' "$r" || fail "report: a module 
 grep -q '"method":[[:space:]]*"gptq-block-hessian"' "$r" || fail "report: no expert fallback"
 grep -q '"tokens":[[:space:]]*512' "$r" || fail "report: calibration tokens"
 "$cli" inspect "$tmp/nv" | grep -q 'nvfp4 (compressed-tensors) *112 weights' || fail "inspect nvfp4"
+# the checkpoint does not depend on the number of threads
+"$cli" quantize "$model" --out "$tmp/nv1" --scheme nvfp4a16 --method gptq --calib "$calib" \
+    --nsamples 8 --seqlen 64 --threads 1 --quiet || fail "--threads 1 exited $?"
+cmp -s "$tmp/nv/model.safetensors" "$tmp/nv1/model.safetensors" || fail "--threads 1 changed the checkpoint"
 
 # INT4 act-order with g_idx into GPTQ v1, nonsequential, RTN fallback, JSONL documents
 printf '{"text": "The quick brown fox jumps over the lazy dog."}\n{"text": "It was a bright cold day in April, and the clocks were striking thirteen."}\n' > "$tmp/c.jsonl"

@@ -145,6 +145,7 @@ int cmd_quantize(int argc, char **argv) {
     if (w4a4 && !calib)
         return cli_usage_error("quantize", "--scheme nvfp4 (W4A4) needs --calib FILE for its activation "
                                "scales; --scheme nvfp4a16 is weight-only");
+    if (gq.threads) moeq_set_threads((int)gq.threads);
     bool gptq = strcmp(method, "gptq") == 0;
     if (gptq && !calib) return cli_usage_error("quantize", "--method gptq needs --calib FILE");
     if (!w4a4 && !gptq && calib)

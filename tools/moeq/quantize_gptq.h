@@ -9,7 +9,7 @@
 #include "export/quantize.h"
 
 typedef struct {
-    int64_t nsamples, seqlen, seed, block_size, min_expert_tokens;
+    int64_t nsamples, seqlen, seed, block_size, min_expert_tokens, threads;
     double percdamp;
     const char *sampling, *groups, *mode, *fallback, *report;
     bool calib_bos, act_order, no_act_order, static_groups, no_mse;
@@ -46,7 +46,8 @@ void gptq_cli_defaults(gptq_cli *g);
     {"--expert-fallback", OPT_CHOICE, &(g).fallback, NULL, "GPTQ: Hessians of all tokens of the "  \
      "MoE block (default) or round to nearest", "block|rtn", 0, 0, NULL},                          \
     {"--report", OPT_STRING, &(g).report, "FILE", "GPTQ: JSON report (default "                    \
-     "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL}
+     "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL},                                               \
+    {"--threads", OPT_INT, &(g).threads, "N", "worker threads (default: all CPUs)", NULL, 1, 1024, NULL}
 
 /* Runs GPTQ and writes the checkpoint; prints the report path unless quiet. o: the writer's
  * options as cmd_quantize built them (spec, format, ignore list, ...). */
