@@ -97,6 +97,7 @@ typedef struct {
     int n_slots;
     int site_slot[MQ_SITE_COUNT];   /* non-expert sites; -1 when absent */
     int expert0, down0;             /* slot of EXPERT 0 / EXPERT_DOWN 0; -1 when dense */
+    int phase;                      /* -1: every slot; 0: attention only; 1: the rest */
     float *ffn_in;                  /* [samples][max_len][D] MoE block input (fallback), or NULL */
     int64_t max_len;
     int64_t sample;                 /* sample being run */
@@ -114,6 +115,12 @@ static void block_free(block_ctx *b) {
     b->slots = NULL;
     b->ffn_in = NULL;
     b->n_slots = 0;
+}
+
+/* Whether the slot belongs to the block's current phase (true-sequential: attention first). */
+static bool in_phase(const block_ctx *b, const slot *s) {
+    bool attn = s->site == MQ_SITE_QKV || s->site == MQ_SITE_O;
+    return b->phase < 0 || attn == (b->phase == 0);
 }
 
 static bool wanted(const mq_gptq_model_opts *o, const mq_linear *l) {
@@ -139,6 +146,7 @@ static moeq_status block_init(block_ctx *b, moeq_model *m, const mq_gptq_model_o
     b->o = o;
     b->layer = l;
     b->expert0 = b->down0 = -1;
+    b->phase = -1;
     for (int i = 0; i < MQ_SITE_COUNT; i++) b->site_slot[i] = -1;
     mq_layer *ly = &m->layers[l];
     const mq_config *c = &m->cfg;
@@ -198,11 +206,11 @@ static void on_capture(void *user, int layer, mq_site site, int expert, const fl
             : site == MQ_SITE_EXPERT_DOWN ? (b->down0 >= 0 ? b->down0 + expert : -1)
                                           : b->site_slot[site];
     double t0 = mq_now();
-    if (i >= 0 && b->slots[i].nw) {
+    if (i >= 0 && b->slots[i].nw && in_phase(b, &b->slots[i])) {
         MQ_ASSERT(cols == b->slots[i].h.K);
         mq_hessian_add(&b->slots[i].h, x, rows);
     }
-    if (site == MQ_SITE_O && b->ffn_in) {
+    if (site == MQ_SITE_O && b->ffn_in && b->phase != 0) {
         /* the MoE block input of every token: RMSNorm(x_in + o_proj(attention)) */
         const mq_layer *ly = &b->m->layers[layer];
         const int64_t D = b->m->cfg.D;
@@ -250,7 +258,7 @@ static moeq_status block_hessians(block_ctx *b, const mq_calib_set *calib) {
     bool need_block = false;
     for (int i = 0; i < b->n_slots; i++) {
         slot *s = &b->slots[i];
-        if (!s->nw) continue;
+        if (!s->nw || !in_phase(b, s)) continue;
         s->tokens = s->expert >= 0 ? b->slots[b->expert0 + s->expert].h.n : s->h.n;
         s->how = MQ_HOW_GPTQ;
         if (s->expert >= 0 && s->tokens < o->min_expert_tokens)
@@ -264,7 +272,7 @@ static moeq_status block_hessians(block_ctx *b, const mq_calib_set *calib) {
     }
     for (int i = 0; i < b->n_slots && !st; i++) {
         slot *s = &b->slots[i];
-        if (!s->nw || s->how == MQ_HOW_RTN) continue;
+        if (!s->nw || !in_phase(b, s) || s->how == MQ_HOW_RTN) continue;
         const int64_t K = s->h.K;
         const mq_hessian *src = &s->h;
         mq_hessian tmp = {0};
@@ -283,7 +291,8 @@ static moeq_status block_hessians(block_ctx *b, const mq_calib_set *calib) {
         mq_hessian_free(&tmp);
     }
     mq_hessian_free(&block_in);
-    for (int i = 0; i < b->n_slots; i++) mq_hessian_free(&b->slots[i].h);   /* sums done */
+    for (int i = 0; i < b->n_slots; i++)   /* sums done */
+        if (in_phase(b, &b->slots[i])) mq_hessian_free(&b->slots[i].h);
     return st;
 }
 
@@ -305,7 +314,7 @@ static moeq_status block_quantize(block_ctx *b, mq_gptq_results *res) {
     }
     for (int i = 0; i < n; i++) {
         slot *s = &b->slots[i];
-        if (!s->nw) continue;
+        if (!s->nw || !in_phase(b, s)) continue;
         Hs[i] = s->how == MQ_HOW_RTN ? NULL : s->H;
         Ks[i] = s->w[0]->in;
         names[i] = s->w[0]->name;
@@ -316,11 +325,11 @@ static moeq_status block_quantize(block_ctx *b, mq_gptq_results *res) {
     if ((st = mq_gptq_factor_many(Hs, Ks, n, &o->gptq, o->gptq.rtn_loss, names, f))) goto done;
     /* the jobs point at results: no reallocation of res->r from here on */
     int64_t first = res->n, count = 0;
-    for (int i = 0; i < n; i++) count += b->slots[i].nw;
+    for (int i = 0; i < n; i++) count += in_phase(b, &b->slots[i]) ? b->slots[i].nw : 0;
     if ((st = results_reserve(res, count))) goto done;
     for (int i = 0; i < n && !st; i++) {
         slot *s = &b->slots[i];
-        for (int k = 0; k < s->nw && !st; k++) {
+        for (int k = 0; k < s->nw && in_phase(b, s) && !st; k++) {
             mq_linear *l = s->w[k];
             mq_gptq_result *r = results_add(res, l->name, b->layer, s->expert);
             if (!r) {
@@ -345,7 +354,7 @@ static moeq_status block_quantize(block_ctx *b, mq_gptq_results *res) {
     for (int j = 0; j < n_jobs; j++) res->r[job_res[j]].stats = jobs[j].stats;
     /* the model continues with the quantized weights (results are in slot order) */
     for (int i = 0, k2 = 0; i < n; i++)
-        for (int k = 0; k < b->slots[i].nw; k++, k2++)
+        for (int k = 0; k < b->slots[i].nw && in_phase(b, &b->slots[i]); k++, k2++)
             mq_dequantize(&res->r[first + k2].q, b->slots[i].w[k]->w);
 done:
     for (int i = 0; f && i < n; i++) mq_gptq_factor_free(&f[i]);
@@ -379,47 +388,52 @@ moeq_status mq_gptq_model(moeq_model *m, const mq_calib_set *calib, const mq_gpt
     out->samples = S;
     out->tokens = calib->total;
     const bool seq = o->mode == MQ_GPTQ_SEQUENTIAL;
+    const int phases = seq && o->true_sequential ? 2 : 1;
     /* progress units: one per sample forward, and a block's GPTQ weighted like a quarter pass */
-    const int64_t quant_units = S / 4 + 1, per_layer = S * (seq ? 2 : 1) + quant_units;
+    const int64_t quant_units = S / 4 + 1, per_layer = (S + quant_units) * phases + (seq ? S : 0);
     const int64_t total = per_layer * c->n_layers;
     int64_t done_units = 0;
     for (int l = 0; l < c->n_layers && !st; l++) {
         block_ctx b;
         if ((st = block_init(&b, m, o, l, calib))) break;
         mq_hooks hooks = {on_capture, &b};
-        double t0 = mq_now();
-        /* 1. capture: the unquantized block on its inputs (a copy: the inputs are needed again) */
-        for (int64_t s = 0; s < S && !st; s++) {
-            if (moeq_interrupted()) {
-                st = mq_err(MOEQ_E_INTERRUPTED, "GPTQ interrupted");
-                break;
+        for (int ph = 0; ph < phases && !st; ph++) {
+            b.phase = phases == 1 ? -1 : ph;
+            b.t_hessian = 0;
+            double t0 = mq_now();
+            /* 1. capture: the block on its inputs (a copy: the inputs are needed again) */
+            for (int64_t s = 0; s < S && !st; s++) {
+                if (moeq_interrupted()) {
+                    st = mq_err(MOEQ_E_INTERRUPTED, "GPTQ interrupted");
+                    break;
+                }
+                float *x = X + s * Lmax * D;
+                memcpy(xt, x, (size_t)(calib->len[s] * D) * sizeof(float));
+                b.sample = s;
+                b.x_in = x;
+                st = mq_forward_layers(m, state, xt, calib->len[s], 0, l, l + 1, &hooks);
+                if (!seq) memcpy(x, xt, (size_t)(calib->len[s] * D) * sizeof(float));
+                mq_progress("gptq", ++done_units, total);
             }
-            float *x = X + s * Lmax * D;
-            memcpy(xt, x, (size_t)(calib->len[s] * D) * sizeof(float));
-            b.sample = s;
-            b.x_in = x;
-            st = mq_forward_layers(m, state, xt, calib->len[s], 0, l, l + 1, &hooks);
-            if (!seq) memcpy(x, xt, (size_t)(calib->len[s] * D) * sizeof(float));
-            mq_progress("gptq", ++done_units, total);
+            double t1 = mq_now();
+            /* 2. Hessians, fallbacks, GPTQ for every weight of the block (or of the phase) */
+            if (!st) st = block_hessians(&b, calib);
+            mq_gptq_model_opts ol = *o;   /* progress over this block's GPTQ tasks */
+            ol.gptq.progress_label = "gptq";
+            ol.gptq.progress_base = done_units;
+            ol.gptq.progress_span = quant_units;
+            ol.gptq.progress_total = total;
+            b.o = &ol;
+            if (!st) st = block_quantize(&b, out);
+            b.o = o;
+            done_units += quant_units;
+            mq_progress("gptq", done_units, total);
+            out->seconds_hessian += b.t_hessian;
+            out->seconds_forward += (t1 - t0) - b.t_hessian;
+            out->seconds_gptq += mq_now() - t1;
         }
-        double t1 = mq_now();
-        /* 2. Hessians, fallbacks, GPTQ for every weight of the block */
-        if (!st) st = block_hessians(&b, calib);
-        mq_gptq_model_opts ol = *o;   /* progress over this block's GPTQ tasks */
-        ol.gptq.progress_label = "gptq";
-        ol.gptq.progress_base = done_units;
-        ol.gptq.progress_span = quant_units;
-        ol.gptq.progress_total = total;
-        b.o = &ol;
-        if (!st) st = block_quantize(&b, out);
-        b.o = o;
-        double t2 = mq_now();
-        done_units += quant_units;
-        mq_progress("gptq", done_units, total);
-        out->seconds_hessian += b.t_hessian;
-        out->seconds_forward += (t1 - t0) - b.t_hessian;
-        out->seconds_gptq += t2 - t1;
         block_free(&b);
+        double t2 = mq_now();
         /* 3. sequential: the next block's inputs from the quantized block */
         for (int64_t s = 0; seq && s < S && !st; s++) {
             if (moeq_interrupted()) {
@@ -474,6 +488,7 @@ moeq_status mq_gptq_report_write(const mq_gptq_results *r, const mq_gptq_model_o
     cJSON_AddNumberToObject(set, "group_size", o->spec.group_size);
     cJSON_AddBoolToObject(set, "mse", o->spec.mse);
     cJSON_AddStringToObject(set, "mode", o->mode == MQ_GPTQ_SEQUENTIAL ? "sequential" : "nonsequential");
+    cJSON_AddBoolToObject(set, "true_sequential", o->true_sequential && o->mode == MQ_GPTQ_SEQUENTIAL);
     cJSON_AddNumberToObject(set, "percdamp", o->gptq.percdamp);
     cJSON_AddNumberToObject(set, "block_size", o->gptq.block_size);
     cJSON_AddBoolToObject(set, "act_order", o->gptq.act_order);

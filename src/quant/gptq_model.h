@@ -37,6 +37,9 @@ typedef struct {
     mq_qspec spec;                  /* the checkpoint's spec (conventions of its format) */
     mq_gptq_opts gptq;
     mq_gptq_mode mode;
+    bool true_sequential;           /* sequential only: a block's attention is quantized first and
+                                       its MLP/experts calibrated on the quantized attention's
+                                       output (one more forward pass per block) */
     int64_t min_expert_tokens;      /* default 32 */
     mq_expert_fallback fallback;
     bool no_fuse;                   /* one NVFP4 global scale per tensor */

@@ -60,6 +60,9 @@ moeq_status gptq_cli_run(const char *model_dir, const char *out_dir, mq_quantize
                      : strcmp(g->groups, "gidx") == 0                     ? MQ_GPTQ_GROUPS_GIDX
                                                                           : MQ_GPTQ_GROUPS_DYNAMIC;
     go.mode = strcmp(g->mode, "nonsequential") == 0 ? MQ_GPTQ_NONSEQUENTIAL : MQ_GPTQ_SEQUENTIAL;
+    if (g->true_sequential && go.mode == MQ_GPTQ_NONSEQUENTIAL)
+        return mq_err(MOEQ_E_ARG, "--true-sequential needs --gptq-mode sequential");
+    go.true_sequential = g->true_sequential;
     go.min_expert_tokens = g->min_expert_tokens;
     go.fallback = strcmp(g->fallback, "rtn") == 0 ? MQ_FALLBACK_RTN : MQ_FALLBACK_BLOCK;
     if (go.gptq.groups == MQ_GPTQ_GROUPS_GIDX && !go.gptq.act_order)

@@ -12,7 +12,7 @@ typedef struct {
     int64_t nsamples, seqlen, seed, block_size, min_expert_tokens, threads;
     double percdamp;
     const char *sampling, *groups, *mode, *fallback, *report;
-    bool calib_bos, act_order, no_act_order, static_groups, no_mse;
+    bool calib_bos, act_order, no_act_order, static_groups, no_mse, true_sequential;
 } gptq_cli;
 
 void gptq_cli_defaults(gptq_cli *g);
@@ -41,6 +41,8 @@ void gptq_cli_defaults(gptq_cli *g);
     {"--gptq-mode", OPT_CHOICE, &(g).mode, NULL, "GPTQ: each block calibrated on the outputs of "  \
      "the quantized blocks before it (default), or every Hessian from the unquantized model",     \
      "sequential|nonsequential", 0, 0, NULL},                                                      \
+    {"--true-sequential", OPT_FLAG, &(g).true_sequential, NULL, "GPTQ: within a block, quantize "  \
+     "attention first and calibrate the MLP/experts on its quantized output", NULL, 0, 0, NULL},   \
     {"--min-expert-tokens", OPT_INT, &(g).min_expert_tokens, "N", "GPTQ: experts with fewer "     \
      "calibration tokens use --expert-fallback (default 32)", NULL, 0, -1, NULL},                  \
     {"--expert-fallback", OPT_CHOICE, &(g).fallback, NULL, "GPTQ: Hessians of all tokens of the "  \
