@@ -140,9 +140,31 @@ const char *moeq_tokenizer_token(const moeq_tokenizer *tok, int32_t id);
 /* ------------------------------------------------------------------------------------------ */
 typedef struct moeq_model moeq_model;
 
+/* Activation quantization emulated on the inputs of the quantized decoder Linears (W4A4). */
+typedef enum {
+    MOEQ_ACT_QUANT_NONE = 0,
+    /* NVFP4 quantize-dequantize as torchao's dynamic W4A4: one global scale amax/2688 over the
+     * whole 2D input of the call (all tokens of the forward call; a routed expert: its routed
+     * rows, i.e. one scale per expert), E4M3 scales per 16 inputs. Applied to the inputs of
+     * q/k/v (once per layer), o_proj, dense gate/up and down, every routed expert's gate/up and
+     * down and the shared expert's; never to routers, shared_expert_gate or lm_head. On a
+     * quantized checkpoint only Linears stored quantized get it; on an unquantized one all of
+     * those Linears (a W4A4 emulation with bf16 weights). */
+    MOEQ_ACT_QUANT_NVFP4 = 1,
+} moeq_act_quant;
+
 typedef struct {
-    int keep_packed;   /* quantized checkpoints: keep weights packed and run quantized kernels */
+    /* Quantized checkpoints: keep every quantized Linear packed (no fp32 copy) and run it on the
+     * quantized kernels (src/kernels/moe_ffn.h): MoE layers through the fused MoE op, other
+     * Linears as packed GEMMs. The kernels are weight-only: activations enter them as int16
+     * blocks (~86 dB), so results are within a small tolerance of the dequantized path, not
+     * bit-identical. Tensors or MoE layers the kernels do not support (asymmetric INT4,
+     * act-order g_idx, other schemes or group sizes) keep the dequantized fp32 path; an info log
+     * names each. No effect on unquantized checkpoints or with act_quant (which needs the fp32
+     * path). Calibration hooks (src/model) refuse a model with packed weights. */
+    int keep_packed;
     int no_tokenizer;  /* do not load tokenizer.json */
+    int act_quant;     /* moeq_act_quant */
 } moeq_model_options;
 
 typedef struct {
@@ -155,6 +177,13 @@ typedef struct {
     int32_t bos_token_id, eos_token_id;
     int64_t n_params;
     const char *quant_scheme;  /* NULL for an unquantized checkpoint, else e.g. "nvfp4" */
+    /* Resident weights: bytes held in memory as loaded (packed codes and scales plus fp32
+     * tensors; embeddings, norms, routers and biases included), and what the same model takes
+     * with every weight in fp32. */
+    int64_t weight_bytes, weight_bytes_fp32;
+    int32_t packed_linears;    /* quantized Linears running packed (each routed expert counts 3) */
+    int32_t fallback_linears;  /* quantized Linears kept dequantized because the kernels lack them */
+    int32_t act_quant;         /* moeq_act_quant in effect */
 } moeq_model_info;
 
 moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq_model **out);

@@ -143,14 +143,17 @@ static moeq_status global_of(const mq_moe_src *s, int nvfp4, const char *what, c
 
 /* Packed weights on 2 MiB-aligned transparent huge pages where the kernel allows it: decoding
  * streams hundreds of MB, and with 4 KiB pages every page boundary stops the hardware prefetcher
- * and costs a TLB miss. Freed with free(). */
+ * and costs a TLB miss. Only the whole huge pages inside the n bytes are marked, so a small
+ * matrix (a tiny model's attention projection) or the tail of a large one does not pin a whole
+ * 2 MiB page in resident memory. Freed with free(). */
 static uint8_t *alloc_huge(size_t n) {
     const size_t huge = (size_t)2 << 20;
-    size_t r = (n + huge - 1) & ~(huge - 1);
+    size_t r = (n + 4095) & ~(size_t)4095;
     if (r < n || r == 0) return NULL;
-    uint8_t *p = aligned_alloc(huge, r);
+    void *p = NULL;
+    if (posix_memalign(&p, n >= huge ? huge : 64, r) != 0) return NULL;
 #ifdef MADV_HUGEPAGE
-    if (p) madvise(p, r, MADV_HUGEPAGE);
+    if (n >= huge) madvise(p, n & ~(huge - 1), MADV_HUGEPAGE);
 #endif
     return p;
 }

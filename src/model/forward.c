@@ -14,11 +14,25 @@
  * Threads: Linear layers through mq_gemm_nt (fixed tiles); attention split into (head, query
  * block) tasks and the routed experts into (expert, row block) tasks, so every value is computed
  * by the same operations whatever the thread count.
+ *
+ * Packed weights (moeq_model_options.keep_packed): a Linear with qw runs mq_packed_weight_forward
+ * (+ bias); a MoE layer with pexperts runs mq_moe_layer_forward, the kernels' fused op with the
+ * same routing (fp32 router, softmax over all experts, top-k with ties to the lower index,
+ * optional renormalisation, shared expert scaled by sigmoid(shared_expert_gate x)). Everything
+ * else (attention, norms, lm_head, unsupported layers) stays as above.
+ *
+ * Activation quantization (act_quant, fp32 path only): mq_nvfp4_act_qdq on the input of each
+ * Linear marked act_q, over the whole 2D input of the call: q/k/v share one quantized copy of
+ * the normed input, each routed expert quantizes its own routed rows (one global scale per
+ * expert, as torchao's grouped MoE path), the shared expert all rows. Routers,
+ * shared_expert_gate and lm_head always see fp32. Hooks are called before the quantizer.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "formats/formats.h"
+#include "kernels/moe_ffn.h"
 #include "model/model_internal.h"
 
 enum {
@@ -43,6 +57,8 @@ struct mq_state {
     int32_t *tok_slot;           /* [cap, K]: slot of each (token, k) */
     float *xg, *hg, *hu, *yg;    /* expert-major slots [cap * K, D or F] */
     float *sgate;                /* [cap] shared expert gate logits */
+    float *aq;                   /* act_quant: [cap, D] quantized copy of an MLP input */
+    float *xq, *hq;              /* act_quant: quantized expert inputs [cap * K, D / FE] */
     int64_t *tasks;              /* MoE tasks: expert << 32 | row block */
     int64_t n_tasks_cap;
 
@@ -72,12 +88,18 @@ static void swiglu(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = silu(g[i]) * u[i];
 }
 
-void mq_linear_forward(const mq_linear *l, const float *x, int64_t T, float *y) {
-    MQ_ASSERT(l->w != NULL);   /* packed weights are run by the quantized-kernel module */
-    mq_gemm_nt(T, l->out, l->in, 1.0f, x, l->in, l->w, l->in, 0.0f, y, l->out);
+moeq_status mq_linear_forward(const mq_linear *l, const float *x, int64_t T, float *y) {
+    if (l->qw) {
+        moeq_status st = mq_packed_weight_forward(l->qw, x, T, y);
+        if (st) return mq_err_prefix(st, "%s", l->name);
+    } else {
+        MQ_ASSERT(l->w != NULL);
+        mq_gemm_nt(T, l->out, l->in, 1.0f, x, l->in, l->w, l->in, 0.0f, y, l->out);
+    }
     if (l->bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t o = 0; o < l->out; o++) y[t * l->out + o] += l->bias[o];
+    return MOEQ_OK;
 }
 
 static void hook(const mq_hooks *h, int layer, mq_site site, int expert, const float *x,
@@ -87,8 +109,8 @@ static void hook(const mq_hooks *h, int layer, mq_site site, int expert, const f
 
 /* ---- state --------------------------------------------------------------------------------- */
 static void scratch_free(mq_state *s) {
-    float **f[] = {&s->xn, &s->q,  &s->k,  &s->v,  &s->att, &s->tmp, &s->g,
-                   &s->u,  &s->rlog, &s->rw, &s->xg, &s->hg, &s->hu, &s->yg, &s->sgate};
+    float **f[] = {&s->xn, &s->q,  &s->k,  &s->v,  &s->att, &s->tmp,   &s->g,  &s->u, &s->rlog,
+                   &s->rw, &s->xg, &s->hg, &s->hu, &s->yg,  &s->sgate, &s->aq, &s->xq, &s->hq};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
         mq_free(*f[i]);
         *f[i] = NULL;
@@ -142,6 +164,15 @@ static moeq_status scratch_reserve(mq_state *s, int64_t T) {
         s->tasks = mq_alloc_array((size_t)s->n_tasks_cap, sizeof(int64_t), w);
         ok = ok && s->rlog && s->rw && s->rsel && s->cnt && s->start && s->slot_tok &&
              s->tok_slot && s->xg && s->hg && s->hu && s->yg && s->sgate && s->tasks;
+    }
+    if (s->m->act_quant) {
+        s->aq = mq_alloc_array(R, D * 4, w);
+        ok = ok && s->aq;
+        if (E > 0) {
+            s->xq = mq_alloc_array(R * K, D * 4, w);
+            s->hq = mq_alloc_array(R * K, FE * 4, w);
+            ok = ok && s->xq && s->hq;
+        }
     }
     if (!ok) {
         scratch_free(s);
@@ -302,16 +333,19 @@ static void attention_task(void *ctx, int64_t task, int thread) {
     mq_gemm_nn(rows, hd, nk, 1.0f, S, nk, vc, ldk, 0.0f, s->att + i0 * ldq + h * hd, ldq);
 }
 
-static void attention_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
-                            int64_t pos, const mq_hooks *hk) {
+static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
+                                   int64_t pos, const mq_hooks *hk) {
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
     int64_t D = c->D, H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim;
     rmsnorm(x, T, D, ly->attn_norm, c->rms_eps, s->xn);
     hook(hk, l, MQ_SITE_QKV, -1, s->xn, T, D);
-    mq_linear_forward(&ly->q, s->xn, T, s->q);
-    mq_linear_forward(&ly->k, s->xn, T, s->k);
-    mq_linear_forward(&ly->v, s->xn, T, s->v);
+    /* xn feeds only q/k/v: quantized in place, once for the three */
+    if (ly->q.act_q || ly->k.act_q || ly->v.act_q) mq_nvfp4_act_qdq(s->xn, T, D);
+    moeq_status st = mq_linear_forward(&ly->q, s->xn, T, s->q);
+    if (!st) st = mq_linear_forward(&ly->k, s->xn, T, s->k);
+    if (!st) st = mq_linear_forward(&ly->v, s->xn, T, s->v);
+    if (st) return st;
     if (c->qk_norm == MQ_QKNORM_FULL) {
         rmsnorm(s->q, T, H * hd, ly->q_norm, c->rms_eps, s->q);
         rmsnorm(s->k, T, KV * hd, ly->k_norm, c->rms_eps, s->k);
@@ -336,21 +370,32 @@ static void attention_block(const moeq_model *m, mq_state *s, int l, float *x, i
     mq_parallel_for(H * j.n_qb, attention_task, &j);
 
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * hd);
-    mq_linear_forward(&ly->o, s->att, T, s->tmp);
+    if (ly->o.act_q) mq_nvfp4_act_qdq(s->att, T, H * hd);
+    if ((st = mq_linear_forward(&ly->o, s->att, T, s->tmp))) return st;
     for (int64_t i = 0; i < T * D; i++) x[i] += s->tmp[i];
+    return MOEQ_OK;
 }
 
 /* ---- feed-forward -------------------------------------------------------------------------- */
-/* SwiGLU MLP of xn[T, D] into out[T, D] (g, u: [T, F] scratch). */
-static void mlp(const mq_linear *gate, const mq_linear *up, const mq_linear *down, const float *xn,
-                int64_t T, float *g, float *u, float *out, const mq_hooks *hk, int l,
-                mq_site site_in, mq_site site_down) {
+/* SwiGLU MLP of xn[T, D] into out[T, D] (g, u: [T, F] scratch; aq: [T, D] scratch for the
+ * quantized input, as xn may be needed afterwards). */
+static moeq_status mlp(const mq_linear *gate, const mq_linear *up, const mq_linear *down,
+                       const float *xn, int64_t T, float *g, float *u, float *aq, float *out,
+                       const mq_hooks *hk, int l, mq_site site_in, mq_site site_down) {
     hook(hk, l, site_in, -1, xn, T, gate->in);
-    mq_linear_forward(gate, xn, T, g);
-    mq_linear_forward(up, xn, T, u);
+    const float *xin = xn;
+    if (gate->act_q || up->act_q) {
+        memcpy(aq, xn, sizeof(float) * (size_t)(T * gate->in));
+        mq_nvfp4_act_qdq(aq, T, gate->in);
+        xin = aq;
+    }
+    moeq_status st = mq_linear_forward(gate, xin, T, g);
+    if (!st) st = mq_linear_forward(up, xin, T, u);
+    if (st) return st;
     swiglu(g, u, T * gate->out);
     hook(hk, l, site_down, -1, g, T, gate->out);
-    mq_linear_forward(down, g, T, out);
+    if (down->act_q) mq_nvfp4_act_qdq(g, T, gate->out);
+    return mq_linear_forward(down, g, T, out);
 }
 
 /* Softmax over all experts, then top-k (ties to the lower index) and optional renormalisation. */
@@ -386,13 +431,19 @@ static void route(const mq_config *c, float *probs, int64_t T, int32_t *sel, flo
     }
 }
 
+/* Stages of the routed experts: all at once, or (activation quantization, whose global scale
+ * spans all of an expert's rows) in three passes with a per-expert quantization between them. */
+enum { EX_ALL = 0, EX_GATHER, EX_GATE_UP, EX_DOWN };
+
 typedef struct {
     const moeq_model *m;
     mq_state *s;
     int layer;
+    int stage;
 } moe_job;
 
-/* One expert on up to MOE_ROWS of its routed rows: gather, gate/up, SwiGLU, down. */
+/* One expert on up to MOE_ROWS of its routed rows: gather, gate/up, SwiGLU, down. The expert
+ * Linears are fp32 here (packed experts run through pexperts), so they cannot fail. */
 static void expert_task(void *ctx, int64_t task, int thread) {
     (void)thread;
     const moe_job *j = ctx;
@@ -403,18 +454,61 @@ static void expert_task(void *ctx, int64_t task, int thread) {
     int64_t e = code >> 32, r0 = (code & 0xffffffff) * MOE_ROWS;
     int64_t n = s->cnt[e] - r0 < MOE_ROWS ? s->cnt[e] - r0 : MOE_ROWS;
     int64_t D = c->D, F = c->moe_ffn, s0 = s->start[e] + r0;
-    for (int64_t r = 0; r < n; r++)
-        memcpy(s->xg + (s0 + r) * D, s->xn + (int64_t)s->slot_tok[s0 + r] * D, (size_t)D * 4);
-    mq_linear_forward(&ly->exp_gate[e], s->xg + s0 * D, n, s->hg + s0 * F);
-    mq_linear_forward(&ly->exp_up[e], s->xg + s0 * D, n, s->hu + s0 * F);
-    swiglu(s->hg + s0 * F, s->hu + s0 * F, n * F);
-    mq_linear_forward(&ly->exp_down[e], s->hg + s0 * F, n, s->yg + s0 * D);
+    bool all = j->stage == EX_ALL;
+    if (all || j->stage == EX_GATHER)
+        for (int64_t r = 0; r < n; r++)
+            memcpy(s->xg + (s0 + r) * D, s->xn + (int64_t)s->slot_tok[s0 + r] * D, (size_t)D * 4);
+    if (all || j->stage == EX_GATE_UP) {
+        const float *xin = !all && ly->exp_gate[e].act_q ? s->xq : s->xg;
+        (void)mq_linear_forward(&ly->exp_gate[e], xin + s0 * D, n, s->hg + s0 * F);
+        (void)mq_linear_forward(&ly->exp_up[e], xin + s0 * D, n, s->hu + s0 * F);
+        swiglu(s->hg + s0 * F, s->hu + s0 * F, n * F);
+    }
+    if (all || j->stage == EX_DOWN) {
+        const float *hin = !all && ly->exp_down[e].act_q ? s->hq : s->hg;
+        (void)mq_linear_forward(&ly->exp_down[e], hin + s0 * F, n, s->yg + s0 * D);
+    }
 }
 
-static void moe_block(const moeq_model *m, mq_state *s, int l, int64_t T, float *out,
-                      const mq_hooks *hk) {
+/* Activation quantization of expert e's routed rows before the stage j->stage: a copy, so the
+ * hooks still see the unquantized inputs. */
+static void expert_qdq_task(void *ctx, int64_t e, int thread) {
+    (void)thread;
+    const moe_job *j = ctx;
+    mq_state *s = j->s;
+    const mq_layer *ly = &j->m->layers[j->layer];
+    int64_t n = s->cnt[e], s0 = s->start[e], D = j->m->cfg.D, F = j->m->cfg.moe_ffn;
+    if (n == 0) return;
+    if (j->stage == EX_GATE_UP && ly->exp_gate[e].act_q) {
+        memcpy(s->xq + s0 * D, s->xg + s0 * D, sizeof(float) * (size_t)(n * D));
+        mq_nvfp4_act_qdq(s->xq + s0 * D, n, D);
+    } else if (j->stage == EX_DOWN && ly->exp_down[e].act_q) {
+        memcpy(s->hq + s0 * F, s->hg + s0 * F, sizeof(float) * (size_t)(n * F));
+        mq_nvfp4_act_qdq(s->hq + s0 * F, n, F);
+    }
+}
+
+/* The packed layer: the kernels' fused op with the model's routing. */
+static moeq_status moe_block_packed(const moeq_model *m, mq_state *s, int l, int64_t T, float *out) {
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
+    mq_moe_layer L = {.experts = ly->pexperts,
+                      .router = ly->router,
+                      .router_bias = NULL,
+                      .shared_gate = c->shared_gate ? ly->sh_gate_w : NULL,
+                      .top_k = c->top_k,
+                      .scoring = MOEQ_MOE_SOFTMAX,
+                      .renormalize = c->norm_topk_prob ? 1 : 0,
+                      .route_scale = 1.0f};
+    moeq_status st = mq_moe_layer_forward(&L, s->xn, T, out);
+    return st ? mq_err_prefix(st, "layer %d", l) : MOEQ_OK;
+}
+
+static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T, float *out,
+                             const mq_hooks *hk) {
+    const mq_config *c = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    if (ly->pexperts) return moe_block_packed(m, s, l, T, out);
     int64_t D = c->D, E = c->n_experts, K = c->top_k, F = c->moe_ffn;
     mq_gemm_nt(T, E, D, 1.0f, s->xn, D, ly->router, D, 0.0f, s->rlog, E);
     route(c, s->rlog, T, s->rsel, s->rw);
@@ -436,8 +530,17 @@ static void moe_block(const moeq_model *m, mq_state *s, int l, int64_t T, float 
             s->slot_tok[slot] = (int32_t)t;
             s->tok_slot[t * K + k] = slot;
         }
-    moe_job j = {m, s, l};
-    mq_parallel_for(n_tasks, expert_task, &j);
+    moe_job j = {m, s, l, EX_ALL};
+    if (!s->xq) {
+        mq_parallel_for(n_tasks, expert_task, &j);
+    } else {
+        j.stage = EX_GATHER;
+        mq_parallel_for(n_tasks, expert_task, &j);
+        for (j.stage = EX_GATE_UP; j.stage <= EX_DOWN; j.stage++) {
+            mq_parallel_for(E, expert_qdq_task, &j);
+            mq_parallel_for(n_tasks, expert_task, &j);
+        }
+    }
     for (int64_t e = 0; e < E; e++) {
         hook(hk, l, MQ_SITE_EXPERT, (int)e, s->xg + (int64_t)s->start[e] * D, s->cnt[e], D);
         hook(hk, l, MQ_SITE_EXPERT_DOWN, (int)e, s->hg + (int64_t)s->start[e] * F, s->cnt[e], F);
@@ -465,27 +568,32 @@ static void moe_block(const moeq_model *m, mq_state *s, int l, int64_t T, float 
 
     if (c->shared_ffn > 0) {
         float *sy = s->yg;   /* routed outputs are consumed; reuse for the shared expert */
-        mlp(&ly->sh_gate, &ly->sh_up, &ly->sh_down, s->xn, T, s->g, s->u, sy, hk, l,
-            MQ_SITE_SHARED, MQ_SITE_SHARED_DOWN);
+        moeq_status st = mlp(&ly->sh_gate, &ly->sh_up, &ly->sh_down, s->xn, T, s->g, s->u, s->aq,
+                             sy, hk, l, MQ_SITE_SHARED, MQ_SITE_SHARED_DOWN);
+        if (st) return st;
         if (c->shared_gate) mq_gemm_nt(T, 1, D, 1.0f, s->xn, D, ly->sh_gate_w, D, 0.0f, s->sgate, 1);
         for (int64_t t = 0; t < T; t++) {
             float gsc = c->shared_gate ? 1.0f / (1.0f + expf(-s->sgate[t])) : 1.0f;
             for (int64_t i = 0; i < D; i++) out[t * D + i] += gsc * sy[t * D + i];
         }
     }
+    return MOEQ_OK;
 }
 
-static void ffn_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
-                      const mq_hooks *hk) {
+static moeq_status ffn_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
+                             const mq_hooks *hk) {
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
     rmsnorm(x, T, c->D, ly->ffn_norm, c->rms_eps, s->xn);
+    moeq_status st;
     if (ly->is_moe)
-        moe_block(m, s, l, T, s->tmp, hk);
+        st = moe_block(m, s, l, T, s->tmp, hk);
     else
-        mlp(&ly->gate, &ly->up, &ly->down, s->xn, T, s->g, s->u, s->tmp, hk, l, MQ_SITE_MLP,
-            MQ_SITE_MLP_DOWN);
+        st = mlp(&ly->gate, &ly->up, &ly->down, s->xn, T, s->g, s->u, s->aq, s->tmp, hk, l,
+                 MQ_SITE_MLP, MQ_SITE_MLP_DOWN);
+    if (st) return st;
     for (int64_t i = 0; i < T * c->D; i++) x[i] += s->tmp[i];
+    return MOEQ_OK;
 }
 
 moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_t T, int64_t pos,
@@ -497,6 +605,10 @@ moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_
                       (long long)pos, (long long)(pos + T - 1), s->max_tokens);
     if (l0 < 0 || l1 > m->cfg.n_layers || l0 > l1)
         return mq_err(MOEQ_E_ARG, "layer range [%d, %d) is outside 0..%d", l0, l1, m->cfg.n_layers);
+    if (hooks && hooks->fn && m->n_packed > 0)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: calibration hooks need the dequantized fp32 path, "
+                      "but the model was opened with keep_packed (%d Linears packed)", m->dir,
+                      m->n_packed);
     for (int l = l0; l < l1; l++)
         if (pos > s->filled[l])
             return mq_err(MOEQ_E_ARG, "layer %d: position %lld follows a gap (the cache holds %lld)",
@@ -505,8 +617,9 @@ moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_
         return mq_err(MOEQ_E_NOMEM, "out of memory for the forward scratch of %lld tokens",
                       (long long)T);
     for (int l = l0; l < l1; l++) {
-        attention_block(m, s, l, x, T, pos, hooks);
-        ffn_block(m, s, l, x, T, hooks);
+        moeq_status st = attention_block(m, s, l, x, T, pos, hooks);
+        if (!st) st = ffn_block(m, s, l, x, T, hooks);
+        if (st) return st;
         s->filled[l] = pos + T;
     }
     return MOEQ_OK;

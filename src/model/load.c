@@ -5,12 +5,17 @@
  * or fused as transformers 5 keeps them (experts.gate_up_proj [E, 2F, D] with the gate rows
  * first, experts.down_proj [E, D, F]); see ../shared/docs/formats.md sections 1 and 2.5.
  * Every missing or misshapen tensor is reported in one error. A Linear stored quantized
- * (compressed-tensors, ModelOpt, GPTQ) is dequantized by mq_load_linear_weight (src/export).
+ * (compressed-tensors, ModelOpt, GPTQ) is dequantized by mq_load_linear_weight (src/export), or,
+ * with keep_packed, read into an mq_qtensor and packed for the quantized kernels
+ * (src/kernels/moe_ffn.h, "Runtime integration"): all experts of a MoE layer together into one
+ * moeq_moe_experts, other Linears one by one; what the kernels refuse (MOEQ_E_UNSUPPORTED) is
+ * dequantized instead, with an info log naming it.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "export/layout.h"
+#include "kernels/moe_ffn.h"
 #include "model/model_internal.h"
 
 /* One fp32 destination filled from (a slice of) one checkpoint tensor. */
@@ -24,6 +29,10 @@ typedef struct {
     const mq_tensor_view *t;
     char *module;         /* a Linear's weight: its module name (may be stored quantized) */
     bool quantized;       /* module.weight absent, a quantized layout present */
+    mq_linear *lin;       /* the decoder Linear this weight belongs to, or NULL */
+    int expert;           /* routed expert index, n_experts for the shared expert, else -1 */
+    int part;             /* expert weights: 0 gate, 1 up, 2 down */
+    bool packed;          /* kept packed: no fp32 copy is made */
 } want;
 
 typedef struct {
@@ -58,6 +67,7 @@ static void want_add(want_list *L, int layer, char *name, int ndim, const int64_
     w->off = off;
     w->count = count;
     w->layer = layer;
+    w->expert = -1;
 }
 
 static void want_vec(want_list *L, int layer, char *name, int64_t n, float **dest) {
@@ -81,7 +91,16 @@ static void want_linear(want_list *L, int layer, const char *module, int64_t out
     int64_t shape[2] = {out, in};
     want_add(L, layer, mq_asprintf("%s.weight", module), 2, shape, &lin->w, 0, out * in);
     want_mark_linear(L, module);
+    if (!L->oom) L->w[L->n - 1].lin = lin;
     if (bias) want_vec(L, layer, mq_asprintf("%s.bias", module), out, &lin->bias);
+}
+
+/* The last want is the weight of a routed expert (e < n_experts) or of the shared expert
+ * (e == n_experts); part 0 gate, 1 up, 2 down. */
+static void tag_expert(want_list *L, int e, int part) {
+    if (L->oom || L->n == 0) return;
+    L->w[L->n - 1].expert = e;
+    L->w[L->n - 1].part = part;
 }
 
 static void want_free(want_list *L) {
@@ -174,20 +193,26 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
             char disk[260];
             snprintf(disk, sizeof disk, "%s.experts.%lld.%s", mp, (long long)e, gn);
             want_linear(L, l, disk, F, D, false, &ly->exp_gate[e]);
+            tag_expert(L, (int)e, 0);
             snprintf(disk, sizeof disk, "%s.experts.%lld.%s", mp, (long long)e, un);
             want_linear(L, l, disk, F, D, false, &ly->exp_up[e]);
+            tag_expert(L, (int)e, 1);
             snprintf(disk, sizeof disk, "%s.experts.%lld.%s", mp, (long long)e, dn);
             want_linear(L, l, disk, D, F, false, &ly->exp_down[e]);
+            tag_expert(L, (int)e, 2);
         }
     }
     if (c->shared_ffn > 0) {
         int64_t S = c->shared_ffn;
         snprintf(m, sizeof m, "%s.shared_expert.gate_proj", mp);
         want_linear(L, l, m, S, D, false, &ly->sh_gate);
+        tag_expert(L, (int)E, 0);
         snprintf(m, sizeof m, "%s.shared_expert.up_proj", mp);
         want_linear(L, l, m, S, D, false, &ly->sh_up);
+        tag_expert(L, (int)E, 1);
         snprintf(m, sizeof m, "%s.shared_expert.down_proj", mp);
         want_linear(L, l, m, D, S, false, &ly->sh_down);
+        tag_expert(L, (int)E, 2);
         if (c->shared_gate) {
             int64_t gs[2] = {1, D};
             want_add(L, l, mq_asprintf("%s.shared_expert_gate.weight", mp), 2, gs, &ly->sh_gate_w,
@@ -254,6 +279,7 @@ static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *
         if (w->module) {   /* absent, or U8 for ModelOpt NVFP4, when stored quantized */
             mq_linear_kind k = mq_layout_detect(w->module, st_lookup, (void *)st);
             w->quantized = k != MQ_LIN_ABSENT && k != MQ_LIN_DENSE;
+            if (w->lin) w->lin->stored_quantized = w->quantized;
         }
         if (w->layer >= 0 && (i == 0 || strcmp(L->w[i - 1].name, w->name) != 0)) {
             total[w->layer]++;
@@ -341,6 +367,7 @@ static void convert_task(void *ctx, int64_t i, int thread) {
 static moeq_status load_wants(want_list *L, const mq_st *st) {
     for (size_t i = 0; i < L->n; i++) {
         want *w = &L->w[i];
+        if (w->packed) continue;
         *w->dest = mq_alloc_array((size_t)w->count, sizeof(float), w->name);
         if (!*w->dest) return MOEQ_E_NOMEM;
     }
@@ -353,10 +380,158 @@ static moeq_status load_wants(want_list *L, const mq_st *st) {
         if (status[i]) s = mq_err(status[i], "tensor '%s': cannot convert to fp32", L->w[i].name);
     free(status);
     for (size_t i = 0; i < L->n && !s; i++)
-        if (L->w[i].quantized)
+        if (L->w[i].quantized && !L->w[i].packed)
             s = mq_load_linear_weight(st, L->w[i].module, L->w[i].shape[0], L->w[i].shape[1],
                                       *L->w[i].dest, NULL);
     return s;
+}
+
+/* ---- packed weights (keep_packed) ---------------------------------------------------------- */
+/* One quantized Linear outside the MoE experts: packed, or left for dequantization when the
+ * kernels refuse it. Reading errors (a malformed tensor) fail the load as the fp32 path would. */
+static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_fallback) {
+    mq_qtensor q;
+    moeq_status s = mq_layout_read(w->module, w->shape[0], w->shape[1], st_lookup, (void *)st, &q);
+    if (!s) s = mq_packed_weight_from_qtensor(&q, w->module, &w->lin->qw);
+    mq_qtensor_free(&q);
+    if (s == MOEQ_E_UNSUPPORTED) {
+        mq_info("%s; it runs dequantized (fp32)", moeq_last_error());
+        (*n_fallback)++;
+        return MOEQ_OK;
+    }
+    if (!s) {
+        w->packed = true;
+        m->n_packed++;
+    }
+    return s;
+}
+
+/* The routed experts (and shared expert) of MoE layer l, all packed into one moeq_moe_experts,
+ * or all left for dequantization. ws: the layer's expert weight wants, [part * E + e] for routed
+ * expert e, [3 * E + part] for the shared expert. */
+static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model *m, int l,
+                                  int *n_fallback) {
+    const int E = m->cfg.n_experts;
+    int nq = 0;
+    for (int i = 0; i < n; i++) nq += ws[i] && ws[i]->quantized;
+    if (nq == 0) return MOEQ_OK;
+    char what[200];
+    snprintf(what, sizeof what, "%s", ws[0] ? ws[0]->module : "experts");
+    char *cut = strstr(what, ".experts.");
+    if (cut) *cut = '\0';
+    if (nq < n) {
+        mq_info("%s: %d of its %d expert weights are stored quantized, the kernels need all; the "
+                "layer's experts run dequantized (fp32)", what, nq, n);
+        *n_fallback += nq;
+        return MOEQ_OK;
+    }
+    mq_qtensor *q = calloc((size_t)n, sizeof *q);
+    if (!q) return mq_err(MOEQ_E_NOMEM, "%s: out of memory", what);
+    moeq_status s = MOEQ_OK;
+    int n_read = 0;
+    for (; n_read < n && !s; n_read++)
+        s = mq_layout_read(ws[n_read]->module, ws[n_read]->shape[0], ws[n_read]->shape[1],
+                           st_lookup, (void *)st, &q[n_read]);
+    mq_layer *ly = &m->layers[l];
+    if (!s) {
+        const mq_qtensor *sh = n > 3 * E ? q + 3 * E : NULL;
+        s = mq_moe_experts_from_qtensors(q, q + E, q + 2 * E, E, sh, sh ? sh + 1 : NULL,
+                                         sh ? sh + 2 : NULL, what, &ly->pexperts);
+        if (s == MOEQ_E_UNSUPPORTED) {
+            mq_info("%s; the layer's experts run dequantized (fp32)", moeq_last_error());
+            *n_fallback += n;
+            s = MOEQ_OK;
+        } else if (!s) {
+            for (int i = 0; i < n; i++) ws[i]->packed = true;
+            m->n_packed += n;
+        }
+    }
+    for (int i = 0; i < n_read; i++) mq_qtensor_free(&q[i]);
+    free(q);
+    return s;
+}
+
+/* Packs every quantized decoder Linear the kernels support; the rest stay on the fp32 path. */
+static moeq_status pack_quantized(want_list *L, const mq_st *st, moeq_model *m, int *n_fallback) {
+    const int E = m->cfg.n_experts, nmoe = 3 * E + (m->cfg.shared_ffn > 0 ? 3 : 0);
+    want **ws = calloc((size_t)(nmoe > 0 ? nmoe : 1), sizeof *ws);
+    if (!ws) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    moeq_status s = MOEQ_OK;
+    for (int l = 0; l < m->cfg.n_layers && !s; l++) {
+        memset(ws, 0, sizeof *ws * (size_t)(nmoe > 0 ? nmoe : 1));
+        for (size_t i = 0; i < L->n && !s; i++) {
+            want *w = &L->w[i];
+            if (w->layer != l || !w->lin) continue;
+            if (w->expert >= 0)
+                ws[w->expert < E ? w->part * E + w->expert : 3 * E + w->part] = w;
+            else if (w->quantized)
+                s = pack_linear(st, w, m, n_fallback);
+        }
+        if (!s && m->layers[l].is_moe) s = pack_moe_layer(st, ws, nmoe, m, l, n_fallback);
+    }
+    free(ws);
+    return s;
+}
+
+/* ---- resident bytes -------------------------------------------------------------------------- */
+static void count_linear(const mq_linear *l, int64_t *res, int64_t *f32) {
+    int64_t wb = l->out * l->in * 4, bb = l->bias ? l->out * 4 : 0;
+    *f32 += wb + bb;
+    *res += bb + (l->w ? wb : (int64_t)mq_packed_weight_bytes(l->qw));
+}
+
+static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
+    const mq_config *c = &m->cfg;
+    int64_t D = c->D, VD = (int64_t)c->vocab * D, vec = 0, q = (int64_t)c->n_heads * c->head_dim,
+            kv = (int64_t)c->n_kv_heads * c->head_dim;
+    *res = *f32 = 0;
+    vec += VD + D + (m->lm_head != m->embed ? VD : 0);
+    for (int l = 0; l < c->n_layers; l++) {
+        const mq_layer *ly = &m->layers[l];
+        vec += 2 * D;
+        if (ly->q_norm) vec += c->qk_norm == MQ_QKNORM_FULL ? q + kv : 2 * (int64_t)c->head_dim;
+        const mq_linear *att[4] = {&ly->q, &ly->k, &ly->v, &ly->o};
+        for (int i = 0; i < 4; i++) count_linear(att[i], res, f32);
+        if (!ly->is_moe) {
+            count_linear(&ly->gate, res, f32);
+            count_linear(&ly->up, res, f32);
+            count_linear(&ly->down, res, f32);
+            continue;
+        }
+        vec += (int64_t)c->n_experts * D + (ly->sh_gate_w ? D : 0);
+        for (int e = 0; e < c->n_experts; e++) {
+            count_linear(&ly->exp_gate[e], res, f32);
+            count_linear(&ly->exp_up[e], res, f32);
+            count_linear(&ly->exp_down[e], res, f32);
+        }
+        if (c->shared_ffn > 0) {
+            count_linear(&ly->sh_gate, res, f32);
+            count_linear(&ly->sh_up, res, f32);
+            count_linear(&ly->sh_down, res, f32);
+        }
+        if (ly->pexperts) *res += (int64_t)moeq_moe_experts_bytes(ly->pexperts);
+    }
+    *res += 4 * vec;
+    *f32 += 4 * vec;
+}
+
+/* Marks the Linears whose input the emulated activation quantizer sees: all decoder Linears of
+ * an unquantized model, only those stored quantized in a quantized one. */
+static void mark_act_quant(moeq_model *m) {
+    if (m->act_quant == MOEQ_ACT_QUANT_NONE) return;
+    bool all = m->cfg.quant_method == NULL;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        mq_layer *ly = &m->layers[l];
+        mq_linear *v[7] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down};
+        for (int i = 0; i < 7; i++) v[i]->act_q = v[i]->name && (all || v[i]->stored_quantized);
+        if (!ly->is_moe) continue;
+        for (int e = 0; e < m->cfg.n_experts; e++) {
+            mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+            for (int i = 0; i < 3; i++) x[i]->act_q = all || x[i]->stored_quantized;
+        }
+        mq_linear *sh[3] = {&ly->sh_gate, &ly->sh_up, &ly->sh_down};
+        for (int i = 0; i < 3; i++) sh[i]->act_q = sh[i]->name && (all || sh[i]->stored_quantized);
+    }
 }
 
 /* ---- open / free --------------------------------------------------------------------------- */
@@ -364,7 +539,7 @@ static void linear_free(mq_linear *l) {
     mq_free(l->w);
     mq_free(l->bias);
     free(l->name);
-    /* Packed weights belong to the quantized-kernel module, which frees them (l->qw). */
+    mq_packed_weight_free(l->qw);
 }
 
 void moeq_model_free(moeq_model *m) {
@@ -395,6 +570,7 @@ void moeq_model_free(moeq_model *m) {
         linear_free(&ly->sh_up);
         linear_free(&ly->sh_down);
         mq_free(ly->sh_gate_w);
+        moeq_moe_experts_free(ly->pexperts);
     }
     free(m->layers);
     if (m->lm_head != m->embed) mq_free(m->lm_head);
@@ -454,6 +630,9 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     *out = NULL;
     moeq_model_options o = {0};
     if (opt) o = *opt;
+    if (o.act_quant != MOEQ_ACT_QUANT_NONE && o.act_quant != MOEQ_ACT_QUANT_NVFP4)
+        return mq_err(MOEQ_E_ARG, "moeq_model_open: act_quant %d (expected MOEQ_ACT_QUANT_NONE or "
+                      "MOEQ_ACT_QUANT_NVFP4)", o.act_quant);
     moeq_model *m = calloc(1, sizeof *m);
     if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
     mq_st *st = NULL;
@@ -470,12 +649,22 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
         s = mq_err(MOEQ_E_NOMEM, "out of memory");
         goto fail;
     }
+    m->act_quant = o.act_quant;
+    bool pack = o.keep_packed && m->cfg.quant_method;
+    if (pack && o.act_quant) {
+        mq_info("%s: activation quantization needs the dequantized fp32 path (the packed kernels "
+                "are weight-only); keep_packed is ignored", dir);
+        pack = false;
+    }
+    int n_fallback = 0;
     s = mq_st_open_dir(dir, &st);
     if (s) goto fail;
     s = build_wants(&L, st, m);
     if (!s) s = check_wants(&L, st, m, dir);
+    if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
     if (!s) s = load_wants(&L, st);
     if (s) goto fail;
+    mark_act_quant(m);
     if (m->cfg.tie_embeddings) m->lm_head = m->embed;
     want_free(&L);
     L = (want_list){0};
@@ -492,6 +681,10 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
         if (s) goto fail;
     }
     fill_info(m);
+    count_bytes(m, &m->info.weight_bytes, &m->info.weight_bytes_fp32);
+    m->info.packed_linears = m->n_packed;
+    m->info.fallback_linears = n_fallback;
+    m->info.act_quant = m->act_quant;
     *out = m;
     return MOEQ_OK;
 

@@ -73,18 +73,23 @@ void mq_config_param_counts(const mq_config *c, int64_t *total, int64_t *active)
 double mq_config_forward_flops(const mq_config *c, int64_t T, int64_t pos);
 
 /* A linear layer y = x W^T + b. The weight is fp32 [out, in] (bf16 upcast on load, or a
- * dequantized checkpoint), or kept packed for the quantized kernels (qw != NULL, w == NULL). */
-struct mq_packed_weight;   /* defined by the quantized-kernel module */
+ * dequantized checkpoint), or kept packed for the quantized kernels (qw != NULL, w == NULL).
+ * Routed experts of a layer run packed through mq_layer.pexperts instead (their w and qw are
+ * then both NULL). */
+struct mq_packed_weight;   /* defined by the quantized-kernel module (kernels/moe_ffn.h) */
 typedef struct {
     int64_t out, in;
     float *w;                        /* [out, in], owned; NULL when packed */
     float *bias;                     /* [out] or NULL */
     struct mq_packed_weight *qw;     /* owned, or NULL */
     char *name;                      /* HF module name, e.g. "model.layers.0.self_attn.q_proj" */
+    bool stored_quantized;           /* the checkpoint holds this weight quantized */
+    bool act_q;                      /* the emulated activation quantizer runs on its input */
 } mq_linear;
 
-/* y[T, out] = x[T, in] @ W^T (+ bias). */
-void mq_linear_forward(const mq_linear *l, const float *x, int64_t T, float *y);
+/* y[T, out] = x[T, in] @ W^T (+ bias), fp32 or packed. Fails only for the packed kernels'
+ * scratch (MOEQ_E_NOMEM). */
+moeq_status mq_linear_forward(const mq_linear *l, const float *x, int64_t T, float *y);
 
 typedef struct {
     float *attn_norm, *ffn_norm;     /* [D] */
@@ -96,6 +101,9 @@ typedef struct {
     mq_linear *exp_gate, *exp_up, *exp_down;   /* [E] each: gate/up [F, D], down [D, F] */
     mq_linear sh_gate, sh_up, sh_down;         /* shared expert */
     float *sh_gate_w;                /* [D]: shared_expert_gate weight (1 output) */
+    /* Packed routed experts (and the shared expert) of a quantized MoE layer run by the fused MoE
+     * op; NULL: the fp32 path over exp_* / sh_*. */
+    moeq_moe_experts *pexperts;
 } mq_layer;
 
 struct moeq_model {
@@ -108,6 +116,8 @@ struct moeq_model {
     mq_layer *layers;                /* [n_layers] */
     moeq_tokenizer *tok;             /* NULL if not loaded */
     char *quant_scheme;              /* NULL, or the scheme of a quantized checkpoint */
+    int act_quant;                   /* moeq_act_quant */
+    int n_packed;                    /* Linears running packed (each expert weight counts) */
 };
 
 /* ---- forward pass ----------------------------------------------------------------------------- */
@@ -137,6 +147,10 @@ typedef struct {
     mq_capture_fn fn;
     void *user;
 } mq_hooks;
+
+/* With packed weights (moeq_model_options.keep_packed) hooks are refused: MOEQ_E_UNSUPPORTED.
+ * With act_quant, hooks see each Linear's input before the emulated activation quantizer (the
+ * high-precision activation, as calibration observers record it). */
 
 /* KV cache and scratch for sequences of up to max_tokens positions. */
 typedef struct mq_state mq_state;

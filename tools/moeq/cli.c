@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -263,4 +264,29 @@ void cli_print_json_string(FILE *f, const char *s) {
         }
     }
     fputc('"', f);
+}
+
+int64_t cli_peak_rss_bytes(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return -1;
+    return (int64_t)ru.ru_maxrss * 1024;   /* Linux reports KiB */
+}
+
+double cli_cpu_seconds(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+    return (double)ru.ru_utime.tv_sec + 1e-6 * (double)ru.ru_utime.tv_usec +
+           (double)ru.ru_stime.tv_sec + 1e-6 * (double)ru.ru_stime.tv_usec;
+}
+
+void cli_report_memory(const char *cmd, const moeq_model_info *info) {
+    const double mib = 1024.0 * 1024.0;
+    fprintf(stderr, "%s: weights %.2f MiB resident", cmd, (double)info->weight_bytes / mib);
+    if (info->packed_linears > 0)
+        fprintf(stderr, " (%d Linears packed, %d dequantized; fp32 would take %.2f MiB)",
+                info->packed_linears, info->fallback_linears,
+                (double)info->weight_bytes_fp32 / mib);
+    else
+        fputs(" (fp32)", stderr);
+    fprintf(stderr, "; peak RSS %.2f MiB\n", (double)cli_peak_rss_bytes() / mib);
 }

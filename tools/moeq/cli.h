@@ -73,4 +73,12 @@ const char *cli_shared_dir(void);
 /* JSON-safe printing of a string (with quotes). */
 void cli_print_json_string(FILE *f, const char *s);
 
+/* Process resource use (getrusage): peak resident set size in bytes, and CPU seconds (user +
+ * system, all threads) so far. */
+int64_t cli_peak_rss_bytes(void);
+double cli_cpu_seconds(void);
+/* One stderr line on a model's resident weights (packed or fp32, and what fp32 would take)
+ * and the process's peak RSS. */
+void cli_report_memory(const char *cmd, const moeq_model_info *info);
+
 #endif

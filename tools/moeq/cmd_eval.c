@@ -3,7 +3,9 @@
  * lm-evaluation-harness's loglikelihood_rolling (wikitext task: detokenizer, word/byte perplexity,
  * bits per byte), and KL divergence against a base model or saved top-k logits. With --json,
  * stdout is exactly one JSON object. Ctrl-C prints the result of the documents finished so far
- * and exits 130.
+ * and exits 130. A quantized checkpoint runs on the packed kernels unless --dequantize;
+ * --act-quant nvfp4 emulates W4A4 on the dequantized path. stderr gets the resident weight
+ * bytes and the peak RSS (also in the JSON).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -31,9 +33,16 @@ static void json_int(FILE *f, const char *key, long long v) {
     fprintf(f, "  \"%s\": %lld,\n", key, v);
 }
 
+/* How the model ran: weights in memory, process peak RSS, CPU time of the evaluation. */
+typedef struct {
+    const moeq_model_info *info;
+    int64_t peak_rss;
+    double cpu_seconds;
+} run_stats;
+
 static void print_json(const char *model_dir, const char *data, const char *task,
                        const moeq_eval_result *r, const moeq_docs *docs, const double *doc_ll,
-                       const int64_t *doc_tok) {
+                       const int64_t *doc_tok, const run_stats *rs) {
     FILE *f = stdout;
     fputs("{\n  \"model\": ", f);
     cli_print_json_string(f, model_dir);
@@ -76,14 +85,22 @@ static void print_json(const char *model_dir, const char *data, const char *task
         }
         fputs("\n  ],\n", f);
     }
+    fprintf(f, "  \"act_quant\": \"%s\",\n", rs->info->act_quant ? "nvfp4" : "none");
+    json_int(f, "packed_linears", rs->info->packed_linears);
+    json_int(f, "fallback_linears", rs->info->fallback_linears);
+    json_int(f, "weight_bytes", rs->info->weight_bytes);
+    json_int(f, "weight_bytes_fp32", rs->info->weight_bytes_fp32);
+    json_int(f, "peak_rss_bytes", rs->peak_rss);
     fprintf(f, "  \"interrupted\": %s,\n", r->interrupted ? "true" : "false");
     json_num(f, "seconds", r->seconds, false);
+    json_num(f, "cpu_seconds", rs->cpu_seconds, false);
     json_num(f, "tokens_per_second", r->tokens_per_second, true);
     fputs("}\n", f);
 }
 
 static void print_text(const char *model_dir, const char *task, const moeq_eval_result *r,
-                       const moeq_docs *docs, const double *doc_ll, const int64_t *doc_tok) {
+                       const moeq_docs *docs, const double *doc_ll, const int64_t *doc_tok,
+                       const run_stats *rs) {
     FILE *f = stdout;
     if (doc_ll) {
         fprintf(f, "%6s %18s %8s %8s %8s\n", "doc", "loglikelihood", "tokens", "words", "bytes");
@@ -115,14 +132,16 @@ static void print_text(const char *model_dir, const char *task, const moeq_eval_
             fprintf(f, "  top-%d: the exact mean KL is at most %.4g higher\n", r->kl_top_k,
                     r->kl_gap_bound);
     }
-    fprintf(f, "  %.1f s, %.0f tokens/s\n", r->seconds, r->tokens_per_second);
+    fprintf(f, "  %.1f s, %.0f tokens/s (%.1f CPU s)\n", r->seconds, r->tokens_per_second,
+            rs->cpu_seconds);
 }
 
 int cmd_eval(int argc, char **argv) {
     const char *task = "wikitext", *data = NULL, *layout = NULL, *kl_base = NULL, *kl_logits = NULL,
                *save_logits = NULL;
     int64_t max_length = 0, limit = 0, threads = 0, top_k = MOEQ_EVAL_DEFAULT_TOP_K;
-    bool json = false, add_bos = false, quiet = false, per_doc = false;
+    const char *act_quant = NULL;
+    bool json = false, add_bos = false, quiet = false, per_doc = false, dequantize = false;
     const cli_opt opts[] = {
         {"--task", OPT_CHOICE, &task, NULL, "wikitext (lm-eval's task, default) or any text",
          "wikitext|text", 0, 0, NULL},
@@ -148,6 +167,12 @@ int cmd_eval(int argc, char **argv) {
          0, 0, NULL},
         {"--top-k", OPT_INT, &top_k, "K", "logits per token that --save-logits keeps (default 64)",
          NULL, 1, 1 << 20, NULL},
+        {"--dequantize", OPT_FLAG, &dequantize, NULL,
+         "run a quantized checkpoint dequantized in fp32 (default: packed, on the quantized "
+         "kernels)", NULL, 0, 0, NULL},
+        {"--act-quant", OPT_CHOICE, &act_quant, NULL,
+         "emulate activation quantization on the inputs of the quantized Linears (W4A4; implies "
+         "the dequantized path, the packed kernels being weight-only)", "none|nvfp4", 0, 0, NULL},
         {"--per-doc", OPT_FLAG, &per_doc, NULL, "also print each document's log-likelihood", NULL,
          0, 0, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON object on stdout", NULL, 0, 0,
@@ -169,7 +194,9 @@ int cmd_eval(int argc, char **argv) {
         "percentile of KL(p_base || p_model) per token and the share of changed top-1 "
         "predictions;\n"
         "saved logits keep the top-k logits of each token, so that KL is a lower bound (tokens\n"
-        "outside the top-k form one bucket). Ctrl-C prints the partial result and exits 130.",
+        "outside the top-k form one bucket). A quantized checkpoint runs packed on the quantized\n"
+        "kernels (within a small tolerance of --dequantize); stderr reports the resident weights\n"
+        "and peak RSS. Ctrl-C prints the partial result and exits 130.",
         opts,
         (int)(sizeof opts / sizeof opts[0]),
         1,
@@ -198,9 +225,13 @@ int cmd_eval(int argc, char **argv) {
     moeq_model *m = NULL, *base = NULL;
     double *doc_ll = NULL;
     int64_t *doc_tok = NULL;
+    bool aq = act_quant && strcmp(act_quant, "nvfp4") == 0;
+    moeq_model_options mo = {.keep_packed = !dequantize && !aq,
+                             .act_quant = aq ? MOEQ_ACT_QUANT_NVFP4 : MOEQ_ACT_QUANT_NONE};
+    moeq_model_options bo = {.keep_packed = !dequantize};
     moeq_status st = moeq_docs_load(data, lay, &docs);
-    if (!st) st = moeq_model_open(model_dir, NULL, &m);
-    if (!st && kl_base) st = moeq_model_open(kl_base, NULL, &base);
+    if (!st) st = moeq_model_open(model_dir, &mo, &m);
+    if (!st && kl_base) st = moeq_model_open(kl_base, &bo, &base);
     if (!st && per_doc) {
         doc_ll = calloc((size_t)moeq_docs_count(docs), sizeof *doc_ll);
         doc_tok = calloc((size_t)moeq_docs_count(docs), sizeof *doc_tok);
@@ -208,6 +239,8 @@ int cmd_eval(int argc, char **argv) {
     }
     moeq_eval_result r;
     memset(&r, 0, sizeof r);
+    run_stats rs = {m ? moeq_model_get_info(m) : NULL, 0, 0};
+    double cpu0 = cli_cpu_seconds();
     if (!st) {
         moeq_eval_options o;
         moeq_eval_options_init(&o);
@@ -225,10 +258,13 @@ int cmd_eval(int argc, char **argv) {
     }
     cli_progress_finish();
     if (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED) {
+        rs.cpu_seconds = cli_cpu_seconds() - cpu0;
+        rs.peak_rss = cli_peak_rss_bytes();
+        cli_report_memory("eval", rs.info);
         if (json)
-            print_json(model_dir, data, task, &r, docs, doc_ll, doc_tok);
+            print_json(model_dir, data, task, &r, docs, doc_ll, doc_tok, &rs);
         else
-            print_text(model_dir, task, &r, docs, doc_ll, doc_tok);
+            print_text(model_dir, task, &r, docs, doc_ll, doc_tok, &rs);
         fflush(stdout);
     }
     int code = st == MOEQ_OK ? CLI_OK : cli_fail("eval", st);

@@ -1,7 +1,9 @@
 /*
  * moeq generate MODEL_DIR --prompt P -n N [--greedy | --temp T --top-p P --seed S]: text
- * generation with the fp32 forward pass and its KV cache. stdout gets the prompt followed by the
- * generated text as it is produced; stderr gets prefill and decode tokens/s. Greedy picks the
+ * generation with the forward pass and its KV cache (a quantized checkpoint on the packed
+ * kernels unless --dequantize; --act-quant nvfp4 emulates W4A4 on the dequantized path). stdout
+ * gets the prompt followed by the generated text as it is produced; stderr gets prefill and
+ * decode tokens/s, the resident weight bytes and the peak RSS. Greedy picks the
  * largest logit (ties to the lower id); sampling draws from softmax(logits / T) cut to the smallest
  * set of most likely tokens whose probability reaches top_p, with a seeded generator, so a given
  * seed always gives the same text.
@@ -92,8 +94,9 @@ int cmd_generate(int argc, char **argv) {
     const char *prompt = NULL;
     int64_t n_new = -1, seed = 0, threads = 0;
     double temp = 1.0, top_p = 1.0;
+    const char *act_quant = NULL;
     bool greedy = false, ignore_eos = false, no_bos = false, temp_seen = false, top_p_seen = false,
-         seed_seen = false;
+         seed_seen = false, dequantize = false;
     const cli_opt opts[] = {
         {"--prompt", OPT_STRING, &prompt, "P", "the prompt text", NULL, 0, 0, NULL},
         {"-n", OPT_INT, &n_new, "N", "number of tokens to generate", NULL, 0, 1 << 24, NULL},
@@ -111,13 +114,20 @@ int cmd_generate(int argc, char **argv) {
          0, NULL},
         {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 0, 1024,
          NULL},
+        {"--dequantize", OPT_FLAG, &dequantize, NULL,
+         "run a quantized checkpoint dequantized in fp32 (default: packed, on the quantized "
+         "kernels)", NULL, 0, 0, NULL},
+        {"--act-quant", OPT_CHOICE, &act_quant, NULL,
+         "emulate activation quantization on the inputs of the quantized Linears (W4A4; implies "
+         "the dequantized path)", "none|nvfp4", 0, 0, NULL},
     };
     const cli_command cmd = {
         "generate", "MODEL_DIR --prompt P -n N [--greedy | --temp T --top-p P --seed S]",
-        "Generates up to N tokens after the prompt with the fp32 model and prints the prompt and\n"
-        "the continuation on stdout (stopping at the end-of-sequence token unless --ignore-eos);\n"
-        "prefill and decode speeds go to stderr. The model's BOS token, when it has one, is put\n"
-        "before the prompt.",
+        "Generates up to N tokens after the prompt and prints the prompt and the continuation on\n"
+        "stdout (stopping at the end-of-sequence token unless --ignore-eos); prefill and decode\n"
+        "speeds, resident weights and peak RSS go to stderr. A quantized checkpoint runs packed\n"
+        "on the quantized kernels unless --dequantize. The model's BOS token, when it has one,\n"
+        "is put before the prompt.",
         opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
@@ -133,8 +143,11 @@ int cmd_generate(int argc, char **argv) {
     bool sample = temp_seen || top_p_seen || seed_seen;
     if (threads > 0) moeq_set_threads((int)threads);
 
+    bool aq = act_quant && strcmp(act_quant, "nvfp4") == 0;
+    moeq_model_options mo = {.keep_packed = !dequantize && !aq,
+                             .act_quant = aq ? MOEQ_ACT_QUANT_NVFP4 : MOEQ_ACT_QUANT_NONE};
     moeq_model *m = NULL;
-    moeq_status st = moeq_model_open(pos[0], NULL, &m);
+    moeq_status st = moeq_model_open(pos[0], &mo, &m);
     if (st) return cli_fail("generate", st);
     const moeq_tokenizer *tok = moeq_model_tokenizer(m);
     if (!tok) {
@@ -216,6 +229,7 @@ int cmd_generate(int argc, char **argv) {
             "(%.1f tokens/s)\n", n_prompt, t_prefill, (double)n_prompt / t_prefill,
             n_gen > 0 ? n_gen - 1 : 0, t_decode,
             n_gen > 1 && t_decode > 0 ? (double)(n_gen - 1) / t_decode : 0.0);
+    cli_report_memory("generate", moeq_model_get_info(m));
 out:
     moeq_session_free(s);
     free(enc);
