@@ -4,8 +4,8 @@
  * bits per byte), and KL divergence against a base model or saved top-k logits. With --json,
  * stdout is exactly one JSON object. Ctrl-C prints the result of the documents finished so far
  * and exits 130. A quantized checkpoint runs on the packed kernels unless --dequantize;
- * --act-quant nvfp4 emulates W4A4 on the dequantized path. stderr gets the resident weight
- * bytes and the peak RSS (also in the JSON).
+ * --act-quant nvfp4 emulates W4A4 on the dequantized path. The resident weight bytes and the
+ * peak RSS go to stderr, or with --json into the object.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -195,8 +195,8 @@ int cmd_eval(int argc, char **argv) {
         "predictions;\n"
         "saved logits keep the top-k logits of each token, so that KL is a lower bound (tokens\n"
         "outside the top-k form one bucket). A quantized checkpoint runs packed on the quantized\n"
-        "kernels (within a small tolerance of --dequantize); stderr reports the resident weights\n"
-        "and peak RSS. Ctrl-C prints the partial result and exits 130.",
+        "kernels (within a small tolerance of --dequantize); stderr (or the --json object)\n"
+        "reports the resident weights and peak RSS. Ctrl-C prints the partial result and exits 130.",
         opts,
         (int)(sizeof opts / sizeof opts[0]),
         1,
@@ -260,7 +260,7 @@ int cmd_eval(int argc, char **argv) {
     if (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED) {
         rs.cpu_seconds = cli_cpu_seconds() - cpu0;
         rs.peak_rss = cli_peak_rss_bytes();
-        cli_report_memory("eval", rs.info);
+        if (!json) cli_report_memory("eval", rs.info);   /* --json: in the object (stderr stays quiet) */
         if (json)
             print_json(model_dir, data, task, &r, docs, doc_ll, doc_tok, &rs);
         else

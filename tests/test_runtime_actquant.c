@@ -1,0 +1,479 @@
+/*
+ * Emulated NVFP4 activation quantization (moeq_model_options.act_quant) checked layer by layer
+ * against slow obvious code in double precision. The hooks report each Linear's input before the
+ * quantizer; from those inputs and the layer's weights the test recomputes, with
+ * mq_nvfp4_act_qdq applied exactly where the W4A4 recipe puts it:
+ *   - the O input = causal attention of q/k/v computed from qdq(QKV input) (one quantized copy
+ *     for the three; RoPE, q/k norms, GQA, bias as the model has them);
+ *   - every down-projection input = silu(gate(qdq(x))) * up(qdq(x)), a routed expert's x being
+ *     its routed rows only (one global scale per expert), the shared expert's all rows;
+ *   - the layer output = x + o(qdq(att)) + the MLP / MoE with qdq on each down input; routers
+ *     and shared_expert_gate on the unquantized normed input;
+ *   - the logits = lm_head(final_norm(x)) with no quantizer.
+ * Each check also asserts the unquantized recomputation is clearly off, so it cannot pass by
+ * accident. Then: only Linears stored quantized get the quantizer on a quantized checkpoint,
+ * and wikitext perplexity moves by a small amount with act_quant and not at all without it.
+ */
+#include <stdlib.h>
+
+#include "export/quantize.h"
+#include "formats/formats.h"
+#include "harness.h"
+#include "model/model.h"
+
+enum { T = 12 };
+static const double TOL = 2e-5;    /* fp32 forward vs double recomputation, relative to max */
+static const double SEEN = 1e-3;   /* the quantizer's effect is at least this */
+
+typedef struct {
+    int site, expert;
+    int64_t rows, cols;
+    float *x;
+} capture;
+
+typedef struct {
+    capture c[64];
+    int n;
+} captures;
+
+static void on_capture(void *user, int layer, mq_site site, int expert, const float *x,
+                       int64_t rows, int64_t cols) {
+    (void)layer;
+    captures *cs = user;
+    if (cs->n >= 64) return;
+    capture *c = &cs->c[cs->n++];
+    c->site = site;
+    c->expert = expert;
+    c->rows = rows;
+    c->cols = cols;
+    c->x = malloc(sizeof(float) * (size_t)(rows * cols + 1));
+    memcpy(c->x, x, sizeof(float) * (size_t)(rows * cols));
+}
+
+static const capture *find(const captures *cs, int site, int expert) {
+    for (int i = 0; i < cs->n; i++)
+        if (cs->c[i].site == site && cs->c[i].expert == expert) return &cs->c[i];
+    FAIL("no capture for site %d expert %d", site, expert);
+    return NULL;
+}
+
+/* ---- reference pieces (double) -------------------------------------------------------------- */
+/* A quantize-dequantized copy of x [rows, cols], or a plain copy when q is false. */
+static float *qcopy(const float *x, int64_t rows, int64_t cols, bool q) {
+    float *y = malloc(sizeof(float) * (size_t)(rows * cols + 1));
+    memcpy(y, x, sizeof(float) * (size_t)(rows * cols));
+    if (q) mq_nvfp4_act_qdq(y, rows, cols);
+    return y;
+}
+
+/* y [rows, out] = x W^T + b. */
+static double *lin(const mq_linear *l, const float *x, int64_t rows) {
+    double *y = malloc(sizeof(double) * (size_t)(rows * l->out));
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t o = 0; o < l->out; o++) {
+            double s = l->bias ? l->bias[o] : 0;
+            for (int64_t i = 0; i < l->in; i++) s += (double)x[t * l->in + i] * l->w[o * l->in + i];
+            y[t * l->out + o] = s;
+        }
+    return y;
+}
+
+static void rms(double *x, int64_t rows, int64_t n, const float *w, double eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        double ss = 0, *v = x + r * n;
+        for (int64_t i = 0; i < n; i++) ss += v[i] * v[i];
+        double inv = 1.0 / sqrt(ss / (double)n + eps);
+        for (int64_t i = 0; i < n; i++) v[i] = w[i] * v[i] * inv;
+    }
+}
+
+static double silu(double v) { return v / (1.0 + exp(-v)); }
+
+/* max |ref - got| / max |ref| */
+static double relerr(const double *ref, const float *got, int64_t n) {
+    double m = 0, d = 0;
+    for (int64_t i = 0; i < n; i++) {
+        m = fmax(m, fabs(ref[i]));
+        d = fmax(d, fabs(ref[i] - got[i]));
+    }
+    return m > 0 ? d / m : d;
+}
+
+static void check(const char *what, int layer, const double *ref_q, const double *ref_plain,
+                  const float *got, int64_t n) {
+    double e = relerr(ref_q, got, n), e0 = relerr(ref_plain, got, n);
+    if (!(e < TOL)) FAIL("layer %d %s: differs from the recomputation by %.3g", layer, what, e);
+    if (!(e0 > SEEN))
+        FAIL("layer %d %s: the unquantized recomputation is as close (%.3g): no quantizer seen",
+             layer, what, e0);
+}
+
+/* The attention output [T, H*hd] from the QKV input (quantized or not). */
+static double *attention(const moeq_model *m, const mq_layer *ly, const float *xqkv, bool q) {
+    const mq_config *c = &m->cfg;
+    int64_t D = c->D, H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim, half = hd / 2;
+    float *xin = qcopy(xqkv, T, D, q);
+    double *Q = lin(&ly->q, xin, T), *K = lin(&ly->k, xin, T), *V = lin(&ly->v, xin, T);
+    free(xin);
+    if (c->qk_norm == MQ_QKNORM_FULL) {
+        rms(Q, T, H * hd, ly->q_norm, c->rms_eps);
+        rms(K, T, KV * hd, ly->k_norm, c->rms_eps);
+    } else if (c->qk_norm == MQ_QKNORM_HEAD) {
+        rms(Q, T * H, hd, ly->q_norm, c->rms_eps);
+        rms(K, T * KV, hd, ly->k_norm, c->rms_eps);
+    }
+    if (c->clip_qkv > 0) {
+        double *b[3] = {Q, K, V};
+        int64_t n[3] = {T * H * hd, T * KV * hd, T * KV * hd};
+        for (int i = 0; i < 3; i++)
+            for (int64_t j = 0; j < n[i]; j++) b[i][j] = fmax(-c->clip_qkv, fmin(c->clip_qkv, b[i][j]));
+    }
+    double *bufs[2] = {Q, K};
+    int64_t heads[2] = {H, KV};
+    for (int b = 0; b < 2; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < heads[b]; h++)
+                for (int64_t i = 0; i < half; i++) {
+                    double a = (double)t / pow(c->rope_theta, (double)(2 * i) / (double)hd);
+                    double *v = bufs[b] + (t * heads[b] + h) * hd, x0 = v[i], x1 = v[i + half];
+                    v[i] = x0 * cos(a) - x1 * sin(a);
+                    v[i + half] = x1 * cos(a) + x0 * sin(a);
+                }
+    double *att = calloc((size_t)(T * H * hd), sizeof(double)), p[T];
+    for (int64_t h = 0; h < H; h++) {
+        int64_t g = h / (H / KV);
+        for (int64_t t = 0; t < T; t++) {
+            double mx = -INFINITY, sum = 0;
+            for (int64_t s = 0; s <= t; s++) {
+                double d = 0;
+                for (int64_t i = 0; i < hd; i++) d += Q[(t * H + h) * hd + i] * K[(s * KV + g) * hd + i];
+                p[s] = d / sqrt((double)hd);
+                mx = fmax(mx, p[s]);
+            }
+            for (int64_t s = 0; s <= t; s++) sum += p[s] = exp(p[s] - mx);
+            for (int64_t s = 0; s <= t; s++)
+                for (int64_t i = 0; i < hd; i++)
+                    att[(t * H + h) * hd + i] += p[s] / sum * V[(s * KV + g) * hd + i];
+        }
+    }
+    free(Q);
+    free(K);
+    free(V);
+    return att;
+}
+
+/* silu(gate(x)) * up(x) [rows, F] with x quantized or not. */
+static double *swiglu_in(const mq_linear *g, const mq_linear *u, const float *x, int64_t rows,
+                         bool q) {
+    float *xin = qcopy(x, rows, g->in, q);
+    double *a = lin(g, xin, rows), *b = lin(u, xin, rows);
+    for (int64_t i = 0; i < rows * g->out; i++) a[i] = silu(a[i]) * b[i];
+    free(xin);
+    free(b);
+    return a;
+}
+
+/* down(qdq(h)) from a captured down input h [rows, F]. */
+static double *down_of(const mq_linear *d, const float *h, int64_t rows, bool q) {
+    float *hin = qcopy(h, rows, d->in, q);
+    double *y = lin(d, hin, rows);
+    free(hin);
+    return y;
+}
+
+/* ---- one layer ------------------------------------------------------------------------------ */
+/* Checks layer l (x_in -> x_out) and the inputs its hooks captured against the recomputation
+ * with the quantizer (must match) and without it (must not). */
+static void check_layer(const moeq_model *m, int l, const float *x_in, const float *x_out,
+                        const captures *cs) {
+    const mq_config *c = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    int64_t D = c->D, Q = (int64_t)c->n_heads * c->head_dim;
+    /* hooks see the unquantized QKV input: RMSNorm(x) */
+    const capture *cq = find(cs, MQ_SITE_QKV, -1), *co = find(cs, MQ_SITE_O, -1);
+    if (!cq || !co) return;
+    double *xn = malloc(sizeof(double) * (size_t)(T * D));
+    for (int64_t i = 0; i < T * D; i++) xn[i] = x_in[i];
+    rms(xn, T, D, ly->attn_norm, c->rms_eps);
+    if (!(relerr(xn, cq->x, T * D) < TOL)) FAIL("layer %d: the QKV hook does not see RMSNorm(x)", l);
+    free(xn);
+
+    double *att_q = attention(m, ly, cq->x, true), *att_p = attention(m, ly, cq->x, false);
+    check("attention output (O input)", l, att_q, att_p, co->x, T * Q);
+    free(att_q);
+    free(att_p);
+
+    /* residual after attention, from the captured O input */
+    double *o_q = down_of(&ly->o, co->x, T, true), *o_p = down_of(&ly->o, co->x, T, false);
+    double *h = malloc(sizeof(double) * (size_t)(T * D)), *hn = malloc(sizeof(double) * (size_t)(T * D));
+    for (int64_t i = 0; i < T * D; i++) hn[i] = h[i] = x_in[i] + o_q[i];
+    rms(hn, T, D, ly->ffn_norm, c->rms_eps);
+    float *hnf = malloc(sizeof(float) * (size_t)(T * D));
+    for (int64_t i = 0; i < T * D; i++) hnf[i] = (float)hn[i];
+
+    double *ffn_q = calloc((size_t)(T * D), sizeof(double)), *ffn_p = calloc((size_t)(T * D), sizeof(double));
+    if (!ly->is_moe) {
+        const capture *cm = find(cs, MQ_SITE_MLP, -1), *cd = find(cs, MQ_SITE_MLP_DOWN, -1);
+        if (!cm || !cd) return;
+        if (!(relerr(hn, cm->x, T * D) < TOL)) FAIL("layer %d: the MLP hook does not see RMSNorm(h)", l);
+        double *a = swiglu_in(&ly->gate, &ly->up, cm->x, T, true);
+        double *b = swiglu_in(&ly->gate, &ly->up, cm->x, T, false);
+        check("MLP down input", l, a, b, cd->x, T * c->ffn);
+        free(a);
+        free(b);
+        double *yq = down_of(&ly->down, cd->x, T, true), *yp = down_of(&ly->down, cd->x, T, false);
+        memcpy(ffn_q, yq, sizeof(double) * (size_t)(T * D));
+        memcpy(ffn_p, yp, sizeof(double) * (size_t)(T * D));
+        free(yq);
+        free(yp);
+    } else {
+        int64_t E = c->n_experts, K = c->top_k, F = c->moe_ffn;
+        /* routing on the unquantized normed input */
+        int sel[T][8];
+        double wt[T][8];
+        for (int64_t t = 0; t < T; t++) {
+            double pr[64], mx = -INFINITY, sum = 0, ws = 0;
+            for (int64_t e = 0; e < E; e++) {
+                pr[e] = 0;
+                for (int64_t i = 0; i < D; i++) pr[e] += hn[t * D + i] * ly->router[e * D + i];
+                mx = fmax(mx, pr[e]);
+            }
+            for (int64_t e = 0; e < E; e++) sum += pr[e] = exp(pr[e] - mx);
+            for (int64_t k = 0; k < K; k++) {
+                int b = -1;
+                for (int64_t e = 0; e < E; e++) {
+                    bool taken = false;
+                    for (int64_t j = 0; j < k; j++) taken |= sel[t][j] == e;
+                    if (!taken && (b < 0 || pr[e] > pr[b])) b = (int)e;
+                }
+                sel[t][k] = b;
+                ws += wt[t][k] = pr[b] / sum;
+            }
+            if (c->norm_topk_prob)
+                for (int64_t k = 0; k < K; k++) wt[t][k] /= ws;
+        }
+        int whole_differs = 0;
+        for (int64_t e = 0; e < E; e++) {
+            const capture *ci = find(cs, MQ_SITE_EXPERT, (int)e), *cd = find(cs, MQ_SITE_EXPERT_DOWN, (int)e);
+            if (!ci || !cd) return;
+            int64_t rows = 0, tok[T];
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t k = 0; k < K; k++)
+                    if (sel[t][k] == e) tok[rows++] = t;
+            ASSERT_EQ_INT(rows, ci->rows);
+            if (rows != ci->rows || rows == 0) continue;
+            double *xr = malloc(sizeof(double) * (size_t)(rows * D));
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t i = 0; i < D; i++) xr[r * D + i] = hn[tok[r] * D + i];
+            if (!(relerr(xr, ci->x, rows * D) < TOL)) FAIL("layer %d expert %lld: routed rows", l, (long long)e);
+            free(xr);
+            double *a = swiglu_in(&ly->exp_gate[e], &ly->exp_up[e], ci->x, rows, true);
+            double *b = swiglu_in(&ly->exp_gate[e], &ly->exp_up[e], ci->x, rows, false);
+            check("expert down input", l, a, b, cd->x, rows * F);
+            free(a);
+            free(b);
+            /* one scale per expert: quantizing the routed rows inside the whole input (one
+             * global scale for all tokens) gives another result for some expert */
+            float *all = qcopy(hnf, T, D, true);
+            double e_all = 0;
+            {
+                float *rows_all = malloc(sizeof(float) * (size_t)(rows * D));
+                for (int64_t r = 0; r < rows; r++)
+                    memcpy(rows_all + r * D, all + tok[r] * D, sizeof(float) * (size_t)D);
+                double *ga = lin(&ly->exp_gate[e], rows_all, rows), *ua = lin(&ly->exp_up[e], rows_all, rows);
+                for (int64_t i = 0; i < rows * F; i++) ga[i] = silu(ga[i]) * ua[i];
+                e_all = relerr(ga, cd->x, rows * F);
+                free(ga);
+                free(ua);
+                free(rows_all);
+            }
+            free(all);
+            whole_differs += e_all > 10 * TOL;
+            double *yq = down_of(&ly->exp_down[e], cd->x, rows, true);
+            double *yp = down_of(&ly->exp_down[e], cd->x, rows, false);
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t t = tok[r];
+                double w = 0;
+                for (int64_t k = 0; k < K; k++)
+                    if (sel[t][k] == e) w = wt[t][k];
+                for (int64_t i = 0; i < D; i++) {
+                    ffn_q[t * D + i] += w * yq[r * D + i];
+                    ffn_p[t * D + i] += w * yp[r * D + i];
+                }
+            }
+            free(yq);
+            free(yp);
+        }
+        if (whole_differs == 0) FAIL("layer %d: no expert tells per-expert from whole-input scales", l);
+        if (c->shared_ffn > 0) {
+            const capture *ci = find(cs, MQ_SITE_SHARED, -1), *cd = find(cs, MQ_SITE_SHARED_DOWN, -1);
+            if (!ci || !cd) return;
+            if (!(relerr(hn, ci->x, T * D) < TOL)) FAIL("layer %d: the shared expert input", l);
+            double *a = swiglu_in(&ly->sh_gate, &ly->sh_up, ci->x, T, true);
+            double *b = swiglu_in(&ly->sh_gate, &ly->sh_up, ci->x, T, false);
+            check("shared expert down input", l, a, b, cd->x, T * c->shared_ffn);
+            free(a);
+            free(b);
+            double *yq = down_of(&ly->sh_down, cd->x, T, true), *yp = down_of(&ly->sh_down, cd->x, T, false);
+            for (int64_t t = 0; t < T; t++) {
+                double g = 1;
+                if (c->shared_gate) {
+                    double z = 0;
+                    for (int64_t i = 0; i < D; i++) z += hn[t * D + i] * ly->sh_gate_w[i];
+                    g = 1 / (1 + exp(-z));
+                }
+                for (int64_t i = 0; i < D; i++) {
+                    ffn_q[t * D + i] += g * yq[t * D + i];
+                    ffn_p[t * D + i] += g * yp[t * D + i];
+                }
+            }
+            free(yq);
+            free(yp);
+        }
+    }
+    /* the layer output; the plain reference leaves out the quantizer of o and the down inputs */
+    double *ref_q = malloc(sizeof(double) * (size_t)(T * D)), *ref_p = malloc(sizeof(double) * (size_t)(T * D));
+    for (int64_t i = 0; i < T * D; i++) {
+        ref_q[i] = o_q[i] + ffn_q[i];
+        ref_p[i] = o_p[i] + ffn_p[i];
+    }
+    float *delta = malloc(sizeof(float) * (size_t)(T * D));
+    for (int64_t i = 0; i < T * D; i++) delta[i] = x_out[i] - x_in[i];
+    check("output - input", l, ref_q, ref_p, delta, T * D);
+    free(delta);
+    free(ref_q);
+    free(ref_p);
+    free(ffn_q);
+    free(ffn_p);
+    free(o_q);
+    free(o_p);
+    free(h);
+    free(hn);
+    free(hnf);
+}
+
+static void layers_for(const char *name) {
+    char rel[128];
+    snprintf(rel, sizeof rel, "fixtures/models/%s", name);
+    moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_NVFP4};
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_model_open(mq_test_shared(rel), &mo, &m));
+    if (!m) return;
+    ASSERT_TRUE(m->cfg.sliding_window == 0 || m->cfg.sliding_window >= T);
+    ASSERT_TRUE(m->cfg.n_experts <= 64 && m->cfg.top_k <= 8);
+    int64_t D = m->cfg.D, V = m->cfg.vocab;
+    int32_t ids[T];
+    for (int i = 0; i < T; i++) ids[i] = (int32_t)((i * 7919 + 13) % V);
+    float *x = malloc(sizeof(float) * (size_t)(T * D)), *xin = malloc(sizeof(float) * (size_t)(T * D));
+    mq_state *st = NULL;
+    ASSERT_OK(mq_state_new(m, T, &st));
+    ASSERT_OK(mq_embed(m, ids, T, x));
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        captures cs = {.n = 0};
+        mq_hooks hk = {on_capture, &cs};
+        memcpy(xin, x, sizeof(float) * (size_t)(T * D));
+        ASSERT_OK(mq_forward_layers(m, st, x, T, 0, l, l + 1, &hk));
+        check_layer(m, l, xin, x, &cs);
+        for (int i = 0; i < cs.n; i++) free(cs.c[i].x);
+    }
+    /* the logits: lm_head(final_norm(x)) without a quantizer */
+    double *xn = malloc(sizeof(double) * (size_t)(T * D)), *ref = malloc(sizeof(double) * (size_t)(T * V));
+    for (int64_t i = 0; i < T * D; i++) xn[i] = x[i];
+    rms(xn, T, D, m->final_norm, m->cfg.rms_eps);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t v = 0; v < V; v++) {
+            double s = 0;
+            for (int64_t i = 0; i < D; i++) s += xn[t * D + i] * m->lm_head[v * D + i];
+            ref[t * V + v] = s;
+        }
+    float *lg = malloc(sizeof(float) * (size_t)(T * V));
+    moeq_session *ss = NULL;
+    ASSERT_OK(moeq_session_create(m, T, &ss));
+    ASSERT_OK(moeq_session_forward(ss, ids, T, lg));
+    double e = relerr(ref, lg, T * V);
+    if (!(e < TOL)) FAIL("%s: logits differ from lm_head(final_norm(x)) by %.3g", name, e);
+    moeq_session_free(ss);
+    mq_state_free(st);
+    free(lg);
+    free(ref);
+    free(xn);
+    free(x);
+    free(xin);
+    moeq_model_free(m);
+}
+
+static void test_layers_olmoe(void) { layers_for("olmoe-tiny"); }
+static void test_layers_qwen2moe(void) { layers_for("qwen2moe-tiny"); }
+static void test_layers_llama(void) { layers_for("llama-tiny"); }
+
+/* On a quantized checkpoint the quantizer follows the stored weights: an ignored o_proj and the
+ * (never quantized) routers keep fp32 inputs. */
+static void test_only_quantized_linears(void) {
+    char src[1024], dir[1024];
+    snprintf(src, sizeof src, "%s", mq_test_shared("fixtures/models/qwen2moe-tiny"));
+    snprintf(dir, sizeof dir, "%s/q", mq_test_tmpdir());
+    mq_quantize_opts q;
+    mq_quantize_opts_init(&q, MQ_QS_NVFP4, MQ_FMT_CT);
+    const char *ign[1] = {"model\\.layers\\.1\\.self_attn\\.o_proj"};
+    q.ignore = ign;
+    q.n_ignore = 1;
+    ASSERT_OK(mq_quantize_checkpoint(src, dir, &q, NULL));
+    moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_NVFP4};
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_model_open(dir, &mo, &m));
+    if (!m) return;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const mq_layer *ly = &m->layers[l];
+        ASSERT_TRUE(ly->q.act_q && ly->k.act_q && ly->v.act_q);
+        ASSERT_EQ_INT(l != 1, ly->o.act_q);
+        for (int e = 0; e < m->cfg.n_experts; e++)
+            ASSERT_TRUE(ly->exp_gate[e].act_q && ly->exp_up[e].act_q && ly->exp_down[e].act_q);
+        ASSERT_TRUE(ly->sh_gate.act_q && ly->sh_up.act_q && ly->sh_down.act_q);
+    }
+    moeq_model_free(m);
+    mo.act_quant = MOEQ_ACT_QUANT_NONE;
+    ASSERT_OK(moeq_model_open(dir, &mo, &m));
+    if (m) ASSERT_FALSE(m->layers[0].q.act_q || m->layers[0].exp_down[0].act_q);
+    moeq_model_free(m);
+}
+
+/* W4A4 emulation on the unquantized model: the perplexity moves a little; without act_quant the
+ * result is the default model's bit for bit. */
+static void test_eval_perplexity(void) {
+    moeq_docs *docs = NULL;
+    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
+                             &docs));
+    const char *dir = mq_test_shared("fixtures/models/olmoe-tiny");
+    char d[1024];
+    snprintf(d, sizeof d, "%s", dir);
+    moeq_model *def = NULL, *none = NULL, *aq = NULL;
+    moeq_model_options mo = {0};
+    ASSERT_OK(moeq_model_open(d, NULL, &def));
+    ASSERT_OK(moeq_model_open(d, &mo, &none));
+    mo.act_quant = MOEQ_ACT_QUANT_NVFP4;
+    ASSERT_OK(moeq_model_open(d, &mo, &aq));
+    if (!docs || !def || !none || !aq) return;
+    moeq_eval_options o;
+    moeq_eval_options_init(&o);
+    o.limit = 2;
+    o.max_length = 512;
+    o.prefix_token = 0;
+    moeq_eval_result r0, r1, r2;
+    ASSERT_OK(moeq_eval(def, docs, &o, &r0));
+    ASSERT_OK(moeq_eval(none, docs, &o, &r1));
+    ASSERT_OK(moeq_eval(aq, docs, &o, &r2));
+    double change = r2.word_perplexity / r0.word_perplexity - 1;
+    printf("  olmoe-tiny, 2 documents: word perplexity %.6f, with NVFP4 activations %.6f (%+.3f%%)\n",
+           r0.word_perplexity, r2.word_perplexity, 100 * change);
+    ASSERT_TRUE(r0.loglikelihood == r1.loglikelihood);
+    if (!(change > 0.002 && change < 0.15))
+        FAIL("NVFP4 activations change the word perplexity by %+.4f%% (expected +0.2%% .. +15%%)",
+             100 * change);
+    moeq_model_free(def);
+    moeq_model_free(none);
+    moeq_model_free(aq);
+    moeq_docs_free(docs);
+}
+
+TEST_MAIN(T(test_layers_olmoe), T(test_layers_qwen2moe), T(test_layers_llama),
+          T(test_only_quantized_linears), T(test_eval_perplexity))
