@@ -160,7 +160,8 @@ typedef struct {
      * blocks (~86 dB), so results are within a small tolerance of the dequantized path, not
      * bit-identical. Tensors or MoE layers the kernels do not support (asymmetric INT4,
      * act-order g_idx, other schemes or group sizes) keep the dequantized fp32 path; an info log
-     * names each. No effect on unquantized checkpoints or with act_quant (which needs the fp32
+     * names each. Embeddings, norms, routers and lm_head stay fp32 (a quantized lm_head is
+     * dequantized). No effect on unquantized checkpoints or with act_quant (which needs the fp32
      * path). Calibration hooks (src/model) refuse a model with packed weights. */
     int keep_packed;
     int no_tokenizer;  /* do not load tokenizer.json */

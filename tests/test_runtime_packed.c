@@ -15,8 +15,10 @@
  *    attention tensor and one asymmetric expert keeps only that tensor and that MoE layer in
  *    fp32; a GPTQ checkpoint with one act-order (g_idx) tensor keeps that tensor in fp32;
  *  - calibration hooks are refused on a packed model, act_quant disables packing;
- *  - wikitext word perplexity (2 documents, 9372 tokens) of packed vs dequantized within 1e-5
- *    relative (measured 1.5e-7), and bit-identical for 1 and 2 threads.
+ *  - wikitext word perplexity (2 documents, 9372 tokens) of packed vs dequantized within 1e-4
+ *    relative (measured 1.5e-7 here; over 8 documents up to 1.9e-5, INT4 g32, where a single
+ *    token whose expert choice flips at a near-tie dominates), and bit-identical for 1 and 2
+ *    threads.
  */
 #include <stdlib.h>
 
@@ -403,7 +405,7 @@ static void test_eval_wikitext_packed(void) {
            fabs(rp.word_perplexity - rf.word_perplexity) / rf.word_perplexity,
            rp.tokens_per_second, rf.tokens_per_second);
     ASSERT_EQ_INT(rf.tokens, rp.tokens);
-    ASSERT_REL(rf.word_perplexity, rp.word_perplexity, 1e-5);
+    ASSERT_REL(rf.word_perplexity, rp.word_perplexity, 1e-4);
     ASSERT_TRUE(rp.word_perplexity != rf.word_perplexity);
     moeq_model_free(p);
     moeq_model_free(f);

@@ -62,6 +62,7 @@ struct mq_state {
     int64_t *tasks;              /* MoE tasks: expert << 32 | row block */
     int64_t n_tasks_cap;
 
+    bool moe_fp32;               /* some MoE layer runs the fp32 experts (needs the scratch above) */
     int n_thr;                   /* per-thread attention scratch */
     float *scores;               /* [n_thr, ATT_QB * max_tokens] */
 };
@@ -133,7 +134,8 @@ static moeq_status scratch_reserve(mq_state *s, int64_t T) {
     size_t R = (size_t)T, D = (size_t)c->D, Q = (size_t)c->n_heads * (size_t)c->head_dim;
     size_t KV = (size_t)s->kv_dim;
     size_t F = (size_t)(c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn);
-    size_t E = (size_t)c->n_experts, K = (size_t)c->top_k, FE = (size_t)c->moe_ffn;
+    /* packed MoE layers bring their own scratch (the kernels' workspace) */
+    size_t E = s->moe_fp32 ? (size_t)c->n_experts : 0, K = (size_t)c->top_k, FE = (size_t)c->moe_ffn;
     const char *w = "forward scratch";
     s->xn = mq_alloc_array(R, D * 4, w);
     s->q = mq_alloc_array(R, Q * 4, w);
@@ -200,6 +202,7 @@ moeq_status mq_state_new(const moeq_model *m, int32_t max_tokens, mq_state **out
     s->m = m;
     s->max_tokens = max_tokens;
     s->kv_dim = (int64_t)c->n_kv_heads * c->head_dim;
+    for (int l = 0; l < c->n_layers; l++) s->moe_fp32 |= m->layers[l].is_moe && !m->layers[l].pexperts;
     s->kc = calloc((size_t)c->n_layers, sizeof(float *));
     s->vc = calloc((size_t)c->n_layers, sizeof(float *));
     s->filled = calloc((size_t)c->n_layers, sizeof(int64_t));
