@@ -41,7 +41,7 @@ for run in $runs; do
         { echo "FAIL: quantize $model $scheme exited $?"; fail=1; continue; }
     extra=""
     [ "$model-$scheme" = "llama-tiny-int4_g128" ] && extra="--kl-base $shared/fixtures/models/$model"
-    "$cli" eval "$q" --data "$data" --max-length 512 --json --quiet $extra > "$q.json" ||
+    "$cli" eval "$q" --dequantize --data "$data" --max-length 512 --json --quiet $extra > "$q.json" ||
         { echo "FAIL: eval $model $scheme exited $?"; fail=1; continue; }
     python3 - "$q.json" "$ref" "$model" "wikitext_${scheme}_rtn" <<'PY' || fail=1
 import json, sys
