@@ -119,9 +119,10 @@ int cmd_quantize(int argc, char **argv) {
         "quantize", "MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4 [options]",
         "Quantizes every decoder Linear (attention, dense and expert MLPs) by round to nearest or\n"
         "GPTQ (--method gptq --calib FILE: per-expert Hessians from the tokens routed to each\n"
-        "expert, one transformer block at a time) and writes a checkpoint that vLLM loads. Routers, shared_expert_gate, embeddings, norms and\n"
-        "lm_head stay in the source dtype and are listed in the config's ignore list. NVFP4 global\n"
-        "scales are shared by q/k/v, by gate/up and by each expert's gate/up, as vLLM requires.\n"
+        "expert, one transformer block at a time) and writes a checkpoint that vLLM loads.\n"
+        "Routers, shared_expert_gate, embeddings, norms and lm_head stay in the source dtype and\n"
+        "are listed in the config's ignore list. NVFP4 global scales are shared by q/k/v, by\n"
+        "gate/up and by each expert's gate/up, as vLLM requires.\n"
         "The checkpoint is written to a temporary directory renamed to OUT_DIR when complete.",
         opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
     const char *pos[1];
