@@ -1,24 +1,10 @@
-# Convenience wrapper around CMake. `make demo` and `make test` are the README's quick start.
-BUILD ?= build
-JOBS ?= $(shell nproc)
-CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
-
-.PHONY: all deps build test demo clean
-
-all: build
-
-deps:
-	@bash scripts/install-deps.sh
-
-build: deps
-	@cmake -S . -B $(BUILD) $(CMAKE_FLAGS) >/dev/null
-	@cmake --build $(BUILD) -j $(JOBS)
-
-test: build
-	@ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
-
-demo: build
-	@bash scripts/demo.sh $(BUILD)/moeq
-
+# Convenience wrapper: `make demo`, `make test` and `make` call ./build.sh (the README's quick start).
+.PHONY: all demo test clean
+all:
+	@./build.sh build
+demo:
+	@./build.sh demo
+test:
+	@./build.sh test
 clean:
-	rm -rf $(BUILD)
+	rm -rf build
