@@ -3,23 +3,19 @@
  * two rows (llama.cpp's perplexity --kl-divergence quantity, KL(p_base || p_model) in nats), top-k
  * selection and the KL from saved top-k logits, and numpy's linear-interpolation percentile.
  * Precision: logits are fp32 (as the model produces them); every sum is accumulated in double
- * after subtracting the row maximum, so a log-probability is exact to about 1e-7 absolute.
+ * after subtracting the row maximum, so a log-probability is exact to about 1e-7 absolute. The
+ * log-sum-exp of every scored token runs on the vector kernels (fp32 exponentials, double sum).
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "eval/eval.h"
+#include "kernels/vec.h"
 
+/* The vector kernel: the maximum, then exp(l - max) in fp32 (within 1 ulp of expf) summed in
+ * double in a fixed lane order (src/kernels/vec.h). */
 double mq_logsumexp(const float *l, int64_t V, int32_t *argmax) {
-    float mx = l[0];
-    int64_t am = 0;
-    for (int64_t v = 1; v < V; v++)
-        if (l[v] > mx) mx = l[v], am = v;
-    if (argmax) *argmax = (int32_t)am;
-    if (!isfinite(mx)) return (double)mx;
-    double s = 0;
-    for (int64_t v = 0; v < V; v++) s += (double)expf(l[v] - mx);
-    return (double)mx + log(s); /* s >= 1: the maximum contributes exp(0) */
+    return mq_vec()->logsumexp(l, V, argmax);
 }
 
 double mq_kl_rows(const float *lb, double lse_b, const float *lm, double lse_m, int64_t V) {

@@ -33,11 +33,14 @@
 
 #include "formats/formats.h"
 #include "kernels/moe_ffn.h"
+#include "kernels/vec.h"
 #include "model/model_internal.h"
 
 enum {
     ATT_QB = 64,     /* query rows per attention task */
     MOE_ROWS = 128,   /* routed rows per expert task */
+    SMALL_T = 4,      /* fewer new tokens: GEMVs and every task on the calling thread (decode) */
+    ATT_GEMM_ROWS = 4 /* query rows from which a block's QK^T and PV go through the GEMM */
 };
 
 struct mq_state {
@@ -71,22 +74,32 @@ struct mq_state {
 /* Row-wise RMSNorm of x[rows, n] into out (may alias x). The mean of squares is accumulated in
  * double and rounded, then everything is fp32 as in LlamaRMSNorm. */
 static void rmsnorm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *o = out + r * n;
-        double ss = 0;
-        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
-        float var = (float)(ss / (double)n);
-        float inv = 1.0f / sqrtf(var + eps);
-        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inv);
+    const mq_vec_kernels *vk = mq_vec();
+    for (int64_t r = 0; r < rows; r++) vk->rmsnorm(x + r * n, n, w, eps, out + r * n);
+}
+
+/* g = silu(g) * u over n values. */
+static void swiglu(float *g, const float *u, int64_t n) { mq_vec()->swiglu(g, u, n); }
+
+/* y[T, N] = x[T, K] @ W[N, K]^T. Up to SMALL_T rows run as GEMVs on the calling thread: the
+ * tiled GEMM would pack all of W for one row, and waking the pool costs more than the work. */
+static void matmul_nt(const float *x, int64_t T, const float *W, int64_t N, int64_t K, float *y) {
+    if (T < SMALL_T) {
+        const mq_vec_kernels *vk = mq_vec();
+        for (int64_t t = 0; t < T; t++) vk->gemv(W, K, N, x + t * K, K, 1.0f, y + t * N);
+    } else {
+        mq_gemm_nt(T, N, K, 1.0f, x, K, W, K, 0.0f, y, N);
     }
 }
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
-
-/* g = silu(g) * u over n values. */
-static void swiglu(float *g, const float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) g[i] = silu(g[i]) * u[i];
+/* Runs tasks [0, n) of fn: on the pool, or for small problems on the calling thread (the tasks
+ * are the same either way, so are the results). */
+static void run_tasks(int64_t n, mq_task_fn fn, void *ctx, bool small) {
+    if (!small) {
+        mq_parallel_for(n, fn, ctx);
+        return;
+    }
+    for (int64_t t = 0; t < n; t++) fn(ctx, t, 0);
 }
 
 moeq_status mq_linear_forward(const mq_linear *l, const float *x, int64_t T, float *y) {
@@ -95,7 +108,7 @@ moeq_status mq_linear_forward(const mq_linear *l, const float *x, int64_t T, flo
         if (st) return mq_err_prefix(st, "%s", l->name);
     } else {
         MQ_ASSERT(l->w != NULL);
-        mq_gemm_nt(T, l->out, l->in, 1.0f, x, l->in, l->w, l->in, 0.0f, y, l->out);
+        matmul_nt(x, T, l->w, l->out, l->in, y);
     }
     if (l->bias)
         for (int64_t t = 0; t < T; t++)
@@ -271,8 +284,7 @@ void mq_final_norm(const moeq_model *m, float *x, int64_t T) {
 
 void mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits) {
     if (!logits) return;
-    mq_gemm_nt(T, m->cfg.vocab, m->cfg.D, 1.0f, x, m->cfg.D, m->lm_head, m->cfg.D, 0.0f, logits,
-               m->cfg.vocab);
+    matmul_nt(x, T, m->lm_head, m->cfg.vocab, m->cfg.D, logits);
 }
 
 /* ---- attention ----------------------------------------------------------------------------- */
@@ -315,25 +327,26 @@ static void attention_task(void *ctx, int64_t task, int thread) {
     float *S = s->scores + (int64_t)thread * ATT_QB * s->max_tokens;
     const float *kc = s->kc[j->layer] + k0 * ldk + kvh * hd;
     const float *vc = s->vc[j->layer] + k0 * ldk + kvh * hd;
-    mq_gemm_nt(rows, nk, hd, j->scale, s->q + i0 * ldq + h * hd, ldq, kc, ldk, 0.0f, S, nk);
+    const float *q = s->q + i0 * ldq + h * hd;
+    float *out = s->att + i0 * ldq + h * hd;
+    const mq_vec_kernels *vk = mq_vec();
+    bool gemm = rows >= ATT_GEMM_ROWS;
+    if (gemm) mq_gemm_nt(rows, nk, hd, j->scale, q, ldq, kc, ldk, 0.0f, S, nk);
     for (int64_t r = 0; r < rows; r++) {
         float *sr = S + r * nk;
         int64_t p = j->pos + i0 + r;   /* this query's position */
         int64_t lo = window > 0 && p - window + 1 > k0 ? p - window + 1 - k0 : 0;
         int64_t hi = p + 1 - k0;       /* keys [lo, hi) are visible */
-        float mx = sr[lo];
-        for (int64_t i = lo + 1; i < hi; i++) mx = sr[i] > mx ? sr[i] : mx;
-        double sum = 0;
-        for (int64_t i = lo; i < hi; i++) {
-            sr[i] = expf(sr[i] - mx);
-            sum += sr[i];
+        if (!gemm) vk->gemv(kc + lo * ldk, ldk, hi - lo, q + r * ldq, hd, j->scale, sr + lo);
+        vk->softmax(sr + lo, hi - lo);
+        if (gemm) {   /* the masked keys take part in the GEMM with weight 0 */
+            memset(sr, 0, sizeof(float) * (size_t)lo);
+            memset(sr + hi, 0, sizeof(float) * (size_t)(nk - hi));
+        } else {      /* a few rows: out = sum of p_i v_i over the visible keys, in key order */
+            vk->gemv_t(vc + lo * ldk, ldk, hi - lo, sr + lo, hd, out + r * ldq);
         }
-        float sumf = (float)sum;
-        for (int64_t i = 0; i < lo; i++) sr[i] = 0.0f;
-        for (int64_t i = lo; i < hi; i++) sr[i] /= sumf;
-        for (int64_t i = hi; i < nk; i++) sr[i] = 0.0f;
     }
-    mq_gemm_nn(rows, hd, nk, 1.0f, S, nk, vc, ldk, 0.0f, s->att + i0 * ldq + h * hd, ldq);
+    if (gemm) mq_gemm_nn(rows, hd, nk, 1.0f, S, nk, vc, ldk, 0.0f, out, ldq);
 }
 
 static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
@@ -370,7 +383,7 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
     memcpy(s->vc[l] + pos * s->kv_dim, s->v, (size_t)(T * s->kv_dim) * 4);
 
     att_job j = {s, l, T, pos, (T + ATT_QB - 1) / ATT_QB, (float)(1.0 / sqrt((double)hd))};
-    mq_parallel_for(H * j.n_qb, attention_task, &j);
+    run_tasks(H * j.n_qb, attention_task, &j, T < SMALL_T);
 
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * hd);
     if (ly->o.act_q) mq_nvfp4_act_qdq(s->att, T, H * hd);
@@ -513,7 +526,7 @@ static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T,
     const mq_layer *ly = &m->layers[l];
     if (ly->pexperts) return moe_block_packed(m, s, l, T, out);
     int64_t D = c->D, E = c->n_experts, K = c->top_k, F = c->moe_ffn;
-    mq_gemm_nt(T, E, D, 1.0f, s->xn, D, ly->router, D, 0.0f, s->rlog, E);
+    matmul_nt(s->xn, T, ly->router, E, D, s->rlog);
     route(c, s->rlog, T, s->rsel, s->rw);
 
     /* Expert-major slots, tokens in increasing order within each expert. */
@@ -534,14 +547,15 @@ static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T,
             s->tok_slot[t * K + k] = slot;
         }
     moe_job j = {m, s, l, EX_ALL};
+    bool small = T < SMALL_T;
     if (!s->xq) {
-        mq_parallel_for(n_tasks, expert_task, &j);
+        run_tasks(n_tasks, expert_task, &j, small);
     } else {
         j.stage = EX_GATHER;
-        mq_parallel_for(n_tasks, expert_task, &j);
+        run_tasks(n_tasks, expert_task, &j, small);
         for (j.stage = EX_GATE_UP; j.stage <= EX_DOWN; j.stage++) {
-            mq_parallel_for(E, expert_qdq_task, &j);
-            mq_parallel_for(n_tasks, expert_task, &j);
+            run_tasks(E, expert_qdq_task, &j, small);
+            run_tasks(n_tasks, expert_task, &j, small);
         }
     }
     for (int64_t e = 0; e < E; e++) {
@@ -574,7 +588,7 @@ static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T,
         moeq_status st = mlp(&ly->sh_gate, &ly->sh_up, &ly->sh_down, s->xn, T, s->g, s->u, s->aq,
                              sy, hk, l, MQ_SITE_SHARED, MQ_SITE_SHARED_DOWN);
         if (st) return st;
-        if (c->shared_gate) mq_gemm_nt(T, 1, D, 1.0f, s->xn, D, ly->sh_gate_w, D, 0.0f, s->sgate, 1);
+        if (c->shared_gate) matmul_nt(s->xn, T, ly->sh_gate_w, 1, D, s->sgate);
         for (int64_t t = 0; t < T; t++) {
             float gsc = c->shared_gate ? 1.0f / (1.0f + expf(-s->sgate[t])) : 1.0f;
             for (int64_t i = 0; i < D; i++) out[t * D + i] += gsc * sy[t * D + i];

@@ -1,0 +1,213 @@
+/*
+ * Scalar reference twins of the vector kernels (src/kernels/vec.h): each function performs the
+ * operations of the AVX2+FMA kernels (src/kernels/cpu/x86/vec_avx2.c) lane by lane, in the same
+ * order and with fmaf where they fuse, so both give bit-identical results. Also the dispatcher.
+ *
+ * exp follows the classic Cephes expf scheme (round to n = x log2 e, reduce by n ln2 in two
+ * parts, degree-7 polynomial, scale by 2^n); the clamping and the split scale are ours.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "kernels/vec.h"
+
+/* Lane layout of the reductions (see vec.h). */
+enum { LANES = 8 };
+
+/* Clamp bounds: below -103.98 expf rounds to +0; above 88.7228 it overflows. Both bounds keep
+ * n within [-150, 128], so each half of the split scale 2^n is a normal number. */
+static const float EXP_LO = -104.0f, EXP_HI = 88.75f;
+static const float LOG2E = 1.44269504088896341f;
+static const float LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+static const float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e-3f,
+                   P3 = 4.1665795894e-2f, P4 = 1.6666665459e-1f, P5 = 5.0000001201e-1f;
+
+static float pow2i(float k) {   /* 2^k for an integral k in [-126, 127] */
+    uint32_t bits = (uint32_t)((int32_t)k + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+float mq_vec_expf(float x) {
+    if (x != x) return x + x;   /* NaN: the AVX2 lanes propagate it through the polynomial */
+    x = EXP_LO > x ? EXP_LO : x;   /* maxps(lo, x) */
+    x = EXP_HI < x ? EXP_HI : x;   /* minps(hi, x) */
+    float n = nearbyintf(x * LOG2E);
+    float r = fmaf(-n, LN2_HI, x);
+    r = fmaf(-n, LN2_LO, r);
+    float p = P0;
+    p = fmaf(p, r, P1);
+    p = fmaf(p, r, P2);
+    p = fmaf(p, r, P3);
+    p = fmaf(p, r, P4);
+    p = fmaf(p, r, P5);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    float n1 = floorf(n * 0.5f), n2 = n - n1;
+    return (y * pow2i(n1)) * pow2i(n2);
+}
+
+/* (a0 + a1) lane-wise, then (l + l+4), (l + l+2), (l + l+1). */
+static float reduce_add8(const float a0[LANES], const float a1[LANES]) {
+    float v[LANES];
+    for (int l = 0; l < LANES; l++) v[l] = a0[l] + a1[l];
+    for (int l = 0; l < 4; l++) v[l] = v[l] + v[l + 4];
+    for (int l = 0; l < 2; l++) v[l] = v[l] + v[l + 2];
+    return v[0] + v[1];
+}
+
+/* Double lanes: element j of an 8-block goes to accumulator j / 4, lane j % 4. */
+static double reduce_add4d(const double d[2][4]) {
+    double v[4];
+    for (int l = 0; l < 4; l++) v[l] = d[0][l] + d[1][l];
+    for (int l = 0; l < 2; l++) v[l] = v[l] + v[l + 2];
+    return v[0] + v[1];
+}
+
+static float dot_ref(const float *a, const float *b, int64_t n) {
+    float acc[2][LANES] = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        float *c = &acc[(i / LANES) & 1][i % LANES];
+        *c = fmaf(a[i], b[i], *c);
+    }
+    /* zero padding of a last partial block: fmaf(0, 0, c) turns -0 into +0 */
+    for (int64_t i = n; i % LANES; i++) {
+        float *c = &acc[(i / LANES) & 1][i % LANES];
+        *c = fmaf(0.0f, 0.0f, *c);
+    }
+    return reduce_add8(acc[0], acc[1]);
+}
+
+static void gemv_ref(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
+                     float alpha, float *y) {
+    for (int64_t r = 0; r < rows; r++) y[r] = alpha * dot_ref(W + r * ldw, x, n);
+}
+
+static void axpy_ref(float a, const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+}
+
+static void gemv_t_ref(const float *V, int64_t ldv, int64_t rows, const float *a, int64_t n,
+                       float *y) {
+    for (int64_t j = 0; j < n; j++) y[j] = 0.0f;
+    for (int64_t i = 0; i < rows; i++) axpy_ref(a[i], V + i * ldv, y, n);
+}
+
+static void exp_ref(const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = mq_vec_expf(x[i]);
+}
+
+/* The maximum as two maxps accumulators (block parity) seeded with x[0] fold it, then the
+ * lane tree. maxps(v, m) = v > m ? v : m, so a NaN v is skipped. */
+static float max_ref(const float *x, int64_t n) {
+    float m[2][LANES];
+    for (int l = 0; l < LANES; l++) m[0][l] = m[1][l] = x[0];
+    for (int64_t i = 0; i < n; i++) {
+        float *c = &m[(i / LANES) & 1][i % LANES];
+        *c = x[i] > *c ? x[i] : *c;
+    }
+    float v[LANES];
+    for (int l = 0; l < LANES; l++) v[l] = m[1][l] > m[0][l] ? m[1][l] : m[0][l];
+    for (int l = 0; l < 4; l++) v[l] = v[l + 4] > v[l] ? v[l + 4] : v[l];
+    for (int l = 0; l < 2; l++) v[l] = v[l + 2] > v[l] ? v[l + 2] : v[l];
+    return v[1] > v[0] ? v[1] : v[0];
+}
+
+static void softmax_ref(float *x, int64_t n) {
+    float mx = max_ref(x, n);
+    float acc[2][LANES] = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = mq_vec_expf(x[i] - mx);
+        float *c = &acc[(i / LANES) & 1][i % LANES];
+        *c = *c + x[i];
+    }
+    float sum = reduce_add8(acc[0], acc[1]);
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] / sum;
+}
+
+/* exp of a double d <= 0 for a sum whose largest term is 1: clamped at -708 (terms below
+ * 1e-307 cannot change such a sum), degree-12 Taylor polynomial on |r| <= ln2 / 2 (relative
+ * error a few 1e-16), exact scale by 2^n. NaN stays NaN. */
+static const double EXPD_LO = -708.0, LOG2E_D = 1.4426950408889634;
+static const double LN2_HI_D = 6.93147180369123816490e-01, LN2_LO_D = 1.90821492927058770002e-10;
+static const double TAYLOR[13] = {1.0,
+                                  1.0,
+                                  1.0 / 2,
+                                  1.0 / 6,
+                                  1.0 / 24,
+                                  1.0 / 120,
+                                  1.0 / 720,
+                                  1.0 / 5040,
+                                  1.0 / 40320,
+                                  1.0 / 362880,
+                                  1.0 / 3628800,
+                                  1.0 / 39916800,
+                                  1.0 / 479001600};
+
+double mq_vec_exp_sum_term(double d) {
+    if (d != d) return d + d;
+    d = EXPD_LO > d ? EXPD_LO : d;   /* maxpd(lo, d) */
+    double n = nearbyint(d * LOG2E_D);
+    double r = fma(-n, LN2_HI_D, d);
+    r = fma(-n, LN2_LO_D, r);
+    double p = TAYLOR[12];
+    for (int k = 11; k >= 0; k--) p = fma(p, r, TAYLOR[k]);
+    uint64_t bits = (uint64_t)((int64_t)n + 1023) << 52;
+    double scale;
+    memcpy(&scale, &bits, 8);
+    return p * scale;
+}
+
+static double logsumexp_ref(const float *x, int64_t n, int32_t *argmax) {
+    float mx = max_ref(x, n);
+    if (argmax) {
+        int64_t am = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (x[i] == mx) {
+                am = i;
+                break;
+            }
+        *argmax = (int32_t)am;
+    }
+    if (!isfinite(mx)) return (double)mx;
+    double d[2][4] = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        int j = (int)(i % LANES);
+        d[j / 4][j % 4] += mq_vec_exp_sum_term((double)x[i] - (double)mx);
+    }
+    return (double)mx + log(reduce_add4d(d));
+}
+
+static void rmsnorm_ref(const float *x, int64_t n, const float *w, float eps, float *out) {
+    double d[2][4] = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        int j = (int)(i % LANES);
+        d[j / 4][j % 4] += (double)x[i] * (double)x[i];   /* exact product: as fma_pd */
+    }
+    float var = (float)(reduce_add4d(d) / (double)n);
+    float inv = 1.0f / sqrtf(var + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+static void swiglu_ref(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + mq_vec_expf(-g[i]))) * u[i];
+}
+
+const mq_vec_kernels mq_vec_ref = {
+    .dot = dot_ref,
+    .gemv = gemv_ref,
+    .gemv_t = gemv_t_ref,
+    .axpy = axpy_ref,
+    .exp = exp_ref,
+    .softmax = softmax_ref,
+    .logsumexp = logsumexp_ref,
+    .rmsnorm = rmsnorm_ref,
+    .swiglu = swiglu_ref,
+};
+
+const mq_vec_kernels *mq_vec(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) return &mq_vec_avx2;
+#endif
+    return &mq_vec_ref;
+}

@@ -1,0 +1,346 @@
+/*
+ * AVX2+FMA vector kernels (src/kernels/vec.h), twins of src/kernels/cpu/ref/vec_ref.c with
+ * bit-identical results: the same lane layout for every reduction, the same exp polynomial and
+ * the same operation order. A last partial block of 8 is loaded with a mask (zeros beyond n) and
+ * contributes exactly what the reference's padding does.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "kernels/vec.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* mask_tail(k): the first k of 8 lanes set (0 < k < 8). */
+INLINE __m256i mask_tail(int64_t k) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), idx);
+}
+
+INLINE float hsum8(__m256 a0, __m256 a1) {
+    __m256 v = _mm256_add_ps(a0, a1);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+INLINE double hsum4d(__m256d d0, __m256d d1) {
+    __m256d v = _mm256_add_pd(d0, d1);
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+}
+
+/* 8 lanes of mq_vec_expf. */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);   /* NaN x passes (second operand) */
+    x = _mm256_min_ps(_mm256_set1_ps(88.75f), x);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256 n1 = _mm256_floor_ps(_mm256_mul_ps(n, _mm256_set1_ps(0.5f)));
+    __m256 n2 = _mm256_sub_ps(n, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256i e1 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n1), bias), 23);
+    __m256i e2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n2), bias), 23);
+    return _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e1)), _mm256_castsi256_ps(e2));
+}
+
+static float dot_avx2(const float *a, const float *b, int64_t n) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
+        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc[1]);
+    }
+    int k = 0;
+    if (i + 8 <= n) {
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
+        i += 8;
+        k = 1;
+    }
+    if (i < n) {
+        __m256i m = mask_tail(n - i);
+        acc[k] = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), acc[k]);
+    }
+    return hsum8(acc[0], acc[1]);
+}
+
+/* Four rows of W against x at once (x loaded once per block); each row as dot_avx2. */
+static void dot4(const float *W, int64_t ldw, const float *x, int64_t n, float alpha, float *y) {
+    const float *w0 = W, *w1 = W + ldw, *w2 = W + 2 * ldw, *w3 = W + 3 * ldw;
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        /* the next four rows, one line each per step: GEMV streams W once, mostly from memory */
+        _mm_prefetch((const char *)(w0 + 4 * ldw + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + 4 * ldw + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w2 + 4 * ldw + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w3 + 4 * ldw + i), _MM_HINT_T0);
+        __m256 xa = _mm256_loadu_ps(x + i), xb = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), xa, a0);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i + 8), xb, b0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i), xa, a1);
+        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i + 8), xb, b1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i), xa, a2);
+        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i + 8), xb, b2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + i), xa, a3);
+        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + i + 8), xb, b3);
+    }
+    /* The rest (under 16) exactly as dot_avx2: a full block to accumulator a, the tail to the
+     * accumulator of its block parity. */
+    if (i < n) {
+        bool full = i + 8 <= n;
+        __m256i m = full ? _mm256_set1_epi32(-1) : mask_tail(n - i);
+        __m256 xa = _mm256_maskload_ps(x + i, m);
+        a0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + i, m), xa, a0);
+        a1 = _mm256_fmadd_ps(_mm256_maskload_ps(w1 + i, m), xa, a1);
+        a2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + i, m), xa, a2);
+        a3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + i, m), xa, a3);
+        i += 8;
+        if (full && i < n) {
+            m = mask_tail(n - i);
+            __m256 xb = _mm256_maskload_ps(x + i, m);
+            b0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + i, m), xb, b0);
+            b1 = _mm256_fmadd_ps(_mm256_maskload_ps(w1 + i, m), xb, b1);
+            b2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + i, m), xb, b2);
+            b3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + i, m), xb, b3);
+        }
+    }
+    y[0] = alpha * hsum8(a0, b0);
+    y[1] = alpha * hsum8(a1, b1);
+    y[2] = alpha * hsum8(a2, b2);
+    y[3] = alpha * hsum8(a3, b3);
+}
+
+static void gemv_avx2(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
+                      float alpha, float *y) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) dot4(W + r * ldw, ldw, x, n, alpha, y + r);
+    for (; r < rows; r++) y[r] = alpha * dot_avx2(W + r * ldw, x, n);
+}
+
+static void axpy_avx2(float a, const float *x, float *y, int64_t n) {
+    __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+}
+
+/* Columns in blocks of 64 held in eight accumulators over all rows, then blocks of 8, then a
+ * masked tail; every column takes its fmas in row order. */
+static void gemv_t_avx2(const float *V, int64_t ldv, int64_t rows, const float *a, int64_t n,
+                        float *y) {
+    int64_t j = 0;
+    for (; j + 64 <= n; j += 64) {
+        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        for (int64_t i = 0; i < rows; i++) {
+            const float *v = V + i * ldv + j;
+            __m256 ai = _mm256_set1_ps(a[i]);
+            c0 = _mm256_fmadd_ps(ai, _mm256_loadu_ps(v), c0);
+            c1 = _mm256_fmadd_ps(ai, _mm256_loadu_ps(v + 8), c1);
+            c2 = _mm256_fmadd_ps(ai, _mm256_loadu_ps(v + 16), c2);
+            c3 = _mm256_fmadd_ps(ai, _mm256_loadu_ps(v + 24), c3);
+            c4 = _mm256_fmadd_ps(ai, _mm256_loadu_ps(v + 32), c4);
+            c5 = _mm256_fmadd_ps(ai, _mm256_loadu_ps(v + 40), c5);
+            c6 = _mm256_fmadd_ps(ai, _mm256_loadu_ps(v + 48), c6);
+            c7 = _mm256_fmadd_ps(ai, _mm256_loadu_ps(v + 56), c7);
+        }
+        _mm256_storeu_ps(y + j, c0);
+        _mm256_storeu_ps(y + j + 8, c1);
+        _mm256_storeu_ps(y + j + 16, c2);
+        _mm256_storeu_ps(y + j + 24, c3);
+        _mm256_storeu_ps(y + j + 32, c4);
+        _mm256_storeu_ps(y + j + 40, c5);
+        _mm256_storeu_ps(y + j + 48, c6);
+        _mm256_storeu_ps(y + j + 56, c7);
+    }
+    for (; j < n; j += 8) {
+        __m256i m = j + 8 <= n ? _mm256_set1_epi32(-1) : mask_tail(n - j);
+        __m256 c = _mm256_setzero_ps();
+        for (int64_t i = 0; i < rows; i++)
+            c = _mm256_fmadd_ps(_mm256_set1_ps(a[i]), _mm256_maskload_ps(V + i * ldv + j, m), c);
+        _mm256_maskstore_ps(y + j, m, c);
+    }
+}
+
+static void exp_avx2(const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
+    if (i < n) {
+        __m256i m = mask_tail(n - i);
+        _mm256_maskstore_ps(y + i, m, exp8(_mm256_maskload_ps(x + i, m)));
+    }
+}
+
+/* max_ref's fold: two accumulators by block parity seeded with x[0]; tail lanes beyond n hold
+ * x[0], which changes nothing. */
+static float max_avx2(const float *x, int64_t n) {
+    __m256 x0 = _mm256_set1_ps(x[0]);
+    __m256 m[2] = {x0, x0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        m[0] = _mm256_max_ps(_mm256_loadu_ps(x + i), m[0]);
+        m[1] = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m[1]);
+    }
+    int k = 0;
+    if (i + 8 <= n) {
+        m[0] = _mm256_max_ps(_mm256_loadu_ps(x + i), m[0]);
+        i += 8;
+        k = 1;
+    }
+    if (i < n) {
+        __m256i mk = mask_tail(n - i);
+        __m256 v = _mm256_blendv_ps(x0, _mm256_maskload_ps(x + i, mk), _mm256_castsi256_ps(mk));
+        m[k] = _mm256_max_ps(v, m[k]);
+    }
+    __m256 v = _mm256_max_ps(m[1], m[0]);
+    __m128 s = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    s = _mm_max_ps(_mm_movehl_ps(s, s), s);
+    s = _mm_max_ss(_mm_shuffle_ps(s, s, 1), s);
+    return _mm_cvtss_f32(s);
+}
+
+static void softmax_avx2(float *x, int64_t n) {
+    __m256 mx = _mm256_set1_ps(max_avx2(x, n));
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    int k = 0;
+    for (; i + 8 <= n; i += 8, k ^= 1) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx));
+        _mm256_storeu_ps(x + i, e);
+        acc[k] = _mm256_add_ps(acc[k], e);
+    }
+    __m256i mk = _mm256_setzero_si256();
+    if (i < n) {
+        mk = mask_tail(n - i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), mx));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(mk));
+        _mm256_maskstore_ps(x + i, mk, e);
+        acc[k] = _mm256_add_ps(acc[k], e);
+    }
+    __m256 sum = _mm256_set1_ps(hsum8(acc[0], acc[1]));
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_div_ps(_mm256_loadu_ps(x + i), sum));
+    if (i < n) _mm256_maskstore_ps(x + i, mk, _mm256_div_ps(_mm256_maskload_ps(x + i, mk), sum));
+}
+
+/* 4 lanes of mq_vec_exp_sum_term. */
+INLINE __m256d expd4(__m256d d) {
+    d = _mm256_max_pd(_mm256_set1_pd(-708.0), d);   /* NaN d passes */
+    __m256d n = _mm256_round_pd(_mm256_mul_pd(d, _mm256_set1_pd(1.4426950408889634)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), d);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
+    static const double c[13] = {1.0,         1.0,          1.0 / 2,       1.0 / 6,
+                                 1.0 / 24,    1.0 / 120,    1.0 / 720,     1.0 / 5040,
+                                 1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
+                                 1.0 / 479001600};
+    __m256d p = _mm256_set1_pd(c[12]);
+    for (int k = 11; k >= 0; k--) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c[k]));
+    __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
+    e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
+}
+
+/* Adds exp(v - mx) of the 8 floats of v to the double lanes (low half to d0, high half to d1);
+ * lanes outside keep (all ones in keep) add exactly +0. */
+INLINE void add_exp8(__m256 v, __m256d mx, __m256i keep, __m256d *d0, __m256d *d1) {
+    __m256d lo = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), mx);
+    __m256d hi = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), mx);
+    __m256d klo = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(keep)));
+    __m256d khi = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(keep, 1)));
+    *d0 = _mm256_add_pd(*d0, _mm256_and_pd(expd4(lo), klo));
+    *d1 = _mm256_add_pd(*d1, _mm256_and_pd(expd4(hi), khi));
+}
+
+static double logsumexp_avx2(const float *x, int64_t n, int32_t *argmax) {
+    float mxf = max_avx2(x, n);
+    if (argmax) {
+        __m256 mx = _mm256_set1_ps(mxf);
+        int64_t am = 0, i = 0;
+        for (; i + 8 <= n; i += 8) {
+            int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mx, _CMP_EQ_OQ));
+            if (bits) break;
+        }
+        for (; i < n; i++)
+            if (x[i] == mxf) {
+                am = i;
+                break;
+            }
+        *argmax = (int32_t)am;
+    }
+    if (!isfinite(mxf)) return (double)mxf;
+    __m256d mx = _mm256_set1_pd((double)mxf);
+    __m256d d0 = _mm256_setzero_pd(), d1 = _mm256_setzero_pd();
+    const __m256i all = _mm256_set1_epi32(-1);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) add_exp8(_mm256_loadu_ps(x + i), mx, all, &d0, &d1);
+    if (i < n) {
+        __m256i mk = mask_tail(n - i);
+        add_exp8(_mm256_maskload_ps(x + i, mk), mx, mk, &d0, &d1);
+    }
+    return (double)mxf + log(hsum4d(d0, d1));
+}
+
+static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, float *out) {
+    __m256d d0 = _mm256_setzero_pd(), d1 = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+        __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        d0 = _mm256_fmadd_pd(lo, lo, d0);   /* exact product, one rounding: as the reference */
+        d1 = _mm256_fmadd_pd(hi, hi, d1);
+    }
+    if (i < n) {
+        __m256 v = _mm256_maskload_ps(x + i, mask_tail(n - i));
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+        __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        d0 = _mm256_fmadd_pd(lo, lo, d0);
+        d1 = _mm256_fmadd_pd(hi, hi, d1);
+    }
+    float var = (float)(hsum4d(d0, d1) / (double)n);
+    float invf = 1.0f / sqrtf(var + eps);
+    __m256 inv = _mm256_set1_ps(invf);
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
+                                                _mm256_mul_ps(_mm256_loadu_ps(x + i), inv)));
+    for (; i < n; i++) out[i] = w[i] * (x[i] * invf);
+}
+
+INLINE __m256 swiglu8(__m256 g, __m256 u) {
+    __m256 e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+static void swiglu_avx2(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(g + i, swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < n) {
+        __m256i m = mask_tail(n - i);
+        _mm256_maskstore_ps(g + i, m, swiglu8(_mm256_maskload_ps(g + i, m), _mm256_maskload_ps(u + i, m)));
+    }
+}
+
+const mq_vec_kernels mq_vec_avx2 = {
+    .dot = dot_avx2,
+    .gemv = gemv_avx2,
+    .gemv_t = gemv_t_avx2,
+    .axpy = axpy_avx2,
+    .exp = exp_avx2,
+    .softmax = softmax_avx2,
+    .logsumexp = logsumexp_avx2,
+    .rmsnorm = rmsnorm_avx2,
+    .swiglu = swiglu_avx2,
+};
