@@ -181,6 +181,19 @@ static void test_ref_against_double(void) {
             ASSERT_NEAR(e, g[j], 1e-5 * (1 + sqrt((double)vr)));
         }
 
+        /* RoPE on a head of 2 * (n / 2) values: rotate_half with rounded products */
+        if (n >= 2) {
+            int64_t half = n / 2;
+            memcpy(y, a, sizeof(float) * (size_t)(2 * half));
+            mq_vec_ref.rope(y, half, b, w);
+            for (int64_t i = 0; i < half; i++) {
+                float ac = a[i] * b[i], bs = a[i + half] * w[i];
+                float bc = a[i + half] * b[i], as = a[i] * w[i];
+                ASSERT_EQ_HEX(bits(ac - bs), bits(y[i]));
+                ASSERT_EQ_HEX(bits(bc + as), bits(y[i + half]));
+            }
+        }
+
         /* axpy: one fma per element */
         memcpy(y, b, sizeof(float) * (size_t)n);
         mq_vec_ref.axpy(0.75f, a, y, n);
@@ -261,6 +274,14 @@ static void test_avx2_twin(void) {
             rf->axpy(-1.5f, x, y1, n);
             av->axpy(-1.5f, x, y2, n);
             assert_same(y1, y2, n, "axpy", n);
+
+            /* RoPE: a head of 2n values, cos/sin from z and ww */
+            fill(W, 2 * n, 2.0f);
+            memcpy(y1, W, sizeof(float) * (size_t)(2 * n));
+            memcpy(y2, W, sizeof(float) * (size_t)(2 * n));
+            rf->rope(y1, n, z, ww);
+            av->rope(y2, n, z, ww);
+            assert_same(y1, y2, 2 * n, "rope", n);
 
             /* exp over the whole clamp range and beyond, specials sprinkled in */
             for (int64_t i = 0; i < n; i++) y1[i] = 110.0f * frand();

@@ -1,6 +1,6 @@
 /*
  * Small fp32 vector kernels for the forward pass and the evaluator: dot products and GEMV (plain
- * and transposed), axpy, exp, softmax, log-sum-exp, RMSNorm and SwiGLU.
+ * and transposed), axpy, RoPE, exp, softmax, log-sum-exp, RMSNorm and SwiGLU.
  *
  * Two twins with bit-identical results: a scalar reference (src/kernels/cpu/ref/vec_ref.c) that
  * performs, element by element, the very operations (fmaf included) of the AVX2+FMA kernels
@@ -31,6 +31,9 @@ typedef struct {
     void (*gemv_t)(const float *V, int64_t ldv, int64_t rows, const float *a, int64_t n, float *y);
     /* y[i] = fmaf(a, x[i], y[i]) */
     void (*axpy)(float a, const float *x, float *y, int64_t n);
+    /* rotate_half RoPE of one head in place: for i < half, with a = x[i], b = x[i + half]:
+     * x[i] = a * c[i] - b * s[i], x[i + half] = b * c[i] + a * s[i] (products rounded, no fma) */
+    void (*rope)(float *x, int64_t half, const float *c, const float *s);
     /* y[i] = exp(x[i]) (y may alias x) */
     void (*exp)(const float *x, float *y, int64_t n);
     /* In place: x[i] = exp(x[i] - max) / sum, the sum of the exponentials in the lane layout

@@ -52,7 +52,7 @@ struct mq_state {
     float *rope_cos, *rope_sin;  /* [max_tokens, head_dim / 2] */
 
     int64_t cap;                 /* rows the scratch below holds */
-    float *xn, *q, *k, *v, *att, *tmp, *g, *u;
+    float *xn, *q, *att, *tmp, *g, *u;   /* k and v go straight into the KV cache */
     float *rlog, *rw;            /* router probabilities [cap, E], top-k weights [cap, K] */
     int32_t *rsel;               /* top-k experts [cap, K] */
     int32_t *cnt, *start;        /* [E], [E + 1] */
@@ -102,6 +102,12 @@ static void run_tasks(int64_t n, mq_task_fn fn, void *ctx, bool small) {
     for (int64_t t = 0; t < n; t++) fn(ctx, t, 0);
 }
 
+static void add_bias(const mq_linear *l, float *y, int64_t T) {
+    if (!l->bias) return;
+    const mq_vec_kernels *vk = mq_vec();
+    for (int64_t t = 0; t < T; t++) vk->axpy(1.0f, l->bias, y + t * l->out, l->out);   /* y + b */
+}
+
 moeq_status mq_linear_forward(const mq_linear *l, const float *x, int64_t T, float *y) {
     if (l->qw) {
         moeq_status st = mq_packed_weight_forward(l->qw, x, T, y);
@@ -110,9 +116,7 @@ moeq_status mq_linear_forward(const mq_linear *l, const float *x, int64_t T, flo
         MQ_ASSERT(l->w != NULL);
         matmul_nt(x, T, l->w, l->out, l->in, y);
     }
-    if (l->bias)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t o = 0; o < l->out; o++) y[t * l->out + o] += l->bias[o];
+    add_bias(l, y, T);
     return MOEQ_OK;
 }
 
@@ -123,8 +127,8 @@ static void hook(const mq_hooks *h, int layer, mq_site site, int expert, const f
 
 /* ---- state --------------------------------------------------------------------------------- */
 static void scratch_free(mq_state *s) {
-    float **f[] = {&s->xn, &s->q,  &s->k,  &s->v,  &s->att, &s->tmp,   &s->g,  &s->u, &s->rlog,
-                   &s->rw, &s->xg, &s->hg, &s->hu, &s->yg,  &s->sgate, &s->aq, &s->xq, &s->hq};
+    float **f[] = {&s->xn, &s->q,  &s->att, &s->tmp, &s->g,     &s->u,  &s->rlog,
+                   &s->rw, &s->xg, &s->hg,  &s->hu,  &s->yg, &s->sgate, &s->aq, &s->xq, &s->hq};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
         mq_free(*f[i]);
         *f[i] = NULL;
@@ -145,18 +149,15 @@ static moeq_status scratch_reserve(mq_state *s, int64_t T) {
     scratch_free(s);
     const mq_config *c = &s->m->cfg;
     size_t R = (size_t)T, D = (size_t)c->D, Q = (size_t)c->n_heads * (size_t)c->head_dim;
-    size_t KV = (size_t)s->kv_dim;
     size_t F = (size_t)(c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn);
     /* packed MoE layers bring their own scratch (the kernels' workspace) */
     size_t E = s->moe_fp32 ? (size_t)c->n_experts : 0, K = (size_t)c->top_k, FE = (size_t)c->moe_ffn;
     const char *w = "forward scratch";
     s->xn = mq_alloc_array(R, D * 4, w);
     s->q = mq_alloc_array(R, Q * 4, w);
-    s->k = mq_alloc_array(R, KV * 4, w);
-    s->v = mq_alloc_array(R, KV * 4, w);
     s->att = mq_alloc_array(R, Q * 4, w);
     s->tmp = mq_alloc_array(R, D * 4, w);
-    bool ok = s->xn && s->q && s->k && s->v && s->att && s->tmp;
+    bool ok = s->xn && s->q && s->att && s->tmp;
     if (F > 0) {
         s->g = mq_alloc_array(R, F * 4, w);
         s->u = mq_alloc_array(R, F * 4, w);
@@ -291,15 +292,11 @@ void mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits) {
 /* rotate_half RoPE on x[T, n_heads, hd] for positions pos.. */
 static void rope(const mq_state *s, float *x, int64_t T, int64_t n_heads, int64_t pos) {
     int64_t hd = s->m->cfg.head_dim, half = hd / 2;
+    const mq_vec_kernels *vk = mq_vec();
     for (int64_t t = 0; t < T; t++) {
         const float *cs = s->rope_cos + (pos + t) * half, *sn = s->rope_sin + (pos + t) * half;
         for (int64_t h = 0; h < n_heads; h++) {
-            float *v = x + (t * n_heads + h) * hd;
-            for (int64_t i = 0; i < half; i++) {
-                float a = v[i], b = v[i + half];
-                v[i] = a * cs[i] - b * sn[i];
-                v[i + half] = b * cs[i] + a * sn[i];
-            }
+            vk->rope(x + (t * n_heads + h) * hd, half, cs, sn);
         }
     }
 }
@@ -349,6 +346,50 @@ static void attention_task(void *ctx, int64_t task, int thread) {
     if (gemm) mq_gemm_nn(rows, hd, nk, 1.0f, S, nk, vc, ldk, 0.0f, out, ldq);
 }
 
+/* q, k and v projections of one layer. fp32 weights with enough rows run as one set of pool
+ * tasks (one wake-up instead of three): QKV_TILE x QKV_TILE output tiles of the three products,
+ * each computed by mq_gemm_nt on that tile alone (which, nested in a task, runs on this thread). */
+enum { QKV_TILE = 256 };
+
+typedef struct {
+    const mq_linear *l[3];
+    const float *x;
+    float *y[3];
+    int64_t T, tm, tn[3];   /* row tiles, column tiles of each product */
+} qkv_job;
+
+static void qkv_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    const qkv_job *j = ctx;
+    int p = 0;
+    while (task >= j->tm * j->tn[p]) task -= j->tm * j->tn[p++];
+    const mq_linear *l = j->l[p];
+    int64_t m0 = task / j->tn[p] * QKV_TILE, n0 = task % j->tn[p] * QKV_TILE;
+    int64_t m = j->T - m0 < QKV_TILE ? j->T - m0 : QKV_TILE;
+    int64_t n = l->out - n0 < QKV_TILE ? l->out - n0 : QKV_TILE;
+    mq_gemm_nt(m, n, l->in, 1.0f, j->x + m0 * l->in, l->in, l->w + n0 * l->in, l->in, 0.0f,
+               j->y[p] + m0 * l->out + n0, l->out);
+}
+
+static moeq_status qkv_forward(const mq_layer *ly, const float *x, int64_t T, float *q, float *k,
+                               float *v) {
+    if (T < SMALL_T || !ly->q.w || !ly->k.w || !ly->v.w) {
+        moeq_status st = mq_linear_forward(&ly->q, x, T, q);
+        if (!st) st = mq_linear_forward(&ly->k, x, T, k);
+        if (!st) st = mq_linear_forward(&ly->v, x, T, v);
+        return st;
+    }
+    qkv_job j = {{&ly->q, &ly->k, &ly->v}, x, {q, k, v}, T, (T + QKV_TILE - 1) / QKV_TILE, {0}};
+    int64_t n_tasks = 0;
+    for (int p = 0; p < 3; p++) {
+        j.tn[p] = (j.l[p]->out + QKV_TILE - 1) / QKV_TILE;
+        n_tasks += j.tm * j.tn[p];
+    }
+    mq_parallel_for(n_tasks, qkv_task, &j);
+    for (int p = 0; p < 3; p++) add_bias(j.l[p], j.y[p], T);
+    return MOEQ_OK;
+}
+
 static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
                                    int64_t pos, const mq_hooks *hk) {
     const mq_config *c = &m->cfg;
@@ -358,29 +399,27 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
     hook(hk, l, MQ_SITE_QKV, -1, s->xn, T, D);
     /* xn feeds only q/k/v: quantized in place, once for the three */
     if (ly->q.act_q || ly->k.act_q || ly->v.act_q) mq_nvfp4_act_qdq(s->xn, T, D);
-    moeq_status st = mq_linear_forward(&ly->q, s->xn, T, s->q);
-    if (!st) st = mq_linear_forward(&ly->k, s->xn, T, s->k);
-    if (!st) st = mq_linear_forward(&ly->v, s->xn, T, s->v);
+    /* k and v of these positions are computed in place in the cache (same [T, KV*hd] layout) */
+    float *k = s->kc[l] + pos * s->kv_dim, *v = s->vc[l] + pos * s->kv_dim;
+    moeq_status st = qkv_forward(ly, s->xn, T, s->q, k, v);
     if (st) return st;
     if (c->qk_norm == MQ_QKNORM_FULL) {
         rmsnorm(s->q, T, H * hd, ly->q_norm, c->rms_eps, s->q);
-        rmsnorm(s->k, T, KV * hd, ly->k_norm, c->rms_eps, s->k);
+        rmsnorm(k, T, KV * hd, ly->k_norm, c->rms_eps, k);
     } else if (c->qk_norm == MQ_QKNORM_HEAD) {
         rmsnorm(s->q, T * H, hd, ly->q_norm, c->rms_eps, s->q);
-        rmsnorm(s->k, T * KV, hd, ly->k_norm, c->rms_eps, s->k);
+        rmsnorm(k, T * KV, hd, ly->k_norm, c->rms_eps, k);
     }
     if (c->clip_qkv > 0) {
         float lim = c->clip_qkv;
-        float *bufs[3] = {s->q, s->k, s->v};
+        float *bufs[3] = {s->q, k, v};
         int64_t n[3] = {T * H * hd, T * KV * hd, T * KV * hd};
         for (int b = 0; b < 3; b++)
             for (int64_t i = 0; i < n[b]; i++)
                 bufs[b][i] = bufs[b][i] < -lim ? -lim : bufs[b][i] > lim ? lim : bufs[b][i];
     }
     rope(s, s->q, T, H, pos);
-    rope(s, s->k, T, KV, pos);
-    memcpy(s->kc[l] + pos * s->kv_dim, s->k, (size_t)(T * s->kv_dim) * 4);
-    memcpy(s->vc[l] + pos * s->kv_dim, s->v, (size_t)(T * s->kv_dim) * 4);
+    rope(s, k, T, KV, pos);
 
     att_job j = {s, l, T, pos, (T + ATT_QB - 1) / ATT_QB, (float)(1.0 / sqrt((double)hd))};
     run_tasks(H * j.n_qb, attention_task, &j, T < SMALL_T);
@@ -388,7 +427,7 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * hd);
     if (ly->o.act_q) mq_nvfp4_act_qdq(s->att, T, H * hd);
     if ((st = mq_linear_forward(&ly->o, s->att, T, s->tmp))) return st;
-    for (int64_t i = 0; i < T * D; i++) x[i] += s->tmp[i];
+    mq_vec()->axpy(1.0f, s->tmp, x, T * D);
     return MOEQ_OK;
 }
 
@@ -526,6 +565,7 @@ static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T,
     const mq_layer *ly = &m->layers[l];
     if (ly->pexperts) return moe_block_packed(m, s, l, T, out);
     int64_t D = c->D, E = c->n_experts, K = c->top_k, F = c->moe_ffn;
+    const mq_vec_kernels *vk = mq_vec();
     matmul_nt(s->xn, T, ly->router, E, D, s->rlog);
     route(c, s->rlog, T, s->rsel, s->rw);
 
@@ -579,7 +619,7 @@ static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T,
         for (int64_t k = 0; k < kk; k++) {
             float w = s->rw[t * K + order[k]];
             const float *y = s->yg + (int64_t)s->tok_slot[t * K + order[k]] * D;
-            for (int64_t i = 0; i < D; i++) o[i] += y[i] * w;
+            vk->axpy(w, y, o, D);
         }
     }
 
@@ -591,7 +631,7 @@ static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T,
         if (c->shared_gate) matmul_nt(s->xn, T, ly->sh_gate_w, 1, D, s->sgate);
         for (int64_t t = 0; t < T; t++) {
             float gsc = c->shared_gate ? 1.0f / (1.0f + expf(-s->sgate[t])) : 1.0f;
-            for (int64_t i = 0; i < D; i++) out[t * D + i] += gsc * sy[t * D + i];
+            vk->axpy(gsc, sy + t * D, out + t * D, D);
         }
     }
     return MOEQ_OK;
@@ -609,7 +649,7 @@ static moeq_status ffn_block(const moeq_model *m, mq_state *s, int l, float *x, 
         st = mlp(&ly->gate, &ly->up, &ly->down, s->xn, T, s->g, s->u, s->aq, s->tmp, hk, l,
                  MQ_SITE_MLP, MQ_SITE_MLP_DOWN);
     if (st) return st;
-    for (int64_t i = 0; i < T * c->D; i++) x[i] += s->tmp[i];
+    mq_vec()->axpy(1.0f, s->tmp, x, T * c->D);
     return MOEQ_OK;
 }
 

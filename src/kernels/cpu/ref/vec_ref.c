@@ -93,6 +93,14 @@ static void gemv_t_ref(const float *V, int64_t ldv, int64_t rows, const float *a
     for (int64_t i = 0; i < rows; i++) axpy_ref(a[i], V + i * ldv, y, n);
 }
 
+static void rope_ref(float *x, int64_t half, const float *c, const float *s) {
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * c[i] - b * s[i];
+        x[i + half] = b * c[i] + a * s[i];
+    }
+}
+
 static void exp_ref(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = mq_vec_expf(x[i]);
 }
@@ -198,6 +206,7 @@ const mq_vec_kernels mq_vec_ref = {
     .gemv = gemv_ref,
     .gemv_t = gemv_t_ref,
     .axpy = axpy_ref,
+    .rope = rope_ref,
     .exp = exp_ref,
     .softmax = softmax_ref,
     .logsumexp = logsumexp_ref,

@@ -174,6 +174,22 @@ static void gemv_t_avx2(const float *V, int64_t ldv, int64_t rows, const float *
     }
 }
 
+static void rope_avx2(float *x, int64_t half, const float *c, const float *s) {
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+        __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
+        __m256 vc = _mm256_loadu_ps(c + i), vs = _mm256_loadu_ps(s + i);
+        _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(a, vc), _mm256_mul_ps(b, vs)));
+        _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(b, vc), _mm256_mul_ps(a, vs)));
+    }
+    for (; i < half; i++) {   /* separate statements: no contraction into fma */
+        float a = x[i], b = x[i + half];
+        float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+        x[i] = ac - bs;
+        x[i + half] = bc + as;
+    }
+}
+
 static void exp_avx2(const float *x, float *y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
@@ -338,6 +354,7 @@ const mq_vec_kernels mq_vec_avx2 = {
     .gemv = gemv_avx2,
     .gemv_t = gemv_t_avx2,
     .axpy = axpy_avx2,
+    .rope = rope_avx2,
     .exp = exp_avx2,
     .softmax = softmax_avx2,
     .logsumexp = logsumexp_avx2,
