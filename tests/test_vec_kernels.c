@@ -4,7 +4,7 @@
  * against exp, every kernel of the scalar
  * reference against a slow obvious double-precision computation written here, and the AVX2 twin
  * bit for bit against the reference on lengths with every tail size, unaligned pointers and
- * special values.
+ * special values, and the whole forward pass on either twin (and on 1 or 2 threads).
  */
 #include <stdlib.h>
 
@@ -158,10 +158,21 @@ static void test_ref_against_double(void) {
         ASSERT_TRUE(a[am] == (float)mx);
         for (int i = 0; i < am; i++) ASSERT_TRUE(a[i] < a[am]);
 
+        /* KL between the softmaxes of a and a perturbed copy */
+        for (int i = 0; i < n; i++) u[i] = a[i] + 0.1f * b[i];
+        double lse_u = mq_vec_ref.logsumexp(u, n, NULL), want_kl = 0;
+        for (int i = 0; i < n; i++) {
+            double pa = (double)a[i] - lse, pu = (double)u[i] - lse_u;
+            want_kl += exp(pa) * (pa - pu);
+        }
+        ASSERT_NEAR(want_kl, mq_vec_ref.kl(a, lse, u, lse_u, n), 1e-13);
+        ASSERT_TRUE(mq_vec_ref.kl(a, lse, a, lse, n) == 0.0);
+
         /* RMSNorm */
         mq_vec_ref.rmsnorm(a, n, w, 1e-5f, y);
         double inv = 1.0 / sqrt(ss / n + 1e-5);
-        for (int i = 0; i < n; i++) ASSERT_NEAR(w[i] * a[i] * inv, y[i], 1e-5 * fabs(w[i] * a[i] * inv) + 1e-7);
+        for (int i = 0; i < n; i++)
+            ASSERT_NEAR(w[i] * a[i] * inv, y[i], 1e-5 * fabs(w[i] * a[i] * inv) + 1e-7);
 
         /* SwiGLU */
         memcpy(y, a, sizeof(float) * (size_t)n);
@@ -266,7 +277,8 @@ static void test_avx2_twin(void) {
             av->gemv_t(W + off, ldw, rows2 < 9 ? rows2 : 9, z, n, y2);
             assert_same(y1, y2, n, "gemv_t", n);
             for (int64_t j = 0; j < n; j++) y1[j] = 0.0f;
-            for (int64_t r = 0; r < (rows2 < 9 ? rows2 : 9); r++) av->axpy(z[r], W + off + r * ldw, y1, n);
+            for (int64_t r = 0; r < (rows2 < 9 ? rows2 : 9); r++)
+                av->axpy(z[r], W + off + r * ldw, y1, n);
             assert_same(y1, y2, n, "gemv_t vs axpy", n);
 
             memcpy(y1, z, sizeof(float) * (size_t)n);
@@ -313,6 +325,10 @@ static void test_avx2_twin(void) {
                 x[0] = keep;
             }
 
+            double k1 = rf->kl(x, 3.25, z, -1.5, n), k2 = av->kl(x, 3.25, z, -1.5, n);
+            if (memcmp(&k1, &k2, sizeof k1) != 0)
+                FAIL("kl (n=%lld): reference %.17g, AVX2 %.17g", (long long)n, k1, k2);
+
             rf->rmsnorm(x, n, ww, 1e-6f, y1);
             av->rmsnorm(x, n, ww, 1e-6f, y2);
             assert_same(y1, y2, n, "rmsnorm", n);
@@ -326,6 +342,46 @@ static void test_avx2_twin(void) {
     free(a), free(b), free(w), free(y1), free(y2), free(W);
 }
 
+/* The whole forward pass on the reference kernels (MOEQ_FORCE_REF) equals the AVX2 one bit for
+ * bit: a prefill (GEMM attention path), a 2-token chunk and single-token decode steps (GEMV path),
+ * with 1 and 2 threads. */
+static float *session_run(moeq_model *m, const int32_t *ids, int threads, int force_ref) {
+    enum { P = 37, N = 42 };
+    int64_t V = moeq_model_get_info(m)->vocab_size;
+    float *out = malloc(sizeof(float) * (size_t)(N * V));
+    moeq_set_threads(threads);
+    moeq_set_force_ref(force_ref);
+    moeq_session *s = NULL;
+    ASSERT_OK(moeq_session_create(m, N, &s));
+    ASSERT_OK(moeq_session_forward(s, ids, P, out));
+    ASSERT_OK(moeq_session_forward(s, ids + P, 2, out + P * V));
+    for (int i = P + 2; i < N; i++) ASSERT_OK(moeq_session_forward(s, ids + i, 1, out + i * V));
+    moeq_session_free(s);
+    moeq_set_force_ref(0);
+    moeq_set_threads(0);
+    return out;
+}
+
+static void test_forward_ref_twin(void) {
+    avx2_or_skip();
+    const char *models[] = {"models/olmoe-tiny", "tests/data/qwen2moe-dense-tiny",
+                            "tests/data/qwen3moe-tiny"};
+    for (int mi = 0; mi < 3; mi++) {
+        moeq_model *m = NULL;
+        moeq_model_options opt = {.no_tokenizer = 1};
+        ASSERT_OK(moeq_model_open(mq_test_repo(models[mi]), &opt, &m));
+        int64_t V = moeq_model_get_info(m)->vocab_size;
+        int32_t ids[42];
+        for (int i = 0; i < 42; i++) ids[i] = (int32_t)((i * 2654435761u) % (uint32_t)V);
+        float *a = session_run(m, ids, 1, 0), *b = session_run(m, ids, 1, 1);
+        float *c = session_run(m, ids, 2, 0);
+        assert_same(b, a, 42 * V, models[mi], 42);   /* reference vs AVX2 */
+        assert_same(a, c, 42 * V, models[mi], 42);   /* 1 vs 2 threads */
+        free(a), free(b), free(c);
+        moeq_model_free(m);
+    }
+}
+
 /* mq_vec() follows mq_force_ref. */
 static void test_dispatch(void) {
     moeq_set_force_ref(1);
@@ -336,5 +392,6 @@ static void test_dispatch(void) {
 #endif
 }
 
-TEST_MAIN(T(test_expf_ulp_vs_libm), T(test_expf_specials), T(test_exp_sum_term), T(test_ref_against_double),
-          T(test_logsumexp_edges), T(test_avx2_twin), T(test_dispatch))
+TEST_MAIN(T(test_expf_ulp_vs_libm), T(test_expf_specials), T(test_exp_sum_term),
+          T(test_ref_against_double),
+          T(test_logsumexp_edges), T(test_avx2_twin), T(test_forward_ref_twin), T(test_dispatch))

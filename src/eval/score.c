@@ -4,7 +4,8 @@
  * selection and the KL from saved top-k logits, and numpy's linear-interpolation percentile.
  * Precision: logits are fp32 (as the model produces them); every sum is accumulated in double
  * after subtracting the row maximum, so a log-probability is exact to about 1e-7 absolute. The
- * log-sum-exp of every scored token runs on the vector kernels (fp32 exponentials, double sum).
+ * log-sum-exp and the KL of every scored token run on the vector kernels (src/kernels/vec.h:
+ * exponentials and sums in double, in a fixed lane order).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -19,12 +20,7 @@ double mq_logsumexp(const float *l, int64_t V, int32_t *argmax) {
 }
 
 double mq_kl_rows(const float *lb, double lse_b, const float *lm, double lse_m, int64_t V) {
-    double kl = 0;
-    for (int64_t v = 0; v < V; v++) {
-        double lpb = (double)lb[v] - lse_b, lpm = (double)lm[v] - lse_m;
-        kl += exp(lpb) * (lpb - lpm);
-    }
-    return kl;
+    return mq_vec()->kl(lb, lse_b, lm, lse_m, V);
 }
 
 /* a ranks above b: larger value, or equal value and smaller id. */

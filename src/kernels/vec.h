@@ -1,6 +1,7 @@
 /*
  * Small fp32 vector kernels for the forward pass and the evaluator: dot products and GEMV (plain
- * and transposed), axpy, RoPE, exp, softmax, log-sum-exp, RMSNorm and SwiGLU.
+ * and transposed), axpy, RoPE, exp, softmax, log-sum-exp, KL divergence of two logits rows,
+ * RMSNorm and SwiGLU.
  *
  * Two twins with bit-identical results: a scalar reference (src/kernels/cpu/ref/vec_ref.c) that
  * performs, element by element, the very operations (fmaf included) of the AVX2+FMA kernels
@@ -46,6 +47,11 @@ typedef struct {
      * non-finite maximum is returned as it is. *argmax (may be NULL): the first index holding the
      * maximum (0 when none does). n >= 1. */
     double (*logsumexp)(const float *x, int64_t n, int32_t *argmax);
+    /* KL(p_b || p_m) of two logits rows given their log-sum-exps: the sum over i of
+     * exp(a) * (a - b), a = (double)lb[i] - lse_b, b = (double)lm[i] - lse_m, exp as
+     * mq_vec_exp_sum_term, the product rounded and summed in logsumexp's double lanes. Exactly 0
+     * for identical rows. */
+    double (*kl)(const float *lb, double lse_b, const float *lm, double lse_m, int64_t n);
     /* out[i] = w[i] * (x[i] * inv), inv = 1 / sqrtf((float)(ss / n) + eps), ss = sum of x^2 in
      * double (the logsumexp lane layout). out may alias x. */
     void (*rmsnorm)(const float *x, int64_t n, const float *w, float eps, float *out);
@@ -63,7 +69,7 @@ const mq_vec_kernels *mq_vec(void);
 /* The scalar exp of both twins (one lane of the AVX2 kernel). */
 float mq_vec_expf(float x);
 /* exp(d) for d <= 0 as logsumexp's terms (one double lane): d below -708 counts as -708, NaN
- * stays NaN. */
+ * stays NaN; relative error below 1e-15 up to d = 709. */
 double mq_vec_exp_sum_term(double d);
 
 #endif

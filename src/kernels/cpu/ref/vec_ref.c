@@ -186,6 +186,20 @@ static double logsumexp_ref(const float *x, int64_t n, int32_t *argmax) {
     return (double)mx + log(reduce_add4d(d));
 }
 
+static double kl_ref(const float *lb, double lse_b, const float *lm, double lse_m, int64_t n) {
+    double d[2][4] = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        int j = (int)(i % LANES);
+        double a = (double)lb[i] - lse_b, b = (double)lm[i] - lse_m;
+        d[j / 4][j % 4] += mq_vec_exp_sum_term(a) * (a - b);
+    }
+    for (int64_t i = n; i % LANES; i++) {   /* the masked lanes of a last partial block add +0 */
+        int j = (int)(i % LANES);
+        d[j / 4][j % 4] += 0.0;
+    }
+    return reduce_add4d(d);
+}
+
 static void rmsnorm_ref(const float *x, int64_t n, const float *w, float eps, float *out) {
     double d[2][4] = {{0}};
     for (int64_t i = 0; i < n; i++) {
@@ -210,6 +224,7 @@ const mq_vec_kernels mq_vec_ref = {
     .exp = exp_ref,
     .softmax = softmax_ref,
     .logsumexp = logsumexp_ref,
+    .kl = kl_ref,
     .rmsnorm = rmsnorm_ref,
     .swiglu = swiglu_ref,
 };

@@ -70,7 +70,8 @@ static float dot_avx2(const float *a, const float *b, int64_t n) {
     }
     if (i < n) {
         __m256i m = mask_tail(n - i);
-        acc[k] = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), acc[k]);
+        __m256 va = _mm256_maskload_ps(a + i, m), vb = _mm256_maskload_ps(b + i, m);
+        acc[k] = _mm256_fmadd_ps(va, vb, acc[k]);
     }
     return hsum8(acc[0], acc[1]);
 }
@@ -133,7 +134,8 @@ static void axpy_avx2(float a, const float *x, float *y, int64_t n) {
     __m256 va = _mm256_set1_ps(a);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i,
+                         _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
 }
 
@@ -143,7 +145,8 @@ static void gemv_t_avx2(const float *V, int64_t ldv, int64_t rows, const float *
                         float *y) {
     int64_t j = 0;
     for (; j + 64 <= n; j += 64) {
-        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+        __m256 c4 = c0, c5 = c0, c6 = c0, c7 = c0;
         for (int64_t i = 0; i < rows; i++) {
             const float *v = V + i * ldv + j;
             __m256 ai = _mm256_set1_ps(a[i]);
@@ -246,7 +249,8 @@ static void softmax_avx2(float *x, int64_t n) {
         acc[k] = _mm256_add_ps(acc[k], e);
     }
     __m256 sum = _mm256_set1_ps(hsum8(acc[0], acc[1]));
-    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_div_ps(_mm256_loadu_ps(x + i), sum));
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_div_ps(_mm256_loadu_ps(x + i), sum));
     if (i < n) _mm256_maskstore_ps(x + i, mk, _mm256_div_ps(_mm256_maskload_ps(x + i, mk), sum));
 }
 
@@ -308,6 +312,37 @@ static double logsumexp_avx2(const float *x, int64_t n, int32_t *argmax) {
     return (double)mxf + log(hsum4d(d0, d1));
 }
 
+/* exp(a) * (a - b) of 4 lanes, a = lb - lse_b, b = lm - lse_m. */
+INLINE __m256d kl_term4(__m128 lb, __m128 lm, __m256d lse_b, __m256d lse_m) {
+    __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(lb), lse_b);
+    __m256d b = _mm256_sub_pd(_mm256_cvtps_pd(lm), lse_m);
+    return _mm256_mul_pd(expd4(a), _mm256_sub_pd(a, b));
+}
+
+static double kl_avx2(const float *lb, double lse_b, const float *lm, double lse_m, int64_t n) {
+    __m256d zb = _mm256_set1_pd(lse_b), zm = _mm256_set1_pd(lse_m);
+    __m256d d0 = _mm256_setzero_pd(), d1 = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 vb = _mm256_loadu_ps(lb + i), vm = _mm256_loadu_ps(lm + i);
+        __m256d t0 = kl_term4(_mm256_castps256_ps128(vb), _mm256_castps256_ps128(vm), zb, zm);
+        __m256d t1 = kl_term4(_mm256_extractf128_ps(vb, 1), _mm256_extractf128_ps(vm, 1), zb, zm);
+        d0 = _mm256_add_pd(d0, t0);
+        d1 = _mm256_add_pd(d1, t1);
+    }
+    if (i < n) {
+        __m256i mk = mask_tail(n - i);
+        __m256 vb = _mm256_maskload_ps(lb + i, mk), vm = _mm256_maskload_ps(lm + i, mk);
+        __m256d klo = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(mk)));
+        __m256d khi = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(mk, 1)));
+        __m256d t0 = kl_term4(_mm256_castps256_ps128(vb), _mm256_castps256_ps128(vm), zb, zm);
+        __m256d t1 = kl_term4(_mm256_extractf128_ps(vb, 1), _mm256_extractf128_ps(vm, 1), zb, zm);
+        d0 = _mm256_add_pd(d0, _mm256_and_pd(t0, klo));
+        d1 = _mm256_add_pd(d1, _mm256_and_pd(t1, khi));
+    }
+    return hsum4d(d0, d1);
+}
+
 static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, float *out) {
     __m256d d0 = _mm256_setzero_pd(), d1 = _mm256_setzero_pd();
     int64_t i = 0;
@@ -345,7 +380,8 @@ static void swiglu_avx2(float *g, const float *u, int64_t n) {
         _mm256_storeu_ps(g + i, swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
     if (i < n) {
         __m256i m = mask_tail(n - i);
-        _mm256_maskstore_ps(g + i, m, swiglu8(_mm256_maskload_ps(g + i, m), _mm256_maskload_ps(u + i, m)));
+        __m256 y = swiglu8(_mm256_maskload_ps(g + i, m), _mm256_maskload_ps(u + i, m));
+        _mm256_maskstore_ps(g + i, m, y);
     }
 }
 
@@ -358,6 +394,7 @@ const mq_vec_kernels mq_vec_avx2 = {
     .exp = exp_avx2,
     .softmax = softmax_avx2,
     .logsumexp = logsumexp_avx2,
+    .kl = kl_avx2,
     .rmsnorm = rmsnorm_avx2,
     .swiglu = swiglu_avx2,
 };
