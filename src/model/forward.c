@@ -11,9 +11,18 @@
  * transformers' index_add_ loop does; the qwen2_moe shared expert is scaled by
  * sigmoid(shared_expert_gate(x)) and added last.
  *
- * Threads: Linear layers through mq_gemm_nt (fixed tiles); attention split into (head, query
- * block) tasks and the routed experts into (expert, row block) tasks, so every value is computed
- * by the same operations whatever the thread count.
+ * Threads: Linear layers through mq_gemm_nt (fixed tiles; q/k/v as one set of tile tasks);
+ * attention split into (head, query block) tasks and the routed experts into (expert, row block)
+ * tasks, so every value is computed by the same operations whatever the thread count.
+ *
+ * Speed: the element-wise and reduction work (RMSNorm, RoPE, softmax, SwiGLU, residual adds,
+ * the MoE combine) runs on the vector kernels of src/kernels/vec.h, whose AVX2 and scalar twins
+ * agree bit for bit. Attention of a block of >= ATT_GEMM_ROWS queries: QK^T and PV as GEMMs,
+ * masked keys with weight 0; fewer rows (decode): a GEMV over the visible keys and a transposed
+ * GEMV for PV. Calls with fewer than SMALL_T new tokens (decode) do everything on the calling
+ * thread with GEMVs: the tiled GEMM would pack whole weight matrices for one row, and waking the
+ * pool costs more than such steps take. The weighted sums of the MoE combine and the shared
+ * expert use fmaf (one rounding where transformers rounds the product first).
  *
  * Packed weights (moeq_model_options.keep_packed): a Linear with qw runs mq_packed_weight_forward
  * (+ bias); a MoE layer with pexperts runs mq_moe_layer_forward, the kernels' fused op with the
