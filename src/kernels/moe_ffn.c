@@ -3,11 +3,12 @@
  * validation (the shape function, like ExecuTorch's Meta kernel for llama::quantized_moe_ffn),
  * the public descriptor's weights handed to the packer (moe_pack.c), routing (fp32 router,
  * softmax or sigmoid scores, top-k, renormalisation as in transformers' Mixtral/Qwen2-MoE/OLMoE/
- * DeepSeek-V3 and ExecuTorch's op), a counting sort of (token, slot) pairs by expert, and one pass
- * over the pool of ordered work items: fused gate+up GEMM with SwiGLU and re-quantization per
- * (expert, 64 outputs), then the down GEMM per (expert, 128 rows). Each token finally sums its
- * slots in slot order, so the result does not depend on the thread count. Also the forward of a
- * packed dense Linear on the same kernels.
+ * DeepSeek-V3 and ExecuTorch's op), a counting sort of (token, slot) pairs by expert, and the work
+ * items: fused gate+up GEMM with SwiGLU and re-quantization per (expert, 64 outputs), then the
+ * down GEMM per (expert, 128 rows). The whole op is one job on the pool (routing, experts and the
+ * final sums hand over through counters, see op_lane). Each token finally sums its slots in slot
+ * order, so the result does not depend on the thread count. Also the forward of a packed dense
+ * Linear on the same kernels.
  */
 #include <math.h>
 #include <pthread.h>
@@ -276,9 +277,9 @@ typedef struct {
     int64_t *off;         /* [n_mats + 1] first permuted row of each matrix */
     int32_t *perm_tok;    /* [P] */
     int64_t *pos;         /* [T, k] permuted row of (token, slot) */
+    int64_t *cursor;      /* [n_mats] counting-sort cursors */
     int32_t *task_mat, *task_chunk;   /* work items: gate_up ones first, then down ones */
     int64_t n_a, n_items;
-    _Atomic int64_t next_item;
     _Atomic int32_t *pending;         /* [n_mats] gate_up items of each matrix not done yet */
     mq_qact xq, mq;       /* x [T, D]; mid [P, Fmax] */
     float *y;             /* [P, D] */
@@ -330,13 +331,6 @@ static void route_token(const run_ctx *c, int64_t t, float *p, uint8_t *taken) {
     if (c->sgate) c->gsh[t] = sigmoidf(c->gsh[t]);
 }
 
-static void quant_x_task(void *ctx, int64_t task, int thread) {
-    (void)thread;
-    run_ctx *c = ctx;
-    for (int64_t t = task * TOK_CHUNK; t < c->T && t < (task + 1) * TOK_CHUNK; t++)
-        c->K->quant_act(c->x + t * c->w->D, c->w->D, &c->xq, t, 0);
-}
-
 static void phase_a_item(run_ctx *c, int64_t task, int thread) {
     const int32_t e = c->task_mat[task];
     const mq_pexpert *ex = &c->w->ex[e];
@@ -357,50 +351,215 @@ static void phase_b_item(run_ctx *c, int64_t task) {
     c->K->gemm(&ex->down, p0, p1, &c->mq, NULL, r0, m, c->y + r0 * D, D, 0);
 }
 
-/* One pool task per thread drains the work items in order. A down item waits for the gate_up
- * items of its matrix, which were all claimed earlier (items are claimed in increasing order)
- * by workers that are running them, so the wait always ends. One pass over the pool instead of
- * two saves a wake-up and lets a thread start on down projections while the last gate_up items
- * finish elsewhere. Which thread runs an item never changes its result. */
-static void expert_worker(void *ctx, int64_t task, int thread) {
-    (void)task;
-    run_ctx *c = ctx;
+static int64_t seg_take(_Atomic uint64_t *s, int back) {
+    uint64_t v = atomic_load_explicit(s, memory_order_relaxed);
     for (;;) {
-        const int64_t i = atomic_fetch_add(&c->next_item, 1);
-        if (i >= c->n_items) return;
-        const int32_t e = c->task_mat[i];
-        if (i < c->n_a) {
-            phase_a_item(c, i, thread);
-            atomic_fetch_sub_explicit(&c->pending[e], 1, memory_order_release);
-            continue;
+        uint32_t lo = (uint32_t)v, hi = (uint32_t)(v >> 32);
+        if (lo >= hi) return -1;
+        uint64_t nv = back ? (uint64_t)lo | (uint64_t)(hi - 1) << 32 : (uint64_t)(lo + 1) | (uint64_t)hi << 32;
+        if (atomic_compare_exchange_weak(s, &v, nv)) return back ? (int64_t)hi - 1 : (int64_t)lo;
+    }
+}
+
+enum {
+    ROUTE_TOK = 64,   /* router logits piece: ROUTE_TOK tokens x ROUTE_EXP experts */
+    ROUTE_EXP = 32,
+    COMB_D = 256,     /* combine piece: TOK_CHUNK tokens x COMB_D columns */
+};
+
+typedef struct {
+    _Atomic int64_t next, done;
+    int64_t n;
+} mq_phase;
+
+typedef struct {
+    run_ctx c;
+    mq_phase route, tok, comb;
+    _Atomic int32_t planned;
+    _Atomic int64_t items_done;
+    _Atomic uint64_t *seg;    /* [2][lanes] item ranges lo | hi << 32 of the gate_up and down parts */
+    int64_t lanes;
+    float *rp;                /* [threads][E] routing probabilities */
+    uint8_t *rtaken;          /* [threads][E] */
+    int64_t n_rte, n_cd;      /* router expert tiles; combine column pieces */
+    int64_t macs_threshold;
+} op_ctx;
+
+static int64_t phase_claim(mq_phase *p) {
+    if (atomic_load_explicit(&p->next, memory_order_relaxed) >= p->n) return -1;
+    int64_t i = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed);
+    return i < p->n ? i : -1;
+}
+
+/* Waits until *v >= target. Every piece counted by *v was claimed by a running participant, so
+ * the wait always ends, whatever the number of threads. */
+static void wait_count(_Atomic int64_t *v, int64_t target) {
+    for (int spins = 0; atomic_load_explicit(v, memory_order_acquire) < target; spins++)
+        if (spins > 64) sched_yield();
+}
+
+static void route_piece(op_ctx *o, int64_t i) {
+    run_ctx *c = &o->c;
+    const int64_t E = c->w->E, D = c->w->D;
+    const int64_t t0 = (i / o->n_rte) * ROUTE_TOK, e0 = (i % o->n_rte) * ROUTE_EXP;
+    const int64_t m = c->T - t0 < ROUTE_TOK ? c->T - t0 : ROUTE_TOK;
+    const int64_t n = E - e0 < ROUTE_EXP ? E - e0 : ROUTE_EXP;
+    mq_gemm_nt(m, n, D, 1.0f, c->x + t0 * D, D, c->router + e0 * D, D, 0.0f, c->logits + t0 * E + e0, E);
+}
+
+static void token_piece(op_ctx *o, int64_t i, int thread) {
+    run_ctx *c = &o->c;
+    const int64_t E = c->w->E, D = c->w->D, t0 = i * TOK_CHUNK;
+    const int64_t m = c->T - t0 < TOK_CHUNK ? c->T - t0 : TOK_CHUNK;
+    if (c->sgate) mq_gemm_nt(m, 1, D, 1.0f, c->x + t0 * D, D, c->sgate, D, 0.0f, c->gsh + t0, 1);
+    for (int64_t t = t0; t < t0 + m; t++) {
+        route_token(c, t, o->rp + (size_t)thread * E, o->rtaken + (size_t)thread * E);
+        c->K->quant_act(c->x + t * D, D, &c->xq, t, 0);
+    }
+}
+
+/* Work of an item for the lane split (multiply-adds). */
+static double item_cost(const run_ctx *c, int64_t i) {
+    const int32_t e = c->task_mat[i];
+    const double m = (double)(c->off[e + 1] - c->off[e]);
+    return m * (i < c->n_a ? (double)PAIRS_A * 16.0 * c->w->D : (double)PAIRS_B * 16.0 * c->w->ex[e].ffn);
+}
+
+/* Cuts items [a, b) into lanes contiguous ranges of about equal work. */
+static void split_lanes(op_ctx *o, int part, int64_t a, int64_t b) {
+    run_ctx *c = &o->c;
+    double total = 0;
+    for (int64_t i = a; i < b; i++) total += item_cost(c, i);
+    double acc = 0;
+    int64_t lo = a, i = a;
+    for (int64_t l = 0; l < o->lanes; l++) {
+        const double goal = total * (double)(l + 1) / (double)o->lanes;
+        while (i < b && (l == o->lanes - 1 || acc + 0.5 * item_cost(c, i) < goal)) acc += item_cost(c, i++);
+        atomic_store_explicit(&o->seg[part * o->lanes + l], (uint64_t)lo | (uint64_t)i << 32,
+                              memory_order_relaxed);
+        lo = i;
+    }
+}
+
+/* Serial step between routing and the experts: counting sort of (token, slot) by matrix, the work
+ * items (gate_up + SwiGLU + mid quantization per (matrix, 64 outputs), then down per (matrix,
+ * 128 rows), matrices in index order) and their split into lanes. */
+static void plan(op_ctx *o) {
+    run_ctx *c = &o->c;
+    const moeq_moe_experts *w = c->w;
+    const int64_t T = c->T, E = w->E, D = w->D, nm = w->n_mats;
+    const int32_t k = c->k;
+    int64_t *cnt = c->off;
+    memset(cnt, 0, sizeof(int64_t) * (size_t)(nm + 1));
+    for (int64_t i = 0; i < T * k; i++) cnt[c->sel[i] + 1]++;
+    if (w->Fs > 0) cnt[E + 1] = T;
+    for (int64_t e = 0; e < nm; e++) cnt[e + 1] += cnt[e];
+    int64_t *cur = c->cursor;
+    memcpy(cur, c->off, sizeof(int64_t) * (size_t)nm);
+    for (int64_t t = 0; t < T; t++)
+        for (int32_t j = 0; j < k; j++) {
+            int64_t r = cur[c->sel[t * k + j]]++;
+            c->perm_tok[r] = (int32_t)t;
+            c->pos[t * k + j] = r;
         }
+    if (w->Fs > 0)
+        for (int64_t t = 0; t < T; t++) c->perm_tok[c->off[E] + t] = (int32_t)t;
+    int64_t n = 0;
+    for (int64_t e = 0; e < nm; e++) {
+        atomic_store_explicit(&c->pending[e], 0, memory_order_relaxed);
+        if (c->off[e + 1] == c->off[e]) continue;
+        int64_t chunks = (w->ex[e].ffn / 8 + PAIRS_A - 1) / PAIRS_A;
+        atomic_store_explicit(&c->pending[e], (int32_t)chunks, memory_order_relaxed);
+        for (int64_t i = 0; i < chunks; i++, n++) {
+            c->task_mat[n] = (int32_t)e;
+            c->task_chunk[n] = (int32_t)i;
+        }
+    }
+    c->n_a = n;
+    for (int64_t e = 0; e < nm; e++) {
+        if (c->off[e + 1] == c->off[e]) continue;
+        int64_t chunks = (D / 16 + PAIRS_B - 1) / PAIRS_B;
+        for (int64_t i = 0; i < chunks; i++, n++) {
+            c->task_mat[n] = (int32_t)e;
+            c->task_chunk[n] = (int32_t)i;
+        }
+    }
+    c->n_items = n;
+    split_lanes(o, 0, 0, c->n_a);
+    split_lanes(o, 1, c->n_a, c->n_items);
+}
+
+static void run_item(op_ctx *o, int64_t i, int thread) {
+    run_ctx *c = &o->c;
+    const int32_t e = c->task_mat[i];
+    if (i < c->n_a) {
+        phase_a_item(c, i, thread);
+        atomic_fetch_sub_explicit(&c->pending[e], 1, memory_order_release);
+    } else {
         for (int spins = 0; atomic_load_explicit(&c->pending[e], memory_order_acquire) > 0; spins++)
             if (spins > 64) sched_yield();
         phase_b_item(c, i);
     }
+    atomic_fetch_add_explicit(&o->items_done, 1, memory_order_release);
 }
 
-/* out[t] = sum_j wt[t,j] * y[pos(t,j)], slot by slot, then + g[t] * y_shared[t]. */
-static void combine_task(void *ctx, int64_t task, int thread) {
-    (void)thread;
-    run_ctx *c = ctx;
-    const int64_t D = c->w->D, E = c->w->E;
-    for (int64_t t = task * TOK_CHUNK; t < c->T && t < (task + 1) * TOK_CHUNK; t++) {
-        float *o = c->out + t * D;
-        const float *y0 = c->y + c->pos[t * c->k] * D;
-        const float w0 = c->wt[t * c->k];
-        for (int64_t d = 0; d < D; d++) o[d] = w0 * y0[d];
-        for (int32_t j = 1; j < c->k; j++) {
-            const float *yj = c->y + c->pos[t * c->k + j] * D;
-            const float wj = c->wt[t * c->k + j];
-            for (int64_t d = 0; d < D; d++) o[d] = o[d] + wj * yj[d];
+static void combine_piece(op_ctx *o, int64_t i) {
+    run_ctx *c = &o->c;
+    const int64_t D = c->w->D, E = c->w->E, k = c->k;
+    const int64_t d0 = (i % o->n_cd) * COMB_D, d1 = d0 + COMB_D < D ? d0 + COMB_D : D;
+    const int64_t t0 = (i / o->n_cd) * TOK_CHUNK;
+    for (int64_t t = t0; t < c->T && t < t0 + TOK_CHUNK; t++) {
+        float *out = c->out + t * D;
+        const float *y0 = c->y + c->pos[t * k] * D;
+        const float w0 = c->wt[t * k];
+        for (int64_t d = d0; d < d1; d++) out[d] = w0 * y0[d];
+        for (int64_t j = 1; j < k; j++) {
+            const float *yj = c->y + c->pos[t * k + j] * D;
+            const float wj = c->wt[t * k + j];
+            for (int64_t d = d0; d < d1; d++) out[d] = out[d] + wj * yj[d];
         }
         if (c->w->Fs > 0) {
             const float *ys = c->y + (c->off[E] + t) * D;
             const float g = c->sgate ? c->gsh[t] : 1.0f;
-            for (int64_t d = 0; d < D; d++) o[d] = o[d] + g * ys[d];
+            for (int64_t d = d0; d < d1; d++) out[d] = out[d] + g * ys[d];
         }
     }
+}
+
+/* The whole op as one pool job, one task per lane: routing logits, per-token routing and input
+ * quantization, the plan (by whichever participant finishes the last token piece), the experts,
+ * the weighted sums. Phases hand over through counters of finished pieces; a participant waits
+ * only for pieces another one has claimed and is running, so a slow or missing thread never
+ * blocks the others. Each lane drains its own contiguous range of work items front to back, then
+ * takes items from the back of the other lanes' ranges: at decode each thread streams long runs
+ * of consecutive expert bytes (few hardware-prefetch restarts) and no thread idles at the end.
+ * Which participant runs a piece never changes its result. */
+static void op_lane(void *ctx, int64_t lane, int thread) {
+    op_ctx *o = ctx;
+    run_ctx *c = &o->c;
+    int64_t i;
+    while ((i = phase_claim(&o->route)) >= 0) {
+        route_piece(o, i);
+        atomic_fetch_add_explicit(&o->route.done, 1, memory_order_release);
+    }
+    wait_count(&o->route.done, o->route.n);
+    while ((i = phase_claim(&o->tok)) >= 0) {
+        token_piece(o, i, thread);
+        if (atomic_fetch_add_explicit(&o->tok.done, 1, memory_order_acq_rel) + 1 == o->tok.n) {
+            plan(o);
+            atomic_store_explicit(&o->planned, 1, memory_order_release);
+        }
+    }
+    for (int spins = 0; !atomic_load_explicit(&o->planned, memory_order_acquire); spins++)
+        if (spins > 64) sched_yield();
+    for (int part = 0; part < 2; part++) {
+        while ((i = seg_take(&o->seg[part * o->lanes + lane], 0)) >= 0) run_item(o, i, thread);
+        for (int64_t l = 1; l < o->lanes; l++)
+            while ((i = seg_take(&o->seg[part * o->lanes + (lane + l) % o->lanes], 1)) >= 0)
+                run_item(o, i, thread);
+    }
+    wait_count(&o->items_done, c->n_items);
+    while ((i = phase_claim(&o->comb)) >= 0) combine_piece(o, i);
 }
 
 /* One cached workspace for the op's scratch: consecutive calls (layer after layer) reuse it
@@ -472,9 +631,9 @@ static uint8_t *alloc_pieces(size_t n, const size_t *sizes, void **ptrs, bool *c
 }
 
 static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T, const float *router,
-                           const float *bias, const float *sgate, int32_t k,
-                           moeq_moe_scoring scoring, int32_t renorm, float route_scale,
-                           float *out) {
+                            const float *bias, const float *sgate, int32_t k,
+                            moeq_moe_scoring scoring, int32_t renorm, float route_scale,
+                            float *out) {
     if (T == 0) return MOEQ_OK;
     const int64_t E = w->E, D = w->D, nm = w->n_mats;
     const int nvfp4 = w->scheme == MOEQ_MOE_NVFP4;
@@ -488,18 +647,25 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
         int64_t a = (w->ex[e].ffn / 8 + PAIRS_A - 1) / PAIRS_A, b = (D / 16 + PAIRS_B - 1) / PAIRS_B;
         max_tasks += a + b;
     }
-    run_ctx c = {.w = w, .K = mq_moe_kernels_active(), .x = x, .router = router, .bias = bias,
-                 .sgate = sgate, .T = T, .P = P, .k = k, .scoring = scoring, .renorm = renorm,
-                 .route_scale = route_scale, .out = out};
-    c.scratch_stride = (size_t)T * 8 * PAIRS_A;
-    /* every size below is bounded by P * max(D, Fmax) elements, checked first */
+    op_ctx o;
+    memset(&o, 0, sizeof o);
+    run_ctx *c = &o.c;
+    *c = (run_ctx){.w = w, .K = mq_moe_kernels_active(), .x = x, .router = router, .bias = bias,
+                   .sgate = sgate, .T = T, .P = P, .k = k, .scoring = scoring, .renorm = renorm,
+                   .route_scale = route_scale, .out = out};
+    c->scratch_stride = (size_t)T * 8 * PAIRS_A;
+    /* below ~1M multiply-adds waking the other threads costs more than it saves */
+    const double macs = (double)T * (double)D *
+                        (3.0 * (double)k * (double)w->F + 3.0 * (double)w->Fs);
+    o.lanes = macs < 1e6 ? 1 : threads;
     size_t big;
     if (!mq_mul_size((size_t)P, (size_t)(D > Fmax ? D : Fmax) * 4, &big) ||
-        !mq_mul_size(c.scratch_stride * 4, (size_t)threads, &big) ||
+        !mq_mul_size(c->scratch_stride * 4, (size_t)threads, &big) ||
         !mq_mul_size((size_t)T, (size_t)E * 4, &big))
         return mq_err(MOEQ_E_NOMEM, "%s: %lld tokens need too much memory", k_op, (long long)T);
-    void *ptr[18];
-    const size_t sizes[18] = {
+    enum { NP = 19 };
+    void *ptr[NP];
+    const size_t sizes[NP] = {
         (size_t)T * E * 4,                   /* logits */
         (size_t)T * 4,                       /* gsh */
         (size_t)T * k * 4,                   /* sel */
@@ -514,89 +680,40 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
         (size_t)P * Fmax * 2,                /* mq.q, mq.q2 */
         (size_t)P * (Fmax / B) * 8,          /* mq.scale + corr */
         (size_t)P * D * 4,                   /* y */
-        c.scratch_stride * 4 * (size_t)threads,
-        (size_t)E * 5,                       /* routing scratch: probabilities + taken flags */
+        c->scratch_stride * 4 * (size_t)threads,
+        (size_t)E * 5 * (size_t)threads,     /* routing scratch: probabilities + taken flags */
         (size_t)nm * 8,                      /* counting-sort cursors */
         (size_t)nm * sizeof(_Atomic int32_t),   /* pending */
+        (size_t)o.lanes * 2 * sizeof(_Atomic uint64_t),   /* lane ranges */
     };
     bool cached;
-    uint8_t *base = alloc_pieces(18, sizes, ptr, &cached);
+    uint8_t *base = alloc_pieces(NP, sizes, ptr, &cached);
     if (!base) return MOEQ_E_NOMEM;
-    c.logits = ptr[0];
-    c.gsh = ptr[1];
-    c.sel = ptr[2];
-    c.wt = ptr[3];
-    c.off = ptr[4];
-    c.perm_tok = ptr[5];
-    c.pos = ptr[6];
-    c.task_mat = ptr[7];
-    c.task_chunk = ptr[8];
-    /* x and the SwiGLU output as split int16 (see moe_ffn.h) */
-    c.xq = (mq_qact){ptr[9], (int8_t *)ptr[9] + T * D, ptr[10], (int32_t *)ptr[10] + T * (D / B), D, B, nvfp4 ? 12 : 8};
-    c.mq = (mq_qact){ptr[11], (int8_t *)ptr[11] + P * Fmax, ptr[12], (int32_t *)ptr[12] + P * (Fmax / B),
-                     Fmax, B, nvfp4 ? 12 : 8};
-    c.y = ptr[13];
-    c.scratch = ptr[14];
-    c.pending = ptr[17];
-
-    /* routing (fp32): logits, scores, top-k, weights */
-    mq_gemm_nt(T, E, D, 1.0f, x, D, router, D, 0.0f, c.logits, E);
-    if (sgate) mq_gemm_nt(T, 1, D, 1.0f, x, D, sgate, D, 0.0f, c.gsh, 1);
-    float *p = ptr[15];
-    uint8_t *taken = (uint8_t *)(p + E);
-    for (int64_t t = 0; t < T; t++) route_token(&c, t, p, taken);
-
-    /* counting sort of (token, slot) by expert; the shared expert takes every token, last */
-    int64_t *cnt = c.off;
-    memset(cnt, 0, sizeof(int64_t) * (size_t)(nm + 1));
-    for (int64_t i = 0; i < T * k; i++) cnt[c.sel[i] + 1]++;
-    if (w->Fs > 0) cnt[E + 1] = T;
-    for (int64_t e = 0; e < nm; e++) cnt[e + 1] += cnt[e];
-    int64_t *cur = ptr[16];
-    memcpy(cur, c.off, sizeof(int64_t) * (size_t)nm);
-    for (int64_t t = 0; t < T; t++)
-        for (int32_t j = 0; j < k; j++) {
-            int64_t r = cur[c.sel[t * k + j]]++;
-            c.perm_tok[r] = (int32_t)t;
-            c.pos[t * k + j] = r;
-        }
-    if (w->Fs > 0)
-        for (int64_t t = 0; t < T; t++) c.perm_tok[c.off[E] + t] = (int32_t)t;
-
-    /* x -> split int16 blocks */
-    mq_parallel_for((T + TOK_CHUNK - 1) / TOK_CHUNK, quant_x_task, &c);
-
-    /* work items: gate_up + SwiGLU + mid quantization per (matrix, 64 outputs), then down per
-     * (matrix, 128 rows), matrices in index order */
-    int64_t n = 0;
-    for (int64_t e = 0; e < nm; e++) {
-        atomic_store(&c.pending[e], 0);
-        if (c.off[e + 1] == c.off[e]) continue;
-        int64_t chunks = (w->ex[e].ffn / 8 + PAIRS_A - 1) / PAIRS_A;
-        atomic_store(&c.pending[e], (int32_t)chunks);
-        for (int64_t i = 0; i < chunks; i++, n++) {
-            c.task_mat[n] = (int32_t)e;
-            c.task_chunk[n] = (int32_t)i;
-        }
-    }
-    c.n_a = n;
-    for (int64_t e = 0; e < nm; e++) {
-        if (c.off[e + 1] == c.off[e]) continue;
-        int64_t chunks = (D / 16 + PAIRS_B - 1) / PAIRS_B;
-        for (int64_t i = 0; i < chunks; i++, n++) {
-            c.task_mat[n] = (int32_t)e;
-            c.task_chunk[n] = (int32_t)i;
-        }
-    }
-    c.n_items = n;
-    atomic_store(&c.next_item, 0);
-    /* below ~1M multiply-adds waking the other threads costs more than it saves */
-    double macs = 0;
-    for (int64_t e = 0; e < nm; e++)
-        macs += (double)(c.off[e + 1] - c.off[e]) * 3.0 * (double)w->ex[e].ffn * (double)D;
-    mq_parallel_for(macs < 1e6 ? 1 : threads, expert_worker, &c);
-
-    mq_parallel_for((T + TOK_CHUNK - 1) / TOK_CHUNK, combine_task, &c);
+    c->logits = ptr[0];
+    c->gsh = ptr[1];
+    c->sel = ptr[2];
+    c->wt = ptr[3];
+    c->off = ptr[4];
+    c->perm_tok = ptr[5];
+    c->pos = ptr[6];
+    c->task_mat = ptr[7];
+    c->task_chunk = ptr[8];
+    c->xq = (mq_qact){ptr[9], (int8_t *)ptr[9] + T * D, ptr[10], (int32_t *)ptr[10] + T * (D / B), D, B, nvfp4 ? 12 : 8};
+    c->mq = (mq_qact){ptr[11], (int8_t *)ptr[11] + P * Fmax, ptr[12], (int32_t *)ptr[12] + P * (Fmax / B),
+                      Fmax, B, nvfp4 ? 12 : 8};
+    c->y = ptr[13];
+    c->scratch = ptr[14];
+    o.rp = ptr[15];
+    o.rtaken = (uint8_t *)(o.rp + (size_t)E * threads);
+    c->cursor = ptr[16];
+    c->pending = ptr[17];
+    o.seg = ptr[18];
+    o.n_rte = (E + ROUTE_EXP - 1) / ROUTE_EXP;
+    o.route.n = (T + ROUTE_TOK - 1) / ROUTE_TOK * o.n_rte;
+    o.tok.n = (T + TOK_CHUNK - 1) / TOK_CHUNK;
+    o.n_cd = (D + COMB_D - 1) / COMB_D;
+    o.comb.n = o.tok.n * o.n_cd;
+    mq_parallel_for(o.lanes, op_lane, &o);
     ws_release(base, cached);
     return MOEQ_OK;
 }

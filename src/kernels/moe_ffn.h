@@ -13,7 +13,7 @@
  *   scales: K/group entries of 8 (one per row): INT4 fp16/bf16 when lossless, else fp32; NVFP4
  *           the E4M3 byte;
  *   padding to 64 bytes. Row blocks follow each other, so a tile pair is one contiguous stream
- *   and the kernels prefetch the next pair into L2 while they work on the current one.
+ *   and the kernels prefetch a pair some 24 KiB ahead into L2 while they work on the current one.
  * gate_up interleaves its halves: tile pair i = (gate rows 8i..8i+7, up rows 8i..8i+7), so the
  * SwiGLU of 8 outputs happens in registers. down keeps the natural order (pair i = rows 16i..).
  *
