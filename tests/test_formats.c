@@ -330,6 +330,191 @@ static void test_mse_search_picks_grid_minimum(void) {
     check_mse_scheme(s, 1.0f);
 }
 
+/* The grid search written the slow, obvious way: every grid point's params from the formulas of
+ * formats.h, every value through the public per-value quantize/dequantize, the weighted squared
+ * error summed in double in value order, the first strictly smaller error kept. */
+static mq_gparams slow_mse(const mq_qspec *s, float gs, const float *x, int n, int stride,
+                           const float *h) {
+    float amax = 0, lo = 0, hi = 0;
+    for (int i = 0; i < n; i++) {
+        float v = x[i * stride];
+        if (v < lo) lo = v;
+        if (v > hi) hi = v;
+        if (fabsf(v) > amax) amax = fabsf(v);
+    }
+    mq_qspec plain = *s;
+    plain.mse = false;
+    mq_gparams best_p;
+    mq_group_params(&plain, gs, x, n, stride, &best_p);
+    if (!(amax > 0)) return best_p;
+    double best = INFINITY;
+    for (int k = 0; k < s->mse_steps; k++) {
+        float m = s->mse_steps == 1 ? s->mse_lo
+                                    : s->mse_lo + (s->mse_hi - s->mse_lo) * (float)k /
+                                                      (float)(s->mse_steps - 1);
+        mq_gparams c = {0, 0, 0};
+        if (s->scheme == MQ_QS_NVFP4) {
+            float t = amax / 6.0f;
+            t = s->nvfp4_conv == MQ_NVFP4_MUL ? t / gs : gs * t;
+            t = t * m;
+            t = fminf(fmaxf(t, s->nvfp4_scale_min), 448.0f);
+            c.scale_code = mq_e4m3_encode(t);
+            if (c.scale_code == 0) c.scale_code = 1;
+            c.scale = mq_e4m3_decode(c.scale_code);
+        } else if (s->scheme == MQ_QS_MXFP4) {
+            c.scale_code = mq_e8m0_encode_ceil(amax / 6.0f * m);
+            c.scale = mq_e8m0_decode(c.scale_code);
+        } else if (!s->asym) {
+            c.scale = mq_round_to_dtype(amax / s->int4_sym_div * m, s->scale_dtype);
+            if (c.scale == 0) c.scale = 0x1p-24f;
+        } else {
+            float l = lo * m, u = hi * m;
+            c.scale = mq_round_to_dtype((u - l) / 15.0f, s->scale_dtype);
+            if (c.scale == 0) c.scale = mq_round_to_dtype(0x1p-24f, s->scale_dtype);
+            c.zero = fminf(fmaxf(rintf(-l / c.scale), (float)s->int4_zero_min), 15.0f);
+        }
+        double e = 0;
+        for (int i = 0; i < n; i++) {
+            float v = x[i * stride];
+            double d = (double)v - mq_dequant_value(s, gs, &c, mq_quant_value(s, gs, &c, v));
+            e += h ? (double)h[i] * (d * d) : d * d;
+        }
+        if (e < best) {
+            best = e;
+            best_p = c;
+        }
+    }
+    return best_p;
+}
+
+static uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* A spec and global scale for trial t: every scheme and convention, default grids and a few
+ * others (one not dense enough for the NVFP4 shortcut, one with more candidates than a chunk). */
+static mq_qspec trial_spec(int t, float amax_tensor, float *gs) {
+    mq_qspec s;
+    switch (t % 10) {
+    case 0: s = mq_qspec_default(MQ_QS_NVFP4); break;
+    case 1: s = mq_qspec_reference(MQ_QS_NVFP4); break;
+    case 2: s = mq_qspec_default(MQ_QS_NVFP4); s.mse_steps = 9; s.mse_lo = 0.5f; s.mse_hi = 1.5f; break;
+    case 3: s = mq_qspec_default(MQ_QS_INT4); break;
+    case 4: s = mq_qspec_reference(MQ_QS_INT4); s.group_size = 32; break;
+    case 5: s = mq_qspec_default(MQ_QS_INT4); s.asym = true; s.int4_zero_min = (int8_t)(t / 10 % 2); break;
+    case 6: s = mq_qspec_default(MQ_QS_INT4); s.scale_dtype = MOEQ_DT_F16; s.group_size = 64; break;
+    case 7: s = mq_qspec_default(MQ_QS_MXFP4); break;
+    case 8: s = mq_qspec_default(MQ_QS_INT4); s.group_size = 32; s.mse_steps = 70; break;
+    default: s = mq_qspec_reference(MQ_QS_NVFP4); s.mse_lo = 0.2f; s.mse_hi = 1.3f; s.mse_steps = 40; break;
+    }
+    s.mse = true;
+    *gs = mq_nvfp4_global_scale(&s, amax_tensor);
+    return s;
+}
+
+/* Random group values: magnitudes from 1e-7 (subnormal E4M3 scales) to 10, outliers, zeros,
+ * one-signed groups, all-zero groups. */
+static void trial_values(int t, float *x, int count) {
+    float mag = powf(10.0f, rnd_uniform(-7, 1));
+    for (int i = 0; i < count; i++) {
+        float v = rnd_uniform(-1, 1) * mag;
+        if (rnd_uniform(0, 1) < 0.05f) v *= 8;
+        if (rnd_uniform(0, 1) < 0.03f) v = 0;
+        x[i] = (t % 7 == 0) ? fabsf(v) : v;
+    }
+    if (t % 23 == 0) memset(x, 0, (size_t)count * sizeof(float));
+}
+
+/* The fast search (candidates precomputed, repeats skipped, scored 8 at a time, AVX2 or scalar)
+ * chooses exactly what the slow search chooses, plain and Hessian-weighted, contiguous and
+ * strided (GPTQ's transposed groups). */
+static void test_mse_search_matches_slow_search(void) {
+    static float x[128 * 3], h[128];
+    for (int ref = 0; ref < 2; ref++) {
+        moeq_set_force_ref(ref);
+        for (int t = 0; t < 1500; t++) {
+            int stride = t % 3 == 0 ? 3 : 1;
+            trial_values(t, x, 128 * stride);
+            float amax_tensor = mq_absmax(x, 128 * stride) * rnd_uniform(1, 4);
+            if (t % 11 == 0) amax_tensor *= 1e-3f;   /* blocks whose scale saturates at 448 */
+            float gs;
+            mq_qspec s = trial_spec(t, amax_tensor, &gs);
+            int n = (int)mq_qspec_group(&s, 128);
+            for (int i = 0; i < n; i++) h[i] = t % 5 == 4 ? 0.0f : rnd_uniform(0, 3);
+            const float *hw = t % 2 ? h : NULL;
+            mq_gparams want = slow_mse(&s, gs, x, n, stride, hw), got;
+            mq_group_params_h(&s, gs, x, n, stride, hw, &got);
+            if (bits_of(want.scale) != bits_of(got.scale) || want.zero != got.zero ||
+                want.scale_code != got.scale_code) {
+                moeq_set_force_ref(0);
+                FAIL("trial %d (%s, ref %d): want scale %.9g zero %g code 0x%x, got %.9g %g 0x%x", t,
+                     mq_qscheme_name(s.scheme), ref, want.scale, want.zero, want.scale_code,
+                     got.scale, got.zero, got.scale_code);
+            }
+            if (!hw) {   /* mq_group_params is the unweighted search */
+                mq_gparams g2;
+                mq_group_params(&s, gs, x, n, stride, &g2);
+                ASSERT_EQ_HEX(bits_of(got.scale), bits_of(g2.scale));
+            }
+        }
+    }
+    moeq_set_force_ref(0);
+}
+
+/* Hessian weights change the choice: a group whose big value has weight 0 scores only the
+ * small ones, so the search shrinks the scale to the bottom of the grid. */
+static void test_mse_weighted_by_hand(void) {
+    mq_qspec s = mq_qspec_reference(MQ_QS_INT4);   /* amax / 7, F32 scales */
+    s.group_size = 8;
+    s.mse = true;
+    float x[8] = {7, 0.7f, -0.7f, 0.7f, 0.7f, -0.7f, 0.7f, 0.7f};
+    float h[8] = {0, 1, 1, 1, 1, 1, 1, 1};
+    mq_gparams p, q;
+    mq_group_params_h(&s, 1, x, 8, 1, NULL, &p);
+    mq_group_params_h(&s, 1, x, 8, 1, h, &q);
+    /* unweighted, the outlier 7 keeps the scale near amax / 7 = 1 (step 0.7 would clip it to
+     * 4.9) */
+    ASSERT_TRUE(p.scale > 0.9f);
+    /* weighted: scale m = 0.7 gives step 0.7, the 0.7s exactly representable */
+    ASSERT_NEAR(0.7, q.scale, 1e-6);
+    double e = 0;
+    for (int i = 1; i < 8; i++) {
+        double d = x[i] - mq_dequant_value(&s, 1, &q, mq_quant_value(&s, 1, &q, x[i]));
+        e += d * d;
+    }
+    ASSERT_NEAR(0, e, 1e-12);
+}
+
+/* The AVX2 scoring of candidates is bit-identical to the scalar reference, for every scheme,
+ * candidate counts that fill 1 to 4 vectors partly, zero steps, weights or none. */
+static void test_mse_sse_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    static float x[64 * 5], h[64], step[40], zero[40];
+    static double a[40], b[40];
+    const mq_qscheme schemes[3] = {MQ_QS_NVFP4, MQ_QS_INT4, MQ_QS_MXFP4};
+    for (int t = 0; t < 600; t++) {
+        mq_qspec s = mq_qspec_default(schemes[t % 3]);
+        s.asym = s.scheme == MQ_QS_INT4 && t % 2;
+        int nc = 1 + t % 37, n = 1 + t % 64, stride = 1 + t % 5;
+        trial_values(t, x, n * stride);
+        float amax = mq_absmax(x, n * stride);
+        for (int c = 0; c < 40; c++) {
+            step[c] = amax * rnd_uniform(0.05f, 0.3f);
+            zero[c] = s.asym ? rintf(rnd_uniform(0, 15)) : 0.0f;
+            if (c % 9 == 5) step[c] = 0;
+        }
+        for (int i = 0; i < n; i++) h[i] = rnd_uniform(0, 2);
+        const float *hw = t % 2 ? h : NULL;
+        mq_mse_sse_ref(&s, step, zero, nc, x, n, stride, hw, a);
+        mq_mse_sse_avx2(&s, step, zero, nc, x, n, stride, hw, b);
+        for (int c = 0; c < nc; c++)
+            if (memcmp(&a[c], &b[c], sizeof(double)) != 0)
+                FAIL("trial %d candidate %d: ref %.17g, avx2 %.17g", t, c, a[c], b[c]);
+    }
+}
+
 /* ---- tensors ----------------------------------------------------------------------------- */
 
 static void test_rtn_tensor_and_dequant(void) {
@@ -467,6 +652,7 @@ static void test_activation_fake_quant(void) {
 TEST_MAIN(T(test_e2m1_bit_vectors), T(test_e4m3_bit_vectors), T(test_e8m0_and_storage_rounding),
           T(test_nvfp4_ct_group_by_hand), T(test_nvfp4_mul_reference_convention),
           T(test_int4_sym_by_hand), T(test_int4_asym_by_hand),
-          T(test_mse_search_picks_grid_minimum), T(test_rtn_tensor_and_dequant),
+          T(test_mse_search_picks_grid_minimum), T(test_mse_search_matches_slow_search),
+          T(test_mse_weighted_by_hand), T(test_mse_sse_twin), T(test_rtn_tensor_and_dequant),
           T(test_nan_inf_is_an_error_naming_the_position), T(test_spec_checks),
           T(test_packing_round_trips), T(test_activation_fake_quant))

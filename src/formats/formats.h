@@ -95,6 +95,22 @@ typedef struct {
 /* Computes a group's params from its n values (x[i*stride]). global_scale is used by NVFP4. */
 void mq_group_params(const mq_qspec *s, float global_scale, const float *x, int64_t n,
                      int64_t stride, mq_gparams *out);
+/* As mq_group_params; with spec.mse the search minimises sum_i h[i] (x_i - q_i)^2 (h: n
+ * non-negative weights, contiguous, e.g. the diagonal of a Hessian; NULL = plain squared error).
+ * Without spec.mse h is not read. */
+void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                       int64_t stride, const float *h, mq_gparams *out);
+/* The MSE search's score of nc candidate quantizers of one group (step[c] as mq_group_step,
+ * zero[c] the INT4 zero point): sse[c] = sum over i = 0..n-1, in that order, in double, of
+ * h[i] * d*d (h NULL: d*d) with d = (double)x[i*stride] - dequant(quant(x[i*stride])). step,
+ * zero and sse hold nc rounded up to a multiple of 8 entries (the lanes past nc are read and
+ * written but meaningless). */
+void mq_mse_sse_ref(const mq_qspec *s, const float *step, const float *zero, int nc,
+                    const float *x, int64_t n, int64_t stride, const float *h, double *sse);
+/* AVX2 twin (src/kernels/cpu/x86/quant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical
+ * sse (the same operations per value and candidate, 8 candidates per vector). */
+void mq_mse_sse_avx2(const mq_qspec *s, const float *step, const float *zero, int nc,
+                     const float *x, int64_t n, int64_t stride, const float *h, double *sse);
 /* The quantization step of a group: the value of one unit of the code grid (NVFP4: s/gs or s*g;
  * INT4 and MXFP4: scale). 0 for an all-zero group. */
 float mq_group_step(const mq_qspec *s, float global_scale, const mq_gparams *g);

@@ -173,6 +173,18 @@ void mq_qdq_n(const mq_qspec *s, float global_scale, const mq_gparams *g, const 
 
 /* ---- group parameters --------------------------------------------------------------------- */
 
+/* mq_e4m3_decode of a non-negative code without libm: (1 + m/8) 2^(e-7), or m 2^-9 for e = 0
+ * (both exact in fp32); 0x7F is NaN. */
+static inline float e4m3_value(uint8_t code) {
+    uint32_t e = code >> 3, m = code & 7;
+    if (code == 0x7F) return NAN;
+    if (e == 0) return (float)m * 0x1p-9f;
+    uint32_t bits = (e + 120u) << 23 | m << 20;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 /* Params from the max-based statistic times multiplier m (m = 1: plain RTN). */
 static void params_scaled(const mq_qspec *s, float global_scale, float amax, float xmin,
                           float xmax, float m, mq_gparams *out) {
@@ -188,7 +200,7 @@ static void params_scaled(const mq_qspec *s, float global_scale, float amax, flo
         uint8_t code = mq_e4m3_encode(t);
         if (code == 0 && amax > 0) code = 0x01;   /* keep a tiny non-zero block alive: 2^-9 */
         out->scale_code = code;
-        out->scale = mq_e4m3_decode(code);
+        out->scale = e4m3_value(code);
         return;
     }
     case MQ_QS_MXFP4: {
@@ -239,47 +251,154 @@ static void params_scaled(const mq_qspec *s, float global_scale, float amax, flo
     }
 }
 
-static double group_sse(const mq_qspec *s, float global_scale, const mq_gparams *g,
-                        const float *x, int64_t n, int64_t stride) {
-    float step = mq_group_step(s, global_scale, g);
-    double sse = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i * stride];
-        double d = (double)v - dequant_step(s, step, g->zero, quant_step(s, step, g->zero, v));
-        sse += d * d;
+/* The search's error of nc candidate quantizers on the group (see formats.h): the obvious
+ * per-value loop through quant_step / dequant_step, in value order, in double. */
+void mq_mse_sse_ref(const mq_qspec *s, const float *step, const float *zero, int nc,
+                    const float *x, int64_t n, int64_t stride, const float *h, double *sse) {
+    for (int c = 0; c < nc; c++) {
+        double e = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            float v = x[i * stride];
+            double d = (double)v - dequant_step(s, step[c], zero[c],
+                                                quant_step(s, step[c], zero[c], v));
+            double d2 = d * d;
+            e += h ? (double)h[i] * d2 : d2;
+        }
+        sse[c] = e;
     }
-    return sse;
 }
 
-void mq_group_params(const mq_qspec *s, float global_scale, const float *x, int64_t n,
-                     int64_t stride, mq_gparams *out) {
+/* Candidates are scored MSE_CHUNK at a time (a multiple of the AVX2 twin's 8 lanes). */
+enum { MSE_CHUNK = 32 };
+
+typedef struct {
+    mq_gparams cand[MSE_CHUNK];
+    mq_gparams prev;   /* the last candidate added (for the repeat test) */
+    float step[MSE_CHUNK], zero[MSE_CHUNK];
+    double sse[MSE_CHUNK];
+    int n;
+    double best;
+    mq_gparams best_p;
+    bool simd;   /* score with the AVX2 twin */
+} mse_state;
+
+/* Scores the pending candidates; the first one with the least error wins (strictly less than
+ * the best so far), as in a one-by-one scan of the grid. */
+static void mse_flush(const mq_qspec *s, const float *x, int64_t n, int64_t stride,
+                      const float *h, mse_state *m) {
+    if (!m->n) return;
+    for (int k = m->n; k % 8; k++) {   /* padding lanes: any valid quantizer */
+        m->step[k] = m->step[0];
+        m->zero[k] = m->zero[0];
+    }
+#if defined(__x86_64__)
+    if (m->simd)
+        mq_mse_sse_avx2(s, m->step, m->zero, m->n, x, n, stride, h, m->sse);
+    else
+#endif
+        mq_mse_sse_ref(s, m->step, m->zero, m->n, x, n, stride, h, m->sse);
+    for (int k = 0; k < m->n; k++)
+        if (m->sse[k] < m->best) {
+            m->best = m->sse[k];
+            m->best_p = m->cand[k];
+        }
+    m->n = 0;
+}
+
+/* The NVFP4 scale code of multiplier m, as params_scaled computes it from t0 = the block scale
+ * before the multiplier (amax / 6 with the global scale applied), for amax > 0. */
+static inline uint8_t nvfp4_code(const mq_qspec *s, float t0, float m) {
+    float t = t0 * m;   /* t0 * 1 = t0: the same as params_scaled skipping m == 1 */
+    if (t < s->nvfp4_scale_min) t = s->nvfp4_scale_min;
+    if (t > E4M3_MAX) t = E4M3_MAX;
+    uint8_t code = mq_e4m3_encode(t);
+    return code == 0 ? 0x01 : code;
+}
+
+/* Multiplier i of the search grid. */
+static inline float grid_m(const mq_qspec *s, int32_t i) {
+    return s->mse_steps == 1 ? s->mse_lo
+                             : s->mse_lo + (s->mse_hi - s->mse_lo) * (float)i /
+                                               (float)(s->mse_steps - 1);
+}
+
+/* Adds a candidate unless it repeats the one before (rounded scales repeat along the grid);
+ * scores the pending ones when the chunk is full. */
+static inline void mse_add(const mq_qspec *s, float global_scale, const mq_gparams *c, bool first,
+                    const float *x, int64_t n, int64_t stride, const float *h, mse_state *st) {
+    if (!first && c->scale == st->prev.scale && c->zero == st->prev.zero) return;
+    st->prev = *c;
+    if (st->n == MSE_CHUNK) mse_flush(s, x, n, stride, h, st);
+    st->cand[st->n] = *c;
+    st->step[st->n] = mq_group_step(s, global_scale, c);
+    st->zero[st->n] = c->zero;
+    st->n++;
+}
+
+void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                       int64_t stride, const float *h, mq_gparams *out) {
     float amax = 0.0f, xmin = 0.0f, xmax = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         float v = x[i * stride];
-        if (v < xmin) xmin = v;
-        if (v > xmax) xmax = v;
+        xmin = v < xmin ? v : xmin;
+        xmax = v > xmax ? v : xmax;
     }
     amax = -xmin > xmax ? -xmin : xmax;
     params_scaled(s, global_scale, amax, xmin, xmax, 1.0f, out);
     if (!s->mse || !(amax > 0)) return;
-    /* Grid search: m_i = lo + (hi - lo) * i / (steps - 1); the first least squared error wins. */
-    double best = INFINITY;
-    mq_gparams cand, prev = {0}, best_p = *out;
-    for (int32_t i = 0; i < s->mse_steps; i++) {
-        float m = s->mse_steps == 1 ? s->mse_lo
-                                    : s->mse_lo + (s->mse_hi - s->mse_lo) * (float)i /
-                                                      (float)(s->mse_steps - 1);
-        params_scaled(s, global_scale, amax, xmin, xmax, m, &cand);
-        /* rounded scales repeat along the grid (E4M3 has 3 mantissa bits): skip repeats */
-        if (i > 0 && cand.scale == prev.scale && cand.zero == prev.zero) continue;
-        prev = cand;
-        double e = group_sse(s, global_scale, &cand, x, n, stride);
-        if (e < best) {
-            best = e;
-            best_p = cand;
+    /* Grid search: m_i = lo + (hi - lo) * i / (steps - 1) in increasing order; the first least
+     * error wins; a candidate that repeats the one before is not scored again. */
+    mse_state st;
+    st.n = 0;
+    st.best = INFINITY;
+    st.best_p = *out;
+    st.simd = false;
+#if defined(__x86_64__)
+    st.simd = mq_cpu_has_avx2_fma() && !mq_force_ref();
+#endif
+    const int32_t steps = s->mse_steps;
+    if (s->scheme == MQ_QS_NVFP4) {
+        float t0 = amax / E2M1_MAX;
+        t0 = s->nvfp4_conv == MQ_NVFP4_MUL ? t0 / global_scale : global_scale * t0;
+        /* The codes of t0 m_i rise with i. When consecutive grid points are less than 6.25%
+         * apart (the default grid: 3.6%), no E4M3 code lies strictly between the codes of two
+         * neighbours (each code rounds an interval wider than 6.8% of its value; clamping
+         * only narrows the gaps), so the candidates are every code from the first point's to
+         * the last point's: two encodes instead of one per grid point. */
+        bool dense = steps > 1 && isfinite(t0) && s->mse_lo > 0 && s->mse_hi >= s->mse_lo &&
+                     (s->mse_hi - s->mse_lo) / (float)(steps - 1) < 0.0625f * s->mse_lo;
+        if (dense) {
+            uint8_t c0 = nvfp4_code(s, t0, grid_m(s, 0)), c1 = nvfp4_code(s, t0, grid_m(s, steps - 1));
+            /* distinct by construction: no repeat test */
+            for (unsigned code = c0; code <= c1; code++) {
+                if (st.n == MSE_CHUNK) mse_flush(s, x, n, stride, h, &st);
+                mq_gparams *c = &st.cand[st.n];
+                *c = (mq_gparams){e4m3_value((uint8_t)code), 0.0f, (uint8_t)code};
+                st.step[st.n] = mq_group_step(s, global_scale, c);
+                st.zero[st.n] = 0.0f;
+                st.n++;
+            }
+        } else {
+            for (int32_t i = 0; i < steps; i++) {
+                uint8_t code = nvfp4_code(s, t0, grid_m(s, i));
+                mq_gparams c = {e4m3_value(code), 0.0f, code};
+                mse_add(s, global_scale, &c, i == 0, x, n, stride, h, &st);
+            }
+        }
+    } else {
+        for (int32_t i = 0; i < steps; i++) {
+            mq_gparams c;
+            params_scaled(s, global_scale, amax, xmin, xmax, grid_m(s, i), &c);
+            mse_add(s, global_scale, &c, i == 0, x, n, stride, h, &st);
         }
     }
-    *out = best_p;
+    mse_flush(s, x, n, stride, h, &st);
+    *out = st.best_p;
+}
+
+void mq_group_params(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                     int64_t stride, mq_gparams *out) {
+    mq_group_params_h(s, global_scale, x, n, stride, NULL, out);
 }
 
 /* ---- tensors ------------------------------------------------------------------------------ */
