@@ -130,6 +130,49 @@ static void ref_free(ref_result *r) {
     free(r->u);
 }
 
+/* GPTQ's in-loop scale search (MQ_GPTQ_MSE_LOOP) for one row of a group, in double: the
+ * group's columns at processing positions qp[0..G-1] (values w[qp[t]]); each candidate of the
+ * MSE grid quantizes them in increasing position with the errors fed back inside the group;
+ * the least sum of squared scaled errors wins. */
+static mq_gparams ref_loop_params(const mq_qspec *s, float gs, const double *w, const int64_t *qp,
+                                  int64_t G, const double *u, int64_t K) {
+    float *vals = malloc((size_t)G * sizeof(float));
+    int64_t *order = malloc((size_t)G * sizeof(int64_t));
+    double *wl = malloc((size_t)G * sizeof(double));
+    mq_gparams *cand = malloc((size_t)s->mse_steps * sizeof(mq_gparams)), best_p;
+    for (int64_t t = 0; t < G; t++) {
+        vals[t] = (float)w[qp[t]];
+        order[t] = qp[t];
+    }
+    for (int64_t a = 1; a < G; a++)   /* positions in increasing order */
+        for (int64_t b = a; b > 0 && order[b] < order[b - 1]; b--) {
+            int64_t t = order[b];
+            order[b] = order[b - 1];
+            order[b - 1] = t;
+        }
+    int nc = mq_group_candidates(s, gs, vals, G, 1, &best_p, cand);
+    double best = INFINITY;
+    for (int k = 0; k < nc; k++) {
+        double score = 0;
+        for (int64_t a = 0; a < G; a++) wl[a] = w[order[a]];
+        for (int64_t a = 0; a < G; a++) {
+            float q = mq_dequant_value(s, gs, &cand[k], mq_quant_value(s, gs, &cand[k], (float)wl[a]));
+            double e = (wl[a] - q) / u[order[a] * K + order[a]];
+            score += e * e;
+            for (int64_t b = a + 1; b < G; b++) wl[b] -= u[order[a] * K + order[b]] * e;
+        }
+        if (score < best) {
+            best = score;
+            best_p = cand[k];
+        }
+    }
+    free(vals);
+    free(order);
+    free(wl);
+    free(cand);
+    return best_p;
+}
+
 static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const float *W, int64_t N,
                            int64_t K, const mq_gptq_opts *o) {
     const int64_t G = mq_qspec_group(s, K), ng = K / G;
@@ -145,6 +188,9 @@ static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const fl
     int32_t *pos = malloc((size_t)K * sizeof(int32_t));
     uint8_t *ready = calloc((size_t)ng, 1);
     float *vals = malloc((size_t)G * sizeof(float));
+    float *hw = malloc((size_t)G * sizeof(float));
+    int64_t *qp = malloc((size_t)G * sizeof(int64_t));
+    const bool loop = s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP;
 
     for (int64_t i = 0; i < K; i++) {
         diag[i] = H[i * K + i] == 0 ? 1.0 : H[i * K + i];
@@ -166,6 +212,11 @@ static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const fl
         h[a * K + a] = diag[r.perm[a]] + (double)(float)(o->percdamp * mean);
     }
     textbook_u(h, K, r.u);
+    /* weight of the MSE search for the column at position p (mq_gptq_mse_weight) */
+#define REF_WEIGHT(p)                                                                              \
+    (o->mse_weight == MQ_GPTQ_MSE_HDIAG ? (float)diag[r.perm[p]]                                   \
+                                        : (float)(1.0 / (r.u[(p) * K + (p)] * r.u[(p) * K + (p)])))
+    const float *hwp = s->mse && o->mse_weight != MQ_GPTQ_MSE_PLAIN ? hw : NULL;
     for (int64_t n = 0; n < N; n++)
         for (int64_t p = 0; p < K; p++) {
             int64_t c = r.perm[p];
@@ -175,8 +226,13 @@ static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const fl
     if (o->groups == MQ_GPTQ_GROUPS_STATIC) {
         for (int64_t n = 0; n < N; n++)
             for (int64_t g = 0; g < ng; g++) {
-                for (int64_t t = 0; t < G; t++) vals[t] = (float)w[n * K + pos[g * G + t]];
-                mq_group_params(s, gs, vals, G, 1, &r.params[n * ng + g]);
+                for (int64_t t = 0; t < G; t++) {
+                    vals[t] = (float)w[n * K + pos[g * G + t]];
+                    hw[t] = REF_WEIGHT(pos[g * G + t]);
+                    qp[t] = pos[g * G + t];
+                }
+                if (loop) r.params[n * ng + g] = ref_loop_params(s, gs, w + n * K, qp, G, r.u, K);
+                else mq_group_params_h(s, gs, vals, G, 1, hwp, &r.params[n * ng + g]);
             }
         memset(ready, 1, (size_t)ng);
     }
@@ -184,9 +240,13 @@ static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const fl
         int64_t c = r.perm[p], g = gidx ? p / G : c / G;
         if (!ready[g]) {
             for (int64_t n = 0; n < N; n++) {
-                for (int64_t t = 0; t < G; t++)
-                    vals[t] = (float)w[n * K + (gidx ? g * G + t : pos[g * G + t])];
-                mq_group_params(s, gs, vals, G, 1, &r.params[n * ng + g]);
+                for (int64_t t = 0; t < G; t++) {
+                    int64_t q = qp[t] = gidx ? g * G + t : pos[g * G + t];
+                    vals[t] = (float)w[n * K + q];
+                    hw[t] = REF_WEIGHT(q);
+                }
+                if (loop) r.params[n * ng + g] = ref_loop_params(s, gs, w + n * K, qp, G, r.u, K);
+                else mq_group_params_h(s, gs, vals, G, 1, hwp, &r.params[n * ng + g]);
             }
             ready[g] = 1;
         }
@@ -206,6 +266,9 @@ static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const fl
     free(pos);
     free(ready);
     free(vals);
+    free(hw);
+    free(qp);
+#undef REF_WEIGHT
     return r;
 }
 
@@ -310,6 +373,45 @@ static void test_reference_mse(void) {
     mq_gptq_opts o = mq_gptq_opts_default();
     o.act_order = true;
     check_against_reference(&s, &o, 64, 128, NULL, 0, 0.003);
+}
+
+/* The Hessian-weighted scale searches, against the reference with the same weights; and the
+ * weights do change the choice. */
+static void test_reference_mse_weights(void) {
+    mq_qspec nv = mq_qspec_default(MQ_QS_NVFP4), i4 = int4_spec(32);
+    nv.mse = i4.mse = true;
+    mq_gptq_opts o = mq_gptq_opts_default();
+    const mq_gptq_mse_weight wts[3] = {MQ_GPTQ_MSE_HDIAG, MQ_GPTQ_MSE_OBQ, MQ_GPTQ_MSE_LOOP};
+    static const int dead[2] = {3, 40};
+    for (int k = 0; k < 3; k++) {
+        o.mse_weight = wts[k];
+        o.act_order = false;
+        o.groups = MQ_GPTQ_GROUPS_DYNAMIC;
+        check_against_reference(&nv, &o, 64, 128, dead, 2, 0.003);
+        o.act_order = true;
+        check_against_reference(&i4, &o, 64, 128, NULL, 0, 0.003);
+        o.groups = MQ_GPTQ_GROUPS_STATIC;
+        check_against_reference(&nv, &o, 64, 128, NULL, 0, 0.003);
+    }
+    /* the weights matter: codes differ from the plain search's */
+    float *W = make_weights(64, 128, 3), *H = make_hessian(128, 256, 4, NULL, 0);
+    mq_qtensor a, b;
+    o = mq_gptq_opts_default();
+    ASSERT_OK(mq_gptq_quantize(&nv, &o, H, W, 64, 128, 0, "w", &a, NULL, NULL));
+    for (int k = 0; k < 3; k++) {
+        o.mse_weight = wts[k];
+        ASSERT_OK(mq_gptq_quantize(&nv, &o, H, W, 64, 128, 0, "w", &b, NULL, NULL));
+        int64_t scales = 0;
+        for (int64_t i = 0; i < a.rows * a.n_groups; i++)
+            scales += a.params[i].scale != b.params[i].scale;
+        if (scales < a.rows * a.n_groups / 20)
+            FAIL("weights %d: only %lld of %lld group scales changed", k, (long long)scales,
+                 (long long)(a.rows * a.n_groups));
+        mq_qtensor_free(&b);
+    }
+    mq_qtensor_free(&a);
+    free(W);
+    free(H);
 }
 
 static void test_dead_columns(void) {
@@ -747,7 +849,7 @@ static void test_bad_input(void) {
 }
 
 TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_order),
-          T(test_reference_mse), T(test_dead_columns), T(test_damping_retry),
+          T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
           T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs),
           T(test_qdq_column_matches_formats), T(test_column_errors_twin),

@@ -100,6 +100,13 @@ void mq_group_params(const mq_qspec *s, float global_scale, const float *x, int6
  * Without spec.mse h is not read. */
 void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, int64_t n,
                        int64_t stride, const float *h, mq_gparams *out);
+/* The candidates the MSE search scores for a group, in its order (increasing scale along the
+ * grid, repeats removed), into cand (room for s->mse_steps); returns their number. plain gets
+ * the max-based params (the result without spec.mse). 0 when there is nothing to search
+ * (spec.mse off or an all-zero group): plain is then the result. Lets a caller score the
+ * candidates its own way (GPTQ's in-loop search). */
+int mq_group_candidates(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                        int64_t stride, mq_gparams *plain, mq_gparams *cand);
 /* The MSE search's score of nc candidate quantizers of one group (step[c] as mq_group_step,
  * zero[c] the INT4 zero point): sse[c] = sum over i = 0..n-1, in that order, in double, of
  * h[i] * d*d (h NULL: d*d) with d = (double)x[i*stride] - dequant(quant(x[i*stride])). step,

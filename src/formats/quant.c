@@ -273,7 +273,6 @@ enum { MSE_CHUNK = 32 };
 
 typedef struct {
     mq_gparams cand[MSE_CHUNK];
-    mq_gparams prev;   /* the last candidate added (for the repeat test) */
     float step[MSE_CHUNK], zero[MSE_CHUNK];
     double sse[MSE_CHUNK];
     int n;
@@ -322,21 +321,73 @@ static inline float grid_m(const mq_qspec *s, int32_t i) {
                                                (float)(s->mse_steps - 1);
 }
 
-/* Adds a candidate unless it repeats the one before (rounded scales repeat along the grid);
- * scores the pending ones when the chunk is full. */
-static inline void mse_add(const mq_qspec *s, float global_scale, const mq_gparams *c, bool first,
-                    const float *x, int64_t n, int64_t stride, const float *h, mse_state *st) {
-    if (!first && c->scale == st->prev.scale && c->zero == st->prev.zero) return;
-    st->prev = *c;
-    if (st->n == MSE_CHUNK) mse_flush(s, x, n, stride, h, st);
-    st->cand[st->n] = *c;
-    st->step[st->n] = mq_group_step(s, global_scale, c);
-    st->zero[st->n] = c->zero;
-    st->n++;
+/* The search's candidates of one group in grid order (m_i = lo + (hi - lo) i / (steps - 1),
+ * increasing), consecutive repeats removed (rounded scales repeat along the grid: E4M3 has 3
+ * mantissa bits). */
+typedef struct {
+    const mq_qspec *s;
+    float gs, amax, xmin, xmax, t0;
+    int32_t i;            /* next grid point */
+    unsigned code, last;  /* NVFP4 dense grid: next and last code */
+    bool dense;
+    mq_gparams prev;
+} cand_iter;
+
+static inline void cand_init(cand_iter *it, const mq_qspec *s, float gs, float amax, float xmin,
+                             float xmax) {
+    it->s = s;
+    it->gs = gs;
+    it->amax = amax;
+    it->xmin = xmin;
+    it->xmax = xmax;
+    it->i = 0;
+    it->dense = false;
+    if (s->scheme != MQ_QS_NVFP4) return;
+    float t0 = amax / E2M1_MAX;
+    it->t0 = t0 = s->nvfp4_conv == MQ_NVFP4_MUL ? t0 / gs : gs * t0;
+    /* The codes of t0 m_i rise with i. When consecutive grid points are less than 6.25% apart
+     * (the default grid: 3.6%), no E4M3 code lies strictly between the codes of two neighbours
+     * (each code rounds an interval wider than 6.8% of its value; clamping only narrows the
+     * gaps), so the candidates are every code from the first point's to the last point's: two
+     * encodes instead of one per grid point. */
+    const int32_t steps = s->mse_steps;
+    it->dense = steps > 1 && isfinite(t0) && s->mse_lo > 0 && s->mse_hi >= s->mse_lo &&
+                (s->mse_hi - s->mse_lo) / (float)(steps - 1) < 0.0625f * s->mse_lo;
+    if (it->dense) {
+        it->code = nvfp4_code(s, t0, grid_m(s, 0));
+        it->last = nvfp4_code(s, t0, grid_m(s, steps - 1));
+    }
 }
 
-void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, int64_t n,
-                       int64_t stride, const float *h, mq_gparams *out) {
+static inline bool cand_next(cand_iter *it, mq_gparams *c) {
+    if (it->dense) {   /* distinct by construction */
+        if (it->code > it->last) return false;
+        *c = (mq_gparams){e4m3_value((uint8_t)it->code), 0.0f, (uint8_t)it->code};
+        it->code++;
+        return true;
+    }
+    const mq_qspec *s = it->s;
+    while (it->i < s->mse_steps) {
+        float m = grid_m(s, it->i);
+        if (s->scheme == MQ_QS_NVFP4) {
+            uint8_t code = nvfp4_code(s, it->t0, m);
+            *c = (mq_gparams){e4m3_value(code), 0.0f, code};
+        } else {
+            params_scaled(s, it->gs, it->amax, it->xmin, it->xmax, m, c);
+        }
+        bool repeat = it->i > 0 && c->scale == it->prev.scale && c->zero == it->prev.zero;
+        it->i++;
+        if (repeat) continue;
+        it->prev = *c;
+        return true;
+    }
+    return false;
+}
+
+/* The group's range statistics and its plain (m = 1) params; false if there is nothing to
+ * search (no MSE, or an all-zero group). */
+static bool group_start(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                        int64_t stride, mq_gparams *out, cand_iter *it) {
     float amax = 0.0f, xmin = 0.0f, xmax = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         float v = x[i * stride];
@@ -345,9 +396,16 @@ void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, in
     }
     amax = -xmin > xmax ? -xmin : xmax;
     params_scaled(s, global_scale, amax, xmin, xmax, 1.0f, out);
-    if (!s->mse || !(amax > 0)) return;
-    /* Grid search: m_i = lo + (hi - lo) * i / (steps - 1) in increasing order; the first least
-     * error wins; a candidate that repeats the one before is not scored again. */
+    if (!s->mse || !(amax > 0)) return false;
+    cand_init(it, s, global_scale, amax, xmin, xmax);
+    return true;
+}
+
+void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                       int64_t stride, const float *h, mq_gparams *out) {
+    cand_iter it;
+    if (!group_start(s, global_scale, x, n, stride, out, &it)) return;
+    /* the first least error wins */
     mse_state st;
     st.n = 0;
     st.best = INFINITY;
@@ -356,44 +414,25 @@ void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, in
 #if defined(__x86_64__)
     st.simd = mq_cpu_has_avx2_fma() && !mq_force_ref();
 #endif
-    const int32_t steps = s->mse_steps;
-    if (s->scheme == MQ_QS_NVFP4) {
-        float t0 = amax / E2M1_MAX;
-        t0 = s->nvfp4_conv == MQ_NVFP4_MUL ? t0 / global_scale : global_scale * t0;
-        /* The codes of t0 m_i rise with i. When consecutive grid points are less than 6.25%
-         * apart (the default grid: 3.6%), no E4M3 code lies strictly between the codes of two
-         * neighbours (each code rounds an interval wider than 6.8% of its value; clamping
-         * only narrows the gaps), so the candidates are every code from the first point's to
-         * the last point's: two encodes instead of one per grid point. */
-        bool dense = steps > 1 && isfinite(t0) && s->mse_lo > 0 && s->mse_hi >= s->mse_lo &&
-                     (s->mse_hi - s->mse_lo) / (float)(steps - 1) < 0.0625f * s->mse_lo;
-        if (dense) {
-            uint8_t c0 = nvfp4_code(s, t0, grid_m(s, 0)), c1 = nvfp4_code(s, t0, grid_m(s, steps - 1));
-            /* distinct by construction: no repeat test */
-            for (unsigned code = c0; code <= c1; code++) {
-                if (st.n == MSE_CHUNK) mse_flush(s, x, n, stride, h, &st);
-                mq_gparams *c = &st.cand[st.n];
-                *c = (mq_gparams){e4m3_value((uint8_t)code), 0.0f, (uint8_t)code};
-                st.step[st.n] = mq_group_step(s, global_scale, c);
-                st.zero[st.n] = 0.0f;
-                st.n++;
-            }
-        } else {
-            for (int32_t i = 0; i < steps; i++) {
-                uint8_t code = nvfp4_code(s, t0, grid_m(s, i));
-                mq_gparams c = {e4m3_value(code), 0.0f, code};
-                mse_add(s, global_scale, &c, i == 0, x, n, stride, h, &st);
-            }
-        }
-    } else {
-        for (int32_t i = 0; i < steps; i++) {
-            mq_gparams c;
-            params_scaled(s, global_scale, amax, xmin, xmax, grid_m(s, i), &c);
-            mse_add(s, global_scale, &c, i == 0, x, n, stride, h, &st);
-        }
+    mq_gparams c;
+    while (cand_next(&it, &c)) {
+        if (st.n == MSE_CHUNK) mse_flush(s, x, n, stride, h, &st);
+        st.cand[st.n] = c;
+        st.step[st.n] = mq_group_step(s, global_scale, &c);
+        st.zero[st.n] = c.zero;
+        st.n++;
     }
     mse_flush(s, x, n, stride, h, &st);
     *out = st.best_p;
+}
+
+int mq_group_candidates(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                        int64_t stride, mq_gparams *plain, mq_gparams *cand) {
+    cand_iter it;
+    if (!group_start(s, global_scale, x, n, stride, plain, &it)) return 0;
+    int k = 0;
+    while (cand_next(&it, &cand[k])) k++;
+    return k;
 }
 
 void mq_group_params(const mq_qspec *s, float global_scale, const float *x, int64_t n,

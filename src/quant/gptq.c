@@ -37,6 +37,7 @@
 
 enum { ROW_BLOCK = 256, SUB_BLOCK = 16, MAX_RETRIES = 16 };
 
+static int g_exp_nofb = -1;   /* EXPERIMENT */
 static pthread_once_t g_blas_once = PTHREAD_ONCE_INIT;
 /* Every BLAS/LAPACK call here runs inside one pool task: OpenBLAS must not start its own threads
  * (that would oversubscribe the cores and could change results with the thread count). */
@@ -62,6 +63,7 @@ void mq_gptq_factor_free(mq_gptq_factor *f) {
     mq_free(f->perm);
     mq_free(f->inv_perm);
     mq_free(f->dead);
+    mq_free(f->hdiag);
     memset(f, 0, sizeof *f);
 }
 
@@ -223,7 +225,11 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
     f->percdamp = percdamp;
     f->damp = (double)(float)(percdamp * mean);
     f->retries = attempt;
+    f->hdiag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
+    if (!f->hdiag) goto nomem;
+    for (int64_t p = 0; p < K; p++) f->hdiag[p] = diag[f->perm ? f->perm[p] : p];
     mq_free(diag);
+    diag = NULL;   /* the out-of-memory exit below frees it again */
 
     /* Rotating the lower factor L by 180 degrees (reversing the flat array) gives R, upper. */
     for (size_t i = 0, j = kk - 1; i < j; i++, j--) {
@@ -379,6 +385,12 @@ typedef struct {
     uint8_t *ready;     /* [n_groups] */
     float *w0t;         /* [K][ROW_BLOCK] original weights (W0'), then the quantized ones */
     float *d;           /* [ROW_BLOCK][K] RTN residual rows (rtn_loss only) */
+    float *hw;          /* [G] weights of a group's columns in the MSE scale search */
+    int64_t *pos;       /* [G] processing positions of a group's columns */
+    float *usub;        /* [G][G] U restricted to a group's columns, processing order */
+    int64_t *ord;       /* [G] a group's columns (t) in processing order */
+    float *wl;          /* [G] one row of a group in the in-loop search */
+    mq_gparams *cand;   /* [mse_steps] candidates */
 } scratch;
 
 typedef struct {
@@ -420,6 +432,7 @@ typedef struct {
     int64_t K, nr, G;
     float gs;
     bool gidx;          /* groups in processing order */
+    mq_gptq_mse_weight mse_weight;
     int64_t b0, b1, s0, s1;   /* current block and sub-block */
 } loop_state;
 
@@ -428,12 +441,79 @@ static inline int64_t group_pos(const loop_state *L, int64_t g, int64_t t) {
     return L->gidx ? g * L->G + t : pos_of(L->f, g * L->G + t);
 }
 
-static void set_params(const loop_state *L, int64_t g, int64_t i, const float *x, int64_t stride) {
+/* The MSE search's weight of the column at processing position q (mq_gptq_mse_weight). */
+static inline float column_weight(const loop_state *L, int64_t q) {
+    if (L->mse_weight == MQ_GPTQ_MSE_HDIAG) return L->f->hdiag[q];
+    /* OBQ (and static groups with the in-loop search: the loss of each column alone) */
+    float u = L->f->U[q * L->K + q];
+    return 1.0f / (u * u);
+}
+
+/* Weights of the G columns at processing positions pos[0..G-1] into sc->hw; NULL when the
+ * search is plain (or off). */
+static const float *group_weights(const loop_state *L, const int64_t *pos) {
+    if (!L->s->mse || L->mse_weight == MQ_GPTQ_MSE_PLAIN) return NULL;
+    for (int64_t t = 0; t < L->G; t++) L->sc->hw[t] = column_weight(L, pos[t]);
+    return L->sc->hw;
+}
+
+static void set_params(const loop_state *L, int64_t g, int64_t i, const float *x, int64_t stride,
+                       const float *hw) {
     scratch *sc = L->sc;
     mq_gparams *gp = &sc->gp[g * L->nr + i];
-    mq_group_params(L->s, L->gs, x, L->G, stride, gp);
+    mq_group_params_h(L->s, L->gs, x, L->G, stride, hw, gp);
     sc->step[g * L->nr + i] = mq_group_step(L->s, L->gs, gp);
     sc->zero[g * L->nr + i] = gp->zero;
+}
+
+/* GPTQ's in-loop scale search for row i of a group (MQ_GPTQ_MSE_LOOP): every candidate of the
+ * MSE grid is scored by quantizing the group's columns in processing order with the error of
+ * each fed back to the group's later columns (w_k -= U_jk e_j), as the loop will do; the score
+ * is sum e_j^2, e_j = (w_j - q_j) / U_jj. The first least score wins. usub/ord: see
+ * prepare_loop_search. */
+static void set_params_loop(const loop_state *L, int64_t g, int64_t i, const float *x,
+                            int64_t stride) {
+    scratch *sc = L->sc;
+    const int64_t G = L->G;
+    mq_gparams plain, *cand = sc->cand, *gp = &sc->gp[g * L->nr + i];
+    int nc = mq_group_candidates(L->s, L->gs, x, G, stride, &plain, cand);
+    *gp = plain;
+    double best = INFINITY;
+    for (int k = 0; k < nc; k++) {
+        float step = mq_group_step(L->s, L->gs, &cand[k]), zero = cand[k].zero;
+        for (int64_t a = 0; a < G; a++) sc->wl[a] = x[sc->ord[a] * stride];
+        double score = 0;
+        for (int64_t a = 0; a < G; a++) {
+            const float *u = sc->usub + a * G;
+            uint8_t code;
+            float q;
+            mq_gptq_qdq_column(L->s, &step, &zero, &sc->wl[a], 1, &code, &q);
+            float e = (sc->wl[a] - q) / u[a];
+            score += (double)e * e;
+            for (int64_t b = a + 1; b < G; b++) sc->wl[b] -= u[b] * e;
+        }
+        if (score < best) {
+            best = score;
+            *gp = cand[k];
+        }
+    }
+    sc->step[g * L->nr + i] = mq_group_step(L->s, L->gs, gp);
+    sc->zero[g * L->nr + i] = gp->zero;
+}
+
+/* The group's columns (positions pos[t]) in processing order (ord) and U restricted to them
+ * (usub[a][b] = U[pos[ord[a]]][pos[ord[b]]], upper). */
+static void prepare_loop_search(const loop_state *L, const int64_t *pos) {
+    scratch *sc = L->sc;
+    const int64_t G = L->G, K = L->K;
+    for (int64_t t = 0; t < G; t++) {   /* insertion sort by position: G is small */
+        int64_t j = t;
+        for (; j > 0 && pos[sc->ord[j - 1]] > pos[t]; j--) sc->ord[j] = sc->ord[j - 1];
+        sc->ord[j] = t;
+    }
+    for (int64_t a = 0; a < G; a++)
+        for (int64_t b = 0; b < G; b++)
+            sc->usub[a * G + b] = b >= a ? L->f->U[pos[sc->ord[a]] * K + pos[sc->ord[b]]] : 0.0f;
 }
 
 /* Params of group g, first reached at position p, from the current values of its columns:
@@ -441,8 +521,9 @@ static void set_params(const loop_state *L, int64_t g, int64_t i, const float *x
 static void group_params_dynamic(const loop_state *L, int64_t g, int64_t p) {
     scratch *sc = L->sc;
     const int64_t nr = L->nr, K = L->K;
+    int64_t *pos = sc->pos;
     for (int64_t t = 0; t < L->G; t++) {
-        int64_t q = group_pos(L, g, t);
+        int64_t q = pos[t] = group_pos(L, g, t);
         float *out = sc->tmp + t * nr;
         memcpy(out, sc->wt + q * nr, (size_t)nr * sizeof(float));
         int64_t from = q < L->s1 ? p : q < L->b1 ? L->s0 : L->b0;
@@ -452,7 +533,13 @@ static void group_params_dynamic(const loop_state *L, int64_t g, int64_t p) {
             for (int64_t i = 0; i < nr; i++) out[i] -= u * e[i];
         }
     }
-    for (int64_t i = 0; i < nr; i++) set_params(L, g, i, sc->tmp + i, nr);
+    if (L->s->mse && L->mse_weight == MQ_GPTQ_MSE_LOOP) {
+        prepare_loop_search(L, pos);
+        for (int64_t i = 0; i < nr; i++) set_params_loop(L, g, i, sc->tmp + i, nr);
+    } else {
+        const float *hw = group_weights(L, pos);
+        for (int64_t i = 0; i < nr; i++) set_params(L, g, i, sc->tmp + i, nr, hw);
+    }
     sc->ready[g] = 1;
 }
 
@@ -460,12 +547,17 @@ static void group_params_dynamic(const loop_state *L, int64_t g, int64_t p) {
 static void group_params_static(const loop_state *L, const float *w, int64_t r0) {
     scratch *sc = L->sc;
     const int64_t K = L->K, G = L->G;
-    for (int64_t i = 0; i < L->nr; i++) {
-        const float *row = w + (r0 + i) * K;
-        for (int64_t g = 0; g < K / G; g++) {
+    for (int64_t g = 0; g < K / G; g++) {
+        for (int64_t t = 0; t < G; t++) sc->pos[t] = pos_of(L->f, g * G + t);
+        const bool loop = L->s->mse && L->mse_weight == MQ_GPTQ_MSE_LOOP;
+        const float *hw = loop ? NULL : group_weights(L, sc->pos);
+        if (loop) prepare_loop_search(L, sc->pos);
+        for (int64_t i = 0; i < L->nr; i++) {
+            const float *row = w + (r0 + i) * K;
             for (int64_t t = 0; t < G; t++)
                 sc->tmp[t] = L->f->dead[g * G + t] ? 0.0f : row[g * G + t];
-            set_params(L, g, i, sc->tmp, 1);
+            if (loop) set_params_loop(L, g, i, sc->tmp, 1);
+            else set_params(L, g, i, sc->tmp, 1, hw);
         }
     }
     memset(sc->ready, 1, (size_t)(K / G));
@@ -576,7 +668,8 @@ static void run_task(void *vctx, int64_t task, int thread) {
     const int64_t G = qt->group_size, ng = qt->n_groups, B = c->block;
     const float *U = f->U;
     loop_state L = {c->s, f, sc, K, nr, G, qt->global_scale,
-                    c->o->act_order && c->o->groups == MQ_GPTQ_GROUPS_GIDX, 0, 0, 0, 0};
+                    c->o->act_order && c->o->groups == MQ_GPTQ_GROUPS_GIDX, c->o->mse_weight,
+                    0, 0, 0, 0};
     task_out *out = &c->outs[task];
 
     load_rows(&L, j->w, r0);
@@ -594,6 +687,7 @@ static void run_task(void *vctx, int64_t task, int thread) {
                 float *x = sc->wt + p * nr, *e = sc->et + (p - L.b0) * nr;
                 c->qdq(c->s, sc->step + g * nr, sc->zero + g * nr, x, nr, sc->ct + p * nr, sc->dq);
                 e2 += c->errors(x, sc->dq, U[p * K + p], sc->w0t + p * nr, nr, e, &dsq);
+                if (g_exp_nofb) memset(e, 0, (size_t)nr * sizeof(float));
                 if (p + 1 < L.s1)   /* rank-1 update of the rest of the sub-block */
                     cblas_sger(CblasRowMajor, (int)(L.s1 - p - 1), (int)nr, -1.0f, U + p * K + p + 1,
                                1, e, 1, sc->wt + (p + 1) * nr, (int)nr);
@@ -635,11 +729,18 @@ static void scratch_free(scratch *s, int n) {
         mq_free(s[i].ready);
         mq_free(s[i].d);
         mq_free(s[i].w0t);
+        mq_free(s[i].hw);
+        mq_free(s[i].pos);
+        mq_free(s[i].usub);
+        mq_free(s[i].ord);
+        mq_free(s[i].wl);
+        mq_free(s[i].cand);
     }
     free(s);
 }
 
-static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, bool rtn) {
+static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, bool rtn,
+                            int64_t ncand) {
     scratch *s = calloc((size_t)n, sizeof *s);
     if (!s) {
         mq_err(MOEQ_E_NOMEM, "GPTQ scratch");
@@ -658,8 +759,15 @@ static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, 
         s[i].ready = mq_alloc((size_t)ng, "GPTQ group flags");
         s[i].w0t = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ original weights");
         if (rtn) s[i].d = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ RTN residual");
+        s[i].hw = mq_alloc_array((size_t)G, sizeof(float), "GPTQ column weights");
+        s[i].pos = mq_alloc_array((size_t)G, sizeof(int64_t), "GPTQ group columns");
+        s[i].usub = mq_alloc_array((size_t)(G * G), sizeof(float), "GPTQ group factor");
+        s[i].ord = mq_alloc_array((size_t)G, sizeof(int64_t), "GPTQ group order");
+        s[i].wl = mq_alloc_array((size_t)G, sizeof(float), "GPTQ group row");
+        s[i].cand = mq_alloc_array((size_t)ncand, sizeof(mq_gparams), "GPTQ scale candidates");
         if (!s[i].wt || !s[i].et || !s[i].tmp || !s[i].dq || !s[i].ct || !s[i].gp ||
-            !s[i].step || !s[i].zero || !s[i].ready || !s[i].w0t || (rtn && !s[i].d)) {
+            !s[i].step || !s[i].zero || !s[i].ready || !s[i].w0t || (rtn && !s[i].d) ||
+            !s[i].hw || !s[i].pos || !s[i].usub || !s[i].ord || !s[i].wl || !s[i].cand) {
             scratch_free(s, n);
             return NULL;
         }
@@ -720,7 +828,8 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     task_ref *tasks = mq_alloc_array((size_t)n_tasks + 1, sizeof *tasks, "GPTQ tasks");
     task_out *outs = mq_alloc_zero(((size_t)n_tasks + 1) * sizeof *outs, "GPTQ task results");
     int nthreads = mq_pool_size();
-    scratch *scr = scratch_new(nthreads, maxK, maxB, maxG, maxNg, o->rtn_loss);
+    scratch *scr = scratch_new(nthreads, maxK, maxB, maxG, maxNg, o->rtn_loss,
+                               s->mse_steps > 1 ? s->mse_steps : 1);
     if (!tasks || !outs || !scr) {
         mq_free(tasks);
         mq_free(outs);
@@ -732,6 +841,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     for (int64_t i = 0; i < n_jobs; i++)
         for (int64_t rb = 0; rb * ROW_BLOCK < jobs[i].rows; rb++) tasks[t++] = (task_ref){i, rb};
 
+    if (g_exp_nofb < 0) g_exp_nofb = getenv("MOEQ_EXP_NOFB") != NULL;
     pthread_once(&g_blas_once, blas_single_thread);
     run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
                  mq_gptq_column_errors_ref, n_tasks, 0};

@@ -31,8 +31,21 @@ typedef enum {
     MQ_GPTQ_GROUPS_GIDX,
 } mq_gptq_groups;
 
+/* How the MSE scale search (spec.mse) weighs each column's squared error in a group. */
+typedef enum {
+    MQ_GPTQ_MSE_PLAIN = 0,   /* sum (w_j - q_j)^2 */
+    MQ_GPTQ_MSE_HDIAG,       /* sum H_jj (w_j - q_j)^2: the layer loss with H's diagonal only */
+    MQ_GPTQ_MSE_OBQ,         /* sum (w_j - q_j)^2 / [H_F^-1]_jj = sum ((w_j - q_j) / U_jj)^2: the
+                                loss GPTQ's update leaves for column j (OBQ), H_F the Hessian of
+                                the columns not yet quantized when j is reached */
+    MQ_GPTQ_MSE_LOOP,        /* each candidate scored by running GPTQ over the group's columns
+                                (quantize, error feedback within the group): sum of e_j^2, the
+                                group's share of the layer loss */
+} mq_gptq_mse_weight;
+
 typedef struct {
     double percdamp;         /* damping = percdamp * mean(diag H) added to the diagonal */
+    mq_gptq_mse_weight mse_weight;
     int32_t block_size;      /* columns per lazy batch update */
     bool act_order;          /* process columns in order of decreasing diag(H) */
     mq_gptq_groups groups;
@@ -55,6 +68,7 @@ typedef struct {
     int32_t *perm;           /* [K] processing position -> original column; NULL = identity */
     int32_t *inv_perm;       /* [K] original column -> processing position; NULL = identity */
     uint8_t *dead;           /* [K] 1 where diag(H) == 0 (input never non-zero), original order */
+    float *hdiag;            /* [K] diag(H) in processing order (dead columns 1, undamped) */
     int64_t n_dead;
     double percdamp;         /* damping fraction finally used (after retries) */
     double damp;             /* absolute damping added to the diagonal */

@@ -487,6 +487,11 @@ moeq_status mq_gptq_report_write(const mq_gptq_results *r, const mq_gptq_model_o
     cJSON_AddStringToObject(set, "scheme", mq_qscheme_name(o->spec.scheme));
     cJSON_AddNumberToObject(set, "group_size", o->spec.group_size);
     cJSON_AddBoolToObject(set, "mse", o->spec.mse);
+    if (o->spec.mse)
+        cJSON_AddStringToObject(set, "mse_weight", o->gptq.mse_weight == MQ_GPTQ_MSE_HDIAG ? "hessian"
+                                                   : o->gptq.mse_weight == MQ_GPTQ_MSE_OBQ ? "obq"
+                                                   : o->gptq.mse_weight == MQ_GPTQ_MSE_LOOP ? "gptq"
+                                                                                          : "plain");
     cJSON_AddStringToObject(set, "mode", o->mode == MQ_GPTQ_SEQUENTIAL ? "sequential" : "nonsequential");
     cJSON_AddBoolToObject(set, "true_sequential", o->true_sequential && o->mode == MQ_GPTQ_SEQUENTIAL);
     cJSON_AddNumberToObject(set, "percdamp", o->gptq.percdamp);

@@ -20,6 +20,7 @@ void gptq_cli_defaults(gptq_cli *g) {
     g->groups = "dynamic";
     g->mode = "sequential";
     g->fallback = "block";
+    g->mse_weight = "plain";
 }
 
 /* The writer keeps modules matching an --ignore pattern unquantized: GPTQ skips them too, so the
@@ -51,6 +52,10 @@ moeq_status gptq_cli_run(const char *model_dir, const char *out_dir, mq_quantize
     go.no_fuse = o->no_fuse;
     go.gptq.percdamp = g->percdamp;
     go.gptq.block_size = (int32_t)g->block_size;
+    go.gptq.mse_weight = strcmp(g->mse_weight, "hessian") == 0 ? MQ_GPTQ_MSE_HDIAG
+                         : strcmp(g->mse_weight, "obq") == 0   ? MQ_GPTQ_MSE_OBQ
+                         : strcmp(g->mse_weight, "gptq") == 0  ? MQ_GPTQ_MSE_LOOP
+                                                               : MQ_GPTQ_MSE_PLAIN;
     if (g->act_order && g->no_act_order)
         return mq_err(MOEQ_E_ARG, "--act-order and --no-act-order exclude each other");
     /* measured on olmoe-tiny and qwen2moe-tiny (docs/gptq_results.md): act order helps INT4
