@@ -37,7 +37,6 @@
 
 enum { ROW_BLOCK = 256, SUB_BLOCK = 16, MAX_RETRIES = 16 };
 
-static int g_exp_nofb = -1;   /* EXPERIMENT */
 static pthread_once_t g_blas_once = PTHREAD_ONCE_INIT;
 /* Every BLAS/LAPACK call here runs inside one pool task: OpenBLAS must not start its own threads
  * (that would oversubscribe the cores and could change results with the thread count). */
@@ -687,7 +686,6 @@ static void run_task(void *vctx, int64_t task, int thread) {
                 float *x = sc->wt + p * nr, *e = sc->et + (p - L.b0) * nr;
                 c->qdq(c->s, sc->step + g * nr, sc->zero + g * nr, x, nr, sc->ct + p * nr, sc->dq);
                 e2 += c->errors(x, sc->dq, U[p * K + p], sc->w0t + p * nr, nr, e, &dsq);
-                if (g_exp_nofb) memset(e, 0, (size_t)nr * sizeof(float));
                 if (p + 1 < L.s1)   /* rank-1 update of the rest of the sub-block */
                     cblas_sger(CblasRowMajor, (int)(L.s1 - p - 1), (int)nr, -1.0f, U + p * K + p + 1,
                                1, e, 1, sc->wt + (p + 1) * nr, (int)nr);
@@ -841,7 +839,6 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     for (int64_t i = 0; i < n_jobs; i++)
         for (int64_t rb = 0; rb * ROW_BLOCK < jobs[i].rows; rb++) tasks[t++] = (task_ref){i, rb};
 
-    if (g_exp_nofb < 0) g_exp_nofb = getenv("MOEQ_EXP_NOFB") != NULL;
     pthread_once(&g_blas_once, blas_single_thread);
     run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
                  mq_gptq_column_errors_ref, n_tasks, 0};
