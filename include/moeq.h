@@ -305,7 +305,143 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
 /* Quantization (src/quant, src/formats, src/export)                                          */
 /* ------------------------------------------------------------------------------------------ */
 
-/* (quantization API goes here) */
+/* Quantizes every decoder Linear of an unquantized Hugging Face checkpoint (attention, dense MLP,
+ * shared and routed experts) by round to nearest or GPTQ and writes a checkpoint vLLM and
+ * transformers load. Routers, shared_expert_gate, embeddings, norms and lm_head stay in the source
+ * dtype and are listed in the config's ignore list. NVFP4 global scales are shared by q/k/v, by
+ * gate/up and by each expert's gate/up (vLLM requires it) unless no_fuse. This is what
+ * `moeq quantize` runs; each field below names its flag. */
+typedef enum {
+    MOEQ_QUANT_SCHEME_UNSET = 0,   /* moeq_quantize rejects it: the scheme must be chosen */
+    MOEQ_QUANT_NVFP4 = 1,          /* W4A4: NVFP4 weights and calibrated NVFP4 activation scales
+                                      (needs calib) */
+    MOEQ_QUANT_NVFP4A16 = 2,       /* weight-only NVFP4 */
+    MOEQ_QUANT_INT4 = 3,           /* weight-only INT4 */
+} moeq_quant_scheme;
+
+typedef enum { MOEQ_QUANT_RTN = 0, MOEQ_QUANT_GPTQ = 1 } moeq_quant_method;
+
+/* Checkpoint layouts (docs formats.md section 2). */
+typedef enum {
+    MOEQ_FORMAT_COMPRESSED_TENSORS = 0,   /* NVFP4 or INT4 */
+    MOEQ_FORMAT_MODELOPT = 1,             /* NVFP4 only */
+    MOEQ_FORMAT_GPTQ = 2,                 /* GPTQ v1, INT4 only */
+} moeq_ckpt_format;
+
+/* How GPTQ cuts calibration samples from the calibration file. */
+typedef enum {
+    MOEQ_CALIB_CHUNKS = 0,   /* consecutive chunks of seqlen tokens of the whole text */
+    MOEQ_CALIB_RANDOM = 1,   /* random windows (seed) */
+    MOEQ_CALIB_DOCS = 2,     /* one document (JSONL record or line) per sample */
+} moeq_calib_sampling;
+
+/* When GPTQ takes a group's scale. */
+typedef enum {
+    MOEQ_GPTQ_GROUPS_DYNAMIC = 0,   /* from the updated weights when the group is reached */
+    MOEQ_GPTQ_GROUPS_STATIC = 1,    /* from the original weights (--static-groups) */
+    MOEQ_GPTQ_GROUPS_GIDX = 2,      /* act-order groups stored with g_idx (INT4, needs act_order) */
+} moeq_gptq_groups;
+
+/* How GPTQ's MSE scale search scores a candidate scale for a group. */
+typedef enum {
+    MOEQ_GPTQ_MSE_PLAIN = 0,     /* plain squared error */
+    MOEQ_GPTQ_MSE_HESSIAN = 1,   /* squared error weighted by diag(H) */
+    MOEQ_GPTQ_MSE_OBQ = 2,       /* weighted by GPTQ's remaining loss 1/[H_F^-1]_jj */
+    MOEQ_GPTQ_MSE_GPTQ = 3,      /* by running GPTQ over the group's columns */
+} moeq_gptq_mse_weight;
+
+typedef enum {
+    MOEQ_GPTQ_SEQUENTIAL = 0,      /* each block calibrated on the outputs of the quantized blocks
+                                      before it */
+    MOEQ_GPTQ_NONSEQUENTIAL = 1,   /* every Hessian from the unquantized model */
+} moeq_gptq_mode;
+
+/* What GPTQ does for a routed expert that received fewer than min_expert_tokens tokens. */
+typedef enum {
+    MOEQ_EXPERT_FALLBACK_BLOCK = 0,   /* Hessians of all tokens of the MoE block */
+    MOEQ_EXPERT_FALLBACK_RTN = 1,     /* round to nearest */
+} moeq_expert_fallback;
+
+typedef struct {
+    moeq_quant_scheme scheme;      /* --scheme; required */
+    moeq_quant_method method;      /* --method (default RTN) */
+    moeq_ckpt_format format;       /* --format (default compressed-tensors) */
+    int32_t group_size;            /* --group-size. 0: the scheme's (INT4 128, NVFP4 16). INT4: a
+                                      positive size dividing every Linear's in-features (32, 64,
+                                      128) or -1 = one group per row; NVFP4: 16 only */
+    int asym;                      /* --asym: INT4 asymmetric, scale (max-min)/15 with a zero
+                                      point (default 0: symmetric, amax/7.5) */
+    int mse;                       /* --mse: RTN searches each group's scale (17 points, 0.70-1.10
+                                      x max) for the least squared error (GPTQ: gptq.mse) */
+    int no_fuse;                   /* --no-fuse: one NVFP4 global scale per tensor */
+    int reference;                 /* --reference: the conventions of
+                                      shared/fixtures/reference.json (INT4 amax/7 with F32 scales
+                                      in compressed-tensors; NVFP4 per-tensor global scales, block
+                                      scales >= 2^-9) */
+    const char *const *ignore;     /* --ignore: PCRE2 patterns (unanchored); Linears whose module
+                                      name matches one stay unquantized (GPTQ skips them too) */
+    int32_t n_ignore;
+    const char *calib;             /* --calib: calibration text or JSONL; required by
+                                      MOEQ_QUANT_NVFP4 (activation scales) and GPTQ (Hessians),
+                                      refused otherwise */
+    int64_t calib_tokens;          /* --calib-tokens: W4A4 activation scales from the first N
+                                      tokens (default 65536) */
+    int64_t max_shard_bytes;       /* --max-shard-size: largest shard; 0 = 5 GB */
+    int force;                     /* --force: replace out_dir if it exists (default: fail with
+                                      MOEQ_E_EXISTS and leave it untouched) */
+    struct {                       /* GPTQ only (method MOEQ_QUANT_GPTQ) */
+        int64_t nsamples;          /* --nsamples: calibration samples (default 128) */
+        int64_t seqlen;            /* --seqlen: tokens per sample, >= 2 (default 512) */
+        moeq_calib_sampling sampling;   /* --calib-sampling (default chunks) */
+        uint64_t seed;             /* --seed: of MOEQ_CALIB_RANDOM (default 0) */
+        int calib_bos;             /* --calib-bos: start every sample with BOS */
+        double percdamp;           /* --percdamp: damping, a fraction of mean(diag H), finite and
+                                      >= 0 (default 0.01; raised while Cholesky fails) */
+        int32_t block_size;        /* --block-size: lazy-update block (default 128) */
+        int act_order;             /* --act-order / --no-act-order: -1 (default) = on for INT4,
+                                      off for NVFP4 (it hurts NVFP4's 16-column groups); 0 off;
+                                      1 on */
+        moeq_gptq_groups groups;   /* --groups (default dynamic) */
+        int mse;                   /* --no-mse clears it: MSE scale search (default 1) */
+        moeq_gptq_mse_weight mse_weight;   /* --mse-weight (default plain) */
+        moeq_gptq_mode mode;       /* --gptq-mode (default sequential) */
+        int true_sequential;       /* --true-sequential: within a block, attention first and the
+                                      MLP/experts on its quantized output (sequential mode only) */
+        int64_t min_expert_tokens; /* --min-expert-tokens (default 32) */
+        moeq_expert_fallback expert_fallback;   /* --expert-fallback (default block) */
+        const char *report;        /* --report: JSON report path; NULL (default) =
+                                      "<out_dir>/gptq_report.json" */
+    } gptq;
+} moeq_quant_options;
+
+/* Fills o with the defaults of `moeq quantize` (scheme left unset). */
+void moeq_quant_options_init(moeq_quant_options *o);
+
+/* What a run did (the summary `moeq quantize` prints). */
+typedef struct {
+    int64_t linears_quantized, linears_kept;   /* Linear modules */
+    int64_t weights_quantized;                 /* parameters quantized */
+    int64_t tensors_written;
+    int64_t bytes_written;                     /* tensor data */
+    double seconds;                            /* the whole call */
+    /* GPTQ only (zero otherwise) */
+    int64_t gptq_samples, gptq_tokens;         /* calibration samples and their tokens */
+    int64_t gptq_linears;                      /* Linears in the report */
+    int64_t gptq_fallback_linears;             /* of those: experts below min_expert_tokens */
+    int64_t gptq_worse_than_rtn;               /* Linears whose GPTQ layer loss exceeds RTN's */
+    double gptq_loss, gptq_rtn_loss;           /* layer losses summed over the Linears not RTN */
+    double gptq_seconds, gptq_seconds_forward, gptq_seconds_hessian, gptq_seconds_solve;
+} moeq_quant_result;
+
+/* Quantizes the checkpoint in model_dir into out_dir. opts is checked first (MOEQ_E_ARG naming
+ * the field: unknown enum values, a scheme/format/group-size combination the format cannot hold,
+ * a missing or unused calib, bad GPTQ settings, a bad ignore pattern), then out_dir (MOEQ_E_EXISTS
+ * unless force; never model_dir). The checkpoint is written into a temporary directory beside
+ * out_dir and renamed when complete; a failure or moeq_interrupt() (MOEQ_E_INTERRUPTED) leaves no
+ * output. Progress goes to the moeq_set_progress callback. result may be NULL; on failure it is
+ * zeroed. */
+moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
+                          const moeq_quant_options *opts, moeq_quant_result *result);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Quantized MoE feed-forward op (src/kernels)                                                */

@@ -631,33 +631,38 @@ static moeq_status write_all(const mq_st *st, const plan *p, const mq_quantize_o
     return s;
 }
 
-moeq_status mq_quantize_checkpoint(const char *model_dir, const char *out_dir,
-                                   const mq_quantize_opts *o, mq_quantize_stats *stats_out) {
-    mq_quantize_stats stats;
-    memset(&stats, 0, sizeof stats);
-    moeq_status s = check_opts(o);
-    if (s) return s;
-    /* the output directory: never the input, existing only with force */
+moeq_status mq_quantize_check_out(const char *model_dir, const char *out_dir, bool force,
+                                  bool *exists_out) {
     size_t olen = strlen(out_dir);
     while (olen > 1 && out_dir[olen - 1] == '/') olen--;
     char *out = mq_strndup(out_dir, olen);
     if (!out) return mq_err(MOEQ_E_NOMEM, "out of memory");
     struct stat sin, sout;
     bool exists = stat(out, &sout) == 0;
-    if (exists && stat(model_dir, &sin) == 0 && sin.st_dev == sout.st_dev && sin.st_ino == sout.st_ino) {
-        free(out);
-        return mq_err(MOEQ_E_ARG, "%s: the output directory is the model directory", out_dir);
-    }
-    if (exists && !o->force) {
+    moeq_status s = MOEQ_OK;
+    if (exists && stat(model_dir, &sin) == 0 && sin.st_dev == sout.st_dev && sin.st_ino == sout.st_ino)
+        s = mq_err(MOEQ_E_ARG, "%s: the output directory is the model directory", out_dir);
+    else if (exists && !force)
         s = mq_err(MOEQ_E_EXISTS, "%s: already exists (use --force to replace it)", out_dir);
-        free(out);
-        return s;
-    }
-    if (exists && !mq_dir_exists(out)) {
+    else if (exists && !mq_dir_exists(out))
         s = mq_err(MOEQ_E_EXISTS, "%s: exists and is not a directory", out_dir);
-        free(out);
-        return s;
-    }
+    free(out);
+    if (exists_out) *exists_out = exists;
+    return s;
+}
+
+moeq_status mq_quantize_checkpoint(const char *model_dir, const char *out_dir,
+                                   const mq_quantize_opts *o, mq_quantize_stats *stats_out) {
+    mq_quantize_stats stats;
+    memset(&stats, 0, sizeof stats);
+    moeq_status s = check_opts(o);
+    if (s) return s;
+    bool exists = false;
+    if ((s = mq_quantize_check_out(model_dir, out_dir, o->force, &exists))) return s;
+    size_t olen = strlen(out_dir);
+    while (olen > 1 && out_dir[olen - 1] == '/') olen--;
+    char *out = mq_strndup(out_dir, olen);
+    if (!out) return mq_err(MOEQ_E_NOMEM, "out of memory");
     cJSON *config = NULL;
     bool mixtral = false;
     mq_st *st = NULL;

@@ -51,6 +51,11 @@ typedef struct {
     size_t bytes_written;             /* tensor data bytes */
 } mq_quantize_stats;
 
+/* The output directory: never model_dir, existing only with force (and then a directory).
+ * MOEQ_E_EXISTS / MOEQ_E_ARG naming out_dir; *exists (may be NULL) tells whether it exists. */
+moeq_status mq_quantize_check_out(const char *model_dir, const char *out_dir, bool force,
+                                  bool *exists);
+
 moeq_status mq_quantize_checkpoint(const char *model_dir, const char *out_dir,
                                    const mq_quantize_opts *o, mq_quantize_stats *stats);
 

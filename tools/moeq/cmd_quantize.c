@@ -1,9 +1,9 @@
 /*
  * moeq quantize MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4 [options]: round-to-nearest
  * quantization of every decoder Linear into a checkpoint vLLM loads (compressed-tensors, ModelOpt
- * NVFP4 or GPTQ v1; see src/export/quantize.h). W4A4 (--scheme nvfp4) also calibrates the
- * activation scales on --calib text with the fp32 model. --method gptq runs GPTQ on --calib
- * (quantize_gptq.c) and hands its tensors to the same writer.
+ * NVFP4 or GPTQ v1). W4A4 (--scheme nvfp4) also calibrates the activation scales on --calib text
+ * with the fp32 model. --method gptq runs GPTQ on --calib (its flags: quantize_gptq.c). The flags
+ * become moeq_quant_options and moeq_quantize (include/moeq.h) does the work.
  */
 #include <ctype.h>
 #include <stdlib.h>
@@ -11,9 +11,6 @@
 
 #include "cli.h"
 #include "commands.h"
-#include "core/core.h"
-#include "export/act_amax.h"
-#include "export/quantize.h"
 #include "quantize_gptq.h"
 
 /* "5GB", "500MB", "64KiB", "1048576" -> bytes (KB/MB/GB decimal, KiB/MiB/GiB binary). */
@@ -38,38 +35,6 @@ static bool parse_size(const char *s, size_t *out) {
         }
     }
     return false;
-}
-
-static float amax_lookup(void *user, const char *module) {
-    return mq_act_amax_get(user, module);
-}
-
-/* W4A4: activation amax of every Linear input over the first calib_tokens tokens of calib. */
-static moeq_status calibrate(const char *model_dir, const char *calib, int64_t calib_tokens,
-                             mq_act_amax **out) {
-    moeq_model *m = NULL;
-    char *text = NULL;
-    size_t len = 0;
-    int32_t *ids = NULL;
-    size_t n = 0;
-    moeq_status s = moeq_model_open(model_dir, NULL, &m);
-    if (!s && !moeq_model_tokenizer(m))
-        s = mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json to tokenize the calibration text", model_dir);
-    if (!s) s = mq_read_file(calib, &text, &len);
-    if (!s) {
-        s = moeq_tokenizer_encode(moeq_model_tokenizer(m), text, len, &ids, &n);
-        if (s) mq_err_prefix(s, "%s", calib);
-    }
-    if (!s && n == 0) s = mq_err(MOEQ_E_ARG, "%s: the calibration text has no tokens", calib);
-    if (!s) {
-        int64_t chunk = m->cfg.max_pos > 0 && m->cfg.max_pos < 512 ? m->cfg.max_pos : 512;
-        int64_t use = (int64_t)n < calib_tokens ? (int64_t)n : calib_tokens;
-        s = mq_act_amax_collect(m, ids, use, chunk, out);
-    }
-    free(ids);
-    free(text);
-    moeq_model_free(m);
-    return s;
 }
 
 int cmd_quantize(int argc, char **argv) {
@@ -132,12 +97,12 @@ int cmd_quantize(int argc, char **argv) {
     if (!scheme) return cli_usage_error("quantize", "--scheme is required (nvfp4, nvfp4a16 or int4)");
     if (sym && asym) return cli_usage_error("quantize", "--sym and --asym exclude each other");
     bool nv = strcmp(scheme, "int4") != 0;
-    mq_ckpt_format fmt = strcmp(format, "modelopt") == 0 ? MQ_FMT_MODELOPT
-                         : strcmp(format, "gptq") == 0  ? MQ_FMT_GPTQ
-                                                        : MQ_FMT_CT;
-    if (nv && fmt == MQ_FMT_GPTQ)
+    moeq_ckpt_format fmt = strcmp(format, "modelopt") == 0 ? MOEQ_FORMAT_MODELOPT
+                           : strcmp(format, "gptq") == 0  ? MOEQ_FORMAT_GPTQ
+                                                          : MOEQ_FORMAT_COMPRESSED_TENSORS;
+    if (nv && fmt == MOEQ_FORMAT_GPTQ)
         return cli_usage_error("quantize", "--format gptq holds INT4 only");
-    if (!nv && fmt == MQ_FMT_MODELOPT)
+    if (!nv && fmt == MOEQ_FORMAT_MODELOPT)
         return cli_usage_error("quantize", "--format modelopt holds NVFP4 only");
     if (nv && (asym || (group_seen && group != 16)))
         return cli_usage_error("quantize", "NVFP4 is symmetric with groups of 16 (--group-size/--asym are for int4)");
@@ -152,49 +117,41 @@ int cmd_quantize(int argc, char **argv) {
     if (gptq && !calib) return cli_usage_error("quantize", "--method gptq needs --calib FILE");
     if (!w4a4 && !gptq && calib)
         return cli_usage_error("quantize", "--calib is only used by --scheme nvfp4 and --method gptq");
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, nv ? MQ_QS_NVFP4 : MQ_QS_INT4, fmt);
-    if (max_shard && !parse_size(max_shard, &o.max_shard_bytes))
+    moeq_quant_options o;
+    moeq_quant_options_init(&o);
+    size_t shard = 0;
+    if (max_shard && !parse_size(max_shard, &shard))
         return cli_usage_error("quantize", "--max-shard-size: cannot read '%s'", max_shard);
-    if (!nv && group_seen) o.spec.group_size = (int32_t)group;
-    o.spec.asym = asym;
-    o.spec.mse = mse;
+    o.scheme = w4a4 ? MOEQ_QUANT_NVFP4 : nv ? MOEQ_QUANT_NVFP4A16 : MOEQ_QUANT_INT4;
+    o.method = gptq ? MOEQ_QUANT_GPTQ : MOEQ_QUANT_RTN;
+    o.format = fmt;
+    o.max_shard_bytes = (int64_t)shard;
+    if (!nv && group_seen) o.group_size = (int32_t)group;
+    o.asym = asym;
+    o.mse = mse;
     o.no_fuse = no_fuse;
-    if (reference) {
-        /* reference.json: NVFP4 per-tensor scales, block scales clamped to [2^-9, 448];
-         * INT4 symmetric amax/7, scales kept in F32 (GPTQ stores F16 whatever) */
-        o.no_fuse = true;
-        o.spec.nvfp4_scale_min = 0x1p-9f;
-        o.spec.int4_sym_div = 7.0f;
-        if (fmt == MQ_FMT_CT) o.spec.scale_dtype = MOEQ_DT_F32;
-    }
-    o.act_quant = w4a4;
+    o.reference = reference;
     o.ignore = ignore.items;
     o.n_ignore = ignore.n;
+    o.calib = calib;
+    o.calib_tokens = calib_tokens;
     o.force = force;
 
     cli_install_sigint();
     cli_progress_enable(quiet);
-    double t0 = mq_now();
-    mq_act_amax *amax = NULL;
+    moeq_quant_result res;
     moeq_status st = MOEQ_OK;
-    if (w4a4) {
-        st = calibrate(pos[0], calib, calib_tokens, &amax);
-        o.input_amax = amax_lookup;
-        o.amax_user = amax;
-    }
-    mq_quantize_stats stats;
-    memset(&stats, 0, sizeof stats);
-    if (!st && gptq) st = gptq_cli_run(pos[0], out, &o, calib, &gq, quiet, &stats);
-    else if (!st) st = mq_quantize_checkpoint(pos[0], out, &o, &stats);
-    mq_act_amax_free(amax);
+    rc = gptq_cli_apply(&gq, &o);
+    if (rc < 0) st = moeq_quantize(pos[0], out, &o, &res);
     free(ignore.items);
+    if (rc >= 0) return rc;
     if (st) return cli_fail("quantize", st);
+    if (gptq && !quiet) gptq_cli_print(&res, &o, out);
     cli_progress_finish();
     if (!quiet)
         printf("%s: %lld Linears quantized (%s %s, %lld weights), %lld kept; %lld tensors, %.1f MB, "
-               "%.1f s\n", out, (long long)stats.n_quantized, scheme, mq_ckpt_format_name(fmt),
-               (long long)stats.quantized_params, (long long)stats.n_kept,
-               (long long)stats.n_tensors, (double)stats.bytes_written / 1e6, mq_now() - t0);
+               "%.1f s\n", out, (long long)res.linears_quantized, scheme, format,
+               (long long)res.weights_quantized, (long long)res.linears_kept,
+               (long long)res.tensors_written, (double)res.bytes_written / 1e6, res.seconds);
     return CLI_OK;
 }

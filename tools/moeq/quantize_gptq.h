@@ -1,12 +1,12 @@
 /*
  * The GPTQ part of `moeq quantize --method gptq`: its options (spliced into the option table of
- * cmd_quantize.c with GPTQ_CLI_OPTS) and the run (calibration, GPTQ, checkpoint, report).
+ * cmd_quantize.c with GPTQ_CLI_OPTS), their translation into moeq_quant_options.gptq, and the
+ * summary printed after the run (moeq_quantize does the work).
  */
 #ifndef MOEQ_QUANTIZE_GPTQ_H
 #define MOEQ_QUANTIZE_GPTQ_H
 
 #include "cli.h"
-#include "export/quantize.h"
 
 typedef struct {
     int64_t nsamples, seqlen, seed, block_size, min_expert_tokens, threads;
@@ -15,6 +15,7 @@ typedef struct {
     bool calib_bos, act_order, no_act_order, static_groups, no_mse, true_sequential;
 } gptq_cli;
 
+/* The defaults of moeq_quant_options_init, as flags. */
 void gptq_cli_defaults(gptq_cli *g);
 
 #define GPTQ_CLI_OPTS(g)                                                                           \
@@ -55,10 +56,11 @@ void gptq_cli_defaults(gptq_cli *g);
      "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL},                                               \
     {"--threads", OPT_INT, &(g).threads, "N", "worker threads (default: all CPUs)", NULL, 1, 1024, NULL}
 
-/* Runs GPTQ and writes the checkpoint; prints the report path unless quiet. o: the writer's
- * options as cmd_quantize built them (spec, format, ignore list, ...). */
-moeq_status gptq_cli_run(const char *model_dir, const char *out_dir, mq_quantize_opts *o,
-                         const char *calib, const gptq_cli *g, bool quiet,
-                         mq_quantize_stats *stats);
+/* Fills o->gptq from the flags. Returns -1, or CLI_FAIL after printing the error of a flag
+ * combination that GPTQ cannot run (checked only with --method gptq). */
+int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o);
+
+/* The GPTQ lines of the summary: calibration, fallbacks, losses, timings and the report path. */
+void gptq_cli_print(const moeq_quant_result *r, const moeq_quant_options *o, const char *out_dir);
 
 #endif
