@@ -42,13 +42,16 @@ void moeq_quant_options_init(moeq_quant_options *o) {
 #define BAD(...) mq_err(MOEQ_E_ARG, "moeq_quantize: " __VA_ARGS__)
 
 static moeq_status check_gptq(const moeq_quant_options *o) {
-    if (o->gptq.nsamples < 1) return BAD("gptq.nsamples must be >= 1, got %lld", (long long)o->gptq.nsamples);
-    if (o->gptq.seqlen < 2) return BAD("gptq.seqlen must be >= 2, got %lld", (long long)o->gptq.seqlen);
+    if (o->gptq.nsamples < 1)
+        return BAD("gptq.nsamples must be >= 1, got %lld", (long long)o->gptq.nsamples);
+    if (o->gptq.seqlen < 2)
+        return BAD("gptq.seqlen must be >= 2, got %lld", (long long)o->gptq.seqlen);
     if ((unsigned)o->gptq.sampling > MOEQ_CALIB_DOCS)
         return BAD("gptq.sampling: unknown value %d", (int)o->gptq.sampling);
     if (!isfinite(o->gptq.percdamp) || o->gptq.percdamp < 0)
         return BAD("gptq.percdamp must be finite and >= 0, got %g", o->gptq.percdamp);
-    if (o->gptq.block_size < 1) return BAD("gptq.block_size must be >= 1, got %d", o->gptq.block_size);
+    if (o->gptq.block_size < 1)
+        return BAD("gptq.block_size must be >= 1, got %d", o->gptq.block_size);
     if (o->gptq.act_order < -1 || o->gptq.act_order > 1)
         return BAD("gptq.act_order must be -1 (per scheme), 0 or 1, got %d", o->gptq.act_order);
     if ((unsigned)o->gptq.groups > MOEQ_GPTQ_GROUPS_GIDX)
@@ -60,7 +63,8 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
     if ((unsigned)o->gptq.expert_fallback > MOEQ_EXPERT_FALLBACK_RTN)
         return BAD("gptq.expert_fallback: unknown value %d", (int)o->gptq.expert_fallback);
     if (o->gptq.min_expert_tokens < 0)
-        return BAD("gptq.min_expert_tokens must be >= 0, got %lld", (long long)o->gptq.min_expert_tokens);
+        return BAD("gptq.min_expert_tokens must be >= 0, got %lld",
+                   (long long)o->gptq.min_expert_tokens);
     if (o->gptq.true_sequential && o->gptq.mode != MOEQ_GPTQ_SEQUENTIAL)
         return BAD("gptq.true_sequential needs gptq.mode MOEQ_GPTQ_SEQUENTIAL");
     bool int4 = o->scheme == MOEQ_QUANT_INT4;
@@ -68,7 +72,8 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
     if (o->gptq.groups == MOEQ_GPTQ_GROUPS_GIDX && !act_order)
         return BAD("gptq.groups MOEQ_GPTQ_GROUPS_GIDX needs gptq.act_order");
     if (o->gptq.groups == MOEQ_GPTQ_GROUPS_GIDX && !int4)
-        return BAD("gptq.groups MOEQ_GPTQ_GROUPS_GIDX stores g_idx, which only INT4 checkpoints hold");
+        return BAD("gptq.groups MOEQ_GPTQ_GROUPS_GIDX stores g_idx, which only INT4 checkpoints "
+                   "hold");
     return MOEQ_OK;
 }
 
@@ -78,8 +83,10 @@ static moeq_status check_options(const moeq_quant_options *o) {
         return BAD("scheme is required (MOEQ_QUANT_NVFP4, MOEQ_QUANT_NVFP4A16 or MOEQ_QUANT_INT4)");
     if (o->scheme < MOEQ_QUANT_NVFP4 || o->scheme > MOEQ_QUANT_INT4)
         return BAD("scheme: unknown value %d", (int)o->scheme);
-    if ((unsigned)o->method > MOEQ_QUANT_GPTQ) return BAD("method: unknown value %d", (int)o->method);
-    if ((unsigned)o->format > MOEQ_FORMAT_GPTQ) return BAD("format: unknown value %d", (int)o->format);
+    if ((unsigned)o->method > MOEQ_QUANT_GPTQ)
+        return BAD("method: unknown value %d", (int)o->method);
+    if ((unsigned)o->format > MOEQ_FORMAT_GPTQ)
+        return BAD("format: unknown value %d", (int)o->format);
     bool nv = o->scheme != MOEQ_QUANT_INT4;
     if (nv && o->format == MOEQ_FORMAT_GPTQ) return BAD("format MOEQ_FORMAT_GPTQ holds INT4 only");
     if (!nv && o->format == MOEQ_FORMAT_MODELOPT)
@@ -95,9 +102,11 @@ static moeq_status check_options(const moeq_quant_options *o) {
     if (o->method == MOEQ_QUANT_GPTQ && !o->calib) return BAD("method MOEQ_QUANT_GPTQ needs calib");
     if (o->calib && o->scheme != MOEQ_QUANT_NVFP4 && o->method != MOEQ_QUANT_GPTQ)
         return BAD("calib is only used by scheme MOEQ_QUANT_NVFP4 and method MOEQ_QUANT_GPTQ");
-    if (o->calib_tokens < 1) return BAD("calib_tokens must be >= 1, got %lld", (long long)o->calib_tokens);
+    if (o->calib_tokens < 1)
+        return BAD("calib_tokens must be >= 1, got %lld", (long long)o->calib_tokens);
     if (o->max_shard_bytes < 0)
-        return BAD("max_shard_bytes must be >= 0 (0: 5 GB), got %lld", (long long)o->max_shard_bytes);
+        return BAD("max_shard_bytes must be >= 0 (0: 5 GB), got %lld",
+                   (long long)o->max_shard_bytes);
     if (o->n_ignore < 0 || (o->n_ignore > 0 && !o->ignore))
         return BAD("ignore: %d patterns but no array", o->n_ignore);
     for (int32_t i = 0; i < o->n_ignore; i++)
@@ -194,11 +203,13 @@ static void gptq_options(const moeq_quant_options *po, const mq_quantize_opts *o
                                                                        : MQ_GPTQ_MSE_PLAIN;
     /* measured on olmoe-tiny and qwen2moe-tiny (docs/gptq_results.md): act order helps INT4
      * g128 a little and hurts NVFP4's 16-column groups */
-    go->gptq.act_order = po->gptq.act_order < 0 ? o->spec.scheme == MQ_QS_INT4 : po->gptq.act_order != 0;
+    go->gptq.act_order = po->gptq.act_order < 0 ? o->spec.scheme == MQ_QS_INT4
+                                                : po->gptq.act_order != 0;
     go->gptq.groups = po->gptq.groups == MOEQ_GPTQ_GROUPS_STATIC ? MQ_GPTQ_GROUPS_STATIC
                       : po->gptq.groups == MOEQ_GPTQ_GROUPS_GIDX ? MQ_GPTQ_GROUPS_GIDX
                                                                  : MQ_GPTQ_GROUPS_DYNAMIC;
-    go->mode = po->gptq.mode == MOEQ_GPTQ_NONSEQUENTIAL ? MQ_GPTQ_NONSEQUENTIAL : MQ_GPTQ_SEQUENTIAL;
+    go->mode = po->gptq.mode == MOEQ_GPTQ_NONSEQUENTIAL ? MQ_GPTQ_NONSEQUENTIAL
+                                                        : MQ_GPTQ_SEQUENTIAL;
     go->true_sequential = po->gptq.true_sequential != 0;
     go->min_expert_tokens = po->gptq.min_expert_tokens;
     go->fallback = po->gptq.expert_fallback == MOEQ_EXPERT_FALLBACK_RTN ? MQ_FALLBACK_RTN
@@ -228,7 +239,8 @@ static moeq_status calibrate(const char *model_dir, const char *calib, int64_t c
     size_t n = 0;
     moeq_status s = moeq_model_open(model_dir, NULL, &m);
     if (!s && !moeq_model_tokenizer(m))
-        s = mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json to tokenize the calibration text", model_dir);
+        s = mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json to tokenize the calibration text",
+                   model_dir);
     if (!s) s = mq_read_file(calib, &text, &len);
     if (!s) {
         s = moeq_tokenizer_encode(moeq_model_tokenizer(m), text, len, &ids, &n);
@@ -300,7 +312,8 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
                                          : mq_path_join(out_dir, "gptq_report.json");
         mq_gptq_results gr;
         memset(&gr, 0, sizeof gr);
-        st = report ? mq_gptq_quantize_checkpoint(model_dir, out_dir, &o, &go, &co, report, &gr, &stats)
+        st = report ? mq_gptq_quantize_checkpoint(model_dir, out_dir, &o, &go, &co, report, &gr,
+                                                  &stats)
                     : mq_err(MOEQ_E_NOMEM, "out of memory");
         if (!st) gptq_summary(&gr, &res);
         mq_gptq_results_free(&gr);

@@ -38,9 +38,10 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
     o->gptq.percdamp = g->percdamp;
     o->gptq.block_size = (int32_t)g->block_size;
     o->gptq.act_order = g->act_order ? 1 : g->no_act_order ? 0 : -1;
-    o->gptq.groups = g->static_groups || strcmp(g->groups, "static") == 0 ? MOEQ_GPTQ_GROUPS_STATIC
-                     : strcmp(g->groups, "gidx") == 0                     ? MOEQ_GPTQ_GROUPS_GIDX
-                                                                          : MOEQ_GPTQ_GROUPS_DYNAMIC;
+    bool static_groups = g->static_groups || strcmp(g->groups, "static") == 0;
+    o->gptq.groups = static_groups                    ? MOEQ_GPTQ_GROUPS_STATIC
+                     : strcmp(g->groups, "gidx") == 0 ? MOEQ_GPTQ_GROUPS_GIDX
+                                                      : MOEQ_GPTQ_GROUPS_DYNAMIC;
     o->gptq.mse = !g->no_mse;
     o->gptq.mse_weight = strcmp(g->mse_weight, "hessian") == 0 ? MOEQ_GPTQ_MSE_HESSIAN
                          : strcmp(g->mse_weight, "obq") == 0   ? MOEQ_GPTQ_MSE_OBQ
@@ -55,7 +56,8 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
     o->gptq.report = g->report;
     if (o->method != MOEQ_QUANT_GPTQ) return -1;
     /* moeq_quantize refuses these too, naming the option fields; here they name the flags */
-    if (g->act_order && g->no_act_order) return fail("--act-order and --no-act-order exclude each other");
+    if (g->act_order && g->no_act_order)
+        return fail("--act-order and --no-act-order exclude each other");
     if (g->true_sequential && o->gptq.mode == MOEQ_GPTQ_NONSEQUENTIAL)
         return fail("--true-sequential needs --gptq-mode sequential");
     bool act_order = g->act_order || (!g->no_act_order && o->scheme == MOEQ_QUANT_INT4);
