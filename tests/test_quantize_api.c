@@ -318,6 +318,7 @@ static void test_options_defaults(void) {
     ASSERT_EQ_INT(-1, o.gptq.act_order);
     ASSERT_EQ_INT(MOEQ_GPTQ_GROUPS_DYNAMIC, o.gptq.groups);
     ASSERT_EQ_INT(1, o.gptq.mse);
+    ASSERT_EQ_INT(MOEQ_GPTQ_MSE_PLAIN, o.gptq.mse_weight);
     ASSERT_EQ_INT(MOEQ_GPTQ_SEQUENTIAL, o.gptq.mode);
     ASSERT_EQ_INT(0, o.gptq.true_sequential);
     ASSERT_EQ_INT(32, o.gptq.min_expert_tokens);
@@ -371,6 +372,7 @@ static const char *invalid_case(int i, moeq_quant_options *o, const char *calib)
         o->gptq.groups = MOEQ_GPTQ_GROUPS_GIDX;
         o->gptq.act_order = 1;
         return "INT4";
+    case 30: o->gptq.mse_weight = (moeq_gptq_mse_weight)4; return "gptq.mse_weight";
     default: return NULL;
     }
 }
