@@ -159,10 +159,6 @@ extern const mq_moe_kernels mq_moe_kernels_avx2;
 /* The kernels the op uses now: AVX2 when the CPU has it and mq_force_ref() is off. */
 const mq_moe_kernels *mq_moe_kernels_active(void);
 
-/* exp(x) and silu(x) exactly as the kernels compute them (a Cephes-style polynomial; the AVX2
- * kernels evaluate the same operations lane-wise). */
-float mq_moe_expf(float x);
-float mq_moe_silu(float x);
 
 /* ---- entry points for the model runtime ------------------------------------------------------- */
 /* One MoE layer as the runtime holds it: packed experts plus the fp32 routing tensors (borrowed,

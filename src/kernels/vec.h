@@ -68,6 +68,8 @@ const mq_vec_kernels *mq_vec(void);
 
 /* The scalar exp of both twins (one lane of the AVX2 kernel). */
 float mq_vec_expf(float x);
+/* silu(g) = g / (1 + mq_vec_expf(-g)): the SwiGLU of the dense MLP and of the MoE kernels. */
+float mq_vec_silu(float g);
 /* exp(d) for d <= 0 as logsumexp's terms (one double lane): d below -708 counts as -708, NaN
  * stays NaN; relative error below 1e-15 up to d = 709. */
 double mq_vec_exp_sum_term(double d);

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "kernels/moe_ffn.h"
+#include "kernels/vec.h"
 
 /* 2 * e2m1(code) + 12: the NVFP4 weight as an unsigned byte (offset 12). */
 static const uint8_t k_nvfp4_u[16] = {12, 13, 14, 15, 16, 18, 20, 24,
@@ -20,32 +21,6 @@ static float e4m3_value(uint8_t b) {
     float v = e == 0 ? (float)m * 0x1p-9f : ldexpf(1.0f + (float)m * 0.125f, e - 7);
     return (b & 0x80) ? -v : v;
 }
-
-/* Cephes-style expf: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-7 polynomial. The clamp keeps
- * 2^n a normal float and lets NaN through. */
-float mq_moe_expf(float x) {
-    if (isnan(x)) return x;
-    x = (88.0f < x) ? 88.0f : x;
-    x = (-87.0f > x) ? -87.0f : x;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = fmaf(n, -0.693359375f, x);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    float r2 = r * r;
-    p = fmaf(p, r2, r);
-    p = p + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-float mq_moe_silu(float x) { return x / (1.0f + mq_moe_expf(-x)); }
 
 static void quant_act_ref(const float *x, int64_t n, const mq_qact *A, int64_t row, int64_t col0) {
     const int32_t B = A->block;
@@ -141,7 +116,7 @@ static void gemm_ref(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qa
             float *o = out + i * ldo;
             for (int l = 0; l < MQ_MOE_RB; l++) {
                 if (swiglu) {
-                    o[8 * (pair - pair0) + l] = mq_moe_silu(res[0][l]) * res[1][l];
+                    o[8 * (pair - pair0) + l] = mq_vec_silu(res[0][l]) * res[1][l];
                 } else {
                     o[16 * pair + l] = res[0][l];
                     o[16 * pair + 8 + l] = res[1][l];

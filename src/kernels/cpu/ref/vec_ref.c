@@ -211,8 +211,10 @@ static void rmsnorm_ref(const float *x, int64_t n, const float *w, float eps, fl
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
 }
 
+float mq_vec_silu(float g) { return g / (1.0f + mq_vec_expf(-g)); }
+
 static void swiglu_ref(float *g, const float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + mq_vec_expf(-g[i]))) * u[i];
+    for (int64_t i = 0; i < n; i++) g[i] = mq_vec_silu(g[i]) * u[i];
 }
 
 const mq_vec_kernels mq_vec_ref = {

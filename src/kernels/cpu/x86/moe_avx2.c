@@ -16,6 +16,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/x86/exp_avx2.h"
 #include "kernels/moe_ffn.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -51,31 +52,6 @@ INLINE __m256 int4_scales(const uint8_t *s, int64_t g, int stype) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + g * 16))), 16));
     return _mm256_loadu_ps((const float *)s + g * 8);
-}
-
-/* Lane-wise mq_moe_expf. */
-INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-INLINE __m256 silu8(__m256 x) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
 /* ---- activation quantization ---------------------------------------------------------------- */
@@ -270,7 +246,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         __m256 y0 = _mm256_div_ps(_mm256_mul_ps(f[0][t], u0), d0);
         __m256 y1 = _mm256_div_ps(_mm256_mul_ps(f[1][t], u1), d1);
         if (swiglu) {
-            _mm256_storeu_ps(o[t], _mm256_mul_ps(silu8(y0), y1));
+            _mm256_storeu_ps(o[t], _mm256_mul_ps(mq_silu8_avx2(y0), y1));
         } else {
             _mm256_storeu_ps(o[t], y0);
             _mm256_storeu_ps(o[t] + 8, y1);

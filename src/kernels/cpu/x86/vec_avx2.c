@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "kernels/cpu/x86/exp_avx2.h"
 #include "kernels/vec.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -30,29 +31,6 @@ INLINE double hsum4d(__m256d d0, __m256d d1) {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
     s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
     return _mm_cvtsd_f64(s);
-}
-
-/* 8 lanes of mq_vec_expf. */
-INLINE __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);   /* NaN x passes (second operand) */
-    x = _mm256_min_ps(_mm256_set1_ps(88.75f), x);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    __m256 n1 = _mm256_floor_ps(_mm256_mul_ps(n, _mm256_set1_ps(0.5f)));
-    __m256 n2 = _mm256_sub_ps(n, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    __m256i e1 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n1), bias), 23);
-    __m256i e2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n2), bias), 23);
-    return _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e1)), _mm256_castsi256_ps(e2));
 }
 
 static float dot_avx2(const float *a, const float *b, int64_t n) {
@@ -195,10 +173,10 @@ static void rope_avx2(float *x, int64_t half, const float *c, const float *s) {
 
 static void exp_avx2(const float *x, float *y, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, mq_exp8_avx2(_mm256_loadu_ps(x + i)));
     if (i < n) {
         __m256i m = mask_tail(n - i);
-        _mm256_maskstore_ps(y + i, m, exp8(_mm256_maskload_ps(x + i, m)));
+        _mm256_maskstore_ps(y + i, m, mq_exp8_avx2(_mm256_maskload_ps(x + i, m)));
     }
 }
 
@@ -236,14 +214,14 @@ static void softmax_avx2(float *x, int64_t n) {
     int64_t i = 0;
     int k = 0;
     for (; i + 8 <= n; i += 8, k ^= 1) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx));
+        __m256 e = mq_exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx));
         _mm256_storeu_ps(x + i, e);
         acc[k] = _mm256_add_ps(acc[k], e);
     }
     __m256i mk = _mm256_setzero_si256();
     if (i < n) {
         mk = mask_tail(n - i);
-        __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), mx));
+        __m256 e = mq_exp8_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), mx));
         e = _mm256_and_ps(e, _mm256_castsi256_ps(mk));
         _mm256_maskstore_ps(x + i, mk, e);
         acc[k] = _mm256_add_ps(acc[k], e);
@@ -369,10 +347,7 @@ static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, f
     for (; i < n; i++) out[i] = w[i] * (x[i] * invf);
 }
 
-INLINE __m256 swiglu8(__m256 g, __m256 u) {
-    __m256 e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
-    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
-}
+INLINE __m256 swiglu8(__m256 g, __m256 u) { return _mm256_mul_ps(mq_silu8_avx2(g), u); }
 
 static void swiglu_avx2(float *g, const float *u, int64_t n) {
     int64_t i = 0;
