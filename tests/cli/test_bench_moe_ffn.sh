@@ -12,7 +12,7 @@ for scheme in int4 nvfp4; do
     out=$("$cli" bench moe-ffn "${small[@]}" --tokens 1,5 --scheme "$scheme" --threads 2 --json) ||
         fail "$scheme: exited $?"
     [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] || fail "$scheme: JSON is not one line: $out"
-    for key in '"sgemm_gflops": ' '"dram_gbps": ' '"results": \[' "\"scheme\": \"$scheme\""; do
+    for key in '"sgemm_gflops": ' '"dram_gbps": ' '"dram_gbps_near": ' '"results": \[' "\"scheme\": \"$scheme\""; do
         printf '%s' "$out" | grep -q "$key" || fail "$scheme: no $key in $out"
     done
     n=$(printf '%s' "$out" | grep -o '"tokens": [0-9]*, "routing": "[a-z]*"' | sort -u | wc -l)
