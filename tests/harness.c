@@ -38,18 +38,26 @@ void mq_test_skip(const char *fmt, ...) {
     longjmp(g_jmp, 1);
 }
 
+static const char *shared_root(void) {
+    static char def[2048];
+    const char *root = getenv("MOEQ_SHARED");
+    if (root && *root) return root;
+    snprintf(def, sizeof def, "%s/../shared", MOEQ_SOURCE_DIR);
+    return def;
+}
+
+int mq_test_have_shared(void) {
+    struct stat st;
+    return stat(shared_root(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
 const char *mq_test_shared(const char *rel) {
     static char buf[4096];
-    const char *root = getenv("MOEQ_SHARED");
-    char def[2048];
-    if (!root || !*root) {
-        snprintf(def, sizeof def, "%s/../shared", MOEQ_SOURCE_DIR);
-        root = def;
-    }
-    struct stat st;
-    if (stat(root, &st) != 0 || !S_ISDIR(st.st_mode))
+    const char *root = shared_root();
+    if (!mq_test_have_shared())
         mq_test_skip("shared fixtures folder '%s' not found: set MOEQ_SHARED to the folder that "
                      "holds fixtures/ and docs/ (default: ../shared beside the repository)", root);
+    struct stat st;
     snprintf(buf, sizeof buf, "%s/%s", root, rel);
     if (stat(buf, &st) != 0) mq_test_skip("shared fixture '%s' is missing", buf);
     return buf;
@@ -59,6 +67,40 @@ const char *mq_test_repo(const char *rel) {
     static char buf[4096];
     snprintf(buf, sizeof buf, "%s/%s", MOEQ_SOURCE_DIR, rel);
     return buf;
+}
+
+/* The shared fixture `shared_rel` when it exists, else the repository's `repo_rel` when that
+ * exists, else skip with mq_test_shared's message. */
+static const char *shared_or_repo(char *buf, size_t size, const char *shared_rel,
+                                  const char *repo_rel) {
+    struct stat st;
+    snprintf(buf, size, "%s/%s", shared_root(), shared_rel);
+    if (mq_test_have_shared() && stat(buf, &st) == 0) return buf;
+    snprintf(buf, size, "%s/%s", MOEQ_SOURCE_DIR, repo_rel);
+    if (stat(buf, &st) == 0) return buf;
+    snprintf(buf, size, "%s", mq_test_shared(shared_rel));
+    return buf;
+}
+
+const char *mq_test_model(const char *name) {
+    static char buf[4096];
+    char srel[512], rrel[512];
+    snprintf(srel, sizeof srel, "fixtures/models/%s", name);
+    snprintf(rrel, sizeof rrel, "models/%s", name);
+    return shared_or_repo(buf, sizeof buf, srel, rrel);
+}
+
+const char *mq_test_model_golden(const char *name) {
+    static char buf[4096];
+    char srel[512], rrel[512];
+    snprintf(srel, sizeof srel, "fixtures/models/%s.golden.safetensors", name);
+    snprintf(rrel, sizeof rrel, "tests/data/%s.golden.safetensors", name);
+    return shared_or_repo(buf, sizeof buf, srel, rrel);
+}
+
+const char *mq_test_calib_text(void) {
+    static char buf[4096];
+    return shared_or_repo(buf, sizeof buf, "fixtures/text/calib.txt", "data/demo-calib.txt");
 }
 
 static void remove_tmp_root(void) {

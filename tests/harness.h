@@ -28,8 +28,20 @@ void mq_test_skip(const char *fmt, ...);
  * Skips the current case with a clear message when the folder is missing. Returns a static
  * buffer (copy it before the next call). */
 const char *mq_test_shared(const char *rel);
-/* Directory holding the bundled demo model etc. (<repo>/models). */
+/* Path of a file in the repository (<repo>/rel; not checked). */
 const char *mq_test_repo(const char *rel);
+/* 1 when the shared fixtures folder ($MOEQ_SHARED, default ../shared) exists. */
+int mq_test_have_shared(void);
+/* A fixture model folder: the shared fixtures/models/<name> when the shared folder has it, else
+ * the repository's bundled models/<name> (a byte-identical copy, e.g. olmoe-tiny), else skips
+ * the case as mq_test_shared does. Static buffer. */
+const char *mq_test_model(const char *name);
+/* Its transformers golden: shared fixtures/models/<name>.golden.safetensors, else the copy in
+ * tests/data/<name>.golden.safetensors, else skips. Static buffer. */
+const char *mq_test_model_golden(const char *name);
+/* Calibration text for tests that need "some text", not particular figures: the shared
+ * fixtures/text/calib.txt when present, else the bundled data/demo-calib.txt. Static buffer. */
+const char *mq_test_calib_text(void);
 /* A fresh temporary directory for this case (removed when the test executable ends). */
 const char *mq_test_tmpdir(void);
 /* Largest |a-b| / max|b| over n values (0 if b is all zero and a == b). */

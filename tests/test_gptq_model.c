@@ -10,10 +10,8 @@
 #include "quant/gptq_model.h"
 
 static moeq_model *open_model(const char *name) {
-    char rel[128];
-    snprintf(rel, sizeof rel, "fixtures/models/%s", name);
     moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_shared(rel), NULL, &m));
+    ASSERT_OK(moeq_model_open(mq_test_model(name), NULL, &m));
     return m;
 }
 
@@ -21,7 +19,7 @@ static void load_calib(const moeq_model *m, int64_t n, int64_t len, mq_calib_set
     mq_calib_opts o;
     mq_calib_opts_init(&o);
     char path[512];
-    snprintf(path, sizeof path, "%s", mq_test_shared("fixtures/text/calib.txt"));
+    snprintf(path, sizeof path, "%s", mq_test_calib_text());
     o.path = path;
     o.nsamples = n;
     o.seqlen = len;

@@ -51,11 +51,9 @@ static int32_t g_ids[48];
 static const int64_t T = 48;
 
 static moeq_model *open_fixture(const char *name) {
-    char rel[128];
-    snprintf(rel, sizeof rel, "fixtures/models/%s", name);
     moeq_model_options opt = {.no_tokenizer = 1};
     moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_shared(rel), &opt, &m));
+    ASSERT_OK(moeq_model_open(mq_test_model(name), &opt, &m));
     for (int i = 0; i < T; i++) g_ids[i] = (int32_t)((i * 7919 + 13) % m->cfg.vocab);
     return m;
 }

@@ -100,9 +100,7 @@ typedef struct {
 } golden;
 
 static void load_golden(const char *model, golden *g) {
-    char rel[128];
-    snprintf(rel, sizeof rel, "fixtures/models/%s.golden.safetensors", model);
-    ASSERT_OK(mq_st_open_file(mq_test_shared(rel), &g->st));
+    ASSERT_OK(mq_st_open_file(mq_test_model_golden(model), &g->st));
     const mq_tensor_view *ids = mq_st_find(g->st, "input_ids");
     ASSERT_TRUE(ids && ids->dtype == MOEQ_DT_I32 && ids->numel == 128);
     memcpy(g->ids, ids->data, sizeof g->ids);
@@ -115,11 +113,8 @@ static void free_golden(golden *g) {
     mq_st_close(g->st);
 }
 
-static char *fixture(const char *model) {
-    char rel[128];
-    snprintf(rel, sizeof rel, "fixtures/models/%s", model);
-    return mq_strdup(mq_test_shared(rel));
-}
+/* The shared fixture, or the bundled copy (models/olmoe-tiny) when the shared folder is absent. */
+static char *fixture(const char *model) { return mq_strdup(mq_test_model(model)); }
 
 /* ---- equivalent checkpoints ---------------------------------------------------------------- */
 /* A Mixtral checkpoint made of llama-tiny's first n_layers layers, each MLP copied into 4 experts,
@@ -469,7 +464,8 @@ static void test_bad_directories_and_configs(void) {
 
 /* Out-of-range token ids and session limits are errors, not crashes. */
 static void test_session_errors(void) {
-    char *src = fixture("llama-tiny");
+    /* any 4-layer model with D 256 and 4096 tokens: llama-tiny, or the bundled olmoe-tiny */
+    char *src = fixture(mq_test_have_shared() ? "llama-tiny" : "olmoe-tiny");
     moeq_model *m = NULL;
     moeq_model_options opt = {.no_tokenizer = 1};
     ASSERT_OK(moeq_model_open(src, &opt, &m));

@@ -353,11 +353,9 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
 }
 
 static void layers_for(const char *name) {
-    char rel[128];
-    snprintf(rel, sizeof rel, "fixtures/models/%s", name);
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_NVFP4};
     moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_shared(rel), &mo, &m));
+    ASSERT_OK(moeq_model_open(mq_test_model(name), &mo, &m));
     if (!m) return;
     ASSERT_TRUE(m->cfg.sliding_window == 0 || m->cfg.sliding_window >= T);
     ASSERT_TRUE(m->cfg.n_experts <= 64 && m->cfg.top_k <= 8);
@@ -407,10 +405,12 @@ static void test_layers_qwen2moe(void) { layers_for("qwen2moe-tiny"); }
 static void test_layers_llama(void) { layers_for("llama-tiny"); }
 
 /* On a quantized checkpoint the quantizer follows the stored weights: an ignored o_proj and the
- * (never quantized) routers keep fp32 inputs. */
+ * (never quantized) routers keep fp32 inputs. qwen2moe-tiny (with a shared expert), or the
+ * bundled olmoe-tiny when the shared folder is absent. */
 static void test_only_quantized_linears(void) {
     char src[1024], dir[1024];
-    snprintf(src, sizeof src, "%s", mq_test_shared("fixtures/models/qwen2moe-tiny"));
+    snprintf(src, sizeof src, "%s",
+             mq_test_model(mq_test_have_shared() ? "qwen2moe-tiny" : "olmoe-tiny"));
     snprintf(dir, sizeof dir, "%s/q", mq_test_tmpdir());
     mq_quantize_opts q;
     mq_quantize_opts_init(&q, MQ_QS_NVFP4, MQ_FMT_CT);
@@ -428,7 +428,8 @@ static void test_only_quantized_linears(void) {
         ASSERT_EQ_INT(l != 1, ly->o.act_q);
         for (int e = 0; e < m->cfg.n_experts; e++)
             ASSERT_TRUE(ly->exp_gate[e].act_q && ly->exp_up[e].act_q && ly->exp_down[e].act_q);
-        ASSERT_TRUE(ly->sh_gate.act_q && ly->sh_up.act_q && ly->sh_down.act_q);
+        if (m->cfg.shared_ffn > 0 || mq_test_have_shared())
+            ASSERT_TRUE(ly->sh_gate.act_q && ly->sh_up.act_q && ly->sh_down.act_q);
     }
     moeq_model_free(m);
     mo.act_quant = MOEQ_ACT_QUANT_NONE;
@@ -439,23 +440,20 @@ static void test_only_quantized_linears(void) {
 
 /* W4A4 emulation on the unquantized model: the perplexity moves a little; without act_quant the
  * result is the default model's bit for bit. */
-static void test_eval_perplexity(void) {
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
-                             &docs));
-    const char *dir = mq_test_shared("fixtures/models/olmoe-tiny");
+static void eval_perplexity(moeq_docs *docs, moeq_eval_task task, int64_t limit, const char *what) {
     char d[1024];
-    snprintf(d, sizeof d, "%s", dir);
+    snprintf(d, sizeof d, "%s", mq_test_model("olmoe-tiny"));
     moeq_model *def = NULL, *none = NULL, *aq = NULL;
     moeq_model_options mo = {0};
     ASSERT_OK(moeq_model_open(d, NULL, &def));
     ASSERT_OK(moeq_model_open(d, &mo, &none));
     mo.act_quant = MOEQ_ACT_QUANT_NVFP4;
     ASSERT_OK(moeq_model_open(d, &mo, &aq));
-    if (!docs || !def || !none || !aq) return;
+    if (!def || !none || !aq) return;
     moeq_eval_options o;
     moeq_eval_options_init(&o);
-    o.limit = 2;
+    o.task = task;
+    o.limit = limit;
     o.max_length = 512;
     o.prefix_token = 0;
     moeq_eval_result r0, r1, r2;
@@ -463,17 +461,34 @@ static void test_eval_perplexity(void) {
     ASSERT_OK(moeq_eval(none, docs, &o, &r1));
     ASSERT_OK(moeq_eval(aq, docs, &o, &r2));
     double change = r2.word_perplexity / r0.word_perplexity - 1;
-    printf("  olmoe-tiny, 2 documents: word perplexity %.6f, with NVFP4 activations %.6f (%+.3f%%)\n",
+    printf("  olmoe-tiny, %s: word perplexity %.6f, with NVFP4 activations %.6f (%+.3f%%)\n", what,
            r0.word_perplexity, r2.word_perplexity, 100 * change);
     ASSERT_TRUE(r0.loglikelihood == r1.loglikelihood);
     if (!(change > 0.002 && change < 0.15))
-        FAIL("NVFP4 activations change the word perplexity by %+.4f%% (expected +0.2%% .. +15%%)",
-             100 * change);
+        FAIL("%s: NVFP4 activations change the word perplexity by %+.4f%% (expected +0.2%% .. +15%%)",
+             what, 100 * change);
     moeq_model_free(def);
     moeq_model_free(none);
     moeq_model_free(aq);
+}
+
+static void test_eval_perplexity(void) {
+    moeq_docs *docs = NULL;
+    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
+                             &docs));
+    if (!docs) return;
+    eval_perplexity(docs, MOEQ_TASK_WIKITEXT, 2, "wikitext, 2 documents");
+    moeq_docs_free(docs);
+}
+
+/* The same on the repository's own held-out text. */
+static void test_eval_perplexity_demo_text(void) {
+    moeq_docs *docs = NULL;
+    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &docs));
+    if (!docs) return;
+    eval_perplexity(docs, MOEQ_TASK_TEXT, 0, "data/demo-eval.txt");
     moeq_docs_free(docs);
 }
 
 TEST_MAIN(T(test_layers_olmoe), T(test_layers_qwen2moe), T(test_layers_llama),
-          T(test_only_quantized_linears), T(test_eval_perplexity))
+          T(test_only_quantized_linears), T(test_eval_perplexity), T(test_eval_perplexity_demo_text))

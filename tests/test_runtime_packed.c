@@ -28,9 +28,7 @@
 
 static const char *fixture(const char *model) {
     static char buf[1024];
-    char rel[256];
-    snprintf(rel, sizeof rel, "fixtures/models/%s", model);
-    snprintf(buf, sizeof buf, "%s", mq_test_shared(rel));
+    snprintf(buf, sizeof buf, "%s", mq_test_model(model));
     return buf;
 }
 
@@ -374,20 +372,20 @@ static void test_hooks_refused_and_act_quant_unpacks(void) {
     ASSERT_ERROR_MENTIONS("act_quant");
 }
 
-static void test_eval_wikitext_packed(void) {
+/* Packed vs dequantized perplexity on docs (the first `limit` documents); 1 and 2 threads give
+ * the same log-likelihood. */
+static void eval_packed(moeq_docs *docs, moeq_eval_task task, int64_t limit, const char *what) {
     const char *dir = checkpoint("olmoe-tiny", MQ_QS_NVFP4, 0, MQ_FMT_CT, NULL, "nvfp4-eval");
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
-                             &docs));
     moeq_model_options mo = {.keep_packed = 1};
     moeq_model *p = NULL, *f = NULL;
     ASSERT_OK(moeq_model_open(dir, &mo, &p));
     mo.keep_packed = 0;
     ASSERT_OK(moeq_model_open(dir, &mo, &f));
-    if (!docs || !p || !f) return;
+    if (!p || !f) return;
     moeq_eval_options o;
     moeq_eval_options_init(&o);
-    o.limit = 2;
+    o.task = task;
+    o.limit = limit;
     o.max_length = 512;
     o.prefix_token = 0;
     moeq_eval_result rp, rp1, rf;
@@ -398,21 +396,39 @@ static void test_eval_wikitext_packed(void) {
     moeq_set_threads(0);
     ASSERT_OK(moeq_eval(f, docs, &o, &rf));
     if (rp1.loglikelihood != rp.loglikelihood)
-        FAIL("packed eval: loglikelihood %.17g with 1 thread, %.17g with 2", rp1.loglikelihood,
+        FAIL("%s: packed loglikelihood %.17g with 1 thread, %.17g with 2", what, rp1.loglikelihood,
              rp.loglikelihood);
-    printf("  wikitext (2 docs, %lld tokens): word perplexity packed %.8g, fp32 %.8g (rel %.3g); "
-           "%.0f vs %.0f tokens/s\n", (long long)rf.tokens, rp.word_perplexity, rf.word_perplexity,
-           fabs(rp.word_perplexity - rf.word_perplexity) / rf.word_perplexity,
+    printf("  %s (%lld tokens): word perplexity packed %.8g, fp32 %.8g (rel %.3g); "
+           "%.0f vs %.0f tokens/s\n", what, (long long)rf.tokens, rp.word_perplexity,
+           rf.word_perplexity, fabs(rp.word_perplexity - rf.word_perplexity) / rf.word_perplexity,
            rp.tokens_per_second, rf.tokens_per_second);
+    ASSERT_TRUE(rf.tokens > 1000);
     ASSERT_EQ_INT(rf.tokens, rp.tokens);
     ASSERT_REL(rf.word_perplexity, rp.word_perplexity, 1e-4);
     ASSERT_TRUE(rp.word_perplexity != rf.word_perplexity);
     moeq_model_free(p);
     moeq_model_free(f);
+}
+
+static void test_eval_wikitext_packed(void) {
+    moeq_docs *docs = NULL;
+    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
+                             &docs));
+    if (!docs) return;
+    eval_packed(docs, MOEQ_TASK_WIKITEXT, 2, "wikitext, 2 docs");
+    moeq_docs_free(docs);
+}
+
+/* The same on the repository's own held-out text (text the bundled model generated). */
+static void test_eval_demo_text_packed(void) {
+    moeq_docs *docs = NULL;
+    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &docs));
+    if (!docs) return;
+    eval_packed(docs, MOEQ_TASK_TEXT, 0, "data/demo-eval.txt");
     moeq_docs_free(docs);
 }
 
 TEST_MAIN(T(test_packed_olmoe), T(test_packed_qwen2moe), T(test_packed_llama),
           T(test_packed_modelopt), T(test_fallback_asym_all), T(test_fallback_mixed),
           T(test_fallback_act_order_gptq), T(test_hooks_refused_and_act_quant_unpacks),
-          T(test_eval_wikitext_packed))
+          T(test_eval_wikitext_packed), T(test_eval_demo_text_packed))
