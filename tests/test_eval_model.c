@@ -12,14 +12,34 @@
 
 #include "core/core.h"
 #include "eval/eval.h"
+#include "export/quantize.h"
 #include "io/safetensors.h"
 #include "harness.h"
 
 static moeq_model *open_model(const char *name) {
-    char rel[256];
-    snprintf(rel, sizeof rel, "fixtures/models/%s", name);
     moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_shared(rel), NULL, &m));
+    ASSERT_OK(moeq_model_open(mq_test_model(name), NULL, &m));
+    return m;
+}
+
+/* A model for checks that hold for any model: llama-tiny, or the bundled olmoe-tiny when the
+ * shared folder is absent. */
+static const char *any_model(void) { return mq_test_have_shared() ? "llama-tiny" : "olmoe-tiny"; }
+
+/* A second model with the same tokenizer and another distribution: qwen2moe-tiny, or without the
+ * shared folder olmoe-tiny quantized here to INT4 g32 by round to nearest. */
+static moeq_model *open_other_model(void) {
+    if (mq_test_have_shared()) return open_model("qwen2moe-tiny");
+    char src[1024];
+    snprintf(src, sizeof src, "%s", mq_test_model("olmoe-tiny"));
+    char *dir = mq_path_join(mq_test_tmpdir(), "olmoe-int4");
+    mq_quantize_opts q;
+    mq_quantize_opts_init(&q, MQ_QS_INT4, MQ_FMT_CT);
+    q.spec.group_size = 32;
+    ASSERT_OK(mq_quantize_checkpoint(src, dir, &q, NULL));
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_model_open(dir, NULL, &m));
+    free(dir);
     return m;
 }
 
@@ -34,7 +54,7 @@ static moeq_docs *wikitext_docs(void) {
 static moeq_docs *calib_docs(void) {
     char *buf = NULL;
     size_t len = 0;
-    ASSERT_OK(mq_read_file(mq_test_shared("fixtures/text/calib.txt"), &buf, &len));
+    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &len));
     ASSERT_TRUE(len > 3000);
     char *text = mq_asprintf(" = One = \n%.400s\n = Two = \n%.1500s", buf, buf + 400);
     moeq_docs *d = NULL;
@@ -158,7 +178,7 @@ static slow_result slow_eval(moeq_model *m, moeq_model *base, const moeq_docs *d
 }
 
 static void test_against_slow_session_reference(void) {
-    moeq_model *m = open_model("olmoe-tiny"), *base = open_model("qwen2moe-tiny");
+    moeq_model *m = open_model("olmoe-tiny"), *base = open_other_model();
     moeq_docs *docs = calib_docs();
     const int32_t L = 48; /* several windows, the last one partial */
     slow_result want = slow_eval(m, base, docs, L);
@@ -182,7 +202,7 @@ static void test_against_slow_session_reference(void) {
 }
 
 static void test_kl_against_itself_is_zero(void) {
-    moeq_model *m = open_model("llama-tiny");
+    moeq_model *m = open_model(any_model());
     moeq_docs *docs = calib_docs();
     moeq_eval_options o;
     moeq_eval_options_init(&o);
@@ -197,7 +217,7 @@ static void test_kl_against_itself_is_zero(void) {
 }
 
 static void test_saved_logits(void) {
-    moeq_model *m = open_model("olmoe-tiny"), *other = open_model("qwen2moe-tiny");
+    moeq_model *m = open_model("olmoe-tiny"), *other = open_other_model();
     moeq_docs *docs = calib_docs();
     char *path = mq_path_join(mq_test_tmpdir(), "olmoe.topk");
     moeq_eval_options o;
@@ -227,7 +247,7 @@ static void test_saved_logits(void) {
     o.kl_base = m;
     ASSERT_OK(moeq_eval(other, docs, &o, &exact));
     fprintf(stderr,
-            "  qwen2moe-tiny vs olmoe-tiny: KL exact %.6f, from top-64 %.6f (gap %.2f%%, "
+            "  other model vs olmoe-tiny: KL exact %.6f, from top-64 %.6f (gap %.2f%%, "
             "bound %.4f), top1_changed %.4f\n",
             exact.kl_mean, approx.kl_mean, 100 * (exact.kl_mean - approx.kl_mean) / exact.kl_mean,
             approx.kl_gap_bound, exact.top1_changed);
@@ -243,9 +263,9 @@ static void test_saved_logits(void) {
 }
 
 static void test_saved_logits_mismatch(void) {
-    moeq_model *m = open_model("llama-tiny");
+    moeq_model *m = open_model(any_model());
     moeq_docs *docs = calib_docs();
-    char *path = mq_path_join(mq_test_tmpdir(), "llama.topk");
+    char *path = mq_path_join(mq_test_tmpdir(), "saved.topk");
     moeq_eval_options o;
     moeq_eval_options_init(&o);
     o.task = MOEQ_TASK_TEXT;
@@ -260,11 +280,11 @@ static void test_saved_logits_mismatch(void) {
     ASSERT_EQ_INT(4, r.kl_top_k);
     o.limit = 1;
     ASSERT_STATUS(MOEQ_E_ARG, moeq_eval(m, docs, &o, &r));
-    ASSERT_ERROR_MENTIONS("llama.topk: saved for other token ids");
+    ASSERT_ERROR_MENTIONS("saved.topk: saved for other token ids");
     o.limit = 0;
     o.task = MOEQ_TASK_WIKITEXT; /* the detokenizer changes the ids */
     ASSERT_STATUS(MOEQ_E_ARG, moeq_eval(m, docs, &o, &r));
-    ASSERT_ERROR_MENTIONS("llama.topk: saved for other token ids");
+    ASSERT_ERROR_MENTIONS("saved.topk: saved for other token ids");
     o.task = MOEQ_TASK_TEXT;
     o.max_length = 32;
     ASSERT_STATUS(MOEQ_E_ARG, moeq_eval(m, docs, &o, &r));
@@ -303,7 +323,7 @@ static void test_saved_logits_mismatch(void) {
 }
 
 static void test_bad_options_and_empty_document(void) {
-    moeq_model *m = open_model("llama-tiny");
+    moeq_model *m = open_model(any_model());
     moeq_docs *docs = calib_docs();
     moeq_eval_options o;
     moeq_eval_options_init(&o);
@@ -353,11 +373,11 @@ static void test_bad_options_and_empty_document(void) {
     moeq_model_free(m);
 }
 
-/* A copy of llama-tiny whose embedding (tied, so also the lm_head) has 4100 rows. */
+/* A copy of any_model() whose embedding and lm_head (llama-tiny's is tied) have 4100 rows. */
 static char *make_other_vocab_model(void) {
-    char *dir = mq_path_join(mq_test_tmpdir(), "llama-vocab4100");
+    char *dir = mq_path_join(mq_test_tmpdir(), "vocab4100");
     ASSERT_TRUE(mkdir(dir, 0755) == 0);
-    const char *src = mq_test_shared("fixtures/models/llama-tiny");
+    const char *src = mq_test_model(any_model());
     char *src_dir = mq_strdup(src);
     static const char *const copy[] = {"tokenizer.json", "tokenizer_config.json"};
     for (int i = 0; i < 2; i++) {
@@ -390,7 +410,7 @@ static char *make_other_vocab_model(void) {
     mq_st_writer *w = mq_stw_new();
     for (size_t i = 0; i < mq_st_count(st); i++) {
         const mq_tensor_view *t = mq_st_at(st, i);
-        if (strcmp(t->name, "model.embed_tokens.weight") == 0) {
+        if (strcmp(t->name, "model.embed_tokens.weight") == 0 || strcmp(t->name, "lm_head.weight") == 0) {
             int64_t shape[2] = {4100, t->shape[1]};
             size_t row = (size_t)t->shape[1] * moeq_dtype_size(t->dtype);
             uint8_t *data = calloc(4100, row);
@@ -412,7 +432,7 @@ static char *make_other_vocab_model(void) {
 
 static void test_kl_base_with_other_vocabulary(void) {
     char *dir = make_other_vocab_model();
-    moeq_model *m = open_model("llama-tiny"), *base = NULL;
+    moeq_model *m = open_model(any_model()), *base = NULL;
     ASSERT_OK(moeq_model_open(dir, NULL, &base));
     ASSERT_EQ_INT(4100, moeq_model_get_info(base)->vocab_size);
     moeq_docs *docs = calib_docs();
