@@ -9,11 +9,10 @@
 #include "export/quantize.h"
 #include "harness.h"
 
+/* The shared fixture model, or the bundled copy (olmoe-tiny) without the shared folder. */
 static const char *fixture(const char *model) {
     static char buf[1024];
-    snprintf(buf, sizeof buf, "%s", mq_test_shared("fixtures/models"));
-    size_t n = strlen(buf);
-    snprintf(buf + n, sizeof buf - n, "/%s", model);
+    snprintf(buf, sizeof buf, "%s", mq_test_model(model));
     return buf;
 }
 
@@ -441,7 +440,7 @@ static int count_entries(const char *dir) {
 }
 
 static void test_atomic_output(void) {
-    const char *model = fixture("llama-tiny");
+    const char *model = fixture(mq_test_have_shared() ? "llama-tiny" : "olmoe-tiny");
     char parent[1024], out[1100], path[1200];
     snprintf(parent, sizeof parent, "%s/atomic", mq_test_tmpdir());
     ASSERT_TRUE(mkdir(parent, 0755) == 0);

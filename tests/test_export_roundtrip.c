@@ -8,11 +8,10 @@
 #include "harness.h"
 #include "model/model.h"
 
+/* The shared fixture model, or the bundled copy (olmoe-tiny) without the shared folder. */
 static const char *fixture(const char *model) {
     static char buf[1024];
-    snprintf(buf, sizeof buf, "%s", mq_test_shared("fixtures/models"));
-    size_t n = strlen(buf);
-    snprintf(buf + n, sizeof buf - n, "/%s", model);
+    snprintf(buf, sizeof buf, "%s", mq_test_model(model));
     return buf;
 }
 
