@@ -125,7 +125,9 @@ static void test_calib_chunks_and_random(void) {
 
 static moeq_tokenizer *load_tok(void) {
     moeq_tokenizer *tok = NULL;
-    ASSERT_OK(moeq_tokenizer_load(mq_test_shared("fixtures/models/olmoe-tiny/tokenizer.json"), &tok));
+    char path[4200];
+    snprintf(path, sizeof path, "%s/tokenizer.json", mq_test_model("olmoe-tiny"));
+    ASSERT_OK(moeq_tokenizer_load(path, &tok));
     return tok;
 }
 

@@ -4,6 +4,8 @@
  * 1e-4 relative (max|diff| / max|ref|). Also: chunked prefill through the KV cache equals one
  * prefill, results do not depend on the thread count, the calibration hooks see what they
  * document, and tests/data/<name>/ goldens (made by the lead on a GPU box) when present.
+ * Without the shared folder the olmoe-tiny cases use the bundled models/olmoe-tiny and the copy of
+ * its golden in tests/data.
  */
 #include <dirent.h>
 #include <stdlib.h>

@@ -50,10 +50,10 @@ static const capture *find(const captures *cs, int layer, int site, int expert) 
 static int32_t g_ids[48];
 static const int64_t T = 48;
 
-static moeq_model *open_fixture(const char *name) {
+static moeq_model *open_dir(const char *dir) {
     moeq_model_options opt = {.no_tokenizer = 1};
     moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_model(name), &opt, &m));
+    ASSERT_OK(moeq_model_open(dir, &opt, &m));
     for (int i = 0; i < T; i++) g_ids[i] = (int32_t)((i * 7919 + 13) % m->cfg.vocab);
     return m;
 }
@@ -170,8 +170,8 @@ static void check_experts(const moeq_model *m, const captures *cs, int l, const 
     free(next);
 }
 
-static void hooks_for(const char *name) {
-    moeq_model *m = open_fixture(name);
+static void hooks_for(const char *dir) {
+    moeq_model *m = open_dir(dir);
     const mq_config *c = &m->cfg;
     captures *cs = calloc(1, sizeof *cs);
     mq_hooks h = {on_capture, cs};
@@ -234,8 +234,13 @@ static void hooks_for(const char *name) {
     moeq_model_free(m);
 }
 
-static void test_hooks_olmoe(void) { hooks_for("olmoe-tiny"); }
-static void test_hooks_qwen2moe(void) { hooks_for("qwen2moe-tiny"); }
-static void test_hooks_llama(void) { hooks_for("llama-tiny"); }
+/* The shared fixtures (olmoe-tiny also bundled), and the repository's tests/data checkpoints:
+ * qwen2moe-dense-tiny has a dense MLP layer and a shared expert, mixtral-tiny renormalises. */
+static void test_hooks_olmoe(void) { hooks_for(mq_test_model("olmoe-tiny")); }
+static void test_hooks_qwen2moe(void) { hooks_for(mq_test_model("qwen2moe-tiny")); }
+static void test_hooks_llama(void) { hooks_for(mq_test_model("llama-tiny")); }
+static void test_hooks_qwen2moe_dense(void) { hooks_for(mq_test_repo("tests/data/qwen2moe-dense-tiny")); }
+static void test_hooks_mixtral(void) { hooks_for(mq_test_repo("tests/data/mixtral-tiny")); }
 
-TEST_MAIN(T(test_hooks_olmoe), T(test_hooks_qwen2moe), T(test_hooks_llama))
+TEST_MAIN(T(test_hooks_olmoe), T(test_hooks_qwen2moe), T(test_hooks_llama),
+          T(test_hooks_qwen2moe_dense), T(test_hooks_mixtral))
