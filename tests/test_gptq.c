@@ -529,6 +529,7 @@ static void test_gidx_consistency(void) {
     ASSERT_EQ_INT(3, q.g_idx[cmin]);
     mq_dequantize(&q, back);
     ASSERT_TRUE(memcmp(back, deq, (size_t)(N * K) * sizeof(float)) == 0);
+    mq_qtensor_free(&q);
     /* NVFP4 cannot store g_idx */
     mq_qspec nv = mq_qspec_default(MQ_QS_NVFP4);
     ASSERT_STATUS(MOEQ_E_UNSUPPORTED, mq_gptq_quantize(&nv, &o, H, W, N, K, 0, "w", &q, deq, NULL));
