@@ -159,9 +159,9 @@ static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
     for (int swiglu = 0; swiglu < 2; swiglu++) {
         const int ldo = swiglu ? 8 * (np - p0) : R;
         float *o1 = calloc((size_t)m * ldo, sizeof(float)), *o2 = calloc((size_t)m * ldo, sizeof(float));
-        mq_moe_kernels_ref.gemm(&P, p0, np, &A, rows, 0, m, o1, ldo, swiglu);
+        mq_moe_kernels_ref.gemm(&P, p0, np, &A, rows, 0, m, o1, ldo, swiglu, NULL);
         if (avx) {
-            avx->gemm(&P, p0, np, &A, rows, 0, m, o2, ldo, swiglu);
+            avx->gemm(&P, p0, np, &A, rows, 0, m, o2, ldo, swiglu, P.data);
             if (memcmp(o1, o2, sizeof(float) * (size_t)m * ldo) != 0) {
                 int j = 0;
                 while (o1[j] == o2[j]) j++;
@@ -257,7 +257,7 @@ static void test_every_e4m3_scale(void) {
         mq_pmat P = {W, rbb, 16, K, 16, 1, MQ_MOE_S_E4M3, {1.0f, 1.0f}, {2.0f, 2.0f}, b0 >= 0x80};
         for (int ki = 0; ki < 2 && ks[ki]; ki++) {
             float out[16];
-            ks[ki]->gemm(&P, 0, 1, &A, NULL, 0, 1, out, 16, 0);
+            ks[ki]->gemm(&P, 0, 1, &A, NULL, 0, 1, out, 16, 0, NULL);
             for (int r = 0; r < 16; r++) {
                 double want = 16.0 * 2 * 127 * e4m3_dec(scales[r]) * (double)sc[0] / 2.0;
                 if (!(fabs(out[r] - want) <= 1e-6 * fabs(want)))

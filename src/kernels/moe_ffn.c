@@ -331,6 +331,15 @@ static void route_token(const run_ctx *c, int64_t t, float *p, uint8_t *taken) {
     if (c->sgate) c->gsh[t] = sigmoidf(c->gsh[t]);
 }
 
+/* Where work item j starts reading (its first tile pair), or NULL past the last item. */
+static const uint8_t *item_start(const run_ctx *c, int64_t j) {
+    if (j >= c->n_items) return NULL;
+    const mq_pexpert *ex = &c->w->ex[c->task_mat[j]];
+    const mq_pmat *W = j < c->n_a ? &ex->gate_up : &ex->down;
+    const int64_t p0 = (int64_t)c->task_chunk[j] * (j < c->n_a ? PAIRS_A : PAIRS_B);
+    return W->data + (size_t)(2 * p0) * W->rb_bytes;
+}
+
 static void phase_a_item(run_ctx *c, int64_t task, int thread) {
     const int32_t e = c->task_mat[task];
     const mq_pexpert *ex = &c->w->ex[e];
@@ -338,7 +347,8 @@ static void phase_a_item(run_ctx *c, int64_t task, int thread) {
     const int64_t np = ex->ffn / 8, p1 = p0 + PAIRS_A < np ? p0 + PAIRS_A : np;
     const int64_t r0 = c->off[e], m = c->off[e + 1] - r0, ldo = 8 * (p1 - p0);
     float *s = c->scratch + (size_t)thread * c->scratch_stride;
-    c->K->gemm(&ex->gate_up, p0, p1, &c->xq, c->perm_tok + r0, 0, m, s, ldo, 1);
+    c->K->gemm(&ex->gate_up, p0, p1, &c->xq, c->perm_tok + r0, 0, m, s, ldo, 1,
+               item_start(c, task + 1));
     for (int64_t i = 0; i < m; i++) c->K->quant_act(s + i * ldo, ldo, &c->mq, r0 + i, 8 * p0);
 }
 
@@ -348,7 +358,7 @@ static void phase_b_item(run_ctx *c, int64_t task) {
     const int64_t D = c->w->D, p0 = (int64_t)c->task_chunk[task] * PAIRS_B;
     const int64_t np = D / 16, p1 = p0 + PAIRS_B < np ? p0 + PAIRS_B : np;
     const int64_t r0 = c->off[e], m = c->off[e + 1] - r0;
-    c->K->gemm(&ex->down, p0, p1, &c->mq, NULL, r0, m, c->y + r0 * D, D, 0);
+    c->K->gemm(&ex->down, p0, p1, &c->mq, NULL, r0, m, c->y + r0 * D, D, 0, item_start(c, task + 1));
 }
 
 static int64_t seg_take(_Atomic uint64_t *s, int back) {
@@ -781,7 +791,7 @@ static void lin_gemm_task(void *ctx, int64_t task, int thread) {
     const int64_t p1 = p0 + PAIRS_B < np ? p0 + PAIRS_B : np;
     const int64_t t0 = (task / c->n_chunks) * LIN_TOKENS;
     const int64_t m = c->T - t0 < LIN_TOKENS ? c->T - t0 : LIN_TOKENS;
-    c->K->gemm(&c->w->W, p0, p1, &c->A, NULL, t0, m, c->y + t0 * c->ldy, c->ldy, 0);
+    c->K->gemm(&c->w->W, p0, p1, &c->A, NULL, t0, m, c->y + t0 * c->ldy, c->ldy, 0, NULL);
 }
 
 moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const float *x, int64_t T,

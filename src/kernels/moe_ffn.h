@@ -146,10 +146,12 @@ typedef struct {
     void (*quant_act)(const float *x, int64_t n, const mq_qact *A, int64_t row, int64_t col0);
     /* For tile pairs [pair0, pair1) of W and m activation rows (A row act_rows[i], or row0 + i
      * when act_rows is NULL): plain: out[i*ldo + 16*pair + r] = row (16 pair + r) result;
-     * swiglu: out[i*ldo + 8*(pair - pair0) + r] = silu(gate_r) * up_r (r = 0..7). */
+     * swiglu: out[i*ldo + 8*(pair - pair0) + r] = silu(gate_r) * up_r (r = 0..7).
+     * next: where the calling thread reads next once W's rows run out (the first pair of its next
+     * work item, in another matrix), or NULL: a prefetch hint only, never dereferenced. */
     void (*gemm)(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qact *A,
                  const int32_t *act_rows, int64_t row0, int64_t m, float *out, int64_t ldo,
-                 int swiglu);
+                 int swiglu, const uint8_t *next);
 } mq_moe_kernels;
 
 extern const mq_moe_kernels mq_moe_kernels_ref;

@@ -86,7 +86,8 @@ static inline float wscale(const uint8_t *rb, const mq_pmat *W, int l, int64_t g
 
 static void gemm_ref(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qact *A,
                      const int32_t *act_rows, int64_t row0, int64_t m, float *out, int64_t ldo,
-                     int swiglu) {
+                     int swiglu, const uint8_t *next) {
+    (void)next;   /* a prefetch hint */
     const int32_t B = A->block;
     const int64_t K = W->cols, nb = K / B, lds = A->ld / B;
     for (int64_t pair = pair0; pair < pair1; pair++) {
