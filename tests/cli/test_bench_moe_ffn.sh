@@ -2,10 +2,7 @@
 # moeq bench moe-ffn on a small shape: the JSON object has the documented keys and one result per
 # (token count, routing) with positive rates; the text report prints the ratios; bad options are
 # usage errors (exit 2).
-set -u
-cli=${MOEQ_CLI:?MOEQ_CLI is not set}
-fails=0
-fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+. "$(dirname "$0")/common.sh"
 small=(--experts 8 --topk 2 --hidden 256 --ffn 128 --seconds 0.02 --quick)
 
 for scheme in int4 nvfp4; do

@@ -3,15 +3,7 @@
 # counts, thread independence, --task text on JSONL, --limit, KL against itself and through saved
 # logits, a silent stderr when it is not a terminal, Ctrl-C (partial result, exit 130), and the
 # errors for bad input (missing/empty file, invalid UTF-8, --max-length, mismatched logits).
-set -u
-cli=${MOEQ_CLI:?MOEQ_CLI is not set}
-model=${MOEQ_REPO:?MOEQ_REPO is not set}/models/olmoe-tiny
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
-# json_get FILE KEY: the value of a top-level scalar key of our (one key per line) JSON output.
-json_get() { sed -n "s/^  \"$2\": \([^,]*\),\{0,1\}$/\1/p" "$1"; }
+. "$(dirname "$0")/common.sh"
 have_python=0
 command -v python3 >/dev/null && have_python=1
 

@@ -2,13 +2,7 @@
 # moeq generate: greedy output pinned (recorded after the golden forward tests passed, so it is
 # anchored to a verified forward pass), deterministic sampling for a seed and any thread count,
 # stopping at EOS (a copy of the model whose config names " ." as EOS), and usage/exit codes.
-set -u
-cli=${MOEQ_CLI:?MOEQ_CLI is not set}
-model=${MOEQ_REPO:?MOEQ_REPO is not set}/models/olmoe-tiny
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+. "$(dirname "$0")/common.sh"
 
 expected='The history of the world .
 The man is the most of the world , and the same time is the most of the world .

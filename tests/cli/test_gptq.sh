@@ -3,19 +3,13 @@
 # checkpoint and the JSON report (every module present, GPTQ loss <= RTN loss for every weight,
 # experts without calibration tokens handled by the fallback), act-order g_idx in the GPTQ v1
 # format, JSONL calibration, the ignore list, and usage errors.
-set -u
-cli=${MOEQ_CLI:?MOEQ_CLI is not set}
-model=${MOEQ_REPO:?MOEQ_REPO is not set}/models/olmoe-tiny
+. "$(dirname "$0")/common.sh"
 shared=${MOEQ_SHARED:-$MOEQ_REPO/../shared}
 # The shared calibration text, or without the shared folder the repository's own (text the
 # bundled model generated): the checks below hold for any English-like text.
 calib=$shared/fixtures/text/calib.txt
 [ -f "$calib" ] || calib=$MOEQ_REPO/data/demo-calib.txt
 [ -f "$calib" ] || { echo "SKIP: no $calib"; exit 77; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
 
 header_has() {
     local n

@@ -2,14 +2,7 @@
 # moeq inspect: the bundled olmoe-tiny's layout and counts (hand-checked: 9,449,728 bf16 values in
 # 135 tensors; active = total less 6 of 8 experts' 3*256*256 weights in each of 4 layers), the
 # --tensors listing, a quantization_config, and usage/exit codes.
-set -u
-cli=${MOEQ_CLI:?MOEQ_CLI is not set}
-repo=${MOEQ_REPO:?MOEQ_REPO is not set}
-model=$repo/models/olmoe-tiny
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+. "$(dirname "$0")/common.sh"
 has() { printf '%s\n' "$1" | grep -q -- "$2" || fail "output lacks '$2'"; }
 
 out=$("$cli" inspect "$model") || fail "inspect exited $?"

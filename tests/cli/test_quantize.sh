@@ -2,13 +2,7 @@
 # moeq quantize on the bundled olmoe-tiny: each format writes its tensors and config block, an
 # existing OUT_DIR is refused without --force, bad usage exits 2, a failing job exits 1 and leaves
 # nothing behind, W4A4 calibrates input scales.
-set -u
-cli=${MOEQ_CLI:?MOEQ_CLI is not set}
-model=${MOEQ_REPO:?MOEQ_REPO is not set}/models/olmoe-tiny
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+. "$(dirname "$0")/common.sh"
 
 # header_has FILE NAME DTYPE: the safetensors header lists tensor NAME with DTYPE
 header_has() {

@@ -5,14 +5,7 @@
 # --json object report resident weights (packed < fp32) and peak RSS, --act-quant nvfp4 runs the
 # dequantized path and moves the perplexity while --act-quant none changes nothing, and bad
 # values are usage errors.
-set -u
-cli=${MOEQ_CLI:?MOEQ_CLI is not set}
-model=${MOEQ_REPO:?MOEQ_REPO is not set}/models/olmoe-tiny
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
-json_get() { sed -n "s/^  \"$2\": \([^,]*\),\{0,1\}$/\1/p" "$1"; }
+. "$(dirname "$0")/common.sh"
 # rel_close A B TOL: |A - B| <= TOL * |B|
 rel_close() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; m = b < 0 ? -b : b; exit !(d <= t * m) }'; }
 

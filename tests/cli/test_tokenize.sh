@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # moeq tokenize: --json ids equal HF tokenizers' ids (taken from the shared tokenizer_golden.json
 # when it was made), --file, readable output, and the exit codes of bad usage and missing files.
-set -u
-cli=${MOEQ_CLI:?MOEQ_CLI is not set}
-model=${MOEQ_REPO:?MOEQ_REPO is not set}/models/olmoe-tiny
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fails=0
-fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+. "$(dirname "$0")/common.sh"
 
 # expect_json TEXT IDS: stdout must be exactly the JSON array (whitespace ignored).
 expect_json() {
