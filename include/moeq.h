@@ -344,6 +344,8 @@ typedef enum {
 
 /* How GPTQ's MSE scale search scores a candidate scale for a group. */
 typedef enum {
+    MOEQ_GPTQ_MSE_AUTO = -1,     /* the default: GPTQ, except plain for INT4 with one group per
+                                    row (scoring a candidate would run GPTQ over the whole row) */
     MOEQ_GPTQ_MSE_PLAIN = 0,     /* plain squared error */
     MOEQ_GPTQ_MSE_HESSIAN = 1,   /* squared error weighted by diag(H) */
     MOEQ_GPTQ_MSE_OBQ = 2,       /* weighted by GPTQ's remaining loss 1/[H_F^-1]_jj */
@@ -403,7 +405,7 @@ typedef struct {
                                       1 on */
         moeq_gptq_groups groups;   /* --groups (default dynamic) */
         int mse;                   /* --no-mse clears it: MSE scale search (default 1) */
-        moeq_gptq_mse_weight mse_weight;   /* --mse-weight (default plain) */
+        moeq_gptq_mse_weight mse_weight;   /* --mse-weight (default MOEQ_GPTQ_MSE_AUTO) */
         moeq_gptq_mode mode;       /* --gptq-mode (default sequential) */
         int true_sequential;       /* --true-sequential: within a block, attention first and the
                                       MLP/experts on its quantized output (sequential mode only) */

@@ -759,15 +759,60 @@ static void test_column_errors_twin(void) {
     free(eb);
 }
 
+/* The in-loop search's scores: the scalar kernel against the obvious per-row loop (errors fed
+ * forward column by column, in float as the kernel), and the AVX2 twin against both, bit for bit,
+ * on 45 rows (32 + 8 + a scalar tail of 5) of a wider buffer. */
+static void test_loop_scores_twin(void) {
+    enum { G = 16, LD = 48, N = 45 };
+    mq_qspec specs[3] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(G), int4_spec(G)};
+    specs[2].asym = true;
+    float ucol[G * G], x[G * LD], step[LD], zero[LD], work[(G + 2) * LD], wl[G];
+    uint8_t code[LD];
+    double sa[LD], sb[LD];
+    g_rng = 11;
+    for (int b = 0; b < G; b++)
+        for (int a = 0; a < G; a++)
+            ucol[b * G + a] = a > b ? 0.0f : a == b ? 0.5f + (float)fabs(rnd_normal()) : 0.3f * (float)rnd_normal();
+    for (int i = 0; i < G * LD; i++) x[i] = (float)rnd_normal();
+    for (int k = 0; k < 3; k++) {
+        const mq_qspec *s = &specs[k];
+        for (int i = 0; i < LD; i++) {
+            step[i] = i == 7 ? 0.0f : 0.2f + 0.1f * (float)(i % 5);   /* row 7: an all-zero group */
+            zero[i] = s->asym ? (float)(i % 16) : 0.0f;
+        }
+        mq_gptq_loop_scores_ref(s, ucol, G, x, LD, N, step, zero, work, code, sa);
+        for (int i = 0; i < N; i++) {
+            double score = 0;
+            for (int a = 0; a < G; a++) wl[a] = x[a * LD + i];
+            for (int a = 0; a < G; a++) {
+                uint8_t c;
+                float q;
+                mq_gptq_qdq_column(s, &step[i], &zero[i], &wl[a], 1, &c, &q);
+                float e = (wl[a] - q) / ucol[a * G + a];
+                score += (double)e * e;
+                for (int b = a + 1; b < G; b++) wl[b] -= ucol[b * G + a] * e;
+            }
+            if (score != sa[i]) FAIL("scheme %d row %d: kernel %.17g, direct %.17g", k, i, sa[i], score);
+        }
+        ASSERT_TRUE(sa[3] > 0);
+        if (!mq_cpu_has_avx2_fma()) continue;
+        mq_gptq_loop_scores_avx2(s, ucol, G, x, LD, N, step, zero, work, code, sb);
+        ASSERT_TRUE(memcmp(sa, sb, N * sizeof(double)) == 0);
+    }
+}
+
 /* The whole loop with the scalar reference kernels gives the same codes as with AVX2. */
 static void test_force_ref_same_codes(void) {
     const int64_t N = 70, K = 128;
     float *W = make_weights(N, K, 61);
     float *H = make_hessian(K, 256, 62, NULL, 0);
-    mq_qspec specs[2] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(32)};
+    mq_qspec specs[4] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(32), mq_qspec_default(MQ_QS_NVFP4),
+                         int4_spec(32)};
     specs[1].asym = true;
-    for (int k = 0; k < 2; k++) {
+    specs[2].mse = specs[3].mse = true;   /* with the in-loop scale search */
+    for (int k = 0; k < 4; k++) {
         mq_gptq_opts o = mq_gptq_opts_default();
+        o.mse_weight = MQ_GPTQ_MSE_LOOP;
         mq_qtensor a, b;
         moeq_set_force_ref(1);
         ASSERT_OK(mq_gptq_quantize(&specs[k], &o, H, W, N, K, 0, "w", &a, NULL, NULL));
@@ -853,5 +898,5 @@ TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_
           T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
           T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs),
-          T(test_qdq_column_matches_formats), T(test_column_errors_twin),
+          T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
           T(test_force_ref_same_codes), T(test_progress), T(test_bad_input))

@@ -318,7 +318,7 @@ static void test_options_defaults(void) {
     ASSERT_EQ_INT(-1, o.gptq.act_order);
     ASSERT_EQ_INT(MOEQ_GPTQ_GROUPS_DYNAMIC, o.gptq.groups);
     ASSERT_EQ_INT(1, o.gptq.mse);
-    ASSERT_EQ_INT(MOEQ_GPTQ_MSE_PLAIN, o.gptq.mse_weight);
+    ASSERT_EQ_INT(MOEQ_GPTQ_MSE_AUTO, o.gptq.mse_weight);
     ASSERT_EQ_INT(MOEQ_GPTQ_SEQUENTIAL, o.gptq.mode);
     ASSERT_EQ_INT(0, o.gptq.true_sequential);
     ASSERT_EQ_INT(32, o.gptq.min_expert_tokens);
@@ -373,6 +373,7 @@ static const char *invalid_case(int i, moeq_quant_options *o, const char *calib)
         o->gptq.act_order = 1;
         return "INT4";
     case 30: o->gptq.mse_weight = (moeq_gptq_mse_weight)4; return "gptq.mse_weight";
+    case 31: o->gptq.mse_weight = (moeq_gptq_mse_weight)-2; return "gptq.mse_weight";
     default: return NULL;
     }
 }
@@ -555,6 +556,8 @@ static void test_gptq_small(void) {
     ASSERT_TRUE(exists(path2(out, "gptq_report.json")));
     ASSERT_TRUE(file_mentions(path2(out, "config.json"), "\"quantization_config\""));
     ASSERT_TRUE(file_mentions(path2(out, "config.json"), "\"actorder\""));
+    /* the default scale search scores by GPTQ over the group (plain with one group per row) */
+    ASSERT_TRUE(file_mentions(path2(out, "gptq_report.json"), "\"mse_weight\":\t\"gptq\""));
 
     /* loadable, and it runs */
     moeq_model *m = NULL;
@@ -584,6 +587,12 @@ static void test_gptq_small(void) {
     o.force = 1;
     ASSERT_OK(moeq_quantize(model_dir(), out, &o, &r));
     ASSERT_TRUE(file_mentions(report, "\"modules\""));
+    o.group_size = -1;
+    ASSERT_OK(moeq_quantize(model_dir(), out, &o, &r));
+    ASSERT_TRUE(file_mentions(report, "\"mse_weight\":\t\"plain\""));
+    o.gptq.mse_weight = MOEQ_GPTQ_MSE_GPTQ;   /* asked for: kept */
+    ASSERT_OK(moeq_quantize(model_dir(), out, &o, &r));
+    ASSERT_TRUE(file_mentions(report, "\"mse_weight\":\t\"gptq\""));
 }
 
 TEST_MAIN(T(test_options_defaults), T(test_invalid_options), T(test_rtn_int4), T(test_rtn_nvfp4a16),

@@ -33,7 +33,7 @@ void moeq_quant_options_init(moeq_quant_options *o) {
     o->gptq.act_order = -1;
     o->gptq.groups = MOEQ_GPTQ_GROUPS_DYNAMIC;
     o->gptq.mse = 1;
-    o->gptq.mse_weight = MOEQ_GPTQ_MSE_PLAIN;
+    o->gptq.mse_weight = MOEQ_GPTQ_MSE_AUTO;
     o->gptq.mode = MOEQ_GPTQ_SEQUENTIAL;
     o->gptq.min_expert_tokens = 32;
     o->gptq.expert_fallback = MOEQ_EXPERT_FALLBACK_BLOCK;
@@ -56,7 +56,7 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
         return BAD("gptq.act_order must be -1 (per scheme), 0 or 1, got %d", o->gptq.act_order);
     if ((unsigned)o->gptq.groups > MOEQ_GPTQ_GROUPS_GIDX)
         return BAD("gptq.groups: unknown value %d", (int)o->gptq.groups);
-    if ((unsigned)o->gptq.mse_weight > MOEQ_GPTQ_MSE_GPTQ)
+    if (o->gptq.mse_weight < MOEQ_GPTQ_MSE_AUTO || o->gptq.mse_weight > MOEQ_GPTQ_MSE_GPTQ)
         return BAD("gptq.mse_weight: unknown value %d", (int)o->gptq.mse_weight);
     if ((unsigned)o->gptq.mode > MOEQ_GPTQ_NONSEQUENTIAL)
         return BAD("gptq.mode: unknown value %d", (int)o->gptq.mode);
@@ -197,10 +197,11 @@ static void gptq_options(const moeq_quant_options *po, const mq_quantize_opts *o
     go->no_fuse = o->no_fuse;
     go->gptq.percdamp = po->gptq.percdamp;
     go->gptq.block_size = po->gptq.block_size;
-    go->gptq.mse_weight = po->gptq.mse_weight == MOEQ_GPTQ_MSE_HESSIAN ? MQ_GPTQ_MSE_HDIAG
-                          : po->gptq.mse_weight == MOEQ_GPTQ_MSE_OBQ   ? MQ_GPTQ_MSE_OBQ
-                          : po->gptq.mse_weight == MOEQ_GPTQ_MSE_GPTQ  ? MQ_GPTQ_MSE_LOOP
-                                                                       : MQ_GPTQ_MSE_PLAIN;
+    if (po->gptq.mse_weight != MOEQ_GPTQ_MSE_AUTO)   /* else mq_gptq_model_opts_init's choice */
+        go->gptq.mse_weight = po->gptq.mse_weight == MOEQ_GPTQ_MSE_HESSIAN ? MQ_GPTQ_MSE_HDIAG
+                              : po->gptq.mse_weight == MOEQ_GPTQ_MSE_OBQ   ? MQ_GPTQ_MSE_OBQ
+                              : po->gptq.mse_weight == MOEQ_GPTQ_MSE_GPTQ  ? MQ_GPTQ_MSE_LOOP
+                                                                           : MQ_GPTQ_MSE_PLAIN;
     /* measured on olmoe-tiny and qwen2moe-tiny (docs/gptq_results.md): act order helps INT4
      * g128 a little and hurts NVFP4's 16-column groups */
     go->gptq.act_order = po->gptq.act_order < 0 ? o->spec.scheme == MQ_QS_INT4

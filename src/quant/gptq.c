@@ -386,10 +386,16 @@ typedef struct {
     float *d;           /* [ROW_BLOCK][K] RTN residual rows (rtn_loss only) */
     float *hw;          /* [G] weights of a group's columns in the MSE scale search */
     int64_t *pos;       /* [G] processing positions of a group's columns */
-    float *usub;        /* [G][G] U restricted to a group's columns, processing order */
+    /* the in-loop scale search (MQ_GPTQ_MSE_LOOP) only: */
+    float *ucol;        /* [G][G] U restricted to a group's columns, processing order, by column */
     int64_t *ord;       /* [G] a group's columns (t) in processing order */
-    float *wl;          /* [G] one row of a group in the in-loop search */
-    mq_gparams *cand;   /* [mse_steps] candidates */
+    float *wl;          /* [G][ROW_BLOCK] a group's current values in processing order */
+    float *lwork;       /* [G + 2][ROW_BLOCK] mq_gptq_loop_scores work */
+    uint8_t *lcode;     /* [ROW_BLOCK] */
+    mq_gparams *cand;   /* [ROW_BLOCK][mse_steps] candidates of each row */
+    int *nc;            /* [ROW_BLOCK] number of candidates of each row */
+    float *kstep, *kzero; /* [ROW_BLOCK] the candidate being scored, per row */
+    double *score, *best; /* [ROW_BLOCK] */
 } scratch;
 
 typedef struct {
@@ -414,6 +420,8 @@ typedef struct {
     void (*qdq)(const mq_qspec *, const float *, const float *, const float *, int64_t, uint8_t *,
                 float *);
     double (*errors)(const float *, const float *, float, float *, int64_t, float *, double *);
+    void (*loop_scores)(const mq_qspec *, const float *, int64_t, const float *, int64_t, int64_t,
+                        const float *, const float *, float *, uint8_t *, double *);
     int64_t n_tasks;
     atomic_int_fast64_t done;
 } run_ctx;
@@ -432,6 +440,9 @@ typedef struct {
     float gs;
     bool gidx;          /* groups in processing order */
     mq_gptq_mse_weight mse_weight;
+    int64_t ncand;            /* room for candidates per row (sc->cand) */
+    void (*loop_scores)(const mq_qspec *, const float *, int64_t, const float *, int64_t, int64_t,
+                        const float *, const float *, float *, uint8_t *, double *);
     int64_t b0, b1, s0, s1;   /* current block and sub-block */
 } loop_state;
 
@@ -465,43 +476,68 @@ static void set_params(const loop_state *L, int64_t g, int64_t i, const float *x
     sc->zero[g * L->nr + i] = gp->zero;
 }
 
-/* GPTQ's in-loop scale search for row i of a group (MQ_GPTQ_MSE_LOOP): every candidate of the
- * MSE grid is scored by quantizing the group's columns in processing order with the error of
- * each fed back to the group's later columns (w_k -= U_jk e_j), as the loop will do; the score
- * is sum e_j^2, e_j = (w_j - q_j) / U_jj. The first least score wins. usub/ord: see
- * prepare_loop_search. */
-static void set_params_loop(const loop_state *L, int64_t g, int64_t i, const float *x,
-                            int64_t stride) {
+/* GPTQ's in-loop scale search for every row of group g (MQ_GPTQ_MSE_LOOP): each candidate of
+ * the MSE grid is scored by quantizing the group's columns in processing order with the error of
+ * each fed back to the group's later columns (mq_gptq_loop_scores), as the loop will do. The
+ * first least score wins. x [G][nr]: the group's current values, column t at x[t * nr].
+ * ucol/ord: see prepare_loop_search. Rows with fewer candidates repeat their last one, which is
+ * scored but cannot win again. */
+static void set_params_loop(const loop_state *L, int64_t g, const float *x) {
     scratch *sc = L->sc;
-    const int64_t G = L->G;
-    mq_gparams plain, *cand = sc->cand, *gp = &sc->gp[g * L->nr + i];
-    int nc = mq_group_candidates(L->s, L->gs, x, G, stride, &plain, cand);
-    *gp = plain;
-    double best = INFINITY;
-    for (int k = 0; k < nc; k++) {
-        float step = mq_group_step(L->s, L->gs, &cand[k]), zero = cand[k].zero;
-        for (int64_t a = 0; a < G; a++) sc->wl[a] = x[sc->ord[a] * stride];
-        double score = 0;
-        for (int64_t a = 0; a < G; a++) {
-            const float *u = sc->usub + a * G;
-            uint8_t code;
-            float q;
-            mq_gptq_qdq_column(L->s, &step, &zero, &sc->wl[a], 1, &code, &q);
-            float e = (sc->wl[a] - q) / u[a];
-            score += (double)e * e;
-            for (int64_t b = a + 1; b < G; b++) sc->wl[b] -= u[b] * e;
+    const int64_t G = L->G, nr = L->nr;
+    mq_gparams *gp = &sc->gp[g * nr];
+    int nmax = 0;
+    for (int64_t i = 0; i < nr; i++) {
+        sc->nc[i] = mq_group_candidates(L->s, L->gs, x + i, G, nr, &gp[i], sc->cand + i * L->ncand);
+        if (sc->nc[i] > nmax) nmax = sc->nc[i];
+        sc->best[i] = INFINITY;
+    }
+    for (int64_t a = 0; a < G; a++)
+        memcpy(sc->wl + a * nr, x + sc->ord[a] * nr, (size_t)nr * sizeof(float));
+    for (int k = 0; k < nmax; k++) {
+        for (int64_t i = 0; i < nr; i++) {
+            const mq_gparams *c = sc->nc[i] == 0 ? &gp[i]
+                                  : &sc->cand[i * L->ncand + (k < sc->nc[i] ? k : sc->nc[i] - 1)];
+            sc->kstep[i] = mq_group_step(L->s, L->gs, c);
+            sc->kzero[i] = c->zero;
         }
-        if (score < best) {
-            best = score;
-            *gp = cand[k];
+        L->loop_scores(L->s, sc->ucol, G, sc->wl, nr, nr, sc->kstep, sc->kzero, sc->lwork, sc->lcode,
+                       sc->score);
+        for (int64_t i = 0; i < nr; i++)
+            if (k < sc->nc[i] && sc->score[i] < sc->best[i]) {
+                sc->best[i] = sc->score[i];
+                gp[i] = sc->cand[i * L->ncand + k];
+            }
+    }
+    for (int64_t i = 0; i < nr; i++) {
+        sc->step[g * nr + i] = mq_group_step(L->s, L->gs, &gp[i]);
+        sc->zero[g * nr + i] = gp[i].zero;
+    }
+}
+
+void mq_gptq_loop_scores_ref(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
+                             int64_t ld, int64_t n, const float *step, const float *zero,
+                             float *work, uint8_t *code, double *score) {
+    float *e = work, *w = work + G * ld, *q = w + ld;
+    for (int64_t i = 0; i < n; i++) score[i] = 0;
+    for (int64_t b = 0; b < G; b++) {
+        memcpy(w, x + b * ld, (size_t)n * sizeof(float));
+        for (int64_t a = 0; a < b; a++) {
+            const float u = ucol[b * G + a], *ea = e + a * ld;
+            for (int64_t i = 0; i < n; i++) w[i] -= u * ea[i];
+        }
+        mq_gptq_qdq_column(s, step, zero, w, n, code, q);
+        const float ubb = ucol[b * G + b];
+        float *eb = e + b * ld;
+        for (int64_t i = 0; i < n; i++) {
+            eb[i] = (w[i] - q[i]) / ubb;
+            score[i] += (double)eb[i] * eb[i];
         }
     }
-    sc->step[g * L->nr + i] = mq_group_step(L->s, L->gs, gp);
-    sc->zero[g * L->nr + i] = gp->zero;
 }
 
 /* The group's columns (positions pos[t]) in processing order (ord) and U restricted to them
- * (usub[a][b] = U[pos[ord[a]]][pos[ord[b]]], upper). */
+ * by column: ucol[b][a] = U[pos[ord[a]]][pos[ord[b]]] for a <= b, 0 below. */
 static void prepare_loop_search(const loop_state *L, const int64_t *pos) {
     scratch *sc = L->sc;
     const int64_t G = L->G, K = L->K;
@@ -512,7 +548,7 @@ static void prepare_loop_search(const loop_state *L, const int64_t *pos) {
     }
     for (int64_t a = 0; a < G; a++)
         for (int64_t b = 0; b < G; b++)
-            sc->usub[a * G + b] = b >= a ? L->f->U[pos[sc->ord[a]] * K + pos[sc->ord[b]]] : 0.0f;
+            sc->ucol[b * G + a] = b >= a ? L->f->U[pos[sc->ord[a]] * K + pos[sc->ord[b]]] : 0.0f;
 }
 
 /* Params of group g, first reached at position p, from the current values of its columns:
@@ -534,7 +570,7 @@ static void group_params_dynamic(const loop_state *L, int64_t g, int64_t p) {
     }
     if (L->s->mse && L->mse_weight == MQ_GPTQ_MSE_LOOP) {
         prepare_loop_search(L, pos);
-        for (int64_t i = 0; i < nr; i++) set_params_loop(L, g, i, sc->tmp + i, nr);
+        set_params_loop(L, g, sc->tmp);
     } else {
         const float *hw = group_weights(L, pos);
         for (int64_t i = 0; i < nr; i++) set_params(L, g, i, sc->tmp + i, nr, hw);
@@ -548,15 +584,20 @@ static void group_params_static(const loop_state *L, const float *w, int64_t r0)
     const int64_t K = L->K, G = L->G;
     for (int64_t g = 0; g < K / G; g++) {
         for (int64_t t = 0; t < G; t++) sc->pos[t] = pos_of(L->f, g * G + t);
-        const bool loop = L->s->mse && L->mse_weight == MQ_GPTQ_MSE_LOOP;
-        const float *hw = loop ? NULL : group_weights(L, sc->pos);
-        if (loop) prepare_loop_search(L, sc->pos);
+        if (L->s->mse && L->mse_weight == MQ_GPTQ_MSE_LOOP) {
+            prepare_loop_search(L, sc->pos);
+            for (int64_t t = 0; t < G; t++)
+                for (int64_t i = 0; i < L->nr; i++)
+                    sc->tmp[t * L->nr + i] = L->f->dead[g * G + t] ? 0.0f : w[(r0 + i) * K + g * G + t];
+            set_params_loop(L, g, sc->tmp);
+            continue;
+        }
+        const float *hw = group_weights(L, sc->pos);
         for (int64_t i = 0; i < L->nr; i++) {
             const float *row = w + (r0 + i) * K;
             for (int64_t t = 0; t < G; t++)
                 sc->tmp[t] = L->f->dead[g * G + t] ? 0.0f : row[g * G + t];
-            if (loop) set_params_loop(L, g, i, sc->tmp, 1);
-            else set_params(L, g, i, sc->tmp, 1, hw);
+            set_params(L, g, i, sc->tmp, 1, hw);
         }
     }
     memset(sc->ready, 1, (size_t)(K / G));
@@ -668,7 +709,7 @@ static void run_task(void *vctx, int64_t task, int thread) {
     const float *U = f->U;
     loop_state L = {c->s, f, sc, K, nr, G, qt->global_scale,
                     c->o->act_order && c->o->groups == MQ_GPTQ_GROUPS_GIDX, c->o->mse_weight,
-                    0, 0, 0, 0};
+                    c->s->mse_steps > 1 ? c->s->mse_steps : 1, c->loop_scores, 0, 0, 0, 0};
     task_out *out = &c->outs[task];
 
     load_rows(&L, j->w, r0);
@@ -729,16 +770,24 @@ static void scratch_free(scratch *s, int n) {
         mq_free(s[i].w0t);
         mq_free(s[i].hw);
         mq_free(s[i].pos);
-        mq_free(s[i].usub);
+        mq_free(s[i].ucol);
         mq_free(s[i].ord);
         mq_free(s[i].wl);
+        mq_free(s[i].lwork);
+        mq_free(s[i].lcode);
         mq_free(s[i].cand);
+        mq_free(s[i].nc);
+        mq_free(s[i].kstep);
+        mq_free(s[i].kzero);
+        mq_free(s[i].score);
+        mq_free(s[i].best);
     }
     free(s);
 }
 
+/* loop: the in-loop scale search's buffers too (ncand candidates per row). */
 static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, bool rtn,
-                            int64_t ncand) {
+                            bool loop, int64_t ncand) {
     scratch *s = calloc((size_t)n, sizeof *s);
     if (!s) {
         mq_err(MOEQ_E_NOMEM, "GPTQ scratch");
@@ -759,13 +808,25 @@ static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, 
         if (rtn) s[i].d = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ RTN residual");
         s[i].hw = mq_alloc_array((size_t)G, sizeof(float), "GPTQ column weights");
         s[i].pos = mq_alloc_array((size_t)G, sizeof(int64_t), "GPTQ group columns");
-        s[i].usub = mq_alloc_array((size_t)(G * G), sizeof(float), "GPTQ group factor");
-        s[i].ord = mq_alloc_array((size_t)G, sizeof(int64_t), "GPTQ group order");
-        s[i].wl = mq_alloc_array((size_t)G, sizeof(float), "GPTQ group row");
-        s[i].cand = mq_alloc_array((size_t)ncand, sizeof(mq_gparams), "GPTQ scale candidates");
+        if (loop) {
+            s[i].ucol = mq_alloc_array((size_t)(G * G), sizeof(float), "GPTQ group factor");
+            s[i].ord = mq_alloc_array((size_t)G, sizeof(int64_t), "GPTQ group order");
+            s[i].wl = mq_alloc_array((size_t)G * rb, sizeof(float), "GPTQ group values");
+            s[i].lwork = mq_alloc_array((size_t)(G + 2) * rb, sizeof(float), "GPTQ group errors");
+            s[i].lcode = mq_alloc(rb, "GPTQ group codes");
+            s[i].cand = mq_alloc_array((size_t)ncand * rb, sizeof(mq_gparams), "GPTQ scale candidates");
+            s[i].nc = mq_alloc_array(rb, sizeof(int), "GPTQ candidate counts");
+            s[i].kstep = mq_alloc_array(rb, sizeof(float), "GPTQ candidate steps");
+            s[i].kzero = mq_alloc_array(rb, sizeof(float), "GPTQ candidate zeros");
+            s[i].score = mq_alloc_array(rb, sizeof(double), "GPTQ candidate scores");
+            s[i].best = mq_alloc_array(rb, sizeof(double), "GPTQ best scores");
+        }
+        bool loop_ok = !loop || (s[i].ucol && s[i].ord && s[i].wl && s[i].lwork && s[i].lcode &&
+                                 s[i].cand && s[i].nc && s[i].kstep && s[i].kzero && s[i].score &&
+                                 s[i].best);
         if (!s[i].wt || !s[i].et || !s[i].tmp || !s[i].dq || !s[i].ct || !s[i].gp ||
             !s[i].step || !s[i].zero || !s[i].ready || !s[i].w0t || (rtn && !s[i].d) ||
-            !s[i].hw || !s[i].pos || !s[i].usub || !s[i].ord || !s[i].wl || !s[i].cand) {
+            !s[i].hw || !s[i].pos || !loop_ok) {
             scratch_free(s, n);
             return NULL;
         }
@@ -826,7 +887,8 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     task_ref *tasks = mq_alloc_array((size_t)n_tasks + 1, sizeof *tasks, "GPTQ tasks");
     task_out *outs = mq_alloc_zero(((size_t)n_tasks + 1) * sizeof *outs, "GPTQ task results");
     int nthreads = mq_pool_size();
-    scratch *scr = scratch_new(nthreads, maxK, maxB, maxG, maxNg, o->rtn_loss,
+    const bool loop = s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP;
+    scratch *scr = scratch_new(nthreads, maxK, maxB, maxG, maxNg, o->rtn_loss, loop,
                                s->mse_steps > 1 ? s->mse_steps : 1);
     if (!tasks || !outs || !scr) {
         mq_free(tasks);
@@ -841,11 +903,12 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
 
     pthread_once(&g_blas_once, blas_single_thread);
     run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
-                 mq_gptq_column_errors_ref, n_tasks, 0};
+                 mq_gptq_column_errors_ref, mq_gptq_loop_scores_ref, n_tasks, 0};
 #if defined(__x86_64__)
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         c.qdq = mq_gptq_qdq_column_avx2;
         c.errors = mq_gptq_column_errors_avx2;
+        c.loop_scores = mq_gptq_loop_scores_avx2;
     }
 #endif
     mq_parallel_for(n_tasks, run_task, &c);

@@ -136,6 +136,24 @@ void mq_gptq_qdq_column_avx2(const mq_qspec *s, const float *step, const float *
 double mq_gptq_column_errors_avx2(const float *x, const float *q, float upp, float *w0, int64_t n,
                                   float *e, double *dsq);
 
+/* GPTQ's in-loop scale search (MQ_GPTQ_MSE_LOOP): the score of one candidate quantizer of a
+ * group, for n rows at once. x [G][ld]: the group's current values in processing order (row i of
+ * column a at x[a*ld + i]); ucol [G][G]: U restricted to the group's columns (upper), stored by
+ * column: ucol[b][a] = U_ab for a <= b, so that column b is contiguous; step/zero:
+ * the candidate of each row (as mq_gptq_qdq_column). For each row, in order of b:
+ *     w_b = x_b - U_0b e_0 - ... - U_(b-1)b e_(b-1)   (subtracted in that order)
+ *     q_b = qdq(w_b);  e_b = (w_b - q_b) / U_bb;  score += (double)e_b * e_b
+ * i.e. the group's columns quantized with each error fed back to the later ones, as the column
+ * loop does; the score is the group's share of the GPTQ loss. work: (G + 2) * ld floats;
+ * code: ld bytes. */
+void mq_gptq_loop_scores_ref(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
+                             int64_t ld, int64_t n, const float *step, const float *zero,
+                             float *work, uint8_t *code, double *score);
+/* AVX2 twin (call only when mq_cpu_has_avx2_fma()): bit-identical scores. */
+void mq_gptq_loop_scores_avx2(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
+                              int64_t ld, int64_t n, const float *step, const float *zero,
+                              float *work, uint8_t *code, double *score);
+
 /* tr((W-Q) H (W-Q)^T) computed directly (2*rows*K^2 flops, double accumulation). */
 double mq_gptq_loss(const float *H, int64_t K, const float *w, const float *q, int64_t rows);
 

@@ -18,6 +18,10 @@ void mq_gptq_model_opts_init(mq_gptq_model_opts *o, const mq_qspec *spec) {
     o->spec.mse = true;
     o->gptq = mq_gptq_opts_default();
     o->gptq.act_order = spec->scheme == MQ_QS_INT4;
+    /* the scale search scores candidates by running GPTQ over the group (docs/gptq_results.md:
+     * lower KL in three of four cases, equal in the fourth); with one group per row that would
+     * be GPTQ over whole rows once per candidate, so those keep the plain squared error */
+    o->gptq.mse_weight = spec->group_size > 0 ? MQ_GPTQ_MSE_LOOP : MQ_GPTQ_MSE_PLAIN;
     o->mode = MQ_GPTQ_SEQUENTIAL;
     o->min_expert_tokens = 32;
     o->fallback = MQ_FALLBACK_BLOCK;

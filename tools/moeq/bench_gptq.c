@@ -195,7 +195,7 @@ int bench_gptq(int argc, char **argv) {
     int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3, threads = 0;
     int64_t experts = 64, chunk = 8, seed = 1;
     double percdamp = 0.01;
-    const char *scheme = "nvfp4";
+    const char *scheme = "nvfp4", *mse_weight = "gptq";
     bool act_order = false, mse = false, static_groups = false, json = false, moe = false;
     bool rtn_loss = false;
     const char *model = NULL, *calib = NULL;
@@ -210,6 +210,8 @@ int bench_gptq(int argc, char **argv) {
         {"--act-order", OPT_FLAG, &act_order, NULL, "columns in decreasing diag(H) order", NULL, 0, -1, NULL},
         {"--static-groups", OPT_FLAG, &static_groups, NULL, "group params from the original weights", NULL, 0, -1, NULL},
         {"--mse", OPT_FLAG, &mse, NULL, "MSE scale search", NULL, 0, -1, NULL},
+        {"--mse-weight", OPT_CHOICE, &mse_weight, NULL, "how --mse scores a group (as moeq quantize; default gptq)",
+         "gptq|plain|hessian|obq", 0, -1, NULL},
         {"--rtn-loss", OPT_FLAG, &rtn_loss, NULL, "also compute the RTN loss (timed)", NULL, 0, -1, NULL},
         {"--reps", OPT_INT, &reps, "R", "timed repetitions, best kept (default 3)", NULL, 1, 1000, NULL},
         {"--threads", OPT_INT, &threads, "T", "threads (default: all cores)", NULL, 0, 4096, NULL},
@@ -245,6 +247,10 @@ int bench_gptq(int argc, char **argv) {
     b.opts.act_order = act_order;
     b.opts.groups = static_groups ? MQ_GPTQ_GROUPS_STATIC : MQ_GPTQ_GROUPS_DYNAMIC;
     b.opts.rtn_loss = rtn_loss;
+    b.opts.mse_weight = strcmp(mse_weight, "hessian") == 0 ? MQ_GPTQ_MSE_HDIAG
+                        : strcmp(mse_weight, "obq") == 0   ? MQ_GPTQ_MSE_OBQ
+                        : strcmp(mse_weight, "gptq") == 0  ? MQ_GPTQ_MSE_LOOP
+                                                           : MQ_GPTQ_MSE_PLAIN;
 
     float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
     if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);

@@ -18,7 +18,7 @@ void gptq_cli_defaults(gptq_cli *g) {
     g->groups = "dynamic";
     g->mode = "sequential";
     g->fallback = "block";
-    g->mse_weight = "plain";
+    g->mse_weight = "auto";
 }
 
 static int fail(const char *msg) {
@@ -46,7 +46,8 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
     o->gptq.mse_weight = strcmp(g->mse_weight, "hessian") == 0 ? MOEQ_GPTQ_MSE_HESSIAN
                          : strcmp(g->mse_weight, "obq") == 0   ? MOEQ_GPTQ_MSE_OBQ
                          : strcmp(g->mse_weight, "gptq") == 0  ? MOEQ_GPTQ_MSE_GPTQ
-                                                               : MOEQ_GPTQ_MSE_PLAIN;
+                         : strcmp(g->mse_weight, "plain") == 0 ? MOEQ_GPTQ_MSE_PLAIN
+                                                               : MOEQ_GPTQ_MSE_AUTO;
     o->gptq.mode = strcmp(g->mode, "nonsequential") == 0 ? MOEQ_GPTQ_NONSEQUENTIAL
                                                          : MOEQ_GPTQ_SEQUENTIAL;
     o->gptq.true_sequential = g->true_sequential;

@@ -40,9 +40,9 @@ void gptq_cli_defaults(gptq_cli *g);
     {"--no-mse", OPT_FLAG, &(g).no_mse, NULL, "GPTQ: no MSE scale search (on by default with "     \
      "--method gptq)", NULL, 0, 0, NULL},                                                         \
     {"--mse-weight", OPT_CHOICE, &(g).mse_weight, NULL, "GPTQ: how the MSE scale search scores "   \
-     "a group: plain squared error (default), weighted by diag(H) (hessian) or by GPTQ's "          \
-     "remaining loss 1/[H_F^-1]_jj (obq), or by running GPTQ over the group (gptq)",              \
-     "plain|hessian|obq|gptq", 0, 0, NULL},                                                        \
+     "a group: by running GPTQ over the group's columns (gptq; the default, except plain for "     \
+     "INT4 --group-size -1), plain squared error (plain), weighted by diag(H) (hessian) or by "     \
+     "GPTQ's remaining loss 1/[H_F^-1]_jj (obq)", "gptq|plain|hessian|obq", 0, 0, NULL},           \
     {"--gptq-mode", OPT_CHOICE, &(g).mode, NULL, "GPTQ: each block calibrated on the outputs of "  \
      "the quantized blocks before it (default), or every Hessian from the unquantized model",     \
      "sequential|nonsequential", 0, 0, NULL},                                                      \

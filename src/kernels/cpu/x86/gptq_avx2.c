@@ -100,3 +100,67 @@ double mq_gptq_column_errors_avx2(const float *x, const float *q, float upp, flo
     *dsq += hsum(sd) + tail_d;
     return r;
 }
+
+/* The column step of mq_gptq_loop_scores_ref for 8 * nv rows from i0: q = qdq(w), the scaled
+ * errors e_b and their squares added to the rows' scores (in double, as the reference). */
+static inline void loop_column_step(const mq_qspec *s, float ubb, int nv, int64_t i0,
+                                    const float *step, const float *zero, const float *w,
+                                    float *q, float *eb, uint8_t *code, double *score) {
+    mq_gptq_qdq_column_avx2(s, step + i0, zero + i0, w + i0, 8 * nv, code + i0, q + i0);
+    const __m256 u = _mm256_set1_ps(ubb);
+    for (int64_t i = i0; i < i0 + 8 * nv; i += 8) {
+        __m256 ev = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(q + i)), u);
+        _mm256_storeu_ps(eb + i, ev);
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(ev));
+        __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(ev, 1));
+        _mm256_storeu_pd(score + i, _mm256_add_pd(_mm256_loadu_pd(score + i), _mm256_mul_pd(lo, lo)));
+        _mm256_storeu_pd(score + i + 4, _mm256_add_pd(_mm256_loadu_pd(score + i + 4), _mm256_mul_pd(hi, hi)));
+    }
+}
+
+/* mq_gptq_loop_scores_ref for 32 rows (nv = 4) or 8 rows (nv = 1) from i0: each row's value of
+ * column b stays in a register while the errors of the earlier columns are subtracted in order
+ * (the same products and differences as the reference, which subtracts column by column). The
+ * accumulators are plain locals, dead before the call in the column step, so that they live in
+ * registers. */
+static void loop_scores_rows(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
+                             int64_t ld, int64_t i0, int nv, const float *step, const float *zero,
+                             float *e, float *w, float *q, uint8_t *code, double *score) {
+    for (int64_t i = i0; i < i0 + 8 * nv; i++) score[i] = 0;
+    for (int64_t b = 0; b < G; b++) {
+        const float *ub = ucol + b * G, *ea = e + i0, *xb = x + b * ld + i0;
+        if (nv == 4) {
+            __m256 a0 = _mm256_loadu_ps(xb), a1 = _mm256_loadu_ps(xb + 8);
+            __m256 a2 = _mm256_loadu_ps(xb + 16), a3 = _mm256_loadu_ps(xb + 24);
+            for (int64_t a = 0; a < b; a++, ea += ld) {
+                const __m256 u = _mm256_broadcast_ss(ub + a);
+                a0 = _mm256_sub_ps(a0, _mm256_mul_ps(u, _mm256_loadu_ps(ea)));
+                a1 = _mm256_sub_ps(a1, _mm256_mul_ps(u, _mm256_loadu_ps(ea + 8)));
+                a2 = _mm256_sub_ps(a2, _mm256_mul_ps(u, _mm256_loadu_ps(ea + 16)));
+                a3 = _mm256_sub_ps(a3, _mm256_mul_ps(u, _mm256_loadu_ps(ea + 24)));
+            }
+            _mm256_storeu_ps(w + i0, a0);
+            _mm256_storeu_ps(w + i0 + 8, a1);
+            _mm256_storeu_ps(w + i0 + 16, a2);
+            _mm256_storeu_ps(w + i0 + 24, a3);
+        } else {
+            __m256 a0 = _mm256_loadu_ps(xb);
+            for (int64_t a = 0; a < b; a++, ea += ld)
+                a0 = _mm256_sub_ps(a0, _mm256_mul_ps(_mm256_broadcast_ss(ub + a), _mm256_loadu_ps(ea)));
+            _mm256_storeu_ps(w + i0, a0);
+        }
+        loop_column_step(s, ub[b], nv, i0, step, zero, w, q, e + b * ld, code, score);
+    }
+}
+
+void mq_gptq_loop_scores_avx2(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
+                              int64_t ld, int64_t n, const float *step, const float *zero,
+                              float *work, uint8_t *code, double *score) {
+    float *e = work, *w = work + G * ld, *q = w + ld;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) loop_scores_rows(s, ucol, G, x, ld, i, 4, step, zero, e, w, q, code, score);
+    for (; i + 8 <= n; i += 8) loop_scores_rows(s, ucol, G, x, ld, i, 1, step, zero, e, w, q, code, score);
+    if (i < n)
+        mq_gptq_loop_scores_ref(s, ucol, G, x + i, ld, n - i, step + i, zero + i, work + i,
+                                code + i, score + i);
+}
