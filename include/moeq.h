@@ -271,6 +271,11 @@ typedef struct {
     /* Optional outputs, moeq_docs_count() entries each (documents not evaluated: NaN / -1). */
     double *doc_loglikelihood;
     int64_t *doc_tokens;
+    /* Diagnostics of confidence (lm-eval has neither): this model's logits are divided by
+     * temperature before the softmax (0 or 1: unchanged; the base's and saved logits are not),
+     * and entropy adds the mean entropy of its predictive distribution per scored token. */
+    double temperature;
+    int entropy;
 } moeq_eval_options;
 
 void moeq_eval_options_init(moeq_eval_options *o);
@@ -294,6 +299,9 @@ typedef struct {
     double top1_changed;         /* share of tokens whose argmax differs from the base's */
     int32_t kl_top_k;            /* 0: exact over the vocabulary; else from saved top-k logits */
     double kl_gap_bound;         /* top-k: mean per-token upper bound of (exact - reported) KL */
+    /* entropy, when requested: mean over scored tokens of -sum p log p, nats */
+    int has_entropy;
+    double entropy_mean;
 } moeq_eval_result;
 
 /* Evaluates m on docs. On MOEQ_E_INTERRUPTED (moeq_interrupt) *res holds the documents finished

@@ -128,6 +128,25 @@ static void test_kl_rows_against_slow_loop(void) {
     free(lm);
 }
 
+/* Entropy of a row against -sum p log p in long double: uniform (log V), peaked, random. */
+static void test_entropy_row_against_slow_loop(void) {
+    enum { V = 4096 };
+    float *l = malloc(sizeof(float) * V), *zeros = calloc(V, sizeof(float));
+    for (int trial = 0; trial < 6; trial++) {
+        for (int v = 0; v < V; v++)
+            l[v] = trial == 0 ? 1.5f : trial == 1 ? (v == 7 ? 40.0f : 0.0f) : (float)(trial * nrand());
+        double z = mq_logsumexp(l, V, NULL);
+        long double zl = 0, h = 0;
+        for (int v = 0; v < V; v++) zl += expl((long double)l[v]);
+        zl = logl(zl);
+        for (int v = 0; v < V; v++) h -= expl(l[v] - zl) * (l[v] - zl);
+        ASSERT_NEAR((double)h, mq_entropy_row(l, z, zeros, V), 1e-9 + 1e-7 * (double)h);
+        if (trial == 0) ASSERT_NEAR(log((double)V), mq_entropy_row(l, z, zeros, V), 1e-9);
+    }
+    free(l);
+    free(zeros);
+}
+
 /* The top-k approximation: never above the exact KL, below it by at most the reported bound,
  * exact when the model changes only the top-k logits or when k = V. */
 static void test_kl_topk_approximation(void) {
@@ -246,5 +265,5 @@ static void test_logits_file_format(void) {
 }
 
 TEST_MAIN(T(test_kl_hand_case), T(test_logsumexp_and_argmax), T(test_topk_matches_sort),
-          T(test_kl_rows_against_slow_loop), T(test_kl_topk_approximation),
+          T(test_kl_rows_against_slow_loop), T(test_entropy_row_against_slow_loop), T(test_kl_topk_approximation),
           T(test_percentile_like_numpy), T(test_logits_file_format))

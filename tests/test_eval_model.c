@@ -112,7 +112,7 @@ static void test_first_documents_match_reference_and_threads(void) {
 /* Slow reference: the windows of each document run through moeq_session_forward with all logits,
  * scored in long double. */
 typedef struct {
-    long double ll, kl_sum;
+    long double ll, kl_sum, ent_sum;
     int64_t tokens, changed;
 } slow_result;
 
@@ -129,7 +129,9 @@ static int64_t row_argmax(const float *l, int64_t V) {
     return a;
 }
 
-static slow_result slow_eval(moeq_model *m, moeq_model *base, const moeq_docs *docs, int32_t L) {
+/* temp: m's logits divided by it (in float, as moeq_eval), the base's unchanged. */
+static slow_result slow_eval(moeq_model *m, moeq_model *base, const moeq_docs *docs, int32_t L,
+                             float temp) {
     slow_result res = {0};
     const moeq_tokenizer *tok = moeq_model_tokenizer(m);
     int64_t V = moeq_model_get_info(m)->vocab_size;
@@ -156,8 +158,11 @@ static slow_result slow_eval(moeq_model *m, moeq_model *base, const moeq_docs *d
             ASSERT_OK(moeq_session_forward(sb, ids, w[k].n_input, lgb));
             for (int32_t i = 0; i < w[k].n_score; i++) {
                 int64_t row = w[k].n_input - w[k].n_score + i;
-                const float *l = lg + row * V, *lb = lgb + row * V;
+                float *l = lg + row * V;
+                const float *lb = lgb + row * V;
+                for (int64_t v = 0; v < V; v++) l[v] /= temp;
                 long double z = row_lse(l, V), zb = row_lse(lb, V), kl = 0;
+                for (int64_t v = 0; v < V; v++) res.ent_sum -= expl(l[v] - z) * (l[v] - z);
                 res.ll += (long double)l[T[w[k].first_target + i]] - z;
                 for (int64_t v = 0; v < V; v++)
                     kl += expl(lb[v] - zb) * ((lb[v] - zb) - (l[v] - z));
@@ -181,7 +186,7 @@ static void test_against_slow_session_reference(void) {
     moeq_model *m = open_model("olmoe-tiny"), *base = open_other_model();
     moeq_docs *docs = calib_docs();
     const int32_t L = 48; /* several windows, the last one partial */
-    slow_result want = slow_eval(m, base, docs, L);
+    slow_result want = slow_eval(m, base, docs, L, 1.0f);
     moeq_eval_options o;
     moeq_eval_options_init(&o);
     o.task = MOEQ_TASK_TEXT;
@@ -196,6 +201,48 @@ static void test_against_slow_session_reference(void) {
     ASSERT_REL((double)(want.kl_sum / want.tokens), r.kl_mean, 1e-5);
     ASSERT_REL((double)want.changed / (double)want.tokens, r.top1_changed, 1e-12);
     ASSERT_TRUE(r.kl_p99 > r.kl_mean && r.kl_top_k == 0);
+    moeq_docs_free(docs);
+    moeq_model_free(m);
+    moeq_model_free(base);
+}
+
+/* --temperature and --entropy against the slow reference: the model's logits divided by T (the
+ * base's not), the entropy of the tempered distribution. */
+static void test_temperature_and_entropy(void) {
+    moeq_model *m = open_model("olmoe-tiny"), *base = open_other_model();
+    moeq_docs *docs = calib_docs();
+    const int32_t L = 48;
+    const float T = 1.3f;
+    slow_result want = slow_eval(m, base, docs, L, T);
+    moeq_eval_options o;
+    moeq_eval_options_init(&o);
+    o.task = MOEQ_TASK_TEXT;
+    o.max_length = L;
+    o.kl_base = base;
+    o.temperature = T;
+    o.entropy = 1;
+    moeq_eval_result r, plain;
+    ASSERT_OK(moeq_eval(m, docs, &o, &r));
+    ASSERT_EQ_INT(want.tokens, r.tokens);
+    ASSERT_REL((double)want.ll, r.loglikelihood, 1e-6);
+    ASSERT_REL((double)(want.kl_sum / want.tokens), r.kl_mean, 1e-5);
+    ASSERT_TRUE(r.has_entropy);
+    ASSERT_REL((double)(want.ent_sum / want.tokens), r.entropy_mean, 1e-6);
+    /* a higher temperature flattens the distribution; T = 1 is the plain evaluation */
+    o.temperature = 1.0;
+    ASSERT_OK(moeq_eval(m, docs, &o, &plain));
+    ASSERT_TRUE(plain.entropy_mean < r.entropy_mean && plain.loglikelihood != r.loglikelihood);
+    o.temperature = 0;
+    o.entropy = 0;
+    ASSERT_OK(moeq_eval(m, docs, &o, &r));
+    ASSERT_TRUE(r.loglikelihood == plain.loglikelihood && r.kl_mean == plain.kl_mean);
+    ASSERT_FALSE(r.has_entropy);
+    const double bad[3] = {-1.0, NAN, 1e300};
+    for (int i = 0; i < 3; i++) {
+        o.temperature = bad[i];
+        ASSERT_STATUS(MOEQ_E_ARG, moeq_eval(m, docs, &o, &r));
+        ASSERT_ERROR_MENTIONS("--temperature");
+    }
     moeq_docs_free(docs);
     moeq_model_free(m);
     moeq_model_free(base);
@@ -495,7 +542,7 @@ static void test_interrupt_keeps_finished_documents(void) {
 }
 
 TEST_MAIN(T(test_first_documents_match_reference_and_threads),
-          T(test_against_slow_session_reference), T(test_kl_against_itself_is_zero),
+          T(test_against_slow_session_reference), T(test_temperature_and_entropy), T(test_kl_against_itself_is_zero),
           T(test_saved_logits), T(test_saved_logits_mismatch),
           T(test_bad_options_and_empty_document), T(test_kl_base_with_other_vocabulary),
           T(test_interrupt_keeps_finished_documents))

@@ -47,6 +47,9 @@ double mq_logsumexp(const float *l, int64_t V, int32_t *argmax);
 /* KL(p_b || p_m) in nats between the softmaxes of two logits rows with their log-sum-exps.
  * Exactly 0 for identical rows. */
 double mq_kl_rows(const float *lb, double lse_b, const float *lm, double lse_m, int64_t V);
+/* Entropy -sum p log p in nats of the softmax of a logits row with its log-sum-exp: log V minus
+ * the row's KL to the uniform distribution (the KL kernel against zeros: V zero floats). */
+double mq_entropy_row(const float *l, double lse, const float *zeros, int64_t V);
 /* The k largest logits of a row, in decreasing order (ties: smaller id first). */
 void mq_topk(const float *l, int64_t V, int32_t k, uint32_t *ids, float *vals);
 /* KL from a base distribution known only by its top-k logits (ids, vals, decreasing) and its

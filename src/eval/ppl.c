@@ -33,6 +33,7 @@ typedef struct {
     uint32_t *tk_ids; /* [k] */
     float *tk_vals;   /* [k] */
     uint8_t *rec;     /* [L * record] a window's saved records */
+    float *zeros;     /* [V] for mq_entropy_row */
 } scratch;
 
 typedef struct {
@@ -51,6 +52,8 @@ typedef struct {
     int64_t n_win;
     double *win_ll;
     uint8_t *win_done;
+    float temperature;  /* 1: logits unchanged */
+    double *tok_ent;    /* entropy per scored token (global index), or NULL */
     /* KL per scored token (global index) */
     bool kl;
     double *tok_kl, *tok_bound;
@@ -151,6 +154,8 @@ static moeq_status scratch_init(eval_ctx *c, scratch *s) {
         if (!s->tk_ids || !s->tk_vals) return MOEQ_E_NOMEM;
     }
     if (c->kl_data && !(s->mark = mq_alloc_zero((size_t)V, "top-k marks"))) return MOEQ_E_NOMEM;
+    if (c->tok_ent && !(s->zeros = mq_alloc_zero((size_t)V * sizeof(float), "entropy zeros")))
+        return MOEQ_E_NOMEM;
     if (c->save_k && !(s->rec = mq_alloc_array((size_t)L, mq_logits_record_size(c->save_k),
                                                "saved logits records")))
         return MOEQ_E_NOMEM;
@@ -167,6 +172,7 @@ static void scratch_free(scratch *s) {
     mq_free(s->lgb);
     mq_free(s->ids);
     mq_free(s->mark);
+    mq_free(s->zeros);
     mq_free(s->tk_ids);
     mq_free(s->tk_vals);
     mq_free(s->rec);
@@ -199,6 +205,8 @@ static moeq_status score_window(eval_ctx *c, scratch *s, int64_t wi) {
     for (int64_t c0 = 0; c0 < w->n_score; c0 += CHUNK) {
         int64_t rows = w->n_score - c0 < CHUNK ? w->n_score - c0 : CHUNK;
         mq_lm_head(c->m, s->x + (r0 + c0) * D, rows, s->lg);
+        if (c->temperature != 1.0f)
+            for (int64_t i = 0; i < rows * V; i++) s->lg[i] /= c->temperature;
         if (c->base) mq_lm_head(c->base, s->xb + (r0 + c0) * c->base->cfg.D, rows, s->lgb);
         for (int64_t r = 0; r < rows; r++) {
             int64_t t = w->first_target + c0 + r, g = g0 + c0 + r;
@@ -209,6 +217,7 @@ static moeq_status score_window(eval_ctx *c, scratch *s, int64_t wi) {
                 return mq_err(MOEQ_E_NUMERIC, "document %lld, token %lld: non-finite logits",
                               (long long)d + 1, (long long)t);
             ll += (double)row[T[t]] - lse;
+            if (c->tok_ent) c->tok_ent[g] = mq_entropy_row(row, lse, s->zeros, V);
             if (c->save_k) {
                 mq_topk(row, V, (int32_t)c->save_k, s->tk_ids, s->tk_vals);
                 mq_logits_record_encode(s->rec + (size_t)(c0 + r) * rec_size, lse, s->tk_ids,
@@ -305,6 +314,10 @@ static moeq_status check_inputs(const moeq_model *m, const moeq_eval_options *o,
         return mq_err(MOEQ_E_ARG,
                       "--max-length %d exceeds the model's max_position_embeddings %d (%s)", *L,
                       info->max_position_embeddings, m->dir);
+    float temp = (float)o->temperature; /* applied in float: it must be one */
+    if (o->temperature != 0 && !(isfinite(temp) && temp > 0))
+        return mq_err(MOEQ_E_ARG, "--temperature %g: must be a positive finite number",
+                      o->temperature);
     if (o->kl_base && o->kl_logits)
         return mq_err(MOEQ_E_ARG, "--kl-base and --kl-logits: give only one");
     if (o->save_top_k < 0 || o->save_top_k > info->vocab_size)
@@ -380,7 +393,7 @@ static moeq_status check_saved_header(const eval_ctx *c, const char *path,
 }
 
 static void fill_result(const eval_ctx *c, const moeq_eval_options *o, moeq_eval_result *r) {
-    double ll = 0, kl_sum = 0, bound_sum = 0;
+    double ll = 0, kl_sum = 0, bound_sum = 0, ent_sum = 0;
     int64_t changed = 0, kl_n = 0;
     double *kl_vals = c->kl ? malloc(sizeof(double) * (size_t)(c->tokens_total + 1)) : NULL;
     for (int64_t d = 0; d < c->n_docs; d++) {
@@ -400,6 +413,8 @@ static void fill_result(const eval_ctx *c, const moeq_eval_options *o, moeq_eval
         r->bytes += (int64_t)len;
         if (o->doc_loglikelihood) o->doc_loglikelihood[d] = ll_d;
         if (o->doc_tokens) o->doc_tokens[d] = c->ntok[d];
+        if (c->tok_ent)
+            for (int64_t g = c->tok_off[d]; g < c->tok_off[d + 1]; g++) ent_sum += c->tok_ent[g];
         if (c->kl)
             for (int64_t g = c->tok_off[d]; g < c->tok_off[d + 1]; g++) {
                 kl_sum += c->tok_kl[g];
@@ -414,6 +429,10 @@ static void fill_result(const eval_ctx *c, const moeq_eval_options *o, moeq_eval
     r->byte_perplexity = exp(-ll / (double)r->bytes);
     r->bits_per_byte = -ll / (double)r->bytes / log(2.0);
     r->token_perplexity = exp(-ll / (double)r->tokens);
+    if (c->tok_ent) {
+        r->has_entropy = 1;
+        r->entropy_mean = ent_sum / (double)r->tokens;
+    }
     if (c->kl) {
         r->has_kl = 1;
         r->kl_tokens = kl_n;
@@ -438,6 +457,7 @@ static void ctx_free(eval_ctx *c) {
     free(c->win_ll);
     free(c->win_done);
     free(c->tok_kl);
+    free(c->tok_ent);
     free(c->tok_bound);
     free(c->tok_changed);
     if (c->sc)
@@ -504,6 +524,8 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
     c.win_doc = calloc((size_t)c.n_win + 1, sizeof *c.win_doc);
     c.win_ll = calloc((size_t)c.n_win + 1, sizeof *c.win_ll);
     c.win_done = calloc((size_t)c.n_win + 1, 1);
+    c.temperature = opt->temperature > 0 ? (float)opt->temperature : 1.0f;
+    if (opt->entropy) c.tok_ent = calloc((size_t)c.tokens_total + 1, sizeof *c.tok_ent);
     c.kl = opt->kl_base || opt->kl_logits;
     if (c.kl) {
         c.tok_kl = calloc((size_t)c.tokens_total + 1, sizeof *c.tok_kl);
@@ -512,7 +534,7 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
     }
     c.n_sc = mq_pool_size();
     c.sc = calloc((size_t)c.n_sc, sizeof *c.sc);
-    if (!c.win || !c.win_doc || !c.win_ll || !c.win_done || !c.sc ||
+    if (!c.win || !c.win_doc || !c.win_ll || !c.win_done || !c.sc || (opt->entropy && !c.tok_ent) ||
         (c.kl && (!c.tok_kl || !c.tok_changed || (opt->kl_logits && !c.tok_bound)))) {
         ctx_free(&c);
         return mq_err(MOEQ_E_NOMEM, "eval: out of memory for %lld windows", (long long)c.n_win);

@@ -23,6 +23,10 @@ double mq_kl_rows(const float *lb, double lse_b, const float *lm, double lse_m, 
     return mq_vec()->kl(lb, lse_b, lm, lse_m, V);
 }
 
+double mq_entropy_row(const float *l, double lse, const float *zeros, int64_t V) {
+    return log((double)V) - mq_vec()->kl(l, lse, zeros, log((double)V), V);
+}
+
 /* a ranks above b: larger value, or equal value and smaller id. */
 static inline bool better(float va, uint32_t ia, float vb, uint32_t ib) {
     return va > vb || (va == vb && ia < ib);

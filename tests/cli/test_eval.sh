@@ -84,6 +84,16 @@ grep -q "document 2 (0 bytes) tokenizes to nothing" "$tmp/err" || fail "no warni
 [ $? -eq 1 ] || fail "saved logits of other documents: expected exit 1"
 grep -q "base.topk: saved for other token ids" "$tmp/err" || fail "mismatch message: $(cat "$tmp/err")"
 
+# Confidence diagnostics: a higher temperature flattens the distribution.
+"$cli" eval "$model" --data "$tmp/wiki.txt" --entropy --json > "$tmp/e1.json" 2>/dev/null ||
+    fail "--entropy exited $?"
+"$cli" eval "$model" --data "$tmp/wiki.txt" --entropy --temperature 2 --json > "$tmp/e2.json" 2>/dev/null ||
+    fail "--temperature exited $?"
+awk -v a="$(json_get "$tmp/e1.json" entropy_mean)" -v b="$(json_get "$tmp/e2.json" entropy_mean)" \
+    'BEGIN { exit !(a > 0 && b > a) }' || fail "entropy at T=2 not above T=1"
+[ "$(json_get "$tmp/e1.json" token_perplexity)" != "$(json_get "$tmp/e2.json" token_perplexity)" ] ||
+    fail "--temperature did not change the perplexity"
+
 # Bad input.
 expect_fail() {   # expect_fail CODE PATTERN args...
     local code=$1 pat=$2
@@ -106,6 +116,8 @@ expect_fail 1 "$tmp/nomodel" "$tmp/nomodel" --data "$tmp/wiki.txt"
 expect_fail 2 "--data" "$model"
 expect_fail 2 "only one of --kl-base and --kl-logits" "$model" --data "$tmp/wiki.txt" --kl-base "$model" --kl-logits x
 expect_fail 2 "--task" "$model" --data "$tmp/wiki.txt" --task nope
+expect_fail 2 "--temperature must be a positive" "$model" --data "$tmp/wiki.txt" --temperature 0
+expect_fail 2 "--temperature must be a positive" "$model" --data "$tmp/wiki.txt" --temperature -1
 "$cli" eval --help > /dev/null || fail "--help: expected exit 0"
 
 # The progress bar: drawn with an ETA when stderr is a terminal (a pty from script(1)), not with

@@ -69,6 +69,7 @@ static void print_json(const char *model_dir, const char *data, const char *task
         json_int(f, "kl_top_k", r->kl_top_k);
         if (r->kl_top_k) json_num(f, "kl_gap_bound", r->kl_gap_bound, false);
     }
+    if (r->has_entropy) json_num(f, "entropy_mean", r->entropy_mean, false);
     if (doc_ll) {
         fputs("  \"per_doc\": [", f);
         bool first = true;
@@ -132,6 +133,7 @@ static void print_text(const char *model_dir, const char *task, const moeq_eval_
             fprintf(f, "  top-%d: the exact mean KL is at most %.4g higher\n", r->kl_top_k,
                     r->kl_gap_bound);
     }
+    if (r->has_entropy) fprintf(f, "  entropy_mean      %.6f nats/token\n", r->entropy_mean);
     fprintf(f, "  %.1f s, %.0f tokens/s (%.1f CPU s)\n", r->seconds, r->tokens_per_second,
             rs->cpu_seconds);
 }
@@ -141,6 +143,8 @@ int cmd_eval(int argc, char **argv) {
                *save_logits = NULL;
     int64_t max_length = 0, limit = 0, threads = 0, top_k = MOEQ_EVAL_DEFAULT_TOP_K;
     const char *act_quant = NULL;
+    double temperature = 1.0;
+    bool entropy = false;
     bool json = false, add_bos = false, quiet = false, per_doc = false, dequantize = false;
     const cli_opt opts[] = {
         {"--task", OPT_CHOICE, &task, NULL, "wikitext (lm-eval's task, default) or any text",
@@ -173,6 +177,12 @@ int cmd_eval(int argc, char **argv) {
         {"--act-quant", OPT_CHOICE, &act_quant, NULL,
          "emulate activation quantization on the inputs of the quantized Linears (W4A4; implies "
          "the dequantized path, the packed kernels being weight-only)", "none|nvfp4", 0, 0, NULL},
+        {"--temperature", OPT_DOUBLE, &temperature, "T",
+         "divide this model's logits by T before the softmax (default 1; a diagnostic of over- or "
+         "under-confidence, not part of lm-eval)", NULL, 0, 0, NULL},
+        {"--entropy", OPT_FLAG, &entropy, NULL,
+         "also report the mean entropy of the model's next-token distribution (nats)", NULL, 0, 0,
+         NULL},
         {"--per-doc", OPT_FLAG, &per_doc, NULL, "also print each document's log-likelihood", NULL,
          0, 0, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON object on stdout", NULL, 0, 0,
@@ -208,6 +218,8 @@ int cmd_eval(int argc, char **argv) {
     if (!data) return cli_usage_error("eval", "--data FILE is required");
     if (kl_base && kl_logits)
         return cli_usage_error("eval", "give only one of --kl-base and --kl-logits");
+    if (!(temperature > 0) || !isfinite((float)temperature))
+        return cli_usage_error("eval", "--temperature must be a positive finite number");
     const char *model_dir = pos[0];
     bool wikitext = strcmp(task, "wikitext") == 0;
     moeq_docs_layout lay = wikitext ? MOEQ_DOCS_WIKITEXT : MOEQ_DOCS_WHOLE;
@@ -254,6 +266,8 @@ int cmd_eval(int argc, char **argv) {
         o.save_top_k = (int32_t)top_k;
         o.doc_loglikelihood = doc_ll;
         o.doc_tokens = doc_tok;
+        o.temperature = temperature;
+        o.entropy = entropy;
         st = moeq_eval(m, docs, &o, &r);
     }
     cli_progress_finish();
