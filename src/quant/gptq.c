@@ -398,6 +398,10 @@ typedef struct {
     double *score, *best; /* [ROW_BLOCK] */
 } scratch;
 
+/* mq_gptq_loop_scores_ref or its AVX2 twin */
+typedef void (*loop_scores_fn)(const mq_qspec *, const float *, int64_t, const float *, int64_t,
+                               int64_t, const float *, const float *, float *, uint8_t *, double *);
+
 typedef struct {
     int64_t job, rb;
 } task_ref;
@@ -420,8 +424,7 @@ typedef struct {
     void (*qdq)(const mq_qspec *, const float *, const float *, const float *, int64_t, uint8_t *,
                 float *);
     double (*errors)(const float *, const float *, float, float *, int64_t, float *, double *);
-    void (*loop_scores)(const mq_qspec *, const float *, int64_t, const float *, int64_t, int64_t,
-                        const float *, const float *, float *, uint8_t *, double *);
+    loop_scores_fn loop_scores;
     int64_t n_tasks;
     atomic_int_fast64_t done;
 } run_ctx;
@@ -441,8 +444,7 @@ typedef struct {
     bool gidx;          /* groups in processing order */
     mq_gptq_mse_weight mse_weight;
     int64_t ncand;            /* room for candidates per row (sc->cand) */
-    void (*loop_scores)(const mq_qspec *, const float *, int64_t, const float *, int64_t, int64_t,
-                        const float *, const float *, float *, uint8_t *, double *);
+    loop_scores_fn loop_scores;
     int64_t b0, b1, s0, s1;   /* current block and sub-block */
 } loop_state;
 
