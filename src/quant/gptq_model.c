@@ -86,6 +86,8 @@ typedef struct {
     mq_linear *w[3];
     int nw;                      /* wanted weights */
     mq_hessian h;
+    int64_t pend_rows;           /* rows of a deferred update waiting in the block's arena (0: none) */
+    size_t pend_off;
     /* filled when quantizing */
     mq_gptq_how how;
     float *H;                    /* [K, K] the Hessian used (NULL for RTN) */
@@ -107,6 +109,8 @@ typedef struct {
     int64_t sample;                 /* sample being run */
     const float *x_in;              /* its block input */
     double t_hessian;
+    float *arena;                   /* copies of captured inputs whose Hessian update is deferred */
+    size_t arena_cap, arena_used;   /* floats */
 } block_ctx;
 
 static void block_free(block_ctx *b) {
@@ -115,6 +119,9 @@ static void block_free(block_ctx *b) {
         mq_free(b->slots[i].H);
     }
     free(b->slots);
+    free(b->arena);
+    b->arena = NULL;
+    b->arena_cap = b->arena_used = 0;
     mq_free(b->ffn_in);
     b->slots = NULL;
     b->ffn_in = NULL;
@@ -202,6 +209,43 @@ static void rmsnorm_rows(float *x, int64_t rows, int64_t n, const float *w, floa
     }
 }
 
+/* Hessian updates run together on the pool once the layer's forward is done (flush_updates):
+ * the hook copies its borrowed input, and every Hessian still gets the same one ssyrk call per
+ * sample, in sample order, so the sums are bit for bit those of updating inside the hook, while
+ * q/k/v, o and all the experts' Hessians update in parallel. */
+static void update_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    block_ctx *b = ctx;
+    slot *s = &b->slots[task];
+    if (s->pend_rows) mq_hessian_add(&s->h, b->arena + s->pend_off, s->pend_rows);
+}
+
+static void flush_updates(block_ctx *b) {
+    if (!b->arena_used) return;
+    double t0 = mq_now();
+    mq_parallel_for(b->n_slots, update_task, b);
+    for (int i = 0; i < b->n_slots; i++) b->slots[i].pend_rows = 0;
+    b->arena_used = 0;
+    b->t_hessian += mq_now() - t0;
+}
+
+/* Queues x [rows, K] for slot s's Hessian; false when out of memory (update it now instead). */
+static bool defer_update(block_ctx *b, slot *s, const float *x, int64_t rows) {
+    size_t n = (size_t)rows * (size_t)s->h.K;
+    if (b->arena_used + n > b->arena_cap) {
+        size_t cap = 2 * (b->arena_used + n);
+        float *a = realloc(b->arena, cap * sizeof(float));
+        if (!a) return false;
+        b->arena = a;
+        b->arena_cap = cap;
+    }
+    memcpy(b->arena + b->arena_used, x, n * sizeof(float));
+    s->pend_off = b->arena_used;
+    s->pend_rows = rows;
+    b->arena_used += n;
+    return true;
+}
+
 static void on_capture(void *user, int layer, mq_site site, int expert, const float *x,
                        int64_t rows, int64_t cols) {
     block_ctx *b = user;
@@ -209,10 +253,12 @@ static void on_capture(void *user, int layer, mq_site site, int expert, const fl
     int i = site == MQ_SITE_EXPERT        ? (b->expert0 >= 0 ? b->expert0 + expert : -1)
             : site == MQ_SITE_EXPERT_DOWN ? (b->down0 >= 0 ? b->down0 + expert : -1)
                                           : b->site_slot[site];
+    slot *s = i >= 0 && b->slots[i].nw && in_phase(b, &b->slots[i]) ? &b->slots[i] : NULL;
+    if (s && s->pend_rows) flush_updates(b);   /* one waiting update per Hessian keeps the order */
     double t0 = mq_now();
-    if (i >= 0 && b->slots[i].nw && in_phase(b, &b->slots[i])) {
-        MQ_ASSERT(cols == b->slots[i].h.K);
-        mq_hessian_add(&b->slots[i].h, x, rows);
+    if (s && rows > 0) {
+        MQ_ASSERT(cols == s->h.K);
+        if (!defer_update(b, s, x, rows)) mq_hessian_add(&s->h, x, rows);
     }
     if (site == MQ_SITE_O && b->ffn_in && b->phase != 0) {
         /* the MoE block input of every token: RMSNorm(x_in + o_proj(attention)) */
@@ -416,6 +462,7 @@ moeq_status mq_gptq_model(moeq_model *m, const mq_calib_set *calib, const mq_gpt
                 b.sample = s;
                 b.x_in = x;
                 st = mq_forward_layers(m, state, xt, calib->len[s], 0, l, l + 1, &hooks);
+                flush_updates(&b);
                 if (!seq) memcpy(x, xt, (size_t)(calib->len[s] * D) * sizeof(float));
                 mq_progress("gptq", ++done_units, total);
             }
