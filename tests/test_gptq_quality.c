@@ -26,17 +26,22 @@ static moeq_docs *eval_docs(void) {
     return d;
 }
 
+/* The same windows for every model: text task, 256-token windows, entropy; KL against base. */
+static void scoring_options(moeq_eval_options *o, const moeq_model *base) {
+    moeq_eval_options_init(o);
+    o->task = MOEQ_TASK_TEXT;
+    o->max_length = 256;
+    o->kl_base = base;
+    o->entropy = 1;
+}
+
 static void eval_model(const char *dir, const moeq_model *base, const moeq_docs *docs,
                        closeness *out) {
     moeq_model *m = NULL;
     ASSERT_OK(moeq_model_open(dir, NULL, &m));
     if (!m) return;
     moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 256;
-    o.kl_base = base;
-    o.entropy = 1;
+    scoring_options(&o, base);
     moeq_eval_result r;
     ASSERT_OK(moeq_eval(m, docs, &o, &r));
     ASSERT_TRUE(r.tokens > 1000 && r.has_kl && r.has_entropy);
@@ -68,10 +73,7 @@ static void check_scheme(moeq_quant_scheme scheme, const char *tag) {
     moeq_docs *docs = eval_docs();
     if (!base || !docs) return;
     moeq_eval_options o0;
-    moeq_eval_options_init(&o0);
-    o0.task = MOEQ_TASK_TEXT;
-    o0.max_length = 256;
-    o0.entropy = 1;
+    scoring_options(&o0, NULL);
     moeq_eval_result r0;
     ASSERT_OK(moeq_eval(base, docs, &o0, &r0));
     closeness a = {0, 0, 0}, b = {0, 0, 0};
