@@ -372,6 +372,14 @@ typedef enum {
     MOEQ_EXPERT_FALLBACK_RTN = 1,     /* round to nearest */
 } moeq_expert_fallback;
 
+/* Where the calibration activations at the layer boundary live during a run. */
+typedef enum {
+    MOEQ_ACT_STORAGE_AUTO = 0,     /* memory while the budget allows, else disk */
+    MOEQ_ACT_STORAGE_RAM = 1,      /* fp32 in memory */
+    MOEQ_ACT_STORAGE_DISK = 2,     /* fp32 in files of the work directory (same result) */
+    MOEQ_ACT_STORAGE_BF16 = 3,     /* bf16 in memory: half the memory, slightly other results */
+} moeq_act_storage;
+
 typedef struct {
     moeq_quant_scheme scheme;      /* --scheme; required */
     moeq_quant_method method;      /* --method (default RTN) */
@@ -399,6 +407,21 @@ typedef struct {
     int64_t max_shard_bytes;       /* --max-shard-size: largest shard; 0 = 5 GB */
     int force;                     /* --force: replace out_dir if it exists (default: fail with
                                       MOEQ_E_EXISTS and leave it untouched) */
+    int64_t max_memory;            /* --max-memory: bytes of (anonymous) memory the run may use;
+                                      0 = 85% of the memory available when it starts. The plan
+                                      must fit before any compute (else MOEQ_E_NOMEM saying what
+                                      does not fit and what is needed) */
+    const char *work_dir;          /* --work-dir: where an unfinished run keeps its work (the
+                                      checkpoint being assembled, activations, its manifest);
+                                      NULL = "<out_dir>.moeq-work"; on out_dir's file system */
+    int resume;                    /* --resume: continue the run the work directory holds (the
+                                      same model, options and calibration, else MOEQ_E_ARG saying
+                                      what differs); without it such a directory is
+                                      MOEQ_E_EXISTS */
+    int dry_run;                   /* --dry-run: plan only (result.plan), write nothing */
+    int32_t expert_chunk;          /* --expert-chunk: routed experts loaded at once; 0 = as many
+                                      as max_memory allows. Never changes the result */
+    moeq_act_storage activations;  /* --activations (default auto) */
     struct {                       /* GPTQ only (method MOEQ_QUANT_GPTQ) */
         int64_t nsamples;          /* --nsamples: calibration samples (default 128) */
         int64_t seqlen;            /* --seqlen: tokens per sample, >= 2 (default 512) */
@@ -427,6 +450,25 @@ typedef struct {
 /* Fills o with the defaults of `moeq quantize` (scheme left unset). */
 void moeq_quant_options_init(moeq_quant_options *o);
 
+/* The plan of a run (filled before any compute; a dry run returns only this). Bytes of
+ * anonymous memory. */
+typedef struct {
+    int64_t budget, peak;          /* the limit and the largest planned working set */
+    int64_t activations;           /* calibration activations at the layer boundary */
+    int64_t routing, state;        /* every token's experts; attention state and KV cache */
+    int64_t attention;             /* one layer's attention weights, Hessians and factors */
+    int64_t expert_chunk;          /* one chunk of routed experts, with Hessians and factors */
+    int64_t ffn_other;             /* shared expert or dense MLP, the block Hessian */
+    int32_t chunk, n_chunks;       /* experts per chunk, chunks per MoE layer */
+    int32_t sample_batch;          /* samples whose expert rows run together */
+    moeq_act_storage activations_storage;
+    int32_t layers;
+    double flops_forward, flops_hessian, flops_gptq;
+    double sgemm_gflops;           /* this machine's, measured for the estimate */
+    double seconds;                /* estimated wall time */
+    int64_t disk_output, disk_work;   /* bytes: the checkpoint; the work files beside it */
+} moeq_quant_plan;
+
 /* What a run did (the summary `moeq quantize` prints). */
 typedef struct {
     int64_t linears_quantized, linears_kept;   /* Linear modules */
@@ -441,15 +483,23 @@ typedef struct {
     int64_t gptq_worse_than_rtn;               /* Linears whose GPTQ layer loss exceeds RTN's */
     double gptq_loss, gptq_rtn_loss;           /* layer losses summed over the Linears not RTN */
     double gptq_seconds, gptq_seconds_forward, gptq_seconds_hessian, gptq_seconds_solve;
+    moeq_quant_plan plan;
+    int64_t peak_anon_bytes;       /* measured peak anonymous memory of the run */
+    int32_t layers_resumed;        /* layers an interrupted run had finished */
 } moeq_quant_result;
 
-/* Quantizes the checkpoint in model_dir into out_dir. opts is checked first (MOEQ_E_ARG naming
- * the field: unknown enum values, a scheme/format/group-size combination the format cannot hold,
- * a missing or unused calib, bad GPTQ settings, a bad ignore pattern), then out_dir (MOEQ_E_EXISTS
- * unless force; never model_dir). The checkpoint is written into a temporary directory beside
- * out_dir and renamed when complete; a failure or moeq_interrupt() (MOEQ_E_INTERRUPTED) leaves no
- * output. Progress goes to the moeq_set_progress callback. result may be NULL; on failure it is
- * zeroed. */
+/* Quantizes the checkpoint in model_dir into out_dir, streaming: one pass over the source, layer
+ * by layer (routed experts a chunk at a time), within max_memory; see src/pipeline/pipeline.h.
+ * opts is checked first (MOEQ_E_ARG naming the field: unknown enum values, a scheme/format/
+ * group-size combination the format cannot hold, a missing or unused calib, bad GPTQ settings,
+ * a bad ignore pattern), then out_dir (MOEQ_E_EXISTS unless force; never model_dir), the source
+ * and the memory plan. The checkpoint is assembled in the work directory and renamed to out_dir
+ * when complete; a failure or moeq_interrupt() (MOEQ_E_INTERRUPTED) leaves no output, and once a
+ * layer is finished the work directory stays so that the same call with resume continues it
+ * (killed processes too); the result is byte-identical to an uninterrupted run's and does not
+ * depend on the thread count, expert_chunk or max_memory. Progress goes to the
+ * moeq_set_progress callback ("quantize"), a line per layer to the log. result may be NULL; on
+ * failure it is zeroed except for a dry run's plan. */
 moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
                           const moeq_quant_options *opts, moeq_quant_result *result);
 

@@ -12,7 +12,7 @@
 
 #include "core/core.h"
 #include "eval/eval.h"
-#include "export/quantize.h"
+#include "pipeline/pipeline.h"
 #include "io/safetensors.h"
 #include "harness.h"
 
@@ -33,10 +33,10 @@ static moeq_model *open_other_model(void) {
     char src[1024];
     snprintf(src, sizeof src, "%s", mq_test_model("olmoe-tiny"));
     char *dir = mq_path_join(mq_test_tmpdir(), "olmoe-int4");
-    mq_quantize_opts q;
-    mq_quantize_opts_init(&q, MQ_QS_INT4, MQ_FMT_CT);
+    mq_pipeline_opts q;
+    mq_pipeline_opts_init(&q, MQ_QS_INT4, MQ_FMT_CT);
     q.spec.group_size = 32;
-    ASSERT_OK(mq_quantize_checkpoint(src, dir, &q, NULL));
+    ASSERT_OK(mq_pipeline_run(src, dir, &q, NULL));
     moeq_model *m = NULL;
     ASSERT_OK(moeq_model_open(dir, NULL, &m));
     free(dir);

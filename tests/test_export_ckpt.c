@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 
-#include "export/quantize.h"
+#include "pipeline/pipeline.h"
 #include "harness.h"
 
 /* The shared fixture model, or the bundled copy (olmoe-tiny) without the shared folder. */
@@ -133,10 +133,10 @@ static float amax_of(const mq_st *st, const char *name) {
 static void test_ct_nvfp4_olmoe(void) {
     const char *model = fixture("olmoe-tiny");
     const char *out = outdir("olmoe-ct-nvfp4");
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
-    mq_quantize_stats stats;
-    ASSERT_OK(mq_quantize_checkpoint(model, out, &o, &stats));
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
+    mq_pipeline_result stats;
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &stats));
     ASSERT_EQ_INT(4 * (4 + 8 * 3), stats.n_quantized);   /* q,k,v,o + 8 experts x 3 per layer */
     ASSERT_EQ_INT(4, stats.n_kept);                       /* the routers */
     mq_st *src, *st;
@@ -224,10 +224,10 @@ static void test_ct_nvfp4_olmoe(void) {
 static void test_modelopt_nvfp4_qwen2moe(void) {
     const char *model = fixture("qwen2moe-tiny");
     const char *out = outdir("qwen2moe-modelopt");
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_MODELOPT);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_MODELOPT);
     ASSERT_EQ_INT(MQ_NVFP4_MUL, o.spec.nvfp4_conv);
-    ASSERT_OK(mq_quantize_checkpoint(model, out, &o, NULL));
+    ASSERT_OK(mq_pipeline_run(model, out, &o, NULL));
     mq_st *src, *st;
     ASSERT_OK(mq_st_open_dir(model, &src));
     ASSERT_OK(mq_st_open_dir(out, &st));
@@ -271,9 +271,9 @@ static void test_ct_int4_and_gptq_llama(void) {
     ASSERT_OK(mq_st_open_dir(model, &src));
     /* compressed-tensors pack-quantized, group 128, symmetric */
     const char *out = outdir("llama-ct-int4");
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
-    ASSERT_OK(mq_quantize_checkpoint(model, out, &o, NULL));
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
+    ASSERT_OK(mq_pipeline_run(model, out, &o, NULL));
     ASSERT_OK(mq_st_open_dir(out, &st));
     expect(st, "model.layers.1.mlp.down_proj.weight_packed", MOEQ_DT_I32, 2, 256, 96);
     expect(st, "model.layers.1.mlp.down_proj.weight_scale", MOEQ_DT_BF16, 2, 256, 6);
@@ -297,7 +297,7 @@ static void test_ct_int4_and_gptq_llama(void) {
     out = outdir("llama-ct-int4-asym");
     o.spec.group_size = 32;
     o.spec.asym = true;
-    ASSERT_OK(mq_quantize_checkpoint(model, out, &o, NULL));
+    ASSERT_OK(mq_pipeline_run(model, out, &o, NULL));
     ASSERT_OK(mq_st_open_dir(out, &st));
     expect(st, "model.layers.0.self_attn.k_proj.weight_zero_point", MOEQ_DT_I32, 2, 16, 8);
     check_round_trip(src, st, "model.layers.0.self_attn.k_proj", &o.spec, 1.0f);
@@ -307,8 +307,8 @@ static void test_ct_int4_and_gptq_llama(void) {
     mq_st_close(st);
     /* GPTQ v1 */
     out = outdir("llama-gptq");
-    mq_quantize_opts_init(&o, MQ_QS_INT4, MQ_FMT_GPTQ);
-    ASSERT_OK(mq_quantize_checkpoint(model, out, &o, NULL));
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_GPTQ);
+    ASSERT_OK(mq_pipeline_run(model, out, &o, NULL));
     ASSERT_OK(mq_st_open_dir(out, &st));
     expect(st, "model.layers.0.mlp.up_proj.qweight", MOEQ_DT_I32, 2, 32, 768);
     expect(st, "model.layers.0.mlp.up_proj.qzeros", MOEQ_DT_I32, 2, 2, 96);
@@ -345,9 +345,9 @@ static void test_ct_int4_and_gptq_llama(void) {
 static void test_fused_experts_on_disk_are_split_per_expert(void) {
     const char *model = mq_test_repo("tests/data/mixtral-tiny-fused");
     const char *out = outdir("mixtral-fused-ct");
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
-    ASSERT_OK(mq_quantize_checkpoint(model, out, &o, NULL));
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
+    ASSERT_OK(mq_pipeline_run(model, out, &o, NULL));
     mq_st *src, *st;
     ASSERT_OK(mq_st_open_dir(model, &src));
     ASSERT_OK(mq_st_open_dir(out, &st));
@@ -380,14 +380,14 @@ static void test_fused_experts_on_disk_are_split_per_expert(void) {
 static void test_ignore_no_fuse_and_sharding(void) {
     const char *model = fixture("olmoe-tiny");
     const char *out = outdir("olmoe-ignore");
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
     const char *ign[] = {"layers\\.1\\.self_attn\\.q_proj$", "experts\\.0\\.down"};
     o.ignore = ign;
     o.n_ignore = 2;
     o.no_fuse = true;
     o.max_shard_bytes = 1 << 20;
-    ASSERT_OK(mq_quantize_checkpoint(model, out, &o, NULL));
+    ASSERT_OK(mq_pipeline_run(model, out, &o, NULL));
     char path[1200];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", out);
     ASSERT_TRUE(mq_file_exists(path));
@@ -423,7 +423,7 @@ static void test_ignore_no_fuse_and_sharding(void) {
     o.ignore = bad;
     o.n_ignore = 1;
     o.force = true;
-    ASSERT_STATUS(MOEQ_E_ARG, mq_quantize_checkpoint(model, out, &o, NULL));
+    ASSERT_STATUS(MOEQ_E_ARG, mq_pipeline_run(model, out, &o, NULL));
     ASSERT_ERROR_MENTIONS("experts.(0");
 }
 
@@ -445,38 +445,38 @@ static void test_atomic_output(void) {
     snprintf(parent, sizeof parent, "%s/atomic", mq_test_tmpdir());
     ASSERT_TRUE(mkdir(parent, 0755) == 0);
     snprintf(out, sizeof out, "%s/q", parent);
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
     /* existing OUT_DIR: refused without force, untouched */
     ASSERT_TRUE(mkdir(out, 0755) == 0);
     snprintf(path, sizeof path, "%s/keep.txt", out);
     ASSERT_OK(mq_write_file_atomic(path, "x", 1));
-    ASSERT_STATUS(MOEQ_E_EXISTS, mq_quantize_checkpoint(model, out, &o, NULL));
+    ASSERT_STATUS(MOEQ_E_EXISTS, mq_pipeline_run(model, out, &o, NULL));
     ASSERT_ERROR_MENTIONS("--force");
     ASSERT_TRUE(mq_file_exists(path));
     /* interrupted: nothing new is left behind, the old directory is intact */
     o.force = true;
     moeq_interrupt();
-    ASSERT_STATUS(MOEQ_E_INTERRUPTED, mq_quantize_checkpoint(model, out, &o, NULL));
+    ASSERT_STATUS(MOEQ_E_INTERRUPTED, mq_pipeline_run(model, out, &o, NULL));
     moeq_clear_interrupt();
     ASSERT_EQ_INT(1, count_entries(parent));
     ASSERT_TRUE(mq_file_exists(path));
     /* force replaces it */
-    ASSERT_OK(mq_quantize_checkpoint(model, out, &o, NULL));
+    ASSERT_OK(mq_pipeline_run(model, out, &o, NULL));
     ASSERT_FALSE(mq_file_exists(path));
     snprintf(path, sizeof path, "%s/config.json", out);
     ASSERT_TRUE(mq_file_exists(path));
     ASSERT_EQ_INT(1, count_entries(parent));
     /* the model directory itself is never a valid output */
-    ASSERT_STATUS(MOEQ_E_ARG, mq_quantize_checkpoint(model, model, &o, NULL));
+    ASSERT_STATUS(MOEQ_E_ARG, mq_pipeline_run(model, model, &o, NULL));
     /* quantizing a quantized checkpoint is refused */
     char out2[1100];
     snprintf(out2, sizeof out2, "%s/q2", parent);
-    ASSERT_STATUS(MOEQ_E_UNSUPPORTED, mq_quantize_checkpoint(out, out2, &o, NULL));
+    ASSERT_STATUS(MOEQ_E_UNSUPPORTED, mq_pipeline_run(out, out2, &o, NULL));
     ASSERT_EQ_INT(1, count_entries(parent));
     /* a format that cannot hold the scheme */
-    mq_quantize_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_GPTQ);
-    ASSERT_STATUS(MOEQ_E_ARG, mq_quantize_checkpoint(model, out2, &o, NULL));
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_GPTQ);
+    ASSERT_STATUS(MOEQ_E_ARG, mq_pipeline_run(model, out2, &o, NULL));
 }
 
 static void test_nan_weight_names_module_and_leaves_nothing(void) {
@@ -496,10 +496,10 @@ static void test_nan_weight_names_module_and_leaves_nothing(void) {
     ASSERT_OK(mq_stw_write(sw, path));
     mq_stw_free(sw);
     snprintf(out, sizeof out, "%s/nanout", mq_test_tmpdir());
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
     o.spec.group_size = 32;
-    ASSERT_STATUS(MOEQ_E_NUMERIC, mq_quantize_checkpoint(dir, out, &o, NULL));
+    ASSERT_STATUS(MOEQ_E_NUMERIC, mq_pipeline_run(dir, out, &o, NULL));
     ASSERT_ERROR_MENTIONS("model.layers.0.mlp.down_proj");
     ASSERT_ERROR_MENTIONS("row 7, column 20");
     ASSERT_FALSE(mq_dir_exists(out));
@@ -510,8 +510,8 @@ static void test_nan_weight_names_module_and_leaves_nothing(void) {
     ASSERT_OK(mq_stw_add(sw, "model.layers.0.mlp.down_proj.weight", MOEQ_DT_F32, 2, odd, w, 32 * 24 * 4));
     ASSERT_OK(mq_stw_write(sw, path));
     mq_stw_free(sw);
-    mq_quantize_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
-    ASSERT_STATUS(MOEQ_E_SHAPE, mq_quantize_checkpoint(dir, out, &o, NULL));
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
+    ASSERT_STATUS(MOEQ_E_SHAPE, mq_pipeline_run(dir, out, &o, NULL));
     ASSERT_ERROR_MENTIONS("model.layers.0.mlp.down_proj");
     ASSERT_FALSE(mq_dir_exists(out));
 }

@@ -3,8 +3,7 @@
  * every unquantized tensor is the source's, and the forward pass runs. One case per format. */
 #include <stdlib.h>
 
-#include "export/act_amax.h"
-#include "export/quantize.h"
+#include "pipeline/pipeline.h"
 #include "harness.h"
 #include "model/model.h"
 
@@ -58,10 +57,10 @@ static float stored_global(const mq_st *st, const char *module, mq_ckpt_format f
     return g;
 }
 
-static void check_model(const char *src_dir, const mq_quantize_opts *o, const char *tag) {
+static void check_model(const char *src_dir, const mq_pipeline_opts *o, const char *tag) {
     char out[1024];
     snprintf(out, sizeof out, "%s/%s", mq_test_tmpdir(), tag);
-    ASSERT_OK(mq_quantize_checkpoint(src_dir, out, o, NULL));
+    ASSERT_OK(mq_pipeline_run(src_dir, out, o, NULL));
     moeq_model *src = NULL, *q = NULL;
     moeq_model_options mo = {0};
     mo.no_tokenizer = 1;
@@ -120,46 +119,47 @@ static void check_model(const char *src_dir, const mq_quantize_opts *o, const ch
 }
 
 static void test_ct_nvfp4_olmoe(void) {
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
     check_model(fixture("olmoe-tiny"), &o, "olmoe-ct-nvfp4");
 }
 
 static void test_modelopt_nvfp4_qwen2moe(void) {
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_MODELOPT);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_MODELOPT);
     o.spec.mse = true;
     check_model(fixture("qwen2moe-tiny"), &o, "qwen2moe-modelopt");
 }
 
 static void test_ct_int4_asym_qwen2moe(void) {
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
     o.spec.group_size = 64;
     o.spec.asym = true;
     check_model(fixture("qwen2moe-tiny"), &o, "qwen2moe-ct-int4");
 }
 
 static void test_gptq_llama(void) {
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_INT4, MQ_FMT_GPTQ);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_GPTQ);
     o.spec.group_size = 32;
     check_model(fixture("llama-tiny"), &o, "llama-gptq");
 }
 
 static void test_fused_mixtral(void) {
-    mq_quantize_opts o;
-    mq_quantize_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
     check_model(mq_test_repo("tests/data/mixtral-tiny-fused"), &o, "mixtral-fused");
-    mq_quantize_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
     o.spec.group_size = 16;   /* expert width 48 */
     check_model(mq_test_repo("tests/data/qwen2moe-dense-tiny-fused"), &o, "qwen2moe-dense-fused");
 }
 
-/* Calibration amax: one value per hook site, shared by the Linears that read it; experts with no
- * token take the layer's largest; the table outlives the model. */
+/* W4A4 activation scales: the checkpoint's input_global_scale of each Linear is 2688 / the
+ * absolute max of its input over the calibration tokens, as an independent hooked forward of the
+ * whole model sees them; experts that saw no token take the layer's largest. */
 typedef struct {
-    float qkv0, exp_seen[8];
+    float qkv0, o0, exp_seen[8], down_seen[8];
     int calls;
 } raw;
 static void raw_hook(void *user, int layer, mq_site site, int expert, const float *x, int64_t rows,
@@ -168,47 +168,79 @@ static void raw_hook(void *user, int layer, mq_site site, int expert, const floa
     r->calls++;
     if (layer != 1 || rows == 0) return;
     if (site == MQ_SITE_QKV) r->qkv0 = fmaxf(r->qkv0, mq_absmax(x, rows * cols));
+    if (site == MQ_SITE_O) r->o0 = fmaxf(r->o0, mq_absmax(x, rows * cols));
     if (site == MQ_SITE_EXPERT) r->exp_seen[expert] = fmaxf(r->exp_seen[expert], mq_absmax(x, rows * cols));
+    if (site == MQ_SITE_EXPERT_DOWN)
+        r->down_seen[expert] = fmaxf(r->down_seen[expert], mq_absmax(x, rows * cols));
+}
+
+static float scale_of(const mq_st *st, const char *module) {
+    char name[200];
+    snprintf(name, sizeof name, "%s.input_global_scale", module);
+    const mq_tensor_view *t = mq_st_find(st, name);
+    float v = NAN;
+    if (t && t->dtype == MOEQ_DT_F32 && t->nbytes == 4) memcpy(&v, t->data, 4);
+    return v;
 }
 
 static void test_activation_amax(void) {
     moeq_model *m;
-    moeq_model_options mo = {0};
-    mo.no_tokenizer = 1;
-    ASSERT_OK(moeq_model_open(fixture("olmoe-tiny"), &mo, &m));
+    ASSERT_OK(moeq_model_open(fixture("olmoe-tiny"), NULL, &m));
     if (!m) return;
-    int32_t ids[40];
-    for (int i = 0; i < 40; i++) ids[i] = (i * 97 + 11) % 4096;
-    mq_act_amax *a;
-    ASSERT_OK(mq_act_amax_collect(m, ids, 40, 16, &a));
-    /* an independent pass over the same chunks, capturing the raw inputs */
+    /* 40 calibration tokens: the pipeline runs them as one sample */
+    char path[1024];
+    snprintf(path, sizeof path, "%s/amax-calib.txt", mq_test_tmpdir());
+    const char *text = "The quick brown fox jumps over the lazy dog while the cat sleeps on the "
+                       "warm mat beside the old fire, and nobody in the quiet house notices any of it.";
+    ASSERT_OK(mq_write_file_atomic(path, text, strlen(text)));
+    int32_t *ids;
+    size_t n_ids;
+    ASSERT_OK(moeq_tokenizer_encode(moeq_model_tokenizer(m), text, strlen(text), &ids, &n_ids));
+    ASSERT_TRUE(n_ids >= 40);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_NVFP4, MQ_FMT_CT);
+    o.act_quant = true;
+    o.act_calib = path;
+    o.act_calib_tokens = 40;
+    char out[1100];
+    snprintf(out, sizeof out, "%s/amax-out", mq_test_tmpdir());
+    ASSERT_OK(mq_pipeline_run(fixture("olmoe-tiny"), out, &o, NULL));
+    /* the independent pass */
     raw r = {0};
     mq_state *st;
-    ASSERT_OK(mq_state_new(m, 16, &st));
-    float x[16 * 256];
+    ASSERT_OK(mq_state_new(m, 40, &st));
+    float x[40 * 256];
     mq_hooks h = {raw_hook, &r};
-    for (int off = 0; off < 40; off += 16) {
-        int T = 40 - off < 16 ? 40 - off : 16;
-        ASSERT_OK(mq_embed(m, ids + off, T, x));
-        ASSERT_OK(mq_forward_layers(m, st, x, T, 0, 0, m->cfg.n_layers, &h));
-    }
+    ASSERT_OK(mq_embed(m, ids, 40, x));
+    ASSERT_OK(mq_forward_layers(m, st, x, 40, 0, 0, m->cfg.n_layers, &h));
     mq_state_free(st);
-    moeq_model_free(m);   /* lookups work after the model is gone */
-    ASSERT_TRUE(r.calls > 0);
-    ASSERT_TRUE(r.qkv0 > 0);
-    ASSERT_NEAR(r.qkv0, mq_act_amax_get(a, "model.layers.1.self_attn.q_proj"), 0);
-    ASSERT_NEAR(r.qkv0, mq_act_amax_get(a, "model.layers.1.self_attn.v_proj"), 0);
-    float mx = 0;
-    for (int e = 0; e < 8; e++) mx = fmaxf(mx, r.exp_seen[e]);
+    moeq_model_free(m);
+    free(ids);
+    ASSERT_TRUE(r.calls > 0 && r.qkv0 > 0);
+    mq_st *ck;
+    ASSERT_OK(mq_st_open_dir(out, &ck));
+    ASSERT_NEAR(2688.0f / r.qkv0, scale_of(ck, "model.layers.1.self_attn.q_proj"), 0);
+    ASSERT_NEAR(2688.0f / r.qkv0, scale_of(ck, "model.layers.1.self_attn.v_proj"), 0);
+    ASSERT_NEAR(2688.0f / r.o0, scale_of(ck, "model.layers.1.self_attn.o_proj"), 0);
+    float mx = 0, mxd = 0;
+    int unseen = 0;
+    for (int e = 0; e < 8; e++) {
+        mx = fmaxf(mx, r.exp_seen[e]);
+        mxd = fmaxf(mxd, r.down_seen[e]);
+        unseen += r.exp_seen[e] == 0;
+    }
+    ASSERT_TRUE(unseen > 0);   /* 40 tokens x top-2 leave experts out: the fallback is exercised */
     for (int e = 0; e < 8; e++) {
         char name[128];
         snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj", e);
-        ASSERT_NEAR(r.exp_seen[e] > 0 ? r.exp_seen[e] : mx, mq_act_amax_get(a, name), 0);
+        ASSERT_NEAR(2688.0f / (r.exp_seen[e] > 0 ? r.exp_seen[e] : mx), scale_of(ck, name), 0);
         snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj", e);
-        ASSERT_NEAR(r.exp_seen[e] > 0 ? r.exp_seen[e] : mx, mq_act_amax_get(a, name), 0);
+        ASSERT_NEAR(2688.0f / (r.exp_seen[e] > 0 ? r.exp_seen[e] : mx), scale_of(ck, name), 0);
+        snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj", e);
+        ASSERT_NEAR(2688.0f / (r.down_seen[e] > 0 ? r.down_seen[e] : mxd), scale_of(ck, name), 0);
     }
-    ASSERT_NEAR(0, mq_act_amax_get(a, "model.layers.1.mlp.gate"), 0);
-    mq_act_amax_free(a);
+    ASSERT_TRUE(isnan(scale_of(ck, "model.layers.1.mlp.gate")));   /* the router stays bf16 */
+    mq_st_close(ck);
 }
 
 TEST_MAIN(T(test_activation_amax), T(test_ct_nvfp4_olmoe), T(test_modelopt_nvfp4_qwen2moe), T(test_ct_int4_asym_qwen2moe),

@@ -76,6 +76,7 @@ static void check_order(const moeq_model *m, const captures *cs) {
         int want[300][2], n = 0;
         want[n][0] = MQ_SITE_QKV, want[n++][1] = -1;
         want[n][0] = MQ_SITE_O, want[n++][1] = -1;
+        want[n][0] = MQ_SITE_FFN, want[n++][1] = -1;
         if (c->layer_is_moe[l]) {
             for (int e = 0; e < c->n_experts; e++) {
                 want[n][0] = MQ_SITE_EXPERT, want[n++][1] = e;
@@ -201,6 +202,9 @@ static void hooks_for(const char *dir) {
         if (sh) {
             ASSERT_EQ_INT(T, sh->rows);
             check_experts(m, cs, l, sh->x, 0);
+            const capture *ffn = find(cs, l, MQ_SITE_FFN, -1);
+            ASSERT_TRUE(ffn != NULL && ffn->rows == T);
+            ASSERT_TRUE(memcmp(ffn->x, sh->x, sizeof(float) * (size_t)(T * c->D)) == 0);
         } else {
             /* Rebuild the layer's FFN input: x_in (forward of layers < l without hooks) plus
              * o_proj of the captured attention output, then RMSNorm; all in double. */
@@ -221,6 +225,14 @@ static void hooks_for(const char *dir) {
                 ref_rmsnorm(mid, D, ly->ffn_norm, c->rms_eps, xn + t * D);
             }
             check_experts(m, cs, l, xn, 1e-4);
+            /* the FFN site reports that input as the experts see it: within the same tolerance
+             * of the rebuild, and bit for bit what they gather */
+            const capture *ffn = find(cs, l, MQ_SITE_FFN, -1);
+            ASSERT_TRUE(ffn != NULL);
+            ASSERT_EQ_INT(T, ffn->rows);
+            ASSERT_EQ_INT(D, ffn->cols);
+            for (int64_t i = 0; i < T * D; i++) ASSERT_NEAR(xn[i], ffn->x[i], 1e-4);
+            check_experts(m, cs, l, ffn->x, 0);
             free(xin);
             free(xn);
             free(mid);

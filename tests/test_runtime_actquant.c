@@ -16,7 +16,7 @@
  */
 #include <stdlib.h>
 
-#include "export/quantize.h"
+#include "pipeline/pipeline.h"
 #include "formats/formats.h"
 #include "harness.h"
 #include "model/model.h"
@@ -412,12 +412,12 @@ static void test_only_quantized_linears(void) {
     snprintf(src, sizeof src, "%s",
              mq_test_model(mq_test_have_shared() ? "qwen2moe-tiny" : "olmoe-tiny"));
     snprintf(dir, sizeof dir, "%s/q", mq_test_tmpdir());
-    mq_quantize_opts q;
-    mq_quantize_opts_init(&q, MQ_QS_NVFP4, MQ_FMT_CT);
+    mq_pipeline_opts q;
+    mq_pipeline_opts_init(&q, MQ_QS_NVFP4, MQ_FMT_CT);
     const char *ign[1] = {"model\\.layers\\.1\\.self_attn\\.o_proj"};
     q.ignore = ign;
     q.n_ignore = 1;
-    ASSERT_OK(mq_quantize_checkpoint(src, dir, &q, NULL));
+    ASSERT_OK(mq_pipeline_run(src, dir, &q, NULL));
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_NVFP4};
     moeq_model *m = NULL;
     ASSERT_OK(moeq_model_open(dir, &mo, &m));

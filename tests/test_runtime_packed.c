@@ -22,8 +22,9 @@
  */
 #include <stdlib.h>
 
-#include "export/quantize.h"
+#include "export/layout.h"
 #include "harness.h"
+#include "pipeline/pipeline.h"
 #include "model/model.h"
 
 static const char *fixture(const char *model) {
@@ -67,24 +68,63 @@ static moeq_status step(void *user, const char *module, const float *w, int64_t 
     return MOEQ_OK;
 }
 
-/* Writes (once per test run) fixture `model` quantized with scheme/group/format under a tag. */
+static moeq_status add_emitted(void *user, const char *name, moeq_dtype dtype, int ndim,
+                               const int64_t *shape, void *data, size_t nbytes) {
+    return mq_stw_add_owned(user, name, dtype, ndim, shape, data, nbytes);
+}
+
+/* Rewrites the one-shard checkpoint in dir with `module` quantized by step() instead of RTN
+ * (the layouts the runtime must recognise and fall back on). */
+static void restep(const char *src_dir, const char *dir, const char *module, const mq_pipeline_opts *q,
+                   const step_cfg *sc) {
+    char path[1200], wname[300];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    snprintf(wname, sizeof wname, "%s.weight", module);
+    mq_st *src, *ck;
+    ASSERT_OK(mq_st_open_dir(src_dir, &src));
+    ASSERT_OK(mq_st_open_file(path, &ck));
+    const mq_tensor_view *t = mq_st_find(src, wname);
+    ASSERT_TRUE(t != NULL && t->ndim == 2);
+    float *w = malloc(sizeof(float) * (size_t)t->numel);
+    ASSERT_OK(mq_tensor_to_f32(t, w));
+    mq_qtensor qt;
+    ASSERT_OK(step((void *)sc, module, w, t->shape[0], t->shape[1], &q->spec, 1.0f, &qt));
+    free(w);
+    mq_st_writer *wr = mq_stw_new();
+    size_t plen = strlen(module);
+    for (size_t i = 0; i < mq_st_count(ck); i++) {
+        const mq_tensor_view *v = mq_st_at(ck, i);
+        const char *suffix = v->name + plen + 1;   /* the module's weight tensors go, its bias stays */
+        if (strncmp(v->name, module, plen) == 0 && v->name[plen] == '.' &&
+            (mq_layout_is_quant_suffix(suffix) || strcmp(suffix, "weight") == 0))
+            continue;
+        ASSERT_OK(mq_stw_add(wr, v->name, v->dtype, v->ndim, v->shape, v->data, v->nbytes));
+    }
+    ASSERT_OK(mq_layout_emit(q->format, module, &qt, 0, add_emitted, wr));
+    mq_qtensor_free(&qt);
+    mq_st_close(ck);
+    mq_st_close(src);
+    ASSERT_OK(mq_stw_write(wr, path));
+    mq_stw_free(wr);
+}
+
+/* Writes (once per test run) fixture `model` quantized with scheme/group/format under a tag;
+ * with sc, the modules it names are rewritten by step(). */
 static const char *checkpoint(const char *model, mq_qscheme scheme, int group, mq_ckpt_format fmt,
                               const step_cfg *sc, const char *tag) {
     static char out[8][1024];
     static int next;
     char *o = out[next++ % 8];
     snprintf(o, 1024, "%s/%s-%s", mq_test_tmpdir(), model, tag);
-    mq_quantize_opts q;
-    mq_quantize_opts_init(&q, scheme, fmt);
+    mq_pipeline_opts q;
+    mq_pipeline_opts_init(&q, scheme, fmt);
     if (group) q.spec.group_size = group;
-    if (sc) {
-        q.step = step;
-        q.step_user = (void *)sc;
-    }
     q.force = true;
     char src[1024];
     snprintf(src, sizeof src, "%s", fixture(model));
-    ASSERT_OK(mq_quantize_checkpoint(src, o, &q, NULL));
+    ASSERT_OK(mq_pipeline_run(src, o, &q, NULL));
+    if (sc && sc->asym_module) restep(src, o, sc->asym_module, &q, sc);
+    if (sc && sc->act_order_module) restep(src, o, sc->act_order_module, &q, sc);
     return o;
 }
 
@@ -251,14 +291,14 @@ static void assert_logged(const log_buf *lb, const char *s) {
 }
 
 static void test_fallback_asym_all(void) {
-    mq_quantize_opts q;
-    mq_quantize_opts_init(&q, MQ_QS_INT4, MQ_FMT_CT);
+    mq_pipeline_opts q;
+    mq_pipeline_opts_init(&q, MQ_QS_INT4, MQ_FMT_CT);
     q.spec.asym = true;
     q.spec.group_size = 32;
     char dir[1024], src[1024];
     snprintf(dir, sizeof dir, "%s/qwen2moe-asym", mq_test_tmpdir());
     snprintf(src, sizeof src, "%s", fixture("qwen2moe-tiny"));
-    ASSERT_OK(mq_quantize_checkpoint(src, dir, &q, NULL));
+    ASSERT_OK(mq_pipeline_run(src, dir, &q, NULL));
     log_buf lb;
     moeq_model *p = open_logged(dir, &lb), *f = open_model(dir, 0);
     if (!p || !f) return;

@@ -48,6 +48,19 @@ char *mq_strndup(const char *s, size_t n);
 /* printf into a new malloc'ed string (free with free()). */
 char *mq_asprintf(const char *fmt, ...) MQ_PRINTF(1, 2);
 
+/* Memory figures (bytes; 0 where /proc is missing). anon: the process's anonymous resident
+ * memory (RssAnon), which excludes file-backed pages such as mmapped checkpoints. */
+int64_t mq_mem_anon_bytes(void);
+int64_t mq_mem_total_bytes(void);
+int64_t mq_mem_available_bytes(void);
+/* A thread that samples mq_mem_anon_bytes every 10 ms while started (calls nest). take_peak:
+ * the peak since the previous take (or the start), then a new interval begins; peak: the peak
+ * since the start. */
+void mq_mem_watch_start(void);
+void mq_mem_watch_stop(void);
+int64_t mq_mem_watch_take_peak(void);
+int64_t mq_mem_watch_peak(void);
+
 /* Checked arithmetic: return false on overflow. */
 bool mq_mul_size(size_t a, size_t b, size_t *out);
 bool mq_add_size(size_t a, size_t b, size_t *out);
@@ -81,6 +94,15 @@ moeq_status mq_atomic_commit(mq_atomic_file *af);
 void mq_atomic_abort(mq_atomic_file *af);
 /* Convenience: write a whole buffer atomically. */
 moeq_status mq_write_file_atomic(const char *path, const void *data, size_t n);
+
+/* Positional I/O of whole buffers (retried on short transfers); MOEQ_E_IO naming path. A short
+ * read (end of file) is MOEQ_E_FORMAT: the file is truncated. */
+moeq_status mq_pwrite_all(int fd, const void *buf, size_t n, int64_t off, const char *path);
+moeq_status mq_pread_all(int fd, void *buf, size_t n, int64_t off, const char *path);
+/* fsync of a directory, so renames and new names in it are durable. */
+moeq_status mq_fsync_dir(const char *dir);
+/* CRC-32 (zlib's polynomial) of n bytes, continuing crc (start with 0). */
+uint32_t mq_crc32(uint32_t crc, const void *data, size_t n);
 
 /* Recursively removes a directory tree (used to clean temporary output directories). */
 void mq_remove_tree(const char *path);

@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "core.h"
 
@@ -184,4 +185,61 @@ void mq_remove_tree(const char *path) {
     }
     closedir(d);
     rmdir(path);
+}
+
+moeq_status mq_pwrite_all(int fd, const void *buf, size_t n, int64_t off, const char *path) {
+    const uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = pwrite(fd, p, n, (off_t)off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0)
+            return mq_err(MOEQ_E_IO, "%s: write failed at offset %lld: %s", path, (long long)off,
+                          k < 0 ? strerror(errno) : "no progress");
+        p += k;
+        n -= (size_t)k;
+        off += k;
+    }
+    return MOEQ_OK;
+}
+
+moeq_status mq_pread_all(int fd, void *buf, size_t n, int64_t off, const char *path) {
+    uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t k = pread(fd, p, n, (off_t)off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0)
+            return mq_err(MOEQ_E_IO, "%s: read failed at offset %lld: %s", path, (long long)off,
+                          strerror(errno));
+        if (k == 0)
+            return mq_err(MOEQ_E_FORMAT, "%s: truncated (ends before offset %lld)", path,
+                          (long long)(off + (int64_t)n));
+        p += k;
+        n -= (size_t)k;
+        off += k;
+    }
+    return MOEQ_OK;
+}
+
+moeq_status mq_fsync_dir(const char *dir) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (fd < 0) return mq_err(MOEQ_E_IO, "%s: cannot open the directory: %s", dir, strerror(errno));
+    int r = fsync(fd);
+    int e = errno;
+    close(fd);
+    /* some file systems refuse fsync on directories; the rename is then as durable as it gets */
+    if (r != 0 && e != EINVAL && e != EBADF)
+        return mq_err(MOEQ_E_IO, "%s: fsync failed: %s", dir, strerror(e));
+    return MOEQ_OK;
+}
+
+uint32_t mq_crc32(uint32_t crc, const void *data, size_t n) {
+    const Bytef *p = data;
+    uLong c = crc;
+    while (n > 0) {   /* zlib takes uInt lengths */
+        uInt k = n > (1u << 30) ? (1u << 30) : (uInt)n;
+        c = crc32(c, p, k);
+        p += k;
+        n -= k;
+    }
+    return (uint32_t)c;
 }

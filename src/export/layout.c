@@ -168,6 +168,14 @@ static moeq_status emit_gptq(const emitter *e, const mq_qtensor *q) {
     return emit_owned(e, "g_idx", MOEQ_DT_I32, 1, gshape, gi, (size_t)K * 4);
 }
 
+moeq_status mq_layout_emit_input_scale(mq_ckpt_format fmt, const char *module, float input_amax,
+                                       mq_emit_fn emit, void *user) {
+    emitter e = {module, emit, user};
+    if (fmt == MQ_FMT_CT) return emit_f32_scalar(&e, "input_global_scale", 2688.0f / input_amax, 1);
+    if (fmt == MQ_FMT_MODELOPT) return emit_f32_scalar(&e, "input_scale", input_amax / 2688.0f, 0);
+    return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the GPTQ format has no activation scales", module);
+}
+
 moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qtensor *q,
                            float input_amax, mq_emit_fn emit, void *user) {
     emitter e = {module, emit, user};
@@ -185,13 +193,11 @@ moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qten
         if (ct) {
             if ((st = emit_f32_scalar(&e, "weight_global_scale", global_as(q, MQ_NVFP4_CT), 1)))
                 return st;
-            if (input_amax > 0)
-                st = emit_f32_scalar(&e, "input_global_scale", 2688.0f / input_amax, 1);
         } else {
             if ((st = emit_f32_scalar(&e, "weight_scale_2", global_as(q, MQ_NVFP4_MUL), 0)))
                 return st;
-            if (input_amax > 0) st = emit_f32_scalar(&e, "input_scale", input_amax / 2688.0f, 0);
         }
+        if (input_amax > 0) st = mq_layout_emit_input_scale(fmt, module, input_amax, emit, user);
         return st;
     }
     if (sch == MQ_QS_INT4) {
@@ -215,6 +221,76 @@ moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qten
     }
     return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': scheme %s has no checkpoint layout", module,
                   mq_qscheme_name(sch));
+}
+
+/* ---- describing --------------------------------------------------------------------------- */
+/* What mq_layout_emit will emit, without the data: the checkpoint writer plans its files from
+ * this before any weight is quantized. Kept in step with the emitters above (tested). */
+
+typedef struct {
+    const char *module;
+    mq_describe_fn fn;
+    void *user;
+} describer;
+
+static moeq_status describe(const describer *d, const char *suffix, moeq_dtype dt, int ndim,
+                            int64_t d0, int64_t d1) {
+    char name[1024];
+    if (snprintf(name, sizeof name, "%s.%s", d->module, suffix) >= (int)sizeof name)
+        return mq_err(MOEQ_E_ARG, "module name too long: '%s'", d->module);
+    int64_t shape[2] = {d0, d1};
+    return d->fn(d->user, name, dt, ndim, shape);
+}
+
+moeq_status mq_layout_describe(mq_ckpt_format fmt, const char *module, const mq_qspec *spec,
+                               int64_t N, int64_t K, bool g_idx, bool input_scale,
+                               mq_describe_fn fn, void *user) {
+    describer d = {module, fn, user};
+    moeq_status st;
+    const int64_t G = (K + mq_qspec_group(spec, K) - 1) / mq_qspec_group(spec, K);
+    if (spec->scheme == MQ_QS_NVFP4) {
+        if (fmt == MQ_FMT_GPTQ)
+            return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the GPTQ format holds INT4 only", module);
+        if (K % 16)
+            return mq_err(MOEQ_E_SHAPE, "module '%s': NVFP4 needs in-features %% 16 == 0, got %lld",
+                          module, (long long)K);
+        bool ct = fmt == MQ_FMT_CT;
+        if ((st = describe(&d, ct ? "weight_packed" : "weight", MOEQ_DT_U8, 2, N, K / 2))) return st;
+        if ((st = describe(&d, "weight_scale", MOEQ_DT_F8_E4M3, 2, N, K / 16))) return st;
+        if (ct) {
+            if ((st = describe(&d, "weight_global_scale", MOEQ_DT_F32, 1, 1, 0))) return st;
+            if (input_scale) st = describe(&d, "input_global_scale", MOEQ_DT_F32, 1, 1, 0);
+        } else {
+            if ((st = describe(&d, "weight_scale_2", MOEQ_DT_F32, 0, 0, 0))) return st;
+            if (input_scale) st = describe(&d, "input_scale", MOEQ_DT_F32, 0, 0, 0);
+        }
+        return st;
+    }
+    if (spec->scheme != MQ_QS_INT4)
+        return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': scheme %s has no checkpoint layout", module,
+                      mq_qscheme_name(spec->scheme));
+    if (fmt == MQ_FMT_MODELOPT)
+        return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the ModelOpt format holds NVFP4 only",
+                      module);
+    if (K % 8)
+        return mq_err(MOEQ_E_SHAPE, "module '%s': INT4 packing needs in-features %% 8 == 0, got %lld",
+                      module, (long long)K);
+    if (fmt == MQ_FMT_CT) {
+        if ((st = describe(&d, "weight_packed", MOEQ_DT_I32, 2, N, K / 8))) return st;
+        if ((st = describe(&d, "weight_scale", spec->scale_dtype, 2, N, G))) return st;
+        if ((st = describe(&d, "weight_shape", MOEQ_DT_I64, 1, 2, 0))) return st;
+        if (spec->asym && (st = describe(&d, "weight_zero_point", MOEQ_DT_I32, 2, (N + 7) / 8, G)))
+            return st;
+        if (g_idx) st = describe(&d, "weight_g_idx", MOEQ_DT_I32, 1, K, 0);
+        return st;
+    }
+    if (N % 8)
+        return mq_err(MOEQ_E_SHAPE, "module '%s': GPTQ needs out-features %% 8 == 0, got %lld",
+                      module, (long long)N);
+    if ((st = describe(&d, "qweight", MOEQ_DT_I32, 2, K / 8, N))) return st;
+    if ((st = describe(&d, "qzeros", MOEQ_DT_I32, 2, G, N / 8))) return st;
+    if ((st = describe(&d, "scales", MOEQ_DT_F16, 2, G, N))) return st;
+    return describe(&d, "g_idx", MOEQ_DT_I32, 1, K, 0);
 }
 
 /* ---- reading ------------------------------------------------------------------------------ */

@@ -40,6 +40,21 @@ typedef moeq_status (*mq_emit_fn)(void *user, const char *name, moeq_dtype dtype
 moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qtensor *q,
                            float input_amax, mq_emit_fn emit, void *user);
 
+/* The W4A4 activation scale of an NVFP4 Linear alone, as mq_layout_emit emits it (CT
+ * input_global_scale = 2688/amax [1]; ModelOpt input_scale = amax/2688 []). */
+moeq_status mq_layout_emit_input_scale(mq_ckpt_format fmt, const char *module, float input_amax,
+                                       mq_emit_fn emit, void *user);
+
+/* Receives the name, dtype and shape of one tensor mq_layout_emit would emit. */
+typedef moeq_status (*mq_describe_fn)(void *user, const char *name, moeq_dtype dtype, int ndim,
+                                      const int64_t *shape);
+/* The tensors mq_layout_emit(fmt, module, q, input_amax, ...) emits for a quantized N x K Linear
+ * with spec (q->spec), in the same order: g_idx when q carries one (CT INT4; GPTQ always has
+ * one), input_scale when input_amax > 0. Errors as mq_layout_emit's for the shape and format. */
+moeq_status mq_layout_describe(mq_ckpt_format fmt, const char *module, const mq_qspec *spec,
+                               int64_t N, int64_t K, bool g_idx, bool input_scale,
+                               mq_describe_fn fn, void *user);
+
 /* Looks a tensor up by its full name; NULL when absent. */
 typedef const mq_tensor_view *(*mq_lookup_fn)(void *user, const char *name);
 

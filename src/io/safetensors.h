@@ -101,4 +101,53 @@ moeq_status mq_shards_finish(mq_shard_writer *sw);
 /* Frees; if finish() was not reached, removes every shard file written so far. */
 void mq_shards_free(mq_shard_writer *sw);
 
+/* ---- planned shards ------------------------------------------------------------------------- */
+/* A checkpoint whose tensor list is known before its data (the streaming pipeline's): tensors
+ * are assigned to shards in declaration order as mq_shards_add does, each shard is laid out as
+ * mq_stw_write lays out a file (so a one-shard plan gives the bytes mq_stw_write gives), files
+ * are created at their full size with their headers, and each tensor's data is written to its
+ * planned place whenever it is ready, in any order, once or again (a resumed run). */
+typedef struct {
+    const char *name;
+    moeq_dtype dtype;
+    int ndim;
+    int64_t shape[MQ_MAX_DIMS];
+} mq_tensor_decl;
+
+typedef struct mq_shard_plan mq_shard_plan;
+/* Shards of at most max_bytes of tensor data (0: one file); duplicate names: MOEQ_E_EXISTS. */
+moeq_status mq_shard_plan_new(const mq_tensor_decl *t, size_t n, size_t max_bytes,
+                              mq_shard_plan **out);
+void mq_shard_plan_free(mq_shard_plan *p);
+size_t mq_shard_plan_count(const mq_shard_plan *p);
+/* Final file name of a shard: model.safetensors, or model-0000i-of-0000K.safetensors. */
+const char *mq_shard_plan_file(const mq_shard_plan *p, size_t shard);
+int64_t mq_shard_plan_file_size(const mq_shard_plan *p, size_t shard);
+uint64_t mq_shard_plan_total(const mq_shard_plan *p);   /* tensor data bytes */
+bool mq_shard_plan_find(const mq_shard_plan *p, const char *name, size_t *shard, int64_t *offset,
+                        size_t *nbytes);
+
+/* The shard files of a plan in dir, under hidden temporary names (".<file>.partial"). */
+typedef struct mq_shard_files mq_shard_files;
+/* Creates (or truncates) them: headers written, data zero. */
+moeq_status mq_shard_files_create(mq_shard_plan *p, const char *dir, mq_shard_files **out);
+/* Reopens files made by create for the same plan (a resumed run): each must exist with the
+ * planned size and header, else MOEQ_E_NOTFOUND / MOEQ_E_FORMAT naming it. */
+moeq_status mq_shard_files_open(mq_shard_plan *p, const char *dir, mq_shard_files **out);
+/* Writes a tensor's data to its place (dtype and size checked against the plan); crc (may be
+ * NULL): the CRC-32 of the data. */
+moeq_status mq_shard_files_put(mq_shard_files *f, const char *name, moeq_dtype dtype,
+                               const void *data, size_t nbytes, uint32_t *crc);
+/* CRC-32 of what the file holds for a tensor (checking a resumed run's earlier work). */
+moeq_status mq_shard_files_crc(mq_shard_files *f, const char *name, uint32_t *crc);
+/* Counts a tensor written by an earlier run as written. */
+moeq_status mq_shard_files_mark(mq_shard_files *f, const char *name);
+/* fdatasync of every file written since the last sync. */
+moeq_status mq_shard_files_sync(mq_shard_files *f);
+/* Every tensor must have been written: syncs, renames the files to their final names and writes
+ * model.safetensors.index.json (several shards; with one, a stale index is removed). */
+moeq_status mq_shard_files_finish(mq_shard_files *f);
+/* Closes the files (they stay on disk). */
+void mq_shard_files_close(mq_shard_files *f);
+
 #endif

@@ -47,7 +47,7 @@
 
 enum {
     ATT_QB = 64,     /* query rows per attention task */
-    MOE_ROWS = 128,   /* routed rows per expert task */
+    MOE_ROWS = MQ_MOE_ROWS,   /* routed rows per expert task */
     SMALL_T = 4,      /* fewer new tokens: GEMVs and every task on the calling thread (decode) */
     ATT_GEMM_ROWS = 4 /* query rows from which a block's QK^T and PV go through the GEMM */
 };
@@ -216,7 +216,31 @@ static moeq_status scores_reserve(mq_state *s) {
     return s->scores ? MOEQ_OK : MOEQ_E_NOMEM;
 }
 
+/* The KV cache of a layer, made when the layer first runs (a state that runs one layer at a
+ * time, as the streaming pipeline's, holds one layer's cache). */
+static moeq_status kv_reserve(mq_state *s, int l) {
+    if (s->kc[l]) return MOEQ_OK;
+    s->kc[l] = mq_alloc_array((size_t)s->max_tokens, (size_t)s->kv_dim * 4, "KV cache");
+    s->vc[l] = mq_alloc_array((size_t)s->max_tokens, (size_t)s->kv_dim * 4, "KV cache");
+    if (s->kc[l] && s->vc[l]) return MOEQ_OK;
+    mq_state_drop_layer(s, l);
+    return mq_err(MOEQ_E_NOMEM, "out of memory for the KV cache of layer %d (%d positions)", l,
+                  s->max_tokens);
+}
+
+void mq_state_drop_layer(mq_state *s, int l) {
+    mq_free(s->kc[l]);
+    mq_free(s->vc[l]);
+    s->kc[l] = s->vc[l] = NULL;
+    s->filled[l] = 0;
+}
+
 moeq_status mq_state_new(const moeq_model *m, int32_t max_tokens, mq_state **out) {
+    return mq_state_new_ex(m, max_tokens, true, out);
+}
+
+moeq_status mq_state_new_ex(const moeq_model *m, int32_t max_tokens, bool moe_scratch,
+                            mq_state **out) {
     *out = NULL;
     if (max_tokens <= 0) return mq_err(MOEQ_E_ARG, "max_tokens must be positive (got %d)", max_tokens);
     const mq_config *c = &m->cfg;
@@ -225,7 +249,8 @@ moeq_status mq_state_new(const moeq_model *m, int32_t max_tokens, mq_state **out
     s->m = m;
     s->max_tokens = max_tokens;
     s->kv_dim = (int64_t)c->n_kv_heads * c->head_dim;
-    for (int l = 0; l < c->n_layers; l++) s->moe_fp32 |= m->layers[l].is_moe && !m->layers[l].pexperts;
+    for (int l = 0; moe_scratch && l < c->n_layers; l++)
+        s->moe_fp32 |= m->layers[l].is_moe && !m->layers[l].pexperts;
     s->kc = calloc((size_t)c->n_layers, sizeof(float *));
     s->vc = calloc((size_t)c->n_layers, sizeof(float *));
     s->filled = calloc((size_t)c->n_layers, sizeof(int64_t));
@@ -233,14 +258,9 @@ moeq_status mq_state_new(const moeq_model *m, int32_t max_tokens, mq_state **out
     s->rope_cos = mq_alloc_array((size_t)max_tokens, (size_t)half * 4, "rope table");
     s->rope_sin = mq_alloc_array((size_t)max_tokens, (size_t)half * 4, "rope table");
     bool ok = s->kc && s->vc && s->filled && s->rope_cos && s->rope_sin;
-    for (int l = 0; ok && l < c->n_layers; l++) {
-        s->kc[l] = mq_alloc_array((size_t)max_tokens, (size_t)s->kv_dim * 4, "KV cache");
-        s->vc[l] = mq_alloc_array((size_t)max_tokens, (size_t)s->kv_dim * 4, "KV cache");
-        ok = s->kc[l] && s->vc[l];
-    }
     if (!ok) {
         mq_state_free(s);
-        return mq_err(MOEQ_E_NOMEM, "out of memory for a KV cache of %d positions", max_tokens);
+        return mq_err(MOEQ_E_NOMEM, "out of memory for a state of %d positions", max_tokens);
     }
     /* Like transformers' default rotary embedding: the exponent 2i/hd and the power are fp32,
      * and so is pos * inv_freq. */
@@ -401,6 +421,7 @@ static moeq_status qkv_forward(const mq_layer *ly, const float *x, int64_t T, fl
 
 static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
                                    int64_t pos, const mq_hooks *hk) {
+    if (kv_reserve(s, l)) return MOEQ_E_NOMEM;
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
     int64_t D = c->D, H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim;
@@ -463,6 +484,24 @@ static moeq_status mlp(const mq_linear *gate, const mq_linear *up, const mq_line
 }
 
 /* Softmax over all experts, then top-k (ties to the lower index) and optional renormalisation. */
+static void route(const mq_config *c, float *probs, int64_t T, int32_t *sel, float *w);
+
+void mq_moe_route(const moeq_model *m, int l, const float *xn, int64_t T, float *probs,
+                  int32_t *sel, float *w) {
+    const mq_config *c = &m->cfg;
+    matmul_nt(xn, T, m->layers[l].router, c->n_experts, c->D, probs);
+    route(c, probs, T, sel, w);
+}
+
+moeq_status mq_mlp_forward(const mq_linear *gate, const mq_linear *up, const mq_linear *down,
+                              const float *x, int64_t n, float *g, float *u, float *y) {
+    moeq_status st = mq_linear_forward(gate, x, n, g);
+    if (!st) st = mq_linear_forward(up, x, n, u);
+    if (st) return st;
+    swiglu(g, u, n * gate->out);
+    return y ? mq_linear_forward(down, g, n, y) : MOEQ_OK;
+}
+
 static void route(const mq_config *c, float *probs, int64_t T, int32_t *sel, float *w) {
     int64_t E = c->n_experts, K = c->top_k;
     for (int64_t t = 0; t < T; t++) {
@@ -522,14 +561,19 @@ static void expert_task(void *ctx, int64_t task, int thread) {
     if (all || j->stage == EX_GATHER)
         for (int64_t r = 0; r < n; r++)
             memcpy(s->xg + (s0 + r) * D, s->xn + (int64_t)s->slot_tok[s0 + r] * D, (size_t)D * 4);
-    if (all || j->stage == EX_GATE_UP) {
-        const float *xin = !all && ly->exp_gate[e].act_q ? s->xq : s->xg;
+    if (all) {   /* through mq_mlp_forward, as the streaming pipeline runs the experts */
+        (void)mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e], s->xg + s0 * D,
+                                n, s->hg + s0 * F, s->hu + s0 * F, s->yg + s0 * D);
+        return;
+    }
+    if (j->stage == EX_GATE_UP) {
+        const float *xin = ly->exp_gate[e].act_q ? s->xq : s->xg;
         (void)mq_linear_forward(&ly->exp_gate[e], xin + s0 * D, n, s->hg + s0 * F);
         (void)mq_linear_forward(&ly->exp_up[e], xin + s0 * D, n, s->hu + s0 * F);
         swiglu(s->hg + s0 * F, s->hu + s0 * F, n * F);
     }
-    if (all || j->stage == EX_DOWN) {
-        const float *hin = !all && ly->exp_down[e].act_q ? s->hq : s->hg;
+    if (j->stage == EX_DOWN) {
+        const float *hin = ly->exp_down[e].act_q ? s->hq : s->hg;
         (void)mq_linear_forward(&ly->exp_down[e], hin + s0 * F, n, s->yg + s0 * D);
     }
 }
@@ -575,8 +619,7 @@ static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T,
     if (ly->pexperts) return moe_block_packed(m, s, l, T, out);
     int64_t D = c->D, E = c->n_experts, K = c->top_k, F = c->moe_ffn;
     const mq_vec_kernels *vk = mq_vec();
-    matmul_nt(s->xn, T, ly->router, E, D, s->rlog);
-    route(c, s->rlog, T, s->rsel, s->rw);
+    mq_moe_route(m, l, s->xn, T, s->rlog, s->rsel, s->rw);
 
     /* Expert-major slots, tokens in increasing order within each expert. */
     for (int64_t e = 0; e < E; e++) s->cnt[e] = 0;
@@ -637,20 +680,29 @@ static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T,
         moeq_status st = mlp(&ly->sh_gate, &ly->sh_up, &ly->sh_down, s->xn, T, s->g, s->u, s->aq,
                              sy, hk, l, MQ_SITE_SHARED, MQ_SITE_SHARED_DOWN);
         if (st) return st;
-        if (c->shared_gate) matmul_nt(s->xn, T, ly->sh_gate_w, 1, D, s->sgate);
-        for (int64_t t = 0; t < T; t++) {
-            float gsc = c->shared_gate ? 1.0f / (1.0f + expf(-s->sgate[t])) : 1.0f;
-            vk->axpy(gsc, sy + t * D, out + t * D, D);
-        }
+        mq_shared_expert_add(m, l, s->xn, T, sy, s->sgate, out);
     }
     return MOEQ_OK;
 }
+
+void mq_shared_expert_add(const moeq_model *m, int l, const float *xn, int64_t T, const float *sy,
+                          float *sgate, float *out) {
+    const mq_config *c = &m->cfg;
+    const int64_t D = c->D;
+    if (c->shared_gate) matmul_nt(xn, T, m->layers[l].sh_gate_w, 1, D, sgate);
+    for (int64_t t = 0; t < T; t++) {
+        float gsc = c->shared_gate ? 1.0f / (1.0f + expf(-sgate[t])) : 1.0f;
+        mq_vec()->axpy(gsc, sy + t * D, out + t * D, D);
+    }
+}
+
 
 static moeq_status ffn_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
                              const mq_hooks *hk) {
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
     rmsnorm(x, T, c->D, ly->ffn_norm, c->rms_eps, s->xn);
+    hook(hk, l, MQ_SITE_FFN, -1, s->xn, T, c->D);
     moeq_status st;
     if (ly->is_moe)
         st = moe_block(m, s, l, T, s->tmp, hk);
@@ -660,6 +712,25 @@ static moeq_status ffn_block(const moeq_model *m, mq_state *s, int l, float *x, 
     if (st) return st;
     mq_vec()->axpy(1.0f, s->tmp, x, T * c->D);
     return MOEQ_OK;
+}
+
+void mq_ffn_norm(const moeq_model *m, int l, const float *x, int64_t T, float *xn) {
+    rmsnorm(x, T, m->cfg.D, m->layers[l].ffn_norm, m->cfg.rms_eps, xn);
+}
+
+moeq_status mq_attention_forward(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
+                                 int64_t pos, const mq_hooks *hooks) {
+    if (s->m != m) return mq_err(MOEQ_E_ARG, "mq_attention_forward: the state was made for another model");
+    if (T <= 0) return MOEQ_OK;
+    if (pos < 0 || pos + T > s->max_tokens || pos > s->filled[l])
+        return mq_err(MOEQ_E_ARG, "layer %d: positions %lld..%lld do not fit the state", l,
+                      (long long)pos, (long long)(pos + T - 1));
+    if (scratch_reserve(s, T) || scores_reserve(s))
+        return mq_err(MOEQ_E_NOMEM, "out of memory for the forward scratch of %lld tokens",
+                      (long long)T);
+    moeq_status st = attention_block(m, s, l, x, T, pos, hooks);
+    if (!st) s->filled[l] = pos + T;
+    return st;
 }
 
 moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_t T, int64_t pos,

@@ -33,12 +33,15 @@ typedef struct {
     int expert;           /* routed expert index, n_experts for the shared expert, else -1 */
     int part;             /* expert weights: 0 gate, 1 up, 2 down */
     bool packed;          /* kept packed: no fp32 copy is made */
+    unsigned what;        /* the MQ_PART_* it belongs to (lazy loading) */
+    int64_t bytes;        /* fp32 bytes of its destination */
 } want;
 
 typedef struct {
     want *w;
     size_t n, cap;
     bool oom;
+    unsigned what;        /* MQ_PART_* of the wants being added */
 } want_list;
 
 static void want_add(want_list *L, int layer, char *name, int ndim, const int64_t *shape,
@@ -68,6 +71,8 @@ static void want_add(want_list *L, int layer, char *name, int ndim, const int64_
     w->count = count;
     w->layer = layer;
     w->expert = -1;
+    w->what = L->what;
+    w->bytes = count * 4;
 }
 
 static void want_vec(want_list *L, int layer, char *name, int64_t n, float **dest) {
@@ -159,7 +164,9 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
         return mq_err(MOEQ_E_NOMEM, "layer %d: out of memory for %lld experts", l, (long long)E);
 
     int64_t rshape[2] = {E, D};
+    L->what = MQ_PART_ROUTER;
     want_add(L, l, mq_asprintf("%s.gate.weight", mp), 2, rshape, &ly->router, 0, E * D);
+    L->what = MQ_PART_EXPERTS;
 
     /* Module names are the per-expert hub names whatever the storage, so exports keep them. */
     const char *gn = "gate_proj", *un = "up_proj", *dn = "down_proj";
@@ -184,10 +191,13 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
             int64_t gu[3] = {E, 2 * F, D}, dw[3] = {E, D, F};
             want_add(L, l, mq_asprintf("%s.experts.gate_up_proj", mp), 3, gu, &ly->exp_gate[e].w,
                      e * 2 * F * D, F * D);
+            tag_expert(L, (int)e, 0);
             want_add(L, l, mq_asprintf("%s.experts.gate_up_proj", mp), 3, gu, &ly->exp_up[e].w,
                      e * 2 * F * D + F * D, F * D);
+            tag_expert(L, (int)e, 1);
             want_add(L, l, mq_asprintf("%s.experts.down_proj", mp), 3, dw, &ly->exp_down[e].w,
                      e * D * F, D * F);
+            tag_expert(L, (int)e, 2);
         } else {
             /* On disk under mp (block_sparse_moe for hub Mixtral, mlp otherwise). */
             char disk[260];
@@ -204,6 +214,7 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
     }
     if (c->shared_ffn > 0) {
         int64_t S = c->shared_ffn;
+        L->what = MQ_PART_SHARED;
         snprintf(m, sizeof m, "%s.shared_expert.gate_proj", mp);
         want_linear(L, l, m, S, D, false, &ly->sh_gate);
         tag_expert(L, (int)E, 0);
@@ -215,6 +226,7 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
         tag_expert(L, (int)E, 2);
         if (c->shared_gate) {
             int64_t gs[2] = {1, D};
+            L->what = MQ_PART_ROUTER;
             want_add(L, l, mq_asprintf("%s.shared_expert_gate.weight", mp), 2, gs, &ly->sh_gate_w,
                      0, D);
         }
@@ -226,6 +238,7 @@ static moeq_status build_wants(want_list *L, const mq_st *st, moeq_model *m) {
     const mq_config *c = &m->cfg;
     int64_t V = c->vocab, D = c->D;
     int64_t vd[2] = {V, D};
+    L->what = MQ_PART_GLOBAL;
     want_add(L, -1, mq_strdup("model.embed_tokens.weight"), 2, vd, &m->embed, 0, V * D);
     want_vec(L, -1, mq_strdup("model.norm.weight"), D, &m->final_norm);
     if (!c->tie_embeddings) {
@@ -234,9 +247,12 @@ static moeq_status build_wants(want_list *L, const mq_st *st, moeq_model *m) {
     }
     for (int l = 0; l < c->n_layers; l++) {
         mq_layer *ly = &m->layers[l];
+        L->what = MQ_PART_ATTN;
         want_vec(L, l, mq_asprintf("model.layers.%d.input_layernorm.weight", l), D, &ly->attn_norm);
+        L->what = MQ_PART_FFN_NORM;
         want_vec(L, l, mq_asprintf("model.layers.%d.post_attention_layernorm.weight", l), D,
                  &ly->ffn_norm);
+        L->what = MQ_PART_ATTN;
         want_attention(L, c, l, ly);
         ly->is_moe = c->layer_is_moe[l] != 0;
         if (ly->is_moe) {
@@ -244,6 +260,7 @@ static moeq_status build_wants(want_list *L, const mq_st *st, moeq_model *m) {
             if (s) return s;
         } else {
             char p[160];
+            L->what = MQ_PART_MLP;
             snprintf(p, sizeof p, "model.layers.%d.mlp.gate_proj", l);
             want_linear(L, l, p, c->ffn, D, c->mlp_bias, &ly->gate);
             snprintf(p, sizeof p, "model.layers.%d.mlp.up_proj", l);
@@ -697,3 +714,179 @@ fail:
 
 const moeq_model_info *moeq_model_get_info(const moeq_model *m) { return m ? &m->info : NULL; }
 const moeq_tokenizer *moeq_model_tokenizer(const moeq_model *m) { return m ? m->tok : NULL; }
+
+/* ---- the lazy model (streaming) --------------------------------------------------------------- */
+/* The structure of moeq_model_open (config, every tensor checked, Linear names and shapes) with
+ * no weight loaded: parts of a layer are converted to fp32 when asked for and freed again, and
+ * embeddings are read row by row from the mapping. */
+struct mq_lazy_model {
+    moeq_model *m;
+    mq_st *st;
+    want_list L;
+    const mq_tensor_view *embed;
+};
+
+void mq_lazy_close(mq_lazy_model *lz) {
+    if (!lz) return;
+    if (lz->m) {
+        for (size_t i = 0; i < lz->L.n; i++)
+            if (lz->L.w[i].dest) {
+                mq_free(*lz->L.w[i].dest);
+                *lz->L.w[i].dest = NULL;
+            }
+        lz->m->lm_head = NULL;
+    }
+    want_free(&lz->L);
+    mq_st_close(lz->st);
+    moeq_model_free(lz->m);
+    free(lz);
+}
+
+moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
+    *out = NULL;
+    mq_lazy_model *lz = calloc(1, sizeof *lz);
+    moeq_model *m = calloc(1, sizeof *m);
+    if (!lz || !m) {
+        free(lz);
+        free(m);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    lz->m = m;
+    moeq_status s = mq_config_load(dir, &m->cfg);
+    if (!s) {
+        m->dir = mq_strdup(dir);
+        m->layers = calloc((size_t)m->cfg.n_layers, sizeof(mq_layer));
+        if (!m->dir || !m->layers) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    if (!s) s = mq_st_open_dir(dir, &lz->st);
+    if (!s) s = build_wants(&lz->L, lz->st, m);
+    if (!s) s = check_wants(&lz->L, lz->st, m, dir);
+    if (!s) {
+        lz->embed = mq_st_find(lz->st, "model.embed_tokens.weight");
+        for (size_t i = 0; i < lz->L.n; i++)
+            if (lz->L.w[i].quantized && lz->L.w[i].what == MQ_PART_GLOBAL &&
+                lz->L.w[i].dest == &m->embed)
+                s = mq_err(MOEQ_E_UNSUPPORTED, "%s: quantized embeddings", dir);
+    }
+    if (!s && tokenizer) {
+        char *tp = mq_path_join(dir, "tokenizer.json");
+        if (tp && mq_file_exists(tp)) {
+            s = moeq_tokenizer_load(tp, &m->tok);
+            if (s) s = mq_err_prefix(s, "%s", dir);
+        }
+        free(tp);
+    }
+    if (s) {
+        mq_lazy_close(lz);
+        return s;
+    }
+    fill_info(m);
+    *out = lz;
+    return MOEQ_OK;
+}
+
+moeq_model *mq_lazy_model_of(mq_lazy_model *lz) { return lz->m; }
+const mq_st *mq_lazy_st(const mq_lazy_model *lz) { return lz->st; }
+
+static bool want_selected(const want *w, int layer, unsigned what, int e0, int e1) {
+    if (w->layer != layer || !(w->what & what)) return false;
+    if (w->what == MQ_PART_EXPERTS) return w->expert >= e0 && w->expert < e1;
+    return true;
+}
+
+int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
+    int64_t n = 0;
+    for (size_t i = 0; i < lz->L.n; i++)
+        if (want_selected(&lz->L.w[i], layer, what, e0, e1)) n += lz->L.w[i].bytes;
+    return n;
+}
+
+typedef struct {
+    const mq_lazy_model *lz;
+    size_t *idx;
+    moeq_status *status;
+} lazy_job;
+
+static void lazy_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    lazy_job *j = ctx;
+    const want *w = &j->lz->L.w[j->idx[i]];
+    if (w->quantized) {
+        j->status[i] = MOEQ_OK;   /* below, on the calling thread, for its messages */
+        return;
+    }
+    mq_tensor_view v = *w->t;
+    size_t es = moeq_dtype_size(v.dtype);
+    v.data += (size_t)w->off * es;
+    v.numel = w->count;
+    v.nbytes = (size_t)w->count * es;
+    v.ndim = 1;
+    v.shape[0] = w->count;
+    j->status[i] = mq_tensor_to_f32(&v, *w->dest);
+}
+
+moeq_status mq_lazy_load(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
+    size_t n = 0;
+    for (size_t i = 0; i < lz->L.n; i++) n += want_selected(&lz->L.w[i], layer, what, e0, e1);
+    size_t *idx = malloc((n ? n : 1) * sizeof *idx);
+    moeq_status *status = calloc(n ? n : 1, sizeof *status);
+    if (!idx || !status) {
+        free(idx);
+        free(status);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    moeq_status s = MOEQ_OK;
+    n = 0;
+    for (size_t i = 0; i < lz->L.n && !s; i++) {
+        want *w = &lz->L.w[i];
+        if (!want_selected(w, layer, what, e0, e1) || *w->dest) continue;
+        *w->dest = mq_alloc_array((size_t)w->count, sizeof(float), w->name);
+        if (!*w->dest) s = MOEQ_E_NOMEM;
+        else idx[n++] = i;
+    }
+    if (!s) {
+        lazy_job j = {lz, idx, status};
+        mq_parallel_for((int64_t)n, lazy_task, &j);
+        for (size_t k = 0; k < n && !s; k++)
+            if (status[k])
+                s = mq_err(status[k], "tensor '%s': cannot convert to fp32", lz->L.w[idx[k]].name);
+        for (size_t k = 0; k < n && !s; k++) {
+            const want *w = &lz->L.w[idx[k]];
+            if (w->quantized)
+                s = mq_load_linear_weight(lz->st, w->module, w->shape[0], w->shape[1], *w->dest, NULL);
+        }
+    }
+    free(idx);
+    free(status);
+    if (s) mq_lazy_release(lz, layer, what, e0, e1);
+    return s;
+}
+
+void mq_lazy_release(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
+    for (size_t i = 0; i < lz->L.n; i++) {
+        want *w = &lz->L.w[i];
+        if (!want_selected(w, layer, what, e0, e1) || !*w->dest) continue;
+        mq_free(*w->dest);
+        *w->dest = NULL;
+    }
+}
+
+moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T, float *x) {
+    const mq_config *c = &lz->m->cfg;
+    const int64_t D = c->D;
+    for (int64_t t = 0; t < T; t++) {
+        if (ids[t] < 0 || ids[t] >= c->vocab)
+            return mq_err(MOEQ_E_ARG, "token id %d at position %lld is outside the vocabulary "
+                          "(0..%d)", ids[t], (long long)t, c->vocab - 1);
+        mq_tensor_view v = *lz->embed;
+        size_t es = moeq_dtype_size(v.dtype);
+        v.data += (size_t)ids[t] * (size_t)D * es;
+        v.ndim = 1;
+        v.shape[0] = D;
+        v.numel = D;
+        v.nbytes = (size_t)D * es;
+        moeq_status s = mq_tensor_to_f32(&v, x + t * D);
+        if (s) return mq_err(s, "tensor 'model.embed_tokens.weight': cannot convert to fp32");
+    }
+    return MOEQ_OK;
+}

@@ -120,6 +120,35 @@ struct moeq_model {
     int n_packed;                    /* Linears running packed (each expert weight counts) */
 };
 
+/* ---- lazy loading (the streaming pipeline) ------------------------------------------------------ */
+/* A model whose structure is known (config.json parsed, every tensor of the checkpoint found and
+ * its shape checked, as moeq_model_open does) but whose weights stay in the mapped files until a
+ * part of a layer is asked for: then those tensors are converted to fp32 (dequantized when stored
+ * quantized) into the model's usual fields, and freed again on release. The embedding table is
+ * read row by row; lm_head is never loaded. */
+typedef struct mq_lazy_model mq_lazy_model;
+enum {
+    MQ_PART_GLOBAL = 1u << 0,     /* embeddings, final norm, lm_head */
+    MQ_PART_ATTN = 1u << 1,       /* input norm, q/k/v/o (+ biases), q/k norms */
+    MQ_PART_FFN_NORM = 1u << 2,   /* post-attention norm */
+    MQ_PART_ROUTER = 1u << 3,     /* router, shared_expert_gate */
+    MQ_PART_MLP = 1u << 4,        /* dense MLP */
+    MQ_PART_SHARED = 1u << 5,     /* shared expert */
+    MQ_PART_EXPERTS = 1u << 6,    /* routed experts [e0, e1) */
+};
+moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out);
+void mq_lazy_close(mq_lazy_model *lz);
+/* The model (cfg, layers with names and shapes; weights NULL until loaded). Borrowed. */
+moeq_model *mq_lazy_model_of(mq_lazy_model *lz);
+const mq_st *mq_lazy_st(const mq_lazy_model *lz);
+/* Loads (idempotent) / frees the parts `what` of layer l; experts only those in [e0, e1). */
+moeq_status mq_lazy_load(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
+void mq_lazy_release(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
+/* fp32 bytes mq_lazy_load would allocate for the same arguments. */
+int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
+/* x[T, D] = embedding rows of ids, read from the mapping (ids checked). */
+moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T, float *x);
+
 /* ---- forward pass ----------------------------------------------------------------------------- */
 /* Where the calibration hooks see a Linear's input. For routed experts the rows are exactly the
  * tokens routed to that expert (routing weights not applied); for the shared expert all tokens. */
@@ -132,12 +161,13 @@ typedef enum {
     MQ_SITE_EXPERT_DOWN, /* expert e down input */
     MQ_SITE_SHARED,      /* shared expert gate/up input */
     MQ_SITE_SHARED_DOWN, /* shared expert down input */
+    MQ_SITE_FFN,         /* the MLP/MoE block input of every token (after the FFN norm) */
     MQ_SITE_COUNT
 } mq_site;
 
 /* Called synchronously on the forward's calling thread with x [rows, cols] (borrowed: valid only
  * during the call) while the layer runs; x must not be modified. Fixed order per layer:
- *   QKV, O, then MLP, MLP_DOWN (dense layer)
+ *   QKV, O, FFN, then MLP, MLP_DOWN (dense layer)
  *   or EXPERT 0, EXPERT_DOWN 0, ..., EXPERT E-1, EXPERT_DOWN E-1, [SHARED, SHARED_DOWN] (MoE).
  * expert is the expert index for EXPERT/EXPERT_DOWN and -1 otherwise. Every expert is reported,
  * with rows = 0 when no token was routed to it; its rows are its tokens in increasing order. */
@@ -155,8 +185,14 @@ typedef struct {
 /* KV cache and scratch for sequences of up to max_tokens positions. */
 typedef struct mq_state mq_state;
 moeq_status mq_state_new(const moeq_model *m, int32_t max_tokens, mq_state **out);
+/* moe_scratch false: no scratch for the fp32 routed experts (a state that only runs
+ * mq_attention_forward). KV caches are made per layer when a layer first runs. */
+moeq_status mq_state_new_ex(const moeq_model *m, int32_t max_tokens, bool moe_scratch,
+                            mq_state **out);
 void mq_state_free(mq_state *s);
 void mq_state_reset(mq_state *s);
+/* Frees layer l's KV cache (made again when the layer runs). */
+void mq_state_drop_layer(mq_state *s, int l);
 
 /* x[T, D] = embedding rows of ids (ids validated against the vocabulary). */
 moeq_status mq_embed(const moeq_model *m, const int32_t *ids, int64_t T, float *x);
@@ -166,6 +202,32 @@ moeq_status mq_embed(const moeq_model *m, const int32_t *ids, int64_t T, float *
  * pos + T <= max_tokens. hooks may be NULL. Results do not depend on the thread count. */
 moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_t T, int64_t pos,
                               int l0, int l1, const mq_hooks *hooks);
+/* The parts of one decoder layer, for callers that run a layer piece by piece (the streaming
+ * pipeline); each does exactly what mq_forward_layers does for that part.
+ *   mq_attention_forward  x[T, D] += attention(x) at positions pos.. (hooks: QKV, O)
+ *   mq_ffn_norm           xn[T, D] = the layer's FFN RMSNorm of x
+ *   mq_moe_route          router logits of xn into probs[T, E] (scratch), then the top-k experts
+ *                         sel[T, K] and their weights w[T, K]
+ *   mq_mlp_forward        y[n, D] = down(silu(gate x) * up x) on x[n, in] (y NULL: stop after
+ *                         the product, left in g[n, F]; u[n, F] is scratch). The forward runs a
+ *                         routed expert on blocks of at most MQ_MOE_ROWS of its routed rows (in
+ *                         token order) and the dense MLP / shared expert on all T rows; a caller
+ *                         that cuts the rows the same way gets the same values.
+ *   mq_shared_expert_add  out[T, D] += sigmoid(shared_expert_gate xn) * sy (or 1 * sy without the
+ *                         gate); sgate[T] scratch
+ * The forward sums a token's routed experts into a zeroed out[t] with mq_vec()->axpy(w, y, out)
+ * in increasing expert order, then adds the shared expert, then x += out. */
+enum { MQ_MOE_ROWS = 128 };
+moeq_status mq_attention_forward(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
+                                 int64_t pos, const mq_hooks *hooks);
+void mq_ffn_norm(const moeq_model *m, int l, const float *x, int64_t T, float *xn);
+void mq_moe_route(const moeq_model *m, int l, const float *xn, int64_t T, float *probs,
+                  int32_t *sel, float *w);
+moeq_status mq_mlp_forward(const mq_linear *gate, const mq_linear *up, const mq_linear *down,
+                           const float *x, int64_t n, float *g, float *u, float *y);
+void mq_shared_expert_add(const moeq_model *m, int l, const float *xn, int64_t T, const float *sy,
+                          float *sgate, float *out);
+
 /* mq_final_norm: the final RMSNorm in place on x[T, D]. mq_lm_head: logits[T, V] = x @ lm_head^T
  * (nothing when logits is NULL). */
 void mq_final_norm(const moeq_model *m, float *x, int64_t T);

@@ -87,6 +87,18 @@ static moeq_status from_ids(const int32_t *ids, int64_t n_ids, const mq_calib_op
     return st;
 }
 
+moeq_status mq_calib_cover(const int32_t *ids, int64_t n_ids, int64_t chunk, mq_calib_set *out) {
+    memset(out, 0, sizeof *out);
+    if (n_ids <= 0 || chunk <= 0)
+        return mq_err(MOEQ_E_ARG, "calibration needs tokens (got %lld) and a positive chunk",
+                      (long long)n_ids);
+    moeq_status st = set_alloc(out, (n_ids + chunk - 1) / chunk);
+    for (int64_t off = 0; off < n_ids && !st; off += chunk)
+        st = set_add(out, -1, ids + off, n_ids - off < chunk ? n_ids - off : chunk);
+    if (st) mq_calib_free(out);
+    return st;
+}
+
 moeq_status mq_calib_from_ids(const int32_t *ids, int64_t n_ids, const mq_calib_opts *o,
                               mq_calib_set *out) {
     memset(out, 0, sizeof *out);

@@ -40,6 +40,9 @@ moeq_status mq_calib_load(const moeq_tokenizer *tok, const mq_calib_opts *o, mq_
 /* Cuts samples from an already tokenized stream (MQ_CALIB_CHUNKS or MQ_CALIB_RANDOM). */
 moeq_status mq_calib_from_ids(const int32_t *ids, int64_t n_ids, const mq_calib_opts *o,
                               mq_calib_set *out);
+/* Every token of ids in consecutive samples of chunk tokens, the last one shorter (the W4A4
+ * activation-scale calibration). */
+moeq_status mq_calib_cover(const int32_t *ids, int64_t n_ids, int64_t chunk, mq_calib_set *out);
 void mq_calib_free(mq_calib_set *s);
 
 #endif

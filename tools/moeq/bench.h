@@ -2,6 +2,7 @@
 #ifndef MOEQ_BENCH_H
 #define MOEQ_BENCH_H
 int bench_forward(int argc, char **argv);
+int bench_gen_model(int argc, char **argv);
 int bench_gptq(int argc, char **argv);
 int bench_moe_ffn(int argc, char **argv);
 int bench_tokenizer(int argc, char **argv);

@@ -13,7 +13,10 @@
 
 #include "bench.h"
 #include "cli.h"
-#include "quant/gptq_model.h"
+#include <unistd.h>
+
+#include "pipeline/pipeline.h"
+#include "quant/gptq.h"
 
 static uint64_t g_rng;
 static float rnd_normal(void) {
@@ -165,28 +168,27 @@ done:
     return t;
 }
 
-/* End to end on a model: calibration (chunks of calib), sequential GPTQ with the defaults of
- * `moeq quantize --method gptq` (MSE on), no checkpoint written. */
+/* End to end on a model: the pipeline with the defaults of `moeq quantize --method gptq` (MSE
+ * on), the checkpoint written to a temporary directory and removed. */
 static moeq_status time_model(const char *dir, const char *calib, const bench_cfg *b,
-                              int64_t nsamples, int64_t seqlen, mq_gptq_results *r, double *total) {
+                              int64_t nsamples, int64_t seqlen, mq_pipeline_result *r, double *total) {
     double t0 = mq_now();
-    moeq_model *m = NULL;
-    mq_calib_set cs = {0};
-    mq_calib_opts co;
-    mq_calib_opts_init(&co);
-    co.path = calib;
-    co.nsamples = nsamples;
-    co.seqlen = seqlen;
-    moeq_status st = moeq_model_open(dir, NULL, &m);
-    if (!st) st = mq_calib_load(moeq_model_tokenizer(m), &co, &cs);
-    if (!st) {
-        mq_gptq_model_opts o;
-        mq_gptq_model_opts_init(&o, &b->spec);
-        o.spec.mse = true;
-        st = mq_gptq_model(m, &cs, &o, r);
-    }
-    mq_calib_free(&cs);
-    moeq_model_free(m);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, b->spec.scheme, MQ_FMT_CT);
+    if (b->spec.scheme == MQ_QS_INT4) o.spec.group_size = b->spec.group_size;
+    o.spec.mse = true;
+    o.gptq = true;
+    o.g.mse_weight = o.spec.group_size > 0 ? MQ_GPTQ_MSE_LOOP : MQ_GPTQ_MSE_PLAIN;
+    o.g.act_order = b->spec.scheme == MQ_QS_INT4;
+    o.calib.path = calib;
+    o.calib.nsamples = nsamples;
+    o.calib.seqlen = seqlen;
+    char tmpl[] = "/tmp/moeq-bench-XXXXXX";
+    if (!mkdtemp(tmpl)) return mq_err(MOEQ_E_IO, "cannot make a temporary directory");
+    char out[64];
+    snprintf(out, sizeof out, "%s/q", tmpl);
+    moeq_status st = mq_pipeline_run(dir, out, &o, r);
+    mq_remove_tree(tmpl);
     *total = mq_now() - t0;
     return st;
 }
@@ -269,7 +271,7 @@ int bench_gptq(int argc, char **argv) {
         moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048, &moe_cores);
         if (moe_s < 0) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     }
-    mq_gptq_results mr;
+    mq_pipeline_result mr;
     memset(&mr, 0, sizeof mr);
     double model_s = -1;
     char calib_buf[4200];
@@ -319,6 +321,5 @@ int bench_gptq(int argc, char **argv) {
                    "%.2f s + Hessians %.2f s + GPTQ %.2f s\n", model, (long long)mr.tokens, model_s,
                    mr.seconds_forward, mr.seconds_hessian, mr.seconds_gptq);
     }
-    mq_gptq_results_free(&mr);
     return CLI_OK;
 }

@@ -12,6 +12,8 @@ static const struct {
     const char *summary;
 } g_benches[] = {
     {"forward", bench_forward, "fp32 forward: prefill and decode tokens/s, GFLOP/s vs sgemm"},
+    {"gen-model", bench_gen_model,
+     "writes a random-weight checkpoint with a real model's shapes and config"},
     {"gptq", bench_gptq, "GPTQ on one weight: seconds and fraction of the sgemm FLOP rate"},
     {"moe-ffn", bench_moe_ffn, "quantized MoE FFN op: GFLOP/s and GB/s, fixed and varied routing"},
     {"tokenizer", bench_tokenizer, "tokenizer encoding speed (MB/s)"},

@@ -1,9 +1,10 @@
 /*
  * moeq quantize MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4 [options]: round-to-nearest
  * quantization of every decoder Linear into a checkpoint vLLM loads (compressed-tensors, ModelOpt
- * NVFP4 or GPTQ v1). W4A4 (--scheme nvfp4) also calibrates the activation scales on --calib text
- * with the fp32 model. --method gptq runs GPTQ on --calib (its flags: quantize_gptq.c). The flags
- * become moeq_quant_options and moeq_quantize (include/moeq.h) does the work.
+ * NVFP4 or GPTQ v1). W4A4 (--scheme nvfp4) also calibrates the activation scales on --calib text.
+ * --method gptq runs GPTQ on --calib (its flags: quantize_gptq.c). Memory budget, dry run and
+ * resume: --max-memory, --dry-run, --resume. The flags become moeq_quant_options and
+ * moeq_quantize (include/moeq.h) does the work.
  */
 #include <ctype.h>
 #include <stdlib.h>
@@ -37,12 +38,45 @@ static bool parse_size(const char *s, size_t *out) {
     return false;
 }
 
+static void print_bytes(const char *what, int64_t b, const char *note) {
+    printf("  %-34s %9.2f GB%s%s\n", what, (double)b / 1e9, note ? "  " : "", note ? note : "");
+}
+
+/* --dry-run: what the run would hold and cost. */
+static void print_plan(const char *model, const moeq_quant_plan *p) {
+    static const char *const storage[] = {"auto", "memory (fp32)", "work files (fp32)", "memory (bf16)"};
+    printf("plan for %s: %d layers\n", model, p->layers);
+    printf("memory (anonymous; budget %.2f GB):\n", (double)p->budget / 1e9);
+    char note[96];
+    snprintf(note, sizeof note, "in %s", storage[p->activations_storage & 3]);
+    print_bytes("calibration activations", p->activations, note);
+    print_bytes("routing", p->routing, NULL);
+    print_bytes("attention state and KV cache", p->state, NULL);
+    print_bytes("one layer's attention", p->attention, "weights, Hessians, factors");
+    if (p->chunk > 0) {
+        snprintf(note, sizeof note, "%d experts at a time, %d chunks per layer, %d samples per batch",
+                 p->chunk, p->n_chunks, p->sample_batch);
+        print_bytes("one expert chunk", p->expert_chunk, note);
+    }
+    print_bytes("shared expert / dense MLP", p->ffn_other, NULL);
+    print_bytes("peak", p->peak, NULL);
+    printf("disk: checkpoint %.2f GB, work files up to %.2f GB\n", (double)p->disk_output / 1e9,
+           (double)p->disk_work / 1e9);
+    if (p->flops_forward + p->flops_hessian + p->flops_gptq > 0) {
+        printf("compute: forward %.3g TFLOP, Hessians %.3g TFLOP, GPTQ %.3g TFLOP\n",
+               p->flops_forward / 1e12, p->flops_hessian / 1e12, p->flops_gptq / 1e12);
+        printf("estimated time on this machine (sgemm %.0f GFLOP/s): %.0f s (%.2f h)\n",
+               p->sgemm_gflops, p->seconds, p->seconds / 3600);
+    }
+}
+
 int cmd_quantize(int argc, char **argv) {
     const char *out = NULL, *scheme = NULL, *method = "rtn", *format = "compressed-tensors";
-    const char *max_shard = NULL, *calib = NULL;
-    int64_t group = 0, calib_tokens = 65536;
+    const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL;
+    const char *activations = "auto";
+    int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
-    bool reference = false, group_seen = false;
+    bool reference = false, group_seen = false, resume = false, dry_run = false;
     cli_list ignore = {0};
     gptq_cli gq;
     gptq_cli_defaults(&gq);
@@ -77,6 +111,19 @@ int cmd_quantize(int argc, char **argv) {
         {"--max-shard-size", OPT_STRING, &max_shard, "N", "largest shard (bytes, or 500MB, 5GB, "
          "2GiB; default 5GB)", NULL, 0, 0, NULL},
         {"--force", OPT_FLAG, &force, NULL, "replace OUT_DIR if it exists", NULL, 0, 0, NULL},
+        {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory the run may use (e.g. 6GB; "
+         "default 85% of the available memory); planned before any compute", NULL, 0, 0, NULL},
+        {"--dry-run", OPT_FLAG, &dry_run, NULL, "print the plan (memory per part, expert chunk, "
+         "FLOPs, estimated time, disk) and stop", NULL, 0, 0, NULL},
+        {"--resume", OPT_FLAG, &resume, NULL, "continue an interrupted run (same model, options "
+         "and calibration) from its last finished layer", NULL, 0, 0, NULL},
+        {"--work-dir", OPT_STRING, &work_dir, "DIR", "where a run keeps its work until it "
+         "finishes (default OUT_DIR.moeq-work; on OUT_DIR's file system)", NULL, 0, 0, NULL},
+        {"--expert-chunk", OPT_INT, &expert_chunk, "N", "routed experts loaded at once (default: "
+         "as many as --max-memory allows; the result does not depend on it)", NULL, 1, 1 << 20, NULL},
+        {"--activations", OPT_CHOICE, &activations, NULL, "calibration activations in memory, in "
+         "work files (same result) or in bf16 (half the memory, slightly different result); "
+         "default auto: memory while it fits", "auto|ram|disk|bf16", 0, 0, NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary", NULL, 0, 0, NULL},
         GPTQ_CLI_OPTS(gq),
     };
@@ -84,11 +131,13 @@ int cmd_quantize(int argc, char **argv) {
         "quantize", "MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4 [options]",
         "Quantizes every decoder Linear (attention, dense and expert MLPs) by round to nearest or\n"
         "GPTQ (--method gptq --calib FILE: per-expert Hessians from the tokens routed to each\n"
-        "expert, one transformer block at a time) and writes a checkpoint that vLLM loads.\n"
-        "Routers, shared_expert_gate, embeddings, norms and lm_head stay in the source dtype and\n"
-        "are listed in the config's ignore list. NVFP4 global scales are shared by q/k/v, by\n"
-        "gate/up and by each expert's gate/up, as vLLM requires.\n"
-        "The checkpoint is written to a temporary directory renamed to OUT_DIR when complete.",
+        "expert) and writes a checkpoint that vLLM loads. One streaming pass over the model, layer\n"
+        "by layer, routed experts a chunk at a time, within --max-memory (planned first; see\n"
+        "--dry-run). Routers, shared_expert_gate, embeddings, norms and lm_head stay in the source\n"
+        "dtype and are listed in the config's ignore list. NVFP4 global scales are shared by\n"
+        "q/k/v, by gate/up and by each expert's gate/up, as vLLM requires.\n"
+        "The checkpoint is assembled in OUT_DIR.moeq-work and renamed to OUT_DIR when complete;\n"
+        "an interrupted run (Ctrl-C, a crash, a kill) continues with the same command and --resume.",
         opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
@@ -136,6 +185,18 @@ int cmd_quantize(int argc, char **argv) {
     o.calib = calib;
     o.calib_tokens = calib_tokens;
     o.force = force;
+    size_t mem = 0;
+    if (max_memory && !parse_size(max_memory, &mem))
+        return cli_usage_error("quantize", "--max-memory: cannot read '%s'", max_memory);
+    o.max_memory = (int64_t)mem;
+    o.work_dir = work_dir;
+    o.resume = resume;
+    o.dry_run = dry_run;
+    o.expert_chunk = (int32_t)expert_chunk;
+    o.activations = strcmp(activations, "ram") == 0    ? MOEQ_ACT_STORAGE_RAM
+                    : strcmp(activations, "disk") == 0 ? MOEQ_ACT_STORAGE_DISK
+                    : strcmp(activations, "bf16") == 0 ? MOEQ_ACT_STORAGE_BF16
+                                                       : MOEQ_ACT_STORAGE_AUTO;
 
     cli_install_sigint();
     cli_progress_enable(quiet);
@@ -145,13 +206,16 @@ int cmd_quantize(int argc, char **argv) {
     if (rc < 0) st = moeq_quantize(pos[0], out, &o, &res);
     free(ignore.items);
     if (rc >= 0) return rc;
+    if (dry_run && (st == MOEQ_OK || st == MOEQ_E_NOMEM)) print_plan(pos[0], &res.plan);
     if (st) return cli_fail("quantize", st);
+    if (dry_run) return CLI_OK;
     if (gptq && !quiet) gptq_cli_print(&res, &o, out);
     cli_progress_finish();
     if (!quiet)
         printf("%s: %lld Linears quantized (%s %s, %lld weights), %lld kept; %lld tensors, %.1f MB, "
-               "%.1f s\n", out, (long long)res.linears_quantized, scheme, format,
+               "%.1f s, peak memory %.2f GB%s\n", out, (long long)res.linears_quantized, scheme, format,
                (long long)res.weights_quantized, (long long)res.linears_kept,
-               (long long)res.tensors_written, (double)res.bytes_written / 1e6, res.seconds);
+               (long long)res.tensors_written, (double)res.bytes_written / 1e6, res.seconds,
+               (double)res.peak_anon_bytes / 1e9, res.layers_resumed ? " (resumed)" : "");
     return CLI_OK;
 }

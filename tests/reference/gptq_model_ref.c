@@ -1,18 +1,19 @@
 /*
- * GPTQ over a whole model (see gptq_model.h): the layer-by-layer calibration loop of
- * IST-DASLab's gptq (llama.py: inputs of block l cached, Hessians from hooks, block quantized,
- * inputs re-run through the quantized block) extended to MoE: one Hessian per routed expert from
- * exactly its routed tokens, fused NVFP4 global scales, a fallback for experts without
- * calibration tokens, and every weight of a block in one parallel GPTQ run.
+ * The test reference of the pipeline's GPTQ (see gptq_model_ref.h): the layer-by-layer
+ * calibration loop of IST-DASLab's gptq (llama.py: inputs of block l cached, Hessians from hooks,
+ * block quantized, inputs re-run through the quantized block) extended to MoE: one Hessian per
+ * routed expert from exactly its routed tokens, fused NVFP4 global scales, a fallback for experts
+ * without calibration tokens, and every weight of a block in one parallel GPTQ run.
  */
-#include "quant/gptq_model.h"
+#include "reference/gptq_model_ref.h"
 
-#include <cjson/cJSON.h>
+#include "kernels/vec.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-void mq_gptq_model_opts_init(mq_gptq_model_opts *o, const mq_qspec *spec) {
+void ref_gptq_opts_init(ref_gptq_opts *o, const mq_qspec *spec) {
     memset(o, 0, sizeof *o);
     o->spec = *spec;
     o->spec.mse = true;
@@ -22,20 +23,20 @@ void mq_gptq_model_opts_init(mq_gptq_model_opts *o, const mq_qspec *spec) {
      * lower KL in three of four cases, equal in the fourth); with one group per row that would
      * be GPTQ over whole rows once per candidate, so those keep the plain squared error */
     o->gptq.mse_weight = spec->group_size > 0 ? MQ_GPTQ_MSE_LOOP : MQ_GPTQ_MSE_PLAIN;
-    o->mode = MQ_GPTQ_SEQUENTIAL;
+    o->mode = REF_SEQUENTIAL;
     o->min_expert_tokens = 32;
-    o->fallback = MQ_FALLBACK_BLOCK;
+    o->fallback = REF_FALLBACK_BLOCK;
 }
 
-const char *mq_gptq_how_name(mq_gptq_how h) {
+const char *ref_how_name(ref_how h) {
     switch (h) {
-    case MQ_HOW_GPTQ: return "gptq";
-    case MQ_HOW_GPTQ_BLOCK_HESSIAN: return "gptq-block-hessian";
+    case REF_HOW_GPTQ: return "gptq";
+    case REF_HOW_GPTQ_BLOCK_HESSIAN: return "gptq-block-hessian";
     default: return "rtn";
     }
 }
 
-void mq_gptq_results_free(mq_gptq_results *r) {
+void ref_gptq_results_free(ref_gptq_results *r) {
     if (!r) return;
     for (int64_t i = 0; i < r->n; i++) {
         free(r->r[i].module);
@@ -45,26 +46,26 @@ void mq_gptq_results_free(mq_gptq_results *r) {
     memset(r, 0, sizeof *r);
 }
 
-mq_gptq_result *mq_gptq_results_find(const mq_gptq_results *r, const char *module) {
+ref_gptq_result *ref_gptq_results_find(const ref_gptq_results *r, const char *module) {
     for (int64_t i = 0; i < r->n; i++)
         if (strcmp(r->r[i].module, module) == 0) return &r->r[i];
     return NULL;
 }
 
-static moeq_status results_reserve(mq_gptq_results *r, int64_t more) {
+static moeq_status results_reserve(ref_gptq_results *r, int64_t more) {
     if (r->n + more <= r->cap) return MOEQ_OK;
     int64_t cap = r->cap ? r->cap : 64;
     while (cap < r->n + more) cap *= 2;
-    mq_gptq_result *v = realloc(r->r, (size_t)cap * sizeof *v);
+    ref_gptq_result *v = realloc(r->r, (size_t)cap * sizeof *v);
     if (!v) return mq_err(MOEQ_E_NOMEM, "out of memory for GPTQ results");
     r->r = v;
     r->cap = cap;
     return MOEQ_OK;
 }
 
-static mq_gptq_result *results_add(mq_gptq_results *r, const char *module, int layer, int expert) {
+static ref_gptq_result *results_add(ref_gptq_results *r, const char *module, int layer, int expert) {
     if (results_reserve(r, 1)) return NULL;
-    mq_gptq_result *x = &r->r[r->n];
+    ref_gptq_result *x = &r->r[r->n];
     memset(x, 0, sizeof *x);
     x->module = mq_strdup(module);
     if (!x->module) {
@@ -89,7 +90,7 @@ typedef struct {
     int64_t pend_rows;           /* rows of a deferred update waiting in the block's arena (0: none) */
     size_t pend_off;
     /* filled when quantizing */
-    mq_gptq_how how;
+    ref_how how;
     float *H;                    /* [K, K] the Hessian used (NULL for RTN) */
     int64_t tokens;
     float gs;                    /* NVFP4 global scale of its weights (fused) */
@@ -97,7 +98,7 @@ typedef struct {
 
 typedef struct {
     moeq_model *m;
-    const mq_gptq_model_opts *o;
+    const ref_gptq_opts *o;
     int layer;
     slot *slots;
     int n_slots;
@@ -105,9 +106,9 @@ typedef struct {
     int expert0, down0;             /* slot of EXPERT 0 / EXPERT_DOWN 0; -1 when dense */
     int phase;                      /* -1: every slot; 0: attention only; 1: the rest */
     float *ffn_in;                  /* [samples][max_len][D] MoE block input (fallback), or NULL */
+    mq_hessian block_h;             /* its Hessian over every token, one update per sample */
     int64_t max_len;
     int64_t sample;                 /* sample being run */
-    const float *x_in;              /* its block input */
     double t_hessian;
     float *arena;                   /* copies of captured inputs whose Hessian update is deferred */
     size_t arena_cap, arena_used;   /* floats */
@@ -123,6 +124,7 @@ static void block_free(block_ctx *b) {
     b->arena = NULL;
     b->arena_cap = b->arena_used = 0;
     mq_free(b->ffn_in);
+    mq_hessian_free(&b->block_h);
     b->slots = NULL;
     b->ffn_in = NULL;
     b->n_slots = 0;
@@ -134,7 +136,7 @@ static bool in_phase(const block_ctx *b, const slot *s) {
     return b->phase < 0 || attn == (b->phase == 0);
 }
 
-static bool wanted(const mq_gptq_model_opts *o, const mq_linear *l) {
+static bool wanted(const ref_gptq_opts *o, const mq_linear *l) {
     return l->w && (!o->want || o->want(o->want_user, l->name));
 }
 
@@ -150,7 +152,7 @@ static int slot_add(block_ctx *b, mq_site site, int expert, mq_linear *w0, mq_li
     return b->n_slots++;
 }
 
-static moeq_status block_init(block_ctx *b, moeq_model *m, const mq_gptq_model_opts *o, int l,
+static moeq_status block_init(block_ctx *b, moeq_model *m, const ref_gptq_opts *o, int l,
                               const mq_calib_set *calib) {
     memset(b, 0, sizeof *b);
     b->m = m;
@@ -189,24 +191,15 @@ static moeq_status block_init(block_ctx *b, moeq_model *m, const mq_gptq_model_o
         st = mq_hessian_init(&s->h, s->w[0]->in, what);
         any_expert |= s->expert >= 0;
     }
-    if (!st && any_expert && o->fallback == MQ_FALLBACK_BLOCK && o->min_expert_tokens > 0) {
+    if (!st && any_expert && o->fallback == REF_FALLBACK_BLOCK && o->min_expert_tokens > 0) {
         b->max_len = calib->max_len;
         b->ffn_in = mq_alloc_array((size_t)(calib->n * calib->max_len), (size_t)c->D * sizeof(float),
                                    "MoE block inputs for the expert fallback");
         if (!b->ffn_in) st = MOEQ_E_NOMEM;
+        if (!st) st = mq_hessian_init(&b->block_h, c->D, "MoE block Hessian");
     }
     if (st) block_free(b);
     return st;
-}
-
-static void rmsnorm_rows(float *x, int64_t rows, int64_t n, const float *w, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *xr = x + r * n;
-        double ss = 0;
-        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
-        float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
-        for (int64_t i = 0; i < n; i++) xr[i] = w[i] * (xr[i] * inv);
-    }
 }
 
 /* Hessian updates run together on the pool once the layer's forward is done (flush_updates):
@@ -260,14 +253,10 @@ static void on_capture(void *user, int layer, mq_site site, int expert, const fl
         MQ_ASSERT(cols == s->h.K);
         if (!defer_update(b, s, x, rows)) mq_hessian_add(&s->h, x, rows);
     }
-    if (site == MQ_SITE_O && b->ffn_in && b->phase != 0) {
-        /* the MoE block input of every token: RMSNorm(x_in + o_proj(attention)) */
-        const mq_layer *ly = &b->m->layers[layer];
-        const int64_t D = b->m->cfg.D;
-        float *f = b->ffn_in + b->sample * b->max_len * D;
-        mq_linear_forward(&ly->o, x, rows, f);
-        for (int64_t k = 0; k < rows * D; k++) f[k] += b->x_in[k];
-        rmsnorm_rows(f, rows, D, ly->ffn_norm, b->m->cfg.rms_eps);
+    if (site == MQ_SITE_FFN && b->ffn_in && b->phase != 0) {
+        /* the MoE block input of every token, kept for the fallback, and its Hessian */
+        memcpy(b->ffn_in + b->sample * b->max_len * cols, x, sizeof(float) * (size_t)(rows * cols));
+        mq_hessian_add(&b->block_h, x, rows);
     }
     b->t_hessian += mq_now() - t0;
 }
@@ -290,9 +279,7 @@ static moeq_status fallback_down_hessian(block_ctx *b, int e, const mq_calib_set
         const float *x = b->ffn_in + s * b->max_len * D;
         int64_t T = calib->len[s];
         used += T;
-        mq_linear_forward(&ly->exp_gate[e], x, T, g);
-        mq_linear_forward(&ly->exp_up[e], x, T, u);
-        for (int64_t k = 0; k < T * F; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+        mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], NULL, x, T, g, u, NULL);
         mq_hessian_add(h, g, T);
     }
     mq_free(g);
@@ -302,7 +289,7 @@ static moeq_status fallback_down_hessian(block_ctx *b, int e, const mq_calib_set
 
 /* Decides how each slot is quantized and forms its Hessian. */
 static moeq_status block_hessians(block_ctx *b, const mq_calib_set *calib) {
-    const mq_gptq_model_opts *o = b->o;
+    const ref_gptq_opts *o = b->o;
     mq_hessian block_in = {0};
     moeq_status st = MOEQ_OK;
     bool need_block = false;
@@ -310,23 +297,22 @@ static moeq_status block_hessians(block_ctx *b, const mq_calib_set *calib) {
         slot *s = &b->slots[i];
         if (!s->nw || !in_phase(b, s)) continue;
         s->tokens = s->expert >= 0 ? b->slots[b->expert0 + s->expert].h.n : s->h.n;
-        s->how = MQ_HOW_GPTQ;
+        s->how = REF_HOW_GPTQ;
         if (s->expert >= 0 && s->tokens < o->min_expert_tokens)
-            s->how = o->fallback == MQ_FALLBACK_RTN ? MQ_HOW_RTN : MQ_HOW_GPTQ_BLOCK_HESSIAN;
-        need_block |= s->how == MQ_HOW_GPTQ_BLOCK_HESSIAN && s->site == MQ_SITE_EXPERT;
+            s->how = o->fallback == REF_FALLBACK_RTN ? REF_HOW_RTN : REF_HOW_GPTQ_BLOCK_HESSIAN;
+        need_block |= s->how == REF_HOW_GPTQ_BLOCK_HESSIAN && s->site == MQ_SITE_EXPERT;
     }
-    if (need_block) {   /* every token reaches top_k experts: the sum over experts is top_k x it */
-        st = mq_hessian_init(&block_in, b->m->cfg.D, "MoE block Hessian");
-        for (int e = 0; !st && e < b->m->cfg.n_experts; e++)
-            if (b->slots[b->expert0 + e].nw) mq_hessian_merge(&block_in, &b->slots[b->expert0 + e].h);
+    if (need_block) {   /* every token's FFN input */
+        block_in = b->block_h;
+        b->block_h = (mq_hessian){0};
     }
     for (int i = 0; i < b->n_slots && !st; i++) {
         slot *s = &b->slots[i];
-        if (!s->nw || !in_phase(b, s) || s->how == MQ_HOW_RTN) continue;
+        if (!s->nw || !in_phase(b, s) || s->how == REF_HOW_RTN) continue;
         const int64_t K = s->h.K;
         const mq_hessian *src = &s->h;
         mq_hessian tmp = {0};
-        if (s->how == MQ_HOW_GPTQ_BLOCK_HESSIAN) {
+        if (s->how == REF_HOW_GPTQ_BLOCK_HESSIAN) {
             if (s->site == MQ_SITE_EXPERT) {
                 src = &block_in;
             } else {
@@ -348,8 +334,8 @@ static moeq_status block_hessians(block_ctx *b, const mq_calib_set *calib) {
 
 /* Factorises, quantizes every weight of the block in one run, writes the dequantized weights
  * back into the model and records the results. */
-static moeq_status block_quantize(block_ctx *b, mq_gptq_results *res) {
-    const mq_gptq_model_opts *o = b->o;
+static moeq_status block_quantize(block_ctx *b, ref_gptq_results *res) {
+    const ref_gptq_opts *o = b->o;
     moeq_status st = MOEQ_OK;
     int n = b->n_slots, n_jobs = 0;
     const float **Hs = calloc((size_t)n, sizeof *Hs);
@@ -365,7 +351,7 @@ static moeq_status block_quantize(block_ctx *b, mq_gptq_results *res) {
     for (int i = 0; i < n; i++) {
         slot *s = &b->slots[i];
         if (!s->nw || !in_phase(b, s)) continue;
-        Hs[i] = s->how == MQ_HOW_RTN ? NULL : s->H;
+        Hs[i] = s->how == REF_HOW_RTN ? NULL : s->H;
         Ks[i] = s->w[0]->in;
         names[i] = s->w[0]->name;
         float amax = 0;
@@ -381,7 +367,7 @@ static moeq_status block_quantize(block_ctx *b, mq_gptq_results *res) {
         slot *s = &b->slots[i];
         for (int k = 0; k < s->nw && in_phase(b, s) && !st; k++) {
             mq_linear *l = s->w[k];
-            mq_gptq_result *r = results_add(res, l->name, b->layer, s->expert);
+            ref_gptq_result *r = results_add(res, l->name, b->layer, s->expert);
             if (!r) {
                 st = MOEQ_E_NOMEM;
                 break;
@@ -389,7 +375,7 @@ static moeq_status block_quantize(block_ctx *b, mq_gptq_results *res) {
             r->tokens = s->tokens;
             r->how = s->how;
             float gs = o->no_fuse ? mq_nvfp4_global_scale(&o->spec, mq_absmax(l->w, l->out * l->in)) : s->gs;
-            if (s->how == MQ_HOW_RTN) {
+            if (s->how == REF_HOW_RTN) {
                 double t0 = mq_now();
                 st = mq_quantize_rtn(&o->spec, l->w, l->out, l->in, gs, l->name, &r->q);
                 r->stats = (mq_gptq_stats){NAN, NAN, 0, 0, mq_now() - t0};
@@ -419,8 +405,8 @@ done:
 
 /* ---- the model loop ------------------------------------------------------------------------- */
 
-moeq_status mq_gptq_model(moeq_model *m, const mq_calib_set *calib, const mq_gptq_model_opts *o,
-                          mq_gptq_results *out) {
+moeq_status ref_gptq_model(moeq_model *m, const mq_calib_set *calib, const ref_gptq_opts *o,
+                          ref_gptq_results *out) {
     memset(out, 0, sizeof *out);
     const mq_config *c = &m->cfg;
     const int64_t D = c->D, S = calib->n, Lmax = calib->max_len;
@@ -437,7 +423,7 @@ moeq_status mq_gptq_model(moeq_model *m, const mq_calib_set *calib, const mq_gpt
     for (int64_t s = 0; s < S && !st; s++) st = mq_embed(m, calib->ids[s], calib->len[s], X + s * Lmax * D);
     out->samples = S;
     out->tokens = calib->total;
-    const bool seq = o->mode == MQ_GPTQ_SEQUENTIAL;
+    const bool seq = o->mode == REF_SEQUENTIAL;
     const int phases = seq && o->true_sequential ? 2 : 1;
     /* progress units: one per sample forward, and a block's GPTQ weighted like a quarter pass */
     const int64_t quant_units = S / 4 + 1, per_layer = (S + quant_units) * phases + (seq ? S : 0);
@@ -460,7 +446,6 @@ moeq_status mq_gptq_model(moeq_model *m, const mq_calib_set *calib, const mq_gpt
                 float *x = X + s * Lmax * D;
                 memcpy(xt, x, (size_t)(calib->len[s] * D) * sizeof(float));
                 b.sample = s;
-                b.x_in = x;
                 st = mq_forward_layers(m, state, xt, calib->len[s], 0, l, l + 1, &hooks);
                 flush_updates(&b);
                 if (!seq) memcpy(x, xt, (size_t)(calib->len[s] * D) * sizeof(float));
@@ -469,7 +454,7 @@ moeq_status mq_gptq_model(moeq_model *m, const mq_calib_set *calib, const mq_gpt
             double t1 = mq_now();
             /* 2. Hessians, fallbacks, GPTQ for every weight of the block (or of the phase) */
             if (!st) st = block_hessians(&b, calib);
-            mq_gptq_model_opts ol = *o;   /* progress over this block's GPTQ tasks */
+            ref_gptq_opts ol = *o;   /* progress over this block's GPTQ tasks */
             ol.gptq.progress_label = "gptq";
             ol.gptq.progress_base = done_units;
             ol.gptq.progress_span = quant_units;
@@ -500,136 +485,7 @@ moeq_status mq_gptq_model(moeq_model *m, const mq_calib_set *calib, const mq_gpt
     mq_free(X);
     mq_free(xt);
     out->seconds_total = mq_now() - t_start;
-    if (st) mq_gptq_results_free(out);
+    if (st) ref_gptq_results_free(out);
     return st;
 }
 
-/* ---- export and report ---------------------------------------------------------------------- */
-
-moeq_status mq_gptq_take(void *user, const char *module, const float *w, int64_t rows,
-                         int64_t cols, const mq_qspec *spec, float global_scale, mq_qtensor *out) {
-    (void)w;
-    mq_gptq_result *r = mq_gptq_results_find(user, module);
-    if (!r || !r->q.codes)
-        return mq_err(MOEQ_E_NOTFOUND, "%s: no GPTQ result for this module", module);
-    if (r->q.rows != rows || r->q.cols != cols)
-        return mq_err(MOEQ_E_SHAPE, "%s: GPTQ result is [%lld, %lld], the checkpoint [%lld, %lld]",
-                      module, (long long)r->q.rows, (long long)r->q.cols, (long long)rows,
-                      (long long)cols);
-    if (r->q.spec.scheme != spec->scheme || r->q.group_size != mq_qspec_group(spec, cols))
-        return mq_err(MOEQ_E_ARG, "%s: GPTQ result has another scheme or group size", module);
-    if (spec->scheme == MQ_QS_NVFP4 && r->q.global_scale != global_scale)
-        return mq_err(MOEQ_E_ARG, "%s: GPTQ used the NVFP4 global scale %.9g, the writer wants %.9g",
-                      module, (double)r->q.global_scale, (double)global_scale);
-    *out = r->q;
-    memset(&r->q, 0, sizeof r->q);
-    return MOEQ_OK;
-}
-
-static void json_num(cJSON *o, const char *k, double v) {
-    if (isfinite(v)) cJSON_AddNumberToObject(o, k, v);
-    else cJSON_AddNullToObject(o, k);
-}
-
-moeq_status mq_gptq_report_write(const mq_gptq_results *r, const mq_gptq_model_opts *o,
-                                 const mq_calib_opts *calib, const char *path) {
-    cJSON *j = cJSON_CreateObject();
-    cJSON *set = cJSON_AddObjectToObject(j, "settings");
-    cJSON_AddStringToObject(set, "scheme", mq_qscheme_name(o->spec.scheme));
-    cJSON_AddNumberToObject(set, "group_size", o->spec.group_size);
-    cJSON_AddBoolToObject(set, "mse", o->spec.mse);
-    if (o->spec.mse)
-        cJSON_AddStringToObject(set, "mse_weight", o->gptq.mse_weight == MQ_GPTQ_MSE_HDIAG ? "hessian"
-                                                   : o->gptq.mse_weight == MQ_GPTQ_MSE_OBQ ? "obq"
-                                                   : o->gptq.mse_weight == MQ_GPTQ_MSE_LOOP ? "gptq"
-                                                                                          : "plain");
-    cJSON_AddStringToObject(set, "mode", o->mode == MQ_GPTQ_SEQUENTIAL ? "sequential" : "nonsequential");
-    cJSON_AddBoolToObject(set, "true_sequential", o->true_sequential && o->mode == MQ_GPTQ_SEQUENTIAL);
-    cJSON_AddNumberToObject(set, "percdamp", o->gptq.percdamp);
-    cJSON_AddNumberToObject(set, "block_size", o->gptq.block_size);
-    cJSON_AddBoolToObject(set, "act_order", o->gptq.act_order);
-    cJSON_AddStringToObject(set, "groups", o->gptq.groups == MQ_GPTQ_GROUPS_STATIC ? "static"
-                                           : o->gptq.groups == MQ_GPTQ_GROUPS_GIDX ? "g_idx"
-                                                                                  : "dynamic");
-    cJSON_AddNumberToObject(set, "min_expert_tokens", (double)o->min_expert_tokens);
-    cJSON_AddStringToObject(set, "expert_fallback", o->fallback == MQ_FALLBACK_RTN ? "rtn" : "block-hessian");
-    cJSON *cal = cJSON_AddObjectToObject(j, "calibration");
-    if (calib) {
-        if (calib->path) cJSON_AddStringToObject(cal, "file", calib->path);
-        cJSON_AddStringToObject(cal, "sampling", calib->mode == MQ_CALIB_RANDOM ? "random"
-                                                 : calib->mode == MQ_CALIB_DOCS ? "docs" : "chunks");
-        cJSON_AddNumberToObject(cal, "seqlen", (double)calib->seqlen);
-    }
-    cJSON_AddNumberToObject(cal, "samples", (double)r->samples);
-    cJSON_AddNumberToObject(cal, "tokens", (double)r->tokens);
-    cJSON *sec = cJSON_AddObjectToObject(j, "seconds");
-    cJSON_AddNumberToObject(sec, "total", r->seconds_total);
-    cJSON_AddNumberToObject(sec, "forward", r->seconds_forward);
-    cJSON_AddNumberToObject(sec, "hessians", r->seconds_hessian);
-    cJSON_AddNumberToObject(sec, "gptq", r->seconds_gptq);
-    cJSON *mods = cJSON_AddArrayToObject(j, "modules");
-    double sum_g = 0, sum_r = 0;
-    int64_t worse = 0, fallbacks = 0;
-    for (int64_t i = 0; i < r->n; i++) {
-        const mq_gptq_result *x = &r->r[i];
-        cJSON *m = cJSON_CreateObject();
-        cJSON_AddStringToObject(m, "module", x->module);
-        cJSON_AddNumberToObject(m, "layer", x->layer);
-        if (x->expert >= 0) cJSON_AddNumberToObject(m, "expert", x->expert);
-        cJSON_AddNumberToObject(m, "tokens", (double)x->tokens);
-        cJSON_AddStringToObject(m, "method", mq_gptq_how_name(x->how));
-        json_num(m, "loss", x->stats.loss);
-        json_num(m, "rtn_loss", x->stats.rtn_loss);
-        if (x->how != MQ_HOW_RTN) {
-            cJSON_AddNumberToObject(m, "percdamp", x->stats.percdamp);
-            cJSON_AddNumberToObject(m, "dead_columns", (double)x->stats.n_dead);
-        }
-        cJSON_AddNumberToObject(m, "seconds", x->stats.seconds);
-        cJSON_AddItemToArray(mods, m);
-        if (x->how != MQ_HOW_GPTQ) fallbacks++;
-        if (isfinite(x->stats.loss) && isfinite(x->stats.rtn_loss)) {
-            sum_g += x->stats.loss;
-            sum_r += x->stats.rtn_loss;
-            worse += x->stats.loss > x->stats.rtn_loss;
-        }
-    }
-    cJSON *sum = cJSON_AddObjectToObject(j, "summary");
-    cJSON_AddNumberToObject(sum, "modules", (double)r->n);
-    cJSON_AddNumberToObject(sum, "expert_fallbacks", (double)fallbacks);
-    cJSON_AddNumberToObject(sum, "gptq_loss_total", sum_g);
-    cJSON_AddNumberToObject(sum, "rtn_loss_total", sum_r);
-    cJSON_AddNumberToObject(sum, "modules_worse_than_rtn", (double)worse);
-    char *text = cJSON_Print(j);
-    cJSON_Delete(j);
-    if (!text) return mq_err(MOEQ_E_NOMEM, "out of memory writing %s", path);
-    size_t len = strlen(text);
-    text[len] = '\n';   /* cJSON_Print leaves room only for the NUL: write len bytes + newline */
-    moeq_status st = mq_write_file_atomic(path, text, len + 1);
-    free(text);
-    return st;
-}
-
-moeq_status mq_gptq_quantize_checkpoint(const char *model_dir, const char *out_dir,
-                                        mq_quantize_opts *qo, const mq_gptq_model_opts *go,
-                                        const mq_calib_opts *co, const char *report_path,
-                                        mq_gptq_results *results, mq_quantize_stats *stats) {
-    memset(results, 0, sizeof *results);
-    if (go->spec.scheme != qo->spec.scheme)
-        return mq_err(MOEQ_E_ARG, "GPTQ and the checkpoint writer disagree on the scheme");
-    if (go->no_fuse != qo->no_fuse)
-        return mq_err(MOEQ_E_ARG, "GPTQ and the checkpoint writer disagree on fused global scales");
-    moeq_model *m = NULL;
-    mq_calib_set calib = {0};
-    moeq_status st = moeq_model_open(model_dir, NULL, &m);
-    if (!st) st = mq_calib_load(moeq_model_tokenizer(m), co, &calib);
-    if (!st) st = mq_gptq_model(m, &calib, go, results);
-    moeq_model_free(m);
-    mq_calib_free(&calib);
-    if (st) return st;
-    qo->step = mq_gptq_take;
-    qo->step_user = results;
-    st = mq_quantize_checkpoint(model_dir, out_dir, qo, stats);
-    /* after the checkpoint: the report may go into OUT_DIR, which the writer replaces */
-    if (!st && report_path) st = mq_gptq_report_write(results, go, co, report_path);
-    return st;
-}

@@ -1,0 +1,260 @@
+/*
+ * The public quantization entry point (moeq_quantize in include/moeq.h): checks the public
+ * options, translates them into the pipeline's (pipeline/pipeline.h) and runs it. Settings
+ * follow `moeq quantize` exactly (the CLI is a thin layer over this file).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pipeline/pipeline.h"
+
+void moeq_quant_options_init(moeq_quant_options *o) {
+    memset(o, 0, sizeof *o);
+    o->scheme = MOEQ_QUANT_SCHEME_UNSET;
+    o->method = MOEQ_QUANT_RTN;
+    o->format = MOEQ_FORMAT_COMPRESSED_TENSORS;
+    o->calib_tokens = 65536;
+    o->gptq.nsamples = 128;
+    o->gptq.seqlen = 512;
+    o->gptq.sampling = MOEQ_CALIB_CHUNKS;
+    o->gptq.percdamp = 0.01;
+    o->gptq.block_size = 128;
+    o->gptq.act_order = -1;
+    o->gptq.groups = MOEQ_GPTQ_GROUPS_DYNAMIC;
+    o->gptq.mse = 1;
+    o->gptq.mse_weight = MOEQ_GPTQ_MSE_AUTO;
+    o->gptq.mode = MOEQ_GPTQ_SEQUENTIAL;
+    o->gptq.min_expert_tokens = 32;
+    o->gptq.expert_fallback = MOEQ_EXPERT_FALLBACK_BLOCK;
+    o->activations = MOEQ_ACT_STORAGE_AUTO;
+}
+
+#define BAD(...) mq_err(MOEQ_E_ARG, "moeq_quantize: " __VA_ARGS__)
+
+static moeq_status check_gptq(const moeq_quant_options *o) {
+    if (o->gptq.nsamples < 1)
+        return BAD("gptq.nsamples must be >= 1, got %lld", (long long)o->gptq.nsamples);
+    if (o->gptq.seqlen < 2)
+        return BAD("gptq.seqlen must be >= 2, got %lld", (long long)o->gptq.seqlen);
+    if ((unsigned)o->gptq.sampling > MOEQ_CALIB_DOCS)
+        return BAD("gptq.sampling: unknown value %d", (int)o->gptq.sampling);
+    if (!isfinite(o->gptq.percdamp) || o->gptq.percdamp < 0)
+        return BAD("gptq.percdamp must be finite and >= 0, got %g", o->gptq.percdamp);
+    if (o->gptq.block_size < 1)
+        return BAD("gptq.block_size must be >= 1, got %d", o->gptq.block_size);
+    if (o->gptq.act_order < -1 || o->gptq.act_order > 1)
+        return BAD("gptq.act_order must be -1 (per scheme), 0 or 1, got %d", o->gptq.act_order);
+    if ((unsigned)o->gptq.groups > MOEQ_GPTQ_GROUPS_GIDX)
+        return BAD("gptq.groups: unknown value %d", (int)o->gptq.groups);
+    if (o->gptq.mse_weight < MOEQ_GPTQ_MSE_AUTO || o->gptq.mse_weight > MOEQ_GPTQ_MSE_GPTQ)
+        return BAD("gptq.mse_weight: unknown value %d", (int)o->gptq.mse_weight);
+    if ((unsigned)o->gptq.mode > MOEQ_GPTQ_NONSEQUENTIAL)
+        return BAD("gptq.mode: unknown value %d", (int)o->gptq.mode);
+    if ((unsigned)o->gptq.expert_fallback > MOEQ_EXPERT_FALLBACK_RTN)
+        return BAD("gptq.expert_fallback: unknown value %d", (int)o->gptq.expert_fallback);
+    if (o->gptq.min_expert_tokens < 0)
+        return BAD("gptq.min_expert_tokens must be >= 0, got %lld",
+                   (long long)o->gptq.min_expert_tokens);
+    if (o->gptq.true_sequential && o->gptq.mode != MOEQ_GPTQ_SEQUENTIAL)
+        return BAD("gptq.true_sequential needs gptq.mode MOEQ_GPTQ_SEQUENTIAL");
+    bool int4 = o->scheme == MOEQ_QUANT_INT4;
+    bool act_order = o->gptq.act_order < 0 ? int4 : o->gptq.act_order != 0;
+    if (o->gptq.groups == MOEQ_GPTQ_GROUPS_GIDX && !act_order)
+        return BAD("gptq.groups MOEQ_GPTQ_GROUPS_GIDX needs gptq.act_order");
+    if (o->gptq.groups == MOEQ_GPTQ_GROUPS_GIDX && !int4)
+        return BAD("gptq.groups MOEQ_GPTQ_GROUPS_GIDX stores g_idx, which only INT4 checkpoints "
+                   "hold");
+    return MOEQ_OK;
+}
+
+/* Every field of the public options; messages name the field. */
+static moeq_status check_options(const moeq_quant_options *o) {
+    if (o->scheme == MOEQ_QUANT_SCHEME_UNSET)
+        return BAD("scheme is required (MOEQ_QUANT_NVFP4, MOEQ_QUANT_NVFP4A16 or MOEQ_QUANT_INT4)");
+    if (o->scheme < MOEQ_QUANT_NVFP4 || o->scheme > MOEQ_QUANT_INT4)
+        return BAD("scheme: unknown value %d", (int)o->scheme);
+    if ((unsigned)o->method > MOEQ_QUANT_GPTQ)
+        return BAD("method: unknown value %d", (int)o->method);
+    if ((unsigned)o->format > MOEQ_FORMAT_GPTQ)
+        return BAD("format: unknown value %d", (int)o->format);
+    bool nv = o->scheme != MOEQ_QUANT_INT4;
+    if (nv && o->format == MOEQ_FORMAT_GPTQ) return BAD("format MOEQ_FORMAT_GPTQ holds INT4 only");
+    if (!nv && o->format == MOEQ_FORMAT_MODELOPT)
+        return BAD("format MOEQ_FORMAT_MODELOPT holds NVFP4 only");
+    if (nv && o->asym) return BAD("asym: NVFP4 is symmetric (asym is for INT4)");
+    if (nv && o->group_size != 0 && o->group_size != 16)
+        return BAD("group_size: NVFP4 has groups of 16, got %d", o->group_size);
+    if (!nv && o->group_size < -1)
+        return BAD("group_size must be positive, -1 (per row) or 0 (default 128), got %d",
+                   o->group_size);
+    if (o->scheme == MOEQ_QUANT_NVFP4 && !o->calib)
+        return BAD("scheme MOEQ_QUANT_NVFP4 (W4A4) needs calib for its activation scales");
+    if (o->method == MOEQ_QUANT_GPTQ && !o->calib) return BAD("method MOEQ_QUANT_GPTQ needs calib");
+    if (o->calib && o->scheme != MOEQ_QUANT_NVFP4 && o->method != MOEQ_QUANT_GPTQ)
+        return BAD("calib is only used by scheme MOEQ_QUANT_NVFP4 and method MOEQ_QUANT_GPTQ");
+    if (o->calib_tokens < 1)
+        return BAD("calib_tokens must be >= 1, got %lld", (long long)o->calib_tokens);
+    if (o->max_shard_bytes < 0)
+        return BAD("max_shard_bytes must be >= 0 (0: 5 GB), got %lld",
+                   (long long)o->max_shard_bytes);
+    if (o->n_ignore < 0 || (o->n_ignore > 0 && !o->ignore))
+        return BAD("ignore: %d patterns but no array", o->n_ignore);
+    for (int32_t i = 0; i < o->n_ignore; i++)
+        if (!o->ignore[i]) return BAD("ignore[%d] is NULL", i);
+    if (o->max_memory < 0) return BAD("max_memory must be >= 0 (0: a share of the machine's), got %lld",
+                                      (long long)o->max_memory);
+    if (o->expert_chunk < 0) return BAD("expert_chunk must be >= 0 (0: from max_memory), got %d",
+                                        o->expert_chunk);
+    if ((unsigned)o->activations > MOEQ_ACT_STORAGE_BF16)
+        return BAD("activations: unknown value %d", (int)o->activations);
+    return o->method == MOEQ_QUANT_GPTQ ? check_gptq(o) : MOEQ_OK;
+}
+
+/* The pipeline's options, as `moeq quantize` sets them. */
+static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) {
+    mq_ckpt_format fmt = po->format == MOEQ_FORMAT_MODELOPT ? MQ_FMT_MODELOPT
+                         : po->format == MOEQ_FORMAT_GPTQ   ? MQ_FMT_GPTQ
+                                                            : MQ_FMT_CT;
+    bool nv = po->scheme != MOEQ_QUANT_INT4;
+    mq_pipeline_opts_init(o, nv ? MQ_QS_NVFP4 : MQ_QS_INT4, fmt);
+    o->max_shard_bytes = (size_t)po->max_shard_bytes;
+    if (!nv && po->group_size != 0) o->spec.group_size = po->group_size;
+    o->spec.asym = po->asym != 0;
+    /* GPTQ searches scales by default */
+    o->spec.mse = po->method == MOEQ_QUANT_GPTQ ? po->gptq.mse != 0 : po->mse != 0;
+    o->no_fuse = po->no_fuse != 0;
+    if (po->reference) {
+        /* reference.json: NVFP4 per-tensor scales, block scales clamped to [2^-9, 448];
+         * INT4 symmetric amax/7, scales kept in F32 (GPTQ stores F16 whatever) */
+        o->no_fuse = true;
+        o->spec.nvfp4_scale_min = 0x1p-9f;
+        o->spec.int4_sym_div = 7.0f;
+        if (fmt == MQ_FMT_CT) o->spec.scale_dtype = MOEQ_DT_F32;
+    }
+    o->act_quant = po->scheme == MOEQ_QUANT_NVFP4;
+    o->ignore = po->ignore;
+    o->n_ignore = (int)po->n_ignore;
+    o->force = po->force != 0;
+    o->max_memory = po->max_memory;
+    o->work_dir = po->work_dir;
+    o->resume = po->resume != 0;
+    o->dry_run = po->dry_run != 0;
+    o->expert_chunk = po->expert_chunk;
+    o->act_storage = po->activations == MOEQ_ACT_STORAGE_RAM    ? MQ_ACT_RAM
+                     : po->activations == MOEQ_ACT_STORAGE_DISK ? MQ_ACT_DISK
+                     : po->activations == MOEQ_ACT_STORAGE_BF16 ? MQ_ACT_BF16
+                                                                : MQ_ACT_AUTO;
+    if (o->act_quant && po->method != MOEQ_QUANT_GPTQ) {
+        o->act_calib = po->calib;
+        o->act_calib_tokens = po->calib_tokens;
+    }
+    if (po->method != MOEQ_QUANT_GPTQ) return;
+    o->gptq = true;
+    o->g.percdamp = po->gptq.percdamp;
+    o->g.block_size = po->gptq.block_size;
+    /* the scale search scores candidates by running GPTQ over the group (docs/gptq_results.md:
+     * lower KL in three of four cases, equal in the fourth); with one group per row that would
+     * be GPTQ over whole rows once per candidate, so those keep the plain squared error */
+    o->g.mse_weight = po->gptq.mse_weight == MOEQ_GPTQ_MSE_HESSIAN ? MQ_GPTQ_MSE_HDIAG
+                      : po->gptq.mse_weight == MOEQ_GPTQ_MSE_OBQ   ? MQ_GPTQ_MSE_OBQ
+                      : po->gptq.mse_weight == MOEQ_GPTQ_MSE_GPTQ  ? MQ_GPTQ_MSE_LOOP
+                      : po->gptq.mse_weight == MOEQ_GPTQ_MSE_PLAIN ? MQ_GPTQ_MSE_PLAIN
+                      : o->spec.group_size > 0                     ? MQ_GPTQ_MSE_LOOP
+                                                                   : MQ_GPTQ_MSE_PLAIN;
+    /* measured on olmoe-tiny and qwen2moe-tiny (docs/gptq_results.md): act order helps INT4
+     * g128 a little and hurts NVFP4's 16-column groups */
+    o->g.act_order = po->gptq.act_order < 0 ? o->spec.scheme == MQ_QS_INT4 : po->gptq.act_order != 0;
+    o->g.groups = po->gptq.groups == MOEQ_GPTQ_GROUPS_STATIC ? MQ_GPTQ_GROUPS_STATIC
+                  : po->gptq.groups == MOEQ_GPTQ_GROUPS_GIDX ? MQ_GPTQ_GROUPS_GIDX
+                                                             : MQ_GPTQ_GROUPS_DYNAMIC;
+    o->sequential = po->gptq.mode != MOEQ_GPTQ_NONSEQUENTIAL;
+    o->true_sequential = po->gptq.true_sequential != 0;
+    o->min_expert_tokens = po->gptq.min_expert_tokens;
+    o->fallback_rtn = po->gptq.expert_fallback == MOEQ_EXPERT_FALLBACK_RTN;
+    o->calib.path = po->calib;
+    o->calib.nsamples = po->gptq.nsamples;
+    o->calib.seqlen = po->gptq.seqlen;
+    o->calib.seed = po->gptq.seed;
+    o->calib.bos = po->gptq.calib_bos != 0;
+    o->calib.mode = po->gptq.sampling == MOEQ_CALIB_RANDOM ? MQ_CALIB_RANDOM
+                    : po->gptq.sampling == MOEQ_CALIB_DOCS ? MQ_CALIB_DOCS
+                                                           : MQ_CALIB_CHUNKS;
+}
+
+static void plan_out(const mq_mem_plan *mp, moeq_quant_plan *q) {
+    q->budget = mp->budget;
+    q->peak = mp->peak;
+    q->activations = mp->activations;
+    q->routing = mp->routing;
+    q->state = mp->state;
+    q->attention = mp->attention;
+    q->expert_chunk = mp->expert_chunk;
+    q->ffn_other = mp->ffn_other;
+    q->chunk = mp->chunk;
+    q->n_chunks = mp->n_chunks;
+    q->sample_batch = mp->batch;
+    q->activations_storage = mp->storage == MQ_ACT_DISK   ? MOEQ_ACT_STORAGE_DISK
+                             : mp->storage == MQ_ACT_BF16 ? MOEQ_ACT_STORAGE_BF16
+                                                          : MOEQ_ACT_STORAGE_RAM;
+    q->layers = mp->layers;
+    q->flops_forward = mp->flops_forward;
+    q->flops_hessian = mp->flops_hessian;
+    q->flops_gptq = mp->flops_gptq;
+    q->sgemm_gflops = mp->sgemm_gflops;
+    q->seconds = mp->seconds;
+    q->disk_output = mp->disk_output;
+    q->disk_work = mp->disk_work;
+}
+
+moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
+                          const moeq_quant_options *opts, moeq_quant_result *result) {
+    if (result) memset(result, 0, sizeof *result);
+    if (!model_dir || !out_dir || !opts)
+        return BAD("%s is NULL", !model_dir ? "model_dir" : !out_dir ? "out_dir" : "opts");
+    moeq_status st = check_options(opts);
+    if (st) return st;
+    mq_pipeline_opts o;
+    pipeline_options(opts, &o);
+    char *report = NULL;
+    if (opts->method == MOEQ_QUANT_GPTQ && !opts->dry_run) {
+        report = opts->gptq.report ? mq_strdup(opts->gptq.report) : mq_path_join(out_dir, "gptq_report.json");
+        if (!report) return mq_err(MOEQ_E_NOMEM, "out of memory");
+        o.report_path = report;
+    }
+    mq_pipeline_result r;
+    st = mq_pipeline_run(model_dir, out_dir, &o, &r);
+    free(report);
+    if (st && !(opts->dry_run && result)) return st;
+    if (!result) return st;
+    moeq_quant_result res;
+    memset(&res, 0, sizeof res);
+    plan_out(&r.plan, &res.plan);
+    if (st) {
+        *result = res;   /* a dry run's plan, also when it does not fit */
+        return st;
+    }
+    res.linears_quantized = r.n_quantized;
+    res.linears_kept = r.n_kept;
+    res.weights_quantized = r.quantized_params;
+    res.tensors_written = r.n_tensors;
+    res.bytes_written = (int64_t)r.bytes_written;
+    res.seconds = r.seconds_total;
+    res.peak_anon_bytes = r.peak_anon;
+    res.layers_resumed = r.layers_resumed;
+    if (opts->method == MOEQ_QUANT_GPTQ) {
+        res.gptq_samples = r.samples;
+        res.gptq_tokens = r.tokens;
+        res.gptq_linears = r.linears;
+        res.gptq_fallback_linears = r.fallbacks;
+        res.gptq_worse_than_rtn = r.worse_than_rtn;
+        res.gptq_loss = r.loss;
+        res.gptq_rtn_loss = r.rtn_loss;
+        res.gptq_seconds = r.seconds_total;
+        res.gptq_seconds_forward = r.seconds_forward;
+        res.gptq_seconds_hessian = r.seconds_hessian;
+        res.gptq_seconds_solve = r.seconds_gptq;
+    }
+    *result = res;
+    return MOEQ_OK;
+}

@@ -1,0 +1,136 @@
+/*
+ * Shared state of the pipeline's files: pipeline.c (the driver), layer.c (one decoder layer),
+ * memplan.c (the memory plan), workdir.c (manifest, activation snapshots, resume), report.c.
+ */
+#ifndef MOEQ_PIPELINE_INTERNAL_H
+#define MOEQ_PIPELINE_INTERNAL_H
+
+#include <cjson/cJSON.h>
+
+#include "export/writer.h"
+#include "model/model.h"
+#include "pipeline/pipeline.h"
+#include "pipeline/plan.h"
+#include "quant/hessian.h"
+
+/* Activations of every calibration sample at the layer boundary, [S][Lmax][D] (rows past a
+ * sample's length unused): fp32 in memory or in a mapped work file, or bf16 in memory. */
+typedef struct {
+    mq_act_storage kind;          /* RAM, DISK or BF16 */
+    float *f;                     /* RAM / DISK */
+    uint16_t *h;                  /* BF16 */
+    size_t n;                     /* values */
+    int fd;
+    char *path;                   /* DISK */
+} mq_actbuf;
+
+moeq_status mq_actbuf_init(mq_actbuf *b, mq_act_storage kind, size_t n, const char *path,
+                           const char *what);
+void mq_actbuf_free(mq_actbuf *b);
+/* Sample s's n values: a pointer into the buffer (fp32 kinds) or converted into scratch. */
+const float *mq_actbuf_view(const mq_actbuf *b, size_t off, size_t n, float *scratch);
+/* Writes n values at off (no copy when src already is the buffer's own memory). */
+void mq_actbuf_put(mq_actbuf *b, size_t off, size_t n, const float *src);
+/* A writable fp32 pointer (fp32 kinds only). */
+float *mq_actbuf_ptr(mq_actbuf *b, size_t off);
+
+/* How one Linear was quantized (the report's "method"). */
+typedef enum { MQ_HOW_GPTQ = 0, MQ_HOW_GPTQ_BLOCK_HESSIAN, MQ_HOW_RTN } mq_how;
+const char *mq_how_name(mq_how h);   /* "gptq", "gptq-block-hessian", "rtn" */
+
+typedef struct {
+    char *module;
+    int layer, expert;            /* expert -1 unless a routed expert */
+    int64_t tokens;               /* calibration rows of its Hessian */
+    mq_how how;
+    mq_gptq_stats stats;          /* loss/rtn_loss NaN for RTN */
+} mq_mod_report;
+
+typedef struct {
+    int layer;
+    double forward, hessian, gptq, write, total;   /* seconds */
+    int64_t peak_anon;
+    int chunks;
+    int linears;                  /* quantized Linears written */
+    cJSON *modules;               /* the layer's module records (report), owned */
+} mq_layer_report;
+
+typedef struct mq_pipe {
+    const mq_pipeline_opts *o;
+    const char *model_dir;
+    char *out_dir;                /* without trailing slashes */
+    char *work_dir, *build_dir;   /* build_dir: work_dir/out, the checkpoint being assembled */
+    cJSON *src_config;
+    bool mixtral;
+    mq_st *st;                    /* the source (borrowed from lz when calibrating) */
+    mq_lazy_model *lz;            /* NULL for plain RTN */
+    moeq_model *m;
+    const mq_config *c;
+    mq_out_plan plan;
+    int *decl_layer;              /* layer of each output tensor (-1 global) */
+    uint8_t *item_done;           /* [plan.n_items] written by this run */
+    mq_ckpt_writer *w;
+    mq_ckpt_opts ckpt_opts;
+    uint64_t plan_bytes;          /* tensor data of the checkpoint */
+    mq_calib_set calib;
+    bool calibrate, seq, tseq;
+    mq_mem_plan mp;
+    int64_t LD;                   /* Lmax * D: values per sample in the buffers */
+    mq_actbuf X, X2, XN, OUT;     /* X2: the next boundary when X is a file (else X is updated) */
+    int32_t *sel_a, *sel_b;       /* [S][Lmax][K] */
+    float *w_a, *w_b;
+    mq_state *state;
+    /* progress, in the plan's estimated MFLOP */
+    int64_t units_done, units_total;
+    struct {
+        int64_t attention_sample;   /* one sample through a layer's attention */
+        int64_t expert;             /* one routed expert: calibration, GPTQ, output */
+        int64_t mlp;                /* the shared expert or dense MLP of a layer */
+        int64_t rtn_layer;          /* plain RTN of one layer */
+    } mp_units;
+    /* report */
+    mq_layer_report *layers;      /* [n_layers] */
+    int layers_done;              /* layers finished (this run or before) */
+    int first_layer;              /* where this run started */
+    mq_pipeline_result *res;
+    cJSON *manifest;
+    int lock_fd;
+    bool work_fresh;              /* this run made the work directory */
+} mq_pipe;
+
+/* ---- memplan.c ---- */
+/* Plans chunk, batch and activation storage within o->max_memory (or the default share); the
+ * progress units. MOEQ_E_NOMEM naming what does not fit. */
+moeq_status mq_plan_memory(mq_pipe *p);
+/* Measures this machine's sgemm rate and estimates the run's time from the plan's FLOPs. */
+void mq_plan_estimate_time(mq_pipe *p);
+
+/* ---- layer.c ---- */
+/* One decoder layer: calibration passes, quantization, writes, the next boundary's activations.
+ * replay: the layer was finished by an earlier run; only recompute the activations after it from
+ * what the checkpoint holds. */
+moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay);
+/* Plain RTN of layer l (no calibration): fusion group by group from the source tensors. */
+moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l);
+/* Pass-through tensors (and kept Linears) of layer l (-1: the global ones). */
+moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l);
+void mq_pipe_progress(mq_pipe *p, int64_t units);
+
+/* ---- workdir.c ---- */
+moeq_status mq_work_prepare(mq_pipe *p);       /* lock; fresh or resume checks; writer opened */
+moeq_status mq_work_layer_done(mq_pipe *p, int l);   /* manifest (+ activation snapshot) */
+/* The activations at the input of layer l from the snapshot, if the manifest names a good one. */
+moeq_status mq_work_load_boundary(mq_pipe *p, int l, bool *ok);
+/* The global tensors (embeddings, final norm, lm_head): written by the interrupted run? / record
+ * that they are. */
+bool mq_work_globals_done(const mq_pipe *p);
+moeq_status mq_work_globals_written(mq_pipe *p);
+void mq_work_release(mq_pipe *p, bool keep);   /* unlock; remove the work dir unless keep */
+/* Test-only crash points: MOEQ_FAULT="<where>:<a>[:<b>]" kills the process (SIGKILL) there. */
+void mq_fault_point(const char *where, int a, int b);
+
+/* ---- report.c ---- */
+cJSON *mq_mod_report_json(const mq_mod_report *r);
+moeq_status mq_report_write(const mq_pipe *p, const char *path);
+
+#endif

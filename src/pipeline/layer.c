@@ -1,0 +1,1048 @@
+/*
+ * One decoder layer of the pipeline (see pipeline.h for the stages). The calibration forward of
+ * every sample is the model's own forward cut into its parts (model.h: mq_attention_forward,
+ * mq_ffn_norm, mq_moe_route, mq_mlp_forward, mq_shared_expert_add), with routed experts run on
+ * the same blocks of rows, so the values equal a whole-model forward bit for bit; Hessians get one
+ * update per sample, in sample order (IST-DASLab gptq's add_batch per forward), and the experts'
+ * outputs are summed per token in increasing expert order, as the forward sums them.
+ *
+ * Memory: a layer's attention is loaded alone; routed experts are loaded, calibrated, quantized,
+ * written and freed a chunk at a time (mq_mem_plan.chunk), so a layer never has to fit at once.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/vec.h"
+#include "pipeline/internal.h"
+
+/* The fallback Hessian of an expert's down projection (MQ_HOW_GPTQ_BLOCK_HESSIAN) is taken from
+ * the first samples' tokens until this many: the shape of the distribution, not every token. */
+enum { FALLBACK_TOKENS = 8192 };
+
+const char *mq_how_name(mq_how h) {
+    switch (h) {
+    case MQ_HOW_GPTQ: return "gptq";
+    case MQ_HOW_GPTQ_BLOCK_HESSIAN: return "gptq-block-hessian";
+    default: return "rtn";
+    }
+}
+
+void mq_pipe_progress(mq_pipe *p, int64_t units) {
+    p->units_done += units;
+    if (p->units_done > p->units_total) p->units_done = p->units_total;
+    mq_progress("quantize", p->units_done, p->units_total);
+}
+
+static moeq_status check_interrupt(void) {
+    return moeq_interrupted() ? mq_err(MOEQ_E_INTERRUPTED, "quantization interrupted") : MOEQ_OK;
+}
+
+static void item_mark(mq_pipe *p, const mq_plan_item *it) { p->item_done[it - p->plan.items] = 1; }
+
+/* ---- slots: the Linears that read one input and share its Hessian ------------------------- */
+
+typedef struct {
+    mq_linear *w[3];
+    const mq_plan_item *it[3];
+    int nw;                       /* Linears of the slot that the plan quantizes */
+    int expert;                   /* routed expert, else -1 */
+    bool down;                    /* reads the SwiGLU product (an MLP's down projection) */
+    mq_how how;
+    mq_hessian h;                 /* the sum while calibrating */
+    float *H;                     /* the Hessian GPTQ uses (NULL: RTN or the block Hessian) */
+    int64_t tokens;
+    float amax;                   /* W4A4: the input's amax over the calibration */
+} slot;
+
+static void slot_set(mq_pipe *p, slot *s, int expert, bool down, mq_linear *a, mq_linear *b,
+                     mq_linear *c) {
+    memset(s, 0, sizeof *s);
+    s->expert = expert;
+    s->down = down;
+    s->how = p->o->gptq ? MQ_HOW_GPTQ : MQ_HOW_RTN;
+    mq_linear *ls[3] = {a, b, c};
+    for (int i = 0; i < 3; i++) {
+        if (!ls[i] || !ls[i]->name) continue;
+        const mq_plan_item *it = mq_out_plan_find(&p->plan, ls[i]->name);
+        if (!it || !it->quantize) continue;
+        s->w[s->nw] = ls[i];
+        s->it[s->nw++] = it;
+    }
+}
+
+static void slot_free(slot *s) {
+    mq_hessian_free(&s->h);
+    mq_free(s->H);
+    s->H = NULL;
+}
+
+/* Starts the Hessian sum of a slot GPTQ will use. */
+static moeq_status slot_hessian(slot *s) {
+    if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
+    char what[200];
+    snprintf(what, sizeof what, "Hessian of %s", s->w[0]->name);
+    return mq_hessian_init(&s->h, s->w[0]->in, what);
+}
+
+/* The Hessian from the sum, formed in place (the sum's buffer becomes H). */
+static void slot_form(slot *s) {
+    if (!s->h.sum) return;
+    mq_hessian_get(&s->h, s->h.sum);
+    s->H = s->h.sum;
+    s->h.sum = NULL;
+}
+
+static void amax_update(float *a, const float *x, int64_t n) {
+    if (n <= 0) return;
+    float v = mq_absmax(x, n);
+    if (v > *a) *a = v;   /* a NaN never wins */
+}
+
+/* ---- quantizing slots ------------------------------------------------------------------------- */
+
+/* With act-order g_idx groups every quantized Linear carries g_idx, also the ones rounded to
+ * nearest (fallback experts): theirs is the identity grouping. */
+static moeq_status identity_gidx(mq_qtensor *q) {
+    q->g_idx = mq_alloc_array((size_t)q->cols, sizeof(int32_t), "g_idx");
+    if (!q->g_idx) return MOEQ_E_NOMEM;
+    for (int64_t k = 0; k < q->cols; k++) q->g_idx[k] = (int32_t)(k / q->group_size);
+    return MOEQ_OK;
+}
+
+static moeq_status add_module(mq_pipe *p, int l, const slot *s, const mq_linear *lin,
+                              const mq_gptq_stats *st) {
+    if (!p->o->gptq) return MOEQ_OK;
+    mq_mod_report r = {lin->name, l, s->expert, s->tokens, s->how, *st};
+    cJSON *j = mq_mod_report_json(&r);
+    if (!j) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    cJSON_AddItemToArray(p->layers[l].modules, j);
+    return MOEQ_OK;
+}
+
+/* Writes one quantized Linear, records it, and continues with its dequantized weights when later
+ * stages of the run read them (sequential calibration). */
+static moeq_status finish_linear(mq_pipe *p, int l, const slot *s, int k, mq_qtensor *q,
+                                 const mq_gptq_stats *stats) {
+    mq_linear *lin = s->w[k];
+    const mq_pipeline_opts *o = p->o;
+    moeq_status st = MOEQ_OK;
+    if (o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX && !q->g_idx)
+        st = identity_gidx(q);
+    float in_amax = 0;
+    if (!st && o->act_quant) {
+        in_amax = s->amax;
+        if (!(in_amax > 0) || !isfinite(in_amax)) {
+            /* a routed expert that saw no token gets the layer's largest expert amax at its
+             * site once every chunk is done (routed_experts); anything else amax 1 */
+            if (s->expert < 0) mq_warn("%s: no calibration activations; input scale from amax 1", lin->name);
+            in_amax = 1.0f;
+        }
+    }
+    double t0 = mq_now();
+    if (!st) st = mq_ckpt_writer_put_linear(p->w, lin->name, q, in_amax);
+    p->layers[l].write += mq_now() - t0;
+    if (!st) st = add_module(p, l, s, lin, stats);
+    if (!st && p->seq && lin->w) mq_dequantize(q, lin->w);
+    if (!st) item_mark(p, s->it[k]);
+    if (!st) mq_fault_point("linear", l, p->layers[l].linears++);
+    return st;
+}
+
+/* Quantizes every Linear of slots[0..n): GPTQ with the slot's Hessian (block-fallback gate/up
+ * slots with block_H, factorised once for all of them), round to nearest for RTN slots. NVFP4
+ * global scales are shared by a slot's Linears (vLLM's fused layers) unless no_fuse. */
+static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *block_H) {
+    const mq_pipeline_opts *o = p->o;
+    double t0 = mq_now();
+    int nf = n + 1;
+    const float **Hs = calloc((size_t)nf, sizeof *Hs);
+    int64_t *Ks = calloc((size_t)nf, sizeof *Ks);
+    const char **names = calloc((size_t)nf, sizeof *names);
+    mq_gptq_factor *f = calloc((size_t)nf, sizeof *f);
+    mq_gptq_job *jobs = calloc((size_t)(3 * n + 1), sizeof *jobs);
+    mq_qtensor *q = calloc((size_t)(3 * n + 1), sizeof *q);
+    float *gs = calloc((size_t)(3 * n + 1), sizeof *gs);
+    mq_gptq_stats *stats = calloc((size_t)(3 * n + 1), sizeof *stats);
+    int *job_of = calloc((size_t)(3 * n + 1), sizeof *job_of);   /* weight -> its GPTQ job */
+    moeq_status st = Hs && Ks && names && f && jobs && q && gs && stats && job_of
+                         ? MOEQ_OK
+                         : mq_err(MOEQ_E_NOMEM, "out of memory quantizing layer %d", l);
+    int n_jobs = 0;
+    bool factored = false;
+    for (int i = 0; i < n && !st; i++) {
+        slot *s = &slots[i];
+        float amax = 0;
+        for (int k = 0; k < s->nw; k++) amax = fmaxf(amax, mq_absmax(s->w[k]->w, s->w[k]->out * s->w[k]->in));
+        for (int k = 0; k < s->nw; k++)
+            gs[3 * i + k] = mq_nvfp4_global_scale(
+                &o->spec, o->no_fuse ? mq_absmax(s->w[k]->w, s->w[k]->out * s->w[k]->in) : amax);
+        if (!s->nw) continue;
+        Ks[i] = s->w[0]->in;
+        names[i] = s->w[0]->name;
+        if (s->how == MQ_HOW_GPTQ || (s->how == MQ_HOW_GPTQ_BLOCK_HESSIAN && s->down)) Hs[i] = s->H;
+        if (s->how == MQ_HOW_GPTQ_BLOCK_HESSIAN && !s->down) {
+            Hs[n] = block_H;
+            Ks[n] = s->w[0]->in;
+            names[n] = "the MoE block's Hessian";
+        }
+    }
+    if (!st && o->gptq) {
+        st = mq_gptq_factor_many(Hs, Ks, nf, &o->g, o->g.rtn_loss, names, f);
+        factored = !st;
+    }
+    for (int i = 0; i < n; i++) {   /* factored: the Hessians are no longer needed */
+        mq_free(slots[i].H);
+        slots[i].H = NULL;
+    }
+    for (int i = 0; i < n && !st; i++) {
+        slot *s = &slots[i];
+        for (int k = 0; k < s->nw && !st; k++) {
+            mq_linear *lin = s->w[k];
+            int j = 3 * i + k;
+            job_of[j] = -1;
+            if (s->how == MQ_HOW_RTN) {
+                double tr = mq_now();
+                st = mq_quantize_rtn(&o->spec, lin->w, lin->out, lin->in, gs[j], lin->name, &q[j]);
+                stats[j] = (mq_gptq_stats){NAN, NAN, 0, 0, mq_now() - tr};
+                continue;
+            }
+            const mq_gptq_factor *fi = s->how == MQ_HOW_GPTQ_BLOCK_HESSIAN && !s->down ? &f[n] : &f[i];
+            job_of[j] = n_jobs;
+            jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], NULL,
+                                           {0, 0, 0, 0, 0}};
+        }
+    }
+    /* the GPTQ jobs ran into q[] through their out pointers; their stats go back by position */
+    if (!st && n_jobs > 0) st = mq_gptq_run(&o->spec, &o->g, jobs, n_jobs);
+    p->layers[l].gptq += mq_now() - t0;
+    for (int i = 0; i < n && !st; i++) {
+        slot *s = &slots[i];
+        for (int k = 0; k < s->nw && !st; k++) {
+            int j = 3 * i + k;
+            st = finish_linear(p, l, s, k, &q[j], job_of[j] >= 0 ? &jobs[job_of[j]].stats : &stats[j]);
+        }
+    }
+    for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
+    for (int i = 0; factored && i < nf; i++) mq_gptq_factor_free(&f[i]);
+    free(Hs);
+    free(Ks);
+    free(names);
+    free(f);
+    free(jobs);
+    free(q);
+    free(gs);
+    free(stats);
+    free(job_of);
+    return st;
+}
+
+/* A resumed run recomputing activations through a finished layer: the quantized weights are read
+ * back from the checkpoint (sequential calibration continues with them). */
+static moeq_status read_back_slots(mq_pipe *p, slot *slots, int n) {
+    moeq_status st = MOEQ_OK;
+    for (int i = 0; i < n && !st; i++)
+        for (int k = 0; k < slots[i].nw && !st; k++) {
+            mq_linear *lin = slots[i].w[k];
+            mq_qtensor q;
+            st = mq_ckpt_writer_read_linear(p->w, lin->name, lin->out, lin->in, &q);
+            if (!st && p->seq) mq_dequantize(&q, lin->w);
+            mq_qtensor_free(&q);
+        }
+    return st;
+}
+
+/* ---- the attention stage ---------------------------------------------------------------------- */
+
+typedef struct {
+    slot *qkv, *o;
+    float *arena_qkv, *arena_o;   /* the hook's inputs, copied for the Hessian updates */
+    int64_t rows_qkv, rows_o;
+    bool amax;
+} att_capture;
+
+static void on_attention(void *user, int layer, mq_site site, int expert, const float *x,
+                         int64_t rows, int64_t cols) {
+    (void)layer;
+    (void)expert;
+    att_capture *c = user;
+    slot *s = site == MQ_SITE_QKV ? c->qkv : site == MQ_SITE_O ? c->o : NULL;
+    if (!s || rows <= 0) return;
+    if (s->h.sum) {
+        memcpy(site == MQ_SITE_QKV ? c->arena_qkv : c->arena_o, x, sizeof(float) * (size_t)(rows * cols));
+        *(site == MQ_SITE_QKV ? &c->rows_qkv : &c->rows_o) = rows;
+    }
+    if (c->amax) amax_update(&s->amax, x, rows * cols);
+}
+
+/* q/k/v and o update together, one sum each per sample (as the hooks would in order). */
+static void att_update_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    att_capture *c = ctx;
+    if (task == 0 && c->rows_qkv) mq_hessian_add(&c->qkv->h, c->arena_qkv, c->rows_qkv);
+    if (task == 1 && c->rows_o) mq_hessian_add(&c->o->h, c->arena_o, c->rows_o);
+}
+
+/* The activation buffer that receives h (the boundary after attention): the input buffer itself
+ * in memory, its double on disk (so the snapshot of the layer's input stays intact). */
+static mq_actbuf *out_buf(mq_pipe *p) { return p->X.kind == MQ_ACT_DISK ? &p->X2 : &p->X; }
+
+static int32_t *sel_of(int32_t *sel, const mq_pipe *p, int64_t s) {
+    return sel + s * p->calib.max_len * p->c->top_k;
+}
+static float *wt_of(float *w, const mq_pipe *p, int64_t s) {
+    return w + s * p->calib.max_len * p->c->top_k;
+}
+
+typedef struct {
+    float *xt;                    /* [Lmax, D] the sample being run */
+    float *xn;                    /* [Lmax, D] its FFN input */
+    float *probs;                 /* [Lmax, E] router scratch */
+} att_scratch;
+
+/* Runs every sample through the layer's attention. capture: pass A (hooks). Where the results go
+ * depends on the mode (pipeline.h). */
+static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *cap,
+                                  att_scratch *sc) {
+    const mq_config *c = p->c;
+    const bool moe = p->m->layers[l].is_moe;
+    const int64_t D = c->D;
+    mq_hooks hooks = {on_attention, cap};
+    moeq_status st = MOEQ_OK;
+    for (int64_t s = 0; s < p->calib.n && !st; s++) {
+        if ((st = check_interrupt())) break;
+        int64_t T = p->calib.len[s];
+        double t0 = mq_now();
+        const float *x = mq_actbuf_view(&p->X, (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
+        if (x != sc->xt) memcpy(sc->xt, x, sizeof(float) * (size_t)(T * D));
+        if (cap) cap->rows_qkv = cap->rows_o = 0;
+        st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
+        double t1 = mq_now();
+        if (!st && cap) mq_parallel_for(2, att_update_task, cap);
+        double t2 = mq_now();
+        if (!st) {
+            if (pass_a && p->seq && !p->tseq) {   /* the FFN input, kept for the experts' Hessians */
+                mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
+                mq_actbuf_put(&p->XN, (size_t)(s * p->LD), (size_t)(T * D), sc->xn);
+                if (moe) mq_moe_route(p->m, l, sc->xn, T, sc->probs, sel_of(p->sel_a, p, s), wt_of(p->w_a, p, s));
+            } else if (!pass_a || !p->seq) {      /* h: the next boundary, less the FFN */
+                mq_actbuf_put(out_buf(p), (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
+                if (moe) {
+                    mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
+                    mq_moe_route(p->m, l, sc->xn, T, sc->probs,
+                                 sel_of(pass_a ? p->sel_a : p->sel_b, p, s),
+                                 wt_of(pass_a ? p->w_a : p->w_b, p, s));
+                }
+            }
+        }
+        double t3 = mq_now();
+        p->layers[l].forward += (t1 - t0) + (t3 - t2);
+        p->layers[l].hessian += t2 - t1;
+        mq_pipe_progress(p, p->mp_units.attention_sample);
+    }
+    return st;
+}
+
+static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
+    const mq_config *c = p->c;
+    mq_layer *ly = &p->m->layers[l];
+    const int64_t Lmax = p->calib.max_len, D = c->D, Q = (int64_t)c->n_heads * c->head_dim;
+    unsigned parts = MQ_PART_ATTN | MQ_PART_FFN_NORM | (ly->is_moe ? MQ_PART_ROUTER : 0);
+    moeq_status st = mq_lazy_load(p->lz, l, parts, 0, 0);
+    if (st) return st;
+    slot sl[2];
+    slot_set(p, &sl[0], -1, false, &ly->q, &ly->k, &ly->v);
+    slot_set(p, &sl[1], -1, false, &ly->o, NULL, NULL);
+    att_capture cap = {&sl[0], &sl[1], NULL, NULL, 0, 0, p->o->act_quant};
+    att_scratch sc = {0};
+    sc.xt = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "attention input");
+    sc.xn = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "FFN input");
+    sc.probs = mq_alloc_array((size_t)Lmax, (size_t)(c->n_experts > 0 ? c->n_experts : 1) * sizeof(float),
+                              "router probabilities");
+    if (!sc.xt || !sc.xn || !sc.probs) st = MOEQ_E_NOMEM;
+    if (!st && !replay) {
+        for (int i = 0; i < 2 && !st; i++) st = slot_hessian(&sl[i]);
+        if (!st && sl[0].h.sum)
+            cap.arena_qkv = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "q/k/v inputs");
+        if (!st && sl[1].h.sum)
+            cap.arena_o = mq_alloc_array((size_t)Lmax, (size_t)Q * sizeof(float), "o_proj inputs");
+        if (!st && ((sl[0].h.sum && !cap.arena_qkv) || (sl[1].h.sum && !cap.arena_o))) st = MOEQ_E_NOMEM;
+        /* pass A: the unquantized attention (nothing needed of it in a sequential replay) */
+        if (!st) st = attention_pass(p, l, true, &cap, &sc);
+        for (int i = 0; i < 2; i++) {
+            sl[i].tokens = sl[i].h.n;
+            slot_form(&sl[i]);
+        }
+        if (!st) st = quantize_slots(p, l, sl, 2, NULL);
+    } else if (!st && replay) {
+        if (p->seq) st = read_back_slots(p, sl, 2);
+        else st = attention_pass(p, l, true, NULL, &sc);
+    }
+    /* pass B: the quantized attention */
+    if (!st && p->seq) st = attention_pass(p, l, false, NULL, &sc);
+    for (int i = 0; i < 2; i++) slot_free(&sl[i]);
+    mq_free(cap.arena_qkv);
+    mq_free(cap.arena_o);
+    mq_free(sc.xt);
+    mq_free(sc.xn);
+    mq_free(sc.probs);
+    mq_lazy_release(p->lz, l, MQ_PART_ATTN, 0, 0);
+    mq_state_drop_layer(p->state, l);
+    return st;
+}
+
+/* ---- the FFN stage: routed experts in chunks ------------------------------------------------- */
+
+/* Where a step of the FFN stage takes its inputs: the kept FFN input (XN) or the FFN norm of the
+ * boundary after attention, and which routing. */
+typedef struct {
+    bool from_xn;
+    const int32_t *sel;
+    const float *w;
+} ffn_source;
+
+static ffn_source hessian_source(const mq_pipe *p) {
+    if (p->seq && !p->tseq) return (ffn_source){true, p->sel_a, p->w_a};
+    return (ffn_source){false, p->tseq ? p->sel_b : p->sel_a, p->tseq ? p->w_b : p->w_a};
+}
+
+static ffn_source output_source(const mq_pipe *p) {
+    return (ffn_source){false, p->seq ? p->sel_b : p->sel_a, p->seq ? p->w_b : p->w_a};
+}
+
+/* A sample's FFN input: a view of XN, or the FFN norm of the boundary into scratch. */
+static const float *ffn_input(mq_pipe *p, int l, const ffn_source *src, int64_t s, float *scratch) {
+    const int64_t T = p->calib.len[s], D = p->c->D;
+    if (src->from_xn) return mq_actbuf_view(&p->XN, (size_t)(s * p->LD), (size_t)(T * D), scratch);
+    const float *h = mq_actbuf_view(out_buf(p), (size_t)(s * p->LD), (size_t)(T * D), scratch);
+    mq_ffn_norm(p->m, l, h, T, scratch);   /* in place when h was converted into scratch */
+    return scratch;
+}
+
+/* A batch of samples whose rows for the chunk's experts are computed together. */
+typedef struct {
+    mq_pipe *p;
+    int l, e0, e1;
+    int64_t s0, nb;
+    ffn_source src;
+    bool down, hess, amax;
+    slot *gu, *dn;                /* [E] */
+    const float **xin;            /* [nb] */
+    float *xin_buf;               /* [nb][LD] */
+    int64_t *row0;                /* [nb + 1] first row of each sample */
+    int32_t *cnt, *start;         /* [nb][C], [nb][C + 1] rows of each expert within its sample */
+    int32_t *tok;                 /* [rows] token of each row */
+    int32_t *tok_row;             /* [nb][Lmax][K] row of (token, k), -1 outside the chunk */
+    float *xg, *hg, *hu, *yg;     /* [rows][D / F / F / D] */
+    int64_t *tasks, n_tasks;      /* (sample << 40) | (expert - e0) << 20 | block */
+} ex_batch;
+
+static void batch_inputs_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    b->xin[i] = ffn_input(b->p, b->l, &b->src, b->s0 + i, b->xin_buf + i * b->p->LD);
+}
+
+static void batch_rows_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    mq_pipe *p = b->p;
+    const int64_t code = b->tasks[task], C = b->e1 - b->e0;
+    const int64_t i = code >> 40, ce = (code >> 20) & 0xfffff, blk = code & 0xfffff;
+    const int64_t D = p->c->D, F = p->c->moe_ffn;
+    const int64_t r0 = b->row0[i] + b->start[i * (C + 1) + ce] + blk * MQ_MOE_ROWS;
+    const int64_t n0 = b->cnt[i * C + ce] - blk * MQ_MOE_ROWS;
+    const int64_t n = n0 < MQ_MOE_ROWS ? n0 : MQ_MOE_ROWS;
+    for (int64_t r = 0; r < n; r++)
+        memcpy(b->xg + (r0 + r) * D, b->xin[i] + (int64_t)b->tok[r0 + r] * D, sizeof(float) * (size_t)D);
+    const mq_layer *ly = &p->m->layers[b->l];
+    int64_t e = b->e0 + ce;
+    (void)mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e], b->xg + r0 * D, n,
+                         b->hg + r0 * F, b->hu + r0 * F, b->down ? b->yg + r0 * D : NULL);
+}
+
+/* One expert's Hessian updates and amax over the batch, sample by sample. */
+static void batch_hessian_task(void *ctx, int64_t ce, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    const int64_t C = b->e1 - b->e0, D = b->p->c->D, F = b->p->c->moe_ffn;
+    slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
+    for (int64_t i = 0; i < b->nb; i++) {
+        int64_t r0 = b->row0[i] + b->start[i * (C + 1) + ce], n = b->cnt[i * C + ce];
+        if (n == 0) continue;
+        if (b->hess && gu->h.sum) mq_hessian_add(&gu->h, b->xg + r0 * D, n);
+        if (b->hess && dn->h.sum) mq_hessian_add(&dn->h, b->hg + r0 * F, n);
+        if (b->amax) {
+            amax_update(&gu->amax, b->xg + r0 * D, n * D);
+            amax_update(&dn->amax, b->hg + r0 * F, n * F);
+        }
+    }
+}
+
+/* out[t] += w * y over the token's experts of the chunk, in increasing expert order. */
+static void batch_combine_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    mq_pipe *p = b->p;
+    const int64_t s = b->s0 + i, T = p->calib.len[s], K = p->c->top_k, D = p->c->D;
+    const int32_t *sel = b->src.sel + s * p->calib.max_len * K;
+    const float *w = b->src.w + s * p->calib.max_len * K;
+    const int32_t *tr = b->tok_row + i * p->calib.max_len * K;
+    float *out = mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD));
+    const mq_vec_kernels *vk = mq_vec();
+    for (int64_t t = 0; t < T; t++) {
+        int32_t order[64];
+        int64_t kk = 0;
+        for (int64_t k = 0; k < K && kk < 64; k++)
+            if (tr[t * K + k] >= 0) order[kk++] = (int32_t)k;
+        for (int64_t a = 1; a < kk; a++)   /* insertion sort by expert id */
+            for (int64_t c = a; c > 0 && sel[t * K + order[c - 1]] > sel[t * K + order[c]]; c--) {
+                int32_t tmp = order[c];
+                order[c] = order[c - 1];
+                order[c - 1] = tmp;
+            }
+        for (int64_t k = 0; k < kk; k++)
+            vk->axpy(w[t * K + order[k]], b->yg + (b->row0[i] + tr[t * K + order[k]]) * D,
+                     out + t * D, D);
+    }
+}
+
+static void batch_free(ex_batch *b) {
+    free(b->xin);
+    mq_free(b->xin_buf);
+    free(b->row0);
+    free(b->cnt);
+    free(b->start);
+    mq_free(b->tok);
+    mq_free(b->tok_row);
+    mq_free(b->xg);
+    mq_free(b->hg);
+    mq_free(b->hu);
+    mq_free(b->yg);
+    mq_free(b->tasks);
+}
+
+/* Buffers for batches of up to nb samples of a chunk of C experts. */
+static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_t C) {
+    const mq_config *c = p->c;
+    const int64_t Lmax = p->calib.max_len, K = c->top_k, D = c->D, F = c->moe_ffn;
+    const int64_t rows = nb * Lmax * (K < C ? K : C);
+    b->xin = calloc((size_t)nb, sizeof *b->xin);
+    b->xin_buf = mq_alloc_array((size_t)(nb * p->LD), sizeof(float), "expert inputs");
+    b->row0 = calloc((size_t)nb + 1, sizeof *b->row0);
+    b->cnt = calloc((size_t)(nb * C), sizeof *b->cnt);
+    b->start = calloc((size_t)(nb * (C + 1)), sizeof *b->start);
+    b->tok = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
+    b->tok_row = mq_alloc_array((size_t)(nb * Lmax * K), sizeof(int32_t), "expert rows");
+    b->xg = mq_alloc_array((size_t)rows + 1, (size_t)D * sizeof(float), "expert inputs");
+    b->hg = mq_alloc_array((size_t)rows + 1, (size_t)F * sizeof(float), "expert activations");
+    b->hu = mq_alloc_array((size_t)rows + 1, (size_t)F * sizeof(float), "expert activations");
+    b->yg = mq_alloc_array((size_t)rows + 1, (size_t)D * sizeof(float), "expert outputs");
+    b->tasks = mq_alloc_array((size_t)(nb * C + rows / MQ_MOE_ROWS + 1), sizeof(int64_t), "expert tasks");
+    if (!b->xin || !b->xin_buf || !b->row0 || !b->cnt || !b->start || !b->tok || !b->tok_row ||
+        !b->xg || !b->hg || !b->hu || !b->yg || !b->tasks) {
+        batch_free(b);
+        return mq_err(MOEQ_E_NOMEM, "out of memory for the expert batch scratch");
+    }
+    return MOEQ_OK;
+}
+
+/* Runs samples [s0, s0 + nb) through experts [e0, e1): inputs, rows grouped per expert in token
+ * order (as the forward does), gate/up (and down), then Hessians / amax / the combine. */
+static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
+    const int64_t C = b->e1 - b->e0, K = p->c->top_k, Lmax = p->calib.max_len;
+    double t0 = mq_now();
+    mq_parallel_for(b->nb, batch_inputs_task, b);
+    b->n_tasks = 0;
+    for (int64_t i = 0; i < b->nb; i++) {
+        const int64_t s = b->s0 + i, T = p->calib.len[s];
+        const int32_t *sel = b->src.sel + s * Lmax * K;
+        int32_t *cnt = b->cnt + i * C, *start = b->start + i * (C + 1), *tr = b->tok_row + i * Lmax * K;
+        memset(cnt, 0, sizeof(int32_t) * (size_t)C);
+        for (int64_t j = 0; j < T * K; j++)
+            if (sel[j] >= b->e0 && sel[j] < b->e1) cnt[sel[j] - b->e0]++;
+        start[0] = 0;
+        for (int64_t e = 0; e < C; e++) start[e + 1] = start[e] + cnt[e];
+        b->row0[i + 1] = b->row0[i] + start[C];
+        for (int64_t e = 0; e < C; e++) cnt[e] = 0;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t k = 0; k < K; k++) {
+                int32_t e = sel[t * K + k];
+                if (e < b->e0 || e >= b->e1) {
+                    tr[t * K + k] = -1;
+                    continue;
+                }
+                int32_t r = start[e - b->e0] + cnt[e - b->e0]++;
+                b->tok[b->row0[i] + r] = (int32_t)t;
+                tr[t * K + k] = r;
+            }
+        for (int64_t e = 0; e < C; e++)
+            for (int64_t blk = 0; blk * MQ_MOE_ROWS < cnt[e]; blk++)
+                b->tasks[b->n_tasks++] = i << 40 | e << 20 | blk;
+    }
+    mq_parallel_for(b->n_tasks, batch_rows_task, b);
+    double t1 = mq_now();
+    if (b->hess || b->amax) mq_parallel_for(C, batch_hessian_task, b);
+    double t2 = mq_now();
+    if (b->down) mq_parallel_for(b->nb, batch_combine_task, b);
+    double t3 = mq_now();
+    p->layers[l].forward += (t1 - t0) + (t3 - t2);
+    p->layers[l].hessian += t2 - t1;
+    return MOEQ_OK;
+}
+
+/* Every sample through experts [e0, e1), in batches of the plan's size. */
+static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source src, bool down,
+                                bool hess, bool amax, slot *gu, slot *dn) {
+    int64_t nb = p->mp.batch > 0 ? p->mp.batch : 1;
+    if (nb > p->calib.n) nb = p->calib.n;
+    ex_batch b;
+    memset(&b, 0, sizeof b);
+    moeq_status st = batch_alloc(&b, p, nb, e1 - e0);
+    if (st) return st;
+    b.p = p;
+    b.l = l;
+    b.e0 = e0;
+    b.e1 = e1;
+    b.src = src;
+    b.down = down;
+    b.hess = hess;
+    b.amax = amax;
+    b.gu = gu;
+    b.dn = dn;
+    for (int64_t s0 = 0; s0 < p->calib.n && !st; s0 += nb) {
+        if ((st = check_interrupt())) break;
+        b.s0 = s0;
+        b.nb = p->calib.n - s0 < nb ? p->calib.n - s0 : nb;
+        st = batch_run(&b, p, l);
+    }
+    batch_free(&b);
+    return st;
+}
+
+/* The block Hessian of the fallback: every token's FFN input, one update per sample. */
+static moeq_status block_hessian(mq_pipe *p, int l, float **out) {
+    ffn_source src = hessian_source(p);
+    mq_hessian h;
+    moeq_status st = mq_hessian_init(&h, p->c->D, "the MoE block's Hessian");
+    float *scratch = mq_alloc_array((size_t)p->LD, sizeof(float), "FFN input");
+    if (!st && !scratch) st = MOEQ_E_NOMEM;
+    double t0 = mq_now();
+    for (int64_t s = 0; s < p->calib.n && !st; s++) {
+        if ((st = check_interrupt())) break;
+        mq_hessian_add(&h, ffn_input(p, l, &src, s, scratch), p->calib.len[s]);
+    }
+    p->layers[l].hessian += mq_now() - t0;
+    mq_free(scratch);
+    if (st) {
+        mq_hessian_free(&h);
+        return st;
+    }
+    mq_hessian_get(&h, h.sum);
+    *out = h.sum;
+    return MOEQ_OK;
+}
+
+typedef struct {
+    mq_pipe *p;
+    int l;
+    slot *dn;
+    int *experts;
+    moeq_status *status;
+} fallback_job;
+
+/* Hessian of expert e's down input had every token been routed to it (its gate/up on the first
+ * FALLBACK_TOKENS tokens, whole samples). */
+static void fallback_down_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    fallback_job *j = ctx;
+    mq_pipe *p = j->p;
+    const int e = j->experts[i];
+    const mq_layer *ly = &p->m->layers[j->l];
+    const int64_t Lmax = p->calib.max_len, F = ly->exp_gate[e].out;
+    ffn_source src = hessian_source(p);
+    slot *dn = &j->dn[e];
+    float *g = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "fallback activations");
+    float *u = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "fallback activations");
+    float *scratch = mq_alloc_array((size_t)p->LD, sizeof(float), "FFN input");
+    moeq_status st = g && u && scratch ? MOEQ_OK : MOEQ_E_NOMEM;
+    if (!st) st = mq_hessian_init(&dn->h, F, "fallback down Hessian");
+    for (int64_t s = 0, used = 0; s < p->calib.n && used < FALLBACK_TOKENS && !st; s++) {
+        const int64_t T = p->calib.len[s];
+        used += T;
+        const float *x = ffn_input(p, j->l, &src, s, scratch);
+        st = mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], NULL, x, T, g, u, NULL);
+        if (!st) mq_hessian_add(&dn->h, g, T);
+    }
+    if (!st) slot_form(dn);
+    mq_free(g);
+    mq_free(u);
+    mq_free(scratch);
+    j->status[i] = st;
+}
+
+static moeq_status fallback_down(mq_pipe *p, int l, slot *gu, slot *dn, int e0, int e1) {
+    int *experts = calloc((size_t)(e1 - e0), sizeof *experts);
+    moeq_status *status = calloc((size_t)(e1 - e0), sizeof *status);
+    if (!experts || !status) {
+        free(experts);
+        free(status);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    int n = 0;
+    for (int e = e0; e < e1; e++)
+        if (dn[e].nw && dn[e].how == MQ_HOW_GPTQ_BLOCK_HESSIAN) experts[n++] = e;
+    (void)gu;
+    double t0 = mq_now();
+    fallback_job j = {p, l, dn, experts, status};
+    mq_parallel_for(n, fallback_down_task, &j);
+    p->layers[l].hessian += mq_now() - t0;
+    moeq_status st = MOEQ_OK;
+    for (int i = 0; i < n && !st; i++)
+        if (status[i]) st = mq_err(status[i], "layer %d expert %d: out of memory for the fallback "
+                                   "Hessian", l, experts[i]);
+    free(experts);
+    free(status);
+    return st;
+}
+
+/* W4A4: experts that saw no calibration token take the layer's largest expert amax at the same
+ * site (gate/up input, down input), as engines that keep one activation scale per layer do. */
+static moeq_status unseen_expert_scales(mq_pipe *p, const slot *gu, const slot *dn, int E) {
+    for (int site = 0; site < 2; site++) {
+        const slot *v = site == 0 ? gu : dn;
+        float mx = 0;
+        for (int e = 0; e < E; e++) mx = fmaxf(mx, v[e].amax);
+        if (!(mx > 0)) continue;
+        for (int e = 0; e < E; e++) {
+            if (v[e].amax > 0) continue;
+            for (int k = 0; k < v[e].nw; k++) {
+                moeq_status st = mq_ckpt_writer_put_input_scale(p->w, v[e].w[k]->name, mx);
+                if (st) return st;
+            }
+        }
+    }
+    return MOEQ_OK;
+}
+
+static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
+    const mq_config *c = p->c;
+    const int E = c->n_experts, K = c->top_k;
+    const mq_pipeline_opts *o = p->o;
+    mq_layer *ly = &p->m->layers[l];
+    slot *gu = calloc((size_t)E, sizeof *gu), *dn = calloc((size_t)E, sizeof *dn);
+    int64_t *tokens = calloc((size_t)E, sizeof *tokens);
+    if (!gu || !dn || !tokens) {
+        free(gu);
+        free(dn);
+        free(tokens);
+        return mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
+    }
+    ffn_source hs = hessian_source(p);
+    for (int64_t s = 0; s < p->calib.n && !replay; s++) {   /* routed tokens of each expert */
+        const int32_t *sel = hs.sel + s * p->calib.max_len * K;
+        for (int64_t j = 0; j < p->calib.len[s] * K; j++) tokens[sel[j]]++;
+    }
+    bool need_block = false;
+    for (int e = 0; e < E; e++) {
+        slot_set(p, &gu[e], e, false, &ly->exp_gate[e], &ly->exp_up[e], NULL);
+        slot_set(p, &dn[e], e, true, &ly->exp_down[e], NULL, NULL);
+        gu[e].tokens = dn[e].tokens = tokens[e];
+        if (o->gptq && tokens[e] < o->min_expert_tokens) {
+            mq_how h = o->fallback_rtn ? MQ_HOW_RTN : MQ_HOW_GPTQ_BLOCK_HESSIAN;
+            gu[e].how = dn[e].how = h;
+            need_block |= h == MQ_HOW_GPTQ_BLOCK_HESSIAN && gu[e].nw > 0;
+        }
+    }
+    free(tokens);
+    moeq_status st = MOEQ_OK;
+    float *block_H = NULL;
+    if (need_block && !replay) st = block_hessian(p, l, &block_H);
+    const int C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
+    const bool calib = p->calibrate && !replay;
+    for (int e0 = 0; e0 < E && !st; e0 += C) {
+        const int e1 = e0 + C < E ? e0 + C : E;
+        if ((st = mq_lazy_load(p->lz, l, MQ_PART_EXPERTS, e0, e1))) break;
+        for (int e = e0; e < e1 && !st && calib; e++)
+            if (!(st = slot_hessian(&gu[e]))) st = slot_hessian(&dn[e]);
+        /* calibration: Hessians (and amax) from the experts' routed tokens; without sequential
+         * calibration this pass also gives the layer's output */
+        if (!st && calib)
+            st = experts_pass(p, l, e0, e1, hs, !p->seq, o->gptq, o->act_quant, gu, dn);
+        if (!st && calib && o->gptq) st = fallback_down(p, l, gu, dn, e0, e1);
+        for (int e = e0; e < e1 && calib; e++) {
+            slot_form(&gu[e]);
+            slot_form(&dn[e]);
+        }
+        if (!st && !replay) {
+            /* gate/up slots then down slots of the chunk, in one run */
+            slot *q = calloc((size_t)(2 * (e1 - e0)), sizeof *q);
+            if (!q) st = mq_err(MOEQ_E_NOMEM, "out of memory");
+            for (int e = e0; !st && e < e1; e++) {
+                q[e - e0] = gu[e];
+                q[(e1 - e0) + (e - e0)] = dn[e];
+            }
+            if (!st) st = quantize_slots(p, l, q, 2 * (e1 - e0), block_H);
+            for (int e = e0; q && e < e1; e++) {   /* quantize_slots took the Hessians */
+                gu[e].H = dn[e].H = NULL;
+                mq_hessian_free(&q[e - e0].h);
+                mq_hessian_free(&q[(e1 - e0) + (e - e0)].h);
+                gu[e].h = dn[e].h = (mq_hessian){0};
+            }
+            free(q);
+        } else if (!st && replay && p->seq) {
+            st = read_back_slots(p, gu + e0, e1 - e0);
+            if (!st) st = read_back_slots(p, dn + e0, e1 - e0);
+        }
+        /* the output of the quantized experts on the quantized attention's FFN input */
+        if (!st && p->seq) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn);
+        if (!st && replay && !p->seq) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn);
+        for (int e = e0; e < e1; e++) {
+            slot_free(&gu[e]);
+            slot_free(&dn[e]);
+        }
+        mq_lazy_release(p->lz, l, MQ_PART_EXPERTS, e0, e1);
+        p->layers[l].chunks++;
+        if (!st) mq_fault_point("chunk", l, e0 / C);
+        mq_pipe_progress(p, p->mp_units.expert * (e1 - e0));
+    }
+    if (!st && o->act_quant && !replay) st = unseen_expert_scales(p, gu, dn, E);
+    mq_free(block_H);
+    for (int e = 0; e < E; e++) {
+        slot_free(&gu[e]);
+        slot_free(&dn[e]);
+    }
+    free(gu);
+    free(dn);
+    return st;
+}
+
+/* ---- shared expert and dense MLP: one unit over all tokens ----------------------------------- */
+
+/* One pass of the samples through the unit: Hessians and amax (calibration), and/or its output
+ * into OUT. */
+static moeq_status mlp_pass(mq_pipe *p, int l, bool shared, slot *sl, ffn_source src, bool calib,
+                            bool out, float *xs, float *hg, float *hu, float *y, float *sgate) {
+    mq_layer *ly = &p->m->layers[l];
+    mq_linear *g = shared ? &ly->sh_gate : &ly->gate, *u = shared ? &ly->sh_up : &ly->up,
+              *d = shared ? &ly->sh_down : &ly->down;
+    const int64_t D = p->c->D, F = g->out;
+    moeq_status st = MOEQ_OK;
+    for (int64_t s = 0; s < p->calib.n && !st; s++) {
+        if ((st = check_interrupt())) break;
+        const int64_t T = p->calib.len[s];
+        double t0 = mq_now();
+        const float *x = ffn_input(p, l, &src, s, xs);
+        st = mq_mlp_forward(g, u, d, x, T, hg, hu, out ? y : NULL);
+        double t1 = mq_now();
+        if (!st && calib) {
+            if (sl[0].h.sum) mq_hessian_add(&sl[0].h, x, T);
+            if (sl[1].h.sum) mq_hessian_add(&sl[1].h, hg, T);
+            if (p->o->act_quant) {
+                amax_update(&sl[0].amax, x, T * D);
+                amax_update(&sl[1].amax, hg, T * F);
+            }
+        }
+        double t2 = mq_now();
+        if (!st && out) {
+            float *o = mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD));
+            if (shared) mq_shared_expert_add(p->m, l, x, T, y, sgate, o);
+            else memcpy(o, y, sizeof(float) * (size_t)(T * D));
+        }
+        p->layers[l].forward += (t1 - t0) + (mq_now() - t2);
+        p->layers[l].hessian += t2 - t1;
+    }
+    return st;
+}
+
+/* The shared expert or the dense MLP: one unit over every token. */
+static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
+    mq_layer *ly = &p->m->layers[l];
+    const unsigned part = shared ? MQ_PART_SHARED : MQ_PART_MLP;
+    moeq_status st = mq_lazy_load(p->lz, l, part, 0, 0);
+    if (st) return st;
+    mq_linear *g = shared ? &ly->sh_gate : &ly->gate;
+    slot sl[2];
+    slot_set(p, &sl[0], -1, false, g, shared ? &ly->sh_up : &ly->up, NULL);
+    slot_set(p, &sl[1], -1, true, shared ? &ly->sh_down : &ly->down, NULL, NULL);
+    const int64_t Lmax = p->calib.max_len, D = p->c->D, F = g->out;
+    float *xs = mq_alloc_array((size_t)p->LD, sizeof(float), "FFN input");
+    float *hg = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "MLP activations");
+    float *hu = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "MLP activations");
+    float *y = mq_alloc_array((size_t)(Lmax * D), sizeof(float), "MLP output");
+    float *sgate = mq_alloc_array((size_t)Lmax, sizeof(float), "shared expert gate");
+    if (!xs || !hg || !hu || !y || !sgate) st = MOEQ_E_NOMEM;
+    if (!st && p->calibrate && !replay) {
+        /* calibration; without sequential calibration it also gives the output */
+        for (int i = 0; i < 2 && !st; i++) st = slot_hessian(&sl[i]);
+        if (!st) st = mlp_pass(p, l, shared, sl, hessian_source(p), true, !p->seq, xs, hg, hu, y, sgate);
+        for (int i = 0; i < 2; i++) {
+            sl[i].tokens = sl[i].h.n;
+            slot_form(&sl[i]);
+        }
+        if (!st) st = quantize_slots(p, l, sl, 2, NULL);
+    } else if (!st && replay) {
+        if (p->seq) st = read_back_slots(p, sl, 2);
+        else st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate);
+    }
+    /* the quantized unit's output on the quantized attention's FFN input */
+    if (!st && p->seq) st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate);
+    for (int i = 0; i < 2; i++) slot_free(&sl[i]);
+    mq_free(xs);
+    mq_free(hg);
+    mq_free(hu);
+    mq_free(y);
+    mq_free(sgate);
+    mq_lazy_release(p->lz, l, part, 0, 0);
+    mq_pipe_progress(p, p->mp_units.mlp);
+    return st;
+}
+
+/* ---- plain RTN and pass-through tensors -------------------------------------------------------- */
+
+/* fp32 copy of an item's weight from the source. */
+static moeq_status item_load(const mq_plan_item *it, float **out) {
+    size_t n = (size_t)(it->rows * it->cols);
+    float *w = mq_alloc_array(n, sizeof(float), it->module);
+    if (!w) return MOEQ_E_NOMEM;
+    mq_tensor_view v = *it->src;
+    size_t es = moeq_dtype_size(v.dtype);
+    v.data += (size_t)it->offset * es;
+    v.ndim = 2;
+    v.shape[0] = it->rows;
+    v.shape[1] = it->cols;
+    v.numel = (int64_t)n;
+    v.nbytes = n * es;
+    moeq_status s = mq_tensor_to_f32(&v, w);
+    if (s) {
+        mq_free(w);
+        return mq_err(s, "tensor '%s': cannot convert to fp32", it->src->name);
+    }
+    *out = w;
+    return MOEQ_OK;
+}
+
+moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l) {
+    const mq_pipeline_opts *o = p->o;
+    const mq_out_plan *pl = &p->plan;
+    moeq_status st = MOEQ_OK;
+    size_t idx[8];
+    for (size_t i = 0; i < pl->n_items && !st; i++) {
+        const mq_plan_item *first = &pl->items[i];
+        if (first->layer != l || !first->quantize || p->item_done[i]) continue;
+        if ((st = check_interrupt())) break;
+        /* the fusion group's members not written yet: its joint amax gives the NVFP4 scale */
+        size_t n = 0;
+        for (size_t j = i; j < pl->n_items && n < 8; j++)
+            if (pl->items[j].group == first->group && pl->items[j].quantize && !p->item_done[j])
+                idx[n++] = j;
+        float *w[8] = {0};
+        float amax = 0;
+        double t0 = mq_now();
+        for (size_t k = 0; k < n && !st; k++) {
+            const mq_plan_item *it = &pl->items[idx[k]];
+            if ((st = item_load(it, &w[k]))) break;
+            if ((st = mq_check_finite(w[k], it->rows, it->cols, it->module))) break;
+            amax = fmaxf(amax, mq_absmax(w[k], it->rows * it->cols));
+        }
+        for (size_t k = 0; k < n && !st; k++) {
+            const mq_plan_item *it = &pl->items[idx[k]];
+            float gs = mq_nvfp4_global_scale(&o->spec, o->no_fuse ? mq_absmax(w[k], it->rows * it->cols) : amax);
+            mq_qtensor q;
+            st = mq_quantize_rtn(&o->spec, w[k], it->rows, it->cols, gs, it->module, &q);
+            if (!st && o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX)
+                st = identity_gidx(&q);
+            if (!st) {
+                if (p->lz) mq_info("%s: not part of the model's forward; rounded to nearest", it->module);
+                st = mq_ckpt_writer_put_linear(p->w, it->module, &q, o->act_quant ? 1.0f : 0.0f);
+            }
+            mq_qtensor_free(&q);
+            if (!st) p->item_done[idx[k]] = 1;
+        }
+        for (size_t k = 0; k < n; k++) mq_free(w[k]);
+        if (l >= 0) p->layers[l].write += mq_now() - t0;
+    }
+    return st;
+}
+
+moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l) {
+    const mq_out_plan *pl = &p->plan;
+    moeq_status st = MOEQ_OK;
+    double t0 = mq_now();
+    for (size_t i = 0; i < pl->n_pass && !st; i++) {
+        const mq_plan_pass *t = &pl->pass[i];
+        if (t->layer == l) st = mq_ckpt_writer_put(p->w, t->name, t->src->dtype, t->src->data, t->src->nbytes);
+    }
+    for (size_t i = 0; i < pl->n_items && !st; i++) {
+        const mq_plan_item *it = &pl->items[i];
+        if (it->layer != l || it->quantize) continue;
+        size_t es = moeq_dtype_size(it->src->dtype);
+        char *name = mq_asprintf("%s.weight", it->module);
+        if (!name) return mq_err(MOEQ_E_NOMEM, "out of memory");
+        st = mq_ckpt_writer_put(p->w, name, it->src->dtype, it->src->data + (size_t)it->offset * es,
+                                (size_t)(it->rows * it->cols) * es);
+        free(name);
+        if (!st) p->item_done[i] = 1;
+    }
+    if (l >= 0) p->layers[l].write += mq_now() - t0;
+    return st;
+}
+
+/* ---- the layer ----------------------------------------------------------------------------- */
+
+static void zero_out(mq_pipe *p) {
+    for (int64_t s = 0; s < p->calib.n; s++)
+        memset(mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)), 0,
+               sizeof(float) * (size_t)(p->calib.len[s] * p->c->D));
+}
+
+/* boundary = h + OUT, sample by sample (x += out, as the forward adds the FFN's output). */
+static void add_out(mq_pipe *p) {
+    const mq_vec_kernels *vk = mq_vec();
+    const int64_t D = p->c->D;
+    float *tmp = NULL;
+    mq_actbuf *h = out_buf(p);
+    if (h->kind == MQ_ACT_BF16) tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "boundary");
+    for (int64_t s = 0; s < p->calib.n; s++) {
+        size_t off = (size_t)(s * p->LD), n = (size_t)(p->calib.len[s] * D);
+        const float *o = mq_actbuf_ptr(&p->OUT, off);
+        if (h->kind == MQ_ACT_BF16) {
+            if (!tmp) continue;   /* out of memory: caught by the caller's check below */
+            const float *v = mq_actbuf_view(h, off, n, tmp);
+            if (v != tmp) memcpy(tmp, v, sizeof(float) * n);
+            vk->axpy(1.0f, o, tmp, (int64_t)n);
+            mq_actbuf_put(h, off, n, tmp);
+        } else {
+            vk->axpy(1.0f, o, mq_actbuf_ptr(h, off), (int64_t)n);
+        }
+    }
+    mq_free(tmp);
+}
+
+moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
+    double t0 = mq_now();
+    mq_layer *ly = &p->m->layers[l];
+    moeq_status st = attention_stage(p, l, replay);
+    if (!st) {
+        zero_out(p);
+        if (ly->is_moe) {
+            st = routed_experts(p, l, replay);
+            if (!st && p->c->shared_ffn > 0) st = mlp_unit(p, l, true, replay);
+        } else {
+            st = mlp_unit(p, l, false, replay);
+        }
+    }
+    if (!st) {
+        add_out(p);
+        if (p->X.kind == MQ_ACT_DISK) {   /* the next layer reads what this one wrote */
+            mq_actbuf t = p->X;
+            p->X = p->X2;
+            p->X2 = t;
+        }
+    }
+    if (!st && !replay) st = mq_pipe_layer_rtn(p, l);   /* Linears the model's forward lacks */
+    if (!st && !replay) st = mq_pipe_write_passthrough(p, l);
+    mq_lazy_release(p->lz, l, MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_SHARED | MQ_PART_MLP, 0, 0);
+    p->layers[l].total += mq_now() - t0;
+    return st;
+}

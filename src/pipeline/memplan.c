@@ -1,0 +1,279 @@
+/*
+ * The memory plan: before any compute, the pipeline's working set (calibration activations at
+ * the layer boundary, routing, the attention state, one layer's attention with its Hessians and
+ * factors, one chunk of experts with theirs, the shared expert or dense MLP, scratch) is computed
+ * from the config and the options, and the largest expert chunk and the activation storage that
+ * fit the budget are chosen; or the run stops with what does not fit and what would. Sizes are
+ * those the stages allocate (layer.c), in bytes of anonymous memory. The FLOP counts give the
+ * time estimate (against this machine's sgemm rate) and the progress units.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pipeline/internal.h"
+
+static double gb(int64_t b) { return (double)b / 1e9; }
+
+typedef struct {
+    int64_t acts, routing, state, attention, chunk, ffn_other, peak;
+    int64_t batch;
+} sizes;
+
+/* The largest fp32 bytes any layer loads for `what` (experts [0, e)). */
+static int64_t max_part(const mq_pipe *p, unsigned what, int e) {
+    int64_t m = 0;
+    for (int l = 0; l < p->c->n_layers; l++) {
+        int64_t b = mq_lazy_bytes(p->lz, l, what, 0, e);
+        if (b > m) m = b;
+    }
+    return m;
+}
+
+/* Codes, group parameters and the packed copy the writer makes, per quantized weight. */
+static double code_bytes_per_weight(const mq_qspec *s) {
+    int64_t g = s->group_size > 0 ? s->group_size : 128;
+    return 1.0 + (double)sizeof(mq_gparams) / (double)g + 0.5;
+}
+
+/* GPTQ's per-thread scratch for weights with K inputs (gptq.c scratch_new: rows of 256). */
+static int64_t gptq_scratch(int64_t K) { return (int64_t)mq_pool_size() * K * 256 * 4 * 5; }
+
+static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t batch) {
+    const mq_config *c = p->c;
+    const mq_pipeline_opts *o = p->o;
+    sizes z;
+    memset(&z, 0, sizeof z);
+    const int64_t S = p->calib.n, L = p->calib.max_len, D = c->D, K = c->top_k > 0 ? c->top_k : 1;
+    const int64_t Q = (int64_t)c->n_heads * c->head_dim, KV = (int64_t)c->n_kv_heads * c->head_dim;
+    const int64_t E = c->n_experts, F = c->moe_ffn;
+    const int64_t SLD = S * L * D;
+    const bool keep_xn = p->seq && !p->tseq;
+    if (kind == MQ_ACT_RAM) z.acts = (2 + keep_xn) * SLD * 4;
+    else if (kind == MQ_ACT_BF16) z.acts = (1 + keep_xn) * SLD * 2 + SLD * 4;
+    z.acts += p->calib.total * 4;   /* the token ids */
+    z.routing = E > 0 ? S * L * K * 8 * (p->seq ? 2 : 1) : 0;
+    int64_t Fx = c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn;
+    z.state = L * (2 * D + 2 * Q + 2 * Fx) * 4 + (int64_t)mq_pool_size() * 64 * L * 4 +
+              L * c->head_dim * 4 + 2 * L * KV * 4;
+    /* attention: weights, two Hessians that become H + the factor's A and U, their inputs, the
+     * codes of q/k/v/o and GPTQ's scratch */
+    int64_t att_w = max_part(p, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0);
+    int64_t hs = (D * D + Q * Q) * 4;
+    z.attention = att_w + (o->gptq ? 3 * hs + gptq_scratch(D > Q ? D : Q) : 0) + L * (3 * D + Q) * 4 +
+                  L * (E > 0 ? E : 1) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)att_w / 4);
+    /* the FFN stage keeps the norms and the router */
+    int64_t ffn_fixed = max_part(p, MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0);
+    bool block = o->gptq && !o->fallback_rtn && o->min_expert_tokens > 0 && E > 0;
+    if (block) ffn_fixed += 3 * D * D * 4;
+    if (E > 0 && C > 0) {
+        int64_t w1 = 3 * F * D * 4;   /* one expert's fp32 weights */
+        int64_t h1 = o->gptq ? 3 * (D * D + F * F) * 4 : 0;
+        int64_t rows = L * (K < C ? K : C);
+        z.batch = batch;
+        int64_t bscratch = batch * (L * D + rows * (2 * D + 2 * F) + rows + L * K) * 4;
+        z.chunk = C * (w1 + h1 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * F * D))) +
+                  bscratch + (o->gptq ? gptq_scratch(D > F ? D : F) : 0);
+        if (block) z.chunk += C * (F * F + 2 * L * F + L * D) * 4;   /* fallback down Hessians */
+    }
+    int64_t unit = 0;
+    int64_t Fu = c->shared_ffn > 0 ? c->shared_ffn : (E == 0 ? c->ffn : 0);
+    if (Fu > 0) {
+        int64_t w = 3 * Fu * D * 4;
+        unit = w + (o->gptq ? 3 * (D * D + Fu * Fu) * 4 + gptq_scratch(D > Fu ? D : Fu) : 0) +
+               (L * D * 2 + 2 * L * Fu + L) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * Fu * D));
+    }
+    z.ffn_other = ffn_fixed + unit;
+    int64_t ffn = ffn_fixed + (z.chunk > unit ? z.chunk : unit);
+    z.peak = z.acts + z.routing + z.state + (z.attention > ffn ? z.attention : ffn);
+    /* the allocator's and the process's own share (code, the source's index, small buffers) */
+    z.peak += 64 << 20;
+    return z;
+}
+
+/* Samples per expert batch: enough tasks for every thread, bounded by the samples. */
+static int64_t batch_for(const mq_pipe *p, int C) {
+    int64_t b = (4 * (int64_t)mq_pool_size() + C - 1) / (C > 0 ? C : 1);
+    if (b < 1) b = 1;
+    if (b > 16) b = 16;
+    if (b > p->calib.n) b = p->calib.n > 0 ? p->calib.n : 1;
+    return b;
+}
+
+/* The largest chunk in [1, E] that fits; 0 when none does. */
+static int best_chunk(const mq_pipe *p, mq_act_storage kind, int64_t budget) {
+    int E = p->c->n_experts;
+    if (E == 0) return plan_sizes(p, kind, 0, 1).peak <= budget ? 1 : 0;
+    for (int C = E; C >= 1; C = C > 8 ? C - (C + 7) / 8 : C - 1)
+        if (plan_sizes(p, kind, C, batch_for(p, C)).peak <= budget) return C;
+    return 0;
+}
+
+static int64_t default_budget(void) {
+    int64_t avail = mq_mem_available_bytes(), total = mq_mem_total_bytes();
+    int64_t b = (int64_t)(0.85 * (double)(avail > 0 ? avail : total));
+    if (total > 0 && b > total - ((int64_t)2 << 30)) b = total - ((int64_t)2 << 30);
+    return b > ((int64_t)1 << 30) ? b : ((int64_t)1 << 30);
+}
+
+/* ---- FLOPs ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    double forward, hessian, gptq;   /* one layer */
+    double att_sample, expert, mlp;  /* progress units' FLOPs */
+} layer_flops;
+
+static layer_flops flops_of(const mq_pipe *p, int l) {
+    const mq_config *c = p->c;
+    const mq_pipeline_opts *o = p->o;
+    layer_flops f;
+    memset(&f, 0, sizeof f);
+    const double D = c->D, Q = (double)c->n_heads * c->head_dim, KV = (double)c->n_kv_heads * c->head_dim;
+    const double T = (double)p->calib.total, L = (double)p->calib.max_len, K = c->top_k;
+    const double passes = p->seq ? 2 : 1;
+    double att = 2 * D * (Q + 2 * KV) + 2 * Q * D + 2 * Q * L;   /* per token */
+    f.att_sample = att * L * (p->calibrate ? 1 : 0);
+    f.forward = att * T * passes;
+    f.hessian = o->gptq ? (D * D + Q * Q) * T : 0;
+    f.gptq = o->gptq ? 2 * (Q + 2 * KV) * D * D + 2 * D * Q * Q + D * D * D + Q * Q * Q : 0;
+    const double mse = o->spec.mse ? 1.3 : 1.0;
+    if (c->layer_is_moe[l]) {
+        const double E = c->n_experts, F = c->moe_ffn;
+        double fw = K * T * 2 * F * D * (p->seq ? 2 + 3 : 3);   /* calibration gate/up + output */
+        double hs = o->gptq ? K * T * (D * D + F * F) : 0;
+        double gq = o->gptq ? E * (2 * 2 * F * D * D + D * D * D + 2 * D * F * F + F * F * F) * mse : 0;
+        f.forward += fw + 2 * E * D * T * passes;
+        f.hessian += hs;
+        f.gptq += gq;
+        f.expert = (fw + hs + gq) / E;
+    }
+    double Fu = c->layer_is_moe[l] ? c->shared_ffn : c->ffn;
+    if (Fu > 0) {
+        double fw = T * 2 * Fu * D * (p->seq ? 2 + 3 : 3);
+        double hs = o->gptq ? T * (D * D + Fu * Fu) : 0;
+        double gq = o->gptq ? (2 * 2 * Fu * D * D + D * D * D + 2 * D * Fu * Fu + Fu * Fu * Fu) * mse : 0;
+        f.forward += fw;
+        f.hessian += hs;
+        f.gptq += gq;
+        f.mlp = fw + hs + gq;
+    }
+    return f;
+}
+
+static int64_t units(double flops) { return (int64_t)(flops / 1e6) + 1; }
+
+moeq_status mq_plan_memory(mq_pipe *p) {
+    const mq_pipeline_opts *o = p->o;
+    mq_mem_plan *mp = &p->mp;
+    memset(mp, 0, sizeof *mp);
+    mp->budget = o->max_memory > 0 ? o->max_memory : default_budget();
+    mp->disk_output = (int64_t)p->plan_bytes;
+    mp->layers = p->plan.n_layers;
+    if (!p->calibrate) {
+        /* plain RTN: one fusion group's fp32 weights, their codes and packed copies */
+        int64_t worst = 0, group = 0;
+        const char *name = NULL;
+        for (size_t i = 0; i < p->plan.n_items; i++) {
+            const mq_plan_item *a = &p->plan.items[i];
+            if (!a->quantize) continue;
+            int64_t b = 0;
+            for (size_t j = 0; j < p->plan.n_items; j++) {
+                const mq_plan_item *x = &p->plan.items[j];
+                if (x->group == a->group && x->quantize) b += x->rows * x->cols * 4;
+            }
+            b += (int64_t)(code_bytes_per_weight(&o->spec) * (double)(a->rows * a->cols));
+            if (b > group) {
+                group = b;
+                name = a->module;
+            }
+        }
+        worst = group + (64 << 20);
+        mp->expert_chunk = group;
+        mp->peak = worst;
+        mp->storage = MQ_ACT_RAM;
+        for (int l = 0; l < p->plan.n_layers; l++) p->units_total += 1;
+        p->mp_units.rtn_layer = 1;
+        if (worst > mp->budget)
+            return mq_err(MOEQ_E_NOMEM, "--max-memory %.2f GB is too small: round to nearest of "
+                          "%s and its fused group needs %.2f GB", gb(mp->budget), name, gb(worst));
+        return MOEQ_OK;
+    }
+    const mq_config *c = p->c;
+    mp->samples = p->calib.n;
+    mp->tokens = p->calib.total;
+    int E = c->n_experts;
+    mq_act_storage kind = o->act_storage;
+    int C = 0;
+    if (o->expert_chunk > 0) {
+        C = o->expert_chunk < E ? o->expert_chunk : (E > 0 ? E : 1);
+        if (kind == MQ_ACT_AUTO)
+            kind = plan_sizes(p, MQ_ACT_RAM, C, batch_for(p, C)).peak <= mp->budget ? MQ_ACT_RAM : MQ_ACT_DISK;
+    } else if (kind != MQ_ACT_AUTO) {
+        C = best_chunk(p, kind, mp->budget);
+    } else {
+        int cr = best_chunk(p, MQ_ACT_RAM, mp->budget);
+        int want = E < 4 ? E : 4;
+        if (cr >= want && cr > 0) {
+            kind = MQ_ACT_RAM;
+            C = cr;
+        } else {
+            int cd = best_chunk(p, MQ_ACT_DISK, mp->budget);
+            kind = cd > cr ? MQ_ACT_DISK : MQ_ACT_RAM;
+            C = cd > cr ? cd : cr;
+        }
+    }
+    if (kind == MQ_ACT_AUTO) kind = MQ_ACT_RAM;
+    int Cs = C > 0 ? C : 1;
+    sizes z = plan_sizes(p, kind, Cs, batch_for(p, Cs));
+    mp->storage = kind;
+    mp->chunk = E > 0 ? Cs : 0;
+    mp->n_chunks = E > 0 ? (E + Cs - 1) / Cs : 0;
+    mp->batch = (int32_t)batch_for(p, Cs);
+    mp->activations = z.acts;
+    mp->routing = z.routing;
+    mp->state = z.state;
+    mp->attention = z.attention;
+    mp->expert_chunk = z.chunk;
+    mp->ffn_other = z.ffn_other;
+    mp->peak = z.peak;
+    const int64_t SLD4 = p->calib.n * p->calib.max_len * (int64_t)c->D * 4;
+    mp->disk_work = 2 * SLD4 + (kind == MQ_ACT_DISK ? (3 + (p->seq && !p->tseq)) * SLD4 : 0);
+    /* FLOPs, time and progress units */
+    for (int l = 0; l < c->n_layers; l++) {
+        layer_flops f = flops_of(p, l);
+        mp->flops_forward += f.forward;
+        mp->flops_hessian += f.hessian;
+        mp->flops_gptq += f.gptq;
+        p->units_total += units(f.att_sample) * p->calib.n * (p->seq ? 2 : 1) +
+                          (c->layer_is_moe[l] ? units(f.expert) * E : 0) + (f.mlp > 0 ? units(f.mlp) : 0);
+        if (l == 0 || f.expert > 0) p->mp_units.expert = units(f.expert);
+        p->mp_units.attention_sample = units(f.att_sample);
+        if (f.mlp > 0) p->mp_units.mlp = units(f.mlp);
+    }
+    if (C == 0 || z.peak > mp->budget) {
+        sizes d = plan_sizes(p, MQ_ACT_DISK, 1, batch_for(p, 1));
+        char what[160] = "";
+        if (E > 0)
+            snprintf(what, sizeof what, ", %d expert%s at a time %.2f GB", Cs, Cs > 1 ? "s" : "",
+                     gb(z.chunk));
+        return mq_err(MOEQ_E_NOMEM,
+                      "--max-memory %.2f GB is too small for this run: it needs %.2f GB "
+                      "(calibration activations %.2f GB for %lld samples x %lld tokens x %d "
+                      "hidden in %s, routing %.2f GB, attention state %.2f GB, one layer's "
+                      "attention with its Hessians %.2f GB%s, shared/dense MLP %.2f GB); with "
+                      "--activations disk and one expert at a time it needs %.2f GB",
+                      gb(mp->budget), gb(z.peak), gb(z.acts), (long long)p->calib.n,
+                      (long long)p->calib.max_len, c->D, mq_act_storage_name(kind), gb(z.routing),
+                      gb(z.state), gb(z.attention), what, gb(z.ffn_other), gb(d.peak));
+    }
+    return MOEQ_OK;
+}
+
+void mq_plan_estimate_time(mq_pipe *p) {
+    mq_mem_plan *mp = &p->mp;
+    if (!p->calibrate) return;
+    mp->sgemm_gflops = mq_measure_sgemm_gflops(384, 0.1);
+    double r = mp->sgemm_gflops > 0 ? mp->sgemm_gflops * 1e9 : 1e10;
+    mp->seconds = mp->flops_forward / (0.5 * r) + mp->flops_hessian / (0.5 * r) +
+                  mp->flops_gptq / (0.45 * r);
+}

@@ -1,0 +1,397 @@
+/*
+ * The pipeline's driver (see pipeline.h): checks, the source opened once (mapped, lazily
+ * loaded), the output plan, the calibration samples, the memory plan, the work directory (fresh
+ * or resumed), the global tensors, the layer loop with a line per layer, the checkpoint finished
+ * and renamed over OUT_DIR, the report.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "pipeline/internal.h"
+
+void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_format format) {
+    memset(o, 0, sizeof *o);
+    o->spec = mq_qspec_default(scheme);
+    o->format = format;
+    if (format == MQ_FMT_MODELOPT) o->spec.nvfp4_conv = MQ_NVFP4_MUL;
+    if (format == MQ_FMT_GPTQ) {
+        o->spec.scale_dtype = MOEQ_DT_F16;
+        o->spec.int4_zero_min = 1;
+    }
+    o->g = mq_gptq_opts_default();
+    o->sequential = true;
+    o->min_expert_tokens = 32;
+    mq_calib_opts_init(&o->calib);
+    o->act_calib_tokens = 65536;
+}
+
+static moeq_status check_opts(const mq_pipeline_opts *o) {
+    mq_qscheme sch = o->spec.scheme;
+    if (sch != MQ_QS_NVFP4 && sch != MQ_QS_INT4)
+        return mq_err(MOEQ_E_ARG, "scheme %s cannot be written as a checkpoint", mq_qscheme_name(sch));
+    if (sch == MQ_QS_NVFP4 && o->format == MQ_FMT_GPTQ)
+        return mq_err(MOEQ_E_ARG, "--format gptq holds INT4 only (use compressed-tensors or modelopt for NVFP4)");
+    if (sch == MQ_QS_INT4 && o->format == MQ_FMT_MODELOPT)
+        return mq_err(MOEQ_E_ARG, "--format modelopt holds NVFP4 only (use compressed-tensors or gptq for INT4)");
+    if (o->act_quant && sch != MQ_QS_NVFP4)
+        return mq_err(MOEQ_E_ARG, "activation quantization is only defined for NVFP4");
+    if (o->format == MQ_FMT_GPTQ && o->spec.asym && o->spec.int4_zero_min < 1)
+        return mq_err(MOEQ_E_ARG, "GPTQ v1 cannot store a zero point of 0: set int4_zero_min to 1");
+    if (o->gptq && !o->calib.path) return mq_err(MOEQ_E_ARG, "GPTQ needs a calibration file");
+    if (o->act_quant && !o->gptq && !o->act_calib)
+        return mq_err(MOEQ_E_ARG, "W4A4 NVFP4 needs calibration activations for its input scales");
+    if (o->max_memory < 0) return mq_err(MOEQ_E_ARG, "--max-memory must be positive");
+    if (o->expert_chunk < 0) return mq_err(MOEQ_E_ARG, "--expert-chunk must be positive");
+    if (o->act_calib_tokens < 1) return mq_err(MOEQ_E_ARG, "--calib-tokens must be >= 1");
+    return MOEQ_OK;
+}
+
+static moeq_status read_config(const char *model_dir, cJSON **out, bool *mixtral) {
+    char *path = mq_path_join(model_dir, "config.json");
+    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    char *text;
+    size_t len;
+    moeq_status s = mq_dir_exists(model_dir) ? mq_read_file(path, &text, &len)
+                                             : mq_err(MOEQ_E_NOTFOUND, "model directory '%s' not found", model_dir);
+    if (s) {
+        free(path);
+        return s;
+    }
+    cJSON *j = cJSON_ParseWithLength(text, len);
+    free(text);
+    if (!j || !cJSON_IsObject(j)) {
+        cJSON_Delete(j);
+        s = mq_err(MOEQ_E_FORMAT, "%s: not a JSON object", path);
+    } else if (cJSON_GetObjectItemCaseSensitive(j, "quantization_config")) {
+        cJSON_Delete(j);
+        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: the model is already quantized (quantization_config); "
+                   "quantize an unquantized checkpoint", path);
+    } else {
+        const cJSON *mt = cJSON_GetObjectItemCaseSensitive(j, "model_type");
+        *mixtral = cJSON_IsString(mt) && strcmp(mt->valuestring, "mixtral") == 0;
+        *out = j;
+    }
+    free(path);
+    return s;
+}
+
+static int layer_of(const char *name) {
+    int l, n = 0;
+    if (sscanf(name, "model.layers.%d.%n", &l, &n) == 1 && n > 0 && l >= 0) return l;
+    return -1;
+}
+
+/* RTN W4A4: the first act_calib_tokens tokens of the text in consecutive chunks of 512 (or the
+ * model's positions), the last one shorter. */
+static moeq_status act_calibration(mq_pipe *p) {
+    const mq_pipeline_opts *o = p->o;
+    const moeq_tokenizer *tok = moeq_model_tokenizer(p->m);
+    if (!tok) return mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json to tokenize the calibration text", p->model_dir);
+    char *text = NULL;
+    size_t len = 0;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    moeq_status s = mq_read_file(o->act_calib, &text, &len);
+    if (!s) {
+        s = moeq_tokenizer_encode(tok, text, len, &ids, &n);
+        if (s) mq_err_prefix(s, "%s", o->act_calib);
+    }
+    free(text);
+    if (!s && n == 0) s = mq_err(MOEQ_E_ARG, "%s: the calibration text has no tokens", o->act_calib);
+    if (!s) {
+        int64_t chunk = p->c->max_pos > 0 && p->c->max_pos < 512 ? p->c->max_pos : 512;
+        int64_t use = (int64_t)n < o->act_calib_tokens ? (int64_t)n : o->act_calib_tokens;
+        s = mq_calib_cover(ids, use, chunk, &p->calib);
+    }
+    free(ids);
+    return s;
+}
+
+static moeq_status embed_all(mq_pipe *p) {
+    float *tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "embeddings");
+    if (!tmp) return MOEQ_E_NOMEM;
+    moeq_status s = MOEQ_OK;
+    for (int64_t i = 0; i < p->calib.n && !s; i++) {
+        s = mq_lazy_embed(p->lz, p->calib.ids[i], p->calib.len[i], tmp);
+        if (!s) mq_actbuf_put(&p->X, (size_t)(i * p->LD), (size_t)(p->calib.len[i] * p->c->D), tmp);
+    }
+    mq_free(tmp);
+    return s;
+}
+
+static moeq_status alloc_activations(mq_pipe *p) {
+    const size_t n = (size_t)(p->calib.n * p->LD);
+    mq_act_storage k = p->mp.storage;
+    char *px = mq_path_join(p->work_dir, "x.bin"), *px2 = mq_path_join(p->work_dir, "x2.bin"),
+         *pn = mq_path_join(p->work_dir, "xn.bin"), *po = mq_path_join(p->work_dir, "out.bin");
+    moeq_status s = px && px2 && pn && po ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!s) s = mq_actbuf_init(&p->X, k, n, px, "calibration activations");
+    if (!s && k == MQ_ACT_DISK) s = mq_actbuf_init(&p->X2, k, n, px2, "calibration activations");
+    if (!s && p->seq && !p->tseq) s = mq_actbuf_init(&p->XN, k, n, pn, "FFN inputs");
+    if (!s) s = mq_actbuf_init(&p->OUT, k == MQ_ACT_DISK ? k : MQ_ACT_RAM, n, po, "FFN outputs");
+    free(px);
+    free(px2);
+    free(pn);
+    free(po);
+    if (s) return s;
+    if (p->c->n_experts > 0) {
+        size_t r = (size_t)(p->calib.n * p->calib.max_len * p->c->top_k);
+        p->sel_a = mq_alloc_array(r, sizeof(int32_t), "routing");
+        p->w_a = mq_alloc_array(r, sizeof(float), "routing");
+        if (!p->sel_a || !p->w_a) return MOEQ_E_NOMEM;
+        if (p->seq) {
+            p->sel_b = mq_alloc_array(r, sizeof(int32_t), "routing");
+            p->w_b = mq_alloc_array(r, sizeof(float), "routing");
+            if (!p->sel_b || !p->w_b) return MOEQ_E_NOMEM;
+        }
+    }
+    return mq_state_new_ex(p->m, (int32_t)p->calib.max_len, false, &p->state);
+}
+
+static void pipe_free(mq_pipe *p) {
+    mq_actbuf_free(&p->X);
+    mq_actbuf_free(&p->X2);
+    mq_actbuf_free(&p->XN);
+    mq_actbuf_free(&p->OUT);
+    mq_free(p->sel_a);
+    mq_free(p->sel_b);
+    mq_free(p->w_a);
+    mq_free(p->w_b);
+    mq_state_free(p->state);
+    mq_ckpt_writer_close(p->w);
+    for (int l = 0; p->layers && l < p->plan.n_layers; l++) cJSON_Delete(p->layers[l].modules);
+    free(p->layers);
+    free(p->decl_layer);
+    free(p->item_done);
+    mq_out_plan_free(&p->plan);
+    mq_calib_free(&p->calib);
+    if (p->lz) mq_lazy_close(p->lz);
+    else mq_st_close(p->st);
+    cJSON_Delete(p->src_config);
+    cJSON_Delete(p->manifest);
+    free(p->out_dir);
+    free(p->work_dir);
+    free(p->build_dir);
+}
+
+/* The GPTQ totals of every layer's module records (those of resumed layers included). */
+static void sum_modules(mq_pipe *p) {
+    mq_pipeline_result *r = p->res;
+    for (int l = 0; l < p->plan.n_layers; l++) {
+        const cJSON *m;
+        cJSON_ArrayForEach(m, p->layers[l].modules) {
+            r->linears++;
+            const cJSON *how = cJSON_GetObjectItemCaseSensitive(m, "method");
+            bool gptq = cJSON_IsString(how) && strcmp(how->valuestring, "gptq") == 0;
+            bool rtn = cJSON_IsString(how) && strcmp(how->valuestring, "rtn") == 0;
+            r->fallbacks += !gptq;
+            const cJSON *a = cJSON_GetObjectItemCaseSensitive(m, "loss"),
+                        *b = cJSON_GetObjectItemCaseSensitive(m, "rtn_loss");
+            if (rtn || !cJSON_IsNumber(a) || !cJSON_IsNumber(b)) continue;
+            r->loss += a->valuedouble;
+            r->rtn_loss += b->valuedouble;
+            r->worse_than_rtn += a->valuedouble > b->valuedouble;
+        }
+        r->seconds_forward += p->layers[l].forward;
+        r->seconds_hessian += p->layers[l].hessian;
+        r->seconds_gptq += p->layers[l].gptq;
+        r->seconds_write += p->layers[l].write;
+    }
+}
+
+static void log_layer(const mq_pipe *p, int l, double t_start) {
+    const mq_layer_report *lr = &p->layers[l];
+    double el = mq_now() - t_start;
+    double left = p->units_done > 0 ? el * (double)(p->units_total - p->units_done) / (double)p->units_done : 0;
+    char chunks[48] = "";
+    if (lr->chunks > 0) snprintf(chunks, sizeof chunks, ", %d expert chunk%s", lr->chunks, lr->chunks > 1 ? "s" : "");
+    mq_info("layer %d/%d: %.1f s (forward %.1f, Hessians %.1f, GPTQ %.1f, write %.1f)%s, peak "
+            "%.2f GB; about %.0f s left", l + 1, p->plan.n_layers, lr->total, lr->forward,
+            lr->hessian, lr->gptq, lr->write, chunks, (double)lr->peak_anon / 1e9, left);
+}
+
+static moeq_status run(mq_pipe *p) {
+    const mq_pipeline_opts *o = p->o;
+    const double t_start = mq_now();
+    moeq_status s = MOEQ_OK;
+    if (!mq_work_globals_done(p)) {
+        s = mq_pipe_write_passthrough(p, -1);
+        if (!s) s = mq_work_globals_written(p);
+        if (s) return s;
+    }
+    const int n_layers = p->plan.n_layers, start = p->layers_done;
+    p->first_layer = start;
+    p->res->layers_resumed = start;
+    /* the units of the finished layers count as done */
+    for (int l = 0; l < start; l++)
+        p->units_done += p->units_total / (n_layers > 0 ? n_layers : 1);
+    if (p->calibrate) {
+        if ((s = alloc_activations(p))) return s;
+        bool have = false;
+        if (start > 0 && (s = mq_work_load_boundary(p, start, &have))) return s;
+        if (!have) {
+            if ((s = embed_all(p))) return s;
+            /* a resumed run whose snapshot is gone: the finished layers again, from what the
+             * checkpoint holds */
+            for (int l = 0; l < start && !s; l++) {
+                mq_info("recomputing the activations through layer %d/%d", l + 1, n_layers);
+                s = mq_pipe_layer(p, l, true);
+            }
+            if (s) return s;
+        }
+    }
+    (void)o;
+    for (int l = start; l < n_layers && !s; l++) {
+        mq_mem_watch_take_peak();
+        if (p->calibrate) {
+            s = mq_pipe_layer(p, l, false);
+        } else {
+            double t0 = mq_now();
+            s = mq_pipe_layer_rtn(p, l);
+            if (!s) s = mq_pipe_write_passthrough(p, l);
+            p->layers[l].total = mq_now() - t0;
+            mq_pipe_progress(p, p->mp_units.rtn_layer);
+        }
+        p->layers[l].peak_anon = mq_mem_watch_take_peak();
+        if (!s) s = mq_work_layer_done(p, l);
+        if (!s && p->calibrate) log_layer(p, l, t_start);
+    }
+    return s;
+}
+
+/* The finished checkpoint: config and tokenizer files, renamed over OUT_DIR. */
+static moeq_status finish(mq_pipe *p) {
+    size_t n_kept = 0;
+    const char **kept = malloc((p->plan.n_items + 1) * sizeof *kept);
+    if (!kept) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < p->plan.n_items; i++)
+        if (!p->plan.items[i].quantize) kept[n_kept++] = p->plan.items[i].module;
+    moeq_status s = mq_ckpt_writer_finish(p->w, p->src_config, p->model_dir, kept, n_kept);
+    free(kept);
+    mq_ckpt_writer_close(p->w);
+    p->w = NULL;
+    if (s) return s;
+    mq_fault_point("rename", 0, 0);
+    return mq_ckpt_publish(p->build_dir, p->out_dir);
+}
+
+moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq_pipeline_opts *o,
+                            mq_pipeline_result *result) {
+    mq_pipeline_result res;
+    memset(&res, 0, sizeof res);
+    if (result) memset(result, 0, sizeof *result);
+    double t0 = mq_now();
+    moeq_status s = check_opts(o);
+    if (s) return s;
+    mq_pipe pp, *p = &pp;
+    memset(p, 0, sizeof *p);
+    p->o = o;
+    p->res = &res;
+    p->lock_fd = -1;
+    p->model_dir = model_dir;
+    size_t olen = strlen(out_dir);
+    while (olen > 1 && out_dir[olen - 1] == '/') olen--;
+    p->out_dir = mq_strndup(out_dir, olen);
+    if (!p->out_dir) return MOEQ_E_NOMEM;
+    bool exists = false;
+    bool watching = false, work = false;
+    if ((s = mq_ckpt_check_out(model_dir, p->out_dir, o->force, &exists))) goto done;
+    if ((s = read_config(model_dir, &p->src_config, &p->mixtral))) goto done;
+    p->calibrate = o->gptq || o->act_quant;
+    p->seq = o->gptq && o->sequential;
+    p->tseq = p->seq && o->true_sequential;
+    if (p->calibrate) {
+        if ((s = mq_lazy_open(model_dir, true, &p->lz))) goto done;
+        p->m = mq_lazy_model_of(p->lz);
+        p->c = &p->m->cfg;
+        p->st = (mq_st *)mq_lazy_st(p->lz);
+        if (!moeq_model_tokenizer(p->m)) {
+            s = mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json to tokenize the calibration text", model_dir);
+            goto done;
+        }
+    } else if ((s = mq_st_open_dir(model_dir, &p->st))) {
+        goto done;
+    }
+    mq_plan_opts po = {o->format, o->spec,
+                       o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX &&
+                           o->spec.scheme == MQ_QS_INT4,
+                       o->act_quant, o->ignore, o->n_ignore};
+    if ((s = mq_out_plan_build(p->st, p->mixtral, &po, &p->plan))) goto done;
+    if (p->calibrate && p->plan.n_layers < p->c->n_layers) p->plan.n_layers = p->c->n_layers;
+    p->decl_layer = calloc(p->plan.n_decls ? p->plan.n_decls : 1, sizeof *p->decl_layer);
+    p->item_done = calloc(p->plan.n_items ? p->plan.n_items : 1, 1);
+    p->layers = calloc((size_t)(p->plan.n_layers > 0 ? p->plan.n_layers : 1), sizeof *p->layers);
+    if (!p->decl_layer || !p->item_done || !p->layers) {
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        goto done;
+    }
+    for (size_t i = 0; i < p->plan.n_decls; i++) {
+        p->decl_layer[i] = layer_of(p->plan.decls[i].name);
+        int64_t numel = 1;
+        for (int d = 0; d < p->plan.decls[i].ndim; d++) numel *= p->plan.decls[i].shape[d];
+        p->plan_bytes += (uint64_t)numel * moeq_dtype_size(p->plan.decls[i].dtype);
+    }
+    for (int l = 0; l < p->plan.n_layers; l++) {
+        p->layers[l].layer = l;
+        if (!(p->layers[l].modules = cJSON_CreateArray())) {
+            s = mq_err(MOEQ_E_NOMEM, "out of memory");
+            goto done;
+        }
+    }
+    p->ckpt_opts = (mq_ckpt_opts){o->format, o->spec, o->act_quant, po.g_idx, o->max_shard_bytes};
+    if (o->gptq) s = mq_calib_load(moeq_model_tokenizer(p->m), &o->calib, &p->calib);
+    else if (o->act_quant) s = act_calibration(p);
+    if (s) goto done;
+    p->LD = p->calibrate ? p->calib.max_len * p->c->D : 0;
+    if ((s = mq_plan_memory(p))) goto done;
+    if (o->dry_run || p->calibrate) mq_plan_estimate_time(p);
+    res.plan = p->mp;
+    res.samples = p->calib.n;
+    res.tokens = p->calib.total;
+    if (o->dry_run) goto done;
+    mq_mem_watch_start();
+    watching = true;
+    if ((s = mq_work_prepare(p))) goto done;
+    work = true;
+    s = run(p);
+    if (!s) s = finish(p);
+    if (!s && o->report_path) {
+        res.peak_anon = mq_mem_watch_peak();
+        res.seconds_total = mq_now() - t0;
+        sum_modules(p);
+        s = mq_report_write(p, o->report_path);
+    }
+done:
+    if (watching) {
+        res.peak_anon = mq_mem_watch_peak();
+        mq_mem_watch_stop();
+    }
+    if (!s && !o->dry_run) {
+        if (!o->report_path) sum_modules(p);
+        for (size_t i = 0; i < p->plan.n_items; i++) {
+            res.n_quantized += p->plan.items[i].quantize;
+            res.n_kept += !p->plan.items[i].quantize;
+        }
+        res.quantized_params = p->plan.quantized_params;
+        res.n_tensors = (int64_t)p->plan.n_decls;
+        res.bytes_written = p->plan_bytes;
+    }
+    if (!work && p->lock_fd >= 0) {
+        mq_work_release(p, !p->work_fresh);   /* a failed start: a new directory goes again */
+    } else if (work) {
+        bool keep = s && p->layers_done > 0;
+        if (s && keep)
+            mq_info("the finished layers are kept in %s: the same command with --resume continues",
+                    p->work_dir);
+        mq_work_release(p, keep);
+    }
+    res.seconds_total = mq_now() - t0;
+    res.plan = p->mp;
+    if (!s && result) *result = res;
+    else if (s && result && o->dry_run) *result = res;
+    pipe_free(p);
+    return s;
+}

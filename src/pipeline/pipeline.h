@@ -1,0 +1,128 @@
+/*
+ * The quantization pipeline: one streaming pass over a Hugging Face checkpoint, layer by layer,
+ * that drives the model (lazy loading, the calibration forward), quant (GPTQ, RTN) and export
+ * (the checkpoint writer), within a memory budget, resumable after a crash.
+ *
+ * Per decoder layer, for GPTQ (sequential, the default):
+ *   load the layer's attention (fp32, from the mapped source);
+ *   pass A: every calibration sample through the unquantized attention; q/k/v and o Hessians;
+ *           the FFN input of every token kept (XN) and routed once;
+ *   quantize q/k/v/o, write them, continue with their dequantized values;
+ *   pass B: every sample through the quantized attention: h (the next input, less the FFN) and
+ *           the FFN input's routing;
+ *   experts in chunks (then the shared expert, or the dense MLP): load, Hessians from exactly
+ *           each expert's routed tokens of XN, GPTQ, write, then the quantized experts' outputs
+ *           on h's FFN input summed into OUT in increasing expert order; free;
+ *   the next layer's input is h + OUT; the layer's pass-through tensors are written; the work
+ *           directory records the layer (tensor CRCs, report) and the activations.
+ * Non-sequential GPTQ calibrates everything on the unquantized model (no pass B); true-sequential
+ * takes the FFN Hessians from pass B; RTN needs no calibration (group by group, no forward);
+ * W4A4 (act_quant) records each Linear's input amax during the calibration passes (RTN W4A4: the
+ * unquantized model's passes over the first calib_tokens tokens).
+ *
+ * Every sample's forward is exactly the model's forward (src/model): the same blocks of rows go
+ * through the same GEMMs, Hessians get one update per sample in sample order, outputs are summed
+ * in the forward's order; so the checkpoint does not depend on the expert chunk size, the number
+ * of threads, the memory budget or on being resumed, and equals the whole-model reference loop
+ * (tests/reference) bit for bit.
+ */
+#ifndef MOEQ_PIPELINE_H
+#define MOEQ_PIPELINE_H
+
+#include "export/layout.h"
+#include "quant/calib.h"
+#include "quant/gptq.h"
+
+typedef enum {
+    MQ_ACT_AUTO = 0,   /* in memory when the budget allows, else spilled to the work directory */
+    MQ_ACT_RAM,        /* fp32 in memory */
+    MQ_ACT_DISK,       /* fp32 in files of the work directory (mapped; the page cache holds them) */
+    MQ_ACT_BF16,       /* bf16 in memory: half the memory, changes the results slightly */
+} mq_act_storage;
+const char *mq_act_storage_name(mq_act_storage s);   /* "auto", "ram", "disk", "bf16" */
+
+typedef struct {
+    /* the checkpoint */
+    mq_qspec spec;                 /* scheme in the format's conventions (mq_pipeline_opts_init) */
+    mq_ckpt_format format;
+    bool act_quant;                /* NVFP4 W4A4: activation scales from calibration */
+    bool no_fuse;                  /* one NVFP4 global scale per tensor */
+    const char *const *ignore;     /* PCRE2 patterns of Linears kept unquantized */
+    int n_ignore;
+    size_t max_shard_bytes;        /* 0: 5 GB */
+    bool force;                    /* replace an existing OUT_DIR */
+    /* the method */
+    bool gptq;                     /* GPTQ (else RTN) */
+    mq_gptq_opts g;
+    bool sequential;               /* GPTQ: each layer calibrated on the quantized layers before */
+    bool true_sequential;          /* sequential: the FFN calibrated on the quantized attention */
+    int64_t min_expert_tokens;     /* experts with fewer routed tokens use the fallback */
+    bool fallback_rtn;             /* ... round to nearest (else the MoE block's Hessians) */
+    mq_calib_opts calib;           /* GPTQ calibration samples (calib.path: the file) */
+    const char *act_calib;         /* RTN W4A4: the calibration text */
+    int64_t act_calib_tokens;      /* RTN W4A4: its first N tokens, in chunks of 512 */
+    /* resources */
+    int64_t max_memory;            /* bytes of anonymous memory; 0: a share of the machine's */
+    const char *work_dir;          /* NULL: OUT_DIR.moeq-work beside OUT_DIR */
+    bool resume;                   /* continue the run the work directory holds */
+    bool dry_run;                  /* plan only */
+    int expert_chunk;              /* experts loaded at once; 0: as many as the budget allows */
+    mq_act_storage act_storage;
+    const char *report_path;       /* JSON report (NULL: none) */
+} mq_pipeline_opts;
+
+/* Defaults for a scheme and format: the spec in the format's conventions (CT: NVFP4 divisor
+ * global scale, INT4 BF16 scales; ModelOpt: multiplier global scale; GPTQ: F16 scales, zero
+ * points >= 1), RTN, GPTQ settings of mq_gptq_opts_default, sequential, min_expert_tokens 32,
+ * block-Hessian fallback, calibration 128 x 512. */
+void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_format format);
+
+/* The plan: what the run holds in memory (bytes of anonymous memory) and what it costs. */
+typedef struct {
+    int64_t budget;                /* the limit it was planned for */
+    int64_t activations;           /* calibration activations at the layer boundary */
+    int64_t routing;               /* every token's experts and weights */
+    int64_t state;                 /* attention state, KV cache, forward scratch */
+    int64_t attention;             /* a layer's attention weights, Hessians and factors */
+    int64_t expert_chunk;          /* one chunk of experts: weights, Hessians, factors, codes */
+    int64_t ffn_other;             /* shared expert or dense MLP, block Hessian, batch scratch */
+    int64_t peak;                  /* the largest sum of the above at any stage */
+    int32_t chunk;                 /* experts per chunk (0: no routed experts) */
+    int32_t n_chunks;              /* chunks per MoE layer */
+    int32_t batch;                 /* samples whose expert rows are computed together */
+    mq_act_storage storage;        /* resolved */
+    double flops_forward, flops_hessian, flops_gptq;   /* the whole run */
+    double sgemm_gflops;           /* this machine, measured for the estimate */
+    double seconds;                /* estimated wall time */
+    int64_t disk_output;           /* the checkpoint */
+    int64_t disk_work;             /* work files beside it (activations) */
+    int32_t layers;                /* decoder layers */
+    int64_t samples, tokens;       /* calibration */
+} mq_mem_plan;
+
+typedef struct {
+    int64_t n_quantized, n_kept;   /* Linear modules */
+    int64_t quantized_params;
+    int64_t n_tensors;
+    uint64_t bytes_written;        /* tensor data of the checkpoint */
+    mq_mem_plan plan;
+    int64_t peak_anon;             /* measured peak anonymous memory */
+    int32_t layers_resumed;        /* layers taken over from the interrupted run */
+    /* GPTQ */
+    int64_t samples, tokens;
+    int64_t linears, fallbacks, worse_than_rtn;
+    double loss, rtn_loss;
+    double seconds_forward, seconds_hessian, seconds_gptq, seconds_write, seconds_total;
+} mq_pipeline_result;
+
+/* Quantizes model_dir into out_dir (see the top of this file). Errors before any work: bad
+ * options, out_dir (MOEQ_E_EXISTS unless force; never model_dir), the source (unknown
+ * architecture, missing or misshapen tensors, already quantized), a budget too small for the
+ * plan (MOEQ_E_NOMEM naming what does not fit and what is needed), a work directory left by an
+ * interrupted run without resume (MOEQ_E_EXISTS), a resume whose source, options or calibration
+ * differ (MOEQ_E_ARG saying what differs). dry_run: fills result->plan and returns. An error or
+ * interrupt after the first finished layer keeps the work directory for resume. */
+moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq_pipeline_opts *o,
+                            mq_pipeline_result *result);
+
+#endif

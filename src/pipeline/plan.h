@@ -1,0 +1,72 @@
+/*
+ * The output plan of a quantization run, made from the source checkpoint's tensor list before
+ * any weight is read: which tensors are decoder Linears (2D float "*.weight" under model.layers.,
+ * plus fused expert tensors split per expert with the hub names), which of them are quantized
+ * (routers, shared_expert_gate and --ignore matches stay unquantized; a vLLM fusion group —
+ * q/k/v, gate/up, w1/w3 — is quantized all or nothing), which tensors pass through unchanged,
+ * and every output tensor's name, dtype and shape in output order: the global tensors
+ * (embeddings, final norm, lm_head) first, then layer by layer its pass-through tensors and its
+ * Linears. The checkpoint writer lays its shards out from that list.
+ */
+#ifndef MOEQ_PIPELINE_PLAN_H
+#define MOEQ_PIPELINE_PLAN_H
+
+#include "export/layout.h"
+#include "io/safetensors.h"
+
+typedef struct {
+    char *module;                 /* output module name (its tensors: module + ".weight", ...) */
+    char *src_module;             /* the module as the source names it (Mixtral may differ) */
+    const mq_tensor_view *src;
+    int64_t offset;               /* first element inside src (fused experts) */
+    int64_t rows, cols;
+    int layer;                    /* -1: outside model.layers */
+    bool quantize;
+    bool user_ignored;
+    int group;                    /* fusion group */
+} mq_plan_item;
+
+typedef struct {
+    char *name;                   /* output tensor name */
+    const mq_tensor_view *src;
+    int layer;                    /* -1: outside the decoder layers */
+} mq_plan_pass;
+
+typedef struct {
+    mq_ckpt_format format;
+    mq_qspec spec;
+    bool g_idx;                   /* quantized INT4 layouts carry g_idx (act-order groups) */
+    bool input_scale;             /* W4A4: an activation scale per quantized Linear */
+    const char *const *ignore;    /* PCRE2 patterns */
+    int n_ignore;
+} mq_plan_opts;
+
+typedef struct {
+    mq_plan_item *items;          /* in source name order */
+    size_t n_items, cap_items;
+    mq_plan_pass *pass;           /* in source name order */
+    size_t n_pass, cap_pass;
+    int n_groups;
+    char **group_keys;
+    int n_layers;                 /* 1 + the largest layer index seen */
+    size_t *by_name;              /* item indices sorted by module name */
+    mq_tensor_decl *decls;        /* every output tensor, in output order */
+    char **decl_names;            /* owned names of decls */
+    size_t n_decls, cap_decls;
+    int64_t quantized_params;
+} mq_out_plan;
+
+/* Builds the plan (mixtral: the source is a Mixtral checkpoint, whose MoE blocks are written
+ * under block_sparse_moe). Bad ignore patterns, a Linear the scheme cannot hold (named, with the
+ * advice to --ignore it): MOEQ_E_ARG / MOEQ_E_SHAPE. */
+moeq_status mq_out_plan_build(const mq_st *st, bool mixtral, const mq_plan_opts *o,
+                              mq_out_plan *p);
+void mq_out_plan_free(mq_out_plan *p);
+/* The item whose output or source module name is `module`; NULL when absent. */
+const mq_plan_item *mq_out_plan_find(const mq_out_plan *p, const char *module);
+
+/* The fusion group tag of a Linear leaf name ("q_proj" -> "qkv", "gate_proj"/"up_proj" ->
+ * "gate_up", "w1"/"w3" -> "w13", "q_a_proj"/"kv_a_proj_with_mqa" -> "q_a"), or NULL. */
+const char *mq_fusion_tag(const char *leaf);
+
+#endif

@@ -1,0 +1,135 @@
+/*
+ * The JSON report of a run: settings, calibration, the memory plan, per-layer seconds and peak
+ * anonymous memory, and one record per quantized Linear (tokens of its Hessian, method, GPTQ loss
+ * against the RTN loss, damping, dead columns, seconds), with totals. Written atomically.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pipeline/internal.h"
+
+static void json_num(cJSON *o, const char *k, double v) {
+    if (isfinite(v)) cJSON_AddNumberToObject(o, k, v);
+    else cJSON_AddNullToObject(o, k);
+}
+
+cJSON *mq_mod_report_json(const mq_mod_report *x) {
+    cJSON *m = cJSON_CreateObject();
+    if (!m) return NULL;
+    cJSON_AddStringToObject(m, "module", x->module);
+    cJSON_AddNumberToObject(m, "layer", x->layer);
+    if (x->expert >= 0) cJSON_AddNumberToObject(m, "expert", x->expert);
+    cJSON_AddNumberToObject(m, "tokens", (double)x->tokens);
+    cJSON_AddStringToObject(m, "method", mq_how_name(x->how));
+    json_num(m, "loss", x->stats.loss);
+    json_num(m, "rtn_loss", x->stats.rtn_loss);
+    if (x->how != MQ_HOW_RTN) {
+        cJSON_AddNumberToObject(m, "percdamp", x->stats.percdamp);
+        cJSON_AddNumberToObject(m, "dead_columns", (double)x->stats.n_dead);
+    }
+    cJSON_AddNumberToObject(m, "seconds", x->stats.seconds);
+    return m;
+}
+
+static const char *mse_weight_name(mq_gptq_mse_weight w) {
+    return w == MQ_GPTQ_MSE_HDIAG ? "hessian" : w == MQ_GPTQ_MSE_OBQ ? "obq"
+                                  : w == MQ_GPTQ_MSE_LOOP ? "gptq" : "plain";
+}
+
+static cJSON *plan_json(const mq_mem_plan *mp) {
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "budget_bytes", (double)mp->budget);
+    cJSON_AddNumberToObject(j, "planned_peak_bytes", (double)mp->peak);
+    cJSON_AddNumberToObject(j, "activations_bytes", (double)mp->activations);
+    cJSON_AddNumberToObject(j, "routing_bytes", (double)mp->routing);
+    cJSON_AddNumberToObject(j, "state_bytes", (double)mp->state);
+    cJSON_AddNumberToObject(j, "attention_bytes", (double)mp->attention);
+    cJSON_AddNumberToObject(j, "expert_chunk_bytes", (double)mp->expert_chunk);
+    cJSON_AddNumberToObject(j, "shared_or_dense_bytes", (double)mp->ffn_other);
+    cJSON_AddNumberToObject(j, "expert_chunk", mp->chunk);
+    cJSON_AddNumberToObject(j, "chunks_per_layer", mp->n_chunks);
+    cJSON_AddNumberToObject(j, "sample_batch", mp->batch);
+    cJSON_AddStringToObject(j, "activation_storage", mq_act_storage_name(mp->storage));
+    cJSON_AddNumberToObject(j, "flops_forward", mp->flops_forward);
+    cJSON_AddNumberToObject(j, "flops_hessians", mp->flops_hessian);
+    cJSON_AddNumberToObject(j, "flops_gptq", mp->flops_gptq);
+    cJSON_AddNumberToObject(j, "sgemm_gflops", mp->sgemm_gflops);
+    cJSON_AddNumberToObject(j, "estimated_seconds", mp->seconds);
+    return j;
+}
+
+moeq_status mq_report_write(const mq_pipe *p, const char *path) {
+    const mq_pipeline_opts *o = p->o;
+    const mq_pipeline_result *r = p->res;
+    cJSON *j = cJSON_CreateObject();
+    cJSON *set = cJSON_AddObjectToObject(j, "settings");
+    cJSON_AddStringToObject(set, "scheme", mq_qscheme_name(o->spec.scheme));
+    cJSON_AddNumberToObject(set, "group_size", o->spec.group_size);
+    cJSON_AddBoolToObject(set, "mse", o->spec.mse);
+    if (o->spec.mse && o->gptq) cJSON_AddStringToObject(set, "mse_weight", mse_weight_name(o->g.mse_weight));
+    cJSON_AddStringToObject(set, "method", o->gptq ? "gptq" : "rtn");
+    if (o->gptq) {
+        cJSON_AddStringToObject(set, "mode", o->sequential ? "sequential" : "nonsequential");
+        cJSON_AddBoolToObject(set, "true_sequential", o->true_sequential && o->sequential);
+        cJSON_AddNumberToObject(set, "percdamp", o->g.percdamp);
+        cJSON_AddNumberToObject(set, "block_size", o->g.block_size);
+        cJSON_AddBoolToObject(set, "act_order", o->g.act_order);
+        cJSON_AddStringToObject(set, "groups", o->g.groups == MQ_GPTQ_GROUPS_STATIC ? "static"
+                                               : o->g.groups == MQ_GPTQ_GROUPS_GIDX ? "g_idx"
+                                                                                    : "dynamic");
+        cJSON_AddNumberToObject(set, "min_expert_tokens", (double)o->min_expert_tokens);
+        cJSON_AddStringToObject(set, "expert_fallback", o->fallback_rtn ? "rtn" : "block-hessian");
+    }
+    cJSON *cal = cJSON_AddObjectToObject(j, "calibration");
+    const char *cfile = o->gptq ? o->calib.path : o->act_calib;
+    if (cfile) cJSON_AddStringToObject(cal, "file", cfile);
+    if (o->gptq) {
+        cJSON_AddStringToObject(cal, "sampling", o->calib.mode == MQ_CALIB_RANDOM ? "random"
+                                                 : o->calib.mode == MQ_CALIB_DOCS ? "docs" : "chunks");
+        cJSON_AddNumberToObject(cal, "seqlen", (double)o->calib.seqlen);
+    }
+    cJSON_AddNumberToObject(cal, "samples", (double)r->samples);
+    cJSON_AddNumberToObject(cal, "tokens", (double)r->tokens);
+    cJSON_AddItemToObject(j, "plan", plan_json(&r->plan));
+    cJSON *sec = cJSON_AddObjectToObject(j, "seconds");
+    cJSON_AddNumberToObject(sec, "total", r->seconds_total);
+    cJSON_AddNumberToObject(sec, "forward", r->seconds_forward);
+    cJSON_AddNumberToObject(sec, "hessians", r->seconds_hessian);
+    cJSON_AddNumberToObject(sec, "gptq", r->seconds_gptq);
+    cJSON_AddNumberToObject(sec, "write", r->seconds_write);
+    cJSON_AddNumberToObject(j, "peak_anon_bytes", (double)r->peak_anon);
+    cJSON_AddNumberToObject(j, "layers_resumed", r->layers_resumed);
+    cJSON *layers = cJSON_AddArrayToObject(j, "layers");
+    cJSON *mods = cJSON_AddArrayToObject(j, "modules");
+    for (int l = 0; l < p->plan.n_layers; l++) {
+        const mq_layer_report *lr = &p->layers[l];
+        cJSON *x = cJSON_CreateObject();
+        cJSON_AddNumberToObject(x, "layer", l);
+        cJSON *s = cJSON_AddObjectToObject(x, "seconds");
+        cJSON_AddNumberToObject(s, "total", lr->total);
+        cJSON_AddNumberToObject(s, "forward", lr->forward);
+        cJSON_AddNumberToObject(s, "hessians", lr->hessian);
+        cJSON_AddNumberToObject(s, "gptq", lr->gptq);
+        cJSON_AddNumberToObject(s, "write", lr->write);
+        cJSON_AddNumberToObject(x, "peak_anon_bytes", (double)lr->peak_anon);
+        cJSON_AddNumberToObject(x, "expert_chunks", lr->chunks);
+        cJSON_AddItemToArray(layers, x);
+        const cJSON *m;
+        cJSON_ArrayForEach(m, lr->modules) cJSON_AddItemToArray(mods, cJSON_Duplicate(m, 1));
+    }
+    cJSON *sum = cJSON_AddObjectToObject(j, "summary");
+    cJSON_AddNumberToObject(sum, "modules", (double)r->linears);
+    cJSON_AddNumberToObject(sum, "expert_fallbacks", (double)r->fallbacks);
+    cJSON_AddNumberToObject(sum, "gptq_loss_total", r->loss);
+    cJSON_AddNumberToObject(sum, "rtn_loss_total", r->rtn_loss);
+    cJSON_AddNumberToObject(sum, "modules_worse_than_rtn", (double)r->worse_than_rtn);
+    char *text = cJSON_Print(j);
+    cJSON_Delete(j);
+    if (!text) return mq_err(MOEQ_E_NOMEM, "out of memory writing %s", path);
+    size_t len = strlen(text);
+    text[len] = '\n';   /* cJSON_Print leaves room for the NUL only: write len bytes + newline */
+    moeq_status st = mq_write_file_atomic(path, text, len + 1);
+    free(text);
+    return st;
+}

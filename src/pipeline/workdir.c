@@ -1,0 +1,545 @@
+/*
+ * The work directory of a run (OUT_DIR.moeq-work unless --work-dir): out/ with the checkpoint
+ * being assembled (planned shards, io/safetensors.h), the calibration activations at the last
+ * finished layer's boundary (acts-<parity>.bin, written before the manifest names it), and
+ * manifest.json: what the run is (the source files' sizes and sampled content hashes, every
+ * option that changes the result, a hash of the calibration token ids, the checkpoint plan) and
+ * what it has done (the global tensors and each finished layer with the CRC-32 of every tensor it
+ * wrote, its report, and the boundary file). Each update is written to a temporary file, synced
+ * and renamed, so a crash at any point leaves the previous manifest or the new one; a resume
+ * checks the identity field by field, re-reads every finished tensor against its CRC (a torn or
+ * corrupt one makes its layer and the ones after it be redone) and continues after the last
+ * layer that checks out. A lock file keeps two runs out of one directory.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "pipeline/internal.h"
+
+#define MANIFEST_VERSION 1
+static const char k_act_magic[8] = {'M', 'O', 'E', 'Q', 'A', 'C', 'T', '1'};
+
+void mq_fault_point(const char *where, int a, int b) {
+    const char *f = getenv("MOEQ_FAULT");
+    if (!f || !*f) return;
+    char want[96];
+    snprintf(want, sizeof want, "%s:%d", where, a);
+    size_t n = strlen(want);
+    if (strncmp(f, want, n) != 0) return;
+    if (f[n] == ':' && atoi(f + n + 1) != b) return;
+    if (f[n] != '\0' && f[n] != ':') return;
+    raise(SIGKILL);
+}
+
+/* ---- identity ---------------------------------------------------------------------------------- */
+
+/* CRC of a file's first MiB (the safetensors header lives there), 16 blocks spread over it and
+ * its last 64 KiB: a changed or replaced file is caught without reading all of it. */
+static moeq_status sampled_crc(const char *path, int64_t *size, uint32_t *crc) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return mq_err(MOEQ_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    moeq_status s = fstat(fd, &sb) == 0 ? MOEQ_OK : mq_err(MOEQ_E_IO, "%s: cannot stat", path);
+    enum { BLK = 1 << 16, HEAD = 1 << 20 };
+    uint8_t *buf = malloc(HEAD);
+    if (!s && !buf) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    uint32_t c = 0;
+    int64_t len = s ? 0 : (int64_t)sb.st_size;
+    for (int i = -1; i <= 17 && !s; i++) {
+        int64_t off = i < 0 ? 0 : i == 17 ? len - BLK : len / 17 * i;
+        int64_t n = i < 0 ? HEAD : BLK;
+        if (off < 0) off = 0;
+        if (off + n > len) n = len - off;
+        if (n <= 0) continue;
+        s = mq_pread_all(fd, buf, (size_t)n, off, path);
+        if (!s) c = mq_crc32(c, buf, (size_t)n);
+    }
+    free(buf);
+    close(fd);
+    *size = len;
+    *crc = c;
+    return s;
+}
+
+static int cmp_cstr(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static moeq_status add_file(cJSON *arr, const char *dir, const char *name, const char *path) {
+    int64_t size = 0;
+    uint32_t crc = 0;
+    moeq_status s = sampled_crc(path, &size, &crc);
+    if (s) return s;
+    cJSON *f = cJSON_CreateObject();
+    cJSON_AddStringToObject(f, "name", name);
+    cJSON_AddNumberToObject(f, "size", (double)size);
+    cJSON_AddNumberToObject(f, "crc", (double)crc);
+    cJSON_AddItemToArray(arr, f);
+    (void)dir;
+    return MOEQ_OK;
+}
+
+static moeq_status source_identity(const mq_pipe *p, cJSON *src) {
+    cJSON *files = cJSON_AddArrayToObject(src, "files");
+    size_t n = mq_st_count(p->st);
+    const char **paths = malloc((n ? n : 1) * sizeof *paths);
+    if (!paths) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++) paths[i] = mq_st_at(p->st, i)->file;
+    if (n > 1) qsort(paths, n, sizeof *paths, cmp_cstr);
+    moeq_status s = MOEQ_OK;
+    for (size_t i = 0; i < n && !s; i++) {
+        if (i > 0 && strcmp(paths[i], paths[i - 1]) == 0) continue;
+        const char *base = strrchr(paths[i], '/');
+        s = add_file(files, p->model_dir, base ? base + 1 : paths[i], paths[i]);
+    }
+    free(paths);
+    const char *side[] = {"config.json", "tokenizer.json"};
+    for (int i = 0; i < 2 && !s; i++) {
+        char *path = mq_path_join(p->model_dir, side[i]);
+        if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
+        if (mq_file_exists(path)) s = add_file(files, p->model_dir, side[i], path);
+        free(path);
+    }
+    return s;
+}
+
+/* Every option that changes the checkpoint's bytes (not threads, memory, chunk size or paths). */
+static cJSON *options_identity(const mq_pipe *p) {
+    const mq_pipeline_opts *o = p->o;
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "scheme", mq_qscheme_name(o->spec.scheme));
+    cJSON_AddStringToObject(j, "format", mq_ckpt_format_name(o->format));
+    cJSON_AddNumberToObject(j, "group_size", o->spec.group_size);
+    cJSON_AddBoolToObject(j, "asym", o->spec.asym);
+    cJSON_AddNumberToObject(j, "int4_zero_min", o->spec.int4_zero_min);
+    cJSON_AddNumberToObject(j, "int4_sym_div", o->spec.int4_sym_div);
+    cJSON_AddStringToObject(j, "scale_dtype", moeq_dtype_name(o->spec.scale_dtype));
+    cJSON_AddNumberToObject(j, "nvfp4_conv", o->spec.nvfp4_conv);
+    cJSON_AddNumberToObject(j, "nvfp4_scale_min", o->spec.nvfp4_scale_min);
+    cJSON_AddBoolToObject(j, "mse", o->spec.mse);
+    cJSON_AddNumberToObject(j, "mse_steps", o->spec.mse_steps);
+    cJSON_AddBoolToObject(j, "act_quant", o->act_quant);
+    cJSON_AddBoolToObject(j, "no_fuse", o->no_fuse);
+    cJSON *ign = cJSON_AddArrayToObject(j, "ignore");
+    for (int i = 0; i < o->n_ignore; i++) cJSON_AddItemToArray(ign, cJSON_CreateString(o->ignore[i]));
+    cJSON_AddNumberToObject(j, "max_shard_bytes", (double)o->max_shard_bytes);
+    cJSON_AddStringToObject(j, "method", o->gptq ? "gptq" : "rtn");
+    if (o->gptq) {
+        cJSON_AddNumberToObject(j, "percdamp", o->g.percdamp);
+        cJSON_AddNumberToObject(j, "block_size", o->g.block_size);
+        cJSON_AddBoolToObject(j, "act_order", o->g.act_order);
+        cJSON_AddNumberToObject(j, "groups", o->g.groups);
+        cJSON_AddNumberToObject(j, "mse_weight", o->g.mse_weight);
+        cJSON_AddBoolToObject(j, "sequential", o->sequential);
+        cJSON_AddBoolToObject(j, "true_sequential", o->true_sequential);
+        cJSON_AddNumberToObject(j, "min_expert_tokens", (double)o->min_expert_tokens);
+        cJSON_AddBoolToObject(j, "fallback_rtn", o->fallback_rtn);
+    }
+    /* bf16 activations round the calibration's values */
+    cJSON_AddBoolToObject(j, "bf16_activations", p->mp.storage == MQ_ACT_BF16);
+    return j;
+}
+
+static cJSON *calib_identity(const mq_pipe *p) {
+    cJSON *j = cJSON_CreateObject();
+    uint32_t c = 0;
+    for (int64_t s = 0; s < p->calib.n; s++) {
+        c = mq_crc32(c, &p->calib.len[s], sizeof p->calib.len[s]);
+        c = mq_crc32(c, p->calib.ids[s], sizeof(int32_t) * (size_t)p->calib.len[s]);
+    }
+    cJSON_AddNumberToObject(j, "samples", (double)p->calib.n);
+    cJSON_AddNumberToObject(j, "tokens", (double)p->calib.total);
+    cJSON_AddNumberToObject(j, "ids_crc", (double)c);
+    return j;
+}
+
+static cJSON *plan_identity(const mq_pipe *p) {
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "tensors", (double)p->plan.n_decls);
+    cJSON_AddNumberToObject(j, "bytes", (double)p->plan_bytes);
+    cJSON_AddNumberToObject(j, "layers", p->plan.n_layers);
+    return j;
+}
+
+/* The first field of `now` that `then` does not hold equally, as text; NULL when equal. */
+static char *first_difference(const cJSON *then, const cJSON *now, const char *where) {
+    const cJSON *a;
+    cJSON_ArrayForEach(a, now) {
+        const cJSON *b = cJSON_IsArray(then) ? NULL : cJSON_GetObjectItemCaseSensitive(then, a->string);
+        if (cJSON_IsArray(now)) break;
+        if (!b) return mq_asprintf("%s.%s: not recorded by the interrupted run", where, a->string);
+        if (!cJSON_Compare(a, b, 1)) {
+            char *x = cJSON_PrintUnformatted(b), *y = cJSON_PrintUnformatted(a);
+            char *r = mq_asprintf("%s.%s: %s then, %s now", where, a->string, x ? x : "?", y ? y : "?");
+            free(x);
+            free(y);
+            return r;
+        }
+    }
+    if (cJSON_IsArray(now) && !cJSON_Compare(then, now, 1)) return mq_asprintf("%s differ", where);
+    return NULL;
+}
+
+/* ---- the manifest ---------------------------------------------------------------------------------- */
+
+static char *work_path(const mq_pipe *p, const char *name) { return mq_path_join(p->work_dir, name); }
+
+static moeq_status manifest_write(mq_pipe *p) {
+    char *text = cJSON_Print(p->manifest);
+    char *path = work_path(p, "manifest.json");
+    moeq_status s = text && path ? mq_write_file_atomic(path, text, strlen(text))
+                                 : mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!s) s = mq_fsync_dir(p->work_dir);
+    free(text);
+    free(path);
+    return s;
+}
+
+static moeq_status lock_dir(mq_pipe *p) {
+    char *path = work_path(p, "lock");
+    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    p->lock_fd = open(path, O_RDWR | O_CREAT, 0644);
+    moeq_status s = MOEQ_OK;
+    if (p->lock_fd < 0)
+        s = mq_err(MOEQ_E_IO, "%s: cannot create: %s", path, strerror(errno));
+    else if (flock(p->lock_fd, LOCK_EX | LOCK_NB) != 0)
+        s = mq_err(MOEQ_E_EXISTS, "%s: another moeq run is using this work directory", p->work_dir);
+    free(path);
+    if (s && p->lock_fd >= 0) {
+        close(p->lock_fd);
+        p->lock_fd = -1;
+    }
+    return s;
+}
+
+void mq_work_release(mq_pipe *p, bool keep) {
+    if (p->lock_fd >= 0) {
+        close(p->lock_fd);
+        p->lock_fd = -1;
+    }
+    if (!keep && p->work_dir) mq_remove_tree(p->work_dir);
+}
+
+/* The tensors of a layer (-1: the global ones) and their CRCs. */
+static cJSON *layer_tensors(const mq_pipe *p, int l) {
+    cJSON *t = cJSON_CreateObject();
+    for (size_t i = 0; i < p->plan.n_decls; i++) {
+        if (p->decl_layer[i] != l) continue;
+        uint32_t crc;
+        if (!mq_ckpt_writer_crc(p->w, p->plan.decls[i].name, &crc)) {
+            cJSON_Delete(t);
+            return NULL;
+        }
+        cJSON_AddNumberToObject(t, p->plan.decls[i].name, (double)crc);
+    }
+    return t;
+}
+
+static moeq_status verify_tensors(mq_pipe *p, const cJSON *tensors, int l) {
+    const cJSON *e;
+    int n = 0;
+    cJSON_ArrayForEach(e, tensors) {
+        if (!cJSON_IsNumber(e)) return mq_err(MOEQ_E_FORMAT, "manifest: bad CRC of '%s'", e->string);
+        moeq_status s = mq_ckpt_writer_verify(p->w, e->string, (uint32_t)e->valuedouble);
+        if (s) return s;
+        n++;
+    }
+    int want = 0;
+    for (size_t i = 0; i < p->plan.n_decls; i++) want += p->decl_layer[i] == l;
+    if (n != want)
+        return mq_err(MOEQ_E_FORMAT, "manifest: %d tensors recorded for layer %d, the plan has %d", n, l, want);
+    return MOEQ_OK;
+}
+
+/* Takes over the finished layers of the interrupted run that check out. */
+static moeq_status resume_layers(mq_pipe *p) {
+    cJSON *layers = cJSON_GetObjectItemCaseSensitive(p->manifest, "layers");
+    cJSON *globals = cJSON_GetObjectItemCaseSensitive(p->manifest, "globals");
+    if (!cJSON_IsArray(layers)) return mq_err(MOEQ_E_FORMAT, "%s: manifest without layers", p->work_dir);
+    if (globals && verify_tensors(p, globals, -1)) {
+        mq_warn("%s; the global tensors are written again", moeq_last_error());
+        cJSON_DeleteItemFromObjectCaseSensitive(p->manifest, "globals");
+    }
+    int l = 0;
+    cJSON *rec;
+    cJSON_ArrayForEach(rec, layers) {
+        const cJSON *li = cJSON_GetObjectItemCaseSensitive(rec, "layer");
+        const cJSON *tensors = cJSON_GetObjectItemCaseSensitive(rec, "tensors");
+        if (!cJSON_IsNumber(li) || (int)li->valuedouble != l || !tensors) break;
+        if (verify_tensors(p, tensors, l)) {
+            mq_warn("%s; layer %d and the ones after it are redone", moeq_last_error(), l);
+            break;
+        }
+        const cJSON *rep = cJSON_GetObjectItemCaseSensitive(rec, "report");
+        mq_layer_report *lr = &p->layers[l];
+        const cJSON *sec = cJSON_GetObjectItemCaseSensitive(rep, "seconds");
+        lr->forward = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "forward"));
+        lr->hessian = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "hessians"));
+        lr->gptq = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "gptq"));
+        lr->write = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "write"));
+        lr->total = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "total"));
+        lr->peak_anon = (int64_t)cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(rep, "peak_anon_bytes"));
+        lr->chunks = (int)cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(rep, "expert_chunks"));
+        const cJSON *mods = cJSON_GetObjectItemCaseSensitive(rep, "modules");
+        cJSON_Delete(lr->modules);
+        lr->modules = mods ? cJSON_Duplicate(mods, 1) : cJSON_CreateArray();
+        l++;
+    }
+    /* the records past the last good layer go */
+    while (cJSON_GetArraySize(layers) > l) cJSON_DeleteItemFromArray(layers, l);
+    p->layers_done = l;
+    return MOEQ_OK;
+}
+
+moeq_status mq_work_prepare(mq_pipe *p) {
+    const mq_pipeline_opts *o = p->o;
+    p->work_dir = o->work_dir ? mq_strdup(o->work_dir) : mq_asprintf("%s.moeq-work", p->out_dir);
+    p->build_dir = p->work_dir ? mq_path_join(p->work_dir, "out") : NULL;
+    if (!p->work_dir || !p->build_dir) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    /* the finished checkpoint is renamed from the work directory to OUT_DIR: one file system */
+    char *parent = mq_strdup(p->out_dir);
+    char *slash = parent ? strrchr(parent, '/') : NULL;
+    if (slash) *(slash == parent ? slash + 1 : slash) = '\0';
+    struct stat a, b;
+    bool exists = mq_dir_exists(p->work_dir);
+    if (parent && exists && stat(slash ? parent : ".", &a) == 0 && stat(p->work_dir, &b) == 0 &&
+        a.st_dev != b.st_dev) {
+        free(parent);
+        return mq_err(MOEQ_E_ARG, "--work-dir %s: must be on the file system of %s (the finished "
+                      "checkpoint is renamed into place)", p->work_dir, p->out_dir);
+    }
+    free(parent);
+    cJSON *src = cJSON_CreateObject();
+    moeq_status s = source_identity(p, src);
+    cJSON *identity = cJSON_CreateObject();
+    cJSON_AddItemToObject(identity, "source", src);
+    cJSON_AddItemToObject(identity, "options", options_identity(p));
+    cJSON_AddItemToObject(identity, "calibration", calib_identity(p));
+    cJSON_AddItemToObject(identity, "plan", plan_identity(p));
+    if (s) {
+        cJSON_Delete(identity);
+        return s;
+    }
+    char *mpath = work_path(p, "manifest.json");
+    bool have_manifest = mpath && mq_file_exists(mpath);
+    if (exists && !o->resume) {
+        cJSON_Delete(identity);
+        free(mpath);
+        if (!have_manifest && !mq_file_exists(p->build_dir))
+            return mq_err(MOEQ_E_EXISTS, "%s: exists and is not a moeq work directory (choose "
+                          "another --work-dir)", p->work_dir);
+        return mq_err(MOEQ_E_EXISTS, "%s: holds an interrupted run for %s: add --resume to "
+                      "continue it, or delete the directory to start over", p->work_dir, p->out_dir);
+    }
+    if (exists && have_manifest) {
+        if ((s = lock_dir(p))) goto done;
+        char *text = NULL;
+        size_t len;
+        s = mq_read_file(mpath, &text, &len);
+        if (!s) {
+            p->manifest = cJSON_ParseWithLength(text, len);
+            if (!p->manifest) s = mq_err(MOEQ_E_FORMAT, "%s: not JSON; delete %s to start over", mpath, p->work_dir);
+        }
+        free(text);
+        if (s) goto done;
+        const cJSON *ver = cJSON_GetObjectItemCaseSensitive(p->manifest, "version");
+        const cJSON *then = cJSON_GetObjectItemCaseSensitive(p->manifest, "identity");
+        if (!cJSON_IsNumber(ver) || (int)ver->valuedouble != MANIFEST_VERSION || !then) {
+            s = mq_err(MOEQ_E_FORMAT, "%s: written by another version of moeq; delete %s to start over",
+                       mpath, p->work_dir);
+            goto done;
+        }
+        static const char *const parts[] = {"source", "options", "calibration", "plan"};
+        for (int i = 0; i < 4 && !s; i++) {
+            char *d = first_difference(cJSON_GetObjectItemCaseSensitive(then, parts[i]),
+                                       cJSON_GetObjectItemCaseSensitive(identity, parts[i]), parts[i]);
+            if (d) {
+                s = mq_err(MOEQ_E_ARG, "--resume: the %s differs from the interrupted run's (%s); "
+                           "resume with the same source and options, or delete %s to start over",
+                           parts[i], d, p->work_dir);
+                free(d);
+            }
+        }
+        if (!s) s = mq_ckpt_writer_open(p->build_dir, p->plan.decls, p->plan.n_decls, &p->ckpt_opts,
+                                        true, &p->w);
+        if (s) {
+            mq_err_prefix(s, "--resume: %s", p->work_dir);
+            goto done;
+        }
+        s = resume_layers(p);
+        if (!s && p->layers_done > 0)
+            mq_info("resuming %s: %d of %d layers were finished", p->out_dir, p->layers_done,
+                    p->plan.n_layers);
+        goto done;
+    }
+    if (o->resume && !exists) mq_info("%s: no interrupted run to resume; starting a new one", p->work_dir);
+    if (exists) mq_remove_tree(p->work_dir);   /* a directory without a manifest: never got going */
+    if (mkdir(p->work_dir, 0755) != 0 || mkdir(p->build_dir, 0755) != 0) {
+        s = mq_err(MOEQ_E_IO, "%s: cannot create the work directory: %s", p->work_dir, strerror(errno));
+        goto done;
+    }
+    p->work_fresh = true;
+    if ((s = lock_dir(p))) goto done;
+    p->manifest = cJSON_CreateObject();
+    cJSON_AddNumberToObject(p->manifest, "version", MANIFEST_VERSION);
+    cJSON_AddStringToObject(p->manifest, "tool", "moeq " MOEQ_VERSION_STRING);
+    cJSON_AddStringToObject(p->manifest, "out_dir", p->out_dir);
+    cJSON_AddItemToObject(p->manifest, "identity", identity);
+    identity = NULL;
+    cJSON_AddArrayToObject(p->manifest, "layers");
+    s = mq_ckpt_writer_open(p->build_dir, p->plan.decls, p->plan.n_decls, &p->ckpt_opts, false, &p->w);
+    if (!s) s = manifest_write(p);
+done:
+    cJSON_Delete(identity);
+    free(mpath);
+    return s;
+}
+
+bool mq_work_globals_done(const mq_pipe *p) {
+    return cJSON_GetObjectItemCaseSensitive(p->manifest, "globals") != NULL;
+}
+
+moeq_status mq_work_globals_written(mq_pipe *p) {
+    moeq_status s = mq_ckpt_writer_sync(p->w);
+    cJSON *t = s ? NULL : layer_tensors(p, -1);
+    if (!s && !t) s = mq_err(MOEQ_E_ARG, "%s: a global tensor was not written", p->work_dir);
+    if (s) return s;
+    cJSON_AddItemToObject(p->manifest, "globals", t);
+    return manifest_write(p);
+}
+
+/* ---- activation snapshots ------------------------------------------------------------------------- */
+
+static char *acts_name(int layer) { return mq_asprintf("acts-%d.bin", layer % 2); }
+
+/* The boundary at the input of `layer`: header, every sample's rows, CRC of the rows. */
+static moeq_status write_boundary(mq_pipe *p, int layer, uint32_t *crc_out) {
+    char *name = acts_name(layer), *path = name ? work_path(p, name) : NULL;
+    free(name);
+    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    const int64_t D = p->c->D;
+    float *tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "activation snapshot");
+    mq_atomic_file af;
+    moeq_status s = tmp ? mq_atomic_open(&af, path) : MOEQ_E_NOMEM;
+    if (s) {
+        mq_free(tmp);
+        free(path);
+        return s;
+    }
+    int64_t hdr[4] = {MANIFEST_VERSION, layer, p->calib.n, D};
+    s = mq_atomic_write(&af, k_act_magic, 8);
+    if (!s) s = mq_atomic_write(&af, hdr, sizeof hdr);
+    uint32_t crc = 0;
+    for (int64_t i = 0; i < p->calib.n && !s; i++) {
+        size_t n = (size_t)(p->calib.len[i] * D);
+        const float *v = mq_actbuf_view(&p->X, (size_t)(i * p->LD), n, tmp);
+        crc = mq_crc32(crc, v, n * sizeof(float));
+        s = mq_atomic_write(&af, v, n * sizeof(float));
+    }
+    if (!s) s = mq_atomic_write(&af, &crc, sizeof crc);
+    if (!s) s = mq_atomic_commit(&af);
+    else mq_atomic_abort(&af);
+    mq_free(tmp);
+    free(path);
+    *crc_out = crc;
+    return s;
+}
+
+moeq_status mq_work_load_boundary(mq_pipe *p, int layer, bool *ok) {
+    *ok = false;
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(p->manifest, "boundary");
+    const cJSON *bl = cJSON_GetObjectItemCaseSensitive(b, "layer");
+    const cJSON *bc = cJSON_GetObjectItemCaseSensitive(b, "crc");
+    if (!cJSON_IsNumber(bl) || (int)bl->valuedouble != layer || !cJSON_IsNumber(bc)) return MOEQ_OK;
+    char *name = acts_name(layer), *path = name ? work_path(p, name) : NULL;
+    free(name);
+    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    const int64_t D = p->c->D;
+    int fd = open(path, O_RDONLY);
+    float *tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "activation snapshot");
+    moeq_status s = tmp ? MOEQ_OK : MOEQ_E_NOMEM;
+    bool good = fd >= 0 && tmp;
+    char magic[8];
+    int64_t hdr[4];
+    int64_t off = 0;
+    if (good && !mq_pread_all(fd, magic, 8, 0, path) && !mq_pread_all(fd, hdr, sizeof hdr, 8, path))
+        good = memcmp(magic, k_act_magic, 8) == 0 && hdr[0] == MANIFEST_VERSION && hdr[1] == layer &&
+               hdr[2] == p->calib.n && hdr[3] == D;
+    else
+        good = false;
+    off = 8 + (int64_t)sizeof hdr;
+    uint32_t crc = 0;
+    for (int64_t i = 0; i < p->calib.n && good; i++) {
+        size_t n = (size_t)(p->calib.len[i] * D);
+        if (mq_pread_all(fd, tmp, n * sizeof(float), off, path)) {
+            good = false;
+            break;
+        }
+        off += (int64_t)(n * sizeof(float));
+        crc = mq_crc32(crc, tmp, n * sizeof(float));
+        mq_actbuf_put(&p->X, (size_t)(i * p->LD), n, tmp);
+    }
+    uint32_t stored;
+    if (good) good = !mq_pread_all(fd, &stored, sizeof stored, off, path) && stored == crc &&
+                     crc == (uint32_t)bc->valuedouble;
+    if (!good)
+        mq_warn("%s: the activations at layer %d are missing or corrupt; they are recomputed", path, layer);
+    if (fd >= 0) close(fd);
+    mq_free(tmp);
+    free(path);
+    *ok = good;
+    return s;
+}
+
+moeq_status mq_work_layer_done(mq_pipe *p, int l) {
+    moeq_status s = mq_ckpt_writer_sync(p->w);
+    if (s) return s;
+    cJSON *rec = cJSON_CreateObject();
+    cJSON_AddNumberToObject(rec, "layer", l);
+    cJSON *t = layer_tensors(p, l);
+    if (!t) {
+        cJSON_Delete(rec);
+        return mq_err(MOEQ_E_ARG, "%s: layer %d left a tensor unwritten", p->work_dir, l);
+    }
+    cJSON_AddItemToObject(rec, "tensors", t);
+    const mq_layer_report *lr = &p->layers[l];
+    cJSON *rep = cJSON_AddObjectToObject(rec, "report");
+    cJSON *sec = cJSON_AddObjectToObject(rep, "seconds");
+    cJSON_AddNumberToObject(sec, "forward", lr->forward);
+    cJSON_AddNumberToObject(sec, "hessians", lr->hessian);
+    cJSON_AddNumberToObject(sec, "gptq", lr->gptq);
+    cJSON_AddNumberToObject(sec, "write", lr->write);
+    cJSON_AddNumberToObject(sec, "total", lr->total);
+    cJSON_AddNumberToObject(rep, "peak_anon_bytes", (double)lr->peak_anon);
+    cJSON_AddNumberToObject(rep, "expert_chunks", lr->chunks);
+    cJSON_AddItemToObject(rep, "modules", cJSON_Duplicate(lr->modules, 1));
+    cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(p->manifest, "layers"), rec);
+    bool snapshot = p->calibrate && l + 1 < p->plan.n_layers;
+    uint32_t crc = 0;
+    if (snapshot) s = write_boundary(p, l + 1, &crc);
+    if (s) return s;
+    if (snapshot) {
+        cJSON *b = cJSON_CreateObject();
+        cJSON_AddNumberToObject(b, "layer", l + 1);
+        cJSON_AddNumberToObject(b, "crc", (double)crc);
+        if (!cJSON_ReplaceItemInObjectCaseSensitive(p->manifest, "boundary", b))
+            cJSON_AddItemToObject(p->manifest, "boundary", b);
+    }
+    s = manifest_write(p);
+    if (!s && snapshot) {   /* the snapshot before it is no longer named */
+        char *name = acts_name(l), *path = name ? work_path(p, name) : NULL;
+        if (path && l > 0) unlink(path);
+        free(name);
+        free(path);
+    }
+    p->layers_done = l + 1;
+    if (!s) mq_fault_point("layer", l, 0);
+    return s;
+}

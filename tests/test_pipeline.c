@@ -1,0 +1,484 @@
+/*
+ * The streaming pipeline (src/pipeline) against the whole-model reference loop
+ * (tests/reference/gptq_model_ref.c: the model loaded in full, hooks, one block at a time):
+ * every quantized Linear of the pipeline's checkpoint, read back from its files, has the
+ * reference's codes, scales, global scale and g_idx, and the report its tokens and method, for
+ * each family and GPTQ mode; the checkpoint's bytes do not depend on the expert chunk, the thread
+ * count or where the activations live; the memory plan refuses a budget too small and a dry run
+ * writes nothing; an interrupted run resumes to the same bytes, also after a torn work file, and a
+ * resume with other options is refused.
+ */
+#include <cjson/cJSON.h>
+#include <dirent.h>
+#include <math.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "export/layout.h"
+#include "harness.h"
+#include "pipeline/pipeline.h"
+#include "reference/gptq_model_ref.h"
+
+/* ---- models and options -------------------------------------------------------------------------- */
+
+static void copy_file(const char *from, const char *to) {
+    char *data;
+    size_t len;
+    ASSERT_OK(mq_read_file(from, &data, &len));
+    ASSERT_OK(mq_write_file_atomic(to, data, len));
+    free(data);
+}
+
+/* A tests/data model with the bundled olmoe-tiny tokenizer beside it (GPTQ tokenizes its
+ * calibration text; these models share its 4096 ids). Returns a static path. */
+static const char *with_tokenizer(const char *name) {
+    static char dir[1200];
+    snprintf(dir, sizeof dir, "%s/%s", mq_test_tmpdir(), name);
+    ASSERT_TRUE(mkdir(dir, 0755) == 0);
+    const char *files[] = {"config.json", "model.safetensors"};
+    char a[1400], b[1400];
+    for (int i = 0; i < 2; i++) {
+        snprintf(a, sizeof a, "%s/%s", mq_test_repo("tests/data"), name);
+        snprintf(a + strlen(a), sizeof a - strlen(a), "/%s", files[i]);
+        snprintf(b, sizeof b, "%s/%s", dir, files[i]);
+        copy_file(a, b);
+    }
+    const char *tok[] = {"tokenizer.json", "tokenizer_config.json"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(a, sizeof a, "%s/%s", mq_test_repo("models/olmoe-tiny"), tok[i]);
+        snprintf(b, sizeof b, "%s/%s", dir, tok[i]);
+        copy_file(a, b);
+    }
+    return dir;
+}
+
+typedef struct {
+    mq_qscheme scheme;
+    int group;                 /* INT4 */
+    int act_order;             /* -1: the scheme's default */
+    bool gidx;
+    ref_gptq_mode mode;
+    bool true_seq;
+    ref_expert_fallback fallback;
+    int64_t min_tokens;        /* -1: default 32 */
+    int64_t nsamples, seqlen;
+} cfg;
+
+/* The same settings for the pipeline and for the reference. */
+static void configure(const cfg *c, mq_pipeline_opts *po, ref_gptq_opts *ro) {
+    mq_pipeline_opts_init(po, c->scheme, MQ_FMT_CT);
+    if (c->scheme == MQ_QS_INT4 && c->group) po->spec.group_size = c->group;
+    po->spec.mse = true;
+    po->gptq = true;
+    ref_gptq_opts_init(ro, &po->spec);   /* the reference's defaults (moeq quantize's) */
+    if (c->act_order >= 0) ro->gptq.act_order = c->act_order != 0;
+    if (c->gidx) ro->gptq.groups = MQ_GPTQ_GROUPS_GIDX;
+    ro->mode = c->mode;
+    ro->true_sequential = c->true_seq;
+    ro->fallback = c->fallback;
+    if (c->min_tokens >= 0) ro->min_expert_tokens = c->min_tokens;
+    po->g = ro->gptq;
+    po->spec = ro->spec;
+    po->sequential = c->mode == REF_SEQUENTIAL;
+    po->true_sequential = c->true_seq;
+    po->fallback_rtn = c->fallback == REF_FALLBACK_RTN;
+    po->min_expert_tokens = ro->min_expert_tokens;
+    po->calib.path = mq_test_calib_text();
+    po->calib.nsamples = c->nsamples;
+    po->calib.seqlen = c->seqlen;
+}
+
+/* ---- reading a checkpoint back ------------------------------------------------------------------- */
+
+static const mq_tensor_view *st_lookup(void *user, const char *name) { return mq_st_find(user, name); }
+
+static cJSON *read_json(const char *path) {
+    char *text;
+    size_t len;
+    ASSERT_OK(mq_read_file(path, &text, &len));
+    cJSON *j = cJSON_ParseWithLength(text, len);
+    free(text);
+    ASSERT_TRUE(j != NULL);
+    return j;
+}
+
+static const cJSON *report_module(const cJSON *rep, const char *module) {
+    const cJSON *m;
+    cJSON_ArrayForEach(m, cJSON_GetObjectItemCaseSensitive(rep, "modules")) {
+        const cJSON *n = cJSON_GetObjectItemCaseSensitive(m, "module");
+        if (cJSON_IsString(n) && strcmp(n->valuestring, module) == 0) return m;
+    }
+    return NULL;
+}
+
+/* Every module of the reference run equals what the pipeline wrote. */
+static void check_against(const char *out, const char *report, const ref_gptq_results *rr) {
+    mq_st *st;
+    ASSERT_OK(mq_st_open_dir(out, &st));
+    cJSON *rep = read_json(report);
+    int64_t n_rep = cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(rep, "modules"));
+    ASSERT_EQ_INT(rr->n, n_rep);
+    for (int64_t i = 0; i < rr->n; i++) {
+        const ref_gptq_result *x = &rr->r[i];
+        mq_qtensor q;
+        ASSERT_OK(mq_layout_read(x->module, x->q.rows, x->q.cols, st_lookup, st, &q));
+        int64_t n = q.rows * q.cols, ng = q.rows * q.n_groups;
+        if (memcmp(q.codes, x->q.codes, (size_t)n) != 0) {
+            int64_t d = 0;
+            for (int64_t k = 0; k < n; k++) d += q.codes[k] != x->q.codes[k];
+            FAIL("%s: %lld of %lld codes differ from the reference", x->module, (long long)d, (long long)n);
+        }
+        for (int64_t g = 0; g < ng; g++)
+            if (q.params[g].scale != x->q.params[g].scale || q.params[g].zero != x->q.params[g].zero ||
+                q.params[g].scale_code != x->q.params[g].scale_code)
+                FAIL("%s: group %lld: scale %g/%g zero %g/%g", x->module, (long long)g,
+                     (double)q.params[g].scale, (double)x->q.params[g].scale, (double)q.params[g].zero,
+                     (double)x->q.params[g].zero);
+        ASSERT_TRUE(q.global_scale == x->q.global_scale);
+        if (x->q.g_idx) {
+            ASSERT_TRUE(q.g_idx && memcmp(q.g_idx, x->q.g_idx, sizeof(int32_t) * (size_t)q.cols) == 0);
+        } else if (q.g_idx) {   /* the pipeline gives round-to-nearest fallbacks the identity */
+            for (int64_t k = 0; k < q.cols; k++) ASSERT_EQ_INT(k / q.group_size, q.g_idx[k]);
+        }
+        const cJSON *m = report_module(rep, x->module);
+        ASSERT_TRUE(m != NULL);
+        ASSERT_EQ_INT(x->tokens, (int64_t)cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(m, "tokens")));
+        ASSERT_EQ_STR(ref_how_name(x->how), cJSON_GetObjectItemCaseSensitive(m, "method")->valuestring);
+        mq_qtensor_free(&q);
+    }
+    cJSON_Delete(rep);
+    mq_st_close(st);
+}
+
+static void match_reference(const char *model, const cfg *c, int chunk) {
+    mq_pipeline_opts po;
+    ref_gptq_opts ro;
+    configure(c, &po, &ro);
+    po.expert_chunk = chunk;
+    char out[1100], report[1200];
+    snprintf(out, sizeof out, "%s/q", mq_test_tmpdir());
+    snprintf(report, sizeof report, "%s.report.json", out);
+    po.report_path = report;
+    mq_pipeline_result pr;
+    ASSERT_OK(mq_pipeline_run(model, out, &po, &pr));
+    ASSERT_TRUE(pr.peak_anon > 0);
+    /* the reference on the model loaded in full */
+    moeq_model *m;
+    ASSERT_OK(moeq_model_open(model, NULL, &m));
+    mq_calib_set cs;
+    ASSERT_OK(mq_calib_load(moeq_model_tokenizer(m), &po.calib, &cs));
+    ref_gptq_results rr;
+    ASSERT_OK(ref_gptq_model(m, &cs, &ro, &rr));
+    ASSERT_EQ_INT(cs.total, pr.tokens);
+    check_against(out, report, &rr);
+    int fallbacks = 0;
+    for (int64_t i = 0; i < rr.n; i++) fallbacks += rr.r[i].how != REF_HOW_GPTQ;
+    ASSERT_EQ_INT(fallbacks, pr.fallbacks);
+    ref_gptq_results_free(&rr);
+    mq_calib_free(&cs);
+    moeq_model_free(m);
+}
+
+static void test_olmoe_nvfp4_sequential_block_fallback(void) {
+    cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 8, 64};
+    match_reference(mq_test_model("olmoe-tiny"), &c, 3);
+}
+
+static void test_olmoe_int4_gidx_nonsequential_rtn_fallback(void) {
+    cfg c = {MQ_QS_INT4, 64, 1, true, REF_NONSEQUENTIAL, false, REF_FALLBACK_RTN, -1, 8, 64};
+    match_reference(mq_test_model("olmoe-tiny"), &c, 0);
+}
+
+static void test_olmoe_true_sequential(void) {
+    cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, true, REF_FALLBACK_BLOCK, 0, 6, 64};
+    match_reference(mq_test_model("olmoe-tiny"), &c, 5);
+}
+
+/* shared expert with its sigmoid gate, q/k/v bias, dense and MoE layers mixed */
+static void test_qwen2moe_dense_layers_shared_expert(void) {
+    cfg c = {MQ_QS_INT4, 16, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 6, 64};
+    match_reference(with_tokenizer("qwen2moe-dense-tiny"), &c, 3);
+}
+
+/* Mixtral's w1/w2/w3 fused on disk (transformers 5), written per expert under block_sparse_moe */
+static void test_mixtral_fused_nonsequential(void) {
+    cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_NONSEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 6, 64};
+    match_reference(with_tokenizer("mixtral-tiny-fused"), &c, 1);
+}
+
+/* per-head q/k norms, renormalised top-k */
+static void test_qwen3moe_sequential(void) {
+    cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 6, 64};
+    match_reference(with_tokenizer("qwen3moe-tiny"), &c, 2);
+}
+
+/* ---- invariance ----------------------------------------------------------------------------------- */
+
+static bool same_file(const char *a, const char *b) {
+    char *x, *y;
+    size_t nx, ny;
+    if (mq_read_file(a, &x, &nx) != MOEQ_OK) return false;
+    if (mq_read_file(b, &y, &ny) != MOEQ_OK) {
+        free(x);
+        return false;
+    }
+    bool same = nx == ny && memcmp(x, y, nx) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+/* Every file of checkpoint a is in b with the same bytes (and b has no other). */
+static void same_checkpoint(const char *a, const char *b) {
+    int na = 0, nb = 0;
+    DIR *d = opendir(a);
+    ASSERT_TRUE(d != NULL);
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        char pa[2400], pb[2400];
+        snprintf(pa, sizeof pa, "%s/%s", a, e->d_name);
+        snprintf(pb, sizeof pb, "%s/%s", b, e->d_name);
+        if (!same_file(pa, pb)) {
+            closedir(d);
+            FAIL("%s differs from %s", pb, pa);
+        }
+        na++;
+    }
+    closedir(d);
+    d = opendir(b);
+    while ((e = readdir(d)))
+        if (e->d_name[0] != '.') nb++;
+    closedir(d);
+    ASSERT_EQ_INT(na, nb);
+}
+
+static void default_gptq(mq_pipeline_opts *o) {
+    cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 8, 64};
+    ref_gptq_opts ro;
+    configure(&c, o, &ro);
+}
+
+static void test_chunks_threads_storage_byte_identical(void) {
+    const char *model = mq_test_model("olmoe-tiny");
+    char base[1100];
+    snprintf(base, sizeof base, "%s/base", mq_test_tmpdir());
+    mq_pipeline_opts o;
+    default_gptq(&o);
+    o.max_shard_bytes = 3 << 20;   /* several shards */
+    moeq_set_threads(2);
+    ASSERT_OK(mq_pipeline_run(model, base, &o, NULL));
+    const struct { int chunk, threads; mq_act_storage act; } runs[] = {
+        {1, 1, MQ_ACT_AUTO}, {3, 2, MQ_ACT_AUTO}, {8, 1, MQ_ACT_RAM}, {3, 3, MQ_ACT_DISK}};
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
+        char out[1100];
+        snprintf(out, sizeof out, "%s/run%zu", mq_test_tmpdir(), i);
+        o.expert_chunk = runs[i].chunk;
+        o.act_storage = runs[i].act;
+        moeq_set_threads(runs[i].threads);
+        mq_pipeline_result r;
+        ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+        ASSERT_EQ_INT(runs[i].chunk, r.plan.chunk);
+        ASSERT_EQ_INT(runs[i].act == MQ_ACT_DISK ? MQ_ACT_DISK : MQ_ACT_RAM, r.plan.storage);
+        same_checkpoint(base, out);
+    }
+    moeq_set_threads(0);
+    /* bf16 activations are a different (lossy) calibration: the checkpoint changes */
+    char out[1100], f1[1200], f2[1200];
+    snprintf(out, sizeof out, "%s/bf16", mq_test_tmpdir());
+    o.act_storage = MQ_ACT_BF16;
+    o.max_shard_bytes = 0;
+    ASSERT_OK(mq_pipeline_run(model, out, &o, NULL));
+    snprintf(f1, sizeof f1, "%s/model.safetensors", out);
+    o.act_storage = MQ_ACT_RAM;
+    snprintf(out, sizeof out, "%s/fp32", mq_test_tmpdir());
+    ASSERT_OK(mq_pipeline_run(model, out, &o, NULL));
+    snprintf(f2, sizeof f2, "%s/model.safetensors", out);
+    ASSERT_FALSE(same_file(f1, f2));
+}
+
+/* ---- the memory plan ------------------------------------------------------------------------------- */
+
+static int count_entries(const char *dir) {
+    int n = 0;
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+    closedir(d);
+    return n;
+}
+
+static void test_memory_plan(void) {
+    const char *model = mq_test_model("olmoe-tiny");
+    const char *parent = mq_test_tmpdir();
+    char out[1100];
+    snprintf(out, sizeof out, "%s/q", parent);
+    mq_pipeline_opts o;
+    default_gptq(&o);
+    /* a dry run: the plan, nothing written */
+    o.dry_run = true;
+    mq_pipeline_result r;
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    ASSERT_EQ_INT(0, count_entries(parent));
+    const mq_mem_plan *p = &r.plan;
+    const int64_t S = 8, L = 64, D = 256;
+    ASSERT_EQ_INT(8, p->samples);
+    /* sequential GPTQ keeps the boundary, the FFN input and the FFN output (fp32) and the ids */
+    ASSERT_EQ_INT(3 * S * L * D * 4 + p->tokens * 4, p->activations);
+    ASSERT_EQ_INT(8, p->chunk);   /* the default budget holds every expert */
+    ASSERT_EQ_INT(4, p->layers);
+    ASSERT_TRUE(p->peak > p->activations + p->attention);
+    ASSERT_TRUE(p->flops_forward > 0 && p->flops_hessian > 0 && p->flops_gptq > 0);
+    ASSERT_TRUE(p->seconds > 0);
+    /* a budget below the plan with one expert at a time and spilled activations is refused
+     * before any work, naming what is needed */
+    o.dry_run = false;
+    o.max_memory = 4 << 20;
+    ASSERT_STATUS(MOEQ_E_NOMEM, mq_pipeline_run(model, out, &o, NULL));
+    ASSERT_ERROR_MENTIONS("--max-memory");
+    ASSERT_ERROR_MENTIONS("--activations disk");
+    ASSERT_EQ_INT(0, count_entries(parent));
+    /* a budget that only fits smaller chunks: the planner takes them */
+    int64_t full = p->peak;
+    o.max_memory = full - p->expert_chunk / 2;
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    ASSERT_TRUE(r.plan.chunk < 8 && r.plan.chunk >= 1);
+    ASSERT_TRUE(r.plan.peak <= o.max_memory);
+    ASSERT_EQ_INT(1, count_entries(parent));   /* OUT_DIR only: the work directory is gone */
+}
+
+/* ---- interruption and resume ---------------------------------------------------------------------- */
+
+static int g_stop_after;   /* interrupt once this many layers are logged as done (0: never) */
+static int g_layers_logged;
+
+static void stop_log(void *user, int level, const char *msg) {
+    (void)user;
+    (void)level;
+    if (strncmp(msg, "layer ", 6) == 0 && ++g_layers_logged == g_stop_after) moeq_interrupt();
+}
+
+static moeq_status run_until(const char *model, const char *out, const mq_pipeline_opts *o, int stop) {
+    g_stop_after = stop;
+    g_layers_logged = 0;
+    moeq_set_log(stop_log, NULL);
+    moeq_status s = mq_pipeline_run(model, out, o, NULL);
+    moeq_set_log(NULL, NULL);
+    moeq_clear_interrupt();
+    return s;
+}
+
+/* Flips one byte in the middle of the data of tensor `name` of the partial shard in dir. */
+static void corrupt_tensor(const char *dir, const char *name) {
+    DIR *d = opendir(dir);
+    ASSERT_TRUE(d != NULL);
+    struct dirent *e;
+    bool done = false;
+    while (!done && (e = readdir(d))) {
+        if (!strstr(e->d_name, ".partial")) continue;
+        char path[2400];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        mq_map map;
+        ASSERT_OK(mq_map_file(path, &map));
+        mq_st *st;
+        ASSERT_OK(mq_st_open_buffer(map.data, map.size, path, &st));
+        const mq_tensor_view *t = mq_st_find(st, name);
+        size_t off = t ? (size_t)(t->data - (const uint8_t *)map.data) + t->nbytes / 2 : 0;
+        mq_st_close(st);
+        mq_unmap(&map);
+        if (!t) continue;
+        FILE *f = fopen(path, "r+b");
+        ASSERT_TRUE(f != NULL);
+        ASSERT_TRUE(fseek(f, (long)off, SEEK_SET) == 0);
+        int c = fgetc(f);
+        ASSERT_TRUE(fseek(f, (long)off, SEEK_SET) == 0);
+        fputc(c ^ 0x5a, f);
+        fclose(f);
+        done = true;
+    }
+    closedir(d);
+    ASSERT_TRUE(done);
+}
+
+static void test_resume(void) {
+    const char *model = mq_test_model("olmoe-tiny");
+    const char *dir = mq_test_tmpdir();
+    char base[1100], out[1100], work[1200], path[1300];
+    snprintf(base, sizeof base, "%s/base", dir);
+    snprintf(out, sizeof out, "%s/q", dir);
+    snprintf(work, sizeof work, "%s.moeq-work", out);
+    mq_pipeline_opts o;
+    default_gptq(&o);
+    o.expert_chunk = 3;
+    ASSERT_OK(mq_pipeline_run(model, base, &o, NULL));
+
+    /* interrupted after two of four layers: no OUT_DIR, the work directory stays */
+    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 2));
+    ASSERT_FALSE(mq_dir_exists(out));
+    ASSERT_TRUE(mq_dir_exists(work));
+    /* without --resume it is refused; with other options too, saying which */
+    ASSERT_STATUS(MOEQ_E_EXISTS, mq_pipeline_run(model, out, &o, NULL));
+    ASSERT_ERROR_MENTIONS("--resume");
+    o.resume = true;
+    o.g.percdamp = 0.05;
+    ASSERT_STATUS(MOEQ_E_ARG, mq_pipeline_run(model, out, &o, NULL));
+    ASSERT_ERROR_MENTIONS("percdamp");
+    o.g.percdamp = 0.01;
+    /* another chunk size, thread count and budget are fine: the result does not depend on them */
+    o.expert_chunk = 5;
+    moeq_set_threads(1);
+    mq_pipeline_result r;
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    moeq_set_threads(0);
+    ASSERT_EQ_INT(2, r.layers_resumed);
+    ASSERT_FALSE(mq_dir_exists(work));
+    same_checkpoint(base, out);
+    mq_remove_tree(out);
+
+    /* a finished layer whose tensor no longer matches its CRC is redone (and the ones after it);
+     * the activation snapshot at layer 3 cannot serve then: the activations are recomputed from
+     * the checkpoint's layers 0 and 1 */
+    o.resume = false;
+    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 3));
+    snprintf(path, sizeof path, "%s/out", work);
+    corrupt_tensor(path, "model.layers.2.mlp.experts.4.up_proj.weight_packed");
+    o.resume = true;
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    ASSERT_EQ_INT(2, r.layers_resumed);
+    same_checkpoint(base, out);
+    mq_remove_tree(out);
+
+    /* a torn activation snapshot: recomputed through the finished layers */
+    o.resume = false;
+    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 1));
+    snprintf(path, sizeof path, "%s/acts-1.bin", work);
+    ASSERT_TRUE(truncate(path, 1000) == 0);
+    o.resume = true;
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    ASSERT_EQ_INT(1, r.layers_resumed);
+    same_checkpoint(base, out);
+
+    /* RTN resumes the same way */
+    mq_pipeline_opts ro;
+    mq_pipeline_opts_init(&ro, MQ_QS_INT4, MQ_FMT_GPTQ);
+    snprintf(base, sizeof base, "%s/rtn-base", dir);
+    snprintf(out, sizeof out, "%s/rtn", dir);
+    ASSERT_OK(mq_pipeline_run(model, base, &ro, NULL));
+    g_stop_after = 0;
+    moeq_interrupt();   /* before the first layer: nothing worth keeping */
+    ASSERT_STATUS(MOEQ_E_INTERRUPTED, mq_pipeline_run(model, out, &ro, NULL));
+    moeq_clear_interrupt();
+    snprintf(work, sizeof work, "%s.moeq-work", out);
+    ASSERT_FALSE(mq_dir_exists(work));
+    ASSERT_OK(mq_pipeline_run(model, out, &ro, NULL));
+    same_checkpoint(base, out);
+}
+
+TEST_MAIN(T(test_olmoe_nvfp4_sequential_block_fallback),
+          T(test_olmoe_int4_gidx_nonsequential_rtn_fallback), T(test_olmoe_true_sequential),
+          T(test_qwen2moe_dense_layers_shared_expert), T(test_mixtral_fused_nonsequential),
+          T(test_qwen3moe_sequential), T(test_chunks_threads_storage_byte_identical),
+          T(test_memory_plan), T(test_resume))
