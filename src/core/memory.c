@@ -92,6 +92,11 @@ static size_t big_unregister(void *p) {
 static void *big_alloc(size_t n) {
     void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+    /* 2 MiB pages where the kernel has them: a 16 MiB Hessian is 8 page faults instead of
+     * 4096, and the GEMMs over weights miss the TLB far less */
+    if (n >= (size_t)4 << 20) madvise(p, n, MADV_HUGEPAGE);
+#endif
     if (!big_register(p, n)) {
         munmap(p, n);
         return NULL;

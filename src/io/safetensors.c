@@ -1608,6 +1608,12 @@ moeq_status mq_shard_files_open(mq_shard_plan *p, const char *dir, mq_shard_file
     char *head = NULL;
     for (size_t k = 0; k < p->n_shards && !s; k++) {
         f->fd[k] = open(f->tmp[k], O_RDWR);
+        if (f->fd[k] < 0 && errno == ENOENT) {
+            /* an earlier finish() renamed it before the run was stopped: take it back */
+            char *final = mq_path_join(dir, p->s[k].file);
+            if (final && rename(final, f->tmp[k]) == 0) f->fd[k] = open(f->tmp[k], O_RDWR);
+            free(final);
+        }
         if (f->fd[k] < 0) {
             s = mq_err(MOEQ_E_NOTFOUND, "%s: cannot open the partial shard: %s", f->tmp[k],
                        strerror(errno));

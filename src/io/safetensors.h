@@ -132,7 +132,8 @@ typedef struct mq_shard_files mq_shard_files;
 /* Creates (or truncates) them: headers written, data zero. */
 moeq_status mq_shard_files_create(mq_shard_plan *p, const char *dir, mq_shard_files **out);
 /* Reopens files made by create for the same plan (a resumed run): each must exist with the
- * planned size and header, else MOEQ_E_NOTFOUND / MOEQ_E_FORMAT naming it. */
+ * planned size and header, else MOEQ_E_NOTFOUND / MOEQ_E_FORMAT naming it. A shard that an
+ * interrupted finish() already renamed to its final name is taken back. */
 moeq_status mq_shard_files_open(mq_shard_plan *p, const char *dir, mq_shard_files **out);
 /* Writes a tensor's data to its place (dtype and size checked against the plan); crc (may be
  * NULL): the CRC-32 of the data. */

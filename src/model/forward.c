@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "formats/formats.h"
+#include "kernels/gemm_det.h"
 #include "kernels/moe_ffn.h"
 #include "kernels/vec.h"
 #include "model/model_internal.h"
@@ -121,6 +122,9 @@ moeq_status mq_linear_forward(const mq_linear *l, const float *x, int64_t T, flo
     if (l->qw) {
         moeq_status st = mq_packed_weight_forward(l->qw, x, T, y);
         if (st) return mq_err_prefix(st, "%s", l->name);
+    } else if (l->det) {
+        MQ_ASSERT(l->w != NULL);
+        mq_gemm_det_nt_pool(T, l->out, l->in, x, l->in, l->w, l->in, y, l->out);
     } else {
         MQ_ASSERT(l->w != NULL);
         matmul_nt(x, T, l->w, l->out, l->in, y);

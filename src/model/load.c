@@ -212,6 +212,8 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
             tag_expert(L, (int)e, 2);
         }
     }
+    /* routed experts' products: the same bits however their rows are grouped */
+    for (int64_t e = 0; e < E; e++) ly->exp_gate[e].det = ly->exp_up[e].det = ly->exp_down[e].det = true;
     if (c->shared_ffn > 0) {
         int64_t S = c->shared_ffn;
         L->what = MQ_PART_SHARED;

@@ -85,6 +85,9 @@ typedef struct {
     char *name;                      /* HF module name, e.g. "model.layers.0.self_attn.q_proj" */
     bool stored_quantized;           /* the checkpoint holds this weight quantized */
     bool act_q;                      /* the emulated activation quantizer runs on its input */
+    bool det;                        /* fp32 products through mq_gemm_det_nt (routed experts: a
+                                        row's output then does not depend on which rows share
+                                        the call, kernels/gemm_det.h) */
 } mq_linear;
 
 /* y[T, out] = x[T, in] @ W^T (+ bias), fp32 or packed. Fails only for the packed kernels'

@@ -49,6 +49,7 @@ typedef struct {
 typedef struct {
     int layer;
     double forward, hessian, gptq, write, total;   /* seconds */
+    double attention;             /* the part of forward in the attention passes */
     int64_t peak_anon;
     int chunks;
     int linears;                  /* quantized Linears written */
@@ -102,6 +103,9 @@ typedef struct mq_pipe {
 /* Plans chunk, batch and activation storage within o->max_memory (or the default share); the
  * progress units. MOEQ_E_NOMEM naming what does not fit. */
 moeq_status mq_plan_memory(mq_pipe *p);
+/* Expert rows a batch of the chunk of C experts holds: at least one sample's worst case, and
+ * enough blocks to keep every thread busy. */
+int64_t mq_plan_batch_rows(const mq_pipe *p, int64_t C);
 /* Measures this machine's sgemm rate and estimates the run's time from the plan's FLOPs. */
 void mq_plan_estimate_time(mq_pipe *p);
 

@@ -337,6 +337,7 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         }
         double t3 = mq_now();
         p->layers[l].forward += (t1 - t0) + (t3 - t2);
+        p->layers[l].attention += (t1 - t0) + (t3 - t2);
         p->layers[l].hessian += t2 - t1;
         mq_pipe_progress(p, p->mp_units.attention_sample);
     }
@@ -419,7 +420,11 @@ static const float *ffn_input(mq_pipe *p, int l, const ffn_source *src, int64_t 
     return scratch;
 }
 
-/* A batch of samples whose rows for the chunk's experts are computed together. */
+/* A batch of samples whose rows for the chunk's experts are computed together: the rows are
+ * laid out expert by expert (each expert's rows of every sample of the batch, sample after
+ * sample, tokens in order), so each expert runs one call over all of them. Its products are
+ * mq_gemm_det_nt's, whose values do not depend on how the rows are grouped: the same as the
+ * model's forward gives running the samples one at a time. */
 typedef struct {
     mq_pipe *p;
     int l, e0, e1;
@@ -429,12 +434,13 @@ typedef struct {
     slot *gu, *dn;                /* [E] */
     const float **xin;            /* [nb] */
     float *xin_buf;               /* [nb][LD] */
-    int64_t *row0;                /* [nb + 1] first row of each sample */
-    int32_t *cnt, *start;         /* [nb][C], [nb][C + 1] rows of each expert within its sample */
-    int32_t *tok;                 /* [rows] token of each row */
+    int32_t *cnt;                 /* [nb][C] rows of each expert in each sample */
+    int64_t *pos;                 /* [nb][C] first row of (sample, expert) */
+    int64_t *ebase;               /* [C + 1] first row of each expert */
+    int32_t *tok, *tsample;       /* [rows] token and sample of each row */
     int32_t *tok_row;             /* [nb][Lmax][K] row of (token, k), -1 outside the chunk */
     float *xg, *hg, *hu, *yg;     /* [rows][D / F / F / D] */
-    int64_t *tasks, n_tasks;      /* (sample << 40) | (expert - e0) << 20 | block */
+    int64_t *tasks, n_tasks;      /* expert << 32 | block of TASK_ROWS rows */
 } ex_batch;
 
 static void batch_inputs_task(void *ctx, int64_t i, int thread) {
@@ -443,32 +449,32 @@ static void batch_inputs_task(void *ctx, int64_t i, int thread) {
     b->xin[i] = ffn_input(b->p, b->l, &b->src, b->s0 + i, b->xin_buf + i * b->p->LD);
 }
 
+/* A block of up to TASK_ROWS rows of one expert of the chunk (any cut gives the same values):
+ * gathered, then gate, up, SwiGLU (and down). */
+enum { TASK_ROWS = 256 };
 static void batch_rows_task(void *ctx, int64_t task, int thread) {
     (void)thread;
     ex_batch *b = ctx;
     mq_pipe *p = b->p;
-    const int64_t code = b->tasks[task], C = b->e1 - b->e0;
-    const int64_t i = code >> 40, ce = (code >> 20) & 0xfffff, blk = code & 0xfffff;
     const int64_t D = p->c->D, F = p->c->moe_ffn;
-    const int64_t r0 = b->row0[i] + b->start[i * (C + 1) + ce] + blk * MQ_MOE_ROWS;
-    const int64_t n0 = b->cnt[i * C + ce] - blk * MQ_MOE_ROWS;
-    const int64_t n = n0 < MQ_MOE_ROWS ? n0 : MQ_MOE_ROWS;
-    for (int64_t r = 0; r < n; r++)
-        memcpy(b->xg + (r0 + r) * D, b->xin[i] + (int64_t)b->tok[r0 + r] * D, sizeof(float) * (size_t)D);
     const mq_layer *ly = &p->m->layers[b->l];
-    int64_t e = b->e0 + ce;
+    const int64_t ce = b->tasks[task] >> 32, blk = b->tasks[task] & 0xffffffff;
+    const int64_t e = b->e0 + ce, r0 = b->ebase[ce] + blk * TASK_ROWS;
+    const int64_t n = b->ebase[ce + 1] - r0 < TASK_ROWS ? b->ebase[ce + 1] - r0 : TASK_ROWS;
+    for (int64_t r = r0; r < r0 + n; r++)
+        memcpy(b->xg + r * D, b->xin[b->tsample[r]] + (int64_t)b->tok[r] * D, sizeof(float) * (size_t)D);
     (void)mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e], b->xg + r0 * D, n,
                          b->hg + r0 * F, b->hu + r0 * F, b->down ? b->yg + r0 * D : NULL);
 }
 
-/* One expert's Hessian updates and amax over the batch, sample by sample. */
+/* One expert's Hessian updates and amax over the batch, one update per sample in order. */
 static void batch_hessian_task(void *ctx, int64_t ce, int thread) {
     (void)thread;
     ex_batch *b = ctx;
     const int64_t C = b->e1 - b->e0, D = b->p->c->D, F = b->p->c->moe_ffn;
     slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
     for (int64_t i = 0; i < b->nb; i++) {
-        int64_t r0 = b->row0[i] + b->start[i * (C + 1) + ce], n = b->cnt[i * C + ce];
+        int64_t r0 = b->pos[i * C + ce], n = b->cnt[i * C + ce];
         if (n == 0) continue;
         if (b->hess && gu->h.sum) mq_hessian_add(&gu->h, b->xg + r0 * D, n);
         if (b->hess && dn->h.sum) mq_hessian_add(&dn->h, b->hg + r0 * F, n);
@@ -502,18 +508,18 @@ static void batch_combine_task(void *ctx, int64_t i, int thread) {
                 order[c - 1] = tmp;
             }
         for (int64_t k = 0; k < kk; k++)
-            vk->axpy(w[t * K + order[k]], b->yg + (b->row0[i] + tr[t * K + order[k]]) * D,
-                     out + t * D, D);
+            vk->axpy(w[t * K + order[k]], b->yg + (int64_t)tr[t * K + order[k]] * D, out + t * D, D);
     }
 }
 
 static void batch_free(ex_batch *b) {
     free(b->xin);
     mq_free(b->xin_buf);
-    free(b->row0);
     free(b->cnt);
-    free(b->start);
+    free(b->pos);
+    free(b->ebase);
     mq_free(b->tok);
+    mq_free(b->tsample);
     mq_free(b->tok_row);
     mq_free(b->xg);
     mq_free(b->hg);
@@ -522,49 +528,58 @@ static void batch_free(ex_batch *b) {
     mq_free(b->tasks);
 }
 
-/* Buffers for batches of up to nb samples of a chunk of C experts. */
-static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_t C) {
+/* Buffers for batches of up to nb samples and `rows` expert rows of a chunk of C experts. */
+static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_t C, int64_t rows) {
     const mq_config *c = p->c;
     const int64_t Lmax = p->calib.max_len, K = c->top_k, D = c->D, F = c->moe_ffn;
-    const int64_t rows = nb * Lmax * (K < C ? K : C);
     b->xin = calloc((size_t)nb, sizeof *b->xin);
     b->xin_buf = mq_alloc_array((size_t)(nb * p->LD), sizeof(float), "expert inputs");
-    b->row0 = calloc((size_t)nb + 1, sizeof *b->row0);
     b->cnt = calloc((size_t)(nb * C), sizeof *b->cnt);
-    b->start = calloc((size_t)(nb * (C + 1)), sizeof *b->start);
+    b->pos = calloc((size_t)(nb * C), sizeof *b->pos);
+    b->ebase = calloc((size_t)(C + 1), sizeof *b->ebase);
     b->tok = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
+    b->tsample = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
     b->tok_row = mq_alloc_array((size_t)(nb * Lmax * K), sizeof(int32_t), "expert rows");
     b->xg = mq_alloc_array((size_t)rows + 1, (size_t)D * sizeof(float), "expert inputs");
     b->hg = mq_alloc_array((size_t)rows + 1, (size_t)F * sizeof(float), "expert activations");
     b->hu = mq_alloc_array((size_t)rows + 1, (size_t)F * sizeof(float), "expert activations");
     b->yg = mq_alloc_array((size_t)rows + 1, (size_t)D * sizeof(float), "expert outputs");
-    b->tasks = mq_alloc_array((size_t)(nb * C + rows / MQ_MOE_ROWS + 1), sizeof(int64_t), "expert tasks");
-    if (!b->xin || !b->xin_buf || !b->row0 || !b->cnt || !b->start || !b->tok || !b->tok_row ||
-        !b->xg || !b->hg || !b->hu || !b->yg || !b->tasks) {
+    b->tasks = mq_alloc_array((size_t)(C + rows / 256 + 1), sizeof(int64_t), "expert tasks");
+    if (!b->xin || !b->xin_buf || !b->cnt || !b->pos || !b->ebase || !b->tok || !b->tsample ||
+        !b->tok_row || !b->xg || !b->hg || !b->hu || !b->yg || !b->tasks) {
         batch_free(b);
         return mq_err(MOEQ_E_NOMEM, "out of memory for the expert batch scratch");
     }
     return MOEQ_OK;
 }
 
-/* Runs samples [s0, s0 + nb) through experts [e0, e1): inputs, rows grouped per expert in token
- * order (as the forward does), gate/up (and down), then Hessians / amax / the combine. */
+/* Runs samples [s0, s0 + nb) through experts [e0, e1): inputs, the rows of each expert (tokens
+ * in order, as the forward groups them), gate/up (and down), then Hessians / amax / combine. */
 static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     const int64_t C = b->e1 - b->e0, K = p->c->top_k, Lmax = p->calib.max_len;
     double t0 = mq_now();
     mq_parallel_for(b->nb, batch_inputs_task, b);
-    b->n_tasks = 0;
+    memset(b->cnt, 0, sizeof(int32_t) * (size_t)(b->nb * C));
+    for (int64_t i = 0; i < b->nb; i++) {
+        const int64_t s = b->s0 + i;
+        const int32_t *sel = b->src.sel + s * Lmax * K;
+        for (int64_t j = 0; j < p->calib.len[s] * K; j++)
+            if (sel[j] >= b->e0 && sel[j] < b->e1) b->cnt[i * C + sel[j] - b->e0]++;
+    }
+    b->ebase[0] = 0;
+    for (int64_t e = 0; e < C; e++) {
+        int64_t r = b->ebase[e];
+        for (int64_t i = 0; i < b->nb; i++) {
+            b->pos[i * C + e] = r;
+            r += b->cnt[i * C + e];
+        }
+        b->ebase[e + 1] = r;
+    }
     for (int64_t i = 0; i < b->nb; i++) {
         const int64_t s = b->s0 + i, T = p->calib.len[s];
         const int32_t *sel = b->src.sel + s * Lmax * K;
-        int32_t *cnt = b->cnt + i * C, *start = b->start + i * (C + 1), *tr = b->tok_row + i * Lmax * K;
-        memset(cnt, 0, sizeof(int32_t) * (size_t)C);
-        for (int64_t j = 0; j < T * K; j++)
-            if (sel[j] >= b->e0 && sel[j] < b->e1) cnt[sel[j] - b->e0]++;
-        start[0] = 0;
-        for (int64_t e = 0; e < C; e++) start[e + 1] = start[e] + cnt[e];
-        b->row0[i + 1] = b->row0[i] + start[C];
-        for (int64_t e = 0; e < C; e++) cnt[e] = 0;
+        int32_t *tr = b->tok_row + i * Lmax * K;
+        int64_t *next = b->pos + i * C;   /* advanced while filling, rebuilt below */
         for (int64_t t = 0; t < T; t++)
             for (int64_t k = 0; k < K; k++) {
                 int32_t e = sel[t * K + k];
@@ -572,14 +587,17 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
                     tr[t * K + k] = -1;
                     continue;
                 }
-                int32_t r = start[e - b->e0] + cnt[e - b->e0]++;
-                b->tok[b->row0[i] + r] = (int32_t)t;
-                tr[t * K + k] = r;
+                int64_t r = next[e - b->e0]++;
+                b->tok[r] = (int32_t)t;
+                b->tsample[r] = (int32_t)i;
+                tr[t * K + k] = (int32_t)r;
             }
-        for (int64_t e = 0; e < C; e++)
-            for (int64_t blk = 0; blk * MQ_MOE_ROWS < cnt[e]; blk++)
-                b->tasks[b->n_tasks++] = i << 40 | e << 20 | blk;
+        for (int64_t e = 0; e < C; e++) next[e] -= b->cnt[i * C + e];
     }
+    b->n_tasks = 0;
+    for (int64_t e = 0; e < C; e++)
+        for (int64_t r = b->ebase[e]; r < b->ebase[e + 1]; r += TASK_ROWS)
+            b->tasks[b->n_tasks++] = e << 32 | (r - b->ebase[e]) / TASK_ROWS;
     mq_parallel_for(b->n_tasks, batch_rows_task, b);
     double t1 = mq_now();
     if (b->hess || b->amax) mq_parallel_for(C, batch_hessian_task, b);
@@ -591,14 +609,25 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     return MOEQ_OK;
 }
 
-/* Every sample through experts [e0, e1), in batches of the plan's size. */
+/* Rows of sample s for experts [e0, e1). */
+static int64_t sample_rows(const mq_pipe *p, const ffn_source *src, int64_t s, int e0, int e1) {
+    const int64_t K = p->c->top_k;
+    const int32_t *sel = src->sel + s * p->calib.max_len * K;
+    int64_t n = 0;
+    for (int64_t j = 0; j < p->calib.len[s] * K; j++) n += sel[j] >= e0 && sel[j] < e1;
+    return n;
+}
+
+/* Every sample through experts [e0, e1), in batches of as many samples as the plan's rows hold
+ * (enough rows for every thread; which samples go together does not change any value). */
 static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source src, bool down,
                                 bool hess, bool amax, slot *gu, slot *dn) {
     int64_t nb = p->mp.batch > 0 ? p->mp.batch : 1;
     if (nb > p->calib.n) nb = p->calib.n;
+    const int64_t rows_cap = mq_plan_batch_rows(p, e1 - e0);
     ex_batch b;
     memset(&b, 0, sizeof b);
-    moeq_status st = batch_alloc(&b, p, nb, e1 - e0);
+    moeq_status st = batch_alloc(&b, p, nb, e1 - e0, rows_cap);
     if (st) return st;
     b.p = p;
     b.l = l;
@@ -610,10 +639,17 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     b.amax = amax;
     b.gu = gu;
     b.dn = dn;
-    for (int64_t s0 = 0; s0 < p->calib.n && !st; s0 += nb) {
+    for (int64_t s0 = 0; s0 < p->calib.n && !st; s0 += b.nb) {
         if ((st = check_interrupt())) break;
+        int64_t rows = sample_rows(p, &src, s0, e0, e1);
         b.s0 = s0;
-        b.nb = p->calib.n - s0 < nb ? p->calib.n - s0 : nb;
+        b.nb = 1;   /* one sample always fits: rows_cap holds a sample's worst case */
+        while (b.nb < nb && s0 + b.nb < p->calib.n) {
+            int64_t r = sample_rows(p, &src, s0 + b.nb, e0, e1);
+            if (rows + r > rows_cap) break;
+            rows += r;
+            b.nb++;
+        }
         st = batch_run(&b, p, l);
     }
     batch_free(&b);

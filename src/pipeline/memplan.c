@@ -39,6 +39,12 @@ static double code_bytes_per_weight(const mq_qspec *s) {
 /* GPTQ's per-thread scratch for weights with K inputs (gptq.c scratch_new: rows of 256). */
 static int64_t gptq_scratch(int64_t K) { return (int64_t)mq_pool_size() * K * 256 * 4 * 5; }
 
+int64_t mq_plan_batch_rows(const mq_pipe *p, int64_t C) {
+    const int64_t K = p->c->top_k, worst = p->calib.max_len * (K < C ? K : C);
+    const int64_t busy = 16 * (int64_t)mq_pool_size() * (MQ_MOE_ROWS / 2);
+    return worst > busy ? worst : busy;
+}
+
 static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t batch) {
     const mq_config *c = p->c;
     const mq_pipeline_opts *o = p->o;
@@ -69,9 +75,9 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     if (E > 0 && C > 0) {
         int64_t w1 = 3 * F * D * 4;   /* one expert's fp32 weights */
         int64_t h1 = o->gptq ? 3 * (D * D + F * F) * 4 : 0;
-        int64_t rows = L * (K < C ? K : C);
+        int64_t rows = mq_plan_batch_rows(p, C);
         z.batch = batch;
-        int64_t bscratch = batch * (L * D + rows * (2 * D + 2 * F) + rows + L * K) * 4;
+        int64_t bscratch = batch * (L * D + L * K) * 4 + rows * (2 * D + 2 * F + 1) * 4;
         z.chunk = C * (w1 + h1 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * F * D))) +
                   bscratch + (o->gptq ? gptq_scratch(D > F ? D : F) : 0);
         if (block) z.chunk += C * (F * F + 2 * L * F + L * D) * 4;   /* fallback down Hessians */
@@ -91,20 +97,23 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     return z;
 }
 
-/* Samples per expert batch: enough tasks for every thread, bounded by the samples. */
+/* Samples an expert batch may hold at most (their inputs are kept while it runs); the rows of
+ * mq_plan_batch_rows decide how many it takes. */
 static int64_t batch_for(const mq_pipe *p, int C) {
-    int64_t b = (4 * (int64_t)mq_pool_size() + C - 1) / (C > 0 ? C : 1);
-    if (b < 1) b = 1;
-    if (b > 16) b = 16;
+    (void)C;
+    int64_t b = 16;
     if (b > p->calib.n) b = p->calib.n > 0 ? p->calib.n : 1;
     return b;
 }
 
-/* The largest chunk in [1, E] that fits; 0 when none does. */
+/* The chunk: enough experts for every thread to have two (their Hessians, factorisations and
+ * GPTQ runs are per expert) and at least 8, fewer when the budget says so; more buy no speed and
+ * only hold memory. 0 when not even one expert fits. */
 static int best_chunk(const mq_pipe *p, mq_act_storage kind, int64_t budget) {
     int E = p->c->n_experts;
     if (E == 0) return plan_sizes(p, kind, 0, 1).peak <= budget ? 1 : 0;
-    for (int C = E; C >= 1; C = C > 8 ? C - (C + 7) / 8 : C - 1)
+    int want = 2 * mq_pool_size() > 8 ? 2 * mq_pool_size() : 8;
+    for (int C = want < E ? want : E; C >= 1; C--)
         if (plan_sizes(p, kind, C, batch_for(p, C)).peak <= budget) return C;
     return 0;
 }
@@ -272,7 +281,7 @@ moeq_status mq_plan_memory(mq_pipe *p) {
 void mq_plan_estimate_time(mq_pipe *p) {
     mq_mem_plan *mp = &p->mp;
     if (!p->calibrate) return;
-    mp->sgemm_gflops = mq_measure_sgemm_gflops(384, 0.1);
+    mp->sgemm_gflops = mq_measure_sgemm_gflops(1024, 0.3);
     double r = mp->sgemm_gflops > 0 ? mp->sgemm_gflops * 1e9 : 1e10;
     mp->seconds = mp->flops_forward / (0.5 * r) + mp->flops_hessian / (0.5 * r) +
                   mp->flops_gptq / (0.45 * r);

@@ -208,9 +208,10 @@ static void log_layer(const mq_pipe *p, int l, double t_start) {
     double left = p->units_done > 0 ? el * (double)(p->units_total - p->units_done) / (double)p->units_done : 0;
     char chunks[48] = "";
     if (lr->chunks > 0) snprintf(chunks, sizeof chunks, ", %d expert chunk%s", lr->chunks, lr->chunks > 1 ? "s" : "");
-    mq_info("layer %d/%d: %.1f s (forward %.1f, Hessians %.1f, GPTQ %.1f, write %.1f)%s, peak "
-            "%.2f GB; about %.0f s left", l + 1, p->plan.n_layers, lr->total, lr->forward,
-            lr->hessian, lr->gptq, lr->write, chunks, (double)lr->peak_anon / 1e9, left);
+    mq_info("layer %d/%d: %.1f s (forward %.1f of which attention %.1f, Hessians %.1f, GPTQ %.1f, "
+            "write %.1f)%s, peak %.2f GB; about %.0f s left", l + 1, p->plan.n_layers, lr->total,
+            lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, chunks,
+            (double)lr->peak_anon / 1e9, left);
 }
 
 static moeq_status run(mq_pipe *p) {
@@ -228,7 +229,7 @@ static moeq_status run(mq_pipe *p) {
     /* the units of the finished layers count as done */
     for (int l = 0; l < start; l++)
         p->units_done += p->units_total / (n_layers > 0 ? n_layers : 1);
-    if (p->calibrate) {
+    if (p->calibrate && start < n_layers) {
         if ((s = alloc_activations(p))) return s;
         bool have = false;
         if (start > 0 && (s = mq_work_load_boundary(p, start, &have))) return s;

@@ -726,45 +726,6 @@ static moeq_status publish(const char *tmp, const char *out, bool exists) {
 }
 
 /* ---- flags ---------------------------------------------------------------------------------- */
-/* "5GB", "500MB", "2GiB", "1048576" -> bytes (K/M/G/T decimal, Ki/Mi/Gi/Ti binary, B optional). */
-static bool parse_size(const char *text, uint64_t *out) {
-    const char *p = text;
-    double v = 0, frac = 0.1;
-    bool digits = false, dot = false;
-    for (; (*p >= '0' && *p <= '9') || (*p == '.' && !dot); p++) {
-        if (*p == '.') {
-            dot = true;
-            continue;
-        }
-        digits = true;
-        if (dot) {
-            v += (*p - '0') * frac;
-            frac /= 10;
-        } else {
-            v = 10 * v + (*p - '0');
-        }
-    }
-    if (!digits) return false;
-    static const struct {
-        const char *suffix;
-        double mul;
-    } units[] = {{"", 1},       {"B", 1},          {"K", 1e3},          {"KB", 1e3},
-                 {"M", 1e6},    {"MB", 1e6},       {"G", 1e9},          {"GB", 1e9},
-                 {"T", 1e12},   {"TB", 1e12},      {"KiB", 1024.0},     {"MiB", 1048576.0},
-                 {"GiB", 1073741824.0},           {"TiB", 1099511627776.0}};
-    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
-        const char *u = units[i].suffix;
-        size_t k = 0;
-        while (u[k] && p[k] && (u[k] | 0x20) == (p[k] | 0x20)) k++;
-        if (u[k] || p[k]) continue;
-        double b = v * units[i].mul;
-        if (!(b >= 1 && b <= 1e18)) return false;
-        *out = (uint64_t)b;
-        return true;
-    }
-    return false;
-}
-
 static int unknown_like(const char *name) {
     fprintf(stderr, "moeq %s: --like: unknown model '%s'; known models:\n", CMD, name);
     for (size_t i = 0; i < N_LIKES; i++)
@@ -1064,7 +1025,7 @@ int bench_gen_model(int argc, char **argv) {
         if (!strcmp(name, g_likes[i].name)) m = &g_likes[i];
     if (!m) return unknown_like(name);
     uint64_t max_shard = 5000000000ull;
-    if (max_shard_text && !parse_size(max_shard_text, &max_shard))
+    if (max_shard_text && !cli_parse_size(max_shard_text, &max_shard))
         return cli_usage_error(CMD, "--max-shard-size: cannot read '%s' (bytes, or e.g. 500MB, "
                                "5GB, 2GiB)", max_shard_text);
     spec sp;

@@ -2,6 +2,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "cli.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -146,6 +147,30 @@ int cli_parse(const cli_command *cmd, int argc, char **argv, const char **pos, i
     return -1;
 }
 
+bool cli_parse_size(const char *s, uint64_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || !(v > 0)) return false;
+    while (*end == ' ') end++;
+    static const struct { const char *suf; double mul; } units[] = {
+        {"", 1}, {"B", 1}, {"K", 1e3}, {"KB", 1e3}, {"M", 1e6}, {"MB", 1e6}, {"G", 1e9},
+        {"GB", 1e9}, {"T", 1e12}, {"TB", 1e12}, {"KiB", 1024.0}, {"MiB", 1048576.0},
+        {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        size_t n = strlen(units[i].suf);
+        bool same = strlen(end) == n;
+        for (size_t k = 0; same && k < n; k++)
+            same = toupper((unsigned char)end[k]) == toupper((unsigned char)units[i].suf[k]);
+        if (same) {
+            double b = v * units[i].mul;
+            if (b < 1 || b > 1e18) return false;
+            *out = (uint64_t)b;
+            return true;
+        }
+    }
+    return false;
+}
+
 /* ---- progress bar ---------------------------------------------------------------------- */
 static struct {
     bool on;
@@ -207,9 +232,24 @@ static void progress_cb(void *user, const char *label, int64_t done, int64_t tot
     }
 }
 
+/* Log lines while a bar is drawn: the bar's line ends first, and the bar is drawn again below
+ * (its ETA keeps counting). */
+static void bar_log(void *user, int level, const char *msg) {
+    (void)user;
+    if (g_bar.drawn) {
+        fputs("\r\033[K", stderr);
+        g_bar.drawn = 0;
+        g_bar.t_last = 0;
+    }
+    fprintf(stderr, "moeq: %s%s\n", level > 0 ? "warning: " : "", msg);
+}
+
 void cli_progress_enable(bool quiet) {
     g_bar.on = !quiet && isatty(STDERR_FILENO);
-    if (g_bar.on) moeq_set_progress(progress_cb, NULL);
+    if (g_bar.on) {
+        moeq_set_progress(progress_cb, NULL);
+        moeq_set_log(bar_log, NULL);
+    }
 }
 
 void cli_progress_finish(void) {

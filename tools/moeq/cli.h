@@ -70,6 +70,10 @@ void cli_install_sigint(void);
 /* Path of the shared fixtures folder ($MOEQ_SHARED or <repo>/../shared); NULL if missing. */
 const char *cli_shared_dir(void);
 
+/* "5GB", "500MB", "2GiB", "1048576" -> bytes (K/M/G/T decimal, KiB/MiB/GiB/TiB binary, B
+ * optional, case ignored); false for anything else. */
+bool cli_parse_size(const char *s, uint64_t *out);
+
 /* JSON-safe printing of a string (with quotes). */
 void cli_print_json_string(FILE *f, const char *s);
 

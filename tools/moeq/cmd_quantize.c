@@ -6,7 +6,6 @@
  * resume: --max-memory, --dry-run, --resume. The flags become moeq_quant_options and
  * moeq_quantize (include/moeq.h) does the work.
  */
-#include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,28 +13,10 @@
 #include "commands.h"
 #include "quantize_gptq.h"
 
-/* "5GB", "500MB", "64KiB", "1048576" -> bytes (KB/MB/GB decimal, KiB/MiB/GiB binary). */
-static bool parse_size(const char *s, size_t *out) {
-    char *end;
-    double v = strtod(s, &end);
-    if (end == s || !(v > 0)) return false;
-    while (*end == ' ') end++;
-    static const struct { const char *suf; double mul; } units[] = {
-        {"", 1}, {"B", 1}, {"K", 1e3}, {"KB", 1e3}, {"M", 1e6}, {"MB", 1e6}, {"G", 1e9},
-        {"GB", 1e9}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}};
-    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
-        size_t n = strlen(units[i].suf);
-        bool same = strlen(end) == n;
-        for (size_t k = 0; same && k < n; k++)
-            same = toupper((unsigned char)end[k]) == toupper((unsigned char)units[i].suf[k]);
-        if (same) {
-            double b = v * units[i].mul;
-            if (b < 1 || b > 1e18) return false;
-            *out = (size_t)b;
-            return true;
-        }
-    }
-    return false;
+/* --quiet: the per-layer lines go, warnings stay. */
+static void warnings_only(void *user, int level, const char *msg) {
+    (void)user;
+    if (level > 0) fprintf(stderr, "moeq: warning: %s\n", msg);
 }
 
 static void print_bytes(const char *what, int64_t b, const char *note) {
@@ -168,8 +149,8 @@ int cmd_quantize(int argc, char **argv) {
         return cli_usage_error("quantize", "--calib is only used by --scheme nvfp4 and --method gptq");
     moeq_quant_options o;
     moeq_quant_options_init(&o);
-    size_t shard = 0;
-    if (max_shard && !parse_size(max_shard, &shard))
+    uint64_t shard = 0;
+    if (max_shard && !cli_parse_size(max_shard, &shard))
         return cli_usage_error("quantize", "--max-shard-size: cannot read '%s'", max_shard);
     o.scheme = w4a4 ? MOEQ_QUANT_NVFP4 : nv ? MOEQ_QUANT_NVFP4A16 : MOEQ_QUANT_INT4;
     o.method = gptq ? MOEQ_QUANT_GPTQ : MOEQ_QUANT_RTN;
@@ -185,8 +166,8 @@ int cmd_quantize(int argc, char **argv) {
     o.calib = calib;
     o.calib_tokens = calib_tokens;
     o.force = force;
-    size_t mem = 0;
-    if (max_memory && !parse_size(max_memory, &mem))
+    uint64_t mem = 0;
+    if (max_memory && !cli_parse_size(max_memory, &mem))
         return cli_usage_error("quantize", "--max-memory: cannot read '%s'", max_memory);
     o.max_memory = (int64_t)mem;
     o.work_dir = work_dir;
@@ -200,6 +181,7 @@ int cmd_quantize(int argc, char **argv) {
 
     cli_install_sigint();
     cli_progress_enable(quiet);
+    if (quiet) moeq_set_log(warnings_only, NULL);
     moeq_quant_result res;
     moeq_status st = MOEQ_OK;
     rc = gptq_cli_apply(&gq, &o);

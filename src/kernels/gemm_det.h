@@ -1,0 +1,37 @@
+/*
+ * A GEMM whose every output does not depend on the shape of the call: C[i][j] = the fmaf chain
+ *     acc = +0;  for k = 0 .. K-1:  acc = fmaf(A[i][k], B[j][k], acc)
+ * (C = A B^T, A [M, K] activations, B [N, K] weights, both row-major as every Linear stores
+ * them). OpenBLAS's sgemm gives a row different bits depending on M and on where the row sits in
+ * the call, so grouping the same rows differently (the tokens of one sample, or of several)
+ * would change results; with this kernel a routed expert gives the same outputs whether its rows
+ * come one sample at a time (the model's forward) or many samples together (the pipeline's
+ * calibration, which batches rows across samples for GEMMs of a useful size).
+ *
+ * Twins: the scalar reference (src/kernels/cpu/ref/gemm_det_ref.c) is the chain above written
+ * out; the AVX2+FMA kernel (src/kernels/cpu/x86/gemm_det_avx2.c) runs 16 rows of A by 6 rows of
+ * B at a time, one fma per element per k in k order, so the two agree bit for bit
+ * (tests/test_gemm_det.c). Single-threaded: callers split the work (pool tasks over experts, or
+ * mq_gemm_det_nt_pool over fixed column tiles).
+ */
+#ifndef MOEQ_KERNELS_GEMM_DET_H
+#define MOEQ_KERNELS_GEMM_DET_H
+
+#include "core/core.h"
+
+/* C[M, N] (ldc) = A[M, K] (lda) B[N, K]^T (ldb); C is written, never read. */
+void mq_gemm_det_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, float *C, int64_t ldc);
+/* The same over the pool in fixed tiles of output columns (identical values). */
+void mq_gemm_det_nt_pool(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *B, int64_t ldb, float *C, int64_t ldc);
+
+void mq_gemm_det_nt_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                        const float *B, int64_t ldb, float *C, int64_t ldc);
+#if defined(__x86_64__) || defined(__i386__)
+/* Call only when mq_cpu_has_avx2_fma(). */
+void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *B, int64_t ldb, float *C, int64_t ldc);
+#endif
+
+#endif

@@ -1,0 +1,87 @@
+/*
+ * The deterministic GEMM (src/kernels/gemm_det.h): the AVX2 kernel equals the scalar chain of
+ * fmaf bit for bit, on shapes with every edge (rows not a multiple of 16, columns not of 6, K
+ * odd, leading dimensions wider than the rows); a row's values do not depend on how many rows
+ * share the call or where it sits among them (what lets the pipeline batch an expert's rows
+ * across samples); the pool split gives the same values; the result is a correct product
+ * (within the fp32 error bound of a K-term sum, against double).
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "harness.h"
+#include "kernels/gemm_det.h"
+
+static uint64_t g_rng = 0x2545F4914F6CDD1Dull;
+static float rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (float)((double)(g_rng >> 11) * 0x1p-53 * 2.0 - 1.0);
+}
+
+static float *rand_matrix(int64_t rows, int64_t ld) {
+    float *m = malloc(sizeof(float) * (size_t)(rows * ld));
+    for (int64_t i = 0; i < rows * ld; i++) m[i] = rnd();
+    return m;
+}
+
+static void test_avx2_equals_reference(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA on this CPU");
+    const int64_t shapes[][3] = {{1, 1, 1},   {3, 5, 7},    {16, 6, 64},  {17, 7, 65},
+                                 {33, 13, 255}, {64, 96, 512}, {5, 200, 1031}, {100, 31, 2048}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        int64_t lda = K + 3, ldb = K + 1, ldc = N + 2;
+        float *A = rand_matrix(M, lda), *B = rand_matrix(N, ldb);
+        float *c1 = calloc((size_t)(M * ldc), sizeof(float)), *c2 = calloc((size_t)(M * ldc), sizeof(float));
+        mq_gemm_det_nt_ref(M, N, K, A, lda, B, ldb, c1, ldc);
+        mq_gemm_det_nt_avx2(M, N, K, A, lda, B, ldb, c2, ldc);
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++)
+                if (c1[i * ldc + j] != c2[i * ldc + j])
+                    FAIL("%lldx%lldx%lld: C[%lld][%lld] ref %.9g avx2 %.9g", (long long)M, (long long)N,
+                         (long long)K, (long long)i, (long long)j, (double)c1[i * ldc + j],
+                         (double)c2[i * ldc + j]);
+        free(A);
+        free(B);
+        free(c1);
+        free(c2);
+    }
+}
+
+/* Rows computed in one call of 100 rows, or in calls of 1, 7 and 37 rows at every offset, are
+ * the same bits; and the pool split equals the single call. */
+static void test_rows_do_not_depend_on_the_call(void) {
+    const int64_t M = 100, N = 70, K = 300;
+    float *A = rand_matrix(M, K), *B = rand_matrix(N, K);
+    float *all = malloc(sizeof(float) * (size_t)(M * N)), *part = malloc(sizeof(float) * (size_t)(M * N));
+    mq_gemm_det_nt(M, N, K, A, K, B, K, all, N);
+    const int64_t sizes[] = {1, 7, 37};
+    for (size_t s = 0; s < 3; s++) {
+        for (int64_t i0 = 0; i0 < M; i0 += sizes[s]) {
+            int64_t m = M - i0 < sizes[s] ? M - i0 : sizes[s];
+            mq_gemm_det_nt(m, N, K, A + i0 * K, K, B, K, part + i0 * N, N);
+        }
+        ASSERT_TRUE(memcmp(all, part, sizeof(float) * (size_t)(M * N)) == 0);
+    }
+    memset(part, 0, sizeof(float) * (size_t)(M * N));
+    mq_gemm_det_nt_pool(M, N, K, A, K, B, K, part, N);
+    ASSERT_TRUE(memcmp(all, part, sizeof(float) * (size_t)(M * N)) == 0);
+    /* a product: |C - exact| <= K u sum |a b| (the classic bound of a K-term fma chain) */
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double exact = 0, mag = 0;
+            for (int64_t k = 0; k < K; k++) {
+                exact += (double)A[i * K + k] * B[j * K + k];
+                mag += fabs((double)A[i * K + k] * B[j * K + k]);
+            }
+            ASSERT_TRUE(fabs(all[i * N + j] - exact) <= (double)K * 0x1p-24 * mag);
+        }
+    free(A);
+    free(B);
+    free(all);
+    free(part);
+}
+
+TEST_MAIN(T(test_avx2_equals_reference), T(test_rows_do_not_depend_on_the_call))
