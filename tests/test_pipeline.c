@@ -17,6 +17,7 @@
 
 #include "export/layout.h"
 #include "harness.h"
+#include "model/model.h"
 #include "pipeline/pipeline.h"
 #include "reference/gptq_model_ref.h"
 
@@ -166,6 +167,7 @@ static void match_reference(const char *model, const cfg *c, int chunk) {
     /* the reference on the model loaded in full */
     moeq_model *m;
     ASSERT_OK(moeq_model_open(model, NULL, &m));
+    mq_model_det_experts(m, true);   /* the pipeline's expert products (model.h) */
     mq_calib_set cs;
     ASSERT_OK(mq_calib_load(moeq_model_tokenizer(m), &po.calib, &cs));
     ref_gptq_results rr;

@@ -212,8 +212,6 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
             tag_expert(L, (int)e, 2);
         }
     }
-    /* routed experts' products: the same bits however their rows are grouped */
-    for (int64_t e = 0; e < E; e++) ly->exp_gate[e].det = ly->exp_up[e].det = ly->exp_down[e].det = true;
     if (c->shared_ffn > 0) {
         int64_t S = c->shared_ffn;
         L->what = MQ_PART_SHARED;
@@ -783,8 +781,18 @@ moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
         return s;
     }
     fill_info(m);
+    /* the pipeline groups an expert's rows across samples: its products must not depend on it */
+    mq_model_det_experts(m, true);
     *out = lz;
     return MOEQ_OK;
+}
+
+void mq_model_det_experts(moeq_model *m, bool on) {
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        mq_layer *ly = &m->layers[l];
+        for (int e = 0; ly->is_moe && e < m->cfg.n_experts; e++)
+            ly->exp_gate[e].det = ly->exp_up[e].det = ly->exp_down[e].det = on;
+    }
 }
 
 moeq_model *mq_lazy_model_of(mq_lazy_model *lz) { return lz->m; }

@@ -85,9 +85,9 @@ typedef struct {
     char *name;                      /* HF module name, e.g. "model.layers.0.self_attn.q_proj" */
     bool stored_quantized;           /* the checkpoint holds this weight quantized */
     bool act_q;                      /* the emulated activation quantizer runs on its input */
-    bool det;                        /* fp32 products through mq_gemm_det_nt (routed experts: a
-                                        row's output then does not depend on which rows share
-                                        the call, kernels/gemm_det.h) */
+    bool det;                        /* fp32 products through mq_gemm_det_nt (a row's output
+                                        then does not depend on which rows share the call,
+                                        kernels/gemm_det.h; mq_model_det_experts) */
 } mq_linear;
 
 /* y[T, out] = x[T, in] @ W^T (+ bias), fp32 or packed. Fails only for the packed kernels'
@@ -151,6 +151,12 @@ void mq_lazy_release(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1
 int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
 /* x[T, D] = embedding rows of ids, read from the mapping (ids checked). */
 moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T, float *x);
+
+/* Routed experts through mq_gemm_det_nt (mq_linear.det): their outputs then do not depend on
+ * how their rows are grouped, which the pipeline's calibration needs (it batches rows across
+ * samples) and which lazily opened models have on. The default of moeq_model_open is off: the
+ * OpenBLAS and GEMV paths are faster for a forward that runs one sequence at a time. */
+void mq_model_det_experts(moeq_model *m, bool on);
 
 /* ---- forward pass ----------------------------------------------------------------------------- */
 /* Where the calibration hooks see a Linear's input. For routed experts the rows are exactly the
