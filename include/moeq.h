@@ -460,7 +460,11 @@ typedef struct {
     int64_t expert_chunk;          /* one chunk of routed experts, with Hessians and factors */
     int64_t ffn_other;             /* shared expert or dense MLP, the block Hessian */
     int32_t chunk, n_chunks;       /* experts per chunk, chunks per MoE layer */
-    int32_t sample_batch;          /* samples whose expert rows run together */
+    int32_t sample_batch;          /* samples whose expert rows run together, at most */
+    int32_t attention_passes;      /* per layer: every sample through the attention (2 when
+                                      sequential GPTQ runs it unquantized, then quantized) */
+    int32_t ffn_passes;            /* per expert chunk (or MLP): calibration, then the quantized
+                                      output (sequential) */
     moeq_act_storage activations_storage;
     int32_t layers;
     double flops_forward, flops_hessian, flops_gptq;

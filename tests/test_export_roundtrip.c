@@ -205,7 +205,8 @@ static void test_activation_amax(void) {
     char out[1100];
     snprintf(out, sizeof out, "%s/amax-out", mq_test_tmpdir());
     ASSERT_OK(mq_pipeline_run(fixture("olmoe-tiny"), out, &o, NULL));
-    /* the independent pass */
+    /* the independent pass, with the expert products the pipeline's calibration uses */
+    mq_model_det_experts(m, true);
     raw r = {0};
     mq_state *st;
     ASSERT_OK(mq_state_new(m, 40, &st));

@@ -84,4 +84,45 @@ static void test_rows_do_not_depend_on_the_call(void) {
     free(part);
 }
 
-TEST_MAIN(T(test_avx2_equals_reference), T(test_rows_do_not_depend_on_the_call))
+/* The Hessian update: AVX2 equals the scalar chain on the lower triangle; rows added in one call
+ * or in uneven pieces, and C's rows split into ranges, give the same sums. */
+static void test_syrk_accumulate(void) {
+    const int64_t Ks[] = {1, 5, 16, 22, 97, 260};
+    for (size_t s = 0; s < sizeof Ks / sizeof Ks[0]; s++) {
+        const int64_t K = Ks[s], n = 150, ldx = K + 3;
+        float *X = rand_matrix(n, ldx);
+        float *c0 = rand_matrix(K, K);   /* accumulating onto existing sums */
+        float *a = malloc(sizeof(float) * (size_t)(K * K)), *b = malloc(sizeof(float) * (size_t)(K * K));
+        memcpy(a, c0, sizeof(float) * (size_t)(K * K));
+        memcpy(b, c0, sizeof(float) * (size_t)(K * K));
+        mq_syrk_det_acc_ref(K, n, X, ldx, a, K, 0, K);
+        if (mq_cpu_has_avx2_fma()) {
+            mq_syrk_det_acc_avx2(K, n, X, ldx, b, K, 0, K);
+            for (int64_t i = 0; i < K; i++)
+                for (int64_t j = 0; j <= i; j++)
+                    if (a[i * K + j] != b[i * K + j])
+                        FAIL("K %lld: C[%lld][%lld] ref %.9g avx2 %.9g", (long long)K, (long long)i,
+                             (long long)j, (double)a[i * K + j], (double)b[i * K + j]);
+        }
+        memcpy(b, c0, sizeof(float) * (size_t)(K * K));
+        const int64_t cuts[] = {0, 1, 38, 39, 100, n};
+        for (int c = 0; c < 5; c++)   /* rows in pieces, C's rows in two ranges per piece */
+            for (int64_t half = 0; half < 2; half++) {
+                int64_t i0 = half ? K / 3 : 0, i1 = half ? K : K / 3;
+                mq_syrk_det_acc(K, cuts[c + 1] - cuts[c], X + cuts[c] * ldx, ldx, b, K, i0, i1);
+            }
+        for (int64_t i = 0; i < K; i++)
+            for (int64_t j = 0; j <= i; j++) ASSERT_TRUE(a[i * K + j] == b[i * K + j]);
+        memcpy(b, c0, sizeof(float) * (size_t)(K * K));
+        mq_syrk_det_acc_pool(K, n, X, ldx, b, K);
+        for (int64_t i = 0; i < K; i++)
+            for (int64_t j = 0; j <= i; j++) ASSERT_TRUE(a[i * K + j] == b[i * K + j]);
+        free(X);
+        free(c0);
+        free(a);
+        free(b);
+    }
+}
+
+TEST_MAIN(T(test_avx2_equals_reference), T(test_rows_do_not_depend_on_the_call),
+          T(test_syrk_accumulate))

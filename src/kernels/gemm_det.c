@@ -32,3 +32,38 @@ void mq_gemm_det_nt_pool(int64_t M, int64_t N, int64_t K, const float *A, int64_
     det_job j = {M, N, K, lda, ldb, ldc, A, B, C};
     mq_parallel_for((N + TILE_N - 1) / TILE_N, det_tile, &j);
 }
+
+void mq_syrk_det_acc(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
+                     int64_t i0, int64_t i1) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
+        mq_syrk_det_acc_avx2(K, n, X, ldx, C, ldc, i0, i1);
+        return;
+    }
+#endif
+    mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, i0, i1);
+}
+
+/* Blocks of rows of C to the pool, the widest (last rows of the triangle) first. */
+enum { SYRK_ROWS = 48 };
+
+typedef struct {
+    int64_t K, n, ldx, ldc, n_blocks;
+    const float *X;
+    float *C;
+} syrk_job;
+
+static void syrk_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const syrk_job *j = ctx;
+    int64_t b = j->n_blocks - 1 - t, i0 = b * SYRK_ROWS;
+    int64_t i1 = i0 + SYRK_ROWS < j->K ? i0 + SYRK_ROWS : j->K;
+    mq_syrk_det_acc(j->K, j->n, j->X, j->ldx, j->C, j->ldc, i0, i1);
+}
+
+void mq_syrk_det_acc_pool(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                          int64_t ldc) {
+    if (K <= 0 || n <= 0) return;
+    syrk_job j = {K, n, ldx, ldc, (K + SYRK_ROWS - 1) / SYRK_ROWS, X, C};
+    mq_parallel_for(j.n_blocks, syrk_task, &j);
+}

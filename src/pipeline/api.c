@@ -194,6 +194,8 @@ static void plan_out(const mq_mem_plan *mp, moeq_quant_plan *q) {
     q->chunk = mp->chunk;
     q->n_chunks = mp->n_chunks;
     q->sample_batch = mp->batch;
+    q->attention_passes = mp->attention_passes;
+    q->ffn_passes = mp->ffn_passes;
     q->activations_storage = mp->storage == MQ_ACT_DISK   ? MOEQ_ACT_STORAGE_DISK
                              : mp->storage == MQ_ACT_BF16 ? MOEQ_ACT_STORAGE_BF16
                                                           : MOEQ_ACT_STORAGE_RAM;

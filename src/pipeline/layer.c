@@ -275,14 +275,6 @@ static void on_attention(void *user, int layer, mq_site site, int expert, const 
     if (c->amax) amax_update(&s->amax, x, rows * cols);
 }
 
-/* q/k/v and o update together, one sum each per sample (as the hooks would in order). */
-static void att_update_task(void *ctx, int64_t task, int thread) {
-    (void)thread;
-    att_capture *c = ctx;
-    if (task == 0 && c->rows_qkv) mq_hessian_add(&c->qkv->h, c->arena_qkv, c->rows_qkv);
-    if (task == 1 && c->rows_o) mq_hessian_add(&c->o->h, c->arena_o, c->rows_o);
-}
-
 /* The activation buffer that receives h (the boundary after attention): the input buffer itself
  * in memory, its double on disk (so the snapshot of the layer's input stays intact). */
 static mq_actbuf *out_buf(mq_pipe *p) { return p->X.kind == MQ_ACT_DISK ? &p->X2 : &p->X; }
@@ -318,7 +310,10 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         if (cap) cap->rows_qkv = cap->rows_o = 0;
         st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
         double t1 = mq_now();
-        if (!st && cap) mq_parallel_for(2, att_update_task, cap);
+        if (!st && cap) {   /* each update over the whole pool */
+            if (cap->rows_qkv) mq_hessian_add(&cap->qkv->h, cap->arena_qkv, cap->rows_qkv);
+            if (cap->rows_o) mq_hessian_add(&cap->o->h, cap->arena_o, cap->rows_o);
+        }
         double t2 = mq_now();
         if (!st) {
             if (pass_a && p->seq && !p->tseq) {   /* the FFN input, kept for the experts' Hessians */
@@ -467,21 +462,20 @@ static void batch_rows_task(void *ctx, int64_t task, int thread) {
                          b->hg + r0 * F, b->hu + r0 * F, b->down ? b->yg + r0 * D : NULL);
 }
 
-/* One expert's Hessian updates and amax over the batch, one update per sample in order. */
+/* One expert's Hessian updates and amax over the batch: its rows are the batch's samples in
+ * order, so one update adds what one update per sample would (quant/hessian.h). */
 static void batch_hessian_task(void *ctx, int64_t ce, int thread) {
     (void)thread;
     ex_batch *b = ctx;
-    const int64_t C = b->e1 - b->e0, D = b->p->c->D, F = b->p->c->moe_ffn;
+    const int64_t D = b->p->c->D, F = b->p->c->moe_ffn;
     slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
-    for (int64_t i = 0; i < b->nb; i++) {
-        int64_t r0 = b->pos[i * C + ce], n = b->cnt[i * C + ce];
-        if (n == 0) continue;
-        if (b->hess && gu->h.sum) mq_hessian_add(&gu->h, b->xg + r0 * D, n);
-        if (b->hess && dn->h.sum) mq_hessian_add(&dn->h, b->hg + r0 * F, n);
-        if (b->amax) {
-            amax_update(&gu->amax, b->xg + r0 * D, n * D);
-            amax_update(&dn->amax, b->hg + r0 * F, n * F);
-        }
+    const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
+    if (n == 0) return;
+    if (b->hess && gu->h.sum) mq_hessian_add(&gu->h, b->xg + r0 * D, n);
+    if (b->hess && dn->h.sum) mq_hessian_add(&dn->h, b->hg + r0 * F, n);
+    if (b->amax) {
+        amax_update(&gu->amax, b->xg + r0 * D, n * D);
+        amax_update(&dn->amax, b->hg + r0 * F, n * F);
     }
 }
 

@@ -244,8 +244,8 @@ static moeq_status run(mq_pipe *p) {
             if (s) return s;
         }
     }
-    (void)o;
-    for (int l = start; l < n_layers && !s; l++) {
+    int end = o->stop_after > 0 && start + o->stop_after < n_layers ? start + o->stop_after : n_layers;
+    for (int l = start; l < end && !s; l++) {
         mq_mem_watch_take_peak();
         if (p->calibrate) {
             s = mq_pipe_layer(p, l, false);
@@ -259,6 +259,12 @@ static moeq_status run(mq_pipe *p) {
         p->layers[l].peak_anon = mq_mem_watch_take_peak();
         if (!s) s = mq_work_layer_done(p, l);
         if (!s && p->calibrate) log_layer(p, l, t_start);
+        if (!s && p->res->layers_run < 512) {
+            const mq_layer_report *lr = &p->layers[l];
+            p->res->layer[p->res->layers_run++] = (mq_layer_stats){
+                lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, lr->total,
+                lr->peak_anon, lr->chunks};
+        }
     }
     return s;
 }
@@ -358,8 +364,8 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     if ((s = mq_work_prepare(p))) goto done;
     work = true;
     s = run(p);
-    if (!s) s = finish(p);
-    if (!s && o->report_path) {
+    if (!s && !o->stop_after) s = finish(p);
+    if (!s && o->report_path && !o->stop_after) {
         res.peak_anon = mq_mem_watch_peak();
         res.seconds_total = mq_now() - t0;
         sum_modules(p);
@@ -383,7 +389,7 @@ done:
     if (!work && p->lock_fd >= 0) {
         mq_work_release(p, !p->work_fresh);   /* a failed start: a new directory goes again */
     } else if (work) {
-        bool keep = s && p->layers_done > 0;
+        bool keep = s && p->layers_done > 0 && !o->stop_after;
         if (s && keep)
             mq_info("the finished layers are kept in %s: the same command with --resume continues",
                     p->work_dir);

@@ -69,6 +69,8 @@ typedef struct {
     int expert_chunk;              /* experts loaded at once; 0: as many as the budget allows */
     mq_act_storage act_storage;
     const char *report_path;       /* JSON report (NULL: none) */
+    int32_t stop_after;            /* benchmarks: stop after this many layers (0: all); the run
+                                      then writes no checkpoint and keeps no work directory */
 } mq_pipeline_opts;
 
 /* Defaults for a scheme and format: the spec in the format's conventions (CT: NVFP4 divisor
@@ -90,6 +92,8 @@ typedef struct {
     int32_t chunk;                 /* experts per chunk (0: no routed experts) */
     int32_t n_chunks;              /* chunks per MoE layer */
     int32_t batch;                 /* samples whose expert rows are computed together */
+    int32_t attention_passes;      /* per layer */
+    int32_t ffn_passes;            /* per expert chunk / MLP */
     mq_act_storage storage;        /* resolved */
     double flops_forward, flops_hessian, flops_gptq;   /* the whole run */
     double sgemm_gflops;           /* this machine, measured for the estimate */
@@ -99,6 +103,13 @@ typedef struct {
     int32_t layers;                /* decoder layers */
     int64_t samples, tokens;       /* calibration */
 } mq_mem_plan;
+
+/* One finished layer (seconds, peak anonymous memory). */
+typedef struct {
+    double forward, attention, hessian, gptq, write, total;
+    int64_t peak_anon;
+    int32_t chunks;
+} mq_layer_stats;
 
 typedef struct {
     int64_t n_quantized, n_kept;   /* Linear modules */
@@ -113,6 +124,8 @@ typedef struct {
     int64_t linears, fallbacks, worse_than_rtn;
     double loss, rtn_loss;
     double seconds_forward, seconds_hessian, seconds_gptq, seconds_write, seconds_total;
+    mq_layer_stats layer[512];     /* the first 512 layers run */
+    int32_t layers_run;
 } mq_pipeline_result;
 
 /* Quantizes model_dir into out_dir (see the top of this file). Errors before any work: bad

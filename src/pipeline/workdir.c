@@ -19,6 +19,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "pipeline/internal.h"
@@ -380,6 +381,23 @@ moeq_status mq_work_prepare(mq_pipe *p) {
         goto done;
     }
     if (o->resume && !exists) mq_info("%s: no interrupted run to resume; starting a new one", p->work_dir);
+    /* the checkpoint and the work files must fit where they are written (the shards are made at
+     * their full size but sparse: without this check a full disk would show only mid-run) */
+    struct statvfs fs;
+    char *where = mq_strdup(p->work_dir);
+    char *cut = where ? strrchr(where, '/') : NULL;
+    if (cut) *(cut == where ? cut + 1 : cut) = '\0';
+    if (where && statvfs(cut ? where : ".", &fs) == 0) {
+        double free_b = (double)fs.f_bavail * (double)fs.f_frsize;
+        double need = (double)p->mp.disk_output + (double)p->mp.disk_work;
+        if (need > free_b) {
+            s = mq_err(MOEQ_E_IO, "%s: %.2f GB free, the checkpoint and the work files need %.2f GB",
+                       cut ? where : ".", free_b / 1e9, need / 1e9);
+            free(where);
+            goto done;
+        }
+    }
+    free(where);
     if (exists) mq_remove_tree(p->work_dir);   /* a directory without a manifest: never got going */
     if (mkdir(p->work_dir, 0755) != 0 || mkdir(p->build_dir, 0755) != 0) {
         s = mq_err(MOEQ_E_IO, "%s: cannot create the work directory: %s", p->work_dir, strerror(errno));

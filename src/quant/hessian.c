@@ -1,12 +1,14 @@
 /*
- * GPTQ Hessian accumulation (see hessian.h): fp32 sums through ssyrk on the lower triangle,
- * H = (2/n) sum x x^T formed at the end (IST-DASLab gptq.py add_batch, without its running
- * rescaling, which only changes rounding).
+ * GPTQ Hessian accumulation (see hessian.h): fp32 sums on the lower triangle, one fmaf chain per
+ * element over the rows in order (kernels/gemm_det.h: the same sums however the rows are cut
+ * into calls), H = (2/n) sum x x^T formed at the end (IST-DASLab gptq.py add_batch, without its
+ * running rescaling, which only changes rounding).
  */
 #include "quant/hessian.h"
 
-#include <cblas.h>
 #include <string.h>
+
+#include "kernels/gemm_det.h"
 
 moeq_status mq_hessian_init(mq_hessian *h, int64_t K, const char *what) {
     memset(h, 0, sizeof *h);
@@ -27,8 +29,7 @@ void mq_hessian_free(mq_hessian *h) {
 
 void mq_hessian_add(mq_hessian *h, const float *x, int64_t rows) {
     if (rows <= 0) return;
-    cblas_ssyrk(CblasRowMajor, CblasLower, CblasTrans, (int)h->K, (int)rows, 1.0f, x, (int)h->K,
-                1.0f, h->sum, (int)h->K);
+    mq_syrk_det_acc_pool(h->K, rows, x, h->K, h->sum, h->K);
     h->n += rows;
 }
 

@@ -1,9 +1,9 @@
 /*
  * Hessian accumulation for GPTQ: H = (2/n) sum over n input rows x of x x^T, the Hessian of the
  * layer-wise squared error ||x W^T - x Q^T||^2 (formats.md section 4; torchao_gptq.md section 2).
- * The sum is kept in fp32 and updated with ssyrk (one triangle); scaling happens once at the end,
- * so the result does not depend on how the rows were batched into calls (up to float rounding of
- * the sum order, which is fixed by the order of the calls).
+ * The sum is kept in fp32 (one triangle), each element one fmaf per row in row order
+ * (mq_syrk_det_acc), so the result does not depend on how the rows are batched into calls, nor on
+ * the thread count; scaling happens once at the end.
  */
 #ifndef MOEQ_HESSIAN_H
 #define MOEQ_HESSIAN_H
@@ -18,7 +18,7 @@ typedef struct {
 
 moeq_status mq_hessian_init(mq_hessian *h, int64_t K, const char *what);
 void mq_hessian_free(mq_hessian *h);
-/* Adds the rows of x [rows, K]. Single-threaded BLAS (callable from pool tasks). */
+/* Adds the rows of x [rows, K], over the pool (serially when called from a pool task). */
 void mq_hessian_add(mq_hessian *h, const float *x, int64_t rows);
 /* dst += src (sums and counts); same K. */
 void mq_hessian_merge(mq_hessian *dst, const mq_hessian *src);

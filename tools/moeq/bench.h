@@ -4,6 +4,7 @@
 int bench_forward(int argc, char **argv);
 int bench_gen_model(int argc, char **argv);
 int bench_gptq(int argc, char **argv);
+int bench_quantize(int argc, char **argv);
 int bench_moe_ffn(int argc, char **argv);
 int bench_tokenizer(int argc, char **argv);
 #endif

@@ -15,6 +15,8 @@ static const struct {
     {"gen-model", bench_gen_model,
      "writes a random-weight checkpoint with a real model's shapes and config"},
     {"gptq", bench_gptq, "GPTQ on one weight: seconds and fraction of the sgemm FLOP rate"},
+    {"quantize", bench_quantize,
+     "GPTQ through the streaming pipeline: seconds per layer and stage, memory, whole-model time"},
     {"moe-ffn", bench_moe_ffn, "quantized MoE FFN op: GFLOP/s and GB/s, fixed and varied routing"},
     {"tokenizer", bench_tokenizer, "tokenizer encoding speed (MB/s)"},
 };

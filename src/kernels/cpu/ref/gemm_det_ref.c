@@ -13,3 +13,14 @@ void mq_gemm_det_nt_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t
             C[i * ldc + j] = acc;
         }
 }
+
+void mq_syrk_det_acc_ref(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
+                         int64_t i0, int64_t i1) {
+    (void)K;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = 0; j <= i; j++) {
+            float acc = C[i * ldc + j];
+            for (int64_t r = 0; r < n; r++) acc = fmaf(X[r * ldx + i], X[r * ldx + j], acc);
+            C[i * ldc + j] = acc;
+        }
+}

@@ -9,6 +9,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/gemm_det.h"
@@ -101,6 +102,114 @@ void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_
             int nr = (int)(N - j0 < NR ? N - j0 : NR);
             if (nr == NR) tile6(ap, K, B + j0 * ldb, ldb, C + i0 * ldc + j0, ldc, m);
             else tile_n(ap, K, B + j0 * ldb, ldb, nr, C + i0 * ldc + j0, ldc, m);
+        }
+    }
+}
+
+/* ---- the Hessian update ------------------------------------------------------------------------ */
+/* Tiles of 6 rows (i) by 16 columns (j) of C, the columns contiguous in C: per row r of X two
+ * loads of X[r][j0..j0+15] and six broadcasts of X[r][i0..i0+5], one fma per element and row, in
+ * row order, continuing from C. X goes in blocks of rows repacked by 16-column panels
+ * (P[panel][r][16], one page per panel and block instead of one per row), so the tiles read it
+ * sequentially; the chain of every element runs on across the blocks unchanged. Tiles reach past
+ * the diagonal in the last panel of a row group (elements above the diagonal, never read). */
+enum { SR = 6, SC = 16, ROWS_BLK = 64 };
+
+static _Thread_local float *tl_pack;
+static _Thread_local size_t tl_cap;
+
+static void syrk_tile6(int64_t n, const float *P, int64_t i0, int64_t j0, float *C, int64_t ldc) {
+    float *c0 = C + i0 * ldc + j0, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc, *c4 = c3 + ldc,
+          *c5 = c4 + ldc;
+    const int64_t pstride = ROWS_BLK * SC;   /* floats per panel */
+    const float *vj = P + (j0 / SC) * pstride;
+    const float *b0 = P + ((i0 + 0) / SC) * pstride + (i0 + 0) % SC,
+                *b1 = P + ((i0 + 1) / SC) * pstride + (i0 + 1) % SC,
+                *b2 = P + ((i0 + 2) / SC) * pstride + (i0 + 2) % SC,
+                *b3 = P + ((i0 + 3) / SC) * pstride + (i0 + 3) % SC,
+                *b4 = P + ((i0 + 4) / SC) * pstride + (i0 + 4) % SC,
+                *b5 = P + ((i0 + 5) / SC) * pstride + (i0 + 5) % SC;
+    __m256 a00 = _mm256_loadu_ps(c0), a01 = _mm256_loadu_ps(c0 + 8);
+    __m256 a10 = _mm256_loadu_ps(c1), a11 = _mm256_loadu_ps(c1 + 8);
+    __m256 a20 = _mm256_loadu_ps(c2), a21 = _mm256_loadu_ps(c2 + 8);
+    __m256 a30 = _mm256_loadu_ps(c3), a31 = _mm256_loadu_ps(c3 + 8);
+    __m256 a40 = _mm256_loadu_ps(c4), a41 = _mm256_loadu_ps(c4 + 8);
+    __m256 a50 = _mm256_loadu_ps(c5), a51 = _mm256_loadu_ps(c5 + 8);
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t o = r * SC;
+        const __m256 v0 = _mm256_load_ps(vj + o), v1 = _mm256_load_ps(vj + o + 8);
+        __m256 b = _mm256_broadcast_ss(b0 + o);
+        a00 = _mm256_fmadd_ps(v0, b, a00);
+        a01 = _mm256_fmadd_ps(v1, b, a01);
+        b = _mm256_broadcast_ss(b1 + o);
+        a10 = _mm256_fmadd_ps(v0, b, a10);
+        a11 = _mm256_fmadd_ps(v1, b, a11);
+        b = _mm256_broadcast_ss(b2 + o);
+        a20 = _mm256_fmadd_ps(v0, b, a20);
+        a21 = _mm256_fmadd_ps(v1, b, a21);
+        b = _mm256_broadcast_ss(b3 + o);
+        a30 = _mm256_fmadd_ps(v0, b, a30);
+        a31 = _mm256_fmadd_ps(v1, b, a31);
+        b = _mm256_broadcast_ss(b4 + o);
+        a40 = _mm256_fmadd_ps(v0, b, a40);
+        a41 = _mm256_fmadd_ps(v1, b, a41);
+        b = _mm256_broadcast_ss(b5 + o);
+        a50 = _mm256_fmadd_ps(v0, b, a50);
+        a51 = _mm256_fmadd_ps(v1, b, a51);
+    }
+    _mm256_storeu_ps(c0, a00), _mm256_storeu_ps(c0 + 8, a01);
+    _mm256_storeu_ps(c1, a10), _mm256_storeu_ps(c1 + 8, a11);
+    _mm256_storeu_ps(c2, a20), _mm256_storeu_ps(c2 + 8, a21);
+    _mm256_storeu_ps(c3, a30), _mm256_storeu_ps(c3 + 8, a31);
+    _mm256_storeu_ps(c4, a40), _mm256_storeu_ps(c4 + 8, a41);
+    _mm256_storeu_ps(c5, a50), _mm256_storeu_ps(c5 + 8, a51);
+}
+
+/* The elements the vector tiles leave, as the scalar chain (the same per element). */
+static void syrk_scalar(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                        float *C, int64_t ldc) {
+    const int64_t pstride = ROWS_BLK * SC;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1 && j <= i; j++) {
+            const float *pi = P + (i / SC) * pstride + i % SC, *pj = P + (j / SC) * pstride + j % SC;
+            float acc = C[i * ldc + j];
+            for (int64_t r = 0; r < n; r++) acc = fmaf(pi[r * SC], pj[r * SC], acc);
+            C[i * ldc + j] = acc;
+        }
+}
+
+void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                          int64_t ldc, int64_t row0, int64_t row1) {
+    if (K <= 0 || n <= 0 || row0 >= row1) return;
+    const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
+    const size_t need = (size_t)panels * ROWS_BLK * SC;
+    if (need > tl_cap) {
+        free(tl_pack);
+        tl_pack = aligned_alloc(32, need * sizeof(float));
+        tl_cap = tl_pack ? need : 0;
+        if (!tl_pack) {   /* no scratch: the reference gives the same values */
+            mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
+            return;
+        }
+    }
+    float *P = tl_pack;
+    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
+        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
+        for (int64_t p = 0; p < panels; p++) {
+            float *dst = P + p * ROWS_BLK * SC;
+            const int64_t c0 = p * SC, w = K - c0 < SC ? K - c0 : SC;
+            for (int64_t r = 0; r < rb; r++) {
+                const float *src = X + (r0 + r) * ldx + c0;
+                memcpy(dst + r * SC, src, sizeof(float) * (size_t)w);
+                if (w < SC) memset(dst + r * SC + w, 0, sizeof(float) * (size_t)(SC - w));
+            }
+        }
+        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
+            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
+            int64_t j0 = 0;
+            if (i1 - i0 == SR)
+                for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) syrk_tile6(rb, P, i0, j0, C, ldc);
+            syrk_scalar(rb, P, i0, i1, j0, i1, C, ldc);
         }
     }
 }

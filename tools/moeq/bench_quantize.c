@@ -1,0 +1,149 @@
+/*
+ * moeq bench quantize MODEL_DIR: the streaming pipeline's GPTQ (the defaults of `moeq quantize
+ * --method gptq`, NVFP4 unless --scheme int4) on the first --layers layers of a model, e.g. a
+ * full-size checkpoint from `moeq bench gen-model`: per layer the seconds of the calibration
+ * forward (and of its attention part), the Hessians, GPTQ and the writes; the forward's FLOP rate
+ * as a fraction of this machine's sgemm measured in the same run; peak anonymous memory (planned
+ * and measured: mmapped source pages are not anonymous); and the whole model's time extrapolated
+ * from the layers run (their mean per layer times the model's layers), against the published
+ * figures of llm-compressor (Qwen3-30B-A3B GPTQ: 3.9 h on one GPU). Nothing is kept.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "cli.h"
+#include "model/model.h"
+#include "pipeline/pipeline.h"
+
+int bench_quantize(int argc, char **argv) {
+    int64_t layers = 2, nsamples = 128, seqlen = 512, threads = 0, full_layers = 0;
+    const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL;
+    bool json = false;
+    cli_opt opts[] = {
+        {"--layers", OPT_INT, &layers, "N", "layers to run (default 2; the rest is extrapolated)",
+         NULL, 1, 1 << 20, NULL},
+        {"--full-layers", OPT_INT, &full_layers, "N", "layers of the whole model for the "
+         "extrapolation (default: the checkpoint's; e.g. 48 for a 2-layer Qwen3-30B-A3B from "
+         "bench gen-model)", NULL, 1, 1 << 20, NULL},
+        {"--calib", OPT_STRING, &calib, "FILE", "calibration text (default the shared fixtures' "
+         "calib.txt, else data/demo-calib.txt)", NULL, 0, -1, NULL},
+        {"--nsamples", OPT_INT, &nsamples, "N", "calibration samples (default 128)", NULL, 1, 1 << 20, NULL},
+        {"--seqlen", OPT_INT, &seqlen, "L", "tokens per sample (default 512)", NULL, 2, 1 << 20, NULL},
+        {"--scheme", OPT_CHOICE, &scheme, NULL, "weight format (default nvfp4)", "nvfp4|int4", 0, -1, NULL},
+        {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory budget (default as moeq "
+         "quantize)", NULL, 0, -1, NULL},
+        {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 0, 1024, NULL},
+        {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
+    };
+    cli_command cmd = {"bench quantize", "MODEL_DIR [--layers N] [--json]",
+                       "GPTQ through the streaming pipeline on the first --layers layers: seconds "
+                       "per stage and layer, the forward's fraction of sgemm, peak anonymous "
+                       "memory, and the whole model's extrapolated time.",
+                       opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
+    const char *pos[1];
+    int n_pos = 0;
+    int rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
+    if (rc >= 0) return rc;
+    if (threads > 0) moeq_set_threads((int)threads);
+    char calib_buf[4200];
+    if (!calib) {
+        const char *sh = cli_shared_dir();
+        if (sh) snprintf(calib_buf, sizeof calib_buf, "%s/fixtures/text/calib.txt", sh);
+        else snprintf(calib_buf, sizeof calib_buf, "%s/data/demo-calib.txt", MOEQ_SOURCE_DIR);
+        calib = calib_buf;
+    }
+    uint64_t mem = 0;
+    if (max_memory && !cli_parse_size(max_memory, &mem))
+        return cli_usage_error("bench quantize", "--max-memory: cannot read '%s'", max_memory);
+    mq_config cfg;
+    moeq_status st = mq_config_load(pos[0], &cfg);
+    if (st) return cli_fail("bench quantize", st);
+    const int n_layers = full_layers > 0 ? (int)full_layers : cfg.n_layers;
+    char model_type[32];
+    snprintf(model_type, sizeof model_type, "%s", cfg.model_type);
+    mq_config_free(&cfg);
+
+    mq_pipeline_opts o;
+    bool int4 = strcmp(scheme, "int4") == 0;
+    mq_pipeline_opts_init(&o, int4 ? MQ_QS_INT4 : MQ_QS_NVFP4, MQ_FMT_CT);
+    o.gptq = true;
+    o.spec.mse = true;
+    o.g.mse_weight = MQ_GPTQ_MSE_LOOP;
+    o.g.act_order = int4;
+    o.calib.path = calib;
+    o.calib.nsamples = nsamples;
+    o.calib.seqlen = seqlen;
+    o.max_memory = (int64_t)mem;
+    o.stop_after = (int32_t)layers;
+    char tmpl[] = "/tmp/moeq-bench-XXXXXX", out[64];
+    if (!mkdtemp(tmpl)) return cli_fail("bench quantize", mq_err(MOEQ_E_IO, "cannot make a temporary directory"));
+    snprintf(out, sizeof out, "%s/q", tmpl);
+    mq_pipeline_result *r = calloc(1, sizeof *r);
+    if (!r) return cli_fail("bench quantize", MOEQ_E_NOMEM);
+    cli_progress_enable(json);
+    st = mq_pipeline_run(pos[0], out, &o, r);
+    cli_progress_finish();
+    mq_remove_tree(tmpl);
+    if (st) {
+        free(r);
+        return cli_fail("bench quantize", st);
+    }
+    double sgemm = mq_measure_sgemm_gflops(1024, 1.0);
+    const int run = r->layers_run;
+    double sum = 0, fwd = 0, att = 0, hes = 0, gq = 0, wr = 0;
+    for (int l = 0; l < run; l++) {
+        sum += r->layer[l].total;
+        fwd += r->layer[l].forward;
+        att += r->layer[l].attention;
+        hes += r->layer[l].hessian;
+        gq += r->layer[l].gptq;
+        wr += r->layer[l].write;
+    }
+    /* the plan's FLOPs are the whole model's; per layer they are all alike */
+    double fwd_flops = r->plan.flops_forward / r->plan.layers * run;
+    double frac = fwd > 0 ? fwd_flops / fwd * 1e-9 / sgemm : 0;
+    double whole = run > 0 ? sum / run * n_layers : 0;
+    if (json) {
+        printf("{\"model\": ");
+        cli_print_json_string(stdout, pos[0]);
+        printf(", \"model_type\": \"%s\", \"layers\": %d, \"layers_run\": %d, \"samples\": %lld, "
+               "\"tokens\": %lld, \"threads\": %d, \"expert_chunk\": %d, \"per_layer\": [",
+               model_type, n_layers, run, (long long)r->samples, (long long)r->tokens,
+               moeq_threads(), r->plan.chunk);
+        for (int l = 0; l < run; l++)
+            printf("%s{\"forward\": %.3f, \"attention\": %.3f, \"hessians\": %.3f, \"gptq\": %.3f, "
+                   "\"write\": %.3f, \"total\": %.3f, \"peak_anon_bytes\": %lld}", l ? ", " : "",
+                   r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian, r->layer[l].gptq,
+                   r->layer[l].write, r->layer[l].total, (long long)r->layer[l].peak_anon);
+        printf("], \"forward_gflops\": %.2f, \"sgemm_gflops\": %.2f, \"forward_fraction_of_sgemm\": %.3f, "
+               "\"peak_anon_bytes\": %lld, \"planned_peak_bytes\": %lld, \"budget_bytes\": %lld, "
+               "\"extrapolated_seconds\": %.1f, \"extrapolated_hours\": %.3f}\n",
+               fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, sgemm, frac, (long long)r->peak_anon,
+               (long long)r->plan.peak, (long long)r->plan.budget, whole, whole / 3600);
+    } else {
+        printf("%s (%s): GPTQ %s, %lld samples x %lld tokens, %d threads, %d layers run of %d, "
+               "%d experts per chunk\n", pos[0], model_type, scheme, (long long)r->samples,
+               (long long)(r->samples ? r->tokens / r->samples : 0), moeq_threads(), run, n_layers,
+               r->plan.chunk);
+        for (int l = 0; l < run; l++)
+            printf("  layer %d: %.1f s = forward %.1f (attention %.1f) + Hessians %.1f + GPTQ %.1f + "
+                   "write %.1f; peak %.2f GB\n", l, r->layer[l].total, r->layer[l].forward,
+                   r->layer[l].attention, r->layer[l].hessian, r->layer[l].gptq, r->layer[l].write,
+                   (double)r->layer[l].peak_anon / 1e9);
+        printf("per layer: %.1f s (forward %.1f, attention %.1f of it, Hessians %.1f, GPTQ %.1f, write %.1f)\n",
+               sum / run, fwd / run, att / run, hes / run, gq / run, wr / run);
+        printf("forward: %.1f GFLOP/s = %.2f x sgemm (%.1f GFLOP/s, OpenBLAS 1024^3, same run)\n",
+               fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, frac, sgemm);
+        printf("peak anonymous memory: %.2f GB (planned %.2f GB, budget %.2f GB)\n",
+               (double)r->peak_anon / 1e9, (double)r->plan.peak / 1e9, (double)r->plan.budget / 1e9);
+        printf("whole model (%d layers) extrapolated: %.0f s = %.2f h", n_layers, whole, whole / 3600);
+        if (strcmp(model_type, "qwen3_moe") == 0)
+            printf("; llm-compressor GPTQ of Qwen3-30B-A3B: 3.9 h on one GPU (%.2f x)", 3.9 * 3600 / whole);
+        printf("\n");
+    }
+    free(r);
+    return CLI_OK;
+}
