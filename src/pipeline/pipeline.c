@@ -354,7 +354,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     if (s) goto done;
     p->LD = p->calibrate ? p->calib.max_len * p->c->D : 0;
     if ((s = mq_plan_memory(p))) goto done;
-    if (o->dry_run || p->calibrate) mq_plan_estimate_time(p);
+    if (o->dry_run) mq_plan_estimate_time(p);
     res.plan = p->mp;
     res.samples = p->calib.n;
     res.tokens = p->calib.total;

@@ -165,6 +165,25 @@ static void syrk_tile6(int64_t n, const float *P, int64_t i0, int64_t j0, float 
     _mm256_storeu_ps(c5, a50), _mm256_storeu_ps(c5 + 8, a51);
 }
 
+/* A row group of nr < 6 rows (the last of a range) over one full panel: the same chains. */
+static void syrk_tile_n(int64_t n, const float *P, int64_t i0, int nr, int64_t j0, float *C,
+                        int64_t ldc) {
+    const int64_t pstride = ROWS_BLK * SC;
+    const float *vj = P + (j0 / SC) * pstride;
+    for (int t = 0; t < nr; t++) {
+        float *c = C + (i0 + t) * ldc + j0;
+        const float *bi = P + ((i0 + t) / SC) * pstride + (i0 + t) % SC;
+        __m256 a0 = _mm256_loadu_ps(c), a1 = _mm256_loadu_ps(c + 8);
+        for (int64_t r = 0; r < n; r++) {
+            __m256 b = _mm256_broadcast_ss(bi + r * SC);
+            a0 = _mm256_fmadd_ps(_mm256_load_ps(vj + r * SC), b, a0);
+            a1 = _mm256_fmadd_ps(_mm256_load_ps(vj + r * SC + 8), b, a1);
+        }
+        _mm256_storeu_ps(c, a0);
+        _mm256_storeu_ps(c + 8, a1);
+    }
+}
+
 /* The elements the vector tiles leave, as the scalar chain (the same per element). */
 static void syrk_scalar(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
                         float *C, int64_t ldc) {
@@ -207,8 +226,10 @@ void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, flo
         for (int64_t i0 = row0; i0 < row1; i0 += SR) {
             const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
             int64_t j0 = 0;
-            if (i1 - i0 == SR)
-                for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) syrk_tile6(rb, P, i0, j0, C, ldc);
+            for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
+                if (i1 - i0 == SR) syrk_tile6(rb, P, i0, j0, C, ldc);
+                else syrk_tile_n(rb, P, i0, (int)(i1 - i0), j0, C, ldc);
+            }
             syrk_scalar(rb, P, i0, i1, j0, i1, C, ldc);
         }
     }
