@@ -183,9 +183,10 @@ static moeq_status time_model(const char *dir, const char *calib, const bench_cf
     o.calib.path = calib;
     o.calib.nsamples = nsamples;
     o.calib.seqlen = seqlen;
-    char tmpl[] = "/tmp/moeq-bench-XXXXXX";
-    if (!mkdtemp(tmpl)) return mq_err(MOEQ_E_IO, "cannot make a temporary directory");
-    char out[64];
+    const char *td = getenv("TMPDIR");
+    char tmpl[1024], out[1100];
+    snprintf(tmpl, sizeof tmpl, "%s/moeq-bench-XXXXXX", td && *td ? td : "/tmp");
+    if (!mkdtemp(tmpl)) return mq_err(MOEQ_E_IO, "cannot make a temporary directory in %s", tmpl);
     snprintf(out, sizeof out, "%s/q", tmpl);
     moeq_status st = mq_pipeline_run(dir, out, &o, r);
     mq_remove_tree(tmpl);

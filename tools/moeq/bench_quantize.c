@@ -78,8 +78,10 @@ int bench_quantize(int argc, char **argv) {
     o.calib.seqlen = seqlen;
     o.max_memory = (int64_t)mem;
     o.stop_after = (int32_t)layers;
-    char tmpl[] = "/tmp/moeq-bench-XXXXXX", out[64];
-    if (!mkdtemp(tmpl)) return cli_fail("bench quantize", mq_err(MOEQ_E_IO, "cannot make a temporary directory"));
+    const char *td = getenv("TMPDIR");
+    char tmpl[1024], out[1100];
+    snprintf(tmpl, sizeof tmpl, "%s/moeq-bench-XXXXXX", td && *td ? td : "/tmp");
+    if (!mkdtemp(tmpl)) return cli_fail("bench quantize", mq_err(MOEQ_E_IO, "cannot make a temporary directory in %s", tmpl));
     snprintf(out, sizeof out, "%s/q", tmpl);
     mq_pipeline_result *r = calloc(1, sizeof *r);
     if (!r) return cli_fail("bench quantize", MOEQ_E_NOMEM);
@@ -120,7 +122,7 @@ int bench_quantize(int argc, char **argv) {
                    r->layer[l].write, r->layer[l].total, (long long)r->layer[l].peak_anon);
         printf("], \"forward_gflops\": %.2f, \"sgemm_gflops\": %.2f, \"forward_fraction_of_sgemm\": %.3f, "
                "\"peak_anon_bytes\": %lld, \"planned_peak_bytes\": %lld, \"budget_bytes\": %lld, "
-               "\"extrapolated_seconds\": %.1f, \"extrapolated_hours\": %.3f}\n",
+               "\"extrapolated_seconds\": %.3f, \"extrapolated_hours\": %.4f}\n",
                fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, sgemm, frac, (long long)r->peak_anon,
                (long long)r->plan.peak, (long long)r->plan.budget, whole, whole / 3600);
     } else {
