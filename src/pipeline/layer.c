@@ -673,66 +673,38 @@ static moeq_status block_hessian(mq_pipe *p, int l, float **out) {
     return MOEQ_OK;
 }
 
-typedef struct {
-    mq_pipe *p;
-    int l;
-    slot *dn;
-    int *experts;
-    moeq_status *status;
-} fallback_job;
-
-/* Hessian of expert e's down input had every token been routed to it (its gate/up on the first
- * FALLBACK_TOKENS tokens, whole samples). */
-static void fallback_down_task(void *ctx, int64_t i, int thread) {
-    (void)thread;
-    fallback_job *j = ctx;
-    mq_pipe *p = j->p;
-    const int e = j->experts[i];
-    const mq_layer *ly = &p->m->layers[j->l];
-    const int64_t Lmax = p->calib.max_len, F = ly->exp_gate[e].out;
+/* Hessian of expert e's down input had every token been routed to it: its gate/up on the first
+ * FALLBACK_TOKENS tokens, whole samples (each product over the whole pool). */
+static moeq_status fallback_down_one(mq_pipe *p, int l, int e, slot *dn, float *g, float *u,
+                                     float *scratch) {
+    const mq_layer *ly = &p->m->layers[l];
+    const int64_t F = ly->exp_gate[e].out;
     ffn_source src = hessian_source(p);
-    slot *dn = &j->dn[e];
-    float *g = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "fallback activations");
-    float *u = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "fallback activations");
-    float *scratch = mq_alloc_array((size_t)p->LD, sizeof(float), "FFN input");
-    moeq_status st = g && u && scratch ? MOEQ_OK : MOEQ_E_NOMEM;
-    if (!st) st = mq_hessian_init(&dn->h, F, "fallback down Hessian");
+    moeq_status st = mq_hessian_init(&dn->h, F, "fallback down Hessian");
     for (int64_t s = 0, used = 0; s < p->calib.n && used < FALLBACK_TOKENS && !st; s++) {
         const int64_t T = p->calib.len[s];
         used += T;
-        const float *x = ffn_input(p, j->l, &src, s, scratch);
+        const float *x = ffn_input(p, l, &src, s, scratch);
         st = mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], NULL, x, T, g, u, NULL);
         if (!st) mq_hessian_add(&dn->h, g, T);
     }
     if (!st) slot_form(dn);
+    return st;
+}
+
+static moeq_status fallback_down(mq_pipe *p, int l, slot *dn, int e0, int e1) {
+    const int64_t Lmax = p->calib.max_len, F = p->c->moe_ffn;
+    float *g = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "fallback activations");
+    float *u = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "fallback activations");
+    float *scratch = mq_alloc_array((size_t)p->LD, sizeof(float), "FFN input");
+    moeq_status st = g && u && scratch ? MOEQ_OK : MOEQ_E_NOMEM;
+    double t0 = mq_now();
+    for (int e = e0; e < e1 && !st; e++)
+        if (dn[e].nw && dn[e].how == MQ_HOW_GPTQ_BLOCK_HESSIAN) st = fallback_down_one(p, l, e, &dn[e], g, u, scratch);
+    p->layers[l].hessian += mq_now() - t0;
     mq_free(g);
     mq_free(u);
     mq_free(scratch);
-    j->status[i] = st;
-}
-
-static moeq_status fallback_down(mq_pipe *p, int l, slot *gu, slot *dn, int e0, int e1) {
-    int *experts = calloc((size_t)(e1 - e0), sizeof *experts);
-    moeq_status *status = calloc((size_t)(e1 - e0), sizeof *status);
-    if (!experts || !status) {
-        free(experts);
-        free(status);
-        return mq_err(MOEQ_E_NOMEM, "out of memory");
-    }
-    int n = 0;
-    for (int e = e0; e < e1; e++)
-        if (dn[e].nw && dn[e].how == MQ_HOW_GPTQ_BLOCK_HESSIAN) experts[n++] = e;
-    (void)gu;
-    double t0 = mq_now();
-    fallback_job j = {p, l, dn, experts, status};
-    mq_parallel_for(n, fallback_down_task, &j);
-    p->layers[l].hessian += mq_now() - t0;
-    moeq_status st = MOEQ_OK;
-    for (int i = 0; i < n && !st; i++)
-        if (status[i]) st = mq_err(status[i], "layer %d expert %d: out of memory for the fallback "
-                                   "Hessian", l, experts[i]);
-    free(experts);
-    free(status);
     return st;
 }
 
@@ -799,7 +771,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
          * calibration this pass also gives the layer's output */
         if (!st && calib)
             st = experts_pass(p, l, e0, e1, hs, !p->seq, o->gptq, o->act_quant, gu, dn);
-        if (!st && calib && o->gptq) st = fallback_down(p, l, gu, dn, e0, e1);
+        if (!st && calib && o->gptq) st = fallback_down(p, l, dn, e0, e1);
         for (int e = e0; e < e1 && calib; e++) {
             slot_form(&gu[e]);
             slot_form(&dn[e]);

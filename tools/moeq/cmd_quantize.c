@@ -35,8 +35,9 @@ static void print_plan(const char *model, const moeq_quant_plan *p) {
     print_bytes("attention state and KV cache", p->state, NULL);
     print_bytes("one layer's attention", p->attention, "weights, Hessians, factors");
     if (p->chunk > 0) {
-        snprintf(note, sizeof note, "%d experts at a time, %d chunks per layer, %d samples per batch",
-                 p->chunk, p->n_chunks, p->sample_batch);
+        snprintf(note, sizeof note, "%d expert%s at a time, %d chunk%s per layer, up to %d samples "
+                 "per batch", p->chunk, p->chunk > 1 ? "s" : "", p->n_chunks, p->n_chunks > 1 ? "s" : "",
+                 p->sample_batch);
         print_bytes("one expert chunk", p->expert_chunk, note);
     }
     print_bytes("shared expert / dense MLP", p->ffn_other, NULL);
