@@ -36,7 +36,8 @@ const char *moeq_version(void);
     X(MOEQ_E_NUMERIC, -7, "non-finite value")                                                      \
     X(MOEQ_E_INTERRUPTED, -8, "interrupted")                                                       \
     X(MOEQ_E_NOTFOUND, -9, "not found")                                                            \
-    X(MOEQ_E_EXISTS, -10, "already exists")
+    X(MOEQ_E_EXISTS, -10, "already exists")                                                       \
+    X(MOEQ_E_DEVICE, -11, "device error")
 
 typedef enum {
 #define MOEQ__STATUS_ENUM(name, value, text) name = value,
@@ -422,6 +423,10 @@ typedef struct {
     int32_t expert_chunk;          /* --expert-chunk: routed experts loaded at once; 0 = as many
                                       as max_memory allows. Never changes the result */
     moeq_act_storage activations;  /* --activations (default auto) */
+    const char *device;            /* --device: "cpu" (NULL, the default), "cuda" or "cuda:N":
+                                      GPTQ's factorisations and column loops on that GPU (a
+                                      build with -DMOEQ_CUDA=ON); the codes agree with the
+                                      CPU's but for weights within rounding of a threshold */
     struct {                       /* GPTQ only (method MOEQ_QUANT_GPTQ) */
         int64_t nsamples;          /* --nsamples: calibration samples (default 128) */
         int64_t seqlen;            /* --seqlen: tokens per sample, >= 2 (default 512) */

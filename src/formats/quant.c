@@ -111,13 +111,24 @@ float mq_nvfp4_global_scale(const mq_qspec *s, float amax) {
 }
 
 float mq_absmax(const float *x, int64_t n) {
-    float m = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
+    /* eight independent maxima (the loop is latency-bound otherwise); max is exact in any order */
+    float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    bool nan = false;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) {
+            float a = fabsf(x[i + k]);
+            nan |= a != a;
+            m[k] = a > m[k] ? a : m[k];
+        }
+    for (; i < n; i++) {
         float a = fabsf(x[i]);
-        if (isnan(a)) return NAN;
-        if (a > m) m = a;
+        nan |= a != a;
+        m[0] = a > m[0] ? a : m[0];
     }
-    return m;
+    if (nan) return NAN;
+    for (int k = 1; k < 8; k++) m[0] = m[k] > m[0] ? m[k] : m[0];
+    return m[0];
 }
 
 /* ---- per-value ops ------------------------------------------------------------------------ */

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/gpu.h"
 #include "pipeline/pipeline.h"
 
 void moeq_quant_options_init(moeq_quant_options *o) {
@@ -106,6 +107,12 @@ static moeq_status check_options(const moeq_quant_options *o) {
                                       (long long)o->max_memory);
     if (o->expert_chunk < 0) return BAD("expert_chunk must be >= 0 (0: from max_memory), got %d",
                                         o->expert_chunk);
+    int dev = -1;
+    if (o->device && mq_gpu_parse_device(o->device, &dev))
+        return BAD("device: \"%s\": expected cpu, cuda or cuda:N", o->device);
+    if (dev >= 0 && o->method != MOEQ_QUANT_GPTQ)
+        return BAD("device %s: only method gptq runs on a GPU (round to nearest is not worth "
+                   "the transfer)", o->device);
     if ((unsigned)o->activations > MOEQ_ACT_STORAGE_BF16)
         return BAD("activations: unknown value %d", (int)o->activations);
     return o->method == MOEQ_QUANT_GPTQ ? check_gptq(o) : MOEQ_OK;
@@ -141,6 +148,8 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->resume = po->resume != 0;
     o->dry_run = po->dry_run != 0;
     o->expert_chunk = po->expert_chunk;
+    o->device = -1;
+    if (po->device) mq_gpu_parse_device(po->device, &o->device);   /* checked before */
     o->act_storage = po->activations == MOEQ_ACT_STORAGE_RAM    ? MQ_ACT_RAM
                      : po->activations == MOEQ_ACT_STORAGE_DISK ? MQ_ACT_DISK
                      : po->activations == MOEQ_ACT_STORAGE_BF16 ? MQ_ACT_BF16

@@ -7,6 +7,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "backend/gpu.h"
 #include "export/writer.h"
 #include "model/model.h"
 #include "pipeline/pipeline.h"
@@ -81,8 +82,11 @@ typedef struct mq_pipe {
     int32_t *sel_a, *sel_b;       /* [S][Lmax][K] */
     float *w_a, *w_b;
     mq_state *state;
+    mq_gpu *gpu;                  /* GPTQ's device (o->device >= 0), else NULL */
     /* progress, in the plan's estimated MFLOP */
     int64_t units_done, units_total;
+    int64_t units_run0;           /* units_done when this run's first layer began (the rate of
+                                     the ETA counts this run's work only, not resumed layers) */
     struct {
         int64_t attention_sample;   /* one sample through a layer's attention */
         int64_t expert;             /* one routed expert: calibration, GPTQ, output */

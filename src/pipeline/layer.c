@@ -187,14 +187,15 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
             names[n] = "the MoE block's Hessian";
         }
     }
-    if (!st && o->gptq) {
+    if (!st && o->gptq && !p->gpu) {
         st = mq_gptq_factor_many(Hs, Ks, nf, &o->g, o->g.rtn_loss, names, f);
         factored = !st;
     }
-    for (int i = 0; i < n; i++) {   /* factored: the Hessians are no longer needed */
-        mq_free(slots[i].H);
-        slots[i].H = NULL;
-    }
+    if (!p->gpu || st)
+        for (int i = 0; i < n; i++) {   /* factored: the Hessians are no longer needed */
+            mq_free(slots[i].H);
+            slots[i].H = NULL;
+        }
     for (int i = 0; i < n && !st; i++) {
         slot *s = &slots[i];
         for (int k = 0; k < s->nw && !st; k++) {
@@ -214,7 +215,25 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         }
     }
     /* the GPTQ jobs ran into q[] through their out pointers; their stats go back by position */
-    if (!st && n_jobs > 0) st = mq_gptq_run(&o->spec, &o->g, jobs, n_jobs);
+    if (!st && n_jobs > 0 && p->gpu) {
+        /* on the GPU the factorisations are part of the call: job -> its Hessian's index */
+        int32_t *job_h = calloc((size_t)n_jobs, sizeof *job_h);
+        if (!job_h) st = mq_err(MOEQ_E_NOMEM, "out of memory quantizing layer %d", l);
+        for (int i = 0; i < n && !st; i++)
+            for (int k = 0; k < slots[i].nw; k++)
+                if (job_of[3 * i + k] >= 0)
+                    job_h[job_of[3 * i + k]] =
+                        slots[i].how == MQ_HOW_GPTQ_BLOCK_HESSIAN && !slots[i].down ? n : i;
+        if (!st) st = mq_gpu_gptq(p->gpu, &o->spec, &o->g, Hs, Ks, names, nf, jobs, job_h, n_jobs);
+        free(job_h);
+    } else if (!st && n_jobs > 0) {
+        st = mq_gptq_run(&o->spec, &o->g, jobs, n_jobs);
+    }
+    if (p->gpu)
+        for (int i = 0; i < n; i++) {
+            mq_free(slots[i].H);
+            slots[i].H = NULL;
+        }
     p->layers[l].gptq += mq_now() - t0;
     for (int i = 0; i < n && !st; i++) {
         slot *s = &slots[i];

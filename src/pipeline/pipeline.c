@@ -23,6 +23,7 @@ void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_forma
     }
     o->g = mq_gptq_opts_default();
     o->sequential = true;
+    o->device = -1;
     o->min_expert_tokens = 32;
     mq_calib_opts_init(&o->calib);
     o->act_calib_tokens = 65536;
@@ -161,6 +162,7 @@ static void pipe_free(mq_pipe *p) {
     mq_free(p->w_a);
     mq_free(p->w_b);
     mq_state_free(p->state);
+    mq_gpu_close(p->gpu);
     mq_ckpt_writer_close(p->w);
     for (int l = 0; p->layers && l < p->plan.n_layers; l++) cJSON_Delete(p->layers[l].modules);
     free(p->layers);
@@ -205,7 +207,8 @@ static void sum_modules(mq_pipe *p) {
 static void log_layer(const mq_pipe *p, int l, double t_start) {
     const mq_layer_report *lr = &p->layers[l];
     double el = mq_now() - t_start;
-    double left = p->units_done > 0 ? el * (double)(p->units_total - p->units_done) / (double)p->units_done : 0;
+    const int64_t ran = p->units_done - p->units_run0;
+    double left = ran > 0 ? el * (double)(p->units_total - p->units_done) / (double)ran : 0;
     char chunks[48] = "";
     if (lr->chunks > 0) snprintf(chunks, sizeof chunks, ", %d expert chunk%s", lr->chunks, lr->chunks > 1 ? "s" : "");
     mq_info("layer %d/%d: %.1f s (forward %.1f of which attention %.1f, Hessians %.1f, GPTQ %.1f, "
@@ -216,7 +219,6 @@ static void log_layer(const mq_pipe *p, int l, double t_start) {
 
 static moeq_status run(mq_pipe *p) {
     const mq_pipeline_opts *o = p->o;
-    const double t_start = mq_now();
     moeq_status s = MOEQ_OK;
     if (!mq_work_globals_done(p)) {
         s = mq_pipe_write_passthrough(p, -1);
@@ -245,6 +247,8 @@ static moeq_status run(mq_pipe *p) {
         }
     }
     int end = o->stop_after > 0 && start + o->stop_after < n_layers ? start + o->stop_after : n_layers;
+    const double t_layers = mq_now();   /* after any recomputation of finished layers */
+    p->units_run0 = p->units_done;
     for (int l = start; l < end && !s; l++) {
         mq_mem_watch_take_peak();
         if (p->calibrate) {
@@ -258,7 +262,7 @@ static moeq_status run(mq_pipe *p) {
         }
         p->layers[l].peak_anon = mq_mem_watch_take_peak();
         if (!s) s = mq_work_layer_done(p, l);
-        if (!s && p->calibrate) log_layer(p, l, t_start);
+        if (!s && p->calibrate) log_layer(p, l, t_layers);
         if (!s && p->res->layers_run < 512) {
             const mq_layer_report *lr = &p->layers[l];
             p->res->layer[p->res->layers_run++] = (mq_layer_stats){
@@ -306,6 +310,14 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     bool exists = false;
     bool watching = false, work = false;
     if ((s = mq_ckpt_check_out(model_dir, p->out_dir, o->force, &exists))) goto done;
+    if (o->gptq && o->device >= 0) {
+        /* first, so that a missing GPU costs nothing */
+        if ((s = mq_gpu_open(o->device, &p->gpu))) goto done;
+        mq_gpu_info gi;
+        mq_gpu_get_info(p->gpu, &gi);
+        mq_info("GPTQ on cuda:%d, %s (compute %d.%d, %d SMs, %.1f GB free of %.1f GB)", gi.device, gi.name,
+                gi.cc_major, gi.cc_minor, gi.sm_count, (double)gi.mem_free / 1e9, (double)gi.mem_total / 1e9);
+    }
     if ((s = read_config(model_dir, &p->src_config, &p->mixtral))) goto done;
     p->calibrate = o->gptq || o->act_quant;
     p->seq = o->gptq && o->sequential;

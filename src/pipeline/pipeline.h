@@ -68,6 +68,7 @@ typedef struct {
     bool dry_run;                  /* plan only */
     int expert_chunk;              /* experts loaded at once; 0: as many as the budget allows */
     mq_act_storage act_storage;
+    int device;                    /* GPTQ on GPU `device` (backend/gpu.h); -1: on the CPU */
     const char *report_path;       /* JSON report (NULL: none) */
     int32_t stop_after;            /* benchmarks: stop after this many layers (0: all); the run
                                       then writes no checkpoint and keeps no work directory */

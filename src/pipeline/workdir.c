@@ -142,6 +142,8 @@ static cJSON *options_identity(const mq_pipe *p) {
         cJSON_AddBoolToObject(j, "true_sequential", o->true_sequential);
         cJSON_AddNumberToObject(j, "min_expert_tokens", (double)o->min_expert_tokens);
         cJSON_AddBoolToObject(j, "fallback_rtn", o->fallback_rtn);
+        /* GPU and CPU codes differ where a weight sits on a rounding threshold */
+        cJSON_AddStringToObject(j, "gptq_device", o->device >= 0 ? "cuda" : "cpu");
     }
     /* bf16 activations round the calibration's values */
     cJSON_AddBoolToObject(j, "bf16_activations", p->mp.storage == MQ_ACT_BF16);

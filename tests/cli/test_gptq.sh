@@ -65,6 +65,16 @@ grep -q 'gidx' "$tmp/err" || fail "gidx with nvfp4: message"
 "$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$tmp/none.txt" 2>"$tmp/err"
 [ $? -eq 1 ] || fail "missing calibration file: expected exit 1"
 grep -q 'none.txt' "$tmp/err" || fail "missing calibration file: message"
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --device gpu >/dev/null 2>&1
+[ $? -eq 2 ] || fail "bad --device: expected exit 2"
+# a GPU that is not there (or a build without CUDA): a clear error before any work
+"$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" \
+    --nsamples 2 --seqlen 16 --device cuda:999 2>"$tmp/err"
+[ $? -eq 1 ] || fail "--device cuda:999: expected exit 1"
+grep -q 'cuda:999' "$tmp/err" || fail "--device cuda:999: message"
+"$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --device cuda 2>"$tmp/err"
+[ $? -eq 1 ] || fail "--device cuda with rtn: expected exit 1"
+grep -q 'only method gptq' "$tmp/err" || fail "--device cuda with rtn: message"
 [ ! -e "$tmp/u" ] || fail "a failed job left $tmp/u"
 
 [ $fails -eq 0 ] && echo "all gptq CLI checks passed"

@@ -4,6 +4,8 @@
  * rows*cols^2 + cols^3 flops (error updates plus inverse) as in issue 5. --moe also times one
  * OLMoE-1B-7B-shaped MoE layer: 64 experts, gate and up [1024, 2048] sharing one Hessian, down
  * [2048, 1024] (torchao on an H200: 0.94 s for 4096x2048, 65 s for the layer).
+ * --device cuda[:N] times the same on the GPU backend (the whole layer in one call), with the
+ * GPU's measured sgemm rate and bandwidth, and the single weight's code agreement with the CPU.
  */
 #include <math.h>
 #include <sys/resource.h>
@@ -15,6 +17,7 @@
 #include "cli.h"
 #include <unistd.h>
 
+#include "backend/gpu.h"
 #include "pipeline/pipeline.h"
 #include "quant/gptq.h"
 
@@ -87,11 +90,41 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
     return best;
 }
 
+static void sort_doubles(double *v, int n) {
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+}
+
+/* One weight on the GPU (factor and loop, transfers included): the median of reps after a
+ * warm-up; the last result stays in *q. */
+static double time_one_gpu(mq_gpu *g, const bench_cfg *b, const float *H, const float *W, int64_t N,
+                           int64_t K, int reps, mq_qtensor *q, mq_gptq_stats *stats) {
+    double t[1000];
+    const float *Hs[] = {H};
+    const int64_t Ks[] = {K};
+    const char *hn[] = {"bench.weight"};
+    const int32_t jh[] = {0};
+    for (int r = -1; r < reps; r++) {
+        mq_gptq_job j = {NULL, W, N, 0, "bench.weight", q, NULL, {0, 0, 0, 0, 0}};
+        double t0 = mq_now();
+        if (mq_gpu_gptq(g, &b->spec, &b->opts, Hs, Ks, hn, 1, &j, jh, 1)) return -1;
+        if (r >= 0) t[r] = mq_now() - t0;
+        *stats = j.stats;
+        if (r + 1 < reps) mq_qtensor_free(q);
+    }
+    sort_doubles(t, reps);
+    return t[reps / 2];
+}
+
 /* One MoE layer of E experts, processed `chunk` experts at a time (bounded memory): per chunk,
  * factorise the 2*chunk Hessians in parallel, then run the 3*chunk weights in one parallel
  * loop. Random inputs are made once per chunk slot and reused (values do not change the time). */
 static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64_t F, int64_t D,
-                             double *cores) {
+                             double *cores, mq_gpu *g) {
     moeq_status st = MOEQ_OK;
     float *hg[64] = {0}, *hd[64] = {0}, *wg[64] = {0}, *wu[64] = {0}, *wd[64] = {0};
     if (chunk > 64) chunk = 64;
@@ -123,6 +156,45 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
         names[e] = "bench.expert";
         kg[e] = D;
         kd[e] = F;
+    }
+    if (g) {
+        /* the whole layer in one call: 2E Hessians, 3E weights (the chunk's inputs reused) */
+        const float **Hs = calloc((size_t)(2 * E), sizeof *Hs);
+        int64_t *Ks = calloc((size_t)(2 * E), sizeof *Ks);
+        const char **hn = calloc((size_t)(2 * E), sizeof *hn);
+        int32_t *jh = calloc((size_t)(3 * E), sizeof *jh);
+        mq_gptq_job *gj = calloc((size_t)(3 * E), sizeof *gj);
+        mq_qtensor *gq = calloc((size_t)(3 * E), sizeof *gq);
+        double ts[3];
+        moeq_status gst = Hs && Ks && hn && jh && gj && gq ? MOEQ_OK : MOEQ_E_NOMEM;
+        for (int64_t e = 0; e < E && !gst; e++) {
+            const int64_t c = e % chunk;
+            Hs[2 * e] = hg[c];
+            Hs[2 * e + 1] = hd[c];
+            Ks[2 * e] = D;
+            Ks[2 * e + 1] = F;
+            hn[2 * e] = hn[2 * e + 1] = "bench.expert";
+            float gs = mq_nvfp4_global_scale(&b->spec, fmaxf(mq_absmax(wg[c], F * D), mq_absmax(wu[c], F * D)));
+            gj[3 * e] = (mq_gptq_job){NULL, wg[c], F, gs, "gate", &gq[3 * e], NULL, {0, 0, 0, 0, 0}};
+            gj[3 * e + 1] = (mq_gptq_job){NULL, wu[c], F, gs, "up", &gq[3 * e + 1], NULL, {0, 0, 0, 0, 0}};
+            gj[3 * e + 2] = (mq_gptq_job){NULL, wd[c], D, 0, "down", &gq[3 * e + 2], NULL, {0, 0, 0, 0, 0}};
+            jh[3 * e] = jh[3 * e + 1] = (int32_t)(2 * e);
+            jh[3 * e + 2] = (int32_t)(2 * e + 1);
+        }
+        fprintf(stderr, "moe layer on the GPU: %lld experts in one call, warm-up and 3 timed runs...\n",
+                (long long)E);
+        for (int r = -1; r < 3 && !gst; r++) {
+            double t0 = mq_now();
+            gst = mq_gpu_gptq(g, &b->spec, &b->opts, Hs, Ks, hn, 2 * E, gj, jh, 3 * E);
+            if (r >= 0) ts[r] = mq_now() - t0;
+            for (int64_t i = 0; i < 3 * E && !gst; i++) mq_qtensor_free(&gq[i]);
+        }
+        if (gst) fprintf(stderr, "moe layer on the GPU: %s\n", moeq_last_error());
+        sort_doubles(ts, 3);
+        t = gst ? -1 : ts[1];
+        *cores = 0;
+        free(Hs), free(Ks), free(hn), free(jh), free(gj), free(gq);
+        goto done;
     }
     fprintf(stderr, "moe layer: %lld experts, %lld at a time...\n", (long long)E, (long long)chunk);
     double t0 = mq_now(), c0 = cpu_seconds();
@@ -194,14 +266,79 @@ static moeq_status time_model(const char *dir, const char *calib, const bench_cf
     return st;
 }
 
+/* --device cuda: the single weight (and the MoE layer) on the GPU, against the GPU's own sgemm
+ * and bandwidth; the CPU's result for the code agreement. */
+static int bench_gptq_gpu(mq_gpu *g, const bench_cfg *b, int64_t rows, int64_t cols, int64_t reps,
+                          int64_t experts, bool json, bool tf32) {
+    mq_gpu_info gi;
+    mq_gpu_get_info(g, &gi);
+    double sgemm = 0, bw = 0;
+    if (mq_gpu_measure(g, &sgemm, &bw)) {
+        mq_gpu_close(g);
+        return cli_fail("bench gptq", MOEQ_E_DEVICE);
+    }
+    float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
+    if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);
+    mq_qtensor qg, qc;
+    mq_gptq_stats sg = {0, 0, 0, 0, 0}, sc = {0, 0, 0, 0, 0};
+    double sec = time_one_gpu(g, b, H, W, rows, cols, (int)reps, &qg, &sg);
+    if (sec < 0) {
+        fprintf(stderr, "bench gptq: %s\n", moeq_last_error());
+        mq_gpu_close(g);
+        return cli_fail("bench gptq", MOEQ_E_DEVICE);
+    }
+    double tc = mq_now();
+    if (mq_gptq_quantize(&b->spec, &b->opts, H, W, rows, cols, 0, "bench.weight", &qc, NULL, &sc))
+        return cli_fail("bench gptq", MOEQ_E_NUMERIC);
+    tc = mq_now() - tc;
+    int64_t same = 0;
+    for (int64_t i = 0; i < rows * cols; i++) same += qc.codes[i] == qg.codes[i];
+    const double agree = (double)same / (double)(rows * cols);
+    mq_qtensor_free(&qg);
+    mq_qtensor_free(&qc);
+    mq_free(W);
+    mq_free(H);
+    double flops = (double)rows * (double)cols * (double)cols + pow((double)cols, 3);
+    double moe_s = -1, moe_cores = 0;
+    if (experts > 0) moe_s = time_moe_layer(b, experts, 8, 1024, 2048, &moe_cores, g);
+    mq_gpu_close(g);
+    if (experts > 0 && moe_s < 0) return cli_fail("bench gptq", MOEQ_E_DEVICE);
+    if (json) {
+        printf("{\"device\": \"cuda:%d\", \"gpu\": \"%s\", \"tf32\": %s, \"rows\": %lld, \"cols\": %lld, "
+               "\"scheme\": \"%s\", \"act_order\": %s, \"mse\": %s, \"seconds\": %.6f, \"cpu_seconds\": %.6f, "
+               "\"gflops\": %.3f, \"gpu_sgemm_gflops\": %.3f, \"gpu_bandwidth_gbs\": %.3f, "
+               "\"code_agreement\": %.6f, \"loss\": %.6g, \"cpu_loss\": %.6g",
+               gi.device, gi.name, tf32 ? "true" : "false", (long long)rows, (long long)cols,
+               mq_qscheme_name(b->spec.scheme), b->opts.act_order ? "true" : "false", b->spec.mse ? "true" : "false",
+               sec, tc, flops / sec * 1e-9, sgemm, bw, agree, sg.loss, sc.loss);
+        if (experts > 0) printf(", \"moe_layer_experts\": %lld, \"moe_layer_seconds\": %.4f", (long long)experts, moe_s);
+        printf("}\n");
+    } else {
+        printf("GPU cuda:%d %s: sgemm %.0f GFLOP/s (%s), copy bandwidth %.0f GB/s\n", gi.device, gi.name, sgemm,
+               tf32 ? "TF32" : "fp32", bw);
+        printf("gptq %s %lldx%lld%s%s: %.4f s on the GPU (median of %lld; %.1f GFLOP/s = %.1f%% of its sgemm), "
+               "%.3f s on the CPU (%d threads): %.1fx\n",
+               mq_qscheme_name(b->spec.scheme), (long long)rows, (long long)cols, b->opts.act_order ? ", act-order" : "",
+               b->spec.mse ? ", mse" : "", sec, (long long)reps, flops / sec * 1e-9, 100 * flops / sec * 1e-9 / sgemm,
+               tc, moeq_threads(), tc / sec);
+        printf("codes equal to the CPU's: %.5f%%; loss GPU %.6g, CPU %.6g (%+.3f%%)\n", 100 * agree, sg.loss, sc.loss,
+               100 * (sg.loss - sc.loss) / sc.loss);
+        printf("torchao on an H200 GPU: 0.94 s for 4096x2048 nvfp4 (%.0fx)\n", 0.94 / sec);
+        if (experts > 0)
+            printf("MoE layer, %lld experts (gate/up 1024x2048, down 2048x1024) on the GPU: %.3f s "
+                   "(torchao on an H200: 65 s, %.0fx)\n", (long long)experts, moe_s, 65.0 / moe_s);
+    }
+    return CLI_OK;
+}
+
 int bench_gptq(int argc, char **argv) {
     int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3, threads = 0;
     int64_t experts = 64, chunk = 8, seed = 1;
     double percdamp = 0.01;
     const char *scheme = "nvfp4", *mse_weight = "gptq";
     bool act_order = false, mse = false, static_groups = false, json = false, moe = false;
-    bool rtn_loss = false;
-    const char *model = NULL, *calib = NULL;
+    bool rtn_loss = false, tf32 = false;
+    const char *model = NULL, *calib = NULL, *device = "cpu";
     int64_t nsamples = 128, seqlen = 512;
     const cli_opt opts[] = {
         {"--rows", OPT_INT, &rows, "N", "output features (default 4096)", NULL, 1, 1 << 20, NULL},
@@ -228,6 +365,9 @@ int bench_gptq(int argc, char **argv) {
          "shared/fixtures/text/calib.txt)", NULL, 0, -1, NULL},
         {"--nsamples", OPT_INT, &nsamples, "N", "--model calibration samples (default 128)", NULL, 1, 1 << 20, NULL},
         {"--seqlen", OPT_INT, &seqlen, "L", "--model tokens per sample (default 512)", NULL, 2, 1 << 20, NULL},
+        {"--device", OPT_STRING, &device, "DEV", "cpu (default), cuda or cuda:N: time GPTQ on that GPU "
+         "(the CPU runs the single weight once for the code agreement)", NULL, 0, -1, NULL},
+        {"--gpu-tf32", OPT_FLAG, &tf32, NULL, "GPU: TF32 tensor cores for the updates (default fp32)", NULL, 0, -1, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
     };
     const cli_command cmd = {"bench gptq", "[options]",
@@ -255,6 +395,17 @@ int bench_gptq(int argc, char **argv) {
                         : strcmp(mse_weight, "gptq") == 0  ? MQ_GPTQ_MSE_LOOP
                                                            : MQ_GPTQ_MSE_PLAIN;
 
+    int dev = -1;
+    mq_gpu *g = NULL;
+    if (mq_gpu_parse_device(device, &dev)) return cli_usage_error("bench gptq", "%s", moeq_last_error());
+    if (dev >= 0) {
+        if (model) return cli_usage_error("bench gptq", "--model runs on the CPU; time a model on the GPU "
+                                          "with moeq quantize --device");
+        if (mq_gpu_open(dev, &g)) return cli_fail("bench gptq", MOEQ_E_UNSUPPORTED);
+        if (tf32 && mq_gpu_set_tf32(g, true)) return cli_fail("bench gptq", MOEQ_E_DEVICE);
+        return bench_gptq_gpu(g, &b, rows, cols, reps, moe ? experts : 0, json, tf32);
+    }
+    if (tf32) return cli_usage_error("bench gptq", "--gpu-tf32 needs --device cuda");
     float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
     if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     double sgemm = mq_measure_sgemm_gflops(1024, 1.0);
@@ -269,7 +420,7 @@ int bench_gptq(int argc, char **argv) {
     double gflops = flops / sec * 1e-9;
     double moe_s = -1;
     if (moe) {
-        moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048, &moe_cores);
+        moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048, &moe_cores, NULL);
         if (moe_s < 0) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     }
     mq_pipeline_result mr;

@@ -15,12 +15,13 @@
 
 #include "bench.h"
 #include "cli.h"
+#include "backend/gpu.h"
 #include "model/model.h"
 #include "pipeline/pipeline.h"
 
 int bench_quantize(int argc, char **argv) {
     int64_t layers = 2, nsamples = 128, seqlen = 512, threads = 0, full_layers = 0;
-    const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL;
+    const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu";
     bool json = false;
     cli_opt opts[] = {
         {"--layers", OPT_INT, &layers, "N", "layers to run (default 2; the rest is extrapolated)",
@@ -36,6 +37,7 @@ int bench_quantize(int argc, char **argv) {
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory budget (default as moeq "
          "quantize)", NULL, 0, -1, NULL},
         {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 0, 1024, NULL},
+        {"--device", OPT_STRING, &device, "DEV", "GPTQ on cpu (default), cuda or cuda:N", NULL, 0, -1, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
     };
     cli_command cmd = {"bench quantize", "MODEL_DIR [--layers N] [--json]",
@@ -78,6 +80,7 @@ int bench_quantize(int argc, char **argv) {
     o.calib.seqlen = seqlen;
     o.max_memory = (int64_t)mem;
     o.stop_after = (int32_t)layers;
+    if (mq_gpu_parse_device(device, &o.device)) return cli_usage_error("bench quantize", "%s", moeq_last_error());
     const char *td = getenv("TMPDIR");
     char tmpl[1024], out[1100];
     snprintf(tmpl, sizeof tmpl, "%s/moeq-bench-XXXXXX", td && *td ? td : "/tmp");
@@ -126,8 +129,8 @@ int bench_quantize(int argc, char **argv) {
                fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, sgemm, frac, (long long)r->peak_anon,
                (long long)r->plan.peak, (long long)r->plan.budget, whole, whole / 3600);
     } else {
-        printf("%s (%s): GPTQ %s, %lld samples x %lld tokens, %d threads, %d layers run of %d, "
-               "%d experts per chunk\n", pos[0], model_type, scheme, (long long)r->samples,
+        printf("%s (%s): GPTQ %s on %s, %lld samples x %lld tokens, %d threads, %d layers run of %d, "
+               "%d experts per chunk\n", pos[0], model_type, scheme, device, (long long)r->samples,
                (long long)(r->samples ? r->tokens / r->samples : 0), moeq_threads(), run, n_layers,
                r->plan.chunk);
         for (int l = 0; l < run; l++)

@@ -60,7 +60,7 @@ static void print_plan(const char *model, const moeq_quant_plan *p) {
 int cmd_quantize(int argc, char **argv) {
     const char *out = NULL, *scheme = NULL, *method = "rtn", *format = "compressed-tensors";
     const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL;
-    const char *activations = "auto";
+    const char *activations = "auto", *device = NULL;
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
     bool reference = false, group_seen = false, resume = false, dry_run = false;
@@ -111,6 +111,9 @@ int cmd_quantize(int argc, char **argv) {
         {"--activations", OPT_CHOICE, &activations, NULL, "calibration activations in memory, in "
          "work files (same result) or in bf16 (half the memory, slightly different result); "
          "default auto: memory while it fits", "auto|ram|disk|bf16", 0, 0, NULL},
+        {"--device", OPT_STRING, &device, "DEV", "where GPTQ factors and quantizes: cpu (default), "
+         "cuda or cuda:N (a build with -DMOEQ_CUDA=ON; codes agree with the CPU's but for "
+         "weights on a rounding threshold)", NULL, 0, 0, NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary", NULL, 0, 0, NULL},
         GPTQ_CLI_OPTS(gq),
     };
@@ -180,6 +183,10 @@ int cmd_quantize(int argc, char **argv) {
     o.resume = resume;
     o.dry_run = dry_run;
     o.expert_chunk = (int32_t)expert_chunk;
+    if (device && strcmp(device, "cpu") && strcmp(device, "cuda") &&
+        !(strncmp(device, "cuda:", 5) == 0 && device[5] && strspn(device + 5, "0123456789") == strlen(device + 5)))
+        return cli_usage_error("quantize", "--device %s: expected cpu, cuda or cuda:N", device);
+    o.device = device;
     o.activations = strcmp(activations, "ram") == 0    ? MOEQ_ACT_STORAGE_RAM
                     : strcmp(activations, "disk") == 0 ? MOEQ_ACT_STORAGE_DISK
                     : strcmp(activations, "bf16") == 0 ? MOEQ_ACT_STORAGE_BF16

@@ -1,0 +1,178 @@
+/* The GPU context: device selection, streams and library handles, errors and allocation. */
+#include <stdio.h>
+#include <string.h>
+
+#include "backend/cuda/cuda_internal.cuh"
+
+extern "C" bool mq_gpu_built(void) { return true; }
+
+moeq_status mq_cu_fail(cudaError_t e, const char *what, const char *file, int line) {
+    moeq_status st = e == cudaErrorMemoryAllocation ? MOEQ_E_NOMEM : MOEQ_E_DEVICE;
+    return mq_err(st, "CUDA: %s: %s (%s:%d)", what, cudaGetErrorString(e), file, line);
+}
+
+static const char *cublas_name(cublasStatus_t e) {
+    switch (e) {
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "not initialized";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "allocation failed";
+    case CUBLAS_STATUS_INVALID_VALUE: return "invalid value";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "architecture mismatch";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "execution failed";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "internal error";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "not supported";
+    default: return "error";
+    }
+}
+
+moeq_status mq_cublas_fail(cublasStatus_t e, const char *what, const char *file, int line) {
+    return mq_err(e == CUBLAS_STATUS_ALLOC_FAILED ? MOEQ_E_NOMEM : MOEQ_E_DEVICE,
+                  "cuBLAS: %s: %s (status %d, %s:%d)", what, cublas_name(e), (int)e, file, line);
+}
+
+moeq_status mq_cusolver_fail(cusolverStatus_t e, const char *what, const char *file, int line) {
+    return mq_err(e == CUSOLVER_STATUS_ALLOC_FAILED ? MOEQ_E_NOMEM : MOEQ_E_DEVICE,
+                  "cuSOLVER: %s: status %d (%s:%d)", what, (int)e, file, line);
+}
+
+moeq_status mq_cu_alloc(void **p, size_t bytes, const char *what) {
+    *p = NULL;
+    if (bytes == 0) bytes = 1;
+    cudaError_t e = cudaMalloc(p, bytes);
+    if (e == cudaSuccess) return MOEQ_OK;
+    (void)cudaGetLastError();   /* clear the sticky-free allocation error */
+    *p = NULL;
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    return mq_err(e == cudaErrorMemoryAllocation ? MOEQ_E_NOMEM : MOEQ_E_DEVICE,
+                  "GPU: %s: cannot allocate %.2f GB (%.2f GB free of %.2f GB): %s", what,
+                  (double)bytes / 1e9, (double)free_b / 1e9, (double)total_b / 1e9,
+                  cudaGetErrorString(e));
+}
+
+void mq_cu_free(void *p) {
+    if (p) cudaFree(p);
+}
+
+extern "C" moeq_status mq_gpu_open(int device, mq_gpu **out) {
+    *out = NULL;
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        (void)cudaGetLastError();
+        return mq_err(MOEQ_E_UNSUPPORTED, "cuda:%d: no CUDA device (%s)", device,
+                      e != cudaSuccess ? cudaGetErrorString(e) : "the driver reports none");
+    }
+    if (device < 0 || device >= n)
+        return mq_err(MOEQ_E_UNSUPPORTED, "cuda:%d: this machine has %d CUDA device%s (cuda:0%s)",
+                      device, n, n == 1 ? "" : "s", n == 1 ? "" : " ..");
+    mq_gpu *g = (mq_gpu *)calloc(1, sizeof *g);
+    if (!g) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    g->device = device;
+    moeq_status st = CU(cudaSetDevice(device));
+    cudaDeviceProp prop;
+    if (!st) st = CU(cudaGetDeviceProperties(&prop, device));
+    if (!st) {
+        g->info.device = device;
+        snprintf(g->info.name, sizeof g->info.name, "%.95s", prop.name);
+        g->info.cc_major = prop.major;
+        g->info.cc_minor = prop.minor;
+        g->info.sm_count = prop.multiProcessorCount;
+    }
+    for (int i = 0; i < MQ_GPU_STREAMS && !st; i++) {
+        st = CU(cudaStreamCreateWithFlags(&g->stream[i], cudaStreamNonBlocking));
+        if (!st) st = CUBLAS(cublasCreate(&g->blas[i]));
+        if (!st) st = CUBLAS(cublasSetStream(g->blas[i], g->stream[i]));
+        /* fp32 products: the default math mode never takes the TF32 tensor-core path */
+        if (!st) st = CUBLAS(cublasSetMathMode(g->blas[i], CUBLAS_DEFAULT_MATH));
+        if (!st) st = CUSOLVER(cusolverDnCreate(&g->solver[i]));
+        if (!st) st = CUSOLVER(cusolverDnSetStream(g->solver[i], g->stream[i]));
+    }
+    if (st) {
+        mq_gpu_close(g);
+        return st;
+    }
+    *out = g;
+    return MOEQ_OK;
+}
+
+extern "C" void mq_gpu_close(mq_gpu *g) {
+    if (!g) return;
+    cudaSetDevice(g->device);
+    for (int i = 0; i < MQ_GPU_STREAMS; i++) {
+        if (g->solver[i]) cusolverDnDestroy(g->solver[i]);
+        if (g->blas[i]) cublasDestroy(g->blas[i]);
+        if (g->stream[i]) cudaStreamDestroy(g->stream[i]);
+    }
+    free(g);
+}
+
+extern "C" void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
+    *info = g->info;
+    size_t free_b = 0, total_b = 0;
+    cudaSetDevice(g->device);
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
+        info->mem_free = (int64_t)free_b;
+        info->mem_total = (int64_t)total_b;
+    }
+}
+
+extern "C" moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on) {
+    moeq_status st = CU(cudaSetDevice(g->device));
+    for (int i = 0; i < MQ_GPU_STREAMS && !st; i++)
+        st = CUBLAS(cublasSetMathMode(g->blas[i], on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs) {
+    /* sgemm: n = 8192 fp32 in the current math mode, the median of 5 after a warm-up; bandwidth:
+     * a 2 GB device-to-device copy, bytes read plus written */
+    const int n = 8192;
+    const size_t nn = (size_t)n * n, copy_b = (size_t)1 << 30;
+    float *a = NULL, *b = NULL, *c = NULL;
+    void *x = NULL, *y = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    double t[5];
+    const float one = 1.0f, zero = 0.0f;
+    cudaStream_t s = g->stream[0];
+    moeq_status st = CU(cudaSetDevice(g->device));
+    if (!st) st = cu_alloc(&a, nn, "sgemm benchmark");
+    if (!st) st = cu_alloc(&b, nn, "sgemm benchmark");
+    if (!st) st = cu_alloc(&c, nn, "sgemm benchmark");
+    if (!st) st = mq_cu_alloc(&x, copy_b, "bandwidth benchmark");
+    if (!st) st = mq_cu_alloc(&y, copy_b, "bandwidth benchmark");
+    if (!st) st = CU(cudaMemsetAsync(a, 0, nn * 4, s));
+    if (!st) st = CU(cudaMemsetAsync(b, 0, nn * 4, s));
+    if (!st) st = CU(cudaMemsetAsync(x, 1, copy_b, s));
+    if (!st) st = CU(cudaEventCreate(&e0));
+    if (!st) st = CU(cudaEventCreate(&e1));
+    for (int phase = 0; phase < 2 && !st; phase++) {
+        for (int r = -1; r < 5 && !st; r++) {
+            st = CU(cudaEventRecord(e0, s));
+            if (!st && phase == 0)
+                st = CUBLAS(cublasSgemm(g->blas[0], CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, n, b, n, &zero, c, n));
+            if (!st && phase == 1) st = CU(cudaMemcpyAsync(y, x, copy_b, cudaMemcpyDeviceToDevice, s));
+            if (!st) st = CU(cudaEventRecord(e1, s));
+            if (!st) st = CU(cudaEventSynchronize(e1));
+            float ms = 0;
+            if (!st) st = CU(cudaEventElapsedTime(&ms, e0, e1));
+            if (r >= 0) t[r] = ms * 1e-3;
+        }
+        if (st) break;
+        for (int i = 1; i < 5; i++)   /* median of 5 */
+            for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
+                double v = t[j];
+                t[j] = t[j - 1];
+                t[j - 1] = v;
+            }
+        if (phase == 0) *sgemm_gflops = 2.0 * n * (double)n * n / t[2] * 1e-9;
+        else *bandwidth_gbs = 2.0 * (double)copy_b / t[2] * 1e-9;
+    }
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    mq_cu_free(a);
+    mq_cu_free(b);
+    mq_cu_free(c);
+    mq_cu_free(x);
+    mq_cu_free(y);
+    return st;
+}

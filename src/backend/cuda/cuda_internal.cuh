@@ -1,0 +1,58 @@
+/*
+ * What the CUDA files of the backend share: the context behind mq_gpu and the error helpers
+ * that turn a failed CUDA, cuBLAS or cuSOLVER call into a moeq error naming the call.
+ */
+#ifndef MOEQ_BACKEND_CUDA_INTERNAL_CUH
+#define MOEQ_BACKEND_CUDA_INTERNAL_CUH
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cusolverDn.h>
+
+extern "C" {
+#include "backend/gpu.h"
+}
+
+/* Independent factorisations run on this many streams at once (each with its own handles). */
+enum { MQ_GPU_STREAMS = 8 };
+
+struct mq_gpu {
+    int device;
+    mq_gpu_info info;
+    cudaStream_t stream[MQ_GPU_STREAMS];
+    cublasHandle_t blas[MQ_GPU_STREAMS];
+    cusolverDnHandle_t solver[MQ_GPU_STREAMS];
+};
+
+moeq_status mq_cu_fail(cudaError_t e, const char *what, const char *file, int line);
+moeq_status mq_cublas_fail(cublasStatus_t e, const char *what, const char *file, int line);
+moeq_status mq_cusolver_fail(cusolverStatus_t e, const char *what, const char *file, int line);
+
+/* Each evaluates to MOEQ_OK or the error (message set), for `if ((st = CU(...))) goto out;`. */
+#define CU(call)                                                                                  \
+    ([&]() -> moeq_status {                                                                        \
+        cudaError_t e_ = (call);                                                                   \
+        return e_ == cudaSuccess ? MOEQ_OK : mq_cu_fail(e_, #call, __FILE__, __LINE__);           \
+    }())
+#define CUBLAS(call)                                                                              \
+    ([&]() -> moeq_status {                                                                        \
+        cublasStatus_t e_ = (call);                                                                \
+        return e_ == CUBLAS_STATUS_SUCCESS ? MOEQ_OK : mq_cublas_fail(e_, #call, __FILE__, __LINE__); \
+    }())
+#define CUSOLVER(call)                                                                            \
+    ([&]() -> moeq_status {                                                                        \
+        cusolverStatus_t e_ = (call);                                                              \
+        return e_ == CUSOLVER_STATUS_SUCCESS ? MOEQ_OK                                             \
+                                             : mq_cusolver_fail(e_, #call, __FILE__, __LINE__);     \
+    }())
+/* After a kernel launch: the launch error, if any. */
+#define CU_LAUNCHED(what) CU(cudaGetLastError())
+
+/* cudaMalloc that names what it allocates in the out-of-memory message. */
+moeq_status mq_cu_alloc(void **p, size_t bytes, const char *what);
+template <typename T> static inline moeq_status cu_alloc(T **p, size_t n, const char *what) {
+    return mq_cu_alloc((void **)p, n * sizeof(T), what);
+}
+void mq_cu_free(void *p);
+
+#endif

@@ -1,0 +1,150 @@
+/*
+ * Hessian sums on the GPU, bit-identical to the CPU's (quant/hessian.h, kernels/gemm_det.h):
+ * every element of the lower triangle is one fmaf chain over the rows in order, continued
+ * across calls, so neither the tiling here nor how the rows arrive changes a bit.
+ *
+ * k_syrk_det: a CTA owns a 64 x 64 tile of the sum (tiles above the diagonal exit at once), its
+ * 256 threads 4 x 4 elements each; 32 rows at a time are staged in shared memory.
+ */
+#include <string.h>
+
+#include <vector>
+
+#include "backend/cuda/cuda_internal.cuh"
+
+namespace {
+
+enum { TILE = 64, ROWS = 32, STAGE_FLOATS = 16 << 20 };
+
+__global__ void k_syrk_det(float *C, const float *X, int64_t n, int64_t K) {
+    const int64_t ti = blockIdx.y, tj = blockIdx.x;
+    if (tj > ti) return;
+    __shared__ float xa[ROWS][TILE], xb[ROWS][TILE];
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const int64_t i0 = ti * TILE + ty * 4, j0 = tj * TILE + tx * 4;
+    float acc[4][4];
+    for (int u = 0; u < 4; u++)
+        for (int v = 0; v < 4; v++) {
+            const int64_t i = i0 + u, j = j0 + v;
+            acc[u][v] = i < K && j < K ? C[i * K + j] : 0.0f;
+        }
+    for (int64_t r0 = 0; r0 < n; r0 += ROWS) {
+        const int64_t nr = n - r0 < ROWS ? n - r0 : ROWS;
+        for (int k = threadIdx.x; k < ROWS * TILE; k += blockDim.x) {
+            const int rr = k / TILE, cc = k % TILE;
+            const int64_t ca = ti * TILE + cc, cb = tj * TILE + cc;
+            xa[rr][cc] = rr < nr && ca < K ? X[(r0 + rr) * K + ca] : 0.0f;
+            xb[rr][cc] = rr < nr && cb < K ? X[(r0 + rr) * K + cb] : 0.0f;
+        }
+        __syncthreads();
+        for (int rr = 0; rr < nr; rr++) {
+            float a[4], b[4];
+            for (int u = 0; u < 4; u++) a[u] = xa[rr][ty * 4 + u];
+            for (int v = 0; v < 4; v++) b[v] = xb[rr][tx * 4 + v];
+            for (int u = 0; u < 4; u++)
+                for (int v = 0; v < 4; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
+        }
+        __syncthreads();
+    }
+    for (int u = 0; u < 4; u++)
+        for (int v = 0; v < 4; v++) {
+            const int64_t i = i0 + u, j = j0 + v;
+            if (i < K && j <= i) C[i * K + j] = acc[u][v];
+        }
+}
+
+/* H = scale * sum, both triangles (mq_hessian_get). */
+__global__ void k_hessian_form(float *H, const float *sum, int64_t K, float scale) {
+    const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t a = (int64_t)blockIdx.y * blockDim.y + threadIdx.y;
+    if (a >= K || b >= K) return;
+    H[a * K + b] = b <= a ? scale * sum[a * K + b] : scale * sum[b * K + a];
+}
+
+}  // namespace
+
+struct mq_gpu_hessians {
+    mq_gpu *g;
+    std::vector<int64_t> K, n;
+    std::vector<float *> sum;
+    float *stage;
+};
+
+extern "C" moeq_status mq_gpu_hessians_new(mq_gpu *g, int64_t n, const int64_t *K, mq_gpu_hessians **out) {
+    *out = NULL;
+    moeq_status st = CU(cudaSetDevice(g->device));
+    if (st) return st;
+    mq_gpu_hessians *hs = new (std::nothrow) mq_gpu_hessians;
+    if (!hs) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    hs->g = g;
+    hs->stage = NULL;
+    hs->K.assign(K, K + n);
+    hs->n.assign((size_t)n, 0);
+    hs->sum.assign((size_t)n, NULL);
+    for (int64_t i = 0; i < n && !st; i++) {
+        if (K[i] <= 0) {
+            st = mq_err(MOEQ_E_SHAPE, "GPU Hessian %lld: size %lld", (long long)i, (long long)K[i]);
+            break;
+        }
+        st = cu_alloc(&hs->sum[i], (size_t)(K[i] * K[i]), "Hessian sum");
+        if (!st) st = CU(cudaMemsetAsync(hs->sum[i], 0, (size_t)(K[i] * K[i]) * sizeof(float), g->stream[0]));
+    }
+    if (!st) st = cu_alloc(&hs->stage, STAGE_FLOATS, "Hessian rows");
+    if (st) {
+        mq_gpu_hessians_free(hs);
+        return st;
+    }
+    *out = hs;
+    return MOEQ_OK;
+}
+
+extern "C" void mq_gpu_hessians_free(mq_gpu_hessians *hs) {
+    if (!hs) return;
+    cudaSetDevice(hs->g->device);
+    cudaStreamSynchronize(hs->g->stream[0]);
+    for (float *p : hs->sum) mq_cu_free(p);
+    mq_cu_free(hs->stage);
+    delete hs;
+}
+
+extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows) {
+    if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
+    if (rows <= 0) return MOEQ_OK;
+    const int64_t K = hs->K[i];
+    const int64_t per = STAGE_FLOATS / K;
+    if (per < 1) return mq_err(MOEQ_E_SHAPE, "GPU Hessian: rows of %lld values are too long", (long long)K);
+    cudaStream_t s = hs->g->stream[0];
+    moeq_status st = CU(cudaSetDevice(hs->g->device));
+    const int64_t nt = (K + TILE - 1) / TILE;
+    for (int64_t r0 = 0; r0 < rows && !st; r0 += per) {
+        const int64_t n = rows - r0 < per ? rows - r0 : per;
+        /* the stage is reused: the previous chunk's kernel must be done reading it */
+        st = CU(cudaMemcpyAsync(hs->stage, x + r0 * K, (size_t)(n * K) * sizeof(float), cudaMemcpyHostToDevice, s));
+        if (!st) {
+            k_syrk_det<<<dim3((unsigned)nt, (unsigned)nt), 256, 0, s>>>(hs->sum[i], hs->stage, n, K);
+            st = CU_LAUNCHED("k_syrk_det");
+        }
+    }
+    if (!st) hs->n[i] += rows;
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_hessians_get(mq_gpu_hessians *hs, int64_t i, float *H, int64_t *n) {
+    if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
+    const int64_t K = hs->K[i];
+    cudaStream_t s = hs->g->stream[0];
+    float *tmp = NULL;
+    moeq_status st = CU(cudaSetDevice(hs->g->device));
+    if (!st) st = cu_alloc(&tmp, (size_t)(K * K), "Hessian");
+    if (!st) {
+        const float scale = hs->n[i] > 0 ? 2.0f / (float)hs->n[i] : 0.0f;
+        dim3 blk(32, 8);
+        k_hessian_form<<<dim3((unsigned)((K + 31) / 32), (unsigned)((K + 7) / 8)), blk, 0, s>>>(tmp, hs->sum[i], K, scale);
+        st = CU_LAUNCHED("k_hessian_form");
+    }
+    if (!st) st = CU(cudaMemcpyAsync(H, tmp, (size_t)(K * K) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    if (!st) st = CU(cudaStreamSynchronize(s));
+    mq_cu_free(tmp);
+    if (!st && n) *n = hs->n[i];
+    return st;
+}

@@ -1,0 +1,322 @@
+/*
+ * Device twins of the scalar quantization functions of src/formats/ (codecs.c, quant.c): the
+ * same IEEE fp32/fp64 operations in the same order, so codes, scales and search results are
+ * bit-identical to the CPU's for the same inputs (tests/gpu/test_gpu.c checks every E4M3/E2M1
+ * input class and random groups of every scheme). The backend is built with -fmad=false: a
+ * product followed by a sum stays two roundings, as in the C code (C11, no contraction); the
+ * fused multiply-adds that are meant are written as fmaf.
+ */
+#ifndef MOEQ_BACKEND_CUDA_QUANT_DEV_CUH
+#define MOEQ_BACKEND_CUDA_QUANT_DEV_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+extern "C" {
+#include "formats/formats.h"
+#include "quant/gptq.h"
+}
+
+#define DEV __device__ __forceinline__
+
+namespace mqd {
+
+constexpr float E2M1_MAX = 6.0f;
+constexpr float E4M3_MAX = 448.0f;
+
+/* mq_gparams' layout, so device arrays of it copy straight into an mq_qtensor. */
+static_assert(sizeof(mq_gparams) == 12, "mq_gparams layout");
+
+DEV float e2m1_value(int idx) {
+    switch (idx & 7) {
+    case 0: return 0.0f;
+    case 1: return 0.5f;
+    case 2: return 1.0f;
+    case 3: return 1.5f;
+    case 4: return 2.0f;
+    case 5: return 3.0f;
+    case 6: return 4.0f;
+    default: return 6.0f;
+    }
+}
+
+DEV uint8_t e2m1_encode(float x) {
+    uint8_t sign = (uint8_t)((__float_as_uint(x) >> 28) & 0x8);
+    float a = fabsf(x);
+    uint8_t idx;
+    if (a <= 0.25f) idx = 0;
+    else if (a < 0.75f) idx = 1;
+    else if (a <= 1.25f) idx = 2;
+    else if (a < 1.75f) idx = 3;
+    else if (a <= 2.5f) idx = 4;
+    else if (a < 3.5f) idx = 5;
+    else if (a <= 5.0f) idx = 6;
+    else idx = 7;
+    return (uint8_t)(sign | idx);
+}
+
+DEV float e2m1_decode(uint8_t code) {
+    float v = e2m1_value(code & 7);
+    return (code & 8) ? -v : v;
+}
+
+DEV uint8_t e4m3_encode(float x) {
+    if (isnan(x)) return 0x7F;
+    uint32_t bits = __float_as_uint(x);
+    uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
+    uint32_t a = bits & 0x7fffffffu;
+    if (a >= __float_as_uint(448.0f)) return sign | 0x7E;
+    uint8_t r;
+    if (a < (121u << 23)) {
+        const uint32_t magic = 141u << 23;
+        uint32_t sum = __float_as_uint(__fadd_rn(__uint_as_float(a), __uint_as_float(magic)));
+        r = (uint8_t)(sum - magic);
+    } else {
+        uint32_t odd = (a >> 20) & 1u;
+        a += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
+        r = (uint8_t)(a >> 20);
+    }
+    return sign | r;
+}
+
+/* e4m3 value of a non-negative code (quant.c's e4m3_value). */
+DEV float e4m3_value(uint8_t code) {
+    uint32_t e = code >> 3, m = code & 7;
+    if (code == 0x7F) return __uint_as_float(0x7fc00000u);
+    if (e == 0) return (float)m * 0x1p-9f;
+    return __uint_as_float((e + 120u) << 23 | m << 20);
+}
+
+DEV uint8_t e8m0_encode_ceil(float x) {
+    if (isnan(x)) return 0xFF;
+    if (!(x > 0x1p-127f)) return 0;
+    if (x >= 0x1p127f) return 254;
+    int e;
+    float m = frexpf(x, &e);
+    int k = (m == 0.5f) ? e - 1 : e;
+    return (uint8_t)(k + 127);
+}
+
+DEV float e8m0_decode(uint8_t bits) {
+    if (bits == 0xFF) return __uint_as_float(0x7fc00000u);
+    return ldexpf(1.0f, (int)bits - 127);
+}
+
+DEV float round_to_dtype(float x, moeq_dtype dt) {
+    if (dt == MOEQ_DT_BF16) return __bfloat162float(__float2bfloat16_rn(x));
+    if (dt == MOEQ_DT_F16) {
+        if (fabsf(x) > 65504.0f) return x > 0 ? 65504.0f : -65504.0f;
+        return __half2float(__float2half_rn(x));
+    }
+    return x;
+}
+
+DEV float group_step(const mq_qspec &s, float gs, const mq_gparams &g) {
+    if (s.scheme == MQ_QS_NVFP4) return s.nvfp4_conv == MQ_NVFP4_MUL ? g.scale * gs : g.scale / gs;
+    return g.scale;
+}
+
+DEV uint8_t quant_step(const mq_qspec &s, float step, float zero, float x) {
+    if (s.scheme == MQ_QS_INT4) {
+        if (step == 0.0f) return s.asym ? (uint8_t)zero : 8;
+        float q = rintf(x / step);
+        if (s.asym) {
+            q += zero;
+            q = q < 0.0f ? 0.0f : q > 15.0f ? 15.0f : q;
+            return (uint8_t)q;
+        }
+        q = q < -8.0f ? -8.0f : q > 7.0f ? 7.0f : q;
+        return (uint8_t)(int)(q + 8.0f);
+    }
+    if (step == 0.0f) return 0;
+    return e2m1_encode(x / step);
+}
+
+DEV float dequant_step(const mq_qspec &s, float step, float zero, uint8_t code) {
+    if (s.scheme == MQ_QS_INT4) {
+        float q = s.asym ? (float)code - zero : (float)code - 8.0f;
+        return q * step;
+    }
+    return e2m1_decode(code) * step;
+}
+
+DEV void params_scaled(const mq_qspec &s, float gs, float amax, float xmin, float xmax, float m,
+                       mq_gparams &out) {
+    out.zero = 0.0f;
+    out.scale_code = 0;
+    switch (s.scheme) {
+    case MQ_QS_NVFP4: {
+        float t = amax / E2M1_MAX;
+        t = s.nvfp4_conv == MQ_NVFP4_MUL ? t / gs : gs * t;
+        if (m != 1.0f) t = t * m;
+        if (t < s.nvfp4_scale_min) t = s.nvfp4_scale_min;
+        if (t > E4M3_MAX) t = E4M3_MAX;
+        uint8_t code = e4m3_encode(t);
+        if (code == 0 && amax > 0) code = 0x01;
+        out.scale_code = code;
+        out.scale = e4m3_value(code);
+        return;
+    }
+    case MQ_QS_MXFP4: {
+        float t = amax / E2M1_MAX;
+        if (m != 1.0f) t = t * m;
+        if (!(amax > 0)) {
+            out.scale = 0.0f;
+            return;
+        }
+        out.scale_code = e8m0_encode_ceil(t);
+        out.scale = e8m0_decode(out.scale_code);
+        return;
+    }
+    case MQ_QS_INT4: {
+        float scale;
+        if (s.asym) {
+            float lo = xmin < 0.0f ? xmin : 0.0f, hi = xmax > 0.0f ? xmax : 0.0f;
+            if (m != 1.0f) {
+                lo = lo * m;
+                hi = hi * m;
+            }
+            scale = (hi - lo) / 15.0f;
+            if (scale > 0.0f) {
+                scale = round_to_dtype(scale, s.scale_dtype);
+                if (scale == 0.0f) scale = round_to_dtype(0x1p-24f, s.scale_dtype);
+                float z = rintf(-lo / scale);
+                float zmin = (float)s.int4_zero_min;
+                out.zero = z < zmin ? zmin : z > 15.0f ? 15.0f : z;
+            } else {
+                scale = 0.0f;
+            }
+        } else {
+            scale = amax / s.int4_sym_div;
+            if (m != 1.0f) scale = scale * m;
+            if (scale > 0.0f) {
+                scale = round_to_dtype(scale, s.scale_dtype);
+                if (scale == 0.0f) scale = 0x1p-24f;
+            } else {
+                scale = 0.0f;
+            }
+        }
+        out.scale = scale;
+        return;
+    }
+    default: out.scale = 0.0f; return;
+    }
+}
+
+DEV uint8_t nvfp4_code(const mq_qspec &s, float t0, float m) {
+    float t = t0 * m;
+    if (t < s.nvfp4_scale_min) t = s.nvfp4_scale_min;
+    if (t > E4M3_MAX) t = E4M3_MAX;
+    uint8_t code = e4m3_encode(t);
+    return code == 0 ? 0x01 : code;
+}
+
+DEV float grid_m(const mq_qspec &s, int32_t i) {
+    return s.mse_steps == 1 ? s.mse_lo
+                            : s.mse_lo + (s.mse_hi - s.mse_lo) * (float)i / (float)(s.mse_steps - 1);
+}
+
+/* quant.c's cand_iter: the search's candidates in grid order, consecutive repeats removed. */
+struct cand_iter {
+    float gs, amax, xmin, xmax, t0;
+    int32_t i;
+    unsigned code, last;
+    bool dense;
+    mq_gparams prev;
+};
+
+DEV void cand_init(cand_iter &it, const mq_qspec &s, float gs, float amax, float xmin, float xmax) {
+    it.gs = gs;
+    it.amax = amax;
+    it.xmin = xmin;
+    it.xmax = xmax;
+    it.i = 0;
+    it.dense = false;
+    it.t0 = 0;
+    it.code = it.last = 0;
+    if (s.scheme != MQ_QS_NVFP4) return;
+    float t0 = amax / E2M1_MAX;
+    it.t0 = t0 = s.nvfp4_conv == MQ_NVFP4_MUL ? t0 / gs : gs * t0;
+    const int32_t steps = s.mse_steps;
+    it.dense = steps > 1 && isfinite(t0) && s.mse_lo > 0 && s.mse_hi >= s.mse_lo &&
+               (s.mse_hi - s.mse_lo) / (float)(steps - 1) < 0.0625f * s.mse_lo;
+    if (it.dense) {
+        it.code = nvfp4_code(s, t0, grid_m(s, 0));
+        it.last = nvfp4_code(s, t0, grid_m(s, steps - 1));
+    }
+}
+
+DEV bool cand_next(cand_iter &it, const mq_qspec &s, mq_gparams &c) {
+    if (it.dense) {
+        if (it.code > it.last) return false;
+        c.scale = e4m3_value((uint8_t)it.code);
+        c.zero = 0.0f;
+        c.scale_code = (uint8_t)it.code;
+        it.code++;
+        return true;
+    }
+    while (it.i < s.mse_steps) {
+        float m = grid_m(s, it.i);
+        if (s.scheme == MQ_QS_NVFP4) {
+            uint8_t code = nvfp4_code(s, it.t0, m);
+            c.scale = e4m3_value(code);
+            c.zero = 0.0f;
+            c.scale_code = code;
+        } else {
+            params_scaled(s, it.gs, it.amax, it.xmin, it.xmax, m, c);
+        }
+        bool repeat = it.i > 0 && c.scale == it.prev.scale && c.zero == it.prev.zero;
+        it.i++;
+        if (repeat) continue;
+        it.prev = c;
+        return true;
+    }
+    return false;
+}
+
+/* A group of n values at x[t * ld] (t = 0 .. n-1): its plain params into out; false when there
+ * is nothing to search (quant.c's group_start). */
+DEV bool group_start(const mq_qspec &s, float gs, const float *x, int64_t n, int64_t ld,
+                     mq_gparams &out, cand_iter &it) {
+    float xmin = 0.0f, xmax = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        float v = x[t * ld];
+        xmin = v < xmin ? v : xmin;
+        xmax = v > xmax ? v : xmax;
+    }
+    float amax = -xmin > xmax ? -xmin : xmax;
+    params_scaled(s, gs, amax, xmin, xmax, 1.0f, out);
+    if (!s.mse || !(amax > 0)) return false;
+    cand_init(it, s, gs, amax, xmin, xmax);
+    return true;
+}
+
+/* mq_group_params: the plain params, or with spec.mse the candidate of least plain squared
+ * error (first of equals), summed in double in t order. */
+DEV void group_params_plain(const mq_qspec &s, float gs, const float *x, int64_t n, int64_t ld,
+                            mq_gparams &out) {
+    cand_iter it;
+    if (!group_start(s, gs, x, n, ld, out, it)) return;
+    mq_gparams best_p = out, cand;
+    double best = INFINITY;
+    while (cand_next(it, s, cand)) {
+        const float step = group_step(s, gs, cand);
+        double e = 0;
+        for (int64_t t = 0; t < n; t++) {
+            const float v = x[t * ld];
+            const double d = (double)v - (double)dequant_step(s, step, cand.zero,
+                                                              quant_step(s, step, cand.zero, v));
+            e += d * d;
+        }
+        if (e < best) {
+            best = e;
+            best_p = cand;
+        }
+    }
+    out = best_p;
+}
+
+}  // namespace mqd
+
+#endif

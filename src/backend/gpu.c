@@ -1,0 +1,25 @@
+/* What the GPU backend does the same with or without CUDA: parsing --device. */
+#include "backend/gpu.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+moeq_status mq_gpu_parse_device(const char *s, int *device) {
+    *device = -1;
+    if (!s || !strcmp(s, "cpu")) return MOEQ_OK;
+    if (!strcmp(s, "cuda")) {
+        *device = 0;
+        return MOEQ_OK;
+    }
+    if (!strncmp(s, "cuda:", 5) && s[5] >= '0' && s[5] <= '9') {
+        char *end;
+        errno = 0;
+        long v = strtol(s + 5, &end, 10);
+        if (!*end && !errno && v >= 0 && v < 1024) {
+            *device = (int)v;
+            return MOEQ_OK;
+        }
+    }
+    return mq_err(MOEQ_E_ARG, "--device %s: expected cpu, cuda or cuda:N", s);
+}

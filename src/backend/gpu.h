@@ -1,0 +1,85 @@
+/*
+ * The GPU backend's C interface. Nothing of CUDA shows here: the pipeline, the benchmarks and
+ * the tests hold an opaque mq_gpu and call plain C functions. Built with -DMOEQ_CUDA=ON the
+ * functions run on an NVIDIA GPU (src/backend/cuda/); otherwise (src/backend/gpu_none.c)
+ * mq_gpu_open fails with a message saying how to build with CUDA, and nothing else is reachable.
+ *
+ * The GPU computes what the CPU computes (quant/gptq.h, quant/hessian.h, kernels/gemm_det.h):
+ *  - mq_gpu_hessian_*: the Hessian sums as the same fmaf chains as mq_syrk_det_acc, so the
+ *    sums are bit-identical to the CPU's;
+ *  - mq_gpu_gptq: factor and column loop with the CPU's group parameters, rounding and search
+ *    (bit-identical functions), the lazy updates as fp32 cuBLAS GEMMs (never TF32) whose
+ *    summation order differs from OpenBLAS's: codes agree with the CPU's but for weights whose
+ *    value lands within rounding of a decision threshold. Deterministic from run to run.
+ */
+#ifndef MOEQ_BACKEND_GPU_H
+#define MOEQ_BACKEND_GPU_H
+
+#include "core/core.h"
+#include "formats/formats.h"
+#include "quant/gptq.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mq_gpu mq_gpu;
+
+typedef struct {
+    int device;
+    char name[96];
+    int cc_major, cc_minor;
+    int sm_count;
+    int64_t mem_total, mem_free;   /* bytes */
+} mq_gpu_info;
+
+/* True when this build has the CUDA backend. */
+bool mq_gpu_built(void);
+/* Opens GPU `device` (0-based): MOEQ_E_UNSUPPORTED without a CUDA build or without that device,
+ * MOEQ_E_DEVICE when the driver fails; the message says which. */
+moeq_status mq_gpu_open(int device, mq_gpu **out);
+void mq_gpu_close(mq_gpu *g);
+void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info);
+/* TF32 tensor cores for the GPTQ updates (the --gpu-tf32 of the benchmarks): faster products
+ * with 10-bit mantissas; off by default (fp32 everywhere). */
+moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on);
+/* The device's fp32 GEMM rate (8192^3, current math mode) and copy bandwidth (read + write),
+ * medians of 5: the figures the benchmarks set their times against. */
+moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs);
+/* "cuda" -> 0, "cuda:N" -> N; "cpu" -> -1; anything else MOEQ_E_ARG naming the flag value. */
+moeq_status mq_gpu_parse_device(const char *s, int *device);
+
+/* GPTQ for n_jobs weights on the GPU: factors the n_h Hessians H[h] ([K[h], K[h]], host memory,
+ * names hnames[h]) with the CPU's damping, retry and act-order rules (mq_gptq_factor_init), then
+ * runs the column loop of every job (job i uses Hessian job_h[i]; jobs[i].f is not read) and
+ * fills jobs[i].out, .deq (if non-NULL) and .stats as mq_gptq_run does. Errors name the tensor
+ * or the CUDA call; on error every out is freed. */
+moeq_status mq_gpu_gptq(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o,
+                        const float *const *H, const int64_t *K, const char *const *hnames,
+                        int64_t n_h, mq_gptq_job *jobs, const int32_t *job_h, int64_t n_jobs);
+
+/* Round-to-nearest of w [rows, cols] on the GPU: mq_quantize_rtn's contract and its results,
+ * bit for bit. */
+moeq_status mq_gpu_rtn(mq_gpu *g, const mq_qspec *s, const float *w, int64_t rows, int64_t cols,
+                       float global_scale, const char *tensor, mq_qtensor *out);
+/* The device codecs applied to n values (the tests' twin check): mq_e2m1_encode,
+ * mq_e4m3_encode, mq_e8m0_encode_ceil and mq_round_to_dtype (BF16, F16) of each x. */
+moeq_status mq_gpu_codecs(mq_gpu *g, const float *x, int64_t n, uint8_t *e2m1, uint8_t *e4m3,
+                          uint8_t *e8m0, float *bf16, float *f16);
+
+/* Hessian sums on the GPU: n accumulators of sizes K[i], kept on the device. */
+typedef struct mq_gpu_hessians mq_gpu_hessians;
+moeq_status mq_gpu_hessians_new(mq_gpu *g, int64_t n, const int64_t *K, mq_gpu_hessians **out);
+void mq_gpu_hessians_free(mq_gpu_hessians *hs);
+/* Adds the rows x [rows, K[i]] (host memory) to sum i: the lower triangle, each element one
+ * fmaf per row in row order, bit-identical to mq_hessian_add on the CPU. */
+moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows);
+/* H [K, K] = (2/n) sum, both triangles, into host memory (mq_hessian_get's values); n rows so
+ * far of sum i into *n (may be NULL). */
+moeq_status mq_gpu_hessians_get(mq_gpu_hessians *hs, int64_t i, float *H, int64_t *n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

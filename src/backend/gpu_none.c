@@ -1,0 +1,74 @@
+/* The GPU backend of a build without CUDA: nothing opens, so nothing else is reached. */
+#include "backend/gpu.h"
+
+#include <string.h>
+
+#ifndef MOEQ_HAVE_CUDA
+
+bool mq_gpu_built(void) { return false; }
+
+moeq_status mq_gpu_open(int device, mq_gpu **out) {
+    *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED,
+                  "cuda:%d: this moeq was built without CUDA (configure with -DMOEQ_CUDA=ON, "
+                  "which needs nvcc, cuBLAS and cuSOLVER)", device);
+}
+
+void mq_gpu_close(mq_gpu *g) { (void)g; }
+
+void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
+    (void)g;
+    memset(info, 0, sizeof *info);
+}
+
+moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on) {
+    (void)g, (void)on;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs) {
+    (void)g;
+    *sgemm_gflops = *bandwidth_gbs = 0;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_gptq(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o,
+                        const float *const *H, const int64_t *K, const char *const *hnames,
+                        int64_t n_h, mq_gptq_job *jobs, const int32_t *job_h, int64_t n_jobs) {
+    (void)g, (void)s, (void)o, (void)H, (void)K, (void)hnames, (void)n_h, (void)jobs, (void)job_h,
+        (void)n_jobs;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_rtn(mq_gpu *g, const mq_qspec *s, const float *w, int64_t rows, int64_t cols,
+                       float global_scale, const char *tensor, mq_qtensor *out) {
+    (void)g, (void)s, (void)w, (void)rows, (void)cols, (void)global_scale, (void)tensor;
+    memset(out, 0, sizeof *out);
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_codecs(mq_gpu *g, const float *x, int64_t n, uint8_t *e2m1, uint8_t *e4m3,
+                          uint8_t *e8m0, float *bf16, float *f16) {
+    (void)g, (void)x, (void)n, (void)e2m1, (void)e4m3, (void)e8m0, (void)bf16, (void)f16;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_hessians_new(mq_gpu *g, int64_t n, const int64_t *K, mq_gpu_hessians **out) {
+    (void)g, (void)n, (void)K;
+    *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+void mq_gpu_hessians_free(mq_gpu_hessians *hs) { (void)hs; }
+
+moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows) {
+    (void)hs, (void)i, (void)x, (void)rows;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_hessians_get(mq_gpu_hessians *hs, int64_t i, float *H, int64_t *n) {
+    (void)hs, (void)i, (void)H, (void)n;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+#endif

@@ -1,0 +1,441 @@
+/*
+ * The GPU backend (src/backend/) against its CPU twins. Every device kernel is compared with the
+ * C code it mirrors:
+ *   codecs, RTN group parameters       bit-identical (the same IEEE operations in the same order)
+ *   Hessian sums                       bit-identical (the same fmaf chain per element)
+ *   GPTQ factor + column loop          the CPU's codes for >= 99.9% of weights, loss within
+ *                                      0.5%: both run the same algorithm in fp32, but cuSOLVER's
+ *                                      Cholesky and cuBLAS's GEMMs sum in another order than
+ *                                      LAPACK's and OpenBLAS's, so a weight whose value lands
+ *                                      within a few ulps of a rounding threshold can take the
+ *                                      other code; its error is fed back, so a flip can move
+ *                                      later codes of its row (a few per flip at most)
+ *   GPTQ run to run, and alone against batched with other weights: bit-identical.
+ * Without a GPU (or in a build without CUDA) the GPU cases skip with a message; the device
+ * parsing and the errors of the no-GPU paths are tested everywhere.
+ */
+#include <stdlib.h>
+
+#include "backend/gpu.h"
+#include "harness.h"
+#include "quant/gptq.h"
+#include "quant/hessian.h"
+
+/* ---- deterministic random data --------------------------------------------------------------- */
+static uint64_t g_rng;
+static double rnd_unit(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return ((double)(g_rng >> 11) + 0.5) * 0x1p-53;
+}
+static double rnd_normal(void) {
+    double u = rnd_unit(), v = rnd_unit();
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+/* Weights with a few outliers, so that group scales vary. */
+static float *make_weights(int64_t N, int64_t K, uint64_t seed) {
+    g_rng = seed;
+    float *w = malloc((size_t)(N * K) * sizeof(float));
+    for (int64_t i = 0; i < N * K; i++) {
+        double v = 0.02 * rnd_normal();
+        if (rnd_unit() < 0.01) v *= 6;
+        w[i] = (float)v;
+    }
+    return w;
+}
+
+/* Inputs [T, K] with correlated features and uneven scales; `dead` columns all zero. */
+static float *make_inputs(int64_t T, int64_t K, uint64_t seed, int64_t dead) {
+    g_rng = seed;
+    float *x = malloc((size_t)(T * K) * sizeof(float));
+    double *scale = malloc((size_t)K * sizeof(double));
+    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * rnd_normal());
+    for (int64_t t = 0; t < T; t++) {
+        double prev = 0;
+        for (int64_t k = 0; k < K; k++) {
+            double z = rnd_normal() + 0.7 * prev;
+            prev = z;
+            x[t * K + k] = k < dead ? 0.0f : (float)(z * scale[k]);
+        }
+    }
+    free(scale);
+    return x;
+}
+
+/* The CPU's Hessian of those inputs (mq_hessian_*). */
+static float *make_hessian(int64_t K, int64_t T, uint64_t seed, int64_t dead) {
+    float *x = make_inputs(T, K, seed, dead);
+    mq_hessian h;
+    ASSERT_EQ_INT(MOEQ_OK, mq_hessian_init(&h, K, "test"));
+    mq_hessian_add(&h, x, T);
+    float *H = malloc((size_t)(K * K) * sizeof(float));
+    mq_hessian_get(&h, H);
+    mq_hessian_free(&h);
+    free(x);
+    return H;
+}
+
+static mq_gpu *open_gpu(void) {
+    if (!mq_gpu_built()) SKIP("this build has no CUDA backend (configure with -DMOEQ_CUDA=ON)");
+    mq_gpu *g = NULL;
+    if (mq_gpu_open(0, &g) != MOEQ_OK) SKIP("no usable GPU: %s", moeq_last_error());
+    return g;
+}
+
+static int same_float(float a, float b) {
+    uint32_t x, y;
+    memcpy(&x, &a, 4);
+    memcpy(&y, &b, 4);
+    return x == y || (isnan(a) && isnan(b));
+}
+
+/* Group params field by field (the struct's padding bytes are not data). */
+static int params_equal(const mq_gparams *a, const mq_gparams *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!same_float(a[i].scale, b[i].scale) || !same_float(a[i].zero, b[i].zero) ||
+            a[i].scale_code != b[i].scale_code)
+            return 0;
+    return 1;
+}
+
+/* ---- everywhere -------------------------------------------------------------------------------- */
+
+static void test_parse_device(void) {
+    int d = 7;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_parse_device("cpu", &d));
+    ASSERT_EQ_INT(-1, d);
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_parse_device("cuda", &d));
+    ASSERT_EQ_INT(0, d);
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_parse_device("cuda:3", &d));
+    ASSERT_EQ_INT(3, d);
+    const char *bad[] = {"gpu", "cuda:", "cuda:-1", "cuda:1x", "cuda0", "", "CUDA"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_parse_device(bad[i], &d));
+        ASSERT_TRUE(strstr(moeq_last_error(), "--device") != NULL);
+    }
+}
+
+/* A device that does not exist (or a build without CUDA) is a clean error, never a crash. */
+static void test_open_missing_device(void) {
+    mq_gpu *g = (mq_gpu *)&g;
+    ASSERT_EQ_INT(MOEQ_E_UNSUPPORTED, mq_gpu_open(999, &g));
+    ASSERT_TRUE(g == NULL);
+    const char *msg = moeq_last_error();
+    ASSERT_TRUE(strstr(msg, "cuda:999") != NULL);
+    if (!mq_gpu_built()) ASSERT_TRUE(strstr(msg, "-DMOEQ_CUDA=ON") != NULL);
+}
+
+/* ---- device twins ------------------------------------------------------------------------------ */
+
+static void test_codecs_bitexact(void) {
+    mq_gpu *g = open_gpu();
+    /* every bf16 bit pattern as a float (all exponents, signs, NaN, Inf, subnormals), the
+     * midpoints between neighbours, and random floats */
+    const int64_t n = 65536 * 2 + 200000;
+    float *x = malloc((size_t)n * sizeof(float));
+    for (int64_t i = 0; i < 65536; i++) {
+        uint32_t b = (uint32_t)i << 16, m = b | 0x8000u;
+        memcpy(&x[2 * i], &b, 4);
+        memcpy(&x[2 * i + 1], &m, 4);
+    }
+    g_rng = 99;
+    for (int64_t i = 2 * 65536; i < n; i++) x[i] = (float)(rnd_normal() * exp(4 * rnd_normal()));
+    uint8_t *c2 = malloc((size_t)n), *c4 = malloc((size_t)n), *c8 = malloc((size_t)n);
+    float *bf = malloc((size_t)n * 4), *hf = malloc((size_t)n * 4);
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_codecs(g, x, n, c2, c4, c8, bf, hf));
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n && bad < 5; i++) {
+        const float v = x[i];
+        int ok = c2[i] == mq_e2m1_encode(v) && c4[i] == mq_e4m3_encode(v) &&
+                 c8[i] == mq_e8m0_encode_ceil(v) && same_float(bf[i], mq_round_to_dtype(v, MOEQ_DT_BF16)) &&
+                 same_float(hf[i], mq_round_to_dtype(v, MOEQ_DT_F16));
+        if (!ok) {
+            bad++;
+            fprintf(stderr, "  x=%a: e2m1 %x/%x e4m3 %x/%x e8m0 %x/%x bf16 %a/%a f16 %a/%a\n", (double)v, c2[i],
+                    mq_e2m1_encode(v), c4[i], mq_e4m3_encode(v), c8[i], mq_e8m0_encode_ceil(v), (double)bf[i],
+                    (double)mq_round_to_dtype(v, MOEQ_DT_BF16), (double)hf[i], (double)mq_round_to_dtype(v, MOEQ_DT_F16));
+        }
+    }
+    free(x), free(c2), free(c4), free(c8), free(bf), free(hf);
+    mq_gpu_close(g);
+    ASSERT_EQ_INT(0, bad);
+}
+
+static mq_qspec spec_of(mq_qscheme scheme, int64_t group, bool asym, bool mse) {
+    mq_qspec s = mq_qspec_default(scheme);
+    if (group) s.group_size = group;
+    s.asym = asym;
+    s.mse = mse;
+    return s;
+}
+
+static void test_rtn_bitexact(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t N = 192, K = 512;
+    float *w = make_weights(N, K, 5);
+    w[7] = 0.0f;   /* a zero-ish row segment and an exact zero */
+    for (int64_t c = 64; c < 96; c++) w[3 * K + c] = 0.0f;
+    mq_qspec specs[] = {
+        spec_of(MQ_QS_NVFP4, 0, false, false), spec_of(MQ_QS_NVFP4, 0, false, true),
+        mq_qspec_reference(MQ_QS_NVFP4),       spec_of(MQ_QS_INT4, 128, false, false),
+        spec_of(MQ_QS_INT4, 32, false, true),  spec_of(MQ_QS_INT4, 64, true, true),
+        mq_qspec_reference(MQ_QS_INT4),        spec_of(MQ_QS_MXFP4, 0, false, false),
+    };
+    for (size_t k = 0; k < sizeof specs / sizeof specs[0]; k++) {
+        mq_qtensor a, b;
+        ASSERT_EQ_INT(MOEQ_OK, mq_quantize_rtn(&specs[k], w, N, K, 0, "w", &a));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_rtn(g, &specs[k], w, N, K, 0, "w", &b));
+        ASSERT_TRUE(same_float(a.global_scale, b.global_scale));
+        if (memcmp(a.codes, b.codes, (size_t)(N * K)) || !params_equal(a.params, b.params, N * a.n_groups))
+            FAIL("spec %zu (%s group %lld asym %d mse %d): GPU RTN differs from the CPU's", k,
+                 mq_qscheme_name(specs[k].scheme), (long long)a.group_size, specs[k].asym, specs[k].mse);
+        mq_qtensor_free(&a);
+        mq_qtensor_free(&b);
+    }
+    /* a NaN is refused with the tensor and position named, as on the CPU */
+    w[5 * K + 9] = NAN;
+    mq_qtensor q;
+    ASSERT_EQ_INT(MOEQ_E_NUMERIC, mq_gpu_rtn(g, &specs[0], w, N, K, 0, "blk.w", &q));
+    ASSERT_TRUE(strstr(moeq_last_error(), "blk.w") != NULL);
+    free(w);
+    mq_gpu_close(g);
+}
+
+/* Rows arrive in uneven pieces on the GPU and in one piece on the CPU: the same bits. */
+static void test_hessian_bitexact(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t Ks[] = {200, 384, 64};
+    const int64_t T = 1500;
+    float *x[3];
+    for (int i = 0; i < 3; i++) x[i] = make_inputs(T, Ks[i], 40 + (uint64_t)i, i == 1 ? 3 : 0);
+    mq_gpu_hessians *hs = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 3, Ks, &hs));
+    const int64_t pieces[] = {37, 1, 500, 962};
+    for (int i = 0; i < 3; i++) {
+        int64_t r = 0;
+        for (int p = 0; p < 4; p++) {
+            ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_add(hs, i, x[i] + r * Ks[i], pieces[p]));
+            r += pieces[p];
+        }
+    }
+    for (int i = 0; i < 3; i++) {
+        const int64_t K = Ks[i];
+        mq_hessian h;
+        ASSERT_EQ_INT(MOEQ_OK, mq_hessian_init(&h, K, "cpu"));
+        mq_hessian_add(&h, x[i], T);
+        float *a = malloc((size_t)(K * K) * 4), *b = malloc((size_t)(K * K) * 4);
+        mq_hessian_get(&h, a);
+        int64_t n = 0;
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(hs, i, b, &n));
+        ASSERT_EQ_INT(T, n);
+        int64_t diff = 0;
+        for (int64_t e = 0; e < K * K; e++) diff += !same_float(a[e], b[e]);
+        if (diff) FAIL("Hessian %d (K %lld): %lld of %lld entries differ from the CPU's", i, (long long)K,
+                       (long long)diff, (long long)(K * K));
+        free(a), free(b);
+        mq_hessian_free(&h);
+        free(x[i]);
+    }
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_hessians_add(hs, 3, NULL, 1));
+    mq_gpu_hessians_free(hs);
+    mq_gpu_close(g);
+}
+
+/* ---- GPTQ -------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *name;
+    mq_qspec s;
+    mq_gptq_opts o;
+} gptq_mode;
+
+static int n_modes(gptq_mode *m) {
+    int n = 0;
+    mq_gptq_opts d = mq_gptq_opts_default();
+    m[n++] = (gptq_mode){"nvfp4", spec_of(MQ_QS_NVFP4, 0, false, false), d};
+    m[n] = (gptq_mode){"nvfp4 act-order", spec_of(MQ_QS_NVFP4, 0, false, false), d};
+    m[n++].o.act_order = true;
+    m[n] = (gptq_mode){"nvfp4 act-order static", spec_of(MQ_QS_NVFP4, 0, false, false), d};
+    m[n].o.act_order = true;
+    m[n++].o.groups = MQ_GPTQ_GROUPS_STATIC;
+    m[n] = (gptq_mode){"nvfp4 mse obq", spec_of(MQ_QS_NVFP4, 0, false, true), d};
+    m[n++].o.mse_weight = MQ_GPTQ_MSE_OBQ;
+    m[n] = (gptq_mode){"nvfp4 mse hdiag", spec_of(MQ_QS_NVFP4, 0, false, true), d};
+    m[n++].o.mse_weight = MQ_GPTQ_MSE_HDIAG;
+    m[n] = (gptq_mode){"nvfp4 mse loop act-order", spec_of(MQ_QS_NVFP4, 0, false, true), d};
+    m[n].o.mse_weight = MQ_GPTQ_MSE_LOOP;
+    m[n++].o.act_order = true;
+    m[n++] = (gptq_mode){"int4 g128", spec_of(MQ_QS_INT4, 128, false, false), d};
+    m[n] = (gptq_mode){"int4 g128 act-order g_idx", spec_of(MQ_QS_INT4, 128, false, false), d};
+    m[n].o.act_order = true;
+    m[n++].o.groups = MQ_GPTQ_GROUPS_GIDX;
+    m[n] = (gptq_mode){"int4 g32 asym mse plain block 64", spec_of(MQ_QS_INT4, 32, true, true), d};
+    m[n].o.mse_weight = MQ_GPTQ_MSE_PLAIN;
+    m[n++].o.block_size = 64;
+    m[n++] = (gptq_mode){"mxfp4", spec_of(MQ_QS_MXFP4, 0, false, false), d};
+    return n;
+}
+
+static double rel(double a, double b) { return fabs(a - b) / fmax(fabs(b), 1e-30); }
+
+/* GPTQ of one weight on the CPU and on the GPU for every mode: parity as the file comment says. */
+static void test_gptq_parity(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t N = 256, K = 512;
+    float *H = make_hessian(K, 2048, 11, 2);
+    float *w = make_weights(N, K, 12);
+    gptq_mode m[16];
+    const int nm = n_modes(m);
+    for (int k = 0; k < nm; k++) {
+        mq_qtensor a, b;
+        mq_gptq_stats sa;
+        ASSERT_EQ_INT(MOEQ_OK, mq_gptq_quantize(&m[k].s, &m[k].o, H, w, N, K, 0, "w", &a, NULL, &sa));
+        mq_gptq_job j = {.w = w, .rows = N, .name = "w", .out = &b};
+        const float *Hs[] = {H};
+        const int64_t Kk[] = {K};
+        const char *hn[] = {"H"};
+        const int32_t jh[] = {0};
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gptq(g, &m[k].s, &m[k].o, Hs, Kk, hn, 1, &j, jh, 1));
+        int64_t same = 0, same_p = 0;
+        for (int64_t e = 0; e < N * K; e++) same += a.codes[e] == b.codes[e];
+        for (int64_t e = 0; e < N * a.n_groups; e++)
+            same_p += a.params[e].scale_code == b.params[e].scale_code && same_float(a.params[e].scale, b.params[e].scale);
+        const double agree = (double)same / (double)(N * K), agree_p = (double)same_p / (double)(N * a.n_groups);
+        printf("  %-34s codes %.5f params %.5f loss cpu %.6g gpu %.6g (%.2e) rtn %.6g/%.6g\n", m[k].name, agree,
+               agree_p, sa.loss, j.stats.loss, rel(j.stats.loss, sa.loss), sa.rtn_loss, j.stats.rtn_loss);
+        if (agree < 0.999) FAIL("%s: only %.4f%% of codes agree with the CPU's", m[k].name, 100 * agree);
+        if (agree_p < 0.995) FAIL("%s: only %.4f%% of group params agree with the CPU's", m[k].name, 100 * agree_p);
+        if (rel(j.stats.loss, sa.loss) > 5e-3) FAIL("%s: loss %g vs CPU %g", m[k].name, j.stats.loss, sa.loss);
+        /* RTN codes are the CPU's; only the product D R sums in another order */
+        if (rel(j.stats.rtn_loss, sa.rtn_loss) > 1e-4) FAIL("%s: RTN loss %g vs CPU %g", m[k].name, j.stats.rtn_loss, sa.rtn_loss);
+        ASSERT_EQ_INT(sa.n_dead, j.stats.n_dead);
+        ASSERT_TRUE(sa.percdamp == j.stats.percdamp);
+        ASSERT_TRUE(same_float(a.global_scale, b.global_scale));
+        ASSERT_EQ_INT(a.g_idx != NULL, b.g_idx != NULL);
+        if (a.g_idx) ASSERT_TRUE(memcmp(a.g_idx, b.g_idx, (size_t)K * 4) == 0);
+        mq_qtensor_free(&a);
+        mq_qtensor_free(&b);
+    }
+    free(H), free(w);
+    mq_gpu_close(g);
+}
+
+/* Several weights over three Hessians (two sizes) in one call against each Hessian's weights
+ * alone, and the call repeated: the same bytes. The weights of one Hessian are stacked into one
+ * set whose work depends only on its own data, so chunking a layer's experts differently (the
+ * pipeline's --expert-chunk) cannot change a code. */
+static void test_gptq_batched_deterministic(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t Ks[] = {256, 512, 256};
+    const int64_t rows[] = {96, 128, 64, 200, 32};
+    const int32_t jh[] = {0, 1, 0, 2, 1};
+    float *H[3], *w[5];
+    for (int i = 0; i < 3; i++) H[i] = make_hessian(Ks[i], 1024, 20 + (uint64_t)i, 0);
+    for (int i = 0; i < 5; i++) w[i] = make_weights(rows[i], Ks[jh[i]], 30 + (uint64_t)i);
+    const char *hn[] = {"H0", "H1", "H2"};
+    mq_qspec s = spec_of(MQ_QS_NVFP4, 0, false, true);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.act_order = true;
+    o.mse_weight = MQ_GPTQ_MSE_OBQ;
+    mq_qtensor all[2][5], one[5];
+    mq_gptq_job jobs[5];
+    for (int rep = 0; rep < 2; rep++) {
+        for (int i = 0; i < 5; i++) jobs[i] = (mq_gptq_job){.w = w[i], .rows = rows[i], .name = "w", .out = &all[rep][i]};
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gptq(g, &s, &o, (const float *const *)H, Ks, hn, 3, jobs, jh, 5));
+    }
+    for (int h = 0; h < 3; h++) {
+        /* the jobs of Hessian h alone, in their order */
+        mq_gptq_job sj[5];
+        int idx[5], n = 0;
+        int32_t z[5] = {0};
+        for (int i = 0; i < 5; i++)
+            if (jh[i] == h) {
+                idx[n] = i;
+                sj[n++] = (mq_gptq_job){.w = w[i], .rows = rows[i], .name = "w", .out = &one[i]};
+            }
+        const float *Hi[] = {H[h]};
+        const int64_t Ki[] = {Ks[h]};
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gptq(g, &s, &o, Hi, Ki, hn, 1, sj, z, n));
+        for (int k = 0; k < n; k++) {
+            const int i = idx[k];
+            const size_t nc = (size_t)(rows[i] * Ks[h]);
+            for (int rep = 0; rep < 2; rep++)
+                if (memcmp(all[rep][i].codes, one[i].codes, nc) ||
+                    !params_equal(all[rep][i].params, one[i].params, rows[i] * one[i].n_groups))
+                    FAIL("weight %d: batched run %d differs from its Hessian's weights alone", i, rep);
+        }
+    }
+    for (int i = 0; i < 5; i++) {
+        for (int rep = 0; rep < 2; rep++) mq_qtensor_free(&all[rep][i]);
+        mq_qtensor_free(&one[i]);
+        free(w[i]);
+    }
+    for (int i = 0; i < 3; i++) free(H[i]);
+    mq_gpu_close(g);
+}
+
+/* Damping retry: a rank-deficient Hessian with no damping fails Cholesky; both raise percdamp
+ * the same way. Bad inputs are errors naming the tensor, as on the CPU. */
+static void test_gptq_retry_and_errors(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t N = 64, K = 128;
+    float *x = make_inputs(40, K, 3, 0);   /* 40 tokens: rank 40 < 128 */
+    mq_hessian h;
+    ASSERT_EQ_INT(MOEQ_OK, mq_hessian_init(&h, K, "t"));
+    mq_hessian_add(&h, x, 40);
+    float *H = malloc((size_t)(K * K) * 4);
+    mq_hessian_get(&h, H);
+    mq_hessian_free(&h);
+    free(x);
+    float *w = make_weights(N, K, 4);
+    mq_qspec s = spec_of(MQ_QS_INT4, 32, false, false);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.percdamp = 0;
+    mq_qtensor a, b;
+    mq_gptq_stats sa;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gptq_quantize(&s, &o, H, w, N, K, 0, "w", &a, NULL, &sa));
+    const float *Hs[] = {H};
+    const int64_t Kk[] = {K};
+    const char *hn[] = {"layers.0.mlp.experts.3"};
+    const int32_t jh[] = {0};
+    mq_gptq_job j = {.w = w, .rows = N, .name = "w", .out = &b};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gptq(g, &s, &o, Hs, Kk, hn, 1, &j, jh, 1));
+    ASSERT_TRUE(sa.percdamp > 0);
+    ASSERT_TRUE(sa.percdamp == j.stats.percdamp);
+    mq_qtensor_free(&a);
+    mq_qtensor_free(&b);
+
+    /* not positive definite at any damping: -I */
+    float *neg = calloc((size_t)(K * K), 4);
+    for (int64_t i = 0; i < K; i++) neg[i * K + i] = -1.0f;
+    const float *Hn[] = {neg};
+    o = mq_gptq_opts_default();
+    ASSERT_EQ_INT(MOEQ_E_NUMERIC, mq_gpu_gptq(g, &s, &o, Hn, Kk, hn, 1, &j, jh, 1));
+    ASSERT_TRUE(strstr(moeq_last_error(), "layers.0.mlp.experts.3") != NULL);
+    ASSERT_TRUE(j.out->codes == NULL);
+    /* a non-finite Hessian entry */
+    H[5 * K + 7] = INFINITY;
+    ASSERT_EQ_INT(MOEQ_E_NUMERIC, mq_gpu_gptq(g, &s, &o, Hs, Kk, hn, 1, &j, jh, 1));
+    ASSERT_TRUE(strstr(moeq_last_error(), "layers.0.mlp.experts.3") != NULL);
+    H[5 * K + 7] = H[7 * K + 5];
+    /* a NaN weight: named with its position */
+    w[3 * K + 17] = NAN;
+    j.name = "experts.3.up_proj";
+    ASSERT_EQ_INT(MOEQ_E_NUMERIC, mq_gpu_gptq(g, &s, &o, Hs, Kk, hn, 1, &j, jh, 1));
+    ASSERT_TRUE(strstr(moeq_last_error(), "experts.3.up_proj") != NULL);
+    ASSERT_TRUE(strstr(moeq_last_error(), "(3, 17)") != NULL);
+    w[3 * K + 17] = 0;
+    /* g_idx groups with NVFP4 */
+    mq_qspec nv = spec_of(MQ_QS_NVFP4, 0, false, false);
+    o.act_order = true;
+    o.groups = MQ_GPTQ_GROUPS_GIDX;
+    ASSERT_EQ_INT(MOEQ_E_UNSUPPORTED, mq_gpu_gptq(g, &nv, &o, Hs, Kk, hn, 1, &j, jh, 1));
+    free(neg), free(H), free(w);
+    mq_gpu_close(g);
+}
+
+TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
+          T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_batched_deterministic),
+          T(test_gptq_retry_and_errors))
