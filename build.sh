@@ -11,7 +11,7 @@ case $what in
     demo | test | build) ;;
     *) echo "usage: ./build.sh [demo|test|build]" >&2; exit 2 ;;
 esac
-bash scripts/install-deps.sh
+bash scripts/install-deps.sh "$what"
 jobs=$(nproc)
 # shellcheck disable=SC2086
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release ${MOEQ_CMAKE_FLAGS:-} >/dev/null

@@ -79,6 +79,11 @@ void moeq_set_log(moeq_log_fn fn, void *user);
 
 /* Force the scalar reference kernels (also: environment MOEQ_FORCE_REF=1). */
 void moeq_set_force_ref(int on);
+/* The CPU kernel set in use, chosen from CPUID at the first call: "avx2+fma", "scalar" (the CPU
+ * lacks AVX2 or FMA: the scalar twins, no instruction it lacks is executed) or "scalar (forced)". */
+const char *moeq_cpu_kernels(void);
+/* 1 when this build has the CUDA backend (GPTQ with device "cuda"), else 0. */
+int moeq_gpu_backend_built(void);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Tensor element types (safetensors dtype names).                                            */

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Installs the Debian packages moeq builds against, if any is missing (Debian 12).
+# Installs the Debian packages moeq builds against, if any is missing (Debian 12). With "test":
+# also qemu-user, which the CPU-dispatch test runs the CLI under (it skips without it).
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config python3 libopenblas-dev liblapacke-dev libcjson-dev libpcre2-dev zlib1g-dev)
+[ "${1:-}" = test ] && pkgs+=(qemu-user)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

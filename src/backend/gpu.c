@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+int moeq_gpu_backend_built(void) { return mq_gpu_built() ? 1 : 0; }
+
 moeq_status mq_gpu_parse_device(const char *s, int *device) {
     *device = -1;
     if (!s || !strcmp(s, "cpu")) return MOEQ_OK;

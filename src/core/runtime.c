@@ -67,6 +67,11 @@ bool mq_cpu_has_avx2_fma(void) {
 #endif
 }
 
+const char *moeq_cpu_kernels(void) {
+    if (mq_force_ref()) return "scalar (forced)";
+    return mq_cpu_has_avx2_fma() ? "avx2+fma" : "scalar";
+}
+
 double mq_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

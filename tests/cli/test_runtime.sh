@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The packed runtime and W4A4 emulation through the CLI, on the bundled olmoe-tiny quantized by
 # `moeq quantize` (NVFP4 weight-only and INT4 g32): generate and eval run packed by default and
-# agree with --dequantize (same greedy text; word perplexity within 1e-5 relative), stderr / the
+# agree with --dequantize (same greedy text; word perplexity within 1e-4 relative, derived below), stderr / the
 # --json object report resident weights (packed < fp32) and peak RSS, --act-quant nvfp4 runs the
 # dequantized path and moves the perplexity while --act-quant none changes nothing, and bad
 # values are usage errors.
@@ -50,7 +50,15 @@ rss=$(json_get "$tmp/p.json" peak_rss_bytes)
 [ "$rss" -gt "$wb" ] || fail "peak RSS $rss below the weights $wb"
 pp=$(json_get "$tmp/p.json" word_perplexity)
 pd=$(json_get "$tmp/d.json" word_perplexity)
-rel_close "$pp" "$pd" 1e-5 || fail "packed word perplexity $pp vs dequantized $pd"
+# The two paths multiply the same dequantized weights and sum each dot product (K <= 256 here)
+# in another order (the packed kernels by group, OpenBLAS by its own blocking, which differs
+# between its AVX2 and AVX-512 kernels): a Linear's outputs differ by about sqrt(K) * 2^-24 =
+# 1e-6 relative, and through 4 layers (about a dozen Linears deep, each stage amplifying what it
+# is given) the logits by about 1e-5 relative, i.e. ~1e-4 nats for logits of ~10; the log word
+# perplexity is a mean of log-probabilities, each moved by at most twice that. So 1e-4 relative;
+# measured 2.7e-6 on an AVX2 host and 1.1e-5 on an AVX-512 Xeon. (Wrong codes are the kernel
+# tests' business, bit for bit against the scalar twins.)
+rel_close "$pp" "$pd" 1e-4 || fail "packed word perplexity $pp vs dequantized $pd"
 [ "$pp" != "$pd" ] || fail "packed and dequantized perplexity are identical ($pp): not packed?"
 "$cli" eval "$tmp/nv" --data "$tmp/wiki.txt" > /dev/null 2> "$tmp/txt.err" || fail "text eval exited $?"
 grep -q "eval: weights .* MiB resident (112 Linears packed" "$tmp/txt.err" || fail "text eval: no memory report: $(cat "$tmp/txt.err")"

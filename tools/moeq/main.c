@@ -37,7 +37,8 @@ int main(int argc, char **argv) {
         return CLI_OK;
     }
     if (!strcmp(argv[1], "--version")) {
-        printf("moeq %s\n", moeq_version());
+        printf("moeq %s\nCPU kernels: %s\nGPU backend: %s\n", moeq_version(), moeq_cpu_kernels(),
+               moeq_gpu_backend_built() ? "CUDA (--device cuda)" : "none (built without CUDA)");
         return CLI_OK;
     }
     for (size_t i = 0; i < sizeof g_commands / sizeof g_commands[0]; i++)
