@@ -77,6 +77,13 @@ void moeq_set_progress(moeq_progress_fn fn, void *user);
 typedef void (*moeq_log_fn)(void *user, int level, const char *msg);
 void moeq_set_log(moeq_log_fn fn, void *user);
 
+/* A model as users name it: a directory, or a Hugging Face hub id "org/name" resolved to its
+ * snapshot in the local cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)
+ * at revision (NULL: "main"; a branch or tag under refs/, or a 40-hex commit). *out: the
+ * directory (free() it). Never downloads: a missing model is MOEQ_E_NOTFOUND saying where it
+ * looked. */
+moeq_status moeq_resolve_model(const char *name, const char *revision, char **out);
+
 /* Force the scalar reference kernels (also: environment MOEQ_FORCE_REF=1). */
 void moeq_set_force_ref(int on);
 /* The CPU kernel set in use, chosen from CPUID at the first call: "avx2+fma", "scalar" (the CPU
@@ -408,6 +415,10 @@ typedef struct {
     const char *calib;             /* --calib: calibration text or JSONL; required by
                                       MOEQ_QUANT_NVFP4 (activation scales) and GPTQ (Hessians),
                                       refused otherwise */
+    const char *calib_field;       /* --calib-field: the JSONL records' field (NULL: "text", else
+                                      "messages"); a string, or a chat "messages" list joined as
+                                      "role: content" lines (plain role names, no chat template).
+                                      calib may be plain text, JSONL or either gzip-compressed */
     int64_t calib_tokens;          /* --calib-tokens: W4A4 activation scales from the first N
                                       tokens (default 65536) */
     int64_t max_shard_bytes;       /* --max-shard-size: largest shard; 0 = 5 GB */

@@ -3,6 +3,7 @@
  * calibration sample builder (src/quant/calib.c) against hand-computed slices and the tokenizer.
  */
 #include <stdlib.h>
+#include <zlib.h>
 
 #include "harness.h"
 #include "quant/calib.h"
@@ -203,4 +204,84 @@ static void test_calib_files(void) {
     moeq_tokenizer_free(tok);
 }
 
-TEST_MAIN(T(test_hessian_matches_direct_sum), T(test_calib_chunks_and_random), T(test_calib_files))
+/* Tokens of one document, for comparing a sample with what it should hold. */
+static void assert_sample_is(const moeq_tokenizer *tok, const mq_calib_set *s, int64_t k, const char *doc) {
+    int32_t *ids;
+    size_t n;
+    ASSERT_OK(moeq_tokenizer_encode(tok, doc, strlen(doc), &ids, &n));
+    ASSERT_EQ_INT((int64_t)n, s->len[k]);
+    for (size_t t = 0; t < n; t++) ASSERT_EQ_INT(ids[t], s->ids[k][t]);
+    free(ids);
+}
+
+/* Calibration data as users have it: JSONL gzip-compressed, chat "messages", another field. */
+static void test_calib_jsonl_gz_messages(void) {
+    moeq_tokenizer *tok = load_tok();
+    const char *jl = "{\"text\": \"The first document.\"}\n"
+                     "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi there.\"}, {\"role\": \"assistant\", "
+                     "\"content\": [{\"type\": \"text\", \"text\": \"Part one. \"}, {\"type\": \"text\", \"text\": \"Part two.\"}]}]}\n"
+                     "{\"text\": \"The third.\", \"body\": \"Another field.\"}\n";
+    char gz[512];
+    snprintf(gz, sizeof gz, "%s/calib.jsonl.gz", mq_test_tmpdir());
+    gzFile g = gzopen(gz, "wb");
+    ASSERT_TRUE(g != NULL);
+    ASSERT_EQ_INT((int)strlen(jl), gzwrite(g, jl, (unsigned)strlen(jl)));
+    ASSERT_EQ_INT(Z_OK, gzclose(g));
+    mq_calib_opts o;
+    mq_calib_opts_init(&o);
+    o.path = gz;
+    o.mode = MQ_CALIB_DOCS;
+    o.nsamples = 10;
+    o.seqlen = 100;
+    mq_calib_set s;
+    ASSERT_OK(mq_calib_load(tok, &o, &s));
+    ASSERT_EQ_INT(3, s.n);
+    assert_sample_is(tok, &s, 0, "The first document.");
+    assert_sample_is(tok, &s, 1, "user: Hi there.\nassistant: Part one. Part two.");
+    assert_sample_is(tok, &s, 2, "The third.");
+    mq_calib_free(&s);
+    /* --calib-field: that field of every record; a record without it is an error naming the line */
+    o.field = "body";
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("calib.jsonl.gz:1");
+    ASSERT_ERROR_MENTIONS("\"body\"");
+    o.path = write_tmp("body.jsonl", "{\"body\": \"Another field.\"}\n");
+    ASSERT_OK(mq_calib_load(tok, &o, &s));
+    ASSERT_EQ_INT(1, s.n);
+    assert_sample_is(tok, &s, 0, "Another field.");
+    mq_calib_free(&s);
+    o.path = write_tmp("plain.txt", "plain text\n");
+    ASSERT_STATUS(MOEQ_E_ARG, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("--calib-field");
+    o.field = NULL;
+    /* a message without a role */
+    o.path = write_tmp("chat.jsonl", "{\"messages\": [{\"content\": \"x\"}]}\n");
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("chat.jsonl:1");
+    /* what W4A4's activation calibration reads: the documents joined by blank lines */
+    char *all;
+    size_t n;
+    ASSERT_OK(mq_calib_read_all(gz, NULL, &all, &n));
+    const char *want = "The first document.\n\nuser: Hi there.\nassistant: Part one. Part two.\n\nThe third.";
+    ASSERT_EQ_STR(want, all);
+    ASSERT_EQ_INT((int64_t)strlen(want), (int64_t)n);
+    free(all);
+    /* a .gz that is not gzip, and a truncated one */
+    o.path = write_tmp("plain.gz", "not compressed\n");
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("plain.gz");
+    char *bytes;
+    size_t nb;
+    ASSERT_OK(mq_read_file(gz, &bytes, &nb));
+    char cut[512];
+    snprintf(cut, sizeof cut, "%s/cut.jsonl.gz", mq_test_tmpdir());
+    ASSERT_OK(mq_write_file_atomic(cut, bytes, nb / 2));
+    free(bytes);
+    o.path = cut;
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("cut.jsonl.gz");
+    moeq_tokenizer_free(tok);
+}
+
+TEST_MAIN(T(test_hessian_matches_direct_sum), T(test_calib_chunks_and_random), T(test_calib_files),
+          T(test_calib_jsonl_gz_messages))

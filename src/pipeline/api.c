@@ -94,6 +94,7 @@ static moeq_status check_options(const moeq_quant_options *o) {
     if (o->method == MOEQ_QUANT_GPTQ && !o->calib) return BAD("method MOEQ_QUANT_GPTQ needs calib");
     if (o->calib && o->scheme != MOEQ_QUANT_NVFP4 && o->method != MOEQ_QUANT_GPTQ)
         return BAD("calib is only used by scheme MOEQ_QUANT_NVFP4 and method MOEQ_QUANT_GPTQ");
+    if (o->calib_field && !o->calib) return BAD("calib_field is set but calib is not");
     if (o->calib_tokens < 1)
         return BAD("calib_tokens must be >= 1, got %lld", (long long)o->calib_tokens);
     if (o->max_shard_bytes < 0)
@@ -182,6 +183,7 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->min_expert_tokens = po->gptq.min_expert_tokens;
     o->fallback_rtn = po->gptq.expert_fallback == MOEQ_EXPERT_FALLBACK_RTN;
     o->calib.path = po->calib;
+    o->calib.field = po->calib_field;
     o->calib.nsamples = po->gptq.nsamples;
     o->calib.seqlen = po->gptq.seqlen;
     o->calib.seed = po->gptq.seed;

@@ -95,7 +95,7 @@ static moeq_status act_calibration(mq_pipe *p) {
     size_t len = 0;
     int32_t *ids = NULL;
     size_t n = 0;
-    moeq_status s = mq_read_file(o->act_calib, &text, &len);
+    moeq_status s = mq_calib_read_all(o->act_calib, o->calib.field, &text, &len);
     if (!s) {
         s = moeq_tokenizer_encode(tok, text, len, &ids, &n);
         if (s) mq_err_prefix(s, "%s", o->act_calib);

@@ -7,8 +7,10 @@
 #include "quant/calib.h"
 
 #include <cjson/cJSON.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <zlib.h>
 
 void mq_calib_opts_init(mq_calib_opts *o) {
     memset(o, 0, sizeof *o);
@@ -148,11 +150,116 @@ static bool blank(const char *s, size_t n) {
     return true;
 }
 
-static moeq_status read_docs(const char *path, const char *text, size_t len, bool per_line,
-                             doc_list *d) {
+/* The file's bytes; gzip-compressed files (a .gz name or the gzip magic) are inflated. */
+static moeq_status read_input(const char *path, char **out, size_t *len) {
+    *out = NULL;
+    *len = 0;
+    unsigned char magic[2] = {0, 0};
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        size_t got = fread(magic, 1, 2, f);
+        fclose(f);
+        if (got < 2) magic[0] = 0;
+    }
+    if (!(ends_with(path, ".gz") || (magic[0] == 0x1f && magic[1] == 0x8b))) return mq_read_file(path, out, len);
+    gzFile g = gzopen(path, "rb");
+    if (!g) return mq_err(MOEQ_E_IO, "%s: cannot open", path);
+    size_t cap = 1 << 20, n = 0;
+    char *buf = malloc(cap + 1);
+    moeq_status st = buf ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory reading %s", path);
+    while (!st) {
+        if (cap - n < (1 << 16)) {
+            char *grown = realloc(buf, 2 * cap + 1);
+            if (!grown) {
+                st = mq_err(MOEQ_E_NOMEM, "out of memory reading %s", path);
+                break;
+            }
+            buf = grown;
+            cap *= 2;
+        }
+        int r = gzread(g, buf + n, (unsigned)(cap - n));
+        if (r < 0) {
+            int code = 0;
+            const char *msg = gzerror(g, &code);
+            st = mq_err(MOEQ_E_FORMAT, "%s: not a readable gzip file (%s)", path, msg ? msg : "zlib error");
+        } else if (gzdirect(g)) {
+            /* zlib passes data without the gzip header through unchanged */
+            st = mq_err(MOEQ_E_FORMAT, "%s: not gzip data (the name ends in .gz)", path);
+        } else if (r == 0) {
+            break;
+        } else {
+            n += (size_t)r;
+        }
+    }
+    /* a truncated stream ends without error from gzread; gzclose_r reports it */
+    int rc = gzclose_r(g);
+    if (!st && rc != Z_OK) st = mq_err(MOEQ_E_FORMAT, "%s: truncated or corrupt gzip data", path);
+    if (st) {
+        free(buf);
+        return st;
+    }
+    buf[n] = 0;
+    *out = buf;
+    *len = n;
+    return MOEQ_OK;
+}
+
+/* A chat record's "messages": [{"role": R, "content": C}, ...] as "R: C" lines (C a string, or a
+ * list of parts whose "text" strings are concatenated). Documented as plain role names, not a
+ * chat template. */
+static moeq_status join_messages(const cJSON *msgs, const char *path, int64_t line_no, doc_list *d) {
+    size_t cap = 256, n = 0;
+    char *buf = malloc(cap);
+    if (!buf) return mq_err(MOEQ_E_NOMEM, "out of memory reading calibration documents");
+    const cJSON *m;
+    moeq_status st = MOEQ_OK;
+    cJSON_ArrayForEach(m, msgs) {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (!cJSON_IsString(role) || !(cJSON_IsString(content) || cJSON_IsArray(content))) {
+            st = mq_err(MOEQ_E_FORMAT, "%s:%lld: a message needs a string \"role\" and a \"content\" string or "
+                        "list of parts", path, (long long)line_no);
+            break;
+        }
+        for (int part = -1;; part++) {
+            const char *piece;
+            if (part == -1) {
+                piece = role->valuestring;
+            } else if (cJSON_IsString(content)) {
+                if (part > 0) break;
+                piece = content->valuestring;
+            } else {
+                const cJSON *it = cJSON_GetArrayItem(content, part);
+                if (!it) break;
+                const cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "text");
+                piece = cJSON_IsString(t) ? t->valuestring : "";
+            }
+            const char *sep = part == -1 ? (n ? "\n" : "") : part == 0 ? ": " : "";
+            size_t need = n + strlen(sep) + strlen(piece) + 1;
+            if (need > cap) {
+                while (cap < need) cap *= 2;
+                char *grown = realloc(buf, cap);
+                if (!grown) {
+                    free(buf);
+                    return mq_err(MOEQ_E_NOMEM, "out of memory reading calibration documents");
+                }
+                buf = grown;
+            }
+            n += (size_t)sprintf(buf + n, "%s%s", sep, piece);
+        }
+    }
+    if (!st) st = docs_add(d, buf, n);
+    free(buf);
+    return st;
+}
+
+/* JSONL: each record's `field` (NULL: "text", else "messages"): a string, or a messages list. */
+static moeq_status read_docs(const char *path, const char *field, const char *text, size_t len,
+                             bool per_line, doc_list *d) {
     size_t i = 0;
     while (i < len && (text[i] == ' ' || text[i] == '\t' || text[i] == '\r' || text[i] == '\n')) i++;
-    bool jsonl = ends_with(path, ".jsonl") || (i < len && text[i] == '{');
+    bool jsonl = ends_with(path, ".jsonl") || ends_with(path, ".jsonl.gz") || (i < len && text[i] == '{');
+    if (field && !jsonl) return mq_err(MOEQ_E_ARG, "%s: --calib-field %s needs a JSONL file", path, field);
     if (!jsonl && !per_line) return docs_add(d, text, len);
     int64_t line_no = 0;
     for (size_t p = 0; p < len;) {
@@ -169,17 +276,55 @@ static moeq_status read_docs(const char *path, const char *text, size_t len, boo
             continue;
         }
         cJSON *j = cJSON_ParseWithLength(line, n);
-        const cJSON *t = j ? cJSON_GetObjectItemCaseSensitive(j, "text") : NULL;
-        if (!cJSON_IsString(t)) {
+        if (!cJSON_IsObject(j)) {
             cJSON_Delete(j);
-            return mq_err(MOEQ_E_FORMAT, "%s:%lld: expected a JSON object with a string \"text\"",
-                          path, (long long)line_no);
+            return mq_err(MOEQ_E_FORMAT, "%s:%lld: not a JSON object", path, (long long)line_no);
         }
-        moeq_status st = docs_add(d, t->valuestring, strlen(t->valuestring));
+        const char *name = field;
+        if (!name) name = cJSON_HasObjectItem(j, "text") || !cJSON_HasObjectItem(j, "messages") ? "text" : "messages";
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, name);
+        moeq_status st;
+        if (cJSON_IsString(t)) st = docs_add(d, t->valuestring, strlen(t->valuestring));
+        else if (cJSON_IsArray(t)) st = join_messages(t, path, line_no, d);
+        else
+            st = mq_err(MOEQ_E_FORMAT, "%s:%lld: expected a string or a messages list in \"%s\"%s", path,
+                        (long long)line_no, name, field ? "" : " (or --calib-field NAME)");
         cJSON_Delete(j);
         if (st) return st;
     }
     return MOEQ_OK;
+}
+
+moeq_status mq_calib_read_all(const char *path, const char *field, char **text, size_t *len) {
+    *text = NULL;
+    *len = 0;
+    char *raw;
+    size_t n;
+    moeq_status st = read_input(path, &raw, &n);
+    if (st) return st;
+    doc_list d = {0};
+    st = read_docs(path, field, raw, n, false, &d);
+    free(raw);
+    size_t total = 0;
+    for (int64_t i = 0; !st && i < d.n; i++) total += d.len[i] + 2;
+    char *out = st ? NULL : malloc(total + 1);
+    if (!st && !out) st = mq_err(MOEQ_E_NOMEM, "out of memory reading %s", path);
+    if (!st) {
+        size_t k = 0;
+        for (int64_t i = 0; i < d.n; i++) {
+            if (i) {
+                memcpy(out + k, "\n\n", 2);
+                k += 2;
+            }
+            memcpy(out + k, d.doc[i], d.len[i]);
+            k += d.len[i];
+        }
+        out[k] = 0;
+        *text = out;
+        *len = k;
+    }
+    docs_free(&d);
+    return st;
 }
 
 moeq_status mq_calib_load(const moeq_tokenizer *tok, const mq_calib_opts *o, mq_calib_set *out) {
@@ -192,9 +337,9 @@ moeq_status mq_calib_load(const moeq_tokenizer *tok, const mq_calib_opts *o, mq_
         return mq_err(MOEQ_E_ARG, "%s: the tokenizer has no BOS token for --calib-bos", o->path);
     char *text;
     size_t len;
-    if ((st = mq_read_file(o->path, &text, &len))) return st;
+    if ((st = read_input(o->path, &text, &len))) return st;
     doc_list d = {0};
-    st = read_docs(o->path, text, len, o->mode == MQ_CALIB_DOCS, &d);
+    st = read_docs(o->path, o->field, text, len, o->mode == MQ_CALIB_DOCS, &d);
     free(text);
     if (st) {
         docs_free(&d);

@@ -22,6 +22,7 @@ typedef struct {
     mq_calib_mode mode;
     uint64_t seed;       /* MQ_CALIB_RANDOM */
     bool bos;            /* prepend the tokenizer's BOS to every sample (counted in seqlen) */
+    const char *field;   /* JSONL: the record field (NULL: "text", else "messages") */
 } mq_calib_opts;
 
 void mq_calib_opts_init(mq_calib_opts *o);
@@ -34,6 +35,11 @@ typedef struct {
     int64_t total;       /* tokens over all samples */
 } mq_calib_set;
 
+/* The calibration file: plain text, or JSONL whose records give one document each (a string
+ * field, or a "messages" list joined as "role: content" lines); either gzip-compressed
+ * (.gz / the gzip magic). */
+/* Every document of the file joined by blank lines (the W4A4 activation calibration). */
+moeq_status mq_calib_read_all(const char *path, const char *field, char **text, size_t *len);
 /* Fewer tokens (or documents) than asked for gives fewer samples with a warning; none at all is
  * MOEQ_E_FORMAT naming the file. A bad JSONL line is MOEQ_E_FORMAT naming file and line. */
 moeq_status mq_calib_load(const moeq_tokenizer *tok, const mq_calib_opts *o, mq_calib_set *out);

@@ -35,6 +35,32 @@ int cli_fail(const char *cmd, moeq_status st) {
     return st == MOEQ_E_INTERRUPTED ? CLI_INTERRUPTED : CLI_FAIL;
 }
 
+static char *g_models[8];
+static int g_n_models;
+static void free_models(void) {
+    for (int i = 0; i < g_n_models; i++) free(g_models[i]);
+    g_n_models = 0;
+}
+
+const char *cli_model_dir(const char *cmd, const char *arg, const char *revision) {
+    struct stat st;
+    if (!revision && stat(arg, &st) == 0) return arg;   /* a directory, or tokenize's file */
+    char *dir = NULL;
+    moeq_status s = moeq_resolve_model(arg, revision, &dir);
+    if (s) {
+        cli_fail(cmd, s);
+        return NULL;
+    }
+    if (g_n_models == (int)(sizeof g_models / sizeof g_models[0])) {
+        free(dir);
+        cli_fail(cmd, MOEQ_E_NOMEM);
+        return NULL;
+    }
+    if (!g_n_models) atexit(free_models);
+    g_models[g_n_models++] = dir;
+    return dir;
+}
+
 void cli_usage(const cli_command *cmd, FILE *to) {
     fprintf(to, "usage: moeq %s %s\n\n%s\n", cmd->name, cmd->synopsis, cmd->description);
     if (cmd->n_opts) fprintf(to, "\noptions:\n");

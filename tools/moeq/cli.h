@@ -60,6 +60,14 @@ int cli_usage_error(const char *cmd, const char *fmt, ...);
 /* Prints "moeq <cmd>: error: <moeq_last_error()>" and returns CLI_FAIL (or CLI_INTERRUPTED). */
 int cli_fail(const char *cmd, moeq_status st);
 
+/* MODEL_DIR as typed: an existing path as it is, else a Hugging Face hub id resolved in the
+ * local cache at revision (NULL: main); NULL after printing the error (return CLI_FAIL). The
+ * result lives until the process ends. */
+const char *cli_model_dir(const char *cmd, const char *arg, const char *revision);
+#define CLI_REVISION_OPT(var)                                                                      \
+    {"--revision", OPT_STRING, &(var), "REV", "MODEL_DIR given as a hub id (org/name): the branch, " \
+     "tag or commit of the local Hugging Face cache to use (default main)", NULL, 0, 0, NULL}
+
 /* Progress bar with ETA on stderr: enabled when stderr is a terminal and quiet is false. */
 void cli_progress_enable(bool quiet);
 void cli_progress_finish(void);

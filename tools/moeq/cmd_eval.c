@@ -146,7 +146,9 @@ int cmd_eval(int argc, char **argv) {
     double temperature = 1.0;
     bool entropy = false;
     bool json = false, add_bos = false, quiet = false, per_doc = false, dequantize = false;
+    const char *revision = NULL;
     const cli_opt opts[] = {
+        CLI_REVISION_OPT(revision),
         {"--task", OPT_CHOICE, &task, NULL, "wikitext (lm-eval's task, default) or any text",
          "wikitext|text", 0, 0, NULL},
         {"--data", OPT_STRING, &data, "FILE", "the documents (required)", NULL, 0, 0, NULL},
@@ -220,7 +222,9 @@ int cmd_eval(int argc, char **argv) {
         return cli_usage_error("eval", "give only one of --kl-base and --kl-logits");
     if (!(temperature > 0) || !isfinite((float)temperature))
         return cli_usage_error("eval", "--temperature must be a positive finite number");
-    const char *model_dir = pos[0];
+    const char *model_dir = cli_model_dir("eval", pos[0], revision);
+    if (!model_dir) return CLI_FAIL;
+    if (kl_base && !(kl_base = cli_model_dir("eval", kl_base, NULL))) return CLI_FAIL;
     bool wikitext = strcmp(task, "wikitext") == 0;
     moeq_docs_layout lay = wikitext ? MOEQ_DOCS_WIKITEXT : MOEQ_DOCS_WHOLE;
     if (layout)

@@ -97,7 +97,9 @@ int cmd_generate(int argc, char **argv) {
     const char *act_quant = NULL;
     bool greedy = false, ignore_eos = false, no_bos = false, temp_seen = false, top_p_seen = false,
          seed_seen = false, dequantize = false;
+    const char *revision = NULL;
     const cli_opt opts[] = {
+        CLI_REVISION_OPT(revision),
         {"--prompt", OPT_STRING, &prompt, "P", "the prompt text", NULL, 0, 0, NULL},
         {"-n", OPT_INT, &n_new, "N", "number of tokens to generate", NULL, 0, 1 << 24, NULL},
         {"--greedy", OPT_FLAG, &greedy, NULL, "always take the most likely token (the default)",
@@ -147,7 +149,9 @@ int cmd_generate(int argc, char **argv) {
     moeq_model_options mo = {.keep_packed = !dequantize && !aq,
                              .act_quant = aq ? MOEQ_ACT_QUANT_NVFP4 : MOEQ_ACT_QUANT_NONE};
     moeq_model *m = NULL;
-    moeq_status st = moeq_model_open(pos[0], &mo, &m);
+    const char *dir = cli_model_dir("generate", pos[0], revision);
+    if (!dir) return CLI_FAIL;
+    moeq_status st = moeq_model_open(dir, &mo, &m);
     if (st) return cli_fail("generate", st);
     const moeq_tokenizer *tok = moeq_model_tokenizer(m);
     if (!tok) {

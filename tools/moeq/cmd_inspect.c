@@ -297,7 +297,9 @@ static int inspect(const char *dir, bool tensors, bool weights) {
 
 int cmd_inspect(int argc, char **argv) {
     bool tensors = false, weights = false;
+    const char *revision = NULL;
     const cli_opt opts[] = {
+        CLI_REVISION_OPT(revision),
         {"--tensors", OPT_FLAG, &tensors, NULL, "also list every tensor: dtype, shape, bytes", NULL,
          0, 0, NULL},
         {"--weights", OPT_FLAG, &weights, NULL, "also list every 2-D weight: storage (dense or "
@@ -312,5 +314,6 @@ int cmd_inspect(int argc, char **argv) {
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
-    return inspect(pos[0], tensors, weights);
+    const char *dir = cli_model_dir("inspect", pos[0], revision);
+    return dir ? inspect(dir, tensors, weights) : CLI_FAIL;
 }

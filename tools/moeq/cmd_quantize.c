@@ -59,8 +59,8 @@ static void print_plan(const char *model, const moeq_quant_plan *p) {
 
 int cmd_quantize(int argc, char **argv) {
     const char *out = NULL, *scheme = NULL, *method = "rtn", *format = "compressed-tensors";
-    const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL;
-    const char *activations = "auto", *device = NULL;
+    const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL, *calib_field = NULL;
+    const char *activations = "auto", *device = NULL, *revision = NULL;
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
     bool reference = false, group_seen = false, resume = false, dry_run = false;
@@ -90,9 +90,11 @@ int cmd_quantize(int argc, char **argv) {
         {"--reference", OPT_FLAG, &reference, NULL, "the conventions of shared/fixtures/reference.json: "
          "INT4 amax/7 with F32 scales; NVFP4 per-tensor global scales, block scales >= 2^-9", NULL,
          0, 0, NULL},
-        {"--calib", OPT_STRING, &calib, "FILE", "calibration text (or JSONL) for the W4A4 "
+        {"--calib", OPT_STRING, &calib, "FILE", "calibration text or JSONL (either may be .gz) for the W4A4 "
          "activation scales and the GPTQ Hessians",
          NULL, 0, 0, NULL},
+        {"--calib-field", OPT_STRING, &calib_field, "NAME", "the JSONL records' field to read (default "
+         "text, else messages); a chat messages list becomes \"role: content\" lines", NULL, 0, 0, NULL},
         {"--calib-tokens", OPT_INT, &calib_tokens, "N", "calibration tokens (default 65536)", NULL,
          1, (int64_t)1 << 40, NULL},
         {"--max-shard-size", OPT_STRING, &max_shard, "N", "largest shard (bytes, or 500MB, 5GB, "
@@ -111,6 +113,7 @@ int cmd_quantize(int argc, char **argv) {
         {"--activations", OPT_CHOICE, &activations, NULL, "calibration activations in memory, in "
          "work files (same result) or in bf16 (half the memory, slightly different result); "
          "default auto: memory while it fits", "auto|ram|disk|bf16", 0, 0, NULL},
+        CLI_REVISION_OPT(revision),
         {"--device", OPT_STRING, &device, "DEV", "where GPTQ factors and quantizes: cpu (default), "
          "cuda or cuda:N (a build with -DMOEQ_CUDA=ON; codes agree with the CPU's but for "
          "weights on a rounding threshold)", NULL, 0, 0, NULL},
@@ -154,6 +157,7 @@ int cmd_quantize(int argc, char **argv) {
     if (gq.threads) moeq_set_threads((int)gq.threads);
     bool gptq = strcmp(method, "gptq") == 0;
     if (gptq && !calib) return cli_usage_error("quantize", "--method gptq needs --calib FILE");
+    if (calib_field && !calib) return cli_usage_error("quantize", "--calib-field needs --calib FILE");
     if (!w4a4 && !gptq && calib)
         return cli_usage_error("quantize", "--calib is only used by --scheme nvfp4 and --method gptq");
     moeq_quant_options o;
@@ -173,6 +177,7 @@ int cmd_quantize(int argc, char **argv) {
     o.ignore = ignore.items;
     o.n_ignore = ignore.n;
     o.calib = calib;
+    o.calib_field = calib_field;
     o.calib_tokens = calib_tokens;
     o.force = force;
     uint64_t mem = 0;
@@ -198,10 +203,12 @@ int cmd_quantize(int argc, char **argv) {
     moeq_quant_result res;
     moeq_status st = MOEQ_OK;
     rc = gptq_cli_apply(&gq, &o);
-    if (rc < 0) st = moeq_quantize(pos[0], out, &o, &res);
+    const char *model_dir = rc < 0 ? cli_model_dir("quantize", pos[0], revision) : NULL;
+    if (rc < 0 && !model_dir) rc = CLI_FAIL;
+    if (rc < 0) st = moeq_quantize(model_dir, out, &o, &res);
     free(ignore.items);
     if (rc >= 0) return rc;
-    if (dry_run && (st == MOEQ_OK || st == MOEQ_E_NOMEM)) print_plan(pos[0], &res.plan);
+    if (dry_run && (st == MOEQ_OK || st == MOEQ_E_NOMEM)) print_plan(model_dir, &res.plan);
     if (st) return cli_fail("quantize", st);
     if (dry_run) return CLI_OK;
     if (gptq && !quiet) gptq_cli_print(&res, &o, out);

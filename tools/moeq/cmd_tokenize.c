@@ -49,9 +49,10 @@ static void print_quoted(FILE *f, const char *b, size_t n) {
 }
 
 int cmd_tokenize(int argc, char **argv) {
-    const char *text = NULL, *file = NULL;
+    const char *text = NULL, *file = NULL, *revision = NULL;
     bool json = false;
     const cli_opt opts[] = {
+        CLI_REVISION_OPT(revision),
         {"--text", OPT_STRING, &text, "T", "the text to encode", NULL, 0, 0, NULL},
         {"--file", OPT_STRING, &file, "F", "encode this UTF-8 file instead", NULL, 0, 0, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON array of ids on stdout", NULL, 0, 0,
@@ -68,7 +69,9 @@ int cmd_tokenize(int argc, char **argv) {
     if (rc >= 0) return rc;
     if (!text == !file) return cli_usage_error("tokenize", "give exactly one of --text and --file");
 
-    char *path = tokenizer_path(pos[0]);
+    const char *dir = cli_model_dir("tokenize", pos[0], revision);
+    if (!dir) return CLI_FAIL;
+    char *path = tokenizer_path(dir);
     if (!path) return cli_fail("tokenize", MOEQ_E_NOMEM);
     moeq_tokenizer *tok = NULL;
     char *buf = NULL;
