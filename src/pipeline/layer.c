@@ -49,7 +49,9 @@ typedef struct {
     int expert;                   /* routed expert, else -1 */
     bool down;                    /* reads the SwiGLU product (an MLP's down projection) */
     mq_how how;
-    mq_hessian h;                 /* the sum while calibrating */
+    mq_hessian h;                 /* the sum while calibrating (on the GPU: h.n, and h.sum
+                                     receives H at the end) */
+    mq_gpu_hessians *gh;          /* the sum on the GPU (runs with a device), else NULL */
     float *H;                     /* the Hessian GPTQ uses (NULL: RTN or the block Hessian) */
     int64_t tokens;
     float amax;                   /* W4A4: the input's amax over the calibration */
@@ -72,25 +74,48 @@ static void slot_set(mq_pipe *p, slot *s, int expert, bool down, mq_linear *a, m
 }
 
 static void slot_free(slot *s) {
+    mq_gpu_hessians_free(s->gh);
+    s->gh = NULL;
     mq_hessian_free(&s->h);
     mq_free(s->H);
     s->H = NULL;
 }
 
-/* Starts the Hessian sum of a slot GPTQ will use. */
-static moeq_status slot_hessian(slot *s) {
+/* Starts the Hessian sum of a slot GPTQ will use: on the run's GPU when it has one (the same
+ * bits as the CPU's sum, backend/gpu.h). */
+static moeq_status slot_hessian(mq_pipe *p, slot *s) {
     if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
     char what[200];
     snprintf(what, sizeof what, "Hessian of %s", s->w[0]->name);
-    return mq_hessian_init(&s->h, s->w[0]->in, what);
+    moeq_status st = mq_hessian_init(&s->h, s->w[0]->in, what);
+    if (!st && p->gpu) st = mq_gpu_hessians_new(p->gpu, 1, &s->h.K, &s->gh);
+    return st;
+}
+
+/* Adds rows [rows, K] to the slot's sum. With a GPU: from one thread at a time. */
+static moeq_status slot_add(slot *s, const float *x, int64_t rows) {
+    if (!s->gh) {
+        mq_hessian_add(&s->h, x, rows);
+        return MOEQ_OK;
+    }
+    s->h.n += rows;
+    return mq_gpu_hessians_add(s->gh, 0, x, rows);
 }
 
 /* The Hessian from the sum, formed in place (the sum's buffer becomes H). */
-static void slot_form(slot *s) {
-    if (!s->h.sum) return;
-    mq_hessian_get(&s->h, s->h.sum);
+static moeq_status slot_form(slot *s) {
+    if (!s->h.sum) return MOEQ_OK;
+    moeq_status st = MOEQ_OK;
+    if (s->gh) {
+        st = mq_gpu_hessians_get(s->gh, 0, s->h.sum, NULL);
+        mq_gpu_hessians_free(s->gh);
+        s->gh = NULL;
+    } else {
+        mq_hessian_get(&s->h, s->h.sum);
+    }
     s->H = s->h.sum;
     s->h.sum = NULL;
+    return st;
 }
 
 static void amax_update(float *a, const float *x, int64_t n) {
@@ -330,8 +355,8 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
         double t1 = mq_now();
         if (!st && cap) {   /* each update over the whole pool */
-            if (cap->rows_qkv) mq_hessian_add(&cap->qkv->h, cap->arena_qkv, cap->rows_qkv);
-            if (cap->rows_o) mq_hessian_add(&cap->o->h, cap->arena_o, cap->rows_o);
+            if (cap->rows_qkv) st = slot_add(cap->qkv, cap->arena_qkv, cap->rows_qkv);
+            if (cap->rows_o && !st) st = slot_add(cap->o, cap->arena_o, cap->rows_o);
         }
         double t2 = mq_now();
         if (!st) {
@@ -376,7 +401,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
                               "router probabilities");
     if (!sc.xt || !sc.xn || !sc.probs) st = MOEQ_E_NOMEM;
     if (!st && !replay) {
-        for (int i = 0; i < 2 && !st; i++) st = slot_hessian(&sl[i]);
+        for (int i = 0; i < 2 && !st; i++) st = slot_hessian(p, &sl[i]);
         if (!st && sl[0].h.sum)
             cap.arena_qkv = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "q/k/v inputs");
         if (!st && sl[1].h.sum)
@@ -386,7 +411,8 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         if (!st) st = attention_pass(p, l, true, &cap, &sc);
         for (int i = 0; i < 2; i++) {
             sl[i].tokens = sl[i].h.n;
-            slot_form(&sl[i]);
+            moeq_status fs = slot_form(&sl[i]);
+            if (!st) st = fs;
         }
         if (!st) st = quantize_slots(p, l, sl, 2, NULL);
     } else if (!st && replay) {
@@ -483,19 +509,24 @@ static void batch_rows_task(void *ctx, int64_t task, int thread) {
 
 /* One expert's Hessian updates and amax over the batch: its rows are the batch's samples in
  * order, so one update adds what one update per sample would (quant/hessian.h). */
-static void batch_hessian_task(void *ctx, int64_t ce, int thread) {
-    (void)thread;
-    ex_batch *b = ctx;
+static moeq_status batch_hessian_one(ex_batch *b, int64_t ce) {
     const int64_t D = b->p->c->D, F = b->p->c->moe_ffn;
     slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
     const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
-    if (n == 0) return;
-    if (b->hess && gu->h.sum) mq_hessian_add(&gu->h, b->xg + r0 * D, n);
-    if (b->hess && dn->h.sum) mq_hessian_add(&dn->h, b->hg + r0 * F, n);
+    if (n == 0) return MOEQ_OK;
+    moeq_status st = MOEQ_OK;
+    if (b->hess && gu->h.sum) st = slot_add(gu, b->xg + r0 * D, n);
+    if (b->hess && dn->h.sum && !st) st = slot_add(dn, b->hg + r0 * F, n);
     if (b->amax) {
         amax_update(&gu->amax, b->xg + r0 * D, n * D);
         amax_update(&dn->amax, b->hg + r0 * F, n * F);
     }
+    return st;
+}
+
+static void batch_hessian_task(void *ctx, int64_t ce, int thread) {
+    (void)thread;
+    (void)batch_hessian_one(ctx, ce);   /* the CPU's sums cannot fail */
 }
 
 /* out[t] += w * y over the token's experts of the chunk, in increasing expert order. */
@@ -613,7 +644,12 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
             b->tasks[b->n_tasks++] = e << 32 | (r - b->ebase[e]) / TASK_ROWS;
     mq_parallel_for(b->n_tasks, batch_rows_task, b);
     double t1 = mq_now();
-    if (b->hess || b->amax) mq_parallel_for(C, batch_hessian_task, b);
+    moeq_status st = MOEQ_OK;
+    if ((b->hess || b->amax) && p->gpu)   /* the GPU's sums in turn, each on the device */
+        for (int64_t ce = 0; ce < C && !st; ce++) st = batch_hessian_one(b, ce);
+    else if (b->hess || b->amax)
+        mq_parallel_for(C, batch_hessian_task, b);
+    if (st) return st;
     double t2 = mq_now();
     if (b->down) mq_parallel_for(b->nb, batch_combine_task, b);
     double t3 = mq_now();
@@ -707,7 +743,7 @@ static moeq_status fallback_down_one(mq_pipe *p, int l, int e, slot *dn, float *
         st = mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], NULL, x, T, g, u, NULL);
         if (!st) mq_hessian_add(&dn->h, g, T);
     }
-    if (!st) slot_form(dn);
+    if (!st) st = slot_form(dn);
     return st;
 }
 
@@ -785,15 +821,15 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         const int e1 = e0 + C < E ? e0 + C : E;
         if ((st = mq_lazy_load(p->lz, l, MQ_PART_EXPERTS, e0, e1))) break;
         for (int e = e0; e < e1 && !st && calib; e++)
-            if (!(st = slot_hessian(&gu[e]))) st = slot_hessian(&dn[e]);
+            if (!(st = slot_hessian(p, &gu[e]))) st = slot_hessian(p, &dn[e]);
         /* calibration: Hessians (and amax) from the experts' routed tokens; without sequential
          * calibration this pass also gives the layer's output */
         if (!st && calib)
             st = experts_pass(p, l, e0, e1, hs, !p->seq, o->gptq, o->act_quant, gu, dn);
         if (!st && calib && o->gptq) st = fallback_down(p, l, dn, e0, e1);
         for (int e = e0; e < e1 && calib; e++) {
-            slot_form(&gu[e]);
-            slot_form(&dn[e]);
+            moeq_status fa = slot_form(&gu[e]), fb = slot_form(&dn[e]);
+            if (!st) st = fa ? fa : fb;
         }
         if (!st && !replay) {
             /* gate/up slots then down slots of the chunk, in one run */
@@ -857,8 +893,8 @@ static moeq_status mlp_pass(mq_pipe *p, int l, bool shared, slot *sl, ffn_source
         st = mq_mlp_forward(g, u, d, x, T, hg, hu, out ? y : NULL);
         double t1 = mq_now();
         if (!st && calib) {
-            if (sl[0].h.sum) mq_hessian_add(&sl[0].h, x, T);
-            if (sl[1].h.sum) mq_hessian_add(&sl[1].h, hg, T);
+            if (sl[0].h.sum) st = slot_add(&sl[0], x, T);
+            if (sl[1].h.sum && !st) st = slot_add(&sl[1], hg, T);
             if (p->o->act_quant) {
                 amax_update(&sl[0].amax, x, T * D);
                 amax_update(&sl[1].amax, hg, T * F);
@@ -895,11 +931,12 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
     if (!xs || !hg || !hu || !y || !sgate) st = MOEQ_E_NOMEM;
     if (!st && p->calibrate && !replay) {
         /* calibration; without sequential calibration it also gives the output */
-        for (int i = 0; i < 2 && !st; i++) st = slot_hessian(&sl[i]);
+        for (int i = 0; i < 2 && !st; i++) st = slot_hessian(p, &sl[i]);
         if (!st) st = mlp_pass(p, l, shared, sl, hessian_source(p), true, !p->seq, xs, hg, hu, y, sgate);
         for (int i = 0; i < 2; i++) {
             sl[i].tokens = sl[i].h.n;
-            slot_form(&sl[i]);
+            moeq_status fs = slot_form(&sl[i]);
+            if (!st) st = fs;
         }
         if (!st) st = quantize_slots(p, l, sl, 2, NULL);
     } else if (!st && replay) {
