@@ -272,7 +272,7 @@ static void test_chunks_threads_storage_byte_identical(void) {
     moeq_set_threads(2);
     ASSERT_OK(mq_pipeline_run(model, base, &o, NULL));
     const struct { int chunk, threads; mq_act_storage act; } runs[] = {
-        {1, 1, MQ_ACT_AUTO}, {3, 2, MQ_ACT_AUTO}, {8, 1, MQ_ACT_RAM}, {3, 3, MQ_ACT_DISK}};
+        {1, 1, MQ_ACT_AUTO}, {3, 2, MQ_ACT_AUTO}, {8, 1, MQ_ACT_RAM}, {3, 3, MQ_ACT_DISK}, {8, 16, MQ_ACT_AUTO}};
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
         char out[1100];
         snprintf(out, sizeof out, "%s/run%zu", mq_test_tmpdir(), i);

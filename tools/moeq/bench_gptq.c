@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <zlib.h>
+
 #include "bench.h"
 #include "cli.h"
 #include <unistd.h>
@@ -65,6 +67,20 @@ static double cpu_seconds(void) {
 }
 
 /* One weight: returns the best wall time over reps (factor + loop), or < 0 on error. */
+static uint32_t qtensor_crc(const mq_qtensor *q) {
+    uLong c = crc32(0L, Z_NULL, 0);
+    c = crc32(c, q->codes, (uInt)(q->rows * q->cols));
+    for (int64_t i = 0; i < q->rows * q->n_groups; i++) {
+        const mq_gparams *g = &q->params[i];
+        c = crc32(c, (const Bytef *)&g->scale, 4);
+        c = crc32(c, (const Bytef *)&g->zero, 4);
+        c = crc32(c, &g->scale_code, 1);
+    }
+    return (uint32_t)c;
+}
+
+static uint32_t g_last_crc;   /* of time_one's last result */
+
 static double time_one(const bench_cfg *b, const float *H, const float *W, int64_t N, int64_t K,
                        int reps, double *factor_s, mq_gptq_stats *stats, double *cores) {
     double best = INFINITY;
@@ -79,6 +95,7 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
         double t2 = mq_now(), c2 = cpu_seconds();
         mq_gptq_factor_free(&f);
         if (st) return -1;
+        g_last_crc = qtensor_crc(&q);
         mq_qtensor_free(&q);
         if (t2 - t0 < best) {
             best = t2 - t0;
@@ -331,8 +348,68 @@ static int bench_gptq_gpu(mq_gpu *g, const bench_cfg *b, int64_t rows, int64_t c
     return CLI_OK;
 }
 
+/* --threads 2,4,8,16: the single weight (and the MoE layer) at each thread count in turn, with
+ * the speedup and efficiency against the first count, and whether every count gave the same
+ * codes (they must: results never depend on the thread count). */
+static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int reps, const int *tl, int nt,
+                         int64_t experts, int64_t chunk, bool json) {
+    float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
+    if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);
+    double sec[32], fac[32], cores[32], moe[32], moe_cores[32], sgemm[32];
+    uint32_t crc[32];
+    for (int i = 0; i < nt; i++) {
+        moeq_set_threads(tl[i]);
+        sgemm[i] = mq_measure_sgemm_gflops(1024, 1.0);
+        mq_gptq_stats st;
+        sec[i] = time_one(b, H, W, rows, cols, reps, &fac[i], &st, &cores[i]);
+        crc[i] = g_last_crc;
+        if (sec[i] < 0) return cli_fail("bench gptq", MOEQ_E_NUMERIC);
+        moe[i] = -1;
+        moe_cores[i] = 0;
+        if (experts > 0 && (moe[i] = time_moe_layer(b, experts, chunk, 1024, 2048, &moe_cores[i], NULL)) < 0)
+            return cli_fail("bench gptq", MOEQ_E_NOMEM);
+        fprintf(stderr, "bench gptq: %d threads done\n", tl[i]);
+    }
+    mq_free(W);
+    mq_free(H);
+    bool same = true;
+    for (int i = 1; i < nt; i++) same &= crc[i] == crc[0];
+    const double flops = (double)rows * (double)cols * (double)cols + pow((double)cols, 3);
+    if (json) {
+        printf("{\"rows\": %lld, \"cols\": %lld, \"same_codes\": %s, \"scaling\": [", (long long)rows,
+               (long long)cols, same ? "true" : "false");
+        for (int i = 0; i < nt; i++) {
+            const double sp = sec[0] / sec[i], eff = sp * tl[0] / tl[i];
+            printf("%s{\"threads\": %d, \"seconds\": %.6f, \"factor_seconds\": %.6f, \"cores_used\": %.2f, "
+                   "\"speedup\": %.3f, \"efficiency\": %.3f, \"fraction_of_sgemm\": %.4f, \"sgemm_gflops\": %.2f",
+                   i ? ", " : "", tl[i], sec[i], fac[i], cores[i], sp, eff, flops / sec[i] * 1e-9 / sgemm[i], sgemm[i]);
+            if (experts > 0)
+                printf(", \"moe_layer_seconds\": %.3f, \"moe_layer_efficiency\": %.3f", moe[i],
+                       moe[0] / moe[i] * tl[0] / tl[i]);
+            printf("}");
+        }
+        printf("]}\n");
+        return CLI_OK;
+    }
+    printf("gptq %s %lldx%lld: scaling against %d threads (best of %d each)\n", mq_qscheme_name(b->spec.scheme),
+           (long long)rows, (long long)cols, tl[0], reps);
+    printf("threads   weight s  factor s  cores busy  speedup  efficiency  of sgemm  sgemm GFLOP/s%s\n",
+           experts > 0 ? "   MoE layer s  cores busy  efficiency" : "");
+    for (int i = 0; i < nt; i++) {
+        const double sp = sec[0] / sec[i];
+        printf("%7d  %9.3f %9.3f %11.2f %8.2fx %11.2f %8.0f%% %14.1f", tl[i], sec[i], fac[i], cores[i], sp,
+               sp * tl[0] / tl[i], 100 * flops / sec[i] * 1e-9 / sgemm[i], sgemm[i]);
+        if (experts > 0)
+            printf(" %13.2f %11.2f %11.2f", moe[i], moe_cores[i], moe[0] / moe[i] * tl[0] / tl[i]);
+        printf("\n");
+    }
+    printf("codes and scales %s at every thread count\n", same ? "identical" : "DIFFER (a bug)");
+    return same ? CLI_OK : CLI_FAIL;
+}
+
 int bench_gptq(int argc, char **argv) {
-    int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3, threads = 0;
+    int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3;
+    const char *threads = NULL;
     int64_t experts = 64, chunk = 8, seed = 1;
     double percdamp = 0.01;
     const char *scheme = "nvfp4", *mse_weight = "gptq";
@@ -354,7 +431,8 @@ int bench_gptq(int argc, char **argv) {
          "gptq|plain|hessian|obq", 0, -1, NULL},
         {"--rtn-loss", OPT_FLAG, &rtn_loss, NULL, "also compute the RTN loss (timed)", NULL, 0, -1, NULL},
         {"--reps", OPT_INT, &reps, "R", "timed repetitions, best kept (default 3)", NULL, 1, 1000, NULL},
-        {"--threads", OPT_INT, &threads, "T", "threads (default: all cores)", NULL, 0, 4096, NULL},
+        {"--threads", OPT_STRING, &threads, "T[,T...]", "threads (default: all cores); a list such as "
+         "2,4,8,16 times each count in turn and prints the scaling against the first", NULL, 0, -1, NULL},
         {"--seed", OPT_INT, &seed, "S", "random seed (default 1)", NULL, 1, -1, NULL},
         {"--moe", OPT_FLAG, &moe, NULL, "also time one OLMoE-1B-7B-shaped MoE layer", NULL, 0, -1, NULL},
         {"--experts", OPT_INT, &experts, "E", "experts in the --moe layer (default 64)", NULL, 1, 4096, NULL},
@@ -377,7 +455,20 @@ int bench_gptq(int argc, char **argv) {
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
-    if (threads > 0) moeq_set_threads((int)threads);
+    int tlist[32], nt = 0;
+    if (threads) {
+        const char *c = threads;
+        while (*c) {
+            char *end;
+            long v = strtol(c, &end, 10);
+            if (end == c || v < 1 || v > 4096 || nt == 32 || (*end && *end != ','))
+                return cli_usage_error("bench gptq", "--threads %s: expected counts such as 2,4,8,16", threads);
+            tlist[nt++] = (int)v;
+            c = *end ? end + 1 : end;
+        }
+        if (!nt) return cli_usage_error("bench gptq", "--threads: empty list");
+        moeq_set_threads(tlist[0]);
+    }
     g_rng = 0x9E3779B97F4A7C15ull ^ (uint64_t)seed;
 
     bench_cfg b;
@@ -406,6 +497,10 @@ int bench_gptq(int argc, char **argv) {
         return bench_gptq_gpu(g, &b, rows, cols, reps, moe ? experts : 0, json, tf32);
     }
     if (tf32) return cli_usage_error("bench gptq", "--gpu-tf32 needs --device cuda");
+    if (nt > 1) {
+        if (model) return cli_usage_error("bench gptq", "a --threads list times the weight and --moe, not --model");
+        return bench_scaling(&b, rows, cols, (int)reps, tlist, nt, moe ? experts : 0, chunk, json);
+    }
     float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
     if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     double sgemm = mq_measure_sgemm_gflops(1024, 1.0);

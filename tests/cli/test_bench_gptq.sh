@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# moeq bench gptq: its JSON, the thread-scaling mode (every thread count gives the same codes:
+# results never depend on it), and its errors. Small shapes: figures are the benchmark's
+# business, not the test's.
+. "$(dirname "$0")/common.sh"
+
+"$cli" bench gptq --rows 64 --cols 64 --reps 1 --json > "$tmp/one.json" 2> "$tmp/one.err" || fail "bench gptq exited $?"
+for k in seconds factor_seconds gflops sgemm_gflops fraction_of_sgemm cores_used; do
+    grep -q "\"$k\": [0-9.]" "$tmp/one.json" || fail "bench gptq --json lacks $k: $(cat "$tmp/one.json")"
+done
+grep -qE "^moeq bench gptq: CPU kernels (avx2\+fma|scalar)" "$tmp/one.err" || fail "no kernel set named: $(cat "$tmp/one.err")"
+
+"$cli" bench gptq --rows 96 --cols 128 --reps 1 --mse --act-order --threads 1,2,3 --json > "$tmp/s.json" 2>/dev/null ||
+    fail "bench gptq --threads 1,2,3 exited $?"
+grep -q '"same_codes": true' "$tmp/s.json" || fail "thread counts gave different codes: $(cat "$tmp/s.json")"
+[ "$(grep -o '"threads": [0-9]*' "$tmp/s.json" | tr -d '\n')" = '"threads": 1"threads": 2"threads": 3' ] ||
+    fail "scaling rows: $(cat "$tmp/s.json")"
+grep -q '"efficiency": 1.000' "$tmp/s.json" || fail "the first count's efficiency is not 1"
+
+"$cli" bench gptq --threads 2,x >/dev/null 2>&1
+[ $? -eq 2 ] || fail "bad --threads list: expected exit 2"
+"$cli" bench gptq --device cuda:999 --rows 64 --cols 64 2> "$tmp/d.err"
+[ $? -eq 1 ] || fail "--device cuda:999: expected exit 1"
+grep -q "cuda:999" "$tmp/d.err" || fail "--device cuda:999: message $(cat "$tmp/d.err")"
+
+[ $fails -eq 0 ] && echo "all bench gptq checks passed"
+exit $((fails > 0))
