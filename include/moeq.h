@@ -77,11 +77,11 @@ void moeq_set_progress(moeq_progress_fn fn, void *user);
 typedef void (*moeq_log_fn)(void *user, int level, const char *msg);
 void moeq_set_log(moeq_log_fn fn, void *user);
 
-/* A model as users name it: a directory, or a Hugging Face hub id "org/name" resolved to its
- * snapshot in the local cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)
- * at revision (NULL: "main"; a branch or tag under refs/, or a 40-hex commit). *out: the
- * directory (free() it). Never downloads: a missing model is MOEQ_E_NOTFOUND saying where it
- * looked. */
+/* A model as users name it: a Hugging Face hub id "org/name" that is not a local directory is
+ * resolved to its snapshot in the local cache ($HF_HUB_CACHE, else $HF_HOME/hub, else
+ * ~/.cache/huggingface/hub) at revision (NULL: "main"; a branch or tag under refs/, or a 40-hex
+ * commit); anything else comes back unchanged, for the caller to open. *out: free() it. Never
+ * downloads: a hub id not in the cache is MOEQ_E_NOTFOUND saying where it looked. */
 moeq_status moeq_resolve_model(const char *name, const char *revision, char **out);
 
 /* Force the scalar reference kernels (also: environment MOEQ_FORCE_REF=1). */
@@ -465,6 +465,9 @@ typedef struct {
         moeq_expert_fallback expert_fallback;   /* --expert-fallback (default block) */
         const char *report;        /* --report: JSON report path; NULL (default) =
                                       "<out_dir>/gptq_report.json" */
+        const char *report_html;   /* --report-html: also this self-contained HTML page (inline
+                                      SVG plots of the report: losses per layer and expert,
+                                      tokens per expert, time and memory); NULL: none */
     } gptq;
 } moeq_quant_options;
 

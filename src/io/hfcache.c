@@ -45,7 +45,11 @@ moeq_status moeq_resolve_model(const char *name, const char *revision, char **ou
         *out = mq_strndup(name, strlen(name));
         return *out ? MOEQ_OK : MOEQ_E_NOMEM;
     }
-    if (!is_hub_id(name)) return mq_err(MOEQ_E_NOTFOUND, "model directory '%s' not found", name);
+    if (!is_hub_id(name)) {   /* a path (or a file): the caller opens it and says what is wrong */
+        if (revision) return mq_err(MOEQ_E_ARG, "%s: --revision %s is for hub ids (org/name)", name, revision);
+        *out = mq_strndup(name, strlen(name));
+        return *out ? MOEQ_OK : MOEQ_E_NOMEM;
+    }
     const char *rev = revision ? revision : "main";
     if (!*rev || strstr(rev, "..") || rev[0] == '/')
         return mq_err(MOEQ_E_ARG, "--revision '%s': not a branch, tag or commit", rev);

@@ -95,6 +95,8 @@ static moeq_status check_options(const moeq_quant_options *o) {
     if (o->calib && o->scheme != MOEQ_QUANT_NVFP4 && o->method != MOEQ_QUANT_GPTQ)
         return BAD("calib is only used by scheme MOEQ_QUANT_NVFP4 and method MOEQ_QUANT_GPTQ");
     if (o->calib_field && !o->calib) return BAD("calib_field is set but calib is not");
+    if (o->gptq.report_html && o->method != MOEQ_QUANT_GPTQ)
+        return BAD("gptq.report_html: the report is GPTQ's (method gptq)");
     if (o->calib_tokens < 1)
         return BAD("calib_tokens must be >= 1, got %lld", (long long)o->calib_tokens);
     if (o->max_shard_bytes < 0)
@@ -234,6 +236,7 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
         report = opts->gptq.report ? mq_strdup(opts->gptq.report) : mq_path_join(out_dir, "gptq_report.json");
         if (!report) return mq_err(MOEQ_E_NOMEM, "out of memory");
         o.report_path = report;
+        o.report_html_path = opts->gptq.report_html;
     }
     mq_pipeline_result r;
     st = mq_pipeline_run(model_dir, out_dir, &o, &r);

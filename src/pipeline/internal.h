@@ -139,6 +139,8 @@ void mq_fault_point(const char *where, int a, int b);
 
 /* ---- report.c ---- */
 cJSON *mq_mod_report_json(const mq_mod_report *r);
-moeq_status mq_report_write(const mq_pipe *p, const char *path);
+/* The JSON report into path and, when html_path, the page drawn from it (report_html.c). */
+moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html_path);
+moeq_status mq_report_html_write(const cJSON *report, const char *path);
 
 #endif

@@ -381,7 +381,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         res.peak_anon = mq_mem_watch_peak();
         res.seconds_total = mq_now() - t0;
         sum_modules(p);
-        s = mq_report_write(p, o->report_path);
+        s = mq_report_write(p, o->report_path, o->report_html_path);
     }
 done:
     if (watching) {

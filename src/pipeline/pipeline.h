@@ -70,6 +70,7 @@ typedef struct {
     mq_act_storage act_storage;
     int device;                    /* GPTQ on GPU `device` (backend/gpu.h); -1: on the CPU */
     const char *report_path;       /* JSON report (NULL: none) */
+    const char *report_html_path;  /* the same drawn as an HTML page (NULL: none; needs report_path) */
     int32_t stop_after;            /* benchmarks: stop after this many layers (0: all); the run
                                       then writes no checkpoint and keeps no work directory */
 } mq_pipeline_opts;

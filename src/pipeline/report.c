@@ -59,7 +59,7 @@ static cJSON *plan_json(const mq_mem_plan *mp) {
     return j;
 }
 
-moeq_status mq_report_write(const mq_pipe *p, const char *path) {
+moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html_path) {
     const mq_pipeline_opts *o = p->o;
     const mq_pipeline_result *r = p->res;
     cJSON *j = cJSON_CreateObject();
@@ -125,11 +125,12 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path) {
     cJSON_AddNumberToObject(sum, "rtn_loss_total", r->rtn_loss);
     cJSON_AddNumberToObject(sum, "modules_worse_than_rtn", (double)r->worse_than_rtn);
     char *text = cJSON_Print(j);
+    moeq_status st = html_path && text ? mq_report_html_write(j, html_path) : MOEQ_OK;
     cJSON_Delete(j);
     if (!text) return mq_err(MOEQ_E_NOMEM, "out of memory writing %s", path);
     size_t len = strlen(text);
     text[len] = '\n';   /* cJSON_Print leaves room for the NUL only: write len bytes + newline */
-    moeq_status st = mq_write_file_atomic(path, text, len + 1);
+    if (!st) st = mq_write_file_atomic(path, text, len + 1);
     free(text);
     return st;
 }

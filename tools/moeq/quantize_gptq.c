@@ -55,6 +55,7 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
     o->gptq.expert_fallback = strcmp(g->fallback, "rtn") == 0 ? MOEQ_EXPERT_FALLBACK_RTN
                                                               : MOEQ_EXPERT_FALLBACK_BLOCK;
     o->gptq.report = g->report;
+    o->gptq.report_html = g->report_html;
     if (o->method != MOEQ_QUANT_GPTQ) return -1;
     /* moeq_quantize refuses these too, naming the option fields; here they name the flags */
     if (g->act_order && g->no_act_order)

@@ -11,7 +11,7 @@
 typedef struct {
     int64_t nsamples, seqlen, seed, block_size, min_expert_tokens, threads;
     double percdamp;
-    const char *sampling, *groups, *mode, *fallback, *report, *mse_weight;
+    const char *sampling, *groups, *mode, *fallback, *report, *mse_weight, *report_html;
     bool calib_bos, act_order, no_act_order, static_groups, no_mse, true_sequential;
 } gptq_cli;
 
@@ -54,6 +54,8 @@ void gptq_cli_defaults(gptq_cli *g);
      "MoE block (default) or round to nearest", "block|rtn", 0, 0, NULL},                          \
     {"--report", OPT_STRING, &(g).report, "FILE", "GPTQ: JSON report (default "                    \
      "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL},                                               \
+    {"--report-html", OPT_STRING, &(g).report_html, "FILE", "GPTQ: the report also as one "           \
+     "self-contained HTML page of plots (no scripts, nothing from the network)", NULL, 0, 0, NULL},   \
     {"--threads", OPT_INT, &(g).threads, "N", "worker threads (default: all CPUs)", NULL, 1, 1024, NULL}
 
 /* Fills o->gptq from the flags. Returns -1, or CLI_FAIL after printing the error of a flag
