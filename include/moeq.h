@@ -284,6 +284,11 @@ typedef struct {
     /* Optional outputs, moeq_docs_count() entries each (documents not evaluated: NaN / -1). */
     double *doc_loglikelihood;
     int64_t *doc_tokens;
+    /* With KL: each document's mean KL per scored token and share of tokens whose argmax
+     * changed; with kl_base: the base model's log-likelihood of each document. */
+    double *doc_kl;
+    double *doc_top1_changed;
+    double *doc_base_loglikelihood;
     /* Diagnostics of confidence (lm-eval has neither): this model's logits are divided by
      * temperature before the softmax (0 or 1: unchanged; the base's and saved logits are not),
      * and entropy adds the mean entropy of its predictive distribution per scored token. */
@@ -315,7 +320,28 @@ typedef struct {
     /* entropy, when requested: mean over scored tokens of -sum p log p, nats */
     int has_entropy;
     double entropy_mean;
+    /* KL: how many scored tokens fall in each bin of per-token KL: bin 0 below 1e-7, bin i
+     * (1 .. 16) in [10^(-7 + (i-1)/2), 10^(-7 + i/2)), bin 17 from 10 up */
+#define MOEQ_KL_HIST_BINS 18
+    int64_t kl_hist[MOEQ_KL_HIST_BINS];
+    /* with kl_base: the base model on the same windows */
+    int has_base;
+    double base_loglikelihood, base_word_perplexity;
 } moeq_eval_result;
+
+/* An evaluation drawn as one self-contained page (`moeq eval --html`): XHTML with inline SVG,
+ * no scripts: the summary (perplexities against the base, KL, top-1 changes), KL and top-1
+ * changes per document, the distribution of per-token KL (kl_hist), and each document's token
+ * perplexity against the base's. Every plotted value is also in a data-* attribute. Arrays as
+ * moeq_eval_options' (NULL: that plot is left out). */
+typedef struct {
+    const char *model, *base, *data;   /* names shown */
+    const moeq_docs *docs;
+    const moeq_eval_result *result;
+    const double *doc_loglikelihood, *doc_base_loglikelihood, *doc_kl, *doc_top1_changed;
+    const int64_t *doc_tokens;
+} moeq_eval_page;
+moeq_status moeq_eval_html(const char *path, const moeq_eval_page *page);
 
 /* Evaluates m on docs. On MOEQ_E_INTERRUPTED (moeq_interrupt) *res holds the documents finished
  * so far (res->interrupted = 1) and no logits file is written. */

@@ -57,6 +57,7 @@ typedef struct {
     /* KL per scored token (global index) */
     bool kl;
     double *tok_kl, *tok_bound;
+    double *tok_llb;    /* the base's log-likelihood of each scored token (kl_base) */
     uint8_t *tok_changed;
     /* saved logits: writing (save_fd >= 0) and reading (kl_data) */
     int save_fd;
@@ -234,6 +235,7 @@ static moeq_status score_window(eval_ctx *c, scratch *s, int64_t wi) {
                                   (long long)d + 1, (long long)t);
                 c->tok_kl[g] = mq_kl_rows(rb, lse_b, row, lse, V);
                 c->tok_changed[g] = am != amb;
+                c->tok_llb[g] = (double)rb[T[t]] - lse_b;
             } else if (c->kl_data) {
                 double lse_b;
                 const uint8_t *rec =
@@ -392,8 +394,15 @@ static moeq_status check_saved_header(const eval_ctx *c, const char *path,
     return MOEQ_OK;
 }
 
+/* The kl_hist bin of one token's KL (moeq.h). */
+static int kl_bin(double kl) {
+    if (!(kl >= 1e-7)) return 0;   /* also NaN */
+    int b = 1 + (int)floor(2.0 * (log10(kl) + 7.0));
+    return b < 1 ? 1 : b > MOEQ_KL_HIST_BINS - 1 ? MOEQ_KL_HIST_BINS - 1 : b;
+}
+
 static void fill_result(const eval_ctx *c, const moeq_eval_options *o, moeq_eval_result *r) {
-    double ll = 0, kl_sum = 0, bound_sum = 0, ent_sum = 0;
+    double ll = 0, kl_sum = 0, bound_sum = 0, ent_sum = 0, llb = 0;
     int64_t changed = 0, kl_n = 0;
     double *kl_vals = c->kl ? malloc(sizeof(double) * (size_t)(c->tokens_total + 1)) : NULL;
     for (int64_t d = 0; d < c->n_docs; d++) {
@@ -415,14 +424,33 @@ static void fill_result(const eval_ctx *c, const moeq_eval_options *o, moeq_eval
         if (o->doc_tokens) o->doc_tokens[d] = c->ntok[d];
         if (c->tok_ent)
             for (int64_t g = c->tok_off[d]; g < c->tok_off[d + 1]; g++) ent_sum += c->tok_ent[g];
-        if (c->kl)
+        if (c->kl) {
+            double kd = 0, lb = 0;
+            int64_t cd = 0;
             for (int64_t g = c->tok_off[d]; g < c->tok_off[d + 1]; g++) {
                 kl_sum += c->tok_kl[g];
+                kd += c->tok_kl[g];
                 if (c->tok_bound) bound_sum += c->tok_bound[g];
                 changed += c->tok_changed[g];
+                cd += c->tok_changed[g];
                 if (kl_vals) kl_vals[kl_n] = c->tok_kl[g];
                 kl_n++;
+                r->kl_hist[kl_bin(c->tok_kl[g])]++;
+                if (c->tok_llb) lb += c->tok_llb[g];
             }
+            const double nt = (double)(c->tok_off[d + 1] - c->tok_off[d]);
+            if (o->doc_kl) o->doc_kl[d] = nt > 0 ? kd / nt : NAN;
+            if (o->doc_top1_changed) o->doc_top1_changed[d] = nt > 0 ? (double)cd / nt : NAN;
+            if (c->tok_llb) {
+                llb += lb;
+                if (o->doc_base_loglikelihood) o->doc_base_loglikelihood[d] = lb;
+            }
+        }
+    }
+    if (c->tok_llb) {
+        r->has_base = 1;
+        r->base_loglikelihood = llb;
+        r->base_word_perplexity = exp(-llb / (double)r->words);
     }
     r->loglikelihood = ll;
     r->word_perplexity = exp(-ll / (double)r->words);
@@ -457,6 +485,7 @@ static void ctx_free(eval_ctx *c) {
     free(c->win_ll);
     free(c->win_done);
     free(c->tok_kl);
+    free(c->tok_llb);
     free(c->tok_ent);
     free(c->tok_bound);
     free(c->tok_changed);
@@ -492,6 +521,11 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
         for (int64_t d = 0; d < moeq_docs_count(docs); d++) opt->doc_loglikelihood[d] = NAN;
     if (opt->doc_tokens)
         for (int64_t d = 0; d < moeq_docs_count(docs); d++) opt->doc_tokens[d] = -1;
+    for (int64_t d = 0; d < moeq_docs_count(docs); d++) {
+        if (opt->doc_kl) opt->doc_kl[d] = NAN;
+        if (opt->doc_top1_changed) opt->doc_top1_changed[d] = NAN;
+        if (opt->doc_base_loglikelihood) opt->doc_base_loglikelihood[d] = NAN;
+    }
 
     c.tok = calloc((size_t)nd, sizeof *c.tok);
     c.ntok = calloc((size_t)nd, sizeof *c.ntok);
@@ -530,12 +564,14 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
     if (c.kl) {
         c.tok_kl = calloc((size_t)c.tokens_total + 1, sizeof *c.tok_kl);
         c.tok_changed = calloc((size_t)c.tokens_total + 1, 1);
+        if (opt->kl_base) c.tok_llb = calloc((size_t)c.tokens_total + 1, sizeof *c.tok_llb);
         if (opt->kl_logits) c.tok_bound = calloc((size_t)c.tokens_total + 1, sizeof *c.tok_bound);
     }
     c.n_sc = mq_pool_size();
     c.sc = calloc((size_t)c.n_sc, sizeof *c.sc);
     if (!c.win || !c.win_doc || !c.win_ll || !c.win_done || !c.sc || (opt->entropy && !c.tok_ent) ||
-        (c.kl && (!c.tok_kl || !c.tok_changed || (opt->kl_logits && !c.tok_bound)))) {
+        (c.kl && (!c.tok_kl || !c.tok_changed || (opt->kl_logits && !c.tok_bound) ||
+                  (opt->kl_base && !c.tok_llb)))) {
         ctx_free(&c);
         return mq_err(MOEQ_E_NOMEM, "eval: out of memory for %lld windows", (long long)c.n_win);
     }

@@ -68,6 +68,7 @@ static void print_json(const char *model_dir, const char *data, const char *task
         json_int(f, "kl_tokens", r->kl_tokens);
         json_int(f, "kl_top_k", r->kl_top_k);
         if (r->kl_top_k) json_num(f, "kl_gap_bound", r->kl_gap_bound, false);
+        if (r->has_base) json_num(f, "base_word_perplexity", r->base_word_perplexity, false);
     }
     if (r->has_entropy) json_num(f, "entropy_mean", r->entropy_mean, false);
     if (doc_ll) {
@@ -129,6 +130,7 @@ static void print_text(const char *model_dir, const char *task, const moeq_eval_
                 r->kl_top_k ? "from saved top-k logits: a lower bound" : "exact");
         fprintf(f, "  kl_p99            %.6g\n", r->kl_p99);
         fprintf(f, "  top1_changed      %.6f\n", r->top1_changed);
+        if (r->has_base) fprintf(f, "  base word_perplexity %.6f (the --kl-base model on the same windows)\n", r->base_word_perplexity);
         if (r->kl_top_k)
             fprintf(f, "  top-%d: the exact mean KL is at most %.4g higher\n", r->kl_top_k,
                     r->kl_gap_bound);
@@ -140,7 +142,7 @@ static void print_text(const char *model_dir, const char *task, const moeq_eval_
 
 int cmd_eval(int argc, char **argv) {
     const char *task = "wikitext", *data = NULL, *layout = NULL, *kl_base = NULL, *kl_logits = NULL,
-               *save_logits = NULL;
+               *save_logits = NULL, *html = NULL;
     int64_t max_length = 0, limit = 0, threads = 0, top_k = MOEQ_EVAL_DEFAULT_TOP_K;
     const char *act_quant = NULL;
     double temperature = 1.0;
@@ -149,6 +151,9 @@ int cmd_eval(int argc, char **argv) {
     const char *revision = NULL;
     const cli_opt opts[] = {
         CLI_REVISION_OPT(revision),
+        {"--html", OPT_STRING, &html, "FILE", "also draw the evaluation as one self-contained HTML page "
+         "(KL and top-1 changes per document, the per-token KL distribution, perplexity per document "
+         "against the base)", NULL, 0, 0, NULL},
         {"--task", OPT_CHOICE, &task, NULL, "wikitext (lm-eval's task, default) or any text",
          "wikitext|text", 0, 0, NULL},
         {"--data", OPT_STRING, &data, "FILE", "the documents (required)", NULL, 0, 0, NULL},
@@ -239,7 +244,7 @@ int cmd_eval(int argc, char **argv) {
 
     moeq_docs *docs = NULL;
     moeq_model *m = NULL, *base = NULL;
-    double *doc_ll = NULL;
+    double *doc_ll = NULL, *doc_kl = NULL, *doc_top1 = NULL, *doc_llb = NULL;
     int64_t *doc_tok = NULL;
     bool aq = act_quant && strcmp(act_quant, "nvfp4") == 0;
     moeq_model_options mo = {.keep_packed = !dequantize && !aq,
@@ -248,10 +253,16 @@ int cmd_eval(int argc, char **argv) {
     moeq_status st = moeq_docs_load(data, lay, &docs);
     if (!st) st = moeq_model_open(model_dir, &mo, &m);
     if (!st && kl_base) st = moeq_model_open(kl_base, &bo, &base);
-    if (!st && per_doc) {
+    if (!st && (per_doc || html)) {
         doc_ll = calloc((size_t)moeq_docs_count(docs), sizeof *doc_ll);
         doc_tok = calloc((size_t)moeq_docs_count(docs), sizeof *doc_tok);
         if (!doc_ll || !doc_tok) st = MOEQ_E_NOMEM;
+    }
+    if (!st && html) {
+        doc_kl = calloc((size_t)moeq_docs_count(docs), sizeof *doc_kl);
+        doc_top1 = calloc((size_t)moeq_docs_count(docs), sizeof *doc_top1);
+        doc_llb = calloc((size_t)moeq_docs_count(docs), sizeof *doc_llb);
+        if (!doc_kl || !doc_top1 || !doc_llb) st = MOEQ_E_NOMEM;
     }
     moeq_eval_result r;
     memset(&r, 0, sizeof r);
@@ -270,6 +281,9 @@ int cmd_eval(int argc, char **argv) {
         o.save_top_k = (int32_t)top_k;
         o.doc_loglikelihood = doc_ll;
         o.doc_tokens = doc_tok;
+        o.doc_kl = doc_kl;
+        o.doc_top1_changed = doc_top1;
+        o.doc_base_loglikelihood = doc_llb;
         o.temperature = temperature;
         o.entropy = entropy;
         st = moeq_eval(m, docs, &o, &r);
@@ -280,12 +294,19 @@ int cmd_eval(int argc, char **argv) {
         rs.peak_rss = cli_peak_rss_bytes();
         if (!json) cli_report_memory("eval", rs.info);   /* --json: in the object (stderr stays quiet) */
         if (json)
-            print_json(model_dir, data, task, &r, docs, doc_ll, doc_tok, &rs);
+            print_json(model_dir, data, task, &r, docs, per_doc ? doc_ll : NULL, doc_tok, &rs);
         else
-            print_text(model_dir, task, &r, docs, doc_ll, doc_tok, &rs);
+            print_text(model_dir, task, &r, docs, per_doc ? doc_ll : NULL, doc_tok, &rs);
         fflush(stdout);
     }
+    if (st == MOEQ_OK && html) {
+        moeq_eval_page pg = {model_dir, kl_base, data, docs, &r, doc_ll, doc_llb, doc_kl, doc_top1, doc_tok};
+        st = moeq_eval_html(html, &pg);
+    }
     int code = st == MOEQ_OK ? CLI_OK : cli_fail("eval", st);
+    free(doc_kl);
+    free(doc_top1);
+    free(doc_llb);
     free(doc_ll);
     free(doc_tok);
     moeq_model_free(base);
