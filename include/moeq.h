@@ -669,6 +669,35 @@ moeq_status moeq_moe_ffn_check(const moeq_moe_ffn_args *a, int64_t out_shape[2])
 /* Runs the op on the process pool: out [T, D] fp32, out_capacity = number of floats at out. */
 moeq_status moeq_moe_ffn(const moeq_moe_ffn_args *a, float *out, size_t out_capacity);
 
+/* ------------------------------------------------------------------------------------------ */
+/* For bindings (python/ uses ctypes): options by the CLI's flag names, results as JSON        */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Sizes of the structs above, so a binding can allocate them without mirroring their layout. */
+size_t moeq_quant_options_size(void);
+size_t moeq_quant_result_size(void);
+size_t moeq_eval_options_size(void);
+size_t moeq_eval_result_size(void);
+/* Sets one option by the name of `moeq quantize`'s flag without the dashes ("scheme",
+ * "method", "calib", "nsamples", "act-order", "max-memory", "report-html", ...; booleans
+ * "true"/"false"). String values are kept by pointer: they must outlive the call of
+ * moeq_quantize. Unknown names and bad values: MOEQ_E_ARG naming both. */
+moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const char *value);
+/* The same for `moeq eval`'s flags: task, max-length, limit, add-bos, temperature, entropy,
+ * kl-logits, save-logits (kl_base is a model: set the field). */
+moeq_status moeq_eval_options_set(moeq_eval_options *o, const char *key, const char *value);
+void moeq_eval_options_set_base(moeq_eval_options *o, const moeq_model *base);
+/* Results as one JSON object (malloc'd; release with moeq_string_free). */
+char *moeq_quant_result_json(const moeq_quant_result *r);
+char *moeq_eval_result_json(const moeq_eval_result *r);
+/* A checkpoint's facts from config.json and the safetensors headers (no weights read):
+ * model_type, layers, hidden_size, experts, experts_per_token, vocab_size, parameters (total and
+ * active per token), tensors and their bytes, quantization method. */
+moeq_status moeq_inspect_json(const char *model_dir, char **out);
+void moeq_string_free(char *s);
+/* libmoeq.so's interface version (bindings check it): 1. */
+int moeq_abi_version(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian packages moeq builds against, if any is missing (Debian 12). With "test":
 # also what some tests use when present, best effort: qemu-user (the CLI under an AVX-less CPU)
-# and chromium (rendering the HTML report headless); those tests skip that part without them.
+# chromium (rendering the HTML reports headless) and python3-pytest (the Python package's tests;
+# without it they run as a script); those tests skip that part without them.
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config python3 libopenblas-dev liblapacke-dev libcjson-dev libpcre2-dev zlib1g-dev)
 optional=()
-[ "${1:-}" = test ] && optional=(qemu-user chromium)
+[ "${1:-}" = test ] && optional=(qemu-user chromium python3-pytest)
 missing() {
   for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"
