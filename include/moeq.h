@@ -683,10 +683,20 @@ size_t moeq_eval_result_size(void);
  * "true"/"false"). String values are kept by pointer: they must outlive the call of
  * moeq_quantize. Unknown names and bad values: MOEQ_E_ARG naming both. */
 moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const char *value);
+/* --ignore: n patterns (the array and strings outlive the call of moeq_quantize). */
+void moeq_quant_options_set_ignore(moeq_quant_options *o, const char *const *patterns, int32_t n);
 /* The same for `moeq eval`'s flags: task, max-length, limit, add-bos, temperature, entropy,
  * kl-logits, save-logits (kl_base is a model: set the field). */
 moeq_status moeq_eval_options_set(moeq_eval_options *o, const char *key, const char *value);
 void moeq_eval_options_set_base(moeq_eval_options *o, const moeq_model *base);
+/* The per-document outputs of moeq_eval_options (each NULL or moeq_docs_count() entries), and
+ * moeq_eval_html with its page's fields as arguments. */
+void moeq_eval_options_set_docs(moeq_eval_options *o, double *loglikelihood, int64_t *tokens, double *kl,
+                                double *top1_changed, double *base_loglikelihood);
+moeq_status moeq_eval_html_flat(const char *path, const char *model, const char *base, const char *data,
+                                const moeq_docs *docs, const moeq_eval_result *r, const double *loglikelihood,
+                                const double *base_loglikelihood, const double *kl, const double *top1_changed,
+                                const int64_t *tokens);
 /* Results as one JSON object (malloc'd; release with moeq_string_free). */
 char *moeq_quant_result_json(const moeq_quant_result *r);
 char *moeq_eval_result_json(const moeq_eval_result *r);

@@ -52,11 +52,15 @@ def _load():
         "moeq_eval_result_size": ([], ctypes.c_size_t),
         "moeq_quant_options_init": ([c_p], None),
         "moeq_quant_options_set": ([c_p, c_str, c_str], c_int),
+        "moeq_quant_options_set_ignore": ([c_p, ctypes.POINTER(c_str), ctypes.c_int32], None),
         "moeq_quantize": ([c_str, c_str, c_p, c_p], c_int),
         "moeq_quant_result_json": ([c_p], c_p),
         "moeq_eval_options_init": ([c_p], None),
         "moeq_eval_options_set": ([c_p, c_str, c_str], c_int),
         "moeq_eval_options_set_base": ([c_p, c_p], None),
+        "moeq_eval_options_set_docs": ([c_p] + [c_p] * 5, None),
+        "moeq_eval_html_flat": ([c_str, c_str, c_str, c_str, c_p, c_p] + [c_p] * 5, c_int),
+        "moeq_docs_count": ([c_p], ctypes.c_int64),
         "moeq_eval": ([c_p, c_p, c_p, c_p], c_int),
         "moeq_eval_result_json": ([c_p], c_p),
         "moeq_model_open": ([c_str, ctypes.POINTER(_ModelOptions), ctypes.POINTER(c_p)], c_int),
@@ -159,10 +163,12 @@ def _with_progress(lib, progress):
     return f
 
 
-def quantize(model, out, *, scheme, method="rtn", progress=None, threads=None, revision=None, **options):
+def quantize(model, out, *, scheme, method="rtn", ignore=(), progress=None, threads=None, revision=None,
+             **options):
     """Quantizes MODEL (a directory or a Hugging Face hub id in the local cache) into OUT, as
-    `moeq quantize MODEL --out OUT --scheme SCHEME --method METHOD --flag value ...` does.
-    Returns the run's summary (dict). progress(label, done, total) is called as it goes."""
+    `moeq quantize MODEL --out OUT --scheme SCHEME --method METHOD --flag value ...` does
+    (ignore: the --ignore patterns). Returns the run's summary (dict). progress(label, done,
+    total) is called as it goes."""
     lib = _load()
     if threads is not None:
         lib.moeq_set_threads(int(threads))
@@ -175,6 +181,10 @@ def quantize(model, out, *, scheme, method="rtn", progress=None, threads=None, r
         key, val = k.replace("_", "-").encode(), (os.fsencode(v) if isinstance(v, os.PathLike) else _value(v).encode())
         keep += [key, val]
         _call(lib.moeq_quant_options_set, opts, key, val)
+    pats = [p.encode() for p in ([ignore] if isinstance(ignore, str) else list(ignore))]
+    arr = (ctypes.c_char_p * max(len(pats), 1))(*pats)
+    keep += [pats, arr]
+    lib.moeq_quant_options_set_ignore(opts, arr, len(pats))
     src = _resolve(lib, os.fspath(model), revision).encode()
     res = ctypes.create_string_buffer(lib.moeq_quant_result_size())
     cb = _with_progress(lib, progress)
@@ -189,11 +199,11 @@ def quantize(model, out, *, scheme, method="rtn", progress=None, threads=None, r
 _LAYOUTS = {"wikitext": 0, "jsonl": 1, "whole": 2}
 
 
-def evaluate(model, data, *, task="wikitext", layout=None, kl_base=None, dequantize=False, progress=None,
-             threads=None, revision=None, **options):
+def evaluate(model, data, *, task="wikitext", layout=None, kl_base=None, dequantize=False, html=None,
+             progress=None, threads=None, revision=None, **options):
     """Evaluates MODEL on DATA as `moeq eval` does (lm-eval's wikitext protocol by default):
-    perplexities, and with kl_base the KL to that model, top-1 changes and its perplexity.
-    Returns a dict."""
+    perplexities, and with kl_base the KL to that model, top-1 changes and its perplexity;
+    html: also the evaluation page (moeq eval --html). Returns a dict."""
     lib = _load()
     if threads is not None:
         lib.moeq_set_threads(int(threads))
@@ -222,8 +232,17 @@ def evaluate(model, data, *, task="wikitext", layout=None, kl_base=None, dequant
             _call(lib.moeq_model_open, _resolve(lib, os.fspath(kl_base)).encode(), ctypes.byref(bo), ctypes.byref(base))
             lib.moeq_eval_options_set_base(opts, base)
         res = ctypes.create_string_buffer(lib.moeq_eval_result_size())
+        n = lib.moeq_docs_count(docs)
+        per = [(ctypes.c_double * max(n, 1))() for _ in range(4)] if html else None
+        tok = (ctypes.c_int64 * max(n, 1))() if html else None
+        if html:
+            lib.moeq_eval_options_set_docs(opts, per[0], tok, per[1], per[2], per[3])
         cb = _with_progress(lib, progress)
         _run_interruptible(lib, lib.moeq_eval, m, docs, opts, res)
+        if html:
+            _call(lib.moeq_eval_html_flat, os.fsencode(html), os.fsencode(os.fspath(model)),
+                  os.fsencode(os.fspath(kl_base)) if kl_base is not None else None, os.fsencode(data), docs, res,
+                  per[0], per[3], per[1], per[2], tok)
         return json.loads(_text(lib, lib.moeq_eval_result_json(res)))
     finally:
         _with_progress(lib, None)

@@ -58,6 +58,11 @@ def test_gptq_progress_and_reports():
     rep = json.load(open(os.path.join(out, "gptq_report.json")))
     assert abs(r["gptq_loss"] - rep["summary"]["gptq_loss_total"]) <= 1e-9 * r["gptq_loss"]
     assert open(html).read().startswith("<!DOCTYPE html>")
+    # --ignore: those Linears are neither quantized nor reported
+    ig = os.path.join(TMP, "ig")
+    moeq.quantize(MODEL, ig, scheme="nvfp4a16", method="gptq", calib=CALIB, nsamples=4, seqlen=32, ignore=["self_attn"])
+    mods = json.load(open(os.path.join(ig, "gptq_report.json")))["modules"]
+    assert mods and not any("self_attn" in m["module"] for m in mods)
 
 
 def test_evaluate_matches_cli():
@@ -68,6 +73,9 @@ def test_evaluate_matches_cli():
     c = json.loads(cli("eval", q, "--data", data, "--kl-base", MODEL, "--json"))
     for k in ("word_perplexity", "loglikelihood", "kl_mean", "top1_changed", "base_word_perplexity", "tokens"):
         assert e[k] == c[k], k
+    page = os.path.join(TMP, "ev.html")
+    moeq.evaluate(q, data, kl_base=MODEL, html=page)
+    assert 'id="kl-hist"' in open(page).read()
     t = moeq.evaluate(q, data, task="text", max_length=64)
     assert t["word_perplexity"] > 0 and t["documents"] == 1
 

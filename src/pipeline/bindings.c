@@ -96,6 +96,8 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         if (!(st = get_int(key, v, 0, 1 << 20, &i))) o->group_size = (int32_t)i;
     } else if (!strcmp(key, "asym")) {
         st = get_bool(key, v, &o->asym);
+    } else if (!strcmp(key, "reference")) {
+        st = get_bool(key, v, &o->reference);
     } else if (!strcmp(key, "no-fuse")) {
         st = get_bool(key, v, &o->no_fuse);
     } else if (!strcmp(key, "calib")) {
@@ -204,6 +206,28 @@ moeq_status moeq_eval_options_set(moeq_eval_options *o, const char *key, const c
         return mq_err(MOEQ_E_ARG, "unknown eval option '%s' (the names of moeq eval's flags)", key);
     }
     return st;
+}
+
+void moeq_quant_options_set_ignore(moeq_quant_options *o, const char *const *patterns, int32_t n) {
+    o->ignore = patterns;
+    o->n_ignore = n;
+}
+
+void moeq_eval_options_set_docs(moeq_eval_options *o, double *loglikelihood, int64_t *tokens, double *kl,
+                                double *top1_changed, double *base_loglikelihood) {
+    o->doc_loglikelihood = loglikelihood;
+    o->doc_tokens = tokens;
+    o->doc_kl = kl;
+    o->doc_top1_changed = top1_changed;
+    o->doc_base_loglikelihood = base_loglikelihood;
+}
+
+moeq_status moeq_eval_html_flat(const char *path, const char *model, const char *base, const char *data,
+                                const moeq_docs *docs, const moeq_eval_result *r, const double *loglikelihood,
+                                const double *base_loglikelihood, const double *kl, const double *top1_changed,
+                                const int64_t *tokens) {
+    moeq_eval_page pg = {model, base, data, docs, r, loglikelihood, base_loglikelihood, kl, top1_changed, tokens};
+    return moeq_eval_html(path, &pg);
 }
 
 void moeq_eval_options_set_base(moeq_eval_options *o, const moeq_model *base) { o->kl_base = base; }
