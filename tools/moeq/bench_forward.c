@@ -37,6 +37,7 @@ int bench_forward(int argc, char **argv) {
 
     moeq_model *m = NULL;
     moeq_model_options mo = {.no_tokenizer = 1};
+    if (!(pos[0] = cli_model_dir("bench forward", pos[0], NULL))) return CLI_FAIL;
     moeq_status st = moeq_model_open(pos[0], &mo, &m);
     if (st) return cli_fail("bench forward", st);
     const mq_config *c = &m->cfg;
