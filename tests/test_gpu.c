@@ -3,6 +3,7 @@
  * C code it mirrors:
  *   codecs, RTN group parameters       bit-identical (the same IEEE operations in the same order)
  *   Hessian sums                       bit-identical (the same fmaf chain per element)
+ *   the experts' MLP (det GEMM, SwiGLU) bit-identical (the same chains, moeq's own expf)
  *   GPTQ factor + column loop          the CPU's codes for >= 99.9% of weights, loss within
  *                                      0.5%: both run the same algorithm in fp32, but cuSOLVER's
  *                                      Cholesky and cuBLAS's GEMMs sum in another order than
@@ -18,6 +19,8 @@
 
 #include "backend/gpu.h"
 #include "harness.h"
+#include "kernels/gemm_det.h"
+#include "model/model.h"
 #include "quant/gptq.h"
 #include "quant/hessian.h"
 
@@ -436,6 +439,64 @@ static void test_gptq_retry_and_errors(void) {
     mq_gpu_close(g);
 }
 
+/* ---- the experts' MLP ---------------------------------------------------------------------------- */
+
+static void test_gemm_det_bitexact(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t shapes[][3] = {{37, 70, 100}, {300, 128, 256}, {1, 1024, 2048}, {129, 65, 17}};
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        const int64_t M = shapes[k][0], N = shapes[k][1], K = shapes[k][2];
+        float *A = make_weights(M, K, 70 + k), *B = make_weights(N, K, 80 + k);
+        float *c1 = malloc((size_t)(M * N) * 4), *c2 = malloc((size_t)(M * N) * 4);
+        mq_gemm_det_nt(M, N, K, A, K, B, K, c1, N);
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gemm_det(g, M, N, K, A, B, c2));
+        int64_t diff = 0;
+        for (int64_t i = 0; i < M * N; i++) diff += !same_float(c1[i], c2[i]);
+        if (diff) FAIL("GEMM %lldx%lldx%lld: %lld outputs differ from mq_gemm_det_nt", (long long)M, (long long)N,
+                       (long long)K, (long long)diff);
+        free(A), free(B), free(c1), free(c2);
+    }
+    mq_gpu_close(g);
+}
+
+/* Experts through the GPU MLP against mq_mlp_forward on deterministic Linears: the same bits,
+ * also when the rows come max_rows at a time and without the down product. */
+static void test_mlp_bitexact(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t E = 3, D = 96, F = 160, n = 75;
+    mq_linear gate[3], up[3], down[3];
+    const float *pg[3], *pu[3], *pd[3];
+    for (int64_t e = 0; e < E; e++) {
+        gate[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 90 + (uint64_t)e), .det = true};
+        up[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 95 + (uint64_t)e), .det = true};
+        down[e] = (mq_linear){.out = D, .in = F, .w = make_weights(D, F, 99 + (uint64_t)e), .det = true};
+        for (int64_t i = 0; i < F * D; i++) gate[e].w[i] *= 40, up[e].w[i] *= 40;   /* SwiGLU's whole range */
+        pg[e] = gate[e].w, pu[e] = up[e].w, pd[e] = down[e].w;
+    }
+    float *x = make_weights(n, D, 7);
+    for (int64_t i = 0; i < n * D; i++) x[i] *= 50;
+    float *hg = malloc((size_t)(n * F) * 4), *hu = malloc((size_t)(n * F) * 4), *y = malloc((size_t)(n * D) * 4);
+    float *hg2 = malloc((size_t)(n * F) * 4), *hu2 = malloc((size_t)(n * F) * 4), *y2 = malloc((size_t)(n * D) * 4);
+    for (int rep = 0; rep < 2; rep++) {
+        mq_gpu_mlp *m = NULL;
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, E, D, F, pg, pu, rep ? NULL : pd, rep ? n : 32, &m));
+        for (int64_t e = 0; e < E; e++) {
+            ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate[e], &up[e], rep ? NULL : &down[e], x, n, hg, hu, rep ? NULL : y));
+            ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, e, x, n, hg2, hu2, rep ? NULL : y2));
+            int64_t diff = 0;
+            for (int64_t i = 0; i < n * F; i++) diff += !same_float(hg[i], hg2[i]) + !same_float(hu[i], hu2[i]);
+            for (int64_t i = 0; !rep && i < n * D; i++) diff += !same_float(y[i], y2[i]);
+            if (diff) FAIL("expert %lld (%s): %lld values differ from mq_mlp_forward", (long long)e,
+                           rep ? "no down, all rows at once" : "32 rows at a time", (long long)diff);
+        }
+        if (rep) ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_run(m, 0, x, n, hg2, hu2, y2));   /* no down weights */
+        mq_gpu_mlp_free(m);
+    }
+    for (int64_t e = 0; e < E; e++) free(gate[e].w), free(up[e].w), free(down[e].w);
+    free(x), free(hg), free(hu), free(y), free(hg2), free(hu2), free(y2);
+    mq_gpu_close(g);
+}
+
 TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
           T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_batched_deterministic),
-          T(test_gptq_retry_and_errors))
+          T(test_gptq_retry_and_errors), T(test_gemm_det_bitexact), T(test_mlp_bitexact))

@@ -67,6 +67,23 @@ moeq_status mq_gpu_rtn(mq_gpu *g, const mq_qspec *s, const float *w, int64_t row
 moeq_status mq_gpu_codecs(mq_gpu *g, const float *x, int64_t n, uint8_t *e2m1, uint8_t *e4m3,
                           uint8_t *e8m0, float *bf16, float *f16);
 
+/* The routed experts' MLPs for the calibration passes, bit-identical to the CPU's
+ * mq_mlp_forward on deterministic Linears: gate and up products as kernels/gemm_det.h's fmaf
+ * chains, the SwiGLU as kernels/vec.h's, down the same. _new uploads E experts' fp32 weights
+ * (gate[e], up[e]: [F, D]; down[e]: [D, F], or down NULL for passes without it); _run takes n rows
+ * x [n, D] of expert e through them into hg (after the SwiGLU), hu (the up product; may be NULL)
+ * and y [n, D] (NULL: no down), max_rows at a time. */
+typedef struct mq_gpu_mlp mq_gpu_mlp;
+moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F, const float *const *gate,
+                           const float *const *up, const float *const *down, int64_t max_rows,
+                           mq_gpu_mlp **out);
+void mq_gpu_mlp_free(mq_gpu_mlp *m);
+moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, int64_t n, float *hg, float *hu,
+                           float *y);
+/* C [M, N] = A [M, K] B [N, K]^T as mq_gemm_det_nt (host memory; the tests' twin check). */
+moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
+                            float *C);
+
 /* Hessian sums on the GPU: n accumulators of sizes K[i], kept on the device. */
 typedef struct mq_gpu_hessians mq_gpu_hessians;
 moeq_status mq_gpu_hessians_new(mq_gpu *g, int64_t n, const int64_t *K, mq_gpu_hessians **out);

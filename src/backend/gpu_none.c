@@ -53,6 +53,28 @@ moeq_status mq_gpu_codecs(mq_gpu *g, const float *x, int64_t n, uint8_t *e2m1, u
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F, const float *const *gate,
+                           const float *const *up, const float *const *down, int64_t max_rows,
+                           mq_gpu_mlp **out) {
+    (void)g, (void)E, (void)D, (void)F, (void)gate, (void)up, (void)down, (void)max_rows;
+    *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+void mq_gpu_mlp_free(mq_gpu_mlp *m) { (void)m; }
+
+moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, int64_t n, float *hg, float *hu,
+                           float *y) {
+    (void)m, (void)e, (void)x, (void)n, (void)hg, (void)hu, (void)y;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
+                            float *C) {
+    (void)g, (void)M, (void)N, (void)K, (void)A, (void)B, (void)C;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_hessians_new(mq_gpu *g, int64_t n, const int64_t *K, mq_gpu_hessians **out) {
     (void)g, (void)n, (void)K;
     *out = NULL;

@@ -481,6 +481,7 @@ typedef struct {
     int32_t *tok_row;             /* [nb][Lmax][K] row of (token, k), -1 outside the chunk */
     float *xg, *hg, *hu, *yg;     /* [rows][D / F / F / D] */
     int64_t *tasks, n_tasks;      /* expert << 32 | block of TASK_ROWS rows */
+    mq_gpu_mlp *gmlp;             /* the chunk's experts on the GPU (runs with a device), or NULL */
 } ex_batch;
 
 static void batch_inputs_task(void *ctx, int64_t i, int thread) {
@@ -505,6 +506,18 @@ static void batch_rows_task(void *ctx, int64_t task, int thread) {
         memcpy(b->xg + r * D, b->xin[b->tsample[r]] + (int64_t)b->tok[r] * D, sizeof(float) * (size_t)D);
     (void)mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e], b->xg + r0 * D, n,
                          b->hg + r0 * F, b->hu + r0 * F, b->down ? b->yg + r0 * D : NULL);
+}
+
+/* With the experts on the GPU: a block's rows gathered here, the MLP run there. */
+static void batch_gather_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    const int64_t D = b->p->c->D;
+    const int64_t ce = b->tasks[task] >> 32, blk = b->tasks[task] & 0xffffffff;
+    const int64_t r0 = b->ebase[ce] + blk * TASK_ROWS;
+    const int64_t n = b->ebase[ce + 1] - r0 < TASK_ROWS ? b->ebase[ce + 1] - r0 : TASK_ROWS;
+    for (int64_t r = r0; r < r0 + n; r++)
+        memcpy(b->xg + r * D, b->xin[b->tsample[r]] + (int64_t)b->tok[r] * D, sizeof(float) * (size_t)D);
 }
 
 /* One expert's Hessian updates and amax over the batch: its rows are the batch's samples in
@@ -642,9 +655,20 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     for (int64_t e = 0; e < C; e++)
         for (int64_t r = b->ebase[e]; r < b->ebase[e + 1]; r += TASK_ROWS)
             b->tasks[b->n_tasks++] = e << 32 | (r - b->ebase[e]) / TASK_ROWS;
-    mq_parallel_for(b->n_tasks, batch_rows_task, b);
-    double t1 = mq_now();
     moeq_status st = MOEQ_OK;
+    if (b->gmlp) {   /* the same values as batch_rows_task's (backend/gpu.h) */
+        const int64_t D = p->c->D, F = p->c->moe_ffn;
+        mq_parallel_for(b->n_tasks, batch_gather_task, b);
+        for (int64_t ce = 0; ce < C && !st; ce++) {
+            const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
+            st = mq_gpu_mlp_run(b->gmlp, ce, b->xg + r0 * D, n, b->hg + r0 * F, b->hu + r0 * F,
+                                b->down ? b->yg + r0 * D : NULL);
+        }
+        if (st) return st;
+    } else {
+        mq_parallel_for(b->n_tasks, batch_rows_task, b);
+    }
+    double t1 = mq_now();
     if ((b->hess || b->amax) && p->gpu)   /* the GPU's sums in turn, each on the device */
         for (int64_t ce = 0; ce < C && !st; ce++) st = batch_hessian_one(b, ce);
     else if (b->hess || b->amax)
@@ -669,6 +693,30 @@ static int64_t sample_rows(const mq_pipe *p, const ffn_source *src, int64_t s, i
 
 /* Every sample through experts [e0, e1), in batches of as many samples as the plan's rows hold
  * (enough rows for every thread; which samples go together does not change any value). */
+/* The chunk's experts on the GPU when they are plain deterministic fp32 Linears (the weights as
+ * they are now: unquantized, or dequantized for the quantized output); else *out stays NULL and
+ * the CPU runs them. */
+static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int64_t rows, mq_gpu_mlp **out) {
+    *out = NULL;
+    const mq_layer *ly = &p->m->layers[l];
+    const int n = e1 - e0;
+    const float **w = calloc((size_t)(3 * n), sizeof *w);
+    if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    bool plain = true;
+    for (int e = e0; e < e1; e++) {
+        const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+        for (int k = 0; k < 3; k++) {
+            plain &= lin[k]->w && lin[k]->det && !lin[k]->qw && !lin[k]->bias;
+            w[k * n + (e - e0)] = lin[k]->w;
+        }
+    }
+    moeq_status st = MOEQ_OK;
+    if (plain)
+        st = mq_gpu_mlp_new(p->gpu, n, p->c->D, p->c->moe_ffn, w, w + n, down ? w + 2 * n : NULL, rows, out);
+    free(w);
+    return st;
+}
+
 static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source src, bool down,
                                 bool hess, bool amax, slot *gu, slot *dn) {
     int64_t nb = p->mp.batch > 0 ? p->mp.batch : 1;
@@ -688,6 +736,10 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     b.amax = amax;
     b.gu = gu;
     b.dn = dn;
+    if (p->gpu && (st = gpu_experts(p, l, e0, e1, down, rows_cap, &b.gmlp))) {
+        batch_free(&b);
+        return st;
+    }
     for (int64_t s0 = 0; s0 < p->calib.n && !st; s0 += b.nb) {
         if ((st = check_interrupt())) break;
         int64_t rows = sample_rows(p, &src, s0, e0, e1);
@@ -701,6 +753,7 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
         }
         st = batch_run(&b, p, l);
     }
+    mq_gpu_mlp_free(b.gmlp);
     batch_free(&b);
     return st;
 }

@@ -1,0 +1,188 @@
+/*
+ * The routed experts' MLPs on the GPU for the pipeline's calibration passes, bit-identical to
+ * the CPU's: every product is kernels/gemm_det.h's chain (acc = +0, then acc = fmaf(a_k, b_k,
+ * acc) for k = 0 .. K-1 in order) and the SwiGLU is kernels/vec.h's (g / (1 + expf(-g)) * u with
+ * moeq's own polynomial expf), so the Hessians and the next layer's inputs do not change.
+ *
+ * k_gemm_det: C = A B^T, a CTA per 64 x 64 tile of C, 256 threads with 4 x 4 outputs each; k in
+ * steps of 16 through shared memory, each output's fmaf chain in k order.
+ */
+#include <string.h>
+
+#include <vector>
+
+#include "backend/cuda/cuda_internal.cuh"
+
+namespace {
+
+enum { TM = 64, TN = 64, TK = 16 };
+
+__global__ void k_gemm_det(int64_t M, int64_t N, int64_t K, const float *A, const float *B, float *C) {
+    __shared__ float as[TK][TM + 1], bs[TK][TN + 1];
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const int64_t i0 = (int64_t)blockIdx.y * TM, j0 = (int64_t)blockIdx.x * TN;
+    float acc[4][4];
+    for (int u = 0; u < 4; u++)
+        for (int v = 0; v < 4; v++) acc[u][v] = 0.0f;
+    for (int64_t k0 = 0; k0 < K; k0 += TK) {
+        for (int t = threadIdx.x; t < TK * TM; t += blockDim.x) {
+            const int kk = t % TK, r = t / TK;
+            const int64_t ia = i0 + r, jb = j0 + r, k = k0 + kk;
+            as[kk][r] = ia < M && k < K ? A[ia * K + k] : 0.0f;
+            bs[kk][r] = jb < N && k < K ? B[jb * K + k] : 0.0f;
+        }
+        __syncthreads();
+        const int nk = K - k0 < TK ? (int)(K - k0) : TK;
+        for (int kk = 0; kk < nk; kk++) {
+            float a[4], b[4];
+            for (int u = 0; u < 4; u++) a[u] = as[kk][ty * 4 + u];
+            for (int v = 0; v < 4; v++) b[v] = bs[kk][tx * 4 + v];
+            for (int u = 0; u < 4; u++)
+                for (int v = 0; v < 4; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
+        }
+        __syncthreads();
+    }
+    for (int u = 0; u < 4; u++)
+        for (int v = 0; v < 4; v++) {
+            const int64_t i = i0 + ty * 4 + u, j = j0 + tx * 4 + v;
+            if (i < M && j < N) C[i * N + j] = acc[u][v];
+        }
+}
+
+/* vec_ref.c's mq_vec_expf and mq_vec_silu, operation for operation. */
+__device__ __forceinline__ float pow2i(float k) { return __uint_as_float((uint32_t)((int32_t)k + 127) << 23); }
+
+__device__ __forceinline__ float vec_expf(float x) {
+    if (x != x) return x + x;
+    x = -104.0f > x ? -104.0f : x;
+    x = 88.75f < x ? 88.75f : x;
+    float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(-n, 0.693359375f, x);
+    r = fmaf(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    float n1 = floorf(n * 0.5f), n2 = n - n1;
+    return (y * pow2i(n1)) * pow2i(n2);
+}
+
+__global__ void k_swiglu(float *g, const float *u, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float x = g[i];
+        g[i] = x / (1.0f + vec_expf(-x)) * u[i];
+    }
+}
+
+moeq_status gemm(cudaStream_t s, int64_t M, int64_t N, int64_t K, const float *A, const float *B, float *C) {
+    if (M <= 0 || N <= 0) return MOEQ_OK;
+    k_gemm_det<<<dim3((unsigned)((N + TN - 1) / TN), (unsigned)((M + TM - 1) / TM)), 256, 0, s>>>(M, N, K, A, B, C);
+    return CU_LAUNCHED("k_gemm_det");
+}
+
+}  // namespace
+
+struct mq_gpu_mlp {
+    mq_gpu *g;
+    int64_t E, D, F, max_rows;
+    std::vector<float *> w;   /* [3E]: gate, up, down of each expert (down may be NULL) */
+    float *x, *hg, *hu, *y;
+};
+
+extern "C" void mq_gpu_mlp_free(mq_gpu_mlp *m) {
+    if (!m) return;
+    cudaSetDevice(m->g->device);
+    cudaStreamSynchronize(m->g->stream[0]);
+    for (float *p : m->w) mq_cu_free(p);
+    mq_cu_free(m->x);
+    mq_cu_free(m->hg);
+    mq_cu_free(m->hu);
+    mq_cu_free(m->y);
+    delete m;
+}
+
+extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F, const float *const *gate,
+                                      const float *const *up, const float *const *down, int64_t max_rows,
+                                      mq_gpu_mlp **out) {
+    *out = NULL;
+    moeq_status st = CU(cudaSetDevice(g->device));
+    if (st) return st;
+    mq_gpu_mlp *m = new (std::nothrow) mq_gpu_mlp;
+    if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    m->g = g;
+    m->E = E;
+    m->D = D;
+    m->F = F;
+    m->max_rows = max_rows > 0 ? max_rows : 1;
+    m->w.assign((size_t)(3 * E), NULL);
+    m->x = m->hg = m->hu = m->y = NULL;
+    cudaStream_t s = g->stream[0];
+    const size_t wsz = (size_t)(D * F);
+    for (int64_t e = 0; e < E && !st; e++) {
+        const float *src[3] = {gate[e], up[e], down ? down[e] : NULL};
+        for (int k = 0; k < 3 && !st; k++) {
+            if (!src[k]) continue;
+            st = cu_alloc(&m->w[(size_t)(3 * e + k)], wsz, "expert weights");
+            if (!st) st = CU(cudaMemcpyAsync(m->w[(size_t)(3 * e + k)], src[k], wsz * sizeof(float), cudaMemcpyHostToDevice, s));
+        }
+    }
+    const size_t r = (size_t)m->max_rows;
+    if (!st) st = cu_alloc(&m->x, r * (size_t)D, "expert rows");
+    if (!st) st = cu_alloc(&m->hg, r * (size_t)F, "expert activations");
+    if (!st) st = cu_alloc(&m->hu, r * (size_t)F, "expert activations");
+    if (!st) st = cu_alloc(&m->y, r * (size_t)D, "expert outputs");
+    if (st) {
+        mq_gpu_mlp_free(m);
+        return st;
+    }
+    *out = m;
+    return MOEQ_OK;
+}
+
+extern "C" moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, int64_t n, float *hg, float *hu,
+                                      float *y) {
+    if (e < 0 || e >= m->E) return mq_err(MOEQ_E_ARG, "GPU experts: expert %lld of %lld", (long long)e, (long long)m->E);
+    if (n <= 0) return MOEQ_OK;
+    if (y && !m->w[(size_t)(3 * e + 2)]) return mq_err(MOEQ_E_ARG, "GPU experts: expert %lld has no down weights", (long long)e);
+    cudaStream_t s = m->g->stream[0];
+    const int64_t D = m->D, F = m->F;
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    for (int64_t r0 = 0; r0 < n && !st; r0 += m->max_rows) {
+        const int64_t k = n - r0 < m->max_rows ? n - r0 : m->max_rows;
+        st = CU(cudaMemcpyAsync(m->x, x + r0 * D, (size_t)(k * D) * sizeof(float), cudaMemcpyHostToDevice, s));
+        if (!st) st = gemm(s, k, F, D, m->x, m->w[(size_t)(3 * e)], m->hg);
+        if (!st) st = gemm(s, k, F, D, m->x, m->w[(size_t)(3 * e + 1)], m->hu);
+        if (!st) {
+            k_swiglu<<<1024, 256, 0, s>>>(m->hg, m->hu, k * F);
+            st = CU_LAUNCHED("k_swiglu");
+        }
+        if (!st && y) st = gemm(s, k, D, F, m->hg, m->w[(size_t)(3 * e + 2)], m->y);
+        if (!st) st = CU(cudaMemcpyAsync(hg + r0 * F, m->hg, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
+        if (!st && hu) st = CU(cudaMemcpyAsync(hu + r0 * F, m->hu, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
+        if (!st && y) st = CU(cudaMemcpyAsync(y + r0 * D, m->y, (size_t)(k * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+        if (!st) st = CU(cudaStreamSynchronize(s));
+    }
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
+                                       float *C) {
+    float *a = NULL, *b = NULL, *c = NULL;
+    cudaStream_t s = g->stream[0];
+    moeq_status st = CU(cudaSetDevice(g->device));
+    if (!st) st = cu_alloc(&a, (size_t)(M * K), "GEMM input");
+    if (!st) st = cu_alloc(&b, (size_t)(N * K), "GEMM input");
+    if (!st) st = cu_alloc(&c, (size_t)(M * N), "GEMM output");
+    if (!st) st = CU(cudaMemcpyAsync(a, A, (size_t)(M * K) * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) st = CU(cudaMemcpyAsync(b, B, (size_t)(N * K) * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) st = gemm(s, M, N, K, a, b, c);
+    if (!st) st = CU(cudaMemcpyAsync(C, c, (size_t)(M * N) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    if (!st) st = CU(cudaStreamSynchronize(s));
+    mq_cu_free(a);
+    mq_cu_free(b);
+    mq_cu_free(c);
+    return st;
+}
