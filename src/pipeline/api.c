@@ -95,6 +95,12 @@ static moeq_status check_options(const moeq_quant_options *o) {
     if (o->calib && o->scheme != MOEQ_QUANT_NVFP4 && o->method != MOEQ_QUANT_GPTQ)
         return BAD("calib is only used by scheme MOEQ_QUANT_NVFP4 and method MOEQ_QUANT_GPTQ");
     if (o->calib_field && !o->calib) return BAD("calib_field is set but calib is not");
+    if (o->scale_lo != 0 || o->scale_hi != 0 || o->scale_steps != 0) {
+        if (!(o->scale_lo > 0) || !(o->scale_hi >= o->scale_lo) || !isfinite(o->scale_hi) || o->scale_hi > 64)
+            return BAD("scale search %g:%g: expected 0 < LO <= HI <= 64", o->scale_lo, o->scale_hi);
+        if (o->scale_steps < 0 || o->scale_steps > 1024)
+            return BAD("scale search steps %d: expected 1 .. 1024 (0: 17)", (int)o->scale_steps);
+    }
     if (o->gptq.report_html && o->method != MOEQ_QUANT_GPTQ)
         return BAD("gptq.report_html: the report is GPTQ's (method gptq)");
     if (o->calib_tokens < 1)
@@ -133,6 +139,11 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->spec.asym = po->asym != 0;
     /* GPTQ searches scales by default */
     o->spec.mse = po->method == MOEQ_QUANT_GPTQ ? po->gptq.mse != 0 : po->mse != 0;
+    if (po->scale_lo > 0) {
+        o->spec.mse_lo = (float)po->scale_lo;
+        o->spec.mse_hi = (float)po->scale_hi;
+        if (po->scale_steps > 0) o->spec.mse_steps = po->scale_steps;
+    }
     o->no_fuse = po->no_fuse != 0;
     if (po->reference) {
         /* reference.json: NVFP4 per-tensor scales, block scales clamped to [2^-9, 448];

@@ -96,6 +96,13 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         if (!(st = get_int(key, v, 0, 1 << 20, &i))) o->group_size = (int32_t)i;
     } else if (!strcmp(key, "asym")) {
         st = get_bool(key, v, &o->asym);
+    } else if (!strcmp(key, "scale-search")) {
+        char *end;
+        o->scale_lo = strtod(v, &end);
+        if (*end == ':') o->scale_hi = strtod(end + 1, &end);
+        else end = (char *)"x";
+        if (*end == ':') o->scale_steps = (int32_t)strtol(end + 1, &end, 10);
+        if (*end) return bad(key, v, "LO:HI or LO:HI:N");
     } else if (!strcmp(key, "reference")) {
         st = get_bool(key, v, &o->reference);
     } else if (!strcmp(key, "no-fuse")) {

@@ -67,6 +67,12 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
     cJSON_AddStringToObject(set, "scheme", mq_qscheme_name(o->spec.scheme));
     cJSON_AddNumberToObject(set, "group_size", o->spec.group_size);
     cJSON_AddBoolToObject(set, "mse", o->spec.mse);
+    if (o->spec.mse) {
+        cJSON *ss = cJSON_AddArrayToObject(set, "scale_search");
+        cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_lo));
+        cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_hi));
+        cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_steps));
+    }
     if (o->spec.mse && o->gptq) cJSON_AddStringToObject(set, "mse_weight", mse_weight_name(o->g.mse_weight));
     cJSON_AddStringToObject(set, "method", o->gptq ? "gptq" : "rtn");
     if (o->gptq) {

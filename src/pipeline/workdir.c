@@ -126,6 +126,8 @@ static cJSON *options_identity(const mq_pipe *p) {
     cJSON_AddNumberToObject(j, "nvfp4_scale_min", o->spec.nvfp4_scale_min);
     cJSON_AddBoolToObject(j, "mse", o->spec.mse);
     cJSON_AddNumberToObject(j, "mse_steps", o->spec.mse_steps);
+    cJSON_AddNumberToObject(j, "mse_lo", o->spec.mse_lo);
+    cJSON_AddNumberToObject(j, "mse_hi", o->spec.mse_hi);
     cJSON_AddBoolToObject(j, "act_quant", o->act_quant);
     cJSON_AddBoolToObject(j, "no_fuse", o->no_fuse);
     cJSON *ign = cJSON_AddArrayToObject(j, "ignore");

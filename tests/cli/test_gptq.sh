@@ -53,6 +53,26 @@ grep -q '"samples":[[:space:]]*2' "$tmp/i4.json" || fail "int4: two documents"
 grep -q 'self_attn' "$tmp/ig/gptq_report.json" && fail "ignored modules in the report"
 header_has "$tmp/ig/model.safetensors" model.layers.0.self_attn.q_proj.weight BF16
 
+# --scale-search: the MSE search's range reaches the search (other losses) and the report
+"$cli" quantize "$model" --out "$tmp/ss0" --scheme nvfp4a16 --method gptq --calib "$calib" \
+    --nsamples 4 --seqlen 32 --report "$tmp/ss0.json" --quiet || fail "default scale search exited $?"
+"$cli" quantize "$model" --out "$tmp/ss1" --scheme nvfp4a16 --method gptq --calib "$calib" \
+    --nsamples 4 --seqlen 32 --scale-search 0.9:1.5:25 --report "$tmp/ss1.json" --quiet || fail "--scale-search exited $?"
+python3 - "$tmp/ss0.json" "$tmp/ss1.json" <<'PY' || fail "--scale-search: not applied"
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+assert a["settings"]["scale_search"] == [0.699999988079071, 1.100000023841858, 17], a["settings"]
+s = b["settings"]["scale_search"]
+assert abs(s[0] - 0.9) < 1e-6 and s[1] == 1.5 and s[2] == 25, s
+assert a["summary"]["gptq_loss_total"] != b["summary"]["gptq_loss_total"]
+PY
+cmp -s "$tmp/ss0/model.safetensors" "$tmp/ss1/model.safetensors" && fail "--scale-search: the same checkpoint"
+"$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" --scale-search 1.5:0.9 2>"$tmp/err"
+[ $? -eq 1 ] || fail "--scale-search 1.5:0.9: expected exit 1"
+grep -q "scale search 1.5:0.9" "$tmp/err" || fail "--scale-search 1.5:0.9: message"
+"$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" --scale-search wide >/dev/null 2>&1
+[ $? -eq 2 ] || fail "--scale-search wide: expected exit 2"
+
 # errors: usage (exit 2) and bad settings (exit 1, nothing left behind)
 "$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq >/dev/null 2>&1
 [ $? -eq 2 ] || fail "gptq without --calib: expected exit 2"
