@@ -42,6 +42,7 @@
 #include "bench.h"
 #include "cli.h"
 #include "core/core.h"
+#include "core/page.h"
 #include "model/model.h"
 
 #ifndef MOEQ_SOURCE_DIR
@@ -106,41 +107,6 @@ typedef struct {
 
 static bool is_moe(const spec *s) { return s->m->fam != FAM_LLAMA; }
 
-/* ---- a growable string ------------------------------------------------------------------- */
-typedef struct {
-    char *s;
-    size_t n, cap;
-    bool oom;
-} sbuf;
-
-static void sb_printf(sbuf *b, const char *fmt, ...) MQ_PRINTF(2, 3);
-static void sb_printf(sbuf *b, const char *fmt, ...) {
-    if (b->oom) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int k = vsnprintf(b->s ? b->s + b->n : NULL, b->s ? b->cap - b->n : 0, fmt, ap);
-        va_end(ap);
-        if (k < 0) {
-            b->oom = true;
-            return;
-        }
-        if (b->s && b->n + (size_t)k < b->cap) {
-            b->n += (size_t)k;
-            return;
-        }
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap <= b->n + (size_t)k) cap *= 2;
-        char *p = realloc(b->s, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->s = p;
-        b->cap = cap;
-    }
-}
-
 /* ---- config.json --------------------------------------------------------------------------- */
 /* Keys are collected and printed sorted, as transformers' to_json_string writes them. */
 typedef struct {
@@ -175,12 +141,12 @@ static int cmp_kv(const void *a, const void *b) {
 
 static char *kvs_json(kvs *c) {
     qsort(c->items, (size_t)c->n, sizeof c->items[0], cmp_kv);
-    sbuf b = {0};
-    sb_printf(&b, "{\n");
+    mq_page b = {0};
+    mq_page_printf(&b, "{\n");
     for (int i = 0; i < c->n; i++)
-        sb_printf(&b, "  \"%s\": %s%s\n", c->items[i].key, c->items[i].val,
+        mq_page_printf(&b, "  \"%s\": %s%s\n", c->items[i].key, c->items[i].val,
                   i + 1 < c->n ? "," : "");
-    sb_printf(&b, "}\n");
+    mq_page_printf(&b, "}\n");
     if (b.oom) {
         free(b.s);
         return NULL;
@@ -556,19 +522,19 @@ typedef struct {
 } gen;
 
 static char *shard_header(const gen *g, int shard, size_t *len) {
-    sbuf b = {0};
-    sb_printf(&b, "{\"__metadata__\":{\"format\":\"pt\"}");
+    mq_page b = {0};
+    mq_page_printf(&b, "{\"__metadata__\":{\"format\":\"pt\"}");
     for (size_t i = 0; i < g->p->n; i++) {
         const planned *t = &g->p->t[i];
         if (t->shard != shard) continue;
-        sb_printf(&b, ",\"%s\":{\"dtype\":\"BF16\",\"shape\":[%lld", t->name,
+        mq_page_printf(&b, ",\"%s\":{\"dtype\":\"BF16\",\"shape\":[%lld", t->name,
                   (long long)t->shape[0]);
-        if (t->ndim == 2) sb_printf(&b, ",%lld", (long long)t->shape[1]);
-        sb_printf(&b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)t->begin,
+        if (t->ndim == 2) mq_page_printf(&b, ",%lld", (long long)t->shape[1]);
+        mq_page_printf(&b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)t->begin,
                   (unsigned long long)(t->begin + 2 * (uint64_t)t->numel));
     }
-    sb_printf(&b, "}");
-    while (!b.oom && b.n % 8 != 0) sb_printf(&b, " ");
+    mq_page_printf(&b, "}");
+    while (!b.oom && b.n % 8 != 0) mq_page_printf(&b, " ");
     if (b.oom) {
         free(b.s);
         return NULL;
@@ -664,13 +630,13 @@ static moeq_status write_text(const char *dir, const char *name, const char *tex
 }
 
 static moeq_status write_index(const gen *g, const char *dir, uint64_t total) {
-    sbuf b = {0};
-    sb_printf(&b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
+    mq_page b = {0};
+    mq_page_printf(&b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
               (unsigned long long)total);
     for (size_t i = 0; i < g->p->n; i++)
-        sb_printf(&b, "%s\n    \"%s\": \"%s\"", i ? "," : "", g->p->t[i].name,
+        mq_page_printf(&b, "%s\n    \"%s\": \"%s\"", i ? "," : "", g->p->t[i].name,
                   g->shard_names[g->p->t[i].shard]);
-    sb_printf(&b, "\n  }\n}\n");
+    mq_page_printf(&b, "\n  }\n}\n");
     moeq_status st = b.oom ? mq_err(MOEQ_E_NOMEM, "out of memory for the shard index")
                            : write_text(dir, "model.safetensors.index.json", b.s, b.n);
     free(b.s);

@@ -195,15 +195,10 @@ int cmd_quantize(int argc, char **argv) {
         !(strncmp(device, "cuda:", 5) == 0 && device[5] && strspn(device + 5, "0123456789") == strlen(device + 5)))
         return cli_usage_error("quantize", "--device %s: expected cpu, cuda or cuda:N", device);
     o.device = device;
-    if (scale_search) {
-        char *end;
-        o.scale_lo = strtod(scale_search, &end);
-        if (*end == ':') o.scale_hi = strtod(end + 1, &end);
-        else end = (char *)"x";
-        if (*end == ':') o.scale_steps = (int32_t)strtol(end + 1, &end, 10);
-        if (*end || !(o.scale_lo > 0) || !(o.scale_hi > 0))
-            return cli_usage_error("quantize", "--scale-search %s: expected LO:HI or LO:HI:N, e.g. 0.9:1.5", scale_search);
-    }
+    /* parsed by the library's option setter; range checks are moeq_quantize's */
+    if (scale_search && (moeq_quant_options_set(&o, "scale-search", scale_search) || !(o.scale_lo > 0) ||
+                         !(o.scale_hi > 0)))
+        return cli_usage_error("quantize", "--scale-search %s: expected LO:HI or LO:HI:N, e.g. 0.9:1.5", scale_search);
     o.activations = strcmp(activations, "ram") == 0    ? MOEQ_ACT_STORAGE_RAM
                     : strcmp(activations, "disk") == 0 ? MOEQ_ACT_STORAGE_DISK
                     : strcmp(activations, "bf16") == 0 ? MOEQ_ACT_STORAGE_BF16
