@@ -23,7 +23,7 @@ const char *mq_ckpt_format_name(mq_ckpt_format f) {
 static const char *const quant_suffixes[] = {
     "weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "weight_shape",
     "weight_zero_point", "weight_g_idx", "weight_scale_2", "input_scale", "qweight", "qzeros",
-    "scales", "g_idx"};
+    "scales", "g_idx", "weight_scale_inv"};
 
 bool mq_layout_is_quant_suffix(const char *suffix) {
     for (size_t i = 0; i < sizeof quant_suffixes / sizeof quant_suffixes[0]; i++)
@@ -317,6 +317,7 @@ mq_linear_kind mq_layout_detect(const char *module, mq_lookup_fn lookup, void *u
     if (find(&r, "qweight")) return MQ_LIN_GPTQ;
     if ((t = find(&r, "weight"))) {
         if (t->dtype == MOEQ_DT_U8 && find(&r, "weight_scale")) return MQ_LIN_MODELOPT_NVFP4;
+        if (t->dtype == MOEQ_DT_F8_E4M3 && find(&r, "weight_scale_inv")) return MQ_LIN_FP8_BLOCK;
         return MQ_LIN_DENSE;
     }
     return MQ_LIN_ABSENT;
@@ -548,6 +549,9 @@ moeq_status mq_layout_read(const char *module, int64_t rows, int64_t cols, mq_lo
     case MQ_LIN_GPTQ: return read_gptq(&r, rows, cols, out);
     case MQ_LIN_DENSE:
         return mq_err(MOEQ_E_ARG, "module '%s' is not quantized", module);
+    case MQ_LIN_FP8_BLOCK:
+        return mq_err(MOEQ_E_UNSUPPORTED, "module '%s' is FP8 block-quantized: it loads "
+                      "dequantized to fp32, not as a 4-bit tensor", module);
     default: return mq_err(MOEQ_E_NOTFOUND, "module '%s': no weight tensors", module);
     }
 }

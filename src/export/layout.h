@@ -66,6 +66,8 @@ typedef enum {
     MQ_LIN_CT_INT4,
     MQ_LIN_MODELOPT_NVFP4,
     MQ_LIN_GPTQ,
+    MQ_LIN_FP8_BLOCK,     /* P.weight F8_E4M3 with P.weight_scale_inv per block (io/fp8.h): an
+                             FP8 source, loaded dequantized, never packed */
 } mq_linear_kind;
 
 mq_linear_kind mq_layout_detect(const char *module, mq_lookup_fn lookup, void *user);
@@ -83,8 +85,9 @@ bool mq_layout_is_quant_suffix(const char *suffix);
 /* ---- for the model loader and inspect ------------------------------------------------------ */
 /* The fp32 weight w [rows, cols] of the Linear `module` of st, whatever its storage: a float
  * `module.weight`, or any quantized layout above, dequantized exactly as mq_dequantize does (so
- * quantize -> write -> load is bit-identical to the in-memory fake quantization). kind may be
- * NULL. MOEQ_E_NOTFOUND when the module has no tensor. */
+ * quantize -> write -> load is bit-identical to the in-memory fake quantization), or an FP8
+ * block-quantized weight (its scale linked by mq_st_open_dir; unlinked: MOEQ_E_FORMAT). kind may
+ * be NULL. MOEQ_E_NOTFOUND when the module has no tensor. */
 moeq_status mq_load_linear_weight(const mq_st *st, const char *module, int64_t rows, int64_t cols,
                                   float *w, mq_linear_kind *kind);
 

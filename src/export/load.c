@@ -19,6 +19,7 @@ const char *mq_linear_kind_name(mq_linear_kind k) {
     case MQ_LIN_CT_INT4: return "int4 (compressed-tensors)";
     case MQ_LIN_MODELOPT_NVFP4: return "nvfp4 (modelopt)";
     case MQ_LIN_GPTQ: return "int4 (gptq)";
+    case MQ_LIN_FP8_BLOCK: return "fp8 e4m3 (block scales)";
     default: return "absent";
     }
 }
@@ -29,13 +30,18 @@ moeq_status mq_load_linear_weight(const mq_st *st, const char *module, int64_t r
     if (kind) *kind = k;
     if (k == MQ_LIN_ABSENT)
         return mq_err(MOEQ_E_NOTFOUND, "module '%s': no weight tensor in the checkpoint", module);
-    if (k == MQ_LIN_DENSE) {
+    if (k == MQ_LIN_DENSE || k == MQ_LIN_FP8_BLOCK) {
         char name[1024];
         snprintf(name, sizeof name, "%s.weight", module);
         const mq_tensor_view *t = mq_st_find(st, name);
         if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)
             return mq_err(MOEQ_E_SHAPE, "%s: tensor '%s': expected shape [%lld, %lld]", t->file, name,
                           (long long)rows, (long long)cols);
+        if (k == MQ_LIN_FP8_BLOCK && !t->scale_inv)
+            return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s' has a block scale '%s_scale_inv' but the "
+                          "checkpoint was not opened as FP8 block-quantized (config.json "
+                          "quantization_config with quant_method \"fp8\" and weight_block_size)",
+                          t->file, name, name);
         return mq_tensor_to_f32(t, w);
     }
     mq_qtensor q;
@@ -78,6 +84,17 @@ moeq_status mq_linear_qinfo_get(const mq_st *st, const char *module, mq_linear_q
         out->cols = t->shape[1];
         out->bits_per_weight = 8.0 * (double)moeq_dtype_size(t->dtype);
         return MOEQ_OK;
+    case MQ_LIN_FP8_BLOCK: {
+        t = get(st, module, "weight");
+        if (t->ndim != 2) return bad_shape(t);
+        out->rows = t->shape[0];
+        out->cols = t->shape[1];
+        out->group_size = t->block_cols;
+        static const char *const w[] = {"weight", "weight_scale_inv", NULL};
+        out->bits_per_weight = 8.0 * (double)bytes_of(st, module, w) /
+                               ((double)out->rows * (double)out->cols);
+        return MOEQ_OK;
+    }
     case MQ_LIN_CT_NVFP4:
     case MQ_LIN_MODELOPT_NVFP4: {
         bool ct = out->kind == MQ_LIN_CT_NVFP4;

@@ -328,6 +328,8 @@ moeq_status mq_ckpt_writer_finish(mq_ckpt_writer *w, const cJSON *src_config, co
         cJSON_Delete(ign);
         qc = config_gptq(o);
     }
+    /* replaces the source's own block (an FP8 source's), never merged beside it */
+    cJSON_DeleteItemFromObjectCaseSensitive(config, "quantization_config");
     cJSON_AddItemToObject(config, "quantization_config", qc);
     s = write_json(w->dir, "config.json", config);
     if (!s && side) s = write_json(w->dir, "hf_quant_config.json", side);

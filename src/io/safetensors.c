@@ -14,6 +14,7 @@
  */
 #include "io/safetensors.h"
 #include "formats/formats.h"
+#include "io/fp8.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -770,7 +771,79 @@ static bool has_suffix(const char *s, const char *suffix) {
     return n >= m && strcmp(s + n - m, suffix) == 0;
 }
 
+/* ---- FP8 block-quantized weights ---------------------------------------------------------- */
+
+static const char k_scale_suffix[] = "_scale_inv";
+
+moeq_status mq_st_link_fp8(mq_st *st, int32_t br, int32_t bc) {
+    if (br < 1 || bc < 1) return mq_err(MOEQ_E_ARG, "FP8 block size %d x %d", br, bc);
+    const size_t sl = sizeof k_scale_suffix - 1;
+    char name[1024];
+    /* every scale names its weight */
+    for (size_t i = 0; i < st->n; i++) {
+        mq_tensor_view *s = &st->t[i];
+        size_t len = strlen(s->name);
+        if (!has_suffix(s->name, ".weight_scale_inv") || len - sl >= sizeof name) continue;
+        memcpy(name, s->name, len - sl);
+        name[len - sl] = '\0';
+        mq_tensor_view *w = (mq_tensor_view *)find_view(st->t, st->n, name);
+        if (!w)
+            return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s' has no weight '%s' beside it", s->file,
+                          s->name, name);
+        if (w->dtype != MOEQ_DT_F8_E4M3)
+            return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s' is %s, but it has a block scale '%s' (an "
+                          "FP8 checkpoint stores such weights as F8_E4M3)", w->file, w->name,
+                          moeq_dtype_name(w->dtype), s->name);
+        if (w->ndim != 2)
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: tensor '%s': FP8 block-quantized weights are "
+                          "read as 2-D [rows, cols] only (it has %d dimensions)", w->file, w->name,
+                          w->ndim);
+        if (s->dtype != MOEQ_DT_F32 && s->dtype != MOEQ_DT_BF16 && s->dtype != MOEQ_DT_F16)
+            return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s': dtype %s (expected F32, BF16 or F16)",
+                          s->file, s->name, moeq_dtype_name(s->dtype));
+        int64_t sr = (w->shape[0] + br - 1) / br, sc = (w->shape[1] + bc - 1) / bc;
+        if (s->ndim != 2 || s->shape[0] != sr || s->shape[1] != sc) {
+            char got[96];
+            format_shape(got, sizeof got, s->ndim, s->shape);
+            return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s': shape %s, expected [%lld, %lld] for "
+                          "weight '%s' [%lld, %lld] in blocks of %d x %d (config.json "
+                          "quantization_config.weight_block_size)", s->file, s->name, got,
+                          (long long)sr, (long long)sc, w->name, (long long)w->shape[0],
+                          (long long)w->shape[1], br, bc);
+        }
+        w->scale_inv = s;
+        w->block_rows = br;
+        w->block_cols = bc;
+        s->is_block_scale = true;
+    }
+    /* and every FP8 weight has its scale */
+    for (size_t i = 0; i < st->n; i++) {
+        const mq_tensor_view *w = &st->t[i];
+        if (w->dtype == MOEQ_DT_F8_E4M3 && has_suffix(w->name, ".weight") && !w->scale_inv)
+            return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s' is F8_E4M3 but its block scale "
+                          "'%s_scale_inv' is missing", w->file, w->name, w->name);
+    }
+    return MOEQ_OK;
+}
+
+static moeq_status open_dir_files(const char *dir, mq_st **out);
+
 moeq_status mq_st_open_dir(const char *dir, mq_st **out) {
+    *out = NULL;
+    mq_fp8_blocks b;
+    moeq_status s = mq_dir_exists(dir) ? mq_fp8_read_dir_config(dir, &b) : MOEQ_OK;
+    if (s) return s;
+    mq_st *st;
+    if ((s = open_dir_files(dir, &st))) return s;
+    if (b.rows > 0 && (s = mq_st_link_fp8(st, b.rows, b.cols))) {
+        mq_st_close(st);
+        return s;
+    }
+    *out = st;
+    return MOEQ_OK;
+}
+
+static moeq_status open_dir_files(const char *dir, mq_st **out) {
     *out = NULL;
     if (!mq_dir_exists(dir)) return mq_err(MOEQ_E_IO, "%s: not a directory", dir);
     char *path = mq_path_join(dir, ST_INDEX_NAME);
@@ -874,7 +947,19 @@ moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out) {
         }
         return MOEQ_OK;
     case MOEQ_DT_F8_E4M3:   /* float8_e4m3fn (e.g. NVFP4 block scales, FP8 checkpoints) */
-        for (size_t i = 0; i < n; i++) out[i] = mq_e4m3_decode(p[i]);
+        if (t->scale_inv) {
+            const mq_tensor_view *sc = t->scale_inv;
+            bool whole = t->ndim == 2 && t->block_rows > 0 && t->block_cols > 0 &&
+                         t->numel == t->shape[0] * t->shape[1] &&
+                         sc->shape[0] == (t->shape[0] + t->block_rows - 1) / t->block_rows &&
+                         sc->shape[1] == (t->shape[1] + t->block_cols - 1) / t->block_cols;
+            if (!whole)
+                return mq_err(MOEQ_E_ARG, "%s: tensor '%s': an FP8 block-quantized weight converts "
+                              "to fp32 only as the whole 2-D tensor", t->file ? t->file : "?",
+                              t->name);
+            return mq_fp8_dequant_rows(t, 0, t->shape[0], out);
+        }
+        for (size_t i = 0; i < n; i++) out[i] = mq_fp8_e4m3_to_f32(p[i]);
         return MOEQ_OK;
     default:
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: tensor '%s': dtype %s is not a floating type",

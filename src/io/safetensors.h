@@ -13,7 +13,7 @@
 
 #define MQ_MAX_DIMS 8
 
-typedef struct {
+typedef struct mq_tensor_view {
     const char *name;
     moeq_dtype dtype;
     int ndim;
@@ -23,6 +23,12 @@ typedef struct {
                               the element size (files from other writers): load with memcpy */
     size_t nbytes;
     const char *file;      /* path of the file that holds it */
+    /* An F8_E4M3 2-D weight of an FP8 block-quantized checkpoint (io/fp8.h; linked by
+     * mq_st_open_dir or mq_st_link_fp8): its NAME_scale_inv and the block size; mq_tensor_to_f32
+     * then gives the dequantized weight. NULL / 0 for every other tensor. */
+    const struct mq_tensor_view *scale_inv;
+    int32_t block_rows, block_cols;
+    bool is_block_scale;   /* this is the scale_inv of such a weight (consumed by it) */
 } mq_tensor_view;
 
 typedef struct mq_st mq_st;   /* one file, or all shards of a checkpoint */
@@ -41,6 +47,15 @@ moeq_status mq_st_open_buffer(const void *buf, size_t len, const char *label, mq
  * shards is an error), else model.safetensors, else the single *.safetensors file in the
  * directory. No such file: MOEQ_E_NOTFOUND; several without an index: MOEQ_E_FORMAT. */
 moeq_status mq_st_open_dir(const char *dir, mq_st **out);
+/* mq_st_open_dir also reads DIR/config.json: for an FP8 block-quantized checkpoint
+ * (quantization_config quant_method "fp8", io/fp8.h) it links each weight to its scale with
+ * mq_st_link_fp8, and a bad quantization_config is that function's error. */
+
+/* Links every F8_E4M3 2-D tensor NAME.weight to NAME.weight_scale_inv (blocks of br x bc):
+ * the scale must exist, be F32, BF16 or F16 and have shape [ceil(rows / br), ceil(cols / bc)];
+ * a scale_inv without an F8_E4M3 2-D weight beside it is an error too (a 3-D fused FP8 weight:
+ * MOEQ_E_UNSUPPORTED). Errors are MOEQ_E_FORMAT naming the file, the tensors and the block size. */
+moeq_status mq_st_link_fp8(mq_st *st, int32_t br, int32_t bc);
 void mq_st_close(mq_st *st);
 
 size_t mq_st_count(const mq_st *st);
@@ -55,9 +70,10 @@ const char *mq_st_metadata(const mq_st *st, const char *key);
 /* moeq_dtype from its safetensors name ("BF16"); returns false if unknown. */
 bool mq_dtype_from_name(const char *name, moeq_dtype *out);
 
-/* Converts a floating tensor (F32, F16, BF16, F64) to fp32, n = numel values. F8_E4M3 gives
- * MOEQ_E_UNSUPPORTED until the formats module's mq_e4m3_decode is wired in; integer dtypes give
- * MOEQ_E_UNSUPPORTED. */
+/* Converts a floating tensor (F32, F16, BF16, F64, F8_E4M3) to fp32, n = numel values; integer
+ * dtypes give MOEQ_E_UNSUPPORTED. An FP8 block-quantized weight (scale_inv set) is dequantized:
+ * the view must then be the whole 2-D tensor (a slice or reshape of it is MOEQ_E_ARG), and a NaN
+ * code or a non-finite scale is MOEQ_E_FORMAT (mq_fp8_dequant_rows). */
 moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out);
 
 /* ---- writing ---------------------------------------------------------------------------- */

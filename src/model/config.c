@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "io/fp8.h"
 #include "model/model_internal.h"
 
 static const struct {
@@ -363,6 +364,12 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
         const char *fmt = get_str(&qf, "format");
         c->quant_method = mq_strdup(m ? m : "unknown");
         c->quant_format = fmt ? mq_strdup(fmt) : NULL;
+        /* an FP8 block-quantized source: its block size (a bad fp8 block is an error of its own) */
+        mq_fp8_blocks b;
+        if ((st = mq_fp8_parse_qconfig(q, path, &b))) goto done;
+        c->fp8_block_rows = b.rows;
+        c->fp8_block_cols = b.cols;
+        if (b.rows > 0 && !c->quant_format) c->quant_format = mq_strdup("e4m3");
     }
 
     if (probs.n > 0) st = mq_problems_error(&probs, MOEQ_E_FORMAT, "%s", path);

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "export/layout.h"
+#include "io/fp8.h"
 #include "kernels/moe_ffn.h"
 #include "model/model_internal.h"
 
@@ -295,7 +296,8 @@ static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *
         w->t = mq_st_find(st, w->name);
         if (w->module) {   /* absent, or U8 for ModelOpt NVFP4, when stored quantized */
             mq_linear_kind k = mq_layout_detect(w->module, st_lookup, (void *)st);
-            w->quantized = k != MQ_LIN_ABSENT && k != MQ_LIN_DENSE;
+            /* FP8 block weights dequantize through mq_tensor_to_f32 like float ones */
+            w->quantized = k != MQ_LIN_ABSENT && k != MQ_LIN_DENSE && k != MQ_LIN_FP8_BLOCK;
             if (w->lin) w->lin->stored_quantized = w->quantized;
         }
         if (w->layer >= 0 && (i == 0 || strcmp(L->w[i - 1].name, w->name) != 0)) {
@@ -319,7 +321,19 @@ static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *
             continue;
         }
         const mq_tensor_view *t = w->t;
-        if (t->dtype != MOEQ_DT_F32 && t->dtype != MOEQ_DT_F16 && t->dtype != MOEQ_DT_BF16) {
+        if (t->scale_inv && w->off == 0 && w->count == t->numel) {
+            /* FP8 block-quantized (linked and shape-checked by mq_st_open_dir) */
+        } else if (t->scale_inv) {
+            mq_problems_add(&probs, "tensor '%s': an FP8 block-quantized tensor cannot be split",
+                            w->name);
+            continue;
+        } else if (t->dtype == MOEQ_DT_F8_E4M3) {
+            mq_problems_add(&probs, "tensor '%s' has dtype F8_E4M3 without a block scale (an FP8 "
+                            "source needs '%s_scale_inv' and config.json quantization_config "
+                            "{\"quant_method\": \"fp8\", \"weight_block_size\": [..]})",
+                            w->name, w->name);
+            continue;
+        } else if (t->dtype != MOEQ_DT_F32 && t->dtype != MOEQ_DT_F16 && t->dtype != MOEQ_DT_BF16) {
             mq_problems_add(&probs, "tensor '%s' has dtype %s (expected BF16, F16 or F32)", w->name,
                             moeq_dtype_name(t->dtype));
             continue;
@@ -371,6 +385,10 @@ static void convert_task(void *ctx, int64_t i, int thread) {
     convert_job *j = ctx;
     const want *w = &j->L->w[i];
     if (w->quantized) return;   /* dequantized afterwards, on this thread, for its messages */
+    if (w->t->scale_inv) {   /* FP8 block-quantized: the whole 2-D tensor (check_wants) */
+        j->status[i] = mq_tensor_to_f32(w->t, *w->dest);
+        return;
+    }
     mq_tensor_view v = *w->t;
     size_t es = moeq_dtype_size(v.dtype);
     v.data += (size_t)w->off * es;
@@ -536,7 +554,7 @@ static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
  * an unquantized model, only those stored quantized in a quantized one. */
 static void mark_act_quant(moeq_model *m) {
     if (m->act_quant == MOEQ_ACT_QUANT_NONE) return;
-    bool all = m->cfg.quant_method == NULL;
+    bool all = m->cfg.quant_method == NULL || m->cfg.fp8_block_rows > 0;   /* FP8: all fp32 */
     for (int l = 0; l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
         mq_linear *v[7] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down};
@@ -667,7 +685,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
         goto fail;
     }
     m->act_quant = o.act_quant;
-    bool pack = o.keep_packed && m->cfg.quant_method;
+    bool pack = o.keep_packed && m->cfg.quant_method && m->cfg.fp8_block_rows == 0;
     if (pack && o.act_quant) {
         mq_info("%s: activation quantization needs the dequantized fp32 path (the packed kernels "
                 "are weight-only); keep_packed is ignored", dir);
@@ -825,6 +843,10 @@ static void lazy_task(void *ctx, int64_t i, int thread) {
         j->status[i] = MOEQ_OK;   /* below, on the calling thread, for its messages */
         return;
     }
+    if (w->t->scale_inv) {   /* FP8 block-quantized: the whole 2-D tensor (check_wants) */
+        j->status[i] = mq_tensor_to_f32(w->t, *w->dest);
+        return;
+    }
     mq_tensor_view v = *w->t;
     size_t es = moeq_dtype_size(v.dtype);
     v.data += (size_t)w->off * es;
@@ -888,6 +910,11 @@ moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T
         if (ids[t] < 0 || ids[t] >= c->vocab)
             return mq_err(MOEQ_E_ARG, "token id %d at position %lld is outside the vocabulary "
                           "(0..%d)", ids[t], (long long)t, c->vocab - 1);
+        if (lz->embed->scale_inv) {   /* FP8 block-quantized embeddings: one row */
+            moeq_status s = mq_fp8_dequant_rows(lz->embed, ids[t], 1, x + t * D);
+            if (s) return s;
+            continue;
+        }
         mq_tensor_view v = *lz->embed;
         size_t es = moeq_dtype_size(v.dtype);
         v.data += (size_t)ids[t] * (size_t)D * es;

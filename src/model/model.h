@@ -53,7 +53,10 @@ typedef struct {
     uint8_t *layer_is_moe;       /* [n_layers] */
     uint8_t *layer_sliding;      /* [n_layers]: 1 = sliding-window attention */
     char *quant_method;          /* quantization_config.quant_method, or NULL */
-    char *quant_format;          /* quantization_config.format, or NULL */
+    char *quant_format;          /* quantization_config.format, or NULL ("e4m3" for FP8) */
+    /* An FP8 block-quantized source (quant_method "fp8", io/fp8.h): weight_block_size; its
+     * weights load dequantized to fp32, as an unquantized model's. 0 otherwise. */
+    int32_t fp8_block_rows, fp8_block_cols;
 } mq_config;
 
 /* Parses config.json text. Unknown model_type, missing or inconsistent fields: MOEQ_E_FORMAT or

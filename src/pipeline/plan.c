@@ -30,6 +30,11 @@ void mq_out_plan_free(mq_out_plan *p) {
     for (size_t i = 0; i < p->n_pass; i++) free(p->pass[i].name);
     for (int g = 0; g < p->n_groups; g++) free(p->group_keys[g]);
     for (size_t i = 0; i < p->n_decls; i++) free(p->decl_names[i]);
+    for (size_t i = 0; i < p->n_dq; i++) {
+        mq_free((void *)p->dq[i]->data);
+        free(p->dq[i]);
+    }
+    free(p->dq);
     free(p->items);
     free(p->pass);
     free(p->group_keys);
@@ -63,6 +68,9 @@ static const char *leaf_of(const char *module) {
 static bool is_float(moeq_dtype dt) {
     return dt == MOEQ_DT_BF16 || dt == MOEQ_DT_F16 || dt == MOEQ_DT_F32;
 }
+
+/* A float tensor, or an FP8 block-quantized weight (dequantized when read). */
+static bool is_weight_dtype(const mq_tensor_view *t) { return is_float(t->dtype) || t->scale_inv; }
 
 static bool ends_with(const char *s, const char *suf) {
     size_t a = strlen(s), b = strlen(suf);
@@ -113,7 +121,8 @@ static moeq_status plan_tensors(mq_out_plan *p, const mq_st *st, bool mixtral) {
                *dn = mixtral ? "w2" : "down_proj";
     for (size_t i = 0; i < mq_st_count(st); i++) {
         const mq_tensor_view *t = mq_st_at(st, i);
-        bool in_layers = strncmp(t->name, "model.layers.", 13) == 0 && is_float(t->dtype);
+        if (t->is_block_scale) continue;   /* consumed by its FP8 weight */
+        bool in_layers = strncmp(t->name, "model.layers.", 13) == 0 && is_weight_dtype(t);
         moeq_status s = MOEQ_OK;
         if (in_layers && t->ndim == 2 && ends_with(t->name, ".weight")) {
             s = item_add(p, mq_strndup(t->name, strlen(t->name) - 7), mixtral, t, 0, t->shape[0],
@@ -241,6 +250,51 @@ const mq_plan_item *mq_out_plan_find(const mq_out_plan *p, const char *module) {
     return NULL;
 }
 
+/* ---- FP8 sources: what stays unquantized, as BF16 ------------------------------------------ */
+
+/* *src (an FP8 block-quantized weight) becomes an owned BF16 view of its dequantized values. */
+static moeq_status dequant_bf16(mq_out_plan *p, const mq_tensor_view **src) {
+    const mq_tensor_view *t = *src;
+    moeq_status s = grow((void **)&p->dq, &p->cap_dq, p->n_dq, sizeof *p->dq);
+    if (s) return s;
+    mq_tensor_view *v = calloc(1, sizeof *v);
+    float *f = mq_alloc_array((size_t)t->numel, sizeof(float), t->name);
+    uint16_t *h = mq_alloc_array((size_t)t->numel, sizeof(uint16_t), t->name);
+    if (!v || !f || !h) {
+        free(v);
+        mq_free(f);
+        mq_free(h);
+        return mq_err(MOEQ_E_NOMEM, "%s: out of memory for its BF16 copy", t->name);
+    }
+    s = mq_tensor_to_f32(t, f);
+    for (int64_t i = 0; !s && i < t->numel; i++) h[i] = mq_f32_to_bf16(f[i]);
+    mq_free(f);
+    if (s) {
+        free(v);
+        mq_free(h);
+        return s;
+    }
+    *v = *t;
+    v->dtype = MOEQ_DT_BF16;
+    v->data = (const uint8_t *)h;
+    v->nbytes = (size_t)t->numel * 2;
+    v->scale_inv = NULL;
+    v->block_rows = v->block_cols = 0;
+    p->dq[p->n_dq++] = v;
+    p->dequant_bytes += (int64_t)v->nbytes;
+    *src = v;
+    return MOEQ_OK;
+}
+
+static moeq_status plan_dequant(mq_out_plan *p) {
+    moeq_status s = MOEQ_OK;
+    for (size_t k = 0; k < p->n_items && !s; k++)
+        if (!p->items[k].quantize && p->items[k].src->scale_inv) s = dequant_bf16(p, &p->items[k].src);
+    for (size_t k = 0; k < p->n_pass && !s; k++)
+        if (p->pass[k].src->scale_inv) s = dequant_bf16(p, &p->pass[k].src);
+    return s;
+}
+
 static moeq_status decl_add(void *user, const char *name, moeq_dtype dtype, int ndim,
                             const int64_t *shape) {
     mq_out_plan *p = user;
@@ -314,6 +368,7 @@ moeq_status mq_out_plan_build(const mq_st *st, bool mixtral, const mq_plan_opts 
         g_name_plan = p;
         if (!s && p->n_items > 1) qsort(p->by_name, p->n_items, sizeof *p->by_name, cmp_item_name);
     }
+    if (!s) s = plan_dequant(p);
     if (!s) s = plan_decls(p, o);
     if (s) mq_out_plan_free(p);
     return s;

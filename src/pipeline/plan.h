@@ -7,11 +7,16 @@
  * and every output tensor's name, dtype and shape in output order: the global tensors
  * (embeddings, final norm, lm_head) first, then layer by layer its pass-through tensors and its
  * Linears. The checkpoint writer lays its shards out from that list.
+ *
+ * An FP8 block-quantized source's F8_E4M3 weights are Linears like float ones (their
+ * *.weight_scale_inv tensors are consumed, neither Linears nor passed through); what of them stays
+ * unquantized is written as BF16 (see mq_out_plan.dq).
  */
 #ifndef MOEQ_PIPELINE_PLAN_H
 #define MOEQ_PIPELINE_PLAN_H
 
 #include "export/layout.h"
+#include "io/fp8.h"   /* FP8 block-quantized sources (also read_config's check) */
 #include "io/safetensors.h"
 
 typedef struct {
@@ -54,6 +59,14 @@ typedef struct {
     char **decl_names;            /* owned names of decls */
     size_t n_decls, cap_decls;
     int64_t quantized_params;
+    /* FP8 block-quantized sources (io/fp8.h): a tensor that is written unquantized (a router,
+     * shared_expert_gate, an --ignore'd Linear, an FP8 lm_head) is written dequantized as BF16.
+     * Its item's or pass-through's src is then one of these views (owned, BF16, in memory from
+     * the plan on); dequant_bytes is their total size. Quantized FP8 items keep the source view,
+     * which mq_tensor_to_f32 dequantizes. */
+    mq_tensor_view **dq;
+    size_t n_dq, cap_dq;
+    int64_t dequant_bytes;
 } mq_out_plan;
 
 /* Builds the plan (mixtral: the source is a Mixtral checkpoint, whose MoE blocks are written
