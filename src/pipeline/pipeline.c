@@ -66,14 +66,22 @@ static moeq_status read_config(const char *model_dir, cJSON **out, bool *mixtral
     if (!j || !cJSON_IsObject(j)) {
         cJSON_Delete(j);
         s = mq_err(MOEQ_E_FORMAT, "%s: not a JSON object", path);
-    } else if (cJSON_GetObjectItemCaseSensitive(j, "quantization_config")) {
-        cJSON_Delete(j);
-        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: the model is already quantized (quantization_config); "
-                   "quantize an unquantized checkpoint", path);
     } else {
-        const cJSON *mt = cJSON_GetObjectItemCaseSensitive(j, "model_type");
-        *mixtral = cJSON_IsString(mt) && strcmp(mt->valuestring, "mixtral") == 0;
-        *out = j;
+        /* An FP8 block-quantized source is read dequantized (io/fp8.h), any other quantized one
+         * refused; the source's quantization_config never reaches the output's config.json. */
+        const cJSON *qc = cJSON_GetObjectItemCaseSensitive(j, "quantization_config");
+        mq_fp8_blocks fp8 = {0, 0};
+        if (qc && !(s = mq_fp8_parse_qconfig(qc, path, &fp8)) && fp8.rows == 0)
+            s = mq_err(MOEQ_E_UNSUPPORTED, "%s: the model is already quantized (quantization_config); "
+                       "quantize an unquantized checkpoint (or an FP8 block-quantized one)", path);
+        if (s) {
+            cJSON_Delete(j);
+        } else {
+            cJSON_DeleteItemFromObjectCaseSensitive(j, "quantization_config");
+            const cJSON *mt = cJSON_GetObjectItemCaseSensitive(j, "model_type");
+            *mixtral = cJSON_IsString(mt) && strcmp(mt->valuestring, "mixtral") == 0;
+            *out = j;
+        }
     }
     free(path);
     return s;
