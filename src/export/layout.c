@@ -16,6 +16,7 @@ const char *mq_ckpt_format_name(mq_ckpt_format f) {
     case MQ_FMT_CT: return "compressed-tensors";
     case MQ_FMT_MODELOPT: return "modelopt";
     case MQ_FMT_GPTQ: return "gptq";
+    case MQ_FMT_GGUF: return "gguf";
     }
     return "unknown";
 }
@@ -171,6 +172,7 @@ static moeq_status emit_gptq(const emitter *e, const mq_qtensor *q) {
 moeq_status mq_layout_emit_input_scale(mq_ckpt_format fmt, const char *module, float input_amax,
                                        mq_emit_fn emit, void *user) {
     emitter e = {module, emit, user};
+    if (fmt == MQ_FMT_GGUF) fmt = MQ_FMT_CT;   /* assembled as compressed-tensors */
     if (fmt == MQ_FMT_CT) return emit_f32_scalar(&e, "input_global_scale", 2688.0f / input_amax, 1);
     if (fmt == MQ_FMT_MODELOPT) return emit_f32_scalar(&e, "input_scale", input_amax / 2688.0f, 0);
     return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the GPTQ format has no activation scales", module);
@@ -179,6 +181,7 @@ moeq_status mq_layout_emit_input_scale(mq_ckpt_format fmt, const char *module, f
 moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qtensor *q,
                            float input_amax, mq_emit_fn emit, void *user) {
     emitter e = {module, emit, user};
+    if (fmt == MQ_FMT_GGUF) fmt = MQ_FMT_CT;
     int64_t N = q->rows, K = q->cols;
     mq_qscheme sch = q->spec.scheme;
     if (sch == MQ_QS_NVFP4) {
@@ -246,6 +249,7 @@ moeq_status mq_layout_describe(mq_ckpt_format fmt, const char *module, const mq_
                                int64_t N, int64_t K, bool g_idx, bool input_scale,
                                mq_describe_fn fn, void *user) {
     describer d = {module, fn, user};
+    if (fmt == MQ_FMT_GGUF) fmt = MQ_FMT_CT;
     moeq_status st;
     const int64_t G = (K + mq_qspec_group(spec, K) - 1) / mq_qspec_group(spec, K);
     if (spec->scheme == MQ_QS_NVFP4) {

@@ -25,9 +25,11 @@
 #include "formats/formats.h"
 #include "io/safetensors.h"
 
-typedef enum { MQ_FMT_CT = 0, MQ_FMT_MODELOPT, MQ_FMT_GPTQ } mq_ckpt_format;
+/* MQ_FMT_GGUF: the checkpoint is assembled in compressed-tensors' layout (with F16 INT4 scales)
+ * and converted into one GGUF file at the end (export/gguf_export.h); the layouts treat it as CT. */
+typedef enum { MQ_FMT_CT = 0, MQ_FMT_MODELOPT, MQ_FMT_GPTQ, MQ_FMT_GGUF } mq_ckpt_format;
 
-const char *mq_ckpt_format_name(mq_ckpt_format f);   /* "compressed-tensors", "modelopt", "gptq" */
+const char *mq_ckpt_format_name(mq_ckpt_format f);   /* "compressed-tensors", "modelopt", "gptq", "gguf" */
 
 /* Receives one output tensor; data was allocated with mq_alloc and is owned by the callee from
  * the call on (also when it fails). */

@@ -319,7 +319,7 @@ moeq_status mq_ckpt_writer_finish(mq_ckpt_writer *w, const cJSON *src_config, co
     }
     const mq_ckpt_opts *o = &w->o;
     cJSON *side = NULL, *qc;
-    if (o->format == MQ_FMT_CT) {
+    if (o->format == MQ_FMT_CT || o->format == MQ_FMT_GGUF) {
         qc = config_ct(o, ign);
     } else if (o->format == MQ_FMT_MODELOPT) {
         side = hf_quant_config(o, cJSON_Duplicate(ign, 1));
@@ -357,8 +357,10 @@ moeq_status mq_ckpt_check_out(const char *model_dir, const char *out_dir, bool f
         s = mq_err(MOEQ_E_ARG, "%s: the output directory is the model directory", out_dir);
     else if (exists && !force)
         s = mq_err(MOEQ_E_EXISTS, "%s: already exists (use --force to replace it)", out_dir);
-    else if (exists && !mq_dir_exists(out))
+    else if (exists && !mq_dir_exists(out) && !(olen > 5 && !strcmp(out + olen - 5, ".gguf")))
         s = mq_err(MOEQ_E_EXISTS, "%s: exists and is not a directory", out_dir);
+    else if (exists && mq_dir_exists(out) && olen > 5 && !strcmp(out + olen - 5, ".gguf"))
+        s = mq_err(MOEQ_E_EXISTS, "%s: exists and is a directory (a GGUF output is one file)", out_dir);
     free(out);
     if (exists_out) *exists_out = exists;
     return s;

@@ -61,6 +61,7 @@ int cmd_quantize(int argc, char **argv) {
     const char *out = NULL, *scheme = NULL, *method = "rtn", *format = "compressed-tensors";
     const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL, *calib_field = NULL;
     const char *activations = "auto", *device = NULL, *revision = NULL, *scale_search = NULL;
+    const char *gguf_rest = NULL;
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
     bool reference = false, group_seen = false, resume = false, dry_run = false;
@@ -80,7 +81,10 @@ int cmd_quantize(int argc, char **argv) {
         {"--method", OPT_CHOICE, &method, NULL, "round to nearest (default) or GPTQ "
          "(needs --calib)", "rtn|gptq", 0, 0, NULL},
         {"--format", OPT_CHOICE, &format, NULL, "checkpoint layout (default compressed-tensors)",
-         "compressed-tensors|modelopt|gptq", 0, 0, NULL},
+         "compressed-tensors|modelopt|gptq|gguf", 0, 0, NULL},
+        {"--gguf-rest", OPT_CHOICE, &gguf_rest, NULL, "--format gguf: the unquantized 2-D tensors "
+         "(embeddings, lm_head, ignored Linears) in their source dtype (auto, the default) or as "
+         "given; norms, biases and routers are F32", "auto|f32|f16|bf16|q8_0", 0, 0, NULL},
         {"--ignore", OPT_LIST, &ignore, "REGEX", "keep Linears whose module name matches "
          "unquantized (repeatable; PCRE2, unanchored)", NULL, 0, 0, NULL},
         {"--mse", OPT_FLAG, &mse, NULL, "search each group's scale (17 points, 0.70-1.10 x max) for "
@@ -144,7 +148,9 @@ int cmd_quantize(int argc, char **argv) {
     bool nv = strcmp(scheme, "int4") != 0;
     moeq_ckpt_format fmt = strcmp(format, "modelopt") == 0 ? MOEQ_FORMAT_MODELOPT
                            : strcmp(format, "gptq") == 0  ? MOEQ_FORMAT_GPTQ
+                           : strcmp(format, "gguf") == 0  ? MOEQ_FORMAT_GGUF
                                                           : MOEQ_FORMAT_COMPRESSED_TENSORS;
+    if (gguf_rest && fmt != MOEQ_FORMAT_GGUF) return cli_usage_error("quantize", "--gguf-rest needs --format gguf");
     if (nv && fmt == MOEQ_FORMAT_GPTQ)
         return cli_usage_error("quantize", "--format gptq holds INT4 only");
     if (!nv && fmt == MOEQ_FORMAT_MODELOPT)
@@ -171,6 +177,7 @@ int cmd_quantize(int argc, char **argv) {
     o.scheme = w4a4 ? MOEQ_QUANT_NVFP4 : nv ? MOEQ_QUANT_NVFP4A16 : MOEQ_QUANT_INT4;
     o.method = gptq ? MOEQ_QUANT_GPTQ : MOEQ_QUANT_RTN;
     o.format = fmt;
+    o.gguf_rest = gguf_rest;
     o.max_shard_bytes = (int64_t)shard;
     if (!nv && group_seen) o.group_size = (int32_t)group;
     o.asym = asym;

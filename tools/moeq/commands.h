@@ -7,4 +7,8 @@ int cmd_generate(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_quantize(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_export_gguf(int argc, char **argv);
+/* inspect FILE.gguf (cmd_export_gguf.c) */
+int cli_is_gguf(const char *path);
+int cli_inspect_gguf(const char *path, int tensors);
 #endif

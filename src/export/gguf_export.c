@@ -1,0 +1,964 @@
+/*
+ * Checkpoint directory -> one GGUF v3 file for llama.cpp (see gguf_export.h and docs/gguf.md).
+ *
+ * Names and shapes follow llama.cpp's loaders (src/models/{llama,olmoe,qwen2moe,qwen3moe}.cpp):
+ * token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, attn_q_norm, attn_k_norm,
+ * ffn_norm, ffn_gate_inp, ffn_{gate,up,down}_exps (ne = {in, out, E}), ffn_gate_inp_shexp,
+ * ffn_{gate,up,down}_shexp, ffn_{gate,up,down}}, output_norm, output; ne[0] is the input
+ * dimension, so a Linear [out, in] keeps its row-major bytes. llama (dense and Mixtral) uses
+ * interleaved RoPE, so the rows of q and k are permuted within each head as llama.cpp's converter
+ * does: GGUF row h*hd + 2i + j = HF row h*hd + j*hd/2 + i. A quantized Linear is re-blocked from
+ * its codes: INT4 symmetric (groups of 32, 64, 128 or whole rows) -> Q4_0 blocks of 32 with the
+ * group's scale as f16 (exact when the scales are f16, as --format gguf quantizes them); INT4
+ * asymmetric -> Q4_1 (d = scale, m = -zero * scale rounded to f16); NVFP4 -> ggml NVFP4 blocks of
+ * 64 (the E4M3 block scales and E2M1 codes as they are) plus NAME.scale, the global multiplier
+ * (1/global for compressed-tensors' divisor), which llama.cpp multiplies into the matmul output.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "export/gguf_export.h"
+#include "export/layout.h"
+#include "io/gguf.h"
+#include "io/safetensors.h"
+
+bool mq_gguf_rest_parse(const char *s, mq_gguf_rest *out) {
+    static const char *const names[] = {"auto", "f32", "f16", "bf16", "q8_0"};
+    for (int i = 0; i < 5; i++)
+        if (!strcmp(s, names[i])) {
+            *out = (mq_gguf_rest)i;
+            return true;
+        }
+    return false;
+}
+
+/* ---- the architecture from config.json -------------------------------------------------------- */
+
+typedef struct {
+    const char *arch;          /* llama.cpp's: llama, olmoe, qwen2moe, qwen3moe */
+    const char *model_type;
+    bool mixtral, permute_qk;
+    int64_t D, L, H, KV, HD, FF, E, K, FF_EXP, FF_SH, ctx, vocab;
+    double eps, theta;
+    bool tie, norm_topk;
+} arch_cfg;
+
+static const cJSON *item(const cJSON *c, const char *k) {
+    const cJSON *x = cJSON_GetObjectItemCaseSensitive(c, k);
+    return x && !cJSON_IsNull(x) ? x : NULL;
+}
+
+static bool num(const cJSON *c, const char *k, double *v) {
+    const cJSON *x = item(c, k);
+    if (!x || !cJSON_IsNumber(x)) return false;
+    *v = x->valuedouble;
+    return true;
+}
+
+static int64_t inum(const cJSON *c, const char *k, int64_t dflt) {
+    double v;
+    return num(c, k, &v) ? (int64_t)v : dflt;
+}
+
+static bool flag(const cJSON *c, const char *k, bool dflt) {
+    const cJSON *x = item(c, k);
+    return x && cJSON_IsBool(x) ? cJSON_IsTrue(x) : dflt;
+}
+
+static moeq_status read_arch(const cJSON *c, const char *what, arch_cfg *a) {
+    memset(a, 0, sizeof *a);
+    const cJSON *mt = item(c, "model_type");
+    if (!mt || !cJSON_IsString(mt)) return mq_err(MOEQ_E_FORMAT, "%s: config.json has no model_type", what);
+    a->model_type = mt->valuestring;
+    if (!strcmp(a->model_type, "llama")) a->arch = "llama", a->permute_qk = true;
+    else if (!strcmp(a->model_type, "mixtral")) a->arch = "llama", a->permute_qk = true, a->mixtral = true;
+    else if (!strcmp(a->model_type, "olmoe")) a->arch = "olmoe";
+    else if (!strcmp(a->model_type, "qwen2_moe")) a->arch = "qwen2moe";
+    else if (!strcmp(a->model_type, "qwen3_moe")) a->arch = "qwen3moe";
+    else
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: model_type '%s' has no GGUF mapping in moeq (llama, mixtral, "
+                      "olmoe, qwen2_moe, qwen3_moe)", what, a->model_type);
+    a->D = inum(c, "hidden_size", 0);
+    a->L = inum(c, "num_hidden_layers", 0);
+    a->H = inum(c, "num_attention_heads", 0);
+    a->KV = inum(c, "num_key_value_heads", a->H);
+    a->HD = inum(c, "head_dim", a->H > 0 ? a->D / a->H : 0);
+    a->FF = inum(c, "intermediate_size", 0);
+    a->E = a->mixtral ? inum(c, "num_local_experts", 0) : inum(c, "num_experts", 0);
+    a->K = inum(c, "num_experts_per_tok", 0);
+    a->FF_EXP = inum(c, "moe_intermediate_size", 0);
+    a->FF_SH = inum(c, "shared_expert_intermediate_size", 0);
+    a->ctx = inum(c, "max_position_embeddings", 0);
+    a->vocab = inum(c, "vocab_size", 0);
+    a->tie = flag(c, "tie_word_embeddings", false);
+    a->norm_topk = flag(c, "norm_topk_prob", false);
+    if (a->D <= 0 || a->L <= 0 || a->H <= 0 || a->KV <= 0 || a->HD <= 0 || a->vocab <= 0 || a->ctx <= 0 ||
+        a->D > UINT32_MAX || a->vocab > INT32_MAX || a->H % a->KV)
+        return mq_err(MOEQ_E_FORMAT, "%s: config.json: missing or bad hidden_size, num_hidden_layers, heads, "
+                      "vocab_size or max_position_embeddings", what);
+    if (!num(c, "rms_norm_eps", &a->eps)) return mq_err(MOEQ_E_FORMAT, "%s: config.json has no rms_norm_eps", what);
+    const cJSON *rp = item(c, "rope_parameters");
+    if (!rp) rp = item(c, "rope_scaling");
+    a->theta = 10000.0;
+    if (!num(c, "rope_theta", &a->theta) && rp) num(rp, "rope_theta", &a->theta);
+    if (rp) {
+        const cJSON *rt = item(rp, "rope_type");
+        if (!rt) rt = item(rp, "type");
+        if (rt && (!cJSON_IsString(rt) || strcmp(rt->valuestring, "default")))
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: rope scaling '%s' is not written to GGUF by moeq", what,
+                          cJSON_IsString(rt) ? rt->valuestring : "?");
+    }
+    return MOEQ_OK;
+}
+
+static bool has_dense_layers(const cJSON *c) {
+    const cJSON *m = item(c, "mlp_only_layers");
+    if (m && cJSON_IsArray(m) && cJSON_GetArraySize(m) > 0) return true;
+    return inum(c, "decoder_sparse_step", 1) != 1;
+}
+
+moeq_status mq_gguf_check_config(const cJSON *c, const char *what, mq_qscheme scheme, bool act_quant) {
+    arch_cfg a;
+    moeq_status s = read_arch(c, what, &a);
+    if (s) return s;
+    const cJSON *act = item(c, "hidden_act");
+    if (act && cJSON_IsString(act) && strcmp(act->valuestring, "silu"))
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: hidden_act '%s': llama.cpp's %s graph uses SiLU", what,
+                      act->valuestring, a.arch);
+    if (act_quant)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: W4A4 (NVFP4 activations) cannot be written as GGUF: llama.cpp "
+                      "quantizes activations its own way (use --scheme nvfp4a16)", what);
+    if (scheme == MQ_QS_NVFP4 && (!strcmp(a.arch, "olmoe") || !strcmp(a.arch, "qwen2moe")))
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: NVFP4 cannot be written as GGUF for %s: llama.cpp's %s graph does "
+                      "not apply the per-tensor global scale of the experts (use --scheme int4)", what,
+                      a.model_type, a.arch);
+    if (scheme == MQ_QS_MXFP4) return mq_err(MOEQ_E_UNSUPPORTED, "%s: MXFP4 has no GGUF export in moeq", what);
+    if (!strcmp(a.arch, "qwen2moe")) {
+        if (a.norm_topk)
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: qwen2_moe with norm_topk_prob true: llama.cpp's qwen2moe graph "
+                          "never renormalises the top-k router weights, so it would compute another model", what);
+        if (has_dense_layers(c))
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: qwen2_moe with dense layers (mlp_only_layers, decoder_sparse_step): "
+                          "llama.cpp's qwen2moe graph has MoE layers only", what);
+        if (flag(c, "use_sliding_window", false))
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: sliding-window attention is not written to GGUF by moeq", what);
+    }
+    if (!strcmp(a.arch, "qwen3moe")) {
+        if (!a.norm_topk)
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: qwen3_moe with norm_topk_prob false: llama.cpp's qwen3moe graph "
+                          "always renormalises the top-k router weights", what);
+        if (has_dense_layers(c))
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: qwen3_moe with dense layers: llama.cpp's qwen3moe graph has MoE "
+                          "layers only", what);
+    }
+    if (!strcmp(a.arch, "olmoe")) {
+        if (a.norm_topk)
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: olmoe with norm_topk_prob true: llama.cpp's olmoe graph never "
+                          "renormalises the top-k router weights", what);
+        if (item(c, "clip_qkv"))
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: olmoe with clip_qkv: llama.cpp's olmoe graph does not clip", what);
+    }
+    if (flag(c, "mlp_bias", false))
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: MLP biases are not written to GGUF by moeq", what);
+    if ((a.E > 0) != (a.K > 0) || (strcmp(a.arch, "llama") && a.E <= 0))
+        return mq_err(MOEQ_E_FORMAT, "%s: config.json: expert count and experts per token do not fit %s", what,
+                      a.model_type);
+    return MOEQ_OK;
+}
+
+static moeq_status read_json(const char *dir, const char *name, bool required, cJSON **out) {
+    *out = NULL;
+    char *path = mq_path_join(dir, name);
+    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!required && !mq_file_exists(path)) {
+        free(path);
+        return MOEQ_OK;
+    }
+    char *text;
+    size_t len;
+    moeq_status s = mq_read_file(path, &text, &len);
+    if (!s) {
+        *out = cJSON_ParseWithLength(text, len);
+        free(text);
+        if (!*out) s = mq_err(MOEQ_E_FORMAT, "%s: not valid JSON", path);
+    }
+    free(path);
+    return s;
+}
+
+moeq_status mq_gguf_check_model(const char *model_dir, mq_qscheme scheme, bool act_quant) {
+    cJSON *c;
+    moeq_status s = read_json(model_dir, "config.json", true, &c);
+    if (s) return s;
+    s = mq_gguf_check_config(c, model_dir, scheme, act_quant);
+    cJSON_Delete(c);
+    return s;
+}
+
+/* ---- the tokenizer ------------------------------------------------------------------------------ */
+
+/* The regexes of the Split pre-tokenizers llama.cpp knows by name (tokenizer.json's spelling). */
+static const char RE_LLAMA3[] =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+static const char RE_QWEN2[] =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+/* tokenizer.ggml.pre from the pre_tokenizer block: a lone byte-level split with GPT-2's regex is
+ * "gpt-2"; a Split with Llama 3's or Qwen2's regex followed by a regex-less byte level is
+ * "llama-bpe" or "qwen2". Anything else is refused: llama.cpp would split differently. */
+static moeq_status pick_pre(const cJSON *tok, const char *path, const char **pre) {
+    const cJSON *p = item(tok, "pre_tokenizer");
+    const cJSON *ty = p ? item(p, "type") : NULL;
+    if (ty && cJSON_IsString(ty) && !strcmp(ty->valuestring, "ByteLevel")) {
+        if (flag(p, "use_regex", true) && !flag(p, "add_prefix_space", false)) {
+            *pre = "gpt-2";
+            return MOEQ_OK;
+        }
+    } else if (ty && cJSON_IsString(ty) && !strcmp(ty->valuestring, "Sequence")) {
+        const cJSON *l = item(p, "pretokenizers");
+        if (l && cJSON_GetArraySize(l) == 2) {
+            const cJSON *sp = cJSON_GetArrayItem(l, 0), *bl = cJSON_GetArrayItem(l, 1);
+            const cJSON *t0 = item(sp, "type"), *t1 = item(bl, "type"), *pat = item(sp, "pattern");
+            const cJSON *re = pat ? item(pat, "Regex") : NULL;
+            if (t0 && t1 && re && cJSON_IsString(t0) && cJSON_IsString(t1) && cJSON_IsString(re) &&
+                !strcmp(t0->valuestring, "Split") && !strcmp(t1->valuestring, "ByteLevel") &&
+                !flag(bl, "use_regex", true)) {
+                if (!strcmp(re->valuestring, RE_LLAMA3)) *pre = "llama-bpe";
+                else if (!strcmp(re->valuestring, RE_QWEN2)) *pre = "qwen2";
+                else *pre = NULL;
+                if (*pre) return MOEQ_OK;
+            }
+        }
+    }
+    return mq_err(MOEQ_E_UNSUPPORTED, "%s: pre_tokenizer is none of those llama.cpp names (GPT-2 byte level, "
+                  "Llama 3 or Qwen2 split): its tokens would differ", path);
+}
+
+typedef struct {
+    int64_t n;             /* entries: max(vocab_size, ids + 1) */
+    char **tok;
+    size_t *len;
+    int32_t *type;         /* 1 normal, 3 control, 4 user defined, 5 unused (padding) */
+    char **merges;
+    size_t *mlen;
+    int64_t n_merges;
+    const char *pre;
+    int32_t bos, eos, pad; /* -1: none */
+    bool add_bos;
+} vocab;
+
+static void vocab_free(vocab *v) {
+    for (int64_t i = 0; i < v->n; i++) free(v->tok ? v->tok[i] : NULL);
+    for (int64_t i = 0; i < v->n_merges; i++) free(v->merges[i]);
+    free(v->tok);
+    free(v->len);
+    free(v->type);
+    free(v->merges);
+    free(v->mlen);
+}
+
+static int32_t id_of(const vocab *v, const cJSON *cfg_id, const cJSON *tc, const char *key) {
+    if (cfg_id && cJSON_IsNumber(cfg_id)) return (int32_t)cfg_id->valuedouble;
+    if (cfg_id && cJSON_IsArray(cfg_id) && cJSON_GetArraySize(cfg_id) > 0)
+        return (int32_t)cJSON_GetArrayItem(cfg_id, 0)->valuedouble;
+    const cJSON *t = tc ? item(tc, key) : NULL;
+    if (t && cJSON_IsObject(t)) t = item(t, "content");
+    if (!t || !cJSON_IsString(t)) return -1;
+    for (int64_t i = 0; i < v->n; i++)
+        if (v->tok[i] && v->len[i] == strlen(t->valuestring) && !memcmp(v->tok[i], t->valuestring, v->len[i]))
+            return (int32_t)i;
+    return -1;
+}
+
+static moeq_status read_vocab(const char *dir, const cJSON *cfg, int64_t vocab_size, vocab *v) {
+    memset(v, 0, sizeof *v);
+    cJSON *tok, *tc;
+    moeq_status s = read_json(dir, "tokenizer.json", true, &tok);
+    if (s) return s;
+    if ((s = read_json(dir, "tokenizer_config.json", false, &tc))) {
+        cJSON_Delete(tok);
+        return s;
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    const cJSON *model = item(tok, "model"), *mty = model ? item(model, "type") : NULL;
+    const cJSON *voc = model ? item(model, "vocab") : NULL, *mer = model ? item(model, "merges") : NULL;
+    const cJSON *added = item(tok, "added_tokens");
+    if (!mty || !cJSON_IsString(mty) || strcmp(mty->valuestring, "BPE") || !voc || !cJSON_IsObject(voc)) {
+        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: only byte-level BPE tokenizers are written to GGUF", path);
+        goto done;
+    }
+    if ((s = pick_pre(tok, path, &v->pre))) goto done;
+    int64_t n = vocab_size;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, voc) if (cJSON_IsNumber(e) && e->valuedouble + 1 > n) n = (int64_t)e->valuedouble + 1;
+    cJSON_ArrayForEach(e, added) {
+        const cJSON *id = item(e, "id");
+        if (id && cJSON_IsNumber(id) && id->valuedouble + 1 > n) n = (int64_t)id->valuedouble + 1;
+    }
+    if (n > vocab_size) {
+        s = mq_err(MOEQ_E_FORMAT, "%s: token ids reach %lld, past vocab_size %lld", path, (long long)n - 1,
+                   (long long)vocab_size);
+        goto done;
+    }
+    v->n = n;
+    v->tok = calloc((size_t)n, sizeof *v->tok);
+    v->len = calloc((size_t)n, sizeof *v->len);
+    v->type = calloc((size_t)n, sizeof *v->type);
+    if (!v->tok || !v->len || !v->type) {
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        goto done;
+    }
+    cJSON_ArrayForEach(e, voc) {
+        if (!cJSON_IsNumber(e) || e->valuedouble < 0) {
+            s = mq_err(MOEQ_E_FORMAT, "%s: vocab entry '%s' has no valid id", path, e->string);
+            goto done;
+        }
+        int64_t id = (int64_t)e->valuedouble;
+        free(v->tok[id]);
+        v->tok[id] = mq_strdup(e->string);
+        v->len[id] = strlen(e->string);
+        v->type[id] = 1;
+        if (!v->tok[id]) {
+            s = mq_err(MOEQ_E_NOMEM, "out of memory");
+            goto done;
+        }
+    }
+    cJSON_ArrayForEach(e, added) {
+        const cJSON *id = item(e, "id"), *content = item(e, "content");
+        if (!id || !cJSON_IsNumber(id) || id->valuedouble < 0 || !content || !cJSON_IsString(content)) continue;
+        int64_t i = (int64_t)id->valuedouble;
+        free(v->tok[i]);
+        v->tok[i] = mq_strdup(content->valuestring);
+        v->len[i] = strlen(content->valuestring);
+        v->type[i] = flag(e, "special", false) ? 3 : 4;
+        if (!v->tok[i]) {
+            s = mq_err(MOEQ_E_NOMEM, "out of memory");
+            goto done;
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (!v->tok[i]) {   /* rows of the embedding past the tokenizer: llama.cpp's padding names */
+            v->tok[i] = mq_asprintf("[PAD%lld]", (long long)i);
+            if (!v->tok[i]) {
+                s = mq_err(MOEQ_E_NOMEM, "out of memory");
+                goto done;
+            }
+            v->len[i] = strlen(v->tok[i]);
+            v->type[i] = 5;
+        }
+    int64_t nm = mer && cJSON_IsArray(mer) ? cJSON_GetArraySize(mer) : 0;
+    v->merges = calloc((size_t)(nm ? nm : 1), sizeof *v->merges);
+    v->mlen = calloc((size_t)(nm ? nm : 1), sizeof *v->mlen);
+    if (!v->merges || !v->mlen) {
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        goto done;
+    }
+    cJSON_ArrayForEach(e, mer) {
+        char *m = NULL;
+        if (cJSON_IsString(e)) m = mq_strdup(e->valuestring);
+        else if (cJSON_IsArray(e) && cJSON_GetArraySize(e) == 2 && cJSON_IsString(cJSON_GetArrayItem(e, 0)) &&
+                 cJSON_IsString(cJSON_GetArrayItem(e, 1)))
+            m = mq_asprintf("%s %s", cJSON_GetArrayItem(e, 0)->valuestring, cJSON_GetArrayItem(e, 1)->valuestring);
+        else {
+            s = mq_err(MOEQ_E_FORMAT, "%s: merge %lld is neither \"a b\" nor [a, b]", path, (long long)v->n_merges);
+            goto done;
+        }
+        if (!m) {
+            s = mq_err(MOEQ_E_NOMEM, "out of memory");
+            goto done;
+        }
+        v->merges[v->n_merges] = m;
+        v->mlen[v->n_merges++] = strlen(m);
+    }
+    v->bos = id_of(v, item(cfg, "bos_token_id"), tc, "bos_token");
+    v->eos = id_of(v, item(cfg, "eos_token_id"), tc, "eos_token");
+    v->pad = id_of(v, item(cfg, "pad_token_id"), tc, "pad_token");
+    v->add_bos = tc ? flag(tc, "add_bos_token", false) : false;
+done:
+    cJSON_Delete(tok);
+    cJSON_Delete(tc);
+    return s;
+}
+
+/* ---- the tensor plan ---------------------------------------------------------------------------- */
+
+typedef enum { SRC_PLAIN, SRC_LINEAR, SRC_EXPERTS, SRC_SCALE } src_kind;
+
+typedef struct {
+    char gname[128];
+    src_kind kind;
+    char src[256];        /* PLAIN: tensor name; LINEAR: module; EXPERTS/SCALE of experts: a
+                             module with "%d" for the expert; SCALE of one Linear: the module */
+    int64_t E;            /* EXPERTS, SCALE: experts (0: one Linear) */
+    int64_t rows, cols;   /* LINEAR/EXPERTS: of one matrix */
+    int64_t heads;        /* > 0: permute rows within `heads` heads (llama q/k) */
+    uint32_t n_dims, type;
+    int64_t ne[3];
+    bool f32;             /* PLAIN: always F32 (1-D, routers) */
+} out_tensor;
+
+typedef struct {
+    const char *dir;
+    mq_st *st;
+    arch_cfg a;
+    mq_gguf_rest rest;
+    out_tensor *t;
+    size_t n, cap;
+    bool warned_f16;
+    uint32_t ftype;       /* general.file_type */
+} exporter;
+
+static const mq_tensor_view *lookup(void *user, const char *name) { return mq_st_find(user, name); }
+
+static moeq_status add(exporter *x, out_tensor *t) {
+    if (x->n == x->cap) {
+        size_t cap = x->cap ? 2 * x->cap : 64;
+        out_tensor *n = realloc(x->t, cap * sizeof *n);
+        if (!n) return mq_err(MOEQ_E_NOMEM, "out of memory");
+        x->t = n;
+        x->cap = cap;
+    }
+    x->t[x->n++] = *t;
+    return MOEQ_OK;
+}
+
+static uint32_t rest_type(const exporter *x, moeq_dtype src, int64_t cols) {
+    switch (x->rest) {
+    case MQ_GGUF_REST_F32: return MQ_GGML_F32;
+    case MQ_GGUF_REST_F16: return MQ_GGML_F16;
+    case MQ_GGUF_REST_BF16: return MQ_GGML_BF16;
+    case MQ_GGUF_REST_Q8_0: return cols % 32 == 0 ? MQ_GGML_Q8_0 : MQ_GGML_F16;
+    case MQ_GGUF_REST_AUTO: break;
+    }
+    return src == MOEQ_DT_F16 ? MQ_GGML_F16 : src == MOEQ_DT_BF16 ? MQ_GGML_BF16 : MQ_GGML_F32;
+}
+
+/* A float tensor kept as it is (or as --gguf-rest says); 1-D ones and routers in F32.
+ * flat: written as one dimension (qwen2moe's shared-expert gate [1, D] -> {D}). */
+static moeq_status add_plain(exporter *x, const char *gname, const char *src, bool required, bool f32, bool flat) {
+    const mq_tensor_view *v = mq_st_find(x->st, src);
+    if (!v) return required ? mq_err(MOEQ_E_NOTFOUND, "%s: no tensor '%s' (for GGUF '%s')", x->dir, src, gname) : MOEQ_OK;
+    if (v->ndim < 1 || v->ndim > 2) return mq_err(MOEQ_E_SHAPE, "%s: tensor '%s' has %d dimensions", x->dir, src, v->ndim);
+    out_tensor t;
+    memset(&t, 0, sizeof t);
+    snprintf(t.gname, sizeof t.gname, "%s", gname);
+    snprintf(t.src, sizeof t.src, "%s", src);
+    t.kind = SRC_PLAIN;
+    t.f32 = f32 || v->ndim == 1 || flat;
+    if (v->ndim == 1 || flat) {
+        t.n_dims = 1;
+        t.ne[0] = v->numel;
+    } else {
+        t.n_dims = 2;
+        t.ne[0] = v->shape[1];
+        t.ne[1] = v->shape[0];
+    }
+    t.rows = v->ndim == 1 || flat ? 1 : v->shape[0];
+    t.cols = t.ne[0];
+    t.type = t.f32 ? MQ_GGML_F32 : rest_type(x, v->dtype, t.cols);
+    return add(x, &t);
+}
+
+/* The GGUF type a Linear's storage becomes, and whether it has a global scale. */
+static moeq_status linear_type(exporter *x, const char *module, int64_t rows, int64_t cols, uint32_t *type,
+                               bool *nvfp4) {
+    *nvfp4 = false;
+    mq_linear_kind k = mq_layout_detect(module, lookup, x->st);
+    if (k == MQ_LIN_ABSENT) return mq_err(MOEQ_E_NOTFOUND, "%s: no tensors of Linear '%s'", x->dir, module);
+    if (k == MQ_LIN_DENSE) {
+        char name[300];
+        snprintf(name, sizeof name, "%s.weight", module);
+        const mq_tensor_view *v = mq_st_find(x->st, name);
+        *type = rest_type(x, v ? v->dtype : MOEQ_DT_F32, cols);
+        return MOEQ_OK;
+    }
+    mq_linear_qinfo qi;
+    moeq_status s = mq_linear_qinfo_get(x->st, module, &qi);
+    if (s) return s;
+    if (qi.rows != rows || qi.cols != cols)
+        return mq_err(MOEQ_E_SHAPE, "%s: Linear '%s' is [%lld, %lld], the config implies [%lld, %lld]", x->dir, module,
+                      (long long)qi.rows, (long long)qi.cols, (long long)rows, (long long)cols);
+    if (qi.has_input_scale)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: Linear '%s' has W4A4 activation scales: llama.cpp quantizes "
+                      "activations its own way", x->dir, module);
+    if (qi.scheme == MQ_QS_NVFP4) {
+        if (cols % 64)
+            return mq_err(MOEQ_E_SHAPE, "%s: Linear '%s': %lld input features are not whole 64-value NVFP4 blocks",
+                          x->dir, module, (long long)cols);
+        *type = MQ_GGML_NVFP4;
+        *nvfp4 = true;
+        return MOEQ_OK;
+    }
+    if (qi.scheme != MQ_QS_INT4) return mq_err(MOEQ_E_UNSUPPORTED, "%s: Linear '%s': no GGUF type for its scheme", x->dir, module);
+    int64_t g = qi.group_size > 0 ? qi.group_size : cols;
+    if (cols % 32 || g % 32)
+        return mq_err(MOEQ_E_SHAPE, "%s: Linear '%s': INT4 groups of %lld over %lld columns do not split into the "
+                      "32-value blocks of Q4_0/Q4_1", x->dir, module, (long long)g, (long long)cols);
+    *type = qi.asym ? MQ_GGML_Q4_1 : MQ_GGML_Q4_0;
+    return MOEQ_OK;
+}
+
+static moeq_status add_linear(exporter *x, const char *gname, const char *module, int64_t rows, int64_t cols,
+                              int64_t heads, bool required) {
+    out_tensor t;
+    memset(&t, 0, sizeof t);
+    if (mq_layout_detect(module, lookup, x->st) == MQ_LIN_ABSENT) {
+        if (!required) return MOEQ_OK;
+        return mq_err(MOEQ_E_NOTFOUND, "%s: no tensors of Linear '%s' (for GGUF '%s')", x->dir, module, gname);
+    }
+    bool nv;
+    moeq_status s = linear_type(x, module, rows, cols, &t.type, &nv);
+    if (s) return s;
+    snprintf(t.gname, sizeof t.gname, "%s.weight", gname);
+    snprintf(t.src, sizeof t.src, "%s", module);
+    t.kind = SRC_LINEAR;
+    t.rows = rows;
+    t.cols = cols;
+    t.heads = heads;
+    t.n_dims = 2;
+    t.ne[0] = cols;
+    t.ne[1] = rows;
+    if ((s = add(x, &t))) return s;
+    if (!nv) return MOEQ_OK;
+    out_tensor sc = t;
+    snprintf(sc.gname, sizeof sc.gname, "%s.scale", gname);
+    sc.kind = SRC_SCALE;
+    sc.type = MQ_GGML_F32;
+    sc.n_dims = 1;
+    sc.ne[0] = 1;
+    return add(x, &sc);
+}
+
+/* Stacked experts: pattern has "%d" for the expert. Every expert must have the same type. */
+static moeq_status add_experts(exporter *x, const char *gname, const char *pattern, int64_t rows, int64_t cols) {
+    out_tensor t;
+    memset(&t, 0, sizeof t);
+    bool nv = false;
+    for (int64_t e = 0; e < x->a.E; e++) {
+        char m[256];
+        snprintf(m, sizeof m, pattern, (int)e);
+        uint32_t ty;
+        bool nve;
+        moeq_status s = linear_type(x, m, rows, cols, &ty, &nve);
+        if (s) return s;
+        if (e > 0 && ty != t.type)
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: experts of '%s' are stored in different ways (expert %lld): one "
+                          "stacked GGUF tensor holds one type", x->dir, gname, (long long)e);
+        t.type = ty;
+        nv = nve;
+    }
+    snprintf(t.gname, sizeof t.gname, "%s.weight", gname);
+    snprintf(t.src, sizeof t.src, "%s", pattern);
+    t.kind = SRC_EXPERTS;
+    t.E = x->a.E;
+    t.rows = rows;
+    t.cols = cols;
+    t.n_dims = 3;
+    t.ne[0] = cols;
+    t.ne[1] = rows;
+    t.ne[2] = x->a.E;
+    moeq_status s = add(x, &t);
+    if (s || !nv) return s;
+    out_tensor sc = t;
+    snprintf(sc.gname, sizeof sc.gname, "%s.scale", gname);
+    sc.kind = SRC_SCALE;
+    sc.type = MQ_GGML_F32;
+    sc.n_dims = 1;
+    sc.ne[0] = x->a.E;
+    return add(x, &sc);
+}
+
+static moeq_status plan(exporter *x) {
+    const arch_cfg *a = &x->a;
+    moeq_status s = add_plain(x, "token_embd.weight", "model.embed_tokens.weight", true, false, false);
+    char g[96], m[256], m2[300];
+    int64_t q_rows = a->H * a->HD, kv_rows = a->KV * a->HD;
+    for (int64_t l = 0; !s && l < a->L; l++) {
+        const char *attn_src[4] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+        const char *attn_dst[4] = {"attn_q", "attn_k", "attn_v", "attn_output"};
+        int64_t ar[4] = {q_rows, kv_rows, kv_rows, a->D}, ac[4] = {a->D, a->D, a->D, q_rows};
+        int64_t heads[4] = {a->permute_qk ? a->H : 0, a->permute_qk ? a->KV : 0, 0, 0};
+        snprintf(g, sizeof g, "blk.%lld.attn_norm.weight", (long long)l);
+        snprintf(m, sizeof m, "model.layers.%lld.input_layernorm.weight", (long long)l);
+        s = add_plain(x, g, m, true, true, false);
+        for (int i = 0; !s && i < 4; i++) {
+            snprintf(g, sizeof g, "blk.%lld.%s", (long long)l, attn_dst[i]);
+            snprintf(m, sizeof m, "model.layers.%lld.self_attn.%s", (long long)l, attn_src[i]);
+            s = add_linear(x, g, m, ar[i], ac[i], heads[i], true);
+            if (!s && i < 3) {
+                snprintf(m2, sizeof m2, "%s.bias", m);
+                const mq_tensor_view *b = mq_st_find(x->st, m2);
+                if (b && heads[i]) s = mq_err(MOEQ_E_UNSUPPORTED, "%s: '%s': q/k biases of llama are not written", x->dir, m2);
+                snprintf(g, sizeof g, "blk.%lld.%s.bias", (long long)l, attn_dst[i]);
+                if (!s) s = add_plain(x, g, m2, false, true, false);
+            }
+        }
+        if (!s && (!strcmp(a->arch, "olmoe") || !strcmp(a->arch, "qwen3moe"))) {
+            snprintf(g, sizeof g, "blk.%lld.attn_q_norm.weight", (long long)l);
+            snprintf(m, sizeof m, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
+            s = add_plain(x, g, m, true, true, false);
+            snprintf(g, sizeof g, "blk.%lld.attn_k_norm.weight", (long long)l);
+            snprintf(m, sizeof m, "model.layers.%lld.self_attn.k_norm.weight", (long long)l);
+            if (!s) s = add_plain(x, g, m, true, true, false);
+        }
+        snprintf(g, sizeof g, "blk.%lld.ffn_norm.weight", (long long)l);
+        snprintf(m, sizeof m, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
+        if (!s) s = add_plain(x, g, m, true, true, false);
+        if (s) break;
+        if (a->E <= 0) {   /* dense llama */
+            const char *src[3] = {"gate_proj", "up_proj", "down_proj"}, *dst[3] = {"ffn_gate", "ffn_up", "ffn_down"};
+            for (int i = 0; !s && i < 3; i++) {
+                snprintf(g, sizeof g, "blk.%lld.%s", (long long)l, dst[i]);
+                snprintf(m, sizeof m, "model.layers.%lld.mlp.%s", (long long)l, src[i]);
+                s = add_linear(x, g, m, i == 2 ? a->D : a->FF, i == 2 ? a->FF : a->D, 0, true);
+            }
+            continue;
+        }
+        int64_t ff = a->FF_EXP > 0 ? a->FF_EXP : a->FF;
+        const char *blk = a->mixtral ? "block_sparse_moe" : "mlp";
+        snprintf(g, sizeof g, "blk.%lld.ffn_gate_inp.weight", (long long)l);
+        snprintf(m, sizeof m, "model.layers.%lld.%s.gate.weight", (long long)l, blk);
+        s = add_plain(x, g, m, true, true, false);
+        const char *src_hub[3] = {"gate_proj", "up_proj", "down_proj"}, *src_mx[3] = {"w1", "w3", "w2"};
+        const char *dst[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+        for (int i = 0; !s && i < 3; i++) {
+            snprintf(g, sizeof g, "blk.%lld.%s", (long long)l, dst[i]);
+            snprintf(m, sizeof m, "model.layers.%lld.%s.experts.%%d.%s", (long long)l, blk,
+                     a->mixtral ? src_mx[i] : src_hub[i]);
+            s = add_experts(x, g, m, i == 2 ? a->D : ff, i == 2 ? ff : a->D);
+        }
+        if (!s && !strcmp(a->arch, "qwen2moe")) {
+            int64_t sf = a->FF_SH > 0 ? a->FF_SH : a->FF;
+            snprintf(g, sizeof g, "blk.%lld.ffn_gate_inp_shexp.weight", (long long)l);
+            snprintf(m, sizeof m, "model.layers.%lld.mlp.shared_expert_gate.weight", (long long)l);
+            s = add_plain(x, g, m, true, true, true);
+            const char *sdst[3] = {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
+            for (int i = 0; !s && i < 3; i++) {
+                snprintf(g, sizeof g, "blk.%lld.%s", (long long)l, sdst[i]);
+                snprintf(m, sizeof m, "model.layers.%lld.mlp.shared_expert.%s", (long long)l, src_hub[i]);
+                s = add_linear(x, g, m, i == 2 ? a->D : sf, i == 2 ? sf : a->D, 0, true);
+            }
+        }
+    }
+    if (!s) s = add_plain(x, "output_norm.weight", "model.norm.weight", true, true, false);
+    if (s) return s;
+    if (mq_layout_detect("lm_head", lookup, x->st) != MQ_LIN_ABSENT)
+        return add_linear(x, "output", "lm_head", a->vocab, a->D, 0, true);
+    /* tied: llama.cpp's llama falls back to token_embd; the MoE graphs need output itself */
+    if (!strcmp(a->arch, "llama")) return MOEQ_OK;
+    return add_plain(x, "output.weight", "model.embed_tokens.weight", true, false, false);
+}
+
+/* ---- writing the tensors -------------------------------------------------------------------------- */
+
+/* Source row of GGUF row r of a permuted q/k (heads of hd rows). */
+static int64_t src_row(int64_t r, int64_t rows, int64_t heads) {
+    if (heads <= 0) return r;
+    int64_t hd = rows / heads, h = r / hd, w = r % hd;
+    return h * hd + (w % 2) * (hd / 2) + w / 2;
+}
+
+/* Encodes rows [0, n) of float data (row-major, cols each) as type into out. */
+static void encode_float_rows(uint32_t type, const float *x, int64_t n, int64_t cols, uint8_t *out) {
+    int64_t total = n * cols;
+    switch (type) {
+    case MQ_GGML_F32: memcpy(out, x, (size_t)total * 4); break;
+    case MQ_GGML_F16:
+        for (int64_t i = 0; i < total; i++) {
+            uint16_t h = mq_f32_to_f16(x[i]);
+            out[2 * i] = (uint8_t)h;
+            out[2 * i + 1] = (uint8_t)(h >> 8);
+        }
+        break;
+    case MQ_GGML_BF16:
+        for (int64_t i = 0; i < total; i++) {
+            uint16_t h = mq_f32_to_bf16(x[i]);
+            out[2 * i] = (uint8_t)h;
+            out[2 * i + 1] = (uint8_t)(h >> 8);
+        }
+        break;
+    case MQ_GGML_Q8_0:
+        for (int64_t i = 0; i < total / 32; i++) mq_ggml_put_q8_0(out + 34 * i, x + 32 * i);
+        break;
+    }
+}
+
+static size_t row_bytes(uint32_t type, int64_t cols) {
+    int64_t blk;
+    size_t bb;
+    mq_ggml_type_info(type, NULL, &blk, &bb);
+    return (size_t)(cols / blk) * bb;
+}
+
+/* A float tensor (or a dense Linear), rows permuted when heads > 0, a chunk of rows at a time. */
+static moeq_status write_float(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *name) {
+    const mq_tensor_view *v = mq_st_find(x->st, name);
+    if (!v) return mq_err(MOEQ_E_NOTFOUND, "%s: no tensor '%s'", x->dir, name);
+    int64_t rows = t->n_dims == 1 ? 1 : t->ne[1] * (t->n_dims == 3 ? t->ne[2] : 1), cols = t->ne[0];
+    if (v->numel != rows * cols)
+        return mq_err(MOEQ_E_SHAPE, "%s: tensor '%s' has %lld values, GGUF '%s' needs %lld", x->dir, name,
+                      (long long)v->numel, t->gname, (long long)(rows * cols));
+    size_t es = moeq_dtype_size(v->dtype), rb = row_bytes(t->type, cols);
+    int64_t chunk = t->heads > 0 ? 1 : (int64_t)(((size_t)1 << 22) / ((size_t)cols * 4) + 1);
+    if (chunk > rows) chunk = rows;
+    float *f = mq_alloc_array((size_t)(chunk * cols), sizeof(float), "GGUF rows");
+    uint8_t *o = mq_alloc_array((size_t)chunk, rb, "GGUF rows");
+    moeq_status s = f && o ? MOEQ_OK : MOEQ_E_NOMEM;
+    for (int64_t r = 0; !s && r < rows; r += chunk) {
+        int64_t n = rows - r < chunk ? rows - r : chunk;
+        mq_tensor_view sub = *v;
+        sub.ndim = 2;
+        sub.shape[0] = n;
+        sub.shape[1] = cols;
+        sub.numel = n * cols;
+        sub.data = v->data + (size_t)src_row(r, t->rows, t->heads) * (size_t)cols * es;
+        sub.nbytes = (size_t)(n * cols) * es;
+        if ((s = mq_tensor_to_f32(&sub, f))) break;
+        encode_float_rows(t->type, f, n, cols, o);
+        s = mq_gguf_writer_data(w, o, (size_t)n * rb);
+    }
+    mq_free(f);
+    mq_free(o);
+    return s;
+}
+
+static moeq_status f16_exact(exporter *x, const char *module, float v, uint16_t *h) {
+    *h = mq_f32_to_f16(v);
+    if (mq_f16_to_f32(*h) != v && isfinite(v) && !x->warned_f16) {
+        mq_warn("%s: '%s': INT4 scales are not f16 (quantize with --format gguf for exact Q4_0 blocks); "
+                "rounded to f16", x->dir, module);
+        x->warned_f16 = true;
+    }
+    if (!isfinite(mq_f16_to_f32(*h)))
+        return mq_err(MOEQ_E_NUMERIC, "%s: '%s': scale %g overflows f16", x->dir, module, (double)v);
+    return MOEQ_OK;
+}
+
+/* One quantized Linear re-blocked into type (rows permuted when heads > 0). */
+static moeq_status write_qlinear(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *module) {
+    mq_qtensor q;
+    moeq_status s = mq_layout_read(module, t->rows, t->cols, lookup, x->st, &q);
+    if (s) {
+        mq_qtensor_free(&q);
+        return s;
+    }
+    if (q.g_idx)
+        for (int64_t c = 0; c < q.cols; c++)
+            if (q.g_idx[c] != c / q.group_size) {
+                mq_qtensor_free(&q);
+                return mq_err(MOEQ_E_UNSUPPORTED, "%s: '%s': act-order g_idx groups are not contiguous: GGUF blocks "
+                              "cannot hold them (quantize without --groups gidx)", x->dir, module);
+            }
+    size_t rb = row_bytes(t->type, t->cols);
+    uint8_t *o = mq_alloc(rb, "GGUF row");
+    if (!o) {
+        mq_qtensor_free(&q);
+        return MOEQ_E_NOMEM;
+    }
+    int64_t K = q.cols;
+    for (int64_t r = 0; !s && r < q.rows; r++) {
+        int64_t sr = src_row(r, q.rows, t->heads);
+        const uint8_t *codes = q.codes + sr * K;
+        const mq_gparams *gp = q.params + sr * q.n_groups;
+        if (t->type == MQ_GGML_NVFP4) {
+            for (int64_t b = 0; b < K / 64; b++) {
+                uint8_t sc[4];
+                for (int k = 0; k < 4; k++) sc[k] = gp[(b * 64 + 16 * k) / q.group_size].scale_code;
+                mq_ggml_put_nvfp4(o + 36 * b, codes + 64 * b, sc);
+            }
+        } else {
+            for (int64_t b = 0; !s && b < K / 32; b++) {
+                const mq_gparams *g = &gp[(b * 32) / q.group_size];
+                uint16_t d, m;
+                if ((s = f16_exact(x, module, g->scale, &d))) break;
+                if (t->type == MQ_GGML_Q4_0) {
+                    mq_ggml_put_q4_0(o + 18 * b, codes + 32 * b, d);
+                } else {
+                    m = mq_f32_to_f16(-g->zero * mq_f16_to_f32(d));
+                    mq_ggml_put_q4_1(o + 20 * b, codes + 32 * b, d, m);
+                }
+            }
+        }
+        if (!s) s = mq_gguf_writer_data(w, o, rb);
+    }
+    mq_free(o);
+    mq_qtensor_free(&q);
+    return s;
+}
+
+static moeq_status write_linear(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *module) {
+    if (mq_layout_detect(module, lookup, x->st) == MQ_LIN_DENSE) {
+        char name[300];
+        snprintf(name, sizeof name, "%s.weight", module);
+        out_tensor one = *t;
+        one.n_dims = 2;   /* one expert of a stack */
+        return write_float(x, w, &one, name);
+    }
+    return write_qlinear(x, w, t, module);
+}
+
+/* NAME.scale: the global multiplier of each NVFP4 Linear (llama.cpp: output *= scale). */
+static moeq_status write_scale(exporter *x, mq_gguf_writer *w, const out_tensor *t) {
+    int64_t n = t->E > 0 ? t->E : 1;
+    moeq_status s = MOEQ_OK;
+    for (int64_t e = 0; !s && e < n; e++) {
+        char m[256];
+        if (t->E > 0) snprintf(m, sizeof m, t->src, (int)e);
+        else snprintf(m, sizeof m, "%s", t->src);
+        mq_qtensor q;
+        if ((s = mq_layout_read(m, t->rows, t->cols, lookup, x->st, &q))) {
+            mq_qtensor_free(&q);
+            break;
+        }
+        float g = q.spec.nvfp4_conv == MQ_NVFP4_CT ? 1.0f / q.global_scale : q.global_scale;
+        mq_qtensor_free(&q);
+        s = mq_gguf_writer_data(w, &g, 4);
+    }
+    return s;
+}
+
+static moeq_status write_tensor(exporter *x, mq_gguf_writer *w, const out_tensor *t) {
+    switch (t->kind) {
+    case SRC_PLAIN: return write_float(x, w, t, t->src);
+    case SRC_LINEAR: return write_linear(x, w, t, t->src);
+    case SRC_SCALE: return write_scale(x, w, t);
+    case SRC_EXPERTS:
+        for (int64_t e = 0; e < t->E; e++) {
+            char m[256];
+            snprintf(m, sizeof m, t->src, (int)e);
+            moeq_status s = write_linear(x, w, t, m);
+            if (s) return s;
+            if (moeq_interrupted()) return mq_err(MOEQ_E_INTERRUPTED, "interrupted");
+        }
+        return MOEQ_OK;
+    }
+    return MOEQ_OK;
+}
+
+/* ---- KVs ------------------------------------------------------------------------------------------ */
+
+static void put_kvs(exporter *x, mq_gguf_writer *w, const vocab *v, const char *name) {
+    const arch_cfg *a = &x->a;
+    char k[128];
+#define AK(suffix) (snprintf(k, sizeof k, "%s.%s", a->arch, suffix), k)
+    mq_gguf_kv_str(w, "general.architecture", a->arch);
+    mq_gguf_kv_str(w, "general.name", name);
+    mq_gguf_kv_u32(w, "general.alignment", 32);
+    mq_gguf_kv_u32(w, "general.file_type", x->ftype);
+    mq_gguf_kv_u32(w, "general.quantization_version", 2);
+    mq_gguf_kv_u32(w, AK("vocab_size"), (uint32_t)a->vocab);
+    mq_gguf_kv_u32(w, AK("context_length"), (uint32_t)a->ctx);
+    mq_gguf_kv_u32(w, AK("embedding_length"), (uint32_t)a->D);
+    mq_gguf_kv_u32(w, AK("block_count"), (uint32_t)a->L);
+    mq_gguf_kv_u32(w, AK("feed_forward_length"), (uint32_t)a->FF);
+    mq_gguf_kv_u32(w, AK("attention.head_count"), (uint32_t)a->H);
+    mq_gguf_kv_u32(w, AK("attention.head_count_kv"), (uint32_t)a->KV);
+    mq_gguf_kv_u32(w, AK("attention.key_length"), (uint32_t)a->HD);
+    mq_gguf_kv_u32(w, AK("attention.value_length"), (uint32_t)a->HD);
+    mq_gguf_kv_u32(w, AK("rope.dimension_count"), (uint32_t)a->HD);
+    mq_gguf_kv_f32(w, AK("rope.freq_base"), (float)a->theta);
+    mq_gguf_kv_f32(w, AK("attention.layer_norm_rms_epsilon"), (float)a->eps);
+    if (a->E > 0) {
+        mq_gguf_kv_u32(w, AK("expert_count"), (uint32_t)a->E);
+        mq_gguf_kv_u32(w, AK("expert_used_count"), (uint32_t)a->K);
+    }
+    if (a->FF_EXP > 0) mq_gguf_kv_u32(w, AK("expert_feed_forward_length"), (uint32_t)a->FF_EXP);
+    if (a->FF_SH > 0) mq_gguf_kv_u32(w, AK("expert_shared_feed_forward_length"), (uint32_t)a->FF_SH);
+#undef AK
+    mq_gguf_kv_str(w, "tokenizer.ggml.model", "gpt2");
+    mq_gguf_kv_str(w, "tokenizer.ggml.pre", v->pre);
+    mq_gguf_kv_arr_str(w, "tokenizer.ggml.tokens", (const char *const *)v->tok, v->len, (uint64_t)v->n);
+    mq_gguf_kv_arr_i32(w, "tokenizer.ggml.token_type", v->type, (uint64_t)v->n);
+    mq_gguf_kv_arr_str(w, "tokenizer.ggml.merges", (const char *const *)v->merges, v->mlen, (uint64_t)v->n_merges);
+    if (v->bos >= 0) mq_gguf_kv_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)v->bos);
+    if (v->eos >= 0) mq_gguf_kv_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)v->eos);
+    if (v->pad >= 0) mq_gguf_kv_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)v->pad);
+    mq_gguf_kv_bool(w, "tokenizer.ggml.add_bos_token", v->add_bos);
+}
+
+/* general.file_type from the quantized tensors' type (llama.cpp's LLAMA_FTYPE numbers). */
+static uint32_t file_type(const exporter *x) {
+    for (size_t i = 0; i < x->n; i++) {
+        switch (x->t[i].type) {
+        case MQ_GGML_Q4_0: return 2;
+        case MQ_GGML_Q4_1: return 3;
+        case MQ_GGML_NVFP4: return 39;
+        }
+    }
+    for (size_t i = 0; i < x->n; i++)
+        if (x->t[i].n_dims >= 2) {
+            switch (x->t[i].type) {
+            case MQ_GGML_F16: return 1;
+            case MQ_GGML_BF16: return 32;
+            case MQ_GGML_Q8_0: return 7;
+            }
+        }
+    return 0;
+}
+
+moeq_status mq_gguf_export(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest) {
+    exporter x;
+    memset(&x, 0, sizeof x);
+    x.dir = ckpt_dir;
+    x.rest = rest;
+    cJSON *cfg = NULL;
+    vocab v;
+    memset(&v, 0, sizeof v);
+    mq_gguf_writer *w = NULL;
+    mq_atomic_file af;
+    bool open = false;
+    moeq_status s = read_json(ckpt_dir, "config.json", true, &cfg);
+    if (!s) s = mq_gguf_check_config(cfg, ckpt_dir, MQ_QS_NONE, false);
+    if (!s) s = read_arch(cfg, ckpt_dir, &x.a);
+    if (!s) s = read_vocab(ckpt_dir, cfg, x.a.vocab, &v);
+    if (!s) s = mq_st_open_dir(ckpt_dir, &x.st);
+    if (!s) s = plan(&x);
+    /* NVFP4 where llama.cpp's graph drops the global scale */
+    for (size_t i = 0; !s && i < x.n; i++)
+        if (x.t[i].type == MQ_GGML_NVFP4) s = mq_gguf_check_config(cfg, ckpt_dir, MQ_QS_NVFP4, false);
+    if (s) goto done;
+    x.ftype = file_type(&x);
+    if (!(w = mq_gguf_writer_new())) {
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        goto done;
+    }
+    const char *base = strrchr(out_path, '/');
+    base = base ? base + 1 : out_path;
+    size_t bl = strlen(base);
+    char *name = mq_strndup(base, bl > 5 && !strcmp(base + bl - 5, ".gguf") ? bl - 5 : bl);
+    if (!name) {
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        goto done;
+    }
+    put_kvs(&x, w, &v, name);
+    free(name);
+    for (size_t i = 0; !s && i < x.n; i++) s = mq_gguf_writer_tensor(w, x.t[i].gname, x.t[i].n_dims, x.t[i].ne, x.t[i].type);
+    if (s) goto done;
+    if ((s = mq_atomic_open(&af, out_path))) goto done;
+    open = true;
+    s = mq_gguf_writer_begin(w, af.f, af.tmp_path);
+    for (size_t i = 0; !s && i < x.n; i++) {
+        s = write_tensor(&x, w, &x.t[i]);
+        if (s) s = mq_err_prefix(s, "GGUF tensor '%s': ", x.t[i].gname);
+        mq_progress("gguf", (int64_t)i + 1, (int64_t)x.n);
+    }
+    if (!s) s = mq_gguf_writer_end(w);
+    if (!s) {
+        open = false;
+        s = mq_atomic_commit(&af);
+    }
+done:
+    if (open) mq_atomic_abort(&af);
+    mq_gguf_writer_free(w);
+    mq_st_close(x.st);
+    free(x.t);
+    vocab_free(&v);
+    cJSON_Delete(cfg);
+    return s;
+}

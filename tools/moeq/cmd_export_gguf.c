@@ -1,0 +1,65 @@
+/* moeq export-gguf CKPT_DIR OUT.gguf, and `moeq inspect FILE.gguf` (through include/moeq.h). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "commands.h"
+
+int cli_is_gguf(const char *path) {
+    size_t n = strlen(path);
+    if (n > 5 && !strcmp(path + n - 5, ".gguf")) return 1;
+    FILE *f = fopen(path, "rb");
+    if (!f) return 0;
+    char magic[4] = {0};
+    size_t got = fread(magic, 1, 4, f);
+    fclose(f);
+    return got == 4 && !memcmp(magic, "GGUF", 4);
+}
+
+int cli_inspect_gguf(const char *path, int tensors) {
+    char *text;
+    moeq_status st = moeq_gguf_describe(path, tensors, &text);
+    if (st) return cli_fail("inspect", st);
+    fputs(text, stdout);
+    free(text);
+    return CLI_OK;
+}
+
+int cmd_export_gguf(int argc, char **argv) {
+    const char *rest = NULL;
+    bool quiet = false, force = false;
+    const cli_opt opts[] = {
+        {"--gguf-rest", OPT_CHOICE, &rest, NULL, "the unquantized 2-D tensors in their source dtype "
+         "(auto, the default) or as given; norms, biases and routers are F32", "auto|f32|f16|bf16|q8_0",
+         0, 0, NULL},
+        {"--force", OPT_FLAG, &force, NULL, "replace OUT.gguf if it exists", NULL, 0, 0, NULL},
+        {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary", NULL, 0, 0, NULL},
+    };
+    const cli_command cmd = {
+        "export-gguf", "CKPT_DIR OUT.gguf [--gguf-rest auto|f32|f16|bf16|q8_0]",
+        "Converts a checkpoint (compressed-tensors, ModelOpt, GPTQ v1 or unquantized; llama,\n"
+        "mixtral, olmoe, qwen2_moe, qwen3_moe) into one GGUF v3 file that llama.cpp loads, without\n"
+        "requantizing: INT4 symmetric -> Q4_0 (bit-exact when the scales are f16, as\n"
+        "`quantize --format gguf` makes them), asymmetric -> Q4_1, NVFP4 -> NVFP4 with its global\n"
+        "scale (llama and qwen3moe only). What llama.cpp would compute differently is refused.",
+        opts, (int)(sizeof opts / sizeof opts[0]), 2, 2, "CKPT_DIR OUT.gguf"};
+    const char *pos[2];
+    int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
+    if (rc >= 0) return rc;
+    FILE *f = fopen(pos[1], "rb");
+    if (f) {
+        fclose(f);
+        if (!force) {
+            fprintf(stderr, "moeq export-gguf: error: %s: already exists (use --force to replace it)\n", pos[1]);
+            return CLI_FAIL;
+        }
+    }
+    cli_progress_enable(quiet);
+    cli_install_sigint();
+    moeq_status st = moeq_export_gguf(pos[0], pos[1], rest);
+    cli_progress_finish();
+    if (st) return cli_fail("export-gguf", st);
+    if (!quiet) printf("wrote %s\n", pos[1]);
+    return CLI_OK;
+}
