@@ -92,6 +92,18 @@ const char *moeq_cpu_kernels(void);
 /* 1 when this build has the CUDA backend (GPTQ with device "cuda"), else 0. */
 int moeq_gpu_backend_built(void);
 
+/* Distributed runs (mpirun -np N moeq quantize ...): moeq_dist_start joins the job when the
+ * process was started by mpirun and is a no-op otherwise (rank 0 of 1); call it before
+ * moeq_quantize and moeq_dist_stop before exiting. moeq_quantize then splits the work over the
+ * ranks (see src/pipeline/pipeline.h) and rank 0 writes the checkpoint and the report, byte for
+ * byte what one process writes. mpirun with several ranks on a build without MPI is
+ * MOEQ_E_UNSUPPORTED. */
+int moeq_dist_built(void);
+moeq_status moeq_dist_start(void);
+void moeq_dist_stop(void);
+int moeq_dist_rank(void);
+int moeq_dist_size(void);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Tensor element types (safetensors dtype names).                                            */
 /* ------------------------------------------------------------------------------------------ */
@@ -373,7 +385,6 @@ typedef enum {
     MOEQ_FORMAT_COMPRESSED_TENSORS = 0,   /* NVFP4 or INT4 */
     MOEQ_FORMAT_MODELOPT = 1,             /* NVFP4 only */
     MOEQ_FORMAT_GPTQ = 2,                 /* GPTQ v1, INT4 only */
-    MOEQ_FORMAT_GGUF = 3,                 /* one GGUF v3 file for llama.cpp (docs/gguf.md) */
 } moeq_ckpt_format;
 
 /* How GPTQ cuts calibration samples from the calibration file. */
@@ -473,6 +484,8 @@ typedef struct {
     int32_t expert_chunk;          /* --expert-chunk: routed experts loaded at once; 0 = as many
                                       as max_memory allows. Never changes the result */
     moeq_act_storage activations;  /* --activations (default auto) */
+    double mpi_timeout;            /* --mpi-timeout: seconds a rank waits for the others at a
+                                      step before it gives up (0 = 3600) */
     const char *device;            /* --device: "cpu" (NULL, the default), "cuda" or "cuda:N":
                                       GPTQ's factorisations and column loops on that GPU (a
                                       build with -DMOEQ_CUDA=ON); the codes agree with the
@@ -503,9 +516,6 @@ typedef struct {
                                       SVG plots of the report: losses per layer and expert,
                                       tokens per expert, time and memory); NULL: none */
     } gptq;
-    const char *gguf_rest;         /* --gguf-rest: MOEQ_FORMAT_GGUF's unquantized 2-D tensors:
-                                      "auto" (NULL, the default: their source dtype), "f32",
-                                      "f16", "bf16" or "q8_0" (norms, biases, routers: F32) */
 } moeq_quant_options;
 
 /* Fills o with the defaults of `moeq quantize` (scheme left unset). */
@@ -551,6 +561,8 @@ typedef struct {
     moeq_quant_plan plan;
     int64_t peak_anon_bytes;       /* measured peak anonymous memory of the run */
     int32_t layers_resumed;        /* layers an interrupted run had finished */
+    int32_t ranks;                 /* processes of the run (1 without mpirun) */
+    int64_t rank_peak_anon_bytes[64];   /* measured peak of each of the first 64 ranks */
 } moeq_quant_result;
 
 /* Quantizes the checkpoint in model_dir into out_dir, streaming: one pass over the source, layer
@@ -567,18 +579,6 @@ typedef struct {
  * failure it is zeroed except for a dry run's plan. */
 moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
                           const moeq_quant_options *opts, moeq_quant_result *result);
-
-/* GGUF (docs/gguf.md). moeq_export_gguf converts a checkpoint directory (compressed-tensors,
- * ModelOpt, GPTQ v1 or unquantized; llama, mixtral, olmoe, qwen2_moe, qwen3_moe) into one GGUF
- * v3 file llama.cpp loads, without requantizing: INT4 symmetric -> Q4_0 (exact with f16 scales,
- * as MOEQ_FORMAT_GGUF quantizes them), asymmetric -> Q4_1, NVFP4 -> NVFP4 + its global scale.
- * rest: as moeq_quant_options.gguf_rest. Combinations llama.cpp would compute differently are
- * MOEQ_E_UNSUPPORTED saying why; out_path is written under a temporary name and renamed when
- * complete. */
-moeq_status moeq_export_gguf(const char *ckpt_dir, const char *out_path, const char *rest);
-/* A readable description of a GGUF file (header, KVs, tensors when list_tensors) into *text
- * (owned by the caller: free()). A corrupt file is MOEQ_E_FORMAT naming the field. */
-moeq_status moeq_gguf_describe(const char *path, int list_tensors, char **text);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Quantized MoE feed-forward op (src/kernels)                                                */

@@ -87,6 +87,11 @@ float *mq_actbuf_ptr(mq_actbuf *b, size_t off) {
     return b->f + off;
 }
 
+void *mq_actbuf_raw(mq_actbuf *b, size_t off, size_t *elem_bytes) {
+    *elem_bytes = b->kind == MQ_ACT_BF16 ? sizeof(uint16_t) : sizeof(float);
+    return b->kind == MQ_ACT_BF16 ? (void *)(b->h + off) : (void *)(b->f + off);
+}
+
 const char *mq_act_storage_name(mq_act_storage s) {
     switch (s) {
     case MQ_ACT_RAM: return "ram";

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "backend/gpu.h"
+#include "dist/dist.h"
 #include "pipeline/pipeline.h"
 
 void moeq_quant_options_init(moeq_quant_options *o) {
@@ -77,11 +78,7 @@ static moeq_status check_options(const moeq_quant_options *o) {
         return BAD("scheme: unknown value %d", (int)o->scheme);
     if ((unsigned)o->method > MOEQ_QUANT_GPTQ)
         return BAD("method: unknown value %d", (int)o->method);
-    mq_gguf_rest rest;
-    if (o->gguf_rest && !mq_gguf_rest_parse(o->gguf_rest, &rest))
-        return BAD("gguf_rest: \"%s\": expected auto, f32, f16, bf16 or q8_0", o->gguf_rest);
-    if (o->gguf_rest && o->format != MOEQ_FORMAT_GGUF) return BAD("gguf_rest is only for format MOEQ_FORMAT_GGUF");
-    if ((unsigned)o->format > MOEQ_FORMAT_GGUF)
+    if ((unsigned)o->format > MOEQ_FORMAT_GPTQ)
         return BAD("format: unknown value %d", (int)o->format);
     bool nv = o->scheme != MOEQ_QUANT_INT4;
     if (nv && o->format == MOEQ_FORMAT_GPTQ) return BAD("format MOEQ_FORMAT_GPTQ holds INT4 only");
@@ -126,6 +123,7 @@ static moeq_status check_options(const moeq_quant_options *o) {
     if (dev >= 0 && o->method != MOEQ_QUANT_GPTQ)
         return BAD("device %s: only method gptq runs on a GPU (round to nearest is not worth "
                    "the transfer)", o->device);
+    if (!(o->mpi_timeout >= 0)) return BAD("mpi_timeout must be >= 0 seconds (0: 3600), got %g", o->mpi_timeout);
     if ((unsigned)o->activations > MOEQ_ACT_STORAGE_BF16)
         return BAD("activations: unknown value %d", (int)o->activations);
     return o->method == MOEQ_QUANT_GPTQ ? check_gptq(o) : MOEQ_OK;
@@ -135,7 +133,6 @@ static moeq_status check_options(const moeq_quant_options *o) {
 static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) {
     mq_ckpt_format fmt = po->format == MOEQ_FORMAT_MODELOPT ? MQ_FMT_MODELOPT
                          : po->format == MOEQ_FORMAT_GPTQ   ? MQ_FMT_GPTQ
-                         : po->format == MOEQ_FORMAT_GGUF   ? MQ_FMT_GGUF
                                                             : MQ_FMT_CT;
     bool nv = po->scheme != MOEQ_QUANT_INT4;
     mq_pipeline_opts_init(o, nv ? MQ_QS_NVFP4 : MQ_QS_INT4, fmt);
@@ -162,7 +159,6 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->ignore = po->ignore;
     o->n_ignore = (int)po->n_ignore;
     o->force = po->force != 0;
-    if (po->gguf_rest) mq_gguf_rest_parse(po->gguf_rest, &o->gguf_rest);   /* checked before */
     o->max_memory = po->max_memory;
     o->work_dir = po->work_dir;
     o->resume = po->resume != 0;
@@ -170,6 +166,9 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->expert_chunk = po->expert_chunk;
     o->device = -1;
     if (po->device) mq_gpu_parse_device(po->device, &o->device);   /* checked before */
+    /* under mpirun, plain "cuda" is one GPU per rank of a machine */
+    if (po->device && !strcmp(po->device, "cuda") && mq_dist_size() > 1) o->device = mq_dist_local_rank();
+    o->mpi_timeout = po->mpi_timeout;
     o->act_storage = po->activations == MOEQ_ACT_STORAGE_RAM    ? MQ_ACT_RAM
                      : po->activations == MOEQ_ACT_STORAGE_DISK ? MQ_ACT_DISK
                      : po->activations == MOEQ_ACT_STORAGE_BF16 ? MQ_ACT_BF16
@@ -248,14 +247,9 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
     if (st) return st;
     mq_pipeline_opts o;
     pipeline_options(opts, &o);
-    /* GGUF: what llama.cpp would compute otherwise is refused before any work */
-    if (opts->format == MOEQ_FORMAT_GGUF && (st = mq_gguf_check_model(model_dir, o.spec.scheme, o.act_quant)))
-        return st;
     char *report = NULL;
     if (opts->method == MOEQ_QUANT_GPTQ && !opts->dry_run) {
-        report = opts->gptq.report                  ? mq_strdup(opts->gptq.report)
-                 : opts->format == MOEQ_FORMAT_GGUF ? mq_asprintf("%s.gptq_report.json", out_dir)
-                                                    : mq_path_join(out_dir, "gptq_report.json");
+        report = opts->gptq.report ? mq_strdup(opts->gptq.report) : mq_path_join(out_dir, "gptq_report.json");
         if (!report) return mq_err(MOEQ_E_NOMEM, "out of memory");
         o.report_path = report;
         o.report_html_path = opts->gptq.report_html;
@@ -280,6 +274,8 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
     res.seconds = r.seconds_total;
     res.peak_anon_bytes = r.peak_anon;
     res.layers_resumed = r.layers_resumed;
+    res.ranks = r.ranks;
+    memcpy(res.rank_peak_anon_bytes, r.rank_peak, sizeof res.rank_peak_anon_bytes);
     if (opts->method == MOEQ_QUANT_GPTQ) {
         res.gptq_samples = r.samples;
         res.gptq_tokens = r.tokens;

@@ -34,6 +34,8 @@ const float *mq_actbuf_view(const mq_actbuf *b, size_t off, size_t n, float *scr
 void mq_actbuf_put(mq_actbuf *b, size_t off, size_t n, const float *src);
 /* A writable fp32 pointer (fp32 kinds only). */
 float *mq_actbuf_ptr(mq_actbuf *b, size_t off);
+/* The storage itself at value off (fp32 or bf16; *elem_bytes tells), for moving it between ranks. */
+void *mq_actbuf_raw(mq_actbuf *b, size_t off, size_t *elem_bytes);
 
 /* How one Linear was quantized (the report's "method"). */
 typedef enum { MQ_HOW_GPTQ = 0, MQ_HOW_GPTQ_BLOCK_HESSIAN, MQ_HOW_RTN } mq_how;
@@ -83,6 +85,10 @@ typedef struct mq_pipe {
     float *w_a, *w_b;
     mq_state *state;
     mq_gpu *gpu;                  /* GPTQ's device (o->device >= 0), else NULL */
+    /* ranks (src/dist; pipeline.h "Distributed runs"): this process is `rank` of `ranks`; rank
+     * 0 alone has the writer and the work directory (p->w NULL elsewhere) */
+    int rank, ranks;
+    int64_t s_lo, s_hi;           /* the samples whose FFN outputs this rank computes */
     /* progress, in the plan's estimated MFLOP */
     int64_t units_done, units_total;
     int64_t units_run0;           /* units_done when this run's first layer began (the rate of
@@ -101,6 +107,7 @@ typedef struct mq_pipe {
     cJSON *manifest;
     int lock_fd;
     bool work_fresh;              /* this run made the work directory */
+    bool rank_dir;                /* a rank past 0 made its own directory for activation files */
 } mq_pipe;
 
 /* ---- memplan.c ---- */
@@ -123,6 +130,8 @@ moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l);
 /* Pass-through tensors (and kept Linears) of layer l (-1: the global ones). */
 moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l);
 void mq_pipe_progress(mq_pipe *p, int64_t units);
+/* Several ranks: each rank's share of the samples of b (mq_dist_share) to every rank. */
+moeq_status mq_pipe_share_samples(mq_pipe *p, mq_actbuf *b, const char *step);
 
 /* ---- workdir.c ---- */
 moeq_status mq_work_prepare(mq_pipe *p);       /* lock; fresh or resume checks; writer opened */
@@ -134,8 +143,10 @@ moeq_status mq_work_load_boundary(mq_pipe *p, int l, bool *ok);
 bool mq_work_globals_done(const mq_pipe *p);
 moeq_status mq_work_globals_written(mq_pipe *p);
 void mq_work_release(mq_pipe *p, bool keep);   /* unlock; remove the work dir unless keep */
-/* Test-only crash points: MOEQ_FAULT="<where>:<a>[:<b>]" kills the process (SIGKILL) there. */
-void mq_fault_point(const char *where, int a, int b);
+/* Test-only fault points: MOEQ_FAULT="<where>:<a>[:<b>]" kills the process (SIGKILL) there;
+ * with MOEQ_FAULT_MODE=error it returns true instead (the caller fails with an injected error),
+ * with MOEQ_FAULT_MODE=hang it sleeps for ever; MOEQ_FAULT_RANK=R: only on rank R. */
+bool mq_fault_point(const char *where, int a, int b);
 
 /* ---- report.c ---- */
 cJSON *mq_mod_report_json(const mq_mod_report *r);

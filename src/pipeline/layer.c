@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dist/dist.h"
 #include "kernels/vec.h"
 #include "pipeline/internal.h"
 
@@ -55,11 +56,18 @@ typedef struct {
     float *H;                     /* the Hessian GPTQ uses (NULL: RTN or the block Hessian) */
     int64_t tokens;
     float amax;                   /* W4A4: the input's amax over the calibration */
+    int owner;                    /* the rank that calibrates and quantizes it */
+    bool held;                    /* with several ranks: its results wait in q/qs for share_slots */
+    mq_qtensor q[3];
+    mq_gptq_stats qs[3];
 } slot;
+
+static bool mine(const mq_pipe *p, const slot *s) { return s->owner == p->rank; }
 
 static void slot_set(mq_pipe *p, slot *s, int expert, bool down, mq_linear *a, mq_linear *b,
                      mq_linear *c) {
     memset(s, 0, sizeof *s);
+    s->owner = p->rank;   /* alone: everything is this process's */
     s->expert = expert;
     s->down = down;
     s->how = p->o->gptq ? MQ_HOW_GPTQ : MQ_HOW_RTN;
@@ -73,7 +81,8 @@ static void slot_set(mq_pipe *p, slot *s, int expert, bool down, mq_linear *a, m
     }
 }
 
-static void slot_free(slot *s) {
+/* The Hessian sums and H (the held results stay). */
+static void slot_drop_sums(slot *s) {
     mq_gpu_hessians_free(s->gh);
     s->gh = NULL;
     mq_hessian_free(&s->h);
@@ -81,10 +90,16 @@ static void slot_free(slot *s) {
     s->H = NULL;
 }
 
+static void slot_free(slot *s) {
+    for (int k = 0; k < 3; k++) mq_qtensor_free(&s->q[k]);
+    s->held = false;
+    slot_drop_sums(s);
+}
+
 /* Starts the Hessian sum of a slot GPTQ will use: on the run's GPU when it has one (the same
  * bits as the CPU's sum, backend/gpu.h). */
 static moeq_status slot_hessian(mq_pipe *p, slot *s) {
-    if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
+    if (!s->nw || s->how != MQ_HOW_GPTQ || !mine(p, s)) return MOEQ_OK;
     char what[200];
     snprintf(what, sizeof what, "Hessian of %s", s->w[0]->name);
     moeq_status st = mq_hessian_init(&s->h, s->w[0]->in, what);
@@ -165,9 +180,9 @@ static moeq_status finish_linear(mq_pipe *p, int l, const slot *s, int k, mq_qte
         }
     }
     double t0 = mq_now();
-    if (!st) st = mq_ckpt_writer_put_linear(p->w, lin->name, q, in_amax);
+    if (!st && p->w) st = mq_ckpt_writer_put_linear(p->w, lin->name, q, in_amax);
     p->layers[l].write += mq_now() - t0;
-    if (!st) st = add_module(p, l, s, lin, stats);
+    if (!st && p->w) st = add_module(p, l, s, lin, stats);
     if (!st && p->seq && lin->w) mq_dequantize(q, lin->w);
     if (!st) item_mark(p, s->it[k]);
     if (!st) mq_fault_point("linear", l, p->layers[l].linears++);
@@ -197,6 +212,7 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
     bool factored = false;
     for (int i = 0; i < n && !st; i++) {
         slot *s = &slots[i];
+        if (!mine(p, s)) continue;   /* another rank's */
         float amax = 0;
         for (int k = 0; k < s->nw; k++) amax = fmaxf(amax, mq_absmax(s->w[k]->w, s->w[k]->out * s->w[k]->in));
         for (int k = 0; k < s->nw; k++)
@@ -223,7 +239,7 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         }
     for (int i = 0; i < n && !st; i++) {
         slot *s = &slots[i];
-        for (int k = 0; k < s->nw && !st; k++) {
+        for (int k = 0; k < s->nw && !st && mine(p, s); k++) {
             mq_linear *lin = s->w[k];
             int j = 3 * i + k;
             job_of[j] = -1;
@@ -245,7 +261,7 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         int32_t *job_h = calloc((size_t)n_jobs, sizeof *job_h);
         if (!job_h) st = mq_err(MOEQ_E_NOMEM, "out of memory quantizing layer %d", l);
         for (int i = 0; i < n && !st; i++)
-            for (int k = 0; k < slots[i].nw; k++)
+            for (int k = 0; k < slots[i].nw && mine(p, &slots[i]); k++)
                 if (job_of[3 * i + k] >= 0)
                     job_h[job_of[3 * i + k]] =
                         slots[i].how == MQ_HOW_GPTQ_BLOCK_HESSIAN && !slots[i].down ? n : i;
@@ -262,9 +278,17 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
     p->layers[l].gptq += mq_now() - t0;
     for (int i = 0; i < n && !st; i++) {
         slot *s = &slots[i];
-        for (int k = 0; k < s->nw && !st; k++) {
+        for (int k = 0; k < s->nw && !st && mine(p, s); k++) {
             int j = 3 * i + k;
-            st = finish_linear(p, l, s, k, &q[j], job_of[j] >= 0 ? &jobs[job_of[j]].stats : &stats[j]);
+            const mq_gptq_stats *sj = job_of[j] >= 0 ? &jobs[job_of[j]].stats : &stats[j];
+            if (p->ranks > 1) {   /* kept for share_slots, which every rank runs */
+                s->q[k] = q[j];
+                memset(&q[j], 0, sizeof q[j]);
+                s->qs[k] = *sj;
+                s->held = true;
+            } else {
+                st = finish_linear(p, l, s, k, &q[j], sj);
+            }
         }
     }
     for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
@@ -293,6 +317,110 @@ static moeq_status read_back_slots(mq_pipe *p, slot *slots, int n) {
             if (!st && p->seq) mq_dequantize(&q, lin->w);
             mq_qtensor_free(&q);
         }
+    return st;
+}
+
+/* ---- several ranks: quantized Linears from their owners to everyone ---------------------------- */
+
+/* One held Linear as bytes: what finish_linear needs on another rank (every rank runs this same
+ * build, so the structs travel as they are). */
+typedef struct {
+    mq_qspec spec;
+    int64_t rows, cols, group_size, n_groups, tokens;
+    float global_scale, amax;
+    int32_t how, has_gidx;
+    mq_gptq_stats stats;
+} wire_head;
+
+static moeq_status wire_pack(const slot *s, int k, void **out, size_t *n) {
+    const mq_qtensor *q = &s->q[k];
+    wire_head h;
+    memset(&h, 0, sizeof h);
+    h.spec = q->spec;
+    h.rows = q->rows;
+    h.cols = q->cols;
+    h.group_size = q->group_size;
+    h.n_groups = q->n_groups;
+    h.tokens = s->tokens;
+    h.global_scale = q->global_scale;
+    h.amax = s->amax;
+    h.how = (int32_t)s->how;
+    h.has_gidx = q->g_idx != NULL;
+    h.stats = s->qs[k];
+    const size_t nc = (size_t)(q->rows * q->cols), np = (size_t)(q->rows * q->n_groups) * sizeof(mq_gparams);
+    const size_t ng = h.has_gidx ? (size_t)q->cols * sizeof(int32_t) : 0;
+    *n = sizeof h + nc + np + ng;
+    char *b = malloc(*n);
+    if (!b) return mq_err(MOEQ_E_NOMEM, "out of memory sending %s", s->w[k]->name);
+    memcpy(b, &h, sizeof h);
+    memcpy(b + sizeof h, q->codes, nc);
+    memcpy(b + sizeof h + nc, q->params, np);
+    if (ng) memcpy(b + sizeof h + nc + np, q->g_idx, ng);
+    *out = b;
+    return MOEQ_OK;
+}
+
+static moeq_status wire_unpack(slot *s, int k, const void *data, size_t n) {
+    const char *b = data;
+    wire_head h;
+    if (n < sizeof h) return mq_err(MOEQ_E_FORMAT, "%s: short message from rank %d", s->w[k]->name, s->owner);
+    memcpy(&h, b, sizeof h);
+    const size_t nc = (size_t)(h.rows * h.cols), np = (size_t)(h.rows * h.n_groups) * sizeof(mq_gparams);
+    const size_t ng = h.has_gidx ? (size_t)h.cols * sizeof(int32_t) : 0;
+    if (n != sizeof h + nc + np + ng || h.rows != s->w[k]->out || h.cols != s->w[k]->in)
+        return mq_err(MOEQ_E_FORMAT, "%s: the message from rank %d does not match its shape", s->w[k]->name, s->owner);
+    mq_qtensor *q = &s->q[k];
+    moeq_status st = mq_qtensor_init(q, &h.spec, h.rows, h.cols, s->w[k]->name);
+    if (st) return st;
+    q->group_size = h.group_size;
+    q->n_groups = h.n_groups;
+    q->global_scale = h.global_scale;
+    memcpy(q->codes, b + sizeof h, nc);
+    memcpy(q->params, b + sizeof h + nc, np);
+    if (ng) {
+        q->g_idx = mq_alloc_array((size_t)h.cols, sizeof(int32_t), "g_idx");
+        if (!q->g_idx) return MOEQ_E_NOMEM;
+        memcpy(q->g_idx, b + sizeof h + nc + np, ng);
+    }
+    s->qs[k] = h.stats;
+    s->tokens = h.tokens;
+    s->amax = h.amax;
+    s->how = (mq_how)h.how;
+    s->held = true;
+    return MOEQ_OK;
+}
+
+/* Every rank runs this after the owners quantized slots[0..n) (and agreed on it): each Linear
+ * goes from its owner to every rank, in slot order; then each rank finishes it as one process
+ * would (rank 0 writes and records it; sequential calibration continues with its dequantized
+ * weights everywhere). A local failure still takes part in every exchange, so that no rank waits
+ * for one that left. */
+static moeq_status share_slots(mq_pipe *p, int l, slot *slots, int n) {
+    moeq_status st = MOEQ_OK;
+    char step[64];
+    snprintf(step, sizeof step, "layer %d: quantized weights", l);
+    for (int i = 0; i < n; i++) {
+        slot *s = &slots[i];
+        for (int k = 0; k < s->nw; k++) {
+            void *buf = NULL;
+            size_t len = 0;
+            moeq_status ps = MOEQ_OK;
+            if (mine(p, s)) ps = s->held ? wire_pack(s, k, &buf, &len)
+                                         : mq_err(MOEQ_E_ARG, "%s: not quantized", s->w[k]->name);
+            moeq_status cs = mq_dist_agree(ps, step);   /* the owner could not pack it */
+            if (cs) return st ? st : cs;
+            cs = mq_dist_bcast_blob(&buf, &len, s->owner, step);
+            if (cs) {
+                free(buf);
+                return st ? st : cs;
+            }
+            if (!mine(p, s) && !st) st = wire_unpack(s, k, buf, len);
+            free(buf);
+            if (!st) st = finish_linear(p, l, s, k, &s->q[k], &s->qs[k]);
+            mq_qtensor_free(&s->q[k]);
+        }
+        s->held = false;
+    }
     return st;
 }
 
@@ -393,6 +521,10 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     slot sl[2];
     slot_set(p, &sl[0], -1, false, &ly->q, &ly->k, &ly->v);
     slot_set(p, &sl[1], -1, false, &ly->o, NULL, NULL);
+    if (p->ranks > 1) {   /* every rank runs the attention; q/k/v and o are calibrated apart */
+        sl[0].owner = 0;
+        sl[1].owner = 1;
+    }
     att_capture cap = {&sl[0], &sl[1], NULL, NULL, 0, 0, p->o->act_quant};
     att_scratch sc = {0};
     sc.xt = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "attention input");
@@ -415,6 +547,12 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
             if (!st) st = fs;
         }
         if (!st) st = quantize_slots(p, l, sl, 2, NULL);
+        if (p->ranks > 1) {
+            char step[48];
+            snprintf(step, sizeof step, "layer %d: attention", l);
+            st = mq_dist_agree(st, step);
+            if (!st) st = share_slots(p, l, sl, 2);
+        }
     } else if (!st && replay) {
         if (p->seq) st = read_back_slots(p, sl, 2);
         else st = attention_pass(p, l, true, NULL, &sc);
@@ -717,10 +855,13 @@ static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int
     return st;
 }
 
+/* own: only this rank's samples (outputs with several ranks), else all of them. */
 static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source src, bool down,
-                                bool hess, bool amax, slot *gu, slot *dn) {
+                                bool hess, bool amax, slot *gu, slot *dn, bool own) {
+    const int64_t s_lo = own ? p->s_lo : 0, s_hi = own ? p->s_hi : p->calib.n;
+    if (s_hi <= s_lo) return MOEQ_OK;
     int64_t nb = p->mp.batch > 0 ? p->mp.batch : 1;
-    if (nb > p->calib.n) nb = p->calib.n;
+    if (nb > s_hi - s_lo) nb = s_hi - s_lo;
     const int64_t rows_cap = mq_plan_batch_rows(p, e1 - e0);
     ex_batch b;
     memset(&b, 0, sizeof b);
@@ -740,12 +881,12 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
         batch_free(&b);
         return st;
     }
-    for (int64_t s0 = 0; s0 < p->calib.n && !st; s0 += b.nb) {
+    for (int64_t s0 = s_lo; s0 < s_hi && !st; s0 += b.nb) {
         if ((st = check_interrupt())) break;
         int64_t rows = sample_rows(p, &src, s0, e0, e1);
         b.s0 = s0;
         b.nb = 1;   /* one sample always fits: rows_cap holds a sample's worst case */
-        while (b.nb < nb && s0 + b.nb < p->calib.n) {
+        while (b.nb < nb && s0 + b.nb < s_hi) {
             int64_t r = sample_rows(p, &src, s0 + b.nb, e0, e1);
             if (rows + r > rows_cap) break;
             rows += r;
@@ -853,15 +994,25 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         const int32_t *sel = hs.sel + s * p->calib.max_len * K;
         for (int64_t j = 0; j < p->calib.len[s] * K; j++) tokens[sel[j]]++;
     }
+    /* several ranks: each calibrates and quantizes its share of the experts over every token,
+     * then every rank runs every quantized expert on its share of the samples */
+    const bool dist = p->ranks > 1;
+    int64_t own_lo = 0, own_hi = E;
+    if (dist) mq_dist_share(E, p->rank, p->ranks, &own_lo, &own_hi);
     bool need_block = false;
     for (int e = 0; e < E; e++) {
         slot_set(p, &gu[e], e, false, &ly->exp_gate[e], &ly->exp_up[e], NULL);
         slot_set(p, &dn[e], e, true, &ly->exp_down[e], NULL, NULL);
+        for (int r = 0; dist && r < p->ranks; r++) {
+            int64_t lo, hi;
+            mq_dist_share(E, r, p->ranks, &lo, &hi);
+            if (e >= lo && e < hi) gu[e].owner = dn[e].owner = r;
+        }
         gu[e].tokens = dn[e].tokens = tokens[e];
         if (o->gptq && tokens[e] < o->min_expert_tokens) {
             mq_how h = o->fallback_rtn ? MQ_HOW_RTN : MQ_HOW_GPTQ_BLOCK_HESSIAN;
             gu[e].how = dn[e].how = h;
-            need_block |= h == MQ_HOW_GPTQ_BLOCK_HESSIAN && gu[e].nw > 0;
+            need_block |= h == MQ_HOW_GPTQ_BLOCK_HESSIAN && gu[e].nw > 0 && mine(p, &gu[e]);
         }
     }
     free(tokens);
@@ -870,15 +1021,15 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     if (need_block && !replay) st = block_hessian(p, l, &block_H);
     const int C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
     const bool calib = p->calibrate && !replay;
-    for (int e0 = 0; e0 < E && !st; e0 += C) {
-        const int e1 = e0 + C < E ? e0 + C : E;
+    for (int e0 = (int)own_lo; e0 < own_hi && !st; e0 += C) {
+        const int e1 = e0 + C < own_hi ? e0 + C : (int)own_hi;
         if ((st = mq_lazy_load(p->lz, l, MQ_PART_EXPERTS, e0, e1))) break;
         for (int e = e0; e < e1 && !st && calib; e++)
             if (!(st = slot_hessian(p, &gu[e]))) st = slot_hessian(p, &dn[e]);
         /* calibration: Hessians (and amax) from the experts' routed tokens; without sequential
-         * calibration this pass also gives the layer's output */
+         * calibration (and alone) this pass also gives the layer's output */
         if (!st && calib)
-            st = experts_pass(p, l, e0, e1, hs, !p->seq, o->gptq, o->act_quant, gu, dn);
+            st = experts_pass(p, l, e0, e1, hs, !p->seq && !dist, o->gptq, o->act_quant, gu, dn, false);
         if (!st && calib && o->gptq) st = fallback_down(p, l, dn, e0, e1);
         for (int e = e0; e < e1 && calib; e++) {
             moeq_status fa = slot_form(&gu[e]), fb = slot_form(&dn[e]);
@@ -894,10 +1045,18 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             }
             if (!st) st = quantize_slots(p, l, q, 2 * (e1 - e0), block_H);
             for (int e = e0; q && e < e1; e++) {   /* quantize_slots took the Hessians */
+                slot *qa = &q[e - e0], *qb = &q[(e1 - e0) + (e - e0)];
                 gu[e].H = dn[e].H = NULL;
-                mq_hessian_free(&q[e - e0].h);
-                mq_hessian_free(&q[(e1 - e0) + (e - e0)].h);
+                mq_hessian_free(&qa->h);
+                mq_hessian_free(&qb->h);
                 gu[e].h = dn[e].h = (mq_hessian){0};
+                /* results held for share_slots (several ranks) */
+                memcpy(gu[e].q, qa->q, sizeof gu[e].q);
+                memcpy(gu[e].qs, qa->qs, sizeof gu[e].qs);
+                gu[e].held = qa->held;
+                memcpy(dn[e].q, qb->q, sizeof dn[e].q);
+                memcpy(dn[e].qs, qb->qs, sizeof dn[e].qs);
+                dn[e].held = qb->held;
             }
             free(q);
         } else if (!st && replay && p->seq) {
@@ -905,18 +1064,38 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             if (!st) st = read_back_slots(p, dn + e0, e1 - e0);
         }
         /* the output of the quantized experts on the quantized attention's FFN input */
-        if (!st && p->seq) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn);
-        if (!st && replay && !p->seq) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn);
+        if (!dist && !st && p->seq)
+            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false);
+        if (!dist && !st && replay && !p->seq)
+            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false);
         for (int e = e0; e < e1; e++) {
-            slot_free(&gu[e]);
-            slot_free(&dn[e]);
+            slot_drop_sums(&gu[e]);
+            slot_drop_sums(&dn[e]);
         }
         mq_lazy_release(p->lz, l, MQ_PART_EXPERTS, e0, e1);
         p->layers[l].chunks++;
-        if (!st) mq_fault_point("chunk", l, e0 / C);
-        mq_pipe_progress(p, p->mp_units.expert * (e1 - e0));
+        if (!st && mq_fault_point("chunk", l, (e0 - (int)own_lo) / C))
+            st = mq_err(MOEQ_E_IO, "layer %d, expert chunk %d: injected fault (MOEQ_FAULT)", l, (e0 - (int)own_lo) / C);
+        if (!dist) mq_pipe_progress(p, p->mp_units.expert * (e1 - e0));
     }
-    if (!st && o->act_quant && !replay) st = unseen_expert_scales(p, gu, dn, E);
+    if (dist) {
+        /* every expert from its owner, chunk by chunk in expert order; each rank's samples
+         * through them (unquantized ones without sequential calibration) */
+        char step[48];
+        snprintf(step, sizeof step, "layer %d: experts", l);
+        st = mq_dist_agree(st, step);
+        for (int e0 = 0; e0 < E && !st; e0 += C) {
+            const int e1 = e0 + C < E ? e0 + C : E;
+            st = mq_lazy_load(p->lz, l, MQ_PART_EXPERTS, e0, e1);
+            st = mq_dist_agree(st, step);
+            if (!st) st = share_slots(p, l, gu + e0, e1 - e0);
+            if (!st) st = share_slots(p, l, dn + e0, e1 - e0);
+            if (!st) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, true);
+            mq_lazy_release(p->lz, l, MQ_PART_EXPERTS, e0, e1);
+            mq_pipe_progress(p, p->mp_units.expert * (e1 - e0));
+        }
+    }
+    if (!st && o->act_quant && !replay && p->w) st = unseen_expert_scales(p, gu, dn, E);
     mq_free(block_H);
     for (int e = 0; e < E; e++) {
         slot_free(&gu[e]);
@@ -932,13 +1111,14 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
 /* One pass of the samples through the unit: Hessians and amax (calibration), and/or its output
  * into OUT. */
 static moeq_status mlp_pass(mq_pipe *p, int l, bool shared, slot *sl, ffn_source src, bool calib,
-                            bool out, float *xs, float *hg, float *hu, float *y, float *sgate) {
+                            bool out, float *xs, float *hg, float *hu, float *y, float *sgate, bool own) {
     mq_layer *ly = &p->m->layers[l];
     mq_linear *g = shared ? &ly->sh_gate : &ly->gate, *u = shared ? &ly->sh_up : &ly->up,
               *d = shared ? &ly->sh_down : &ly->down;
     const int64_t D = p->c->D, F = g->out;
     moeq_status st = MOEQ_OK;
-    for (int64_t s = 0; s < p->calib.n && !st; s++) {
+    const int64_t s_lo = own ? p->s_lo : 0, s_hi = own ? p->s_hi : p->calib.n;
+    for (int64_t s = s_lo; s < s_hi && !st; s++) {
         if ((st = check_interrupt())) break;
         const int64_t T = p->calib.len[s];
         double t0 = mq_now();
@@ -975,6 +1155,8 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
     slot sl[2];
     slot_set(p, &sl[0], -1, false, g, shared ? &ly->sh_up : &ly->up, NULL);
     slot_set(p, &sl[1], -1, true, shared ? &ly->sh_down : &ly->down, NULL, NULL);
+    const bool dist = p->ranks > 1;
+    if (dist) sl[0].owner = sl[1].owner = p->ranks - 1;   /* rank 0 has the attention's q/k/v */
     const int64_t Lmax = p->calib.max_len, D = p->c->D, F = g->out;
     float *xs = mq_alloc_array((size_t)p->LD, sizeof(float), "FFN input");
     float *hg = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "MLP activations");
@@ -982,10 +1164,11 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
     float *y = mq_alloc_array((size_t)(Lmax * D), sizeof(float), "MLP output");
     float *sgate = mq_alloc_array((size_t)Lmax, sizeof(float), "shared expert gate");
     if (!xs || !hg || !hu || !y || !sgate) st = MOEQ_E_NOMEM;
-    if (!st && p->calibrate && !replay) {
-        /* calibration; without sequential calibration it also gives the output */
+    if (!st && p->calibrate && !replay && mine(p, &sl[0])) {
+        /* calibration; without sequential calibration (and alone) it also gives the output */
         for (int i = 0; i < 2 && !st; i++) st = slot_hessian(p, &sl[i]);
-        if (!st) st = mlp_pass(p, l, shared, sl, hessian_source(p), true, !p->seq, xs, hg, hu, y, sgate);
+        if (!st)
+            st = mlp_pass(p, l, shared, sl, hessian_source(p), true, !p->seq && !dist, xs, hg, hu, y, sgate, false);
         for (int i = 0; i < 2; i++) {
             sl[i].tokens = sl[i].h.n;
             moeq_status fs = slot_form(&sl[i]);
@@ -994,10 +1177,19 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
         if (!st) st = quantize_slots(p, l, sl, 2, NULL);
     } else if (!st && replay) {
         if (p->seq) st = read_back_slots(p, sl, 2);
-        else st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate);
+        else st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, false);
     }
-    /* the quantized unit's output on the quantized attention's FFN input */
-    if (!st && p->seq) st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate);
+    if (dist && !replay) {
+        /* from its owner to every rank; then each rank's samples through it */
+        char step[48];
+        snprintf(step, sizeof step, "layer %d: %s", l, shared ? "shared expert" : "MLP");
+        st = mq_dist_agree(st, step);
+        if (!st) st = share_slots(p, l, sl, 2);
+        if (!st) st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, true);
+    } else if (!st && p->seq) {
+        /* the quantized unit's output on the quantized attention's FFN input */
+        st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, false);
+    }
     for (int i = 0; i < 2; i++) slot_free(&sl[i]);
     mq_free(xs);
     mq_free(hg);
@@ -1034,6 +1226,7 @@ static moeq_status item_load(const mq_plan_item *it, float **out) {
 }
 
 moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l) {
+    if (!p->w) return MOEQ_OK;   /* several ranks: rank 0's work */
     const mq_pipeline_opts *o = p->o;
     const mq_out_plan *pl = &p->plan;
     moeq_status st = MOEQ_OK;
@@ -1077,6 +1270,7 @@ moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l) {
 }
 
 moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l) {
+    if (!p->w) return MOEQ_OK;   /* several ranks: rank 0's work */
     const mq_out_plan *pl = &p->plan;
     moeq_status st = MOEQ_OK;
     double t0 = mq_now();
@@ -1101,20 +1295,34 @@ moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l) {
 
 /* ---- the layer ----------------------------------------------------------------------------- */
 
+moeq_status mq_pipe_share_samples(mq_pipe *p, mq_actbuf *b, const char *step) {
+    moeq_status st = MOEQ_OK;
+    for (int r = 0; r < p->ranks && !st; r++) {
+        int64_t lo, hi;
+        mq_dist_share(p->calib.n, r, p->ranks, &lo, &hi);
+        if (hi <= lo) continue;
+        size_t es;
+        char *at = mq_actbuf_raw(b, (size_t)(lo * p->LD), &es);
+        st = mq_dist_bcast(at, (size_t)((hi - lo) * p->LD) * es, r, step);
+    }
+    return st;
+}
+
 static void zero_out(mq_pipe *p) {
     for (int64_t s = 0; s < p->calib.n; s++)
         memset(mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)), 0,
                sizeof(float) * (size_t)(p->calib.len[s] * p->c->D));
 }
 
-/* boundary = h + OUT, sample by sample (x += out, as the forward adds the FFN's output). */
+/* boundary = h + OUT, sample by sample (x += out, as the forward adds the FFN's output), for
+ * this rank's samples. */
 static void add_out(mq_pipe *p) {
     const mq_vec_kernels *vk = mq_vec();
     const int64_t D = p->c->D;
     float *tmp = NULL;
     mq_actbuf *h = out_buf(p);
     if (h->kind == MQ_ACT_BF16) tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "boundary");
-    for (int64_t s = 0; s < p->calib.n; s++) {
+    for (int64_t s = p->s_lo; s < p->s_hi; s++) {
         size_t off = (size_t)(s * p->LD), n = (size_t)(p->calib.len[s] * D);
         const float *o = mq_actbuf_ptr(&p->OUT, off);
         if (h->kind == MQ_ACT_BF16) {
@@ -1143,8 +1351,14 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
             st = mlp_unit(p, l, false, replay);
         }
     }
+    if (!st) add_out(p);
+    if (p->ranks > 1) {   /* each rank's samples of the next boundary to every rank */
+        char step[48];
+        snprintf(step, sizeof step, "layer %d: outputs", l);
+        st = mq_dist_agree(st, step);
+        if (!st) st = mq_pipe_share_samples(p, out_buf(p), step);
+    }
     if (!st) {
-        add_out(p);
         if (p->X.kind == MQ_ACT_DISK) {   /* the next layer reads what this one wrote */
             mq_actbuf t = p->X;
             p->X = p->X2;

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "dist/dist.h"
 #include "pipeline/internal.h"
 
 void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_format format) {
@@ -21,7 +22,6 @@ void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_forma
         o->spec.scale_dtype = MOEQ_DT_F16;
         o->spec.int4_zero_min = 1;
     }
-    if (format == MQ_FMT_GGUF) o->spec.scale_dtype = MOEQ_DT_F16;   /* Q4_0/Q4_1 hold f16 scales */
     o->g = mq_gptq_opts_default();
     o->sequential = true;
     o->device = -1;
@@ -135,6 +135,19 @@ static moeq_status embed_all(mq_pipe *p) {
 static moeq_status alloc_activations(mq_pipe *p) {
     const size_t n = (size_t)(p->calib.n * p->LD);
     mq_act_storage k = p->mp.storage;
+    if (!p->work_dir) {
+        /* a rank past 0 has no work directory: its activation files (if on disk) go beside it,
+         * in a directory of its own that goes when the run ends */
+        const char *base = p->o->work_dir;
+        p->work_dir = base ? mq_asprintf("%s.rank%d", base, p->rank)
+                           : mq_asprintf("%s.moeq-work.rank%d", p->out_dir, p->rank);
+        if (!p->work_dir) return mq_err(MOEQ_E_NOMEM, "out of memory");
+        if (k == MQ_ACT_DISK) {
+            if (mkdir(p->work_dir, 0755) != 0 && errno != EEXIST)
+                return mq_err(MOEQ_E_IO, "%s: cannot create: %s", p->work_dir, strerror(errno));
+            p->rank_dir = true;
+        }
+    }
     char *px = mq_path_join(p->work_dir, "x.bin"), *px2 = mq_path_join(p->work_dir, "x2.bin"),
          *pn = mq_path_join(p->work_dir, "xn.bin"), *po = mq_path_join(p->work_dir, "out.bin");
     moeq_status s = px && px2 && pn && po ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -166,6 +179,7 @@ static void pipe_free(mq_pipe *p) {
     mq_actbuf_free(&p->X2);
     mq_actbuf_free(&p->XN);
     mq_actbuf_free(&p->OUT);
+    if (p->rank_dir) mq_remove_tree(p->work_dir);
     mq_free(p->sel_a);
     mq_free(p->sel_b);
     mq_free(p->w_a);
@@ -229,11 +243,11 @@ static void log_layer(const mq_pipe *p, int l, double t_start) {
 static moeq_status run(mq_pipe *p) {
     const mq_pipeline_opts *o = p->o;
     moeq_status s = MOEQ_OK;
-    if (!mq_work_globals_done(p)) {
+    if (p->w && !mq_work_globals_done(p)) {   /* rank 0 writes */
         s = mq_pipe_write_passthrough(p, -1);
         if (!s) s = mq_work_globals_written(p);
-        if (s) return s;
     }
+    if ((s = mq_dist_agree(s, "the global tensors"))) return s;
     const int n_layers = p->plan.n_layers, start = p->layers_done;
     p->first_layer = start;
     p->res->layers_resumed = start;
@@ -241,9 +255,30 @@ static moeq_status run(mq_pipe *p) {
     for (int l = 0; l < start; l++)
         p->units_done += p->units_total / (n_layers > 0 ? n_layers : 1);
     if (p->calibrate && start < n_layers) {
-        if ((s = alloc_activations(p))) return s;
+        s = alloc_activations(p);
         bool have = false;
-        if (start > 0 && (s = mq_work_load_boundary(p, start, &have))) return s;
+        if (!s && start > 0 && p->rank == 0) s = mq_work_load_boundary(p, start, &have);
+        if (p->ranks > 1) {
+            /* the snapshot from rank 0; without one, recomputing the finished layers needs the
+             * checkpoint being written, which only rank 0 has */
+            if ((s = mq_dist_agree(s, "the resumed activations"))) return s;
+            int32_t h = have;
+            if ((s = mq_dist_bcast(&h, sizeof h, 0, "the resumed activations"))) return s;
+            have = h != 0;
+            if (start > 0 && !have)
+                s = mq_err(MOEQ_E_NOTFOUND, "%s: no usable activation snapshot at layer %d to resume "
+                           "from with %d ranks: resume without mpirun once (one process recomputes "
+                           "them), or start over", p->work_dir ? p->work_dir : "the work directory",
+                           start, p->ranks);
+            if ((s = mq_dist_agree(s, "the resumed activations"))) return s;
+            if (have) {   /* every sample from rank 0 */
+                size_t es;
+                char *at = mq_actbuf_raw(&p->X, 0, &es);
+                s = mq_dist_bcast(at, (size_t)(p->calib.n * p->LD) * es, 0, "the resumed activations");
+                if (s) return s;
+            }
+        }
+        if (s) return s;
         if (!have) {
             if ((s = embed_all(p))) return s;
             /* a resumed run whose snapshot is gone: the finished layers again, from what the
@@ -270,8 +305,14 @@ static moeq_status run(mq_pipe *p) {
             mq_pipe_progress(p, p->mp_units.rtn_layer);
         }
         p->layers[l].peak_anon = mq_mem_watch_take_peak();
-        if (!s) s = mq_work_layer_done(p, l);
-        if (!s && p->calibrate) log_layer(p, l, t_layers);
+        if (!s && p->w) s = mq_work_layer_done(p, l);
+        if (p->ranks > 1) {
+            char step[48];
+            snprintf(step, sizeof step, "layer %d: done", l);
+            s = mq_dist_agree(s, step);
+            if (!s) p->layers_done = l + 1;
+        }
+        if (!s && p->calibrate && p->rank == 0) log_layer(p, l, t_layers);
         if (!s && p->res->layers_run < 512) {
             const mq_layer_report *lr = &p->layers[l];
             p->res->layer[p->res->layers_run++] = (mq_layer_stats){
@@ -295,7 +336,6 @@ static moeq_status finish(mq_pipe *p) {
     p->w = NULL;
     if (s) return s;
     mq_fault_point("rename", 0, 0);
-    if (p->o->format == MQ_FMT_GGUF) return mq_gguf_export(p->build_dir, p->out_dir, p->o->gguf_rest);
     return mq_ckpt_publish(p->build_dir, p->out_dir);
 }
 
@@ -313,13 +353,17 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     p->res = &res;
     p->lock_fd = -1;
     p->model_dir = model_dir;
+    p->rank = mq_dist_rank();
+    p->ranks = mq_dist_size();
+    mq_dist_reset();
+    mq_dist_set_timeout(o->mpi_timeout);
     size_t olen = strlen(out_dir);
     while (olen > 1 && out_dir[olen - 1] == '/') olen--;
     p->out_dir = mq_strndup(out_dir, olen);
     if (!p->out_dir) return MOEQ_E_NOMEM;
     bool exists = false;
     bool watching = false, work = false;
-    if ((s = mq_ckpt_check_out(model_dir, p->out_dir, o->force, &exists))) goto done;
+    if (p->rank == 0 && (s = mq_ckpt_check_out(model_dir, p->out_dir, o->force, &exists))) goto done;
     if (o->gptq && o->device >= 0) {
         /* first, so that a missing GPU costs nothing */
         if ((s = mq_gpu_open(o->device, &p->gpu))) goto done;
@@ -375,7 +419,11 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     else if (o->act_quant) s = act_calibration(p);
     if (s) goto done;
     p->LD = p->calibrate ? p->calib.max_len * p->c->D : 0;
+    p->s_lo = 0;
+    p->s_hi = p->calib.n;
+    mq_dist_share(p->calib.n, p->rank, p->ranks, &p->s_lo, &p->s_hi);
     if ((s = mq_plan_memory(p))) goto done;
+    if ((s = mq_dist_agree(s, "planning"))) goto done;
     if (o->dry_run) mq_plan_estimate_time(p);
     res.plan = p->mp;
     res.samples = p->calib.n;
@@ -383,17 +431,35 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     if (o->dry_run) goto done;
     mq_mem_watch_start();
     watching = true;
-    if ((s = mq_work_prepare(p))) goto done;
-    work = true;
+    if (p->rank == 0) {   /* the work directory and the writer are rank 0's */
+        s = mq_work_prepare(p);
+        work = !s;
+    }
+    if ((s = mq_dist_agree(s, "the work directory"))) goto done;
+    if (p->ranks > 1) {
+        int32_t done_layers = p->layers_done;
+        if ((s = mq_dist_bcast(&done_layers, sizeof done_layers, 0, "the work directory"))) goto done;
+        p->layers_done = done_layers;
+    }
     s = run(p);
-    if (!s && !o->stop_after) s = finish(p);
-    if (!s && o->report_path && !o->stop_after) {
+    if (!s && !o->stop_after && p->w) s = finish(p);
+    s = mq_dist_agree(s, "the checkpoint");
+    res.ranks = p->ranks;
+    if (!s) {
+        int64_t peak = 0;
+        s = mq_dist_gather_i64(mq_mem_watch_peak(), &peak, p->ranks <= 64 ? res.rank_peak : NULL, "memory");
+        if (!s && p->ranks > 1 && p->rank == 0)
+            for (int r = 0; r < p->ranks && r < 64; r++)
+                mq_info("rank %d: peak memory %.2f GB", r, (double)res.rank_peak[r] / 1e9);
+    }
+    if (!s && o->report_path && !o->stop_after && p->rank == 0) {
         res.peak_anon = mq_mem_watch_peak();
         res.seconds_total = mq_now() - t0;
         sum_modules(p);
         s = mq_report_write(p, o->report_path, o->report_html_path);
     }
 done:
+    s = mq_dist_agree(s, "the end of the run");   /* a rank that failed early meets the others */
     if (watching) {
         res.peak_anon = mq_mem_watch_peak();
         mq_mem_watch_stop();

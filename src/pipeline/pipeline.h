@@ -29,7 +29,6 @@
 #ifndef MOEQ_PIPELINE_H
 #define MOEQ_PIPELINE_H
 
-#include "export/gguf_export.h"
 #include "export/layout.h"
 #include "quant/calib.h"
 #include "quant/gptq.h"
@@ -52,7 +51,6 @@ typedef struct {
     int n_ignore;
     size_t max_shard_bytes;        /* 0: 5 GB */
     bool force;                    /* replace an existing OUT_DIR */
-    mq_gguf_rest gguf_rest;        /* MQ_FMT_GGUF: storage of the unquantized tensors */
     /* the method */
     bool gptq;                     /* GPTQ (else RTN) */
     mq_gptq_opts g;
@@ -71,6 +69,7 @@ typedef struct {
     int expert_chunk;              /* experts loaded at once; 0: as many as the budget allows */
     mq_act_storage act_storage;
     int device;                    /* GPTQ on GPU `device` (backend/gpu.h); -1: on the CPU */
+    double mpi_timeout;            /* seconds a rank waits for the others (src/dist); 0: 3600 */
     const char *report_path;       /* JSON report (NULL: none) */
     const char *report_html_path;  /* the same drawn as an HTML page (NULL: none; needs report_path) */
     int32_t stop_after;            /* benchmarks: stop after this many layers (0: all); the run
@@ -130,6 +129,8 @@ typedef struct {
     double seconds_forward, seconds_hessian, seconds_gptq, seconds_write, seconds_total;
     mq_layer_stats layer[512];     /* the first 512 layers run */
     int32_t layers_run;
+    int32_t ranks;                 /* processes of the run (src/dist) */
+    int64_t rank_peak[64];         /* measured peak anonymous memory of the first 64 ranks */
 } mq_pipeline_result;
 
 /* Quantizes model_dir into out_dir (see the top of this file). Errors before any work: bad

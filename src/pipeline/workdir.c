@@ -22,21 +22,29 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include "dist/dist.h"
 #include "pipeline/internal.h"
 
 #define MANIFEST_VERSION 1
 static const char k_act_magic[8] = {'M', 'O', 'E', 'Q', 'A', 'C', 'T', '1'};
 
-void mq_fault_point(const char *where, int a, int b) {
+bool mq_fault_point(const char *where, int a, int b) {
     const char *f = getenv("MOEQ_FAULT");
-    if (!f || !*f) return;
+    if (!f || !*f) return false;
+    const char *fr = getenv("MOEQ_FAULT_RANK");
+    if (fr && *fr && atoi(fr) != mq_dist_rank()) return false;
     char want[96];
     snprintf(want, sizeof want, "%s:%d", where, a);
     size_t n = strlen(want);
-    if (strncmp(f, want, n) != 0) return;
-    if (f[n] == ':' && atoi(f + n + 1) != b) return;
-    if (f[n] != '\0' && f[n] != ':') return;
+    if (strncmp(f, want, n) != 0) return false;
+    if (f[n] == ':' && atoi(f + n + 1) != b) return false;
+    if (f[n] != '\0' && f[n] != ':') return false;
+    const char *mode = getenv("MOEQ_FAULT_MODE");
+    if (mode && !strcmp(mode, "error")) return true;
+    if (mode && !strcmp(mode, "hang"))
+        for (;;) pause();
     raise(SIGKILL);
+    return false;
 }
 
 /* ---- identity ---------------------------------------------------------------------------------- */

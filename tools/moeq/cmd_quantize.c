@@ -63,6 +63,7 @@ int cmd_quantize(int argc, char **argv) {
     const char *activations = "auto", *device = NULL, *revision = NULL, *scale_search = NULL;
     const char *gguf_rest = NULL;
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
+    double mpi_timeout = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
     bool reference = false, group_seen = false, resume = false, dry_run = false;
     cli_list ignore = {0};
@@ -124,6 +125,8 @@ int cmd_quantize(int argc, char **argv) {
         {"--device", OPT_STRING, &device, "DEV", "where GPTQ factors and quantizes: cpu (default), "
          "cuda or cuda:N (a build with -DMOEQ_CUDA=ON; codes agree with the CPU's but for "
          "weights on a rounding threshold)", NULL, 0, 0, NULL},
+        {"--mpi-timeout", OPT_DOUBLE, &mpi_timeout, "SECONDS", "under mpirun: how long a rank waits "
+         "for the others at a step before the job stops (default 3600)", NULL, 0, 0, NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary", NULL, 0, 0, NULL},
         GPTQ_CLI_OPTS(gq),
     };
@@ -148,9 +151,7 @@ int cmd_quantize(int argc, char **argv) {
     bool nv = strcmp(scheme, "int4") != 0;
     moeq_ckpt_format fmt = strcmp(format, "modelopt") == 0 ? MOEQ_FORMAT_MODELOPT
                            : strcmp(format, "gptq") == 0  ? MOEQ_FORMAT_GPTQ
-                           : strcmp(format, "gguf") == 0  ? MOEQ_FORMAT_GGUF
                                                           : MOEQ_FORMAT_COMPRESSED_TENSORS;
-    if (gguf_rest && fmt != MOEQ_FORMAT_GGUF) return cli_usage_error("quantize", "--gguf-rest needs --format gguf");
     if (nv && fmt == MOEQ_FORMAT_GPTQ)
         return cli_usage_error("quantize", "--format gptq holds INT4 only");
     if (!nv && fmt == MOEQ_FORMAT_MODELOPT)
@@ -177,7 +178,6 @@ int cmd_quantize(int argc, char **argv) {
     o.scheme = w4a4 ? MOEQ_QUANT_NVFP4 : nv ? MOEQ_QUANT_NVFP4A16 : MOEQ_QUANT_INT4;
     o.method = gptq ? MOEQ_QUANT_GPTQ : MOEQ_QUANT_RTN;
     o.format = fmt;
-    o.gguf_rest = gguf_rest;
     o.max_shard_bytes = (int64_t)shard;
     if (!nv && group_seen) o.group_size = (int32_t)group;
     o.asym = asym;
@@ -202,6 +202,8 @@ int cmd_quantize(int argc, char **argv) {
         !(strncmp(device, "cuda:", 5) == 0 && device[5] && strspn(device + 5, "0123456789") == strlen(device + 5)))
         return cli_usage_error("quantize", "--device %s: expected cpu, cuda or cuda:N", device);
     o.device = device;
+    if (mpi_timeout < 0) return cli_usage_error("quantize", "--mpi-timeout must be >= 0 seconds");
+    o.mpi_timeout = mpi_timeout;
     /* parsed by the library's option setter; range checks are moeq_quantize's */
     if (scale_search && (moeq_quant_options_set(&o, "scale-search", scale_search) || !(o.scale_lo > 0) ||
                          !(o.scale_hi > 0)))

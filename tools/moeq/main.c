@@ -1,4 +1,5 @@
 /* moeq: the command-line front end. Each subcommand is one function in cmd_<name>.c. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -16,7 +17,6 @@ static const struct {
     {"eval", cmd_eval, "wikitext perplexity and KL divergence, exactly as lm-eval"},
     {"quantize", cmd_quantize, "quantize a model (RTN or GPTQ) into NVFP4 or INT4 checkpoints"},
     {"bench", cmd_bench, "benchmarks: forward, gptq, moe-ffn, tokenizer"},
-    {"export-gguf", cmd_export_gguf, "convert a checkpoint into one GGUF file for llama.cpp"},
 };
 
 static void usage(FILE *to) {
@@ -26,6 +26,32 @@ static void usage(FILE *to) {
     for (size_t i = 0; i < sizeof g_commands / sizeof g_commands[0]; i++)
         fprintf(to, "  %-10s %s\n", g_commands[i].name, g_commands[i].summary);
     fprintf(to, "\n'moeq <command> --help' describes a command's options.\n");
+}
+
+/* Ranks past 0 of an mpirun job: rank 0 speaks for the job; the others only warn (and print
+ * their error when they stop). */
+static void rank_log(void *user, int level, const char *msg) {
+    (void)user;
+    if (level > 0) fprintf(stderr, "moeq (rank %d): warning: %s\n", moeq_dist_rank(), msg);
+}
+
+/* Commands that split their work over the ranks of an mpirun job. */
+static int run_command(int i, int argc, char **argv) {
+    const bool dist = !strcmp(g_commands[i].name, "quantize") || !strcmp(g_commands[i].name, "bench");
+    if (dist) {
+        moeq_status st = moeq_dist_start();
+        if (st) return cli_fail(g_commands[i].name, st);
+        if (moeq_dist_rank() > 0) {
+            moeq_set_log(rank_log, NULL);
+            if (!freopen("/dev/null", "w", stdout)) return cli_fail(g_commands[i].name, MOEQ_E_IO);
+        }
+    }
+    int rc = g_commands[i].run(argc, argv);
+    if (dist) {
+        fflush(stdout);
+        moeq_dist_stop();
+    }
+    return rc;
 }
 
 int main(int argc, char **argv) {
@@ -38,12 +64,13 @@ int main(int argc, char **argv) {
         return CLI_OK;
     }
     if (!strcmp(argv[1], "--version")) {
-        printf("moeq %s\nCPU kernels: %s\nGPU backend: %s\n", moeq_version(), moeq_cpu_kernels(),
-               moeq_gpu_backend_built() ? "CUDA (--device cuda)" : "none (built without CUDA)");
+        printf("moeq %s\nCPU kernels: %s\nGPU backend: %s\nMPI: %s\n", moeq_version(), moeq_cpu_kernels(),
+               moeq_gpu_backend_built() ? "CUDA (--device cuda)" : "none (built without CUDA)",
+               moeq_dist_built() ? "Open MPI (mpirun -np N moeq quantize ...)" : "none (built without MPI)");
         return CLI_OK;
     }
     for (size_t i = 0; i < sizeof g_commands / sizeof g_commands[0]; i++)
-        if (!strcmp(argv[1], g_commands[i].name)) return g_commands[i].run(argc - 1, argv + 1);
+        if (!strcmp(argv[1], g_commands[i].name)) return run_command((int)i, argc - 1, argv + 1);
     fprintf(stderr, "moeq: unknown command '%s'\n\n", argv[1]);
     usage(stderr);
     return CLI_USAGE;

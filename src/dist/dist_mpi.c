@@ -1,0 +1,179 @@
+/*
+ * Ranks over Open MPI. Only the main thread calls MPI (MPI_THREAD_FUNNELED): the pool's threads
+ * compute, the main thread exchanges between stages. Every wait is a non-blocking collective
+ * polled against the timeout, so a rank that never arrives cannot hang the others.
+ */
+#include "dist/dist.h"
+
+#ifdef MOEQ_HAVE_MPI
+
+#include <mpi.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static int g_rank = 0, g_size = 1, g_local = 0;
+static bool g_started = false, g_broken = false;
+static double g_timeout = 3600;
+/* Once an agreement found a failure, every rank knows it at the same step: later steps do not
+ * communicate (the ranks may have left the stages at different points), they fail alike. */
+static bool g_failed = false;
+static moeq_status g_fail_st = MOEQ_OK;
+static char g_fail_msg[2048];
+
+/* Large buffers move in pieces: MPI counts are ints. */
+enum { PIECE = 1 << 30 };
+
+bool mq_dist_built(void) { return true; }
+int mq_dist_rank(void) { return g_rank; }
+int mq_dist_size(void) { return g_size; }
+int mq_dist_local_rank(void) { return g_local; }
+bool mq_dist_broken(void) { return g_broken; }
+void mq_dist_set_timeout(double seconds) { g_timeout = seconds > 0 ? seconds : 3600; }
+
+static bool launched(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
+        if (getenv(vars[i])) return true;
+    return false;
+}
+
+moeq_status mq_dist_start(void) {
+    if (g_started || !launched()) return MOEQ_OK;
+    int provided = 0;
+    if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+        return mq_err(MOEQ_E_IO, "MPI_Init_thread failed (started by mpirun?)");
+    g_started = true;
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+    MPI_Comm local;
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, g_rank, MPI_INFO_NULL, &local) == MPI_SUCCESS) {
+        MPI_Comm_rank(local, &g_local);
+        MPI_Comm_free(&local);
+    }
+    return MOEQ_OK;
+}
+
+void mq_dist_stop(void) {
+    if (g_started && !g_broken) MPI_Finalize();
+    g_started = false;
+}
+
+static moeq_status mpi_fail(int rc, const char *what, const char *step) {
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "error %d", rc);
+    g_broken = true;
+    return mq_err(MOEQ_E_IO, "rank %d: %s at %s: %s", g_rank, what, step, text);
+}
+
+/* Polls a request until it completes or the timeout passes. */
+static moeq_status wait_for(MPI_Request *req, const char *step) {
+    const double t0 = mq_now();
+    long sleep_ns = 20000;
+    for (;;) {
+        int done = 0;
+        int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Test", step);
+        if (done) return MOEQ_OK;
+        if (mq_now() - t0 > g_timeout) {
+            g_broken = true;
+            return mq_err(MOEQ_E_IO, "rank %d: the other ranks did not reach '%s' within %.0f s "
+                          "(a rank hangs or was lost; --mpi-timeout sets the limit); stopping",
+                          g_rank, step, g_timeout);
+        }
+        struct timespec ts = {0, sleep_ns};
+        nanosleep(&ts, NULL);
+        if (sleep_ns < 20000000) sleep_ns *= 2;   /* up to 20 ms between polls */
+    }
+}
+
+void mq_dist_reset(void) { g_failed = false; }
+
+static moeq_status failed_before(void) { return mq_err(g_fail_st, "%s", g_fail_msg); }
+
+moeq_status mq_dist_agree(moeq_status st, const char *step) {
+    if (g_size <= 1) return st;
+    if (g_failed) return failed_before();
+    if (g_broken) return st ? st : mq_err(MOEQ_E_IO, "rank %d: an earlier step failed", g_rank);
+    int mine = st ? g_rank : g_size, first = g_size;
+    MPI_Request req;
+    int rc = MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD, &req);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Iallreduce", step);
+    moeq_status ws = wait_for(&req, step);
+    if (ws) return ws;
+    if (first == g_size) return MOEQ_OK;
+    struct {
+        int32_t status;
+        char msg[1536];
+    } m;
+    memset(&m, 0, sizeof m);
+    if (g_rank == first) {
+        m.status = st;
+        snprintf(m.msg, sizeof m.msg, "%s", moeq_last_error()[0] ? moeq_last_error() : moeq_status_text(st));
+    }
+    rc = MPI_Ibcast(&m, (int)sizeof m, MPI_BYTE, first, MPI_COMM_WORLD, &req);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Ibcast", step);
+    if ((ws = wait_for(&req, step))) return ws;
+    g_failed = true;
+    g_fail_st = (moeq_status)m.status;
+    snprintf(g_fail_msg, sizeof g_fail_msg, "rank %d: %s", first, m.msg);
+    return failed_before();
+}
+
+moeq_status mq_dist_bcast(void *buf, size_t n, int root, const char *step) {
+    if (g_size <= 1) return MOEQ_OK;
+    if (g_failed) return failed_before();
+    for (size_t off = 0; off < n; off += PIECE) {
+        size_t len = n - off < PIECE ? n - off : PIECE;
+        MPI_Request req;
+        int rc = MPI_Ibcast((char *)buf + off, (int)len, MPI_BYTE, root, MPI_COMM_WORLD, &req);
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Ibcast", step);
+        moeq_status s = wait_for(&req, step);
+        if (s) return s;
+    }
+    return MOEQ_OK;
+}
+
+moeq_status mq_dist_bcast_blob(void **buf, size_t *n, int root, const char *step) {
+    if (g_size <= 1) return MOEQ_OK;
+    uint64_t len = g_rank == root ? (uint64_t)*n : 0;
+    moeq_status s = mq_dist_bcast(&len, sizeof len, root, step);
+    if (s) return s;
+    if (g_rank != root) {
+        *n = (size_t)len;
+        *buf = malloc(len ? (size_t)len : 1);
+        if (!*buf) {
+            /* the others would wait in the bcast below: this rank cannot go on */
+            g_broken = true;
+            return mq_err(MOEQ_E_NOMEM, "rank %d: out of memory for %llu bytes at %s", g_rank,
+                          (unsigned long long)len, step);
+        }
+    }
+    return mq_dist_bcast(*buf, (size_t)len, root, step);
+}
+
+moeq_status mq_dist_gather_i64(int64_t v, int64_t *max, int64_t *all, const char *step) {
+    *max = v;
+    if (all) all[0] = v;
+    if (g_size <= 1) return MOEQ_OK;
+    int64_t *tmp = malloc(sizeof(int64_t) * (size_t)g_size);
+    if (!tmp) {
+        g_broken = true;
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    MPI_Request req;
+    int rc = MPI_Iallgather(&v, 1, MPI_INT64_T, tmp, 1, MPI_INT64_T, MPI_COMM_WORLD, &req);
+    moeq_status s = rc == MPI_SUCCESS ? wait_for(&req, step) : mpi_fail(rc, "MPI_Iallgather", step);
+    if (!s) {
+        for (int r = 0; r < g_size; r++) {
+            if (tmp[r] > *max) *max = tmp[r];
+            if (all) all[r] = tmp[r];
+        }
+    }
+    free(tmp);
+    return s;
+}
+
+#endif
