@@ -385,6 +385,7 @@ typedef enum {
     MOEQ_FORMAT_COMPRESSED_TENSORS = 0,   /* NVFP4 or INT4 */
     MOEQ_FORMAT_MODELOPT = 1,             /* NVFP4 only */
     MOEQ_FORMAT_GPTQ = 2,                 /* GPTQ v1, INT4 only */
+    MOEQ_FORMAT_GGUF = 3,                 /* one GGUF v3 file for llama.cpp (docs/gguf.md) */
 } moeq_ckpt_format;
 
 /* How GPTQ cuts calibration samples from the calibration file. */
@@ -516,6 +517,9 @@ typedef struct {
                                       SVG plots of the report: losses per layer and expert,
                                       tokens per expert, time and memory); NULL: none */
     } gptq;
+    const char *gguf_rest;         /* --gguf-rest: MOEQ_FORMAT_GGUF's unquantized 2-D tensors:
+                                      "auto" (NULL, the default: their source dtype), "f32",
+                                      "f16", "bf16" or "q8_0" (norms, biases, routers: F32) */
 } moeq_quant_options;
 
 /* Fills o with the defaults of `moeq quantize` (scheme left unset). */
@@ -579,6 +583,18 @@ typedef struct {
  * failure it is zeroed except for a dry run's plan. */
 moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
                           const moeq_quant_options *opts, moeq_quant_result *result);
+
+/* GGUF (docs/gguf.md). moeq_export_gguf converts a checkpoint directory (compressed-tensors,
+ * ModelOpt, GPTQ v1 or unquantized; llama, mixtral, olmoe, qwen2_moe, qwen3_moe) into one GGUF
+ * v3 file llama.cpp loads, without requantizing: INT4 symmetric -> Q4_0 (exact with f16 scales,
+ * as MOEQ_FORMAT_GGUF quantizes them), asymmetric -> Q4_1, NVFP4 -> NVFP4 + its global scale.
+ * rest: as moeq_quant_options.gguf_rest. Combinations llama.cpp would compute differently are
+ * MOEQ_E_UNSUPPORTED saying why; out_path is written under a temporary name and renamed when
+ * complete. */
+moeq_status moeq_export_gguf(const char *ckpt_dir, const char *out_path, const char *rest);
+/* A readable description of a GGUF file (header, KVs, tensors when list_tensors) into *text
+ * (owned by the caller: free()). A corrupt file is MOEQ_E_FORMAT naming the field. */
+moeq_status moeq_gguf_describe(const char *path, int list_tensors, char **text);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Quantized MoE feed-forward op (src/kernels)                                                */

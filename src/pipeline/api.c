@@ -78,7 +78,11 @@ static moeq_status check_options(const moeq_quant_options *o) {
         return BAD("scheme: unknown value %d", (int)o->scheme);
     if ((unsigned)o->method > MOEQ_QUANT_GPTQ)
         return BAD("method: unknown value %d", (int)o->method);
-    if ((unsigned)o->format > MOEQ_FORMAT_GPTQ)
+    mq_gguf_rest rest;
+    if (o->gguf_rest && !mq_gguf_rest_parse(o->gguf_rest, &rest))
+        return BAD("gguf_rest: \"%s\": expected auto, f32, f16, bf16 or q8_0", o->gguf_rest);
+    if (o->gguf_rest && o->format != MOEQ_FORMAT_GGUF) return BAD("gguf_rest is only for format MOEQ_FORMAT_GGUF");
+    if ((unsigned)o->format > MOEQ_FORMAT_GGUF)
         return BAD("format: unknown value %d", (int)o->format);
     bool nv = o->scheme != MOEQ_QUANT_INT4;
     if (nv && o->format == MOEQ_FORMAT_GPTQ) return BAD("format MOEQ_FORMAT_GPTQ holds INT4 only");
@@ -133,6 +137,7 @@ static moeq_status check_options(const moeq_quant_options *o) {
 static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) {
     mq_ckpt_format fmt = po->format == MOEQ_FORMAT_MODELOPT ? MQ_FMT_MODELOPT
                          : po->format == MOEQ_FORMAT_GPTQ   ? MQ_FMT_GPTQ
+                         : po->format == MOEQ_FORMAT_GGUF   ? MQ_FMT_GGUF
                                                             : MQ_FMT_CT;
     bool nv = po->scheme != MOEQ_QUANT_INT4;
     mq_pipeline_opts_init(o, nv ? MQ_QS_NVFP4 : MQ_QS_INT4, fmt);
@@ -159,6 +164,7 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->ignore = po->ignore;
     o->n_ignore = (int)po->n_ignore;
     o->force = po->force != 0;
+    if (po->gguf_rest) mq_gguf_rest_parse(po->gguf_rest, &o->gguf_rest);   /* checked before */
     o->max_memory = po->max_memory;
     o->work_dir = po->work_dir;
     o->resume = po->resume != 0;
@@ -247,9 +253,14 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
     if (st) return st;
     mq_pipeline_opts o;
     pipeline_options(opts, &o);
+    /* GGUF: what llama.cpp would compute otherwise is refused before any work */
+    if (opts->format == MOEQ_FORMAT_GGUF && (st = mq_gguf_check_model(model_dir, o.spec.scheme, o.act_quant)))
+        return st;
     char *report = NULL;
     if (opts->method == MOEQ_QUANT_GPTQ && !opts->dry_run) {
-        report = opts->gptq.report ? mq_strdup(opts->gptq.report) : mq_path_join(out_dir, "gptq_report.json");
+        report = opts->gptq.report                  ? mq_strdup(opts->gptq.report)
+                 : opts->format == MOEQ_FORMAT_GGUF ? mq_asprintf("%s.gptq_report.json", out_dir)
+                                                    : mq_path_join(out_dir, "gptq_report.json");
         if (!report) return mq_err(MOEQ_E_NOMEM, "out of memory");
         o.report_path = report;
         o.report_html_path = opts->gptq.report_html;

@@ -22,6 +22,7 @@ void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_forma
         o->spec.scale_dtype = MOEQ_DT_F16;
         o->spec.int4_zero_min = 1;
     }
+    if (format == MQ_FMT_GGUF) o->spec.scale_dtype = MOEQ_DT_F16;   /* Q4_0/Q4_1 hold f16 scales */
     o->g = mq_gptq_opts_default();
     o->sequential = true;
     o->device = -1;
@@ -336,6 +337,7 @@ static moeq_status finish(mq_pipe *p) {
     p->w = NULL;
     if (s) return s;
     mq_fault_point("rename", 0, 0);
+    if (p->o->format == MQ_FMT_GGUF) return mq_gguf_export(p->build_dir, p->out_dir, p->o->gguf_rest);
     return mq_ckpt_publish(p->build_dir, p->out_dir);
 }
 

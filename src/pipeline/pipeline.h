@@ -29,6 +29,7 @@
 #ifndef MOEQ_PIPELINE_H
 #define MOEQ_PIPELINE_H
 
+#include "export/gguf_export.h"
 #include "export/layout.h"
 #include "quant/calib.h"
 #include "quant/gptq.h"
@@ -51,6 +52,7 @@ typedef struct {
     int n_ignore;
     size_t max_shard_bytes;        /* 0: 5 GB */
     bool force;                    /* replace an existing OUT_DIR */
+    mq_gguf_rest gguf_rest;        /* MQ_FMT_GGUF: storage of the unquantized tensors */
     /* the method */
     bool gptq;                     /* GPTQ (else RTN) */
     mq_gptq_opts g;

@@ -306,7 +306,7 @@ int cmd_inspect(int argc, char **argv) {
          "quantized layout), group size, bits per weight", NULL, 0, 0, NULL},
     };
     const cli_command cmd = {
-        "inspect", "MODEL_DIR [--tensors] [--weights]",
+        "inspect", "MODEL_DIR|FILE.gguf [--tensors] [--weights]",
         "Shows a checkpoint's architecture, layer and expert layout, parameter counts (total and\n"
         "active per token), values and bytes per dtype and its quantization scheme, from\n"
         "config.json and the safetensors headers (no weights are loaded).",
@@ -314,6 +314,7 @@ int cmd_inspect(int argc, char **argv) {
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
+    if (cli_is_gguf(pos[0])) return cli_inspect_gguf(pos[0], tensors || weights);
     const char *dir = cli_model_dir("inspect", pos[0], revision);
     return dir ? inspect(dir, tensors, weights) : CLI_FAIL;
 }

@@ -62,6 +62,7 @@ int cmd_quantize(int argc, char **argv) {
     const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL, *calib_field = NULL;
     const char *activations = "auto", *device = NULL, *revision = NULL, *scale_search = NULL;
     const char *gguf_rest = NULL;
+    const char *gguf_rest = NULL;
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
     double mpi_timeout = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
@@ -151,7 +152,9 @@ int cmd_quantize(int argc, char **argv) {
     bool nv = strcmp(scheme, "int4") != 0;
     moeq_ckpt_format fmt = strcmp(format, "modelopt") == 0 ? MOEQ_FORMAT_MODELOPT
                            : strcmp(format, "gptq") == 0  ? MOEQ_FORMAT_GPTQ
+                           : strcmp(format, "gguf") == 0  ? MOEQ_FORMAT_GGUF
                                                           : MOEQ_FORMAT_COMPRESSED_TENSORS;
+    if (gguf_rest && fmt != MOEQ_FORMAT_GGUF) return cli_usage_error("quantize", "--gguf-rest needs --format gguf");
     if (nv && fmt == MOEQ_FORMAT_GPTQ)
         return cli_usage_error("quantize", "--format gptq holds INT4 only");
     if (!nv && fmt == MOEQ_FORMAT_MODELOPT)
@@ -178,6 +181,7 @@ int cmd_quantize(int argc, char **argv) {
     o.scheme = w4a4 ? MOEQ_QUANT_NVFP4 : nv ? MOEQ_QUANT_NVFP4A16 : MOEQ_QUANT_INT4;
     o.method = gptq ? MOEQ_QUANT_GPTQ : MOEQ_QUANT_RTN;
     o.format = fmt;
+    o.gguf_rest = gguf_rest;
     o.max_shard_bytes = (int64_t)shard;
     if (!nv && group_seen) o.group_size = (int32_t)group;
     o.asym = asym;
