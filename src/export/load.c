@@ -19,7 +19,7 @@ const char *mq_linear_kind_name(mq_linear_kind k) {
     case MQ_LIN_CT_INT4: return "int4 (compressed-tensors)";
     case MQ_LIN_MODELOPT_NVFP4: return "nvfp4 (modelopt)";
     case MQ_LIN_GPTQ: return "int4 (gptq)";
-    case MQ_LIN_FP8_BLOCK: return "fp8 e4m3 (block scales)";
+    case MQ_LIN_FP8_BLOCK: return "fp8 (block scales)";
     default: return "absent";
     }
 }

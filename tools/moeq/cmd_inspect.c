@@ -113,6 +113,19 @@ static void print_quantization(const char *config_path) {
         print_ct_groups(q);
         const cJSON *ign = cJSON_GetObjectItemCaseSensitive(q, "ignore");
         if (ign) print_json_compact("ignore", ign);
+    } else if (method && !strcmp(method, "fp8")) {
+        /* an FP8 block-quantized source (io/fp8.h): read dequantized to fp32 */
+        const cJSON *bs = cJSON_GetObjectItemCaseSensitive(q, "weight_block_size");
+        const cJSON *b0 = cJSON_GetArrayItem(bs, 0), *b1 = cJSON_GetArrayItem(bs, 1);
+        if (cJSON_IsNumber(b0) && cJSON_IsNumber(b1))
+            printf("  %-20s FP8 %s weights with one weight_scale_inv per %d x %d block "
+                   "(dequantized to fp32 when loaded)\n", "source", jstr(q, "fmt") ? jstr(q, "fmt") : "e4m3",
+                   b0->valueint, b1->valueint);
+        const char *keys[] = {"activation_scheme", "modules_to_not_convert"};
+        for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+            const cJSON *v = cJSON_GetObjectItemCaseSensitive(q, keys[i]);
+            if (v) print_json_compact(keys[i], v);
+        }
     } else if (method && (!strcmp(method, "gptq") || !strcmp(method, "awq"))) {
         const char *keys[] = {"bits", "group_size", "desc_act", "sym", "checkpoint_format"};
         for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
@@ -149,7 +162,7 @@ static int cmp_names(const void *x, const void *y) {
 
 /* One summary line per storage kind; with list, one indented line per weight in layer order. */
 static moeq_status print_storage(const mq_st *sf, bool list) {
-    storage_sum sum[MQ_LIN_GPTQ + 1];
+    storage_sum sum[MQ_LIN_FP8_BLOCK + 1];
     memset(sum, 0, sizeof sum);
     size_t n = 0, cnt = mq_st_count(sf);
     char **mods = malloc(sizeof *mods * (cnt ? cnt : 1));
@@ -167,6 +180,12 @@ static moeq_status print_storage(const mq_st *sf, bool list) {
         if (list) {
             char g[16] = "-";
             if (qi.scheme != MQ_QS_NONE) snprintf(g, sizeof g, "%lld", (long long)qi.group_size);
+            if (qi.kind == MQ_LIN_FP8_BLOCK) {
+                const mq_tensor_view *t = NULL;
+                char wn[1024];
+                if (snprintf(wn, sizeof wn, "%s.weight", mods[i]) < (int)sizeof wn) t = mq_st_find(sf, wn);
+                if (t) snprintf(g, sizeof g, "%dx%d", t->block_rows, t->block_cols);
+            }
             printf("  %-62s %-28s %6s %6.3f\n", mods[i], mq_linear_kind_name(qi.kind), g,
                    qi.bits_per_weight);
         }
@@ -176,7 +195,7 @@ static moeq_status print_storage(const mq_st *sf, bool list) {
     }
     for (size_t i = 0; i < n; i++) free(mods[i]);
     free(mods);
-    for (int k = MQ_LIN_DENSE; k <= MQ_LIN_GPTQ && !list && !s; k++) {
+    for (int k = MQ_LIN_DENSE; k <= MQ_LIN_FP8_BLOCK && !list && !s; k++) {
         if (!sum[k].n) continue;
         char a[32];
         human(a, sizeof a, (double)sum[k].weights, "");
