@@ -4,7 +4,8 @@
 # chromium (rendering the HTML reports headless) and python3-pytest (the Python package's tests;
 # without it they run as a script); those tests skip that part without them.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config python3 libopenblas-dev liblapacke-dev libcjson-dev libpcre2-dev zlib1g-dev)
+pkgs=(build-essential cmake pkg-config python3 libopenblas-dev liblapacke-dev libcjson-dev libpcre2-dev zlib1g-dev
+      libopenmpi-dev openmpi-bin)
 optional=()
 [ "${1:-}" = test ] && optional=(qemu-user chromium python3-pytest)
 missing() {

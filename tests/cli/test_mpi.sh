@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# mpirun -np 1|2|3 moeq quantize on localhost writes checkpoints byte-identical to one process's
+# (GPTQ NVFP4 on the bundled OLMoE, INT4 act-order on a model with a shared expert when the
+# shared fixtures are there); a rank killed mid-layer stops the job naming it, and --resume with
+# another rank count finishes identically; a rank that fails makes every rank stop with its
+# message; a rank that hangs makes the others give up after --mpi-timeout. Skips (77) without
+# mpirun or on a build without MPI.
+. "$(dirname "$0")/common.sh"
+
+command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (apt install openmpi-bin)"; exit 77; }
+"$cli" --version | grep -q "^MPI: Open MPI" || { echo "SKIP: this moeq was built without MPI"; exit 77; }
+# containers run as root; Open MPI wants to be told that is intended
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# localhost only, no network probing, quiet about missing high-speed transports
+export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_plm_rsh_agent=false
+run_np() { local np=$1; shift; timeout 300 mpirun --oversubscribe -np "$np" "$cli" "$@"; }
+
+calib=$repo/data/demo-calib.txt
+args=(--scheme nvfp4a16 --method gptq --calib "$calib" --nsamples 8 --seqlen 64 --expert-chunk 3
+      --threads 1 --quiet)
+
+# the checkpoint files (the report holds timings)
+same() {
+    local f
+    for f in "$1"/*; do
+        f=${f##*/}
+        [ "$f" = gptq_report.json ] && continue
+        cmp -s "$1/$f" "$2/$f" || fail "$3: $f differs from the single-process run"
+    done
+    [ -f "$2/gptq_report.json" ] || fail "$3: no report"
+}
+
+"$cli" quantize "$model" --out "$tmp/base" "${args[@]}" || fail "the single-process run exited $?"
+for np in 1 2 3; do
+    run_np "$np" quantize "$model" --out "$tmp/np$np" "${args[@]}" || fail "-np $np exited $?"
+    same "$tmp/base" "$tmp/np$np" "-np $np"
+    ls -d "$tmp"/np$np.moeq-work* 2>/dev/null && fail "-np $np left a work directory"
+done
+
+shared=${MOEQ_SHARED:-$repo/../shared}
+q2=$shared/fixtures/models/qwen2moe-tiny
+if [ -d "$q2" ]; then
+    a2=(--scheme int4 --method gptq --calib "$calib" --nsamples 8 --seqlen 64 --threads 1 --quiet)
+    "$cli" quantize "$q2" --out "$tmp/q2base" "${a2[@]}" || fail "qwen2moe single process exited $?"
+    run_np 3 quantize "$q2" --out "$tmp/q2np3" "${a2[@]}" || fail "qwen2moe -np 3 exited $?"
+    same "$tmp/q2base" "$tmp/q2np3" "qwen2moe-tiny -np 3"
+else
+    echo "note: $q2 not found; the shared-expert case is skipped"
+fi
+
+# a rank killed inside layer 1's experts: the job stops (no hang), mpirun names the rank
+MOEQ_FAULT=chunk:1:0 MOEQ_FAULT_RANK=1 run_np 2 quantize "$model" --out "$tmp/k" "${args[@]}" \
+    >"$tmp/kill.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "the job with a killed rank exited $rc"
+grep -q "rank 1" "$tmp/kill.log" || fail "the killed rank is not named: $(cat "$tmp/kill.log")"
+[ -e "$tmp/k" ] && fail "OUT_DIR exists after the kill"
+[ -f "$tmp/k.moeq-work/manifest.json" ] || fail "no work manifest after the kill"
+run_np 3 quantize "$model" --out "$tmp/k" "${args[@]}" --resume || fail "--resume with 3 ranks exited $?"
+same "$tmp/base" "$tmp/k" "killed, resumed with 3 ranks"
+[ -e "$tmp/k.moeq-work" ] && fail "the work directory is left after the resumed run"
+
+# a rank that fails: every rank stops with that rank's message
+MOEQ_FAULT=chunk:2:0 MOEQ_FAULT_RANK=2 MOEQ_FAULT_MODE=error run_np 3 quantize "$model" \
+    --out "$tmp/e" "${args[@]}" >"$tmp/err.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "the job with a failing rank exited $rc"
+n=$(grep -c "error: rank 2: layer 2, expert chunk 0: injected fault" "$tmp/err.log")
+[ "$n" = 3 ] || fail "expected the failure on all 3 ranks, got $n: $(cat "$tmp/err.log")"
+[ -e "$tmp/e" ] && fail "OUT_DIR exists after a failed run"
+run_np 2 quantize "$model" --out "$tmp/e" "${args[@]}" --resume || fail "--resume after the failure exited $?"
+same "$tmp/base" "$tmp/e" "failed, resumed with 2 ranks"
+
+# a rank that hangs: the others give up after --mpi-timeout, and the job ends
+t0=$(date +%s)
+MOEQ_FAULT=chunk:1:0 MOEQ_FAULT_RANK=1 MOEQ_FAULT_MODE=hang run_np 2 quantize "$model" \
+    --out "$tmp/h" "${args[@]}" --mpi-timeout 3 >"$tmp/hang.log" 2>&1
+rc=$?
+t1=$(date +%s)
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "the job with a hung rank exited $rc (124: it hung)"
+grep -q "did not reach 'layer 1: experts' within 3 s" "$tmp/hang.log" ||
+    fail "no timeout message: $(cat "$tmp/hang.log")"
+[ $((t1 - t0)) -lt 120 ] || fail "the hung job took $((t1 - t0)) s to stop"
+
+exit $((fails > 0))
