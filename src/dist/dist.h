@@ -39,9 +39,20 @@ moeq_status mq_dist_bcast(void *buf, size_t n, int root, const char *step);
 /* A buffer of the root's size: root's (*buf, *n) to every rank; the others get a new malloc'd
  * buffer (free it). */
 moeq_status mq_dist_bcast_blob(void **buf, size_t *n, int root, const char *step);
+/* n bytes from this rank to dest / from src into buf (matched in the order they are posted). */
+moeq_status mq_dist_send(const void *buf, size_t n, int dest, const char *step);
+moeq_status mq_dist_recv(void *buf, size_t n, int src, const char *step);
+/* *v = the largest of every rank's *v (NaN never wins: amax values). */
+moeq_status mq_dist_max_f32(float *v, const char *step);
 /* The largest of every rank's v, on every rank; all[r] (may be NULL, size mq_dist_size()) gets
  * rank r's v. */
 moeq_status mq_dist_gather_i64(int64_t v, int64_t *max, int64_t *all, const char *step);
+
+/* Benchmarks: the job's first k ranks act as a job of k (mq_dist_rank/size describe it); the
+ * others get mq_dist_size() 0 and sit it out (mq_dist_world_barrier waits for all). k <= 0 or
+ * >= the job's size: the whole job again. Collective over the whole job. */
+moeq_status mq_dist_subset(int k);
+moeq_status mq_dist_world_barrier(const char *step);
 
 /* The share [*lo, *hi) of n items of `rank` of `size`: contiguous, sizes differing by at most one,
  * lower ranks taking the larger shares. */

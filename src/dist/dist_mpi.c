@@ -13,6 +13,8 @@
 #include <time.h>
 
 static int g_rank = 0, g_size = 1, g_local = 0;
+static int g_world_rank = 0, g_world_size = 1;
+static MPI_Comm g_comm = MPI_COMM_NULL;   /* the job's ranks, or a subset of them (benchmarks) */
 static bool g_started = false, g_broken = false;
 static double g_timeout = 3600;
 /* Once an agreement found a failure, every rank knows it at the same step: later steps do not
@@ -23,6 +25,9 @@ static char g_fail_msg[2048];
 
 /* Large buffers move in pieces: MPI counts are ints. */
 enum { PIECE = 1 << 30 };
+
+static moeq_status mpi_fail(int rc, const char *what, const char *step);
+static moeq_status wait_for(MPI_Request *req, const char *step);
 
 bool mq_dist_built(void) { return true; }
 int mq_dist_rank(void) { return g_rank; }
@@ -47,6 +52,9 @@ moeq_status mq_dist_start(void) {
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+    g_world_rank = g_rank;
+    g_world_size = g_size;
+    g_comm = MPI_COMM_WORLD;
     MPI_Comm local;
     if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, g_rank, MPI_INFO_NULL, &local) == MPI_SUCCESS) {
         MPI_Comm_rank(local, &g_local);
@@ -56,8 +64,37 @@ moeq_status mq_dist_start(void) {
 }
 
 void mq_dist_stop(void) {
-    if (g_started && !g_broken) MPI_Finalize();
+    if (g_started && !g_broken) {
+        if (g_comm != MPI_COMM_WORLD) MPI_Comm_free(&g_comm);
+        MPI_Finalize();
+    }
     g_started = false;
+}
+
+moeq_status mq_dist_subset(int k) {
+    if (!g_started) return MOEQ_OK;
+    if (g_comm != MPI_COMM_WORLD) MPI_Comm_free(&g_comm);
+    g_comm = MPI_COMM_WORLD;
+    g_rank = g_world_rank;
+    g_size = g_world_size;
+    if (k <= 0 || k >= g_world_size) return MOEQ_OK;
+    MPI_Comm sub = MPI_COMM_NULL;
+    int rc = MPI_Comm_split(MPI_COMM_WORLD, g_world_rank < k ? 0 : MPI_UNDEFINED, g_world_rank, &sub);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Comm_split", "a subset of the ranks");
+    if (g_world_rank < k) {
+        g_comm = sub;
+        MPI_Comm_size(sub, &g_size);
+    } else {
+        g_size = 0;   /* sits this one out */
+    }
+    return MOEQ_OK;
+}
+
+moeq_status mq_dist_world_barrier(const char *step) {
+    if (!g_started) return MOEQ_OK;
+    MPI_Request req;
+    int rc = MPI_Ibarrier(MPI_COMM_WORLD, &req);
+    return rc == MPI_SUCCESS ? wait_for(&req, step) : mpi_fail(rc, "MPI_Ibarrier", step);
 }
 
 static moeq_status mpi_fail(int rc, const char *what, const char *step) {
@@ -99,7 +136,7 @@ moeq_status mq_dist_agree(moeq_status st, const char *step) {
     if (g_broken) return st ? st : mq_err(MOEQ_E_IO, "rank %d: an earlier step failed", g_rank);
     int mine = st ? g_rank : g_size, first = g_size;
     MPI_Request req;
-    int rc = MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD, &req);
+    int rc = MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, g_comm, &req);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Iallreduce", step);
     moeq_status ws = wait_for(&req, step);
     if (ws) return ws;
@@ -113,7 +150,7 @@ moeq_status mq_dist_agree(moeq_status st, const char *step) {
         m.status = st;
         snprintf(m.msg, sizeof m.msg, "%s", moeq_last_error()[0] ? moeq_last_error() : moeq_status_text(st));
     }
-    rc = MPI_Ibcast(&m, (int)sizeof m, MPI_BYTE, first, MPI_COMM_WORLD, &req);
+    rc = MPI_Ibcast(&m, (int)sizeof m, MPI_BYTE, first, g_comm, &req);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Ibcast", step);
     if ((ws = wait_for(&req, step))) return ws;
     g_failed = true;
@@ -128,7 +165,7 @@ moeq_status mq_dist_bcast(void *buf, size_t n, int root, const char *step) {
     for (size_t off = 0; off < n; off += PIECE) {
         size_t len = n - off < PIECE ? n - off : PIECE;
         MPI_Request req;
-        int rc = MPI_Ibcast((char *)buf + off, (int)len, MPI_BYTE, root, MPI_COMM_WORLD, &req);
+        int rc = MPI_Ibcast((char *)buf + off, (int)len, MPI_BYTE, root, g_comm, &req);
         if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Ibcast", step);
         moeq_status s = wait_for(&req, step);
         if (s) return s;
@@ -164,7 +201,7 @@ moeq_status mq_dist_gather_i64(int64_t v, int64_t *max, int64_t *all, const char
         return mq_err(MOEQ_E_NOMEM, "out of memory");
     }
     MPI_Request req;
-    int rc = MPI_Iallgather(&v, 1, MPI_INT64_T, tmp, 1, MPI_INT64_T, MPI_COMM_WORLD, &req);
+    int rc = MPI_Iallgather(&v, 1, MPI_INT64_T, tmp, 1, MPI_INT64_T, g_comm, &req);
     moeq_status s = rc == MPI_SUCCESS ? wait_for(&req, step) : mpi_fail(rc, "MPI_Iallgather", step);
     if (!s) {
         for (int r = 0; r < g_size; r++) {
@@ -174,6 +211,39 @@ moeq_status mq_dist_gather_i64(int64_t v, int64_t *max, int64_t *all, const char
     }
     free(tmp);
     return s;
+}
+
+/* Point to point, in pieces; the pieces of one message travel in order (same tag). */
+static moeq_status p2p(void *buf, size_t n, int peer, bool send, const char *step) {
+    if (g_size <= 1) return MOEQ_OK;
+    if (g_failed) return failed_before();
+    for (size_t off = 0; off < n; off += PIECE) {
+        size_t len = n - off < PIECE ? n - off : PIECE;
+        MPI_Request req;
+        int rc = send ? MPI_Isend((char *)buf + off, (int)len, MPI_BYTE, peer, 7, g_comm, &req)
+                      : MPI_Irecv((char *)buf + off, (int)len, MPI_BYTE, peer, 7, g_comm, &req);
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, send ? "MPI_Isend" : "MPI_Irecv", step);
+        moeq_status s = wait_for(&req, step);
+        if (s) return s;
+    }
+    return MOEQ_OK;
+}
+
+moeq_status mq_dist_send(const void *buf, size_t n, int dest, const char *step) {
+    return p2p((void *)buf, n, dest, true, step);
+}
+
+moeq_status mq_dist_recv(void *buf, size_t n, int src, const char *step) {
+    return p2p(buf, n, src, false, step);
+}
+
+moeq_status mq_dist_max_f32(float *v, const char *step) {
+    if (g_size <= 1) return MOEQ_OK;
+    if (g_failed) return failed_before();
+    float in = *v;
+    MPI_Request req;
+    int rc = MPI_Iallreduce(&in, v, 1, MPI_FLOAT, MPI_MAX, g_comm, &req);
+    return rc == MPI_SUCCESS ? wait_for(&req, step) : mpi_fail(rc, "MPI_Iallreduce", step);
 }
 
 #endif

@@ -130,8 +130,11 @@ moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l);
 /* Pass-through tensors (and kept Linears) of layer l (-1: the global ones). */
 moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l);
 void mq_pipe_progress(mq_pipe *p, int64_t units);
-/* Several ranks: each rank's share of the samples of b (mq_dist_share) to every rank. */
+/* Several ranks: each rank's share of the samples of b (mq_dist_share) to every rank; the same
+ * for any array of per_sample bytes per sample; the others' shares of b to rank 0. */
 moeq_status mq_pipe_share_samples(mq_pipe *p, mq_actbuf *b, const char *step);
+moeq_status mq_pipe_share_rows(mq_pipe *p, void *base, size_t per_sample, const char *step);
+moeq_status mq_pipe_gather_samples(mq_pipe *p, mq_actbuf *b, const char *step);
 
 /* ---- workdir.c ---- */
 moeq_status mq_work_prepare(mq_pipe *p);       /* lock; fresh or resume checks; writer opened */

@@ -430,6 +430,9 @@ typedef struct {
     slot *qkv, *o;
     float *arena_qkv, *arena_o;   /* the hook's inputs, copied for the Hessian updates */
     int64_t rows_qkv, rows_o;
+    bool store;                   /* several ranks: the arenas hold every sample of this rank's
+                                     share (at: the sample's place), sent to the slots' owners */
+    int64_t at, Lmax;
     bool amax;
 } att_capture;
 
@@ -440,8 +443,9 @@ static void on_attention(void *user, int layer, mq_site site, int expert, const 
     att_capture *c = user;
     slot *s = site == MQ_SITE_QKV ? c->qkv : site == MQ_SITE_O ? c->o : NULL;
     if (!s || rows <= 0) return;
-    if (s->h.sum) {
-        memcpy(site == MQ_SITE_QKV ? c->arena_qkv : c->arena_o, x, sizeof(float) * (size_t)(rows * cols));
+    float *arena = site == MQ_SITE_QKV ? c->arena_qkv : c->arena_o;
+    if (arena && (s->h.sum || c->store)) {
+        memcpy(arena + c->at * c->Lmax * cols, x, sizeof(float) * (size_t)(rows * cols));
         *(site == MQ_SITE_QKV ? &c->rows_qkv : &c->rows_o) = rows;
     }
     if (c->amax) amax_update(&s->amax, x, rows * cols);
@@ -473,16 +477,21 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
     const int64_t D = c->D;
     mq_hooks hooks = {on_attention, cap};
     moeq_status st = MOEQ_OK;
-    for (int64_t s = 0; s < p->calib.n && !st; s++) {
+    /* several ranks: each runs its share of the samples */
+    const int64_t s_lo = p->ranks > 1 ? p->s_lo : 0, s_hi = p->ranks > 1 ? p->s_hi : p->calib.n;
+    for (int64_t s = s_lo; s < s_hi && !st; s++) {
         if ((st = check_interrupt())) break;
         int64_t T = p->calib.len[s];
         double t0 = mq_now();
         const float *x = mq_actbuf_view(&p->X, (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
         if (x != sc->xt) memcpy(sc->xt, x, sizeof(float) * (size_t)(T * D));
-        if (cap) cap->rows_qkv = cap->rows_o = 0;
+        if (cap) {
+            cap->rows_qkv = cap->rows_o = 0;
+            cap->at = cap->store ? s - s_lo : 0;
+        }
         st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
         double t1 = mq_now();
-        if (!st && cap) {   /* each update over the whole pool */
+        if (!st && cap && !cap->store) {   /* each update over the whole pool */
             if (cap->rows_qkv) st = slot_add(cap->qkv, cap->arena_qkv, cap->rows_qkv);
             if (cap->rows_o && !st) st = slot_add(cap->o, cap->arena_o, cap->rows_o);
         }
@@ -506,7 +515,56 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         p->layers[l].forward += (t1 - t0) + (t3 - t2);
         p->layers[l].attention += (t1 - t0) + (t3 - t2);
         p->layers[l].hessian += t2 - t1;
-        mq_pipe_progress(p, p->mp_units.attention_sample);
+        mq_pipe_progress(p, p->mp_units.attention_sample * (p->ranks > 1 ? p->ranks : 1));
+    }
+    return st;
+}
+
+/* Several ranks: the Hessian of slot s from the inputs every rank kept of its samples (arena:
+ * this rank's, width values per row), added on the owner in sample order, as one process adds
+ * them. */
+static moeq_status gather_hessian(mq_pipe *p, int l, slot *s, const float *arena, int64_t width) {
+    if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
+    const int64_t Lmax = p->calib.max_len;
+    char step[64];
+    snprintf(step, sizeof step, "layer %d: inputs of %s", l, s->w[0]->name);
+    float *tmp = mine(p, s) ? mq_alloc_array((size_t)(Lmax * width), sizeof(float), "attention inputs") : NULL;
+    moeq_status st = mine(p, s) && !tmp ? MOEQ_E_NOMEM : MOEQ_OK;
+    st = mq_dist_agree(st, step);
+    for (int r = 0; r < p->ranks && !st; r++) {
+        int64_t lo, hi;
+        mq_dist_share(p->calib.n, r, p->ranks, &lo, &hi);
+        for (int64_t t = lo; t < hi && !st; t++) {
+            const int64_t rows = p->calib.len[t];
+            const size_t bytes = sizeof(float) * (size_t)(rows * width);
+            const float *x = r == p->rank ? arena + (t - lo) * Lmax * width : tmp;
+            if (mine(p, s)) {
+                if (r != p->rank) st = mq_dist_recv(tmp, bytes, r, step);
+                double t0 = mq_now();
+                if (!st) st = slot_add(s, x, rows);
+                p->layers[l].hessian += mq_now() - t0;
+            } else if (r == p->rank) {
+                st = mq_dist_send(x, bytes, s->owner, step);
+            }
+        }
+    }
+    mq_free(tmp);
+    return st;
+}
+
+/* Several ranks: what the FFN's calibration reads of every sample (pipeline.h), from the rank
+ * that computed it to every rank: the FFN inputs (or the boundary after attention) and their
+ * routing. */
+static moeq_status share_ffn_inputs(mq_pipe *p, int l) {
+    char step[48];
+    snprintf(step, sizeof step, "layer %d: FFN inputs", l);
+    const bool from_xn = p->seq && !p->tseq;
+    moeq_status st = mq_pipe_share_samples(p, from_xn ? &p->XN : out_buf(p), step);
+    if (!st && p->m->layers[l].is_moe) {
+        const bool b = p->tseq;   /* pass B's routing */
+        const size_t per = (size_t)(p->calib.max_len * p->c->top_k);
+        st = mq_pipe_share_rows(p, b ? p->sel_b : p->sel_a, per * sizeof(int32_t), step);
+        if (!st) st = mq_pipe_share_rows(p, b ? p->w_b : p->w_a, per * sizeof(float), step);
     }
     return st;
 }
@@ -525,7 +583,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         sl[0].owner = 0;
         sl[1].owner = 1;
     }
-    att_capture cap = {&sl[0], &sl[1], NULL, NULL, 0, 0, p->o->act_quant};
+    att_capture cap = {.qkv = &sl[0], .o = &sl[1], .amax = p->o->act_quant};
     att_scratch sc = {0};
     sc.xt = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "attention input");
     sc.xn = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "FFN input");
@@ -534,13 +592,28 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     if (!sc.xt || !sc.xn || !sc.probs) st = MOEQ_E_NOMEM;
     if (!st && !replay) {
         for (int i = 0; i < 2 && !st; i++) st = slot_hessian(p, &sl[i]);
-        if (!st && sl[0].h.sum)
-            cap.arena_qkv = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "q/k/v inputs");
-        if (!st && sl[1].h.sum)
-            cap.arena_o = mq_alloc_array((size_t)Lmax, (size_t)Q * sizeof(float), "o_proj inputs");
-        if (!st && ((sl[0].h.sum && !cap.arena_qkv) || (sl[1].h.sum && !cap.arena_o))) st = MOEQ_E_NOMEM;
+        /* several ranks: every rank keeps the inputs of its samples for the owners */
+        const bool dist = p->ranks > 1;
+        const int64_t keep = dist ? p->s_hi - p->s_lo : 1;
+        const bool need0 = dist ? sl[0].nw && sl[0].how == MQ_HOW_GPTQ : sl[0].h.sum != NULL;
+        const bool need1 = dist ? sl[1].nw && sl[1].how == MQ_HOW_GPTQ : sl[1].h.sum != NULL;
+        cap.store = dist;
+        cap.Lmax = Lmax;
+        if (!st && need0 && keep > 0)
+            cap.arena_qkv = mq_alloc_array((size_t)(keep * Lmax), (size_t)D * sizeof(float), "q/k/v inputs");
+        if (!st && need1 && keep > 0)
+            cap.arena_o = mq_alloc_array((size_t)(keep * Lmax), (size_t)Q * sizeof(float), "o_proj inputs");
+        if (!st && keep > 0 && ((need0 && !cap.arena_qkv) || (need1 && !cap.arena_o))) st = MOEQ_E_NOMEM;
         /* pass A: the unquantized attention (nothing needed of it in a sequential replay) */
         if (!st) st = attention_pass(p, l, true, &cap, &sc);
+        if (dist) {
+            char step[48];
+            snprintf(step, sizeof step, "layer %d: attention inputs", l);
+            st = mq_dist_agree(st, step);
+            if (!st) st = gather_hessian(p, l, &sl[0], cap.arena_qkv, D);
+            if (!st) st = gather_hessian(p, l, &sl[1], cap.arena_o, Q);
+            for (int i = 0; i < 2 && !st && p->o->act_quant; i++) st = mq_dist_max_f32(&sl[i].amax, step);
+        }
         for (int i = 0; i < 2; i++) {
             sl[i].tokens = sl[i].h.n;
             moeq_status fs = slot_form(&sl[i]);
@@ -559,6 +632,12 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     }
     /* pass B: the quantized attention */
     if (!st && p->seq) st = attention_pass(p, l, false, NULL, &sc);
+    if (p->ranks > 1 && !replay) {
+        char step[48];
+        snprintf(step, sizeof step, "layer %d: attention", l);
+        st = mq_dist_agree(st, step);
+        if (!st) st = share_ffn_inputs(p, l);
+    }
     for (int i = 0; i < 2; i++) slot_free(&sl[i]);
     mq_free(cap.arena_qkv);
     mq_free(cap.arena_o);
@@ -1295,15 +1374,34 @@ moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l) {
 
 /* ---- the layer ----------------------------------------------------------------------------- */
 
-moeq_status mq_pipe_share_samples(mq_pipe *p, mq_actbuf *b, const char *step) {
+moeq_status mq_pipe_share_rows(mq_pipe *p, void *base, size_t per_sample, const char *step) {
     moeq_status st = MOEQ_OK;
     for (int r = 0; r < p->ranks && !st; r++) {
         int64_t lo, hi;
         mq_dist_share(p->calib.n, r, p->ranks, &lo, &hi);
-        if (hi <= lo) continue;
-        size_t es;
-        char *at = mq_actbuf_raw(b, (size_t)(lo * p->LD), &es);
-        st = mq_dist_bcast(at, (size_t)((hi - lo) * p->LD) * es, r, step);
+        if (hi > lo) st = mq_dist_bcast((char *)base + (size_t)lo * per_sample, (size_t)(hi - lo) * per_sample, r, step);
+    }
+    return st;
+}
+
+moeq_status mq_pipe_share_samples(mq_pipe *p, mq_actbuf *b, const char *step) {
+    size_t es;
+    char *base = mq_actbuf_raw(b, 0, &es);
+    return mq_pipe_share_rows(p, base, (size_t)p->LD * es, step);
+}
+
+moeq_status mq_pipe_gather_samples(mq_pipe *p, mq_actbuf *b, const char *step) {
+    size_t es;
+    char *base = mq_actbuf_raw(b, 0, &es);
+    const size_t per = (size_t)p->LD * es;
+    moeq_status st = MOEQ_OK;
+    for (int r = 1; r < p->ranks && !st; r++) {
+        int64_t lo, hi;
+        mq_dist_share(p->calib.n, r, p->ranks, &lo, &hi);
+        if (hi <= lo || (p->rank != 0 && p->rank != r)) continue;
+        char *at = base + (size_t)lo * per;
+        st = p->rank == 0 ? mq_dist_recv(at, (size_t)(hi - lo) * per, r, step)
+                          : mq_dist_send(at, (size_t)(hi - lo) * per, 0, step);
     }
     return st;
 }
@@ -1352,11 +1450,12 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
         }
     }
     if (!st) add_out(p);
-    if (p->ranks > 1) {   /* each rank's samples of the next boundary to every rank */
+    if (p->ranks > 1) {
+        /* each rank goes on with its samples; rank 0 gathers the boundary for its snapshot */
         char step[48];
         snprintf(step, sizeof step, "layer %d: outputs", l);
         st = mq_dist_agree(st, step);
-        if (!st) st = mq_pipe_share_samples(p, out_buf(p), step);
+        if (!st && !replay && l + 1 < p->plan.n_layers) st = mq_pipe_gather_samples(p, out_buf(p), step);
     }
     if (!st) {
         if (p->X.kind == MQ_ACT_DISK) {   /* the next layer reads what this one wrote */

@@ -7,6 +7,10 @@
  * and measured: mmapped source pages are not anonymous); and the whole model's time extrapolated
  * from the layers run (their mean per layer times the model's layers), against the published
  * figures of llm-compressor (Qwen3-30B-A3B GPTQ: 3.9 h on one GPU). Nothing is kept.
+ *
+ * Under mpirun -np N (src/dist) the run is split over the ranks; --ranks 1,2,4 runs it with the
+ * job's first 1, 2 and 4 ranks in turn and prints, for each, the time per layer, every rank's
+ * peak memory and the scaling efficiency against the first (T1 * n1 / (Tn * n)).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,12 +20,13 @@
 #include "bench.h"
 #include "cli.h"
 #include "backend/gpu.h"
+#include "dist/dist.h"
 #include "model/model.h"
 #include "pipeline/pipeline.h"
 
 int bench_quantize(int argc, char **argv) {
     int64_t layers = 2, nsamples = 128, seqlen = 512, threads = 0, full_layers = 0;
-    const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu";
+    const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL;
     bool json = false;
     cli_opt opts[] = {
         {"--layers", OPT_INT, &layers, "N", "layers to run (default 2; the rest is extrapolated)",
@@ -38,6 +43,8 @@ int bench_quantize(int argc, char **argv) {
          "quantize)", NULL, 0, -1, NULL},
         {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 0, 1024, NULL},
         {"--device", OPT_STRING, &device, "DEV", "GPTQ on cpu (default), cuda or cuda:N", NULL, 0, -1, NULL},
+        {"--ranks", OPT_STRING, &ranks_arg, "N,N,...", "under mpirun: run with the job's first N ranks "
+         "for each N in turn and print the scaling table (default: all ranks)", NULL, 0, -1, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
     };
     cli_command cmd = {"bench quantize", "MODEL_DIR [--layers N] [--json]",
@@ -87,16 +94,54 @@ int bench_quantize(int argc, char **argv) {
     snprintf(tmpl, sizeof tmpl, "%s/moeq-bench-XXXXXX", td && *td ? td : "/tmp");
     if (!mkdtemp(tmpl)) return cli_fail("bench quantize", mq_err(MOEQ_E_IO, "cannot make a temporary directory in %s", tmpl));
     snprintf(out, sizeof out, "%s/q", tmpl);
-    mq_pipeline_result *r = calloc(1, sizeof *r);
-    if (!r) return cli_fail("bench quantize", MOEQ_E_NOMEM);
-    cli_progress_enable(json);
-    st = mq_pipeline_run(pos[0], out, &o, r);
+    /* the rank counts to run with */
+    const int world = mq_dist_size();
+    int ranks[16], n_ranks = 0;
+    if (ranks_arg) {
+        for (const char *c = ranks_arg; *c && n_ranks < 16;) {
+            char *end;
+            long v = strtol(c, &end, 10);
+            if (end == c || v < 1 || v > world)
+                return cli_usage_error("bench quantize", "--ranks %s: expected counts from 1 to %d "
+                                       "(mpirun -np) separated by commas", ranks_arg, world);
+            ranks[n_ranks++] = (int)v;
+            c = *end == ',' ? end + 1 : end;
+            if (*end && *end != ',')
+                return cli_usage_error("bench quantize", "--ranks %s: expected N,N,...", ranks_arg);
+        }
+    } else {
+        ranks[n_ranks++] = world;
+    }
+    mq_pipeline_result *rs = calloc((size_t)n_ranks, sizeof *rs);
+    if (!rs) return cli_fail("bench quantize", MOEQ_E_NOMEM);
+    cli_progress_enable(json || world > 1);
+    for (int i = 0; i < n_ranks && !st; i++) {
+        if ((st = mq_dist_subset(ranks[i]))) break;
+        if (mq_dist_size() > 0) st = mq_pipeline_run(pos[0], out, &o, &rs[i]);
+        moeq_status bs = mq_dist_subset(0);
+        if (!bs) bs = mq_dist_world_barrier("bench quantize");
+        if (!st) st = bs;
+    }
     cli_progress_finish();
     mq_remove_tree(tmpl);
     if (st) {
-        free(r);
+        free(rs);
         return cli_fail("bench quantize", st);
     }
+    if (world > 1 || n_ranks > 1) {   /* the scaling table, then the details of the largest run */
+        double t0 = 0;
+        printf("ranks  s/layer  efficiency  peak memory per rank (GB)\n");
+        for (int i = 0; i < n_ranks; i++) {
+            double t = 0;
+            for (int l = 0; l < rs[i].layers_run; l++) t += rs[i].layer[l].total;
+            t /= rs[i].layers_run > 0 ? rs[i].layers_run : 1;
+            if (i == 0) t0 = t * ranks[0];
+            printf("%5d  %7.2f  %10.3f ", ranks[i], t, t > 0 ? t0 / (t * ranks[i]) : 0);
+            for (int r = 0; r < ranks[i] && r < 64; r++) printf(" %.2f", (double)rs[i].rank_peak[r] / 1e9);
+            printf("\n");
+        }
+    }
+    mq_pipeline_result *r = &rs[n_ranks - 1];
     double sgemm = mq_measure_sgemm_gflops(1024, 1.0);
     const int run = r->layers_run;
     double sum = 0, fwd = 0, att = 0, hes = 0, gq = 0, wr = 0;
@@ -150,6 +195,6 @@ int bench_quantize(int argc, char **argv) {
             printf("; llm-compressor GPTQ of Qwen3-30B-A3B: 3.9 h on one GPU (%.2f x)", 3.9 * 3600 / whole);
         printf("\n");
     }
-    free(r);
+    free(rs);
     return CLI_OK;
 }
