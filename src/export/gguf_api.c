@@ -8,14 +8,22 @@
 #include "export/gguf_export.h"
 #include "io/gguf.h"
 
-moeq_status moeq_export_gguf(const char *ckpt_dir, const char *out_path, const char *rest) {
+static moeq_status export_gguf(const char *ckpt_dir, const char *out_path, const char *rest, bool dequant) {
     if (!ckpt_dir || !out_path) return mq_err(MOEQ_E_ARG, "%s is NULL", !ckpt_dir ? "ckpt_dir" : "out_path");
     mq_gguf_rest r = MQ_GGUF_REST_AUTO;
     if (rest && !mq_gguf_rest_parse(rest, &r))
         return mq_err(MOEQ_E_ARG, "gguf rest \"%s\": expected auto, f32, f16, bf16 or q8_0", rest);
     if (!mq_dir_exists(ckpt_dir)) return mq_err(MOEQ_E_NOTFOUND, "checkpoint directory '%s' not found", ckpt_dir);
     if (mq_dir_exists(out_path)) return mq_err(MOEQ_E_EXISTS, "%s: is a directory (a GGUF output is one file)", out_path);
-    return mq_gguf_export(ckpt_dir, out_path, r);
+    return dequant ? mq_gguf_export_dequantized(ckpt_dir, out_path, r) : mq_gguf_export(ckpt_dir, out_path, r);
+}
+
+moeq_status moeq_export_gguf(const char *ckpt_dir, const char *out_path, const char *rest) {
+    return export_gguf(ckpt_dir, out_path, rest, false);
+}
+
+moeq_status moeq_export_gguf_dequantized(const char *ckpt_dir, const char *out_path, const char *rest) {
+    return export_gguf(ckpt_dir, out_path, rest, true);
 }
 
 /* A KV's value in one line: numbers, a quoted string (cut at 60 bytes), or an array's element

@@ -408,6 +408,7 @@ typedef struct {
     mq_st *st;
     arch_cfg a;
     mq_gguf_rest rest;
+    bool dequant;         /* quantized Linears written dequantized (as rest; auto: F32) */
     out_tensor *t;
     size_t n, cap;
     bool warned_f16;
@@ -471,6 +472,10 @@ static moeq_status linear_type(exporter *x, const char *module, int64_t rows, in
     *nvfp4 = false;
     mq_linear_kind k = mq_layout_detect(module, lookup, x->st);
     if (k == MQ_LIN_ABSENT) return mq_err(MOEQ_E_NOTFOUND, "%s: no tensors of Linear '%s'", x->dir, module);
+    if (k != MQ_LIN_DENSE && x->dequant) {
+        *type = rest_type(x, MOEQ_DT_F32, cols);
+        return MOEQ_OK;
+    }
     if (k == MQ_LIN_DENSE) {
         char name[300];
         snprintf(name, sizeof name, "%s.weight", module);
@@ -792,8 +797,25 @@ static moeq_status write_qlinear(exporter *x, mq_gguf_writer *w, const out_tenso
     return s;
 }
 
+/* A quantized Linear dequantized exactly as moeq's loader does (fp32), then stored as t->type. */
+static moeq_status write_dequantized(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *module) {
+    size_t rb = row_bytes(t->type, t->cols);
+    float *f = mq_alloc_array((size_t)(t->rows * t->cols), sizeof(float), "dequantized Linear");
+    uint8_t *o = mq_alloc(rb, "GGUF row");
+    moeq_status s = f && o ? mq_load_linear_weight(x->st, module, t->rows, t->cols, f, NULL) : MOEQ_E_NOMEM;
+    for (int64_t r = 0; !s && r < t->rows; r++) {
+        encode_float_rows(t->type, f + src_row(r, t->rows, t->heads) * t->cols, 1, t->cols, o);
+        s = mq_gguf_writer_data(w, o, rb);
+    }
+    mq_free(f);
+    mq_free(o);
+    return s;
+}
+
 static moeq_status write_linear(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *module) {
-    if (mq_layout_detect(module, lookup, x->st) == MQ_LIN_DENSE) {
+    mq_linear_kind k = mq_layout_detect(module, lookup, x->st);
+    if (k != MQ_LIN_DENSE && x->dequant) return write_dequantized(x, w, t, module);
+    if (k == MQ_LIN_DENSE) {
         char name[300];
         snprintf(name, sizeof name, "%s.weight", module);
         out_tensor one = *t;
@@ -902,11 +924,12 @@ static uint32_t file_type(const exporter *x) {
     return 0;
 }
 
-moeq_status mq_gguf_export(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest) {
+static moeq_status export_file(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest, bool dequant) {
     exporter x;
     memset(&x, 0, sizeof x);
     x.dir = ckpt_dir;
     x.rest = rest;
+    x.dequant = dequant;
     cJSON *cfg = NULL;
     vocab v;
     memset(&v, 0, sizeof v);
@@ -961,4 +984,12 @@ done:
     vocab_free(&v);
     cJSON_Delete(cfg);
     return s;
+}
+
+moeq_status mq_gguf_export(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest) {
+    return export_file(ckpt_dir, out_path, rest, false);
+}
+
+moeq_status mq_gguf_export_dequantized(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest) {
+    return export_file(ckpt_dir, out_path, rest, true);
 }

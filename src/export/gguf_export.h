@@ -37,5 +37,9 @@ moeq_status mq_gguf_check_model(const char *model_dir, mq_qscheme scheme, bool a
  * same directory and renamed when complete; nothing is left on error). Memory: one Linear (one
  * expert of a stacked tensor) at a time. */
 moeq_status mq_gguf_export(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest);
+/* The same with every quantized Linear dequantized (mq_load_linear_weight's fp32 values) and
+ * stored as rest says (auto: F32): the same model without llama.cpp's quantized kernels, for
+ * checking a quantized file against it. */
+moeq_status mq_gguf_export_dequantized(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest);
 
 #endif

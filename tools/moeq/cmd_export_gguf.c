@@ -28,11 +28,14 @@ int cli_inspect_gguf(const char *path, int tensors) {
 
 int cmd_export_gguf(int argc, char **argv) {
     const char *rest = NULL;
-    bool quiet = false, force = false;
+    bool quiet = false, force = false, dequant = false;
     const cli_opt opts[] = {
         {"--gguf-rest", OPT_CHOICE, &rest, NULL, "the unquantized 2-D tensors in their source dtype "
          "(auto, the default) or as given; norms, biases and routers are F32", "auto|f32|f16|bf16|q8_0",
          0, 0, NULL},
+        {"--dequantize", OPT_FLAG, &dequant, NULL, "write the quantized Linears dequantized (F32, or "
+         "as --gguf-rest says): the same model on llama.cpp's float kernels, to measure its quantized "
+         "kernels against", NULL, 0, 0, NULL},
         {"--force", OPT_FLAG, &force, NULL, "replace OUT.gguf if it exists", NULL, 0, 0, NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary", NULL, 0, 0, NULL},
     };
@@ -57,7 +60,7 @@ int cmd_export_gguf(int argc, char **argv) {
     }
     cli_progress_enable(quiet);
     cli_install_sigint();
-    moeq_status st = moeq_export_gguf(pos[0], pos[1], rest);
+    moeq_status st = dequant ? moeq_export_gguf_dequantized(pos[0], pos[1], rest) : moeq_export_gguf(pos[0], pos[1], rest);
     cli_progress_finish();
     if (st) return cli_fail("export-gguf", st);
     if (!quiet) printf("wrote %s\n", pos[1]);
