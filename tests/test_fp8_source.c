@@ -12,13 +12,15 @@
  *    dequantized weight; the output's config.json has moeq's quantization_config only; the
  *    checkpoint loads and evaluates, with the FP8 source as KL base (library and CLI);
  *  - broken sources (scale missing, misshapen, wrong block size, unknown fmt, no block size,
- *    weight_scale_inv beside a BF16 weight) are errors naming the tensor or field.
+ *    weight_scale_inv beside a BF16 weight) are errors naming the tensor or field;
+ *  - the checkpoint writer replaces a quantization_config it is handed, never adds a second.
  */
 #include <cjson/cJSON.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
+#include "export/writer.h"
 #include "formats/formats.h"
 #include "harness.h"
 #include "io/fp8.h"
@@ -691,6 +693,31 @@ static void test_scale_without_fp8_weight(void) {
     free(path);
 }
 
+/* The checkpoint writer replaces a quantization_config in the config it is given (never two). */
+static void test_writer_replaces_quantization_config(void) {
+    char *dir = sub("w");
+    mkdir(dir, 0755);
+    mq_tensor_decl d = {.name = "x", .dtype = MOEQ_DT_F32, .ndim = 1, .shape = {1}};
+    mq_ckpt_opts o = {.format = MQ_FMT_CT, .spec = mq_qspec_default(MQ_QS_NVFP4)};
+    mq_ckpt_writer *w = NULL;
+    ASSERT_OK(mq_ckpt_writer_open(dir, &d, 1, &o, false, &w));
+    float x = 1.0f;
+    ASSERT_OK(mq_ckpt_writer_put(w, "x", MOEQ_DT_F32, &x, sizeof x));
+    cJSON *cfg = cJSON_Parse("{\"model_type\": \"olmoe\", \"quantization_config\": {\"quant_method\": "
+                             "\"fp8\", \"fmt\": \"e4m3\", \"weight_block_size\": [128, 128]}}");
+    ASSERT_OK(mq_ckpt_writer_finish(w, cfg, dir, NULL, 0));
+    mq_ckpt_writer_close(w);
+    cJSON_Delete(cfg);
+    char *text = read_all(dir, "config.json", NULL);
+    int n_qc = 0;
+    for (const char *c = strstr(text, "\"quantization_config\""); c; c = strstr(c + 1, "\"quantization_config\""))
+        n_qc++;
+    ASSERT_EQ_INT(1, n_qc);
+    ASSERT_TRUE(strstr(text, "weight_block_size") == NULL && strstr(text, "compressed-tensors") != NULL);
+    free(text);
+    free(dir);
+}
+
 TEST_MAIN(T(test_e4m3_decode), T(test_scale_without_fp8_weight), T(test_load_blocks_128),
           T(test_load_blocks_48x80_bf16_scales), T(test_broken_sources), T(test_quantize_rtn),
-          T(test_quantize_gptq), T(test_cli))
+          T(test_quantize_gptq), T(test_cli), T(test_writer_replaces_quantization_config))
