@@ -31,6 +31,7 @@
 
 #include "export/gguf_export.h"
 #include "export/gguf_export.h"
+#include "export/gguf_export.h"
 #include "export/layout.h"
 #include "quant/calib.h"
 #include "quant/gptq.h"

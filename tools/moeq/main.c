@@ -19,6 +19,7 @@ static const struct {
     {"bench", cmd_bench, "benchmarks: forward, gptq, moe-ffn, tokenizer"},
     {"export-gguf", cmd_export_gguf, "convert a checkpoint into one GGUF file for llama.cpp"},
     {"export-gguf", cmd_export_gguf, "convert a checkpoint into one GGUF file for llama.cpp"},
+    {"export-gguf", cmd_export_gguf, "convert a checkpoint into one GGUF file for llama.cpp"},
 };
 
 static void usage(FILE *to) {
