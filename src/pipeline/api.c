@@ -165,8 +165,6 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->n_ignore = (int)po->n_ignore;
     o->force = po->force != 0;
     if (po->gguf_rest) mq_gguf_rest_parse(po->gguf_rest, &o->gguf_rest);   /* checked before */
-    if (po->gguf_rest) mq_gguf_rest_parse(po->gguf_rest, &o->gguf_rest);   /* checked before */
-    if (po->gguf_rest) mq_gguf_rest_parse(po->gguf_rest, &o->gguf_rest);   /* checked before */
     o->max_memory = po->max_memory;
     o->work_dir = po->work_dir;
     o->resume = po->resume != 0;

@@ -23,8 +23,6 @@ void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_forma
         o->spec.int4_zero_min = 1;
     }
     if (format == MQ_FMT_GGUF) o->spec.scale_dtype = MOEQ_DT_F16;   /* Q4_0/Q4_1 hold f16 scales */
-    if (format == MQ_FMT_GGUF) o->spec.scale_dtype = MOEQ_DT_F16;   /* Q4_0/Q4_1 hold f16 scales */
-    if (format == MQ_FMT_GGUF) o->spec.scale_dtype = MOEQ_DT_F16;   /* Q4_0/Q4_1 hold f16 scales */
     o->g = mq_gptq_opts_default();
     o->sequential = true;
     o->device = -1;

@@ -30,8 +30,6 @@
 #define MOEQ_PIPELINE_H
 
 #include "export/gguf_export.h"
-#include "export/gguf_export.h"
-#include "export/gguf_export.h"
 #include "export/layout.h"
 #include "quant/calib.h"
 #include "quant/gptq.h"

@@ -62,9 +62,6 @@ int cmd_quantize(int argc, char **argv) {
     const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL, *calib_field = NULL;
     const char *activations = "auto", *device = NULL, *revision = NULL, *scale_search = NULL;
     const char *gguf_rest = NULL;
-    const char *gguf_rest = NULL;
-    const char *gguf_rest = NULL;
-    const char *gguf_rest = NULL;
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
     double mpi_timeout = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
@@ -183,8 +180,6 @@ int cmd_quantize(int argc, char **argv) {
     o.scheme = w4a4 ? MOEQ_QUANT_NVFP4 : nv ? MOEQ_QUANT_NVFP4A16 : MOEQ_QUANT_INT4;
     o.method = gptq ? MOEQ_QUANT_GPTQ : MOEQ_QUANT_RTN;
     o.format = fmt;
-    o.gguf_rest = gguf_rest;
-    o.gguf_rest = gguf_rest;
     o.gguf_rest = gguf_rest;
     o.max_shard_bytes = (int64_t)shard;
     if (!nv && group_seen) o.group_size = (int32_t)group;

@@ -18,8 +18,6 @@ static const struct {
     {"quantize", cmd_quantize, "quantize a model (RTN or GPTQ) into NVFP4 or INT4 checkpoints"},
     {"bench", cmd_bench, "benchmarks: forward, gptq, moe-ffn, tokenizer"},
     {"export-gguf", cmd_export_gguf, "convert a checkpoint into one GGUF file for llama.cpp"},
-    {"export-gguf", cmd_export_gguf, "convert a checkpoint into one GGUF file for llama.cpp"},
-    {"export-gguf", cmd_export_gguf, "convert a checkpoint into one GGUF file for llama.cpp"},
 };
 
 static void usage(FILE *to) {
