@@ -751,8 +751,86 @@ static void test_rest_q8_0(void) {
     free(text);
 }
 
+/* GGUF -> checkpoint (moeq_import_gguf): the imported model's logits equal those of the
+ * compressed-tensors checkpoint it came from (fp32 path, bit for bit: Q4_0 decodes exactly), and
+ * its rebuilt tokenizer gives the same ids. */
+static void import_check(const char *model, const char *tag) {
+    char tmp[1024], ckpt[1100], file[1100], imp[1100];
+    snprintf(tmp, sizeof tmp, "%s", mq_test_tmpdir());
+    snprintf(ckpt, sizeof ckpt, "%s/%s-ct", tmp, tag);
+    snprintf(file, sizeof file, "%s/%s.gguf", tmp, tag);
+    snprintf(imp, sizeof imp, "%s/%s-imported", tmp, tag);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
+    o.spec.scale_dtype = MOEQ_DT_F16;
+    o.spec.group_size = 32;
+    ASSERT_OK(mq_pipeline_run(model, ckpt, &o, NULL));
+    ASSERT_OK(mq_gguf_export(ckpt, file, MQ_GGUF_REST_AUTO));
+    ASSERT_OK(moeq_import_gguf(file, imp));
+    moeq_model *a, *b;
+    ASSERT_OK(moeq_model_open(ckpt, NULL, &a));
+    ASSERT_OK(moeq_model_open(imp, NULL, &b));
+    const char *text = "The tower is 324 metres (1,063 ft) tall, about the same height as an 81-storey building.\n"
+                       " = Section = \n Its base is square.";
+    int32_t *ia = NULL, *ib = NULL;
+    size_t na = 0, nb = 0;
+    ASSERT_OK(moeq_tokenizer_encode(moeq_model_tokenizer(a), text, strlen(text), &ia, &na));
+    ASSERT_OK(moeq_tokenizer_encode(moeq_model_tokenizer(b), text, strlen(text), &ib, &nb));
+    ASSERT_EQ_INT(na, nb);
+    for (size_t i = 0; i < na && i < nb; i++)
+        if (ia[i] != ib[i]) {
+            FAIL("token %zu: %d against %d", i, ia[i], ib[i]);
+            break;
+        }
+    int32_t V = moeq_model_get_info(a)->vocab_size;
+    ASSERT_EQ_INT(V, moeq_model_get_info(b)->vocab_size);
+    float *la = malloc((size_t)na * V * 4), *lb = malloc((size_t)na * V * 4);
+    moeq_session *sa, *sb;
+    ASSERT_OK(moeq_session_create(a, (int32_t)na, &sa));
+    ASSERT_OK(moeq_session_create(b, (int32_t)na, &sb));
+    ASSERT_OK(moeq_session_forward(sa, ia, (int32_t)na, la));
+    ASSERT_OK(moeq_session_forward(sb, ia, (int32_t)na, lb));
+    for (size_t i = 0; i < na * (size_t)V; i++)
+        if (f32_bits(la[i]) != f32_bits(lb[i])) {
+            FAIL("%s: logit %zu: checkpoint %.9g, imported GGUF %.9g", tag, i, (double)la[i], (double)lb[i]);
+            break;
+        }
+    free(la);
+    free(lb);
+    free(ia);
+    free(ib);
+    moeq_session_free(sa);
+    moeq_session_free(sb);
+    moeq_model_free(a);
+    moeq_model_free(b);
+}
+
+static void test_import_olmoe(void) { import_check(mq_test_model("olmoe-tiny"), "olmoe"); }
+
+static void test_import_llama_permuted(void) {
+    char model[1024];
+    snprintf(model, sizeof model, "%s", mq_test_shared("fixtures/models/llama-tiny"));
+    import_check(model, "llama");
+}
+
+static void test_import_qwen2moe(void) { import_check(qwen2moe_variant(), "qwen2moe"); }
+
+static void test_import_refuses(void) {
+    size_t len;
+    uint8_t *buf = small_gguf(&len);   /* llama without the hparams */
+    char file[1100], dir[1100];
+    snprintf(file, sizeof file, "%s/small.gguf", mq_test_tmpdir());
+    snprintf(dir, sizeof dir, "%s/small-imported", mq_test_tmpdir());
+    ASSERT_OK(mq_write_file_atomic(file, buf, len));
+    free(buf);
+    ASSERT_STATUS(MOEQ_E_NOTFOUND, moeq_import_gguf(file, dir));
+    if (!strstr(moeq_last_error(), "llama.embedding_length")) FAIL("message: %s", moeq_last_error());
+    ASSERT_FALSE(mq_file_exists(dir));
+}
+
 TEST_MAIN(T(test_decode_float_types), T(test_decode_q4_0_q4_1_q8_0), T(test_decode_q4_k_q5_k),
           T(test_decode_q6_k), T(test_decode_nvfp4), T(test_decode_bad_lengths), T(test_reader_valid),
           T(test_reader_truncated), T(test_reader_corrupt), T(test_olmoe_q4_0), T(test_olmoe_q4_0_g128_split),
           T(test_olmoe_q4_1), T(test_llama_permuted_q4_0), T(test_llama_nvfp4), T(test_qwen2moe_shared_experts),
-          T(test_refusals), T(test_rest_q8_0))
+          T(test_refusals), T(test_rest_q8_0), T(test_import_olmoe), T(test_import_llama_permuted),
+          T(test_import_qwen2moe), T(test_import_refuses))

@@ -127,3 +127,8 @@ moeq_status moeq_gguf_describe(const char *path, int list_tensors, char **text) 
     *text = buf;
     return MOEQ_OK;
 }
+
+moeq_status moeq_import_gguf(const char *gguf_path, const char *out_dir) {
+    if (!gguf_path || !out_dir) return mq_err(MOEQ_E_ARG, "%s is NULL", !gguf_path ? "gguf_path" : "out_dir");
+    return mq_gguf_import(gguf_path, out_dir);
+}

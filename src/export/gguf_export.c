@@ -201,10 +201,10 @@ moeq_status mq_gguf_check_model(const char *model_dir, mq_qscheme scheme, bool a
 /* ---- the tokenizer ------------------------------------------------------------------------------ */
 
 /* The regexes of the Split pre-tokenizers llama.cpp knows by name (tokenizer.json's spelling). */
-static const char RE_LLAMA3[] =
+const char mq_gguf_re_llama3[] =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
     "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-static const char RE_QWEN2[] =
+const char mq_gguf_re_qwen2[] =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
     "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
@@ -228,8 +228,8 @@ static moeq_status pick_pre(const cJSON *tok, const char *path, const char **pre
             if (t0 && t1 && re && cJSON_IsString(t0) && cJSON_IsString(t1) && cJSON_IsString(re) &&
                 !strcmp(t0->valuestring, "Split") && !strcmp(t1->valuestring, "ByteLevel") &&
                 !flag(bl, "use_regex", true)) {
-                if (!strcmp(re->valuestring, RE_LLAMA3)) *pre = "llama-bpe";
-                else if (!strcmp(re->valuestring, RE_QWEN2)) *pre = "qwen2";
+                if (!strcmp(re->valuestring, mq_gguf_re_llama3)) *pre = "llama-bpe";
+                else if (!strcmp(re->valuestring, mq_gguf_re_qwen2)) *pre = "qwen2";
                 else *pre = NULL;
                 if (*pre) return MOEQ_OK;
             }

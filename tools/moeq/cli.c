@@ -44,6 +44,8 @@ static void free_models(void) {
 
 const char *cli_model_dir(const char *cmd, const char *arg, const char *revision) {
     struct stat st;
+    if (!revision && stat(arg, &st) == 0 && S_ISREG(st.st_mode) && cli_is_gguf(arg))
+        return cli_gguf_model_dir(cmd, arg);   /* a GGUF file: decoded into a temporary checkpoint */
     if (!revision && stat(arg, &st) == 0) return arg;   /* a directory, or tokenize's file */
     char *dir = NULL;
     moeq_status s = moeq_resolve_model(arg, revision, &dir);

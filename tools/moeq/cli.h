@@ -64,6 +64,10 @@ int cli_fail(const char *cmd, moeq_status st);
  * local cache at revision (NULL: main); NULL after printing the error (return CLI_FAIL). The
  * result lives until the process ends. */
 const char *cli_model_dir(const char *cmd, const char *arg, const char *revision);
+/* A .gguf MODEL (cmd_export_gguf.c): moeq_import_gguf into a temporary directory removed at exit;
+ * NULL after printing the error. cli_is_gguf: a .gguf name or the GGUF magic. */
+const char *cli_gguf_model_dir(const char *cmd, const char *path);
+int cli_is_gguf(const char *path);
 #define CLI_REVISION_OPT(var)                                                                      \
     {"--revision", OPT_STRING, &(var), "REV", "MODEL_DIR given as a hub id (org/name): the branch, " \
      "tag or commit of the local Hugging Face cache to use (default main)", NULL, 0, 0, NULL}

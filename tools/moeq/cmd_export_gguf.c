@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -15,6 +16,44 @@ int cli_is_gguf(const char *path) {
     size_t got = fread(magic, 1, 4, f);
     fclose(f);
     return got == 4 && !memcmp(magic, "GGUF", 4);
+}
+
+static char g_import_dirs[4][1024];
+static int g_n_import;
+
+/* The temporary checkpoints hold config.json, tokenizer.json and model.safetensors only. */
+static void remove_imports(void) {
+    static const char *const files[] = {"config.json", "tokenizer.json", "model.safetensors"};
+    for (int i = 0; i < g_n_import; i++) {
+        char p[1200];
+        for (int f = 0; f < 3; f++) {
+            snprintf(p, sizeof p, "%.1000s/%s", g_import_dirs[i], files[f]);
+            unlink(p);
+        }
+        rmdir(g_import_dirs[i]);
+    }
+}
+
+const char *cli_gguf_model_dir(const char *cmd, const char *path) {
+    if (g_n_import == 4) {
+        fprintf(stderr, "moeq %s: error: too many GGUF models\n", cmd);
+        return NULL;
+    }
+    const char *t = getenv("TMPDIR");
+    char *d = g_import_dirs[g_n_import];
+    snprintf(d, sizeof g_import_dirs[0], "%s/moeq-gguf-XXXXXX", t && *t ? t : "/tmp");
+    if (!mkdtemp(d)) {
+        fprintf(stderr, "moeq %s: error: cannot create a temporary directory %s\n", cmd, d);
+        return NULL;
+    }
+    if (!g_n_import) atexit(remove_imports);
+    g_n_import++;
+    moeq_status st = moeq_import_gguf(path, d);
+    if (st) {
+        cli_fail(cmd, st);
+        return NULL;
+    }
+    return d;
 }
 
 int cli_inspect_gguf(const char *path, int tensors) {

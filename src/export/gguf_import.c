@@ -1,0 +1,371 @@
+/*
+ * GGUF -> a Hugging Face checkpoint directory moeq's loader opens (config.json, tokenizer.json,
+ * model.safetensors in F32), so that eval, generate and tokenize run on llama.cpp's files:
+ * the config from the architecture's KVs (routing as llama.cpp's graph hard-codes it: olmoe and
+ * qwen2moe never renormalise the top-k weights, qwen3moe and Mixtral do), every tensor decoded
+ * with io/gguf.c's block decoders (NVFP4 times its NAME.scale), stacked experts split, llama's
+ * q/k rows permuted back (HF row h*hd + j*hd/2 + i = GGUF row h*hd + 2i + j), and the tokenizer
+ * rebuilt from tokenizer.ggml.* (gpt2 model; pre-tokenizer from tokenizer.ggml.pre). The whole
+ * model is held in fp32 while the file is written.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "export/gguf_export.h"
+#include "io/gguf.h"
+#include "io/safetensors.h"
+
+typedef struct {
+    const char *arch;
+    bool mixtral;
+    uint32_t D, L, H, KV, HD, FF, E, K, FF_EXP, FF_SH, ctx, vocab;
+    float eps, theta;
+} gcfg;
+
+static moeq_status akey_u32(const mq_gguf *g, const char *arch, const char *k, bool required, uint32_t *v) {
+    char key[160];
+    snprintf(key, sizeof key, "%s.%s", arch, k);
+    moeq_status s = mq_gguf_get_u32(g, key, v);
+    if (s == MOEQ_E_NOTFOUND && !required) return MOEQ_OK;
+    return s;
+}
+
+static moeq_status read_cfg(const mq_gguf *g, const char *path, gcfg *c) {
+    memset(c, 0, sizeof *c);
+    const char *a;
+    size_t al;
+    moeq_status s = mq_gguf_get_str(g, "general.architecture", &a, &al);
+    if (s) return s;
+    static const char *const archs[] = {"llama", "olmoe", "qwen2moe", "qwen3moe"};
+    for (int i = 0; i < 4; i++)
+        if (al == strlen(archs[i]) && !memcmp(a, archs[i], al)) c->arch = archs[i];
+    if (!c->arch)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: architecture '%.*s': moeq reads llama, olmoe, qwen2moe and qwen3moe GGUF files",
+                      path, (int)al, a);
+    const char *A = c->arch;
+    if ((s = akey_u32(g, A, "embedding_length", true, &c->D)) || (s = akey_u32(g, A, "block_count", true, &c->L)) ||
+        (s = akey_u32(g, A, "attention.head_count", true, &c->H)) ||
+        (s = akey_u32(g, A, "feed_forward_length", true, &c->FF)) ||
+        (s = akey_u32(g, A, "context_length", true, &c->ctx)))
+        return s;
+    c->KV = c->H;
+    if ((s = akey_u32(g, A, "attention.head_count_kv", false, &c->KV))) return s;
+    if (!c->H || !c->KV || c->H % c->KV || !c->D || !c->L) return mq_err(MOEQ_E_FORMAT, "%s: bad head or layer counts", path);
+    c->HD = c->D / c->H;
+    uint32_t rot = 0;
+    if ((s = akey_u32(g, A, "attention.key_length", false, &c->HD)) || (s = akey_u32(g, A, "expert_count", false, &c->E)) ||
+        (s = akey_u32(g, A, "expert_used_count", false, &c->K)) ||
+        (s = akey_u32(g, A, "expert_feed_forward_length", false, &c->FF_EXP)) ||
+        (s = akey_u32(g, A, "expert_shared_feed_forward_length", false, &c->FF_SH)) ||
+        (s = akey_u32(g, A, "rope.dimension_count", false, &rot)))
+        return s;
+    if (rot && rot != c->HD)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: partial rotary embeddings (%u of %u) are not read", path, rot, c->HD);
+    char key[160];
+    snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", A);
+    if ((s = mq_gguf_get_f32(g, key, &c->eps))) return s;
+    c->theta = 10000.0f;
+    snprintf(key, sizeof key, "%s.rope.freq_base", A);
+    if ((s = mq_gguf_get_f32(g, key, &c->theta)) && s != MOEQ_E_NOTFOUND) return s;
+    snprintf(key, sizeof key, "%s.rope.scaling.type", A);
+    if (mq_gguf_find_kv(g, key)) return mq_err(MOEQ_E_UNSUPPORTED, "%s: rope scaling is not read", path);
+    const mq_gguf_kv *toks = mq_gguf_find_kv(g, "tokenizer.ggml.tokens");
+    if (!toks || toks->type != MQ_GGUF_ARRAY || toks->arr_type != MQ_GGUF_STRING)
+        return mq_err(MOEQ_E_FORMAT, "%s: no tokenizer.ggml.tokens string array", path);
+    c->vocab = (uint32_t)toks->n;
+    if ((s = akey_u32(g, A, "vocab_size", false, &c->vocab))) return s;
+    c->mixtral = !strcmp(A, "llama") && c->E > 0;
+    if (strcmp(A, "llama") && (!c->E || !c->K)) return mq_err(MOEQ_E_FORMAT, "%s: %s without experts", path, A);
+    return MOEQ_OK;
+}
+
+static cJSON *make_config(const gcfg *c, const mq_gguf *g, bool tied) {
+    cJSON *j = cJSON_CreateObject();
+    if (!j) return NULL;
+    const char *mt = c->mixtral ? "mixtral" : !strcmp(c->arch, "llama") ? "llama"
+                     : !strcmp(c->arch, "olmoe")                        ? "olmoe"
+                     : !strcmp(c->arch, "qwen2moe")                     ? "qwen2_moe"
+                                                                        : "qwen3_moe";
+    cJSON_AddStringToObject(j, "model_type", mt);
+    cJSON_AddNumberToObject(j, "hidden_size", c->D);
+    cJSON_AddNumberToObject(j, "num_hidden_layers", c->L);
+    cJSON_AddNumberToObject(j, "num_attention_heads", c->H);
+    cJSON_AddNumberToObject(j, "num_key_value_heads", c->KV);
+    cJSON_AddNumberToObject(j, "head_dim", c->HD);
+    cJSON_AddNumberToObject(j, "intermediate_size", c->FF);
+    cJSON_AddNumberToObject(j, "max_position_embeddings", c->ctx);
+    cJSON_AddNumberToObject(j, "vocab_size", c->vocab);
+    cJSON_AddNumberToObject(j, "rms_norm_eps", c->eps);
+    cJSON_AddNumberToObject(j, "rope_theta", c->theta);
+    cJSON_AddStringToObject(j, "hidden_act", "silu");
+    cJSON_AddBoolToObject(j, "tie_word_embeddings", tied);
+    if (c->E) {
+        cJSON_AddNumberToObject(j, c->mixtral ? "num_local_experts" : "num_experts", c->E);
+        cJSON_AddNumberToObject(j, "num_experts_per_tok", c->K);
+    }
+    /* the routing llama.cpp's graphs hard-code */
+    if (!strcmp(c->arch, "olmoe") || !strcmp(c->arch, "qwen2moe")) cJSON_AddBoolToObject(j, "norm_topk_prob", false);
+    if (!strcmp(c->arch, "qwen3moe")) cJSON_AddBoolToObject(j, "norm_topk_prob", true);
+    if (!strcmp(c->arch, "qwen2moe") || !strcmp(c->arch, "qwen3moe")) {
+        cJSON_AddNumberToObject(j, "moe_intermediate_size", c->FF_EXP ? c->FF_EXP : c->FF);
+        cJSON_AddNumberToObject(j, "decoder_sparse_step", 1);
+    }
+    if (!strcmp(c->arch, "qwen2moe")) {
+        cJSON_AddNumberToObject(j, "shared_expert_intermediate_size", c->FF_SH ? c->FF_SH : c->FF);
+        cJSON_AddBoolToObject(j, "qkv_bias", mq_gguf_find_tensor(g, "blk.0.attn_q.bias") != NULL);
+    }
+    uint32_t id;
+    if (!mq_gguf_get_u32(g, "tokenizer.ggml.bos_token_id", &id)) cJSON_AddNumberToObject(j, "bos_token_id", id);
+    if (!mq_gguf_get_u32(g, "tokenizer.ggml.eos_token_id", &id)) cJSON_AddNumberToObject(j, "eos_token_id", id);
+    if (!mq_gguf_get_u32(g, "tokenizer.ggml.padding_token_id", &id)) cJSON_AddNumberToObject(j, "pad_token_id", id);
+    return j;
+}
+
+static cJSON *byte_level(bool use_regex) {
+    cJSON *b = cJSON_CreateObject();
+    cJSON_AddStringToObject(b, "type", "ByteLevel");
+    cJSON_AddBoolToObject(b, "add_prefix_space", false);
+    cJSON_AddBoolToObject(b, "trim_offsets", true);
+    cJSON_AddBoolToObject(b, "use_regex", use_regex);
+    return b;
+}
+
+static char *strn(const char *s, size_t n) { return mq_strndup(s, n); }
+
+/* tokenizer.json from tokenizer.ggml.*: BPE vocab (padding entries left out), merges, the
+ * special and user-defined tokens as added tokens, the pre-tokenizer tokenizer.ggml.pre names. */
+static moeq_status make_tokenizer(const mq_gguf *g, const char *path, cJSON **out) {
+    *out = NULL;
+    const char *m, *pre;
+    size_t ml, pl;
+    moeq_status s = mq_gguf_get_str(g, "tokenizer.ggml.model", &m, &ml);
+    if (s) return s;
+    if (ml != 4 || memcmp(m, "gpt2", 4))
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: tokenizer.ggml.model '%.*s': moeq reads byte-level BPE (gpt2)", path, (int)ml, m);
+    if ((s = mq_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pl))) {
+        if (s != MOEQ_E_NOTFOUND) return s;
+        pre = "default", pl = 7;
+    }
+    const char *re = NULL;
+    if ((pl == 5 && !memcmp(pre, "gpt-2", 5)) || (pl == 4 && !memcmp(pre, "olmo", 4)) || (pl == 7 && !memcmp(pre, "default", 7)))
+        re = "";
+    else if (pl == 9 && !memcmp(pre, "llama-bpe", 9)) re = mq_gguf_re_llama3;
+    else if (pl == 5 && !memcmp(pre, "qwen2", 5)) re = mq_gguf_re_qwen2;
+    if (!re) return mq_err(MOEQ_E_UNSUPPORTED, "%s: tokenizer.ggml.pre '%.*s' is not one moeq rebuilds (gpt-2, olmo, llama-bpe, qwen2)",
+                           path, (int)pl, pre);
+    const mq_gguf_kv *toks = mq_gguf_find_kv(g, "tokenizer.ggml.tokens"), *types = mq_gguf_find_kv(g, "tokenizer.ggml.token_type");
+    const mq_gguf_kv *merges = mq_gguf_find_kv(g, "tokenizer.ggml.merges");
+    if (!merges || merges->type != MQ_GGUF_ARRAY || merges->arr_type != MQ_GGUF_STRING)
+        return mq_err(MOEQ_E_FORMAT, "%s: no tokenizer.ggml.merges string array", path);
+    cJSON *t = cJSON_CreateObject(), *added = cJSON_AddArrayToObject(t, "added_tokens");
+    cJSON_AddStringToObject(t, "version", "1.0");
+    cJSON_AddNullToObject(t, "normalizer");
+    if (re[0]) {
+        cJSON *seq = cJSON_CreateObject(), *list = cJSON_AddArrayToObject(seq, "pretokenizers"), *sp = cJSON_CreateObject();
+        cJSON_AddStringToObject(seq, "type", "Sequence");
+        cJSON_AddStringToObject(sp, "type", "Split");
+        cJSON *pat = cJSON_AddObjectToObject(sp, "pattern");
+        cJSON_AddStringToObject(pat, "Regex", re);
+        cJSON_AddStringToObject(sp, "behavior", "Isolated");
+        cJSON_AddBoolToObject(sp, "invert", false);
+        cJSON_AddItemToArray(list, sp);
+        cJSON_AddItemToArray(list, byte_level(false));
+        cJSON_AddItemToObject(t, "pre_tokenizer", seq);
+    } else {
+        cJSON_AddItemToObject(t, "pre_tokenizer", byte_level(true));
+    }
+    cJSON_AddItemToObject(t, "decoder", byte_level(true));
+    cJSON *model = cJSON_AddObjectToObject(t, "model"), *vocab = cJSON_AddObjectToObject(model, "vocab");
+    cJSON_AddStringToObject(model, "type", "BPE");
+    cJSON *mer = cJSON_AddArrayToObject(model, "merges");
+    for (uint64_t i = 0; i < toks->n; i++) {
+        const char *ts;
+        size_t tl;
+        double ty = 1;
+        mq_gguf_kv_str_at(toks, i, &ts, &tl);
+        if (types) mq_gguf_kv_num_at(types, i, &ty);
+        if (ty == 5) continue;   /* padding rows */
+        char *name = strn(ts, tl);
+        if (!name) break;
+        if (!cJSON_GetObjectItemCaseSensitive(vocab, name)) cJSON_AddNumberToObject(vocab, name, (double)i);
+        if (ty == 3 || ty == 4) {
+            cJSON *a = cJSON_CreateObject();
+            cJSON_AddNumberToObject(a, "id", (double)i);
+            cJSON_AddStringToObject(a, "content", name);
+            cJSON_AddBoolToObject(a, "single_word", false);
+            cJSON_AddBoolToObject(a, "lstrip", false);
+            cJSON_AddBoolToObject(a, "rstrip", false);
+            cJSON_AddBoolToObject(a, "normalized", false);
+            cJSON_AddBoolToObject(a, "special", ty == 3);
+            cJSON_AddItemToArray(added, a);
+        }
+        free(name);
+    }
+    for (uint64_t i = 0; i < merges->n; i++) {
+        const char *ms;
+        size_t mlen;
+        mq_gguf_kv_str_at(merges, i, &ms, &mlen);
+        char *x = strn(ms, mlen);
+        if (!x) break;
+        cJSON_AddItemToArray(mer, cJSON_CreateString(x));
+        free(x);
+    }
+    *out = t;
+    return MOEQ_OK;
+}
+
+/* The HF name of a GGUF tensor (expert e of a stacked one); NULL: not a weight moeq maps. */
+static bool hf_name(const gcfg *c, const char *gn, int64_t e, char *out, size_t n, bool *stacked) {
+    static const char *const plain[][2] = {
+        {"attn_norm.weight", "input_layernorm.weight"}, {"ffn_norm.weight", "post_attention_layernorm.weight"},
+        {"attn_q.weight", "self_attn.q_proj.weight"}, {"attn_k.weight", "self_attn.k_proj.weight"},
+        {"attn_v.weight", "self_attn.v_proj.weight"}, {"attn_output.weight", "self_attn.o_proj.weight"},
+        {"attn_q.bias", "self_attn.q_proj.bias"}, {"attn_k.bias", "self_attn.k_proj.bias"},
+        {"attn_v.bias", "self_attn.v_proj.bias"}, {"attn_q_norm.weight", "self_attn.q_norm.weight"},
+        {"attn_k_norm.weight", "self_attn.k_norm.weight"}, {"ffn_gate.weight", "mlp.gate_proj.weight"},
+        {"ffn_up.weight", "mlp.up_proj.weight"}, {"ffn_down.weight", "mlp.down_proj.weight"},
+        {"ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight"},
+        {"ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight"},
+        {"ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"},
+        {"ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight"},
+    };
+    *stacked = false;
+    if (!strcmp(gn, "token_embd.weight")) return snprintf(out, n, "model.embed_tokens.weight"), true;
+    if (!strcmp(gn, "output_norm.weight")) return snprintf(out, n, "model.norm.weight"), true;
+    if (!strcmp(gn, "output.weight")) return snprintf(out, n, "lm_head.weight"), true;
+    int l, used = 0;
+    if (sscanf(gn, "blk.%d.%n", &l, &used) != 1 || used == 0) return false;
+    const char *r = gn + used;
+    const char *blk = c->mixtral ? "block_sparse_moe" : "mlp";
+    for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++)
+        if (!strcmp(r, plain[i][0])) return snprintf(out, n, "model.layers.%d.%s", l, plain[i][1]), true;
+    if (!strcmp(r, "ffn_gate_inp.weight")) return snprintf(out, n, "model.layers.%d.%s.gate.weight", l, blk), true;
+    static const char *const ex[3][3] = {{"ffn_gate_exps.weight", "gate_proj", "w1"},
+                                         {"ffn_up_exps.weight", "up_proj", "w3"},
+                                         {"ffn_down_exps.weight", "down_proj", "w2"}};
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(r, ex[i][0])) {
+            *stacked = true;
+            return snprintf(out, n, "model.layers.%d.%s.experts.%lld.%s.weight", l, blk, (long long)e,
+                            c->mixtral ? ex[i][2] : ex[i][1]), true;
+        }
+    return false;
+}
+
+moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir) {
+    mq_gguf *g;
+    moeq_status s = mq_gguf_open(gguf_path, &g);
+    if (s) return s;
+    gcfg c;
+    cJSON *cfg = NULL, *tok = NULL;
+    mq_st_writer *w = mq_stw_new();
+    char *p = NULL;
+    if (!w) {
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        goto done;
+    }
+    if ((s = read_cfg(g, gguf_path, &c)) || (s = make_tokenizer(g, gguf_path, &tok))) goto done;
+    bool tied = !mq_gguf_find_tensor(g, "output.weight");
+    if (!(cfg = make_config(&c, g, tied))) {
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        goto done;
+    }
+    for (size_t i = 0; !s && i < mq_gguf_tensor_count(g); i++) {
+        const mq_gguf_tensor *t = mq_gguf_tensor_at(g, i);
+        size_t nl = strlen(t->name);
+        if ((nl > 6 && !strcmp(t->name + nl - 6, ".scale")) || (nl > 12 && !strcmp(t->name + nl - 12, ".input_scale")))
+            continue;   /* applied to its weight; activation scales are llama.cpp's business */
+        char hn[300];
+        bool stacked;
+        if (!hf_name(&c, t->name, 0, hn, sizeof hn, &stacked)) {
+            s = mq_err(MOEQ_E_UNSUPPORTED, "%s: tensor '%s' has no place in a %s model moeq runs", gguf_path, t->name, c.arch);
+            break;
+        }
+        float *f = mq_alloc_array((size_t)t->numel, sizeof(float), t->name);
+        if (!f) {
+            s = MOEQ_E_NOMEM;
+            break;
+        }
+        if ((s = mq_gguf_tensor_to_f32(t, f))) {
+            mq_free(f);
+            break;
+        }
+        int64_t E = t->n_dims == 3 ? t->ne[2] : 1, rows = t->n_dims >= 2 ? t->ne[1] : 1, cols = t->ne[0];
+        char sname[160];
+        snprintf(sname, sizeof sname, "%.*s.scale", (int)(nl - 7), t->name);
+        const mq_gguf_tensor *sc = nl > 7 && !strcmp(t->name + nl - 7, ".weight") ? mq_gguf_find_tensor(g, sname) : NULL;
+        if (sc) {
+            float sv[4096];
+            if (sc->numel != E || sc->type != MQ_GGML_F32 || E > 4096) {
+                mq_free(f);
+                s = mq_err(MOEQ_E_FORMAT, "%s: '%s' has %lld values for %lld matrices", gguf_path, sname,
+                           (long long)sc->numel, (long long)E);
+                break;
+            }
+            mq_gguf_tensor_to_f32(sc, sv);
+            for (int64_t k = 0; k < t->numel; k++) f[k] *= sv[k / (rows * cols)];
+        }
+        /* llama: q/k rows back in HF's order */
+        int64_t heads = 0;
+        if (!strcmp(c.arch, "llama") && strstr(t->name, ".attn_q.")) heads = c.H;
+        if (!strcmp(c.arch, "llama") && strstr(t->name, ".attn_k.")) heads = c.KV;
+        if (heads > 0) {
+            int64_t per = t->n_dims == 1 ? 1 : cols;   /* biases: one value per row */
+            int64_t R = t->n_dims == 1 ? t->numel : rows, hd = R / heads;
+            float *tmp = mq_alloc_array((size_t)t->numel, sizeof(float), t->name);
+            if (!tmp) {
+                mq_free(f);
+                s = MOEQ_E_NOMEM;
+                break;
+            }
+            for (int64_t gr = 0; gr < R; gr++) {
+                int64_t h = gr / hd, k = gr % hd, hr = h * hd + (k % 2) * (hd / 2) + k / 2;
+                memcpy(tmp + hr * per, f + gr * per, (size_t)per * sizeof(float));
+            }
+            mq_free(f);
+            f = tmp;
+        }
+        if (!stacked) {
+            int64_t shape[2] = {rows, cols};
+            int nd = t->n_dims == 1 ? 1 : 2;
+            if (t->n_dims == 1) shape[0] = cols;
+            if (strstr(t->name, "ffn_gate_inp_shexp")) nd = 2, shape[0] = 1, shape[1] = cols;   /* HF [1, D] */
+            s = mq_stw_add_owned(w, hn, MOEQ_DT_F32, nd, shape, f, (size_t)t->numel * sizeof(float));
+            continue;
+        }
+        for (int64_t e = 0; !s && e < E; e++) {
+            hf_name(&c, t->name, e, hn, sizeof hn, &stacked);
+            int64_t shape[2] = {rows, cols};
+            s = mq_stw_add(w, hn, MOEQ_DT_F32, 2, shape, f + e * rows * cols, (size_t)(rows * cols) * sizeof(float));
+        }
+        mq_free(f);
+    }
+    if (s) goto done;
+    if (mkdir(out_dir, 0755) != 0 && !mq_dir_exists(out_dir)) {
+        s = mq_err(MOEQ_E_IO, "%s: cannot create the directory", out_dir);
+        goto done;
+    }
+    if (!(p = mq_path_join(out_dir, "model.safetensors"))) {
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        goto done;
+    }
+    if ((s = mq_stw_write(w, p))) goto done;
+    const char *names[2] = {"config.json", "tokenizer.json"};
+    cJSON *docs[2] = {cfg, tok};
+    for (int i = 0; !s && i < 2; i++) {
+        char *text = cJSON_Print(docs[i]);
+        char *fp = mq_path_join(out_dir, names[i]);
+        s = text && fp ? mq_write_file_atomic(fp, text, strlen(text)) : mq_err(MOEQ_E_NOMEM, "out of memory");
+        free(text);
+        free(fp);
+    }
+done:
+    free(p);
+    mq_stw_free(w);
+    cJSON_Delete(cfg);
+    cJSON_Delete(tok);
+    mq_gguf_close(g);
+    return s;
+}
