@@ -606,34 +606,6 @@ moeq_status moeq_export_gguf_dequantized(const char *ckpt_dir, const char *out_p
  * temporary directory when a MODEL_DIR argument is a .gguf file. */
 moeq_status moeq_import_gguf(const char *gguf_path, const char *out_dir);
 
-/* GGUF (docs/gguf.md). moeq_export_gguf converts a checkpoint directory (compressed-tensors,
- * ModelOpt, GPTQ v1 or unquantized; llama, mixtral, olmoe, qwen2_moe, qwen3_moe) into one GGUF
- * v3 file llama.cpp loads, without requantizing: INT4 symmetric -> Q4_0 (exact with f16 scales,
- * as MOEQ_FORMAT_GGUF quantizes them), asymmetric -> Q4_1, NVFP4 -> NVFP4 + its global scale.
- * rest: as moeq_quant_options.gguf_rest. Combinations llama.cpp would compute differently are
- * MOEQ_E_UNSUPPORTED saying why; out_path is written under a temporary name and renamed when
- * complete. */
-moeq_status moeq_export_gguf(const char *ckpt_dir, const char *out_path, const char *rest);
-/* A readable description of a GGUF file (header, KVs, tensors when list_tensors) into *text
- * (owned by the caller: free()). A corrupt file is MOEQ_E_FORMAT naming the field. */
-moeq_status moeq_gguf_describe(const char *path, int list_tensors, char **text);
-/* As moeq_export_gguf with every quantized Linear written dequantized (fp32 as moeq's loader
- * computes it, stored as rest says; NULL/"auto": F32): the same model through llama.cpp's float
- * kernels, the reference a quantized file's llama.cpp logits are measured against. */
-moeq_status moeq_export_gguf_dequantized(const char *ckpt_dir, const char *out_path, const char *rest);
-
-/* GGUF (docs/gguf.md). moeq_export_gguf converts a checkpoint directory (compressed-tensors,
- * ModelOpt, GPTQ v1 or unquantized; llama, mixtral, olmoe, qwen2_moe, qwen3_moe) into one GGUF
- * v3 file llama.cpp loads, without requantizing: INT4 symmetric -> Q4_0 (exact with f16 scales,
- * as MOEQ_FORMAT_GGUF quantizes them), asymmetric -> Q4_1, NVFP4 -> NVFP4 + its global scale.
- * rest: as moeq_quant_options.gguf_rest. Combinations llama.cpp would compute differently are
- * MOEQ_E_UNSUPPORTED saying why; out_path is written under a temporary name and renamed when
- * complete. */
-moeq_status moeq_export_gguf(const char *ckpt_dir, const char *out_path, const char *rest);
-/* A readable description of a GGUF file (header, KVs, tensors when list_tensors) into *text
- * (owned by the caller: free()). A corrupt file is MOEQ_E_FORMAT naming the field. */
-moeq_status moeq_gguf_describe(const char *path, int list_tensors, char **text);
-
 /* ------------------------------------------------------------------------------------------ */
 /* Quantized MoE feed-forward op (src/kernels)                                                */
 /* ------------------------------------------------------------------------------------------ */
