@@ -144,7 +144,8 @@ static void test_decode_q6_k(void) {
 }
 
 static void test_decode_nvfp4(void) {
-    static const float E2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+    /* code 8 reads as +0: ggml decodes from integers (kvalues_fp4), which have no -0 */
+    static const float E2M1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, 0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
     uint8_t b[36];
     float y[64], w[64];
     /* block scales: 1.0 (0x38), 1.25 (0x3A: 2^0 x 1.25), NaN code 0x7F (reads as 0), 2^-9 (0x01) */

@@ -431,9 +431,10 @@ bool mq_gguf_kv_num_at(const mq_gguf_kv *kv, uint64_t i, double *v) {
  * Each follows its type's definition with ggml's order of float operations, so the values are
  * the ones ggml's reference dequantization produces. */
 
+/* E2M1 as ggml decodes it: from a table of integers (twice the value), so code 8 is +0, not -0. */
 static float e2m1_value(uint8_t c) {
     static const float mag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    return c & 8 ? -mag[c & 7] : mag[c & 7];
+    return c & 8 && c != 8 ? -mag[c & 7] : mag[c & 7];
 }
 
 /* UE4M3 as ggml reads it: the sign bit ignored, 0 and 0x7F give 0. */
