@@ -333,7 +333,7 @@ static const char *invalid_case(int i, moeq_quant_options *o, const char *calib)
     case 0: o->scheme = MOEQ_QUANT_SCHEME_UNSET; return "scheme";
     case 1: o->scheme = (moeq_quant_scheme)7; return "scheme";
     case 2: o->method = (moeq_quant_method)5; return "method";
-    case 3: o->format = (moeq_ckpt_format)3; return "format";
+    case 3: o->format = (moeq_ckpt_format)4; return "format";   /* past MOEQ_FORMAT_GGUF */
     case 4: o->scheme = MOEQ_QUANT_NVFP4A16; o->format = MOEQ_FORMAT_GPTQ; return "format";
     case 5: o->format = MOEQ_FORMAT_MODELOPT; return "format";
     case 6: o->scheme = MOEQ_QUANT_NVFP4A16; o->group_size = 32; return "group_size";

@@ -712,11 +712,19 @@ static moeq_status write_float(exporter *x, mq_gguf_writer *w, const out_tensor 
     size_t es = moeq_dtype_size(v->dtype), rb = row_bytes(t->type, cols);
     int64_t chunk = t->heads > 0 ? 1 : (int64_t)(((size_t)1 << 22) / ((size_t)cols * 4) + 1);
     if (chunk > rows) chunk = rows;
+    /* an FP8 block-quantized weight dequantizes only whole (io/fp8.h) */
+    float *full = v->scale_inv ? mq_alloc_array((size_t)(rows * cols), sizeof(float), "FP8 weight") : NULL;
     float *f = mq_alloc_array((size_t)(chunk * cols), sizeof(float), "GGUF rows");
     uint8_t *o = mq_alloc_array((size_t)chunk, rb, "GGUF rows");
-    moeq_status s = f && o ? MOEQ_OK : MOEQ_E_NOMEM;
+    moeq_status s = f && o && (full || !v->scale_inv) ? MOEQ_OK : MOEQ_E_NOMEM;
+    if (!s && full) s = mq_tensor_to_f32(v, full);
     for (int64_t r = 0; !s && r < rows; r += chunk) {
         int64_t n = rows - r < chunk ? rows - r : chunk;
+        if (full) {
+            encode_float_rows(t->type, full + src_row(r, t->rows, t->heads) * cols, n, cols, o);
+            s = mq_gguf_writer_data(w, o, (size_t)n * rb);
+            continue;
+        }
         mq_tensor_view sub = *v;
         sub.ndim = 2;
         sub.shape[0] = n;
@@ -728,6 +736,7 @@ static moeq_status write_float(exporter *x, mq_gguf_writer *w, const out_tensor 
         encode_float_rows(t->type, f, n, cols, o);
         s = mq_gguf_writer_data(w, o, (size_t)n * rb);
     }
+    mq_free(full);
     mq_free(f);
     mq_free(o);
     return s;

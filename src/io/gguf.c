@@ -211,8 +211,12 @@ static moeq_status parse(mq_gguf *g, const uint8_t *buf, size_t len) {
         return mq_err(MOEQ_E_FORMAT, "%s: GGUF version %u (moeq reads 2 and 3)", L, g->version);
     if ((s = get_u64(&c, &nt, "the tensor count")) || (s = get_u64(&c, &nkv, "the KV count"))) return s;
     /* a KV takes at least 8 + 4 + 1 bytes, a tensor info 8 + 4 + 8 + 4 + 8 */
-    if (nkv > len / 13) return mq_err(MOEQ_E_FORMAT, "%s: KV count %llu cannot fit in the file", L, (unsigned long long)nkv);
-    if (nt > len / 32) return mq_err(MOEQ_E_FORMAT, "%s: tensor count %llu cannot fit in the file", L, (unsigned long long)nt);
+    if (nkv > len / 13)
+        return mq_err(MOEQ_E_FORMAT, "%s: truncated or corrupt GGUF: KV count %llu cannot fit in its %zu bytes", L,
+                      (unsigned long long)nkv, len);
+    if (nt > len / 32)
+        return mq_err(MOEQ_E_FORMAT, "%s: truncated or corrupt GGUF: tensor count %llu cannot fit in its %zu bytes", L,
+                      (unsigned long long)nt, len);
     g->kv = calloc(nkv ? (size_t)nkv : 1, sizeof *g->kv);
     g->tensors = calloc(nt ? (size_t)nt : 1, sizeof *g->tensors);
     if (!g->kv || !g->tensors) return mq_err(MOEQ_E_NOMEM, "out of memory reading %s", L);

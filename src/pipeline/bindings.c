@@ -89,8 +89,8 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         if ((k = pick(v, n, 2)) < 0) return bad(key, v, "rtn or gptq");
         o->method = k ? MOEQ_QUANT_GPTQ : MOEQ_QUANT_RTN;
     } else if (!strcmp(key, "format")) {
-        static const char *const n[] = {"compressed-tensors", "modelopt", "gptq"};
-        if ((k = pick(v, n, 3)) < 0) return bad(key, v, "compressed-tensors, modelopt or gptq");
+        static const char *const n[] = {"compressed-tensors", "modelopt", "gptq", "gguf"};
+        if ((k = pick(v, n, 4)) < 0) return bad(key, v, "compressed-tensors, modelopt, gptq or gguf");
         o->format = (moeq_ckpt_format)k;
     } else if (!strcmp(key, "group-size")) {
         if (!(st = get_int(key, v, 0, 1 << 20, &i))) o->group_size = (int32_t)i;
@@ -178,6 +178,10 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         o->gptq.report = v;
     } else if (!strcmp(key, "report-html")) {
         o->gptq.report_html = v;
+    } else if (!strcmp(key, "gguf-rest")) {
+        static const char *const n[] = {"auto", "f32", "f16", "bf16", "q8_0"};
+        if ((k = pick(v, n, 5)) < 0) return bad(key, v, "auto, f32, f16, bf16 or q8_0");
+        o->gguf_rest = n[k];
     } else {
         return mq_err(MOEQ_E_ARG, "unknown quantize option '%s' (the names of moeq quantize's flags)", key);
     }

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# GGUF from the command line on the bundled olmoe-tiny: quantize --format gguf writes one file and
+# no work directory, inspect lists its KVs and tensors, export-gguf of the same codes gives the
+# same bytes, eval and tokenize take the .gguf, refused combinations exit 1 and leave nothing,
+# bad usage exits 2.
+. "$(dirname "$0")/common.sh"
+
+mkdir -p "$tmp/a" "$tmp/b"
+"$cli" quantize "$model" --out "$tmp/a/olmoe.gguf" --scheme int4 --group-size 32 --format gguf --quiet ||
+    fail "quantize --format gguf exited $?"
+[ -f "$tmp/a/olmoe.gguf" ] || fail "no olmoe.gguf"
+[ "$(ls "$tmp/a")" = olmoe.gguf ] || fail "left beside the file: $(ls "$tmp/a")"
+head -c 4 "$tmp/a/olmoe.gguf" | grep -q GGUF || fail "no GGUF magic"
+out=$("$cli" inspect "$tmp/a/olmoe.gguf" --tensors) || fail "inspect exited $?"
+printf '%s\n' "$out" | grep -q '^  olmoe.expert_count  *UINT32  *8$' || fail "inspect: no expert_count"
+printf '%s\n' "$out" | grep -q '^  olmoe.attention.layer_norm_rms_epsilon  *FLOAT32 ' || fail "inspect: eps"
+printf '%s\n' "$out" | grep -q '^  tokenizer.ggml.pre  *STRING  *"gpt-2"$' || fail "inspect: pre"
+printf '%s\n' "$out" | grep -q '^  blk.3.ffn_down_exps.weight  *q4_0  *{256, 256, 8}' || fail "inspect: stacked experts"
+printf '%s\n' "$out" | grep -q 'q4_0  *28 tensors' || fail "inspect: q4_0 summary"
+
+# the same codes through a GPTQ v1 checkpoint (f16 scales too) and export-gguf: the same bytes
+"$cli" quantize "$model" --out "$tmp/gptq" --scheme int4 --group-size 32 --format gptq --quiet || fail "gptq exited $?"
+"$cli" export-gguf "$tmp/gptq" "$tmp/b/olmoe.gguf" --quiet || fail "export-gguf exited $?"
+cmp -s "$tmp/a/olmoe.gguf" "$tmp/b/olmoe.gguf" || fail "export-gguf of the GPTQ checkpoint differs"
+"$cli" export-gguf "$tmp/gptq" "$tmp/b/olmoe.gguf" --quiet 2>/dev/null
+[ $? -eq 1 ] || fail "export-gguf over an existing file without --force should exit 1"
+
+# eval on the .gguf equals eval --dequantize on the checkpoint of the same codes
+n_before=$(ls -d "${TMPDIR:-/tmp}"/moeq-gguf-* 2>/dev/null | wc -l)
+"$cli" eval "$tmp/a/olmoe.gguf" --task text --data "$repo/data/demo-eval.txt" --json > "$tmp/e1.json" 2>/dev/null ||
+    fail "eval on .gguf exited $?"
+"$cli" eval "$tmp/gptq" --task text --data "$repo/data/demo-eval.txt" --dequantize --json > "$tmp/e2.json" 2>/dev/null ||
+    fail "eval on the checkpoint exited $?"
+a=$(json_get "$tmp/e1.json" loglikelihood); b=$(json_get "$tmp/e2.json" loglikelihood)
+[ -n "$a" ] && [ "$a" = "$b" ] || fail "eval: .gguf loglikelihood '$a', checkpoint '$b'"
+t1=$("$cli" tokenize "$tmp/a/olmoe.gguf" --text "The tower is 324 metres tall." --json) || fail "tokenize .gguf"
+t2=$("$cli" tokenize "$model" --text "The tower is 324 metres tall." --json)
+[ "$t1" = "$t2" ] || fail "tokenize: .gguf $t1, model $t2"
+n_after=$(ls -d "${TMPDIR:-/tmp}"/moeq-gguf-* 2>/dev/null | wc -l)
+[ "$n_before" = "$n_after" ] || fail "a temporary checkpoint was left in ${TMPDIR:-/tmp}"
+
+# refused before any work: NVFP4 for olmoe (llama.cpp's graph drops the experts' global scale)
+"$cli" quantize "$model" --out "$tmp/a/nv.gguf" --scheme nvfp4a16 --format gguf --quiet 2> "$tmp/err"
+[ $? -eq 1 ] || fail "olmoe NVFP4 GGUF should exit 1"
+grep -q "global scale" "$tmp/err" || fail "olmoe NVFP4: message: $(cat "$tmp/err")"
+[ ! -e "$tmp/a/nv.gguf" ] && [ ! -e "$tmp/a/nv.gguf.moeq-work" ] || fail "olmoe NVFP4: something was written"
+# W4A4 is refused too
+"$cli" quantize "$model" --out "$tmp/a/w4a4.gguf" --scheme nvfp4 --calib "$repo/data/demo-calib.txt" --format gguf --quiet 2>/dev/null
+[ $? -eq 1 ] || fail "W4A4 GGUF should exit 1"
+
+# usage errors
+"$cli" quantize "$model" --out "$tmp/x" --scheme int4 --gguf-rest q8_0 --quiet 2>/dev/null
+[ $? -eq 2 ] || fail "--gguf-rest without --format gguf should exit 2"
+"$cli" export-gguf "$model" 2>/dev/null
+[ $? -eq 2 ] || fail "export-gguf without OUT should exit 2"
+"$cli" export-gguf "$model" "$tmp/c.gguf" --gguf-rest q4 2>/dev/null
+[ $? -eq 2 ] || fail "a bad --gguf-rest should exit 2"
+# a corrupt file is a clear error
+head -c 1000 "$tmp/a/olmoe.gguf" > "$tmp/cut.gguf"
+"$cli" inspect "$tmp/cut.gguf" 2> "$tmp/err" >/dev/null
+[ $? -eq 1 ] || fail "inspect of a truncated file should exit 1"
+grep -q "truncated" "$tmp/err" || fail "truncated: message: $(cat "$tmp/err")"
+exit $((fails > 0))
