@@ -32,6 +32,9 @@ void mq_dist_set_timeout(double seconds);   /* <= 0: the default, 3600 s */
 /* Every rank's status at `step`: MOEQ_OK when all are OK, else the lowest failing rank's status
  * with its message (the failing rank keeps its own message, prefixed with its rank). */
 moeq_status mq_dist_agree(moeq_status st, const char *step);
+/* Seconds this rank spent so far waiting for the others at agreements (load imbalance) and
+ * moving data (transfers), for the reports. */
+void mq_dist_seconds(double *waiting, double *moving);
 /* Forgets an agreed failure (a new job in the same processes; every rank calls it). */
 void mq_dist_reset(void);
 /* n bytes at buf from root to every rank. */

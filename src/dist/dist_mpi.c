@@ -105,25 +105,50 @@ static moeq_status mpi_fail(int rc, const char *what, const char *step) {
     return mq_err(MOEQ_E_IO, "rank %d: %s at %s: %s", g_rank, what, step, text);
 }
 
-/* Polls a request until it completes or the timeout passes. */
-static moeq_status wait_for(MPI_Request *req, const char *step) {
+/* Polls a request until it completes or the timeout passes. MPI moves a large message only
+ * while it is polled (shared-memory fragments), so data transfers (spin) poll without pause;
+ * agreements, which wait for ranks still computing, sleep between polls, up to 20 ms. */
+static moeq_status wait_on(MPI_Request *req, const char *step, bool spin) {
     const double t0 = mq_now();
     long sleep_ns = 20000;
-    for (;;) {
+    for (unsigned polls = 0;; polls++) {
         int done = 0;
         int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
         if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Test", step);
         if (done) return MOEQ_OK;
+        if (spin && polls % 1024 != 0) continue;
         if (mq_now() - t0 > g_timeout) {
             g_broken = true;
             return mq_err(MOEQ_E_IO, "rank %d: the other ranks did not reach '%s' within %.0f s "
                           "(a rank hangs or was lost; --mpi-timeout sets the limit); stopping",
                           g_rank, step, g_timeout);
         }
+        if (spin) continue;
         struct timespec ts = {0, sleep_ns};
         nanosleep(&ts, NULL);
         if (sleep_ns < 20000000) sleep_ns *= 2;   /* up to 20 ms between polls */
     }
+}
+
+static double g_wait_s, g_data_s;   /* seconds in agreements / in data transfers */
+
+static moeq_status wait_for(MPI_Request *req, const char *step) {
+    double t0 = mq_now();
+    moeq_status s = wait_on(req, step, false);
+    g_wait_s += mq_now() - t0;
+    return s;
+}
+
+static moeq_status wait_data(MPI_Request *req, const char *step) {
+    double t0 = mq_now();
+    moeq_status s = wait_on(req, step, true);
+    g_data_s += mq_now() - t0;
+    return s;
+}
+
+void mq_dist_seconds(double *waiting, double *moving) {
+    *waiting = g_wait_s;
+    *moving = g_data_s;
 }
 
 void mq_dist_reset(void) { g_failed = false; }
@@ -167,7 +192,7 @@ moeq_status mq_dist_bcast(void *buf, size_t n, int root, const char *step) {
         MPI_Request req;
         int rc = MPI_Ibcast((char *)buf + off, (int)len, MPI_BYTE, root, g_comm, &req);
         if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Ibcast", step);
-        moeq_status s = wait_for(&req, step);
+        moeq_status s = wait_data(&req, step);
         if (s) return s;
     }
     return MOEQ_OK;
@@ -223,7 +248,7 @@ static moeq_status p2p(void *buf, size_t n, int peer, bool send, const char *ste
         int rc = send ? MPI_Isend((char *)buf + off, (int)len, MPI_BYTE, peer, 7, g_comm, &req)
                       : MPI_Irecv((char *)buf + off, (int)len, MPI_BYTE, peer, 7, g_comm, &req);
         if (rc != MPI_SUCCESS) return mpi_fail(rc, send ? "MPI_Isend" : "MPI_Irecv", step);
-        moeq_status s = wait_for(&req, step);
+        moeq_status s = wait_data(&req, step);
         if (s) return s;
     }
     return MOEQ_OK;

@@ -22,6 +22,7 @@ moeq_status mq_dist_start(void) {
 
 void mq_dist_stop(void) {}
 void mq_dist_reset(void) {}
+void mq_dist_seconds(double *waiting, double *moving) { *waiting = *moving = 0; }
 moeq_status mq_dist_subset(int k) {
     (void)k;
     return MOEQ_OK;

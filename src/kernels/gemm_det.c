@@ -67,3 +67,25 @@ void mq_syrk_det_acc_pool(int64_t K, int64_t n, const float *X, int64_t ldx, flo
     syrk_job j = {K, n, ldx, ldc, (K + SYRK_ROWS - 1) / SYRK_ROWS, X, C};
     mq_parallel_for(j.n_blocks, syrk_task, &j);
 }
+
+typedef struct {
+    int64_t K, n, ldx, ldc, i0, i1;
+    const float *X;
+    float *C;
+} syrk_rows_job;
+
+static void syrk_rows_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const syrk_rows_job *j = ctx;
+    const int64_t nb = (j->i1 - j->i0 + SYRK_ROWS - 1) / SYRK_ROWS;
+    int64_t a = j->i0 + (nb - 1 - t) * SYRK_ROWS;   /* the widest rows first */
+    int64_t b = a + SYRK_ROWS < j->i1 ? a + SYRK_ROWS : j->i1;
+    mq_syrk_det_acc(j->K, j->n, j->X, j->ldx, j->C, j->ldc, a, b);
+}
+
+void mq_syrk_det_acc_pool_rows(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                               int64_t ldc, int64_t i0, int64_t i1) {
+    if (K <= 0 || n <= 0 || i1 <= i0) return;
+    syrk_rows_job j = {K, n, ldx, ldc, i0, i1, X, C};
+    mq_parallel_for((i1 - i0 + SYRK_ROWS - 1) / SYRK_ROWS, syrk_rows_task, &j);
+}

@@ -44,6 +44,9 @@ void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_
 void mq_syrk_det_acc(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
                      int64_t i0, int64_t i1);
 void mq_syrk_det_acc_pool(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc);
+/* Rows [i0, i1) of C only, over the pool (several ranks each sum a band of the triangle). */
+void mq_syrk_det_acc_pool_rows(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                               int64_t ldc, int64_t i0, int64_t i1);
 void mq_syrk_det_acc_ref(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
                          int64_t i0, int64_t i1);
 #if defined(__x86_64__) || defined(__i386__)

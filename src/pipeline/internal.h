@@ -53,6 +53,7 @@ typedef struct {
     int layer;
     double forward, hessian, gptq, write, total;   /* seconds */
     double attention;             /* the part of forward in the attention passes */
+    double wait, exchange;        /* several ranks: waiting for the others, moving data */
     int64_t peak_anon;
     int chunks;
     int linears;                  /* quantized Linears written */

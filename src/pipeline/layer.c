@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "dist/dist.h"
+#include "kernels/gemm_det.h"
 #include "kernels/vec.h"
 #include "pipeline/internal.h"
 
@@ -552,6 +553,57 @@ static moeq_status gather_hessian(mq_pipe *p, int l, slot *s, const float *arena
     return st;
 }
 
+/* The first row of rank r's band of a K x K lower triangle split over n ranks: bands of equal
+ * area (row i has i + 1 elements), so every rank does about the same work. */
+static int64_t band_start(int64_t K, int r, int n) {
+    if (r <= 0) return 0;
+    if (r >= n) return K;
+    return (int64_t)llround((double)K * sqrt((double)r / (double)n));
+}
+
+/* Several ranks, on the CPU: the Hessian of slot s split over all of them. Every sample's inputs
+ * (kept in arena by the rank that ran it) go to every rank in sample order; each rank adds them
+ * to its band of rows of the sum (mq_syrk_det_acc: every element is the same chain of fmaf in
+ * row order as one process's), and the owner gathers the bands. */
+static moeq_status split_hessian(mq_pipe *p, int l, slot *s, const float *arena, int64_t width) {
+    if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
+    const int64_t Lmax = p->calib.max_len, K = width;
+    char step[64];
+    snprintf(step, sizeof step, "layer %d: Hessian of %s", l, s->w[0]->name);
+    mq_hessian band = {0};
+    float *buf = mq_alloc_array((size_t)(Lmax * width), sizeof(float), "attention inputs");
+    moeq_status st = buf ? MOEQ_OK : MOEQ_E_NOMEM;
+    if (!st && !mine(p, s)) st = mq_hessian_init(&band, K, "a band of a Hessian");
+    float *C = mine(p, s) ? s->h.sum : band.sum;
+    st = mq_dist_agree(st, step);
+    const int64_t i0 = band_start(K, p->rank, p->ranks), i1 = band_start(K, p->rank + 1, p->ranks);
+    int64_t n = 0;
+    for (int r = 0; r < p->ranks && !st; r++) {
+        int64_t lo, hi;
+        mq_dist_share(p->calib.n, r, p->ranks, &lo, &hi);
+        for (int64_t t = lo; t < hi && !st; t++) {
+            const int64_t rows = p->calib.len[t];
+            float *x = r == p->rank ? (float *)(arena + (t - lo) * Lmax * width) : buf;
+            st = mq_dist_bcast(x, sizeof(float) * (size_t)(rows * width), r, step);
+            double t0 = mq_now();
+            if (!st) mq_syrk_det_acc_pool_rows(K, rows, x, width, C, K, i0, i1);
+            p->layers[l].hessian += mq_now() - t0;
+            n += rows;
+        }
+    }
+    /* the bands to the owner */
+    for (int r = 0; r < p->ranks && !st; r++) {
+        const int64_t a = band_start(K, r, p->ranks), b = band_start(K, r + 1, p->ranks);
+        if (r == s->owner || b <= a) continue;
+        if (mine(p, s)) st = mq_dist_recv(C + a * K, sizeof(float) * (size_t)((b - a) * K), r, step);
+        else if (r == p->rank) st = mq_dist_send(C + a * K, sizeof(float) * (size_t)((b - a) * K), s->owner, step);
+    }
+    if (!st && mine(p, s)) s->h.n += n;
+    mq_hessian_free(&band);
+    mq_free(buf);
+    return st;
+}
+
 /* Several ranks: what the FFN's calibration reads of every sample (pipeline.h), from the rank
  * that computed it to every rank: the FFN inputs (or the boundary after attention) and their
  * routing. */
@@ -610,8 +662,11 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
             char step[48];
             snprintf(step, sizeof step, "layer %d: attention inputs", l);
             st = mq_dist_agree(st, step);
-            if (!st) st = gather_hessian(p, l, &sl[0], cap.arena_qkv, D);
-            if (!st) st = gather_hessian(p, l, &sl[1], cap.arena_o, Q);
+            /* on the CPU every rank sums a band of each Hessian; a GPU sums them on the owner */
+            moeq_status (*sum)(mq_pipe *, int, slot *, const float *, int64_t) =
+                p->gpu ? gather_hessian : split_hessian;
+            if (!st) st = sum(p, l, &sl[0], cap.arena_qkv, D);
+            if (!st) st = sum(p, l, &sl[1], cap.arena_o, Q);
             for (int i = 0; i < 2 && !st && p->o->act_quant; i++) st = mq_dist_max_f32(&sl[i].amax, step);
         }
         for (int i = 0; i < 2; i++) {
@@ -1437,7 +1492,8 @@ static void add_out(mq_pipe *p) {
 }
 
 moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
-    double t0 = mq_now();
+    double t0 = mq_now(), w0, x0;
+    mq_dist_seconds(&w0, &x0);
     mq_layer *ly = &p->m->layers[l];
     moeq_status st = attention_stage(p, l, replay);
     if (!st) {
@@ -1468,5 +1524,9 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     if (!st && !replay) st = mq_pipe_write_passthrough(p, l);
     mq_lazy_release(p->lz, l, MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_SHARED | MQ_PART_MLP, 0, 0);
     p->layers[l].total += mq_now() - t0;
+    double w1, x1;
+    mq_dist_seconds(&w1, &x1);
+    p->layers[l].wait += w1 - w0;
+    p->layers[l].exchange += x1 - x0;
     return st;
 }

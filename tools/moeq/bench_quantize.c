@@ -181,8 +181,9 @@ int bench_quantize(int argc, char **argv) {
                r->plan.chunk);
         for (int l = 0; l < run; l++)
             printf("  layer %d: %.1f s = forward %.1f (attention %.1f) + Hessians %.1f + GPTQ %.1f + "
-                   "write %.1f; peak %.2f GB\n", l, r->layer[l].total, r->layer[l].forward,
-                   r->layer[l].attention, r->layer[l].hessian, r->layer[l].gptq, r->layer[l].write,
+                   "write %.1f + waiting for other ranks %.1f + moving data %.1f; peak %.2f GB\n", l,
+                   r->layer[l].total, r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian,
+                   r->layer[l].gptq, r->layer[l].write, r->layer[l].wait, r->layer[l].exchange,
                    (double)r->layer[l].peak_anon / 1e9);
         printf("per layer: %.1f s (forward %.1f, attention %.1f of it, Hessians %.1f, GPTQ %.1f, write %.1f)\n",
                sum / run, fwd / run, att / run, hes / run, gq / run, wr / run);
