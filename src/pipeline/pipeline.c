@@ -235,9 +235,12 @@ static void log_layer(const mq_pipe *p, int l, double t_start) {
     double left = ran > 0 ? el * (double)(p->units_total - p->units_done) / (double)ran : 0;
     char chunks[48] = "";
     if (lr->chunks > 0) snprintf(chunks, sizeof chunks, ", %d expert chunk%s", lr->chunks, lr->chunks > 1 ? "s" : "");
+    char ranks[96] = "";
+    if (p->ranks > 1)
+        snprintf(ranks, sizeof ranks, ", waiting for other ranks %.1f, moving data %.1f", lr->wait, lr->exchange);
     mq_info("layer %d/%d: %.1f s (forward %.1f of which attention %.1f, Hessians %.1f, GPTQ %.1f, "
-            "write %.1f)%s, peak %.2f GB; about %.0f s left", l + 1, p->plan.n_layers, lr->total,
-            lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, chunks,
+            "write %.1f%s)%s, peak %.2f GB; about %.0f s left", l + 1, p->plan.n_layers, lr->total,
+            lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, ranks, chunks,
             (double)lr->peak_anon / 1e9, left);
 }
 
@@ -318,7 +321,7 @@ static moeq_status run(mq_pipe *p) {
             const mq_layer_report *lr = &p->layers[l];
             p->res->layer[p->res->layers_run++] = (mq_layer_stats){
                 lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, lr->total,
-                lr->peak_anon, lr->chunks};
+                lr->wait, lr->exchange, lr->peak_anon, lr->chunks};
         }
     }
     return s;

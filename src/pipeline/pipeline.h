@@ -112,6 +112,7 @@ typedef struct {
 /* One finished layer (seconds, peak anonymous memory). */
 typedef struct {
     double forward, attention, hessian, gptq, write, total;
+    double wait, exchange;         /* several ranks: waiting for the others, moving data */
     int64_t peak_anon;
     int32_t chunks;
 } mq_layer_stats;
