@@ -262,16 +262,18 @@ static void vocab_free(vocab *v) {
     free(v->mlen);
 }
 
+/* A special token's id as moeq's tokenizer takes it (io/tokenizer.c): tokenizer_config.json's
+ * token string first, else config.json's *_token_id. */
 static int32_t id_of(const vocab *v, const cJSON *cfg_id, const cJSON *tc, const char *key) {
+    const cJSON *t = tc ? item(tc, key) : NULL;
+    if (t && cJSON_IsObject(t)) t = item(t, "content");
+    if (t && cJSON_IsString(t))
+        for (int64_t i = 0; i < v->n; i++)
+            if (v->tok[i] && v->len[i] == strlen(t->valuestring) && !memcmp(v->tok[i], t->valuestring, v->len[i]))
+                return (int32_t)i;
     if (cfg_id && cJSON_IsNumber(cfg_id)) return (int32_t)cfg_id->valuedouble;
     if (cfg_id && cJSON_IsArray(cfg_id) && cJSON_GetArraySize(cfg_id) > 0)
         return (int32_t)cJSON_GetArrayItem(cfg_id, 0)->valuedouble;
-    const cJSON *t = tc ? item(tc, key) : NULL;
-    if (t && cJSON_IsObject(t)) t = item(t, "content");
-    if (!t || !cJSON_IsString(t)) return -1;
-    for (int64_t i = 0; i < v->n; i++)
-        if (v->tok[i] && v->len[i] == strlen(t->valuestring) && !memcmp(v->tok[i], t->valuestring, v->len[i]))
-            return (int32_t)i;
     return -1;
 }
 

@@ -39,6 +39,21 @@ t2=$("$cli" tokenize "$model" --text "The tower is 324 metres tall." --json)
 n_after=$(ls -d "${TMPDIR:-/tmp}"/moeq-gguf-* 2>/dev/null | wc -l)
 [ "$n_before" = "$n_after" ] || fail "a temporary checkpoint was left in ${TMPDIR:-/tmp}"
 
+# the Mixtral and Qwen3-MoE layouts (random weights, small): the .gguf evaluates as the checkpoint
+for like in mixtral-8x7b qwen3-30b-a3b; do
+    "$cli" bench gen-model --like $like --out "$tmp/$like" --layers 2 --experts 4 --top-k 2 --hidden 256 \
+        --ffn 128 --vocab 4096 >/dev/null 2>&1 || fail "gen-model $like"
+    "$cli" quantize "$tmp/$like" --out "$tmp/$like-gptq" --scheme int4 --group-size 32 --format gptq --quiet ||
+        fail "$like: gptq exited $?"
+    "$cli" export-gguf "$tmp/$like-gptq" "$tmp/$like.gguf" --quiet || fail "$like: export-gguf exited $?"
+    "$cli" eval "$tmp/$like.gguf" --task text --data "$repo/data/demo-eval.txt" --max-length 256 --json > "$tmp/m1.json" 2>/dev/null ||
+        fail "$like: eval on .gguf exited $?"
+    "$cli" eval "$tmp/$like-gptq" --task text --data "$repo/data/demo-eval.txt" --max-length 256 --dequantize --json > "$tmp/m2.json" 2>/dev/null ||
+        fail "$like: eval exited $?"
+    a=$(json_get "$tmp/m1.json" loglikelihood); b=$(json_get "$tmp/m2.json" loglikelihood)
+    [ -n "$a" ] && [ "$a" = "$b" ] || fail "$like: .gguf loglikelihood '$a', checkpoint '$b'"
+done
+
 # refused before any work: NVFP4 for olmoe (llama.cpp's graph drops the experts' global scale)
 "$cli" quantize "$model" --out "$tmp/a/nv.gguf" --scheme nvfp4a16 --format gguf --quiet 2> "$tmp/err"
 [ $? -eq 1 ] || fail "olmoe NVFP4 GGUF should exit 1"
