@@ -527,6 +527,14 @@ static void check_file(const char *file, const char *ckpt, int64_t heads, int64_
                 }
             if (t->type == MQ_GGML_Q4_0) cnt->n_q4_0++;
             else cnt->n_exact_float++;
+        } else if (t->type == MQ_GGML_F16) {
+            /* the checkpoint's value rounded to f16 (round to nearest even) */
+            for (int64_t k = 0; k < n; k++)
+                if (f32_bits(dec[k]) != f32_bits(mq_f16_to_f32(mq_f32_to_f16(ref[k])))) {
+                    FAIL("%s value %lld: GGUF %.9g, checkpoint %.9g", t->name, (long long)k, (double)dec[k], (double)ref[k]);
+                    break;
+                }
+            cnt->n_exact_float++;
         } else if (t->type == MQ_GGML_Q4_1) {
             /* m = -zero*d rounded to f16: off by at most 2^-11 |m| (|m| <= 15 d) plus a rounding */
             double amax = 0;
@@ -706,6 +714,34 @@ static void test_refusals(void) {
     ASSERT_FALSE(mq_file_exists(file));
 }
 
+/* --gguf-rest f16 and f32: the embeddings and lm_head rounded to f16 or widened to f32 */
+static void test_rest_f16_f32(void) {
+    char tmp[1024], ckpt[1100], f16[1100], f32[1100];
+    snprintf(tmp, sizeof tmp, "%s", mq_test_tmpdir());
+    snprintf(ckpt, sizeof ckpt, "%s/ct", tmp);
+    snprintf(f16, sizeof f16, "%s/f16.gguf", tmp);
+    snprintf(f32, sizeof f32, "%s/f32.gguf", tmp);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
+    o.spec.scale_dtype = MOEQ_DT_F16;
+    o.spec.group_size = 32;
+    ASSERT_OK(mq_pipeline_run(mq_test_model("olmoe-tiny"), ckpt, &o, NULL));
+    rt_counts c;
+    ASSERT_OK(mq_gguf_export(ckpt, f16, MQ_GGUF_REST_F16));
+    check_file(f16, ckpt, 0, 0, &c);
+    ASSERT_EQ_INT(4 * 7, c.n_q4_0);
+    ASSERT_OK(mq_gguf_export(ckpt, f32, MQ_GGUF_REST_F32));
+    check_file(f32, ckpt, 0, 0, &c);
+    ASSERT_EQ_INT(4 * 7, c.n_q4_0);
+    mq_gguf *g;
+    ASSERT_OK(mq_gguf_open(f16, &g));
+    ASSERT_EQ_INT(MQ_GGML_F16, mq_gguf_find_tensor(g, "output.weight")->type);
+    mq_gguf_close(g);
+    ASSERT_OK(mq_gguf_open(f32, &g));
+    ASSERT_EQ_INT(MQ_GGML_F32, mq_gguf_find_tensor(g, "token_embd.weight")->type);
+    mq_gguf_close(g);
+}
+
 static void test_rest_q8_0(void) {
     char ckpt[1100], file[1100];
     snprintf(ckpt, sizeof ckpt, "%s/olmoe-rest", mq_test_tmpdir());
@@ -833,5 +869,5 @@ TEST_MAIN(T(test_decode_float_types), T(test_decode_q4_0_q4_1_q8_0), T(test_deco
           T(test_decode_q6_k), T(test_decode_nvfp4), T(test_decode_bad_lengths), T(test_reader_valid),
           T(test_reader_truncated), T(test_reader_corrupt), T(test_olmoe_q4_0), T(test_olmoe_q4_0_g128_split),
           T(test_olmoe_q4_1), T(test_llama_permuted_q4_0), T(test_llama_nvfp4), T(test_qwen2moe_shared_experts),
-          T(test_refusals), T(test_rest_q8_0), T(test_import_olmoe), T(test_import_llama_permuted),
+          T(test_refusals), T(test_rest_f16_f32), T(test_rest_q8_0), T(test_import_olmoe), T(test_import_llama_permuted),
           T(test_import_qwen2moe), T(test_import_refuses))
