@@ -234,11 +234,15 @@ moeq_status mq_plan_memory(mq_pipe *p) {
         }
     }
     if (kind == MQ_ACT_AUTO) kind = MQ_ACT_RAM;
+    /* several ranks: a rank holds at most its share of a layer's experts at once (the plan is
+     * each rank's) */
+    if (p->ranks > 1 && E > 0 && C > (E + p->ranks - 1) / p->ranks) C = (E + p->ranks - 1) / p->ranks;
     int Cs = C > 0 ? C : 1;
     sizes z = plan_sizes(p, kind, Cs, batch_for(p, Cs));
     mp->storage = kind;
     mp->chunk = E > 0 ? Cs : 0;
-    mp->n_chunks = E > 0 ? (E + Cs - 1) / Cs : 0;
+    const int share = p->ranks > 1 ? (E + p->ranks - 1) / p->ranks : E;   /* experts of this rank */
+    mp->n_chunks = E > 0 ? (share + Cs - 1) / Cs : 0;
     mp->batch = (int32_t)batch_for(p, Cs);
     mp->activations = z.acts;
     mp->routing = z.routing;
