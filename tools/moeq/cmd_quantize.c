@@ -27,7 +27,11 @@ static void print_bytes(const char *what, int64_t b, const char *note) {
 static void print_plan(const char *model, const moeq_quant_plan *p) {
     static const char *const storage[] = {"auto", "memory (fp32)", "work files (fp32)", "memory (bf16)"};
     printf("plan for %s: %d layers\n", model, p->layers);
-    printf("memory (anonymous; budget %.2f GB):\n", (double)p->budget / 1e9);
+    if (moeq_dist_size() > 1)
+        printf("memory of each of %d ranks (anonymous; budget %.2f GB per rank):\n", moeq_dist_size(),
+               (double)p->budget / 1e9);
+    else
+        printf("memory (anonymous; budget %.2f GB):\n", (double)p->budget / 1e9);
     char note[96];
     snprintf(note, sizeof note, "in %s", storage[p->activations_storage & 3]);
     print_bytes("calibration activations", p->activations, note);
