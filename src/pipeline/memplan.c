@@ -94,6 +94,8 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     z.peak = z.acts + z.routing + z.state + (z.attention > ffn ? z.attention : ffn);
     /* the allocator's and the process's own share (code, the source's index, small buffers) */
     z.peak += 64 << 20;
+    /* an FP8 source's unquantized tensors, held as BF16 from the plan on (plan.h) */
+    z.peak += p->plan.dequant_bytes;
     return z;
 }
 
@@ -196,7 +198,7 @@ moeq_status mq_plan_memory(mq_pipe *p) {
                 name = a->module;
             }
         }
-        worst = group + (64 << 20);
+        worst = group + (64 << 20) + p->plan.dequant_bytes;
         mp->expert_chunk = group;
         mp->peak = worst;
         mp->storage = MQ_ACT_RAM;
