@@ -1462,7 +1462,7 @@ moeq_status mq_pipe_gather_samples(mq_pipe *p, mq_actbuf *b, const char *step) {
 }
 
 static void zero_out(mq_pipe *p) {
-    for (int64_t s = 0; s < p->calib.n; s++)
+    for (int64_t s = p->s_lo; s < p->s_hi; s++)   /* the samples whose outputs this rank computes */
         memset(mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)), 0,
                sizeof(float) * (size_t)(p->calib.len[s] * p->c->D));
 }

@@ -55,8 +55,12 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     const int64_t E = c->n_experts, F = c->moe_ffn;
     const int64_t SLD = S * L * D;
     const bool keep_xn = p->seq && !p->tseq;
-    if (kind == MQ_ACT_RAM) z.acts = (2 + keep_xn) * SLD * 4;
-    else if (kind == MQ_ACT_BF16) z.acts = (1 + keep_xn) * SLD * 2 + SLD * 4;
+    /* several ranks: a rank fills X (rank 0 all of it, for its snapshots) and OUT for its share
+     * of the samples only; the FFN inputs of every sample */
+    const int64_t share = p->ranks > 1 ? (S + p->ranks - 1) / p->ranks : S;
+    const int64_t SLDo = share * L * D;
+    if (kind == MQ_ACT_RAM) z.acts = (SLD + SLDo + keep_xn * SLD) * 4;
+    else if (kind == MQ_ACT_BF16) z.acts = (1 + keep_xn) * SLD * 2 + SLDo * 4;
     z.acts += p->calib.total * 4;   /* the token ids */
     z.routing = E > 0 ? S * L * K * 8 * (p->seq ? 2 : 1) : 0;
     int64_t Fx = c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn;

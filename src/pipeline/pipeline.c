@@ -125,7 +125,7 @@ static moeq_status embed_all(mq_pipe *p) {
     float *tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "embeddings");
     if (!tmp) return MOEQ_E_NOMEM;
     moeq_status s = MOEQ_OK;
-    for (int64_t i = 0; i < p->calib.n && !s; i++) {
+    for (int64_t i = p->s_lo; i < p->s_hi && !s; i++) {   /* several ranks: this rank's share */
         s = mq_lazy_embed(p->lz, p->calib.ids[i], p->calib.len[i], tmp);
         if (!s) mq_actbuf_put(&p->X, (size_t)(i * p->LD), (size_t)(p->calib.len[i] * p->c->D), tmp);
     }
