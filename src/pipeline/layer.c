@@ -348,13 +348,17 @@ static moeq_status wire_pack(const slot *s, int k, void **out, size_t *n) {
     h.how = (int32_t)s->how;
     h.has_gidx = q->g_idx != NULL;
     h.stats = s->qs[k];
-    const size_t nc = (size_t)(q->rows * q->cols), np = (size_t)(q->rows * q->n_groups) * sizeof(mq_gparams);
+    /* every scheme's codes are 4-bit: two to a byte on the wire */
+    const size_t n_codes = (size_t)(q->rows * q->cols), nc = (n_codes + 1) / 2;
+    const size_t np = (size_t)(q->rows * q->n_groups) * sizeof(mq_gparams);
     const size_t ng = h.has_gidx ? (size_t)q->cols * sizeof(int32_t) : 0;
     *n = sizeof h + nc + np + ng;
-    char *b = malloc(*n);
+    unsigned char *b = malloc(*n);
     if (!b) return mq_err(MOEQ_E_NOMEM, "out of memory sending %s", s->w[k]->name);
     memcpy(b, &h, sizeof h);
-    memcpy(b + sizeof h, q->codes, nc);
+    for (size_t i = 0; i < nc; i++)
+        b[sizeof h + i] = (unsigned char)((q->codes[2 * i] & 15) |
+                                          (2 * i + 1 < n_codes ? (q->codes[2 * i + 1] & 15) << 4 : 0));
     memcpy(b + sizeof h + nc, q->params, np);
     if (ng) memcpy(b + sizeof h + nc + np, q->g_idx, ng);
     *out = b;
@@ -362,11 +366,12 @@ static moeq_status wire_pack(const slot *s, int k, void **out, size_t *n) {
 }
 
 static moeq_status wire_unpack(slot *s, int k, const void *data, size_t n) {
-    const char *b = data;
+    const unsigned char *b = data;
     wire_head h;
     if (n < sizeof h) return mq_err(MOEQ_E_FORMAT, "%s: short message from rank %d", s->w[k]->name, s->owner);
     memcpy(&h, b, sizeof h);
-    const size_t nc = (size_t)(h.rows * h.cols), np = (size_t)(h.rows * h.n_groups) * sizeof(mq_gparams);
+    const size_t n_codes = (size_t)(h.rows * h.cols), nc = (n_codes + 1) / 2;
+    const size_t np = (size_t)(h.rows * h.n_groups) * sizeof(mq_gparams);
     const size_t ng = h.has_gidx ? (size_t)h.cols * sizeof(int32_t) : 0;
     if (n != sizeof h + nc + np + ng || h.rows != s->w[k]->out || h.cols != s->w[k]->in)
         return mq_err(MOEQ_E_FORMAT, "%s: the message from rank %d does not match its shape", s->w[k]->name, s->owner);
@@ -376,7 +381,7 @@ static moeq_status wire_unpack(slot *s, int k, const void *data, size_t n) {
     q->group_size = h.group_size;
     q->n_groups = h.n_groups;
     q->global_scale = h.global_scale;
-    memcpy(q->codes, b + sizeof h, nc);
+    for (size_t i = 0; i < n_codes; i++) q->codes[i] = (uint8_t)((b[sizeof h + i / 2] >> (4 * (i & 1))) & 15);
     memcpy(q->params, b + sizeof h + nc, np);
     if (ng) {
         q->g_idx = mq_alloc_array((size_t)h.cols, sizeof(int32_t), "g_idx");
