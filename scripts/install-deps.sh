@@ -2,7 +2,8 @@
 # Installs the Debian packages moeq builds against, if any is missing (Debian 12). With "test":
 # also what some tests use when present, best effort: qemu-user (the CLI under an AVX-less CPU)
 # chromium (rendering the HTML reports headless) and python3-pytest (the Python package's tests;
-# without it they run as a script); those tests skip that part without them.
+# without it they run as a script); those tests skip that part without them. With "arm64": the
+# cross toolchain and the :arm64 -dev packages for cmake/aarch64-linux-gnu.cmake, and qemu-user.
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config python3 libopenblas-dev liblapacke-dev libcjson-dev libpcre2-dev zlib1g-dev
       libopenmpi-dev openmpi-bin)
@@ -20,6 +21,14 @@ install() {
   $SUDO apt-get install -y --no-install-recommends "$@" ||
     { $SUDO apt-get update && $SUDO apt-get install -y --no-install-recommends "$@"; }
 }
+if [ "${1:-}" = arm64 ]; then
+  pkgs=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user libopenblas-dev:arm64 liblapacke-dev:arm64
+        libcjson-dev:arm64 libpcre2-dev:arm64 zlib1g-dev:arm64)
+  if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+    $SUDO dpkg --add-architecture arm64
+    $SUDO apt-get update
+  fi
+fi
 mapfile -t need < <(missing "${pkgs[@]}")
 if [ ${#need[@]} -gt 0 ]; then
   echo "moeq: installing ${need[*]}" >&2

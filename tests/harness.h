@@ -47,6 +47,13 @@ const char *mq_test_tmpdir(void);
 /* Largest |a-b| / max|b| over n values (0 if b is all zero and a == b). */
 double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
 
+/* The AVX2 twins of the kernels exist in x86 builds only (elsewhere their tests skip). */
+#if defined(__x86_64__) || defined(__i386__)
+#define MQ_TEST_X86 1
+#else
+#define MQ_TEST_X86 0
+#endif
+
 #define T(fn) {#fn, fn}
 #define TEST_MAIN(...)                                                                             \
     int main(int argc, char **argv) {                                                              \

@@ -1,5 +1,6 @@
 /* Core services: status names, errors, the pool, GEMM determinism, half conversions, atomic files. */
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "core/core.h"
 #include "harness.h"
@@ -55,6 +56,18 @@ static void test_gemm_matches_naive_and_is_thread_independent(void) {
     free(A); free(B); free(C1); free(C2);
 }
 
+/* MOEQ_THREADS sets the pool's default size (bad values are ignored). */
+static void test_threads_from_environment(void) {
+    setenv("MOEQ_THREADS", "3", 1);
+    moeq_set_threads(0);
+    ASSERT_EQ_INT(3, moeq_threads());
+    setenv("MOEQ_THREADS", "x", 1);
+    moeq_set_threads(0);
+    ASSERT_EQ_INT(sysconf(_SC_NPROCESSORS_ONLN) > 0 ? sysconf(_SC_NPROCESSORS_ONLN) : 1, moeq_threads());
+    unsetenv("MOEQ_THREADS");
+    moeq_set_threads(0);
+}
+
 static void test_half_conversions(void) {
     ASSERT_EQ_HEX(0x3f80, mq_f32_to_bf16(1.0f));
     ASSERT_EQ_HEX(0x3f80, mq_f32_to_bf16(1.00390625f));      /* tie to even: stays */
@@ -92,6 +105,6 @@ static void test_atomic_file_leaves_nothing_on_abort(void) {
     ASSERT_ERROR_MENTIONS("/nonexistent/zzz");
 }
 
-TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task),
+TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_threads_from_environment),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
           T(test_atomic_file_leaves_nothing_on_abort))

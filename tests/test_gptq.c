@@ -709,13 +709,15 @@ static void test_qdq_column_matches_formats(void) {
             ASSERT_EQ_HEX(code2[i], code[i]);
             ASSERT_TRUE(memcmp(&dq2[i], &dq[i], sizeof(float)) == 0);
         }
-        if (mq_cpu_has_avx2_fma()) {   /* the SIMD twin, on a length with a scalar tail */
+        if (MQ_TEST_X86 && mq_cpu_has_avx2_fma()) {   /* the SIMD twin, on a length with a scalar tail */
+#if MQ_TEST_X86
             memset(code2, 0xff, (size_t)n);
             mq_gptq_qdq_column_avx2(s, step, zero, x, n - 3, code2, dq2);
             for (int64_t i = 0; i < n - 3; i++) {
                 ASSERT_EQ_HEX(code[i], code2[i]);
                 ASSERT_TRUE(memcmp(&dq2[i], &dq[i], sizeof(float)) == 0);
             }
+#endif
         }
     }
     free(x);
@@ -729,7 +731,8 @@ static void test_qdq_column_matches_formats(void) {
 }
 
 static void test_column_errors_twin(void) {
-    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    if (!MQ_TEST_X86 || !mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+#if MQ_TEST_X86
     const int64_t n = 1003;
     float *x = malloc((size_t)n * sizeof(float)), *q = malloc((size_t)n * sizeof(float));
     float *w0a = malloc((size_t)n * sizeof(float)), *w0b = malloc((size_t)n * sizeof(float));
@@ -757,6 +760,7 @@ static void test_column_errors_twin(void) {
     free(w0b);
     free(ea);
     free(eb);
+#endif
 }
 
 /* The in-loop search's scores: the scalar kernel against the obvious per-row loop (errors fed
@@ -796,8 +800,12 @@ static void test_loop_scores_twin(void) {
         }
         ASSERT_TRUE(sa[3] > 0);
         if (!mq_cpu_has_avx2_fma()) continue;
+#if MQ_TEST_X86
         mq_gptq_loop_scores_avx2(s, ucol, G, x, LD, N, step, zero, work, code, sb);
         ASSERT_TRUE(memcmp(sa, sb, N * sizeof(double)) == 0);
+#else
+        (void)sb;
+#endif
     }
 }
 

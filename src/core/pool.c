@@ -61,13 +61,24 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* The online CPUs, unless MOEQ_THREADS says otherwise (e.g. 1 under an emulator, where
+ * contended locks crawl). */
 static int default_threads(void) {
+    const char *e = getenv("MOEQ_THREADS");
+    if (e && *e) {
+        char *end;
+        long v = strtol(e, &end, 10);
+        if (!*end && v >= 1 && v <= 1024) return (int)v;
+    }
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
 }
 
 static void pool_stop(void) {
-    if (!g_pool.workers) return;
+    if (!g_pool.workers) {   /* a pool of one (or none yet): the next use starts it anew */
+        g_pool.size = 0;
+        return;
+    }
     pthread_mutex_lock(&g_pool.mu);
     g_pool.shutdown = 1;
     pthread_cond_broadcast(&g_pool.cv_work);

@@ -11,6 +11,7 @@
 #   sum in another order: the bound is derived in test_runtime.sh);
 #   a small GPTQ run (LAPACK, the GPTQ loop's scalar twins) completes.
 . "$(dirname "$0")/common.sh"
+native_only "qemu-x86_64 runs x86-64 binaries"
 qemu=$(command -v qemu-x86_64 || true)
 if [ "$(uname -m)" != x86_64 ] || [ -z "$qemu" ]; then
     echo "SKIP: needs qemu-x86_64 (Debian: apt install qemu-user) on an x86-64 host"

@@ -3,6 +3,7 @@
 # installed, else as a script) against libmoeq.so from this build, and `pip install ./python`
 # offline into a scratch folder, then imported from there with its own copy of the library.
 . "$(dirname "$0")/common.sh"
+native_only "the host's python cannot load this build's libmoeq.so"
 lib=$(dirname "$cli")/libmoeq.so
 [ -f "$lib" ] || { fail "no $lib (the moeq_shared target)"; exit 1; }
 export MOEQ_CLI="$cli" MOEQ_REPO="$repo" MOEQ_LIBRARY="$lib" PYTHONPATH="$repo/python"
