@@ -56,7 +56,7 @@ static float from_bf16(uint16_t h) {
 
 static void test_e4m3_decode(void) {
     for (int b = 0; b < 256; b++) {
-        float got = mq_fp8_e4m3_to_f32((uint8_t)b);
+        float got = mq_e4m3_decode((uint8_t)b);
         double want = ref_e4m3((uint8_t)b);
         if (isnan(want)) {
             if (!isnan(got)) FAIL("code 0x%02X: expected NaN, got %g", b, (double)got);
@@ -67,20 +67,20 @@ static void test_e4m3_decode(void) {
                  bits_of((float)want), (double)got, bits_of(got));
     }
     /* hand-made patterns: S.EEEE.MMM */
-    ASSERT_EQ_HEX(0x00000000u, bits_of(mq_fp8_e4m3_to_f32(0x00)));   /* +0 */
-    ASSERT_EQ_HEX(0x80000000u, bits_of(mq_fp8_e4m3_to_f32(0x80)));   /* -0 */
-    ASSERT_EQ_HEX(bits_of(0x1p-9f), bits_of(mq_fp8_e4m3_to_f32(0x01)));    /* smallest subnormal */
-    ASSERT_EQ_HEX(bits_of(0x1.cp-7f), bits_of(mq_fp8_e4m3_to_f32(0x07)));  /* 7 * 2^-9 */
-    ASSERT_EQ_HEX(bits_of(0x1p-6f), bits_of(mq_fp8_e4m3_to_f32(0x08)));    /* smallest normal */
-    ASSERT_EQ_HEX(bits_of(1.0f), bits_of(mq_fp8_e4m3_to_f32(0x38)));
-    ASSERT_EQ_HEX(bits_of(1.875f), bits_of(mq_fp8_e4m3_to_f32(0x3F)));
-    ASSERT_EQ_HEX(bits_of(2.0f), bits_of(mq_fp8_e4m3_to_f32(0x40)));
-    ASSERT_EQ_HEX(bits_of(-3.5f), bits_of(mq_fp8_e4m3_to_f32(0xC6)));
-    ASSERT_EQ_HEX(bits_of(448.0f), bits_of(mq_fp8_e4m3_to_f32(0x7E)));    /* largest finite */
-    ASSERT_EQ_HEX(bits_of(-448.0f), bits_of(mq_fp8_e4m3_to_f32(0xFE)));
-    ASSERT_EQ_HEX(bits_of(256.0f), bits_of(mq_fp8_e4m3_to_f32(0x78)));    /* S.1111.000: no Inf */
-    ASSERT_TRUE(isnan(mq_fp8_e4m3_to_f32(0x7F)));
-    ASSERT_TRUE(isnan(mq_fp8_e4m3_to_f32(0xFF)));
+    ASSERT_EQ_HEX(0x00000000u, bits_of(mq_e4m3_decode(0x00)));   /* +0 */
+    ASSERT_EQ_HEX(0x80000000u, bits_of(mq_e4m3_decode(0x80)));   /* -0 */
+    ASSERT_EQ_HEX(bits_of(0x1p-9f), bits_of(mq_e4m3_decode(0x01)));    /* smallest subnormal */
+    ASSERT_EQ_HEX(bits_of(0x1.cp-7f), bits_of(mq_e4m3_decode(0x07)));  /* 7 * 2^-9 */
+    ASSERT_EQ_HEX(bits_of(0x1p-6f), bits_of(mq_e4m3_decode(0x08)));    /* smallest normal */
+    ASSERT_EQ_HEX(bits_of(1.0f), bits_of(mq_e4m3_decode(0x38)));
+    ASSERT_EQ_HEX(bits_of(1.875f), bits_of(mq_e4m3_decode(0x3F)));
+    ASSERT_EQ_HEX(bits_of(2.0f), bits_of(mq_e4m3_decode(0x40)));
+    ASSERT_EQ_HEX(bits_of(-3.5f), bits_of(mq_e4m3_decode(0xC6)));
+    ASSERT_EQ_HEX(bits_of(448.0f), bits_of(mq_e4m3_decode(0x7E)));    /* largest finite */
+    ASSERT_EQ_HEX(bits_of(-448.0f), bits_of(mq_e4m3_decode(0xFE)));
+    ASSERT_EQ_HEX(bits_of(256.0f), bits_of(mq_e4m3_decode(0x78)));    /* S.1111.000: no Inf */
+    ASSERT_TRUE(isnan(mq_e4m3_decode(0x7F)));
+    ASSERT_TRUE(isnan(mq_e4m3_decode(0xFF)));
     /* the safetensors conversion of a plain F8_E4M3 tensor uses it */
     uint8_t codes[4] = {0x38, 0xC6, 0x01, 0x7E};
     mq_tensor_view v = {.name = "t", .dtype = MOEQ_DT_F8_E4M3, .ndim = 1, .shape = {4},

@@ -68,10 +68,12 @@ uint8_t mq_e4m3_encode(float x) {
     return sign | r;
 }
 
+/* Built from its bits, without libm (FP8 sources decode every weight through it): a normal code
+ * is (1 + m/8) 2^(e-7), a subnormal m 2^-9, both exact in fp32. */
 float mq_e4m3_decode(uint8_t bits) {
     if ((bits & 0x7F) == 0x7F) return NAN;
-    int e = (bits >> 3) & 0xF, m = bits & 7;
-    float v = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+    uint32_t e = (bits >> 3) & 0xFu, m = bits & 7u;
+    float v = e == 0 ? (float)m * 0x1p-9f : f32_from_bits((e + 120u) << 23 | m << 20);
     return (bits & 0x80) ? -v : v;
 }
 

@@ -1,32 +1,14 @@
 /*
- * FP8 block-quantized source checkpoints (see fp8.h): the E4M3 decode, the quantization_config
- * checks and the block dequantization.
+ * FP8 block-quantized source checkpoints (see fp8.h): the quantization_config checks and the
+ * block dequantization (codes through formats' mq_e4m3_decode).
  */
 #include "io/fp8.h"
+
+#include "formats/formats.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-float mq_fp8_e4m3_to_f32(uint8_t code) {
-    uint32_t sign = (uint32_t)(code & 0x80) << 24;
-    uint32_t e = (code >> 3) & 0xFu, m = code & 7u;
-    uint32_t bits;
-    if (e == 15 && m == 7) {
-        bits = sign | 0x7FC00000u;   /* the only NaN pattern (no infinities in e4m3fn) */
-    } else if (e == 0) {
-        /* subnormal m * 2^-9: exact in fp32, so build it by a product and keep the sign */
-        float v = (float)m * 0x1p-9f;
-        memcpy(&bits, &v, sizeof bits);
-        bits |= sign;
-    } else {
-        /* normal (1 + m/8) * 2^(e-7): rebias the exponent (7 -> 127), widen the mantissa */
-        bits = sign | ((e + 120u) << 23) | (m << 20);
-    }
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
 
 /* ---- quantization_config -------------------------------------------------------------------- */
 
@@ -144,7 +126,7 @@ moeq_status mq_fp8_dequant_rows(const mq_tensor_view *w, int64_t r0, int64_t nr,
                     return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s': NaN code 0x%02X at row %lld, "
                                   "column %lld", w->file ? w->file : "?", w->name, codes[c],
                                   (long long)r, (long long)c);
-                o[c] = mq_fp8_e4m3_to_f32(codes[c]) * sc;
+                o[c] = mq_e4m3_decode(codes[c]) * sc;
             }
         }
     }

@@ -32,9 +32,6 @@ typedef struct {
 /* Largest block side accepted from a config (real files use 128). */
 #define MQ_FP8_MAX_BLOCK 65536
 
-/* One E4M3 code as fp32 (exact: every E4M3 value is an fp32 value; 0x7F / 0xFF give NaN). */
-float mq_fp8_e4m3_to_f32(uint8_t code);
-
 /* quantization_config (the JSON object, may be NULL) of the config file `path` (for messages).
  * A missing object or a quant_method other than "fp8": out zeroed, MOEQ_OK. quant_method "fp8":
  * fmt must be absent or "e4m3" (else MOEQ_E_UNSUPPORTED naming fmt), weight_block_size must be

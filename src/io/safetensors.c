@@ -959,7 +959,7 @@ moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out) {
                               t->name);
             return mq_fp8_dequant_rows(t, 0, t->shape[0], out);
         }
-        for (size_t i = 0; i < n; i++) out[i] = mq_fp8_e4m3_to_f32(p[i]);
+        for (size_t i = 0; i < n; i++) out[i] = mq_e4m3_decode(p[i]);
         return MOEQ_OK;
     default:
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: tensor '%s': dtype %s is not a floating type",
