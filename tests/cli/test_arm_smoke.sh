@@ -9,7 +9,6 @@
 [ -n "${MOEQ_CROSS:-}" ] || { echo "SKIP: not a cross build (scripts/test-arm64.sh runs it)"; exit 77; }
 native=${MOEQ_NATIVE_CLI:-$repo/build/moeq}
 [ -x "$native" ] || { echo "SKIP: no native build at $native (set MOEQ_NATIVE_CLI)"; exit 77; }
-rel_close() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; m = b < 0 ? -b : b; exit !(d <= t * m) }'; }
 
 "$cli" --version > "$tmp/v" || fail "--version exited $?"
 grep -qx "CPU kernels: scalar" "$tmp/v" || fail "arm64: kernel set: $(cat "$tmp/v")"

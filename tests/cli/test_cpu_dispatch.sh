@@ -18,7 +18,6 @@ if [ "$(uname -m)" != x86_64 ] || [ -z "$qemu" ]; then
     exit 77
 fi
 old() { "$qemu" -cpu Nehalem "$cli" "$@"; }
-rel_close() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; m = b < 0 ? -b : b; exit !(d <= t * m) }'; }
 
 old --version > "$tmp/v.old" || fail "--version under Nehalem exited $?"
 grep -qx "CPU kernels: scalar" "$tmp/v.old" || fail "Nehalem: kernel set: $(cat "$tmp/v.old")"

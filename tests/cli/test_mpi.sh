@@ -19,14 +19,8 @@ calib=$repo/data/demo-calib.txt
 args=(--scheme nvfp4a16 --method gptq --calib "$calib" --nsamples 8 --seqlen 64 --expert-chunk 3
       --threads 1 --quiet)
 
-# the checkpoint files (the report holds timings)
 same() {
-    local f
-    for f in "$1"/*; do
-        f=${f##*/}
-        [ "$f" = gptq_report.json ] && continue
-        cmp -s "$1/$f" "$2/$f" || fail "$3: $f differs from the single-process run"
-    done
+    same_checkpoint "$1" "$2" "$3" "the single-process run"
     [ -f "$2/gptq_report.json" ] || fail "$3: no report"
 }
 

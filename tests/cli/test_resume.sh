@@ -11,15 +11,7 @@ args=(--scheme nvfp4a16 --method gptq --calib "$calib" --nsamples 8 --seqlen 64 
       --quiet)
 "$cli" quantize "$model" --out "$tmp/base" "${args[@]}" || fail "the uninterrupted run exited $?"
 
-# the checkpoint files (the report holds timings)
-same() {
-    local f
-    for f in "$tmp/base"/*; do
-        f=${f##*/}
-        [ "$f" = gptq_report.json ] && continue
-        cmp -s "$tmp/base/$f" "$1/$f" || fail "$2: $f differs from the uninterrupted run"
-    done
-}
+same() { same_checkpoint "$tmp/base" "$1" "$2" "the uninterrupted run"; }
 
 for fault in layer:0 chunk:1:1 linear:2:5 rename:0; do
     MOEQ_FAULT=$fault "$cli" quantize "$model" --out "$tmp/q" "${args[@]}" 2>/dev/null

@@ -7,7 +7,6 @@
 # values are usage errors.
 . "$(dirname "$0")/common.sh"
 # rel_close A B TOL: |A - B| <= TOL * |B|
-rel_close() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; m = b < 0 ? -b : b; exit !(d <= t * m) }'; }
 
 "$cli" quantize "$model" --out "$tmp/nv" --scheme nvfp4a16 --quiet || fail "quantize nvfp4a16 exited $?"
 "$cli" quantize "$model" --out "$tmp/i4" --scheme int4 --group-size 32 --quiet || fail "quantize int4 exited $?"
