@@ -624,6 +624,11 @@ moeq_status moeq_import_gguf(const char *gguf_path, const char *out_dir);
  *   selection: the k experts with the largest p[t,e] + bias[e] (bias optional, DeepSeek-V3's
  *              e_score_correction_bias: it only chooses, it never weights); ties go to the lower
  *              expert index, NaN scores rank below every number; slot j holds the j-th largest.
+ *   groups:    with n_group > 1 the E experts form n_group groups of E / n_group consecutive
+ *              ones; a group scores the sum of its two largest p + bias, only the topk_group
+ *              groups with the largest scores (ties to the lower group) are eligible for the
+ *              selection above (DeepSeek-V3's n_group / topk_group, transformers 5.17 masking the
+ *              others with -inf).
  *   weights:   w[t,j] = p[t,e[t,j]]; if renormalize: w[t,j] /= sum_j' w[t,j'] (skipped when the
  *              sum is 0); then w[t,j] *= route_scale.
  *   softmax + renormalize is Mixtral / Qwen3-MoE / Qwen2-MoE(norm_topk_prob) and equals
@@ -710,6 +715,9 @@ typedef struct {
     moeq_moe_scoring scoring;
     int32_t renormalize;           /* 0 or 1 */
     float route_scale;             /* finite; 1 for most models */
+    int32_t n_group;               /* 0 or 1: no groups; else it divides E into groups of >= 2 */
+    int32_t topk_group;            /* with n_group > 1: eligible groups, 1..n_group, and
+                                      top_k <= topk_group * E / n_group */
 } moeq_moe_ffn_args;
 
 /* The op's shape function: checks every argument without computing and sets out_shape = {T, D}.

@@ -146,6 +146,9 @@ static void test_golden_tests_data(void) {
             base[len - 6] = 0;
             snprintf(gold, sizeof gold, "%s/%s.golden.safetensors", root, base);
         }
+        /* deepseekv3-tiny holds deepseekv3-fp8-tiny's weights dequantized (tests/data/README.md) */
+        if (access(gold, R_OK) != 0 && strcmp(base, "deepseekv3-tiny") == 0)
+            snprintf(gold, sizeof gold, "%s/deepseekv3-fp8-tiny.golden.safetensors", root);
         if (access(gold, R_OK) != 0) FAIL("tests/data/%s has no golden (%s)", names[i], gold);
         run_golden(names[i], dir, gold);
         checked++;

@@ -202,7 +202,7 @@ static void run_layer_case(mq_qspec spec, const char *label) {
     float *router = randn(E * D, 0.2f), *sgate = randn(D, 0.1f), *x = randn(T * D, 1.0f);
     float *ref = malloc(sizeof(float) * T * D), *o1 = malloc(sizeof(float) * T * D), *o2 = malloc(sizeof(float) * T * D);
     dense_moe(gate, up, down, sh, router, sgate, x, ref);
-    mq_moe_layer L = {NULL, router, NULL, sgate, K, MOEQ_MOE_SOFTMAX, 1, 1.0f};
+    mq_moe_layer L = {NULL, router, NULL, sgate, K, MOEQ_MOE_SOFTMAX, 1, 1.0f, 0, 0};
     ASSERT_OK(mq_moe_experts_from_qtensors(gate, up, down, E, &sh[0], &sh[1], &sh[2], "layer", &L.experts));
     ASSERT_OK(mq_moe_layer_forward(&L, x, T, o1));
     double db = sqnr_db(ref, o1, T * D);

@@ -249,6 +249,16 @@ moeq_status moeq_moe_ffn_check(const moeq_moe_ffn_args *a, int64_t out_shape[2])
         return mq_err(MOEQ_E_ARG, "%s: renormalize %d (expected 0 or 1)", k_op, (int)a->renormalize);
     if (!isfinite(a->route_scale))
         return mq_err(MOEQ_E_ARG, "%s: route_scale %g is not finite", k_op, (double)a->route_scale);
+    if (a->n_group < 0 || (a->n_group > 1 && (E % a->n_group != 0 || E / a->n_group < 2)))
+        return mq_err(MOEQ_E_ARG, "%s: n_group %d: must be 0, 1 or divide n_experts %lld into "
+                      "groups of at least 2", k_op, (int)a->n_group, (long long)E);
+    if (a->n_group > 1 && (a->topk_group < 1 || a->topk_group > a->n_group))
+        return mq_err(MOEQ_E_ARG, "%s: topk_group %d: must be in 1..n_group %d", k_op,
+                      (int)a->topk_group, (int)a->n_group);
+    if (a->n_group > 1 && a->top_k > (int64_t)a->topk_group * (E / a->n_group))
+        return mq_err(MOEQ_E_ARG, "%s: top_k %d exceeds the %lld experts of topk_group %d groups",
+                      k_op, (int)a->top_k, (long long)(a->topk_group * (E / a->n_group)),
+                      (int)a->topk_group);
     out_shape[0] = T;
     out_shape[1] = D;
     return MOEQ_OK;
@@ -270,6 +280,7 @@ typedef struct {
     moeq_moe_scoring scoring;
     int32_t renorm;
     float route_scale;
+    int32_t n_group, topk_group;
     float *logits;        /* [T, E] */
     float *gsh;           /* [T] shared expert gate logits, then weights */
     int32_t *sel;         /* [T, k] */
@@ -293,6 +304,61 @@ static float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 /* NaN ranks below every number; among equal scores the earlier (lower) index stays. */
 static bool score_better(float a, float b) { return !isnan(a) && (isnan(b) || a > b); }
 
+void mq_moe_select(const float *p, const float *bias, int64_t E, int32_t k, int32_t n_group,
+                   int32_t topk_group, uint8_t *taken, int32_t *sel) {
+    /* taken: bit 0 = not selectable (chosen already, or outside the eligible groups) */
+    memset(taken, 0, (size_t)E);
+    if (n_group > 1) {
+        const int64_t EG = E / n_group;
+        /* the groups' scores; bit 1 of a group's first expert marks it chosen */
+        for (int32_t j = 0; j < topk_group; j++) {
+            int64_t best = -1;
+            float bs = 0.0f;
+            for (int64_t g = 0; g < n_group; g++) {
+                if (taken[g * EG] & 2) continue;
+                float b1 = 0.0f, b2 = 0.0f;
+                int64_t i1 = -1, i2 = -1;
+                for (int64_t e = g * EG; e < (g + 1) * EG; e++) {
+                    float s = bias ? p[e] + bias[e] : p[e];
+                    if (i1 < 0 || score_better(s, b1)) {
+                        b2 = b1;
+                        i2 = i1;
+                        b1 = s;
+                        i1 = e;
+                    } else if (i2 < 0 || score_better(s, b2)) {
+                        b2 = s;
+                        i2 = e;
+                    }
+                }
+                float gs = b1 + b2;
+                if (best < 0 || score_better(gs, bs)) {
+                    best = g;
+                    bs = gs;
+                }
+            }
+            taken[best * EG] |= 2;
+        }
+        for (int64_t g = 0; g < n_group; g++) {
+            uint8_t off = (taken[g * EG] & 2) ? 0 : 1;
+            for (int64_t e = g * EG; e < (g + 1) * EG; e++) taken[e] = off;
+        }
+    }
+    for (int32_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        float bs = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            if (taken[e]) continue;
+            float s = bias ? p[e] + bias[e] : p[e];
+            if (best < 0 || score_better(s, bs)) {
+                best = e;
+                bs = s;
+            }
+        }
+        taken[best] = 1;
+        sel[j] = (int32_t)best;
+    }
+}
+
 static void route_token(const run_ctx *c, int64_t t, float *p, uint8_t *taken) {
     const int64_t E = c->w->E;
     const float *lg = c->logits + t * E;
@@ -305,23 +371,11 @@ static void route_token(const run_ctx *c, int64_t t, float *p, uint8_t *taken) {
     } else {
         for (int64_t e = 0; e < E; e++) p[e] = sigmoidf(lg[e]);
     }
-    memset(taken, 0, (size_t)E);
     int32_t *sel = c->sel + t * c->k;
     float *wt = c->wt + t * c->k, sum = 0.0f;
+    mq_moe_select(p, c->bias, E, c->k, c->n_group, c->topk_group, taken, sel);
     for (int32_t j = 0; j < c->k; j++) {
-        int64_t best = -1;
-        float bs = 0.0f;
-        for (int64_t e = 0; e < E; e++) {
-            if (taken[e]) continue;
-            float s = c->bias ? p[e] + c->bias[e] : p[e];
-            if (best < 0 || score_better(s, bs)) {
-                best = e;
-                bs = s;
-            }
-        }
-        taken[best] = 1;
-        sel[j] = (int32_t)best;
-        wt[j] = p[best];
+        wt[j] = p[sel[j]];
         sum += wt[j];
     }
     for (int32_t j = 0; j < c->k; j++) {
@@ -643,7 +697,7 @@ static uint8_t *alloc_pieces(size_t n, const size_t *sizes, void **ptrs, bool *c
 static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T, const float *router,
                             const float *bias, const float *sgate, int32_t k,
                             moeq_moe_scoring scoring, int32_t renorm, float route_scale,
-                            float *out) {
+                            int32_t n_group, int32_t topk_group, float *out) {
     if (T == 0) return MOEQ_OK;
     const int64_t E = w->E, D = w->D, nm = w->n_mats;
     const int nvfp4 = w->scheme == MOEQ_MOE_NVFP4;
@@ -662,7 +716,8 @@ static moeq_status moe_run(const moeq_moe_experts *w, const float *x, int64_t T,
     run_ctx *c = &o.c;
     *c = (run_ctx){.w = w, .K = mq_moe_kernels_active(), .x = x, .router = router, .bias = bias,
                    .sgate = sgate, .T = T, .P = P, .k = k, .scoring = scoring, .renorm = renorm,
-                   .route_scale = route_scale, .out = out};
+                   .route_scale = route_scale, .n_group = n_group, .topk_group = topk_group,
+                   .out = out};
     c->scratch_stride = (size_t)T * 8 * PAIRS_A;
     /* below ~1M multiply-adds waking the other threads costs more than it saves */
     const double macs = (double)T * (double)D *
@@ -739,7 +794,8 @@ moeq_status moeq_moe_ffn(const moeq_moe_ffn_args *a, float *out, size_t out_capa
                       out_capacity, (long long)shape[0], (long long)shape[1], need);
     const float *sg = a->shared_gate.data;
     return moe_run(a->experts, a->x.data, shape[0], a->router.data, a->router_bias.data, sg,
-                   a->top_k, a->scoring, a->renormalize, a->route_scale, out);
+                   a->top_k, a->scoring, a->renormalize, a->route_scale, a->n_group,
+                   a->topk_group, out);
 }
 
 /* ---- runtime entry points ------------------------------------------------------------------ */
@@ -761,7 +817,7 @@ moeq_status mq_moe_layer_forward(const mq_moe_layer *L, const float *x, int64_t 
         .router_bias = {L->router_bias, MOEQ_DT_F32, 1, {w->E}, (size_t)w->E * 4},
         .shared_gate = {L->shared_gate, MOEQ_DT_F32, 1, {w->D}, (size_t)w->D * 4},
         .experts = w, .top_k = L->top_k, .scoring = L->scoring, .renormalize = L->renormalize,
-        .route_scale = L->route_scale};
+        .route_scale = L->route_scale, .n_group = L->n_group, .topk_group = L->topk_group};
     return moeq_moe_ffn(&a, out, xb / 4);
 }
 

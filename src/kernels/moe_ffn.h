@@ -174,7 +174,16 @@ typedef struct {
     moeq_moe_scoring scoring;
     int32_t renormalize;
     float route_scale;
+    int32_t n_group, topk_group;    /* group-limited selection (moeq_moe_ffn_args); 0: none */
 } mq_moe_layer;
+
+/* The op's expert choice for one token (the scalar routine the op runs; tests compare it with
+ * an obvious implementation): scores s[e] = p[e] + bias[e] (bias may be NULL), restricted to the
+ * topk_group best of n_group groups when n_group > 1 (group score: its two largest s), then the
+ * k largest, slot j the j-th largest, ties to the lower index, NaN below every number. taken:
+ * scratch of E bytes. */
+void mq_moe_select(const float *p, const float *bias, int64_t E, int32_t k, int32_t n_group,
+                   int32_t topk_group, uint8_t *taken, int32_t *sel);
 
 /* out [T, D] = the layer applied to x [T, D]. */
 moeq_status mq_moe_layer_forward(const mq_moe_layer *L, const float *x, int64_t T, float *out);

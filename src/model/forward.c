@@ -30,6 +30,19 @@
  * optional renormalisation, shared expert scaled by sigmoid(shared_expert_gate x)). Everything
  * else (attention, norms, lm_head, unsupported layers) stays as above.
  *
+ * deepseek_v3 (DeepseekV3Attention / DeepseekV3TopkRouter of transformers 5.17): multi-head latent
+ * attention, q = q_b(rmsnorm(q_a xn)) (or q_proj xn), [c | k_rot] = kv_a xn, [k_nope | v] per head
+ * = kv_b(rmsnorm(c)) (both latent norms with eps 1e-6, as the module's default); RoPE on the last
+ * qk_rope dimensions of each q head and on k_rot, shared by every head's key; rope_interleave
+ * rotates pairs (x0, x1), (x2, x3).. and leaves them de-interleaved (evens then odds) as
+ * apply_rotary_pos_emb_interleave does, which q.k does not see; the KV cache holds the expanded
+ * per-head keys and values. YaRN: inverse frequencies of _compute_yarn_parameters in fp32, cos/sin
+ * times the attention factor, softmax scale mq_config.attn_scale. Routing: sigmoid of the fp32
+ * router logits, selection on score + e_score_correction_bias among the experts of the topk_group
+ * groups with the largest sums of their two best biased scores (the others masked with -inf),
+ * weights the unbiased scores, renormalised (sum + 1e-20) and times routed_scaling_factor; the
+ * shared experts (no gate) are added after the routed ones.
+ *
  * Activation quantization (act_quant, fp32 path only): mq_nvfp4_act_qdq on the input of each
  * Linear marked act_q, over the whole 2D input of the call: q/k/v share one quantized copy of
  * the normed input, each routed expert quantizes its own routed rows (one global scale per
@@ -56,10 +69,14 @@ enum {
 struct mq_state {
     const moeq_model *m;
     int32_t max_tokens;
-    int64_t kv_dim;              /* n_kv_heads * head_dim */
-    float **kc, **vc;            /* [n_layers] -> [max_tokens, kv_dim] */
+    int64_t kv_dim;              /* n_kv_heads * head_dim: a key row of the cache */
+    int64_t v_dim;               /* n_kv_heads * v_head_dim: a value row (== kv_dim but MLA) */
+    float **kc, **vc;            /* [n_layers] -> [max_tokens, kv_dim / v_dim] */
     int64_t *filled;             /* [n_layers]: positions present in the cache */
-    float *rope_cos, *rope_sin;  /* [max_tokens, head_dim / 2] */
+    float *rope_cos, *rope_sin;  /* [max_tokens, rope_dim / 2] */
+    float *qa, *ckv, *lat, *kvb; /* MLA scratch: [cap, q_lora], [cap, kv_lora + rope] (the latent
+                                    normed in place, then its rotary key), [cap, kv_lora] (the
+                                    normed latents, kv_b's input), [cap, H*(nope+v)] */
 
     int64_t cap;                 /* rows the scratch below holds */
     float *xn, *q, *att, *tmp, *g, *u;   /* k and v go straight into the KV cache */
@@ -141,7 +158,8 @@ static void hook(const mq_hooks *h, int layer, mq_site site, int expert, const f
 /* ---- state --------------------------------------------------------------------------------- */
 static void scratch_free(mq_state *s) {
     float **f[] = {&s->xn, &s->q,  &s->att, &s->tmp, &s->g,     &s->u,  &s->rlog,
-                   &s->rw, &s->xg, &s->hg,  &s->hu,  &s->yg, &s->sgate, &s->aq, &s->xq, &s->hq};
+                   &s->rw, &s->xg, &s->hg,  &s->hu,  &s->yg, &s->sgate, &s->aq, &s->xq, &s->hq,
+                   &s->qa, &s->ckv, &s->lat, &s->kvb};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
         mq_free(*f[i]);
         *f[i] = NULL;
@@ -167,10 +185,19 @@ static moeq_status scratch_reserve(mq_state *s, int64_t T) {
     size_t E = s->moe_fp32 ? (size_t)c->n_experts : 0, K = (size_t)c->top_k, FE = (size_t)c->moe_ffn;
     const char *w = "forward scratch";
     s->xn = mq_alloc_array(R, D * 4, w);
+    size_t QV = (size_t)c->n_heads * (size_t)c->v_head_dim;
     s->q = mq_alloc_array(R, Q * 4, w);
-    s->att = mq_alloc_array(R, Q * 4, w);
+    s->att = mq_alloc_array(R, (Q > QV ? Q : QV) * 4, w);
     s->tmp = mq_alloc_array(R, D * 4, w);
     bool ok = s->xn && s->q && s->att && s->tmp;
+    if (c->mla) {
+        size_t qa = (size_t)(c->q_lora_rank > 0 ? c->q_lora_rank : 1);
+        s->qa = mq_alloc_array(R, qa * 4, w);
+        s->ckv = mq_alloc_array(R, (size_t)(c->kv_lora_rank + c->qk_rope) * 4, w);
+        s->lat = mq_alloc_array(R, (size_t)c->kv_lora_rank * 4, w);
+        s->kvb = mq_alloc_array(R, (size_t)c->n_heads * (size_t)(c->qk_nope + c->v_head_dim) * 4, w);
+        ok = ok && s->qa && s->ckv && s->lat && s->kvb;
+    }
     if (F > 0) {
         s->g = mq_alloc_array(R, F * 4, w);
         s->u = mq_alloc_array(R, F * 4, w);
@@ -225,7 +252,7 @@ static moeq_status scores_reserve(mq_state *s) {
 static moeq_status kv_reserve(mq_state *s, int l) {
     if (s->kc[l]) return MOEQ_OK;
     s->kc[l] = mq_alloc_array((size_t)s->max_tokens, (size_t)s->kv_dim * 4, "KV cache");
-    s->vc[l] = mq_alloc_array((size_t)s->max_tokens, (size_t)s->kv_dim * 4, "KV cache");
+    s->vc[l] = mq_alloc_array((size_t)s->max_tokens, (size_t)s->v_dim * 4, "KV cache");
     if (s->kc[l] && s->vc[l]) return MOEQ_OK;
     mq_state_drop_layer(s, l);
     return mq_err(MOEQ_E_NOMEM, "out of memory for the KV cache of layer %d (%d positions)", l,
@@ -253,12 +280,13 @@ moeq_status mq_state_new_ex(const moeq_model *m, int32_t max_tokens, bool moe_sc
     s->m = m;
     s->max_tokens = max_tokens;
     s->kv_dim = (int64_t)c->n_kv_heads * c->head_dim;
+    s->v_dim = (int64_t)c->n_kv_heads * c->v_head_dim;
     for (int l = 0; moe_scratch && l < c->n_layers; l++)
         s->moe_fp32 |= m->layers[l].is_moe && !m->layers[l].pexperts;
     s->kc = calloc((size_t)c->n_layers, sizeof(float *));
     s->vc = calloc((size_t)c->n_layers, sizeof(float *));
     s->filled = calloc((size_t)c->n_layers, sizeof(int64_t));
-    int64_t half = c->head_dim / 2;
+    int64_t half = c->rope_dim / 2;
     s->rope_cos = mq_alloc_array((size_t)max_tokens, (size_t)half * 4, "rope table");
     s->rope_sin = mq_alloc_array((size_t)max_tokens, (size_t)half * 4, "rope table");
     bool ok = s->kc && s->vc && s->filled && s->rope_cos && s->rope_sin;
@@ -267,14 +295,37 @@ moeq_status mq_state_new_ex(const moeq_model *m, int32_t max_tokens, bool moe_sc
         return mq_err(MOEQ_E_NOMEM, "out of memory for a state of %d positions", max_tokens);
     }
     /* Like transformers' default rotary embedding: the exponent 2i/hd and the power are fp32,
-     * and so is pos * inv_freq. */
-    float theta = (float)c->rope_theta;
+     * and so is pos * inv_freq. YaRN: _compute_yarn_parameters' blend in fp32, its correction
+     * range in double, cos/sin times the attention factor. */
+    float theta = (float)c->rope_theta, af = (float)c->rope_attn_factor;
+    double lo = 0, hi = 0;
+    if (c->yarn) {
+        const double dim = c->rope_dim, lb = 2 * log(c->rope_theta);
+        const double two_pi = 2 * 3.14159265358979323846;   /* 2 * math.pi */
+        lo = dim * log(c->yarn_orig_max_pos / (c->yarn_beta_fast * two_pi)) / lb;
+        hi = dim * log(c->yarn_orig_max_pos / (c->yarn_beta_slow * two_pi)) / lb;
+        if (c->yarn_truncate) {
+            lo = floor(lo);
+            hi = ceil(hi);
+        }
+        lo = lo > 0 ? lo : 0;
+        hi = hi < dim - 1 ? hi : dim - 1;
+        if (lo == hi) hi += 0.001;
+    }
     for (int64_t i = 0; i < half; i++) {
-        float inv = 1.0f / powf(theta, (float)(2 * i) / (float)c->head_dim);
+        float pf = powf(theta, (float)(2 * i) / (float)c->rope_dim);
+        float inv = 1.0f / pf;
+        if (c->yarn) {
+            float interp = 1.0f / ((float)c->yarn_factor * pf);
+            float ramp = ((float)i - (float)lo) / (float)(hi - lo);
+            ramp = ramp < 0 ? 0.0f : ramp > 1 ? 1.0f : ramp;
+            float extra = 1.0f - ramp;
+            inv = interp * (1.0f - extra) + inv * extra;
+        }
         for (int32_t p = 0; p < max_tokens; p++) {
             float a = (float)p * inv;
-            s->rope_cos[(int64_t)p * half + i] = cosf(a);
-            s->rope_sin[(int64_t)p * half + i] = sinf(a);
+            s->rope_cos[(int64_t)p * half + i] = cosf(a) * af;
+            s->rope_sin[(int64_t)p * half + i] = sinf(a) * af;
         }
     }
     *out = s;
@@ -345,7 +396,8 @@ static void attention_task(void *ctx, int64_t task, int thread) {
     const att_job *j = ctx;
     mq_state *s = j->s;
     const mq_config *c = &s->m->cfg;
-    int64_t H = c->n_heads, hd = c->head_dim, ldq = H * hd, ldk = s->kv_dim;
+    int64_t H = c->n_heads, hd = c->head_dim, ldq = H * hd, ldk = s->kv_dim, ldv = s->v_dim;
+    int64_t vd = c->v_head_dim, ldo = H * vd;
     int64_t h = task / j->n_qb, b = task % j->n_qb;
     int64_t kvh = h / (H / c->n_kv_heads);
     int64_t i0 = b * ATT_QB, rows = j->T - i0 < ATT_QB ? j->T - i0 : ATT_QB;
@@ -356,9 +408,9 @@ static void attention_task(void *ctx, int64_t task, int thread) {
     int64_t nk = k1 - k0;
     float *S = s->scores + (int64_t)thread * ATT_QB * s->max_tokens;
     const float *kc = s->kc[j->layer] + k0 * ldk + kvh * hd;
-    const float *vc = s->vc[j->layer] + k0 * ldk + kvh * hd;
+    const float *vc = s->vc[j->layer] + k0 * ldv + kvh * vd;
     const float *q = s->q + i0 * ldq + h * hd;
-    float *out = s->att + i0 * ldq + h * hd;
+    float *out = s->att + i0 * ldo + h * vd;
     const mq_vec_kernels *vk = mq_vec();
     bool gemm = rows >= ATT_GEMM_ROWS;
     if (gemm) mq_gemm_nt(rows, nk, hd, j->scale, q, ldq, kc, ldk, 0.0f, S, nk);
@@ -373,10 +425,10 @@ static void attention_task(void *ctx, int64_t task, int thread) {
             memset(sr, 0, sizeof(float) * (size_t)lo);
             memset(sr + hi, 0, sizeof(float) * (size_t)(nk - hi));
         } else {      /* a few rows: out = sum of p_i v_i over the visible keys, in key order */
-            vk->gemv_t(vc + lo * ldk, ldk, hi - lo, sr + lo, hd, out + r * ldq);
+            vk->gemv_t(vc + lo * ldv, ldv, hi - lo, sr + lo, vd, out + r * ldo);
         }
     }
-    if (gemm) mq_gemm_nn(rows, hd, nk, 1.0f, S, nk, vc, ldk, 0.0f, out, ldq);
+    if (gemm) mq_gemm_nn(rows, vd, nk, 1.0f, S, nk, vc, ldv, 0.0f, out, ldo);
 }
 
 /* q, k and v projections of one layer. fp32 weights with enough rows run as one set of pool
@@ -423,9 +475,87 @@ static moeq_status qkv_forward(const mq_layer *ly, const float *x, int64_t T, fl
     return MOEQ_OK;
 }
 
+/* The rotary part rp[rope_dim] of one head at position p: de-interleaved first when the
+ * checkpoint's pairs are adjacent (rope_interleave), then the rotate_half rotation. tmp: scratch
+ * of rope_dim floats. */
+static void mla_rope(const mq_state *s, float *rp, int64_t p, float *tmp) {
+    const mq_config *c = &s->m->cfg;
+    const int64_t half = c->rope_dim / 2;
+    if (c->rope_interleave) {
+        for (int64_t i = 0; i < half; i++) {
+            tmp[i] = rp[2 * i];
+            tmp[half + i] = rp[2 * i + 1];
+        }
+        memcpy(rp, tmp, sizeof(float) * (size_t)c->rope_dim);
+    }
+    mq_vec()->rope(rp, half, s->rope_cos + p * half, s->rope_sin + p * half);
+}
+
+/* Multi-head latent attention (see the file comment); x += o_proj(attention) as the standard
+ * block does, with the hooks QKV (q_a / q_proj and kv_a input), Q_B, KV_B and O. */
+static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, float *x,
+                                       int64_t T, int64_t pos, const mq_hooks *hk) {
+    const mq_config *c = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    const int64_t D = c->D, H = c->n_heads, hd = c->head_dim, nope = c->qk_nope, rd = c->rope_dim;
+    const int64_t vd = c->v_head_dim, r = c->kv_lora_rank, ra = r + rd, kvw = nope + vd;
+    const float lat_eps = 1e-6f;   /* DeepseekV3RMSNorm(q_lora_rank / kv_lora_rank): default eps */
+    rmsnorm(x, T, D, ly->attn_norm, c->rms_eps, s->xn);
+    hook(hk, l, MQ_SITE_QKV, -1, s->xn, T, D);
+    /* xn feeds only q_a (q_proj) and kv_a: quantized in place, once for both */
+    if (ly->q.act_q || ly->q_a.act_q || ly->kv_a.act_q) mq_nvfp4_act_qdq(s->xn, T, D);
+    moeq_status st;
+    if (c->q_lora_rank > 0) {
+        const int64_t qr = c->q_lora_rank;
+        if ((st = mq_linear_forward(&ly->q_a, s->xn, T, s->qa))) return st;
+        rmsnorm(s->qa, T, qr, ly->q_a_norm, lat_eps, s->qa);
+        hook(hk, l, MQ_SITE_Q_B, -1, s->qa, T, qr);
+        if (ly->q_b.act_q) mq_nvfp4_act_qdq(s->qa, T, qr);
+        st = mq_linear_forward(&ly->q_b, s->qa, T, s->q);
+    } else {
+        st = mq_linear_forward(&ly->q, s->xn, T, s->q);
+    }
+    if (!st) st = mq_linear_forward(&ly->kv_a, s->xn, T, s->ckv);
+    if (st) return st;
+    /* the latent's norm in place; its rotary key k_rot stays behind it in each row */
+    for (int64_t t = 0; t < T; t++) rmsnorm(s->ckv + t * ra, 1, r, ly->kv_a_norm, lat_eps, s->ckv + t * ra);
+    /* kv_b reads the normed latents as one [T, r] matrix */
+    float *lat = s->lat;
+    for (int64_t t = 0; t < T; t++) memcpy(lat + t * r, s->ckv + t * ra, sizeof(float) * (size_t)r);
+    hook(hk, l, MQ_SITE_KV_B, -1, lat, T, r);
+    if (ly->kv_b.act_q) mq_nvfp4_act_qdq(lat, T, r);
+    if ((st = mq_linear_forward(&ly->kv_b, lat, T, s->kvb))) return st;
+
+    /* keys [k_nope, rope(k_rot)] and values per head, into the cache at these positions */
+    float *kc = s->kc[l] + pos * s->kv_dim, *vc = s->vc[l] + pos * s->v_dim;
+    float tmp[256];
+    MQ_ASSERT(rd <= 256);
+    for (int64_t t = 0; t < T; t++) {
+        float *kr = s->ckv + t * ra + r;
+        mla_rope(s, kr, pos + t, tmp);
+        for (int64_t h = 0; h < H; h++) {
+            const float *src = s->kvb + (t * H + h) * kvw;
+            float *kd = kc + t * s->kv_dim + h * hd;
+            memcpy(kd, src, sizeof(float) * (size_t)nope);
+            memcpy(kd + nope, kr, sizeof(float) * (size_t)rd);
+            memcpy(vc + t * s->v_dim + h * vd, src + nope, sizeof(float) * (size_t)vd);
+            mla_rope(s, s->q + (t * H + h) * hd + nope, pos + t, tmp);
+        }
+    }
+    att_job j = {s, l, T, pos, (T + ATT_QB - 1) / ATT_QB, (float)c->attn_scale};
+    run_tasks(H * j.n_qb, attention_task, &j, T < SMALL_T);
+
+    hook(hk, l, MQ_SITE_O, -1, s->att, T, H * vd);
+    if (ly->o.act_q) mq_nvfp4_act_qdq(s->att, T, H * vd);
+    if ((st = mq_linear_forward(&ly->o, s->att, T, s->tmp))) return st;
+    mq_vec()->axpy(1.0f, s->tmp, x, T * D);
+    return MOEQ_OK;
+}
+
 static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
                                    int64_t pos, const mq_hooks *hk) {
     if (kv_reserve(s, l)) return MOEQ_E_NOMEM;
+    if (m->cfg.mla) return mla_attention_block(m, s, l, x, T, pos, hk);
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
     int64_t D = c->D, H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim;
@@ -455,7 +585,7 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
     rope(s, s->q, T, H, pos);
     rope(s, k, T, KV, pos);
 
-    att_job j = {s, l, T, pos, (T + ATT_QB - 1) / ATT_QB, (float)(1.0 / sqrt((double)hd))};
+    att_job j = {s, l, T, pos, (T + ATT_QB - 1) / ATT_QB, (float)c->attn_scale};
     run_tasks(H * j.n_qb, attention_task, &j, T < SMALL_T);
 
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * hd);
@@ -487,14 +617,16 @@ static moeq_status mlp(const mq_linear *gate, const mq_linear *up, const mq_line
     return mq_linear_forward(down, g, T, out);
 }
 
-/* Softmax over all experts, then top-k (ties to the lower index) and optional renormalisation. */
-static void route(const mq_config *c, float *probs, int64_t T, int32_t *sel, float *w);
+/* Softmax over all experts, then top-k (ties to the lower index) and optional renormalisation;
+ * or (sigmoid_router) deepseek_v3's group-limited choice on the biased sigmoid scores. */
+static void route(const mq_config *c, const float *bias, float *probs, int64_t T, int32_t *sel,
+                  float *w);
 
 void mq_moe_route(const moeq_model *m, int l, const float *xn, int64_t T, float *probs,
                   int32_t *sel, float *w) {
     const mq_config *c = &m->cfg;
     matmul_nt(xn, T, m->layers[l].router, c->n_experts, c->D, probs);
-    route(c, probs, T, sel, w);
+    route(c, m->layers[l].router_bias, probs, T, sel, w);
 }
 
 moeq_status mq_mlp_forward(const mq_linear *gate, const mq_linear *up, const mq_linear *down,
@@ -506,9 +638,65 @@ moeq_status mq_mlp_forward(const mq_linear *gate, const mq_linear *up, const mq_
     return y ? mq_linear_forward(down, g, n, y) : MOEQ_OK;
 }
 
-static void route(const mq_config *c, float *probs, int64_t T, int32_t *sel, float *w) {
+/* DeepseekV3TopkRouter on one token's logits p[E] (sigmoid scores left in p): the topk_group
+ * groups whose two best biased scores sum highest, then the top K biased scores inside them
+ * (the other experts masked with -inf), weights the unbiased scores. Ties go to the lower index. */
+static void route_sigmoid(const mq_config *c, const float *bias, float *p, int32_t *st, float *wt) {
+    const int64_t E = c->n_experts, K = c->top_k, G = c->n_group, EG = E / G;
+    float sc[1024], gs[1024];   /* biased scores [E], group scores [G] (the config caps E below) */
+    uint8_t keep[1024];
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = 1.0f / (1.0f + expf(-p[e]));
+        sc[e] = bias ? p[e] + bias[e] : p[e];
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float b1 = -INFINITY, b2 = -INFINITY;   /* the group's best two */
+        for (int64_t e = g * EG; e < (g + 1) * EG; e++) {
+            if (sc[e] > b1) {
+                b2 = b1;
+                b1 = sc[e];
+            } else if (sc[e] > b2) {
+                b2 = sc[e];
+            }
+        }
+        gs[g] = b1 + b2;
+        keep[g] = 0;
+    }
+    for (int64_t k = 0; k < c->topk_group; k++) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < G; g++)
+            if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        if (best < 0) break;   /* topk_group <= n_group (config) */
+        keep[best] = 1;
+    }
+    for (int64_t k = 0; k < K; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            if (!keep[e / EG]) continue;
+            bool taken = false;
+            for (int64_t j = 0; j < k; j++) taken |= st[j] == e;
+            if (!taken && (best < 0 || sc[e] > sc[best])) best = e;
+        }
+        if (best < 0) best = 0;   /* not reached: top_k <= topk_group * E / n_group (config) */
+        st[k] = (int32_t)best;
+        wt[k] = p[best];
+    }
+    float ws = 0;
+    for (int64_t k = 0; k < K; k++) ws += wt[k];
+    for (int64_t k = 0; k < K; k++) {
+        if (c->norm_topk_prob) wt[k] /= ws + 1e-20f;
+        wt[k] *= c->routed_scale;
+    }
+}
+
+static void route(const mq_config *c, const float *bias, float *probs, int64_t T, int32_t *sel,
+                  float *w) {
     int64_t E = c->n_experts, K = c->top_k;
     for (int64_t t = 0; t < T; t++) {
+        if (c->sigmoid_router) {
+            route_sigmoid(c, bias, probs + t * E, sel + t * K, w + t * K);
+            continue;
+        }
         float *p = probs + t * E;
         float mx = p[0];
         for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
@@ -606,12 +794,14 @@ static moeq_status moe_block_packed(const moeq_model *m, mq_state *s, int l, int
     const mq_layer *ly = &m->layers[l];
     mq_moe_layer L = {.experts = ly->pexperts,
                       .router = ly->router,
-                      .router_bias = NULL,
+                      .router_bias = ly->router_bias,
                       .shared_gate = c->shared_gate ? ly->sh_gate_w : NULL,
                       .top_k = c->top_k,
-                      .scoring = MOEQ_MOE_SOFTMAX,
+                      .scoring = c->sigmoid_router ? MOEQ_MOE_SIGMOID : MOEQ_MOE_SOFTMAX,
                       .renormalize = c->norm_topk_prob ? 1 : 0,
-                      .route_scale = 1.0f};
+                      .route_scale = c->routed_scale,
+                      .n_group = c->n_group,
+                      .topk_group = c->topk_group};
     moeq_status st = mq_moe_layer_forward(&L, s->xn, T, out);
     return st ? mq_err_prefix(st, "layer %d", l) : MOEQ_OK;
 }

@@ -10,6 +10,11 @@
  * (src/kernels/moe_ffn.h, "Runtime integration"): all experts of a MoE layer together into one
  * moeq_moe_experts, other Linears one by one; what the kernels refuse (MOEQ_E_UNSUPPORTED) is
  * dequantized instead, with an info log naming it.
+ * deepseek_v3 (DeepseekV3ForCausalLM's names): self_attn.{q_a_proj, q_a_layernorm, q_b_proj |
+ * q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}, mlp.gate.{weight,
+ * e_score_correction_bias}, mlp.shared_experts.*; the tensors of its multi-token-prediction
+ * layers (model.layers.N.* for num_hidden_layers <= N < + num_nextn_predict_layers) are allowed
+ * and not loaded.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -128,7 +133,36 @@ static void fmt_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
 /* ---- the tensors each family needs ---------------------------------------------------- */
 static bool has(const mq_st *st, const char *name) { return mq_st_find(st, name) != NULL; }
 
+/* Multi-head latent attention (DeepseekV3Attention): q_proj has no bias even with attention_bias;
+ * q_a, kv_a and o_proj have it. */
+static void want_mla(want_list *L, const mq_config *c, int l, mq_layer *ly) {
+    char p[160], m[200];
+    int64_t D = c->D, H = c->n_heads, qh = H * c->head_dim, r = c->kv_lora_rank;
+    snprintf(p, sizeof p, "model.layers.%d.self_attn", l);
+    if (c->q_lora_rank > 0) {
+        snprintf(m, sizeof m, "%s.q_a_proj", p);
+        want_linear(L, l, m, c->q_lora_rank, D, c->qkv_bias, &ly->q_a);
+        want_vec(L, l, mq_asprintf("%s.q_a_layernorm.weight", p), c->q_lora_rank, &ly->q_a_norm);
+        snprintf(m, sizeof m, "%s.q_b_proj", p);
+        want_linear(L, l, m, qh, c->q_lora_rank, false, &ly->q_b);
+    } else {
+        snprintf(m, sizeof m, "%s.q_proj", p);
+        want_linear(L, l, m, qh, D, false, &ly->q);
+    }
+    snprintf(m, sizeof m, "%s.kv_a_proj_with_mqa", p);
+    want_linear(L, l, m, r + c->qk_rope, D, c->qkv_bias, &ly->kv_a);
+    want_vec(L, l, mq_asprintf("%s.kv_a_layernorm.weight", p), r, &ly->kv_a_norm);
+    snprintf(m, sizeof m, "%s.kv_b_proj", p);
+    want_linear(L, l, m, H * (c->qk_nope + c->v_head_dim), r, false, &ly->kv_b);
+    snprintf(m, sizeof m, "%s.o_proj", p);
+    want_linear(L, l, m, D, H * c->v_head_dim, c->o_bias, &ly->o);
+}
+
 static void want_attention(want_list *L, const mq_config *c, int l, mq_layer *ly) {
+    if (c->mla) {
+        want_mla(L, c, l, ly);
+        return;
+    }
     char p[160];
     int64_t D = c->D, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
     snprintf(p, sizeof p, "model.layers.%d.self_attn", l);
@@ -167,6 +201,8 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
     int64_t rshape[2] = {E, D};
     L->what = MQ_PART_ROUTER;
     want_add(L, l, mq_asprintf("%s.gate.weight", mp), 2, rshape, &ly->router, 0, E * D);
+    if (c->router_bias)
+        want_vec(L, l, mq_asprintf("%s.gate.e_score_correction_bias", mp), E, &ly->router_bias);
     L->what = MQ_PART_EXPERTS;
 
     /* Module names are the per-expert hub names whatever the storage, so exports keep them. */
@@ -215,14 +251,16 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
     }
     if (c->shared_ffn > 0) {
         int64_t S = c->shared_ffn;
+        /* qwen2_moe: one shared_expert; deepseek_v3: n_shared_experts fused as shared_experts */
+        const char *sn = c->arch == MQ_ARCH_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
         L->what = MQ_PART_SHARED;
-        snprintf(m, sizeof m, "%s.shared_expert.gate_proj", mp);
+        snprintf(m, sizeof m, "%s.%s.gate_proj", mp, sn);
         want_linear(L, l, m, S, D, false, &ly->sh_gate);
         tag_expert(L, (int)E, 0);
-        snprintf(m, sizeof m, "%s.shared_expert.up_proj", mp);
+        snprintf(m, sizeof m, "%s.%s.up_proj", mp, sn);
         want_linear(L, l, m, S, D, false, &ly->sh_up);
         tag_expert(L, (int)E, 1);
-        snprintf(m, sizeof m, "%s.shared_expert.down_proj", mp);
+        snprintf(m, sizeof m, "%s.%s.down_proj", mp, sn);
         want_linear(L, l, m, D, S, false, &ly->sh_down);
         tag_expert(L, (int)E, 2);
         if (c->shared_gate) {
@@ -345,7 +383,7 @@ static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *
             mq_problems_add(&probs, "tensor '%s': expected shape %s, found %s", w->name, exp, got);
         }
     }
-    /* Layers beyond num_hidden_layers. */
+    /* Layers beyond num_hidden_layers (and its multi-token-prediction layers). */
     int max_layer = -1;
     const char *example = NULL;
     for (size_t i = 0; i < mq_st_count(st); i++) {
@@ -356,9 +394,16 @@ static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *
             example = n;
         }
     }
-    if (max_layer >= c->n_layers)
-        mq_problems_add(&probs, "the checkpoint has tensors for layer %d (e.g. '%s') but config.json "
-                        "says num_hidden_layers = %d", max_layer, example, c->n_layers);
+    if (max_layer >= c->n_layers + c->n_mtp) {
+        if (c->arch == MQ_ARCH_DEEPSEEK_V3)
+            mq_problems_add(&probs, "the checkpoint has tensors for layer %d (e.g. '%s') but "
+                            "config.json says num_hidden_layers = %d and num_nextn_predict_layers "
+                            "= %d", max_layer, example, c->n_layers, c->n_mtp);
+        else
+            mq_problems_add(&probs, "the checkpoint has tensors for layer %d (e.g. '%s') but "
+                            "config.json says num_hidden_layers = %d", max_layer, example,
+                            c->n_layers);
+    }
     free(missing);
     free(total);
     moeq_status s = MOEQ_OK;
@@ -525,15 +570,18 @@ static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
         const mq_layer *ly = &m->layers[l];
         vec += 2 * D;
         if (ly->q_norm) vec += c->qk_norm == MQ_QKNORM_FULL ? q + kv : 2 * (int64_t)c->head_dim;
-        const mq_linear *att[4] = {&ly->q, &ly->k, &ly->v, &ly->o};
-        for (int i = 0; i < 4; i++) count_linear(att[i], res, f32);
+        if (c->mla) vec += c->q_lora_rank + c->kv_lora_rank;
+        const mq_linear *att[8] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->q_a, &ly->q_b, &ly->kv_a,
+                                   &ly->kv_b};
+        for (int i = 0; i < 8; i++)
+            if (att[i]->name) count_linear(att[i], res, f32);
         if (!ly->is_moe) {
             count_linear(&ly->gate, res, f32);
             count_linear(&ly->up, res, f32);
             count_linear(&ly->down, res, f32);
             continue;
         }
-        vec += (int64_t)c->n_experts * D + (ly->sh_gate_w ? D : 0);
+        vec += (int64_t)c->n_experts * D + (ly->sh_gate_w ? D : 0) + (c->router_bias ? c->n_experts : 0);
         for (int e = 0; e < c->n_experts; e++) {
             count_linear(&ly->exp_gate[e], res, f32);
             count_linear(&ly->exp_up[e], res, f32);
@@ -557,8 +605,9 @@ static void mark_act_quant(moeq_model *m) {
     bool all = m->cfg.quant_method == NULL || m->cfg.fp8_block_rows > 0;   /* FP8: all fp32 */
     for (int l = 0; l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
-        mq_linear *v[7] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down};
-        for (int i = 0; i < 7; i++) v[i]->act_q = v[i]->name && (all || v[i]->stored_quantized);
+        mq_linear *v[11] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down,
+                            &ly->q_a, &ly->q_b, &ly->kv_a, &ly->kv_b};
+        for (int i = 0; i < 11; i++) v[i]->act_q = v[i]->name && (all || v[i]->stored_quantized);
         if (!ly->is_moe) continue;
         for (int e = 0; e < m->cfg.n_experts; e++) {
             mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
@@ -589,6 +638,13 @@ void moeq_model_free(moeq_model *m) {
         linear_free(&ly->o);
         mq_free(ly->q_norm);
         mq_free(ly->k_norm);
+        linear_free(&ly->q_a);
+        linear_free(&ly->q_b);
+        linear_free(&ly->kv_a);
+        linear_free(&ly->kv_b);
+        mq_free(ly->q_a_norm);
+        mq_free(ly->kv_a_norm);
+        mq_free(ly->router_bias);
         linear_free(&ly->gate);
         linear_free(&ly->up);
         linear_free(&ly->down);

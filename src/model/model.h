@@ -3,8 +3,10 @@
  *
  * Families: llama (dense), olmoe (q_norm/k_norm over the whole projection), qwen2_moe (q/k/v
  * bias, shared expert with sigmoid gate), qwen3_moe (per-head q/k norm), mixtral
- * (block_sparse_moe.experts.N.w1/w2/w3). Experts fused on disk (experts.gate_up_proj [E,2F,D],
- * experts.down_proj [E,D,F]) are accepted too.
+ * (block_sparse_moe.experts.N.w1/w2/w3), deepseek_v3 / kimi_k2 (multi-head latent attention,
+ * sigmoid group-limited routing with a selection bias, shared experts, dense first layers, YaRN).
+ * Experts fused on disk (experts.gate_up_proj [E,2F,D], experts.down_proj [E,D,F]) are accepted
+ * too.
  *
  * Dimension vocabulary: T tokens, D hidden, F ffn width, E experts, K top-k, V vocab.
  * Every weight matrix is [out, in] row-major, as on disk.
@@ -21,6 +23,7 @@ typedef enum {
     MQ_ARCH_QWEN2_MOE,
     MQ_ARCH_QWEN3_MOE,
     MQ_ARCH_MIXTRAL,
+    MQ_ARCH_DEEPSEEK_V3,   /* deepseek_v3 and kimi_k2 */
 } mq_arch;
 
 typedef enum {
@@ -57,6 +60,34 @@ typedef struct {
     /* An FP8 block-quantized source (quant_method "fp8", io/fp8.h): weight_block_size; its
      * weights load dequantized to fp32, as an unquantized model's. 0 otherwise. */
     int32_t fp8_block_rows, fp8_block_cols;
+    /* Multi-head latent attention (deepseek_v3): q = q_b(norm(q_a x)) (or q_proj x when
+     * q_lora_rank is 0), [kv | k_rot] = kv_a x, [k_nope | v] per head = kv_b(norm(kv)); a head's
+     * key is [k_nope, rope(k_rot)] with k_rot shared by all heads. head_dim is then
+     * qk_nope + qk_rope (the q/k head), v_head_dim the value head; n_kv_heads == n_heads. */
+    bool mla;
+    int32_t q_lora_rank, kv_lora_rank, qk_nope, qk_rope;
+    int32_t v_head_dim;          /* every family: the value head (== head_dim but for MLA) */
+    int32_t rope_dim;            /* dimensions RoPE rotates per head (head_dim; MLA qk_rope) */
+    bool rope_interleave;        /* MLA: rotary pairs (x0, x1), (x2, x3), ... instead of halves */
+    /* YaRN RoPE (rope_type "yarn", deepseek_v3): inverse frequencies blended between
+     * extrapolation and interpolation by factor, cos/sin scaled by rope_attn_factor. */
+    bool yarn;
+    double yarn_factor, yarn_beta_fast, yarn_beta_slow;
+    int32_t yarn_orig_max_pos;
+    bool yarn_truncate;
+    double rope_attn_factor;     /* cos/sin multiplier (1 without YaRN) */
+    double attn_scale;           /* softmax scale: 1/sqrt(head_dim), MLA YaRN times mscale^2 */
+    /* Routing of deepseek_v3: sigmoid scores, the selection bias e_score_correction_bias (it
+     * chooses, it never weights), experts in n_group groups of which the topk_group with the
+     * largest sum of their two best biased scores are eligible, renormalised (norm_topk_prob,
+     * + 1e-20) weights times routed_scale. Softmax families: sigmoid_router false, n_group 1,
+     * routed_scale 1. */
+    bool sigmoid_router, router_bias;
+    int32_t n_group, topk_group;
+    float routed_scale;
+    int32_t n_mtp;               /* num_nextn_predict_layers: layers n_layers .. n_layers +
+                                    n_mtp - 1 of the checkpoint (multi-token prediction), never
+                                    run; passed through or dropped by the quantizer */
 } mq_config;
 
 /* Parses config.json text. Unknown model_type, missing or inconsistent fields: MOEQ_E_FORMAT or
@@ -65,7 +96,8 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
 /* Reads and parses MODEL_DIR/config.json (a missing directory or file is MOEQ_E_NOTFOUND). */
 moeq_status mq_config_load(const char *dir, mq_config *out);
 void mq_config_free(mq_config *c);
-/* Supported model_type values, for messages: "llama, olmoe, qwen2_moe, qwen3_moe, mixtral". */
+/* Supported model_type values, for messages: "llama, olmoe, qwen2_moe, qwen3_moe, mixtral,
+ * deepseek_v3, kimi_k2". */
 const char *mq_supported_model_types(void);
 /* Parameter counts implied by the config (what an unquantized checkpoint holds; tied embeddings
  * counted once). active: what one token uses, i.e. the total less the routed experts outside the
@@ -99,8 +131,12 @@ moeq_status mq_linear_forward(const mq_linear *l, const float *x, int64_t T, flo
 
 typedef struct {
     float *attn_norm, *ffn_norm;     /* [D] */
-    mq_linear q, k, v, o;
+    mq_linear q, k, v, o;            /* MLA: q is q_proj (no q LoRA), k and v unused */
     float *q_norm, *k_norm;          /* FULL: [H*hd] / [KV*hd]; HEAD: [hd]; else NULL */
+    mq_linear q_a, q_b, kv_a, kv_b;  /* MLA: [q_lora, D], [H*hd, q_lora], [kv_lora + rope, D],
+                                        [H*(nope + v_hd), kv_lora] (q_a/q_b unused without q LoRA) */
+    float *q_a_norm, *kv_a_norm;     /* MLA: [q_lora], [kv_lora] */
+    float *router_bias;              /* [E]: e_score_correction_bias, or NULL */
     bool is_moe;
     mq_linear gate, up, down;        /* dense MLP */
     float *router;                   /* [E, D] fp32 */
@@ -174,12 +210,15 @@ typedef enum {
     MQ_SITE_SHARED,      /* shared expert gate/up input */
     MQ_SITE_SHARED_DOWN, /* shared expert down input */
     MQ_SITE_FFN,         /* the MLP/MoE block input of every token (after the FFN norm) */
+    MQ_SITE_Q_B,         /* MLA: q_b_proj input (q_a_layernorm of q_a_proj) */
+    MQ_SITE_KV_B,        /* MLA: kv_b_proj input (kv_a_layernorm of the latent) */
     MQ_SITE_COUNT
 } mq_site;
 
 /* Called synchronously on the forward's calling thread with x [rows, cols] (borrowed: valid only
  * during the call) while the layer runs; x must not be modified. Fixed order per layer:
- *   QKV, O, FFN, then MLP, MLP_DOWN (dense layer)
+ *   QKV, O, FFN, then MLP, MLP_DOWN (dense layer)   (MLA: QKV, [Q_B], KV_B, O, FFN, ...; QKV is
+ *                                                   the input of q_proj / q_a_proj and kv_a_proj)
  *   or EXPERT 0, EXPERT_DOWN 0, ..., EXPERT E-1, EXPERT_DOWN E-1, [SHARED, SHARED_DOWN] (MoE).
  * expert is the expert index for EXPERT/EXPERT_DOWN and -1 otherwise. Every expert is reported,
  * with rows = 0 when no token was routed to it; its rows are its tokens in increasing order. */

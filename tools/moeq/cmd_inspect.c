@@ -214,6 +214,7 @@ static const char *arch_notes(const mq_config *c) {
     case MQ_ARCH_QWEN2_MOE: return "MoE with a shared expert (sigmoid gate), q/k/v bias";
     case MQ_ARCH_QWEN3_MOE: return "MoE, per-head q/k RMSNorm";
     case MQ_ARCH_MIXTRAL: return "MoE (block_sparse_moe)";
+    case MQ_ARCH_DEEPSEEK_V3: return "MoE, multi-head latent attention, sigmoid group-limited routing";
     }
     return "";
 }
@@ -238,13 +239,42 @@ static int inspect(const char *dir, bool tensors, bool weights) {
     printf("attention             %d heads, %d kv heads, head_dim %d%s%s\n", c.n_heads,
            c.n_kv_heads, c.head_dim, c.qkv_bias ? ", q/k/v bias" : "",
            c.sliding_window > 0 ? ", sliding window" : "");
-    printf("rope theta            %g\n", c.rope_theta);
+    if (c.mla)
+        printf("latent attention      q_lora_rank %s, kv_lora_rank %d, q/k head %d + %d rope, v head "
+               "%d%s\n", c.q_lora_rank > 0 ? (snprintf(a, sizeof a, "%d", c.q_lora_rank), a) : "none "
+               "(q_proj)", c.kv_lora_rank, c.qk_nope, c.qk_rope, c.v_head_dim,
+               c.rope_interleave ? ", interleaved rope" : "");
+    printf("rope theta            %g", c.rope_theta);
+    if (c.yarn)
+        printf(", YaRN factor %g (original context %d), cos/sin x %.6g, softmax scale %.6g",
+               c.yarn_factor, c.yarn_orig_max_pos, c.rope_attn_factor, c.attn_scale);
+    printf("\n");
     printf("vocab / context       %d / %d\n", c.vocab, c.max_pos);
     if (n_moe > 0) {
         printf("experts               %d per MoE layer, top-%d, expert ffn %d, top-k weights %s\n",
                c.n_experts, c.top_k, c.moe_ffn, c.norm_topk_prob ? "renormalised" : "as softmax");
         if (c.shared_ffn > 0) printf("shared expert         ffn %d%s\n", c.shared_ffn,
                                      c.shared_gate ? ", sigmoid gate" : "");
+        if (c.sigmoid_router)
+            printf("routing               sigmoid scores%s, %d groups (top %d eligible), weights x %g\n",
+                   c.router_bias ? " + e_score_correction_bias for the choice" : "", c.n_group,
+                   c.topk_group, (double)c.routed_scale);
+    }
+    if (c.arch == MQ_ARCH_DEEPSEEK_V3) {
+        /* multi-token prediction layers: past num_hidden_layers, never run, kept by quantize */
+        size_t n_mtp_t = 0, mtp_bytes = 0;
+        for (size_t i = 0; i < mq_st_count(sf); i++) {
+            int l;
+            const mq_tensor_view *t = mq_st_at(sf, i);
+            if (sscanf(t->name, "model.layers.%d.", &l) == 1 && l >= c.n_layers) {
+                n_mtp_t++;
+                mtp_bytes += t->nbytes;
+            }
+        }
+        human(a, sizeof a, (double)mtp_bytes, "B");
+        printf("MTP layers            %d (num_nextn_predict_layers): %zu tensors, %s in the "
+               "checkpoint%s\n", c.n_mtp, n_mtp_t, a,
+               n_mtp_t ? " (not run; quantize passes them through, --drop-mtp drops them)" : "");
     }
     if (n_moe < c.n_layers) printf("dense ffn             %d\n", c.ffn);
     printf("tied embeddings       %s\n", c.tie_embeddings ? "yes" : "no");
