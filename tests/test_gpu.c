@@ -497,6 +497,129 @@ static void test_mlp_bitexact(void) {
     mq_gpu_close(g);
 }
 
+/* ---- the attention's calibration forward --------------------------------------------------- */
+
+typedef struct {
+    float *qkv, *o;   /* the hooks' inputs of the layer */
+    int64_t cols_o;
+} att_hooks;
+
+static void on_att(void *user, int layer, mq_site site, int expert, const float *x, int64_t rows, int64_t cols) {
+    (void)layer, (void)expert;
+    att_hooks *h = user;
+    float **dst = site == MQ_SITE_QKV ? &h->qkv : site == MQ_SITE_O ? &h->o : NULL;
+    if (!dst) return;
+    *dst = malloc(sizeof(float) * (size_t)(rows * cols));
+    memcpy(*dst, x, sizeof(float) * (size_t)(rows * cols));
+}
+
+/* A Hessian of the rows x [n, K] (mq_hessian_get's values) on the CPU. */
+static float *cpu_hessian(const float *x, int64_t n, int64_t K) {
+    mq_hessian h = {0};
+    ASSERT_EQ_INT(MOEQ_OK, mq_hessian_init(&h, K, "cpu"));
+    mq_hessian_add(&h, x, n);
+    float *H = malloc(sizeof(float) * (size_t)(K * K));
+    mq_hessian_get(&h, H);
+    mq_hessian_free(&h);
+    return H;
+}
+
+/* One layer of a fixture through mq_attention_forward and through the GPU twin, from the same
+ * input: the output, the hooks' inputs (also as copies) and the Hessian sums of both must agree.
+ * Tolerances: the norms and RoPE are the CPU's operations, so the q/k/v input agrees to the
+ * rounding of the norm's variance (the double sum's order: 1 ulp at most, 2^-23 relative); the
+ * products sum K <= 128 fp32 terms in another order, each sum then within K * 2^-24 of the
+ * magnitudes it adds (7.6e-6), and one such difference passes through the softmax and o_proj,
+ * so 3e-5 of the largest value bounds the outputs. The Hessians sum those inputs: the same
+ * relative bound. */
+static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int64_t window, float clip) {
+    moeq_model_options opt = {.no_tokenizer = 1};
+    moeq_model *m = NULL;
+    if (moeq_model_open(dir, &opt, &m) != MOEQ_OK) FAIL("%s: %s", dir, moeq_last_error());
+    mq_config *c = &m->cfg;
+    if (window > 0) {
+        c->sliding_window = (int32_t)window;
+        c->layer_sliding[layer] = 1;
+    }
+    if (clip > 0) c->clip_qkv = clip;
+    const int64_t D = c->D, Q = (int64_t)c->n_heads * c->head_dim;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)T);
+    for (int64_t i = 0; i < T; i++) ids[i] = (int32_t)((i * 7919 + 13) % c->vocab);
+    float *x = malloc(sizeof(float) * (size_t)(T * D)), *xg = malloc(sizeof(float) * (size_t)(T * D));
+    ASSERT_EQ_INT(MOEQ_OK, mq_embed(m, ids, T, x));
+    for (int64_t i = 0; i < T * D; i++) x[i] *= 30.0f;   /* activations of a later layer's size */
+    float *xg2 = malloc(sizeof(float) * (size_t)(T * D));
+    memcpy(xg, x, sizeof(float) * (size_t)(T * D));
+    memcpy(xg2, x, sizeof(float) * (size_t)(T * D));
+    mq_state *st = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_state_new(m, (int32_t)T, &st));
+    att_hooks hk = {0};
+    mq_hooks hooks = {on_att, &hk};
+    ASSERT_EQ_INT(MOEQ_OK, mq_attention_forward(m, st, layer, x, T, 0, &hooks));
+    ASSERT_TRUE(hk.qkv && hk.o);
+
+    const mq_layer *ly = &m->layers[layer];
+    mq_gpu_attn_shape sh = {.D = D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim, .max_T = T,
+                            .eps = c->rms_eps,
+                            .qk_norm = c->qk_norm == MQ_QKNORM_FULL ? 1 : c->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
+                            .clip_qkv = c->clip_qkv};
+    mq_state_rope_tables(st, &sh.rope_cos, &sh.rope_sin);
+    mq_gpu_attn_weights w = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
+                             .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias, .o_bias = ly->o.bias,
+                             .q_norm = ly->q_norm, .k_norm = ly->k_norm, .window = window};
+    mq_gpu_attn *a = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_new(g, &sh, &a));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_set(a, &w));
+    const int64_t Ks[2] = {D, Q};
+    mq_gpu_hessians *hq = NULL, *ho = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[0], &hq));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[1], &ho));
+    float *xn = malloc(sizeof(float) * (size_t)(T * D)), *att = malloc(sizeof(float) * (size_t)(T * Q));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, xg, T, hq, ho, xn, att));
+    double e_xn = mq_test_rel_maxdiff(xn, hk.qkv, (size_t)(T * D));
+    double e_att = mq_test_rel_maxdiff(att, hk.o, (size_t)(T * Q));
+    double e_x = mq_test_rel_maxdiff(xg, x, (size_t)(T * D));
+    float *Hq = malloc(sizeof(float) * (size_t)(D * D)), *Ho = malloc(sizeof(float) * (size_t)(Q * Q));
+    int64_t nq = 0, no = 0;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(hq, 0, Hq, &nq));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(ho, 0, Ho, &no));
+    ASSERT_EQ_INT(T, nq);
+    ASSERT_EQ_INT(T, no);
+    float *Cq = cpu_hessian(hk.qkv, T, D), *Co = cpu_hessian(hk.o, T, Q);
+    double e_hq = mq_test_rel_maxdiff(Hq, Cq, (size_t)(D * D)), e_ho = mq_test_rel_maxdiff(Ho, Co, (size_t)(Q * Q));
+    printf("  %s layer %d, T %lld, window %lld, clip %g: q/k/v input %.2e, o input %.2e, output %.2e, "
+           "Hessians %.2e %.2e\n", dir, layer, (long long)T, (long long)window, (double)clip, e_xn, e_att, e_x,
+           e_hq, e_ho);
+    if (e_xn > 0x1p-23 || e_att > 3e-5 || e_x > 3e-5 || e_hq > 3e-5 || e_ho > 3e-5)
+        FAIL("%s layer %d (T %lld): the GPU attention differs from mq_attention_forward", dir, layer, (long long)T);
+    /* run to run: the same bits */
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, xg2, T, NULL, NULL, NULL, NULL));
+    for (int64_t i = 0; i < T * D; i++)
+        if (!same_float(xg[i], xg2[i])) FAIL("%s: the GPU attention differs from run to run at %lld", dir, (long long)i);
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run(a, xg2, T + 1, NULL, NULL, NULL, NULL));   /* longer than made for */
+    mq_gpu_hessians_free(hq), mq_gpu_hessians_free(ho);
+    mq_gpu_attn_free(a);
+    mq_state_free(st);
+    free(hk.qkv), free(hk.o), free(ids), free(x), free(xg), free(xg2), free(xn), free(att);
+    free(Hq), free(Ho), free(Cq), free(Co);
+    moeq_model_free(m);
+}
+
+/* Every attention variant of the families: full q/k norms (olmoe), per-head norms and grouped KV
+ * heads (qwen3moe), q/k/v biases (qwen2moe), plain (mixtral), a sliding window and clip_qkv; T
+ * below and above the CPU's GEMM threshold. */
+static void test_attention_parity(void) {
+    mq_gpu *g = open_gpu();
+    attention_case(g, mq_test_repo("models/olmoe-tiny"), 48, 0, 0, 0);
+    attention_case(g, mq_test_repo("models/olmoe-tiny"), 300, 1, 0, 0);
+    attention_case(g, mq_test_repo("models/olmoe-tiny"), 130, 2, 17, 0.8f);
+    attention_case(g, mq_test_repo("tests/data/qwen3moe-tiny"), 200, 1, 0, 0);
+    attention_case(g, mq_test_repo("tests/data/qwen2moe-dense-tiny"), 160, 0, 0, 0);
+    attention_case(g, mq_test_repo("tests/data/mixtral-tiny"), 96, 1, 40, 0);
+    mq_gpu_close(g);
+}
+
 TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
           T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_batched_deterministic),
-          T(test_gptq_retry_and_errors), T(test_gemm_det_bitexact), T(test_mlp_bitexact))
+          T(test_gptq_retry_and_errors), T(test_gemm_det_bitexact), T(test_mlp_bitexact),
+          T(test_attention_parity))

@@ -95,6 +95,41 @@ moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const float *x, 
  * far of sum i into *n (may be NULL). */
 moeq_status mq_gpu_hessians_get(mq_gpu_hessians *hs, int64_t i, float *H, int64_t *n);
 
+/* A decoder layer's self-attention for the calibration passes: model.h's mq_attention_forward
+ * of a whole sample from position 0 (no KV cache), x += o(attention(rmsnorm(x))), with q/k/v
+ * biases, the q/k norms over all heads or per head, clip_qkv, rotate-half RoPE from the host's
+ * tables, grouped KV heads and a sliding window. The norms and RoPE are the CPU's operations in
+ * the CPU's order (the norm's sum of squares in double); the products are fp32 cuBLAS GEMMs and
+ * the softmax sums in another order than the CPU's, so values agree to a few ulps, not bits. */
+typedef struct {
+    int64_t D, H, KV, hd;           /* hidden size, heads, KV heads, head dim */
+    int64_t max_T;                  /* the longest sample */
+    float eps;                      /* the RMSNorms' epsilon */
+    int qk_norm;                    /* 0: none; 1: over all heads ([H*hd], [KV*hd]); 2: per head ([hd]) */
+    float clip_qkv;                 /* > 0: q, k, v clamped to [-c, c] after the norms */
+    const float *rope_cos, *rope_sin;   /* [max_T, hd / 2] (host; copied) */
+} mq_gpu_attn_shape;
+
+typedef struct {
+    const float *norm;              /* [D] */
+    const float *q, *k, *v, *o;     /* [H*hd, D], [KV*hd, D], [KV*hd, D], [D, H*hd] */
+    const float *q_bias, *k_bias, *v_bias, *o_bias;   /* or NULL */
+    const float *q_norm, *k_norm;   /* as qk_norm says, or NULL */
+    int64_t window;                 /* the layer's sliding window (0: full causal attention) */
+} mq_gpu_attn_weights;
+
+typedef struct mq_gpu_attn mq_gpu_attn;
+moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *shape, mq_gpu_attn **out);
+void mq_gpu_attn_free(mq_gpu_attn *a);
+/* Uploads a layer's weights (host memory; copied before the call returns) and takes its window. */
+moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights *w);
+/* One sample x [T, D] (host, in place). The q/k/v input (after the norm) and o's input are added
+ * to the Hessian sums hq and ho (sum 0 of each, as mq_gpu_hessians_add: the same bits as adding
+ * those rows from the host) and copied to xn [T, D] and att [T, H*hd] on the host; each may be
+ * NULL. */
+moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, mq_gpu_hessians *hq,
+                            mq_gpu_hessians *ho, float *xn, float *att);
+
 #ifdef __cplusplus
 }
 #endif

@@ -93,4 +93,23 @@ moeq_status mq_gpu_hessians_get(mq_gpu_hessians *hs, int64_t i, float *H, int64_
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *shape, mq_gpu_attn **out) {
+    (void)g, (void)shape;
+    *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+void mq_gpu_attn_free(mq_gpu_attn *a) { (void)a; }
+
+moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights *w) {
+    (void)a, (void)w;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, mq_gpu_hessians *hq,
+                            mq_gpu_hessians *ho, float *xn, float *att) {
+    (void)a, (void)x, (void)T, (void)hq, (void)ho, (void)xn, (void)att;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 #endif

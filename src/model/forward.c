@@ -348,6 +348,11 @@ void mq_state_free(mq_state *s) {
     free(s);
 }
 
+void mq_state_rope_tables(const mq_state *s, const float **cos, const float **sin) {
+    *cos = s->rope_cos;
+    *sin = s->rope_sin;
+}
+
 void mq_state_reset(mq_state *s) {
     for (int l = 0; l < s->m->cfg.n_layers; l++) s->filled[l] = 0;
 }

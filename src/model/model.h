@@ -244,6 +244,8 @@ void mq_state_free(mq_state *s);
 void mq_state_reset(mq_state *s);
 /* Frees layer l's KV cache (made again when the layer runs). */
 void mq_state_drop_layer(mq_state *s, int l);
+/* The state's RoPE tables, [max_tokens, head_dim / 2] each (what the attention rotates by). */
+void mq_state_rope_tables(const mq_state *s, const float **cos, const float **sin);
 
 /* x[T, D] = embedding rows of ids (ids validated against the vocabulary). */
 moeq_status mq_embed(const moeq_model *m, const int32_t *ids, int64_t T, float *x);

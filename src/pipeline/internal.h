@@ -86,6 +86,8 @@ typedef struct mq_pipe {
     float *w_a, *w_b;
     mq_state *state;
     mq_gpu *gpu;                  /* GPTQ's device (o->device >= 0), else NULL */
+    mq_gpu_attn *gatt;            /* the attention's calibration forward on that device (made at
+                                     the first layer it can run, layer.c), else NULL */
     /* ranks (src/dist; pipeline.h "Distributed runs"): this process is `rank` of `ranks`; rank
      * 0 alone has the writer and the work directory (p->w NULL elsewhere) */
     int rank, ranks;

@@ -472,7 +472,41 @@ typedef struct {
     float *xt;                    /* [Lmax, D] the sample being run */
     float *xn;                    /* [Lmax, D] its FFN input */
     float *probs;                 /* [Lmax, E] router scratch */
+    bool gpu;                     /* the attention runs on p->gatt */
 } att_scratch;
+
+/* Whether layer l's attention can run on the GPU: the standard attention of the families the
+ * GPU twin implements, fp32 weights, no emulated activation quantizer (its amax and rounding
+ * stay on the CPU). */
+static bool gpu_attention_fits(const mq_pipe *p, int l) {
+    const mq_config *c = p->c;
+    const mq_layer *ly = &p->m->layers[l];
+    const bool family = c->arch == MQ_ARCH_LLAMA || c->arch == MQ_ARCH_OLMOE || c->arch == MQ_ARCH_QWEN2_MOE ||
+                        c->arch == MQ_ARCH_QWEN3_MOE || c->arch == MQ_ARCH_MIXTRAL;
+    return p->gpu && family && !p->o->act_quant && ly->q.w && ly->k.w && ly->v.w && ly->o.w &&
+           !ly->q.act_q && !ly->o.act_q && getenv("MOEQ_GPU_ATTENTION_OFF") == NULL;
+}
+
+/* Uploads layer l's attention weights (as they are now: the quantized ones for pass B) to the
+ * GPU twin, made at the first call. */
+static moeq_status gpu_attention_set(mq_pipe *p, int l) {
+    const mq_config *c = p->c;
+    const mq_layer *ly = &p->m->layers[l];
+    moeq_status st = MOEQ_OK;
+    if (!p->gatt) {
+        mq_gpu_attn_shape sh = {.D = c->D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim,
+                                .max_T = p->calib.max_len, .eps = c->rms_eps,
+                                .qk_norm = c->qk_norm == MQ_QKNORM_FULL ? 1 : c->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
+                                .clip_qkv = c->clip_qkv};
+        mq_state_rope_tables(p->state, &sh.rope_cos, &sh.rope_sin);
+        if ((st = mq_gpu_attn_new(p->gpu, &sh, &p->gatt))) return st;
+    }
+    mq_gpu_attn_weights w = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
+                             .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias,
+                             .o_bias = ly->o.bias, .q_norm = ly->q_norm, .k_norm = ly->k_norm,
+                             .window = c->layer_sliding[l] ? c->sliding_window : 0};
+    return mq_gpu_attn_set(p->gatt, &w);
+}
 
 /* Runs every sample through the layer's attention. capture: pass A (hooks). Where the results go
  * depends on the mode (pipeline.h). */
@@ -495,9 +529,23 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
             cap->rows_qkv = cap->rows_o = 0;
             cap->at = cap->store ? s - s_lo : 0;
         }
-        st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
+        if (sc->gpu) {   /* the hooks' work done there: Hessian sums on the device, or copies */
+            mq_gpu_hessians *hq = NULL, *ho = NULL;
+            float *xq = NULL, *xo = NULL;
+            if (cap && cap->store) {
+                if (cap->arena_qkv) xq = cap->arena_qkv + cap->at * cap->Lmax * D;
+                if (cap->arena_o) xo = cap->arena_o + cap->at * cap->Lmax * (int64_t)c->n_heads * c->head_dim;
+                cap->rows_qkv = cap->rows_o = T;
+            } else if (cap) {
+                if ((hq = cap->qkv->gh)) cap->qkv->h.n += T;
+                if ((ho = cap->o->gh)) cap->o->h.n += T;
+            }
+            st = mq_gpu_attn_run(p->gatt, sc->xt, T, hq, ho, xq, xo);
+        } else {
+            st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
+        }
         double t1 = mq_now();
-        if (!st && cap && !cap->store) {   /* each update over the whole pool */
+        if (!st && cap && !cap->store && !sc->gpu) {   /* each update over the whole pool */
             if (cap->rows_qkv) st = slot_add(cap->qkv, cap->arena_qkv, cap->rows_qkv);
             if (cap->rows_o && !st) st = slot_add(cap->o, cap->arena_o, cap->rows_o);
         }
@@ -647,6 +695,9 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     sc.probs = mq_alloc_array((size_t)Lmax, (size_t)(c->n_experts > 0 ? c->n_experts : 1) * sizeof(float),
                               "router probabilities");
     if (!sc.xt || !sc.xn || !sc.probs) st = MOEQ_E_NOMEM;
+    sc.gpu = gpu_attention_fits(p, l);
+    const bool pass_a = !replay || !p->seq;
+    if (!st && sc.gpu && pass_a) st = gpu_attention_set(p, l);
     if (!st && !replay) {
         for (int i = 0; i < 2 && !st; i++) st = slot_hessian(p, &sl[i]);
         /* several ranks: every rank keeps the inputs of its samples for the owners */
@@ -691,6 +742,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         else st = attention_pass(p, l, true, NULL, &sc);
     }
     /* pass B: the quantized attention */
+    if (!st && p->seq && sc.gpu) st = gpu_attention_set(p, l);
     if (!st && p->seq) st = attention_pass(p, l, false, NULL, &sc);
     if (p->ranks > 1 && !replay) {
         char step[48];

@@ -55,4 +55,8 @@ template <typename T> static inline moeq_status cu_alloc(T **p, size_t n, const 
 }
 void mq_cu_free(void *p);
 
+/* mq_gpu_hessians_add for rows already on the device (x: rows x K, on stream 0, which must not
+ * change x before the kernel has read it: later work on stream 0 is ordered after it). */
+moeq_status mq_gpu_hessians_add_device(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows);
+
 #endif

@@ -129,6 +129,16 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
     return st;
 }
 
+moeq_status mq_gpu_hessians_add_device(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows) {
+    if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
+    if (rows <= 0) return MOEQ_OK;
+    const int64_t K = hs->K[i], nt = (K + TILE - 1) / TILE;
+    k_syrk_det<<<dim3((unsigned)nt, (unsigned)nt), 256, 0, hs->g->stream[0]>>>(hs->sum[i], x, rows, K);
+    moeq_status st = CU_LAUNCHED("k_syrk_det");
+    if (!st) hs->n[i] += rows;
+    return st;
+}
+
 extern "C" moeq_status mq_gpu_hessians_get(mq_gpu_hessians *hs, int64_t i, float *H, int64_t *n) {
     if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
     const int64_t K = hs->K[i];

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_internal.cuh"
+#include "backend/cuda/vec_dev.cuh"
 
 namespace {
 
@@ -49,31 +50,10 @@ __global__ void k_gemm_det(int64_t M, int64_t N, int64_t K, const float *A, cons
         }
 }
 
-/* vec_ref.c's mq_vec_expf and mq_vec_silu, operation for operation. */
-__device__ __forceinline__ float pow2i(float k) { return __uint_as_float((uint32_t)((int32_t)k + 127) << 23); }
-
-__device__ __forceinline__ float vec_expf(float x) {
-    if (x != x) return x + x;
-    x = -104.0f > x ? -104.0f : x;
-    x = 88.75f < x ? 88.75f : x;
-    float n = rintf(x * 1.44269504088896341f);
-    float r = fmaf(-n, 0.693359375f, x);
-    r = fmaf(-n, -2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    float y = fmaf(p, r * r, r) + 1.0f;
-    float n1 = floorf(n * 0.5f), n2 = n - n1;
-    return (y * pow2i(n1)) * pow2i(n2);
-}
-
 __global__ void k_swiglu(float *g, const float *u, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         const float x = g[i];
-        g[i] = x / (1.0f + vec_expf(-x)) * u[i];
+        g[i] = x / (1.0f + mqd::vec_expf(-x)) * u[i];
     }
 }
 

@@ -1,0 +1,318 @@
+/*
+ * A decoder layer's self-attention on the GPU for the calibration passes (backend/gpu.h,
+ * mq_gpu_attn_*): what src/model/forward.c's attention_block computes for a whole sample from
+ * position 0. Everything of a sample stays on the device from its upload to the residual sum;
+ * the q/k/v and o inputs go from there into the Hessian sums (hessian.cu's fmaf chains), so
+ * nothing but the sample itself crosses the bus.
+ *
+ * The element-wise parts are the CPU's operations in the CPU's order: RMSNorm with the sum of
+ * squares in double (vec_ref.c's rmsnorm_ref; only the order of the double sum differs, which
+ * changes the rounded fp32 variance almost never), rotate-half RoPE from the host's tables, the
+ * softmax with moeq's own expf and an IEEE division. The products are cuBLAS fp32 GEMMs (default
+ * math: never TF32) and the softmax sum is a tree, so values differ from OpenBLAS's in the last
+ * bits; the GPTQ codes downstream agree with the CPU's except where a value lands within
+ * rounding of a decision threshold.
+ *
+ * Attention: per KV head, the scores of its group of query heads as one strided batched GEMM
+ * (S = scale Q K^T over all T x T, the masked keys then get probability 0), a softmax kernel per
+ * row over the visible keys [lo, hi), then out = P V as another batched GEMM.
+ */
+#include <string.h>
+
+#include <new>
+
+#include "backend/cuda/cuda_internal.cuh"
+#include "backend/cuda/vec_dev.cuh"
+
+namespace {
+
+enum { NORM_THREADS = 256, SOFTMAX_THREADS = 256 };
+/* The scores buffer holds at most this many floats (a group's heads are then done in parts). */
+constexpr int64_t SCORES_FLOATS = (int64_t)1 << 28;
+
+/* out[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))), one block per row; out may be x. */
+__global__ void k_rmsnorm(float *out, const float *x, int64_t rows, int64_t n, const float *w, float eps) {
+    const int64_t r = blockIdx.x;
+    if (r >= rows) return;
+    const float *xr = x + r * n;
+    __shared__ double part[NORM_THREADS];
+    double d = 0.0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d += (double)xr[i] * (double)xr[i];
+    part[threadIdx.x] = d;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float var = (float)(part[0] / (double)n);
+    const float inv = 1.0f / sqrtf(var + eps);
+    float *o = out + r * n;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
+}
+
+/* y[t, j] += b[j] over T rows of n. */
+__global__ void k_bias(float *y, const float *b, int64_t T, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < T * n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = y[i] + b[i % n];
+}
+
+__global__ void k_clip(float *x, int64_t n, float lim) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = x[i];
+        x[i] = v < -lim ? -lim : v > lim ? lim : v;
+    }
+}
+
+/* rotate-half RoPE of x [T, nh, hd] at positions 0..T-1 (vec_ref.c's rope_ref). */
+__global__ void k_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cs, const float *sn) {
+    const int64_t half = hd / 2, n = T * nh * half;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t k = i % half, th = i / half, t = th / nh;
+        float *v = x + th * hd;
+        const float c = cs[t * half + k], s = sn[t * half + k];
+        const float a = v[k], b = v[k + half];
+        v[k] = a * c - b * s;
+        v[k + half] = b * c + a * s;
+    }
+}
+
+/* Row i of head blockIdx.y's scores S [T, T] (query i, key j at S[i * T + j]): softmax over the
+ * keys [lo, i] a query sees, zero elsewhere. */
+__global__ void k_softmax_causal(float *S, int64_t T, int64_t window) {
+    const int64_t i = blockIdx.x;
+    float *row = S + (int64_t)blockIdx.y * T * T + i * T;
+    const int64_t lo = window > 0 && i - window + 1 > 0 ? i - window + 1 : 0, hi = i + 1;
+    __shared__ float red[SOFTMAX_THREADS];
+    float m = row[lo];
+    for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) m = row[j] > m ? row[j] : m;
+    red[threadIdx.x] = m;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) red[threadIdx.x] = red[threadIdx.x + s] > red[threadIdx.x] ? red[threadIdx.x + s] : red[threadIdx.x];
+        __syncthreads();
+    }
+    const float mx = red[0];
+    __syncthreads();
+    float sum = 0.0f;
+    for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        const float e = mqd::vec_expf(row[j] - mx);
+        row[j] = e;
+        sum += e;
+    }
+    red[threadIdx.x] = sum;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float total = red[0];
+    for (int64_t j = threadIdx.x; j < T; j += blockDim.x) row[j] = j >= lo && j < hi ? row[j] / total : 0.0f;
+}
+
+__global__ void k_add(float *x, const float *y, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = x[i] + y[i];
+}
+
+unsigned grid_for(int64_t n) {
+    const int64_t b = (n + 255) / 256;
+    return (unsigned)(b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+}  // namespace
+
+struct mq_gpu_attn {
+    mq_gpu *g;
+    mq_gpu_attn_shape sh;
+    int64_t QD, KVD;              /* H * hd, KV * hd */
+    int64_t heads_per_call;       /* query heads whose scores fit the buffer at max_T */
+    int64_t window;               /* the current layer's */
+    bool has[12];                 /* which optional weights the layer has (biases, q/k norms) */
+    float *norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *qn, *kn;
+    float *cos_t, *sin_t;
+    float *x, *xn, *q, *k, *v, *att, *y, *S;
+};
+
+extern "C" void mq_gpu_attn_free(mq_gpu_attn *a) {
+    if (!a) return;
+    cudaSetDevice(a->g->device);
+    cudaStreamSynchronize(a->g->stream[0]);
+    float *bufs[] = {a->norm, a->wq, a->wk, a->wv, a->wo, a->bq, a->bk, a->bv, a->bo, a->qn, a->kn,
+                     a->cos_t, a->sin_t, a->x, a->xn, a->q, a->k, a->v, a->att, a->y, a->S};
+    for (float *p : bufs) mq_cu_free(p);
+    delete a;
+}
+
+extern "C" moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *sh, mq_gpu_attn **out) {
+    *out = NULL;
+    if (sh->D <= 0 || sh->H <= 0 || sh->KV <= 0 || sh->hd <= 0 || sh->hd % 2 || sh->H % sh->KV || sh->max_T <= 0)
+        return mq_err(MOEQ_E_SHAPE, "GPU attention: D %lld, %lld heads, %lld KV heads, head dim %lld, %lld tokens",
+                      (long long)sh->D, (long long)sh->H, (long long)sh->KV, (long long)sh->hd, (long long)sh->max_T);
+    moeq_status st = CU(cudaSetDevice(g->device));
+    if (st) return st;
+    mq_gpu_attn *a = new (std::nothrow) mq_gpu_attn;
+    if (!a) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    memset((void *)a, 0, sizeof *a);
+    a->g = g;
+    a->sh = *sh;
+    a->sh.rope_cos = a->sh.rope_sin = NULL;
+    a->QD = sh->H * sh->hd;
+    a->KVD = sh->KV * sh->hd;
+    const int64_t T = sh->max_T, D = sh->D, group = sh->H / sh->KV, tt = T * T;
+    a->heads_per_call = SCORES_FLOATS / tt < group ? SCORES_FLOATS / tt : group;
+    if (a->heads_per_call < 1) a->heads_per_call = 1;
+    const size_t half_tab = (size_t)(T * (sh->hd / 2));
+    cudaStream_t s = g->stream[0];
+    if (!st) st = cu_alloc(&a->norm, (size_t)D, "attention norm");
+    if (!st) st = cu_alloc(&a->wq, (size_t)(a->QD * D), "q_proj weight");
+    if (!st) st = cu_alloc(&a->wk, (size_t)(a->KVD * D), "k_proj weight");
+    if (!st) st = cu_alloc(&a->wv, (size_t)(a->KVD * D), "v_proj weight");
+    if (!st) st = cu_alloc(&a->wo, (size_t)(D * a->QD), "o_proj weight");
+    if (!st) st = cu_alloc(&a->bq, (size_t)a->QD, "q_proj bias");
+    if (!st) st = cu_alloc(&a->bk, (size_t)a->KVD, "k_proj bias");
+    if (!st) st = cu_alloc(&a->bv, (size_t)a->KVD, "v_proj bias");
+    if (!st) st = cu_alloc(&a->bo, (size_t)D, "o_proj bias");
+    if (!st) st = cu_alloc(&a->qn, (size_t)a->QD, "q norm");
+    if (!st) st = cu_alloc(&a->kn, (size_t)a->KVD, "k norm");
+    if (!st) st = cu_alloc(&a->cos_t, half_tab, "RoPE table");
+    if (!st) st = cu_alloc(&a->sin_t, half_tab, "RoPE table");
+    if (!st) st = cu_alloc(&a->x, (size_t)(T * D), "attention input");
+    if (!st) st = cu_alloc(&a->xn, (size_t)(T * D), "attention input");
+    if (!st) st = cu_alloc(&a->q, (size_t)(T * a->QD), "queries");
+    if (!st) st = cu_alloc(&a->k, (size_t)(T * a->KVD), "keys");
+    if (!st) st = cu_alloc(&a->v, (size_t)(T * a->KVD), "values");
+    if (!st) st = cu_alloc(&a->att, (size_t)(T * a->QD), "attention output");
+    if (!st) st = cu_alloc(&a->y, (size_t)(T * D), "o_proj output");
+    if (!st) st = cu_alloc(&a->S, (size_t)(a->heads_per_call * tt), "attention scores");
+    if (!st) st = CU(cudaMemcpyAsync(a->cos_t, sh->rope_cos, half_tab * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) st = CU(cudaMemcpyAsync(a->sin_t, sh->rope_sin, half_tab * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) st = CU(cudaStreamSynchronize(s));
+    if (st) {
+        mq_gpu_attn_free(a);
+        return st;
+    }
+    *out = a;
+    return MOEQ_OK;
+}
+
+extern "C" moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights *w) {
+    const int64_t D = a->sh.D, QD = a->QD, KVD = a->KVD, hd = a->sh.hd;
+    const int64_t qn = a->sh.qk_norm == 1 ? QD : hd, kn = a->sh.qk_norm == 1 ? KVD : hd;
+    if (!w->norm || !w->q || !w->k || !w->v || !w->o || (a->sh.qk_norm && (!w->q_norm || !w->k_norm)))
+        return mq_err(MOEQ_E_ARG, "GPU attention: a weight is missing");
+    struct {
+        float *dst;
+        const float *src;
+        int64_t n;
+    } up[] = {{a->norm, w->norm, D},   {a->wq, w->q, QD * D},     {a->wk, w->k, KVD * D},
+              {a->wv, w->v, KVD * D},  {a->wo, w->o, D * QD},     {a->bq, w->q_bias, QD},
+              {a->bk, w->k_bias, KVD}, {a->bv, w->v_bias, KVD},   {a->bo, w->o_bias, D},
+              {a->qn, w->q_norm, qn},  {a->kn, w->k_norm, kn}};
+    cudaStream_t s = a->g->stream[0];
+    moeq_status st = CU(cudaSetDevice(a->g->device));
+    for (int i = 0; i < 11 && !st; i++) {
+        a->has[i] = up[i].src != NULL;
+        if (up[i].src)
+            st = CU(cudaMemcpyAsync(up[i].dst, up[i].src, (size_t)up[i].n * sizeof(float), cudaMemcpyHostToDevice, s));
+    }
+    a->window = w->window;
+    /* the host's buffers may change once this returns */
+    if (!st) st = CU(cudaStreamSynchronize(s));
+    return st;
+}
+
+namespace {
+
+/* y [T, n_out] = x [T, n_in] W^T (+ b), row-major. */
+moeq_status linear(mq_gpu_attn *a, const float *x, int64_t T, const float *W, int64_t n_out, int64_t n_in,
+                   const float *b, float *y) {
+    const float one = 1.0f, zero = 0.0f;
+    moeq_status st = CUBLAS(cublasSgemm(a->g->blas[0], CUBLAS_OP_T, CUBLAS_OP_N, (int)n_out, (int)T, (int)n_in, &one, W,
+                                        (int)n_in, x, (int)n_in, &zero, y, (int)n_out));
+    if (!st && b) {
+        k_bias<<<grid_for(T * n_out), 256, 0, a->g->stream[0]>>>(y, b, T, n_out);
+        st = CU_LAUNCHED("k_bias");
+    }
+    return st;
+}
+
+moeq_status attend(mq_gpu_attn *a, int64_t T) {
+    const mq_gpu_attn_shape *sh = &a->sh;
+    const int64_t hd = sh->hd, group = sh->H / sh->KV, ldq = a->QD, ldk = a->KVD, tt = T * T;
+    const float scale = (float)(1.0 / sqrt((double)hd)), one = 1.0f, zero = 0.0f;
+    cublasHandle_t h = a->g->blas[0];
+    moeq_status st = MOEQ_OK;
+    for (int64_t g = 0; g < sh->KV && !st; g++) {
+        for (int64_t j0 = 0; j0 < group && !st; j0 += a->heads_per_call) {
+            const int nb = (int)(group - j0 < a->heads_per_call ? group - j0 : a->heads_per_call);
+            const int64_t h0 = g * group + j0;
+            /* S_j^T (column-major [T keys, T queries]) = K_g^T-view times Q_h: S[i * T + j] = q_i . k_j */
+            st = CUBLAS(cublasSgemmStridedBatched(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)T, (int)T, (int)hd, &scale,
+                                                  a->k + g * hd, (int)ldk, 0, a->q + h0 * hd, (int)ldq, hd, &zero,
+                                                  a->S, (int)T, tt, nb));
+            if (!st) {
+                k_softmax_causal<<<dim3((unsigned)T, (unsigned)nb), SOFTMAX_THREADS, 0, a->g->stream[0]>>>(a->S, T, a->window);
+                st = CU_LAUNCHED("k_softmax_causal");
+            }
+            /* out_h [T, hd] (row-major, ld H*hd) = P_h V_g */
+            if (!st)
+                st = CUBLAS(cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hd, (int)T, (int)T, &one,
+                                                      a->v + g * hd, (int)ldk, 0, a->S, (int)T, tt, &zero,
+                                                      a->att + h0 * hd, (int)ldq, hd, nb));
+        }
+    }
+    return st;
+}
+
+}  // namespace
+
+extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, mq_gpu_hessians *hq,
+                                       mq_gpu_hessians *ho, float *xn, float *att) {
+    const mq_gpu_attn_shape *sh = &a->sh;
+    if (T <= 0) return MOEQ_OK;
+    if (T > sh->max_T)
+        return mq_err(MOEQ_E_ARG, "GPU attention: %lld tokens, made for %lld", (long long)T, (long long)sh->max_T);
+    const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd;
+    cudaStream_t s = a->g->stream[0];
+    moeq_status st = CU(cudaSetDevice(a->g->device));
+    if (!st) st = CU(cudaMemcpyAsync(a->x, x, (size_t)(T * D) * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) {
+        k_rmsnorm<<<(unsigned)T, NORM_THREADS, 0, s>>>(a->xn, a->x, T, D, a->norm, sh->eps);
+        st = CU_LAUNCHED("k_rmsnorm");
+    }
+    if (!st && hq) st = mq_gpu_hessians_add_device(hq, 0, a->xn, T);
+    if (!st && xn) st = CU(cudaMemcpyAsync(xn, a->xn, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    if (!st) st = linear(a, a->xn, T, a->wq, QD, D, a->has[5] ? a->bq : NULL, a->q);
+    if (!st) st = linear(a, a->xn, T, a->wk, KVD, D, a->has[6] ? a->bk : NULL, a->k);
+    if (!st) st = linear(a, a->xn, T, a->wv, KVD, D, a->has[7] ? a->bv : NULL, a->v);
+    if (!st && sh->qk_norm) {
+        const bool full = sh->qk_norm == 1;
+        k_rmsnorm<<<(unsigned)(full ? T : T * sh->H), NORM_THREADS, 0, s>>>(a->q, a->q, full ? T : T * sh->H,
+                                                                           full ? QD : hd, a->qn, sh->eps);
+        k_rmsnorm<<<(unsigned)(full ? T : T * sh->KV), NORM_THREADS, 0, s>>>(a->k, a->k, full ? T : T * sh->KV,
+                                                                            full ? KVD : hd, a->kn, sh->eps);
+        st = CU_LAUNCHED("k_rmsnorm");
+    }
+    if (!st && sh->clip_qkv > 0) {
+        k_clip<<<grid_for(T * QD), 256, 0, s>>>(a->q, T * QD, sh->clip_qkv);
+        k_clip<<<grid_for(T * KVD), 256, 0, s>>>(a->k, T * KVD, sh->clip_qkv);
+        k_clip<<<grid_for(T * KVD), 256, 0, s>>>(a->v, T * KVD, sh->clip_qkv);
+        st = CU_LAUNCHED("k_clip");
+    }
+    if (!st) {
+        k_rope<<<grid_for(T * QD / 2), 256, 0, s>>>(a->q, T, sh->H, hd, a->cos_t, a->sin_t);
+        k_rope<<<grid_for(T * KVD / 2), 256, 0, s>>>(a->k, T, sh->KV, hd, a->cos_t, a->sin_t);
+        st = CU_LAUNCHED("k_rope");
+    }
+    if (!st) st = attend(a, T);
+    if (!st && ho) st = mq_gpu_hessians_add_device(ho, 0, a->att, T);
+    if (!st && att) st = CU(cudaMemcpyAsync(att, a->att, (size_t)(T * QD) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    if (!st) st = linear(a, a->att, T, a->wo, D, QD, a->has[8] ? a->bo : NULL, a->y);
+    if (!st) {
+        k_add<<<grid_for(T * D), 256, 0, s>>>(a->x, a->y, T * D);
+        st = CU_LAUNCHED("k_add");
+    }
+    if (!st) st = CU(cudaMemcpyAsync(x, a->x, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    if (!st) st = CU(cudaStreamSynchronize(s));
+    return st;
+}
