@@ -53,6 +53,12 @@ double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
 #else
 #define MQ_TEST_X86 0
 #endif
+/* The NEON twins exist in AArch64 builds only (the SDOT ones run where mq_cpu_has_neon_dot()). */
+#if defined(__aarch64__)
+#define MQ_TEST_ARM 1
+#else
+#define MQ_TEST_ARM 0
+#endif
 
 #define T(fn) {#fn, fn}
 #define TEST_MAIN(...)                                                                             \

@@ -1,8 +1,9 @@
 /*
  * MoE FFN kernels one by one: activation quantization (int8 and split int16) against its
- * definition and AVX2 vs scalar reference bit for bit (NaN, Inf, zero, tiny blocks included); the
- * packed GEMM against a double-precision dot product of dequantized weights and activations, and
- * AVX2 vs reference bit for bit over schemes, group sizes, token counts, pair ranges and both
+ * definition and each SIMD twin (AVX2; on Arm NEON, and NEON with SDOT where the CPU has it) vs
+ * the scalar reference bit for bit (NaN, Inf, zero, tiny blocks included); the packed GEMM
+ * against a double-precision dot product of dequantized weights and activations, and each twin vs
+ * the reference bit for bit over schemes, group sizes, token counts, pair ranges and both
  * epilogues; every E4M3 scale byte; the polynomial exp/silu against libm.
  */
 #include <math.h>
@@ -32,12 +33,20 @@ static double e4m3_dec(uint8_t b) {
     return (b & 0x80) ? -v : v;
 }
 
-static const mq_moe_kernels *avx2_or_skip(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (mq_cpu_has_avx2_fma()) return &mq_moe_kernels_avx2;
+/* The SIMD twins this CPU can run (the reference excluded), NULL-terminated, with their names. */
+enum { MAX_TWINS = 4 };
+static int simd_twins(const mq_moe_kernels *k[MAX_TWINS], const char *name[MAX_TWINS]) {
+    int n = 0;
+#if MQ_TEST_X86
+    if (mq_cpu_has_avx2_fma()) k[n] = &mq_moe_kernels_avx2, name[n++] = "avx2";
 #endif
-    SKIP("no AVX2+FMA on this CPU");
-    return NULL;
+#if MQ_TEST_ARM
+    k[n] = &mq_moe_kernels_neon, name[n++] = "neon";   /* every AArch64 CPU */
+    if (mq_cpu_has_neon_dot()) k[n] = &mq_moe_kernels_neon_dot, name[n++] = "neon+dotprod";
+    else fprintf(stderr, "  no dotprod on this CPU: the neon+dotprod twin is not run\n");
+#endif
+    k[n] = NULL, name[n] = NULL;
+    return n;
 }
 
 typedef struct {
@@ -53,8 +62,9 @@ static mq_qact act_of(act_buf *b, int which, int B, int split, int offset) {
 }
 
 static void test_quant_act_definition_and_twins(void) {
-    const mq_moe_kernels *avx = avx2_or_skip();
-    if (!avx) return;
+    const mq_moe_kernels *tw[MAX_TWINS];
+    const char *tn[MAX_TWINS];
+    if (!simd_twins(tw, tn)) SKIP("no SIMD twin on this CPU");
     float x[256];
     for (int rep = 0; rep < 40; rep++) {
         for (int i = 0; i < 256; i++) x[i] = rnd_sym() * (rep % 3 == 0 ? 1e4f : 1.0f);
@@ -66,13 +76,14 @@ static void test_quant_act_definition_and_twins(void) {
         if (rep == 5)
             for (int i = 128; i < 160; i++) x[i] = 0x1p-110f;   /* tiny: treated as zero */
         for (int B = 16; B <= 32; B += 16)
-            for (int split = 0; split < 2; split++) {
+            for (int split = 0; split < 2; split++)
+            for (int ti = 0; tw[ti]; ti++) {
                 act_buf b;
                 memset(&b, 0x55, sizeof b);
                 mq_qact r = act_of(&b, 0, B, split, 8), v = act_of(&b, 1, B, split, 8);
                 mq_moe_kernels_ref.quant_act(x, 256, &r, 0, 0);
-                avx->quant_act(x, 256, &v, 0, 0);
-                ASSERT_TRUE(memcmp(b.q[0], b.q[1], 256) == 0);
+                tw[ti]->quant_act(x, 256, &v, 0, 0);
+                if (memcmp(b.q[0], b.q[1], 256) != 0) FAIL("%s: q differs (B %d split %d rep %d)", tn[ti], B, split, rep);
                 if (split) ASSERT_TRUE(memcmp(b.q2[0], b.q2[1], 256) == 0);
                 ASSERT_TRUE(memcmp(b.scale[0], b.scale[1], sizeof(float) * (size_t)(256 / B)) == 0);
                 ASSERT_TRUE(memcmp(b.corr[0], b.corr[1], sizeof(int32_t) * (size_t)(256 / B)) == 0);
@@ -116,7 +127,7 @@ static double wval(const gemm_case *c, const uint8_t *codes, const void *scales,
     return ((int)q - 8) * (double)((const float *)scales)[r * ng + g];
 }
 
-static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
+static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *const *tw, const char *const *tn) {
     const int R = c->rows, K = c->K, m = c->m, B = c->nvfp4 ? 16 : 32, ng = K / c->group;
     uint8_t *codes = malloc((size_t)R * K);
     void *scales = malloc((size_t)R * ng * 4);
@@ -160,13 +171,14 @@ static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
         const int ldo = swiglu ? 8 * (np - p0) : R;
         float *o1 = calloc((size_t)m * ldo, sizeof(float)), *o2 = calloc((size_t)m * ldo, sizeof(float));
         mq_moe_kernels_ref.gemm(&P, p0, np, &A, rows, 0, m, o1, ldo, swiglu, NULL);
-        if (avx) {
-            avx->gemm(&P, p0, np, &A, rows, 0, m, o2, ldo, swiglu, P.data);
+        for (int ti = 0; tw[ti]; ti++) {
+            memset(o2, 0, sizeof(float) * (size_t)m * ldo);
+            tw[ti]->gemm(&P, p0, np, &A, rows, 0, m, o2, ldo, swiglu, P.data);
             if (memcmp(o1, o2, sizeof(float) * (size_t)m * ldo) != 0) {
                 int j = 0;
                 while (o1[j] == o2[j]) j++;
-                FAIL("nvfp4 %d group %d split %d stype %d m %d swiglu %d: ref %.9g avx2 %.9g at %d",
-                     c->nvfp4, c->group, c->split, (int)c->stype, m, swiglu, o1[j], o2[j], j);
+                FAIL("nvfp4 %d group %d split %d stype %d m %d swiglu %d: ref %.9g %s %.9g at %d",
+                     c->nvfp4, c->group, c->split, (int)c->stype, m, swiglu, o1[j], tn[ti], o2[j], j);
             }
         }
         /* independent: double dot of dequantized weights and dequantized activations */
@@ -213,19 +225,18 @@ static void run_gemm_case(const gemm_case *c, const mq_moe_kernels *avx) {
 }
 
 static void test_gemm_reference_and_twins(void) {
-    const mq_moe_kernels *avx = NULL;
-#if defined(__x86_64__) || defined(__i386__)
-    if (mq_cpu_has_avx2_fma()) avx = &mq_moe_kernels_avx2;
-#endif
+    const mq_moe_kernels *tw[MAX_TWINS];
+    const char *tn[MAX_TWINS];
+    const int ntw = simd_twins(tw, tn);
     const int groups[4] = {16, 32, 64, 128};
     for (int gi = 0; gi < 4; gi++)
         for (int split = 0; split < 2; split++)
             for (int m = 1; m <= 9; m += (m < 5 ? 1 : 4)) {
                 /* INT4: the three scale storages in turn; NVFP4: both global conventions */
                 gemm_case c = {gi == 0, groups[gi], split, 48, 256, m, (mq_moe_stype)(m % 3), m & 1};
-                run_gemm_case(&c, avx);
+                run_gemm_case(&c, tw, tn);
             }
-    if (!avx) SKIP("no AVX2+FMA: reference checked against doubles only");
+    if (!ntw) SKIP("no SIMD twin on this CPU: reference checked against doubles only");
 }
 
 /* Every non-NaN E4M3 byte through the NVFP4 kernels: codes 2 (= 1.0) and activations 1.0 give
@@ -244,10 +255,9 @@ static void test_every_e4m3_scale(void) {
     mq_moe_kernels_ref.quant_act(x, K, &A, 0, 0);
     size_t rbb = mq_moe_rb_bytes(K, 16, MQ_MOE_S_E4M3);
     uint8_t *W = mq_alloc(2 * rbb, "test W");
-    const mq_moe_kernels *ks[2] = {&mq_moe_kernels_ref, NULL};
-#if defined(__x86_64__) || defined(__i386__)
-    if (mq_cpu_has_avx2_fma()) ks[1] = &mq_moe_kernels_avx2;
-#endif
+    const mq_moe_kernels *ks[1 + MAX_TWINS] = {&mq_moe_kernels_ref};
+    const char *tn[MAX_TWINS];
+    simd_twins(ks + 1, tn);
     for (int b0 = 0; b0 < 256; b0 += 16) {
         for (int r = 0; r < 16; r++) scales[r] = (uint8_t)(b0 + r);
         if (b0 == 0x70 || b0 == 0xf0) scales[15] = 0x00;   /* 0x7f / 0xff are NaN */
@@ -255,7 +265,7 @@ static void test_every_e4m3_scale(void) {
         mq_moe_pack_rb(&src, 16, K, 16, 1, MQ_MOE_S_E4M3, 0, W);
         mq_moe_pack_rb(&src, 16, K, 16, 1, MQ_MOE_S_E4M3, 8, W + rbb);
         mq_pmat P = {W, rbb, 16, K, 16, 1, MQ_MOE_S_E4M3, {1.0f, 1.0f}, {2.0f, 2.0f}, b0 >= 0x80};
-        for (int ki = 0; ki < 2 && ks[ki]; ki++) {
+        for (int ki = 0; ks[ki]; ki++) {
             float out[16];
             ks[ki]->gemm(&P, 0, 1, &A, NULL, 0, 1, out, 16, 0, NULL);
             for (int r = 0; r < 16; r++) {
@@ -277,5 +287,25 @@ static void test_silu(void) {
     ASSERT_TRUE(isnan(mq_vec_silu(NAN)));
 }
 
+/* The op takes the best twin the CPU runs, the reference when forced; moeq_cpu_kernels names it. */
+static void test_dispatch(void) {
+    moeq_set_force_ref(1);
+    ASSERT_TRUE(mq_moe_kernels_active() == &mq_moe_kernels_ref);
+    ASSERT_TRUE(strcmp(moeq_cpu_kernels(), "scalar (forced)") == 0);
+    moeq_set_force_ref(0);
+    const mq_moe_kernels *want = &mq_moe_kernels_ref;
+    const char *name = "scalar";
+#if MQ_TEST_X86
+    if (mq_cpu_has_avx2_fma()) want = &mq_moe_kernels_avx2, name = "avx2+fma";
+#endif
+#if MQ_TEST_ARM
+    want = mq_cpu_has_neon_dot() ? &mq_moe_kernels_neon_dot : &mq_moe_kernels_neon;
+    name = mq_cpu_has_neon_dot() ? "neon+dotprod" : "neon";
+#endif
+    fprintf(stderr, "  CPU kernels: %s\n", moeq_cpu_kernels());
+    ASSERT_TRUE(mq_moe_kernels_active() == want);
+    if (strcmp(moeq_cpu_kernels(), name) != 0) FAIL("kernel set %s, expected %s", moeq_cpu_kernels(), name);
+}
+
 TEST_MAIN(T(test_quant_act_definition_and_twins), T(test_gemm_reference_and_twins),
-          T(test_every_e4m3_scale), T(test_silu))
+          T(test_every_e4m3_scale), T(test_silu), T(test_dispatch))

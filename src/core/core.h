@@ -134,6 +134,8 @@ void mq_log(int level, const char *fmt, ...) MQ_PRINTF(2, 3);
 #define mq_warn(...) mq_log(1, __VA_ARGS__)
 bool mq_force_ref(void);
 bool mq_cpu_has_avx2_fma(void);
+/* AArch64 with the dot-product extension (Linux: HWCAP_ASIMDDP); false elsewhere. */
+bool mq_cpu_has_neon_dot(void);
 
 /* ---- time ------------------------------------------------------------------------------ */
 double mq_now(void);   /* monotonic seconds */

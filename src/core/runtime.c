@@ -7,6 +7,10 @@
 
 #include "core.h"
 
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
 static moeq_progress_fn g_progress;
 static void *g_progress_user;
 static moeq_log_fn g_log;
@@ -67,8 +71,21 @@ bool mq_cpu_has_avx2_fma(void) {
 #endif
 }
 
+bool mq_cpu_has_neon_dot(void) {
+#if defined(__aarch64__) && defined(__linux__)
+    static int cached = -1;
+    if (cached < 0) cached = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+    return cached == 1;
+#else
+    return false;
+#endif
+}
+
 const char *moeq_cpu_kernels(void) {
     if (mq_force_ref()) return "scalar (forced)";
+#if defined(__aarch64__)
+    return mq_cpu_has_neon_dot() ? "neon+dotprod" : "neon";
+#endif
     return mq_cpu_has_avx2_fma() ? "avx2+fma" : "scalar";
 }
 

@@ -803,6 +803,9 @@ const mq_moe_kernels *mq_moe_kernels_active(void) {
 #if defined(__x86_64__) || defined(__i386__)
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) return &mq_moe_kernels_avx2;
 #endif
+#if defined(__aarch64__)
+    if (!mq_force_ref()) return mq_cpu_has_neon_dot() ? &mq_moe_kernels_neon_dot : &mq_moe_kernels_neon;
+#endif
     return &mq_moe_kernels_ref;
 }
 

@@ -158,7 +158,14 @@ extern const mq_moe_kernels mq_moe_kernels_ref;
 #if defined(__x86_64__) || defined(__i386__)
 extern const mq_moe_kernels mq_moe_kernels_avx2;
 #endif
-/* The kernels the op uses now: AVX2 when the CPU has it and mq_force_ref() is off. */
+#if defined(__aarch64__)
+/* NEON twins (src/kernels/cpu/arm/): every AArch64 CPU; with SDOT only when
+ * mq_cpu_has_neon_dot(). */
+extern const mq_moe_kernels mq_moe_kernels_neon;
+extern const mq_moe_kernels mq_moe_kernels_neon_dot;
+#endif
+/* The kernels the op uses now: AVX2 when the CPU has it (on Arm NEON, with SDOT when the CPU
+ * has it) and mq_force_ref() is off. */
 const mq_moe_kernels *mq_moe_kernels_active(void);
 
 
