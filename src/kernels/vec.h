@@ -63,7 +63,11 @@ extern const mq_vec_kernels mq_vec_ref;
 #if defined(__x86_64__) || defined(__i386__)
 extern const mq_vec_kernels mq_vec_avx2;
 #endif
-/* The kernels to use now: AVX2 when the CPU has AVX2+FMA and mq_force_ref() is off. */
+#if defined(__aarch64__)
+extern const mq_vec_kernels mq_vec_neon;   /* src/kernels/cpu/arm/vec_neon.c, every AArch64 CPU */
+#endif
+/* The kernels to use now: AVX2 when the CPU has AVX2+FMA (NEON on Arm64) and mq_force_ref() is
+ * off. */
 const mq_vec_kernels *mq_vec(void);
 
 /* The scalar exp of both twins (one lane of the AVX2 kernel). */

@@ -235,5 +235,8 @@ const mq_vec_kernels *mq_vec(void) {
 #if defined(__x86_64__) || defined(__i386__)
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) return &mq_vec_avx2;
 #endif
+#if defined(__aarch64__)
+    if (!mq_force_ref()) return &mq_vec_neon;
+#endif
     return &mq_vec_ref;
 }
