@@ -521,6 +521,10 @@ typedef struct {
     const char *gguf_rest;         /* --gguf-rest: MOEQ_FORMAT_GGUF's unquantized 2-D tensors:
                                       "auto" (NULL, the default: their source dtype), "f32",
                                       "f16", "bf16" or "q8_0" (norms, biases, routers: F32) */
+    int drop_mtp;                  /* --drop-mtp: leave out the multi-token-prediction layers
+                                      (DeepSeek-V3's num_nextn_predict_layers, past
+                                      num_hidden_layers; the output's config then says 0);
+                                      default: they pass through unchanged */
 } moeq_quant_options;
 
 /* Fills o with the defaults of `moeq quantize` (scheme left unset). */

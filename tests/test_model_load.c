@@ -439,10 +439,10 @@ static void test_bad_directories_and_configs(void) {
     ASSERT_TRUE(moeq_model_open(empty, NULL, &m) != MOEQ_OK);
     ASSERT_ERROR_MENTIONS("empty-model");
     /* unknown model_type */
-    char *c = replace(cfg, "\"model_type\": \"olmoe\"", "\"model_type\": \"deepseek_v3\"");
+    char *c = replace(cfg, "\"model_type\": \"olmoe\"", "\"model_type\": \"deepseek_v2\"");
     write_text(empty, "config.json", c);
     ASSERT_STATUS(MOEQ_E_UNSUPPORTED, moeq_model_open(empty, NULL, &m));
-    ASSERT_ERROR_MENTIONS("deepseek_v3");
+    ASSERT_ERROR_MENTIONS("deepseek_v2");
     ASSERT_ERROR_MENTIONS("mixtral");
     free(c);
     /* missing fields, all named */

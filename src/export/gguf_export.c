@@ -78,6 +78,11 @@ static moeq_status read_arch(const cJSON *c, const char *what, arch_cfg *a) {
     else if (!strcmp(a->model_type, "olmoe")) a->arch = "olmoe";
     else if (!strcmp(a->model_type, "qwen2_moe")) a->arch = "qwen2moe";
     else if (!strcmp(a->model_type, "qwen3_moe")) a->arch = "qwen3moe";
+    else if (!strcmp(a->model_type, "deepseek_v3") || !strcmp(a->model_type, "kimi_k2"))
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: model_type '%s': moeq does not write llama.cpp's "
+                      "deepseek2 layout (latent attention split into attn_k_b / attn_v_b, expert "
+                      "groups, exp_probs_b); write a compressed-tensors, ModelOpt or GPTQ checkpoint "
+                      "instead", what, a->model_type);
     else
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: model_type '%s' has no GGUF mapping in moeq (llama, mixtral, "
                       "olmoe, qwen2_moe, qwen3_moe)", what, a->model_type);

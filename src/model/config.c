@@ -310,7 +310,7 @@ static void parse_deepseek(const fields *f, mq_config *c, bool have_layers) {
     if (c->topk_group <= 0 || (c->n_group > 0 && c->topk_group > c->n_group))
         mq_problems_add(P, "field 'topk_group' must be in 1..n_group %d (got %d)", c->n_group,
                         c->topk_group);
-    else if (c->n_group > 0 && c->n_experts % c->n_group == 0 && c->top_k > 0 &&
+    else if (c->n_group > 0 && c->n_experts > 0 && c->n_experts % c->n_group == 0 &&
              c->top_k > (int64_t)c->topk_group * (c->n_experts / c->n_group))
         mq_problems_add(P, "num_experts_per_tok %d exceeds the %d experts of topk_group %d groups",
                         c->top_k, c->topk_group * (c->n_experts / c->n_group), c->topk_group);

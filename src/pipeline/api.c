@@ -169,6 +169,7 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->work_dir = po->work_dir;
     o->resume = po->resume != 0;
     o->dry_run = po->dry_run != 0;
+    o->drop_mtp = po->drop_mtp != 0;
     o->expert_chunk = po->expert_chunk;
     o->device = -1;
     if (po->device) mq_gpu_parse_device(po->device, &o->device);   /* checked before */

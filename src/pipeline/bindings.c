@@ -125,6 +125,8 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         st = get_bool(key, v, &o->resume);
     } else if (!strcmp(key, "dry-run")) {
         st = get_bool(key, v, &o->dry_run);
+    } else if (!strcmp(key, "drop-mtp")) {
+        st = get_bool(key, v, &o->drop_mtp);
     } else if (!strcmp(key, "expert-chunk")) {
         if (!(st = get_int(key, v, 0, 1 << 20, &i))) o->expert_chunk = (int32_t)i;
     } else if (!strcmp(key, "activations")) {

@@ -436,6 +436,11 @@ typedef struct {
     slot *qkv, *o;
     float *arena_qkv, *arena_o;   /* the hook's inputs, copied for the Hessian updates */
     int64_t rows_qkv, rows_o;
+    /* multi-head latent attention: q_b_proj and kv_b_proj read the normed latents (their own
+     * Hessians); qkv is then q_a_proj (or q_proj) with kv_a_proj_with_mqa */
+    slot *qb, *kvb;
+    float *arena_qb, *arena_kvb;
+    int64_t rows_qb, rows_kvb;
     bool store;                   /* several ranks: the arenas hold every sample of this rank's
                                      share (at: the sample's place), sent to the slots' owners */
     int64_t at, Lmax;
@@ -447,12 +452,16 @@ static void on_attention(void *user, int layer, mq_site site, int expert, const 
     (void)layer;
     (void)expert;
     att_capture *c = user;
-    slot *s = site == MQ_SITE_QKV ? c->qkv : site == MQ_SITE_O ? c->o : NULL;
+    slot *s = site == MQ_SITE_QKV ? c->qkv : site == MQ_SITE_O ? c->o
+            : site == MQ_SITE_Q_B ? c->qb : site == MQ_SITE_KV_B ? c->kvb : NULL;
     if (!s || rows <= 0) return;
-    float *arena = site == MQ_SITE_QKV ? c->arena_qkv : c->arena_o;
+    float *arena = site == MQ_SITE_QKV ? c->arena_qkv : site == MQ_SITE_O ? c->arena_o
+                 : site == MQ_SITE_Q_B ? c->arena_qb : c->arena_kvb;
+    int64_t *nr = site == MQ_SITE_QKV ? &c->rows_qkv : site == MQ_SITE_O ? &c->rows_o
+                : site == MQ_SITE_Q_B ? &c->rows_qb : &c->rows_kvb;
     if (arena && (s->h.sum || c->store)) {
         memcpy(arena + c->at * c->Lmax * cols, x, sizeof(float) * (size_t)(rows * cols));
-        *(site == MQ_SITE_QKV ? &c->rows_qkv : &c->rows_o) = rows;
+        *nr = rows;
     }
     if (c->amax) amax_update(&s->amax, x, rows * cols);
 }
@@ -526,7 +535,7 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         const float *x = mq_actbuf_view(&p->X, (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
         if (x != sc->xt) memcpy(sc->xt, x, sizeof(float) * (size_t)(T * D));
         if (cap) {
-            cap->rows_qkv = cap->rows_o = 0;
+            cap->rows_qkv = cap->rows_o = cap->rows_qb = cap->rows_kvb = 0;
             cap->at = cap->store ? s - s_lo : 0;
         }
         if (sc->gpu) {   /* the hooks' work done there: Hessian sums on the device, or copies */
@@ -548,6 +557,8 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         if (!st && cap && !cap->store && !sc->gpu) {   /* each update over the whole pool */
             if (cap->rows_qkv) st = slot_add(cap->qkv, cap->arena_qkv, cap->rows_qkv);
             if (cap->rows_o && !st) st = slot_add(cap->o, cap->arena_o, cap->rows_o);
+            if (cap->rows_qb && !st) st = slot_add(cap->qb, cap->arena_qb, cap->rows_qb);
+            if (cap->rows_kvb && !st) st = slot_add(cap->kvb, cap->arena_kvb, cap->rows_kvb);
         }
         double t2 = mq_now();
         if (!st) {
@@ -677,18 +688,29 @@ static moeq_status share_ffn_inputs(mq_pipe *p, int l) {
 static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     const mq_config *c = p->c;
     mq_layer *ly = &p->m->layers[l];
-    const int64_t Lmax = p->calib.max_len, D = c->D, Q = (int64_t)c->n_heads * c->head_dim;
+    const int64_t Lmax = p->calib.max_len, D = c->D, Q = (int64_t)c->n_heads * c->v_head_dim;
     unsigned parts = MQ_PART_ATTN | MQ_PART_FFN_NORM | (ly->is_moe ? MQ_PART_ROUTER : 0);
     moeq_status st = mq_lazy_load(p->lz, l, parts, 0, 0);
     if (st) return st;
-    slot sl[2];
-    slot_set(p, &sl[0], -1, false, &ly->q, &ly->k, &ly->v);
-    slot_set(p, &sl[1], -1, false, &ly->o, NULL, NULL);
-    if (p->ranks > 1) {   /* every rank runs the attention; q/k/v and o are calibrated apart */
-        sl[0].owner = 0;
-        sl[1].owner = 1;
+    /* slots: q/k/v (MLA: q_a or q_proj with kv_a), o; MLA also q_b and kv_b */
+    slot sl[4];
+    const int n_sl = c->mla ? 4 : 2;
+    const int64_t width[4] = {D, Q, c->q_lora_rank, c->kv_lora_rank};
+    if (c->mla) {
+        slot_set(p, &sl[0], -1, false, c->q_lora_rank > 0 ? &ly->q_a : &ly->q, &ly->kv_a, NULL);
+        slot_set(p, &sl[2], -1, false, &ly->q_b, NULL, NULL);
+        slot_set(p, &sl[3], -1, false, &ly->kv_b, NULL, NULL);
+    } else {
+        slot_set(p, &sl[0], -1, false, &ly->q, &ly->k, &ly->v);
     }
+    slot_set(p, &sl[1], -1, false, &ly->o, NULL, NULL);
+    if (p->ranks > 1)   /* every rank runs the attention; the slots are calibrated apart */
+        for (int i = 0; i < n_sl; i++) sl[i].owner = i % p->ranks;
     att_capture cap = {.qkv = &sl[0], .o = &sl[1], .amax = p->o->act_quant};
+    if (c->mla) {
+        cap.qb = &sl[2];
+        cap.kvb = &sl[3];
+    }
     att_scratch sc = {0};
     sc.xt = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "attention input");
     sc.xn = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "FFN input");
@@ -699,7 +721,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     const bool pass_a = !replay || !p->seq;
     if (!st && sc.gpu && pass_a) st = gpu_attention_set(p, l);
     if (!st && !replay) {
-        for (int i = 0; i < 2 && !st; i++) st = slot_hessian(p, &sl[i]);
+        for (int i = 0; i < n_sl && !st; i++) st = slot_hessian(p, &sl[i]);
         /* several ranks: every rank keeps the inputs of its samples for the owners */
         const bool dist = p->ranks > 1;
         const int64_t keep = dist ? p->s_hi - p->s_lo : 1;
@@ -712,6 +734,13 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         if (!st && need1 && keep > 0)
             cap.arena_o = mq_alloc_array((size_t)(keep * Lmax), (size_t)Q * sizeof(float), "o_proj inputs");
         if (!st && keep > 0 && ((need0 && !cap.arena_qkv) || (need1 && !cap.arena_o))) st = MOEQ_E_NOMEM;
+        for (int i = 2; i < n_sl && !st && keep > 0; i++) {   /* the latent slots of MLA */
+            const bool need = dist ? sl[i].nw && sl[i].how == MQ_HOW_GPTQ : sl[i].h.sum != NULL;
+            float **a = i == 2 ? &cap.arena_qb : &cap.arena_kvb;
+            if (need && !(*a = mq_alloc_array((size_t)(keep * Lmax), (size_t)width[i] * sizeof(float),
+                                              "latent attention inputs")))
+                st = MOEQ_E_NOMEM;
+        }
         /* pass A: the unquantized attention (nothing needed of it in a sequential replay) */
         if (!st) st = attention_pass(p, l, true, &cap, &sc);
         if (dist) {
@@ -723,22 +752,24 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
                 p->gpu ? gather_hessian : split_hessian;
             if (!st) st = sum(p, l, &sl[0], cap.arena_qkv, D);
             if (!st) st = sum(p, l, &sl[1], cap.arena_o, Q);
-            for (int i = 0; i < 2 && !st && p->o->act_quant; i++) st = mq_dist_max_f32(&sl[i].amax, step);
+            if (!st && n_sl > 2) st = sum(p, l, &sl[2], cap.arena_qb, width[2]);
+            if (!st && n_sl > 3) st = sum(p, l, &sl[3], cap.arena_kvb, width[3]);
+            for (int i = 0; i < n_sl && !st && p->o->act_quant; i++) st = mq_dist_max_f32(&sl[i].amax, step);
         }
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < n_sl; i++) {
             sl[i].tokens = sl[i].h.n;
             moeq_status fs = slot_form(&sl[i]);
             if (!st) st = fs;
         }
-        if (!st) st = quantize_slots(p, l, sl, 2, NULL);
+        if (!st) st = quantize_slots(p, l, sl, n_sl, NULL);
         if (p->ranks > 1) {
             char step[48];
             snprintf(step, sizeof step, "layer %d: attention", l);
             st = mq_dist_agree(st, step);
-            if (!st) st = share_slots(p, l, sl, 2);
+            if (!st) st = share_slots(p, l, sl, n_sl);
         }
     } else if (!st && replay) {
-        if (p->seq) st = read_back_slots(p, sl, 2);
+        if (p->seq) st = read_back_slots(p, sl, n_sl);
         else st = attention_pass(p, l, true, NULL, &sc);
     }
     /* pass B: the quantized attention */
@@ -750,9 +781,11 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         st = mq_dist_agree(st, step);
         if (!st) st = share_ffn_inputs(p, l);
     }
-    for (int i = 0; i < 2; i++) slot_free(&sl[i]);
+    for (int i = 0; i < n_sl; i++) slot_free(&sl[i]);
     mq_free(cap.arena_qkv);
     mq_free(cap.arena_o);
+    mq_free(cap.arena_qb);
+    mq_free(cap.arena_kvb);
     mq_free(sc.xt);
     mq_free(sc.xn);
     mq_free(sc.probs);

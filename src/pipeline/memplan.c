@@ -64,13 +64,20 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     z.acts += p->calib.total * 4;   /* the token ids */
     z.routing = E > 0 ? S * L * K * 8 * (p->seq ? 2 : 1) : 0;
     int64_t Fx = c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn;
+    /* the values of the KV cache: v_head_dim wide (MLA's values are narrower than its keys) */
+    const int64_t KVv = (int64_t)c->n_kv_heads * c->v_head_dim, Qo = (int64_t)c->n_heads * c->v_head_dim;
     z.state = L * (2 * D + 2 * Q + 2 * Fx) * 4 + (int64_t)mq_pool_size() * 64 * L * 4 +
-              L * c->head_dim * 4 + 2 * L * KV * 4;
+              L * c->head_dim * 4 + L * (KV + KVv) * 4;
+    const int64_t qr = c->q_lora_rank, lr = c->kv_lora_rank;
+    if (c->mla)   /* its latents: q_a's output, kv_a's, the normed latents, kv_b's output */
+        z.state += L * (qr + 2 * lr + c->qk_rope + (int64_t)c->n_heads * (c->qk_nope + c->v_head_dim)) * 4;
     /* attention: weights, two Hessians that become H + the factor's A and U, their inputs, the
      * codes of q/k/v/o and GPTQ's scratch */
     int64_t att_w = max_part(p, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0);
-    int64_t hs = (D * D + Q * Q) * 4;
-    z.attention = att_w + (o->gptq ? 3 * hs + gptq_scratch(D > Q ? D : Q) : 0) + L * (3 * D + Q) * 4 +
+    /* Hessians of q/k/v (MLA: q_a with kv_a) and o_proj, MLA's q_b and kv_b inputs too */
+    int64_t hs = (D * D + Qo * Qo + (c->mla ? qr * qr + lr * lr : 0)) * 4;
+    z.attention = att_w + (o->gptq ? 3 * hs + gptq_scratch(D > Qo ? D : Qo) : 0) +
+                  L * (3 * D + Qo + (c->mla ? qr + lr : 0)) * 4 +
                   L * (E > 0 ? E : 1) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)att_w / 4);
     /* the FFN stage keeps the norms and the router */
     int64_t ffn_fixed = max_part(p, MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0);
@@ -147,10 +154,21 @@ static layer_flops flops_of(const mq_pipe *p, int l) {
     const double T = (double)p->calib.total, L = (double)p->calib.max_len, K = c->top_k;
     const double passes = p->seq ? 2 : 1;
     double att = 2 * D * (Q + 2 * KV) + 2 * Q * D + 2 * Q * L;   /* per token */
-    f.att_sample = att * L * (p->calibrate ? 1 : 0);
-    f.forward = att * T * passes;
     f.hessian = o->gptq ? (D * D + Q * Q) * T : 0;
     f.gptq = o->gptq ? 2 * (Q + 2 * KV) * D * D + 2 * D * Q * Q + D * D * D + Q * Q * Q : 0;
+    if (c->mla) {   /* q_a (or q_proj), kv_a, q_b, kv_b, o_proj: out x in each */
+        const double H = c->n_heads, qr = c->q_lora_rank, lr = c->kv_lora_rank;
+        const double Qo = H * c->v_head_dim, kva = lr + c->qk_rope, kvb = H * (c->qk_nope + c->v_head_dim);
+        const double qin = qr > 0 ? qr : D, qout = qr > 0 ? qr : Q;
+        att = 2 * (D * qout + (qr > 0 ? qr * Q : 0) + D * kva + lr * kvb + Qo * D) + 2 * (Q + Qo) * L;
+        f.hessian = o->gptq ? (D * D + Qo * Qo + qr * qr + lr * lr) * T : 0;
+        f.gptq = o->gptq ? 2 * (qout + kva) * D * D + D * D * D + 2 * D * Qo * Qo + Qo * Qo * Qo +
+                               (qr > 0 ? 2 * Q * qin * qin + qin * qin * qin : 0) +
+                               2 * kvb * lr * lr + lr * lr * lr
+                         : 0;
+    }
+    f.att_sample = att * L * (p->calibrate ? 1 : 0);
+    f.forward = att * T * passes;
     const double mse = o->spec.mse ? 1.3 : 1.0;
     if (c->layer_is_moe[l]) {
         const double E = c->n_experts, F = c->moe_ffn;

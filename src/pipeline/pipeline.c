@@ -89,6 +89,17 @@ static moeq_status read_config(const char *model_dir, cJSON **out, bool *mixtral
     return s;
 }
 
+/* The first multi-token-prediction layer of the source (its num_hidden_layers), when the config
+ * declares such layers (num_nextn_predict_layers, or transformers 5's num_mtp_layers, > 0); 0
+ * otherwise. */
+static int mtp_first_layer(const cJSON *cfg) {
+    const cJSON *n = cJSON_GetObjectItemCaseSensitive(cfg, "num_nextn_predict_layers");
+    if (!cJSON_IsNumber(n)) n = cJSON_GetObjectItemCaseSensitive(cfg, "num_mtp_layers");
+    const cJSON *L = cJSON_GetObjectItemCaseSensitive(cfg, "num_hidden_layers");
+    return cJSON_IsNumber(n) && n->valuedouble > 0 && cJSON_IsNumber(L) && L->valuedouble > 0
+               ? (int)L->valuedouble : 0;
+}
+
 static int layer_of(const char *name) {
     int l, n = 0;
     if (sscanf(name, "model.layers.%d.%n", &l, &n) == 1 && n > 0 && l >= 0) return l;
@@ -397,8 +408,21 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     mq_plan_opts po = {o->format, o->spec,
                        o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX &&
                            o->spec.scheme == MQ_QS_INT4,
-                       o->act_quant, o->ignore, o->n_ignore};
+                       o->act_quant, o->ignore, o->n_ignore, mtp_first_layer(p->src_config),
+                       o->drop_mtp};
     if ((s = mq_out_plan_build(p->st, p->mixtral, &po, &p->plan))) goto done;
+    if (p->plan.n_mtp_pass || p->plan.n_mtp_dropped)
+        mq_info("%s: %d tensors of the multi-token-prediction layers %s", model_dir,
+                p->plan.n_mtp_pass + p->plan.n_mtp_dropped,
+                o->drop_mtp ? "left out (--drop-mtp)" : "passed through unchanged");
+    if (o->drop_mtp && po.mtp_from > 0) {   /* the output has none */
+        cJSON_DeleteItemFromObjectCaseSensitive(p->src_config, "num_nextn_predict_layers");
+        cJSON_DeleteItemFromObjectCaseSensitive(p->src_config, "num_mtp_layers");
+        if (!cJSON_AddNumberToObject(p->src_config, "num_nextn_predict_layers", 0)) {
+            s = mq_err(MOEQ_E_NOMEM, "out of memory");
+            goto done;
+        }
+    }
     if (p->calibrate && p->plan.n_layers < p->c->n_layers) p->plan.n_layers = p->c->n_layers;
     p->decl_layer = calloc(p->plan.n_decls ? p->plan.n_decls : 1, sizeof *p->decl_layer);
     p->item_done = calloc(p->plan.n_items ? p->plan.n_items : 1, 1);

@@ -68,6 +68,7 @@ typedef struct {
     const char *work_dir;          /* NULL: OUT_DIR.moeq-work beside OUT_DIR */
     bool resume;                   /* continue the run the work directory holds */
     bool dry_run;                  /* plan only */
+    bool drop_mtp;                 /* leave out the MTP layers (plan.h) */
     int expert_chunk;              /* experts loaded at once; 0: as many as the budget allows */
     mq_act_storage act_storage;
     int device;                    /* GPTQ on GPU `device` (backend/gpu.h); -1: on the CPU */

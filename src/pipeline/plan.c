@@ -115,12 +115,35 @@ static char *fmt_name(const char *fmt, ...) {
     return k < 0 || k >= (int)sizeof buf ? NULL : mq_strdup(buf);
 }
 
+/* An MTP layer's tensor (mq_plan_opts.mtp_from): passed through raw, or dropped. */
+static moeq_status plan_mtp(mq_out_plan *p, const mq_tensor_view *t, const mq_plan_opts *o) {
+    if (o->drop_mtp) {
+        p->n_mtp_dropped++;
+        return MOEQ_OK;
+    }
+    char *name = mq_strdup(t->name);
+    moeq_status s = name ? grow((void **)&p->pass, &p->cap_pass, p->n_pass, sizeof *p->pass)
+                         : mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
+    if (s) {
+        free(name);
+        return s;
+    }
+    p->pass[p->n_pass++] = (mq_plan_pass){name, t, -1, true};
+    p->n_mtp_pass++;
+    return MOEQ_OK;
+}
+
 /* Linears and pass-through tensors, in the source's (name) order. */
-static moeq_status plan_tensors(mq_out_plan *p, const mq_st *st, bool mixtral) {
+static moeq_status plan_tensors(mq_out_plan *p, const mq_st *st, bool mixtral, const mq_plan_opts *o) {
     const char *gn = mixtral ? "w1" : "gate_proj", *un = mixtral ? "w3" : "up_proj",
                *dn = mixtral ? "w2" : "down_proj";
     for (size_t i = 0; i < mq_st_count(st); i++) {
         const mq_tensor_view *t = mq_st_at(st, i);
+        if (o->mtp_from > 0 && layer_of(t->name) >= o->mtp_from) {
+            moeq_status s = plan_mtp(p, t, o);
+            if (s) return s;
+            continue;
+        }
         if (t->is_block_scale) continue;   /* consumed by its FP8 weight */
         bool in_layers = strncmp(t->name, "model.layers.", 13) == 0 && is_weight_dtype(t);
         moeq_status s = MOEQ_OK;
@@ -157,7 +180,7 @@ static moeq_status plan_tensors(mq_out_plan *p, const mq_st *st, bool mixtral) {
                 return s;
             }
             int layer = layer_of(name);
-            p->pass[p->n_pass++] = (mq_plan_pass){name, t, layer};
+            p->pass[p->n_pass++] = (mq_plan_pass){name, t, layer, false};
             if (layer + 1 > p->n_layers) p->n_layers = layer + 1;
         }
         if (s) return s;
@@ -291,7 +314,7 @@ static moeq_status plan_dequant(mq_out_plan *p) {
     for (size_t k = 0; k < p->n_items && !s; k++)
         if (!p->items[k].quantize && p->items[k].src->scale_inv) s = dequant_bf16(p, &p->items[k].src);
     for (size_t k = 0; k < p->n_pass && !s; k++)
-        if (p->pass[k].src->scale_inv) s = dequant_bf16(p, &p->pass[k].src);
+        if (p->pass[k].src->scale_inv && !p->pass[k].raw) s = dequant_bf16(p, &p->pass[k].src);
     return s;
 }
 
@@ -350,7 +373,7 @@ static moeq_status plan_decls(mq_out_plan *p, const mq_plan_opts *o) {
 moeq_status mq_out_plan_build(const mq_st *st, bool mixtral, const mq_plan_opts *o,
                               mq_out_plan *p) {
     memset(p, 0, sizeof *p);
-    moeq_status s = plan_tensors(p, st, mixtral);
+    moeq_status s = plan_tensors(p, st, mixtral, o);
     if (!s) s = plan_select(p, o);
     for (size_t k = 0; k < p->n_items && !s; k++) {
         const mq_plan_item *it = &p->items[k];

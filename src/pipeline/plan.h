@@ -34,7 +34,8 @@ typedef struct {
 typedef struct {
     char *name;                   /* output tensor name */
     const mq_tensor_view *src;
-    int layer;                    /* -1: outside the decoder layers */
+    int layer;                    /* -1: outside the decoder layers (MTP layers too) */
+    bool raw;                     /* an MTP tensor: its bytes as the source has them */
 } mq_plan_pass;
 
 typedef struct {
@@ -44,6 +45,12 @@ typedef struct {
     bool input_scale;             /* W4A4: an activation scale per quantized Linear */
     const char *const *ignore;    /* PCRE2 patterns */
     int n_ignore;
+    /* Multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers): the tensors of
+     * model.layers.N for N >= mtp_from (> 0; 0 = none) are no Linears: they pass through
+     * unchanged, FP8 ones with their scales (raw), among the global tensors, or with drop_mtp
+     * are left out (n_mtp_dropped counts them). */
+    int mtp_from;
+    bool drop_mtp;
 } mq_plan_opts;
 
 typedef struct {
@@ -59,6 +66,7 @@ typedef struct {
     char **decl_names;            /* owned names of decls */
     size_t n_decls, cap_decls;
     int64_t quantized_params;
+    int n_mtp_pass, n_mtp_dropped;   /* MTP tensors passed through / left out */
     /* FP8 block-quantized sources (io/fp8.h): a tensor that is written unquantized (a router,
      * shared_expert_gate, an --ignore'd Linear, an FP8 lm_head) is written dequantized as BF16.
      * Its item's or pass-through's src is then one of these views (owned, BF16, in memory from

@@ -141,6 +141,7 @@ static cJSON *options_identity(const mq_pipe *p) {
     cJSON *ign = cJSON_AddArrayToObject(j, "ignore");
     for (int i = 0; i < o->n_ignore; i++) cJSON_AddItemToArray(ign, cJSON_CreateString(o->ignore[i]));
     cJSON_AddNumberToObject(j, "max_shard_bytes", (double)o->max_shard_bytes);
+    if (o->drop_mtp) cJSON_AddBoolToObject(j, "drop_mtp", true);   /* absent: older manifests */
     cJSON_AddStringToObject(j, "method", o->gptq ? "gptq" : "rtn");
     if (o->gptq) {
         cJSON_AddNumberToObject(j, "percdamp", o->g.percdamp);

@@ -69,7 +69,7 @@ int cmd_quantize(int argc, char **argv) {
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
     double mpi_timeout = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
-    bool reference = false, group_seen = false, resume = false, dry_run = false;
+    bool reference = false, group_seen = false, resume = false, dry_run = false, drop_mtp = false;
     cli_list ignore = {0};
     gptq_cli gq;
     gptq_cli_defaults(&gq);
@@ -113,6 +113,9 @@ int cmd_quantize(int argc, char **argv) {
          "default 85% of the available memory); planned before any compute", NULL, 0, 0, NULL},
         {"--dry-run", OPT_FLAG, &dry_run, NULL, "print the plan (memory per part, expert chunk, "
          "FLOPs, estimated time, disk) and stop", NULL, 0, 0, NULL},
+        {"--drop-mtp", OPT_FLAG, &drop_mtp, NULL, "leave out the multi-token-prediction layers "
+         "(DeepSeek-V3's num_nextn_predict_layers; default: passed through unchanged)", NULL, 0, 0,
+         NULL},
         {"--resume", OPT_FLAG, &resume, NULL, "continue an interrupted run (same model, options "
          "and calibration) from its last finished layer", NULL, 0, 0, NULL},
         {"--work-dir", OPT_STRING, &work_dir, "DIR", "where a run keeps its work until it "
@@ -204,6 +207,7 @@ int cmd_quantize(int argc, char **argv) {
     o.work_dir = work_dir;
     o.resume = resume;
     o.dry_run = dry_run;
+    o.drop_mtp = drop_mtp;
     o.expert_chunk = (int32_t)expert_chunk;
     if (device && strcmp(device, "cpu") && strcmp(device, "cuda") &&
         !(strncmp(device, "cuda:", 5) == 0 && device[5] && strspn(device + 5, "0123456789") == strlen(device + 5)))
