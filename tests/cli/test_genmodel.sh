@@ -32,6 +32,10 @@ dry qwen3-30b-a3b 30532122624 3353032704 18867 13
 dry mixtral-8x7b 46702792704 12879925248 995 19
 dry qwen2-moe-a2.7b 14315784192 2689173504 4659 6
 dry llama-3.2-1b 1235814400 1235814400 146 1
+# DeepSeek-V3: 2*129280*7168 + 7168 + 61*(7168*1536 + 1536 + 1536*128*192 + 7168*576 + 512
+#   + 512*128*256 + 128*128*7168 + 2*7168) + 3*3*7168*18432 + 58*(256*7168 + 256
+#   + {256|8}*3*7168*2048 + 3*7168*2048) = 671.0B / 37.6B (its card: 671B, 37B activated)
+dry deepseek-v3 671026419200 37552297472 45395 270
 # a few config values the parser does not cover by counting
 cfg_has() { grep -q "^  \"$2\": $3,\{0,1\}$" "$tmp/dry-$1.json" || fail "$1: config lacks \"$2\": $3"; }
 cfg_has olmoe-1b-7b eos_token_id 50279
@@ -52,6 +56,11 @@ cfg_has llama-3.2-1b rope_theta 500000.0
 cfg_has llama-3.2-1b architectures '\["LlamaForCausalLM"\]'
 cfg_has llama-3.2-1b torch_dtype '"bfloat16"'
 grep -q rope_scaling "$tmp/dry-llama-3.2-1b.json" && fail "llama: rope_scaling must be left out"
+cfg_has deepseek-v3 q_lora_rank 1536
+cfg_has deepseek-v3 n_group 8
+cfg_has deepseek-v3 topk_group 4
+cfg_has deepseek-v3 first_k_dense_replace 3
+cfg_has deepseek-v3 topk_method '"noaux_tc"'
 
 # ---- small variants of each family -----------------------------------------------------------
 L=2 E=4 D=64 F=32 V=4096

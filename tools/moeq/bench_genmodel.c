@@ -52,7 +52,7 @@
 #define CMD "bench gen-model"
 
 /* ---- the models ---------------------------------------------------------------------------- */
-typedef enum { FAM_LLAMA, FAM_OLMOE, FAM_QWEN2_MOE, FAM_QWEN3_MOE, FAM_MIXTRAL } family;
+typedef enum { FAM_LLAMA, FAM_OLMOE, FAM_QWEN2_MOE, FAM_QWEN3_MOE, FAM_MIXTRAL, FAM_DEEPSEEK_V3 } family;
 
 /* One hub config.json. ffn is the width --ffn replaces: the routed experts' for MoE models, the
  * MLP's for dense ones; inter is intermediate_size where it is a separate field (qwen), shared the
@@ -95,6 +95,15 @@ static const like g_likes[] = {
      .hidden = 2048, .ffn = 8192, .layers = 16, .heads = 32, .kv_heads = 8, .head_dim = 64,
      .vocab = 128256, .max_pos = 131072, .bos = 128000, .eos = 128001, .pad = -1,
      .rope_theta = 500000, .rms_eps = 1e-5, .tie = true, .head_dim_derived = true},
+    /* MLA shapes (q_lora 1536, kv_lora 512, heads of 128 + 64 rope, values 128), 8 groups of
+     * 32 experts, 3 dense layers (fewer with --layers: at least one MoE layer), YaRN x40; its
+     * MTP layer is not generated. ffn: the experts' width, inter the dense layers' */
+    {.name = "deepseek-v3", .hub = "deepseek-ai/DeepSeek-V3", .model_type = "deepseek_v3",
+     .architecture = "DeepseekV3ForCausalLM", .tf_version = "4.33.1", .fam = FAM_DEEPSEEK_V3,
+     .hidden = 7168, .ffn = 2048, .inter = 18432, .shared = 2048, .layers = 61, .heads = 128,
+     .kv_heads = 128, .head_dim = 192, .experts = 256, .top_k = 8, .vocab = 129280,
+     .max_pos = 163840, .bos = 0, .eos = 1, .pad = -1, .rope_theta = 10000, .rms_eps = 1e-6,
+     .norm_topk = true},
 };
 #define N_LIKES (sizeof g_likes / sizeof g_likes[0])
 
@@ -107,11 +116,16 @@ typedef struct {
 
 static bool is_moe(const spec *s) { return s->m->fam != FAM_LLAMA; }
 
+/* deepseek-v3: dense layers first (3, fewer when --layers leaves no MoE layer), expert groups (8
+ * while they divide the experts into groups of at least 2, else 1; half of them eligible). */
+static int64_t deepseek_dense(const spec *s) { return s->layers > 3 ? 3 : s->layers - 1; }
+static int64_t deepseek_groups(const spec *s) { return s->E % 8 == 0 && s->E >= 16 ? 8 : 1; }
+
 /* ---- config.json --------------------------------------------------------------------------- */
 /* Keys are collected and printed sorted, as transformers' to_json_string writes them. */
 typedef struct {
     const char *key;
-    char val[96];
+    char val[192];
 } kv;
 
 typedef struct {
@@ -179,8 +193,10 @@ static char *config_json(const spec *s) {
     put(&c, "vocab_size", "%lld", (long long)s->V);
     if (is_moe(s)) {
         put(&c, "num_experts_per_tok", "%lld", (long long)s->K);
-        put(&c, "output_router_logits", "false");
-        put(&c, "router_aux_loss_coef", "%g", m->aux_loss);
+        if (m->fam != FAM_DEEPSEEK_V3) {
+            put(&c, "output_router_logits", "false");
+            put(&c, "router_aux_loss_coef", "%g", m->aux_loss);
+        }
     }
     int64_t window_layers = m->max_window_layers < s->layers ? m->max_window_layers : s->layers;
     switch (m->fam) {
@@ -225,6 +241,32 @@ static char *config_json(const spec *s) {
             put(&c, "rope_scaling", "null");
         }
         break;
+    case FAM_DEEPSEEK_V3: {   /* the hub's config.json fields */
+        const int64_t G = deepseek_groups(s);
+        put(&c, "attention_bias", "false");
+        put(&c, "first_k_dense_replace", "%lld", (long long)deepseek_dense(s));
+        put(&c, "intermediate_size", "%lld", (long long)s->inter);
+        put(&c, "kv_lora_rank", "512");
+        put(&c, "moe_intermediate_size", "%lld", (long long)s->F);
+        put(&c, "moe_layer_freq", "1");
+        put(&c, "n_group", "%lld", (long long)G);
+        put(&c, "n_routed_experts", "%lld", (long long)s->E);
+        put(&c, "n_shared_experts", "1");
+        put(&c, "norm_topk_prob", "true");
+        put(&c, "num_nextn_predict_layers", "0");
+        put(&c, "q_lora_rank", "1536");
+        put(&c, "qk_nope_head_dim", "128");
+        put(&c, "qk_rope_head_dim", "64");
+        put(&c, "rope_scaling", "{\"beta_fast\": 32, \"beta_slow\": 1, \"factor\": 40, \"mscale\": "
+            "1.0, \"mscale_all_dim\": 1.0, \"original_max_position_embeddings\": 4096, \"type\": "
+            "\"yarn\"}");
+        put(&c, "routed_scaling_factor", "2.5");
+        put(&c, "scoring_func", "\"sigmoid\"");
+        put(&c, "topk_group", "%lld", (long long)(G > 1 ? G / 2 : 1));
+        put(&c, "topk_method", "\"noaux_tc\"");
+        put(&c, "v_head_dim", "128");
+        break;
+    }
     }
     return kvs_json(&c);
 }
@@ -315,6 +357,36 @@ static void plan_free(plan *p) {
     memset(p, 0, sizeof *p);
 }
 
+/* One deepseek_v3 layer after its input norm: latent attention, then the dense MLP or the MoE
+ * block (router and its selection bias, experts, the shared expert). */
+static void plan_deepseek_layer(plan *p, const spec *s, uint64_t seed, const char *pre, bool moe) {
+    const int64_t D = s->D, F = s->F, H = s->heads;
+    add(p, seed, INIT_NORMAL, 1536, D, "%s.self_attn.q_a_proj.weight", pre);
+    add(p, seed, INIT_ONES, 1536, 0, "%s.self_attn.q_a_layernorm.weight", pre);
+    add(p, seed, INIT_NORMAL, H * 192, 1536, "%s.self_attn.q_b_proj.weight", pre);
+    add(p, seed, INIT_NORMAL, 512 + 64, D, "%s.self_attn.kv_a_proj_with_mqa.weight", pre);
+    add(p, seed, INIT_ONES, 512, 0, "%s.self_attn.kv_a_layernorm.weight", pre);
+    add(p, seed, INIT_NORMAL, H * (128 + 128), 512, "%s.self_attn.kv_b_proj.weight", pre);
+    add(p, seed, INIT_NORMAL, D, H * 128, "%s.self_attn.o_proj.weight", pre);
+    add(p, seed, INIT_ONES, D, 0, "%s.post_attention_layernorm.weight", pre);
+    if (!moe) {
+        add(p, seed, INIT_NORMAL, s->inter, D, "%s.mlp.gate_proj.weight", pre);
+        add(p, seed, INIT_NORMAL, s->inter, D, "%s.mlp.up_proj.weight", pre);
+        add(p, seed, INIT_NORMAL, D, s->inter, "%s.mlp.down_proj.weight", pre);
+        return;
+    }
+    add(p, seed, INIT_NORMAL, s->E, D, "%s.mlp.gate.weight", pre);
+    add(p, seed, INIT_NORMAL, s->E, 0, "%s.mlp.gate.e_score_correction_bias", pre);
+    for (int64_t e = 0; e < s->E; e++) {
+        add(p, seed, INIT_NORMAL, F, D, "%s.mlp.experts.%lld.gate_proj.weight", pre, (long long)e);
+        add(p, seed, INIT_NORMAL, F, D, "%s.mlp.experts.%lld.up_proj.weight", pre, (long long)e);
+        add(p, seed, INIT_NORMAL, D, F, "%s.mlp.experts.%lld.down_proj.weight", pre, (long long)e);
+    }
+    add(p, seed, INIT_NORMAL, s->shared, D, "%s.mlp.shared_experts.gate_proj.weight", pre);
+    add(p, seed, INIT_NORMAL, s->shared, D, "%s.mlp.shared_experts.up_proj.weight", pre);
+    add(p, seed, INIT_NORMAL, D, s->shared, "%s.mlp.shared_experts.down_proj.weight", pre);
+}
+
 /* The hub's tensor names and [out, in] shapes, in the fixed order. */
 static void plan_model(plan *p, const spec *s, uint64_t seed) {
     const family fam = s->m->fam;
@@ -325,6 +397,10 @@ static void plan_model(plan *p, const spec *s, uint64_t seed) {
         char pre[64];
         snprintf(pre, sizeof pre, "model.layers.%lld", (long long)l);
         add(p, seed, INIT_ONES, D, 0, "%s.input_layernorm.weight", pre);
+        if (fam == FAM_DEEPSEEK_V3) {
+            plan_deepseek_layer(p, s, seed, pre, l >= deepseek_dense(s));
+            continue;
+        }
         const char *proj[3] = {"q", "k", "v"};
         for (int j = 0; j < 3; j++) {
             int64_t out = j == 0 ? q : kvd;
