@@ -425,6 +425,15 @@ typedef enum {
     MOEQ_EXPERT_FALLBACK_RTN = 1,     /* round to nearest */
 } moeq_expert_fallback;
 
+/* How a routed token's update to its expert's Hessians is weighted (MoEQuant's affinity-guided
+ * GPTQ, arXiv 2505.03804): the expert's output reaches the layer's times the token's gate
+ * score, so its error does too. */
+typedef enum {
+    MOEQ_EXPERT_WEIGHT_NONE = 0,         /* every routed token alike (textbook GPTQ) */
+    MOEQ_EXPERT_WEIGHT_GATE = 1,         /* by its gate score g (MoEQuant) */
+    MOEQ_EXPERT_WEIGHT_GATE_SQUARED = 2, /* by g^2: the squared output error's own weight */
+} moeq_expert_weighting;
+
 /* Where the calibration activations at the layer boundary live during a run. */
 typedef enum {
     MOEQ_ACT_STORAGE_AUTO = 0,     /* memory while the budget allows, else disk */
@@ -512,6 +521,20 @@ typedef struct {
                                       MLP/experts on its quantized output (sequential mode only) */
         int64_t min_expert_tokens; /* --min-expert-tokens (default 32) */
         moeq_expert_fallback expert_fallback;   /* --expert-fallback (default block) */
+        moeq_expert_weighting expert_weighting; /* --expert-weighting (default none); CPU only */
+        int clip_search;           /* --clip-search: INT4 asymmetric (asym): the MSE scale
+                                      search clips the two ends of each group's range apart
+                                      (three rounds of the grid, about 3x the search's cost) */
+        /* --damp-sweep F,F,...: up to 8 percdamp candidates; each Linear input's damping is the
+         * candidate whose GPTQ on the first 7/8 of the samples has the least loss on the last
+         * 1/8 (held out), then GPTQ runs on all of them with it. n_damp_sweep 0: percdamp alone.
+         * CPU only, one process */
+        double damp_sweep[8];
+        int32_t n_damp_sweep;
+        int32_t refine_passes;     /* --refine N: after GPTQ's column loop, N passes of coordinate
+                                      descent over the codes on GPTQ's own layer objective, the
+                                      group scales kept (never raises it); 0 (default): none.
+                                      CPU only */
         const char *report;        /* --report: JSON report path; NULL (default) =
                                       "<out_dir>/gptq_report.json" */
         const char *report_html;   /* --report-html: also this self-contained HTML page (inline

@@ -6,6 +6,7 @@
  */
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "harness.h"
 #include "quant/gptq.h"
@@ -902,9 +903,190 @@ static void test_bad_input(void) {
     free(H);
 }
 
+
+/* ---- beyond textbook GPTQ (issue 15) ---------------------------------------------------------- */
+
+/* The clip search (INT4 asymmetric, in-loop scores) never scores worse than the plain search,
+ * whose candidates are its first round. With one group per row and no damping, a group's score
+ * is the row's whole share of the layer loss, so the layer loss cannot rise either; on these
+ * weights it falls. Without zero points the option is refused. */
+static void test_clip_search(void) {
+    const int64_t N = 96, K = 32;
+    float *W = make_weights(N, K, 21), *H = make_hessian(K, 64, 22, NULL, 0);
+    mq_qspec s = int4_spec(32);
+    s.asym = true;
+    s.mse = true;
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.percdamp = 0;
+    o.mse_weight = MQ_GPTQ_MSE_LOOP;
+    mq_qtensor a, b;
+    mq_gptq_stats sa, sb;
+    float *da = malloc((size_t)(N * K) * sizeof(float)), *db = malloc((size_t)(N * K) * sizeof(float));
+    ASSERT_OK(mq_gptq_quantize(&s, &o, H, W, N, K, 0, "w", &a, da, &sa));
+    o.clip_search = true;
+    ASSERT_OK(mq_gptq_quantize(&s, &o, H, W, N, K, 0, "w", &b, db, &sb));
+    /* row by row: the loss of each row from the direct formula */
+    int64_t better = 0;
+    for (int64_t i = 0; i < N; i++) {
+        double la = direct_loss(H, K, W + i * K, da + i * K, 1);
+        double lb = direct_loss(H, K, W + i * K, db + i * K, 1);
+        if (lb > la * (1 + 1e-5) + 1e-12) FAIL("row %lld: clip search %.9g > plain %.9g", (long long)i, lb, la);
+        better += lb < la * (1 - 1e-4);
+    }
+    if (better < N / 4) FAIL("the clip search improved only %lld of %lld rows", (long long)better, (long long)N);
+    ASSERT_TRUE(sb.loss < sa.loss);
+    ASSERT_NEAR(direct_loss(H, K, W, db, N), sb.loss, 1e-4 * sb.loss);
+    mq_qtensor_free(&a);
+    mq_qtensor_free(&b);
+    s.asym = false;
+    mq_qtensor c;
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gptq_quantize(&s, &o, H, W, N, K, 0, "w", &c, NULL, NULL));
+    free(da);
+    free(db);
+    free(W);
+    free(H);
+}
+
+/* The damping sweep: each candidate's held-out loss is GPTQ on the fitting Hessian with that
+ * damping, scored on the held-out Hessian (computed here with the single-weight entry point and
+ * the direct loss), and the first least one is chosen. */
+static void test_damp_sweep(void) {
+    const int64_t N = 64, K = 64;
+    float *W[2] = {make_weights(N, K, 31), make_weights(N / 2, K, 32)};
+    /* few fitting rows (GPTQ over-fits them), many held-out ones from the same distribution */
+    float *Hf = make_hessian(K, 72, 33, NULL, 0), *Hh = make_hessian(K, 2000, 34, NULL, 0);
+    const int64_t rows[2] = {N, N / 2};
+    const float *w[2] = {W[0], W[1]};
+    const double cand[5] = {0.001, 0.01, 0.1, 1.0, 0.01};
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    double loss[5], want[5];
+    int best = -2;
+    ASSERT_OK(mq_gptq_damp_sweep(&s, &o, Hf, Hh, K, w, rows, NULL, 2, cand, 5, "w", &best, loss));
+    float *deq = malloc((size_t)(N * K) * sizeof(float));
+    int argmin = 0;
+    for (int c = 0; c < 5; c++) {
+        mq_gptq_opts oc = o;
+        oc.percdamp = cand[c];
+        want[c] = 0;
+        for (int k = 0; k < 2; k++) {
+            mq_qtensor q;
+            ASSERT_OK(mq_gptq_quantize(&s, &oc, Hf, W[k], rows[k], K, 0, "w", &q, deq, NULL));
+            want[c] += direct_loss(Hh, K, W[k], deq, rows[k]);
+            mq_qtensor_free(&q);
+        }
+        ASSERT_NEAR(want[c], loss[c], 1e-4 * want[c]);
+        if (want[c] < want[argmin]) argmin = c;
+    }
+    ASSERT_EQ_INT(argmin, best);
+    ASSERT_TRUE(loss[4] == loss[1]);   /* the repeated candidate: the same run, not chosen over it */
+    ASSERT_TRUE(best != 4);
+    /* 72 fitting rows of 64 columns: the least damping over-fits and loses on held-out rows */
+    ASSERT_TRUE(loss[0] > loss[best]);
+    /* held out = fitting: the sweep scores on the rows it fits, where little damping wins over
+     * a damping that turns GPTQ into round to nearest */
+    ASSERT_OK(mq_gptq_damp_sweep(&s, &o, Hh, Hh, K, w, rows, NULL, 2, cand, 4, "w", &best, loss));
+    ASSERT_TRUE(best != 3);
+    ASSERT_TRUE(loss[3] > loss[0]);
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gptq_damp_sweep(&s, &o, Hf, Hh, K, w, rows, NULL, 2, cand, 0, "w", &best, loss));
+    free(deq);
+    free(W[0]);
+    free(W[1]);
+    free(Hf);
+    free(Hh);
+}
+
+/* The refinement: cyclic coordinate descent over the codes, against the obvious version here in
+ * double (each value moved to the grid point of its group nearest to its unconstrained optimum
+ * given the others, columns in processing order), starting from GPTQ's result without it. It
+ * keeps the group parameters, never raises the damped objective, lowers it on these weights,
+ * and does not depend on the thread count. */
+static void refine_case(const mq_qspec *s, bool act_order) {
+    const int64_t N = 40, K = 64;
+    float *W = make_weights(N, K, 61), *H = make_hessian(K, 96, 62, NULL, 0);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.act_order = act_order;
+    mq_qtensor a, b;
+    mq_gptq_stats sa, sb;
+    float *da = malloc((size_t)(N * K) * sizeof(float)), *db = malloc((size_t)(N * K) * sizeof(float));
+    ASSERT_OK(mq_gptq_quantize(s, &o, H, W, N, K, 0, "w", &a, da, &sa));
+    o.refine_passes = 2;
+    ASSERT_OK(mq_gptq_quantize(s, &o, H, W, N, K, 0, "w", &b, db, &sb));
+    for (int64_t i = 0; i < N * a.n_groups; i++) {
+        ASSERT_TRUE(a.params[i].scale == b.params[i].scale);
+        ASSERT_TRUE(a.params[i].zero == b.params[i].zero);
+    }
+    /* the damped objective H' = H + damp I, damp = percdamp mean(diag H) */
+    double mean = 0;
+    for (int64_t k = 0; k < K; k++) mean += H[k * K + k];
+    const float damp = (float)(0.01 * (mean / (double)K));
+    float *Hd = malloc((size_t)(K * K) * sizeof(float));
+    memcpy(Hd, H, (size_t)(K * K) * sizeof(float));
+    for (int64_t k = 0; k < K; k++) Hd[k * K + k] += damp;
+    double oa = direct_loss(Hd, K, W, da, N), ob = direct_loss(Hd, K, W, db, N);
+    if (!(ob < oa * (1 - 1e-3))) FAIL("refined objective %.9g, GPTQ's %.9g", ob, oa);
+    ASSERT_NEAR(direct_loss(H, K, W, db, N), sb.loss, 1e-4 * sb.loss);
+    /* the obvious coordinate descent in double from GPTQ's values */
+    int32_t *order = malloc((size_t)K * sizeof(int32_t));
+    for (int64_t k = 0; k < K; k++) order[k] = (int32_t)k;
+    if (act_order)   /* decreasing diag(H), ties by index (stable insertion sort) */
+        for (int64_t i = 1; i < K; i++)
+            for (int64_t j = i; j > 0 && H[order[j] * K + order[j]] > H[order[j - 1] * K + order[j - 1]]; j--) {
+                int32_t t = order[j];
+                order[j] = order[j - 1];
+                order[j - 1] = t;
+            }
+    double *q = malloc((size_t)(N * K) * sizeof(double));
+    for (int64_t i = 0; i < N * K; i++) q[i] = da[i];
+    for (int64_t r = 0; r < N; r++)
+        for (int pass = 0; pass < 2; pass++)
+            for (int64_t pi = 0; pi < K; pi++) {
+                const int64_t p = order[pi];
+                double g = 0;   /* (D H')_p */
+                for (int64_t k = 0; k < K; k++) g += ((double)W[r * K + k] - q[r * K + k]) * Hd[k * K + p];
+                const float t = (float)(q[r * K + p] + g / Hd[p * K + p]);
+                const mq_gparams *gp = &a.params[r * a.n_groups + p / a.group_size];
+                q[r * K + p] = mq_dequant_value(s, a.global_scale, gp, mq_quant_value(s, a.global_scale, gp, t));
+            }
+    /* values, not codes: E2M1's -0 and +0 are one value */
+    int64_t diff = 0;
+    for (int64_t i = 0; i < N * K; i++) diff += (float)q[i] != db[i];
+    if (diff > N * K / 200)
+        FAIL("%lld of %lld values differ from the reference refinement", (long long)diff, (long long)(N * K));
+    /* the thread count */
+    mq_qtensor c1;
+    mq_gptq_stats s1;
+    int saved = moeq_threads();
+    moeq_set_threads(1);
+    ASSERT_OK(mq_gptq_quantize(s, &o, H, W, N, K, 0, "w", &c1, NULL, &s1));
+    moeq_set_threads(saved);
+    ASSERT_EQ_INT(0, count_diff(c1.codes, b.codes, N * K));
+    ASSERT_TRUE(s1.loss == sb.loss);
+    mq_qtensor_free(&c1);
+    free(q);
+    free(order);
+    free(Hd);
+    mq_qtensor_free(&a);
+    mq_qtensor_free(&b);
+    free(da);
+    free(db);
+    free(W);
+    free(H);
+}
+
+static void test_refine(void) {
+    mq_qspec nv = mq_qspec_default(MQ_QS_NVFP4), i4 = int4_spec(32);
+    nv.mse = i4.mse = true;
+    refine_case(&nv, false);
+    refine_case(&i4, true);
+    i4.asym = true;
+    refine_case(&i4, true);
+}
+
 TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_order),
           T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
           T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs),
           T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
-          T(test_force_ref_same_codes), T(test_progress), T(test_bad_input))
+          T(test_force_ref_same_codes), T(test_progress), T(test_bad_input), T(test_clip_search),
+          T(test_damp_sweep), T(test_refine))

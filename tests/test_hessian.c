@@ -3,6 +3,7 @@
  * calibration sample builder (src/quant/calib.c) against hand-computed slices and the tokenizer.
  */
 #include <stdlib.h>
+#include <string.h>
 #include <zlib.h>
 
 #include "harness.h"
@@ -283,5 +284,111 @@ static void test_calib_jsonl_gz_messages(void) {
     moeq_tokenizer_free(tok);
 }
 
+
+/* Gate-score weighting: rows scaled by sqrt(w) give (2/n) sum w x x^T, the obvious weighted sum
+ * computed here in double. */
+static void test_hessian_weighted_rows(void) {
+    const int64_t K = 24, T = 200;
+    float *x = malloc((size_t)(T * K) * sizeof(float)), *xw = malloc((size_t)(T * K) * sizeof(float));
+    float *w = malloc((size_t)T * sizeof(float));
+    for (int64_t i = 0; i < T * K; i++) x[i] = xw[i] = rnd() * (float)(1 + i % 5);
+    for (int64_t t = 0; t < T; t++) w[t] = (float)(t % 7) / 7.0f + (t % 3 == 0 ? 0.0f : 0.05f);
+    mq_hessian_weight_rows(xw, T, K, w);
+    mq_hessian h;
+    ASSERT_OK(mq_hessian_init(&h, K, "w"));
+    mq_hessian_add(&h, xw, T);
+    float *H = malloc((size_t)(K * K) * sizeof(float));
+    mq_hessian_get(&h, H);
+    for (int64_t i = 0; i < K; i++)
+        for (int64_t j = 0; j < K; j++) {
+            double s = 0, d = 0;
+            for (int64_t t = 0; t < T; t++) {
+                s += (double)w[t] * x[t * K + i] * x[t * K + j];
+                d += (double)w[t] * fabs((double)x[t * K + i] * x[t * K + j]);
+            }
+            ASSERT_NEAR(2.0 * s / (double)T, H[i * K + j], 1e-5 * 2.0 * d / (double)T + 1e-12);
+        }
+    /* a zero weight removes the row: the same as leaving it out of an unweighted sum */
+    for (int64_t t = 0; t < T; t++) w[t] = t % 2 ? 1.0f : 0.0f;
+    memcpy(xw, x, (size_t)(T * K) * sizeof(float));
+    mq_hessian_weight_rows(xw, T, K, w);
+    for (int64_t t = 0; t < T; t += 2)
+        for (int64_t k = 0; k < K; k++) ASSERT_TRUE(xw[t * K + k] == 0.0f);
+    for (int64_t t = 1; t < T; t += 2)
+        for (int64_t k = 0; k < K; k++) ASSERT_TRUE(xw[t * K + k] == x[t * K + k]);
+    mq_hessian_free(&h);
+    free(H);
+    free(w);
+    free(xw);
+    free(x);
+}
+
+/* The held-out split of the damping sweep: the whole Hessian is the unsplit one bit for bit
+ * however the rows come (calls crossing the boundary or ending on it); the held-out part and
+ * the fitting part are the direct sums of their rows. */
+static void test_hessian_split(void) {
+    const int64_t K = 32, T = 260, hold = 190;
+    float *x = malloc((size_t)(T * K) * sizeof(float));
+    for (int64_t i = 0; i < T * K; i++) x[i] = rnd() * (float)(1 + i % 3);
+    mq_hessian a;
+    ASSERT_OK(mq_hessian_init(&a, K, "a"));
+    mq_hessian_add(&a, x, T);
+    float *Ha = malloc((size_t)(K * K) * sizeof(float));
+    mq_hessian_get(&a, Ha);
+    static const int64_t cuts[3][2] = {{37, 0}, {190, 0}, {1, 189}};   /* batch size, first call */
+    float *whole = malloc((size_t)(K * K) * sizeof(float)), *held = malloc((size_t)(K * K) * sizeof(float));
+    float *fit = malloc((size_t)(K * K) * sizeof(float));
+    for (int c = 0; c < 3; c++) {
+        mq_hessian b;
+        ASSERT_OK(mq_hessian_init_split(&b, K, hold, "b"));
+        int64_t t0 = 0;
+        if (cuts[c][1]) {
+            mq_hessian_add(&b, x, cuts[c][1]);
+            t0 = cuts[c][1];
+        }
+        for (; t0 < T; t0 += cuts[c][0])
+            mq_hessian_add(&b, x + t0 * K, T - t0 < cuts[c][0] ? T - t0 : cuts[c][0]);
+        int64_t nf = -1, nh = -1;
+        mq_hessian_get_split(&b, whole, held, &nf, &nh);
+        ASSERT_EQ_INT(hold, nf);
+        ASSERT_EQ_INT(T - hold, nh);
+        ASSERT_TRUE(memcmp(whole, Ha, (size_t)(K * K) * sizeof(float)) == 0);
+        mq_hessian_fit_from_split(whole, held, K, nf, nh, fit);
+        for (int64_t i = 0; i < K; i++)
+            for (int64_t j = 0; j < K; j++) {
+                double sh = 0, sf = 0;
+                for (int64_t t = 0; t < T; t++) {
+                    double v = (double)x[t * K + i] * x[t * K + j];
+                    if (t < hold) sf += v;
+                    else sh += v;
+                }
+                double scale = sqrt((double)Ha[i * K + i] * Ha[j * K + j]);
+                ASSERT_NEAR(2.0 * sh / (double)(T - hold), held[i * K + j], 1e-4 * scale);
+                ASSERT_NEAR(2.0 * sf / (double)hold, fit[i * K + j], 1e-4 * scale);
+                ASSERT_TRUE(held[i * K + j] == held[j * K + i]);
+            }
+        mq_hessian_free(&b);
+    }
+    /* no row reaches the held-out part: it is zero, the fit is the whole */
+    mq_hessian d;
+    ASSERT_OK(mq_hessian_init_split(&d, K, T + 5, "d"));
+    mq_hessian_add(&d, x, T);
+    int64_t nf, nh;
+    mq_hessian_get_split(&d, d.sum, d.fit, &nf, &nh);   /* in place, as the pipeline does */
+    ASSERT_EQ_INT(T, nf);
+    ASSERT_EQ_INT(0, nh);
+    for (int64_t i = 0; i < K * K; i++) {
+        ASSERT_TRUE(d.fit[i] == 0.0f);
+        ASSERT_TRUE(d.sum[i] == Ha[i]);
+    }
+    mq_hessian_free(&d);
+    mq_hessian_free(&a);
+    free(fit);
+    free(held);
+    free(whole);
+    free(Ha);
+    free(x);
+}
+
 TEST_MAIN(T(test_hessian_matches_direct_sum), T(test_calib_chunks_and_random), T(test_calib_files),
-          T(test_calib_jsonl_gz_messages))
+          T(test_calib_jsonl_gz_messages), T(test_hessian_weighted_rows), T(test_hessian_split))

@@ -118,6 +118,10 @@ void mq_mse_sse_ref(const mq_qspec *s, const float *step, const float *zero, int
  * sse (the same operations per value and candidate, 8 candidates per vector). */
 void mq_mse_sse_avx2(const mq_qspec *s, const float *step, const float *zero, int nc,
                      const float *x, int64_t n, int64_t stride, const float *h, double *sse);
+/* INT4 asymmetric params of a group clipped to [lo, hi] (lo <= 0 <= hi): scale (hi - lo) / 15
+ * rounded to the spec's dtype, zero point round(-lo / scale) clamped to [int4_zero_min, 15];
+ * what mq_group_params computes from the group's min and max (times the MSE multiplier). */
+void mq_int4_asym_params(const mq_qspec *s, float lo, float hi, mq_gparams *out);
 /* The quantization step of a group: the value of one unit of the code grid (NVFP4: s/gs or s*g;
  * INT4 and MXFP4: scale). 0 for an all-zero group. */
 float mq_group_step(const mq_qspec *s, float global_scale, const mq_gparams *g);

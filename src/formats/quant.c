@@ -196,6 +196,22 @@ static inline float e4m3_value(uint8_t code) {
     return v;
 }
 
+void mq_int4_asym_params(const mq_qspec *s, float lo, float hi, mq_gparams *out) {
+    out->zero = 0.0f;
+    out->scale_code = 0;
+    float scale = (hi - lo) / 15.0f;
+    if (scale > 0.0f) {
+        scale = mq_round_to_dtype(scale, s->scale_dtype);
+        if (scale == 0.0f) scale = mq_round_to_dtype(0x1p-24f, s->scale_dtype);
+        float z = rintf(-lo / scale);
+        float zmin = (float)s->int4_zero_min;
+        out->zero = z < zmin ? zmin : z > 15.0f ? 15.0f : z;
+    } else {
+        scale = 0.0f;
+    }
+    out->scale = scale;
+}
+
 /* Params from the max-based statistic times multiplier m (m = 1: plain RTN). */
 static void params_scaled(const mq_qspec *s, float global_scale, float amax, float xmin,
                           float xmax, float m, mq_gparams *out) {
@@ -234,16 +250,8 @@ static void params_scaled(const mq_qspec *s, float global_scale, float amax, flo
                 lo = lo * m;
                 hi = hi * m;
             }
-            scale = (hi - lo) / 15.0f;
-            if (scale > 0.0f) {
-                scale = mq_round_to_dtype(scale, s->scale_dtype);
-                if (scale == 0.0f) scale = mq_round_to_dtype(0x1p-24f, s->scale_dtype);
-                float z = rintf(-lo / scale);
-                float zmin = (float)s->int4_zero_min;
-                out->zero = z < zmin ? zmin : z > 15.0f ? 15.0f : z;
-            } else {
-                scale = 0.0f;
-            }
+            mq_int4_asym_params(s, lo, hi, out);
+            return;
         } else {
             scale = amax / s->int4_sym_div;
             if (m != 1.0f) scale = scale * m;

@@ -58,6 +58,24 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
     if (o->gptq.min_expert_tokens < 0)
         return BAD("gptq.min_expert_tokens must be >= 0, got %lld",
                    (long long)o->gptq.min_expert_tokens);
+    if ((unsigned)o->gptq.expert_weighting > MOEQ_EXPERT_WEIGHT_GATE_SQUARED)
+        return BAD("gptq.expert_weighting: unknown value %d", (int)o->gptq.expert_weighting);
+    if (o->gptq.clip_search && (o->scheme != MOEQ_QUANT_INT4 || !o->asym || !o->gptq.mse))
+        return BAD("gptq.clip_search clips the two ends of an asymmetric INT4 range apart: it "
+                   "needs scheme MOEQ_QUANT_INT4 with asym and gptq.mse");
+    if (o->gptq.clip_search && o->group_size < 0)
+        return BAD("gptq.clip_search scores by GPTQ's in-loop search, which per-channel INT4 "
+                   "(group_size -1) does not run");
+    if (o->gptq.refine_passes < 0 || o->gptq.refine_passes > 64)
+        return BAD("gptq.refine_passes must be 0 .. 64, got %d", (int)o->gptq.refine_passes);
+    if (o->gptq.n_damp_sweep < 0 || o->gptq.n_damp_sweep > 8)
+        return BAD("gptq.n_damp_sweep must be 0 .. 8, got %d", (int)o->gptq.n_damp_sweep);
+    for (int32_t i = 0; i < o->gptq.n_damp_sweep; i++)
+        if (!isfinite(o->gptq.damp_sweep[i]) || o->gptq.damp_sweep[i] < 0)
+            return BAD("gptq.damp_sweep[%d] must be finite and >= 0, got %g", (int)i,
+                       o->gptq.damp_sweep[i]);
+    if (o->gptq.n_damp_sweep > 0 && o->gptq.nsamples < 2)
+        return BAD("gptq.damp_sweep holds out the last 1/8 of the samples: it needs gptq.nsamples >= 2");
     if (o->gptq.true_sequential && o->gptq.mode != MOEQ_GPTQ_SEQUENTIAL)
         return BAD("gptq.true_sequential needs gptq.mode MOEQ_GPTQ_SEQUENTIAL");
     bool int4 = o->scheme == MOEQ_QUANT_INT4;
@@ -127,6 +145,13 @@ static moeq_status check_options(const moeq_quant_options *o) {
     if (dev >= 0 && o->method != MOEQ_QUANT_GPTQ)
         return BAD("device %s: only method gptq runs on a GPU (round to nearest is not worth "
                    "the transfer)", o->device);
+    if (dev >= 0 && o->method == MOEQ_QUANT_GPTQ &&
+        (o->gptq.expert_weighting || o->gptq.clip_search || o->gptq.n_damp_sweep ||
+         o->gptq.refine_passes))
+        return BAD("device %s: gptq.expert_weighting, gptq.clip_search, gptq.damp_sweep and "
+                   "gptq.refine_passes run on the CPU only (leave device unset)", o->device);
+    if (o->method == MOEQ_QUANT_GPTQ && o->gptq.n_damp_sweep && mq_dist_size() > 1)
+        return BAD("gptq.damp_sweep runs in one process (not under mpirun with several ranks)");
     if (!(o->mpi_timeout >= 0)) return BAD("mpi_timeout must be >= 0 seconds (0: 3600), got %g", o->mpi_timeout);
     if ((unsigned)o->activations > MOEQ_ACT_STORAGE_BF16)
         return BAD("activations: unknown value %d", (int)o->activations);
@@ -207,6 +232,11 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->true_sequential = po->gptq.true_sequential != 0;
     o->min_expert_tokens = po->gptq.min_expert_tokens;
     o->fallback_rtn = po->gptq.expert_fallback == MOEQ_EXPERT_FALLBACK_RTN;
+    o->expert_weighting = (int)po->gptq.expert_weighting;
+    o->g.clip_search = po->gptq.clip_search != 0;
+    o->g.refine_passes = po->gptq.refine_passes;
+    o->n_damp_sweep = po->gptq.n_damp_sweep;
+    for (int i = 0; i < po->gptq.n_damp_sweep; i++) o->damp_sweep[i] = po->gptq.damp_sweep[i];
     o->calib.path = po->calib;
     o->calib.field = po->calib_field;
     o->calib.nsamples = po->gptq.nsamples;

@@ -176,6 +176,28 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         static const char *const n[] = {"block", "rtn"};
         if ((k = pick(v, n, 2)) < 0) return bad(key, v, "block or rtn");
         o->gptq.expert_fallback = k ? MOEQ_EXPERT_FALLBACK_RTN : MOEQ_EXPERT_FALLBACK_BLOCK;
+    } else if (!strcmp(key, "expert-weighting")) {
+        static const char *const n[] = {"none", "gate", "gate-squared"};
+        if ((k = pick(v, n, 3)) < 0) return bad(key, v, "none, gate or gate-squared");
+        o->gptq.expert_weighting = (moeq_expert_weighting)k;
+    } else if (!strcmp(key, "refine")) {
+        if (!(st = get_int(key, v, 0, 64, &i))) o->gptq.refine_passes = (int32_t)i;
+    } else if (!strcmp(key, "clip-search")) {
+        st = get_bool(key, v, &o->gptq.clip_search);
+    } else if (!strcmp(key, "damp-sweep")) {
+        /* F,F,...: up to 8 candidates; "" or "none": no sweep */
+        int32_t n = 0;
+        const char *q = v;
+        while (*q && strcmp(v, "none")) {
+            char *end;
+            errno = 0;
+            double x = strtod(q, &end);
+            if (end == q || errno || !isfinite(x) || x < 0 || n == 8 || (*end && *end != ','))
+                return bad(key, v, "up to 8 damping fractions >= 0 separated by commas");
+            o->gptq.damp_sweep[n++] = x;
+            q = *end ? end + 1 : end;
+        }
+        o->gptq.n_damp_sweep = n;
     } else if (!strcmp(key, "report")) {
         o->gptq.report = v;
     } else if (!strcmp(key, "report-html")) {

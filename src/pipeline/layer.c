@@ -55,6 +55,10 @@ typedef struct {
                                      receives H at the end) */
     mq_gpu_hessians *gh;          /* the sum on the GPU (runs with a device), else NULL */
     float *H;                     /* the Hessian GPTQ uses (NULL: RTN or the block Hessian) */
+    float *Hh;                    /* damping sweep: the Hessian of the held-out rows, else NULL */
+    int64_t hold;                 /* damping sweep, routed expert: its rows before the held-out
+                                     samples */
+    int64_t n_fit, n_held;        /* damping sweep: rows before / of the held-out samples */
     int64_t tokens;
     float amax;                   /* W4A4: the input's amax over the calibration */
     int owner;                    /* the rank that calibrates and quantizes it */
@@ -89,6 +93,8 @@ static void slot_drop_sums(slot *s) {
     mq_hessian_free(&s->h);
     mq_free(s->H);
     s->H = NULL;
+    mq_free(s->Hh);
+    s->Hh = NULL;
 }
 
 static void slot_free(slot *s) {
@@ -97,13 +103,24 @@ static void slot_free(slot *s) {
     slot_drop_sums(s);
 }
 
+/* The damping sweep's first held-out sample: the last eighth of the samples (at least one) are
+ * held out, the rows GPTQ's damping is chosen on. */
+static int64_t hold_sample(int64_t n) { return n - (n / 8 > 1 ? n / 8 : 1); }
+
 /* Starts the Hessian sum of a slot GPTQ will use: on the run's GPU when it has one (the same
  * bits as the CPU's sum, backend/gpu.h). */
 static moeq_status slot_hessian(mq_pipe *p, slot *s) {
     if (!s->nw || s->how != MQ_HOW_GPTQ || !mine(p, s)) return MOEQ_OK;
     char what[200];
     snprintf(what, sizeof what, "Hessian of %s", s->w[0]->name);
-    moeq_status st = mq_hessian_init(&s->h, s->w[0]->in, what);
+    moeq_status st;
+    if (p->o->n_damp_sweep > 0) {   /* the damping sweep holds out the last samples' rows */
+        int64_t hold = 0;
+        for (int64_t i = 0; i < hold_sample(p->calib.n); i++) hold += p->calib.len[i];
+        st = mq_hessian_init_split(&s->h, s->w[0]->in, s->expert >= 0 ? s->hold : hold, what);
+    } else {
+        st = mq_hessian_init(&s->h, s->w[0]->in, what);
+    }
     if (!st && p->gpu) st = mq_gpu_hessians_new(p->gpu, 1, &s->h.K, &s->gh);
     return st;
 }
@@ -126,6 +143,10 @@ static moeq_status slot_form(slot *s) {
         st = mq_gpu_hessians_get(s->gh, 0, s->h.sum, NULL);
         mq_gpu_hessians_free(s->gh);
         s->gh = NULL;
+    } else if (s->h.fit) {
+        mq_hessian_get_split(&s->h, s->h.sum, s->h.fit, &s->n_fit, &s->n_held);
+        s->Hh = s->h.fit;
+        s->h.fit = NULL;
     } else {
         mq_hessian_get(&s->h, s->h.sum);
     }
@@ -190,6 +211,32 @@ static moeq_status finish_linear(mq_pipe *p, int l, const slot *s, int k, mq_qte
     return st;
 }
 
+/* The damping sweep of a slot (mq_gptq_damp_sweep): the percdamp among the run's candidates
+ * whose GPTQ of the slot's Linears on the fitting rows' Hessian has the least loss on the
+ * held-out rows. No held-out row (an expert routed to only in the fitting samples): percdamp. */
+static moeq_status sweep_slot(mq_pipe *p, const slot *s, const float *gs, double *damp) {
+    const mq_pipeline_opts *o = p->o;
+    const int64_t K = s->w[0]->in;
+    *damp = o->g.percdamp;
+    if (!s->Hh || s->n_held == 0 || s->n_fit == 0) return MOEQ_OK;
+    float *fit = mq_alloc_array((size_t)K * (size_t)K, sizeof(float), "damping sweep");
+    if (!fit) return MOEQ_E_NOMEM;
+    mq_hessian_fit_from_split(s->H, s->Hh, K, s->n_fit, s->n_held, fit);
+    const float *w[3];
+    int64_t rows[3];
+    for (int k = 0; k < s->nw; k++) {
+        w[k] = s->w[k]->w;
+        rows[k] = s->w[k]->out;
+    }
+    int best = 0;
+    double loss[8];
+    moeq_status st = mq_gptq_damp_sweep(&o->spec, &o->g, fit, s->Hh, K, w, rows, gs, s->nw,
+                                        o->damp_sweep, o->n_damp_sweep, s->w[0]->name, &best, loss);
+    if (!st) *damp = o->damp_sweep[best];
+    mq_free(fit);
+    return st;
+}
+
 /* Quantizes every Linear of slots[0..n): GPTQ with the slot's Hessian (block-fallback gate/up
  * slots with block_H, factorised once for all of them), round to nearest for RTN slots. NVFP4
  * global scales are shared by a slot's Linears (vLLM's fused layers) unless no_fuse. */
@@ -229,9 +276,32 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
             names[n] = "the MoE block's Hessian";
         }
     }
+    /* the damping sweep: the swept slots are factorised one by one with their own damping */
+    double *damp = o->n_damp_sweep > 0 ? calloc((size_t)nf, sizeof *damp) : NULL;
+    const float **swept = o->n_damp_sweep > 0 ? calloc((size_t)nf, sizeof *swept) : NULL;
+    if (!st && o->n_damp_sweep > 0 && (!damp || !swept)) st = mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (int i = 0; i < n && !st && damp && o->gptq && !p->gpu; i++) {
+        slot *s = &slots[i];
+        if (!mine(p, s) || s->how != MQ_HOW_GPTQ || !Hs[i] || !s->Hh) continue;
+        st = sweep_slot(p, s, gs + 3 * i, &damp[i]);
+        swept[i] = Hs[i];
+        Hs[i] = NULL;
+    }
     if (!st && o->gptq && !p->gpu) {
         st = mq_gptq_factor_many(Hs, Ks, nf, &o->g, o->g.rtn_loss, names, f);
         factored = !st;
+        for (int i = 0; i < n && !st && swept; i++) {
+            if (!swept[i]) continue;
+            mq_gptq_opts oi = o->g;
+            oi.percdamp = damp[i];
+            st = mq_gptq_factor_init(swept[i], Ks[i], &oi, o->g.rtn_loss, names[i], &f[i]);
+        }
+    }
+    free(damp);
+    free(swept);
+    for (int i = 0; i < n; i++) {   /* the held-out Hessians are no longer needed */
+        mq_free(slots[i].Hh);
+        slots[i].Hh = NULL;
     }
     if (!p->gpu || st)
         for (int i = 0; i < n; i++) {   /* factored: the Hessians are no longer needed */
@@ -840,6 +910,7 @@ typedef struct {
     int64_t *pos;                 /* [nb][C] first row of (sample, expert) */
     int64_t *ebase;               /* [C + 1] first row of each expert */
     int32_t *tok, *tsample;       /* [rows] token and sample of each row */
+    float *rw;                    /* [rows] expert weighting: each row's Hessian weight */
     int32_t *tok_row;             /* [nb][Lmax][K] row of (token, k), -1 outside the chunk */
     float *xg, *hg, *hu, *yg;     /* [rows][D / F / F / D] */
     int64_t *tasks, n_tasks;      /* expert << 32 | block of TASK_ROWS rows */
@@ -890,12 +961,16 @@ static moeq_status batch_hessian_one(ex_batch *b, int64_t ce) {
     const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
     if (n == 0) return MOEQ_OK;
     moeq_status st = MOEQ_OK;
-    if (b->hess && gu->h.sum) st = slot_add(gu, b->xg + r0 * D, n);
-    if (b->hess && dn->h.sum && !st) st = slot_add(dn, b->hg + r0 * F, n);
     if (b->amax) {
         amax_update(&gu->amax, b->xg + r0 * D, n * D);
         amax_update(&dn->amax, b->hg + r0 * F, n * F);
     }
+    if (b->hess && b->p->o->expert_weighting) {   /* the rows are not read again */
+        if (gu->h.sum) mq_hessian_weight_rows(b->xg + r0 * D, n, D, b->rw + r0);
+        if (dn->h.sum) mq_hessian_weight_rows(b->hg + r0 * F, n, F, b->rw + r0);
+    }
+    if (b->hess && gu->h.sum) st = slot_add(gu, b->xg + r0 * D, n);
+    if (b->hess && dn->h.sum && !st) st = slot_add(dn, b->hg + r0 * F, n);
     return st;
 }
 
@@ -939,6 +1014,7 @@ static void batch_free(ex_batch *b) {
     free(b->ebase);
     mq_free(b->tok);
     mq_free(b->tsample);
+    mq_free(b->rw);
     mq_free(b->tok_row);
     mq_free(b->xg);
     mq_free(b->hg);
@@ -958,6 +1034,7 @@ static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_
     b->ebase = calloc((size_t)(C + 1), sizeof *b->ebase);
     b->tok = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
     b->tsample = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
+    b->rw = mq_alloc_array((size_t)rows + 1, sizeof(float), "expert rows");
     b->tok_row = mq_alloc_array((size_t)(nb * Lmax * K), sizeof(int32_t), "expert rows");
     b->xg = mq_alloc_array((size_t)rows + 1, (size_t)D * sizeof(float), "expert inputs");
     b->hg = mq_alloc_array((size_t)rows + 1, (size_t)F * sizeof(float), "expert activations");
@@ -965,7 +1042,7 @@ static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_
     b->yg = mq_alloc_array((size_t)rows + 1, (size_t)D * sizeof(float), "expert outputs");
     b->tasks = mq_alloc_array((size_t)(C + rows / 256 + 1), sizeof(int64_t), "expert tasks");
     if (!b->xin || !b->xin_buf || !b->cnt || !b->pos || !b->ebase || !b->tok || !b->tsample ||
-        !b->tok_row || !b->xg || !b->hg || !b->hu || !b->yg || !b->tasks) {
+        !b->rw || !b->tok_row || !b->xg || !b->hg || !b->hu || !b->yg || !b->tasks) {
         batch_free(b);
         return mq_err(MOEQ_E_NOMEM, "out of memory for the expert batch scratch");
     }
@@ -997,6 +1074,8 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     for (int64_t i = 0; i < b->nb; i++) {
         const int64_t s = b->s0 + i, T = p->calib.len[s];
         const int32_t *sel = b->src.sel + s * Lmax * K;
+        const float *gw = b->src.w + s * Lmax * K;
+        const int ew = p->o->expert_weighting;
         int32_t *tr = b->tok_row + i * Lmax * K;
         int64_t *next = b->pos + i * C;   /* advanced while filling, rebuilt below */
         for (int64_t t = 0; t < T; t++)
@@ -1009,6 +1088,7 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
                 int64_t r = next[e - b->e0]++;
                 b->tok[r] = (int32_t)t;
                 b->tsample[r] = (int32_t)i;
+                b->rw[r] = ew == 2 ? gw[t * K + k] * gw[t * K + k] : gw[t * K + k];
                 tr[t * K + k] = (int32_t)r;
             }
         for (int64_t e = 0; e < C; e++) next[e] -= b->cnt[i * C + e];
@@ -1214,9 +1294,11 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         return mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
     }
     ffn_source hs = hessian_source(p);
+    int64_t *fit = calloc((size_t)E, sizeof *fit);   /* ... before the held-out samples */
     for (int64_t s = 0; s < p->calib.n && !replay; s++) {   /* routed tokens of each expert */
         const int32_t *sel = hs.sel + s * p->calib.max_len * K;
         for (int64_t j = 0; j < p->calib.len[s] * K; j++) tokens[sel[j]]++;
+        if (s + 1 == hold_sample(p->calib.n) && fit) memcpy(fit, tokens, (size_t)E * sizeof *fit);
     }
     /* several ranks: each calibrates and quantizes its share of the experts over every token,
      * then every rank runs every quantized expert on its share of the samples */
@@ -1233,6 +1315,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             if (e >= lo && e < hi) gu[e].owner = dn[e].owner = r;
         }
         gu[e].tokens = dn[e].tokens = tokens[e];
+        gu[e].hold = dn[e].hold = fit ? fit[e] : 0;
         if (o->gptq && tokens[e] < o->min_expert_tokens) {
             mq_how h = o->fallback_rtn ? MQ_HOW_RTN : MQ_HOW_GPTQ_BLOCK_HESSIAN;
             gu[e].how = dn[e].how = h;
@@ -1240,7 +1323,8 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         }
     }
     free(tokens);
-    moeq_status st = MOEQ_OK;
+    moeq_status st = fit ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
+    free(fit);
     float *block_H = NULL;
     if (need_block && !replay) st = block_hessian(p, l, &block_H);
     const int C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
@@ -1270,7 +1354,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             if (!st) st = quantize_slots(p, l, q, 2 * (e1 - e0), block_H);
             for (int e = e0; q && e < e1; e++) {   /* quantize_slots took the Hessians */
                 slot *qa = &q[e - e0], *qb = &q[(e1 - e0) + (e - e0)];
-                gu[e].H = dn[e].H = NULL;
+                gu[e].H = dn[e].H = gu[e].Hh = dn[e].Hh = NULL;
                 mq_hessian_free(&qa->h);
                 mq_hessian_free(&qb->h);
                 gu[e].h = dn[e].h = (mq_hessian){0};

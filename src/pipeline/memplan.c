@@ -76,7 +76,10 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     int64_t att_w = max_part(p, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0);
     /* Hessians of q/k/v (MLA: q_a with kv_a) and o_proj, MLA's q_b and kv_b inputs too */
     int64_t hs = (D * D + Qo * Qo + (c->mla ? qr * qr + lr * lr : 0)) * 4;
-    z.attention = att_w + (o->gptq ? 3 * hs + gptq_scratch(D > Qo ? D : Qo) : 0) +
+    /* Hessian-sized buffers per input: the sum (then H), the factor, U; a damping sweep adds
+     * the held-out rows' Hessian (and one fitting Hessian at a time) */
+    const int64_t nh = 3 + (o->n_damp_sweep > 0) + (o->g.refine_passes > 0);   /* refine: H' kept */
+    z.attention = att_w + (o->gptq ? nh * hs + gptq_scratch(D > Qo ? D : Qo) : 0) +
                   L * (3 * D + Qo + (c->mla ? qr + lr : 0)) * 4 +
                   L * (E > 0 ? E : 1) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)att_w / 4);
     /* the FFN stage keeps the norms and the router */
@@ -85,7 +88,7 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     if (block) ffn_fixed += 3 * D * D * 4;
     if (E > 0 && C > 0) {
         int64_t w1 = 3 * F * D * 4;   /* one expert's fp32 weights */
-        int64_t h1 = o->gptq ? 3 * (D * D + F * F) * 4 : 0;
+        int64_t h1 = o->gptq ? nh * (D * D + F * F) * 4 : 0;
         int64_t rows = mq_plan_batch_rows(p, C);
         z.batch = batch;
         int64_t bscratch = batch * (L * D + L * K) * 4 + rows * (2 * D + 2 * F + 1) * 4;
@@ -97,7 +100,7 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     int64_t Fu = c->shared_ffn > 0 ? c->shared_ffn : (E == 0 ? c->ffn : 0);
     if (Fu > 0) {
         int64_t w = 3 * Fu * D * 4;
-        unit = w + (o->gptq ? 3 * (D * D + Fu * Fu) * 4 + gptq_scratch(D > Fu ? D : Fu) : 0) +
+        unit = w + (o->gptq ? nh * (D * D + Fu * Fu) * 4 + gptq_scratch(D > Fu ? D : Fu) : 0) +
                (L * D * 2 + 2 * L * Fu + L) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * Fu * D));
     }
     z.ffn_other = ffn_fixed + unit;

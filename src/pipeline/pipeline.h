@@ -60,6 +60,10 @@ typedef struct {
     bool true_sequential;          /* sequential: the FFN calibrated on the quantized attention */
     int64_t min_expert_tokens;     /* experts with fewer routed tokens use the fallback */
     bool fallback_rtn;             /* ... round to nearest (else the MoE block's Hessians) */
+    int expert_weighting;          /* routed tokens' Hessian updates times 1 (0), their gate
+                                      score (1) or its square (2) */
+    double damp_sweep[8];          /* percdamp candidates chosen by held-out loss (n 0: none) */
+    int n_damp_sweep;
     mq_calib_opts calib;           /* GPTQ calibration samples (calib.path: the file) */
     const char *act_calib;         /* RTN W4A4: the calibration text */
     int64_t act_calib_tokens;      /* RTN W4A4: its first N tokens, in chunks of 512 */

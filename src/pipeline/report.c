@@ -86,6 +86,13 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
                                                                                     : "dynamic");
         cJSON_AddNumberToObject(set, "min_expert_tokens", (double)o->min_expert_tokens);
         cJSON_AddStringToObject(set, "expert_fallback", o->fallback_rtn ? "rtn" : "block-hessian");
+        cJSON_AddStringToObject(set, "expert_weighting", o->expert_weighting == 1   ? "gate"
+                                                         : o->expert_weighting == 2 ? "gate-squared"
+                                                                                    : "none");
+        cJSON_AddBoolToObject(set, "clip_search", o->g.clip_search);
+        cJSON_AddNumberToObject(set, "refine_passes", o->g.refine_passes);
+        cJSON *ds = cJSON_AddArrayToObject(set, "damp_sweep");
+        for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
     }
     cJSON *cal = cJSON_AddObjectToObject(j, "calibration");
     const char *cfile = o->gptq ? o->calib.path : o->act_calib;

@@ -153,6 +153,11 @@ static cJSON *options_identity(const mq_pipe *p) {
         cJSON_AddBoolToObject(j, "true_sequential", o->true_sequential);
         cJSON_AddNumberToObject(j, "min_expert_tokens", (double)o->min_expert_tokens);
         cJSON_AddBoolToObject(j, "fallback_rtn", o->fallback_rtn);
+        cJSON_AddNumberToObject(j, "expert_weighting", o->expert_weighting);
+        cJSON_AddBoolToObject(j, "clip_search", o->g.clip_search);
+        cJSON_AddNumberToObject(j, "refine_passes", o->g.refine_passes);
+        cJSON *ds = cJSON_AddArrayToObject(j, "damp_sweep");
+        for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
         /* GPU and CPU codes differ where a weight sits on a rounding threshold */
         cJSON_AddStringToObject(j, "gptq_device", o->device >= 0 ? "cuda" : "cpu");
     }

@@ -63,6 +63,7 @@ void mq_gptq_factor_free(mq_gptq_factor *f) {
     mq_free(f->inv_perm);
     mq_free(f->dead);
     mq_free(f->hdiag);
+    mq_free(f->Hp);
     memset(f, 0, sizeof *f);
 }
 
@@ -224,6 +225,18 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
     f->percdamp = percdamp;
     f->damp = (double)(float)(percdamp * mean);
     f->retries = attempt;
+    if (o->refine_passes > 0) {   /* H' in processing order for the refinement */
+        f->Hp = mq_alloc_array(kk, sizeof(float), "GPTQ refinement Hessian");
+        if (!f->Hp) goto nomem;
+        const float damp = (float)f->damp;
+        for (int64_t a = 0; a < K; a++) {
+            const int64_t ca = f->perm ? f->perm[a] : a;
+            for (int64_t b = 0; b < K; b++) {
+                const int64_t cb = f->perm ? f->perm[b] : b;
+                f->Hp[a * K + b] = a == b ? diag[ca] + damp : H[ca * K + cb];
+            }
+        }
+    }
     f->hdiag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
     if (!f->hdiag) goto nomem;
     for (int64_t p = 0; p < K; p++) f->hdiag[p] = diag[f->perm ? f->perm[p] : p];
@@ -396,6 +409,9 @@ typedef struct {
     int *nc;            /* [ROW_BLOCK] number of candidates of each row */
     float *kstep, *kzero; /* [ROW_BLOCK] the candidate being scored, per row */
     double *score, *best; /* [ROW_BLOCK] */
+    float *gt;            /* [K][ROW_BLOCK] refinement: the gradient (W0' - Q) H', transposed */
+    float *xlo, *xhi;     /* [ROW_BLOCK] clip search: each row's range and its best multipliers */
+    float *blo, *bhi;
 } scratch;
 
 /* mq_gptq_loop_scores_ref or its AVX2 twin */
@@ -445,6 +461,7 @@ typedef struct {
     mq_gptq_mse_weight mse_weight;
     int64_t ncand;            /* room for candidates per row (sc->cand) */
     loop_scores_fn loop_scores;
+    bool clip;                /* the clip search (INT4 asymmetric, in-loop scores) */
     int64_t b0, b1, s0, s1;   /* current block and sub-block */
 } loop_state;
 
@@ -517,6 +534,66 @@ static void set_params_loop(const loop_state *L, int64_t g, const float *x) {
     }
 }
 
+/* Multiplier i of the MSE grid, as formats' search computes it. */
+static inline float grid_mult(const mq_qspec *s, int32_t i) {
+    return s->mse_steps == 1 ? s->mse_lo
+                             : s->mse_lo + (s->mse_hi - s->mse_lo) * (float)i /
+                                               (float)(s->mse_steps - 1);
+}
+
+/* The clip search (opts.clip_search: INT4 asymmetric with the in-loop scores): the two ends of
+ * each group's range [min(x, 0), max(x, 0)] are clipped by multipliers of their own. Three
+ * rounds over the grid m_0 .. m_(n-1), each candidate scored as set_params_loop scores: both
+ * ends times m (the plain search's candidates, so the same choice), then the low end times m
+ * with the high end's best multiplier, then the high end times m with the low end's best. Each
+ * round contains the best so far and the first least score wins, so the result never scores
+ * worse than the plain search's. */
+static void set_params_clip(const loop_state *L, int64_t g, const float *x) {
+    scratch *sc = L->sc;
+    const mq_qspec *s = L->s;
+    const int64_t G = L->G, nr = L->nr;
+    mq_gparams *gp = &sc->gp[g * nr];
+    for (int64_t i = 0; i < nr; i++) {
+        float xmin = 0.0f, xmax = 0.0f;
+        for (int64_t t = 0; t < G; t++) {
+            float v = x[t * nr + i];
+            xmin = v < xmin ? v : xmin;
+            xmax = v > xmax ? v : xmax;
+        }
+        sc->xlo[i] = xmin;
+        sc->xhi[i] = xmax;
+        sc->blo[i] = sc->bhi[i] = 1.0f;
+        sc->best[i] = INFINITY;
+        mq_int4_asym_params(s, xmin, xmax, &gp[i]);   /* plain; an all-zero group keeps it */
+    }
+    for (int64_t a = 0; a < G; a++)
+        memcpy(sc->wl + a * nr, x + sc->ord[a] * nr, (size_t)nr * sizeof(float));
+    mq_gparams *cand = sc->cand;   /* one per row */
+    for (int round = 0; round < 3; round++)
+        for (int32_t k = 0; k < s->mse_steps; k++) {
+            const float m = grid_mult(s, k);
+            for (int64_t i = 0; i < nr; i++) {
+                const float a = round == 2 ? sc->blo[i] : m, b = round == 1 ? sc->bhi[i] : m;
+                mq_int4_asym_params(s, sc->xlo[i] * a, sc->xhi[i] * b, &cand[i]);
+                sc->kstep[i] = cand[i].scale;
+                sc->kzero[i] = cand[i].zero;
+            }
+            L->loop_scores(s, sc->ucol, G, sc->wl, nr, nr, sc->kstep, sc->kzero, sc->lwork,
+                           sc->lcode, sc->score);
+            for (int64_t i = 0; i < nr; i++)
+                if (sc->xhi[i] > sc->xlo[i] && sc->score[i] < sc->best[i]) {
+                    sc->best[i] = sc->score[i];
+                    gp[i] = cand[i];
+                    if (round != 2) sc->blo[i] = m;
+                    if (round != 1) sc->bhi[i] = m;
+                }
+        }
+    for (int64_t i = 0; i < nr; i++) {
+        sc->step[g * nr + i] = mq_group_step(s, L->gs, &gp[i]);
+        sc->zero[g * nr + i] = gp[i].zero;
+    }
+}
+
 void mq_gptq_loop_scores_ref(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
                              int64_t ld, int64_t n, const float *step, const float *zero,
                              float *work, uint8_t *code, double *score) {
@@ -572,7 +649,8 @@ static void group_params_dynamic(const loop_state *L, int64_t g, int64_t p) {
     }
     if (L->s->mse && L->mse_weight == MQ_GPTQ_MSE_LOOP) {
         prepare_loop_search(L, pos);
-        set_params_loop(L, g, sc->tmp);
+        if (L->clip) set_params_clip(L, g, sc->tmp);
+        else set_params_loop(L, g, sc->tmp);
     } else {
         const float *hw = group_weights(L, pos);
         for (int64_t i = 0; i < nr; i++) set_params(L, g, i, sc->tmp + i, nr, hw);
@@ -591,7 +669,8 @@ static void group_params_static(const loop_state *L, const float *w, int64_t r0)
             for (int64_t t = 0; t < G; t++)
                 for (int64_t i = 0; i < L->nr; i++)
                     sc->tmp[t * L->nr + i] = L->f->dead[g * G + t] ? 0.0f : w[(r0 + i) * K + g * G + t];
-            set_params_loop(L, g, sc->tmp);
+            if (L->clip) set_params_clip(L, g, sc->tmp);
+            else set_params_loop(L, g, sc->tmp);
             continue;
         }
         const float *hw = group_weights(L, sc->pos);
@@ -696,6 +775,71 @@ double mq_gptq_column_errors_ref(const float *restrict x, const float *restrict 
     return se;
 }
 
+/* The refinement (opts.refine_passes): cyclic coordinate descent on GPTQ's own objective
+ * tr((W0' - Q) H' (W0' - Q)^T) over the codes, the group parameters fixed (QuantEase, arXiv
+ * 2309.01885, on top of GPTQ). With D = W0' - Q and G = D H', the objective as a function of one
+ * value q_p of a row is h (q_p - t)^2 + const, t = q_p + G_p / h, h = H'_pp; the nearest value
+ * of the group's grid to t (its quantize-dequantize) is the best, so no step raises the
+ * objective. A changed value updates the row's G by -(q' - q) H'_p (a rank-1 update over the
+ * block). Passes go over the columns in processing order; the row block's share of the loss is
+ * then recomputed from scratch (one GEMM), so the stats are exact. Dead columns stay zero. */
+static void refine_rows(const loop_state *L, const run_ctx *c, const float *w, int64_t r0,
+                        task_out *out) {
+    scratch *sc = L->sc;
+    const mq_gptq_factor *f = L->f;
+    const int64_t K = L->K, nr = L->nr, G = L->G;
+    load_rows(L, w, r0);   /* wt = W0'; w0t too, so Q is restored from the codes */
+    float *q = sc->w0t;
+    for (int64_t p = 0; p < K; p++) {
+        const int64_t g = L->gidx ? p / G : col_of(f, p) / G;
+        float *qp = q + p * nr;
+        const uint8_t *cp = sc->ct + p * nr;
+        for (int64_t i = 0; i < nr; i++)
+            qp[i] = f->dead[col_of(f, p)] ? 0.0f
+                                          : mq_dequant_value(L->s, L->gs, &sc->gp[g * nr + i], cp[i]);
+    }
+    /* D into wt (wt = W0' - Q), then Gt = H' Dt */
+    for (int64_t i = 0; i < K * nr; i++) sc->wt[i] -= q[i];
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)nr, (int)K, 1.0f, f->Hp,
+                (int)K, sc->wt, (int)nr, 0.0f, sc->gt, (int)nr);
+    float *t = sc->dq, *qn = sc->et;   /* [nr] each (the loop's buffers, free now) */
+    for (int pass = 0; pass < c->o->refine_passes; pass++)
+        for (int64_t p = 0; p < K; p++) {
+            if (f->dead[col_of(f, p)]) continue;
+            const int64_t g = L->gidx ? p / G : col_of(f, p) / G;
+            const float h = f->Hp[p * K + p];
+            float *qp = q + p * nr, *dp = sc->wt + p * nr, *gp = sc->gt + p * nr;
+            uint8_t *cp = sc->ct + p * nr;
+            for (int64_t i = 0; i < nr; i++) t[i] = qp[i] + gp[i] / h;
+            uint8_t code[ROW_BLOCK];
+            c->qdq(L->s, sc->step + g * nr, sc->zero + g * nr, t, nr, code, qn);
+            bool any = false;
+            for (int64_t i = 0; i < nr; i++) {
+                const float delta = qn[i] - qp[i];
+                t[i] = delta;   /* t now holds the change */
+                if (delta != 0.0f) {
+                    any = true;
+                    qp[i] = qn[i];
+                    cp[i] = code[i];
+                    dp[i] -= delta;
+                }
+            }
+            if (any)   /* G -= delta H'_p: row k of Gt gets -H'_pk delta */
+                cblas_sger(CblasRowMajor, (int)K, (int)nr, -1.0f, f->Hp + p * K, 1, t, 1, sc->gt,
+                           (int)nr);
+        }
+    /* the objective from scratch: ||D R||^2 = tr(D H' D^T) with the exact D */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)nr, (int)K, 1.0f, f->Hp,
+                (int)K, sc->wt, (int)nr, 0.0f, sc->gt, (int)nr);
+    double e2 = 0, dsq = 0;
+    for (int64_t i = 0; i < K * nr; i++) {
+        e2 += (double)sc->wt[i] * sc->gt[i];
+        dsq += (double)sc->wt[i] * sc->wt[i];
+    }
+    out->e2 = e2;
+    out->dsq = dsq;
+}
+
 static void run_task(void *vctx, int64_t task, int thread) {
     run_ctx *c = vctx;
     if (moeq_interrupted()) return;
@@ -711,7 +855,9 @@ static void run_task(void *vctx, int64_t task, int thread) {
     const float *U = f->U;
     loop_state L = {c->s, f, sc, K, nr, G, qt->global_scale,
                     c->o->act_order && c->o->groups == MQ_GPTQ_GROUPS_GIDX, c->o->mse_weight,
-                    c->s->mse_steps > 1 ? c->s->mse_steps : 1, c->loop_scores, 0, 0, 0, 0};
+                    c->s->mse_steps > 1 ? c->s->mse_steps : 1, c->loop_scores,
+                    c->o->clip_search && c->s->mse && c->o->mse_weight == MQ_GPTQ_MSE_LOOP,
+                    0, 0, 0, 0};
     task_out *out = &c->outs[task];
 
     load_rows(&L, j->w, r0);
@@ -746,6 +892,7 @@ static void run_task(void *vctx, int64_t task, int thread) {
     }
     out->e2 = e2;
     out->dsq = dsq;
+    if (c->o->refine_passes > 0) refine_rows(&L, c, j->w, r0, out);
     store_rows(&L, j, r0);
     if (c->o->rtn_loss) rtn_loss_rows(&L, j->w, r0, out);
     out->seconds = mq_now() - t0;
@@ -783,13 +930,18 @@ static void scratch_free(scratch *s, int n) {
         mq_free(s[i].kzero);
         mq_free(s[i].score);
         mq_free(s[i].best);
+        mq_free(s[i].gt);
+        mq_free(s[i].xlo);
+        mq_free(s[i].xhi);
+        mq_free(s[i].blo);
+        mq_free(s[i].bhi);
     }
     free(s);
 }
 
 /* loop: the in-loop scale search's buffers too (ncand candidates per row). */
 static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, bool rtn,
-                            bool loop, int64_t ncand) {
+                            bool loop, int64_t ncand, bool refine) {
     scratch *s = calloc((size_t)n, sizeof *s);
     if (!s) {
         mq_err(MOEQ_E_NOMEM, "GPTQ scratch");
@@ -808,6 +960,7 @@ static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, 
         s[i].ready = mq_alloc((size_t)ng, "GPTQ group flags");
         s[i].w0t = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ original weights");
         if (rtn) s[i].d = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ RTN residual");
+        if (refine) s[i].gt = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ refinement");
         s[i].hw = mq_alloc_array((size_t)G, sizeof(float), "GPTQ column weights");
         s[i].pos = mq_alloc_array((size_t)G, sizeof(int64_t), "GPTQ group columns");
         if (loop) {
@@ -822,12 +975,17 @@ static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, 
             s[i].kzero = mq_alloc_array(rb, sizeof(float), "GPTQ candidate zeros");
             s[i].score = mq_alloc_array(rb, sizeof(double), "GPTQ candidate scores");
             s[i].best = mq_alloc_array(rb, sizeof(double), "GPTQ best scores");
+            s[i].xlo = mq_alloc_array(rb, sizeof(float), "GPTQ clip search");
+            s[i].xhi = mq_alloc_array(rb, sizeof(float), "GPTQ clip search");
+            s[i].blo = mq_alloc_array(rb, sizeof(float), "GPTQ clip search");
+            s[i].bhi = mq_alloc_array(rb, sizeof(float), "GPTQ clip search");
         }
         bool loop_ok = !loop || (s[i].ucol && s[i].ord && s[i].wl && s[i].lwork && s[i].lcode &&
                                  s[i].cand && s[i].nc && s[i].kstep && s[i].kzero && s[i].score &&
-                                 s[i].best);
+                                 s[i].best && s[i].xlo && s[i].xhi && s[i].blo && s[i].bhi);
         if (!s[i].wt || !s[i].et || !s[i].tmp || !s[i].dq || !s[i].ct || !s[i].gp ||
             !s[i].step || !s[i].zero || !s[i].ready || !s[i].w0t || (rtn && !s[i].d) ||
+            (refine && !s[i].gt) ||
             !s[i].hw || !s[i].pos || !loop_ok) {
             scratch_free(s, n);
             return NULL;
@@ -858,6 +1016,15 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         if ((st = mq_check_finite(j->w, j->rows, K, name))) goto fail;
         if (o->rtn_loss && !j->f->R) {
             st = mq_err(MOEQ_E_ARG, "%s: the RTN loss needs a factor made with want_R", name);
+            goto fail;
+        }
+        if (o->refine_passes > 0 && !j->f->Hp) {
+            st = mq_err(MOEQ_E_ARG, "%s: the refinement needs a factor made with refine_passes", name);
+            goto fail;
+        }
+        if (o->clip_search && (s->scheme != MQ_QS_INT4 || !s->asym)) {
+            st = mq_err(MOEQ_E_ARG, "%s: the clip search clips the two ends of an asymmetric "
+                        "INT4 range apart (it needs INT4 with zero points)", name);
             goto fail;
         }
         if (gidx && s->scheme != MQ_QS_INT4) {
@@ -891,7 +1058,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     int nthreads = mq_pool_size();
     const bool loop = s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP;
     scratch *scr = scratch_new(nthreads, maxK, maxB, maxG, maxNg, o->rtn_loss, loop,
-                               s->mse_steps > 1 ? s->mse_steps : 1);
+                               s->mse_steps > 1 ? s->mse_steps : 1, o->refine_passes > 0);
     if (!tasks || !outs || !scr) {
         mq_free(tasks);
         mq_free(outs);
@@ -978,4 +1145,48 @@ double mq_gptq_loss(const float *H, int64_t K, const float *w, const float *q, i
     mq_free(d);
     mq_free(dh);
     return loss;
+}
+
+moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const float *H_fit,
+                               const float *H_held, int64_t K, const float *const *w,
+                               const int64_t *rows, const float *gs, int nw, const double *cand,
+                               int nc, const char *name, int *best, double *loss) {
+    *best = -1;
+    if (nc < 1 || nw < 1) return mq_err(MOEQ_E_ARG, "%s: damping sweep without candidates", name);
+    int64_t maxr = 0;
+    for (int k = 0; k < nw; k++) maxr = rows[k] > maxr ? rows[k] : maxr;
+    float *deq = mq_alloc_array((size_t)maxr * (size_t)K, sizeof(float), "damping sweep");
+    if (!deq) return MOEQ_E_NOMEM;
+    mq_gptq_opts oc = *o;
+    oc.rtn_loss = false;
+    oc.progress_label = NULL;
+    moeq_status st = MOEQ_OK;
+    double least = INFINITY;
+    for (int c = 0; c < nc && !st; c++) {
+        oc.percdamp = cand[c];
+        mq_gptq_factor f;
+        loss[c] = INFINITY;
+        /* a candidate whose Cholesky fails even raised is out of the race, not an error */
+        if (mq_gptq_factor_init(H_fit, K, &oc, false, name, &f)) continue;
+        double sum = 0;
+        for (int k = 0; k < nw && !st; k++) {
+            mq_qtensor q;
+            mq_gptq_job j = {&f, w[k], rows[k], gs ? gs[k] : 0.0f, name, &q, deq, {0, 0, 0, 0, 0}};
+            st = mq_gptq_run(s, &oc, &j, 1);
+            mq_qtensor_free(&q);
+            if (!st) sum += mq_gptq_loss(H_held, K, w[k], deq, rows[k]);
+        }
+        mq_gptq_factor_free(&f);
+        if (st) break;
+        loss[c] = sum;
+        if (sum < least) {   /* the first least wins */
+            least = sum;
+            *best = c;
+        }
+    }
+    mq_free(deq);
+    if (!st && *best < 0)
+        st = mq_err(MOEQ_E_NUMERIC, "%s: damping sweep: no candidate damping factorises the "
+                    "Hessian of the fitting rows", name);
+    return st;
 }

@@ -50,6 +50,12 @@ typedef struct {
     bool act_order;          /* process columns in order of decreasing diag(H) */
     mq_gptq_groups groups;
     bool rtn_loss;           /* also compute the RTN loss (N*K^2 more flops) */
+    int32_t refine_passes;   /* after the column loop, passes of coordinate descent over the
+                                codes on GPTQ's objective, the group parameters fixed (never
+                                raises it; refine_rows in gptq.c). 0: none */
+    bool clip_search;        /* INT4 asymmetric with MQ_GPTQ_MSE_LOOP: the two ends of each
+                                group's range clipped apart (set_params_clip in gptq.c; three
+                                rounds of the grid, never worse than the plain search's score) */
     /* Progress of mq_gptq_run (label NULL: none): mq_progress(label, base + span * done tasks /
      * all tasks, total), from the calling thread. */
     const char *progress_label;
@@ -69,6 +75,7 @@ typedef struct {
     int32_t *inv_perm;       /* [K] original column -> processing position; NULL = identity */
     uint8_t *dead;           /* [K] 1 where diag(H) == 0 (input never non-zero), original order */
     float *hdiag;            /* [K] diag(H) in processing order (dead columns 1, undamped) */
+    float *Hp;               /* [K, K] H' in processing order (opts.refine_passes), else NULL */
     int64_t n_dead;
     double percdamp;         /* damping fraction finally used (after retries) */
     double damp;             /* absolute damping added to the diagonal */
@@ -153,6 +160,17 @@ void mq_gptq_loop_scores_ref(const mq_qspec *s, const float *ucol, int64_t G, co
 void mq_gptq_loop_scores_avx2(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
                               int64_t ld, int64_t n, const float *step, const float *zero,
                               float *work, uint8_t *code, double *score);
+
+/* The damping sweep: for each candidate percdamp cand[c], GPTQ of the weights w[k] [rows[k], K]
+ * (NVFP4 global scales gs[k], NULL: each weight's own) on H_fit, the Hessian of the fitting
+ * rows, scored by the held-out loss loss[c] = sum_k tr((W_k - Q_k) H_held (W_k - Q_k)^T), H_held
+ * the Hessian of rows GPTQ did not see. *best = the first candidate with the least loss. A
+ * candidate whose factorisation fails even with the damping raised scores +inf; none left:
+ * MOEQ_E_NUMERIC. Costs nc GPTQ runs and nc held-out losses (2 rows K^2 flops each). */
+moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const float *H_fit,
+                               const float *H_held, int64_t K, const float *const *w,
+                               const int64_t *rows, const float *gs, int nw, const double *cand,
+                               int nc, const char *name, int *best, double *loss);
 
 /* tr((W-Q) H (W-Q)^T) computed directly (2*rows*K^2 flops, double accumulation). */
 double mq_gptq_loss(const float *H, int64_t K, const float *w, const float *q, int64_t rows);

@@ -6,6 +6,7 @@
  */
 #include "quant/hessian.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "kernels/gemm_det.h"
@@ -21,16 +22,77 @@ moeq_status mq_hessian_init(mq_hessian *h, int64_t K, const char *what) {
     return MOEQ_OK;
 }
 
+moeq_status mq_hessian_init_split(mq_hessian *h, int64_t K, int64_t hold, const char *what) {
+    moeq_status st = mq_hessian_init(h, K, what);
+    if (st) return st;
+    h->fit = mq_alloc_array((size_t)K * (size_t)K, sizeof(float), what);
+    if (!h->fit) {
+        mq_hessian_free(h);
+        return MOEQ_E_NOMEM;
+    }
+    h->hold = hold;
+    return MOEQ_OK;
+}
+
 void mq_hessian_free(mq_hessian *h) {
     if (!h) return;
+    mq_free(h->fit);
     mq_free(h->sum);
     memset(h, 0, sizeof *h);
 }
 
+/* The copy of the sum at the held-out boundary. */
+static void take_fit(mq_hessian *h) {
+    memcpy(h->fit, h->sum, (size_t)h->K * (size_t)h->K * sizeof(float));
+    h->fit_taken = true;
+}
+
 void mq_hessian_add(mq_hessian *h, const float *x, int64_t rows) {
     if (rows <= 0) return;
+    if (h->fit && !h->fit_taken && h->n + rows > h->hold) {
+        /* the rows before the boundary, the copy, then the rest: the same fmaf chains as one
+         * call (the sum does not depend on how the rows are cut) */
+        const int64_t a = h->hold - h->n;
+        if (a > 0) mq_syrk_det_acc_pool(h->K, a, x, h->K, h->sum, h->K);
+        take_fit(h);
+        if (rows > a) mq_syrk_det_acc_pool(h->K, rows - a, x + a * h->K, h->K, h->sum, h->K);
+        h->n += rows;
+        return;
+    }
     mq_syrk_det_acc_pool(h->K, rows, x, h->K, h->sum, h->K);
     h->n += rows;
+}
+
+void mq_hessian_get_split(mq_hessian *h, float *whole, float *held, int64_t *n_fit,
+                          int64_t *n_held) {
+    const int64_t K = h->K;
+    if (!h->fit_taken) take_fit(h);   /* every row was before the boundary */
+    const int64_t nf = h->n < h->hold ? h->n : h->hold, nh = h->n - nf;
+    const float sh = nh > 0 ? 2.0f / (float)nh : 0.0f;
+    /* the lower triangles are read before either output's element (a, b) or (b, a) is written:
+     * in place on sum and fit works */
+    for (int64_t a = 0; a < K; a++)
+        for (int64_t b = 0; b <= a; b++) {
+            float v = sh * (h->sum[a * K + b] - h->fit[a * K + b]);
+            held[a * K + b] = held[b * K + a] = v;
+        }
+    mq_hessian_get(h, whole);
+    *n_fit = nf;
+    *n_held = nh;
+}
+
+void mq_hessian_fit_from_split(const float *whole, const float *held, int64_t K, int64_t n_fit,
+                               int64_t n_held, float *fit) {
+    const double n = (double)(n_fit + n_held);
+    for (int64_t i = 0; i < K * K; i++)
+        fit[i] = n_fit > 0 ? (float)((n * whole[i] - (double)n_held * held[i]) / (double)n_fit) : 0.0f;
+}
+
+void mq_hessian_weight_rows(float *x, int64_t rows, int64_t K, const float *w) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float f = sqrtf(w[r]);
+        for (int64_t k = 0; k < K; k++) x[r * K + k] *= f;
+    }
 }
 
 void mq_hessian_merge(mq_hessian *dst, const mq_hessian *src) {

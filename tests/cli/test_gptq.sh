@@ -73,6 +73,60 @@ grep -q "scale search 1.5:0.9" "$tmp/err" || fail "--scale-search 1.5:0.9: messa
 "$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" --scale-search wide >/dev/null 2>&1
 [ $? -eq 2 ] || fail "--scale-search wide: expected exit 2"
 
+# issue 15's options: --expert-weighting, --damp-sweep, --refine, --clip-search reach the report
+# and change the checkpoint; with all of them the result does not depend on the thread count
+# or the expert chunk; each module's GPTQ loss stays <= its RTN loss
+q15() {   # out, extra flags...
+    local o=$1; shift
+    "$cli" quantize "$model" --out "$tmp/$o" --method gptq --calib "$calib" --nsamples 16 --seqlen 32 \
+        --report "$tmp/$o.json" --quiet "$@" || fail "$o: exited $?"
+}
+q15 b0 --scheme nvfp4a16
+q15 b1 --scheme nvfp4a16 --expert-weighting gate --damp-sweep 0.003,0.01,0.1 --refine 2
+q15 b2 --scheme nvfp4a16 --expert-weighting gate --damp-sweep 0.003,0.01,0.1 --refine 2 --threads 1 --expert-chunk 1
+q15 b3 --scheme nvfp4a16 --expert-weighting gate-squared
+q15 b4 --scheme nvfp4a16 --damp-sweep 0.01
+q15 i0 --scheme int4 --asym
+q15 i1 --scheme int4 --asym --clip-search
+cmp -s "$tmp/b1/model.safetensors" "$tmp/b2/model.safetensors" || fail "issue 15 options: --threads 1 --expert-chunk 1 changed the checkpoint"
+# a sweep over the default damping alone: the Hessian of every row is the same bits, so the
+# same checkpoint as no sweep
+cmp -s "$tmp/b4/model.safetensors" "$tmp/b0/model.safetensors" || fail "--damp-sweep 0.01: not the default checkpoint"
+for x in b1 b3 i1; do
+    y=b0; [ $x = i1 ] && y=i0
+    cmp -s "$tmp/$x/model.safetensors" "$tmp/$y/model.safetensors" && fail "$x: the same checkpoint as $y"
+done
+python3 - "$tmp" <<'PY' || fail "issue 15 options: report"
+import json, sys
+t = sys.argv[1]
+r = {k: json.load(open(f"{t}/{k}.json")) for k in ("b0", "b1", "b3", "i0", "i1")}
+s = r["b1"]["settings"]
+assert s["expert_weighting"] == "gate" and s["damp_sweep"] == [0.003, 0.01, 0.1] and s["refine_passes"] == 2, s
+assert r["b3"]["settings"]["expert_weighting"] == "gate-squared"
+assert r["b0"]["settings"]["damp_sweep"] == [] and r["b0"]["settings"]["refine_passes"] == 0
+assert r["i1"]["settings"]["clip_search"] is True and r["i0"]["settings"]["clip_search"] is False
+# every swept module's damping is a candidate (on 14 samples of 32 tokens, often the largest)
+d = {m["percdamp"] for m in r["b1"]["modules"] if m["method"] == "gptq"}
+assert d <= {0.003, 0.01, 0.1} and 0.1 in d, d
+for k, v in r.items():
+    assert v["summary"]["modules_worse_than_rtn"] == 0, k
+    for m in v["modules"]:
+        if m["method"] != "rtn":
+            assert m["loss"] <= m["rtn_loss"], (k, m)
+PY
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --clip-search \
+    --nsamples 2 --seqlen 16 2>"$tmp/err"
+[ $? -eq 1 ] || fail "--clip-search without --asym: expected exit 1"
+grep -q 'clip_search' "$tmp/err" || fail "--clip-search without --asym: message"
+"$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" --damp-sweep 0.01,x >/dev/null 2>&1
+[ $? -eq 2 ] || fail "--damp-sweep 0.01,x: expected exit 2"
+"$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" --expert-weighting top >/dev/null 2>&1
+[ $? -eq 2 ] || fail "--expert-weighting top: expected exit 2"
+"$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" \
+    --nsamples 2 --seqlen 16 --refine 1 --device cuda 2>"$tmp/err"
+[ $? -eq 1 ] || fail "--refine with --device cuda: expected exit 1"
+grep -q 'CPU only' "$tmp/err" || fail "--refine with --device cuda: message"
+
 # errors: usage (exit 2) and bad settings (exit 1, nothing left behind)
 "$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq >/dev/null 2>&1
 [ $? -eq 2 ] || fail "gptq without --calib: expected exit 2"

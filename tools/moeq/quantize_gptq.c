@@ -19,6 +19,7 @@ void gptq_cli_defaults(gptq_cli *g) {
     g->mode = "sequential";
     g->fallback = "block";
     g->mse_weight = "auto";
+    g->expert_weighting = "none";
 }
 
 static int fail(const char *msg) {
@@ -56,6 +57,15 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
                                                               : MOEQ_EXPERT_FALLBACK_BLOCK;
     o->gptq.report = g->report;
     o->gptq.report_html = g->report_html;
+    o->gptq.expert_weighting = strcmp(g->expert_weighting, "gate") == 0 ? MOEQ_EXPERT_WEIGHT_GATE
+                               : strcmp(g->expert_weighting, "gate-squared") == 0
+                                   ? MOEQ_EXPERT_WEIGHT_GATE_SQUARED
+                                   : MOEQ_EXPERT_WEIGHT_NONE;
+    o->gptq.clip_search = g->clip_search;
+    o->gptq.refine_passes = (int32_t)g->refine;
+    if (g->damp_sweep && moeq_quant_options_set(o, "damp-sweep", g->damp_sweep))
+        return cli_usage_error("quantize", "--damp-sweep %s: expected up to 8 damping fractions "
+                               ">= 0 separated by commas, e.g. 0.003,0.01,0.03,0.1", g->damp_sweep);
     if (o->method != MOEQ_QUANT_GPTQ) return -1;
     /* moeq_quantize refuses these too, naming the option fields; here they name the flags */
     if (g->act_order && g->no_act_order)

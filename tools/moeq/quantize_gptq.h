@@ -9,10 +9,11 @@
 #include "cli.h"
 
 typedef struct {
-    int64_t nsamples, seqlen, seed, block_size, min_expert_tokens, threads;
+    int64_t nsamples, seqlen, seed, block_size, min_expert_tokens, threads, refine;
     double percdamp;
     const char *sampling, *groups, *mode, *fallback, *report, *mse_weight, *report_html;
-    bool calib_bos, act_order, no_act_order, static_groups, no_mse, true_sequential;
+    const char *expert_weighting, *damp_sweep;
+    bool calib_bos, act_order, no_act_order, static_groups, no_mse, true_sequential, clip_search;
 } gptq_cli;
 
 /* The defaults of moeq_quant_options_init, as flags. */
@@ -52,6 +53,19 @@ void gptq_cli_defaults(gptq_cli *g);
      "calibration tokens use --expert-fallback (default 32)", NULL, 0, -1, NULL},                  \
     {"--expert-fallback", OPT_CHOICE, &(g).fallback, NULL, "GPTQ: Hessians of all tokens of the "  \
      "MoE block (default) or round to nearest", "block|rtn", 0, 0, NULL},                          \
+    {"--expert-weighting", OPT_CHOICE, &(g).expert_weighting, NULL, "GPTQ: each routed token's "   \
+     "update to its expert's Hessians times 1 (none, default), its gate score (gate: MoEQuant's "  \
+     "AGQ) or its square (gate-squared: the weight of the token's squared output error)",          \
+     "none|gate|gate-squared", 0, 0, NULL},                                                        \
+    {"--refine", OPT_INT, &(g).refine, "N", "GPTQ: N passes of coordinate descent over the codes " \
+     "after GPTQ, on its own layer objective with the group scales kept (default 0)", NULL, 0, 64, NULL}, \
+    {"--clip-search", OPT_FLAG, &(g).clip_search, NULL, "GPTQ, INT4 --asym: the MSE scale search " \
+     "clips the low and the high end of each group's range apart (about 3x the search's cost)",    \
+     NULL, 0, 0, NULL},                                                                            \
+    {"--damp-sweep", OPT_STRING, &(g).damp_sweep, "F,F,...", "GPTQ: damping candidates (up to 8, " \
+     "e.g. 0.003,0.01,0.03,0.1); each Linear input takes the one whose GPTQ on the first 7/8 of "   \
+     "the samples has the least loss on the last 1/8, then GPTQ runs on all samples with it",      \
+     NULL, 0, 0, NULL},                                                                            \
     {"--report", OPT_STRING, &(g).report, "FILE", "GPTQ: JSON report (default "                    \
      "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL},                                               \
     {"--report-html", OPT_STRING, &(g).report_html, "FILE", "GPTQ: the report also as one "           \
