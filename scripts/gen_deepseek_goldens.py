@@ -19,7 +19,7 @@ scripts/gen_arch_goldens.py: input_ids, logits, hidden_states.0..L):
                                python3 scripts/gen_deepseek_goldens.py --derive OUT_DIR
                            remakes it from OUT_DIR/deepseekv3-fp8-tiny anywhere.
   deepseekv3-noqlora-tiny  q_lora_rank null (plain q_proj), no RoPE scaling, rope_interleave false,
-                           one expert group, tied embeddings
+                           one expert group, 8 experts top-2
 
 Run where PyTorch + transformers (>= 5, DeepseekV3ForCausalLM) are installed, CPU, fp32:
     python3 scripts/gen_deepseek_goldens.py OUT_DIR
@@ -278,7 +278,7 @@ print("deepseekv3-tiny keys", sorted(plain_state)[:6], "...", len(plain_state))
 # ---- deepseekv3-noqlora-tiny -----------------------------------------------------------------
 cfg2 = make_config(PLAIN, q_lora_rank=None, num_hidden_layers=2, n_group=1, topk_group=1,
                    rope_interleave=False, n_routed_experts=8, num_experts_per_tok=2,
-                   routed_scaling_factor=1.5, tie_word_embeddings=True)
+                   routed_scaling_factor=1.5)
 d2 = os.path.join(out_root, "deepseekv3-noqlora-tiny")
 model2 = build("deepseekv3-noqlora-tiny", cfg2, 3.0, ids, 300)
 save(model2, d2)
