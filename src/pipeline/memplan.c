@@ -98,6 +98,9 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     }
     int64_t unit = 0;
     int64_t Fu = c->shared_ffn > 0 ? c->shared_ffn : (E == 0 ? c->ffn : 0);
+    for (int l = 0; l < c->n_layers && E > 0; l++)   /* dense layers of a MoE model (deepseek_v3's
+                                                        first ones, qwen2_moe's mlp_only_layers) */
+        if (!c->layer_is_moe[l] && c->ffn > Fu) Fu = c->ffn;
     if (Fu > 0) {
         int64_t w = 3 * Fu * D * 4;
         unit = w + (o->gptq ? nh * (D * D + Fu * Fu) * 4 + gptq_scratch(D > Fu ? D : Fu) : 0) +
