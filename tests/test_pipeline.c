@@ -209,6 +209,19 @@ static void test_mixtral_fused_nonsequential(void) {
     match_reference(with_tokenizer("mixtral-tiny-fused"), &c, 1);
 }
 
+/* deepseek_v3: latent attention in four slots, dense first layer, sigmoid group-limited routing
+ * with the selection bias, shared experts, the MTP layer passed through */
+static void test_deepseek_sequential(void) {
+    cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 6, 64};
+    match_reference(with_tokenizer("deepseekv3-tiny"), &c, 5);
+}
+
+/* the FP8 source (dequantized as each layer loads), true-sequential, RTN expert fallback */
+static void test_deepseek_fp8_true_sequential(void) {
+    cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, true, REF_FALLBACK_RTN, 4, 6, 64};
+    match_reference(with_tokenizer("deepseekv3-fp8-tiny"), &c, 0);
+}
+
 /* per-head q/k norms, renormalised top-k */
 static void test_qwen3moe_sequential(void) {
     cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 6, 64};
@@ -482,5 +495,6 @@ static void test_resume(void) {
 TEST_MAIN(T(test_olmoe_nvfp4_sequential_block_fallback),
           T(test_olmoe_int4_gidx_nonsequential_rtn_fallback), T(test_olmoe_true_sequential),
           T(test_qwen2moe_dense_layers_shared_expert), T(test_mixtral_fused_nonsequential),
-          T(test_qwen3moe_sequential), T(test_chunks_threads_storage_byte_identical),
+          T(test_qwen3moe_sequential), T(test_deepseek_sequential),
+          T(test_deepseek_fp8_true_sequential), T(test_chunks_threads_storage_byte_identical),
           T(test_memory_plan), T(test_resume))

@@ -132,7 +132,8 @@ static void block_free(block_ctx *b) {
 
 /* Whether the slot belongs to the block's current phase (true-sequential: attention first). */
 static bool in_phase(const block_ctx *b, const slot *s) {
-    bool attn = s->site == MQ_SITE_QKV || s->site == MQ_SITE_O;
+    bool attn = s->site == MQ_SITE_QKV || s->site == MQ_SITE_O || s->site == MQ_SITE_Q_B ||
+                s->site == MQ_SITE_KV_B;
     return b->phase < 0 || attn == (b->phase == 0);
 }
 
@@ -164,9 +165,16 @@ static moeq_status block_init(block_ctx *b, moeq_model *m, const ref_gptq_opts *
     mq_layer *ly = &m->layers[l];
     const mq_config *c = &m->cfg;
     int E = ly->is_moe ? c->n_experts : 0;
-    b->slots = calloc((size_t)(6 + 2 * E), sizeof *b->slots);
+    b->slots = calloc((size_t)(8 + 2 * E), sizeof *b->slots);
     if (!b->slots) return mq_err(MOEQ_E_NOMEM, "out of memory for block %d", l);
-    b->site_slot[MQ_SITE_QKV] = slot_add(b, MQ_SITE_QKV, -1, &ly->q, &ly->k, &ly->v);
+    if (c->mla) {   /* latent attention: q_a (or q_proj) with kv_a; q_b and kv_b on their latents */
+        b->site_slot[MQ_SITE_QKV] =
+            slot_add(b, MQ_SITE_QKV, -1, c->q_lora_rank > 0 ? &ly->q_a : &ly->q, &ly->kv_a, NULL);
+        b->site_slot[MQ_SITE_Q_B] = slot_add(b, MQ_SITE_Q_B, -1, &ly->q_b, NULL, NULL);
+        b->site_slot[MQ_SITE_KV_B] = slot_add(b, MQ_SITE_KV_B, -1, &ly->kv_b, NULL, NULL);
+    } else {
+        b->site_slot[MQ_SITE_QKV] = slot_add(b, MQ_SITE_QKV, -1, &ly->q, &ly->k, &ly->v);
+    }
     b->site_slot[MQ_SITE_O] = slot_add(b, MQ_SITE_O, -1, &ly->o, NULL, NULL);
     if (ly->is_moe) {
         b->expert0 = b->n_slots;
