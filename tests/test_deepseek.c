@@ -3,7 +3,8 @@
  * transformers 5.17 printed for the fixture, malformed fields named), the fp32 forward against
  * transformers' goldens (tests/data/deepseekv3-*: q LoRA + YaRN + interleaved rope + expert
  * groups, its FP8 block-quantized copy, the variant without q LoRA when present) and against
- * itself through the KV cache, the op's group-limited expert choice against an obvious
+ * itself through the KV cache, the latent attention (with and without q LoRA, YaRN and interleaved
+ * rope) against a slow obvious one in double, the op's group-limited expert choice against an obvious
  * implementation written here, and the quantizer: GPTQ through the pipeline (every latent
  * attention Linear calibrated on its own input), the packed runtime against the dequantized fp32
  * path of the same checkpoint, the multi-token-prediction layer passed through byte for byte (or
@@ -22,6 +23,12 @@
 #include "model/model.h"
 
 static const double GOLDEN_RTOL = 1e-4;
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
+static float urand(void) {
+    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((g_rng >> 40) & 0xFFFFFF) / 16777216.0f;
+}
 
 static const char *data_dir(const char *name) {
     static char buf[4][1024];
@@ -249,6 +256,172 @@ static void test_golden_noqlora(void) {
     golden(data_dir("deepseekv3-noqlora-tiny"), data_dir("deepseekv3-noqlora-tiny.golden.safetensors"));
 }
 
+/* ---- the latent attention against a slow obvious one -------------------------------------- */
+
+/* y[n] = W[n, k] x[k] (+ b) in double. */
+static void matvec(const mq_linear *l, const double *x, double *y) {
+    for (int64_t o = 0; o < l->out; o++) {
+        double a = l->bias ? l->bias[o] : 0.0;
+        for (int64_t i = 0; i < l->in; i++) a += (double)l->w[o * l->in + i] * x[i];
+        y[o] = a;
+    }
+}
+
+static void rms(double *x, int64_t n, const float *w, double eps) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    double r = 1.0 / sqrt(ss / (double)n + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * w[i];
+}
+
+/* transformers' rotary angles of pair i at position p (default or YaRN), and the cos/sin factor */
+static double angle(const mq_config *c, int64_t i, int64_t p) {
+    const double d = c->rope_dim, ex = 1.0 / pow(c->rope_theta, 2.0 * (double)i / d);
+    if (!c->yarn) return (double)p * ex;
+    const double pi = 3.14159265358979323846;
+    double lo = floor(d * log(c->yarn_orig_max_pos / (c->yarn_beta_fast * 2 * pi)) / (2 * log(c->rope_theta)));
+    double hi = ceil(d * log(c->yarn_orig_max_pos / (c->yarn_beta_slow * 2 * pi)) / (2 * log(c->rope_theta)));
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > d - 1 ? d - 1 : hi;
+    if (lo == hi) hi += 0.001;
+    double ramp = ((double)i - lo) / (hi - lo);
+    ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+    double keep = 1.0 - ramp;   /* share of the extrapolated frequency */
+    return (double)p * (ex / c->yarn_factor * (1.0 - keep) + ex * keep);
+}
+
+/* apply_rotary_pos_emb (halves) or apply_rotary_pos_emb_interleave (pairs, output de-interleaved)
+ * on v[rope_dim] at position p */
+static void rotate(const mq_config *c, double *v, int64_t p) {
+    const int64_t h = c->rope_dim / 2;
+    double o[512];
+    for (int64_t i = 0; i < h; i++) {
+        double cs = cos(angle(c, i, p)) * c->rope_attn_factor, sn = sin(angle(c, i, p)) * c->rope_attn_factor;
+        double a = c->rope_interleave ? v[2 * i] : v[i], b = c->rope_interleave ? v[2 * i + 1] : v[h + i];
+        o[i] = a * cs - b * sn;
+        o[h + i] = b * cs + a * sn;
+    }
+    memcpy(v, o, sizeof(double) * (size_t)c->rope_dim);
+}
+
+/* x[T, D] += DeepseekV3Attention(input_layernorm(x)) of layer l, positions 0.., in double. */
+static void slow_mla(const moeq_model *m, int l, float *x, int64_t T) {
+    const mq_config *c = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    const int64_t D = c->D, H = c->n_heads, hd = c->head_dim, nope = c->qk_nope, rd = c->rope_dim;
+    const int64_t vd = c->v_head_dim, r = c->kv_lora_rank;
+    double *q = calloc((size_t)(T * H * hd), sizeof(double)), *k = calloc((size_t)(T * H * hd), sizeof(double));
+    double *v = calloc((size_t)(T * H * vd), sizeof(double)), *att = calloc((size_t)(T * H * vd), sizeof(double));
+    double xn[1024], qa[2048], ckv[2048], kvb[8192], o[1024];
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t i = 0; i < D; i++) xn[i] = x[t * D + i];
+        rms(xn, D, ly->attn_norm, c->rms_eps);
+        if (c->q_lora_rank > 0) {
+            matvec(&ly->q_a, xn, qa);
+            rms(qa, c->q_lora_rank, ly->q_a_norm, 1e-6);
+            matvec(&ly->q_b, qa, q + t * H * hd);
+        } else {
+            matvec(&ly->q, xn, q + t * H * hd);
+        }
+        matvec(&ly->kv_a, xn, ckv);
+        rms(ckv, r, ly->kv_a_norm, 1e-6);
+        matvec(&ly->kv_b, ckv, kvb);
+        rotate(c, ckv + r, t);   /* the shared rotary key */
+        for (int64_t h = 0; h < H; h++) {
+            double *kh = k + (t * H + h) * hd;
+            for (int64_t i = 0; i < nope; i++) kh[i] = kvb[h * (nope + vd) + i];
+            for (int64_t i = 0; i < rd; i++) kh[nope + i] = ckv[r + i];
+            for (int64_t i = 0; i < vd; i++) v[(t * H + h) * vd + i] = kvb[h * (nope + vd) + nope + i];
+            rotate(c, q + (t * H + h) * hd + nope, t);
+        }
+    }
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t t = 0; t < T; t++) {
+            double sc[256], mx = -INFINITY, sum = 0;
+            for (int64_t u = 0; u <= t; u++) {
+                double a = 0;
+                for (int64_t i = 0; i < hd; i++) a += q[(t * H + h) * hd + i] * k[(u * H + h) * hd + i];
+                sc[u] = a * c->attn_scale;
+                mx = sc[u] > mx ? sc[u] : mx;
+            }
+            for (int64_t u = 0; u <= t; u++) sum += sc[u] = exp(sc[u] - mx);
+            for (int64_t u = 0; u <= t; u++)
+                for (int64_t i = 0; i < vd; i++) att[(t * H + h) * vd + i] += sc[u] / sum * v[(u * H + h) * vd + i];
+        }
+    for (int64_t t = 0; t < T; t++) {
+        matvec(&ly->o, att + t * H * vd, o);
+        for (int64_t i = 0; i < D; i++) x[t * D + i] += (float)o[i];
+    }
+    free(q);
+    free(k);
+    free(v);
+    free(att);
+}
+
+/* mq_attention_forward of every layer against slow_mla, on the fixture and on variants of it made
+ * by changing its config in memory: without YaRN, without rope_interleave, and with a plain
+ * q_proj (the product of the fixture's q_b and q_a as its weight). */
+static void test_latent_attention_variants(void) {
+    moeq_model *m = NULL;
+    moeq_model_options opt = {.no_tokenizer = 1};
+    ASSERT_OK(moeq_model_open(data_dir("deepseekv3-tiny"), &opt, &m));
+    mq_config *c = &m->cfg;
+    const int64_t T = 40, D = c->D;
+    ASSERT_TRUE(D <= 1024 && c->rope_dim <= 512 && T <= 256);
+    float *x = malloc(sizeof(float) * (size_t)(T * D)), *a = malloc(sizeof(float) * (size_t)(T * D));
+    float *b = malloc(sizeof(float) * (size_t)(T * D)), *prev = malloc(sizeof(float) * (size_t)(T * D));
+    for (int64_t i = 0; i < T * D; i++) x[i] = 2.0f * (urand() - 0.5f);
+    for (int variant = 0; variant < 4; variant++) {
+        if (variant == 1) {   /* no YaRN: the default rotation and softmax scale */
+            c->yarn = false;
+            c->rope_attn_factor = 1.0;
+            c->attn_scale = 1.0 / sqrt((double)c->head_dim);
+        } else if (variant == 2) {
+            c->rope_interleave = false;
+        } else if (variant == 3) {   /* q_proj = q_b q_a, no q LoRA (and no latent norm of q) */
+            for (int l = 0; l < c->n_layers; l++) {
+                mq_layer *ly = &m->layers[l];
+                const int64_t QO = ly->q_b.out, QR = ly->q_b.in;
+                float *w = mq_alloc_array((size_t)(QO * D), sizeof(float), "q_proj");
+                for (int64_t o = 0; o < QO; o++)
+                    for (int64_t i = 0; i < D; i++) {
+                        double s = 0;
+                        for (int64_t j = 0; j < QR; j++) s += (double)ly->q_b.w[o * QR + j] * ly->q_a.w[j * D + i];
+                        w[o * D + i] = (float)s;
+                    }
+                ly->q = (mq_linear){.out = QO, .in = D, .w = w};
+            }
+            c->q_lora_rank = 0;
+        }
+        mq_state *s = NULL;
+        ASSERT_OK(mq_state_new(m, (int32_t)T, &s));
+        for (int l = 0; l < c->n_layers; l++) {
+            memcpy(a, x, sizeof(float) * (size_t)(T * D));
+            memcpy(b, x, sizeof(float) * (size_t)(T * D));
+            ASSERT_OK(mq_attention_forward(m, s, l, a, T, 0, NULL));
+            slow_mla(m, l, b, T);
+            for (int64_t i = 0; i < T * D; i++) {   /* the attention's contribution alone */
+                a[i] -= x[i];
+                b[i] -= x[i];
+            }
+            double e = mq_test_rel_maxdiff(a, b, (size_t)(T * D));
+            fprintf(stderr, "  variant %d layer %d: rel err %.3g\n", variant, l, e);
+            if (!(e <= 1e-5)) FAIL("variant %d layer %d: rel err %.3g", variant, l, e);
+            if (l == 0 && variant > 0) {   /* each change of the config changes the attention */
+                double d = mq_test_rel_maxdiff(a, prev, (size_t)(T * D));
+                if (!(d > 1e-3)) FAIL("variant %d: layer 0 barely changed (%.3g)", variant, d);
+            }
+            if (l == 0) memcpy(prev, a, sizeof(float) * (size_t)(T * D));
+        }
+        mq_state_free(s);
+    }
+    free(x);
+    free(a);
+    free(b);
+    free(prev);
+    moeq_model_free(m);
+}
+
 /* The MTP layer's tensors are only allowed where the config declares them. */
 static void test_mtp_needs_its_config(void) {
     char dir[1200], a[1400], b[1400];
@@ -313,12 +486,6 @@ static void obvious_select(const float *p, const float *bias, int E, int k, int 
     for (int e = 0; e < E; e++) masked[e] = ok[e] ? s[e] : -INFINITY;
     order_desc(masked, E, idx);
     for (int j = 0; j < k; j++) sel[j] = idx[j];
-}
-
-static uint64_t g_rng = 0x9E3779B97F4A7C15ull;
-static float urand(void) {
-    g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((g_rng >> 40) & 0xFFFFFF) / 16777216.0f;
 }
 
 static void test_group_select(void) {
@@ -590,5 +757,5 @@ static void test_gguf_refused(void) {
 
 TEST_MAIN(T(test_config_fixture), T(test_config_release), T(test_config_errors),
           T(test_golden_qlora_yarn), T(test_golden_fp8), T(test_golden_noqlora),
-          T(test_mtp_needs_its_config), T(test_group_select), T(test_gptq_packed_mtp),
+          T(test_latent_attention_variants), T(test_mtp_needs_its_config), T(test_group_select), T(test_gptq_packed_mtp),
           T(test_fp8_source_same_codes), T(test_gguf_refused))
