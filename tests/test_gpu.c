@@ -482,14 +482,14 @@ static void test_mlp_bitexact(void) {
         ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, E, D, F, pg, pu, rep ? NULL : pd, rep ? n : 32, &m));
         for (int64_t e = 0; e < E; e++) {
             ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate[e], &up[e], rep ? NULL : &down[e], x, n, hg, hu, rep ? NULL : y));
-            ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, e, x, n, hg2, hu2, rep ? NULL : y2));
+            ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, e, x, n, hg2, hu2, rep ? NULL : y2, NULL, NULL));
             int64_t diff = 0;
             for (int64_t i = 0; i < n * F; i++) diff += !same_float(hg[i], hg2[i]) + !same_float(hu[i], hu2[i]);
             for (int64_t i = 0; !rep && i < n * D; i++) diff += !same_float(y[i], y2[i]);
             if (diff) FAIL("expert %lld (%s): %lld values differ from mq_mlp_forward", (long long)e,
                            rep ? "no down, all rows at once" : "32 rows at a time", (long long)diff);
         }
-        if (rep) ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_run(m, 0, x, n, hg2, hu2, y2));   /* no down weights */
+        if (rep) ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_run(m, 0, x, n, hg2, hu2, y2, NULL, NULL));   /* no down weights */
         mq_gpu_mlp_free(m);
     }
     for (int64_t e = 0; e < E; e++) free(gate[e].w), free(up[e].w), free(down[e].w);
@@ -562,11 +562,13 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
     mq_gpu_attn_shape sh = {.D = D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim, .max_T = T,
                             .eps = c->rms_eps,
                             .qk_norm = c->qk_norm == MQ_QKNORM_FULL ? 1 : c->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
-                            .clip_qkv = c->clip_qkv};
+                            .clip_qkv = c->clip_qkv, .E = c->n_experts, .top_k = c->top_k,
+                            .norm_topk = c->norm_topk_prob};
     mq_state_rope_tables(st, &sh.rope_cos, &sh.rope_sin);
     mq_gpu_attn_weights w = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
                              .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias, .o_bias = ly->o.bias,
-                             .q_norm = ly->q_norm, .k_norm = ly->k_norm, .window = window};
+                             .q_norm = ly->q_norm, .k_norm = ly->k_norm, .window = window,
+                             .ffn_norm = ly->ffn_norm, .router = ly->is_moe ? ly->router : NULL};
     mq_gpu_attn *a = NULL;
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_new(g, &sh, &a));
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_set(a, &w));
@@ -575,7 +577,11 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[0], &hq));
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[1], &ho));
     float *xn = malloc(sizeof(float) * (size_t)(T * D)), *att = malloc(sizeof(float) * (size_t)(T * Q));
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, xg, T, hq, ho, xn, att));
+    const int64_t K = ly->is_moe ? c->top_k : 0, E = c->n_experts;
+    float *fin = malloc(sizeof(float) * (size_t)(T * D)), *wg = malloc(sizeof(float) * (size_t)(T * K + 1));
+    int32_t *sg = malloc(sizeof(int32_t) * (size_t)(T * K + 1));
+    mq_gpu_attn_out go = {.hq = hq, .ho = ho, .xn = xn, .att = att, .ffn_in = fin, .sel = K ? sg : NULL, .w = K ? wg : NULL};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, xg, T, &go));
     double e_xn = mq_test_rel_maxdiff(xn, hk.qkv, (size_t)(T * D));
     double e_att = mq_test_rel_maxdiff(att, hk.o, (size_t)(T * Q));
     double e_x = mq_test_rel_maxdiff(xg, x, (size_t)(T * D));
@@ -587,16 +593,52 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
     ASSERT_EQ_INT(T, no);
     float *Cq = cpu_hessian(hk.qkv, T, D), *Co = cpu_hessian(hk.o, T, Q);
     double e_hq = mq_test_rel_maxdiff(Hq, Cq, (size_t)(D * D)), e_ho = mq_test_rel_maxdiff(Ho, Co, (size_t)(Q * Q));
+    /* the FFN input and routing of the CPU's result: the norm of values within e_x, so the same
+     * bound; a token's choice may differ only where the CPU's k-th and next probabilities are
+     * within that of each other */
+    float *cfin = malloc(sizeof(float) * (size_t)(T * D)), *probs = malloc(sizeof(float) * (size_t)(T * E + 1));
+    float *cw = malloc(sizeof(float) * (size_t)(T * K + 1));
+    int32_t *cs = malloc(sizeof(int32_t) * (size_t)(T * K + 1));
+    mq_ffn_norm(m, layer, x, T, cfin);
+    const double e_fin = mq_test_rel_maxdiff(fin, cfin, (size_t)(T * D));
+    int64_t flips = 0, close_calls = 0;
+    double e_w = 0;
+    if (K) {
+        mq_moe_route(m, layer, cfin, T, probs, cs, cw);
+        for (int64_t t = 0; t < T; t++) {
+            bool same = true;
+            for (int64_t k = 0; k < K; k++) same &= cs[t * K + k] == sg[t * K + k];
+            if (same) {
+                for (int64_t k = 0; k < K; k++)
+                    e_w = fmax(e_w, fabs((double)wg[t * K + k] - cw[t * K + k]) / fabs((double)cw[t * K + k]));
+                continue;
+            }
+            /* the CPU's probabilities (probs holds them after the softmax), sorted: a near tie? */
+            const float *pr = probs + t * E;
+            float kth = pr[cs[t * K + K - 1]], next = -1.0f;
+            for (int64_t e = 0; e < E; e++) {
+                bool chosen = false;
+                for (int64_t k = 0; k < K; k++) chosen |= cs[t * K + k] == e;
+                if (!chosen && pr[e] > next) next = pr[e];
+            }
+            if (fabs((double)kth - next) <= 3e-5 * kth) close_calls++;
+            else flips++;
+        }
+    }
     printf("  %s layer %d, T %lld, window %lld, clip %g: q/k/v input %.2e, o input %.2e, output %.2e, "
-           "Hessians %.2e %.2e\n", dir, layer, (long long)T, (long long)window, (double)clip, e_xn, e_att, e_x,
-           e_hq, e_ho);
-    if (e_xn > 0x1p-23 || e_att > 3e-5 || e_x > 3e-5 || e_hq > 3e-5 || e_ho > 3e-5)
-        FAIL("%s layer %d (T %lld): the GPU attention differs from mq_attention_forward", dir, layer, (long long)T);
+           "Hessians %.2e %.2e, FFN input %.2e, routing weights %.2e, near ties %lld\n", dir, layer, (long long)T,
+           (long long)window, (double)clip, e_xn, e_att, e_x, e_hq, e_ho, e_fin, e_w, (long long)close_calls);
+    if (e_xn > 0x1p-23 || e_att > 3e-5 || e_x > 3e-5 || e_hq > 3e-5 || e_ho > 3e-5 || e_fin > 3e-5 || e_w > 3e-5 ||
+        flips)
+        FAIL("%s layer %d (T %lld): the GPU attention differs from mq_attention_forward (%lld routing choices)", dir,
+             layer, (long long)T, (long long)flips);
+    free(cfin), free(probs), free(cw), free(cs), free(fin), free(wg), free(sg);
     /* run to run: the same bits */
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, xg2, T, NULL, NULL, NULL, NULL));
+    const mq_gpu_attn_out none = {0};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, xg2, T, &none));
     for (int64_t i = 0; i < T * D; i++)
         if (!same_float(xg[i], xg2[i])) FAIL("%s: the GPU attention differs from run to run at %lld", dir, (long long)i);
-    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run(a, xg2, T + 1, NULL, NULL, NULL, NULL));   /* longer than made for */
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run(a, xg2, T + 1, &none));   /* longer than made for */
     mq_gpu_hessians_free(hq), mq_gpu_hessians_free(ho);
     mq_gpu_attn_free(a);
     mq_state_free(st);
@@ -619,7 +661,61 @@ static void test_attention_parity(void) {
     mq_gpu_close(g);
 }
 
+/* Rows gathered on the device from uploaded inputs, with the Hessians of the expert's input and
+ * of its SwiGLU product summed there: the outputs and both sums are the CPU's bits for the same
+ * rows in the same order (mq_mlp_forward, mq_hessian_add), also with fewer rows per call than
+ * the expert has; an index outside the inputs is an error. */
+static void test_mlp_rows_hessians(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t D = 96, F = 160, n = 75, blocks[2] = {40, 35};
+    mq_linear gate = {.out = F, .in = D, .w = make_weights(F, D, 11), .det = true};
+    mq_linear up = {.out = F, .in = D, .w = make_weights(F, D, 12), .det = true};
+    mq_linear down = {.out = D, .in = F, .w = make_weights(D, F, 13), .det = true};
+    for (int64_t i = 0; i < F * D; i++) gate.w[i] *= 40, up.w[i] *= 40;
+    float *x = make_weights(n, D, 14);
+    for (int64_t i = 0; i < n * D; i++) x[i] *= 50;
+    int32_t src[75];
+    float *xp = malloc((size_t)(n * D) * 4);
+    for (int64_t i = 0; i < n; i++) {
+        src[i] = (int32_t)(i * 7 % n);   /* a permutation: 7 and 75 are coprime */
+        memcpy(xp + i * D, x + (int64_t)src[i] * D, (size_t)D * 4);
+    }
+    float *hg = malloc((size_t)(n * F) * 4), *hu = malloc((size_t)(n * F) * 4), *y = malloc((size_t)(n * D) * 4);
+    float *y2 = malloc((size_t)(n * D) * 4);
+    ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate, &up, &down, xp, n, hg, hu, y));
+    float *Hx = cpu_hessian(xp, n, D), *Hg = cpu_hessian(hg, n, F);
+    const float *pg[1] = {gate.w}, *pu[1] = {up.w}, *pd[1] = {down.w};
+    mq_gpu_mlp *m = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, 1, D, F, pg, pu, pd, 32, &m));
+    const float *xs[2] = {x, x + blocks[0] * D};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_inputs(m, xs, blocks, 2));
+    const int64_t Ks[2] = {D, F};
+    mq_gpu_hessians *hx = NULL, *hd = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[0], &hx));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[1], &hd));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_rows(m, 0, src, n, NULL, NULL, y2, hx, hd));
+    float *Gx = malloc((size_t)(D * D) * 4), *Gg = malloc((size_t)(F * F) * 4);
+    int64_t nx = 0, ng = 0;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(hx, 0, Gx, &nx));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(hd, 0, Gg, &ng));
+    ASSERT_EQ_INT(n, nx);
+    ASSERT_EQ_INT(n, ng);
+    int64_t diff = 0;
+    for (int64_t i = 0; i < n * D; i++) diff += !same_float(y[i], y2[i]);
+    if (diff) FAIL("gathered rows: %lld outputs differ from mq_mlp_forward", (long long)diff);
+    for (int64_t i = 0; i < D * D; i++) diff += !same_float(Hx[i], Gx[i]);
+    for (int64_t i = 0; i < F * F; i++) diff += !same_float(Hg[i], Gg[i]);
+    if (diff) FAIL("gathered rows: %lld Hessian entries differ from mq_hessian_add's", (long long)diff);
+    src[3] = (int32_t)n;   /* outside the 75 uploaded rows */
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_run_rows(m, 0, src, n, NULL, NULL, y2, NULL, NULL));
+    mq_gpu_hessians_free(hx), mq_gpu_hessians_free(hd);
+    mq_gpu_mlp_free(m);
+    free(gate.w), free(up.w), free(down.w), free(x), free(xp), free(hg), free(hu), free(y), free(y2);
+    free(Hx), free(Hg), free(Gx), free(Gg);
+    mq_gpu_close(g);
+}
+
 TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
           T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_batched_deterministic),
           T(test_gptq_retry_and_errors), T(test_gemm_det_bitexact), T(test_mlp_bitexact),
-          T(test_attention_parity))
+          T(test_mlp_rows_hessians), T(test_attention_parity))

@@ -24,6 +24,7 @@ extern "C" {
 #endif
 
 typedef struct mq_gpu mq_gpu;
+typedef struct mq_gpu_hessians mq_gpu_hessians;   /* below */
 
 typedef struct {
     int device;
@@ -71,21 +72,28 @@ moeq_status mq_gpu_codecs(mq_gpu *g, const float *x, int64_t n, uint8_t *e2m1, u
  * mq_mlp_forward on deterministic Linears: gate and up products as kernels/gemm_det.h's fmaf
  * chains, the SwiGLU as kernels/vec.h's, down the same. _new uploads E experts' fp32 weights
  * (gate[e], up[e]: [F, D]; down[e]: [D, F], or down NULL for passes without it); _run takes n rows
- * x [n, D] of expert e through them into hg (after the SwiGLU), hu (the up product; may be NULL)
- * and y [n, D] (NULL: no down), max_rows at a time. */
+ * x [n, D] of expert e through them into hg (after the SwiGLU), hu (the up product) and y [n, D]
+ * (each may be NULL: not copied back; y NULL: no down product), max_rows at a time, and adds the
+ * rows x to the Hessian sum h_in and the SwiGLU products to h_down (sum 0 of each; NULL: none),
+ * as mq_gpu_hessians_add would from the host: the CPU's bits. */
 typedef struct mq_gpu_mlp mq_gpu_mlp;
 moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F, const float *const *gate,
                            const float *const *up, const float *const *down, int64_t max_rows,
                            mq_gpu_mlp **out);
 void mq_gpu_mlp_free(mq_gpu_mlp *m);
 moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, int64_t n, float *hg, float *hu,
-                           float *y);
+                           float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
+/* The rows the next _run_rows calls gather from: n_x blocks x[i] of rows[i] rows of D values
+ * (host), uploaded once one after the other (a batch's FFN inputs, sample by sample). */
+moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_t *rows, int64_t n_x);
+/* _run on the n rows src[i] of those inputs (gathered on the device: only the indices cross). */
+moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, float *hg,
+                                float *hu, float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
 /* C [M, N] = A [M, K] B [N, K]^T as mq_gemm_det_nt (host memory; the tests' twin check). */
 moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
                             float *C);
 
 /* Hessian sums on the GPU: n accumulators of sizes K[i], kept on the device. */
-typedef struct mq_gpu_hessians mq_gpu_hessians;
 moeq_status mq_gpu_hessians_new(mq_gpu *g, int64_t n, const int64_t *K, mq_gpu_hessians **out);
 void mq_gpu_hessians_free(mq_gpu_hessians *hs);
 /* Adds the rows x [rows, K[i]] (host memory) to sum i: the lower triangle, each element one
@@ -98,9 +106,12 @@ moeq_status mq_gpu_hessians_get(mq_gpu_hessians *hs, int64_t i, float *H, int64_
 /* A decoder layer's self-attention for the calibration passes: model.h's mq_attention_forward
  * of a whole sample from position 0 (no KV cache), x += o(attention(rmsnorm(x))), with q/k/v
  * biases, the q/k norms over all heads or per head, clip_qkv, rotate-half RoPE from the host's
- * tables, grouped KV heads and a sliding window. The norms and RoPE are the CPU's operations in
- * the CPU's order (the norm's sum of squares in double); the products are fp32 cuBLAS GEMMs and
- * the softmax sums in another order than the CPU's, so values agree to a few ulps, not bits. */
+ * tables, grouped KV heads and a sliding window; then, as the pipeline asks, the FFN input
+ * (mq_ffn_norm) and its softmax top-k routing (mq_moe_route: ties to the lower expert,
+ * norm_topk_prob). The norms and RoPE are the CPU's operations in the CPU's order (the norm's sum
+ * of squares in double); the products are fp32 cuBLAS GEMMs and the softmax sums in another
+ * order than the CPU's, so values agree to a few ulps, not bits (and a routing choice between
+ * two experts within such a difference of each other can differ). */
 typedef struct {
     int64_t D, H, KV, hd;           /* hidden size, heads, KV heads, head dim */
     int64_t max_T;                  /* the longest sample */
@@ -108,6 +119,8 @@ typedef struct {
     int qk_norm;                    /* 0: none; 1: over all heads ([H*hd], [KV*hd]); 2: per head ([hd]) */
     float clip_qkv;                 /* > 0: q, k, v clamped to [-c, c] after the norms */
     const float *rope_cos, *rope_sin;   /* [max_T, hd / 2] (host; copied) */
+    int64_t E, top_k;               /* routed experts and experts per token (0: no MoE layer) */
+    bool norm_topk;                 /* the top-k weights renormalised to sum 1 */
 } mq_gpu_attn_shape;
 
 typedef struct {
@@ -116,6 +129,8 @@ typedef struct {
     const float *q_bias, *k_bias, *v_bias, *o_bias;   /* or NULL */
     const float *q_norm, *k_norm;   /* as qk_norm says, or NULL */
     int64_t window;                 /* the layer's sliding window (0: full causal attention) */
+    const float *ffn_norm;          /* [D] */
+    const float *router;            /* [E, D], or NULL (a dense layer: no routing) */
 } mq_gpu_attn_weights;
 
 typedef struct mq_gpu_attn mq_gpu_attn;
@@ -123,12 +138,18 @@ moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *shape, mq_gpu_at
 void mq_gpu_attn_free(mq_gpu_attn *a);
 /* Uploads a layer's weights (host memory; copied before the call returns) and takes its window. */
 moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights *w);
-/* One sample x [T, D] (host, in place). The q/k/v input (after the norm) and o's input are added
- * to the Hessian sums hq and ho (sum 0 of each, as mq_gpu_hessians_add: the same bits as adding
- * those rows from the host) and copied to xn [T, D] and att [T, H*hd] on the host; each may be
- * NULL. */
-moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, mq_gpu_hessians *hq,
-                            mq_gpu_hessians *ho, float *xn, float *att);
+/* What a run gives besides the result; every member may be NULL. */
+typedef struct {
+    mq_gpu_hessians *hq, *ho;       /* the q/k/v input (after the norm) and o's input are added to
+                                       sum 0 of these (mq_gpu_hessians_add's bits for those rows) */
+    float *xn, *att;                /* host copies of those inputs: [T, D], [T, H*hd] */
+    float *ffn_in;                  /* host [T, D]: the FFN norm of the result */
+    int32_t *sel;                   /* host [T, top_k]: the experts the FFN input routes to */
+    float *w;                       /* host [T, top_k]: their weights (with sel) */
+    bool keep_x;                    /* leave x as it was (the result stays on the device) */
+} mq_gpu_attn_out;
+/* One sample x [T, D] (host, in place unless out->keep_x). */
+moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out);
 
 #ifdef __cplusplus
 }

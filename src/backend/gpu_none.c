@@ -64,8 +64,19 @@ moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F, const flo
 void mq_gpu_mlp_free(mq_gpu_mlp *m) { (void)m; }
 
 moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, int64_t n, float *hg, float *hu,
-                           float *y) {
-    (void)m, (void)e, (void)x, (void)n, (void)hg, (void)hu, (void)y;
+                           float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
+    (void)m, (void)e, (void)x, (void)n, (void)hg, (void)hu, (void)y, (void)h_in, (void)h_down;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_t *rows, int64_t n_x) {
+    (void)m, (void)x, (void)rows, (void)n_x;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, float *hg,
+                                float *hu, float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
+    (void)m, (void)e, (void)src, (void)n, (void)hg, (void)hu, (void)y, (void)h_in, (void)h_down;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
@@ -106,9 +117,8 @@ moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights *w) {
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
-moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, mq_gpu_hessians *hq,
-                            mq_gpu_hessians *ho, float *xn, float *att) {
-    (void)a, (void)x, (void)T, (void)hq, (void)ho, (void)xn, (void)att;
+moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out) {
+    (void)a, (void)x, (void)T, (void)out;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 

@@ -576,14 +576,16 @@ static moeq_status gpu_attention_set(mq_pipe *p, int l) {
         mq_gpu_attn_shape sh = {.D = c->D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim,
                                 .max_T = p->calib.max_len, .eps = c->rms_eps,
                                 .qk_norm = c->qk_norm == MQ_QKNORM_FULL ? 1 : c->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
-                                .clip_qkv = c->clip_qkv};
+                                .clip_qkv = c->clip_qkv, .E = c->n_experts, .top_k = c->top_k,
+                                .norm_topk = c->norm_topk_prob};
         mq_state_rope_tables(p->state, &sh.rope_cos, &sh.rope_sin);
         if ((st = mq_gpu_attn_new(p->gpu, &sh, &p->gatt))) return st;
     }
     mq_gpu_attn_weights w = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
                              .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias,
                              .o_bias = ly->o.bias, .q_norm = ly->q_norm, .k_norm = ly->k_norm,
-                             .window = c->layer_sliding[l] ? c->sliding_window : 0};
+                             .window = c->layer_sliding[l] ? c->sliding_window : 0,
+                             .ffn_norm = ly->ffn_norm, .router = ly->is_moe ? ly->router : NULL};
     return mq_gpu_attn_set(p->gatt, &w);
 }
 
@@ -608,18 +610,24 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
             cap->rows_qkv = cap->rows_o = cap->rows_qb = cap->rows_kvb = 0;
             cap->at = cap->store ? s - s_lo : 0;
         }
+        /* what follows the attention (below) on the GPU too: only the results come back */
+        const bool keep_xn = pass_a && p->seq && !p->tseq, keep_h = !pass_a || !p->seq;
         if (sc->gpu) {   /* the hooks' work done there: Hessian sums on the device, or copies */
-            mq_gpu_hessians *hq = NULL, *ho = NULL;
-            float *xq = NULL, *xo = NULL;
+            mq_gpu_attn_out go = {0};
             if (cap && cap->store) {
-                if (cap->arena_qkv) xq = cap->arena_qkv + cap->at * cap->Lmax * D;
-                if (cap->arena_o) xo = cap->arena_o + cap->at * cap->Lmax * (int64_t)c->n_heads * c->head_dim;
+                if (cap->arena_qkv) go.xn = cap->arena_qkv + cap->at * cap->Lmax * D;
+                if (cap->arena_o) go.att = cap->arena_o + cap->at * cap->Lmax * (int64_t)c->n_heads * c->head_dim;
                 cap->rows_qkv = cap->rows_o = T;
             } else if (cap) {
-                if ((hq = cap->qkv->gh)) cap->qkv->h.n += T;
-                if ((ho = cap->o->gh)) cap->o->h.n += T;
+                if ((go.hq = cap->qkv->gh)) cap->qkv->h.n += T;
+                if ((go.ho = cap->o->gh)) cap->o->h.n += T;
             }
-            st = mq_gpu_attn_run(p->gatt, sc->xt, T, hq, ho, xq, xo);
+            if (keep_xn) go.ffn_in = sc->xn;
+            go.keep_x = !keep_h;
+            if (moe && keep_xn) go.sel = sel_of(p->sel_a, p, s), go.w = wt_of(p->w_a, p, s);
+            if (moe && keep_h)
+                go.sel = sel_of(pass_a ? p->sel_a : p->sel_b, p, s), go.w = wt_of(pass_a ? p->w_a : p->w_b, p, s);
+            st = mq_gpu_attn_run(p->gatt, sc->xt, T, &go);
         } else {
             st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
         }
@@ -632,13 +640,14 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         }
         double t2 = mq_now();
         if (!st) {
-            if (pass_a && p->seq && !p->tseq) {   /* the FFN input, kept for the experts' Hessians */
-                mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
+            if (keep_xn) {   /* the FFN input, kept for the experts' Hessians */
+                if (!sc->gpu) mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
                 mq_actbuf_put(&p->XN, (size_t)(s * p->LD), (size_t)(T * D), sc->xn);
-                if (moe) mq_moe_route(p->m, l, sc->xn, T, sc->probs, sel_of(p->sel_a, p, s), wt_of(p->w_a, p, s));
-            } else if (!pass_a || !p->seq) {      /* h: the next boundary, less the FFN */
+                if (moe && !sc->gpu)
+                    mq_moe_route(p->m, l, sc->xn, T, sc->probs, sel_of(p->sel_a, p, s), wt_of(p->w_a, p, s));
+            } else if (keep_h) {   /* h: the next boundary, less the FFN */
                 mq_actbuf_put(out_buf(p), (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
-                if (moe) {
+                if (moe && !sc->gpu) {
                     mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
                     mq_moe_route(p->m, l, sc->xn, T, sc->probs,
                                  sel_of(pass_a ? p->sel_a : p->sel_b, p, s),
@@ -915,6 +924,8 @@ typedef struct {
     float *xg, *hg, *hu, *yg;     /* [rows][D / F / F / D] */
     int64_t *tasks, n_tasks;      /* expert << 32 | block of TASK_ROWS rows */
     mq_gpu_mlp *gmlp;             /* the chunk's experts on the GPU (runs with a device), or NULL */
+    int32_t *grow;                /* [rows] GPU: each row's place in the batch's uploaded inputs */
+    int64_t *xrows, *xfirst;      /* [nb] GPU: the rows of each sample's uploaded input, its first */
 } ex_batch;
 
 static void batch_inputs_task(void *ctx, int64_t i, int thread) {
@@ -1021,6 +1032,9 @@ static void batch_free(ex_batch *b) {
     mq_free(b->hu);
     mq_free(b->yg);
     mq_free(b->tasks);
+    mq_free(b->grow);
+    free(b->xrows);
+    free(b->xfirst);
 }
 
 /* Buffers for batches of up to nb samples and `rows` expert rows of a chunk of C experts. */
@@ -1041,8 +1055,12 @@ static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_
     b->hu = mq_alloc_array((size_t)rows + 1, (size_t)F * sizeof(float), "expert activations");
     b->yg = mq_alloc_array((size_t)rows + 1, (size_t)D * sizeof(float), "expert outputs");
     b->tasks = mq_alloc_array((size_t)(C + rows / 256 + 1), sizeof(int64_t), "expert tasks");
+    b->grow = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
+    b->xrows = calloc((size_t)nb, sizeof *b->xrows);
+    b->xfirst = calloc((size_t)nb, sizeof *b->xfirst);
     if (!b->xin || !b->xin_buf || !b->cnt || !b->pos || !b->ebase || !b->tok || !b->tsample ||
-        !b->rw || !b->tok_row || !b->xg || !b->hg || !b->hu || !b->yg || !b->tasks) {
+        !b->rw || !b->tok_row || !b->xg || !b->hg || !b->hu || !b->yg || !b->tasks || !b->grow || !b->xrows ||
+        !b->xfirst) {
         batch_free(b);
         return mq_err(MOEQ_E_NOMEM, "out of memory for the expert batch scratch");
     }
@@ -1098,20 +1116,45 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
         for (int64_t r = b->ebase[e]; r < b->ebase[e + 1]; r += TASK_ROWS)
             b->tasks[b->n_tasks++] = e << 32 | (r - b->ebase[e]) / TASK_ROWS;
     moeq_status st = MOEQ_OK;
-    if (b->gmlp) {   /* the same values as batch_rows_task's (backend/gpu.h) */
+    /* On the GPU the rows stay there, their Hessians summed on the device, unless the CPU must see
+     * them (amax, weighted rows): only the samples' FFN inputs and the rows' indices go up. */
+    const bool dev_rows = b->gmlp && !b->amax && !(b->hess && p->o->expert_weighting);
+    if (dev_rows) {   /* the same values as batch_rows_task's (backend/gpu.h) */
+        const int64_t D = p->c->D;
+        int64_t at = 0;
+        for (int64_t i = 0; i < b->nb; i++) {
+            b->xrows[i] = p->calib.len[b->s0 + i];
+            b->xfirst[i] = at;
+            at += b->xrows[i];
+        }
+        for (int64_t r = 0; r < b->ebase[C]; r++) b->grow[r] = (int32_t)(b->xfirst[b->tsample[r]] + b->tok[r]);
+        st = mq_gpu_mlp_inputs(b->gmlp, b->xin, b->xrows, b->nb);
+        for (int64_t ce = 0; ce < C && !st; ce++) {
+            slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
+            const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
+            mq_gpu_hessians *hin = b->hess && gu->h.sum ? gu->gh : NULL, *hdn = b->hess && dn->h.sum ? dn->gh : NULL;
+            st = mq_gpu_mlp_run_rows(b->gmlp, ce, b->grow + r0, n, NULL, NULL, b->down ? b->yg + r0 * D : NULL,
+                                     hin, hdn);
+            if (hin) gu->h.n += n;
+            if (hdn) dn->h.n += n;
+        }
+        if (st) return st;
+    } else if (b->gmlp) {
         const int64_t D = p->c->D, F = p->c->moe_ffn;
         mq_parallel_for(b->n_tasks, batch_gather_task, b);
         for (int64_t ce = 0; ce < C && !st; ce++) {
             const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
-            st = mq_gpu_mlp_run(b->gmlp, ce, b->xg + r0 * D, n, b->hg + r0 * F, b->hu + r0 * F,
-                                b->down ? b->yg + r0 * D : NULL);
+            st = mq_gpu_mlp_run(b->gmlp, ce, b->xg + r0 * D, n, b->hg + r0 * F, NULL,
+                                b->down ? b->yg + r0 * D : NULL, NULL, NULL);
         }
         if (st) return st;
     } else {
         mq_parallel_for(b->n_tasks, batch_rows_task, b);
     }
     double t1 = mq_now();
-    if ((b->hess || b->amax) && p->gpu)   /* the GPU's sums in turn, each on the device */
+    if (dev_rows)
+        ;   /* summed on the device already */
+    else if ((b->hess || b->amax) && p->gpu)   /* the GPU's sums in turn, each on the device */
         for (int64_t ce = 0; ce < C && !st; ce++) st = batch_hessian_one(b, ce);
     else if (b->hess || b->amax)
         mq_parallel_for(C, batch_hessian_task, b);

@@ -17,6 +17,8 @@
  * (S = scale Q K^T over all T x T, the masked keys then get probability 0), a softmax kernel per
  * row over the visible keys [lo, hi), then out = P V as another batched GEMM.
  */
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <new>
@@ -109,6 +111,40 @@ __global__ void k_softmax_causal(float *S, int64_t T, int64_t window) {
     for (int64_t j = threadIdx.x; j < T; j += blockDim.x) row[j] = j >= lo && j < hi ? row[j] / total : 0.0f;
 }
 
+/* The routing of token t (one thread each), forward.c's route(): softmax over the E logits (the
+ * sum in double), the top_k largest probabilities with ties to the lower expert, optionally
+ * renormalised. The row of logits becomes the probabilities. */
+__global__ void k_route_softmax(float *logits, int64_t T, int64_t E, int64_t K, bool norm, int32_t *sel, float *w) {
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    float *p = logits + t * E;
+    float mx = p[0];
+    for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+    double sum = 0;
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = expf(p[e] - mx);
+        sum += p[e];
+    }
+    for (int64_t e = 0; e < E; e++) p[e] = (float)(p[e] / sum);
+    int32_t *st = sel + t * K;
+    float *wt = w + t * K;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            bool taken = false;
+            for (int64_t j = 0; j < k; j++) taken |= st[j] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        st[k] = (int32_t)best;
+        wt[k] = p[best];
+    }
+    if (norm) {
+        float ws = 0;
+        for (int64_t k = 0; k < K; k++) ws += wt[k];
+        for (int64_t k = 0; k < K; k++) wt[k] /= ws;
+    }
+}
+
 __global__ void k_add(float *x, const float *y, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         x[i] = x[i] + y[i];
@@ -121,25 +157,42 @@ unsigned grid_for(int64_t n) {
 
 }  // namespace
 
+/* MOEQ_GPU_PROFILE=1: each phase's time summed over the runs (the device synchronised at each
+ * mark), printed on stderr when the twin is freed. */
+enum { PH_UPLOAD, PH_NORM, PH_QKV, PH_ATTEND, PH_OUT, PH_ROUTE, PH_DOWNLOAD, N_PHASES };
+static const char *const PHASE_NAMES[N_PHASES] = {"upload", "norm+H", "q/k/v", "attend", "o+H", "ffn+route",
+                                                  "download"};
+
 struct mq_gpu_attn {
     mq_gpu *g;
+    bool profile;
+    double t_mark, phase_s[N_PHASES];
+    int64_t runs;
     mq_gpu_attn_shape sh;
     int64_t QD, KVD;              /* H * hd, KV * hd */
     int64_t heads_per_call;       /* query heads whose scores fit the buffer at max_T */
     int64_t window;               /* the current layer's */
-    bool has[12];                 /* which optional weights the layer has (biases, q/k norms) */
-    float *norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *qn, *kn;
+    bool has[13];                 /* which optional weights the layer has (biases, q/k norms, router) */
+    float *norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *qn, *kn, *fnorm, *router;
+    float *logits, *rw;           /* [max_T, E], [max_T, top_k] */
+    int32_t *rsel;                /* [max_T, top_k] */
     float *cos_t, *sin_t;
     float *x, *xn, *q, *k, *v, *att, *y, *S;
 };
 
 extern "C" void mq_gpu_attn_free(mq_gpu_attn *a) {
     if (!a) return;
+    if (a->profile && a->runs > 0)
+        for (int i = 0; i < N_PHASES; i++)
+            fprintf(stderr, "gpu attention: %-9s %9.2f ms in %lld runs\n", PHASE_NAMES[i], a->phase_s[i] * 1e3,
+                    (long long)a->runs);
     cudaSetDevice(a->g->device);
     cudaStreamSynchronize(a->g->stream[0]);
-    float *bufs[] = {a->norm, a->wq, a->wk, a->wv, a->wo, a->bq, a->bk, a->bv, a->bo, a->qn, a->kn,
-                     a->cos_t, a->sin_t, a->x, a->xn, a->q, a->k, a->v, a->att, a->y, a->S};
+    float *bufs[] = {a->norm, a->wq, a->wk, a->wv, a->wo, a->bq, a->bk, a->bv, a->bo, a->qn, a->kn, a->fnorm,
+                     a->router, a->logits, a->rw, a->cos_t, a->sin_t, a->x, a->xn, a->q, a->k, a->v, a->att,
+                     a->y, a->S};
     for (float *p : bufs) mq_cu_free(p);
+    mq_cu_free(a->rsel);
     delete a;
 }
 
@@ -156,6 +209,7 @@ extern "C" moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *sh, m
     a->g = g;
     a->sh = *sh;
     a->sh.rope_cos = a->sh.rope_sin = NULL;
+    a->profile = getenv("MOEQ_GPU_PROFILE") != NULL;
     a->QD = sh->H * sh->hd;
     a->KVD = sh->KV * sh->hd;
     const int64_t T = sh->max_T, D = sh->D, group = sh->H / sh->KV, tt = T * T;
@@ -184,6 +238,13 @@ extern "C" moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *sh, m
     if (!st) st = cu_alloc(&a->att, (size_t)(T * a->QD), "attention output");
     if (!st) st = cu_alloc(&a->y, (size_t)(T * D), "o_proj output");
     if (!st) st = cu_alloc(&a->S, (size_t)(a->heads_per_call * tt), "attention scores");
+    if (!st) st = cu_alloc(&a->fnorm, (size_t)D, "FFN norm");
+    if (!st && sh->E > 0 && sh->top_k > 0) {
+        if (!st) st = cu_alloc(&a->router, (size_t)(sh->E * D), "router weight");
+        if (!st) st = cu_alloc(&a->logits, (size_t)(T * sh->E), "router logits");
+        if (!st) st = cu_alloc(&a->rw, (size_t)(T * sh->top_k), "routing weights");
+        if (!st) st = cu_alloc(&a->rsel, (size_t)(T * sh->top_k), "routing");
+    }
     if (!st) st = CU(cudaMemcpyAsync(a->cos_t, sh->rope_cos, half_tab * sizeof(float), cudaMemcpyHostToDevice, s));
     if (!st) st = CU(cudaMemcpyAsync(a->sin_t, sh->rope_sin, half_tab * sizeof(float), cudaMemcpyHostToDevice, s));
     if (!st) st = CU(cudaStreamSynchronize(s));
@@ -207,10 +268,12 @@ extern "C" moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights
     } up[] = {{a->norm, w->norm, D},   {a->wq, w->q, QD * D},     {a->wk, w->k, KVD * D},
               {a->wv, w->v, KVD * D},  {a->wo, w->o, D * QD},     {a->bq, w->q_bias, QD},
               {a->bk, w->k_bias, KVD}, {a->bv, w->v_bias, KVD},   {a->bo, w->o_bias, D},
-              {a->qn, w->q_norm, qn},  {a->kn, w->k_norm, kn}};
+              {a->qn, w->q_norm, qn},  {a->kn, w->k_norm, kn},   {a->fnorm, w->ffn_norm, D},
+              {a->router, w->router, a->sh.E * D}};
+    if (w->router && !a->router) return mq_err(MOEQ_E_ARG, "GPU attention: a router, but made without experts");
     cudaStream_t s = a->g->stream[0];
     moeq_status st = CU(cudaSetDevice(a->g->device));
-    for (int i = 0; i < 11 && !st; i++) {
+    for (int i = 0; i < 13 && !st; i++) {
         a->has[i] = up[i].src != NULL;
         if (up[i].src)
             st = CU(cudaMemcpyAsync(up[i].dst, up[i].src, (size_t)up[i].n * sizeof(float), cudaMemcpyHostToDevice, s));
@@ -222,6 +285,14 @@ extern "C" moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights
 }
 
 namespace {
+
+void mark(mq_gpu_attn *a, int phase) {
+    if (!a->profile) return;
+    cudaStreamSynchronize(a->g->stream[0]);
+    const double t = mq_now();
+    if (phase >= 0) a->phase_s[phase] += t - a->t_mark;
+    a->t_mark = t;
+}
 
 /* y [T, n_out] = x [T, n_in] W^T (+ b), row-major. */
 moeq_status linear(mq_gpu_attn *a, const float *x, int64_t T, const float *W, int64_t n_out, int64_t n_in,
@@ -266,22 +337,30 @@ moeq_status attend(mq_gpu_attn *a, int64_t T) {
 
 }  // namespace
 
-extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, mq_gpu_hessians *hq,
-                                       mq_gpu_hessians *ho, float *xn, float *att) {
+extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out) {
     const mq_gpu_attn_shape *sh = &a->sh;
+    mq_gpu_hessians *hq = out->hq, *ho = out->ho;
+    float *xn = out->xn, *att = out->att;
+    const bool route = out->sel || out->w;
+    if (((out->ffn_in || route) && !a->has[11]) || (route && !a->has[12]))
+        return mq_err(MOEQ_E_ARG, "GPU attention: the FFN input or routing of a layer without %s",
+                      out->ffn_in ? "an FFN norm" : "a router");
     if (T <= 0) return MOEQ_OK;
     if (T > sh->max_T)
         return mq_err(MOEQ_E_ARG, "GPU attention: %lld tokens, made for %lld", (long long)T, (long long)sh->max_T);
     const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd;
     cudaStream_t s = a->g->stream[0];
     moeq_status st = CU(cudaSetDevice(a->g->device));
+    mark(a, -1);
     if (!st) st = CU(cudaMemcpyAsync(a->x, x, (size_t)(T * D) * sizeof(float), cudaMemcpyHostToDevice, s));
+    mark(a, PH_UPLOAD);
     if (!st) {
         k_rmsnorm<<<(unsigned)T, NORM_THREADS, 0, s>>>(a->xn, a->x, T, D, a->norm, sh->eps);
         st = CU_LAUNCHED("k_rmsnorm");
     }
     if (!st && hq) st = mq_gpu_hessians_add_device(hq, 0, a->xn, T);
     if (!st && xn) st = CU(cudaMemcpyAsync(xn, a->xn, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    mark(a, PH_NORM);
     if (!st) st = linear(a, a->xn, T, a->wq, QD, D, a->has[5] ? a->bq : NULL, a->q);
     if (!st) st = linear(a, a->xn, T, a->wk, KVD, D, a->has[6] ? a->bk : NULL, a->k);
     if (!st) st = linear(a, a->xn, T, a->wv, KVD, D, a->has[7] ? a->bv : NULL, a->v);
@@ -304,7 +383,9 @@ extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, mq_g
         k_rope<<<grid_for(T * KVD / 2), 256, 0, s>>>(a->k, T, sh->KV, hd, a->cos_t, a->sin_t);
         st = CU_LAUNCHED("k_rope");
     }
+    mark(a, PH_QKV);
     if (!st) st = attend(a, T);
+    mark(a, PH_ATTEND);
     if (!st && ho) st = mq_gpu_hessians_add_device(ho, 0, a->att, T);
     if (!st && att) st = CU(cudaMemcpyAsync(att, a->att, (size_t)(T * QD) * sizeof(float), cudaMemcpyDeviceToHost, s));
     if (!st) st = linear(a, a->att, T, a->wo, D, QD, a->has[8] ? a->bo : NULL, a->y);
@@ -312,7 +393,26 @@ extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, mq_g
         k_add<<<grid_for(T * D), 256, 0, s>>>(a->x, a->y, T * D);
         st = CU_LAUNCHED("k_add");
     }
-    if (!st) st = CU(cudaMemcpyAsync(x, a->x, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    mark(a, PH_OUT);
+    if (!st && (out->ffn_in || route)) {   /* the FFN input into xn (no longer needed) */
+        k_rmsnorm<<<(unsigned)T, NORM_THREADS, 0, s>>>(a->xn, a->x, T, D, a->fnorm, sh->eps);
+        st = CU_LAUNCHED("k_rmsnorm");
+    }
+    if (!st && route) st = linear(a, a->xn, T, a->router, sh->E, D, NULL, a->logits);
+    if (!st && route) {
+        k_route_softmax<<<(unsigned)((T + 127) / 128), 128, 0, s>>>(a->logits, T, sh->E, sh->top_k, sh->norm_topk,
+                                                                     a->rsel, a->rw);
+        st = CU_LAUNCHED("k_route_softmax");
+    }
+    mark(a, PH_ROUTE);
+    const size_t tk = (size_t)(T * sh->top_k);
+    if (!st && out->ffn_in)
+        st = CU(cudaMemcpyAsync(out->ffn_in, a->xn, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    if (!st && out->sel) st = CU(cudaMemcpyAsync(out->sel, a->rsel, tk * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+    if (!st && out->w) st = CU(cudaMemcpyAsync(out->w, a->rw, tk * sizeof(float), cudaMemcpyDeviceToHost, s));
+    if (!st && !out->keep_x) st = CU(cudaMemcpyAsync(x, a->x, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
     if (!st) st = CU(cudaStreamSynchronize(s));
+    mark(a, PH_DOWNLOAD);
+    a->runs++;
     return st;
 }

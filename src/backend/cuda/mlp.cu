@@ -57,6 +57,12 @@ __global__ void k_swiglu(float *g, const float *u, int64_t n) {
     }
 }
 
+/* x [n, D] = rows src[i] of the inputs [*, D]. */
+__global__ void k_gather(float *x, const float *in, const int32_t *src, int64_t n, int64_t D) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n * D; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = in[(int64_t)src[i / D] * D + i % D];
+}
+
 moeq_status gemm(cudaStream_t s, int64_t M, int64_t N, int64_t K, const float *A, const float *B, float *C) {
     if (M <= 0 || N <= 0) return MOEQ_OK;
     k_gemm_det<<<dim3((unsigned)((N + TN - 1) / TN), (unsigned)((M + TM - 1) / TM)), 256, 0, s>>>(M, N, K, A, B, C);
@@ -70,6 +76,9 @@ struct mq_gpu_mlp {
     int64_t E, D, F, max_rows;
     std::vector<float *> w;   /* [3E]: gate, up, down of each expert (down may be NULL) */
     float *x, *hg, *hu, *y;
+    float *in;                /* mq_gpu_mlp_inputs' rows */
+    int64_t in_rows, in_cap;
+    int32_t *src;             /* [max_rows] a chunk's row indices into `in` */
 };
 
 extern "C" void mq_gpu_mlp_free(mq_gpu_mlp *m) {
@@ -81,6 +90,8 @@ extern "C" void mq_gpu_mlp_free(mq_gpu_mlp *m) {
     mq_cu_free(m->hg);
     mq_cu_free(m->hu);
     mq_cu_free(m->y);
+    mq_cu_free(m->in);
+    mq_cu_free(m->src);
     delete m;
 }
 
@@ -98,7 +109,9 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     m->F = F;
     m->max_rows = max_rows > 0 ? max_rows : 1;
     m->w.assign((size_t)(3 * E), NULL);
-    m->x = m->hg = m->hu = m->y = NULL;
+    m->x = m->hg = m->hu = m->y = m->in = NULL;
+    m->src = NULL;
+    m->in_rows = m->in_cap = 0;
     cudaStream_t s = g->stream[0];
     const size_t wsz = (size_t)(D * F);
     for (int64_t e = 0; e < E && !st; e++) {
@@ -114,6 +127,7 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     if (!st) st = cu_alloc(&m->hg, r * (size_t)F, "expert activations");
     if (!st) st = cu_alloc(&m->hu, r * (size_t)F, "expert activations");
     if (!st) st = cu_alloc(&m->y, r * (size_t)D, "expert outputs");
+    if (!st) st = cu_alloc(&m->src, r, "expert row indices");
     if (st) {
         mq_gpu_mlp_free(m);
         return st;
@@ -122,8 +136,12 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     return MOEQ_OK;
 }
 
-extern "C" moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, int64_t n, float *hg, float *hu,
-                                      float *y) {
+namespace {
+
+/* Expert e on n rows, max_rows at a time: each chunk's rows into m->x (from the host's x, or
+ * gathered from m->in by src), then the products, the Hessian sums and the copies asked for. */
+moeq_status mlp_rows(mq_gpu_mlp *m, int64_t e, const float *x, const int32_t *src, int64_t n, float *hg, float *hu,
+                     float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
     if (e < 0 || e >= m->E) return mq_err(MOEQ_E_ARG, "GPU experts: expert %lld of %lld", (long long)e, (long long)m->E);
     if (n <= 0) return MOEQ_OK;
     if (y && !m->w[(size_t)(3 * e + 2)]) return mq_err(MOEQ_E_ARG, "GPU experts: expert %lld has no down weights", (long long)e);
@@ -132,20 +150,72 @@ extern "C" moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, 
     moeq_status st = CU(cudaSetDevice(m->g->device));
     for (int64_t r0 = 0; r0 < n && !st; r0 += m->max_rows) {
         const int64_t k = n - r0 < m->max_rows ? n - r0 : m->max_rows;
-        st = CU(cudaMemcpyAsync(m->x, x + r0 * D, (size_t)(k * D) * sizeof(float), cudaMemcpyHostToDevice, s));
+        if (src) {
+            for (int64_t i = 0; i < k && !st; i++)
+                if (src[r0 + i] < 0 || src[r0 + i] >= m->in_rows)
+                    st = mq_err(MOEQ_E_ARG, "GPU experts: row %lld of %lld inputs", (long long)src[r0 + i],
+                                (long long)m->in_rows);
+            if (!st) st = CU(cudaMemcpyAsync(m->src, src + r0, (size_t)k * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+            if (!st) {
+                const int64_t b = (k * D + 255) / 256;
+                k_gather<<<(unsigned)(b < 8192 ? b : 8192), 256, 0, s>>>(m->x, m->in, m->src, k, D);
+                st = CU_LAUNCHED("k_gather");
+            }
+        } else {
+            st = CU(cudaMemcpyAsync(m->x, x + r0 * D, (size_t)(k * D) * sizeof(float), cudaMemcpyHostToDevice, s));
+        }
+        if (!st && h_in) st = mq_gpu_hessians_add_device(h_in, 0, m->x, k);
         if (!st) st = gemm(s, k, F, D, m->x, m->w[(size_t)(3 * e)], m->hg);
         if (!st) st = gemm(s, k, F, D, m->x, m->w[(size_t)(3 * e + 1)], m->hu);
         if (!st) {
             k_swiglu<<<1024, 256, 0, s>>>(m->hg, m->hu, k * F);
             st = CU_LAUNCHED("k_swiglu");
         }
+        if (!st && h_down) st = mq_gpu_hessians_add_device(h_down, 0, m->hg, k);
         if (!st && y) st = gemm(s, k, D, F, m->hg, m->w[(size_t)(3 * e + 2)], m->y);
-        if (!st) st = CU(cudaMemcpyAsync(hg + r0 * F, m->hg, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
+        if (!st && hg) st = CU(cudaMemcpyAsync(hg + r0 * F, m->hg, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
         if (!st && hu) st = CU(cudaMemcpyAsync(hu + r0 * F, m->hu, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
         if (!st && y) st = CU(cudaMemcpyAsync(y + r0 * D, m->y, (size_t)(k * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+        /* the next chunk overwrites m->src and m->x: the copies of this one must be done */
         if (!st) st = CU(cudaStreamSynchronize(s));
     }
     return st;
+}
+
+}  // namespace
+
+extern "C" moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, int64_t n, float *hg, float *hu,
+                                      float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
+    return mlp_rows(m, e, x, NULL, n, hg, hu, y, h_in, h_down);
+}
+
+extern "C" moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_t *rows, int64_t n_x) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < n_x; i++) total += rows[i];
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    cudaStream_t s = m->g->stream[0];
+    if (!st) st = CU(cudaStreamSynchronize(s));   /* a previous chunk may still read `in` */
+    if (!st && total > m->in_cap) {
+        mq_cu_free(m->in);
+        m->in = NULL;
+        m->in_cap = 0;
+        if ((st = cu_alloc(&m->in, (size_t)(total * m->D), "expert inputs"))) return st;
+        m->in_cap = total;
+    }
+    int64_t at = 0;
+    for (int64_t i = 0; i < n_x && !st; i++) {
+        if (rows[i] > 0)
+            st = CU(cudaMemcpyAsync(m->in + at * m->D, x[i], (size_t)(rows[i] * m->D) * sizeof(float),
+                                    cudaMemcpyHostToDevice, s));
+        at += rows[i];
+    }
+    m->in_rows = st ? 0 : total;
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, float *hg,
+                                           float *hu, float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
+    return mlp_rows(m, e, NULL, src, n, hg, hu, y, h_in, h_down);
 }
 
 extern "C" moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
