@@ -47,6 +47,43 @@ grep -q "deepseek2" "$tmp/g.log" || fail "--format gguf: the message does not na
 kl=$(json_get "$tmp/e.json" kl_mean)
 [ "$kl" = "0" ] || fail "FP8 copy vs its dequantized twin: kl_mean $kl, expected 0"
 
+# an FP8 source's MTP layer passes through as it is: F8_E4M3 weights and their scales (made here
+# by giving the FP8 copy a layer 3 of its layer 2's bytes)
+if command -v python3 >/dev/null; then
+    mkdir -p "$tmp/fp8mtp" && cp "$model"/tokenizer*.json "$tmp/fp8mtp"/
+    python3 - "$data/deepseekv3-fp8-tiny" "$tmp/fp8mtp" <<'PY'
+import json, struct, sys
+src, dst = sys.argv[1], sys.argv[2]
+raw = open(src + "/model.safetensors", "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+head = json.loads(raw[8:8 + n]); head.pop("__metadata__", None)
+data = {k: (v["dtype"], v["shape"], raw[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+        for k, v in head.items()}
+for k in list(data):
+    if k.startswith("model.layers.2."):
+        data[k.replace("model.layers.2.", "model.layers.3.", 1)] = data[k]
+h, off, blobs = {}, 0, []
+for k in sorted(data):
+    dt, shp, b = data[k]
+    h[k] = {"dtype": dt, "shape": shp, "data_offsets": [off, off + len(b)]}
+    blobs.append(b); off += len(b)
+hj = json.dumps(h).encode(); hj += b" " * (-len(hj) % 8)
+open(dst + "/model.safetensors", "wb").write(struct.pack("<Q", len(hj)) + hj + b"".join(blobs))
+c = json.load(open(src + "/config.json")); c["num_nextn_predict_layers"] = 1
+json.dump(c, open(dst + "/config.json", "w"))
+PY
+    "$cli" quantize "$tmp/fp8mtp" --out "$tmp/fp8mtp-q" --scheme nvfp4a16 --method rtn 2>/dev/null ||
+        fail "quantize of the FP8 source with an MTP layer exited $?"
+    t=$("$cli" inspect "$tmp/fp8mtp-q" --tensors)
+    printf '%s\n' "$t" | grep -q "model.layers.3.self_attn.q_a_proj.weight  *F8_E4M3  *\[64, 64\]" ||
+        fail "the FP8 MTP weight is not passed through as F8_E4M3"
+    printf '%s\n' "$t" | grep -q "model.layers.3.self_attn.q_a_proj.weight_scale_inv  *F32  *\[2, 2\]" ||
+        fail "the FP8 MTP weight's scale is not passed through"
+    cp "$model"/tokenizer*.json "$tmp/fp8mtp-q"/
+    "$cli" eval "$tmp/fp8mtp-q" --task text --data "$repo/data/demo-eval.txt" >/dev/null 2>&1 ||
+        fail "the quantized checkpoint with FP8 MTP tensors does not evaluate"
+fi
+
 # every checkpoint format holds it and reads back (KL to the unquantized model on held-out text,
 # measured 0.053-0.058 nats per token for these RTN runs)
 for f in "modelopt nvfp4a16" "gptq int4 --group-size 16" "compressed-tensors int4 --group-size 16"; do
