@@ -889,12 +889,18 @@ typedef struct {
     const mq_lazy_model *lz;
     size_t *idx;
     moeq_status *status;
+    bool (*alloc_only)(float **dest, void *user);
+    void *user;
 } lazy_job;
 
 static void lazy_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     lazy_job *j = ctx;
     const want *w = &j->lz->L.w[j->idx[i]];
+    if (j->alloc_only && j->alloc_only(w->dest, j->user)) {
+        j->status[i] = MOEQ_OK;
+        return;
+    }
     if (w->quantized) {
         j->status[i] = MOEQ_OK;   /* below, on the calling thread, for its messages */
         return;
@@ -914,6 +920,11 @@ static void lazy_task(void *ctx, int64_t i, int thread) {
 }
 
 moeq_status mq_lazy_load(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
+    return mq_lazy_load_ex(lz, layer, what, e0, e1, NULL, NULL);
+}
+
+moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1,
+                            bool (*alloc_only)(float **dest, void *user), void *user) {
     size_t n = 0;
     for (size_t i = 0; i < lz->L.n; i++) n += want_selected(&lz->L.w[i], layer, what, e0, e1);
     size_t *idx = malloc((n ? n : 1) * sizeof *idx);
@@ -933,14 +944,14 @@ moeq_status mq_lazy_load(mq_lazy_model *lz, int layer, unsigned what, int e0, in
         else idx[n++] = i;
     }
     if (!s) {
-        lazy_job j = {lz, idx, status};
+        lazy_job j = {lz, idx, status, alloc_only, user};
         mq_parallel_for((int64_t)n, lazy_task, &j);
         for (size_t k = 0; k < n && !s; k++)
             if (status[k])
                 s = mq_err(status[k], "tensor '%s': cannot convert to fp32", lz->L.w[idx[k]].name);
         for (size_t k = 0; k < n && !s; k++) {
             const want *w = &lz->L.w[idx[k]];
-            if (w->quantized)
+            if (w->quantized && !(alloc_only && alloc_only(w->dest, user)))
                 s = mq_load_linear_weight(lz->st, w->module, w->shape[0], w->shape[1], *w->dest, NULL);
         }
     }

@@ -186,6 +186,11 @@ const mq_st *mq_lazy_st(const mq_lazy_model *lz);
 /* Loads (idempotent) / frees the parts `what` of layer l; experts only those in [e0, e1). */
 moeq_status mq_lazy_load(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
 void mq_lazy_release(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
+/* mq_lazy_load, but the weights whose destination (&lin->w, ...) alloc_only(dest, user) names
+ * only get their fp32 buffer, left unset (their values are about to be written: dequantized
+ * results). */
+moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1,
+                            bool (*alloc_only)(float **dest, void *user), void *user);
 /* fp32 bytes mq_lazy_load would allocate for the same arguments. */
 int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
 /* x[T, D] = embedding rows of ids, read from the mapping (ids checked). */

@@ -1323,6 +1323,21 @@ static moeq_status unseen_expert_scales(mq_pipe *p, const slot *gu, const slot *
     return MOEQ_OK;
 }
 
+/* mq_lazy_load_ex's test: a weight of a Linear that one of n gate/up and down slots quantizes. */
+typedef struct {
+    const slot *gu, *dn;
+    int n;
+} quantized_in;
+
+static bool is_quantized_in(float **dest, void *user) {
+    const quantized_in *q = user;
+    for (int i = 0; i < q->n; i++)
+        for (int k = 0; k < 3; k++)
+            if ((k < q->gu[i].nw && dest == &q->gu[i].w[k]->w) || (k < q->dn[i].nw && dest == &q->dn[i].w[k]->w))
+                return true;
+    return false;
+}
+
 static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     const mq_config *c = p->c;
     const int E = c->n_experts, K = c->top_k;
@@ -1431,13 +1446,16 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     }
     if (dist) {
         /* every expert from its owner, chunk by chunk in expert order; each rank's samples
-         * through them (unquantized ones without sequential calibration) */
+         * through them (unquantized ones without sequential calibration). With sequential
+         * calibration a quantized Linear's weights are its dequantized codes: only the others
+         * are read from the checkpoint. */
         char step[48];
         snprintf(step, sizeof step, "layer %d: experts", l);
         st = mq_dist_agree(st, step);
         for (int e0 = 0; e0 < E && !st; e0 += C) {
             const int e1 = e0 + C < E ? e0 + C : E;
-            st = mq_lazy_load(p->lz, l, MQ_PART_EXPERTS, e0, e1);
+            quantized_in qi = {gu + e0, dn + e0, e1 - e0};
+            st = mq_lazy_load_ex(p->lz, l, MQ_PART_EXPERTS, e0, e1, p->seq ? is_quantized_in : NULL, &qi);
             st = mq_dist_agree(st, step);
             if (!st) st = share_slots(p, l, gu + e0, e1 - e0);
             if (!st) st = share_slots(p, l, dn + e0, e1 - e0);
