@@ -236,6 +236,11 @@ static void test_gemm_reference_and_twins(void) {
                 gemm_case c = {gi == 0, groups[gi], split, 48, 256, m, (mq_moe_stype)(m % 3), m & 1};
                 run_gemm_case(&c, tw, tn);
             }
+    /* more than one block of 64 activation rows (the kernels' outer loop), both schemes */
+    for (int nv = 0; nv < 2; nv++) {
+        gemm_case c = {nv, nv ? 16 : 64, 1, 32, 128, 70, MQ_MOE_S_BF16, 1};
+        run_gemm_case(&c, tw, tn);
+    }
     if (!ntw) SKIP("no SIMD twin on this CPU: reference checked against doubles only");
 }
 
