@@ -5,7 +5,8 @@
 # --format gguf is refused before any work (exit 1, naming llama.cpp's deepseek2); eval of the
 # FP8 copy against its dequantized twin gives a KL of exactly 0; the quantized checkpoint
 # generates on the packed kernels; ModelOpt, GPTQ and INT4 compressed-tensors checkpoints read back;
-# an FP8 source's MTP layer passes through as FP8; mpirun gives the single process's bytes.
+# an FP8 source's MTP layer passes through as FP8; a killed and resumed GPTQ run and mpirun give
+# the single process's bytes.
 . "$(dirname "$0")/common.sh"
 data=$repo/tests/data
 mk() { # mk NAME: tests/data/NAME with the bundled tokenizer, in $tmp
@@ -99,13 +100,20 @@ for f in "modelopt nvfp4a16" "gptq int4 --group-size 16" "compressed-tensors int
     awk -v k="$kl" 'BEGIN { exit !(k > 0.01 && k < 0.1) }' || fail "--format $fmt: kl_mean $kl"
 done
 
+# GPTQ killed in layer 1's experts, then --resume (with the MTP layer): the same bytes
+g=(--scheme nvfp4a16 --method gptq --calib "$repo/data/demo-calib.txt" --nsamples 8 --seqlen 64 --quiet)
+"$cli" quantize "$src" --out "$tmp/g1" "${g[@]}" || fail "GPTQ exited $?"
+MOEQ_FAULT=chunk:1:1 "$cli" quantize "$src" --out "$tmp/gr" "${g[@]}" --expert-chunk 4 2>/dev/null
+rc=$?
+[ $rc -eq 137 ] || fail "the killed run exited $rc, expected 137"
+"$cli" quantize "$src" --out "$tmp/gr" "${g[@]}" --expert-chunk 4 --resume || fail "--resume exited $?"
+same_checkpoint "$tmp/g1" "$tmp/gr" "the resumed run" "the uninterrupted run"
+
 # under mpirun (2 and 3 ranks: the latent attention's four slots calibrated on different ranks)
 # the checkpoint is byte-identical to one process's
 if command -v mpirun >/dev/null && "$cli" --version | grep -q "^MPI: Open MPI"; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_plm_rsh_agent=false
-    g=(--scheme nvfp4a16 --method gptq --calib "$repo/data/demo-calib.txt" --nsamples 8 --seqlen 64 --quiet)
-    "$cli" quantize "$src" --out "$tmp/g1" "${g[@]}" || fail "GPTQ exited $?"
     for np in 2 3; do
         timeout 300 mpirun --oversubscribe -np $np "$cli" quantize "$src" --out "$tmp/g$np" "${g[@]}" ||
             fail "mpirun -np $np exited $?"
