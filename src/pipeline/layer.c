@@ -62,17 +62,49 @@ typedef struct {
     int64_t tokens;
     float amax;                   /* W4A4: the input's amax over the calibration */
     int owner;                    /* the rank that calibrates and quantizes it */
+    int lown[3];                  /* the rank that quantizes each of its Linears (owner, or with
+                                     several ranks one each for the attention's Linears; each
+                                     such rank then holds the slot's Hessian) */
     bool held;                    /* with several ranks: its results wait in q/qs for share_slots */
     mq_qtensor q[3];
     mq_gptq_stats qs[3];
 } slot;
 
-static bool mine(const mq_pipe *p, const slot *s) { return s->owner == p->rank; }
+/* Whether this rank quantizes a Linear of slot s (and so holds its Hessian). */
+static bool mine(const mq_pipe *p, const slot *s) {
+    for (int k = 0; k < s->nw; k++)
+        if (s->lown[k] == p->rank) return true;
+    return s->nw == 0 && s->owner == p->rank;
+}
+
+/* Whether this rank quantizes the slot's k-th Linear. */
+static bool mine_k(const mq_pipe *p, const slot *s, int k) { return s->lown[k] == p->rank; }
+
+/* The slot and all its Linears to rank r. */
+static void slot_own(slot *s, int r) { s->owner = s->lown[0] = s->lown[1] = s->lown[2] = r; }
+
+/* The distinct ranks that quantize a Linear of s (at least its owner), in increasing order. */
+static int slot_owners(const slot *s, int out[3]) {
+    int n = 0;
+    for (int k = 0; k < (s->nw > 0 ? s->nw : 1); k++) {
+        const int r = s->nw > 0 ? s->lown[k] : s->owner;
+        bool seen = false;
+        for (int i = 0; i < n; i++) seen |= out[i] == r;
+        if (!seen) out[n++] = r;
+    }
+    for (int a = 1; a < n; a++)
+        for (int b = a; b > 0 && out[b - 1] > out[b]; b--) {
+            const int t = out[b];
+            out[b] = out[b - 1];
+            out[b - 1] = t;
+        }
+    return n;
+}
 
 static void slot_set(mq_pipe *p, slot *s, int expert, bool down, mq_linear *a, mq_linear *b,
                      mq_linear *c) {
     memset(s, 0, sizeof *s);
-    s->owner = p->rank;   /* alone: everything is this process's */
+    slot_own(s, p->rank);   /* alone: everything is this process's */
     s->expert = expert;
     s->down = down;
     s->how = p->o->gptq ? MQ_HOW_GPTQ : MQ_HOW_RTN;
@@ -310,10 +342,11 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         }
     for (int i = 0; i < n && !st; i++) {
         slot *s = &slots[i];
-        for (int k = 0; k < s->nw && !st && mine(p, s); k++) {
+        for (int k = 0; k < s->nw && !st; k++) {
             mq_linear *lin = s->w[k];
             int j = 3 * i + k;
             job_of[j] = -1;
+            if (!mine_k(p, s, k)) continue;   /* another rank's Linear of this slot */
             if (s->how == MQ_HOW_RTN) {
                 double tr = mq_now();
                 st = mq_quantize_rtn(&o->spec, lin->w, lin->out, lin->in, gs[j], lin->name, &q[j]);
@@ -332,8 +365,8 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         int32_t *job_h = calloc((size_t)n_jobs, sizeof *job_h);
         if (!job_h) st = mq_err(MOEQ_E_NOMEM, "out of memory quantizing layer %d", l);
         for (int i = 0; i < n && !st; i++)
-            for (int k = 0; k < slots[i].nw && mine(p, &slots[i]); k++)
-                if (job_of[3 * i + k] >= 0)
+            for (int k = 0; k < slots[i].nw; k++)
+                if (mine_k(p, &slots[i], k) && job_of[3 * i + k] >= 0)
                     job_h[job_of[3 * i + k]] =
                         slots[i].how == MQ_HOW_GPTQ_BLOCK_HESSIAN && !slots[i].down ? n : i;
         if (!st) st = mq_gpu_gptq(p->gpu, &o->spec, &o->g, Hs, Ks, names, nf, jobs, job_h, n_jobs);
@@ -349,7 +382,8 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
     p->layers[l].gptq += mq_now() - t0;
     for (int i = 0; i < n && !st; i++) {
         slot *s = &slots[i];
-        for (int k = 0; k < s->nw && !st && mine(p, s); k++) {
+        for (int k = 0; k < s->nw && !st; k++) {
+            if (!mine_k(p, s, k)) continue;
             int j = 3 * i + k;
             const mq_gptq_stats *sj = job_of[j] >= 0 ? &jobs[job_of[j]].stats : &stats[j];
             if (p->ranks > 1) {   /* kept for share_slots, which every rank runs */
@@ -438,13 +472,13 @@ static moeq_status wire_pack(const slot *s, int k, void **out, size_t *n) {
 static moeq_status wire_unpack(slot *s, int k, const void *data, size_t n) {
     const unsigned char *b = data;
     wire_head h;
-    if (n < sizeof h) return mq_err(MOEQ_E_FORMAT, "%s: short message from rank %d", s->w[k]->name, s->owner);
+    if (n < sizeof h) return mq_err(MOEQ_E_FORMAT, "%s: short message from rank %d", s->w[k]->name, s->lown[k]);
     memcpy(&h, b, sizeof h);
     const size_t n_codes = (size_t)(h.rows * h.cols), nc = (n_codes + 1) / 2;
     const size_t np = (size_t)(h.rows * h.n_groups) * sizeof(mq_gparams);
     const size_t ng = h.has_gidx ? (size_t)h.cols * sizeof(int32_t) : 0;
     if (n != sizeof h + nc + np + ng || h.rows != s->w[k]->out || h.cols != s->w[k]->in)
-        return mq_err(MOEQ_E_FORMAT, "%s: the message from rank %d does not match its shape", s->w[k]->name, s->owner);
+        return mq_err(MOEQ_E_FORMAT, "%s: the message from rank %d does not match its shape", s->w[k]->name, s->lown[k]);
     mq_qtensor *q = &s->q[k];
     moeq_status st = mq_qtensor_init(q, &h.spec, h.rows, h.cols, s->w[k]->name);
     if (st) return st;
@@ -481,16 +515,16 @@ static moeq_status share_slots(mq_pipe *p, int l, slot *slots, int n) {
             void *buf = NULL;
             size_t len = 0;
             moeq_status ps = MOEQ_OK;
-            if (mine(p, s)) ps = s->held ? wire_pack(s, k, &buf, &len)
+            if (mine_k(p, s, k)) ps = s->held ? wire_pack(s, k, &buf, &len)
                                          : mq_err(MOEQ_E_ARG, "%s: not quantized", s->w[k]->name);
             moeq_status cs = mq_dist_agree(ps, step);   /* the owner could not pack it */
             if (cs) return st ? st : cs;
-            cs = mq_dist_bcast_blob(&buf, &len, s->owner, step);
+            cs = mq_dist_bcast_blob(&buf, &len, s->lown[k], step);
             if (cs) {
                 free(buf);
                 return st ? st : cs;
             }
-            if (!mine(p, s) && !st) st = wire_unpack(s, k, buf, len);
+            if (!mine_k(p, s, k) && !st) st = wire_unpack(s, k, buf, len);
             free(buf);
             if (!st) st = finish_linear(p, l, s, k, &s->q[k], &s->qs[k]);
             mq_qtensor_free(&s->q[k]);
@@ -682,13 +716,17 @@ static moeq_status gather_hessian(mq_pipe *p, int l, slot *s, const float *arena
             const int64_t rows = p->calib.len[t];
             const size_t bytes = sizeof(float) * (size_t)(rows * width);
             const float *x = r == p->rank ? arena + (t - lo) * Lmax * width : tmp;
-            if (mine(p, s)) {
-                if (r != p->rank) st = mq_dist_recv(tmp, bytes, r, step);
+            if (r == p->rank) {   /* to every other rank that quantizes one of its Linears */
+                int own[3];
+                for (int i = 0, n = slot_owners(s, own); i < n && !st; i++)
+                    if (own[i] != p->rank) st = mq_dist_send(x, bytes, own[i], step);
+            } else if (mine(p, s)) {
+                st = mq_dist_recv(tmp, bytes, r, step);
+            }
+            if (mine(p, s) && !st) {
                 double t0 = mq_now();
-                if (!st) st = slot_add(s, x, rows);
+                st = slot_add(s, x, rows);
                 p->layers[l].hessian += mq_now() - t0;
-            } else if (r == p->rank) {
-                st = mq_dist_send(x, bytes, s->owner, step);
             }
         }
     }
@@ -734,12 +772,17 @@ static moeq_status split_hessian(mq_pipe *p, int l, slot *s, const float *arena,
             n += rows;
         }
     }
-    /* the bands to the owner */
+    /* the bands to each rank that quantizes one of the slot's Linears */
+    int own[3];
+    const int n_own = slot_owners(s, own);
     for (int r = 0; r < p->ranks && !st; r++) {
         const int64_t a = band_start(K, r, p->ranks), b = band_start(K, r + 1, p->ranks);
-        if (r == s->owner || b <= a) continue;
-        if (mine(p, s)) st = mq_dist_recv(C + a * K, sizeof(float) * (size_t)((b - a) * K), r, step);
-        else if (r == p->rank) st = mq_dist_send(C + a * K, sizeof(float) * (size_t)((b - a) * K), s->owner, step);
+        const size_t bytes = sizeof(float) * (size_t)((b - a) * K);
+        for (int i = 0; i < n_own && !st && b > a; i++) {
+            if (own[i] == r) continue;
+            if (p->rank == own[i]) st = mq_dist_recv(C + a * K, bytes, r, step);
+            else if (p->rank == r) st = mq_dist_send(C + a * K, bytes, own[i], step);
+        }
     }
     if (!st && mine(p, s)) s->h.n += n;
     mq_hessian_free(&band);
@@ -783,8 +826,13 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         slot_set(p, &sl[0], -1, false, &ly->q, &ly->k, &ly->v);
     }
     slot_set(p, &sl[1], -1, false, &ly->o, NULL, NULL);
-    if (p->ranks > 1)   /* every rank runs the attention; the slots are calibrated apart */
-        for (int i = 0; i < n_sl; i++) sl[i].owner = i % p->ranks;
+    if (p->ranks > 1) {   /* every rank runs the attention; its Linears are quantized apart */
+        int next = 0;
+        for (int i = 0; i < n_sl; i++) {
+            sl[i].owner = next % p->ranks;
+            for (int k = 0; k < sl[i].nw; k++) sl[i].lown[k] = next++ % p->ranks;
+        }
+    }
     att_capture cap = {.qkv = &sl[0], .o = &sl[1], .amax = p->o->act_quant};
     if (c->mla) {
         cap.qb = &sl[2];
@@ -1370,7 +1418,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         for (int r = 0; dist && r < p->ranks; r++) {
             int64_t lo, hi;
             mq_dist_share(E, r, p->ranks, &lo, &hi);
-            if (e >= lo && e < hi) gu[e].owner = dn[e].owner = r;
+            if (e >= lo && e < hi) slot_own(&gu[e], r), slot_own(&dn[e], r);
         }
         gu[e].tokens = dn[e].tokens = tokens[e];
         gu[e].hold = dn[e].hold = fit ? fit[e] : 0;
@@ -1525,7 +1573,7 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
     slot_set(p, &sl[0], -1, false, g, shared ? &ly->sh_up : &ly->up, NULL);
     slot_set(p, &sl[1], -1, true, shared ? &ly->sh_down : &ly->down, NULL, NULL);
     const bool dist = p->ranks > 1;
-    if (dist) sl[0].owner = sl[1].owner = p->ranks - 1;   /* rank 0 has the attention's q/k/v */
+    if (dist) slot_own(&sl[0], p->ranks - 1), slot_own(&sl[1], p->ranks - 1);   /* rank 0 has the attention's q */
     const int64_t Lmax = p->calib.max_len, D = p->c->D, F = g->out;
     float *xs = mq_alloc_array((size_t)p->LD, sizeof(float), "FFN input");
     float *hg = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "MLP activations");
