@@ -4,8 +4,8 @@
  * transformers' goldens (tests/data/deepseekv3-*: q LoRA + YaRN + interleaved rope + expert
  * groups, its FP8 block-quantized copy, the variant without q LoRA when present) and against
  * itself through the KV cache, the latent attention (with and without q LoRA, YaRN and interleaved
- * rope) against a slow obvious one in double, the op's group-limited expert choice against an obvious
- * implementation written here, and the quantizer: GPTQ through the pipeline (every latent
+ * rope) against a slow obvious one in double, the op's group-limited expert choice against an
+ * obvious implementation written here, and the quantizer: GPTQ through the pipeline (every latent
  * attention Linear calibrated on its own input), the packed runtime against the dequantized fp32
  * path of the same checkpoint, the multi-token-prediction layer passed through byte for byte (or
  * dropped with drop_mtp), an FP8 source quantizing to the same codes as its dequantized twin, and
@@ -61,7 +61,7 @@ static void test_config_fixture(void) {
     ASSERT_TRUE(c.mla && c.yarn && c.rope_interleave && c.sigmoid_router && c.router_bias);
     ASSERT_EQ_INT(64, c.q_lora_rank);
     ASSERT_EQ_INT(32, c.kv_lora_rank);
-    ASSERT_EQ_INT(24, c.head_dim);   /* nope 16 + rope 8, not the config's head_dim 8 */
+    ASSERT_EQ_INT(24, c.head_dim); /* nope 16 + rope 8, not the config's head_dim 8 */
     ASSERT_EQ_INT(8, c.rope_dim);
     ASSERT_EQ_INT(16, c.v_head_dim);
     ASSERT_EQ_INT(4, c.n_group);
@@ -123,7 +123,8 @@ static void test_config_release(void) {
     mq_config_free(&c);
     /* kimi_k2 has the same layout (one group); the first of duplicate keys counts */
     char buf[4096];
-    int n = snprintf(buf, sizeof buf, "{\"model_type\":\"kimi_k2\",\"n_group\":1,\"topk_group\":1,");
+    int n =
+        snprintf(buf, sizeof buf, "{\"model_type\":\"kimi_k2\",\"n_group\":1,\"topk_group\":1,");
     snprintf(buf + n, sizeof buf - (size_t)n, k_v3 + 1, "");
     ASSERT_OK(mq_config_parse(buf, strlen(buf), "config.json", &c));
     ASSERT_EQ_INT(MQ_ARCH_DEEPSEEK_V3, c.arch);
@@ -198,8 +199,10 @@ static void golden(const char *model, const char *gold) {
     const int64_t T = tid->numel, D = m->cfg.D, V = m->cfg.vocab, L = m->cfg.n_layers;
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)T);
     memcpy(ids, tid->data, sizeof(int32_t) * (size_t)T);
-    float *x = malloc(sizeof(float) * (size_t)(T * D)), *ref = malloc(sizeof(float) * (size_t)(T * V));
-    float *logits = malloc(sizeof(float) * (size_t)(T * V)), *lg2 = malloc(sizeof(float) * (size_t)(T * V));
+    float *x = malloc(sizeof(float) * (size_t)(T * D)),
+          *ref = malloc(sizeof(float) * (size_t)(T * V));
+    float *logits = malloc(sizeof(float) * (size_t)(T * V)),
+          *lg2 = malloc(sizeof(float) * (size_t)(T * V));
     mq_state *s = NULL;
     ASSERT_OK(mq_state_new(m, (int32_t)T, &s));
     ASSERT_OK(mq_embed(m, ids, T, x));
@@ -253,7 +256,8 @@ static void test_golden_noqlora(void) {
     if (!is_dir(data_dir("deepseekv3-noqlora-tiny")))
         SKIP("tests/data/deepseekv3-noqlora-tiny is not there yet (made by "
              "scripts/gen_deepseek_goldens.py on the GPU machine)");
-    golden(data_dir("deepseekv3-noqlora-tiny"), data_dir("deepseekv3-noqlora-tiny.golden.safetensors"));
+    golden(data_dir("deepseekv3-noqlora-tiny"),
+           data_dir("deepseekv3-noqlora-tiny.golden.safetensors"));
 }
 
 /* ---- the latent attention against a slow obvious one -------------------------------------- */
@@ -279,14 +283,16 @@ static double angle(const mq_config *c, int64_t i, int64_t p) {
     const double d = c->rope_dim, ex = 1.0 / pow(c->rope_theta, 2.0 * (double)i / d);
     if (!c->yarn) return (double)p * ex;
     const double pi = 3.14159265358979323846;
-    double lo = floor(d * log(c->yarn_orig_max_pos / (c->yarn_beta_fast * 2 * pi)) / (2 * log(c->rope_theta)));
-    double hi = ceil(d * log(c->yarn_orig_max_pos / (c->yarn_beta_slow * 2 * pi)) / (2 * log(c->rope_theta)));
+    double lo = floor(d * log(c->yarn_orig_max_pos / (c->yarn_beta_fast * 2 * pi)) /
+                      (2 * log(c->rope_theta)));
+    double hi = ceil(d * log(c->yarn_orig_max_pos / (c->yarn_beta_slow * 2 * pi)) /
+                     (2 * log(c->rope_theta)));
     lo = lo < 0 ? 0 : lo;
     hi = hi > d - 1 ? d - 1 : hi;
     if (lo == hi) hi += 0.001;
     double ramp = ((double)i - lo) / (hi - lo);
     ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
-    double keep = 1.0 - ramp;   /* share of the extrapolated frequency */
+    double keep = 1.0 - ramp; /* share of the extrapolated frequency */
     return (double)p * (ex / c->yarn_factor * (1.0 - keep) + ex * keep);
 }
 
@@ -296,8 +302,10 @@ static void rotate(const mq_config *c, double *v, int64_t p) {
     const int64_t h = c->rope_dim / 2;
     double o[512];
     for (int64_t i = 0; i < h; i++) {
-        double cs = cos(angle(c, i, p)) * c->rope_attn_factor, sn = sin(angle(c, i, p)) * c->rope_attn_factor;
-        double a = c->rope_interleave ? v[2 * i] : v[i], b = c->rope_interleave ? v[2 * i + 1] : v[h + i];
+        double cs = cos(angle(c, i, p)) * c->rope_attn_factor,
+               sn = sin(angle(c, i, p)) * c->rope_attn_factor;
+        double a = c->rope_interleave ? v[2 * i] : v[i],
+               b = c->rope_interleave ? v[2 * i + 1] : v[h + i];
         o[i] = a * cs - b * sn;
         o[h + i] = b * cs + a * sn;
     }
@@ -310,8 +318,10 @@ static void slow_mla(const moeq_model *m, int l, float *x, int64_t T) {
     const mq_layer *ly = &m->layers[l];
     const int64_t D = c->D, H = c->n_heads, hd = c->head_dim, nope = c->qk_nope, rd = c->rope_dim;
     const int64_t vd = c->v_head_dim, r = c->kv_lora_rank;
-    double *q = calloc((size_t)(T * H * hd), sizeof(double)), *k = calloc((size_t)(T * H * hd), sizeof(double));
-    double *v = calloc((size_t)(T * H * vd), sizeof(double)), *att = calloc((size_t)(T * H * vd), sizeof(double));
+    double *q = calloc((size_t)(T * H * hd), sizeof(double)),
+           *k = calloc((size_t)(T * H * hd), sizeof(double));
+    double *v = calloc((size_t)(T * H * vd), sizeof(double)),
+           *att = calloc((size_t)(T * H * vd), sizeof(double));
     double xn[1024], qa[2048], ckv[2048], kvb[8192], o[1024];
     for (int64_t t = 0; t < T; t++) {
         for (int64_t i = 0; i < D; i++) xn[i] = x[t * D + i];
@@ -326,12 +336,13 @@ static void slow_mla(const moeq_model *m, int l, float *x, int64_t T) {
         matvec(&ly->kv_a, xn, ckv);
         rms(ckv, r, ly->kv_a_norm, 1e-6);
         matvec(&ly->kv_b, ckv, kvb);
-        rotate(c, ckv + r, t);   /* the shared rotary key */
+        rotate(c, ckv + r, t); /* the shared rotary key */
         for (int64_t h = 0; h < H; h++) {
             double *kh = k + (t * H + h) * hd;
             for (int64_t i = 0; i < nope; i++) kh[i] = kvb[h * (nope + vd) + i];
             for (int64_t i = 0; i < rd; i++) kh[nope + i] = ckv[r + i];
-            for (int64_t i = 0; i < vd; i++) v[(t * H + h) * vd + i] = kvb[h * (nope + vd) + nope + i];
+            for (int64_t i = 0; i < vd; i++)
+                v[(t * H + h) * vd + i] = kvb[h * (nope + vd) + nope + i];
             rotate(c, q + (t * H + h) * hd + nope, t);
         }
     }
@@ -340,13 +351,15 @@ static void slow_mla(const moeq_model *m, int l, float *x, int64_t T) {
             double sc[256], mx = -INFINITY, sum = 0;
             for (int64_t u = 0; u <= t; u++) {
                 double a = 0;
-                for (int64_t i = 0; i < hd; i++) a += q[(t * H + h) * hd + i] * k[(u * H + h) * hd + i];
+                for (int64_t i = 0; i < hd; i++)
+                    a += q[(t * H + h) * hd + i] * k[(u * H + h) * hd + i];
                 sc[u] = a * c->attn_scale;
                 mx = sc[u] > mx ? sc[u] : mx;
             }
             for (int64_t u = 0; u <= t; u++) sum += sc[u] = exp(sc[u] - mx);
             for (int64_t u = 0; u <= t; u++)
-                for (int64_t i = 0; i < vd; i++) att[(t * H + h) * vd + i] += sc[u] / sum * v[(u * H + h) * vd + i];
+                for (int64_t i = 0; i < vd; i++)
+                    att[(t * H + h) * vd + i] += sc[u] / sum * v[(u * H + h) * vd + i];
         }
     for (int64_t t = 0; t < T; t++) {
         matvec(&ly->o, att + t * H * vd, o);
@@ -368,17 +381,19 @@ static void test_latent_attention_variants(void) {
     mq_config *c = &m->cfg;
     const int64_t T = 40, D = c->D;
     ASSERT_TRUE(D <= 1024 && c->rope_dim <= 512 && T <= 256);
-    float *x = malloc(sizeof(float) * (size_t)(T * D)), *a = malloc(sizeof(float) * (size_t)(T * D));
-    float *b = malloc(sizeof(float) * (size_t)(T * D)), *prev = malloc(sizeof(float) * (size_t)(T * D));
+    float *x = malloc(sizeof(float) * (size_t)(T * D)),
+          *a = malloc(sizeof(float) * (size_t)(T * D));
+    float *b = malloc(sizeof(float) * (size_t)(T * D)),
+          *prev = malloc(sizeof(float) * (size_t)(T * D));
     for (int64_t i = 0; i < T * D; i++) x[i] = 2.0f * (urand() - 0.5f);
     for (int variant = 0; variant < 4; variant++) {
-        if (variant == 1) {   /* no YaRN: the default rotation and softmax scale */
+        if (variant == 1) { /* no YaRN: the default rotation and softmax scale */
             c->yarn = false;
             c->rope_attn_factor = 1.0;
             c->attn_scale = 1.0 / sqrt((double)c->head_dim);
         } else if (variant == 2) {
             c->rope_interleave = false;
-        } else if (variant == 3) {   /* q_proj = q_b q_a, no q LoRA (and no latent norm of q) */
+        } else if (variant == 3) { /* q_proj = q_b q_a, no q LoRA (and no latent norm of q) */
             for (int l = 0; l < c->n_layers; l++) {
                 mq_layer *ly = &m->layers[l];
                 const int64_t QO = ly->q_b.out, QR = ly->q_b.in;
@@ -386,7 +401,8 @@ static void test_latent_attention_variants(void) {
                 for (int64_t o = 0; o < QO; o++)
                     for (int64_t i = 0; i < D; i++) {
                         double s = 0;
-                        for (int64_t j = 0; j < QR; j++) s += (double)ly->q_b.w[o * QR + j] * ly->q_a.w[j * D + i];
+                        for (int64_t j = 0; j < QR; j++)
+                            s += (double)ly->q_b.w[o * QR + j] * ly->q_a.w[j * D + i];
                         w[o * D + i] = (float)s;
                     }
                 ly->q = (mq_linear){.out = QO, .in = D, .w = w};
@@ -400,14 +416,14 @@ static void test_latent_attention_variants(void) {
             memcpy(b, x, sizeof(float) * (size_t)(T * D));
             ASSERT_OK(mq_attention_forward(m, s, l, a, T, 0, NULL));
             slow_mla(m, l, b, T);
-            for (int64_t i = 0; i < T * D; i++) {   /* the attention's contribution alone */
+            for (int64_t i = 0; i < T * D; i++) { /* the attention's contribution alone */
                 a[i] -= x[i];
                 b[i] -= x[i];
             }
             double e = mq_test_rel_maxdiff(a, b, (size_t)(T * D));
             fprintf(stderr, "  variant %d layer %d: rel err %.3g\n", variant, l, e);
             if (!(e <= 1e-5)) FAIL("variant %d layer %d: rel err %.3g", variant, l, e);
-            if (l == 0 && variant > 0) {   /* each change of the config changes the attention */
+            if (l == 0 && variant > 0) { /* each change of the config changes the attention */
                 double d = mq_test_rel_maxdiff(a, prev, (size_t)(T * D));
                 if (!(d > 1e-3)) FAIL("variant %d: layer 0 barely changed (%.3g)", variant, d);
             }
@@ -456,7 +472,8 @@ static void order_desc(const float *v, int n, int *idx) {
     for (int i = 0; i < n; i++) idx[i] = i;
     for (int i = 1; i < n; i++)
         for (int j = i; j > 0 && (v[idx[j]] > v[idx[j - 1]] ||
-                                  (v[idx[j]] == v[idx[j - 1]] && idx[j] < idx[j - 1])); j--) {
+                                  (v[idx[j]] == v[idx[j - 1]] && idx[j] < idx[j - 1]));
+             j--) {
             int t = idx[j];
             idx[j] = idx[j - 1];
             idx[j - 1] = t;
@@ -489,8 +506,9 @@ static void obvious_select(const float *p, const float *bias, int E, int k, int 
 }
 
 static void test_group_select(void) {
-    static const int shapes[][4] = {   /* E, G, TG, k */
-        {16, 4, 2, 3}, {256, 8, 4, 8}, {8, 1, 1, 2}, {12, 6, 1, 2}, {64, 8, 8, 6}, {32, 16, 3, 6}};
+    static const int shapes[][4] = {/* E, G, TG, k */
+                                    {16, 4, 2, 3}, {256, 8, 4, 8}, {8, 1, 1, 2},
+                                    {12, 6, 1, 2}, {64, 8, 8, 6},  {32, 16, 3, 6}};
     int checked = 0, restricted = 0;
     for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
         const int E = shapes[c][0], G = shapes[c][1], TG = shapes[c][2], k = shapes[c][3];
@@ -627,7 +645,7 @@ static void test_gptq_packed_mtp(void) {
         if (!tensor_bytes_equal(a, b, name)) FAIL("MTP tensor '%s' not passed through", name);
         n_mtp++;
     }
-    ASSERT_EQ_INT(68, n_mtp);   /* 62 of a MoE decoder layer, 6 of the MTP head */
+    ASSERT_EQ_INT(68, n_mtp); /* 62 of a MoE decoder layer, 6 of the MTP head */
     for (size_t i = 0; i < mq_st_count(b); i++)
         if (strncmp(mq_st_at(b, i)->name, "model.layers.3.", 15) == 0 &&
             strstr(mq_st_at(b, i)->name, "weight_packed"))
@@ -658,9 +676,12 @@ static void test_gptq_packed_mtp(void) {
     int npk = 0;
     float *lp = logits_of(out, true, ids, 48, &npk), *lf = logits_of(out, false, ids, 48, NULL);
     float *l0 = logits_of(src, false, ids, 48, NULL);
-    double e_pk = mq_test_rel_maxdiff(lp, lf, 48 * 4096), e_q = mq_test_rel_maxdiff(lf, l0, 48 * 4096);
-    fprintf(stderr, "  %d Linears packed; packed vs dequantized fp32: rel %.3g; quantized vs "
-            "unquantized: rel %.3g\n", npk, e_pk, e_q);
+    double e_pk = mq_test_rel_maxdiff(lp, lf, 48 * 4096),
+           e_q = mq_test_rel_maxdiff(lf, l0, 48 * 4096);
+    fprintf(stderr,
+            "  %d Linears packed; packed vs dequantized fp32: rel %.3g; quantized vs "
+            "unquantized: rel %.3g\n",
+            npk, e_pk, e_q);
     ASSERT_EQ_INT(3 * 5 + 3 + 2 * (16 * 3 + 3), npk);
     ASSERT_TRUE(e_pk < 5e-3);
     ASSERT_TRUE(e_q > 1e-3);
@@ -692,7 +713,8 @@ static void test_gptq_packed_mtp(void) {
         kl[i] = er.kl_mean;
         moeq_model_free(m);
     }
-    fprintf(stderr, "  KL to the unquantized model: GPTQ %.4g, RTN %.4g nats/token\n", kl[0], kl[1]);
+    fprintf(stderr, "  KL to the unquantized model: GPTQ %.4g, RTN %.4g nats/token\n", kl[0],
+            kl[1]);
     ASSERT_TRUE(kl[0] > 0 && kl[0] < 0.8 * kl[1]);
     moeq_docs_free(docs);
     moeq_model_free(base);
@@ -732,7 +754,8 @@ static void test_fp8_source_same_codes(void) {
     int packed = 0;
     for (size_t i = 0; i < mq_st_count(a); i++) {
         const char *name = mq_st_at(a, i)->name;
-        if (!tensor_bytes_equal(a, b, name)) FAIL("'%s' differs between the FP8 and F32 sources", name);
+        if (!tensor_bytes_equal(a, b, name))
+            FAIL("'%s' differs between the FP8 and F32 sources", name);
         packed += strstr(name, "weight_packed") != NULL;
     }
     ASSERT_EQ_INT(3 * 5 + 3 + 2 * (16 * 3 + 3), packed);
@@ -757,5 +780,5 @@ static void test_gguf_refused(void) {
 
 TEST_MAIN(T(test_config_fixture), T(test_config_release), T(test_config_errors),
           T(test_golden_qlora_yarn), T(test_golden_fp8), T(test_golden_noqlora),
-          T(test_latent_attention_variants), T(test_mtp_needs_its_config), T(test_group_select), T(test_gptq_packed_mtp),
-          T(test_fp8_source_same_codes), T(test_gguf_refused))
+          T(test_latent_attention_variants), T(test_mtp_needs_its_config), T(test_group_select),
+          T(test_gptq_packed_mtp), T(test_fp8_source_same_codes), T(test_gguf_refused))

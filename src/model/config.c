@@ -91,7 +91,9 @@ static void require_positive(const fields *f, const char *key, int32_t v) {
 
 /* ---- pieces ------------------------------------------------------------------------------ */
 /* yarn_get_mscale of transformers (0.1 * m * ln(scale) + 1 above scale 1). */
-static double yarn_mscale(double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * log(scale) + 1.0; }
+static double yarn_mscale(double scale, double m) {
+    return scale <= 1 ? 1.0 : 0.1 * m * log(scale) + 1.0;
+}
 
 /* The YaRN parameters of rope_parameters / rope_scaling object rp (named src), as
  * _compute_yarn_parameters reads them: factor (absent: max_position_embeddings over
@@ -117,9 +119,11 @@ static void parse_yarn(const fields *rp, const char *src, mq_config *c) {
     double ms = get_num(rp, "mscale", 0.0), msa = get_num(rp, "mscale_all_dim", 0.0);
     double af = get_num(rp, "attention_factor", NAN);
     if (isnan(af))
-        af = ms != 0 && msa != 0 ? yarn_mscale(c->yarn_factor, ms) / yarn_mscale(c->yarn_factor, msa)
-                                 : yarn_mscale(c->yarn_factor, 1.0);
-    if (!isfinite(af) || af <= 0) mq_problems_add(rp->p, "%s.attention_factor must be positive", src);
+        af = ms != 0 && msa != 0
+                 ? yarn_mscale(c->yarn_factor, ms) / yarn_mscale(c->yarn_factor, msa)
+                 : yarn_mscale(c->yarn_factor, 1.0);
+    if (!isfinite(af) || af <= 0)
+        mq_problems_add(rp->p, "%s.attention_factor must be positive", src);
     c->rope_attn_factor = af;
     /* DeepseekV3Attention: softmax scale times mscale(factor, mscale_all_dim)^2 */
     if (c->mla && msa != 0) {
@@ -300,7 +304,8 @@ static void parse_deepseek(const fields *f, mq_config *c, bool have_layers) {
         mq_problems_add(P, "n_routed_experts %d is not supported (at most 1024)", c->n_experts);
     c->n_group = get_int_or_null(f, "n_group", 8, 1);
     c->topk_group = get_int_or_null(f, "topk_group", 4, c->n_group);
-    if (c->n_group <= 0) mq_problems_add(P, "field 'n_group' must be positive (got %d)", c->n_group);
+    if (c->n_group <= 0)
+        mq_problems_add(P, "field 'n_group' must be positive (got %d)", c->n_group);
     else if (c->n_experts > 0 && c->n_experts % c->n_group != 0)
         mq_problems_add(P, "n_routed_experts %d is not a multiple of n_group %d", c->n_experts,
                         c->n_group);
@@ -556,7 +561,8 @@ static layer_params count_layer(const mq_config *c, int layer) {
     if (c->mla) {
         int64_t H = c->n_heads, qh = H * c->head_dim, r = c->kv_lora_rank;
         p.attn = c->q_lora_rank > 0 ? D * c->q_lora_rank + (int64_t)c->q_lora_rank * qh : D * qh;
-        p.attn += D * (r + c->qk_rope) + r * H * (c->qk_nope + c->v_head_dim) + H * c->v_head_dim * D;
+        p.attn += D * (r + c->qk_rope) + r * H * (c->qk_nope + c->v_head_dim) +
+                  H * c->v_head_dim * D;
         p.other += r + c->q_lora_rank;   /* kv_a / q_a layernorms */
         if (c->qkv_bias) p.other += c->q_lora_rank + r + c->qk_rope;
         if (c->o_bias) p.other += D;

@@ -195,7 +195,8 @@ static moeq_status scratch_reserve(mq_state *s, int64_t T) {
         s->qa = mq_alloc_array(R, qa * 4, w);
         s->ckv = mq_alloc_array(R, (size_t)(c->kv_lora_rank + c->qk_rope) * 4, w);
         s->lat = mq_alloc_array(R, (size_t)c->kv_lora_rank * 4, w);
-        s->kvb = mq_alloc_array(R, (size_t)c->n_heads * (size_t)(c->qk_nope + c->v_head_dim) * 4, w);
+        size_t kvb = (size_t)c->n_heads * (size_t)(c->qk_nope + c->v_head_dim);
+        s->kvb = mq_alloc_array(R, kvb * 4, w);
         ok = ok && s->qa && s->ckv && s->lat && s->kvb;
     }
     if (F > 0) {
@@ -523,7 +524,8 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
     if (!st) st = mq_linear_forward(&ly->kv_a, s->xn, T, s->ckv);
     if (st) return st;
     /* the latent's norm in place; its rotary key k_rot stays behind it in each row */
-    for (int64_t t = 0; t < T; t++) rmsnorm(s->ckv + t * ra, 1, r, ly->kv_a_norm, lat_eps, s->ckv + t * ra);
+    for (int64_t t = 0; t < T; t++)
+        rmsnorm(s->ckv + t * ra, 1, r, ly->kv_a_norm, lat_eps, s->ckv + t * ra);
     /* kv_b reads the normed latents as one [T, r] matrix */
     float *lat = s->lat;
     for (int64_t t = 0; t < T; t++) memcpy(lat + t * r, s->ckv + t * ra, sizeof(float) * (size_t)r);

@@ -581,7 +581,8 @@ static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
             count_linear(&ly->down, res, f32);
             continue;
         }
-        vec += (int64_t)c->n_experts * D + (ly->sh_gate_w ? D : 0) + (c->router_bias ? c->n_experts : 0);
+        vec += (int64_t)c->n_experts * D + (ly->sh_gate_w ? D : 0) +
+               (c->router_bias ? c->n_experts : 0);
         for (int e = 0; e < c->n_experts; e++) {
             count_linear(&ly->exp_gate[e], res, f32);
             count_linear(&ly->exp_up[e], res, f32);

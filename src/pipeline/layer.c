@@ -864,7 +864,8 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         for (int i = 2; i < n_sl && !st && keep > 0; i++) {   /* the latent slots of MLA */
             const bool need = dist ? sl[i].nw && sl[i].how == MQ_HOW_GPTQ : sl[i].h.sum != NULL;
             float **a = i == 2 ? &cap.arena_qb : &cap.arena_kvb;
-            if (need && !(*a = mq_alloc_array((size_t)(keep * Lmax), (size_t)width[i] * sizeof(float),
+            if (need && !(*a = mq_alloc_array((size_t)(keep * Lmax),
+                                              (size_t)width[i] * sizeof(float),
                                               "latent attention inputs")))
                 st = MOEQ_E_NOMEM;
         }
@@ -881,7 +882,8 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
             if (!st) st = sum(p, l, &sl[1], cap.arena_o, Q);
             if (!st && n_sl > 2) st = sum(p, l, &sl[2], cap.arena_qb, width[2]);
             if (!st && n_sl > 3) st = sum(p, l, &sl[3], cap.arena_kvb, width[3]);
-            for (int i = 0; i < n_sl && !st && p->o->act_quant; i++) st = mq_dist_max_f32(&sl[i].amax, step);
+            for (int i = 0; i < n_sl && !st && p->o->act_quant; i++)
+                st = mq_dist_max_f32(&sl[i].amax, step);
         }
         for (int i = 0; i < n_sl; i++) {
             sl[i].tokens = sl[i].h.n;

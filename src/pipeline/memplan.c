@@ -65,12 +65,14 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     z.routing = E > 0 ? S * L * K * 8 * (p->seq ? 2 : 1) : 0;
     int64_t Fx = c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn;
     /* the values of the KV cache: v_head_dim wide (MLA's values are narrower than its keys) */
-    const int64_t KVv = (int64_t)c->n_kv_heads * c->v_head_dim, Qo = (int64_t)c->n_heads * c->v_head_dim;
+    const int64_t KVv = (int64_t)c->n_kv_heads * c->v_head_dim;
+    const int64_t Qo = (int64_t)c->n_heads * c->v_head_dim;
     z.state = L * (2 * D + 2 * Q + 2 * Fx) * 4 + (int64_t)mq_pool_size() * 64 * L * 4 +
               L * c->head_dim * 4 + L * (KV + KVv) * 4;
     const int64_t qr = c->q_lora_rank, lr = c->kv_lora_rank;
     if (c->mla)   /* its latents: q_a's output, kv_a's, the normed latents, kv_b's output */
-        z.state += L * (qr + 2 * lr + c->qk_rope + (int64_t)c->n_heads * (c->qk_nope + c->v_head_dim)) * 4;
+        z.state += L * (qr + 2 * lr + c->qk_rope +
+                        (int64_t)c->n_heads * (c->qk_nope + c->v_head_dim)) * 4;
     /* attention: weights, two Hessians that become H + the factor's A and U, their inputs, the
      * codes of q/k/v/o and GPTQ's scratch */
     int64_t att_w = max_part(p, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0);
@@ -164,9 +166,11 @@ static layer_flops flops_of(const mq_pipe *p, int l) {
     f.gptq = o->gptq ? 2 * (Q + 2 * KV) * D * D + 2 * D * Q * Q + D * D * D + Q * Q * Q : 0;
     if (c->mla) {   /* q_a (or q_proj), kv_a, q_b, kv_b, o_proj: out x in each */
         const double H = c->n_heads, qr = c->q_lora_rank, lr = c->kv_lora_rank;
-        const double Qo = H * c->v_head_dim, kva = lr + c->qk_rope, kvb = H * (c->qk_nope + c->v_head_dim);
+        const double Qo = H * c->v_head_dim, kva = lr + c->qk_rope;
+        const double kvb = H * (c->qk_nope + c->v_head_dim);
         const double qin = qr > 0 ? qr : D, qout = qr > 0 ? qr : Q;
-        att = 2 * (D * qout + (qr > 0 ? qr * Q : 0) + D * kva + lr * kvb + Qo * D) + 2 * (Q + Qo) * L;
+        att = 2 * (D * qout + (qr > 0 ? qr * Q : 0) + D * kva + lr * kvb + Qo * D) +
+              2 * (Q + Qo) * L;
         f.hessian = o->gptq ? (D * D + Qo * Qo + qr * qr + lr * lr) * T : 0;
         f.gptq = o->gptq ? 2 * (qout + kva) * D * D + D * D * D + 2 * D * Qo * Qo + Qo * Qo * Qo +
                                (qr > 0 ? 2 * Q * qin * qin + qin * qin * qin : 0) +

@@ -433,7 +433,8 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     }
     for (size_t i = 0; i < p->plan.n_decls; i++) {
         p->decl_layer[i] = layer_of(p->plan.decls[i].name);
-        if (po.mtp_from > 0 && p->decl_layer[i] >= po.mtp_from) p->decl_layer[i] = -1;   /* MTP: global */
+        if (po.mtp_from > 0 && p->decl_layer[i] >= po.mtp_from)
+            p->decl_layer[i] = -1;   /* MTP: with the global tensors */
         int64_t numel = 1;
         for (int d = 0; d < p->plan.decls[i].ndim; d++) numel *= p->plan.decls[i].shape[d];
         p->plan_bytes += (uint64_t)numel * moeq_dtype_size(p->plan.decls[i].dtype);

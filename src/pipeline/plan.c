@@ -134,7 +134,8 @@ static moeq_status plan_mtp(mq_out_plan *p, const mq_tensor_view *t, const mq_pl
 }
 
 /* Linears and pass-through tensors, in the source's (name) order. */
-static moeq_status plan_tensors(mq_out_plan *p, const mq_st *st, bool mixtral, const mq_plan_opts *o) {
+static moeq_status plan_tensors(mq_out_plan *p, const mq_st *st, bool mixtral,
+                                const mq_plan_opts *o) {
     const char *gn = mixtral ? "w1" : "gate_proj", *un = mixtral ? "w3" : "up_proj",
                *dn = mixtral ? "w2" : "down_proj";
     for (size_t i = 0; i < mq_st_count(st); i++) {

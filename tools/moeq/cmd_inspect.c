@@ -214,7 +214,8 @@ static const char *arch_notes(const mq_config *c) {
     case MQ_ARCH_QWEN2_MOE: return "MoE with a shared expert (sigmoid gate), q/k/v bias";
     case MQ_ARCH_QWEN3_MOE: return "MoE, per-head q/k RMSNorm";
     case MQ_ARCH_MIXTRAL: return "MoE (block_sparse_moe)";
-    case MQ_ARCH_DEEPSEEK_V3: return "MoE, multi-head latent attention, sigmoid group-limited routing";
+    case MQ_ARCH_DEEPSEEK_V3:
+        return "MoE, multi-head latent attention, sigmoid group-limited routing";
     }
     return "";
 }
@@ -239,11 +240,13 @@ static int inspect(const char *dir, bool tensors, bool weights) {
     printf("attention             %d heads, %d kv heads, head_dim %d%s%s\n", c.n_heads,
            c.n_kv_heads, c.head_dim, c.qkv_bias ? ", q/k/v bias" : "",
            c.sliding_window > 0 ? ", sliding window" : "");
-    if (c.mla)
-        printf("latent attention      q_lora_rank %s, kv_lora_rank %d, q/k head %d + %d rope, v head "
-               "%d%s\n", c.q_lora_rank > 0 ? (snprintf(a, sizeof a, "%d", c.q_lora_rank), a) : "none "
-               "(q_proj)", c.kv_lora_rank, c.qk_nope, c.qk_rope, c.v_head_dim,
+    if (c.mla) {
+        char qr[32] = "none (q_proj)";
+        if (c.q_lora_rank > 0) snprintf(qr, sizeof qr, "%d", c.q_lora_rank);
+        printf("latent attention      q_lora_rank %s, kv_lora_rank %d, q/k head %d + %d rope, "
+               "v head %d%s\n", qr, c.kv_lora_rank, c.qk_nope, c.qk_rope, c.v_head_dim,
                c.rope_interleave ? ", interleaved rope" : "");
+    }
     printf("rope theta            %g", c.rope_theta);
     if (c.yarn)
         printf(", YaRN factor %g (original context %d), cos/sin x %.6g, softmax scale %.6g",
@@ -256,9 +259,9 @@ static int inspect(const char *dir, bool tensors, bool weights) {
         if (c.shared_ffn > 0) printf("shared expert         ffn %d%s\n", c.shared_ffn,
                                      c.shared_gate ? ", sigmoid gate" : "");
         if (c.sigmoid_router)
-            printf("routing               sigmoid scores%s, %d groups (top %d eligible), weights x %g\n",
-                   c.router_bias ? " + e_score_correction_bias for the choice" : "", c.n_group,
-                   c.topk_group, (double)c.routed_scale);
+            printf("routing               sigmoid scores%s, %d groups (top %d eligible), "
+                   "weights x %g\n", c.router_bias ? " + e_score_correction_bias for the choice" : "",
+                   c.n_group, c.topk_group, (double)c.routed_scale);
     }
     if (c.arch == MQ_ARCH_DEEPSEEK_V3) {
         /* multi-token prediction layers: past num_hidden_layers, never run, kept by quantize */
