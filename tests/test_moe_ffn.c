@@ -214,6 +214,36 @@ typedef struct {
     float route_scale;
 } routing;
 
+/* Group-limited selection (DeepSeek-V3's n_group / topk_group) of the runs below; 0: none. */
+static int g_n_group, g_topk_group;
+
+/* The experts outside the topk_group groups with the largest sums of their two best scores s[]
+ * (ties to the lower group) marked taken. */
+static void ref_groups(const double *s, int64_t E, int *taken) {
+    const int G = g_n_group, EG = (int)(E / G);
+    double gs[64];
+    int chosen[64] = {0};
+    for (int g = 0; g < G; g++) {
+        double b1 = -INFINITY, b2 = -INFINITY;
+        for (int e = g * EG; e < (g + 1) * EG; e++) {
+            if (s[e] > b1) {
+                b2 = b1;
+                b1 = s[e];
+            } else if (s[e] > b2) {
+                b2 = s[e];
+            }
+        }
+        gs[g] = b1 + b2;
+    }
+    for (int j = 0; j < g_topk_group; j++) {
+        int best = -1;
+        for (int g = 0; g < G; g++)
+            if (!chosen[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        chosen[best] = 1;
+    }
+    for (int64_t e = 0; e < E; e++) taken[e] = !chosen[e / EG];
+}
+
 static void ref_forward(const problem *p, const routing *r, const float *x, int64_t T, double *out,
                         int *expert_tokens) {
     const int64_t D = p->D, E = p->E;
@@ -236,6 +266,11 @@ static void ref_forward(const problem *p, const routing *r, const float *x, int6
         if (r->scoring == MOEQ_MOE_SOFTMAX)
             for (int64_t e = 0; e < E; e++) pr[e] /= sum;
         memset(taken, 0, sizeof(int) * (size_t)E);
+        if (g_n_group > 1) {
+            double sc[256];
+            for (int64_t e = 0; e < E; e++) sc[e] = pr[e] + (r->use_bias ? p->bias[e] : 0.0);
+            ref_groups(sc, E, taken);
+        }
         int sel[64];
         double w[64], wsum = 0;
         for (int j = 0; j < r->k; j++) {
@@ -288,6 +323,8 @@ static moeq_status run_op(const problem *p, const moeq_moe_experts *w, const rou
     a.scoring = r->scoring;
     a.renormalize = r->renorm;
     a.route_scale = r->route_scale;
+    a.n_group = g_n_group;
+    a.topk_group = g_topk_group;
     return moeq_moe_ffn(&a, out, (size_t)(T * p->D));
 }
 
@@ -351,6 +388,27 @@ static void test_nvfp4_sigmoid_bias_route_scale(void) {
     double db = check_case(&p, &r, 7, NULL);
     printf("    nvfp4 sigmoid+bias+scale: %.1f dB\n", db);
     free_problem(&p);
+}
+
+/* DeepSeek-V3's routing: 16 experts in 4 groups, the 2 best groups eligible, top-3 among their 8,
+ * with a shared expert; the choices must differ from the plain top-3 for some tokens. */
+static void test_group_limited_sigmoid(void) {
+    for (int nv = 0; nv < 2; nv++) {
+        problem p = make_problem(nv, nv ? 16 : 32, 16, 64, 32, 32, 21 + (uint64_t)nv);
+        routing r = {3, 1, 1, 0, MOEQ_MOE_SIGMOID, 2.5f};
+        int plain[16], grouped[16];
+        check_case(&p, &r, 24, plain);
+        g_n_group = 4;
+        g_topk_group = 2;
+        double db = check_case(&p, &r, 24, grouped);
+        g_n_group = g_topk_group = 0;
+        int differ = 0;
+        for (int e = 0; e < 16; e++) differ += plain[e] != grouped[e];
+        printf("    %s sigmoid+bias, 4 groups top-2, top-3: %.1f dB; %d experts' token counts "
+               "differ from the plain top-3\n", nv ? "nvfp4" : "int4", db, differ);
+        ASSERT_TRUE(differ > 0);
+        free_problem(&p);
+    }
 }
 
 static void test_nvfp4_softmax_no_renorm(void) {
@@ -470,7 +528,8 @@ static void test_empty_input(void) {
 }
 
 TEST_MAIN(T(test_int4_g32_softmax_renorm), T(test_int4_g128_softmax_no_renorm),
-          T(test_nvfp4_sigmoid_bias_route_scale), T(test_nvfp4_softmax_no_renorm),
+          T(test_nvfp4_sigmoid_bias_route_scale), T(test_group_limited_sigmoid),
+          T(test_nvfp4_softmax_no_renorm),
           T(test_shared_expert_with_gate), T(test_top_k_equals_E_and_one_token),
           T(test_zero_token_expert_and_all_on_one), T(test_many_tokens_tile_remainders),
           T(test_ref_avx2_threads_identical), T(test_outlier_channels), T(test_empty_input))

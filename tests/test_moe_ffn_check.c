@@ -297,6 +297,12 @@ static void break_args(int id, moeq_moe_ffn_args *a) {
         case 19: a->x.shape[0] = -2; break;
         case 20: a->shared_gate.dtype = MOEQ_DT_F64; break;
         case 21: a->router_bias.ndim = 2; break;
+        case 22: a->n_group = 3; break;                       /* does not divide 4 experts */
+        case 23: a->n_group = 4; break;                       /* groups of one */
+        case 24: a->n_group = 2; a->topk_group = 0; break;
+        case 25: a->n_group = 2; a->topk_group = 3; break;
+        case 26: a->n_group = 2; a->topk_group = 1; a->top_k = 3; break;
+        case 27: a->n_group = -1; break;
     }
 }
 
@@ -326,6 +332,12 @@ static const struct {
     {MOEQ_E_SHAPE, "x: -2 tokens"},
     {MOEQ_E_ARG, "shared_gate: dtype F64"},
     {MOEQ_E_SHAPE, "router_bias: shape [4, 0], expected [4]"},
+    {MOEQ_E_ARG, "n_group 3: must be 0, 1 or divide n_experts 4"},
+    {MOEQ_E_ARG, "n_group 4: must be 0, 1 or divide n_experts 4 into groups of at least 2"},
+    {MOEQ_E_ARG, "topk_group 0: must be in 1..n_group 2"},
+    {MOEQ_E_ARG, "topk_group 3: must be in 1..n_group 2"},
+    {MOEQ_E_ARG, "top_k 3 exceeds the 2 experts of topk_group 1 groups"},
+    {MOEQ_E_ARG, "n_group -1"},
 };
 
 static void test_op_check_rejects_each_argument(void) {
@@ -368,6 +380,17 @@ static void test_op_check_accepts_variants(void) {
     a.scoring = MOEQ_MOE_SOFTMAX;
     a.top_k = E;
     ASSERT_OK(moeq_moe_ffn_check(&a, shape));
+    a.n_group = 2;   /* two groups of two, both eligible; then one of them, top-2 inside it */
+    a.topk_group = 2;
+    ASSERT_OK(moeq_moe_ffn_check(&a, shape));
+    a.topk_group = 1;
+    a.top_k = 2;
+    ASSERT_OK(moeq_moe_ffn_check(&a, shape));
+    a.n_group = 1;   /* one group: topk_group is not read */
+    a.topk_group = 0;
+    ASSERT_OK(moeq_moe_ffn_check(&a, shape));
+    a.n_group = 0;
+    a.top_k = E;
     a.x = tr(NULL, MOEQ_DT_F32, 2, 0, D, 0);                 /* no tokens */
     ASSERT_OK(moeq_moe_ffn_check(&a, shape));
     ASSERT_EQ_INT(0, shape[0]);
