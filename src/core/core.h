@@ -103,6 +103,9 @@ moeq_status mq_pread_all(int fd, void *buf, size_t n, int64_t off, const char *p
 moeq_status mq_fsync_dir(const char *dir);
 /* CRC-32 (zlib's polynomial) of n bytes, continuing crc (start with 0). */
 uint32_t mq_crc32(uint32_t crc, const void *data, size_t n);
+/* The CRC-32 of A followed by B from crc_a, crc_b and B's length (zlib's crc32_combine): CRCs of
+ * parts computed apart give the CRC of the whole. */
+uint32_t mq_crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
 /* Recursively removes a directory tree (used to clean temporary output directories). */
 void mq_remove_tree(const char *path);

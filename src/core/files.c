@@ -232,6 +232,10 @@ moeq_status mq_fsync_dir(const char *dir) {
     return MOEQ_OK;
 }
 
+uint32_t mq_crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+    return (uint32_t)crc32_combine(crc_a, crc_b, (z_off_t)len_b);
+}
+
 uint32_t mq_crc32(uint32_t crc, const void *data, size_t n) {
     const Bytef *p = data;
     uLong c = crc;

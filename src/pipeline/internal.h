@@ -54,6 +54,8 @@ typedef struct {
     double forward, hessian, gptq, write, total;   /* seconds */
     double attention;             /* the part of forward in the attention passes */
     double wait, exchange;        /* several ranks: waiting for the others, moving data */
+    double snapshot;              /* the work directory's record of the layer and the snapshot of
+                                     the boundary after it (written, synced) */
     int64_t peak_anon;
     int chunks;
     int linears;                  /* quantized Linears written */

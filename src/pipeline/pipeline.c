@@ -250,9 +250,11 @@ static void log_layer(const mq_pipe *p, int l, double t_start) {
     char ranks[96] = "";
     if (p->ranks > 1)
         snprintf(ranks, sizeof ranks, ", waiting for other ranks %.1f, moving data %.1f", lr->wait, lr->exchange);
+    char snap[48] = "";
+    if (lr->snapshot >= 0.05) snprintf(snap, sizeof snap, ", then %.1f s to record it", lr->snapshot);
     mq_info("layer %d/%d: %.1f s (forward %.1f of which attention %.1f, Hessians %.1f, GPTQ %.1f, "
-            "write %.1f%s)%s, peak %.2f GB; about %.0f s left", l + 1, p->plan.n_layers, lr->total,
-            lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, ranks, chunks,
+            "write %.1f%s)%s%s, peak %.2f GB; about %.0f s left", l + 1, p->plan.n_layers, lr->total,
+            lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, ranks, chunks, snap,
             (double)lr->peak_anon / 1e9, left);
 }
 

@@ -456,6 +456,19 @@ moeq_status mq_work_globals_written(mq_pipe *p) {
 static char *acts_name(int layer) { return mq_asprintf("acts-%d.bin", layer % 2); }
 
 /* The boundary at the input of `layer`: header, every sample's rows, CRC of the rows. */
+/* Each sample's CRC of an fp32 boundary in memory, on the pool (combined in order below). */
+typedef struct {
+    const mq_pipe *p;
+    uint32_t *crc;
+} crc_job;
+
+static void crc_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    const crc_job *j = ctx;
+    const size_t n = (size_t)(j->p->calib.len[i] * j->p->c->D);
+    j->crc[i] = mq_crc32(0, mq_actbuf_view(&j->p->X, (size_t)(i * j->p->LD), n, NULL), n * sizeof(float));
+}
+
 static moeq_status write_boundary(mq_pipe *p, int layer, uint32_t *crc_out) {
     char *name = acts_name(layer), *path = name ? work_path(p, name) : NULL;
     free(name);
@@ -473,12 +486,19 @@ static moeq_status write_boundary(mq_pipe *p, int layer, uint32_t *crc_out) {
     s = mq_atomic_write(&af, k_act_magic, 8);
     if (!s) s = mq_atomic_write(&af, hdr, sizeof hdr);
     uint32_t crc = 0;
+    /* fp32 in memory (or mapped): the samples' CRCs at once, the same value as one pass */
+    uint32_t *part = p->X.kind != MQ_ACT_BF16 ? calloc((size_t)p->calib.n + 1, sizeof *part) : NULL;
+    if (part) {
+        crc_job j = {p, part};
+        mq_parallel_for(p->calib.n, crc_task, &j);
+    }
     for (int64_t i = 0; i < p->calib.n && !s; i++) {
         size_t n = (size_t)(p->calib.len[i] * D);
         const float *v = mq_actbuf_view(&p->X, (size_t)(i * p->LD), n, tmp);
-        crc = mq_crc32(crc, v, n * sizeof(float));
+        crc = part ? mq_crc32_combine(crc, part[i], n * sizeof(float)) : mq_crc32(crc, v, n * sizeof(float));
         s = mq_atomic_write(&af, v, n * sizeof(float));
     }
+    free(part);
     if (!s) s = mq_atomic_write(&af, &crc, sizeof crc);
     if (!s) s = mq_atomic_commit(&af);
     else mq_atomic_abort(&af);
@@ -534,7 +554,16 @@ moeq_status mq_work_load_boundary(mq_pipe *p, int layer, bool *ok) {
     return s;
 }
 
+static moeq_status layer_done(mq_pipe *p, int l);
+
 moeq_status mq_work_layer_done(mq_pipe *p, int l) {
+    const double t0 = mq_now();
+    moeq_status s = layer_done(p, l);
+    p->layers[l].snapshot = mq_now() - t0;
+    return s;
+}
+
+static moeq_status layer_done(mq_pipe *p, int l) {
     moeq_status s = mq_ckpt_writer_sync(p->w);
     if (s) return s;
     cJSON *rec = cJSON_CreateObject();
