@@ -461,6 +461,11 @@ typedef struct {
      * (README) at about the same cost */
     double scale_lo, scale_hi;
     int32_t scale_steps;
+    /* --global-scale-headroom H: NVFP4's global scale maps the tensor's amax to a block scale of
+     * 448/H instead of 448, so that a scale search above the max-based scale (up to H times it)
+     * is not clamped by E4M3's largest value for the largest blocks; 0 or 1: none. The checkpoint
+     * stores the global scale as usual (nothing changes for the engine) */
+    double global_scale_headroom;
     int reference;                 /* --reference: the conventions of
                                       shared/fixtures/reference.json (INT4 amax/7 with F32 scales
                                       in compressed-tensors; NVFP4 per-tensor global scales, block
@@ -535,6 +540,9 @@ typedef struct {
                                       descent over the codes on GPTQ's own layer objective, the
                                       group scales kept (never raises it); 0 (default): none.
                                       CPU only */
+        int refine_scales;         /* --refine-scales: with refine_passes, after each pass every
+                                      group's scale moves to the stored value nearest to its
+                                      least-squares optimum for the codes (when that helps) */
         const char *report;        /* --report: JSON report path; NULL (default) =
                                       "<out_dir>/gptq_report.json" */
         const char *report_html;   /* --report-html: also this self-contained HTML page (inline

@@ -1053,6 +1053,26 @@ static void refine_case(const mq_qspec *s, bool act_order) {
     for (int64_t i = 0; i < N * K; i++) diff += (float)q[i] != db[i];
     if (diff > N * K / 200)
         FAIL("%lld of %lld values differ from the reference refinement", (long long)diff, (long long)(N * K));
+    /* the scale step: the codes' least-squares scales, never a higher objective */
+    mq_qtensor e;
+    mq_gptq_stats se;
+    float *de = malloc((size_t)(N * K) * sizeof(float));
+    o.refine_scales = true;
+    ASSERT_OK(mq_gptq_quantize(s, &o, H, W, N, K, 0, "w", &e, de, &se));
+    o.refine_scales = false;
+    double oe = direct_loss(Hd, K, W, de, N);
+    if (!(oe <= ob * (1 + 1e-5))) FAIL("with the scale step %.9g, without %.9g", oe, ob);
+    ASSERT_NEAR(direct_loss(H, K, W, de, N), se.loss, 1e-4 * se.loss);
+    int64_t moved = 0;
+    for (int64_t i = 0; i < N * e.n_groups; i++) moved += e.params[i].scale != a.params[i].scale;
+    if (s->scheme == MQ_QS_INT4 && moved == 0) FAIL("the scale step moved no INT4 scale");
+    /* the stored values are what the codes and the moved scales dequantize to */
+    float *back = malloc((size_t)(N * K) * sizeof(float));
+    mq_dequantize(&e, back);
+    for (int64_t i = 0; i < N * K; i++) ASSERT_TRUE(back[i] == de[i]);
+    free(back);
+    free(de);
+    mq_qtensor_free(&e);
     /* the thread count */
     mq_qtensor c1;
     mq_gptq_stats s1;
@@ -1074,6 +1094,29 @@ static void refine_case(const mq_qspec *s, bool act_order) {
     free(H);
 }
 
+/* NVFP4's global-scale headroom: the tensor's amax maps to a block scale of 448/H, so a block at
+ * the amax can take a scale up to H times its max-based one (without it, 448 clamps it). */
+static void test_global_scale_headroom(void) {
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    ASSERT_TRUE(mq_nvfp4_global_scale(&s, 3.0f) == 2688.0f / 3.0f);
+    s.nvfp4_headroom = 1.5f;
+    ASSERT_TRUE(mq_nvfp4_global_scale(&s, 3.0f) == 2688.0f / (3.0f * 1.5f));
+    s.mse = true;
+    s.mse_lo = 1.2f;
+    s.mse_hi = 1.5f;
+    s.mse_steps = 9;
+    float x[16];
+    for (int i = 0; i < 16; i++) x[i] = i == 0 ? 3.0f : 0.37f * (float)(i % 5) - 0.6f;
+    mq_gparams plain, cand[9];
+    int n = mq_group_candidates(&s, mq_nvfp4_global_scale(&s, 3.0f), x, 16, 1, &plain, cand);
+    ASSERT_TRUE(n > 1);
+    ASSERT_TRUE(cand[n - 1].scale > plain.scale * 1.4f);
+    s.nvfp4_headroom = 0;   /* clamped at 448: a single candidate */
+    n = mq_group_candidates(&s, mq_nvfp4_global_scale(&s, 3.0f), x, 16, 1, &plain, cand);
+    ASSERT_EQ_INT(1, n);
+    ASSERT_TRUE(cand[0].scale == 448.0f);
+}
+
 static void test_refine(void) {
     mq_qspec nv = mq_qspec_default(MQ_QS_NVFP4), i4 = int4_spec(32);
     nv.mse = i4.mse = true;
@@ -1089,4 +1132,4 @@ TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_
           T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs),
           T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
           T(test_force_ref_same_codes), T(test_progress), T(test_bad_input), T(test_clip_search),
-          T(test_damp_sweep), T(test_refine))
+          T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom))

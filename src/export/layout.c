@@ -462,7 +462,7 @@ static moeq_status read_ct_int4(const reader *r, int64_t N, int64_t K, mq_qtenso
     if (K % 8)
         return mq_err(MOEQ_E_FORMAT, "module '%s': INT4 weight with in-features %lld (not a multiple of 8)",
                       r->module, (long long)K);
-    const mq_tensor_view *w, *sc, *zp = NULL, *shp;
+    const mq_tensor_view *w = NULL, *sc = NULL, *zp = NULL, *shp = NULL;   /* set by need() */
     int64_t wshape[2] = {N, K / 8};
     moeq_status st = need(r, "weight_packed", MOEQ_DT_I32, 2, wshape, &w);
     if (st) return st;

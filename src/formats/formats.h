@@ -63,6 +63,9 @@ typedef struct {
     bool mse;                /* search each group's scale over a shrink grid (least squared error) */
     int32_t mse_steps;       /* grid points (default 17) */
     float mse_lo, mse_hi;    /* grid range as multiples of the max-based scale (0.70 .. 1.10) */
+    float nvfp4_headroom;    /* NVFP4: the global scale leaves block scales this much room above
+                                the max-based one below E4M3's 448 (1 or 0: none; 1.5 lets a
+                                scale search up to 1.5 reach every block) */
 } mq_qspec;
 
 /* Defaults for a scheme: NVFP4 group 16, CT convention, no clamp; INT4 group 128, symmetric,
@@ -81,7 +84,8 @@ double mq_qspec_bits_per_weight(const mq_qspec *s, int64_t rows, int64_t cols);
 const char *mq_qscheme_name(mq_qscheme scheme);
 
 /* The global scale of an NVFP4 tensor (or fused group of tensors) with absolute max amax, in the
- * spec's convention: CT 448*6/amax, MUL amax/(448*6); 1.0 when amax is 0 or not finite or the
+ * spec's convention: CT 448*6/amax, MUL amax/(448*6) (with nvfp4_headroom h > 1: 448*6/(h amax),
+ * h amax/(448*6)); 1.0 when amax is 0 or not finite or the
  * result is not a positive finite number. Other schemes: 1.0. */
 float mq_nvfp4_global_scale(const mq_qspec *s, float amax);
 

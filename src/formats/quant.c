@@ -106,6 +106,7 @@ double mq_qspec_bits_per_weight(const mq_qspec *s, int64_t rows, int64_t cols) {
 
 float mq_nvfp4_global_scale(const mq_qspec *s, float amax) {
     if (s->scheme != MQ_QS_NVFP4 || !(amax > 0) || !isfinite(amax)) return 1.0f;
+    if (s->nvfp4_headroom > 1.0f) amax = amax * s->nvfp4_headroom;
     float g = s->nvfp4_conv == MQ_NVFP4_MUL ? amax / NVFP4_GS_NUM : NVFP4_GS_NUM / amax;
     return (g > 0 && isfinite(g)) ? g : 1.0f;
 }

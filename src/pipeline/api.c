@@ -68,6 +68,8 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
                    "(group_size -1) does not run");
     if (o->gptq.refine_passes < 0 || o->gptq.refine_passes > 64)
         return BAD("gptq.refine_passes must be 0 .. 64, got %d", (int)o->gptq.refine_passes);
+    if (o->gptq.refine_scales && o->gptq.refine_passes < 1)
+        return BAD("gptq.refine_scales refines the scales between passes of gptq.refine_passes (>= 1)");
     if (o->gptq.n_damp_sweep < 0 || o->gptq.n_damp_sweep > 8)
         return BAD("gptq.n_damp_sweep must be 0 .. 8, got %d", (int)o->gptq.n_damp_sweep);
     for (int32_t i = 0; i < o->gptq.n_damp_sweep; i++)
@@ -124,6 +126,10 @@ static moeq_status check_options(const moeq_quant_options *o) {
         if (o->scale_steps < 0 || o->scale_steps > 1024)
             return BAD("scale search steps %d: expected 1 .. 1024 (0: 17)", (int)o->scale_steps);
     }
+    if (!(o->global_scale_headroom == 0 || (o->global_scale_headroom >= 1 && o->global_scale_headroom <= 16)))
+        return BAD("global_scale_headroom %g: expected 1 .. 16 (0: none)", o->global_scale_headroom);
+    if (o->global_scale_headroom > 1 && o->scheme == MOEQ_QUANT_INT4)
+        return BAD("global_scale_headroom is NVFP4's (INT4 has no global scale)");
     if (o->gptq.report_html && o->method != MOEQ_QUANT_GPTQ)
         return BAD("gptq.report_html: the report is GPTQ's (method gptq)");
     if (o->calib_tokens < 1)
@@ -177,6 +183,7 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
         if (po->scale_steps > 0) o->spec.mse_steps = po->scale_steps;
     }
     o->no_fuse = po->no_fuse != 0;
+    o->spec.nvfp4_headroom = (float)po->global_scale_headroom;
     if (po->reference) {
         /* reference.json: NVFP4 per-tensor scales, block scales clamped to [2^-9, 448];
          * INT4 symmetric amax/7, scales kept in F32 (GPTQ stores F16 whatever) */
@@ -235,6 +242,7 @@ static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) 
     o->expert_weighting = (int)po->gptq.expert_weighting;
     o->g.clip_search = po->gptq.clip_search != 0;
     o->g.refine_passes = po->gptq.refine_passes;
+    o->g.refine_scales = po->gptq.refine_scales != 0;
     o->n_damp_sweep = po->gptq.n_damp_sweep;
     for (int i = 0; i < po->gptq.n_damp_sweep; i++) o->damp_sweep[i] = po->gptq.damp_sweep[i];
     o->calib.path = po->calib;

@@ -103,6 +103,8 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         else end = (char *)"x";
         if (*end == ':') o->scale_steps = (int32_t)strtol(end + 1, &end, 10);
         if (*end) return bad(key, v, "LO:HI or LO:HI:N");
+    } else if (!strcmp(key, "global-scale-headroom")) {
+        st = get_double(key, v, &o->global_scale_headroom);
     } else if (!strcmp(key, "reference")) {
         st = get_bool(key, v, &o->reference);
     } else if (!strcmp(key, "no-fuse")) {
@@ -182,6 +184,8 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         o->gptq.expert_weighting = (moeq_expert_weighting)k;
     } else if (!strcmp(key, "refine")) {
         if (!(st = get_int(key, v, 0, 64, &i))) o->gptq.refine_passes = (int32_t)i;
+    } else if (!strcmp(key, "refine-scales")) {
+        st = get_bool(key, v, &o->gptq.refine_scales);
     } else if (!strcmp(key, "clip-search")) {
         st = get_bool(key, v, &o->gptq.clip_search);
     } else if (!strcmp(key, "damp-sweep")) {

@@ -73,6 +73,8 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
         cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_hi));
         cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_steps));
     }
+    if (o->spec.scheme == MQ_QS_NVFP4)
+        cJSON_AddNumberToObject(set, "global_scale_headroom", o->spec.nvfp4_headroom > 1 ? o->spec.nvfp4_headroom : 1);
     if (o->spec.mse && o->gptq) cJSON_AddStringToObject(set, "mse_weight", mse_weight_name(o->g.mse_weight));
     cJSON_AddStringToObject(set, "method", o->gptq ? "gptq" : "rtn");
     if (o->gptq) {
@@ -91,6 +93,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
                                                                                     : "none");
         cJSON_AddBoolToObject(set, "clip_search", o->g.clip_search);
         cJSON_AddNumberToObject(set, "refine_passes", o->g.refine_passes);
+        cJSON_AddBoolToObject(set, "refine_scales", o->g.refine_scales);
         cJSON *ds = cJSON_AddArrayToObject(set, "damp_sweep");
         for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
     }

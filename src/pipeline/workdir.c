@@ -136,6 +136,7 @@ static cJSON *options_identity(const mq_pipe *p) {
     cJSON_AddNumberToObject(j, "mse_steps", o->spec.mse_steps);
     cJSON_AddNumberToObject(j, "mse_lo", o->spec.mse_lo);
     cJSON_AddNumberToObject(j, "mse_hi", o->spec.mse_hi);
+    cJSON_AddNumberToObject(j, "nvfp4_headroom", o->spec.nvfp4_headroom);
     cJSON_AddBoolToObject(j, "act_quant", o->act_quant);
     cJSON_AddBoolToObject(j, "no_fuse", o->no_fuse);
     cJSON *ign = cJSON_AddArrayToObject(j, "ignore");
@@ -156,6 +157,7 @@ static cJSON *options_identity(const mq_pipe *p) {
         cJSON_AddNumberToObject(j, "expert_weighting", o->expert_weighting);
         cJSON_AddBoolToObject(j, "clip_search", o->g.clip_search);
         cJSON_AddNumberToObject(j, "refine_passes", o->g.refine_passes);
+        cJSON_AddBoolToObject(j, "refine_scales", o->g.refine_scales);
         cJSON *ds = cJSON_AddArrayToObject(j, "damp_sweep");
         for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
         /* GPU and CPU codes differ where a weight sits on a rounding threshold */

@@ -53,6 +53,9 @@ typedef struct {
     int32_t refine_passes;   /* after the column loop, passes of coordinate descent over the
                                 codes on GPTQ's objective, the group parameters fixed (never
                                 raises it; refine_rows in gptq.c). 0: none */
+    bool refine_scales;      /* with refine_passes: after each pass over the codes, each group's
+                                scale moved to the stored value nearest to its least-squares
+                                optimum for the codes, when that lowers the objective */
     bool clip_search;        /* INT4 asymmetric with MQ_GPTQ_MSE_LOOP: the two ends of each
                                 group's range clipped apart (set_params_clip in gptq.c; three
                                 rounds of the grid, never worse than the plain search's score) */

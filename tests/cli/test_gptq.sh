@@ -86,6 +86,7 @@ q15 b1 --scheme nvfp4a16 --expert-weighting gate --damp-sweep 0.003,0.01,0.1 --r
 q15 b2 --scheme nvfp4a16 --expert-weighting gate --damp-sweep 0.003,0.01,0.1 --refine 2 --threads 1 --expert-chunk 1
 q15 b3 --scheme nvfp4a16 --expert-weighting gate-squared
 q15 b4 --scheme nvfp4a16 --damp-sweep 0.01
+q15 b5 --scheme nvfp4a16 --scale-search 0.9:1.5:25 --global-scale-headroom 1.5 --refine 1 --refine-scales
 q15 i0 --scheme int4 --asym
 q15 i1 --scheme int4 --asym --clip-search
 cmp -s "$tmp/b1/model.safetensors" "$tmp/b2/model.safetensors" || fail "issue 15 options: --threads 1 --expert-chunk 1 changed the checkpoint"
@@ -99,7 +100,10 @@ done
 python3 - "$tmp" <<'PY' || fail "issue 15 options: report"
 import json, sys
 t = sys.argv[1]
-r = {k: json.load(open(f"{t}/{k}.json")) for k in ("b0", "b1", "b3", "i0", "i1")}
+r = {k: json.load(open(f"{t}/{k}.json")) for k in ("b0", "b1", "b3", "b5", "i0", "i1")}
+s5 = r["b5"]["settings"]
+assert s5["global_scale_headroom"] == 1.5 and s5["refine_scales"] is True and s5["refine_passes"] == 1, s5
+assert r["b0"]["settings"]["global_scale_headroom"] == 1 and r["b0"]["settings"]["refine_scales"] is False
 s = r["b1"]["settings"]
 assert s["expert_weighting"] == "gate" and s["damp_sweep"] == [0.003, 0.01, 0.1] and s["refine_passes"] == 2, s
 assert r["b3"]["settings"]["expert_weighting"] == "gate-squared"
@@ -118,6 +122,10 @@ PY
     --nsamples 2 --seqlen 16 2>"$tmp/err"
 [ $? -eq 1 ] || fail "--clip-search without --asym: expected exit 1"
 grep -q 'clip_search' "$tmp/err" || fail "--clip-search without --asym: message"
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --global-scale-headroom 1.5 \
+    --nsamples 2 --seqlen 16 2>"$tmp/err"
+[ $? -eq 1 ] || fail "--global-scale-headroom with int4: expected exit 1"
+grep -q 'global_scale_headroom' "$tmp/err" || fail "--global-scale-headroom with int4: message"
 "$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" --damp-sweep 0.01,x >/dev/null 2>&1
 [ $? -eq 2 ] || fail "--damp-sweep 0.01,x: expected exit 2"
 "$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" --expert-weighting top >/dev/null 2>&1

@@ -67,7 +67,7 @@ int cmd_quantize(int argc, char **argv) {
     const char *activations = "auto", *device = NULL, *revision = NULL, *scale_search = NULL;
     const char *gguf_rest = NULL;
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
-    double mpi_timeout = 0;
+    double mpi_timeout = 0, headroom = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
     bool reference = false, group_seen = false, resume = false, dry_run = false, drop_mtp = false;
     cli_list ignore = {0};
@@ -129,6 +129,9 @@ int cmd_quantize(int argc, char **argv) {
         {"--scale-search", OPT_STRING, &scale_search, "LO:HI[:N]", "the MSE scale search's range as multiples "
          "of the max-based scale (default 0.70:1.10:17; 0.9:1.5 lowered NVFP4 GPTQ's KL by 9-11% on the "
          "fixtures)", NULL, 0, 0, NULL},
+        {"--global-scale-headroom", OPT_DOUBLE, &headroom, "H", "NVFP4: the global scale leaves the "
+         "largest block scales room up to H times their max-based value below E4M3's 448 (default "
+         "1: none), for a --scale-search above 1", NULL, 0, 0, NULL},
         {"--device", OPT_STRING, &device, "DEV", "where GPTQ factors and quantizes: cpu (default), "
          "cuda or cuda:N (a build with -DMOEQ_CUDA=ON; codes agree with the CPU's but for "
          "weights on a rounding threshold)", NULL, 0, 0, NULL},
@@ -193,6 +196,7 @@ int cmd_quantize(int argc, char **argv) {
     o.asym = asym;
     o.mse = mse;
     o.no_fuse = no_fuse;
+    o.global_scale_headroom = headroom;
     o.reference = reference;
     o.ignore = ignore.items;
     o.n_ignore = ignore.n;

@@ -63,6 +63,7 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
                                    : MOEQ_EXPERT_WEIGHT_NONE;
     o->gptq.clip_search = g->clip_search;
     o->gptq.refine_passes = (int32_t)g->refine;
+    o->gptq.refine_scales = g->refine_scales;
     if (g->damp_sweep && moeq_quant_options_set(o, "damp-sweep", g->damp_sweep))
         return cli_usage_error("quantize", "--damp-sweep %s: expected up to 8 damping fractions "
                                ">= 0 separated by commas, e.g. 0.003,0.01,0.03,0.1", g->damp_sweep);

@@ -14,6 +14,7 @@ typedef struct {
     const char *sampling, *groups, *mode, *fallback, *report, *mse_weight, *report_html;
     const char *expert_weighting, *damp_sweep;
     bool calib_bos, act_order, no_act_order, static_groups, no_mse, true_sequential, clip_search;
+    bool refine_scales;
 } gptq_cli;
 
 /* The defaults of moeq_quant_options_init, as flags. */
@@ -59,6 +60,9 @@ void gptq_cli_defaults(gptq_cli *g);
      "none|gate|gate-squared", 0, 0, NULL},                                                        \
     {"--refine", OPT_INT, &(g).refine, "N", "GPTQ: N passes of coordinate descent over the codes " \
      "after GPTQ, on its own layer objective with the group scales kept (default 0)", NULL, 0, 64, NULL}, \
+    {"--refine-scales", OPT_FLAG, &(g).refine_scales, NULL, "GPTQ, with --refine: after each pass " \
+     "over the codes, each group's scale moved to the stored value nearest to its least-squares "  \
+     "optimum for them (when that lowers the objective)", NULL, 0, 0, NULL},                       \
     {"--clip-search", OPT_FLAG, &(g).clip_search, NULL, "GPTQ, INT4 --asym: the MSE scale search " \
      "clips the low and the high end of each group's range apart (about 3x the search's cost)",    \
      NULL, 0, 0, NULL},                                                                            \
