@@ -19,7 +19,7 @@ build=${MOEQ_ARM_BUILD:-build-arm64}
 # shellcheck disable=SC2086
 cmake -S . -B "$build" -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
     -DMOEQ_CUDA=OFF -DMOEQ_MPI=OFF ${MOEQ_CMAKE_FLAGS:-} >/dev/null
-kernel_tests=(test_vec_kernels test_moe_ffn_kernels test_moe_ffn test_moe_ffn_check)
+kernel_tests=(test_vec_kernels test_moe_ffn_kernels test_moe_ffn test_moe_ffn_check test_gemm_det)
 if [ "$what" = kernels ]; then
     cmake --build "$build" -j "$(nproc)" --target moeq_cli "${kernel_tests[@]}"
 else

@@ -1,6 +1,6 @@
 /*
- * The deterministic GEMM (src/kernels/gemm_det.h): the AVX2 kernel equals the scalar chain of
- * fmaf bit for bit, on shapes with every edge (rows not a multiple of 16, columns not of 6, K
+ * The deterministic GEMM (src/kernels/gemm_det.h): the SIMD kernel (AVX2; NEON on Arm64) equals
+ * the scalar chain of fmaf bit for bit, on shapes with every edge (rows not a multiple of 16, columns not of 6, K
  * odd, leading dimensions wider than the rows); a row's values do not depend on how many rows
  * share the call or where it sits among them (what lets the pipeline batch an expert's rows
  * across samples); the pool split gives the same values; the result is a correct product
@@ -27,7 +27,7 @@ static float *rand_matrix(int64_t rows, int64_t ld) {
 }
 
 static void test_avx2_equals_reference(void) {
-    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA on this CPU");
+    if (!mq_cpu_has_avx2_fma() && !MQ_TEST_ARM) SKIP("no AVX2+FMA on this CPU");
     const int64_t shapes[][3] = {{1, 1, 1},   {3, 5, 7},    {16, 6, 64},  {17, 7, 65},
                                  {33, 13, 255}, {64, 96, 512}, {5, 200, 1031}, {100, 31, 2048}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
@@ -39,10 +39,13 @@ static void test_avx2_equals_reference(void) {
 #if MQ_TEST_X86
         mq_gemm_det_nt_avx2(M, N, K, A, lda, B, ldb, c2, ldc);
 #endif
+#if MQ_TEST_ARM
+        mq_gemm_det_nt_neon(M, N, K, A, lda, B, ldb, c2, ldc);
+#endif
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < N; j++)
                 if (c1[i * ldc + j] != c2[i * ldc + j])
-                    FAIL("%lldx%lldx%lld: C[%lld][%lld] ref %.9g avx2 %.9g", (long long)M, (long long)N,
+                    FAIL("%lldx%lldx%lld: C[%lld][%lld] ref %.9g simd %.9g", (long long)M, (long long)N,
                          (long long)K, (long long)i, (long long)j, (double)c1[i * ldc + j],
                          (double)c2[i * ldc + j]);
         free(A);
@@ -98,14 +101,17 @@ static void test_syrk_accumulate(void) {
         memcpy(a, c0, sizeof(float) * (size_t)(K * K));
         memcpy(b, c0, sizeof(float) * (size_t)(K * K));
         mq_syrk_det_acc_ref(K, n, X, ldx, a, K, 0, K);
-        if (mq_cpu_has_avx2_fma()) {
+        if (mq_cpu_has_avx2_fma() || MQ_TEST_ARM) {
 #if MQ_TEST_X86
             mq_syrk_det_acc_avx2(K, n, X, ldx, b, K, 0, K);
+#endif
+#if MQ_TEST_ARM
+            mq_syrk_det_acc_neon(K, n, X, ldx, b, K, 0, K);
 #endif
             for (int64_t i = 0; i < K; i++)
                 for (int64_t j = 0; j <= i; j++)
                     if (a[i * K + j] != b[i * K + j])
-                        FAIL("K %lld: C[%lld][%lld] ref %.9g avx2 %.9g", (long long)K, (long long)i,
+                        FAIL("K %lld: C[%lld][%lld] ref %.9g simd %.9g", (long long)K, (long long)i,
                              (long long)j, (double)a[i * K + j], (double)b[i * K + j]);
         }
         memcpy(b, c0, sizeof(float) * (size_t)(K * K));

@@ -9,6 +9,12 @@ void mq_gemm_det_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda
         return;
     }
 #endif
+#if defined(__aarch64__)
+    if (!mq_force_ref()) {
+        mq_gemm_det_nt_neon(M, N, K, A, lda, B, ldb, C, ldc);
+        return;
+    }
+#endif
     mq_gemm_det_nt_ref(M, N, K, A, lda, B, ldb, C, ldc);
 }
 
@@ -38,6 +44,12 @@ void mq_syrk_det_acc(int64_t K, int64_t n, const float *X, int64_t ldx, float *C
 #if defined(__x86_64__) || defined(__i386__)
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         mq_syrk_det_acc_avx2(K, n, X, ldx, C, ldc, i0, i1);
+        return;
+    }
+#endif
+#if defined(__aarch64__)
+    if (!mq_force_ref()) {
+        mq_syrk_det_acc_neon(K, n, X, ldx, C, ldc, i0, i1);
         return;
     }
 #endif

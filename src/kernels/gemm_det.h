@@ -11,7 +11,8 @@
  * Twins: the scalar reference (src/kernels/cpu/ref/gemm_det_ref.c) is the chain above written
  * out; the AVX2+FMA kernel (src/kernels/cpu/x86/gemm_det_avx2.c) runs 16 rows of A by 6 rows of
  * B at a time, one fma per element per k in k order, so the two agree bit for bit
- * (tests/test_gemm_det.c). Single-threaded: callers split the work (pool tasks over experts, or
+ * (tests/test_gemm_det.c); so does the NEON kernel (src/kernels/cpu/arm/gemm_det_neon.c, every
+ * Arm64 CPU), with the same blocking. Single-threaded: callers split the work (pool tasks over experts, or
  * mq_gemm_det_nt_pool over fixed column tiles).
  */
 #ifndef MOEQ_KERNELS_GEMM_DET_H
@@ -33,13 +34,17 @@ void mq_gemm_det_nt_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t
 void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                          const float *B, int64_t ldb, float *C, int64_t ldc);
 #endif
+#if defined(__aarch64__)
+void mq_gemm_det_nt_neon(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *B, int64_t ldb, float *C, int64_t ldc);
+#endif
 
 /* The Hessian sum's update with the same property: for the rows i in [i0, i1) of the K x K
  * row-major C and every j <= i,
  *     C[i][j] = fmaf(X[r][i], X[r][j], C[i][j])   for r = 0 .. n-1 in order
  * (X [n, K], ldx), so adding rows in one call or in many, in any grouping, gives the same sums,
- * and so does splitting the rows of C. The AVX2 twin may also write elements above the diagonal
- * next to it (never read by the Hessian code). Single-threaded; _pool runs all rows over the
+ * and so does splitting the rows of C. The AVX2 and NEON twins may also write elements above the
+ * diagonal next to it (never read by the Hessian code). Single-threaded; _pool runs all rows over the
  * pool. */
 void mq_syrk_det_acc(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
                      int64_t i0, int64_t i1);
@@ -51,6 +56,10 @@ void mq_syrk_det_acc_ref(int64_t K, int64_t n, const float *X, int64_t ldx, floa
                          int64_t i0, int64_t i1);
 #if defined(__x86_64__) || defined(__i386__)
 void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                          int64_t ldc, int64_t i0, int64_t i1);
+#endif
+#if defined(__aarch64__)
+void mq_syrk_det_acc_neon(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
                           int64_t ldc, int64_t i0, int64_t i1);
 #endif
 

@@ -1,0 +1,195 @@
+/*
+ * NEON deterministic GEMM and Hessian update (see kernels/gemm_det.h), twins of
+ * src/kernels/cpu/ref/gemm_det_ref.c: every element of C takes exactly the reference's fmaf chain
+ * (FMLA, one rounding), one step per k (or per row of X) in order, so the results are bit for bit
+ * the reference's, as with the AVX2 kernels, whose blocking this follows at NEON's width.
+ * GEMM: a panel of 16 rows of A packed k-major (Ap[k][16], rows past M zero), four q registers per
+ * k, against six rows of B read in place (one broadcast per row and k): 24 accumulators for a
+ * 16 x 6 tile of C. K is not blocked (a split sum would change the order).
+ * Hessian update: tiles of 6 rows (i) x 16 columns (j) of C, X repacked per block of rows into
+ * 16-column panels so the tiles read it sequentially; tiles may reach past the diagonal in the last
+ * panel of a row group (elements above it, never read; gemm_det.h allows it).
+ */
+#include <arm_neon.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/gemm_det.h"
+
+enum { MR = 16, NR = 6 };
+
+/* A 16 x nr tile (nr <= 6); the full width is instantiated separately so its 24 accumulators
+ * stay in registers. */
+static inline __attribute__((always_inline)) void tile(const float *ap, int64_t K, const float *B,
+                                                      int64_t ldb, const int nr, float *C,
+                                                      int64_t ldc, int64_t m) {
+    float32x4_t c[NR][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < nr; r++) c[r][0] = c[r][1] = c[r][2] = c[r][3] = vdupq_n_f32(0.0f);
+    for (int64_t k = 0; k < K; k++) {
+        const float *a = ap + k * MR;
+        const float32x4_t a0 = vld1q_f32(a), a1 = vld1q_f32(a + 4), a2 = vld1q_f32(a + 8),
+                          a3 = vld1q_f32(a + 12);
+#pragma GCC unroll 6
+        for (int r = 0; r < nr; r++) {
+            const float32x4_t b = vld1q_dup_f32(B + r * ldb + k);
+            c[r][0] = vfmaq_f32(c[r][0], a0, b);
+            c[r][1] = vfmaq_f32(c[r][1], a1, b);
+            c[r][2] = vfmaq_f32(c[r][2], a2, b);
+            c[r][3] = vfmaq_f32(c[r][3], a3, b);
+        }
+    }
+    /* C[i][r] for i < m from c[r][0..3] (rows 0-3, ..., 12-15) */
+    float t[NR][MR];
+#pragma GCC unroll 6
+    for (int r = 0; r < nr; r++)
+        for (int q = 0; q < 4; q++) vst1q_f32(t[r] + 4 * q, c[r][q]);
+    for (int64_t i = 0; i < m; i++)
+        for (int r = 0; r < nr; r++) C[i * ldc + r] = t[r][i];
+}
+
+static __attribute__((noinline)) void tile6(const float *ap, int64_t K, const float *B,
+                                            int64_t ldb, float *C, int64_t ldc, int64_t m) {
+    tile(ap, K, B, ldb, NR, C, ldc, m);
+}
+
+static __attribute__((noinline)) void tile_n(const float *ap, int64_t K, const float *B,
+                                             int64_t ldb, int nr, float *C, int64_t ldc,
+                                             int64_t m) {
+    tile(ap, K, B, ldb, nr, C, ldc, m);
+}
+
+/* Ap[k][i] = A[i][k] for the panel's rows (zero past m). */
+static void pack(const float *A, int64_t lda, int64_t m, int64_t K, float *ap) {
+    if (m < MR) memset(ap, 0, sizeof(float) * (size_t)(K * MR));
+    for (int64_t i = 0; i < m; i++) {
+        const float *a = A + i * lda;
+        for (int64_t k = 0; k < K; k++) ap[k * MR + i] = a[k];
+    }
+}
+
+enum { KSTACK = 4096 };   /* panels up to this K live in thread-local storage (256 KiB) */
+
+void mq_gemm_det_nt_neon(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *B, int64_t ldb, float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0) return;
+    if (K > KSTACK) {   /* rare: the panel does not fit; the reference gives the same values */
+        mq_gemm_det_nt_ref(M, N, K, A, lda, B, ldb, C, ldc);
+        return;
+    }
+    _Alignas(64) static _Thread_local float ap[KSTACK * MR];
+    for (int64_t i0 = 0; i0 < M; i0 += MR) {
+        int64_t m = M - i0 < MR ? M - i0 : MR;
+        pack(A + i0 * lda, lda, m, K, ap);
+        for (int64_t j0 = 0; j0 < N; j0 += NR) {
+            int nr = (int)(N - j0 < NR ? N - j0 : NR);
+            if (nr == NR) tile6(ap, K, B + j0 * ldb, ldb, C + i0 * ldc + j0, ldc, m);
+            else tile_n(ap, K, B + j0 * ldb, ldb, nr, C + i0 * ldc + j0, ldc, m);
+        }
+    }
+}
+
+/* ---- the Hessian update ------------------------------------------------------------------------ */
+enum { SR = 6, SC = 16, ROWS_BLK = 64 };
+
+static _Thread_local float *tl_pack;
+static _Thread_local size_t tl_cap;
+
+/* Rows i0 .. i0 + nr - 1 (nr <= 6) of C by the 16 columns j0 .. j0 + 15: per row r of X, the
+ * panel's 16 values of X[r][j] and one broadcast of X[r][i] per row of the tile, one fma per
+ * element, continuing from C. */
+static inline __attribute__((always_inline)) void syrk_tile(int64_t n, const float *P, int64_t i0,
+                                                           const int nr, int64_t j0, float *C,
+                                                           int64_t ldc) {
+    const int64_t pstride = ROWS_BLK * SC;   /* floats per panel */
+    const float *vj = P + (j0 / SC) * pstride;
+    const float *bi[SR];
+    float32x4_t c[SR][4];
+    for (int t = 0; t < SR; t++)   /* rows past nr are never used; set for the compiler */
+        for (int q = 0; q < 4; q++) c[t][q] = vdupq_n_f32(0.0f);
+#pragma GCC unroll 6
+    for (int t = 0; t < nr; t++) {
+        bi[t] = P + ((i0 + t) / SC) * pstride + (i0 + t) % SC;
+        const float *ct = C + (i0 + t) * ldc + j0;
+        for (int q = 0; q < 4; q++) c[t][q] = vld1q_f32(ct + 4 * q);
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t o = r * SC;
+        const float32x4_t v0 = vld1q_f32(vj + o), v1 = vld1q_f32(vj + o + 4),
+                          v2 = vld1q_f32(vj + o + 8), v3 = vld1q_f32(vj + o + 12);
+#pragma GCC unroll 6
+        for (int t = 0; t < nr; t++) {
+            const float32x4_t b = vld1q_dup_f32(bi[t] + o);
+            c[t][0] = vfmaq_f32(c[t][0], v0, b);
+            c[t][1] = vfmaq_f32(c[t][1], v1, b);
+            c[t][2] = vfmaq_f32(c[t][2], v2, b);
+            c[t][3] = vfmaq_f32(c[t][3], v3, b);
+        }
+    }
+#pragma GCC unroll 6
+    for (int t = 0; t < nr; t++) {
+        float *ct = C + (i0 + t) * ldc + j0;
+        for (int q = 0; q < 4; q++) vst1q_f32(ct + 4 * q, c[t][q]);
+    }
+}
+
+static __attribute__((noinline)) void syrk_tile6(int64_t n, const float *P, int64_t i0,
+                                                 int64_t j0, float *C, int64_t ldc) {
+    syrk_tile(n, P, i0, SR, j0, C, ldc);
+}
+
+static __attribute__((noinline)) void syrk_tile_n(int64_t n, const float *P, int64_t i0, int nr,
+                                                  int64_t j0, float *C, int64_t ldc) {
+    syrk_tile(n, P, i0, nr, j0, C, ldc);
+}
+
+/* The elements the vector tiles leave, as the scalar chain (the same per element). */
+static void syrk_scalar(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                        float *C, int64_t ldc) {
+    const int64_t pstride = ROWS_BLK * SC;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1 && j <= i; j++) {
+            const float *pi = P + (i / SC) * pstride + i % SC, *pj = P + (j / SC) * pstride + j % SC;
+            float acc = C[i * ldc + j];
+            for (int64_t r = 0; r < n; r++) acc = fmaf(pi[r * SC], pj[r * SC], acc);
+            C[i * ldc + j] = acc;
+        }
+}
+
+void mq_syrk_det_acc_neon(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                          int64_t ldc, int64_t row0, int64_t row1) {
+    if (K <= 0 || n <= 0 || row0 >= row1) return;
+    const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
+    const size_t need = (size_t)panels * ROWS_BLK * SC;
+    if (need > tl_cap) {
+        free(tl_pack);
+        tl_pack = aligned_alloc(64, need * sizeof(float));
+        tl_cap = tl_pack ? need : 0;
+        if (!tl_pack) {   /* no scratch: the reference gives the same values */
+            mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
+            return;
+        }
+    }
+    float *P = tl_pack;
+    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
+        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
+        for (int64_t p = 0; p < panels; p++) {
+            float *dst = P + p * ROWS_BLK * SC;
+            const int64_t c0 = p * SC, w = K - c0 < SC ? K - c0 : SC;
+            for (int64_t r = 0; r < rb; r++) {
+                memcpy(dst + r * SC, X + (r0 + r) * ldx + c0, sizeof(float) * (size_t)w);
+                if (w < SC) memset(dst + r * SC + w, 0, sizeof(float) * (size_t)(SC - w));
+            }
+        }
+        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
+            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
+            int64_t j0 = 0;
+            for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
+                if (i1 - i0 == SR) syrk_tile6(rb, P, i0, j0, C, ldc);
+                else syrk_tile_n(rb, P, i0, (int)(i1 - i0), j0, C, ldc);
+            }
+            syrk_scalar(rb, P, i0, i1, j0, i1, C, ldc);
+        }
+    }
+}
