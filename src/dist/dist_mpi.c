@@ -142,17 +142,73 @@ static moeq_status wait_on(MPI_Request *req, const char *step, bool spin) {
 
 static double g_wait_s, g_data_s;   /* seconds in agreements / in data transfers */
 
+/* MOEQ_DIST_PROFILE: seconds by kind of step */
+enum { PROF_KINDS = 24 };
+static struct {
+    char kind[40];
+    double wait, data;
+    int64_t n;
+} g_prof[PROF_KINDS];
+static int g_prof_n = -1;   /* -1: not yet looked at the environment; -2: off */
+
+static void prof_add(const char *step, double sec, bool data) {
+    if (g_prof_n == -1) g_prof_n = getenv("MOEQ_DIST_PROFILE") ? 0 : -2;
+    if (g_prof_n < 0) return;
+    if (strncmp(step, "layer ", 6) == 0 && strchr(step, ':')) step = strchr(step, ':') + 1;
+    while (*step == ' ') step++;
+    char kind[40];
+    size_t n = strlen(step);
+    const char *of = strstr(step, " of ");
+    if (of) n = (size_t)(of - step);
+    if (n >= sizeof kind) n = sizeof kind - 1;
+    memcpy(kind, step, n);
+    kind[n] = 0;
+    int i = 0;
+    while (i < g_prof_n && strcmp(g_prof[i].kind, kind) != 0) i++;
+    if (i == g_prof_n) {
+        if (g_prof_n == PROF_KINDS) i = PROF_KINDS - 1;   /* the last slot takes the rest */
+        else snprintf(g_prof[g_prof_n++].kind, sizeof g_prof[0].kind, "%s", kind);
+    }
+    *(data ? &g_prof[i].data : &g_prof[i].wait) += sec;
+    g_prof[i].n++;
+}
+
+static int prof_cmp(const void *a, const void *b) {
+    const double x = ((const double *)a)[0], y = ((const double *)b)[0];
+    return x > y ? -1 : x < y;
+}
+
+void mq_dist_profile_report(void) {
+    if (g_prof_n <= 0 || g_size <= 1) return;
+    double order[PROF_KINDS][2];
+    for (int i = 0; i < g_prof_n; i++) order[i][0] = g_prof[i].wait + g_prof[i].data, order[i][1] = i;
+    qsort(order, (size_t)g_prof_n, sizeof order[0], prof_cmp);
+    char line[1400];
+    int at = snprintf(line, sizeof line, "rank %d: waiting / moving data by step:", g_rank);
+    for (int k = 0; k < g_prof_n && at < (int)sizeof line - 80; k++) {
+        const int i = (int)order[k][1];
+        at += snprintf(line + at, sizeof line - (size_t)at, "%s %s %.2f/%.2f s (%lld)", k ? "," : "",
+                       g_prof[i].kind, g_prof[i].wait, g_prof[i].data, (long long)g_prof[i].n);
+    }
+    fprintf(stderr, "%s\n", line);
+    g_prof_n = 0;
+}
+
 static moeq_status wait_for(MPI_Request *req, const char *step) {
     double t0 = mq_now();
     moeq_status s = wait_on(req, step, false);
-    g_wait_s += mq_now() - t0;
+    const double dt = mq_now() - t0;
+    g_wait_s += dt;
+    prof_add(step, dt, false);
     return s;
 }
 
 static moeq_status wait_data(MPI_Request *req, const char *step) {
     double t0 = mq_now();
     moeq_status s = wait_on(req, step, true);
-    g_data_s += mq_now() - t0;
+    const double dt = mq_now() - t0;
+    g_data_s += dt;
+    prof_add(step, dt, true);
     return s;
 }
 

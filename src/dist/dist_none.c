@@ -68,4 +68,6 @@ moeq_status mq_dist_max_f32(float *v, const char *step) {
     return MOEQ_OK;
 }
 
+void mq_dist_profile_report(void) {}
+
 #endif

@@ -494,6 +494,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     }
 done:
     s = mq_dist_agree(s, "the end of the run");   /* a rank that failed early meets the others */
+    mq_dist_profile_report();
     if (watching) {
         res.peak_anon = mq_mem_watch_peak();
         mq_mem_watch_stop();
