@@ -888,33 +888,55 @@ static void refine_rows(const loop_state *L, const run_ctx *c, const float *w, i
     for (int64_t i = 0; i < K * nr; i++) sc->wt[i] -= q[i];
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)nr, (int)K, 1.0f, f->Hp,
                 (int)K, sc->wt, (int)nr, 0.0f, sc->gt, (int)nr);
-    float *t = sc->dq, *qn = sc->et;   /* [nr] each (the loop's buffers, free now) */
-    for (int pass = 0; pass < c->o->refine_passes; pass++)
-        for (int64_t p = 0; p < K; p++) {
-            if (f->dead[col_of(f, p)]) continue;
-            const int64_t g = L->gidx ? p / G : col_of(f, p) / G;
-            const float h = f->Hp[p * K + p];
-            float *qp = q + p * nr, *dp = sc->wt + p * nr, *gp = sc->gt + p * nr;
-            uint8_t *cp = sc->ct + p * nr;
-            for (int64_t i = 0; i < nr; i++) t[i] = qp[i] + gp[i] / h;
-            uint8_t code[ROW_BLOCK];
-            c->qdq(L->s, sc->step + g * nr, sc->zero + g * nr, t, nr, code, qn);
-            bool any = false;
-            for (int64_t i = 0; i < nr; i++) {
-                const float delta = qn[i] - qp[i];
-                t[i] = delta;   /* t now holds the change */
-                if (delta != 0.0f) {
-                    any = true;
-                    qp[i] = qn[i];
-                    cp[i] = code[i];
-                    dp[i] -= delta;
+    /* the loop's buffers, free now: t and qn [nr], dlt [B][nr] the changes of a block */
+    float *t = sc->dq, *qn = sc->tmp, *dlt = sc->et;
+    const int64_t B = c->block < K ? c->block : K;
+    for (int pass = 0; pass < c->o->refine_passes; pass++) {
+        /* blocks of B columns, as GPTQ's lazy updates: a change updates G's rows of its block at
+         * once (rank 1), the other rows get the block's changes in one GEMM at its end */
+        for (int64_t b0 = 0; b0 < K; b0 += B) {
+            const int64_t b1 = b0 + B < K ? b0 + B : K;
+            bool block_any = false;
+            for (int64_t p = b0; p < b1; p++) {
+                float *dl = dlt + (p - b0) * nr;
+                memset(dl, 0, (size_t)nr * sizeof(float));
+                if (f->dead[col_of(f, p)]) continue;
+                const int64_t g = L->gidx ? p / G : col_of(f, p) / G;
+                const float h = f->Hp[p * K + p];
+                float *qp = q + p * nr, *dp = sc->wt + p * nr, *gp = sc->gt + p * nr;
+                uint8_t *cp = sc->ct + p * nr;
+                for (int64_t i = 0; i < nr; i++) t[i] = qp[i] + gp[i] / h;
+                uint8_t code[ROW_BLOCK];
+                c->qdq(L->s, sc->step + g * nr, sc->zero + g * nr, t, nr, code, qn);
+                bool any = false;
+                for (int64_t i = 0; i < nr; i++) {
+                    const float delta = qn[i] - qp[i];
+                    dl[i] = delta;
+                    if (delta != 0.0f) {
+                        any = true;
+                        qp[i] = qn[i];
+                        cp[i] = code[i];
+                        dp[i] -= delta;
+                    }
                 }
+                if (!any) continue;
+                block_any = true;
+                /* G -= delta H'_p on the block's rows: row k of Gt gets -H'_pk delta */
+                cblas_sger(CblasRowMajor, (int)(b1 - b0), (int)nr, -1.0f, f->Hp + p * K + b0, 1, dl, 1,
+                           sc->gt + b0 * nr, (int)nr);
             }
-            if (any)   /* G -= delta H'_p: row k of Gt gets -H'_pk delta */
-                cblas_sger(CblasRowMajor, (int)K, (int)nr, -1.0f, f->Hp + p * K, 1, t, 1, sc->gt,
-                           (int)nr);
-            if (p + 1 == K && c->o->refine_scales) refine_scales(L, q);
+            if (!block_any) continue;
+            /* the other rows: Gt[k] -= sum over the block's p of H'_kp dlt[p] */
+            if (b0 > 0)
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)b0, (int)nr, (int)(b1 - b0),
+                            -1.0f, f->Hp + b0, (int)K, dlt, (int)nr, 1.0f, sc->gt, (int)nr);
+            if (b1 < K)
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(K - b1), (int)nr,
+                            (int)(b1 - b0), -1.0f, f->Hp + b1 * K + b0, (int)K, dlt, (int)nr, 1.0f,
+                            sc->gt + b1 * nr, (int)nr);
         }
+        if (c->o->refine_scales) refine_scales(L, q);
+    }
     /* the objective from scratch: ||D R||^2 = tr(D H' D^T) with the exact D */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)K, (int)nr, (int)K, 1.0f, f->Hp,
                 (int)K, sc->wt, (int)nr, 0.0f, sc->gt, (int)nr);

@@ -416,7 +416,7 @@ int bench_gptq(int argc, char **argv) {
     bool act_order = false, mse = false, static_groups = false, json = false, moe = false;
     bool rtn_loss = false, tf32 = false;
     const char *model = NULL, *calib = NULL, *device = "cpu";
-    int64_t nsamples = 128, seqlen = 512;
+    int64_t nsamples = 128, seqlen = 512, refine = 0;
     const cli_opt opts[] = {
         {"--rows", OPT_INT, &rows, "N", "output features (default 4096)", NULL, 1, 1 << 20, NULL},
         {"--cols", OPT_INT, &cols, "K", "input features (default 2048)", NULL, 16, 1 << 16, NULL},
@@ -429,6 +429,8 @@ int bench_gptq(int argc, char **argv) {
         {"--mse", OPT_FLAG, &mse, NULL, "MSE scale search", NULL, 0, -1, NULL},
         {"--mse-weight", OPT_CHOICE, &mse_weight, NULL, "how --mse scores a group (as moeq quantize; default gptq)",
          "gptq|plain|hessian|obq", 0, -1, NULL},
+        {"--refine", OPT_INT, &refine, "N", "passes of coordinate descent over the codes after GPTQ "
+         "(as moeq quantize --refine; default 0)", NULL, 0, 64, NULL},
         {"--rtn-loss", OPT_FLAG, &rtn_loss, NULL, "also compute the RTN loss (timed)", NULL, 0, -1, NULL},
         {"--reps", OPT_INT, &reps, "R", "timed repetitions, best kept (default 3)", NULL, 1, 1000, NULL},
         {"--threads", OPT_STRING, &threads, "T[,T...]", "threads (default: all cores); a list such as "
@@ -481,6 +483,7 @@ int bench_gptq(int argc, char **argv) {
     b.opts.act_order = act_order;
     b.opts.groups = static_groups ? MQ_GPTQ_GROUPS_STATIC : MQ_GPTQ_GROUPS_DYNAMIC;
     b.opts.rtn_loss = rtn_loss;
+    b.opts.refine_passes = (int32_t)refine;
     b.opts.mse_weight = strcmp(mse_weight, "hessian") == 0 ? MQ_GPTQ_MSE_HDIAG
                         : strcmp(mse_weight, "obq") == 0   ? MQ_GPTQ_MSE_OBQ
                         : strcmp(mse_weight, "gptq") == 0  ? MQ_GPTQ_MSE_LOOP
@@ -492,6 +495,7 @@ int bench_gptq(int argc, char **argv) {
     if (dev >= 0) {
         if (model) return cli_usage_error("bench gptq", "--model runs on the CPU; time a model on the GPU "
                                           "with moeq quantize --device");
+        if (refine) return cli_usage_error("bench gptq", "--refine runs on the CPU only");
         if (mq_gpu_open(dev, &g)) return cli_fail("bench gptq", MOEQ_E_UNSUPPORTED);
         if (tf32 && mq_gpu_set_tf32(g, true)) return cli_fail("bench gptq", MOEQ_E_DEVICE);
         return bench_gptq_gpu(g, &b, rows, cols, reps, moe ? experts : 0, json, tf32);
