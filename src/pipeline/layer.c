@@ -734,59 +734,62 @@ static moeq_status gather_hessian(mq_pipe *p, int l, slot *s, const float *arena
     return st;
 }
 
-/* The first row of rank r's band of a K x K lower triangle split over n ranks: bands of equal
- * area (row i has i + 1 elements), so every rank does about the same work. */
+/* The first row of band r of a K x K lower triangle cut into n bands of equal area (row i has
+ * i + 1 elements), so every band is about the same work. */
 static int64_t band_start(int64_t K, int r, int n) {
     if (r <= 0) return 0;
     if (r >= n) return K;
     return (int64_t)llround((double)K * sqrt((double)r / (double)n));
 }
 
-/* Several ranks, on the CPU: the Hessian of slot s split over all of them. Every sample's inputs
- * (kept in arena by the rank that ran it) go to every rank in sample order; each rank adds them
- * to its band of rows of the sum (mq_syrk_det_acc: every element is the same chain of fmaf in
- * row order as one process's), and the owner gathers the bands. */
+/* Several ranks, on the CPU: the Hessian of slot s as a relay over the ranks in rank order,
+ * which is sample order (contiguous shares). The lower triangle is cut into bands of rows of
+ * equal area; rank 0 sums its samples' rows into band 0 and hands the band to rank 1, which goes
+ * on with its samples (mq_syrk_det_acc: every element the same chain of fmaf in row order as
+ * one process's) and hands it on, while rank 0 starts band 1, and so on: every rank works on its
+ * own samples only, the bands pipeline through (idle at the start and end: (N - 1) bands of
+ * RELAY_BANDS_PER_RANK * N), and what moves is the sum, K x K per rank, not every sample's
+ * inputs. The last rank then sends the whole sum to each other rank that quantizes one of the
+ * slot's Linears. */
+enum { RELAY_BANDS_PER_RANK = 8 };
+
 static moeq_status split_hessian(mq_pipe *p, int l, slot *s, const float *arena, int64_t width) {
     if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
     const int64_t Lmax = p->calib.max_len, K = width;
+    const int last = p->ranks - 1;
     char step[64];
     snprintf(step, sizeof step, "layer %d: Hessian of %s", l, s->w[0]->name);
-    mq_hessian band = {0};
-    float *buf = mq_alloc_array((size_t)(Lmax * width), sizeof(float), "attention inputs");
-    moeq_status st = buf ? MOEQ_OK : MOEQ_E_NOMEM;
-    if (!st && !mine(p, s)) st = mq_hessian_init(&band, K, "a band of a Hessian");
-    float *C = mine(p, s) ? s->h.sum : band.sum;
+    mq_hessian part = {0};   /* the relay's sum on a rank that does not quantize the slot */
+    moeq_status st = mine(p, s) ? MOEQ_OK : mq_hessian_init(&part, K, "a Hessian in relay");
+    float *C = mine(p, s) ? s->h.sum : part.sum;
     st = mq_dist_agree(st, step);
-    const int64_t i0 = band_start(K, p->rank, p->ranks), i1 = band_start(K, p->rank + 1, p->ranks);
-    int64_t n = 0;
-    for (int r = 0; r < p->ranks && !st; r++) {
-        int64_t lo, hi;
-        mq_dist_share(p->calib.n, r, p->ranks, &lo, &hi);
-        for (int64_t t = lo; t < hi && !st; t++) {
-            const int64_t rows = p->calib.len[t];
-            float *x = r == p->rank ? (float *)(arena + (t - lo) * Lmax * width) : buf;
-            st = mq_dist_bcast(x, sizeof(float) * (size_t)(rows * width), r, step);
-            double t0 = mq_now();
-            if (!st) mq_syrk_det_acc_pool_rows(K, rows, x, width, C, K, i0, i1);
-            p->layers[l].hessian += mq_now() - t0;
-            n += rows;
-        }
+    int64_t lo, hi;
+    mq_dist_share(p->calib.n, p->rank, p->ranks, &lo, &hi);
+    int64_t nb = (int64_t)RELAY_BANDS_PER_RANK * p->ranks;
+    if (nb > K) nb = K;
+    for (int64_t b = 0; b < nb && !st; b++) {
+        const int64_t a = band_start(K, (int)b, (int)nb), e = band_start(K, (int)b + 1, (int)nb);
+        const size_t bytes = sizeof(float) * (size_t)((e - a) * K);
+        if (e <= a) continue;
+        if (p->rank > 0) st = mq_dist_recv(C + a * K, bytes, p->rank - 1, step);
+        double t0 = mq_now();
+        for (int64_t t = lo; t < hi && !st; t++)
+            mq_syrk_det_acc_pool_rows(K, p->calib.len[t], arena + (t - lo) * Lmax * width, width, C, K, a, e);
+        p->layers[l].hessian += mq_now() - t0;
+        if (!st && p->rank < last) st = mq_dist_send(C + a * K, bytes, p->rank + 1, step);
     }
-    /* the bands to each rank that quantizes one of the slot's Linears */
+    /* the sum, complete on the last rank, to the others that quantize one of the slot's Linears */
     int own[3];
     const int n_own = slot_owners(s, own);
-    for (int r = 0; r < p->ranks && !st; r++) {
-        const int64_t a = band_start(K, r, p->ranks), b = band_start(K, r + 1, p->ranks);
-        const size_t bytes = sizeof(float) * (size_t)((b - a) * K);
-        for (int i = 0; i < n_own && !st && b > a; i++) {
-            if (own[i] == r) continue;
-            if (p->rank == own[i]) st = mq_dist_recv(C + a * K, bytes, r, step);
-            else if (p->rank == r) st = mq_dist_send(C + a * K, bytes, own[i], step);
-        }
+    for (int i = 0; i < n_own && !st; i++) {
+        if (own[i] == last) continue;
+        const size_t bytes = sizeof(float) * (size_t)(K * K);
+        if (p->rank == last) st = mq_dist_send(C, bytes, own[i], step);
+        else if (p->rank == own[i]) st = mq_dist_recv(C, bytes, last, step);
     }
-    if (!st && mine(p, s)) s->h.n += n;
-    mq_hessian_free(&band);
-    mq_free(buf);
+    if (!st && mine(p, s))
+        for (int64_t t = 0; t < p->calib.n; t++) s->h.n += p->calib.len[t];
+    mq_hessian_free(&part);
     return st;
 }
 
