@@ -29,6 +29,52 @@ static void test_shares(void) {
     ASSERT_EQ_INT(8, hi);
 }
 
+/* Weighted shares: contiguous and covering; each share's cost within one item's of the ideal
+ * total / size; a hand-made case; zero costs fall back to the plain shares. */
+static void test_weighted_shares(void) {
+    const int64_t hand[6] = {10, 1, 1, 1, 1, 10};
+    int64_t lo, hi;
+    mq_dist_share_weighted(hand, 6, 0, 2, &lo, &hi);
+    ASSERT_EQ_INT(0, lo);
+    ASSERT_EQ_INT(3, hi);   /* 10 + 1 + 1 = 12 of 24 */
+    mq_dist_share_weighted(hand, 6, 1, 2, &lo, &hi);
+    ASSERT_EQ_INT(3, lo);
+    ASSERT_EQ_INT(6, hi);
+    int64_t cost[64];
+    uint64_t x = 88172645463325252ull;
+    for (int trial = 0; trial < 200; trial++) {
+        const int64_t n = 1 + trial % 64;
+        int64_t all = 0, big = 0;
+        for (int64_t i = 0; i < n; i++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            cost[i] = (int64_t)(x % 1000) * (trial % 3 ? 1 : (int64_t)(x % 7));   /* some zeros */
+            all += cost[i];
+            big = cost[i] > big ? cost[i] : big;
+        }
+        for (int size = 1; size <= 9; size++) {
+            int64_t next = 0;
+            for (int r = 0; r < size; r++) {
+                mq_dist_share_weighted(cost, n, r, size, &lo, &hi);
+                ASSERT_EQ_INT(next, lo);
+                ASSERT_TRUE(hi >= lo);
+                int64_t c = 0;
+                for (int64_t i = lo; i < hi; i++) c += cost[i];
+                if (all > 0 && (double)c > (double)all / size + (double)big)
+                    FAIL("share %d of %d: cost %lld, ideal %.1f, largest item %lld", r, size, (long long)c,
+                         (double)all / size, (long long)big);
+                next = hi;
+            }
+            ASSERT_EQ_INT(n, next);
+        }
+    }
+    const int64_t zero[5] = {0};
+    int64_t plo, phi;
+    mq_dist_share_weighted(zero, 5, 1, 2, &lo, &hi);
+    mq_dist_share(5, 1, 2, &plo, &phi);
+    ASSERT_EQ_INT(plo, lo);
+    ASSERT_EQ_INT(phi, hi);
+}
+
 static void test_alone(void) {
     if (getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK")) SKIP("started by mpirun");
     ASSERT_EQ_INT(MOEQ_OK, mq_dist_start());           /* not started by mpirun: alone */
@@ -46,4 +92,4 @@ static void test_alone(void) {
     mq_dist_stop();
 }
 
-TEST_MAIN(T(test_shares), T(test_alone))
+TEST_MAIN(T(test_shares), T(test_weighted_shares), T(test_alone))

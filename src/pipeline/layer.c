@@ -1391,6 +1391,16 @@ static bool is_quantized_in(float **dest, void *user) {
     return false;
 }
 
+/* Each expert's work for the ranks' shares (mq_dist_share_weighted): its calibration grows with
+ * its routed tokens and its GPTQ does not, so it costs its tokens plus half the mean (about their
+ * ratio measured on OLMoE-1B-7B shapes); no token counts (a resumed layer's replay): equal
+ * shares. The same on every rank: every rank has every token's routing. */
+static void expert_costs(const int64_t *tokens, int E, int64_t *cost) {
+    int64_t total = 0;
+    for (int e = 0; e < E; e++) total += tokens[e];
+    for (int e = 0; e < E; e++) cost[e] = total > 0 ? tokens[e] + total / E / 2 + 1 : 0;
+}
+
 static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     const mq_config *c = p->c;
     const int E = c->n_experts, K = c->top_k;
@@ -1415,14 +1425,20 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
      * then every rank runs every quantized expert on its share of the samples */
     const bool dist = p->ranks > 1;
     int64_t own_lo = 0, own_hi = E;
-    if (dist) mq_dist_share(E, p->rank, p->ranks, &own_lo, &own_hi);
+    int64_t *cost = calloc((size_t)E, sizeof *cost);
+    if (!cost) {
+        free(gu), free(dn), free(tokens), free(fit);
+        return mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
+    }
+    expert_costs(tokens, E, cost);
+    if (dist) mq_dist_share_weighted(cost, E, p->rank, p->ranks, &own_lo, &own_hi);
     bool need_block = false;
     for (int e = 0; e < E; e++) {
         slot_set(p, &gu[e], e, false, &ly->exp_gate[e], &ly->exp_up[e], NULL);
         slot_set(p, &dn[e], e, true, &ly->exp_down[e], NULL, NULL);
         for (int r = 0; dist && r < p->ranks; r++) {
             int64_t lo, hi;
-            mq_dist_share(E, r, p->ranks, &lo, &hi);
+            mq_dist_share_weighted(cost, E, r, p->ranks, &lo, &hi);
             if (e >= lo && e < hi) slot_own(&gu[e], r), slot_own(&dn[e], r);
         }
         gu[e].tokens = dn[e].tokens = tokens[e];
@@ -1434,6 +1450,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         }
     }
     free(tokens);
+    free(cost);
     moeq_status st = fit ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
     free(fit);
     float *block_H = NULL;
