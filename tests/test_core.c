@@ -1,5 +1,8 @@
+#define _DEFAULT_SOURCE   /* mincore, usleep */
 /* Core services: status names, errors, the pool, GEMM determinism, half conversions, atomic files. */
+#include <fcntl.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "core/core.h"
@@ -113,6 +116,55 @@ static void test_atomic_file_leaves_nothing_on_abort(void) {
     ASSERT_ERROR_MENTIONS("/nonexistent/zzz");
 }
 
+/* Pages of [p, p + n) in memory, out of all of them (mincore). */
+static double resident(const void *p, size_t n) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE), np = (n + page - 1) / page;
+    unsigned char *v = malloc(np);
+    ASSERT_TRUE(v != NULL);
+    ASSERT_EQ_INT(0, mincore((void *)p, n, v));
+    size_t k = 0;
+    for (size_t i = 0; i < np; i++) k += v[i] & 1;
+    free(v);
+    return (double)k / (double)np;
+}
+
+/* mq_prefetch reads a mapped file ahead: pages dropped from the page cache are back after it
+ * (the kernel reads them in the background: waited for, up to 10 s). Skips where the pages
+ * cannot be dropped (tmpfs, or a file system that keeps them). */
+static void test_prefetch_reads_ahead(void) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/prefetch.bin", mq_test_tmpdir());
+    const size_t n = (size_t)16 << 20;
+    unsigned char *buf = malloc(n);
+    ASSERT_TRUE(buf != NULL);
+    for (size_t i = 0; i < n; i++) buf[i] = (unsigned char)(i * 2654435761u >> 24);
+    int fd = open(path, O_CREAT | O_TRUNC | O_WRONLY, 0600);
+    ASSERT_TRUE(fd >= 0);
+    ASSERT_TRUE(write(fd, buf, n) == (ssize_t)n);
+    ASSERT_EQ_INT(0, fsync(fd));
+    ASSERT_EQ_INT(0, posix_fadvise(fd, 0, (off_t)n, POSIX_FADV_DONTNEED));
+    close(fd);
+    mq_map m;
+    ASSERT_EQ_INT(MOEQ_OK, mq_map_file(path, &m));
+    const double before = resident(m.data, m.size);
+    if (before > 0.5) {
+        mq_unmap(&m);
+        unlink(path);
+        free(buf);
+        SKIP("the file's pages stay in memory here (%.0f%% after POSIX_FADV_DONTNEED)", 100 * before);
+    }
+    mq_prefetch((const unsigned char *)m.data + 4096 + 17, m.size - 8192);   /* unaligned ends */
+    double after = 0;
+    for (int i = 0; i < 1000 && (after = resident(m.data, m.size)) < 0.99; i++) usleep(10000);
+    printf("  resident before %.3f, after mq_prefetch %.3f\n", before, after);
+    ASSERT_TRUE(after >= 0.99);
+    ASSERT_TRUE(memcmp(m.data, buf, n) == 0);
+    mq_prefetch(NULL, 0);   /* a hint: nothing to do, nothing fails */
+    mq_unmap(&m);
+    unlink(path);
+    free(buf);
+}
+
 TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_threads_from_environment),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
-          T(test_atomic_file_leaves_nothing_on_abort))
+          T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead))

@@ -75,6 +75,9 @@ typedef struct {
 
 moeq_status mq_map_file(const char *path, mq_map *out);
 void mq_unmap(mq_map *m);
+/* Asks the kernel to read n bytes of a mapped file at p ahead, in the background (the pages then
+ * wait in the page cache); a hint, so nothing fails. */
+void mq_prefetch(const void *p, size_t n);
 /* Reads a whole file into a NUL-terminated heap buffer (free with free()). */
 moeq_status mq_read_file(const char *path, char **out, size_t *len);
 bool mq_file_exists(const char *path);

@@ -41,6 +41,16 @@ moeq_status mq_map_file(const char *path, mq_map *out) {
     return MOEQ_OK;
 }
 
+void mq_prefetch(const void *p, size_t n) {
+    if (!p || n == 0) return;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t e = (uintptr_t)p + n;
+    /* in pieces: the kernel reads at most a readahead window's worth per call */
+    const uintptr_t piece = (uintptr_t)2 << 20;
+    for (uintptr_t a = (uintptr_t)p & ~(page - 1); a < e; a += piece)
+        (void)madvise((void *)a, (size_t)(e - a < piece ? e - a : piece), MADV_WILLNEED);
+}
+
 void mq_unmap(mq_map *m) {
     if (!m || !m->data) return;
     if (m->is_mmap)

@@ -879,6 +879,16 @@ static bool want_selected(const want *w, int layer, unsigned what, int e0, int e
     return true;
 }
 
+void mq_lazy_prefetch(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
+    for (size_t i = 0; i < lz->L.n; i++) {
+        const want *w = &lz->L.w[i];
+        if (!want_selected(w, layer, what, e0, e1) || !w->t || w->quantized) continue;
+        const size_t es = moeq_dtype_size(w->t->dtype);
+        if (w->t->scale_inv) mq_prefetch(w->t->data, w->t->nbytes);   /* FP8 blocks: the whole tensor */
+        else mq_prefetch(w->t->data + (size_t)w->off * es, (size_t)w->count * es);
+    }
+}
+
 int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
     int64_t n = 0;
     for (size_t i = 0; i < lz->L.n; i++)

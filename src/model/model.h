@@ -191,6 +191,9 @@ void mq_lazy_release(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1
  * results). */
 moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1,
                             bool (*alloc_only)(float **dest, void *user), void *user);
+/* Starts reading the source bytes mq_lazy_load would read for the same arguments in the
+ * background (mq_prefetch), so that a later load finds them in the page cache. */
+void mq_lazy_prefetch(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
 /* fp32 bytes mq_lazy_load would allocate for the same arguments. */
 int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
 /* x[T, D] = embedding rows of ids, read from the mapping (ids checked). */

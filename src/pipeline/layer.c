@@ -1460,6 +1460,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     for (int e0 = (int)own_lo; e0 < own_hi && !st; e0 += C) {
         const int e1 = e0 + C < own_hi ? e0 + C : (int)own_hi;
         if ((st = mq_lazy_load(p->lz, l, MQ_PART_EXPERTS, e0, e1))) break;
+        if (e1 < own_hi) mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, e1, e1 + C < own_hi ? e1 + C : (int)own_hi);
         for (int e = e0; e < e1 && !st && calib; e++)
             if (!(st = slot_hessian(p, &gu[e]))) st = slot_hessian(p, &dn[e]);
         /* calibration: Hessians (and amax) from the experts' routed tokens; without sequential
@@ -1800,7 +1801,17 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     double t0 = mq_now(), w0, x0;
     mq_dist_seconds(&w0, &x0);
     mq_layer *ly = &p->m->layers[l];
+    /* the source is read ahead of the compute: the first expert chunk during the attention, the
+     * next chunk during each chunk (routed_experts), the next layer's attention during the FFN */
+    if (ly->is_moe) {
+        int64_t lo = 0, hi = p->c->n_experts;
+        if (p->ranks > 1) mq_dist_share(p->c->n_experts, p->rank, p->ranks, &lo, &hi);
+        const int C = p->mp.chunk > 0 ? p->mp.chunk : p->c->n_experts;
+        mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, (int)lo, (int)(lo + C < hi ? lo + C : hi));
+    }
     moeq_status st = attention_stage(p, l, replay);
+    if (!st && l + 1 < p->c->n_layers)
+        mq_lazy_prefetch(p->lz, l + 1, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0, 0);
     if (!st) {
         zero_out(p);
         if (ly->is_moe) {
