@@ -127,8 +127,7 @@ int cmd_quantize(int argc, char **argv) {
          "default auto: memory while it fits", "auto|ram|disk|bf16", 0, 0, NULL},
         CLI_REVISION_OPT(revision),
         {"--scale-search", OPT_STRING, &scale_search, "LO:HI[:N]", "the MSE scale search's range as multiples "
-         "of the max-based scale (default 0.70:1.10:17; 0.9:1.5 lowered NVFP4 GPTQ's KL by 9-11% on the "
-         "fixtures)", NULL, 0, 0, NULL},
+         "of the max-based scale (default 0.90:1.50:25 for nvfp4 with GPTQ, else 0.70:1.10:17)", NULL, 0, 0, NULL},
         {"--global-scale-headroom", OPT_DOUBLE, &headroom, "H", "NVFP4: the global scale leaves the "
          "largest block scales room up to H times their max-based value below E4M3's 448 (default "
          "1: none), for a --scale-search above 1", NULL, 0, 0, NULL},
