@@ -3,9 +3,10 @@
  * and transposed), axpy, RoPE, exp, softmax, log-sum-exp, KL divergence of two logits rows,
  * RMSNorm and SwiGLU.
  *
- * Two twins with bit-identical results: a scalar reference (src/kernels/cpu/ref/vec_ref.c) that
+ * Twins with bit-identical results: a scalar reference (src/kernels/cpu/ref/vec_ref.c) that
  * performs, element by element, the very operations (fmaf included) of the AVX2+FMA kernels
- * (src/kernels/cpu/x86/vec_avx2.c). Reductions use a fixed lane layout: element i of a dot product
+ * (src/kernels/cpu/x86/vec_avx2.c) and of the NEON ones (src/kernels/cpu/arm/vec_neon.c, an
+ * 8-lane accumulator as two q registers). Reductions use a fixed lane layout: element i of a dot product
  * goes to lane i % 8 of accumulator (i / 8) % 2 (a last partial block counts as zero-padded); the
  * two accumulators are added lane-wise and the 8 lanes reduced as (l + l+4), then (l + l+2), then
  * (l + l+1). Results therefore depend only on the inputs, never on the thread count or the ISA.
