@@ -538,8 +538,8 @@ typedef struct {
         int32_t n_damp_sweep;
         int32_t refine_passes;     /* --refine N: after GPTQ's column loop, N passes of coordinate
                                       descent over the codes on GPTQ's own layer objective, the
-                                      group scales kept (never raises it); 0 (default): none.
-                                      CPU only */
+                                      group scales kept (never raises it); -1 (default): 2 on
+                                      the CPU, 0 with a device; 0: none. CPU only */
         int refine_scales;         /* --refine-scales: with refine_passes, after each pass every
                                       group's scale moves to the stored value nearest to its
                                       least-squares optimum for the codes (when that helps) */

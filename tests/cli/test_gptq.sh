@@ -64,7 +64,7 @@ import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 s = a["settings"]["scale_search"]
 assert abs(s[0] - 0.9) < 1e-6 and s[1] == 1.5 and s[2] == 25, s
-assert a["settings"]["refine_passes"] == 0, a["settings"]
+assert a["settings"]["refine_passes"] == 2, a["settings"]
 assert b["settings"]["scale_search"] == [0.699999988079071, 1.100000023841858, 17], b["settings"]
 assert a["summary"]["gptq_loss_total"] != b["summary"]["gptq_loss_total"]
 PY
@@ -109,7 +109,8 @@ assert r["b0"]["settings"]["global_scale_headroom"] == 1 and r["b0"]["settings"]
 s = r["b1"]["settings"]
 assert s["expert_weighting"] == "gate" and s["damp_sweep"] == [0.003, 0.01, 0.1] and s["refine_passes"] == 2, s
 assert r["b3"]["settings"]["expert_weighting"] == "gate-squared"
-assert r["b0"]["settings"]["damp_sweep"] == [] and r["b0"]["settings"]["refine_passes"] == 0
+assert r["b0"]["settings"]["damp_sweep"] == [] and r["b0"]["settings"]["refine_passes"] == 2
+assert r["i0"]["settings"]["refine_passes"] == 2
 assert r["i1"]["settings"]["clip_search"] is True and r["i0"]["settings"]["clip_search"] is False
 # every swept module's damping is a candidate (on 14 samples of 32 tokens, often the largest)
 d = {m["percdamp"] for m in r["b1"]["modules"] if m["method"] == "gptq"}

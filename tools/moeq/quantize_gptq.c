@@ -19,6 +19,7 @@ void gptq_cli_defaults(gptq_cli *g) {
     g->mode = "sequential";
     g->fallback = "block";
     g->mse_weight = "auto";
+    g->refine = d.gptq.refine_passes;
     g->expert_weighting = "none";
 }
 

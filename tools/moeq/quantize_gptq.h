@@ -59,7 +59,8 @@ void gptq_cli_defaults(gptq_cli *g);
      "AGQ) or its square (gate-squared: the weight of the token's squared output error)",          \
      "none|gate|gate-squared", 0, 0, NULL},                                                        \
     {"--refine", OPT_INT, &(g).refine, "N", "GPTQ: N passes of coordinate descent over the codes " \
-     "after GPTQ, on its own layer objective with the group scales kept (default 0)", NULL, 0, 64, NULL}, \
+     "after GPTQ, on its own layer objective with the group scales kept (default 2; 0 with "       \
+     "--device cuda)", NULL, 0, 64, NULL}, \
     {"--refine-scales", OPT_FLAG, &(g).refine_scales, NULL, "GPTQ, with --refine: after each pass " \
      "over the codes, each group's scale moved to the stored value nearest to its least-squares "  \
      "optimum for them (when that lowers the objective)", NULL, 0, 0, NULL},                       \
