@@ -130,7 +130,8 @@ void mq_gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float *A, in
 /* C[M,N] = alpha * A[M,K] @ B[K,N] + beta * C. */
 void mq_gemm_nn(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                 const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
-/* Measures this machine's sgemm rate (GFLOP/s) on n x n x n with the pool. */
+/* Measures this machine's sgemm rate (GFLOP/s) on n x n x n with the pool, for about
+ * min_seconds (smaller products on a host too slow for that, as under an emulator). */
 double mq_measure_sgemm_gflops(int n, double min_seconds);
 
 /* ---- runtime plumbing ------------------------------------------------------------------ */
