@@ -7,6 +7,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/core.h"
+
 #ifndef MOEQ_SOURCE_DIR
 #define MOEQ_SOURCE_DIR "."
 #endif
@@ -163,4 +165,30 @@ int mq_test_run(int argc, char **argv, const mq_test_case *cases, size_t n) {
     if (failed) return 1;
     if (ran > 0 && skipped == ran) return 77;
     return 0;
+}
+
+static void copy_file(const char *from, const char *to) {
+    char *data;
+    size_t len;
+    ASSERT_OK(mq_read_file(from, &data, &len));
+    ASSERT_OK(mq_write_file_atomic(to, data, len));
+    free(data);
+}
+
+const char *mq_test_with_tokenizer(const char *name) {
+    static char dir[4200];
+    snprintf(dir, sizeof dir, "%s/%s", mq_test_tmpdir(), name);
+    ASSERT_TRUE(mkdir(dir, 0755) == 0);
+    const char *files[] = {"config.json", "model.safetensors"};
+    const char *tok[] = {"tokenizer.json", "tokenizer_config.json"};
+    char a[8500], b[8500];
+    for (int i = 0; i < 2; i++) {
+        snprintf(a, sizeof a, "%s/%s/%s", mq_test_repo("tests/data"), name, files[i]);
+        snprintf(b, sizeof b, "%s/%s", dir, files[i]);
+        copy_file(a, b);
+        snprintf(a, sizeof a, "%s/%s", mq_test_repo("models/olmoe-tiny"), tok[i]);
+        snprintf(b, sizeof b, "%s/%s", dir, tok[i]);
+        copy_file(a, b);
+    }
+    return dir;
 }

@@ -44,6 +44,10 @@ const char *mq_test_model_golden(const char *name);
 const char *mq_test_calib_text(void);
 /* A fresh temporary directory for this case (removed when the test executable ends). */
 const char *mq_test_tmpdir(void);
+/* A copy of tests/data/<name> (config.json, model.safetensors) with the bundled olmoe-tiny's
+ * tokenizer beside it, in the case's temporary directory (GPTQ tokenizes its calibration text;
+ * these models share its 4096 ids). Returns a static path. */
+const char *mq_test_with_tokenizer(const char *name);
 /* Largest |a-b| / max|b| over n values (0 if b is all zero and a == b). */
 double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
 

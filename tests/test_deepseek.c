@@ -542,39 +542,6 @@ static void test_group_select(void) {
 
 /* ---- quantize ----------------------------------------------------------------------------- */
 
-static void copy_file(const char *a, const char *b) {
-    char *x;
-    size_t n;
-    ASSERT_OK(mq_read_file(a, &x, &n));
-    FILE *f = fopen(b, "wb");
-    ASSERT_TRUE(f != NULL);
-    ASSERT_TRUE(fwrite(x, 1, n, f) == n);
-    fclose(f);
-    free(x);
-}
-
-/* A copy of tests/data/<name> with olmoe-tiny's tokenizer (same 4096-token vocabulary), in the
- * case's temporary directory. */
-static const char *with_tokenizer(const char *name) {
-    static char dir[1200];
-    snprintf(dir, sizeof dir, "%s/%s", mq_test_tmpdir(), name);
-    ASSERT_TRUE(mkdir(dir, 0755) == 0);
-    const char *files[] = {"config.json", "model.safetensors"};
-    char a[1400], b[1400];
-    for (int i = 0; i < 2; i++) {
-        snprintf(a, sizeof a, "%s/%s", data_dir(name), files[i]);
-        snprintf(b, sizeof b, "%s/%s", dir, files[i]);
-        copy_file(a, b);
-    }
-    const char *tok[] = {"tokenizer.json", "tokenizer_config.json"};
-    for (int i = 0; i < 2; i++) {
-        snprintf(a, sizeof a, "%s/%s", mq_test_repo("models/olmoe-tiny"), tok[i]);
-        snprintf(b, sizeof b, "%s/%s", dir, tok[i]);
-        copy_file(a, b);
-    }
-    return dir;
-}
-
 static void opts_nvfp4(moeq_quant_options *o, bool gptq) {
     moeq_quant_options_init(o);
     o->scheme = MOEQ_QUANT_NVFP4A16;
@@ -610,7 +577,7 @@ static bool tensor_bytes_equal(const mq_st *a, const mq_st *b, const char *name)
 }
 
 static void test_gptq_packed_mtp(void) {
-    const char *src = with_tokenizer("deepseekv3-tiny");
+    const char *src = mq_test_with_tokenizer("deepseekv3-tiny");
     char out[1200];
     snprintf(out, sizeof out, "%s/gptq", mq_test_tmpdir());
     moeq_quant_options o;

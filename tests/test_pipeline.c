@@ -23,37 +23,6 @@
 
 /* ---- models and options -------------------------------------------------------------------------- */
 
-static void copy_file(const char *from, const char *to) {
-    char *data;
-    size_t len;
-    ASSERT_OK(mq_read_file(from, &data, &len));
-    ASSERT_OK(mq_write_file_atomic(to, data, len));
-    free(data);
-}
-
-/* A tests/data model with the bundled olmoe-tiny tokenizer beside it (GPTQ tokenizes its
- * calibration text; these models share its 4096 ids). Returns a static path. */
-static const char *with_tokenizer(const char *name) {
-    static char dir[1200];
-    snprintf(dir, sizeof dir, "%s/%s", mq_test_tmpdir(), name);
-    ASSERT_TRUE(mkdir(dir, 0755) == 0);
-    const char *files[] = {"config.json", "model.safetensors"};
-    char a[1400], b[1400];
-    for (int i = 0; i < 2; i++) {
-        snprintf(a, sizeof a, "%s/%s", mq_test_repo("tests/data"), name);
-        snprintf(a + strlen(a), sizeof a - strlen(a), "/%s", files[i]);
-        snprintf(b, sizeof b, "%s/%s", dir, files[i]);
-        copy_file(a, b);
-    }
-    const char *tok[] = {"tokenizer.json", "tokenizer_config.json"};
-    for (int i = 0; i < 2; i++) {
-        snprintf(a, sizeof a, "%s/%s", mq_test_repo("models/olmoe-tiny"), tok[i]);
-        snprintf(b, sizeof b, "%s/%s", dir, tok[i]);
-        copy_file(a, b);
-    }
-    return dir;
-}
-
 typedef struct {
     mq_qscheme scheme;
     int group;                 /* INT4 */
@@ -200,32 +169,32 @@ static void test_olmoe_true_sequential(void) {
 /* shared expert with its sigmoid gate, q/k/v bias, dense and MoE layers mixed */
 static void test_qwen2moe_dense_layers_shared_expert(void) {
     cfg c = {MQ_QS_INT4, 16, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 6, 64};
-    match_reference(with_tokenizer("qwen2moe-dense-tiny"), &c, 3);
+    match_reference(mq_test_with_tokenizer("qwen2moe-dense-tiny"), &c, 3);
 }
 
 /* Mixtral's w1/w2/w3 fused on disk (transformers 5), written per expert under block_sparse_moe */
 static void test_mixtral_fused_nonsequential(void) {
     cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_NONSEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 6, 64};
-    match_reference(with_tokenizer("mixtral-tiny-fused"), &c, 1);
+    match_reference(mq_test_with_tokenizer("mixtral-tiny-fused"), &c, 1);
 }
 
 /* deepseek_v3: latent attention in four slots, dense first layer, sigmoid group-limited routing
  * with the selection bias, shared experts, the MTP layer passed through */
 static void test_deepseek_sequential(void) {
     cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 6, 64};
-    match_reference(with_tokenizer("deepseekv3-tiny"), &c, 5);
+    match_reference(mq_test_with_tokenizer("deepseekv3-tiny"), &c, 5);
 }
 
 /* the FP8 source (dequantized as each layer loads), true-sequential, RTN expert fallback */
 static void test_deepseek_fp8_true_sequential(void) {
     cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, true, REF_FALLBACK_RTN, 4, 6, 64};
-    match_reference(with_tokenizer("deepseekv3-fp8-tiny"), &c, 0);
+    match_reference(mq_test_with_tokenizer("deepseekv3-fp8-tiny"), &c, 0);
 }
 
 /* per-head q/k norms, renormalised top-k */
 static void test_qwen3moe_sequential(void) {
     cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, -1, 6, 64};
-    match_reference(with_tokenizer("qwen3moe-tiny"), &c, 2);
+    match_reference(mq_test_with_tokenizer("qwen3moe-tiny"), &c, 2);
 }
 
 /* ---- invariance ----------------------------------------------------------------------------------- */
