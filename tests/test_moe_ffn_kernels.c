@@ -34,11 +34,17 @@ static double e4m3_dec(uint8_t b) {
 }
 
 /* The SIMD twins this CPU can run (the reference excluded), NULL-terminated, with their names. */
-enum { MAX_TWINS = 4 };
+enum { MAX_TWINS = 5 };
 static int simd_twins(const mq_moe_kernels *k[MAX_TWINS], const char *name[MAX_TWINS]) {
     int n = 0;
 #if MQ_TEST_X86
     if (mq_cpu_has_avx2_fma()) k[n] = &mq_moe_kernels_avx2, name[n++] = "avx2";
+    if (mq_cpu_has_avx512()) k[n] = &mq_moe_kernels_avx512, name[n++] = "avx512";
+    if (mq_cpu_has_avx512_vnni()) k[n] = &mq_moe_kernels_avx512_vnni, name[n++] = "avx512+vnni";
+    static int told;
+    if (!told++ && !mq_cpu_has_avx512_vnni())
+        fprintf(stderr, "  no AVX-512%s on this CPU (or MOEQ_NO_AVX512): the avx512%s twins are not run\n",
+                mq_cpu_has_avx512() ? " VNNI" : "", mq_cpu_has_avx512() ? "+vnni" : "");
 #endif
 #if MQ_TEST_ARM
     k[n] = &mq_moe_kernels_neon, name[n++] = "neon";   /* every AArch64 CPU */
@@ -236,6 +242,14 @@ static void test_gemm_reference_and_twins(void) {
                 gemm_case c = {gi == 0, groups[gi], split, 48, 256, m, (mq_moe_stype)(m % 3), m & 1};
                 run_gemm_case(&c, tw, tn);
             }
+    /* token counts around the AVX-512 kernels' tile of 8 activation rows */
+    static const int ms[5] = {7, 8, 15, 16, 17};
+    for (int nv = 0; nv < 2; nv++)
+        for (int mi = 0; mi < 5; mi++) {
+            const int m = ms[mi];
+            gemm_case c = {nv, nv ? 16 : 32, 1, 32, 128, m, (mq_moe_stype)(m % 3), m & 1};
+            run_gemm_case(&c, tw, tn);
+        }
     /* more than one block of 64 activation rows (the kernels' outer loop), both schemes */
     for (int nv = 0; nv < 2; nv++) {
         gemm_case c = {nv, nv ? 16 : 64, 1, 32, 128, 70, MQ_MOE_S_BF16, 1};
@@ -302,6 +316,8 @@ static void test_dispatch(void) {
     const char *name = "scalar";
 #if MQ_TEST_X86
     if (mq_cpu_has_avx2_fma()) want = &mq_moe_kernels_avx2, name = "avx2+fma";
+    if (mq_cpu_has_avx512()) want = &mq_moe_kernels_avx512, name = "avx512";
+    if (mq_cpu_has_avx512_vnni()) want = &mq_moe_kernels_avx512_vnni, name = "avx512+vnni";
 #endif
 #if MQ_TEST_ARM
     want = mq_cpu_has_neon_dot() ? &mq_moe_kernels_neon_dot : &mq_moe_kernels_neon;
@@ -309,7 +325,24 @@ static void test_dispatch(void) {
 #endif
     fprintf(stderr, "  CPU kernels: %s\n", moeq_cpu_kernels());
     ASSERT_TRUE(mq_moe_kernels_active() == want);
-    if (strcmp(moeq_cpu_kernels(), name) != 0) FAIL("kernel set %s, expected %s", moeq_cpu_kernels(), name);
+    /* under MOEQ_NO_AVX512 an AVX-512 host says "avx2+fma (avx512 off)" */
+    const char *env = getenv("MOEQ_NO_AVX512");
+    size_t cmp = env && *env && strcmp(env, "0") != 0 ? strlen(name) : strlen(name) + 1;
+    if (strncmp(moeq_cpu_kernels(), name, cmp) != 0) FAIL("kernel set %s, expected %s", moeq_cpu_kernels(), name);
+#if MQ_TEST_X86
+    /* MOEQ_NO_AVX512's switch: the AVX2 set on an AVX-512 host, named so */
+    const int had512 = mq_cpu_has_avx512();
+    mq_set_avx512_off(1);
+    ASSERT_TRUE(!mq_cpu_has_avx512() && !mq_cpu_has_avx512_vnni());
+    if (mq_cpu_has_avx2_fma()) {
+        ASSERT_TRUE(mq_moe_kernels_active() == &mq_moe_kernels_avx2);
+        const char *want_name = had512 ? "avx2+fma (avx512 off)" : "avx2+fma";
+        if (strncmp(moeq_cpu_kernels(), want_name, strlen(want_name) + (had512 ? 1 : 0)) != 0)
+            FAIL("kernel set %s with AVX-512 off, expected %s", moeq_cpu_kernels(), want_name);
+    }
+    mq_set_avx512_off(-1);
+    ASSERT_TRUE(mq_cpu_has_avx512() == had512);
+#endif
 }
 
 TEST_MAIN(T(test_quant_act_definition_and_twins), T(test_gemm_reference_and_twins),

@@ -2,8 +2,8 @@
  * The vector kernels of src/kernels/vec.h: the exp against libm's expf (ulp bound over a dense
  * sweep of its whole range, and the special values softmax meets), logsumexp's double exp
  * against exp, every kernel of the scalar
- * reference against a slow obvious double-precision computation written here, and the SIMD twin
- * (AVX2 on x86-64, NEON on Arm64) bit for bit against the reference on lengths with every tail
+ * reference against a slow obvious double-precision computation written here, and the SIMD twins
+ * (AVX2 and, where the CPU has it, AVX-512 on x86-64; NEON on Arm64) bit for bit against the reference on lengths with every tail
  * size, unaligned pointers and special values, and the whole forward pass on either twin (and on
  * 1 or 2 threads).
  */
@@ -39,6 +39,7 @@ static const char *g_twin = "SIMD";
 static const mq_vec_kernels *simd_twin(void) {
 #if MQ_TEST_X86
     g_twin = "AVX2";
+    if (mq_cpu_has_avx512()) return g_twin = "AVX-512", &mq_vec_avx512;
     if (mq_cpu_has_avx2_fma()) return &mq_vec_avx2;
 #endif
 #if MQ_TEST_ARM
@@ -250,8 +251,8 @@ static void fill(float *x, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] = scale * frand();
 }
 
-static void test_simd_twin(void) {
-    const mq_vec_kernels *av = simd_or_skip(), *rf = &mq_vec_ref;
+static void check_twin(const mq_vec_kernels *av) {
+    const mq_vec_kernels *rf = &mq_vec_ref;
     enum { MAXN = 4100 };
     float *a = malloc(sizeof(float) * (MAXN + 8)), *b = malloc(sizeof(float) * (MAXN + 8));
     float *w = malloc(sizeof(float) * (MAXN + 8)), *y1 = malloc(sizeof(float) * 9 * (MAXN + 8));
@@ -347,6 +348,23 @@ static void test_simd_twin(void) {
         }
     }
     free(a), free(b), free(w), free(y1), free(y2), free(W);
+}
+
+/* Every SIMD twin this CPU runs: AVX2 and, where the CPU has it, AVX-512 (x86-64); NEON. */
+static void test_simd_twin(void) {
+    simd_or_skip();
+#if MQ_TEST_X86
+    g_twin = "AVX2";
+    check_twin(&mq_vec_avx2);
+    if (mq_cpu_has_avx512()) {
+        g_twin = "AVX-512";
+        check_twin(&mq_vec_avx512);
+    } else {
+        fprintf(stderr, "  no AVX-512 on this CPU (or MOEQ_NO_AVX512): the AVX-512 twin is not run\n");
+    }
+#else
+    check_twin(simd_twin());
+#endif
 }
 
 /* The whole forward pass on the reference kernels (MOEQ_FORCE_REF) equals the SIMD one bit for

@@ -141,6 +141,12 @@ void mq_log(int level, const char *fmt, ...) MQ_PRINTF(2, 3);
 #define mq_warn(...) mq_log(1, __VA_ARGS__)
 bool mq_force_ref(void);
 bool mq_cpu_has_avx2_fma(void);
+/* x86-64 with AVX-512F, BW and VL (and AVX2+FMA), the OS saving the zmm state, unless
+ * MOEQ_NO_AVX512 is set (non-empty, not "0") or mq_set_avx512_off(1) was called: then the AVX2
+ * kernels run, so both sets can be compared on one host. _vnni: also AVX512-VNNI. */
+bool mq_cpu_has_avx512(void);
+bool mq_cpu_has_avx512_vnni(void);
+void mq_set_avx512_off(int off);   /* for tests and benchmarks; -1 reads MOEQ_NO_AVX512 again */
 /* AArch64 with the dot-product extension (Linux: HWCAP_ASIMDDP); false elsewhere. */
 bool mq_cpu_has_neon_dot(void);
 

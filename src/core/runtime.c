@@ -17,6 +17,7 @@ static moeq_log_fn g_log;
 static void *g_log_user;
 static volatile sig_atomic_t g_interrupt;
 static int g_force_ref = -1;   /* -1: not decided yet (read MOEQ_FORCE_REF) */
+static int g_avx512_off = -1;  /* -1: not decided yet (read MOEQ_NO_AVX512) */
 
 void moeq_set_progress(moeq_progress_fn fn, void *user) {
     g_progress = fn;
@@ -71,6 +72,36 @@ bool mq_cpu_has_avx2_fma(void) {
 #endif
 }
 
+void mq_set_avx512_off(int off) { g_avx512_off = off < 0 ? -1 : off ? 1 : 0; }
+
+static bool avx512_off(void) {
+    if (g_avx512_off < 0) {
+        const char *e = getenv("MOEQ_NO_AVX512");
+        g_avx512_off = (e && *e && strcmp(e, "0") != 0) ? 1 : 0;
+    }
+    return g_avx512_off == 1;
+}
+
+/* 0: none, 1: F/BW/VL, 2: also VNNI (libgcc's detection checks that the OS saves the zmm and
+ * mask registers, XCR0, before it reports any AVX-512 feature). */
+static int avx512_level(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = mq_cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") &&
+                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+        if (cached && __builtin_cpu_supports("avx512vnni")) cached = 2;
+    }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+bool mq_cpu_has_avx512(void) { return avx512_level() >= 1 && !avx512_off(); }
+bool mq_cpu_has_avx512_vnni(void) { return avx512_level() >= 2 && !avx512_off(); }
+
 bool mq_cpu_has_neon_dot(void) {
 #if defined(__aarch64__) && defined(__linux__)
     static int cached = -1;
@@ -86,6 +117,9 @@ const char *moeq_cpu_kernels(void) {
 #if defined(__aarch64__)
     return mq_cpu_has_neon_dot() ? "neon+dotprod" : "neon";
 #endif
+    if (mq_cpu_has_avx512_vnni()) return "avx512+vnni";
+    if (mq_cpu_has_avx512()) return "avx512";
+    if (avx512_level() > 0) return "avx2+fma (avx512 off)";
     return mq_cpu_has_avx2_fma() ? "avx2+fma" : "scalar";
 }
 

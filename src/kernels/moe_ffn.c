@@ -801,6 +801,8 @@ moeq_status moeq_moe_ffn(const moeq_moe_ffn_args *a, float *out, size_t out_capa
 /* ---- runtime entry points ------------------------------------------------------------------ */
 const mq_moe_kernels *mq_moe_kernels_active(void) {
 #if defined(__x86_64__) || defined(__i386__)
+    if (!mq_force_ref() && mq_cpu_has_avx512_vnni()) return &mq_moe_kernels_avx512_vnni;
+    if (!mq_force_ref() && mq_cpu_has_avx512()) return &mq_moe_kernels_avx512;
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) return &mq_moe_kernels_avx2;
 #endif
 #if defined(__aarch64__)

@@ -139,7 +139,8 @@ typedef struct {
     int32_t offset;        /* weight offset: 8 (INT4) or 12 (NVFP4) */
 } mq_qact;
 
-/* Kernel set: a scalar reference and an AVX2+FMA twin with bit-identical results. */
+/* Kernel set: a scalar reference and SIMD twins (AVX2+FMA, AVX-512, NEON) with bit-identical
+ * results. */
 typedef struct {
     /* Quantizes n (a multiple of A->block) values x into row `row` of A, starting at column col0
      * (a multiple of A->block). */
@@ -157,6 +158,10 @@ typedef struct {
 extern const mq_moe_kernels mq_moe_kernels_ref;
 #if defined(__x86_64__) || defined(__i386__)
 extern const mq_moe_kernels mq_moe_kernels_avx2;
+/* AVX-512 twins (moe_avx512_body.h): F/BW/VL only when mq_cpu_has_avx512(), with VNNI only when
+ * mq_cpu_has_avx512_vnni(). */
+extern const mq_moe_kernels mq_moe_kernels_avx512;
+extern const mq_moe_kernels mq_moe_kernels_avx512_vnni;
 #endif
 #if defined(__aarch64__)
 /* NEON twins (src/kernels/cpu/arm/): every AArch64 CPU; with SDOT only when
@@ -164,8 +169,8 @@ extern const mq_moe_kernels mq_moe_kernels_avx2;
 extern const mq_moe_kernels mq_moe_kernels_neon;
 extern const mq_moe_kernels mq_moe_kernels_neon_dot;
 #endif
-/* The kernels the op uses now: AVX2 when the CPU has it (on Arm NEON, with SDOT when the CPU
- * has it) and mq_force_ref() is off. */
+/* The kernels the op uses now: AVX-512 (with VNNI) or AVX2, the best the CPU has (on Arm NEON,
+ * with SDOT when the CPU has it), when mq_force_ref() is off. */
 const mq_moe_kernels *mq_moe_kernels_active(void);
 
 

@@ -5,9 +5,9 @@
  *
  * Twins with bit-identical results: a scalar reference (src/kernels/cpu/ref/vec_ref.c) that
  * performs, element by element, the very operations (fmaf included) of the AVX2+FMA kernels
- * (src/kernels/cpu/x86/vec_avx2.c) and of the NEON ones (src/kernels/cpu/arm/vec_neon.c, an
- * 8-lane accumulator as two q registers). Reductions use a fixed lane layout: element i of a dot product
- * goes to lane i % 8 of accumulator (i / 8) % 2 (a last partial block counts as zero-padded); the
+ * (src/kernels/cpu/x86/vec_avx2.c; vec_avx512.c holds both 8-lane accumulators in one zmm) and
+ * of the NEON ones (src/kernels/cpu/arm/vec_neon.c, an 8-lane accumulator as two q registers).
+ * Reductions use a fixed lane layout: element i of a dot product goes to lane i % 8 of accumulator (i / 8) % 2 (a last partial block counts as zero-padded); the
  * two accumulators are added lane-wise and the 8 lanes reduced as (l + l+4), then (l + l+2), then
  * (l + l+1). Results therefore depend only on the inputs, never on the thread count or the ISA.
  *
@@ -63,12 +63,14 @@ typedef struct {
 extern const mq_vec_kernels mq_vec_ref;
 #if defined(__x86_64__) || defined(__i386__)
 extern const mq_vec_kernels mq_vec_avx2;
+/* src/kernels/cpu/x86/vec_avx512.c, when mq_cpu_has_avx512() */
+extern const mq_vec_kernels mq_vec_avx512;
 #endif
 #if defined(__aarch64__)
 extern const mq_vec_kernels mq_vec_neon;   /* src/kernels/cpu/arm/vec_neon.c, every AArch64 CPU */
 #endif
-/* The kernels to use now: AVX2 when the CPU has AVX2+FMA (NEON on Arm64) and mq_force_ref() is
- * off. */
+/* The kernels to use now: AVX-512 or AVX2, the best the CPU has (NEON on Arm64), when
+ * mq_force_ref() is off. */
 const mq_vec_kernels *mq_vec(void);
 
 /* The scalar exp of both twins (one lane of the AVX2 kernel). */

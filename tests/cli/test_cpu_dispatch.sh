@@ -3,7 +3,8 @@
 # at all; Debian's qemu-user) the CLI must take the scalar twins and never execute an
 # instruction that CPU lacks (qemu stops the process with SIGILL if it does), and give what the
 # native run gives:
-#   --version names the kernel set ("scalar" there, "avx2+fma" or "scalar" here);
+#   --version names the kernel set ("scalar" there, "avx512+vnni", "avx512", "avx2+fma" or "scalar"
+#   here; with MOEQ_NO_AVX512=1 an AVX-512 host says "avx2+fma (avx512 off)");
 #   RTN checkpoints are byte-identical (the SIMD quantizers are bit-exact twins of the scalar
 #   ones, and RTN uses nothing else);
 #   eval of the packed NVFP4 checkpoint within 1e-4 relative word perplexity (the packed kernels
@@ -22,7 +23,10 @@ old() { "$qemu" -cpu Nehalem "$cli" "$@"; }
 old --version > "$tmp/v.old" || fail "--version under Nehalem exited $?"
 grep -qx "CPU kernels: scalar" "$tmp/v.old" || fail "Nehalem: kernel set: $(cat "$tmp/v.old")"
 "$cli" --version > "$tmp/v.new" || fail "--version exited $?"
-grep -qE "^CPU kernels: (avx2\+fma|scalar)$" "$tmp/v.new" || fail "native kernel set: $(cat "$tmp/v.new")"
+grep -qE "^CPU kernels: (avx512\+vnni|avx512|avx2\+fma|scalar)$" "$tmp/v.new" || fail "native kernel set: $(cat "$tmp/v.new")"
+if grep -q avx512 "$tmp/v.new"; then
+    MOEQ_NO_AVX512=1 "$cli" --version | grep -qx "CPU kernels: avx2+fma (avx512 off)" || fail "MOEQ_NO_AVX512 not named"
+fi
 MOEQ_FORCE_REF=1 "$cli" --version | grep -qx "CPU kernels: scalar (forced)" || fail "MOEQ_FORCE_REF not named"
 
 for spec in "nvfp4a16" "int4 --group-size 32"; do
@@ -44,6 +48,11 @@ po=$(json_get "$tmp/e.old" word_perplexity)
 pn=$(json_get "$tmp/e.new" word_perplexity)
 [ "$(json_get "$tmp/e.old" packed_linears)" = 112 ] || fail "Nehalem: eval did not run packed"
 rel_close "$po" "$pn" 1e-4 || fail "Nehalem word perplexity $po vs native $pn"
+# the AVX2 set on an AVX-512 host: the same figures to the last digit (bit-exact twins, the
+# same OpenBLAS kernels)
+MOEQ_NO_AVX512=1 "$cli" eval "$tmp/old-nvfp4a16" --data "$tmp/wiki.txt" --json > "$tmp/e.avx2" || fail "MOEQ_NO_AVX512 eval exited $?"
+pa=$(json_get "$tmp/e.avx2" word_perplexity)
+[ "$pa" = "$pn" ] || fail "MOEQ_NO_AVX512 word perplexity $pa vs native $pn"
 
 calib=$repo/data/demo-calib.txt
 # (the attention only, few tokens: emulation is ~500x slower than the native AVX2 run)
