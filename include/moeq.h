@@ -177,6 +177,20 @@ typedef enum {
      * quantized checkpoint only Linears stored quantized get it; on an unquantized one all of
      * those Linears (a W4A4 emulation with bf16 weights). */
     MOEQ_ACT_QUANT_NVFP4 = 1,
+    /* llama.cpp's CPU activation rounding (docs/gguf.md, "Emulating llama.cpp's activations"):
+     * the inputs of the Linears llama.cpp computes with Q8_0 activations (those its GGUF holds
+     * as Q4_0, Q4_1, NVFP4 or Q8_0) are rounded per row in blocks of 32 as its x86 AVX/AVX2
+     * quantize_row_q8_0 does: d = amax/127 stored as fp16, q = round_half_even(x * 127/amax),
+     * input fp16(d) * q. Row-local (no dependence on batching or threads). The same Linears as
+     * NVFP4 above get it: on a quantized checkpoint those stored quantized; on an unquantized one
+     * (or a .gguf, which opens as one) every decoder Linear (as `export-gguf --gguf-rest q8_0`
+     * writes them), never routers, shared_expert_gate or lm_head. Not emulated: the order of
+     * llama.cpp's sums (integer block sums times fp16(d_w) * fp16(d_a)), Q8_1's fp16 block sum
+     * in Q4_1's offset term, the F16/BF16 rounding llama.cpp applies to the activations of
+     * F16/BF16 weights (lm_head), and its F16 KV cache and flash attention. moeq_model_open
+     * fails with MOEQ_E_UNSUPPORTED naming the Linear if one to be rounded has an input width
+     * that is not a multiple of 32 (llama.cpp has no such quantized tensor). */
+    MOEQ_ACT_QUANT_Q8_0 = 2,
 } moeq_act_quant;
 
 typedef struct {

@@ -4,6 +4,7 @@
 
 #include "formats/formats.h"
 #include "harness.h"
+#include "io/gguf.h"
 
 /* ---- slow references -------------------------------------------------------------------- */
 
@@ -653,10 +654,81 @@ static void test_activation_fake_quant(void) {
     for (int i = 0; i < 16; i++) ASSERT_NEAR(0, z[i], 0);
 }
 
+/* llama.cpp's Q8_0 activation rounding (x86 AVX/AVX2 quantize_row_q8_0) on hand-made blocks; the
+ * expected Q8_0 blocks are written out byte by byte (d as fp16 little endian, then 32 int8) and
+ * decoded by the GGUF reader: the emulation's output must be those values exactly. */
+static void test_q8_0_activation_rounding(void) {
+    float x[2 * 64];
+    memset(x, 0, sizeof x);
+    /* row 0, block 0: amax 127/16, so d = 1/16 exactly (fp16 0x2C00) and x * 127/amax = 16 x */
+    const float b0[9] = {7.9375f, 0.15625f, 0.21875f, -0.15625f, -0.03125f,
+                         1.0f,    -7.9375f, 0.09375f, 0.1f};
+    /* 2.5 -> 2 and -2.5 -> -2 (half to even; roundf would give 3 and -3), 3.5 -> 4, -0.5 -> -0,
+     * 1.5 -> 2, 1.6000000238 -> 2 */
+    memcpy(x, b0, sizeof b0);
+    /* row 0, block 1: amax 1, d = 1/127 -> fp16 0x2008 = 0.00787353515625, x scaled by 127/amax
+     * = 127 (not by 1/fp16(d) = 127.00775: 0x1.95264ep-1 * 127 = 100.4961 -> 100, with the fp16
+     * reciprocal 100.5022 -> 101) */
+    x[32] = -1.0f;
+    x[33] = 0.5f;           /* 63.5 -> 64 */
+    x[34] = 0x1.95264ep-1f;
+    x[35] = 0.25f;          /* 31.75 -> 32 */
+    /* row 1, block 0: all zero (d 0). block 1: amax 381 * 2^-24, d = 3 * 2^-24, an fp16
+     * subnormal (0x0003), 127/amax = 5592405.5 in fp32 */
+    x[96] = 0x1.7dp-16f;
+    x[97] = -0x1.8p-17f;   /* -63.500004 -> -64 */
+    x[98] = 0x1p-24f;      /* 0.33 -> 0 */
+    static const uint8_t want[4][34] = {
+        {0x00, 0x2C, 0x7F, 0x02, 0x04, 0xFE, 0x00, 0x10, 0x81, 0x02, 0x02},
+        {0x08, 0x20, 0x81, 0x40, 0x64, 0x20},
+        {0x00, 0x00},
+        {0x03, 0x00, 0x7F, 0xC0, 0x00},
+    };
+    float dec[4 * 32];
+    ASSERT_OK(mq_ggml_dequantize(MQ_GGML_Q8_0, want, 4 * 32, dec));
+    float got[2 * 64];
+    memcpy(got, x, sizeof x);
+    mq_q8_0_act_qdq(got, 2, 64);
+    for (int i = 0; i < 128; i++)
+        if (!(got[i] == dec[i])) FAIL("value %d: %a, expected %a (from %a)", i, got[i], dec[i], x[i]);
+    ASSERT_NEAR(0.125, got[1], 0);
+    ASSERT_NEAR(-0.125, got[3], 0);
+    ASSERT_NEAR(0.787353515625, got[34], 0);
+    ASSERT_NEAR(-0x1.8p-17, got[97], 0);
+    /* ggml's reference quantizer (roundf, the one moeq's Q8_0 weights follow) differs on the tie */
+    uint8_t ref[34];
+    mq_ggml_put_q8_0(ref, x);
+    ASSERT_EQ_INT(3, (int8_t)ref[3]);
+    ASSERT_EQ_INT(2, (int8_t)want[0][3]);
+
+    /* rows are independent: the same rows one at a time give the same values */
+    float one[64];
+    for (int r = 0; r < 2; r++) {
+        memcpy(one, x + 64 * r, sizeof one);
+        mq_q8_0_act_qdq(one, 1, 64);
+        ASSERT_TRUE(memcmp(one, got + 64 * r, sizeof one) == 0);
+    }
+    /* a tail block of 8 after a full one: amax 0.5, d = fp16(0.5/127) = 0x1C08, x * 254 */
+    float t[40] = {0};
+    t[32] = 0.5f;
+    t[33] = 0.25f;   /* 63.5 -> 64 */
+    mq_q8_0_act_qdq(t, 1, 40);
+    ASSERT_NEAR(127 * 0.003936767578125, t[32], 0);
+    ASSERT_NEAR(64 * 0.003936767578125, t[33], 0);
+    ASSERT_NEAR(0, t[0], 0);
+    /* a block with an infinity is left as it is */
+    float inf[32] = {0};
+    inf[0] = INFINITY;
+    inf[1] = 0.3f;
+    mq_q8_0_act_qdq(inf, 1, 32);
+    ASSERT_TRUE(isinf(inf[0]) && inf[1] == 0.3f);
+}
+
 TEST_MAIN(T(test_e2m1_bit_vectors), T(test_e4m3_bit_vectors), T(test_e8m0_and_storage_rounding),
           T(test_nvfp4_ct_group_by_hand), T(test_nvfp4_mul_reference_convention),
           T(test_int4_sym_by_hand), T(test_int4_asym_by_hand),
           T(test_mse_search_picks_grid_minimum), T(test_mse_search_matches_slow_search),
           T(test_mse_weighted_by_hand), T(test_mse_sse_twin), T(test_rtn_tensor_and_dequant),
           T(test_nan_inf_is_an_error_naming_the_position), T(test_spec_checks),
-          T(test_packing_round_trips), T(test_activation_fake_quant))
+          T(test_packing_round_trips), T(test_activation_fake_quant),
+          T(test_q8_0_activation_rounding))

@@ -3,6 +3,12 @@
  * path (NVFP4Tensor with use_dynamic_per_tensor_scale, torchao_gptq.md sections 7 and 11): one
  * per-tensor scale from the amax of the whole 2D activation, E4M3 block scales over 16 inputs
  * clamped to [2^-6, 448], data scaled by the reciprocal r = (1/g)/s, dequant e2m1 * (g * s).
+ *
+ * Q8_0 activation rounding as llama.cpp's CPU backend applies it to the inputs of its Q4_0, Q4_1
+ * (Q8_1: the same values), NVFP4 and Q8_0 matmuls (quantize_row_q8_0 of ggml-cpu's x86 AVX/AVX2
+ * path, read in its source): blocks of 32 along each row, d = amax / 127 in fp32, stored as fp16;
+ * the values are scaled by 127 / amax (from the unrounded amax, not by 1 / fp16(d)) and rounded
+ * half to even; the dot product then sees fp16(d) * q.
  */
 #include <math.h>
 
@@ -45,4 +51,38 @@ void mq_nvfp4_act_qdq(float *x, int64_t rows, int64_t cols) {
     c.inv_g = 1.0f / c.g;
     if (!(c.g > 0) || !isfinite(c.inv_g)) return;   /* amax too small for the scales: as is */
     mq_parallel_for((rows + ACT_ROWS_PER_TASK - 1) / ACT_ROWS_PER_TASK, act_task, &c);
+}
+
+/* One row of mq_q8_0_act_qdq (see formats.h); a block shorter than 32 at the end of the row if
+ * n % 32 != 0. */
+static void q8_0_row(float *row, int64_t n) {
+    for (int64_t b = 0; b < n; b += 32) {
+        int64_t m = n - b < 32 ? n - b : 32;
+        float amax = mq_absmax(row + b, m);
+        if (!isfinite(amax)) continue;   /* llama.cpp's block would be meaningless: as is */
+        float d = mq_f16_to_f32(mq_f32_to_f16(amax / 127.0f));
+        float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            float q = rintf(row[b + i] * id);   /* default rounding mode: half to even */
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            row[b + i] = d * q;
+        }
+    }
+}
+
+static void q8_0_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    const act_ctx *c = vctx;
+    int64_t r1 = (task + 1) * ACT_ROWS_PER_TASK;
+    if (r1 > c->rows) r1 = c->rows;
+    for (int64_t r = task * ACT_ROWS_PER_TASK; r < r1; r++) q8_0_row(c->x + r * c->cols, c->cols);
+}
+
+void mq_q8_0_act_qdq(float *x, int64_t rows, int64_t cols) {
+    if (rows <= 0 || cols <= 0) return;
+    act_ctx c = {x, rows, cols, 0.0f, 0.0f};
+    if (rows <= ACT_ROWS_PER_TASK)
+        q8_0_task(&c, 0, 0);   /* decode: no pool wake-up for a row or two */
+    else
+        mq_parallel_for((rows + ACT_ROWS_PER_TASK - 1) / ACT_ROWS_PER_TASK, q8_0_task, &c);
 }

@@ -187,5 +187,13 @@ void mq_unpack_u4_words(const uint32_t *packed, int64_t n, uint8_t *codes);
  *     code = E2M1(x * r);  x^ = e2m1(code) * (g * s)
  * An all-zero (or non-finite amax) x is left unchanged. */
 void mq_nvfp4_act_qdq(float *x, int64_t rows, int64_t cols);
+/* Q8_0 quantize-dequantize of x [rows, cols] in place, as llama.cpp's CPU backend (x86 AVX/AVX2
+ * quantize_row_q8_0) rounds the activations of its Q4_0/Q4_1/NVFP4/Q8_0 matmuls: per row, blocks
+ * of 32 along cols (a shorter tail block if cols % 32 != 0; llama.cpp has none):
+ *     d = amax_blk / 127;  q = round_half_even(x * (127 / amax_blk))  (0 if amax_blk == 0);
+ *     x^ = f16(d) * q
+ * Row-local, so the result does not depend on how rows are batched. A block whose amax is not
+ * finite is left unchanged. */
+void mq_q8_0_act_qdq(float *x, int64_t rows, int64_t cols);
 
 #endif

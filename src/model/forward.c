@@ -46,7 +46,8 @@
  * Activation quantization (act_quant, fp32 path only): mq_nvfp4_act_qdq on the input of each
  * Linear marked act_q, over the whole 2D input of the call: q/k/v share one quantized copy of
  * the normed input, each routed expert quantizes its own routed rows (one global scale per
- * expert, as torchao's grouped MoE path), the shared expert all rows. Routers,
+ * expert, as torchao's grouped MoE path), the shared expert all rows. MOEQ_ACT_QUANT_Q8_0 puts
+ * mq_q8_0_act_qdq (llama.cpp's per-row blocks of 32) in the same places. Routers,
  * shared_expert_gate and lm_head always see fp32. Hooks are called before the quantizer.
  */
 #include <math.h>
@@ -98,6 +99,15 @@ struct mq_state {
 };
 
 /* ---- small kernels ------------------------------------------------------------------------- */
+/* The emulated activation quantizer of the model (act_quant) on x[rows, cols] in place: NVFP4
+ * over the whole 2D input of the call, or llama.cpp's Q8_0 rounding row by row. */
+static void act_qdq(const moeq_model *m, float *x, int64_t rows, int64_t cols) {
+    if (m->act_quant == MOEQ_ACT_QUANT_Q8_0)
+        mq_q8_0_act_qdq(x, rows, cols);
+    else
+        mq_nvfp4_act_qdq(x, rows, cols);
+}
+
 /* Row-wise RMSNorm of x[rows, n] into out (may alias x). The mean of squares is accumulated in
  * double and rounded, then everything is fp32 as in LlamaRMSNorm. */
 static void rmsnorm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out) {
@@ -509,14 +519,14 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
     rmsnorm(x, T, D, ly->attn_norm, c->rms_eps, s->xn);
     hook(hk, l, MQ_SITE_QKV, -1, s->xn, T, D);
     /* xn feeds only q_a (q_proj) and kv_a: quantized in place, once for both */
-    if (ly->q.act_q || ly->q_a.act_q || ly->kv_a.act_q) mq_nvfp4_act_qdq(s->xn, T, D);
+    if (ly->q.act_q || ly->q_a.act_q || ly->kv_a.act_q) act_qdq(m, s->xn, T, D);
     moeq_status st;
     if (c->q_lora_rank > 0) {
         const int64_t qr = c->q_lora_rank;
         if ((st = mq_linear_forward(&ly->q_a, s->xn, T, s->qa))) return st;
         rmsnorm(s->qa, T, qr, ly->q_a_norm, lat_eps, s->qa);
         hook(hk, l, MQ_SITE_Q_B, -1, s->qa, T, qr);
-        if (ly->q_b.act_q) mq_nvfp4_act_qdq(s->qa, T, qr);
+        if (ly->q_b.act_q) act_qdq(m, s->qa, T, qr);
         st = mq_linear_forward(&ly->q_b, s->qa, T, s->q);
     } else {
         st = mq_linear_forward(&ly->q, s->xn, T, s->q);
@@ -530,7 +540,7 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
     float *lat = s->lat;
     for (int64_t t = 0; t < T; t++) memcpy(lat + t * r, s->ckv + t * ra, sizeof(float) * (size_t)r);
     hook(hk, l, MQ_SITE_KV_B, -1, lat, T, r);
-    if (ly->kv_b.act_q) mq_nvfp4_act_qdq(lat, T, r);
+    if (ly->kv_b.act_q) act_qdq(m, lat, T, r);
     if ((st = mq_linear_forward(&ly->kv_b, lat, T, s->kvb))) return st;
 
     /* keys [k_nope, rope(k_rot)] and values per head, into the cache at these positions */
@@ -553,7 +563,7 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
     run_tasks(H * j.n_qb, attention_task, &j, T < SMALL_T);
 
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * vd);
-    if (ly->o.act_q) mq_nvfp4_act_qdq(s->att, T, H * vd);
+    if (ly->o.act_q) act_qdq(m, s->att, T, H * vd);
     if ((st = mq_linear_forward(&ly->o, s->att, T, s->tmp))) return st;
     mq_vec()->axpy(1.0f, s->tmp, x, T * D);
     return MOEQ_OK;
@@ -569,7 +579,7 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
     rmsnorm(x, T, D, ly->attn_norm, c->rms_eps, s->xn);
     hook(hk, l, MQ_SITE_QKV, -1, s->xn, T, D);
     /* xn feeds only q/k/v: quantized in place, once for the three */
-    if (ly->q.act_q || ly->k.act_q || ly->v.act_q) mq_nvfp4_act_qdq(s->xn, T, D);
+    if (ly->q.act_q || ly->k.act_q || ly->v.act_q) act_qdq(m, s->xn, T, D);
     /* k and v of these positions are computed in place in the cache (same [T, KV*hd] layout) */
     float *k = s->kc[l] + pos * s->kv_dim, *v = s->vc[l] + pos * s->kv_dim;
     moeq_status st = qkv_forward(ly, s->xn, T, s->q, k, v);
@@ -596,7 +606,7 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
     run_tasks(H * j.n_qb, attention_task, &j, T < SMALL_T);
 
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * hd);
-    if (ly->o.act_q) mq_nvfp4_act_qdq(s->att, T, H * hd);
+    if (ly->o.act_q) act_qdq(m, s->att, T, H * hd);
     if ((st = mq_linear_forward(&ly->o, s->att, T, s->tmp))) return st;
     mq_vec()->axpy(1.0f, s->tmp, x, T * D);
     return MOEQ_OK;
@@ -605,14 +615,14 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
 /* ---- feed-forward -------------------------------------------------------------------------- */
 /* SwiGLU MLP of xn[T, D] into out[T, D] (g, u: [T, F] scratch; aq: [T, D] scratch for the
  * quantized input, as xn may be needed afterwards). */
-static moeq_status mlp(const mq_linear *gate, const mq_linear *up, const mq_linear *down,
-                       const float *xn, int64_t T, float *g, float *u, float *aq, float *out,
+static moeq_status mlp(const moeq_model *m, const mq_linear *gate, const mq_linear *up,
+                       const mq_linear *down, const float *xn, int64_t T, float *g, float *u, float *aq, float *out,
                        const mq_hooks *hk, int l, mq_site site_in, mq_site site_down) {
     hook(hk, l, site_in, -1, xn, T, gate->in);
     const float *xin = xn;
     if (gate->act_q || up->act_q) {
         memcpy(aq, xn, sizeof(float) * (size_t)(T * gate->in));
-        mq_nvfp4_act_qdq(aq, T, gate->in);
+        act_qdq(m, aq, T, gate->in);
         xin = aq;
     }
     moeq_status st = mq_linear_forward(gate, xin, T, g);
@@ -620,7 +630,7 @@ static moeq_status mlp(const mq_linear *gate, const mq_linear *up, const mq_line
     if (st) return st;
     swiglu(g, u, T * gate->out);
     hook(hk, l, site_down, -1, g, T, gate->out);
-    if (down->act_q) mq_nvfp4_act_qdq(g, T, gate->out);
+    if (down->act_q) act_qdq(m, g, T, gate->out);
     return mq_linear_forward(down, g, T, out);
 }
 
@@ -788,10 +798,10 @@ static void expert_qdq_task(void *ctx, int64_t e, int thread) {
     if (n == 0) return;
     if (j->stage == EX_GATE_UP && ly->exp_gate[e].act_q) {
         memcpy(s->xq + s0 * D, s->xg + s0 * D, sizeof(float) * (size_t)(n * D));
-        mq_nvfp4_act_qdq(s->xq + s0 * D, n, D);
+        act_qdq(j->m, s->xq + s0 * D, n, D);
     } else if (j->stage == EX_DOWN && ly->exp_down[e].act_q) {
         memcpy(s->hq + s0 * F, s->hg + s0 * F, sizeof(float) * (size_t)(n * F));
-        mq_nvfp4_act_qdq(s->hq + s0 * F, n, F);
+        act_qdq(j->m, s->hq + s0 * F, n, F);
     }
 }
 
@@ -878,7 +888,7 @@ static moeq_status moe_block(const moeq_model *m, mq_state *s, int l, int64_t T,
 
     if (c->shared_ffn > 0) {
         float *sy = s->yg;   /* routed outputs are consumed; reuse for the shared expert */
-        moeq_status st = mlp(&ly->sh_gate, &ly->sh_up, &ly->sh_down, s->xn, T, s->g, s->u, s->aq,
+        moeq_status st = mlp(m, &ly->sh_gate, &ly->sh_up, &ly->sh_down, s->xn, T, s->g, s->u, s->aq,
                              sy, hk, l, MQ_SITE_SHARED, MQ_SITE_SHARED_DOWN);
         if (st) return st;
         mq_shared_expert_add(m, l, s->xn, T, sy, s->sgate, out);
@@ -908,7 +918,7 @@ static moeq_status ffn_block(const moeq_model *m, mq_state *s, int l, float *x, 
     if (ly->is_moe)
         st = moe_block(m, s, l, T, s->tmp, hk);
     else
-        st = mlp(&ly->gate, &ly->up, &ly->down, s->xn, T, s->g, s->u, s->aq, s->tmp, hk, l,
+        st = mlp(m, &ly->gate, &ly->up, &ly->down, s->xn, T, s->g, s->u, s->aq, s->tmp, hk, l,
                  MQ_SITE_MLP, MQ_SITE_MLP_DOWN);
     if (st) return st;
     mq_vec()->axpy(1.0f, s->tmp, x, T * c->D);

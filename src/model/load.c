@@ -600,9 +600,17 @@ static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
 }
 
 /* Marks the Linears whose input the emulated activation quantizer sees: all decoder Linears of
- * an unquantized model, only those stored quantized in a quantized one. */
-static void mark_act_quant(moeq_model *m) {
-    if (m->act_quant == MOEQ_ACT_QUANT_NONE) return;
+ * an unquantized model, only those stored quantized in a quantized one. Q8_0 (llama.cpp's blocks
+ * of 32) needs each marked Linear's input width to be a multiple of 32. */
+static moeq_status check_q8_0_width(const moeq_model *m, const mq_linear *x) {
+    if (!x->act_q || x->in % 32 == 0) return MOEQ_OK;
+    return mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: %s has %lld inputs, not a multiple of "
+                  "32 (llama.cpp's Q8_0 blocks)", m->dir, x->name ? x->name : "a Linear",
+                  (long long)x->in);
+}
+
+static moeq_status mark_act_quant(moeq_model *m) {
+    if (m->act_quant == MOEQ_ACT_QUANT_NONE) return MOEQ_OK;
     bool all = m->cfg.quant_method == NULL || m->cfg.fp8_block_rows > 0;   /* FP8: all fp32 */
     for (int l = 0; l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
@@ -617,6 +625,20 @@ static void mark_act_quant(moeq_model *m) {
         mq_linear *sh[3] = {&ly->sh_gate, &ly->sh_up, &ly->sh_down};
         for (int i = 0; i < 3; i++) sh[i]->act_q = sh[i]->name && (all || sh[i]->stored_quantized);
     }
+    if (m->act_quant != MOEQ_ACT_QUANT_Q8_0) return MOEQ_OK;
+    moeq_status s = MOEQ_OK;
+    for (int l = 0; !s && l < m->cfg.n_layers; l++) {
+        const mq_layer *ly = &m->layers[l];
+        const mq_linear *v[14] = {&ly->q,    &ly->k,    &ly->v,       &ly->o,     &ly->gate,
+                                  &ly->up,   &ly->down, &ly->q_a,     &ly->q_b,   &ly->kv_a,
+                                  &ly->kv_b, &ly->sh_gate, &ly->sh_up, &ly->sh_down};
+        for (int i = 0; !s && i < 14; i++) s = check_q8_0_width(m, v[i]);
+        for (int e = 0; !s && ly->is_moe && e < m->cfg.n_experts; e++) {
+            const mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+            for (int i = 0; !s && i < 3; i++) s = check_q8_0_width(m, x[i]);
+        }
+    }
+    return s;
 }
 
 /* ---- open / free --------------------------------------------------------------------------- */
@@ -722,9 +744,10 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     *out = NULL;
     moeq_model_options o = {0};
     if (opt) o = *opt;
-    if (o.act_quant != MOEQ_ACT_QUANT_NONE && o.act_quant != MOEQ_ACT_QUANT_NVFP4)
-        return mq_err(MOEQ_E_ARG, "moeq_model_open: act_quant %d (expected MOEQ_ACT_QUANT_NONE or "
-                      "MOEQ_ACT_QUANT_NVFP4)", o.act_quant);
+    if (o.act_quant != MOEQ_ACT_QUANT_NONE && o.act_quant != MOEQ_ACT_QUANT_NVFP4 &&
+        o.act_quant != MOEQ_ACT_QUANT_Q8_0)
+        return mq_err(MOEQ_E_ARG, "moeq_model_open: act_quant %d (expected MOEQ_ACT_QUANT_NONE, "
+                      "MOEQ_ACT_QUANT_NVFP4 or MOEQ_ACT_QUANT_Q8_0)", o.act_quant);
     moeq_model *m = calloc(1, sizeof *m);
     if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
     mq_st *st = NULL;
@@ -755,8 +778,8 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     if (!s) s = check_wants(&L, st, m, dir);
     if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
     if (!s) s = load_wants(&L, st);
+    if (!s) s = mark_act_quant(m);
     if (s) goto fail;
-    mark_act_quant(m);
     if (m->cfg.tie_embeddings) m->lm_head = m->embed;
     want_free(&L);
     L = (want_list){0};

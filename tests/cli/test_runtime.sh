@@ -2,9 +2,9 @@
 # The packed runtime and W4A4 emulation through the CLI, on the bundled olmoe-tiny quantized by
 # `moeq quantize` (NVFP4 weight-only and INT4 g32): generate and eval run packed by default and
 # agree with --dequantize (same greedy text; word perplexity within 1e-4 relative, derived below), stderr / the
-# --json object report resident weights (packed < fp32) and peak RSS, --act-quant nvfp4 runs the
-# dequantized path and moves the perplexity while --act-quant none changes nothing, and bad
-# values are usage errors.
+# --json object report resident weights (packed < fp32) and peak RSS, --act-quant nvfp4 and q8_0
+# run the dequantized path and move the perplexity (q8_0 by less, identically for 1 and 2
+# threads) while --act-quant none changes nothing, and bad values are usage errors.
 . "$(dirname "$0")/common.sh"
 # rel_close A B TOL: |A - B| <= TOL * |B|
 
@@ -75,6 +75,22 @@ bw=$(json_get "$tmp/b.json" word_perplexity)
 rel_close "$ba" "$bw" 0.2 || fail "--act-quant nvfp4 perplexity $ba far from $bw"
 [ "$ba" != "$bw" ] || fail "--act-quant nvfp4 changed nothing ($ba)"
 [ "$(json_get "$tmp/qa.json" packed_linears)" = 0 ] || fail "--act-quant on a checkpoint still packed"
+
+# llama.cpp's Q8_0 activations on the INT4 g32 checkpoint (its Q4_0 GGUF): a smaller move than
+# NVFP4's, the same with any thread count; generate takes it too
+ev "$tmp/i4d.json" "$tmp/i4" --dequantize
+ev "$tmp/i4q.json" "$tmp/i4" --act-quant q8_0 --threads 1
+ev "$tmp/i4q2.json" "$tmp/i4" --act-quant q8_0 --threads 2
+[ "$(json_get "$tmp/i4q.json" act_quant)" = '"q8_0"' ] || fail "act_quant key: $(json_get "$tmp/i4q.json" act_quant)"
+[ "$(json_get "$tmp/i4q.json" packed_linears)" = 0 ] || fail "--act-quant q8_0 on a checkpoint still packed"
+iq=$(json_get "$tmp/i4q.json" word_perplexity)
+id=$(json_get "$tmp/i4d.json" word_perplexity)
+[ "$(json_get "$tmp/i4q2.json" loglikelihood)" = "$(json_get "$tmp/i4q.json" loglikelihood)" ] ||
+    fail "--act-quant q8_0: 1 and 2 threads differ"
+rel_close "$iq" "$id" 0.01 || fail "--act-quant q8_0 perplexity $iq far from $id"
+[ "$iq" != "$id" ] || fail "--act-quant q8_0 changed nothing ($iq)"
+"$cli" generate "$tmp/i4" --prompt "The history of the" -n 4 --act-quant q8_0 > /dev/null 2> "$tmp/err.g" ||
+    fail "generate --act-quant q8_0 exited $?: $(cat "$tmp/err.g")"
 
 # usage errors
 "$cli" eval "$model" --data "$tmp/wiki.txt" --act-quant int8 > /dev/null 2> "$tmp/err"

@@ -4,7 +4,8 @@
  * bits per byte), and KL divergence against a base model or saved top-k logits. With --json,
  * stdout is exactly one JSON object. Ctrl-C prints the result of the documents finished so far
  * and exits 130. A quantized checkpoint runs on the packed kernels unless --dequantize;
- * --act-quant nvfp4 emulates W4A4 on the dequantized path. The resident weight bytes and the
+ * --act-quant nvfp4 emulates W4A4 on the dequantized path, --act-quant q8_0 llama.cpp's
+ * Q8_0 activations. The resident weight bytes and the
  * peak RSS go to stderr, or with --json into the object.
  */
 #include <math.h>
@@ -87,7 +88,10 @@ static void print_json(const char *model_dir, const char *data, const char *task
         }
         fputs("\n  ],\n", f);
     }
-    fprintf(f, "  \"act_quant\": \"%s\",\n", rs->info->act_quant ? "nvfp4" : "none");
+    fprintf(f, "  \"act_quant\": \"%s\",\n",
+            rs->info->act_quant == MOEQ_ACT_QUANT_NVFP4  ? "nvfp4"
+            : rs->info->act_quant == MOEQ_ACT_QUANT_Q8_0 ? "q8_0"
+                                                         : "none");
     json_int(f, "packed_linears", rs->info->packed_linears);
     json_int(f, "fallback_linears", rs->info->fallback_linears);
     json_int(f, "weight_bytes", rs->info->weight_bytes);
@@ -182,8 +186,13 @@ int cmd_eval(int argc, char **argv) {
          "run a quantized checkpoint dequantized in fp32 (default: packed, on the quantized "
          "kernels)", NULL, 0, 0, NULL},
         {"--act-quant", OPT_CHOICE, &act_quant, NULL,
-         "emulate activation quantization on the inputs of the quantized Linears (W4A4; implies "
-         "the dequantized path, the packed kernels being weight-only)", "none|nvfp4", 0, 0, NULL},
+         "emulate activation quantization on the inputs of the quantized Linears (implies the "
+         "dequantized path): nvfp4 = W4A4 (one global scale per call, E4M3 per 16); q8_0 = "
+         "llama.cpp's CPU rounding of the activations of its Q4_0/Q4_1/NVFP4/Q8_0 matmuls (per row, "
+         "blocks of 32, d = amax/127 stored as fp16, x*127/amax rounded half to even; on an "
+         "unquantized model or a .gguf every decoder Linear; not emulated: llama.cpp's summation "
+         "order, the F16/BF16 rounding of the activations of F16/BF16 weights such as lm_head, its "
+         "F16 KV cache and flash attention; docs/gguf.md)", "none|nvfp4|q8_0", 0, 0, NULL},
         {"--temperature", OPT_DOUBLE, &temperature, "T",
          "divide this model's logits by T before the softmax (default 1; a diagnostic of over- or "
          "under-confidence, not part of lm-eval)", NULL, 0, 0, NULL},
@@ -246,9 +255,12 @@ int cmd_eval(int argc, char **argv) {
     moeq_model *m = NULL, *base = NULL;
     double *doc_ll = NULL, *doc_kl = NULL, *doc_top1 = NULL, *doc_llb = NULL;
     int64_t *doc_tok = NULL;
-    bool aq = act_quant && strcmp(act_quant, "nvfp4") == 0;
-    moeq_model_options mo = {.keep_packed = !dequantize && !aq,
-                             .act_quant = aq ? MOEQ_ACT_QUANT_NVFP4 : MOEQ_ACT_QUANT_NONE};
+    int aqk = !act_quant                        ? MOEQ_ACT_QUANT_NONE
+              : strcmp(act_quant, "nvfp4") == 0 ? MOEQ_ACT_QUANT_NVFP4
+              : strcmp(act_quant, "q8_0") == 0  ? MOEQ_ACT_QUANT_Q8_0
+                                                : MOEQ_ACT_QUANT_NONE;
+    bool aq = aqk != MOEQ_ACT_QUANT_NONE;
+    moeq_model_options mo = {.keep_packed = !dequantize && !aq, .act_quant = aqk};
     moeq_model_options bo = {.keep_packed = !dequantize};
     moeq_status st = moeq_docs_load(data, lay, &docs);
     if (!st) st = moeq_model_open(model_dir, &mo, &m);

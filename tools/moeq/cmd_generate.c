@@ -1,9 +1,9 @@
 /*
  * moeq generate MODEL_DIR --prompt P -n N [--greedy | --temp T --top-p P --seed S]: text
  * generation with the forward pass and its KV cache (a quantized checkpoint on the packed
- * kernels unless --dequantize; --act-quant nvfp4 emulates W4A4 on the dequantized path). stdout
- * gets the prompt followed by the generated text as it is produced; stderr gets prefill and
- * decode tokens/s, the resident weight bytes and the peak RSS. Greedy picks the
+ * kernels unless --dequantize; --act-quant nvfp4 emulates W4A4 on the dequantized path, q8_0
+ * llama.cpp's Q8_0 activations). stdout gets the prompt followed by the generated text as it is
+ * produced; stderr gets prefill and decode tokens/s, the resident weight bytes and the peak RSS. Greedy picks the
  * largest logit (ties to the lower id); sampling draws from softmax(logits / T) cut to the smallest
  * set of most likely tokens whose probability reaches top_p, with a seeded generator, so a given
  * seed always gives the same text.
@@ -120,8 +120,13 @@ int cmd_generate(int argc, char **argv) {
          "run a quantized checkpoint dequantized in fp32 (default: packed, on the quantized "
          "kernels)", NULL, 0, 0, NULL},
         {"--act-quant", OPT_CHOICE, &act_quant, NULL,
-         "emulate activation quantization on the inputs of the quantized Linears (W4A4; implies "
-         "the dequantized path)", "none|nvfp4", 0, 0, NULL},
+         "emulate activation quantization on the inputs of the quantized Linears (implies the "
+         "dequantized path): nvfp4 = W4A4 (one global scale per call, E4M3 per 16); q8_0 = "
+         "llama.cpp's CPU rounding of the activations of its Q4_0/Q4_1/NVFP4/Q8_0 matmuls (per row, "
+         "blocks of 32, d = amax/127 stored as fp16, x*127/amax rounded half to even; on an "
+         "unquantized model or a .gguf every decoder Linear; not emulated: llama.cpp's summation "
+         "order, the F16/BF16 rounding of the activations of F16/BF16 weights such as lm_head, its "
+         "F16 KV cache and flash attention; docs/gguf.md)", "none|nvfp4|q8_0", 0, 0, NULL},
     };
     const cli_command cmd = {
         "generate", "MODEL_DIR --prompt P -n N [--greedy | --temp T --top-p P --seed S]",
@@ -145,9 +150,12 @@ int cmd_generate(int argc, char **argv) {
     bool sample = temp_seen || top_p_seen || seed_seen;
     if (threads > 0) moeq_set_threads((int)threads);
 
-    bool aq = act_quant && strcmp(act_quant, "nvfp4") == 0;
-    moeq_model_options mo = {.keep_packed = !dequantize && !aq,
-                             .act_quant = aq ? MOEQ_ACT_QUANT_NVFP4 : MOEQ_ACT_QUANT_NONE};
+    int aqk = !act_quant                        ? MOEQ_ACT_QUANT_NONE
+              : strcmp(act_quant, "nvfp4") == 0 ? MOEQ_ACT_QUANT_NVFP4
+              : strcmp(act_quant, "q8_0") == 0  ? MOEQ_ACT_QUANT_Q8_0
+                                                : MOEQ_ACT_QUANT_NONE;
+    bool aq = aqk != MOEQ_ACT_QUANT_NONE;
+    moeq_model_options mo = {.keep_packed = !dequantize && !aq, .act_quant = aqk};
     moeq_model *m = NULL;
     const char *dir = cli_model_dir("generate", pos[0], revision);
     if (!dir) return CLI_FAIL;
