@@ -718,6 +718,14 @@ static void test_qdq_column_matches_formats(void) {
                 ASSERT_EQ_HEX(code[i], code2[i]);
                 ASSERT_TRUE(memcmp(&dq2[i], &dq[i], sizeof(float)) == 0);
             }
+            if (mq_cpu_has_avx512()) {   /* and the AVX-512 one (16-lane blocks, then the tail) */
+                memset(code2, 0xff, (size_t)n);
+                mq_gptq_qdq_column_avx512(s, step, zero, x, n - 3, code2, dq2);
+                for (int64_t i = 0; i < n - 3; i++) {
+                    ASSERT_EQ_HEX(code[i], code2[i]);
+                    ASSERT_TRUE(memcmp(&dq2[i], &dq[i], sizeof(float)) == 0);
+                }
+            }
 #endif
         }
     }
@@ -755,6 +763,22 @@ static void test_column_errors_twin(void) {
     double direct = 0;
     for (int64_t i = 0; i < n; i++) direct += (double)ea[i] * ea[i];
     ASSERT_REL(direct, sa, 1e-5);
+    /* the AVX-512 twin: e and w0 as the others, both sums the AVX2 twin's to the bit (its
+     * 8-lane order), on lengths ending in every kind of tail */
+    if (mq_cpu_has_avx512()) {
+        for (int64_t len = n - 20; len <= n; len += 4) {   /* 983 .. 1003: tails of 8 + 7, 3, ... */
+            double d2 = 0.25, d5 = 0.25;
+            for (int64_t i = 0; i < n; i++) w0a[i] = w0b[i] = (float)(i % 7) - 3.0f;
+            double s2 = mq_gptq_column_errors_avx2(x, q, 0.7f, w0a, len, ea, &d2);
+            double s5 = mq_gptq_column_errors_avx512(x, q, 0.7f, w0b, len, eb, &d5);
+            ASSERT_TRUE(memcmp(ea, eb, (size_t)len * sizeof(float)) == 0);
+            ASSERT_TRUE(memcmp(w0b, q, (size_t)len * sizeof(float)) == 0);
+            if (memcmp(&s2, &s5, sizeof s2) != 0 || memcmp(&d2, &d5, sizeof d2) != 0)
+                FAIL("n %lld: AVX2 sums %.17g %.17g, AVX-512 %.17g %.17g", (long long)len, s2, d2, s5, d5);
+        }
+    } else {
+        fprintf(stderr, "  no AVX-512 on this CPU (or MOEQ_NO_AVX512): its twin is not run\n");
+    }
     free(x);
     free(q);
     free(w0a);
@@ -765,10 +789,11 @@ static void test_column_errors_twin(void) {
 }
 
 /* The in-loop search's scores: the scalar kernel against the obvious per-row loop (errors fed
- * forward column by column, in float as the kernel), and the AVX2 twin against both, bit for bit,
- * on 45 rows (32 + 8 + a scalar tail of 5) of a wider buffer. */
+ * forward column by column, in float as the kernel), and the AVX2 and AVX-512 twins against both,
+ * bit for bit, on 93 rows of a wider buffer (AVX2: 2 x 32 + 3 x 8 + a scalar tail of 5; AVX-512:
+ * 64 + 16 + 13 rows on the AVX2 twin). */
 static void test_loop_scores_twin(void) {
-    enum { G = 16, LD = 48, N = 45 };
+    enum { G = 16, LD = 96, N = 93 };
     mq_qspec specs[3] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(G), int4_spec(G)};
     specs[2].asym = true;
     float ucol[G * G], x[G * LD], step[LD], zero[LD], work[(G + 2) * LD], wl[G];
@@ -804,6 +829,11 @@ static void test_loop_scores_twin(void) {
 #if MQ_TEST_X86
         mq_gptq_loop_scores_avx2(s, ucol, G, x, LD, N, step, zero, work, code, sb);
         ASSERT_TRUE(memcmp(sa, sb, N * sizeof(double)) == 0);
+        if (mq_cpu_has_avx512()) {   /* 16 + 16 rows, then 13 on the AVX2 twin's blocks */
+            memset(sb, 0, sizeof sb);
+            mq_gptq_loop_scores_avx512(s, ucol, G, x, LD, N, step, zero, work, code, sb);
+            ASSERT_TRUE(memcmp(sa, sb, N * sizeof(double)) == 0);
+        }
 #else
         (void)sb;
 #endif

@@ -1198,6 +1198,11 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         c.errors = mq_gptq_column_errors_avx2;
         c.loop_scores = mq_gptq_loop_scores_avx2;
     }
+    if (mq_cpu_has_avx512() && !mq_force_ref()) {
+        c.qdq = mq_gptq_qdq_column_avx512;
+        c.errors = mq_gptq_column_errors_avx512;
+        c.loop_scores = mq_gptq_loop_scores_avx512;
+    }
 #endif
     mq_parallel_for(n_tasks, run_task, &c);
     if (o->progress_label)

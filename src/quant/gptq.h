@@ -163,6 +163,16 @@ void mq_gptq_loop_scores_ref(const mq_qspec *s, const float *ucol, int64_t G, co
 void mq_gptq_loop_scores_avx2(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
                               int64_t ld, int64_t n, const float *step, const float *zero,
                               float *work, uint8_t *code, double *score);
+/* AVX-512 twins (src/kernels/cpu/x86/gptq_avx512.c; call only when mq_cpu_has_avx512()): codes,
+ * values, e and scores bit-identical to the scalar versions, the column step's two sums to the
+ * AVX2 twin's. */
+void mq_gptq_qdq_column_avx512(const mq_qspec *s, const float *step, const float *zero,
+                               const float *x, int64_t n, uint8_t *code, float *dq);
+double mq_gptq_column_errors_avx512(const float *x, const float *q, float upp, float *w0,
+                                    int64_t n, float *e, double *dsq);
+void mq_gptq_loop_scores_avx512(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
+                                int64_t ld, int64_t n, const float *step, const float *zero,
+                                float *work, uint8_t *code, double *score);
 
 /* The damping sweep: for each candidate percdamp cand[c], GPTQ of the weights w[k] [rows[k], K]
  * (NVFP4 global scales gs[k], NULL: each weight's own) on H_fit, the Hessian of the fitting

@@ -27,6 +27,8 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cpu/x86/exp_avx2.h"
@@ -38,7 +40,21 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-enum { PF_AHEAD = 24 << 10, NT512 = 8 };
+enum { NT512 = 8 };
+
+/* How far ahead the tiles prefetch, in bytes: 24 KiB as the AVX2 kernel, or MOEQ_MOE_PREFETCH_KIB
+ * (0 = no software prefetch; a tuning knob for `moeq bench moe-ffn` on new hosts), read once. */
+static size_t pf_ahead(void) {
+    static _Atomic long cached = -1;   /* threads racing here store the same value */
+    long v = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (v < 0) {
+        const char *e = getenv("MOEQ_MOE_PREFETCH_KIB");
+        v = e && *e ? strtol(e, NULL, 10) : 24;
+        v = v < 0 ? 0 : v > 4096 ? 4096 : v;
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return (size_t)v << 10;
+}
 
 /* 16 E4M3 bytes (8 of each row block) -> fp32, as e4m3x8 in moe_avx2.c: the magnitude bits
  * shifted into an fp32 exponent/mantissa are the value times 2^-120, one exact multiply. */
@@ -154,12 +170,13 @@ INLINE __m512i bcast4(const int8_t *p) {
 /* One tile pair x nt activation rows, with the epilogue: o[t] receives 8 SwiGLU outputs or the 16
  * row results of activation row t. */
 INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow,
-                 float *const *o, int swiglu, int prefetch, const uint8_t *next, const int nt,
+                 float *const *o, int swiglu, size_t ahead, const uint8_t *next, const int nt,
                  const int nvfp4, const int split) {
     const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes;
-    /* the AVX2 kernel's prefetch (moe_avx2.c says why and how far) */
+    /* the AVX2 kernel's prefetch (moe_avx2.c says why and how far); ahead = 0: none */
+    const int prefetch = ahead > 0;
     const size_t pair_bytes = 2 * W->rb_bytes;
-    const int64_t dist = (int64_t)((PF_AHEAD + pair_bytes - 1) / pair_bytes);
+    const int64_t dist = (int64_t)((ahead + pair_bytes - 1) / pair_bytes);
     const int64_t npairs = W->rows / 16;
     const uint8_t *pf = !prefetch ? NULL
                         : pair + dist < npairs ? rb0 + (size_t)dist * pair_bytes
@@ -263,12 +280,12 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
 /* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
  * accumulators in registers. */
 typedef void (*tile_fn)(const mq_pmat *, int64_t, const mq_qact *, const int64_t *, float *const *,
-                        int, int, const uint8_t *);
+                        int, size_t, const uint8_t *);
 #define TILE_FN(NT, NV, SP)                                                                        \
     static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
         const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
-        int swiglu, int prefetch, const uint8_t *next) {                                           \
-        tile(W, pair, A, arow, o, swiglu, prefetch, next, NT, NV, SP);                             \
+        int swiglu, size_t ahead, const uint8_t *next) {                                           \
+        tile(W, pair, A, arow, o, swiglu, ahead, next, NT, NV, SP);                                \
     }
 #define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
 TILE_FNS(1)
@@ -291,6 +308,7 @@ static void gemm_avx512(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq
                         const int32_t *act_rows, int64_t row0, int64_t m, float *out, int64_t ldo,
                         int swiglu, const uint8_t *next) {
     const tile_fn *fns = k_tiles[W->nvfp4 != 0][A->q2 != NULL];
+    const size_t ahead = pf_ahead();
     /* blocks of 64 activation rows stay in L2 while the pairs stream by (as the AVX2 kernel) */
     for (int64_t ib = 0; ib < m; ib += 64) {
         const int64_t ie = ib + 64 < m ? ib + 64 : m;
@@ -303,7 +321,7 @@ static void gemm_avx512(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq
                     arow[t] = act_rows ? act_rows[i0 + t] : row0 + i0 + t;
                     o[t] = out + (i0 + t) * ldo + (swiglu ? 8 * (pair - pair0) : 16 * pair);
                 }
-                fns[nt - 1](W, pair, A, arow, o, swiglu, i0 == ib, next);
+                fns[nt - 1](W, pair, A, arow, o, swiglu, i0 == ib ? ahead : 0, next);
             }
         }
     }

@@ -1,0 +1,184 @@
+/*
+ * AVX-512F twins of GPTQ's per-column steps in src/quant/gptq.c, called only when
+ * mq_cpu_has_avx512(): the operations of gptq_avx2.c on 16 lanes, so codes, dequantized values,
+ * scaled errors and the in-loop scores are bit-identical to the scalar versions; the two
+ * squared-error sums of the column step are accumulated in the AVX2 twin's order (8 lanes, block
+ * after block), so they equal the AVX2 twin's to the bit as well. The masks of the compares are
+ * k registers; every value computed under them is the one the AVX2 kernel's blends give.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#include "quant/gptq.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE __m512 andnot_ps(__m512 a, __m512 b) {   /* ~a & b (AVX-512F has no float andnot) */
+    return _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
+
+/* 16 lanes of mq_gptq_qdq_column. */
+INLINE void qdq16(const mq_qspec *s, const float *step, const float *zero, const float *x,
+                  uint8_t *code, float *dq) {
+    const __m512 st = _mm512_loadu_ps(step), zf = _mm512_setzero_ps();
+    const __mmask16 zs = _mm512_cmp_ps_mask(st, zf, _CMP_EQ_OQ);
+    if (s->scheme == MQ_QS_INT4) {
+        const bool asym = s->asym;
+        const __m512 lo = _mm512_set1_ps(asym ? 0.0f : -8.0f), hi = _mm512_set1_ps(asym ? 15.0f : 7.0f);
+        const __m512 eight = _mm512_set1_ps(8.0f);
+        __m512 z = asym ? _mm512_loadu_ps(zero) : zf;
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x), st),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(q, z), lo), hi);
+        q = _mm512_mask_blend_ps(zs, q, z);
+        __m512 cf = asym ? q : _mm512_add_ps(q, eight);
+        __m512i c = _mm512_cvttps_epi32(cf);
+        _mm_storeu_si128((__m128i *)code, _mm512_cvtepi32_epi8(c));   /* 0..15 */
+        __m512 back = _mm512_sub_ps(_mm512_cvtepi32_ps(c), asym ? z : eight);
+        _mm512_storeu_ps(dq, _mm512_mul_ps(back, st));
+        return;
+    }
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+    __m512 y = _mm512_div_ps(_mm512_loadu_ps(x), st);
+    __m512 a = andnot_ps(sign, y);
+    __m512i sg = _mm512_and_si512(_mm512_castps_si512(sign), _mm512_castps_si512(y));
+    __mmask16 m1 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ);
+    __mmask16 m2 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ);
+    __mmask16 m3 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ);
+    __mmask16 m4 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ);
+    __mmask16 m5 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ);
+    __mmask16 m6 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ);
+    __mmask16 m7 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ);
+    /* the grid value as a sum of its steps (exact), summed as the AVX2 twin sums them */
+    __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_maskz_mov_ps(m1, half), _mm512_maskz_mov_ps(m2, half)),
+                             _mm512_add_ps(_mm512_maskz_mov_ps(m3, half), _mm512_maskz_mov_ps(m4, half)));
+    v = _mm512_add_ps(v, _mm512_add_ps(_mm512_add_ps(_mm512_maskz_mov_ps(m5, one), _mm512_maskz_mov_ps(m6, one)),
+                                       _mm512_maskz_mov_ps(m7, two)));
+    /* index = number of thresholds passed */
+    const __m512i i1 = _mm512_set1_epi32(1);
+    __m512i idx = _mm512_setzero_si512();
+    idx = _mm512_mask_add_epi32(idx, m1, idx, i1);
+    idx = _mm512_mask_add_epi32(idx, m2, idx, i1);
+    idx = _mm512_mask_add_epi32(idx, m3, idx, i1);
+    idx = _mm512_mask_add_epi32(idx, m4, idx, i1);
+    idx = _mm512_mask_add_epi32(idx, m5, idx, i1);
+    idx = _mm512_mask_add_epi32(idx, m6, idx, i1);
+    idx = _mm512_mask_add_epi32(idx, m7, idx, i1);
+    __m512i c = _mm512_maskz_mov_epi32((__mmask16)~zs, _mm512_or_si512(idx, _mm512_srli_epi32(sg, 28)));
+    _mm_storeu_si128((__m128i *)code, _mm512_cvtepi32_epi8(c));
+    __m512 d = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sg)), st);
+    _mm512_storeu_ps(dq, _mm512_maskz_mov_ps((__mmask16)~zs, d));
+}
+
+void mq_gptq_qdq_column_avx512(const mq_qspec *s, const float *step, const float *zero,
+                               const float *x, int64_t n, uint8_t *code, float *dq) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) qdq16(s, step + i, s->asym ? zero + i : zero, x + i, code + i, dq + i);
+    if (i < n) mq_gptq_qdq_column(s, step + i, zero + i, x + i, n - i, code + i, dq + i);
+}
+
+/* gptq_avx2.c's hsum */
+static inline double hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return (double)_mm_cvtss_f32(a);
+}
+
+INLINE __m256 lo8(__m512 v) { return _mm512_castps512_ps256(v); }
+INLINE __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+double mq_gptq_column_errors_avx512(const float *x, const float *q, float upp, float *w0,
+                                    int64_t n, float *e, double *dsq) {
+    const __m512 u = _mm512_set1_ps(upp);
+    __m256 se = _mm256_setzero_ps(), sd = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 qv = _mm512_loadu_ps(q + i);
+        __m512 ev = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), qv), u);
+        _mm512_storeu_ps(e + i, ev);
+        __m512 d = _mm512_sub_ps(_mm512_loadu_ps(w0 + i), qv);
+        _mm512_storeu_ps(w0 + i, qv);
+        /* the AVX2 twin's 8-lane sums: the low 8-block, then the high one */
+        se = _mm256_fmadd_ps(lo8(ev), lo8(ev), se);
+        se = _mm256_fmadd_ps(hi8(ev), hi8(ev), se);
+        sd = _mm256_fmadd_ps(lo8(d), lo8(d), sd);
+        sd = _mm256_fmadd_ps(hi8(d), hi8(d), sd);
+    }
+    if (i + 8 <= n) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        __m256 ev = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), qv), _mm256_set1_ps(upp));
+        _mm256_storeu_ps(e + i, ev);
+        se = _mm256_fmadd_ps(ev, ev, se);
+        __m256 d = _mm256_sub_ps(_mm256_loadu_ps(w0 + i), qv);
+        sd = _mm256_fmadd_ps(d, d, sd);
+        _mm256_storeu_ps(w0 + i, qv);
+        i += 8;
+    }
+    double tail_d = 0;
+    double r = hsum8(se) + (i < n ? mq_gptq_column_errors_ref(x + i, q + i, upp, w0 + i, n - i, e + i, &tail_d) : 0);
+    *dsq += hsum8(sd) + tail_d;
+    return r;
+}
+
+/* gptq_avx2.c's loop_column_step for 16 * nv rows from i0. */
+INLINE void loop_column_step(const mq_qspec *s, float ubb, int nv, int64_t i0, const float *step,
+                             const float *zero, const float *w, float *q, float *eb,
+                             uint8_t *code, double *score) {
+    mq_gptq_qdq_column_avx512(s, step + i0, zero + i0, w + i0, 16 * nv, code + i0, q + i0);
+    const __m512 u = _mm512_set1_ps(ubb);
+    for (int64_t i = i0; i < i0 + 16 * nv; i += 16) {
+        __m512 ev = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(q + i)), u);
+        _mm512_storeu_ps(eb + i, ev);
+        __m512d lo = _mm512_cvtps_pd(lo8(ev)), hi = _mm512_cvtps_pd(hi8(ev));
+        _mm512_storeu_pd(score + i, _mm512_add_pd(_mm512_loadu_pd(score + i), _mm512_mul_pd(lo, lo)));
+        _mm512_storeu_pd(score + i + 8, _mm512_add_pd(_mm512_loadu_pd(score + i + 8), _mm512_mul_pd(hi, hi)));
+    }
+}
+
+/* mq_gptq_loop_scores_ref for 64 rows (nv = 4) or 16 rows (nv = 1) from i0, as the AVX2 twin's
+ * loop_scores_rows: each row's value of column b stays in a register while the errors of the
+ * earlier columns are subtracted in order. */
+static void loop_scores_rows(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
+                             int64_t ld, int64_t i0, int nv, const float *step, const float *zero,
+                             float *e, float *w, float *q, uint8_t *code, double *score) {
+    for (int64_t i = i0; i < i0 + 16 * nv; i++) score[i] = 0;
+    for (int64_t b = 0; b < G; b++) {
+        const float *ub = ucol + b * G, *ea = e + i0, *xb = x + b * ld + i0;
+        if (nv == 4) {
+            __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+            __m512 a2 = _mm512_loadu_ps(xb + 32), a3 = _mm512_loadu_ps(xb + 48);
+            for (int64_t a = 0; a < b; a++, ea += ld) {
+                const __m512 u = _mm512_set1_ps(ub[a]);
+                a0 = _mm512_sub_ps(a0, _mm512_mul_ps(u, _mm512_loadu_ps(ea)));
+                a1 = _mm512_sub_ps(a1, _mm512_mul_ps(u, _mm512_loadu_ps(ea + 16)));
+                a2 = _mm512_sub_ps(a2, _mm512_mul_ps(u, _mm512_loadu_ps(ea + 32)));
+                a3 = _mm512_sub_ps(a3, _mm512_mul_ps(u, _mm512_loadu_ps(ea + 48)));
+            }
+            _mm512_storeu_ps(w + i0, a0);
+            _mm512_storeu_ps(w + i0 + 16, a1);
+            _mm512_storeu_ps(w + i0 + 32, a2);
+            _mm512_storeu_ps(w + i0 + 48, a3);
+        } else {
+            __m512 a0 = _mm512_loadu_ps(xb);
+            for (int64_t a = 0; a < b; a++, ea += ld)
+                a0 = _mm512_sub_ps(a0, _mm512_mul_ps(_mm512_set1_ps(ub[a]), _mm512_loadu_ps(ea)));
+            _mm512_storeu_ps(w + i0, a0);
+        }
+        loop_column_step(s, ub[b], nv, i0, step, zero, w, q, e + b * ld, code, score);
+    }
+}
+
+void mq_gptq_loop_scores_avx512(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
+                                int64_t ld, int64_t n, const float *step, const float *zero,
+                                float *work, uint8_t *code, double *score) {
+    float *e = work, *w = work + G * ld, *q = w + ld;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) loop_scores_rows(s, ucol, G, x, ld, i, 4, step, zero, e, w, q, code, score);
+    for (; i + 16 <= n; i += 16) loop_scores_rows(s, ucol, G, x, ld, i, 1, step, zero, e, w, q, code, score);
+    /* rows are independent: the rest (under 16) as the AVX2 twin computes them */
+    if (i < n)
+        mq_gptq_loop_scores_avx2(s, ucol, G, x + i, ld, n - i, step + i, zero + i, work + i,
+                                 code + i, score + i);
+}
