@@ -1,7 +1,7 @@
 /*
- * The deterministic GEMM (src/kernels/gemm_det.h): the SIMD kernel (AVX2; NEON on Arm64) equals
- * the scalar chain of fmaf bit for bit, on shapes with every edge (rows not a multiple of 16, columns not of 6, K
- * odd, leading dimensions wider than the rows); a row's values do not depend on how many rows
+ * The deterministic GEMM (src/kernels/gemm_det.h): the SIMD kernels (AVX2 and AVX-512; NEON on
+ * Arm64) equal the scalar chain of fmaf bit for bit, on shapes with every edge (rows not a
+ * multiple of 16 or 32, columns not of 6 or 12, K odd, leading dimensions wider than the rows); a row's values do not depend on how many rows
  * share the call or where it sits among them (what lets the pipeline batch an expert's rows
  * across samples); the pool split gives the same values; the result is a correct product
  * (within the fp32 error bound of a K-term sum, against double).
@@ -28,8 +28,10 @@ static float *rand_matrix(int64_t rows, int64_t ld) {
 
 static void test_avx2_equals_reference(void) {
     if (!mq_cpu_has_avx2_fma() && !MQ_TEST_ARM) SKIP("no AVX2+FMA on this CPU");
-    const int64_t shapes[][3] = {{1, 1, 1},   {3, 5, 7},    {16, 6, 64},  {17, 7, 65},
-                                 {33, 13, 255}, {64, 96, 512}, {5, 200, 1031}, {100, 31, 2048}};
+    /* the AVX2 tiles are 16 x 6, the AVX-512 ones 32 (or 16) x 12 */
+    const int64_t shapes[][3] = {{1, 1, 1},     {3, 5, 7},     {16, 6, 64},    {17, 7, 65},
+                                 {33, 13, 255}, {64, 96, 512}, {5, 200, 1031}, {100, 31, 2048},
+                                 {32, 12, 33},  {48, 25, 130}, {15, 11, 9},    {95, 36, 17}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
         int64_t lda = K + 3, ldb = K + 1, ldc = N + 2;
@@ -48,6 +50,20 @@ static void test_avx2_equals_reference(void) {
                     FAIL("%lldx%lldx%lld: C[%lld][%lld] ref %.9g simd %.9g", (long long)M, (long long)N,
                          (long long)K, (long long)i, (long long)j, (double)c1[i * ldc + j],
                          (double)c2[i * ldc + j]);
+#if MQ_TEST_X86
+        if (mq_cpu_has_avx512()) {
+            memset(c2, 0, sizeof(float) * (size_t)(M * ldc));
+            mq_gemm_det_nt_avx512(M, N, K, A, lda, B, ldb, c2, ldc);
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t j = 0; j < N; j++)
+                    if (c1[i * ldc + j] != c2[i * ldc + j])
+                        FAIL("%lldx%lldx%lld: C[%lld][%lld] ref %.9g avx512 %.9g", (long long)M,
+                             (long long)N, (long long)K, (long long)i, (long long)j,
+                             (double)c1[i * ldc + j], (double)c2[i * ldc + j]);
+        } else if (s == 0) {
+            fprintf(stderr, "  no AVX-512 on this CPU (or MOEQ_NO_AVX512): its twin is not run\n");
+        }
+#endif
         free(A);
         free(B);
         free(c1);

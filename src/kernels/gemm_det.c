@@ -4,6 +4,10 @@
 void mq_gemm_det_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
                     int64_t ldb, float *C, int64_t ldc) {
 #if defined(__x86_64__) || defined(__i386__)
+    if (mq_cpu_has_avx512() && !mq_force_ref()) {
+        mq_gemm_det_nt_avx512(M, N, K, A, lda, B, ldb, C, ldc);
+        return;
+    }
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         mq_gemm_det_nt_avx2(M, N, K, A, lda, B, ldb, C, ldc);
         return;

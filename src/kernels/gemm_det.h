@@ -33,6 +33,9 @@ void mq_gemm_det_nt_ref(int64_t M, int64_t N, int64_t K, const float *A, int64_t
 /* Call only when mq_cpu_has_avx2_fma(). */
 void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                          const float *B, int64_t ldb, float *C, int64_t ldc);
+/* Call only when mq_cpu_has_avx512() (src/kernels/cpu/x86/gemm_det_avx512.c: 32 x 12 tiles). */
+void mq_gemm_det_nt_avx512(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                           const float *B, int64_t ldb, float *C, int64_t ldc);
 #endif
 #if defined(__aarch64__)
 void mq_gemm_det_nt_neon(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,

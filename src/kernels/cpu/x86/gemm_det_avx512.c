@@ -1,0 +1,107 @@
+/*
+ * The AVX-512F deterministic GEMM (see kernels/gemm_det.h), called only when mq_cpu_has_avx512():
+ * gemm_det_avx2.c's scheme on 16-lane registers. A panel of 32 rows of A is packed k-major
+ * (Ap[k][32], rows past M zero) so one k gives two vectors of 16 rows; twelve rows of B are read
+ * in place, one broadcast per row and k. The 12 x 2 accumulators hold C for 32 rows x 12
+ * columns; each lane takes exactly one fma per k, in k order, from +0: the scalar chain of the
+ * reference, element for element. A last panel of at most 16 rows runs one-vector tiles (half
+ * the work). K is not blocked (a split sum would change the order); the panel (32 x K floats,
+ * 256 KiB at K = 2048, per thread on the heap) stays in L2 while the groups of B stream past it.
+ */
+/* -O3 unrolls the tile loops completely, so the accumulators stay in registers. */
+#pragma GCC optimize("O3")
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/gemm_det.h"
+
+enum { MR = 32, NR = 12 };
+
+/* C[i][r] = lane i of the accumulators of column r (v[r][h]: rows 16h..16h+15). */
+static void store_tile(__m512 v[][2], int nv, int nr, float *C, int64_t ldc, int64_t m) {
+    _Alignas(64) float t[NR][MR];
+    for (int r = 0; r < nr; r++)
+        for (int h = 0; h < nv; h++) _mm512_store_ps(t[r] + 16 * h, v[r][h]);
+    for (int64_t i = 0; i < m; i++)
+        for (int r = 0; r < nr; r++) C[i * ldc + r] = t[r][i];
+}
+
+/* nv vectors of 16 rows x nr (<= 12) columns; the panel holds MR floats per k. */
+static inline __attribute__((always_inline)) void tile(const float *ap, int64_t K, const float *B,
+                                                       int64_t ldb, float *C, int64_t ldc,
+                                                       int64_t m, const int nv, const int nr) {
+    __m512 c[NR][2];
+#pragma GCC unroll 12
+    for (int r = 0; r < nr; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 a0 = _mm512_load_ps(ap + k * MR);
+        const __m512 a1 = nv == 2 ? _mm512_load_ps(ap + k * MR + 16) : a0;
+#pragma GCC unroll 12
+        for (int r = 0; r < nr; r++) {
+            const __m512 b = _mm512_set1_ps(B[r * ldb + k]);
+            c[r][0] = _mm512_fmadd_ps(a0, b, c[r][0]);
+            if (nv == 2) c[r][1] = _mm512_fmadd_ps(a1, b, c[r][1]);
+        }
+    }
+    store_tile(c, nv, nr, C, ldc, m);
+}
+
+/* One out-of-line instantiation per (vectors, columns), so each keeps its accumulators in
+ * registers. */
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int64_t);
+#define TILE_FN(NV, NC)                                                                            \
+    static __attribute__((noinline)) void tile_##NV##_##NC(const float *ap, int64_t K,             \
+                                                           const float *B, int64_t ldb, float *C,  \
+                                                           int64_t ldc, int64_t m) {               \
+        tile(ap, K, B, ldb, C, ldc, m, NV, NC);                                                    \
+    }
+#define TILE_FNS(NV)                                                                               \
+    TILE_FN(NV, 1) TILE_FN(NV, 2) TILE_FN(NV, 3) TILE_FN(NV, 4) TILE_FN(NV, 5) TILE_FN(NV, 6)     \
+    TILE_FN(NV, 7) TILE_FN(NV, 8) TILE_FN(NV, 9) TILE_FN(NV, 10) TILE_FN(NV, 11) TILE_FN(NV, 12)
+TILE_FNS(1)
+TILE_FNS(2)
+#define TILE_ROW(NV)                                                                               \
+    {tile_##NV##_1, tile_##NV##_2, tile_##NV##_3, tile_##NV##_4,  tile_##NV##_5,  tile_##NV##_6,  \
+     tile_##NV##_7, tile_##NV##_8, tile_##NV##_9, tile_##NV##_10, tile_##NV##_11, tile_##NV##_12}
+static const tile_fn k_tiles[2][NR] = {TILE_ROW(1), TILE_ROW(2)};
+
+/* Ap[k][i] = A[i][k] for the panel's rows (zero past m). */
+static void pack(const float *A, int64_t lda, int64_t m, int64_t K, float *ap) {
+    if (m < MR) memset(ap, 0, sizeof(float) * (size_t)(K * MR));
+    for (int64_t i = 0; i < m; i++) {
+        const float *a = A + i * lda;
+        for (int64_t k = 0; k < K; k++) ap[k * MR + i] = a[k];
+    }
+}
+
+/* The packed panel, per thread, grown as needed (kept for the thread's next calls). */
+static _Thread_local float *tl_ap;
+static _Thread_local size_t tl_cap;
+
+void mq_gemm_det_nt_avx512(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                           const float *B, int64_t ldb, float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0) return;
+    const size_t need = (size_t)K * MR;
+    if (need > tl_cap) {
+        free(tl_ap);
+        tl_ap = aligned_alloc(64, need * sizeof(float));
+        tl_cap = tl_ap ? need : 0;
+        if (!tl_ap) {   /* no scratch: the reference gives the same values */
+            mq_gemm_det_nt_ref(M, N, K, A, lda, B, ldb, C, ldc);
+            return;
+        }
+    }
+    float *ap = tl_ap;
+    for (int64_t i0 = 0; i0 < M; i0 += MR) {
+        const int64_t m = M - i0 < MR ? M - i0 : MR;
+        const tile_fn *fns = k_tiles[m > 16];
+        pack(A + i0 * lda, lda, m, K, ap);
+        for (int64_t j0 = 0; j0 < N; j0 += NR) {
+            const int nr = (int)(N - j0 < NR ? N - j0 : NR);
+            fns[nr - 1](ap, K, B + j0 * ldb, ldb, C + i0 * ldc + j0, ldc, m);
+        }
+    }
+}
