@@ -105,10 +105,10 @@ static void test_rows_do_not_depend_on_the_call(void) {
     free(part);
 }
 
-/* The Hessian update: AVX2 equals the scalar chain on the lower triangle; rows added in one call
+/* The Hessian update: AVX2 and AVX-512 equal the scalar chain on the lower triangle; rows added in one call
  * or in uneven pieces, and C's rows split into ranges, give the same sums. */
 static void test_syrk_accumulate(void) {
-    const int64_t Ks[] = {1, 5, 16, 22, 97, 260};
+    const int64_t Ks[] = {1, 5, 16, 22, 33, 48, 97, 260};
     for (size_t s = 0; s < sizeof Ks / sizeof Ks[0]; s++) {
         const int64_t K = Ks[s], n = 150, ldx = K + 3;
         float *X = rand_matrix(n, ldx);
@@ -130,6 +130,23 @@ static void test_syrk_accumulate(void) {
                         FAIL("K %lld: C[%lld][%lld] ref %.9g simd %.9g", (long long)K, (long long)i,
                              (long long)j, (double)a[i * K + j], (double)b[i * K + j]);
         }
+#if MQ_TEST_X86
+        /* AVX-512: all rows at once, and in two ranges whose cut is no multiple of 6 or 16 */
+        if (mq_cpu_has_avx512()) {
+            for (int cut = 0; cut < 2; cut++) {
+                memcpy(b, c0, sizeof(float) * (size_t)(K * K));
+                const int64_t mid = cut ? K / 3 + 1 : K;
+                mq_syrk_det_acc_avx512(K, n, X, ldx, b, K, 0, mid);
+                mq_syrk_det_acc_avx512(K, n, X, ldx, b, K, mid, K);
+                for (int64_t i = 0; i < K; i++)
+                    for (int64_t j = 0; j <= i; j++)
+                        if (a[i * K + j] != b[i * K + j])
+                            FAIL("K %lld cut %lld: C[%lld][%lld] ref %.9g avx512 %.9g", (long long)K,
+                                 (long long)mid, (long long)i, (long long)j, (double)a[i * K + j],
+                                 (double)b[i * K + j]);
+            }
+        }
+#endif
         memcpy(b, c0, sizeof(float) * (size_t)(K * K));
         const int64_t cuts[] = {0, 1, 38, 39, 100, n};
         for (int c = 0; c < 5; c++)   /* rows in pieces, C's rows in two ranges per piece */

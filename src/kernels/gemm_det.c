@@ -46,6 +46,10 @@ void mq_gemm_det_nt_pool(int64_t M, int64_t N, int64_t K, const float *A, int64_
 void mq_syrk_det_acc(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
                      int64_t i0, int64_t i1) {
 #if defined(__x86_64__) || defined(__i386__)
+    if (mq_cpu_has_avx512() && !mq_force_ref()) {
+        mq_syrk_det_acc_avx512(K, n, X, ldx, C, ldc, i0, i1);
+        return;
+    }
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         mq_syrk_det_acc_avx2(K, n, X, ldx, C, ldc, i0, i1);
         return;

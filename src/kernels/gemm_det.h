@@ -46,9 +46,9 @@ void mq_gemm_det_nt_neon(int64_t M, int64_t N, int64_t K, const float *A, int64_
  * row-major C and every j <= i,
  *     C[i][j] = fmaf(X[r][i], X[r][j], C[i][j])   for r = 0 .. n-1 in order
  * (X [n, K], ldx), so adding rows in one call or in many, in any grouping, gives the same sums,
- * and so does splitting the rows of C. The AVX2 and NEON twins may also write elements above the
- * diagonal next to it (never read by the Hessian code). Single-threaded; _pool runs all rows over the
- * pool. */
+ * and so does splitting the rows of C. The AVX2, AVX-512 and NEON twins may also write elements
+ * above the diagonal next to it (never read by the Hessian code). Single-threaded; _pool runs all
+ * rows over the pool. */
 void mq_syrk_det_acc(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
                      int64_t i0, int64_t i1);
 void mq_syrk_det_acc_pool(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc);
@@ -60,6 +60,9 @@ void mq_syrk_det_acc_ref(int64_t K, int64_t n, const float *X, int64_t ldx, floa
 #if defined(__x86_64__) || defined(__i386__)
 void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
                           int64_t ldc, int64_t i0, int64_t i1);
+/* Call only when mq_cpu_has_avx512() (6 x 32 tiles). */
+void mq_syrk_det_acc_avx512(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                            int64_t ldc, int64_t i0, int64_t i1);
 #endif
 #if defined(__aarch64__)
 void mq_syrk_det_acc_neon(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,

@@ -105,3 +105,123 @@ void mq_gemm_det_nt_avx512(int64_t M, int64_t N, int64_t K, const float *A, int6
         }
     }
 }
+
+/* ---- the Hessian update ------------------------------------------------------------------------ */
+/* gemm_det_avx2.c's scheme (its comment says why the rows of X are repacked by 16-column
+ * panels, P[panel][r][16]) with tiles of 6 rows (i) by 32 columns (j): two adjacent panels, so
+ * per row r of X two loads and six broadcasts feed twelve zmm accumulators, one fma per element
+ * and row, in row order, continuing from C. Where 32 columns do not fit, 16-column tiles, then
+ * the scalar chain, as the AVX2 kernel; tiles reach past the diagonal (elements above it, never
+ * read). */
+enum { SR = 6, SC = 16, ROWS_BLK = 64 };
+
+static _Thread_local float *tl_pack;
+static _Thread_local size_t tl_pack_cap;
+
+/* rows [i0, i0 + nr) x columns [j0, j0 + 16 nv) of C; nr <= 6, nv 1 or 2. */
+static inline __attribute__((always_inline)) void syrk_tile(int64_t n, const float *P, int64_t i0,
+                                                            int64_t j0, float *C, int64_t ldc,
+                                                            const int nr, const int nv) {
+    const int64_t pstride = ROWS_BLK * SC;   /* floats per panel */
+    const float *vj = P + (j0 / SC) * pstride;
+    const float *bi[SR];
+    __m512 a[SR][2];
+#pragma GCC unroll 6
+    for (int t = 0; t < nr; t++) {
+        bi[t] = P + ((i0 + t) / SC) * pstride + (i0 + t) % SC;
+        const float *c = C + (i0 + t) * ldc + j0;
+        a[t][0] = _mm512_loadu_ps(c);
+        a[t][1] = nv == 2 ? _mm512_loadu_ps(c + 16) : a[t][0];
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t o = r * SC;
+        const __m512 v0 = _mm512_load_ps(vj + o);
+        const __m512 v1 = nv == 2 ? _mm512_load_ps(vj + pstride + o) : v0;
+#pragma GCC unroll 6
+        for (int t = 0; t < nr; t++) {
+            const __m512 b = _mm512_set1_ps(bi[t][o]);
+            a[t][0] = _mm512_fmadd_ps(v0, b, a[t][0]);
+            if (nv == 2) a[t][1] = _mm512_fmadd_ps(v1, b, a[t][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int t = 0; t < nr; t++) {
+        float *c = C + (i0 + t) * ldc + j0;
+        _mm512_storeu_ps(c, a[t][0]);
+        if (nv == 2) _mm512_storeu_ps(c + 16, a[t][1]);
+    }
+}
+
+static __attribute__((noinline)) void syrk_tile_6x32(int64_t n, const float *P, int64_t i0,
+                                                     int64_t j0, float *C, int64_t ldc) {
+    syrk_tile(n, P, i0, j0, C, ldc, SR, 2);
+}
+static __attribute__((noinline)) void syrk_tile_6x16(int64_t n, const float *P, int64_t i0,
+                                                     int64_t j0, float *C, int64_t ldc) {
+    syrk_tile(n, P, i0, j0, C, ldc, SR, 1);
+}
+/* A row group of nr < 6 rows (the last of a range): one row at a time, the same chains. */
+static __attribute__((noinline)) void syrk_tile_rows(int64_t n, const float *P, int64_t i0, int nr,
+                                                     int64_t j0, float *C, int64_t ldc, int nv) {
+    for (int t = 0; t < nr; t++) {
+        if (nv == 2) syrk_tile(n, P, i0 + t, j0, C, ldc, 1, 2);
+        else syrk_tile(n, P, i0 + t, j0, C, ldc, 1, 1);
+    }
+}
+
+/* The elements the vector tiles leave, as the scalar chain (the same per element). */
+static void syrk_scalar(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                        float *C, int64_t ldc) {
+    const int64_t pstride = ROWS_BLK * SC;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1 && j <= i; j++) {
+            const float *pi = P + (i / SC) * pstride + i % SC, *pj = P + (j / SC) * pstride + j % SC;
+            float acc = C[i * ldc + j];
+            for (int64_t r = 0; r < n; r++) acc = fmaf(pi[r * SC], pj[r * SC], acc);
+            C[i * ldc + j] = acc;
+        }
+}
+
+void mq_syrk_det_acc_avx512(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                            int64_t ldc, int64_t row0, int64_t row1) {
+    if (K <= 0 || n <= 0 || row0 >= row1) return;
+    const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
+    const size_t need = (size_t)panels * ROWS_BLK * SC;
+    if (need > tl_pack_cap) {
+        free(tl_pack);
+        tl_pack = aligned_alloc(64, need * sizeof(float));
+        tl_pack_cap = tl_pack ? need : 0;
+        if (!tl_pack) {   /* no scratch: the reference gives the same values */
+            mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
+            return;
+        }
+    }
+    float *P = tl_pack;
+    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
+        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
+        for (int64_t p = 0; p < panels; p++) {
+            float *dst = P + p * ROWS_BLK * SC;
+            const int64_t c0 = p * SC, w = K - c0 < SC ? K - c0 : SC;
+            for (int64_t r = 0; r < rb; r++) {
+                const float *src = X + (r0 + r) * ldx + c0;
+                memcpy(dst + r * SC, src, sizeof(float) * (size_t)w);
+                if (w < SC) memset(dst + r * SC + w, 0, sizeof(float) * (size_t)(SC - w));
+            }
+        }
+        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
+            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
+            const int nr = (int)(i1 - i0);
+            int64_t j0 = 0;
+            /* 32 columns while they lie in the row and in the packed panels */
+            for (; j0 + 2 * SC <= K && j0 + 2 * SC <= panels * SC && j0 <= i1 - 1; j0 += 2 * SC) {
+                if (nr == SR) syrk_tile_6x32(rb, P, i0, j0, C, ldc);
+                else syrk_tile_rows(rb, P, i0, nr, j0, C, ldc, 2);
+            }
+            for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
+                if (nr == SR) syrk_tile_6x16(rb, P, i0, j0, C, ldc);
+                else syrk_tile_rows(rb, P, i0, nr, j0, C, ldc, 1);
+            }
+            syrk_scalar(rb, P, i0, i1, j0, i1, C, ldc);
+        }
+    }
+}
