@@ -133,6 +133,11 @@ void mq_gemm_nn(int64_t M, int64_t N, int64_t K, float alpha, const float *A, in
 /* Measures this machine's sgemm rate (GFLOP/s) on n x n x n with the pool, for about
  * min_seconds (smaller products on a host too slow for that, as under an emulator). */
 double mq_measure_sgemm_gflops(int n, double min_seconds);
+/* The cores' own rate: every pool thread runs single-threaded 256^3 sgemms on its own buffers (in
+ * its cache) for about `seconds`, all at once; the sum of their GFLOP/s. Per thread and against
+ * fewer threads it shows what the machine gives each core when all work (clock, shared cores),
+ * the ceiling of any compute-bound scaling. */
+double mq_measure_core_gflops(double seconds);
 
 /* ---- runtime plumbing ------------------------------------------------------------------ */
 void mq_progress(const char *label, int64_t done, int64_t total);
@@ -151,7 +156,8 @@ void mq_set_avx512_off(int off);   /* for tests and benchmarks; -1 reads MOEQ_NO
 bool mq_cpu_has_neon_dot(void);
 
 /* ---- time ------------------------------------------------------------------------------ */
-double mq_now(void);   /* monotonic seconds */
+double mq_now(void);       /* monotonic seconds */
+double mq_cpu_now(void);   /* CPU seconds of the whole process (every thread) */
 
 /* ---- small numeric helpers --------------------------------------------------------------- */
 static inline float mq_bf16_to_f32(uint16_t h) {

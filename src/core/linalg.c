@@ -101,3 +101,47 @@ double mq_measure_sgemm_gflops(int n, double min_seconds) {
     mq_free(c);
     return best;
 }
+
+/* mq_measure_core_gflops: one task per thread, each until the common deadline; a thread that took
+ * a second task after the deadline adds nothing. */
+enum { CORE_N = 256 };
+
+typedef struct {
+    double t_end;
+    double *rate;   /* [tasks] GFLOP/s of each task */
+} core_job;
+
+static void core_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    core_job *j = ctx;
+    const size_t nn = (size_t)CORE_N * CORE_N;
+    float *a = mq_alloc_array(3 * nn, sizeof(float), "sgemm buffers");
+    j->rate[task] = 0;
+    if (!a) return;
+    for (size_t i = 0; i < 3 * nn; i++) a[i] = (float)(i % 61) * 0x1p-6f - 0.4f;   /* first touch here */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, CORE_N, CORE_N, CORE_N, 1.0f, a, CORE_N,
+                a + nn, CORE_N, 0.0f, a + 2 * nn, CORE_N);   /* warm */
+    const double t0 = mq_now();
+    int64_t reps = 0;
+    while (mq_now() < j->t_end) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, CORE_N, CORE_N, CORE_N, 1.0f, a, CORE_N,
+                    a + nn, CORE_N, 0.0f, a + 2 * nn, CORE_N);
+        reps++;
+    }
+    const double dt = mq_now() - t0;
+    if (reps > 0 && dt > 0) j->rate[task] = 2.0 * CORE_N * CORE_N * (double)CORE_N * (double)reps / dt * 1e-9;
+    mq_free(a);
+}
+
+double mq_measure_core_gflops(double seconds) {
+    pthread_once(&g_blas_once, blas_single_thread);
+    const int n = mq_pool_size();
+    double *rate = calloc((size_t)n, sizeof *rate);
+    if (!rate) return 0;
+    core_job j = {mq_now() + seconds, rate};
+    mq_parallel_for(n, core_task, &j);
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += rate[i];
+    free(rate);
+    return sum;
+}

@@ -167,7 +167,7 @@ static moeq_status check_options(const moeq_quant_options *o) {
 }
 
 /* The pipeline's options, as `moeq quantize` sets them. */
-static void pipeline_options(const moeq_quant_options *po, mq_pipeline_opts *o) {
+void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
     mq_ckpt_format fmt = po->format == MOEQ_FORMAT_MODELOPT ? MQ_FMT_MODELOPT
                          : po->format == MOEQ_FORMAT_GPTQ   ? MQ_FMT_GPTQ
                          : po->format == MOEQ_FORMAT_GGUF   ? MQ_FMT_GGUF
@@ -301,7 +301,7 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
     moeq_status st = check_options(opts);
     if (st) return st;
     mq_pipeline_opts o;
-    pipeline_options(opts, &o);
+    mq_pipeline_opts_from(opts, &o);
     /* GGUF: what llama.cpp would compute otherwise is refused before any work */
     if (opts->format == MOEQ_FORMAT_GGUF && (st = mq_gguf_check_model(model_dir, o.spec.scheme, o.act_quant)))
         return st;

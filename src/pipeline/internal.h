@@ -53,6 +53,8 @@ typedef struct {
     int layer;
     double forward, hessian, gptq, write, total;   /* seconds */
     double attention;             /* the part of forward in the attention passes */
+    /* process CPU seconds of the same stages (mq_layer_stats) */
+    double cpu_forward, cpu_hessian, cpu_gptq, cpu_write, cpu_total, cpu_attention;
     double wait, exchange;        /* several ranks: waiting for the others, moving data */
     double snapshot;              /* the work directory's record of the layer and the snapshot of
                                      the boundary after it (written, synced) */

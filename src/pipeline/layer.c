@@ -233,9 +233,10 @@ static moeq_status finish_linear(mq_pipe *p, int l, const slot *s, int k, mq_qte
             in_amax = 1.0f;
         }
     }
-    double t0 = mq_now();
+    double t0 = mq_now(), c0 = mq_cpu_now();
     if (!st && p->w) st = mq_ckpt_writer_put_linear(p->w, lin->name, q, in_amax);
     p->layers[l].write += mq_now() - t0;
+    p->layers[l].cpu_write += mq_cpu_now() - c0;
     if (!st && p->w) st = add_module(p, l, s, lin, stats);
     if (!st && p->seq && lin->w) mq_dequantize(q, lin->w);
     if (!st) item_mark(p, s->it[k]);
@@ -274,7 +275,7 @@ static moeq_status sweep_slot(mq_pipe *p, const slot *s, const float *gs, double
  * global scales are shared by a slot's Linears (vLLM's fused layers) unless no_fuse. */
 static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *block_H) {
     const mq_pipeline_opts *o = p->o;
-    double t0 = mq_now();
+    double t0 = mq_now(), c0 = mq_cpu_now();
     int nf = n + 1;
     const float **Hs = calloc((size_t)nf, sizeof *Hs);
     int64_t *Ks = calloc((size_t)nf, sizeof *Ks);
@@ -319,6 +320,7 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         swept[i] = Hs[i];
         Hs[i] = NULL;
     }
+    const double tf0 = mq_now(), cf0 = mq_cpu_now();
     if (!st && o->gptq && !p->gpu) {
         st = mq_gptq_factor_many(Hs, Ks, nf, &o->g, o->g.rtn_loss, names, f);
         factored = !st;
@@ -372,7 +374,12 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         if (!st) st = mq_gpu_gptq(p->gpu, &o->spec, &o->g, Hs, Ks, names, nf, jobs, job_h, n_jobs);
         free(job_h);
     } else if (!st && n_jobs > 0) {
+        const double tr0 = mq_now(), cr0 = mq_cpu_now();
         st = mq_gptq_run(&o->spec, &o->g, jobs, n_jobs);
+        if (getenv("MOEQ_PROFILE"))   /* where GPTQ's time goes and how many cores it kept busy */
+            mq_info("layer %d GPTQ, %d weights: factors %.2f s (%.1f cores busy), column loops %.2f s "
+                    "(%.1f cores busy)", l, n_jobs, tr0 - tf0, (cr0 - cf0) / (tr0 - tf0 + 1e-9),
+                    mq_now() - tr0, (mq_cpu_now() - cr0) / (mq_now() - tr0 + 1e-9));
     }
     if (p->gpu)
         for (int i = 0; i < n; i++) {
@@ -380,6 +387,7 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
             slots[i].H = NULL;
         }
     p->layers[l].gptq += mq_now() - t0;
+    p->layers[l].cpu_gptq += mq_cpu_now() - c0;
     for (int i = 0; i < n && !st; i++) {
         slot *s = &slots[i];
         for (int k = 0; k < s->nw && !st; k++) {
@@ -637,7 +645,7 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
     for (int64_t s = s_lo; s < s_hi && !st; s++) {
         if ((st = check_interrupt())) break;
         int64_t T = p->calib.len[s];
-        double t0 = mq_now();
+        double t0 = mq_now(), c0 = mq_cpu_now();
         const float *x = mq_actbuf_view(&p->X, (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
         if (x != sc->xt) memcpy(sc->xt, x, sizeof(float) * (size_t)(T * D));
         if (cap) {
@@ -665,14 +673,14 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         } else {
             st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
         }
-        double t1 = mq_now();
+        double t1 = mq_now(), c1 = mq_cpu_now();
         if (!st && cap && !cap->store && !sc->gpu) {   /* each update over the whole pool */
             if (cap->rows_qkv) st = slot_add(cap->qkv, cap->arena_qkv, cap->rows_qkv);
             if (cap->rows_o && !st) st = slot_add(cap->o, cap->arena_o, cap->rows_o);
             if (cap->rows_qb && !st) st = slot_add(cap->qb, cap->arena_qb, cap->rows_qb);
             if (cap->rows_kvb && !st) st = slot_add(cap->kvb, cap->arena_kvb, cap->rows_kvb);
         }
-        double t2 = mq_now();
+        double t2 = mq_now(), c2 = mq_cpu_now();
         if (!st) {
             if (keep_xn) {   /* the FFN input, kept for the experts' Hessians */
                 if (!sc->gpu) mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
@@ -689,10 +697,13 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
                 }
             }
         }
-        double t3 = mq_now();
+        double t3 = mq_now(), c3 = mq_cpu_now();
         p->layers[l].forward += (t1 - t0) + (t3 - t2);
+        p->layers[l].cpu_forward += (c1 - c0) + (c3 - c2);
         p->layers[l].attention += (t1 - t0) + (t3 - t2);
+        p->layers[l].cpu_attention += (c1 - c0) + (c3 - c2);
         p->layers[l].hessian += t2 - t1;
+        p->layers[l].cpu_hessian += c2 - c1;
         mq_pipe_progress(p, p->mp_units.attention_sample * (p->ranks > 1 ? p->ranks : 1));
     }
     return st;
@@ -724,9 +735,10 @@ static moeq_status gather_hessian(mq_pipe *p, int l, slot *s, const float *arena
                 st = mq_dist_recv(tmp, bytes, r, step);
             }
             if (mine(p, s) && !st) {
-                double t0 = mq_now();
+                double t0 = mq_now(), c0 = mq_cpu_now();
                 st = slot_add(s, x, rows);
                 p->layers[l].hessian += mq_now() - t0;
+                p->layers[l].cpu_hessian += mq_cpu_now() - c0;
             }
         }
     }
@@ -772,10 +784,11 @@ static moeq_status split_hessian(mq_pipe *p, int l, slot *s, const float *arena,
         const size_t bytes = sizeof(float) * (size_t)((e - a) * K);
         if (e <= a) continue;
         if (p->rank > 0) st = mq_dist_recv(C + a * K, bytes, p->rank - 1, step);
-        double t0 = mq_now();
+        double t0 = mq_now(), c0 = mq_cpu_now();
         for (int64_t t = lo; t < hi && !st; t++)
             mq_syrk_det_acc_pool_rows(K, p->calib.len[t], arena + (t - lo) * Lmax * width, width, C, K, a, e);
         p->layers[l].hessian += mq_now() - t0;
+        p->layers[l].cpu_hessian += mq_cpu_now() - c0;
         if (!st && p->rank < last) st = mq_dist_send(C + a * K, bytes, p->rank + 1, step);
     }
     /* the sum, complete on the last rank, to the others that quantize one of the slot's Linears */
@@ -954,6 +967,11 @@ static const float *ffn_input(mq_pipe *p, int l, const ffn_source *src, int64_t 
     return scratch;
 }
 
+/* One band of rows of one expert's Hessian sum: expert << 33 | down << 32 | band, its cost. */
+typedef struct {
+    int64_t code, cost;
+} hband;
+
 /* A batch of samples whose rows for the chunk's experts are computed together: the rows are
  * laid out expert by expert (each expert's rows of every sample of the batch, sample after
  * sample, tokens in order), so each expert runs one call over all of them. Its products are
@@ -979,6 +997,8 @@ typedef struct {
     mq_gpu_mlp *gmlp;             /* the chunk's experts on the GPU (runs with a device), or NULL */
     int32_t *grow;                /* [rows] GPU: each row's place in the batch's uploaded inputs */
     int64_t *xrows, *xfirst;      /* [nb] GPU: the rows of each sample's uploaded input, its first */
+    hband *htasks;                /* the CPU's Hessian bands (batch_hessian_bands) */
+    int64_t n_htasks;
 } ex_batch;
 
 static void batch_inputs_task(void *ctx, int64_t i, int thread) {
@@ -1043,6 +1063,83 @@ static void batch_hessian_task(void *ctx, int64_t ce, int thread) {
     (void)batch_hessian_one(ctx, ce);   /* the CPU's sums cannot fail */
 }
 
+/* The CPU's expert Hessians as bands of HBAND rows of every expert's sums, so a chunk of few (or
+ * unevenly routed) experts still keeps every core busy: each element's sum is the same fmaf chain
+ * over the expert's rows whichever band computes it (kernels/gemm_det.h). */
+enum { HBAND = 96 };
+
+static bool banded_hessians(const ex_batch *b) {
+    for (int64_t ce = 0; ce < b->e1 - b->e0; ce++) {
+        const slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
+        if ((gu->h.sum && (gu->h.fit || gu->gh)) || (dn->h.sum && (dn->h.fit || dn->gh))) return false;
+    }
+    return true;
+}
+
+/* amax and the expert weighting of the rows, before any band reads them */
+static void batch_prep_task(void *ctx, int64_t ce, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    const int64_t D = b->p->c->D, F = b->p->c->moe_ffn;
+    slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
+    const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
+    if (n == 0) return;
+    if (b->amax) {
+        amax_update(&gu->amax, b->xg + r0 * D, n * D);
+        amax_update(&dn->amax, b->hg + r0 * F, n * F);
+    }
+    if (b->hess && b->p->o->expert_weighting) {
+        if (gu->h.sum) mq_hessian_weight_rows(b->xg + r0 * D, n, D, b->rw + r0);
+        if (dn->h.sum) mq_hessian_weight_rows(b->hg + r0 * F, n, F, b->rw + r0);
+    }
+}
+
+static void batch_band_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    const int64_t code = b->htasks[t].code, ce = code >> 33, band = code & 0xffffffff;
+    const bool down = (code >> 32) & 1;
+    const int64_t K = down ? b->p->c->moe_ffn : b->p->c->D;
+    const slot *s = down ? &b->dn[b->e0 + ce] : &b->gu[b->e0 + ce];
+    const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
+    const float *x = (down ? b->hg : b->xg) + r0 * K;
+    const int64_t i0 = band * HBAND, i1 = i0 + HBAND < K ? i0 + HBAND : K;
+    mq_syrk_det_acc(K, n, x, K, s->h.sum, K, i0, i1);
+}
+
+static int cmp_band(const void *a, const void *b) {
+    const hband *x = a, *y = b;
+    if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
+    return x->code < y->code ? -1 : x->code > y->code;
+}
+
+/* The bands of every routed expert's sums, the costliest (rows x width) first: the pool's
+ * counter then hands out the long tasks before the short ones that fill the gaps. */
+static void batch_hessian_bands(ex_batch *b) {
+    const int64_t C = b->e1 - b->e0, D = b->p->c->D, F = b->p->c->moe_ffn;
+    b->n_htasks = 0;
+    for (int64_t ce = 0; ce < C && b->hess; ce++) {
+        const int64_t n = b->ebase[ce + 1] - b->ebase[ce];
+        if (n == 0) continue;
+        for (int down = 0; down < 2; down++) {
+            const int64_t K = down ? F : D;
+            if (!(down ? b->dn : b->gu)[b->e0 + ce].h.sum) continue;
+            for (int64_t k = 0; k * HBAND < K; k++) {
+                const int64_t i1 = (k + 1) * HBAND < K ? (k + 1) * HBAND : K;
+                b->htasks[b->n_htasks++] = (hband){ce << 33 | (int64_t)down << 32 | k, n * i1};
+            }
+        }
+    }
+    qsort(b->htasks, (size_t)b->n_htasks, sizeof *b->htasks, cmp_band);
+    mq_parallel_for(C, batch_prep_task, b);
+    mq_parallel_for(b->n_htasks, batch_band_task, b);
+    for (int64_t ce = 0; ce < C; ce++) {
+        const int64_t n = b->ebase[ce + 1] - b->ebase[ce];
+        if (b->hess && b->gu[b->e0 + ce].h.sum) b->gu[b->e0 + ce].h.n += n;
+        if (b->hess && b->dn[b->e0 + ce].h.sum) b->dn[b->e0 + ce].h.n += n;
+    }
+}
+
 /* out[t] += w * y over the token's experts of the chunk, in increasing expert order. */
 static void batch_combine_task(void *ctx, int64_t i, int thread) {
     (void)thread;
@@ -1088,6 +1185,7 @@ static void batch_free(ex_batch *b) {
     mq_free(b->grow);
     free(b->xrows);
     free(b->xfirst);
+    mq_free(b->htasks);
 }
 
 /* Buffers for batches of up to nb samples and `rows` expert rows of a chunk of C experts. */
@@ -1111,7 +1209,9 @@ static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_
     b->grow = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
     b->xrows = calloc((size_t)nb, sizeof *b->xrows);
     b->xfirst = calloc((size_t)nb, sizeof *b->xfirst);
-    if (!b->xin || !b->xin_buf || !b->cnt || !b->pos || !b->ebase || !b->tok || !b->tsample ||
+    b->htasks = mq_alloc_array((size_t)(C * ((c->D + HBAND - 1) / HBAND + (F + HBAND - 1) / HBAND) + 1),
+                               sizeof(hband), "expert Hessian bands");
+    if (!b->htasks || !b->xin || !b->xin_buf || !b->cnt || !b->pos || !b->ebase || !b->tok || !b->tsample ||
         !b->rw || !b->tok_row || !b->xg || !b->hg || !b->hu || !b->yg || !b->tasks || !b->grow || !b->xrows ||
         !b->xfirst) {
         batch_free(b);
@@ -1124,7 +1224,7 @@ static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_
  * in order, as the forward groups them), gate/up (and down), then Hessians / amax / combine. */
 static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     const int64_t C = b->e1 - b->e0, K = p->c->top_k, Lmax = p->calib.max_len;
-    double t0 = mq_now();
+    double t0 = mq_now(), c0 = mq_cpu_now();
     mq_parallel_for(b->nb, batch_inputs_task, b);
     memset(b->cnt, 0, sizeof(int32_t) * (size_t)(b->nb * C));
     for (int64_t i = 0; i < b->nb; i++) {
@@ -1204,19 +1304,23 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     } else {
         mq_parallel_for(b->n_tasks, batch_rows_task, b);
     }
-    double t1 = mq_now();
+    double t1 = mq_now(), c1 = mq_cpu_now();
     if (dev_rows)
         ;   /* summed on the device already */
     else if ((b->hess || b->amax) && p->gpu)   /* the GPU's sums in turn, each on the device */
         for (int64_t ce = 0; ce < C && !st; ce++) st = batch_hessian_one(b, ce);
+    else if ((b->hess || b->amax) && banded_hessians(b))
+        batch_hessian_bands(b);
     else if (b->hess || b->amax)
         mq_parallel_for(C, batch_hessian_task, b);
     if (st) return st;
-    double t2 = mq_now();
+    double t2 = mq_now(), c2 = mq_cpu_now();
     if (b->down) mq_parallel_for(b->nb, batch_combine_task, b);
-    double t3 = mq_now();
+    double t3 = mq_now(), c3 = mq_cpu_now();
     p->layers[l].forward += (t1 - t0) + (t3 - t2);
+    p->layers[l].cpu_forward += (c1 - c0) + (c3 - c2);
     p->layers[l].hessian += t2 - t1;
+    p->layers[l].cpu_hessian += c2 - c1;
     return MOEQ_OK;
 }
 
@@ -1306,12 +1410,13 @@ static moeq_status block_hessian(mq_pipe *p, int l, float **out) {
     moeq_status st = mq_hessian_init(&h, p->c->D, "the MoE block's Hessian");
     float *scratch = mq_alloc_array((size_t)p->LD, sizeof(float), "FFN input");
     if (!st && !scratch) st = MOEQ_E_NOMEM;
-    double t0 = mq_now();
+    double t0 = mq_now(), c0 = mq_cpu_now();
     for (int64_t s = 0; s < p->calib.n && !st; s++) {
         if ((st = check_interrupt())) break;
         mq_hessian_add(&h, ffn_input(p, l, &src, s, scratch), p->calib.len[s]);
     }
     p->layers[l].hessian += mq_now() - t0;
+    p->layers[l].cpu_hessian += mq_cpu_now() - c0;
     mq_free(scratch);
     if (st) {
         mq_hessian_free(&h);
@@ -1347,10 +1452,11 @@ static moeq_status fallback_down(mq_pipe *p, int l, slot *dn, int e0, int e1) {
     float *u = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "fallback activations");
     float *scratch = mq_alloc_array((size_t)p->LD, sizeof(float), "FFN input");
     moeq_status st = g && u && scratch ? MOEQ_OK : MOEQ_E_NOMEM;
-    double t0 = mq_now();
+    double t0 = mq_now(), c0 = mq_cpu_now();
     for (int e = e0; e < e1 && !st; e++)
         if (dn[e].nw && dn[e].how == MQ_HOW_GPTQ_BLOCK_HESSIAN) st = fallback_down_one(p, l, e, &dn[e], g, u, scratch);
     p->layers[l].hessian += mq_now() - t0;
+    p->layers[l].cpu_hessian += mq_cpu_now() - c0;
     mq_free(g);
     mq_free(u);
     mq_free(scratch);
@@ -1561,10 +1667,10 @@ static moeq_status mlp_pass(mq_pipe *p, int l, bool shared, slot *sl, ffn_source
     for (int64_t s = s_lo; s < s_hi && !st; s++) {
         if ((st = check_interrupt())) break;
         const int64_t T = p->calib.len[s];
-        double t0 = mq_now();
+        double t0 = mq_now(), c0 = mq_cpu_now();
         const float *x = ffn_input(p, l, &src, s, xs);
         st = mq_mlp_forward(g, u, d, x, T, hg, hu, out ? y : NULL);
-        double t1 = mq_now();
+        double t1 = mq_now(), c1 = mq_cpu_now();
         if (!st && calib) {
             if (sl[0].h.sum) st = slot_add(&sl[0], x, T);
             if (sl[1].h.sum && !st) st = slot_add(&sl[1], hg, T);
@@ -1573,14 +1679,16 @@ static moeq_status mlp_pass(mq_pipe *p, int l, bool shared, slot *sl, ffn_source
                 amax_update(&sl[1].amax, hg, T * F);
             }
         }
-        double t2 = mq_now();
+        double t2 = mq_now(), c2 = mq_cpu_now();
         if (!st && out) {
             float *o = mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD));
             if (shared) mq_shared_expert_add(p->m, l, x, T, y, sgate, o);
             else memcpy(o, y, sizeof(float) * (size_t)(T * D));
         }
         p->layers[l].forward += (t1 - t0) + (mq_now() - t2);
+        p->layers[l].cpu_forward += (c1 - c0) + (mq_cpu_now() - c2);
         p->layers[l].hessian += t2 - t1;
+        p->layers[l].cpu_hessian += c2 - c1;
     }
     return st;
 }
@@ -1682,7 +1790,7 @@ moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l) {
                 idx[n++] = j;
         float *w[8] = {0};
         float amax = 0;
-        double t0 = mq_now();
+        double t0 = mq_now(), c0 = mq_cpu_now();
         for (size_t k = 0; k < n && !st; k++) {
             const mq_plan_item *it = &pl->items[idx[k]];
             if ((st = item_load(it, &w[k]))) break;
@@ -1705,6 +1813,7 @@ moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l) {
         }
         for (size_t k = 0; k < n; k++) mq_free(w[k]);
         if (l >= 0) p->layers[l].write += mq_now() - t0;
+        if (l >= 0) p->layers[l].cpu_write += mq_cpu_now() - c0;
     }
     return st;
 }
@@ -1713,7 +1822,7 @@ moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l) {
     if (!p->w) return MOEQ_OK;   /* several ranks: rank 0's work */
     const mq_out_plan *pl = &p->plan;
     moeq_status st = MOEQ_OK;
-    double t0 = mq_now();
+    double t0 = mq_now(), c0 = mq_cpu_now();
     for (size_t i = 0; i < pl->n_pass && !st; i++) {
         const mq_plan_pass *t = &pl->pass[i];
         if (t->layer == l) st = mq_ckpt_writer_put(p->w, t->name, t->src->dtype, t->src->data, t->src->nbytes);
@@ -1730,6 +1839,7 @@ moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l) {
         if (!st) p->item_done[i] = 1;
     }
     if (l >= 0) p->layers[l].write += mq_now() - t0;
+    if (l >= 0) p->layers[l].cpu_write += mq_cpu_now() - c0;
     return st;
 }
 
@@ -1798,7 +1908,7 @@ static void add_out(mq_pipe *p) {
 }
 
 moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
-    double t0 = mq_now(), w0, x0;
+    double t0 = mq_now(), c0 = mq_cpu_now(), w0, x0;
     mq_dist_seconds(&w0, &x0);
     mq_layer *ly = &p->m->layers[l];
     /* the source is read ahead of the compute: the first expert chunk during the attention, the
@@ -1840,6 +1950,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     if (!st && !replay) st = mq_pipe_write_passthrough(p, l);
     mq_lazy_release(p->lz, l, MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_SHARED | MQ_PART_MLP, 0, 0);
     p->layers[l].total += mq_now() - t0;
+    p->layers[l].cpu_total += mq_cpu_now() - c0;
     double w1, x1;
     mq_dist_seconds(&w1, &x1);
     p->layers[l].wait += w1 - w0;

@@ -316,10 +316,11 @@ static moeq_status run(mq_pipe *p) {
         if (p->calibrate) {
             s = mq_pipe_layer(p, l, false);
         } else {
-            double t0 = mq_now();
+            double t0 = mq_now(), c0 = mq_cpu_now();
             s = mq_pipe_layer_rtn(p, l);
             if (!s) s = mq_pipe_write_passthrough(p, l);
             p->layers[l].total = mq_now() - t0;
+            p->layers[l].cpu_total = mq_cpu_now() - c0;
             mq_pipe_progress(p, p->mp_units.rtn_layer);
         }
         p->layers[l].peak_anon = mq_mem_watch_take_peak();
@@ -335,7 +336,8 @@ static moeq_status run(mq_pipe *p) {
             const mq_layer_report *lr = &p->layers[l];
             p->res->layer[p->res->layers_run++] = (mq_layer_stats){
                 lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, lr->total,
-                lr->wait, lr->exchange, lr->peak_anon, lr->chunks};
+                lr->cpu_forward, lr->cpu_attention, lr->cpu_hessian, lr->cpu_gptq, lr->cpu_write,
+                lr->cpu_total, lr->wait, lr->exchange, lr->peak_anon, lr->chunks};
         }
     }
     return s;
@@ -508,6 +510,12 @@ done:
         res.quantized_params = p->plan.quantized_params;
         res.n_tensors = (int64_t)p->plan.n_decls;
         res.bytes_written = p->plan_bytes;
+        for (size_t i = 0; p->w && i < p->plan.n_decls; i++) {
+            uint32_t c;
+            if (!mq_ckpt_writer_crc(p->w, p->plan.decls[i].name, &c)) continue;
+            res.tensors_crc = mq_crc32(res.tensors_crc, &c, sizeof c);
+            res.tensors_written++;
+        }
     }
     if (!work && p->lock_fd >= 0) {
         mq_work_release(p, !p->work_fresh);   /* a failed start: a new directory goes again */

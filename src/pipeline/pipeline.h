@@ -88,6 +88,9 @@ typedef struct {
  * points >= 1), RTN, GPTQ settings of mq_gptq_opts_default, sequential, min_expert_tokens 32,
  * block-Hessian fallback, calibration 128 x 512. */
 void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_format format);
+/* The options moeq_quantize runs with for po (its defaults resolved: scale search, refinement,
+ * act-order...); po must have passed moeq_quantize's checks (the benchmarks use the defaults). */
+void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o);
 
 /* The plan: what the run holds in memory (bytes of anonymous memory) and what it costs. */
 typedef struct {
@@ -117,6 +120,9 @@ typedef struct {
 /* One finished layer (seconds, peak anonymous memory). */
 typedef struct {
     double forward, attention, hessian, gptq, write, total;
+    /* process CPU seconds of the same stages: over the wall seconds, the cores kept busy (the
+     * pool's idle workers sleep) */
+    double cpu_forward, cpu_attention, cpu_hessian, cpu_gptq, cpu_write, cpu_total;
     double wait, exchange;         /* several ranks: waiting for the others, moving data */
     int64_t peak_anon;
     int32_t chunks;
@@ -127,6 +133,10 @@ typedef struct {
     int64_t quantized_params;
     int64_t n_tensors;
     uint64_t bytes_written;        /* tensor data of the checkpoint */
+    /* the CRCs of the tensors this run wrote, in the plan's order, combined (rank 0): equal for
+     * runs that wrote the same bytes, e.g. the first layers at any thread count (--stop-after) */
+    uint32_t tensors_crc;
+    int64_t tensors_written;
     mq_mem_plan plan;
     int64_t peak_anon;             /* measured peak anonymous memory */
     int32_t layers_resumed;        /* layers taken over from the interrupted run */

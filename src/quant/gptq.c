@@ -315,11 +315,13 @@ typedef struct {
     bool want_R;
     mq_gptq_factor *f;
     fac_result *res;
+    const int64_t *order;   /* the largest first */
 } factor_ctx;
 
 static void factor_task(void *vctx, int64_t task, int thread) {
     (void)thread;
     factor_ctx *c = vctx;
+    task = c->order[task];
     if (!c->H[task]) {
         memset(&c->f[task], 0, sizeof c->f[task]);
         c->res[task] = FAC_OK;
@@ -338,10 +340,23 @@ moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t
         if (st) return st;
     }
     fac_result *res = mq_alloc_array((size_t)n, sizeof *res, "GPTQ factor results");
-    if (!res) return MOEQ_E_NOMEM;
+    int64_t *order = mq_alloc_array((size_t)n, sizeof *order, "GPTQ factor order");
+    if (!res || !order) {
+        mq_free(res);
+        mq_free(order);
+        return MOEQ_E_NOMEM;
+    }
+    /* the largest factorisations (K^3) first, so the small ones fill the end (ties in order) */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t kv = H[i] ? K[i] : 0;
+        int64_t u = i;
+        for (; u > 0 && (H[order[u - 1]] ? K[order[u - 1]] : 0) < kv; u--) order[u] = order[u - 1];
+        order[u] = i;
+    }
     pthread_once(&g_blas_once, blas_single_thread);
-    factor_ctx c = {H, K, o, want_R, f, res};
+    factor_ctx c = {H, K, o, want_R, f, res, order};
     mq_parallel_for(n, factor_task, &c);
+    mq_free(order);
     moeq_status st = MOEQ_OK;
     for (int64_t i = 0; i < n; i++) {
         moeq_status si = factor_report(res[i], o, names[i], &f[i]);
@@ -445,6 +460,7 @@ typedef struct {
     loop_scores_fn loop_scores;
     int64_t n_tasks;
     atomic_int_fast64_t done;
+    const int64_t *order;   /* [n_tasks] the tasks, costliest first */
 } run_ctx;
 
 static inline int64_t col_of(const mq_gptq_factor *f, int64_t p) { return f->perm ? f->perm[p] : p; }
@@ -953,6 +969,7 @@ static void run_task(void *vctx, int64_t task, int thread) {
     run_ctx *c = vctx;
     if (moeq_interrupted()) return;
     double t0 = mq_now();
+    task = c->order[task];
     const task_ref *tr = &c->tasks[task];
     mq_gptq_job *j = &c->jobs[tr->job];
     const mq_gptq_factor *f = j->f;
@@ -1188,10 +1205,28 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     int64_t t = 0;
     for (int64_t i = 0; i < n_jobs; i++)
         for (int64_t rb = 0; rb * ROW_BLOCK < jobs[i].rows; rb++) tasks[t++] = (task_ref){i, rb};
+    /* Costliest first (K^2 per row; ties in task order), so the pool's counter hands out the long
+     * tasks of the widest weights before the short ones that fill the gaps at the end. Each task's
+     * result is its own, so the order changes no value. */
+    int64_t *order = mq_alloc_array((size_t)n_tasks + 1, sizeof *order, "GPTQ task order");
+    if (!order) {
+        mq_free(tasks);
+        mq_free(outs);
+        scratch_free(scr, nthreads);
+        st = MOEQ_E_NOMEM;
+        goto fail;
+    }
+    for (t = 0; t < n_tasks; t++) order[t] = t;
+    for (t = 1; t < n_tasks; t++) {   /* insertion sort by K, stable: jobs come with few sizes */
+        const int64_t v = order[t], kv = jobs[tasks[v].job].f->K;
+        int64_t u = t;
+        for (; u > 0 && jobs[tasks[order[u - 1]].job].f->K < kv; u--) order[u] = order[u - 1];
+        order[u] = v;
+    }
 
     pthread_once(&g_blas_once, blas_single_thread);
     run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
-                 mq_gptq_column_errors_ref, mq_gptq_loop_scores_ref, n_tasks, 0};
+                 mq_gptq_column_errors_ref, mq_gptq_loop_scores_ref, n_tasks, 0, order};
 #if defined(__x86_64__)
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         c.qdq = mq_gptq_qdq_column_avx2;
@@ -1227,6 +1262,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         j->stats.seconds = sec;
     }
     mq_free(tasks);
+    mq_free(order);
     mq_free(outs);
     scratch_free(scr, nthreads);
     if (moeq_interrupted()) {

@@ -18,4 +18,28 @@ assert 0 < j["peak_anon_bytes"] <= j["budget_bytes"], j
 assert abs(j["extrapolated_seconds"] - 4 * L["total"]) <= 0.01, j   # both printed to 1 ms
 PY
 ls "$tmp" | grep -q moeq-bench && fail "bench quantize left its temporary checkpoint"
+
+# --threads LIST: one run per count, each stage's seconds, cores busy and efficiency, and the
+# tensors of every run compared (the checkpoint never depends on the thread count)
+out=$(TMPDIR=$tmp "$cli" bench quantize "$model" --layers 1 --nsamples 4 --seqlen 64 --threads 1,3 \
+      --calib "$repo/data/demo-calib.txt" --json 2>"$tmp/err") || fail "bench quantize --threads 1,3 exited $?: $(cat "$tmp/err")"
+printf '%s\n' "$out" > "$tmp/t.json"
+python3 - "$tmp/t.json" <<'PY' || fail "bench quantize --threads JSON: $out"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["same_tensors"] is True and j["tensors_compared"] >= 30, j   # the layer's tensors compared
+rows = j["thread_scaling"]
+assert [r["threads"] for r in rows] == [1, 3], rows
+for r in rows:
+    assert r["core_rate"] > 0, r
+    for st in ("forward", "attention", "hessians", "gptq", "write", "total"):
+        assert st in r, (st, r)
+    t = r["total"]
+    assert t["seconds_per_layer"] > 0 and 0 < t["cores_busy"] <= r["threads"] + 0.5, r
+    assert r["forward"]["seconds_per_layer"] >= r["attention"]["seconds_per_layer"] > 0, r
+assert rows[0]["total"]["efficiency"] == 1.0 and rows[0]["core_rate"] == 1.0, rows[0]
+PY
+ls "$tmp" | grep -q moeq-bench && fail "bench quantize --threads left its temporary checkpoints"
+"$cli" bench quantize "$model" --threads 2,,4 >/dev/null 2>"$tmp/err"; rc=$?
+[ $rc -eq 2 ] && grep -q -- "--threads 2,,4" "$tmp/err" || fail "bench quantize --threads 2,,4: exit $rc, $(cat "$tmp/err")"
 exit $((fails > 0))

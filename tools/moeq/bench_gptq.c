@@ -355,11 +355,12 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
                          int64_t experts, int64_t chunk, bool json) {
     float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
     if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);
-    double sec[32], fac[32], cores[32], moe[32], moe_cores[32], sgemm[32];
+    double sec[32], fac[32], cores[32], moe[32], moe_cores[32], sgemm[32], core_rate[32];
     uint32_t crc[32];
     for (int i = 0; i < nt; i++) {
         moeq_set_threads(tl[i]);
         sgemm[i] = mq_measure_sgemm_gflops(1024, 1.0);
+        core_rate[i] = mq_measure_core_gflops(0.5) / tl[i];   /* per thread, all threads at once */
         mq_gptq_stats st;
         sec[i] = time_one(b, H, W, rows, cols, reps, &fac[i], &st, &cores[i]);
         crc[i] = g_last_crc;
@@ -381,8 +382,10 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
         for (int i = 0; i < nt; i++) {
             const double sp = sec[0] / sec[i], eff = sp * tl[0] / tl[i];
             printf("%s{\"threads\": %d, \"seconds\": %.6f, \"factor_seconds\": %.6f, \"cores_used\": %.2f, "
-                   "\"speedup\": %.3f, \"efficiency\": %.3f, \"fraction_of_sgemm\": %.4f, \"sgemm_gflops\": %.2f",
-                   i ? ", " : "", tl[i], sec[i], fac[i], cores[i], sp, eff, flops / sec[i] * 1e-9 / sgemm[i], sgemm[i]);
+                   "\"speedup\": %.3f, \"efficiency\": %.3f, \"fraction_of_sgemm\": %.4f, \"sgemm_gflops\": %.2f, "
+                   "\"core_gflops\": %.2f, \"core_rate\": %.3f",
+                   i ? ", " : "", tl[i], sec[i], fac[i], cores[i], sp, eff, flops / sec[i] * 1e-9 / sgemm[i], sgemm[i],
+                   core_rate[i], core_rate[i] / core_rate[0]);
             if (experts > 0)
                 printf(", \"moe_layer_seconds\": %.3f, \"moe_layer_efficiency\": %.3f", moe[i],
                        moe[0] / moe[i] * tl[0] / tl[i]);
@@ -393,16 +396,18 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
     }
     printf("gptq %s %lldx%lld: scaling against %d threads (best of %d each)\n", mq_qscheme_name(b->spec.scheme),
            (long long)rows, (long long)cols, tl[0], reps);
-    printf("threads   weight s  factor s  cores busy  speedup  efficiency  of sgemm  sgemm GFLOP/s%s\n",
+    printf("threads   weight s  factor s  cores busy  speedup  efficiency  of sgemm  sgemm GFLOP/s  core rate%s\n",
            experts > 0 ? "   MoE layer s  cores busy  efficiency" : "");
     for (int i = 0; i < nt; i++) {
         const double sp = sec[0] / sec[i];
-        printf("%7d  %9.3f %9.3f %11.2f %8.2fx %11.2f %8.0f%% %14.1f", tl[i], sec[i], fac[i], cores[i], sp,
-               sp * tl[0] / tl[i], 100 * flops / sec[i] * 1e-9 / sgemm[i], sgemm[i]);
+        printf("%7d  %9.3f %9.3f %11.2f %8.2fx %11.2f %8.0f%% %14.1f %10.2f", tl[i], sec[i], fac[i], cores[i], sp,
+               sp * tl[0] / tl[i], 100 * flops / sec[i] * 1e-9 / sgemm[i], sgemm[i], core_rate[i] / core_rate[0]);
         if (experts > 0)
             printf(" %13.2f %11.2f %11.2f", moe[i], moe_cores[i], moe[0] / moe[i] * tl[0] / tl[i]);
         printf("\n");
     }
+    printf("(core rate: each thread's single-threaded sgemm rate with all threads running, against %d "
+           "threads: the ceiling of compute-bound efficiency on this machine)\n", tl[0]);
     printf("codes and scales %s at every thread count\n", same ? "identical" : "DIFFER (a bug)");
     return same ? CLI_OK : CLI_FAIL;
 }
@@ -410,7 +415,7 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
 int bench_gptq(int argc, char **argv) {
     int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3;
     const char *threads = NULL;
-    int64_t experts = 64, chunk = 8, seed = 1;
+    int64_t experts = 64, chunk = 32, seed = 1;
     double percdamp = 0.01;
     const char *scheme = "nvfp4", *mse_weight = "gptq";
     bool act_order = false, mse = false, static_groups = false, json = false, moe = false;
@@ -438,7 +443,7 @@ int bench_gptq(int argc, char **argv) {
         {"--seed", OPT_INT, &seed, "S", "random seed (default 1)", NULL, 1, -1, NULL},
         {"--moe", OPT_FLAG, &moe, NULL, "also time one OLMoE-1B-7B-shaped MoE layer", NULL, 0, -1, NULL},
         {"--experts", OPT_INT, &experts, "E", "experts in the --moe layer (default 64)", NULL, 1, 4096, NULL},
-        {"--moe-chunk", OPT_INT, &chunk, "C", "experts factorised and run together (default 8)", NULL, 1, 64, NULL},
+        {"--moe-chunk", OPT_INT, &chunk, "C", "experts factorised and run together (default 32, the pipeline's chunk on the 16-core GPU machine)", NULL, 1, 64, NULL},
         {"--model", OPT_STRING, &model, "DIR", "also time GPTQ end to end on a model (load, "
          "calibrate, quantize; no checkpoint written)", NULL, 0, -1, NULL},
         {"--calib", OPT_STRING, &calib, "FILE", "calibration text for --model (default "
@@ -459,16 +464,8 @@ int bench_gptq(int argc, char **argv) {
     if (rc >= 0) return rc;
     int tlist[32], nt = 0;
     if (threads) {
-        const char *c = threads;
-        while (*c) {
-            char *end;
-            long v = strtol(c, &end, 10);
-            if (end == c || v < 1 || v > 4096 || nt == 32 || (*end && *end != ','))
-                return cli_usage_error("bench gptq", "--threads %s: expected counts such as 2,4,8,16", threads);
-            tlist[nt++] = (int)v;
-            c = *end ? end + 1 : end;
-        }
-        if (!nt) return cli_usage_error("bench gptq", "--threads: empty list");
+        if ((nt = cli_parse_counts(threads, tlist, 32, 1, 4096)) < 1)
+            return cli_usage_error("bench gptq", "--threads %s: expected counts such as 2,4,8,16", threads);
         moeq_set_threads(tlist[0]);
     }
     g_rng = 0x9E3779B97F4A7C15ull ^ (uint64_t)seed;

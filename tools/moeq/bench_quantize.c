@@ -8,6 +8,10 @@
  * from the layers run (their mean per layer times the model's layers), against the published
  * figures of llm-compressor (Qwen3-30B-A3B GPTQ: 3.9 h on one GPU). Nothing is kept.
  *
+ * --threads 2,4,8,16 runs it at each thread count in turn and prints, per stage, the seconds per
+ * layer, the cores it kept busy (process CPU seconds over wall seconds) and the efficiency against
+ * the first count (T1 * n1 / (Tn * n)), and whether every count wrote the same tensor bytes.
+ *
  * Under mpirun -np N (src/dist) the run is split over the ranks; --ranks 1,2,4 runs it with the
  * job's first 1, 2 and 4 ranks in turn and prints, for each, the time per layer, every rank's
  * peak memory and the scaling efficiency against the first (T1 * n1 / (Tn * n)).
@@ -17,6 +21,7 @@
 #include <string.h>
 #include <unistd.h>
 
+
 #include "bench.h"
 #include "cli.h"
 #include "backend/gpu.h"
@@ -24,9 +29,73 @@
 #include "model/model.h"
 #include "pipeline/pipeline.h"
 
+/* The stages of a layer: wall and CPU seconds summed over the layers run. */
+enum { ST_FORWARD, ST_ATTENTION, ST_HESSIAN, ST_GPTQ, ST_WRITE, ST_TOTAL, N_STAGES };
+static const char *const stage_name[N_STAGES] = {"forward", "attention", "hessians", "gptq", "write", "total"};
+
+static void stage_sums(const mq_pipeline_result *r, double wall[N_STAGES], double cpu[N_STAGES]) {
+    memset(wall, 0, sizeof(double) * N_STAGES);
+    memset(cpu, 0, sizeof(double) * N_STAGES);
+    for (int l = 0; l < r->layers_run; l++) {
+        const mq_layer_stats *s = &r->layer[l];
+        const double w[N_STAGES] = {s->forward, s->attention, s->hessian, s->gptq, s->write, s->total};
+        const double c[N_STAGES] = {s->cpu_forward, s->cpu_attention, s->cpu_hessian, s->cpu_gptq,
+                                    s->cpu_write, s->cpu_total};
+        for (int k = 0; k < N_STAGES; k++) {
+            wall[k] += w[k];
+            cpu[k] += c[k];
+        }
+    }
+}
+
+/* --threads LIST: per stage, seconds per layer, cores busy and efficiency against the first. */
+static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, int nt, const double *core,
+                                 bool same, int64_t tensors, bool json) {
+    double w0[N_STAGES], c0[N_STAGES];
+    stage_sums(&rs[0], w0, c0);
+    const int run0 = rs[0].layers_run > 0 ? rs[0].layers_run : 1;
+    if (json) {
+        printf("{\"same_tensors\": %s, \"tensors_compared\": %lld, \"thread_scaling\": [", same ? "true" : "false",
+               (long long)tensors);
+        for (int i = 0; i < nt; i++) {
+            double w[N_STAGES], c[N_STAGES];
+            stage_sums(&rs[i], w, c);
+            const int run = rs[i].layers_run > 0 ? rs[i].layers_run : 1;
+            printf("%s{\"threads\": %d, \"core_rate\": %.3f", i ? ", " : "", tl[i], core[i] / core[0]);
+            for (int k = 0; k < N_STAGES; k++)
+                printf(", \"%s\": {\"seconds_per_layer\": %.3f, \"cores_busy\": %.2f, \"efficiency\": %.3f}",
+                       stage_name[k], w[k] / run, w[k] > 0 ? c[k] / w[k] : 0,
+                       w[k] > 0 ? (w0[k] / run0) * tl[0] / ((w[k] / run) * tl[i]) : 0);
+            printf("}");
+        }
+        printf("]}\n");
+        return;
+    }
+    printf("threads  core rate");
+    for (int k = 0; k < N_STAGES; k++) printf("  %-22s", stage_name[k]);
+    printf("\n                  ");
+    for (int k = 0; k < N_STAGES; k++) printf("  %-22s", "s/layer cores  eff.");
+    printf("\n");
+    for (int i = 0; i < nt; i++) {
+        double w[N_STAGES], c[N_STAGES];
+        stage_sums(&rs[i], w, c);
+        const int run = rs[i].layers_run > 0 ? rs[i].layers_run : 1;
+        printf("%7d  %9.2f", tl[i], core[i] / core[0]);
+        for (int k = 0; k < N_STAGES; k++)
+            printf("  %7.2f %5.1f %6.2f  ", w[k] / run, w[k] > 0 ? c[k] / w[k] : 0,
+                   w[k] > 0 ? (w0[k] / run0) * tl[0] / ((w[k] / run) * tl[i]) : 0);
+        printf("\n");
+    }
+    printf("(cores: process CPU seconds over wall seconds; eff.: T(%d) * %d / (T(n) * n); core rate: each "
+           "thread's single-threaded sgemm rate with all running, against %d threads, the ceiling of "
+           "compute-bound efficiency here)\n", tl[0], tl[0], tl[0]);
+    printf("the %lld tensors written %s at every thread count\n", (long long)tensors, same ? "identical" : "DIFFER (a bug)");
+}
+
 int bench_quantize(int argc, char **argv) {
-    int64_t layers = 2, nsamples = 128, seqlen = 512, threads = 0, full_layers = 0;
-    const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL;
+    int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0;
+    const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL,
+               *threads = NULL;
     bool json = false;
     cli_opt opts[] = {
         {"--layers", OPT_INT, &layers, "N", "layers to run (default 2; the rest is extrapolated)",
@@ -41,7 +110,8 @@ int bench_quantize(int argc, char **argv) {
         {"--scheme", OPT_CHOICE, &scheme, NULL, "weight format (default nvfp4)", "nvfp4|int4", 0, -1, NULL},
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory budget (default as moeq "
          "quantize)", NULL, 0, -1, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 0, 1024, NULL},
+        {"--threads", OPT_STRING, &threads, "T[,T...]", "worker threads (default: all CPUs); a list "
+         "such as 2,4,8,16 runs each in turn and prints the scaling table", NULL, 0, -1, NULL},
         {"--device", OPT_STRING, &device, "DEV", "GPTQ on cpu (default), cuda or cuda:N", NULL, 0, -1, NULL},
         {"--ranks", OPT_STRING, &ranks_arg, "N,N,...", "under mpirun: run with the job's first N ranks "
          "for each N in turn and print the scaling table (default: all ranks)", NULL, 0, -1, NULL},
@@ -56,7 +126,11 @@ int bench_quantize(int argc, char **argv) {
     int n_pos = 0;
     int rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
-    if (threads > 0) moeq_set_threads((int)threads);
+    int tl[32], nt = 1;
+    tl[0] = 0;
+    if (threads && (nt = cli_parse_counts(threads, tl, 32, 1, 4096)) < 1)
+        return cli_usage_error("bench quantize", "--threads %s: expected counts such as 2,4,8,16", threads);
+    if (tl[0] > 0) moeq_set_threads(tl[0]);
     char calib_buf[4200];
     if (!calib) {
         const char *sh = cli_shared_dir();
@@ -76,19 +150,21 @@ int bench_quantize(int argc, char **argv) {
     snprintf(model_type, sizeof model_type, "%s", cfg.model_type);
     mq_config_free(&cfg);
 
+    /* exactly what moeq quantize --method gptq runs with (its defaults resolved) */
+    int dev = -1;
+    if (mq_gpu_parse_device(device, &dev)) return cli_usage_error("bench quantize", "%s", moeq_last_error());
+    moeq_quant_options qo;
+    moeq_quant_options_init(&qo);
+    qo.scheme = strcmp(scheme, "int4") == 0 ? MOEQ_QUANT_INT4 : MOEQ_QUANT_NVFP4A16;
+    qo.method = MOEQ_QUANT_GPTQ;
+    qo.calib = calib;
+    qo.gptq.nsamples = nsamples;
+    qo.gptq.seqlen = seqlen;
+    qo.max_memory = (int64_t)mem;
+    qo.device = dev >= 0 ? device : NULL;
     mq_pipeline_opts o;
-    bool int4 = strcmp(scheme, "int4") == 0;
-    mq_pipeline_opts_init(&o, int4 ? MQ_QS_INT4 : MQ_QS_NVFP4, MQ_FMT_CT);
-    o.gptq = true;
-    o.spec.mse = true;
-    o.g.mse_weight = MQ_GPTQ_MSE_LOOP;
-    o.g.act_order = int4;
-    o.calib.path = calib;
-    o.calib.nsamples = nsamples;
-    o.calib.seqlen = seqlen;
-    o.max_memory = (int64_t)mem;
+    mq_pipeline_opts_from(&qo, &o);
     o.stop_after = (int32_t)layers;
-    if (mq_gpu_parse_device(device, &o.device)) return cli_usage_error("bench quantize", "%s", moeq_last_error());
     const char *td = getenv("TMPDIR");
     char tmpl[1024], out[1100];
     snprintf(tmpl, sizeof tmpl, "%s/moeq-bench-XXXXXX", td && *td ? td : "/tmp");
@@ -112,15 +188,31 @@ int bench_quantize(int argc, char **argv) {
     } else {
         ranks[n_ranks++] = world;
     }
-    mq_pipeline_result *rs = calloc((size_t)n_ranks, sizeof *rs);
+    if (n_ranks > 1 && nt > 1)
+        return cli_usage_error("bench quantize", "give a list to --ranks or to --threads, not to both");
+    const int n_runs = n_ranks > nt ? n_ranks : nt;
+    mq_pipeline_result *rs = calloc((size_t)n_runs, sizeof *rs);
     if (!rs) return cli_fail("bench quantize", MOEQ_E_NOMEM);
     cli_progress_enable(json || world > 1);
-    for (int i = 0; i < n_ranks && !st; i++) {
-        if ((st = mq_dist_subset(ranks[i]))) break;
+    bool same = true;
+    uint32_t crc0 = 0;
+    int64_t n0 = 0;   /* the tensors the first run wrote */
+    double core[32] = {0};
+    for (int i = 0; i < n_runs && !st; i++) {
+        if (nt > 1) {
+            moeq_set_threads(tl[i]);
+            core[i] = mq_measure_core_gflops(0.5) / tl[i];
+            fprintf(stderr, "bench quantize: %d threads\n", tl[i]);
+        }
+        if ((st = mq_dist_subset(ranks[n_ranks > 1 ? i : 0]))) break;
         if (mq_dist_size() > 0) st = mq_pipeline_run(pos[0], out, &o, &rs[i]);
         moeq_status bs = mq_dist_subset(0);
         if (!bs) bs = mq_dist_world_barrier("bench quantize");
         if (!st) st = bs;
+        if (nt > 1 && !st) {   /* the tensors it wrote, against the first count's */
+            if (i == 0) crc0 = rs[i].tensors_crc, n0 = rs[i].tensors_written;
+            same &= rs[i].tensors_crc == crc0 && rs[i].tensors_written == n0;
+        }
     }
     cli_progress_finish();
     mq_remove_tree(tmpl);
@@ -141,7 +233,14 @@ int bench_quantize(int argc, char **argv) {
             printf("\n");
         }
     }
-    mq_pipeline_result *r = &rs[n_ranks - 1];
+    if (nt > 1) {
+        print_thread_scaling(rs, tl, nt, core, same, n0, json);
+        if (json) {
+            free(rs);
+            return same ? CLI_OK : CLI_FAIL;
+        }
+    }
+    mq_pipeline_result *r = &rs[n_runs - 1];
     double sgemm = mq_measure_sgemm_gflops(1024, 1.0);
     const int run = r->layers_run;
     double sum = 0, fwd = 0, att = 0, hes = 0, gq = 0, wr = 0;
@@ -197,5 +296,5 @@ int bench_quantize(int argc, char **argv) {
         printf("\n");
     }
     free(rs);
-    return CLI_OK;
+    return same ? CLI_OK : CLI_FAIL;
 }

@@ -340,6 +340,19 @@ int64_t cli_peak_rss_bytes(void) {
     return (int64_t)ru.ru_maxrss * 1024;   /* Linux reports KiB */
 }
 
+int cli_parse_counts(const char *s, int *out, int max, int lo, int hi) {
+    int n = 0;
+    for (const char *c = s; *c;) {
+        char *end;
+        long v = strtol(c, &end, 10);
+        if (end == c || v < lo || v > hi || n == max || (*end && *end != ',') || (*end == ',' && !end[1]))
+            return -1;
+        out[n++] = (int)v;
+        c = *end ? end + 1 : end;
+    }
+    return n > 0 ? n : -1;
+}
+
 double cli_cpu_seconds(void) {
     struct rusage ru;
     if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;

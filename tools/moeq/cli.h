@@ -85,6 +85,8 @@ const char *cli_shared_dir(void);
 /* "5GB", "500MB", "2GiB", "1048576" -> bytes (K/M/G/T decimal, KiB/MiB/GiB/TiB binary, B
  * optional, case ignored); false for anything else. */
 bool cli_parse_size(const char *s, uint64_t *out);
+/* "2,4,8,16": up to max counts, each in [lo, hi], into out; the number read, or -1 if malformed. */
+int cli_parse_counts(const char *s, int *out, int max, int lo, int hi);
 
 /* JSON-safe printing of a string (with quotes). */
 void cli_print_json_string(FILE *f, const char *s);
