@@ -181,15 +181,17 @@ typedef enum {
      * the inputs of the Linears llama.cpp computes with Q8_0 activations (those its GGUF holds
      * as Q4_0, Q4_1, NVFP4 or Q8_0) are rounded per row in blocks of 32 as its x86 AVX/AVX2
      * quantize_row_q8_0 does: d = amax/127 stored as fp16, q = round_half_even(x * 127/amax),
-     * input fp16(d) * q. Row-local (no dependence on batching or threads). The same Linears as
-     * NVFP4 above get it: on a quantized checkpoint those stored quantized; on an unquantized one
-     * (or a .gguf, which opens as one) every decoder Linear (as `export-gguf --gguf-rest q8_0`
-     * writes them), never routers, shared_expert_gate or lm_head. Not emulated: the order of
-     * llama.cpp's sums (integer block sums times fp16(d_w) * fp16(d_a)), Q8_1's fp16 block sum
-     * in Q4_1's offset term, the F16/BF16 rounding llama.cpp applies to the activations of
-     * F16/BF16 weights (lm_head), and its F16 KV cache and flash attention. moeq_model_open
-     * fails with MOEQ_E_UNSUPPORTED naming the Linear if one to be rounded has an input width
-     * that is not a multiple of 32 (llama.cpp has no such quantized tensor). */
+     * input fp16(d) * q. Row-local (no dependence on batching or threads). Which Linears: on a
+     * checkpoint imported from GGUF (moeq_import_gguf; a .gguf MODEL in the CLI) exactly those
+     * whose tensor is Q4_0, Q4_1, NVFP4 or Q8_0 there, lm_head included (`--gguf-rest q8_0`);
+     * otherwise the same as NVFP4 above: on a quantized checkpoint those stored quantized, on an
+     * unquantized one every decoder Linear; never routers or shared_expert_gate. Not emulated:
+     * the order of llama.cpp's sums (integer block sums times fp16(d_w) * fp16(d_a)), Q8_1's
+     * fp16 block sum in Q4_1's offset term, K-quants' Q8_K activations, the F16/BF16 rounding
+     * llama.cpp gives the activations of F16/BF16 weights (a BF16 lm_head), its F16 KV cache
+     * and flash attention. moeq_model_open fails with MOEQ_E_UNSUPPORTED naming the Linear if
+     * one to be rounded has an input width that is not a multiple of 32 (llama.cpp has no such
+     * quantized tensor). */
     MOEQ_ACT_QUANT_Q8_0 = 2,
 } moeq_act_quant;
 
@@ -652,7 +654,8 @@ moeq_status moeq_export_gguf_dequantized(const char *ckpt_dir, const char *out_p
 /* A GGUF file (llama, olmoe, qwen2moe, qwen3moe; types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
  * Q6_K, NVFP4) as a checkpoint directory moeq_model_open reads: config.json from the KVs (routing
  * as llama.cpp computes it), tokenizer.json from tokenizer.ggml.*, model.safetensors with every
- * tensor decoded to F32 (the whole model in memory while it is written). The CLI does this in a
+ * tensor decoded to F32 (the whole model in memory while it is written), gguf_types.json with
+ * each matrix's ggml type by its HF name (for MOEQ_ACT_QUANT_Q8_0). The CLI does this in a
  * temporary directory when a MODEL_DIR argument is a .gguf file. */
 moeq_status moeq_import_gguf(const char *gguf_path, const char *out_dir);
 

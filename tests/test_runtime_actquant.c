@@ -15,7 +15,8 @@
  * and wikitext perplexity moves by a small amount with act_quant and not at all without it.
  * The same layer-by-layer recomputation with llama.cpp's Q8_0 rounding (MOEQ_ACT_QUANT_Q8_0,
  * row-local: a routed expert's rows round as in the whole input), and its KL on an INT4 g32
- * checkpoint: the expected size, independent of the thread count.
+ * checkpoint: the expected size, independent of the thread count; on a checkpoint imported from
+ * GGUF it follows each matrix's ggml type (lm_head included).
  */
 #include <stdlib.h>
 
@@ -575,7 +576,82 @@ static void q8_0_eval_for(const char *name) {
 static void test_q8_0_eval_olmoe(void) { q8_0_eval_for("olmoe-tiny"); }
 static void test_q8_0_eval_qwen2moe(void) { q8_0_eval_for("qwen2moe-tiny"); }
 
+/* A checkpoint imported from GGUF: q8_0 follows each matrix's ggml type (gguf_types.json): the
+ * Q4_0 Linears of an INT4 g32 export but not its BF16 lm_head; with --gguf-rest q8_0 every Linear
+ * and lm_head; with --gguf-rest bf16 none. The Q4_0 file's logits equal the checkpoint's. */
+static void open_imported(const char *gguf, const char *dir, moeq_model **m) {
+    ASSERT_OK(moeq_import_gguf(gguf, dir));
+    moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_Q8_0};
+    ASSERT_OK(moeq_model_open(dir, &mo, m));
+}
+
+static int count_act_q(const moeq_model *m, int *n_linears) {
+    int n = 0;
+    *n_linears = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const mq_layer *ly = &m->layers[l];
+        const mq_linear *v[4] = {&ly->q, &ly->k, &ly->v, &ly->o};
+        for (int i = 0; i < 4; i++) n += v[i]->act_q, ++*n_linears;
+        for (int e = 0; ly->is_moe && e < m->cfg.n_experts; e++) {
+            const mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+            for (int i = 0; i < 3; i++) n += x[i]->act_q, ++*n_linears;
+        }
+    }
+    return n;
+}
+
+static void test_q8_0_follows_gguf_types(void) {
+    char src[1024], tmp[1024], p[1200], d[1200];
+    snprintf(src, sizeof src, "%s", mq_test_model("olmoe-tiny"));
+    snprintf(tmp, sizeof tmp, "%s", mq_test_tmpdir());
+    snprintf(d, sizeof d, "%s/g32", tmp);
+    mq_pipeline_opts q;
+    mq_pipeline_opts_init(&q, MQ_QS_INT4, MQ_FMT_GPTQ);
+    q.spec.group_size = 32;
+    ASSERT_OK(mq_pipeline_run(src, d, &q, NULL));
+    const char *rest[3] = {"auto", "q8_0", "bf16"};
+    const int want_all[3] = {1, 1, 0}, want_head[3] = {0, 1, 0};
+    moeq_model *ref = NULL;
+    moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_Q8_0};
+    ASSERT_OK(moeq_model_open(d, &mo, &ref));
+    if (!ref) return;
+    for (int k = 0; k < 3; k++) {
+        snprintf(p, sizeof p, "%s/%s.gguf", tmp, rest[k]);
+        ASSERT_OK(moeq_export_gguf(k == 0 ? d : src, p, rest[k]));
+        char imp[1300];
+        snprintf(imp, sizeof imp, "%s/imp-%s", tmp, rest[k]);
+        moeq_model *m = NULL;
+        open_imported(p, imp, &m);
+        if (!m) return;
+        int n, n_act = count_act_q(m, &n);
+        if (n_act != (want_all[k] ? n : 0))
+            FAIL("--gguf-rest %s: %d of %d Linears get Q8_0 inputs, expected %d", rest[k], n_act, n,
+                 want_all[k] ? n : 0);
+        ASSERT_EQ_INT(want_head[k], m->lm_head_act_q);
+        if (k == 0) {   /* the same Q4_0 codes: the checkpoint's logits bit for bit */
+            enum { N = 24 };
+            int32_t ids[N];
+            for (int i = 0; i < N; i++) ids[i] = (int32_t)((i * 389 + 5) % m->cfg.vocab);
+            float *a = malloc(sizeof(float) * N * (size_t)m->cfg.vocab);
+            float *b = malloc(sizeof(float) * N * (size_t)m->cfg.vocab);
+            moeq_session *sa = NULL, *sb = NULL;
+            ASSERT_OK(moeq_session_create(m, N, &sa));
+            ASSERT_OK(moeq_session_create(ref, N, &sb));
+            ASSERT_OK(moeq_session_forward(sa, ids, N, a));
+            ASSERT_OK(moeq_session_forward(sb, ids, N, b));
+            ASSERT_TRUE(memcmp(a, b, sizeof(float) * N * (size_t)m->cfg.vocab) == 0);
+            moeq_session_free(sa);
+            moeq_session_free(sb);
+            free(a);
+            free(b);
+        }
+        moeq_model_free(m);
+    }
+    moeq_model_free(ref);
+}
+
 TEST_MAIN(T(test_layers_olmoe), T(test_layers_qwen2moe), T(test_layers_llama),
           T(test_only_quantized_linears), T(test_eval_perplexity), T(test_eval_perplexity_demo_text),
           T(test_q8_0_layers_olmoe), T(test_q8_0_layers_qwen2moe), T(test_q8_0_layers_llama),
-          T(test_q8_0_eval_olmoe), T(test_q8_0_eval_qwen2moe))
+          T(test_q8_0_eval_olmoe), T(test_q8_0_eval_qwen2moe),
+          T(test_q8_0_follows_gguf_types))

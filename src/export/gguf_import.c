@@ -6,7 +6,10 @@
  * with io/gguf.c's block decoders (NVFP4 times its NAME.scale), stacked experts split, llama's
  * q/k rows permuted back (HF row h*hd + j*hd/2 + i = GGUF row h*hd + 2i + j), and the tokenizer
  * rebuilt from tokenizer.ggml.* (gpt2 model; pre-tokenizer from tokenizer.ggml.pre). The whole
- * model is held in fp32 while the file is written.
+ * model is held in fp32 while the file is written. gguf_types.json records each matrix's ggml
+ * type under its HF name ({"model.layers.0.mlp.experts.3.up_proj.weight": "q4_0", ...; a tied
+ * lm_head.weight gets token_embd's}), so that act_quant q8_0 rounds the inputs of exactly the
+ * Linears llama.cpp computes with Q8_0 activations (model/load.c).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -259,7 +262,7 @@ moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir) {
     moeq_status s = mq_gguf_open(gguf_path, &g);
     if (s) return s;
     gcfg c;
-    cJSON *cfg = NULL, *tok = NULL;
+    cJSON *cfg = NULL, *tok = NULL, *types = NULL;
     mq_st_writer *w = mq_stw_new();
     char *p = NULL;
     if (!w) {
@@ -268,7 +271,7 @@ moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir) {
     }
     if ((s = read_cfg(g, gguf_path, &c)) || (s = make_tokenizer(g, gguf_path, &tok))) goto done;
     bool tied = !mq_gguf_find_tensor(g, "output.weight");
-    if (!(cfg = make_config(&c, g, tied))) {
+    if (!(cfg = make_config(&c, g, tied)) || !(types = cJSON_CreateObject())) {
         s = mq_err(MOEQ_E_NOMEM, "out of memory");
         goto done;
     }
@@ -281,6 +284,20 @@ moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir) {
         bool stacked;
         if (!hf_name(&c, t->name, 0, hn, sizeof hn, &stacked)) {
             s = mq_err(MOEQ_E_UNSUPPORTED, "%s: tensor '%s' has no place in a %s model moeq runs", gguf_path, t->name, c.arch);
+            break;
+        }
+        const char *tname = NULL;
+        mq_ggml_type_info(t->type, &tname, NULL, NULL);
+        for (int64_t e = 0; t->n_dims >= 2 && e < (stacked ? t->ne[2] : 1); e++) {
+            char en[300];
+            if (stacked) hf_name(&c, t->name, e, en, sizeof en, &stacked);
+            if (!cJSON_AddStringToObject(types, stacked ? en : hn, tname)) s = MOEQ_E_NOMEM;
+            if (tied && !strcmp(t->name, "token_embd.weight") &&
+                !cJSON_AddStringToObject(types, "lm_head.weight", tname))
+                s = MOEQ_E_NOMEM;
+        }
+        if (s) {
+            s = mq_err(s, "out of memory");
             break;
         }
         float *f = mq_alloc_array((size_t)t->numel, sizeof(float), t->name);
@@ -352,9 +369,9 @@ moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir) {
         goto done;
     }
     if ((s = mq_stw_write(w, p))) goto done;
-    const char *names[2] = {"config.json", "tokenizer.json"};
-    cJSON *docs[2] = {cfg, tok};
-    for (int i = 0; !s && i < 2; i++) {
+    const char *names[3] = {"config.json", "tokenizer.json", "gguf_types.json"};
+    cJSON *docs[3] = {cfg, tok, types};
+    for (int i = 0; !s && i < 3; i++) {
         char *text = cJSON_Print(docs[i]);
         char *fp = mq_path_join(out_dir, names[i]);
         s = text && fp ? mq_write_file_atomic(fp, text, strlen(text)) : mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -366,6 +383,7 @@ done:
     mq_stw_free(w);
     cJSON_Delete(cfg);
     cJSON_Delete(tok);
+    cJSON_Delete(types);
     mq_gguf_close(g);
     return s;
 }

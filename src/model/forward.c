@@ -381,6 +381,7 @@ moeq_status mq_embed(const moeq_model *m, const int32_t *ids, int64_t T, float *
 
 void mq_final_norm(const moeq_model *m, float *x, int64_t T) {
     rmsnorm(x, T, m->cfg.D, m->final_norm, m->cfg.rms_eps, x);
+    if (m->lm_head_act_q) mq_q8_0_act_qdq(x, T, m->cfg.D);   /* x now feeds lm_head only */
 }
 
 void mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits) {

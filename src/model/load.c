@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "export/layout.h"
 #include "io/fp8.h"
 #include "kernels/moe_ffn.h"
@@ -609,6 +611,32 @@ static moeq_status check_q8_0_width(const moeq_model *m, const mq_linear *x) {
                   (long long)x->in);
 }
 
+/* A checkpoint imported from GGUF (moeq_import_gguf) records each matrix's ggml type in
+ * gguf_types.json; NULL when there is none. */
+static moeq_status gguf_types(const moeq_model *m, cJSON **out) {
+    *out = NULL;
+    char *p = mq_path_join(m->dir, "gguf_types.json"), *text = NULL;
+    size_t len = 0;
+    if (!p) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    moeq_status s = mq_file_exists(p) ? mq_read_file(p, &text, &len) : MOEQ_OK;
+    if (!s && text && !(*out = cJSON_ParseWithLength(text, len)))
+        s = mq_err(MOEQ_E_FORMAT, "%s: not valid JSON", p);
+    free(text);
+    free(p);
+    return s;
+}
+
+/* Whether llama.cpp's CPU backend computes a matmul with a weight of this ggml type on Q8_0
+ * activations (vec_dot_type Q8_0: Q4_0, NVFP4, Q8_0; Q8_1, the same values plus a block sum:
+ * Q4_1). K-quants take Q8_K, F16/BF16 their own type, F32 fp32. */
+static bool q8_0_activations(const cJSON *types, const char *name, const char *suffix) {
+    char key[320];
+    snprintf(key, sizeof key, "%s%s", name, suffix);
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(types, key);
+    const char *v = cJSON_IsString(t) ? t->valuestring : "";
+    return !strcmp(v, "q4_0") || !strcmp(v, "q4_1") || !strcmp(v, "q8_0") || !strcmp(v, "nvfp4");
+}
+
 static moeq_status mark_act_quant(moeq_model *m) {
     if (m->act_quant == MOEQ_ACT_QUANT_NONE) return MOEQ_OK;
     bool all = m->cfg.quant_method == NULL || m->cfg.fp8_block_rows > 0;   /* FP8: all fp32 */
@@ -626,18 +654,29 @@ static moeq_status mark_act_quant(moeq_model *m) {
         for (int i = 0; i < 3; i++) sh[i]->act_q = sh[i]->name && (all || sh[i]->stored_quantized);
     }
     if (m->act_quant != MOEQ_ACT_QUANT_Q8_0) return MOEQ_OK;
-    moeq_status s = MOEQ_OK;
+    /* from a GGUF file: by the type each Linear (and lm_head) has in it */
+    cJSON *types = NULL;
+    moeq_status s = gguf_types(m, &types);
+    if (types) m->lm_head_act_q = q8_0_activations(types, "lm_head", ".weight");
     for (int l = 0; !s && l < m->cfg.n_layers; l++) {
-        const mq_layer *ly = &m->layers[l];
-        const mq_linear *v[14] = {&ly->q,    &ly->k,    &ly->v,       &ly->o,     &ly->gate,
-                                  &ly->up,   &ly->down, &ly->q_a,     &ly->q_b,   &ly->kv_a,
-                                  &ly->kv_b, &ly->sh_gate, &ly->sh_up, &ly->sh_down};
+        mq_layer *ly = &m->layers[l];
+        mq_linear *v[14] = {&ly->q,    &ly->k,    &ly->v,       &ly->o,     &ly->gate,
+                            &ly->up,   &ly->down, &ly->q_a,     &ly->q_b,   &ly->kv_a,
+                            &ly->kv_b, &ly->sh_gate, &ly->sh_up, &ly->sh_down};
+        for (int i = 0; types && i < 14; i++)
+            v[i]->act_q = v[i]->name && q8_0_activations(types, v[i]->name, ".weight");
         for (int i = 0; !s && i < 14; i++) s = check_q8_0_width(m, v[i]);
         for (int e = 0; !s && ly->is_moe && e < m->cfg.n_experts; e++) {
-            const mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+            mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+            for (int i = 0; types && i < 3; i++)
+                x[i]->act_q = x[i]->name && q8_0_activations(types, x[i]->name, ".weight");
             for (int i = 0; !s && i < 3; i++) s = check_q8_0_width(m, x[i]);
         }
     }
+    if (!s && m->lm_head_act_q && m->cfg.D % 32 != 0)
+        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: lm_head has %lld inputs, not a multiple "
+                   "of 32 (llama.cpp's Q8_0 blocks)", m->dir, (long long)m->cfg.D);
+    cJSON_Delete(types);
     return s;
 }
 

@@ -159,6 +159,8 @@ struct moeq_model {
     moeq_tokenizer *tok;             /* NULL if not loaded */
     char *quant_scheme;              /* NULL, or the scheme of a quantized checkpoint */
     int act_quant;                   /* moeq_act_quant */
+    bool lm_head_act_q;              /* act_quant Q8_0 on lm_head's input (mq_final_norm): a
+                                        GGUF whose output.weight llama.cpp runs on Q8_0 */
     int n_packed;                    /* Linears running packed (each expert weight counts) */
 };
 
@@ -289,7 +291,8 @@ moeq_status mq_mlp_forward(const mq_linear *gate, const mq_linear *up, const mq_
 void mq_shared_expert_add(const moeq_model *m, int l, const float *xn, int64_t T, const float *sy,
                           float *sgate, float *out);
 
-/* mq_final_norm: the final RMSNorm in place on x[T, D]. mq_lm_head: logits[T, V] = x @ lm_head^T
+/* mq_final_norm: the final RMSNorm in place on x[T, D] (then, with lm_head_act_q, the Q8_0
+ * rounding llama.cpp gives lm_head's input). mq_lm_head: logits[T, V] = x @ lm_head^T
  * (nothing when logits is NULL). */
 void mq_final_norm(const moeq_model *m, float *x, int64_t T);
 void mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits);

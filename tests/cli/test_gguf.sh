@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GGUF from the command line on the bundled olmoe-tiny: quantize --format gguf writes one file and
 # no work directory, inspect lists its KVs and tensors, export-gguf of the same codes gives the
-# same bytes, eval and tokenize take the .gguf, refused combinations exit 1 and leave nothing,
+# same bytes, eval (also --act-quant q8_0) and tokenize take the .gguf, refused combinations exit 1 and leave nothing,
 # bad usage exits 2.
 . "$(dirname "$0")/common.sh"
 
@@ -33,6 +33,15 @@ n_before=$(ls -d "${TMPDIR:-/tmp}"/moeq-gguf-* 2>/dev/null | wc -l)
     fail "eval on the checkpoint exited $?"
 a=$(json_get "$tmp/e1.json" loglikelihood); b=$(json_get "$tmp/e2.json" loglikelihood)
 [ -n "$a" ] && [ "$a" = "$b" ] || fail "eval: .gguf loglikelihood '$a', checkpoint '$b'"
+# and with llama.cpp's Q8_0 activations emulated (every Q4_0 Linear of the file, the Linears stored
+# quantized in the checkpoint): the same again, and not the fp32 figure
+"$cli" eval "$tmp/a/olmoe.gguf" --task text --data "$repo/data/demo-eval.txt" --act-quant q8_0 --json > "$tmp/e3.json" 2>/dev/null ||
+    fail "eval --act-quant q8_0 on .gguf exited $?"
+"$cli" eval "$tmp/gptq" --task text --data "$repo/data/demo-eval.txt" --act-quant q8_0 --json > "$tmp/e4.json" 2>/dev/null ||
+    fail "eval --act-quant q8_0 on the checkpoint exited $?"
+c=$(json_get "$tmp/e3.json" loglikelihood); d=$(json_get "$tmp/e4.json" loglikelihood)
+[ -n "$c" ] && [ "$c" = "$d" ] || fail "eval --act-quant q8_0: .gguf loglikelihood '$c', checkpoint '$d'"
+[ "$c" != "$a" ] || fail "eval --act-quant q8_0 on .gguf changed nothing ($c)"
 t1=$("$cli" tokenize "$tmp/a/olmoe.gguf" --text "The tower is 324 metres tall." --json) || fail "tokenize .gguf"
 t2=$("$cli" tokenize "$model" --text "The tower is 324 metres tall." --json)
 [ "$t1" = "$t2" ] || fail "tokenize: .gguf $t1, model $t2"

@@ -21,12 +21,14 @@ int cli_is_gguf(const char *path) {
 static char g_import_dirs[4][1024];
 static int g_n_import;
 
-/* The temporary checkpoints hold config.json, tokenizer.json and model.safetensors only. */
+/* The temporary checkpoints hold config.json, tokenizer.json, model.safetensors and
+ * gguf_types.json only (moeq_import_gguf). */
 static void remove_imports(void) {
-    static const char *const files[] = {"config.json", "tokenizer.json", "model.safetensors"};
+    static const char *const files[] = {"config.json", "tokenizer.json", "model.safetensors",
+                                        "gguf_types.json"};
     for (int i = 0; i < g_n_import; i++) {
         char p[1200];
-        for (int f = 0; f < 3; f++) {
+        for (int f = 0; f < 4; f++) {
             snprintf(p, sizeof p, "%.1000s/%s", g_import_dirs[i], files[f]);
             unlink(p);
         }

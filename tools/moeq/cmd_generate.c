@@ -123,10 +123,11 @@ int cmd_generate(int argc, char **argv) {
          "emulate activation quantization on the inputs of the quantized Linears (implies the "
          "dequantized path): nvfp4 = W4A4 (one global scale per call, E4M3 per 16); q8_0 = "
          "llama.cpp's CPU rounding of the activations of its Q4_0/Q4_1/NVFP4/Q8_0 matmuls (per row, "
-         "blocks of 32, d = amax/127 stored as fp16, x*127/amax rounded half to even; on an "
-         "unquantized model or a .gguf every decoder Linear; not emulated: llama.cpp's summation "
-         "order, the F16/BF16 rounding of the activations of F16/BF16 weights such as lm_head, its "
-         "F16 KV cache and flash attention; docs/gguf.md)", "none|nvfp4|q8_0", 0, 0, NULL},
+         "blocks of 32, d = amax/127 stored as fp16, x*127/amax rounded half to even; on a .gguf "
+         "the Linears stored Q4_0/Q4_1/NVFP4/Q8_0, lm_head included, on an unquantized model every "
+         "decoder Linear; not emulated: llama.cpp's summation order, K-quants' Q8_K, the F16/BF16 "
+         "rounding of the activations of F16/BF16 weights, its F16 KV cache and flash attention; "
+         "docs/gguf.md)", "none|nvfp4|q8_0", 0, 0, NULL},
     };
     const cli_command cmd = {
         "generate", "MODEL_DIR --prompt P -n N [--greedy | --temp T --top-p P --seed S]",
