@@ -11,12 +11,18 @@
  * bandwidth a VM gets changes from second to second (here 38 or 67 GB/s, with other tenants'
  * traffic), so it is measured again right after each row and the row's bandwidth ratio uses the
  * larger of the measurements just before and just after it (the conservative choice).
+ * On a host whose last-level cache holds much of that (the GPU machine's Xeon has 300 MiB of L3),
+ * both would measure the cache: the bandwidth probes then read at least 4x the L3 size, and
+ * varied routing cycles through as many copies of the experts ("layers", as decoding does) as
+ * make 4x the L3 size, so that its weights stream from memory there too (the machine line says
+ * how many; one copy where the experts are 4x the L3 already, as on the development host).
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "bench.h"
 #include "cli.h"
@@ -127,6 +133,15 @@ static int64_t distinct_experts(const shape *s, const float *router, const float
     return n;
 }
 
+/* Bytes of the last-level cache (L3; 0 where the C library does not say). */
+static size_t llc_bytes(void) {
+    long v = 0;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    v = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+    return v > 0 ? (size_t)v : 0;
+}
+
 typedef struct {
     int64_t tokens;
     const char *routing;
@@ -204,26 +219,38 @@ int bench_moe_ffn(int argc, char **argv) {
     moeq_set_threads((int)threads);
     cli_install_sigint();
 
+    const size_t llc = llc_bytes();
+    const size_t probe0 = quick ? (size_t)64 << 20 : (size_t)1 << 30 > 4 * llc ? (size_t)1 << 30 : 4 * llc;
+    const size_t probe = quick ? (size_t)64 << 20 : (size_t)256 << 20 > 4 * llc ? (size_t)256 << 20 : 4 * llc;
     double sgemm = quick ? mq_measure_sgemm_gflops(256, 0.05) : mq_measure_sgemm_gflops(2048, 1.0);
-    double bw = mq_measure_read_gbps(quick ? (size_t)64 << 20 : (size_t)1 << 30, quick ? 0.05 : 1.0);
+    double bw = mq_measure_read_gbps(probe0, quick ? 0.05 : 1.0);
     const double load = load_average();
     if (!json) {
         printf("machine: sgemm %.1f GFLOP/s (OpenBLAS %d^3), read bandwidth %.1f GB/s, %lld threads, "
-               "load average %.2f\n",
-               sgemm, quick ? 256 : 2048, bw, (long long)threads, load);
+               "load average %.2f, L3 %.0f MiB\n",
+               sgemm, quick ? 256 : 2048, bw, (long long)threads, load, (double)llc / 1048576.0);
         fflush(stdout);
     }
-    moeq_moe_experts *w = NULL;
+    moeq_moe_experts *w[16] = {NULL};
     double t0 = mq_now();
-    moeq_status st = make_experts(&s, &w);
+    moeq_status st = make_experts(&s, &w[0]);
     if (st) return cli_fail("bench moe-ffn", st);
-    const double ex_bytes = (double)moeq_moe_experts_bytes(w) / (double)E;
+    const size_t packed = moeq_moe_experts_bytes(w[0]);
+    int copies = 1;
+    if (!quick && strcmp(routing_s, "fixed") != 0)
+        while (copies < 16 && (size_t)copies * packed < 4 * llc) copies++;
+    for (int i = 1; i < copies; i++)
+        if ((st = make_experts(&s, &w[i]))) return cli_fail("bench moe-ffn", st);
+    const double ex_bytes = (double)packed / (double)E;
+    char copies_s[48] = "";
+    if (copies > 1) snprintf(copies_s, sizeof copies_s, ", %d copies for varied routing", copies);
     if (!json)
-        printf("experts: %s g%lld, E=%lld k=%lld D=%lld F=%lld, packed %.1f MB (%.2f bits/weight), "
+        printf("experts: %s g%lld, E=%lld k=%lld D=%lld F=%lld, packed %.1f MB (%.2f bits/weight)%s, "
                "made in %.1f s\n",
                s.nvfp4 ? "nvfp4" : "int4", (long long)s.group,
                (long long)E, (long long)k, (long long)D, (long long)F,
-               (double)moeq_moe_experts_bytes(w) * 1e-6, ex_bytes * 8.0 / (3.0 * (double)D * (double)F),
+               (double)packed * 1e-6, ex_bytes * 8.0 / (3.0 * (double)D * (double)F),
+               copies_s,
                mq_now() - t0);
 
     float *router = malloc(sizeof(float) * (size_t)(E * D));
@@ -258,7 +285,7 @@ int bench_moe_ffn(int argc, char **argv) {
             moeq_moe_ffn_args a;
             memset(&a, 0, sizeof a);
             a.router = ref3(router, MOEQ_DT_F32, E, D, 0, 4);
-            a.experts = w;
+            a.experts = w[0];
             a.top_k = (int32_t)k;
             a.scoring = MOEQ_MOE_SOFTMAX;
             a.renormalize = 1;
@@ -271,6 +298,7 @@ int bench_moe_ffn(int argc, char **argv) {
             do {
                 int64_t p = varied ? (reps + 1) % pool : 0;
                 a.x.data = xs + p * T * D;
+                if (varied) a.experts = w[(reps + 1) % copies];
                 double t1 = mq_now();
                 st = moeq_moe_ffn(&a, out, (size_t)(T * D));
                 elapsed += mq_now() - t1;
@@ -287,8 +315,7 @@ int bench_moe_ffn(int argc, char **argv) {
             r->gflops = flops / elapsed * 1e-9;
             r->gbps = bytes / elapsed * 1e-9;
             r->cpu_gflops = flops / cpu * (double)threads * 1e-9;
-            const double bw_after = mq_measure_read_gbps(quick ? (size_t)64 << 20 : (size_t)256 << 20,
-                                                         quick ? 0.02 : 0.3);
+            const double bw_after = mq_measure_read_gbps(probe, quick ? 0.02 : 0.3);
             r->bw_near = bw_before > bw_after ? bw_before : bw_after;
             bw_before = bw_after;
             if (!json) {
@@ -304,10 +331,11 @@ int bench_moe_ffn(int argc, char **argv) {
     if (json) {
         printf("{\"scheme\": \"%s\", \"group\": %lld, \"experts\": %lld, \"topk\": %lld, "
                "\"hidden\": %lld, \"ffn\": %lld, \"threads\": %lld, \"packed_bytes\": %zu, "
-               "\"load_average\": %.2f, \"sgemm_gflops\": %.3f, \"dram_gbps\": %.3f, \"results\": [",
+               "\"load_average\": %.2f, \"sgemm_gflops\": %.3f, \"dram_gbps\": %.3f, \"llc_bytes\": %zu, "
+               "\"expert_copies\": %d, \"cpu_kernels\": \"%s\", \"results\": [",
                s.nvfp4 ? "nvfp4" : "int4", (long long)s.group, (long long)E, (long long)k,
-               (long long)D, (long long)F, (long long)threads, moeq_moe_experts_bytes(w), load,
-               sgemm, bw);
+               (long long)D, (long long)F, (long long)threads, packed, load,
+               sgemm, bw, llc, copies, moeq_cpu_kernels());
         for (int i = 0; i < nres; i++)
             printf("%s{\"tokens\": %lld, \"routing\": \"%s\", \"ms\": %.4f, \"gflops\": %.3f, "
                    "\"gbps\": %.3f, \"x_sgemm\": %.4f, \"dram_gbps_near\": %.3f, \"x_bw\": %.4f, "
@@ -317,7 +345,7 @@ int bench_moe_ffn(int argc, char **argv) {
                    res[i].cpu_gflops);
         printf("]}\n");
     }
-    moeq_moe_experts_free(w);
+    for (int i = 0; i < copies; i++) moeq_moe_experts_free(w[i]);
     free(router); free(xs); free(out); free(logits); free(used); free(nused);
     return moeq_interrupted() ? CLI_INTERRUPTED : CLI_OK;
 }
