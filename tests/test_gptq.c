@@ -931,6 +931,31 @@ static void test_bad_input(void) {
     ASSERT_ERROR_MENTIONS("mlp.down");
     free(W);
     free(H);
+    /* several at once (checked on the pool): the first bad one is named, with the position */
+    float *Hs[3], *Ws[3];
+    const char *names[3] = {"e0", "e1", "e2"};
+    const int64_t Ks[3] = {K, K, K};
+    for (int e = 0; e < 3; e++) Hs[e] = make_hessian(K, 64, 3 + (uint64_t)e, NULL, 0), Ws[e] = make_weights(N, K, 9 + (uint64_t)e);
+    mq_gptq_factor f[3];
+    Hs[2][0] = NAN;
+    Hs[1][K * K - 1] = -INFINITY;
+    ASSERT_STATUS(MOEQ_E_NUMERIC, mq_gptq_factor_many((const float *const *)Hs, Ks, 3, &o, true, names, f));
+    ASSERT_ERROR_MENTIONS("e1: non-finite Hessian entry -inf at (31, 31)");
+    Hs[1][K * K - 1] = 1;
+    Hs[2][0] = 1;
+    ASSERT_OK(mq_gptq_factor_many((const float *const *)Hs, Ks, 3, &o, true, names, f));
+    mq_gptq_job jobs[3];
+    mq_qtensor qs[3];
+    for (int e = 0; e < 3; e++) jobs[e] = (mq_gptq_job){&f[e], Ws[e], N, 0, names[e], &qs[e], NULL, {0, 0, 0, 0, 0}};
+    Ws[2][0] = INFINITY;
+    Ws[1][N * K - 1] = NAN;
+    ASSERT_STATUS(MOEQ_E_NUMERIC, mq_gptq_run(&s, &o, jobs, 3));
+    ASSERT_ERROR_MENTIONS("tensor 'e1': non-finite weight nan at row 7, column 31");
+    for (int e = 0; e < 3; e++) {
+        mq_gptq_factor_free(&f[e]);
+        free(Hs[e]);
+        free(Ws[e]);
+    }
 }
 
 

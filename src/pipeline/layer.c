@@ -273,6 +273,27 @@ static moeq_status sweep_slot(mq_pipe *p, const slot *s, const float *gs, double
 /* Quantizes every Linear of slots[0..n): GPTQ with the slot's Hessian (block-fallback gate/up
  * slots with block_H, factorised once for all of them), round to nearest for RTN slots. NVFP4
  * global scales are shared by a slot's Linears (vLLM's fused layers) unless no_fuse. */
+/* A slot's NVFP4 global scales (fused: one for its Linears together). */
+typedef struct {
+    const mq_pipe *p;
+    const slot *slots;
+    float *gs;   /* [3 n] */
+} gscale_ctx;
+
+static void gscale_task(void *vctx, int64_t i, int thread) {
+    (void)thread;
+    const gscale_ctx *c = vctx;
+    const slot *s = &c->slots[i];
+    const mq_pipeline_opts *o = c->p->o;
+    if (!mine(c->p, s)) return;   /* another rank's */
+    float amax = 0, a[3] = {0, 0, 0};
+    for (int k = 0; k < s->nw; k++) {
+        a[k] = mq_absmax(s->w[k]->w, s->w[k]->out * s->w[k]->in);
+        amax = fmaxf(amax, a[k]);
+    }
+    for (int k = 0; k < s->nw; k++) c->gs[3 * i + k] = mq_nvfp4_global_scale(&o->spec, o->no_fuse ? a[k] : amax);
+}
+
 static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *block_H) {
     const mq_pipeline_opts *o = p->o;
     double t0 = mq_now(), c0 = mq_cpu_now();
@@ -291,14 +312,13 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
                          : mq_err(MOEQ_E_NOMEM, "out of memory quantizing layer %d", l);
     int n_jobs = 0;
     bool factored = false;
+    if (!st) {   /* the global scales: each slot's weights read on the pool */
+        gscale_ctx gc = {p, slots, gs};
+        mq_parallel_for(n, gscale_task, &gc);
+    }
     for (int i = 0; i < n && !st; i++) {
         slot *s = &slots[i];
         if (!mine(p, s)) continue;   /* another rank's */
-        float amax = 0;
-        for (int k = 0; k < s->nw; k++) amax = fmaxf(amax, mq_absmax(s->w[k]->w, s->w[k]->out * s->w[k]->in));
-        for (int k = 0; k < s->nw; k++)
-            gs[3 * i + k] = mq_nvfp4_global_scale(
-                &o->spec, o->no_fuse ? mq_absmax(s->w[k]->w, s->w[k]->out * s->w[k]->in) : amax);
         if (!s->nw) continue;
         Ks[i] = s->w[0]->in;
         names[i] = s->w[0]->name;

@@ -330,15 +330,43 @@ static void factor_task(void *vctx, int64_t task, int thread) {
     c->res[task] = factor_compute(c->H[task], c->K[task], c->o, c->want_R, &c->f[task]);
 }
 
+/* Whether every entry of each matrix is finite, one pool task per matrix (the message, for the
+ * first that is not, comes from the serial check after). */
+typedef struct {
+    const float *const *m;
+    const int64_t *rows, *cols;   /* cols NULL: square, rows x rows */
+    uint8_t *ok;
+} finite_ctx;
+
+static void finite_task(void *vctx, int64_t i, int thread) {
+    (void)thread;
+    const finite_ctx *c = vctx;
+    c->ok[i] = 1;
+    if (!c->m[i] || c->rows[i] <= 0) return;
+    const int64_t n = c->rows[i] * (c->cols ? c->cols[i] : c->rows[i]);
+    const float *x = c->m[i];
+    int bad = 0;   /* x - x is 0 for finite x, NaN for inf or NaN (an OR the compiler vectorises) */
+    for (int64_t k = 0; k < n; k++) bad |= (x[k] - x[k]) != 0.0f;
+    c->ok[i] = !bad;
+}
+
 moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t n,
                                 const mq_gptq_opts *o, bool want_R, const char *const *names,
                                 mq_gptq_factor *f) {
     memset(f, 0, (size_t)n * sizeof *f);
+    uint8_t *ok = mq_alloc_array((size_t)n + 1, 1, "GPTQ Hessian checks");
+    if (!ok) return MOEQ_E_NOMEM;
+    finite_ctx fc = {H, K, NULL, ok};
+    mq_parallel_for(n, finite_task, &fc);
     for (int64_t i = 0; i < n; i++) {
         if (!H[i]) continue;
-        moeq_status st = check_hessian(H[i], K[i], names[i]);
-        if (st) return st;
+        moeq_status st = K[i] <= 0 || !ok[i] ? check_hessian(H[i], K[i], names[i]) : MOEQ_OK;
+        if (st) {
+            mq_free(ok);
+            return st;
+        }
     }
+    mq_free(ok);
     fac_result *res = mq_alloc_array((size_t)n, sizeof *res, "GPTQ factor results");
     int64_t *order = mq_alloc_array((size_t)n, sizeof *order, "GPTQ factor order");
     if (!res || !order) {
@@ -1153,12 +1181,24 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         return mq_err(MOEQ_E_ARG, "GPTQ percdamp %g (must be >= 0)", o->percdamp);
     int64_t maxK = 1, maxB = 1, maxG = 1, maxNg = 1, n_tasks = 0;
     bool gidx = o->act_order && o->groups == MQ_GPTQ_GROUPS_GIDX;
+    /* the weights' finiteness checked on the pool, one job per task */
+    const float **wm = calloc((size_t)n_jobs + 1, sizeof *wm);
+    int64_t *wr = calloc((size_t)n_jobs + 1, sizeof *wr), *wc = calloc((size_t)n_jobs + 1, sizeof *wc);
+    uint8_t *wok = calloc((size_t)n_jobs + 1, 1);
+    if (!wm || !wr || !wc || !wok) {
+        free(wm), free(wr), free(wc), free(wok);
+        return mq_err(MOEQ_E_NOMEM, "GPTQ weight checks");
+    }
+    for (int64_t i = 0; i < n_jobs; i++) wm[i] = jobs[i].w, wr[i] = jobs[i].rows, wc[i] = jobs[i].f->K;
+    finite_ctx fc = {wm, wr, wc, wok};
+    mq_parallel_for(n_jobs, finite_task, &fc);
+    free(wm), free(wr), free(wc);
     for (int64_t i = 0; i < n_jobs; i++) {
         mq_gptq_job *j = &jobs[i];
         const char *name = j->name ? j->name : "(unnamed)";
         const int64_t K = j->f->K;
         if ((st = mq_qtensor_init(j->out, s, j->rows, K, name))) goto fail;
-        if ((st = mq_check_finite(j->w, j->rows, K, name))) goto fail;
+        if (!wok[i] && (st = mq_check_finite(j->w, j->rows, K, name))) goto fail;
         if (o->rtn_loss && !j->f->R) {
             st = mq_err(MOEQ_E_ARG, "%s: the RTN loss needs a factor made with want_R", name);
             goto fail;
@@ -1197,6 +1237,8 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         if (B > maxB) maxB = B;
         n_tasks += (j->rows + ROW_BLOCK - 1) / ROW_BLOCK;
     }
+    free(wok);
+    wok = NULL;
 
     task_ref *tasks = mq_alloc_array((size_t)n_tasks + 1, sizeof *tasks, "GPTQ tasks");
     task_out *outs = mq_alloc_zero(((size_t)n_tasks + 1) * sizeof *outs, "GPTQ task results");
@@ -1281,6 +1323,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     return MOEQ_OK;
 
 fail:
+    free(wok);
     free_outs(jobs, n_jobs);
     return st;
 }
