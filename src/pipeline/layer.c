@@ -214,33 +214,107 @@ static moeq_status add_module(mq_pipe *p, int l, const slot *s, const mq_linear 
     return MOEQ_OK;
 }
 
-/* Writes one quantized Linear, records it, and continues with its dequantized weights when later
- * stages of the run read them (sequential calibration). */
-static moeq_status finish_linear(mq_pipe *p, int l, const slot *s, int k, mq_qtensor *q,
-                                 const mq_gptq_stats *stats) {
-    mq_linear *lin = s->w[k];
+/* Writing one quantized Linear comes in three parts: what must be done in order before (g_idx,
+ * the input scale and its warning), the packing and writing to its planned place in the shard
+ * files with the dequantized weights for later stages (sequential calibration), which the
+ * Linears of a layer do on the pool at once, and the records after, in order. */
+static float finish_prepare(mq_pipe *p, const slot *s, int k, mq_qtensor *q, moeq_status *st) {
     const mq_pipeline_opts *o = p->o;
-    moeq_status st = MOEQ_OK;
-    if (o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX && !q->g_idx)
-        st = identity_gidx(q);
+    *st = MOEQ_OK;
+    if (o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX && !q->g_idx) *st = identity_gidx(q);
     float in_amax = 0;
-    if (!st && o->act_quant) {
+    if (!*st && o->act_quant) {
         in_amax = s->amax;
         if (!(in_amax > 0) || !isfinite(in_amax)) {
             /* a routed expert that saw no token gets the layer's largest expert amax at its
              * site once every chunk is done (routed_experts); anything else amax 1 */
-            if (s->expert < 0) mq_warn("%s: no calibration activations; input scale from amax 1", lin->name);
+            if (s->expert < 0) mq_warn("%s: no calibration activations; input scale from amax 1", s->w[k]->name);
             in_amax = 1.0f;
         }
     }
-    double t0 = mq_now(), c0 = mq_cpu_now();
-    if (!st && p->w) st = mq_ckpt_writer_put_linear(p->w, lin->name, q, in_amax);
-    p->layers[l].write += mq_now() - t0;
-    p->layers[l].cpu_write += mq_cpu_now() - c0;
-    if (!st && p->w) st = add_module(p, l, s, lin, stats);
+    return in_amax;
+}
+
+static moeq_status finish_put(mq_pipe *p, const slot *s, int k, const mq_qtensor *q, float in_amax) {
+    mq_linear *lin = s->w[k];
+    moeq_status st = p->w ? mq_ckpt_writer_put_linear(p->w, lin->name, q, in_amax) : MOEQ_OK;
     if (!st && p->seq && lin->w) mq_dequantize(q, lin->w);
+    return st;
+}
+
+static moeq_status finish_record(mq_pipe *p, int l, const slot *s, int k, const mq_gptq_stats *stats) {
+    moeq_status st = p->w ? add_module(p, l, s, s->w[k], stats) : MOEQ_OK;
     if (!st) item_mark(p, s->it[k]);
     if (!st) mq_fault_point("linear", l, p->layers[l].linears++);
+    return st;
+}
+
+/* Writes one quantized Linear, records it, and continues with its dequantized weights. */
+static moeq_status finish_linear(mq_pipe *p, int l, const slot *s, int k, mq_qtensor *q,
+                                 const mq_gptq_stats *stats) {
+    moeq_status st;
+    float in_amax = finish_prepare(p, s, k, q, &st);
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    if (!st) st = finish_put(p, s, k, q, in_amax);
+    p->layers[l].write += mq_now() - t0;
+    p->layers[l].cpu_write += mq_cpu_now() - c0;
+    if (!st) st = finish_record(p, l, s, k, stats);
+    return st;
+}
+
+typedef struct {
+    mq_pipe *p;
+    const slot *slots;
+    const mq_qtensor *q;
+    const int *weight;     /* [n] 3 * slot + k */
+    const float *amax;     /* [n] */
+    moeq_status *st;       /* [n] */
+    char (*msg)[320];      /* [n] the message of a failure (the pool thread's error state) */
+} put_ctx;
+
+static void put_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    const put_ctx *c = vctx;
+    const int j = c->weight[t];
+    c->st[t] = finish_put(c->p, &c->slots[j / 3], j % 3, &c->q[j], c->amax[t]);
+    if (c->st[t]) snprintf(c->msg[t], sizeof c->msg[t], "%s", moeq_last_error());
+}
+
+/* finish_linear for the weights of quantize_slots at once: prepared in order, packed and written
+ * on the pool, recorded in order (the first failure in that order is the one reported). */
+static moeq_status finish_slots(mq_pipe *p, int l, const slot *slots, int n, mq_qtensor *q,
+                                const mq_gptq_job *jobs, const int *job_of, const mq_gptq_stats *stats) {
+    int *weight = calloc((size_t)(3 * n + 1), sizeof *weight);
+    float *amax = calloc((size_t)(3 * n + 1), sizeof *amax);
+    moeq_status *sts = calloc((size_t)(3 * n + 1), sizeof *sts);
+    char (*msg)[320] = calloc((size_t)(3 * n + 1), sizeof *msg);
+    moeq_status st = weight && amax && sts && msg ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+    int m = 0;
+    for (int i = 0; i < n && !st; i++)
+        for (int k = 0; k < slots[i].nw && !st; k++) {
+            if (!mine_k(p, &slots[i], k)) continue;
+            amax[m] = finish_prepare(p, &slots[i], k, &q[3 * i + k], &st);
+            weight[m++] = 3 * i + k;
+        }
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    if (!st) {
+        put_ctx c = {p, slots, q, weight, amax, sts, msg};
+        mq_parallel_for(m, put_task, &c);
+    }
+    p->layers[l].write += mq_now() - t0;
+    p->layers[l].cpu_write += mq_cpu_now() - c0;
+    for (int t = 0; t < m && !st; t++) {
+        const int j = weight[t];
+        if (sts[t]) {
+            st = mq_err(sts[t], "%s", msg[t]);
+            break;
+        }
+        st = finish_record(p, l, &slots[j / 3], j % 3, job_of[j] >= 0 ? &jobs[job_of[j]].stats : &stats[j]);
+    }
+    free(weight);
+    free(amax);
+    free(sts);
+    free(msg);
     return st;
 }
 
@@ -408,22 +482,18 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         }
     p->layers[l].gptq += mq_now() - t0;
     p->layers[l].cpu_gptq += mq_cpu_now() - c0;
-    for (int i = 0; i < n && !st; i++) {
+    for (int i = 0; i < n && !st && p->ranks > 1; i++) {   /* kept for share_slots, which every rank runs */
         slot *s = &slots[i];
         for (int k = 0; k < s->nw && !st; k++) {
             if (!mine_k(p, s, k)) continue;
             int j = 3 * i + k;
-            const mq_gptq_stats *sj = job_of[j] >= 0 ? &jobs[job_of[j]].stats : &stats[j];
-            if (p->ranks > 1) {   /* kept for share_slots, which every rank runs */
-                s->q[k] = q[j];
-                memset(&q[j], 0, sizeof q[j]);
-                s->qs[k] = *sj;
-                s->held = true;
-            } else {
-                st = finish_linear(p, l, s, k, &q[j], sj);
-            }
+            s->q[k] = q[j];
+            memset(&q[j], 0, sizeof q[j]);
+            s->qs[k] = job_of[j] >= 0 ? jobs[job_of[j]].stats : stats[j];
+            s->held = true;
         }
     }
+    if (!st && p->ranks <= 1) st = finish_slots(p, l, slots, n, q, jobs, job_of, stats);
     for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
     for (int i = 0; factored && i < nf; i++) mq_gptq_factor_free(&f[i]);
     free(Hs);
