@@ -690,7 +690,8 @@ static void test_q8_0_activation_rounding(void) {
     memcpy(got, x, sizeof x);
     mq_q8_0_act_qdq(got, 2, 64);
     for (int i = 0; i < 128; i++)
-        if (!(got[i] == dec[i])) FAIL("value %d: %a, expected %a (from %a)", i, got[i], dec[i], x[i]);
+        if (!(got[i] == dec[i]))
+            FAIL("value %d: %a, expected %a (from %a)", i, got[i], dec[i], x[i]);
     ASSERT_NEAR(0.125, got[1], 0);
     ASSERT_NEAR(-0.125, got[3], 0);
     ASSERT_NEAR(0.787353515625, got[34], 0);

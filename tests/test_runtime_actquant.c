@@ -651,7 +651,8 @@ static void test_q8_0_follows_gguf_types(void) {
 }
 
 TEST_MAIN(T(test_layers_olmoe), T(test_layers_qwen2moe), T(test_layers_llama),
-          T(test_only_quantized_linears), T(test_eval_perplexity), T(test_eval_perplexity_demo_text),
+          T(test_only_quantized_linears), T(test_eval_perplexity),
+          T(test_eval_perplexity_demo_text),
           T(test_q8_0_layers_olmoe), T(test_q8_0_layers_qwen2moe), T(test_q8_0_layers_llama),
           T(test_q8_0_eval_olmoe), T(test_q8_0_eval_qwen2moe),
           T(test_q8_0_follows_gguf_types))

@@ -674,7 +674,8 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
 /* SwiGLU MLP of xn[T, D] into out[T, D] (g, u: [T, F] scratch; aq: [T, D] scratch for the
  * quantized input, as xn may be needed afterwards). */
 static moeq_status mlp(const moeq_model *m, const mq_linear *gate, const mq_linear *up,
-                       const mq_linear *down, const float *xn, int64_t T, float *g, float *u, float *aq, float *out,
+                       const mq_linear *down, const float *xn, int64_t T, float *g, float *u,
+                       float *aq, float *out,
                        const mq_hooks *hk, int l, mq_site site_in, mq_site site_down) {
     hook(hk, l, site_in, -1, xn, T, gate->in);
     const float *xin = xn;

@@ -674,8 +674,8 @@ static moeq_status mark_act_quant(moeq_model *m) {
         }
     }
     if (!s && m->lm_head_act_q && m->cfg.D % 32 != 0)
-        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: lm_head has %lld inputs, not a multiple "
-                   "of 32 (llama.cpp's Q8_0 blocks)", m->dir, (long long)m->cfg.D);
+        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: lm_head has %lld inputs, not a "
+                   "multiple of 32 (llama.cpp's Q8_0 blocks)", m->dir, (long long)m->cfg.D);
     cJSON_Delete(types);
     return s;
 }

@@ -3,10 +3,10 @@
  * generation with the forward pass and its KV cache (a quantized checkpoint on the packed
  * kernels unless --dequantize; --act-quant nvfp4 emulates W4A4 on the dequantized path, q8_0
  * llama.cpp's Q8_0 activations). stdout gets the prompt followed by the generated text as it is
- * produced; stderr gets prefill and decode tokens/s, the resident weight bytes and the peak RSS. Greedy picks the
- * largest logit (ties to the lower id); sampling draws from softmax(logits / T) cut to the smallest
- * set of most likely tokens whose probability reaches top_p, with a seeded generator, so a given
- * seed always gives the same text.
+ * produced; stderr gets prefill and decode tokens/s, the resident weight bytes and the peak RSS.
+ * Greedy picks the largest logit (ties to the lower id); sampling draws from softmax(logits / T)
+ * cut to the smallest set of most likely tokens whose probability reaches top_p, with a seeded
+ * generator, so a given seed always gives the same text.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -122,12 +122,12 @@ int cmd_generate(int argc, char **argv) {
         {"--act-quant", OPT_CHOICE, &act_quant, NULL,
          "emulate activation quantization on the inputs of the quantized Linears (implies the "
          "dequantized path): nvfp4 = W4A4 (one global scale per call, E4M3 per 16); q8_0 = "
-         "llama.cpp's CPU rounding of the activations of its Q4_0/Q4_1/NVFP4/Q8_0 matmuls (per row, "
-         "blocks of 32, d = amax/127 stored as fp16, x*127/amax rounded half to even; on a .gguf "
-         "the Linears stored Q4_0/Q4_1/NVFP4/Q8_0, lm_head included, on an unquantized model every "
-         "decoder Linear; not emulated: llama.cpp's summation order, K-quants' Q8_K, the F16/BF16 "
-         "rounding of the activations of F16/BF16 weights, its F16 KV cache and flash attention; "
-         "docs/gguf.md)", "none|nvfp4|q8_0", 0, 0, NULL},
+         "llama.cpp's CPU rounding of the activations of its Q4_0/Q4_1/NVFP4/Q8_0 matmuls "
+         "(per row, blocks of 32, d = amax/127 stored as fp16, x*127/amax rounded half to "
+         "even; on a .gguf the Linears stored Q4_0/Q4_1/NVFP4/Q8_0, lm_head included, on an "
+         "unquantized model every decoder Linear; not emulated: llama.cpp's summation order, "
+         "K-quants' Q8_K, the F16/BF16 rounding of the activations of F16/BF16 weights, its F16 KV "
+         "cache and flash attention; docs/gguf.md)", "none|nvfp4|q8_0", 0, 0, NULL},
     };
     const cli_command cmd = {
         "generate", "MODEL_DIR --prompt P -n N [--greedy | --temp T --top-p P --seed S]",
