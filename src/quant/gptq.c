@@ -156,6 +156,77 @@ static void inverse_task(void *vctx, int64_t task, int thread) {
                 1.0f, c->R, (int)K, X, (int)K);
 }
 
+/* The factor's O(K^2) copies over blocks of COPY_ROWS rows on the pool (pure copies: any split
+ * gives the same matrices; nested in a pool task they run on its thread). */
+enum { COPY_ROWS = 64 };
+
+typedef struct {
+    const float *H;
+    float *A, *Hp;
+    const float *diag;
+    const int32_t *perm;
+    int64_t K;
+    float damp;
+} copy_ctx;
+
+/* A's lower triangle: H' with rows and columns in reverse processing order, damped diagonal */
+static void copy_reversed_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    const copy_ctx *c = vctx;
+    const int64_t K = c->K, a1 = (task + 1) * COPY_ROWS < K ? (task + 1) * COPY_ROWS : K;
+    for (int64_t a = task * COPY_ROWS; a < a1; a++) {
+        const int64_t pa = K - 1 - a, ca = c->perm ? c->perm[pa] : pa;
+        for (int64_t b = 0; b <= a; b++) {
+            const int64_t pb = K - 1 - b, cb = c->perm ? c->perm[pb] : pb;
+            c->A[a * K + b] = c->H[ca * K + cb];
+        }
+        c->A[a * K + a] = c->diag[ca] + c->damp;
+    }
+}
+
+/* Hp: H' in processing order (the refinement's), damped diagonal */
+static void copy_ordered_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    const copy_ctx *c = vctx;
+    const int64_t K = c->K, a1 = (task + 1) * COPY_ROWS < K ? (task + 1) * COPY_ROWS : K;
+    for (int64_t a = task * COPY_ROWS; a < a1; a++) {
+        const int64_t ca = c->perm ? c->perm[a] : a;
+        for (int64_t b = 0; b < K; b++) {
+            const int64_t cb = c->perm ? c->perm[b] : b;
+            c->Hp[a * K + b] = a == b ? c->diag[ca] + c->damp : c->H[ca * K + cb];
+        }
+    }
+}
+
+/* The lower factor L (A's lower triangle) turned by 180 degrees into the upper R: row a of R is
+ * row K-1-a of L reversed, zero below the diagonal. Rows a and K-1-a go together (in place). */
+static void rotate_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    const copy_ctx *c = vctx;
+    const int64_t K = c->K, half = (K + 1) / 2;
+    const int64_t a1 = (task + 1) * COPY_ROWS < half ? (task + 1) * COPY_ROWS : half;
+    float *A = c->A;
+    for (int64_t a = task * COPY_ROWS; a < a1; a++) {
+        const int64_t z = K - 1 - a;   /* the partner row */
+        float *ra = A + a * K, *rz = A + z * K;
+        if (a == z) {   /* the middle row (odd K): reversed in place */
+            for (int64_t i = 0, j = K - 1; i < j; i++, j--) {
+                float t = ra[i];
+                ra[i] = ra[j];
+                ra[j] = t;
+            }
+        } else {
+            for (int64_t i = 0; i < K; i++) {
+                float t = ra[i];
+                ra[i] = rz[K - 1 - i];
+                rz[K - 1 - i] = t;
+            }
+        }
+        memset(ra, 0, (size_t)a * sizeof(float));
+        memset(rz, 0, (size_t)z * sizeof(float));
+    }
+}
+
 /* Does the work of mq_gptq_factor_init without touching the thread's error state (it runs in
  * pool tasks); the caller turns the result into a message. */
 static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *o, bool want_R,
@@ -203,15 +274,8 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
     double percdamp = o->percdamp;
     int attempt = 0;
     for (;; attempt++) {
-        float damp = (float)(percdamp * mean);
-        for (int64_t a = 0; a < K; a++) {
-            int64_t pa = K - 1 - a, ca = f->perm ? f->perm[pa] : pa;
-            for (int64_t b = 0; b <= a; b++) {
-                int64_t pb = K - 1 - b, cb = f->perm ? f->perm[pb] : pb;
-                A[a * K + b] = H[ca * K + cb];
-            }
-            A[a * K + a] = diag[ca] + damp;
-        }
+        copy_ctx cc = {H, A, NULL, diag, f->perm, K, (float)(percdamp * mean)};
+        mq_parallel_for((K + COPY_ROWS - 1) / COPY_ROWS, copy_reversed_task, &cc);
         if (cholesky_lower(A, K)) break;
         if (attempt + 1 >= MAX_RETRIES || percdamp * 2 > MQ_GPTQ_MAX_PERCDAMP) {
             f->percdamp = percdamp;
@@ -228,14 +292,8 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
     if (o->refine_passes > 0) {   /* H' in processing order for the refinement */
         f->Hp = mq_alloc_array(kk, sizeof(float), "GPTQ refinement Hessian");
         if (!f->Hp) goto nomem;
-        const float damp = (float)f->damp;
-        for (int64_t a = 0; a < K; a++) {
-            const int64_t ca = f->perm ? f->perm[a] : a;
-            for (int64_t b = 0; b < K; b++) {
-                const int64_t cb = f->perm ? f->perm[b] : b;
-                f->Hp[a * K + b] = a == b ? diag[ca] + damp : H[ca * K + cb];
-            }
-        }
+        copy_ctx cc = {H, NULL, f->Hp, diag, f->perm, K, (float)f->damp};
+        mq_parallel_for((K + COPY_ROWS - 1) / COPY_ROWS, copy_ordered_task, &cc);
     }
     f->hdiag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
     if (!f->hdiag) goto nomem;
@@ -244,12 +302,8 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
     diag = NULL;   /* the out-of-memory exit below frees it again */
 
     /* Rotating the lower factor L by 180 degrees (reversing the flat array) gives R, upper. */
-    for (size_t i = 0, j = kk - 1; i < j; i++, j--) {
-        float t = A[i];
-        A[i] = A[j];
-        A[j] = t;
-    }
-    for (int64_t a = 1; a < K; a++) memset(A + a * K, 0, (size_t)a * sizeof(float));
+    copy_ctx rc = {NULL, A, NULL, NULL, NULL, K, 0};
+    mq_parallel_for(((K + 1) / 2 + COPY_ROWS - 1) / COPY_ROWS, rotate_task, &rc);
     f->U = mq_alloc_zero(kk * sizeof(float), "GPTQ factor");
     if (!f->U) goto nomem;
     fac_ctx c = {NULL, A, f->U, K, 0};
