@@ -502,6 +502,39 @@ static void test_factor_matches_textbook(void) {
     free(W);
 }
 
+/* An odd K over several factor blocks and copy blocks (the row-block copies, the turn of L into
+ * R about its middle row): U^T U is the inverse of the damped H, and U the inverse of R. */
+static void test_factor_odd_size(void) {
+    const int64_t K = 211;
+    float *H = make_hessian(K, 400, 12, NULL, 0);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    mq_gptq_factor f;
+    ASSERT_OK(mq_gptq_factor_init(H, K, &o, true, "h", &f));
+    double worst_inv = 0, worst_ru = 0;
+    double *utu = calloc((size_t)(K * K), sizeof *utu);
+    ASSERT_TRUE(utu != NULL);
+    for (int64_t r = 0; r < K; r++)
+        for (int64_t i = 0; i < K; i++)
+            for (int64_t m = 0; m < K; m++) utu[i * K + m] += (double)f.U[r * K + i] * f.U[r * K + m];
+    for (int64_t i = 0; i < K; i++)
+        for (int64_t j = 0; j < K; j++) {
+            double a = 0, b = 0;   /* (U^T U H')_ij and (R U)_ij */
+            for (int64_t m = 0; m < K; m++) {
+                a += utu[i * K + m] * ((double)H[m * K + j] + (m == j ? f.damp : 0.0));
+                b += (double)f.R[i * K + m] * f.U[m * K + j];
+            }
+            worst_inv = fmax(worst_inv, fabs(a - (i == j)));
+            worst_ru = fmax(worst_ru, fabs(b - (i == j)));
+        }
+    free(utu);
+    ASSERT_TRUE(worst_inv < 1e-3);   /* fp32 factors of a well-conditioned H (2K tokens for K) */
+    ASSERT_TRUE(worst_ru < 1e-4);
+    for (int64_t i = 1; i < K; i++)
+        for (int64_t j = 0; j < i; j++) ASSERT_TRUE(f.R[i * K + j] == 0.0f && f.U[i * K + j] == 0.0f);
+    mq_gptq_factor_free(&f);
+    free(H);
+}
+
 static void test_gidx_consistency(void) {
     const int64_t N = 40, K = 256, G = 64;
     float *W = make_weights(N, K, 21);
@@ -1187,4 +1220,4 @@ TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_
           T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs),
           T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
           T(test_force_ref_same_codes), T(test_progress), T(test_bad_input), T(test_clip_search),
-          T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom))
+          T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom), T(test_factor_odd_size))
