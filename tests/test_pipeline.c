@@ -325,9 +325,19 @@ static void test_memory_plan(void) {
     ASSERT_ERROR_MENTIONS("--max-memory");
     ASSERT_ERROR_MENTIONS("--activations disk");
     ASSERT_EQ_INT(0, count_entries(parent));
-    /* a budget that only fits smaller chunks: the planner takes them */
+    /* a budget that only fits smaller chunks: the planner takes them. One expert's share of the
+     * chunk from the plans of 8 and 4 experts (the chunk's memory also holds a part that does
+     * not grow with it, GPTQ's per-thread scratch, large at many threads) */
     int64_t full = p->peak;
-    o.max_memory = full - p->expert_chunk / 2;
+    o.dry_run = true;
+    o.max_memory = 0;
+    o.expert_chunk = 4;
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    const int64_t per_expert = (full - r.plan.peak) / 4;
+    ASSERT_TRUE(per_expert > 0);
+    o.dry_run = false;
+    o.expert_chunk = 0;
+    o.max_memory = full - per_expert / 2;
     ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
     ASSERT_TRUE(r.plan.chunk < 8 && r.plan.chunk >= 1);
     ASSERT_TRUE(r.plan.peak <= o.max_memory);
