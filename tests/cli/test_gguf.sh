@@ -26,7 +26,10 @@ cmp -s "$tmp/a/olmoe.gguf" "$tmp/b/olmoe.gguf" || fail "export-gguf of the GPTQ 
 [ $? -eq 1 ] || fail "export-gguf over an existing file without --force should exit 1"
 
 # eval on the .gguf equals eval --dequantize on the checkpoint of the same codes
-n_before=$(ls -d "${TMPDIR:-/tmp}"/moeq-gguf-* 2>/dev/null | wc -l)
+# (the temporary checkpoints of a .gguf MODEL go to a TMPDIR of this test alone: other tests
+# running at the same time make and remove their own in /tmp)
+export TMPDIR="$tmp/gguf-tmp"
+mkdir -p "$TMPDIR"
 "$cli" eval "$tmp/a/olmoe.gguf" --task text --data "$repo/data/demo-eval.txt" --json > "$tmp/e1.json" 2>/dev/null ||
     fail "eval on .gguf exited $?"
 "$cli" eval "$tmp/gptq" --task text --data "$repo/data/demo-eval.txt" --dequantize --json > "$tmp/e2.json" 2>/dev/null ||
@@ -45,8 +48,8 @@ c=$(json_get "$tmp/e3.json" loglikelihood); d=$(json_get "$tmp/e4.json" loglikel
 t1=$("$cli" tokenize "$tmp/a/olmoe.gguf" --text "The tower is 324 metres tall." --json) || fail "tokenize .gguf"
 t2=$("$cli" tokenize "$model" --text "The tower is 324 metres tall." --json)
 [ "$t1" = "$t2" ] || fail "tokenize: .gguf $t1, model $t2"
-n_after=$(ls -d "${TMPDIR:-/tmp}"/moeq-gguf-* 2>/dev/null | wc -l)
-[ "$n_before" = "$n_after" ] || fail "a temporary checkpoint was left in ${TMPDIR:-/tmp}"
+[ -z "$(ls -A "$TMPDIR")" ] || fail "a temporary checkpoint was left in $TMPDIR: $(ls -A "$TMPDIR")"
+unset TMPDIR
 
 # the Mixtral and Qwen3-MoE layouts (random weights, small): the .gguf evaluates as the checkpoint
 for like in mixtral-8x7b qwen3-30b-a3b; do
