@@ -217,9 +217,19 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
     double t0 = mq_now(), c0 = cpu_seconds();
     for (int64_t e0 = 0; e0 < E && !st; e0 += chunk) {
         int64_t n = E - e0 < chunk ? E - e0 : chunk;
-        st = mq_gptq_factor_many((const float *const *)hg, kg, n, &b->opts, b->opts.rtn_loss, names, fg);
-        if (!st) st = mq_gptq_factor_many((const float *const *)hd, kd, n, &b->opts, b->opts.rtn_loss, names, fd);
+        /* the chunk's 2n Hessians in one call, as the pipeline factors a chunk's slots */
+        const float *hs[128];
+        int64_t ks[128];
+        const char *hn[128];
+        mq_gptq_factor fs[128];
+        for (int64_t e = 0; e < n; e++) {
+            hs[e] = hg[e], hs[n + e] = hd[e];
+            ks[e] = kg[e], ks[n + e] = kd[e];
+            hn[e] = hn[n + e] = names[e];
+        }
+        st = mq_gptq_factor_many(hs, ks, 2 * n, &b->opts, b->opts.rtn_loss, hn, fs);
         if (st) break;
+        for (int64_t e = 0; e < n; e++) fg[e] = fs[e], fd[e] = fs[n + e];
         for (int64_t e = 0; e < n; e++) {
             /* gate and up share the expert's global scale, as fused checkpoints require */
             float amax = fmaxf(mq_absmax(wg[e], F * D), mq_absmax(wu[e], F * D));
