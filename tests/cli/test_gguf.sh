@@ -49,6 +49,11 @@ t1=$("$cli" tokenize "$tmp/a/olmoe.gguf" --text "The tower is 324 metres tall." 
 t2=$("$cli" tokenize "$model" --text "The tower is 324 metres tall." --json)
 [ "$t1" = "$t2" ] || fail "tokenize: .gguf $t1, model $t2"
 [ -z "$(ls -A "$TMPDIR")" ] || fail "a temporary checkpoint was left in $TMPDIR: $(ls -A "$TMPDIR")"
+# killed by SIGPIPE (its reader gone after one byte): the temporary checkpoint goes too
+"$cli" generate "$tmp/a/olmoe.gguf" --prompt "The" -n 500 --greedy 2>/dev/null | head -c 1 >/dev/null
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 141 ] || fail "generate | head -c 1: exit $rc (expected death by SIGPIPE, 141)"
+[ -z "$(ls -A "$TMPDIR")" ] || fail "killed by SIGPIPE, it left $TMPDIR: $(ls -A "$TMPDIR")"
 unset TMPDIR
 
 # the Mixtral and Qwen3-MoE layouts (random weights, small): the .gguf evaluates as the checkpoint

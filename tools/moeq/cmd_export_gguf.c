@@ -1,4 +1,5 @@
 /* moeq export-gguf CKPT_DIR OUT.gguf, and `moeq inspect FILE.gguf` (through include/moeq.h). */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,20 +20,37 @@ int cli_is_gguf(const char *path) {
 }
 
 static char g_import_dirs[4][1024];
-static int g_n_import;
+static char g_import_files[4][4][1200];   /* made before any signal can need them */
+static volatile sig_atomic_t g_n_import;
 
 /* The temporary checkpoints hold config.json, tokenizer.json, model.safetensors and
- * gguf_types.json only (moeq_import_gguf). */
+ * gguf_types.json only (moeq_import_gguf). Only unlink and rmdir: also run from a signal. */
 static void remove_imports(void) {
-    static const char *const files[] = {"config.json", "tokenizer.json", "model.safetensors",
-                                        "gguf_types.json"};
     for (int i = 0; i < g_n_import; i++) {
-        char p[1200];
-        for (int f = 0; f < 4; f++) {
-            snprintf(p, sizeof p, "%.1000s/%s", g_import_dirs[i], files[f]);
-            unlink(p);
-        }
+        for (int f = 0; f < 4; f++) unlink(g_import_files[i][f]);
         rmdir(g_import_dirs[i]);
+    }
+}
+
+/* A run killed by SIGTERM, SIGHUP or SIGPIPE (e.g. `| head`) removes them too, then dies of the
+ * signal as it would have. */
+static void on_fatal_signal(int sig) {
+    remove_imports();
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void install_cleanup(void) {
+    atexit(remove_imports);
+    const int sigs[] = {SIGTERM, SIGHUP, SIGPIPE};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+        struct sigaction sa, old;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_fatal_signal;
+        sigemptyset(&sa.sa_mask);
+        /* a signal the caller chose to ignore stays ignored */
+        if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+        sigaction(sigs[i], &sa, NULL);
     }
 }
 
@@ -48,7 +66,11 @@ const char *cli_gguf_model_dir(const char *cmd, const char *path) {
         fprintf(stderr, "moeq %s: error: cannot create a temporary directory %s\n", cmd, d);
         return NULL;
     }
-    if (!g_n_import) atexit(remove_imports);
+    static const char *const files[] = {"config.json", "tokenizer.json", "model.safetensors",
+                                        "gguf_types.json"};
+    for (int f = 0; f < 4; f++)
+        snprintf(g_import_files[g_n_import][f], sizeof g_import_files[0][0], "%.1000s/%s", d, files[f]);
+    if (!g_n_import) install_cleanup();
     g_n_import++;
     moeq_status st = moeq_import_gguf(path, d);
     if (st) {
