@@ -199,19 +199,27 @@ def quantize(model, out, *, scheme, method="rtn", ignore=(), progress=None, thre
 _LAYOUTS = {"wikitext": 0, "jsonl": 1, "whole": 2}
 
 
+_ACT_QUANT = {None: 0, "none": 0, "nvfp4": 1, "q8_0": 2}
+
+
 def evaluate(model, data, *, task="wikitext", layout=None, kl_base=None, dequantize=False, html=None,
-             progress=None, threads=None, revision=None, **options):
+             act_quant=None, progress=None, threads=None, revision=None, **options):
     """Evaluates MODEL on DATA as `moeq eval` does (lm-eval's wikitext protocol by default):
     perplexities, and with kl_base the KL to that model, top-1 changes and its perplexity;
-    html: also the evaluation page (moeq eval --html). Returns a dict."""
+    html: also the evaluation page (moeq eval --html); act_quant: "nvfp4" (W4A4) or "q8_0"
+    (llama.cpp's Q8_0 activations), as moeq eval --act-quant, on the dequantized path. Returns a
+    dict."""
     lib = _load()
+    if act_quant not in _ACT_QUANT:
+        raise Error(-5, f"act_quant={act_quant}: expected nvfp4 or q8_0")
+    aq = _ACT_QUANT[act_quant]
     if threads is not None:
         lib.moeq_set_threads(int(threads))
     data = os.fspath(data)
     if layout is None:
         layout = "jsonl" if data.endswith(".jsonl") else "wikitext" if task == "wikitext" else "whole"
     if layout not in _LAYOUTS:
-        raise Error(-3, f"layout={layout}: expected wikitext, jsonl or whole")
+        raise Error(-5, f"layout={layout}: expected wikitext, jsonl or whole")
     opts = ctypes.create_string_buffer(lib.moeq_eval_options_size())
     lib.moeq_eval_options_init(opts)
     keep = []
@@ -222,7 +230,7 @@ def evaluate(model, data, *, task="wikitext", layout=None, kl_base=None, dequant
         keep += [key, val]
         _call(lib.moeq_eval_options_set, opts, key, val)
     docs, m, base = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    mo = _ModelOptions(0 if dequantize else 1, 0, 0)
+    mo = _ModelOptions(0 if dequantize or aq else 1, 0, aq)
     bo = _ModelOptions(0 if dequantize else 1, 0, 0)
     cb = None
     try:

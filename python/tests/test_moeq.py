@@ -78,6 +78,11 @@ def test_evaluate_matches_cli():
     assert 'id="kl-hist"' in open(page).read()
     t = moeq.evaluate(q, data, task="text", max_length=64)
     assert t["word_perplexity"] > 0 and t["documents"] == 1
+    # llama.cpp's Q8_0 activations emulated: the CLI's figure, not the plain one
+    a = moeq.evaluate(q, data, act_quant="q8_0")
+    c = json.loads(cli("eval", q, "--data", data, "--act-quant", "q8_0", "--json"))
+    assert a["loglikelihood"] == c["loglikelihood"] != e["loglikelihood"], (a, c, e)
+    expect_error(-5, "act_quant=q4", moeq.evaluate, q, data, act_quant="q4")
 
 
 def expect_error(status, needle, fn, *args, **kw):
