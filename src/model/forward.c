@@ -472,7 +472,9 @@ static void attention_task(void *ctx, int64_t task, int thread) {
     const mq_config *c = &s->m->cfg;
     int64_t H = c->n_heads, hd = c->head_dim, ldq = H * hd, ldk = s->kv_dim, ldv = s->v_dim;
     int64_t vd = c->v_head_dim, ldo = H * vd;
-    int64_t h = task / j->n_qb, b = task % j->n_qb;
+    /* the last query blocks (the most keys under the causal mask) of every head first, so the
+     * cheap first blocks fill the end instead of one head's costliest waiting there */
+    int64_t b = j->n_qb - 1 - task / H, h = task % H;
     int64_t kvh = h / (H / c->n_kv_heads);
     int64_t i0 = b * ATT_QB, rows = j->T - i0 < ATT_QB ? j->T - i0 : ATT_QB;
     int64_t window = c->layer_sliding[j->layer] ? c->sliding_window : 0;
