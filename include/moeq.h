@@ -450,6 +450,21 @@ typedef enum {
     MOEQ_EXPERT_WEIGHT_GATE_SQUARED = 2, /* by g^2: the squared output error's own weight */
 } moeq_expert_weighting;
 
+/* An orthogonal rotation of the residual stream folded into the weights before calibration and
+ * quantization (moeq quantize --rotate); the checkpoint computes the same function in exact
+ * arithmetic, so an engine needs nothing: no online transform, the config unchanged (but
+ * tie_word_embeddings, which a tied model's rotation unties). */
+typedef enum {
+    MOEQ_ROTATE_NONE = 0,       /* the weights as the source has them */
+    /* R = diag(s) H: block-diagonal Hadamard blocks of rotate_block channels (1/sqrt(b)), s a
+     * random sign per channel from a fixed seed. Every RMSNorm weight that feeds the stream's
+     * readers is folded into them (then ones); readers (q/k/v, routers, expert and shared-expert
+     * gate/up, shared_expert_gate, dense gate/up, lm_head) get W diag(norm) R, writers (o_proj,
+     * down projections and their biases) R^T W, the embeddings E R. llama, olmoe, qwen2_moe,
+     * qwen3_moe and mixtral; others, and quantized sources, are refused */
+    MOEQ_ROTATE_RESIDUAL = 1,
+} moeq_rotation_kind;
+
 /* Where the calibration activations at the layer boundary live during a run. */
 typedef enum {
     MOEQ_ACT_STORAGE_AUTO = 0,     /* memory while the budget allows, else disk */
@@ -572,6 +587,11 @@ typedef struct {
                                       (DeepSeek-V3's num_nextn_predict_layers, past
                                       num_hidden_layers; the output's config then says 0);
                                       default: they pass through unchanged */
+    moeq_rotation_kind rotate;     /* --rotate none|residual (default none) */
+    int32_t rotate_block;          /* --rotate-block B: channels per Hadamard block, a power of
+                                      two >= 2 dividing the hidden size; 0 (default) = 64, or
+                                      the largest power of two dividing the hidden size if
+                                      smaller */
 } moeq_quant_options;
 
 /* Fills o with the defaults of `moeq quantize` (scheme left unset). */

@@ -25,6 +25,7 @@
 #include "io/fp8.h"
 #include "kernels/moe_ffn.h"
 #include "model/model_internal.h"
+#include "model/rotate.h"
 
 /* One fp32 destination filled from (a slice of) one checkpoint tensor. */
 typedef struct {
@@ -861,6 +862,7 @@ struct mq_lazy_model {
     mq_st *st;
     want_list L;
     const mq_tensor_view *embed;
+    const mq_rotation *rot;   /* borrowed; NULL: none */
 };
 
 void mq_lazy_close(mq_lazy_model *lz) {
@@ -933,6 +935,8 @@ void mq_model_det_experts(moeq_model *m, bool on) {
 }
 
 moeq_model *mq_lazy_model_of(mq_lazy_model *lz) { return lz->m; }
+void mq_lazy_set_rotation(mq_lazy_model *lz, const mq_rotation *r) { lz->rot = r; }
+
 const mq_st *mq_lazy_st(const mq_lazy_model *lz) { return lz->st; }
 
 static bool want_selected(const want *w, int layer, unsigned what, int e0, int e1) {
@@ -958,6 +962,22 @@ int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0,
     return n;
 }
 
+/* The residual-stream rotation of one loaded fp32 want (rotate.h). Routed and shared experts by
+ * their part (fused experts have no name of their own), everything else by its tensor name. */
+static moeq_status rotate_want(const mq_rotation *r, const want *w, float *x) {
+    int layer = w->layer;
+    mq_rot_kind k;
+    if (w->expert >= 0) k = w->part == 2 ? MQ_ROT_WRITE : MQ_ROT_READ_FFN;
+    else k = mq_rot_classify(w->name, &layer);
+    const int64_t D = r->D;
+    if (k == MQ_ROT_NONE) return MOEQ_OK;
+    if (w->count % D)
+        return mq_err(MOEQ_E_SHAPE, "rotate: tensor '%s': %lld values, not rows of %lld", w->name,
+                      (long long)w->count, (long long)D);
+    if (k == MQ_ROT_WRITE) return mq_rotation_apply(r, k, layer, x, D, w->count / D, w->name);
+    return mq_rotation_apply(r, k, layer, x, w->count / D, D, w->name);
+}
+
 typedef struct {
     const mq_lazy_model *lz;
     size_t *idx;
@@ -980,16 +1000,17 @@ static void lazy_task(void *ctx, int64_t i, int thread) {
     }
     if (w->t->scale_inv) {   /* FP8 block-quantized: the whole 2-D tensor (check_wants) */
         j->status[i] = mq_tensor_to_f32(w->t, *w->dest);
-        return;
+    } else {
+        mq_tensor_view v = *w->t;
+        size_t es = moeq_dtype_size(v.dtype);
+        v.data += (size_t)w->off * es;
+        v.numel = w->count;
+        v.nbytes = (size_t)w->count * es;
+        v.ndim = 1;
+        v.shape[0] = w->count;
+        j->status[i] = mq_tensor_to_f32(&v, *w->dest);
     }
-    mq_tensor_view v = *w->t;
-    size_t es = moeq_dtype_size(v.dtype);
-    v.data += (size_t)w->off * es;
-    v.numel = w->count;
-    v.nbytes = (size_t)w->count * es;
-    v.ndim = 1;
-    v.shape[0] = w->count;
-    j->status[i] = mq_tensor_to_f32(&v, *w->dest);
+    if (!j->status[i] && j->lz->rot) j->status[i] = rotate_want(j->lz->rot, w, *w->dest);
 }
 
 moeq_status mq_lazy_load(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
@@ -1053,6 +1074,7 @@ moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T
         if (lz->embed->scale_inv) {   /* FP8 block-quantized embeddings: one row */
             moeq_status s = mq_fp8_dequant_rows(lz->embed, ids[t], 1, x + t * D);
             if (s) return s;
+            if (lz->rot) mq_rotation_vec(lz->rot, x + t * D);
             continue;
         }
         mq_tensor_view v = *lz->embed;
@@ -1064,6 +1086,7 @@ moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T
         v.nbytes = (size_t)D * es;
         moeq_status s = mq_tensor_to_f32(&v, x + t * D);
         if (s) return mq_err(s, "tensor 'model.embed_tokens.weight': cannot convert to fp32");
+        if (lz->rot) mq_rotation_vec(lz->rot, x + t * D);
     }
     return MOEQ_OK;
 }

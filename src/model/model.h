@@ -198,7 +198,11 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
 void mq_lazy_prefetch(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
 /* fp32 bytes mq_lazy_load would allocate for the same arguments. */
 int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
-/* x[T, D] = embedding rows of ids, read from the mapping (ids checked). */
+/* From now on every weight the lazy model loads, and every embedding row, is rotated as rotate.h
+ * says (r borrowed, outliving lz; NULL: none). Set before the first load. */
+typedef struct mq_rotation mq_rotation;   /* model/rotate.h */
+void mq_lazy_set_rotation(mq_lazy_model *lz, const mq_rotation *r);
+/* x[T, D] = embedding rows of ids, read from the mapping (ids checked; rotated when set). */
 moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T, float *x);
 
 /* Routed experts through mq_gemm_det_nt (mq_linear.det): their outputs then do not depend on

@@ -106,6 +106,13 @@ static moeq_status check_options(const moeq_quant_options *o) {
     if (o->gguf_rest && o->format != MOEQ_FORMAT_GGUF) return BAD("gguf_rest is only for format MOEQ_FORMAT_GGUF");
     if ((unsigned)o->format > MOEQ_FORMAT_GGUF)
         return BAD("format: unknown value %d", (int)o->format);
+    if ((unsigned)o->rotate > MOEQ_ROTATE_RESIDUAL)
+        return BAD("rotate: unknown value %d", (int)o->rotate);
+    if (o->rotate_block && (o->rotate_block < 2 || (o->rotate_block & (o->rotate_block - 1))))
+        return BAD("rotate_block must be a power of two >= 2 (0: the default), got %d",
+                   (int)o->rotate_block);
+    if (o->rotate_block && o->rotate == MOEQ_ROTATE_NONE)
+        return BAD("rotate_block is set but rotate is MOEQ_ROTATE_NONE");
     bool nv = o->scheme != MOEQ_QUANT_INT4;
     if (nv && o->format == MOEQ_FORMAT_GPTQ) return BAD("format MOEQ_FORMAT_GPTQ holds INT4 only");
     if (!nv && o->format == MOEQ_FORMAT_MODELOPT)
@@ -210,6 +217,7 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
     o->resume = po->resume != 0;
     o->dry_run = po->dry_run != 0;
     o->drop_mtp = po->drop_mtp != 0;
+    o->rotate_block = po->rotate == MOEQ_ROTATE_RESIDUAL ? (po->rotate_block ? po->rotate_block : -1) : 0;
     o->expert_chunk = po->expert_chunk;
     o->device = -1;
     if (po->device) mq_gpu_parse_device(po->device, &o->device);   /* checked before */

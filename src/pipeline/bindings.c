@@ -129,6 +129,12 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         st = get_bool(key, v, &o->dry_run);
     } else if (!strcmp(key, "drop-mtp")) {
         st = get_bool(key, v, &o->drop_mtp);
+    } else if (!strcmp(key, "rotate")) {
+        static const char *const n[] = {"none", "residual"};
+        if ((k = pick(v, n, 2)) < 0) return bad(key, v, "none or residual");
+        o->rotate = (moeq_rotation_kind)k;
+    } else if (!strcmp(key, "rotate-block")) {
+        if (!(st = get_int(key, v, 0, 1 << 20, &i))) o->rotate_block = (int32_t)i;
     } else if (!strcmp(key, "expert-chunk")) {
         if (!(st = get_int(key, v, 0, 1 << 20, &i))) o->expert_chunk = (int32_t)i;
     } else if (!strcmp(key, "activations")) {

@@ -10,6 +10,7 @@
 #include "backend/gpu.h"
 #include "export/writer.h"
 #include "model/model.h"
+#include "model/rotate.h"
 #include "pipeline/pipeline.h"
 #include "pipeline/plan.h"
 #include "quant/hessian.h"
@@ -73,6 +74,11 @@ typedef struct mq_pipe {
     bool mixtral;
     mq_st *st;                    /* the source (borrowed from lz when calibrating) */
     mq_lazy_model *lz;            /* NULL for plain RTN */
+    bool rotated;                 /* the residual stream is rotated (o->rotate_block): every
+                                     weight read from the source goes through rot */
+    mq_rotation rot;
+    int64_t rot_bytes;            /* the largest rotated tensor written unquantized: its bytes in
+                                     the source dtype plus an fp32 piece (memory plan) */
     moeq_model *m;
     const mq_config *c;
     mq_out_plan plan;
@@ -116,6 +122,9 @@ typedef struct mq_pipe {
     bool work_fresh;              /* this run made the work directory */
     bool rank_dir;                /* a rank past 0 made its own directory for activation files */
 } mq_pipe;
+
+/* fp32 values of a rotated unquantized tensor converted at once (layer.c) */
+#define MQ_ROT_PIECE ((int64_t)1 << 20)
 
 /* ---- memplan.c ---- */
 /* Plans chunk, batch and activation storage within o->max_memory (or the default share); the

@@ -1841,26 +1841,83 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
 
 /* ---- plain RTN and pass-through tensors -------------------------------------------------------- */
 
-/* fp32 copy of an item's weight from the source. */
-static moeq_status item_load(const mq_plan_item *it, float **out) {
-    size_t n = (size_t)(it->rows * it->cols);
-    float *w = mq_alloc_array(n, sizeof(float), it->module);
+/* fp32 copy of rows x cols values of src from element offset on, rotated as the output tensor
+ * `name` when the run rotates the residual stream (model/rotate.h). */
+static moeq_status load_rotated(const mq_pipe *p, const mq_tensor_view *src, int64_t offset,
+                                int64_t rows, int64_t cols, const char *name, float **out) {
+    size_t n = (size_t)(rows * cols);
+    float *w = mq_alloc_array(n, sizeof(float), name);
     if (!w) return MOEQ_E_NOMEM;
-    mq_tensor_view v = *it->src;
+    mq_tensor_view v = *src;
     size_t es = moeq_dtype_size(v.dtype);
-    v.data += (size_t)it->offset * es;
+    v.data += (size_t)offset * es;
     v.ndim = 2;
-    v.shape[0] = it->rows;
-    v.shape[1] = it->cols;
+    v.shape[0] = rows;
+    v.shape[1] = cols;
     v.numel = (int64_t)n;
     v.nbytes = n * es;
     moeq_status s = mq_tensor_to_f32(&v, w);
+    if (s) s = mq_err(s, "tensor '%s': cannot convert to fp32", src->name);
+    if (!s && p->rotated) {
+        int layer;
+        mq_rot_kind k = mq_rot_classify(name, &layer);
+        s = mq_rotation_apply(&p->rot, k, layer, w, rows, cols, name);
+    }
     if (s) {
         mq_free(w);
-        return mq_err(s, "tensor '%s': cannot convert to fp32", it->src->name);
+        return s;
     }
     *out = w;
     return MOEQ_OK;
+}
+
+/* fp32 copy of an item's weight from the source (rotated with the run's rotation). */
+static moeq_status item_load(const mq_pipe *p, const mq_plan_item *it, float **out) {
+    char *name = mq_asprintf("%s.weight", it->module);
+    if (!name) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    moeq_status s = load_rotated(p, it->src, it->offset, it->rows, it->cols, name, out);
+    free(name);
+    return s;
+}
+
+/* A pass-through tensor or kept Linear that the rotation changes: rotated in fp32, written in
+ * its source dtype (rounded to nearest even). */
+static moeq_status put_rotated(mq_pipe *p, const char *name, const mq_tensor_view *src,
+                               int64_t offset, int64_t rows, int64_t cols) {
+    if (src->dtype != MOEQ_DT_F32 && src->dtype != MOEQ_DT_BF16 && src->dtype != MOEQ_DT_F16)
+        return mq_err(MOEQ_E_UNSUPPORTED, "rotate: tensor '%s': dtype %s is not F32, BF16 or F16",
+                      name, moeq_dtype_name(src->dtype));
+    /* fp32 in pieces of whole rows (a writer's rows are its columns' transforms: all at once),
+     * the output in the source dtype (mq_pipe.rot_bytes in the memory plan) */
+    int layer;
+    const bool writer = mq_rot_classify(name, &layer) == MQ_ROT_WRITE;
+    const int64_t piece = writer ? rows : (MQ_ROT_PIECE / cols > 0 ? MQ_ROT_PIECE / cols : 1);
+    const size_t es = moeq_dtype_size(src->dtype), n = (size_t)(rows * cols);
+    uint8_t *out = mq_alloc_array(n, es, name);
+    if (!out) return MOEQ_E_NOMEM;
+    moeq_status s = MOEQ_OK;
+    for (int64_t r0 = 0; r0 < rows && !s; r0 += piece) {
+        const int64_t nr = rows - r0 < piece ? rows - r0 : piece;
+        float *w;
+        if ((s = load_rotated(p, src, offset + r0 * cols, nr, cols, name, &w))) break;
+        const size_t k = (size_t)(nr * cols), at = (size_t)(r0 * cols);
+        if (src->dtype == MOEQ_DT_F32) {
+            memcpy(out + at * 4, w, k * 4);
+        } else {
+            uint16_t *h = (uint16_t *)(void *)out + at;
+            for (size_t i = 0; i < k; i++)
+                h[i] = src->dtype == MOEQ_DT_BF16 ? mq_f32_to_bf16(w[i]) : mq_f32_to_f16(w[i]);
+        }
+        mq_free(w);
+    }
+    if (!s) s = mq_ckpt_writer_put(p->w, name, src->dtype, out, n * es);
+    mq_free(out);
+    return s;
+}
+
+static bool rotates(const mq_pipe *p, const char *name) {
+    int layer;
+    return p->rotated && mq_rot_classify(name, &layer) != MQ_ROT_NONE;
 }
 
 moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l) {
@@ -1883,7 +1940,7 @@ moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l) {
         double t0 = mq_now(), c0 = mq_cpu_now();
         for (size_t k = 0; k < n && !st; k++) {
             const mq_plan_item *it = &pl->items[idx[k]];
-            if ((st = item_load(it, &w[k]))) break;
+            if ((st = item_load(p, it, &w[k]))) break;
             if ((st = mq_check_finite(w[k], it->rows, it->cols, it->module))) break;
             amax = fmaxf(amax, mq_absmax(w[k], it->rows * it->cols));
         }
@@ -1915,7 +1972,13 @@ moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l) {
     double t0 = mq_now(), c0 = mq_cpu_now();
     for (size_t i = 0; i < pl->n_pass && !st; i++) {
         const mq_plan_pass *t = &pl->pass[i];
-        if (t->layer == l) st = mq_ckpt_writer_put(p->w, t->name, t->src->dtype, t->src->data, t->src->nbytes);
+        if (t->layer != l) continue;
+        if (!t->raw && rotates(p, t->name)) {
+            int64_t cols = t->src->ndim >= 1 ? t->src->shape[t->src->ndim - 1] : 1;
+            st = put_rotated(p, t->name, t->src, 0, cols ? t->src->numel / cols : 0, cols);
+        } else {
+            st = mq_ckpt_writer_put(p->w, t->name, t->src->dtype, t->src->data, t->src->nbytes);
+        }
     }
     for (size_t i = 0; i < pl->n_items && !st; i++) {
         const mq_plan_item *it = &pl->items[i];
@@ -1923,8 +1986,11 @@ moeq_status mq_pipe_write_passthrough(mq_pipe *p, int l) {
         size_t es = moeq_dtype_size(it->src->dtype);
         char *name = mq_asprintf("%s.weight", it->module);
         if (!name) return mq_err(MOEQ_E_NOMEM, "out of memory");
-        st = mq_ckpt_writer_put(p->w, name, it->src->dtype, it->src->data + (size_t)it->offset * es,
-                                (size_t)(it->rows * it->cols) * es);
+        if (rotates(p, name))
+            st = put_rotated(p, name, it->src, it->offset, it->rows, it->cols);
+        else
+            st = mq_ckpt_writer_put(p->w, name, it->src->dtype, it->src->data + (size_t)it->offset * es,
+                                    (size_t)(it->rows * it->cols) * es);
         free(name);
         if (!st) p->item_done[i] = 1;
     }

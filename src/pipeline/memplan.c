@@ -115,6 +115,8 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     z.peak += 64 << 20;
     /* an FP8 source's unquantized tensors, held as BF16 from the plan on (plan.h) */
     z.peak += p->plan.dequant_bytes;
+    /* --rotate: one unquantized tensor rotated at a time (the embeddings, lm_head) */
+    z.peak += p->rot_bytes;
     return z;
 }
 

@@ -186,7 +186,59 @@ static moeq_status alloc_activations(mq_pipe *p) {
     return mq_state_new_ex(p->m, (int32_t)p->calib.max_len, false, &p->state);
 }
 
+/* Hadamard blocks of 64 channels unless the hidden size has fewer (docs/gptq_results.md). */
+static int default_rotate_block(int64_t D) {
+    int b = 64;
+    while (b > 2 && D % b) b /= 2;
+    return b;
+}
+
+/* --rotate residual: refused before any work where it is not exact (model/rotate.h); the norms
+ * read, the lazy model told; a tied model is untied (the output's config says so). */
+static moeq_status rotation_setup(mq_pipe *p, const char *model_dir, bool *untie) {
+    mq_config c;
+    moeq_status s = mq_config_load(model_dir, &c);
+    if (s) return s;
+    int b = p->o->rotate_block > 0 ? p->o->rotate_block : default_rotate_block(c.D);
+    s = mq_rotation_check(&c, b);
+    if (!s) s = mq_rotation_init(&p->rot, &c, p->st, b, MQ_ROTATE_SEED);
+    *untie = c.tie_embeddings;
+    mq_config_free(&c);
+    if (s) return mq_err_prefix(s, "%s", model_dir);
+    p->rotated = true;
+    if (p->lz) mq_lazy_set_rotation(p->lz, &p->rot);
+    if (*untie) {
+        cJSON_DeleteItemFromObjectCaseSensitive(p->src_config, "tie_word_embeddings");
+        if (!cJSON_AddBoolToObject(p->src_config, "tie_word_embeddings", false))
+            return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    mq_info("%s: residual stream rotated (Hadamard blocks of %d, signs from seed %#llx)%s",
+            model_dir, b, (unsigned long long)MQ_ROTATE_SEED, *untie ? "; lm_head untied" : "");
+    return MOEQ_OK;
+}
+
+/* The memory of the largest unquantized tensor the rotation rewrites (layer.c put_rotated). */
+static void rotated_bytes(mq_pipe *p) {
+    int layer;
+    int64_t most = 0;
+    for (size_t i = 0; i < p->plan.n_pass; i++) {
+        const mq_plan_pass *t = &p->plan.pass[i];
+        if (t->raw || mq_rot_classify(t->name, &layer) == MQ_ROT_NONE) continue;
+        const int64_t cols = t->src->ndim ? t->src->shape[t->src->ndim - 1] : 1;
+        const int64_t piece = 4 * (cols < MQ_ROT_PIECE ? MQ_ROT_PIECE : cols);
+        if ((int64_t)t->src->nbytes + piece > most) most = (int64_t)t->src->nbytes + piece;
+    }
+    for (size_t i = 0; i < p->plan.n_items; i++) {   /* kept Linears: at most one weight in fp32 */
+        const mq_plan_item *it = &p->plan.items[i];
+        const int64_t n = it->rows * it->cols;
+        if (!it->quantize && n * (4 + (int64_t)moeq_dtype_size(it->src->dtype)) > most)
+            most = n * (4 + (int64_t)moeq_dtype_size(it->src->dtype));
+    }
+    p->rot_bytes = most;
+}
+
 static void pipe_free(mq_pipe *p) {
+    mq_rotation_free(&p->rot);
     mq_actbuf_free(&p->X);
     mq_actbuf_free(&p->X2);
     mq_actbuf_free(&p->XN);
@@ -409,11 +461,13 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     } else if ((s = mq_st_open_dir(model_dir, &p->st))) {
         goto done;
     }
+    bool untie = false;
+    if (o->rotate_block && (s = rotation_setup(p, model_dir, &untie))) goto done;
     mq_plan_opts po = {o->format, o->spec,
                        o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX &&
                            o->spec.scheme == MQ_QS_INT4,
                        o->act_quant, o->ignore, o->n_ignore, mtp_first_layer(p->src_config),
-                       o->drop_mtp};
+                       o->drop_mtp, untie};
     if ((s = mq_out_plan_build(p->st, p->mixtral, &po, &p->plan))) goto done;
     if (p->plan.n_mtp_pass || p->plan.n_mtp_dropped)
         mq_info("%s: %d tensors of the multi-token-prediction layers %s", model_dir,
@@ -427,6 +481,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
             goto done;
         }
     }
+    if (p->rotated) rotated_bytes(p);
     if (p->calibrate && p->plan.n_layers < p->c->n_layers) p->plan.n_layers = p->c->n_layers;
     p->decl_layer = calloc(p->plan.n_decls ? p->plan.n_decls : 1, sizeof *p->decl_layer);
     p->item_done = calloc(p->plan.n_items ? p->plan.n_items : 1, 1);

@@ -186,6 +186,17 @@ static moeq_status plan_tensors(mq_out_plan *p, const mq_st *st, bool mixtral,
         }
         if (s) return s;
     }
+    const mq_tensor_view *e = mq_st_find(st, "model.embed_tokens.weight");
+    if (o->untie_lm_head && e && !mq_st_find(st, "lm_head.weight")) {
+        char *name = mq_strdup("lm_head.weight");
+        moeq_status s = name ? grow((void **)&p->pass, &p->cap_pass, p->n_pass, sizeof *p->pass)
+                             : mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
+        if (s) {
+            free(name);
+            return s;
+        }
+        p->pass[p->n_pass++] = (mq_plan_pass){name, e, -1, false};
+    }
     return MOEQ_OK;
 }
 

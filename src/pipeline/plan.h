@@ -51,6 +51,9 @@ typedef struct {
      * are left out (n_mtp_dropped counts them). */
     int mtp_from;
     bool drop_mtp;
+    /* A tied model rotated (model/rotate.h): lm_head.weight, absent from the source, is written
+     * from the embeddings (its src the embeddings' view; the rotation makes it differ) */
+    bool untie_lm_head;
 } mq_plan_opts;
 
 typedef struct {

@@ -97,6 +97,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
         cJSON *ds = cJSON_AddArrayToObject(set, "damp_sweep");
         for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
     }
+    if (p->rotated) cJSON_AddNumberToObject(set, "rotate_block", p->rot.block);
     cJSON *cal = cJSON_AddObjectToObject(j, "calibration");
     const char *cfile = o->gptq ? o->calib.path : o->act_calib;
     if (cfile) cJSON_AddStringToObject(cal, "file", cfile);

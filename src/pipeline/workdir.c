@@ -143,6 +143,12 @@ static cJSON *options_identity(const mq_pipe *p) {
     for (int i = 0; i < o->n_ignore; i++) cJSON_AddItemToArray(ign, cJSON_CreateString(o->ignore[i]));
     cJSON_AddNumberToObject(j, "max_shard_bytes", (double)o->max_shard_bytes);
     if (o->drop_mtp) cJSON_AddBoolToObject(j, "drop_mtp", true);   /* absent: older manifests */
+    if (p->rotated) {   /* absent: not rotated (older manifests too) */
+        cJSON *r = cJSON_AddObjectToObject(j, "rotate");
+        cJSON_AddStringToObject(r, "kind", "residual");
+        cJSON_AddNumberToObject(r, "block", p->rot.block);
+        cJSON_AddNumberToObject(r, "seed", MQ_ROTATE_SEED);
+    }
     cJSON_AddStringToObject(j, "method", o->gptq ? "gptq" : "rtn");
     if (o->gptq) {
         cJSON_AddNumberToObject(j, "percdamp", o->g.percdamp);
@@ -205,6 +211,12 @@ static char *first_difference(const cJSON *then, const cJSON *now, const char *w
         }
     }
     if (cJSON_IsArray(now) && !cJSON_Compare(then, now, 1)) return mq_asprintf("%s differ", where);
+    /* options recorded only when set (drop_mtp, rotate): set then, not now */
+    cJSON_ArrayForEach(a, then) {
+        if (cJSON_IsArray(then) || !cJSON_IsObject(now)) break;
+        if (a->string && !cJSON_GetObjectItemCaseSensitive(now, a->string))
+            return mq_asprintf("%s.%s: set by the interrupted run, not now", where, a->string);
+    }
     return NULL;
 }
 

@@ -65,8 +65,8 @@ int cmd_quantize(int argc, char **argv) {
     const char *out = NULL, *scheme = NULL, *method = "rtn", *format = "compressed-tensors";
     const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL, *calib_field = NULL;
     const char *activations = "auto", *device = NULL, *revision = NULL, *scale_search = NULL;
-    const char *gguf_rest = NULL;
-    int64_t group = 0, calib_tokens = 65536, expert_chunk = 0;
+    const char *gguf_rest = NULL, *rotate = "none";
+    int64_t group = 0, calib_tokens = 65536, expert_chunk = 0, rotate_block = 0;
     double mpi_timeout = 0, headroom = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
     bool reference = false, group_seen = false, resume = false, dry_run = false, drop_mtp = false;
@@ -92,6 +92,12 @@ int cmd_quantize(int argc, char **argv) {
          "given; norms, biases and routers are F32", "auto|f32|f16|bf16|q8_0", 0, 0, NULL},
         {"--ignore", OPT_LIST, &ignore, "REGEX", "keep Linears whose module name matches "
          "unquantized (repeatable; PCRE2, unanchored)", NULL, 0, 0, NULL},
+        {"--rotate", OPT_CHOICE, &rotate, NULL, "residual: rotate the residual stream by a "
+         "block-diagonal randomized Hadamard folded into the weights (norms folded first; the "
+         "checkpoint computes the same function, an engine needs nothing; a tied lm_head is "
+         "untied); default none", "none|residual", 0, 0, NULL},
+        {"--rotate-block", OPT_INT, &rotate_block, "B", "--rotate: channels per Hadamard block, a "
+         "power of two dividing the hidden size (default 64)", NULL, 2, 1 << 20, NULL},
         {"--mse", OPT_FLAG, &mse, NULL, "search each group's scale (17 points, 0.70-1.10 x max) for "
          "the least squared error", NULL, 0, 0, NULL},
         {"--no-fuse", OPT_FLAG, &no_fuse, NULL, "one NVFP4 global scale per tensor (vLLM wants them "
@@ -211,6 +217,8 @@ int cmd_quantize(int argc, char **argv) {
     o.resume = resume;
     o.dry_run = dry_run;
     o.drop_mtp = drop_mtp;
+    o.rotate = strcmp(rotate, "residual") == 0 ? MOEQ_ROTATE_RESIDUAL : MOEQ_ROTATE_NONE;
+    o.rotate_block = (int32_t)rotate_block;
     o.expert_chunk = (int32_t)expert_chunk;
     if (device && strcmp(device, "cpu") && strcmp(device, "cuda") &&
         !(strncmp(device, "cuda:", 5) == 0 && device[5] && strspn(device + 5, "0123456789") == strlen(device + 5)))
