@@ -589,9 +589,9 @@ typedef struct {
                                       default: they pass through unchanged */
     moeq_rotation_kind rotate;     /* --rotate none|residual (default none) */
     int32_t rotate_block;          /* --rotate-block B: channels per Hadamard block, a power of
-                                      two >= 2 dividing the hidden size; 0 (default) = 64, or
-                                      the largest power of two dividing the hidden size if
-                                      smaller */
+                                      two >= 2 dividing the hidden size; 0 (default) = the
+                                      scheme's group size (NVFP4 16, INT4 group_size, 64 per
+                                      channel), halved until it divides the hidden size */
 } moeq_quant_options;
 
 /* Fills o with the defaults of `moeq quantize` (scheme left unset). */

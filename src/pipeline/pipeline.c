@@ -186,10 +186,12 @@ static moeq_status alloc_activations(mq_pipe *p) {
     return mq_state_new_ex(p->m, (int32_t)p->calib.max_len, false, &p->state);
 }
 
-/* Hadamard blocks of 64 channels unless the hidden size has fewer (docs/gptq_results.md). */
-static int default_rotate_block(int64_t D) {
-    int b = 64;
-    while (b > 2 && D % b) b /= 2;
+/* Hadamard blocks as wide as the scheme's groups (NVFP4 16, INT4 its group size; 64 per
+ * channel), as MR-GPTQ matches them: the best of the blocks measured on every fixture
+ * (docs/gptq_results.md); halved until they divide the hidden size. */
+static int default_rotate_block(const mq_qspec *spec, int64_t D) {
+    int b = spec->group_size > 0 ? spec->group_size : 64;
+    while (b > 2 && (D % b || (b & (b - 1)))) b /= 2;
     return b;
 }
 
@@ -199,7 +201,7 @@ static moeq_status rotation_setup(mq_pipe *p, const char *model_dir, bool *untie
     mq_config c;
     moeq_status s = mq_config_load(model_dir, &c);
     if (s) return s;
-    int b = p->o->rotate_block > 0 ? p->o->rotate_block : default_rotate_block(c.D);
+    int b = p->o->rotate_block > 0 ? p->o->rotate_block : default_rotate_block(&p->o->spec, c.D);
     s = mq_rotation_check(&c, b);
     if (!s) s = mq_rotation_init(&p->rot, &c, p->st, b, MQ_ROTATE_SEED);
     *untie = c.tie_embeddings;

@@ -74,8 +74,8 @@ typedef struct {
     bool dry_run;                  /* plan only */
     bool drop_mtp;                 /* leave out the MTP layers (plan.h) */
     /* the residual-stream rotation (model/rotate.h) with Hadamard blocks of rotate_block; -1:
-     * the default block for the model's hidden size (64 or the largest power of two dividing
-     * it); 0: none */
+     * the default block (the scheme's group size, halved until it divides the hidden size);
+     * 0: none */
     int rotate_block;
     int expert_chunk;              /* experts loaded at once; 0: as many as the budget allows */
     mq_act_storage act_storage;

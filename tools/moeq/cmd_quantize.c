@@ -97,7 +97,8 @@ int cmd_quantize(int argc, char **argv) {
          "checkpoint computes the same function, an engine needs nothing; a tied lm_head is "
          "untied); default none", "none|residual", 0, 0, NULL},
         {"--rotate-block", OPT_INT, &rotate_block, "B", "--rotate: channels per Hadamard block, a "
-         "power of two dividing the hidden size (default 64)", NULL, 2, 1 << 20, NULL},
+         "power of two dividing the hidden size (default: the group size, NVFP4 16, INT4 128; 64 "
+         "per channel)", NULL, 2, 1 << 20, NULL},
         {"--mse", OPT_FLAG, &mse, NULL, "search each group's scale (17 points, 0.70-1.10 x max) for "
          "the least squared error", NULL, 0, 0, NULL},
         {"--no-fuse", OPT_FLAG, &no_fuse, NULL, "one NVFP4 global scale per tensor (vLLM wants them "
