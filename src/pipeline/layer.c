@@ -1127,6 +1127,25 @@ static void batch_gather_task(void *ctx, int64_t task, int thread) {
         memcpy(b->xg + r * D, b->xin[b->tsample[r]] + (int64_t)b->tok[r] * D, sizeof(float) * (size_t)D);
 }
 
+/* amax and the expert weighting of one expert's rows, before any Hessian update reads them (the
+ * weighted rows are not read again) */
+static void batch_prep_task(void *ctx, int64_t ce, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    const int64_t D = b->p->c->D, F = b->p->c->moe_ffn;
+    slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
+    const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
+    if (n == 0) return;
+    if (b->amax) {
+        amax_update(&gu->amax, b->xg + r0 * D, n * D);
+        amax_update(&dn->amax, b->hg + r0 * F, n * F);
+    }
+    if (b->hess && b->p->o->expert_weighting) {
+        if (gu->h.sum) mq_hessian_weight_rows(b->xg + r0 * D, n, D, b->rw + r0);
+        if (dn->h.sum) mq_hessian_weight_rows(b->hg + r0 * F, n, F, b->rw + r0);
+    }
+}
+
 /* One expert's Hessian updates and amax over the batch: its rows are the batch's samples in
  * order, so one update adds what one update per sample would (quant/hessian.h). */
 static moeq_status batch_hessian_one(ex_batch *b, int64_t ce) {
@@ -1134,15 +1153,8 @@ static moeq_status batch_hessian_one(ex_batch *b, int64_t ce) {
     slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
     const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
     if (n == 0) return MOEQ_OK;
+    batch_prep_task(b, ce, 0);
     moeq_status st = MOEQ_OK;
-    if (b->amax) {
-        amax_update(&gu->amax, b->xg + r0 * D, n * D);
-        amax_update(&dn->amax, b->hg + r0 * F, n * F);
-    }
-    if (b->hess && b->p->o->expert_weighting) {   /* the rows are not read again */
-        if (gu->h.sum) mq_hessian_weight_rows(b->xg + r0 * D, n, D, b->rw + r0);
-        if (dn->h.sum) mq_hessian_weight_rows(b->hg + r0 * F, n, F, b->rw + r0);
-    }
     if (b->hess && gu->h.sum) st = slot_add(gu, b->xg + r0 * D, n);
     if (b->hess && dn->h.sum && !st) st = slot_add(dn, b->hg + r0 * F, n);
     return st;
@@ -1164,24 +1176,6 @@ static bool banded_hessians(const ex_batch *b) {
         if ((gu->h.sum && (gu->h.fit || gu->gh)) || (dn->h.sum && (dn->h.fit || dn->gh))) return false;
     }
     return true;
-}
-
-/* amax and the expert weighting of the rows, before any band reads them */
-static void batch_prep_task(void *ctx, int64_t ce, int thread) {
-    (void)thread;
-    ex_batch *b = ctx;
-    const int64_t D = b->p->c->D, F = b->p->c->moe_ffn;
-    slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
-    const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
-    if (n == 0) return;
-    if (b->amax) {
-        amax_update(&gu->amax, b->xg + r0 * D, n * D);
-        amax_update(&dn->amax, b->hg + r0 * F, n * F);
-    }
-    if (b->hess && b->p->o->expert_weighting) {
-        if (gu->h.sum) mq_hessian_weight_rows(b->xg + r0 * D, n, D, b->rw + r0);
-        if (dn->h.sum) mq_hessian_weight_rows(b->hg + r0 * F, n, F, b->rw + r0);
-    }
 }
 
 static void batch_band_task(void *ctx, int64_t t, int thread) {
