@@ -174,17 +174,9 @@ int bench_quantize(int argc, char **argv) {
     const int world = mq_dist_size();
     int ranks[16], n_ranks = 0;
     if (ranks_arg) {
-        for (const char *c = ranks_arg; *c && n_ranks < 16;) {
-            char *end;
-            long v = strtol(c, &end, 10);
-            if (end == c || v < 1 || v > world)
-                return cli_usage_error("bench quantize", "--ranks %s: expected counts from 1 to %d "
-                                       "(mpirun -np) separated by commas", ranks_arg, world);
-            ranks[n_ranks++] = (int)v;
-            c = *end == ',' ? end + 1 : end;
-            if (*end && *end != ',')
-                return cli_usage_error("bench quantize", "--ranks %s: expected N,N,...", ranks_arg);
-        }
+        if ((n_ranks = cli_parse_counts(ranks_arg, ranks, 16, 1, world)) < 1)
+            return cli_usage_error("bench quantize", "--ranks %s: expected counts from 1 to %d "
+                                   "(mpirun -np) separated by commas", ranks_arg, world);
     } else {
         ranks[n_ranks++] = world;
     }
