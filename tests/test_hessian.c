@@ -390,5 +390,44 @@ static void test_hessian_split(void) {
     free(x);
 }
 
-TEST_MAIN(T(test_hessian_matches_direct_sum), T(test_calib_chunks_and_random), T(test_calib_files),
+
+/* Forming H from the sum (row blocks in tiles on the pool): bit for bit the obvious loop, in
+ * place or not, for sizes that are not multiples of the tile and any thread count. */
+static void test_hessian_form_tiles(void) {
+    static const int64_t Ks[] = {1, 31, 33, 77, 130};
+    for (size_t c = 0; c < sizeof Ks / sizeof Ks[0]; c++) {
+        const int64_t K = Ks[c], T = 19, hold = 11;
+        float *x = malloc((size_t)(T * K) * sizeof(float));
+        for (int64_t i = 0; i < T * K; i++) x[i] = rnd();
+        mq_hessian h;
+        ASSERT_OK(mq_hessian_init_split(&h, K, hold, "h"));
+        mq_hessian_add(&h, x, T);
+        float *want = malloc((size_t)(K * K) * sizeof(float)), *want_held = malloc((size_t)(K * K) * sizeof(float));
+        const float scale = 2.0f / (float)T, sh = 2.0f / (float)(T - hold);
+        for (int64_t a = 0; a < K; a++)
+            for (int64_t b = 0; b < K; b++) {
+                const int64_t i = a > b ? a * K + b : b * K + a;   /* the lower triangle's element */
+                want[a * K + b] = scale * h.sum[i];
+                want_held[a * K + b] = sh * (h.sum[i] - h.fit[i]);
+            }
+        float *out = malloc((size_t)(K * K) * sizeof(float));
+        for (int threads = 1; threads <= 3; threads += 2) {
+            moeq_set_threads(threads);
+            mq_hessian_get(&h, out);
+            ASSERT_TRUE(memcmp(out, want, (size_t)(K * K) * sizeof(float)) == 0);
+        }
+        int64_t nf, nh;
+        mq_hessian_get_split(&h, h.sum, h.fit, &nf, &nh);   /* in place */
+        ASSERT_TRUE(memcmp(h.sum, want, (size_t)(K * K) * sizeof(float)) == 0);
+        ASSERT_TRUE(memcmp(h.fit, want_held, (size_t)(K * K) * sizeof(float)) == 0);
+        mq_hessian_free(&h);
+        free(x);
+        free(want);
+        free(want_held);
+        free(out);
+    }
+    moeq_set_threads(0);
+}
+
+TEST_MAIN(T(test_hessian_matches_direct_sum), T(test_hessian_form_tiles), T(test_calib_chunks_and_random), T(test_calib_files),
           T(test_calib_jsonl_gz_messages), T(test_hessian_weighted_rows), T(test_hessian_split))

@@ -56,6 +56,7 @@ typedef struct {
     double attention;             /* the part of forward in the attention passes */
     /* process CPU seconds of the same stages (mq_layer_stats) */
     double cpu_forward, cpu_hessian, cpu_gptq, cpu_write, cpu_total, cpu_attention;
+    double read, cpu_read;        /* reading the layer's weights into fp32 (and freeing them) */
     double wait, exchange;        /* several ranks: waiting for the others, moving data */
     double snapshot;              /* the work directory's record of the layer and the snapshot of
                                      the boundary after it (written, synced) */

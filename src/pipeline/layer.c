@@ -40,6 +40,24 @@ static moeq_status check_interrupt(void) {
     return moeq_interrupted() ? mq_err(MOEQ_E_INTERRUPTED, "quantization interrupted") : MOEQ_OK;
 }
 
+/* The source's weights of a layer part, read into fp32 (mq_lazy_load_ex) or freed, timed as the
+ * layer's read stage. */
+static moeq_status read_part(mq_pipe *p, int l, unsigned what, int e0, int e1,
+                             bool (*alloc_only)(float **dest, void *user), void *user) {
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    moeq_status st = mq_lazy_load_ex(p->lz, l, what, e0, e1, alloc_only, user);
+    p->layers[l].read += mq_now() - t0;
+    p->layers[l].cpu_read += mq_cpu_now() - c0;
+    return st;
+}
+
+static void drop_part(mq_pipe *p, int l, unsigned what, int e0, int e1) {
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    mq_lazy_release(p->lz, l, what, e0, e1);
+    p->layers[l].read += mq_now() - t0;
+    p->layers[l].cpu_read += mq_cpu_now() - c0;
+}
+
 static void item_mark(mq_pipe *p, const mq_plan_item *it) { p->item_done[it - p->plan.items] = 1; }
 
 /* ---- slots: the Linears that read one input and share its Hessian ------------------------- */
@@ -184,6 +202,15 @@ static moeq_status slot_form(slot *s) {
     }
     s->H = s->h.sum;
     s->h.sum = NULL;
+    return st;
+}
+
+/* slot_form timed as the layer's Hessian stage (the forming is O(K^2) on the pool). */
+static moeq_status slot_form_timed(mq_pipe *p, int l, slot *s) {
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    moeq_status st = slot_form(s);
+    p->layers[l].hessian += mq_now() - t0;
+    p->layers[l].cpu_hessian += mq_cpu_now() - c0;
     return st;
 }
 
@@ -918,7 +945,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     mq_layer *ly = &p->m->layers[l];
     const int64_t Lmax = p->calib.max_len, D = c->D, Q = (int64_t)c->n_heads * c->v_head_dim;
     unsigned parts = MQ_PART_ATTN | MQ_PART_FFN_NORM | (ly->is_moe ? MQ_PART_ROUTER : 0);
-    moeq_status st = mq_lazy_load(p->lz, l, parts, 0, 0);
+    moeq_status st = read_part(p, l, parts, 0, 0, NULL, NULL);
     if (st) return st;
     /* slots: q/k/v (MLA: q_a or q_proj with kv_a), o; MLA also q_b and kv_b */
     slot sl[4];
@@ -993,7 +1020,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         }
         for (int i = 0; i < n_sl; i++) {
             sl[i].tokens = sl[i].h.n;
-            moeq_status fs = slot_form(&sl[i]);
+            moeq_status fs = slot_form_timed(p, l, &sl[i]);
             if (!st) st = fs;
         }
         if (!st) st = quantize_slots(p, l, sl, n_sl, NULL);
@@ -1024,7 +1051,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     mq_free(sc.xt);
     mq_free(sc.xn);
     mq_free(sc.probs);
-    mq_lazy_release(p->lz, l, MQ_PART_ATTN, 0, 0);
+    drop_part(p, l, MQ_PART_ATTN, 0, 0);
     mq_state_drop_layer(p->state, l);
     return st;
 }
@@ -1649,7 +1676,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     const bool calib = p->calibrate && !replay;
     for (int e0 = (int)own_lo; e0 < own_hi && !st; e0 += C) {
         const int e1 = e0 + C < own_hi ? e0 + C : (int)own_hi;
-        if ((st = mq_lazy_load(p->lz, l, MQ_PART_EXPERTS, e0, e1))) break;
+        if ((st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, NULL, NULL))) break;
         if (e1 < own_hi) mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, e1, e1 + C < own_hi ? e1 + C : (int)own_hi);
         for (int e = e0; e < e1 && !st && calib; e++)
             if (!(st = slot_hessian(p, &gu[e]))) st = slot_hessian(p, &dn[e]);
@@ -1659,7 +1686,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             st = experts_pass(p, l, e0, e1, hs, !p->seq && !dist, o->gptq, o->act_quant, gu, dn, false);
         if (!st && calib && o->gptq) st = fallback_down(p, l, dn, e0, e1);
         for (int e = e0; e < e1 && calib; e++) {
-            moeq_status fa = slot_form(&gu[e]), fb = slot_form(&dn[e]);
+            moeq_status fa = slot_form_timed(p, l, &gu[e]), fb = slot_form_timed(p, l, &dn[e]);
             if (!st) st = fa ? fa : fb;
         }
         if (!st && !replay) {
@@ -1699,7 +1726,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             slot_drop_sums(&gu[e]);
             slot_drop_sums(&dn[e]);
         }
-        mq_lazy_release(p->lz, l, MQ_PART_EXPERTS, e0, e1);
+        drop_part(p, l, MQ_PART_EXPERTS, e0, e1);
         p->layers[l].chunks++;
         if (!st && mq_fault_point("chunk", l, (e0 - (int)own_lo) / C))
             st = mq_err(MOEQ_E_IO, "layer %d, expert chunk %d: injected fault (MOEQ_FAULT)", l, (e0 - (int)own_lo) / C);
@@ -1716,12 +1743,12 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         for (int e0 = 0; e0 < E && !st; e0 += C) {
             const int e1 = e0 + C < E ? e0 + C : E;
             quantized_in qi = {gu + e0, dn + e0, e1 - e0};
-            st = mq_lazy_load_ex(p->lz, l, MQ_PART_EXPERTS, e0, e1, p->seq ? is_quantized_in : NULL, &qi);
+            st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, p->seq ? is_quantized_in : NULL, &qi);
             st = mq_dist_agree(st, step);
             if (!st) st = share_slots(p, l, gu + e0, e1 - e0);
             if (!st) st = share_slots(p, l, dn + e0, e1 - e0);
             if (!st) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, true);
-            mq_lazy_release(p->lz, l, MQ_PART_EXPERTS, e0, e1);
+            drop_part(p, l, MQ_PART_EXPERTS, e0, e1);
             mq_pipe_progress(p, p->mp_units.expert * (e1 - e0));
         }
     }
@@ -1781,7 +1808,7 @@ static moeq_status mlp_pass(mq_pipe *p, int l, bool shared, slot *sl, ffn_source
 static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
     mq_layer *ly = &p->m->layers[l];
     const unsigned part = shared ? MQ_PART_SHARED : MQ_PART_MLP;
-    moeq_status st = mq_lazy_load(p->lz, l, part, 0, 0);
+    moeq_status st = read_part(p, l, part, 0, 0, NULL, NULL);
     if (st) return st;
     mq_linear *g = shared ? &ly->sh_gate : &ly->gate;
     slot sl[2];
@@ -1803,7 +1830,7 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
             st = mlp_pass(p, l, shared, sl, hessian_source(p), true, !p->seq && !dist, xs, hg, hu, y, sgate, false);
         for (int i = 0; i < 2; i++) {
             sl[i].tokens = sl[i].h.n;
-            moeq_status fs = slot_form(&sl[i]);
+            moeq_status fs = slot_form_timed(p, l, &sl[i]);
             if (!st) st = fs;
         }
         if (!st) st = quantize_slots(p, l, sl, 2, NULL);
@@ -1828,7 +1855,7 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
     mq_free(hu);
     mq_free(y);
     mq_free(sgate);
-    mq_lazy_release(p->lz, l, part, 0, 0);
+    drop_part(p, l, part, 0, 0);
     mq_pipe_progress(p, p->mp_units.mlp);
     return st;
 }
@@ -2098,7 +2125,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     }
     if (!st && !replay) st = mq_pipe_layer_rtn(p, l);   /* Linears the model's forward lacks */
     if (!st && !replay) st = mq_pipe_write_passthrough(p, l);
-    mq_lazy_release(p->lz, l, MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_SHARED | MQ_PART_MLP, 0, 0);
+    drop_part(p, l, MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_SHARED | MQ_PART_MLP, 0, 0);
     p->layers[l].total += mq_now() - t0;
     p->layers[l].cpu_total += mq_cpu_now() - c0;
     double w1, x1;

@@ -291,6 +291,7 @@ static void sum_modules(mq_pipe *p) {
         r->seconds_hessian += p->layers[l].hessian;
         r->seconds_gptq += p->layers[l].gptq;
         r->seconds_write += p->layers[l].write;
+        r->seconds_read += p->layers[l].read;
     }
 }
 
@@ -306,9 +307,9 @@ static void log_layer(const mq_pipe *p, int l, double t_start) {
         snprintf(ranks, sizeof ranks, ", waiting for other ranks %.1f, moving data %.1f", lr->wait, lr->exchange);
     char snap[48] = "";
     if (lr->snapshot >= 0.05) snprintf(snap, sizeof snap, ", then %.1f s to record it", lr->snapshot);
-    mq_info("layer %d/%d: %.1f s (forward %.1f of which attention %.1f, Hessians %.1f, GPTQ %.1f, "
+    mq_info("layer %d/%d: %.1f s (read %.1f, forward %.1f of which attention %.1f, Hessians %.1f, GPTQ %.1f, "
             "write %.1f%s)%s%s, peak %.2f GB; about %.0f s left", l + 1, p->plan.n_layers, lr->total,
-            lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, ranks, chunks, snap,
+            lr->read, lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, ranks, chunks, snap,
             (double)lr->peak_anon / 1e9, left);
 }
 
@@ -391,7 +392,7 @@ static moeq_status run(mq_pipe *p) {
             p->res->layer[p->res->layers_run++] = (mq_layer_stats){
                 lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, lr->total,
                 lr->cpu_forward, lr->cpu_attention, lr->cpu_hessian, lr->cpu_gptq, lr->cpu_write,
-                lr->cpu_total, lr->wait, lr->exchange, lr->peak_anon, lr->chunks};
+                lr->cpu_total, lr->wait, lr->exchange, lr->peak_anon, lr->chunks, lr->read, lr->cpu_read};
         }
     }
     return s;

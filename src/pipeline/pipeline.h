@@ -130,6 +130,7 @@ typedef struct {
     double wait, exchange;         /* several ranks: waiting for the others, moving data */
     int64_t peak_anon;
     int32_t chunks;
+    double read, cpu_read;         /* the source's weights read and converted to fp32, and freed */
 } mq_layer_stats;
 
 typedef struct {
@@ -149,6 +150,7 @@ typedef struct {
     int64_t linears, fallbacks, worse_than_rtn;
     double loss, rtn_loss;
     double seconds_forward, seconds_hessian, seconds_gptq, seconds_write, seconds_total;
+    double seconds_read;   /* the source's weights read into fp32 */
     mq_layer_stats layer[512];     /* the first 512 layers run */
     int32_t layers_run;
     int32_t ranks;                 /* processes of the run (src/dist) */

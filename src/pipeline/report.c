@@ -115,6 +115,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
     cJSON_AddNumberToObject(sec, "hessians", r->seconds_hessian);
     cJSON_AddNumberToObject(sec, "gptq", r->seconds_gptq);
     cJSON_AddNumberToObject(sec, "write", r->seconds_write);
+    cJSON_AddNumberToObject(sec, "read", r->seconds_read);
     cJSON_AddNumberToObject(j, "peak_anon_bytes", (double)r->peak_anon);
     cJSON_AddNumberToObject(j, "layers_resumed", r->layers_resumed);
     cJSON *layers = cJSON_AddArrayToObject(j, "layers");
@@ -129,6 +130,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
         cJSON_AddNumberToObject(s, "hessians", lr->hessian);
         cJSON_AddNumberToObject(s, "gptq", lr->gptq);
         cJSON_AddNumberToObject(s, "write", lr->write);
+        cJSON_AddNumberToObject(s, "read", lr->read);
         cJSON_AddNumberToObject(x, "peak_anon_bytes", (double)lr->peak_anon);
         cJSON_AddNumberToObject(x, "expert_chunks", lr->chunks);
         cJSON_AddItemToArray(layers, x);

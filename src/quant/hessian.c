@@ -63,20 +63,48 @@ void mq_hessian_add(mq_hessian *h, const float *x, int64_t rows) {
     h->n += rows;
 }
 
+/* Forming H from the sum is O(K^2) per Linear (64 experts of K = 2048 are a gigabyte a layer): row
+ * blocks of the lower triangle on the pool, each in square tiles so the mirrored writes stay in
+ * cache. Element (a, b), a >= b, is read once and written with its mirror (b, a) by the block of
+ * row a only, so the blocks touch disjoint elements and every output may be the sum's buffer
+ * itself (the upper triangle, written, is never read). */
+enum { FORM_TILE = 32 };
+
+typedef struct {
+    const float *sum, *fit;   /* fit: the split's copy at the boundary, or NULL */
+    float *whole, *held;
+    int64_t K;
+    float scale, sh;
+} form_job;
+
+static void form_task(void *ctx, int64_t blk, int thread) {
+    (void)thread;
+    const form_job *j = ctx;
+    const int64_t K = j->K, a0 = blk * FORM_TILE, a1 = a0 + FORM_TILE < K ? a0 + FORM_TILE : K;
+    for (int64_t b0 = 0; b0 < a1; b0 += FORM_TILE) {
+        const int64_t b1 = b0 + FORM_TILE < K ? b0 + FORM_TILE : K;
+        for (int64_t a = a0; a < a1; a++)
+            for (int64_t b = b0; b < b1 && b <= a; b++) {
+                const float v = j->sum[a * K + b];
+                if (j->held) {
+                    const float w = j->sh * (v - j->fit[a * K + b]);
+                    j->held[a * K + b] = j->held[b * K + a] = w;
+                }
+                j->whole[a * K + b] = j->whole[b * K + a] = j->scale * v;
+            }
+    }
+}
+
+static void form(const mq_hessian *h, float *whole, float *held, float sh) {
+    form_job j = {h->sum, h->fit, whole, held, h->K, h->n > 0 ? 2.0f / (float)h->n : 0.0f, sh};
+    mq_parallel_for((h->K + FORM_TILE - 1) / FORM_TILE, form_task, &j);
+}
+
 void mq_hessian_get_split(mq_hessian *h, float *whole, float *held, int64_t *n_fit,
                           int64_t *n_held) {
-    const int64_t K = h->K;
     if (!h->fit_taken) take_fit(h);   /* every row was before the boundary */
     const int64_t nf = h->n < h->hold ? h->n : h->hold, nh = h->n - nf;
-    const float sh = nh > 0 ? 2.0f / (float)nh : 0.0f;
-    /* the lower triangles are read before either output's element (a, b) or (b, a) is written:
-     * in place on sum and fit works */
-    for (int64_t a = 0; a < K; a++)
-        for (int64_t b = 0; b <= a; b++) {
-            float v = sh * (h->sum[a * K + b] - h->fit[a * K + b]);
-            held[a * K + b] = held[b * K + a] = v;
-        }
-    mq_hessian_get(h, whole);
+    form(h, whole, held, nh > 0 ? 2.0f / (float)nh : 0.0f);
     *n_fit = nf;
     *n_held = nh;
 }
@@ -103,9 +131,4 @@ void mq_hessian_merge(mq_hessian *dst, const mq_hessian *src) {
     dst->n += src->n;
 }
 
-void mq_hessian_get(const mq_hessian *h, float *out) {
-    const int64_t K = h->K;
-    const float scale = h->n > 0 ? 2.0f / (float)h->n : 0.0f;
-    for (int64_t a = 0; a < K; a++)
-        for (int64_t b = 0; b <= a; b++) out[a * K + b] = out[b * K + a] = scale * h->sum[a * K + b];
-}
+void mq_hessian_get(const mq_hessian *h, float *out) { form(h, out, NULL, 0.0f); }

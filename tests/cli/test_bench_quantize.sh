@@ -13,6 +13,9 @@ assert j["layers_run"] == 1 and j["layers"] == 4, j
 assert j["samples"] == 4 and j["tokens"] == 256, j
 L = j["per_layer"][0]
 assert L["total"] >= L["forward"] >= L["attention"] > 0, L
+assert L["read"] > 0, L   # the layer's bf16 weights converted to fp32
+parts = L["read"] + L["forward"] + L["hessians"] + L["gptq"] + L["write"]
+assert parts <= L["total"] + 0.005, L   # the stages do not overlap; 1 ms printed rounding per figure
 assert 0 < j["forward_fraction_of_sgemm"] < 5, j
 assert 0 < j["peak_anon_bytes"] <= j["budget_bytes"], j
 assert abs(j["extrapolated_seconds"] - 4 * L["total"]) <= 0.01, j   # both printed to 1 ms
@@ -32,7 +35,7 @@ rows = j["thread_scaling"]
 assert [r["threads"] for r in rows] == [1, 3], rows
 for r in rows:
     assert r["core_rate"] > 0, r
-    for st in ("forward", "attention", "hessians", "gptq", "write", "total"):
+    for st in ("read", "forward", "attention", "hessians", "gptq", "write", "total"):
         assert st in r, (st, r)
     t = r["total"]
     assert t["seconds_per_layer"] > 0 and 0 < t["cores_busy"] <= r["threads"] + 0.5, r

@@ -30,16 +30,17 @@
 #include "pipeline/pipeline.h"
 
 /* The stages of a layer: wall and CPU seconds summed over the layers run. */
-enum { ST_FORWARD, ST_ATTENTION, ST_HESSIAN, ST_GPTQ, ST_WRITE, ST_TOTAL, N_STAGES };
-static const char *const stage_name[N_STAGES] = {"forward", "attention", "hessians", "gptq", "write", "total"};
+enum { ST_READ, ST_FORWARD, ST_ATTENTION, ST_HESSIAN, ST_GPTQ, ST_WRITE, ST_TOTAL, N_STAGES };
+static const char *const stage_name[N_STAGES] = {"read", "forward", "attention", "hessians", "gptq", "write",
+                                                 "total"};
 
 static void stage_sums(const mq_pipeline_result *r, double wall[N_STAGES], double cpu[N_STAGES]) {
     memset(wall, 0, sizeof(double) * N_STAGES);
     memset(cpu, 0, sizeof(double) * N_STAGES);
     for (int l = 0; l < r->layers_run; l++) {
         const mq_layer_stats *s = &r->layer[l];
-        const double w[N_STAGES] = {s->forward, s->attention, s->hessian, s->gptq, s->write, s->total};
-        const double c[N_STAGES] = {s->cpu_forward, s->cpu_attention, s->cpu_hessian, s->cpu_gptq,
+        const double w[N_STAGES] = {s->read, s->forward, s->attention, s->hessian, s->gptq, s->write, s->total};
+        const double c[N_STAGES] = {s->cpu_read, s->cpu_forward, s->cpu_attention, s->cpu_hessian, s->cpu_gptq,
                                     s->cpu_write, s->cpu_total};
         for (int k = 0; k < N_STAGES; k++) {
             wall[k] += w[k];
@@ -235,9 +236,10 @@ int bench_quantize(int argc, char **argv) {
     mq_pipeline_result *r = &rs[n_runs - 1];
     double sgemm = mq_measure_sgemm_gflops(1024, 1.0);
     const int run = r->layers_run;
-    double sum = 0, fwd = 0, att = 0, hes = 0, gq = 0, wr = 0;
+    double sum = 0, fwd = 0, att = 0, hes = 0, gq = 0, wr = 0, rd = 0;
     for (int l = 0; l < run; l++) {
         sum += r->layer[l].total;
+        rd += r->layer[l].read;
         fwd += r->layer[l].forward;
         att += r->layer[l].attention;
         hes += r->layer[l].hessian;
@@ -256,9 +258,9 @@ int bench_quantize(int argc, char **argv) {
                model_type, n_layers, run, (long long)r->samples, (long long)r->tokens,
                moeq_threads(), r->plan.chunk);
         for (int l = 0; l < run; l++)
-            printf("%s{\"forward\": %.3f, \"attention\": %.3f, \"hessians\": %.3f, \"gptq\": %.3f, "
-                   "\"write\": %.3f, \"total\": %.3f, \"peak_anon_bytes\": %lld}", l ? ", " : "",
-                   r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian, r->layer[l].gptq,
+            printf("%s{\"read\": %.3f, \"forward\": %.3f, \"attention\": %.3f, \"hessians\": %.3f, "
+                   "\"gptq\": %.3f, \"write\": %.3f, \"total\": %.3f, \"peak_anon_bytes\": %lld}", l ? ", " : "",
+                   r->layer[l].read, r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian, r->layer[l].gptq,
                    r->layer[l].write, r->layer[l].total, (long long)r->layer[l].peak_anon);
         printf("], \"forward_gflops\": %.2f, \"sgemm_gflops\": %.2f, \"forward_fraction_of_sgemm\": %.3f, "
                "\"peak_anon_bytes\": %lld, \"planned_peak_bytes\": %lld, \"budget_bytes\": %lld, "
@@ -271,13 +273,15 @@ int bench_quantize(int argc, char **argv) {
                (long long)(r->samples ? r->tokens / r->samples : 0), moeq_threads(), run, n_layers,
                r->plan.chunk);
         for (int l = 0; l < run; l++)
-            printf("  layer %d: %.1f s = forward %.1f (attention %.1f) + Hessians %.1f + GPTQ %.1f + "
-                   "write %.1f + waiting for other ranks %.1f + moving data %.1f; peak %.2f GB\n", l,
-                   r->layer[l].total, r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian,
+            printf("  layer %d: %.1f s = read %.1f + forward %.1f (attention %.1f) + Hessians %.1f + GPTQ %.1f + "
+                   "write %.1f + waiting for other ranks %.1f + moving data %.1f + other %.1f; peak %.2f GB\n", l,
+                   r->layer[l].total, r->layer[l].read, r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian,
                    r->layer[l].gptq, r->layer[l].write, r->layer[l].wait, r->layer[l].exchange,
+                   r->layer[l].total - r->layer[l].read - r->layer[l].forward - r->layer[l].hessian -
+                       r->layer[l].gptq - r->layer[l].write - r->layer[l].wait - r->layer[l].exchange,
                    (double)r->layer[l].peak_anon / 1e9);
-        printf("per layer: %.1f s (forward %.1f, attention %.1f of it, Hessians %.1f, GPTQ %.1f, write %.1f)\n",
-               sum / run, fwd / run, att / run, hes / run, gq / run, wr / run);
+        printf("per layer: %.1f s (read %.1f, forward %.1f, attention %.1f of it, Hessians %.1f, GPTQ %.1f, "
+               "write %.1f)\n", sum / run, rd / run, fwd / run, att / run, hes / run, gq / run, wr / run);
         printf("forward: %.1f GFLOP/s = %.2f x sgemm (%.1f GFLOP/s, OpenBLAS 1024^3, same run)\n",
                fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, frac, sgemm);
         printf("peak anonymous memory: %.2f GB (planned %.2f GB, budget %.2f GB)\n",
