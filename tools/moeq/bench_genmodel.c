@@ -1055,7 +1055,7 @@ int bench_gen_model(int argc, char **argv) {
         "names and shapes and random weights, N(0, 0.02) with norms at 1, deterministic in\n"
         "--seed.\n"
         "--layers/--experts/--hidden/--ffn/--vocab make smaller variants of the same layout.\n"
-        "NAME: olmoe-1b-7b, qwen3-30b-a3b, mixtral-8x7b, qwen2-moe-a2.7b, llama-3.2-1b.",
+        "NAME: olmoe-1b-7b, qwen3-30b-a3b, mixtral-8x7b, qwen2-moe-a2.7b, llama-3.2-1b, deepseek-v3.",
         opts, (int)(sizeof opts / sizeof opts[0]), 0, 0, NULL};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
