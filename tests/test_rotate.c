@@ -236,11 +236,15 @@ static void check_model(const char *name, int block) {
     float *a = logits_of(m0, ids, T), *b = logits_of(m1, ids, T), *c = logits_of(m2, ids, T);
     const size_t n = (size_t)T * (size_t)m0->cfg.vocab;
     double amax = 0, d1 = 0, d2 = 0;
+    size_t nonfinite = 0;   /* counted apart: a NaN would pass a max that skips it */
     for (size_t i = 0; i < n; i++) {
-        amax = fmax(amax, fabs(a[i]));
-        d1 = fmax(d1, fabs((double)a[i] - b[i]));
-        d2 = fmax(d2, fabs((double)a[i] - c[i]));
+        const double x = a[i], e1 = fabs(x - b[i]), e2 = fabs(x - c[i]);
+        nonfinite += !isfinite(x) || !isfinite(e1) || !isfinite(e2);
+        if (fabs(x) > amax) amax = fabs(x);
+        if (e1 > d1) d1 = e1;
+        if (e2 > d2) d2 = e2;
     }
+    if (nonfinite) FAIL("%s: %zu logits of the models are not finite", name, nonfinite);
     /* The tolerance: every rotated weight carries up to (log2 b + 2) fp32 roundings (the
      * butterflies, the 1/sqrt(b) scale, the norm product), relative u = 2^-24 each, and every
      * product of the forward is summed in another order over D terms (sqrt(D) u typical). The
