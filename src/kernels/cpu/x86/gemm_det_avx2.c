@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu/syrk_panels.h"
 #include "kernels/gemm_det.h"
 
 enum { MR = 16, NR = 6 };
@@ -113,7 +114,7 @@ void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_
  * (P[panel][r][16], one page per panel and block instead of one per row), so the tiles read it
  * sequentially; the chain of every element runs on across the blocks unchanged. Tiles reach past
  * the diagonal in the last panel of a row group (elements above the diagonal, never read). */
-enum { SR = 6, SC = 16, ROWS_BLK = 64 };
+enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 
 static _Thread_local float *tl_pack;
 static _Thread_local size_t tl_cap;
@@ -184,45 +185,18 @@ static void syrk_tile_n(int64_t n, const float *P, int64_t i0, int nr, int64_t j
     }
 }
 
-/* The elements the vector tiles leave, as the scalar chain (the same per element). */
-static void syrk_scalar(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
-                        float *C, int64_t ldc) {
-    const int64_t pstride = ROWS_BLK * SC;
-    for (int64_t i = i0; i < i1; i++)
-        for (int64_t j = j0; j < j1 && j <= i; j++) {
-            const float *pi = P + (i / SC) * pstride + i % SC, *pj = P + (j / SC) * pstride + j % SC;
-            float acc = C[i * ldc + j];
-            for (int64_t r = 0; r < n; r++) acc = fmaf(pi[r * SC], pj[r * SC], acc);
-            C[i * ldc + j] = acc;
-        }
-}
-
 void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
                           int64_t ldc, int64_t row0, int64_t row1) {
     if (K <= 0 || n <= 0 || row0 >= row1) return;
     const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    const size_t need = (size_t)panels * ROWS_BLK * SC;
-    if (need > tl_cap) {
-        free(tl_pack);
-        tl_pack = aligned_alloc(32, need * sizeof(float));
-        tl_cap = tl_pack ? need : 0;
-        if (!tl_pack) {   /* no scratch: the reference gives the same values */
-            mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
-            return;
-        }
+    float *P = syrk_scratch(&tl_pack, &tl_cap, (size_t)panels * ROWS_BLK * SC, 32);
+    if (!P) {   /* no scratch: the reference gives the same values */
+        mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
+        return;
     }
-    float *P = tl_pack;
     for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
         const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
-        for (int64_t p = 0; p < panels; p++) {
-            float *dst = P + p * ROWS_BLK * SC;
-            const int64_t c0 = p * SC, w = K - c0 < SC ? K - c0 : SC;
-            for (int64_t r = 0; r < rb; r++) {
-                const float *src = X + (r0 + r) * ldx + c0;
-                memcpy(dst + r * SC, src, sizeof(float) * (size_t)w);
-                if (w < SC) memset(dst + r * SC + w, 0, sizeof(float) * (size_t)(SC - w));
-            }
-        }
+        syrk_pack(X, ldx, K, r0, rb, panels, P);
         for (int64_t i0 = row0; i0 < row1; i0 += SR) {
             const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
             int64_t j0 = 0;
@@ -230,7 +204,7 @@ void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, flo
                 if (i1 - i0 == SR) syrk_tile6(rb, P, i0, j0, C, ldc);
                 else syrk_tile_n(rb, P, i0, (int)(i1 - i0), j0, C, ldc);
             }
-            syrk_scalar(rb, P, i0, i1, j0, i1, C, ldc);
+            syrk_edge(rb, P, i0, i1, j0, i1, C, ldc);
         }
     }
 }

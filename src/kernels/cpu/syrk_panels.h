@@ -1,0 +1,57 @@
+/*
+ * The deterministic Hessian update's data layout, shared by its SIMD kernels
+ * (x86/gemm_det_avx2.c, x86/gemm_det_avx512.c, arm/gemm_det_neon.c): X goes in blocks of
+ * SYRK_ROWS rows, repacked by SYRK_SC-column panels (P[panel][r][SYRK_SC], zero past K), which
+ * the kernels' tiles of SYRK_SR rows read sequentially; the elements the tiles leave are the
+ * scalar chain, one fmaf per row in row order from C, as the reference computes every element.
+ * What differs between the kernels is only their tiles.
+ */
+#ifndef MOEQ_KERNELS_CPU_SYRK_PANELS_H
+#define MOEQ_KERNELS_CPU_SYRK_PANELS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { SYRK_SR = 6, SYRK_SC = 16, SYRK_ROWS = 64 };
+
+/* The calling thread's panel scratch of at least `floats` floats, kept between calls (NULL when
+ * it cannot be had: the caller falls back to the reference, which gives the same values). */
+static inline float *syrk_scratch(float **buf, size_t *cap, size_t floats, size_t align) {
+    if (floats > *cap) {
+        free(*buf);
+        *buf = aligned_alloc(align, (floats * sizeof(float) + align - 1) / align * align);
+        *cap = *buf ? floats : 0;
+    }
+    return *buf;
+}
+
+/* Rows [r0, r0 + rb) of X [n, K] (row stride ldx) into `panels` panels of P. */
+static inline void syrk_pack(const float *X, int64_t ldx, int64_t K, int64_t r0, int64_t rb,
+                             int64_t panels, float *P) {
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = P + p * SYRK_ROWS * SYRK_SC;
+        const int64_t c0 = p * SYRK_SC, w = K - c0 < SYRK_SC ? K - c0 : SYRK_SC;
+        for (int64_t r = 0; r < rb; r++) {
+            memcpy(dst + r * SYRK_SC, X + (r0 + r) * ldx + c0, sizeof(float) * (size_t)w);
+            if (w < SYRK_SC) memset(dst + r * SYRK_SC + w, 0, sizeof(float) * (size_t)(SYRK_SC - w));
+        }
+    }
+}
+
+/* C[i][j] for i in [i0, i1), j in [j0, min(j1, i + 1)): the scalar chain over the n packed rows. */
+static inline void syrk_edge(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                             float *C, int64_t ldc) {
+    const int64_t pstride = SYRK_ROWS * SYRK_SC;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1 && j <= i; j++) {
+            const float *pi = P + (i / SYRK_SC) * pstride + i % SYRK_SC;
+            const float *pj = P + (j / SYRK_SC) * pstride + j % SYRK_SC;
+            float acc = C[i * ldc + j];
+            for (int64_t r = 0; r < n; r++) acc = fmaf(pi[r * SYRK_SC], pj[r * SYRK_SC], acc);
+            C[i * ldc + j] = acc;
+        }
+}
+
+#endif
