@@ -13,6 +13,19 @@
  * asymmetric -> Q4_1 (d = scale, m = -zero * scale rounded to f16); NVFP4 -> ggml NVFP4 blocks of
  * 64 (the E4M3 block scales and E2M1 codes as they are) plus NAME.scale, the global multiplier
  * (1/global for compressed-tensors' divisor), which llama.cpp multiplies into the matmul output.
+ *
+ * deepseek_v3 / kimi_k2 -> llama.cpp's deepseek2 (src/models/deepseek2.cpp, and its
+ * convert_hf_to_gguf.py for the names): latent attention as llama.cpp's absorbed MLA runs it,
+ * kv_b_proj split per head into attn_k_b (the k_nope rows transposed, ne {nope, kv_lora, H}) and
+ * attn_v_b (the v rows, ne {kv_lora, v, H}); head_count_kv 1, key/value_length the latent widths,
+ * *_mla the per-head ones. attn_v_b keeps kv_b's codes (its rows are kv_b's rows); attn_k_b is
+ * kv_b transposed, so quantization groups would run along the wrong axis: it is written in float
+ * (the dequantized values, F32 by default: exact). llama.cpp's RoPE pairs adjacent values, as
+ * rope_interleave does; without it the rotary rows of q and of kv_a's k_rot are permuted like
+ * llama's q/k. YaRN: llama.cpp's graph assumes mscale == mscale_all_dim (true of DeepSeek-V3 and
+ * Kimi K2); otherwise rope.scaling.attn_factor and yarn_log_multiplier are chosen so that its
+ * cos/sin factor and softmax scale are transformers' (see yarn_kvs). MTP layers are left out, as
+ * llama.cpp's converter does.
  */
 #include <errno.h>
 #include <math.h>
@@ -38,12 +51,16 @@ bool mq_gguf_rest_parse(const char *s, mq_gguf_rest *out) {
 /* ---- the architecture from config.json -------------------------------------------------------- */
 
 typedef struct {
-    const char *arch;          /* llama.cpp's: llama, olmoe, qwen2moe, qwen3moe */
+    const char *arch;          /* llama.cpp's: llama, olmoe, qwen2moe, qwen3moe, deepseek2 */
     const char *model_type;
     bool mixtral, permute_qk;
     int64_t D, L, H, KV, HD, FF, E, K, FF_EXP, FF_SH, ctx, vocab;
     double eps, theta;
     bool tie, norm_topk;
+    /* deepseek2 (mla): latent widths, routing, YaRN */
+    bool mla, interleave, yarn;
+    int64_t q_lora, kv_lora, nope, rope, vhd, n_shared, first_dense, n_group, topk_group, mtp, yarn_orig;
+    double routed_scale, yarn_factor, yarn_a, yarn_lm;   /* yarn_a, yarn_lm: yarn_kvs */
 } arch_cfg;
 
 static const cJSON *item(const cJSON *c, const char *k) {
@@ -63,9 +80,119 @@ static int64_t inum(const cJSON *c, const char *k, int64_t dflt) {
     return num(c, k, &v) ? (int64_t)v : dflt;
 }
 
+/* dflt when absent, null_val when null (transformers' configs spell "all" / "none" as null) */
+static int64_t inum_null(const cJSON *c, const char *k, int64_t dflt, int64_t null_val) {
+    const cJSON *x = cJSON_GetObjectItemCaseSensitive(c, k);
+    return x && cJSON_IsNull(x) ? null_val : inum(c, k, dflt);
+}
+
 static bool flag(const cJSON *c, const char *k, bool dflt) {
     const cJSON *x = item(c, k);
     return x && cJSON_IsBool(x) ? cJSON_IsTrue(x) : dflt;
+}
+
+/* yarn_get_mscale of transformers. */
+static double yarn_g(double f, double m) { return f <= 1 ? 1.0 : 0.1 * m * log(f) + 1.0; }
+
+/* The two YaRN KVs of deepseek2 for transformers' cos/sin factor A and softmax scale G^2/sqrt(d).
+ * llama.cpp (llama-context.cpp, models/deepseek2.cpp), with a = rope.scaling.attn_factor and
+ * m = yarn_log_multiplier / 0.1: cos/sin times a, softmax scale a^2 g(m)^2 / sqrt(d) (m != 0),
+ * or a g(1) and (a g(1))^2 / sqrt(d) (no multiplier). DeepSeek-V3 and Kimi K2 (mscale ==
+ * mscale_all_dim, so A = 1) get a = 1 and m = mscale_all_dim, what its converter writes. */
+static void yarn_kvs(double f, double A, double G, double *a, double *lm) {
+    if (A == G) {   /* m would be 0: the branch without the multiplier */
+        *a = A / yarn_g(f, 1.0);
+        *lm = 0;
+        return;
+    }
+    *a = A;
+    *lm = (G / A - 1.0) / (0.1 * log(f));
+}
+
+/* deepseek_v3 / kimi_k2 as llama.cpp's deepseek2: what its graph computes, or a refusal naming
+ * the difference. */
+static moeq_status read_deepseek(const cJSON *c, const char *what, arch_cfg *a) {
+    a->arch = "deepseek2";
+    a->mla = true;
+    a->D = inum(c, "hidden_size", 0);
+    a->L = inum(c, "num_hidden_layers", 0);
+    a->H = inum(c, "num_attention_heads", 0);
+    a->KV = a->H;
+    a->FF = inum(c, "intermediate_size", 0);
+    a->E = inum(c, "n_routed_experts", 0);
+    a->K = inum(c, "num_experts_per_tok", 0);
+    a->FF_EXP = inum(c, "moe_intermediate_size", 0);
+    a->n_shared = inum_null(c, "n_shared_experts", 1, 0);
+    a->ctx = inum(c, "max_position_embeddings", 0);
+    a->vocab = inum(c, "vocab_size", 0);
+    a->tie = flag(c, "tie_word_embeddings", false);
+    a->norm_topk = flag(c, "norm_topk_prob", true);
+    a->q_lora = inum(c, "q_lora_rank", 0);
+    a->kv_lora = inum(c, "kv_lora_rank", 0);
+    a->nope = inum(c, "qk_nope_head_dim", 0);
+    a->rope = inum(c, "qk_rope_head_dim", 0);
+    a->vhd = inum(c, "v_head_dim", 0);
+    a->HD = a->nope + a->rope;
+    a->first_dense = inum(c, "first_k_dense_replace", 3);
+    a->n_group = inum_null(c, "n_group", 8, 1);
+    a->topk_group = inum_null(c, "topk_group", 4, a->n_group);
+    a->mtp = inum(c, "num_nextn_predict_layers", 0);
+    a->interleave = flag(c, "rope_interleave", true);
+    a->routed_scale = 2.5;
+    num(c, "routed_scaling_factor", &a->routed_scale);
+    if (a->D <= 0 || a->L <= 0 || a->H <= 0 || a->vocab <= 0 || a->ctx <= 0 || a->kv_lora <= 0 || a->nope <= 0 ||
+        a->rope <= 0 || a->rope % 2 || a->vhd <= 0 || a->q_lora < 0 || a->E <= 0 || a->K <= 0 || a->FF_EXP <= 0 ||
+        a->n_shared < 0 || a->first_dense < 0 || a->first_dense > a->L || a->n_group <= 0 || a->E % a->n_group ||
+        a->topk_group <= 0 || a->topk_group > a->n_group || a->mtp < 0 || a->D > UINT32_MAX || a->vocab > INT32_MAX)
+        return mq_err(MOEQ_E_FORMAT, "%s: config.json: missing or bad %s sizes (hidden_size, layers, heads, "
+                      "kv_lora_rank, qk_nope/rope/v head dims, experts, n_group, first_k_dense_replace)", what,
+                      a->model_type);
+    if (!num(c, "rms_norm_eps", &a->eps)) return mq_err(MOEQ_E_FORMAT, "%s: config.json has no rms_norm_eps", what);
+    /* transformers' q_a/kv_a layernorms keep their default eps 1e-6; llama.cpp uses rms_norm_eps */
+    if ((float)a->eps != 1e-6f)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: rms_norm_eps %g: llama.cpp's deepseek2 graph uses it for the "
+                      "latent norms too, which transformers runs with 1e-6", what, a->eps);
+    if (flag(c, "attention_bias", false))
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: attention_bias: llama.cpp's deepseek2 graph has no attention biases", what);
+    if (a->FF <= 0 && a->first_dense > 0)
+        return mq_err(MOEQ_E_FORMAT, "%s: config.json: dense layers without intermediate_size", what);
+    const cJSON *rp = item(c, "rope_parameters");
+    if (!rp) rp = item(c, "rope_scaling");
+    a->theta = 10000.0;
+    if (!num(c, "rope_theta", &a->theta) && rp) num(rp, "rope_theta", &a->theta);
+    const cJSON *rt = rp ? item(rp, "rope_type") : NULL;
+    if (rp && !rt) rt = item(rp, "type");
+    if (rt && !cJSON_IsString(rt))
+        return mq_err(MOEQ_E_FORMAT, "%s: rope_type is not a string", what);
+    if (rt && !strcmp(rt->valuestring, "yarn")) {
+        double bf = 32, bs = 1, ms = 0, msa = 0, A = NAN;
+        a->yarn = true;
+        a->yarn_orig = inum(rp, "original_max_position_embeddings", a->ctx);
+        a->yarn_factor = a->yarn_orig > 0 ? (double)a->ctx / (double)a->yarn_orig : 0;
+        num(rp, "factor", &a->yarn_factor);
+        num(rp, "beta_fast", &bf);
+        num(rp, "beta_slow", &bs);
+        num(rp, "mscale", &ms);
+        num(rp, "mscale_all_dim", &msa);
+        num(rp, "attention_factor", &A);
+        if ((bf != 32 && bf != 0) || (bs != 1 && bs != 0))
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: YaRN beta_fast %g, beta_slow %g: llama.cpp's deepseek2 reads "
+                          "neither and uses 32 and 1", what, bf, bs);
+        if (!(a->yarn_factor > 1) || a->yarn_orig <= 0 || !flag(rp, "truncate", true))
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: YaRN with factor %g, original context %lld%s is not written to "
+                          "GGUF by moeq", what, a->yarn_factor, (long long)a->yarn_orig,
+                          flag(rp, "truncate", true) ? "" : " and truncate false");
+        if (isnan(A)) A = ms != 0 && msa != 0 ? yarn_g(a->yarn_factor, ms) / yarn_g(a->yarn_factor, msa)
+                                               : yarn_g(a->yarn_factor, 1.0);
+        double G = msa != 0 ? yarn_g(a->yarn_factor, msa) : 1.0;
+        if (!(A > 0) || !(G > 0))
+            return mq_err(MOEQ_E_UNSUPPORTED, "%s: YaRN attention factor %g, mscale %g: not positive", what, A, G);
+        yarn_kvs(a->yarn_factor, A, G, &a->yarn_a, &a->yarn_lm);
+    } else if (rt && strcmp(rt->valuestring, "default")) {
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: rope scaling '%s' is not written to GGUF by moeq (default, yarn)",
+                      what, rt->valuestring);
+    }
+    return MOEQ_OK;
 }
 
 static moeq_status read_arch(const cJSON *c, const char *what, arch_cfg *a) {
@@ -79,13 +206,10 @@ static moeq_status read_arch(const cJSON *c, const char *what, arch_cfg *a) {
     else if (!strcmp(a->model_type, "qwen2_moe")) a->arch = "qwen2moe";
     else if (!strcmp(a->model_type, "qwen3_moe")) a->arch = "qwen3moe";
     else if (!strcmp(a->model_type, "deepseek_v3") || !strcmp(a->model_type, "kimi_k2"))
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: model_type '%s': moeq does not write llama.cpp's "
-                      "deepseek2 layout (latent attention split into attn_k_b / attn_v_b, expert "
-                      "groups, exp_probs_b); write a compressed-tensors, ModelOpt or GPTQ checkpoint "
-                      "instead", what, a->model_type);
+        return read_deepseek(c, what, a);
     else
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: model_type '%s' has no GGUF mapping in moeq (llama, mixtral, "
-                      "olmoe, qwen2_moe, qwen3_moe)", what, a->model_type);
+                      "olmoe, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2)", what, a->model_type);
     a->D = inum(c, "hidden_size", 0);
     a->L = inum(c, "num_hidden_layers", 0);
     a->H = inum(c, "num_attention_heads", 0);
@@ -140,6 +264,10 @@ moeq_status mq_gguf_check_config(const cJSON *c, const char *what, mq_qscheme sc
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: NVFP4 cannot be written as GGUF for %s: llama.cpp's %s graph does "
                       "not apply the per-tensor global scale of the experts (use --scheme int4)", what,
                       a.model_type, a.arch);
+    if (scheme == MQ_QS_NVFP4 && a.mla)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: NVFP4 cannot be written as GGUF for %s: llama.cpp's deepseek2 graph "
+                      "applies no global scale to q_a/q_b/kv_a, the latent products or the experts (use --scheme "
+                      "int4)", what, a.model_type);
     if (scheme == MQ_QS_MXFP4) return mq_err(MOEQ_E_UNSUPPORTED, "%s: MXFP4 has no GGUF export in moeq", what);
     if (!strcmp(a.arch, "qwen2moe")) {
         if (a.norm_topk)
@@ -395,16 +523,35 @@ done:
 
 /* ---- the tensor plan ---------------------------------------------------------------------------- */
 
-typedef enum { SRC_PLAIN, SRC_LINEAR, SRC_EXPERTS, SRC_SCALE } src_kind;
+typedef enum { SRC_PLAIN, SRC_LINEAR, SRC_EXPERTS, SRC_SCALE, SRC_KB } src_kind;
+
+/* GGUF row r -> source row: out blocks of ob rows taken at sel within each ib source rows
+ * (attn_v_b's rows of kv_b), and in each out block the plen rows from poff permuted for
+ * llama.cpp's adjacent-pair RoPE (row poff + 2i + j = source row poff + j * plen / 2 + i).
+ * ob == 0: the identity. */
+typedef struct {
+    int64_t ob, ib, sel, poff, plen;
+} row_map;
+
+static int64_t src_row(int64_t r, const row_map *m) {
+    if (!m->ob) return r;
+    int64_t b = r / m->ob, w = r % m->ob;
+    if (m->plen && w >= m->poff && w < m->poff + m->plen) {
+        int64_t k = w - m->poff;
+        w = m->poff + (k % 2) * (m->plen / 2) + k / 2;
+    }
+    return b * m->ib + m->sel + w;
+}
 
 typedef struct {
     char gname[128];
     src_kind kind;
-    char src[256];        /* PLAIN: tensor name; LINEAR: module; EXPERTS/SCALE of experts: a
+    char src[256];        /* PLAIN: tensor name; LINEAR, KB: module; EXPERTS/SCALE of experts: a
                              module with "%d" for the expert; SCALE of one Linear: the module */
     int64_t E;            /* EXPERTS, SCALE: experts (0: one Linear) */
-    int64_t rows, cols;   /* LINEAR/EXPERTS: of one matrix */
-    int64_t heads;        /* > 0: permute rows within `heads` heads (llama q/k) */
+    int64_t rows, cols;   /* LINEAR/EXPERTS/KB: of one source matrix */
+    int64_t out_rows;     /* LINEAR/EXPERTS: GGUF rows of one matrix (rows unless map selects) */
+    row_map map;          /* LINEAR, PLAIN: GGUF row -> source row */
     uint32_t n_dims, type;
     int64_t ne[3];
     bool f32;             /* PLAIN: always F32 (1-D, routers) */
@@ -516,8 +663,10 @@ static moeq_status linear_type(exporter *x, const char *module, int64_t rows, in
     return MOEQ_OK;
 }
 
-static moeq_status add_linear(exporter *x, const char *gname, const char *module, int64_t rows, int64_t cols,
-                              int64_t heads, bool required) {
+/* A Linear [rows, cols] as GGUF gname.weight: 2-D, or with ne3 (non-NULL) the 3-D shape
+ * {cols, ne3[0], ne3[1]} of the rows map selects (attn_v_b). */
+static moeq_status add_linear_map(exporter *x, const char *gname, const char *module, int64_t rows, int64_t cols,
+                                  const row_map *map, const int64_t *ne3, bool required) {
     out_tensor t;
     memset(&t, 0, sizeof t);
     if (mq_layout_detect(module, lookup, x->st) == MQ_LIN_ABSENT) {
@@ -532,10 +681,12 @@ static moeq_status add_linear(exporter *x, const char *gname, const char *module
     t.kind = SRC_LINEAR;
     t.rows = rows;
     t.cols = cols;
-    t.heads = heads;
-    t.n_dims = 2;
+    t.out_rows = ne3 ? ne3[0] * ne3[1] : rows;
+    if (map) t.map = *map;
+    t.n_dims = ne3 ? 3 : 2;
     t.ne[0] = cols;
-    t.ne[1] = rows;
+    t.ne[1] = ne3 ? ne3[0] : rows;
+    t.ne[2] = ne3 ? ne3[1] : 0;
     if ((s = add(x, &t))) return s;
     if (!nv) return MOEQ_OK;
     out_tensor sc = t;
@@ -545,6 +696,14 @@ static moeq_status add_linear(exporter *x, const char *gname, const char *module
     sc.n_dims = 1;
     sc.ne[0] = 1;
     return add(x, &sc);
+}
+
+/* heads > 0: llama's q/k, rows permuted within each of `heads` heads */
+static moeq_status add_linear(exporter *x, const char *gname, const char *module, int64_t rows, int64_t cols,
+                              int64_t heads, bool required) {
+    row_map m = {0, 0, 0, 0, 0};
+    if (heads > 0) m = (row_map){rows / heads, rows / heads, 0, 0, rows / heads};
+    return add_linear_map(x, gname, module, rows, cols, &m, NULL, required);
 }
 
 /* Stacked experts: pattern has "%d" for the expert. Every expert must have the same type. */
@@ -571,6 +730,7 @@ static moeq_status add_experts(exporter *x, const char *gname, const char *patte
     t.E = x->a.E;
     t.rows = rows;
     t.cols = cols;
+    t.out_rows = rows;
     t.n_dims = 3;
     t.ne[0] = cols;
     t.ne[1] = rows;
@@ -586,8 +746,110 @@ static moeq_status add_experts(exporter *x, const char *gname, const char *patte
     return add(x, &sc);
 }
 
+/* attn_k_b of kv_b_proj [H * (nope + v), kv_lora]: per head the nope rows transposed, ne
+ * {nope, kv_lora, H}; float (rest type; a quantized kv_b dequantized, F32 under auto). */
+static moeq_status add_k_b(exporter *x, const char *gname, const char *module) {
+    const arch_cfg *a = &x->a;
+    int64_t rows = a->H * (a->nope + a->vhd);
+    uint32_t type;
+    bool nv;
+    moeq_status s = linear_type(x, module, rows, a->kv_lora, &type, &nv);
+    if (s) return s;
+    out_tensor t;
+    memset(&t, 0, sizeof t);
+    snprintf(t.gname, sizeof t.gname, "%s.weight", gname);
+    snprintf(t.src, sizeof t.src, "%s", module);
+    t.kind = SRC_KB;
+    t.rows = rows;
+    t.cols = a->kv_lora;
+    t.n_dims = 3;
+    t.ne[0] = a->nope;
+    t.ne[1] = a->kv_lora;
+    t.ne[2] = a->H;
+    mq_linear_kind k = mq_layout_detect(module, lookup, x->st);
+    if (k == MQ_LIN_DENSE) {
+        char name[300];
+        snprintf(name, sizeof name, "%s.weight", module);
+        const mq_tensor_view *v = mq_st_find(x->st, name);
+        t.type = rest_type(x, v && !v->scale_inv ? v->dtype : MOEQ_DT_F32, a->nope);
+    } else {
+        t.type = rest_type(x, MOEQ_DT_F32, a->nope);
+    }
+    return add(x, &t);
+}
+
+/* llama.cpp's deepseek2 tensors (models/deepseek2.cpp load_arch_tensors). */
+static moeq_status plan_deepseek(exporter *x) {
+    const arch_cfg *a = &x->a;
+    moeq_status s = add_plain(x, "token_embd.weight", "model.embed_tokens.weight", true, false, false);
+    char g[96], m[256];
+    int64_t hq = a->nope + a->rope, qrows = a->H * hq;
+    /* the rotary rows of each q head and kv_a's k_rot: pairs adjacent, as llama.cpp rotates */
+    row_map qmap = {0, 0, 0, 0, 0}, kvmap = {0, 0, 0, 0, 0};
+    if (!a->interleave) {
+        qmap = (row_map){hq, hq, 0, a->nope, a->rope};
+        kvmap = (row_map){a->kv_lora + a->rope, a->kv_lora + a->rope, 0, a->kv_lora, a->rope};
+    }
+    row_map vmap = {a->vhd, a->nope + a->vhd, a->nope, 0, 0};
+    int64_t vne[2] = {a->vhd, a->H};
+    char sfx[64];
+#define L_(suffix) (snprintf(g, sizeof g, "blk.%lld.%s", (long long)l, suffix), g)
+#define M_(suffix) (snprintf(m, sizeof m, "model.layers.%lld.%s", (long long)l, suffix), m)
+#define SFX(fmt, v) (snprintf(sfx, sizeof sfx, fmt, v), sfx)
+    for (int64_t l = 0; !s && l < a->L; l++) {
+        s = add_plain(x, L_("attn_norm.weight"), M_("input_layernorm.weight"), true, true, false);
+        if (!s && a->q_lora > 0) {
+            s = add_linear(x, L_("attn_q_a"), M_("self_attn.q_a_proj"), a->q_lora, a->D, 0, true);
+            if (!s) s = add_plain(x, L_("attn_q_a_norm.weight"), M_("self_attn.q_a_layernorm.weight"), true, true, false);
+            if (!s) s = add_linear_map(x, L_("attn_q_b"), M_("self_attn.q_b_proj"), qrows, a->q_lora, &qmap, NULL, true);
+        } else if (!s) {
+            s = add_linear_map(x, L_("attn_q"), M_("self_attn.q_proj"), qrows, a->D, &qmap, NULL, true);
+        }
+        if (!s) s = add_linear_map(x, L_("attn_kv_a_mqa"), M_("self_attn.kv_a_proj_with_mqa"), a->kv_lora + a->rope,
+                                   a->D, &kvmap, NULL, true);
+        if (!s) s = add_plain(x, L_("attn_kv_a_norm.weight"), M_("self_attn.kv_a_layernorm.weight"), true, true, false);
+        if (!s) s = add_k_b(x, L_("attn_k_b"), M_("self_attn.kv_b_proj"));
+        if (!s) s = add_linear_map(x, L_("attn_v_b"), m, a->H * (a->nope + a->vhd), a->kv_lora, &vmap, vne, true);
+        if (!s) s = add_linear(x, L_("attn_output"), M_("self_attn.o_proj"), a->D, a->H * a->vhd, 0, true);
+        if (!s) s = add_plain(x, L_("ffn_norm.weight"), M_("post_attention_layernorm.weight"), true, true, false);
+        if (s) break;
+        const char *hub[3] = {"gate_proj", "up_proj", "down_proj"};
+        if (l < a->first_dense) {
+            const char *dst[3] = {"ffn_gate", "ffn_up", "ffn_down"};
+            for (int i = 0; !s && i < 3; i++)
+                s = add_linear(x, L_(dst[i]), M_(SFX("mlp.%s", hub[i])), i == 2 ? a->D : a->FF, i == 2 ? a->FF : a->D,
+                               0, true);
+            continue;
+        }
+        s = add_plain(x, L_("ffn_gate_inp.weight"), M_("mlp.gate.weight"), true, true, false);
+        if (!s) s = add_plain(x, L_("exp_probs_b.bias"), M_("mlp.gate.e_score_correction_bias"), true, true, false);
+        const char *ex[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+        for (int i = 0; !s && i < 3; i++)
+            s = add_experts(x, L_(ex[i]), M_(SFX("mlp.experts.%%d.%s", hub[i])), i == 2 ? a->D : a->FF_EXP,
+                            i == 2 ? a->FF_EXP : a->D);
+        const char *sh[3] = {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
+        int64_t sf = a->FF_EXP * a->n_shared;
+        for (int i = 0; !s && sf > 0 && i < 3; i++)
+            s = add_linear(x, L_(sh[i]), M_(SFX("mlp.shared_experts.%s", hub[i])), i == 2 ? a->D : sf,
+                           i == 2 ? sf : a->D, 0, true);
+    }
+#undef L_
+#undef M_
+#undef SFX
+    if (!s) s = add_plain(x, "output_norm.weight", "model.norm.weight", true, true, false);
+    if (s) return s;
+    if (a->mtp > 0)   /* llama.cpp's convert_hf_to_gguf.py skips them too (skip_mtp) */
+        mq_warn("%s: the %lld multi-token-prediction layer%s (model.layers.%lld%s, num_nextn_predict_layers) "
+                "%s not written: llama.cpp's deepseek2 converter leaves them out", x->dir, (long long)a->mtp,
+                a->mtp > 1 ? "s" : "", (long long)a->L, a->mtp > 1 ? "..." : "", a->mtp > 1 ? "are" : "is");
+    if (mq_layout_detect("lm_head", lookup, x->st) != MQ_LIN_ABSENT)
+        return add_linear(x, "output", "lm_head", a->vocab, a->D, 0, true);
+    return MOEQ_OK;   /* tied: llama.cpp's deepseek2 falls back to token_embd */
+}
+
 static moeq_status plan(exporter *x) {
     const arch_cfg *a = &x->a;
+    if (a->mla) return plan_deepseek(x);
     moeq_status s = add_plain(x, "token_embd.weight", "model.embed_tokens.weight", true, false, false);
     char g[96], m[256], m2[300];
     int64_t q_rows = a->H * a->HD, kv_rows = a->KV * a->HD;
@@ -669,13 +931,6 @@ static moeq_status plan(exporter *x) {
 
 /* ---- writing the tensors -------------------------------------------------------------------------- */
 
-/* Source row of GGUF row r of a permuted q/k (heads of hd rows). */
-static int64_t src_row(int64_t r, int64_t rows, int64_t heads) {
-    if (heads <= 0) return r;
-    int64_t hd = rows / heads, h = r / hd, w = r % hd;
-    return h * hd + (w % 2) * (hd / 2) + w / 2;
-}
-
 /* Encodes rows [0, n) of float data (row-major, cols each) as type into out. */
 static void encode_float_rows(uint32_t type, const float *x, int64_t n, int64_t cols, uint8_t *out) {
     int64_t total = n * cols;
@@ -708,16 +963,18 @@ static size_t row_bytes(uint32_t type, int64_t cols) {
     return (size_t)(cols / blk) * bb;
 }
 
-/* A float tensor (or a dense Linear), rows permuted when heads > 0, a chunk of rows at a time. */
-static moeq_status write_float(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *name) {
+/* A float tensor (or a dense Linear: rows GGUF rows of a source of src_rows), rows through
+ * t->map, a chunk of rows at a time. */
+static moeq_status write_float(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *name, int64_t rows,
+                               int64_t src_rows) {
     const mq_tensor_view *v = mq_st_find(x->st, name);
     if (!v) return mq_err(MOEQ_E_NOTFOUND, "%s: no tensor '%s'", x->dir, name);
-    int64_t rows = t->n_dims == 1 ? 1 : t->ne[1] * (t->n_dims == 3 ? t->ne[2] : 1), cols = t->ne[0];
-    if (v->numel != rows * cols)
+    int64_t cols = t->ne[0];
+    if (v->numel != src_rows * cols)
         return mq_err(MOEQ_E_SHAPE, "%s: tensor '%s' has %lld values, GGUF '%s' needs %lld", x->dir, name,
-                      (long long)v->numel, t->gname, (long long)(rows * cols));
+                      (long long)v->numel, t->gname, (long long)(src_rows * cols));
     size_t es = moeq_dtype_size(v->dtype), rb = row_bytes(t->type, cols);
-    int64_t chunk = t->heads > 0 ? 1 : (int64_t)(((size_t)1 << 22) / ((size_t)cols * 4) + 1);
+    int64_t chunk = t->map.ob > 0 ? 1 : (int64_t)(((size_t)1 << 22) / ((size_t)cols * 4) + 1);
     if (chunk > rows) chunk = rows;
     /* an FP8 block-quantized weight dequantizes only whole (io/fp8.h) */
     float *full = v->scale_inv ? mq_alloc_array((size_t)(rows * cols), sizeof(float), "FP8 weight") : NULL;
@@ -728,7 +985,7 @@ static moeq_status write_float(exporter *x, mq_gguf_writer *w, const out_tensor 
     for (int64_t r = 0; !s && r < rows; r += chunk) {
         int64_t n = rows - r < chunk ? rows - r : chunk;
         if (full) {
-            encode_float_rows(t->type, full + src_row(r, t->rows, t->heads) * cols, n, cols, o);
+            encode_float_rows(t->type, full + src_row(r, &t->map) * cols, n, cols, o);
             s = mq_gguf_writer_data(w, o, (size_t)n * rb);
             continue;
         }
@@ -737,7 +994,7 @@ static moeq_status write_float(exporter *x, mq_gguf_writer *w, const out_tensor 
         sub.shape[0] = n;
         sub.shape[1] = cols;
         sub.numel = n * cols;
-        sub.data = v->data + (size_t)src_row(r, t->rows, t->heads) * (size_t)cols * es;
+        sub.data = v->data + (size_t)src_row(r, &t->map) * (size_t)cols * es;
         sub.nbytes = (size_t)(n * cols) * es;
         if ((s = mq_tensor_to_f32(&sub, f))) break;
         encode_float_rows(t->type, f, n, cols, o);
@@ -761,7 +1018,7 @@ static moeq_status f16_exact(exporter *x, const char *module, float v, uint16_t 
     return MOEQ_OK;
 }
 
-/* One quantized Linear re-blocked into type (rows permuted when heads > 0). */
+/* One quantized Linear re-blocked into type (its rows through t->map). */
 static moeq_status write_qlinear(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *module) {
     mq_qtensor q;
     moeq_status s = mq_layout_read(module, t->rows, t->cols, lookup, x->st, &q);
@@ -783,8 +1040,8 @@ static moeq_status write_qlinear(exporter *x, mq_gguf_writer *w, const out_tenso
         return MOEQ_E_NOMEM;
     }
     int64_t K = q.cols;
-    for (int64_t r = 0; !s && r < q.rows; r++) {
-        int64_t sr = src_row(r, q.rows, t->heads);
+    for (int64_t r = 0; !s && r < t->out_rows; r++) {
+        int64_t sr = src_row(r, &t->map);
         const uint8_t *codes = q.codes + sr * K;
         const mq_gparams *gp = q.params + sr * q.n_groups;
         if (t->type == MQ_GGML_NVFP4) {
@@ -819,8 +1076,8 @@ static moeq_status write_dequantized(exporter *x, mq_gguf_writer *w, const out_t
     float *f = mq_alloc_array((size_t)(t->rows * t->cols), sizeof(float), "dequantized Linear");
     uint8_t *o = mq_alloc(rb, "GGUF row");
     moeq_status s = f && o ? mq_load_linear_weight(x->st, module, t->rows, t->cols, f, NULL) : MOEQ_E_NOMEM;
-    for (int64_t r = 0; !s && r < t->rows; r++) {
-        encode_float_rows(t->type, f + src_row(r, t->rows, t->heads) * t->cols, 1, t->cols, o);
+    for (int64_t r = 0; !s && r < t->out_rows; r++) {
+        encode_float_rows(t->type, f + src_row(r, &t->map) * t->cols, 1, t->cols, o);
         s = mq_gguf_writer_data(w, o, rb);
     }
     mq_free(f);
@@ -834,9 +1091,7 @@ static moeq_status write_linear(exporter *x, mq_gguf_writer *w, const out_tensor
     if (k == MQ_LIN_DENSE) {
         char name[300];
         snprintf(name, sizeof name, "%s.weight", module);
-        out_tensor one = *t;
-        one.n_dims = 2;   /* one expert of a stack */
-        return write_float(x, w, &one, name);
+        return write_float(x, w, t, name, t->out_rows, t->map.ob > 0 ? t->rows : t->out_rows);
     }
     return write_qlinear(x, w, t, module);
 }
@@ -861,9 +1116,35 @@ static moeq_status write_scale(exporter *x, mq_gguf_writer *w, const out_tensor 
     return s;
 }
 
+/* attn_k_b: kv_b_proj in fp32 (dequantized as moeq's loader does), then per head h and latent
+ * channel c the row kv_b[h * (nope + v) + i][c], i < nope. */
+static moeq_status write_k_b(exporter *x, mq_gguf_writer *w, const out_tensor *t) {
+    const arch_cfg *a = &x->a;
+    int64_t nope = a->nope, r = a->kv_lora, hb = a->nope + a->vhd;
+    size_t rb = row_bytes(t->type, nope);
+    float *f = mq_alloc_array((size_t)(t->rows * t->cols), sizeof(float), "kv_b_proj");
+    float *row = mq_alloc_array((size_t)nope, sizeof(float), "attn_k_b row");
+    uint8_t *o = mq_alloc(rb, "GGUF row");
+    moeq_status s = f && row && o ? mq_load_linear_weight(x->st, t->src, t->rows, t->cols, f, NULL) : MOEQ_E_NOMEM;
+    for (int64_t h = 0; !s && h < a->H; h++)
+        for (int64_t c = 0; !s && c < r; c++) {
+            for (int64_t i = 0; i < nope; i++) row[i] = f[(h * hb + i) * r + c];
+            encode_float_rows(t->type, row, 1, nope, o);
+            s = mq_gguf_writer_data(w, o, rb);
+        }
+    mq_free(f);
+    mq_free(row);
+    mq_free(o);
+    return s;
+}
+
 static moeq_status write_tensor(exporter *x, mq_gguf_writer *w, const out_tensor *t) {
     switch (t->kind) {
-    case SRC_PLAIN: return write_float(x, w, t, t->src);
+    case SRC_PLAIN: {
+        int64_t rows = t->n_dims == 1 ? 1 : t->ne[1];
+        return write_float(x, w, t, t->src, rows, rows);
+    }
+    case SRC_KB: return write_k_b(x, w, t);
     case SRC_LINEAR: return write_linear(x, w, t, t->src);
     case SRC_SCALE: return write_scale(x, w, t);
     case SRC_EXPERTS:
@@ -896,12 +1177,45 @@ static void put_kvs(exporter *x, mq_gguf_writer *w, const vocab *v, const char *
     mq_gguf_kv_u32(w, AK("block_count"), (uint32_t)a->L);
     mq_gguf_kv_u32(w, AK("feed_forward_length"), (uint32_t)a->FF);
     mq_gguf_kv_u32(w, AK("attention.head_count"), (uint32_t)a->H);
-    mq_gguf_kv_u32(w, AK("attention.head_count_kv"), (uint32_t)a->KV);
-    mq_gguf_kv_u32(w, AK("attention.key_length"), (uint32_t)a->HD);
-    mq_gguf_kv_u32(w, AK("attention.value_length"), (uint32_t)a->HD);
-    mq_gguf_kv_u32(w, AK("rope.dimension_count"), (uint32_t)a->HD);
+    if (a->mla) {
+        /* absorbed MLA: one shared latent "head" of kv_lora (+ rope for keys); *_mla per head */
+        mq_gguf_kv_u32(w, AK("attention.head_count_kv"), 1);
+        mq_gguf_kv_u32(w, AK("attention.key_length"), (uint32_t)(a->kv_lora + a->rope));
+        mq_gguf_kv_u32(w, AK("attention.value_length"), (uint32_t)a->kv_lora);
+        mq_gguf_kv_u32(w, AK("attention.key_length_mla"), (uint32_t)(a->nope + a->rope));
+        mq_gguf_kv_u32(w, AK("attention.value_length_mla"), (uint32_t)a->vhd);
+        mq_gguf_kv_u32(w, AK("rope.dimension_count"), (uint32_t)a->rope);
+        /* 0 = a plain q_proj: this llama.cpp reads the key for every model but DeepSeek-V2-Lite's
+         * layer counts and then takes attn_q when it is 0 */
+        mq_gguf_kv_u32(w, AK("attention.q_lora_rank"), (uint32_t)a->q_lora);
+        mq_gguf_kv_u32(w, AK("attention.kv_lora_rank"), (uint32_t)a->kv_lora);
+    } else {
+        mq_gguf_kv_u32(w, AK("attention.head_count_kv"), (uint32_t)a->KV);
+        mq_gguf_kv_u32(w, AK("attention.key_length"), (uint32_t)a->HD);
+        mq_gguf_kv_u32(w, AK("attention.value_length"), (uint32_t)a->HD);
+        mq_gguf_kv_u32(w, AK("rope.dimension_count"), (uint32_t)a->HD);
+    }
     mq_gguf_kv_f32(w, AK("rope.freq_base"), (float)a->theta);
     mq_gguf_kv_f32(w, AK("attention.layer_norm_rms_epsilon"), (float)a->eps);
+    if (a->mla) {
+        mq_gguf_kv_u32(w, AK("leading_dense_block_count"), (uint32_t)a->first_dense);
+        mq_gguf_kv_u32(w, AK("expert_shared_count"), (uint32_t)a->n_shared);
+        mq_gguf_kv_f32(w, AK("expert_weights_scale"), (float)a->routed_scale);
+        mq_gguf_kv_bool(w, AK("expert_weights_norm"), a->norm_topk);
+        mq_gguf_kv_u32(w, AK("expert_gating_func"), 2);   /* LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID */
+        /* all groups eligible is no grouping; llama.cpp asserts group_used < group_count */
+        if (a->n_group > 1 && a->topk_group < a->n_group) {
+            mq_gguf_kv_u32(w, AK("expert_group_count"), (uint32_t)a->n_group);
+            mq_gguf_kv_u32(w, AK("expert_group_used_count"), (uint32_t)a->topk_group);
+        }
+        if (a->yarn) {
+            mq_gguf_kv_str(w, AK("rope.scaling.type"), "yarn");
+            mq_gguf_kv_f32(w, AK("rope.scaling.factor"), (float)a->yarn_factor);
+            mq_gguf_kv_u32(w, AK("rope.scaling.original_context_length"), (uint32_t)a->yarn_orig);
+            if (a->yarn_lm != 0) mq_gguf_kv_f32(w, AK("rope.scaling.yarn_log_multiplier"), (float)(0.1 * a->yarn_lm));
+            if (a->yarn_a != 1) mq_gguf_kv_f32(w, AK("rope.scaling.attn_factor"), (float)a->yarn_a);
+        }
+    }
     if (a->E > 0) {
         mq_gguf_kv_u32(w, AK("expert_count"), (uint32_t)a->E);
         mq_gguf_kv_u32(w, AK("expert_used_count"), (uint32_t)a->K);

@@ -2,7 +2,7 @@
 # DeepSeek-V3 through the command line, on tests/data/deepseekv3-tiny (with the bundled model's
 # tokenizer): inspect reports the latent attention, the routing and the MTP layer; quantize keeps
 # the MTP layer's tensors (inspect counts them in the output too) or drops them with --drop-mtp;
-# --format gguf is refused before any work (exit 1, naming llama.cpp's deepseek2); eval of the
+# NVFP4 --format gguf is refused before any work (exit 1, naming llama.cpp's deepseek2); eval of the
 # FP8 copy against its dequantized twin gives a KL of exactly 0; the quantized checkpoint
 # generates on the packed kernels; ModelOpt, GPTQ and INT4 compressed-tensors checkpoints read back;
 # an FP8 source's MTP layer passes through as FP8; a killed and resumed GPTQ run and mpirun give
@@ -38,7 +38,7 @@ grep -q "packed" "$tmp/gen.log" || fail "generate did not report packed weights:
 "$cli" inspect "$tmp/qd" | grep -qF "MTP layers            0 (num_nextn_predict_layers): 0 tensors" ||
     fail "--drop-mtp left MTP tensors or the config's count"
 
-"$cli" quantize "$src" --out "$tmp/x.gguf" --scheme int4 --group-size 32 --format gguf 2>"$tmp/g.log"
+"$cli" quantize "$src" --out "$tmp/x.gguf" --scheme nvfp4a16 --format gguf 2>"$tmp/g.log"
 rc=$?
 [ $rc -eq 1 ] || fail "--format gguf: exit $rc, expected 1"
 grep -q "deepseek2" "$tmp/g.log" || fail "--format gguf: the message does not name deepseek2: $(cat "$tmp/g.log")"
