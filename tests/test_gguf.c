@@ -865,9 +865,270 @@ static void test_import_refuses(void) {
     ASSERT_FALSE(mq_file_exists(dir));
 }
 
+/* ---- DeepSeek-V3 as llama.cpp's deepseek2 ------------------------------------------------------ */
+
+/* tests/data/NAME with the bundled tokenizer (symlinks) in the test's directory. */
+static const char *deepseek_model(const char *name) {
+    static char dir[1100];
+    snprintf(dir, sizeof dir, "%s/%s", mq_test_tmpdir(), name);
+    if (mq_dir_exists(dir)) return dir;
+    mkdir(dir, 0755);
+    const char *files[4][2] = {{"tests/data/", "config.json"}, {"tests/data/", "model.safetensors"},
+                               {"models/olmoe-tiny/", "tokenizer.json"}, {"models/olmoe-tiny/", "tokenizer_config.json"}};
+    for (int i = 0; i < 4; i++) {
+        char rel[256], a[1200], b[1200];
+        if (i < 2) snprintf(rel, sizeof rel, "%s%s/%s", files[i][0], name, files[i][1]);
+        else snprintf(rel, sizeof rel, "%s%s", files[i][0], files[i][1]);
+        snprintf(a, sizeof a, "%s", mq_test_repo(rel));
+        snprintf(b, sizeof b, "%s/%s", dir, files[i][1]);
+        if (symlink(a, b) != 0) FAIL("symlink %s", b);
+    }
+    return dir;
+}
+
+static void expect_u32(const header *h, const char *key, uint32_t v) {
+    const hkv *k = hfind(h, key);
+    if (!k || k->type != 4) FAIL("KV %s: not a UINT32", key);
+    else if (k->u32 != v) FAIL("KV %s: %u, expected %u", key, k->u32, v);
+}
+
+static void expect_f32(const header *h, const char *key, float v) {
+    const hkv *k = hfind(h, key);
+    if (!k || k->type != 6) FAIL("KV %s: not a FLOAT32", key);
+    else if (f32_bits(k->f32) != f32_bits(v)) FAIL("KV %s: %.9g, expected %.9g", key, (double)k->f32, (double)v);
+}
+
+static void expect_tensor(const mq_gguf *g, const char *name, uint32_t type, uint32_t nd, int64_t a, int64_t b,
+                          int64_t c) {
+    const mq_gguf_tensor *t = mq_gguf_find_tensor(g, name);
+    if (!t) {
+        FAIL("no tensor %s", name);
+        return;
+    }
+    int64_t ne[3] = {a, b, c};
+    if (t->type != type || t->n_dims != nd) FAIL("%s: type %u, %u dims; expected %u, %u", name, t->type, t->n_dims, type, nd);
+    for (uint32_t d = 0; d < nd && d < t->n_dims; d++)
+        if (t->ne[d] != ne[d]) FAIL("%s: ne[%u] %lld, expected %lld", name, d, (long long)t->ne[d], (long long)ne[d]);
+}
+
+/* Source row of GGUF row w of an [nope | rope] block without rope_interleave (the test's own
+ * indexing): rotary row nope + 2i + j holds row nope + j * rope / 2 + i. */
+static int64_t ds_src(int64_t w, int64_t nope, int64_t rope, bool permuted) {
+    if (!permuted || w < nope) return w;
+    int64_t k = w - nope;
+    return nope + (k % 2 == 0 ? k / 2 : rope / 2 + k / 2);
+}
+
+/* One DeepSeek-V3 fixture through RTN INT4 g32 (f16 scales; layer 0's down_proj, 80 inputs, kept
+ * float): the deepseek2 KVs and tensor shapes against llama.cpp's loader, written out here;
+ * attn_k_b / attn_v_b / q / kv_a against the checkpoint's kv_b_proj, q and kv_a (dequantized),
+ * split, transposed and permuted by the test's own indexing, bit for bit; then the file read
+ * back: kv_b_proj merged bit for bit, and the imported model's logits equal to the checkpoint's. */
+static void deepseek_check(const char *fixture, const char *tag, bool qlora) {
+    const char *model = deepseek_model(fixture);
+    char ckpt[1100], file[1100], imp[1100];
+    snprintf(ckpt, sizeof ckpt, "%s/%s-ct", mq_test_tmpdir(), tag);
+    snprintf(file, sizeof file, "%s/%s.gguf", mq_test_tmpdir(), tag);
+    snprintf(imp, sizeof imp, "%s/%s-imported", mq_test_tmpdir(), tag);
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
+    o.spec.scale_dtype = MOEQ_DT_F16;
+    o.spec.group_size = 32;
+    const char *ign[1] = {"model\\.layers\\.0\\.mlp\\.down_proj"};
+    o.ignore = ign;
+    o.n_ignore = 1;
+    ASSERT_OK(mq_pipeline_run(model, ckpt, &o, NULL));
+    ASSERT_OK(mq_gguf_export(ckpt, file, MQ_GGUF_REST_AUTO));
+    const int64_t H = 4, nope = 16, rope = 8, v = 16, r = 32, D = 64, hq = nope + rope, hb = nope + v;
+    const int64_t L = qlora ? 3 : 2, E = qlora ? 16 : 8;
+
+    char *raw;
+    size_t len;
+    ASSERT_OK(mq_read_file(file, &raw, &len));
+    header h;
+    read_header((const uint8_t *)raw, &h);
+    free(raw);
+    expect_u32(&h, "deepseek2.block_count", (uint32_t)L);   /* the MTP layer left out */
+    expect_u32(&h, "deepseek2.attention.head_count", 4);
+    expect_u32(&h, "deepseek2.attention.head_count_kv", 1);
+    expect_u32(&h, "deepseek2.attention.key_length", 40);   /* kv_lora + rope */
+    expect_u32(&h, "deepseek2.attention.value_length", 32);
+    expect_u32(&h, "deepseek2.attention.key_length_mla", 24);
+    expect_u32(&h, "deepseek2.attention.value_length_mla", 16);
+    expect_u32(&h, "deepseek2.rope.dimension_count", 8);
+    expect_u32(&h, "deepseek2.attention.q_lora_rank", qlora ? 64 : 0);
+    expect_u32(&h, "deepseek2.attention.kv_lora_rank", 32);
+    expect_u32(&h, "deepseek2.leading_dense_block_count", 1);
+    expect_u32(&h, "deepseek2.feed_forward_length", 80);
+    expect_u32(&h, "deepseek2.expert_count", (uint32_t)E);
+    expect_u32(&h, "deepseek2.expert_used_count", qlora ? 3 : 2);
+    expect_u32(&h, "deepseek2.expert_feed_forward_length", 32);
+    expect_u32(&h, "deepseek2.expert_shared_count", 1);
+    expect_u32(&h, "deepseek2.expert_gating_func", 2);
+    expect_f32(&h, "deepseek2.expert_weights_scale", qlora ? 2.5f : 1.5f);
+    expect_kv(&h, "deepseek2.expert_weights_norm", 7);
+    expect_f32(&h, "deepseek2.attention.layer_norm_rms_epsilon", 1e-6f);
+    if (qlora) {
+        expect_u32(&h, "deepseek2.expert_group_count", 4);
+        expect_u32(&h, "deepseek2.expert_group_used_count", 2);
+        const hkv *t = hfind(&h, "deepseek2.rope.scaling.type");
+        if (!t || strcmp(t->str, "yarn")) FAIL("rope.scaling.type is not yarn");
+        expect_f32(&h, "deepseek2.rope.scaling.factor", 4.0f);
+        expect_u32(&h, "deepseek2.rope.scaling.original_context_length", 256);
+        /* mscale 1, mscale_all_dim 0.8: transformers' cos/sin factor A = g(1)/g(0.8) and softmax
+         * scale g(0.8)^2/sqrt(24); llama.cpp's a and a^2 g(m)^2 with m = multiplier/0.1 */
+        double l4 = log(4.0), A = (1 + 0.1 * l4) / (1 + 0.08 * l4), G = 1 + 0.08 * l4;
+        expect_f32(&h, "deepseek2.rope.scaling.attn_factor", (float)A);
+        expect_f32(&h, "deepseek2.rope.scaling.yarn_log_multiplier", (float)(0.1 * ((G / A - 1) / (0.1 * l4))));
+    } else {
+        if (hfind(&h, "deepseek2.expert_group_count")) FAIL("n_group 1 written as expert groups");
+        if (hfind(&h, "deepseek2.rope.scaling.type")) FAIL("rope scaling written for default RoPE");
+    }
+
+    mq_gguf *g;
+    ASSERT_OK(mq_gguf_open(file, &g));
+    ASSERT_TRUE(mq_gguf_find_tensor(g, "blk.0.attn_kv_b.weight") == NULL);
+    char n[96];
+    snprintf(n, sizeof n, "blk.%lld.attn_norm.weight", (long long)L);
+    ASSERT_TRUE(mq_gguf_find_tensor(g, n) == NULL);
+    for (int l = 0; l < L; l++) {
+#define TN(s) (snprintf(n, sizeof n, "blk.%d.%s", l, s), n)
+        if (qlora) {
+            expect_tensor(g, TN("attn_q_a.weight"), MQ_GGML_Q4_0, 2, D, 64, 0);
+            expect_tensor(g, TN("attn_q_a_norm.weight"), MQ_GGML_F32, 1, 64, 0, 0);
+            expect_tensor(g, TN("attn_q_b.weight"), MQ_GGML_Q4_0, 2, 64, H * hq, 0);
+        } else {
+            expect_tensor(g, TN("attn_q.weight"), MQ_GGML_Q4_0, 2, D, H * hq, 0);
+        }
+        expect_tensor(g, TN("attn_kv_a_mqa.weight"), MQ_GGML_Q4_0, 2, D, r + rope, 0);
+        expect_tensor(g, TN("attn_kv_a_norm.weight"), MQ_GGML_F32, 1, r, 0, 0);
+        expect_tensor(g, TN("attn_k_b.weight"), MQ_GGML_F32, 3, nope, r, H);
+        expect_tensor(g, TN("attn_v_b.weight"), MQ_GGML_Q4_0, 3, r, v, H);
+        expect_tensor(g, TN("attn_output.weight"), MQ_GGML_Q4_0, 2, H * v, D, 0);
+        if (l == 0) {
+            expect_tensor(g, TN("ffn_gate.weight"), MQ_GGML_Q4_0, 2, D, 80, 0);
+            expect_tensor(g, TN("ffn_down.weight"), qlora ? MQ_GGML_F32 : MQ_GGML_BF16, 2, 80, D, 0);
+        } else {
+            expect_tensor(g, TN("ffn_gate_inp.weight"), MQ_GGML_F32, 2, D, E, 0);
+            expect_tensor(g, TN("exp_probs_b.bias"), MQ_GGML_F32, 1, E, 0, 0);
+            expect_tensor(g, TN("ffn_up_exps.weight"), MQ_GGML_Q4_0, 3, D, 32, E);
+            expect_tensor(g, TN("ffn_down_exps.weight"), MQ_GGML_Q4_0, 3, 32, D, E);
+            expect_tensor(g, TN("ffn_gate_shexp.weight"), MQ_GGML_Q4_0, 2, D, 32, 0);
+        }
+        /* the latent attention's tensors against the checkpoint's Linears */
+        mq_st *st;
+        ASSERT_OK(mq_st_open_dir(ckpt, &st));
+        char mod[128];
+        float *kvb = malloc(sizeof(float) * (size_t)(H * hb * r)), *q = malloc(sizeof(float) * (size_t)(H * hq * D));
+        float *kva = malloc(sizeof(float) * (size_t)((r + rope) * D)), *gk = malloc(sizeof(float) * (size_t)(H * nope * r));
+        float *gv = malloc(sizeof(float) * (size_t)(H * v * r)), *gq = malloc(sizeof(float) * (size_t)(H * hq * D));
+        float *ga = malloc(sizeof(float) * (size_t)((r + rope) * D));
+        snprintf(mod, sizeof mod, "model.layers.%d.self_attn.kv_b_proj", l);
+        ASSERT_OK(mq_load_linear_weight(st, mod, H * hb, r, kvb, NULL));
+        snprintf(mod, sizeof mod, "model.layers.%d.self_attn.kv_a_proj_with_mqa", l);
+        ASSERT_OK(mq_load_linear_weight(st, mod, r + rope, D, kva, NULL));
+        ASSERT_OK(mq_gguf_tensor_to_f32(mq_gguf_find_tensor(g, TN("attn_k_b.weight")), gk));
+        ASSERT_OK(mq_gguf_tensor_to_f32(mq_gguf_find_tensor(g, TN("attn_v_b.weight")), gv));
+        ASSERT_OK(mq_gguf_tensor_to_f32(mq_gguf_find_tensor(g, TN("attn_kv_a_mqa.weight")), ga));
+        if (!qlora) {
+            snprintf(mod, sizeof mod, "model.layers.%d.self_attn.q_proj", l);
+            ASSERT_OK(mq_load_linear_weight(st, mod, H * hq, D, q, NULL));
+            ASSERT_OK(mq_gguf_tensor_to_f32(mq_gguf_find_tensor(g, TN("attn_q.weight")), gq));
+        }
+        int bad = 0;
+        for (int64_t hh = 0; hh < H && bad < 4; hh++)
+            for (int64_t c = 0; c < r; c++) {
+                for (int64_t i = 0; i < nope; i++)   /* ne {nope, r, H}: element (i, c, h) */
+                    if (f32_bits(gk[(hh * r + c) * nope + i]) != f32_bits(kvb[(hh * hb + i) * r + c]) && bad++ < 4)
+                        FAIL("%s layer %d attn_k_b (%lld, %lld, %lld)", tag, l, (long long)i, (long long)c, (long long)hh);
+                for (int64_t j = 0; j < v; j++)   /* ne {r, v, H}: element (c, j, h) */
+                    if (f32_bits(gv[(hh * v + j) * r + c]) != f32_bits(kvb[(hh * hb + nope + j) * r + c]) && bad++ < 4)
+                        FAIL("%s layer %d attn_v_b (%lld, %lld, %lld)", tag, l, (long long)c, (long long)j, (long long)hh);
+            }
+        for (int64_t w = 0; w < r + rope && bad < 4; w++)
+            for (int64_t c = 0; c < D; c++)
+                if (f32_bits(ga[w * D + c]) != f32_bits(kva[ds_src(w, r, rope, !qlora) * D + c]) && bad++ < 4)
+                    FAIL("%s layer %d attn_kv_a_mqa row %lld", tag, l, (long long)w);
+        for (int64_t w = 0; !qlora && w < H * hq && bad < 4; w++)
+            for (int64_t c = 0; c < D; c++)
+                if (f32_bits(gq[w * D + c]) != f32_bits(q[(w / hq * hq + ds_src(w % hq, nope, rope, true)) * D + c]) &&
+                    bad++ < 4)
+                    FAIL("%s layer %d attn_q row %lld", tag, l, (long long)w);
+        mq_st_close(st);
+        /* read back: kv_b_proj merged as it was */
+        if (l == 0) ASSERT_OK(moeq_import_gguf(file, imp));
+        ASSERT_OK(mq_st_open_dir(imp, &st));
+        snprintf(mod, sizeof mod, "model.layers.%d.self_attn.kv_b_proj.weight", l);
+        const mq_tensor_view *tv = mq_st_find(st, mod);
+        ASSERT_TRUE(tv != NULL);
+        if (tv && tv->numel == H * hb * r) {
+            ASSERT_OK(mq_tensor_to_f32(tv, gk = realloc(gk, sizeof(float) * (size_t)(H * hb * r))));
+            for (int64_t k = 0; k < H * hb * r; k++)
+                if (f32_bits(gk[k]) != f32_bits(kvb[k])) {
+                    FAIL("%s layer %d: imported kv_b_proj value %lld", tag, l, (long long)k);
+                    break;
+                }
+        }
+        mq_st_close(st);
+        free(kvb), free(q), free(kva), free(gk), free(gv), free(gq), free(ga);
+#undef TN
+    }
+    mq_gguf_close(g);
+
+    /* the imported model computes what the checkpoint does, bit for bit */
+    moeq_model *a, *b;
+    ASSERT_OK(moeq_model_open(ckpt, NULL, &a));
+    ASSERT_OK(moeq_model_open(imp, NULL, &b));
+    int32_t ids[48];
+    for (int i = 0; i < 48; i++) ids[i] = (int32_t)((i * 977 + 13) % 4096);
+    int32_t V = moeq_model_get_info(a)->vocab_size;
+    float *la = malloc(sizeof(float) * 48 * (size_t)V), *lb = malloc(sizeof(float) * 48 * (size_t)V);
+    moeq_session *sa, *sb;
+    ASSERT_OK(moeq_session_create(a, 48, &sa));
+    ASSERT_OK(moeq_session_create(b, 48, &sb));
+    ASSERT_OK(moeq_session_forward(sa, ids, 48, la));
+    ASSERT_OK(moeq_session_forward(sb, ids, 48, lb));
+    for (size_t i = 0; i < 48 * (size_t)V; i++)
+        if (f32_bits(la[i]) != f32_bits(lb[i])) {
+            FAIL("%s: logit %zu: checkpoint %.9g, imported GGUF %.9g", tag, i, (double)la[i], (double)lb[i]);
+            break;
+        }
+    free(la);
+    free(lb);
+    moeq_session_free(sa);
+    moeq_session_free(sb);
+    moeq_model_free(a);
+    moeq_model_free(b);
+}
+
+static void test_deepseek_qlora_yarn(void) { deepseek_check("deepseekv3-tiny", "ds-yarn", true); }
+
+static void test_deepseek_no_qlora(void) { deepseek_check("deepseekv3-noqlora-tiny", "ds-noqlora", false); }
+
+/* NVFP4 (llama.cpp's deepseek2 applies no global scales) and latent norms llama.cpp would run
+ * with another eps are refused, leaving nothing. */
+static void test_deepseek_refusals(void) {
+    expect_refused(deepseek_model("deepseekv3-tiny"), MOEQ_QUANT_NVFP4A16, "deepseek2", "ds-nvfp4");
+    char dir[1100], cp[1200], *text;
+    size_t len;
+    snprintf(dir, sizeof dir, "%s/ds-eps", mq_test_tmpdir());
+    mkdir(dir, 0755);
+    snprintf(cp, sizeof cp, "%s", mq_test_repo("tests/data/deepseekv3-noqlora-tiny/config.json"));
+    ASSERT_OK(mq_read_file(cp, &text, &len));
+    char *p = strstr(text, "\"rms_norm_eps\": 1e-06");
+    ASSERT_TRUE(p != NULL);
+    if (p) memcpy(p, "\"rms_norm_eps\": 1e-05", 21);
+    snprintf(cp, sizeof cp, "%s/config.json", dir);
+    ASSERT_OK(mq_write_file_atomic(cp, text, len));
+    free(text);
+    ASSERT_STATUS(MOEQ_E_UNSUPPORTED, mq_gguf_check_model(dir, MQ_QS_INT4, false));
+    if (!strstr(moeq_last_error(), "latent norms")) FAIL("message: %s", moeq_last_error());
+}
+
 TEST_MAIN(T(test_decode_float_types), T(test_decode_q4_0_q4_1_q8_0), T(test_decode_q4_k_q5_k),
           T(test_decode_q6_k), T(test_decode_nvfp4), T(test_decode_bad_lengths), T(test_reader_valid),
           T(test_reader_truncated), T(test_reader_corrupt), T(test_olmoe_q4_0), T(test_olmoe_q4_0_g128_split),
           T(test_olmoe_q4_1), T(test_llama_permuted_q4_0), T(test_llama_nvfp4), T(test_qwen2moe_shared_experts),
           T(test_refusals), T(test_rest_f16_f32), T(test_rest_q8_0), T(test_import_olmoe), T(test_import_llama_permuted),
-          T(test_import_qwen2moe), T(test_import_refuses))
+          T(test_import_qwen2moe), T(test_import_refuses), T(test_deepseek_qlora_yarn), T(test_deepseek_no_qlora),
+          T(test_deepseek_refusals))
