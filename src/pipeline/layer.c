@@ -1608,14 +1608,25 @@ static bool is_quantized_in(float **dest, void *user) {
     return false;
 }
 
-/* Each expert's work for the ranks' shares (mq_dist_share_weighted): its calibration grows with
- * its routed tokens and its GPTQ does not, so it costs its tokens plus half the mean (about their
- * ratio measured on OLMoE-1B-7B shapes); no token counts (a resumed layer's replay): equal
- * shares. The same on every rank: every rank has every token's routing. */
-static void expert_costs(const int64_t *tokens, int E, int64_t *cost) {
+/* Each expert's work for the ranks' shares (mq_dist_share_weighted), in MFLOP: its calibration
+ * grows with its routed tokens (gate/up and down in every pass, the Hessian updates) and its GPTQ
+ * does not (the factorisations, the column loops and each refinement pass, counted twice: GPTQ
+ * runs at about half the GEMMs' FLOP rate, rank 0's stages on OLMoE-1B-7B shapes). With the old
+ * constant (tokens plus half the mean) the ranks with many lightly routed experts got the most
+ * GPTQ and the others waited for them. No token counts (a resumed layer's replay): equal shares.
+ * The same on every rank: every rank has every token's routing. */
+static void expert_costs(const mq_pipe *p, const int64_t *tokens, int E, int64_t *cost) {
     int64_t total = 0;
     for (int e = 0; e < E; e++) total += tokens[e];
-    for (int e = 0; e < E; e++) cost[e] = total > 0 ? tokens[e] + total / E / 2 + 1 : 0;
+    const double D = p->c->D, F = p->c->moe_ffn;
+    const mq_pipeline_opts *o = p->o;
+    const double per_token = 2 * F * D * (p->seq ? 5 : 3) + (o->gptq ? D * D + F * F : 0);
+    const double loop = 4 * F * D * D + 2 * D * F * F;   /* gate/up and down column loops */
+    const double gptq = o->gptq ? 2 * ((loop + D * D * D + F * F * F) * (o->spec.mse ? 1.3 : 1.0) *
+                                           (1 + o->n_damp_sweep) + loop * o->g.refine_passes)
+                                : 0;
+    for (int e = 0; e < E; e++)
+        cost[e] = total > 0 ? (int64_t)(((double)tokens[e] * per_token + gptq) * 1e-6) + 1 : 0;
 }
 
 static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
@@ -1647,7 +1658,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         free(gu), free(dn), free(tokens), free(fit);
         return mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
     }
-    expert_costs(tokens, E, cost);
+    expert_costs(p, tokens, E, cost);
     if (dist) mq_dist_share_weighted(cost, E, p->rank, p->ranks, &own_lo, &own_hi);
     bool need_block = false;
     for (int e = 0; e < E; e++) {
