@@ -14,6 +14,7 @@
 #include "harness.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
+#include "model/model.h"
 #include "pipeline/pipeline.h"
 
 static uint32_t f32_bits(float f) {
@@ -924,12 +925,12 @@ static int64_t ds_src(int64_t w, int64_t nope, int64_t rope, bool permuted) {
  * attn_k_b / attn_v_b / q / kv_a against the checkpoint's kv_b_proj, q and kv_a (dequantized),
  * split, transposed and permuted by the test's own indexing, bit for bit; then the file read
  * back: kv_b_proj merged bit for bit, and the imported model's logits equal to the checkpoint's. */
-static void deepseek_check(const char *fixture, const char *tag, bool qlora) {
+static void deepseek_check(const char *fixture, const char *tag, bool qlora, char imp[1100]) {
     const char *model = deepseek_model(fixture);
-    char ckpt[1100], file[1100], imp[1100];
+    char ckpt[1100], file[1100];
     snprintf(ckpt, sizeof ckpt, "%s/%s-ct", mq_test_tmpdir(), tag);
     snprintf(file, sizeof file, "%s/%s.gguf", mq_test_tmpdir(), tag);
-    snprintf(imp, sizeof imp, "%s/%s-imported", mq_test_tmpdir(), tag);
+    snprintf(imp, 1100, "%s/%s-imported", mq_test_tmpdir(), tag);
     mq_pipeline_opts o;
     mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
     o.spec.scale_dtype = MOEQ_DT_F16;
@@ -1101,9 +1102,15 @@ static void deepseek_check(const char *fixture, const char *tag, bool qlora) {
     moeq_model_free(b);
 }
 
-static void test_deepseek_qlora_yarn(void) { deepseek_check("deepseekv3-tiny", "ds-yarn", true); }
+static void test_deepseek_qlora_yarn(void) {
+    char imp[1100];
+    deepseek_check("deepseekv3-tiny", "ds-yarn", true, imp);
+}
 
-static void test_deepseek_no_qlora(void) { deepseek_check("deepseekv3-noqlora-tiny", "ds-noqlora", false); }
+static void test_deepseek_no_qlora(void) {
+    char imp[1100];
+    deepseek_check("deepseekv3-noqlora-tiny", "ds-noqlora", false, imp);
+}
 
 /* NVFP4 (llama.cpp's deepseek2 applies no global scales) and latent norms llama.cpp would run
  * with another eps are refused, leaving nothing. */
@@ -1125,10 +1132,119 @@ static void test_deepseek_refusals(void) {
     if (!strstr(moeq_last_error(), "latent norms")) FAIL("message: %s", moeq_last_error());
 }
 
+typedef struct {
+    float *x[3];   /* layer 0's q/kv_a input, kv_b input (the normed latents), o input */
+    int64_t rows;
+} mla_caps;
+
+static void on_mla(void *user, int layer, mq_site site, int expert, const float *x, int64_t rows, int64_t cols) {
+    (void)expert;
+    mla_caps *c = user;
+    int k = site == MQ_SITE_QKV ? 0 : site == MQ_SITE_KV_B ? 1 : site == MQ_SITE_O ? 2 : -1;
+    if (layer != 0 || k < 0 || c->x[k]) return;
+    c->x[k] = malloc(sizeof(float) * (size_t)(rows * cols));
+    memcpy(c->x[k], x, sizeof(float) * (size_t)(rows * cols));
+    c->rows = rows;
+}
+
+/* act_quant q8_0 on an imported deepseek2 file with a Q4_0 attn_v_b: layer 0's attention output
+ * (o_proj's input) recomputed here in double from the hooked inputs as llama.cpp's absorbed MLA
+ * computes it: q and kv_a on the Q8_0-rounded normed input, scores over [k_nope | k_rot] with k_nope
+ * from kv_b's nope rows, each head's softmax-weighted sum of the normed latents Q8_0-rounded, then
+ * kv_b's v rows of the head. The forward matches it; the same without the latent rounding (the
+ * expanded attention's values) is clearly off. */
+static void test_deepseek_act_quant_latent(void) {
+    char imp[1100];
+    deepseek_check("deepseekv3-noqlora-tiny", "ds-noqlora", false, imp);
+    moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_Q8_0};
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_model_open(imp, &mo, &m));
+    if (!m) return;
+    const mq_layer *ly = &m->layers[0];
+    ASSERT_TRUE(ly->vb_act_q && ly->q.act_q && ly->kv_a.act_q && !ly->kv_b.act_q);
+    enum { TT = 40 };
+    const int64_t D = m->cfg.D, H = m->cfg.n_heads, nope = m->cfg.qk_nope, rd = m->cfg.rope_dim, vd = m->cfg.v_head_dim;
+    const int64_t r = m->cfg.kv_lora_rank, hq = nope + rd, hb = nope + vd;
+    int32_t ids[TT];
+    for (int i = 0; i < TT; i++) ids[i] = (int32_t)((i * 7919 + 13) % m->cfg.vocab);
+    float *x = malloc(sizeof(float) * (size_t)(TT * D));
+    mq_state *st = NULL;
+    ASSERT_OK(mq_state_new(m, TT, &st));
+    ASSERT_OK(mq_embed(m, ids, TT, x));
+    mla_caps cs = {{NULL, NULL, NULL}, 0};
+    mq_hooks hk = {on_mla, &cs};
+    ASSERT_OK(mq_forward_layers(m, st, x, TT, 0, 0, 1, &hk));
+    ASSERT_TRUE(cs.x[0] && cs.x[1] && cs.x[2]);
+    if (!cs.x[0] || !cs.x[1] || !cs.x[2]) return;
+    mq_q8_0_act_qdq(cs.x[0], TT, D);
+    double *q = calloc((size_t)(TT * H * hq), sizeof(double)), *kr = calloc((size_t)(TT * rd), sizeof(double));
+    double *kn = calloc((size_t)(TT * H * nope), sizeof(double)), *ref = calloc((size_t)(TT * H * vd), sizeof(double));
+    double *plain = calloc((size_t)(TT * H * vd), sizeof(double));
+    for (int64_t t = 0; t < TT; t++) {
+        for (int64_t o = 0; o < H * hq; o++)
+            for (int64_t i = 0; i < D; i++) q[t * H * hq + o] += (double)ly->q.w[o * D + i] * cs.x[0][t * D + i];
+        for (int64_t o = 0; o < rd; o++)
+            for (int64_t i = 0; i < D; i++) kr[t * rd + o] += (double)ly->kv_a.w[(r + o) * D + i] * cs.x[0][t * D + i];
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < nope; i++)
+                for (int64_t c = 0; c < r; c++)
+                    kn[(t * H + h) * nope + i] += (double)ly->kv_b.w[(h * hb + i) * r + c] * cs.x[1][t * r + c];
+        /* RoPE on adjacent pairs (the imported checkpoint's rope_interleave), base rope_theta */
+        for (int64_t i = 0; i < rd / 2; i++) {
+            double a = (double)t * pow(m->cfg.rope_theta, -2.0 * (double)i / (double)rd), cs_ = cos(a), sn = sin(a);
+            for (int64_t h = 0; h <= H; h++) {
+                double *v = h < H ? q + (t * H + h) * hq + nope + 2 * i : kr + t * rd + 2 * i, u0 = v[0], u1 = v[1];
+                v[0] = u0 * cs_ - u1 * sn;
+                v[1] = u1 * cs_ + u0 * sn;
+            }
+        }
+    }
+    float ol[64];
+    double sc[TT];
+    ASSERT_TRUE(r <= 64);
+    for (int64_t t = 0; t < TT; t++)
+        for (int64_t h = 0; h < H; h++) {
+            double mx = -INFINITY, sum = 0;
+            for (int64_t u = 0; u <= t; u++) {
+                double d = 0;
+                for (int64_t i = 0; i < nope; i++) d += q[(t * H + h) * hq + i] * kn[(u * H + h) * nope + i];
+                for (int64_t i = 0; i < rd; i++) d += q[(t * H + h) * hq + nope + i] * kr[u * rd + i];
+                sc[u] = d * m->cfg.attn_scale;
+                mx = fmax(mx, sc[u]);
+            }
+            for (int64_t u = 0; u <= t; u++) sum += (sc[u] = exp(sc[u] - mx));
+            for (int64_t c = 0; c < r; c++) {
+                double a = 0;
+                for (int64_t u = 0; u <= t; u++) a += sc[u] / sum * cs.x[1][u * r + c];
+                ol[c] = (float)a;
+            }
+            for (int pass = 0; pass < 2; pass++) {
+                if (pass) mq_q8_0_act_qdq(ol, 1, r);
+                for (int64_t j = 0; j < vd; j++) {
+                    double a = 0;
+                    for (int64_t c = 0; c < r; c++) a += (double)ly->kv_b.w[(h * hb + nope + j) * r + c] * ol[c];
+                    (pass ? ref : plain)[(t * H + h) * vd + j] = a;
+                }
+            }
+        }
+    double mxv = 0, e_ref = 0, e_plain = 0;
+    for (int64_t k = 0; k < TT * H * vd; k++) {
+        mxv = fmax(mxv, fabs(ref[k]));
+        e_ref = fmax(e_ref, fabs(ref[k] - cs.x[2][k]));
+        e_plain = fmax(e_plain, fabs(plain[k] - cs.x[2][k]));
+    }
+    if (!(e_ref <= 2e-5 * mxv)) FAIL("latent attention with the rounding: max error %.3g of %.3g", e_ref, mxv);
+    if (!(e_plain >= 1e-3 * mxv)) FAIL("without the latent rounding the error is only %.3g of %.3g", e_plain, mxv);
+    free(q), free(kr), free(kn), free(ref), free(plain), free(x);
+    for (int k = 0; k < 3; k++) free(cs.x[k]);
+    mq_state_free(st);
+    moeq_model_free(m);
+}
+
 TEST_MAIN(T(test_decode_float_types), T(test_decode_q4_0_q4_1_q8_0), T(test_decode_q4_k_q5_k),
           T(test_decode_q6_k), T(test_decode_nvfp4), T(test_decode_bad_lengths), T(test_reader_valid),
           T(test_reader_truncated), T(test_reader_corrupt), T(test_olmoe_q4_0), T(test_olmoe_q4_0_g128_split),
           T(test_olmoe_q4_1), T(test_llama_permuted_q4_0), T(test_llama_nvfp4), T(test_qwen2moe_shared_experts),
           T(test_refusals), T(test_rest_f16_f32), T(test_rest_q8_0), T(test_import_olmoe), T(test_import_llama_permuted),
           T(test_import_qwen2moe), T(test_import_refuses), T(test_deepseek_qlora_yarn), T(test_deepseek_no_qlora),
-          T(test_deepseek_refusals))
+          T(test_deepseek_refusals), T(test_deepseek_act_quant_latent))

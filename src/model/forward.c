@@ -49,6 +49,10 @@
  * expert, as torchao's grouped MoE path), the shared expert all rows. MOEQ_ACT_QUANT_Q8_0 puts
  * mq_q8_0_act_qdq (llama.cpp's per-row blocks of 32) in the same places. Routers,
  * shared_expert_gate and lm_head always see fp32. Hooks are called before the quantizer.
+ * A deepseek2 GGUF's Q4_0/Q8_0 attn_v_b (vb_act_q): llama.cpp attends over the normed latents and
+ * multiplies each head's latent output, Q8_0-rounded, by attn_v_b; that layer then runs the same
+ * way (latents cached per layer, kv_b's v rows applied after the rounding), which is the same
+ * function as the expanded attention up to rounding.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -73,6 +77,7 @@ struct mq_state {
     int64_t kv_dim;              /* n_kv_heads * head_dim: a key row of the cache */
     int64_t v_dim;               /* n_kv_heads * v_head_dim: a value row (== kv_dim but MLA) */
     float **kc, **vc;            /* [n_layers] -> [max_tokens, kv_dim / v_dim] */
+    float **lc;                  /* [n_layers] -> [max_tokens, kv_lora]: normed latents (vb_act_q) */
     int64_t *filled;             /* [n_layers]: positions present in the cache */
     float *rope_cos, *rope_sin;  /* [max_tokens, rope_dim / 2] */
     float *qa, *ckv, *lat, *kvb; /* MLA scratch: [cap, q_lora], [cap, kv_lora + rope] (the latent
@@ -338,11 +343,12 @@ moeq_status mq_state_new_ex(const moeq_model *m, int32_t max_tokens, bool moe_sc
         s->moe_fp32 |= m->layers[l].is_moe && !m->layers[l].pexperts;
     s->kc = calloc((size_t)c->n_layers, sizeof(float *));
     s->vc = calloc((size_t)c->n_layers, sizeof(float *));
+    s->lc = calloc((size_t)c->n_layers, sizeof(float *));
     s->filled = calloc((size_t)c->n_layers, sizeof(int64_t));
     int64_t half = c->rope_dim / 2;
     s->rope_cos = mq_alloc_array((size_t)max_tokens, (size_t)half * 4, "rope table");
     s->rope_sin = mq_alloc_array((size_t)max_tokens, (size_t)half * 4, "rope table");
-    bool ok = s->kc && s->vc && s->filled && s->rope_cos && s->rope_sin;
+    bool ok = s->kc && s->vc && s->lc && s->filled && s->rope_cos && s->rope_sin;
     if (!ok) {
         mq_state_free(s);
         return mq_err(MOEQ_E_NOMEM, "out of memory for a state of %d positions", max_tokens);
@@ -390,9 +396,11 @@ void mq_state_free(mq_state *s) {
     for (int l = 0; l < s->m->cfg.n_layers; l++) {
         if (s->kc) mq_free(s->kc[l]);
         if (s->vc) mq_free(s->vc[l]);
+        if (s->lc) mq_free(s->lc[l]);
     }
     free(s->kc);
     free(s->vc);
+    free(s->lc);
     free(s->filled);
     mq_free(s->rope_cos);
     mq_free(s->rope_sin);
@@ -569,6 +577,35 @@ static void mla_rope(const mq_state *s, float *rp, int64_t p, float *tmp) {
 
 /* Multi-head latent attention (see the file comment); x += o_proj(attention) as the standard
  * block does, with the hooks QKV (q_a / q_proj and kv_a input), Q_B, KV_B and O. */
+/* vb_act_q: head h's attention over the cached normed latents (keys as cached), its latent output
+ * Q8_0-rounded, then kv_b's v rows of the head: what llama.cpp's absorbed MLA computes. */
+typedef struct {
+    mq_state *s;
+    int l;
+    int64_t T, pos;
+    float scale;
+} latent_job;
+
+enum { LATENT_MAX = 4096 };   /* kv_lora_rank bound of vb_act_q (load.c) */
+
+static void latent_attention_task(void *ctx, int64_t h, int thread) {
+    const latent_job *j = ctx;
+    mq_state *s = j->s;
+    const mq_config *c = &s->m->cfg;
+    int64_t H = c->n_heads, hd = c->head_dim, nope = c->qk_nope, vd = c->v_head_dim, r = c->kv_lora_rank;
+    const mq_vec_kernels *vk = mq_vec();
+    float *S = s->scores + (int64_t)thread * ATT_QB * s->max_tokens, o[LATENT_MAX];
+    const float *vb = s->m->layers[j->l].kv_b.w + (h * (nope + vd) + nope) * r;
+    for (int64_t t = 0; t < j->T; t++) {
+        int64_t n = j->pos + t + 1;   /* causal: keys [0, n) */
+        vk->gemv(s->kc[j->l] + h * hd, s->kv_dim, n, s->q + (t * H + h) * hd, hd, j->scale, S);
+        vk->softmax(S, n);
+        vk->gemv_t(s->lc[j->l], r, n, S, r, o);
+        mq_q8_0_act_qdq(o, 1, r);
+        vk->gemv(vb, r, vd, o, r, 1.0f, s->att + (t * H + h) * vd);
+    }
+}
+
 static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, float *x,
                                        int64_t T, int64_t pos, const mq_hooks *hk) {
     const mq_config *c = &m->cfg;
@@ -619,8 +656,16 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
             mla_rope(s, s->q + (t * H + h) * hd + nope, pos + t, tmp);
         }
     }
-    att_job j = {s, l, T, pos, (T + ATT_QB - 1) / ATT_QB, (float)c->attn_scale};
-    run_tasks(H * j.n_qb, attention_task, &j, T < SMALL_T);
+    if (ly->vb_act_q) {
+        if (!s->lc[l] && !(s->lc[l] = mq_alloc_array((size_t)s->max_tokens, (size_t)r * 4, "latent cache")))
+            return MOEQ_E_NOMEM;
+        memcpy(s->lc[l] + pos * r, lat, sizeof(float) * (size_t)(T * r));
+        latent_job lj = {s, l, T, pos, (float)c->attn_scale};
+        run_tasks(H, latent_attention_task, &lj, T < SMALL_T);
+    } else {
+        att_job j = {s, l, T, pos, (T + ATT_QB - 1) / ATT_QB, (float)c->attn_scale};
+        run_tasks(H * j.n_qb, attention_task, &j, T < SMALL_T);
+    }
 
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * vd);
     if (ly->o.act_q) act_qdq(m, s->att, T, H * vd);

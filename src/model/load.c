@@ -630,12 +630,26 @@ static moeq_status gguf_types(const moeq_model *m, cJSON **out) {
 /* Whether llama.cpp's CPU backend computes a matmul with a weight of this ggml type on Q8_0
  * activations (vec_dot_type Q8_0: Q4_0, NVFP4, Q8_0; Q8_1, the same values plus a block sum:
  * Q4_1). K-quants take Q8_K, F16/BF16 their own type, F32 fp32. */
+static bool q8_0_type(const char *v) {
+    return !strcmp(v, "q4_0") || !strcmp(v, "q4_1") || !strcmp(v, "q8_0") || !strcmp(v, "nvfp4");
+}
+
 static bool q8_0_activations(const cJSON *types, const char *name, const char *suffix) {
     char key[320];
     snprintf(key, sizeof key, "%s%s", name, suffix);
     const cJSON *t = cJSON_GetObjectItemCaseSensitive(types, key);
-    const char *v = cJSON_IsString(t) ? t->valuestring : "";
-    return !strcmp(v, "q4_0") || !strcmp(v, "q4_1") || !strcmp(v, "q8_0") || !strcmp(v, "nvfp4");
+    return q8_0_type(cJSON_IsString(t) ? t->valuestring : "");
+}
+
+/* deepseek2's kv_b_proj comes from attn_k_b and attn_v_b ("TYPE_K+TYPE_V"): llama.cpp's Q8_0
+ * rounding falls on q_nope and on the latent attention output, not on kv_b's input; the second
+ * is emulated (vb_act_q) */
+static bool v_b_q8_0(const cJSON *types, const char *name) {
+    char key[320];
+    snprintf(key, sizeof key, "%s.weight", name);
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(types, key);
+    const char *plus = cJSON_IsString(t) ? strchr(t->valuestring, '+') : NULL;
+    return plus && q8_0_type(plus + 1);
 }
 
 static moeq_status mark_act_quant(moeq_model *m) {
@@ -667,6 +681,11 @@ static moeq_status mark_act_quant(moeq_model *m) {
         for (int i = 0; types && i < 14; i++)
             v[i]->act_q = v[i]->name && q8_0_activations(types, v[i]->name, ".weight");
         for (int i = 0; !s && i < 14; i++) s = check_q8_0_width(m, v[i]);
+        ly->vb_act_q = types && m->cfg.mla && ly->kv_b.name && v_b_q8_0(types, ly->kv_b.name);
+        if (!s && ly->vb_act_q && (m->cfg.kv_lora_rank % 32 || m->cfg.kv_lora_rank > 4096 || !ly->kv_b.w))
+            s = mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: layer %d's latent attention output (kv_lora_rank "
+                       "%d) cannot take llama.cpp's Q8_0 rounding (a multiple of 32 up to 4096, fp32 weights)",
+                       m->dir, l, m->cfg.kv_lora_rank);
         for (int e = 0; !s && ly->is_moe && e < m->cfg.n_experts; e++) {
             mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
             for (int i = 0; types && i < 3; i++)

@@ -136,6 +136,9 @@ typedef struct {
     mq_linear q_a, q_b, kv_a, kv_b;  /* MLA: [q_lora, D], [H*hd, q_lora], [kv_lora + rope, D],
                                         [H*(nope + v_hd), kv_lora] (q_a/q_b unused without q LoRA) */
     float *q_a_norm, *kv_a_norm;     /* MLA: [q_lora], [kv_lora] */
+    bool vb_act_q;                   /* MLA, act_quant q8_0 on a GGUF whose attn_v_b llama.cpp runs
+                                        on Q8_0 inputs: each head's latent attention output rounded
+                                        before kv_b's v rows (llama.cpp's absorbed MLA) */
     float *router_bias;              /* [E]: e_score_correction_bias, or NULL */
     bool is_moe;
     mq_linear gate, up, down;        /* dense MLP */
