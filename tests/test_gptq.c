@@ -705,6 +705,38 @@ static void test_many_jobs(void) {
     }
 }
 
+/* Factorisations of uneven sizes in one call (DeepSeek-V3's o_proj beside its small latent
+ * Linears): the dominant one runs alone on the whole pool, the others as tasks; every factor is
+ * bit for bit mq_gptq_factor_init's of its Hessian alone, at every thread count. */
+static void test_factor_many_uneven(void) {
+    const int64_t Ks[4] = {24, 200, 16, 40};
+    float *H[4];
+    const char *names[4] = {"a", "big", "b", "c"};
+    for (int i = 0; i < 4; i++) H[i] = make_hessian(Ks[i], 2 * Ks[i] + 8, 90 + (uint64_t)i, NULL, 0);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    o.refine_passes = 1;   /* H' is kept too */
+    mq_gptq_factor one[4];
+    for (int i = 0; i < 4; i++) ASSERT_OK(mq_gptq_factor_init(H[i], Ks[i], &o, true, names[i], &one[i]));
+    for (int threads = 1; threads <= 3; threads++) {
+        moeq_set_threads(threads);
+        mq_gptq_factor f[4];
+        ASSERT_OK(mq_gptq_factor_many((const float *const *)H, Ks, 4, &o, true, names, f));
+        for (int i = 0; i < 4; i++) {
+            const size_t kk = (size_t)(Ks[i] * Ks[i]) * sizeof(float);
+            ASSERT_TRUE(memcmp(f[i].U, one[i].U, kk) == 0);
+            ASSERT_TRUE(memcmp(f[i].R, one[i].R, kk) == 0);
+            ASSERT_TRUE(memcmp(f[i].Hp, one[i].Hp, kk) == 0);
+            ASSERT_TRUE(f[i].damp == one[i].damp);
+            mq_gptq_factor_free(&f[i]);
+        }
+    }
+    moeq_set_threads(0);
+    for (int i = 0; i < 4; i++) {
+        mq_gptq_factor_free(&one[i]);
+        free(H[i]);
+    }
+}
+
 /* The loop's branch-free column qdq is bit-identical to formats.h's mq_qdq_n, ties included. */
 static void test_qdq_column_matches_formats(void) {
     const int64_t n = 4096;
@@ -1217,7 +1249,7 @@ static void test_refine(void) {
 TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_order),
           T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
-          T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs),
+          T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs), T(test_factor_many_uneven),
           T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
           T(test_force_ref_same_codes), T(test_progress), T(test_bad_input), T(test_clip_search),
           T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom), T(test_factor_odd_size))

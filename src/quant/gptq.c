@@ -436,8 +436,21 @@ moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t
         order[u] = i;
     }
     pthread_once(&g_blas_once, blas_single_thread);
+    /* A factorisation larger than a thread's share of them all runs alone on the whole pool (its
+     * blocked Cholesky and inverse are pool jobs; as one task among others they would run on its
+     * thread only): DeepSeek-V3's o_proj (K = 16384) beside q_b and kv_b took 62 s on one core of
+     * two. Where it runs does not change its values. The others go out as tasks, largest first. */
+    double total = 0;
+    for (int64_t i = 0; i < n; i++) total += H[i] ? (double)K[i] * (double)K[i] * (double)K[i] : 0;
+    const double threads = (double)mq_pool_size();
+    int64_t big = 0;   /* a prefix of order */
+    while (big < n && H[order[big]] && threads > 1 &&
+           (double)K[order[big]] * (double)K[order[big]] * (double)K[order[big]] * threads > total)
+        big++;
     factor_ctx c = {H, K, o, want_R, f, res, order};
-    mq_parallel_for(n, factor_task, &c);
+    for (int64_t i = 0; i < big; i++) factor_task(&c, i, 0);
+    c.order = order + big;
+    mq_parallel_for(n - big, factor_task, &c);
     mq_free(order);
     moeq_status st = MOEQ_OK;
     for (int64_t i = 0; i < n; i++) {

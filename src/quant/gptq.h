@@ -91,8 +91,10 @@ typedef struct {
 #define MQ_GPTQ_MAX_PERCDAMP 100.0
 moeq_status mq_gptq_factor_init(const float *H, int64_t K, const mq_gptq_opts *o, bool want_R,
                                 const char *name, mq_gptq_factor *f);
-/* Factorises n Hessians (H[i] of size K[i]) in parallel, one task each with single-threaded
- * LAPACK. H[i] may be NULL to skip (f[i] is then zeroed). On error every factor is freed. */
+/* Factorises n Hessians (H[i] of size K[i]) in parallel: one larger than a thread's share of them
+ * all alone on the whole pool, the others one task each (single-threaded LAPACK); the values are
+ * mq_gptq_factor_init's either way. H[i] may be NULL to skip (f[i] is then zeroed). On error every
+ * factor is freed. */
 moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t n,
                                 const mq_gptq_opts *o, bool want_R, const char *const *names,
                                 mq_gptq_factor *f);
