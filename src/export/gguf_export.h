@@ -42,7 +42,7 @@ moeq_status mq_gguf_export(const char *ckpt_dir, const char *out_path, mq_gguf_r
  * checking a quantized file against it. */
 moeq_status mq_gguf_export_dequantized(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest);
 
-/* The reverse: a GGUF file (llama, olmoe, qwen2moe, qwen3moe; gpt2 tokenizer) written out as a
+/* The reverse: a GGUF file (llama, olmoe, qwen2moe, qwen3moe, deepseek2; gpt2 tokenizer) written out as a
  * checkpoint directory moeq opens (config.json, tokenizer.json, model.safetensors with every
  * tensor decoded to F32; the config routes as llama.cpp's graph does). out_dir is created. */
 moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir);

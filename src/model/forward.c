@@ -77,7 +77,7 @@ struct mq_state {
     int64_t kv_dim;              /* n_kv_heads * head_dim: a key row of the cache */
     int64_t v_dim;               /* n_kv_heads * v_head_dim: a value row (== kv_dim but MLA) */
     float **kc, **vc;            /* [n_layers] -> [max_tokens, kv_dim / v_dim] */
-    float **lc;                  /* [n_layers] -> [max_tokens, kv_lora]: normed latents (vb_act_q) */
+    float **lc;                  /* [n_layers] -> [max_tokens, kv_lora]: latents (vb_act_q) */
     int64_t *filled;             /* [n_layers]: positions present in the cache */
     float *rope_cos, *rope_sin;  /* [max_tokens, rope_dim / 2] */
     float *qa, *ckv, *lat, *kvb; /* MLA scratch: [cap, q_lora], [cap, kv_lora + rope] (the latent
@@ -592,7 +592,8 @@ static void latent_attention_task(void *ctx, int64_t h, int thread) {
     const latent_job *j = ctx;
     mq_state *s = j->s;
     const mq_config *c = &s->m->cfg;
-    int64_t H = c->n_heads, hd = c->head_dim, nope = c->qk_nope, vd = c->v_head_dim, r = c->kv_lora_rank;
+    int64_t H = c->n_heads, hd = c->head_dim, nope = c->qk_nope, vd = c->v_head_dim;
+    int64_t r = c->kv_lora_rank;
     const mq_vec_kernels *vk = mq_vec();
     float *S = s->scores + (int64_t)thread * ATT_QB * s->max_tokens, o[LATENT_MAX];
     const float *vb = s->m->layers[j->l].kv_b.w + (h * (nope + vd) + nope) * r;
@@ -657,8 +658,9 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
         }
     }
     if (ly->vb_act_q) {
-        if (!s->lc[l] && !(s->lc[l] = mq_alloc_array((size_t)s->max_tokens, (size_t)r * 4, "latent cache")))
-            return MOEQ_E_NOMEM;
+        if (!s->lc[l])
+            s->lc[l] = mq_alloc_array((size_t)s->max_tokens, (size_t)r * 4, "latent cache");
+        if (!s->lc[l]) return MOEQ_E_NOMEM;
         memcpy(s->lc[l] + pos * r, lat, sizeof(float) * (size_t)(T * r));
         latent_job lj = {s, l, T, pos, (float)c->attn_scale};
         run_tasks(H, latent_attention_task, &lj, T < SMALL_T);

@@ -682,10 +682,11 @@ static moeq_status mark_act_quant(moeq_model *m) {
             v[i]->act_q = v[i]->name && q8_0_activations(types, v[i]->name, ".weight");
         for (int i = 0; !s && i < 14; i++) s = check_q8_0_width(m, v[i]);
         ly->vb_act_q = types && m->cfg.mla && ly->kv_b.name && v_b_q8_0(types, ly->kv_b.name);
-        if (!s && ly->vb_act_q && (m->cfg.kv_lora_rank % 32 || m->cfg.kv_lora_rank > 4096 || !ly->kv_b.w))
-            s = mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: layer %d's latent attention output (kv_lora_rank "
-                       "%d) cannot take llama.cpp's Q8_0 rounding (a multiple of 32 up to 4096, fp32 weights)",
-                       m->dir, l, m->cfg.kv_lora_rank);
+        int32_t kr = m->cfg.kv_lora_rank;
+        if (!s && ly->vb_act_q && (kr % 32 || kr > 4096 || !ly->kv_b.w))
+            s = mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: layer %d's latent attention "
+                       "output (kv_lora_rank %d) cannot take llama.cpp's Q8_0 rounding (a "
+                       "multiple of 32 up to 4096, fp32 weights)", m->dir, l, kr);
         for (int e = 0; !s && ly->is_moe && e < m->cfg.n_experts; e++) {
             mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
             for (int i = 0; types && i < 3; i++)
