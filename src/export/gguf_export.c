@@ -626,7 +626,8 @@ static moeq_status linear_type(exporter *x, const char *module, int64_t rows, in
     *nvfp4 = false;
     mq_linear_kind k = mq_layout_detect(module, lookup, x->st);
     if (k == MQ_LIN_ABSENT) return mq_err(MOEQ_E_NOTFOUND, "%s: no tensors of Linear '%s'", x->dir, module);
-    if (k != MQ_LIN_DENSE && x->dequant) {
+    /* FP8 block-quantized: no ggml type holds E4M3 times a block scale; F32 holds it exactly */
+    if (k == MQ_LIN_FP8_BLOCK || (k != MQ_LIN_DENSE && x->dequant)) {
         *type = rest_type(x, MOEQ_DT_F32, cols);
         return MOEQ_OK;
     }
@@ -1087,7 +1088,7 @@ static moeq_status write_dequantized(exporter *x, mq_gguf_writer *w, const out_t
 
 static moeq_status write_linear(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *module) {
     mq_linear_kind k = mq_layout_detect(module, lookup, x->st);
-    if (k != MQ_LIN_DENSE && x->dequant) return write_dequantized(x, w, t, module);
+    if (k == MQ_LIN_FP8_BLOCK || (k != MQ_LIN_DENSE && x->dequant)) return write_dequantized(x, w, t, module);
     if (k == MQ_LIN_DENSE) {
         char name[300];
         snprintf(name, sizeof name, "%s.weight", module);

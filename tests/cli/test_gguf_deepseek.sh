@@ -4,7 +4,8 @@
 # with the bundled tokenizer: quantize --format gguf writes one file (the MTP layer left out, and
 # said), inspect shows the deepseek2 KVs and the split latent tensors, export-gguf of a GPTQ
 # checkpoint of the same codes gives the same bytes, eval on the .gguf gives the checkpoint's
-# loglikelihood to the last digit (INT4 g32 -> Q4_0, and unquantized -> F32), NVFP4 is refused.
+# loglikelihood to the last digit (INT4 g32 -> Q4_0, unquantized -> F32, an FP8 source -> F32), NVFP4
+# is refused.
 . "$(dirname "$0")/common.sh"
 data=$repo/tests/data
 export TMPDIR="$tmp/gguf-tmp"   # the temporary checkpoints of a .gguf MODEL: this test's alone
@@ -62,6 +63,17 @@ for fx in deepseekv3-tiny deepseekv3-noqlora-tiny; do
     a=$(json_get "$tmp/e4.json" loglikelihood); b=$(json_get "$tmp/e5.json" loglikelihood)
     [ -n "$a" ] && [ "$a" = "$b" ] || fail "$fx: F32 .gguf loglikelihood '$a', source '$b'"
 done
+# an FP8 block-quantized source (the FP8 copy of deepseekv3-tiny): its Linears dequantized one at a
+# time into F32 (exact), the .gguf evaluates as the FP8 checkpoint itself
+src=$tmp/fp8
+mkdir -p "$src" && cp "$data/deepseekv3-fp8-tiny"/* "$src"/ && cp "$model"/tokenizer*.json "$src"/
+"$cli" export-gguf "$src" "$tmp/fp8.gguf" --quiet 2>/dev/null || fail "FP8 source: export-gguf exited $?"
+"$cli" inspect "$tmp/fp8.gguf" --tensors | grep -q '^  blk.1.attn_q_b.weight  *f32  *{64, 96}' ||
+    fail "FP8 source: attn_q_b is not F32"
+"$cli" eval "$tmp/fp8.gguf" "${ev[@]}" >"$tmp/e6.json" 2>/dev/null || fail "FP8 source: eval of the .gguf exited $?"
+"$cli" eval "$src" "${ev[@]}" >"$tmp/e7.json" 2>/dev/null || fail "FP8 source: eval exited $?"
+a=$(json_get "$tmp/e6.json" loglikelihood); b=$(json_get "$tmp/e7.json" loglikelihood)
+[ -n "$a" ] && [ "$a" = "$b" ] || fail "FP8 source: .gguf loglikelihood '$a', FP8 checkpoint '$b'"
 [ -z "$(ls -A "$TMPDIR")" ] || fail "a temporary checkpoint was left in $TMPDIR: $(ls -A "$TMPDIR")"
 
 # NVFP4: llama.cpp's deepseek2 graph applies no global scales; refused before any work
