@@ -839,7 +839,10 @@ static moeq_status plan_deepseek(exporter *x) {
 #undef SFX
     if (!s) s = add_plain(x, "output_norm.weight", "model.norm.weight", true, true, false);
     if (s) return s;
-    if (a->mtp > 0)   /* llama.cpp's convert_hf_to_gguf.py skips them too (skip_mtp) */
+    char mtp0[96];
+    snprintf(mtp0, sizeof mtp0, "model.layers.%lld.input_layernorm.weight", (long long)a->L);
+    /* llama.cpp's converter skips them too (skip_mtp); said when the checkpoint has them */
+    if (a->mtp > 0 && mq_st_find(x->st, mtp0))
         mq_warn("%s: the %lld multi-token-prediction layer%s (model.layers.%lld%s, num_nextn_predict_layers) "
                 "%s not written: llama.cpp's deepseek2 converter leaves them out", x->dir, (long long)a->mtp,
                 a->mtp > 1 ? "s" : "", (long long)a->L, a->mtp > 1 ? "..." : "", a->mtp > 1 ? "are" : "is");
