@@ -1241,10 +1241,131 @@ static void test_deepseek_act_quant_latent(void) {
     moeq_model_free(m);
 }
 
+/* DeepSeek-V3's pre-tokenizer (three Splits, then ByteLevel without its regex) on the bundled
+ * vocabulary: written as llama.cpp's "deepseek-v3" (the third regex given here with CR/LF spelled
+ * as the regex escapes \r \n, which moeq reads as the same regex), rebuilt by the importer with
+ * the same ids, digits split in threes; one regex changed is refused. */
+static cJSON *ds3_pre(const char *third) {
+    cJSON *seq = cJSON_CreateObject(), *l = cJSON_AddArrayToObject(seq, "pretokenizers");
+    cJSON_AddStringToObject(seq, "type", "Sequence");
+    const char *re[3] = {mq_gguf_re_deepseek3[0], mq_gguf_re_deepseek3[1], third};
+    for (int i = 0; i < 3; i++) {
+        cJSON *sp = cJSON_CreateObject(), *pat;
+        cJSON_AddStringToObject(sp, "type", "Split");
+        pat = cJSON_AddObjectToObject(sp, "pattern");
+        cJSON_AddStringToObject(pat, "Regex", re[i]);
+        cJSON_AddStringToObject(sp, "behavior", "Isolated");
+        cJSON_AddBoolToObject(sp, "invert", false);
+        cJSON_AddItemToArray(l, sp);
+    }
+    cJSON *bl = cJSON_CreateObject();
+    cJSON_AddStringToObject(bl, "type", "ByteLevel");
+    cJSON_AddBoolToObject(bl, "add_prefix_space", false);
+    cJSON_AddBoolToObject(bl, "trim_offsets", true);
+    cJSON_AddBoolToObject(bl, "use_regex", false);
+    cJSON_AddItemToArray(l, bl);
+    return seq;
+}
+
+static void ds3_model(const char *dir, const char *third) {
+    mkdir(dir, 0755);
+    const char *files[3][2] = {{"tests/data/deepseekv3-noqlora-tiny/config.json", "config.json"},
+                               {"tests/data/deepseekv3-noqlora-tiny/model.safetensors", "model.safetensors"},
+                               {"models/olmoe-tiny/tokenizer_config.json", "tokenizer_config.json"}};
+    for (int i = 0; i < 3; i++) {
+        char a[1200], b[1200];
+        snprintf(a, sizeof a, "%s", mq_test_repo(files[i][0]));
+        snprintf(b, sizeof b, "%s/%s", dir, files[i][1]);
+        if (symlink(a, b) != 0) FAIL("symlink %s", b);
+    }
+    char p[1200], *text;
+    size_t len;
+    snprintf(p, sizeof p, "%s", mq_test_repo("models/olmoe-tiny/tokenizer.json"));
+    ASSERT_OK(mq_read_file(p, &text, &len));
+    cJSON *t = cJSON_ParseWithLength(text, len);
+    free(text);
+    ASSERT_TRUE(t != NULL);
+    cJSON_ReplaceItemInObjectCaseSensitive(t, "pre_tokenizer", ds3_pre(third));
+    text = cJSON_PrintUnformatted(t);
+    snprintf(p, sizeof p, "%s/tokenizer.json", dir);
+    ASSERT_OK(mq_write_file_atomic(p, text, strlen(text)));
+    free(text);
+    cJSON_Delete(t);
+}
+
+static void encode(const moeq_model *m, const char *s, int32_t **ids, size_t *n) {
+    *ids = NULL, *n = 0;
+    ASSERT_OK(moeq_tokenizer_encode(moeq_model_tokenizer(m), s, strlen(s), ids, n));
+}
+
+static void test_deepseek3_pre_tokenizer(void) {
+    char dir[1100], file[1100], imp[1100];
+    snprintf(dir, sizeof dir, "%s/ds3-tok", mq_test_tmpdir());
+    snprintf(file, sizeof file, "%s/ds3-tok.gguf", mq_test_tmpdir());
+    snprintf(imp, sizeof imp, "%s/ds3-tok-imported", mq_test_tmpdir());
+    /* the third regex with \r \n as escapes, where mq_gguf_re_deepseek3 has the characters */
+    char third[512];
+    const char *c = mq_gguf_re_deepseek3[2];
+    size_t k = 0;
+    for (; *c && k + 3 < sizeof third; c++) {
+        if (*c == '\r' || *c == '\n') third[k++] = '\\', third[k++] = *c == '\r' ? 'r' : 'n';
+        else third[k++] = *c;
+    }
+    third[k] = 0;
+    ASSERT_TRUE(strchr(third, '\n') == NULL && strstr(third, "\\r\\n") != NULL);
+    ds3_model(dir, third);
+    ASSERT_OK(mq_gguf_export(dir, file, MQ_GGUF_REST_F32));
+    mq_gguf *g;
+    ASSERT_OK(mq_gguf_open(file, &g));
+    const char *pre = "";
+    size_t pl = 0;
+    ASSERT_OK(mq_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pl));
+    if (pl != 11 || memcmp(pre, "deepseek-v3", 11)) FAIL("tokenizer.ggml.pre '%.*s'", (int)pl, pre);
+    mq_gguf_close(g);
+    ASSERT_OK(moeq_import_gguf(file, imp));
+    moeq_model *a, *b;
+    ASSERT_OK(moeq_model_open(dir, NULL, &a));
+    ASSERT_OK(moeq_model_open(imp, NULL, &b));
+    const char *text = "Tower 1958: 333 m high, 12345678 yen; don't stop!!\r\n\t(x+y)=z \xe6\x9d\xb1\xe4\xba\xac"
+                       "\xe3\x82\xbf\xe3\x83\xaf\xe3\x83\xbc\xe3\x81\xaf";
+    int32_t *ia, *ib, *i1, *i2;
+    size_t na, nb, n1, n2;
+    encode(a, text, &ia, &na);
+    encode(b, text, &ib, &nb);
+    ASSERT_EQ_INT(na, nb);
+    for (size_t i = 0; i < na && i < nb; i++)
+        if (ia[i] != ib[i]) {
+            FAIL("token %zu: %d against %d", i, ia[i], ib[i]);
+            break;
+        }
+    /* \p{N}{1,3}: "12345" is "123" then "45" */
+    free(ia), free(ib);
+    encode(a, "12345", &ia, &na);
+    encode(a, "123", &i1, &n1);
+    encode(a, "45", &i2, &n2);
+    ASSERT_EQ_INT(n1 + n2, na);
+    for (size_t i = 0; i < na && i < n1 + n2; i++)
+        ASSERT_EQ_INT(i < n1 ? i1[i] : i2[i - n1], ia[i]);
+    free(ia), free(i1), free(i2);
+    moeq_model_free(a);
+    moeq_model_free(b);
+    /* a changed regex is another tokenizer: refused */
+    char dir2[1100], file2[1100];
+    snprintf(dir2, sizeof dir2, "%s/ds3-other", mq_test_tmpdir());
+    snprintf(file2, sizeof file2, "%s/ds3-other.gguf", mq_test_tmpdir());
+    char other[512];
+    snprintf(other, sizeof other, "%s", mq_gguf_re_deepseek3[2]);
+    other[strlen(other) - 4] = 0;   /* without the last "|\s+" */
+    ds3_model(dir2, other);
+    ASSERT_STATUS(MOEQ_E_UNSUPPORTED, mq_gguf_export(dir2, file2, MQ_GGUF_REST_F32));
+    if (!strstr(moeq_last_error(), "DeepSeek-V3")) FAIL("message: %s", moeq_last_error());
+    ASSERT_FALSE(mq_file_exists(file2));
+}
+
 TEST_MAIN(T(test_decode_float_types), T(test_decode_q4_0_q4_1_q8_0), T(test_decode_q4_k_q5_k),
           T(test_decode_q6_k), T(test_decode_nvfp4), T(test_decode_bad_lengths), T(test_reader_valid),
           T(test_reader_truncated), T(test_reader_corrupt), T(test_olmoe_q4_0), T(test_olmoe_q4_0_g128_split),
           T(test_olmoe_q4_1), T(test_llama_permuted_q4_0), T(test_llama_nvfp4), T(test_qwen2moe_shared_experts),
           T(test_refusals), T(test_rest_f16_f32), T(test_rest_q8_0), T(test_import_olmoe), T(test_import_llama_permuted),
           T(test_import_qwen2moe), T(test_import_refuses), T(test_deepseek_qlora_yarn), T(test_deepseek_no_qlora),
-          T(test_deepseek_refusals), T(test_deepseek_act_quant_latent))
+          T(test_deepseek_refusals), T(test_deepseek_act_quant_latent), T(test_deepseek3_pre_tokenizer))

@@ -341,6 +341,32 @@ const char mq_gguf_re_qwen2[] =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
     "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
+/* DeepSeek-V3's three Splits (llama.cpp's "deepseek-v3", llama-vocab.cpp): digits in threes,
+ * runs of CJK ideographs and kana, then words, punctuation and spaces; CR and LF as characters. */
+const char *const mq_gguf_re_deepseek3[3] = {
+    "\\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+    " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+};
+
+/* a == b, where a may spell CR and LF as the regex escapes \r and \n */
+static bool same_regex(const char *a, const char *b) {
+    for (; *a && *b; a++, b++) {
+        if (a[0] == '\\' && (a[1] == 'r' || a[1] == 'n') && *b == (a[1] == 'r' ? '\r' : '\n')) {
+            a++;
+            continue;
+        }
+        if (*a != *b) return false;
+        if (*a == '\\') {   /* an escape pair is compared whole */
+            a++, b++;
+            if (*a != *b) return false;
+            if (!*a) return true;
+        }
+    }
+    return !*a && !*b;
+}
+
 /* tokenizer.ggml.pre from the pre_tokenizer block: a lone byte-level split with GPT-2's regex is
  * "gpt-2"; a Split with Llama 3's or Qwen2's regex followed by a regex-less byte level is
  * "llama-bpe" or "qwen2". Anything else is refused: llama.cpp would split differently. */
@@ -354,6 +380,20 @@ static moeq_status pick_pre(const cJSON *tok, const char *path, const char **pre
         }
     } else if (ty && cJSON_IsString(ty) && !strcmp(ty->valuestring, "Sequence")) {
         const cJSON *l = item(p, "pretokenizers");
+        if (l && cJSON_GetArraySize(l) == 4) {   /* DeepSeek-V3's */
+            bool ok = true;
+            for (int i = 0; ok && i < 3; i++) {
+                const cJSON *sp = cJSON_GetArrayItem(l, i), *t0 = item(sp, "type"), *pat = item(sp, "pattern");
+                const cJSON *re = pat ? item(pat, "Regex") : NULL;
+                ok = t0 && cJSON_IsString(t0) && !strcmp(t0->valuestring, "Split") && re && cJSON_IsString(re) &&
+                     same_regex(re->valuestring, mq_gguf_re_deepseek3[i]);
+            }
+            const cJSON *bl = cJSON_GetArrayItem(l, 3), *t3 = item(bl, "type");
+            if (ok && t3 && cJSON_IsString(t3) && !strcmp(t3->valuestring, "ByteLevel") && !flag(bl, "use_regex", true)) {
+                *pre = "deepseek-v3";
+                return MOEQ_OK;
+            }
+        }
         if (l && cJSON_GetArraySize(l) == 2) {
             const cJSON *sp = cJSON_GetArrayItem(l, 0), *bl = cJSON_GetArrayItem(l, 1);
             const cJSON *t0 = item(sp, "type"), *t1 = item(bl, "type"), *pat = item(sp, "pattern");
@@ -369,7 +409,7 @@ static moeq_status pick_pre(const cJSON *tok, const char *path, const char **pre
         }
     }
     return mq_err(MOEQ_E_UNSUPPORTED, "%s: pre_tokenizer is none of those llama.cpp names (GPT-2 byte level, "
-                  "Llama 3 or Qwen2 split): its tokens would differ", path);
+                  "Llama 3, Qwen2 or DeepSeek-V3 splits): its tokens would differ", path);
 }
 
 typedef struct {

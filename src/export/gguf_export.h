@@ -50,5 +50,7 @@ moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir);
 /* tokenizer.json's Split regexes of Llama 3 ("llama-bpe") and Qwen2 ("qwen2"). */
 extern const char mq_gguf_re_llama3[];
 extern const char mq_gguf_re_qwen2[];
+/* DeepSeek-V3's three Split regexes ("deepseek-v3"), CR and LF as characters */
+extern const char *const mq_gguf_re_deepseek3[3];
 
 #endif

@@ -299,13 +299,15 @@ static moeq_status make_tokenizer(const mq_gguf *g, const char *path, cJSON **ou
         if (s != MOEQ_E_NOTFOUND) return s;
         pre = "default", pl = 7;
     }
-    const char *re = NULL;
+    const char *re = NULL, *const *splits = &re;
+    int n_splits = 1;
     if ((pl == 5 && !memcmp(pre, "gpt-2", 5)) || (pl == 4 && !memcmp(pre, "olmo", 4)) || (pl == 7 && !memcmp(pre, "default", 7)))
         re = "";
     else if (pl == 9 && !memcmp(pre, "llama-bpe", 9)) re = mq_gguf_re_llama3;
     else if (pl == 5 && !memcmp(pre, "qwen2", 5)) re = mq_gguf_re_qwen2;
-    if (!re) return mq_err(MOEQ_E_UNSUPPORTED, "%s: tokenizer.ggml.pre '%.*s' is not one moeq rebuilds (gpt-2, olmo, llama-bpe, qwen2)",
-                           path, (int)pl, pre);
+    else if (pl == 11 && !memcmp(pre, "deepseek-v3", 11)) re = mq_gguf_re_deepseek3[0], splits = mq_gguf_re_deepseek3, n_splits = 3;
+    if (!re) return mq_err(MOEQ_E_UNSUPPORTED, "%s: tokenizer.ggml.pre '%.*s' is not one moeq rebuilds (gpt-2, olmo, "
+                           "llama-bpe, qwen2, deepseek-v3)", path, (int)pl, pre);
     const mq_gguf_kv *toks = mq_gguf_find_kv(g, "tokenizer.ggml.tokens"), *types = mq_gguf_find_kv(g, "tokenizer.ggml.token_type");
     const mq_gguf_kv *merges = mq_gguf_find_kv(g, "tokenizer.ggml.merges");
     if (!merges || merges->type != MQ_GGUF_ARRAY || merges->arr_type != MQ_GGUF_STRING)
@@ -314,14 +316,17 @@ static moeq_status make_tokenizer(const mq_gguf *g, const char *path, cJSON **ou
     cJSON_AddStringToObject(t, "version", "1.0");
     cJSON_AddNullToObject(t, "normalizer");
     if (re[0]) {
-        cJSON *seq = cJSON_CreateObject(), *list = cJSON_AddArrayToObject(seq, "pretokenizers"), *sp = cJSON_CreateObject();
+        cJSON *seq = cJSON_CreateObject(), *list = cJSON_AddArrayToObject(seq, "pretokenizers");
         cJSON_AddStringToObject(seq, "type", "Sequence");
-        cJSON_AddStringToObject(sp, "type", "Split");
-        cJSON *pat = cJSON_AddObjectToObject(sp, "pattern");
-        cJSON_AddStringToObject(pat, "Regex", re);
-        cJSON_AddStringToObject(sp, "behavior", "Isolated");
-        cJSON_AddBoolToObject(sp, "invert", false);
-        cJSON_AddItemToArray(list, sp);
+        for (int i = 0; i < n_splits; i++) {
+            cJSON *sp = cJSON_CreateObject();
+            cJSON_AddStringToObject(sp, "type", "Split");
+            cJSON *pat = cJSON_AddObjectToObject(sp, "pattern");
+            cJSON_AddStringToObject(pat, "Regex", splits[i]);
+            cJSON_AddStringToObject(sp, "behavior", "Isolated");
+            cJSON_AddBoolToObject(sp, "invert", false);
+            cJSON_AddItemToArray(list, sp);
+        }
         cJSON_AddItemToArray(list, byte_level(false));
         cJSON_AddItemToObject(t, "pre_tokenizer", seq);
     } else {
