@@ -814,10 +814,10 @@ static void route_sigmoid(const mq_config *c, const float *bias, float *p, int32
     }
 }
 
-static void route(const mq_config *c, const float *bias, float *probs, int64_t T, int32_t *sel,
-                  float *w) {
+static void route_rows(const mq_config *c, const float *bias, float *probs, int64_t t0, int64_t t1,
+                       int32_t *sel, float *w) {
     int64_t E = c->n_experts, K = c->top_k;
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         if (c->sigmoid_router) {
             route_sigmoid(c, bias, probs + t * E, sel + t * K, w + t * K);
             continue;
@@ -849,6 +849,32 @@ static void route(const mq_config *c, const float *bias, float *probs, int64_t T
             for (int64_t k = 0; k < K; k++) wt[k] /= ws;
         }
     }
+}
+
+typedef struct {
+    const mq_config *c;
+    const float *bias;
+    float *probs;
+    int64_t T;
+    int32_t *sel;
+    float *w;
+} route_job;
+
+static void route_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const route_job *j = ctx;
+    const int64_t t0 = t * ROWS_TASK, t1 = t0 + ROWS_TASK < j->T ? t0 + ROWS_TASK : j->T;
+    route_rows(j->c, j->bias, j->probs, t0, t1, j->sel, j->w);
+}
+
+/* Every token alone (any split gives the same choices), in blocks of rows on the pool. */
+static void route(const mq_config *c, const float *bias, float *probs, int64_t T, int32_t *sel,
+                  float *w) {
+    route_job j = {c, bias, probs, T, sel, w};
+    const int64_t nt = (T + ROWS_TASK - 1) / ROWS_TASK;
+    if (T * c->n_experts >= ROWS_POOL_MIN / 4) mq_parallel_for(nt, route_task, &j);
+    else
+        for (int64_t t = 0; t < nt; t++) route_task(&j, t, 0);
 }
 
 /* Stages of the routed experts: all at once, or (activation quantization, whose global scale
