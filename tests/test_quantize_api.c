@@ -595,5 +595,54 @@ static void test_gptq_small(void) {
     ASSERT_TRUE(file_mentions(report, "\"mse_weight\":\t\"gptq\""));
 }
 
-TEST_MAIN(T(test_options_defaults), T(test_invalid_options), T(test_rtn_int4), T(test_rtn_nvfp4a16),
+/* Progress of a GPTQ run reaches its total exactly, never going back, on a model whose dense
+ * layer's MLP and MoE layers' shared expert differ in size (DeepSeek-V3's layout: the dense
+ * layer's units were counted at the shared expert's size, so a run ended short of its total and
+ * the ETA was about 10x too long on full-size DeepSeek-V3 shapes). */
+typedef struct {
+    int64_t last, total, calls, backwards;
+} progress_seen;
+
+static void on_progress_seen(void *user, const char *label, int64_t done, int64_t total) {
+    progress_seen *p = user;
+    if (strcmp(label, "quantize") != 0) return;
+    if (done < p->last) p->backwards++;
+    p->last = done;
+    p->total = total;
+    p->calls++;
+}
+
+static void test_progress_reaches_total(void) {
+    const char *tmp = mq_test_tmpdir();
+    char out[1024], calib[1024];
+    keep(out, path2(tmp, "progress"));
+    keep(calib, path2(tmp, "calib-progress.txt"));
+    FILE *f = fopen(calib, "w");
+    ASSERT_TRUE(f != NULL);
+    if (!f) return;
+    for (int i = 0; i < 8; i++)
+        fprintf(f, "Paragraph %d. The quick brown fox jumps over the lazy dog while rivers ran to "
+                   "the sea and the clocks were striking thirteen.\n", i);
+    fclose(f);
+    moeq_quant_options o;
+    moeq_quant_options_init(&o);
+    o.scheme = MOEQ_QUANT_INT4;
+    o.method = MOEQ_QUANT_GPTQ;
+    o.calib = calib;
+    o.gptq.nsamples = 4;
+    o.gptq.seqlen = 16;
+    o.gptq.expert_fallback = MOEQ_EXPERT_FALLBACK_RTN;
+    o.group_size = 16;   /* the fixture's widths (80, 32) take groups of 16 */
+    progress_seen seen = {0, 0, 0, 0};
+    moeq_set_progress(on_progress_seen, &seen);
+    moeq_status st = moeq_quantize(mq_test_with_tokenizer("deepseekv3-tiny"), out, &o, NULL);
+    moeq_set_progress(NULL, NULL);
+    ASSERT_OK(st);
+    ASSERT_TRUE(seen.calls > 3);
+    ASSERT_EQ_INT(0, seen.backwards);
+    ASSERT_TRUE(seen.total > 0);
+    ASSERT_EQ_INT(seen.total, seen.last);
+}
+
+TEST_MAIN(T(test_progress_reaches_total), T(test_options_defaults), T(test_invalid_options), T(test_rtn_int4), T(test_rtn_nvfp4a16),
           T(test_interrupt_leaves_nothing), T(test_gptq_small))

@@ -110,7 +110,8 @@ typedef struct mq_pipe {
     struct {
         int64_t attention_sample;   /* one sample through a layer's attention */
         int64_t expert;             /* one routed expert: calibration, GPTQ, output */
-        int64_t mlp;                /* the shared expert or dense MLP of a layer */
+        int64_t mlp, shared;        /* a dense layer's MLP; a MoE layer's shared expert (the
+                                       first k layers of DeepSeek-V3 are dense, 9x as wide) */
         int64_t rtn_layer;          /* plain RTN of one layer */
     } mp_units;
     /* report */

@@ -1867,7 +1867,7 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
     mq_free(y);
     mq_free(sgate);
     drop_part(p, l, part, 0, 0);
-    mq_pipe_progress(p, p->mp_units.mlp);
+    mq_pipe_progress(p, shared ? p->mp_units.shared : p->mp_units.mlp);
     return st;
 }
 

@@ -299,7 +299,8 @@ moeq_status mq_plan_memory(mq_pipe *p) {
                           (c->layer_is_moe[l] ? units(f.expert) * E : 0) + (f.mlp > 0 ? units(f.mlp) : 0);
         if (l == 0 || f.expert > 0) p->mp_units.expert = units(f.expert);
         p->mp_units.attention_sample = units(f.att_sample);
-        if (f.mlp > 0) p->mp_units.mlp = units(f.mlp);
+        if (f.mlp > 0 && c->layer_is_moe[l]) p->mp_units.shared = units(f.mlp);
+        else if (f.mlp > 0) p->mp_units.mlp = units(f.mlp);
     }
     if (C == 0 || z.peak > mp->budget) {
         sizes d = plan_sizes(p, MQ_ACT_DISK, 1, batch_for(p, 1));
