@@ -428,15 +428,10 @@ typedef struct {
     moeq_status *status;
 } convert_job;
 
-static void convert_task(void *ctx, int64_t i, int thread) {
-    (void)thread;
-    convert_job *j = ctx;
-    const want *w = &j->L->w[i];
-    if (w->quantized) return;   /* dequantized afterwards, on this thread, for its messages */
-    if (w->t->scale_inv) {   /* FP8 block-quantized: the whole 2-D tensor (check_wants) */
-        j->status[i] = mq_tensor_to_f32(w->t, *w->dest);
-        return;
-    }
+/* A want's slice of its checkpoint tensor into its fp32 destination (an FP8 block-quantized
+ * tensor whole: check_wants). */
+static moeq_status want_to_f32(const want *w) {
+    if (w->t->scale_inv) return mq_tensor_to_f32(w->t, *w->dest);
     mq_tensor_view v = *w->t;
     size_t es = moeq_dtype_size(v.dtype);
     v.data += (size_t)w->off * es;
@@ -444,7 +439,15 @@ static void convert_task(void *ctx, int64_t i, int thread) {
     v.nbytes = (size_t)w->count * es;
     v.ndim = 1;
     v.shape[0] = w->count;
-    j->status[i] = mq_tensor_to_f32(&v, *w->dest);
+    return mq_tensor_to_f32(&v, *w->dest);
+}
+
+static void convert_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    convert_job *j = ctx;
+    const want *w = &j->L->w[i];
+    if (w->quantized) return;   /* dequantized afterwards, on this thread, for its messages */
+    j->status[i] = want_to_f32(w);
 }
 
 static moeq_status load_wants(want_list *L, const mq_st *st) {
@@ -1018,18 +1021,7 @@ static void lazy_task(void *ctx, int64_t i, int thread) {
         j->status[i] = MOEQ_OK;   /* below, on the calling thread, for its messages */
         return;
     }
-    if (w->t->scale_inv) {   /* FP8 block-quantized: the whole 2-D tensor (check_wants) */
-        j->status[i] = mq_tensor_to_f32(w->t, *w->dest);
-    } else {
-        mq_tensor_view v = *w->t;
-        size_t es = moeq_dtype_size(v.dtype);
-        v.data += (size_t)w->off * es;
-        v.numel = w->count;
-        v.nbytes = (size_t)w->count * es;
-        v.ndim = 1;
-        v.shape[0] = w->count;
-        j->status[i] = mq_tensor_to_f32(&v, *w->dest);
-    }
+    j->status[i] = want_to_f32(w);
     if (!j->status[i] && j->lz->rot) j->status[i] = rotate_want(j->lz->rot, w, *w->dest);
 }
 
