@@ -614,21 +614,13 @@ static void on_progress_seen(void *user, const char *label, int64_t done, int64_
 
 static void test_progress_reaches_total(void) {
     const char *tmp = mq_test_tmpdir();
-    char out[1024], calib[1024];
+    char out[1024];
     keep(out, path2(tmp, "progress"));
-    keep(calib, path2(tmp, "calib-progress.txt"));
-    FILE *f = fopen(calib, "w");
-    ASSERT_TRUE(f != NULL);
-    if (!f) return;
-    for (int i = 0; i < 8; i++)
-        fprintf(f, "Paragraph %d. The quick brown fox jumps over the lazy dog while rivers ran to "
-                   "the sea and the clocks were striking thirteen.\n", i);
-    fclose(f);
     moeq_quant_options o;
     moeq_quant_options_init(&o);
     o.scheme = MOEQ_QUANT_INT4;
     o.method = MOEQ_QUANT_GPTQ;
-    o.calib = calib;
+    o.calib = mq_test_calib_text();
     o.gptq.nsamples = 4;
     o.gptq.seqlen = 16;
     o.gptq.expert_fallback = MOEQ_EXPERT_FALLBACK_RTN;
