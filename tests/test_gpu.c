@@ -325,6 +325,43 @@ static void test_gptq_parity(void) {
     mq_gpu_close(g);
 }
 
+/* The column loop's two kernels, a warp per row (the default) and a thread per row
+ * (MOEQ_GPU_LOOP=thread), compute the same values in the same order: the same codes, params
+ * and losses bit for bit in every mode. */
+static void test_gptq_warp_equals_thread(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t N = 200, K = 512;
+    float *H = make_hessian(K, 1500, 13, 3);
+    float *w = make_weights(N, K, 14);
+    gptq_mode m[16];
+    const int nm = n_modes(m);
+    for (int k = 0; k < nm; k++) {
+        mq_qtensor q[2];
+        mq_gptq_stats st[2];
+        for (int v = 0; v < 2; v++) {
+            if (v) setenv("MOEQ_GPU_LOOP", "thread", 1);
+            else unsetenv("MOEQ_GPU_LOOP");
+            mq_gptq_job j = {.w = w, .rows = N, .name = "w", .out = &q[v]};
+            const float *Hs[] = {H};
+            const int64_t Kk[] = {K};
+            const char *hn[] = {"H"};
+            const int32_t jh[] = {0};
+            ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gptq(g, &m[k].s, &m[k].o, Hs, Kk, hn, 1, &j, jh, 1));
+            st[v] = j.stats;
+        }
+        unsetenv("MOEQ_GPU_LOOP");
+        int64_t diff = 0;
+        for (int64_t e = 0; e < N * K; e++) diff += q[0].codes[e] != q[1].codes[e];
+        if (diff || !params_equal(q[0].params, q[1].params, N * q[0].n_groups))
+            FAIL("%s: a warp per row and a thread per row differ (%lld codes)", m[k].name, (long long)diff);
+        if (!(st[0].loss == st[1].loss)) FAIL("%s: loss %.17g vs %.17g", m[k].name, st[0].loss, st[1].loss);
+        mq_qtensor_free(&q[0]);
+        mq_qtensor_free(&q[1]);
+    }
+    free(H), free(w);
+    mq_gpu_close(g);
+}
+
 /* Several weights over three Hessians (two sizes) in one call against each Hessian's weights
  * alone, and the call repeated: the same bytes. The weights of one Hessian are stacked into one
  * set whose work depends only on its own data, so chunking a layer's experts differently (the
@@ -436,6 +473,107 @@ static void test_gptq_retry_and_errors(void) {
     o.groups = MQ_GPTQ_GROUPS_GIDX;
     ASSERT_EQ_INT(MOEQ_E_UNSUPPORTED, mq_gpu_gptq(g, &nv, &o, Hs, Kk, hn, 1, &j, jh, 1));
     free(neg), free(H), free(w);
+    mq_gpu_close(g);
+}
+
+/* Inputs already on the GPU: Hessians as device sums built from rows, the weights as experts'
+ * Linears of an mq_gpu_mlp, two experts' gate/up sharing a Hessian and their down projections
+ * another. Against the same values from host memory (H from mq_gpu_hessians_get): the same codes,
+ * params and losses bit for bit; write_back puts the dequantized weights (the host call's deq)
+ * in place of the device's, which mq_gpu_mlp_read returns; bad sources are errors. */
+static void test_gptq_device_inputs(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t E = 2, D = 256, F = 128, T = 700;
+    float *gw[2], *uw[2], *dw[2];
+    for (int e = 0; e < E; e++) {
+        gw[e] = make_weights(F, D, 40 + (uint64_t)e);
+        uw[e] = make_weights(F, D, 42 + (uint64_t)e);
+        dw[e] = make_weights(D, F, 44 + (uint64_t)e);
+    }
+    const int64_t Ks[4] = {D, D, F, F};   /* gate/up of expert 0, 1; down of 0, 1 */
+    mq_gpu_hessians *hs = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 4, Ks, &hs));
+    float *Hh[4];
+    for (int h = 0; h < 4; h++) {
+        float *x = make_inputs(T, Ks[h], 50 + (uint64_t)h, h == 1 ? 3 : 0);   /* dead columns in one */
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_add(hs, h, x, 300));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_add(hs, h, x + 300 * Ks[h], T - 300));
+        Hh[h] = malloc((size_t)(Ks[h] * Ks[h]) * 4);
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(hs, h, Hh[h], NULL));
+        free(x);
+    }
+    mq_gpu_mlp *m = NULL;
+    const float *pg[2] = {gw[0], gw[1]}, *pu[2] = {uw[0], uw[1]}, *pd[2] = {dw[0], dw[1]};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, E, D, F, pg, pu, pd, 16, &m));
+    const char *hn[4] = {"H0", "H1", "H2", "H3"};
+    const int32_t jh[6] = {0, 0, 2, 1, 1, 3};
+    gptq_mode md[16];
+    const int nm = n_modes(md);
+    const int pick[] = {0, 2, 5, 7};   /* plain, act-order static, the in-loop search, INT4 g_idx */
+    for (size_t pi = 0; pi < sizeof pick / sizeof pick[0]; pi++) {
+        const gptq_mode *mo = &md[pick[pi] < nm ? pick[pi] : 0];
+        mq_qtensor a[6], b[6];
+        float *deq[6];
+        mq_gptq_job ja[6], jb[6];
+        mq_gpu_wsrc src[6];
+        for (int i = 0; i < 6; i++) {
+            const int e = i / 3, k = i % 3;
+            const float *w = k == 0 ? gw[e] : k == 1 ? uw[e] : dw[e];
+            const int64_t rows = k == 2 ? D : F;
+            deq[i] = malloc((size_t)(rows * (k == 2 ? F : D)) * 4);
+            ja[i] = (mq_gptq_job){.w = w, .rows = rows, .name = "w", .out = &a[i], .deq = deq[i]};
+            jb[i] = (mq_gptq_job){.w = NULL, .rows = rows, .name = "w", .out = &b[i]};
+            src[i] = (mq_gpu_wsrc){m, e, k, pi + 1 == sizeof pick / sizeof pick[0]};
+        }
+        const float *none[4] = {NULL, NULL, NULL, NULL};
+        const mq_gpu_hsrc dh[4] = {{hs, 0}, {hs, 1}, {hs, 2}, {hs, 3}};
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gptq(g, &mo->s, &mo->o, (const float *const *)Hh, Ks, hn, 4, ja, jh, 6));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gptq_ex(g, &mo->s, &mo->o, none, dh, Ks, hn, 4, jb, src, jh, 6));
+        for (int i = 0; i < 6; i++) {
+            const int64_t n = a[i].rows * a[i].cols;
+            if (memcmp(a[i].codes, b[i].codes, (size_t)n) || !params_equal(a[i].params, b[i].params, a[i].rows * a[i].n_groups))
+                FAIL("%s: weight %d from the device differs from the same values from host memory", mo->name, i);
+            ASSERT_TRUE(same_float(a[i].global_scale, b[i].global_scale));
+            ASSERT_TRUE(ja[i].stats.loss == jb[i].stats.loss);
+            ASSERT_TRUE(ja[i].stats.percdamp == jb[i].stats.percdamp);
+            ASSERT_EQ_INT(ja[i].stats.n_dead, jb[i].stats.n_dead);
+            ASSERT_EQ_INT(a[i].g_idx != NULL, b[i].g_idx != NULL);
+            if (src[i].write_back) {   /* the device's weights are now the dequantized ones */
+                float *back = malloc((size_t)n * 4);
+                ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_read(m, i / 3, i % 3, back));
+                int64_t diff = 0;
+                for (int64_t t = 0; t < n; t++) diff += !same_float(back[t], deq[i][t]);
+                if (diff) FAIL("%s: weight %d written back: %lld values differ from the dequantized ones", mo->name, i,
+                               (long long)diff);
+                /* and the host's dequantization of the codes (what a resumed run replays with) */
+                mq_dequantize(&b[i], back);
+                for (int64_t t = 0; t < n; t++) diff += !same_float(back[t], deq[i][t]);
+                if (diff) FAIL("%s: weight %d: mq_dequantize differs from the device's in %lld values", mo->name, i,
+                               (long long)diff);
+                free(back);
+            }
+            mq_qtensor_free(&a[i]);
+            mq_qtensor_free(&b[i]);
+            free(deq[i]);
+        }
+    }
+    /* a device weight of the wrong shape, a Hessian index that does not exist */
+    mq_qtensor q;
+    mq_gptq_job bad = {.rows = F + 1, .name = "experts.0.gate_proj", .out = &q};
+    const mq_gpu_wsrc bs = {m, 0, 0, false};
+    const float *none[1] = {NULL};
+    const mq_gpu_hsrc dh0[1] = {{hs, 0}}, dh9[1] = {{hs, 9}};
+    const int32_t z[1] = {0};
+    mq_qspec s = spec_of(MQ_QS_NVFP4, 0, false, false);
+    mq_gptq_opts o = mq_gptq_opts_default();
+    ASSERT_EQ_INT(MOEQ_E_SHAPE, mq_gpu_gptq_ex(g, &s, &o, none, dh0, Ks, hn, 1, &bad, &bs, z, 1));
+    ASSERT_TRUE(strstr(moeq_last_error(), "experts.0.gate_proj") != NULL);
+    bad.rows = F;
+    ASSERT_EQ_INT(MOEQ_E_SHAPE, mq_gpu_gptq_ex(g, &s, &o, none, dh9, Ks, hn, 1, &bad, &bs, z, 1));
+    mq_gpu_mlp_free(m);
+    mq_gpu_hessians_free(hs);
+    for (int e = 0; e < E; e++) free(gw[e]), free(uw[e]), free(dw[e]);
+    for (int h = 0; h < 4; h++) free(Hh[h]);
     mq_gpu_close(g);
 }
 
@@ -716,6 +854,6 @@ static void test_mlp_rows_hessians(void) {
 }
 
 TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
-          T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_batched_deterministic),
-          T(test_gptq_retry_and_errors), T(test_gemm_det_bitexact), T(test_mlp_bitexact),
+          T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_warp_equals_thread), T(test_gptq_batched_deterministic),
+          T(test_gptq_retry_and_errors), T(test_gptq_device_inputs), T(test_gemm_det_bitexact), T(test_mlp_bitexact),
           T(test_mlp_rows_hessians), T(test_attention_parity))

@@ -59,6 +59,30 @@ moeq_status mq_gpu_gptq(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o,
                         const float *const *H, const int64_t *K, const char *const *hnames,
                         int64_t n_h, mq_gptq_job *jobs, const int32_t *job_h, int64_t n_jobs);
 
+/* Inputs already on the GPU (the pipeline's flow, and the benchmarks'): a Hessian as a device sum
+ * (H = (2/n) sum, mq_gpu_hessians_get's values, formed on the device), a job's weights as an
+ * expert's Linear of an mq_gpu_mlp (k: 0 gate, 1 up, 2 down), with write_back replaced there by
+ * the dequantized result, so the quantized calibration pass needs no upload. */
+typedef struct {
+    mq_gpu_hessians *sums;
+    int64_t index;
+} mq_gpu_hsrc;
+
+typedef struct mq_gpu_mlp mq_gpu_mlp;   /* below */
+typedef struct {
+    mq_gpu_mlp *mlp;   /* NULL: the job's weights are jobs[i].w in host memory */
+    int64_t expert;
+    int k;
+    bool write_back;
+} mq_gpu_wsrc;
+
+/* mq_gpu_gptq with inputs on the device: Hessian h from dH[h] where H[h] is NULL (dH may be
+ * NULL), job i's weights from dW[i] where dW is non-NULL and dW[i].mlp set (jobs[i].w unread).
+ * The results are the same bits as from the same values in host memory. */
+moeq_status mq_gpu_gptq_ex(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, const float *const *H,
+                           const mq_gpu_hsrc *dH, const int64_t *K, const char *const *hnames, int64_t n_h,
+                           mq_gptq_job *jobs, const mq_gpu_wsrc *dW, const int32_t *job_h, int64_t n_jobs);
+
 /* Round-to-nearest of w [rows, cols] on the GPU: mq_quantize_rtn's contract and its results,
  * bit for bit. */
 moeq_status mq_gpu_rtn(mq_gpu *g, const mq_qspec *s, const float *w, int64_t rows, int64_t cols,
@@ -76,7 +100,6 @@ moeq_status mq_gpu_codecs(mq_gpu *g, const float *x, int64_t n, uint8_t *e2m1, u
  * (each may be NULL: not copied back; y NULL: no down product), max_rows at a time, and adds the
  * rows x to the Hessian sum h_in and the SwiGLU products to h_down (sum 0 of each; NULL: none),
  * as mq_gpu_hessians_add would from the host: the CPU's bits. */
-typedef struct mq_gpu_mlp mq_gpu_mlp;
 moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F, const float *const *gate,
                            const float *const *up, const float *const *down, int64_t max_rows,
                            mq_gpu_mlp **out);
@@ -89,6 +112,10 @@ moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_
 /* _run on the n rows src[i] of those inputs (gathered on the device: only the indices cross). */
 moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, float *hg,
                                 float *hu, float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
+/* Expert e's Linear k (0 gate, 1 up, 2 down) back into host memory ([F, D] or [D, F]), or
+ * replaced from host memory. */
+moeq_status mq_gpu_mlp_read(mq_gpu_mlp *m, int64_t e, int k, float *out);
+moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const float *w);
 /* C [M, N] = A [M, K] B [N, K]^T as mq_gemm_det_nt (host memory; the tests' twin check). */
 moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
                             float *C);
@@ -99,6 +126,8 @@ void mq_gpu_hessians_free(mq_gpu_hessians *hs);
 /* Adds the rows x [rows, K[i]] (host memory) to sum i: the lower triangle, each element one
  * fmaf per row in row order, bit-identical to mq_hessian_add on the CPU. */
 moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows);
+/* Sets sum i to sum [K[i], K[i]] (host; its lower triangle is what is read) over n rows. */
+moeq_status mq_gpu_hessians_set(mq_gpu_hessians *hs, int64_t i, const float *sum, int64_t n);
 /* H [K, K] = (2/n) sum, both triangles, into host memory (mq_hessian_get's values); n rows so
  * far of sum i into *n (may be NULL). */
 moeq_status mq_gpu_hessians_get(mq_gpu_hessians *hs, int64_t i, float *H, int64_t *n);

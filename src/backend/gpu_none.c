@@ -40,6 +40,14 @@ moeq_status mq_gpu_gptq(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o,
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_gptq_ex(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, const float *const *H,
+                           const mq_gpu_hsrc *dH, const int64_t *K, const char *const *hnames, int64_t n_h,
+                           mq_gptq_job *jobs, const mq_gpu_wsrc *dW, const int32_t *job_h, int64_t n_jobs) {
+    (void)g, (void)s, (void)o, (void)H, (void)dH, (void)K, (void)hnames, (void)n_h, (void)jobs, (void)dW,
+        (void)job_h, (void)n_jobs;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_rtn(mq_gpu *g, const mq_qspec *s, const float *w, int64_t rows, int64_t cols,
                        float global_scale, const char *tensor, mq_qtensor *out) {
     (void)g, (void)s, (void)w, (void)rows, (void)cols, (void)global_scale, (void)tensor;
@@ -80,6 +88,16 @@ moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, in
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_mlp_read(mq_gpu_mlp *m, int64_t e, int k, float *out) {
+    (void)m, (void)e, (void)k, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const float *w) {
+    (void)m, (void)e, (void)k, (void)w;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
                             float *C) {
     (void)g, (void)M, (void)N, (void)K, (void)A, (void)B, (void)C;
@@ -96,6 +114,11 @@ void mq_gpu_hessians_free(mq_gpu_hessians *hs) { (void)hs; }
 
 moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows) {
     (void)hs, (void)i, (void)x, (void)rows;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_hessians_set(mq_gpu_hessians *hs, int64_t i, const float *sum, int64_t n) {
+    (void)hs, (void)i, (void)sum, (void)n;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 

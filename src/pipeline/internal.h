@@ -99,6 +99,10 @@ typedef struct mq_pipe {
     mq_gpu *gpu;                  /* GPTQ's device (o->device >= 0), else NULL */
     mq_gpu_attn *gatt;            /* the attention's calibration forward on that device (made at
                                      the first layer it can run, layer.c), else NULL */
+    mq_gpu_mlp *gx;               /* routed experts [gx_e0, gx_e1) on that device for a whole
+                                     chunk: both calibration passes and GPTQ's inputs, which GPTQ
+                                     replaces by the dequantized weights (layer.c), else NULL */
+    int gx_e0, gx_e1;
     /* ranks (src/dist; pipeline.h "Distributed runs"): this process is `rank` of `ranks`; rank
      * 0 alone has the writer and the work directory (p->w NULL elsewhere) */
     int rank, ranks;

@@ -185,9 +185,17 @@ static moeq_status slot_add(slot *s, const float *x, int64_t rows) {
     return mq_gpu_hessians_add(s->gh, 0, x, rows);
 }
 
-/* The Hessian from the sum, formed in place (the sum's buffer becomes H). */
-static moeq_status slot_form(slot *s) {
+/* Whether a slot's Hessian stays on the GPU for GPTQ, formed there from its sum (one process:
+ * with several ranks the sums travel between them through host memory). */
+static bool slot_keeps_device_sum(const mq_pipe *p, const slot *s) {
+    return s->gh && p->ranks <= 1 && s->how == MQ_HOW_GPTQ && !s->h.fit;
+}
+
+/* The Hessian from the sum, formed in place (the sum's buffer becomes H); a sum GPTQ reads on
+ * the GPU stays there (s->H NULL, s->gh kept). */
+static moeq_status slot_form(const mq_pipe *p, slot *s) {
     if (!s->h.sum) return MOEQ_OK;
+    if (slot_keeps_device_sum(p, s)) return MOEQ_OK;
     moeq_status st = MOEQ_OK;
     if (s->gh) {
         st = mq_gpu_hessians_get(s->gh, 0, s->h.sum, NULL);
@@ -208,7 +216,7 @@ static moeq_status slot_form(slot *s) {
 /* slot_form timed as the layer's Hessian stage (the forming is O(K^2) on the pool). */
 static moeq_status slot_form_timed(mq_pipe *p, int l, slot *s) {
     double t0 = mq_now(), c0 = mq_cpu_now();
-    moeq_status st = slot_form(s);
+    moeq_status st = slot_form(p, s);
     p->layers[l].hessian += mq_now() - t0;
     p->layers[l].cpu_hessian += mq_cpu_now() - c0;
     return st;
@@ -395,6 +403,30 @@ static void gscale_task(void *vctx, int64_t i, int thread) {
     for (int k = 0; k < s->nw; k++) c->gs[3 * i + k] = mq_nvfp4_global_scale(&o->spec, o->no_fuse ? a[k] : amax);
 }
 
+/* The Linear k of slot s as one of the chunk's experts on the GPU (p->gx): 0 gate, 1 up,
+ * 2 down; -1 when it is not there. */
+static int device_expert_linear(const mq_pipe *p, int l, const slot *s, int k) {
+    if (!p->gx || s->expert < p->gx_e0 || s->expert >= p->gx_e1) return -1;
+    const mq_layer *ly = &p->m->layers[l];
+    const mq_linear *lin = s->w[k];
+    return lin == &ly->exp_gate[s->expert] ? 0 : lin == &ly->exp_up[s->expert] ? 1
+                                           : lin == &ly->exp_down[s->expert] ? 2 : -1;
+}
+
+/* After a sequential chunk's quantization the device's experts must be the dequantized ones, as
+ * the host's are: those GPTQ did not replace there (rounded to nearest) go up from the host. */
+static moeq_status device_experts_follow(mq_pipe *p, int l, const slot *slots, int n, const int *job_of,
+                                         const bool *written) {
+    moeq_status st = MOEQ_OK;
+    for (int i = 0; i < n && !st; i++)
+        for (int k = 0; k < slots[i].nw && !st; k++) {
+            const int dk = device_expert_linear(p, l, &slots[i], k), j = job_of[3 * i + k];
+            if (dk < 0 || !mine_k(p, &slots[i], k) || (j >= 0 && written[j])) continue;
+            st = mq_gpu_mlp_set(p->gx, slots[i].expert - p->gx_e0, dk, slots[i].w[k]->w);
+        }
+    return st;
+}
+
 static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *block_H) {
     const mq_pipeline_opts *o = p->o;
     double t0 = mq_now(), c0 = mq_cpu_now();
@@ -408,7 +440,8 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
     float *gs = calloc((size_t)(3 * n + 1), sizeof *gs);
     mq_gptq_stats *stats = calloc((size_t)(3 * n + 1), sizeof *stats);
     int *job_of = calloc((size_t)(3 * n + 1), sizeof *job_of);   /* weight -> its GPTQ job */
-    moeq_status st = Hs && Ks && names && f && jobs && q && gs && stats && job_of
+    bool *written = calloc((size_t)(3 * n + 1), sizeof *written);  /* job -> dequantized on the device */
+    moeq_status st = Hs && Ks && names && f && jobs && q && gs && stats && job_of && written
                          ? MOEQ_OK
                          : mq_err(MOEQ_E_NOMEM, "out of memory quantizing layer %d", l);
     int n_jobs = 0;
@@ -484,16 +517,30 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
     }
     /* the GPTQ jobs ran into q[] through their out pointers; their stats go back by position */
     if (!st && n_jobs > 0 && p->gpu) {
-        /* on the GPU the factorisations are part of the call: job -> its Hessian's index */
+        /* on the GPU the factorisations are part of the call: job -> its Hessian's index. The
+         * Hessians kept on the device are read there, and so are the chunk's expert weights,
+         * which the dequantized ones replace for the quantized pass */
         int32_t *job_h = calloc((size_t)n_jobs, sizeof *job_h);
-        if (!job_h) st = mq_err(MOEQ_E_NOMEM, "out of memory quantizing layer %d", l);
-        for (int i = 0; i < n && !st; i++)
-            for (int k = 0; k < slots[i].nw; k++)
-                if (mine_k(p, &slots[i], k) && job_of[3 * i + k] >= 0)
-                    job_h[job_of[3 * i + k]] =
-                        slots[i].how == MQ_HOW_GPTQ_BLOCK_HESSIAN && !slots[i].down ? n : i;
-        if (!st) st = mq_gpu_gptq(p->gpu, &o->spec, &o->g, Hs, Ks, names, nf, jobs, job_h, n_jobs);
+        mq_gpu_hsrc *dH = calloc((size_t)nf, sizeof *dH);
+        mq_gpu_wsrc *dW = calloc((size_t)n_jobs, sizeof *dW);
+        if (!job_h || !dH || !dW) st = mq_err(MOEQ_E_NOMEM, "out of memory quantizing layer %d", l);
+        for (int i = 0; i < n && !st; i++) {
+            const slot *s = &slots[i];
+            if (mine(p, s) && !Hs[i] && slot_keeps_device_sum(p, s)) dH[i] = (mq_gpu_hsrc){s->gh, 0};
+            for (int k = 0; k < s->nw; k++) {
+                const int j = job_of[3 * i + k];
+                if (!mine_k(p, s, k) || j < 0) continue;
+                job_h[j] = s->how == MQ_HOW_GPTQ_BLOCK_HESSIAN && !s->down ? n : i;
+                const int dk = device_expert_linear(p, l, s, k);
+                if (dk >= 0) dW[j] = (mq_gpu_wsrc){p->gx, s->expert - p->gx_e0, dk, p->seq};
+            }
+        }
+        if (!st) st = mq_gpu_gptq_ex(p->gpu, &o->spec, &o->g, Hs, dH, Ks, names, nf, jobs, dW, job_h, n_jobs);
+        for (int j = 0; j < n_jobs && !st && dW; j++)
+            if (dW[j].mlp && dW[j].write_back) written[j] = true;
         free(job_h);
+        free(dH);
+        free(dW);
     } else if (!st && n_jobs > 0) {
         const double tr0 = mq_now(), cr0 = mq_cpu_now();
         st = mq_gptq_run(&o->spec, &o->g, jobs, n_jobs);
@@ -521,6 +568,7 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         }
     }
     if (!st && p->ranks <= 1) st = finish_slots(p, l, slots, n, q, jobs, job_of, stats);
+    if (!st && p->gx && p->seq) st = device_experts_follow(p, l, slots, n, job_of, written);
     for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
     for (int i = 0; factored && i < nf; i++) mq_gptq_factor_free(&f[i]);
     free(Hs);
@@ -532,6 +580,7 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
     free(gs);
     free(stats);
     free(job_of);
+    free(written);
     return st;
 }
 
@@ -1451,6 +1500,10 @@ static int64_t sample_rows(const mq_pipe *p, const ffn_source *src, int64_t s, i
  * the CPU runs them. */
 static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int64_t rows, mq_gpu_mlp **out) {
     *out = NULL;
+    if (p->gx && p->gx_e0 == e0 && p->gx_e1 == e1) {   /* the chunk's, on the device already */
+        *out = p->gx;
+        return MOEQ_OK;
+    }
     const mq_layer *ly = &p->m->layers[l];
     const int n = e1 - e0;
     const float **w = calloc((size_t)(3 * n), sizeof *w);
@@ -1509,7 +1562,7 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
         }
         st = batch_run(&b, p, l);
     }
-    mq_gpu_mlp_free(b.gmlp);
+    if (b.gmlp != p->gx) mq_gpu_mlp_free(b.gmlp);
     batch_free(&b);
     return st;
 }
@@ -1553,7 +1606,7 @@ static moeq_status fallback_down_one(mq_pipe *p, int l, int e, slot *dn, float *
         st = mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], NULL, x, T, g, u, NULL);
         if (!st) mq_hessian_add(&dn->h, g, T);
     }
-    if (!st) st = slot_form(dn);
+    if (!st) st = slot_form(p, dn);
     return st;
 }
 
@@ -1689,6 +1742,16 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         const int e1 = e0 + C < own_hi ? e0 + C : (int)own_hi;
         if ((st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, NULL, NULL))) break;
         if (e1 < own_hi) mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, e1, e1 + C < own_hi ? e1 + C : (int)own_hi);
+        /* one process on a GPU: the chunk's experts go up once, gate, up and down, for both
+         * passes and GPTQ (which leaves the dequantized weights there) */
+        if (p->gpu && !dist && !replay && calib) {
+            mq_gpu_mlp *m = NULL;
+            st = gpu_experts(p, l, e0, e1, true, mq_plan_batch_rows(p, e1 - e0), &m);
+            p->gx = m;
+            p->gx_e0 = e0;
+            p->gx_e1 = e1;
+            if (st) break;
+        }
         for (int e = e0; e < e1 && !st && calib; e++)
             if (!(st = slot_hessian(p, &gu[e]))) st = slot_hessian(p, &dn[e]);
         /* calibration: Hessians (and amax) from the experts' routed tokens; without sequential
@@ -1737,6 +1800,8 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             slot_drop_sums(&gu[e]);
             slot_drop_sums(&dn[e]);
         }
+        mq_gpu_mlp_free(p->gx);
+        p->gx = NULL;
         drop_part(p, l, MQ_PART_EXPERTS, e0, e1);
         p->layers[l].chunks++;
         if (!st && mq_fault_point("chunk", l, (e0 - (int)own_lo) / C))

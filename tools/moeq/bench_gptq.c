@@ -116,32 +116,49 @@ static void sort_doubles(double *v, int n) {
         }
 }
 
-/* One weight on the GPU (factor and loop, transfers included): the median of reps after a
- * warm-up; the last result stays in *q. */
+/* One weight on the GPU: the median of reps after a warm-up; the last result stays in *q. From
+ * host memory (uploads included), or resident: the weight and the Hessian's sum already in GPU
+ * memory, as the pipeline has them after its calibration pass (the codes still come back). */
 static double time_one_gpu(mq_gpu *g, const bench_cfg *b, const float *H, const float *W, int64_t N,
-                           int64_t K, int reps, mq_qtensor *q, mq_gptq_stats *stats) {
-    double t[1000];
-    const float *Hs[] = {H};
+                           int64_t K, int reps, bool resident, mq_qtensor *q, mq_gptq_stats *stats) {
+    double t[1000], best = -1;
+    const float *Hs[] = {resident ? NULL : H};
     const int64_t Ks[] = {K};
     const char *hn[] = {"bench.weight"};
     const int32_t jh[] = {0};
+    mq_gpu_mlp *m = NULL;
+    mq_gpu_hessians *hs = NULL;
+    if (resident) {
+        const float *w[] = {W};
+        /* the weight as an expert's gate [F = N, D = K]; H = (2/2) sum */
+        if (mq_gpu_mlp_new(g, 1, K, N, w, w, NULL, 1, &m) || mq_gpu_hessians_new(g, 1, &K, &hs) ||
+            mq_gpu_hessians_set(hs, 0, H, 2))
+            goto out;
+    }
+    const mq_gpu_hsrc dh[] = {{hs, 0}};
+    const mq_gpu_wsrc dw[] = {{m, 0, 0, false}};
     for (int r = -1; r < reps; r++) {
         mq_gptq_job j = {NULL, W, N, 0, "bench.weight", q, NULL, {0, 0, 0, 0, 0}};
         double t0 = mq_now();
-        if (mq_gpu_gptq(g, &b->spec, &b->opts, Hs, Ks, hn, 1, &j, jh, 1)) return -1;
+        if (mq_gpu_gptq_ex(g, &b->spec, &b->opts, Hs, resident ? dh : NULL, Ks, hn, 1, &j, resident ? dw : NULL, jh, 1))
+            goto out;
         if (r >= 0) t[r] = mq_now() - t0;
         *stats = j.stats;
         if (r + 1 < reps) mq_qtensor_free(q);
     }
     sort_doubles(t, reps);
-    return t[reps / 2];
+    best = t[reps / 2];
+out:
+    mq_gpu_mlp_free(m);
+    mq_gpu_hessians_free(hs);
+    return best;
 }
 
 /* One MoE layer of E experts, processed `chunk` experts at a time (bounded memory): per chunk,
  * factorise the 2*chunk Hessians in parallel, then run the 3*chunk weights in one parallel
  * loop. Random inputs are made once per chunk slot and reused (values do not change the time). */
 static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64_t F, int64_t D,
-                             double *cores, mq_gpu *g) {
+                             double *cores, mq_gpu *g, double *host_s) {
     moeq_status st = MOEQ_OK;
     float *hg[64] = {0}, *hd[64] = {0}, *wg[64] = {0}, *wu[64] = {0}, *wd[64] = {0};
     if (chunk > 64) chunk = 64;
@@ -198,19 +215,51 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
             jh[3 * e] = jh[3 * e + 1] = (int32_t)(2 * e);
             jh[3 * e + 2] = (int32_t)(2 * e + 1);
         }
-        fprintf(stderr, "moe layer on the GPU: %lld experts in one call, warm-up and 3 timed runs...\n",
-                (long long)E);
-        for (int r = -1; r < 3 && !gst; r++) {
-            double t0 = mq_now();
-            gst = mq_gpu_gptq(g, &b->spec, &b->opts, Hs, Ks, hn, 2 * E, gj, jh, 3 * E);
-            if (r >= 0) ts[r] = mq_now() - t0;
-            for (int64_t i = 0; i < 3 * E && !gst; i++) mq_qtensor_free(&gq[i]);
+        /* resident: the experts' weights and Hessian sums in GPU memory, as after the pipeline's
+         * calibration pass (H = (2/2) sum) */
+        mq_gpu_mlp *m = NULL;
+        mq_gpu_hessians *hs = NULL;
+        mq_gpu_hsrc *dh = calloc((size_t)(2 * E), sizeof *dh);
+        mq_gpu_wsrc *dw = calloc((size_t)(3 * E), sizeof *dw);
+        const float **pw = calloc((size_t)(3 * E), sizeof *pw);
+        if (!gst && (!dh || !dw || !pw)) gst = MOEQ_E_NOMEM;
+        for (int64_t e = 0; e < E && !gst; e++) {
+            pw[e] = wg[e % chunk];
+            pw[E + e] = wu[e % chunk];
+            pw[2 * E + e] = wd[e % chunk];
         }
-        if (gst) fprintf(stderr, "moe layer on the GPU: %s\n", moeq_last_error());
-        sort_doubles(ts, 3);
-        t = gst ? -1 : ts[1];
+        if (!gst) gst = mq_gpu_mlp_new(g, E, D, F, pw, pw + E, pw + 2 * E, 1, &m);
+        if (!gst) gst = mq_gpu_hessians_new(g, 2 * E, Ks, &hs);
+        for (int64_t h = 0; h < 2 * E && !gst; h++) {
+            gst = mq_gpu_hessians_set(hs, h, Hs[h], 2);
+            dh[h] = (mq_gpu_hsrc){hs, h};
+        }
+        for (int64_t i = 0; i < 3 * E && !gst; i++) dw[i] = (mq_gpu_wsrc){m, i / 3, (int)(i % 3), false};
+        const float **none = calloc((size_t)(2 * E), sizeof *none);
+        if (!gst && !none) gst = MOEQ_E_NOMEM;
+        for (int pass = 0; pass < 2 && !gst; pass++) {
+            const bool res = pass == 0;
+            fprintf(stderr, "moe layer on the GPU (%s): %lld experts in one call, warm-up and 3 timed runs...\n",
+                    res ? "in GPU memory" : "from host memory", (long long)E);
+            for (int r = -1; r < 3 && !gst; r++) {
+                double t0 = mq_now();
+                gst = mq_gpu_gptq_ex(g, &b->spec, &b->opts, res ? none : Hs, res ? dh : NULL, Ks, hn, 2 * E, gj,
+                                     res ? dw : NULL, jh, 3 * E);
+                if (r >= 0) ts[r] = mq_now() - t0;
+                for (int64_t i = 0; i < 3 * E && !gst; i++) mq_qtensor_free(&gq[i]);
+            }
+            sort_doubles(ts, 3);
+            if (res) t = gst ? -1 : ts[1];
+            else *host_s = gst ? -1 : ts[1];
+        }
+        if (gst) {
+            fprintf(stderr, "moe layer on the GPU: %s\n", moeq_last_error());
+            t = -1;
+        }
+        mq_gpu_mlp_free(m);
+        mq_gpu_hessians_free(hs);
         *cores = 0;
-        free(Hs), free(Ks), free(hn), free(jh), free(gj), free(gq);
+        free(Hs), free(Ks), free(hn), free(jh), free(gj), free(gq), free(dh), free(dw), free(pw), free(none);
         goto done;
     }
     fprintf(stderr, "moe layer: %lld experts, %lld at a time...\n", (long long)E, (long long)chunk);
@@ -308,7 +357,10 @@ static int bench_gptq_gpu(mq_gpu *g, const bench_cfg *b, int64_t rows, int64_t c
     if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     mq_qtensor qg, qc;
     mq_gptq_stats sg = {0, 0, 0, 0, 0}, sc = {0, 0, 0, 0, 0};
-    double sec = time_one_gpu(g, b, H, W, rows, cols, (int)reps, &qg, &sg);
+    mq_qtensor qh;
+    mq_gptq_stats sh = {0, 0, 0, 0, 0};
+    double sec_host = time_one_gpu(g, b, H, W, rows, cols, (int)reps, false, &qh, &sh);
+    double sec = sec_host < 0 ? -1 : time_one_gpu(g, b, H, W, rows, cols, (int)reps, true, &qg, &sg);
     if (sec < 0) {
         fprintf(stderr, "bench gptq: %s\n", moeq_last_error());
         mq_gpu_close(g);
@@ -321,39 +373,47 @@ static int bench_gptq_gpu(mq_gpu *g, const bench_cfg *b, int64_t rows, int64_t c
     int64_t same = 0;
     for (int64_t i = 0; i < rows * cols; i++) same += qc.codes[i] == qg.codes[i];
     const double agree = (double)same / (double)(rows * cols);
+    /* from host memory or resident, the same values: the same bits */
+    const bool same_paths = memcmp(qh.codes, qg.codes, (size_t)(rows * cols)) == 0 && sh.loss == sg.loss;
+    mq_qtensor_free(&qh);
     mq_qtensor_free(&qg);
     mq_qtensor_free(&qc);
     mq_free(W);
     mq_free(H);
     double flops = (double)rows * (double)cols * (double)cols + pow((double)cols, 3);
-    double moe_s = -1, moe_cores = 0;
-    if (experts > 0) moe_s = time_moe_layer(b, experts, 8, 1024, 2048, &moe_cores, g);
+    double moe_s = -1, moe_cores = 0, moe_host_s = -1;
+    if (experts > 0) moe_s = time_moe_layer(b, experts, 8, 1024, 2048, &moe_cores, g, &moe_host_s);
     mq_gpu_close(g);
     if (experts > 0 && moe_s < 0) return cli_fail("bench gptq", MOEQ_E_DEVICE);
     if (json) {
         printf("{\"device\": \"cuda:%d\", \"gpu\": \"%s\", \"tf32\": %s, \"rows\": %lld, \"cols\": %lld, "
                "\"scheme\": \"%s\", \"act_order\": %s, \"mse\": %s, \"seconds\": %.6f, \"cpu_seconds\": %.6f, "
                "\"gflops\": %.3f, \"gpu_sgemm_gflops\": %.3f, \"gpu_bandwidth_gbs\": %.3f, "
-               "\"code_agreement\": %.6f, \"loss\": %.6g, \"cpu_loss\": %.6g",
+               "\"code_agreement\": %.6f, \"loss\": %.6g, \"cpu_loss\": %.6g, \"host_memory_seconds\": %.6f, "
+               "\"resident_equals_host\": %s",
                gi.device, gi.name, tf32 ? "true" : "false", (long long)rows, (long long)cols,
                mq_qscheme_name(b->spec.scheme), b->opts.act_order ? "true" : "false", b->spec.mse ? "true" : "false",
-               sec, tc, flops / sec * 1e-9, sgemm, bw, agree, sg.loss, sc.loss);
-        if (experts > 0) printf(", \"moe_layer_experts\": %lld, \"moe_layer_seconds\": %.4f", (long long)experts, moe_s);
+               sec, tc, flops / sec * 1e-9, sgemm, bw, agree, sg.loss, sc.loss, sec_host, same_paths ? "true" : "false");
+        if (experts > 0)
+            printf(", \"moe_layer_experts\": %lld, \"moe_layer_seconds\": %.4f, \"moe_layer_host_memory_seconds\": %.4f",
+                   (long long)experts, moe_s, moe_host_s);
         printf("}\n");
     } else {
         printf("GPU cuda:%d %s: sgemm %.0f GFLOP/s (%s), copy bandwidth %.0f GB/s\n", gi.device, gi.name, sgemm,
                tf32 ? "TF32" : "fp32", bw);
-        printf("gptq %s %lldx%lld%s%s: %.4f s on the GPU (median of %lld; %.1f GFLOP/s = %.1f%% of its sgemm), "
-               "%.3f s on the CPU (%d threads): %.1fx\n",
+        printf("gptq %s %lldx%lld%s%s: %.4f s on the GPU with the weight and Hessian in its memory, codes back "
+               "in host memory (median of %lld; %.1f GFLOP/s = %.1f%% of its sgemm); %.4f s from host memory "
+               "(%s codes); %.3f s on the CPU (%d threads): %.1fx\n",
                mq_qscheme_name(b->spec.scheme), (long long)rows, (long long)cols, b->opts.act_order ? ", act-order" : "",
                b->spec.mse ? ", mse" : "", sec, (long long)reps, flops / sec * 1e-9, 100 * flops / sec * 1e-9 / sgemm,
-               tc, moeq_threads(), tc / sec);
+               sec_host, same_paths ? "the same" : "DIFFERENT", tc, moeq_threads(), tc / sec);
         printf("codes equal to the CPU's: %.5f%%; loss GPU %.6g, CPU %.6g (%+.3f%%)\n", 100 * agree, sg.loss, sc.loss,
                100 * (sg.loss - sc.loss) / sc.loss);
         printf("torchao on an H200 GPU: 0.94 s for 4096x2048 nvfp4 (%.0fx)\n", 0.94 / sec);
         if (experts > 0)
-            printf("MoE layer, %lld experts (gate/up 1024x2048, down 2048x1024) on the GPU: %.3f s "
-                   "(torchao on an H200: 65 s, %.0fx)\n", (long long)experts, moe_s, 65.0 / moe_s);
+            printf("MoE layer, %lld experts (gate/up 1024x2048, down 2048x1024) on the GPU: %.3f s with the "
+                   "experts and Hessians in its memory, %.3f s from host memory (torchao on an H200: 65 s, %.0fx)\n",
+                   (long long)experts, moe_s, moe_host_s, 65.0 / moe_s);
     }
     return CLI_OK;
 }
@@ -377,7 +437,7 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
         if (sec[i] < 0) return cli_fail("bench gptq", MOEQ_E_NUMERIC);
         moe[i] = -1;
         moe_cores[i] = 0;
-        if (experts > 0 && (moe[i] = time_moe_layer(b, experts, chunk, 1024, 2048, &moe_cores[i], NULL)) < 0)
+        if (experts > 0 && (moe[i] = time_moe_layer(b, experts, chunk, 1024, 2048, &moe_cores[i], NULL, NULL)) < 0)
             return cli_fail("bench gptq", MOEQ_E_NOMEM);
         fprintf(stderr, "bench gptq: %d threads done\n", tl[i]);
     }
@@ -526,7 +586,7 @@ int bench_gptq(int argc, char **argv) {
     double gflops = flops / sec * 1e-9;
     double moe_s = -1;
     if (moe) {
-        moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048, &moe_cores, NULL);
+        moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048, &moe_cores, NULL, NULL);
         if (moe_s < 0) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     }
     mq_pipeline_result mr;

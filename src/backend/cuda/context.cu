@@ -38,6 +38,17 @@ moeq_status mq_cu_alloc(void **p, size_t bytes, const char *what) {
     *p = NULL;
     if (bytes == 0) bytes = 1;
     cudaError_t e = cudaMalloc(p, bytes);
+    if (e == cudaErrorMemoryAllocation) {
+        /* the stream-ordered pool of the GPTQ calls keeps what they freed: give it back, retry */
+        (void)cudaGetLastError();
+        int dev = 0;
+        cudaMemPool_t pool;
+        if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess) {
+            cudaDeviceSynchronize();
+            cudaMemPoolTrimTo(pool, 0);
+        }
+        e = cudaMalloc(p, bytes);
+    }
     if (e == cudaSuccess) return MOEQ_OK;
     (void)cudaGetLastError();   /* clear the sticky-free allocation error */
     *p = NULL;
@@ -87,6 +98,15 @@ extern "C" moeq_status mq_gpu_open(int device, mq_gpu **out) {
         if (!st) st = CUSOLVER(cusolverDnCreate(&g->solver[i]));
         if (!st) st = CUSOLVER(cusolverDnSetStream(g->solver[i], g->stream[i]));
     }
+    for (int i = 0; i < 2 && !st; i++) st = CU(cudaEventCreateWithFlags(&g->ev[i], cudaEventDisableTiming));
+    if (!st) {
+        /* GPTQ's per-call arenas come from the stream-ordered pool, which keeps freed memory for
+         * the next call (mq_cu_alloc trims it when a plain allocation needs the room) */
+        cudaMemPool_t pool;
+        uint64_t keep = UINT64_MAX;
+        st = CU(cudaDeviceGetDefaultMemPool(&pool, device));
+        if (!st) st = CU(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    }
     if (st) {
         mq_gpu_close(g);
         return st;
@@ -98,11 +118,18 @@ extern "C" moeq_status mq_gpu_open(int device, mq_gpu **out) {
 extern "C" void mq_gpu_close(mq_gpu *g) {
     if (!g) return;
     cudaSetDevice(g->device);
+    cudaDeviceSynchronize();
     for (int i = 0; i < MQ_GPU_STREAMS; i++) {
+        if (g->ws[i]) cudaFree(g->ws[i]);
         if (g->solver[i]) cusolverDnDestroy(g->solver[i]);
         if (g->blas[i]) cublasDestroy(g->blas[i]);
         if (g->stream[i]) cudaStreamDestroy(g->stream[i]);
     }
+    for (int i = 0; i < 2; i++)
+        if (g->ev[i]) cudaEventDestroy(g->ev[i]);
+    if (g->pin) cudaFreeHost(g->pin);
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, g->device) == cudaSuccess) cudaMemPoolTrimTo(pool, 0);
     free(g);
 }
 

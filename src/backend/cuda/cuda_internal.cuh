@@ -22,6 +22,11 @@ struct mq_gpu {
     cudaStream_t stream[MQ_GPU_STREAMS];
     cublasHandle_t blas[MQ_GPU_STREAMS];
     cusolverDnHandle_t solver[MQ_GPU_STREAMS];
+    void *ws[MQ_GPU_STREAMS];       /* cuSOLVER workspaces, kept between calls (grow only) */
+    size_t ws_cap[MQ_GPU_STREAMS];
+    void *pin;                      /* pinned host memory the results come back through */
+    size_t pin_cap;
+    cudaEvent_t ev[2];              /* its two halves' copies */
 };
 
 moeq_status mq_cu_fail(cudaError_t e, const char *what, const char *file, int line);
@@ -54,6 +59,12 @@ template <typename T> static inline moeq_status cu_alloc(T **p, size_t n, const 
     return mq_cu_alloc((void **)p, n * sizeof(T), what);
 }
 void mq_cu_free(void *p);
+
+/* Device views of the objects of the C interface (NULL / false for a bad index): expert e's
+ * Linear k of an mq_gpu_mlp and its shape; sum i of an mq_gpu_hessians (K[i], rows so far). */
+float *mq_gpu_mlp_weight(mq_gpu_mlp *m, int64_t e, int k);
+bool mq_gpu_mlp_shape(const mq_gpu_mlp *m, int64_t e, int k, int64_t *rows, int64_t *cols);
+const float *mq_gpu_hessians_sum(const mq_gpu_hessians *hs, int64_t i, int64_t *K, int64_t *n);
 
 /* mq_gpu_hessians_add for rows already on the device (x: rows x K, on stream 0, which must not
  * change x before the kernel has read it: later work on stream 0 is ordered after it). */

@@ -250,6 +250,234 @@ __global__ void k_block(const dset *sets, loop_cfg c, int64_t b0, int64_t B, boo
     }
 }
 
+/* ---- the column loop, a warp per row ------------------------------------------------------------
+ * k_block above keeps a row's block of columns in one thread: few threads, each walking the
+ * block and every group search alone. k_warp gives a row a warp instead, lane j holding column
+ * b0 + j of the block: a column is quantized by its lane and its error goes to the later lanes
+ * by a shuffle, each applying it with the same fmaf; a group search scores its candidates on
+ * the lanes at once, each candidate exactly as group_params scores it, and keeps the first of
+ * the least scores, as the serial search does. So every value is k_block's, bit for bit, with 32
+ * times the threads. The block's columns go in and out of the transposed arrays through a
+ * shared tile, so the loads and stores stay coalesced. */
+constexpr int WARP_ROWS = 16;   /* rows (warps) per CTA */
+
+/* Candidate c of the search (quant.c's cand_iter, by index): false when c is a repeat of c - 1
+ * (the iterator skips it) or past the end (*end set). */
+__device__ bool cand_at(const mqd::cand_iter &it, const mq_qspec &s, int32_t c, mq_gparams &out, bool &end) {
+    using namespace mqd;
+    end = false;
+    if (it.dense) {
+        const unsigned code = it.code + (unsigned)c;
+        if (code > it.last) {
+            end = true;
+            return false;
+        }
+        out.scale = e4m3_value((uint8_t)code);
+        out.zero = 0.0f;
+        out.scale_code = (uint8_t)code;
+        return true;
+    }
+    if (c >= s.mse_steps) {
+        end = true;
+        return false;
+    }
+    mq_gparams prev;
+    for (int k = 0; k < 2; k++) {
+        const int32_t at = c - 1 + k;
+        if (at < 0) continue;
+        mq_gparams &p = k ? out : prev;
+        const float m = grid_m(s, at);
+        if (s.scheme == MQ_QS_NVFP4) {
+            const uint8_t code = nvfp4_code(s, it.t0, m);
+            p.scale = e4m3_value(code);
+            p.zero = 0.0f;
+            p.scale_code = code;
+        } else {
+            params_scaled(s, it.gs, it.amax, it.xmin, it.xmax, m, p);
+        }
+    }
+    return !(c > 0 && out.scale == prev.scale && out.zero == prev.zero);
+}
+
+/* group_params of row i for the warp: the group's values gv[0..G) (t order, shared by the
+ * lanes), the candidates spread over the lanes. Every lane returns the params. */
+__device__ void warp_group_params(const dset &S, const loop_cfg &c, int64_t g, int64_t i, const float *gv,
+                                  const float *uc, int lane, mq_gparams &out) {
+    using namespace mqd;
+    const mq_qspec &s = c.s;
+    const int64_t G = S.G;
+    const float gs = S.gs[i];
+    cand_iter it;
+    if (!group_start(s, gs, gv, G, 1, out, it)) return;
+    const int32_t *pos = S.gpos + g * G, *ord = S.gord + g * G;
+    double best = INFINITY;
+    int32_t best_c = INT32_MAX;
+    float e[MAX_SMEM_GROUP];
+    for (int32_t k = lane;; k += 32) {
+        mq_gparams cand;
+        bool end;
+        if (!cand_at(it, s, k, cand, end)) {
+            if (end) break;
+            continue;
+        }
+        const float step = group_step(s, gs, cand);
+        double score = 0;
+        if (c.mse_weight == MQ_GPTQ_MSE_LOOP) {
+            for (int64_t b = 0; b < G; b++) {
+                const float *ucb = uc + b * G;
+                float w = gv[ord[b]];
+                for (int64_t a = 0; a < b; a++) w -= ucb[a] * e[a];
+                float q = dequant_step(s, step, cand.zero, quant_step(s, step, cand.zero, w));
+                float eb = (w - q) / ucb[b];
+                e[b] = eb;
+                score += (double)eb * eb;
+            }
+        } else {
+            const bool weighted = c.mse_weight != MQ_GPTQ_MSE_PLAIN;
+            for (int64_t t = 0; t < G; t++) {
+                float v = gv[t];
+                double d = (double)v - (double)dequant_step(s, step, cand.zero, quant_step(s, step, cand.zero, v));
+                double d2 = d * d;
+                score += weighted ? (double)column_weight(S, c.mse_weight, pos[t]) * d2 : d2;
+            }
+        }
+        if (score < best) {   /* a lane's candidates rise: its first least one */
+            best = score;
+            best_c = k;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {   /* the least score, then the first candidate */
+        const double ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int32_t oc = __shfl_xor_sync(0xffffffffu, best_c, o);
+        if (ob < best || (ob == best && oc < best_c)) {
+            best = ob;
+            best_c = oc;
+        }
+    }
+    if (best_c == INT32_MAX) return;   /* no score below infinity: the plain params */
+    bool end;
+    cand_at(it, s, best_c, out, end);
+}
+
+__global__ void k_warp(const dset *sets, loop_cfg c, int64_t b0, bool smem_uc) {
+    extern __shared__ float smem[];
+    const dset S = sets[blockIdx.y];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, R = WARP_ROWS;
+    const int64_t rbase = (int64_t)blockIdx.x * R;
+    if (b0 >= S.K || rbase >= S.ld) return;   /* uniform over the CTA */
+    const int64_t K = S.K, ld = S.ld, G = S.G, B = GPU_BLOCK;
+    const int64_t b1 = b0 + B < K ? b0 + B : K, nb = b1 - b0;
+    const int64_t i = rbase + warp;
+    const bool row = i < ld;
+    const int T = blockDim.x;
+    float *ub = smem;                     /* [nb][nb] U's diagonal block */
+    float *tile = ub + B * B;             /* [B][R + 1] the block's columns of the CTA's rows */
+    float *wv = tile + B * (R + 1);       /* [R][32] a warp's current values */
+    float *eb = wv + R * 32;              /* [R][32] a warp's errors so far */
+    float *gvb = eb + R * 32;             /* [R][G] a warp's group values */
+    float *uc = gvb + R * G;              /* [G][G] the group's ucol (in-loop search) */
+    for (int64_t k = threadIdx.x; k < nb * nb; k += T) ub[k] = S.U[(b0 + k / nb) * K + b0 + k % nb];
+    /* w and w0 in: column-major tiles, rows contiguous */
+    float w = 0.0f, w0 = 0.0f;
+    for (int pass = 0; pass < 2; pass++) {
+        const float *src = pass ? S.w0t : S.wt;
+        for (int64_t k = threadIdx.x; k < nb * R; k += T) {
+            const int64_t jj = k / R, rr = k % R;
+            tile[jj * (R + 1) + rr] = rbase + rr < ld ? src[(b0 + jj) * ld + rbase + rr] : 0.0f;
+        }
+        __syncthreads();
+        const float v = lane < nb ? tile[lane * (R + 1) + warp] : 0.0f;
+        if (pass) w0 = v;
+        else w = v;
+        __syncthreads();
+    }
+    double e2 = row && lane == 0 ? S.e2[i] : 0, dsq = row && lane == 0 ? S.dsq[i] : 0;
+    float my_q = 0.0f, my_e = 0.0f, my_code = 0.0f;
+    float st = 0.0f, z = 0.0f;
+    int64_t g_cur = -1;
+    for (int64_t p = b0; p < b1; p++) {
+        const int64_t g = S.pgroup[p], r = p - b0;
+        if (c.dynamic && S.gfirst[g] == p) {
+            if (smem_uc) {
+                __syncthreads();
+                for (int64_t k = threadIdx.x; k < G * G; k += T) uc[k] = S.ucol[g * G * G + k];
+                __syncthreads();
+            }
+            if (row) {
+                float *mv = wv + warp * 32, *me = eb + warp * 32, *gv = gvb + warp * G;
+                mv[lane] = w;
+                me[lane] = my_e;   /* lanes < r: this block's errors so far */
+                __syncwarp();
+                /* the group's current values: later columns of this block are up to date in the
+                 * lanes; columns past it still lack this block's errors */
+                for (int64_t t = lane; t < G; t += 32) {
+                    const int64_t q = S.gpos[g * G + t];
+                    float v;
+                    if (q < b1) {
+                        v = mv[q - b0];
+                    } else {
+                        v = S.wt[q * ld + i];
+                        for (int64_t k = b0; k < p; k++) v -= S.U[k * K + q] * me[k - b0];
+                    }
+                    gv[t] = v;
+                }
+                __syncwarp();
+                mq_gparams P;
+                warp_group_params(S, c, g, i, gv, smem_uc ? uc : (S.ucol ? S.ucol + g * G * G : NULL), lane, P);
+                st = mqd::group_step(c.s, S.gs[i], P);
+                z = P.zero;
+                g_cur = g;
+                if (lane == 0) {
+                    S.gp[g * ld + i] = P;
+                    S.step[g * ld + i] = st;
+                    S.zero[g * ld + i] = z;
+                }
+                __syncwarp();
+            }
+        }
+        if (!row) continue;
+        if (g != g_cur) {
+            st = S.step[g * ld + i];
+            z = S.zero[g * ld + i];
+            g_cur = g;
+        }
+        float e_t = 0.0f, d_t = 0.0f;
+        if (lane == r) {
+            const uint8_t code = mqd::quant_step(c.s, st, z, w);
+            const float q = mqd::dequant_step(c.s, st, z, code);
+            e_t = (w - q) / ub[r * nb + r];
+            d_t = w0 - q;
+            my_q = q;
+            my_e = e_t;
+            my_code = (float)code;
+        }
+        const float e_all = __shfl_sync(0xffffffffu, e_t, (int)r), d_all = __shfl_sync(0xffffffffu, d_t, (int)r);
+        if (lane == 0) {
+            e2 += (double)e_all * e_all;
+            dsq += (double)d_all * d_all;
+        }
+        if (lane > r && lane < nb) w = fmaf(-ub[r * nb + lane], e_all, w);
+    }
+    /* the block's quantized values, codes and errors out through the tile */
+    for (int pass = 0; pass < 3; pass++) {
+        __syncthreads();
+        if (lane < nb) tile[lane * (R + 1) + warp] = pass == 0 ? my_q : pass == 1 ? my_e : my_code;
+        __syncthreads();
+        for (int64_t k = threadIdx.x; k < nb * R; k += T) {
+            const int64_t jj = k / R, rr = k % R;
+            if (rbase + rr >= ld) continue;
+            const float v = tile[jj * (R + 1) + rr];
+            if (pass == 0) S.w0t[(b0 + jj) * ld + rbase + rr] = v;
+            else if (pass == 1) S.et[jj * ld + rbase + rr] = v;
+            else S.ct[(b0 + jj) * ld + rbase + rr] = (uint8_t)v;
+        }
+    }
+    if (row && lane == 0) {
+        S.e2[i] = e2;
+        S.dsq[i] = dsq;
+    }
+}
+
 /* RTN residuals D (processing order, transposed, into D) and ||D||^2 per row (gptq.c
  * rtn_loss_rows): params from the rows as given, original groups. */
 __global__ void k_rtn_residual(const dset *sets, loop_cfg c, float *const *D) {
@@ -289,23 +517,34 @@ __global__ void k_row_sumsq(const dset *sets, float *const *DR) {
     S.rtn_e2[i] = e;
 }
 
-/* Results back to rows in the original column order: codes into wrow's memory (as bytes),
- * dequantized values into wt's, params row-major. */
-__global__ void k_unload(const dset *sets, bool deq) {
+/* Results in the original column order, rows as given: codes two to a byte, the lower nibble
+ * first (pc [ld][K/2]); with deq the dequantized rows into wt's memory ([ld][K]; wt is not read
+ * after the loop). Thread per (row, byte). */
+__global__ void k_pack_codes(const dset *sets, uint8_t *const *pc, bool deq) {
     const dset S = sets[blockIdx.z];
-    const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t i = (int64_t)blockIdx.y * blockDim.y + threadIdx.y;
-    if (c >= S.K || i >= S.ld) return;
-    const int64_t p = S.inv ? S.inv[c] : c;
-    ((uint8_t *)S.wrow)[i * S.K + c] = S.ct[p * S.ld + i];
-    if (deq) S.wt[i * S.K + c] = S.w0t[p * S.ld + i];
+    if (2 * b >= S.K || i >= S.ld) return;
+    const int64_t c0 = 2 * b, c1 = c0 + 1;
+    const int64_t p0 = S.inv ? S.inv[c0] : c0, p1 = S.inv ? S.inv[c1] : c1;
+    pc[blockIdx.z][i * (S.K / 2) + b] = (uint8_t)(S.ct[p0 * S.ld + i] | S.ct[p1 * S.ld + i] << 4);
+    if (deq) {
+        S.wt[i * S.K + c0] = S.w0t[p0 * S.ld + i];
+        S.wt[i * S.K + c1] = S.w0t[p1 * S.ld + i];
+    }
 }
 
-__global__ void k_unload_params(const dset *sets, mq_gparams *const *out) {
+/* Group params row by row: NVFP4's as their E4M3 code alone (pb [ld][ng]; the scale is that
+ * code's value and the zero 0, gptq.c's params), the others whole (pp [ld][ng]). */
+__global__ void k_pack_params(const dset *sets, uint8_t *const *pb, mq_gparams *const *pp) {
     const dset S = sets[blockIdx.y];
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= S.ld) return;
-    for (int64_t g = 0; g < S.ng; g++) out[blockIdx.y][i * S.ng + g] = S.gp[g * S.ld + i];
+    for (int64_t g = 0; g < S.ng; g++) {
+        const mq_gparams p = S.gp[g * S.ld + i];
+        if (pb[blockIdx.y]) pb[blockIdx.y][i * S.ng + g] = p.scale_code;
+        else pp[blockIdx.y][i * S.ng + g] = p;
+    }
 }
 
 /* ---- factor kernels ------------------------------------------------------------------------ */
@@ -315,6 +554,29 @@ __global__ void k_first_nonfinite(const float *x, int64_t n, unsigned long long 
     for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n;
          k += (int64_t)gridDim.x * blockDim.x)
         if (!isfinite(x[k])) atomicMin(first, (unsigned long long)k);
+}
+
+/* max |x| over n values as the bits of a non-negative float (their order is the values'). */
+__global__ void k_absmax_bits(const float *x, int64_t n, unsigned *out) {
+    unsigned m = 0;
+    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n;
+         k += (int64_t)gridDim.x * blockDim.x)
+        m = max(m, __float_as_uint(fabsf(x[k])));
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0) atomicMax(out, m);
+}
+
+__global__ void k_diag(const float *H, int64_t K, float *d) {
+    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k < K) d[k] = H[k * K + k];
+}
+
+/* H = scale * sum, both triangles from the lower (mq_hessian_get's values). */
+__global__ void k_form(float *H, const float *sum, int64_t K, float scale) {
+    const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t a = (int64_t)blockIdx.y * blockDim.y + threadIdx.y;
+    if (a >= K || b >= K) return;
+    H[a * K + b] = b <= a ? scale * sum[a * K + b] : scale * sum[b * K + a];
 }
 
 /* A = H' with rows and columns in reverse processing order, lower triangle (gptq.c). */
@@ -345,6 +607,26 @@ __global__ void k_diag_finite(const float *U, int64_t K, int *bad) {
 
 /* ---- host side ----------------------------------------------------------------------------- */
 
+/* Device memory of a call comes from one stream-ordered allocation per wave, cut into pieces by
+ * the same calls run twice: first to size it (base NULL), then to place. Four regions: what
+ * goes up from the host in one copy (meta), what comes back after the checks (small), the
+ * working arrays (big) and the results that come back in one copy (out). */
+struct carver {
+    char *base = nullptr;
+    size_t used = 0;
+    template <typename T> T *take(size_t n) {
+        const size_t b = (n * sizeof(T) + 255) & ~(size_t)255;
+        T *p = base ? (T *)(base + used) : nullptr;
+        used += b;
+        return p;
+    }
+};
+
+struct regions {
+    carver meta, small, big, out;
+    size_t total() const { return meta.used + small.used + big.used + out.used; }
+};
+
 struct diag_ref {
     float d;
     int32_t i;
@@ -356,20 +638,23 @@ int cmp_diag_desc(const void *a, const void *b) {
     return x->i < y->i ? -1 : x->i > y->i;
 }
 
-/* One Hessian's factor on the device, and what the host keeps of it. */
+/* One Hessian's factor: where H comes from, its device arrays, what the host keeps of it. */
 struct factor {
     int64_t K = 0;
     int stream = 0;
-    const float *H_host = NULL;
+    const float *H_host = NULL;                 /* host H, or */
+    const float *sum = NULL;                    /* a device sum and its scale 2/n */
+    float scale = 0;
     const char *name = NULL;
-    float *dH = NULL, *dA = NULL, *dU = NULL, *dR = NULL;   /* dR aliases dH once factored */
-    float *ddiag = NULL;
-    int32_t *dperm = NULL, *dinv = NULL;
+    bool act_order = false;
+    /* device */
+    float *dH = NULL, *dA = NULL, *dU = NULL;   /* dH becomes R, dA holds L */
+    float *ddiag = NULL, *dhdiag = NULL, *draw = NULL;
     uint8_t *ddead = NULL;
-    float *dhdiag = NULL;
-    float *work = NULL;
-    int *dinfo = NULL;
-    int lwork = 0;
+    int32_t *dperm = NULL, *dinv = NULL;
+    unsigned long long *dbad = NULL;            /* first non-finite entry */
+    int *dinfo = NULL, *dsing = NULL;
+    /* host */
     std::vector<int32_t> perm, inv;
     std::vector<uint8_t> dead;
     std::vector<float> diag;
@@ -379,252 +664,79 @@ struct factor {
     bool done = false;
 };
 
-void factor_free(factor &f) {
-    mq_cu_free(f.dH);
-    mq_cu_free(f.dA);
-    mq_cu_free(f.ddiag);
-    mq_cu_free(f.dperm);
-    mq_cu_free(f.dinv);
-    mq_cu_free(f.ddead);
-    mq_cu_free(f.dhdiag);
-    mq_cu_free(f.work);
-    mq_cu_free(f.dinfo);
-    f.dH = f.dA = f.dU = f.dR = f.ddiag = f.dhdiag = f.work = NULL;
-    f.dperm = f.dinv = NULL;
-    f.ddead = NULL;
-    f.dinfo = NULL;
-}
+/* A set: a factor and the stacked rows of its jobs, with their device arrays. */
+struct hset {
+    int f;                       /* index into the wave's factors */
+    std::vector<int64_t> jobs;   /* job indices, stacked in this order */
+    std::vector<int64_t> row0;   /* first row of each job */
+    int64_t ld = 0, G = 0, ng = 0;
+    dset d = dset();
+    unsigned long long *dbad = NULL;   /* first non-finite weight */
+    uint8_t *pc = NULL, *pb = NULL;    /* packed results (out region) */
+    mq_gparams *pp = NULL;
+};
 
 dim3 grid2(int64_t nx, int64_t ny, dim3 blk, int64_t nz = 1) {
     return dim3((unsigned)((nx + blk.x - 1) / blk.x), (unsigned)((ny + blk.y - 1) / blk.y), (unsigned)nz);
 }
 
-/* Host part of the factor (dead columns, mean, act order) and the device buffers. */
-moeq_status factor_start(mq_gpu *g, const mq_gptq_opts *o, factor &f) {
-    const int64_t K = f.K;
-    const size_t kk = (size_t)K * (size_t)K;
-    moeq_status st;
-    f.dead.assign((size_t)K, 0);
-    f.diag.resize((size_t)K);
-    f.mean = 0;
-    f.n_dead = 0;
-    for (int64_t i = 0; i < K; i++) {
-        float d = f.H_host[i * K + i];
-        if (d == 0.0f) {
-            f.dead[i] = 1;
-            f.n_dead++;
-            d = 1.0f;
-        }
-        f.diag[i] = d;
-        f.mean += d;
-    }
-    f.mean /= (double)K;
-    if (o->act_order) {
-        std::vector<diag_ref> refs((size_t)K);
-        for (int64_t i = 0; i < K; i++) refs[i] = diag_ref{f.diag[i], (int32_t)i};
-        qsort(refs.data(), (size_t)K, sizeof(diag_ref), cmp_diag_desc);
-        f.perm.resize((size_t)K);
-        f.inv.resize((size_t)K);
-        for (int64_t p = 0; p < K; p++) {
-            f.perm[p] = refs[p].i;
-            f.inv[refs[p].i] = (int32_t)p;
-        }
-    }
-    cudaStream_t s = g->stream[f.stream];
-    if ((st = cu_alloc(&f.dH, kk, "Hessian")) || (st = cu_alloc(&f.dA, kk, "GPTQ factor")) ||
-        (st = cu_alloc(&f.ddiag, (size_t)K, "Hessian diagonal")) ||
-        (st = cu_alloc(&f.ddead, (size_t)K, "GPTQ dead columns")) ||
-        (st = cu_alloc(&f.dhdiag, (size_t)K, "GPTQ diagonal")) ||
-        (st = cu_alloc(&f.dinfo, 1, "cuSOLVER info")))
-        return st;
-    if ((st = CU(cudaMemcpyAsync(f.dH, f.H_host, kk * sizeof(float), cudaMemcpyHostToDevice, s))) ||
-        (st = CU(cudaMemcpyAsync(f.ddiag, f.diag.data(), (size_t)K * sizeof(float), cudaMemcpyHostToDevice, s))) ||
-        (st = CU(cudaMemcpyAsync(f.ddead, f.dead.data(), (size_t)K, cudaMemcpyHostToDevice, s))))
-        return st;
-    std::vector<float> hdiag((size_t)K);
-    for (int64_t p = 0; p < K; p++) hdiag[p] = f.diag[o->act_order ? f.perm[p] : p];
-    if ((st = CU(cudaMemcpyAsync(f.dhdiag, hdiag.data(), (size_t)K * sizeof(float), cudaMemcpyHostToDevice, s))))
-        return st;
-    if (o->act_order) {
-        if ((st = cu_alloc(&f.dperm, (size_t)K, "GPTQ permutation")) ||
-            (st = cu_alloc(&f.dinv, (size_t)K, "GPTQ permutation")) ||
-            (st = CU(cudaMemcpyAsync(f.dperm, f.perm.data(), (size_t)K * 4, cudaMemcpyHostToDevice, s))) ||
-            (st = CU(cudaMemcpyAsync(f.dinv, f.inv.data(), (size_t)K * 4, cudaMemcpyHostToDevice, s))))
-            return st;
-    }
-    if ((st = CUSOLVER(cusolverDnSpotrf_bufferSize(g->solver[f.stream], CUBLAS_FILL_MODE_UPPER, (int)K,
-                                                   f.dA, (int)K, &f.lwork))) ||
-        (st = cu_alloc(&f.work, (size_t)(f.lwork > 0 ? f.lwork : 1), "cuSOLVER workspace")))
-        return st;
-    /* host memory stays valid until the copies ran: the caller synchronises before returning */
-    return CU(cudaStreamSynchronize(s));
+void lay_factor(regions &r, factor &f) {
+    const size_t K = (size_t)f.K;
+    f.ddiag = r.meta.take<float>(K);
+    f.dhdiag = r.meta.take<float>(K);
+    f.ddead = r.meta.take<uint8_t>(K);
+    f.dperm = f.act_order ? r.meta.take<int32_t>(K) : NULL;
+    f.dinv = f.act_order ? r.meta.take<int32_t>(K) : NULL;
+    f.dbad = r.small.take<unsigned long long>(1);
+    f.draw = r.small.take<float>(K);
+    f.dH = r.big.take<float>(K * K);
+    f.dA = r.big.take<float>(K * K);
+    f.dU = r.big.take<float>(K * K);
 }
 
-moeq_status factor_attempt(mq_gpu *g, factor &f) {
-    const int64_t K = f.K;
-    cudaStream_t s = g->stream[f.stream];
-    f.damp = (double)(float)(f.percdamp * f.mean);
-    dim3 blk(32, 8);
-    k_build_a<<<grid2(K, K, blk), blk, 0, s>>>(f.dA, f.dH, f.dperm, f.ddiag, K, (float)(f.percdamp * f.mean));
-    moeq_status st = CU_LAUNCHED("k_build_a");
-    if (!st) st = CUSOLVER(cusolverDnSpotrf(g->solver[f.stream], CUBLAS_FILL_MODE_UPPER, (int)K, f.dA,
-                                            (int)K, f.work, f.lwork, f.dinfo));
-    return st;
+void lay_set(regions &r, hset &h, int64_t K, bool loop, bool nvfp4) {
+    const size_t kl = (size_t)K * (size_t)h.ld, ld = (size_t)h.ld, ng = (size_t)h.ng, G = (size_t)h.G;
+    const size_t B = (size_t)(GPU_BLOCK < K ? GPU_BLOCK : K);
+    dset &d = h.d;
+    d.gpos = r.meta.take<int32_t>(ng * G);
+    d.gord = r.meta.take<int32_t>(ng * G);
+    d.gfirst = r.meta.take<int32_t>(ng);
+    d.pgroup = r.meta.take<int32_t>((size_t)K);
+    d.gs = r.meta.take<float>(ld);
+    h.dbad = r.small.take<unsigned long long>(1);
+    d.wrow = r.big.take<float>(kl);
+    d.wt = r.big.take<float>(kl);
+    d.w0t = r.big.take<float>(kl);
+    d.ct = r.big.take<uint8_t>(kl);
+    d.et = r.big.take<float>(B * ld);
+    d.step = r.big.take<float>(ng * ld);
+    d.zero = r.big.take<float>(ng * ld);
+    d.gp = r.big.take<mq_gparams>(ng * ld);
+    d.gv = r.big.take<float>(G * ld);
+    d.ge = loop ? r.big.take<float>(G * ld) : NULL;
+    d.ucol = loop ? r.big.take<float>(ng * G * G) : NULL;
+    h.pc = r.out.take<uint8_t>(kl / 2);
+    h.pb = nvfp4 ? r.out.take<uint8_t>(ng * ld) : NULL;
+    h.pp = nvfp4 ? NULL : r.out.take<mq_gparams>(ng * ld);
+    d.e2 = r.out.take<double>(4 * ld);
+    d.dsq = d.e2 ? d.e2 + ld : NULL;
+    d.rtn_e2 = d.e2 ? d.e2 + 2 * ld : NULL;
+    d.rtn_dsq = d.e2 ? d.e2 + 3 * ld : NULL;
 }
 
-/* R and U from the factor L in dA; dH becomes R. Reports a singular factor. */
-moeq_status factor_finish(mq_gpu *g, factor &f, bool keep_R, int *singular) {
-    const int64_t K = f.K;
-    cudaStream_t s = g->stream[f.stream];
-    dim3 blk(32, 8);
-    /* dH (the Hessian, no longer needed) becomes R; dA (L) becomes U */
-    float *R = f.dH, *L = f.dA, *U = NULL;
-    moeq_status st = cu_alloc(&U, (size_t)K * (size_t)K, "GPTQ factor U");
-    if (st) return st;
-    k_rotate<<<grid2(K, K, blk), blk, 0, s>>>(R, L, U, K);
-    if ((st = CU_LAUNCHED("k_rotate"))) {
-        mq_cu_free(U);
-        return st;
-    }
-    const float one = 1.0f;
-    st = CUBLAS(cublasStrsm(g->blas[f.stream], CUBLAS_SIDE_LEFT, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N,
-                            CUBLAS_DIAG_NON_UNIT, (int)K, (int)K, &one, R, (int)K, U, (int)K));
-    if (st) {
-        mq_cu_free(U);
-        return st;
-    }
-    k_diag_finite<<<(unsigned)((K + 255) / 256), 256, 0, s>>>(U, K, f.dinfo);
-    mq_cu_free(f.dA);
-    f.dA = U;
-    f.dU = U;
-    f.dR = R;
-    if (!keep_R) {
-        /* R is read by no one after the stream's work so far: freed in order */
-        cudaStreamSynchronize(s);
-        mq_cu_free(f.dH);
-        f.dH = NULL;
-        f.dR = NULL;
-    }
-    mq_cu_free(f.work);
-    f.work = NULL;
-    *singular = 0;
-    return CU_LAUNCHED("k_diag_finite");
-}
-
-/* Factors fs (their streams set), with the CPU's damping retry; messages as gptq.c's. */
-moeq_status factor_all(mq_gpu *g, const mq_gptq_opts *o, std::vector<factor> &fs) {
-    moeq_status st = MOEQ_OK;
-    for (auto &f : fs) {
-        f.percdamp = o->percdamp;
-        f.attempt = 0;
-        f.done = false;
-        if ((st = factor_start(g, o, f))) return st;
-        int zero = 0;
-        if ((st = CU(cudaMemcpyAsync(f.dinfo, &zero, sizeof zero, cudaMemcpyHostToDevice, g->stream[f.stream])))) return st;
-    }
-    /* Hessians must be finite (gptq.c check_hessian) */
-    unsigned long long *first = NULL;
-    if ((st = cu_alloc(&first, fs.size() + 1, "finite check"))) return st;
-    std::vector<unsigned long long> init(fs.size() + 1, ~0ull);
-    st = CU(cudaMemcpy(first, init.data(), init.size() * sizeof(unsigned long long), cudaMemcpyHostToDevice));
-    for (size_t k = 0; k < fs.size() && !st; k++) {
-        k_first_nonfinite<<<1024, 256, 0, g->stream[fs[k].stream]>>>(fs[k].dH, fs[k].K * fs[k].K, first + k);
-        st = CU_LAUNCHED("k_first_nonfinite");
-    }
-    if (!st) st = CU(cudaDeviceSynchronize());
-    if (!st) st = CU(cudaMemcpy(init.data(), first, init.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-    mq_cu_free(first);
-    if (st) return st;
-    for (size_t k = 0; k < fs.size(); k++)
-        if (init[k] != ~0ull) {
-            const int64_t K = fs[k].K, at = (int64_t)init[k];
-            return mq_err(MOEQ_E_NUMERIC, "%s: non-finite Hessian entry %g at (%lld, %lld)", fs[k].name,
-                          (double)fs[k].H_host[at], (long long)(at / K), (long long)(at % K));
-        }
-    for (;;) {
-        bool pending = false;
-        for (auto &f : fs)
-            if (!f.done) {
-                pending = true;
-                if ((st = factor_attempt(g, f))) return st;
-            }
-        if (!pending) break;
-        if ((st = CU(cudaDeviceSynchronize()))) return st;
-        for (auto &f : fs) {
-            if (f.done) continue;
-            int info = 0;
-            if ((st = CU(cudaMemcpy(&info, f.dinfo, sizeof info, cudaMemcpyDeviceToHost)))) return st;
-            if (info < 0) return mq_err(MOEQ_E_DEVICE, "%s: cusolverDnSpotrf: argument %d", f.name, -info);
-            if (info == 0) {
-                f.done = true;
-                if (f.attempt > 0)
-                    mq_warn("%s: Hessian not positive definite with percdamp %g; raised to %g", f.name,
-                            o->percdamp, f.percdamp);
-                continue;
-            }
-            if (f.attempt + 1 >= MAX_RETRIES || f.percdamp * 2 > MQ_GPTQ_MAX_PERCDAMP)
-                return mq_err(MOEQ_E_NUMERIC,
-                              "%s: Hessian not positive definite even with percdamp raised to %g", f.name,
-                              f.percdamp);
-            f.attempt++;
-            f.percdamp = f.percdamp == 0 ? 1e-4 : f.percdamp * 2;
-        }
-    }
-    for (auto &f : fs) {
-        int zero = 0, singular = 0;
-        if ((st = CU(cudaMemcpyAsync(f.dinfo, &zero, sizeof zero, cudaMemcpyHostToDevice, g->stream[f.stream]))) ||
-            (st = factor_finish(g, f, o->rtn_loss, &singular)))
-            return st;
-    }
-    if ((st = CU(cudaDeviceSynchronize()))) return st;
-    for (auto &f : fs) {
-        int bad = 0;
-        if ((st = CU(cudaMemcpy(&bad, f.dinfo, sizeof bad, cudaMemcpyDeviceToHost)))) return st;
-        if (bad) return mq_err(MOEQ_E_NUMERIC, "%s: Cholesky factor of the Hessian is singular", f.name);
-    }
-    return MOEQ_OK;
-}
-
-/* A set on the host: its factor, jobs and device buffers. */
-struct hset {
-    int f;                      /* index into the wave's factors */
-    std::vector<int64_t> jobs;  /* job indices, stacked in this order */
-    std::vector<int64_t> row0;  /* first row of each job */
-    int64_t ld, G, ng;
-    dset d;
-    std::vector<void *> owned;
-};
-
-void hset_free(hset &h) {
-    for (void *p : h.owned) mq_cu_free(p);
-    h.owned.clear();
-}
-
-template <typename T> moeq_status set_alloc(hset &h, T **p, size_t n, const char *what) {
-    moeq_status st = cu_alloc(p, n, what);
-    if (!st) h.owned.push_back((void *)*p);
-    return st;
-}
-
-/* Device bytes of a set of ld rows for factor size K (with its factor: H/R, U and small). */
-size_t set_bytes(int64_t K, int64_t ld, int64_t G, int64_t B, bool rtn, bool loop) {
-    const size_t kl = (size_t)K * (size_t)ld;
-    size_t b = kl * (4 + 4 + 4 + 1) + (size_t)B * ld * 4 + (size_t)(K / G) * ld * (4 + 4 + 12) +
-               (size_t)G * ld * 4 * (loop ? 2 : 1) + (size_t)ld * (8 * 4 + 4) +
-               (loop ? (size_t)K * G * 4 : 0);
-    b += (size_t)K * K * 4 * 3;   /* H (then R), A (then U), U while A is freed */
-    return b;
+/* Bytes of device memory a factor and its set take (both placed once more in the wave). */
+size_t item_bytes(factor f, hset h, bool loop, bool nvfp4) {
+    regions r;
+    lay_factor(r, f);
+    lay_set(r, h, f.K, loop, nvfp4);
+    return r.total() + 8 * 256;
 }
 
 /* Group metadata of a set (gptq.c group_pos, the order the in-loop search needs). */
-void group_meta(const factor &f, int64_t K, int64_t G, bool gidx, std::vector<int32_t> &gpos,
-                std::vector<int32_t> &gord, std::vector<int32_t> &gfirst, std::vector<int32_t> &pgroup) {
+void group_meta(const factor &f, int64_t K, int64_t G, bool gidx, int32_t *gpos, int32_t *gord,
+                int32_t *gfirst, int32_t *pgroup) {
     const int64_t ng = K / G;
     const bool perm = !f.perm.empty();
-    gpos.resize((size_t)(ng * G));
-    gord.resize((size_t)(ng * G));
-    gfirst.resize((size_t)ng);
-    pgroup.resize((size_t)K);
     for (int64_t g = 0; g < ng; g++) {
         int32_t first = INT32_MAX;
         for (int64_t t = 0; t < G; t++) {
@@ -646,241 +758,589 @@ void group_meta(const factor &f, int64_t K, int64_t G, bool gidx, std::vector<in
     }
 }
 
-template <typename T> moeq_status upload(hset &h, T **dst, const std::vector<T> &src, const char *what,
-                                         cudaStream_t s) {
-    moeq_status st = set_alloc(h, dst, src.size(), what);
-    if (!st) st = CU(cudaMemcpyAsync(*dst, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice, s));
+/* Dead columns, mean diagonal and act-order permutation from H's diagonal, as gptq.c. */
+void factor_host(const mq_gptq_opts *o, factor &f, const float *raw) {
+    const int64_t K = f.K;
+    f.dead.assign((size_t)K, 0);
+    f.diag.resize((size_t)K);
+    f.mean = 0;
+    f.n_dead = 0;
+    for (int64_t i = 0; i < K; i++) {
+        float d = raw[i];
+        if (d == 0.0f) {
+            f.dead[i] = 1;
+            f.n_dead++;
+            d = 1.0f;
+        }
+        f.diag[i] = d;
+        f.mean += d;
+    }
+    f.mean /= (double)K;
+    f.perm.clear();
+    f.inv.clear();
+    if (o->act_order) {
+        std::vector<diag_ref> refs((size_t)K);
+        for (int64_t i = 0; i < K; i++) refs[i] = diag_ref{f.diag[i], (int32_t)i};
+        qsort(refs.data(), (size_t)K, sizeof(diag_ref), cmp_diag_desc);
+        f.perm.resize((size_t)K);
+        f.inv.resize((size_t)K);
+        for (int64_t p = 0; p < K; p++) {
+            f.perm[p] = refs[p].i;
+            f.inv[refs[p].i] = (int32_t)p;
+        }
+    }
+}
+
+/* The host copy of a device pointer of the meta region. */
+struct meta_blob {
+    const char *dev = NULL;
+    std::vector<char> host;
+    template <typename T> T *at(T *d) { return (T *)(host.data() + ((const char *)d - dev)); }
+};
+
+moeq_status ensure_workspace(mq_gpu *g, int stream, size_t bytes) {
+    if (bytes <= g->ws_cap[stream]) return MOEQ_OK;
+    if (g->ws[stream]) {
+        cudaStreamSynchronize(g->stream[stream]);
+        cudaFree(g->ws[stream]);
+    }
+    g->ws[stream] = NULL;
+    g->ws_cap[stream] = 0;
+    moeq_status st = mq_cu_alloc(&g->ws[stream], bytes, "cuSOLVER workspace");
+    if (!st) g->ws_cap[stream] = bytes;
     return st;
 }
 
-/* Runs the column loop for the sets of one wave (their factors done). */
-moeq_status run_sets(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::vector<factor> &fs,
-                     std::vector<hset> &sets, mq_gptq_job *jobs) {
+/* Factors every Hessian of the wave (their arrays placed, H in dH, diag/dead/perm uploaded),
+ * with the CPU's damping retry; R in dH, U in dU. Messages as gptq.c's. */
+moeq_status factor_all(mq_gpu *g, const mq_gptq_opts *o, std::vector<factor> &fs, int *infos) {
+    moeq_status st = MOEQ_OK;
+    const size_t nf = fs.size();
+    /* workspaces: the largest of each stream's factors (a stream runs its factors in turn) */
+    std::vector<size_t> need(MQ_GPU_STREAMS, 0);
+    for (auto &f : fs) {
+        int lw = 0;
+        if ((st = CUSOLVER(cusolverDnSpotrf_bufferSize(g->solver[f.stream], CUBLAS_FILL_MODE_UPPER, (int)f.K, f.dA,
+                                                       (int)f.K, &lw))))
+            return st;
+        const size_t b = (size_t)(lw > 0 ? lw : 1) * sizeof(float);
+        need[f.stream] = b > need[f.stream] ? b : need[f.stream];
+    }
+    for (int s = 0; s < MQ_GPU_STREAMS && !st; s++)
+        if (need[s]) st = ensure_workspace(g, s, need[s]);
+    if (st) return st;
+    for (auto &f : fs) {
+        f.percdamp = o->percdamp;
+        f.attempt = 0;
+        f.done = false;
+    }
+    std::vector<int> info(nf);
+    for (;;) {
+        bool pending = false;
+        for (auto &f : fs) {
+            if (f.done) continue;
+            pending = true;
+            const int64_t K = f.K;
+            cudaStream_t s = g->stream[f.stream];
+            f.damp = (double)(float)(f.percdamp * f.mean);
+            dim3 blk(32, 8);
+            k_build_a<<<grid2(K, K, blk), blk, 0, s>>>(f.dA, f.dH, f.dperm, f.ddiag, K, (float)(f.percdamp * f.mean));
+            if ((st = CU_LAUNCHED("k_build_a"))) return st;
+            if ((st = CUSOLVER(cusolverDnSpotrf(g->solver[f.stream], CUBLAS_FILL_MODE_UPPER, (int)K, f.dA, (int)K,
+                                                (float *)g->ws[f.stream], (int)(g->ws_cap[f.stream] / sizeof(float)),
+                                                f.dinfo))))
+                return st;
+        }
+        if (!pending) break;
+        if ((st = CU(cudaDeviceSynchronize()))) return st;
+        if ((st = CU(cudaMemcpy(info.data(), infos, nf * sizeof(int), cudaMemcpyDeviceToHost)))) return st;
+        for (size_t k = 0; k < nf; k++) {
+            factor &f = fs[k];
+            if (f.done) continue;
+            if (info[k] < 0) return mq_err(MOEQ_E_DEVICE, "%s: cusolverDnSpotrf: argument %d", f.name, -info[k]);
+            if (info[k] == 0) {
+                f.done = true;
+                if (f.attempt > 0)
+                    mq_warn("%s: Hessian not positive definite with percdamp %g; raised to %g", f.name, o->percdamp,
+                            f.percdamp);
+                continue;
+            }
+            if (f.attempt + 1 >= MAX_RETRIES || f.percdamp * 2 > MQ_GPTQ_MAX_PERCDAMP)
+                return mq_err(MOEQ_E_NUMERIC, "%s: Hessian not positive definite even with percdamp raised to %g",
+                              f.name, f.percdamp);
+            f.attempt++;
+            f.percdamp = f.percdamp == 0 ? 1e-4 : f.percdamp * 2;
+        }
+    }
+    /* R (into dH, no longer needed) and U = R^-1 */
+    const float one = 1.0f;
+    for (auto &f : fs) {
+        const int64_t K = f.K;
+        cudaStream_t s = g->stream[f.stream];
+        dim3 blk(32, 8);
+        k_rotate<<<grid2(K, K, blk), blk, 0, s>>>(f.dH, f.dA, f.dU, K);
+        if ((st = CU_LAUNCHED("k_rotate"))) return st;
+        if ((st = CUBLAS(cublasStrsm(g->blas[f.stream], CUBLAS_SIDE_LEFT, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N,
+                                     CUBLAS_DIAG_NON_UNIT, (int)K, (int)K, &one, f.dH, (int)K, f.dU, (int)K))))
+            return st;
+        k_diag_finite<<<(unsigned)((K + 255) / 256), 256, 0, s>>>(f.dU, K, f.dsing);
+        if ((st = CU_LAUNCHED("k_diag_finite"))) return st;
+    }
+    if ((st = CU(cudaDeviceSynchronize()))) return st;
+    if ((st = CU(cudaMemcpy(info.data(), infos + nf, nf * sizeof(int), cudaMemcpyDeviceToHost)))) return st;
+    for (size_t k = 0; k < nf; k++)
+        if (info[k]) return mq_err(MOEQ_E_NUMERIC, "%s: Cholesky factor of the Hessian is singular", fs[k].name);
+    return MOEQ_OK;
+}
+
+/* Device results to the host through the pinned buffer, a piece at a time; each piece is
+ * handed to take(offset, bytes, host) while the next one is on its way. */
+template <typename F> moeq_status download(mq_gpu *g, const char *src, size_t n, F take) {
+    const size_t piece = (size_t)64 << 20;
+    moeq_status st = MOEQ_OK;
+    if (g->pin_cap < 2 * piece) {
+        if (g->pin) cudaFreeHost(g->pin);
+        g->pin = NULL;
+        g->pin_cap = 0;
+        if ((st = CU(cudaMallocHost(&g->pin, 2 * piece)))) return st;
+        g->pin_cap = 2 * piece;
+    }
+    cudaStream_t s = g->stream[0];
+    char *buf[2] = {(char *)g->pin, (char *)g->pin + piece};
+    size_t prev_off = 0, prev_len = 0;
+    for (size_t off = 0, k = 0; off < n || prev_len; off += piece, k++) {
+        const size_t len = off < n ? (n - off < piece ? n - off : piece) : 0;
+        if (len && (st = CU(cudaMemcpyAsync(buf[k % 2], src + off, len, cudaMemcpyDeviceToHost, s)))) return st;
+        if (prev_len) {
+            /* the previous piece: its copy was queued before this one */
+            if ((st = CU(cudaEventSynchronize(g->ev[(k + 1) % 2])))) return st;
+            take(prev_off, prev_len, buf[(k + 1) % 2]);
+        }
+        if (len && (st = CU(cudaEventRecord(g->ev[k % 2], s)))) return st;
+        prev_off = off;
+        prev_len = len;
+        if (!len) break;
+    }
+    return st;
+}
+
+/* Unpacking results on the host pool: codes to bytes, NVFP4 params from their codes. A task is
+ * a block of rows of one job; a piece of the out region is handed over at a time. */
+enum { UNPACK_ROWS = 64 };
+
+struct unpack_task_t {
+    int64_t set, jk, r0, r1;   /* set, job within it, rows [r0, r1) of the job */
+};
+
+struct unpack_ctx {
+    const std::vector<hset> *sets;
+    const char *out_dev;       /* the out region's device base */
+    size_t off, len;           /* the piece of the out region at host */
+    const char *host;
+    mq_gptq_job *jobs;
+    std::vector<unpack_task_t> tasks;
+};
+
+/* The part of the device range [dev, dev + n) inside the piece, into dst: nibbles (two codes a
+ * byte), E4M3 codes (NVFP4 params) or bytes. */
+void copy_piece(const unpack_ctx &c, const void *dev, size_t n, void *dst_v, int kind) {
+    const size_t a = (size_t)((const char *)dev - c.out_dev), b = a + n;
+    const size_t lo = a > c.off ? a : c.off, hi = b < c.off + c.len ? b : c.off + c.len;
+    if (lo >= hi) return;
+    const uint8_t *src = (const uint8_t *)(c.host + (lo - c.off));
+    const size_t at = lo - a, m = hi - lo;
+    if (kind == 0) {
+        uint8_t *dst = (uint8_t *)dst_v + 2 * at;
+        for (size_t k = 0; k < m; k++) {
+            dst[2 * k] = src[k] & 15;
+            dst[2 * k + 1] = src[k] >> 4;
+        }
+    } else if (kind == 1) {
+        mq_gparams *dst = (mq_gparams *)dst_v + at;
+        for (size_t k = 0; k < m; k++) {
+            mq_gparams p;
+            memset(&p, 0, sizeof p);
+            p.scale = mq_e4m3_decode(src[k]);
+            p.zero = 0.0f;
+            p.scale_code = src[k];
+            dst[k] = p;
+        }
+    } else {
+        memcpy((char *)dst_v + at, src, m);
+    }
+}
+
+void unpack_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    const unpack_ctx &c = *(const unpack_ctx *)vctx;
+    const unpack_task_t &u = c.tasks[(size_t)t];
+    const hset &h = (*c.sets)[(size_t)u.set];
+    const mq_gptq_job &j = c.jobs[h.jobs[(size_t)u.jk]];
+    const int64_t r0 = h.row0[(size_t)u.jk] + u.r0, n = u.r1 - u.r0, K = h.d.K, ng = h.ng;
+    mq_qtensor *q = j.out;
+    copy_piece(c, h.pc + r0 * (K / 2), (size_t)(n * K / 2), q->codes + u.r0 * K, 0);
+    if (h.pb) copy_piece(c, h.pb + r0 * ng, (size_t)(n * ng), q->params + u.r0 * ng, 1);
+    else copy_piece(c, h.pp + r0 * ng, (size_t)(n * ng) * sizeof(mq_gparams), q->params + u.r0 * ng, 2);
+}
+
+/* The loop of a wave: RTN loss, load, groups, the column blocks with their trailing GEMMs. */
+moeq_status run_loop(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::vector<factor> &fs,
+                     std::vector<hset> &sets, dset *dsets, float *const *dD, float *const *dDR) {
+    moeq_status st = MOEQ_OK;
+    const bool loop = s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP;
+    cudaStream_t s0 = g->stream[0];
+    const loop_cfg c = {*s, s->mse ? o->mse_weight : MQ_GPTQ_MSE_PLAIN, o->groups != MQ_GPTQ_GROUPS_STATIC};
+    const size_t ns = sets.size();
+    int64_t maxK = 0, maxld = 0, maxng = 0, maxG = 0;
+    for (auto &h : sets) {
+        maxK = h.d.K > maxK ? h.d.K : maxK;
+        maxld = h.ld > maxld ? h.ld : maxld;
+        maxng = h.ng > maxng ? h.ng : maxng;
+        maxG = h.G > maxG ? h.G : maxG;
+    }
+    dim3 blk2(32, 8);
+    /* RTN loss first: D into wt, D R into w0t, before both are loaded */
+    if (o->rtn_loss) {
+        k_rtn_residual<<<dim3((unsigned)((maxld + 63) / 64), (unsigned)ns), 64, 0, s0>>>(dsets, c, dD);
+        if ((st = CU_LAUNCHED("k_rtn_residual")) || (st = CUBLAS(cublasSetStream(g->blas[0], s0)))) return st;
+        const float one = 1.0f, zero = 0.0f;
+        for (size_t k = 0; k < ns && !st; k++) {
+            const dset &d = sets[k].d;
+            st = CUBLAS(cublasSgemm(g->blas[0], CUBLAS_OP_N, CUBLAS_OP_T, (int)d.ld, (int)d.K, (int)d.K, &one, d.wt,
+                                    (int)d.ld, fs[sets[k].f].dH, (int)d.K, &zero, d.w0t, (int)d.ld));
+        }
+        if (st) return st;
+        k_row_sumsq<<<dim3((unsigned)((maxld + 63) / 64), (unsigned)ns), 64, 0, s0>>>(dsets, dDR);
+        if ((st = CU_LAUNCHED("k_row_sumsq"))) return st;
+    }
+    k_load<<<grid2(maxK, maxld, blk2, (int64_t)ns), blk2, 0, s0>>>(dsets);
+    if ((st = CU_LAUNCHED("k_load"))) return st;
+    if (loop) {
+        k_ucol<<<dim3((unsigned)((maxG * maxG + 255) / 256), (unsigned)maxng, (unsigned)ns), 256, 0, s0>>>(dsets);
+        if ((st = CU_LAUNCHED("k_ucol"))) return st;
+    }
+    if (!c.dynamic) {
+        k_static_groups<<<dim3((unsigned)((maxld + 63) / 64), (unsigned)ns), 64, 0, s0>>>(dsets, c);
+        if ((st = CU_LAUNCHED("k_static_groups"))) return st;
+    }
+    /* The loop: blocks of B columns; one trailing GEMM per set. A warp per row (k_warp) for
+     * groups up to MAX_SMEM_GROUP; beyond, or with MOEQ_GPU_LOOP=thread, a thread per row
+     * (k_block): the same values. */
+    const int64_t B = GPU_BLOCK < maxK ? GPU_BLOCK : maxK;
+    const char *lm = getenv("MOEQ_GPU_LOOP");
+    const bool warp = maxG <= MAX_SMEM_GROUP && !(lm && !strcmp(lm, "thread"));
+    const bool smem_group = loop && c.dynamic && maxG <= MAX_SMEM_GROUP;
+    /* k_warp: ub, tile, wv, eb, gvb (and uc when the in-loop search's group fits beside them) */
+    const size_t wsmem0 = (size_t)(GPU_BLOCK * GPU_BLOCK + GPU_BLOCK * (WARP_ROWS + 1) + 2 * WARP_ROWS * 32 +
+                                   WARP_ROWS * maxG) * sizeof(float);
+    const bool smem_uc = loop && c.dynamic && wsmem0 + (size_t)(maxG * maxG) * sizeof(float) <= 160 * 1024;
+    const size_t smem = warp ? wsmem0 + (smem_uc ? (size_t)(maxG * maxG) * sizeof(float) : 0)
+                             : (size_t)(B * ROWS_PER_CTA + B * B + (smem_group ? maxG * maxG + maxG * ROWS_PER_CTA : 0)) *
+                                   sizeof(float);
+    if (smem > 48 * 1024 &&
+        (st = warp ? CU(cudaFuncSetAttribute(k_warp, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem))
+                   : CU(cudaFuncSetAttribute(k_block, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem))))
+        return st;
+    if ((st = CUBLAS(cublasSetStream(g->blas[0], s0)))) return st;
+    for (int64_t b0 = 0; b0 < maxK && !st; b0 += B) {
+        if (moeq_interrupted()) return mq_err(MOEQ_E_INTERRUPTED, "GPTQ interrupted");
+        if (warp) {
+            k_warp<<<dim3((unsigned)((maxld + WARP_ROWS - 1) / WARP_ROWS), (unsigned)ns), WARP_ROWS * 32, smem, s0>>>(
+                dsets, c, b0, smem_uc);
+            if ((st = CU_LAUNCHED("k_warp"))) return st;
+        } else {
+            k_block<<<dim3((unsigned)((maxld + ROWS_PER_CTA - 1) / ROWS_PER_CTA), (unsigned)ns), ROWS_PER_CTA, smem,
+                      s0>>>(dsets, c, b0, B, smem_group);
+            if ((st = CU_LAUNCHED("k_block"))) return st;
+        }
+        /* trailing update, one GEMM per set: W[:, b1:] -= E U[b0:b1, b1:]. Not batched: a set's
+         * result must not depend on which other sets share the call (cuBLAS may pick another
+         * kernel for another batch count), so that chunking experts changes nothing */
+        const float minus = -1.0f, one = 1.0f;
+        for (size_t k = 0; k < ns && !st; k++) {
+            const dset &d = sets[k].d;
+            const int64_t b1 = b0 + B < d.K ? b0 + B : d.K;
+            if (b1 >= d.K) continue;
+            st = CUBLAS(cublasSgemm(g->blas[0], CUBLAS_OP_N, CUBLAS_OP_T, (int)d.ld, (int)(d.K - b1), (int)(b1 - b0),
+                                    &minus, d.et, (int)d.ld, d.U + b0 * d.K + b1, (int)d.K, &one, d.wt + b1 * d.ld,
+                                    (int)d.ld));
+        }
+    }
+    return st;
+}
+
+/* One wave: the Hessians fs with their sets, every buffer in one allocation. */
+moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::vector<factor> &fs,
+                     std::vector<hset> &sets, mq_gptq_job *jobs, const mq_gpu_wsrc *dW) {
     moeq_status st = MOEQ_OK;
     const bool gidx = o->act_order && o->groups == MQ_GPTQ_GROUPS_GIDX;
     const bool loop = s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP;
+    const bool nvfp4 = s->scheme == MQ_QS_NVFP4;
+    const size_t nf = fs.size(), ns = sets.size();
     cudaStream_t s0 = g->stream[0];
     profiler prof;
-    for (auto &h : sets) {
-        factor &f = fs[h.f];
-        const int64_t K = f.K, ld = h.ld, G = h.G, ng = h.ng;
-        const size_t kl = (size_t)K * (size_t)ld;
-        const int64_t B = GPU_BLOCK < K ? GPU_BLOCK : K;
-        dset &d = h.d;
-        memset(&d, 0, sizeof d);
-        d.K = K;
-        d.ld = ld;
-        d.G = G;
-        d.ng = ng;
-        d.U = f.dU;
-        d.inv = f.dinv;
-        d.dead = f.ddead;
-        d.hdiag = f.dhdiag;
-        std::vector<int32_t> gpos, gord, gfirst, pgroup;
-        group_meta(f, K, G, gidx, gpos, gord, gfirst, pgroup);
-        std::vector<float> gs((size_t)ld);
-        for (size_t k = 0; k < h.jobs.size(); k++)
-            for (int64_t r = 0; r < jobs[h.jobs[k]].rows; r++) gs[h.row0[k] + r] = jobs[h.jobs[k]].out->global_scale;
-        int32_t *p_gpos, *p_gord, *p_gfirst, *p_pgroup;
-        float *p_gs, *wrow;
-        if ((st = upload(h, &p_gpos, gpos, "GPTQ groups", s0)) || (st = upload(h, &p_gord, gord, "GPTQ groups", s0)) ||
-            (st = upload(h, &p_gfirst, gfirst, "GPTQ groups", s0)) ||
-            (st = upload(h, &p_pgroup, pgroup, "GPTQ groups", s0)) || (st = upload(h, &p_gs, gs, "GPTQ scales", s0)))
-            return st;
-        d.gpos = p_gpos;
-        d.gord = p_gord;
-        d.gfirst = p_gfirst;
-        d.pgroup = p_pgroup;
-        d.gs = p_gs;
-        if ((st = set_alloc(h, &wrow, kl, "GPTQ weights")) || (st = set_alloc(h, &d.wt, kl, "GPTQ working weights")) ||
-            (st = set_alloc(h, &d.w0t, kl, "GPTQ original weights")) || (st = set_alloc(h, &d.ct, kl, "GPTQ codes")) ||
-            (st = set_alloc(h, &d.et, (size_t)B * ld, "GPTQ errors")) ||
-            (st = set_alloc(h, &d.step, (size_t)ng * ld, "GPTQ steps")) ||
-            (st = set_alloc(h, &d.zero, (size_t)ng * ld, "GPTQ zeros")) ||
-            (st = set_alloc(h, &d.gp, (size_t)ng * ld, "GPTQ params")) ||
-            (st = set_alloc(h, &d.gv, (size_t)G * ld, "GPTQ group values")) ||
-            (loop && (st = set_alloc(h, &d.ge, (size_t)G * ld, "GPTQ group errors"))) ||
-            (loop && (st = set_alloc(h, &d.ucol, (size_t)ng * G * G, "GPTQ group factors"))) ||
-            (st = set_alloc(h, &d.e2, (size_t)ld * 4, "GPTQ losses")))
-            return st;
-        d.wrow = wrow;
-        d.dsq = d.e2 + ld;
-        d.rtn_e2 = d.e2 + 2 * ld;
-        d.rtn_dsq = d.e2 + 3 * ld;
-        if ((st = CU(cudaMemsetAsync(d.e2, 0, (size_t)ld * 4 * sizeof(double), s0)))) return st;
-        for (size_t k = 0; k < h.jobs.size(); k++) {
-            const mq_gptq_job &j = jobs[h.jobs[k]];
-            if ((st = CU(cudaMemcpyAsync(wrow + h.row0[k] * K, j.w, (size_t)(j.rows * K) * sizeof(float),
-                                         cudaMemcpyHostToDevice, s0))))
-                return st;
+    /* jobs whose NVFP4 global scale comes from their weights' amax, found on the device */
+    std::vector<int64_t> need_gs;
+    for (auto &h : sets)
+        for (int64_t j : h.jobs)
+            if (nvfp4 && !(jobs[j].global_scale > 0 && isfinite(jobs[j].global_scale))) need_gs.push_back(j);
+    /* place everything: sizes first, then one allocation */
+    regions r;
+    dset *dsets = NULL;
+    float **dD = NULL, **dDR = NULL;
+    uint8_t **dpc = NULL, **dpb = NULL;
+    mq_gparams **dpp = NULL;
+    int *dinfo = NULL;
+    unsigned *damax = NULL;
+    char *base = NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) {
+            const size_t meta = r.meta.used, small = r.small.used, big = r.big.used;
+            if ((st = CU(cudaMallocAsync((void **)&base, r.total() + 256, s0)))) {
+                (void)cudaGetLastError();
+                return mq_err(MOEQ_E_NOMEM, "%s: GPTQ needs %.2f GB of GPU memory", fs[0].name,
+                              (double)r.total() / 1e9);
+            }
+            r = regions();
+            r.meta.base = base;
+            r.small.base = base + meta;
+            r.big.base = base + meta + small;
+            r.out.base = base + meta + small + big;
+        }
+        dsets = r.meta.take<dset>(ns);
+        dD = r.meta.take<float *>(ns);
+        dDR = r.meta.take<float *>(ns);
+        dpc = r.meta.take<uint8_t *>(ns);
+        dpb = r.meta.take<uint8_t *>(ns);
+        dpp = r.meta.take<mq_gparams *>(ns);
+        dinfo = r.small.take<int>(2 * nf);
+        damax = r.small.take<unsigned>(need_gs.size() + 1);
+        for (size_t k = 0; k < nf; k++) {
+            lay_factor(r, fs[k]);
+            fs[k].dinfo = dinfo + k;
+            fs[k].dsing = dinfo + nf + k;
+        }
+        for (auto &h : sets) {
+            lay_set(r, h, fs[h.f].K, loop, nvfp4);
+            h.d.K = fs[h.f].K;
         }
     }
-    prof.mark("upload");
-    dset *dsets = NULL;
-    if ((st = cu_alloc(&dsets, sets.size(), "GPTQ sets"))) return st;
-    std::vector<dset> hd(sets.size());
-    for (size_t k = 0; k < sets.size(); k++) hd[k] = sets[k].d;
-    if ((st = CU(cudaMemcpyAsync(dsets, hd.data(), hd.size() * sizeof(dset), cudaMemcpyHostToDevice, s0)))) goto out;
-    /* weights must be finite (mq_check_finite) */
-    {
-        unsigned long long *first = NULL;
-        if ((st = cu_alloc(&first, sets.size(), "finite check"))) goto out;
-        std::vector<unsigned long long> res(sets.size(), ~0ull);
-        st = CU(cudaMemcpyAsync(first, res.data(), res.size() * 8, cudaMemcpyHostToDevice, s0));
-        for (size_t k = 0; k < sets.size() && !st; k++) {
-            k_first_nonfinite<<<1024, 256, 0, s0>>>(sets[k].d.wrow, sets[k].d.K * sets[k].d.ld, first + k);
+    char *const small_base = r.small.base;
+    const size_t small_len = r.small.used;
+    /* sources: H (uploaded, or formed from the device sums) and the weights */
+    if (!st) st = CU(cudaMemsetAsync(small_base, 0xFF, small_len, s0));
+    if (!st) st = CU(cudaMemsetAsync(dinfo, 0, 2 * nf * sizeof(int), s0));
+    if (!st) st = CU(cudaMemsetAsync(damax, 0, (need_gs.size() + 1) * sizeof(unsigned), s0));
+    if (!st) st = CU(cudaMemsetAsync(r.out.base, 0, r.out.used, s0));
+    for (size_t k = 0; k < nf && !st; k++) {
+        factor &f = fs[k];
+        const size_t kk = (size_t)(f.K * f.K);
+        if (f.H_host) {
+            st = CU(cudaMemcpyAsync(f.dH, f.H_host, kk * sizeof(float), cudaMemcpyHostToDevice, s0));
+        } else {
+            dim3 blk(32, 8);
+            k_form<<<grid2(f.K, f.K, blk), blk, 0, s0>>>(f.dH, f.sum, f.K, f.scale);
+            st = CU_LAUNCHED("k_form");
+        }
+        if (!st) {
+            k_diag<<<(unsigned)((f.K + 255) / 256), 256, 0, s0>>>(f.dH, f.K, f.draw);
+            k_first_nonfinite<<<1024, 256, 0, s0>>>(f.dH, (int64_t)kk, f.dbad);
             st = CU_LAUNCHED("k_first_nonfinite");
         }
-        if (!st) st = CU(cudaMemcpyAsync(res.data(), first, res.size() * 8, cudaMemcpyDeviceToHost, s0));
-        if (!st) st = CU(cudaStreamSynchronize(s0));
-        mq_cu_free(first);
-        for (size_t k = 0; k < sets.size() && !st; k++) {
-            if (res[k] == ~0ull) continue;
-            const int64_t K = sets[k].d.K, r = (int64_t)res[k] / K, c = (int64_t)res[k] % K;
-            size_t jk = 0;
-            while (jk + 1 < sets[k].jobs.size() && sets[k].row0[jk + 1] <= r) jk++;
-            const mq_gptq_job &j = jobs[sets[k].jobs[jk]];
-            st = mq_err(MOEQ_E_NUMERIC, "%s: non-finite weight %g at (%lld, %lld)", j.name ? j.name : "(unnamed)",
-                        (double)j.w[(r - sets[k].row0[jk]) * K + c], (long long)(r - sets[k].row0[jk]), (long long)c);
-        }
-        if (st) goto out;
     }
-    {
-        const loop_cfg c = {*s, s->mse ? o->mse_weight : MQ_GPTQ_MSE_PLAIN, o->groups != MQ_GPTQ_GROUPS_STATIC};
-        const size_t ns = sets.size();
-        int64_t maxK = 0, maxld = 0;
-        for (auto &h : sets) {
-            maxK = h.d.K > maxK ? h.d.K : maxK;
-            maxld = h.ld > maxld ? h.ld : maxld;
+    for (auto &h : sets) {
+        const int64_t K = h.d.K;
+        for (size_t k = 0; k < h.jobs.size() && !st; k++) {
+            const int64_t ji = h.jobs[k];
+            const mq_gptq_job &j = jobs[ji];
+            const size_t n = (size_t)(j.rows * K);
+            float *dst = (float *)h.d.wrow + h.row0[k] * K;
+            if (dW && dW[ji].mlp)
+                st = CU(cudaMemcpyAsync(dst, mq_gpu_mlp_weight(dW[ji].mlp, dW[ji].expert, dW[ji].k), n * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, s0));
+            else
+                st = CU(cudaMemcpyAsync(dst, j.w, n * sizeof(float), cudaMemcpyHostToDevice, s0));
         }
-        dim3 blk2(32, 8);
-        /* RTN loss first: D into wt, D R into w0t, before both are loaded */
-        if (o->rtn_loss) {
-            std::vector<float *> D(ns), DR(ns);
-            for (size_t k = 0; k < ns; k++) {
-                D[k] = sets[k].d.wt;
-                DR[k] = sets[k].d.w0t;
-            }
-            float **dD = NULL, **dDR = NULL;
-            if ((st = cu_alloc(&dD, ns, "GPTQ pointers")) || (st = cu_alloc(&dDR, ns, "GPTQ pointers"))) {
-                mq_cu_free(dD);
-                goto out;
-            }
-            st = CU(cudaMemcpyAsync(dD, D.data(), ns * sizeof(float *), cudaMemcpyHostToDevice, s0));
-            if (!st) st = CU(cudaMemcpyAsync(dDR, DR.data(), ns * sizeof(float *), cudaMemcpyHostToDevice, s0));
-            if (!st) {
-                k_rtn_residual<<<dim3((unsigned)((maxld + 63) / 64), (unsigned)ns), 64, 0, s0>>>(dsets, c, dD);
-                st = CU_LAUNCHED("k_rtn_residual");
-            }
-            const float one = 1.0f, zero = 0.0f;
-            if (!st) st = CUBLAS(cublasSetStream(g->blas[0], s0));
-            for (size_t k = 0; k < ns && !st; k++) {
-                const dset &d = sets[k].d;
-                st = CUBLAS(cublasSgemm(g->blas[0], CUBLAS_OP_N, CUBLAS_OP_T, (int)d.ld, (int)d.K, (int)d.K, &one,
-                                        D[k], (int)d.ld, fs[sets[k].f].dR, (int)d.K, &zero, DR[k], (int)d.ld));
-            }
-            if (!st) {
-                k_row_sumsq<<<dim3((unsigned)((maxld + 63) / 64), (unsigned)ns), 64, 0, s0>>>(dsets, dDR);
-                st = CU_LAUNCHED("k_row_sumsq");
-            }
-            if (!st) st = CU(cudaStreamSynchronize(s0));
-            mq_cu_free(dD);
-            mq_cu_free(dDR);
-            if (st) goto out;
-        }
-        prof.mark("checks+rtn");
-        k_load<<<grid2(maxK, maxld, blk2, (int64_t)ns), blk2, 0, s0>>>(dsets);
-        if ((st = CU_LAUNCHED("k_load"))) goto out;
-        if (loop) {
-            int64_t maxng = 0, maxG = 0;
-            for (auto &h : sets) {
-                maxng = h.ng > maxng ? h.ng : maxng;
-                maxG = h.G > maxG ? h.G : maxG;
-            }
-            k_ucol<<<dim3((unsigned)((maxG * maxG + 255) / 256), (unsigned)maxng, (unsigned)ns), 256, 0, s0>>>(dsets);
-            if ((st = CU_LAUNCHED("k_ucol"))) goto out;
-        }
-        if (!c.dynamic) {
-            k_static_groups<<<dim3((unsigned)((maxld + 63) / 64), (unsigned)ns), 64, 0, s0>>>(dsets, c);
-            if ((st = CU_LAUNCHED("k_static_groups"))) goto out;
-        }
-        /* The loop: blocks of B columns; sets of equal shape share each GEMM call. */
-        const int64_t B = GPU_BLOCK < maxK ? GPU_BLOCK : maxK;
-        int64_t maxG = 0;
-        for (auto &h : sets) maxG = h.G > maxG ? h.G : maxG;
-        const bool smem_group = loop && c.dynamic && maxG <= MAX_SMEM_GROUP;
-        const size_t smem = (size_t)(B * ROWS_PER_CTA + B * B +
-                                     (smem_group ? maxG * maxG + maxG * ROWS_PER_CTA : 0)) * sizeof(float);
-        if (smem > 48 * 1024 &&
-            (st = CU(cudaFuncSetAttribute(k_block, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem))))
-            goto out;
-        if ((st = CUBLAS(cublasSetStream(g->blas[0], s0)))) goto out;
-        for (int64_t b0 = 0; b0 < maxK && !st; b0 += B) {
-            if (moeq_interrupted()) {
-                st = mq_err(MOEQ_E_INTERRUPTED, "GPTQ interrupted");
-                break;
-            }
-            k_block<<<dim3((unsigned)((maxld + ROWS_PER_CTA - 1) / ROWS_PER_CTA), (unsigned)ns), ROWS_PER_CTA, smem,
-                      s0>>>(dsets, c, b0, B, smem_group);
-            if ((st = CU_LAUNCHED("k_block"))) break;
-            /* trailing update, one GEMM per set: W[:, b1:] -= E U[b0:b1, b1:]. Not batched: a
-             * set's result must not depend on which other sets share the call (cuBLAS may pick
-             * another kernel for another batch count), so that chunking experts changes nothing */
-            const float minus = -1.0f, one = 1.0f;
-            for (size_t k = 0; k < ns && !st; k++) {
-                const dset &d = sets[k].d;
-                const int64_t b1 = b0 + B < d.K ? b0 + B : d.K;
-                if (b1 >= d.K) continue;
-                st = CUBLAS(cublasSgemm(g->blas[0], CUBLAS_OP_N, CUBLAS_OP_T, (int)d.ld, (int)(d.K - b1),
-                                        (int)(b1 - b0), &minus, d.et, (int)d.ld, d.U + b0 * d.K + b1, (int)d.K,
-                                        &one, d.wt + b1 * d.ld, (int)d.ld));
-            }
-        }
-        if (!st) st = CU(cudaStreamSynchronize(s0));
-        if (st) goto out;
-        prof.mark("loop");
-        /* results */
-        bool want_deq = false;
-        for (auto &h : sets)
-            for (int64_t j : h.jobs) want_deq |= jobs[j].deq != NULL;
-        k_unload<<<grid2(maxK, maxld, blk2, (int64_t)ns), blk2, 0, s0>>>(dsets, want_deq);
-        if ((st = CU_LAUNCHED("k_unload"))) goto out;
-        std::vector<mq_gparams *> pp(ns);
-        for (size_t k = 0; k < ns; k++) pp[k] = (mq_gparams *)sets[k].d.w0t;   /* free after the loop */
-        mq_gparams **dpp = NULL;
-        if ((st = cu_alloc(&dpp, ns, "GPTQ pointers"))) goto out;
-        st = CU(cudaMemcpyAsync(dpp, pp.data(), ns * sizeof(void *), cudaMemcpyHostToDevice, s0));
         if (!st) {
-            k_unload_params<<<dim3((unsigned)((maxld + 63) / 64), (unsigned)ns), 64, 0, s0>>>(dsets, dpp);
-            st = CU_LAUNCHED("k_unload_params");
+            k_first_nonfinite<<<1024, 256, 0, s0>>>(h.d.wrow, K * h.ld, h.dbad);
+            st = CU_LAUNCHED("k_first_nonfinite");
         }
-        if (!st) st = CU(cudaStreamSynchronize(s0));
-        mq_cu_free(dpp);
-        if (st) goto out;
-        for (auto &h : sets) {
+    }
+    for (size_t a = 0; a < need_gs.size() && !st; a++) {
+        /* the job's rows within its set */
+        for (auto &h : sets)
+            for (size_t k = 0; k < h.jobs.size(); k++)
+                if (h.jobs[k] == need_gs[a]) {
+                    k_absmax_bits<<<256, 256, 0, s0>>>(h.d.wrow + h.row0[k] * h.d.K, jobs[need_gs[a]].rows * h.d.K,
+                                                      damax + a);
+                    st = CU_LAUNCHED("k_absmax_bits");
+                }
+    }
+    std::vector<char> small((size_t)small_len);
+    if (!st) st = CU(cudaMemcpyAsync(small.data(), small_base, small_len, cudaMemcpyDeviceToHost, s0));
+    if (!st) st = CU(cudaStreamSynchronize(s0));
+    prof.mark("sources");
+    auto host_small = [&](const void *d) { return small.data() + ((const char *)d - small_base); };
+    /* finiteness (gptq.c check_hessian, mq_check_finite), messages naming the tensor */
+    for (size_t k = 0; k < nf && !st; k++) {
+        const factor &f = fs[k];
+        const unsigned long long at = *(const unsigned long long *)host_small(f.dbad);
+        if (at == ~0ull) continue;
+        float v = NAN;
+        cudaMemcpy(&v, f.dH + at, sizeof v, cudaMemcpyDeviceToHost);
+        st = mq_err(MOEQ_E_NUMERIC, "%s: non-finite Hessian entry %g at (%lld, %lld)", f.name, (double)v,
+                    (long long)(at / f.K), (long long)(at % f.K));
+    }
+    for (size_t k = 0; k < ns && !st; k++) {
+        const hset &h = sets[k];
+        const unsigned long long at = *(const unsigned long long *)host_small(h.dbad);
+        if (at == ~0ull) continue;
+        const int64_t K = h.d.K, row = (int64_t)at / K, col = (int64_t)at % K;
+        size_t jk = 0;
+        while (jk + 1 < h.jobs.size() && h.row0[jk + 1] <= row) jk++;
+        const mq_gptq_job &j = jobs[h.jobs[jk]];
+        float v = NAN;
+        cudaMemcpy(&v, h.d.wrow + at, sizeof v, cudaMemcpyDeviceToHost);
+        st = mq_err(MOEQ_E_NUMERIC, "%s: non-finite weight %g at (%lld, %lld)", j.name ? j.name : "(unnamed)",
+                    (double)v, (long long)(row - h.row0[jk]), (long long)col);
+    }
+    for (size_t a = 0; a < need_gs.size() && !st; a++) {
+        unsigned bits = *(const unsigned *)host_small(damax + a);
+        float amax;
+        memcpy(&amax, &bits, sizeof amax);
+        jobs[need_gs[a]].out->global_scale = mq_nvfp4_global_scale(s, amax);
+    }
+    /* the host's part of the factors and the sets' metadata, up in one copy */
+    meta_blob mb;
+    if (!st) {
+        mb.dev = r.meta.base;
+        mb.host.assign(r.meta.used, 0);
+        for (auto &f : fs) {
+            factor_host(o, f, (const float *)host_small(f.draw));
+            memcpy(mb.at(f.ddiag), f.diag.data(), (size_t)f.K * sizeof(float));
+            memcpy(mb.at(f.ddead), f.dead.data(), (size_t)f.K);
+            float *hd = mb.at(f.dhdiag);
+            for (int64_t p = 0; p < f.K; p++) hd[p] = f.diag[(size_t)(o->act_order ? f.perm[p] : p)];
+            if (f.act_order) {
+                memcpy(mb.at(f.dperm), f.perm.data(), (size_t)f.K * 4);
+                memcpy(mb.at(f.dinv), f.inv.data(), (size_t)f.K * 4);
+            }
+        }
+        for (size_t k = 0; k < ns; k++) {
+            hset &h = sets[k];
+            const factor &f = fs[h.f];
+            dset &d = h.d;
+            d.ld = h.ld;
+            d.G = h.G;
+            d.ng = h.ng;
+            d.U = f.dU;
+            d.inv = f.dinv;
+            d.dead = f.ddead;
+            d.hdiag = f.dhdiag;
+            group_meta(f, d.K, h.G, gidx, mb.at((int32_t *)d.gpos), mb.at((int32_t *)d.gord),
+                       mb.at((int32_t *)d.gfirst), mb.at((int32_t *)d.pgroup));
+            float *gs = mb.at((float *)d.gs);
+            for (size_t jk = 0; jk < h.jobs.size(); jk++)
+                for (int64_t rr = 0; rr < jobs[h.jobs[jk]].rows; rr++) gs[h.row0[jk] + rr] = jobs[h.jobs[jk]].out->global_scale;
+            mb.at(dsets)[k] = d;
+            mb.at(dD)[k] = d.wt;
+            mb.at(dDR)[k] = d.w0t;
+            mb.at(dpc)[k] = h.pc;
+            mb.at(dpb)[k] = h.pb;
+            mb.at(dpp)[k] = h.pp;
+        }
+        st = CU(cudaMemcpyAsync(r.meta.base, mb.host.data(), mb.host.size(), cudaMemcpyHostToDevice, s0));
+    }
+    /* the other streams start after everything so far on stream 0 */
+    if (!st) st = CU(cudaStreamSynchronize(s0));
+    prof.mark("host prep");
+    if (!st) st = factor_all(g, o, fs, dinfo);
+    prof.mark("factor");
+    if (!st && gidx)
+        for (auto &h : sets)
+            for (int64_t j : h.jobs) {
+                mq_qtensor *q = jobs[j].out;
+                q->g_idx = (int32_t *)mq_alloc_array((size_t)q->cols, sizeof(int32_t), "GPTQ g_idx");
+                if (!q->g_idx) {
+                    st = MOEQ_E_NOMEM;
+                    break;
+                }
+                const factor &f = fs[h.f];
+                for (int64_t p = 0; p < q->cols; p++) q->g_idx[f.perm.empty() ? p : f.perm[p]] = (int32_t)(p / q->group_size);
+            }
+    if (!st) st = run_loop(g, s, o, fs, sets, dsets, dD, dDR);
+    prof.mark("loop");
+    /* results: packed, dequantized where asked (to the host or in place of the device weights) */
+    bool want_deq = false;
+    for (auto &h : sets)
+        for (int64_t j : h.jobs) want_deq |= jobs[j].deq != NULL || (dW && dW[j].mlp && dW[j].write_back);
+    int64_t maxK = 0, maxld = 0;
+    for (auto &h : sets) {
+        maxK = h.d.K > maxK ? h.d.K : maxK;
+        maxld = h.ld > maxld ? h.ld : maxld;
+    }
+    if (!st) {
+        dim3 blk2(32, 8);
+        k_pack_codes<<<grid2(maxK / 2, maxld, blk2, (int64_t)ns), blk2, 0, s0>>>(dsets, dpc, want_deq);
+        st = CU_LAUNCHED("k_pack_codes");
+    }
+    if (!st) {
+        k_pack_params<<<dim3((unsigned)((maxld + 63) / 64), (unsigned)ns), 64, 0, s0>>>(dsets, dpb, dpp);
+        st = CU_LAUNCHED("k_pack_params");
+    }
+    for (auto &h : sets)
+        for (size_t k = 0; k < h.jobs.size() && !st; k++) {
+            const int64_t ji = h.jobs[k];
+            const mq_gptq_job &j = jobs[ji];
+            const float *deq = h.d.wt + h.row0[k] * h.d.K;
+            const size_t n = (size_t)(j.rows * h.d.K) * sizeof(float);
+            if (dW && dW[ji].mlp && dW[ji].write_back)
+                st = CU(cudaMemcpyAsync(mq_gpu_mlp_weight(dW[ji].mlp, dW[ji].expert, dW[ji].k), deq, n,
+                                        cudaMemcpyDeviceToDevice, s0));
+            if (!st && j.deq) st = CU(cudaMemcpyAsync(j.deq, deq, n, cudaMemcpyDeviceToHost, s0));
+        }
+    /* the out region comes back in pieces, unpacked on the pool while the next one travels */
+    std::vector<std::vector<double>> sums(ns);
+    if (!st) {
+        unpack_ctx c;
+        c.sets = &sets;
+        c.out_dev = r.out.base;
+        c.jobs = jobs;
+        for (size_t k = 0; k < ns; k++)
+            for (size_t jk = 0; jk < sets[k].jobs.size(); jk++)
+                for (int64_t r0 = 0; r0 < jobs[sets[k].jobs[jk]].rows; r0 += UNPACK_ROWS) {
+                    const int64_t r1 = r0 + UNPACK_ROWS < jobs[sets[k].jobs[jk]].rows ? r0 + UNPACK_ROWS
+                                                                                       : jobs[sets[k].jobs[jk]].rows;
+                    c.tasks.push_back({(int64_t)k, (int64_t)jk, r0, r1});
+                }
+        for (size_t k = 0; k < ns; k++) sums[k].assign((size_t)(4 * sets[k].ld), 0.0);
+        st = download(g, r.out.base, r.out.used, [&](size_t off, size_t len, const char *host) {
+            c.off = off;
+            c.len = len;
+            c.host = host;
+            mq_parallel_for((int64_t)c.tasks.size(), unpack_task, &c);
+            for (size_t k = 0; k < ns; k++) {   /* the loss sums, read below */
+                const size_t a = (size_t)((const char *)sets[k].d.e2 - r.out.base), b = a + sums[k].size() * sizeof(double);
+                const size_t lo = a > off ? a : off, hi = b < off + len ? b : off + len;
+                if (lo < hi) memcpy((char *)sums[k].data() + (lo - a), host + (lo - off), hi - lo);
+            }
+        });
+    }
+    prof.mark("download");
+    if (!st)
+        for (size_t hk = 0; hk < ns; hk++) {
+            const hset &h = sets[hk];
             const dset &d = h.d;
-            std::vector<double> sums((size_t)d.ld * 4);
-            if ((st = CU(cudaMemcpy(sums.data(), d.e2, sums.size() * sizeof(double), cudaMemcpyDeviceToHost)))) goto out;
+            const double *e = sums[hk].data();
             const factor &f = fs[h.f];
             for (size_t k = 0; k < h.jobs.size(); k++) {
                 mq_gptq_job &j = jobs[h.jobs[k]];
-                mq_qtensor *q = j.out;
-                const int64_t r0 = h.row0[k];
-                if ((st = CU(cudaMemcpy(q->codes, (const uint8_t *)d.wrow + r0 * d.K, (size_t)(j.rows * d.K),
-                                        cudaMemcpyDeviceToHost))) ||
-                    (st = CU(cudaMemcpy(q->params, (const mq_gparams *)d.w0t + r0 * d.ng,
-                                        (size_t)(j.rows * d.ng) * sizeof(mq_gparams), cudaMemcpyDeviceToHost))))
-                    goto out;
-                if (j.deq &&
-                    (st = CU(cudaMemcpy(j.deq, d.wt + r0 * d.K, (size_t)(j.rows * d.K) * sizeof(float),
-                                        cudaMemcpyDeviceToHost))))
-                    goto out;
                 double e2 = 0, dsq = 0, re2 = 0, rdsq = 0;
-                for (int64_t r = r0; r < r0 + j.rows; r++) {
-                    e2 += sums[r];
-                    dsq += sums[d.ld + r];
-                    re2 += sums[2 * d.ld + r];
-                    rdsq += sums[3 * d.ld + r];
+                for (int64_t rr = h.row0[k]; rr < h.row0[k] + j.rows; rr++) {
+                    e2 += e[rr];
+                    dsq += e[d.ld + rr];
+                    re2 += e[2 * d.ld + rr];
+                    rdsq += e[3 * d.ld + rr];
                 }
                 j.stats.loss = e2 - f.damp * dsq;
                 j.stats.rtn_loss = o->rtn_loss ? re2 - f.damp * rdsq : NAN;
@@ -888,50 +1348,92 @@ moeq_status run_sets(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
                 j.stats.n_dead = f.n_dead;
             }
         }
-    }
-    prof.mark("download");
-out:
-    mq_cu_free(dsets);
+    cudaDeviceSynchronize();   /* an error may leave work of the factor streams queued */
+    if (base) cudaFreeAsync(base, s0);
     return st;
+}
+
+/* mq_qtensor_init's tensor without zeroing codes and params: the results overwrite every one (and
+ * a layer's worth of zeroing, page by page, took longer than its GPTQ). */
+moeq_status out_init(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols, const char *name) {
+    memset(q, 0, sizeof *q);
+    moeq_status st = mq_qspec_check(s, rows, cols, name);
+    if (st) return st;
+    q->spec = *s;
+    q->rows = rows;
+    q->cols = cols;
+    q->group_size = mq_qspec_group(s, cols);
+    q->n_groups = cols / q->group_size;
+    q->global_scale = 1.0f;
+    q->codes = (uint8_t *)mq_alloc_array((size_t)rows, (size_t)cols, "quantized codes");
+    q->params = (mq_gparams *)mq_alloc_array((size_t)rows * (size_t)q->n_groups, sizeof(mq_gparams),
+                                             "quantization params");
+    if (!q->codes || !q->params) {
+        mq_qtensor_free(q);
+        return mq_err_prefix(MOEQ_E_NOMEM, "tensor '%s'", name);
+    }
+    return MOEQ_OK;
 }
 
 }  // namespace
 
-extern "C" moeq_status mq_gpu_gptq(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o,
-                                   const float *const *H, const int64_t *K, const char *const *hnames,
-                                   int64_t n_h, mq_gptq_job *jobs, const int32_t *job_h, int64_t n_jobs) {
+extern "C" moeq_status mq_gpu_gptq_ex(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, const float *const *H,
+                                      const mq_gpu_hsrc *dH, const int64_t *K, const char *const *hnames, int64_t n_h,
+                                      mq_gptq_job *jobs, const mq_gpu_wsrc *dW, const int32_t *job_h, int64_t n_jobs) {
     moeq_status st = MOEQ_OK;
     for (int64_t i = 0; i < n_jobs; i++) memset(jobs[i].out, 0, sizeof *jobs[i].out);
     if (o->block_size < 1) return mq_err(MOEQ_E_ARG, "GPTQ block size %d (must be >= 1)", (int)o->block_size);
     if (!(o->percdamp >= 0)) return mq_err(MOEQ_E_ARG, "GPTQ percdamp %g (must be >= 0)", o->percdamp);
     const bool gidx = o->act_order && o->groups == MQ_GPTQ_GROUPS_GIDX;
     const bool loop = s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP;
+    const bool nvfp4 = s->scheme == MQ_QS_NVFP4;
     const double t_start = mq_now();
     profiler prof;
     if ((st = CU(cudaSetDevice(g->device)))) return st;
+    auto has_h = [&](int64_t h) { return H[h] || (dH && dH[h].sums); };
     for (int64_t i = 0; i < n_jobs && !st; i++) {
         mq_gptq_job *j = &jobs[i];
         const char *name = j->name ? j->name : "(unnamed)";
-        if (job_h[i] < 0 || job_h[i] >= n_h || !H[job_h[i]]) {
+        if (job_h[i] < 0 || job_h[i] >= n_h || !has_h(job_h[i])) {
             st = mq_err(MOEQ_E_ARG, "%s: no Hessian", name);
             break;
         }
         const int64_t Kj = K[job_h[i]];
-        if ((st = mq_qtensor_init(j->out, s, j->rows, Kj, name))) break;
+        if (dW && dW[i].mlp) {
+            int64_t rows = 0, cols = 0;
+            if (!mq_gpu_mlp_shape(dW[i].mlp, dW[i].expert, dW[i].k, &rows, &cols) || rows != j->rows || cols != Kj) {
+                st = mq_err(MOEQ_E_SHAPE, "%s: the device weights are not [%lld, %lld]", name, (long long)j->rows,
+                            (long long)Kj);
+                break;
+            }
+        }
+        if ((st = out_init(j->out, s, j->rows, Kj, name))) break;
         if (gidx && s->scheme != MQ_QS_INT4) {
             st = mq_err(MOEQ_E_UNSUPPORTED, "%s: act-order with g_idx groups needs INT4 (use static or dynamic "
                         "groups with %s)", name, mq_qscheme_name(s->scheme));
             break;
         }
-        if (s->scheme == MQ_QS_NVFP4)
-            j->out->global_scale = j->global_scale > 0 && isfinite(j->global_scale)
-                                       ? j->global_scale
-                                       : mq_nvfp4_global_scale(s, mq_absmax(j->w, j->rows * Kj));
+        if (nvfp4 && j->global_scale > 0 && isfinite(j->global_scale)) j->out->global_scale = j->global_scale;
     }
+    for (int64_t h = 0; h < n_h && !st; h++)
+        if (!H[h] && dH && dH[h].sums) {
+            int64_t Kd = 0;
+            if (!mq_gpu_hessians_sum(dH[h].sums, dH[h].index, &Kd, NULL) || Kd != K[h])
+                st = mq_err(MOEQ_E_SHAPE, "%s: the device Hessian is not %lld x %lld", hnames[h], (long long)K[h],
+                            (long long)K[h]);
+        }
     prof.mark("host prep");
     /* Waves: Hessians in order with their jobs, as many as fit 85% of the free device memory. */
     size_t free_b = 0, total_b = 0;
     if (!st) st = CU(cudaMemGetInfo(&free_b, &total_b));
+    {   /* what the stream-ordered pool keeps from earlier calls is free for this one too */
+        cudaMemPool_t pool;
+        uint64_t res = 0, used = 0;
+        if (cudaDeviceGetDefaultMemPool(&pool, g->device) == cudaSuccess &&
+            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &res) == cudaSuccess &&
+            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess && res > used)
+            free_b += (size_t)(res - used);
+    }
     const size_t budget = (size_t)(0.85 * (double)free_b);
     std::vector<std::vector<int64_t>> jobs_of((size_t)n_h);
     for (int64_t i = 0; i < n_jobs; i++) jobs_of[(size_t)job_h[i]].push_back(i);
@@ -942,12 +1444,29 @@ extern "C" moeq_status mq_gpu_gptq(mq_gpu *g, const mq_qspec *s, const mq_gptq_o
         size_t used = 0;
         int64_t h1 = h0;
         for (; h1 < n_h; h1++) {
-            if (!H[h1] || jobs_of[h1].empty()) continue;
-            int64_t rows = 0;
-            for (int64_t j : jobs_of[h1]) rows += jobs[j].rows;
-            const int64_t G = jobs[jobs_of[h1][0]].out->group_size;
-            const int64_t B = GPU_BLOCK < K[h1] ? GPU_BLOCK : K[h1];
-            size_t b = set_bytes(K[h1], rows, G, B, o->rtn_loss, loop);
+            if (!has_h(h1) || jobs_of[h1].empty()) continue;
+            factor f;
+            f.K = K[h1];
+            f.stream = (int)(fs.size() % MQ_GPU_STREAMS);
+            f.name = hnames[h1];
+            f.act_order = o->act_order;
+            if (H[h1]) {
+                f.H_host = H[h1];
+            } else {
+                int64_t n = 0;
+                f.sum = mq_gpu_hessians_sum(dH[h1].sums, dH[h1].index, NULL, &n);
+                f.scale = n > 0 ? 2.0f / (float)n : 0.0f;
+            }
+            hset h;
+            h.f = (int)fs.size();
+            h.G = jobs[jobs_of[h1][0]].out->group_size;
+            h.ng = K[h1] / h.G;
+            for (int64_t j : jobs_of[h1]) {
+                h.jobs.push_back(j);
+                h.row0.push_back(h.ld);
+                h.ld += jobs[j].rows;
+            }
+            const size_t b = item_bytes(f, h, loop, nvfp4);
             if (!fs.empty() && used + b > budget) break;
             if (fs.empty() && b > budget) {
                 st = mq_err(MOEQ_E_NOMEM, "%s: GPTQ needs %.2f GB of GPU memory; %.2f GB are free", hnames[h1],
@@ -955,48 +1474,10 @@ extern "C" moeq_status mq_gpu_gptq(mq_gpu *g, const mq_qspec *s, const mq_gptq_o
                 break;
             }
             used += b;
-            factor f;
-            f.K = K[h1];
-            f.stream = (int)(fs.size() % MQ_GPU_STREAMS);
-            f.H_host = H[h1];
-            f.name = hnames[h1];
             fs.push_back(f);
-            hset h;
-            h.f = (int)fs.size() - 1;
-            h.ld = rows;
-            h.G = G;
-            h.ng = K[h1] / G;
-            int64_t r = 0;
-            for (int64_t j : jobs_of[h1]) {
-                h.jobs.push_back(j);
-                h.row0.push_back(r);
-                r += jobs[j].rows;
-            }
             sets.push_back(h);
         }
-        profiler prof;
-        if (!st) st = factor_all(g, o, fs);
-        prof.mark("factor");
-        if (!st && gidx)
-            for (auto &h : sets)
-                for (int64_t j : h.jobs) {
-                    mq_qtensor *q = jobs[j].out;
-                    q->g_idx = (int32_t *)mq_alloc_array((size_t)q->cols, sizeof(int32_t), "GPTQ g_idx");
-                    if (!q->g_idx) {
-                        st = MOEQ_E_NOMEM;
-                        break;
-                    }
-                    const factor &f = fs[h.f];
-                    for (int64_t p = 0; p < q->cols; p++)
-                        q->g_idx[f.perm.empty() ? p : f.perm[p]] = (int32_t)(p / q->group_size);
-                }
-        if (!st) st = run_sets(g, s, o, fs, sets, jobs);
-        cudaDeviceSynchronize();
-        for (auto &h : sets) hset_free(h);
-        for (auto &f : fs) {
-            if (f.dU && f.dA != f.dU) mq_cu_free(f.dU);
-            factor_free(f);
-        }
+        if (!st && !fs.empty()) st = run_wave(g, s, o, fs, sets, jobs, dW);
         if (o->progress_label && !st)
             mq_progress(o->progress_label, o->progress_base + o->progress_span * (h1 < n_h ? h1 : n_h) / (n_h ? n_h : 1),
                         o->progress_total);
@@ -1010,4 +1491,10 @@ extern "C" moeq_status mq_gpu_gptq(mq_gpu *g, const mq_qspec *s, const mq_gptq_o
     if (st)
         for (int64_t i = 0; i < n_jobs; i++) mq_qtensor_free(jobs[i].out);
     return st;
+}
+
+extern "C" moeq_status mq_gpu_gptq(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, const float *const *H,
+                                   const int64_t *K, const char *const *hnames, int64_t n_h, mq_gptq_job *jobs,
+                                   const int32_t *job_h, int64_t n_jobs) {
+    return mq_gpu_gptq_ex(g, s, o, H, NULL, K, hnames, n_h, jobs, NULL, job_h, n_jobs);
 }

@@ -158,3 +158,20 @@ extern "C" moeq_status mq_gpu_hessians_get(mq_gpu_hessians *hs, int64_t i, float
     if (!st && n) *n = hs->n[i];
     return st;
 }
+
+extern "C" moeq_status mq_gpu_hessians_set(mq_gpu_hessians *hs, int64_t i, const float *sum, int64_t n) {
+    if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
+    if (n < 0) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld: %lld rows", (long long)i, (long long)n);
+    const int64_t K = hs->K[i];
+    moeq_status st = CU(cudaSetDevice(hs->g->device));
+    if (!st) st = CU(cudaMemcpy(hs->sum[i], sum, (size_t)(K * K) * sizeof(float), cudaMemcpyHostToDevice));
+    if (!st) hs->n[i] = n;
+    return st;
+}
+
+const float *mq_gpu_hessians_sum(const mq_gpu_hessians *hs, int64_t i, int64_t *K, int64_t *n) {
+    if (!hs || i < 0 || i >= (int64_t)hs->K.size()) return NULL;
+    if (K) *K = hs->K[i];
+    if (n) *n = hs->n[i];
+    return hs->sum[i];
+}

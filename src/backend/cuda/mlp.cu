@@ -236,3 +236,33 @@ extern "C" moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t 
     mq_cu_free(c);
     return st;
 }
+
+float *mq_gpu_mlp_weight(mq_gpu_mlp *m, int64_t e, int k) {
+    if (!m || e < 0 || e >= m->E || k < 0 || k > 2) return NULL;
+    return m->w[(size_t)(3 * e + k)];
+}
+
+bool mq_gpu_mlp_shape(const mq_gpu_mlp *m, int64_t e, int k, int64_t *rows, int64_t *cols) {
+    if (!m || e < 0 || e >= m->E || k < 0 || k > 2 || !m->w[(size_t)(3 * e + k)]) return false;
+    *rows = k == 2 ? m->D : m->F;
+    *cols = k == 2 ? m->F : m->D;
+    return true;
+}
+
+extern "C" moeq_status mq_gpu_mlp_read(mq_gpu_mlp *m, int64_t e, int k, float *out) {
+    const float *w = mq_gpu_mlp_weight(m, e, k);
+    if (!w) return mq_err(MOEQ_E_ARG, "GPU experts: no weights %d of expert %lld", k, (long long)e);
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));
+    if (!st) st = CU(cudaMemcpy(out, w, (size_t)(m->D * m->F) * sizeof(float), cudaMemcpyDeviceToHost));
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const float *w) {
+    float *d = mq_gpu_mlp_weight(m, e, k);
+    if (!d) return mq_err(MOEQ_E_ARG, "GPU experts: no weights %d of expert %lld", k, (long long)e);
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* no pass still reads them */
+    if (!st) st = CU(cudaMemcpy(d, w, (size_t)(m->D * m->F) * sizeof(float), cudaMemcpyHostToDevice));
+    return st;
+}

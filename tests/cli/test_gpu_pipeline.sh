@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# moeq quantize --device cuda through the whole pipeline (skipped where no GPU answers). The
+# chunk's experts stay on the GPU for both calibration passes and GPTQ, the Hessians are read
+# where they were summed and GPTQ leaves the dequantized weights in place of the device's for
+# the quantized pass. What must hold: the checkpoint is the same bytes whatever the expert chunk
+# and thread count, and after a kill and --resume (whose replay dequantizes the finished layers
+# on the host, so the device's dequantized weights must be the host's bits); experts rounded to
+# nearest as a fallback (their dequantized weights go up from the host) likewise; and the
+# GPU checkpoint's KL to the base model is within 5% of the CPU checkpoint's (both with the
+# refinement off: it is CPU only).
+. "$(dirname "$0")/common.sh"
+native_only "GPU runs"
+
+calib=$repo/data/demo-calib.txt
+args=(--scheme nvfp4a16 --method gptq --calib "$calib" --nsamples 16 --seqlen 128 --quiet)
+if ! "$cli" quantize "$model" --out "$tmp/probe" "${args[@]}" --nsamples 1 --seqlen 8 --device cuda 2>"$tmp/err"; then
+    echo "SKIP: no GPU run possible here: $(head -c 300 "$tmp/err")"
+    exit 77
+fi
+rm -rf "$tmp/probe"
+
+"$cli" quantize "$model" --out "$tmp/a" "${args[@]}" --device cuda || fail "the GPU run exited $?"
+"$cli" quantize "$model" --out "$tmp/b" "${args[@]}" --device cuda --expert-chunk 1 --threads 3 ||
+    fail "the GPU run with --expert-chunk 1 --threads 3 exited $?"
+same_checkpoint "$tmp/a" "$tmp/b" "--expert-chunk 1 --threads 3" "the default chunk"
+
+# killed inside the second layer's expert chunks, then resumed
+MOEQ_FAULT=chunk:1:1 "$cli" quantize "$model" --out "$tmp/r" "${args[@]}" --device cuda --expert-chunk 3 2>/dev/null
+[ $? -eq 137 ] || fail "the killed GPU run did not exit 137"
+"$cli" quantize "$model" --out "$tmp/r" "${args[@]}" --device cuda --expert-chunk 3 --resume ||
+    fail "the resumed GPU run exited $?"
+same_checkpoint "$tmp/a" "$tmp/r" "killed and resumed"
+
+# every expert below --min-expert-tokens, rounded to nearest on the host
+fb=(--min-expert-tokens 1000000 --expert-fallback rtn)
+"$cli" quantize "$model" --out "$tmp/f1" "${args[@]}" --device cuda "${fb[@]}" || fail "the fallback run exited $?"
+"$cli" quantize "$model" --out "$tmp/f2" "${args[@]}" --device cuda "${fb[@]}" --expert-chunk 2 ||
+    fail "the fallback run with --expert-chunk 2 exited $?"
+same_checkpoint "$tmp/f1" "$tmp/f2" "RTN fallback experts, --expert-chunk 2" "the default chunk"
+
+# quality against the CPU's checkpoint
+"$cli" quantize "$model" --out "$tmp/cpu" "${args[@]}" --refine 0 || fail "the CPU run exited $?"
+kl() { "$cli" eval "$1" --task text --data "$calib" --kl-base "$model" --json | json_get /dev/stdin kl_mean; }
+kg=$(kl "$tmp/a")
+kc=$(kl "$tmp/cpu")
+echo "KL to the base: GPU $kg, CPU $kc"
+[ -n "$kg" ] && [ -n "$kc" ] || fail "no KL from eval"
+rel_close "$kg" "$kc" 0.05 || fail "GPU KL $kg is not within 5% of the CPU's $kc"
+
+[ $fails -eq 0 ] || exit 1
+echo "ok"
