@@ -853,7 +853,65 @@ static void test_mlp_rows_hessians(void) {
     mq_gpu_close(g);
 }
 
+/* The experts' outputs kept on the device and combined there: each token's pairs (row of the kept
+ * outputs, weight) in order, one fmaf per pair onto the buffer's value, against the same chain on
+ * the CPU from mq_mlp_forward's outputs; a row past the batch is an error. */
+static void test_mlp_combine(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t D = 64, F = 96, n = 50, ntok = 30;
+    mq_linear gate = {.out = F, .in = D, .w = make_weights(F, D, 61), .det = true};
+    mq_linear up = {.out = F, .in = D, .w = make_weights(F, D, 62), .det = true};
+    mq_linear down = {.out = D, .in = F, .w = make_weights(D, F, 63), .det = true};
+    float *x = make_weights(n, D, 64);
+    for (int64_t i = 0; i < n * D; i++) x[i] *= 30;
+    float *hg = malloc((size_t)(n * F) * 4), *hu = malloc((size_t)(n * F) * 4), *y = malloc((size_t)(n * D) * 4);
+    ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate, &up, &down, x, n, hg, hu, y));
+    const float *pg[1] = {gate.w}, *pu[1] = {up.w}, *pd[1] = {down.w};
+    mq_gpu_mlp *m = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, 1, D, F, pg, pu, pd, n, &m));
+    const float *xs[1] = {x};
+    const int64_t rows[1] = {n};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_inputs(m, xs, rows, 1));
+    int32_t src[50];
+    for (int64_t i = 0; i < n; i++) src[i] = (int32_t)i;
+    /* the rows in two runs, kept at their places */
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_rows_kept(m, 0, src, 20, 0, NULL, NULL));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_rows_kept(m, 0, src + 20, n - 20, 20, NULL, NULL));
+    /* token i -> output row 2 i + 1 of the buffer, pairs: rows (i, i + 7, 3 i mod n) as far as i allows */
+    int64_t tok[30];
+    int32_t first[31], row[90];
+    float w[90], *ref = calloc((size_t)(2 * ntok + 2) * (size_t)D, 4);
+    int np = 0;
+    for (int64_t i = 0; i < ntok; i++) {
+        tok[i] = 2 * i + 1;
+        first[i] = np;
+        const int32_t r[3] = {(int32_t)i, (int32_t)(i + 7), (int32_t)(3 * i % n)};
+        for (int k = 0; k < 1 + (int)(i % 3); k++) {
+            row[np] = r[k];
+            w[np] = 0.25f + 0.125f * (float)k + (float)i / 64.0f;
+            for (int64_t d = 0; d < D; d++)
+                ref[tok[i] * D + d] = fmaf(w[np], y[(int64_t)r[k] * D + d], ref[tok[i] * D + d]);
+            np++;
+        }
+    }
+    first[ntok] = np;
+    mq_gpu_buf *out = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, (2 * ntok + 2) * D, &out));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_combine(m, out, tok, first, row, w, ntok));
+    float *got = malloc((size_t)(2 * ntok + 2) * (size_t)D * 4);
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_read(out, 0, (2 * ntok + 2) * D, got));
+    int64_t diff = 0;
+    for (int64_t k = 0; k < (2 * ntok + 2) * D; k++) diff += !same_float(got[k], ref[k]);
+    if (diff) FAIL("combine: %lld values differ from the CPU's axpy chain", (long long)diff);
+    row[0] = (int32_t)n;   /* past the batch */
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_combine(m, out, tok, first, row, w, ntok));
+    mq_gpu_buf_free(out);
+    mq_gpu_mlp_free(m);
+    free(gate.w), free(up.w), free(down.w), free(x), free(hg), free(hu), free(y), free(ref), free(got);
+    mq_gpu_close(g);
+}
+
 TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
           T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_warp_equals_thread), T(test_gptq_batched_deterministic),
           T(test_gptq_retry_and_errors), T(test_gptq_device_inputs), T(test_gemm_det_bitexact), T(test_mlp_bitexact),
-          T(test_mlp_rows_hessians), T(test_attention_parity))
+          T(test_mlp_rows_hessians), T(test_mlp_combine), T(test_attention_parity))

@@ -112,6 +112,24 @@ moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_
 /* _run on the n rows src[i] of those inputs (gathered on the device: only the indices cross). */
 moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, float *hg,
                                 float *hu, float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
+/* _run_rows keeping the outputs on the device: expert e's n rows of y go to rows [y0, y0 + n) of
+ * the expert set's batch outputs (up to max_rows rows; nothing is copied back), for _combine. */
+moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, int64_t y0,
+                                     mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
+
+/* Device memory of n floats (zeroed), read back into host memory: the FFN outputs of a layer's
+ * samples while the routed experts add into them. */
+typedef struct mq_gpu_buf mq_gpu_buf;
+moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out);
+void mq_gpu_buf_free(mq_gpu_buf *b);
+moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
+
+/* out[tok[i]] (rows of D values of `out`) += w * y over token i's pairs [first[i], first[i + 1])
+ * of (row of the kept batch outputs, weight), in their order: each value the fmaf chain of
+ * kernels/vec.h's axpy applied pair after pair, the CPU's combine bit for bit. */
+moeq_status mq_gpu_mlp_combine(mq_gpu_mlp *m, mq_gpu_buf *out, const int64_t *tok, const int32_t *first,
+                               const int32_t *row, const float *w, int64_t n_tok);
+
 /* Expert e's Linear k (0 gate, 1 up, 2 down) back into host memory ([F, D] or [D, F]), or
  * replaced from host memory. */
 moeq_status mq_gpu_mlp_read(mq_gpu_mlp *m, int64_t e, int k, float *out);

@@ -98,6 +98,31 @@ moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const float *w) {
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, int64_t y0,
+                                     mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
+    (void)m, (void)e, (void)src, (void)n, (void)y0, (void)h_in, (void)h_down;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out) {
+    (void)g, (void)n;
+    *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+void mq_gpu_buf_free(mq_gpu_buf *b) { (void)b; }
+
+moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host) {
+    (void)b, (void)off, (void)n, (void)host;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_mlp_combine(mq_gpu_mlp *m, mq_gpu_buf *out, const int64_t *tok, const int32_t *first,
+                               const int32_t *row, const float *w, int64_t n_tok) {
+    (void)m, (void)out, (void)tok, (void)first, (void)row, (void)w, (void)n_tok;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
                             float *C) {
     (void)g, (void)M, (void)N, (void)K, (void)A, (void)B, (void)C;

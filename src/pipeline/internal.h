@@ -103,6 +103,8 @@ typedef struct mq_pipe {
                                      chunk: both calibration passes and GPTQ's inputs, which GPTQ
                                      replaces by the dequantized weights (layer.c), else NULL */
     int gx_e0, gx_e1;
+    mq_gpu_buf *gout;             /* the routed experts' FFN outputs of a layer on that device,
+                                     combined there and read back once (layer.c), else NULL */
     /* ranks (src/dist; pipeline.h "Distributed runs"): this process is `rank` of `ranks`; rank
      * 0 alone has the writer and the work directory (p->w NULL elsewhere) */
     int rank, ranks;

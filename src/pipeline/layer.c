@@ -1165,6 +1165,9 @@ typedef struct {
     int64_t *xrows, *xfirst;      /* [nb] GPU: the rows of each sample's uploaded input, its first */
     hband *htasks;                /* the CPU's Hessian bands (batch_hessian_bands) */
     int64_t n_htasks;
+    int64_t *ctok;                /* [nb * Lmax] GPU combine: each token's output row, */
+    int32_t *cfirst, *crow;       /* [nb * Lmax + 1] its first pair, [rows] the pairs' rows */
+    float *cw;                    /* [rows] and weights, in the CPU combine's order */
 } ex_batch;
 
 static void batch_inputs_task(void *ctx, int64_t i, int thread) {
@@ -1346,6 +1349,10 @@ static void batch_free(ex_batch *b) {
     free(b->xrows);
     free(b->xfirst);
     mq_free(b->htasks);
+    mq_free(b->ctok);
+    mq_free(b->cfirst);
+    mq_free(b->crow);
+    mq_free(b->cw);
 }
 
 /* Buffers for batches of up to nb samples and `rows` expert rows of a chunk of C experts. */
@@ -1371,13 +1378,54 @@ static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_
     b->xfirst = calloc((size_t)nb, sizeof *b->xfirst);
     b->htasks = mq_alloc_array((size_t)(C * ((c->D + HBAND - 1) / HBAND + (F + HBAND - 1) / HBAND) + 1),
                                sizeof(hband), "expert Hessian bands");
+    if (p->gout) {
+        b->ctok = mq_alloc_array((size_t)(nb * Lmax) + 1, sizeof(int64_t), "expert combine");
+        b->cfirst = mq_alloc_array((size_t)(nb * Lmax) + 1, sizeof(int32_t), "expert combine");
+        b->crow = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert combine");
+        b->cw = mq_alloc_array((size_t)rows + 1, sizeof(float), "expert combine");
+    }
     if (!b->htasks || !b->xin || !b->xin_buf || !b->cnt || !b->pos || !b->ebase || !b->tok || !b->tsample ||
         !b->rw || !b->tok_row || !b->xg || !b->hg || !b->hu || !b->yg || !b->tasks || !b->grow || !b->xrows ||
-        !b->xfirst) {
+        !b->xfirst || (p->gout && (!b->ctok || !b->cfirst || !b->crow || !b->cw))) {
         batch_free(b);
         return mq_err(MOEQ_E_NOMEM, "out of memory for the expert batch scratch");
     }
     return MOEQ_OK;
+}
+
+/* The batch's token outputs combined on the GPU into p->gout (batch_combine_task's order and
+ * arithmetic: each token's experts of the chunk by increasing id, one axpy each). */
+static moeq_status batch_combine_device(ex_batch *b) {
+    mq_pipe *p = b->p;
+    const int64_t K = p->c->top_k, Lmax = p->calib.max_len;
+    int64_t n_tok = 0, np = 0;
+    for (int64_t i = 0; i < b->nb; i++) {
+        const int64_t s = b->s0 + i, T = p->calib.len[s];
+        const int32_t *sel = b->src.sel + s * Lmax * K;
+        const float *w = b->src.w + s * Lmax * K;
+        const int32_t *tr = b->tok_row + i * Lmax * K;
+        for (int64_t t = 0; t < T; t++) {
+            int32_t order[64];
+            int64_t kk = 0;
+            for (int64_t k = 0; k < K && kk < 64; k++)
+                if (tr[t * K + k] >= 0) order[kk++] = (int32_t)k;
+            if (!kk) continue;
+            for (int64_t a = 1; a < kk; a++)   /* insertion sort by expert id */
+                for (int64_t c = a; c > 0 && sel[t * K + order[c - 1]] > sel[t * K + order[c]]; c--) {
+                    int32_t tmp = order[c];
+                    order[c] = order[c - 1];
+                    order[c - 1] = tmp;
+                }
+            b->ctok[n_tok] = s * Lmax + t;
+            b->cfirst[n_tok++] = (int32_t)np;
+            for (int64_t k = 0; k < kk; k++) {
+                b->crow[np] = tr[t * K + order[k]];
+                b->cw[np++] = w[t * K + order[k]];
+            }
+        }
+    }
+    b->cfirst[n_tok] = (int32_t)np;
+    return mq_gpu_mlp_combine(b->gmlp, p->gout, b->ctok, b->cfirst, b->crow, b->cw, n_tok);
 }
 
 /* Runs samples [s0, s0 + nb) through experts [e0, e1): inputs, the rows of each expert (tokens
@@ -1446,11 +1494,15 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
             slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
             const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
             mq_gpu_hessians *hin = b->hess && gu->h.sum ? gu->gh : NULL, *hdn = b->hess && dn->h.sum ? dn->gh : NULL;
-            st = mq_gpu_mlp_run_rows(b->gmlp, ce, b->grow + r0, n, NULL, NULL, b->down ? b->yg + r0 * D : NULL,
-                                     hin, hdn);
+            if (b->down && p->gout)   /* the outputs stay there for the combine */
+                st = mq_gpu_mlp_run_rows_kept(b->gmlp, ce, b->grow + r0, n, r0, hin, hdn);
+            else
+                st = mq_gpu_mlp_run_rows(b->gmlp, ce, b->grow + r0, n, NULL, NULL, b->down ? b->yg + r0 * D : NULL,
+                                         hin, hdn);
             if (hin) gu->h.n += n;
             if (hdn) dn->h.n += n;
         }
+        if (!st && b->down && p->gout) st = batch_combine_device(b);
         if (st) return st;
     } else if (b->gmlp) {
         const int64_t D = p->c->D, F = p->c->moe_ffn;
@@ -1475,7 +1527,9 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
         mq_parallel_for(C, batch_hessian_task, b);
     if (st) return st;
     double t2 = mq_now(), c2 = mq_cpu_now();
-    if (b->down) mq_parallel_for(b->nb, batch_combine_task, b);
+    if (b->down && p->gout && !dev_rows)   /* routed_experts keeps gout to runs that allow it */
+        return mq_err(MOEQ_E_UNSUPPORTED, "layer %d: experts' outputs on the GPU but not their rows", l);
+    if (b->down && !p->gout) mq_parallel_for(b->nb, batch_combine_task, b);
     double t3 = mq_now(), c3 = mq_cpu_now();
     p->layers[l].forward += (t1 - t0) + (t3 - t2);
     p->layers[l].cpu_forward += (c1 - c0) + (c3 - c2);
@@ -1498,6 +1552,16 @@ static int64_t sample_rows(const mq_pipe *p, const ffn_source *src, int64_t s, i
 /* The chunk's experts on the GPU when they are plain deterministic fp32 Linears (the weights as
  * they are now: unquantized, or dequantized for the quantized output); else *out stays NULL and
  * the CPU runs them. */
+static bool experts_plain(const mq_pipe *p, int l, int e0, int e1) {
+    const mq_layer *ly = &p->m->layers[l];
+    bool plain = true;
+    for (int e = e0; e < e1; e++) {
+        const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+        for (int k = 0; k < 3; k++) plain &= lin[k]->w && lin[k]->det && !lin[k]->qw && !lin[k]->bias;
+    }
+    return plain;
+}
+
 static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int64_t rows, mq_gpu_mlp **out) {
     *out = NULL;
     if (p->gx && p->gx_e0 == e0 && p->gx_e1 == e1) {   /* the chunk's, on the device already */
@@ -1508,14 +1572,11 @@ static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int
     const int n = e1 - e0;
     const float **w = calloc((size_t)(3 * n), sizeof *w);
     if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    bool plain = true;
     for (int e = e0; e < e1; e++) {
         const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
-        for (int k = 0; k < 3; k++) {
-            plain &= lin[k]->w && lin[k]->det && !lin[k]->qw && !lin[k]->bias;
-            w[k * n + (e - e0)] = lin[k]->w;
-        }
+        for (int k = 0; k < 3; k++) w[k * n + (e - e0)] = lin[k]->w;
     }
+    const bool plain = experts_plain(p, l, e0, e1);
     moeq_status st = MOEQ_OK;
     if (plain)
         st = mq_gpu_mlp_new(p->gpu, n, p->c->D, p->c->moe_ffn, w, w + n, down ? w + 2 * n : NULL, rows, out);
@@ -1738,6 +1799,12 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     if (need_block && !replay) st = block_hessian(p, l, &block_H);
     const int C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
     const bool calib = p->calibrate && !replay;
+    /* one process on a GPU: the experts' outputs are combined there, over every chunk, and read
+     * back once; the passes that give them must keep their rows there (batch_run's dev_rows) */
+    bool plain = true;
+    for (int e0 = 0; e0 < E; e0 += C) plain &= experts_plain(p, l, e0, e0 + C < E ? e0 + C : E);
+    if (!st && p->gpu && !dist && plain && (p->seq || replay || (!o->act_quant && !o->expert_weighting)))
+        st = mq_gpu_buf_new(p->gpu, p->calib.n * p->LD, &p->gout);
     for (int e0 = (int)own_lo; e0 < own_hi && !st; e0 += C) {
         const int e1 = e0 + C < own_hi ? e0 + C : (int)own_hi;
         if ((st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, NULL, NULL))) break;
@@ -1829,6 +1896,15 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         }
     }
     if (!st && o->act_quant && !replay && p->w) st = unseen_expert_scales(p, gu, dn, E);
+    if (p->gout) {   /* the combined outputs into OUT */
+        double t0 = mq_now(), c0 = mq_cpu_now();
+        for (int64_t s = 0; s < p->calib.n && !st; s++)
+            st = mq_gpu_buf_read(p->gout, s * p->LD, p->calib.len[s] * p->c->D, mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)));
+        p->layers[l].forward += mq_now() - t0;
+        p->layers[l].cpu_forward += mq_cpu_now() - c0;
+        mq_gpu_buf_free(p->gout);
+        p->gout = NULL;
+    }
     mq_free(block_H);
     for (int e = 0; e < E; e++) {
         slot_free(&gu[e]);

@@ -3,54 +3,24 @@
  * every element of the lower triangle is one fmaf chain over the rows in order, continued
  * across calls, so neither the tiling here nor how the rows arrive changes a bit.
  *
- * k_syrk_det: a CTA owns a 64 x 64 tile of the sum (tiles above the diagonal exit at once), its
- * 256 threads 4 x 4 elements each; 32 rows at a time are staged in shared memory.
+ * The update is tile_det.cuh's k_det (SYRK): tiles above the diagonal exit at once.
  */
 #include <string.h>
 
 #include <vector>
 
 #include "backend/cuda/cuda_internal.cuh"
+#include "backend/cuda/tile_det.cuh"
 
 namespace {
 
-enum { TILE = 64, ROWS = 32, STAGE_FLOATS = 16 << 20 };
+enum { STAGE_FLOATS = 16 << 20 };
 
-__global__ void k_syrk_det(float *C, const float *X, int64_t n, int64_t K) {
-    const int64_t ti = blockIdx.y, tj = blockIdx.x;
-    if (tj > ti) return;
-    __shared__ float xa[ROWS][TILE], xb[ROWS][TILE];
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const int64_t i0 = ti * TILE + ty * 4, j0 = tj * TILE + tx * 4;
-    float acc[4][4];
-    for (int u = 0; u < 4; u++)
-        for (int v = 0; v < 4; v++) {
-            const int64_t i = i0 + u, j = j0 + v;
-            acc[u][v] = i < K && j < K ? C[i * K + j] : 0.0f;
-        }
-    for (int64_t r0 = 0; r0 < n; r0 += ROWS) {
-        const int64_t nr = n - r0 < ROWS ? n - r0 : ROWS;
-        for (int k = threadIdx.x; k < ROWS * TILE; k += blockDim.x) {
-            const int rr = k / TILE, cc = k % TILE;
-            const int64_t ca = ti * TILE + cc, cb = tj * TILE + cc;
-            xa[rr][cc] = rr < nr && ca < K ? X[(r0 + rr) * K + ca] : 0.0f;
-            xb[rr][cc] = rr < nr && cb < K ? X[(r0 + rr) * K + cb] : 0.0f;
-        }
-        __syncthreads();
-        for (int rr = 0; rr < nr; rr++) {
-            float a[4], b[4];
-            for (int u = 0; u < 4; u++) a[u] = xa[rr][ty * 4 + u];
-            for (int v = 0; v < 4; v++) b[v] = xb[rr][tx * 4 + v];
-            for (int u = 0; u < 4; u++)
-                for (int v = 0; v < 4; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
-        }
-        __syncthreads();
-    }
-    for (int u = 0; u < 4; u++)
-        for (int v = 0; v < 4; v++) {
-            const int64_t i = i0 + u, j = j0 + v;
-            if (i < K && j <= i) C[i * K + j] = acc[u][v];
-        }
+moeq_status syrk(cudaStream_t s, float *C, const float *X, int64_t n, int64_t K) {
+    if (n <= 0) return MOEQ_OK;
+    const unsigned nt = (unsigned)((K + mqd::DT_TILE - 1) / mqd::DT_TILE);
+    mqd::k_det<true><<<dim3(nt, nt), mqd::DT_THREADS, 0, s>>>(K, K, n, K, X, X, C, K);
+    return CU_LAUNCHED("k_det (syrk)");
 }
 
 /* H = scale * sum, both triangles (mq_hessian_get). */
@@ -115,15 +85,11 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
     if (per < 1) return mq_err(MOEQ_E_SHAPE, "GPU Hessian: rows of %lld values are too long", (long long)K);
     cudaStream_t s = hs->g->stream[0];
     moeq_status st = CU(cudaSetDevice(hs->g->device));
-    const int64_t nt = (K + TILE - 1) / TILE;
     for (int64_t r0 = 0; r0 < rows && !st; r0 += per) {
         const int64_t n = rows - r0 < per ? rows - r0 : per;
         /* the stage is reused: the previous chunk's kernel must be done reading it */
         st = CU(cudaMemcpyAsync(hs->stage, x + r0 * K, (size_t)(n * K) * sizeof(float), cudaMemcpyHostToDevice, s));
-        if (!st) {
-            k_syrk_det<<<dim3((unsigned)nt, (unsigned)nt), 256, 0, s>>>(hs->sum[i], hs->stage, n, K);
-            st = CU_LAUNCHED("k_syrk_det");
-        }
+        if (!st) st = syrk(s, hs->sum[i], hs->stage, n, K);
     }
     if (!st) hs->n[i] += rows;
     return st;
@@ -132,9 +98,7 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
 moeq_status mq_gpu_hessians_add_device(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows) {
     if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
     if (rows <= 0) return MOEQ_OK;
-    const int64_t K = hs->K[i], nt = (K + TILE - 1) / TILE;
-    k_syrk_det<<<dim3((unsigned)nt, (unsigned)nt), 256, 0, hs->g->stream[0]>>>(hs->sum[i], x, rows, K);
-    moeq_status st = CU_LAUNCHED("k_syrk_det");
+    moeq_status st = syrk(hs->g->stream[0], hs->sum[i], x, rows, hs->K[i]);
     if (!st) hs->n[i] += rows;
     return st;
 }

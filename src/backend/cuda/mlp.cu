@@ -4,51 +4,17 @@
  * acc) for k = 0 .. K-1 in order) and the SwiGLU is kernels/vec.h's (g / (1 + expf(-g)) * u with
  * moeq's own polynomial expf), so the Hessians and the next layer's inputs do not change.
  *
- * k_gemm_det: C = A B^T, a CTA per 64 x 64 tile of C, 256 threads with 4 x 4 outputs each; k in
- * steps of 16 through shared memory, each output's fmaf chain in k order.
+ * The products are tile_det.cuh's k_det.
  */
 #include <string.h>
 
 #include <vector>
 
 #include "backend/cuda/cuda_internal.cuh"
+#include "backend/cuda/tile_det.cuh"
 #include "backend/cuda/vec_dev.cuh"
 
 namespace {
-
-enum { TM = 64, TN = 64, TK = 16 };
-
-__global__ void k_gemm_det(int64_t M, int64_t N, int64_t K, const float *A, const float *B, float *C) {
-    __shared__ float as[TK][TM + 1], bs[TK][TN + 1];
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const int64_t i0 = (int64_t)blockIdx.y * TM, j0 = (int64_t)blockIdx.x * TN;
-    float acc[4][4];
-    for (int u = 0; u < 4; u++)
-        for (int v = 0; v < 4; v++) acc[u][v] = 0.0f;
-    for (int64_t k0 = 0; k0 < K; k0 += TK) {
-        for (int t = threadIdx.x; t < TK * TM; t += blockDim.x) {
-            const int kk = t % TK, r = t / TK;
-            const int64_t ia = i0 + r, jb = j0 + r, k = k0 + kk;
-            as[kk][r] = ia < M && k < K ? A[ia * K + k] : 0.0f;
-            bs[kk][r] = jb < N && k < K ? B[jb * K + k] : 0.0f;
-        }
-        __syncthreads();
-        const int nk = K - k0 < TK ? (int)(K - k0) : TK;
-        for (int kk = 0; kk < nk; kk++) {
-            float a[4], b[4];
-            for (int u = 0; u < 4; u++) a[u] = as[kk][ty * 4 + u];
-            for (int v = 0; v < 4; v++) b[v] = bs[kk][tx * 4 + v];
-            for (int u = 0; u < 4; u++)
-                for (int v = 0; v < 4; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
-        }
-        __syncthreads();
-    }
-    for (int u = 0; u < 4; u++)
-        for (int v = 0; v < 4; v++) {
-            const int64_t i = i0 + ty * 4 + u, j = j0 + tx * 4 + v;
-            if (i < M && j < N) C[i * N + j] = acc[u][v];
-        }
-}
 
 __global__ void k_swiglu(float *g, const float *u, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -65,8 +31,10 @@ __global__ void k_gather(float *x, const float *in, const int32_t *src, int64_t 
 
 moeq_status gemm(cudaStream_t s, int64_t M, int64_t N, int64_t K, const float *A, const float *B, float *C) {
     if (M <= 0 || N <= 0) return MOEQ_OK;
-    k_gemm_det<<<dim3((unsigned)((N + TN - 1) / TN), (unsigned)((M + TM - 1) / TM)), 256, 0, s>>>(M, N, K, A, B, C);
-    return CU_LAUNCHED("k_gemm_det");
+    const unsigned T = mqd::DT_TILE;
+    mqd::k_det<false><<<dim3((unsigned)((N + T - 1) / T), (unsigned)((M + T - 1) / T)), mqd::DT_THREADS, 0, s>>>(
+        M, N, K, K, A, B, C, N);
+    return CU_LAUNCHED("k_det (gemm)");
 }
 
 }  // namespace
@@ -76,6 +44,7 @@ struct mq_gpu_mlp {
     int64_t E, D, F, max_rows;
     std::vector<float *> w;   /* [3E]: gate, up, down of each expert (down may be NULL) */
     float *x, *hg, *hu, *y;
+    float *yk;                /* [max_rows, D] the batch's outputs kept for the combine, or NULL */
     float *in;                /* mq_gpu_mlp_inputs' rows */
     int64_t in_rows, in_cap;
     int32_t *src;             /* [max_rows] a chunk's row indices into `in` */
@@ -90,6 +59,7 @@ extern "C" void mq_gpu_mlp_free(mq_gpu_mlp *m) {
     mq_cu_free(m->hg);
     mq_cu_free(m->hu);
     mq_cu_free(m->y);
+    mq_cu_free(m->yk);
     mq_cu_free(m->in);
     mq_cu_free(m->src);
     delete m;
@@ -109,7 +79,7 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     m->F = F;
     m->max_rows = max_rows > 0 ? max_rows : 1;
     m->w.assign((size_t)(3 * E), NULL);
-    m->x = m->hg = m->hu = m->y = m->in = NULL;
+    m->x = m->hg = m->hu = m->y = m->yk = m->in = NULL;
     m->src = NULL;
     m->in_rows = m->in_cap = 0;
     cudaStream_t s = g->stream[0];
@@ -141,10 +111,19 @@ namespace {
 /* Expert e on n rows, max_rows at a time: each chunk's rows into m->x (from the host's x, or
  * gathered from m->in by src), then the products, the Hessian sums and the copies asked for. */
 moeq_status mlp_rows(mq_gpu_mlp *m, int64_t e, const float *x, const int32_t *src, int64_t n, float *hg, float *hu,
-                     float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
+                     float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down, int64_t y0 = -1) {
     if (e < 0 || e >= m->E) return mq_err(MOEQ_E_ARG, "GPU experts: expert %lld of %lld", (long long)e, (long long)m->E);
     if (n <= 0) return MOEQ_OK;
-    if (y && !m->w[(size_t)(3 * e + 2)]) return mq_err(MOEQ_E_ARG, "GPU experts: expert %lld has no down weights", (long long)e);
+    const bool kept = y0 >= 0;
+    if ((y || kept) && !m->w[(size_t)(3 * e + 2)])
+        return mq_err(MOEQ_E_ARG, "GPU experts: expert %lld has no down weights", (long long)e);
+    if (kept && y0 + n > m->max_rows)
+        return mq_err(MOEQ_E_ARG, "GPU experts: rows %lld..%lld past the batch's %lld", (long long)y0,
+                      (long long)(y0 + n), (long long)m->max_rows);
+    if (kept && !m->yk) {
+        moeq_status a = cu_alloc(&m->yk, (size_t)(m->max_rows * m->D), "expert outputs");
+        if (a) return a;
+    }
     cudaStream_t s = m->g->stream[0];
     const int64_t D = m->D, F = m->F;
     moeq_status st = CU(cudaSetDevice(m->g->device));
@@ -172,13 +151,15 @@ moeq_status mlp_rows(mq_gpu_mlp *m, int64_t e, const float *x, const int32_t *sr
             st = CU_LAUNCHED("k_swiglu");
         }
         if (!st && h_down) st = mq_gpu_hessians_add_device(h_down, 0, m->hg, k);
-        if (!st && y) st = gemm(s, k, D, F, m->hg, m->w[(size_t)(3 * e + 2)], m->y);
+        if (!st && (y || kept)) st = gemm(s, k, D, F, m->hg, m->w[(size_t)(3 * e + 2)], kept ? m->yk + (y0 + r0) * D : m->y);
         if (!st && hg) st = CU(cudaMemcpyAsync(hg + r0 * F, m->hg, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
         if (!st && hu) st = CU(cudaMemcpyAsync(hu + r0 * F, m->hu, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
-        if (!st && y) st = CU(cudaMemcpyAsync(y + r0 * D, m->y, (size_t)(k * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
-        /* the next chunk overwrites m->src and m->x: the copies of this one must be done */
-        if (!st) st = CU(cudaStreamSynchronize(s));
+        if (!st && y && !kept) st = CU(cudaMemcpyAsync(y + r0 * D, m->y, (size_t)(k * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
     }
+    /* the stream runs the chunks in order (a chunk's m->src and m->x are overwritten after the
+     * last kernel that reads them); only copies into host memory are waited for. Pageable copies
+     * from the host return once they have taken the host's data. */
+    if (!st && (hg || hu || (y && !kept))) st = CU(cudaStreamSynchronize(s));
     return st;
 }
 
@@ -187,6 +168,12 @@ moeq_status mlp_rows(mq_gpu_mlp *m, int64_t e, const float *x, const int32_t *sr
 extern "C" moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, int64_t n, float *hg, float *hu,
                                       float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
     return mlp_rows(m, e, x, NULL, n, hg, hu, y, h_in, h_down);
+}
+
+extern "C" moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, int64_t y0,
+                                                mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
+    if (y0 < 0) return mq_err(MOEQ_E_ARG, "GPU experts: output row %lld", (long long)y0);
+    return mlp_rows(m, e, NULL, src, n, NULL, NULL, NULL, h_in, h_down, y0);
 }
 
 extern "C" moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_t *rows, int64_t n_x) {
@@ -264,5 +251,103 @@ extern "C" moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const flo
     moeq_status st = CU(cudaSetDevice(m->g->device));
     if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* no pass still reads them */
     if (!st) st = CU(cudaMemcpy(d, w, (size_t)(m->D * m->F) * sizeof(float), cudaMemcpyHostToDevice));
+    return st;
+}
+
+struct mq_gpu_buf {
+    mq_gpu *g;
+    float *d;
+    int64_t n;
+};
+
+extern "C" moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out) {
+    *out = NULL;
+    mq_gpu_buf *b = new (std::nothrow) mq_gpu_buf;
+    if (!b) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    b->g = g;
+    b->n = n;
+    b->d = NULL;
+    moeq_status st = CU(cudaSetDevice(g->device));
+    if (!st) st = cu_alloc(&b->d, (size_t)(n > 0 ? n : 1), "FFN outputs");
+    if (!st) st = CU(cudaMemsetAsync(b->d, 0, (size_t)n * sizeof(float), g->stream[0]));
+    if (st) {
+        mq_gpu_buf_free(b);
+        return st;
+    }
+    *out = b;
+    return MOEQ_OK;
+}
+
+extern "C" void mq_gpu_buf_free(mq_gpu_buf *b) {
+    if (!b) return;
+    cudaSetDevice(b->g->device);
+    cudaStreamSynchronize(b->g->stream[0]);
+    mq_cu_free(b->d);
+    delete b;
+}
+
+extern "C" moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host) {
+    if (off < 0 || n < 0 || off + n > b->n)
+        return mq_err(MOEQ_E_ARG, "GPU buffer: values %lld..%lld of %lld", (long long)off, (long long)(off + n),
+                      (long long)b->n);
+    moeq_status st = CU(cudaSetDevice(b->g->device));
+    if (!st) st = CU(cudaMemcpyAsync(host, b->d + off, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost, b->g->stream[0]));
+    if (!st) st = CU(cudaStreamSynchronize(b->g->stream[0]));
+    return st;
+}
+
+namespace {
+
+/* Thread per (token, value): the token's pairs in order, one fmaf each (vec.h's axpy). */
+__global__ void k_combine(float *out, const float *y, const int64_t *tok, const int32_t *first, const int32_t *row,
+                          const float *w, int64_t n_tok, int64_t D) {
+    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n_tok * D;
+         k += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = k / D, d = k % D;
+        float *o = out + tok[i] * D + d;
+        float acc = *o;
+        for (int32_t p = first[i]; p < first[i + 1]; p++) acc = fmaf(w[p], y[(int64_t)row[p] * D + d], acc);
+        *o = acc;
+    }
+}
+
+}  // namespace
+
+extern "C" moeq_status mq_gpu_mlp_combine(mq_gpu_mlp *m, mq_gpu_buf *out, const int64_t *tok, const int32_t *first,
+                                          const int32_t *row, const float *w, int64_t n_tok) {
+    if (n_tok <= 0) return MOEQ_OK;
+    if (!m->yk) return mq_err(MOEQ_E_ARG, "GPU experts: no kept outputs to combine");
+    const int64_t D = m->D, np = first[n_tok];
+    for (int64_t i = 0; i < n_tok; i++)
+        if (tok[i] < 0 || (tok[i] + 1) * D > out->n)
+            return mq_err(MOEQ_E_ARG, "GPU combine: output row %lld past the buffer", (long long)tok[i]);
+    for (int64_t p = 0; p < np; p++)
+        if (row[p] < 0 || row[p] >= m->max_rows)
+            return mq_err(MOEQ_E_ARG, "GPU combine: row %d past the batch's %lld", row[p], (long long)m->max_rows);
+    cudaStream_t s = m->g->stream[0];
+    /* the index arrays travel in one piece: tok, first, row, w */
+    const size_t bt = (size_t)n_tok * 8, bf = (size_t)(n_tok + 1) * 4, br = (size_t)np * 4, bw = (size_t)np * 4;
+    const size_t at_f = (bt + 15) & ~(size_t)15, at_r = (at_f + bf + 15) & ~(size_t)15, at_w = (at_r + br + 15) & ~(size_t)15;
+    const size_t total = at_w + bw;
+    std::vector<char> h(total);
+    memcpy(h.data(), tok, bt);
+    memcpy(h.data() + at_f, first, bf);
+    memcpy(h.data() + at_r, row, br);
+    memcpy(h.data() + at_w, w, bw);
+    char *d = NULL;
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = cu_alloc(&d, total, "combine indices");
+    if (!st) st = CU(cudaMemcpyAsync(d, h.data(), total, cudaMemcpyHostToDevice, s));
+    if (!st) {
+        const int64_t blocks = (n_tok * D + 255) / 256;
+        k_combine<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, s>>>(
+            out->d, m->yk, (const int64_t *)d, (const int32_t *)(d + at_f), (const int32_t *)(d + at_r),
+            (const float *)(d + at_w), n_tok, D);
+        st = CU_LAUNCHED("k_combine");
+    }
+    if (d) {
+        cudaStreamSynchronize(s);   /* the indices are read by the kernel */
+        mq_cu_free(d);
+    }
     return st;
 }
