@@ -203,3 +203,54 @@ extern "C" moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *b
     mq_cu_free(y);
     return st;
 }
+
+enum { PIN_PIECE = 64 << 20, PIN_DIRECT = 1 << 20 };
+
+moeq_status mq_cu_pinned(mq_gpu *g, size_t *piece) {
+    *piece = PIN_PIECE;
+    if (g->pin_cap >= 2 * (size_t)PIN_PIECE) return MOEQ_OK;
+    if (g->pin) cudaFreeHost(g->pin);
+    g->pin = NULL;
+    g->pin_cap = 0;
+    moeq_status st = CU(cudaMallocHost(&g->pin, 2 * (size_t)PIN_PIECE));
+    if (!st) g->pin_cap = 2 * (size_t)PIN_PIECE;
+    return st;
+}
+
+namespace {
+struct copy_job {
+    char *dst;
+    const char *src;
+    size_t n, per;
+};
+void copy_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const copy_job *c = (const copy_job *)ctx;
+    const size_t a = (size_t)t * c->per, b = a + c->per < c->n ? a + c->per : c->n;
+    memcpy(c->dst + a, c->src + a, b - a);
+}
+}  // namespace
+
+moeq_status mq_cu_upload(mq_gpu *g, void *dst, const void *src, size_t bytes) {
+    cudaStream_t s = g->stream[0];
+    if (bytes <= PIN_DIRECT) return CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+    size_t piece = 0;
+    moeq_status st = mq_cu_pinned(g, &piece);
+    if (st) return st;
+    char *half[2] = {(char *)g->pin, (char *)g->pin + piece};
+    bool busy[2] = {false, false};
+    for (size_t off = 0, k = 0; off < bytes && !st; off += piece, k++) {
+        const size_t n = bytes - off < piece ? bytes - off : piece;
+        char *h = half[k % 2];
+        if (busy[k % 2] && (st = CU(cudaEventSynchronize(g->ev[k % 2])))) break;   /* its last piece has left */
+        copy_job c = {h, (const char *)src + off, n, (size_t)4 << 20};
+        mq_parallel_for((int64_t)((n + c.per - 1) / c.per), copy_task, &c);
+        if ((st = CU(cudaMemcpyAsync((char *)dst + off, h, n, cudaMemcpyHostToDevice, s)))) break;
+        if ((st = CU(cudaEventRecord(g->ev[k % 2], s)))) break;
+        busy[k % 2] = true;
+    }
+    /* the pinned halves are reused by the next upload or download: wait until both are free */
+    for (int i = 0; i < 2 && !st; i++)
+        if (busy[i]) st = CU(cudaEventSynchronize(g->ev[i]));
+    return st;
+}

@@ -60,6 +60,14 @@ template <typename T> static inline moeq_status cu_alloc(T **p, size_t n, const 
 }
 void mq_cu_free(void *p);
 
+/* Host memory to the device through the pinned buffer (g->pin): pieces copied on the host pool
+ * into one half while the other half's piece travels; faster than a pageable copy. Stream 0;
+ * returns once the host data has been taken (the last piece may still be travelling). Small
+ * copies go straight. */
+moeq_status mq_cu_upload(mq_gpu *g, void *dst, const void *src, size_t bytes);
+/* The pinned buffer, two halves of `piece` bytes (allocated on first use). */
+moeq_status mq_cu_pinned(mq_gpu *g, size_t *piece);
+
 /* Device views of the objects of the C interface (NULL / false for a bad index): expert e's
  * Linear k of an mq_gpu_mlp and its shape; sum i of an mq_gpu_hessians (K[i], rows so far). */
 float *mq_gpu_mlp_weight(mq_gpu_mlp *m, int64_t e, int k);

@@ -896,15 +896,9 @@ moeq_status factor_all(mq_gpu *g, const mq_gptq_opts *o, std::vector<factor> &fs
 /* Device results to the host through the pinned buffer, a piece at a time; each piece is
  * handed to take(offset, bytes, host) while the next one is on its way. */
 template <typename F> moeq_status download(mq_gpu *g, const char *src, size_t n, F take) {
-    const size_t piece = (size_t)64 << 20;
-    moeq_status st = MOEQ_OK;
-    if (g->pin_cap < 2 * piece) {
-        if (g->pin) cudaFreeHost(g->pin);
-        g->pin = NULL;
-        g->pin_cap = 0;
-        if ((st = CU(cudaMallocHost(&g->pin, 2 * piece)))) return st;
-        g->pin_cap = 2 * piece;
-    }
+    size_t piece = 0;
+    moeq_status st = mq_cu_pinned(g, &piece);
+    if (st) return st;
     cudaStream_t s = g->stream[0];
     char *buf[2] = {(char *)g->pin, (char *)g->pin + piece};
     size_t prev_off = 0, prev_len = 0;
@@ -1136,7 +1130,7 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
         factor &f = fs[k];
         const size_t kk = (size_t)(f.K * f.K);
         if (f.H_host) {
-            st = CU(cudaMemcpyAsync(f.dH, f.H_host, kk * sizeof(float), cudaMemcpyHostToDevice, s0));
+            st = mq_cu_upload(g, f.dH, f.H_host, kk * sizeof(float));
         } else {
             dim3 blk(32, 8);
             k_form<<<grid2(f.K, f.K, blk), blk, 0, s0>>>(f.dH, f.sum, f.K, f.scale);
@@ -1159,7 +1153,7 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
                 st = CU(cudaMemcpyAsync(dst, mq_gpu_mlp_weight(dW[ji].mlp, dW[ji].expert, dW[ji].k), n * sizeof(float),
                                         cudaMemcpyDeviceToDevice, s0));
             else
-                st = CU(cudaMemcpyAsync(dst, j.w, n * sizeof(float), cudaMemcpyHostToDevice, s0));
+                st = mq_cu_upload(g, dst, j.w, n * sizeof(float));
         }
         if (!st) {
             k_first_nonfinite<<<1024, 256, 0, s0>>>(h.d.wrow, K * h.ld, h.dbad);

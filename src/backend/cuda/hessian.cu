@@ -88,7 +88,7 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
     for (int64_t r0 = 0; r0 < rows && !st; r0 += per) {
         const int64_t n = rows - r0 < per ? rows - r0 : per;
         /* the stage is reused: the previous chunk's kernel must be done reading it */
-        st = CU(cudaMemcpyAsync(hs->stage, x + r0 * K, (size_t)(n * K) * sizeof(float), cudaMemcpyHostToDevice, s));
+        st = mq_cu_upload(hs->g, hs->stage, x + r0 * K, (size_t)(n * K) * sizeof(float));
         if (!st) st = syrk(s, hs->sum[i], hs->stage, n, K);
     }
     if (!st) hs->n[i] += rows;

@@ -82,14 +82,13 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     m->x = m->hg = m->hu = m->y = m->yk = m->in = NULL;
     m->src = NULL;
     m->in_rows = m->in_cap = 0;
-    cudaStream_t s = g->stream[0];
     const size_t wsz = (size_t)(D * F);
     for (int64_t e = 0; e < E && !st; e++) {
         const float *src[3] = {gate[e], up[e], down ? down[e] : NULL};
         for (int k = 0; k < 3 && !st; k++) {
             if (!src[k]) continue;
             st = cu_alloc(&m->w[(size_t)(3 * e + k)], wsz, "expert weights");
-            if (!st) st = CU(cudaMemcpyAsync(m->w[(size_t)(3 * e + k)], src[k], wsz * sizeof(float), cudaMemcpyHostToDevice, s));
+            if (!st) st = mq_cu_upload(g, m->w[(size_t)(3 * e + k)], src[k], wsz * sizeof(float));
         }
     }
     const size_t r = (size_t)m->max_rows;
@@ -192,8 +191,7 @@ extern "C" moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, c
     int64_t at = 0;
     for (int64_t i = 0; i < n_x && !st; i++) {
         if (rows[i] > 0)
-            st = CU(cudaMemcpyAsync(m->in + at * m->D, x[i], (size_t)(rows[i] * m->D) * sizeof(float),
-                                    cudaMemcpyHostToDevice, s));
+            st = mq_cu_upload(m->g, m->in + at * m->D, x[i], (size_t)(rows[i] * m->D) * sizeof(float));
         at += rows[i];
     }
     m->in_rows = st ? 0 : total;
@@ -250,7 +248,7 @@ extern "C" moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const flo
     if (!d) return mq_err(MOEQ_E_ARG, "GPU experts: no weights %d of expert %lld", k, (long long)e);
     moeq_status st = CU(cudaSetDevice(m->g->device));
     if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* no pass still reads them */
-    if (!st) st = CU(cudaMemcpy(d, w, (size_t)(m->D * m->F) * sizeof(float), cudaMemcpyHostToDevice));
+    if (!st) st = mq_cu_upload(m->g, d, w, (size_t)(m->D * m->F) * sizeof(float));
     return st;
 }
 
