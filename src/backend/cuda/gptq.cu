@@ -2,19 +2,31 @@
  * GPTQ on the GPU: quant/gptq.c's algorithm (its file comment has the mathematics), laid out for
  * the device.
  *
+ * A call runs in waves of Hessians (with their weights) that fit the device's free memory; a
+ * wave's device arrays are one stream-ordered allocation, cut into four regions (carver): what
+ * goes up from the host in one copy (the factors' diagonals and permutations, the groups' tables,
+ * the sets' descriptors), what comes back after the checks (non-finite entries, H's diagonal,
+ * amax), the working arrays, and the results that come back in one copy. H comes from host
+ * memory or is formed on the device from a sum there; the weights from host memory or an
+ * mq_gpu_mlp's experts (mq_gpu_gptq_ex), which may get the dequantized results back in place.
+ *
  * Factor, per Hessian, on MQ_GPU_STREAMS streams at once: dead columns, mean diagonal and the
- * act-order permutation on the host exactly as the CPU computes them; A = H' reversed and damped
- * (a kernel), A = L L^T (cusolverDnSpotrf; the damping is raised and the factorisation retried
- * as on the CPU), R = L rotated by 180 degrees, U = R^-1 (cublasStrsm on the identity).
+ * act-order permutation on the host exactly as the CPU computes them (from H's diagonal); A =
+ * H' reversed and damped (a kernel), A = L L^T (cusolverDnSpotrf; the damping is raised and the
+ * factorisation retried as on the CPU), R = L rotated by 180 degrees, U = R^-1 (cublasStrsm on
+ * the identity).
  *
  * Column loop: the rows of every job that uses one factor form a "set", held transposed in
- * processing order (Wt[p][i]: column p contiguous over the rows, as the CPU's row blocks). One
- * thread per row walks a block of B columns (its B values in shared memory, untouched by other
- * threads, so no barriers): group parameters when a group's first column is reached (the
- * errors of the block not yet applied to a later column are subtracted on the fly, as on the
- * CPU), quantize, error, rank-1 update of the rest of the block. The trailing columns then get
- * the block's errors in one fp32 GEMM per set (a set's results never depend on the other sets
- * of the call). Sets are processed in waves that fit the device's free memory.
+ * processing order (Wt[p][i]: column p contiguous over the rows, as the CPU's row blocks). A block
+ * of 32 columns at a time: k_warp gives each row a warp, lane j holding column b0 + j (k_block,
+ * a thread per row, is kept for groups larger than MAX_SMEM_GROUP): group parameters when a
+ * group's first column is reached (the errors of the block not yet applied to a later column are
+ * subtracted on the fly, as on the CPU), quantize, error, rank-1 update of the rest of the block.
+ * The trailing columns then get the block's errors in one fp32 GEMM per set (a set's results
+ * never depend on the other sets of the call).
+ *
+ * Results go back packed (codes two to a byte; NVFP4's group params as their E4M3 codes, the
+ * scale being that code's value) through pinned memory, unpacked on the host pool.
  */
 #include <math.h>
 #include <stdio.h>
