@@ -1813,7 +1813,10 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
          * passes and GPTQ (which leaves the dequantized weights there) */
         if (p->gpu && !dist && !replay && calib) {
             mq_gpu_mlp *m = NULL;
+            double t0 = mq_now(), c0 = mq_cpu_now();   /* the upload, as the forward's */
             st = gpu_experts(p, l, e0, e1, true, mq_plan_batch_rows(p, e1 - e0), &m);
+            p->layers[l].forward += mq_now() - t0;
+            p->layers[l].cpu_forward += mq_cpu_now() - c0;
             p->gx = m;
             p->gx_e0 = e0;
             p->gx_e1 = e1;

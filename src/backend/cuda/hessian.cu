@@ -59,7 +59,6 @@ extern "C" moeq_status mq_gpu_hessians_new(mq_gpu *g, int64_t n, const int64_t *
         st = cu_alloc(&hs->sum[i], (size_t)(K[i] * K[i]), "Hessian sum");
         if (!st) st = CU(cudaMemsetAsync(hs->sum[i], 0, (size_t)(K[i] * K[i]) * sizeof(float), g->stream[0]));
     }
-    if (!st) st = cu_alloc(&hs->stage, STAGE_FLOATS, "Hessian rows");
     if (st) {
         mq_gpu_hessians_free(hs);
         return st;
@@ -85,6 +84,9 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
     if (per < 1) return mq_err(MOEQ_E_SHAPE, "GPU Hessian: rows of %lld values are too long", (long long)K);
     cudaStream_t s = hs->g->stream[0];
     moeq_status st = CU(cudaSetDevice(hs->g->device));
+    /* the rows' staging area only when rows come from the host (most sums get theirs on the
+     * device: the pipeline makes a layer's worth of these objects) */
+    if (!st && !hs->stage) st = cu_alloc(&hs->stage, STAGE_FLOATS, "Hessian rows");
     for (int64_t r0 = 0; r0 < rows && !st; r0 += per) {
         const int64_t n = rows - r0 < per ? rows - r0 : per;
         /* the stage is reused: the previous chunk's kernel must be done reading it */
