@@ -47,6 +47,8 @@ moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on);
 /* The device's fp32 GEMM rate (8192^3, current math mode) and copy bandwidth (read + write),
  * medians of 5: the figures the benchmarks set their times against. */
 moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs);
+/* Waits until the device has done everything queued so far (profiling). */
+moeq_status mq_gpu_sync(mq_gpu *g);
 /* "cuda" -> 0, "cuda:N" -> N; "cpu" -> -1; anything else MOEQ_E_ARG naming the flag value. */
 moeq_status mq_gpu_parse_device(const char *s, int *device);
 

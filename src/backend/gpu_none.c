@@ -26,6 +26,11 @@ moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on) {
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_sync(mq_gpu *g) {
+    (void)g;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs) {
     (void)g;
     *sgemm_gflops = *bandwidth_gbs = 0;

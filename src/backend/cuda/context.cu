@@ -143,6 +143,12 @@ extern "C" void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
     }
 }
 
+extern "C" moeq_status mq_gpu_sync(mq_gpu *g) {
+    moeq_status st = CU(cudaSetDevice(g->device));
+    if (!st) st = CU(cudaDeviceSynchronize());
+    return st;
+}
+
 extern "C" moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on) {
     moeq_status st = CU(cudaSetDevice(g->device));
     for (int i = 0; i < MQ_GPU_STREAMS && !st; i++)
