@@ -325,9 +325,9 @@ static void test_gptq_parity(void) {
     mq_gpu_close(g);
 }
 
-/* The column loop's two kernels, a warp per row (the default) and a thread per row
- * (MOEQ_GPU_LOOP=thread), compute the same values in the same order: the same codes, params
- * and losses bit for bit in every mode. */
+/* The column loop's two kernels, a warp per row (MOEQ_GPU_LOOP=warp; the default for calls of
+ * few rows) and a thread per row (MOEQ_GPU_LOOP=thread; many rows), compute the same values in
+ * the same order: the same codes, params and losses bit for bit in every mode. */
 static void test_gptq_warp_equals_thread(void) {
     mq_gpu *g = open_gpu();
     const int64_t N = 200, K = 512;
@@ -339,8 +339,7 @@ static void test_gptq_warp_equals_thread(void) {
         mq_qtensor q[2];
         mq_gptq_stats st[2];
         for (int v = 0; v < 2; v++) {
-            if (v) setenv("MOEQ_GPU_LOOP", "thread", 1);
-            else unsetenv("MOEQ_GPU_LOOP");
+            setenv("MOEQ_GPU_LOOP", v ? "thread" : "warp", 1);
             mq_gptq_job j = {.w = w, .rows = N, .name = "w", .out = &q[v]};
             const float *Hs[] = {H};
             const int64_t Kk[] = {K};
