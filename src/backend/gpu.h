@@ -111,11 +111,18 @@ moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, int64_t n, 
 /* The rows the next _run_rows calls gather from: n_x blocks x[i] of rows[i] rows of D values
  * (host), uploaded once one after the other (a batch's FFN inputs, sample by sample). */
 moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_t *rows, int64_t n_x);
+/* The same inputs put up piece by piece: room for `rows` rows (what was there is dropped), then
+ * rows [row0, row0 + n) from x (host). */
+moeq_status mq_gpu_mlp_inputs_reserve(mq_gpu_mlp *m, int64_t rows);
+moeq_status mq_gpu_mlp_inputs_put(mq_gpu_mlp *m, int64_t row0, const float *x, int64_t n);
 /* _run on the n rows src[i] of those inputs (gathered on the device: only the indices cross). */
 moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, float *hg,
                                 float *hu, float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
 /* _run_rows keeping the outputs on the device: expert e's n rows of y go to rows [y0, y0 + n) of
- * the expert set's batch outputs (up to max_rows rows; nothing is copied back), for _combine. */
+ * the expert set's batch outputs (max_rows rows, or as many as _reserve_kept made room for;
+ * nothing is copied back), for _combine. _reserve_kept: room for `rows` kept rows (what was
+ * kept is dropped). */
+moeq_status mq_gpu_mlp_reserve_kept(mq_gpu_mlp *m, int64_t rows);
 moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, int64_t y0,
                                      mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
 

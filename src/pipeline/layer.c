@@ -1168,12 +1168,41 @@ typedef struct {
     int64_t *ctok;                /* [nb * Lmax] GPU combine: each token's output row, */
     int32_t *cfirst, *crow;       /* [nb * Lmax + 1] its first pair, [rows] the pairs' rows */
     float *cw;                    /* [rows] and weights, in the CPU combine's order */
+    bool all_dev;                 /* GPU, MOEQ_GPU_BATCH=all: every sample in one batch, the rows
+                                     only on the device, the inputs up nb_in samples at a time */
+    int64_t nb_in;                /* samples xin_buf holds */
 } ex_batch;
 
 static void batch_inputs_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     ex_batch *b = ctx;
     b->xin[i] = ffn_input(b->p, b->l, &b->src, b->s0 + i, b->xin_buf + i * b->p->LD);
+}
+
+/* all_dev: the inputs of samples [g0, g0 + n) of the batch (xin_buf holds n), then up to the
+ * device at their rows of the batch's inputs. */
+typedef struct {
+    ex_batch *b;
+    int64_t g0;
+} inputs_group;
+
+static void group_inputs_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    const inputs_group *g = ctx;
+    ex_batch *b = g->b;
+    b->xin[g->g0 + i] = ffn_input(b->p, b->l, &b->src, b->s0 + g->g0 + i, b->xin_buf + i * b->p->LD);
+}
+
+static moeq_status batch_inputs_device(ex_batch *b) {
+    moeq_status st = mq_gpu_mlp_inputs_reserve(b->gmlp, b->xfirst[b->nb - 1] + b->xrows[b->nb - 1]);
+    for (int64_t g0 = 0; g0 < b->nb && !st; g0 += b->nb_in) {
+        const int64_t n = b->nb - g0 < b->nb_in ? b->nb - g0 : b->nb_in;
+        inputs_group g = {b, g0};
+        mq_parallel_for(n, group_inputs_task, &g);
+        for (int64_t i = g0; i < g0 + n && !st; i++)
+            st = mq_gpu_mlp_inputs_put(b->gmlp, b->xfirst[i], b->xin[i], b->xrows[i]);
+    }
+    return st;
 }
 
 /* A block of up to TASK_ROWS rows of one expert of the chunk (any cut gives the same values):
@@ -1356,11 +1385,16 @@ static void batch_free(ex_batch *b) {
 }
 
 /* Buffers for batches of up to nb samples and `rows` expert rows of a chunk of C experts. */
-static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_t C, int64_t rows) {
+/* host_rows false: the rows live on the device only (all_dev), so their host buffers are not
+ * made; xin_buf holds nb_in samples. */
+static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_t C, int64_t rows, int64_t nb_in,
+                               bool host_rows) {
     const mq_config *c = p->c;
     const int64_t Lmax = p->calib.max_len, K = c->top_k, D = c->D, F = c->moe_ffn;
+    const int64_t hr = host_rows ? rows : 0;
+    b->nb_in = nb_in;
     b->xin = calloc((size_t)nb, sizeof *b->xin);
-    b->xin_buf = mq_alloc_array((size_t)(nb * p->LD), sizeof(float), "expert inputs");
+    b->xin_buf = mq_alloc_array((size_t)(nb_in * p->LD), sizeof(float), "expert inputs");
     b->cnt = calloc((size_t)(nb * C), sizeof *b->cnt);
     b->pos = calloc((size_t)(nb * C), sizeof *b->pos);
     b->ebase = calloc((size_t)(C + 1), sizeof *b->ebase);
@@ -1368,10 +1402,10 @@ static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_
     b->tsample = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
     b->rw = mq_alloc_array((size_t)rows + 1, sizeof(float), "expert rows");
     b->tok_row = mq_alloc_array((size_t)(nb * Lmax * K), sizeof(int32_t), "expert rows");
-    b->xg = mq_alloc_array((size_t)rows + 1, (size_t)D * sizeof(float), "expert inputs");
-    b->hg = mq_alloc_array((size_t)rows + 1, (size_t)F * sizeof(float), "expert activations");
-    b->hu = mq_alloc_array((size_t)rows + 1, (size_t)F * sizeof(float), "expert activations");
-    b->yg = mq_alloc_array((size_t)rows + 1, (size_t)D * sizeof(float), "expert outputs");
+    b->xg = mq_alloc_array((size_t)hr + 1, (size_t)D * sizeof(float), "expert inputs");
+    b->hg = mq_alloc_array((size_t)hr + 1, (size_t)F * sizeof(float), "expert activations");
+    b->hu = mq_alloc_array((size_t)hr + 1, (size_t)F * sizeof(float), "expert activations");
+    b->yg = mq_alloc_array((size_t)hr + 1, (size_t)D * sizeof(float), "expert outputs");
     b->tasks = mq_alloc_array((size_t)(C + rows / 256 + 1), sizeof(int64_t), "expert tasks");
     b->grow = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
     b->xrows = calloc((size_t)nb, sizeof *b->xrows);
@@ -1438,7 +1472,7 @@ static double g_ex_prof[5];
 static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     const int64_t C = b->e1 - b->e0, K = p->c->top_k, Lmax = p->calib.max_len;
     double t0 = mq_now(), c0 = mq_cpu_now();
-    mq_parallel_for(b->nb, batch_inputs_task, b);
+    if (!b->all_dev) mq_parallel_for(b->nb, batch_inputs_task, b);   /* all_dev: below, in groups */
     double tp = mq_now();
     g_ex_prof[0] += tp - t0;
     memset(b->cnt, 0, sizeof(int32_t) * (size_t)(b->nb * C));
@@ -1498,7 +1532,8 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
         for (int64_t r = 0; r < b->ebase[C]; r++) b->grow[r] = (int32_t)(b->xfirst[b->tsample[r]] + b->tok[r]);
         double tq = mq_now();
         g_ex_prof[1] += tq - tp;
-        st = mq_gpu_mlp_inputs(b->gmlp, b->xin, b->xrows, b->nb);
+        st = b->all_dev ? batch_inputs_device(b) : mq_gpu_mlp_inputs(b->gmlp, b->xin, b->xrows, b->nb);
+        if (!st && b->down && p->gout) st = mq_gpu_mlp_reserve_kept(b->gmlp, b->ebase[C]);
         tp = mq_now();
         g_ex_prof[2] += tp - tq;
         for (int64_t ce = 0; ce < C && !st; ce++) {
@@ -1606,11 +1641,26 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     if (s_hi <= s_lo) return MOEQ_OK;
     int64_t nb = p->mp.batch > 0 ? p->mp.batch : 1;
     if (nb > s_hi - s_lo) nb = s_hi - s_lo;
-    const int64_t rows_cap = mq_plan_batch_rows(p, e1 - e0);
+    const int64_t plan_rows = mq_plan_batch_rows(p, e1 - e0);
+    int64_t rows_cap = plan_rows, nb_in = nb;
+    /* MOEQ_GPU_BATCH=all (experimental, to be measured on the GPU machine before it becomes the
+     * GPU's default): every sample in one batch, so each expert's GEMMs take all its rows at once
+     * instead of the CPU threads' batches (about 1,000 rows an expert on OLMoE-1B-7B); possible
+     * where the rows stay on the device (batch_run's dev_rows) and the outputs are combined there */
+    const char *gb = getenv("MOEQ_GPU_BATCH");
+    const bool all_dev = p->gpu && gb && !strcmp(gb, "all") && experts_plain(p, l, e0, e1) && !amax &&
+                         !(hess && p->o->expert_weighting) && (!down || p->gout);
+    if (all_dev) {
+        nb = s_hi - s_lo;
+        rows_cap = 0;
+        for (int64_t s = s_lo; s < s_hi; s++) rows_cap += sample_rows(p, &src, s, e0, e1);
+        if (rows_cap < 1) rows_cap = 1;
+    }
     ex_batch b;
     memset(&b, 0, sizeof b);
-    moeq_status st = batch_alloc(&b, p, nb, e1 - e0, rows_cap);
+    moeq_status st = batch_alloc(&b, p, nb, e1 - e0, rows_cap, nb_in, !all_dev);
     if (st) return st;
+    b.all_dev = all_dev;
     b.p = p;
     b.l = l;
     b.e0 = e0;
@@ -1621,7 +1671,7 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     b.amax = amax;
     b.gu = gu;
     b.dn = dn;
-    if (p->gpu && (st = gpu_experts(p, l, e0, e1, down, rows_cap, &b.gmlp))) {
+    if (p->gpu && (st = gpu_experts(p, l, e0, e1, down, plan_rows, &b.gmlp))) {
         batch_free(&b);
         return st;
     }

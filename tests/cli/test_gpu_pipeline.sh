@@ -2,12 +2,12 @@
 # moeq quantize --device cuda through the whole pipeline (skipped where no GPU answers). The
 # chunk's experts stay on the GPU for both calibration passes and GPTQ, the Hessians are read
 # where they were summed and GPTQ leaves the dequantized weights in place of the device's for
-# the quantized pass. What must hold: the checkpoint is the same bytes whatever the expert chunk
-# and thread count, and after a kill and --resume (whose replay dequantizes the finished layers
-# on the host, so the device's dequantized weights must be the host's bits); experts rounded to
-# nearest as a fallback (their dequantized weights go up from the host) likewise; and the
-# GPU checkpoint's KL to the base model is within 2% of the CPU checkpoint's (both with the
-# refinement off: it is CPU only).
+# the quantized pass. What must hold: the checkpoint is the same bytes whatever the expert
+# chunk, the thread count and the batches (MOEQ_GPU_BATCH=all), and after a kill and --resume
+# (whose replay dequantizes the finished layers on the host, so the device's dequantized weights
+# must be the host's bits); experts rounded to nearest as a fallback (their dequantized weights
+# go up from the host) likewise; and the GPU checkpoint's KL to the base model is within 2% of
+# the CPU checkpoint's (both with the refinement off: it is CPU only).
 . "$(dirname "$0")/common.sh"
 native_only "GPU runs"
 
@@ -23,6 +23,10 @@ rm -rf "$tmp/probe"
 "$cli" quantize "$model" --out "$tmp/b" "${args[@]}" --device cuda --expert-chunk 1 --threads 3 ||
     fail "the GPU run with --expert-chunk 1 --threads 3 exited $?"
 same_checkpoint "$tmp/a" "$tmp/b" "--expert-chunk 1 --threads 3" "the default chunk"
+# every sample in one batch of rows on the device (MOEQ_GPU_BATCH=all): the same values
+MOEQ_GPU_BATCH=all "$cli" quantize "$model" --out "$tmp/all" "${args[@]}" --device cuda ||
+    fail "the GPU run with MOEQ_GPU_BATCH=all exited $?"
+same_checkpoint "$tmp/a" "$tmp/all" "MOEQ_GPU_BATCH=all" "the default batches"
 
 # killed inside the second layer's expert chunks, then resumed
 MOEQ_FAULT=chunk:1:1 "$cli" quantize "$model" --out "$tmp/r" "${args[@]}" --device cuda --expert-chunk 3 2>/dev/null

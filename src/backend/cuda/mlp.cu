@@ -44,7 +44,8 @@ struct mq_gpu_mlp {
     int64_t E, D, F, max_rows;
     std::vector<float *> w;   /* [3E]: gate, up, down of each expert (down may be NULL) */
     float *x, *hg, *hu, *y;
-    float *yk;                /* [max_rows, D] the batch's outputs kept for the combine, or NULL */
+    float *yk;                /* [yk_cap, D] the batch's outputs kept for the combine, or NULL */
+    int64_t yk_cap;
     float *in;                /* mq_gpu_mlp_inputs' rows */
     int64_t in_rows, in_cap;
     int32_t *src;             /* [max_rows] a chunk's row indices into `in` */
@@ -80,6 +81,7 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     m->max_rows = max_rows > 0 ? max_rows : 1;
     m->w.assign((size_t)(3 * E), NULL);
     m->x = m->hg = m->hu = m->y = m->yk = m->in = NULL;
+    m->yk_cap = 0;
     m->src = NULL;
     m->in_rows = m->in_cap = 0;
     const size_t wsz = (size_t)(D * F);
@@ -116,13 +118,13 @@ moeq_status mlp_rows(mq_gpu_mlp *m, int64_t e, const float *x, const int32_t *sr
     const bool kept = y0 >= 0;
     if ((y || kept) && !m->w[(size_t)(3 * e + 2)])
         return mq_err(MOEQ_E_ARG, "GPU experts: expert %lld has no down weights", (long long)e);
-    if (kept && y0 + n > m->max_rows)
-        return mq_err(MOEQ_E_ARG, "GPU experts: rows %lld..%lld past the batch's %lld", (long long)y0,
-                      (long long)(y0 + n), (long long)m->max_rows);
     if (kept && !m->yk) {
-        moeq_status a = cu_alloc(&m->yk, (size_t)(m->max_rows * m->D), "expert outputs");
+        moeq_status a = mq_gpu_mlp_reserve_kept(m, m->max_rows);
         if (a) return a;
     }
+    if (kept && y0 + n > m->yk_cap)
+        return mq_err(MOEQ_E_ARG, "GPU experts: rows %lld..%lld past the batch's %lld", (long long)y0,
+                      (long long)(y0 + n), (long long)m->yk_cap);
     cudaStream_t s = m->g->stream[0];
     const int64_t D = m->D, F = m->F;
     moeq_status st = CU(cudaSetDevice(m->g->device));
@@ -169,6 +171,19 @@ extern "C" moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, 
     return mlp_rows(m, e, x, NULL, n, hg, hu, y, h_in, h_down);
 }
 
+extern "C" moeq_status mq_gpu_mlp_reserve_kept(mq_gpu_mlp *m, int64_t rows) {
+    if (rows <= m->yk_cap && m->yk) return MOEQ_OK;
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* a combine may still read it */
+    if (st) return st;
+    mq_cu_free(m->yk);
+    m->yk = NULL;
+    m->yk_cap = 0;
+    st = cu_alloc(&m->yk, (size_t)((rows > 0 ? rows : 1) * m->D), "expert outputs");
+    if (!st) m->yk_cap = rows > 0 ? rows : 1;
+    return st;
+}
+
 extern "C" moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, int64_t y0,
                                                 mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
     if (y0 < 0) return mq_err(MOEQ_E_ARG, "GPU experts: output row %lld", (long long)y0);
@@ -195,6 +210,30 @@ extern "C" moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, c
         at += rows[i];
     }
     m->in_rows = st ? 0 : total;
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_mlp_inputs_reserve(mq_gpu_mlp *m, int64_t rows) {
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* a previous batch may still read `in` */
+    if (!st && rows > m->in_cap) {
+        mq_cu_free(m->in);
+        m->in = NULL;
+        m->in_cap = 0;
+        if ((st = cu_alloc(&m->in, (size_t)(rows * m->D), "expert inputs"))) return st;
+        m->in_cap = rows;
+    }
+    m->in_rows = st ? 0 : rows;
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_mlp_inputs_put(mq_gpu_mlp *m, int64_t row0, const float *x, int64_t n) {
+    if (row0 < 0 || n < 0 || row0 + n > m->in_rows)
+        return mq_err(MOEQ_E_ARG, "GPU experts: input rows %lld..%lld of %lld", (long long)row0, (long long)(row0 + n),
+                      (long long)m->in_rows);
+    if (n == 0) return MOEQ_OK;
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = mq_cu_upload(m->g, m->in + row0 * m->D, x, (size_t)(n * m->D) * sizeof(float));
     return st;
 }
 
@@ -320,8 +359,8 @@ extern "C" moeq_status mq_gpu_mlp_combine(mq_gpu_mlp *m, mq_gpu_buf *out, const 
         if (tok[i] < 0 || (tok[i] + 1) * D > out->n)
             return mq_err(MOEQ_E_ARG, "GPU combine: output row %lld past the buffer", (long long)tok[i]);
     for (int64_t p = 0; p < np; p++)
-        if (row[p] < 0 || row[p] >= m->max_rows)
-            return mq_err(MOEQ_E_ARG, "GPU combine: row %d past the batch's %lld", row[p], (long long)m->max_rows);
+        if (row[p] < 0 || row[p] >= m->yk_cap)
+            return mq_err(MOEQ_E_ARG, "GPU combine: row %d past the batch's %lld", row[p], (long long)m->yk_cap);
     cudaStream_t s = m->g->stream[0];
     /* the index arrays travel in one piece: tok, first, row, w */
     const size_t bt = (size_t)n_tok * 8, bf = (size_t)(n_tok + 1) * 4, br = (size_t)np * 4, bw = (size_t)np * 4;
