@@ -1533,7 +1533,7 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
         double tq = mq_now();
         g_ex_prof[1] += tq - tp;
         st = b->all_dev ? batch_inputs_device(b) : mq_gpu_mlp_inputs(b->gmlp, b->xin, b->xrows, b->nb);
-        if (!st && b->down && p->gout) st = mq_gpu_mlp_reserve_kept(b->gmlp, b->ebase[C]);
+        if (!st && b->all_dev && b->down && p->gout) st = mq_gpu_mlp_reserve_kept(b->gmlp, b->ebase[C]);
         tp = mq_now();
         g_ex_prof[2] += tp - tq;
         for (int64_t ce = 0; ce < C && !st; ce++) {
