@@ -41,7 +41,9 @@ case $what in
             grep -qx "CPU kernels: $name" <<< "$v" || { echo "arm64: kernel set: $v" >&2; exit 1; }
             ctest --test-dir "$build" --output-on-failure -j "$(nproc)" -R "$re"
         done ;;
-    quick) ctest --test-dir "$build" --output-on-failure -j "$(nproc)" -R "$quick" ;;
+    # one thread each (tests that vary the count set it themselves): the pools' and OpenBLAS's
+    # threads crawl under qemu-user (test_deepseek: 12 minutes alone, over 100 with two threads)
+    quick) OPENBLAS_NUM_THREADS=1 MOEQ_THREADS=1 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" -R "$quick" ;;
     smoke) ctest --test-dir "$build" --output-on-failure -R '^cli_test_arm_smoke$' ;;
-    all) ctest --test-dir "$build" --output-on-failure -j "$(nproc)" ;;   # 2 h per test (CMakeLists.txt)
+    all) OPENBLAS_NUM_THREADS=1 MOEQ_THREADS=1 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" ;;   # 2 h per test (CMakeLists.txt)
 esac
