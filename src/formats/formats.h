@@ -153,6 +153,10 @@ typedef struct {
 /* Allocates codes and params (zeroed); global_scale 1, g_idx NULL. */
 moeq_status mq_qtensor_init(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols,
                             const char *tensor);
+/* As mq_qtensor_init with codes and params left unset, for a writer that sets every one (the
+ * GPU's results: zeroing a layer's worth page by page took longer than its GPTQ). */
+moeq_status mq_qtensor_init_unset(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols,
+                                  const char *tensor);
 void mq_qtensor_free(mq_qtensor *q);
 /* Group of column c. */
 static inline int64_t mq_qtensor_group_of(const mq_qtensor *q, int64_t c) {

@@ -462,8 +462,8 @@ void mq_group_params(const mq_qspec *s, float global_scale, const float *x, int6
 
 /* ---- tensors ------------------------------------------------------------------------------ */
 
-moeq_status mq_qtensor_init(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols,
-                            const char *tensor) {
+static moeq_status qtensor_alloc(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols,
+                                 const char *tensor, bool zero) {
     memset(q, 0, sizeof *q);
     moeq_status st = mq_qspec_check(s, rows, cols, tensor);
     if (st) return st;
@@ -473,15 +473,26 @@ moeq_status mq_qtensor_init(mq_qtensor *q, const mq_qspec *s, int64_t rows, int6
     q->group_size = mq_qspec_group(s, cols);
     q->n_groups = cols / q->group_size;
     q->global_scale = 1.0f;
-    q->codes = mq_alloc_zero((size_t)rows * (size_t)cols, "quantized codes");
-    q->params = mq_alloc_array((size_t)rows * (size_t)q->n_groups, sizeof(mq_gparams),
-                               "quantization params");
+    const size_t np = (size_t)rows * (size_t)q->n_groups;
+    q->codes = zero ? mq_alloc_zero((size_t)rows * (size_t)cols, "quantized codes")
+                    : mq_alloc_array((size_t)rows, (size_t)cols, "quantized codes");
+    q->params = mq_alloc_array(np, sizeof(mq_gparams), "quantization params");
     if (!q->codes || !q->params) {
         mq_qtensor_free(q);
         return mq_err_prefix(MOEQ_E_NOMEM, "tensor '%s'", tensor);
     }
-    memset(q->params, 0, (size_t)rows * (size_t)q->n_groups * sizeof(mq_gparams));
+    if (zero) memset(q->params, 0, np * sizeof(mq_gparams));
     return MOEQ_OK;
+}
+
+moeq_status mq_qtensor_init(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols,
+                            const char *tensor) {
+    return qtensor_alloc(q, s, rows, cols, tensor, true);
+}
+
+moeq_status mq_qtensor_init_unset(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols,
+                                  const char *tensor) {
+    return qtensor_alloc(q, s, rows, cols, tensor, false);
 }
 
 void mq_qtensor_free(mq_qtensor *q) {

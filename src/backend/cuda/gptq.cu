@@ -1367,28 +1367,6 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
     return st;
 }
 
-/* mq_qtensor_init's tensor without zeroing codes and params: the results overwrite every one (and
- * a layer's worth of zeroing, page by page, took longer than its GPTQ). */
-moeq_status out_init(mq_qtensor *q, const mq_qspec *s, int64_t rows, int64_t cols, const char *name) {
-    memset(q, 0, sizeof *q);
-    moeq_status st = mq_qspec_check(s, rows, cols, name);
-    if (st) return st;
-    q->spec = *s;
-    q->rows = rows;
-    q->cols = cols;
-    q->group_size = mq_qspec_group(s, cols);
-    q->n_groups = cols / q->group_size;
-    q->global_scale = 1.0f;
-    q->codes = (uint8_t *)mq_alloc_array((size_t)rows, (size_t)cols, "quantized codes");
-    q->params = (mq_gparams *)mq_alloc_array((size_t)rows * (size_t)q->n_groups, sizeof(mq_gparams),
-                                             "quantization params");
-    if (!q->codes || !q->params) {
-        mq_qtensor_free(q);
-        return mq_err_prefix(MOEQ_E_NOMEM, "tensor '%s'", name);
-    }
-    return MOEQ_OK;
-}
-
 }  // namespace
 
 extern "C" moeq_status mq_gpu_gptq_ex(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, const float *const *H,
@@ -1421,7 +1399,7 @@ extern "C" moeq_status mq_gpu_gptq_ex(mq_gpu *g, const mq_qspec *s, const mq_gpt
                 break;
             }
         }
-        if ((st = out_init(j->out, s, j->rows, Kj, name))) break;
+        if ((st = mq_qtensor_init_unset(j->out, s, j->rows, Kj, name))) break;
         if (gidx && s->scheme != MQ_QS_INT4) {
             st = mq_err(MOEQ_E_UNSUPPORTED, "%s: act-order with g_idx groups needs INT4 (use static or dynamic "
                         "groups with %s)", name, mq_qscheme_name(s->scheme));
