@@ -18,6 +18,7 @@ typedef struct {
     int size;                 /* threads including the caller */
     pthread_t *workers;       /* size - 1 */
     uint64_t generation;
+    uint64_t start_generation;   /* generation when the workers were started */
     int shutdown;
     int pending;              /* workers still running the current job */
     mq_task_fn fn;
@@ -46,8 +47,12 @@ static void run_tasks(int thread) {
 
 static void *worker_main(void *arg) {
     int thread = (int)(intptr_t)arg;
-    uint64_t seen = 0;
     pthread_mutex_lock(&g_pool.mu);
+    /* the jobs before this pool's start are not this worker's: a pool restarted by
+     * moeq_set_threads starts with the generation counter past 0, and a worker that began at 0
+     * took a round of a finished (or, racing, the next) job and counted it off `pending` twice,
+     * so mq_parallel_for could return while another worker still ran a task */
+    uint64_t seen = g_pool.start_generation;
     for (;;) {
         while (!g_pool.shutdown && g_pool.generation == seen) pthread_cond_wait(&g_pool.cv_work, &g_pool.mu);
         if (g_pool.shutdown) break;
@@ -96,6 +101,7 @@ static void pool_start(void) {
     if (want > 1024) want = 1024;
     g_pool.size = 1;
     if (want <= 1) return;
+    g_pool.start_generation = g_pool.generation;   /* no job is in flight: submit is held */
     g_pool.workers = calloc((size_t)want - 1, sizeof(pthread_t));
     if (!g_pool.workers) return;
     for (int i = 1; i < want; i++) {
