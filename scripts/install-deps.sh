@@ -22,7 +22,7 @@ install() {
     { $SUDO apt-get update && $SUDO apt-get install -y --no-install-recommends "$@"; }
 }
 if [ "${1:-}" = arm64 ]; then
-  pkgs=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user libopenblas-dev:arm64 liblapacke-dev:arm64
+  pkgs=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross libc6:arm64 qemu-user libopenblas-dev:arm64 liblapacke-dev:arm64
         libcjson-dev:arm64 libpcre2-dev:arm64 zlib1g-dev:arm64)
   if ! dpkg --print-foreign-architectures | grep -qx arm64; then
     $SUDO dpkg --add-architecture arm64
