@@ -6,7 +6,7 @@
 # CPUs, with the CLI's kernel set name (CI's arm64 job, a few minutes on 2 cores); "quick" runs the
 # unit tests of the number formats, kernels, GPTQ, Hessians, readers and layouts; "smoke" the CLI
 # against the native build (MOEQ_NATIVE_CLI, default build/moeq); "all" the whole suite (hours
-# under emulation).
+# under emulation; the binaries run on the :arm64 glibc, cmake/aarch64-linux-gnu.cmake says why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-quick}
@@ -31,7 +31,7 @@ quick='^test_(config|dist|core|formats|gemm_det|hessian|gptq|vec_kernels|moe_ffn
 case $what in
     kernels)
         re="^($(IFS='|'; echo "${kernel_tests[*]}"))\$"
-        # OpenBLAS starts its threads when it loads, and under qemu-user contended locks crawl
+        # OpenBLAS starts its threads when it loads; under emulation they only share the cores
         export OPENBLAS_NUM_THREADS=1 MOEQ_THREADS=1
         for cpu in max:neon+dotprod cortex-a72:neon; do
             name=${cpu#*:}
@@ -41,8 +41,8 @@ case $what in
             grep -qx "CPU kernels: $name" <<< "$v" || { echo "arm64: kernel set: $v" >&2; exit 1; }
             ctest --test-dir "$build" --output-on-failure -j "$(nproc)" -R "$re"
         done ;;
-    # one thread each (tests that vary the count set it themselves): the pools' and OpenBLAS's
-    # threads crawl under qemu-user (test_deepseek: 12 minutes alone, over 100 with two threads)
+    # one thread each (tests that vary the count set it themselves): emulated threads only share
+    # the host's cores
     quick) OPENBLAS_NUM_THREADS=1 MOEQ_THREADS=1 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" -R "$quick" ;;
     smoke) ctest --test-dir "$build" --output-on-failure -R '^cli_test_arm_smoke$' ;;
     all) OPENBLAS_NUM_THREADS=1 MOEQ_THREADS=1 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" ;;   # 2 h per test (CMakeLists.txt)
