@@ -49,6 +49,11 @@ moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on);
 moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs);
 /* Waits until the device has done everything queued so far (profiling). */
 moeq_status mq_gpu_sync(mq_gpu *g);
+/* Page-locked host memory of `bytes` (NULL where the driver refuses it, or without a GPU): host
+ * buffers the device copies to and from at the bus's speed (pageable ones go through the
+ * driver's staging copies); freed with mq_gpu_host_free. */
+void *mq_gpu_host_alloc(mq_gpu *g, size_t bytes);
+void mq_gpu_host_free(void *p);
 /* "cuda" -> 0, "cuda:N" -> N; "cpu" -> -1; anything else MOEQ_E_ARG naming the flag value. */
 moeq_status mq_gpu_parse_device(const char *s, int *device);
 

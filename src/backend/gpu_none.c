@@ -31,6 +31,13 @@ moeq_status mq_gpu_sync(mq_gpu *g) {
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+void *mq_gpu_host_alloc(mq_gpu *g, size_t bytes) {
+    (void)g, (void)bytes;
+    return NULL;
+}
+
+void mq_gpu_host_free(void *p) { (void)p; }
+
 moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs) {
     (void)g;
     *sgemm_gflops = *bandwidth_gbs = 0;

@@ -760,6 +760,7 @@ typedef struct {
     float *xn;                    /* [Lmax, D] its FFN input */
     float *probs;                 /* [Lmax, E] router scratch */
     bool gpu;                     /* the attention runs on p->gatt */
+    bool pinned;                  /* xt and xn are page-locked (mq_gpu_host_alloc) */
 } att_scratch;
 
 /* Whether layer l's attention can run on the GPU: the standard attention of the families the
@@ -1021,12 +1022,20 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         cap.kvb = &sl[3];
     }
     att_scratch sc = {0};
-    sc.xt = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "attention input");
-    sc.xn = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "FFN input");
+    sc.gpu = gpu_attention_fits(p, l);
+    if (sc.gpu) {   /* page-locked: each sample's input and results cross the bus at its speed */
+        sc.xt = mq_gpu_host_alloc(p->gpu, sizeof(float) * (size_t)(Lmax * D));
+        sc.xn = sc.xt ? mq_gpu_host_alloc(p->gpu, sizeof(float) * (size_t)(Lmax * D)) : NULL;
+        sc.pinned = sc.xn != NULL;
+        if (!sc.pinned) mq_gpu_host_free(sc.xt);
+    }
+    if (!sc.pinned) {
+        sc.xt = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "attention input");
+        sc.xn = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "FFN input");
+    }
     sc.probs = mq_alloc_array((size_t)Lmax, (size_t)(c->n_experts > 0 ? c->n_experts : 1) * sizeof(float),
                               "router probabilities");
     if (!sc.xt || !sc.xn || !sc.probs) st = MOEQ_E_NOMEM;
-    sc.gpu = gpu_attention_fits(p, l);
     const bool pass_a = !replay || !p->seq;
     if (!st && sc.gpu && pass_a) st = gpu_attention_set(p, l);
     if (!st && !replay) {
@@ -1097,8 +1106,13 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     mq_free(cap.arena_o);
     mq_free(cap.arena_qb);
     mq_free(cap.arena_kvb);
-    mq_free(sc.xt);
-    mq_free(sc.xn);
+    if (sc.pinned) {
+        mq_gpu_host_free(sc.xt);
+        mq_gpu_host_free(sc.xn);
+    } else {
+        mq_free(sc.xt);
+        mq_free(sc.xn);
+    }
     mq_free(sc.probs);
     drop_part(p, l, MQ_PART_ATTN, 0, 0);
     mq_state_drop_layer(p->state, l);
@@ -1168,8 +1182,8 @@ typedef struct {
     int64_t *ctok;                /* [nb * Lmax] GPU combine: each token's output row, */
     int32_t *cfirst, *crow;       /* [nb * Lmax + 1] its first pair, [rows] the pairs' rows */
     float *cw;                    /* [rows] and weights, in the CPU combine's order */
-    bool all_dev;                 /* GPU, MOEQ_GPU_BATCH=all: every sample in one batch, the rows
-                                     only on the device, the inputs up nb_in samples at a time */
+    bool all_dev;                 /* GPU: as many samples in one batch as the device holds, the
+                                     rows only there, the inputs up nb_in samples at a time */
     int64_t nb_in;                /* samples xin_buf holds */
 } ex_batch;
 
@@ -1634,6 +1648,25 @@ static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int
     return st;
 }
 
+/* The GPU's expert batches: how many rows (token, expert) pairs one batch may hold on the device,
+ * a third of its free memory at 2 D floats per row, 4 when down runs (its kept output, and
+ * the tokens' inputs, fewer than the rows), at most GPU_BATCH_MAX_ROWS for the host's per-row
+ * bookkeeping (24 bytes a row: 100 MB). MOEQ_GPU_BATCH_ROWS=N sets it (the tests' small batches).
+ * With MOEQ_GPU_BATCH=device (experts_pass). */
+enum { GPU_BATCH_MAX_ROWS = 1 << 22, GPU_DEVICE_BATCHES_DEFAULT = 0 };
+#define GPU_BATCH_HOST_ROUTES ((int64_t)1 << 23)
+
+static int64_t gpu_batch_rows(const mq_pipe *p, bool down) {
+    const char *env = getenv("MOEQ_GPU_BATCH_ROWS");
+    if (env && atoll(env) > 0) return atoll(env);
+    mq_gpu_info gi;
+    mq_gpu_get_info(p->gpu, &gi);
+    const int64_t per_row = (int64_t)sizeof(float) * p->c->D * (down ? 2 : 1) * 2;
+    int64_t rows = gi.mem_free / 3 / per_row;
+    if (rows > GPU_BATCH_MAX_ROWS) rows = GPU_BATCH_MAX_ROWS;
+    return rows > 1 ? rows : 1;
+}
+
 /* own: only this rank's samples (outputs with several ranks), else all of them. */
 static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source src, bool down,
                                 bool hess, bool amax, slot *gu, slot *dn, bool own) {
@@ -1643,18 +1676,32 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     if (nb > s_hi - s_lo) nb = s_hi - s_lo;
     const int64_t plan_rows = mq_plan_batch_rows(p, e1 - e0);
     int64_t rows_cap = plan_rows, nb_in = nb;
-    /* MOEQ_GPU_BATCH=all (experimental, to be measured on the GPU machine before it becomes the
-     * GPU's default): every sample in one batch, so each expert's GEMMs take all its rows at once
-     * instead of the CPU threads' batches (about 1,000 rows an expert on OLMoE-1B-7B); possible
-     * where the rows stay on the device (batch_run's dev_rows) and the outputs are combined there */
+    /* On the GPU (MOEQ_GPU_BATCH=device) every expert's GEMMs take as many rows as the device
+     * holds (all the samples' on OLMoE-1B-7B at 128 x 2048 tokens) instead of the CPU threads'
+     * batches (about 1,000 rows an expert there, which leaves the GPU's GEMMs small): possible
+     * where the rows stay on the device (batch_run's dev_rows) and the outputs are combined there.
+     * MOEQ_GPU_BATCH=plan, the default until the device batches are measured on the GPU machine,
+     * keeps the CPU plan's (the GPU test compares the two byte for byte). */
     const char *gb = getenv("MOEQ_GPU_BATCH");
-    const bool all_dev = p->gpu && gb && !strcmp(gb, "all") && experts_plain(p, l, e0, e1) && !amax &&
+    const bool dev_batches = gb ? !strcmp(gb, "device") : GPU_DEVICE_BATCHES_DEFAULT;
+    const bool all_dev = p->gpu && dev_batches && experts_plain(p, l, e0, e1) && !amax &&
                          !(hess && p->o->expert_weighting) && (!down || p->gout);
     if (all_dev) {
-        nb = s_hi - s_lo;
-        rows_cap = 0;
-        for (int64_t s = s_lo; s < s_hi; s++) rows_cap += sample_rows(p, &src, s, e0, e1);
-        if (rows_cap < 1) rows_cap = 1;
+        int64_t worst = 1, total = 0;
+        for (int64_t s = s_lo; s < s_hi; s++) {
+            const int64_t r = sample_rows(p, &src, s, e0, e1);
+            total += r;
+            if (r > worst) worst = r;
+        }
+        rows_cap = gpu_batch_rows(p, down);
+        if (rows_cap < worst) rows_cap = worst;   /* one sample always fits */
+        if (rows_cap > total) rows_cap = total > 0 ? total : 1;
+        /* the host's per-sample bookkeeping (tok_row and the combine's, about 16 bytes per
+         * token and route) stays under GPU_BATCH_HOST_ROUTES */
+        const int64_t per_sample = p->calib.max_len * p->c->top_k;
+        int64_t nb_cap = GPU_BATCH_HOST_ROUTES / (per_sample > 0 ? per_sample : 1);
+        if (nb_cap < nb) nb_cap = nb;
+        nb = s_hi - s_lo < nb_cap ? s_hi - s_lo : nb_cap;
     }
     ex_batch b;
     memset(&b, 0, sizeof b);

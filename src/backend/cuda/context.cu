@@ -143,6 +143,20 @@ extern "C" void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
     }
 }
 
+extern "C" void *mq_gpu_host_alloc(mq_gpu *g, size_t bytes) {
+    void *p = NULL;
+    if (!g || cudaSetDevice(g->device) != cudaSuccess) return NULL;
+    if (cudaMallocHost(&p, bytes ? bytes : 1) != cudaSuccess) {
+        cudaGetLastError();   /* not sticky: the caller falls back to pageable memory */
+        return NULL;
+    }
+    return p;
+}
+
+extern "C" void mq_gpu_host_free(void *p) {
+    if (p) cudaFreeHost(p);
+}
+
 extern "C" moeq_status mq_gpu_sync(mq_gpu *g) {
     moeq_status st = CU(cudaSetDevice(g->device));
     if (!st) st = CU(cudaDeviceSynchronize());
