@@ -910,7 +910,99 @@ static void test_mlp_combine(void) {
     mq_gpu_close(g);
 }
 
+/* Several experts of one set run at once on the device's streams (mq_gpu_mlp's lanes: expert e
+ * on lane e % 4; five experts, so lane 0 takes two), each with its own Hessian sums, its rows in
+ * pieces of 16 (by the batch's index on the device, or by its own indices) and its outputs kept
+ * at their own rows: after mq_gpu_mlp_join every sum and
+ * output is the CPU's bits for that expert (mq_mlp_forward, mq_hessian_add), read both through
+ * the Hessians (stream 0) and the combine. */
+static void test_mlp_lanes(void) {
+    mq_gpu *g = open_gpu();
+    enum { E = 5 };
+    const int64_t D = 96, F = 160, n_in = 60;
+    mq_linear gate[E], up[E], down[E];
+    const float *pg[E], *pu[E], *pd[E];
+    for (int e = 0; e < E; e++) {
+        gate[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 100 + 3 * e), .det = true};
+        up[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 101 + 3 * e), .det = true};
+        down[e] = (mq_linear){.out = D, .in = F, .w = make_weights(D, F, 102 + 3 * e), .det = true};
+        for (int64_t i = 0; i < F * D; i++) gate[e].w[i] *= 40, up[e].w[i] *= 40;
+        pg[e] = gate[e].w, pu[e] = up[e].w, pd[e] = down[e].w;
+    }
+    float *x = make_weights(n_in, D, 99);
+    for (int64_t i = 0; i < n_in * D; i++) x[i] *= 50;
+    mq_gpu_mlp *m = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, E, D, F, pg, pu, pd, 16, &m));
+    const float *xs[1] = {x};
+    const int64_t rows_in[1] = {n_in};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_inputs(m, xs, rows_in, 1));
+    int64_t n[E], r0[E + 1];
+    int32_t src[E][64];
+    r0[0] = 0;
+    for (int e = 0; e < E; e++) {
+        n[e] = 23 + 9 * e;   /* 23 .. 59 rows: two to four pieces of 16 */
+        for (int64_t i = 0; i < n[e]; i++) src[e][i] = (int32_t)((i * 7 + e) % n_in);
+        r0[e + 1] = r0[e] + n[e];
+    }
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_reserve_kept(m, r0[E]));
+    const int64_t Ks[2] = {D, F};
+    mq_gpu_hessians *hx[E], *hd[E];
+    for (int e = 0; e < E; e++) {
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[0], &hx[e]));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[1], &hd[e]));
+    }
+    /* experts 0-2 by the batch's index (mq_gpu_mlp_rows_index), 3-4 with their rows' indices */
+    int32_t all[5 * 64];
+    for (int e = 0; e < E; e++) memcpy(all + r0[e], src[e], (size_t)n[e] * sizeof(int32_t));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_rows_index(m, all, r0[E]));
+    for (int e = 0; e < 3; e++) ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_indexed(m, e, r0[e], n[e], true, hx[e], hd[e]));
+    for (int e = 3; e < E; e++)
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_rows_kept(m, e, src[e], n[e], r0[e], hx[e], hd[e]));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_join(m));
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_run_indexed(m, 0, r0[E] - 2, 3, true, NULL, NULL));   /* past the index */
+    all[0] = (int32_t)n_in;   /* outside the inputs: refused before anything goes up */
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_rows_index(m, all, r0[E]));
+    /* the kept outputs through the combine: token t takes row t with weight 1 */
+    const int64_t nt = r0[E];
+    int64_t *tok = malloc((size_t)nt * sizeof *tok);
+    int32_t *first = malloc((size_t)(nt + 1) * sizeof *first), *row = malloc((size_t)nt * sizeof *row);
+    float *w = malloc((size_t)nt * 4), *got = malloc((size_t)(nt * D) * 4);
+    for (int64_t t = 0; t < nt; t++) tok[t] = t, first[t] = (int32_t)t, row[t] = (int32_t)t, w[t] = 1.0f;
+    first[nt] = (int32_t)nt;
+    mq_gpu_buf *out = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, nt * D, &out));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_combine(m, out, tok, first, row, w, nt));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_read(out, 0, nt * D, got));
+    float *xp = malloc((size_t)(64 * D) * 4), *hg = malloc((size_t)(64 * F) * 4), *hu = malloc((size_t)(64 * F) * 4);
+    float *y = malloc((size_t)(64 * D) * 4), *Gx = malloc((size_t)(D * D) * 4), *Gg = malloc((size_t)(F * F) * 4);
+    for (int e = 0; e < E; e++) {
+        for (int64_t i = 0; i < n[e]; i++) memcpy(xp + i * D, x + (int64_t)src[e][i] * D, (size_t)D * 4);
+        ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate[e], &up[e], &down[e], xp, n[e], hg, hu, y));
+        float *Hx = cpu_hessian(xp, n[e], D), *Hg = cpu_hessian(hg, n[e], F);
+        int64_t nx = 0, ng = 0, diff = 0;
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(hx[e], 0, Gx, &nx));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(hd[e], 0, Gg, &ng));
+        ASSERT_EQ_INT(n[e], nx);
+        ASSERT_EQ_INT(n[e], ng);
+        for (int64_t i = 0; i < n[e] * D; i++) diff += !same_float(fmaf(1.0f, y[i], 0.0f), got[r0[e] * D + i]);
+        if (diff) FAIL("lanes: expert %d: %lld outputs differ from mq_mlp_forward", e, (long long)diff);
+        for (int64_t i = 0; i < D * D; i++) diff += !same_float(Hx[i], Gx[i]);
+        for (int64_t i = 0; i < F * F; i++) diff += !same_float(Hg[i], Gg[i]);
+        if (diff) FAIL("lanes: expert %d: %lld Hessian entries differ from mq_hessian_add's", e, (long long)diff);
+        free(Hx), free(Hg);
+    }
+    for (int e = 0; e < E; e++) {
+        mq_gpu_hessians_free(hx[e]), mq_gpu_hessians_free(hd[e]);
+        free(gate[e].w), free(up[e].w), free(down[e].w);
+    }
+    mq_gpu_buf_free(out);
+    mq_gpu_mlp_free(m);
+    free(x), free(tok), free(first), free(row), free(w), free(got), free(xp), free(hg), free(hu), free(y);
+    free(Gx), free(Gg);
+    mq_gpu_close(g);
+}
+
 TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
           T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_warp_equals_thread), T(test_gptq_batched_deterministic),
           T(test_gptq_retry_and_errors), T(test_gptq_device_inputs), T(test_gemm_det_bitexact), T(test_mlp_bitexact),
-          T(test_mlp_rows_hessians), T(test_mlp_combine), T(test_attention_parity))
+          T(test_mlp_rows_hessians), T(test_mlp_combine), T(test_mlp_lanes), T(test_attention_parity))

@@ -130,6 +130,17 @@ moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, in
 moeq_status mq_gpu_mlp_reserve_kept(mq_gpu_mlp *m, int64_t rows);
 moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, int64_t y0,
                                      mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
+/* The rows of a whole batch at once: _rows_index puts up the batch's n row indices into the
+ * inputs (each checked), then _run_indexed runs expert e on rows [r0, r0 + n) of them, its
+ * outputs kept at rows [r0, r0 + n) when `keep` (else not computed): as _run_rows(_kept), with
+ * nothing crossing the bus per expert, so the experts overlap on the device. */
+moeq_status mq_gpu_mlp_rows_index(mq_gpu_mlp *m, const int32_t *src, int64_t n);
+moeq_status mq_gpu_mlp_run_indexed(mq_gpu_mlp *m, int64_t e, int64_t r0, int64_t n, bool keep,
+                                   mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
+/* The _run_rows calls of different experts may run at once on the device; after the last of a
+ * batch, _join orders whatever the GPU does next (the Hessians' reads, GPTQ, the combine) after
+ * them. The expert set's own calls join by themselves. */
+moeq_status mq_gpu_mlp_join(mq_gpu_mlp *m);
 
 /* Device memory of n floats (zeroed), read back into host memory: the FFN outputs of a layer's
  * samples while the routed experts add into them. */

@@ -116,6 +116,22 @@ moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *sr
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_mlp_rows_index(mq_gpu_mlp *m, const int32_t *src, int64_t n) {
+    (void)m, (void)src, (void)n;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_mlp_run_indexed(mq_gpu_mlp *m, int64_t e, int64_t r0, int64_t n, bool keep,
+                                   mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
+    (void)m, (void)e, (void)r0, (void)n, (void)keep, (void)h_in, (void)h_down;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_mlp_join(mq_gpu_mlp *m) {
+    (void)m;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_mlp_reserve_kept(mq_gpu_mlp *m, int64_t rows) {
     (void)m, (void)rows;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");

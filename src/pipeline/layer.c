@@ -1548,20 +1548,24 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
         g_ex_prof[1] += tq - tp;
         st = b->all_dev ? batch_inputs_device(b) : mq_gpu_mlp_inputs(b->gmlp, b->xin, b->xrows, b->nb);
         if (!st && b->all_dev && b->down && p->gout) st = mq_gpu_mlp_reserve_kept(b->gmlp, b->ebase[C]);
+        /* the whole batch's row indices up at once, unless the outputs come back to the host */
+        const bool indexed = !b->down || p->gout;
+        if (!st && indexed) st = mq_gpu_mlp_rows_index(b->gmlp, b->grow, b->ebase[C]);
         tp = mq_now();
         g_ex_prof[2] += tp - tq;
         for (int64_t ce = 0; ce < C && !st; ce++) {
             slot *gu = &b->gu[b->e0 + ce], *dn = &b->dn[b->e0 + ce];
             const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
             mq_gpu_hessians *hin = b->hess && gu->h.sum ? gu->gh : NULL, *hdn = b->hess && dn->h.sum ? dn->gh : NULL;
-            if (b->down && p->gout)   /* the outputs stay there for the combine */
-                st = mq_gpu_mlp_run_rows_kept(b->gmlp, ce, b->grow + r0, n, r0, hin, hdn);
+            if (indexed)   /* down: the outputs stay there for the combine */
+                st = mq_gpu_mlp_run_indexed(b->gmlp, ce, r0, n, b->down, hin, hdn);
             else
                 st = mq_gpu_mlp_run_rows(b->gmlp, ce, b->grow + r0, n, NULL, NULL, b->down ? b->yg + r0 * D : NULL,
                                          hin, hdn);
             if (hin) gu->h.n += n;
             if (hdn) dn->h.n += n;
         }
+        if (!st) st = mq_gpu_mlp_join(b->gmlp);   /* the experts ran on several streams */
         if (getenv("MOEQ_PROFILE") && !st) st = mq_gpu_sync(p->gpu);
         tq = mq_now();
         g_ex_prof[3] += tq - tp;

@@ -358,7 +358,7 @@ extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, cons
         k_rmsnorm<<<(unsigned)T, NORM_THREADS, 0, s>>>(a->xn, a->x, T, D, a->norm, sh->eps);
         st = CU_LAUNCHED("k_rmsnorm");
     }
-    if (!st && hq) st = mq_gpu_hessians_add_device(hq, 0, a->xn, T);
+    if (!st && hq) st = mq_gpu_hessians_add_device(hq, 0, a->xn, T, s);
     if (!st && xn) st = CU(cudaMemcpyAsync(xn, a->xn, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
     mark(a, PH_NORM);
     if (!st) st = linear(a, a->xn, T, a->wq, QD, D, a->has[5] ? a->bq : NULL, a->q);
@@ -386,7 +386,7 @@ extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, cons
     mark(a, PH_QKV);
     if (!st) st = attend(a, T);
     mark(a, PH_ATTEND);
-    if (!st && ho) st = mq_gpu_hessians_add_device(ho, 0, a->att, T);
+    if (!st && ho) st = mq_gpu_hessians_add_device(ho, 0, a->att, T, s);
     if (!st && att) st = CU(cudaMemcpyAsync(att, a->att, (size_t)(T * QD) * sizeof(float), cudaMemcpyDeviceToHost, s));
     if (!st) st = linear(a, a->att, T, a->wo, D, QD, a->has[8] ? a->bo : NULL, a->y);
     if (!st) {

@@ -74,8 +74,9 @@ float *mq_gpu_mlp_weight(mq_gpu_mlp *m, int64_t e, int k);
 bool mq_gpu_mlp_shape(const mq_gpu_mlp *m, int64_t e, int k, int64_t *rows, int64_t *cols);
 const float *mq_gpu_hessians_sum(const mq_gpu_hessians *hs, int64_t i, int64_t *K, int64_t *n);
 
-/* mq_gpu_hessians_add for rows already on the device (x: rows x K, on stream 0, which must not
- * change x before the kernel has read it: later work on stream 0 is ordered after it). */
-moeq_status mq_gpu_hessians_add_device(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows);
+/* mq_gpu_hessians_add for rows already on the device (x: rows x K, on stream s, which must not
+ * change x before the kernel has read it: later work on s is ordered after it). A sum is updated
+ * on one stream at a time, stream 0 ordered after it before the sum is read. */
+moeq_status mq_gpu_hessians_add_device(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows, cudaStream_t s);
 
 #endif

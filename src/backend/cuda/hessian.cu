@@ -97,10 +97,10 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
     return st;
 }
 
-moeq_status mq_gpu_hessians_add_device(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows) {
+moeq_status mq_gpu_hessians_add_device(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows, cudaStream_t s) {
     if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
     if (rows <= 0) return MOEQ_OK;
-    moeq_status st = syrk(hs->g->stream[0], hs->sum[i], x, rows, hs->K[i]);
+    moeq_status st = syrk(s, hs->sum[i], x, rows, hs->K[i]);
     if (!st) hs->n[i] += rows;
     return st;
 }

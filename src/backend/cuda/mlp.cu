@@ -39,30 +39,87 @@ moeq_status gemm(cudaStream_t s, int64_t M, int64_t N, int64_t K, const float *A
 
 }  // namespace
 
+/* Experts of a batch run on up to MLP_LANES streams at once (expert e on lane e % lanes), each
+ * lane with its own scratch: one expert's Hessian update fills only its K/128 x K/128 tiles'
+ * CTAs (36 for a 1024-input sum on a 132-SM GPU), and each expert's work is independent of the
+ * others' (its own Hessian sums, its own rows of the kept outputs), so the lanes change no bit.
+ * Lane 0 is stream 0, where everything else of the backend runs; the others start after what
+ * stream 0 holds when they are given work, and stream 0 waits for them (mlp_join) before
+ * anything that reads their results or reuses their inputs. */
+enum { MLP_LANES = 4 };
+
+struct mlp_lane {
+    float *x, *hg, *hu, *y;   /* [max_rows] rows of scratch */
+    int32_t *src;             /* [max_rows] a chunk's row indices into `in` */
+    cudaEvent_t done;         /* recorded after the lane's last work (lanes 1..) */
+    bool pending;             /* work since the last join */
+};
+
 struct mq_gpu_mlp {
     mq_gpu *g;
     int64_t E, D, F, max_rows;
     std::vector<float *> w;   /* [3E]: gate, up, down of each expert (down may be NULL) */
-    float *x, *hg, *hu, *y;
+    mlp_lane lane[MLP_LANES];
+    int n_lanes;
+    cudaEvent_t fork;         /* stream 0's work a lane must follow */
     float *yk;                /* [yk_cap, D] the batch's outputs kept for the combine, or NULL */
     int64_t yk_cap;
     float *in;                /* mq_gpu_mlp_inputs' rows */
     int64_t in_rows, in_cap;
-    int32_t *src;             /* [max_rows] a chunk's row indices into `in` */
+    int32_t *idx;             /* [idx_n] a batch's row indices into `in` (mq_gpu_mlp_rows_index) */
+    int64_t idx_n, idx_cap;
 };
+
+namespace {
+
+/* Stream 0 after every lane's work so far. */
+moeq_status mlp_join(mq_gpu_mlp *m) {
+    moeq_status st = MOEQ_OK;
+    for (int j = 1; j < m->n_lanes && !st; j++)
+        if (m->lane[j].pending) {
+            st = CU(cudaStreamWaitEvent(m->g->stream[0], m->lane[j].done, 0));
+            m->lane[j].pending = false;
+        }
+    return st;
+}
+
+moeq_status lane_alloc(mlp_lane *l, size_t r, int64_t D, int64_t F) {
+    moeq_status st = cu_alloc(&l->x, r * (size_t)D, "expert rows");
+    if (!st) st = cu_alloc(&l->hg, r * (size_t)F, "expert activations");
+    if (!st) st = cu_alloc(&l->hu, r * (size_t)F, "expert activations");
+    if (!st) st = cu_alloc(&l->y, r * (size_t)D, "expert outputs");
+    if (!st) st = cu_alloc(&l->src, r, "expert row indices");
+    return st;
+}
+
+void lane_free(mlp_lane *l) {
+    mq_cu_free(l->x);
+    mq_cu_free(l->hg);
+    mq_cu_free(l->hu);
+    mq_cu_free(l->y);
+    mq_cu_free(l->src);
+    if (l->done) cudaEventDestroy(l->done);
+    memset(l, 0, sizeof *l);
+}
+
+}  // namespace
+
+extern "C" moeq_status mq_gpu_mlp_join(mq_gpu_mlp *m) {
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    return st ? st : mlp_join(m);
+}
 
 extern "C" void mq_gpu_mlp_free(mq_gpu_mlp *m) {
     if (!m) return;
     cudaSetDevice(m->g->device);
+    mlp_join(m);
     cudaStreamSynchronize(m->g->stream[0]);
     for (float *p : m->w) mq_cu_free(p);
-    mq_cu_free(m->x);
-    mq_cu_free(m->hg);
-    mq_cu_free(m->hu);
-    mq_cu_free(m->y);
+    for (int j = 0; j < MLP_LANES; j++) lane_free(&m->lane[j]);
+    if (m->fork) cudaEventDestroy(m->fork);
     mq_cu_free(m->yk);
     mq_cu_free(m->in);
-    mq_cu_free(m->src);
+    mq_cu_free(m->idx);
     delete m;
 }
 
@@ -80,10 +137,14 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     m->F = F;
     m->max_rows = max_rows > 0 ? max_rows : 1;
     m->w.assign((size_t)(3 * E), NULL);
-    m->x = m->hg = m->hu = m->y = m->yk = m->in = NULL;
+    memset(m->lane, 0, sizeof m->lane);
+    m->n_lanes = 0;
+    m->fork = NULL;
+    m->yk = m->in = NULL;
     m->yk_cap = 0;
-    m->src = NULL;
     m->in_rows = m->in_cap = 0;
+    m->idx = NULL;
+    m->idx_n = m->idx_cap = 0;
     const size_t wsz = (size_t)(D * F);
     for (int64_t e = 0; e < E && !st; e++) {
         const float *src[3] = {gate[e], up[e], down ? down[e] : NULL};
@@ -94,11 +155,19 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
         }
     }
     const size_t r = (size_t)m->max_rows;
-    if (!st) st = cu_alloc(&m->x, r * (size_t)D, "expert rows");
-    if (!st) st = cu_alloc(&m->hg, r * (size_t)F, "expert activations");
-    if (!st) st = cu_alloc(&m->hu, r * (size_t)F, "expert activations");
-    if (!st) st = cu_alloc(&m->y, r * (size_t)D, "expert outputs");
-    if (!st) st = cu_alloc(&m->src, r, "expert row indices");
+    if (!st) st = lane_alloc(&m->lane[0], r, D, F);
+    if (!st) st = CU(cudaEventCreateWithFlags(&m->fork, cudaEventDisableTiming));
+    if (!st) m->n_lanes = 1;
+    /* more lanes where they take at most a quarter of the free memory (with several experts) */
+    const size_t lane_bytes = r * (size_t)(2 * D + 2 * F) * sizeof(float) + r * sizeof(int32_t);
+    size_t free_b = 0, total_b = 0;
+    if (!st && E > 1 && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+        while (m->n_lanes < MLP_LANES && m->n_lanes < E && lane_bytes * (size_t)(MLP_LANES - 1) * 4 <= free_b) {
+            mlp_lane *l = &m->lane[m->n_lanes];
+            if ((st = lane_alloc(l, r, D, F))) break;
+            if ((st = CU(cudaEventCreateWithFlags(&l->done, cudaEventDisableTiming)))) break;
+            m->n_lanes++;
+        }
     if (st) {
         mq_gpu_mlp_free(m);
         return st;
@@ -109,10 +178,11 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
 
 namespace {
 
-/* Expert e on n rows, max_rows at a time: each chunk's rows into m->x (from the host's x, or
+/* Expert e on n rows, max_rows at a time: each chunk's rows into the lane.s x (from the host's x, or
  * gathered from m->in by src), then the products, the Hessian sums and the copies asked for. */
 moeq_status mlp_rows(mq_gpu_mlp *m, int64_t e, const float *x, const int32_t *src, int64_t n, float *hg, float *hu,
-                     float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down, int64_t y0 = -1) {
+                     float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down, int64_t y0 = -1,
+                     const int32_t *dsrc = NULL) {
     if (e < 0 || e >= m->E) return mq_err(MOEQ_E_ARG, "GPU experts: expert %lld of %lld", (long long)e, (long long)m->E);
     if (n <= 0) return MOEQ_OK;
     const bool kept = y0 >= 0;
@@ -125,42 +195,58 @@ moeq_status mlp_rows(mq_gpu_mlp *m, int64_t e, const float *x, const int32_t *sr
     if (kept && y0 + n > m->yk_cap)
         return mq_err(MOEQ_E_ARG, "GPU experts: rows %lld..%lld past the batch's %lld", (long long)y0,
                       (long long)(y0 + n), (long long)m->yk_cap);
-    cudaStream_t s = m->g->stream[0];
+    /* rows gathered on the device run on the expert's lane; host rows on lane 0 */
+    const int j = src || dsrc ? (int)(e % m->n_lanes) : 0;
+    mlp_lane *L = &m->lane[j];
+    cudaStream_t s = m->g->stream[j];
     const int64_t D = m->D, F = m->F;
     moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st && j > 0) {   /* after stream 0's work so far (the inputs, the sums' zeroing) */
+        st = CU(cudaEventRecord(m->fork, m->g->stream[0]));
+        if (!st) st = CU(cudaStreamWaitEvent(s, m->fork, 0));
+    }
     for (int64_t r0 = 0; r0 < n && !st; r0 += m->max_rows) {
         const int64_t k = n - r0 < m->max_rows ? n - r0 : m->max_rows;
-        if (src) {
+        if (dsrc) {   /* indices already on the device, checked when they went up */
+            const int64_t b = (k * D + 255) / 256;
+            k_gather<<<(unsigned)(b < 8192 ? b : 8192), 256, 0, s>>>(L->x, m->in, dsrc + r0, k, D);
+            st = CU_LAUNCHED("k_gather");
+        } else if (src) {
             for (int64_t i = 0; i < k && !st; i++)
                 if (src[r0 + i] < 0 || src[r0 + i] >= m->in_rows)
                     st = mq_err(MOEQ_E_ARG, "GPU experts: row %lld of %lld inputs", (long long)src[r0 + i],
                                 (long long)m->in_rows);
-            if (!st) st = CU(cudaMemcpyAsync(m->src, src + r0, (size_t)k * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+            if (!st) st = CU(cudaMemcpyAsync(L->src, src + r0, (size_t)k * sizeof(int32_t), cudaMemcpyHostToDevice, s));
             if (!st) {
                 const int64_t b = (k * D + 255) / 256;
-                k_gather<<<(unsigned)(b < 8192 ? b : 8192), 256, 0, s>>>(m->x, m->in, m->src, k, D);
+                k_gather<<<(unsigned)(b < 8192 ? b : 8192), 256, 0, s>>>(L->x, m->in, L->src, k, D);
                 st = CU_LAUNCHED("k_gather");
             }
         } else {
-            st = CU(cudaMemcpyAsync(m->x, x + r0 * D, (size_t)(k * D) * sizeof(float), cudaMemcpyHostToDevice, s));
+            st = CU(cudaMemcpyAsync(L->x, x + r0 * D, (size_t)(k * D) * sizeof(float), cudaMemcpyHostToDevice, s));
         }
-        if (!st && h_in) st = mq_gpu_hessians_add_device(h_in, 0, m->x, k);
-        if (!st) st = gemm(s, k, F, D, m->x, m->w[(size_t)(3 * e)], m->hg);
-        if (!st) st = gemm(s, k, F, D, m->x, m->w[(size_t)(3 * e + 1)], m->hu);
+        if (!st && h_in) st = mq_gpu_hessians_add_device(h_in, 0, L->x, k, s);
+        if (!st) st = gemm(s, k, F, D, L->x, m->w[(size_t)(3 * e)], L->hg);
+        if (!st) st = gemm(s, k, F, D, L->x, m->w[(size_t)(3 * e + 1)], L->hu);
         if (!st) {
-            k_swiglu<<<1024, 256, 0, s>>>(m->hg, m->hu, k * F);
+            k_swiglu<<<1024, 256, 0, s>>>(L->hg, L->hu, k * F);
             st = CU_LAUNCHED("k_swiglu");
         }
-        if (!st && h_down) st = mq_gpu_hessians_add_device(h_down, 0, m->hg, k);
-        if (!st && (y || kept)) st = gemm(s, k, D, F, m->hg, m->w[(size_t)(3 * e + 2)], kept ? m->yk + (y0 + r0) * D : m->y);
-        if (!st && hg) st = CU(cudaMemcpyAsync(hg + r0 * F, m->hg, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
-        if (!st && hu) st = CU(cudaMemcpyAsync(hu + r0 * F, m->hu, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
-        if (!st && y && !kept) st = CU(cudaMemcpyAsync(y + r0 * D, m->y, (size_t)(k * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+        if (!st && h_down) st = mq_gpu_hessians_add_device(h_down, 0, L->hg, k, s);
+        if (!st && (y || kept)) st = gemm(s, k, D, F, L->hg, m->w[(size_t)(3 * e + 2)], kept ? m->yk + (y0 + r0) * D : L->y);
+        if (!st && hg) st = CU(cudaMemcpyAsync(hg + r0 * F, L->hg, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
+        if (!st && hu) st = CU(cudaMemcpyAsync(hu + r0 * F, L->hu, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
+        if (!st && y && !kept) st = CU(cudaMemcpyAsync(y + r0 * D, L->y, (size_t)(k * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
     }
-    /* the stream runs the chunks in order (a chunk's m->src and m->x are overwritten after the
+    /* the stream runs the chunks in order (a chunk's L->src and L->x are overwritten after the
      * last kernel that reads them); only copies into host memory are waited for. Pageable copies
-     * from the host return once they have taken the host's data. */
+     * from the host return once they have taken the host's data, but only when the stream has
+     * done its work so far: the host waits there, so the lanes overlap only with dsrc. */
     if (!st && (hg || hu || (y && !kept))) st = CU(cudaStreamSynchronize(s));
+    if (!st && j > 0) {
+        st = CU(cudaEventRecord(L->done, s));
+        L->pending = true;
+    }
     return st;
 }
 
@@ -174,6 +260,7 @@ extern "C" moeq_status mq_gpu_mlp_run(mq_gpu_mlp *m, int64_t e, const float *x, 
 extern "C" moeq_status mq_gpu_mlp_reserve_kept(mq_gpu_mlp *m, int64_t rows) {
     if (rows <= m->yk_cap && m->yk) return MOEQ_OK;
     moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = mlp_join(m);
     if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* a combine may still read it */
     if (st) return st;
     mq_cu_free(m->yk);
@@ -190,11 +277,38 @@ extern "C" moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const 
     return mlp_rows(m, e, NULL, src, n, NULL, NULL, NULL, h_in, h_down, y0);
 }
 
+extern "C" moeq_status mq_gpu_mlp_rows_index(mq_gpu_mlp *m, const int32_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (src[i] < 0 || src[i] >= m->in_rows)
+            return mq_err(MOEQ_E_ARG, "GPU experts: row %lld of %lld inputs", (long long)src[i], (long long)m->in_rows);
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = mlp_join(m);   /* the lanes may still read the last batch's */
+    if (!st && n > m->idx_cap) {
+        mq_cu_free(m->idx);   /* synchronises the device */
+        m->idx = NULL;
+        m->idx_cap = 0;
+        if ((st = cu_alloc(&m->idx, (size_t)n, "expert row indices"))) return st;
+        m->idx_cap = n;
+    }
+    if (!st && n > 0) st = mq_cu_upload(m->g, m->idx, src, (size_t)n * sizeof(int32_t));
+    m->idx_n = st ? 0 : n;
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_mlp_run_indexed(mq_gpu_mlp *m, int64_t e, int64_t r0, int64_t n, bool keep,
+                                              mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
+    if (r0 < 0 || n < 0 || r0 + n > m->idx_n)
+        return mq_err(MOEQ_E_ARG, "GPU experts: indexed rows %lld..%lld of %lld", (long long)r0, (long long)(r0 + n),
+                      (long long)m->idx_n);
+    return mlp_rows(m, e, NULL, NULL, n, NULL, NULL, NULL, h_in, h_down, keep ? r0 : -1, m->idx + r0);
+}
+
 extern "C" moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_t *rows, int64_t n_x) {
     int64_t total = 0;
     for (int64_t i = 0; i < n_x; i++) total += rows[i];
     moeq_status st = CU(cudaSetDevice(m->g->device));
     cudaStream_t s = m->g->stream[0];
+    if (!st) st = mlp_join(m);
     if (!st) st = CU(cudaStreamSynchronize(s));   /* a previous chunk may still read `in` */
     if (!st && total > m->in_cap) {
         mq_cu_free(m->in);
@@ -215,6 +329,7 @@ extern "C" moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, c
 
 extern "C" moeq_status mq_gpu_mlp_inputs_reserve(mq_gpu_mlp *m, int64_t rows) {
     moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = mlp_join(m);
     if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* a previous batch may still read `in` */
     if (!st && rows > m->in_cap) {
         mq_cu_free(m->in);
@@ -233,6 +348,7 @@ extern "C" moeq_status mq_gpu_mlp_inputs_put(mq_gpu_mlp *m, int64_t row0, const 
                       (long long)m->in_rows);
     if (n == 0) return MOEQ_OK;
     moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = mlp_join(m);
     if (!st) st = mq_cu_upload(m->g, m->in + row0 * m->D, x, (size_t)(n * m->D) * sizeof(float));
     return st;
 }
@@ -277,6 +393,7 @@ extern "C" moeq_status mq_gpu_mlp_read(mq_gpu_mlp *m, int64_t e, int k, float *o
     const float *w = mq_gpu_mlp_weight(m, e, k);
     if (!w) return mq_err(MOEQ_E_ARG, "GPU experts: no weights %d of expert %lld", k, (long long)e);
     moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = mlp_join(m);
     if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));
     if (!st) st = CU(cudaMemcpy(out, w, (size_t)(m->D * m->F) * sizeof(float), cudaMemcpyDeviceToHost));
     return st;
@@ -286,6 +403,7 @@ extern "C" moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const flo
     float *d = mq_gpu_mlp_weight(m, e, k);
     if (!d) return mq_err(MOEQ_E_ARG, "GPU experts: no weights %d of expert %lld", k, (long long)e);
     moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = mlp_join(m);
     if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* no pass still reads them */
     if (!st) st = mq_cu_upload(m->g, d, w, (size_t)(m->D * m->F) * sizeof(float));
     return st;
@@ -373,6 +491,7 @@ extern "C" moeq_status mq_gpu_mlp_combine(mq_gpu_mlp *m, mq_gpu_buf *out, const 
     memcpy(h.data() + at_w, w, bw);
     char *d = NULL;
     moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = mlp_join(m);   /* the lanes' outputs */
     if (!st) st = cu_alloc(&d, total, "combine indices");
     if (!st) st = CU(cudaMemcpyAsync(d, h.data(), total, cudaMemcpyHostToDevice, s));
     if (!st) {
