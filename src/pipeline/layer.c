@@ -1187,14 +1187,8 @@ typedef struct {
     int64_t nb_in;                /* samples xin_buf holds */
 } ex_batch;
 
-static void batch_inputs_task(void *ctx, int64_t i, int thread) {
-    (void)thread;
-    ex_batch *b = ctx;
-    b->xin[i] = ffn_input(b->p, b->l, &b->src, b->s0 + i, b->xin_buf + i * b->p->LD);
-}
-
-/* all_dev: the inputs of samples [g0, g0 + n) of the batch (xin_buf holds n), then up to the
- * device at their rows of the batch's inputs. */
+/* The FFN inputs of samples [g0, g0 + n) of the batch into xin_buf (which holds n): the whole
+ * batch at once, or with all_dev nb_in samples at a time, each group then up to the device. */
 typedef struct {
     ex_batch *b;
     int64_t g0;
@@ -1486,7 +1480,10 @@ static double g_ex_prof[5];
 static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     const int64_t C = b->e1 - b->e0, K = p->c->top_k, Lmax = p->calib.max_len;
     double t0 = mq_now(), c0 = mq_cpu_now();
-    if (!b->all_dev) mq_parallel_for(b->nb, batch_inputs_task, b);   /* all_dev: below, in groups */
+    if (!b->all_dev) {   /* all_dev: below, in groups */
+        inputs_group g = {b, 0};
+        mq_parallel_for(b->nb, group_inputs_task, &g);
+    }
     double tp = mq_now();
     g_ex_prof[0] += tp - t0;
     memset(b->cnt, 0, sizeof(int32_t) * (size_t)(b->nb * C));

@@ -303,30 +303,6 @@ extern "C" moeq_status mq_gpu_mlp_run_indexed(mq_gpu_mlp *m, int64_t e, int64_t 
     return mlp_rows(m, e, NULL, NULL, n, NULL, NULL, NULL, h_in, h_down, keep ? r0 : -1, m->idx + r0);
 }
 
-extern "C" moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_t *rows, int64_t n_x) {
-    int64_t total = 0;
-    for (int64_t i = 0; i < n_x; i++) total += rows[i];
-    moeq_status st = CU(cudaSetDevice(m->g->device));
-    cudaStream_t s = m->g->stream[0];
-    if (!st) st = mlp_join(m);
-    if (!st) st = CU(cudaStreamSynchronize(s));   /* a previous chunk may still read `in` */
-    if (!st && total > m->in_cap) {
-        mq_cu_free(m->in);
-        m->in = NULL;
-        m->in_cap = 0;
-        if ((st = cu_alloc(&m->in, (size_t)(total * m->D), "expert inputs"))) return st;
-        m->in_cap = total;
-    }
-    int64_t at = 0;
-    for (int64_t i = 0; i < n_x && !st; i++) {
-        if (rows[i] > 0)
-            st = mq_cu_upload(m->g, m->in + at * m->D, x[i], (size_t)(rows[i] * m->D) * sizeof(float));
-        at += rows[i];
-    }
-    m->in_rows = st ? 0 : total;
-    return st;
-}
-
 extern "C" moeq_status mq_gpu_mlp_inputs_reserve(mq_gpu_mlp *m, int64_t rows) {
     moeq_status st = CU(cudaSetDevice(m->g->device));
     if (!st) st = mlp_join(m);
@@ -350,6 +326,19 @@ extern "C" moeq_status mq_gpu_mlp_inputs_put(mq_gpu_mlp *m, int64_t row0, const 
     moeq_status st = CU(cudaSetDevice(m->g->device));
     if (!st) st = mlp_join(m);
     if (!st) st = mq_cu_upload(m->g, m->in + row0 * m->D, x, (size_t)(n * m->D) * sizeof(float));
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_t *rows, int64_t n_x) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < n_x; i++) total += rows[i];
+    moeq_status st = mq_gpu_mlp_inputs_reserve(m, total);
+    int64_t at = 0;
+    for (int64_t i = 0; i < n_x && !st; i++) {
+        st = mq_gpu_mlp_inputs_put(m, at, x[i], rows[i]);
+        at += rows[i];
+    }
+    if (st) m->in_rows = 0;
     return st;
 }
 
