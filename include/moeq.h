@@ -131,15 +131,16 @@ const char *moeq_dtype_name(moeq_dtype dt);     /* "BF16" */
 size_t moeq_dtype_size(moeq_dtype dt);          /* bytes per element */
 
 /* ------------------------------------------------------------------------------------------ */
-/* Tokenizer (tokenizer.json, byte-level BPE)                                                 */
+/* Tokenizer (tokenizer.json byte-level BPE, tiktoken.model)                                 */
 /* ------------------------------------------------------------------------------------------ */
 typedef struct moeq_tokenizer moeq_tokenizer;
 
-/* Loads tokenizer.json (byte-level BPE as GPT-2/OLMo/Llama-3 use it; src/io/tokenizer.h lists
- * what is supported). Other model, normalizer, pre-tokenizer or decoder types give
- * MOEQ_E_UNSUPPORTED naming the file and the field. A loaded tokenizer is immutable: encode and
- * decode may be called from several threads at once. */
-moeq_status moeq_tokenizer_load(const char *tokenizer_json_path, moeq_tokenizer **out);
+/* Loads tokenizer.json (byte-level BPE as GPT-2/OLMo/Llama-3 use it), Kimi K2's tiktoken.model
+ * (with its tokenizer_config.json beside it), or a directory holding one of them (tokenizer.json
+ * first); src/io/tokenizer.h lists what is supported. Other model, normalizer, pre-tokenizer or
+ * decoder types give MOEQ_E_UNSUPPORTED naming the file and the field. A loaded tokenizer is
+ * immutable: encode and decode may be called from several threads at once. */
+moeq_status moeq_tokenizer_load(const char *path, moeq_tokenizer **out);
 void moeq_tokenizer_free(moeq_tokenizer *tok);
 int32_t moeq_tokenizer_vocab_size(const moeq_tokenizer *tok);
 /* Special ids from tokenizer_config.json (bos_token/eos_token, a string or {"content": ...})

@@ -304,7 +304,7 @@ static moeq_status check_inputs(const moeq_model *m, const moeq_eval_options *o,
     const moeq_model_info *info = moeq_model_get_info(m);
     const moeq_tokenizer *tok = moeq_model_tokenizer(m);
     if (!tok)
-        return mq_err(MOEQ_E_ARG, "%s: eval needs the model's tokenizer (tokenizer.json)", m->dir);
+        return mq_err(MOEQ_E_ARG, "%s: eval needs the model's tokenizer (tokenizer.json or tiktoken.model)", m->dir);
     if (o->task != MOEQ_TASK_WIKITEXT && o->task != MOEQ_TASK_TEXT)
         return mq_err(MOEQ_E_ARG, "eval: unknown task %d", (int)o->task);
     if (o->max_length < 0)

@@ -37,6 +37,7 @@
 #include "export/layout.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
+#include "io/tokenizer.h"
 
 bool mq_gguf_rest_parse(const char *s, mq_gguf_rest *out) {
     static const char *const names[] = {"auto", "f32", "f16", "bf16", "q8_0"};
@@ -450,8 +451,64 @@ static int32_t id_of(const vocab *v, const cJSON *cfg_id, const cJSON *tc, const
     return -1;
 }
 
+/* A tiktoken.model (Kimi K2) as llama.cpp's converter writes it: the ranks' bytes in the
+ * byte-level alphabet, the merges recovered from the ranks in rank order, the specials as control
+ * tokens, the split pattern by name ("kimi-k2"). */
+static moeq_status read_vocab_tiktoken(const char *dir, const cJSON *cfg, int64_t vocab_size, vocab *v) {
+    char *path = mq_path_join(dir, "tiktoken.model");
+    moeq_tokenizer *tok = NULL;
+    cJSON *tc = NULL;
+    int32_t *pairs = NULL;
+    size_t np = 0;
+    moeq_status s = path ? moeq_tokenizer_load(path, &tok) : mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!s && !(v->pre = mq_tokenizer_pre_name(tok)))
+        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: its split pattern has no llama.cpp name", path);
+    if (!s && moeq_tokenizer_vocab_size(tok) > vocab_size)
+        s = mq_err(MOEQ_E_FORMAT, "%s: token ids reach %d, past vocab_size %lld", path,
+                   moeq_tokenizer_vocab_size(tok) - 1, (long long)vocab_size);
+    if (!s) s = read_json(dir, "tokenizer_config.json", false, &tc);
+    if (!s) s = mq_tokenizer_merges(tok, &pairs, &np);
+    if (!s) {
+        v->n = vocab_size;
+        v->tok = calloc((size_t)vocab_size, sizeof *v->tok);
+        v->len = calloc((size_t)vocab_size, sizeof *v->len);
+        v->type = calloc((size_t)vocab_size, sizeof *v->type);
+        v->merges = calloc(np + 1, sizeof *v->merges);
+        v->mlen = calloc(np + 1, sizeof *v->mlen);
+        if (!v->tok || !v->len || !v->type || !v->merges || !v->mlen) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    for (int64_t i = 0; !s && i < vocab_size; i++) {
+        const char *t = moeq_tokenizer_token(tok, (int32_t)i);
+        v->tok[i] = t ? mq_strdup(t) : mq_asprintf("[PAD%lld]", (long long)i);
+        v->type[i] = !t ? 5 : mq_tokenizer_is_added(tok, (int32_t)i) ? 3 : 1;
+        if (!v->tok[i]) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        else v->len[i] = strlen(v->tok[i]);
+    }
+    for (size_t i = 0; !s && i < np; i++) {
+        char *m = mq_asprintf("%s %s", moeq_tokenizer_token(tok, pairs[2 * i]), moeq_tokenizer_token(tok, pairs[2 * i + 1]));
+        if (!m) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        else v->mlen[v->n_merges] = strlen(m), v->merges[v->n_merges++] = m;
+    }
+    if (!s) {
+        v->bos = id_of(v, item(cfg, "bos_token_id"), tc, "bos_token");
+        v->eos = id_of(v, item(cfg, "eos_token_id"), tc, "eos_token");
+        v->pad = id_of(v, item(cfg, "pad_token_id"), tc, "pad_token");
+        v->add_bos = tc ? flag(tc, "add_bos_token", false) : false;
+    }
+    free(pairs);
+    cJSON_Delete(tc);
+    moeq_tokenizer_free(tok);
+    free(path);
+    return s;
+}
+
 static moeq_status read_vocab(const char *dir, const cJSON *cfg, int64_t vocab_size, vocab *v) {
     memset(v, 0, sizeof *v);
+    char *tj = mq_path_join(dir, "tokenizer.json"), *tk = mq_path_join(dir, "tiktoken.model");
+    bool tiktoken = tj && tk && !mq_file_exists(tj) && mq_file_exists(tk);
+    free(tj);
+    free(tk);
+    if (tiktoken) return read_vocab_tiktoken(dir, cfg, vocab_size, v);
     cJSON *tok, *tc;
     moeq_status s = read_json(dir, "tokenizer.json", true, &tok);
     if (s) return s;

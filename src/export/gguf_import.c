@@ -29,6 +29,7 @@
 #include "export/gguf_export.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
+#include "io/tokenizer.h"
 
 typedef struct {
     const char *arch;
@@ -306,8 +307,12 @@ static moeq_status make_tokenizer(const mq_gguf *g, const char *path, cJSON **ou
     else if (pl == 9 && !memcmp(pre, "llama-bpe", 9)) re = mq_gguf_re_llama3;
     else if (pl == 5 && !memcmp(pre, "qwen2", 5)) re = mq_gguf_re_qwen2;
     else if (pl == 11 && !memcmp(pre, "deepseek-v3", 11)) re = mq_gguf_re_deepseek3[0], splits = mq_gguf_re_deepseek3, n_splits = 3;
+    /* Kimi K2's tiktoken split in moeq's PCRE2 spelling (this tokenizer.json is for moeq alone);
+     * tiktoken takes a piece that is a token whole: ignore_merges */
+    const bool kimi = pl == 7 && !memcmp(pre, "kimi-k2", 7);
+    if (kimi) re = mq_tokenizer_kimi_split;
     if (!re) return mq_err(MOEQ_E_UNSUPPORTED, "%s: tokenizer.ggml.pre '%.*s' is not one moeq rebuilds (gpt-2, olmo, "
-                           "llama-bpe, qwen2, deepseek-v3)", path, (int)pl, pre);
+                           "llama-bpe, qwen2, deepseek-v3, kimi-k2)", path, (int)pl, pre);
     const mq_gguf_kv *toks = mq_gguf_find_kv(g, "tokenizer.ggml.tokens"), *types = mq_gguf_find_kv(g, "tokenizer.ggml.token_type");
     const mq_gguf_kv *merges = mq_gguf_find_kv(g, "tokenizer.ggml.merges");
     if (!merges || merges->type != MQ_GGUF_ARRAY || merges->arr_type != MQ_GGUF_STRING)
@@ -335,6 +340,7 @@ static moeq_status make_tokenizer(const mq_gguf *g, const char *path, cJSON **ou
     cJSON_AddItemToObject(t, "decoder", byte_level(true));
     cJSON *model = cJSON_AddObjectToObject(t, "model"), *vocab = cJSON_AddObjectToObject(model, "vocab");
     cJSON_AddStringToObject(model, "type", "BPE");
+    if (kimi) cJSON_AddBoolToObject(model, "ignore_merges", true);
     cJSON *mer = cJSON_AddArrayToObject(model, "merges");
     for (uint64_t i = 0; i < toks->n; i++) {
         const char *ts;

@@ -5,6 +5,7 @@
  */
 #include "export/writer.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -304,7 +305,22 @@ static moeq_status copy_file(const char *src_dir, const char *dst_dir, const cha
 static const char *const extra_files[] = {
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
     "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json"};
+    "chat_template.json", "tiktoken.model"};
+
+/* The Python files beside the weights: models loaded with trust_remote_code (Kimi K2's
+ * tokenization_kimi.py and modeling_deepseek.py, named by auto_map) need them in the output too. */
+static moeq_status copy_python_files(const char *src_dir, const char *dst_dir) {
+    DIR *d = opendir(src_dir);
+    if (!d) return MOEQ_OK;   /* the files above were found by name; nothing more to list */
+    moeq_status s = MOEQ_OK;
+    for (struct dirent *e; !s && (e = readdir(d));) {
+        size_t n = strlen(e->d_name);
+        if (n > 3 && !strcmp(e->d_name + n - 3, ".py") && e->d_name[0] != '.')
+            s = copy_file(src_dir, dst_dir, e->d_name);
+    }
+    closedir(d);
+    return s;
+}
 
 moeq_status mq_ckpt_writer_finish(mq_ckpt_writer *w, const cJSON *src_config, const char *src_dir,
                                   const char *const *kept, size_t n_kept) {
@@ -338,6 +354,7 @@ moeq_status mq_ckpt_writer_finish(mq_ckpt_writer *w, const cJSON *src_config, co
     cJSON_Delete(side);
     for (size_t i = 0; !s && i < sizeof extra_files / sizeof extra_files[0]; i++)
         s = copy_file(src_dir, w->dir, extra_files[i]);
+    if (!s) s = copy_python_files(src_dir, w->dir);
     if (!s) s = mq_fsync_dir(w->dir);
     return s;
 }

@@ -6,6 +6,9 @@
  *   3. each word is mapped to GPT-2's byte alphabet and merged by BPE: the lowest merge rank
  *      first, the leftmost pair on ties, stale queue entries skipped exactly as HF does,
  *   4. decoding maps the byte alphabet back to bytes.
+ * Kimi K2's tiktoken.model (base64 token bytes and rank per line) is read into the same tables:
+ * each rank's bytes in the byte alphabet, the merges recovered from the ranks, Kimi's split
+ * pattern (tiktoken_kimi below) and the special tokens of tokenizer_config.json.
  * What is and is not supported is listed in tokenizer.h. Speed: merge ranks sit in a hash keyed
  * by the id pair, each encode call keeps a word -> ids cache, and no step allocates per
  * character; the regexes are PCRE2 JIT code.
@@ -17,6 +20,7 @@
 #include <pcre2.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #define MAX_SPLITS 8            /* regex levels: Split pre-tokenizers + ByteLevel's own */
 #define MAX_ID (1 << 24)        /* ids beyond this are treated as a corrupt file */
@@ -88,6 +92,8 @@ struct moeq_tokenizer {
     bool nfc;                      /* normalizer: NFC */
 
     int32_t bos, eos;
+    const char *pre_name;          /* the split pattern's name when it is a known one, else NULL */
+    bool tiktoken;                 /* ranks merge by the joined bytes (tiktoken.model), no merges */
 };
 
 /* ---- small helpers ------------------------------------------------------------------------ */
@@ -331,10 +337,8 @@ static int put_cp(char *o, uint32_t cp) {
     return 2;
 }
 
-static moeq_status parse_vocab(moeq_tokenizer *t, const cJSON *vocab) {
-    if (!cJSON_IsObject(vocab))
-        return mq_err(MOEQ_E_FORMAT, "%s: model.vocab must be an object of token -> id", t->path);
-    size_t n = (size_t)cJSON_GetArraySize(vocab);
+/* Room for n vocabulary entries. */
+static moeq_status vocab_alloc(moeq_tokenizer *t, size_t n) {
     t->vocab_cap = (uint32_t)(n + 1);
     t->v_off = malloc(sizeof(uint32_t) * (n + 1));
     t->v_len = malloc(sizeof(uint32_t) * (n + 1));
@@ -344,13 +348,20 @@ static moeq_status parse_vocab(moeq_tokenizer *t, const cJSON *vocab) {
     t->v_mask = slots - 1;
     if (!t->v_off || !t->v_len || !t->v_id || !t->v_slots)
         return mq_err(MOEQ_E_NOMEM, "%s: out of memory for the vocabulary", t->path);
+    return MOEQ_OK;
+}
+
+static moeq_status parse_vocab(moeq_tokenizer *t, const cJSON *vocab) {
+    if (!cJSON_IsObject(vocab))
+        return mq_err(MOEQ_E_FORMAT, "%s: model.vocab must be an object of token -> id", t->path);
+    moeq_status st = vocab_alloc(t, (size_t)cJSON_GetArraySize(vocab));
+    if (st) return st;
     for (const cJSON *e = vocab->child; e; e = e->next) {
         int32_t id;
         if (!json_id(e, &id))
             return mq_err(MOEQ_E_FORMAT, "%s: model.vocab['%s']: id must be an integer in [0, %d)",
                           t->path, e->string ? e->string : "", MAX_ID);
-        moeq_status st = vocab_add(t, e->string, strlen(e->string), id);
-        if (st) return st;
+        if ((st = vocab_add(t, e->string, strlen(e->string), id))) return st;
         if (id >= t->n_ids) t->n_ids = id + 1;
     }
     return MOEQ_OK;
@@ -382,10 +393,8 @@ static moeq_status merge_parts(const moeq_tokenizer *t, const cJSON *m, size_t i
                   idx);
 }
 
-static moeq_status parse_merges(moeq_tokenizer *t, const cJSON *merges) {
-    if (merges && !cJSON_IsArray(merges))
-        return mq_err(MOEQ_E_FORMAT, "%s: model.merges must be an array", t->path);
-    size_t n = merges ? (size_t)cJSON_GetArraySize(merges) : 0;
+/* Room for n merges. */
+static moeq_status merges_alloc(moeq_tokenizer *t, size_t n) {
     uint32_t cap = pow2_at_least(2 * n + 2);
     int bits = 0;
     while ((1u << bits) < cap) bits++;
@@ -393,9 +402,16 @@ static moeq_status parse_merges(moeq_tokenizer *t, const cJSON *merges) {
     t->m_slots = malloc(sizeof(merge_slot) * cap);
     if (!t->m_slots) return mq_err(MOEQ_E_NOMEM, "%s: out of memory for the merges", t->path);
     for (uint32_t i = 0; i < cap; i++) t->m_slots[i].key = EMPTY_KEY;
+    return MOEQ_OK;
+}
+
+static moeq_status parse_merges(moeq_tokenizer *t, const cJSON *merges) {
+    if (merges && !cJSON_IsArray(merges))
+        return mq_err(MOEQ_E_FORMAT, "%s: model.merges must be an array", t->path);
+    moeq_status st = merges_alloc(t, merges ? (size_t)cJSON_GetArraySize(merges) : 0);
+    if (st) return st;
     char *buf = NULL;
     size_t buf_cap = 0, idx = 0;
-    moeq_status st = MOEQ_OK;
     for (const cJSON *m = merges ? merges->child : NULL; m; m = m->next, idx++) {
         const char *a = NULL, *b = NULL;
         size_t na = 0, nb = 0;
@@ -736,6 +752,228 @@ static moeq_status load_special_ids(moeq_tokenizer *t) {
     return st;
 }
 
+static moeq_status load_json(moeq_tokenizer *t) {
+    cJSON *root = NULL;
+    moeq_status st = parse_json_file(t->path, &root);
+    if (st == MOEQ_OK && !cJSON_IsObject(root))
+        st = mq_err(MOEQ_E_FORMAT, "%s: top level is not a JSON object", t->path);
+    const cJSON *norm = jget(root, "normalizer"), *dec = jget(root, "decoder");
+    if (st == MOEQ_OK) st = parse_normalizer(t, norm);
+    if (st == MOEQ_OK && !(cJSON_IsString(jget(dec, "type")) &&
+                           !strcmp(jget(dec, "type")->valuestring, "ByteLevel")))
+        st = unsupported(t, "decoder.type", jget(dec, "type"), "ByteLevel");
+    if (st == MOEQ_OK) st = parse_model(t, jget(root, "model"));
+    if (st == MOEQ_OK) st = parse_added(t, jget(root, "added_tokens"));
+    if (st == MOEQ_OK) st = parse_pre_tokenizer(t, jget(root, "pre_tokenizer"));
+    cJSON_Delete(root);
+    return st;
+}
+
+/* ---- tiktoken.model (Kimi K2) ------------------------------------------------------------------ */
+
+/* tokenization_kimi.py's pat_str in PCRE2 terms. Its class intersections
+ * [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]] become a negative lookahead before the class, and
+ * \p{Han} is the Script property (sc:) as tiktoken's regex engine reads it: PCRE2's bare \p{Han}
+ * means Script_Extensions, which also takes 、 and 。 (checked against tiktoken 0.14). */
+const char mq_tokenizer_kimi_split[] =
+    "[\\p{sc:Han}]+"
+    "|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{sc:Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])*"
+    "(?:(?!\\p{sc:Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    "|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{sc:Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])+"
+    "(?:(?!\\p{sc:Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    "|\\p{N}{1,3}"
+    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+    "|\\s*[\\r\\n]+"
+    "|\\s+(?!\\S)"
+    "|\\s+";
+
+enum { KIMI_RESERVED = 256 };   /* tokenization_kimi.py: 256 special ids right after the ranks */
+
+static int b64_value(uint8_t c) {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    return c == '+' ? 62 : c == '/' ? 63 : -1;
+}
+
+/* Standard base64 with padding, s[0..n) -> out (room for 3n/4 bytes); the length, or -1. */
+static long b64_decode(const char *s, size_t n, uint8_t *out) {
+    if (n == 0 || n % 4) return -1;
+    size_t pad = s[n - 1] == '=' ? (s[n - 2] == '=' ? 2 : 1) : 0;
+    long len = 0;
+    for (size_t i = 0; i < n; i += 4) {
+        uint32_t v = 0;
+        for (size_t k = 0; k < 4; k++) {
+            int d = i + k >= n - pad ? 0 : b64_value((uint8_t)s[i + k]);
+            if (d < 0) return -1;
+            v = v << 6 | (uint32_t)d;
+        }
+        size_t take = i + 4 == n ? 3 - pad : 3;
+        for (size_t k = 0; k < take; k++) out[len++] = (uint8_t)(v >> (16 - 8 * k));
+    }
+    return len;
+}
+
+/* Lines "BASE64 RANK": every rank of 0..N-1 once, every byte among the tokens. */
+static moeq_status read_ranks(moeq_tokenizer *t, const char *text, size_t len) {
+    size_t lines = 0;
+    for (size_t i = 0; i < len; i++) lines += text[i] == '\n';
+    if (len && text[len - 1] != '\n') lines++;
+    moeq_status st = vocab_alloc(t, lines);
+    if (st) return st;
+    uint8_t *raw = malloc(len + 1);
+    char *mapped = malloc(2 * len + 2);
+    bool *seen = calloc(lines + 1, 1);
+    if (!raw || !mapped || !seen) st = mq_err(MOEQ_E_NOMEM, "%s: out of memory", t->path);
+    size_t line = 0;
+    for (size_t at = 0; st == MOEQ_OK && at < len; line++) {
+        const char *ln = text + at, *nl = memchr(ln, '\n', len - at);
+        size_t n = nl ? (size_t)(nl - ln) : len - at;
+        at += n + 1;
+        if (n && ln[n - 1] == '\r') n--;
+        const char *sp = memchr(ln, ' ', n);
+        long nb = sp ? b64_decode(ln, (size_t)(sp - ln), raw) : -1;
+        char *end = NULL;
+        long long rank = -1;
+        if (sp && sp + 1 < ln + n && sp[1] >= '0' && sp[1] <= '9') {
+            rank = strtoll(sp + 1, &end, 10);
+            if (end != ln + n) rank = -1;
+        }
+        if (nb <= 0 || rank < 0) {
+            st = mq_err(MOEQ_E_FORMAT, "%s: line %zu is not \"BASE64 RANK\"", t->path, line + 1);
+            break;
+        }
+        if ((size_t)rank >= lines || seen[rank]) {
+            st = mq_err(MOEQ_E_FORMAT, "%s: line %zu: rank %lld %s (the ranks must be 0..%zu, each "
+                        "once)", t->path, line + 1, rank, (size_t)rank >= lines ? "is out of range" :
+                        "repeats", lines - 1);
+            break;
+        }
+        size_t k = 0;
+        for (long i = 0; i < nb; i++) k += (size_t)put_cp(mapped + k, t->b2u[raw[i]]);
+        if (vocab_find(t, mapped, k) >= 0) {
+            st = mq_err(MOEQ_E_FORMAT, "%s: line %zu: the token of rank %lld repeats an earlier one",
+                        t->path, line + 1, rank);
+            break;
+        }
+        seen[rank] = true;
+        st = vocab_add(t, mapped, k, (int32_t)rank);
+    }
+    t->n_ids = (int32_t)lines;
+    for (int b = 0; st == MOEQ_OK && b < 256; b++) {
+        char c[2];
+        if (vocab_find(t, c, (size_t)put_cp(c, t->b2u[b])) < 0)
+            st = mq_err(MOEQ_E_FORMAT, "%s: byte 0x%02x has no rank (tiktoken needs all 256)", t->path, b);
+    }
+    free(raw);
+    free(mapped);
+    free(seen);
+    return st;
+}
+
+static moeq_status add_special(moeq_tokenizer *t, const char *content, int32_t id) {
+    added_token *a = &t->added[t->n_added];
+    a->id = id;
+    a->len = (uint32_t)strlen(content);
+    moeq_status st = arena_add(t, content, a->len, &a->off);
+    if (st) return st;
+    if (id >= t->n_ids) t->n_ids = id + 1;
+    t->n_added++;
+    return MOEQ_OK;
+}
+
+/* tokenizer_config.json: the module named by auto_map decides the split pattern (it lives in
+ * Python code), added_tokens_decoder names the special ids; the unnamed of the 256 after the
+ * ranks are "<|reserved_token_ID|>", as tokenization_kimi.py names them. Specials are matched
+ * anywhere in the text, as its encode (tiktoken's allowed_special="all") does. */
+static moeq_status tiktoken_config(moeq_tokenizer *t, const char *cfg_path) {
+    if (!mq_file_exists(cfg_path))
+        return mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer_config.json beside it (its auto_map names "
+                      "the tokenizer's code, which holds the split pattern)", t->path);
+    cJSON *cfg = NULL;
+    moeq_status st = parse_json_file(cfg_path, &cfg);
+    if (st) return st;
+    const cJSON *am = jget(jget(cfg, "auto_map"), "AutoTokenizer");
+    const cJSON *cls = cJSON_IsArray(am) ? am->child : am;
+    const char *name = cJSON_IsString(cls) ? cls->valuestring : "(none)";
+    if (strncmp(name, "tokenization_kimi.", 18)) {
+        st = mq_err(MOEQ_E_UNSUPPORTED, "%s: auto_map.AutoTokenizer '%s': the split pattern of a "
+                    "tiktoken tokenizer is in its Python code, and moeq knows Kimi's "
+                    "(tokenization_kimi.TikTokenTokenizer)", cfg_path, name);
+        goto done;
+    }
+    if ((st = add_split(t, "tiktoken.model (Kimi's split pattern)", mq_tokenizer_kimi_split, false))) goto done;
+    t->bl_level = t->n_split;   /* a byte level without its own regex */
+    t->pre_name = "kimi-k2";
+    const cJSON *dec = jget(cfg, "added_tokens_decoder");
+    if (dec && !cJSON_IsObject(dec)) {
+        st = mq_err(MOEQ_E_FORMAT, "%s: added_tokens_decoder must be an object", cfg_path);
+        goto done;
+    }
+    int32_t base = t->n_ids;
+    t->added = calloc((size_t)(KIMI_RESERVED + (dec ? cJSON_GetArraySize(dec) : 0) + 1), sizeof *t->added);
+    if (!t->added) {
+        st = mq_err(MOEQ_E_NOMEM, "%s: out of memory", cfg_path);
+        goto done;
+    }
+    for (const cJSON *e = dec ? dec->child : NULL; e && !st; e = e->next) {
+        char *end = NULL;
+        long id = strtol(e->string, &end, 10);
+        const cJSON *c = jget(e, "content");
+        if (!*e->string || *end || id < 0 || id >= MAX_ID || !cJSON_IsString(c) || !c->valuestring[0])
+            st = mq_err(MOEQ_E_FORMAT, "%s: added_tokens_decoder['%s'] needs an id key and a "
+                        "non-empty content", cfg_path, e->string);
+        else
+            st = add_special(t, c->valuestring, (int32_t)id);
+    }
+    uint32_t named = t->n_added;
+    for (int32_t id = base; id < base + KIMI_RESERVED && !st; id++) {
+        bool has = false;
+        for (uint32_t i = 0; i < named && !has; i++) has = t->added[i].id == id;
+        char nm[40];
+        snprintf(nm, sizeof nm, "<|reserved_token_%d|>", id);
+        if (!has) st = add_special(t, nm, id);
+    }
+done:
+    cJSON_Delete(cfg);
+    return st;
+}
+
+static moeq_status load_tiktoken(moeq_tokenizer *t) {
+    char *text = NULL;
+    size_t len = 0;
+    moeq_status st = mq_read_file(t->path, &text, &len);
+    if (st) return st;
+    st = read_ranks(t, text, len);
+    free(text);
+    t->ignore_merges = true;   /* tiktoken takes a piece that is a token as it is */
+    t->tiktoken = true;
+    t->unk_id = -1;
+    const char *slash = strrchr(t->path, '/');
+    char *cfg = mq_asprintf("%.*stokenizer_config.json", slash ? (int)(slash - t->path + 1) : 0, t->path);
+    if (!cfg) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (st == MOEQ_OK) st = tiktoken_config(t, cfg);
+    free(cfg);
+    return st;
+}
+
+static bool is_tiktoken_file(const char *path) {
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    size_t n = strlen(base);
+    return !strcmp(base, "tiktoken.model") || (n > 9 && !strcmp(base + n - 9, ".tiktoken"));
+}
+
+char *mq_tokenizer_find(const char *dir) {
+    static const char *const names[] = {"tokenizer.json", "tiktoken.model"};
+    for (int i = 0; i < 2; i++) {
+        char *p = mq_path_join(dir, names[i]);
+        if (!p || mq_file_exists(p)) return p;
+        free(p);
+    }
+    return NULL;
+}
+
 void moeq_tokenizer_free(moeq_tokenizer *t) {
     if (!t) return;
     free(t->path);
@@ -761,26 +999,24 @@ void moeq_tokenizer_free(moeq_tokenizer *t) {
 moeq_status moeq_tokenizer_load(const char *path, moeq_tokenizer **out) {
     if (!out || !path) return mq_err(MOEQ_E_ARG, "moeq_tokenizer_load: NULL argument");
     *out = NULL;
+    struct stat sb;
+    char *found = NULL;
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+        if (!(found = mq_tokenizer_find(path)))
+            return mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json or tiktoken.model", path);
+        path = found;
+    }
     moeq_tokenizer *t = calloc(1, sizeof *t);
     if (!t || !(t->path = mq_strdup(path))) {
         free(t);
-        return mq_err(MOEQ_E_NOMEM, "%s: out of memory", path);
+        moeq_status st = mq_err(MOEQ_E_NOMEM, "%s: out of memory", path);
+        free(found);
+        return st;
     }
+    free(found);
     build_byte_alphabet(t);
-    cJSON *root = NULL;
-    moeq_status st = parse_json_file(path, &root);
-    if (st == MOEQ_OK && !cJSON_IsObject(root))
-        st = mq_err(MOEQ_E_FORMAT, "%s: top level is not a JSON object", path);
-    const cJSON *norm = jget(root, "normalizer"), *dec = jget(root, "decoder");
-    if (st == MOEQ_OK) st = parse_normalizer(t, norm);
-    if (st == MOEQ_OK && !(cJSON_IsString(jget(dec, "type")) &&
-                           !strcmp(jget(dec, "type")->valuestring, "ByteLevel")))
-        st = unsupported(t, "decoder.type", jget(dec, "type"), "ByteLevel");
-    if (st == MOEQ_OK) st = parse_model(t, jget(root, "model"));
-    if (st == MOEQ_OK) st = parse_added(t, jget(root, "added_tokens"));
-    if (st == MOEQ_OK) st = parse_pre_tokenizer(t, jget(root, "pre_tokenizer"));
-    cJSON_Delete(root);
-    if (st == MOEQ_OK && t->n_ids == 0) st = mq_err(MOEQ_E_FORMAT, "%s: empty vocabulary", path);
+    moeq_status st = is_tiktoken_file(t->path) ? load_tiktoken(t) : load_json(t);
+    if (st == MOEQ_OK && t->n_ids == 0) st = mq_err(MOEQ_E_FORMAT, "%s: empty vocabulary", t->path);
     if (st == MOEQ_OK) st = build_added_index(t);
     if (st == MOEQ_OK) st = build_id_tables(t);
     if (st == MOEQ_OK) st = load_special_ids(t);
@@ -843,6 +1079,9 @@ typedef struct {
     size_t sym_cap;
     char *wbuf, *pbuf;     /* mapped word (ignore_merges); prefix-space copy (ByteLevel level) */
     size_t wbuf_cap, pbuf_cap;
+    uint32_t *t_off, *t_len;   /* tiktoken merging: the parts of the mapped word, */
+    int32_t *t_rank;           /* and the rank of each part joined with the next */
+    size_t t_cap;
     uint32_t *c_slots;     /* entry index + 1 */
     uint32_t c_mask;
     cache_entry *c_ent;
@@ -999,6 +1238,55 @@ static size_t bpe_init(const moeq_tokenizer *t, const uint8_t *s, size_t n, bpe_
     return m;
 }
 
+/* The rank of the alphabet string m[0..n) (its id), INT32_MAX when it is no token. */
+static inline int32_t rank_of(const moeq_tokenizer *t, const char *m, size_t n) {
+    int32_t r = vocab_find(t, m, n);
+    return r < 0 ? INT32_MAX : r;
+}
+
+/* tiktoken's merging of one piece (m: its k bytes in the alphabet): the adjacent pair whose
+ * joined bytes have the lowest rank merges first, the leftmost of equals, until no joined pair
+ * is a token. Exact where merge pairs recovered from the ranks could differ (a token reached
+ * through a split other than its own). Quadratic in the piece, as tiktoken's own loop. */
+static moeq_status tiktoken_word(enc_state *e, const char *m, size_t k) {
+    const moeq_tokenizer *t = e->tok;
+    if (k + 1 > e->t_cap) {
+        size_t cap = 2 * (k + 1);
+        uint32_t *o = realloc(e->t_off, sizeof *o * cap);
+        if (o) e->t_off = o;
+        uint32_t *l = o ? realloc(e->t_len, sizeof *l * cap) : NULL;
+        if (l) e->t_len = l;
+        int32_t *r = l ? realloc(e->t_rank, sizeof *r * cap) : NULL;
+        if (!r) return mq_err(MOEQ_E_NOMEM, "tokenizer: out of memory");
+        e->t_rank = r;
+        e->t_cap = cap;
+    }
+    uint32_t *off = e->t_off, *len = e->t_len;
+    int32_t *rank = e->t_rank;
+    size_t np = 0;
+    for (size_t i = 0; i < k; i += len[np - 1]) {
+        off[np] = (uint32_t)i;
+        len[np++] = ((uint8_t)m[i] & 0x80) ? 2 : 1;   /* alphabet characters: 1 or 2 bytes */
+    }
+    for (size_t i = 0; i + 1 < np; i++) rank[i] = rank_of(t, m + off[i], len[i] + len[i + 1]);
+    while (np > 1) {
+        size_t at = 0;
+        for (size_t i = 1; i + 1 < np; i++)
+            if (rank[i] < rank[at]) at = i;
+        if (rank[at] == INT32_MAX) break;
+        len[at] += len[at + 1];
+        memmove(off + at + 1, off + at + 2, (np - at - 2) * sizeof *off);
+        memmove(len + at + 1, len + at + 2, (np - at - 2) * sizeof *len);
+        if (at + 3 < np) memmove(rank + at + 1, rank + at + 2, (np - at - 3) * sizeof *rank);
+        np--;
+        if (at + 1 < np) rank[at] = rank_of(t, m + off[at], len[at] + len[at + 1]);
+        if (at > 0) rank[at - 1] = rank_of(t, m + off[at - 1], len[at - 1] + len[at]);
+    }
+    moeq_status st = MOEQ_OK;
+    for (size_t i = 0; i < np && !st; i++) st = push_id(e, vocab_find(t, m + off[i], len[i]));
+    return st;
+}
+
 static moeq_status bpe_word(enc_state *e, const char *s, size_t n) {
     const moeq_tokenizer *t = e->tok;
     moeq_status st;
@@ -1020,6 +1308,10 @@ static moeq_status bpe_word(enc_state *e, const char *s, size_t n) {
         if (id >= 0) {
             if ((st = push_id(e, id))) return st;
             return cache_put(e, h, s, n, e->ids + start, 1);
+        }
+        if (t->tiktoken) {
+            if ((st = tiktoken_word(e, e->wbuf, k))) return st;
+            return cache_put(e, h, s, n, e->ids + start, e->n - start);
         }
     }
     if (2 * n > e->sym_cap) {   /* byte_fallback may give two symbols per byte */
@@ -1204,6 +1496,9 @@ moeq_status moeq_tokenizer_encode(const moeq_tokenizer *t, const char *text, siz
     free(e.sym);
     free(e.heap);
     free(e.wbuf);
+    free(e.t_off);
+    free(e.t_len);
+    free(e.t_rank);
     free(e.pbuf);
     free(e.c_slots);
     free(e.c_ent);
@@ -1280,5 +1575,94 @@ moeq_status moeq_tokenizer_decode(const moeq_tokenizer *t, const int32_t *ids, s
     free(raw);
     *text = o;
     if (len) *len = k;
+    return MOEQ_OK;
+}
+
+const char *mq_tokenizer_pre_name(const moeq_tokenizer *t) { return t->pre_name; }
+
+bool mq_tokenizer_is_added(const moeq_tokenizer *t, int32_t id) {
+    for (uint32_t i = 0; i < t->n_added; i++)
+        if (t->added[i].id == id) return true;
+    return false;
+}
+
+static int cmp_rank(const void *a, const void *b) {
+    uint32_t x = ((const uint32_t *)a)[2], y = ((const uint32_t *)b)[2];
+    return (x > y) - (x < y);
+}
+
+/* tiktoken: the merge that makes each token is its own bytes merged with only the lower ranks
+ * (tiktoken_word's loop with a rank limit); when that ends in two parts they are the pair, the
+ * recovery transformers' TikTokenConverter and llama.cpp's converter make. A token it does not
+ * reach gets no merge. tokenizer.json: the merges as read, by rank. */
+moeq_status mq_tokenizer_merges(const moeq_tokenizer *t, int32_t **pairs, size_t *n_pairs) {
+    *pairs = NULL;
+    *n_pairs = 0;
+    size_t n = 0;
+    uint32_t (*rows)[3] = NULL;   /* left, right, rank */
+    if (!t->tiktoken) {
+        size_t cap = t->m_slots ? (size_t)1 << (64 - t->m_shift) : 0;
+        rows = malloc(sizeof *rows * (cap + 1));
+        if (!rows) return mq_err(MOEQ_E_NOMEM, "%s: out of memory", t->path);
+        for (size_t i = 0; i < cap; i++)
+            if (t->m_slots[i].key != EMPTY_KEY) {
+                rows[n][0] = (uint32_t)(t->m_slots[i].key >> 32);
+                rows[n][1] = (uint32_t)t->m_slots[i].key;
+                rows[n++][2] = t->m_slots[i].rank;
+            }
+    } else {
+        size_t max_len = 0;
+        for (uint32_t e = 0; e < t->n_vocab; e++)
+            if (t->v_len[e] > max_len) max_len = t->v_len[e];
+        rows = malloc(sizeof *rows * (t->n_vocab + 1));
+        uint32_t *off = malloc(sizeof(uint32_t) * (max_len + 1)), *len = malloc(sizeof(uint32_t) * (max_len + 1));
+        if (!rows || !off || !len) {
+            free(rows);
+            free(off);
+            free(len);
+            return mq_err(MOEQ_E_NOMEM, "%s: out of memory", t->path);
+        }
+        for (uint32_t e = 0; e < t->n_vocab; e++) {
+            const char *m = t->arena + t->v_off[e];
+            int32_t id = t->v_id[e];
+            size_t np = 0;
+            for (size_t i = 0; i < t->v_len[e]; i += len[np - 1]) {
+                off[np] = (uint32_t)i;
+                len[np++] = ((uint8_t)m[i] & 0x80) ? 2 : 1;
+            }
+            while (np > 2) {
+                int32_t best = INT32_MAX;
+                size_t at = 0;
+                for (size_t i = 0; i + 1 < np; i++) {
+                    int32_t r = rank_of(t, m + off[i], len[i] + len[i + 1]);
+                    if (r < id && r < best) best = r, at = i;
+                }
+                if (best == INT32_MAX) break;
+                len[at] += len[at + 1];
+                memmove(off + at + 1, off + at + 2, (np - at - 2) * sizeof *off);
+                memmove(len + at + 1, len + at + 2, (np - at - 2) * sizeof *len);
+                np--;
+            }
+            int32_t a = np == 2 ? vocab_find(t, m, len[0]) : -1;
+            int32_t b = np == 2 ? vocab_find(t, m + off[1], len[1]) : -1;
+            if (a >= 0 && b >= 0 && a < id && b < id) {
+                rows[n][0] = (uint32_t)a;
+                rows[n][1] = (uint32_t)b;
+                rows[n++][2] = (uint32_t)id;
+            }
+        }
+        free(off);
+        free(len);
+    }
+    qsort(rows, n, sizeof *rows, cmp_rank);
+    int32_t *p = malloc(sizeof(int32_t) * (2 * n + 1));
+    if (!p) {
+        free(rows);
+        return mq_err(MOEQ_E_NOMEM, "%s: out of memory", t->path);
+    }
+    for (size_t i = 0; i < n; i++) p[2 * i] = (int32_t)rows[i][0], p[2 * i + 1] = (int32_t)rows[i][1];
+    free(rows);
+    *pairs = p;
+    *n_pairs = n;
     return MOEQ_OK;
 }

@@ -1,5 +1,6 @@
 /*
- * Internal helpers of the tokenizer.json reader (public API: moeq_tokenizer_* in moeq.h).
+ * Internal helpers of the tokenizer.json / tiktoken.model reader (public API: moeq_tokenizer_* in
+ * moeq.h).
  *
  * Supported (everything else fails at load with MOEQ_E_UNSUPPORTED naming the file and field):
  *  - model: BPE (vocab object; merges as ["a","b"] pairs or "a b" strings; ignore_merges;
@@ -22,6 +23,16 @@
  * Decoding follows HF's ByteLevel decoder: a token whose characters all belong to the byte
  * alphabet becomes those bytes, any other token (e.g. an added token with a space) its raw UTF-8.
  * A loaded tokenizer is immutable; encode/decode may run on several threads at once.
+ * tiktoken.model (Kimi K2; tokenizer_config.json's auto_map must name tokenization_kimi):
+ *  - lines "base64(token bytes) rank", ranks 0..N-1 each once, all 256 bytes present; a rank is
+ *    the token's id; merging is tiktoken's (the adjacent pair whose joined bytes have the lowest
+ *    rank first; a piece that is a token as it is);
+ *  - the split pattern is tokenization_kimi.py's pat_str, rewritten for PCRE2
+ *    (mq_tokenizer_kimi_split);
+ *  - specials: ids N..N+255, named by tokenizer_config.json's added_tokens_decoder, the others
+ *    "<|reserved_token_ID|>"; matched anywhere in the text (tiktoken's allowed_special="all");
+ *  - not reproduced: tokenization_kimi.py's cutting of inputs over 400000 characters and of runs
+ *    over 25000 spaces or non-spaces into separate encode calls.
  * Not supported: SentencePiece-style BPE (Metaspace pre-tokenizer, Replace/Prepend normalizers,
  * ByteFallback/Fuse/Strip decoders, e.g. Mixtral/Llama-2), WordPiece, Unigram, WordLevel.
  * Edge: after an rstrip token HF may still report a match that starts inside the stripped
@@ -31,6 +42,24 @@
 #define MOEQ_IO_TOKENIZER_H
 
 #include "core/core.h"
+
+/* Kimi K2's split pattern (tokenization_kimi.py's pat_str) in PCRE2 syntax. */
+extern const char mq_tokenizer_kimi_split[];
+
+/* The tokenizer file of a model directory: tokenizer.json, else tiktoken.model (malloc'ed path);
+ * NULL when it has neither. */
+char *mq_tokenizer_find(const char *dir);
+
+/* llama.cpp's name of the split pattern when the tokenizer's is a known one ("kimi-k2" for a
+ * Kimi tiktoken.model), else NULL. */
+const char *mq_tokenizer_pre_name(const moeq_tokenizer *tok);
+
+/* True when the id is an added (special) token rather than one of the model's vocabulary. */
+bool mq_tokenizer_is_added(const moeq_tokenizer *tok, int32_t id);
+
+/* The merges as id pairs in rank order (*pairs: 2 * *n ids, malloc'ed): tokenizer.json's as read,
+ * a tiktoken.model's recovered from its ranks. */
+moeq_status mq_tokenizer_merges(const moeq_tokenizer *tok, int32_t **pairs, size_t *n);
 
 /* Id of a token string (added tokens first, then the model vocabulary, as HF token_to_id);
  * -1 if unknown. */

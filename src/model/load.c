@@ -23,6 +23,7 @@
 
 #include "export/layout.h"
 #include "io/fp8.h"
+#include "io/tokenizer.h"
 #include "kernels/moe_ffn.h"
 #include "model/model_internal.h"
 #include "model/rotate.h"
@@ -850,8 +851,8 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     st = NULL;
 
     if (!o.no_tokenizer) {
-        char *tp = mq_path_join(dir, "tokenizer.json");
-        if (tp && mq_file_exists(tp)) {
+        char *tp = mq_tokenizer_find(dir);   /* tokenizer.json, else tiktoken.model */
+        if (tp) {
             s = moeq_tokenizer_load(tp, &m->tok);
             if (s) s = mq_err_prefix(s, "%s", dir);
         }
@@ -931,8 +932,8 @@ moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
                 s = mq_err(MOEQ_E_UNSUPPORTED, "%s: quantized embeddings", dir);
     }
     if (!s && tokenizer) {
-        char *tp = mq_path_join(dir, "tokenizer.json");
-        if (tp && mq_file_exists(tp)) {
+        char *tp = mq_tokenizer_find(dir);   /* tokenizer.json, else tiktoken.model */
+        if (tp) {
             s = moeq_tokenizer_load(tp, &m->tok);
             if (s) s = mq_err_prefix(s, "%s", dir);
         }

@@ -111,7 +111,7 @@ static int layer_of(const char *name) {
 static moeq_status act_calibration(mq_pipe *p) {
     const mq_pipeline_opts *o = p->o;
     const moeq_tokenizer *tok = moeq_model_tokenizer(p->m);
-    if (!tok) return mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json to tokenize the calibration text", p->model_dir);
+    if (!tok) return mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json or tiktoken.model to tokenize the calibration text", p->model_dir);
     char *text = NULL;
     size_t len = 0;
     int32_t *ids = NULL;
@@ -460,7 +460,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         p->c = &p->m->cfg;
         p->st = (mq_st *)mq_lazy_st(p->lz);
         if (!moeq_model_tokenizer(p->m)) {
-            s = mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json to tokenize the calibration text", model_dir);
+            s = mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json or tiktoken.model to tokenize the calibration text", model_dir);
             goto done;
         }
     } else if ((s = mq_st_open_dir(model_dir, &p->st))) {

@@ -109,8 +109,8 @@ static moeq_status source_identity(const mq_pipe *p, cJSON *src) {
         s = add_file(files, p->model_dir, base ? base + 1 : paths[i], paths[i]);
     }
     free(paths);
-    const char *side[] = {"config.json", "tokenizer.json"};
-    for (int i = 0; i < 2 && !s; i++) {
+    const char *side[] = {"config.json", "tokenizer.json", "tiktoken.model"};
+    for (int i = 0; i < 3 && !s; i++) {
         char *path = mq_path_join(p->model_dir, side[i]);
         if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
         if (mq_file_exists(path)) s = add_file(files, p->model_dir, side[i], path);

@@ -5,7 +5,6 @@
  */
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -13,12 +12,6 @@
 #include "io/tokenizer.h"
 
 /* MODEL_DIR/tokenizer.json, or the argument itself when it names a file. */
-static char *tokenizer_path(const char *arg) {
-    struct stat st;
-    if (stat(arg, &st) == 0 && S_ISREG(st.st_mode)) return mq_strdup(arg);
-    return mq_path_join(arg, "tokenizer.json");
-}
-
 /* Prints bytes quoted, escaping control bytes and bytes that are not whole UTF-8 characters
  * (a token may hold part of a character). */
 static void print_quoted(FILE *f, const char *b, size_t n) {
@@ -60,9 +53,9 @@ int cmd_tokenize(int argc, char **argv) {
     };
     const cli_command cmd = {
         "tokenize", "MODEL_DIR (--text T | --file F) [--json]",
-        "Encodes text with MODEL_DIR/tokenizer.json (MODEL_DIR may also be the tokenizer.json file)\n"
-        "as Hugging Face tokenizers does with add_special_tokens=False: special tokens written in\n"
-        "the text are matched, none are added.",
+        "Encodes text with MODEL_DIR's tokenizer.json or tiktoken.model (MODEL_DIR may also be that\n"
+        "file) as Hugging Face tokenizers does with add_special_tokens=False (tiktoken: as tiktoken\n"
+        "does): special tokens written in the text are matched, none are added.",
         opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
@@ -71,13 +64,11 @@ int cmd_tokenize(int argc, char **argv) {
 
     const char *dir = cli_model_dir("tokenize", pos[0], revision);
     if (!dir) return CLI_FAIL;
-    char *path = tokenizer_path(dir);
-    if (!path) return cli_fail("tokenize", MOEQ_E_NOMEM);
     moeq_tokenizer *tok = NULL;
     char *buf = NULL;
     int32_t *ids = NULL;
     size_t len = text ? strlen(text) : 0, n = 0;
-    moeq_status st = moeq_tokenizer_load(path, &tok);
+    moeq_status st = moeq_tokenizer_load(dir, &tok);
     if (st == MOEQ_OK && file) st = mq_read_file(file, &buf, &len);
     if (st == MOEQ_OK) st = moeq_tokenizer_encode(tok, file ? buf : text, len, &ids, &n);
     if (st != MOEQ_OK && file && buf) mq_err_prefix(st, "%s", file);
@@ -106,7 +97,6 @@ int cmd_tokenize(int argc, char **argv) {
     }
     free(ids);
     free(buf);
-    free(path);
     moeq_tokenizer_free(tok);
     return st == MOEQ_OK ? CLI_OK : cli_fail("tokenize", st);
 }
