@@ -206,9 +206,20 @@ static void test_rtn_bitexact(void) {
     mq_gpu_close(g);
 }
 
+/* Every tile of the deterministic products (the one the grid picks, and each forced) against the
+ * CPU's chains. */
+static const int det_tiles[] = {0, 128, 64, 32};
+
+static void hessian_bitexact(int tile);
+
 /* Rows arrive in uneven pieces on the GPU and in one piece on the CPU: the same bits. */
 static void test_hessian_bitexact(void) {
+    for (int t = 0; t < 4; t++) hessian_bitexact(det_tiles[t]);
+}
+
+static void hessian_bitexact(int tile) {
     mq_gpu *g = open_gpu();
+    mq_gpu_force_det_tile(g, tile);
     const int64_t Ks[] = {200, 384, 64};
     const int64_t T = 1500;
     float *x[3];
@@ -235,8 +246,8 @@ static void test_hessian_bitexact(void) {
         ASSERT_EQ_INT(T, n);
         int64_t diff = 0;
         for (int64_t e = 0; e < K * K; e++) diff += !same_float(a[e], b[e]);
-        if (diff) FAIL("Hessian %d (K %lld): %lld of %lld entries differ from the CPU's", i, (long long)K,
-                       (long long)diff, (long long)(K * K));
+        if (diff) FAIL("Hessian %d (K %lld), tile %d: %lld of %lld entries differ from the CPU's", i, (long long)K,
+                       tile, (long long)diff, (long long)(K * K));
         free(a), free(b);
         mq_hessian_free(&h);
         free(x[i]);
@@ -580,17 +591,19 @@ static void test_gptq_device_inputs(void) {
 
 static void test_gemm_det_bitexact(void) {
     mq_gpu *g = open_gpu();
-    const int64_t shapes[][3] = {{37, 70, 100}, {300, 128, 256}, {1, 1024, 2048}, {129, 65, 17}};
-    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
-        const int64_t M = shapes[k][0], N = shapes[k][1], K = shapes[k][2];
-        float *A = make_weights(M, K, 70 + k), *B = make_weights(N, K, 80 + k);
+    const int64_t shapes[][3] = {{37, 70, 100}, {300, 128, 256}, {1, 1024, 2048}, {129, 65, 17}, {2100, 1100, 40}};
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0] * 4; k++) {
+        mq_gpu_force_det_tile(g, det_tiles[k / (sizeof shapes / sizeof shapes[0])]);
+        const size_t sh = k % (sizeof shapes / sizeof shapes[0]);
+        const int64_t M = shapes[sh][0], N = shapes[sh][1], K = shapes[sh][2];
+        float *A = make_weights(M, K, 70 + sh), *B = make_weights(N, K, 80 + sh);
         float *c1 = malloc((size_t)(M * N) * 4), *c2 = malloc((size_t)(M * N) * 4);
         mq_gemm_det_nt(M, N, K, A, K, B, K, c1, N);
         ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gemm_det(g, M, N, K, A, B, c2));
         int64_t diff = 0;
         for (int64_t i = 0; i < M * N; i++) diff += !same_float(c1[i], c2[i]);
-        if (diff) FAIL("GEMM %lldx%lldx%lld: %lld outputs differ from mq_gemm_det_nt", (long long)M, (long long)N,
-                       (long long)K, (long long)diff);
+        if (diff) FAIL("GEMM %lldx%lldx%lld, tile %d: %lld outputs differ from mq_gemm_det_nt", (long long)M,
+                       (long long)N, (long long)K, det_tiles[k / (sizeof shapes / sizeof shapes[0])], (long long)diff);
         free(A), free(B), free(c1), free(c2);
     }
     mq_gpu_close(g);

@@ -41,6 +41,9 @@ bool mq_gpu_built(void);
 moeq_status mq_gpu_open(int device, mq_gpu **out);
 void mq_gpu_close(mq_gpu *g);
 void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info);
+/* Tests: the tile of the deterministic GEMMs and Hessian sums (128, 64 or 32; 0, the default:
+ * the largest that fills the SMs). Every tile gives the same bits. */
+void mq_gpu_force_det_tile(mq_gpu *g, int tile);
 /* TF32 tensor cores for the GPTQ updates (the --gpu-tf32 of the benchmarks): faster products
  * with 10-bit mantissas; off by default (fp32 everywhere). */
 moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on);

@@ -21,6 +21,8 @@ void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
     memset(info, 0, sizeof *info);
 }
 
+void mq_gpu_force_det_tile(mq_gpu *g, int tile) { (void)g, (void)tile; }
+
 moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on) {
     (void)g, (void)on;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");

@@ -163,6 +163,8 @@ extern "C" moeq_status mq_gpu_sync(mq_gpu *g) {
     return st;
 }
 
+extern "C" void mq_gpu_force_det_tile(mq_gpu *g, int tile) { g->det_tile = tile; }
+
 extern "C" moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on) {
     moeq_status st = CU(cudaSetDevice(g->device));
     for (int i = 0; i < MQ_GPU_STREAMS && !st; i++)

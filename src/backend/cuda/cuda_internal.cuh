@@ -27,6 +27,7 @@ struct mq_gpu {
     void *pin;                      /* pinned host memory the results come back through */
     size_t pin_cap;
     cudaEvent_t ev[2];              /* its two halves' copies */
+    int det_tile;                   /* tile_det.cuh's tile, forced (tests); 0: by the grid's size */
 };
 
 moeq_status mq_cu_fail(cudaError_t e, const char *what, const char *file, int line);

@@ -16,10 +16,9 @@ namespace {
 
 enum { STAGE_FLOATS = 16 << 20 };
 
-moeq_status syrk(cudaStream_t s, float *C, const float *X, int64_t n, int64_t K) {
+moeq_status syrk(const mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K) {
     if (n <= 0) return MOEQ_OK;
-    const unsigned nt = (unsigned)((K + mqd::DT_TILE - 1) / mqd::DT_TILE);
-    mqd::k_det<true><<<dim3(nt, nt), mqd::DT_THREADS, 0, s>>>(K, K, n, K, X, X, C, K);
+    mqd::det_launch<true>(s, mqd::det_tile(true, K, K, g->info.sm_count, g->det_tile), K, K, n, K, X, X, C, K);
     return CU_LAUNCHED("k_det (syrk)");
 }
 
@@ -91,7 +90,7 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
         const int64_t n = rows - r0 < per ? rows - r0 : per;
         /* the stage is reused: the previous chunk's kernel must be done reading it */
         st = mq_cu_upload(hs->g, hs->stage, x + r0 * K, (size_t)(n * K) * sizeof(float));
-        if (!st) st = syrk(s, hs->sum[i], hs->stage, n, K);
+        if (!st) st = syrk(hs->g, s, hs->sum[i], hs->stage, n, K);
     }
     if (!st) hs->n[i] += rows;
     return st;
@@ -100,7 +99,7 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
 moeq_status mq_gpu_hessians_add_device(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows, cudaStream_t s) {
     if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
     if (rows <= 0) return MOEQ_OK;
-    moeq_status st = syrk(s, hs->sum[i], x, rows, hs->K[i]);
+    moeq_status st = syrk(hs->g, s, hs->sum[i], x, rows, hs->K[i]);
     if (!st) hs->n[i] += rows;
     return st;
 }

@@ -29,24 +29,23 @@ __global__ void k_gather(float *x, const float *in, const int32_t *src, int64_t 
         x[i] = in[(int64_t)src[i / D] * D + i % D];
 }
 
-moeq_status gemm(cudaStream_t s, int64_t M, int64_t N, int64_t K, const float *A, const float *B, float *C) {
+moeq_status gemm(const mq_gpu *g, cudaStream_t s, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
+                 float *C) {
     if (M <= 0 || N <= 0) return MOEQ_OK;
-    const unsigned T = mqd::DT_TILE;
-    mqd::k_det<false><<<dim3((unsigned)((N + T - 1) / T), (unsigned)((M + T - 1) / T)), mqd::DT_THREADS, 0, s>>>(
-        M, N, K, K, A, B, C, N);
+    mqd::det_launch<false>(s, mqd::det_tile(false, M, N, g->info.sm_count, g->det_tile), M, N, K, K, A, B, C, N);
     return CU_LAUNCHED("k_det (gemm)");
 }
 
 }  // namespace
 
 /* Experts of a batch run on up to MLP_LANES streams at once (expert e on lane e % lanes), each
- * lane with its own scratch: one expert's Hessian update fills only its K/128 x K/128 tiles'
- * CTAs (36 for a 1024-input sum on a 132-SM GPU), and each expert's work is independent of the
+ * lane with its own scratch: an expert with few rows fills few SMs even with tile_det.cuh's
+ * smaller tiles (its chains over k cannot be split), and each expert's work is independent of the
  * others' (its own Hessian sums, its own rows of the kept outputs), so the lanes change no bit.
  * Lane 0 is stream 0, where everything else of the backend runs; the others start after what
  * stream 0 holds when they are given work, and stream 0 waits for them (mlp_join) before
  * anything that reads their results or reuses their inputs. */
-enum { MLP_LANES = 4 };
+enum { MLP_LANES = 8 };
 
 struct mlp_lane {
     float *x, *hg, *hu, *y;   /* [max_rows] rows of scratch */
@@ -226,14 +225,14 @@ moeq_status mlp_rows(mq_gpu_mlp *m, int64_t e, const float *x, const int32_t *sr
             st = CU(cudaMemcpyAsync(L->x, x + r0 * D, (size_t)(k * D) * sizeof(float), cudaMemcpyHostToDevice, s));
         }
         if (!st && h_in) st = mq_gpu_hessians_add_device(h_in, 0, L->x, k, s);
-        if (!st) st = gemm(s, k, F, D, L->x, m->w[(size_t)(3 * e)], L->hg);
-        if (!st) st = gemm(s, k, F, D, L->x, m->w[(size_t)(3 * e + 1)], L->hu);
+        if (!st) st = gemm(m->g, s, k, F, D, L->x, m->w[(size_t)(3 * e)], L->hg);
+        if (!st) st = gemm(m->g, s, k, F, D, L->x, m->w[(size_t)(3 * e + 1)], L->hu);
         if (!st) {
             k_swiglu<<<1024, 256, 0, s>>>(L->hg, L->hu, k * F);
             st = CU_LAUNCHED("k_swiglu");
         }
         if (!st && h_down) st = mq_gpu_hessians_add_device(h_down, 0, L->hg, k, s);
-        if (!st && (y || kept)) st = gemm(s, k, D, F, L->hg, m->w[(size_t)(3 * e + 2)], kept ? m->yk + (y0 + r0) * D : L->y);
+        if (!st && (y || kept)) st = gemm(m->g, s, k, D, F, L->hg, m->w[(size_t)(3 * e + 2)], kept ? m->yk + (y0 + r0) * D : L->y);
         if (!st && hg) st = CU(cudaMemcpyAsync(hg + r0 * F, L->hg, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
         if (!st && hu) st = CU(cudaMemcpyAsync(hu + r0 * F, L->hu, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
         if (!st && y && !kept) st = CU(cudaMemcpyAsync(y + r0 * D, L->y, (size_t)(k * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
@@ -357,7 +356,7 @@ extern "C" moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t 
     if (!st) st = cu_alloc(&c, (size_t)(M * N), "GEMM output");
     if (!st) st = CU(cudaMemcpyAsync(a, A, (size_t)(M * K) * sizeof(float), cudaMemcpyHostToDevice, s));
     if (!st) st = CU(cudaMemcpyAsync(b, B, (size_t)(N * K) * sizeof(float), cudaMemcpyHostToDevice, s));
-    if (!st) st = gemm(s, M, N, K, a, b, c);
+    if (!st) st = gemm(g, s, M, N, K, a, b, c);
     if (!st) st = CU(cudaMemcpyAsync(C, c, (size_t)(M * N) * sizeof(float), cudaMemcpyDeviceToHost, s));
     if (!st) st = CU(cudaStreamSynchronize(s));
     mq_cu_free(a);

@@ -7,10 +7,12 @@
  *   k_det_syrk: C [K, K] += X^T X over the rows of X [n, K], lower triangle only, each chain
  *               continued from C's value (mq_syrk_det_acc).
  *
- * A CTA computes a 128 x 128 tile of C with 256 threads, 8 x 8 outputs each (rows ty*4 + {0..3}
- * and 64 + ty*4 + {0..3}, columns likewise with tx, so the shared-memory reads are float4s without
- * bank conflicts); k goes in slabs of 8 through two shared buffers, the next slab loaded into
- * registers while the current one is multiplied. Rows and columns past the edges are zero-filled
+ * A CTA computes a TILE x TILE block of C (128, 64 or 32: the smaller ones where the larger leave
+ * SMs idle, a few experts' rows or a 1024-wide Hessian) with 256 threads, (TILE/16)^2 outputs
+ * each (rows ty*H + {0..H-1} and TILE/2 + ty*H + {0..H-1}, H = TILE/32, columns likewise with tx,
+ * so the shared-memory reads have no bank conflicts: float4s at 128); k goes in slabs of 8
+ * through two shared buffers, the next slab loaded into registers while the current one is
+ * multiplied. Rows and columns past the edges are zero-filled
  * and never stored; k past K is never multiplied (nk), since even fmaf(0, 0, -0) would turn a
  * chain's -0 into +0.
  */
@@ -21,103 +23,155 @@
 
 namespace mqd {
 
-constexpr int DT_TILE = 128, DT_BK = 8, DT_THREADS = 256;
+constexpr int DT_BK = 8, DT_THREADS = 256;
 
-/* One slab: 4 values a thread of A's and of B's tile, as [k][m] in shared memory. NT: A and B
- * rows hold k (thread t: row t/2, k (t%2)*4 + 0..3); SYRK: X rows are k (thread t: k t/32,
- * columns (t%32)*4 + 0..3). */
-template <bool SYRK>
+/* One slab: V = TILE/32 values a thread of A's and of B's tile, as [k][m] in shared memory. NT:
+ * A and B rows hold k (thread t: row t / (8/V), k (t % (8/V)) * V + 0..V-1); SYRK: X rows are k
+ * (thread t: k t/32, columns (t%32)*V + 0..V-1). */
+template <bool SYRK, int TILE>
 __device__ __forceinline__ void dt_load(const float *A, const float *B, int64_t M, int64_t N, int64_t K,
-                                        int64_t lda, int64_t i0, int64_t j0, int64_t k0, float ra[4], float rb[4]) {
+                                        int64_t lda, int64_t i0, int64_t j0, int64_t k0, float *ra, float *rb) {
+    constexpr int V = TILE / 32, PER_ROW = DT_BK / V;
     const int t = threadIdx.x;
     if (!SYRK) {
-        const int64_t r = t >> 1, kq = k0 + (t & 1) * 4;
+        const int64_t r = t / PER_ROW, kq = k0 + (t % PER_ROW) * V;
         const int64_t ia = i0 + r, jb = j0 + r;
-        for (int u = 0; u < 4; u++) {
+#pragma unroll
+        for (int u = 0; u < V; u++) {
             const int64_t k = kq + u;
             ra[u] = ia < M && k < K ? A[ia * lda + k] : 0.0f;
             rb[u] = jb < N && k < K ? B[jb * lda + k] : 0.0f;
         }
     } else {
         /* A = B = X [K rows (the chains' k), lda columns]; M = N = the sum's size */
-        const int64_t k = k0 + (t >> 5), c = (t & 31) * 4;
-        for (int u = 0; u < 4; u++) {
+        const int64_t k = k0 + (t >> 5), c = (t & 31) * V;
+#pragma unroll
+        for (int u = 0; u < V; u++) {
             ra[u] = k < K && i0 + c + u < M ? A[k * lda + i0 + c + u] : 0.0f;
             rb[u] = k < K && j0 + c + u < N ? B[k * lda + j0 + c + u] : 0.0f;
         }
     }
 }
 
-template <bool SYRK>
-__device__ __forceinline__ void dt_store(float (*as)[DT_TILE], float (*bs)[DT_TILE], const float ra[4],
-                                         const float rb[4]) {
+template <bool SYRK, int TILE>
+__device__ __forceinline__ void dt_store(float (*as)[TILE], float (*bs)[TILE], const float *ra, const float *rb) {
+    constexpr int V = TILE / 32, PER_ROW = DT_BK / V;
     const int t = threadIdx.x;
     if (!SYRK) {
-        const int r = t >> 1, kq = (t & 1) * 4;
-        for (int u = 0; u < 4; u++) {
+        const int r = t / PER_ROW, kq = (t % PER_ROW) * V;
+#pragma unroll
+        for (int u = 0; u < V; u++) {
             as[kq + u][r] = ra[u];
             bs[kq + u][r] = rb[u];
         }
     } else {
-        const int kk = t >> 5, c = (t & 31) * 4;
-        for (int u = 0; u < 4; u++) {
+        const int kk = t >> 5, c = (t & 31) * V;
+#pragma unroll
+        for (int u = 0; u < V; u++) {
             as[kk][c + u] = ra[u];
             bs[kk][c + u] = rb[u];
         }
     }
 }
 
-/* NT: C = A B^T (lda = K for both). SYRK: C (ldc = M = N) += X^T X, X [K, lda]. */
-template <bool SYRK>
+/* Row (or column) of a thread's u-th output within the tile: two halves of H = TILE/32 each,
+ * at ty*H and TILE/2 + ty*H (conflict-free shared-memory reads). */
+template <int TILE>
+__device__ __forceinline__ int dt_at(int t16, int u) {
+    constexpr int H = TILE / 32;
+    return u < H ? t16 * H + u : TILE / 2 + t16 * H + u - H;
+}
+
+/* NT: C = A B^T (lda = K for both). SYRK: C (ldc = M = N) += X^T X, X [K, lda]. A CTA computes a
+ * TILE x TILE block of C, R x R outputs a thread (R = TILE/16). */
+template <bool SYRK, int TILE>
 __global__ void __launch_bounds__(DT_THREADS) k_det(int64_t M, int64_t N, int64_t K, int64_t lda, const float *A,
                                                       const float *B, float *C, int64_t ldc) {
-    const int64_t i0 = (int64_t)blockIdx.y * DT_TILE, j0 = (int64_t)blockIdx.x * DT_TILE;
+    constexpr int R = TILE / 16, V = TILE / 32;
+    const int64_t i0 = (int64_t)blockIdx.y * TILE, j0 = (int64_t)blockIdx.x * TILE;
     if (SYRK && j0 > i0) return;   /* above the diagonal */
-    __shared__ __align__(16) float as[2][DT_BK][DT_TILE];
-    __shared__ __align__(16) float bs[2][DT_BK][DT_TILE];
+    __shared__ __align__(16) float as[2][DT_BK][TILE];
+    __shared__ __align__(16) float bs[2][DT_BK][TILE];
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
-    float acc[8][8];
-    for (int u = 0; u < 8; u++)
-        for (int v = 0; v < 8; v++) {
+    float acc[R][R];
+#pragma unroll
+    for (int u = 0; u < R; u++)
+#pragma unroll
+        for (int v = 0; v < R; v++) {
             if (!SYRK) {
                 acc[u][v] = 0.0f;
             } else {
-                const int64_t i = i0 + (u < 4 ? ty * 4 + u : 64 + ty * 4 + u - 4);
-                const int64_t j = j0 + (v < 4 ? tx * 4 + v : 64 + tx * 4 + v - 4);
+                const int64_t i = i0 + dt_at<TILE>(ty, u), j = j0 + dt_at<TILE>(tx, v);
                 acc[u][v] = i < M && j < N && j <= i ? C[i * ldc + j] : 0.0f;
             }
         }
-    float ra[4], rb[4];
-    dt_load<SYRK>(A, B, M, N, K, lda, i0, j0, 0, ra, rb);
-    dt_store<SYRK>(as[0], bs[0], ra, rb);
+    float ra[V], rb[V];
+    dt_load<SYRK, TILE>(A, B, M, N, K, lda, i0, j0, 0, ra, rb);
+    dt_store<SYRK, TILE>(as[0], bs[0], ra, rb);
     __syncthreads();
     int buf = 0;
     for (int64_t k0 = 0; k0 < K; k0 += DT_BK) {
         const bool more = k0 + DT_BK < K;
-        if (more) dt_load<SYRK>(A, B, M, N, K, lda, i0, j0, k0 + DT_BK, ra, rb);
+        if (more) dt_load<SYRK, TILE>(A, B, M, N, K, lda, i0, j0, k0 + DT_BK, ra, rb);
         const int nk = K - k0 < DT_BK ? (int)(K - k0) : DT_BK;
         for (int kk = 0; kk < nk; kk++) {
-            const float4 a0 = *(const float4 *)&as[buf][kk][ty * 4], a1 = *(const float4 *)&as[buf][kk][64 + ty * 4];
-            const float4 b0 = *(const float4 *)&bs[buf][kk][tx * 4], b1 = *(const float4 *)&bs[buf][kk][64 + tx * 4];
-            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-            for (int u = 0; u < 8; u++)
-                for (int v = 0; v < 8; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
+            float a[R], b[R];
+            if constexpr (TILE == 128) {   /* float4 reads */
+                const float4 a0 = *(const float4 *)&as[buf][kk][ty * 4], a1 = *(const float4 *)&as[buf][kk][64 + ty * 4];
+                const float4 b0 = *(const float4 *)&bs[buf][kk][tx * 4], b1 = *(const float4 *)&bs[buf][kk][64 + tx * 4];
+                const float a8[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                const float b8[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+                for (int u = 0; u < R; u++) a[u] = a8[u], b[u] = b8[u];
+            } else {
+#pragma unroll
+                for (int u = 0; u < R; u++) {
+                    a[u] = as[buf][kk][dt_at<TILE>(ty, u)];
+                    b[u] = bs[buf][kk][dt_at<TILE>(tx, u)];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < R; u++)
+#pragma unroll
+                for (int v = 0; v < R; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
         }
         if (more) {
-            dt_store<SYRK>(as[buf ^ 1], bs[buf ^ 1], ra, rb);
+            dt_store<SYRK, TILE>(as[buf ^ 1], bs[buf ^ 1], ra, rb);
             __syncthreads();
             buf ^= 1;
         }
     }
-    for (int u = 0; u < 8; u++) {
-        const int64_t i = i0 + (u < 4 ? ty * 4 + u : 64 + ty * 4 + u - 4);
+#pragma unroll
+    for (int u = 0; u < R; u++) {
+        const int64_t i = i0 + dt_at<TILE>(ty, u);
         if (i >= M) continue;
-        for (int v = 0; v < 8; v++) {
-            const int64_t j = j0 + (v < 4 ? tx * 4 + v : 64 + tx * 4 + v - 4);
+#pragma unroll
+        for (int v = 0; v < R; v++) {
+            const int64_t j = j0 + dt_at<TILE>(tx, v);
             if (j < N && (!SYRK || j <= i)) C[i * ldc + j] = acc[u][v];
         }
     }
+}
+
+/* The tile for an M x N output (the lower triangle for SYRK): the largest whose CTAs fill every
+ * SM once (sm_count), else the smallest; `force` (tests) picks one. Every tile computes the same
+ * chains, so the choice changes the speed only. */
+inline int det_tile(bool syrk, int64_t M, int64_t N, int sm_count, int force) {
+    if (force == 128 || force == 64 || force == 32) return force;
+    for (int t = 128; t > 32; t /= 2) {
+        const int64_t tm = (M + t - 1) / t, tn = (N + t - 1) / t;
+        if ((syrk ? tm * (tm + 1) / 2 : tm * tn) >= sm_count) return t;
+    }
+    return 32;
+}
+
+template <bool SYRK>
+inline void det_launch(cudaStream_t s, int tile, int64_t M, int64_t N, int64_t K, int64_t lda, const float *A,
+                       const float *B, float *C, int64_t ldc) {
+    const dim3 grid((unsigned)((N + tile - 1) / tile), (unsigned)((M + tile - 1) / tile));
+    if (tile == 128) k_det<SYRK, 128><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc);
+    else if (tile == 64) k_det<SYRK, 64><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc);
+    else k_det<SYRK, 32><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc);
 }
 
 }  // namespace mqd
