@@ -8,7 +8,7 @@
 for k in seconds factor_seconds gflops sgemm_gflops fraction_of_sgemm cores_used; do
     grep -q "\"$k\": [0-9.]" "$tmp/one.json" || fail "bench gptq --json lacks $k: $(cat "$tmp/one.json")"
 done
-grep -qE "^moeq bench gptq: CPU kernels (avx512\+vnni|avx512|avx2\+fma|scalar)" "$tmp/one.err" || fail "no kernel set named: $(cat "$tmp/one.err")"
+grep -qE "^moeq bench gptq: CPU kernels (avx512\+vnni|avx512|avx2\+fma|neon\+dotprod|neon|scalar)" "$tmp/one.err" || fail "no kernel set named: $(cat "$tmp/one.err")"
 
 "$cli" bench gptq --rows 96 --cols 128 --reps 1 --mse --act-order --threads 1,2,3 --json > "$tmp/s.json" 2>/dev/null ||
     fail "bench gptq --threads 1,2,3 exited $?"

@@ -25,17 +25,37 @@ namespace mqd {
 
 constexpr int DT_BK = 8, DT_THREADS = 256;
 
+/* V consecutive floats from p (16-, 8- or 4-byte aligned), zeros for p == nullptr. */
+template <int V>
+__device__ __forceinline__ void dt_vload(const float *p, float *r) {
+    if constexpr (V == 4) {
+        const float4 v = p ? *(const float4 *)p : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
+    } else if constexpr (V == 2) {
+        const float2 v = p ? *(const float2 *)p : make_float2(0.0f, 0.0f);
+        r[0] = v.x, r[1] = v.y;
+    } else {
+        r[0] = p ? *p : 0.0f;
+    }
+}
+
 /* One slab: V = TILE/32 values a thread of A's and of B's tile, as [k][m] in shared memory. NT:
  * A and B rows hold k (thread t: row t / (8/V), k (t % (8/V)) * V + 0..V-1); SYRK: X rows are k
  * (thread t: k t/32, columns (t%32)*V + 0..V-1). */
 template <bool SYRK, int TILE>
 __device__ __forceinline__ void dt_load(const float *A, const float *B, int64_t M, int64_t N, int64_t K,
-                                        int64_t lda, int64_t i0, int64_t j0, int64_t k0, float *ra, float *rb) {
+                                        int64_t lda, int64_t i0, int64_t j0, int64_t k0, bool vec, float *ra,
+                                        float *rb) {
     constexpr int V = TILE / 32, PER_ROW = DT_BK / V;
     const int t = threadIdx.x;
     if (!SYRK) {
         const int64_t r = t / PER_ROW, kq = k0 + (t % PER_ROW) * V;
         const int64_t ia = i0 + r, jb = j0 + r;
+        if (vec && kq + V <= K) {   /* V values in one load (aligned: vec says lda and the bases are) */
+            dt_vload<V>(ia < M ? A + ia * lda + kq : nullptr, ra);
+            dt_vload<V>(jb < N ? B + jb * lda + kq : nullptr, rb);
+            return;
+        }
 #pragma unroll
         for (int u = 0; u < V; u++) {
             const int64_t k = kq + u;
@@ -45,6 +65,11 @@ __device__ __forceinline__ void dt_load(const float *A, const float *B, int64_t 
     } else {
         /* A = B = X [K rows (the chains' k), lda columns]; M = N = the sum's size */
         const int64_t k = k0 + (t >> 5), c = (t & 31) * V;
+        if (vec && i0 + c + V <= M && j0 + c + V <= N) {
+            dt_vload<V>(k < K ? A + k * lda + i0 + c : nullptr, ra);
+            dt_vload<V>(k < K ? B + k * lda + j0 + c : nullptr, rb);
+            return;
+        }
 #pragma unroll
         for (int u = 0; u < V; u++) {
             ra[u] = k < K && i0 + c + u < M ? A[k * lda + i0 + c + u] : 0.0f;
@@ -86,7 +111,7 @@ __device__ __forceinline__ int dt_at(int t16, int u) {
  * TILE x TILE block of C, R x R outputs a thread (R = TILE/16). */
 template <bool SYRK, int TILE>
 __global__ void __launch_bounds__(DT_THREADS) k_det(int64_t M, int64_t N, int64_t K, int64_t lda, const float *A,
-                                                      const float *B, float *C, int64_t ldc) {
+                                                      const float *B, float *C, int64_t ldc, bool vec) {
     constexpr int R = TILE / 16, V = TILE / 32;
     const int64_t i0 = (int64_t)blockIdx.y * TILE, j0 = (int64_t)blockIdx.x * TILE;
     if (SYRK && j0 > i0) return;   /* above the diagonal */
@@ -106,13 +131,13 @@ __global__ void __launch_bounds__(DT_THREADS) k_det(int64_t M, int64_t N, int64_
             }
         }
     float ra[V], rb[V];
-    dt_load<SYRK, TILE>(A, B, M, N, K, lda, i0, j0, 0, ra, rb);
+    dt_load<SYRK, TILE>(A, B, M, N, K, lda, i0, j0, 0, vec, ra, rb);
     dt_store<SYRK, TILE>(as[0], bs[0], ra, rb);
     __syncthreads();
     int buf = 0;
     for (int64_t k0 = 0; k0 < K; k0 += DT_BK) {
         const bool more = k0 + DT_BK < K;
-        if (more) dt_load<SYRK, TILE>(A, B, M, N, K, lda, i0, j0, k0 + DT_BK, ra, rb);
+        if (more) dt_load<SYRK, TILE>(A, B, M, N, K, lda, i0, j0, k0 + DT_BK, vec, ra, rb);
         const int nk = K - k0 < DT_BK ? (int)(K - k0) : DT_BK;
         for (int kk = 0; kk < nk; kk++) {
             float a[R], b[R];
@@ -169,9 +194,13 @@ template <bool SYRK>
 inline void det_launch(cudaStream_t s, int tile, int64_t M, int64_t N, int64_t K, int64_t lda, const float *A,
                        const float *B, float *C, int64_t ldc) {
     const dim3 grid((unsigned)((N + tile - 1) / tile), (unsigned)((M + tile - 1) / tile));
-    if (tile == 128) k_det<SYRK, 128><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc);
-    else if (tile == 64) k_det<SYRK, 64><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc);
-    else k_det<SYRK, 32><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc);
+    /* whole-vector loads where every row starts on a vector boundary (the loads, not the sums,
+     * change: the same bits) */
+    const int64_t vb = 4 * (tile / 32);
+    const bool vec = lda % (tile / 32) == 0 && (uintptr_t)A % vb == 0 && (uintptr_t)B % vb == 0;
+    if (tile == 128) k_det<SYRK, 128><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc, vec);
+    else if (tile == 64) k_det<SYRK, 64><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc, vec);
+    else k_det<SYRK, 32><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc, vec);
 }
 
 }  // namespace mqd
