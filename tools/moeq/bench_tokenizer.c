@@ -42,7 +42,7 @@ int bench_tokenizer(int argc, char **argv) {
                                    "was not found (set MOEQ_SHARED)");
         file = default_file = mq_path_join(shared, "fixtures/text/wikitext2_test.txt");
     }
-    char *path = mq_path_join(pos[0], "tokenizer.json");
+    char *path = mq_tokenizer_find(pos[0]);   /* tokenizer.json, else tiktoken.model */
     moeq_tokenizer *tok = NULL;
     char *text = NULL, *back = NULL;
     int32_t *ids = NULL;
@@ -51,7 +51,8 @@ int bench_tokenizer(int argc, char **argv) {
     double load_s = 0, enc_best = 1e30, enc_sum = 0, dec_best = 1e30;
 
     double t0 = mq_now();
-    moeq_status st = path ? moeq_tokenizer_load(path, &tok) : MOEQ_E_NOMEM;
+    moeq_status st = path ? moeq_tokenizer_load(path, &tok)
+                          : mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json or tiktoken.model", pos[0]);
     load_s = mq_now() - t0;
     if (st == MOEQ_OK) st = mq_read_file(file, &text, &len);
     /* At least three repetitions; then until min_time has passed. */
