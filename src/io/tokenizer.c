@@ -1244,6 +1244,17 @@ static inline int32_t rank_of(const moeq_tokenizer *t, const char *m, size_t n) 
     return r < 0 ? INT32_MAX : r;
 }
 
+/* The characters of an alphabet string m[0..n) (1 or 2 UTF-8 bytes each): offsets and lengths;
+ * returns their count. */
+static size_t alphabet_chars(const char *m, size_t n, uint32_t *off, uint32_t *len) {
+    size_t np = 0;
+    for (size_t i = 0; i < n; i += len[np - 1]) {
+        off[np] = (uint32_t)i;
+        len[np++] = ((uint8_t)m[i] & 0x80) ? 2 : 1;
+    }
+    return np;
+}
+
 /* tiktoken's merging of one piece (m: its k bytes in the alphabet): the adjacent pair whose
  * joined bytes have the lowest rank merges first, the leftmost of equals, until no joined pair
  * is a token. Exact where merge pairs recovered from the ranks could differ (a token reached
@@ -1263,11 +1274,7 @@ static moeq_status tiktoken_word(enc_state *e, const char *m, size_t k) {
     }
     uint32_t *off = e->t_off, *len = e->t_len;
     int32_t *rank = e->t_rank;
-    size_t np = 0;
-    for (size_t i = 0; i < k; i += len[np - 1]) {
-        off[np] = (uint32_t)i;
-        len[np++] = ((uint8_t)m[i] & 0x80) ? 2 : 1;   /* alphabet characters: 1 or 2 bytes */
-    }
+    size_t np = alphabet_chars(m, k, off, len);
     for (size_t i = 0; i + 1 < np; i++) rank[i] = rank_of(t, m + off[i], len[i] + len[i + 1]);
     while (np > 1) {
         size_t at = 0;
@@ -1625,11 +1632,7 @@ moeq_status mq_tokenizer_merges(const moeq_tokenizer *t, int32_t **pairs, size_t
         for (uint32_t e = 0; e < t->n_vocab; e++) {
             const char *m = t->arena + t->v_off[e];
             int32_t id = t->v_id[e];
-            size_t np = 0;
-            for (size_t i = 0; i < t->v_len[e]; i += len[np - 1]) {
-                off[np] = (uint32_t)i;
-                len[np++] = ((uint8_t)m[i] & 0x80) ? 2 : 1;
-            }
+            size_t np = alphabet_chars(m, t->v_len[e], off, len);
             while (np > 2) {
                 int32_t best = INT32_MAX;
                 size_t at = 0;
