@@ -4,7 +4,9 @@
  * laid out as Kimi K2's, golden.json made with tiktoken and Kimi's pat_str verbatim: cases for
  * Han runs and the characters whose Script_Extensions but not Script is Han, cased words with
  * contractions, digits, whitespace runs, emoji, specials), the decode round trip, the specials
- * and reserved names, the merges recovered for GGUF, and the errors of bad files.
+ * and reserved names, where the split pattern cuts (on hand-made ranks whose tokens span the cuts:
+ * the trained vocabulary has none, so its ids cannot tell), the merges recovered for GGUF, and
+ * the errors of bad files.
  */
 #include <cjson/cJSON.h>
 #include <stdio.h>
@@ -142,6 +144,40 @@ static char *ranks_file(const char *extra) {
     return s;
 }
 
+/* Where Moonshot's pattern cuts, on a vocabulary whose tokens span the places a different split
+ * would not cut (ids 256 "tU", 257 "字、", 258 "e" + U+0301): camelCase is cut at each
+ * lower-to-upper step (llama.cpp's kimi-k2 scan keeps the run of letters whole), the ideographic
+ * comma is not Han (Script; PCRE2's bare \\p{Han} is Script_Extensions and would join it to the
+ * 字), and a combining mark stays in its word. */
+static void test_split_points(void) {
+    const char *dir = mq_test_tmpdir();
+    write_file(dir, "tokenizer_config.json",
+               "{\"auto_map\": {\"AutoTokenizer\": [\"tokenization_kimi.TikTokenTokenizer\", null]}}");
+    char *text = ranks_file("dFU= 256\n5a2X44CB 257\nZcyB 258\n");
+    moeq_tokenizer *tok = NULL;
+    ASSERT_OK(moeq_tokenizer_load(write_file(dir, "tiktoken.model", text), &tok));
+    free(text);
+    static const struct {
+        const char *text;
+        int32_t ids[8];
+        size_t n;
+    } cases[] = {
+        {"tU", {'t', 'U'}, 2},
+        {"\xe5\xad\x97\xe3\x80\x81", {0xe5, 0xad, 0x97, 0xe3, 0x80, 0x81}, 6},
+        {"e\xcc\x81", {258}, 1},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        ASSERT_OK(moeq_tokenizer_encode(tok, cases[c].text, strlen(cases[c].text), &ids, &n));
+        bool same = n == cases[c].n;
+        for (size_t i = 0; same && i < n; i++) same = ids[i] == cases[c].ids[i];
+        if (!same) FAIL("case %zu: %zu ids, the first %d: not where Moonshot's pattern cuts", c, n, n ? ids[0] : -1);
+        free(ids);
+    }
+    moeq_tokenizer_free(tok);
+}
+
 static void test_errors(void) {
     const char *dir = mq_test_tmpdir();
     static const char kimi_cfg[] =
@@ -221,4 +257,5 @@ static void test_errors(void) {
     ASSERT_ERROR_MENTIONS("no tokenizer.json or tiktoken.model");
 }
 
-TEST_MAIN(T(test_ids_equal_tiktoken), T(test_specials), T(test_recovered_merges), T(test_errors))
+TEST_MAIN(T(test_ids_equal_tiktoken), T(test_specials), T(test_split_points), T(test_recovered_merges),
+          T(test_errors))
