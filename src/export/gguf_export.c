@@ -504,10 +504,10 @@ static moeq_status read_vocab_tiktoken(const char *dir, const cJSON *cfg, int64_
 
 static moeq_status read_vocab(const char *dir, const cJSON *cfg, int64_t vocab_size, vocab *v) {
     memset(v, 0, sizeof *v);
-    char *tj = mq_path_join(dir, "tokenizer.json"), *tk = mq_path_join(dir, "tiktoken.model");
-    bool tiktoken = tj && tk && !mq_file_exists(tj) && mq_file_exists(tk);
-    free(tj);
-    free(tk);
+    char *found = mq_tokenizer_find(dir);   /* tokenizer.json first, as the loader takes it */
+    size_t fl = found ? strlen(found) : 0;
+    bool tiktoken = fl >= 14 && !strcmp(found + fl - 14, "tiktoken.model");
+    free(found);
     if (tiktoken) return read_vocab_tiktoken(dir, cfg, vocab_size, v);
     cJSON *tok, *tc;
     moeq_status s = read_json(dir, "tokenizer.json", true, &tok);

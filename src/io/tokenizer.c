@@ -7,8 +7,10 @@
  *      first, the leftmost pair on ties, stale queue entries skipped exactly as HF does,
  *   4. decoding maps the byte alphabet back to bytes.
  * Kimi K2's tiktoken.model (base64 token bytes and rank per line) is read into the same tables:
- * each rank's bytes in the byte alphabet, the merges recovered from the ranks, Kimi's split
- * pattern (tiktoken_kimi below) and the special tokens of tokenizer_config.json.
+ * each rank's bytes in the byte alphabet as the vocabulary, Kimi's split pattern
+ * (mq_tokenizer_kimi_split) and the special tokens of tokenizer_config.json; its pieces merge as
+ * tiktoken merges them (tiktoken_merge), and merge pairs are recovered from the ranks only for
+ * GGUF (mq_tokenizer_merges).
  * What is and is not supported is listed in tokenizer.h. Speed: merge ranks sit in a hash keyed
  * by the id pair, each encode call keeps a word -> ids cache, and no step allocates per
  * character; the regexes are PCRE2 JIT code.
@@ -1238,10 +1240,11 @@ static size_t bpe_init(const moeq_tokenizer *t, const uint8_t *s, size_t n, bpe_
     return m;
 }
 
-/* The rank of the alphabet string m[0..n) (its id), INT32_MAX when it is no token. */
-static inline int32_t rank_of(const moeq_tokenizer *t, const char *m, size_t n) {
+/* The rank of the alphabet string m[0..n) (its id), INT32_MAX when it is no token or not below
+ * limit. */
+static inline int32_t rank_of(const moeq_tokenizer *t, const char *m, size_t n, int32_t limit) {
     int32_t r = vocab_find(t, m, n);
-    return r < 0 ? INT32_MAX : r;
+    return r < 0 || r >= limit ? INT32_MAX : r;
 }
 
 /* The characters of an alphabet string m[0..n) (1 or 2 UTF-8 bytes each): offsets and lengths;
@@ -1256,9 +1259,31 @@ static size_t alphabet_chars(const char *m, size_t n, uint32_t *off, uint32_t *l
 }
 
 /* tiktoken's merging of one piece (m: its k bytes in the alphabet): the adjacent pair whose
- * joined bytes have the lowest rank merges first, the leftmost of equals, until no joined pair
- * is a token. Exact where merge pairs recovered from the ranks could differ (a token reached
- * through a split other than its own). Quadratic in the piece, as tiktoken's own loop. */
+ * joined bytes have the lowest rank below `limit` merges first, the leftmost of equals, until no
+ * joined pair is such a token. Leaves the parts in off/len (room for k each, rank for k - 1) and
+ * returns their count. Quadratic in the piece, as tiktoken's own loop. */
+static size_t tiktoken_merge(const moeq_tokenizer *t, const char *m, size_t k, int32_t limit, uint32_t *off,
+                             uint32_t *len, int32_t *rank) {
+    size_t np = alphabet_chars(m, k, off, len);
+    for (size_t i = 0; i + 1 < np; i++) rank[i] = rank_of(t, m + off[i], len[i] + len[i + 1], limit);
+    while (np > 1) {
+        size_t at = 0;
+        for (size_t i = 1; i + 1 < np; i++)
+            if (rank[i] < rank[at]) at = i;
+        if (rank[at] == INT32_MAX) break;
+        len[at] += len[at + 1];
+        memmove(off + at + 1, off + at + 2, (np - at - 2) * sizeof *off);
+        memmove(len + at + 1, len + at + 2, (np - at - 2) * sizeof *len);
+        if (at + 3 < np) memmove(rank + at + 1, rank + at + 2, (np - at - 3) * sizeof *rank);
+        np--;
+        if (at + 1 < np) rank[at] = rank_of(t, m + off[at], len[at] + len[at + 1], limit);
+        if (at > 0) rank[at - 1] = rank_of(t, m + off[at - 1], len[at - 1] + len[at], limit);
+    }
+    return np;
+}
+
+/* One piece through tiktoken_merge, its parts' ids into the output. Exact where merge pairs
+ * recovered from the ranks could differ (a token reached through a split other than its own). */
 static moeq_status tiktoken_word(enc_state *e, const char *m, size_t k) {
     const moeq_tokenizer *t = e->tok;
     if (k + 1 > e->t_cap) {
@@ -1272,25 +1297,9 @@ static moeq_status tiktoken_word(enc_state *e, const char *m, size_t k) {
         e->t_rank = r;
         e->t_cap = cap;
     }
-    uint32_t *off = e->t_off, *len = e->t_len;
-    int32_t *rank = e->t_rank;
-    size_t np = alphabet_chars(m, k, off, len);
-    for (size_t i = 0; i + 1 < np; i++) rank[i] = rank_of(t, m + off[i], len[i] + len[i + 1]);
-    while (np > 1) {
-        size_t at = 0;
-        for (size_t i = 1; i + 1 < np; i++)
-            if (rank[i] < rank[at]) at = i;
-        if (rank[at] == INT32_MAX) break;
-        len[at] += len[at + 1];
-        memmove(off + at + 1, off + at + 2, (np - at - 2) * sizeof *off);
-        memmove(len + at + 1, len + at + 2, (np - at - 2) * sizeof *len);
-        if (at + 3 < np) memmove(rank + at + 1, rank + at + 2, (np - at - 3) * sizeof *rank);
-        np--;
-        if (at + 1 < np) rank[at] = rank_of(t, m + off[at], len[at] + len[at + 1]);
-        if (at > 0) rank[at - 1] = rank_of(t, m + off[at - 1], len[at - 1] + len[at]);
-    }
+    size_t np = tiktoken_merge(t, m, k, INT32_MAX, e->t_off, e->t_len, e->t_rank);
     moeq_status st = MOEQ_OK;
-    for (size_t i = 0; i < np && !st; i++) st = push_id(e, vocab_find(t, m + off[i], len[i]));
+    for (size_t i = 0; i < np && !st; i++) st = push_id(e, vocab_find(t, m + e->t_off[i], e->t_len[i]));
     return st;
 }
 
@@ -1599,7 +1608,7 @@ static int cmp_rank(const void *a, const void *b) {
 }
 
 /* tiktoken: the merge that makes each token is its own bytes merged with only the lower ranks
- * (tiktoken_word's loop with a rank limit); when that ends in two parts they are the pair, the
+ * (tiktoken_merge with the token's rank as the limit); when that ends in two parts they are the pair, the
  * recovery transformers' TikTokenConverter and llama.cpp's converter make. A token it does not
  * reach gets no merge. tokenizer.json: the merges as read, by rank. */
 moeq_status mq_tokenizer_merges(const moeq_tokenizer *t, int32_t **pairs, size_t *n_pairs) {
@@ -1623,37 +1632,26 @@ moeq_status mq_tokenizer_merges(const moeq_tokenizer *t, int32_t **pairs, size_t
             if (t->v_len[e] > max_len) max_len = t->v_len[e];
         rows = malloc(sizeof *rows * (t->n_vocab + 1));
         uint32_t *off = malloc(sizeof(uint32_t) * (max_len + 1)), *len = malloc(sizeof(uint32_t) * (max_len + 1));
-        if (!rows || !off || !len) {
+        int32_t *rank = malloc(sizeof(int32_t) * (max_len + 1));
+        if (!rows || !off || !len || !rank) {
             free(rows);
             free(off);
             free(len);
+            free(rank);
             return mq_err(MOEQ_E_NOMEM, "%s: out of memory", t->path);
         }
         for (uint32_t e = 0; e < t->n_vocab; e++) {
+            /* the token's own bytes merged with the lower ranks only end in its two halves */
             const char *m = t->arena + t->v_off[e];
             int32_t id = t->v_id[e];
-            size_t np = alphabet_chars(m, t->v_len[e], off, len);
-            while (np > 2) {
-                int32_t best = INT32_MAX;
-                size_t at = 0;
-                for (size_t i = 0; i + 1 < np; i++) {
-                    int32_t r = rank_of(t, m + off[i], len[i] + len[i + 1]);
-                    if (r < id && r < best) best = r, at = i;
-                }
-                if (best == INT32_MAX) break;
-                len[at] += len[at + 1];
-                memmove(off + at + 1, off + at + 2, (np - at - 2) * sizeof *off);
-                memmove(len + at + 1, len + at + 2, (np - at - 2) * sizeof *len);
-                np--;
-            }
-            int32_t a = np == 2 ? vocab_find(t, m, len[0]) : -1;
-            int32_t b = np == 2 ? vocab_find(t, m + off[1], len[1]) : -1;
-            if (a >= 0 && b >= 0 && a < id && b < id) {
-                rows[n][0] = (uint32_t)a;
-                rows[n][1] = (uint32_t)b;
-                rows[n++][2] = (uint32_t)id;
-            }
+            if (tiktoken_merge(t, m, t->v_len[e], id, off, len, rank) != 2) continue;
+            int32_t a = vocab_find(t, m, len[0]), b = vocab_find(t, m + off[1], len[1]);
+            if (a < 0 || b < 0 || a >= id || b >= id) continue;   /* a byte ranked above the token */
+            rows[n][0] = (uint32_t)a;
+            rows[n][1] = (uint32_t)b;
+            rows[n++][2] = (uint32_t)id;
         }
+        free(rank);
         free(off);
         free(len);
     }
