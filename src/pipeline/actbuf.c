@@ -68,17 +68,58 @@ void mq_actbuf_free(mq_actbuf *b) {
     b->fd = -1;
 }
 
+/* A sample's activations are tens of megabytes at real size (2048 tokens x 2048 values): one
+ * core copies them at a few GB/s, which the GPU's calibration waits for sample by sample, so
+ * copies and conversions go over the pool in pieces of COPY_PIECE values (each value is moved or
+ * rounded alone: the same bytes whatever the pieces). */
+enum { COPY_PIECE = 1 << 18 };
+
+typedef struct {
+    float *f;              /* fp32 side */
+    uint16_t *h;           /* bf16 side, or NULL: fp32 to fp32 */
+    const float *src;      /* fp32 source (to bf16 or fp32), or NULL: bf16 h to f */
+    size_t n;
+} copy_job;
+
+static void copy_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const copy_job *j = ctx;
+    const size_t a = (size_t)t * COPY_PIECE, e = a + COPY_PIECE < j->n ? a + COPY_PIECE : j->n;
+    if (!j->h)
+        memcpy(j->f + a, j->src + a, (e - a) * sizeof(float));
+    else if (j->src)
+        for (size_t i = a; i < e; i++) j->h[i] = mq_f32_to_bf16(j->src[i]);
+    else
+        for (size_t i = a; i < e; i++) j->f[i] = mq_bf16_to_f32(j->h[i]);
+}
+
+static void copy_run(copy_job *j) {
+    if (j->n <= COPY_PIECE) {
+        copy_task(j, 0, 0);
+        return;
+    }
+    mq_parallel_for((int64_t)((j->n + COPY_PIECE - 1) / COPY_PIECE), copy_task, j);
+}
+
+void mq_copy_floats(float *dst, const float *src, size_t n) {
+    if (dst == src || n == 0) return;
+    copy_job j = {dst, NULL, src, n};
+    copy_run(&j);
+}
+
 const float *mq_actbuf_view(const mq_actbuf *b, size_t off, size_t n, float *scratch) {
     if (b->kind != MQ_ACT_BF16) return b->f + off;
-    for (size_t i = 0; i < n; i++) scratch[i] = mq_bf16_to_f32(b->h[off + i]);
+    copy_job j = {scratch, b->h + off, NULL, n};
+    copy_run(&j);
     return scratch;
 }
 
 void mq_actbuf_put(mq_actbuf *b, size_t off, size_t n, const float *src) {
     if (b->kind == MQ_ACT_BF16) {
-        for (size_t i = 0; i < n; i++) b->h[off + i] = mq_f32_to_bf16(src[i]);
-    } else if (b->f + off != src) {
-        memcpy(b->f + off, src, n * sizeof(float));
+        copy_job j = {NULL, b->h + off, src, n};
+        copy_run(&j);
+    } else {
+        mq_copy_floats(b->f + off, src, n);
     }
 }
 

@@ -33,6 +33,8 @@ void mq_actbuf_free(mq_actbuf *b);
 const float *mq_actbuf_view(const mq_actbuf *b, size_t off, size_t n, float *scratch);
 /* Writes n values at off (no copy when src already is the buffer's own memory). */
 void mq_actbuf_put(mq_actbuf *b, size_t off, size_t n, const float *src);
+/* dst = src, n floats, over the pool for large n (activations of a sample). */
+void mq_copy_floats(float *dst, const float *src, size_t n);
 /* A writable fp32 pointer (fp32 kinds only). */
 float *mq_actbuf_ptr(mq_actbuf *b, size_t off);
 /* The storage itself at value off (fp32 or bf16; *elem_bytes tells), for moving it between ranks. */

@@ -814,7 +814,7 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         int64_t T = p->calib.len[s];
         double t0 = mq_now(), c0 = mq_cpu_now();
         const float *x = mq_actbuf_view(&p->X, (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
-        if (x != sc->xt) memcpy(sc->xt, x, sizeof(float) * (size_t)(T * D));
+        mq_copy_floats(sc->xt, x, (size_t)(T * D));
         if (cap) {
             cap->rows_qkv = cap->rows_o = cap->rows_qb = cap->rows_kvb = 0;
             cap->at = cap->store ? s - s_lo : 0;
@@ -1612,20 +1612,20 @@ static int64_t sample_rows(const mq_pipe *p, const ffn_source *src, int64_t s, i
     return n;
 }
 
-/* Every sample through experts [e0, e1), in batches of as many samples as the plan's rows hold
- * (enough rows for every thread; which samples go together does not change any value). */
 /* The chunk's experts on the GPU when they are plain deterministic fp32 Linears (the weights as
  * they are now: unquantized, or dequantized for the quantized output); else *out stays NULL and
- * the CPU runs them. */
-static bool experts_plain(const mq_pipe *p, int l, int e0, int e1) {
+ * the CPU runs them. read: their weights must be in memory (false: whether they will be plain
+ * once read, as routed_experts asks before reading them). */
+static bool experts_plain_as(const mq_pipe *p, int l, int e0, int e1, bool read) {
     const mq_layer *ly = &p->m->layers[l];
     bool plain = true;
     for (int e = e0; e < e1; e++) {
         const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
-        for (int k = 0; k < 3; k++) plain &= lin[k]->w && lin[k]->det && !lin[k]->qw && !lin[k]->bias;
+        for (int k = 0; k < 3; k++) plain &= (lin[k]->w || !read) && lin[k]->det && !lin[k]->qw && !lin[k]->bias;
     }
     return plain;
 }
+static bool experts_plain(const mq_pipe *p, int l, int e0, int e1) { return experts_plain_as(p, l, e0, e1, true); }
 
 static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int64_t rows, mq_gpu_mlp **out) {
     *out = NULL;
@@ -1653,8 +1653,8 @@ static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int
  * a third of its free memory at 2 D floats per row, 4 when down runs (its kept output, and
  * the tokens' inputs, fewer than the rows), at most GPU_BATCH_MAX_ROWS for the host's per-row
  * bookkeeping (24 bytes a row: 100 MB). MOEQ_GPU_BATCH_ROWS=N sets it (the tests' small batches).
- * With MOEQ_GPU_BATCH=device (experts_pass). */
-enum { GPU_BATCH_MAX_ROWS = 1 << 22, GPU_DEVICE_BATCHES_DEFAULT = 0 };
+ * Unless MOEQ_GPU_BATCH=plan (experts_pass). */
+enum { GPU_BATCH_MAX_ROWS = 1 << 22, GPU_DEVICE_BATCHES_DEFAULT = 1 };
 #define GPU_BATCH_HOST_ROUTES ((int64_t)1 << 23)
 
 static int64_t gpu_batch_rows(const mq_pipe *p, bool down) {
@@ -1668,7 +1668,10 @@ static int64_t gpu_batch_rows(const mq_pipe *p, bool down) {
     return rows > 1 ? rows : 1;
 }
 
-/* own: only this rank's samples (outputs with several ranks), else all of them. */
+/* Every sample through experts [e0, e1), in batches of as many samples as the plan's rows hold
+ * (enough rows for every thread; which samples go together does not change any value) or, on the
+ * GPU, as the device holds. own: only this rank's samples (outputs with several ranks), else all
+ * of them. */
 static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source src, bool down,
                                 bool hess, bool amax, slot *gu, slot *dn, bool own) {
     const int64_t s_lo = own ? p->s_lo : 0, s_hi = own ? p->s_hi : p->calib.n;
@@ -1677,15 +1680,15 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     if (nb > s_hi - s_lo) nb = s_hi - s_lo;
     const int64_t plan_rows = mq_plan_batch_rows(p, e1 - e0);
     int64_t rows_cap = plan_rows, nb_in = nb;
-    /* On the GPU (MOEQ_GPU_BATCH=device) every expert's GEMMs take as many rows as the device
+    /* On the GPU (unless MOEQ_GPU_BATCH=plan) every expert's GEMMs take as many rows as the device
      * holds (all the samples' on OLMoE-1B-7B at 128 x 2048 tokens) instead of the CPU threads'
      * batches (about 1,000 rows an expert there, which leaves the GPU's GEMMs small): possible
      * where the rows stay on the device (batch_run's dev_rows) and the outputs are combined there.
-     * Measured faster on the H200 (OLMoE-1B-7B, 128 x 2048: 214 s against 235 s extrapolated) and
-     * byte-identical, but the default stays the CPU plan's (MOEQ_GPU_BATCH=plan) until the GPU
-     * test has run the resume and fallback cases with device batches as the default. */
+     * Measured faster on the H200 (OLMoE-1B-7B, 128 x 2048: 214 s against 235 s extrapolated)
+     * and byte-identical (test_gpu_pipeline compares both, killed and resumed too), so the
+     * default; MOEQ_GPU_BATCH=plan takes the CPU plan's batches. */
     const char *gb = getenv("MOEQ_GPU_BATCH");
-    const bool dev_batches = gb ? !strcmp(gb, "device") : GPU_DEVICE_BATCHES_DEFAULT;
+    const bool dev_batches = gb ? strcmp(gb, "plan") != 0 : GPU_DEVICE_BATCHES_DEFAULT;
     /* the experts on the device: plain ones go up for this pass, quantized ones are there already
      * (p->gx: GPTQ left their dequantized weights there for the output pass) */
     const bool on_dev = experts_plain(p, l, e0, e1) || (p->gx && p->gx_e0 == e0 && p->gx_e1 == e1);
@@ -1918,8 +1921,8 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     const bool calib = p->calibrate && !replay;
     /* one process on a GPU: the experts' outputs are combined there, over every chunk, and read
      * back once; the passes that give them must keep their rows there (batch_run's dev_rows) */
-    bool plain = true;
-    for (int e0 = 0; e0 < E; e0 += C) plain &= experts_plain(p, l, e0, e0 + C < E ? e0 + C : E);
+    bool plain = true;   /* once read: the weights are not in memory yet (read_part below) */
+    for (int e0 = 0; e0 < E; e0 += C) plain &= experts_plain_as(p, l, e0, e0 + C < E ? e0 + C : E, false);
     if (!st && p->gpu && !dist && plain && (p->seq || replay || (!o->act_quant && !o->expert_weighting)))
         st = mq_gpu_buf_new(p->gpu, p->calib.n * p->LD, &p->gout);
     for (int e0 = (int)own_lo; e0 < own_hi && !st; e0 += C) {
@@ -2331,10 +2334,25 @@ moeq_status mq_pipe_gather_samples(mq_pipe *p, mq_actbuf *b, const char *step) {
     return st;
 }
 
-static void zero_out(mq_pipe *p) {
-    for (int64_t s = p->s_lo; s < p->s_hi; s++)   /* the samples whose outputs this rank computes */
-        memset(mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)), 0,
-               sizeof(float) * (size_t)(p->calib.len[s] * p->c->D));
+/* zero_out and add_out go over the pool a sample at a time (gigabytes a layer at real size; each
+ * value is set or added alone, so the bytes do not depend on the threads). */
+static void zero_out_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    mq_pipe *p = ctx;
+    const int64_t s = p->s_lo + i;
+    memset(mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)), 0, sizeof(float) * (size_t)(p->calib.len[s] * p->c->D));
+}
+
+static void zero_out(mq_pipe *p) {   /* the samples whose outputs this rank computes */
+    if (p->s_hi > p->s_lo) mq_parallel_for(p->s_hi - p->s_lo, zero_out_task, p);
+}
+
+static void add_out_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    mq_pipe *p = ctx;
+    const int64_t s = p->s_lo + i;
+    const size_t off = (size_t)(s * p->LD);
+    mq_vec()->axpy(1.0f, mq_actbuf_ptr(&p->OUT, off), mq_actbuf_ptr(out_buf(p), off), p->calib.len[s] * p->c->D);
 }
 
 /* boundary = h + OUT, sample by sample (x += out, as the forward adds the FFN's output), for
@@ -2344,19 +2362,18 @@ static void add_out(mq_pipe *p) {
     const int64_t D = p->c->D;
     float *tmp = NULL;
     mq_actbuf *h = out_buf(p);
-    if (h->kind == MQ_ACT_BF16) tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "boundary");
+    if (h->kind != MQ_ACT_BF16) {
+        if (p->s_hi > p->s_lo) mq_parallel_for(p->s_hi - p->s_lo, add_out_task, p);
+        return;
+    }
+    tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "boundary");
     for (int64_t s = p->s_lo; s < p->s_hi; s++) {
         size_t off = (size_t)(s * p->LD), n = (size_t)(p->calib.len[s] * D);
         const float *o = mq_actbuf_ptr(&p->OUT, off);
-        if (h->kind == MQ_ACT_BF16) {
-            if (!tmp) continue;   /* out of memory: caught by the caller's check below */
-            const float *v = mq_actbuf_view(h, off, n, tmp);
-            if (v != tmp) memcpy(tmp, v, sizeof(float) * n);
-            vk->axpy(1.0f, o, tmp, (int64_t)n);
-            mq_actbuf_put(h, off, n, tmp);
-        } else {
-            vk->axpy(1.0f, o, mq_actbuf_ptr(h, off), (int64_t)n);
-        }
+        if (!tmp) continue;   /* out of memory: caught by the caller's check below */
+        mq_copy_floats(tmp, mq_actbuf_view(h, off, n, tmp), n);
+        vk->axpy(1.0f, o, tmp, (int64_t)n);
+        mq_actbuf_put(h, off, n, tmp);
     }
     mq_free(tmp);
 }

@@ -3,11 +3,11 @@
 # chunk's experts stay on the GPU for both calibration passes and GPTQ, the Hessians are read
 # where they were summed and GPTQ leaves the dequantized weights in place of the device's for
 # the quantized pass. What must hold: the checkpoint is the same bytes whatever the expert
-# chunk, the thread count and the batches (the CPU plan's, the default; the device's with
-# MOEQ_GPU_BATCH=device: all samples at once, or a few at a time), and after a kill and --resume
-# (whose replay dequantizes the finished layers on the host, so the device's dequantized weights
-# must be the host's bits); experts rounded to nearest as a fallback (their dequantized weights
-# go up from the host) likewise; and the GPU checkpoint's KL to the base model is within 2% of
+# chunk, the thread count and the batches (the device's, the default: all samples at once, or a
+# few at a time with MOEQ_GPU_BATCH_ROWS; the CPU plan's with MOEQ_GPU_BATCH=plan), and after a
+# kill and --resume (whose replay dequantizes the finished layers on the host, so the device's
+# dequantized weights must be the host's bits); experts rounded to nearest as a fallback (their
+# dequantized weights go up from the host) likewise; and the GPU checkpoint's KL to the base model is within 2% of
 # the CPU checkpoint's (both with the refinement off: it is CPU only).
 . "$(dirname "$0")/common.sh"
 native_only "GPU runs"
@@ -24,12 +24,12 @@ rm -rf "$tmp/probe"
 "$cli" quantize "$model" --out "$tmp/b" "${args[@]}" --device cuda --expert-chunk 1 --threads 3 ||
     fail "the GPU run with --expert-chunk 1 --threads 3 exited $?"
 same_checkpoint "$tmp/a" "$tmp/b" "--expert-chunk 1 --threads 3" "the default chunk"
-# the device's batches (MOEQ_GPU_BATCH=device: every sample's rows at once), and device batches
-# of 700 rows (two samples of 128 tokens routed to 2 experts each), give the CPU plan's values
-MOEQ_GPU_BATCH=device "$cli" quantize "$model" --out "$tmp/dev" "${args[@]}" --device cuda ||
-    fail "the GPU run with MOEQ_GPU_BATCH=device exited $?"
-same_checkpoint "$tmp/a" "$tmp/dev" "MOEQ_GPU_BATCH=device" "the default batches"
-MOEQ_GPU_BATCH=device MOEQ_GPU_BATCH_ROWS=700 "$cli" quantize "$model" --out "$tmp/small" "${args[@]}" --device cuda ||
+# the CPU plan's batches (MOEQ_GPU_BATCH=plan: about a sample at a time), and device batches of
+# 700 rows (two samples of 128 tokens routed to 2 experts each), give the default's values
+MOEQ_GPU_BATCH=plan "$cli" quantize "$model" --out "$tmp/plan" "${args[@]}" --device cuda ||
+    fail "the GPU run with MOEQ_GPU_BATCH=plan exited $?"
+same_checkpoint "$tmp/a" "$tmp/plan" "MOEQ_GPU_BATCH=plan" "the default batches"
+MOEQ_GPU_BATCH_ROWS=700 "$cli" quantize "$model" --out "$tmp/small" "${args[@]}" --device cuda ||
     fail "the GPU run with MOEQ_GPU_BATCH_ROWS=700 exited $?"
 same_checkpoint "$tmp/a" "$tmp/small" "MOEQ_GPU_BATCH_ROWS=700" "the default batches"
 
