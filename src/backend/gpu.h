@@ -123,6 +123,10 @@ moeq_status mq_gpu_mlp_inputs(mq_gpu_mlp *m, const float *const *x, const int64_
  * rows [row0, row0 + n) from x (host). */
 moeq_status mq_gpu_mlp_inputs_reserve(mq_gpu_mlp *m, int64_t rows);
 moeq_status mq_gpu_mlp_inputs_put(mq_gpu_mlp *m, int64_t row0, const float *x, int64_t n);
+/* The inputs are the first `rows` rows of D values of buffer b, where they are (nothing is
+ * copied; b must outlive the calls that gather from them; _reserve drops them). */
+typedef struct mq_gpu_buf mq_gpu_buf;
+moeq_status mq_gpu_mlp_inputs_from(mq_gpu_mlp *m, mq_gpu_buf *b, int64_t rows);
 /* _run on the n rows src[i] of those inputs (gathered on the device: only the indices cross). */
 moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, float *hg,
                                 float *hu, float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
@@ -146,8 +150,7 @@ moeq_status mq_gpu_mlp_run_indexed(mq_gpu_mlp *m, int64_t e, int64_t r0, int64_t
 moeq_status mq_gpu_mlp_join(mq_gpu_mlp *m);
 
 /* Device memory of n floats (zeroed), read back into host memory: the FFN outputs of a layer's
- * samples while the routed experts add into them. */
-typedef struct mq_gpu_buf mq_gpu_buf;
+ * samples while the routed experts add into them, or their inputs (mq_gpu_mlp_inputs_from). */
 moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out);
 void mq_gpu_buf_free(mq_gpu_buf *b);
 moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
@@ -222,6 +225,8 @@ typedef struct {
     int32_t *sel;                   /* host [T, top_k]: the experts the FFN input routes to */
     float *w;                       /* host [T, top_k]: their weights (with sel) */
     bool keep_x;                    /* leave x as it was (the result stays on the device) */
+    mq_gpu_buf *ffn_dev;            /* the FFN input also into this buffer, T * D values from */
+    int64_t ffn_dev_off;            /* this one (for mq_gpu_mlp_inputs_from), or NULL */
 } mq_gpu_attn_out;
 /* One sample x [T, D] (host, in place unless out->keep_x). */
 moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out);

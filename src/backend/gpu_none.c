@@ -149,6 +149,11 @@ moeq_status mq_gpu_mlp_inputs_put(mq_gpu_mlp *m, int64_t row0, const float *x, i
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_mlp_inputs_from(mq_gpu_mlp *m, mq_gpu_buf *b, int64_t rows) {
+    (void)m, (void)b, (void)rows;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out) {
     (void)g, (void)n;
     *out = NULL;

@@ -93,7 +93,13 @@ typedef struct {
 } mq_atomic_file;
 moeq_status mq_atomic_open(mq_atomic_file *af, const char *path);
 moeq_status mq_atomic_write(mq_atomic_file *af, const void *data, size_t n);
+/* n bytes at byte `off` of the file (pwrite: several threads may write apart at once; not mixed
+ * with mq_atomic_write's buffered bytes unless those are before `off` and flushed). */
+moeq_status mq_atomic_pwrite(mq_atomic_file *af, const void *data, size_t n, int64_t off);
 moeq_status mq_atomic_commit(mq_atomic_file *af);
+/* durable false: renamed into place without fsync (a cache whose loss or tearing by a crash of the
+ * machine is detected when it is read, and only costs recomputing it). */
+moeq_status mq_atomic_commit_ex(mq_atomic_file *af, bool durable);
 void mq_atomic_abort(mq_atomic_file *af);
 /* Convenience: write a whole buffer atomically. */
 moeq_status mq_write_file_atomic(const char *path, const void *data, size_t n);

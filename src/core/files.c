@@ -137,9 +137,22 @@ moeq_status mq_atomic_write(mq_atomic_file *af, const void *data, size_t n) {
     return MOEQ_OK;
 }
 
-moeq_status mq_atomic_commit(mq_atomic_file *af) {
+moeq_status mq_atomic_pwrite(mq_atomic_file *af, const void *data, size_t n, int64_t off) {
+    const int fd = fileno(af->f);
+    for (size_t done = 0; done < n;) {
+        ssize_t w = pwrite(fd, (const char *)data + done, n - done, (off_t)(off + (int64_t)done));
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return mq_err(MOEQ_E_IO, "%s: write failed: %s", af->tmp_path, w < 0 ? strerror(errno) : "no progress");
+        done += (size_t)w;
+    }
+    return MOEQ_OK;
+}
+
+moeq_status mq_atomic_commit(mq_atomic_file *af) { return mq_atomic_commit_ex(af, true); }
+
+moeq_status mq_atomic_commit_ex(mq_atomic_file *af, bool durable) {
     moeq_status st = MOEQ_OK;
-    if (fflush(af->f) != 0 || fsync(fileno(af->f)) != 0)
+    if (fflush(af->f) != 0 || (durable && fsync(fileno(af->f)) != 0))
         st = mq_err(MOEQ_E_IO, "%s: write failed: %s", af->tmp_path, strerror(errno));
     if (fclose(af->f) != 0 && st == MOEQ_OK)
         st = mq_err(MOEQ_E_IO, "%s: close failed: %s", af->tmp_path, strerror(errno));

@@ -107,6 +107,9 @@ typedef struct mq_pipe {
     int gx_e0, gx_e1;
     mq_gpu_buf *gout;             /* the routed experts' FFN outputs of a layer on that device,
                                      combined there and read back once (layer.c), else NULL */
+    mq_gpu_buf *gffn_xn, *gffn_h; /* the routed experts' inputs as the GPU attention left them
+                                     there (the kept FFN input; the FFN norm of the boundary after
+                                     attention), Lmax rows a sample, else NULL (layer.c) */
     /* ranks (src/dist; pipeline.h "Distributed runs"): this process is `rank` of `ranks`; rank
      * 0 alone has the writer and the work directory (p->w NULL elsewhere) */
     int rank, ranks;

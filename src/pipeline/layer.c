@@ -708,6 +708,48 @@ static moeq_status share_slots(mq_pipe *p, int l, slot *slots, int n) {
     return st;
 }
 
+/* ---- the routed experts on the GPU: where their inputs and outputs live ----------------------- */
+
+static bool experts_plain_as(const mq_pipe *p, int l, int e0, int e1, bool read);
+
+/* Whether layer l's routed experts run on the GPU with their outputs combined there (p->gout):
+ * one process, every chunk plain once read, and a pass whose rows may stay on the device. */
+static bool experts_on_device(const mq_pipe *p, int l, bool replay) {
+    const int E = p->c->n_experts;
+    const int C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
+    if (!p->gpu || p->ranks > 1 || !p->m->layers[l].is_moe) return false;
+    bool plain = true;   /* once read: the weights are not in memory yet */
+    for (int e0 = 0; e0 < E; e0 += C) plain &= experts_plain_as(p, l, e0, e0 + C < E ? e0 + C : E, false);
+    return plain && (p->seq || replay || (!p->o->act_quant && !p->o->expert_weighting));
+}
+
+static void gpu_ffn_inputs_free(mq_pipe *p) {
+    mq_gpu_buf_free(p->gffn_xn);
+    mq_gpu_buf_free(p->gffn_h);
+    p->gffn_xn = p->gffn_h = NULL;
+}
+
+/* With the attention and the routed experts of layer l on the GPU, the experts' inputs stay there
+ * from the attention (the FFN input it computed, sample s at s * LD) instead of going up again
+ * from the host: the kept FFN input of pass A (sequential calibration) and the FFN norm of the
+ * boundary it leaves (pass B, or the only pass). The experts then read the GPU's FFN norm, whose
+ * double sum of squares may round apart from the CPU's in rare rows: so every batch of such a run
+ * takes them from here, whatever its size. Where they do not fit beside the experts (a quarter of
+ * the free memory), the host's go up as before. */
+static moeq_status gpu_ffn_inputs_new(mq_pipe *p, int l, bool replay) {
+    gpu_ffn_inputs_free(p);
+    if (!experts_on_device(p, l, replay)) return MOEQ_OK;
+    const bool xn = !replay && p->seq && !p->tseq;
+    const int64_t n = p->calib.n * p->LD;
+    mq_gpu_info gi;
+    mq_gpu_get_info(p->gpu, &gi);
+    if ((int64_t)sizeof(float) * n * (xn ? 2 : 1) > (int64_t)(gi.mem_free / 4)) return MOEQ_OK;
+    moeq_status st = xn ? mq_gpu_buf_new(p->gpu, n, &p->gffn_xn) : MOEQ_OK;
+    if (!st) st = mq_gpu_buf_new(p->gpu, n, &p->gffn_h);
+    if (st) gpu_ffn_inputs_free(p);
+    return st;
+}
+
 /* ---- the attention stage ---------------------------------------------------------------------- */
 
 typedef struct {
@@ -833,6 +875,8 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
             }
             if (keep_xn) go.ffn_in = sc->xn;
             go.keep_x = !keep_h;
+            go.ffn_dev = keep_xn ? p->gffn_xn : keep_h && moe ? p->gffn_h : NULL;
+            go.ffn_dev_off = s * p->LD;
             if (moe && keep_xn) go.sel = sel_of(p->sel_a, p, s), go.w = wt_of(p->w_a, p, s);
             if (moe && keep_h)
                 go.sel = sel_of(pass_a ? p->sel_a : p->sel_b, p, s), go.w = wt_of(pass_a ? p->w_a : p->w_b, p, s);
@@ -1038,6 +1082,10 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     if (!sc.xt || !sc.xn || !sc.probs) st = MOEQ_E_NOMEM;
     const bool pass_a = !replay || !p->seq;
     if (!st && sc.gpu && pass_a) st = gpu_attention_set(p, l);
+    if (!st) {
+        if (sc.gpu) st = gpu_ffn_inputs_new(p, l, replay);
+        else gpu_ffn_inputs_free(p);
+    }
     if (!st && !replay) {
         for (int i = 0; i < n_sl && !st; i++) st = slot_hessian(p, &sl[i]);
         /* several ranks: every rank keeps the inputs of its samples for the owners */
@@ -1480,7 +1528,12 @@ static double g_ex_prof[5];
 static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     const int64_t C = b->e1 - b->e0, K = p->c->top_k, Lmax = p->calib.max_len;
     double t0 = mq_now(), c0 = mq_cpu_now();
-    if (!b->all_dev) {   /* all_dev: below, in groups */
+    /* On the GPU the rows stay there, their Hessians summed on the device, unless the CPU must see
+     * them (amax, weighted rows): only the samples' FFN inputs and the rows' indices go up, or
+     * only the indices where the inputs are there already (din, gpu_ffn_inputs_new). */
+    const bool dev_rows = b->gmlp && !b->amax && !(b->hess && p->o->expert_weighting);
+    mq_gpu_buf *din = !dev_rows ? NULL : b->src.from_xn ? p->gffn_xn : p->gffn_h;
+    if (!b->all_dev && !din) {   /* all_dev: below, in groups */
         inputs_group g = {b, 0};
         mq_parallel_for(b->nb, group_inputs_task, &g);
     }
@@ -1529,21 +1582,19 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
         for (int64_t r = b->ebase[e]; r < b->ebase[e + 1]; r += TASK_ROWS)
             b->tasks[b->n_tasks++] = e << 32 | (r - b->ebase[e]) / TASK_ROWS;
     moeq_status st = MOEQ_OK;
-    /* On the GPU the rows stay there, their Hessians summed on the device, unless the CPU must see
-     * them (amax, weighted rows): only the samples' FFN inputs and the rows' indices go up. */
-    const bool dev_rows = b->gmlp && !b->amax && !(b->hess && p->o->expert_weighting);
     if (dev_rows) {   /* the same values as batch_rows_task's (backend/gpu.h) */
         const int64_t D = p->c->D;
         int64_t at = 0;
         for (int64_t i = 0; i < b->nb; i++) {
             b->xrows[i] = p->calib.len[b->s0 + i];
-            b->xfirst[i] = at;
+            b->xfirst[i] = din ? (b->s0 + i) * Lmax : at;
             at += b->xrows[i];
         }
         for (int64_t r = 0; r < b->ebase[C]; r++) b->grow[r] = (int32_t)(b->xfirst[b->tsample[r]] + b->tok[r]);
         double tq = mq_now();
         g_ex_prof[1] += tq - tp;
-        st = b->all_dev ? batch_inputs_device(b) : mq_gpu_mlp_inputs(b->gmlp, b->xin, b->xrows, b->nb);
+        if (din) st = mq_gpu_mlp_inputs_from(b->gmlp, din, p->calib.n * Lmax);
+        else st = b->all_dev ? batch_inputs_device(b) : mq_gpu_mlp_inputs(b->gmlp, b->xin, b->xrows, b->nb);
         if (!st && b->all_dev && b->down && p->gout) st = mq_gpu_mlp_reserve_kept(b->gmlp, b->ebase[C]);
         /* the whole batch's row indices up at once, unless the outputs come back to the host */
         const bool indexed = !b->down || p->gout;
@@ -1921,10 +1972,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     const bool calib = p->calibrate && !replay;
     /* one process on a GPU: the experts' outputs are combined there, over every chunk, and read
      * back once; the passes that give them must keep their rows there (batch_run's dev_rows) */
-    bool plain = true;   /* once read: the weights are not in memory yet (read_part below) */
-    for (int e0 = 0; e0 < E; e0 += C) plain &= experts_plain_as(p, l, e0, e0 + C < E ? e0 + C : E, false);
-    if (!st && p->gpu && !dist && plain && (p->seq || replay || (!o->act_quant && !o->expert_weighting)))
-        st = mq_gpu_buf_new(p->gpu, p->calib.n * p->LD, &p->gout);
+    if (!st && experts_on_device(p, l, replay)) st = mq_gpu_buf_new(p->gpu, p->calib.n * p->LD, &p->gout);
     for (int e0 = (int)own_lo; e0 < own_hi && !st; e0 += C) {
         const int e1 = e0 + C < own_hi ? e0 + C : (int)own_hi;
         if ((st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, NULL, NULL))) break;
@@ -2033,6 +2081,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         mq_gpu_buf_free(p->gout);
         p->gout = NULL;
     }
+    gpu_ffn_inputs_free(p);
     mq_free(block_H);
     for (int e = 0; e < E; e++) {
         slot_free(&gu[e]);

@@ -342,7 +342,7 @@ extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, cons
     mq_gpu_hessians *hq = out->hq, *ho = out->ho;
     float *xn = out->xn, *att = out->att;
     const bool route = out->sel || out->w;
-    if (((out->ffn_in || route) && !a->has[11]) || (route && !a->has[12]))
+    if (((out->ffn_in || out->ffn_dev || route) && !a->has[11]) || (route && !a->has[12]))
         return mq_err(MOEQ_E_ARG, "GPU attention: the FFN input or routing of a layer without %s",
                       out->ffn_in ? "an FFN norm" : "a router");
     if (T <= 0) return MOEQ_OK;
@@ -394,7 +394,7 @@ extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, cons
         st = CU_LAUNCHED("k_add");
     }
     mark(a, PH_OUT);
-    if (!st && (out->ffn_in || route)) {   /* the FFN input into xn (no longer needed) */
+    if (!st && (out->ffn_in || out->ffn_dev || route)) {   /* the FFN input into xn (no longer needed) */
         k_rmsnorm<<<(unsigned)T, NORM_THREADS, 0, s>>>(a->xn, a->x, T, D, a->fnorm, sh->eps);
         st = CU_LAUNCHED("k_rmsnorm");
     }
@@ -403,6 +403,15 @@ extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, cons
         k_route_softmax<<<(unsigned)((T + 127) / 128), 128, 0, s>>>(a->logits, T, sh->E, sh->top_k, sh->norm_topk,
                                                                      a->rsel, a->rw);
         st = CU_LAUNCHED("k_route_softmax");
+    }
+    if (!st && out->ffn_dev) {   /* the FFN input kept on the device for the experts */
+        int64_t n = 0;
+        float *d = mq_gpu_buf_device(out->ffn_dev, &n);
+        if (out->ffn_dev_off < 0 || out->ffn_dev_off + T * D > n)
+            st = mq_err(MOEQ_E_ARG, "GPU attention: FFN input at %lld past a buffer of %lld", (long long)out->ffn_dev_off,
+                        (long long)n);
+        if (!st) st = CU(cudaMemcpyAsync(d + out->ffn_dev_off, a->xn, (size_t)(T * D) * sizeof(float),
+                                         cudaMemcpyDeviceToDevice, s));
     }
     mark(a, PH_ROUTE);
     const size_t tk = (size_t)(T * sh->top_k);

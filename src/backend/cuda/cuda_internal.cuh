@@ -74,6 +74,8 @@ moeq_status mq_cu_pinned(mq_gpu *g, size_t *piece);
 float *mq_gpu_mlp_weight(mq_gpu_mlp *m, int64_t e, int k);
 bool mq_gpu_mlp_shape(const mq_gpu_mlp *m, int64_t e, int k, int64_t *rows, int64_t *cols);
 const float *mq_gpu_hessians_sum(const mq_gpu_hessians *hs, int64_t i, int64_t *K, int64_t *n);
+/* An mq_gpu_buf's device memory and its size in floats. */
+float *mq_gpu_buf_device(mq_gpu_buf *b, int64_t *n);
 
 /* mq_gpu_hessians_add for rows already on the device (x: rows x K, on stream s, which must not
  * change x before the kernel has read it: later work on s is ordered after it). A sum is updated

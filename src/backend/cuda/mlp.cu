@@ -47,6 +47,17 @@ moeq_status gemm(const mq_gpu *g, cudaStream_t s, int64_t M, int64_t N, int64_t 
  * anything that reads their results or reuses their inputs. */
 enum { MLP_LANES = 8 };
 
+struct mq_gpu_buf {
+    mq_gpu *g;
+    float *d;
+    int64_t n;
+};
+
+float *mq_gpu_buf_device(mq_gpu_buf *b, int64_t *n) {
+    *n = b ? b->n : 0;
+    return b ? b->d : NULL;
+}
+
 struct mlp_lane {
     float *x, *hg, *hu, *y;   /* [max_rows] rows of scratch */
     int32_t *src;             /* [max_rows] a chunk's row indices into `in` */
@@ -63,8 +74,9 @@ struct mq_gpu_mlp {
     cudaEvent_t fork;         /* stream 0's work a lane must follow */
     float *yk;                /* [yk_cap, D] the batch's outputs kept for the combine, or NULL */
     int64_t yk_cap;
-    float *in;                /* mq_gpu_mlp_inputs' rows */
+    float *in;                /* mq_gpu_mlp_inputs' rows, or a buffer's (in_ext: not ours) */
     int64_t in_rows, in_cap;
+    bool in_ext;
     int32_t *idx;             /* [idx_n] a batch's row indices into `in` (mq_gpu_mlp_rows_index) */
     int64_t idx_n, idx_cap;
 };
@@ -117,7 +129,7 @@ extern "C" void mq_gpu_mlp_free(mq_gpu_mlp *m) {
     for (int j = 0; j < MLP_LANES; j++) lane_free(&m->lane[j]);
     if (m->fork) cudaEventDestroy(m->fork);
     mq_cu_free(m->yk);
-    mq_cu_free(m->in);
+    if (!m->in_ext) mq_cu_free(m->in);
     mq_cu_free(m->idx);
     delete m;
 }
@@ -142,6 +154,7 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     m->yk = m->in = NULL;
     m->yk_cap = 0;
     m->in_rows = m->in_cap = 0;
+    m->in_ext = false;
     m->idx = NULL;
     m->idx_n = m->idx_cap = 0;
     const size_t wsz = (size_t)(D * F);
@@ -306,6 +319,11 @@ extern "C" moeq_status mq_gpu_mlp_inputs_reserve(mq_gpu_mlp *m, int64_t rows) {
     moeq_status st = CU(cudaSetDevice(m->g->device));
     if (!st) st = mlp_join(m);
     if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* a previous batch may still read `in` */
+    if (!st && m->in_ext) {   /* a buffer's rows: not ours to free */
+        m->in = NULL;
+        m->in_ext = false;
+        m->in_cap = 0;
+    }
     if (!st && rows > m->in_cap) {
         mq_cu_free(m->in);
         m->in = NULL;
@@ -317,7 +335,25 @@ extern "C" moeq_status mq_gpu_mlp_inputs_reserve(mq_gpu_mlp *m, int64_t rows) {
     return st;
 }
 
+extern "C" moeq_status mq_gpu_mlp_inputs_from(mq_gpu_mlp *m, mq_gpu_buf *b, int64_t rows) {
+    int64_t n = 0;
+    float *d = mq_gpu_buf_device(b, &n);
+    if (rows < 0 || rows * m->D > n)
+        return mq_err(MOEQ_E_ARG, "GPU experts: %lld input rows of %lld values in a buffer of %lld", (long long)rows,
+                      (long long)m->D, (long long)n);
+    moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st) st = mlp_join(m);
+    if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* a previous batch may still read `in` */
+    if (st) return st;
+    if (!m->in_ext) mq_cu_free(m->in);
+    m->in = d;
+    m->in_ext = true;
+    m->in_cap = m->in_rows = rows;
+    return MOEQ_OK;
+}
+
 extern "C" moeq_status mq_gpu_mlp_inputs_put(mq_gpu_mlp *m, int64_t row0, const float *x, int64_t n) {
+    if (m->in_ext) return mq_err(MOEQ_E_ARG, "GPU experts: inputs put into a buffer's rows");
     if (row0 < 0 || n < 0 || row0 + n > m->in_rows)
         return mq_err(MOEQ_E_ARG, "GPU experts: input rows %lld..%lld of %lld", (long long)row0, (long long)(row0 + n),
                       (long long)m->in_rows);
@@ -397,11 +433,6 @@ extern "C" moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const flo
     return st;
 }
 
-struct mq_gpu_buf {
-    mq_gpu *g;
-    float *d;
-    int64_t n;
-};
 
 extern "C" moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out) {
     *out = NULL;
