@@ -128,6 +128,8 @@ typedef struct mq_pipe {
     /* report */
     mq_layer_report *layers;      /* [n_layers] */
     int layers_done;              /* layers finished (this run or before) */
+    double since_snapshot;        /* seconds of layers since the last activation snapshot */
+    double snapshot_cost;         /* seconds the last one took to write (workdir.c) */
     int first_layer;              /* where this run started */
     mq_pipeline_result *res;
     cJSON *manifest;
@@ -168,8 +170,9 @@ moeq_status mq_pipe_gather_samples(mq_pipe *p, mq_actbuf *b, const char *step);
 /* ---- workdir.c ---- */
 moeq_status mq_work_prepare(mq_pipe *p);       /* lock; fresh or resume checks; writer opened */
 moeq_status mq_work_layer_done(mq_pipe *p, int l);   /* manifest (+ activation snapshot) */
-/* The activations at the input of layer l from the snapshot, if the manifest names a good one. */
-moeq_status mq_work_load_boundary(mq_pipe *p, int l, bool *ok);
+/* The activations at the input of a layer from the snapshot the manifest names, if it is good and
+ * at most layer l (the layers after it are then replayed): *at = that layer, else 0. */
+moeq_status mq_work_load_boundary(mq_pipe *p, int l, int *at);
 /* The global tensors (embeddings, final norm, lm_head): written by the interrupted run? / record
  * that they are. */
 bool mq_work_globals_done(const mq_pipe *p);

@@ -333,8 +333,18 @@ static moeq_status run(mq_pipe *p) {
         p->units_done += p->units_total / (n_layers > 0 ? n_layers : 1);
     if (p->calibrate && start < n_layers) {
         s = alloc_activations(p);
-        bool have = false;
-        if (!s && start > 0 && p->rank == 0) s = mq_work_load_boundary(p, start, &have);
+        int snap = 0;   /* the snapshot's layer: the layers from there to start are replayed */
+        if (!s && start > 0 && p->rank == 0) s = mq_work_load_boundary(p, start, &snap);
+        bool have = snap > 0 && snap == start;
+        if (p->ranks <= 1 && snap > 0 && snap < start) {
+            for (int l = snap; l < start && !s; l++) {
+                mq_info("recomputing the activations through layer %d/%d (from the snapshot at the input of layer %d)", l + 1,
+                        n_layers, snap + 1);
+                s = mq_pipe_layer(p, l, true);
+            }
+            if (s) return s;
+            have = true;
+        }
         if (p->ranks > 1) {
             /* the snapshot from rank 0; without one, recomputing the finished layers needs the
              * checkpoint being written, which only rank 0 has */

@@ -1,7 +1,8 @@
 /*
  * The work directory of a run (OUT_DIR.moeq-work unless --work-dir): out/ with the checkpoint
  * being assembled (planned shards, io/safetensors.h), the calibration activations at the last
- * finished layer's boundary (acts-<parity>.bin, written before the manifest names it), and
+ * boundary of a finished layer (acts-<layer>.bin, written before the manifest names it; not after
+ * every layer when writing it costs more than a tenth of the layers since the last one), and
  * manifest.json: what the run is (the source files' sizes and sampled content hashes, every
  * option that changes the result, a hash of the calibration token ids, the checkpoint plan) and
  * what it has done (the global tensors and each finished layer with the CRC-32 of every tensor it
@@ -467,7 +468,31 @@ moeq_status mq_work_globals_written(mq_pipe *p) {
 
 /* ---- activation snapshots ------------------------------------------------------------------------- */
 
-static char *acts_name(int layer) { return mq_asprintf("acts-%d.bin", layer % 2); }
+static char *acts_name(int layer) { return mq_asprintf("acts-%d.bin", layer); }
+
+/* The layer whose input the manifest's snapshot holds, or -1. */
+static int boundary_layer(const mq_pipe *p) {
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(p->manifest, "boundary");
+    const cJSON *bl = cJSON_GetObjectItemCaseSensitive(b, "layer");
+    return cJSON_IsNumber(bl) ? (int)bl->valuedouble : -1;
+}
+
+/* Whether layer l's output boundary is snapshotted: a snapshot saves the replay of the layers
+ * since the last one at a resume, so at real size on a GPU, where writing one (2 GB for
+ * OLMoE-1B-7B at 128 x 2048 tokens: about 1 s) is a fifth of a layer, one is written once the
+ * layers since the last have taken SNAPSHOT_RATIO times what that one cost (a resume then
+ * replays a few layers' forward at most); on the CPU, whose layers take minutes, after every
+ * layer. Several ranks: always (their resume needs the snapshot at the first layer it runs).
+ * MOEQ_SNAPSHOT_EVERY=N (tests): after every N-th layer. */
+enum { SNAPSHOT_RATIO = 10 };
+
+static bool snapshot_due(mq_pipe *p, int l) {
+    p->since_snapshot += p->layers[l].total;
+    if (p->ranks > 1) return true;
+    const char *e = getenv("MOEQ_SNAPSHOT_EVERY");
+    if (e && atoi(e) > 0) return (l + 1) % atoi(e) == 0;
+    return p->snapshot_cost <= 0 || p->since_snapshot >= SNAPSHOT_RATIO * p->snapshot_cost;
+}
 
 /* The boundary at the input of `layer`: header, every sample's rows, CRC of the rows. It is a
  * cache of what the checkpoint recomputes (pipeline.c: a resume without it replays the finished
@@ -545,12 +570,12 @@ static moeq_status write_boundary(mq_pipe *p, int layer, uint32_t *crc_out) {
     return s;
 }
 
-moeq_status mq_work_load_boundary(mq_pipe *p, int layer, bool *ok) {
-    *ok = false;
+moeq_status mq_work_load_boundary(mq_pipe *p, int upto, int *at) {
+    *at = 0;
     const cJSON *b = cJSON_GetObjectItemCaseSensitive(p->manifest, "boundary");
-    const cJSON *bl = cJSON_GetObjectItemCaseSensitive(b, "layer");
     const cJSON *bc = cJSON_GetObjectItemCaseSensitive(b, "crc");
-    if (!cJSON_IsNumber(bl) || (int)bl->valuedouble != layer || !cJSON_IsNumber(bc)) return MOEQ_OK;
+    const int layer = boundary_layer(p);
+    if (layer < 1 || layer > upto || !cJSON_IsNumber(bc)) return MOEQ_OK;
     char *name = acts_name(layer), *path = name ? work_path(p, name) : NULL;
     free(name);
     if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -587,7 +612,7 @@ moeq_status mq_work_load_boundary(mq_pipe *p, int layer, bool *ok) {
     if (fd >= 0) close(fd);
     mq_free(tmp);
     free(path);
-    *ok = good;
+    if (good) *at = layer;
     return s;
 }
 
@@ -623,9 +648,15 @@ static moeq_status layer_done(mq_pipe *p, int l) {
     cJSON_AddNumberToObject(rep, "expert_chunks", lr->chunks);
     cJSON_AddItemToObject(rep, "modules", cJSON_Duplicate(lr->modules, 1));
     cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(p->manifest, "layers"), rec);
-    bool snapshot = p->calibrate && l + 1 < p->plan.n_layers;
+    const bool snapshot = p->calibrate && l + 1 < p->plan.n_layers && snapshot_due(p, l);
+    const int old = boundary_layer(p);
     uint32_t crc = 0;
-    if (snapshot) s = write_boundary(p, l + 1, &crc);
+    if (snapshot) {
+        const double t0 = mq_now();
+        s = write_boundary(p, l + 1, &crc);
+        p->snapshot_cost = mq_now() - t0;
+        p->since_snapshot = 0;
+    }
     if (s) return s;
     if (snapshot) {
         cJSON *b = cJSON_CreateObject();
@@ -635,9 +666,9 @@ static moeq_status layer_done(mq_pipe *p, int l) {
             cJSON_AddItemToObject(p->manifest, "boundary", b);
     }
     s = manifest_write(p);
-    if (!s && snapshot) {   /* the snapshot before it is no longer named */
-        char *name = acts_name(l), *path = name ? work_path(p, name) : NULL;
-        if (path && l > 0) unlink(path);
+    if (!s && snapshot && old >= 1 && old != l + 1) {   /* the snapshot before it is no longer named */
+        char *name = acts_name(old), *path = name ? work_path(p, name) : NULL;
+        if (path) unlink(path);
         free(name);
         free(path);
     }
