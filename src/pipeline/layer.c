@@ -780,7 +780,7 @@ static void on_attention(void *user, int layer, mq_site site, int expert, const 
     int64_t *nr = site == MQ_SITE_QKV ? &c->rows_qkv : site == MQ_SITE_O ? &c->rows_o
                 : site == MQ_SITE_Q_B ? &c->rows_qb : &c->rows_kvb;
     if (arena && (s->h.sum || c->store)) {
-        memcpy(arena + c->at * c->Lmax * cols, x, sizeof(float) * (size_t)(rows * cols));
+        mq_copy_floats(arena + c->at * c->Lmax * cols, x, (size_t)(rows * cols));
         *nr = rows;
     }
     if (c->amax) amax_update(&s->amax, x, rows * cols);
