@@ -1525,8 +1525,52 @@ static moeq_status batch_combine_device(ex_batch *b) {
  * their end), the combine. */
 static double g_ex_prof[5];
 
-static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
+/* The batch's routing bookkeeping, sample by sample on the pool (each sample writes only its own
+ * counts, and rows from its own place in every expert's rows: the same layout in any order).
+ * Counts: rows of each (sample, expert of the chunk). */
+static void batch_count_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    const mq_pipe *p = b->p;
+    const int64_t C = b->e1 - b->e0, K = p->c->top_k, s = b->s0 + i;
+    const int32_t *sel = b->src.sel + s * p->calib.max_len * K;
+    int32_t *cnt = b->cnt + i * C;
+    memset(cnt, 0, sizeof(int32_t) * (size_t)C);
+    for (int64_t j = 0; j < p->calib.len[s] * K; j++)
+        if (sel[j] >= b->e0 && sel[j] < b->e1) cnt[sel[j] - b->e0]++;
+}
+
+/* Each row's token, sample and Hessian weight, and each (token, k)'s row, from the sample's first
+ * row of every expert (pos). */
+static void batch_fill_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    const mq_pipe *p = b->p;
     const int64_t C = b->e1 - b->e0, K = p->c->top_k, Lmax = p->calib.max_len;
+    const int64_t s = b->s0 + i, T = p->calib.len[s];
+    const int32_t *sel = b->src.sel + s * Lmax * K;
+    const float *gw = b->src.w + s * Lmax * K;
+    const int ew = p->o->expert_weighting;
+    int32_t *tr = b->tok_row + i * Lmax * K;
+    int64_t *next = b->pos + i * C;   /* advanced while filling, rebuilt below */
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) {
+            int32_t e = sel[t * K + k];
+            if (e < b->e0 || e >= b->e1) {
+                tr[t * K + k] = -1;
+                continue;
+            }
+            int64_t r = next[e - b->e0]++;
+            b->tok[r] = (int32_t)t;
+            b->tsample[r] = (int32_t)i;
+            b->rw[r] = ew == 2 ? gw[t * K + k] * gw[t * K + k] : gw[t * K + k];
+            tr[t * K + k] = (int32_t)r;
+        }
+    for (int64_t e = 0; e < C; e++) next[e] -= b->cnt[i * C + e];
+}
+
+static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
+    const int64_t C = b->e1 - b->e0, Lmax = p->calib.max_len;
     double t0 = mq_now(), c0 = mq_cpu_now();
     /* On the GPU the rows stay there, their Hessians summed on the device, unless the CPU must see
      * them (amax, weighted rows): only the samples' FFN inputs and the rows' indices go up, or
@@ -1539,13 +1583,7 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     }
     double tp = mq_now();
     g_ex_prof[0] += tp - t0;
-    memset(b->cnt, 0, sizeof(int32_t) * (size_t)(b->nb * C));
-    for (int64_t i = 0; i < b->nb; i++) {
-        const int64_t s = b->s0 + i;
-        const int32_t *sel = b->src.sel + s * Lmax * K;
-        for (int64_t j = 0; j < p->calib.len[s] * K; j++)
-            if (sel[j] >= b->e0 && sel[j] < b->e1) b->cnt[i * C + sel[j] - b->e0]++;
-    }
+    mq_parallel_for(b->nb, batch_count_task, b);
     b->ebase[0] = 0;
     for (int64_t e = 0; e < C; e++) {
         int64_t r = b->ebase[e];
@@ -1555,28 +1593,7 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
         }
         b->ebase[e + 1] = r;
     }
-    for (int64_t i = 0; i < b->nb; i++) {
-        const int64_t s = b->s0 + i, T = p->calib.len[s];
-        const int32_t *sel = b->src.sel + s * Lmax * K;
-        const float *gw = b->src.w + s * Lmax * K;
-        const int ew = p->o->expert_weighting;
-        int32_t *tr = b->tok_row + i * Lmax * K;
-        int64_t *next = b->pos + i * C;   /* advanced while filling, rebuilt below */
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t k = 0; k < K; k++) {
-                int32_t e = sel[t * K + k];
-                if (e < b->e0 || e >= b->e1) {
-                    tr[t * K + k] = -1;
-                    continue;
-                }
-                int64_t r = next[e - b->e0]++;
-                b->tok[r] = (int32_t)t;
-                b->tsample[r] = (int32_t)i;
-                b->rw[r] = ew == 2 ? gw[t * K + k] * gw[t * K + k] : gw[t * K + k];
-                tr[t * K + k] = (int32_t)r;
-            }
-        for (int64_t e = 0; e < C; e++) next[e] -= b->cnt[i * C + e];
-    }
+    mq_parallel_for(b->nb, batch_fill_task, b);
     b->n_tasks = 0;
     for (int64_t e = 0; e < C; e++)
         for (int64_t r = b->ebase[e]; r < b->ebase[e + 1]; r += TASK_ROWS)
