@@ -65,6 +65,10 @@ typedef struct {
     int64_t peak_anon;
     int chunks;
     int linears;                  /* quantized Linears written */
+    /* with a GPU: expert batches whose rows stayed on the device, those of them that read their
+     * inputs where the GPU attention left them; the outputs combined there (report, tests) */
+    int gpu_device_batches, gpu_kept_inputs;
+    bool gpu_combined;
     cJSON *modules;               /* the layer's module records (report), owned */
 } mq_layer_report;
 

@@ -1599,6 +1599,8 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
         for (int64_t r = b->ebase[e]; r < b->ebase[e + 1]; r += TASK_ROWS)
             b->tasks[b->n_tasks++] = e << 32 | (r - b->ebase[e]) / TASK_ROWS;
     moeq_status st = MOEQ_OK;
+    p->layers[l].gpu_device_batches += dev_rows;
+    p->layers[l].gpu_kept_inputs += din != NULL;
     if (dev_rows) {   /* the same values as batch_rows_task's (backend/gpu.h) */
         const int64_t D = p->c->D;
         int64_t at = 0;
@@ -1990,6 +1992,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     /* one process on a GPU: the experts' outputs are combined there, over every chunk, and read
      * back once; the passes that give them must keep their rows there (batch_run's dev_rows) */
     if (!st && experts_on_device(p, l, replay)) st = mq_gpu_buf_new(p->gpu, p->calib.n * p->LD, &p->gout);
+    p->layers[l].gpu_combined = p->gout != NULL;
     for (int e0 = (int)own_lo; e0 < own_hi && !st; e0 += C) {
         const int e1 = e0 + C < own_hi ? e0 + C : (int)own_hi;
         if ((st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, NULL, NULL))) break;

@@ -133,6 +133,12 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
         cJSON_AddNumberToObject(s, "read", lr->read);
         cJSON_AddNumberToObject(x, "peak_anon_bytes", (double)lr->peak_anon);
         cJSON_AddNumberToObject(x, "expert_chunks", lr->chunks);
+        if (p->gpu) {   /* where the routed experts' rows, inputs and outputs lived */
+            cJSON *g = cJSON_AddObjectToObject(x, "gpu");
+            cJSON_AddNumberToObject(g, "expert_batches_on_device", lr->gpu_device_batches);
+            cJSON_AddNumberToObject(g, "batches_with_inputs_from_attention", lr->gpu_kept_inputs);
+            cJSON_AddBoolToObject(g, "outputs_combined_on_device", lr->gpu_combined);
+        }
         cJSON_AddItemToArray(layers, x);
         const cJSON *m;
         cJSON_ArrayForEach(m, lr->modules) cJSON_AddItemToArray(mods, cJSON_Duplicate(m, 1));

@@ -24,6 +24,17 @@ rm -rf "$tmp/probe"
 "$cli" quantize "$model" --out "$tmp/b" "${args[@]}" --device cuda --expert-chunk 1 --threads 3 ||
     fail "the GPU run with --expert-chunk 1 --threads 3 exited $?"
 same_checkpoint "$tmp/a" "$tmp/b" "--expert-chunk 1 --threads 3" "the default chunk"
+# in each of the 4 layers the routed experts' rows stayed on the device, read their inputs where
+# the GPU attention left them, and their outputs were combined there (the report says so; a
+# decision that looked at the weights before they were read once kept all of it on the host,
+# the same bytes, unnoticed)
+rep=$tmp/a/gptq_report.json
+for key in expert_batches_on_device batches_with_inputs_from_attention; do
+    n=$(grep -c "\"$key\":[[:space:]]*[1-9]" "$rep")
+    [ "$n" = 4 ] || fail "$key: at least one in $n of 4 layers ($rep)"
+done
+n=$(grep -c '"outputs_combined_on_device":[[:space:]]*true' "$rep")
+[ "$n" = 4 ] || fail "outputs combined on the device in $n of 4 layers ($rep)"
 # the CPU plan's batches (MOEQ_GPU_BATCH=plan: about a sample at a time), and device batches of
 # 700 rows (two samples of 128 tokens routed to 2 experts each), give the default's values
 MOEQ_GPU_BATCH=plan "$cli" quantize "$model" --out "$tmp/plan" "${args[@]}" --device cuda ||
