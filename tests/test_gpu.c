@@ -730,8 +730,18 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
     const int64_t K = ly->is_moe ? c->top_k : 0, E = c->n_experts;
     float *fin = malloc(sizeof(float) * (size_t)(T * D)), *wg = malloc(sizeof(float) * (size_t)(T * K + 1));
     int32_t *sg = malloc(sizeof(int32_t) * (size_t)(T * K + 1));
-    mq_gpu_attn_out go = {.hq = hq, .ho = ho, .xn = xn, .att = att, .ffn_in = fin, .sel = K ? sg : NULL, .w = K ? wg : NULL};
+    /* the FFN input also into a device buffer at an offset of one row (the pipeline's experts
+     * read it there): the host copy's bits */
+    mq_gpu_buf *fdev = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, (T + 1) * D, &fdev));
+    mq_gpu_attn_out go = {.hq = hq, .ho = ho, .xn = xn, .att = att, .ffn_in = fin, .sel = K ? sg : NULL, .w = K ? wg : NULL,
+                          .ffn_dev = fdev, .ffn_dev_off = D};
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, xg, T, &go));
+    float *fgot = malloc(sizeof(float) * (size_t)(T * D));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_read(fdev, D, T * D, fgot));
+    for (int64_t i = 0; i < T * D; i++)
+        if (!same_float(fgot[i], fin[i])) FAIL("%s: the FFN input kept on the device differs at %lld", dir, (long long)i);
+    free(fgot);
     double e_xn = mq_test_rel_maxdiff(xn, hk.qkv, (size_t)(T * D));
     double e_att = mq_test_rel_maxdiff(att, hk.o, (size_t)(T * Q));
     double e_x = mq_test_rel_maxdiff(xg, x, (size_t)(T * D));
@@ -789,6 +799,9 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
     for (int64_t i = 0; i < T * D; i++)
         if (!same_float(xg[i], xg2[i])) FAIL("%s: the GPU attention differs from run to run at %lld", dir, (long long)i);
     ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run(a, xg2, T + 1, &none));   /* longer than made for */
+    const mq_gpu_attn_out past = {.ffn_dev = fdev, .ffn_dev_off = 2 * D, .keep_x = true};   /* past the buffer */
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run(a, xg2, T, &past));
+    mq_gpu_buf_free(fdev);
     mq_gpu_hessians_free(hq), mq_gpu_hessians_free(ho);
     mq_gpu_attn_free(a);
     mq_state_free(st);
@@ -887,8 +900,9 @@ static void test_mlp_combine(void) {
     int32_t src[50];
     for (int64_t i = 0; i < n; i++) src[i] = (int32_t)i;
     /* the rows in two runs, kept at their places */
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_rows_kept(m, 0, src, 20, 0, NULL, NULL));
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_rows_kept(m, 0, src + 20, n - 20, 20, NULL, NULL));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_rows_index(m, src, n));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_indexed(m, 0, 0, 20, true, NULL, NULL));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_indexed(m, 0, 20, n - 20, true, NULL, NULL));
     /* token i -> output row 2 i + 1 of the buffer, pairs: rows (i, i + 7, 3 i mod n) as far as i allows */
     int64_t tok[30];
     int32_t first[31], row[90];
@@ -964,13 +978,21 @@ static void test_mlp_lanes(void) {
         ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[0], &hx[e]));
         ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[1], &hd[e]));
     }
-    /* experts 0-2 by the batch's index (mq_gpu_mlp_rows_index), 3-4 with their rows' indices */
+    /* experts 0-2 from the inputs put up from the host, 3-4 from the same values in a device
+     * buffer (mq_gpu_mlp_inputs_from: where the pipeline's GPU attention leaves them), by the
+     * batch's index */
     int32_t all[5 * 64];
     for (int e = 0; e < E; e++) memcpy(all + r0[e], src[e], (size_t)n[e] * sizeof(int32_t));
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_rows_index(m, all, r0[E]));
     for (int e = 0; e < 3; e++) ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_indexed(m, e, r0[e], n[e], true, hx[e], hd[e]));
-    for (int e = 3; e < E; e++)
-        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_rows_kept(m, e, src[e], n[e], r0[e], hx[e], hd[e]));
+    mq_gpu_buf *xin = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, (n_in + 1) * D, &xin));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_write(xin, 0, n_in * D, x));
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_inputs_from(m, xin, n_in + 2));   /* more rows than it holds */
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_inputs_from(m, xin, n_in));
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_inputs_put(m, 0, x, 1));   /* not into a buffer's rows */
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_rows_index(m, all, r0[E]));
+    for (int e = 3; e < E; e++) ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run_indexed(m, e, r0[e], n[e], true, hx[e], hd[e]));
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_join(m));
     ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_run_indexed(m, 0, r0[E] - 2, 3, true, NULL, NULL));   /* past the index */
     all[0] = (int32_t)n_in;   /* outside the inputs: refused before anything goes up */
@@ -1009,6 +1031,7 @@ static void test_mlp_lanes(void) {
         free(gate[e].w), free(up[e].w), free(down[e].w);
     }
     mq_gpu_buf_free(out);
+    mq_gpu_buf_free(xin);
     mq_gpu_mlp_free(m);
     free(x), free(tok), free(first), free(row), free(w), free(got), free(xp), free(hg), free(hu), free(y);
     free(Gx), free(Gg);

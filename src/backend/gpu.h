@@ -130,17 +130,14 @@ moeq_status mq_gpu_mlp_inputs_from(mq_gpu_mlp *m, mq_gpu_buf *b, int64_t rows);
 /* _run on the n rows src[i] of those inputs (gathered on the device: only the indices cross). */
 moeq_status mq_gpu_mlp_run_rows(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, float *hg,
                                 float *hu, float *y, mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
-/* _run_rows keeping the outputs on the device: expert e's n rows of y go to rows [y0, y0 + n) of
- * the expert set's batch outputs (max_rows rows, or as many as _reserve_kept made room for;
- * nothing is copied back), for _combine. _reserve_kept: room for `rows` kept rows (what was
- * kept is dropped). */
+/* Room for `rows` outputs kept on the device by _run_indexed (what was kept is dropped). */
 moeq_status mq_gpu_mlp_reserve_kept(mq_gpu_mlp *m, int64_t rows);
-moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, int64_t y0,
-                                     mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
 /* The rows of a whole batch at once: _rows_index puts up the batch's n row indices into the
- * inputs (each checked), then _run_indexed runs expert e on rows [r0, r0 + n) of them, its
- * outputs kept at rows [r0, r0 + n) when `keep` (else not computed): as _run_rows(_kept), with
- * nothing crossing the bus per expert, so the experts overlap on the device. */
+ * inputs (each checked), then _run_indexed runs expert e on rows [r0, r0 + n) of them as
+ * _run_rows would, its outputs kept at rows [r0, r0 + n) of the expert set's batch outputs when
+ * `keep` (else not computed; _reserve_kept makes room, else max_rows; nothing is copied back:
+ * they are for _combine), with nothing crossing the bus per expert, so the experts overlap on
+ * the device. */
 moeq_status mq_gpu_mlp_rows_index(mq_gpu_mlp *m, const int32_t *src, int64_t n);
 moeq_status mq_gpu_mlp_run_indexed(mq_gpu_mlp *m, int64_t e, int64_t r0, int64_t n, bool keep,
                                    mq_gpu_hessians *h_in, mq_gpu_hessians *h_down);
@@ -154,6 +151,7 @@ moeq_status mq_gpu_mlp_join(mq_gpu_mlp *m);
 moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out);
 void mq_gpu_buf_free(mq_gpu_buf *b);
 moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
+moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, const float *host);
 
 /* out[tok[i]] (rows of D values of `out`) += w * y over token i's pairs [first[i], first[i + 1])
  * of (row of the kept batch outputs, weight), in their order: each value the fmaf chain of

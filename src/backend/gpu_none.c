@@ -112,12 +112,6 @@ moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const float *w) {
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
-moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, int64_t y0,
-                                     mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
-    (void)m, (void)e, (void)src, (void)n, (void)y0, (void)h_in, (void)h_down;
-    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
-}
-
 moeq_status mq_gpu_mlp_rows_index(mq_gpu_mlp *m, const int32_t *src, int64_t n) {
     (void)m, (void)src, (void)n;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
@@ -163,6 +157,11 @@ moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out) {
 void mq_gpu_buf_free(mq_gpu_buf *b) { (void)b; }
 
 moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host) {
+    (void)b, (void)off, (void)n, (void)host;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, const float *host) {
     (void)b, (void)off, (void)n, (void)host;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }

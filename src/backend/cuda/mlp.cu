@@ -283,12 +283,6 @@ extern "C" moeq_status mq_gpu_mlp_reserve_kept(mq_gpu_mlp *m, int64_t rows) {
     return st;
 }
 
-extern "C" moeq_status mq_gpu_mlp_run_rows_kept(mq_gpu_mlp *m, int64_t e, const int32_t *src, int64_t n, int64_t y0,
-                                                mq_gpu_hessians *h_in, mq_gpu_hessians *h_down) {
-    if (y0 < 0) return mq_err(MOEQ_E_ARG, "GPU experts: output row %lld", (long long)y0);
-    return mlp_rows(m, e, NULL, src, n, NULL, NULL, NULL, h_in, h_down, y0);
-}
-
 extern "C" moeq_status mq_gpu_mlp_rows_index(mq_gpu_mlp *m, const int32_t *src, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         if (src[i] < 0 || src[i] >= m->in_rows)
@@ -467,6 +461,16 @@ extern "C" moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, fl
     moeq_status st = CU(cudaSetDevice(b->g->device));
     if (!st) st = CU(cudaMemcpyAsync(host, b->d + off, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost, b->g->stream[0]));
     if (!st) st = CU(cudaStreamSynchronize(b->g->stream[0]));
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, const float *host) {
+    if (off < 0 || n < 0 || off + n > b->n)
+        return mq_err(MOEQ_E_ARG, "GPU buffer: values %lld..%lld of %lld", (long long)off, (long long)(off + n),
+                      (long long)b->n);
+    moeq_status st = CU(cudaSetDevice(b->g->device));
+    if (!st) st = mq_cu_upload(b->g, b->d + off, host, (size_t)n * sizeof(float));
+    if (!st) st = CU(cudaStreamSynchronize(b->g->stream[0]));   /* the host's data has gone */
     return st;
 }
 
