@@ -746,6 +746,10 @@ static moeq_status gpu_ffn_inputs_new(mq_pipe *p, int l, bool replay) {
     if ((int64_t)sizeof(float) * n * (xn ? 2 : 1) > (int64_t)(gi.mem_free / 4)) return MOEQ_OK;
     moeq_status st = xn ? mq_gpu_buf_new(p->gpu, n, &p->gffn_xn) : MOEQ_OK;
     if (!st) st = mq_gpu_buf_new(p->gpu, n, &p->gffn_h);
+    if (st == MOEQ_E_NOMEM) {   /* the device's memory went elsewhere meanwhile: the host's go up */
+        gpu_ffn_inputs_free(p);
+        return MOEQ_OK;
+    }
     if (st) gpu_ffn_inputs_free(p);
     return st;
 }
