@@ -7,8 +7,10 @@
 # few at a time with MOEQ_GPU_BATCH_ROWS; the CPU plan's with MOEQ_GPU_BATCH=plan), and after a
 # kill and --resume (whose replay dequantizes the finished layers on the host, so the device's
 # dequantized weights must be the host's bits); experts rounded to nearest as a fallback (their
-# dequantized weights go up from the host) likewise; and the GPU checkpoint's KL to the base model is within 2% of
-# the CPU checkpoint's (both with the refinement off: it is CPU only).
+# dequantized weights go up from the host) likewise, and without sequential calibration; the
+# report shows the experts' rows, inputs and outputs on the device; and the GPU checkpoint's KL
+# to the base model is within 2% of the CPU checkpoint's (both with the refinement off: it is
+# CPU only).
 . "$(dirname "$0")/common.sh"
 native_only "GPU runs"
 
@@ -43,6 +45,17 @@ same_checkpoint "$tmp/a" "$tmp/plan" "MOEQ_GPU_BATCH=plan" "the default batches"
 MOEQ_GPU_BATCH_ROWS=700 "$cli" quantize "$model" --out "$tmp/small" "${args[@]}" --device cuda ||
     fail "the GPU run with MOEQ_GPU_BATCH_ROWS=700 exited $?"
 same_checkpoint "$tmp/a" "$tmp/small" "MOEQ_GPU_BATCH_ROWS=700" "the default batches"
+
+# without sequential calibration one pass gives each layer's Hessians and its output, its rows,
+# inputs and outputs on the device too: the CPU plan's batches give the same bytes, and the
+# report shows the experts there in every layer
+ns=(--gptq-mode nonsequential)
+"$cli" quantize "$model" --out "$tmp/ns" "${args[@]}" "${ns[@]}" --device cuda || fail "the nonsequential GPU run exited $?"
+MOEQ_GPU_BATCH=plan "$cli" quantize "$model" --out "$tmp/ns_plan" "${args[@]}" "${ns[@]}" --device cuda ||
+    fail "the nonsequential GPU run with MOEQ_GPU_BATCH=plan exited $?"
+same_checkpoint "$tmp/ns" "$tmp/ns_plan" "nonsequential, MOEQ_GPU_BATCH=plan" "nonsequential, the default batches"
+n=$(grep -c '"outputs_combined_on_device":[[:space:]]*true' "$tmp/ns/gptq_report.json")
+[ "$n" = 4 ] || fail "nonsequential: outputs combined on the device in $n of 4 layers"
 
 # killed inside the second layer's expert chunks, then resumed
 MOEQ_FAULT=chunk:1:1 "$cli" quantize "$model" --out "$tmp/r" "${args[@]}" --device cuda --expert-chunk 3 2>/dev/null
