@@ -235,6 +235,14 @@ int bench_quantize(int argc, char **argv) {
     }
     mq_pipeline_result *r = &rs[n_runs - 1];
     double sgemm = mq_measure_sgemm_gflops(1024, 1.0);
+    /* with a GPU, its own fp32 GEMM rate and copy bandwidth (medians of 5) in the same run: the
+     * figures its forward is read against (0: not measured, said below) */
+    double gpu_sgemm = 0, gpu_bw = 0;
+    if (dev >= 0) {
+        mq_gpu *g = NULL;
+        if (mq_gpu_open(dev, &g) || mq_gpu_measure(g, &gpu_sgemm, &gpu_bw)) gpu_sgemm = gpu_bw = 0;
+        mq_gpu_close(g);
+    }
     const int run = r->layers_run;
     double sum = 0, fwd = 0, att = 0, hes = 0, gq = 0, wr = 0, rd = 0;
     for (int l = 0; l < run; l++) {
@@ -263,9 +271,10 @@ int bench_quantize(int argc, char **argv) {
                    r->layer[l].read, r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian, r->layer[l].gptq,
                    r->layer[l].write, r->layer[l].total, (long long)r->layer[l].peak_anon);
         printf("], \"forward_gflops\": %.2f, \"sgemm_gflops\": %.2f, \"forward_fraction_of_sgemm\": %.3f, "
+               "\"gpu_sgemm_gflops\": %.2f, \"gpu_copy_gbs\": %.2f, "
                "\"peak_anon_bytes\": %lld, \"planned_peak_bytes\": %lld, \"budget_bytes\": %lld, "
                "\"extrapolated_seconds\": %.3f, \"extrapolated_hours\": %.4f}\n",
-               fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, sgemm, frac, (long long)r->peak_anon,
+               fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, sgemm, frac, gpu_sgemm, gpu_bw, (long long)r->peak_anon,
                (long long)r->plan.peak, (long long)r->plan.budget, whole, whole / 3600);
     } else {
         printf("%s (%s): GPTQ %s on %s, %lld samples x %lld tokens, %d threads, %d layers run of %d, "
@@ -284,6 +293,11 @@ int bench_quantize(int argc, char **argv) {
                "write %.1f)\n", sum / run, rd / run, fwd / run, att / run, hes / run, gq / run, wr / run);
         printf("forward: %.1f GFLOP/s = %.2f x sgemm (%.1f GFLOP/s, OpenBLAS 1024^3, same run)\n",
                fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, frac, sgemm);
+        if (dev >= 0 && gpu_sgemm > 0)
+            printf("forward on the GPU: %.2f x its fp32 sgemm (%.1f GFLOP/s, 8192^3; copy bandwidth %.0f GB/s; same "
+                   "run)\n", fwd > 0 ? fwd_flops / fwd * 1e-9 / gpu_sgemm : 0, gpu_sgemm, gpu_bw);
+        else if (dev >= 0)
+            printf("forward on the GPU: its sgemm was not measured (%s)\n", moeq_last_error());
         printf("peak anonymous memory: %.2f GB (planned %.2f GB, budget %.2f GB)\n",
                (double)r->peak_anon / 1e9, (double)r->plan.peak / 1e9, (double)r->plan.budget / 1e9);
         printf("whole model (%d layers) extrapolated: %.0f s = %.2f h", n_layers, whole, whole / 3600);
