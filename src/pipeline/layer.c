@@ -2444,7 +2444,7 @@ static void add_out(mq_pipe *p) {
         size_t off = (size_t)(s * p->LD), n = (size_t)(p->calib.len[s] * D);
         const float *o = mq_actbuf_ptr(&p->OUT, off);
         if (!tmp) continue;   /* out of memory: caught by the caller's check below */
-        mq_copy_floats(tmp, mq_actbuf_view(h, off, n, tmp), n);
+        mq_actbuf_view(h, off, n, tmp);   /* bf16: converted into tmp */
         vk->axpy(1.0f, o, tmp, (int64_t)n);
         mq_actbuf_put(h, off, n, tmp);
     }

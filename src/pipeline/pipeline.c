@@ -338,8 +338,8 @@ static moeq_status run(mq_pipe *p) {
         bool have = snap > 0 && snap == start;
         if (p->ranks <= 1 && snap > 0 && snap < start) {
             for (int l = snap; l < start && !s; l++) {
-                mq_info("recomputing the activations through layer %d/%d (from the snapshot at the input of layer %d)", l + 1,
-                        n_layers, snap + 1);
+                mq_info("recomputing the activations through layer %d/%d (from the snapshot at the input "
+                        "of layer %d)", l + 1, n_layers, snap + 1);
                 s = mq_pipe_layer(p, l, true);
             }
             if (s) return s;

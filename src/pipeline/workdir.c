@@ -502,7 +502,7 @@ static bool snapshot_due(mq_pipe *p, int l) {
  * sample's CRC and write go over the pool, each at its own offset. */
 typedef struct {
     const mq_pipe *p;
-    mq_atomic_file *af;           /* NULL: CRCs only */
+    mq_atomic_file *af;
     const int64_t *off;           /* [n] each sample's byte offset in the file */
     uint32_t *crc;
     moeq_status *st;
@@ -514,7 +514,7 @@ static void boundary_task(void *ctx, int64_t i, int thread) {
     const size_t n = (size_t)(j->p->calib.len[i] * j->p->c->D);
     const float *v = mq_actbuf_view(&j->p->X, (size_t)(i * j->p->LD), n, NULL);
     j->crc[i] = mq_crc32(0, v, n * sizeof(float));
-    if (j->af) j->st[i] = mq_atomic_pwrite(j->af, v, n * sizeof(float), j->off[i]);
+    j->st[i] = mq_atomic_pwrite(j->af, v, n * sizeof(float), j->off[i]);
 }
 
 static moeq_status write_boundary(mq_pipe *p, int layer, uint32_t *crc_out) {

@@ -344,7 +344,7 @@ extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, cons
     const bool route = out->sel || out->w;
     if (((out->ffn_in || out->ffn_dev || route) && !a->has[11]) || (route && !a->has[12]))
         return mq_err(MOEQ_E_ARG, "GPU attention: the FFN input or routing of a layer without %s",
-                      out->ffn_in ? "an FFN norm" : "a router");
+                      !a->has[11] ? "an FFN norm" : "a router");
     if (T <= 0) return MOEQ_OK;
     if (T > sh->max_T)
         return mq_err(MOEQ_E_ARG, "GPU attention: %lld tokens, made for %lld", (long long)T, (long long)sh->max_T);

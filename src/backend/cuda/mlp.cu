@@ -427,7 +427,6 @@ extern "C" moeq_status mq_gpu_mlp_set(mq_gpu_mlp *m, int64_t e, int k, const flo
     return st;
 }
 
-
 extern "C" moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out) {
     *out = NULL;
     mq_gpu_buf *b = new (std::nothrow) mq_gpu_buf;
