@@ -824,6 +824,125 @@ static void test_attention_parity(void) {
     mq_gpu_close(g);
 }
 
+/* Samples of different lengths in one mq_gpu_attn_run_samples call, in groups of at most 200
+ * tokens (MOEQ_GPU_ATTN_ROWS): each sample's output, FFN input (host and device), routing and the
+ * Hessian sums are the bits of the same samples run one at a time (every row-wise step is a
+ * function of its row, the scores are per sample, the sums take the rows in the same order);
+ * a sample longer than the twin was made for is refused before anything runs. */
+static void attention_groups_case(mq_gpu *g, const char *dir, int layer) {
+    moeq_model_options opt = {.no_tokenizer = 1};
+    moeq_model *m = NULL;
+    if (moeq_model_open(dir, &opt, &m) != MOEQ_OK) FAIL("%s: %s", dir, moeq_last_error());
+    const mq_config *c = &m->cfg;
+    enum { NS = 6 };
+    const int64_t len[NS] = {48, 130, 7, 100, 64, 1}, D = c->D, Q = (int64_t)c->n_heads * c->head_dim, Tm = 130;
+    const int64_t K = m->layers[layer].is_moe ? c->top_k : 0;
+    int64_t tot = 0, at[NS];
+    for (int i = 0; i < NS; i++) at[i] = tot, tot += len[i];
+    float *x0 = malloc(sizeof(float) * (size_t)(tot * D));
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)tot);
+    for (int64_t i = 0; i < tot; i++) ids[i] = (int32_t)((i * 7919 + 13) % c->vocab);
+    ASSERT_EQ_INT(MOEQ_OK, mq_embed(m, ids, tot, x0));
+    for (int64_t i = 0; i < tot * D; i++) x0[i] *= 30.0f;
+    mq_state *st = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_state_new(m, (int32_t)Tm, &st));
+    const mq_layer *ly = &m->layers[layer];
+    mq_gpu_attn_shape sh = {.D = D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim, .max_T = Tm,
+                            .eps = c->rms_eps,
+                            .qk_norm = c->qk_norm == MQ_QKNORM_FULL ? 1 : c->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
+                            .clip_qkv = c->clip_qkv, .E = c->n_experts, .top_k = c->top_k,
+                            .norm_topk = c->norm_topk_prob};
+    mq_state_rope_tables(st, &sh.rope_cos, &sh.rope_sin);
+    mq_gpu_attn_weights w = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
+                             .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias, .o_bias = ly->o.bias,
+                             .q_norm = ly->q_norm, .k_norm = ly->k_norm, .ffn_norm = ly->ffn_norm,
+                             .router = ly->is_moe ? ly->router : NULL};
+    setenv("MOEQ_GPU_ATTN_ROWS", "200", 1);
+    mq_gpu_attn *a = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_new(g, &sh, &a));
+    unsetenv("MOEQ_GPU_ATTN_ROWS");
+    ASSERT_EQ_INT(200, mq_gpu_attn_rows(a));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_set(a, &w));
+    /* [0]: one call for all, [1]: a call per sample */
+    float *y[2], *fin[2], *wt[2], *xn[2], *att[2], *H[2][2], *fdev[2];
+    int32_t *sel[2];
+    mq_gpu_hessians *hq[2], *ho[2];
+    mq_gpu_buf *fb[2];
+    const int64_t Ks[2] = {D, Q};
+    for (int v = 0; v < 2; v++) {
+        y[v] = malloc(sizeof(float) * (size_t)(tot * D));
+        fin[v] = malloc(sizeof(float) * (size_t)(tot * D));
+        xn[v] = malloc(sizeof(float) * (size_t)(tot * D));
+        att[v] = malloc(sizeof(float) * (size_t)(tot * Q));
+        fdev[v] = malloc(sizeof(float) * (size_t)(tot * D));
+        wt[v] = malloc(sizeof(float) * (size_t)(tot * K + 1));
+        sel[v] = malloc(sizeof(int32_t) * (size_t)(tot * K + 1));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[0], &hq[v]));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[1], &ho[v]));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, tot * D, &fb[v]));
+        mq_gpu_attn_sample smp[NS];
+        for (int i = 0; i < NS; i++) {
+            smp[i] = (mq_gpu_attn_sample){.x = x0 + at[i] * D, .y = y[v] + at[i] * D, .T = len[i],
+                                          .xn = xn[v] + at[i] * D, .att = att[v] + at[i] * Q,
+                                          .ffn_in = fin[v] + at[i] * D, .sel = K ? sel[v] + at[i] * K : NULL,
+                                          .w = K ? wt[v] + at[i] * K : NULL, .ffn_dev_off = at[i] * D};
+        }
+        const mq_gpu_attn_io io = {.hq = hq[v], .ho = ho[v], .ffn_dev = fb[v]};
+        if (v == 0) ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run_samples(a, smp, NS, &io));
+        for (int i = 0; i < NS && v == 1; i++) ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run_samples(a, &smp[i], 1, &io));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_read(fb[v], 0, tot * D, fdev[v]));
+        for (int k = 0; k < 2; k++) {
+            H[v][k] = malloc(sizeof(float) * (size_t)(Ks[k] * Ks[k]));
+            int64_t n = 0;
+            ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(k ? ho[v] : hq[v], 0, H[v][k], &n));
+            ASSERT_EQ_INT(tot, n);
+        }
+    }
+    const struct { const char *what; const void *a, *b; size_t bytes; } cmp[] = {
+        {"output", y[0], y[1], sizeof(float) * (size_t)(tot * D)},
+        {"q/k/v input", xn[0], xn[1], sizeof(float) * (size_t)(tot * D)},
+        {"o input", att[0], att[1], sizeof(float) * (size_t)(tot * Q)},
+        {"FFN input", fin[0], fin[1], sizeof(float) * (size_t)(tot * D)},
+        {"FFN input on the device", fdev[0], fin[1], sizeof(float) * (size_t)(tot * D)},
+        {"routing", sel[0], sel[1], sizeof(int32_t) * (size_t)(tot * K)},
+        {"routing weights", wt[0], wt[1], sizeof(float) * (size_t)(tot * K)},
+        {"q/k/v Hessian", H[0][0], H[1][0], sizeof(float) * (size_t)(D * D)},
+        {"o Hessian", H[0][1], H[1][1], sizeof(float) * (size_t)(Q * Q)}};
+    for (size_t i = 0; i < sizeof cmp / sizeof cmp[0]; i++)
+        if (memcmp(cmp[i].a, cmp[i].b, cmp[i].bytes))
+            FAIL("%s layer %d: the %s of samples run in groups differs from one at a time", dir, layer, cmp[i].what);
+    /* the one-at-a-time output is the single-sample interface's too */
+    float *x1 = malloc(sizeof(float) * (size_t)(len[1] * D));
+    memcpy(x1, x0 + at[1] * D, sizeof(float) * (size_t)(len[1] * D));
+    const mq_gpu_attn_out none = {0};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, x1, len[1], &none));
+    if (memcmp(x1, y[0] + at[1] * D, sizeof(float) * (size_t)(len[1] * D)))
+        FAIL("%s: mq_gpu_attn_run differs from mq_gpu_attn_run_samples", dir);
+    mq_gpu_attn_sample bad[2] = {{.x = x0, .T = 10}, {.x = x0, .T = Tm + 1}};
+    const mq_gpu_attn_io io0 = {0};
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run_samples(a, bad, 2, &io0));
+    printf("  %s layer %d: %d samples of 1..130 tokens in groups of <= 200 = one at a time, bit for bit\n", dir,
+           layer, NS);
+    for (int v = 0; v < 2; v++) {
+        free(y[v]), free(fin[v]), free(xn[v]), free(att[v]), free(fdev[v]), free(wt[v]), free(sel[v]);
+        free(H[v][0]), free(H[v][1]);
+        mq_gpu_hessians_free(hq[v]), mq_gpu_hessians_free(ho[v]);
+        mq_gpu_buf_free(fb[v]);
+    }
+    free(x1), free(x0), free(ids);
+    mq_gpu_attn_free(a);
+    mq_state_free(st);
+    moeq_model_free(m);
+}
+
+static void test_attention_groups(void) {
+    mq_gpu *g = open_gpu();
+    attention_groups_case(g, mq_test_repo("models/olmoe-tiny"), 1);
+    attention_groups_case(g, mq_test_repo("tests/data/qwen3moe-tiny"), 0);   /* grouped KV heads, per-head norms */
+    attention_groups_case(g, mq_test_repo("tests/data/qwen2moe-dense-tiny"), 0);   /* biases, a dense layer */
+    mq_gpu_close(g);
+}
+
 /* Rows gathered on the device from uploaded inputs, with the Hessians of the expert's input and
  * of its SwiGLU product summed there: the outputs and both sums are the CPU's bits for the same
  * rows in the same order (mq_mlp_forward, mq_hessian_add), also with fewer rows per call than
@@ -1041,4 +1160,5 @@ static void test_mlp_lanes(void) {
 TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
           T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_warp_equals_thread), T(test_gptq_batched_deterministic),
           T(test_gptq_retry_and_errors), T(test_gptq_device_inputs), T(test_gemm_det_bitexact), T(test_mlp_bitexact),
-          T(test_mlp_rows_hessians), T(test_mlp_combine), T(test_mlp_lanes), T(test_attention_parity))
+          T(test_mlp_rows_hessians), T(test_mlp_combine), T(test_mlp_lanes), T(test_attention_parity),
+          T(test_attention_groups))

@@ -490,6 +490,45 @@ static void test_resume(void) {
     ASSERT_EQ_INT(1, g_replays);
     ASSERT_EQ_INT(1, g_replays_from_snapshot);
     same_checkpoint(base, out);
+    mq_remove_tree(out);
+
+    /* the same written in place (where the plan has no room for the copy written behind the
+     * next layer): the same files, the same replay */
+    o.resume = false;
+    setenv("MOEQ_SNAPSHOT_EVERY", "2", 1);
+    setenv("MOEQ_SNAPSHOT_IN_PLACE", "1", 1);
+    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 3));
+    unsetenv("MOEQ_SNAPSHOT_EVERY");
+    snprintf(path, sizeof path, "%s/acts-2.bin", work);
+    ASSERT_TRUE(mq_file_exists(path));
+    o.resume = true;
+    g_replays = g_replays_from_snapshot = 0;
+    moeq_set_log(replay_log, NULL);
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    moeq_set_log(NULL, NULL);
+    unsetenv("MOEQ_SNAPSHOT_IN_PLACE");
+    ASSERT_EQ_INT(1, g_replays);
+    ASSERT_EQ_INT(1, g_replays_from_snapshot);
+    same_checkpoint(base, out);
+    mq_remove_tree(out);
+
+    /* interrupted after two layers, while the snapshot at the input of layer 3 is written behind
+     * the next one: the stop waits for it and the manifest names it, so the resume replays
+     * nothing */
+    o.resume = false;
+    setenv("MOEQ_SNAPSHOT_EVERY", "2", 1);
+    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 2));
+    unsetenv("MOEQ_SNAPSHOT_EVERY");
+    snprintf(path, sizeof path, "%s/acts-2.bin", work);
+    ASSERT_TRUE(mq_file_exists(path));
+    o.resume = true;
+    g_replays = g_replays_from_snapshot = 0;
+    moeq_set_log(replay_log, NULL);
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    moeq_set_log(NULL, NULL);
+    ASSERT_EQ_INT(2, r.layers_resumed);
+    ASSERT_EQ_INT(0, g_replays);
+    same_checkpoint(base, out);
 
     /* RTN resumes the same way */
     mq_pipeline_opts ro;

@@ -57,6 +57,11 @@ moeq_status mq_gpu_sync(mq_gpu *g);
  * driver's staging copies); freed with mq_gpu_host_free. */
 void *mq_gpu_host_alloc(mq_gpu *g, size_t bytes);
 void mq_gpu_host_free(void *p);
+/* Page-locks `bytes` of host memory the caller allocated (the calibration activations), so that
+ * copies to and from it go at the bus's speed; false where the driver refuses (the memory stays
+ * as it was, pageable). Undone by mq_gpu_host_unregister before the memory is freed. */
+bool mq_gpu_host_register(mq_gpu *g, void *p, size_t bytes);
+void mq_gpu_host_unregister(void *p);
 /* "cuda" -> 0, "cuda:N" -> N; "cpu" -> -1; anything else MOEQ_E_ARG naming the flag value. */
 moeq_status mq_gpu_parse_device(const char *s, int *device);
 
@@ -151,6 +156,9 @@ moeq_status mq_gpu_mlp_join(mq_gpu_mlp *m);
 moeq_status mq_gpu_buf_new(mq_gpu *g, int64_t n, mq_gpu_buf **out);
 void mq_gpu_buf_free(mq_gpu_buf *b);
 moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
+/* mq_gpu_buf_read that returns once the copy is queued: host is filled at the next mq_gpu_sync
+ * (many samples' pieces, one wait). */
+moeq_status mq_gpu_buf_read_async(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
 moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, const float *host);
 
 /* out[tok[i]] (rows of D values of `out`) += w * y over token i's pairs [first[i], first[i + 1])
@@ -228,6 +236,28 @@ typedef struct {
 } mq_gpu_attn_out;
 /* One sample x [T, D] (host, in place unless out->keep_x). */
 moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out);
+
+/* Many samples at once, in groups of up to mq_gpu_attn_rows tokens (one upload, the row-wise work
+ * over the whole group, one synchronisation): the same bits for each sample as run alone. Each
+ * sample's host pointers may be NULL (not copied); page-locked host memory makes the copies
+ * asynchronous. */
+typedef struct {
+    const float *x;                 /* host [T, D]: the sample */
+    float *y;                       /* host [T, D]: x + attention (may be x), or NULL */
+    int64_t T;
+    float *xn, *att;                /* host copies of the Hessian inputs ([T, D], [T, H*hd]) */
+    float *ffn_in;                  /* host [T, D]: the FFN input */
+    int32_t *sel;                   /* host [T, top_k]: its routing */
+    float *w;
+    int64_t ffn_dev_off;            /* where its FFN input goes in the io's ffn_dev */
+} mq_gpu_attn_sample;
+typedef struct {
+    mq_gpu_hessians *hq, *ho;       /* as in mq_gpu_attn_out, the samples' rows in their order */
+    mq_gpu_buf *ffn_dev;            /* every sample's FFN input into this buffer, or NULL */
+} mq_gpu_attn_io;
+moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn_sample *s, int64_t n,
+                                    const mq_gpu_attn_io *io);
+int64_t mq_gpu_attn_rows(const mq_gpu_attn *a);
 
 #ifdef __cplusplus
 }

@@ -40,6 +40,13 @@ void *mq_gpu_host_alloc(mq_gpu *g, size_t bytes) {
 
 void mq_gpu_host_free(void *p) { (void)p; }
 
+bool mq_gpu_host_register(mq_gpu *g, void *p, size_t bytes) {
+    (void)g, (void)p, (void)bytes;
+    return false;
+}
+
+void mq_gpu_host_unregister(void *p) { (void)p; }
+
 moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs) {
     (void)g;
     *sgemm_gflops = *bandwidth_gbs = 0;
@@ -161,6 +168,10 @@ moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host) 
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_buf_read_async(mq_gpu_buf *b, int64_t off, int64_t n, float *host) {
+    return mq_gpu_buf_read(b, off, n, host);
+}
+
 moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, const float *host) {
     (void)b, (void)off, (void)n, (void)host;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
@@ -217,6 +228,17 @@ moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights *w) {
 moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out) {
     (void)a, (void)x, (void)T, (void)out;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn_sample *s, int64_t n,
+                                    const mq_gpu_attn_io *io) {
+    (void)a, (void)s, (void)n, (void)io;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+int64_t mq_gpu_attn_rows(const mq_gpu_attn *a) {
+    (void)a;
+    return 0;
 }
 
 #endif

@@ -24,11 +24,15 @@ typedef struct {
     size_t n;                     /* values */
     int fd;
     char *path;                   /* DISK */
+    bool pinned;                  /* RAM, page-locked for the GPU (mq_actbuf_pin) */
 } mq_actbuf;
 
 moeq_status mq_actbuf_init(mq_actbuf *b, mq_act_storage kind, size_t n, const char *path,
                            const char *what);
 void mq_actbuf_free(mq_actbuf *b);
+/* Page-locks a RAM buffer for GPU g (the calibration passes copy every sample to and from it);
+ * anything else, or a refusal, leaves it as it was. */
+void mq_actbuf_pin(mq_actbuf *b, mq_gpu *g);
 /* Sample s's n values: a pointer into the buffer (fp32 kinds) or converted into scratch. */
 const float *mq_actbuf_view(const mq_actbuf *b, size_t off, size_t n, float *scratch);
 /* Writes n values at off (no copy when src already is the buffer's own memory). */
@@ -134,6 +138,7 @@ typedef struct mq_pipe {
     int layers_done;              /* layers finished (this run or before) */
     double since_snapshot;        /* seconds of layers since the last activation snapshot */
     double snapshot_cost;         /* seconds the last one took to write (workdir.c) */
+    struct mq_snap_job *snap_bg;  /* a snapshot being written behind the next layer, or NULL */
     int first_layer;              /* where this run started */
     mq_pipeline_result *res;
     cJSON *manifest;
@@ -174,6 +179,9 @@ moeq_status mq_pipe_gather_samples(mq_pipe *p, mq_actbuf *b, const char *step);
 /* ---- workdir.c ---- */
 moeq_status mq_work_prepare(mq_pipe *p);       /* lock; fresh or resume checks; writer opened */
 moeq_status mq_work_layer_done(mq_pipe *p, int l);   /* manifest (+ activation snapshot) */
+/* The snapshot written behind the last layer: named in the manifest once complete (the end of a
+ * run that stops early, fails or is interrupted). */
+moeq_status mq_work_snapshot_wait(mq_pipe *p);
 /* The activations at the input of a layer from the snapshot the manifest names, if it is good and
  * at most layer l (the layers after it are then replayed): *at = that layer, else 0. */
 moeq_status mq_work_load_boundary(mq_pipe *p, int l, int *at);

@@ -844,13 +844,85 @@ static moeq_status gpu_attention_set(mq_pipe *p, int l) {
     return mq_gpu_attn_set(p->gatt, &w);
 }
 
+/* attention_pass on the GPU: the samples in batches of up to one group of the GPU twin
+ * (mq_gpu_attn_rows tokens), each batch one call. Where the activations are page-locked
+ * (alloc_activations) a sample goes up from them and its results come back into them directly;
+ * otherwise through sc's page-locked rows (Lmax tokens a batch). */
+static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_capture *cap, att_scratch *sc) {
+    const mq_config *c = p->c;
+    const bool moe = p->m->layers[l].is_moe;
+    const int64_t D = c->D, Q = (int64_t)c->n_heads * c->head_dim, Lmax = p->calib.max_len;
+    const int64_t s_lo = p->ranks > 1 ? p->s_lo : 0, s_hi = p->ranks > 1 ? p->s_hi : p->calib.n;
+    /* what follows the attention (below) on the GPU too: only the results come back */
+    const bool keep_xn = pass_a && p->seq && !p->tseq, keep_h = !pass_a || !p->seq;
+    mq_actbuf *hb = out_buf(p);
+    const bool x_direct = p->X.pinned, h_direct = !keep_h || hb->pinned, n_direct = !keep_xn || p->XN.pinned;
+    const bool staged = !x_direct || !h_direct || !n_direct;
+    const int64_t rows_max = staged ? Lmax : mq_gpu_attn_rows(p->gatt);
+    mq_gpu_attn_io io = {.ffn_dev = keep_xn ? p->gffn_xn : keep_h && moe ? p->gffn_h : NULL};
+    if (cap && !cap->store) {   /* the hooks' work done there: Hessian sums on the device */
+        io.hq = cap->qkv->gh;
+        io.ho = cap->o->gh;
+    }
+    int64_t n_max = rows_max < s_hi - s_lo ? rows_max : s_hi - s_lo;
+    mq_gpu_attn_sample *smp = mq_alloc_array((size_t)(n_max > 0 ? n_max : 1), sizeof *smp, "attention samples");
+    if (!smp) return MOEQ_E_NOMEM;
+    moeq_status st = MOEQ_OK;
+    for (int64_t s0 = s_lo, s1; s0 < s_hi && !st; s0 = s1) {
+        if ((st = check_interrupt())) break;
+        double t0 = mq_now(), c0 = mq_cpu_now();
+        int64_t n = 0, rows = 0;
+        for (s1 = s0; s1 < s_hi && rows + p->calib.len[s1] <= rows_max; s1++) {
+            const int64_t T = p->calib.len[s1];
+            const size_t off = (size_t)(s1 * p->LD);
+            float *xt = sc->xt + rows * D, *xn = sc->xn + rows * D;
+            mq_gpu_attn_sample *m = &smp[n++];
+            memset(m, 0, sizeof *m);
+            m->T = T;
+            if (x_direct) {
+                m->x = mq_actbuf_ptr(&p->X, off);
+            } else {
+                mq_copy_floats(xt, mq_actbuf_view(&p->X, off, (size_t)(T * D), xt), (size_t)(T * D));
+                m->x = xt;
+            }
+            if (keep_h) m->y = hb->pinned ? mq_actbuf_ptr(hb, off) : xt;
+            if (keep_xn) m->ffn_in = p->XN.pinned ? mq_actbuf_ptr(&p->XN, off) : xn;
+            if (cap && cap->store) {   /* several ranks: the inputs kept for the Linears' owners */
+                const int64_t at = s1 - s_lo;
+                if (cap->arena_qkv) m->xn = cap->arena_qkv + at * Lmax * D;
+                if (cap->arena_o) m->att = cap->arena_o + at * Lmax * Q;
+            }
+            if (moe && keep_xn) m->sel = sel_of(p->sel_a, p, s1), m->w = wt_of(p->w_a, p, s1);
+            if (moe && keep_h)
+                m->sel = sel_of(pass_a ? p->sel_a : p->sel_b, p, s1), m->w = wt_of(pass_a ? p->w_a : p->w_b, p, s1);
+            m->ffn_dev_off = (int64_t)off;
+            rows += T;
+        }
+        if (io.hq) cap->qkv->h.n += rows;
+        if (io.ho) cap->o->h.n += rows;
+        st = mq_gpu_attn_run_samples(p->gatt, smp, n, &io);
+        for (int64_t i = 0, r = 0; i < n && !st; r += smp[i].T, i++) {   /* the staged results */
+            const size_t off = (size_t)((s0 + i) * p->LD), nv = (size_t)(smp[i].T * D);
+            if (keep_h && !hb->pinned) mq_actbuf_put(hb, off, nv, sc->xt + r * D);
+            if (keep_xn && !p->XN.pinned) mq_actbuf_put(&p->XN, off, nv, sc->xn + r * D);
+        }
+        p->layers[l].forward += mq_now() - t0;
+        p->layers[l].cpu_forward += mq_cpu_now() - c0;
+        p->layers[l].attention += mq_now() - t0;
+        p->layers[l].cpu_attention += mq_cpu_now() - c0;
+        mq_pipe_progress(p, p->mp_units.attention_sample * n * (p->ranks > 1 ? p->ranks : 1));
+    }
+    mq_free(smp);
+    return st;
+}
+
 /* Runs every sample through the layer's attention. capture: pass A (hooks). Where the results go
  * depends on the mode (pipeline.h). */
 static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *cap,
                                   att_scratch *sc) {
-    const mq_config *c = p->c;
+    if (sc->gpu) return attention_pass_gpu(p, l, pass_a, cap, sc);
     const bool moe = p->m->layers[l].is_moe;
-    const int64_t D = c->D;
+    const int64_t D = p->c->D;
     mq_hooks hooks = {on_attention, cap};
     moeq_status st = MOEQ_OK;
     /* several ranks: each runs its share of the samples */
@@ -865,31 +937,10 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
             cap->rows_qkv = cap->rows_o = cap->rows_qb = cap->rows_kvb = 0;
             cap->at = cap->store ? s - s_lo : 0;
         }
-        /* what follows the attention (below) on the GPU too: only the results come back */
         const bool keep_xn = pass_a && p->seq && !p->tseq, keep_h = !pass_a || !p->seq;
-        if (sc->gpu) {   /* the hooks' work done there: Hessian sums on the device, or copies */
-            mq_gpu_attn_out go = {0};
-            if (cap && cap->store) {
-                if (cap->arena_qkv) go.xn = cap->arena_qkv + cap->at * cap->Lmax * D;
-                if (cap->arena_o) go.att = cap->arena_o + cap->at * cap->Lmax * (int64_t)c->n_heads * c->head_dim;
-                cap->rows_qkv = cap->rows_o = T;
-            } else if (cap) {
-                if ((go.hq = cap->qkv->gh)) cap->qkv->h.n += T;
-                if ((go.ho = cap->o->gh)) cap->o->h.n += T;
-            }
-            if (keep_xn) go.ffn_in = sc->xn;
-            go.keep_x = !keep_h;
-            go.ffn_dev = keep_xn ? p->gffn_xn : keep_h && moe ? p->gffn_h : NULL;
-            go.ffn_dev_off = s * p->LD;
-            if (moe && keep_xn) go.sel = sel_of(p->sel_a, p, s), go.w = wt_of(p->w_a, p, s);
-            if (moe && keep_h)
-                go.sel = sel_of(pass_a ? p->sel_a : p->sel_b, p, s), go.w = wt_of(pass_a ? p->w_a : p->w_b, p, s);
-            st = mq_gpu_attn_run(p->gatt, sc->xt, T, &go);
-        } else {
-            st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
-        }
+        st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
         double t1 = mq_now(), c1 = mq_cpu_now();
-        if (!st && cap && !cap->store && !sc->gpu) {   /* each update over the whole pool */
+        if (!st && cap && !cap->store) {   /* each update over the whole pool */
             if (cap->rows_qkv) st = slot_add(cap->qkv, cap->arena_qkv, cap->rows_qkv);
             if (cap->rows_o && !st) st = slot_add(cap->o, cap->arena_o, cap->rows_o);
             if (cap->rows_qb && !st) st = slot_add(cap->qb, cap->arena_qb, cap->rows_qb);
@@ -898,13 +949,12 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         double t2 = mq_now(), c2 = mq_cpu_now();
         if (!st) {
             if (keep_xn) {   /* the FFN input, kept for the experts' Hessians */
-                if (!sc->gpu) mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
+                mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
                 mq_actbuf_put(&p->XN, (size_t)(s * p->LD), (size_t)(T * D), sc->xn);
-                if (moe && !sc->gpu)
-                    mq_moe_route(p->m, l, sc->xn, T, sc->probs, sel_of(p->sel_a, p, s), wt_of(p->w_a, p, s));
+                if (moe) mq_moe_route(p->m, l, sc->xn, T, sc->probs, sel_of(p->sel_a, p, s), wt_of(p->w_a, p, s));
             } else if (keep_h) {   /* h: the next boundary, less the FFN */
                 mq_actbuf_put(out_buf(p), (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
-                if (moe && !sc->gpu) {
+                if (moe) {
                     mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
                     mq_moe_route(p->m, l, sc->xn, T, sc->probs,
                                  sel_of(pass_a ? p->sel_a : p->sel_b, p, s),
@@ -2099,7 +2149,10 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     if (p->gout) {   /* the combined outputs into OUT */
         double t0 = mq_now(), c0 = mq_cpu_now();
         for (int64_t s = 0; s < p->calib.n && !st; s++)
-            st = mq_gpu_buf_read(p->gout, s * p->LD, p->calib.len[s] * p->c->D, mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)));
+            st = mq_gpu_buf_read_async(p->gout, s * p->LD, p->calib.len[s] * p->c->D,
+                                       mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)));
+        moeq_status ss = mq_gpu_sync(p->gpu);   /* also after a failed one: nothing left in flight */
+        if (!st) st = ss;
         p->layers[l].forward += mq_now() - t0;
         p->layers[l].cpu_forward += mq_cpu_now() - c0;
         mq_gpu_buf_free(p->gout);

@@ -287,6 +287,13 @@ moeq_status mq_plan_memory(mq_pipe *p) {
     mp->expert_chunk = z.chunk;
     mp->ffn_other = z.ffn_other;
     mp->peak = z.peak;
+    /* the activation snapshot (workdir.c): a copy written to disk behind the next layer where it
+     * fits beside the rest (one process: several ranks gather theirs to rank 0 in place) */
+    const int64_t copy = p->calib.total * (int64_t)c->D * 4;
+    if (p->ranks <= 1 && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE")) {
+        mp->snapshot_copy = copy;
+        mp->peak += copy;
+    }
     const int64_t SLD4 = p->calib.n * p->calib.max_len * (int64_t)c->D * 4;
     mp->disk_work = 2 * SLD4 + (kind == MQ_ACT_DISK ? (3 + (p->seq && !p->tseq)) * SLD4 : 0);
     /* FLOPs, time and progress units */

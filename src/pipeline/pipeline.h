@@ -105,6 +105,8 @@ typedef struct {
     int64_t attention;             /* a layer's attention weights, Hessians and factors */
     int64_t expert_chunk;          /* one chunk of experts: weights, Hessians, factors, codes */
     int64_t ffn_other;             /* shared expert or dense MLP, block Hessian, batch scratch */
+    int64_t snapshot_copy;         /* the activation snapshot's copy, written behind the next
+                                      layer (0: written in place, the layers wait) */
     int64_t peak;                  /* the largest sum of the above at any stage */
     int32_t chunk;                 /* experts per chunk (0: no routed experts) */
     int32_t n_chunks;              /* chunks per MoE layer */

@@ -47,6 +47,7 @@ static cJSON *plan_json(const mq_mem_plan *mp) {
     cJSON_AddNumberToObject(j, "attention_bytes", (double)mp->attention);
     cJSON_AddNumberToObject(j, "expert_chunk_bytes", (double)mp->expert_chunk);
     cJSON_AddNumberToObject(j, "shared_or_dense_bytes", (double)mp->ffn_other);
+    cJSON_AddNumberToObject(j, "snapshot_copy_bytes", (double)mp->snapshot_copy);
     cJSON_AddNumberToObject(j, "expert_chunk", mp->chunk);
     cJSON_AddNumberToObject(j, "chunks_per_layer", mp->n_chunks);
     cJSON_AddNumberToObject(j, "sample_batch", mp->batch);

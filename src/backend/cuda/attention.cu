@@ -8,14 +8,23 @@
  * The element-wise parts are the CPU's operations in the CPU's order: RMSNorm with the sum of
  * squares in double (vec_ref.c's rmsnorm_ref; only the order of the double sum differs, which
  * changes the rounded fp32 variance almost never), rotate-half RoPE from the host's tables, the
- * softmax with moeq's own expf and an IEEE division. The products are cuBLAS fp32 GEMMs (default
- * math: never TF32) and the softmax sum is a tree, so values differ from OpenBLAS's in the last
- * bits; the GPTQ codes downstream agree with the CPU's except where a value lands within
- * rounding of a decision threshold.
+ * softmax with moeq's own expf and an IEEE division. The projections (q/k/v, o, the router) are
+ * tile_det.cuh's fmaf chains, the scores and P V fp32 cuBLAS GEMMs (default math: never TF32),
+ * and the softmax sum is a tree, so values differ from OpenBLAS's in the last bits; the GPTQ
+ * codes downstream agree with the CPU's except where a value lands within rounding of a decision
+ * threshold.
  *
- * Attention: per KV head, the scores of its group of query heads as one strided batched GEMM
- * (S = scale Q K^T over all T x T, the masked keys then get probability 0), a softmax kernel per
- * row over the visible keys [lo, hi), then out = P V as another batched GEMM.
+ * Samples go through in groups of up to `rows` tokens (mq_gpu_attn_run_samples): one upload, the
+ * row-wise work (norms, projections, RoPE from each row's position, routing, the Hessian sums in
+ * row order) over the whole group, the attention itself sample by sample, one synchronisation.
+ * Every row-wise step is a function of its row alone and the scores are per sample, so a sample's
+ * bits do not depend on the group it went in (a 500-token document alone filled few SMs and paid
+ * some 50 launches and a synchronisation).
+ *
+ * Attention: for each position j within a KV group, the scores of query head g * group + j
+ * against KV head g for every g as one strided batched GEMM (S = scale Q K^T over all T x T, the
+ * masked keys then get probability 0), a softmax kernel per row over the visible keys [lo, hi),
+ * then out = P V as another batched GEMM.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,13 +33,17 @@
 #include <new>
 
 #include "backend/cuda/cuda_internal.cuh"
+#include "backend/cuda/tile_det.cuh"
 #include "backend/cuda/vec_dev.cuh"
 
 namespace {
 
 enum { NORM_THREADS = 256, SOFTMAX_THREADS = 256 };
-/* The scores buffer holds at most this many floats (a group's heads are then done in parts). */
+/* The scores buffer holds at most this many floats (the heads are then done in parts). */
 constexpr int64_t SCORES_FLOATS = (int64_t)1 << 28;
+/* Tokens of a group (at least the longest sample): 16K rows of the row-wise work fill the GPU,
+ * and its buffers take about 1 GB at a hidden size of 2048. MOEQ_GPU_ATTN_ROWS sets it (tests). */
+constexpr int64_t GROUP_ROWS = 16384;
 
 /* out[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))), one block per row; out may be x. */
 __global__ void k_rmsnorm(float *out, const float *x, int64_t rows, int64_t n, const float *w, float eps) {
@@ -65,11 +78,12 @@ __global__ void k_clip(float *x, int64_t n, float lim) {
     }
 }
 
-/* rotate-half RoPE of x [T, nh, hd] at positions 0..T-1 (vec_ref.c's rope_ref). */
-__global__ void k_rope(float *x, int64_t T, int64_t nh, int64_t hd, const float *cs, const float *sn) {
-    const int64_t half = hd / 2, n = T * nh * half;
+/* rotate-half RoPE of x [R, nh, hd], row r at position pos[r] (vec_ref.c's rope_ref). */
+__global__ void k_rope(float *x, int64_t R, int64_t nh, int64_t hd, const int32_t *pos, const float *cs,
+                       const float *sn) {
+    const int64_t half = hd / 2, n = R * nh * half;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t k = i % half, th = i / half, t = th / nh;
+        const int64_t k = i % half, th = i / half, t = pos[th / nh];
         float *v = x + th * hd;
         const float c = cs[t * half + k], s = sn[t * half + k];
         const float a = v[k], b = v[k + half];
@@ -157,7 +171,7 @@ unsigned grid_for(int64_t n) {
 
 }  // namespace
 
-/* MOEQ_GPU_PROFILE=1: each phase's time summed over the runs (the device synchronised at each
+/* MOEQ_GPU_PROFILE=1: each phase's time summed over the groups (the device synchronised at each
  * mark), printed on stderr when the twin is freed. */
 enum { PH_UPLOAD, PH_NORM, PH_QKV, PH_ATTEND, PH_OUT, PH_ROUTE, PH_DOWNLOAD, N_PHASES };
 static const char *const PHASE_NAMES[N_PHASES] = {"upload", "norm+H", "q/k/v", "attend", "o+H", "ffn+route",
@@ -167,15 +181,17 @@ struct mq_gpu_attn {
     mq_gpu *g;
     bool profile;
     double t_mark, phase_s[N_PHASES];
-    int64_t runs;
+    int64_t runs, groups;
     mq_gpu_attn_shape sh;
     int64_t QD, KVD;              /* H * hd, KV * hd */
-    int64_t heads_per_call;       /* query heads whose scores fit the buffer at max_T */
+    int64_t rows;                 /* tokens of a group */
+    int64_t heads_per_call;       /* KV heads whose scores fit the buffer at max_T */
     int64_t window;               /* the current layer's */
     bool has[13];                 /* which optional weights the layer has (biases, q/k norms, router) */
     float *norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *qn, *kn, *fnorm, *router;
-    float *logits, *rw;           /* [max_T, E], [max_T, top_k] */
-    int32_t *rsel;                /* [max_T, top_k] */
+    float *logits, *rw;           /* [rows, E], [rows, top_k] */
+    int32_t *rsel;                /* [rows, top_k] */
+    int32_t *pos, *pos_h;         /* [rows] each row's position in its sample (device; pinned host) */
     float *cos_t, *sin_t;
     float *x, *xn, *q, *k, *v, *att, *y, *S;
 };
@@ -184,8 +200,8 @@ extern "C" void mq_gpu_attn_free(mq_gpu_attn *a) {
     if (!a) return;
     if (a->profile && a->runs > 0)
         for (int i = 0; i < N_PHASES; i++)
-            fprintf(stderr, "gpu attention: %-9s %9.2f ms in %lld runs\n", PHASE_NAMES[i], a->phase_s[i] * 1e3,
-                    (long long)a->runs);
+            fprintf(stderr, "gpu attention: %-9s %9.2f ms in %lld samples, %lld groups\n", PHASE_NAMES[i],
+                    a->phase_s[i] * 1e3, (long long)a->runs, (long long)a->groups);
     cudaSetDevice(a->g->device);
     cudaStreamSynchronize(a->g->stream[0]);
     float *bufs[] = {a->norm, a->wq, a->wk, a->wv, a->wo, a->bq, a->bk, a->bv, a->bo, a->qn, a->kn, a->fnorm,
@@ -193,7 +209,41 @@ extern "C" void mq_gpu_attn_free(mq_gpu_attn *a) {
                      a->y, a->S};
     for (float *p : bufs) mq_cu_free(p);
     mq_cu_free(a->rsel);
+    mq_cu_free(a->pos);
+    if (a->pos_h) cudaFreeHost(a->pos_h);
     delete a;
+}
+
+/* The buffers of a group of a->rows tokens. */
+static moeq_status group_alloc(mq_gpu_attn *a) {
+    const int64_t R = a->rows, D = a->sh.D;
+    moeq_status st = cu_alloc(&a->x, (size_t)(R * D), "attention input");
+    if (!st) st = cu_alloc(&a->xn, (size_t)(R * D), "attention input");
+    if (!st) st = cu_alloc(&a->q, (size_t)(R * a->QD), "queries");
+    if (!st) st = cu_alloc(&a->k, (size_t)(R * a->KVD), "keys");
+    if (!st) st = cu_alloc(&a->v, (size_t)(R * a->KVD), "values");
+    if (!st) st = cu_alloc(&a->att, (size_t)(R * a->QD), "attention output");
+    if (!st) st = cu_alloc(&a->y, (size_t)(R * D), "o_proj output");
+    if (!st) st = cu_alloc(&a->pos, (size_t)R, "token positions");
+    if (!st) st = CU(cudaMallocHost(&a->pos_h, sizeof(int32_t) * (size_t)R));
+    if (!st && a->sh.E > 0 && a->sh.top_k > 0) {
+        st = cu_alloc(&a->logits, (size_t)(R * a->sh.E), "router logits");
+        if (!st) st = cu_alloc(&a->rw, (size_t)(R * a->sh.top_k), "routing weights");
+        if (!st) st = cu_alloc(&a->rsel, (size_t)(R * a->sh.top_k), "routing");
+    }
+    return st;
+}
+
+static void group_free(mq_gpu_attn *a) {
+    float **bufs[] = {&a->x, &a->xn, &a->q, &a->k, &a->v, &a->att, &a->y, &a->logits, &a->rw};
+    for (float **p : bufs) {
+        mq_cu_free(*p);
+        *p = NULL;
+    }
+    mq_cu_free(a->rsel);
+    mq_cu_free(a->pos);
+    if (a->pos_h) cudaFreeHost(a->pos_h);
+    a->rsel = a->pos = a->pos_h = NULL;
 }
 
 extern "C" moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *sh, mq_gpu_attn **out) {
@@ -212,9 +262,12 @@ extern "C" moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *sh, m
     a->profile = getenv("MOEQ_GPU_PROFILE") != NULL;
     a->QD = sh->H * sh->hd;
     a->KVD = sh->KV * sh->hd;
-    const int64_t T = sh->max_T, D = sh->D, group = sh->H / sh->KV, tt = T * T;
-    a->heads_per_call = SCORES_FLOATS / tt < group ? SCORES_FLOATS / tt : group;
+    const int64_t T = sh->max_T, D = sh->D, tt = T * T;
+    a->heads_per_call = SCORES_FLOATS / tt < sh->KV ? SCORES_FLOATS / tt : sh->KV;
     if (a->heads_per_call < 1) a->heads_per_call = 1;
+    const char *env = getenv("MOEQ_GPU_ATTN_ROWS");
+    const int64_t want = env && atoll(env) > 0 ? atoll(env) : GROUP_ROWS;
+    a->rows = want > T ? want : T;
     const size_t half_tab = (size_t)(T * (sh->hd / 2));
     cudaStream_t s = g->stream[0];
     if (!st) st = cu_alloc(&a->norm, (size_t)D, "attention norm");
@@ -230,20 +283,16 @@ extern "C" moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *sh, m
     if (!st) st = cu_alloc(&a->kn, (size_t)a->KVD, "k norm");
     if (!st) st = cu_alloc(&a->cos_t, half_tab, "RoPE table");
     if (!st) st = cu_alloc(&a->sin_t, half_tab, "RoPE table");
-    if (!st) st = cu_alloc(&a->x, (size_t)(T * D), "attention input");
-    if (!st) st = cu_alloc(&a->xn, (size_t)(T * D), "attention input");
-    if (!st) st = cu_alloc(&a->q, (size_t)(T * a->QD), "queries");
-    if (!st) st = cu_alloc(&a->k, (size_t)(T * a->KVD), "keys");
-    if (!st) st = cu_alloc(&a->v, (size_t)(T * a->KVD), "values");
-    if (!st) st = cu_alloc(&a->att, (size_t)(T * a->QD), "attention output");
-    if (!st) st = cu_alloc(&a->y, (size_t)(T * D), "o_proj output");
     if (!st) st = cu_alloc(&a->S, (size_t)(a->heads_per_call * tt), "attention scores");
     if (!st) st = cu_alloc(&a->fnorm, (size_t)D, "FFN norm");
-    if (!st && sh->E > 0 && sh->top_k > 0) {
-        if (!st) st = cu_alloc(&a->router, (size_t)(sh->E * D), "router weight");
-        if (!st) st = cu_alloc(&a->logits, (size_t)(T * sh->E), "router logits");
-        if (!st) st = cu_alloc(&a->rw, (size_t)(T * sh->top_k), "routing weights");
-        if (!st) st = cu_alloc(&a->rsel, (size_t)(T * sh->top_k), "routing");
+    if (!st && sh->E > 0 && sh->top_k > 0) st = cu_alloc(&a->router, (size_t)(sh->E * D), "router weight");
+    if (!st) {
+        st = group_alloc(a);
+        if (st == MOEQ_E_NOMEM && a->rows > T) {   /* short of memory: groups of one sample's length */
+            group_free(a);
+            a->rows = T;
+            st = group_alloc(a);
+        }
     }
     if (!st) st = CU(cudaMemcpyAsync(a->cos_t, sh->rope_cos, half_tab * sizeof(float), cudaMemcpyHostToDevice, s));
     if (!st) st = CU(cudaMemcpyAsync(a->sin_t, sh->rope_sin, half_tab * sizeof(float), cudaMemcpyHostToDevice, s));
@@ -294,33 +343,36 @@ void mark(mq_gpu_attn *a, int phase) {
     a->t_mark = t;
 }
 
-/* y [T, n_out] = x [T, n_in] W^T (+ b), row-major. */
-moeq_status linear(mq_gpu_attn *a, const float *x, int64_t T, const float *W, int64_t n_out, int64_t n_in,
+/* y [R, n_out] = x [R, n_in] W^T (+ b), row-major: each output one fmaf chain (tile_det.cuh), so
+ * a row's values do not depend on the rows beside it. */
+moeq_status linear(mq_gpu_attn *a, const float *x, int64_t R, const float *W, int64_t n_out, int64_t n_in,
                    const float *b, float *y) {
-    const float one = 1.0f, zero = 0.0f;
-    moeq_status st = CUBLAS(cublasSgemm(a->g->blas[0], CUBLAS_OP_T, CUBLAS_OP_N, (int)n_out, (int)T, (int)n_in, &one, W,
-                                        (int)n_in, x, (int)n_in, &zero, y, (int)n_out));
+    cudaStream_t s = a->g->stream[0];
+    mqd::det_launch<false>(s, mqd::det_tile(false, R, n_out, a->g->info.sm_count, a->g->det_tile), R, n_out, n_in,
+                           n_in, x, W, y, n_out);
+    moeq_status st = CU_LAUNCHED("k_det (attention projection)");
     if (!st && b) {
-        k_bias<<<grid_for(T * n_out), 256, 0, a->g->stream[0]>>>(y, b, T, n_out);
+        k_bias<<<grid_for(R * n_out), 256, 0, s>>>(y, b, R, n_out);
         st = CU_LAUNCHED("k_bias");
     }
     return st;
 }
 
-moeq_status attend(mq_gpu_attn *a, int64_t T) {
+/* The attention of one sample of T tokens: q [T, H*hd], k, v [T, KV*hd] -> out [T, H*hd]. */
+moeq_status attend(mq_gpu_attn *a, int64_t T, const float *q, const float *k, const float *v, float *out) {
     const mq_gpu_attn_shape *sh = &a->sh;
     const int64_t hd = sh->hd, group = sh->H / sh->KV, ldq = a->QD, ldk = a->KVD, tt = T * T;
     const float scale = (float)(1.0 / sqrt((double)hd)), one = 1.0f, zero = 0.0f;
     cublasHandle_t h = a->g->blas[0];
     moeq_status st = MOEQ_OK;
-    for (int64_t g = 0; g < sh->KV && !st; g++) {
-        for (int64_t j0 = 0; j0 < group && !st; j0 += a->heads_per_call) {
-            const int nb = (int)(group - j0 < a->heads_per_call ? group - j0 : a->heads_per_call);
-            const int64_t h0 = g * group + j0;
-            /* S_j^T (column-major [T keys, T queries]) = K_g^T-view times Q_h: S[i * T + j] = q_i . k_j */
+    for (int64_t j = 0; j < group && !st; j++) {
+        for (int64_t g0 = 0; g0 < sh->KV && !st; g0 += a->heads_per_call) {
+            const int nb = (int)(sh->KV - g0 < a->heads_per_call ? sh->KV - g0 : a->heads_per_call);
+            const int64_t h0 = g0 * group + j;   /* query heads h0, h0 + group, ... against KV heads g0, g0 + 1, ... */
+            /* S_b^T (column-major [T keys, T queries]) = K_g^T-view times Q_h: S[i * T + j] = q_i . k_j */
             st = CUBLAS(cublasSgemmStridedBatched(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)T, (int)T, (int)hd, &scale,
-                                                  a->k + g * hd, (int)ldk, 0, a->q + h0 * hd, (int)ldq, hd, &zero,
-                                                  a->S, (int)T, tt, nb));
+                                                  k + g0 * hd, (int)ldk, hd, q + h0 * hd, (int)ldq, group * hd,
+                                                  &zero, a->S, (int)T, tt, nb));
             if (!st) {
                 k_softmax_causal<<<dim3((unsigned)T, (unsigned)nb), SOFTMAX_THREADS, 0, a->g->stream[0]>>>(a->S, T, a->window);
                 st = CU_LAUNCHED("k_softmax_causal");
@@ -328,100 +380,161 @@ moeq_status attend(mq_gpu_attn *a, int64_t T) {
             /* out_h [T, hd] (row-major, ld H*hd) = P_h V_g */
             if (!st)
                 st = CUBLAS(cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hd, (int)T, (int)T, &one,
-                                                      a->v + g * hd, (int)ldk, 0, a->S, (int)T, tt, &zero,
-                                                      a->att + h0 * hd, (int)ldq, hd, nb));
+                                                      v + g0 * hd, (int)ldk, hd, a->S, (int)T, tt, &zero,
+                                                      out + h0 * hd, (int)ldq, group * hd, nb));
         }
     }
     return st;
 }
 
-}  // namespace
-
-extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out) {
+/* Samples [i0, i1) of s, R tokens, through the layer (see mq_gpu_attn_run_samples). */
+moeq_status run_group(mq_gpu_attn *a, const mq_gpu_attn_sample *smp, int64_t i0, int64_t i1, int64_t R,
+                      const mq_gpu_attn_io *io) {
     const mq_gpu_attn_shape *sh = &a->sh;
-    mq_gpu_hessians *hq = out->hq, *ho = out->ho;
-    float *xn = out->xn, *att = out->att;
-    const bool route = out->sel || out->w;
-    if (((out->ffn_in || out->ffn_dev || route) && !a->has[11]) || (route && !a->has[12]))
-        return mq_err(MOEQ_E_ARG, "GPU attention: the FFN input or routing of a layer without %s",
-                      !a->has[11] ? "an FFN norm" : "a router");
-    if (T <= 0) return MOEQ_OK;
-    if (T > sh->max_T)
-        return mq_err(MOEQ_E_ARG, "GPU attention: %lld tokens, made for %lld", (long long)T, (long long)sh->max_T);
-    const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd;
+    const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd, K = sh->top_k;
     cudaStream_t s = a->g->stream[0];
-    moeq_status st = CU(cudaSetDevice(a->g->device));
+    moeq_status st = MOEQ_OK;
+    bool route = false, ffn = io->ffn_dev != NULL;
+    for (int64_t i = i0; i < i1; i++) {
+        route |= smp[i].sel || smp[i].w;
+        ffn |= smp[i].ffn_in || smp[i].sel || smp[i].w;
+    }
     mark(a, -1);
-    if (!st) st = CU(cudaMemcpyAsync(a->x, x, (size_t)(T * D) * sizeof(float), cudaMemcpyHostToDevice, s));
+    for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++) {
+        for (int64_t t = 0; t < smp[i].T; t++) a->pos_h[r + t] = (int32_t)t;
+        st = CU(cudaMemcpyAsync(a->x + r * D, smp[i].x, (size_t)(smp[i].T * D) * sizeof(float), cudaMemcpyHostToDevice, s));
+    }
+    if (!st) st = CU(cudaMemcpyAsync(a->pos, a->pos_h, (size_t)R * sizeof(int32_t), cudaMemcpyHostToDevice, s));
     mark(a, PH_UPLOAD);
     if (!st) {
-        k_rmsnorm<<<(unsigned)T, NORM_THREADS, 0, s>>>(a->xn, a->x, T, D, a->norm, sh->eps);
+        k_rmsnorm<<<(unsigned)R, NORM_THREADS, 0, s>>>(a->xn, a->x, R, D, a->norm, sh->eps);
         st = CU_LAUNCHED("k_rmsnorm");
     }
-    if (!st && hq) st = mq_gpu_hessians_add_device(hq, 0, a->xn, T, s);
-    if (!st && xn) st = CU(cudaMemcpyAsync(xn, a->xn, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    if (!st && io->hq) st = mq_gpu_hessians_add_device(io->hq, 0, a->xn, R, s);
+    for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++)
+        if (smp[i].xn)
+            st = CU(cudaMemcpyAsync(smp[i].xn, a->xn + r * D, (size_t)(smp[i].T * D) * sizeof(float),
+                                    cudaMemcpyDeviceToHost, s));
     mark(a, PH_NORM);
-    if (!st) st = linear(a, a->xn, T, a->wq, QD, D, a->has[5] ? a->bq : NULL, a->q);
-    if (!st) st = linear(a, a->xn, T, a->wk, KVD, D, a->has[6] ? a->bk : NULL, a->k);
-    if (!st) st = linear(a, a->xn, T, a->wv, KVD, D, a->has[7] ? a->bv : NULL, a->v);
+    if (!st) st = linear(a, a->xn, R, a->wq, QD, D, a->has[5] ? a->bq : NULL, a->q);
+    if (!st) st = linear(a, a->xn, R, a->wk, KVD, D, a->has[6] ? a->bk : NULL, a->k);
+    if (!st) st = linear(a, a->xn, R, a->wv, KVD, D, a->has[7] ? a->bv : NULL, a->v);
     if (!st && sh->qk_norm) {
         const bool full = sh->qk_norm == 1;
-        k_rmsnorm<<<(unsigned)(full ? T : T * sh->H), NORM_THREADS, 0, s>>>(a->q, a->q, full ? T : T * sh->H,
+        k_rmsnorm<<<(unsigned)(full ? R : R * sh->H), NORM_THREADS, 0, s>>>(a->q, a->q, full ? R : R * sh->H,
                                                                            full ? QD : hd, a->qn, sh->eps);
-        k_rmsnorm<<<(unsigned)(full ? T : T * sh->KV), NORM_THREADS, 0, s>>>(a->k, a->k, full ? T : T * sh->KV,
+        k_rmsnorm<<<(unsigned)(full ? R : R * sh->KV), NORM_THREADS, 0, s>>>(a->k, a->k, full ? R : R * sh->KV,
                                                                             full ? KVD : hd, a->kn, sh->eps);
         st = CU_LAUNCHED("k_rmsnorm");
     }
     if (!st && sh->clip_qkv > 0) {
-        k_clip<<<grid_for(T * QD), 256, 0, s>>>(a->q, T * QD, sh->clip_qkv);
-        k_clip<<<grid_for(T * KVD), 256, 0, s>>>(a->k, T * KVD, sh->clip_qkv);
-        k_clip<<<grid_for(T * KVD), 256, 0, s>>>(a->v, T * KVD, sh->clip_qkv);
+        k_clip<<<grid_for(R * QD), 256, 0, s>>>(a->q, R * QD, sh->clip_qkv);
+        k_clip<<<grid_for(R * KVD), 256, 0, s>>>(a->k, R * KVD, sh->clip_qkv);
+        k_clip<<<grid_for(R * KVD), 256, 0, s>>>(a->v, R * KVD, sh->clip_qkv);
         st = CU_LAUNCHED("k_clip");
     }
     if (!st) {
-        k_rope<<<grid_for(T * QD / 2), 256, 0, s>>>(a->q, T, sh->H, hd, a->cos_t, a->sin_t);
-        k_rope<<<grid_for(T * KVD / 2), 256, 0, s>>>(a->k, T, sh->KV, hd, a->cos_t, a->sin_t);
+        k_rope<<<grid_for(R * QD / 2), 256, 0, s>>>(a->q, R, sh->H, hd, a->pos, a->cos_t, a->sin_t);
+        k_rope<<<grid_for(R * KVD / 2), 256, 0, s>>>(a->k, R, sh->KV, hd, a->pos, a->cos_t, a->sin_t);
         st = CU_LAUNCHED("k_rope");
     }
     mark(a, PH_QKV);
-    if (!st) st = attend(a, T);
+    for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++)
+        st = attend(a, smp[i].T, a->q + r * QD, a->k + r * KVD, a->v + r * KVD, a->att + r * QD);
     mark(a, PH_ATTEND);
-    if (!st && ho) st = mq_gpu_hessians_add_device(ho, 0, a->att, T, s);
-    if (!st && att) st = CU(cudaMemcpyAsync(att, a->att, (size_t)(T * QD) * sizeof(float), cudaMemcpyDeviceToHost, s));
-    if (!st) st = linear(a, a->att, T, a->wo, D, QD, a->has[8] ? a->bo : NULL, a->y);
+    if (!st && io->ho) st = mq_gpu_hessians_add_device(io->ho, 0, a->att, R, s);
+    for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++)
+        if (smp[i].att)
+            st = CU(cudaMemcpyAsync(smp[i].att, a->att + r * QD, (size_t)(smp[i].T * QD) * sizeof(float),
+                                    cudaMemcpyDeviceToHost, s));
+    if (!st) st = linear(a, a->att, R, a->wo, D, QD, a->has[8] ? a->bo : NULL, a->y);
     if (!st) {
-        k_add<<<grid_for(T * D), 256, 0, s>>>(a->x, a->y, T * D);
+        k_add<<<grid_for(R * D), 256, 0, s>>>(a->x, a->y, R * D);
         st = CU_LAUNCHED("k_add");
     }
     mark(a, PH_OUT);
-    if (!st && (out->ffn_in || out->ffn_dev || route)) {   /* the FFN input into xn (no longer needed) */
-        k_rmsnorm<<<(unsigned)T, NORM_THREADS, 0, s>>>(a->xn, a->x, T, D, a->fnorm, sh->eps);
+    if (!st && ffn) {   /* the FFN input into xn (no longer needed) */
+        k_rmsnorm<<<(unsigned)R, NORM_THREADS, 0, s>>>(a->xn, a->x, R, D, a->fnorm, sh->eps);
         st = CU_LAUNCHED("k_rmsnorm");
     }
-    if (!st && route) st = linear(a, a->xn, T, a->router, sh->E, D, NULL, a->logits);
+    if (!st && route) st = linear(a, a->xn, R, a->router, sh->E, D, NULL, a->logits);
     if (!st && route) {
-        k_route_softmax<<<(unsigned)((T + 127) / 128), 128, 0, s>>>(a->logits, T, sh->E, sh->top_k, sh->norm_topk,
+        k_route_softmax<<<(unsigned)((R + 127) / 128), 128, 0, s>>>(a->logits, R, sh->E, K, sh->norm_topk,
                                                                      a->rsel, a->rw);
         st = CU_LAUNCHED("k_route_softmax");
     }
-    if (!st && out->ffn_dev) {   /* the FFN input kept on the device for the experts */
+    if (!st && io->ffn_dev) {   /* the FFN input kept on the device for the experts */
         int64_t n = 0;
-        float *d = mq_gpu_buf_device(out->ffn_dev, &n);
-        if (out->ffn_dev_off < 0 || out->ffn_dev_off + T * D > n)
-            st = mq_err(MOEQ_E_ARG, "GPU attention: FFN input at %lld past a buffer of %lld", (long long)out->ffn_dev_off,
-                        (long long)n);
-        if (!st) st = CU(cudaMemcpyAsync(d + out->ffn_dev_off, a->xn, (size_t)(T * D) * sizeof(float),
-                                         cudaMemcpyDeviceToDevice, s));
+        float *d = mq_gpu_buf_device(io->ffn_dev, &n);
+        for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++)
+            st = CU(cudaMemcpyAsync(d + smp[i].ffn_dev_off, a->xn + r * D, (size_t)(smp[i].T * D) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, s));
     }
     mark(a, PH_ROUTE);
-    const size_t tk = (size_t)(T * sh->top_k);
-    if (!st && out->ffn_in)
-        st = CU(cudaMemcpyAsync(out->ffn_in, a->xn, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
-    if (!st && out->sel) st = CU(cudaMemcpyAsync(out->sel, a->rsel, tk * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
-    if (!st && out->w) st = CU(cudaMemcpyAsync(out->w, a->rw, tk * sizeof(float), cudaMemcpyDeviceToHost, s));
-    if (!st && !out->keep_x) st = CU(cudaMemcpyAsync(x, a->x, (size_t)(T * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
+    for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++) {
+        const mq_gpu_attn_sample *m = &smp[i];
+        const size_t tk = (size_t)(m->T * K), td = (size_t)(m->T * D);
+        if (m->ffn_in) st = CU(cudaMemcpyAsync(m->ffn_in, a->xn + r * D, td * sizeof(float), cudaMemcpyDeviceToHost, s));
+        if (!st && m->sel)
+            st = CU(cudaMemcpyAsync(m->sel, a->rsel + r * K, tk * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+        if (!st && m->w) st = CU(cudaMemcpyAsync(m->w, a->rw + r * K, tk * sizeof(float), cudaMemcpyDeviceToHost, s));
+        if (!st && m->y) st = CU(cudaMemcpyAsync(m->y, a->x + r * D, td * sizeof(float), cudaMemcpyDeviceToHost, s));
+    }
     if (!st) st = CU(cudaStreamSynchronize(s));
     mark(a, PH_DOWNLOAD);
-    a->runs++;
+    a->runs += i1 - i0;
+    a->groups++;
     return st;
+}
+
+}  // namespace
+
+extern "C" int64_t mq_gpu_attn_rows(const mq_gpu_attn *a) { return a->rows; }
+
+extern "C" moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn_sample *smp, int64_t n,
+                                               const mq_gpu_attn_io *io) {
+    const mq_gpu_attn_shape *sh = &a->sh;
+    const int64_t D = sh->D;
+    int64_t nbuf = 0;
+    if (io->ffn_dev) mq_gpu_buf_device(io->ffn_dev, &nbuf);
+    for (int64_t i = 0; i < n; i++) {   /* everything checked before anything runs */
+        const mq_gpu_attn_sample *m = &smp[i];
+        if (m->T <= 0 || m->T > sh->max_T)
+            return mq_err(MOEQ_E_ARG, "GPU attention: sample %lld has %lld tokens, made for 1..%lld", (long long)i,
+                          (long long)m->T, (long long)sh->max_T);
+        if (((m->ffn_in || io->ffn_dev || m->sel || m->w) && !a->has[11]) || ((m->sel || m->w) && !a->has[12]))
+            return mq_err(MOEQ_E_ARG, "GPU attention: the FFN input or routing of a layer without %s",
+                          !a->has[11] ? "an FFN norm" : "a router");
+        if (io->ffn_dev && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nbuf))
+            return mq_err(MOEQ_E_ARG, "GPU attention: FFN input at %lld past a buffer of %lld",
+                          (long long)m->ffn_dev_off, (long long)nbuf);
+    }
+    moeq_status st = CU(cudaSetDevice(a->g->device));
+    for (int64_t i0 = 0; i0 < n && !st;) {   /* groups of whole samples up to a->rows tokens */
+        int64_t i1 = i0, R = 0;
+        while (i1 < n && R + smp[i1].T <= a->rows) R += smp[i1++].T;
+        st = run_group(a, smp, i0, i1, R, io);
+        i0 = i1;
+    }
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out) {
+    if (T <= 0) return MOEQ_OK;
+    mq_gpu_attn_sample smp;
+    memset(&smp, 0, sizeof smp);
+    smp.x = x;
+    smp.y = out->keep_x ? NULL : x;
+    smp.T = T;
+    smp.xn = out->xn;
+    smp.att = out->att;
+    smp.ffn_in = out->ffn_in;
+    smp.sel = out->sel;
+    smp.w = out->w;
+    smp.ffn_dev_off = out->ffn_dev_off;
+    mq_gpu_attn_io io;
+    io.hq = out->hq;
+    io.ho = out->ho;
+    io.ffn_dev = out->ffn_dev;
+    return mq_gpu_attn_run_samples(a, &smp, 1, &io);
 }

@@ -157,6 +157,19 @@ extern "C" void mq_gpu_host_free(void *p) {
     if (p) cudaFreeHost(p);
 }
 
+extern "C" bool mq_gpu_host_register(mq_gpu *g, void *p, size_t bytes) {
+    if (!g || !p || !bytes || cudaSetDevice(g->device) != cudaSuccess) return false;
+    if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) != cudaSuccess) {
+        cudaGetLastError();   /* not sticky: the memory stays pageable */
+        return false;
+    }
+    return true;
+}
+
+extern "C" void mq_gpu_host_unregister(void *p) {
+    if (p) cudaHostUnregister(p);
+}
+
 extern "C" moeq_status mq_gpu_sync(mq_gpu *g) {
     moeq_status st = CU(cudaSetDevice(g->device));
     if (!st) st = CU(cudaDeviceSynchronize());

@@ -453,12 +453,17 @@ extern "C" void mq_gpu_buf_free(mq_gpu_buf *b) {
     delete b;
 }
 
-extern "C" moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host) {
+extern "C" moeq_status mq_gpu_buf_read_async(mq_gpu_buf *b, int64_t off, int64_t n, float *host) {
     if (off < 0 || n < 0 || off + n > b->n)
         return mq_err(MOEQ_E_ARG, "GPU buffer: values %lld..%lld of %lld", (long long)off, (long long)(off + n),
                       (long long)b->n);
     moeq_status st = CU(cudaSetDevice(b->g->device));
     if (!st) st = CU(cudaMemcpyAsync(host, b->d + off, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost, b->g->stream[0]));
+    return st;
+}
+
+extern "C" moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host) {
+    moeq_status st = mq_gpu_buf_read_async(b, off, n, host);
     if (!st) st = CU(cudaStreamSynchronize(b->g->stream[0]));
     return st;
 }
