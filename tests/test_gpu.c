@@ -674,6 +674,23 @@ static float *cpu_hessian(const float *x, int64_t n, int64_t K) {
     return H;
 }
 
+/* The GPU twin's shape and weights for layer `layer` of m (samples of up to max_T tokens). */
+static void attn_twin_of(const moeq_model *m, mq_state *st, int layer, int64_t max_T, int64_t window,
+                         mq_gpu_attn_shape *sh, mq_gpu_attn_weights *w) {
+    const mq_config *c = &m->cfg;
+    const mq_layer *ly = &m->layers[layer];
+    *sh = (mq_gpu_attn_shape){.D = c->D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim, .max_T = max_T,
+                              .eps = c->rms_eps,
+                              .qk_norm = c->qk_norm == MQ_QKNORM_FULL ? 1 : c->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
+                              .clip_qkv = c->clip_qkv, .E = c->n_experts, .top_k = c->top_k,
+                              .norm_topk = c->norm_topk_prob};
+    mq_state_rope_tables(st, &sh->rope_cos, &sh->rope_sin);
+    *w = (mq_gpu_attn_weights){.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
+                               .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias,
+                               .o_bias = ly->o.bias, .q_norm = ly->q_norm, .k_norm = ly->k_norm, .window = window,
+                               .ffn_norm = ly->ffn_norm, .router = ly->is_moe ? ly->router : NULL};
+}
+
 /* One layer of a fixture through mq_attention_forward and through the GPU twin, from the same
  * input: the output, the hooks' inputs (also as copies) and the Hessian sums of both must agree.
  * Tolerances: the norms and RoPE are the CPU's operations, so the q/k/v input agrees to the
@@ -709,16 +726,9 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
     ASSERT_TRUE(hk.qkv && hk.o);
 
     const mq_layer *ly = &m->layers[layer];
-    mq_gpu_attn_shape sh = {.D = D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim, .max_T = T,
-                            .eps = c->rms_eps,
-                            .qk_norm = c->qk_norm == MQ_QKNORM_FULL ? 1 : c->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
-                            .clip_qkv = c->clip_qkv, .E = c->n_experts, .top_k = c->top_k,
-                            .norm_topk = c->norm_topk_prob};
-    mq_state_rope_tables(st, &sh.rope_cos, &sh.rope_sin);
-    mq_gpu_attn_weights w = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
-                             .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias, .o_bias = ly->o.bias,
-                             .q_norm = ly->q_norm, .k_norm = ly->k_norm, .window = window,
-                             .ffn_norm = ly->ffn_norm, .router = ly->is_moe ? ly->router : NULL};
+    mq_gpu_attn_shape sh;
+    mq_gpu_attn_weights w;
+    attn_twin_of(m, st, layer, T, window, &sh, &w);
     mq_gpu_attn *a = NULL;
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_new(g, &sh, &a));
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_set(a, &w));
@@ -846,17 +856,9 @@ static void attention_groups_case(mq_gpu *g, const char *dir, int layer) {
     for (int64_t i = 0; i < tot * D; i++) x0[i] *= 30.0f;
     mq_state *st = NULL;
     ASSERT_EQ_INT(MOEQ_OK, mq_state_new(m, (int32_t)Tm, &st));
-    const mq_layer *ly = &m->layers[layer];
-    mq_gpu_attn_shape sh = {.D = D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim, .max_T = Tm,
-                            .eps = c->rms_eps,
-                            .qk_norm = c->qk_norm == MQ_QKNORM_FULL ? 1 : c->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
-                            .clip_qkv = c->clip_qkv, .E = c->n_experts, .top_k = c->top_k,
-                            .norm_topk = c->norm_topk_prob};
-    mq_state_rope_tables(st, &sh.rope_cos, &sh.rope_sin);
-    mq_gpu_attn_weights w = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
-                             .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias, .o_bias = ly->o.bias,
-                             .q_norm = ly->q_norm, .k_norm = ly->k_norm, .ffn_norm = ly->ffn_norm,
-                             .router = ly->is_moe ? ly->router : NULL};
+    mq_gpu_attn_shape sh;
+    mq_gpu_attn_weights w;
+    attn_twin_of(m, st, layer, Tm, 0, &sh, &w);
     setenv("MOEQ_GPU_ATTN_ROWS", "200", 1);
     mq_gpu_attn *a = NULL;
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_new(g, &sh, &a));

@@ -408,6 +408,38 @@ static void corrupt_tensor(const char *dir, const char *name) {
     ASSERT_TRUE(done);
 }
 
+/* Snapshots after every second layer (MOEQ_SNAPSHOT_EVERY=2; in_place: MOEQ_SNAPSHOT_IN_PLACE,
+ * else written behind the next layer), interrupted after `stop` layers: the work directory holds
+ * acts-2.bin and no other snapshot; the resume continues after `stop` layers, replays `replays`
+ * of them from that snapshot and gives base's checkpoint. */
+static void every_second_snapshot(const char *model, const char *base, const char *out, const mq_pipeline_opts *o0,
+                                  int stop, bool in_place, int replays) {
+    char work[1200], path[1300];
+    snprintf(work, sizeof work, "%s.moeq-work", out);
+    mq_pipeline_opts o = *o0;
+    mq_pipeline_result r;
+    o.resume = false;
+    setenv("MOEQ_SNAPSHOT_EVERY", "2", 1);
+    if (in_place) setenv("MOEQ_SNAPSHOT_IN_PLACE", "1", 1);
+    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, stop));
+    unsetenv("MOEQ_SNAPSHOT_EVERY");
+    for (int l = 1; l <= 3; l++) {
+        snprintf(path, sizeof path, "%s/acts-%d.bin", work, l);
+        if (mq_file_exists(path) != (l == 2)) FAIL("%s: %s after %d layers", path, l == 2 ? "missing" : "present", stop);
+    }
+    o.resume = true;
+    g_replays = g_replays_from_snapshot = 0;
+    moeq_set_log(replay_log, NULL);
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    moeq_set_log(NULL, NULL);
+    unsetenv("MOEQ_SNAPSHOT_IN_PLACE");
+    ASSERT_EQ_INT(stop, r.layers_resumed);
+    ASSERT_EQ_INT(replays, g_replays);
+    ASSERT_EQ_INT(replays, g_replays_from_snapshot);
+    same_checkpoint(base, out);
+    mq_remove_tree(out);
+}
+
 static void test_resume(void) {
     const char *model = mq_test_model("olmoe-tiny");
     const char *dir = mq_test_tmpdir();
@@ -471,64 +503,14 @@ static void test_resume(void) {
      * fifth of a layer): interrupted after three layers, the manifest names the one at the input
      * of layer 3 (the one at layer 2's was not written); the resume replays layer 3 from it,
      * only that one, and gives the same checkpoint */
-    o.resume = false;
-    setenv("MOEQ_SNAPSHOT_EVERY", "2", 1);
-    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 3));
-    unsetenv("MOEQ_SNAPSHOT_EVERY");
-    snprintf(path, sizeof path, "%s/acts-2.bin", work);
-    ASSERT_TRUE(mq_file_exists(path));
-    snprintf(path, sizeof path, "%s/acts-1.bin", work);
-    ASSERT_FALSE(mq_file_exists(path));
-    snprintf(path, sizeof path, "%s/acts-3.bin", work);
-    ASSERT_FALSE(mq_file_exists(path));
-    o.resume = true;
-    g_replays = g_replays_from_snapshot = 0;
-    moeq_set_log(replay_log, NULL);
-    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
-    moeq_set_log(NULL, NULL);
-    ASSERT_EQ_INT(3, r.layers_resumed);
-    ASSERT_EQ_INT(1, g_replays);
-    ASSERT_EQ_INT(1, g_replays_from_snapshot);
-    same_checkpoint(base, out);
-    mq_remove_tree(out);
-
+    every_second_snapshot(model, base, out, &o, 3, false, 1);
     /* the same written in place (where the plan has no room for the copy written behind the
      * next layer): the same files, the same replay */
-    o.resume = false;
-    setenv("MOEQ_SNAPSHOT_EVERY", "2", 1);
-    setenv("MOEQ_SNAPSHOT_IN_PLACE", "1", 1);
-    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 3));
-    unsetenv("MOEQ_SNAPSHOT_EVERY");
-    snprintf(path, sizeof path, "%s/acts-2.bin", work);
-    ASSERT_TRUE(mq_file_exists(path));
-    o.resume = true;
-    g_replays = g_replays_from_snapshot = 0;
-    moeq_set_log(replay_log, NULL);
-    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
-    moeq_set_log(NULL, NULL);
-    unsetenv("MOEQ_SNAPSHOT_IN_PLACE");
-    ASSERT_EQ_INT(1, g_replays);
-    ASSERT_EQ_INT(1, g_replays_from_snapshot);
-    same_checkpoint(base, out);
-    mq_remove_tree(out);
-
+    every_second_snapshot(model, base, out, &o, 3, true, 1);
     /* interrupted after two layers, while the snapshot at the input of layer 3 is written behind
      * the next one: the stop waits for it and the manifest names it, so the resume replays
      * nothing */
-    o.resume = false;
-    setenv("MOEQ_SNAPSHOT_EVERY", "2", 1);
-    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 2));
-    unsetenv("MOEQ_SNAPSHOT_EVERY");
-    snprintf(path, sizeof path, "%s/acts-2.bin", work);
-    ASSERT_TRUE(mq_file_exists(path));
-    o.resume = true;
-    g_replays = g_replays_from_snapshot = 0;
-    moeq_set_log(replay_log, NULL);
-    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
-    moeq_set_log(NULL, NULL);
-    ASSERT_EQ_INT(2, r.layers_resumed);
-    ASSERT_EQ_INT(0, g_replays);
-    same_checkpoint(base, out);
+    every_second_snapshot(model, base, out, &o, 2, false, 0);
 
     /* RTN resumes the same way */
     mq_pipeline_opts ro;

@@ -788,7 +788,7 @@ static moeq_status layer_done(mq_pipe *p, int l) {
     /* the snapshot written behind this layer, named now (it was taken before this layer ran) */
     if ((s = snap_finish(p))) return s;
     const bool due = p->calibrate && l + 1 < p->plan.n_layers && snapshot_due(p, l);
-    const bool behind = due && p->mp.snapshot_copy > 0 && !getenv("MOEQ_SNAPSHOT_IN_PLACE");
+    const bool behind = due && p->mp.snapshot_copy > 0;   /* the plan had room for the copy */
     const bool snapshot = due && !behind;
     const int old = boundary_layer(p);
     uint32_t crc = 0;
