@@ -538,6 +538,10 @@ typedef struct {
                                       GPTQ's factorisations and column loops on that GPU (a
                                       build with -DMOEQ_CUDA=ON); the codes agree with the
                                       CPU's but for weights within rounding of a threshold */
+    int gpu_tf32;                  /* --gpu-tf32: with a device, its products and Hessian sums on
+                                      TF32 tensor cores (10-bit mantissas, fp32 sums): faster,
+                                      deterministic from run to run on one GPU, not the fp32
+                                      run's bits; 0 (default): fp32 throughout */
     struct {                       /* GPTQ only (method MOEQ_QUANT_GPTQ) */
         int64_t nsamples;          /* --nsamples: calibration samples (default 128) */
         int64_t seqlen;            /* --seqlen: tokens per sample, >= 2 (default 512) */

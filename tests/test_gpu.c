@@ -999,6 +999,88 @@ static void test_mlp_rows_hessians(void) {
     mq_gpu_close(g);
 }
 
+/* The TF32 mode (mq_gpu_set_tf32): an expert's products and Hessian sums on tensor cores, each
+ * value within what its inputs' conversion allows. TF32 keeps 10 of fp32's 23 mantissa bits, so
+ * a converted input (rounded or truncated) is within 2^-10 of itself, relative; a product of two
+ * within 2^-9 + 2^-20; the fp32 sum of k of them (the tensor cores may truncate its additions)
+ * adds at most k 2^-23 of the sum of their magnitudes. So |got - exact| <= (2^-9 + 2^-20 +
+ * k 2^-23) sum |a_i b_i|, with exact and that sum in double (the Hessian's 2/n, a rounded float,
+ * and its product add 2^-23). The same call again gives the same bits, and the mode off again
+ * gives the CPU's fmaf chains (mq_mlp_forward). */
+static double tf32_excess(double got, double exact, double mag, int64_t k, double extra) {
+    const double bound = (0x1p-9 + 0x1p-20 + (double)k * 0x1p-23 + extra) * mag;
+    return fabs(got - exact) - bound;   /* > 0: outside */
+}
+
+static void test_tf32_products(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t D = 96, F = 160, n = 75;
+    mq_linear gate = {.out = F, .in = D, .w = make_weights(F, D, 81), .det = true};
+    mq_linear up = {.out = F, .in = D, .w = make_weights(F, D, 82), .det = true};
+    mq_linear down = {.out = D, .in = F, .w = make_weights(D, F, 83), .det = true};
+    float *x = make_weights(n, D, 84);
+    for (int64_t i = 0; i < n * D; i++) x[i] *= 50;
+    const float *pg[1] = {gate.w}, *pu[1] = {up.w}, *pd[1] = {down.w};
+    const int64_t Ks[2] = {D, F};
+    float *hg[2], *hu[2], *y[2], *Hx[2];
+    for (int r = 0; r < 2; r++) {   /* the same call twice */
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_set_tf32(g, true));
+        mq_gpu_mlp *m = NULL;
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, 1, D, F, pg, pu, pd, 32, &m));
+        mq_gpu_hessians *hx = NULL, *hd = NULL;
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[0], &hx));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_new(g, 1, &Ks[1], &hd));
+        hg[r] = malloc((size_t)(n * F) * 4), hu[r] = malloc((size_t)(n * F) * 4), y[r] = malloc((size_t)(n * D) * 4);
+        Hx[r] = malloc((size_t)(D * D) * 4);
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, 0, x, n, hg[r], hu[r], y[r], hx, hd));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_hessians_get(hx, 0, Hx[r], NULL));
+        mq_gpu_hessians_free(hx), mq_gpu_hessians_free(hd);
+        mq_gpu_mlp_free(m);
+    }
+    /* the up product (before any activation) and the input's Hessian against their exact values */
+    double worst_u = -1e300, worst_h = -1e300;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t f = 0; f < F; f++) {
+            double ex = 0, mag = 0;
+            for (int64_t d = 0; d < D; d++) {
+                const double t = (double)x[i * D + d] * up.w[f * D + d];
+                ex += t, mag += fabs(t);
+            }
+            worst_u = fmax(worst_u, tf32_excess(hu[0][i * F + f], ex, mag, D, 0));
+        }
+    for (int64_t a = 0; a < D; a++)
+        for (int64_t b = 0; b < D; b++) {
+            double ex = 0, mag = 0;
+            for (int64_t r = 0; r < n; r++) {
+                const double t = (double)x[r * D + a] * x[r * D + b];
+                ex += t, mag += fabs(t);
+            }
+            const double sc = 2.0 / (double)n;
+            worst_h = fmax(worst_h, tf32_excess(Hx[0][a * D + b], sc * ex, sc * mag, n, 0x1p-23));
+        }
+    printf("  TF32: the up product and the input's Hessian within their bounds (worst excess %.3g, %.3g; <= 0)\n",
+           worst_u, worst_h);
+    if (worst_u > 0 || worst_h > 0) FAIL("TF32 products outside the bound of their inputs' conversion");
+    int64_t diff = 0;
+    for (int64_t i = 0; i < n * F; i++) diff += !same_float(hg[0][i], hg[1][i]) + !same_float(hu[0][i], hu[1][i]);
+    for (int64_t i = 0; i < n * D; i++) diff += !same_float(y[0][i], y[1][i]);
+    for (int64_t i = 0; i < D * D; i++) diff += !same_float(Hx[0][i], Hx[1][i]);
+    if (diff) FAIL("TF32: %lld values differ from one run to the next", (long long)diff);
+    /* off again: the fp32 chains, the CPU's bits */
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_set_tf32(g, false));
+    float *cg = malloc((size_t)(n * F) * 4), *cu = malloc((size_t)(n * F) * 4), *cy = malloc((size_t)(n * D) * 4);
+    ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate, &up, &down, x, n, cg, cu, cy));
+    mq_gpu_mlp *m = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, 1, D, F, pg, pu, pd, 32, &m));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, 0, x, n, hg[1], hu[1], y[1], NULL, NULL));
+    for (int64_t i = 0; i < n * D; i++) diff += !same_float(y[1][i], cy[i]);
+    if (diff) FAIL("fp32 again after TF32: %lld outputs differ from mq_mlp_forward", (long long)diff);
+    mq_gpu_mlp_free(m);
+    for (int r = 0; r < 2; r++) free(hg[r]), free(hu[r]), free(y[r]), free(Hx[r]);
+    free(cg), free(cu), free(cy), free(x), free(gate.w), free(up.w), free(down.w);
+    mq_gpu_close(g);
+}
+
 /* The experts' outputs kept on the device and combined there: each token's pairs (row of the kept
  * outputs, weight) in order, one fmaf per pair onto the buffer's value, against the same chain on
  * the CPU from mq_mlp_forward's outputs; a row past the batch is an error. */
@@ -1163,4 +1245,4 @@ TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitex
           T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_warp_equals_thread), T(test_gptq_batched_deterministic),
           T(test_gptq_retry_and_errors), T(test_gptq_device_inputs), T(test_gemm_det_bitexact), T(test_mlp_bitexact),
           T(test_mlp_rows_hessians), T(test_mlp_combine), T(test_mlp_lanes), T(test_attention_parity),
-          T(test_attention_groups))
+          T(test_attention_groups), T(test_tf32_products))

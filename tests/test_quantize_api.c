@@ -374,6 +374,7 @@ static const char *invalid_case(int i, moeq_quant_options *o, const char *calib)
         return "INT4";
     case 30: o->gptq.mse_weight = (moeq_gptq_mse_weight)4; return "gptq.mse_weight";
     case 31: o->gptq.mse_weight = (moeq_gptq_mse_weight)-2; return "gptq.mse_weight";
+    case 32: o->gpu_tf32 = 1; return "gpu_tf32";   /* a GPU's mode, without a device */
     default: return NULL;
     }
 }

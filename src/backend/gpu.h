@@ -44,8 +44,10 @@ void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info);
 /* Tests: the tile of the deterministic GEMMs and Hessian sums (128, 64 or 32; 0, the default:
  * the largest that fills the SMs). Every tile gives the same bits. */
 void mq_gpu_force_det_tile(mq_gpu *g, int tile);
-/* TF32 tensor cores for the GPTQ updates (the --gpu-tf32 of the benchmarks): faster products
- * with 10-bit mantissas; off by default (fp32 everywhere). */
+/* TF32 tensor cores (`--gpu-tf32`) for the GPTQ updates, the calibration's products (attention
+ * projections and scores, the experts) and the Hessian sums: faster, with 10-bit mantissas and
+ * fp32 sums, deterministic from run to run on one GPU but not the fp32 mode's bits (nor the
+ * CPU's: the sums above stop being the CPU's chains); off by default (fp32 everywhere). */
 moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on);
 /* The device's fp32 GEMM rate (8192^3, current math mode) and copy bandwidth (read + write),
  * medians of 5: the figures the benchmarks set their times against. */

@@ -143,6 +143,8 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         o->activations = (moeq_act_storage)k;
     } else if (!strcmp(key, "device")) {
         o->device = v;
+    } else if (!strcmp(key, "gpu-tf32")) {
+        st = get_bool(key, v, &o->gpu_tf32);
     } else if (!strcmp(key, "nsamples")) {
         st = get_int(key, v, 1, 1 << 24, &o->gptq.nsamples);
     } else if (!strcmp(key, "seqlen")) {

@@ -152,6 +152,9 @@ grep -q 'gidx' "$tmp/err" || fail "gidx with nvfp4: message"
 grep -q 'none.txt' "$tmp/err" || fail "missing calibration file: message"
 "$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --device gpu >/dev/null 2>&1
 [ $? -eq 2 ] || fail "bad --device: expected exit 2"
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --gpu-tf32 2>"$tmp/err"
+[ $? -eq 2 ] || fail "--gpu-tf32 without --device cuda: expected exit 2"
+grep -q 'gpu-tf32 needs --device cuda' "$tmp/err" || fail "--gpu-tf32 without a GPU: message"
 # a GPU that is not there (or a build without CUDA): a clear error before any work
 "$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" \
     --nsamples 2 --seqlen 16 --device cuda:999 2>"$tmp/err"

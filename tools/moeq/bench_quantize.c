@@ -97,7 +97,7 @@ int bench_quantize(int argc, char **argv) {
     int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0;
     const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL,
                *threads = NULL;
-    bool json = false;
+    bool json = false, tf32 = false;
     cli_opt opts[] = {
         {"--layers", OPT_INT, &layers, "N", "layers to run (default 2; the rest is extrapolated)",
          NULL, 1, 1 << 20, NULL},
@@ -114,6 +114,8 @@ int bench_quantize(int argc, char **argv) {
         {"--threads", OPT_STRING, &threads, "T[,T...]", "worker threads (default: all CPUs); a list "
          "such as 2,4,8,16 runs each in turn and prints the scaling table", NULL, 0, -1, NULL},
         {"--device", OPT_STRING, &device, "DEV", "GPTQ on cpu (default), cuda or cuda:N", NULL, 0, -1, NULL},
+        {"--gpu-tf32", OPT_FLAG, &tf32, NULL, "with a GPU: its products and Hessian sums on TF32 tensor "
+         "cores (moeq quantize --gpu-tf32; the GPU's sgemm measured in TF32 too)", NULL, 0, -1, NULL},
         {"--ranks", OPT_STRING, &ranks_arg, "N,N,...", "under mpirun: run with the job's first N ranks "
          "for each N in turn and print the scaling table (default: all ranks)", NULL, 0, -1, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
@@ -154,6 +156,7 @@ int bench_quantize(int argc, char **argv) {
     /* exactly what moeq quantize --method gptq runs with (its defaults resolved) */
     int dev = -1;
     if (mq_gpu_parse_device(device, &dev)) return cli_usage_error("bench quantize", "%s", moeq_last_error());
+    if (tf32 && dev < 0) return cli_usage_error("bench quantize", "--gpu-tf32 needs --device cuda");
     moeq_quant_options qo;
     moeq_quant_options_init(&qo);
     qo.scheme = strcmp(scheme, "int4") == 0 ? MOEQ_QUANT_INT4 : MOEQ_QUANT_NVFP4A16;
@@ -163,6 +166,7 @@ int bench_quantize(int argc, char **argv) {
     qo.gptq.seqlen = seqlen;
     qo.max_memory = (int64_t)mem;
     qo.device = dev >= 0 ? device : NULL;
+    qo.gpu_tf32 = tf32;
     mq_pipeline_opts o;
     mq_pipeline_opts_from(&qo, &o);
     o.stop_after = (int32_t)layers;
@@ -240,7 +244,8 @@ int bench_quantize(int argc, char **argv) {
     double gpu_sgemm = 0, gpu_bw = 0;
     if (dev >= 0) {
         mq_gpu *g = NULL;
-        if (mq_gpu_open(dev, &g) || mq_gpu_measure(g, &gpu_sgemm, &gpu_bw)) gpu_sgemm = gpu_bw = 0;
+        if (mq_gpu_open(dev, &g) || (tf32 && mq_gpu_set_tf32(g, true)) || mq_gpu_measure(g, &gpu_sgemm, &gpu_bw))
+            gpu_sgemm = gpu_bw = 0;
         mq_gpu_close(g);
     }
     const int run = r->layers_run;
@@ -294,8 +299,8 @@ int bench_quantize(int argc, char **argv) {
         printf("forward: %.1f GFLOP/s = %.2f x sgemm (%.1f GFLOP/s, OpenBLAS 1024^3, same run)\n",
                fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, frac, sgemm);
         if (dev >= 0 && gpu_sgemm > 0)
-            printf("forward on the GPU: %.2f x its fp32 sgemm (%.1f GFLOP/s, 8192^3; copy bandwidth %.0f GB/s; same "
-                   "run)\n", fwd > 0 ? fwd_flops / fwd * 1e-9 / gpu_sgemm : 0, gpu_sgemm, gpu_bw);
+            printf("forward on the GPU: %.2f x its %s sgemm (%.1f GFLOP/s, 8192^3; copy bandwidth %.0f GB/s; same "
+                   "run)\n", fwd > 0 ? fwd_flops / fwd * 1e-9 / gpu_sgemm : 0, tf32 ? "TF32" : "fp32", gpu_sgemm, gpu_bw);
         else if (dev >= 0)
             printf("forward on the GPU: its sgemm was not measured (%s)\n", moeq_last_error());
         printf("peak anonymous memory: %.2f GB (planned %.2f GB, budget %.2f GB)\n",

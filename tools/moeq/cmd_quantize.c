@@ -69,7 +69,7 @@ int cmd_quantize(int argc, char **argv) {
     const char *gguf_rest = NULL, *rotate = "none";
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0, rotate_block = 0;
     double mpi_timeout = 0, headroom = 0;
-    bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false;
+    bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false, gpu_tf32 = false;
     bool reference = false, group_seen = false, resume = false, dry_run = false, drop_mtp = false;
     cli_list ignore = {0};
     gptq_cli gq;
@@ -142,6 +142,9 @@ int cmd_quantize(int argc, char **argv) {
         {"--device", OPT_STRING, &device, "DEV", "where GPTQ factors and quantizes: cpu (default), "
          "cuda or cuda:N (a build with -DMOEQ_CUDA=ON; codes agree with the CPU's but for "
          "weights on a rounding threshold)", NULL, 0, 0, NULL},
+        {"--gpu-tf32", OPT_FLAG, &gpu_tf32, NULL, "with --device cuda: the GPU's products and Hessian "
+         "sums on TF32 tensor cores (10-bit mantissas, fp32 sums; faster, not the fp32 run's bits)",
+         NULL, 0, 0, NULL},
         {"--mpi-timeout", OPT_DOUBLE, &mpi_timeout, "SECONDS", "under mpirun: how long a rank waits "
          "for the others at a step before the job stops (default 3600)", NULL, 0, 0, NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary", NULL, 0, 0, NULL},
@@ -226,6 +229,9 @@ int cmd_quantize(int argc, char **argv) {
         !(strncmp(device, "cuda:", 5) == 0 && device[5] && strspn(device + 5, "0123456789") == strlen(device + 5)))
         return cli_usage_error("quantize", "--device %s: expected cpu, cuda or cuda:N", device);
     o.device = device;
+    if (gpu_tf32 && (!device || !strcmp(device, "cpu")))
+        return cli_usage_error("quantize", "--gpu-tf32 needs --device cuda");
+    o.gpu_tf32 = gpu_tf32;
     if (mpi_timeout < 0) return cli_usage_error("quantize", "--mpi-timeout must be >= 0 seconds");
     o.mpi_timeout = mpi_timeout;
     /* parsed by the library's option setter; range checks are moeq_quantize's */

@@ -19,7 +19,9 @@
  * row order) over the whole group, the attention itself sample by sample, one synchronisation.
  * Every row-wise step is a function of its row alone and the scores are per sample, so a sample's
  * bits do not depend on the group it went in (a 500-token document alone filled few SMs and paid
- * some 50 launches and a synchronisation).
+ * some 50 launches and a synchronisation). In the TF32 mode (mq_gpu_set_tf32) the projections
+ * are cuBLAS GEMMs, whose kernel may depend on the group's rows: the groups are then a fixed
+ * function of the samples' lengths, so runs stay deterministic.
  *
  * Attention: for each position j within a KV group, the scores of query head g * group + j
  * against KV head g for every g as one strided batched GEMM (S = scale Q K^T over all T x T, the
@@ -348,9 +350,7 @@ void mark(mq_gpu_attn *a, int phase) {
 moeq_status linear(mq_gpu_attn *a, const float *x, int64_t R, const float *W, int64_t n_out, int64_t n_in,
                    const float *b, float *y) {
     cudaStream_t s = a->g->stream[0];
-    mqd::det_launch<false>(s, mqd::det_tile(false, R, n_out, a->g->info.sm_count, a->g->det_tile), R, n_out, n_in,
-                           n_in, x, W, y, n_out);
-    moeq_status st = CU_LAUNCHED("k_det (attention projection)");
+    moeq_status st = mq_cu_product(a->g, 0, R, n_out, n_in, x, W, y, n_out);
     if (!st && b) {
         k_bias<<<grid_for(R * n_out), 256, 0, s>>>(y, b, R, n_out);
         st = CU_LAUNCHED("k_bias");

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "backend/cuda/cuda_internal.cuh"
+#include "backend/cuda/tile_det.cuh"
 
 extern "C" bool mq_gpu_built(void) { return true; }
 
@@ -182,7 +183,37 @@ extern "C" moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on) {
     moeq_status st = CU(cudaSetDevice(g->device));
     for (int i = 0; i < MQ_GPU_STREAMS && !st; i++)
         st = CUBLAS(cublasSetMathMode(g->blas[i], on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    if (!st) g->tf32 = on;
     return st;
+}
+
+moeq_status mq_cu_product(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
+                          float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0) return MOEQ_OK;
+    if (!g->tf32) {
+        mqd::det_launch<false>(g->stream[j], mqd::det_tile(false, M, N, g->info.sm_count, g->det_tile), M, N, K, K, A,
+                               B, C, ldc);
+        return CU_LAUNCHED("k_det (product)");
+    }
+    /* column-major: C^T [N, M] = B^T-view [N, K] times A^T-view [K, M] */
+    const float one = 1.0f, zero = 0.0f;
+    return CUBLAS(cublasSgemm(g->blas[j], CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)M, (int)K, &one, B, (int)K, A,
+                              (int)K, &zero, C, (int)ldc));
+}
+
+moeq_status mq_cu_gram_add(mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K) {
+    if (n <= 0) return MOEQ_OK;
+    if (!g->tf32) {
+        mqd::det_launch<true>(s, mqd::det_tile(true, K, K, g->info.sm_count, g->det_tile), K, K, n, K, X, X, C, K);
+        return CU_LAUNCHED("k_det (syrk)");
+    }
+    int j = 0;   /* the handle of stream s */
+    while (j < MQ_GPU_STREAMS - 1 && g->stream[j] != s) j++;
+    if (g->stream[j] != s) return mq_err(MOEQ_E_ARG, "GPU Hessian update on a stream of no handle");
+    /* column-major: C [K, K] += X^T-view [K, n] times its transpose (C is symmetric) */
+    const float one = 1.0f;
+    return CUBLAS(cublasSgemm(g->blas[j], CUBLAS_OP_N, CUBLAS_OP_T, (int)K, (int)K, (int)n, &one, X, (int)K, X, (int)K,
+                              &one, C, (int)K));
 }
 
 extern "C" moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs) {

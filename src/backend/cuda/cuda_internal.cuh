@@ -28,6 +28,7 @@ struct mq_gpu {
     size_t pin_cap;
     cudaEvent_t ev[2];              /* its two halves' copies */
     int det_tile;                   /* tile_det.cuh's tile, forced (tests); 0: by the grid's size */
+    bool tf32;                      /* mq_gpu_set_tf32: the products and Hessian sums on TF32 */
 };
 
 moeq_status mq_cu_fail(cudaError_t e, const char *what, const char *file, int line);
@@ -76,6 +77,17 @@ bool mq_gpu_mlp_shape(const mq_gpu_mlp *m, int64_t e, int k, int64_t *rows, int6
 const float *mq_gpu_hessians_sum(const mq_gpu_hessians *hs, int64_t i, int64_t *K, int64_t *n);
 /* An mq_gpu_buf's device memory and its size in floats. */
 float *mq_gpu_buf_device(mq_gpu_buf *b, int64_t *n);
+
+/* The calibration's products and Hessian updates, on stream g->stream[j] (cuBLAS handle j):
+ * tile_det.cuh's fmaf chains (every output one chain in k order: the CPU's bits, whatever the
+ * tiling or the rows beside it), or with g->tf32 cuBLAS on TF32 tensor cores (deterministic
+ * for the same shapes on one GPU; inputs to 10-bit mantissas, fp32 sums).
+ *   mq_cu_product: C [M, N] (row stride ldc) = A [M, K] B [N, K]^T, row-major;
+ *   mq_cu_gram_add: C [K, K] += X^T X over the n rows of X [n, K]: the lower triangle (with
+ *   tf32 both; only the lower one is read). */
+moeq_status mq_cu_product(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
+                          float *C, int64_t ldc);
+moeq_status mq_cu_gram_add(mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K);
 
 /* mq_gpu_hessians_add for rows already on the device (x: rows x K, on stream s, which must not
  * change x before the kernel has read it: later work on s is ordered after it). A sum is updated

@@ -1,7 +1,8 @@
 /*
  * Hessian sums on the GPU, bit-identical to the CPU's (quant/hessian.h, kernels/gemm_det.h):
  * every element of the lower triangle is one fmaf chain over the rows in order, continued
- * across calls, so neither the tiling here nor how the rows arrive changes a bit.
+ * across calls, so neither the tiling here nor how the rows arrive changes a bit. (In the TF32
+ * mode, mq_gpu_set_tf32, the updates are cuBLAS GEMMs on tensor cores instead: mq_cu_gram_add.)
  *
  * The update is tile_det.cuh's k_det (SYRK): tiles above the diagonal exit at once.
  */
@@ -16,10 +17,8 @@ namespace {
 
 enum { STAGE_FLOATS = 16 << 20 };
 
-moeq_status syrk(const mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K) {
-    if (n <= 0) return MOEQ_OK;
-    mqd::det_launch<true>(s, mqd::det_tile(true, K, K, g->info.sm_count, g->det_tile), K, K, n, K, X, X, C, K);
-    return CU_LAUNCHED("k_det (syrk)");
+moeq_status syrk(mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K) {
+    return mq_cu_gram_add(g, s, C, X, n, K);
 }
 
 /* H = scale * sum, both triangles (mq_hessian_get). */

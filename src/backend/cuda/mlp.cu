@@ -238,14 +238,15 @@ moeq_status mlp_rows(mq_gpu_mlp *m, int64_t e, const float *x, const int32_t *sr
             st = CU(cudaMemcpyAsync(L->x, x + r0 * D, (size_t)(k * D) * sizeof(float), cudaMemcpyHostToDevice, s));
         }
         if (!st && h_in) st = mq_gpu_hessians_add_device(h_in, 0, L->x, k, s);
-        if (!st) st = gemm(m->g, s, k, F, D, L->x, m->w[(size_t)(3 * e)], L->hg);
-        if (!st) st = gemm(m->g, s, k, F, D, L->x, m->w[(size_t)(3 * e + 1)], L->hu);
+        if (!st) st = mq_cu_product(m->g, j, k, F, D, L->x, m->w[(size_t)(3 * e)], L->hg, F);
+        if (!st) st = mq_cu_product(m->g, j, k, F, D, L->x, m->w[(size_t)(3 * e + 1)], L->hu, F);
         if (!st) {
             k_swiglu<<<1024, 256, 0, s>>>(L->hg, L->hu, k * F);
             st = CU_LAUNCHED("k_swiglu");
         }
         if (!st && h_down) st = mq_gpu_hessians_add_device(h_down, 0, L->hg, k, s);
-        if (!st && (y || kept)) st = gemm(m->g, s, k, D, F, L->hg, m->w[(size_t)(3 * e + 2)], kept ? m->yk + (y0 + r0) * D : L->y);
+        if (!st && (y || kept))
+            st = mq_cu_product(m->g, j, k, D, F, L->hg, m->w[(size_t)(3 * e + 2)], kept ? m->yk + (y0 + r0) * D : L->y, D);
         if (!st && hg) st = CU(cudaMemcpyAsync(hg + r0 * F, L->hg, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
         if (!st && hu) st = CU(cudaMemcpyAsync(hu + r0 * F, L->hu, (size_t)(k * F) * sizeof(float), cudaMemcpyDeviceToHost, s));
         if (!st && y && !kept) st = CU(cudaMemcpyAsync(y + r0 * D, L->y, (size_t)(k * D) * sizeof(float), cudaMemcpyDeviceToHost, s));
