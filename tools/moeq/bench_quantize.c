@@ -96,7 +96,7 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
 int bench_quantize(int argc, char **argv) {
     int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0;
     const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL,
-               *threads = NULL;
+               *threads = NULL, *sampling = "chunks", *mode = "sequential";
     bool json = false, tf32 = false;
     cli_opt opts[] = {
         {"--layers", OPT_INT, &layers, "N", "layers to run (default 2; the rest is extrapolated)",
@@ -108,6 +108,10 @@ int bench_quantize(int argc, char **argv) {
          "calib.txt, else data/demo-calib.txt)", NULL, 0, -1, NULL},
         {"--nsamples", OPT_INT, &nsamples, "N", "calibration samples (default 128)", NULL, 1, 1 << 20, NULL},
         {"--seqlen", OPT_INT, &seqlen, "L", "tokens per sample (default 512)", NULL, 2, 1 << 20, NULL},
+        {"--calib-sampling", OPT_CHOICE, &sampling, NULL, "as moeq quantize's (default chunks; docs: a "
+         "document per sample, the seed run's shape)", "chunks|random|docs", 0, -1, NULL},
+        {"--gptq-mode", OPT_CHOICE, &mode, NULL, "as moeq quantize's (default sequential)",
+         "sequential|nonsequential", 0, -1, NULL},
         {"--scheme", OPT_CHOICE, &scheme, NULL, "weight format (default nvfp4)", "nvfp4|int4", 0, -1, NULL},
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory budget (default as moeq "
          "quantize)", NULL, 0, -1, NULL},
@@ -164,6 +168,9 @@ int bench_quantize(int argc, char **argv) {
     qo.calib = calib;
     qo.gptq.nsamples = nsamples;
     qo.gptq.seqlen = seqlen;
+    qo.gptq.sampling = !strcmp(sampling, "docs") ? MOEQ_CALIB_DOCS : !strcmp(sampling, "random") ? MOEQ_CALIB_RANDOM
+                                                                                               : MOEQ_CALIB_CHUNKS;
+    qo.gptq.mode = !strcmp(mode, "nonsequential") ? MOEQ_GPTQ_NONSEQUENTIAL : MOEQ_GPTQ_SEQUENTIAL;
     qo.max_memory = (int64_t)mem;
     qo.device = dev >= 0 ? device : NULL;
     qo.gpu_tf32 = tf32;
@@ -282,10 +289,10 @@ int bench_quantize(int argc, char **argv) {
                fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, sgemm, frac, gpu_sgemm, gpu_bw, (long long)r->peak_anon,
                (long long)r->plan.peak, (long long)r->plan.budget, whole, whole / 3600);
     } else {
-        printf("%s (%s): GPTQ %s on %s, %lld samples x %lld tokens, %d threads, %d layers run of %d, "
-               "%d experts per chunk\n", pos[0], model_type, scheme, device, (long long)r->samples,
-               (long long)(r->samples ? r->tokens / r->samples : 0), moeq_threads(), run, n_layers,
-               r->plan.chunk);
+        printf("%s (%s): GPTQ %s on %s%s, %s, %lld samples x %lld tokens (mean; %s), %d threads, %d layers run of "
+               "%d, %d experts per chunk\n", pos[0], model_type, scheme, device, tf32 ? " in TF32" : "", mode,
+               (long long)r->samples, (long long)(r->samples ? r->tokens / r->samples : 0), sampling, moeq_threads(),
+               run, n_layers, r->plan.chunk);
         for (int l = 0; l < run; l++)
             printf("  layer %d: %.1f s = read %.1f + forward %.1f (attention %.1f) + Hessians %.1f + GPTQ %.1f + "
                    "write %.1f + waiting for other ranks %.1f + moving data %.1f + other %.1f; peak %.2f GB\n", l,
