@@ -875,14 +875,15 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
         for (s1 = s0; s1 < s_hi && rows + p->calib.len[s1] <= rows_max; s1++) {
             const int64_t T = p->calib.len[s1];
             const size_t off = (size_t)(s1 * p->LD);
-            float *xt = sc->xt + rows * D, *xn = sc->xn + rows * D;
+            float *xt = staged ? sc->xt + rows * D : NULL, *xn = staged ? sc->xn + rows * D : NULL;
             mq_gpu_attn_sample *m = &smp[n++];
             memset(m, 0, sizeof *m);
             m->T = T;
             if (x_direct) {
                 m->x = mq_actbuf_ptr(&p->X, off);
-            } else {
-                mq_copy_floats(xt, mq_actbuf_view(&p->X, off, (size_t)(T * D), xt), (size_t)(T * D));
+            } else {   /* bf16 or mapped: converted or copied into the staging rows */
+                const float *v = mq_actbuf_view(&p->X, off, (size_t)(T * D), xt);
+                if (v != xt) mq_copy_floats(xt, v, (size_t)(T * D));
                 m->x = xt;
             }
             if (keep_h) m->y = hb->pinned ? mq_actbuf_ptr(hb, off) : xt;
@@ -932,7 +933,7 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
         int64_t T = p->calib.len[s];
         double t0 = mq_now(), c0 = mq_cpu_now();
         const float *x = mq_actbuf_view(&p->X, (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
-        mq_copy_floats(sc->xt, x, (size_t)(T * D));
+        if (x != sc->xt) mq_copy_floats(sc->xt, x, (size_t)(T * D));   /* bf16: converted there */
         if (cap) {
             cap->rows_qkv = cap->rows_o = cap->rows_qb = cap->rows_kvb = 0;
             cap->at = cap->store ? s - s_lo : 0;

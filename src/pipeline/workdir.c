@@ -572,6 +572,15 @@ static moeq_status write_boundary(mq_pipe *p, int layer, uint32_t *crc_out) {
     return s;
 }
 
+/* The snapshot at the input of `layer` (>= 1), once the manifest no longer names it. */
+static void drop_snapshot(const mq_pipe *p, int layer) {
+    if (layer < 1) return;
+    char *name = acts_name(layer), *path = name ? work_path(p, name) : NULL;
+    if (path) unlink(path);
+    free(name);
+    free(path);
+}
+
 /* A snapshot written behind the next layer (the plan's snapshot_copy): the boundary copied on the
  * pool into one buffer (its samples' rows back to back, with their CRCs), then written by a thread
  * of its own while the next layer computes, which would otherwise wait for the disk (22 GB at 1-2
@@ -695,12 +704,7 @@ static moeq_status snap_finish(mq_pipe *p) {
                 cJSON_AddItemToObject(p->manifest, "boundary", b);
             s = manifest_write(p);
         }
-        if (!s && old >= 1 && old != j->layer) {
-            char *name = acts_name(old), *path = name ? work_path(p, name) : NULL;
-            if (path) unlink(path);
-            free(name);
-            free(path);
-        }
+        if (!s && old != j->layer) drop_snapshot(p, old);
     }
     snap_free(j);
     return s;
@@ -811,12 +815,7 @@ static moeq_status layer_done(mq_pipe *p, int l) {
             cJSON_AddItemToObject(p->manifest, "boundary", b);
     }
     s = manifest_write(p);
-    if (!s && snapshot && old >= 1 && old != l + 1) {   /* the snapshot before it is no longer named */
-        char *name = acts_name(old), *path = name ? work_path(p, name) : NULL;
-        if (path) unlink(path);
-        free(name);
-        free(path);
-    }
+    if (!s && snapshot && old != l + 1) drop_snapshot(p, old);
     p->layers_done = l + 1;
     if (!s) mq_fault_point("layer", l, 0);
     return s;
