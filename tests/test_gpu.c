@@ -744,9 +744,10 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
      * read it there): the host copy's bits */
     mq_gpu_buf *fdev = NULL;
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, (T + 1) * D, &fdev));
-    mq_gpu_attn_out go = {.hq = hq, .ho = ho, .xn = xn, .att = att, .ffn_in = fin, .sel = K ? sg : NULL, .w = K ? wg : NULL,
-                          .ffn_dev = fdev, .ffn_dev_off = D};
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, xg, T, &go));
+    const mq_gpu_attn_sample one = {.x = xg, .y = xg, .T = T, .xn = xn, .att = att, .ffn_in = fin,
+                                    .sel = K ? sg : NULL, .w = K ? wg : NULL, .ffn_dev_off = D};
+    const mq_gpu_attn_io io = {.hq = hq, .ho = ho, .ffn_dev = fdev};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run_samples(a, &one, 1, &io));
     float *fgot = malloc(sizeof(float) * (size_t)(T * D));
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_read(fdev, D, T * D, fgot));
     for (int64_t i = 0; i < T * D; i++)
@@ -804,13 +805,16 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
              layer, (long long)T, (long long)flips);
     free(cfin), free(probs), free(cw), free(cs), free(fin), free(wg), free(sg);
     /* run to run: the same bits */
-    const mq_gpu_attn_out none = {0};
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, xg2, T, &none));
+    const mq_gpu_attn_io none = {0};
+    mq_gpu_attn_sample again = {.x = xg2, .y = xg2, .T = T};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run_samples(a, &again, 1, &none));
     for (int64_t i = 0; i < T * D; i++)
         if (!same_float(xg[i], xg2[i])) FAIL("%s: the GPU attention differs from run to run at %lld", dir, (long long)i);
-    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run(a, xg2, T + 1, &none));   /* longer than made for */
-    const mq_gpu_attn_out past = {.ffn_dev = fdev, .ffn_dev_off = 2 * D, .keep_x = true};   /* past the buffer */
-    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run(a, xg2, T, &past));
+    again.T = T + 1;   /* longer than made for */
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run_samples(a, &again, 1, &none));
+    const mq_gpu_attn_sample past = {.x = xg2, .T = T, .ffn_dev_off = 2 * D};   /* past the buffer */
+    const mq_gpu_attn_io into = {.ffn_dev = fdev};
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run_samples(a, &past, 1, &into));
     mq_gpu_buf_free(fdev);
     mq_gpu_hessians_free(hq), mq_gpu_hessians_free(ho);
     mq_gpu_attn_free(a);
@@ -913,13 +917,6 @@ static void attention_groups_case(mq_gpu *g, const char *dir, int layer) {
     for (size_t i = 0; i < sizeof cmp / sizeof cmp[0]; i++)
         if (memcmp(cmp[i].a, cmp[i].b, cmp[i].bytes))
             FAIL("%s layer %d: the %s of samples run in groups differs from one at a time", dir, layer, cmp[i].what);
-    /* the one-at-a-time output is the single-sample interface's too */
-    float *x1 = malloc(sizeof(float) * (size_t)(len[1] * D));
-    memcpy(x1, x0 + at[1] * D, sizeof(float) * (size_t)(len[1] * D));
-    const mq_gpu_attn_out none = {0};
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run(a, x1, len[1], &none));
-    if (memcmp(x1, y[0] + at[1] * D, sizeof(float) * (size_t)(len[1] * D)))
-        FAIL("%s: mq_gpu_attn_run differs from mq_gpu_attn_run_samples", dir);
     mq_gpu_attn_sample bad[2] = {{.x = x0, .T = 10}, {.x = x0, .T = Tm + 1}};
     const mq_gpu_attn_io io0 = {0};
     ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run_samples(a, bad, 2, &io0));
@@ -931,7 +928,7 @@ static void attention_groups_case(mq_gpu *g, const char *dir, int layer) {
         mq_gpu_hessians_free(hq[v]), mq_gpu_hessians_free(ho[v]);
         mq_gpu_buf_free(fb[v]);
     }
-    free(x1), free(x0), free(ids);
+    free(x0), free(ids);
     mq_gpu_attn_free(a);
     mq_state_free(st);
     moeq_model_free(m);

@@ -224,38 +224,27 @@ moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *shape, mq_gpu_at
 void mq_gpu_attn_free(mq_gpu_attn *a);
 /* Uploads a layer's weights (host memory; copied before the call returns) and takes its window. */
 moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights *w);
-/* What a run gives besides the result; every member may be NULL. */
+/* Samples through the layer, in groups of up to mq_gpu_attn_rows tokens (one upload, the
+ * row-wise work over the whole group, one synchronisation): the same bits for each sample
+ * whatever group it goes in. What a sample gives besides the result: each host pointer may be
+ * NULL (not copied); page-locked host memory makes the copies asynchronous. */
 typedef struct {
-    mq_gpu_hessians *hq, *ho;       /* the q/k/v input (after the norm) and o's input are added to
-                                       sum 0 of these (mq_gpu_hessians_add's bits for those rows) */
-    float *xn, *att;                /* host copies of those inputs: [T, D], [T, H*hd] */
+    const float *x;                 /* host [T, D]: the sample */
+    float *y;                       /* host [T, D]: x + attention (may be x), or NULL (not copied) */
+    int64_t T;
+    float *xn, *att;                /* host copies of the Hessian inputs: the q/k/v input after
+                                       the norm [T, D], o's input [T, H*hd] */
     float *ffn_in;                  /* host [T, D]: the FFN norm of the result */
     int32_t *sel;                   /* host [T, top_k]: the experts the FFN input routes to */
     float *w;                       /* host [T, top_k]: their weights (with sel) */
-    bool keep_x;                    /* leave x as it was (the result stays on the device) */
-    mq_gpu_buf *ffn_dev;            /* the FFN input also into this buffer, T * D values from */
-    int64_t ffn_dev_off;            /* this one (for mq_gpu_mlp_inputs_from), or NULL */
-} mq_gpu_attn_out;
-/* One sample x [T, D] (host, in place unless out->keep_x). */
-moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out);
-
-/* Many samples at once, in groups of up to mq_gpu_attn_rows tokens (one upload, the row-wise work
- * over the whole group, one synchronisation): the same bits for each sample as run alone. Each
- * sample's host pointers may be NULL (not copied); page-locked host memory makes the copies
- * asynchronous. */
-typedef struct {
-    const float *x;                 /* host [T, D]: the sample */
-    float *y;                       /* host [T, D]: x + attention (may be x), or NULL */
-    int64_t T;
-    float *xn, *att;                /* host copies of the Hessian inputs ([T, D], [T, H*hd]) */
-    float *ffn_in;                  /* host [T, D]: the FFN input */
-    int32_t *sel;                   /* host [T, top_k]: its routing */
-    float *w;
     int64_t ffn_dev_off;            /* where its FFN input goes in the io's ffn_dev */
 } mq_gpu_attn_sample;
+/* What all the samples share; every member may be NULL. */
 typedef struct {
-    mq_gpu_hessians *hq, *ho;       /* as in mq_gpu_attn_out, the samples' rows in their order */
-    mq_gpu_buf *ffn_dev;            /* every sample's FFN input into this buffer, or NULL */
+    mq_gpu_hessians *hq, *ho;       /* the q/k/v and o inputs are added to sum 0 of these, the
+                                       samples' rows in their order (mq_gpu_hessians_add's bits) */
+    mq_gpu_buf *ffn_dev;            /* every sample's FFN input also into this buffer (for
+                                       mq_gpu_mlp_inputs_from) */
 } mq_gpu_attn_io;
 moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn_sample *s, int64_t n,
                                     const mq_gpu_attn_io *io);

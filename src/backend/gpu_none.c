@@ -225,11 +225,6 @@ moeq_status mq_gpu_attn_set(mq_gpu_attn *a, const mq_gpu_attn_weights *w) {
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
-moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out) {
-    (void)a, (void)x, (void)T, (void)out;
-    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
-}
-
 moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn_sample *s, int64_t n,
                                     const mq_gpu_attn_io *io) {
     (void)a, (void)s, (void)n, (void)io;

@@ -518,23 +518,3 @@ extern "C" moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn
     }
     return st;
 }
-
-extern "C" moeq_status mq_gpu_attn_run(mq_gpu_attn *a, float *x, int64_t T, const mq_gpu_attn_out *out) {
-    if (T <= 0) return MOEQ_OK;
-    mq_gpu_attn_sample smp;
-    memset(&smp, 0, sizeof smp);
-    smp.x = x;
-    smp.y = out->keep_x ? NULL : x;
-    smp.T = T;
-    smp.xn = out->xn;
-    smp.att = out->att;
-    smp.ffn_in = out->ffn_in;
-    smp.sel = out->sel;
-    smp.w = out->w;
-    smp.ffn_dev_off = out->ffn_dev_off;
-    mq_gpu_attn_io io;
-    io.hq = out->hq;
-    io.ho = out->ho;
-    io.ffn_dev = out->ffn_dev;
-    return mq_gpu_attn_run_samples(a, &smp, 1, &io);
-}
