@@ -413,6 +413,17 @@ typedef enum {
     MOEQ_CALIB_DOCS = 2,     /* one document (JSONL record or line) per sample */
 } moeq_calib_sampling;
 
+/* The GPU's arithmetic for the calibration's products (attention projections, the experts) and
+ * the Hessian sums (--gpu-precision). The TF32 modes are deterministic from run to run on one
+ * GPU, not the fp32 mode's bits. */
+typedef enum {
+    MOEQ_GPU_FP32 = 0,     /* fp32 fmaf chains, the CPU's bits (default) */
+    MOEQ_GPU_TF32X3 = 1,   /* each product as three on TF32 tensor cores, its inputs split in
+                              two TF32 halves (hi*hi + hi*lo + lo*hi): about fp32's accuracy */
+    MOEQ_GPU_TF32 = 2,     /* one TF32 product (10-bit mantissas, fp32 sums), the attention's
+                              scores and GPTQ's updates too: fastest, least accurate */
+} moeq_gpu_precision;
+
 /* When GPTQ takes a group's scale. */
 typedef enum {
     MOEQ_GPTQ_GROUPS_DYNAMIC = 0,   /* from the updated weights when the group is reached */
@@ -538,10 +549,9 @@ typedef struct {
                                       GPTQ's factorisations and column loops on that GPU (a
                                       build with -DMOEQ_CUDA=ON); the codes agree with the
                                       CPU's but for weights within rounding of a threshold */
-    int gpu_tf32;                  /* --gpu-tf32: with a device, its products and Hessian sums on
-                                      TF32 tensor cores (10-bit mantissas, fp32 sums): faster,
-                                      deterministic from run to run on one GPU, not the fp32
-                                      run's bits; 0 (default): fp32 throughout */
+    moeq_gpu_precision gpu_precision;   /* --gpu-precision (--gpu-tf32: TF32): with a device,
+                                      the arithmetic of its calibration products and Hessian
+                                      sums; default fp32 throughout */
     struct {                       /* GPTQ only (method MOEQ_QUANT_GPTQ) */
         int64_t nsamples;          /* --nsamples: calibration samples (default 128) */
         int64_t seqlen;            /* --seqlen: tokens per sample, >= 2 (default 512) */

@@ -996,22 +996,32 @@ static void test_mlp_rows_hessians(void) {
     mq_gpu_close(g);
 }
 
-/* The TF32 mode (mq_gpu_set_tf32): an expert's products and Hessian sums on tensor cores, each
- * value within what its inputs' conversion allows. TF32 keeps 10 of fp32's 23 mantissa bits, so
- * a converted input (rounded or truncated) is within 2^-10 of itself, relative; a product of two
- * within 2^-9 + 2^-20; the fp32 sum of k of them (the tensor cores may truncate its additions)
- * adds at most k 2^-23 of the sum of their magnitudes. So |got - exact| <= (2^-9 + 2^-20 +
- * k 2^-23) sum |a_i b_i|, with exact and that sum in double (the Hessian's 2/n, a rounded float,
- * and its product add 2^-23). The same call again gives the same bits, and the mode off again
- * gives the CPU's fmaf chains (mq_mlp_forward). */
-static double tf32_excess(double got, double exact, double mag, int64_t k, double extra) {
-    const double bound = (0x1p-9 + 0x1p-20 + (double)k * 0x1p-23 + extra) * mag;
-    return fabs(got - exact) - bound;   /* > 0: outside */
-}
+/* The TF32 modes (mq_gpu_set_precision): an expert's products and Hessian sums on tensor cores,
+ * each value within what its inputs' conversion allows, against exact sums in double.
+ *   tf32: an input keeps 10 of fp32's 23 mantissa bits (rounded or truncated: within 2^-10 of
+ *   itself, relative), so a product is within 2^-9 + 2^-20 of the exact one; the fp32 sum of k
+ *   of them (the tensor cores may truncate its additions) adds at most k 2^-23 of the sum of
+ *   their magnitudes: |got - exact| <= (2^-9 + 2^-20 + k 2^-23) sum |a_i b_i|.
+ *   tf32x3: an input is hi + lo + r, hi its nearest TF32 value, lo the nearest to the exact
+ *   remainder, |lo| <= 2^-11 (1 + 2^-11) |a|, |r| <= 2^-22 |a|; hi*hi + hi*lo + lo*hi misses lo*lo
+ *   and the r terms: at most (3 2^-22 + 2^-30) |a b|. The three products of TF32 values are exact
+ *   in fp32 and their terms sum to at most (1 + 2^-9) sum |a_i b_i|; the sums go through the k
+ *   additions of a block's GEMM and, in blocks of rows, three more per block (at most 5 blocks
+ *   here): |got - exact| <= (3 2^-22 + 2^-30 + (k + 16)(1 + 2^-9) 2^-23) sum |a_i b_i|.
+ * The Hessian's 2/n, a rounded float, and its product add 2^-23. The bounds above are worst
+ * cases dominated by the sums' k 2^-23; what tells the modes apart is the typical error, so the
+ * RMS of (got - exact) / sum |a_i b_i| of tf32x3 must be at most 1/16 of tf32's on the same
+ * inputs (the conversion alone makes tf32's about 2^-11 / sqrt(k), tf32x3's a thousandth of it). The same
+ * call again gives the same bits, and fp32 again gives the CPU's fmaf chains (mq_mlp_forward).
+ * Two shapes: a small one, every value checked; a large one whose inputs, weights and Hessian
+ * rows go through the tf32x3 split in more than one block, a sample of the values checked. */
+typedef struct {
+    double worst_u, worst_h;   /* largest excess over the bound (<= 0: inside) */
+    double rms_u, rms_h;       /* RMS of the error relative to sum |a_i b_i| */
+} tf32_check;
 
-static void test_tf32_products(void) {
-    mq_gpu *g = open_gpu();
-    const int64_t D = 96, F = 160, n = 75;
+static void tf32_case(mq_gpu *g, moeq_gpu_precision prec, int64_t D, int64_t F, int64_t n, int64_t stride,
+                      tf32_check *out) {
     mq_linear gate = {.out = F, .in = D, .w = make_weights(F, D, 81), .det = true};
     mq_linear up = {.out = F, .in = D, .w = make_weights(F, D, 82), .det = true};
     mq_linear down = {.out = D, .in = F, .w = make_weights(D, F, 83), .det = true};
@@ -1020,8 +1030,8 @@ static void test_tf32_products(void) {
     const float *pg[1] = {gate.w}, *pu[1] = {up.w}, *pd[1] = {down.w};
     const int64_t Ks[2] = {D, F};
     float *hg[2], *hu[2], *y[2], *Hx[2];
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_set_precision(g, prec));
     for (int r = 0; r < 2; r++) {   /* the same call twice */
-        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_set_tf32(g, true));
         mq_gpu_mlp *m = NULL;
         ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, 1, D, F, pg, pu, pd, 32, &m));
         mq_gpu_hessians *hx = NULL, *hd = NULL;
@@ -1034,47 +1044,79 @@ static void test_tf32_products(void) {
         mq_gpu_hessians_free(hx), mq_gpu_hessians_free(hd);
         mq_gpu_mlp_free(m);
     }
-    /* the up product (before any activation) and the input's Hessian against their exact values */
-    double worst_u = -1e300, worst_h = -1e300;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t f = 0; f < F; f++) {
-            double ex = 0, mag = 0;
-            for (int64_t d = 0; d < D; d++) {
-                const double t = (double)x[i * D + d] * up.w[f * D + d];
-                ex += t, mag += fabs(t);
-            }
-            worst_u = fmax(worst_u, tf32_excess(hu[0][i * F + f], ex, mag, D, 0));
+    const double c0 = prec == MOEQ_GPU_TF32 ? 0x1p-9 + 0x1p-20 : 3 * 0x1p-22 + 0x1p-30;
+    const double per_add = prec == MOEQ_GPU_TF32 ? 0x1p-23 : (1 + 0x1p-9) * 0x1p-23;
+    const int64_t slack = prec == MOEQ_GPU_TF32 ? 0 : 16;
+    double wu = -1e300, wh = -1e300, su = 0, sh = 0;
+    int64_t cu = 0, ch = 0;
+    /* the up product (before any activation) and the input's Hessian, every stride-th value */
+    for (int64_t v = 0; v < n * F; v += stride) {
+        const int64_t i = v / F, f = v % F;
+        double ex = 0, mag = 0;
+        for (int64_t d = 0; d < D; d++) {
+            const double t = (double)x[i * D + d] * up.w[f * D + d];
+            ex += t, mag += fabs(t);
         }
-    for (int64_t a = 0; a < D; a++)
-        for (int64_t b = 0; b < D; b++) {
-            double ex = 0, mag = 0;
-            for (int64_t r = 0; r < n; r++) {
-                const double t = (double)x[r * D + a] * x[r * D + b];
-                ex += t, mag += fabs(t);
-            }
-            const double sc = 2.0 / (double)n;
-            worst_h = fmax(worst_h, tf32_excess(Hx[0][a * D + b], sc * ex, sc * mag, n, 0x1p-23));
+        const double err = fabs(hu[0][v] - ex);
+        wu = fmax(wu, err - (c0 + (double)(D + slack) * per_add) * mag);
+        su += (err / mag) * (err / mag), cu++;
+    }
+    for (int64_t v = 0; v < D * D; v += stride) {
+        const int64_t a = v / D, b = v % D;
+        if (b > a) continue;   /* the lower triangle is the sum's */
+        double ex = 0, mag = 0;
+        for (int64_t r = 0; r < n; r++) {
+            const double t = (double)x[r * D + a] * x[r * D + b];
+            ex += t, mag += fabs(t);
         }
-    printf("  TF32: the up product and the input's Hessian within their bounds (worst excess %.3g, %.3g; <= 0)\n",
-           worst_u, worst_h);
-    if (worst_u > 0 || worst_h > 0) FAIL("TF32 products outside the bound of their inputs' conversion");
+        const double sc = 2.0 / (double)n, err = fabs(Hx[0][v] - sc * ex);
+        wh = fmax(wh, err - (c0 + (double)(n + slack) * per_add + 0x1p-23) * sc * mag);
+        sh += (err / (sc * mag)) * (err / (sc * mag)), ch++;
+    }
+    out->worst_u = wu, out->worst_h = wh;
+    out->rms_u = sqrt(su / (double)cu), out->rms_h = sqrt(sh / (double)ch);
     int64_t diff = 0;
     for (int64_t i = 0; i < n * F; i++) diff += !same_float(hg[0][i], hg[1][i]) + !same_float(hu[0][i], hu[1][i]);
     for (int64_t i = 0; i < n * D; i++) diff += !same_float(y[0][i], y[1][i]);
     for (int64_t i = 0; i < D * D; i++) diff += !same_float(Hx[0][i], Hx[1][i]);
-    if (diff) FAIL("TF32: %lld values differ from one run to the next", (long long)diff);
-    /* off again: the fp32 chains, the CPU's bits */
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_set_tf32(g, false));
-    float *cg = malloc((size_t)(n * F) * 4), *cu = malloc((size_t)(n * F) * 4), *cy = malloc((size_t)(n * D) * 4);
-    ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate, &up, &down, x, n, cg, cu, cy));
-    mq_gpu_mlp *m = NULL;
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, 1, D, F, pg, pu, pd, 32, &m));
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, 0, x, n, hg[1], hu[1], y[1], NULL, NULL));
-    for (int64_t i = 0; i < n * D; i++) diff += !same_float(y[1][i], cy[i]);
-    if (diff) FAIL("fp32 again after TF32: %lld outputs differ from mq_mlp_forward", (long long)diff);
-    mq_gpu_mlp_free(m);
+    if (diff) FAIL("%s: %lld values differ from one run to the next", mq_gpu_precision_name(prec), (long long)diff);
+    if (stride == 1) {   /* fp32 again: the fmaf chains, the CPU's bits */
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_set_precision(g, MOEQ_GPU_FP32));
+        float *cg = malloc((size_t)(n * F) * 4), *cuv = malloc((size_t)(n * F) * 4), *cy = malloc((size_t)(n * D) * 4);
+        ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate, &up, &down, x, n, cg, cuv, cy));
+        mq_gpu_mlp *m = NULL;
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, 1, D, F, pg, pu, pd, 32, &m));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, 0, x, n, hg[1], hu[1], y[1], NULL, NULL));
+        for (int64_t i = 0; i < n * D; i++) diff += !same_float(y[1][i], cy[i]);
+        if (diff) FAIL("fp32 again after %s: %lld outputs differ from mq_mlp_forward", mq_gpu_precision_name(prec),
+                       (long long)diff);
+        mq_gpu_mlp_free(m);
+        free(cg), free(cuv), free(cy);
+    }
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_set_precision(g, MOEQ_GPU_FP32));
     for (int r = 0; r < 2; r++) free(hg[r]), free(hu[r]), free(y[r]), free(Hx[r]);
-    free(cg), free(cu), free(cy), free(x), free(gate.w), free(up.w), free(down.w);
+    free(x), free(gate.w), free(up.w), free(down.w);
+}
+
+static void test_tf32_products(void) {
+    mq_gpu *g = open_gpu();
+    /* small: every value; large: 4096 inputs x 2560 outputs over 2100 rows, so that the up
+     * product's weights (2560 x 4096 floats), its rows (2100 x 4096) and the Hessian's rows are
+     * more than one of tf32x3's 2^23-float blocks */
+    const int64_t shapes[2][4] = {{96, 160, 75, 1}, {4096, 2560, 2100, 4099}};
+    for (int c = 0; c < 2; c++) {
+        tf32_check t1, t3;
+        tf32_case(g, MOEQ_GPU_TF32, shapes[c][0], shapes[c][1], shapes[c][2], shapes[c][3], &t1);
+        tf32_case(g, MOEQ_GPU_TF32X3, shapes[c][0], shapes[c][1], shapes[c][2], shapes[c][3], &t3);
+        printf("  %lld inputs, %lld rows: worst excess over the bound, up product / Hessian (<= 0): tf32 %.3g / "
+               "%.3g, tf32x3 %.3g / %.3g; relative RMS error: tf32 %.3g / %.3g, tf32x3 %.3g / %.3g\n",
+               (long long)shapes[c][0], (long long)shapes[c][2], t1.worst_u, t1.worst_h, t3.worst_u, t3.worst_h,
+               t1.rms_u, t1.rms_h, t3.rms_u, t3.rms_h);
+        if (t1.worst_u > 0 || t1.worst_h > 0) FAIL("tf32: products outside the bound of their inputs' conversion");
+        if (t3.worst_u > 0 || t3.worst_h > 0) FAIL("tf32x3: products outside the bound of their inputs' split");
+        if (!(t3.rms_u * 16 <= t1.rms_u) || !(t3.rms_h * 16 <= t1.rms_h))
+            FAIL("tf32x3's typical error is not 16 times below tf32's: not three products of the halves");
+    }
     mq_gpu_close(g);
 }
 

@@ -374,7 +374,9 @@ static const char *invalid_case(int i, moeq_quant_options *o, const char *calib)
         return "INT4";
     case 30: o->gptq.mse_weight = (moeq_gptq_mse_weight)4; return "gptq.mse_weight";
     case 31: o->gptq.mse_weight = (moeq_gptq_mse_weight)-2; return "gptq.mse_weight";
-    case 32: o->gpu_tf32 = 1; return "gpu_tf32";   /* a GPU's mode, without a device */
+    case 32: o->gpu_precision = MOEQ_GPU_TF32; return "gpu_precision";   /* a GPU's mode, without a device */
+    case 33: o->gpu_precision = MOEQ_GPU_TF32X3; return "gpu_precision";
+    case 34: o->gpu_precision = (moeq_gpu_precision)3; return "gpu_precision";
     default: return NULL;
     }
 }

@@ -44,11 +44,13 @@ void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info);
 /* Tests: the tile of the deterministic GEMMs and Hessian sums (128, 64 or 32; 0, the default:
  * the largest that fills the SMs). Every tile gives the same bits. */
 void mq_gpu_force_det_tile(mq_gpu *g, int tile);
-/* TF32 tensor cores (`--gpu-tf32`) for the GPTQ updates, the calibration's products (attention
- * projections and scores, the experts) and the Hessian sums: faster, with 10-bit mantissas and
- * fp32 sums, deterministic from run to run on one GPU but not the fp32 mode's bits (nor the
- * CPU's: the sums above stop being the CPU's chains); off by default (fp32 everywhere). */
-moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on);
+/* The arithmetic of the calibration's products (attention projections, the experts) and the
+ * Hessian sums (`--gpu-precision`): MOEQ_GPU_FP32 (the default), the CPU's fmaf chains;
+ * MOEQ_GPU_TF32X3, each product as three on TF32 tensor cores from its inputs' hi and lo TF32
+ * halves, about fp32's accuracy; MOEQ_GPU_TF32, one TF32 product (10-bit mantissas, fp32 sums),
+ * the attention's scores and GPTQ's updates too. The TF32 modes are deterministic from run to
+ * run on one GPU, not the fp32 mode's bits (nor the CPU's). */
+moeq_status mq_gpu_set_precision(mq_gpu *g, moeq_gpu_precision p);
 /* The device's fp32 GEMM rate (8192^3, current math mode) and copy bandwidth (read + write),
  * medians of 5: the figures the benchmarks set their times against. */
 moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *bandwidth_gbs);
@@ -64,6 +66,8 @@ void mq_gpu_host_free(void *p);
  * as it was, pageable). Undone by mq_gpu_host_unregister before the memory is freed. */
 bool mq_gpu_host_register(mq_gpu *g, void *p, size_t bytes);
 void mq_gpu_host_unregister(void *p);
+/* "fp32", "tf32x3", "tf32": the report's and the work directory's names of a mode. */
+const char *mq_gpu_precision_name(moeq_gpu_precision p);
 /* "cuda" -> 0, "cuda:N" -> N; "cpu" -> -1; anything else MOEQ_E_ARG naming the flag value. */
 moeq_status mq_gpu_parse_device(const char *s, int *device);
 

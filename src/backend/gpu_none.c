@@ -23,8 +23,8 @@ void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
 
 void mq_gpu_force_det_tile(mq_gpu *g, int tile) { (void)g, (void)tile; }
 
-moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on) {
-    (void)g, (void)on;
+moeq_status mq_gpu_set_precision(mq_gpu *g, moeq_gpu_precision p) {
+    (void)g, (void)p;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 

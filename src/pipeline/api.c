@@ -157,7 +157,10 @@ static moeq_status check_options(const moeq_quant_options *o) {
     int dev = -1;
     if (o->device && mq_gpu_parse_device(o->device, &dev))
         return BAD("device: \"%s\": expected cpu, cuda or cuda:N", o->device);
-    if (o->gpu_tf32 && dev < 0) return BAD("gpu_tf32: TF32 is a GPU's precision mode (set device cuda)");
+    if (o->gpu_precision < MOEQ_GPU_FP32 || o->gpu_precision > MOEQ_GPU_TF32)
+        return BAD("gpu_precision %d: expected MOEQ_GPU_FP32, MOEQ_GPU_TF32X3 or MOEQ_GPU_TF32", (int)o->gpu_precision);
+    if (o->gpu_precision && dev < 0)
+        return BAD("gpu_precision %s: a GPU's precision mode (set device cuda)", mq_gpu_precision_name(o->gpu_precision));
     if (dev >= 0 && o->method != MOEQ_QUANT_GPTQ)
         return BAD("device %s: only method gptq runs on a GPU (round to nearest is not worth "
                    "the transfer)", o->device);
@@ -224,7 +227,7 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
     if (po->device) mq_gpu_parse_device(po->device, &o->device);   /* checked before */
     /* under mpirun, plain "cuda" is one GPU per rank of a machine */
     if (po->device && !strcmp(po->device, "cuda") && mq_dist_size() > 1) o->device = mq_dist_local_rank();
-    o->gpu_tf32 = po->gpu_tf32 != 0;
+    o->gpu_precision = po->gpu_precision;
     o->mpi_timeout = po->mpi_timeout;
     o->act_storage = po->activations == MOEQ_ACT_STORAGE_RAM    ? MQ_ACT_RAM
                      : po->activations == MOEQ_ACT_STORAGE_DISK ? MQ_ACT_DISK

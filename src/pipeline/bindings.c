@@ -143,8 +143,13 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         o->activations = (moeq_act_storage)k;
     } else if (!strcmp(key, "device")) {
         o->device = v;
-    } else if (!strcmp(key, "gpu-tf32")) {
-        st = get_bool(key, v, &o->gpu_tf32);
+    } else if (!strcmp(key, "gpu-precision")) {
+        static const char *const n[] = {"fp32", "tf32x3", "tf32"};
+        if ((k = pick(v, n, 3)) < 0) return bad(key, v, "fp32, tf32x3 or tf32");
+        o->gpu_precision = (moeq_gpu_precision)k;
+    } else if (!strcmp(key, "gpu-tf32")) {   /* the same as gpu-precision tf32 */
+        int on = 0;
+        if (!(st = get_bool(key, v, &on))) o->gpu_precision = on ? MOEQ_GPU_TF32 : MOEQ_GPU_FP32;
     } else if (!strcmp(key, "nsamples")) {
         st = get_int(key, v, 1, 1 << 24, &o->gptq.nsamples);
     } else if (!strcmp(key, "seqlen")) {

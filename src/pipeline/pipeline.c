@@ -473,8 +473,10 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         mq_gpu_get_info(p->gpu, &gi);
         mq_info("GPTQ on cuda:%d, %s (compute %d.%d, %d SMs, %.1f GB free of %.1f GB)%s", gi.device, gi.name,
                 gi.cc_major, gi.cc_minor, gi.sm_count, (double)gi.mem_free / 1e9, (double)gi.mem_total / 1e9,
-                o->gpu_tf32 ? ", TF32 products" : "");
-        if (o->gpu_tf32 && (s = mq_gpu_set_tf32(p->gpu, true))) goto done;
+                o->gpu_precision == MOEQ_GPU_TF32     ? ", TF32 products"
+                : o->gpu_precision == MOEQ_GPU_TF32X3 ? ", products as three TF32 ones (tf32x3)"
+                                                      : "");
+        if (o->gpu_precision && (s = mq_gpu_set_precision(p->gpu, o->gpu_precision))) goto done;
     }
     if ((s = read_config(model_dir, &p->src_config, &p->mixtral))) goto done;
     p->calibrate = o->gptq || o->act_quant;

@@ -80,7 +80,7 @@ typedef struct {
     int expert_chunk;              /* experts loaded at once; 0: as many as the budget allows */
     mq_act_storage act_storage;
     int device;                    /* GPTQ on GPU `device` (backend/gpu.h); -1: on the CPU */
-    bool gpu_tf32;                 /* that GPU's products and Hessian sums in TF32 (mq_gpu_set_tf32) */
+    moeq_gpu_precision gpu_precision;   /* that GPU's products and Hessian sums (mq_gpu_set_precision) */
     double mpi_timeout;            /* seconds a rank waits for the others (src/dist); 0: 3600 */
     const char *report_path;       /* JSON report (NULL: none) */
     const char *report_html_path;  /* the same drawn as an HTML page (NULL: none; needs report_path) */

@@ -96,7 +96,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
         cJSON_AddNumberToObject(set, "refine_passes", o->g.refine_passes);
         cJSON_AddBoolToObject(set, "refine_scales", o->g.refine_scales);
         cJSON_AddStringToObject(set, "device", o->device >= 0 ? "cuda" : "cpu");
-        if (o->device >= 0) cJSON_AddStringToObject(set, "gpu_precision", o->gpu_tf32 ? "tf32" : "fp32");
+        if (o->device >= 0) cJSON_AddStringToObject(set, "gpu_precision", mq_gpu_precision_name(o->gpu_precision));
         cJSON *ds = cJSON_AddArrayToObject(set, "damp_sweep");
         for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
     }

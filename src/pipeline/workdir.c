@@ -170,7 +170,8 @@ static cJSON *options_identity(const mq_pipe *p) {
         for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
         /* GPU and CPU codes differ where a weight sits on a rounding threshold */
         cJSON_AddStringToObject(j, "gptq_device", o->device >= 0 ? "cuda" : "cpu");
-        if (o->gpu_tf32) cJSON_AddBoolToObject(j, "gpu_tf32", true);   /* absent in fp32 runs */
+        if (o->gpu_precision)   /* absent in fp32 runs */
+            cJSON_AddStringToObject(j, "gpu_precision", mq_gpu_precision_name(o->gpu_precision));
     }
     /* bf16 activations round the calibration's values */
     cJSON_AddBoolToObject(j, "bf16_activations", p->mp.storage == MQ_ACT_BF16);

@@ -155,6 +155,17 @@ grep -q 'none.txt' "$tmp/err" || fail "missing calibration file: message"
 "$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --gpu-tf32 2>"$tmp/err"
 [ $? -eq 2 ] || fail "--gpu-tf32 without --device cuda: expected exit 2"
 grep -q 'gpu-tf32 needs --device cuda' "$tmp/err" || fail "--gpu-tf32 without a GPU: message"
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --gpu-precision tf32x3 2>"$tmp/err"
+[ $? -eq 2 ] || fail "--gpu-precision tf32x3 without --device cuda: expected exit 2"
+grep -q 'gpu-precision needs --device cuda' "$tmp/err" || fail "--gpu-precision without a GPU: message"
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --device cuda --gpu-tf32 \
+    --gpu-precision tf32x3 2>"$tmp/err"
+[ $? -eq 2 ] || fail "--gpu-tf32 with --gpu-precision tf32x3: expected exit 2"
+grep -q 'disagree' "$tmp/err" || fail "--gpu-tf32 against --gpu-precision: message"
+"$cli" quantize "$model" --out "$tmp/u" --scheme int4 --method gptq --calib "$calib" --device cuda \
+    --gpu-precision fp16 >/dev/null 2>&1
+[ $? -eq 2 ] || fail "--gpu-precision fp16: expected exit 2"
+[ ! -e "$tmp/u" ] || fail "a refused run left $tmp/u"
 # a GPU that is not there (or a build without CUDA): a clear error before any work
 "$cli" quantize "$model" --out "$tmp/u" --scheme nvfp4a16 --method gptq --calib "$calib" \
     --nsamples 2 --seqlen 16 --device cuda:999 2>"$tmp/err"

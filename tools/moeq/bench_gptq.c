@@ -564,7 +564,7 @@ int bench_gptq(int argc, char **argv) {
                                           "with moeq quantize --device");
         if (refine) return cli_usage_error("bench gptq", "--refine runs on the CPU only");
         if (mq_gpu_open(dev, &g)) return cli_fail("bench gptq", MOEQ_E_UNSUPPORTED);
-        if (tf32 && mq_gpu_set_tf32(g, true)) return cli_fail("bench gptq", MOEQ_E_DEVICE);
+        if (tf32 && mq_gpu_set_precision(g, MOEQ_GPU_TF32)) return cli_fail("bench gptq", MOEQ_E_DEVICE);
         return bench_gptq_gpu(g, &b, rows, cols, reps, moe ? experts : 0, json, tf32);
     }
     if (tf32) return cli_usage_error("bench gptq", "--gpu-tf32 needs --device cuda");

@@ -96,7 +96,8 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
 int bench_quantize(int argc, char **argv) {
     int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0;
     const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL,
-               *threads = NULL, *sampling = "chunks", *mode = "sequential";
+               *threads = NULL, *sampling = "chunks", *mode = "sequential",
+               *precision = "fp32";
     bool json = false, tf32 = false;
     cli_opt opts[] = {
         {"--layers", OPT_INT, &layers, "N", "layers to run (default 2; the rest is extrapolated)",
@@ -118,8 +119,9 @@ int bench_quantize(int argc, char **argv) {
         {"--threads", OPT_STRING, &threads, "T[,T...]", "worker threads (default: all CPUs); a list "
          "such as 2,4,8,16 runs each in turn and prints the scaling table", NULL, 0, -1, NULL},
         {"--device", OPT_STRING, &device, "DEV", "GPTQ on cpu (default), cuda or cuda:N", NULL, 0, -1, NULL},
-        {"--gpu-tf32", OPT_FLAG, &tf32, NULL, "with a GPU: its products and Hessian sums on TF32 tensor "
-         "cores (moeq quantize --gpu-tf32; the GPU's sgemm measured in TF32 too)", NULL, 0, -1, NULL},
+        {"--gpu-precision", OPT_CHOICE, &precision, NULL, "with a GPU: as moeq quantize's (the GPU's "
+         "sgemm measured in TF32 for tf32)", "fp32|tf32x3|tf32", 0, -1, NULL},
+        {"--gpu-tf32", OPT_FLAG, &tf32, NULL, "the same as --gpu-precision tf32", NULL, 0, -1, NULL},
         {"--ranks", OPT_STRING, &ranks_arg, "N,N,...", "under mpirun: run with the job's first N ranks "
          "for each N in turn and print the scaling table (default: all ranks)", NULL, 0, -1, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
@@ -160,7 +162,9 @@ int bench_quantize(int argc, char **argv) {
     /* exactly what moeq quantize --method gptq runs with (its defaults resolved) */
     int dev = -1;
     if (mq_gpu_parse_device(device, &dev)) return cli_usage_error("bench quantize", "%s", moeq_last_error());
-    if (tf32 && dev < 0) return cli_usage_error("bench quantize", "--gpu-tf32 needs --device cuda");
+    if (tf32) precision = "tf32";
+    if (strcmp(precision, "fp32") && dev < 0)
+        return cli_usage_error("bench quantize", "--gpu-%s needs --device cuda", tf32 ? "tf32" : "precision");
     moeq_quant_options qo;
     moeq_quant_options_init(&qo);
     qo.scheme = strcmp(scheme, "int4") == 0 ? MOEQ_QUANT_INT4 : MOEQ_QUANT_NVFP4A16;
@@ -173,7 +177,7 @@ int bench_quantize(int argc, char **argv) {
     qo.gptq.mode = !strcmp(mode, "nonsequential") ? MOEQ_GPTQ_NONSEQUENTIAL : MOEQ_GPTQ_SEQUENTIAL;
     qo.max_memory = (int64_t)mem;
     qo.device = dev >= 0 ? device : NULL;
-    qo.gpu_tf32 = tf32;
+    moeq_quant_options_set(&qo, "gpu-precision", precision);   /* a checked choice */
     mq_pipeline_opts o;
     mq_pipeline_opts_from(&qo, &o);
     o.stop_after = (int32_t)layers;
@@ -251,7 +255,7 @@ int bench_quantize(int argc, char **argv) {
     double gpu_sgemm = 0, gpu_bw = 0;
     if (dev >= 0) {
         mq_gpu *g = NULL;
-        if (mq_gpu_open(dev, &g) || (tf32 && mq_gpu_set_tf32(g, true)) || mq_gpu_measure(g, &gpu_sgemm, &gpu_bw))
+        if (mq_gpu_open(dev, &g) || (qo.gpu_precision && mq_gpu_set_precision(g, qo.gpu_precision)) || mq_gpu_measure(g, &gpu_sgemm, &gpu_bw))
             gpu_sgemm = gpu_bw = 0;
         mq_gpu_close(g);
     }
@@ -290,7 +294,7 @@ int bench_quantize(int argc, char **argv) {
                (long long)r->plan.peak, (long long)r->plan.budget, whole, whole / 3600);
     } else {
         printf("%s (%s): GPTQ %s on %s%s, %s, %lld samples x %lld tokens (mean; %s), %d threads, %d layers run of "
-               "%d, %d experts per chunk\n", pos[0], model_type, scheme, device, tf32 ? " in TF32" : "", mode,
+               "%d, %d experts per chunk\n", pos[0], model_type, scheme, device, qo.gpu_precision ? (qo.gpu_precision == MOEQ_GPU_TF32 ? " in TF32" : " in TF32x3") : "", mode,
                (long long)r->samples, (long long)(r->samples ? r->tokens / r->samples : 0), sampling, moeq_threads(),
                run, n_layers, r->plan.chunk);
         for (int l = 0; l < run; l++)
@@ -307,7 +311,7 @@ int bench_quantize(int argc, char **argv) {
                fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, frac, sgemm);
         if (dev >= 0 && gpu_sgemm > 0)
             printf("forward on the GPU: %.2f x its %s sgemm (%.1f GFLOP/s, 8192^3; copy bandwidth %.0f GB/s; same "
-                   "run)\n", fwd > 0 ? fwd_flops / fwd * 1e-9 / gpu_sgemm : 0, tf32 ? "TF32" : "fp32", gpu_sgemm, gpu_bw);
+                   "run)\n", fwd > 0 ? fwd_flops / fwd * 1e-9 / gpu_sgemm : 0, qo.gpu_precision == MOEQ_GPU_TF32 ? "TF32" : "fp32", gpu_sgemm, gpu_bw);
         else if (dev >= 0)
             printf("forward on the GPU: its sgemm was not measured (%s)\n", moeq_last_error());
         printf("peak anonymous memory: %.2f GB (planned %.2f GB, budget %.2f GB)\n",

@@ -66,7 +66,7 @@ int cmd_quantize(int argc, char **argv) {
     const char *out = NULL, *scheme = NULL, *method = "rtn", *format = "compressed-tensors";
     const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL, *calib_field = NULL;
     const char *activations = "auto", *device = NULL, *revision = NULL, *scale_search = NULL;
-    const char *gguf_rest = NULL, *rotate = "none";
+    const char *gguf_rest = NULL, *rotate = "none", *gpu_precision = NULL;
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0, rotate_block = 0;
     double mpi_timeout = 0, headroom = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false, gpu_tf32 = false;
@@ -142,9 +142,13 @@ int cmd_quantize(int argc, char **argv) {
         {"--device", OPT_STRING, &device, "DEV", "where GPTQ factors and quantizes: cpu (default), "
          "cuda or cuda:N (a build with -DMOEQ_CUDA=ON; codes agree with the CPU's but for "
          "weights on a rounding threshold)", NULL, 0, 0, NULL},
-        {"--gpu-tf32", OPT_FLAG, &gpu_tf32, NULL, "with --device cuda: the GPU's products and Hessian "
-         "sums on TF32 tensor cores (10-bit mantissas, fp32 sums; faster, not the fp32 run's bits)",
-         NULL, 0, 0, NULL},
+        {"--gpu-precision", OPT_CHOICE, &gpu_precision, NULL, "with --device cuda: the arithmetic of "
+         "the GPU's calibration products and Hessian sums: fp32 (default; the CPU's bits), tf32x3 "
+         "(three TF32 tensor-core products from each input's hi and lo halves: about fp32's "
+         "accuracy) or tf32 (one: 10-bit mantissas, fastest; also the attention's scores and "
+         "GPTQ's updates)",
+         "fp32|tf32x3|tf32", 0, 0, NULL},
+        {"--gpu-tf32", OPT_FLAG, &gpu_tf32, NULL, "the same as --gpu-precision tf32", NULL, 0, 0, NULL},
         {"--mpi-timeout", OPT_DOUBLE, &mpi_timeout, "SECONDS", "under mpirun: how long a rank waits "
          "for the others at a step before the job stops (default 3600)", NULL, 0, 0, NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary", NULL, 0, 0, NULL},
@@ -229,9 +233,12 @@ int cmd_quantize(int argc, char **argv) {
         !(strncmp(device, "cuda:", 5) == 0 && device[5] && strspn(device + 5, "0123456789") == strlen(device + 5)))
         return cli_usage_error("quantize", "--device %s: expected cpu, cuda or cuda:N", device);
     o.device = device;
-    if (gpu_tf32 && (!device || !strcmp(device, "cpu")))
-        return cli_usage_error("quantize", "--gpu-tf32 needs --device cuda");
-    o.gpu_tf32 = gpu_tf32;
+    if (gpu_tf32 && gpu_precision && strcmp(gpu_precision, "tf32"))
+        return cli_usage_error("quantize", "--gpu-tf32 and --gpu-precision %s disagree", gpu_precision);
+    if (gpu_tf32) gpu_precision = "tf32";
+    if (gpu_precision && strcmp(gpu_precision, "fp32") && (!device || !strcmp(device, "cpu")))
+        return cli_usage_error("quantize", "--gpu-%s needs --device cuda", gpu_tf32 ? "tf32" : "precision");
+    if (gpu_precision) moeq_quant_options_set(&o, "gpu-precision", gpu_precision);   /* a checked choice */
     if (mpi_timeout < 0) return cli_usage_error("quantize", "--mpi-timeout must be >= 0 seconds");
     o.mpi_timeout = mpi_timeout;
     /* parsed by the library's option setter; range checks are moeq_quantize's */

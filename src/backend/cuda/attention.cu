@@ -19,7 +19,7 @@
  * row order) over the whole group, the attention itself sample by sample, one synchronisation.
  * Every row-wise step is a function of its row alone and the scores are per sample, so a sample's
  * bits do not depend on the group it went in (a 500-token document alone filled few SMs and paid
- * some 50 launches and a synchronisation). In the TF32 mode (mq_gpu_set_tf32) the projections
+ * some 50 launches and a synchronisation). In the TF32 modes (mq_gpu_set_precision) the projections
  * are cuBLAS GEMMs, whose kernel may depend on the group's rows: the groups are then a fixed
  * function of the samples' lengths, so runs stay deterministic.
  *

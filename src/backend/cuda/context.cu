@@ -179,22 +179,116 @@ extern "C" moeq_status mq_gpu_sync(mq_gpu *g) {
 
 extern "C" void mq_gpu_force_det_tile(mq_gpu *g, int tile) { g->det_tile = tile; }
 
-extern "C" moeq_status mq_gpu_set_tf32(mq_gpu *g, bool on) {
+extern "C" moeq_status mq_gpu_set_precision(mq_gpu *g, moeq_gpu_precision p) {
+    /* the handles' math mode serves the calls made straight to cuBLAS (the attention's scores,
+     * GPTQ's updates): TF32 only in the tf32 mode; tf32x3 asks for it per call */
     moeq_status st = CU(cudaSetDevice(g->device));
     for (int i = 0; i < MQ_GPU_STREAMS && !st; i++)
-        st = CUBLAS(cublasSetMathMode(g->blas[i], on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
-    if (!st) g->tf32 = on;
+        st = CUBLAS(cublasSetMathMode(g->blas[i], p == MOEQ_GPU_TF32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    if (!st) g->precision = p;
+    return st;
+}
+
+namespace {
+/* The TF32 value nearest x (ties to even: 10 of the 23 mantissa bits kept), so that the tensor
+ * cores, which may truncate, take it exactly. Infinities and NaN pass; a value that would round
+ * past the largest finite one is truncated instead. */
+__device__ inline float tf32_nearest(float x) {
+    const uint32_t u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u) return x;
+    uint32_t r = (u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u;
+    if ((r & 0x7f800000u) == 0x7f800000u) r = u & 0xffffe000u;
+    return __uint_as_float(r);
+}
+
+/* x = hi + lo + r: hi = tf32(x), lo = tf32(x - hi) (x - hi is exact), |r| <= 2^-22 |x|. */
+__global__ void k_tf32_split(const float *__restrict__ x, int64_t n, float *__restrict__ hi, float *__restrict__ lo) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = x[i], h = tf32_nearest(v);
+        hi[i] = h;
+        lo[i] = tf32_nearest(v - h);
+    }
+}
+
+moeq_status tf32_split(cudaStream_t s, const float *x, int64_t n, float *hi, float *lo) {
+    const int64_t blocks = (n + 255) / 256;
+    k_tf32_split<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, s>>>(x, n, hi, lo);
+    return CU_LAUNCHED("k_tf32_split");
+}
+
+/* Column-major C [m, n] (ldc) = op(A) op(B) + beta C on TF32 tensor cores, asked for by this
+ * call's compute type (the handle's math mode stays fp32). */
+moeq_status tf32_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k,
+                      const float *A, int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+    const float one = 1.0f;
+    return CUBLAS(cublasGemmEx(h, ta, tb, (int)m, (int)n, (int)k, &one, A, CUDA_R_32F, (int)lda, B, CUDA_R_32F,
+                               (int)ldb, &beta, C, CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F_FAST_TF32,
+                               CUBLAS_GEMM_DEFAULT));
+}
+
+/* tf32x3 splits its inputs in blocks of at most this many floats per half (32 MB): the scratch
+ * a call takes from the stream-ordered pool stays small whatever the rows. */
+constexpr int64_t SPLIT_BLOCK = (int64_t)1 << 23;
+}   // namespace
+
+/* tf32x3: C = A B^T from three TF32 products per block, the small terms first, each added in fp32:
+ * lo(A) hi(B) + hi(A) lo(B) + hi(A) hi(B). The blocks are a function of the shapes alone. */
+static moeq_status product_tf32x3(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
+                                  float *C, int64_t ldc) {
+    const int64_t rb = SPLIT_BLOCK / K > 0 ? SPLIT_BLOCK / K : 1, am = M < rb ? M : rb, bn = N < rb ? N : rb;
+    cudaStream_t s = g->stream[j];
+    cublasHandle_t h = g->blas[j];
+    float *buf = NULL;
+    moeq_status st = CU(cudaMallocAsync((void **)&buf, (size_t)(2 * (am + bn) * K) * sizeof(float), s));
+    if (st) return st;
+    float *ah = buf, *al = ah + am * K, *bh = al + am * K, *bl = bh + bn * K;
+    for (int64_t n0 = 0; n0 < N && !st; n0 += bn) {
+        const int64_t nn = N - n0 < bn ? N - n0 : bn;
+        st = tf32_split(s, B + n0 * K, nn * K, bh, bl);
+        for (int64_t m0 = 0; m0 < M && !st; m0 += am) {
+            const int64_t mm = M - m0 < am ? M - m0 : am;
+            float *c = C + m0 * ldc + n0;
+            /* column-major: C^T [nn, mm] = B-block^T-view [nn, K] times A-block^T-view [K, mm] */
+            if (!st) st = tf32_split(s, A + m0 * K, mm * K, ah, al);
+            if (!st) st = tf32_gemm(h, CUBLAS_OP_T, CUBLAS_OP_N, nn, mm, K, bh, K, al, K, 0.0f, c, ldc);
+            if (!st) st = tf32_gemm(h, CUBLAS_OP_T, CUBLAS_OP_N, nn, mm, K, bl, K, ah, K, 1.0f, c, ldc);
+            if (!st) st = tf32_gemm(h, CUBLAS_OP_T, CUBLAS_OP_N, nn, mm, K, bh, K, ah, K, 1.0f, c, ldc);
+        }
+    }
+    cudaFreeAsync(buf, s);
+    return st;
+}
+
+/* tf32x3: C += X^T X in blocks of rows, each as lo^T hi + hi^T lo + hi^T hi. */
+static moeq_status gram_tf32x3(mq_gpu *g, int j, float *C, const float *X, int64_t n, int64_t K) {
+    const int64_t rb = SPLIT_BLOCK / K > 0 ? SPLIT_BLOCK / K : 1, bm = n < rb ? n : rb;
+    cudaStream_t s = g->stream[j];
+    cublasHandle_t h = g->blas[j];
+    float *buf = NULL;
+    moeq_status st = CU(cudaMallocAsync((void **)&buf, (size_t)(2 * bm * K) * sizeof(float), s));
+    if (st) return st;
+    float *xh = buf, *xl = xh + bm * K;
+    for (int64_t r0 = 0; r0 < n && !st; r0 += bm) {
+        const int64_t rows = n - r0 < bm ? n - r0 : bm;
+        /* column-major: C [K, K] += X-block^T-view [K, rows] times its transpose */
+        st = tf32_split(s, X + r0 * K, rows * K, xh, xl);
+        if (!st) st = tf32_gemm(h, CUBLAS_OP_N, CUBLAS_OP_T, K, K, rows, xl, K, xh, K, 1.0f, C, K);
+        if (!st) st = tf32_gemm(h, CUBLAS_OP_N, CUBLAS_OP_T, K, K, rows, xh, K, xl, K, 1.0f, C, K);
+        if (!st) st = tf32_gemm(h, CUBLAS_OP_N, CUBLAS_OP_T, K, K, rows, xh, K, xh, K, 1.0f, C, K);
+    }
+    cudaFreeAsync(buf, s);
     return st;
 }
 
 moeq_status mq_cu_product(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
                           float *C, int64_t ldc) {
     if (M <= 0 || N <= 0) return MOEQ_OK;
-    if (!g->tf32) {
+    if (g->precision == MOEQ_GPU_FP32) {
         mqd::det_launch<false>(g->stream[j], mqd::det_tile(false, M, N, g->info.sm_count, g->det_tile), M, N, K, K, A,
                                B, C, ldc);
         return CU_LAUNCHED("k_det (product)");
     }
+    if (g->precision == MOEQ_GPU_TF32X3) return product_tf32x3(g, j, M, N, K, A, B, C, ldc);
     /* column-major: C^T [N, M] = B^T-view [N, K] times A^T-view [K, M] */
     const float one = 1.0f, zero = 0.0f;
     return CUBLAS(cublasSgemm(g->blas[j], CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)M, (int)K, &one, B, (int)K, A,
@@ -203,13 +297,14 @@ moeq_status mq_cu_product(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, con
 
 moeq_status mq_cu_gram_add(mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K) {
     if (n <= 0) return MOEQ_OK;
-    if (!g->tf32) {
+    if (g->precision == MOEQ_GPU_FP32) {
         mqd::det_launch<true>(s, mqd::det_tile(true, K, K, g->info.sm_count, g->det_tile), K, K, n, K, X, X, C, K);
         return CU_LAUNCHED("k_det (syrk)");
     }
     int j = 0;   /* the handle of stream s */
     while (j < MQ_GPU_STREAMS - 1 && g->stream[j] != s) j++;
     if (g->stream[j] != s) return mq_err(MOEQ_E_ARG, "GPU Hessian update on a stream of no handle");
+    if (g->precision == MOEQ_GPU_TF32X3) return gram_tf32x3(g, j, C, X, n, K);
     /* column-major: C [K, K] += X^T-view [K, n] times its transpose (C is symmetric) */
     const float one = 1.0f;
     return CUBLAS(cublasSgemm(g->blas[j], CUBLAS_OP_N, CUBLAS_OP_T, (int)K, (int)K, (int)n, &one, X, (int)K, X, (int)K,

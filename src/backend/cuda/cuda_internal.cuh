@@ -28,7 +28,7 @@ struct mq_gpu {
     size_t pin_cap;
     cudaEvent_t ev[2];              /* its two halves' copies */
     int det_tile;                   /* tile_det.cuh's tile, forced (tests); 0: by the grid's size */
-    bool tf32;                      /* mq_gpu_set_tf32: the products and Hessian sums on TF32 */
+    moeq_gpu_precision precision;   /* mq_gpu_set_precision: of the products and Hessian sums */
 };
 
 moeq_status mq_cu_fail(cudaError_t e, const char *what, const char *file, int line);
@@ -80,11 +80,12 @@ float *mq_gpu_buf_device(mq_gpu_buf *b, int64_t *n);
 
 /* The calibration's products and Hessian updates, on stream g->stream[j] (cuBLAS handle j):
  * tile_det.cuh's fmaf chains (every output one chain in k order: the CPU's bits, whatever the
- * tiling or the rows beside it), or with g->tf32 cuBLAS on TF32 tensor cores (deterministic
- * for the same shapes on one GPU; inputs to 10-bit mantissas, fp32 sums).
+ * tiling or the rows beside it), or in the TF32 modes cuBLAS on TF32 tensor cores (deterministic
+ * for the same shapes on one GPU, fp32 sums): one product of the inputs' TF32 values, or
+ * (tf32x3) three, hi*hi + hi*lo + lo*hi, of their hi and lo halves.
  *   mq_cu_product: C [M, N] (row stride ldc) = A [M, K] B [N, K]^T, row-major;
  *   mq_cu_gram_add: C [K, K] += X^T X over the n rows of X [n, K]: the lower triangle (with
- *   tf32 both; only the lower one is read). */
+ *   the TF32 modes both; only the lower one is read). */
 moeq_status mq_cu_product(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
                           float *C, int64_t ldc);
 moeq_status mq_cu_gram_add(mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K);

@@ -2,7 +2,7 @@
  * Hessian sums on the GPU, bit-identical to the CPU's (quant/hessian.h, kernels/gemm_det.h):
  * every element of the lower triangle is one fmaf chain over the rows in order, continued
  * across calls, so neither the tiling here nor how the rows arrive changes a bit. (In the TF32
- * mode, mq_gpu_set_tf32, the updates are cuBLAS GEMMs on tensor cores instead: mq_cu_gram_add.)
+ * modes, mq_gpu_set_precision, the updates are cuBLAS GEMMs on tensor cores instead: mq_cu_gram_add.)
  *
  * The update is tile_det.cuh's k_det (SYRK): tiles above the diagonal exit at once.
  */
