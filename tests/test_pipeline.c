@@ -244,6 +244,47 @@ static void default_gptq(mq_pipeline_opts *o) {
     configure(&c, o, &ro);
 }
 
+/* The reference's asymmetric calibration (ref_gptq_opts.asym, the prototype the pipeline is to
+ * equal): in layer 0 both streams are the embeddings, G equals H but for the summation's
+ * rounding, so the correction is at rounding level and the codes are the plain run's but for
+ * those a rounding moves across a threshold, with what GPTQ's error feedback carries along their
+ * rows (0.2% measured; at most 2% allowed); from layer 1 the streams differ and the correction
+ * moves many codes (29% measured; at least 10% required). A pairing gone wrong moves layer 0's,
+ * a correction not applied leaves the later ones. The routed experts' pairing (their tokens found
+ * in the FFN input) runs on olmoe-tiny. */
+static void test_reference_asymmetric(void) {
+    cfg c = {MQ_QS_NVFP4, 0, -1, false, REF_SEQUENTIAL, false, REF_FALLBACK_BLOCK, 1, 8, 64};
+    mq_pipeline_opts po;
+    ref_gptq_opts ro;
+    configure(&c, &po, &ro);
+    ref_gptq_results rr[2];
+    for (int k = 0; k < 2; k++) {
+        moeq_model *m;
+        ASSERT_OK(moeq_model_open(mq_test_model("olmoe-tiny"), NULL, &m));
+        mq_calib_set cs;
+        ASSERT_OK(mq_calib_load(moeq_model_tokenizer(m), &po.calib, &cs));
+        ro.asym = k ? 0.5f : 0.0f;
+        ASSERT_OK(ref_gptq_model(m, &cs, &ro, &rr[k]));
+        mq_calib_free(&cs);
+        moeq_model_free(m);
+    }
+    ASSERT_EQ_INT(rr[0].n, rr[1].n);
+    int64_t diff[2] = {0, 0}, all[2] = {0, 0};
+    for (int64_t i = 0; i < rr[0].n; i++) {
+        const ref_gptq_result *a = &rr[0].r[i], *b = ref_gptq_results_find(&rr[1], a->module);
+        ASSERT_TRUE(b != NULL);
+        const int64_t n = a->q.rows * a->q.cols, l = a->layer > 0;
+        for (int64_t k = 0; k < n; k++) diff[l] += a->q.codes[k] != b->q.codes[k];
+        all[l] += n;
+    }
+    printf("  asymmetric calibration: codes changed in layer 0 %lld of %lld, later layers %lld of %lld\n",
+           (long long)diff[0], (long long)all[0], (long long)diff[1], (long long)all[1]);
+    if (diff[0] * 50 > all[0]) FAIL("layer 0 (both streams equal): more than 2%% of the codes changed");
+    if (diff[1] * 10 < all[1]) FAIL("later layers: the correction changed fewer than 10%% of the codes");
+    ref_gptq_results_free(&rr[0]);
+    ref_gptq_results_free(&rr[1]);
+}
+
 static void test_chunks_threads_storage_byte_identical(void) {
     const char *model = mq_test_model("olmoe-tiny");
     char base[1100];
@@ -533,4 +574,4 @@ TEST_MAIN(T(test_olmoe_nvfp4_sequential_block_fallback),
           T(test_qwen2moe_dense_layers_shared_expert), T(test_mixtral_fused_nonsequential),
           T(test_qwen3moe_sequential), T(test_deepseek_sequential),
           T(test_deepseek_fp8_true_sequential), T(test_chunks_threads_storage_byte_identical),
-          T(test_memory_plan), T(test_resume))
+          T(test_memory_plan), T(test_resume), T(test_reference_asymmetric))

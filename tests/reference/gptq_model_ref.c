@@ -6,6 +6,8 @@
  * without calibration tokens, and every weight of a block in one parallel GPTQ run.
  */
 #include "reference/gptq_model_ref.h"
+#include <cblas.h>
+#include <lapacke.h>
 
 #include "kernels/vec.h"
 
@@ -94,6 +96,12 @@ typedef struct {
     float *H;                    /* [K, K] the Hessian used (NULL for RTN) */
     int64_t tokens;
     float gs;                    /* NVFP4 global scale of its weights (fused) */
+    /* asymmetric calibration (opts asym) */
+    float *xf;                   /* the unquantized stream's input of this sample (not experts) */
+    int64_t xf_rows;
+    int64_t *tok, ntok;          /* a routed expert's gate/up slot: the tokens of its last rows */
+    float *G;                    /* [K, K] sum x_f x_q^T */
+    int64_t g_rows;
 } slot;
 
 typedef struct {
@@ -109,6 +117,11 @@ typedef struct {
     mq_hessian block_h;             /* its Hessian over every token, one update per sample */
     int64_t max_len;
     int64_t sample;                 /* sample being run */
+    bool asym;                      /* asymmetric calibration on (opts asym) */
+    bool fp_pass;                   /* the hooks see the unquantized stream */
+    float *xf_ffn, *xq_ffn;         /* this sample's FFN inputs, both streams */
+    int64_t ffn_rows;
+    moeq_status err;                /* a hook's failure */
     double t_hessian;
     float *arena;                   /* copies of captured inputs whose Hessian update is deferred */
     size_t arena_cap, arena_used;   /* floats */
@@ -118,8 +131,13 @@ static void block_free(block_ctx *b) {
     for (int i = 0; i < b->n_slots; i++) {
         mq_hessian_free(&b->slots[i].h);
         mq_free(b->slots[i].H);
+        free(b->slots[i].xf);
+        free(b->slots[i].tok);
+        free(b->slots[i].G);
     }
     free(b->slots);
+    free(b->xf_ffn), free(b->xq_ffn);
+    b->xf_ffn = b->xq_ffn = NULL;
     free(b->arena);
     b->arena = NULL;
     b->arena_cap = b->arena_used = 0;
@@ -161,6 +179,7 @@ static moeq_status block_init(block_ctx *b, moeq_model *m, const ref_gptq_opts *
     b->layer = l;
     b->expert0 = b->down0 = -1;
     b->phase = -1;
+    b->asym = o->asym != 0 && o->mode == REF_SEQUENTIAL && !o->true_sequential;
     for (int i = 0; i < MQ_SITE_COUNT; i++) b->site_slot[i] = -1;
     mq_layer *ly = &m->layers[l];
     const mq_config *c = &m->cfg;
@@ -247,6 +266,93 @@ static bool defer_update(block_ctx *b, slot *s, const float *x, int64_t rows) {
     return true;
 }
 
+/* Asymmetric calibration's pairs: on the unquantized stream's pass, keeps each non-expert
+ * input and the FFN input (returns false: nothing else to do with it); on the quantized stream's,
+ * G += x_f^T x_q for the slot, a routed expert's x_f gathered from the unquantized FFN input by
+ * its rows' tokens (found by value in the quantized FFN input, in the forward's row order). */
+static bool keep_copy(block_ctx *b, float **dst, const float *x, int64_t n) {
+    float *p = realloc(*dst, sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!p) {
+        b->err = mq_err(MOEQ_E_NOMEM, "out of memory for the unquantized stream's inputs");
+        return false;
+    }
+    memcpy(p, x, sizeof(float) * (size_t)n);
+    *dst = p;
+    return true;
+}
+
+static bool capture_pair(block_ctx *b, slot *s, mq_site site, const float *x, int64_t rows, int64_t cols) {
+    if (b->err) return false;
+    if (site == MQ_SITE_FFN) {
+        if (!keep_copy(b, b->fp_pass ? &b->xf_ffn : &b->xq_ffn, x, rows * cols)) return false;
+        b->ffn_rows = rows;
+    }
+    if (b->fp_pass) {
+        if (s && s->expert < 0 && keep_copy(b, &s->xf, x, rows * cols)) s->xf_rows = rows;
+        return false;
+    }
+    if (!s || rows <= 0) return true;
+    const float *xf = s->xf;
+    float *gathered = NULL, *g = NULL, *u = NULL;
+    if (s->expert >= 0) {
+        const mq_layer *ly = &b->m->layers[b->layer];
+        const int e = s->expert;
+        const int64_t D = b->m->cfg.D;
+        slot *gu = &b->slots[b->expert0 + e];
+        if (site == MQ_SITE_EXPERT) {
+            int64_t *tok = realloc(gu->tok, sizeof(int64_t) * (size_t)rows);
+            if (!tok) {
+                b->err = mq_err(MOEQ_E_NOMEM, "out of memory for expert %d's tokens", e);
+                return false;
+            }
+            gu->tok = tok;
+            for (int64_t r = 0, t = 0; r < rows; r++) {
+                while (t < b->ffn_rows && memcmp(b->xq_ffn + t * D, x + r * cols, sizeof(float) * (size_t)D)) t++;
+                if (t == b->ffn_rows) {
+                    b->err = mq_err(MOEQ_E_SHAPE, "expert %d: a routed row is no token's FFN input", e);
+                    return false;
+                }
+                tok[r] = t;
+            }
+            gu->ntok = rows;
+        }
+        if (gu->ntok != rows) {
+            b->err = mq_err(MOEQ_E_SHAPE, "expert %d: %lld down rows after %lld gate/up rows", e, (long long)rows,
+                            (long long)gu->ntok);
+            return false;
+        }
+        gathered = mq_alloc_array((size_t)rows, (size_t)D * sizeof(float), "the unquantized stream's expert rows");
+        if (!gathered) {
+            b->err = MOEQ_E_NOMEM;
+            return false;
+        }
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(gathered + r * D, b->xf_ffn + gu->tok[r] * D, sizeof(float) * (size_t)D);
+        xf = gathered;
+        if (site == MQ_SITE_EXPERT_DOWN) {   /* through the expert's unquantized gate and up */
+            g = mq_alloc_array((size_t)rows, (size_t)cols * sizeof(float), "the unquantized stream's down rows");
+            u = mq_alloc_array((size_t)rows, (size_t)cols * sizeof(float), "the unquantized stream's down rows");
+            if (!g || !u) b->err = MOEQ_E_NOMEM;
+            if (!b->err) b->err = mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], NULL, gathered, rows, g, u, NULL);
+            xf = g;
+        }
+    } else if (s->xf_rows != rows) {
+        b->err = mq_err(MOEQ_E_SHAPE, "%s: %lld rows against %lld unquantized", s->w[0]->name, (long long)rows,
+                        (long long)s->xf_rows);
+    }
+    if (!b->err && !s->G && !(s->G = calloc((size_t)(cols * cols), sizeof(float))))
+        b->err = mq_err(MOEQ_E_NOMEM, "out of memory for %s's cross sum", s->w[0]->name);
+    if (!b->err) {   /* G[a][c] += sum_t x_f[t][a] x_q[t][c] */
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)cols, (int)cols, (int)rows, 1.0f, xf, (int)cols,
+                    x, (int)cols, 1.0f, s->G, (int)cols);
+        s->g_rows += rows;
+    }
+    mq_free(gathered);
+    mq_free(g);
+    mq_free(u);
+    return !b->err;
+}
+
 static void on_capture(void *user, int layer, mq_site site, int expert, const float *x,
                        int64_t rows, int64_t cols) {
     block_ctx *b = user;
@@ -255,6 +361,7 @@ static void on_capture(void *user, int layer, mq_site site, int expert, const fl
             : site == MQ_SITE_EXPERT_DOWN ? (b->down0 >= 0 ? b->down0 + expert : -1)
                                           : b->site_slot[site];
     slot *s = i >= 0 && b->slots[i].nw && in_phase(b, &b->slots[i]) ? &b->slots[i] : NULL;
+    if (b->asym && !capture_pair(b, s, site, x, rows, cols)) return;   /* the unquantized stream's */
     if (s && s->pend_rows) flush_updates(b);   /* one waiting update per Hessian keeps the order */
     double t0 = mq_now();
     if (s && rows > 0) {
@@ -340,6 +447,53 @@ static moeq_status block_hessians(block_ctx *b, const mq_calib_set *calib) {
     return st;
 }
 
+/* Asymmetric calibration: each slot's weights become W + asym W (G - H)(H + damping)^-1, H the
+ * Hessian GPTQ runs on (2/n sum x_q x_q^T) and G scaled alike; written as a correction so that
+ * the damping bounds the correction alone (W G (H + damping)^-1 would shrink W along H's small
+ * directions even where both streams agree). */
+static moeq_status asym_targets(block_ctx *b) {
+    for (int i = 0; i < b->n_slots; i++) {
+        slot *s = &b->slots[i];
+        if (!s->nw || !in_phase(b, s) || !s->G || !s->H || s->how != REF_HOW_GPTQ || !s->g_rows) continue;
+        const int64_t K = s->w[0]->in;
+        float *A = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
+        float *R = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
+        float *ws = NULL;
+        moeq_status st = A && R ? MOEQ_OK : MOEQ_E_NOMEM;
+        double mean_diag = 0;
+        for (int64_t k = 0; k < K; k++) mean_diag += s->H[k * K + k];
+        mean_diag /= (double)K;
+        const float damp = (float)(b->o->gptq.percdamp * mean_diag) + (mean_diag == 0);
+        const float sc = 2.0f / (float)s->g_rows;
+        for (int64_t a = 0; a < K && !st; a++)
+            for (int64_t c = 0; c < K; c++) {
+                A[a * K + c] = s->H[a * K + c] + (a == c ? damp : 0.0f);
+                R[a * K + c] = b->o->asym * (sc * s->G[c * K + a] - s->H[c * K + a]);   /* asym (G - H)^T */
+            }
+        /* R = (H + damping)^-1 asym (G - H)^T, then W += W R^T */
+        if (!st && LAPACKE_sposv(LAPACK_ROW_MAJOR, 'L', (int)K, (int)K, A, (int)K, R, (int)K))
+            st = mq_err(MOEQ_E_NUMERIC, "%s: asymmetric calibration: the damped Hessian is not positive definite",
+                        s->w[0]->name);
+        for (int k = 0; k < s->nw && !st; k++) {
+            mq_linear *l = s->w[k];
+            if (!(ws = mq_alloc_array((size_t)l->out, (size_t)K * sizeof(float), "asymmetric calibration"))) {
+                st = MOEQ_E_NOMEM;
+                break;
+            }
+            memcpy(ws, l->w, sizeof(float) * (size_t)(l->out * K));
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)l->out, (int)K, (int)K, 1.0f, l->w, (int)K, R,
+                        (int)K, 1.0f, ws, (int)K);
+            memcpy(l->w, ws, sizeof(float) * (size_t)(l->out * K));
+            mq_free(ws);
+            ws = NULL;
+        }
+        mq_free(A);
+        mq_free(R);
+        if (st) return st;
+    }
+    return MOEQ_OK;
+}
+
 /* Factorises, quantizes every weight of the block in one run, writes the dequantized weights
  * back into the model and records the results. */
 static moeq_status block_quantize(block_ctx *b, ref_gptq_results *res) {
@@ -356,6 +510,7 @@ static moeq_status block_quantize(block_ctx *b, ref_gptq_results *res) {
         st = mq_err(MOEQ_E_NOMEM, "out of memory quantizing block %d", b->layer);
         goto done;
     }
+    if (b->asym && (st = asym_targets(b))) goto done;
     for (int i = 0; i < n; i++) {
         slot *s = &b->slots[i];
         if (!s->nw || !in_phase(b, s)) continue;
@@ -425,10 +580,14 @@ moeq_status ref_gptq_model(moeq_model *m, const mq_calib_set *calib, const ref_g
     mq_state *state = NULL;
     float *X = mq_alloc_array((size_t)(S * Lmax), (size_t)D * sizeof(float), "calibration activations");
     float *xt = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "calibration activations");
-    moeq_status st = X && xt ? MOEQ_OK : MOEQ_E_NOMEM;
+    /* asymmetric calibration: the unquantized model's activations beside the quantized ones */
+    const bool asym = o->asym != 0 && o->mode == REF_SEQUENTIAL && !o->true_sequential;
+    float *XF = asym ? mq_alloc_array((size_t)(S * Lmax), (size_t)D * sizeof(float), "unquantized activations") : NULL;
+    moeq_status st = X && xt && (XF || !asym) ? MOEQ_OK : MOEQ_E_NOMEM;
     if (!st) st = mq_state_new(m, (int32_t)Lmax, &state);
     /* block inputs of block 0: the embeddings */
     for (int64_t s = 0; s < S && !st; s++) st = mq_embed(m, calib->ids[s], calib->len[s], X + s * Lmax * D);
+    if (XF && !st) memcpy(XF, X, sizeof(float) * (size_t)(S * Lmax * D));
     out->samples = S;
     out->tokens = calib->total;
     const bool seq = o->mode == REF_SEQUENTIAL;
@@ -454,7 +613,15 @@ moeq_status ref_gptq_model(moeq_model *m, const mq_calib_set *calib, const ref_g
                 float *x = X + s * Lmax * D;
                 memcpy(xt, x, (size_t)(calib->len[s] * D) * sizeof(float));
                 b.sample = s;
+                if (XF) {   /* the unquantized stream first (its inputs kept), on to the next layer */
+                    b.fp_pass = true;
+                    st = mq_forward_layers(m, state, XF + s * Lmax * D, calib->len[s], 0, l, l + 1, &hooks);
+                    b.fp_pass = false;
+                    if (!st) st = b.err;
+                    if (st) break;
+                }
                 st = mq_forward_layers(m, state, xt, calib->len[s], 0, l, l + 1, &hooks);
+                if (!st) st = b.err;
                 flush_updates(&b);
                 if (!seq) memcpy(x, xt, (size_t)(calib->len[s] * D) * sizeof(float));
                 mq_progress("gptq", ++done_units, total);
@@ -492,6 +659,7 @@ moeq_status ref_gptq_model(moeq_model *m, const mq_calib_set *calib, const ref_g
     mq_state_free(state);
     mq_free(X);
     mq_free(xt);
+    mq_free(XF);
     out->seconds_total = mq_now() - t_start;
     if (st) ref_gptq_results_free(out);
     return st;
