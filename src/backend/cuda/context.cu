@@ -280,14 +280,17 @@ static moeq_status gram_tf32x3(mq_gpu *g, int j, float *C, const float *X, int64
     return st;
 }
 
+moeq_status mq_cu_product_det(const mq_gpu *g, cudaStream_t s, int64_t M, int64_t N, int64_t K, const float *A,
+                              const float *B, float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0) return MOEQ_OK;
+    mqd::det_launch<false>(s, mqd::det_tile(false, M, N, g->info.sm_count, g->det_tile), M, N, K, K, A, B, C, ldc);
+    return CU_LAUNCHED("k_det (product)");
+}
+
 moeq_status mq_cu_product(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
                           float *C, int64_t ldc) {
     if (M <= 0 || N <= 0) return MOEQ_OK;
-    if (g->precision == MOEQ_GPU_FP32) {
-        mqd::det_launch<false>(g->stream[j], mqd::det_tile(false, M, N, g->info.sm_count, g->det_tile), M, N, K, K, A,
-                               B, C, ldc);
-        return CU_LAUNCHED("k_det (product)");
-    }
+    if (g->precision == MOEQ_GPU_FP32) return mq_cu_product_det(g, g->stream[j], M, N, K, A, B, C, ldc);
     if (g->precision == MOEQ_GPU_TF32X3) return product_tf32x3(g, j, M, N, K, A, B, C, ldc);
     /* column-major: C^T [N, M] = B^T-view [N, K] times A^T-view [K, M] */
     const float one = 1.0f, zero = 0.0f;

@@ -88,6 +88,9 @@ float *mq_gpu_buf_device(mq_gpu_buf *b, int64_t *n);
  *   the TF32 modes both; only the lower one is read). */
 moeq_status mq_cu_product(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
                           float *C, int64_t ldc);
+/* mq_cu_product's fmaf chains whatever the precision mode (mq_gpu_gemm_det), on stream s. */
+moeq_status mq_cu_product_det(const mq_gpu *g, cudaStream_t s, int64_t M, int64_t N, int64_t K, const float *A,
+                              const float *B, float *C, int64_t ldc);
 moeq_status mq_cu_gram_add(mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K);
 
 /* mq_gpu_hessians_add for rows already on the device (x: rows x K, on stream s, which must not

@@ -4,22 +4,17 @@
  * across calls, so neither the tiling here nor how the rows arrive changes a bit. (In the TF32
  * modes, mq_gpu_set_precision, the updates are cuBLAS GEMMs on tensor cores instead: mq_cu_gram_add.)
  *
- * The update is tile_det.cuh's k_det (SYRK): tiles above the diagonal exit at once.
+ * The update is mq_cu_gram_add: tile_det.cuh's k_det (SYRK), tiles above the diagonal exiting at once.
  */
 #include <string.h>
 
 #include <vector>
 
 #include "backend/cuda/cuda_internal.cuh"
-#include "backend/cuda/tile_det.cuh"
 
 namespace {
 
 enum { STAGE_FLOATS = 16 << 20 };
-
-moeq_status syrk(mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K) {
-    return mq_cu_gram_add(g, s, C, X, n, K);
-}
 
 /* H = scale * sum, both triangles (mq_hessian_get). */
 __global__ void k_hessian_form(float *H, const float *sum, int64_t K, float scale) {
@@ -89,7 +84,7 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
         const int64_t n = rows - r0 < per ? rows - r0 : per;
         /* the stage is reused: the previous chunk's kernel must be done reading it */
         st = mq_cu_upload(hs->g, hs->stage, x + r0 * K, (size_t)(n * K) * sizeof(float));
-        if (!st) st = syrk(hs->g, s, hs->sum[i], hs->stage, n, K);
+        if (!st) st = mq_cu_gram_add(hs->g, s, hs->sum[i], hs->stage, n, K);
     }
     if (!st) hs->n[i] += rows;
     return st;
@@ -98,7 +93,7 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
 moeq_status mq_gpu_hessians_add_device(mq_gpu_hessians *hs, int64_t i, const float *x, int64_t rows, cudaStream_t s) {
     if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
     if (rows <= 0) return MOEQ_OK;
-    moeq_status st = syrk(hs->g, s, hs->sum[i], x, rows, hs->K[i]);
+    moeq_status st = mq_cu_gram_add(hs->g, s, hs->sum[i], x, rows, hs->K[i]);
     if (!st) hs->n[i] += rows;
     return st;
 }

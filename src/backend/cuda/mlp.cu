@@ -29,13 +29,6 @@ __global__ void k_gather(float *x, const float *in, const int32_t *src, int64_t 
         x[i] = in[(int64_t)src[i / D] * D + i % D];
 }
 
-moeq_status gemm(const mq_gpu *g, cudaStream_t s, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
-                 float *C) {
-    if (M <= 0 || N <= 0) return MOEQ_OK;
-    mqd::det_launch<false>(s, mqd::det_tile(false, M, N, g->info.sm_count, g->det_tile), M, N, K, K, A, B, C, N);
-    return CU_LAUNCHED("k_det (gemm)");
-}
-
 }  // namespace
 
 /* Experts of a batch run on up to MLP_LANES streams at once (expert e on lane e % lanes), each
@@ -387,7 +380,7 @@ extern "C" moeq_status mq_gpu_gemm_det(mq_gpu *g, int64_t M, int64_t N, int64_t 
     if (!st) st = cu_alloc(&c, (size_t)(M * N), "GEMM output");
     if (!st) st = CU(cudaMemcpyAsync(a, A, (size_t)(M * K) * sizeof(float), cudaMemcpyHostToDevice, s));
     if (!st) st = CU(cudaMemcpyAsync(b, B, (size_t)(N * K) * sizeof(float), cudaMemcpyHostToDevice, s));
-    if (!st) st = gemm(g, s, M, N, K, a, b, c);
+    if (!st) st = mq_cu_product_det(g, s, M, N, K, a, b, c, N);
     if (!st) st = CU(cudaMemcpyAsync(C, c, (size_t)(M * N) * sizeof(float), cudaMemcpyDeviceToHost, s));
     if (!st) st = CU(cudaStreamSynchronize(s));
     mq_cu_free(a);
