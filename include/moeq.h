@@ -586,6 +586,14 @@ typedef struct {
                                       descent over the codes on GPTQ's own layer objective, the
                                       group scales kept (never raises it); -1 (default): 2 on
                                       the CPU, 0 with a device; 0: none. CPU only */
+        /* --target quantized|unquantized[:A] (asymmetric calibration, GPTAQ's target): GPTQ of
+         * a Linear aims at the unquantized model's outputs (A of the way; its inputs from the
+         * unquantized model run beside the quantized one) instead of the same weights' outputs
+         * on the quantized stream: W becomes W + A W ((2/n) G - H)(H + damping)^-1, G = sum
+         * x_f x_q^T (docs/gptq_results.md). -1 (default): the build's default (off); 0: off
+         * (--target quantized); (0, 1]: A (--target unquantized: 0.5). Sequential mode, not
+         * true-sequential, on the CPU in one process; not with expert_weighting or damp_sweep */
+        double target_unquantized;
         int refine_scales;         /* --refine-scales: with refine_passes, after each pass every
                                       group's scale moves to the stored value nearest to its
                                       least-squares optimum for the codes (when that helps) */

@@ -167,5 +167,59 @@ static void test_syrk_accumulate(void) {
     }
 }
 
+/* The cross sum of two streams: the reference is its definition, checked here against a double
+ * sum (each element an fmaf chain of n terms: within n 2^-24 of the sum of |terms| plus the
+ * start); the AVX2 kernel equals it bit for bit, full rows and uneven ranges; rows in pieces
+ * and the pool give the same sums. */
+static void test_cross_accumulate(void) {
+    const int64_t Ks[] = {1, 5, 16, 22, 33, 48, 97, 260};
+    for (size_t s = 0; s < sizeof Ks / sizeof Ks[0]; s++) {
+        const int64_t K = Ks[s], n = 150, lda = K + 3, ldb = K + 1;
+        float *A = rand_matrix(n, lda), *B = rand_matrix(n, ldb);
+        float *c0 = rand_matrix(K, K);
+        float *a = malloc(sizeof(float) * (size_t)(K * K)), *b = malloc(sizeof(float) * (size_t)(K * K));
+        memcpy(a, c0, sizeof(float) * (size_t)(K * K));
+        mq_cross_det_acc_ref(K, n, A, lda, B, ldb, a, K, 0, K);
+        for (int64_t i = 0; i < K; i++)
+            for (int64_t j = 0; j < K; j++) {
+                double exact = c0[i * K + j], mag = fabs(exact);
+                for (int64_t r = 0; r < n; r++) {
+                    exact += (double)A[r * lda + i] * B[r * ldb + j];
+                    mag += fabs((double)A[r * lda + i] * B[r * ldb + j]);
+                }
+                ASSERT_TRUE(fabs(a[i * K + j] - exact) <= (double)n * 0x1p-24 * mag);
+            }
+#if MQ_TEST_X86
+        if (mq_cpu_has_avx2_fma())
+            for (int cut = 0; cut < 2; cut++) {
+                memcpy(b, c0, sizeof(float) * (size_t)(K * K));
+                const int64_t mid = cut ? K / 3 + 1 : K;
+                mq_cross_det_acc_avx2(K, n, A, lda, B, ldb, b, K, 0, mid);
+                mq_cross_det_acc_avx2(K, n, A, lda, B, ldb, b, K, mid, K);
+                for (int64_t i = 0; i < K * K; i++)
+                    if (a[i] != b[i])
+                        FAIL("K %lld cut %lld: C[%lld][%lld] ref %.9g avx2 %.9g", (long long)K, (long long)mid,
+                             (long long)(i / K), (long long)(i % K), (double)a[i], (double)b[i]);
+            }
+#endif
+        memcpy(b, c0, sizeof(float) * (size_t)(K * K));
+        const int64_t cuts[] = {0, 1, 38, 39, 100, n};
+        for (int c = 0; c < 5; c++)
+            for (int64_t half = 0; half < 2; half++) {
+                int64_t i0 = half ? K / 3 : 0, i1 = half ? K : K / 3;
+                mq_cross_det_acc(K, cuts[c + 1] - cuts[c], A + cuts[c] * lda, lda, B + cuts[c] * ldb, ldb, b, K, i0, i1);
+            }
+        for (int64_t i = 0; i < K * K; i++) ASSERT_TRUE(a[i] == b[i]);
+        memcpy(b, c0, sizeof(float) * (size_t)(K * K));
+        mq_cross_det_acc_pool(K, n, A, lda, B, ldb, b, K);
+        for (int64_t i = 0; i < K * K; i++) ASSERT_TRUE(a[i] == b[i]);
+        free(A);
+        free(B);
+        free(c0);
+        free(a);
+        free(b);
+    }
+}
+
 TEST_MAIN(T(test_avx2_equals_reference), T(test_rows_do_not_depend_on_the_call),
-          T(test_syrk_accumulate))
+          T(test_syrk_accumulate), T(test_cross_accumulate))

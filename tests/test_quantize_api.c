@@ -377,6 +377,15 @@ static const char *invalid_case(int i, moeq_quant_options *o, const char *calib)
     case 32: o->gpu_precision = MOEQ_GPU_TF32; return "gpu_precision";   /* a GPU's mode, without a device */
     case 33: o->gpu_precision = MOEQ_GPU_TF32X3; return "gpu_precision";
     case 34: o->gpu_precision = (moeq_gpu_precision)3; return "gpu_precision";
+    case 35: o->gptq.target_unquantized = 1.5; return "gptq.target_unquantized";
+    case 36: o->gptq.target_unquantized = NAN; return "gptq.target_unquantized";
+    case 37: o->gptq.target_unquantized = 0.5; o->gptq.mode = MOEQ_GPTQ_NONSEQUENTIAL; return "gptq.target_unquantized";
+    case 38: o->gptq.target_unquantized = 0.5; o->gptq.true_sequential = 1; return "gptq.target_unquantized";
+    case 39: o->gptq.target_unquantized = 0.5; o->device = "cuda"; return "gptq.target_unquantized";
+    case 40:
+        o->gptq.target_unquantized = 0.5;
+        o->gptq.expert_weighting = MOEQ_EXPERT_WEIGHT_GATE;
+        return "gptq.target_unquantized";
     default: return NULL;
     }
 }

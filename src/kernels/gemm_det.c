@@ -109,3 +109,34 @@ void mq_syrk_det_acc_pool_rows(int64_t K, int64_t n, const float *X, int64_t ldx
     syrk_rows_job j = {K, n, ldx, ldc, i0, i1, X, C};
     mq_parallel_for((i1 - i0 + SYRK_ROWS - 1) / SYRK_ROWS, syrk_rows_task, &j);
 }
+
+void mq_cross_det_acc(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
+                      float *C, int64_t ldc, int64_t i0, int64_t i1) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
+        mq_cross_det_acc_avx2(K, n, A, lda, B, ldb, C, ldc, i0, i1);
+        return;
+    }
+#endif
+    mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, i0, i1);
+}
+
+typedef struct {
+    int64_t K, n, lda, ldb, ldc;
+    const float *A, *B;
+    float *C;
+} cross_job;
+
+static void cross_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const cross_job *j = ctx;
+    const int64_t i0 = t * SYRK_ROWS, i1 = i0 + SYRK_ROWS < j->K ? i0 + SYRK_ROWS : j->K;
+    mq_cross_det_acc(j->K, j->n, j->A, j->lda, j->B, j->ldb, j->C, j->ldc, i0, i1);
+}
+
+void mq_cross_det_acc_pool(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
+                           float *C, int64_t ldc) {
+    if (K <= 0 || n <= 0) return;
+    cross_job j = {K, n, lda, ldb, ldc, A, B, C};
+    mq_parallel_for((K + SYRK_ROWS - 1) / SYRK_ROWS, cross_task, &j);
+}

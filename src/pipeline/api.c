@@ -24,6 +24,7 @@ void moeq_quant_options_init(moeq_quant_options *o) {
     o->gptq.block_size = 128;
     o->gptq.act_order = -1;
     o->gptq.refine_passes = -1;
+    o->gptq.target_unquantized = -1;
     o->gptq.groups = MOEQ_GPTQ_GROUPS_DYNAMIC;
     o->gptq.mse = 1;
     o->gptq.mse_weight = MOEQ_GPTQ_MSE_AUTO;
@@ -72,6 +73,21 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
                    (int)o->gptq.refine_passes);
     if (o->gptq.refine_scales && o->gptq.refine_passes == 0)
         return BAD("gptq.refine_scales refines the scales between passes of gptq.refine_passes (>= 1)");
+    const double tu = o->gptq.target_unquantized;
+    if (!(tu == -1 || (tu >= 0 && tu <= 1)))
+        return BAD("gptq.target_unquantized must be -1 (the default), 0 (off) or a share in (0, 1], got %g", tu);
+    if (tu > 0 && o->gptq.mode == MOEQ_GPTQ_NONSEQUENTIAL)
+        return BAD("gptq.target_unquantized pairs the quantized and the unquantized model's inputs: it "
+                   "needs gptq.mode sequential (nonsequential calibrates on the unquantized model alone)");
+    if (tu > 0 && o->gptq.true_sequential)
+        return BAD("gptq.target_unquantized runs with sequential calibration, not true_sequential");
+    if (tu > 0 && o->device)
+        return BAD("gptq.target_unquantized (--target unquantized) runs on the CPU only (leave device unset)");
+    if (tu > 0 && (o->gptq.expert_weighting || o->gptq.n_damp_sweep))
+        return BAD("gptq.target_unquantized: not with gptq.expert_weighting or gptq.damp_sweep (their Hessians "
+                   "are not the ones the correction pairs with)");
+    if (tu > 0 && mq_dist_size() > 1)
+        return BAD("gptq.target_unquantized (--target unquantized) runs in one process (not under mpirun with several ranks)");
     if (o->gptq.n_damp_sweep < 0 || o->gptq.n_damp_sweep > 8)
         return BAD("gptq.n_damp_sweep must be 0 .. 8, got %d", (int)o->gptq.n_damp_sweep);
     for (int32_t i = 0; i < o->gptq.n_damp_sweep; i++)
@@ -266,6 +282,8 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
      * scale search above) and INT4; the GPU twin has no refinement */
     o->g.refine_passes = po->gptq.refine_passes >= 0 ? po->gptq.refine_passes : o->device < 0 ? 2 : 0;
     o->g.refine_scales = po->gptq.refine_scales != 0;
+    /* off unless asked for (issue 15: measured in docs/gptq_results.md) */
+    o->target_share = po->gptq.target_unquantized > 0 ? (float)po->gptq.target_unquantized : 0.0f;
     o->n_damp_sweep = po->gptq.n_damp_sweep;
     for (int i = 0; i < po->gptq.n_damp_sweep; i++) o->damp_sweep[i] = po->gptq.damp_sweep[i];
     o->calib.path = po->calib;

@@ -197,6 +197,21 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         o->gptq.expert_weighting = (moeq_expert_weighting)k;
     } else if (!strcmp(key, "refine")) {
         if (!(st = get_int(key, v, 0, 64, &i))) o->gptq.refine_passes = (int32_t)i;
+    } else if (!strcmp(key, "target")) {
+        /* quantized | unquantized | unquantized:A, A in (0, 1] */
+        double a = 0.5;
+        if (!strcmp(v, "quantized")) {
+            a = 0;
+        } else if (strncmp(v, "unquantized", 11) != 0 || (v[11] && v[11] != ':')) {
+            return bad(key, v, "quantized, unquantized or unquantized:A with A in (0, 1]");
+        } else if (v[11] == ':') {
+            char *end;
+            errno = 0;
+            a = strtod(v + 12, &end);
+            if (end == v + 12 || *end || errno || !(a > 0 && a <= 1))
+                return bad(key, v, "quantized, unquantized or unquantized:A with A in (0, 1]");
+        }
+        o->gptq.target_unquantized = a;
     } else if (!strcmp(key, "refine-scales")) {
         st = get_bool(key, v, &o->gptq.refine_scales);
     } else if (!strcmp(key, "clip-search")) {

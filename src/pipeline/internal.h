@@ -103,6 +103,13 @@ typedef struct mq_pipe {
     mq_mem_plan mp;
     int64_t LD;                   /* Lmax * D: values per sample in the buffers */
     mq_actbuf X, X2, XN, OUT;     /* X2: the next boundary when X is a file (else X is updated) */
+    /* asymmetric calibration (o->target_share > 0, sequential): the unquantized model's stream
+     * beside the quantized one: XF its boundary (updated in place: h after the attention, then
+     * the boundary after the layer), OUTF its FFN outputs, sel_f/w_f its routing (layer.c) */
+    bool target;
+    mq_actbuf XF, OUTF;
+    int32_t *sel_f;
+    float *w_f;
     int32_t *sel_a, *sel_b;       /* [S][Lmax][K] */
     float *w_a, *w_b;
     mq_state *state;

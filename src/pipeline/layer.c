@@ -79,6 +79,9 @@ typedef struct {
     int64_t n_fit, n_held;        /* damping sweep: rows before / of the held-out samples */
     int64_t tokens;
     float amax;                   /* W4A4: the input's amax over the calibration */
+    float *G;                     /* asymmetric calibration: sum x_f x_q^T over the Hessian's rows
+                                     (mq_cross_det_acc), else NULL */
+    int64_t g_rows;
     int owner;                    /* the rank that calibrates and quantizes it */
     int lown[3];                  /* the rank that quantizes each of its Linears (owner, or with
                                      several ranks one each for the attention's Linears; each
@@ -138,6 +141,8 @@ static void slot_set(mq_pipe *p, slot *s, int expert, bool down, mq_linear *a, m
 
 /* The Hessian sums and H (the held results stay). */
 static void slot_drop_sums(slot *s) {
+    mq_free(s->G);
+    s->G = NULL;
     mq_gpu_hessians_free(s->gh);
     s->gh = NULL;
     mq_hessian_free(&s->h);
@@ -172,6 +177,45 @@ static moeq_status slot_hessian(mq_pipe *p, slot *s) {
         st = mq_hessian_init(&s->h, s->w[0]->in, what);
     }
     if (!st && p->gpu) st = mq_gpu_hessians_new(p->gpu, 1, &s->h.K, &s->gh);
+    if (!st && p->target) {   /* the cross sum beside it */
+        s->G = mq_alloc_array((size_t)(s->h.K * s->h.K), sizeof(float), "asymmetric calibration's cross sum");
+        if (!s->G) return MOEQ_E_NOMEM;
+        memset(s->G, 0, sizeof(float) * (size_t)(s->h.K * s->h.K));
+        s->g_rows = 0;
+    }
+    return st;
+}
+
+/* G += x_f^T x_q for rows of the two streams that read the same token, in the Hessian's row
+ * order (each element one fmaf chain over the rows, however they are grouped into calls). */
+static void slot_cross(slot *s, const float *xf, const float *xq, int64_t rows) {
+    if (!s->G || rows <= 0) return;
+    mq_cross_det_acc_pool(s->h.K, rows, xf, s->h.K, xq, s->h.K, s->G, s->h.K);
+    s->g_rows += rows;
+}
+
+/* Asymmetric calibration: each GPTQ slot's weights moved toward the unquantized model's outputs
+ * (mq_gptq_target) before GPTQ quantizes them; G is freed. Timed as the GPTQ stage. */
+static moeq_status target_slots(mq_pipe *p, int l, slot *slots, int n) {
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    moeq_status st = MOEQ_OK;
+    for (int i = 0; i < n && !st; i++) {
+        slot *s = &slots[i];
+        if (s->G && s->H && s->how == MQ_HOW_GPTQ && s->g_rows > 0) {
+            float *w[3];
+            int64_t rows[3];
+            for (int k = 0; k < s->nw; k++) {
+                w[k] = s->w[k]->w;
+                rows[k] = s->w[k]->out;
+            }
+            st = mq_gptq_target(s->H, s->G, s->w[0]->in, s->g_rows, p->o->target_share, p->o->g.percdamp, w, rows,
+                                s->nw, s->w[0]->name);
+        }
+        mq_free(s->G);
+        s->G = NULL;
+    }
+    p->layers[l].gptq += mq_now() - t0;
+    p->layers[l].cpu_gptq += mq_cpu_now() - c0;
     return st;
 }
 
@@ -769,6 +813,10 @@ typedef struct {
                                      share (at: the sample's place), sent to the slots' owners */
     int64_t at, Lmax;
     bool amax;
+    /* asymmetric calibration: while fp is set the hooks see the unquantized stream's sample,
+     * whose inputs go to farena_* (one sample) to pair with the quantized stream's */
+    bool fp;
+    float *farena_qkv, *farena_o, *farena_qb, *farena_kvb;
 } att_capture;
 
 static void on_attention(void *user, int layer, mq_site site, int expert, const float *x,
@@ -776,6 +824,12 @@ static void on_attention(void *user, int layer, mq_site site, int expert, const 
     (void)layer;
     (void)expert;
     att_capture *c = user;
+    if (c->fp) {
+        float *fa = site == MQ_SITE_QKV ? c->farena_qkv : site == MQ_SITE_O ? c->farena_o
+                  : site == MQ_SITE_Q_B ? c->farena_qb : site == MQ_SITE_KV_B ? c->farena_kvb : NULL;
+        if (fa && rows > 0) mq_copy_floats(fa, x, (size_t)(rows * cols));
+        return;
+    }
     slot *s = site == MQ_SITE_QKV ? c->qkv : site == MQ_SITE_O ? c->o
             : site == MQ_SITE_Q_B ? c->qb : site == MQ_SITE_KV_B ? c->kvb : NULL;
     if (!s || rows <= 0) return;
@@ -804,6 +858,7 @@ static float *wt_of(float *w, const mq_pipe *p, int64_t s) {
 typedef struct {
     float *xt;                    /* [Lmax, D] the sample being run */
     float *xn;                    /* [Lmax, D] its FFN input */
+    float *xf;                    /* [Lmax, D] asymmetric calibration: the unquantized stream's */
     float *probs;                 /* [Lmax, E] router scratch */
     bool gpu;                     /* the attention runs on p->gatt */
     bool pinned;                  /* xt and xn are page-locked (mq_gpu_host_alloc) */
@@ -917,6 +972,41 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
     return st;
 }
 
+/* Asymmetric calibration: sample s of the unquantized stream through the layer's attention (its
+ * unquantized weights): h back into XF, its routing into sel_f / w_f; with cap, each Linear's
+ * input into cap's farena_* for the quantized stream's pass that follows. */
+static moeq_status fp_attention_sample(mq_pipe *p, int l, int64_t s, att_scratch *sc, att_capture *cap) {
+    const int64_t T = p->calib.len[s], D = p->c->D;
+    const size_t off = (size_t)(s * p->LD);
+    const float *x = mq_actbuf_view(&p->XF, off, (size_t)(T * D), sc->xf);
+    if (x != sc->xf) mq_copy_floats(sc->xf, x, (size_t)(T * D));
+    mq_hooks hooks = {on_attention, cap};
+    if (cap) cap->fp = true;
+    moeq_status st = mq_attention_forward(p->m, p->state, l, sc->xf, T, 0, cap ? &hooks : NULL);
+    if (cap) cap->fp = false;
+    if (st) return st;
+    mq_actbuf_put(&p->XF, off, (size_t)(T * D), sc->xf);
+    if (p->m->layers[l].is_moe) {
+        mq_ffn_norm(p->m, l, sc->xf, T, sc->xn);
+        mq_moe_route(p->m, l, sc->xn, T, sc->probs, sel_of(p->sel_f, p, s), wt_of(p->w_f, p, s));
+    }
+    return MOEQ_OK;
+}
+
+/* The unquantized stream through the layer's attention without captures (a resumed run's
+ * replay of a finished layer: before its quantized weights are read back). */
+static moeq_status fp_attention_pass(mq_pipe *p, int l, att_scratch *sc) {
+    moeq_status st = MOEQ_OK;
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    for (int64_t s = 0; s < p->calib.n && !st; s++)
+        if (!(st = check_interrupt())) st = fp_attention_sample(p, l, s, sc, NULL);
+    p->layers[l].forward += mq_now() - t0;
+    p->layers[l].cpu_forward += mq_cpu_now() - c0;
+    p->layers[l].attention += mq_now() - t0;
+    p->layers[l].cpu_attention += mq_cpu_now() - c0;
+    return st;
+}
+
 /* Runs every sample through the layer's attention. capture: pass A (hooks). Where the results go
  * depends on the mode (pipeline.h). */
 static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *cap,
@@ -939,13 +1029,21 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
             cap->at = cap->store ? s - s_lo : 0;
         }
         const bool keep_xn = pass_a && p->seq && !p->tseq, keep_h = !pass_a || !p->seq;
-        st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
+        /* asymmetric calibration: the unquantized stream's sample first, its inputs kept */
+        if (p->target && pass_a && cap) st = fp_attention_sample(p, l, s, sc, cap);
+        if (!st) st = mq_attention_forward(p->m, p->state, l, sc->xt, T, 0, cap ? &hooks : NULL);
         double t1 = mq_now(), c1 = mq_cpu_now();
         if (!st && cap && !cap->store) {   /* each update over the whole pool */
             if (cap->rows_qkv) st = slot_add(cap->qkv, cap->arena_qkv, cap->rows_qkv);
             if (cap->rows_o && !st) st = slot_add(cap->o, cap->arena_o, cap->rows_o);
             if (cap->rows_qb && !st) st = slot_add(cap->qb, cap->arena_qb, cap->rows_qb);
             if (cap->rows_kvb && !st) st = slot_add(cap->kvb, cap->arena_kvb, cap->rows_kvb);
+        }
+        if (!st && cap && p->target) {   /* the cross sums, paired token for token */
+            slot_cross(cap->qkv, cap->farena_qkv, cap->arena_qkv, cap->rows_qkv);
+            slot_cross(cap->o, cap->farena_o, cap->arena_o, cap->rows_o);
+            if (cap->qb) slot_cross(cap->qb, cap->farena_qb, cap->arena_qb, cap->rows_qb);
+            if (cap->kvb) slot_cross(cap->kvb, cap->farena_kvb, cap->arena_kvb, cap->rows_kvb);
         }
         double t2 = mq_now(), c2 = mq_cpu_now();
         if (!st) {
@@ -1134,7 +1232,8 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     }
     sc.probs = mq_alloc_array((size_t)Lmax, (size_t)(c->n_experts > 0 ? c->n_experts : 1) * sizeof(float),
                               "router probabilities");
-    if (!sc.xt || !sc.xn || !sc.probs) st = MOEQ_E_NOMEM;
+    if (p->target) sc.xf = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "unquantized attention input");
+    if (!sc.xt || !sc.xn || !sc.probs || (p->target && !sc.xf)) st = MOEQ_E_NOMEM;
     const bool pass_a = !replay || !p->seq;
     if (!st && sc.gpu && pass_a) st = gpu_attention_set(p, l);
     if (!st) {
@@ -1163,6 +1262,13 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
                                               "latent attention inputs")))
                 st = MOEQ_E_NOMEM;
         }
+        /* asymmetric calibration: one sample's inputs of the unquantized stream per slot with a
+         * cross sum (one process: keep is 1) */
+        float **fa[4] = {&cap.farena_qkv, &cap.farena_o, &cap.farena_qb, &cap.farena_kvb};
+        for (int i = 0; i < n_sl && !st && p->target; i++)
+            if (sl[i].G && !(*fa[i] = mq_alloc_array((size_t)Lmax, (size_t)width[i] * sizeof(float),
+                                                     "unquantized attention inputs")))
+                st = MOEQ_E_NOMEM;
         /* pass A: the unquantized attention (nothing needed of it in a sequential replay) */
         if (!st) st = attention_pass(p, l, true, &cap, &sc);
         if (dist) {
@@ -1184,6 +1290,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
             moeq_status fs = slot_form_timed(p, l, &sl[i]);
             if (!st) st = fs;
         }
+        if (!st && p->target) st = target_slots(p, l, sl, n_sl);
         if (!st) st = quantize_slots(p, l, sl, n_sl, NULL);
         if (p->ranks > 1) {
             char step[48];
@@ -1192,8 +1299,9 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
             if (!st) st = share_slots(p, l, sl, n_sl);
         }
     } else if (!st && replay) {
-        if (p->seq) st = read_back_slots(p, sl, n_sl);
-        else st = attention_pass(p, l, true, NULL, &sc);
+        if (p->target) st = fp_attention_pass(p, l, &sc);   /* before the weights are read back */
+        if (!st && p->seq) st = read_back_slots(p, sl, n_sl);
+        else if (!st) st = attention_pass(p, l, true, NULL, &sc);
     }
     /* pass B: the quantized attention */
     if (!st && p->seq && sc.gpu) st = gpu_attention_set(p, l);
@@ -1209,6 +1317,11 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     mq_free(cap.arena_o);
     mq_free(cap.arena_qb);
     mq_free(cap.arena_kvb);
+    mq_free(cap.farena_qkv);
+    mq_free(cap.farena_o);
+    mq_free(cap.farena_qb);
+    mq_free(cap.farena_kvb);
+    mq_free(sc.xf);
     if (sc.pinned) {
         mq_gpu_host_free(sc.xt);
         mq_gpu_host_free(sc.xn);
@@ -1230,27 +1343,33 @@ typedef struct {
     bool from_xn;
     const int32_t *sel;
     const float *w;
+    bool fp;                      /* the unquantized stream's (asymmetric calibration): the FFN
+                                     norm of XF, its routing, the outputs into OUTF */
 } ffn_source;
 
 static ffn_source hessian_source(const mq_pipe *p) {
-    if (p->seq && !p->tseq) return (ffn_source){true, p->sel_a, p->w_a};
-    return (ffn_source){false, p->tseq ? p->sel_b : p->sel_a, p->tseq ? p->w_b : p->w_a};
+    if (p->seq && !p->tseq) return (ffn_source){true, p->sel_a, p->w_a, false};
+    return (ffn_source){false, p->tseq ? p->sel_b : p->sel_a, p->tseq ? p->w_b : p->w_a, false};
 }
 
 static ffn_source output_source(const mq_pipe *p) {
-    return (ffn_source){false, p->seq ? p->sel_b : p->sel_a, p->seq ? p->w_b : p->w_a};
+    return (ffn_source){false, p->seq ? p->sel_b : p->sel_a, p->seq ? p->w_b : p->w_a, false};
 }
 
-/* A sample's FFN input: a view of XN, or the FFN norm of the boundary into scratch. */
+static ffn_source fp_source(const mq_pipe *p) { return (ffn_source){false, p->sel_f, p->w_f, true}; }
+
+/* A sample's FFN input: a view of XN, or the FFN norm of the boundary (XF's for the unquantized
+ * stream) into scratch. */
 static const float *ffn_input(mq_pipe *p, int l, const ffn_source *src, int64_t s, float *scratch) {
     const int64_t T = p->calib.len[s], D = p->c->D;
     if (src->from_xn) return mq_actbuf_view(&p->XN, (size_t)(s * p->LD), (size_t)(T * D), scratch);
-    const float *h = mq_actbuf_view(out_buf(p), (size_t)(s * p->LD), (size_t)(T * D), scratch);
+    const float *h = mq_actbuf_view(src->fp ? &p->XF : out_buf(p), (size_t)(s * p->LD), (size_t)(T * D), scratch);
     mq_ffn_norm(p->m, l, h, T, scratch);   /* in place when h was converted into scratch */
     return scratch;
 }
 
-/* One band of rows of one expert's Hessian sum: expert << 33 | down << 32 | band, its cost. */
+/* One band of rows of one expert's Hessian sum (or cross sum): expert << 34 | cross << 33 |
+ * down << 32 | band, its cost. */
 typedef struct {
     int64_t code, cost;
 } hband;
@@ -1266,9 +1385,15 @@ typedef struct {
     int64_t s0, nb;
     ffn_source src;
     bool down, hess, amax;
+    bool cross;                   /* asymmetric calibration: the cross sums beside the Hessians,
+                                     from the unquantized stream's rows of the same tokens */
+    mq_actbuf *out;               /* where the outputs are summed: OUT, or OUTF (src.fp) */
     slot *gu, *dn;                /* [E] */
     const float **xin;            /* [nb] */
     float *xin_buf;               /* [nb][LD] */
+    const float **xinf;           /* cross: [nb] the unquantized stream's FFN inputs */
+    float *xinf_buf;              /* cross: [nb][LD] */
+    float *xgf, *hgf, *huf;       /* cross: [rows][D / F / F] its rows, gate/up of them */
     int32_t *cnt;                 /* [nb][C] rows of each expert in each sample */
     int64_t *pos;                 /* [nb][C] first row of (sample, expert) */
     int64_t *ebase;               /* [C + 1] first row of each expert */
@@ -1302,6 +1427,10 @@ static void group_inputs_task(void *ctx, int64_t i, int thread) {
     const inputs_group *g = ctx;
     ex_batch *b = g->b;
     b->xin[g->g0 + i] = ffn_input(b->p, b->l, &b->src, b->s0 + g->g0 + i, b->xin_buf + i * b->p->LD);
+    if (b->cross) {
+        const ffn_source fs = fp_source(b->p);
+        b->xinf[g->g0 + i] = ffn_input(b->p, b->l, &fs, b->s0 + g->g0 + i, b->xinf_buf + i * b->p->LD);
+    }
 }
 
 static moeq_status batch_inputs_device(ex_batch *b) {
@@ -1332,6 +1461,12 @@ static void batch_rows_task(void *ctx, int64_t task, int thread) {
         memcpy(b->xg + r * D, b->xin[b->tsample[r]] + (int64_t)b->tok[r] * D, sizeof(float) * (size_t)D);
     (void)mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e], b->xg + r0 * D, n,
                          b->hg + r0 * F, b->hu + r0 * F, b->down ? b->yg + r0 * D : NULL);
+    if (b->cross) {   /* the same tokens of the unquantized stream, its down input by gate/up */
+        for (int64_t r = r0; r < r0 + n; r++)
+            memcpy(b->xgf + r * D, b->xinf[b->tsample[r]] + (int64_t)b->tok[r] * D, sizeof(float) * (size_t)D);
+        (void)mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], NULL, b->xgf + r0 * D, n, b->hgf + r0 * F,
+                             b->huf + r0 * F, NULL);
+    }
 }
 
 /* With the experts on the GPU: a block's rows gathered here, the MLP run there. */
@@ -1376,6 +1511,10 @@ static moeq_status batch_hessian_one(ex_batch *b, int64_t ce) {
     moeq_status st = MOEQ_OK;
     if (b->hess && gu->h.sum) st = slot_add(gu, b->xg + r0 * D, n);
     if (b->hess && dn->h.sum && !st) st = slot_add(dn, b->hg + r0 * F, n);
+    if (b->cross && !st) {
+        slot_cross(gu, b->xgf + r0 * D, b->xg + r0 * D, n);
+        slot_cross(dn, b->hgf + r0 * F, b->hg + r0 * F, n);
+    }
     return st;
 }
 
@@ -1400,14 +1539,15 @@ static bool banded_hessians(const ex_batch *b) {
 static void batch_band_task(void *ctx, int64_t t, int thread) {
     (void)thread;
     ex_batch *b = ctx;
-    const int64_t code = b->htasks[t].code, ce = code >> 33, band = code & 0xffffffff;
-    const bool down = (code >> 32) & 1;
+    const int64_t code = b->htasks[t].code, ce = code >> 34, band = code & 0xffffffff;
+    const bool down = (code >> 32) & 1, cross = (code >> 33) & 1;
     const int64_t K = down ? b->p->c->moe_ffn : b->p->c->D;
     const slot *s = down ? &b->dn[b->e0 + ce] : &b->gu[b->e0 + ce];
     const int64_t r0 = b->ebase[ce], n = b->ebase[ce + 1] - r0;
     const float *x = (down ? b->hg : b->xg) + r0 * K;
     const int64_t i0 = band * HBAND, i1 = i0 + HBAND < K ? i0 + HBAND : K;
-    mq_syrk_det_acc(K, n, x, K, s->h.sum, K, i0, i1);
+    if (cross) mq_cross_det_acc(K, n, (down ? b->hgf : b->xgf) + r0 * K, K, x, K, s->G, K, i0, i1);
+    else mq_syrk_det_acc(K, n, x, K, s->h.sum, K, i0, i1);
 }
 
 static int cmp_band(const void *a, const void *b) {
@@ -1426,10 +1566,13 @@ static void batch_hessian_bands(ex_batch *b) {
         if (n == 0) continue;
         for (int down = 0; down < 2; down++) {
             const int64_t K = down ? F : D;
-            if (!(down ? b->dn : b->gu)[b->e0 + ce].h.sum) continue;
+            const slot *s = &(down ? b->dn : b->gu)[b->e0 + ce];
+            if (!s->h.sum) continue;
             for (int64_t k = 0; k * HBAND < K; k++) {
                 const int64_t i1 = (k + 1) * HBAND < K ? (k + 1) * HBAND : K;
-                b->htasks[b->n_htasks++] = (hband){ce << 33 | (int64_t)down << 32 | k, n * i1};
+                b->htasks[b->n_htasks++] = (hband){ce << 34 | (int64_t)down << 32 | k, n * i1};
+                if (b->cross && s->G)   /* a band of the cross sum: every column */
+                    b->htasks[b->n_htasks++] = (hband){ce << 34 | (int64_t)1 << 33 | (int64_t)down << 32 | k, n * K};
             }
         }
     }
@@ -1440,6 +1583,8 @@ static void batch_hessian_bands(ex_batch *b) {
         const int64_t n = b->ebase[ce + 1] - b->ebase[ce];
         if (b->hess && b->gu[b->e0 + ce].h.sum) b->gu[b->e0 + ce].h.n += n;
         if (b->hess && b->dn[b->e0 + ce].h.sum) b->dn[b->e0 + ce].h.n += n;
+        if (b->cross && b->gu[b->e0 + ce].G) b->gu[b->e0 + ce].g_rows += n;
+        if (b->cross && b->dn[b->e0 + ce].G) b->dn[b->e0 + ce].g_rows += n;
     }
 }
 
@@ -1452,7 +1597,7 @@ static void batch_combine_task(void *ctx, int64_t i, int thread) {
     const int32_t *sel = b->src.sel + s * p->calib.max_len * K;
     const float *w = b->src.w + s * p->calib.max_len * K;
     const int32_t *tr = b->tok_row + i * p->calib.max_len * K;
-    float *out = mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD));
+    float *out = mq_actbuf_ptr(b->out, (size_t)(s * p->LD));
     const mq_vec_kernels *vk = mq_vec();
     for (int64_t t = 0; t < T; t++) {
         int32_t order[64];
@@ -1473,6 +1618,11 @@ static void batch_combine_task(void *ctx, int64_t i, int thread) {
 static void batch_free(ex_batch *b) {
     free(b->xin);
     mq_free(b->xin_buf);
+    free(b->xinf);
+    mq_free(b->xinf_buf);
+    mq_free(b->xgf);
+    mq_free(b->hgf);
+    mq_free(b->huf);
     free(b->cnt);
     free(b->pos);
     free(b->ebase);
@@ -1521,8 +1671,19 @@ static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_
     b->grow = mq_alloc_array((size_t)rows + 1, sizeof(int32_t), "expert rows");
     b->xrows = calloc((size_t)nb, sizeof *b->xrows);
     b->xfirst = calloc((size_t)nb, sizeof *b->xfirst);
-    b->htasks = mq_alloc_array((size_t)(C * ((c->D + HBAND - 1) / HBAND + (F + HBAND - 1) / HBAND) + 1),
+    b->htasks = mq_alloc_array((size_t)(2 * C * ((c->D + HBAND - 1) / HBAND + (F + HBAND - 1) / HBAND) + 1),
                                sizeof(hband), "expert Hessian bands");
+    if (p->target) {   /* asymmetric calibration: the unquantized stream's inputs and rows */
+        b->xinf = calloc((size_t)nb, sizeof *b->xinf);
+        b->xinf_buf = mq_alloc_array((size_t)(nb_in * p->LD), sizeof(float), "unquantized expert inputs");
+        b->xgf = mq_alloc_array((size_t)hr + 1, (size_t)D * sizeof(float), "unquantized expert inputs");
+        b->hgf = mq_alloc_array((size_t)hr + 1, (size_t)F * sizeof(float), "unquantized expert activations");
+        b->huf = mq_alloc_array((size_t)hr + 1, (size_t)F * sizeof(float), "unquantized expert activations");
+        if (!b->xinf || !b->xinf_buf || !b->xgf || !b->hgf || !b->huf) {
+            batch_free(b);
+            return mq_err(MOEQ_E_NOMEM, "out of memory for the expert batch scratch");
+        }
+    }
     if (p->gout) {
         b->ctok = mq_alloc_array((size_t)(nb * Lmax) + 1, sizeof(int64_t), "expert combine");
         b->cfirst = mq_alloc_array((size_t)(nb * Lmax) + 1, sizeof(int32_t), "expert combine");
@@ -1849,6 +2010,8 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     b.down = down;
     b.hess = hess;
     b.amax = amax;
+    b.cross = hess && p->target;
+    b.out = src.fp ? &p->OUTF : &p->OUT;
     b.gu = gu;
     b.dn = dn;
     if (p->gpu && (st = gpu_experts(p, l, e0, e1, down, plan_rows, &b.gmlp))) {
@@ -2071,10 +2234,17 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
          * calibration (and alone) this pass also gives the layer's output */
         if (!st && calib)
             st = experts_pass(p, l, e0, e1, hs, !p->seq && !dist, o->gptq, o->act_quant, gu, dn, false);
+        /* asymmetric calibration: the unquantized stream's outputs of the chunk's experts, before
+         * their weights change (a replay: before the quantized ones are read back) */
+        if (!st && p->target) st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, false);
         if (!st && calib && o->gptq) st = fallback_down(p, l, dn, e0, e1);
         for (int e = e0; e < e1 && calib; e++) {
             moeq_status fa = slot_form_timed(p, l, &gu[e]), fb = slot_form_timed(p, l, &dn[e]);
             if (!st) st = fa ? fa : fb;
+        }
+        if (!st && calib && p->target) {
+            st = target_slots(p, l, gu + e0, e1 - e0);
+            if (!st) st = target_slots(p, l, dn + e0, e1 - e0);
         }
         if (!st && !replay) {
             /* gate/up slots then down slots of the chunk, in one run */
@@ -2174,8 +2344,15 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
 
 /* One pass of the samples through the unit: Hessians and amax (calibration), and/or its output
  * into OUT. */
+/* Asymmetric calibration's scratch of mlp_pass (calibration): the unquantized stream's FFN input
+ * and its gate/up, [Lmax, D] and [Lmax, F] twice; NULL members without it. */
+typedef struct {
+    float *xs, *hg, *hu;
+} fp_scratch;
+
 static moeq_status mlp_pass(mq_pipe *p, int l, bool shared, slot *sl, ffn_source src, bool calib,
-                            bool out, float *xs, float *hg, float *hu, float *y, float *sgate, bool own) {
+                            bool out, float *xs, float *hg, float *hu, float *y, float *sgate, bool own,
+                            const fp_scratch *fs) {
     mq_layer *ly = &p->m->layers[l];
     mq_linear *g = shared ? &ly->sh_gate : &ly->gate, *u = shared ? &ly->sh_up : &ly->up,
               *d = shared ? &ly->sh_down : &ly->down;
@@ -2197,9 +2374,18 @@ static moeq_status mlp_pass(mq_pipe *p, int l, bool shared, slot *sl, ffn_source
                 amax_update(&sl[1].amax, hg, T * F);
             }
         }
+        if (!st && calib && fs && fs->xs) {   /* the same tokens of the unquantized stream */
+            const ffn_source f = fp_source(p);
+            const float *xf = ffn_input(p, l, &f, s, fs->xs);
+            st = mq_mlp_forward(g, u, NULL, xf, T, fs->hg, fs->hu, NULL);
+            if (!st) {
+                slot_cross(&sl[0], xf, x, T);
+                slot_cross(&sl[1], fs->hg, hg, T);
+            }
+        }
         double t2 = mq_now(), c2 = mq_cpu_now();
         if (!st && out) {
-            float *o = mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD));
+            float *o = mq_actbuf_ptr(src.fp ? &p->OUTF : &p->OUT, (size_t)(s * p->LD));
             if (shared) mq_shared_expert_add(p->m, l, x, T, y, sgate, o);
             else memcpy(o, y, sizeof(float) * (size_t)(T * D));
         }
@@ -2230,20 +2416,33 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
     float *y = mq_alloc_array((size_t)(Lmax * D), sizeof(float), "MLP output");
     float *sgate = mq_alloc_array((size_t)Lmax, sizeof(float), "shared expert gate");
     if (!xs || !hg || !hu || !y || !sgate) st = MOEQ_E_NOMEM;
+    fp_scratch fs = {NULL, NULL, NULL};
+    if (!st && p->target) {
+        fs.xs = mq_alloc_array((size_t)p->LD, sizeof(float), "unquantized FFN input");
+        fs.hg = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "unquantized MLP activations");
+        fs.hu = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "unquantized MLP activations");
+        if (!fs.xs || !fs.hg || !fs.hu) st = MOEQ_E_NOMEM;
+    }
+    /* asymmetric calibration: the unquantized stream's output of the unit (unquantized weights) */
+    const ffn_source fsrc = fp_source(p);
     if (!st && p->calibrate && !replay && mine(p, &sl[0])) {
         /* calibration; without sequential calibration (and alone) it also gives the output */
         for (int i = 0; i < 2 && !st; i++) st = slot_hessian(p, &sl[i]);
         if (!st)
-            st = mlp_pass(p, l, shared, sl, hessian_source(p), true, !p->seq && !dist, xs, hg, hu, y, sgate, false);
+            st = mlp_pass(p, l, shared, sl, hessian_source(p), true, !p->seq && !dist, xs, hg, hu, y, sgate, false, &fs);
+        if (!st && p->target) st = mlp_pass(p, l, shared, sl, fsrc, false, true, xs, hg, hu, y, sgate, false, NULL);
         for (int i = 0; i < 2; i++) {
             sl[i].tokens = sl[i].h.n;
-            moeq_status fs = slot_form_timed(p, l, &sl[i]);
-            if (!st) st = fs;
+            moeq_status fst = slot_form_timed(p, l, &sl[i]);
+            if (!st) st = fst;
         }
+        if (!st && p->target) st = target_slots(p, l, sl, 2);
         if (!st) st = quantize_slots(p, l, sl, 2, NULL);
     } else if (!st && replay) {
-        if (p->seq) st = read_back_slots(p, sl, 2);
-        else st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, false);
+        /* the unquantized stream first, while the weights are the source's */
+        if (p->target) st = mlp_pass(p, l, shared, sl, fsrc, false, true, xs, hg, hu, y, sgate, false, NULL);
+        if (!st && p->seq) st = read_back_slots(p, sl, 2);
+        else if (!st) st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, false, NULL);
     }
     if (dist && !replay) {
         /* from its owner to every rank; then each rank's samples through it */
@@ -2251,12 +2450,15 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
         snprintf(step, sizeof step, "layer %d: %s", l, shared ? "shared expert" : "MLP");
         st = mq_dist_agree(st, step);
         if (!st) st = share_slots(p, l, sl, 2);
-        if (!st) st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, true);
+        if (!st) st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, true, NULL);
     } else if (!st && p->seq) {
         /* the quantized unit's output on the quantized attention's FFN input */
-        st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, false);
+        st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, false, NULL);
     }
     for (int i = 0; i < 2; i++) slot_free(&sl[i]);
+    mq_free(fs.xs);
+    mq_free(fs.hg);
+    mq_free(fs.hu);
     mq_free(xs);
     mq_free(hg);
     mq_free(hu);
@@ -2468,35 +2670,43 @@ static void zero_out_task(void *ctx, int64_t i, int thread) {
     mq_pipe *p = ctx;
     const int64_t s = p->s_lo + i;
     memset(mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)), 0, sizeof(float) * (size_t)(p->calib.len[s] * p->c->D));
+    if (p->target)
+        memset(mq_actbuf_ptr(&p->OUTF, (size_t)(s * p->LD)), 0, sizeof(float) * (size_t)(p->calib.len[s] * p->c->D));
 }
 
 static void zero_out(mq_pipe *p) {   /* the samples whose outputs this rank computes */
     if (p->s_hi > p->s_lo) mq_parallel_for(p->s_hi - p->s_lo, zero_out_task, p);
 }
 
+typedef struct {
+    mq_pipe *p;
+    mq_actbuf *h, *out;
+} add_out_job;
+
 static void add_out_task(void *ctx, int64_t i, int thread) {
     (void)thread;
-    mq_pipe *p = ctx;
-    const int64_t s = p->s_lo + i;
-    const size_t off = (size_t)(s * p->LD);
-    mq_vec()->axpy(1.0f, mq_actbuf_ptr(&p->OUT, off), mq_actbuf_ptr(out_buf(p), off), p->calib.len[s] * p->c->D);
+    const add_out_job *j = ctx;
+    const int64_t s = j->p->s_lo + i;
+    const size_t off = (size_t)(s * j->p->LD);
+    mq_vec()->axpy(1.0f, mq_actbuf_ptr(j->out, off), mq_actbuf_ptr(j->h, off), j->p->calib.len[s] * j->p->c->D);
 }
 
-/* boundary = h + OUT, sample by sample (x += out, as the forward adds the FFN's output), for
- * this rank's samples. */
-static void add_out(mq_pipe *p) {
+/* boundary h += out, sample by sample (x += out, as the forward adds the FFN's output), for
+ * this rank's samples: the quantized stream's (out_buf += OUT) and the unquantized one's
+ * (XF += OUTF). */
+static void add_out(mq_pipe *p, mq_actbuf *h, mq_actbuf *out) {
     const mq_vec_kernels *vk = mq_vec();
     const int64_t D = p->c->D;
     float *tmp = NULL;
-    mq_actbuf *h = out_buf(p);
     if (h->kind != MQ_ACT_BF16) {
-        if (p->s_hi > p->s_lo) mq_parallel_for(p->s_hi - p->s_lo, add_out_task, p);
+        add_out_job j = {p, h, out};
+        if (p->s_hi > p->s_lo) mq_parallel_for(p->s_hi - p->s_lo, add_out_task, &j);
         return;
     }
     tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "boundary");
     for (int64_t s = p->s_lo; s < p->s_hi; s++) {
         size_t off = (size_t)(s * p->LD), n = (size_t)(p->calib.len[s] * D);
-        const float *o = mq_actbuf_ptr(&p->OUT, off);
+        const float *o = mq_actbuf_ptr(out, off);
         if (!tmp) continue;   /* out of memory: caught by the caller's check below */
         mq_actbuf_view(h, off, n, tmp);   /* bf16: converted into tmp */
         vk->axpy(1.0f, o, tmp, (int64_t)n);
@@ -2529,7 +2739,8 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
             st = mlp_unit(p, l, false, replay);
         }
     }
-    if (!st) add_out(p);
+    if (!st) add_out(p, out_buf(p), &p->OUT);
+    if (!st && p->target) add_out(p, &p->XF, &p->OUTF);
     if (p->ranks > 1) {
         /* each rank goes on with its samples; rank 0 gathers the boundary for its snapshot */
         char step[48];

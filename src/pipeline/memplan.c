@@ -61,8 +61,12 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     const int64_t SLDo = share * L * D;
     if (kind == MQ_ACT_RAM) z.acts = (SLD + SLDo + keep_xn * SLD) * 4;
     else if (kind == MQ_ACT_BF16) z.acts = (1 + keep_xn) * SLD * 2 + SLDo * 4;
+    /* asymmetric calibration: the unquantized stream's boundary (stored as X) and FFN outputs */
+    const int64_t tgt = p->target;
+    if (tgt && kind == MQ_ACT_RAM) z.acts += 2 * SLD * 4;
+    else if (tgt && kind == MQ_ACT_BF16) z.acts += SLD * (2 + 4);
     z.acts += p->calib.total * 4;   /* the token ids */
-    z.routing = E > 0 ? S * L * K * 8 * (p->seq ? 2 : 1) : 0;
+    z.routing = E > 0 ? S * L * K * 8 * (p->seq ? 2 + tgt : 1) : 0;
     int64_t Fx = c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn;
     /* the values of the KV cache: v_head_dim wide (MLA's values are narrower than its keys) */
     const int64_t KVv = (int64_t)c->n_kv_heads * c->v_head_dim;
@@ -80,8 +84,12 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     int64_t hs = (D * D + Qo * Qo + (c->mla ? qr * qr + lr * lr : 0)) * 4;
     /* Hessian-sized buffers per input: the sum (then H), the factor, U; a damping sweep adds
      * the held-out rows' Hessian (and one fitting Hessian at a time) */
-    const int64_t nh = 3 + (o->n_damp_sweep > 0) + (o->g.refine_passes > 0);   /* refine: H' kept */
+    /* asymmetric calibration: the cross sum G beside each Hessian (freed before the factors) */
+    const int64_t nh = 3 + (o->n_damp_sweep > 0) + (o->g.refine_passes > 0) + tgt;   /* refine: H' kept */
+    /* ... and its correction, one input at a time: (H + damping), the solution, a weight's copy */
+    const int64_t Kmax = D > Qo ? D : Qo;
     z.attention = att_w + (o->gptq ? nh * hs + gptq_scratch(D > Qo ? D : Qo) : 0) +
+                  tgt * (3 * Kmax * Kmax * 4 + L * (2 * D + Qo + (c->mla ? qr + lr : 0)) * 4) +
                   L * (3 * D + Qo + (c->mla ? qr + lr : 0)) * 4 +
                   L * (E > 0 ? E : 1) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)att_w / 4);
     /* the FFN stage keeps the norms and the router */
@@ -93,7 +101,8 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         int64_t h1 = o->gptq ? nh * (D * D + F * F) * 4 : 0;
         int64_t rows = mq_plan_batch_rows(p, C);
         z.batch = batch;
-        int64_t bscratch = batch * (L * D + L * K) * 4 + rows * (2 * D + 2 * F + 1) * 4;
+        int64_t bscratch = batch * (L * D + L * K) * 4 + rows * (2 * D + 2 * F + 1) * 4 +
+                           tgt * (batch * L * D + rows * (D + 2 * F) + 3 * (D > F ? D * D : F * F)) * 4;
         z.chunk = C * (w1 + h1 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * F * D))) +
                   bscratch + (o->gptq ? gptq_scratch(D > F ? D : F) : 0);
         if (block) z.chunk += (2 * L * F + L * D) * 4;   /* fallback down: its scratch */
@@ -105,8 +114,9 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         if (!c->layer_is_moe[l] && c->ffn > Fu) Fu = c->ffn;
     if (Fu > 0) {
         int64_t w = 3 * Fu * D * 4;
+        const int64_t Ku = D > Fu ? D : Fu;
         unit = w + (o->gptq ? nh * (D * D + Fu * Fu) * 4 + gptq_scratch(D > Fu ? D : Fu) : 0) +
-               (L * D * 2 + 2 * L * Fu + L) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * Fu * D));
+               tgt * (L * D + 2 * L * Fu + 3 * Ku * Ku) * 4 + (L * D * 2 + 2 * L * Fu + L) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * Fu * D));
     }
     z.ffn_other = ffn_fixed + unit;
     int64_t ffn = ffn_fixed + (z.chunk > unit ? z.chunk : unit);
@@ -180,12 +190,16 @@ static layer_flops flops_of(const mq_pipe *p, int l) {
                          : 0;
     }
     f.att_sample = att * L * (p->calibrate ? 1 : 0);
-    f.forward = att * T * passes;
+    /* asymmetric calibration: the unquantized stream's pass of every part, gate/up once more on
+     * its routed rows, and the cross sums (twice a Hessian's work: the whole square) */
+    const double tgt = p->target;
+    f.forward = att * T * (passes + tgt);
+    f.hessian *= 1 + 2 * tgt;
     const double mse = o->spec.mse ? 1.3 : 1.0;
     if (c->layer_is_moe[l]) {
         const double E = c->n_experts, F = c->moe_ffn;
-        double fw = K * T * 2 * F * D * (p->seq ? 2 + 3 : 3);   /* calibration gate/up + output */
-        double hs = o->gptq ? K * T * (D * D + F * F) : 0;
+        double fw = K * T * 2 * F * D * (p->seq ? 2 + 3 + 5 * tgt : 3);   /* calibration gate/up + output */
+        double hs = o->gptq ? K * T * (D * D + F * F) * (1 + 2 * tgt) : 0;
         double gq = o->gptq ? E * (2 * 2 * F * D * D + D * D * D + 2 * D * F * F + F * F * F) * mse : 0;
         f.forward += fw + 2 * E * D * T * passes;
         f.hessian += hs;
@@ -194,8 +208,8 @@ static layer_flops flops_of(const mq_pipe *p, int l) {
     }
     double Fu = c->layer_is_moe[l] ? c->shared_ffn : c->ffn;
     if (Fu > 0) {
-        double fw = T * 2 * Fu * D * (p->seq ? 2 + 3 : 3);
-        double hs = o->gptq ? T * (D * D + Fu * Fu) : 0;
+        double fw = T * 2 * Fu * D * (p->seq ? 2 + 3 + 5 * tgt : 3);
+        double hs = o->gptq ? T * (D * D + Fu * Fu) * (1 + 2 * tgt) : 0;
         double gq = o->gptq ? (2 * 2 * Fu * D * D + D * D * D + 2 * D * Fu * Fu + Fu * Fu * Fu) * mse : 0;
         f.forward += fw;
         f.hessian += hs;
@@ -291,12 +305,12 @@ moeq_status mq_plan_memory(mq_pipe *p) {
      * fits beside the rest (one process: several ranks gather theirs to rank 0 in place;
      * MOEQ_SNAPSHOT_IN_PLACE=1, for the tests: never) */
     const int64_t copy = p->calib.total * (int64_t)c->D * 4;
-    if (p->ranks <= 1 && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE")) {
+    if (p->ranks <= 1 && !p->target && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE")) {
         mp->snapshot_copy = copy;
         mp->peak += copy;
     }
     const int64_t SLD4 = p->calib.n * p->calib.max_len * (int64_t)c->D * 4;
-    mp->disk_work = 2 * SLD4 + (kind == MQ_ACT_DISK ? (3 + (p->seq && !p->tseq)) * SLD4 : 0);
+    mp->disk_work = 2 * SLD4 + (kind == MQ_ACT_DISK ? (3 + (p->seq && !p->tseq) + 2 * p->target) * SLD4 : 0);
     /* FLOPs, time and progress units */
     for (int l = 0; l < c->n_layers; l++) {
         layer_flops f = flops_of(p, l);

@@ -139,6 +139,7 @@ static moeq_status embed_all(mq_pipe *p) {
     for (int64_t i = p->s_lo; i < p->s_hi && !s; i++) {   /* several ranks: this rank's share */
         s = mq_lazy_embed(p->lz, p->calib.ids[i], p->calib.len[i], tmp);
         if (!s) mq_actbuf_put(&p->X, (size_t)(i * p->LD), (size_t)(p->calib.len[i] * p->c->D), tmp);
+        if (!s && p->target) mq_actbuf_put(&p->XF, (size_t)(i * p->LD), (size_t)(p->calib.len[i] * p->c->D), tmp);
     }
     mq_free(tmp);
     return s;
@@ -161,22 +162,33 @@ static moeq_status alloc_activations(mq_pipe *p) {
         }
     }
     char *px = mq_path_join(p->work_dir, "x.bin"), *px2 = mq_path_join(p->work_dir, "x2.bin"),
-         *pn = mq_path_join(p->work_dir, "xn.bin"), *po = mq_path_join(p->work_dir, "out.bin");
-    moeq_status s = px && px2 && pn && po ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
+         *pn = mq_path_join(p->work_dir, "xn.bin"), *po = mq_path_join(p->work_dir, "out.bin"),
+         *pf = mq_path_join(p->work_dir, "xf.bin"), *pof = mq_path_join(p->work_dir, "outf.bin");
+    moeq_status s = px && px2 && pn && po && pf && pof ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
     if (!s) s = mq_actbuf_init(&p->X, k, n, px, "calibration activations");
     if (!s && k == MQ_ACT_DISK) s = mq_actbuf_init(&p->X2, k, n, px2, "calibration activations");
     if (!s && p->seq && !p->tseq) s = mq_actbuf_init(&p->XN, k, n, pn, "FFN inputs");
     if (!s) s = mq_actbuf_init(&p->OUT, k == MQ_ACT_DISK ? k : MQ_ACT_RAM, n, po, "FFN outputs");
+    /* asymmetric calibration: the unquantized model's stream, stored as the quantized one */
+    if (!s && p->target) s = mq_actbuf_init(&p->XF, k, n, pf, "unquantized calibration activations");
+    if (!s && p->target) s = mq_actbuf_init(&p->OUTF, k == MQ_ACT_DISK ? k : MQ_ACT_RAM, n, pof, "unquantized FFN outputs");
     free(px);
     free(px2);
     free(pn);
     free(po);
+    free(pf);
+    free(pof);
     if (s) return s;
     if (p->c->n_experts > 0) {
         size_t r = (size_t)(p->calib.n * p->calib.max_len * p->c->top_k);
         p->sel_a = mq_alloc_array(r, sizeof(int32_t), "routing");
         p->w_a = mq_alloc_array(r, sizeof(float), "routing");
         if (!p->sel_a || !p->w_a) return MOEQ_E_NOMEM;
+        if (p->target) {
+            p->sel_f = mq_alloc_array(r, sizeof(int32_t), "routing");
+            p->w_f = mq_alloc_array(r, sizeof(float), "routing");
+            if (!p->sel_f || !p->w_f) return MOEQ_E_NOMEM;
+        }
         if (p->seq) {
             p->sel_b = mq_alloc_array(r, sizeof(int32_t), "routing");
             p->w_b = mq_alloc_array(r, sizeof(float), "routing");
@@ -256,6 +268,10 @@ static void pipe_free(mq_pipe *p) {
     mq_actbuf_free(&p->X2);
     mq_actbuf_free(&p->XN);
     mq_actbuf_free(&p->OUT);
+    mq_actbuf_free(&p->XF);
+    mq_actbuf_free(&p->OUTF);
+    mq_free(p->sel_f);
+    mq_free(p->w_f);
     if (p->rank_dir) mq_remove_tree(p->work_dir);
     mq_free(p->sel_a);
     mq_free(p->sel_b);
@@ -345,7 +361,9 @@ static moeq_status run(mq_pipe *p) {
     if (p->calibrate && start < n_layers) {
         s = alloc_activations(p);
         int snap = 0;   /* the snapshot's layer: the layers from there to start are replayed */
-        if (!s && start > 0 && p->rank == 0) s = mq_work_load_boundary(p, start, &snap);
+        /* the snapshots hold the quantized stream only: with the unquantized target a resumed run
+         * recomputes both from the embeddings */
+        if (!s && start > 0 && p->rank == 0 && !p->target) s = mq_work_load_boundary(p, start, &snap);
         bool have = snap > 0 && snap == start;
         if (p->ranks <= 1 && snap > 0 && snap < start) {
             for (int l = snap; l < start && !s; l++) {
@@ -482,6 +500,12 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     p->calibrate = o->gptq || o->act_quant;
     p->seq = o->gptq && o->sequential;
     p->tseq = p->seq && o->true_sequential;
+    p->target = o->target_share > 0;
+    if (p->target && (!p->seq || p->tseq || o->device >= 0 || p->ranks > 1 || o->expert_weighting || o->n_damp_sweep)) {
+        s = mq_err(MOEQ_E_ARG, "the unquantized target (asymmetric calibration) runs with GPTQ in sequential mode, "
+                   "not true-sequential, on the CPU in one process, without expert weighting or a damping sweep");
+        goto done;
+    }
     if (p->calibrate) {
         if ((s = mq_lazy_open(model_dir, true, &p->lz))) goto done;
         p->m = mq_lazy_model_of(p->lz);

@@ -62,6 +62,8 @@ typedef struct {
     bool fallback_rtn;             /* ... round to nearest (else the MoE block's Hessians) */
     int expert_weighting;          /* routed tokens' Hessian updates times 1 (0), their gate
                                       score (1) or its square (2) */
+    float target_share;            /* asymmetric calibration: the share of the correction toward the
+                                      unquantized model's outputs (mq_gptq_target); 0: none */
     double damp_sweep[8];          /* percdamp candidates chosen by held-out loss (n 0: none) */
     int n_damp_sweep;
     mq_calib_opts calib;           /* GPTQ calibration samples (calib.path: the file) */

@@ -95,6 +95,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
         cJSON_AddBoolToObject(set, "clip_search", o->g.clip_search);
         cJSON_AddNumberToObject(set, "refine_passes", o->g.refine_passes);
         cJSON_AddBoolToObject(set, "refine_scales", o->g.refine_scales);
+        cJSON_AddNumberToObject(set, "target_unquantized", o->target_share);
         cJSON_AddStringToObject(set, "device", o->device >= 0 ? "cuda" : "cpu");
         if (o->device >= 0) cJSON_AddStringToObject(set, "gpu_precision", mq_gpu_precision_name(o->gpu_precision));
         cJSON *ds = cJSON_AddArrayToObject(set, "damp_sweep");

@@ -166,6 +166,7 @@ static cJSON *options_identity(const mq_pipe *p) {
         cJSON_AddBoolToObject(j, "clip_search", o->g.clip_search);
         cJSON_AddNumberToObject(j, "refine_passes", o->g.refine_passes);
         cJSON_AddBoolToObject(j, "refine_scales", o->g.refine_scales);
+        if (o->target_share > 0) cJSON_AddNumberToObject(j, "target_unquantized", o->target_share);
         cJSON *ds = cJSON_AddArrayToObject(j, "damp_sweep");
         for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
         /* GPU and CPU codes differ where a weight sits on a rounding threshold */
@@ -793,7 +794,8 @@ static moeq_status layer_done(mq_pipe *p, int l) {
     cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(p->manifest, "layers"), rec);
     /* the snapshot written behind this layer, named now (it was taken before this layer ran) */
     if ((s = snap_finish(p))) return s;
-    const bool due = p->calibrate && l + 1 < p->plan.n_layers && snapshot_due(p, l);
+    /* the unquantized target's stream is not in the snapshots: its resume starts from the embeddings */
+    const bool due = p->calibrate && !p->target && l + 1 < p->plan.n_layers && snapshot_due(p, l);
     const bool behind = due && p->mp.snapshot_copy > 0;   /* the plan had room for the copy */
     const bool snapshot = due && !behind;
     const int old = boundary_layer(p);

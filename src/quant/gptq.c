@@ -1469,3 +1469,62 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
                     "Hessian of the fitting rows", name);
     return st;
 }
+
+/* ---- asymmetric calibration's target (mq_gptq_target) ---------------------------------------- */
+
+typedef struct {
+    const float *L;   /* the lower Cholesky factor of H + damping, [K, K] */
+    float *R;         /* [K, K]: right-hand sides, solved in place */
+    int64_t K;
+} target_solve;
+
+/* Columns [256 t, 256 t + 256) of R := (L L^T)^-1 R. */
+static void target_solve_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    const target_solve *c = vctx;
+    const int64_t c0 = t * ROW_BLOCK, nc = c->K - c0 < ROW_BLOCK ? c->K - c0 : ROW_BLOCK;
+    cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, (int)c->K, (int)nc, 1.0f, c->L,
+                (int)c->K, c->R + c0, (int)c->K);
+    cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasTrans, CblasNonUnit, (int)c->K, (int)nc, 1.0f, c->L,
+                (int)c->K, c->R + c0, (int)c->K);
+}
+
+moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n, float share, double percdamp,
+                           float *const *W, const int64_t *rows, int nw, const char *name) {
+    if (n <= 0 || share == 0.0f || K <= 0) return MOEQ_OK;
+    pthread_once(&g_blas_once, blas_single_thread);
+    float *A = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
+    float *R = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
+    moeq_status st = A && R ? MOEQ_OK : MOEQ_E_NOMEM;
+    double mean_diag = 0;
+    for (int64_t k = 0; k < K; k++) mean_diag += H[k * K + k];
+    mean_diag /= (double)K;
+    const float damp = (float)(percdamp * mean_diag) + (mean_diag == 0);
+    const float sc = 2.0f / (float)n;
+    for (int64_t a = 0; a < K && !st; a++)
+        for (int64_t c = 0; c < K; c++) {
+            A[a * K + c] = H[a * K + c] + (a == c ? damp : 0.0f);
+            R[a * K + c] = share * (sc * G[c * K + a] - H[c * K + a]);   /* share ((2/n) G - H)^T */
+        }
+    /* R = (H + damping)^-1 share ((2/n) G - H)^T; then W += W R^T */
+    if (!st && LAPACKE_spotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)K, A, (lapack_int)K))
+        st = mq_err(MOEQ_E_NUMERIC, "%s: asymmetric calibration: the damped Hessian is not positive definite", name);
+    if (!st) {
+        target_solve c = {A, R, K};
+        mq_parallel_for((K + ROW_BLOCK - 1) / ROW_BLOCK, target_solve_task, &c);
+    }
+    for (int k = 0; k < nw && !st; k++) {
+        float *ws = mq_alloc_array((size_t)rows[k], (size_t)K * sizeof(float), "asymmetric calibration");
+        if (!ws) {
+            st = MOEQ_E_NOMEM;
+            break;
+        }
+        memcpy(ws, W[k], sizeof(float) * (size_t)(rows[k] * K));
+        mq_gemm_nt(rows[k], K, K, 1.0f, W[k], K, R, K, 1.0f, ws, K);
+        memcpy(W[k], ws, sizeof(float) * (size_t)(rows[k] * K));
+        mq_free(ws);
+    }
+    mq_free(A);
+    mq_free(R);
+    return st;
+}

@@ -187,6 +187,20 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
                                const int64_t *rows, const float *gs, int nw, const double *cand,
                                int nc, const char *name, int *best, double *loss);
 
+/* Asymmetric calibration (GPTAQ's target, a share of it): GPTQ of the weights W that read one
+ * input then aims at the unquantized model's outputs instead of the same weights' outputs on the
+ * quantized stream. With H the Hessian GPTQ runs on ((2/n) sum x_q x_q^T, both triangles, from
+ * mq_hessian_get) and G = sum x_f x_q^T over the same n rows (x_f the unquantized model's input
+ * of the same token; mq_cross_det_acc), each W [rows[k], K] becomes
+ *     W + share W ((2/n) G - H)(H + percdamp mean(diag H) I)^-1,
+ * the least-squares correction toward x_f W^T from x_q, damped as GPTQ damps. Written as a
+ * correction, so the damping bounds the correction alone: W (2/n) G (H + damping)^-1 taken
+ * literally shrinks W along H's small directions even where the two streams agree. The share
+ * (0.5 measured best on the fixtures, docs/gptq_results.md) keeps it from fitting the few routed
+ * tokens of an expert. Deterministic (fixed pool tiles, single-threaded BLAS inside each). */
+moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n, float share, double percdamp,
+                           float *const *W, const int64_t *rows, int nw, const char *name);
+
 /* tr((W-Q) H (W-Q)^T) computed directly (2*rows*K^2 flops, double accumulation). */
 double mq_gptq_loss(const float *H, int64_t K, const float *w, const float *q, int64_t rows);
 

@@ -9,6 +9,7 @@
 #include <cblas.h>
 #include <lapacke.h>
 
+#include "kernels/gemm_det.h"
 #include "kernels/vec.h"
 
 #include <math.h>
@@ -343,8 +344,7 @@ static bool capture_pair(block_ctx *b, slot *s, mq_site site, const float *x, in
     if (!b->err && !s->G && !(s->G = calloc((size_t)(cols * cols), sizeof(float))))
         b->err = mq_err(MOEQ_E_NOMEM, "out of memory for %s's cross sum", s->w[0]->name);
     if (!b->err) {   /* G[a][c] += sum_t x_f[t][a] x_q[t][c] */
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)cols, (int)cols, (int)rows, 1.0f, xf, (int)cols,
-                    x, (int)cols, 1.0f, s->G, (int)cols);
+        mq_cross_det_acc_pool(cols, rows, xf, cols, x, cols, s->G, cols);
         s->g_rows += rows;
     }
     mq_free(gathered);
@@ -455,40 +455,14 @@ static moeq_status asym_targets(block_ctx *b) {
     for (int i = 0; i < b->n_slots; i++) {
         slot *s = &b->slots[i];
         if (!s->nw || !in_phase(b, s) || !s->G || !s->H || s->how != REF_HOW_GPTQ || !s->g_rows) continue;
-        const int64_t K = s->w[0]->in;
-        float *A = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
-        float *R = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
-        float *ws = NULL;
-        moeq_status st = A && R ? MOEQ_OK : MOEQ_E_NOMEM;
-        double mean_diag = 0;
-        for (int64_t k = 0; k < K; k++) mean_diag += s->H[k * K + k];
-        mean_diag /= (double)K;
-        const float damp = (float)(b->o->gptq.percdamp * mean_diag) + (mean_diag == 0);
-        const float sc = 2.0f / (float)s->g_rows;
-        for (int64_t a = 0; a < K && !st; a++)
-            for (int64_t c = 0; c < K; c++) {
-                A[a * K + c] = s->H[a * K + c] + (a == c ? damp : 0.0f);
-                R[a * K + c] = b->o->asym * (sc * s->G[c * K + a] - s->H[c * K + a]);   /* asym (G - H)^T */
-            }
-        /* R = (H + damping)^-1 asym (G - H)^T, then W += W R^T */
-        if (!st && LAPACKE_sposv(LAPACK_ROW_MAJOR, 'L', (int)K, (int)K, A, (int)K, R, (int)K))
-            st = mq_err(MOEQ_E_NUMERIC, "%s: asymmetric calibration: the damped Hessian is not positive definite",
-                        s->w[0]->name);
-        for (int k = 0; k < s->nw && !st; k++) {
-            mq_linear *l = s->w[k];
-            if (!(ws = mq_alloc_array((size_t)l->out, (size_t)K * sizeof(float), "asymmetric calibration"))) {
-                st = MOEQ_E_NOMEM;
-                break;
-            }
-            memcpy(ws, l->w, sizeof(float) * (size_t)(l->out * K));
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)l->out, (int)K, (int)K, 1.0f, l->w, (int)K, R,
-                        (int)K, 1.0f, ws, (int)K);
-            memcpy(l->w, ws, sizeof(float) * (size_t)(l->out * K));
-            mq_free(ws);
-            ws = NULL;
+        float *w[3];
+        int64_t rows[3];
+        for (int k = 0; k < s->nw; k++) {
+            w[k] = s->w[k]->w;
+            rows[k] = s->w[k]->out;
         }
-        mq_free(A);
-        mq_free(R);
+        moeq_status st = mq_gptq_target(s->H, s->G, s->w[0]->in, s->g_rows, b->o->asym, b->o->gptq.percdamp, w, rows,
+                                        s->nw, s->w[0]->name);
         if (st) return st;
     }
     return MOEQ_OK;

@@ -46,8 +46,8 @@ typedef struct {
     int64_t min_expert_tokens;      /* default 32 */
     ref_expert_fallback fallback;
     bool no_fuse;                   /* one NVFP4 global scale per tensor */
-    /* Sequential (not true-sequential) only, a prototype for the pipeline (docs/gptq_results.md, "Asymmetric
-     * calibration"): GPTQ on W + asym W (G - H)(H + damping)^-1 instead of W, G = sum x_f x_q^T,
+    /* Sequential (not true-sequential) only, the pipeline's --target unquantized:asym
+     * (mq_gptq_target): GPTQ on W + asym W (G - H)(H + damping)^-1 instead of W, G = sum x_f x_q^T,
      * x_f the unquantized model's input of the same token (an unquantized activation stream runs
      * beside the quantized one), x_q the quantized stream's; a routed expert pairs its routed
      * tokens, its down input taken from x_f through its unquantized gate and up. 0: off. */

@@ -68,7 +68,14 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
     if (g->damp_sweep && moeq_quant_options_set(o, "damp-sweep", g->damp_sweep))
         return cli_usage_error("quantize", "--damp-sweep %s: expected up to 8 damping fractions "
                                ">= 0 separated by commas, e.g. 0.003,0.01,0.03,0.1", g->damp_sweep);
+    if (g->target && moeq_quant_options_set(o, "target", g->target))
+        return cli_usage_error("quantize", "--target %s: expected quantized, unquantized or unquantized:A "
+                               "with A in (0, 1]", g->target);
     if (o->method != MOEQ_QUANT_GPTQ) return -1;
+    if (o->gptq.target_unquantized > 0 && o->gptq.mode == MOEQ_GPTQ_NONSEQUENTIAL)
+        return fail("--target unquantized needs --gptq-mode sequential");
+    if (o->gptq.target_unquantized > 0 && g->true_sequential)
+        return fail("--target unquantized runs with sequential calibration, not --true-sequential");
     /* moeq_quantize refuses these too, naming the option fields; here they name the flags */
     if (g->act_order && g->no_act_order)
         return fail("--act-order and --no-act-order exclude each other");

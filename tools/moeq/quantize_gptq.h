@@ -12,7 +12,7 @@ typedef struct {
     int64_t nsamples, seqlen, seed, block_size, min_expert_tokens, threads, refine;
     double percdamp;
     const char *sampling, *groups, *mode, *fallback, *report, *mse_weight, *report_html;
-    const char *expert_weighting, *damp_sweep;
+    const char *expert_weighting, *damp_sweep, *target;
     bool calib_bos, act_order, no_act_order, static_groups, no_mse, true_sequential, clip_search;
     bool refine_scales;
 } gptq_cli;
@@ -71,6 +71,10 @@ void gptq_cli_defaults(gptq_cli *g);
      "e.g. 0.003,0.01,0.03,0.1); each Linear input takes the one whose GPTQ on the first 7/8 of "   \
      "the samples has the least loss on the last 1/8, then GPTQ runs on all samples with it",      \
      NULL, 0, 0, NULL},                                                                            \
+    {"--target", OPT_STRING, &(g).target, "quantized|unquantized[:A]", "GPTQ: what each Linear's "    \
+     "GPTQ aims at: its own outputs on the quantized model's inputs (quantized, default), or A of "  \
+     "the way to the unquantized model's outputs (unquantized: 0.5; asymmetric calibration, one "   \
+     "more forward of each layer, CPU, sequential mode)", NULL, 0, 0, NULL},                        \
     {"--report", OPT_STRING, &(g).report, "FILE", "GPTQ: JSON report (default "                    \
      "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL},                                               \
     {"--report-html", OPT_STRING, &(g).report_html, "FILE", "GPTQ: the report also as one "           \

@@ -54,4 +54,19 @@ static inline void syrk_edge(int64_t n, const float *P, int64_t i0, int64_t i1, 
         }
 }
 
+/* The cross sum's elements outside whole tiles: C[i][j] for i in [i0, i1), j in [j0, j1), the
+ * scalar chain over the n packed rows of A (rows i, panels PA) and B (columns j, panels PB). */
+static inline void cross_edge(int64_t n, const float *PA, const float *PB, int64_t i0, int64_t i1, int64_t j0,
+                              int64_t j1, float *C, int64_t ldc) {
+    const int64_t pstride = SYRK_ROWS * SYRK_SC;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = j0; j < j1; j++) {
+            const float *pi = PA + (i / SYRK_SC) * pstride + i % SYRK_SC;
+            const float *pj = PB + (j / SYRK_SC) * pstride + j % SYRK_SC;
+            float acc = C[i * ldc + j];
+            for (int64_t r = 0; r < n; r++) acc = fmaf(pi[r * SYRK_SC], pj[r * SYRK_SC], acc);
+            C[i * ldc + j] = acc;
+        }
+}
+
 #endif

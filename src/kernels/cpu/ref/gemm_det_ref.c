@@ -24,3 +24,13 @@ void mq_syrk_det_acc_ref(int64_t K, int64_t n, const float *X, int64_t ldx, floa
             C[i * ldc + j] = acc;
         }
 }
+
+void mq_cross_det_acc_ref(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
+                          float *C, int64_t ldc, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t j = 0; j < K; j++) {
+            float acc = C[i * ldc + j];
+            for (int64_t r = 0; r < n; r++) acc = fmaf(A[r * lda + i], B[r * ldb + j], acc);
+            C[i * ldc + j] = acc;
+        }
+}

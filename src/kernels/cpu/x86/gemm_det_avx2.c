@@ -119,11 +119,14 @@ enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 static _Thread_local float *tl_pack;
 static _Thread_local size_t tl_cap;
 
-static void syrk_tile6(int64_t n, const float *P, int64_t i0, int64_t j0, float *C, int64_t ldc) {
+/* Pi: the panels the six broadcasts (rows i) come from, Pj: those of the 16 columns j (the same
+ * panels for the Hessian, the two streams' inputs for the cross sum). */
+static void syrk_tile6(int64_t n, const float *Pi, const float *Pj, int64_t i0, int64_t j0, float *C, int64_t ldc) {
+    const float *P = Pi;
     float *c0 = C + i0 * ldc + j0, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc, *c4 = c3 + ldc,
           *c5 = c4 + ldc;
     const int64_t pstride = ROWS_BLK * SC;   /* floats per panel */
-    const float *vj = P + (j0 / SC) * pstride;
+    const float *vj = Pj + (j0 / SC) * pstride;
     const float *b0 = P + ((i0 + 0) / SC) * pstride + (i0 + 0) % SC,
                 *b1 = P + ((i0 + 1) / SC) * pstride + (i0 + 1) % SC,
                 *b2 = P + ((i0 + 2) / SC) * pstride + (i0 + 2) % SC,
@@ -167,10 +170,10 @@ static void syrk_tile6(int64_t n, const float *P, int64_t i0, int64_t j0, float 
 }
 
 /* A row group of nr < 6 rows (the last of a range) over one full panel: the same chains. */
-static void syrk_tile_n(int64_t n, const float *P, int64_t i0, int nr, int64_t j0, float *C,
+static void syrk_tile_n(int64_t n, const float *P, const float *Pj, int64_t i0, int nr, int64_t j0, float *C,
                         int64_t ldc) {
     const int64_t pstride = ROWS_BLK * SC;
-    const float *vj = P + (j0 / SC) * pstride;
+    const float *vj = Pj + (j0 / SC) * pstride;
     for (int t = 0; t < nr; t++) {
         float *c = C + (i0 + t) * ldc + j0;
         const float *bi = P + ((i0 + t) / SC) * pstride + (i0 + t) % SC;
@@ -201,10 +204,41 @@ void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, flo
             const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
             int64_t j0 = 0;
             for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
-                if (i1 - i0 == SR) syrk_tile6(rb, P, i0, j0, C, ldc);
-                else syrk_tile_n(rb, P, i0, (int)(i1 - i0), j0, C, ldc);
+                if (i1 - i0 == SR) syrk_tile6(rb, P, P, i0, j0, C, ldc);
+                else syrk_tile_n(rb, P, P, i0, (int)(i1 - i0), j0, C, ldc);
             }
             syrk_edge(rb, P, i0, i1, j0, i1, C, ldc);
+        }
+    }
+}
+
+/* ---- the cross sum of two streams (mq_cross_det_acc) ------------------------------------------- */
+
+static _Thread_local float *tl_pack_b;
+static _Thread_local size_t tl_cap_b;
+
+void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
+                           float *C, int64_t ldc, int64_t row0, int64_t row1) {
+    if (K <= 0 || n <= 0 || row0 >= row1) return;
+    const int64_t pa = (row1 + SC - 1) / SC, pb = (K + SC - 1) / SC;
+    float *PA = syrk_scratch(&tl_pack, &tl_cap, (size_t)pa * ROWS_BLK * SC, 32);
+    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_cap_b, (size_t)pb * ROWS_BLK * SC, 32) : NULL;
+    if (!PB) {   /* no scratch: the reference gives the same values */
+        mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
+        return;
+    }
+    const int64_t full = K / SC * SC;   /* columns in whole panels; the rest is the scalar chain */
+    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
+        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
+        syrk_pack(A, lda, K, r0, rb, pa, PA);
+        syrk_pack(B, ldb, K, r0, rb, pb, PB);
+        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
+            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
+            for (int64_t j0 = 0; j0 < full; j0 += SC) {
+                if (i1 - i0 == SR) syrk_tile6(rb, PA, PB, i0, j0, C, ldc);
+                else syrk_tile_n(rb, PA, PB, i0, (int)(i1 - i0), j0, C, ldc);
+            }
+            cross_edge(rb, PA, PB, i0, i1, full, K, C, ldc);
         }
     }
 }
