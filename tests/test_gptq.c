@@ -1246,10 +1246,114 @@ static void test_refine(void) {
     refine_case(&i4, true);
 }
 
+/* Asymmetric calibration's correction (mq_gptq_target) against the formula in double precision:
+ * W' = W + a W ((2/n) G - H)(H + damping)^-1, the damping GPTQ's (percdamp mean(diag H), in
+ * float as the code forms it). Bound: the float Cholesky solve's relative error is within
+ * c K 2^-24 cond(A), cond(A) <= (Gershgorin's bound on H's largest eigenvalue + damping) /
+ * damping, and the update adds one rounding per product; 8 K 2^-24 cond(A) of the largest
+ * correction (here about 1% of it) is far below what a wrong sign, transpose or scale gives.
+ * Where (2/n) G equals H exactly (the two streams agree) the weights do not move, not by a bit;
+ * share 0 leaves them; an H no damping makes positive definite is an error naming the Linear. */
+static void test_target(void) {
+    const int64_t K = 40, n = 200, N = 24;
+    g_rng = 99;
+    double *xq = malloc(sizeof(double) * (size_t)(n * K)), *xf = malloc(sizeof(double) * (size_t)(n * K));
+    for (int64_t t = 0; t < n; t++) {
+        double prev = 0;
+        for (int64_t k = 0; k < K; k++) {
+            prev = rnd_normal() + 0.6 * prev;
+            xq[t * K + k] = prev * (1 + 0.05 * (double)k);
+            xf[t * K + k] = xq[t * K + k] + 0.3 * rnd_normal();
+        }
+    }
+    float *H = malloc(sizeof(float) * (size_t)(K * K)), *G = malloc(sizeof(float) * (size_t)(K * K));
+    for (int64_t a = 0; a < K; a++)
+        for (int64_t c = 0; c < K; c++) {
+            double h = 0, g = 0;
+            for (int64_t t = 0; t < n; t++) {
+                h += xq[t * K + a] * xq[t * K + c];
+                g += xf[t * K + a] * xq[t * K + c];
+            }
+            H[a * K + c] = (float)(2.0 * h / (double)n);
+            G[a * K + c] = (float)g;
+        }
+    float *w0 = make_weights(N, K, 5), *w1 = make_weights(N / 2, K, 6);
+    float *v0 = malloc(sizeof(float) * (size_t)(N * K)), *v1 = malloc(sizeof(float) * (size_t)(N / 2 * K));
+    memcpy(v0, w0, sizeof(float) * (size_t)(N * K));
+    memcpy(v1, w1, sizeof(float) * (size_t)(N / 2 * K));
+    float *ws[2] = {v0, v1};
+    const int64_t rows[2] = {N, N / 2};
+    const float share = 0.5f;
+    ASSERT_OK(mq_gptq_target(H, G, K, n, share, 0.01, ws, rows, 2, "test.proj"));
+    /* the formula in double: A = H + damp I, M = share ((2/n) G - H), Z = M A^-1 (A Z^T = M^T) */
+    double mean = 0;
+    for (int64_t k = 0; k < K; k++) mean += H[k * K + k];
+    mean /= (double)K;
+    const float damp = (float)(0.01 * mean);
+    double *A = malloc(sizeof(double) * (size_t)(K * K)), *Z = malloc(sizeof(double) * (size_t)(K * K));
+    double lmax = 0;
+    for (int64_t a = 0; a < K; a++) {
+        double row = 0;
+        for (int64_t c = 0; c < K; c++) {
+            A[a * K + c] = (double)H[a * K + c] + (a == c ? (double)damp : 0);
+            Z[c * K + a] = share * (2.0 / (double)n * G[a * K + c] - H[a * K + c]);   /* Z = M^T */
+            row += fabs((double)H[a * K + c]);
+        }
+        if (row > lmax) lmax = row;
+    }
+    ASSERT_TRUE(chol_lower(A, K));
+    for (int64_t j = 0; j < K; j++) {   /* columns of M^T: solve L L^T z = m */
+        for (int64_t i = 0; i < K; i++) {
+            double v = Z[i * K + j];
+            for (int64_t k = 0; k < i; k++) v -= A[i * K + k] * Z[k * K + j];
+            Z[i * K + j] = v / A[i * K + i];
+        }
+        for (int64_t i = K - 1; i >= 0; i--) {
+            double v = Z[i * K + j];
+            for (int64_t k = i + 1; k < K; k++) v -= A[k * K + i] * Z[k * K + j];
+            Z[i * K + j] = v / A[i * K + i];
+        }
+    }
+    /* Z now holds A^-1 M^T = (M A^-1)^T: W' = W + W Z^T */
+    const double cond = (lmax + damp) / damp, rel = 8.0 * (double)K * 0x1p-24 * cond;
+    const float *orig[2] = {w0, w1};
+    double worst = 0, largest = 0;
+    for (int m = 0; m < 2; m++)
+        for (int64_t r = 0; r < rows[m]; r++)
+            for (int64_t c = 0; c < K; c++) {
+                double d = 0;
+                for (int64_t k = 0; k < K; k++) d += (double)orig[m][r * K + k] * Z[c * K + k];
+                if (fabs(d) > largest) largest = fabs(d);
+                double e = fabs((double)ws[m][r * K + c] - ((double)orig[m][r * K + c] + d));
+                if (e > worst) worst = e;
+            }
+    printf("  target: largest correction %.3g, worst error %.3g, bound %.3g (cond(A) <= %.0f)\n", largest, worst,
+           rel * largest, cond);
+    ASSERT_TRUE(largest > 1e-3);
+    ASSERT_TRUE(rel < 0.05);
+    ASSERT_TRUE(worst <= rel * largest + 2 * 0x1p-24 * 0.2);
+    /* the streams agree: G's sum is H's, (2/n) G - H is zero, nothing moves */
+    const float sc = 2.0f / (float)n;
+    for (int64_t i = 0; i < K * K; i++) H[i] = sc * G[i];
+    memcpy(v0, w0, sizeof(float) * (size_t)(N * K));
+    float *same[1] = {v0};
+    ASSERT_OK(mq_gptq_target(H, G, K, n, 1.0f, 0.01, same, rows, 1, "test.proj"));
+    ASSERT_TRUE(memcmp(v0, w0, sizeof(float) * (size_t)(N * K)) == 0);
+    memcpy(G, H, sizeof(float) * (size_t)(K * K));
+    G[3] += 1;
+    ASSERT_OK(mq_gptq_target(H, G, K, n, 0.0f, 0.01, same, rows, 1, "test.proj"));
+    ASSERT_TRUE(memcmp(v0, w0, sizeof(float) * (size_t)(N * K)) == 0);
+    for (int64_t i = 0; i < K * K; i++) H[i] = i % (K + 1) == 0 ? -1.0f : 0.0f;   /* -I */
+    ASSERT_STATUS(MOEQ_E_NUMERIC, mq_gptq_target(H, G, K, n, 0.5f, 0.01, same, rows, 1, "test.proj"));
+    ASSERT_ERROR_MENTIONS("test.proj");
+    free(xq), free(xf), free(H), free(G), free(w0), free(w1), free(v0), free(v1), free(A), free(Z);
+}
+
 TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_order),
           T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
           T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs), T(test_factor_many_uneven),
           T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
           T(test_force_ref_same_codes), T(test_progress), T(test_bad_input), T(test_clip_search),
-          T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom), T(test_factor_odd_size))
+          T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom), T(test_factor_odd_size),
+          T(test_target))

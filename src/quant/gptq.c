@@ -1499,16 +1499,22 @@ moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n,
     double mean_diag = 0;
     for (int64_t k = 0; k < K; k++) mean_diag += H[k * K + k];
     mean_diag /= (double)K;
-    const float damp = (float)(percdamp * mean_diag) + (mean_diag == 0);
     const float sc = 2.0f / (float)n;
     for (int64_t a = 0; a < K && !st; a++)
-        for (int64_t c = 0; c < K; c++) {
-            A[a * K + c] = H[a * K + c] + (a == c ? damp : 0.0f);
+        for (int64_t c = 0; c < K; c++)
             R[a * K + c] = share * (sc * G[c * K + a] - H[c * K + a]);   /* share ((2/n) G - H)^T */
-        }
-    /* R = (H + damping)^-1 share ((2/n) G - H)^T; then W += W R^T */
-    if (!st && LAPACKE_spotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)K, A, (lapack_int)K))
-        st = mq_err(MOEQ_E_NUMERIC, "%s: asymmetric calibration: the damped Hessian is not positive definite", name);
+    /* R = (H + damping)^-1 share ((2/n) G - H)^T; then W += W R^T. The damping grows tenfold
+     * while the factorisation fails, as GPTQ's does */
+    bool factored = false;
+    for (int t = 0; t < 4 && !st && !factored; t++) {
+        const float damp = (float)(percdamp * pow(10.0, t) * mean_diag) + (mean_diag == 0);
+        for (int64_t a = 0; a < K; a++)
+            for (int64_t c = 0; c < K; c++) A[a * K + c] = H[a * K + c] + (a == c ? damp : 0.0f);
+        factored = LAPACKE_spotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)K, A, (lapack_int)K) == 0;
+    }
+    if (!st && !factored)
+        st = mq_err(MOEQ_E_NUMERIC, "%s: asymmetric calibration: the damped Hessian is not positive definite "
+                    "(damping up to 1000x percdamp)", name);
     if (!st) {
         target_solve c = {A, R, K};
         mq_parallel_for((K + ROW_BLOCK - 1) / ROW_BLOCK, target_solve_task, &c);
