@@ -195,25 +195,76 @@ static void slot_cross(slot *s, const float *xf, const float *xq, int64_t rows) 
 }
 
 /* Asymmetric calibration: each GPTQ slot's weights moved toward the unquantized model's outputs
- * (mq_gptq_target) before GPTQ quantizes them; G is freed. Timed as the GPTQ stage. */
-static moeq_status target_slots(mq_pipe *p, int l, slot *slots, int n) {
-    double t0 = mq_now(), c0 = mq_cpu_now();
-    moeq_status st = MOEQ_OK;
-    for (int i = 0; i < n && !st; i++) {
-        slot *s = &slots[i];
-        if (s->G && s->H && s->how == MQ_HOW_GPTQ && s->g_rows > 0) {
-            float *w[3];
-            int64_t rows[3];
-            for (int k = 0; k < s->nw; k++) {
-                w[k] = s->w[k]->w;
-                rows[k] = s->w[k]->out;
-            }
-            st = mq_gptq_target(s->H, s->G, s->w[0]->in, s->g_rows, p->o->target_share, p->o->g.percdamp, w, rows,
-                                s->nw, s->w[0]->name);
-        }
-        mq_free(s->G);
-        s->G = NULL;
+ * (mq_gptq_target) before GPTQ quantizes them; G is freed. Where there are at least as many
+ * slots as threads (a chunk of experts) each slot is one pool task, costliest first, its BLAS
+ * single-threaded; fewer (the attention, an MLP) run one after another, each over the pool. The
+ * values are the same either way (mq_gptq_target's fixed tiles). Timed as the GPTQ stage. */
+typedef struct {
+    mq_pipe *p;
+    slot **s;
+    moeq_status *st;
+    char (*msg)[320];
+} target_job;
+
+static moeq_status target_one(mq_pipe *p, slot *s) {
+    float *w[3];
+    int64_t rows[3];
+    for (int k = 0; k < s->nw; k++) {
+        w[k] = s->w[k]->w;
+        rows[k] = s->w[k]->out;
     }
+    return mq_gptq_target(s->H, s->G, s->w[0]->in, s->g_rows, p->o->target_share, p->o->g.percdamp, w, rows, s->nw,
+                          s->w[0]->name);
+}
+
+static void target_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    const target_job *j = ctx;
+    j->st[i] = target_one(j->p, j->s[i]);
+    if (j->st[i]) snprintf(j->msg[i], sizeof j->msg[i], "%s", moeq_last_error());
+}
+
+static double target_cost(const slot *s) {
+    double K = (double)s->w[0]->in, rows = 0;
+    for (int k = 0; k < s->nw; k++) rows += (double)s->w[k]->out;
+    return K * K * (K + rows);
+}
+
+/* slots a[0..na) and b[0..nb) (a chunk's gate/up and down slots) */
+static moeq_status target_slots(mq_pipe *p, int l, slot *a, int na, slot *b, int nb) {
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    const int n = na + nb;
+    slot **work = calloc((size_t)(n + 1), sizeof *work);
+    moeq_status *sts = calloc((size_t)(n + 1), sizeof *sts);
+    char (*msg)[320] = calloc((size_t)(n + 1), sizeof *msg);
+    moeq_status st = work && sts && msg ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory in layer %d", l);
+    int m = 0;
+    for (int i = 0; i < n && !st; i++) {
+        slot *x = i < na ? &a[i] : &b[i - na];
+        if (x->G && x->H && x->how == MQ_HOW_GPTQ && x->g_rows > 0) work[m++] = x;
+    }
+    for (int i = 1; i < m; i++)   /* costliest first: the long tasks before the ones that fill gaps */
+        for (int k = i; k > 0 && target_cost(work[k - 1]) < target_cost(work[k]); k--) {
+            slot *t = work[k];
+            work[k] = work[k - 1];
+            work[k - 1] = t;
+        }
+    if (!st && m >= mq_pool_size()) {
+        target_job j = {p, work, sts, msg};
+        mq_parallel_for(m, target_task, &j);
+        for (int i = 0; i < m && !st; i++)
+            if (sts[i]) st = mq_err(sts[i], "%s", msg[i]);
+    } else {
+        for (int i = 0; i < m && !st; i++) st = target_one(p, work[i]);
+    }
+    for (int i = 0; i < n; i++) {
+        slot *x = i < na ? &a[i] : &b[i - na];
+        mq_free(x->G);
+        x->G = NULL;
+    }
+    free(work);
+    free(sts);
+    free(msg);
     p->layers[l].gptq += mq_now() - t0;
     p->layers[l].cpu_gptq += mq_cpu_now() - c0;
     return st;
@@ -1290,7 +1341,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
             moeq_status fs = slot_form_timed(p, l, &sl[i]);
             if (!st) st = fs;
         }
-        if (!st && p->target) st = target_slots(p, l, sl, n_sl);
+        if (!st && p->target) st = target_slots(p, l, sl, n_sl, NULL, 0);
         if (!st) st = quantize_slots(p, l, sl, n_sl, NULL);
         if (p->ranks > 1) {
             char step[48];
@@ -2242,10 +2293,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             moeq_status fa = slot_form_timed(p, l, &gu[e]), fb = slot_form_timed(p, l, &dn[e]);
             if (!st) st = fa ? fa : fb;
         }
-        if (!st && calib && p->target) {
-            st = target_slots(p, l, gu + e0, e1 - e0);
-            if (!st) st = target_slots(p, l, dn + e0, e1 - e0);
-        }
+        if (!st && calib && p->target) st = target_slots(p, l, gu + e0, e1 - e0, dn + e0, e1 - e0);
         if (!st && !replay) {
             /* gate/up slots then down slots of the chunk, in one run */
             slot *q = calloc((size_t)(2 * (e1 - e0)), sizeof *q);
@@ -2436,7 +2484,7 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
             moeq_status fst = slot_form_timed(p, l, &sl[i]);
             if (!st) st = fst;
         }
-        if (!st && p->target) st = target_slots(p, l, sl, 2);
+        if (!st && p->target) st = target_slots(p, l, sl, 2, NULL, 0);
         if (!st) st = quantize_slots(p, l, sl, 2, NULL);
     } else if (!st && replay) {
         /* the unquantized stream first, while the weights are the source's */

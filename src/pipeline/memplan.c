@@ -86,10 +86,13 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
      * the held-out rows' Hessian (and one fitting Hessian at a time) */
     /* asymmetric calibration: the cross sum G beside each Hessian (freed before the factors) */
     const int64_t nh = 3 + (o->n_damp_sweep > 0) + (o->g.refine_passes > 0) + tgt;   /* refine: H' kept */
-    /* ... and its correction, one input at a time: (H + damping), the solution, a weight's copy */
+    /* ... and its correction: (H + damping), the solution and a weight's copy, per input at once
+     * (target_slots: each of a chunk's slots its own task, up to one per thread) */
     const int64_t Kmax = D > Qo ? D : Qo;
+    const int64_t par = mq_pool_size();
     z.attention = att_w + (o->gptq ? nh * hs + gptq_scratch(D > Qo ? D : Qo) : 0) +
-                  tgt * (3 * Kmax * Kmax * 4 + L * (2 * D + Qo + (c->mla ? qr + lr : 0)) * 4) +
+                  tgt * ((2 * Kmax * Kmax + (Q + 2 * KV > D ? Q + 2 * KV : D) * Kmax) * 4 +
+                         L * (2 * D + Qo + (c->mla ? qr + lr : 0)) * 4) +
                   L * (3 * D + Qo + (c->mla ? qr + lr : 0)) * 4 +
                   L * (E > 0 ? E : 1) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)att_w / 4);
     /* the FFN stage keeps the norms and the router */
@@ -102,7 +105,8 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         int64_t rows = mq_plan_batch_rows(p, C);
         z.batch = batch;
         int64_t bscratch = batch * (L * D + L * K) * 4 + rows * (2 * D + 2 * F + 1) * 4 +
-                           tgt * (batch * L * D + rows * (D + 2 * F) + 3 * (D > F ? D * D : F * F)) * 4;
+                           tgt * (batch * L * D + rows * (D + 2 * F) +
+                                  (2 * C < par ? 2 * C : par) * (2 * (D > F ? D * D : F * F) + 2 * F * D)) * 4;
         z.chunk = C * (w1 + h1 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * F * D))) +
                   bscratch + (o->gptq ? gptq_scratch(D > F ? D : F) : 0);
         if (block) z.chunk += (2 * L * F + L * D) * 4;   /* fallback down: its scratch */
@@ -116,7 +120,7 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         int64_t w = 3 * Fu * D * 4;
         const int64_t Ku = D > Fu ? D : Fu;
         unit = w + (o->gptq ? nh * (D * D + Fu * Fu) * 4 + gptq_scratch(D > Fu ? D : Fu) : 0) +
-               tgt * (L * D + 2 * L * Fu + 3 * Ku * Ku) * 4 + (L * D * 2 + 2 * L * Fu + L) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * Fu * D));
+               tgt * (L * D + 2 * L * Fu + 2 * Ku * Ku + 2 * Fu * D) * 4 + (L * D * 2 + 2 * L * Fu + L) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * Fu * D));
     }
     z.ffn_other = ffn_fixed + unit;
     int64_t ffn = ffn_fixed + (z.chunk > unit ? z.chunk : unit);

@@ -1478,11 +1478,13 @@ typedef struct {
     int64_t K;
 } target_solve;
 
-/* Columns [256 t, 256 t + 256) of R := (L L^T)^-1 R. */
+enum { TARGET_COLS = 64 };   /* columns of a solve task: K / 64 tasks keep 16 threads busy at K 1024 */
+
+/* Columns [64 t, 64 t + 64) of R := (L L^T)^-1 R. */
 static void target_solve_task(void *vctx, int64_t t, int thread) {
     (void)thread;
     const target_solve *c = vctx;
-    const int64_t c0 = t * ROW_BLOCK, nc = c->K - c0 < ROW_BLOCK ? c->K - c0 : ROW_BLOCK;
+    const int64_t c0 = t * TARGET_COLS, nc = c->K - c0 < TARGET_COLS ? c->K - c0 : TARGET_COLS;
     cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, (int)c->K, (int)nc, 1.0f, c->L,
                 (int)c->K, c->R + c0, (int)c->K);
     cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasTrans, CblasNonUnit, (int)c->K, (int)nc, 1.0f, c->L,
@@ -1517,7 +1519,7 @@ moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n,
                     "(damping up to 1000x percdamp)", name);
     if (!st) {
         target_solve c = {A, R, K};
-        mq_parallel_for((K + ROW_BLOCK - 1) / ROW_BLOCK, target_solve_task, &c);
+        mq_parallel_for((K + TARGET_COLS - 1) / TARGET_COLS, target_solve_task, &c);
     }
     for (int k = 0; k < nw && !st; k++) {
         float *ws = mq_alloc_array((size_t)rows[k], (size_t)K * sizeof(float), "asymmetric calibration");

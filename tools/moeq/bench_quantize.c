@@ -97,7 +97,7 @@ int bench_quantize(int argc, char **argv) {
     int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0;
     const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL,
                *threads = NULL, *sampling = "chunks", *mode = "sequential",
-               *precision = "fp32";
+               *precision = "fp32", *target = NULL;
     bool json = false, tf32 = false;
     cli_opt opts[] = {
         {"--layers", OPT_INT, &layers, "N", "layers to run (default 2; the rest is extrapolated)",
@@ -114,6 +114,8 @@ int bench_quantize(int argc, char **argv) {
         {"--gptq-mode", OPT_CHOICE, &mode, NULL, "as moeq quantize's (default sequential)",
          "sequential|nonsequential", 0, -1, NULL},
         {"--scheme", OPT_CHOICE, &scheme, NULL, "weight format (default nvfp4)", "nvfp4|int4", 0, -1, NULL},
+        {"--target", OPT_STRING, &target, "quantized|unquantized[:A]", "as moeq quantize's (default "
+         "quantized)", NULL, 0, -1, NULL},
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory budget (default as moeq "
          "quantize)", NULL, 0, -1, NULL},
         {"--threads", OPT_STRING, &threads, "T[,T...]", "worker threads (default: all CPUs); a list "
@@ -178,6 +180,9 @@ int bench_quantize(int argc, char **argv) {
     qo.max_memory = (int64_t)mem;
     qo.device = dev >= 0 ? device : NULL;
     moeq_quant_options_set(&qo, "gpu-precision", precision);   /* a checked choice */
+    if (target && moeq_quant_options_set(&qo, "target", target))
+        return cli_usage_error("bench quantize", "--target %s: expected quantized, unquantized or unquantized:A "
+                               "with A in (0, 1]", target);
     mq_pipeline_opts o;
     mq_pipeline_opts_from(&qo, &o);
     o.stop_after = (int32_t)layers;
