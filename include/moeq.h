@@ -592,7 +592,8 @@ typedef struct {
          * on the quantized stream: W becomes W + A W ((2/n) G - H)(H + damping)^-1, G = sum
          * x_f x_q^T (docs/gptq_results.md). -1 (default): the build's default (off); 0: off
          * (--target quantized); (0, 1]: A (--target unquantized: 0.5). Sequential mode, not
-         * true-sequential, on the CPU in one process; not with expert_weighting or damp_sweep */
+         * true-sequential, on the CPU (also under mpirun; a resume then needs one process); not
+         * with expert_weighting or damp_sweep */
         double target_unquantized;
         int refine_scales;         /* --refine-scales: with refine_passes, after each pass every
                                       group's scale moves to the stored value nearest to its

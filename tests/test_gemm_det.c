@@ -213,6 +213,10 @@ static void test_cross_accumulate(void) {
         memcpy(b, c0, sizeof(float) * (size_t)(K * K));
         mq_cross_det_acc_pool(K, n, A, lda, B, ldb, b, K);
         for (int64_t i = 0; i < K * K; i++) ASSERT_TRUE(a[i] == b[i]);
+        memcpy(b, c0, sizeof(float) * (size_t)(K * K));   /* two bands of rows, as two ranks sum them */
+        mq_cross_det_acc_pool_rows(K, n, A, lda, B, ldb, b, K, 0, K / 2);
+        mq_cross_det_acc_pool_rows(K, n, A, lda, B, ldb, b, K, K / 2, K);
+        for (int64_t i = 0; i < K * K; i++) ASSERT_TRUE(a[i] == b[i]);
         free(A);
         free(B);
         free(c0);

@@ -122,7 +122,7 @@ void mq_cross_det_acc(int64_t K, int64_t n, const float *A, int64_t lda, const f
 }
 
 typedef struct {
-    int64_t K, n, lda, ldb, ldc;
+    int64_t K, n, lda, ldb, ldc, i0, i1;
     const float *A, *B;
     float *C;
 } cross_job;
@@ -130,13 +130,18 @@ typedef struct {
 static void cross_task(void *ctx, int64_t t, int thread) {
     (void)thread;
     const cross_job *j = ctx;
-    const int64_t i0 = t * SYRK_ROWS, i1 = i0 + SYRK_ROWS < j->K ? i0 + SYRK_ROWS : j->K;
+    const int64_t i0 = j->i0 + t * SYRK_ROWS, i1 = i0 + SYRK_ROWS < j->i1 ? i0 + SYRK_ROWS : j->i1;
     mq_cross_det_acc(j->K, j->n, j->A, j->lda, j->B, j->ldb, j->C, j->ldc, i0, i1);
+}
+
+void mq_cross_det_acc_pool_rows(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
+                                float *C, int64_t ldc, int64_t i0, int64_t i1) {
+    if (K <= 0 || n <= 0 || i1 <= i0) return;
+    cross_job j = {K, n, lda, ldb, ldc, i0, i1, A, B, C};
+    mq_parallel_for((i1 - i0 + SYRK_ROWS - 1) / SYRK_ROWS, cross_task, &j);
 }
 
 void mq_cross_det_acc_pool(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                            float *C, int64_t ldc) {
-    if (K <= 0 || n <= 0) return;
-    cross_job j = {K, n, lda, ldb, ldc, A, B, C};
-    mq_parallel_for((K + SYRK_ROWS - 1) / SYRK_ROWS, cross_task, &j);
+    mq_cross_det_acc_pool_rows(K, n, A, lda, B, ldb, C, ldc, 0, K);
 }

@@ -79,6 +79,9 @@ void mq_cross_det_acc(int64_t K, int64_t n, const float *A, int64_t lda, const f
                       float *C, int64_t ldc, int64_t i0, int64_t i1);
 void mq_cross_det_acc_pool(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                            float *C, int64_t ldc);
+/* Rows [i0, i1) of C only, over the pool (several ranks each sum a band of the square). */
+void mq_cross_det_acc_pool_rows(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
+                                float *C, int64_t ldc, int64_t i0, int64_t i1);
 void mq_cross_det_acc_ref(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                           float *C, int64_t ldc, int64_t i0, int64_t i1);
 #if defined(__x86_64__) || defined(__i386__)

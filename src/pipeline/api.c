@@ -86,8 +86,6 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
     if (tu > 0 && (o->gptq.expert_weighting || o->gptq.n_damp_sweep))
         return BAD("gptq.target_unquantized: not with gptq.expert_weighting or gptq.damp_sweep (their Hessians "
                    "are not the ones the correction pairs with)");
-    if (tu > 0 && mq_dist_size() > 1)
-        return BAD("gptq.target_unquantized (--target unquantized) runs in one process (not under mpirun with several ranks)");
     if (o->gptq.n_damp_sweep < 0 || o->gptq.n_damp_sweep > 8)
         return BAD("gptq.n_damp_sweep must be 0 .. 8, got %d", (int)o->gptq.n_damp_sweep);
     for (int32_t i = 0; i < o->gptq.n_damp_sweep; i++)

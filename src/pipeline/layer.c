@@ -878,7 +878,7 @@ static void on_attention(void *user, int layer, mq_site site, int expert, const 
     if (c->fp) {
         float *fa = site == MQ_SITE_QKV ? c->farena_qkv : site == MQ_SITE_O ? c->farena_o
                   : site == MQ_SITE_Q_B ? c->farena_qb : site == MQ_SITE_KV_B ? c->farena_kvb : NULL;
-        if (fa && rows > 0) mq_copy_floats(fa, x, (size_t)(rows * cols));
+        if (fa && rows > 0) mq_copy_floats(fa + c->at * c->Lmax * cols, x, (size_t)(rows * cols));
         return;
     }
     slot *s = site == MQ_SITE_QKV ? c->qkv : site == MQ_SITE_O ? c->o
@@ -1090,7 +1090,7 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
             if (cap->rows_qb && !st) st = slot_add(cap->qb, cap->arena_qb, cap->rows_qb);
             if (cap->rows_kvb && !st) st = slot_add(cap->kvb, cap->arena_kvb, cap->rows_kvb);
         }
-        if (!st && cap && p->target) {   /* the cross sums, paired token for token */
+        if (!st && cap && !cap->store && p->target) {   /* the cross sums, paired token for token */
             slot_cross(cap->qkv, cap->farena_qkv, cap->arena_qkv, cap->rows_qkv);
             slot_cross(cap->o, cap->farena_o, cap->arena_o, cap->rows_o);
             if (cap->qb) slot_cross(cap->qb, cap->farena_qb, cap->arena_qb, cap->rows_qb);
@@ -1221,6 +1221,54 @@ static moeq_status split_hessian(mq_pipe *p, int l, slot *s, const float *arena,
     return st;
 }
 
+/* Several ranks, asymmetric calibration: the cross sum G of slot s as the same relay as
+ * split_hessian's (every element the one process's fmaf chain over the rows in sample order),
+ * the square cut into bands of equal rows; farena / arena: this rank's samples' inputs of the
+ * unquantized and the quantized stream. */
+static moeq_status split_cross(mq_pipe *p, int l, slot *s, const float *farena, const float *arena, int64_t width) {
+    if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
+    const int64_t Lmax = p->calib.max_len, K = width;
+    const int last = p->ranks - 1;
+    char step[64];
+    snprintf(step, sizeof step, "layer %d: cross sum of %s", l, s->w[0]->name);
+    float *part = mine(p, s) ? NULL : mq_alloc_array((size_t)(K * K), sizeof(float), "a cross sum in relay");
+    moeq_status st = mine(p, s) || part ? MOEQ_OK : MOEQ_E_NOMEM;
+    float *C = mine(p, s) ? s->G : part;
+    if (C) memset(C, 0, sizeof(float) * (size_t)(K * K));
+    st = mq_dist_agree(st, step);
+    int64_t lo, hi;
+    mq_dist_share(p->calib.n, p->rank, p->ranks, &lo, &hi);
+    int64_t nb = (int64_t)RELAY_BANDS_PER_RANK * p->ranks;
+    if (nb > K) nb = K;
+    for (int64_t b = 0; b < nb && !st; b++) {
+        const int64_t a = K * b / nb, e = K * (b + 1) / nb;
+        const size_t bytes = sizeof(float) * (size_t)((e - a) * K);
+        if (e <= a) continue;
+        if (p->rank > 0) st = mq_dist_recv(C + a * K, bytes, p->rank - 1, step);
+        double t0 = mq_now(), c0 = mq_cpu_now();
+        for (int64_t t = lo; t < hi && !st; t++)
+            mq_cross_det_acc_pool_rows(K, p->calib.len[t], farena + (t - lo) * Lmax * width, width,
+                                       arena + (t - lo) * Lmax * width, width, C, K, a, e);
+        p->layers[l].hessian += mq_now() - t0;
+        p->layers[l].cpu_hessian += mq_cpu_now() - c0;
+        if (!st && p->rank < last) st = mq_dist_send(C + a * K, bytes, p->rank + 1, step);
+    }
+    int own[3];
+    const int n_own = slot_owners(s, own);
+    for (int i = 0; i < n_own && !st; i++) {
+        if (own[i] == last) continue;
+        const size_t bytes = sizeof(float) * (size_t)(K * K);
+        if (p->rank == last) st = mq_dist_send(C, bytes, own[i], step);
+        else if (p->rank == own[i]) st = mq_dist_recv(C, bytes, last, step);
+    }
+    if (!st && mine(p, s)) {
+        s->g_rows = 0;
+        for (int64_t t = 0; t < p->calib.n; t++) s->g_rows += p->calib.len[t];
+    }
+    mq_free(part);
+    return st;
+}
+
 /* Several ranks: what the FFN's calibration reads of every sample (pipeline.h), from the rank
  * that computed it to every rank: the FFN inputs (or the boundary after attention) and their
  * routing. */
@@ -1234,6 +1282,12 @@ static moeq_status share_ffn_inputs(mq_pipe *p, int l) {
         const size_t per = (size_t)(p->calib.max_len * p->c->top_k);
         st = mq_pipe_share_rows(p, b ? p->sel_b : p->sel_a, per * sizeof(int32_t), step);
         if (!st) st = mq_pipe_share_rows(p, b ? p->w_b : p->w_a, per * sizeof(float), step);
+    }
+    if (!st && p->target) {   /* the unquantized stream's boundary after attention, and its routing */
+        st = mq_pipe_share_samples(p, &p->XF, step);
+        const size_t per = (size_t)(p->calib.max_len * p->c->top_k);
+        if (!st && p->m->layers[l].is_moe) st = mq_pipe_share_rows(p, p->sel_f, per * sizeof(int32_t), step);
+        if (!st && p->m->layers[l].is_moe) st = mq_pipe_share_rows(p, p->w_f, per * sizeof(float), step);
     }
     return st;
 }
@@ -1313,13 +1367,16 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
                                               "latent attention inputs")))
                 st = MOEQ_E_NOMEM;
         }
-        /* asymmetric calibration: one sample's inputs of the unquantized stream per slot with a
-         * cross sum (one process: keep is 1) */
+        /* asymmetric calibration: the unquantized stream's inputs per slot with a cross sum, as
+         * the quantized one's (one process: one sample; several ranks: the rank's samples, every
+         * rank, for the relay of the sums) */
         float **fa[4] = {&cap.farena_qkv, &cap.farena_o, &cap.farena_qb, &cap.farena_kvb};
-        for (int i = 0; i < n_sl && !st && p->target; i++)
-            if (sl[i].G && !(*fa[i] = mq_alloc_array((size_t)Lmax, (size_t)width[i] * sizeof(float),
-                                                     "unquantized attention inputs")))
+        for (int i = 0; i < n_sl && !st && p->target && keep > 0; i++) {
+            const bool need = dist ? sl[i].nw && sl[i].how == MQ_HOW_GPTQ : sl[i].G != NULL;
+            if (need && !(*fa[i] = mq_alloc_array((size_t)(keep * Lmax), (size_t)width[i] * sizeof(float),
+                                                  "unquantized attention inputs")))
                 st = MOEQ_E_NOMEM;
+        }
         /* pass A: the unquantized attention (nothing needed of it in a sequential replay) */
         if (!st) st = attention_pass(p, l, true, &cap, &sc);
         if (dist) {
@@ -1333,6 +1390,8 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
             if (!st) st = sum(p, l, &sl[1], cap.arena_o, Q);
             if (!st && n_sl > 2) st = sum(p, l, &sl[2], cap.arena_qb, width[2]);
             if (!st && n_sl > 3) st = sum(p, l, &sl[3], cap.arena_kvb, width[3]);
+            const float *qa[4] = {cap.arena_qkv, cap.arena_o, cap.arena_qb, cap.arena_kvb};
+            for (int i = 0; i < n_sl && !st && p->target; i++) st = split_cross(p, l, &sl[i], *fa[i], qa[i], width[i]);
             for (int i = 0; i < n_sl && !st && p->o->act_quant; i++)
                 st = mq_dist_max_f32(&sl[i].amax, step);
         }
@@ -2287,7 +2346,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             st = experts_pass(p, l, e0, e1, hs, !p->seq && !dist, o->gptq, o->act_quant, gu, dn, false);
         /* asymmetric calibration: the unquantized stream's outputs of the chunk's experts, before
          * their weights change (a replay: before the quantized ones are read back) */
-        if (!st && p->target) st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, false);
+        if (!st && p->target && !dist) st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, false);
         if (!st && calib && o->gptq) st = fallback_down(p, l, dn, e0, e1);
         for (int e = e0; e < e1 && calib; e++) {
             moeq_status fa = slot_form_timed(p, l, &gu[e]), fb = slot_form_timed(p, l, &dn[e]);
@@ -2350,7 +2409,10 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         for (int e0 = 0; e0 < E && !st; e0 += C) {
             const int e1 = e0 + C < E ? e0 + C : E;
             quantized_in qi = {gu + e0, dn + e0, e1 - e0};
-            st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, p->seq ? is_quantized_in : NULL, &qi);
+            /* asymmetric calibration: every expert's source weights, for the unquantized stream's
+             * outputs of this rank's samples first */
+            st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, p->seq && !p->target ? is_quantized_in : NULL, &qi);
+            if (!st && p->target) st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, true);
             st = mq_dist_agree(st, step);
             if (!st) st = share_slots(p, l, gu + e0, e1 - e0);
             if (!st) st = share_slots(p, l, dn + e0, e1 - e0);
@@ -2471,14 +2533,15 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
         fs.hu = mq_alloc_array((size_t)(Lmax * F), sizeof(float), "unquantized MLP activations");
         if (!fs.xs || !fs.hg || !fs.hu) st = MOEQ_E_NOMEM;
     }
-    /* asymmetric calibration: the unquantized stream's output of the unit (unquantized weights) */
+    /* asymmetric calibration: first the unquantized stream's output of the unit (the source
+     * weights, before anything changes them), of this rank's samples */
     const ffn_source fsrc = fp_source(p);
+    if (!st && p->target) st = mlp_pass(p, l, shared, sl, fsrc, false, true, xs, hg, hu, y, sgate, dist, NULL);
     if (!st && p->calibrate && !replay && mine(p, &sl[0])) {
         /* calibration; without sequential calibration (and alone) it also gives the output */
         for (int i = 0; i < 2 && !st; i++) st = slot_hessian(p, &sl[i]);
         if (!st)
             st = mlp_pass(p, l, shared, sl, hessian_source(p), true, !p->seq && !dist, xs, hg, hu, y, sgate, false, &fs);
-        if (!st && p->target) st = mlp_pass(p, l, shared, sl, fsrc, false, true, xs, hg, hu, y, sgate, false, NULL);
         for (int i = 0; i < 2; i++) {
             sl[i].tokens = sl[i].h.n;
             moeq_status fst = slot_form_timed(p, l, &sl[i]);
@@ -2487,10 +2550,8 @@ static moeq_status mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
         if (!st && p->target) st = target_slots(p, l, sl, 2, NULL, 0);
         if (!st) st = quantize_slots(p, l, sl, 2, NULL);
     } else if (!st && replay) {
-        /* the unquantized stream first, while the weights are the source's */
-        if (p->target) st = mlp_pass(p, l, shared, sl, fsrc, false, true, xs, hg, hu, y, sgate, false, NULL);
-        if (!st && p->seq) st = read_back_slots(p, sl, 2);
-        else if (!st) st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, false, NULL);
+        if (p->seq) st = read_back_slots(p, sl, 2);
+        else st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, false, NULL);
     }
     if (dist && !replay) {
         /* from its owner to every rank; then each rank's samples through it */

@@ -501,9 +501,9 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     p->seq = o->gptq && o->sequential;
     p->tseq = p->seq && o->true_sequential;
     p->target = o->target_share > 0;
-    if (p->target && (!p->seq || p->tseq || o->device >= 0 || p->ranks > 1 || o->expert_weighting || o->n_damp_sweep)) {
+    if (p->target && (!p->seq || p->tseq || o->device >= 0 || o->expert_weighting || o->n_damp_sweep)) {
         s = mq_err(MOEQ_E_ARG, "the unquantized target (asymmetric calibration) runs with GPTQ in sequential mode, "
-                   "not true-sequential, on the CPU in one process, without expert weighting or a damping sweep");
+                   "not true-sequential, on the CPU, without expert weighting or a damping sweep");
         goto done;
     }
     if (p->calibrate) {

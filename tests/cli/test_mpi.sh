@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # mpirun -np 1|2|3 moeq quantize on localhost writes checkpoints byte-identical to one process's
 # (GPTQ NVFP4 on the bundled OLMoE, INT4 act-order on a model with a shared expert when the
-# shared fixtures are there); a rank killed mid-layer stops the job naming it, and --resume with
+# shared fixtures are there; both also with --target unquantized); a rank killed mid-layer stops the job naming it, and --resume with
 # another rank count finishes identically; a rank that fails makes every rank stop with its
 # message; a rank that hangs makes the others give up after --mpi-timeout. Skips (77) without
 # mpirun or on a build without MPI.
@@ -31,6 +31,14 @@ for np in 1 2 3; do
     ls -d "$tmp"/np$np.moeq-work* 2>/dev/null && fail "-np $np left a work directory"
 done
 
+# the unquantized target (asymmetric calibration): its cross sums relayed like the Hessians,
+# the unquantized stream shared like the quantized one
+"$cli" quantize "$model" --out "$tmp/tbase" "${args[@]}" --target unquantized || fail "--target unquantized exited $?"
+for np in 2 3; do
+    run_np "$np" quantize "$model" --out "$tmp/tnp$np" "${args[@]}" --target unquantized || fail "--target -np $np exited $?"
+    same "$tmp/tbase" "$tmp/tnp$np" "--target unquantized -np $np"
+done
+
 shared=${MOEQ_SHARED:-$repo/../shared}
 q2=$shared/fixtures/models/qwen2moe-tiny
 if [ -d "$q2" ]; then
@@ -38,6 +46,9 @@ if [ -d "$q2" ]; then
     "$cli" quantize "$q2" --out "$tmp/q2base" "${a2[@]}" || fail "qwen2moe single process exited $?"
     run_np 3 quantize "$q2" --out "$tmp/q2np3" "${a2[@]}" || fail "qwen2moe -np 3 exited $?"
     same "$tmp/q2base" "$tmp/q2np3" "qwen2moe-tiny -np 3"
+    "$cli" quantize "$q2" --out "$tmp/q2tbase" "${a2[@]}" --target unquantized || fail "qwen2moe --target exited $?"
+    run_np 3 quantize "$q2" --out "$tmp/q2tnp3" "${a2[@]}" --target unquantized || fail "qwen2moe --target -np 3 exited $?"
+    same "$tmp/q2tbase" "$tmp/q2tnp3" "qwen2moe-tiny --target unquantized -np 3"
 else
     echo "note: $q2 not found; the shared-expert case is skipped"
 fi
