@@ -592,9 +592,10 @@ static void test_resume(void) {
 }
 
 /* The unquantized target: the same bytes for any chunk, thread count and activation storage; an
- * interrupted run resumes to them (no snapshot is written: the resume recomputes both streams
- * from the embeddings through the finished layers, replaying them); a resume with another share
- * is refused; the modes it does not pair are refused before any work. */
+ * interrupted run resumes to them from the snapshot, which holds both streams (nothing
+ * replayed), and so does one whose snapshot is torn (both streams recomputed from the
+ * embeddings through the finished layers); a resume with another share is refused; the modes it
+ * does not pair are refused before any work. */
 static void test_target_unquantized_invariance_resume(void) {
     const char *model = mq_test_model("olmoe-tiny");
     const char *dir = mq_test_tmpdir();
@@ -619,7 +620,7 @@ static void test_target_unquantized_invariance_resume(void) {
     ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 2));
     ASSERT_TRUE(mq_dir_exists(work));
     snprintf(path, sizeof path, "%s/acts-2.bin", work);
-    ASSERT_FALSE(mq_file_exists(path));
+    ASSERT_TRUE(mq_file_exists(path));
     o.resume = true;
     o.target_share = 0.7f;
     ASSERT_STATUS(MOEQ_E_ARG, mq_pipeline_run(model, out, &o, NULL));
@@ -633,6 +634,19 @@ static void test_target_unquantized_invariance_resume(void) {
     moeq_set_log(NULL, NULL);
     moeq_set_threads(0);
     ASSERT_EQ_INT(2, r.layers_resumed);
+    ASSERT_EQ_INT(0, g_replays);
+    same_checkpoint(base, out);
+    mq_remove_tree(out);
+    o.resume = false;
+    ASSERT_STATUS(MOEQ_E_INTERRUPTED, run_until(model, out, &o, 2));
+    struct stat sb;   /* torn inside the unquantized stream (the second half), the quantized one whole */
+    ASSERT_TRUE(stat(path, &sb) == 0);
+    ASSERT_TRUE(truncate(path, sb.st_size - 400) == 0);
+    o.resume = true;
+    g_replays = 0;
+    moeq_set_log(replay_log, NULL);
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    moeq_set_log(NULL, NULL);
     ASSERT_EQ_INT(2, g_replays);
     same_checkpoint(base, out);
     mq_remove_tree(out);

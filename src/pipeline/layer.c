@@ -2856,6 +2856,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
         snprintf(step, sizeof step, "layer %d: outputs", l);
         st = mq_dist_agree(st, step);
         if (!st && !replay && l + 1 < p->plan.n_layers) st = mq_pipe_gather_samples(p, out_buf(p), step);
+        if (!st && !replay && l + 1 < p->plan.n_layers && p->target) st = mq_pipe_gather_samples(p, &p->XF, step);
     }
     if (!st) {
         if (p->X.kind == MQ_ACT_DISK) {   /* the next layer reads what this one wrote */

@@ -308,8 +308,8 @@ moeq_status mq_plan_memory(mq_pipe *p) {
     /* the activation snapshot (workdir.c): a copy written to disk behind the next layer where it
      * fits beside the rest (one process: several ranks gather theirs to rank 0 in place;
      * MOEQ_SNAPSHOT_IN_PLACE=1, for the tests: never) */
-    const int64_t copy = p->calib.total * (int64_t)c->D * 4;
-    if (p->ranks <= 1 && !p->target && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE")) {
+    const int64_t copy = p->calib.total * (int64_t)c->D * 4 * (1 + p->target);   /* both streams */
+    if (p->ranks <= 1 && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE")) {
         mp->snapshot_copy = copy;
         mp->peak += copy;
     }

@@ -361,9 +361,7 @@ static moeq_status run(mq_pipe *p) {
     if (p->calibrate && start < n_layers) {
         s = alloc_activations(p);
         int snap = 0;   /* the snapshot's layer: the layers from there to start are replayed */
-        /* the snapshots hold the quantized stream only: with the unquantized target a resumed run
-         * recomputes both from the embeddings */
-        if (!s && start > 0 && p->rank == 0 && !p->target) s = mq_work_load_boundary(p, start, &snap);
+        if (!s && start > 0 && p->rank == 0) s = mq_work_load_boundary(p, start, &snap);
         bool have = snap > 0 && snap == start;
         if (p->ranks <= 1 && snap > 0 && snap < start) {
             for (int l = snap; l < start && !s; l++) {
@@ -387,9 +385,9 @@ static moeq_status run(mq_pipe *p) {
                            "them), or start over", p->work_dir ? p->work_dir : "the work directory",
                            start, p->ranks);
             if ((s = mq_dist_agree(s, "the resumed activations"))) return s;
-            if (have) {   /* every sample from rank 0 */
+            for (int k = 0; have && k < 1 + p->target; k++) {   /* every sample from rank 0 (both streams) */
                 size_t es;
-                char *at = mq_actbuf_raw(&p->X, 0, &es);
+                char *at = mq_actbuf_raw(k ? &p->XF : &p->X, 0, &es);
                 s = mq_dist_bcast(at, (size_t)(p->calib.n * p->LD) * es, 0, "the resumed activations");
                 if (s) return s;
             }

@@ -474,6 +474,11 @@ moeq_status mq_work_globals_written(mq_pipe *p) {
 
 static char *acts_name(int layer) { return mq_asprintf("acts-%d.bin", layer); }
 
+/* A snapshot holds the quantized stream's boundary and, with the unquantized target, the
+ * unquantized stream's after it: "rows" r in [0, streams * S) are sample r % S of stream r / S. */
+static int snap_streams(const mq_pipe *p) { return 1 + (p->target ? 1 : 0); }
+static const mq_actbuf *snap_buf(const mq_pipe *p, int64_t r) { return r < p->calib.n ? &p->X : &p->XF; }
+
 /* The layer whose input the manifest's snapshot holds, or -1. */
 static int boundary_layer(const mq_pipe *p) {
     const cJSON *b = cJSON_GetObjectItemCaseSensitive(p->manifest, "boundary");
@@ -515,8 +520,9 @@ typedef struct {
 static void boundary_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     const boundary_job *j = ctx;
-    const size_t n = (size_t)(j->p->calib.len[i] * j->p->c->D);
-    const float *v = mq_actbuf_view(&j->p->X, (size_t)(i * j->p->LD), n, NULL);
+    const int64_t smp = i % j->p->calib.n;
+    const size_t n = (size_t)(j->p->calib.len[smp] * j->p->c->D);
+    const float *v = mq_actbuf_view(snap_buf(j->p, i), (size_t)(smp * j->p->LD), n, NULL);
     j->crc[i] = mq_crc32(0, v, n * sizeof(float));
     j->st[i] = mq_atomic_pwrite(j->af, v, n * sizeof(float), j->off[i]);
 }
@@ -525,12 +531,12 @@ static moeq_status write_boundary(mq_pipe *p, int layer, uint32_t *crc_out) {
     char *name = acts_name(layer), *path = name ? work_path(p, name) : NULL;
     free(name);
     if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    const int64_t D = p->c->D, S = p->calib.n;
+    const int64_t D = p->c->D, S = p->calib.n, R = S * snap_streams(p);
     const bool pool = p->X.kind != MQ_ACT_BF16;   /* fp32 in memory (or mapped) */
     float *tmp = pool ? NULL : mq_alloc_array((size_t)p->LD, sizeof(float), "activation snapshot");
-    uint32_t *part = pool ? calloc((size_t)S + 1, sizeof *part) : NULL;
-    int64_t *off = pool ? calloc((size_t)S + 1, sizeof *off) : NULL;
-    moeq_status *sst = pool ? calloc((size_t)S + 1, sizeof *sst) : NULL;
+    uint32_t *part = pool ? calloc((size_t)R + 1, sizeof *part) : NULL;
+    int64_t *off = pool ? calloc((size_t)R + 1, sizeof *off) : NULL;
+    moeq_status *sst = pool ? calloc((size_t)R + 1, sizeof *sst) : NULL;
     mq_atomic_file af;
     moeq_status s = (pool ? part && off && sst : tmp != NULL) ? mq_atomic_open(&af, path)
                                                                : mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -545,22 +551,22 @@ static moeq_status write_boundary(mq_pipe *p, int layer, uint32_t *crc_out) {
     uint32_t crc = 0;
     if (pool) {
         int64_t at = 8 + (int64_t)sizeof hdr;
-        for (int64_t i = 0; i < S; i++) {
+        for (int64_t i = 0; i < R; i++) {
             off[i] = at;
-            at += p->calib.len[i] * D * (int64_t)sizeof(float);
+            at += p->calib.len[i % S] * D * (int64_t)sizeof(float);
         }
         if (!s && fflush(af.f) != 0) s = mq_err(MOEQ_E_IO, "%s: write failed: %s", af.tmp_path, strerror(errno));
         boundary_job j = {p, &af, off, part, sst};
-        if (!s) mq_parallel_for(S, boundary_task, &j);
-        for (int64_t i = 0; i < S && !s; i++) {
+        if (!s) mq_parallel_for(R, boundary_task, &j);
+        for (int64_t i = 0; i < R && !s; i++) {
             s = sst[i];
-            crc = mq_crc32_combine(crc, part[i], (uint64_t)(p->calib.len[i] * D) * sizeof(float));
+            crc = mq_crc32_combine(crc, part[i], (uint64_t)(p->calib.len[i % S] * D) * sizeof(float));
         }
         if (!s) s = mq_atomic_pwrite(&af, &crc, sizeof crc, at);
     } else {
-        for (int64_t i = 0; i < S && !s; i++) {
-            size_t n = (size_t)(p->calib.len[i] * D);
-            const float *v = mq_actbuf_view(&p->X, (size_t)(i * p->LD), n, tmp);
+        for (int64_t i = 0; i < R && !s; i++) {
+            size_t n = (size_t)(p->calib.len[i % S] * D);
+            const float *v = mq_actbuf_view(snap_buf(p, i), (size_t)(i % S * p->LD), n, tmp);
             crc = mq_crc32(crc, v, n * sizeof(float));
             s = mq_atomic_write(&af, v, n * sizeof(float));
         }
@@ -613,9 +619,10 @@ typedef struct {
 static void snap_copy_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     const snap_copy_job *j = ctx;
-    const size_t n = (size_t)(j->p->calib.len[i] * j->p->c->D);
+    const int64_t smp = i % j->p->calib.n;
+    const size_t n = (size_t)(j->p->calib.len[smp] * j->p->c->D);
     float *d = j->dst + j->at[i];
-    const float *v = mq_actbuf_view(&j->p->X, (size_t)(i * j->p->LD), n, d);
+    const float *v = mq_actbuf_view(snap_buf(j->p, i), (size_t)(smp * j->p->LD), n, d);
     if (v != d) memcpy(d, v, n * sizeof(float));
     j->crc[i] = mq_crc32(0, d, n * sizeof(float));
 }
@@ -650,17 +657,17 @@ static void snap_free(struct mq_snap_job *j) {
 
 /* Copies the boundary at the input of `layer` and starts its thread. */
 static moeq_status snap_start(mq_pipe *p, int layer) {
-    const int64_t D = p->c->D, S = p->calib.n;
+    const int64_t D = p->c->D, S = p->calib.n, R = S * snap_streams(p);
     struct mq_snap_job *j = calloc(1, sizeof *j);
-    int64_t *at = calloc((size_t)S + 1, sizeof *at);
-    uint32_t *part = calloc((size_t)S + 1, sizeof *part);
+    int64_t *at = calloc((size_t)R + 1, sizeof *at);
+    uint32_t *part = calloc((size_t)R + 1, sizeof *part);
     char *name = acts_name(layer);
     if (j && name) j->path = work_path(p, name);
     free(name);
     int64_t n = 0;
-    for (int64_t i = 0; i < S; i++) {
+    for (int64_t i = 0; i < R; i++) {
         if (at) at[i] = n;
-        n += p->calib.len[i] * D;
+        n += p->calib.len[i % S] * D;
     }
     if (j && j->path && at && part) j->buf = mq_alloc_array((size_t)(n > 0 ? n : 1), sizeof(float), "activation snapshot");
     if (!j || !j->path || !at || !part || !j->buf) {
@@ -672,9 +679,9 @@ static moeq_status snap_start(mq_pipe *p, int layer) {
     j->layer = layer;
     j->hdr[0] = MANIFEST_VERSION, j->hdr[1] = layer, j->hdr[2] = S, j->hdr[3] = D;
     snap_copy_job c = {p, j->buf, at, part};
-    mq_parallel_for(S, snap_copy_task, &c);
-    for (int64_t i = 0; i < S; i++)
-        j->crc = mq_crc32_combine(j->crc, part[i], (uint64_t)(p->calib.len[i] * D) * sizeof(float));
+    mq_parallel_for(R, snap_copy_task, &c);
+    for (int64_t i = 0; i < R; i++)
+        j->crc = mq_crc32_combine(j->crc, part[i], (uint64_t)(p->calib.len[i % S] * D) * sizeof(float));
     free(at), free(part);
     if (pthread_create(&j->th, NULL, snap_thread, j) != 0) {
         snap_free(j);
@@ -738,15 +745,16 @@ moeq_status mq_work_load_boundary(mq_pipe *p, int upto, int *at) {
         good = false;
     off = 8 + (int64_t)sizeof hdr;
     uint32_t crc = 0;
-    for (int64_t i = 0; i < p->calib.n && good; i++) {
-        size_t n = (size_t)(p->calib.len[i] * D);
+    const int64_t S = p->calib.n;
+    for (int64_t i = 0; i < S * snap_streams(p) && good; i++) {
+        size_t n = (size_t)(p->calib.len[i % S] * D);
         if (mq_pread_all(fd, tmp, n * sizeof(float), off, path)) {
             good = false;
             break;
         }
         off += (int64_t)(n * sizeof(float));
         crc = mq_crc32(crc, tmp, n * sizeof(float));
-        mq_actbuf_put(&p->X, (size_t)(i * p->LD), n, tmp);
+        mq_actbuf_put((mq_actbuf *)snap_buf(p, i), (size_t)(i % S * p->LD), n, tmp);
     }
     uint32_t stored;
     if (good) good = !mq_pread_all(fd, &stored, sizeof stored, off, path) && stored == crc &&
@@ -794,8 +802,7 @@ static moeq_status layer_done(mq_pipe *p, int l) {
     cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(p->manifest, "layers"), rec);
     /* the snapshot written behind this layer, named now (it was taken before this layer ran) */
     if ((s = snap_finish(p))) return s;
-    /* the unquantized target's stream is not in the snapshots: its resume starts from the embeddings */
-    const bool due = p->calibrate && !p->target && l + 1 < p->plan.n_layers && snapshot_due(p, l);
+    const bool due = p->calibrate && l + 1 < p->plan.n_layers && snapshot_due(p, l);
     const bool behind = due && p->mp.snapshot_copy > 0;   /* the plan had room for the copy */
     const bool snapshot = due && !behind;
     const int old = boundary_layer(p);

@@ -38,6 +38,12 @@ for np in 2 3; do
     run_np "$np" quantize "$model" --out "$tmp/tnp$np" "${args[@]}" --target unquantized || fail "--target -np $np exited $?"
     same "$tmp/tbase" "$tmp/tnp$np" "--target unquantized -np $np"
 done
+# killed inside layer 2 with 2 ranks, resumed with 3 from the snapshot of both streams
+MOEQ_FAULT=chunk:2:0 MOEQ_FAULT_RANK=1 run_np 2 quantize "$model" --out "$tmp/tk" "${args[@]}" --target unquantized \
+    >"$tmp/tkill.log" 2>&1
+[ -f "$tmp/tk.moeq-work/manifest.json" ] || fail "--target: no work manifest after the kill"
+run_np 3 quantize "$model" --out "$tmp/tk" "${args[@]}" --target unquantized --resume || fail "--target --resume -np 3 exited $?"
+same "$tmp/tbase" "$tmp/tk" "--target unquantized killed, resumed with 3 ranks"
 
 shared=${MOEQ_SHARED:-$repo/../shared}
 q2=$shared/fixtures/models/qwen2moe-tiny
