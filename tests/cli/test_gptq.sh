@@ -88,6 +88,7 @@ q15 b1 --scheme nvfp4a16 --expert-weighting gate --damp-sweep 0.003,0.01,0.1 --r
 q15 b2 --scheme nvfp4a16 --expert-weighting gate --damp-sweep 0.003,0.01,0.1 --refine 2 --threads 1 --expert-chunk 1
 q15 b3 --scheme nvfp4a16 --expert-weighting gate-squared
 q15 b4 --scheme nvfp4a16 --damp-sweep 0.01
+q15 bq --scheme nvfp4a16 --target quantized
 q15 b5 --scheme nvfp4a16 --scale-search 0.9:1.5:25 --global-scale-headroom 1.5 --refine 1 --refine-scales
 q15 i0 --scheme int4 --asym
 q15 i1 --scheme int4 --asym --clip-search
@@ -95,12 +96,12 @@ q15 t1 --scheme nvfp4a16 --target unquantized
 q15 t2 --scheme nvfp4a16 --target unquantized:0.5 --threads 1 --expert-chunk 1
 q15 t3 --scheme nvfp4a16 --target quantized
 cmp -s "$tmp/t1/model.safetensors" "$tmp/t2/model.safetensors" || fail "--target unquantized: --threads 1 --expert-chunk 1 changed the checkpoint"
-cmp -s "$tmp/t3/model.safetensors" "$tmp/b0/model.safetensors" || fail "--target quantized: not the default checkpoint"
+cmp -s "$tmp/t1/model.safetensors" "$tmp/b0/model.safetensors" || fail "--target unquantized: not the default checkpoint"
 cmp -s "$tmp/b1/model.safetensors" "$tmp/b2/model.safetensors" || fail "issue 15 options: --threads 1 --expert-chunk 1 changed the checkpoint"
 # a sweep over the default damping alone: the Hessian of every row is the same bits, so the
-# same checkpoint as no sweep
-cmp -s "$tmp/b4/model.safetensors" "$tmp/b0/model.safetensors" || fail "--damp-sweep 0.01: not the default checkpoint"
-for x in b1 b3 i1 t1; do
+# same checkpoint as no sweep (a sweep turns the default target off: against --target quantized)
+cmp -s "$tmp/b4/model.safetensors" "$tmp/bq/model.safetensors" || fail "--damp-sweep 0.01: not the --target quantized checkpoint"
+for x in b1 b3 i1 t3; do
     y=b0; [ $x = i1 ] && y=i0
     cmp -s "$tmp/$x/model.safetensors" "$tmp/$y/model.safetensors" && fail "$x: the same checkpoint as $y"
 done
@@ -108,7 +109,8 @@ python3 - "$tmp" <<'PY' || fail "issue 15 options: report"
 import json, sys
 t = sys.argv[1]
 r = {k: json.load(open(f"{t}/{k}.json")) for k in ("b0", "b1", "b3", "b5", "i0", "i1", "t1")}
-assert r["t1"]["settings"]["target_unquantized"] == 0.5 and r["b0"]["settings"]["target_unquantized"] == 0
+assert r["t1"]["settings"]["target_unquantized"] == 0.5 and r["b0"]["settings"]["target_unquantized"] == 0.5
+assert r["b1"]["settings"]["target_unquantized"] == 0 and r["b3"]["settings"]["target_unquantized"] == 0
 s5 = r["b5"]["settings"]
 assert s5["global_scale_headroom"] == 1.5 and s5["refine_scales"] is True and s5["refine_passes"] == 1, s5
 assert r["b0"]["settings"]["global_scale_headroom"] == 1 and r["b0"]["settings"]["refine_scales"] is False

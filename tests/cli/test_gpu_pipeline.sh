@@ -72,7 +72,7 @@ fb=(--min-expert-tokens 1000000 --expert-fallback rtn)
 same_checkpoint "$tmp/f1" "$tmp/f2" "RTN fallback experts, --expert-chunk 2" "the default chunk"
 
 # quality against the CPU's checkpoint
-"$cli" quantize "$model" --out "$tmp/cpu" "${args[@]}" --refine 0 || fail "the CPU run exited $?"
+"$cli" quantize "$model" --out "$tmp/cpu" "${args[@]}" --refine 0 --target quantized || fail "the CPU run exited $?"
 kl() { "$cli" eval "$1" --task text --data "$calib" --kl-base "$model" --json | json_get /dev/stdin kl_mean; }
 kg=$(kl "$tmp/a")
 kc=$(kl "$tmp/cpu")
