@@ -635,9 +635,10 @@ typedef struct {
     int32_t chunk, n_chunks;       /* experts per chunk, chunks per MoE layer */
     int32_t sample_batch;          /* samples whose expert rows run together, at most */
     int32_t attention_passes;      /* per layer: every sample through the attention (2 when
-                                      sequential GPTQ runs it unquantized, then quantized) */
+                                      sequential GPTQ runs it unquantized, then quantized; 3 with
+                                      the unquantized target's own stream) */
     int32_t ffn_passes;            /* per expert chunk (or MLP): calibration, then the quantized
-                                      output (sequential) */
+                                      output (sequential); 3 with the unquantized target */
     moeq_act_storage activations_storage;
     int32_t layers;
     double flops_forward, flops_hessian, flops_gptq;

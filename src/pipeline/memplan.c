@@ -264,8 +264,8 @@ moeq_status mq_plan_memory(mq_pipe *p) {
     const mq_config *c = p->c;
     mp->samples = p->calib.n;
     mp->tokens = p->calib.total;
-    mp->attention_passes = p->seq ? 2 : 1;
-    mp->ffn_passes = p->seq ? 2 : 1;
+    mp->attention_passes = p->seq ? 2 + p->target : 1;   /* the unquantized stream's own pass */
+    mp->ffn_passes = p->seq ? 2 + p->target : 1;
     int E = c->n_experts;
     mq_act_storage kind = o->act_storage;
     int C = 0;

@@ -49,9 +49,13 @@ static void print_plan(const char *model, const moeq_quant_plan *p) {
     print_bytes("peak", p->peak, NULL);
     if (p->attention_passes > 0)
         printf("passes per layer: %d over the attention (%s), %d per expert chunk / MLP "
-               "(calibration%s)\n", p->attention_passes,
-               p->attention_passes > 1 ? "unquantized for the Hessians, then quantized" : "unquantized",
-               p->ffn_passes, p->ffn_passes > 1 ? ", then the quantized output" : " and output");
+               "(%scalibration%s)\n", p->attention_passes,
+               p->attention_passes > 2   ? "the unquantized model's stream, the quantized one's unquantized for the "
+                                           "Hessians, then quantized"
+               : p->attention_passes > 1 ? "unquantized for the Hessians, then quantized"
+                                         : "unquantized",
+               p->ffn_passes, p->ffn_passes > 2 ? "the unquantized model's output, " : "",
+               p->ffn_passes > 1 ? ", then the quantized output" : " and output");
     printf("disk: checkpoint %.2f GB, work files up to %.2f GB\n", (double)p->disk_output / 1e9,
            (double)p->disk_work / 1e9);
     if (p->flops_forward + p->flops_hessian + p->flops_gptq > 0) {
