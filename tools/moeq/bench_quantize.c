@@ -115,7 +115,7 @@ int bench_quantize(int argc, char **argv) {
          "sequential|nonsequential", 0, -1, NULL},
         {"--scheme", OPT_CHOICE, &scheme, NULL, "weight format (default nvfp4)", "nvfp4|int4", 0, -1, NULL},
         {"--target", OPT_STRING, &target, "quantized|unquantized[:A]", "as moeq quantize's (default "
-         "quantized)", NULL, 0, -1, NULL},
+         "unquantized on the CPU)", NULL, 0, -1, NULL},
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory budget (default as moeq "
          "quantize)", NULL, 0, -1, NULL},
         {"--threads", OPT_STRING, &threads, "T[,T...]", "worker threads (default: all CPUs); a list "

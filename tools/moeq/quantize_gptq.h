@@ -72,9 +72,11 @@ void gptq_cli_defaults(gptq_cli *g);
      "the samples has the least loss on the last 1/8, then GPTQ runs on all samples with it",      \
      NULL, 0, 0, NULL},                                                                            \
     {"--target", OPT_STRING, &(g).target, "quantized|unquantized[:A]", "GPTQ: what each Linear's "    \
-     "GPTQ aims at: its own outputs on the quantized model's inputs (quantized, default), or A of "  \
-     "the way to the unquantized model's outputs (unquantized: 0.5; asymmetric calibration, one "   \
-     "more forward of each layer, CPU, sequential mode)", NULL, 0, 0, NULL},                        \
+     "GPTQ aims at: A of the way to the unquantized model's outputs (unquantized: A 0.5, the "      \
+     "default on the CPU in sequential mode; asymmetric calibration, one more forward of each "     \
+     "layer), or its own outputs on the quantized model's inputs (quantized: textbook GPTQ, what "  \
+     "--device cuda, nonsequential, --true-sequential, --expert-weighting and --damp-sweep run)",   \
+     NULL, 0, 0, NULL},                                                                             \
     {"--report", OPT_STRING, &(g).report, "FILE", "GPTQ: JSON report (default "                    \
      "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL},                                               \
     {"--report-html", OPT_STRING, &(g).report_html, "FILE", "GPTQ: the report also as one "           \
