@@ -19,6 +19,11 @@
  * takes the FFN Hessians from pass B; RTN needs no calibration (group by group, no forward);
  * W4A4 (act_quant) records each Linear's input amax during the calibration passes (RTN W4A4: the
  * unquantized model's passes over the first calib_tokens tokens).
+ * The unquantized target (target_share, asymmetric calibration; sequential, not true-sequential):
+ * the unquantized model's stream runs beside (XF): each sample's attention before pass A's (every
+ * Linear input kept to pair with pass A's, G = sum x_f x_q^T beside each Hessian), the experts' and
+ * the MLP's outputs from the source weights into OUTF before GPTQ; each GPTQ Linear's weights move
+ * by mq_gptq_target before it is quantized; XF + OUTF is the stream's next input.
  *
  * Every sample's forward is exactly the model's forward (src/model): the same blocks of rows go
  * through the same GEMMs, Hessians get one update per sample in sample order, outputs are summed
