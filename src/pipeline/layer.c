@@ -1180,33 +1180,39 @@ static int64_t band_start(int64_t K, int r, int n) {
  * slot's Linears. */
 enum { RELAY_BANDS_PER_RANK = 8 };
 
-static moeq_status split_hessian(mq_pipe *p, int l, slot *s, const float *arena, int64_t width) {
-    if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
+/* The relay itself: C, this rank's K x K buffer of the slot's sum, goes from rank to rank band by
+ * band, each rank adding its samples' rows (arena: their inputs, width values a row) into the
+ * band; with farena (the unquantized stream's inputs of the same rows) the cross sum's square in
+ * bands of equal rows, else the Hessian's lower triangle in bands of equal area. Then the sum,
+ * complete on the last rank, goes to the others that quantize one of the slot's Linears. */
+static moeq_status relay_sum(mq_pipe *p, int l, const slot *s, float *C, const float *farena, const float *arena,
+                             int64_t width, const char *step) {
     const int64_t Lmax = p->calib.max_len, K = width;
     const int last = p->ranks - 1;
-    char step[64];
-    snprintf(step, sizeof step, "layer %d: Hessian of %s", l, s->w[0]->name);
-    mq_hessian part = {0};   /* the relay's sum on a rank that does not quantize the slot */
-    moeq_status st = mine(p, s) ? MOEQ_OK : mq_hessian_init(&part, K, "a Hessian in relay");
-    float *C = mine(p, s) ? s->h.sum : part.sum;
-    st = mq_dist_agree(st, step);
+    moeq_status st = MOEQ_OK;
     int64_t lo, hi;
     mq_dist_share(p->calib.n, p->rank, p->ranks, &lo, &hi);
     int64_t nb = (int64_t)RELAY_BANDS_PER_RANK * p->ranks;
     if (nb > K) nb = K;
     for (int64_t b = 0; b < nb && !st; b++) {
-        const int64_t a = band_start(K, (int)b, (int)nb), e = band_start(K, (int)b + 1, (int)nb);
+        const int64_t a = farena ? K * b / nb : band_start(K, (int)b, (int)nb);
+        const int64_t e = farena ? K * (b + 1) / nb : band_start(K, (int)b + 1, (int)nb);
         const size_t bytes = sizeof(float) * (size_t)((e - a) * K);
         if (e <= a) continue;
         if (p->rank > 0) st = mq_dist_recv(C + a * K, bytes, p->rank - 1, step);
         double t0 = mq_now(), c0 = mq_cpu_now();
-        for (int64_t t = lo; t < hi && !st; t++)
-            mq_syrk_det_acc_pool_rows(K, p->calib.len[t], arena + (t - lo) * Lmax * width, width, C, K, a, e);
+        for (int64_t t = lo; t < hi && !st; t++) {
+            const float *x = arena + (t - lo) * Lmax * width;
+            if (farena)
+                mq_cross_det_acc_pool_rows(K, p->calib.len[t], farena + (t - lo) * Lmax * width, width, x, width, C,
+                                           K, a, e);
+            else
+                mq_syrk_det_acc_pool_rows(K, p->calib.len[t], x, width, C, K, a, e);
+        }
         p->layers[l].hessian += mq_now() - t0;
         p->layers[l].cpu_hessian += mq_cpu_now() - c0;
         if (!st && p->rank < last) st = mq_dist_send(C + a * K, bytes, p->rank + 1, step);
     }
-    /* the sum, complete on the last rank, to the others that quantize one of the slot's Linears */
     int own[3];
     const int n_own = slot_owners(s, own);
     for (int i = 0; i < n_own && !st; i++) {
@@ -1215,52 +1221,36 @@ static moeq_status split_hessian(mq_pipe *p, int l, slot *s, const float *arena,
         if (p->rank == last) st = mq_dist_send(C, bytes, own[i], step);
         else if (p->rank == own[i]) st = mq_dist_recv(C, bytes, last, step);
     }
+    return st;
+}
+
+static moeq_status split_hessian(mq_pipe *p, int l, slot *s, const float *arena, int64_t width) {
+    if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
+    char step[64];
+    snprintf(step, sizeof step, "layer %d: Hessian of %s", l, s->w[0]->name);
+    mq_hessian part = {0};   /* the relay's sum on a rank that does not quantize the slot */
+    moeq_status st = mine(p, s) ? MOEQ_OK : mq_hessian_init(&part, width, "a Hessian in relay");
+    st = mq_dist_agree(st, step);
+    if (!st) st = relay_sum(p, l, s, mine(p, s) ? s->h.sum : part.sum, NULL, arena, width, step);
     if (!st && mine(p, s))
         for (int64_t t = 0; t < p->calib.n; t++) s->h.n += p->calib.len[t];
     mq_hessian_free(&part);
     return st;
 }
 
-/* Several ranks, asymmetric calibration: the cross sum G of slot s as the same relay as
- * split_hessian's (every element the one process's fmaf chain over the rows in sample order),
- * the square cut into bands of equal rows; farena / arena: this rank's samples' inputs of the
- * unquantized and the quantized stream. */
+/* Several ranks, asymmetric calibration: the cross sum G of slot s by the same relay (every
+ * element the one process's fmaf chain over the rows in sample order); farena / arena: this
+ * rank's samples' inputs of the unquantized and the quantized stream. */
 static moeq_status split_cross(mq_pipe *p, int l, slot *s, const float *farena, const float *arena, int64_t width) {
     if (!s->nw || s->how != MQ_HOW_GPTQ) return MOEQ_OK;
-    const int64_t Lmax = p->calib.max_len, K = width;
-    const int last = p->ranks - 1;
     char step[64];
     snprintf(step, sizeof step, "layer %d: cross sum of %s", l, s->w[0]->name);
-    float *part = mine(p, s) ? NULL : mq_alloc_array((size_t)(K * K), sizeof(float), "a cross sum in relay");
+    /* the relay's sum on a rank that does not quantize the slot (the owners' G is zeroed already) */
+    float *part = mine(p, s) ? NULL : mq_alloc_array((size_t)(width * width), sizeof(float), "a cross sum in relay");
     moeq_status st = mine(p, s) || part ? MOEQ_OK : MOEQ_E_NOMEM;
-    float *C = mine(p, s) ? s->G : part;
-    if (C) memset(C, 0, sizeof(float) * (size_t)(K * K));
+    if (part) memset(part, 0, sizeof(float) * (size_t)(width * width));
     st = mq_dist_agree(st, step);
-    int64_t lo, hi;
-    mq_dist_share(p->calib.n, p->rank, p->ranks, &lo, &hi);
-    int64_t nb = (int64_t)RELAY_BANDS_PER_RANK * p->ranks;
-    if (nb > K) nb = K;
-    for (int64_t b = 0; b < nb && !st; b++) {
-        const int64_t a = K * b / nb, e = K * (b + 1) / nb;
-        const size_t bytes = sizeof(float) * (size_t)((e - a) * K);
-        if (e <= a) continue;
-        if (p->rank > 0) st = mq_dist_recv(C + a * K, bytes, p->rank - 1, step);
-        double t0 = mq_now(), c0 = mq_cpu_now();
-        for (int64_t t = lo; t < hi && !st; t++)
-            mq_cross_det_acc_pool_rows(K, p->calib.len[t], farena + (t - lo) * Lmax * width, width,
-                                       arena + (t - lo) * Lmax * width, width, C, K, a, e);
-        p->layers[l].hessian += mq_now() - t0;
-        p->layers[l].cpu_hessian += mq_cpu_now() - c0;
-        if (!st && p->rank < last) st = mq_dist_send(C + a * K, bytes, p->rank + 1, step);
-    }
-    int own[3];
-    const int n_own = slot_owners(s, own);
-    for (int i = 0; i < n_own && !st; i++) {
-        if (own[i] == last) continue;
-        const size_t bytes = sizeof(float) * (size_t)(K * K);
-        if (p->rank == last) st = mq_dist_send(C, bytes, own[i], step);
-        else if (p->rank == own[i]) st = mq_dist_recv(C, bytes, last, step);
-    }
+    if (!st) st = relay_sum(p, l, s, mine(p, s) ? s->G : part, farena, arena, width, step);
     if (!st && mine(p, s)) {
         s->g_rows = 0;
         for (int64_t t = 0; t < p->calib.n; t++) s->g_rows += p->calib.len[t];
