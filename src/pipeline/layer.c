@@ -865,7 +865,8 @@ typedef struct {
     int64_t at, Lmax;
     bool amax;
     /* asymmetric calibration: while fp is set the hooks see the unquantized stream's sample,
-     * whose inputs go to farena_* (one sample) to pair with the quantized stream's */
+     * whose inputs go to farena_* (laid out as the arenas: one sample, or with store the
+     * rank's samples) to pair with the quantized stream's */
     bool fp;
     float *farena_qkv, *farena_o, *farena_qb, *farena_kvb;
 } att_capture;
