@@ -257,6 +257,57 @@ static void test_int4_sym_by_hand(void) {
     ASSERT_NEAR(0, mq_dequant_value(&s, 1, &p, 8), 0);
 }
 
+/* Signed scales: amax / 8, negative when the group's largest magnitude is positive, so that value
+ * takes the code -8 (0) either way; a tie keeps the positive scale. Codes worked by hand. */
+static void test_int4_signed_by_hand(void) {
+    mq_qspec s = mq_qspec_reference(MQ_QS_INT4);   /* F32 scales */
+    s.group_size = 8;
+    s.int4_signed_scale = true;
+    mq_gparams p;
+    /* the extreme is +8: scale -1; x / -1 rounded half to even: 8 -> -8, -3.5 -> 4, 0.5 -> -0,
+     * 1.5 -> -2, 2.5 -> -2, -7 -> 7, -0.5 -> 0, 6.5 -> -6 */
+    float x[8] = {8, -3.5f, 0.5f, 1.5f, 2.5f, -7, -0.5f, 6.5f};
+    mq_group_params(&s, 1, x, 8, 1, &p);
+    ASSERT_TRUE(p.scale == -1.0f);
+    static const int q[8] = {-8, 4, 0, -2, -2, 7, 0, -6};
+    for (int i = 0; i < 8; i++) {
+        ASSERT_EQ_INT(q[i] + 8, mq_quant_value(&s, 1, &p, x[i]));
+        ASSERT_TRUE(mq_dequant_value(&s, 1, &p, (uint8_t)(q[i] + 8)) == -(float)q[i]);
+    }
+    /* +8 comes back exactly: the positive convention (amax / 7.5) clips it to 7 x 8/7.5 */
+    ASSERT_TRUE(mq_dequant_value(&s, 1, &p, 0) == 8.0f);
+    /* the extreme is -8: a positive scale, -8 -> code 0 */
+    float y[8] = {-8, 7, 1, 0, 0, 0, 0, 0};
+    mq_group_params(&s, 1, y, 8, 1, &p);
+    ASSERT_TRUE(p.scale == 1.0f);
+    ASSERT_EQ_INT(0, mq_quant_value(&s, 1, &p, -8.0f));
+    ASSERT_EQ_INT(15, mq_quant_value(&s, 1, &p, 7.0f));
+    /* a tie (+4 and -4): positive, +4 -> 8 clamps to 7 */
+    float t[8] = {4, -4, 0, 0, 0, 0, 0, 0};
+    mq_group_params(&s, 1, t, 8, 1, &p);
+    ASSERT_TRUE(p.scale == 0.5f);
+    ASSERT_EQ_INT(15, mq_quant_value(&s, 1, &p, 4.0f));
+    ASSERT_EQ_INT(0, mq_quant_value(&s, 1, &p, -4.0f));
+    /* one-signed positive group: negative scale; BF16 rounds the magnitude, then the sign:
+     * 1.1 / 8 = 0.1375 -> bf16 0.1376953125 */
+    s.scale_dtype = MOEQ_DT_BF16;
+    float u[8] = {1.1f, 0.3f, 0.2f, 0, 0, 0, 0, 0.05f};
+    mq_group_params(&s, 1, u, 8, 1, &p);
+    ASSERT_TRUE(p.scale == -0.1376953125f);
+    ASSERT_EQ_INT(0, mq_quant_value(&s, 1, &p, 1.1f));    /* -7.99 -> -8 */
+    ASSERT_EQ_INT(6, mq_quant_value(&s, 1, &p, 0.3f));    /* -2.18 -> -2 */
+    ASSERT_EQ_INT(8, mq_quant_value(&s, 1, &p, 0.05f));   /* -0.36 -> 0 */
+    /* the search keeps the sign: every candidate of a group is on the same side */
+    s.mse = true;
+    mq_group_params(&s, 1, u, 8, 1, &p);
+    ASSERT_TRUE(p.scale < 0);
+    /* all-zero group: scale 0, code 8 */
+    float z[8] = {0};
+    mq_group_params(&s, 1, z, 8, 1, &p);
+    ASSERT_TRUE(p.scale == 0.0f);
+    ASSERT_EQ_INT(8, mq_quant_value(&s, 1, &p, 0.0f));
+}
+
 static void test_int4_asym_by_hand(void) {
     mq_qspec s = mq_qspec_default(MQ_QS_INT4);
     s.asym = true;
@@ -366,8 +417,10 @@ static mq_gparams slow_mse(const mq_qspec *s, float gs, const float *x, int n, i
             c.scale_code = mq_e8m0_encode_ceil(amax / 6.0f * m);
             c.scale = mq_e8m0_decode(c.scale_code);
         } else if (!s->asym) {
-            c.scale = mq_round_to_dtype(amax / s->int4_sym_div * m, s->scale_dtype);
+            float div = s->int4_signed_scale ? 8.0f : s->int4_sym_div;
+            c.scale = mq_round_to_dtype(amax / div * m, s->scale_dtype);
             if (c.scale == 0) c.scale = 0x1p-24f;
+            if (s->int4_signed_scale && hi > -lo) c.scale = -c.scale;
         } else {
             float l = lo * m, u = hi * m;
             c.scale = mq_round_to_dtype((u - l) / 15.0f, s->scale_dtype);
@@ -402,12 +455,12 @@ static mq_qspec trial_spec(int t, float amax_tensor, float *gs) {
     case 0: s = mq_qspec_default(MQ_QS_NVFP4); break;
     case 1: s = mq_qspec_reference(MQ_QS_NVFP4); break;
     case 2: s = mq_qspec_default(MQ_QS_NVFP4); s.mse_steps = 9; s.mse_lo = 0.5f; s.mse_hi = 1.5f; break;
-    case 3: s = mq_qspec_default(MQ_QS_INT4); break;
+    case 3: s = mq_qspec_default(MQ_QS_INT4); s.int4_signed_scale = t / 10 % 2; break;
     case 4: s = mq_qspec_reference(MQ_QS_INT4); s.group_size = 32; break;
     case 5: s = mq_qspec_default(MQ_QS_INT4); s.asym = true; s.int4_zero_min = (int8_t)(t / 10 % 2); break;
     case 6: s = mq_qspec_default(MQ_QS_INT4); s.scale_dtype = MOEQ_DT_F16; s.group_size = 64; break;
     case 7: s = mq_qspec_default(MQ_QS_MXFP4); break;
-    case 8: s = mq_qspec_default(MQ_QS_INT4); s.group_size = 32; s.mse_steps = 70; break;
+    case 8: s = mq_qspec_default(MQ_QS_INT4); s.group_size = 32; s.mse_steps = 70; s.int4_signed_scale = true; break;
     default: s = mq_qspec_reference(MQ_QS_NVFP4); s.mse_lo = 0.2f; s.mse_hi = 1.3f; s.mse_steps = 40; break;
     }
     s.mse = true;
@@ -505,6 +558,7 @@ static void test_mse_sse_twin(void) {
             step[c] = amax * rnd_uniform(0.05f, 0.3f);
             zero[c] = s.asym ? rintf(rnd_uniform(0, 15)) : 0.0f;
             if (c % 9 == 5) step[c] = 0;
+            if (c % 3 == 1 && s.scheme == MQ_QS_INT4 && !s.asym) step[c] = -step[c];   /* signed scales */
         }
         for (int i = 0; i < n; i++) h[i] = rnd_uniform(0, 2);
         const float *hw = t % 2 ? h : NULL;
@@ -727,7 +781,7 @@ static void test_q8_0_activation_rounding(void) {
 
 TEST_MAIN(T(test_e2m1_bit_vectors), T(test_e4m3_bit_vectors), T(test_e8m0_and_storage_rounding),
           T(test_nvfp4_ct_group_by_hand), T(test_nvfp4_mul_reference_convention),
-          T(test_int4_sym_by_hand), T(test_int4_asym_by_hand),
+          T(test_int4_sym_by_hand), T(test_int4_signed_by_hand), T(test_int4_asym_by_hand),
           T(test_mse_search_picks_grid_minimum), T(test_mse_search_matches_slow_search),
           T(test_mse_weighted_by_hand), T(test_mse_sse_twin), T(test_rtn_tensor_and_dequant),
           T(test_nan_inf_is_an_error_naming_the_position), T(test_spec_checks),

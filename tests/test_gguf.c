@@ -593,7 +593,9 @@ static void roundtrip(const char *model, mq_qscheme sch, int group, bool asym, c
     mq_pipeline_opts o;
     mq_pipeline_opts_init(&o, sch, MQ_FMT_CT);
     o.spec.scale_dtype = MOEQ_DT_F16;
-    if (sch == MQ_QS_INT4) o.spec.group_size = group, o.spec.asym = asym;
+    /* symmetric INT4 with the public default's signed scales: Q4_0 blocks with negative d, as
+     * llama.cpp's own quantizer writes them */
+    if (sch == MQ_QS_INT4) o.spec.group_size = group, o.spec.asym = asym, o.spec.int4_signed_scale = !asym;
     ASSERT_OK(mq_pipeline_run(model, ckpt, &o, NULL));
     ASSERT_OK(mq_gguf_export(ckpt, file, MQ_GGUF_REST_AUTO));
     check_file(file, ckpt, heads, kv_heads, cnt);

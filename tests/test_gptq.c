@@ -353,6 +353,11 @@ static void test_reference_int4(void) {
     mq_gptq_opts o = mq_gptq_opts_default();
     o.block_size = 32;
     check_against_reference(&s, &o, 160, 256, NULL, 0, 0.003);
+    s.int4_signed_scale = true;   /* signed scales, with and without the search and act-order */
+    check_against_reference(&s, &o, 160, 256, NULL, 0, 0.003);
+    s.mse = true;
+    o.act_order = true;
+    check_against_reference(&s, &o, 96, 256, NULL, 0, 0.003);
 }
 
 static void test_reference_act_order(void) {
@@ -741,16 +746,17 @@ static void test_factor_many_uneven(void) {
 static void test_qdq_column_matches_formats(void) {
     const int64_t n = 4096;
     static const float ties[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f, 7.0f, 0.5f};
-    mq_qspec specs[4] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(32), int4_spec(32),
-                         mq_qspec_default(MQ_QS_NVFP4)};
+    mq_qspec specs[5] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(32), int4_spec(32),
+                         mq_qspec_default(MQ_QS_NVFP4), int4_spec(32)};
     specs[2].asym = true;
     specs[3].nvfp4_conv = MQ_NVFP4_MUL;
+    specs[4].int4_signed_scale = true;   /* negative steps */
     float *x = malloc((size_t)n * sizeof(float)), *step = malloc((size_t)n * sizeof(float));
     float *zero = malloc((size_t)n * sizeof(float)), *dq = malloc((size_t)n * sizeof(float));
     float *dq2 = malloc((size_t)n * sizeof(float));
     uint8_t *code = malloc((size_t)n), *code2 = malloc((size_t)n);
     mq_gparams *gp = malloc((size_t)n * sizeof(mq_gparams));
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 5; k++) {
         const mq_qspec *s = &specs[k];
         g_rng = 99 + (uint64_t)k;
         for (int64_t i = 0; i < n; i++) {
@@ -859,8 +865,9 @@ static void test_column_errors_twin(void) {
  * 64 + 16 + 13 rows on the AVX2 twin). */
 static void test_loop_scores_twin(void) {
     enum { G = 16, LD = 96, N = 93 };
-    mq_qspec specs[3] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(G), int4_spec(G)};
+    mq_qspec specs[4] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(G), int4_spec(G), int4_spec(G)};
     specs[2].asym = true;
+    specs[3].int4_signed_scale = true;
     float ucol[G * G], x[G * LD], step[LD], zero[LD], work[(G + 2) * LD], wl[G];
     uint8_t code[LD];
     double sa[LD], sb[LD];
@@ -869,10 +876,11 @@ static void test_loop_scores_twin(void) {
         for (int a = 0; a < G; a++)
             ucol[b * G + a] = a > b ? 0.0f : a == b ? 0.5f + (float)fabs(rnd_normal()) : 0.3f * (float)rnd_normal();
     for (int i = 0; i < G * LD; i++) x[i] = (float)rnd_normal();
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 4; k++) {
         const mq_qspec *s = &specs[k];
         for (int i = 0; i < LD; i++) {
             step[i] = i == 7 ? 0.0f : 0.2f + 0.1f * (float)(i % 5);   /* row 7: an all-zero group */
+            if (s->int4_signed_scale && i % 2) step[i] = -step[i];
             zero[i] = s->asym ? (float)(i % 16) : 0.0f;
         }
         mq_gptq_loop_scores_ref(s, ucol, G, x, LD, N, step, zero, work, code, sa);
@@ -1242,6 +1250,9 @@ static void test_refine(void) {
     nv.mse = i4.mse = true;
     refine_case(&nv, false);
     refine_case(&i4, true);
+    i4.int4_signed_scale = true;   /* negative scales through the value and scale steps */
+    refine_case(&i4, true);
+    i4.int4_signed_scale = false;
     i4.asym = true;
     refine_case(&i4, true);
 }

@@ -174,6 +174,13 @@ static mq_qspec spec_of(mq_qscheme scheme, int64_t group, bool asym, bool mse) {
     return s;
 }
 
+/* symmetric INT4 with signed scales (moeq quantize's default) */
+static mq_qspec signed_of(int64_t group, bool mse) {
+    mq_qspec s = spec_of(MQ_QS_INT4, group, false, mse);
+    s.int4_signed_scale = true;
+    return s;
+}
+
 static void test_rtn_bitexact(void) {
     mq_gpu *g = open_gpu();
     const int64_t N = 192, K = 512;
@@ -185,6 +192,7 @@ static void test_rtn_bitexact(void) {
         mq_qspec_reference(MQ_QS_NVFP4),       spec_of(MQ_QS_INT4, 128, false, false),
         spec_of(MQ_QS_INT4, 32, false, true),  spec_of(MQ_QS_INT4, 64, true, true),
         mq_qspec_reference(MQ_QS_INT4),        spec_of(MQ_QS_MXFP4, 0, false, false),
+        signed_of(128, false),                 signed_of(32, true),
     };
     for (size_t k = 0; k < sizeof specs / sizeof specs[0]; k++) {
         mq_qtensor a, b;
@@ -288,6 +296,9 @@ static int n_modes(gptq_mode *m) {
     m[n] = (gptq_mode){"int4 g32 asym mse plain block 64", spec_of(MQ_QS_INT4, 32, true, true), d};
     m[n].o.mse_weight = MQ_GPTQ_MSE_PLAIN;
     m[n++].o.block_size = 64;
+    m[n] = (gptq_mode){"int4 g128 signed scales mse loop act-order", signed_of(128, true), d};
+    m[n].o.mse_weight = MQ_GPTQ_MSE_LOOP;
+    m[n++].o.act_order = true;
     m[n++] = (gptq_mode){"mxfp4", spec_of(MQ_QS_MXFP4, 0, false, false), d};
     return n;
 }

@@ -8,6 +8,7 @@
  * checkpoint and a report.
  */
 #include <dirent.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 
@@ -148,7 +149,9 @@ static float *source_weight(const char *module, int64_t rows, int64_t cols) {
 /* INT4 symmetric, compressed-tensors defaults: scale = bf16(amax / 7.5) per group of 128,
  * q = round-half-even(w / scale) clamped to [-8, 7], stored as the unsigned code q + 8, eight per
  * int32 LSB first; scales stored as BF16. Returns the number of mismatches. */
-static int64_t check_int4(const st_file *f, const char *module, int64_t rows, int64_t cols) {
+/* signed: the default signed scales (amax / 8, negative where the group's largest magnitude is
+ * positive), else the positive amax / 7.5 */
+static int64_t check_int4(const st_file *f, const char *module, int64_t rows, int64_t cols, bool sgn) {
     const int64_t G = 128;
     float *w = source_weight(module, rows, cols);
     char name[256];
@@ -167,12 +170,20 @@ static int64_t check_int4(const st_file *f, const char *module, int64_t rows, in
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < cols / G; g++) {
             const float *x = w + r * cols + g * G;
-            float amax = 0;
-            for (int64_t j = 0; j < G; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
-            float scale = amax > 0 ? round_bf16(amax / 7.5f) : 0.0f;
+            float amax = 0, hi = 0;
+            for (int64_t j = 0; j < G; j++) {
+                amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+                hi = x[j] > hi ? x[j] : hi;
+            }
+            float scale = amax > 0 ? round_bf16(amax / (sgn ? 8.0f : 7.5f)) : 0.0f;
+            if (sgn && hi == amax && hi > 0) {   /* the largest magnitude is positive, or a tie */
+                bool tie = false;
+                for (int64_t j = 0; j < G; j++) tie |= x[j] == -amax;
+                if (!tie) scale = -scale;
+            }
             bad += bf16_at(scales, (size_t)(r * (cols / G) + g)) != scale;
             for (int64_t j = 0; j < G; j++) {
-                double q = scale > 0 ? nearbyint((double)(x[j] / scale)) : 0;
+                double q = scale != 0 ? nearbyint((double)(x[j] / scale)) : 0;
                 q = q < -8 ? -8 : q > 7 ? 7 : q;
                 int64_t c = g * G + j, word = r * (cols / 8) + c / 8;
                 const uint8_t *b = packed + 4 * word;
@@ -305,6 +316,7 @@ static void test_options_defaults(void) {
     ASSERT_EQ_INT(MOEQ_FORMAT_COMPRESSED_TENSORS, o.format);
     ASSERT_EQ_INT(0, o.group_size);
     ASSERT_EQ_INT(0, o.asym + o.mse + o.no_fuse + o.reference + o.force + o.n_ignore);
+    ASSERT_EQ_INT(MOEQ_INT4_SCALE_AUTO, o.int4_scale_sign);
     ASSERT_TRUE(o.ignore == NULL && o.calib == NULL && o.gptq.report == NULL);
     ASSERT_EQ_INT(65536, o.calib_tokens);
     ASSERT_EQ_INT(0, o.max_shard_bytes);
@@ -386,6 +398,10 @@ static const char *invalid_case(int i, moeq_quant_options *o, const char *calib)
         o->gptq.target_unquantized = 0.5;
         o->gptq.expert_weighting = MOEQ_EXPERT_WEIGHT_GATE;
         return "gptq.target_unquantized";
+    case 41: o->int4_scale_sign = (moeq_int4_scale_sign)3; return "int4_scale_sign";
+    case 42: o->int4_scale_sign = MOEQ_INT4_SCALE_SIGNED; o->asym = 1; return "int4_scale_sign";
+    case 43: o->int4_scale_sign = MOEQ_INT4_SCALE_POSITIVE; o->scheme = MOEQ_QUANT_NVFP4A16; return "int4_scale_sign";
+    case 44: o->int4_scale_sign = MOEQ_INT4_SCALE_SIGNED; o->reference = 1; return "int4_scale_sign";
     default: return NULL;
     }
 }
@@ -446,9 +462,26 @@ static void test_rtn_int4(void) {
 
     st_file f;
     ASSERT_TRUE(st_open(path2(out, "model.safetensors"), &f));
-    ASSERT_EQ_INT(0, check_int4(&f, "model.layers.1.mlp.experts.5.down_proj", 256, 256));
-    ASSERT_EQ_INT(0, check_int4(&f, "model.layers.2.self_attn.k_proj", 256, 256));
+    ASSERT_EQ_INT(0, check_int4(&f, "model.layers.1.mlp.experts.5.down_proj", 256, 256, true));
+    ASSERT_EQ_INT(0, check_int4(&f, "model.layers.2.self_attn.k_proj", 256, 256, true));
     free(f.buf);
+    /* the positive scales on request: other bytes, through the API and the CLI alike */
+    char pos[1024], pos_cli[1024];
+    keep(pos, path2(tmp, "int4-positive"));
+    keep(pos_cli, path2(tmp, "int4-positive-cli"));
+    o.int4_scale_sign = MOEQ_INT4_SCALE_POSITIVE;
+    ASSERT_OK(moeq_quantize(model_dir(), pos, &o, NULL));
+    o.int4_scale_sign = MOEQ_INT4_SCALE_AUTO;
+    ASSERT_TRUE(st_open(path2(pos, "model.safetensors"), &f));
+    ASSERT_EQ_INT(0, check_int4(&f, "model.layers.1.mlp.experts.5.down_proj", 256, 256, false));
+    ASSERT_EQ_INT(0, check_int4(&f, "model.layers.2.self_attn.k_proj", 256, 256, false));
+    free(f.buf);
+    ASSERT_FALSE(same_file(path2(out, "model.safetensors"), path2(pos, "model.safetensors")));
+    int prc = run_cli(pos_cli, "--scheme int4 --int4-scale-sign positive");
+    if (prc >= 0) {
+        ASSERT_EQ_INT(0, prc);
+        ASSERT_TRUE(same_file(path2(pos, "model.safetensors"), path2(pos_cli, "model.safetensors")));
+    }
 
     /* the checkpoint loads; same options give the same bytes, through the API and the CLI */
     moeq_model *m = NULL;

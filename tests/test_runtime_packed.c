@@ -37,6 +37,7 @@ static const char *fixture(const char *model) {
 typedef struct {
     const char *asym_module;     /* this module (exact name) quantized asymmetric INT4 */
     const char *act_order_module;   /* this module with interleaved act-order groups */
+    bool signed_scales;          /* the whole checkpoint with signed INT4 scales (some negative) */
 } step_cfg;
 
 /* RTN, except the modules named in step_cfg. An act-order tensor gets g_idx[c] = c % G: each
@@ -119,6 +120,7 @@ static const char *checkpoint(const char *model, mq_qscheme scheme, int group, m
     mq_pipeline_opts q;
     mq_pipeline_opts_init(&q, scheme, fmt);
     if (group) q.spec.group_size = group;
+    if (sc && sc->signed_scales) q.spec.int4_signed_scale = true;
     q.force = true;
     char src[1024];
     snprintf(src, sizeof src, "%s", fixture(model));
@@ -250,10 +252,36 @@ static void compare(const char *dir, const char *what, double bits_per_weight) {
     moeq_model_free(f);
 }
 
+/* The share of a checkpoint's INT4 group scales (weight_scale tensors) that are negative. */
+static double negative_scale_share(const char *dir) {
+    mq_st *ck;
+    ASSERT_OK(mq_st_open_dir(dir, &ck));
+    int64_t neg = 0, all = 0;
+    for (size_t i = 0; i < mq_st_count(ck); i++) {
+        const mq_tensor_view *v = mq_st_at(ck, i);
+        const size_t len = strlen(v->name);
+        if (len < 13 || strcmp(v->name + len - 13, ".weight_scale") != 0) continue;
+        float *f = malloc(sizeof(float) * (size_t)v->numel);
+        ASSERT_OK(mq_tensor_to_f32(v, f));
+        for (int64_t k = 0; k < v->numel; k++) neg += f[k] < 0;
+        all += v->numel;
+        free(f);
+    }
+    mq_st_close(ck);
+    return all ? (double)neg / (double)all : 0;
+}
+
 static void compare_schemes(const char *model) {
     compare(checkpoint(model, MQ_QS_NVFP4, 0, MQ_FMT_CT, NULL, "nvfp4"), "nvfp4", 4.5);
     compare(checkpoint(model, MQ_QS_INT4, 32, MQ_FMT_CT, NULL, "int4g32"), "int4 g32", 4.5);
     compare(checkpoint(model, MQ_QS_INT4, 128, MQ_FMT_CT, NULL, "int4g128"), "int4 g128", 4.125);
+    /* signed scales: about half of them negative (each group's larger side), none otherwise */
+    const step_cfg sg = {.signed_scales = true};
+    const char *d = checkpoint(model, MQ_QS_INT4, 128, MQ_FMT_CT, &sg, "int4g128s");
+    const double share = negative_scale_share(d);
+    if (!(share > 0.3 && share < 0.7)) FAIL("%s signed scales: %.3f of them negative", model, share);
+    ASSERT_TRUE(negative_scale_share(checkpoint(model, MQ_QS_INT4, 128, MQ_FMT_CT, NULL, "int4g128")) == 0);
+    compare(d, "int4 g128 signed scales", 4.125);
 }
 
 static void test_packed_olmoe(void) { compare_schemes("olmoe-tiny"); }
@@ -321,9 +349,9 @@ static void test_fallback_asym_all(void) {
 /* One asymmetric attention tensor and one asymmetric expert down_proj: only that tensor and that
  * MoE layer fall back, the rest runs packed and the whole stays within the tolerance. */
 static void test_fallback_mixed(void) {
-    step_cfg sc = {"model.layers.1.self_attn.v_proj", NULL};
+    step_cfg sc = {"model.layers.1.self_attn.v_proj", NULL, false};
     const char *d1 = checkpoint("qwen2moe-tiny", MQ_QS_INT4, 32, MQ_FMT_CT, &sc, "asym-v");
-    step_cfg sc2 = {"model.layers.2.mlp.experts.5.down_proj", NULL};
+    step_cfg sc2 = {"model.layers.2.mlp.experts.5.down_proj", NULL, false};
     const char *d2 = checkpoint("qwen2moe-tiny", MQ_QS_INT4, 32, MQ_FMT_CT, &sc2, "asym-expert");
     const char *dirs[2] = {d1, d2};
     for (int k = 0; k < 2; k++) {
@@ -356,7 +384,7 @@ static void test_fallback_mixed(void) {
 }
 
 static void test_fallback_act_order_gptq(void) {
-    step_cfg sc = {NULL, "model.layers.2.mlp.down_proj"};
+    step_cfg sc = {NULL, "model.layers.2.mlp.down_proj", false};
     const char *dir = checkpoint("llama-tiny", MQ_QS_INT4, 128, MQ_FMT_GPTQ, &sc, "gptq-actorder");
     log_buf lb;
     moeq_model *p = open_logged(dir, &lb), *f = open_model(dir, 0);

@@ -55,6 +55,9 @@ typedef struct {
     int8_t int4_zero_min;    /* INT4 asym: smallest zero point (1 for GPTQ v1, whose stored
                                 zero - 1 cannot hold -1); default 0 */
     float int4_sym_div;      /* INT4 sym: scale = amax / div; 7 (no clipping) or 7.5 (CT/GPTQ) */
+    bool int4_signed_scale;  /* INT4 sym: scale = amax / 8 with the sign that gives the group's
+                                largest magnitude the code -8 (negative when that value is
+                                positive; llama.cpp's Q4_0 convention); int4_sym_div unused */
     moeq_dtype scale_dtype;  /* INT4: dtype the scale is stored in (BF16/F16/F32); scales are
                                 rounded to it before quantizing so loads are bit-identical */
     mq_nvfp4_conv nvfp4_conv;   /* NVFP4: meaning of the global scale (see the top comment) */

@@ -254,12 +254,16 @@ static void params_scaled(const mq_qspec *s, float global_scale, float amax, flo
             mq_int4_asym_params(s, lo, hi, out);
             return;
         } else {
-            scale = amax / s->int4_sym_div;
+            /* signed scales: the group's largest magnitude takes the code -8, the grid's longer
+             * side, whichever its sign (amax / 8 with the sign opposite to it) */
+            const bool flip = s->int4_signed_scale && xmax > -xmin;
+            scale = amax / (s->int4_signed_scale ? 8.0f : s->int4_sym_div);
             if (m != 1.0f) scale = scale * m;
             if (scale > 0.0f) {
                 scale = mq_round_to_dtype(scale, s->scale_dtype);
                 /* a non-zero group must not get a zero scale when the storage dtype underflows */
                 if (scale == 0.0f) scale = 0x1p-24f;
+                if (flip) scale = -scale;
             } else {
                 scale = 0.0f;
             }

@@ -132,6 +132,12 @@ static moeq_status check_options(const moeq_quant_options *o) {
     if (!nv && o->format == MOEQ_FORMAT_MODELOPT)
         return BAD("format MOEQ_FORMAT_MODELOPT holds NVFP4 only");
     if (nv && o->asym) return BAD("asym: NVFP4 is symmetric (asym is for INT4)");
+    if ((unsigned)o->int4_scale_sign > MOEQ_INT4_SCALE_POSITIVE)
+        return BAD("int4_scale_sign: unknown value %d", (int)o->int4_scale_sign);
+    if (o->int4_scale_sign && (nv || o->asym))
+        return BAD("int4_scale_sign is for symmetric INT4 (%s)", nv ? "NVFP4 has E4M3 block scales" : "asym has zero points");
+    if (o->int4_scale_sign == MOEQ_INT4_SCALE_SIGNED && o->reference)
+        return BAD("int4_scale_sign signed: reference keeps reference.json's positive amax/7 scales");
     if (nv && o->group_size != 0 && o->group_size != 16)
         return BAD("group_size: NVFP4 has groups of 16, got %d", o->group_size);
     if (!nv && o->group_size < -1)
@@ -202,6 +208,8 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
     o->max_shard_bytes = (size_t)po->max_shard_bytes;
     if (!nv && po->group_size != 0) o->spec.group_size = po->group_size;
     o->spec.asym = po->asym != 0;
+    o->spec.int4_signed_scale = !nv && !po->asym && !po->reference &&
+                                po->int4_scale_sign != MOEQ_INT4_SCALE_POSITIVE;
     /* GPTQ searches scales by default */
     o->spec.mse = po->method == MOEQ_QUANT_GPTQ ? po->gptq.mse != 0 : po->mse != 0;
     if (po->scale_lo > 0) {

@@ -96,6 +96,10 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         if (!(st = get_int(key, v, 0, 1 << 20, &i))) o->group_size = (int32_t)i;
     } else if (!strcmp(key, "asym")) {
         st = get_bool(key, v, &o->asym);
+    } else if (!strcmp(key, "int4-scale-sign")) {
+        static const char *const n[] = {"auto", "signed", "positive"};
+        if ((k = pick(v, n, 3)) < 0) return bad(key, v, "auto, signed or positive");
+        o->int4_scale_sign = (moeq_int4_scale_sign)k;
     } else if (!strcmp(key, "scale-search")) {
         char *end;
         o->scale_lo = strtod(v, &end);

@@ -74,6 +74,8 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
         cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_hi));
         cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_steps));
     }
+    if (o->spec.scheme == MQ_QS_INT4 && !o->spec.asym)
+        cJSON_AddStringToObject(set, "int4_scale_sign", o->spec.int4_signed_scale ? "signed" : "positive");
     if (o->spec.scheme == MQ_QS_NVFP4)
         cJSON_AddNumberToObject(set, "global_scale_headroom", o->spec.nvfp4_headroom > 1 ? o->spec.nvfp4_headroom : 1);
     if (o->spec.mse && o->gptq) cJSON_AddStringToObject(set, "mse_weight", mse_weight_name(o->g.mse_weight));

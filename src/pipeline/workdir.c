@@ -131,6 +131,7 @@ static cJSON *options_identity(const mq_pipe *p) {
     cJSON_AddBoolToObject(j, "asym", o->spec.asym);
     cJSON_AddNumberToObject(j, "int4_zero_min", o->spec.int4_zero_min);
     cJSON_AddNumberToObject(j, "int4_sym_div", o->spec.int4_sym_div);
+    cJSON_AddBoolToObject(j, "int4_signed_scale", o->spec.int4_signed_scale);
     cJSON_AddStringToObject(j, "scale_dtype", moeq_dtype_name(o->spec.scale_dtype));
     cJSON_AddNumberToObject(j, "nvfp4_conv", o->spec.nvfp4_conv);
     cJSON_AddNumberToObject(j, "nvfp4_scale_min", o->spec.nvfp4_scale_min);

@@ -900,13 +900,13 @@ double mq_gptq_column_errors_ref(const float *restrict x, const float *restrict 
  * the spec's convention; INT4: the nearest value of the scale's dtype). false if there is none
  * (a zero or out-of-range result). */
 static bool step_params(const mq_qspec *s, float gs, float step, mq_gparams *out) {
-    if (!(step > 0) || !isfinite(step)) return false;
-    if (s->scheme == MQ_QS_INT4) {
+    if (s->scheme == MQ_QS_INT4) {   /* signed scales may be negative */
         float v = mq_round_to_dtype(step, s->scale_dtype);
-        if (!(v > 0) || !isfinite(v)) return false;
+        if (!(s->int4_signed_scale ? v != 0 : v > 0) || !isfinite(v)) return false;
         out->scale = v;
         return true;
     }
+    if (!(step > 0) || !isfinite(step)) return false;
     if (s->scheme != MQ_QS_NVFP4) return false;
     float t = s->nvfp4_conv == MQ_NVFP4_MUL ? step / gs : step * gs;
     if (t < s->nvfp4_scale_min || t > 448.0f) return false;

@@ -70,7 +70,9 @@ grep -q '"pack-quantized"' "$tmp/ct/config.json" || fail "--force did not replac
 # usage errors exit 2
 for args in "--scheme nvfp4a16" "--out $tmp/u --scheme fp8" "--out $tmp/u --scheme nvfp4a16 --format gptq" \
             "--out $tmp/u --scheme int4 --sym --asym" "--out $tmp/u --scheme nvfp4a16 --group-size 32" \
-            "--out $tmp/u --scheme int4 --max-shard-size lots"; do
+            "--out $tmp/u --scheme int4 --max-shard-size lots" \
+            "--out $tmp/u --scheme nvfp4a16 --int4-scale-sign positive" "--out $tmp/u --scheme int4 --asym --int4-scale-sign signed" \
+            "--out $tmp/u --scheme int4 --reference --int4-scale-sign signed" "--out $tmp/u --scheme int4 --int4-scale-sign both"; do
     "$cli" quantize "$model" $args >/dev/null 2>&1
     [ $? -eq 2 ] || fail "'$args': expected exit 2"
 done

@@ -70,7 +70,7 @@ int cmd_quantize(int argc, char **argv) {
     const char *out = NULL, *scheme = NULL, *method = "rtn", *format = "compressed-tensors";
     const char *max_shard = NULL, *calib = NULL, *max_memory = NULL, *work_dir = NULL, *calib_field = NULL;
     const char *activations = "auto", *device = NULL, *revision = NULL, *scale_search = NULL;
-    const char *gguf_rest = NULL, *rotate = "none", *gpu_precision = NULL;
+    const char *gguf_rest = NULL, *rotate = "none", *gpu_precision = NULL, *int4_sign = NULL;
     int64_t group = 0, calib_tokens = 65536, expert_chunk = 0, rotate_block = 0;
     double mpi_timeout = 0, headroom = 0;
     bool sym = false, asym = false, force = false, quiet = false, mse = false, no_fuse = false, gpu_tf32 = false;
@@ -85,7 +85,12 @@ int cmd_quantize(int argc, char **argv) {
          "nvfp4|nvfp4a16|int4", 0, 0, NULL},
         {"--group-size", OPT_INT, &group, "G", "INT4 group size: 32, 64, 128 (default) or -1 = per "
          "channel; NVFP4 is always 16", NULL, -1, 1 << 20, &group_seen},
-        {"--sym", OPT_FLAG, &sym, NULL, "INT4 symmetric (default): scale = amax/7.5", NULL, 0, 0, NULL},
+        {"--sym", OPT_FLAG, &sym, NULL, "INT4 symmetric (default): codes -8..7 times the group's "
+         "scale (see --int4-scale-sign)", NULL, 0, 0, NULL},
+        {"--int4-scale-sign", OPT_CHOICE, &int4_sign, NULL, "symmetric INT4: signed (default) = "
+         "amax/8, negative where the group's largest magnitude is positive, so that it gets the "
+         "code -8 either way (llama.cpp's Q4_0 does the same; engines need nothing); positive = "
+         "amax/7.5 (amax/7 with --reference, which keeps positive scales)", "signed|positive", 0, 0, NULL},
         {"--asym", OPT_FLAG, &asym, NULL, "INT4 asymmetric: scale = (max-min)/15, zero point", NULL,
          0, 0, NULL},
         {"--method", OPT_CHOICE, &method, NULL, "round to nearest (default) or GPTQ "
@@ -176,6 +181,10 @@ int cmd_quantize(int argc, char **argv) {
     if (!out) return cli_usage_error("quantize", "--out OUT_DIR is required");
     if (!scheme) return cli_usage_error("quantize", "--scheme is required (nvfp4, nvfp4a16 or int4)");
     if (sym && asym) return cli_usage_error("quantize", "--sym and --asym exclude each other");
+    if (int4_sign && (asym || strcmp(scheme, "int4") != 0))
+        return cli_usage_error("quantize", "--int4-scale-sign is for symmetric INT4 (--scheme int4 without --asym)");
+    if (int4_sign && reference && !strcmp(int4_sign, "signed"))
+        return cli_usage_error("quantize", "--int4-scale-sign signed: --reference keeps reference.json's positive scales");
     bool nv = strcmp(scheme, "int4") != 0;
     moeq_ckpt_format fmt = strcmp(format, "modelopt") == 0 ? MOEQ_FORMAT_MODELOPT
                            : strcmp(format, "gptq") == 0  ? MOEQ_FORMAT_GPTQ
@@ -212,6 +221,7 @@ int cmd_quantize(int argc, char **argv) {
     o.max_shard_bytes = (int64_t)shard;
     if (!nv && group_seen) o.group_size = (int32_t)group;
     o.asym = asym;
+    if (int4_sign) o.int4_scale_sign = strcmp(int4_sign, "signed") ? MOEQ_INT4_SCALE_POSITIVE : MOEQ_INT4_SCALE_SIGNED;
     o.mse = mse;
     o.no_fuse = no_fuse;
     o.global_scale_headroom = headroom;

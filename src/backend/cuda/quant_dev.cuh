@@ -188,11 +188,13 @@ DEV void params_scaled(const mq_qspec &s, float gs, float amax, float xmin, floa
                 scale = 0.0f;
             }
         } else {
-            scale = amax / s.int4_sym_div;
+            const bool flip = s.int4_signed_scale && xmax > -xmin;   /* quant.c's signed scales */
+            scale = amax / (s.int4_signed_scale ? 8.0f : s.int4_sym_div);
             if (m != 1.0f) scale = scale * m;
             if (scale > 0.0f) {
                 scale = round_to_dtype(scale, s.scale_dtype);
                 if (scale == 0.0f) scale = 0x1p-24f;
+                if (flip) scale = -scale;
             } else {
                 scale = 0.0f;
             }
