@@ -113,6 +113,10 @@ void mq_syrk_det_acc_pool_rows(int64_t K, int64_t n, const float *X, int64_t ldx
 void mq_cross_det_acc(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                       float *C, int64_t ldc, int64_t i0, int64_t i1) {
 #if defined(__x86_64__) || defined(__i386__)
+    if (mq_cpu_has_avx512() && !mq_force_ref()) {
+        mq_cross_det_acc_avx512(K, n, A, lda, B, ldb, C, ldc, i0, i1);
+        return;
+    }
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         mq_cross_det_acc_avx2(K, n, A, lda, B, ldb, C, ldc, i0, i1);
         return;

@@ -72,8 +72,8 @@ void mq_syrk_det_acc_neon(int64_t K, int64_t n, const float *X, int64_t ldx, flo
 /* The cross sum of two streams of rows (asymmetric calibration's G = sum x_f x_q^T): for the rows
  * i in [i0, i1) of the K x K row-major C and every j,
  *     C[i][j] = fmaf(A[r][i], B[r][j], C[i][j])   for r = 0 .. n-1 in order
- * (A, B [n, K]), so again any grouping of the rows into calls gives the same sums. The AVX2 twin
- * (the Hessian update's tiles over two packed streams) serves every x86 host with AVX2; other
+ * (A, B [n, K]), so again any grouping of the rows into calls gives the same sums. The AVX-512 and
+ * AVX2 twins (the Hessian update's tiles over two packed streams) serve x86 hosts with them; other
  * hosts take the reference, the same values. Single-threaded; _pool runs all rows over the pool. */
 void mq_cross_det_acc(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                       float *C, int64_t ldc, int64_t i0, int64_t i1);
@@ -87,6 +87,8 @@ void mq_cross_det_acc_ref(int64_t K, int64_t n, const float *A, int64_t lda, con
 #if defined(__x86_64__) || defined(__i386__)
 void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                            float *C, int64_t ldc, int64_t i0, int64_t i1);
+void mq_cross_det_acc_avx512(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
+                             float *C, int64_t ldc, int64_t i0, int64_t i1);
 #endif
 
 #endif

@@ -119,12 +119,14 @@ enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 static _Thread_local float *tl_pack;
 static _Thread_local size_t tl_pack_cap;
 
-/* rows [i0, i0 + nr) x columns [j0, j0 + 16 nv) of C; nr <= 6, nv 1 or 2. */
-static inline __attribute__((always_inline)) void syrk_tile(int64_t n, const float *P, int64_t i0,
-                                                            int64_t j0, float *C, int64_t ldc,
+/* rows [i0, i0 + nr) x columns [j0, j0 + 16 nv) of C; nr <= 6, nv 1 or 2. The rows' values come
+ * from the panels P, the columns' from Pj (P itself for the Hessian, the other stream for the
+ * cross sum). */
+static inline __attribute__((always_inline)) void syrk_tile(int64_t n, const float *P, const float *Pj,
+                                                            int64_t i0, int64_t j0, float *C, int64_t ldc,
                                                             const int nr, const int nv) {
     const int64_t pstride = ROWS_BLK * SC;   /* floats per panel */
-    const float *vj = P + (j0 / SC) * pstride;
+    const float *vj = Pj + (j0 / SC) * pstride;
     const float *bi[SR];
     __m512 a[SR][2];
 #pragma GCC unroll 6
@@ -153,20 +155,36 @@ static inline __attribute__((always_inline)) void syrk_tile(int64_t n, const flo
     }
 }
 
-static __attribute__((noinline)) void syrk_tile_6x32(int64_t n, const float *P, int64_t i0,
-                                                     int64_t j0, float *C, int64_t ldc) {
-    syrk_tile(n, P, i0, j0, C, ldc, SR, 2);
+static __attribute__((noinline)) void syrk_tile_6x32(int64_t n, const float *P, const float *Pj,
+                                                     int64_t i0, int64_t j0, float *C, int64_t ldc) {
+    syrk_tile(n, P, Pj, i0, j0, C, ldc, SR, 2);
 }
-static __attribute__((noinline)) void syrk_tile_6x16(int64_t n, const float *P, int64_t i0,
-                                                     int64_t j0, float *C, int64_t ldc) {
-    syrk_tile(n, P, i0, j0, C, ldc, SR, 1);
+static __attribute__((noinline)) void syrk_tile_6x16(int64_t n, const float *P, const float *Pj,
+                                                     int64_t i0, int64_t j0, float *C, int64_t ldc) {
+    syrk_tile(n, P, Pj, i0, j0, C, ldc, SR, 1);
 }
 /* A row group of nr < 6 rows (the last of a range): one row at a time, the same chains. */
-static __attribute__((noinline)) void syrk_tile_rows(int64_t n, const float *P, int64_t i0, int nr,
-                                                     int64_t j0, float *C, int64_t ldc, int nv) {
+static __attribute__((noinline)) void syrk_tile_rows(int64_t n, const float *P, const float *Pj,
+                                                     int64_t i0, int nr, int64_t j0, float *C,
+                                                     int64_t ldc, int nv) {
     for (int t = 0; t < nr; t++) {
-        if (nv == 2) syrk_tile(n, P, i0 + t, j0, C, ldc, 1, 2);
-        else syrk_tile(n, P, i0 + t, j0, C, ldc, 1, 1);
+        if (nv == 2) syrk_tile(n, P, Pj, i0 + t, j0, C, ldc, 1, 2);
+        else syrk_tile(n, P, Pj, i0 + t, j0, C, ldc, 1, 1);
+    }
+}
+
+/* Rows [i0, i1) of C over columns [j0, jend), jend a multiple of 16: 32-column tiles, then a
+ * 16-column one. */
+static void tile_rows_range(int64_t n, const float *P, const float *Pj, int64_t i0, int64_t i1,
+                            int64_t j0, int64_t jend, float *C, int64_t ldc) {
+    const int nr = (int)(i1 - i0);
+    for (; j0 + 2 * SC <= jend; j0 += 2 * SC) {
+        if (nr == SR) syrk_tile_6x32(n, P, Pj, i0, j0, C, ldc);
+        else syrk_tile_rows(n, P, Pj, i0, nr, j0, C, ldc, 2);
+    }
+    for (; j0 + SC <= jend; j0 += SC) {
+        if (nr == SR) syrk_tile_6x16(n, P, Pj, i0, j0, C, ldc);
+        else syrk_tile_rows(n, P, Pj, i0, nr, j0, C, ldc, 1);
     }
 }
 
@@ -188,14 +206,44 @@ void mq_syrk_det_acc_avx512(int64_t K, int64_t n, const float *X, int64_t ldx, f
             int64_t j0 = 0;
             /* 32 columns while they lie in the row and in the packed panels */
             for (; j0 + 2 * SC <= K && j0 + 2 * SC <= panels * SC && j0 <= i1 - 1; j0 += 2 * SC) {
-                if (nr == SR) syrk_tile_6x32(rb, P, i0, j0, C, ldc);
-                else syrk_tile_rows(rb, P, i0, nr, j0, C, ldc, 2);
+                if (nr == SR) syrk_tile_6x32(rb, P, P, i0, j0, C, ldc);
+                else syrk_tile_rows(rb, P, P, i0, nr, j0, C, ldc, 2);
             }
             for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
-                if (nr == SR) syrk_tile_6x16(rb, P, i0, j0, C, ldc);
-                else syrk_tile_rows(rb, P, i0, nr, j0, C, ldc, 1);
+                if (nr == SR) syrk_tile_6x16(rb, P, P, i0, j0, C, ldc);
+                else syrk_tile_rows(rb, P, P, i0, nr, j0, C, ldc, 1);
             }
             syrk_edge(rb, P, i0, i1, j0, i1, C, ldc);
+        }
+    }
+}
+
+/* ---- the cross sum of two streams (mq_cross_det_acc) ------------------------------------------- */
+/* The Hessian's tiles with the rows' values from A's panels and the columns' from B's, over every
+ * column (no triangle); the columns past the last whole panel are cross_edge's scalar chains, as
+ * in the AVX2 twin. */
+static _Thread_local float *tl_pack_b;
+static _Thread_local size_t tl_pack_b_cap;
+
+void mq_cross_det_acc_avx512(int64_t K, int64_t n, const float *A, int64_t lda, const float *B,
+                             int64_t ldb, float *C, int64_t ldc, int64_t row0, int64_t row1) {
+    if (K <= 0 || n <= 0 || row0 >= row1) return;
+    const int64_t pa = (row1 + SC - 1) / SC, pb = (K + SC - 1) / SC;
+    float *PA = syrk_scratch(&tl_pack, &tl_pack_cap, (size_t)pa * ROWS_BLK * SC, 64);
+    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_pack_b_cap, (size_t)pb * ROWS_BLK * SC, 64) : NULL;
+    if (!PB) {   /* no scratch: the reference gives the same values */
+        mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
+        return;
+    }
+    const int64_t full = K / SC * SC;
+    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
+        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
+        syrk_pack(A, lda, K, r0, rb, pa, PA);
+        syrk_pack(B, ldb, K, r0, rb, pb, PB);
+        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
+            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
+            tile_rows_range(rb, PA, PB, i0, i1, 0, full, C, ldc);
+            cross_edge(rb, PA, PB, i0, i1, full, K, C, ldc);
         }
     }
 }
