@@ -46,6 +46,15 @@ def test_quantize_matches_cli():
     with open(os.path.join(a, "model.safetensors"), "rb") as f1, open(os.path.join(b, "model.safetensors"), "rb") as f2:
         assert f1.read() == f2.read()
     assert r["linears_quantized"] == 112 and r["bytes_written"] > 0
+    # INT4's scale sign through the binding: the CLI's bytes for the same flag
+    c, d = os.path.join(TMP, "py-int4-pos"), os.path.join(TMP, "cli-int4-pos")
+    moeq.quantize(MODEL, c, scheme="int4", group_size=32, int4_scale_sign="positive")
+    cli("quantize", MODEL, "--out", d, "--scheme", "int4", "--group-size", "32", "--int4-scale-sign", "positive", "--quiet")
+    with open(os.path.join(c, "model.safetensors"), "rb") as f1, open(os.path.join(d, "model.safetensors"), "rb") as f2:
+        pos = f1.read()
+        assert pos == f2.read()
+    with open(os.path.join(a, "model.safetensors"), "rb") as f1:
+        assert f1.read() != pos
 
 
 def test_gptq_progress_and_reports():
@@ -98,6 +107,8 @@ def test_errors():
     expect_error(-5, "group-size=x", moeq.quantize, MODEL, os.path.join(TMP, "e1"), scheme="int4", group_size="x")
     expect_error(-5, "'bogus'", moeq.quantize, MODEL, os.path.join(TMP, "e2"), scheme="int4", bogus=1)
     expect_error(-5, "scheme=int8", moeq.quantize, MODEL, os.path.join(TMP, "e3"), scheme="int8")
+    expect_error(-5, "int4-scale-sign=both", moeq.quantize, MODEL, os.path.join(TMP, "e5"), scheme="int4",
+                 int4_scale_sign="both")
     nowhere = os.path.join(TMP, "no-such-model")
     try:
         moeq.quantize(nowhere, os.path.join(TMP, "e4"), scheme="int4")

@@ -265,6 +265,9 @@ static moeq_status target_slots(mq_pipe *p, int l, slot *a, int na, slot *b, int
     free(work);
     free(sts);
     free(msg);
+    if (getenv("MOEQ_PROFILE"))
+        mq_info("layer %d target corrections, %d Linear inputs: %.2f s (%.1f cores busy)", l, m, mq_now() - t0,
+                (mq_cpu_now() - c0) / (mq_now() - t0 + 1e-9));
     p->layers[l].gptq += mq_now() - t0;
     p->layers[l].cpu_gptq += mq_cpu_now() - c0;
     return st;
@@ -1480,7 +1483,7 @@ typedef struct {
  * sample, tokens in order), so each expert runs one call over all of them. Its products are
  * mq_gemm_det_nt's, whose values do not depend on how the rows are grouped: the same as the
  * model's forward gives running the samples one at a time. */
-typedef struct {
+typedef struct ex_batch {
     mq_pipe *p;
     int l, e0, e1;
     int64_t s0, nb;
@@ -1514,6 +1517,9 @@ typedef struct {
     bool all_dev;                 /* GPU: as many samples in one batch as the device holds, the
                                      rows only there, the inputs up nb_in samples at a time */
     int64_t nb_in;                /* samples xin_buf holds */
+    const struct ex_batch *pair;  /* the unquantized stream's outputs run beside a cross batch
+                                     (batch_run_fp): that batch, whose rows of the same tokens and
+                                     experts give their gate/up */
 } ex_batch;
 
 /* The FFN inputs of samples [g0, g0 + n) of the batch into xin_buf (which holds n): the whole
@@ -1750,7 +1756,7 @@ static void batch_free(ex_batch *b) {
 /* host_rows false: the rows live on the device only (all_dev), so their host buffers are not
  * made; xin_buf holds nb_in samples. */
 static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_t C, int64_t rows, int64_t nb_in,
-                               bool host_rows) {
+                               bool host_rows, bool cross) {
     const mq_config *c = p->c;
     const int64_t Lmax = p->calib.max_len, K = c->top_k, D = c->D, F = c->moe_ffn;
     const int64_t hr = host_rows ? rows : 0;
@@ -1774,7 +1780,7 @@ static moeq_status batch_alloc(ex_batch *b, const mq_pipe *p, int64_t nb, int64_
     b->xfirst = calloc((size_t)nb, sizeof *b->xfirst);
     b->htasks = mq_alloc_array((size_t)(2 * C * ((c->D + HBAND - 1) / HBAND + (F + HBAND - 1) / HBAND) + 1),
                                sizeof(hband), "expert Hessian bands");
-    if (p->target) {   /* asymmetric calibration: the unquantized stream's inputs and rows */
+    if (cross) {   /* asymmetric calibration: the unquantized stream's inputs and rows */
         b->xinf = calloc((size_t)nb, sizeof *b->xinf);
         b->xinf_buf = mq_alloc_array((size_t)(nb_in * p->LD), sizeof(float), "unquantized expert inputs");
         b->xgf = mq_alloc_array((size_t)hr + 1, (size_t)D * sizeof(float), "unquantized expert inputs");
@@ -1886,20 +1892,10 @@ static void batch_fill_task(void *ctx, int64_t i, int thread) {
     for (int64_t e = 0; e < C; e++) next[e] -= b->cnt[i * C + e];
 }
 
-static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
-    const int64_t C = b->e1 - b->e0, Lmax = p->calib.max_len;
-    double t0 = mq_now(), c0 = mq_cpu_now();
-    /* On the GPU the rows stay there, their Hessians summed on the device, unless the CPU must see
-     * them (amax, weighted rows): only the samples' FFN inputs and the rows' indices go up, or
-     * only the indices where the inputs are there already (din, gpu_ffn_inputs_new). */
-    const bool dev_rows = b->gmlp && !b->amax && !(b->hess && p->o->expert_weighting);
-    mq_gpu_buf *din = !dev_rows ? NULL : b->src.from_xn ? p->gffn_xn : p->gffn_h;
-    if (!b->all_dev && !din) {   /* all_dev: below, in groups */
-        inputs_group g = {b, 0};
-        mq_parallel_for(b->nb, group_inputs_task, &g);
-    }
-    double tp = mq_now();
-    g_ex_prof[0] += tp - t0;
+/* The batch's rows: expert by expert, each expert's rows of every sample in order (the counts,
+ * each expert's first row, each row's token and sample), and the row blocks' tasks. */
+static void batch_layout(ex_batch *b) {
+    const int64_t C = b->e1 - b->e0;
     mq_parallel_for(b->nb, batch_count_task, b);
     b->ebase[0] = 0;
     for (int64_t e = 0; e < C; e++) {
@@ -1915,6 +1911,83 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
     for (int64_t e = 0; e < C; e++)
         for (int64_t r = b->ebase[e]; r < b->ebase[e + 1]; r += TASK_ROWS)
             b->tasks[b->n_tasks++] = e << 32 | (r - b->ebase[e]) / TASK_ROWS;
+}
+
+/* A block of the unquantized stream's output rows (batch_run_fp): a row whose token the paired
+ * cross batch routed to the same expert takes that batch's SwiGLU of gate/up (the same
+ * deterministic products of the same input: the same bits); the others are gathered and run
+ * through gate/up here; then down over the block, as batch_rows_task computes every row. */
+static void batch_rows_fp_task(void *ctx, int64_t task, int thread) {
+    (void)thread;
+    ex_batch *b = ctx;
+    const ex_batch *q = b->pair;
+    mq_pipe *p = b->p;
+    const int64_t D = p->c->D, F = p->c->moe_ffn, K = p->c->top_k, Lmax = p->calib.max_len;
+    const mq_layer *ly = &p->m->layers[b->l];
+    const int64_t ce = b->tasks[task] >> 32, blk = b->tasks[task] & 0xffffffff;
+    const int32_t e = (int32_t)(b->e0 + ce);
+    const int64_t r0 = b->ebase[ce] + blk * TASK_ROWS;
+    const int64_t n = b->ebase[ce + 1] - r0 < TASK_ROWS ? b->ebase[ce + 1] - r0 : TASK_ROWS;
+    int32_t *from = b->grow + r0;   /* each row's row in q, or -1 */
+    int64_t m = 0;                  /* rows to compute, gathered at the block's start */
+    for (int64_t r = r0; r < r0 + n; r++) {
+        const int64_t i = b->tsample[r], t = b->tok[r];
+        const int32_t *qsel = q->src.sel + (b->s0 + i) * Lmax * K + t * K;
+        const int32_t *qrow = q->tok_row + i * Lmax * K + t * K;
+        int32_t at = -1;
+        for (int64_t k = 0; k < K && at < 0; k++)
+            if (qsel[k] == e) at = qrow[k];
+        from[r - r0] = at;
+        if (at < 0)
+            memcpy(b->xg + (r0 + m++) * D, b->xin[i] + t * D, sizeof(float) * (size_t)D);
+    }
+    if (m) (void)mq_mlp_forward(&ly->exp_gate[e], &ly->exp_up[e], NULL, b->xg + r0 * D, m, b->hg + r0 * F,
+                                b->hu + r0 * F, NULL);
+    /* computed rows to their places (last first: a row's place is at or after its gathered one),
+     * then the paired batch's */
+    for (int64_t j = n - 1, c = m - 1; j >= 0; j--)
+        if (from[j] < 0) {
+            if (c != j) memcpy(b->hg + (r0 + j) * F, b->hg + (r0 + c) * F, sizeof(float) * (size_t)F);
+            c--;
+        }
+    for (int64_t j = 0; j < n; j++)
+        if (from[j] >= 0) memcpy(b->hg + (r0 + j) * F, q->hgf + (int64_t)from[j] * F, sizeof(float) * (size_t)F);
+    (void)mq_linear_forward(&ly->exp_down[e], b->hg + r0 * F, n, b->yg + r0 * D);
+}
+
+/* The unquantized stream's expert outputs for the samples of the cross batch q, into OUTF: the
+ * separate pass (experts_pass with fp_source) computed gate/up of every row again; here the rows
+ * q has computed for the same (token, expert) are reused. Same rows, products and combine: the
+ * same bits (tests/test_pipeline.c against the reference loop). */
+static void batch_run_fp(ex_batch *b, const ex_batch *q) {
+    mq_pipe *p = b->p;
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    b->s0 = q->s0;
+    b->nb = q->nb;
+    b->pair = q;
+    for (int64_t i = 0; i < b->nb; i++) b->xin[i] = q->xinf[i];   /* XF's FFN inputs, made by q */
+    batch_layout(b);
+    mq_parallel_for(b->n_tasks, batch_rows_fp_task, b);
+    mq_parallel_for(b->nb, batch_combine_task, b);
+    p->layers[b->l].forward += mq_now() - t0;
+    p->layers[b->l].cpu_forward += mq_cpu_now() - c0;
+}
+
+static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
+    const int64_t C = b->e1 - b->e0, Lmax = p->calib.max_len;
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    /* On the GPU the rows stay there, their Hessians summed on the device, unless the CPU must see
+     * them (amax, weighted rows): only the samples' FFN inputs and the rows' indices go up, or
+     * only the indices where the inputs are there already (din, gpu_ffn_inputs_new). */
+    const bool dev_rows = b->gmlp && !b->amax && !(b->hess && p->o->expert_weighting);
+    mq_gpu_buf *din = !dev_rows ? NULL : b->src.from_xn ? p->gffn_xn : p->gffn_h;
+    if (!b->all_dev && !din) {   /* all_dev: below, in groups */
+        inputs_group g = {b, 0};
+        mq_parallel_for(b->nb, group_inputs_task, &g);
+    }
+    double tp = mq_now();
+    g_ex_prof[0] += tp - t0;
+    batch_layout(b);
     moeq_status st = MOEQ_OK;
     p->layers[l].gpu_device_batches += dev_rows;
     p->layers[l].gpu_kept_inputs += din != NULL;
@@ -2059,8 +2132,10 @@ static int64_t gpu_batch_rows(const mq_pipe *p, bool down) {
  * (enough rows for every thread; which samples go together does not change any value) or, on the
  * GPU, as the device holds. own: only this rank's samples (outputs with several ranks), else all
  * of them. */
+/* with_fp (a cross pass on the CPU): the unquantized stream's outputs of the same samples too,
+ * batch by batch (batch_run_fp), in place of their own pass with fp_source. */
 static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source src, bool down,
-                                bool hess, bool amax, slot *gu, slot *dn, bool own) {
+                                bool hess, bool amax, slot *gu, slot *dn, bool own, bool with_fp) {
     const int64_t s_lo = own ? p->s_lo : 0, s_hi = own ? p->s_hi : p->calib.n;
     if (s_hi <= s_lo) return MOEQ_OK;
     int64_t nb = p->mp.batch > 0 ? p->mp.batch : 1;
@@ -2098,10 +2173,29 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
         if (nb_cap < nb) nb_cap = nb;
         nb = s_hi - s_lo < nb_cap ? s_hi - s_lo : nb_cap;
     }
-    ex_batch b;
+    ex_batch b, bf;
     memset(&b, 0, sizeof b);
-    moeq_status st = batch_alloc(&b, p, nb, e1 - e0, rows_cap, nb_in, !all_dev);
+    memset(&bf, 0, sizeof bf);
+    const bool cross = hess && p->target;
+    with_fp = with_fp && cross && !all_dev && !p->gpu;
+    moeq_status st = batch_alloc(&b, p, nb, e1 - e0, rows_cap, nb_in, !all_dev, cross);
     if (st) return st;
+    const ffn_source fsrc = fp_source(p);
+    if (with_fp) {
+        if ((st = batch_alloc(&bf, p, nb, e1 - e0, rows_cap, 1, true, false))) {
+            batch_free(&b);
+            return st;
+        }
+        bf.p = p;
+        bf.l = l;
+        bf.e0 = e0;
+        bf.e1 = e1;
+        bf.src = fsrc;
+        bf.down = true;
+        bf.out = &p->OUTF;
+        bf.gu = gu;
+        bf.dn = dn;
+    }
     b.all_dev = all_dev;
     b.p = p;
     b.l = l;
@@ -2111,7 +2205,7 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     b.down = down;
     b.hess = hess;
     b.amax = amax;
-    b.cross = hess && p->target;
+    b.cross = cross;
     b.out = src.fp ? &p->OUTF : &p->OUT;
     b.gu = gu;
     b.dn = dn;
@@ -2124,16 +2218,21 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
         int64_t rows = sample_rows(p, &src, s0, e0, e1);
         b.s0 = s0;
         b.nb = 1;   /* one sample always fits: rows_cap holds a sample's worst case */
+        int64_t rows_f = with_fp ? sample_rows(p, &fsrc, s0, e0, e1) : 0;
         while (b.nb < nb && s0 + b.nb < s_hi) {
             int64_t r = sample_rows(p, &src, s0 + b.nb, e0, e1);
-            if (rows + r > rows_cap) break;
+            int64_t rf = with_fp ? sample_rows(p, &fsrc, s0 + b.nb, e0, e1) : 0;
+            if (rows + r > rows_cap || rows_f + rf > rows_cap) break;
             rows += r;
+            rows_f += rf;
             b.nb++;
         }
         st = batch_run(&b, p, l);
+        if (!st && with_fp) batch_run_fp(&bf, &b);
     }
     if (b.gmlp != p->gx) mq_gpu_mlp_free(b.gmlp);
     batch_free(&b);
+    if (with_fp) batch_free(&bf);
     return st;
 }
 
@@ -2308,6 +2407,9 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     if (need_block && !replay) st = block_hessian(p, l, &block_H);
     const int C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
     const bool calib = p->calibrate && !replay;
+    /* asymmetric calibration in one process on the CPU: the unquantized stream's expert outputs
+     * come with the calibration pass, which has most of their gate/up rows already */
+    const bool fused_fp = p->target && !dist && !p->gpu && o->gptq;
     /* one process on a GPU: the experts' outputs are combined there, over every chunk, and read
      * back once; the passes that give them must keep their rows there (batch_run's dev_rows) */
     if (!st && experts_on_device(p, l, replay)) st = mq_gpu_buf_new(p->gpu, p->calib.n * p->LD, &p->gout);
@@ -2334,10 +2436,11 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         /* calibration: Hessians (and amax) from the experts' routed tokens; without sequential
          * calibration (and alone) this pass also gives the layer's output */
         if (!st && calib)
-            st = experts_pass(p, l, e0, e1, hs, !p->seq && !dist, o->gptq, o->act_quant, gu, dn, false);
+            st = experts_pass(p, l, e0, e1, hs, !p->seq && !dist, o->gptq, o->act_quant, gu, dn, false, fused_fp);
         /* asymmetric calibration: the unquantized stream's outputs of the chunk's experts, before
          * their weights change (a replay: before the quantized ones are read back) */
-        if (!st && p->target && !dist) st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, false);
+        if (!st && p->target && !dist && !(calib && fused_fp))
+            st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, false, false);
         if (!st && calib && o->gptq) st = fallback_down(p, l, dn, e0, e1);
         for (int e = e0; e < e1 && calib; e++) {
             moeq_status fa = slot_form_timed(p, l, &gu[e]), fb = slot_form_timed(p, l, &dn[e]);
@@ -2374,9 +2477,9 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         }
         /* the output of the quantized experts on the quantized attention's FFN input */
         if (!dist && !st && p->seq)
-            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false);
+            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false, false);
         if (!dist && !st && replay && !p->seq)
-            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false);
+            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false, false);
         for (int e = e0; e < e1; e++) {
             slot_drop_sums(&gu[e]);
             slot_drop_sums(&dn[e]);
@@ -2403,11 +2506,11 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             /* asymmetric calibration: every expert's source weights, for the unquantized stream's
              * outputs of this rank's samples first */
             st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, p->seq && !p->target ? is_quantized_in : NULL, &qi);
-            if (!st && p->target) st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, true);
+            if (!st && p->target) st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, true, false);
             st = mq_dist_agree(st, step);
             if (!st) st = share_slots(p, l, gu + e0, e1 - e0);
             if (!st) st = share_slots(p, l, dn + e0, e1 - e0);
-            if (!st) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, true);
+            if (!st) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, true, false);
             drop_part(p, l, MQ_PART_EXPERTS, e0, e1);
             mq_pipe_progress(p, p->mp_units.expert * (e1 - e0));
         }

@@ -104,8 +104,12 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         int64_t h1 = o->gptq ? nh * (D * D + F * F) * 4 : 0;
         int64_t rows = mq_plan_batch_rows(p, C);
         z.batch = batch;
+        /* asymmetric calibration: the cross batch's unquantized rows, and beside it the batch
+         * of the unquantized stream's outputs (batch_run_fp: its rows, routing and one sample's
+         * input), and the corrections' scratch */
         int64_t bscratch = batch * (L * D + L * K) * 4 + rows * (2 * D + 2 * F + 1) * 4 +
                            tgt * (batch * L * D + rows * (D + 2 * F) +
+                                  rows * (2 * D + 2 * F + 4) + batch * L * K + L * D +
                                   (2 * C < par ? 2 * C : par) * (2 * (D > F ? D * D : F * F) + 2 * F * D)) * 4;
         z.chunk = C * (w1 + h1 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * F * D))) +
                   bscratch + (o->gptq ? gptq_scratch(D > F ? D : F) : 0);
@@ -202,7 +206,9 @@ static layer_flops flops_of(const mq_pipe *p, int l) {
     const double mse = o->spec.mse ? 1.3 : 1.0;
     if (c->layer_is_moe[l]) {
         const double E = c->n_experts, F = c->moe_ffn;
-        double fw = K * T * 2 * F * D * (p->seq ? 2 + 3 + 5 * tgt : 3);   /* calibration gate/up + output */
+        /* calibration gate/up + output; the unquantized stream's gate/up of the pairing (its
+         * output reuses them where the routes agree, batch_run_fp) and its down */
+        double fw = K * T * 2 * F * D * (p->seq ? 2 + 3 + 3 * tgt : 3);
         double hs = o->gptq ? K * T * (D * D + F * F) * (1 + 2 * tgt) : 0;
         double gq = o->gptq ? E * (2 * 2 * F * D * D + D * D * D + 2 * D * F * F + F * F * F) * mse : 0;
         f.forward += fw + 2 * E * D * T * passes;
