@@ -69,4 +69,27 @@ static inline void cross_edge(int64_t n, const float *PA, const float *PB, int64
         }
 }
 
+/* The cross sum's driver, shared by the SIMD twins: X's rows in blocks of SYRK_ROWS, A's panels
+ * (the rows of C, up to row1) and B's (every column) packed into PA and PB, then for every group
+ * of SYRK_SR rows of C the twin's whole-panel tiles (`tiles`: columns [0, full)) and the scalar
+ * chains of the columns past the last whole panel. */
+typedef void (*cross_tiles_fn)(int64_t n, const float *PA, const float *PB, int64_t i0, int64_t i1,
+                               int64_t full, float *C, int64_t ldc);
+static inline void cross_run(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
+                             float *C, int64_t ldc, int64_t row0, int64_t row1, float *PA, float *PB,
+                             cross_tiles_fn tiles) {
+    const int64_t pa = (row1 + SYRK_SC - 1) / SYRK_SC, pb = (K + SYRK_SC - 1) / SYRK_SC;
+    const int64_t full = K / SYRK_SC * SYRK_SC;
+    for (int64_t r0 = 0; r0 < n; r0 += SYRK_ROWS) {
+        const int64_t rb = n - r0 < SYRK_ROWS ? n - r0 : SYRK_ROWS;
+        syrk_pack(A, lda, K, r0, rb, pa, PA);
+        syrk_pack(B, ldb, K, r0, rb, pb, PB);
+        for (int64_t i0 = row0; i0 < row1; i0 += SYRK_SR) {
+            const int64_t i1 = i0 + SYRK_SR < row1 ? i0 + SYRK_SR : row1;
+            tiles(rb, PA, PB, i0, i1, full, C, ldc);
+            cross_edge(rb, PA, PB, i0, i1, full, K, C, ldc);
+        }
+    }
+}
+
 #endif

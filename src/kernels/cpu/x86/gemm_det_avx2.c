@@ -217,6 +217,15 @@ void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, flo
 static _Thread_local float *tl_pack_b;
 static _Thread_local size_t tl_cap_b;
 
+/* rows [i0, i1) of C over the columns [0, full) of whole panels */
+static void cross_tiles(int64_t n, const float *PA, const float *PB, int64_t i0, int64_t i1, int64_t full,
+                        float *C, int64_t ldc) {
+    for (int64_t j0 = 0; j0 < full; j0 += SC) {
+        if (i1 - i0 == SR) syrk_tile6(n, PA, PB, i0, j0, C, ldc);
+        else syrk_tile_n(n, PA, PB, i0, (int)(i1 - i0), j0, C, ldc);
+    }
+}
+
 void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                            float *C, int64_t ldc, int64_t row0, int64_t row1) {
     if (K <= 0 || n <= 0 || row0 >= row1) return;
@@ -227,18 +236,5 @@ void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, co
         mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
         return;
     }
-    const int64_t full = K / SC * SC;   /* columns in whole panels; the rest is the scalar chain */
-    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
-        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
-        syrk_pack(A, lda, K, r0, rb, pa, PA);
-        syrk_pack(B, ldb, K, r0, rb, pb, PB);
-        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
-            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
-            for (int64_t j0 = 0; j0 < full; j0 += SC) {
-                if (i1 - i0 == SR) syrk_tile6(rb, PA, PB, i0, j0, C, ldc);
-                else syrk_tile_n(rb, PA, PB, i0, (int)(i1 - i0), j0, C, ldc);
-            }
-            cross_edge(rb, PA, PB, i0, i1, full, K, C, ldc);
-        }
-    }
+    cross_run(K, n, A, lda, B, ldb, C, ldc, row0, row1, PA, PB, cross_tiles);
 }

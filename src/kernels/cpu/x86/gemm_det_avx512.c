@@ -173,16 +173,17 @@ static __attribute__((noinline)) void syrk_tile_rows(int64_t n, const float *P, 
     }
 }
 
-/* Rows [i0, i1) of C over columns [j0, jend), jend a multiple of 16: 32-column tiles, then a
- * 16-column one. */
-static void tile_rows_range(int64_t n, const float *P, const float *Pj, int64_t i0, int64_t i1,
-                            int64_t j0, int64_t jend, float *C, int64_t ldc) {
+/* Rows [i0, i1) of C over the columns [0, full) of whole panels: 32-column tiles, then a
+ * 16-column one (the cross sum's tiles, cross_run). */
+static void cross_tiles(int64_t n, const float *P, const float *Pj, int64_t i0, int64_t i1,
+                        int64_t full, float *C, int64_t ldc) {
     const int nr = (int)(i1 - i0);
-    for (; j0 + 2 * SC <= jend; j0 += 2 * SC) {
+    int64_t j0 = 0;
+    for (; j0 + 2 * SC <= full; j0 += 2 * SC) {
         if (nr == SR) syrk_tile_6x32(n, P, Pj, i0, j0, C, ldc);
         else syrk_tile_rows(n, P, Pj, i0, nr, j0, C, ldc, 2);
     }
-    for (; j0 + SC <= jend; j0 += SC) {
+    for (; j0 + SC <= full; j0 += SC) {
         if (nr == SR) syrk_tile_6x16(n, P, Pj, i0, j0, C, ldc);
         else syrk_tile_rows(n, P, Pj, i0, nr, j0, C, ldc, 1);
     }
@@ -220,8 +221,7 @@ void mq_syrk_det_acc_avx512(int64_t K, int64_t n, const float *X, int64_t ldx, f
 
 /* ---- the cross sum of two streams (mq_cross_det_acc) ------------------------------------------- */
 /* The Hessian's tiles with the rows' values from A's panels and the columns' from B's, over every
- * column (no triangle); the columns past the last whole panel are cross_edge's scalar chains, as
- * in the AVX2 twin. */
+ * column (no triangle), through the twins' shared driver (syrk_panels.h's cross_run). */
 static _Thread_local float *tl_pack_b;
 static _Thread_local size_t tl_pack_b_cap;
 
@@ -235,15 +235,5 @@ void mq_cross_det_acc_avx512(int64_t K, int64_t n, const float *A, int64_t lda, 
         mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
         return;
     }
-    const int64_t full = K / SC * SC;
-    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
-        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
-        syrk_pack(A, lda, K, r0, rb, pa, PA);
-        syrk_pack(B, ldb, K, r0, rb, pb, PB);
-        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
-            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
-            tile_rows_range(rb, PA, PB, i0, i1, 0, full, C, ldc);
-            cross_edge(rb, PA, PB, i0, i1, full, K, C, ldc);
-        }
-    }
+    cross_run(K, n, A, lda, B, ldb, C, ldc, row0, row1, PA, PB, cross_tiles);
 }
