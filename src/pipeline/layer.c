@@ -2132,10 +2132,11 @@ static int64_t gpu_batch_rows(const mq_pipe *p, bool down) {
  * (enough rows for every thread; which samples go together does not change any value) or, on the
  * GPU, as the device holds. own: only this rank's samples (outputs with several ranks), else all
  * of them. */
-/* with_fp (a cross pass on the CPU): the unquantized stream's outputs of the same samples too,
- * batch by batch (batch_run_fp), in place of their own pass with fp_source. */
+/* fp_done (asked for, else NULL): a cross pass on the CPU gives the unquantized stream's outputs
+ * of the same samples too, batch by batch (batch_run_fp), and says so in *fp_done; else they
+ * need their own pass with fp_source. */
 static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source src, bool down,
-                                bool hess, bool amax, slot *gu, slot *dn, bool own, bool with_fp) {
+                                bool hess, bool amax, slot *gu, slot *dn, bool own, bool *fp_done) {
     const int64_t s_lo = own ? p->s_lo : 0, s_hi = own ? p->s_hi : p->calib.n;
     if (s_hi <= s_lo) return MOEQ_OK;
     int64_t nb = p->mp.batch > 0 ? p->mp.batch : 1;
@@ -2177,7 +2178,8 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     memset(&b, 0, sizeof b);
     memset(&bf, 0, sizeof bf);
     const bool cross = hess && p->target;
-    with_fp = with_fp && cross && !all_dev && !p->gpu;
+    const bool with_fp = fp_done && cross && !all_dev && !p->gpu;
+    if (fp_done) *fp_done = with_fp;
     moeq_status st = batch_alloc(&b, p, nb, e1 - e0, rows_cap, nb_in, !all_dev, cross);
     if (st) return st;
     const ffn_source fsrc = fp_source(p);
@@ -2407,9 +2409,6 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     if (need_block && !replay) st = block_hessian(p, l, &block_H);
     const int C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
     const bool calib = p->calibrate && !replay;
-    /* asymmetric calibration in one process on the CPU: the unquantized stream's expert outputs
-     * come with the calibration pass, which has most of their gate/up rows already */
-    const bool fused_fp = p->target && !dist && !p->gpu && o->gptq;
     /* one process on a GPU: the experts' outputs are combined there, over every chunk, and read
      * back once; the passes that give them must keep their rows there (batch_run's dev_rows) */
     if (!st && experts_on_device(p, l, replay)) st = mq_gpu_buf_new(p->gpu, p->calib.n * p->LD, &p->gout);
@@ -2435,12 +2434,16 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             if (!(st = slot_hessian(p, &gu[e]))) st = slot_hessian(p, &dn[e]);
         /* calibration: Hessians (and amax) from the experts' routed tokens; without sequential
          * calibration (and alone) this pass also gives the layer's output */
+        /* asymmetric calibration in one process: the unquantized stream's expert outputs come
+         * with the calibration pass where it can give them (it has most of their gate/up rows) */
+        bool fp_done = false;
         if (!st && calib)
-            st = experts_pass(p, l, e0, e1, hs, !p->seq && !dist, o->gptq, o->act_quant, gu, dn, false, fused_fp);
-        /* asymmetric calibration: the unquantized stream's outputs of the chunk's experts, before
-         * their weights change (a replay: before the quantized ones are read back) */
-        if (!st && p->target && !dist && !(calib && fused_fp))
-            st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, false, false);
+            st = experts_pass(p, l, e0, e1, hs, !p->seq && !dist, o->gptq, o->act_quant, gu, dn, false,
+                              p->target && !dist ? &fp_done : NULL);
+        /* else the unquantized stream's outputs of the chunk's experts in a pass of their own,
+         * before their weights change (a replay: before the quantized ones are read back) */
+        if (!st && p->target && !dist && !fp_done)
+            st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, false, NULL);
         if (!st && calib && o->gptq) st = fallback_down(p, l, dn, e0, e1);
         for (int e = e0; e < e1 && calib; e++) {
             moeq_status fa = slot_form_timed(p, l, &gu[e]), fb = slot_form_timed(p, l, &dn[e]);
@@ -2477,9 +2480,9 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         }
         /* the output of the quantized experts on the quantized attention's FFN input */
         if (!dist && !st && p->seq)
-            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false, false);
+            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false, NULL);
         if (!dist && !st && replay && !p->seq)
-            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false, false);
+            st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false, NULL);
         for (int e = e0; e < e1; e++) {
             slot_drop_sums(&gu[e]);
             slot_drop_sums(&dn[e]);
@@ -2506,11 +2509,11 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             /* asymmetric calibration: every expert's source weights, for the unquantized stream's
              * outputs of this rank's samples first */
             st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, p->seq && !p->target ? is_quantized_in : NULL, &qi);
-            if (!st && p->target) st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, true, false);
+            if (!st && p->target) st = experts_pass(p, l, e0, e1, fp_source(p), true, false, false, gu, dn, true, NULL);
             st = mq_dist_agree(st, step);
             if (!st) st = share_slots(p, l, gu + e0, e1 - e0);
             if (!st) st = share_slots(p, l, dn + e0, e1 - e0);
-            if (!st) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, true, false);
+            if (!st) st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, true, NULL);
             drop_part(p, l, MQ_PART_EXPERTS, e0, e1);
             mq_pipe_progress(p, p->mp_units.expert * (e1 - e0));
         }
