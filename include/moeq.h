@@ -413,6 +413,18 @@ typedef enum {
     MOEQ_CALIB_DOCS = 2,     /* one document (JSONL record or line) per sample */
 } moeq_calib_sampling;
 
+/* Which of the candidate samples GPTQ calibrates on (--calib-balance). */
+typedef enum {
+    MOEQ_CALIB_BALANCE_NONE = 0,      /* the first nsamples the sampling gives */
+    MOEQ_CALIB_BALANCE_EXPERTS = 1,   /* nsamples of calib_pool candidates, chosen so that the
+                                         routed experts get tokens evenly: the candidates go
+                                         through the unquantized model once (a streamed forward
+                                         of calib_pool samples), then a greedy choice maximises
+                                         the sum over MoE layers and experts of log(1 + tokens)
+                                         (MoEQuant's expert-balanced calibration, from the
+                                         user's text instead of generated text) */
+} moeq_calib_balance;
+
 /* The GPU's arithmetic for the calibration's products (attention projections, the experts) and
  * the Hessian sums (--gpu-precision). The TF32 modes are deterministic from run to run on one
  * GPU, not the fp32 mode's bits. */
@@ -571,6 +583,9 @@ typedef struct {
         moeq_calib_sampling sampling;   /* --calib-sampling (default chunks) */
         uint64_t seed;             /* --seed: of MOEQ_CALIB_RANDOM (default 0) */
         int calib_bos;             /* --calib-bos: start every sample with BOS */
+        moeq_calib_balance calib_balance;   /* --calib-balance (default none) */
+        int64_t calib_pool;        /* --calib-pool: candidate samples calib_balance chooses
+                                      from (0, the default: 4 x nsamples); >= nsamples */
         double percdamp;           /* --percdamp: damping, a fraction of mean(diag H), finite and
                                       >= 0 (default 0.01; raised while Cholesky fails) */
         int32_t block_size;        /* --block-size: lazy-update block (default 128) */
@@ -679,6 +694,11 @@ typedef struct {
     int32_t layers_resumed;        /* layers an interrupted run had finished */
     int32_t ranks;                 /* processes of the run (1 without mpirun) */
     int64_t rank_peak_anon_bytes[64];   /* measured peak of each of the first 64 ranks */
+    /* calib_balance experts, when it chose (more candidates than samples): the candidates, and
+     * over every MoE layer's experts those with fewer than min_expert_tokens tokens and the
+     * fewest tokens any got, [0] from the first nsamples candidates, [1] from the chosen ones */
+    int64_t balance_candidates, balance_under[2], balance_fewest[2];
+    double balance_seconds;
 } moeq_quant_result;
 
 /* Quantizes the checkpoint in model_dir into out_dir, streaming: one pass over the source, layer

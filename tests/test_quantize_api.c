@@ -335,6 +335,8 @@ static void test_options_defaults(void) {
     ASSERT_EQ_INT(0, o.gptq.true_sequential);
     ASSERT_EQ_INT(32, o.gptq.min_expert_tokens);
     ASSERT_EQ_INT(MOEQ_EXPERT_FALLBACK_BLOCK, o.gptq.expert_fallback);
+    ASSERT_EQ_INT(MOEQ_CALIB_BALANCE_NONE, o.gptq.calib_balance);
+    ASSERT_EQ_INT(0, o.gptq.calib_pool);
 }
 
 /* Case i of the invalid settings: modifies o and returns the text the error must name. */
@@ -402,6 +404,13 @@ static const char *invalid_case(int i, moeq_quant_options *o, const char *calib)
     case 42: o->int4_scale_sign = MOEQ_INT4_SCALE_SIGNED; o->asym = 1; return "int4_scale_sign";
     case 43: o->int4_scale_sign = MOEQ_INT4_SCALE_POSITIVE; o->scheme = MOEQ_QUANT_NVFP4A16; return "int4_scale_sign";
     case 44: o->int4_scale_sign = MOEQ_INT4_SCALE_SIGNED; o->reference = 1; return "int4_scale_sign";
+    case 45: o->gptq.calib_balance = (moeq_calib_balance)2; return "gptq.calib_balance";
+    case 46: o->gptq.calib_balance = MOEQ_CALIB_BALANCE_EXPERTS; o->gptq.calib_pool = -1; return "gptq.calib_pool";
+    case 47:   /* fewer candidates than samples */
+        o->gptq.calib_balance = MOEQ_CALIB_BALANCE_EXPERTS;
+        o->gptq.calib_pool = o->gptq.nsamples - 1;
+        return "gptq.calib_pool";
+    case 48: o->gptq.calib_pool = 512; return "gptq.calib_balance";   /* a pool, nothing to choose it for */
     default: return NULL;
     }
 }

@@ -72,6 +72,13 @@ def test_gptq_progress_and_reports():
     moeq.quantize(MODEL, ig, scheme="nvfp4a16", method="gptq", calib=CALIB, nsamples=4, seqlen=32, ignore=["self_attn"])
     mods = json.load(open(os.path.join(ig, "gptq_report.json")))["modules"]
     assert mods and not any("self_attn" in m["module"] for m in mods)
+    # the samples chosen across experts from 4x as many candidates (a pass of its own, with its progress)
+    calls = []
+    r = moeq.quantize(MODEL, os.path.join(TMP, "gqb"), scheme="nvfp4a16", method="gptq", calib=CALIB, nsamples=4,
+                      seqlen=64, calib_balance="experts", progress=lambda label, d, t: calls.append(label))
+    assert r["gptq_samples"] == 4 and r["balance"]["candidates"] == 16, r
+    assert r["balance"]["experts_under_chosen"] <= r["balance"]["experts_under_first"]
+    assert calls[0] == "balance calibration" and calls[-1] == "quantize"
 
 
 def test_evaluate_matches_cli():
@@ -109,6 +116,8 @@ def test_errors():
     expect_error(-5, "scheme=int8", moeq.quantize, MODEL, os.path.join(TMP, "e3"), scheme="int8")
     expect_error(-5, "int4-scale-sign=both", moeq.quantize, MODEL, os.path.join(TMP, "e5"), scheme="int4",
                  int4_scale_sign="both")
+    expect_error(-5, "calib-balance=all", moeq.quantize, MODEL, os.path.join(TMP, "e6"), scheme="int4",
+                 calib_balance="all")
     nowhere = os.path.join(TMP, "no-such-model")
     try:
         moeq.quantize(nowhere, os.path.join(TMP, "e4"), scheme="int4")

@@ -43,6 +43,13 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
         return BAD("gptq.seqlen must be >= 2, got %lld", (long long)o->gptq.seqlen);
     if ((unsigned)o->gptq.sampling > MOEQ_CALIB_DOCS)
         return BAD("gptq.sampling: unknown value %d", (int)o->gptq.sampling);
+    if ((unsigned)o->gptq.calib_balance > MOEQ_CALIB_BALANCE_EXPERTS)
+        return BAD("gptq.calib_balance: unknown value %d", (int)o->gptq.calib_balance);
+    if (o->gptq.calib_pool < 0 || (o->gptq.calib_pool > 0 && o->gptq.calib_pool < o->gptq.nsamples))
+        return BAD("gptq.calib_pool must be 0 (4 x nsamples) or >= gptq.nsamples (%lld), got %lld",
+                   (long long)o->gptq.nsamples, (long long)o->gptq.calib_pool);
+    if (o->gptq.calib_pool > 0 && !o->gptq.calib_balance)
+        return BAD("gptq.calib_pool is the pool gptq.calib_balance chooses from: set calib_balance");
     if (!isfinite(o->gptq.percdamp) || o->gptq.percdamp < 0)
         return BAD("gptq.percdamp must be finite and >= 0, got %g", o->gptq.percdamp);
     if (o->gptq.block_size < 1)
@@ -303,6 +310,8 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
     o->calib.seqlen = po->gptq.seqlen;
     o->calib.seed = po->gptq.seed;
     o->calib.bos = po->gptq.calib_bos != 0;
+    o->calib_balance = po->gptq.calib_balance == MOEQ_CALIB_BALANCE_EXPERTS;
+    o->calib_pool = po->gptq.calib_pool;
     o->calib.mode = po->gptq.sampling == MOEQ_CALIB_RANDOM ? MQ_CALIB_RANDOM
                     : po->gptq.sampling == MOEQ_CALIB_DOCS ? MQ_CALIB_DOCS
                                                            : MQ_CALIB_CHUNKS;
@@ -379,6 +388,12 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
     res.layers_resumed = r.layers_resumed;
     res.ranks = r.ranks;
     memcpy(res.rank_peak_anon_bytes, r.rank_peak, sizeof res.rank_peak_anon_bytes);
+    res.balance_candidates = r.balance_pool;
+    for (int i = 0; i < 2; i++) {
+        res.balance_under[i] = r.balance_under[i];
+        res.balance_fewest[i] = r.balance_least[i];
+    }
+    res.balance_seconds = r.balance_seconds;
     if (opts->method == MOEQ_QUANT_GPTQ) {
         res.gptq_samples = r.samples;
         res.gptq_tokens = r.tokens;

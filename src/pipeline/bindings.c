@@ -162,6 +162,12 @@ moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const
         static const char *const n[] = {"chunks", "random", "docs"};
         if ((k = pick(v, n, 3)) < 0) return bad(key, v, "chunks, random or docs");
         o->gptq.sampling = (moeq_calib_sampling)k;
+    } else if (!strcmp(key, "calib-balance")) {
+        static const char *const n[] = {"none", "experts"};
+        if ((k = pick(v, n, 2)) < 0) return bad(key, v, "none or experts");
+        o->gptq.calib_balance = (moeq_calib_balance)k;
+    } else if (!strcmp(key, "calib-pool")) {
+        st = get_int(key, v, 0, 1 << 24, &o->gptq.calib_pool);
     } else if (!strcmp(key, "seed")) {
         if (!(st = get_int(key, v, 0, INT64_MAX, &i))) o->gptq.seed = (uint64_t)i;
     } else if (!strcmp(key, "calib-bos")) {
@@ -338,6 +344,15 @@ char *moeq_quant_result_json(const moeq_quant_result *r) {
     add_num(j, "gptq_rtn_loss", r->gptq_rtn_loss);
     add_num(j, "peak_anon_bytes", (double)r->peak_anon_bytes);
     add_num(j, "layers_resumed", r->layers_resumed);
+    if (r->balance_candidates > 0) {
+        cJSON *b = cJSON_AddObjectToObject(j, "balance");
+        add_num(b, "candidates", (double)r->balance_candidates);
+        add_num(b, "experts_under_first", (double)r->balance_under[0]);
+        add_num(b, "experts_under_chosen", (double)r->balance_under[1]);
+        add_num(b, "fewest_tokens_first", (double)r->balance_fewest[0]);
+        add_num(b, "fewest_tokens_chosen", (double)r->balance_fewest[1]);
+        add_num(b, "seconds", r->balance_seconds);
+    }
     cJSON *p = cJSON_AddObjectToObject(j, "plan");
     add_num(p, "budget_bytes", (double)r->plan.budget);
     add_num(p, "peak_bytes", (double)r->plan.peak);

@@ -76,6 +76,43 @@ typedef struct {
     cJSON *modules;               /* the layer's module records (report), owned */
 } mq_layer_report;
 
+/* ---- expert-balanced calibration (balance.c) ---- */
+/* Streams candidate samples through the unquantized model and counts the tokens each routes to
+ * each expert of each MoE layer: buffers for groups of up to `group` samples of up to max_len
+ * tokens, routed experts loaded `chunk` at a time (0: all). */
+typedef struct {
+    mq_lazy_model *lz;
+    moeq_model *m;
+    int64_t G, Lmax;
+    int chunk;
+    int *moe_index;               /* [n_layers]: the layer's place among the MoE layers, or -1 */
+    int n_moe;
+    float *x, *xn, *out;          /* [G][Lmax][D] */
+    float *probs, *wt, *mlp_scratch, *scratch;
+    int32_t *sel;                 /* [G][Lmax][K] */
+    int64_t *rows, *start;        /* the rows of each expert, sorted by expert */
+    size_t per_thread;
+    mq_state *state;
+} mq_balance_counter;
+moeq_status mq_balance_counter_init(mq_balance_counter *k, mq_lazy_model *lz, int64_t group,
+                                    int64_t max_len, int chunk);
+void mq_balance_counter_free(mq_balance_counter *k);
+/* Samples [s0, s0 + g) of pool: counts[s][moe layer][expert] += tokens routed there (counts
+ * [pool.n][n_moe][E], zeroed by the caller). progress(user, g) after each layer. */
+moeq_status mq_balance_count_group(mq_balance_counter *k, const mq_calib_set *pool, int64_t s0,
+                                   int64_t g, int32_t *counts, void (*progress)(void *, int64_t),
+                                   void *user);
+/* Greedy choice of `want` of the n candidates (rows of `width` counts) maximising the sum of
+ * log(1 + total count) over the columns; chosen[want] in increasing order. */
+moeq_status mq_balance_select(const int32_t *counts, int64_t n, int64_t width, int64_t want,
+                              int64_t *chosen);
+struct mq_pipe;
+#define MQ_BALANCE_RECORD "calib-choice.json"   /* in the work directory */
+/* p->calib holds the candidates: keeps the o->calib.nsamples chosen (a dry run, or a model
+ * without routed experts: the first ones), after planning the run's memory (MOEQ_E_NOMEM as the
+ * run would give). Several ranks each stream their share of the candidates. */
+moeq_status mq_pipe_balance(struct mq_pipe *p);
+
 typedef struct mq_pipe {
     const mq_pipeline_opts *o;
     const char *model_dir;
@@ -152,6 +189,8 @@ typedef struct mq_pipe {
     int lock_fd;
     bool work_fresh;              /* this run made the work directory */
     bool rank_dir;                /* a rank past 0 made its own directory for activation files */
+    char *balance_record;         /* the expert-balanced choice (balance.c), kept in the work
+                                     directory as calib-choice.json for a resume; NULL: none */
 } mq_pipe;
 
 /* fp32 values of a rotated unquantized tensor converted at once (layer.c) */

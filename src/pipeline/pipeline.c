@@ -291,6 +291,7 @@ static void pipe_free(mq_pipe *p) {
     free(p->item_done);
     mq_out_plan_free(&p->plan);
     mq_calib_free(&p->calib);
+    free(p->balance_record);
     if (p->lz) mq_lazy_close(p->lz);
     else mq_st_close(p->st);
     cJSON_Delete(p->src_config);
@@ -561,8 +562,24 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         }
     }
     p->ckpt_opts = (mq_ckpt_opts){o->format, o->spec, o->act_quant, po.g_idx, o->max_shard_bytes};
-    if (o->gptq) s = mq_calib_load(moeq_model_tokenizer(p->m), &o->calib, &p->calib);
-    else if (o->act_quant) s = act_calibration(p);
+    if (!o->dry_run) {   /* from here: an expert-balanced calibration streams the model first */
+        mq_mem_watch_start();
+        watching = true;
+    }
+    if (o->gptq) {
+        mq_calib_opts co = o->calib;
+        if (o->calib_balance) {   /* the candidates to choose from */
+            co.nsamples = o->calib_pool > 0 ? o->calib_pool : 4 * o->calib.nsamples;
+            co.pool = true;
+        }
+        s = mq_calib_load(moeq_model_tokenizer(p->m), &co, &p->calib);
+        if (!s && o->calib_balance) {
+            p->LD = p->calib.max_len * p->c->D;
+            s = mq_pipe_balance(p);
+        }
+    } else if (o->act_quant) {
+        s = act_calibration(p);
+    }
     if (s) goto done;
     p->LD = p->calibrate ? p->calib.max_len * p->c->D : 0;
     p->s_lo = 0;
@@ -575,11 +592,15 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     res.samples = p->calib.n;
     res.tokens = p->calib.total;
     if (o->dry_run) goto done;
-    mq_mem_watch_start();
-    watching = true;
     if (p->rank == 0) {   /* the work directory and the writer are rank 0's */
         s = mq_work_prepare(p);
         work = !s;
+        if (!s && p->balance_record) {   /* a resume takes the choice from here */
+            char *path = mq_path_join(p->work_dir, MQ_BALANCE_RECORD);
+            s = path ? mq_write_file_atomic(path, p->balance_record, strlen(p->balance_record))
+                     : mq_err(MOEQ_E_NOMEM, "out of memory");
+            free(path);
+        }
     }
     if ((s = mq_dist_agree(s, "the work directory"))) goto done;
     if (p->ranks > 1) {

@@ -72,6 +72,9 @@ typedef struct {
     double damp_sweep[8];          /* percdamp candidates chosen by held-out loss (n 0: none) */
     int n_damp_sweep;
     mq_calib_opts calib;           /* GPTQ calibration samples (calib.path: the file) */
+    bool calib_balance;            /* calib.nsamples chosen from calib_pool candidates so that the
+                                      experts get tokens evenly (balance.c) */
+    int64_t calib_pool;            /* 0: 4 x calib.nsamples */
     const char *act_calib;         /* RTN W4A4: the calibration text */
     int64_t act_calib_tokens;      /* RTN W4A4: its first N tokens, in chunks of 512 */
     /* resources */
@@ -164,6 +167,11 @@ typedef struct {
     mq_layer_stats layer[512];     /* the first 512 layers run */
     int32_t layers_run;
     int32_t ranks;                 /* processes of the run (src/dist) */
+    /* expert-balanced calibration: candidates, experts (over MoE layers) with fewer than
+     * min_expert_tokens tokens and the fewest tokens of any, [0] from the first samples, [1]
+     * from the chosen ones; seconds of the choice */
+    int64_t balance_pool, balance_under[2], balance_least[2];
+    double balance_seconds;
     int64_t rank_peak[64];         /* measured peak anonymous memory of the first 64 ranks */
 } mq_pipeline_result;
 

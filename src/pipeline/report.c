@@ -111,6 +111,20 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
         cJSON_AddStringToObject(cal, "sampling", o->calib.mode == MQ_CALIB_RANDOM ? "random"
                                                  : o->calib.mode == MQ_CALIB_DOCS ? "docs" : "chunks");
         cJSON_AddNumberToObject(cal, "seqlen", (double)o->calib.seqlen);
+        cJSON_AddStringToObject(cal, "balance", o->calib_balance ? "experts" : "none");
+        if (r->balance_pool > 0) {   /* the choice was made (a pool larger than the samples) */
+            cJSON *b = cJSON_AddObjectToObject(cal, "balance_choice");
+            cJSON_AddNumberToObject(b, "candidates", (double)r->balance_pool);
+            cJSON_AddNumberToObject(b, "min_expert_tokens", (double)(o->min_expert_tokens));
+            /* [the first samples, the chosen ones] over every MoE layer's experts */
+            cJSON *u = cJSON_AddArrayToObject(b, "experts_under_min_tokens");
+            cJSON *f = cJSON_AddArrayToObject(b, "fewest_tokens");
+            for (int i = 0; i < 2; i++) {
+                cJSON_AddItemToArray(u, cJSON_CreateNumber((double)r->balance_under[i]));
+                cJSON_AddItemToArray(f, cJSON_CreateNumber((double)r->balance_least[i]));
+            }
+            cJSON_AddNumberToObject(b, "seconds", r->balance_seconds);
+        }
     }
     cJSON_AddNumberToObject(cal, "samples", (double)r->samples);
     cJSON_AddNumberToObject(cal, "tokens", (double)r->tokens);
@@ -122,6 +136,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
     cJSON_AddNumberToObject(sec, "gptq", r->seconds_gptq);
     cJSON_AddNumberToObject(sec, "write", r->seconds_write);
     cJSON_AddNumberToObject(sec, "read", r->seconds_read);
+    cJSON_AddNumberToObject(sec, "balance", r->balance_seconds);
     cJSON_AddNumberToObject(j, "peak_anon_bytes", (double)r->peak_anon);
     cJSON_AddNumberToObject(j, "layers_resumed", r->layers_resumed);
     cJSON *layers = cJSON_AddArrayToObject(j, "layers");

@@ -80,13 +80,36 @@ static moeq_status from_ids(const int32_t *ids, int64_t n_ids, const mq_calib_op
             if (len < L && i > 0) break;   /* a short tail chunk only when it is the only one */
             st = set_add(out, bos, ids + i * L, len);
         }
-        if (!st && out->n < o->nsamples)
+        if (!st && out->n < o->nsamples && !o->pool)
             mq_warn("%s: %lld tokens make only %lld of the %lld calibration samples of %lld tokens",
                     what, (long long)n_ids, (long long)out->n, (long long)o->nsamples,
                     (long long)o->seqlen);
     }
     if (st) mq_calib_free(out);
     return st;
+}
+
+moeq_status mq_calib_keep(mq_calib_set *s, const int64_t *keep, int64_t n) {
+    for (int64_t i = 1; i < n; i++)
+        if (keep[i] <= keep[i - 1]) return mq_err(MOEQ_E_ARG, "mq_calib_keep: indices not increasing");
+    if (n > 0 && (keep[0] < 0 || keep[n - 1] >= s->n))
+        return mq_err(MOEQ_E_ARG, "mq_calib_keep: index outside the %lld samples", (long long)s->n);
+    int64_t j = 0, w = 0;
+    s->total = s->max_len = 0;
+    for (int64_t i = 0; i < s->n; i++) {
+        if (j < n && keep[j] == i) {
+            s->ids[w] = s->ids[i];
+            s->len[w] = s->len[i];
+            s->total += s->len[w];
+            if (s->len[w] > s->max_len) s->max_len = s->len[w];
+            w++;
+            j++;
+        } else {
+            free(s->ids[i]);
+        }
+    }
+    s->n = w;
+    return MOEQ_OK;
 }
 
 moeq_status mq_calib_cover(const int32_t *ids, int64_t n_ids, int64_t chunk, mq_calib_set *out) {
@@ -356,7 +379,7 @@ moeq_status mq_calib_load(const moeq_tokenizer *tok, const mq_calib_opts *o, mq_
             free(ids);
         }
         if (!st && out->n == 0) st = mq_err(MOEQ_E_FORMAT, "%s: no calibration documents", o->path);
-        if (!st && out->n < o->nsamples)
+        if (!st && out->n < o->nsamples && !o->pool)
             mq_warn("%s: only %lld documents for %lld calibration samples", o->path,
                     (long long)out->n, (long long)o->nsamples);
         if (st) mq_calib_free(out);

@@ -23,6 +23,8 @@ typedef struct {
     uint64_t seed;       /* MQ_CALIB_RANDOM */
     bool bos;            /* prepend the tokenizer's BOS to every sample (counted in seqlen) */
     const char *field;   /* JSONL: the record field (NULL: "text", else "messages") */
+    bool pool;           /* candidates to choose from (--calib-balance): a text with fewer
+                            samples than nsamples is no warning */
 } mq_calib_opts;
 
 void mq_calib_opts_init(mq_calib_opts *o);
@@ -49,6 +51,8 @@ moeq_status mq_calib_from_ids(const int32_t *ids, int64_t n_ids, const mq_calib_
 /* Every token of ids in consecutive samples of chunk tokens, the last one shorter (the W4A4
  * activation-scale calibration). */
 moeq_status mq_calib_cover(const int32_t *ids, int64_t n_ids, int64_t chunk, mq_calib_set *out);
+/* Keeps the samples keep[0..n) (increasing indices), in that order; frees the others. */
+moeq_status mq_calib_keep(mq_calib_set *s, const int64_t *keep, int64_t n);
 void mq_calib_free(mq_calib_set *s);
 
 #endif

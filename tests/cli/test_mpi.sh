@@ -31,6 +31,14 @@ for np in 1 2 3; do
     ls -d "$tmp"/np$np.moeq-work* 2>/dev/null && fail "-np $np left a work directory"
 done
 
+# an expert-balanced calibration: each rank streams its share of the candidates, the counts go to
+# every rank, and all choose the same samples
+"$cli" quantize "$model" --out "$tmp/bbase" "${args[@]}" --calib-balance experts || fail "--calib-balance exited $?"
+for np in 2 3; do
+    run_np "$np" quantize "$model" --out "$tmp/bnp$np" "${args[@]}" --calib-balance experts || fail "--calib-balance -np $np exited $?"
+    same "$tmp/bbase" "$tmp/bnp$np" "--calib-balance experts -np $np"
+done
+
 # the unquantized target (asymmetric calibration): its cross sums relayed like the Hessians,
 # the unquantized stream shared like the quantized one
 "$cli" quantize "$model" --out "$tmp/tbase" "${args[@]}" --target unquantized || fail "--target unquantized exited $?"

@@ -68,11 +68,16 @@ grep -q '"nvfp4-pack-quantized"' "$tmp/ct/config.json" || fail "existing OUT_DIR
 grep -q '"pack-quantized"' "$tmp/ct/config.json" || fail "--force did not replace OUT_DIR"
 
 # usage errors exit 2
+calib=$repo/data/demo-calib.txt
 for args in "--scheme nvfp4a16" "--out $tmp/u --scheme fp8" "--out $tmp/u --scheme nvfp4a16 --format gptq" \
             "--out $tmp/u --scheme int4 --sym --asym" "--out $tmp/u --scheme nvfp4a16 --group-size 32" \
             "--out $tmp/u --scheme int4 --max-shard-size lots" \
             "--out $tmp/u --scheme nvfp4a16 --int4-scale-sign positive" "--out $tmp/u --scheme int4 --asym --int4-scale-sign signed" \
-            "--out $tmp/u --scheme int4 --reference --int4-scale-sign signed" "--out $tmp/u --scheme int4 --int4-scale-sign both"; do
+            "--out $tmp/u --scheme int4 --reference --int4-scale-sign signed" "--out $tmp/u --scheme int4 --int4-scale-sign both" \
+            "--out $tmp/u --scheme int4 --method gptq --calib $calib --calib-balance all" \
+            "--out $tmp/u --scheme int4 --method gptq --calib $calib --calib-balance experts --calib-pool 0" \
+            "--out $tmp/u --scheme int4 --method gptq --calib $calib --calib-balance experts --calib-pool 100" \
+            "--out $tmp/u --scheme int4 --method gptq --calib $calib --calib-pool 512"; do
     "$cli" quantize "$model" $args >/dev/null 2>&1
     [ $? -eq 2 ] || fail "'$args': expected exit 2"
 done

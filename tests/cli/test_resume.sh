@@ -36,6 +36,27 @@ err=$("$cli" quantize "$model" --out "$tmp/q" "${args[@]}" --percdamp 0.1 --resu
 printf '%s\n' "$err" | grep -q "percdamp" || fail "the refusal does not name percdamp: $err"
 rm -rf "$tmp/q.moeq-work"
 
+# an expert-balanced calibration: the resume takes the choice the work directory kept (no second
+# pass over the candidates); a record that is not this run's is chosen again, the same way
+bargs=(--scheme nvfp4a16 --method gptq --calib "$calib" --nsamples 8 --seqlen 64 --expert-chunk 3
+       --calib-balance experts --calib-pool 16)
+"$cli" quantize "$model" --out "$tmp/bbase" "${bargs[@]}" 2>/dev/null >&2 || fail "the balanced run exited $?"
+for record in kept damaged; do
+    MOEQ_FAULT=layer:1 "$cli" quantize "$model" --out "$tmp/bq" "${bargs[@]}" 2>/dev/null
+    [ -f "$tmp/bq.moeq-work/calib-choice.json" ] || fail "balanced: no calib-choice.json in the work directory"
+    [ $record = damaged ] && echo '{"candidates": 16, "chosen": [0]}' > "$tmp/bq.moeq-work/calib-choice.json"
+    err=$("$cli" quantize "$model" --out "$tmp/bq" "${bargs[@]}" --resume 2>&1 >/dev/null) ||
+        fail "balanced, $record record: --resume exited $?"
+    if [ $record = kept ]; then
+        printf '%s\n' "$err" | grep -q "the interrupted run chose" || fail "balanced: the resume chose again: $err"
+    else
+        printf '%s\n' "$err" | grep -q "choosing again" || fail "balanced: a damaged record was used: $err"
+    fi
+    same_checkpoint "$tmp/bbase" "$tmp/bq" "balanced, $record record" "the uninterrupted balanced run"
+    rm -rf "$tmp/bq"
+done
+cmp -s "$tmp/base/model.safetensors" "$tmp/bbase/model.safetensors" && fail "balanced: the same checkpoint as the first 8 samples'"
+
 # --dry-run prints the plan and writes nothing
 out=$("$cli" quantize "$model" --out "$tmp/dry" "${args[@]}" --dry-run) || fail "--dry-run exited $?"
 [ -e "$tmp/dry" ] || [ -e "$tmp/dry.moeq-work" ] && fail "--dry-run wrote something"

@@ -21,6 +21,7 @@ void gptq_cli_defaults(gptq_cli *g) {
     g->mse_weight = "auto";
     g->refine = d.gptq.refine_passes;
     g->expert_weighting = "none";
+    g->calib_balance = "none";
 }
 
 static int fail(const char *msg) {
@@ -37,6 +38,9 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
                                                           : MOEQ_CALIB_CHUNKS;
     o->gptq.seed = (uint64_t)g->seed;
     o->gptq.calib_bos = g->calib_bos;
+    o->gptq.calib_balance = strcmp(g->calib_balance, "experts") == 0 ? MOEQ_CALIB_BALANCE_EXPERTS
+                                                                    : MOEQ_CALIB_BALANCE_NONE;
+    o->gptq.calib_pool = g->calib_pool;
     o->gptq.percdamp = g->percdamp;
     o->gptq.block_size = (int32_t)g->block_size;
     o->gptq.act_order = g->act_order ? 1 : g->no_act_order ? 0 : -1;
@@ -72,6 +76,11 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
         return cli_usage_error("quantize", "--target %s: expected quantized, unquantized or unquantized:A "
                                "with A in (0, 1]", g->target);
     if (o->method != MOEQ_QUANT_GPTQ) return -1;
+    if (g->calib_pool && !o->gptq.calib_balance)
+        return cli_usage_error("quantize", "--calib-pool is the pool --calib-balance experts chooses from");
+    if (g->calib_pool && g->calib_pool < g->nsamples)
+        return cli_usage_error("quantize", "--calib-pool %lld: fewer candidates than --nsamples %lld",
+                               (long long)g->calib_pool, (long long)g->nsamples);
     if (o->gptq.target_unquantized > 0 && o->gptq.mode == MOEQ_GPTQ_NONSEQUENTIAL)
         return fail("--target unquantized needs --gptq-mode sequential");
     if (o->gptq.target_unquantized > 0 && g->true_sequential)
@@ -94,6 +103,13 @@ void gptq_cli_print(const moeq_quant_result *r, const moeq_quant_options *o, con
     size_t n = strlen(out_dir);
     const char *sep = n > 0 && out_dir[n - 1] == '/' ? "" : "/";
     cli_progress_finish();
+    if (r->balance_candidates > 0)
+        printf("calibration: %lld of %lld candidates chosen across experts in %.1f s; experts below %lld "
+               "tokens %lld -> %lld, the fewest tokens %lld -> %lld (against the first %lld)\n",
+               (long long)r->gptq_samples, (long long)r->balance_candidates, r->balance_seconds,
+               (long long)o->gptq.min_expert_tokens,
+               (long long)r->balance_under[0], (long long)r->balance_under[1], (long long)r->balance_fewest[0],
+               (long long)r->balance_fewest[1], (long long)r->gptq_samples);
     printf("gptq: %lld samples, %lld tokens; %lld Linears (%lld experts below %lld tokens: %s); "
            "layer loss %.4g vs RTN %.4g (%lld worse); %.1f s (forward %.1f, Hessians %.1f, "
            "GPTQ %.1f)\nreport: ",

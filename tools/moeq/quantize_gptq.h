@@ -12,7 +12,8 @@ typedef struct {
     int64_t nsamples, seqlen, seed, block_size, min_expert_tokens, threads, refine;
     double percdamp;
     const char *sampling, *groups, *mode, *fallback, *report, *mse_weight, *report_html;
-    const char *expert_weighting, *damp_sweep, *target;
+    const char *expert_weighting, *damp_sweep, *target, *calib_balance;
+    int64_t calib_pool;
     bool calib_bos, act_order, no_act_order, static_groups, no_mse, true_sequential, clip_search;
     bool refine_scales;
 } gptq_cli;
@@ -27,6 +28,12 @@ void gptq_cli_defaults(gptq_cli *g);
      "(default), random windows (--seed) or one document (JSONL record / line) per sample",      \
      "chunks|random|docs", 0, 0, NULL},                                                            \
     {"--seed", OPT_INT, &(g).seed, "S", "GPTQ: seed of --calib-sampling random (default 0)", NULL, 0, -1, NULL}, \
+    {"--calib-balance", OPT_CHOICE, &(g).calib_balance, NULL, "GPTQ: the first --nsamples samples "  \
+     "(none, default), or --nsamples of --calib-pool candidates chosen so that the routed experts "  \
+     "get tokens evenly (experts: one unquantized forward of the candidates first)",                \
+     "none|experts", 0, 0, NULL},                                                                    \
+    {"--calib-pool", OPT_INT, &(g).calib_pool, "N", "GPTQ, --calib-balance experts: candidate "      \
+     "samples to choose from (default 4 x --nsamples; fewer when the text has fewer)", NULL, 1, 1 << 24, NULL}, \
     {"--calib-bos", OPT_FLAG, &(g).calib_bos, NULL, "GPTQ: start every sample with BOS", NULL, 0, 0, NULL}, \
     {"--percdamp", OPT_DOUBLE, &(g).percdamp, "F", "GPTQ: damping, fraction of mean(diag H) "      \
      "(default 0.01; raised automatically while Cholesky fails)", NULL, 0, 0, NULL},              \
