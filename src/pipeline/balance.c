@@ -102,7 +102,11 @@ moeq_status mq_balance_counter_init(mq_balance_counter *k, mq_lazy_model *lz, in
     k->chunk = chunk > 0 && chunk < c->n_experts ? chunk : (c->n_experts > 0 ? c->n_experts : 1);
     k->moe_index = malloc(sizeof(int) * (size_t)(c->n_layers > 0 ? c->n_layers : 1));
     if (!k->moe_index) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    for (int l = 0; l < c->n_layers; l++) k->moe_index[l] = k->m->layers[l].is_moe ? k->n_moe++ : -1;
+    k->last_moe = -1;
+    for (int l = 0; l < c->n_layers; l++) {
+        k->moe_index[l] = k->m->layers[l].is_moe ? k->n_moe++ : -1;
+        if (k->m->layers[l].is_moe) k->last_moe = l;
+    }
     const size_t GLD = (size_t)(k->G * max_len * c->D), GLK = (size_t)(k->G * max_len * (c->top_k > 0 ? c->top_k : 1));
     const int64_t F = c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn;
     k->per_thread = (size_t)(MQ_MOE_ROWS * (2 * c->D + 2 * c->moe_ffn));
@@ -181,11 +185,10 @@ moeq_status mq_balance_count_group(mq_balance_counter *k, const mq_calib_set *po
     for (int64_t s = 0; s < g && !st; s++) st = mq_lazy_embed(k->lz, pool->ids[s0 + s], len[s], k->x + s * LD);
     float *gs = k->mlp_scratch, *us = gs + Lmax * (c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn),
           *ys = us + Lmax * (c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn), *sgate = ys + Lmax * D;
-    for (int l = 0; l < c->n_layers && !st; l++) {
+    for (int l = 0; l <= k->last_moe && !st; l++) {   /* past the last MoE layer: nothing to count */
         if (moeq_interrupted()) return mq_err(MOEQ_E_INTERRUPTED, "balancing the calibration set interrupted");
         const mq_layer *ly = &m->layers[l];
-        const bool last = l + 1 == c->n_layers, moe = ly->is_moe;
-        if (last && !moe) break;   /* nothing left to count */
+        const bool last = l == k->last_moe, moe = ly->is_moe;
         unsigned parts = MQ_PART_ATTN | MQ_PART_FFN_NORM | (moe ? MQ_PART_ROUTER : 0);
         if ((st = load(k, l, parts, 0, 0))) break;
         if (!last) mq_lazy_prefetch(k->lz, l + 1, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0, 0);
@@ -378,10 +381,23 @@ static moeq_status choose(mq_pipe *p, int64_t want, int64_t *chosen, int64_t sta
     const mq_pipeline_opts *o = p->o;
     const mq_config *c = p->c;
     const int64_t n = p->calib.n, Lmax = p->calib.max_len, K = c->top_k;
-    /* groups whose buffers (activations, FFN inputs and outputs, routing) fit where the run's
-     * activations and routing will be */
+    /* groups of samples whose buffers (activations, FFN inputs and outputs, routing) fit in the
+     * budget beside the largest layer's weights as the pass loads them, the attention state and
+     * the scratch: the pass needs no Hessians, factors or codes */
     const int64_t per_sample = Lmax * c->D * 4 * 3 + Lmax * K * 16;
-    int64_t G = (p->mp.activations + p->mp.routing) / per_sample;
+    const int chunk = p->mp.chunk > 0 ? p->mp.chunk : (int)c->n_experts;
+    int64_t weights = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        int64_t a = mq_lazy_bytes(p->lz, l, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0, 0);
+        int64_t e = mq_lazy_bytes(p->lz, l, MQ_PART_EXPERTS, 0, chunk < c->n_experts ? chunk : (int)c->n_experts),
+                f = mq_lazy_bytes(p->lz, l, MQ_PART_SHARED | MQ_PART_MLP, 0, 0);
+        if (a + (e > f ? e : f) > weights) weights = a + (e > f ? e : f);
+    }
+    const int64_t F = c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn;
+    const int64_t fixed = weights + p->mp.state + (64 << 20) +
+                          4 * ((int64_t)mq_pool_size() * MQ_MOE_ROWS * (2 * c->D + 2 * c->moe_ffn) +
+                               Lmax * (2 * F + c->D + 1 + c->n_experts));
+    int64_t G = (p->mp.budget - fixed) / per_sample;
     G = G < 1 ? 1 : G > want ? want : G;
     int64_t lo = 0, hi = n;
     if (p->ranks > 1) mq_dist_share(n, p->rank, p->ranks, &lo, &hi);
@@ -396,9 +412,9 @@ static moeq_status choose(mq_pipe *p, int64_t want, int64_t *chosen, int64_t sta
         counts = calloc((size_t)(n * width), sizeof *counts);
         if (!counts) st = mq_err(MOEQ_E_NOMEM, "out of memory for the expert counts of %lld samples", (long long)n);
         mq_info("balancing the calibration set across experts: %lld candidate samples (%lld tokens) through "
-                "the unquantized model in groups of %lld, to choose %lld", (long long)n, (long long)p->calib.total,
-                (long long)G, (long long)want);
-        pass_progress pp = {0, (hi - lo) * c->n_layers};
+                "the unquantized model in groups of %lld (%.2f GB with the weights), to choose %lld", (long long)n,
+                (long long)p->calib.total, (long long)G, (double)(fixed + G * per_sample) / 1e9, (long long)want);
+        pass_progress pp = {0, (hi - lo) * (k.last_moe + 1)};
         for (int64_t s0 = lo; s0 < hi && !st; s0 += G)
             st = mq_balance_count_group(&k, &p->calib, s0, hi - s0 < G ? hi - s0 : G, counts, on_layer, &pp);
         mq_balance_counter_free(&k);

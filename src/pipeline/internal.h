@@ -86,7 +86,7 @@ typedef struct {
     int64_t G, Lmax;
     int chunk;
     int *moe_index;               /* [n_layers]: the layer's place among the MoE layers, or -1 */
-    int n_moe;
+    int n_moe, last_moe;          /* MoE layers; the last one (the pass stops there) */
     float *x, *xn, *out;          /* [G][Lmax][D] */
     float *probs, *wt, *mlp_scratch, *scratch;
     int32_t *sel;                 /* [G][Lmax][K] */
@@ -98,7 +98,8 @@ moeq_status mq_balance_counter_init(mq_balance_counter *k, mq_lazy_model *lz, in
                                     int64_t max_len, int chunk);
 void mq_balance_counter_free(mq_balance_counter *k);
 /* Samples [s0, s0 + g) of pool: counts[s][moe layer][expert] += tokens routed there (counts
- * [pool.n][n_moe][E], zeroed by the caller). progress(user, g) after each layer. */
+ * [pool.n][n_moe][E], zeroed by the caller). progress(user, g) after each layer up to the last
+ * MoE layer (the pass ends there). */
 moeq_status mq_balance_count_group(mq_balance_counter *k, const mq_calib_set *pool, int64_t s0,
                                    int64_t g, int32_t *counts, void (*progress)(void *, int64_t),
                                    void *user);
