@@ -1265,9 +1265,9 @@ static void test_refine(void) {
  * correction (here about 1% of it) is far below what a wrong sign, transpose or scale gives.
  * Where (2/n) G equals H exactly (the two streams agree) the weights do not move, not by a bit;
  * share 0 leaves them; an H no damping makes positive definite is an error naming the Linear. */
-static void test_target(void) {
-    const int64_t K = 40, n = 200, N = 24;
-    g_rng = 99;
+/* H = (2/n) sum x_q x_q^T and G = sum x_f x_q^T of n correlated rows, x_f = x_q + noise. */
+static void target_sums(int64_t K, int64_t n, uint64_t seed, float *H, float *G) {
+    g_rng = seed;
     double *xq = malloc(sizeof(double) * (size_t)(n * K)), *xf = malloc(sizeof(double) * (size_t)(n * K));
     for (int64_t t = 0; t < n; t++) {
         double prev = 0;
@@ -1277,7 +1277,6 @@ static void test_target(void) {
             xf[t * K + k] = xq[t * K + k] + 0.3 * rnd_normal();
         }
     }
-    float *H = malloc(sizeof(float) * (size_t)(K * K)), *G = malloc(sizeof(float) * (size_t)(K * K));
     for (int64_t a = 0; a < K; a++)
         for (int64_t c = 0; c < K; c++) {
             double h = 0, g = 0;
@@ -1288,19 +1287,18 @@ static void test_target(void) {
             H[a * K + c] = (float)(2.0 * h / (double)n);
             G[a * K + c] = (float)g;
         }
-    float *w0 = make_weights(N, K, 5), *w1 = make_weights(N / 2, K, 6);
-    float *v0 = malloc(sizeof(float) * (size_t)(N * K)), *v1 = malloc(sizeof(float) * (size_t)(N / 2 * K));
-    memcpy(v0, w0, sizeof(float) * (size_t)(N * K));
-    memcpy(v1, w1, sizeof(float) * (size_t)(N / 2 * K));
-    float *ws[2] = {v0, v1};
-    const int64_t rows[2] = {N, N / 2};
-    const float share = 0.5f;
-    ASSERT_OK(mq_gptq_target(H, G, K, n, share, 0.01, ws, rows, 2, "test.proj"));
+    free(xq), free(xf);
+}
+
+/* The corrected weights ws[m] of orig[m] against the formula in double (bound above). */
+static void target_check(const float *H, const float *G, int64_t K, int64_t n, float share, double percdamp,
+                         const float *const *orig,
+                         float *const *ws, const int64_t *rows, int nw) {
     /* the formula in double: A = H + damp I, M = share ((2/n) G - H), Z = M A^-1 (A Z^T = M^T) */
     double mean = 0;
     for (int64_t k = 0; k < K; k++) mean += H[k * K + k];
     mean /= (double)K;
-    const float damp = (float)(0.01 * mean);
+    const float damp = (float)(percdamp * mean);
     double *A = malloc(sizeof(double) * (size_t)(K * K)), *Z = malloc(sizeof(double) * (size_t)(K * K));
     double lmax = 0;
     for (int64_t a = 0; a < K; a++) {
@@ -1327,9 +1325,8 @@ static void test_target(void) {
     }
     /* Z now holds A^-1 M^T = (M A^-1)^T: W' = W + W Z^T */
     const double cond = (lmax + damp) / damp, rel = 8.0 * (double)K * 0x1p-24 * cond;
-    const float *orig[2] = {w0, w1};
     double worst = 0, largest = 0;
-    for (int m = 0; m < 2; m++)
+    for (int m = 0; m < nw; m++)
         for (int64_t r = 0; r < rows[m]; r++)
             for (int64_t c = 0; c < K; c++) {
                 double d = 0;
@@ -1338,11 +1335,28 @@ static void test_target(void) {
                 double e = fabs((double)ws[m][r * K + c] - ((double)orig[m][r * K + c] + d));
                 if (e > worst) worst = e;
             }
-    printf("  target: largest correction %.3g, worst error %.3g, bound %.3g (cond(A) <= %.0f)\n", largest, worst,
-           rel * largest, cond);
+    printf("  target K %lld: largest correction %.3g, worst error %.3g, bound %.3g (cond(A) <= %.0f)\n",
+           (long long)K, largest, worst, rel * largest, cond);
     ASSERT_TRUE(largest > 1e-3);
     ASSERT_TRUE(rel < 0.05);
     ASSERT_TRUE(worst <= rel * largest + 2 * 0x1p-24 * 0.2);
+    free(A), free(Z);
+}
+
+static void test_target(void) {
+    const int64_t K = 40, n = 200, N = 24;
+    float *H = malloc(sizeof(float) * (size_t)(K * K)), *G = malloc(sizeof(float) * (size_t)(K * K));
+    target_sums(K, n, 99, H, G);
+    float *w0 = make_weights(N, K, 5), *w1 = make_weights(N / 2, K, 6);
+    float *v0 = malloc(sizeof(float) * (size_t)(N * K)), *v1 = malloc(sizeof(float) * (size_t)(N / 2 * K));
+    memcpy(v0, w0, sizeof(float) * (size_t)(N * K));
+    memcpy(v1, w1, sizeof(float) * (size_t)(N / 2 * K));
+    float *ws[2] = {v0, v1};
+    const float *orig[2] = {w0, w1};
+    const int64_t rows[2] = {N, N / 2};
+    const float share = 0.5f;
+    ASSERT_OK(mq_gptq_target(H, G, K, n, share, 0.01, ws, rows, 2, "test.proj"));
+    target_check(H, G, K, n, share, 0.01, orig, ws, rows, 2);
     /* the streams agree: G's sum is H's, (2/n) G - H is zero, nothing moves */
     const float sc = 2.0f / (float)n;
     for (int64_t i = 0; i < K * K; i++) H[i] = sc * G[i];
@@ -1357,10 +1371,76 @@ static void test_target(void) {
     for (int64_t i = 0; i < K * K; i++) H[i] = i % (K + 1) == 0 ? -1.0f : 0.0f;   /* -I */
     ASSERT_STATUS(MOEQ_E_NUMERIC, mq_gptq_target(H, G, K, n, 0.5f, 0.01, same, rows, 1, "test.proj"));
     ASSERT_ERROR_MENTIONS("test.proj");
-    free(xq), free(xf), free(H), free(G), free(w0), free(w1), free(v0), free(v1), free(A), free(Z);
+    free(H), free(G), free(w0), free(w1), free(v0), free(v1);
 }
 
-TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_reference_act_order),
+/* Many inputs at once (mq_gptq_target_many: more than the pool's threads, so in waves, and
+ * fewer, so one at a time): inputs of 300, 70 and 130 columns (partial 64-column solve blocks
+ * and 256-column product tiles) and weights of 520 and 17 rows (partial 256-row blocks), each
+ * against the double-precision formula, and bit for bit what one mq_gptq_target call gives it
+ * at 1 and at 3 threads (damping 0.1, which keeps the bound above meaningful at 300 columns);
+ * an input no damping makes positive definite fails the call with its
+ * own name, the first such in the jobs' order. */
+static void test_target_many(void) {
+    const int64_t Ks[3] = {300, 70, 130}, n = 400;
+    const int saved = moeq_threads();
+    for (int threads = 1; threads <= 3; threads += 2) {
+        moeq_set_threads(threads);
+        const int64_t nj = mq_pool_size() + 2;
+        for (int64_t count = 2; count <= nj; count += nj - 2) {   /* fewer than the threads, then more */
+            mq_gptq_target_job *jobs = calloc((size_t)count, sizeof *jobs);
+            float **H = calloc((size_t)count, sizeof *H), **G = calloc((size_t)count, sizeof *G);
+            float *(*w)[2] = calloc((size_t)count, sizeof *w), *(*one)[2] = calloc((size_t)count, sizeof *one);
+            float *(*orig)[2] = calloc((size_t)count, sizeof *orig);
+            int64_t (*rows)[2] = calloc((size_t)count, sizeof *rows);
+            char (*names)[32] = calloc((size_t)count, sizeof *names);
+            for (int64_t j = 0; j < count; j++) {
+                const int64_t K = Ks[j % 3];
+                H[j] = malloc(sizeof(float) * (size_t)(K * K));
+                G[j] = malloc(sizeof(float) * (size_t)(K * K));
+                target_sums(K, n, 7 + (uint64_t)j, H[j], G[j]);
+                rows[j][0] = j % 2 ? 17 : 520;
+                rows[j][1] = 33;
+                for (int k = 0; k < 2; k++) {
+                    orig[j][k] = make_weights(rows[j][k], K, 100 + (uint64_t)(2 * j + k));
+                    w[j][k] = malloc(sizeof(float) * (size_t)(rows[j][k] * K));
+                    one[j][k] = malloc(sizeof(float) * (size_t)(rows[j][k] * K));
+                    memcpy(w[j][k], orig[j][k], sizeof(float) * (size_t)(rows[j][k] * K));
+                    memcpy(one[j][k], orig[j][k], sizeof(float) * (size_t)(rows[j][k] * K));
+                }
+                snprintf(names[j], sizeof names[j], "layer.%lld.proj", (long long)j);
+                jobs[j] = (mq_gptq_target_job){H[j], G[j], K, n, 0.5f, 0.1, w[j], rows[j], 1 + (int)(j % 2 == 0), names[j]};
+            }
+            ASSERT_OK(mq_gptq_target_many(jobs, count));
+            for (int64_t j = 0; j < count; j++) {
+                const int64_t K = Ks[j % 3];
+                ASSERT_OK(mq_gptq_target(H[j], G[j], K, n, 0.5f, 0.1, one[j], rows[j], jobs[j].nw, names[j]));
+                for (int k = 0; k < jobs[j].nw; k++)
+                    ASSERT_TRUE(memcmp(one[j][k], w[j][k], sizeof(float) * (size_t)(rows[j][k] * K)) == 0);
+                if (j < 3 && threads == 1)
+                    target_check(H[j], G[j], K, n, 0.5f, 0.1, (const float *const *)orig[j], w[j], rows[j], jobs[j].nw);
+                /* a weight past nw is not touched */
+                if (jobs[j].nw == 1)
+                    ASSERT_TRUE(memcmp(w[j][1], orig[j][1], sizeof(float) * (size_t)(rows[j][1] * K)) == 0);
+            }
+            /* two inputs that cannot be factored: the first in the jobs' order is named */
+            for (int64_t i = 0; i < Ks[1] * Ks[1]; i++) H[1][i] = i % (Ks[1] + 1) == 0 ? -1.0f : 0.0f;
+            const int64_t last = count - 1;
+            for (int64_t i = 0; i < Ks[last % 3] * Ks[last % 3]; i++)
+                H[last][i] = i % (Ks[last % 3] + 1) == 0 ? -1.0f : 0.0f;
+            ASSERT_STATUS(MOEQ_E_NUMERIC, mq_gptq_target_many(jobs, count));
+            ASSERT_ERROR_MENTIONS("layer.1.proj");
+            for (int64_t j = 0; j < count; j++) {
+                free(H[j]), free(G[j]);
+                for (int k = 0; k < 2; k++) free(w[j][k]), free(one[j][k]), free(orig[j][k]);
+            }
+            free(jobs), free(H), free(G), free(w), free(one), free(orig), free(rows), free(names);
+        }
+    }
+    moeq_set_threads(saved);
+}
+
+TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_target_many), T(test_reference_act_order),
           T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
           T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs), T(test_factor_many_uneven),

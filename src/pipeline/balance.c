@@ -451,6 +451,10 @@ moeq_status mq_pipe_balance(mq_pipe *p) {
                 "are used", o->calib.path, (long long)n, (long long)want);
         return MOEQ_OK;
     }
+    if (o->device >= 0)   /* the pass has no GPU twin yet: say what it costs there */
+        mq_warn("--calib-balance experts: the candidates' forward runs on the CPU, not on cuda:%d (about "
+                "%.1f times one calibration forward of the chosen samples, at the CPU's speed)", o->device,
+                (double)n / (double)want);
     /* the plan of the run that follows (the shape of `want` samples): this pass holds no more
      * than its activations and routing, and loads experts as it does */
     const int64_t all_tokens = p->calib.total;

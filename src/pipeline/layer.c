@@ -195,35 +195,9 @@ static void slot_cross(slot *s, const float *xf, const float *xq, int64_t rows) 
 }
 
 /* Asymmetric calibration: each GPTQ slot's weights moved toward the unquantized model's outputs
- * (mq_gptq_target) before GPTQ quantizes them; G is freed. Where there are at least as many
- * slots as threads (a chunk of experts) each slot is one pool task, costliest first, its BLAS
- * single-threaded; fewer (the attention, an MLP) run one after another, each over the pool. The
- * values are the same either way (mq_gptq_target's fixed tiles). Timed as the GPTQ stage. */
-typedef struct {
-    mq_pipe *p;
-    slot **s;
-    moeq_status *st;
-    char (*msg)[320];
-} target_job;
-
-static moeq_status target_one(mq_pipe *p, slot *s) {
-    float *w[3];
-    int64_t rows[3];
-    for (int k = 0; k < s->nw; k++) {
-        w[k] = s->w[k]->w;
-        rows[k] = s->w[k]->out;
-    }
-    return mq_gptq_target(s->H, s->G, s->w[0]->in, s->g_rows, p->o->target_share, p->o->g.percdamp, w, rows, s->nw,
-                          s->w[0]->name);
-}
-
-static void target_task(void *ctx, int64_t i, int thread) {
-    (void)thread;
-    const target_job *j = ctx;
-    j->st[i] = target_one(j->p, j->s[i]);
-    if (j->st[i]) snprintf(j->msg[i], sizeof j->msg[i], "%s", moeq_last_error());
-}
-
+ * (mq_gptq_target_many: the slots' factorisations, solves and products over the pool together,
+ * the values of one mq_gptq_target each) before GPTQ quantizes them; G is freed. Timed as the
+ * GPTQ stage. */
 static double target_cost(const slot *s) {
     double K = (double)s->w[0]->in, rows = 0;
     for (int k = 0; k < s->nw; k++) rows += (double)s->w[k]->out;
@@ -235,36 +209,40 @@ static moeq_status target_slots(mq_pipe *p, int l, slot *a, int na, slot *b, int
     double t0 = mq_now(), c0 = mq_cpu_now();
     const int n = na + nb;
     slot **work = calloc((size_t)(n + 1), sizeof *work);
-    moeq_status *sts = calloc((size_t)(n + 1), sizeof *sts);
-    char (*msg)[320] = calloc((size_t)(n + 1), sizeof *msg);
-    moeq_status st = work && sts && msg ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory in layer %d", l);
+    mq_gptq_target_job *jobs = calloc((size_t)(n + 1), sizeof *jobs);
+    float *(*w)[3] = calloc((size_t)(n + 1), sizeof *w);
+    int64_t (*rows)[3] = calloc((size_t)(n + 1), sizeof *rows);
+    moeq_status st = work && jobs && w && rows ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory in layer %d", l);
     int m = 0;
     for (int i = 0; i < n && !st; i++) {
         slot *x = i < na ? &a[i] : &b[i - na];
         if (x->G && x->H && x->how == MQ_HOW_GPTQ && x->g_rows > 0) work[m++] = x;
     }
-    for (int i = 1; i < m; i++)   /* costliest first: the long tasks before the ones that fill gaps */
+    for (int i = 1; i < m; i++)   /* costliest first: the long factorisations before the short ones */
         for (int k = i; k > 0 && target_cost(work[k - 1]) < target_cost(work[k]); k--) {
             slot *t = work[k];
             work[k] = work[k - 1];
             work[k - 1] = t;
         }
-    if (!st && m >= mq_pool_size()) {
-        target_job j = {p, work, sts, msg};
-        mq_parallel_for(m, target_task, &j);
-        for (int i = 0; i < m && !st; i++)
-            if (sts[i]) st = mq_err(sts[i], "%s", msg[i]);
-    } else {
-        for (int i = 0; i < m && !st; i++) st = target_one(p, work[i]);
+    for (int i = 0; i < m && !st; i++) {
+        const slot *x = work[i];
+        for (int k = 0; k < x->nw; k++) {
+            w[i][k] = x->w[k]->w;
+            rows[i][k] = x->w[k]->out;
+        }
+        jobs[i] = (mq_gptq_target_job){x->H, x->G, x->w[0]->in, x->g_rows, p->o->target_share, p->o->g.percdamp,
+                                       w[i], rows[i], x->nw, x->w[0]->name};
     }
+    if (!st) st = mq_gptq_target_many(jobs, m);
     for (int i = 0; i < n; i++) {
         slot *x = i < na ? &a[i] : &b[i - na];
         mq_free(x->G);
         x->G = NULL;
     }
     free(work);
-    free(sts);
-    free(msg);
+    free(jobs);
+    free(w);
+    free(rows);
     if (getenv("MOEQ_PROFILE"))
         mq_info("layer %d target corrections, %d Linear inputs: %.2f s (%.1f cores busy)", l, m, mq_now() - t0,
                 (mq_cpu_now() - c0) / (mq_now() - t0 + 1e-9));

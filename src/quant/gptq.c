@@ -1472,67 +1472,171 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
 
 /* ---- asymmetric calibration's target (mq_gptq_target) ---------------------------------------- */
 
+/* The correction in three steps over the pool, each cut into fixed blocks (the same whatever the
+ * thread count): per input, R = share ((2/n) G - H)^T and the Cholesky factor L of H + damping
+ * (one task each); R := (L L^T)^-1 R in blocks of 64 columns; then W += W R^T in blocks of 256
+ * rows, each block's product as OpenBLAS tiles of 256 columns (core/linalg.c's grid, so the
+ * values are those of mq_gemm_nt on the whole weight). BLAS runs single-threaded in every task. */
+enum { TARGET_COLS = 64, TARGET_ROWS = 256, TARGET_TILE_N = 256 };
+
 typedef struct {
-    const float *L;   /* the lower Cholesky factor of H + damping, [K, K] */
-    float *R;         /* [K, K]: right-hand sides, solved in place */
-    int64_t K;
-} target_solve;
+    const mq_gptq_target_job *j;
+    float *A, *R;          /* [K, K]: H + damping, then its factor L; the right-hand sides */
+    bool live;             /* factored: the solve and product steps run for it */
+    moeq_status st;
+    char msg[320];
+} target_input;
 
-enum { TARGET_COLS = 64 };   /* columns of a solve task: K / 64 tasks keep 16 threads busy at K 1024 */
+typedef struct {
+    target_input *in;
+    int64_t n;
+    int64_t *first;        /* [n + 1]: each input's first task of the step */
+    float *scratch;        /* [pool threads][TARGET_ROWS * Kmax] */
+    int64_t kmax;
+} target_step;
 
-/* Columns [64 t, 64 t + 64) of R := (L L^T)^-1 R. */
-static void target_solve_task(void *vctx, int64_t t, int thread) {
+static void target_factor_task(void *vctx, int64_t i, int thread) {
     (void)thread;
-    const target_solve *c = vctx;
-    const int64_t c0 = t * TARGET_COLS, nc = c->K - c0 < TARGET_COLS ? c->K - c0 : TARGET_COLS;
-    cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, (int)c->K, (int)nc, 1.0f, c->L,
-                (int)c->K, c->R + c0, (int)c->K);
-    cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasTrans, CblasNonUnit, (int)c->K, (int)nc, 1.0f, c->L,
-                (int)c->K, c->R + c0, (int)c->K);
+    target_input *t = &((target_step *)vctx)->in[i];
+    const mq_gptq_target_job *j = t->j;
+    const int64_t K = j->K;
+    const float *H = j->H, *G = j->G;
+    t->A = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
+    t->R = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
+    if (!t->A || !t->R) {
+        t->st = MOEQ_E_NOMEM;
+        snprintf(t->msg, sizeof t->msg, "%s: out of memory for asymmetric calibration", j->name);
+        return;
+    }
+    double mean_diag = 0;
+    for (int64_t k = 0; k < K; k++) mean_diag += H[k * K + k];
+    mean_diag /= (double)K;
+    const float sc = 2.0f / (float)j->n;
+    /* share ((2/n) G - H)^T, by 64 x 64 blocks (both read down columns) */
+    for (int64_t a0 = 0; a0 < K; a0 += 64)
+        for (int64_t c0 = 0; c0 < K; c0 += 64)
+            for (int64_t a = a0; a < K && a < a0 + 64; a++)
+                for (int64_t c = c0; c < K && c < c0 + 64; c++)
+                    t->R[a * K + c] = j->share * (sc * G[c * K + a] - H[c * K + a]);
+    /* the damping grows tenfold while the factorisation fails, as GPTQ's does */
+    for (int r = 0; r < 4; r++) {
+        const float damp = (float)(j->percdamp * pow(10.0, r) * mean_diag) + (mean_diag == 0);
+        for (int64_t a = 0; a < K; a++)
+            for (int64_t c = 0; c < K; c++) t->A[a * K + c] = H[a * K + c] + (a == c ? damp : 0.0f);
+        if (LAPACKE_spotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)K, t->A, (lapack_int)K) == 0) {
+            t->live = true;
+            return;
+        }
+    }
+    t->st = MOEQ_E_NUMERIC;
+    snprintf(t->msg, sizeof t->msg, "%s: asymmetric calibration: the damped Hessian is not positive definite "
+             "(damping up to 1000x percdamp)", j->name);
+}
+
+/* the input of task `task` among the step's blocks (first[] ascending) */
+static int64_t target_input_of(const target_step *c, int64_t task) {
+    int64_t lo = 0, hi = c->n - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (c->first[mid] <= task) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Columns [64 b, 64 b + 64) of an input's R := (L L^T)^-1 R. */
+static void target_solve_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    const target_step *c = vctx;
+    const int64_t i = target_input_of(c, task);
+    const target_input *t = &c->in[i];
+    const int64_t K = t->j->K, c0 = (task - c->first[i]) * TARGET_COLS;
+    const int64_t nc = K - c0 < TARGET_COLS ? K - c0 : TARGET_COLS;
+    cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, (int)K, (int)nc, 1.0f, t->A,
+                (int)K, t->R + c0, (int)K);
+    cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasTrans, CblasNonUnit, (int)K, (int)nc, 1.0f, t->A,
+                (int)K, t->R + c0, (int)K);
+}
+
+/* Rows [256 b, 256 b + 256) of one of an input's weights: W += W R^T through the thread's
+ * scratch (the block's old rows are read by every column tile). */
+static void target_product_task(void *vctx, int64_t task, int thread) {
+    const target_step *c = vctx;
+    const int64_t i = target_input_of(c, task);
+    const target_input *t = &c->in[i];
+    const mq_gptq_target_job *j = t->j;
+    const int64_t K = j->K;
+    int64_t b = task - c->first[i], k = 0;
+    while (b >= (j->rows[k] + TARGET_ROWS - 1) / TARGET_ROWS) b -= (j->rows[k++] + TARGET_ROWS - 1) / TARGET_ROWS;
+    const int64_t r0 = b * TARGET_ROWS, m = j->rows[k] - r0 < TARGET_ROWS ? j->rows[k] - r0 : TARGET_ROWS;
+    float *w = j->W[k] + r0 * K, *ws = c->scratch + (size_t)thread * (size_t)(TARGET_ROWS * c->kmax);
+    memcpy(ws, w, sizeof(float) * (size_t)(m * K));
+    for (int64_t n0 = 0; n0 < K; n0 += TARGET_TILE_N) {
+        const int64_t nn = K - n0 < TARGET_TILE_N ? K - n0 : TARGET_TILE_N;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)nn, (int)K, 1.0f, w, (int)K,
+                    t->R + n0 * K, (int)K, 1.0f, ws + n0, (int)K);
+    }
+    memcpy(w, ws, sizeof(float) * (size_t)(m * K));
+}
+
+/* Inputs in[0..n) through the three steps. */
+static moeq_status target_wave(target_input *in, int64_t n) {
+    const int P = mq_pool_size();
+    target_step c = {in, n, malloc(sizeof(int64_t) * (size_t)(n + 1)), NULL, 0};
+    moeq_status st = c.first ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!st) mq_parallel_for(n, target_factor_task, &c);
+    for (int64_t i = 0; i < n; i++)
+        if (in[i].live && in[i].j->K > c.kmax) c.kmax = in[i].j->K;
+    if (!st && c.kmax > 0) {
+        c.first[0] = 0;
+        for (int64_t i = 0; i < n; i++)
+            c.first[i + 1] = c.first[i] + (in[i].live ? (in[i].j->K + TARGET_COLS - 1) / TARGET_COLS : 0);
+        mq_parallel_for(c.first[n], target_solve_task, &c);
+        c.scratch = mq_alloc_array((size_t)P * TARGET_ROWS, (size_t)c.kmax * sizeof(float), "asymmetric calibration");
+        if (!c.scratch) st = MOEQ_E_NOMEM;
+    }
+    if (!st && c.kmax > 0) {
+        for (int64_t i = 0; i < n; i++) {
+            int64_t blocks = 0;
+            for (int k = 0; in[i].live && k < in[i].j->nw; k++) blocks += (in[i].j->rows[k] + TARGET_ROWS - 1) / TARGET_ROWS;
+            c.first[i + 1] = c.first[i] + blocks;
+        }
+        mq_parallel_for(c.first[n], target_product_task, &c);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        mq_free(in[i].A);
+        mq_free(in[i].R);
+        in[i].A = in[i].R = NULL;
+    }
+    mq_free(c.scratch);
+    free(c.first);
+    return st;
+}
+
+moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs) {
+    pthread_once(&g_blas_once, blas_single_thread);
+    const int64_t P = mq_pool_size(), wave = n_jobs >= P ? P : 1;
+    target_input *in = calloc((size_t)(wave > 0 ? wave : 1), sizeof *in);
+    if (!in) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    moeq_status st = MOEQ_OK;
+    for (int64_t i0 = 0; i0 < n_jobs && !st; i0 += wave) {
+        int64_t n = 0;
+        for (int64_t i = i0; i < n_jobs && i < i0 + wave; i++) {
+            const mq_gptq_target_job *j = &jobs[i];
+            if (j->n <= 0 || j->share == 0.0f || j->K <= 0) continue;   /* nothing to correct */
+            memset(&in[n], 0, sizeof in[n]);
+            in[n++].j = j;
+        }
+        st = target_wave(in, n);
+        for (int64_t i = 0; i < n && !st; i++)
+            if (in[i].st) st = mq_err(in[i].st, "%s", in[i].msg);
+    }
+    free(in);
+    return st;
 }
 
 moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n, float share, double percdamp,
                            float *const *W, const int64_t *rows, int nw, const char *name) {
-    if (n <= 0 || share == 0.0f || K <= 0) return MOEQ_OK;
-    pthread_once(&g_blas_once, blas_single_thread);
-    float *A = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
-    float *R = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
-    moeq_status st = A && R ? MOEQ_OK : MOEQ_E_NOMEM;
-    double mean_diag = 0;
-    for (int64_t k = 0; k < K; k++) mean_diag += H[k * K + k];
-    mean_diag /= (double)K;
-    const float sc = 2.0f / (float)n;
-    for (int64_t a = 0; a < K && !st; a++)
-        for (int64_t c = 0; c < K; c++)
-            R[a * K + c] = share * (sc * G[c * K + a] - H[c * K + a]);   /* share ((2/n) G - H)^T */
-    /* R = (H + damping)^-1 share ((2/n) G - H)^T; then W += W R^T. The damping grows tenfold
-     * while the factorisation fails, as GPTQ's does */
-    bool factored = false;
-    for (int t = 0; t < 4 && !st && !factored; t++) {
-        const float damp = (float)(percdamp * pow(10.0, t) * mean_diag) + (mean_diag == 0);
-        for (int64_t a = 0; a < K; a++)
-            for (int64_t c = 0; c < K; c++) A[a * K + c] = H[a * K + c] + (a == c ? damp : 0.0f);
-        factored = LAPACKE_spotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)K, A, (lapack_int)K) == 0;
-    }
-    if (!st && !factored)
-        st = mq_err(MOEQ_E_NUMERIC, "%s: asymmetric calibration: the damped Hessian is not positive definite "
-                    "(damping up to 1000x percdamp)", name);
-    if (!st) {
-        target_solve c = {A, R, K};
-        mq_parallel_for((K + TARGET_COLS - 1) / TARGET_COLS, target_solve_task, &c);
-    }
-    for (int k = 0; k < nw && !st; k++) {
-        float *ws = mq_alloc_array((size_t)rows[k], (size_t)K * sizeof(float), "asymmetric calibration");
-        if (!ws) {
-            st = MOEQ_E_NOMEM;
-            break;
-        }
-        memcpy(ws, W[k], sizeof(float) * (size_t)(rows[k] * K));
-        mq_gemm_nt(rows[k], K, K, 1.0f, W[k], K, R, K, 1.0f, ws, K);
-        memcpy(W[k], ws, sizeof(float) * (size_t)(rows[k] * K));
-        mq_free(ws);
-    }
-    mq_free(A);
-    mq_free(R);
-    return st;
+    mq_gptq_target_job j = {H, G, K, n, share, percdamp, W, rows, nw, name};
+    return mq_gptq_target_many(&j, 1);
 }

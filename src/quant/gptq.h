@@ -201,6 +201,24 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
 moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n, float share, double percdamp,
                            float *const *W, const int64_t *rows, int nw, const char *name);
 
+/* mq_gptq_target for several inputs (a chunk's experts), the same values: each input's
+ * factorisation is one pool task, and the solves and the weights' products of all of them are
+ * cut into column and row blocks that go over the pool together, so uneven inputs leave no
+ * thread idle. Inputs are taken up to one per pool thread at a time when there are at least as
+ * many as threads, else one at a time (each holds 2 K^2 floats while it is corrected). The
+ * first failure in the order of the jobs is the one reported. */
+typedef struct {
+    const float *H, *G;
+    int64_t K, n;
+    float share;
+    double percdamp;
+    float *const *W;
+    const int64_t *rows;
+    int nw;
+    const char *name;
+} mq_gptq_target_job;
+moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs);
+
 /* tr((W-Q) H (W-Q)^T) computed directly (2*rows*K^2 flops, double accumulation). */
 double mq_gptq_loss(const float *H, int64_t K, const float *w, const float *q, int64_t rows);
 
