@@ -158,6 +158,8 @@ typedef struct mq_pipe {
                                      chunk: both calibration passes and GPTQ's inputs, which GPTQ
                                      replaces by the dequantized weights (layer.c), else NULL */
     int gx_e0, gx_e1;
+    struct mq_pending_write *pending;   /* a GPU chunk's quantized Linears still to be written
+                                           while the device runs its quantized pass (layer.c) */
     mq_gpu_buf *gout;             /* the routed experts' FFN outputs of a layer on that device,
                                      combined there and read back once (layer.c), else NULL */
     mq_gpu_buf *gffn_xn, *gffn_h; /* the routed experts' inputs as the GPU attention left them

@@ -346,10 +346,12 @@ static float finish_prepare(mq_pipe *p, const slot *s, int k, mq_qtensor *q, moe
     return in_amax;
 }
 
-static moeq_status finish_put(mq_pipe *p, const slot *s, int k, const mq_qtensor *q, float in_amax) {
+/* deq: the dequantized weights into the Linear's host copy for the stages after (sequential
+ * calibration), unless the device already holds them and the host copy is dropped unread */
+static moeq_status finish_put(mq_pipe *p, const slot *s, int k, const mq_qtensor *q, float in_amax, bool deq) {
     mq_linear *lin = s->w[k];
     moeq_status st = p->w ? mq_ckpt_writer_put_linear(p->w, lin->name, q, in_amax) : MOEQ_OK;
-    if (!st && p->seq && lin->w) mq_dequantize(q, lin->w);
+    if (!st && deq && p->seq && lin->w) mq_dequantize(q, lin->w);
     return st;
 }
 
@@ -366,7 +368,7 @@ static moeq_status finish_linear(mq_pipe *p, int l, const slot *s, int k, mq_qte
     moeq_status st;
     float in_amax = finish_prepare(p, s, k, q, &st);
     double t0 = mq_now(), c0 = mq_cpu_now();
-    if (!st) st = finish_put(p, s, k, q, in_amax);
+    if (!st) st = finish_put(p, s, k, q, in_amax, true);
     p->layers[l].write += mq_now() - t0;
     p->layers[l].cpu_write += mq_cpu_now() - c0;
     if (!st) st = finish_record(p, l, s, k, stats);
@@ -381,20 +383,82 @@ typedef struct {
     const float *amax;     /* [n] */
     moeq_status *st;       /* [n] */
     char (*msg)[320];      /* [n] the message of a failure (the pool thread's error state) */
+    bool deq;              /* finish_put's */
 } put_ctx;
 
 static void put_task(void *vctx, int64_t t, int thread) {
     (void)thread;
     const put_ctx *c = vctx;
     const int j = c->weight[t];
-    c->st[t] = finish_put(c->p, &c->slots[j / 3], j % 3, &c->q[j], c->amax[t]);
+    c->st[t] = finish_put(c->p, &c->slots[j / 3], j % 3, &c->q[j], c->amax[t], c->deq);
     if (c->st[t]) snprintf(c->msg[t], sizeof c->msg[t], "%s", moeq_last_error());
+}
+
+/* A GPU chunk's writes, left until its quantized pass is queued on the device (the host packs
+ * and writes while the device computes). The device holds the dequantized weights GPTQ wrote
+ * back; the others were dequantized on the host before (device_experts_follow uploads them). */
+typedef struct mq_pending_write {
+    int l, n, m;
+    slot *slots;           /* [n] copies: the Linears and plan items the writes and records name */
+    mq_qtensor *q;         /* [3 n + 1], owned */
+    int *weight;           /* [m] */
+    float *amax;           /* [m] */
+    mq_gptq_stats *stats;  /* [m] */
+} pending_write;
+
+static void pending_free(pending_write *pw) {
+    if (!pw) return;
+    for (int j = 0; pw->q && j < 3 * pw->n + 1; j++) mq_qtensor_free(&pw->q[j]);
+    free(pw->q);
+    free(pw->slots);
+    free(pw->weight);
+    free(pw->amax);
+    free(pw->stats);
+    free(pw);
+}
+
+/* Writes and records the pending chunk (write: false after a failure: only frees it). */
+static moeq_status write_pending(mq_pipe *p, bool write) {
+    pending_write *pw = p->pending;
+    if (!pw) return MOEQ_OK;
+    p->pending = NULL;
+    moeq_status st = MOEQ_OK;
+    if (write) {
+        const int l = pw->l;
+        moeq_status *sts = calloc((size_t)(pw->m + 1), sizeof *sts);
+        char (*msg)[320] = calloc((size_t)(pw->m + 1), sizeof *msg);
+        st = sts && msg ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+        double t0 = mq_now(), c0 = mq_cpu_now();
+        if (!st) {
+            put_ctx c = {p, pw->slots, pw->q, pw->weight, pw->amax, sts, msg, false};
+            mq_parallel_for(pw->m, put_task, &c);
+        }
+        p->layers[l].write += mq_now() - t0;
+        p->layers[l].cpu_write += mq_cpu_now() - c0;
+        for (int t = 0; t < pw->m && !st; t++) {
+            const int j = pw->weight[t];
+            if (sts[t]) st = mq_err(sts[t], "%s", msg[t]);
+            else st = finish_record(p, l, &pw->slots[j / 3], j % 3, &pw->stats[t]);
+        }
+        free(sts);
+        free(msg);
+    }
+    pending_free(pw);
+    return st;
 }
 
 /* finish_linear for the weights of quantize_slots at once: prepared in order, packed and written
  * on the pool, recorded in order (the first failure in that order is the one reported). */
+static moeq_status defer_slots(mq_pipe *p, int l, const slot *slots, int n, mq_qtensor *q, int *weight,
+                               float *amax, int m, const mq_gptq_job *jobs, const int *job_of,
+                               const mq_gptq_stats *stats, const bool *written);
+
+/* defer (a GPU chunk, `written`: job -> dequantized on the device): the packing and writing wait
+ * for write_pending, which then owns q (*took_q). */
 static moeq_status finish_slots(mq_pipe *p, int l, const slot *slots, int n, mq_qtensor *q,
-                                const mq_gptq_job *jobs, const int *job_of, const mq_gptq_stats *stats) {
+                                const mq_gptq_job *jobs, const int *job_of, const mq_gptq_stats *stats,
+                                const bool *written, bool *took_q) {
+    *took_q = false;
     int *weight = calloc((size_t)(3 * n + 1), sizeof *weight);
     float *amax = calloc((size_t)(3 * n + 1), sizeof *amax);
     moeq_status *sts = calloc((size_t)(3 * n + 1), sizeof *sts);
@@ -407,9 +471,16 @@ static moeq_status finish_slots(mq_pipe *p, int l, const slot *slots, int n, mq_
             amax[m] = finish_prepare(p, &slots[i], k, &q[3 * i + k], &st);
             weight[m++] = 3 * i + k;
         }
+    if (!st && written) {
+        free(sts);
+        free(msg);
+        st = defer_slots(p, l, slots, n, q, weight, amax, m, jobs, job_of, stats, written);
+        *took_q = !st;
+        return st;   /* defer_slots took or freed weight and amax */
+    }
     double t0 = mq_now(), c0 = mq_cpu_now();
     if (!st) {
-        put_ctx c = {p, slots, q, weight, amax, sts, msg};
+        put_ctx c = {p, slots, q, weight, amax, sts, msg, true};
         mq_parallel_for(m, put_task, &c);
     }
     p->layers[l].write += mq_now() - t0;
@@ -427,6 +498,34 @@ static moeq_status finish_slots(mq_pipe *p, int l, const slot *slots, int n, mq_
     free(sts);
     free(msg);
     return st;
+}
+
+static moeq_status defer_slots(mq_pipe *p, int l, const slot *slots, int n, mq_qtensor *q, int *weight,
+                               float *amax, int m, const mq_gptq_job *jobs, const int *job_of,
+                               const mq_gptq_stats *stats, const bool *written) {
+    pending_write *pw = calloc(1, sizeof *pw);
+    slot *copy = malloc(sizeof *copy * (size_t)(n + 1));
+    mq_gptq_stats *wst = malloc(sizeof *wst * (size_t)(m + 1));
+    moeq_status st = pw && copy && wst ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+    if (st) {
+        free(pw), free(copy), free(wst), free(weight), free(amax);
+        return st;
+    }
+    memcpy(copy, slots, sizeof *copy * (size_t)n);
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    for (int t = 0; t < m; t++) {
+        const int j = weight[t];
+        wst[t] = job_of[j] >= 0 ? jobs[job_of[j]].stats : stats[j];
+        /* what the device does not hold (round to nearest, fallbacks) is uploaded from the host */
+        mq_linear *lin = slots[j / 3].w[j % 3];
+        if (p->seq && lin->w && !(job_of[j] >= 0 && written[job_of[j]])) mq_dequantize(&q[j], lin->w);
+    }
+    p->layers[l].write += mq_now() - t0;
+    p->layers[l].cpu_write += mq_cpu_now() - c0;
+    *pw = (pending_write){l, n, m, copy, q, weight, amax, wst};
+    pending_free(p->pending);   /* none: each chunk writes its own before the next */
+    p->pending = pw;
+    return MOEQ_OK;
 }
 
 /* The damping sweep of a slot (mq_gptq_damp_sweep): the percdamp among the run's candidates
@@ -643,7 +742,11 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
             s->held = true;
         }
     }
-    if (!st && p->ranks <= 1) st = finish_slots(p, l, slots, n, q, jobs, job_of, stats);
+    /* a GPU chunk of experts writes while the device runs its quantized pass (routed_experts) */
+    bool took_q = false;
+    if (!st && p->ranks <= 1)
+        st = finish_slots(p, l, slots, n, q, jobs, job_of, stats, p->gx ? written : NULL, &took_q);
+    if (took_q) q = NULL;
     if (!st && p->gx && p->seq) st = device_experts_follow(p, l, slots, n, job_of, written);
     for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
     for (int i = 0; factored && i < nf; i++) mq_gptq_factor_free(&f[i]);
@@ -2461,6 +2564,9 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false, NULL);
         if (!dist && !st && replay && !p->seq)
             st = experts_pass(p, l, e0, e1, output_source(p), true, false, false, gu, dn, false, NULL);
+        /* the chunk's writes, while the device runs the pass just queued */
+        moeq_status ws = write_pending(p, !st);
+        if (!st) st = ws;
         for (int e = e0; e < e1; e++) {
             slot_drop_sums(&gu[e]);
             slot_drop_sums(&dn[e]);
