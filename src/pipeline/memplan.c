@@ -149,11 +149,22 @@ static int64_t batch_for(const mq_pipe *p, int C) {
 
 /* The chunk: enough experts for every thread to have two (their Hessians, factorisations and
  * GPTQ runs are per expert) and at least 8, fewer when the budget says so; more buy no speed and
- * only hold memory. 0 when not even one expert fits. */
+ * only hold memory. With a GPU (one process), as many as fit in half its free memory with their
+ * Hessians and factors: the device runs a chunk's experts and GPTQ in one wave each, and fewer
+ * waves are faster there (OLMoE-1B-7B at 128 x 2048 tokens on an H200: 68.3 -> 65.9 s end to end
+ * with one chunk of 64 instead of two of 32). 0 when not even one expert fits. */
 static int best_chunk(const mq_pipe *p, mq_act_storage kind, int64_t budget) {
     int E = p->c->n_experts;
     if (E == 0) return plan_sizes(p, kind, 0, 1).peak <= budget ? 1 : 0;
     int want = 2 * mq_pool_size() > 8 ? 2 * mq_pool_size() : 8;
+    if (p->gpu && p->ranks <= 1) {
+        mq_gpu_info gi;
+        mq_gpu_get_info(p->gpu, &gi);
+        const int64_t D = p->c->D, F = p->c->moe_ffn;
+        const int64_t per_expert = 4 * (3 * F * D + 2 * (D * D + F * F));   /* weights, Hessians and factors */
+        const int64_t fit = per_expert > 0 ? gi.mem_free / 2 / per_expert : 0;
+        if (fit > want) want = fit < E ? (int)fit : E;
+    }
     for (int C = want < E ? want : E; C >= 1; C--)
         if (plan_sizes(p, kind, C, batch_for(p, C)).peak <= budget) return C;
     return 0;

@@ -608,6 +608,7 @@ struct mq_snap_job {
     moeq_status st;
     char msg[256];                /* its error (errors are per thread) */
     double seconds;
+    double copy_seconds;          /* the copy before it, on the layers' path */
 };
 
 typedef struct {
@@ -703,7 +704,9 @@ static moeq_status snap_finish(mq_pipe *p) {
     if (j->st) {
         mq_warn("%s: the activation snapshot was not written (%s); a resume recomputes them", j->path, j->msg);
     } else {
-        p->snapshot_cost = j->seconds;   /* the disk's time, which the ratio spaces out */
+        /* what it cost: the disk's time and the copy the layers waited for, which the ratio
+         * spaces out */
+        p->snapshot_cost = j->seconds + j->copy_seconds;
         const int old = boundary_layer(p);
         cJSON *b = cJSON_CreateObject();
         if (!b) s = mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -809,7 +812,9 @@ static moeq_status layer_done(mq_pipe *p, int l) {
     const int old = boundary_layer(p);
     uint32_t crc = 0;
     if (behind) {   /* copied now, written while the next layer runs, named after it */
+        const double t0 = mq_now();
         s = snap_start(p, l + 1);
+        if (!s && p->snap_bg) p->snap_bg->copy_seconds = mq_now() - t0;
         p->since_snapshot = 0;
     } else if (snapshot) {
         const double t0 = mq_now();
