@@ -113,6 +113,24 @@ static void remove_tmp_root(void) {
     }
 }
 
+char *mq_test_slurp(const char *path, size_t *n) {
+    *n = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *b = NULL;
+    long len = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+    if (len >= 0 && fseek(f, 0, SEEK_SET) == 0 && (b = malloc((size_t)len + 1)) &&
+        fread(b, 1, (size_t)len, f) == (size_t)len) {
+        b[len] = 0;
+        *n = (size_t)len;
+    } else {
+        free(b);
+        b = NULL;
+    }
+    fclose(f);
+    return b;
+}
+
 const char *mq_test_tmpdir(void) {
     static char buf[600];
     if (!g_tmp_root[0]) {

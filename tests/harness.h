@@ -42,6 +42,9 @@ const char *mq_test_model_golden(const char *name);
 /* Calibration text for tests that need "some text", not particular figures: the shared
  * fixtures/text/calib.txt when present, else the bundled data/demo-calib.txt. Static buffer. */
 const char *mq_test_calib_text(void);
+/* The whole file at path, NUL-terminated (malloc'd; its size in *n), or NULL where it cannot be
+ * read whole. */
+char *mq_test_slurp(const char *path, size_t *n);
 /* A fresh temporary directory for this case (removed when the test executable ends). */
 const char *mq_test_tmpdir(void);
 /* A copy of tests/data/<name> (config.json, model.safetensors) with the bundled olmoe-tiny's

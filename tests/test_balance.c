@@ -226,22 +226,9 @@ static void test_select_by_hand(void) {
 
 /* ---- the pipeline: a balanced run calibrates on exactly the samples the choice names ---- */
 
-static char *slurp(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)len + 1);
-    *n = fread(b, 1, (size_t)len, f);
-    b[*n] = 0;
-    fclose(f);
-    return b;
-}
-
 static int same_file(const char *a, const char *b) {
     size_t na = 0, nb = 0;
-    char *x = slurp(a, &na), *y = slurp(b, &nb);
+    char *x = mq_test_slurp(a, &na), *y = mq_test_slurp(b, &nb);
     int same = x && y && na == nb && memcmp(x, y, na) == 0;
     free(x);
     free(y);
@@ -252,7 +239,7 @@ static int same_file(const char *a, const char *b) {
  * documents), each with its newline; returns how many. */
 static int doc_lines(char **lines, int n) {
     size_t len;
-    char *t = slurp(mq_test_calib_text(), &len);
+    char *t = mq_test_slurp(mq_test_calib_text(), &len);
     ASSERT_TRUE(t != NULL);
     int k = 0;
     for (char *at = t; *at && k < n;) {
