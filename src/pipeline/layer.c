@@ -394,6 +394,31 @@ static void put_task(void *vctx, int64_t t, int thread) {
     if (c->st[t]) snprintf(c->msg[t], sizeof c->msg[t], "%s", moeq_last_error());
 }
 
+/* Packs and writes the m weights (weight[t] = 3 * slot + k, stats[t] its GPTQ stats) on the pool,
+ * then records them in order (the first failure in that order is the one reported). deq:
+ * finish_put's. */
+static moeq_status put_and_record(mq_pipe *p, int l, const slot *slots, const mq_qtensor *q, const int *weight,
+                                  const float *amax, const mq_gptq_stats *stats, int m, bool deq) {
+    moeq_status *sts = calloc((size_t)(m + 1), sizeof *sts);
+    char (*msg)[320] = calloc((size_t)(m + 1), sizeof *msg);
+    moeq_status st = sts && msg ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    if (!st) {
+        put_ctx c = {p, slots, q, weight, amax, sts, msg, deq};
+        mq_parallel_for(m, put_task, &c);
+    }
+    p->layers[l].write += mq_now() - t0;
+    p->layers[l].cpu_write += mq_cpu_now() - c0;
+    for (int t = 0; t < m && !st; t++) {
+        const int j = weight[t];
+        if (sts[t]) st = mq_err(sts[t], "%s", msg[t]);
+        else st = finish_record(p, l, &slots[j / 3], j % 3, &stats[t]);
+    }
+    free(sts);
+    free(msg);
+    return st;
+}
+
 /* A GPU chunk's writes, left until its quantized pass is queued on the device (the host packs
  * and writes while the device computes). The device holds the dequantized weights GPTQ wrote
  * back; the others were dequantized on the host before (device_experts_follow uploads them). */
@@ -422,110 +447,71 @@ static moeq_status write_pending(mq_pipe *p, bool write) {
     pending_write *pw = p->pending;
     if (!pw) return MOEQ_OK;
     p->pending = NULL;
-    moeq_status st = MOEQ_OK;
-    if (write) {
-        const int l = pw->l;
-        moeq_status *sts = calloc((size_t)(pw->m + 1), sizeof *sts);
-        char (*msg)[320] = calloc((size_t)(pw->m + 1), sizeof *msg);
-        st = sts && msg ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
-        double t0 = mq_now(), c0 = mq_cpu_now();
-        if (!st) {
-            put_ctx c = {p, pw->slots, pw->q, pw->weight, pw->amax, sts, msg, false};
-            mq_parallel_for(pw->m, put_task, &c);
-        }
-        p->layers[l].write += mq_now() - t0;
-        p->layers[l].cpu_write += mq_cpu_now() - c0;
-        for (int t = 0; t < pw->m && !st; t++) {
-            const int j = pw->weight[t];
-            if (sts[t]) st = mq_err(sts[t], "%s", msg[t]);
-            else st = finish_record(p, l, &pw->slots[j / 3], j % 3, &pw->stats[t]);
-        }
-        free(sts);
-        free(msg);
-    }
+    moeq_status st = write ? put_and_record(p, pw->l, pw->slots, pw->q, pw->weight, pw->amax, pw->stats, pw->m, false)
+                           : MOEQ_OK;
     pending_free(pw);
     return st;
 }
 
-/* finish_linear for the weights of quantize_slots at once: prepared in order, packed and written
- * on the pool, recorded in order (the first failure in that order is the one reported). */
+/* Leaves a GPU chunk's writes for write_pending; what the device does not hold (round to
+ * nearest, fallbacks: not `written`, job -> dequantized on the device) is dequantized on the host
+ * now, for device_experts_follow to upload. Takes q, weight, amax and stats when it succeeds. */
 static moeq_status defer_slots(mq_pipe *p, int l, const slot *slots, int n, mq_qtensor *q, int *weight,
-                               float *amax, int m, const mq_gptq_job *jobs, const int *job_of,
-                               const mq_gptq_stats *stats, const bool *written);
+                               float *amax, mq_gptq_stats *stats, int m, const int *job_of, const bool *written) {
+    pending_write *pw = calloc(1, sizeof *pw);
+    slot *copy = malloc(sizeof *copy * (size_t)(n + 1));
+    if (!pw || !copy) {
+        free(pw), free(copy);
+        return mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+    }
+    memcpy(copy, slots, sizeof *copy * (size_t)n);
+    double t0 = mq_now(), c0 = mq_cpu_now();
+    for (int t = 0; t < m; t++) {
+        const int j = weight[t];
+        mq_linear *lin = slots[j / 3].w[j % 3];
+        if (p->seq && lin->w && !(job_of[j] >= 0 && written[job_of[j]])) mq_dequantize(&q[j], lin->w);
+    }
+    p->layers[l].write += mq_now() - t0;
+    p->layers[l].cpu_write += mq_cpu_now() - c0;
+    *pw = (pending_write){l, n, m, copy, q, weight, amax, stats};
+    pending_free(p->pending);   /* none: each chunk writes its own before the next */
+    p->pending = pw;
+    return MOEQ_OK;
+}
 
-/* defer (a GPU chunk, `written`: job -> dequantized on the device): the packing and writing wait
- * for write_pending, which then owns q (*took_q). */
+/* finish_linear for the weights of quantize_slots at once: prepared in order, packed and written
+ * on the pool, recorded in order. With `written` (a GPU chunk: job -> dequantized on the device)
+ * the packing and writing wait for write_pending, which then owns q (*took_q). */
 static moeq_status finish_slots(mq_pipe *p, int l, const slot *slots, int n, mq_qtensor *q,
                                 const mq_gptq_job *jobs, const int *job_of, const mq_gptq_stats *stats,
                                 const bool *written, bool *took_q) {
     *took_q = false;
     int *weight = calloc((size_t)(3 * n + 1), sizeof *weight);
     float *amax = calloc((size_t)(3 * n + 1), sizeof *amax);
-    moeq_status *sts = calloc((size_t)(3 * n + 1), sizeof *sts);
-    char (*msg)[320] = calloc((size_t)(3 * n + 1), sizeof *msg);
-    moeq_status st = weight && amax && sts && msg ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+    mq_gptq_stats *wst = calloc((size_t)(3 * n + 1), sizeof *wst);
+    moeq_status st = weight && amax && wst ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
     int m = 0;
     for (int i = 0; i < n && !st; i++)
         for (int k = 0; k < slots[i].nw && !st; k++) {
             if (!mine_k(p, &slots[i], k)) continue;
-            amax[m] = finish_prepare(p, &slots[i], k, &q[3 * i + k], &st);
-            weight[m++] = 3 * i + k;
+            const int j = 3 * i + k;
+            amax[m] = finish_prepare(p, &slots[i], k, &q[j], &st);
+            wst[m] = job_of[j] >= 0 ? jobs[job_of[j]].stats : stats[j];
+            weight[m++] = j;
         }
     if (!st && written) {
-        free(sts);
-        free(msg);
-        st = defer_slots(p, l, slots, n, q, weight, amax, m, jobs, job_of, stats, written);
-        *took_q = !st;
-        return st;   /* defer_slots took or freed weight and amax */
-    }
-    double t0 = mq_now(), c0 = mq_cpu_now();
-    if (!st) {
-        put_ctx c = {p, slots, q, weight, amax, sts, msg, true};
-        mq_parallel_for(m, put_task, &c);
-    }
-    p->layers[l].write += mq_now() - t0;
-    p->layers[l].cpu_write += mq_cpu_now() - c0;
-    for (int t = 0; t < m && !st; t++) {
-        const int j = weight[t];
-        if (sts[t]) {
-            st = mq_err(sts[t], "%s", msg[t]);
-            break;
+        st = defer_slots(p, l, slots, n, q, weight, amax, wst, m, job_of, written);
+        if (!st) {
+            *took_q = true;
+            return st;
         }
-        st = finish_record(p, l, &slots[j / 3], j % 3, job_of[j] >= 0 ? &jobs[job_of[j]].stats : &stats[j]);
+    } else if (!st) {
+        st = put_and_record(p, l, slots, q, weight, amax, wst, m, true);
     }
     free(weight);
     free(amax);
-    free(sts);
-    free(msg);
+    free(wst);
     return st;
-}
-
-static moeq_status defer_slots(mq_pipe *p, int l, const slot *slots, int n, mq_qtensor *q, int *weight,
-                               float *amax, int m, const mq_gptq_job *jobs, const int *job_of,
-                               const mq_gptq_stats *stats, const bool *written) {
-    pending_write *pw = calloc(1, sizeof *pw);
-    slot *copy = malloc(sizeof *copy * (size_t)(n + 1));
-    mq_gptq_stats *wst = malloc(sizeof *wst * (size_t)(m + 1));
-    moeq_status st = pw && copy && wst ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
-    if (st) {
-        free(pw), free(copy), free(wst), free(weight), free(amax);
-        return st;
-    }
-    memcpy(copy, slots, sizeof *copy * (size_t)n);
-    double t0 = mq_now(), c0 = mq_cpu_now();
-    for (int t = 0; t < m; t++) {
-        const int j = weight[t];
-        wst[t] = job_of[j] >= 0 ? jobs[job_of[j]].stats : stats[j];
-        /* what the device does not hold (round to nearest, fallbacks) is uploaded from the host */
-        mq_linear *lin = slots[j / 3].w[j % 3];
-        if (p->seq && lin->w && !(job_of[j] >= 0 && written[job_of[j]])) mq_dequantize(&q[j], lin->w);
-    }
-    p->layers[l].write += mq_now() - t0;
-    p->layers[l].cpu_write += mq_cpu_now() - c0;
-    *pw = (pending_write){l, n, m, copy, q, weight, amax, wst};
-    pending_free(p->pending);   /* none: each chunk writes its own before the next */
-    p->pending = pw;
-    return MOEQ_OK;
 }
 
 /* The damping sweep of a slot (mq_gptq_damp_sweep): the percdamp among the run's candidates
