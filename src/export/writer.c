@@ -134,6 +134,7 @@ moeq_status mq_ckpt_writer_verify(mq_ckpt_writer *w, const char *name, uint32_t 
 }
 
 moeq_status mq_ckpt_writer_sync(mq_ckpt_writer *w) { return mq_shard_files_sync(w->files); }
+moeq_status mq_ckpt_writer_sync_all(const mq_ckpt_writer *w) { return mq_shard_files_sync_all(w->files); }
 
 static const mq_tensor_view *reader_lookup(void *user, const char *name) {
     mq_ckpt_writer *w = user;

@@ -50,6 +50,9 @@ moeq_status mq_ckpt_writer_read_linear(mq_ckpt_writer *w, const char *module, in
                                        int64_t cols, mq_qtensor *out);
 /* Makes everything written so far durable (fdatasync). */
 moeq_status mq_ckpt_writer_sync(mq_ckpt_writer *w);
+/* mq_ckpt_writer_sync from another thread while tensors are still being written (what was
+ * written before the call is on the disk when it returns). */
+moeq_status mq_ckpt_writer_sync_all(const mq_ckpt_writer *w);
 /* Tensor data bytes and tensor count of the checkpoint. */
 uint64_t mq_ckpt_writer_bytes(const mq_ckpt_writer *w);
 /* Every declared tensor must be written: the shards take their final names, then the index,

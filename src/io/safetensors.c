@@ -1787,6 +1787,12 @@ moeq_status mq_shard_files_sync(mq_shard_files *f) {
     return MOEQ_OK;
 }
 
+moeq_status mq_shard_files_sync_all(const mq_shard_files *f) {
+    for (size_t k = 0; k < f->p->n_shards; k++)
+        if (fdatasync(f->fd[k]) != 0) return mq_err(MOEQ_E_IO, "%s: fsync failed: %s", f->tmp[k], strerror(errno));
+    return MOEQ_OK;
+}
+
 moeq_status mq_shard_files_finish(mq_shard_files *f) {
     mq_shard_plan *p = f->p;
     for (size_t i = 0; i < p->n; i++)

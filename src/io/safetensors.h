@@ -161,6 +161,9 @@ moeq_status mq_shard_files_crc(mq_shard_files *f, const char *name, uint32_t *cr
 moeq_status mq_shard_files_mark(mq_shard_files *f, const char *name);
 /* fdatasync of every file written since the last sync. */
 moeq_status mq_shard_files_sync(mq_shard_files *f);
+/* fdatasync of every shard, the dirty marks left as they are: safe beside writers on other
+ * threads (what they wrote before this call began is on the disk when it returns). */
+moeq_status mq_shard_files_sync_all(const mq_shard_files *f);
 /* Every tensor must have been written: syncs, renames the files to their final names and writes
  * model.safetensors.index.json (several shards; with one, a stale index is removed). */
 moeq_status mq_shard_files_finish(mq_shard_files *f);

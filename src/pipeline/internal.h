@@ -66,6 +66,7 @@ typedef struct {
     double wait, exchange;        /* several ranks: waiting for the others, moving data */
     double snapshot;              /* the work directory's record of the layer and the snapshot of
                                      the boundary after it (written, synced) */
+    double snapshot_sync, snapshot_copy;   /* of which: waiting for the record before, the boundary copied */
     int64_t peak_anon;
     int chunks;
     int linears;                  /* quantized Linears written */
@@ -186,6 +187,11 @@ typedef struct mq_pipe {
     double since_snapshot;        /* seconds of layers since the last activation snapshot */
     double snapshot_cost;         /* seconds the last one took to write (workdir.c) */
     struct mq_snap_job *snap_bg;  /* a snapshot being written behind the next layer, or NULL */
+    struct mq_rec_job *rec_bg;    /* a layer's record being made durable behind the next, or NULL */
+    float *snap_spare;            /* the last snapshot's copy buffer, kept for the next (the plan
+                                     counts it for the whole run: a fresh one costs the kernel's
+                                     zeroing of gigabytes on the layers' path) */
+    size_t snap_spare_n;          /* its floats */
     int first_layer;              /* where this run started */
     mq_pipeline_result *res;
     cJSON *manifest;
@@ -231,6 +237,9 @@ moeq_status mq_work_layer_done(mq_pipe *p, int l);   /* manifest (+ activation s
 /* The snapshot written behind the last layer: named in the manifest once complete (the end of a
  * run that stops early, fails or is interrupted). */
 moeq_status mq_work_snapshot_wait(mq_pipe *p);
+/* Waits for what runs behind the layers (a layer's record, a snapshot) where a run ends without
+ * mq_work_snapshot_wait (its errors only warned). */
+void mq_work_join(mq_pipe *p);
 /* The activations at the input of a layer from the snapshot the manifest names, if it is good and
  * at most layer l (the layers after it are then replayed): *at = that layer, else 0. */
 moeq_status mq_work_load_boundary(mq_pipe *p, int l, int *at);

@@ -263,6 +263,7 @@ static void rotated_bytes(mq_pipe *p) {
 }
 
 static void pipe_free(mq_pipe *p) {
+    mq_work_join(p);   /* nothing may still write from behind the layers (a no-op normally) */
     mq_rotation_free(&p->rot);
     mq_actbuf_free(&p->X);
     mq_actbuf_free(&p->X2);
@@ -292,6 +293,7 @@ static void pipe_free(mq_pipe *p) {
     mq_out_plan_free(&p->plan);
     mq_calib_free(&p->calib);
     free(p->balance_record);
+    mq_free(p->snap_spare);
     if (p->lz) mq_lazy_close(p->lz);
     else mq_st_close(p->st);
     cJSON_Delete(p->src_config);
@@ -337,8 +339,10 @@ static void log_layer(const mq_pipe *p, int l, double t_start) {
     char ranks[96] = "";
     if (p->ranks > 1)
         snprintf(ranks, sizeof ranks, ", waiting for other ranks %.1f, moving data %.1f", lr->wait, lr->exchange);
-    char snap[48] = "";
-    if (lr->snapshot >= 0.05) snprintf(snap, sizeof snap, ", then %.1f s to record it", lr->snapshot);
+    char snap[96] = "";
+    if (lr->snapshot >= 0.05)
+        snprintf(snap, sizeof snap, ", then %.1f s to record it (the record before %.1f, activations %.1f)",
+                 lr->snapshot, lr->snapshot_sync, lr->snapshot_copy);
     mq_info("layer %d/%d: %.1f s (read %.1f, forward %.1f of which attention %.1f, Hessians %.1f, GPTQ %.1f, "
             "write %.1f%s)%s%s, peak %.2f GB; about %.0f s left", l + 1, p->plan.n_layers, lr->total,
             lr->read, lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, ranks, chunks, snap,

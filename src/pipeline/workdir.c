@@ -671,7 +671,15 @@ static moeq_status snap_start(mq_pipe *p, int layer) {
         if (at) at[i] = n;
         n += p->calib.len[i % S] * D;
     }
-    if (j && j->path && at && part) j->buf = mq_alloc_array((size_t)(n > 0 ? n : 1), sizeof(float), "activation snapshot");
+    if (p->snap_spare && p->snap_spare_n < (size_t)n) {
+        mq_free(p->snap_spare);
+        p->snap_spare = NULL;
+    }
+    if (j && j->path && at && part) {
+        j->buf = p->snap_spare ? p->snap_spare
+                               : mq_alloc_array((size_t)(n > 0 ? n : 1), sizeof(float), "activation snapshot");
+        p->snap_spare = NULL;
+    }
     if (!j || !j->path || !at || !part || !j->buf) {
         if (j) snap_free(j);
         free(at), free(part);
@@ -693,13 +701,22 @@ static moeq_status snap_start(mq_pipe *p, int layer) {
     return MOEQ_OK;
 }
 
+static moeq_status rec_finish(mq_pipe *p);
+
 /* Waits for the snapshot being written; where it was written whole, the manifest names it (and the
- * one before goes). A failed one is only a warning: it is a cache of what a resume recomputes. */
-static moeq_status snap_finish(mq_pipe *p) {
+ * one before goes). A failed one is only a warning: it is a cache of what a resume recomputes.
+ * drop: NULL writes the manifest now (and removes the snapshot it no longer names); else the
+ * caller writes it, and removes *drop (-1: none) after. */
+static moeq_status snap_finish(mq_pipe *p, int *drop) {
+    if (drop) *drop = -1;
     struct mq_snap_job *j = p->snap_bg;
     if (!j) return MOEQ_OK;
     pthread_join(j->th, NULL);
     p->snap_bg = NULL;
+    if (!p->snap_spare) {   /* for the next snapshot */
+        p->snap_spare = j->buf, p->snap_spare_n = j->n;
+        j->buf = NULL;
+    }
     moeq_status s = MOEQ_OK;
     if (j->st) {
         mq_warn("%s: the activation snapshot was not written (%s); a resume recomputes them", j->path, j->msg);
@@ -715,15 +732,91 @@ static moeq_status snap_finish(mq_pipe *p) {
             cJSON_AddNumberToObject(b, "crc", (double)j->crc);
             if (!cJSON_ReplaceItemInObjectCaseSensitive(p->manifest, "boundary", b))
                 cJSON_AddItemToObject(p->manifest, "boundary", b);
-            s = manifest_write(p);
+            if (!drop) s = manifest_write(p);
         }
-        if (!s && old != j->layer) drop_snapshot(p, old);
+        if (!s && old != j->layer) {
+            if (drop) *drop = old;
+            else drop_snapshot(p, old);
+        }
     }
     snap_free(j);
     return s;
 }
 
-moeq_status mq_work_snapshot_wait(mq_pipe *p) { return snap_finish(p); }
+moeq_status mq_work_snapshot_wait(mq_pipe *p) {
+    moeq_status s = rec_finish(p), s2 = snap_finish(p, NULL);
+    return s ? s : s2;
+}
+
+void mq_work_join(mq_pipe *p) {
+    if (rec_finish(p)) mq_warn("%s", moeq_last_error());
+    if (snap_finish(p, NULL)) mq_warn("%s", moeq_last_error());
+}
+
+/* ---- a layer's record, made durable behind the next layer ---------------------------------------- */
+
+/* The manifest may name a layer only once its tensors are on the disk: the shards' fdatasync (0.1
+ * s a layer of OLMoE-1B-7B on the GPU machine's disk) and the manifest's own write and fsync (as
+ * long again when it has to wait for a snapshot's data on ext4) happen on a thread of their own
+ * while the next layer computes; the next layer's record waits for them first. A run that is
+ * killed in between redoes at most that one layer; one that stops or fails waits for it
+ * (mq_work_snapshot_wait). */
+struct mq_rec_job {
+    pthread_t th;
+    const mq_pipe *p;             /* read only: its writer's files, its work directory */
+    char *text;                   /* the manifest */
+    char *path;
+    int drop[2];                  /* snapshots the manifest no longer names (-1: none) */
+    moeq_status st;
+    char msg[256];                /* its error (errors are per thread) */
+};
+
+static void *rec_thread(void *arg) {
+    struct mq_rec_job *j = arg;
+    moeq_status s = mq_ckpt_writer_sync_all(j->p->w);
+    if (!s) s = mq_write_file_atomic(j->path, j->text, strlen(j->text));
+    if (!s) s = mq_fsync_dir(j->p->work_dir);
+    for (int i = 0; i < 2 && !s; i++) drop_snapshot(j->p, j->drop[i]);
+    if (s) snprintf(j->msg, sizeof j->msg, "%s", moeq_last_error());
+    j->st = s;
+    return NULL;
+}
+
+static void rec_free(struct mq_rec_job *j) {
+    free(j->text);
+    free(j->path);
+    free(j);
+}
+
+static moeq_status rec_start(mq_pipe *p, int drop0, int drop1) {
+    struct mq_rec_job *j = calloc(1, sizeof *j);
+    if (j) {
+        j->p = p;
+        j->text = cJSON_Print(p->manifest);
+        j->path = work_path(p, "manifest.json");
+        j->drop[0] = drop0, j->drop[1] = drop1;
+    }
+    if (!j || !j->text || !j->path) {
+        if (j) rec_free(j);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    if (pthread_create(&j->th, NULL, rec_thread, j) != 0) {
+        rec_free(j);
+        return mq_err(MOEQ_E_IO, "%s: cannot start the thread that records a layer", p->work_dir);
+    }
+    p->rec_bg = j;
+    return MOEQ_OK;
+}
+
+static moeq_status rec_finish(mq_pipe *p) {
+    struct mq_rec_job *j = p->rec_bg;
+    if (!j) return MOEQ_OK;
+    pthread_join(j->th, NULL);
+    p->rec_bg = NULL;
+    moeq_status s = j->st ? mq_err(j->st, "%s", j->msg) : MOEQ_OK;
+    rec_free(j);
+    return s;
+}
 
 moeq_status mq_work_load_boundary(mq_pipe *p, int upto, int *at) {
     *at = 0;
@@ -782,7 +875,9 @@ moeq_status mq_work_layer_done(mq_pipe *p, int l) {
 }
 
 static moeq_status layer_done(mq_pipe *p, int l) {
-    moeq_status s = mq_ckpt_writer_sync(p->w);
+    const double t_sync = mq_now();
+    moeq_status s = rec_finish(p);   /* the layer before's, made durable while this one ran */
+    p->layers[l].snapshot_sync = mq_now() - t_sync;
     if (s) return s;
     cJSON *rec = cJSON_CreateObject();
     cJSON_AddNumberToObject(rec, "layer", l);
@@ -805,7 +900,8 @@ static moeq_status layer_done(mq_pipe *p, int l) {
     cJSON_AddItemToObject(rep, "modules", cJSON_Duplicate(lr->modules, 1));
     cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(p->manifest, "layers"), rec);
     /* the snapshot written behind this layer, named now (it was taken before this layer ran) */
-    if ((s = snap_finish(p))) return s;
+    int dropped = -1;
+    if ((s = snap_finish(p, &dropped))) return s;
     const bool due = p->calibrate && l + 1 < p->plan.n_layers && snapshot_due(p, l);
     const bool behind = due && p->mp.snapshot_copy > 0;   /* the plan had room for the copy */
     const bool snapshot = due && !behind;
@@ -814,12 +910,12 @@ static moeq_status layer_done(mq_pipe *p, int l) {
     if (behind) {   /* copied now, written while the next layer runs, named after it */
         const double t0 = mq_now();
         s = snap_start(p, l + 1);
-        if (!s && p->snap_bg) p->snap_bg->copy_seconds = mq_now() - t0;
+        if (!s && p->snap_bg) p->snap_bg->copy_seconds = p->layers[l].snapshot_copy = mq_now() - t0;
         p->since_snapshot = 0;
     } else if (snapshot) {
         const double t0 = mq_now();
         s = write_boundary(p, l + 1, &crc);
-        p->snapshot_cost = mq_now() - t0;
+        p->snapshot_cost = p->layers[l].snapshot_copy = mq_now() - t0;
         p->since_snapshot = 0;
     }
     if (s) return s;
@@ -830,8 +926,7 @@ static moeq_status layer_done(mq_pipe *p, int l) {
         if (!cJSON_ReplaceItemInObjectCaseSensitive(p->manifest, "boundary", b))
             cJSON_AddItemToObject(p->manifest, "boundary", b);
     }
-    s = manifest_write(p);
-    if (!s && snapshot && old != l + 1) drop_snapshot(p, old);
+    s = rec_start(p, dropped, snapshot && old != l + 1 ? old : -1);
     p->layers_done = l + 1;
     if (!s) mq_fault_point("layer", l, 0);
     return s;

@@ -23,10 +23,11 @@
  * are cuBLAS GEMMs, whose kernel may depend on the group's rows: the groups are then a fixed
  * function of the samples' lengths, so runs stay deterministic.
  *
- * Attention: for each position j within a KV group, the scores of query head g * group + j
- * against KV head g for every g as one strided batched GEMM (S = scale Q K^T over all T x T, the
- * masked keys then get probability 0), a softmax kernel per row over the visible keys [lo, hi),
- * then out = P V as another batched GEMM.
+ * Attention: a block of queries at a time against the keys up to its last query (the blocks
+ * above the diagonal are never computed); for each position j within a KV group, the scores of
+ * query head g * group + j against KV head g for every g as one strided batched GEMM (S = scale
+ * Q K^T, the masked keys within the block then get probability 0), a softmax kernel per row over
+ * the visible keys [lo, hi), then out = P V as another batched GEMM.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -96,10 +97,11 @@ __global__ void k_rope(float *x, int64_t R, int64_t nh, int64_t hd, const int32_
 
 /* Row i of head blockIdx.y's scores S [T, T] (query i, key j at S[i * T + j]): softmax over the
  * keys [lo, i] a query sees, zero elsewhere. */
-__global__ void k_softmax_causal(float *S, int64_t T, int64_t window) {
-    const int64_t i = blockIdx.x;
-    float *row = S + (int64_t)blockIdx.y * T * T + i * T;
-    const int64_t lo = window > 0 && i - window + 1 > 0 ? i - window + 1 : 0, hi = i + 1;
+__global__ void k_softmax_causal(float *S, int64_t ld, int64_t stride, int64_t q0, int64_t k0, int64_t window) {
+    /* row i of head blockIdx.y: query q0 + i against keys k0 .. k0 + ld - 1 */
+    const int64_t i = blockIdx.x, q = q0 + i;
+    float *row = S + (int64_t)blockIdx.y * stride + i * ld;
+    const int64_t lo = (window > 0 && q - window + 1 > k0 ? q - window + 1 : k0) - k0, hi = q + 1 - k0;
     __shared__ float red[SOFTMAX_THREADS];
     float m = row[lo];
     for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) m = row[j] > m ? row[j] : m;
@@ -124,7 +126,7 @@ __global__ void k_softmax_causal(float *S, int64_t T, int64_t window) {
         __syncthreads();
     }
     const float total = red[0];
-    for (int64_t j = threadIdx.x; j < T; j += blockDim.x) row[j] = j >= lo && j < hi ? row[j] / total : 0.0f;
+    for (int64_t j = threadIdx.x; j < ld; j += blockDim.x) row[j] = j >= lo && j < hi ? row[j] / total : 0.0f;
 }
 
 /* The routing of token t (one thread each), forward.c's route(): softmax over the E logits (the
@@ -358,30 +360,41 @@ moeq_status linear(mq_gpu_attn *a, const float *x, int64_t R, const float *W, in
     return st;
 }
 
+/* Queries a block at a time: a block's keys end at its last query (and start at its first
+ * query's window), so the scores above the diagonal blocks are never computed (of T = 2048 in
+ * blocks of 256, 36 of 64 blocks' worth). */
+constexpr int64_t QUERY_BLOCK = 256;
+
 /* The attention of one sample of T tokens: q [T, H*hd], k, v [T, KV*hd] -> out [T, H*hd]. */
 moeq_status attend(mq_gpu_attn *a, int64_t T, const float *q, const float *k, const float *v, float *out) {
     const mq_gpu_attn_shape *sh = &a->sh;
-    const int64_t hd = sh->hd, group = sh->H / sh->KV, ldq = a->QD, ldk = a->KVD, tt = T * T;
+    const int64_t hd = sh->hd, group = sh->H / sh->KV, ldq = a->QD, ldk = a->KVD;
     const float scale = (float)(1.0 / sqrt((double)hd)), one = 1.0f, zero = 0.0f;
     cublasHandle_t h = a->g->blas[0];
     moeq_status st = MOEQ_OK;
-    for (int64_t j = 0; j < group && !st; j++) {
-        for (int64_t g0 = 0; g0 < sh->KV && !st; g0 += a->heads_per_call) {
-            const int nb = (int)(sh->KV - g0 < a->heads_per_call ? sh->KV - g0 : a->heads_per_call);
-            const int64_t h0 = g0 * group + j;   /* query heads h0, h0 + group, ... against KV heads g0, g0 + 1, ... */
-            /* S_b^T (column-major [T keys, T queries]) = K_g^T-view times Q_h: S[i * T + j] = q_i . k_j */
-            st = CUBLAS(cublasSgemmStridedBatched(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)T, (int)T, (int)hd, &scale,
-                                                  k + g0 * hd, (int)ldk, hd, q + h0 * hd, (int)ldq, group * hd,
-                                                  &zero, a->S, (int)T, tt, nb));
-            if (!st) {
-                k_softmax_causal<<<dim3((unsigned)T, (unsigned)nb), SOFTMAX_THREADS, 0, a->g->stream[0]>>>(a->S, T, a->window);
-                st = CU_LAUNCHED("k_softmax_causal");
+    for (int64_t q0 = 0; q0 < T && !st; q0 += QUERY_BLOCK) {
+        const int64_t nq = T - q0 < QUERY_BLOCK ? T - q0 : QUERY_BLOCK;
+        const int64_t k0 = a->window > 0 && q0 - a->window + 1 > 0 ? q0 - a->window + 1 : 0, nk = q0 + nq - k0;
+        const int64_t blk = nq * nk;   /* a head's scores: [nq queries, nk keys] row-major */
+        for (int64_t j = 0; j < group && !st; j++) {
+            for (int64_t g0 = 0; g0 < sh->KV && !st; g0 += a->heads_per_call) {
+                const int nb = (int)(sh->KV - g0 < a->heads_per_call ? sh->KV - g0 : a->heads_per_call);
+                const int64_t h0 = g0 * group + j;   /* query heads h0, h0 + group, ... against KV heads g0, g0 + 1, ... */
+                /* S_b^T (column-major [nk keys, nq queries]) = K_g^T-view times Q_h: S[i * nk + j] = q_(q0+i) . k_(k0+j) */
+                st = CUBLAS(cublasSgemmStridedBatched(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)nk, (int)nq, (int)hd, &scale,
+                                                      k + k0 * ldk + g0 * hd, (int)ldk, hd, q + q0 * ldq + h0 * hd,
+                                                      (int)ldq, group * hd, &zero, a->S, (int)nk, blk, nb));
+                if (!st) {
+                    k_softmax_causal<<<dim3((unsigned)nq, (unsigned)nb), SOFTMAX_THREADS, 0, a->g->stream[0]>>>(
+                        a->S, nk, blk, q0, k0, a->window);
+                    st = CU_LAUNCHED("k_softmax_causal");
+                }
+                /* out_h rows q0.. [nq, hd] (row-major, ld H*hd) = P_h V_g rows k0.. */
+                if (!st)
+                    st = CUBLAS(cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hd, (int)nq, (int)nk, &one,
+                                                          v + k0 * ldk + g0 * hd, (int)ldk, hd, a->S, (int)nk, blk,
+                                                          &zero, out + q0 * ldq + h0 * hd, (int)ldq, group * hd, nb));
             }
-            /* out_h [T, hd] (row-major, ld H*hd) = P_h V_g */
-            if (!st)
-                st = CUBLAS(cublasSgemmStridedBatched(h, CUBLAS_OP_N, CUBLAS_OP_N, (int)hd, (int)T, (int)T, &one,
-                                                      v + g0 * hd, (int)ldk, hd, a->S, (int)T, tt, &zero,
-                                                      out + h0 * hd, (int)ldq, group * hd, nb));
         }
     }
     return st;

@@ -110,7 +110,7 @@ __device__ __forceinline__ int dt_at(int t16, int u) {
 /* NT: C = A B^T (lda = K for both). SYRK: C (ldc = M = N) += X^T X, X [K, lda]. A CTA computes a
  * TILE x TILE block of C, R x R outputs a thread (R = TILE/16). */
 template <bool SYRK, int TILE>
-__global__ void __launch_bounds__(DT_THREADS) k_det(int64_t M, int64_t N, int64_t K, int64_t lda, const float *A,
+__global__ void __launch_bounds__(DT_THREADS, 2) k_det(int64_t M, int64_t N, int64_t K, int64_t lda, const float *A,
                                                       const float *B, float *C, int64_t ldc, bool vec) {
     constexpr int R = TILE / 16, V = TILE / 32;
     const int64_t i0 = (int64_t)blockIdx.y * TILE, j0 = (int64_t)blockIdx.x * TILE;
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(DT_THREADS) k_det(int64_t M, int64_t N, int64_
         const bool more = k0 + DT_BK < K;
         if (more) dt_load<SYRK, TILE>(A, B, M, N, K, lda, i0, j0, k0 + DT_BK, vec, ra, rb);
         const int nk = K - k0 < DT_BK ? (int)(K - k0) : DT_BK;
-        for (int kk = 0; kk < nk; kk++) {
+        auto step = [&](int kk) {
             float a[R], b[R];
             if constexpr (TILE == 128) {   /* float4 reads */
                 const float4 a0 = *(const float4 *)&as[buf][kk][ty * 4], a1 = *(const float4 *)&as[buf][kk][64 + ty * 4];
@@ -159,6 +159,12 @@ __global__ void __launch_bounds__(DT_THREADS) k_det(int64_t M, int64_t N, int64_
             for (int u = 0; u < R; u++)
 #pragma unroll
                 for (int v = 0; v < R; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
+        };
+        if (nk == DT_BK) {   /* a whole slab, unrolled: shared-memory offsets become constants */
+#pragma unroll
+            for (int kk = 0; kk < DT_BK; kk++) step(kk);
+        } else {
+            for (int kk = 0; kk < nk; kk++) step(kk);
         }
         if (more) {
             dt_store<SYRK, TILE>(as[buf ^ 1], bs[buf ^ 1], ra, rb);
@@ -178,16 +184,96 @@ __global__ void __launch_bounds__(DT_THREADS) k_det(int64_t M, int64_t N, int64_
     }
 }
 
-/* The tile for an M x N output (the lower triangle for SYRK): the largest whose CTAs fill every
- * SM once (sm_count), else the smallest; `force` (tests) picks one. Every tile computes the same
- * chains, so the choice changes the speed only. */
+/* NT with 128 x 128 tiles where every slab is whole and aligned (K % 8 == 0, `vec`): k_det's
+ * chains and layout with each thread's two load rows as pointers set once (k_det recomputes
+ * 64-bit row offsets every slab: 144 registers, one CTA an SM; this one stays within 128, two),
+ * float4 stores where C's rows allow (cvec). 14% faster on an H200 (36.7 -> 41.9 TFLOP/s on a
+ * 32768 x 1024 x 2048 product, cuBLAS 50), the same bits. */
+static __global__ void __launch_bounds__(DT_THREADS, 2) k_det_nt128(int64_t M, int64_t N, int64_t K, const float *A,
+                                                                   const float *B, float *C, int64_t ldc, bool cvec) {
+    constexpr int TILE = 128, R = 8;
+    const int64_t i0 = (int64_t)blockIdx.y * TILE, j0 = (int64_t)blockIdx.x * TILE;
+    __shared__ __align__(16) float as[2][DT_BK][TILE];
+    __shared__ __align__(16) float bs[2][DT_BK][TILE];
+    const int t = threadIdx.x, tx = t & 15, ty = t >> 4;
+    const int lr = t >> 1, lk = (t & 1) * 4;   /* the row this thread loads, its first k of the slab */
+    const float *pa = i0 + lr < M ? A + (i0 + lr) * K + lk : nullptr;
+    const float *pb = j0 + lr < N ? B + (j0 + lr) * K + lk : nullptr;
+    float acc[R][R];
+#pragma unroll
+    for (int u = 0; u < R; u++)
+#pragma unroll
+        for (int v = 0; v < R; v++) acc[u][v] = 0.0f;
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 ra = pa ? *(const float4 *)pa : zero4, rb = pb ? *(const float4 *)pb : zero4;
+    auto store = [&](int b) {
+        as[b][lk][lr] = ra.x, as[b][lk + 1][lr] = ra.y, as[b][lk + 2][lr] = ra.z, as[b][lk + 3][lr] = ra.w;
+        bs[b][lk][lr] = rb.x, bs[b][lk + 1][lr] = rb.y, bs[b][lk + 2][lr] = rb.z, bs[b][lk + 3][lr] = rb.w;
+    };
+    store(0);
+    __syncthreads();
+    int buf = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += DT_BK) {
+        const bool more = k0 + DT_BK < K;
+        if (more) {
+            ra = pa ? *(const float4 *)(pa + k0 + DT_BK) : zero4;
+            rb = pb ? *(const float4 *)(pb + k0 + DT_BK) : zero4;
+        }
+#pragma unroll
+        for (int kk = 0; kk < DT_BK; kk++) {
+            const float4 a0 = *(const float4 *)&as[buf][kk][ty * 4], a1 = *(const float4 *)&as[buf][kk][64 + ty * 4];
+            const float4 b0 = *(const float4 *)&bs[buf][kk][tx * 4], b1 = *(const float4 *)&bs[buf][kk][64 + tx * 4];
+            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int u = 0; u < R; u++)
+#pragma unroll
+                for (int v = 0; v < R; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
+        }
+        if (more) {
+            store(buf ^ 1);
+            __syncthreads();
+            buf ^= 1;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < R; u++) {
+        const int64_t i = i0 + dt_at<TILE>(ty, u);
+        if (i >= M) continue;
+        float *c = C + i * ldc;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {   /* columns tx*4 + 0..3 and 64 + tx*4 + 0..3 */
+            const int64_t j = j0 + h * 64 + tx * 4;
+            if (cvec && j + 4 <= N) {
+                *(float4 *)(c + j) = make_float4(acc[u][4 * h], acc[u][4 * h + 1], acc[u][4 * h + 2], acc[u][4 * h + 3]);
+            } else {
+#pragma unroll
+                for (int v = 0; v < 4; v++)
+                    if (j + v < N) c[j + v] = acc[u][4 * h + v];
+            }
+        }
+    }
+}
+
+/* The tile for an M x N output (the lower triangle for SYRK), from what an H200 measured (132
+ * SMs; tilebench, 2026-12-04; two 128-tile CTAs fit an SM since the launch bounds say so):
+ * - products: 128 while its CTAs come near one per SM (2048 x 1024 x 2048: 128 CTAs at 29
+ *   TFLOP/s against 20 with 64), else 64 while a quarter of the SMs get one (256 x 1024: 64
+ *   CTAs of 64 at 8.2 against 6.8 with 32), else 32;
+ * - SYRK: every CTA walks all the rows, so the few 128-tiles of a 2048-wide sum (136) leave
+ *   most of the GPU waiting on them (18.9 TFLOP/s against 24.3 with 64) and 32-tiles starve on
+ *   shared memory (7.6): 128 only from four CTAs per SM up (a 4096-wide sum), else 64 from half
+ *   the SMs up, else 32.
+ * `force` (tests) picks one. Every tile computes the same chains, so the choice changes the speed
+ * only. */
 inline int det_tile(bool syrk, int64_t M, int64_t N, int sm_count, int force) {
     if (force == 128 || force == 64 || force == 32) return force;
-    for (int t = 128; t > 32; t /= 2) {
+    auto ctas = [&](int t) {
         const int64_t tm = (M + t - 1) / t, tn = (N + t - 1) / t;
-        if ((syrk ? tm * (tm + 1) / 2 : tm * tn) >= sm_count) return t;
-    }
-    return 32;
+        return syrk ? tm * (tm + 1) / 2 : tm * tn;
+    };
+    if (syrk) return ctas(128) >= 4 * (int64_t)sm_count ? 128 : 2 * ctas(64) >= sm_count ? 64 : 32;
+    return 10 * ctas(128) >= 9 * (int64_t)sm_count ? 128 : 4 * ctas(64) >= sm_count ? 64 : 32;
 }
 
 template <bool SYRK>
@@ -198,7 +284,10 @@ inline void det_launch(cudaStream_t s, int tile, int64_t M, int64_t N, int64_t K
      * change: the same bits) */
     const int64_t vb = 4 * (tile / 32);
     const bool vec = lda % (tile / 32) == 0 && (uintptr_t)A % vb == 0 && (uintptr_t)B % vb == 0;
-    if (tile == 128) k_det<SYRK, 128><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc, vec);
+    if (!SYRK && tile == 128 && vec && lda == K && K % DT_BK == 0) {
+        const bool cvec = ldc % 4 == 0 && (uintptr_t)C % 16 == 0;
+        k_det_nt128<<<grid, DT_THREADS, 0, s>>>(M, N, K, A, B, C, ldc, cvec);
+    } else if (tile == 128) k_det<SYRK, 128><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc, vec);
     else if (tile == 64) k_det<SYRK, 64><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc, vec);
     else k_det<SYRK, 32><<<grid, DT_THREADS, 0, s>>>(M, N, K, lda, A, B, C, ldc, vec);
 }
