@@ -3007,7 +3007,8 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     if (!st && l + 1 < p->c->n_layers)
         mq_lazy_prefetch(p->lz, l + 1, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0, 0);
     if (!st) {
-        zero_out(p);
+        /* OUT gathers the FFN's outputs, unless the GPU's combined ones overwrite all of it */
+        if (!experts_on_device(p, l, replay) || p->target) zero_out(p);
         if (ly->is_moe) {
             st = routed_experts(p, l, replay);
             if (!st && p->c->shared_ffn > 0) st = mlp_unit(p, l, true, replay);

@@ -2,6 +2,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <new>
+#include <vector>
+
 #include "backend/cuda/cuda_internal.cuh"
 #include "backend/cuda/tile_det.cuh"
 
@@ -394,6 +397,82 @@ void copy_task(void *ctx, int64_t t, int thread) {
     memcpy(c->dst + a, c->src + a, b - a);
 }
 }  // namespace
+
+namespace {
+struct upload_piece {
+    char *dst;                    /* on the device */
+    const char *src;              /* on the host */
+    size_t at, n;                 /* its place in the pinned half, its bytes */
+};
+struct upload_fill {
+    char *half;
+    const upload_piece *piece;
+    const size_t *first;          /* [tasks + 1] each task's first byte in the half */
+    int64_t n_pieces;
+};
+enum { FILL_TASK = 1 << 20 };
+/* task t: bytes [t MB, (t + 1) MB) of the half, from whichever pieces hold them */
+void fill_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const upload_fill *f = (const upload_fill *)ctx;
+    const size_t a = (size_t)t * FILL_TASK, b = a + FILL_TASK;
+    for (int64_t i = 0; i < f->n_pieces; i++) {
+        const upload_piece *p = &f->piece[i];
+        const size_t lo = a > p->at ? a : p->at, hi = b < p->at + p->n ? b : p->at + p->n;
+        if (lo < hi) memcpy(f->half + lo, p->src + (lo - p->at), hi - lo);
+    }
+}
+}  // namespace
+
+moeq_status mq_cu_upload_many(mq_gpu *g, int64_t n, void *const *dst, const void *const *src, const size_t *bytes) {
+    cudaStream_t s = g->stream[0];
+    size_t piece = 0;
+    moeq_status st = mq_cu_pinned(g, &piece);
+    if (st) return st;
+    char *half[2] = {(char *)g->pin, (char *)g->pin + piece};
+    bool busy[2] = {false, false};
+    std::vector<upload_piece> pieces;
+    int k = 0;
+    size_t fill = 0;
+    auto flush = [&]() -> moeq_status {
+        if (pieces.empty()) return MOEQ_OK;
+        if (busy[k]) {   /* its last pieces have left */
+            moeq_status w = CU(cudaEventSynchronize(g->ev[k]));
+            if (w) return w;
+        }
+        upload_fill f = {half[k], pieces.data(), NULL, (int64_t)pieces.size()};
+        mq_parallel_for((int64_t)((fill + FILL_TASK - 1) / FILL_TASK), fill_task, &f);
+        for (const upload_piece &p : pieces) {
+            moeq_status c = CU(cudaMemcpyAsync(p.dst, half[k] + p.at, p.n, cudaMemcpyHostToDevice, s));
+            if (c) return c;
+        }
+        moeq_status r = CU(cudaEventRecord(g->ev[k], s));
+        busy[k] = true;
+        k ^= 1;
+        fill = 0;
+        pieces.clear();
+        return r;
+    };
+    try {
+        for (int64_t i = 0; i < n && !st; i++)
+            for (size_t off = 0; off < bytes[i] && !st;) {
+                const size_t take = bytes[i] - off < piece - fill ? bytes[i] - off : piece - fill;
+                pieces.push_back({(char *)dst[i] + off, (const char *)src[i] + off, fill, take});
+                fill += take;
+                off += take;
+                if (fill == piece) st = flush();
+            }
+    } catch (const std::bad_alloc &) {
+        st = mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    if (!st) st = flush();
+    /* the pinned halves are reused by the next upload or download: wait until both are free */
+    for (int i = 0; i < 2; i++) {
+        moeq_status w = busy[i] ? CU(cudaEventSynchronize(g->ev[i])) : MOEQ_OK;
+        if (!st) st = w;
+    }
+    return st;
+}
 
 moeq_status mq_cu_upload(mq_gpu *g, void *dst, const void *src, size_t bytes) {
     cudaStream_t s = g->stream[0];

@@ -67,6 +67,11 @@ void mq_cu_free(void *p);
  * returns once the host data has been taken (the last piece may still be travelling). Small
  * copies go straight. */
 moeq_status mq_cu_upload(mq_gpu *g, void *dst, const void *src, size_t bytes);
+/* n uploads through the pinned halves back to back (dst[i] <- src[i], bytes[i]): each half
+ * filled from as many of them as fit, on the pool, while the other half travels, so many small
+ * ones (a chunk's expert weights, 8 MB each) keep the bus busy instead of waiting each for its
+ * own. Stream 0; returns once every piece has left the host. */
+moeq_status mq_cu_upload_many(mq_gpu *g, int64_t n, void *const *dst, const void *const *src, const size_t *bytes);
 /* The pinned buffer, two halves of `piece` bytes (allocated on first use). */
 moeq_status mq_cu_pinned(mq_gpu *g, size_t *piece);
 

@@ -151,14 +151,26 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     m->idx = NULL;
     m->idx_n = m->idx_cap = 0;
     const size_t wsz = (size_t)(D * F);
-    for (int64_t e = 0; e < E && !st; e++) {
-        const float *src[3] = {gate[e], up[e], down ? down[e] : NULL};
-        for (int k = 0; k < 3 && !st; k++) {
-            if (!src[k]) continue;
-            st = cu_alloc(&m->w[(size_t)(3 * e + k)], wsz, "expert weights");
-            if (!st) st = mq_cu_upload(g, m->w[(size_t)(3 * e + k)], src[k], wsz * sizeof(float));
+    std::vector<void *> dst;
+    std::vector<const void *> src;
+    std::vector<size_t> bytes;
+    try {
+        for (int64_t e = 0; e < E && !st; e++) {
+            const float *w[3] = {gate[e], up[e], down ? down[e] : NULL};
+            for (int k = 0; k < 3 && !st; k++) {
+                if (!w[k]) continue;
+                st = cu_alloc(&m->w[(size_t)(3 * e + k)], wsz, "expert weights");
+                dst.push_back(m->w[(size_t)(3 * e + k)]);
+                src.push_back(w[k]);
+                bytes.push_back(wsz * sizeof(float));
+            }
         }
+    } catch (const std::bad_alloc &) {
+        st = mq_err(MOEQ_E_NOMEM, "out of memory");
     }
+    /* all of them at once: one 8 MB weight at a time left the bus idle while the next was copied
+     * into pinned memory (0.18 s for OLMoE-1B-7B's 64 experts on the H200) */
+    if (!st) st = mq_cu_upload_many(g, (int64_t)dst.size(), dst.data(), src.data(), bytes.data());
     const size_t r = (size_t)m->max_rows;
     if (!st) st = lane_alloc(&m->lane[0], r, D, F);
     if (!st) st = CU(cudaEventCreateWithFlags(&m->fork, cudaEventDisableTiming));
