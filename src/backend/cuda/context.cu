@@ -407,7 +407,6 @@ struct upload_piece {
 struct upload_fill {
     char *half;
     const upload_piece *piece;
-    const size_t *first;          /* [tasks + 1] each task's first byte in the half */
     int64_t n_pieces;
 };
 enum { FILL_TASK = 1 << 20 };
@@ -440,7 +439,7 @@ moeq_status mq_cu_upload_many(mq_gpu *g, int64_t n, void *const *dst, const void
             moeq_status w = CU(cudaEventSynchronize(g->ev[k]));
             if (w) return w;
         }
-        upload_fill f = {half[k], pieces.data(), NULL, (int64_t)pieces.size()};
+        upload_fill f = {half[k], pieces.data(), (int64_t)pieces.size()};
         mq_parallel_for((int64_t)((fill + FILL_TASK - 1) / FILL_TASK), fill_task, &f);
         for (const upload_piece &p : pieces) {
             moeq_status c = CU(cudaMemcpyAsync(p.dst, half[k] + p.at, p.n, cudaMemcpyHostToDevice, s));
