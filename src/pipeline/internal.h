@@ -188,6 +188,10 @@ typedef struct mq_pipe {
     double snapshot_cost;         /* seconds the last one took to write (workdir.c) */
     struct mq_snap_job *snap_bg;  /* a snapshot being written behind the next layer, or NULL */
     struct mq_rec_job *rec_bg;    /* a layer's record being made durable behind the next, or NULL */
+    double share_gptq;            /* several ranks: the weight of an expert's GPTQ against its
+                                     tokens' calibration in the shares of the experts, relative to
+                                     their FLOPs (1; fitted to the seconds measured on the ranks
+                                     with MOEQ_DIST_SHARES=measured: layer.c, fit_shares) */
     float *snap_spare;            /* the last snapshot's copy buffer, kept for the next (the plan
                                      counts it for the whole run: a fresh one costs the kernel's
                                      zeroing of gigabytes on the layers' path) */

@@ -2406,18 +2406,59 @@ static bool is_quantized_in(float **dest, void *user) {
  * constant (tokens plus half the mean) the ranks with many lightly routed experts got the most
  * GPTQ and the others waited for them. No token counts (a resumed layer's replay): equal shares.
  * The same on every rank: every rank has every token's routing. */
-static void expert_costs(const mq_pipe *p, const int64_t *tokens, int E, int64_t *cost) {
-    int64_t total = 0;
-    for (int e = 0; e < E; e++) total += tokens[e];
+/* An expert's work on its rank, in FLOPs: calibration over its routed tokens (part 0) and its
+ * GPTQ (part 1). */
+static void expert_flops(const mq_pipe *p, int64_t tokens, double part[2]) {
     const double D = p->c->D, F = p->c->moe_ffn;
     const mq_pipeline_opts *o = p->o;
     const double per_token = 2 * F * D * (p->seq ? 5 : 3) + (o->gptq ? D * D + F * F : 0);
     const double loop = 4 * F * D * D + 2 * D * F * F;   /* gate/up and down column loops */
-    const double gptq = o->gptq ? 2 * ((loop + D * D * D + F * F * F) * (o->spec.mse ? 1.3 : 1.0) *
-                                           (1 + o->n_damp_sweep) + loop * o->g.refine_passes)
-                                : 0;
-    for (int e = 0; e < E; e++)
-        cost[e] = total > 0 ? (int64_t)(((double)tokens[e] * per_token + gptq) * 1e-6) + 1 : 0;
+    part[0] = (double)tokens * per_token;
+    part[1] = o->gptq ? 2 * ((loop + D * D * D + F * F * F) * (o->spec.mse ? 1.3 : 1.0) * (1 + o->n_damp_sweep) +
+                             loop * o->g.refine_passes)
+                      : 0;
+}
+
+/* The experts' costs for the ranks' shares: their FLOPs, the GPTQ part weighted by share_gptq. */
+static void expert_costs(const mq_pipe *p, const int64_t *tokens, int E, int64_t *cost) {
+    int64_t total = 0;
+    for (int e = 0; e < E; e++) total += tokens[e];
+    for (int e = 0; e < E; e++) {
+        double f[2];
+        expert_flops(p, tokens[e], f);
+        cost[e] = total > 0 ? (int64_t)((f[0] + f[1] * p->share_gptq) * 1e-6) + 1 : 0;
+    }
+}
+
+/* Several ranks, MOEQ_DIST_SHARES=measured (an experiment; the default shares by FLOPs): the
+ * weight of GPTQ in the next layer's shares from this layer's seconds. The FLOPs may say too
+ * little about a rank's time (GPTQ's column loops run far from the products' rate, by how much
+ * depends on the machine): a rank r that spent w[r] seconds on its experts' calibration and GPTQ,
+ * x[r] and g[r] FLOPs of each, gives w[r] = a x[r] + b g[r]; a, b by least squares over the
+ * ranks, and GPTQ's weight becomes (b / a) against the FLOPs' 1, damped (the geometric mean with
+ * the weight before) and kept within [1/8, 8]. Every rank fits the same numbers in the same
+ * order, so they agree on the shares; the shares change the speed only (the checkpoint is the
+ * same for any split). On this project's 2-core VM (a 1024-wide, 16-expert OLMoE, 48 x 256
+ * tokens, 2 ranks of 1 thread, two runs each) it did not help: 13.84 and 14.58 s a layer against
+ * 13.37 and 13.58 s with the FLOPs' shares, the ranks waiting 0.1-0.5 s either way; where ranks
+ * wait seconds at the experts' hand-over (4 ranks on the GPU machine) it is yet to be measured. */
+static void fit_shares(mq_pipe *p, const double *w, const double *x, const double *g) {
+    const char *env = getenv("MOEQ_DIST_SHARES");
+    if (!env || strcmp(env, "measured") != 0) return;
+    double xx = 0, xg = 0, gg = 0, xw = 0, gw = 0;
+    for (int r = 0; r < p->ranks; r++) {
+        xx += x[r] * x[r], xg += x[r] * g[r], gg += g[r] * g[r];
+        xw += x[r] * w[r], gw += g[r] * w[r];
+    }
+    const double det = xx * gg - xg * xg;
+    if (!(det > 1e-9 * xx * gg)) return;   /* the ranks' mixes too alike to tell the parts apart */
+    const double a = (gg * xw - xg * gw) / det, b = (xx * gw - xg * xw) / det;
+    if (!(a > 0 && b > 0)) return;
+    double ratio = sqrt(p->share_gptq * (b / a));
+    ratio = ratio < 0.125 ? 0.125 : ratio > 8 ? 8 : ratio;
+    if (getenv("MOEQ_DIST_PROFILE") && p->rank == 0)
+        mq_info("experts' shares: GPTQ weighted %.3g x its FLOPs (fit %.3g)", ratio, b / a);
+    p->share_gptq = ratio;
 }
 
 static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
@@ -2451,6 +2492,18 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     }
     expert_costs(p, tokens, E, cost);
     if (dist) mq_dist_share_weighted(cost, E, p->rank, p->ranks, &own_lo, &own_hi);
+    /* each rank's FLOPs by part, for fit_shares */
+    double *rank_x = dist ? calloc((size_t)(2 * p->ranks), sizeof *rank_x) : NULL, *rank_g = rank_x ? rank_x + p->ranks : NULL;
+    for (int r = 0; rank_x && r < p->ranks; r++) {
+        int64_t lo, hi;
+        mq_dist_share_weighted(cost, E, r, p->ranks, &lo, &hi);
+        for (int64_t e = lo; e < hi; e++) {
+            double f[2];
+            expert_flops(p, tokens[e], f);
+            rank_x[r] += f[0], rank_g[r] += f[1];
+        }
+    }
+    const double t_work = mq_now();
     bool need_block = false;
     for (int e = 0; e < E; e++) {
         slot_set(p, &gu[e], e, false, &ly->exp_gate[e], &ly->exp_up[e], NULL);
@@ -2470,7 +2523,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     }
     free(tokens);
     free(cost);
-    moeq_status st = fit ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
+    moeq_status st = fit && (!dist || rank_x) ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
     free(fit);
     float *block_H = NULL;
     if (need_block && !replay) st = block_hessian(p, l, &block_H);
@@ -2572,7 +2625,17 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
          * are read from the checkpoint. */
         char step[48];
         snprintf(step, sizeof step, "layer %d: experts", l);
+        const double work = mq_now() - t_work;   /* this rank's experts, before it waits */
         st = mq_dist_agree(st, step);
+        if (!st && calib && o->gptq && rank_x) {
+            int64_t us = (int64_t)(work * 1e6), most, *all = calloc((size_t)p->ranks, sizeof *all);
+            double *w = calloc((size_t)p->ranks, sizeof *w);
+            st = all && w ? mq_dist_gather_i64(us, &most, all, step) : mq_err(MOEQ_E_NOMEM, "out of memory");
+            for (int r = 0; !st && r < p->ranks; r++) w[r] = (double)all[r] * 1e-6;
+            if (!st) fit_shares(p, w, rank_x, rank_g);
+            free(all);
+            free(w);
+        }
         for (int e0 = 0; e0 < E && !st; e0 += C) {
             const int e1 = e0 + C < E ? e0 + C : E;
             quantized_in qi = {gu + e0, dn + e0, e1 - e0};
@@ -2608,6 +2671,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     }
     gpu_ffn_inputs_free(p);
     mq_free(block_H);
+    free(rank_x);
     for (int e = 0; e < E; e++) {
         slot_free(&gu[e]);
         slot_free(&dn[e]);

@@ -478,6 +478,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     p->model_dir = model_dir;
     p->rank = mq_dist_rank();
     p->ranks = mq_dist_size();
+    p->share_gptq = 1.0;
     mq_dist_reset();
     mq_dist_set_timeout(o->mpi_timeout);
     size_t olen = strlen(out_dir);

@@ -31,6 +31,13 @@ for np in 1 2 3; do
     ls -d "$tmp"/np$np.moeq-work* 2>/dev/null && fail "-np $np left a work directory"
 done
 
+# the experts' shares fitted to the ranks' measured seconds (MOEQ_DIST_SHARES=measured): other
+# splits, the same bytes; the fit logged where it changed the weights
+MOEQ_DIST_SHARES=measured MOEQ_DIST_PROFILE=1 run_np 3 quantize "$model" --out "$tmp/mnp3" \
+    "${args[@]:0:${#args[@]}-1}" 2>"$tmp/measured.log" || fail "MOEQ_DIST_SHARES=measured -np 3 exited $?"
+same "$tmp/base" "$tmp/mnp3" "MOEQ_DIST_SHARES=measured -np 3"
+grep -q "experts' shares: GPTQ weighted" "$tmp/measured.log" || echo "note: no layer's fit changed the shares"
+
 # an expert-balanced calibration: each rank streams its share of the candidates, the counts go to
 # every rank, and all choose the same samples
 "$cli" quantize "$model" --out "$tmp/bbase" "${args[@]}" --calib-balance experts || fail "--calib-balance exited $?"
