@@ -839,7 +839,7 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
 
 /* Every attention variant of the families: full q/k norms (olmoe), per-head norms and grouped KV
  * heads (qwen3moe), q/k/v biases (qwen2moe), plain (mixtral), a sliding window and clip_qkv; T
- * below and above the CPU's GEMM threshold. */
+ * below and above the CPU's GEMM threshold and across the GPU's query blocks. */
 static void test_attention_parity(void) {
     mq_gpu *g = open_gpu();
     attention_case(g, mq_test_repo("models/olmoe-tiny"), 48, 0, 0, 0);
@@ -848,6 +848,9 @@ static void test_attention_parity(void) {
     attention_case(g, mq_test_repo("tests/data/qwen3moe-tiny"), 200, 1, 0, 0);
     attention_case(g, mq_test_repo("tests/data/qwen2moe-dense-tiny"), 160, 0, 0, 0);
     attention_case(g, mq_test_repo("tests/data/mixtral-tiny"), 96, 1, 40, 0);
+    /* the scores in blocks of 256 queries (attention.cu): a window that starts the second
+     * block's keys at 157, a last block of 244 (olmoe-tiny holds 512 positions) */
+    attention_case(g, mq_test_repo("models/olmoe-tiny"), 500, 1, 100, 0);
     mq_gpu_close(g);
 }
 
