@@ -14,7 +14,8 @@
  * through two shared buffers, the next slab loaded into registers while the current one is
  * multiplied. Rows and columns past the edges are zero-filled
  * and never stored; k past K is never multiplied (nk), since even fmaf(0, 0, -0) would turn a
- * chain's -0 into +0.
+ * chain's -0 into +0. Products of 128-tiles whose slabs are all whole and aligned take
+ * k_det_nt128, the same layout and chains in fewer registers (two CTAs an SM).
  */
 #ifndef MOEQ_BACKEND_CUDA_TILE_DET_CUH
 #define MOEQ_BACKEND_CUDA_TILE_DET_CUH
