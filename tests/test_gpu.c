@@ -660,6 +660,40 @@ static void test_mlp_bitexact(void) {
     mq_gpu_close(g);
 }
 
+/* Experts whose weights (11.6 MB each, 174 MB in all) fill the two 64 MB pinned halves of
+ * mq_cu_upload_many several times over, one weight split across halves at an unaligned place:
+ * every expert's products are still mq_mlp_forward's bits. */
+static void test_mlp_large_upload(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t E = 5, D = 1000, F = 2900, n = 8;
+    mq_linear gate[5], up[5], down[5];
+    const float *pg[5], *pu[5], *pd[5];
+    for (int64_t e = 0; e < E; e++) {
+        gate[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 190 + (uint64_t)e), .det = true};
+        up[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 195 + (uint64_t)e), .det = true};
+        down[e] = (mq_linear){.out = D, .in = F, .w = make_weights(D, F, 199 + (uint64_t)e), .det = true};
+        pg[e] = gate[e].w, pu[e] = up[e].w, pd[e] = down[e].w;
+    }
+    float *x = make_weights(n, D, 17);
+    float *hg = malloc((size_t)(n * F) * 4), *hu = malloc((size_t)(n * F) * 4), *y = malloc((size_t)(n * D) * 4);
+    float *hg2 = malloc((size_t)(n * F) * 4), *hu2 = malloc((size_t)(n * F) * 4), *y2 = malloc((size_t)(n * D) * 4);
+    mq_gpu_mlp *m = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, E, D, F, pg, pu, pd, n, &m));
+    for (int64_t e = 0; e < E; e++) {
+        ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate[e], &up[e], &down[e], x, n, hg, hu, y));
+        ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, e, x, n, hg2, hu2, y2, NULL, NULL));
+        int64_t diff = 0;
+        for (int64_t i = 0; i < n * F; i++) diff += !same_float(hg[i], hg2[i]) + !same_float(hu[i], hu2[i]);
+        for (int64_t i = 0; i < n * D; i++) diff += !same_float(y[i], y2[i]);
+        if (diff) FAIL("expert %lld of weights uploaded across the pinned halves: %lld values differ", (long long)e,
+                       (long long)diff);
+    }
+    mq_gpu_mlp_free(m);
+    for (int64_t e = 0; e < E; e++) free(gate[e].w), free(up[e].w), free(down[e].w);
+    free(x), free(hg), free(hu), free(y), free(hg2), free(hu2), free(y2);
+    mq_gpu_close(g);
+}
+
 /* ---- the attention's calibration forward --------------------------------------------------- */
 
 typedef struct {
@@ -1298,6 +1332,6 @@ static void test_mlp_lanes(void) {
 
 TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
           T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_warp_equals_thread), T(test_gptq_batched_deterministic),
-          T(test_gptq_retry_and_errors), T(test_gptq_device_inputs), T(test_gemm_det_bitexact), T(test_mlp_bitexact),
+          T(test_gptq_retry_and_errors), T(test_gptq_device_inputs), T(test_gemm_det_bitexact), T(test_mlp_bitexact), T(test_mlp_large_upload),
           T(test_mlp_rows_hessians), T(test_mlp_combine), T(test_mlp_lanes), T(test_attention_parity),
           T(test_attention_groups), T(test_tf32_products))
