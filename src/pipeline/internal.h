@@ -191,7 +191,9 @@ typedef struct mq_pipe {
     double share_gptq;            /* several ranks: the weight of an expert's GPTQ against its
                                      tokens' calibration in the shares of the experts, relative to
                                      their FLOPs (1; fitted to the seconds measured on the ranks
-                                     with MOEQ_DIST_SHARES=measured: layer.c, fit_shares) */
+                                     with fit_shares: layer.c) */
+    bool fit_shares;              /* MOEQ_DIST_SHARES=measured as rank 0 has it (every rank gathers
+                                     and fits alike, whatever its own environment) */
     float *snap_spare;            /* the last snapshot's copy buffer, kept for the next (the plan
                                      counts it for the whole run: a fresh one costs the kernel's
                                      zeroing of gigabytes on the layers' path) */

@@ -2399,15 +2399,10 @@ static bool is_quantized_in(float **dest, void *user) {
     return false;
 }
 
-/* Each expert's work for the ranks' shares (mq_dist_share_weighted), in MFLOP: its calibration
- * grows with its routed tokens (gate/up and down in every pass, the Hessian updates) and its GPTQ
- * does not (the factorisations, the column loops and each refinement pass, counted twice: GPTQ
- * runs at about half the GEMMs' FLOP rate, rank 0's stages on OLMoE-1B-7B shapes). With the old
- * constant (tokens plus half the mean) the ranks with many lightly routed experts got the most
- * GPTQ and the others waited for them. No token counts (a resumed layer's replay): equal shares.
- * The same on every rank: every rank has every token's routing. */
-/* An expert's work on its rank, in FLOPs: calibration over its routed tokens (part 0) and its
- * GPTQ (part 1). */
+/* An expert's work on its rank, in FLOPs: its calibration grows with its routed tokens (part 0:
+ * gate/up and down in every pass, the Hessian updates) and its GPTQ does not (part 1: the
+ * factorisations, the column loops and each refinement pass, counted twice: GPTQ runs at about
+ * half the GEMMs' FLOP rate, rank 0's stages on OLMoE-1B-7B shapes). */
 static void expert_flops(const mq_pipe *p, int64_t tokens, double part[2]) {
     const double D = p->c->D, F = p->c->moe_ffn;
     const mq_pipeline_opts *o = p->o;
@@ -2419,7 +2414,11 @@ static void expert_flops(const mq_pipe *p, int64_t tokens, double part[2]) {
                       : 0;
 }
 
-/* The experts' costs for the ranks' shares: their FLOPs, the GPTQ part weighted by share_gptq. */
+/* Each expert's work for the ranks' shares (mq_dist_share_weighted), in MFLOP: expert_flops, the
+ * GPTQ part weighted by share_gptq. With the old constant (tokens plus half the mean) the ranks
+ * with many lightly routed experts got the most GPTQ and the others waited for them. No token
+ * counts (a resumed layer's replay): equal shares. The same on every rank: every rank has every
+ * token's routing. */
 static void expert_costs(const mq_pipe *p, const int64_t *tokens, int E, int64_t *cost) {
     int64_t total = 0;
     for (int e = 0; e < E; e++) total += tokens[e];
@@ -2430,7 +2429,8 @@ static void expert_costs(const mq_pipe *p, const int64_t *tokens, int E, int64_t
     }
 }
 
-/* Several ranks, MOEQ_DIST_SHARES=measured (an experiment; the default shares by FLOPs): the
+/* Several ranks, MOEQ_DIST_SHARES=measured (p->fit_shares; an experiment, the default shares by
+ * FLOPs): the
  * weight of GPTQ in the next layer's shares from this layer's seconds. The FLOPs may say too
  * little about a rank's time (GPTQ's column loops run far from the products' rate, by how much
  * depends on the machine): a rank r that spent w[r] seconds on its experts' calibration and GPTQ,
@@ -2443,8 +2443,6 @@ static void expert_costs(const mq_pipe *p, const int64_t *tokens, int E, int64_t
  * 13.37 and 13.58 s with the FLOPs' shares, the ranks waiting 0.1-0.5 s either way; where ranks
  * wait seconds at the experts' hand-over (4 ranks on the GPU machine) it is yet to be measured. */
 static void fit_shares(mq_pipe *p, const double *w, const double *x, const double *g) {
-    const char *env = getenv("MOEQ_DIST_SHARES");
-    if (!env || strcmp(env, "measured") != 0) return;
     double xx = 0, xg = 0, gg = 0, xw = 0, gw = 0;
     for (int r = 0; r < p->ranks; r++) {
         xx += x[r] * x[r], xg += x[r] * g[r], gg += g[r] * g[r];
@@ -2493,7 +2491,9 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     expert_costs(p, tokens, E, cost);
     if (dist) mq_dist_share_weighted(cost, E, p->rank, p->ranks, &own_lo, &own_hi);
     /* each rank's FLOPs by part, for fit_shares */
-    double *rank_x = dist ? calloc((size_t)(2 * p->ranks), sizeof *rank_x) : NULL, *rank_g = rank_x ? rank_x + p->ranks : NULL;
+    const bool measure = dist && p->fit_shares && p->calibrate && !replay && o->gptq;
+    double *rank_x = measure ? calloc((size_t)(2 * p->ranks), sizeof *rank_x) : NULL;
+    double *rank_g = rank_x ? rank_x + p->ranks : NULL;
     for (int r = 0; rank_x && r < p->ranks; r++) {
         int64_t lo, hi;
         mq_dist_share_weighted(cost, E, r, p->ranks, &lo, &hi);
@@ -2523,7 +2523,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     }
     free(tokens);
     free(cost);
-    moeq_status st = fit && (!dist || rank_x) ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
+    moeq_status st = fit && (!measure || rank_x) ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
     free(fit);
     float *block_H = NULL;
     if (need_block && !replay) st = block_hessian(p, l, &block_H);
@@ -2627,7 +2627,7 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         snprintf(step, sizeof step, "layer %d: experts", l);
         const double work = mq_now() - t_work;   /* this rank's experts, before it waits */
         st = mq_dist_agree(st, step);
-        if (!st && calib && o->gptq && rank_x) {
+        if (!st && measure) {
             int64_t us = (int64_t)(work * 1e6), most, *all = calloc((size_t)p->ranks, sizeof *all);
             double *w = calloc((size_t)p->ranks, sizeof *w);
             st = all && w ? mq_dist_gather_i64(us, &most, all, step) : mq_err(MOEQ_E_NOMEM, "out of memory");

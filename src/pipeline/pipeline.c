@@ -487,6 +487,12 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     if (!p->out_dir) return MOEQ_E_NOMEM;
     bool exists = false;
     bool watching = false, work = false;
+    if (p->ranks > 1) {   /* before any rank can fail alone */
+        const char *shares = getenv("MOEQ_DIST_SHARES");
+        int32_t fit = p->rank == 0 && shares && strcmp(shares, "measured") == 0;
+        if ((s = mq_dist_bcast(&fit, sizeof fit, 0, "the options"))) goto done;
+        p->fit_shares = fit != 0;
+    }
     if (p->rank == 0 && (s = mq_ckpt_check_out(model_dir, p->out_dir, o->force, &exists))) goto done;
     if (o->gptq && o->device >= 0) {
         /* first, so that a missing GPU costs nothing */
