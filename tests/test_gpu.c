@@ -20,6 +20,7 @@
 #include "backend/gpu.h"
 #include "harness.h"
 #include "kernels/gemm_det.h"
+#include "kernels/vec.h"
 #include "model/model.h"
 #include "quant/gptq.h"
 #include "quant/hessian.h"
@@ -746,6 +747,15 @@ static void attn_twin_of(const moeq_model *m, mq_state *st, int layer, int64_t m
  * magnitudes it adds (7.6e-6), and one such difference passes through the softmax and o_proj,
  * so 3e-5 of the largest value bounds the outputs. The Hessians sum those inputs: the same
  * relative bound. */
+static moeq_status count_call(void *user) {
+    ++*(int *)user;
+    return MOEQ_OK;
+}
+static moeq_status fail_call(void *user) {
+    ++*(int *)user;
+    return mq_err(MOEQ_E_IO, "the host's work failed (test)");
+}
+
 static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int64_t window, float clip) {
     moeq_model_options opt = {.no_tokenizer = 1};
     moeq_model *m = NULL;
@@ -789,16 +799,24 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
     int32_t *sg = malloc(sizeof(int32_t) * (size_t)(T * K + 1));
     /* the FFN input also into a device buffer at an offset of one row (the pipeline's experts
      * read it there): the host copy's bits */
-    mq_gpu_buf *fdev = NULL;
+    mq_gpu_buf *fdev = NULL, *hdev = NULL;
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, (T + 1) * D, &fdev));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, (T + 1) * D, &hdev));
     const mq_gpu_attn_sample one = {.x = xg, .y = xg, .T = T, .xn = xn, .att = att, .ffn_in = fin,
                                     .sel = K ? sg : NULL, .w = K ? wg : NULL, .ffn_dev_off = D};
-    const mq_gpu_attn_io io = {.hq = hq, .ho = ho, .ffn_dev = fdev};
+    /* and the result kept there too; the host's work meanwhile called once */
+    int calls = 0;
+    const mq_gpu_attn_io io = {.hq = hq, .ho = ho, .ffn_dev = fdev, .h_dev = hdev, .meanwhile = count_call,
+                               .meanwhile_user = &calls};
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run_samples(a, &one, 1, &io));
+    ASSERT_EQ_INT(1, calls);
     float *fgot = malloc(sizeof(float) * (size_t)(T * D));
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_read(fdev, D, T * D, fgot));
     for (int64_t i = 0; i < T * D; i++)
         if (!same_float(fgot[i], fin[i])) FAIL("%s: the FFN input kept on the device differs at %lld", dir, (long long)i);
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_read(hdev, D, T * D, fgot));
+    for (int64_t i = 0; i < T * D; i++)
+        if (!same_float(fgot[i], xg[i])) FAIL("%s: the result kept on the device differs at %lld", dir, (long long)i);
     free(fgot);
     double e_xn = mq_test_rel_maxdiff(xn, hk.qkv, (size_t)(T * D));
     double e_att = mq_test_rel_maxdiff(att, hk.o, (size_t)(T * Q));
@@ -860,9 +878,15 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
     again.T = T + 1;   /* longer than made for */
     ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run_samples(a, &again, 1, &none));
     const mq_gpu_attn_sample past = {.x = xg2, .T = T, .ffn_dev_off = 2 * D};   /* past the buffer */
-    const mq_gpu_attn_io into = {.ffn_dev = fdev};
+    const mq_gpu_attn_io into = {.ffn_dev = fdev}, into_h = {.h_dev = hdev};
     ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run_samples(a, &past, 1, &into));
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run_samples(a, &past, 1, &into_h));
+    /* the host's work failing: its error, once the device has finished */
+    const mq_gpu_attn_io failing = {.meanwhile = fail_call, .meanwhile_user = &calls};
+    ASSERT_EQ_INT(MOEQ_E_IO, mq_gpu_attn_run_samples(a, &past, 1, &failing));
+    ASSERT_EQ_INT(2, calls);
     mq_gpu_buf_free(fdev);
+    mq_gpu_buf_free(hdev);
     mq_gpu_hessians_free(hq), mq_gpu_hessians_free(ho);
     mq_gpu_attn_free(a);
     mq_state_free(st);
@@ -1229,6 +1253,38 @@ static void test_mlp_combine(void) {
     mq_gpu_close(g);
 }
 
+/* The FFN's outputs added to the boundary on the device (the pipeline's residual there): the
+ * host's add_out (mq_vec's axpy by 1) bit for bit, signed zeros, infinities, NaNs, subnormals
+ * and rounding ties among the values; n past either buffer is an error. */
+static void test_buf_add(void) {
+    mq_gpu *g = open_gpu();
+    const int64_t n = 100003;
+    float *a = make_weights(1, n, 71), *b = make_weights(1, n, 72), *got = malloc((size_t)n * 4);
+    const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 0x1p-149f, -0x1p-140f, 0x1.fffffep127f,
+                             1.0f, 0x1p-24f, 0x1.000002p0f, -0x1p-25f};
+    const int ns = (int)(sizeof special / sizeof *special);
+    for (int i = 0; i < ns; i++)
+        for (int j = 0; j < ns; j++) a[i * ns + j] = special[i], b[i * ns + j] = special[j];
+    for (int64_t i = ns * ns; i < n; i += 7) a[i] *= 1e4f;   /* exponents apart: rounded adds */
+    mq_gpu_buf *da = NULL, *db = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, n, &da));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, n + 5, &db));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_write(da, 0, n, a));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_write(db, 0, n, b));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_add(da, db, n));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_read(da, 0, n, got));
+    mq_vec()->axpy(1.0f, b, a, n);   /* a += b as add_out does */
+    int64_t diff = 0;
+    for (int64_t i = 0; i < n; i++) diff += !same_float(got[i], a[i]);
+    if (diff) FAIL("buffer add: %lld of %lld values differ from the host's axpy by 1", (long long)diff, (long long)n);
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_buf_add(da, db, n + 1));
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_buf_add(db, da, n + 5));
+    mq_gpu_buf_free(da);
+    mq_gpu_buf_free(db);
+    free(a), free(b), free(got);
+    mq_gpu_close(g);
+}
+
 /* Several experts of one set run at once on the device's streams (mq_gpu_mlp's lanes: expert e
  * on lane e % 4; five experts, so lane 0 takes two), each with its own Hessian sums, its rows in
  * pieces of 16 (by the batch's index on the device, or by its own indices) and its outputs kept
@@ -1333,5 +1389,5 @@ static void test_mlp_lanes(void) {
 TEST_MAIN(T(test_parse_device), T(test_open_missing_device), T(test_codecs_bitexact), T(test_rtn_bitexact),
           T(test_hessian_bitexact), T(test_gptq_parity), T(test_gptq_warp_equals_thread), T(test_gptq_batched_deterministic),
           T(test_gptq_retry_and_errors), T(test_gptq_device_inputs), T(test_gemm_det_bitexact), T(test_mlp_bitexact), T(test_mlp_large_upload),
-          T(test_mlp_rows_hessians), T(test_mlp_combine), T(test_mlp_lanes), T(test_attention_parity),
+          T(test_mlp_rows_hessians), T(test_mlp_combine), T(test_buf_add), T(test_mlp_lanes), T(test_attention_parity),
           T(test_attention_groups), T(test_tf32_products))

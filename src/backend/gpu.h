@@ -166,6 +166,9 @@ moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
  * (many samples' pieces, one wait). */
 moeq_status mq_gpu_buf_read_async(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
 moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, const float *host);
+/* dst += src over the first n values of both, queued (stream order): one fp32 add each, the
+ * host's axpy by 1 bit for bit (the FFN's output onto the boundary where both are there). */
+moeq_status mq_gpu_buf_add(mq_gpu_buf *dst, const mq_gpu_buf *src, int64_t n);
 
 /* out[tok[i]] (rows of D values of `out`) += w * y over token i's pairs [first[i], first[i + 1])
  * of (row of the kept batch outputs, weight), in their order: each value the fmaf chain of
@@ -249,6 +252,13 @@ typedef struct {
                                        samples' rows in their order (mq_gpu_hessians_add's bits) */
     mq_gpu_buf *ffn_dev;            /* every sample's FFN input also into this buffer (for
                                        mq_gpu_mlp_inputs_from) */
+    mq_gpu_buf *h_dev;              /* every sample's result (x + attention) also into this
+                                       buffer, at the same place (for mq_gpu_buf_add) */
+    /* host work to do while the first group runs on the device: called once, after that group
+     * is queued and before the wait for it (the pipeline reads and uploads the first experts
+     * then); its error is the call's, once the device has finished the group */
+    moeq_status (*meanwhile)(void *user);
+    void *meanwhile_user;
 } mq_gpu_attn_io;
 moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn_sample *s, int64_t n,
                                     const mq_gpu_attn_io *io);

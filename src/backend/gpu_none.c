@@ -177,6 +177,11 @@ moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, const float 
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_buf_add(mq_gpu_buf *dst, const mq_gpu_buf *src, int64_t n) {
+    (void)dst, (void)src, (void)n;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_mlp_combine(mq_gpu_mlp *m, mq_gpu_buf *out, const int64_t *tok, const int32_t *first,
                                const int32_t *row, const float *w, int64_t n_tok) {
     (void)m, (void)out, (void)tok, (void)first, (void)row, (void)w, (void)n_tok;

@@ -74,6 +74,8 @@ typedef struct {
      * inputs where the GPU attention left them; the outputs combined there (report, tests) */
     int gpu_device_batches, gpu_kept_inputs;
     bool gpu_combined;
+    bool gpu_experts_ahead;       /* its first expert chunk went up during the attention */
+    bool gpu_residual;            /* the FFN's outputs were added to the boundary there */
     cJSON *modules;               /* the layer's module records (report), owned */
 } mq_layer_report;
 
@@ -159,6 +161,10 @@ typedef struct mq_pipe {
                                      chunk: both calibration passes and GPTQ's inputs, which GPTQ
                                      replaces by the dequantized weights (layer.c), else NULL */
     int gx_e0, gx_e1;
+    mq_gpu_mlp *gx_ahead;         /* layer gx_ahead_l's first expert chunk, [0, gx_ahead_e1), read
+                                     and sent up while its attention ran (layer.c experts_ahead),
+                                     for routed_experts to take as gx, else NULL */
+    int gx_ahead_l, gx_ahead_e1;
     struct mq_pending_write *pending;   /* a GPU chunk's quantized Linears still to be written
                                            while the device runs its quantized pass (layer.c) */
     mq_gpu_buf *gout;             /* the routed experts' FFN outputs of a layer on that device,
@@ -166,6 +172,9 @@ typedef struct mq_pipe {
     mq_gpu_buf *gffn_xn, *gffn_h; /* the routed experts' inputs as the GPU attention left them
                                      there (the kept FFN input; the FFN norm of the boundary after
                                      attention), Lmax rows a sample, else NULL (layer.c) */
+    mq_gpu_buf *gbound;           /* the boundary after attention there too, laid out as those,
+                                     for the residual add of the FFN's outputs on the device
+                                     (layer.c gpu_ffn_inputs_new), else NULL */
     /* ranks (src/dist; pipeline.h "Distributed runs"): this process is `rank` of `ranks`; rank
      * 0 alone has the writer and the work directory (p->w NULL elsewhere) */
     int rank, ranks;

@@ -891,7 +891,20 @@ static bool experts_on_device(const mq_pipe *p, int l, bool replay) {
 static void gpu_ffn_inputs_free(mq_pipe *p) {
     mq_gpu_buf_free(p->gffn_xn);
     mq_gpu_buf_free(p->gffn_h);
-    p->gffn_xn = p->gffn_h = NULL;
+    mq_gpu_buf_free(p->gbound);
+    p->gffn_xn = p->gffn_h = p->gbound = NULL;
+}
+
+/* Whether the FFN's outputs of layer l may be added to the boundary on the GPU (p->gbound) and
+ * come back as the next boundary: the combined outputs are the whole FFN (no shared expert, no
+ * unquantized stream beside) and the boundary is plain page-locked fp32 (not bf16 or a file). The
+ * add is the host's add_out, one fp32 add a value: the same bits, 0.05 s a layer less of a host
+ * pass over 2 GB on OLMoE-1B-7B at 128 x 2048 tokens. MOEQ_GPU_RESIDUAL=0 turns it off. */
+static bool residual_on_device(const mq_pipe *p) {
+    const char *env = getenv("MOEQ_GPU_RESIDUAL");
+    if (env && strcmp(env, "0") == 0) return false;
+    const mq_actbuf *hb = p->X.kind == MQ_ACT_DISK ? &p->X2 : &p->X;
+    return p->c->shared_ffn == 0 && !p->target && hb->kind == MQ_ACT_RAM && hb->pinned;
 }
 
 /* With the attention and the routed experts of layer l on the GPU, the experts' inputs stay there
@@ -915,7 +928,16 @@ static moeq_status gpu_ffn_inputs_new(mq_pipe *p, int l, bool replay) {
         gpu_ffn_inputs_free(p);
         return MOEQ_OK;
     }
-    if (st) gpu_ffn_inputs_free(p);
+    if (st) {
+        gpu_ffn_inputs_free(p);
+        return st;
+    }
+    /* the boundary too, where it fits in the same share (else the host adds) */
+    mq_gpu_get_info(p->gpu, &gi);
+    if (residual_on_device(p) && (int64_t)sizeof(float) * n <= (int64_t)(gi.mem_free / 4)) {
+        st = mq_gpu_buf_new(p->gpu, n, &p->gbound);
+        if (st == MOEQ_E_NOMEM) st = MOEQ_OK;
+    }
     return st;
 }
 
@@ -984,6 +1006,8 @@ typedef struct {
     float *probs;                 /* [Lmax, E] router scratch */
     bool gpu;                     /* the attention runs on p->gatt */
     bool pinned;                  /* xt and xn are page-locked (mq_gpu_host_alloc) */
+    bool ahead;                   /* this pass reads and sends up the first expert chunk while
+                                     the device runs it (experts_ahead) */
 } att_scratch;
 
 /* Whether layer l's attention can run on the GPU: the standard attention of the families the
@@ -1025,6 +1049,54 @@ static moeq_status gpu_attention_set(mq_pipe *p, int l) {
  * (mq_gpu_attn_rows tokens), each batch one call. Where the activations are page-locked
  * (alloc_activations) a sample goes up from them and its results come back into them directly;
  * otherwise through sc's page-locked rows (Lmax tokens a batch). */
+static moeq_status read_part(mq_pipe *p, int l, unsigned what, int e0, int e1,
+                             bool (*alloc_only)(float **dest, void *user), void *user);
+static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int64_t rows, mq_gpu_mlp **out);
+
+/* One process on a GPU uploads each chunk of a layer's routed experts in routed_experts, where
+ * the device waits for the host to read (bf16 -> fp32) and send them. The first chunk instead
+ * goes while the layer's last attention pass runs there (mq_gpu_attn_io.meanwhile): 0.1-0.2 s a
+ * layer less of an idle device on OLMoE-1B-7B (64 experts, 1.6 GB). The plan counts the chunk's
+ * weights beside the attention stage (memplan.c). MOEQ_EXPERTS_AHEAD=0 turns it off. */
+static int first_chunk_end(const mq_pipe *p) {
+    const int E = p->c->n_experts;
+    return p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
+}
+
+static bool experts_ahead_wanted(const mq_pipe *p, int l, bool replay) {
+    const char *env = getenv("MOEQ_EXPERTS_AHEAD");
+    if (env && strcmp(env, "0") == 0) return false;
+    /* as routed_experts uploads: calibration in one process, experts plain once read */
+    return p->gpu && p->ranks <= 1 && !replay && p->calibrate && p->m->layers[l].is_moe &&
+           experts_plain_as(p, l, 0, first_chunk_end(p), false);
+}
+
+typedef struct {
+    mq_pipe *p;
+    int l;
+    double seconds, cpu;          /* its wall and CPU time, which the attention's do not count */
+} ahead_job;
+
+static moeq_status experts_ahead(void *user) {
+    ahead_job *j = user;
+    mq_pipe *p = j->p;
+    const int e1 = first_chunk_end(p);
+    const double t0 = mq_now(), c0 = mq_cpu_now();
+    moeq_status st = read_part(p, j->l, MQ_PART_EXPERTS, 0, e1, NULL, NULL);
+    const double t1 = mq_now(), c1 = mq_cpu_now();
+    mq_gpu_mlp *m = NULL;
+    if (!st) st = gpu_experts(p, j->l, 0, e1, true, mq_plan_batch_rows(p, e1), &m);
+    p->layers[j->l].forward += mq_now() - t1;   /* the upload, as the forward's (routed_experts) */
+    p->layers[j->l].cpu_forward += mq_cpu_now() - c1;
+    mq_gpu_mlp_free(p->gx_ahead);
+    p->gx_ahead = m;
+    p->gx_ahead_l = j->l;
+    p->gx_ahead_e1 = e1;
+    j->seconds += mq_now() - t0;
+    j->cpu += mq_cpu_now() - c0;
+    return st;
+}
+
 static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_capture *cap, att_scratch *sc) {
     const mq_config *c = p->c;
     const bool moe = p->m->layers[l].is_moe;
@@ -1036,10 +1108,16 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
     const bool x_direct = p->X.pinned, h_direct = !keep_h || hb->pinned, n_direct = !keep_xn || p->XN.pinned;
     const bool staged = !x_direct || !h_direct || !n_direct;
     const int64_t rows_max = staged ? Lmax : mq_gpu_attn_rows(p->gatt);
-    mq_gpu_attn_io io = {.ffn_dev = keep_xn ? p->gffn_xn : keep_h && moe ? p->gffn_h : NULL};
+    mq_gpu_attn_io io = {.ffn_dev = keep_xn ? p->gffn_xn : keep_h && moe ? p->gffn_h : NULL,
+                         .h_dev = keep_h && moe && !keep_xn ? p->gbound : NULL};
     if (cap && !cap->store) {   /* the hooks' work done there: Hessian sums on the device */
         io.hq = cap->qkv->gh;
         io.ho = cap->o->gh;
+    }
+    ahead_job ahead = {p, l, 0, 0};
+    if (sc->ahead) {
+        io.meanwhile = experts_ahead;
+        io.meanwhile_user = &ahead;
     }
     int64_t n_max = rows_max < s_hi - s_lo ? rows_max : s_hi - s_lo;
     mq_gpu_attn_sample *smp = mq_alloc_array((size_t)(n_max > 0 ? n_max : 1), sizeof *smp, "attention samples");
@@ -1078,16 +1156,20 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
         }
         if (io.hq) cap->qkv->h.n += rows;
         if (io.ho) cap->o->h.n += rows;
+        ahead.seconds = ahead.cpu = 0;
         st = mq_gpu_attn_run_samples(p->gatt, smp, n, &io);
+        io.meanwhile = NULL;   /* once: with the first group */
         for (int64_t i = 0, r = 0; i < n && !st; r += smp[i].T, i++) {   /* the staged results */
             const size_t off = (size_t)((s0 + i) * p->LD), nv = (size_t)(smp[i].T * D);
             if (keep_h && !hb->pinned) mq_actbuf_put(hb, off, nv, sc->xt + r * D);
             if (keep_xn && !p->XN.pinned) mq_actbuf_put(&p->XN, off, nv, sc->xn + r * D);
         }
-        p->layers[l].forward += mq_now() - t0;
-        p->layers[l].cpu_forward += mq_cpu_now() - c0;
-        p->layers[l].attention += mq_now() - t0;
-        p->layers[l].cpu_attention += mq_cpu_now() - c0;
+        /* the experts' read and upload meanwhile are counted as theirs (experts_ahead) */
+        const double wall = mq_now() - t0 - ahead.seconds, cpu = mq_cpu_now() - c0 - ahead.cpu;
+        p->layers[l].forward += wall;
+        p->layers[l].cpu_forward += cpu;
+        p->layers[l].attention += wall;
+        p->layers[l].cpu_attention += cpu;
         mq_pipe_progress(p, p->mp_units.attention_sample * n * (p->ranks > 1 ? p->ranks : 1));
     }
     mq_free(smp);
@@ -1438,8 +1520,11 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
                                                   "unquantized attention inputs")))
                 st = MOEQ_E_NOMEM;
         }
-        /* pass A: the unquantized attention (nothing needed of it in a sequential replay) */
+        /* pass A: the unquantized attention (nothing needed of it in a sequential replay); the
+         * layer's last unless sequential */
+        sc.ahead = !p->seq && experts_ahead_wanted(p, l, replay);
         if (!st) st = attention_pass(p, l, true, &cap, &sc);
+        sc.ahead = false;
         if (dist) {
             char step[48];
             snprintf(step, sizeof step, "layer %d: attention inputs", l);
@@ -1476,6 +1561,7 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     }
     /* pass B: the quantized attention */
     if (!st && p->seq && sc.gpu) st = gpu_attention_set(p, l);
+    sc.ahead = p->seq && experts_ahead_wanted(p, l, replay);
     if (!st && p->seq) st = attention_pass(p, l, false, NULL, &sc);
     if (p->ranks > 1 && !replay) {
         char step[48];
@@ -2542,7 +2628,13 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         if (p->gpu && !dist && !replay && calib) {
             mq_gpu_mlp *m = NULL;
             double t0 = mq_now(), c0 = mq_cpu_now();   /* the upload, as the forward's */
-            st = gpu_experts(p, l, e0, e1, true, mq_plan_batch_rows(p, e1 - e0), &m);
+            if (p->gx_ahead && p->gx_ahead_l == l && e0 == 0 && e1 == p->gx_ahead_e1) {
+                m = p->gx_ahead;   /* sent during the attention (experts_ahead) */
+                p->gx_ahead = NULL;
+                p->layers[l].gpu_experts_ahead = true;
+            } else {
+                st = gpu_experts(p, l, e0, e1, true, mq_plan_batch_rows(p, e1 - e0), &m);
+            }
             p->layers[l].forward += mq_now() - t0;
             p->layers[l].cpu_forward += mq_cpu_now() - c0;
             p->gx = m;
@@ -2657,11 +2749,17 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
                 "combine %.2f s", l, g_ex_prof[0], g_ex_prof[1], g_ex_prof[2], g_ex_prof[3], g_ex_prof[4]);
         memset(g_ex_prof, 0, sizeof g_ex_prof);
     }
-    if (p->gout) {   /* the combined outputs into OUT */
+    if (p->gout) {   /* the combined outputs into OUT, or added to the boundary there */
         double t0 = mq_now(), c0 = mq_cpu_now();
+        mq_actbuf *dst = &p->OUT;
+        if (p->gbound && !st) {
+            st = mq_gpu_buf_add(p->gout, p->gbound, p->calib.n * p->LD);
+            dst = out_buf(p);
+            p->layers[l].gpu_residual = !st;
+        }
         for (int64_t s = 0; s < p->calib.n && !st; s++)
             st = mq_gpu_buf_read_async(p->gout, s * p->LD, p->calib.len[s] * p->c->D,
-                                       mq_actbuf_ptr(&p->OUT, (size_t)(s * p->LD)));
+                                       mq_actbuf_ptr(dst, (size_t)(s * p->LD)));
         moeq_status ss = mq_gpu_sync(p->gpu);   /* also after a failed one: nothing left in flight */
         if (!st) st = ss;
         p->layers[l].forward += mq_now() - t0;
@@ -2670,6 +2768,8 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         p->gout = NULL;
     }
     gpu_ffn_inputs_free(p);
+    mq_gpu_mlp_free(p->gx_ahead);   /* not taken (a failure before its chunk) */
+    p->gx_ahead = NULL;
     mq_free(block_H);
     free(rank_x);
     for (int e = 0; e < E; e++) {
@@ -3080,7 +3180,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
             st = mlp_unit(p, l, false, replay);
         }
     }
-    if (!st) add_out(p, out_buf(p), &p->OUT);
+    if (!st && !p->layers[l].gpu_residual) add_out(p, out_buf(p), &p->OUT);
     if (!st && p->target) add_out(p, &p->XF, &p->OUTF);
     if (p->ranks > 1) {
         /* each rank goes on with its samples; rank 0 gathers the boundary for its snapshot */

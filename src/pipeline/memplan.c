@@ -114,6 +114,9 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         z.chunk = C * (w1 + h1 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * F * D))) +
                   bscratch + (o->gptq ? gptq_scratch(D > F ? D : F) : 0);
         if (block) z.chunk += (2 * L * F + L * D) * 4;   /* fallback down: its scratch */
+        /* one process on a GPU reads the first chunk's weights during the attention (layer.c
+         * experts_ahead) */
+        if (p->gpu && p->ranks <= 1) z.attention += C * w1;
     }
     int64_t unit = 0;
     int64_t Fu = c->shared_ffn > 0 ? c->shared_ffn : (E == 0 ? c->ffn : 0);

@@ -159,6 +159,8 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
             cJSON_AddNumberToObject(g, "expert_batches_on_device", lr->gpu_device_batches);
             cJSON_AddNumberToObject(g, "batches_with_inputs_from_attention", lr->gpu_kept_inputs);
             cJSON_AddBoolToObject(g, "outputs_combined_on_device", lr->gpu_combined);
+            cJSON_AddBoolToObject(g, "first_experts_sent_during_attention", lr->gpu_experts_ahead);
+            cJSON_AddBoolToObject(g, "residual_added_on_device", lr->gpu_residual);
         }
         cJSON_AddItemToArray(layers, x);
         const cJSON *m;

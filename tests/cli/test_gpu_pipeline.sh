@@ -4,7 +4,9 @@
 # where they were summed and GPTQ leaves the dequantized weights in place of the device's for
 # the quantized pass. What must hold: the checkpoint is the same bytes whatever the expert
 # chunk, the thread count and the batches (the device's, the default: all samples at once, or a
-# few at a time with MOEQ_GPU_BATCH_ROWS; the CPU plan's with MOEQ_GPU_BATCH=plan), and after a
+# few at a time with MOEQ_GPU_BATCH_ROWS; the CPU plan's with MOEQ_GPU_BATCH=plan), whether the
+# first experts go up during the attention and the FFN's outputs join the boundary on the device
+# or not (MOEQ_EXPERTS_AHEAD=0, MOEQ_GPU_RESIDUAL=0), and after a
 # kill and --resume (whose replay dequantizes the finished layers on the host, so the device's
 # dequantized weights must be the host's bits); experts rounded to nearest as a fallback (their
 # dequantized weights go up from the host) likewise, and without sequential calibration; the
@@ -37,6 +39,23 @@ for key in expert_batches_on_device batches_with_inputs_from_attention; do
 done
 n=$(grep -c '"outputs_combined_on_device":[[:space:]]*true' "$rep")
 [ "$n" = 4 ] || fail "outputs combined on the device in $n of 4 layers ($rep)"
+# each layer's first expert chunk went up while its attention ran; sent after it instead, the
+# same bytes
+n=$(grep -c '"first_experts_sent_during_attention":[[:space:]]*true' "$rep")
+[ "$n" = 4 ] || fail "the first experts sent during the attention in $n of 4 layers ($rep)"
+MOEQ_EXPERTS_AHEAD=0 "$cli" quantize "$model" --out "$tmp/after" "${args[@]}" --device cuda ||
+    fail "the GPU run with MOEQ_EXPERTS_AHEAD=0 exited $?"
+n=$(grep -c '"first_experts_sent_during_attention":[[:space:]]*true' "$tmp/after/gptq_report.json")
+[ "$n" = 0 ] || fail "MOEQ_EXPERTS_AHEAD=0: the first experts still sent during the attention in $n layers"
+same_checkpoint "$tmp/a" "$tmp/after" "MOEQ_EXPERTS_AHEAD=0" "the default"
+# the FFN's outputs were added to the boundary on the device; added on the host, the same bytes
+n=$(grep -c '"residual_added_on_device":[[:space:]]*true' "$rep")
+[ "$n" = 4 ] || fail "the residual added on the device in $n of 4 layers ($rep)"
+MOEQ_GPU_RESIDUAL=0 "$cli" quantize "$model" --out "$tmp/host_add" "${args[@]}" --device cuda ||
+    fail "the GPU run with MOEQ_GPU_RESIDUAL=0 exited $?"
+n=$(grep -c '"residual_added_on_device":[[:space:]]*true' "$tmp/host_add/gptq_report.json")
+[ "$n" = 0 ] || fail "MOEQ_GPU_RESIDUAL=0: the residual still added on the device in $n layers"
+same_checkpoint "$tmp/a" "$tmp/host_add" "MOEQ_GPU_RESIDUAL=0" "the default"
 # the CPU plan's batches (MOEQ_GPU_BATCH=plan: about a sample at a time), and device batches of
 # 700 rows (two samples of 128 tokens routed to 2 experts each), give the default's values
 MOEQ_GPU_BATCH=plan "$cli" quantize "$model" --out "$tmp/plan" "${args[@]}" --device cuda ||
@@ -56,6 +75,10 @@ MOEQ_GPU_BATCH=plan "$cli" quantize "$model" --out "$tmp/ns_plan" "${args[@]}" "
 same_checkpoint "$tmp/ns" "$tmp/ns_plan" "nonsequential, MOEQ_GPU_BATCH=plan" "nonsequential, the default batches"
 n=$(grep -c '"outputs_combined_on_device":[[:space:]]*true' "$tmp/ns/gptq_report.json")
 [ "$n" = 4 ] || fail "nonsequential: outputs combined on the device in $n of 4 layers"
+for key in first_experts_sent_during_attention residual_added_on_device; do
+    n=$(grep -c "\"$key\":[[:space:]]*true" "$tmp/ns/gptq_report.json")
+    [ "$n" = 4 ] || fail "nonsequential: $key in $n of 4 layers"
+done
 
 # killed inside the second layer's expert chunks, then resumed
 MOEQ_FAULT=chunk:1:1 "$cli" quantize "$model" --out "$tmp/r" "${args[@]}" --device cuda --expert-chunk 3 2>/dev/null

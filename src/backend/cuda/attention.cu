@@ -402,7 +402,7 @@ moeq_status attend(mq_gpu_attn *a, int64_t T, const float *q, const float *k, co
 
 /* Samples [i0, i1) of s, R tokens, through the layer (see mq_gpu_attn_run_samples). */
 moeq_status run_group(mq_gpu_attn *a, const mq_gpu_attn_sample *smp, int64_t i0, int64_t i1, int64_t R,
-                      const mq_gpu_attn_io *io) {
+                      const mq_gpu_attn_io *io, bool meanwhile) {
     const mq_gpu_attn_shape *sh = &a->sh;
     const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd, K = sh->top_k;
     cudaStream_t s = a->g->stream[0];
@@ -476,6 +476,13 @@ moeq_status run_group(mq_gpu_attn *a, const mq_gpu_attn_sample *smp, int64_t i0,
                                                                      a->rsel, a->rw);
         st = CU_LAUNCHED("k_route_softmax");
     }
+    if (!st && io->h_dev) {   /* the result kept on the device for the FFN's residual add */
+        int64_t n = 0;
+        float *d = mq_gpu_buf_device(io->h_dev, &n);
+        for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++)
+            st = CU(cudaMemcpyAsync(d + smp[i].ffn_dev_off, a->x + r * D, (size_t)(smp[i].T * D) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, s));
+    }
     if (!st && io->ffn_dev) {   /* the FFN input kept on the device for the experts */
         int64_t n = 0;
         float *d = mq_gpu_buf_device(io->ffn_dev, &n);
@@ -493,7 +500,14 @@ moeq_status run_group(mq_gpu_attn *a, const mq_gpu_attn_sample *smp, int64_t i0,
         if (!st && m->w) st = CU(cudaMemcpyAsync(m->w, a->rw + r * K, tk * sizeof(float), cudaMemcpyDeviceToHost, s));
         if (!st && m->y) st = CU(cudaMemcpyAsync(m->y, a->x + r * D, td * sizeof(float), cudaMemcpyDeviceToHost, s));
     }
-    if (!st) st = CU(cudaStreamSynchronize(s));
+    /* the host's own work while the device runs the group; the group is waited for even when
+     * the queueing failed part way (nothing of it is left in flight) */
+    if (meanwhile && io->meanwhile) {
+        moeq_status m = io->meanwhile(io->meanwhile_user);
+        if (!st) st = m;
+    }
+    moeq_status w = CU(cudaStreamSynchronize(s));
+    if (!st) st = w;
     mark(a, PH_DOWNLOAD);
     a->runs += i1 - i0;
     a->groups++;
@@ -508,8 +522,9 @@ extern "C" moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn
                                                const mq_gpu_attn_io *io) {
     const mq_gpu_attn_shape *sh = &a->sh;
     const int64_t D = sh->D;
-    int64_t nbuf = 0;
+    int64_t nbuf = 0, nh = 0;
     if (io->ffn_dev) mq_gpu_buf_device(io->ffn_dev, &nbuf);
+    if (io->h_dev) mq_gpu_buf_device(io->h_dev, &nh);
     for (int64_t i = 0; i < n; i++) {   /* everything checked before anything runs */
         const mq_gpu_attn_sample *m = &smp[i];
         if (m->T <= 0 || m->T > sh->max_T)
@@ -521,12 +536,15 @@ extern "C" moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn
         if (io->ffn_dev && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nbuf))
             return mq_err(MOEQ_E_ARG, "GPU attention: FFN input at %lld past a buffer of %lld",
                           (long long)m->ffn_dev_off, (long long)nbuf);
+        if (io->h_dev && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nh))
+            return mq_err(MOEQ_E_ARG, "GPU attention: result at %lld past a buffer of %lld",
+                          (long long)m->ffn_dev_off, (long long)nh);
     }
     moeq_status st = CU(cudaSetDevice(a->g->device));
     for (int64_t i0 = 0; i0 < n && !st;) {   /* groups of whole samples up to a->rows tokens */
         int64_t i1 = i0, R = 0;
         while (i1 < n && R + smp[i1].T <= a->rows) R += smp[i1++].T;
-        st = run_group(a, smp, i0, i1, R, io);
+        st = run_group(a, smp, i0, i1, R, io, i0 == 0);
         i0 = i1;
     }
     return st;

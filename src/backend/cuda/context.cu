@@ -103,6 +103,7 @@ extern "C" moeq_status mq_gpu_open(int device, mq_gpu **out) {
         if (!st) st = CUSOLVER(cusolverDnSetStream(g->solver[i], g->stream[i]));
     }
     for (int i = 0; i < 2 && !st; i++) st = CU(cudaEventCreateWithFlags(&g->ev[i], cudaEventDisableTiming));
+    if (!st) st = CU(cudaStreamCreateWithFlags(&g->copy, cudaStreamNonBlocking));
     if (!st) {
         /* GPTQ's per-call arenas come from the stream-ordered pool, which keeps freed memory for
          * the next call (mq_cu_alloc trims it when a plain allocation needs the room) */
@@ -131,6 +132,7 @@ extern "C" void mq_gpu_close(mq_gpu *g) {
     }
     for (int i = 0; i < 2; i++)
         if (g->ev[i]) cudaEventDestroy(g->ev[i]);
+    if (g->copy) cudaStreamDestroy(g->copy);
     if (g->pin) cudaFreeHost(g->pin);
     cudaMemPool_t pool;
     if (cudaDeviceGetDefaultMemPool(&pool, g->device) == cudaSuccess) cudaMemPoolTrimTo(pool, 0);
@@ -424,7 +426,7 @@ void fill_task(void *ctx, int64_t t, int thread) {
 }  // namespace
 
 moeq_status mq_cu_upload_many(mq_gpu *g, int64_t n, void *const *dst, const void *const *src, const size_t *bytes) {
-    cudaStream_t s = g->stream[0];
+    cudaStream_t s = g->copy;
     size_t piece = 0;
     moeq_status st = mq_cu_pinned(g, &piece);
     if (st) return st;

@@ -27,6 +27,8 @@ struct mq_gpu {
     void *pin;                      /* pinned host memory the results come back through */
     size_t pin_cap;
     cudaEvent_t ev[2];              /* its two halves' copies */
+    cudaStream_t copy;              /* mq_cu_upload_many's: its copies run beside the work that
+                                       stream 0 has queued (attention while experts go up) */
     int det_tile;                   /* tile_det.cuh's tile, forced (tests); 0: by the grid's size */
     moeq_gpu_precision precision;   /* mq_gpu_set_precision: of the products and Hessian sums */
 };
@@ -70,7 +72,8 @@ moeq_status mq_cu_upload(mq_gpu *g, void *dst, const void *src, size_t bytes);
 /* n uploads through the pinned halves back to back (dst[i] <- src[i], bytes[i]): each half
  * filled from as many of them as fit, on the pool, while the other half travels, so many small
  * ones (a chunk's expert weights, 8 MB each) keep the bus busy instead of waiting each for its
- * own. Stream 0; returns once every piece has left the host. */
+ * own. On the copy stream, beside whatever stream 0 runs; returns once every piece has arrived,
+ * so work queued after it on any stream sees the data. */
 moeq_status mq_cu_upload_many(mq_gpu *g, int64_t n, void *const *dst, const void *const *src, const size_t *bytes);
 /* The pinned buffer, two halves of `piece` bytes (allocated on first use). */
 moeq_status mq_cu_pinned(mq_gpu *g, size_t *piece);

@@ -485,6 +485,24 @@ extern "C" moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, c
 }
 
 namespace {
+__global__ void k_buf_add(float *d, const float *s, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        d[i] = s[i] + d[i];
+}
+}  // namespace
+
+extern "C" moeq_status mq_gpu_buf_add(mq_gpu_buf *dst, const mq_gpu_buf *src, int64_t n) {
+    if (n < 0 || n > dst->n || n > src->n)
+        return mq_err(MOEQ_E_ARG, "GPU buffers: adding %lld values of buffers of %lld and %lld", (long long)n,
+                      (long long)dst->n, (long long)src->n);
+    moeq_status st = CU(cudaSetDevice(dst->g->device));
+    if (st || n == 0) return st;
+    const int64_t blocks = (n + 255) / 256 < 65536 ? (n + 255) / 256 : 65536;
+    k_buf_add<<<(unsigned)blocks, 256, 0, dst->g->stream[0]>>>(dst->d, src->d, n);
+    return CU_LAUNCHED("k_buf_add");
+}
+
+namespace {
 
 /* Thread per (token, value): the token's pairs in order, one fmaf each (vec.h's axpy). */
 __global__ void k_combine(float *out, const float *y, const int64_t *tok, const int32_t *first, const int32_t *row,
