@@ -869,6 +869,25 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
         FAIL("%s layer %d (T %lld): the GPU attention differs from mq_attention_forward (%lld routing choices)", dir,
              layer, (long long)T, (long long)flips);
     free(cfin), free(probs), free(cw), free(cs), free(fin), free(wg), free(sg);
+    /* the input kept on the device by one run and taken from there by the next (x NULL): the
+     * first run's bits, and the kept rows are the input's */
+    float *y1 = malloc(sizeof(float) * (size_t)(T * D)), *y2 = malloc(sizeof(float) * (size_t)(T * D));
+    mq_gpu_buf *xdev = NULL;
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_new(g, (T + 1) * D, &xdev));
+    const mq_gpu_attn_sample keep_s = {.x = xg2, .y = y1, .T = T, .ffn_dev_off = D};
+    const mq_gpu_attn_sample from_s = {.y = y2, .T = T, .ffn_dev_off = D};
+    const mq_gpu_attn_io keep_io = {.x_keep = xdev}, from_io = {.x_from = xdev};
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run_samples(a, &keep_s, 1, &keep_io));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_run_samples(a, &from_s, 1, &from_io));
+    for (int64_t i = 0; i < T * D; i++)
+        if (!same_float(y1[i], xg[i]) || !same_float(y2[i], xg[i]))
+            FAIL("%s: the input kept on the device, or taken from there, changed the result at %lld", dir, (long long)i);
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_buf_read(xdev, D, T * D, y1));
+    for (int64_t i = 0; i < T * D; i++)
+        if (!same_float(y1[i], xg2[i])) FAIL("%s: the input kept on the device differs at %lld", dir, (long long)i);
+    ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_attn_run_samples(a, &from_s, 1, &keep_io));   /* no input at all */
+    mq_gpu_buf_free(xdev);
+    free(y1), free(y2);
     /* run to run: the same bits */
     const mq_gpu_attn_io none = {0};
     mq_gpu_attn_sample again = {.x = xg2, .y = xg2, .T = T};

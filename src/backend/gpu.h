@@ -254,6 +254,9 @@ typedef struct {
                                        mq_gpu_mlp_inputs_from) */
     mq_gpu_buf *h_dev;              /* every sample's result (x + attention) also into this
                                        buffer, at the same place (for mq_gpu_buf_add) */
+    mq_gpu_buf *x_from;             /* the samples' x from this buffer (at ffn_dev_off) instead
+                                       of the host's (x may then be NULL) */
+    mq_gpu_buf *x_keep;             /* the samples' x also into this buffer, at the same place */
     /* host work to do while the first group runs on the device: called once, after that group
      * is queued and before the wait for it (the pipeline reads and uploads the first experts
      * then); its error is the call's, once the device has finished the group */

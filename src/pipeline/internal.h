@@ -76,6 +76,9 @@ typedef struct {
     bool gpu_combined;
     bool gpu_experts_ahead;       /* its first expert chunk went up during the attention */
     bool gpu_residual;            /* the FFN's outputs were added to the boundary there */
+    bool gpu_h_device_only;       /* the attention's result (the boundary) was not copied back */
+    bool gpu_xn_device_only;      /* nor the kept FFN input, all through the layer */
+    int gpu_inputs_from_device;   /* attention passes that took X from the device (gin) */
     cJSON *modules;               /* the layer's module records (report), owned */
 } mq_layer_report;
 
@@ -172,6 +175,12 @@ typedef struct mq_pipe {
     mq_gpu_buf *gffn_xn, *gffn_h; /* the routed experts' inputs as the GPU attention left them
                                      there (the kept FFN input; the FFN norm of the boundary after
                                      attention), Lmax rows a sample, else NULL (layer.c) */
+    mq_gpu_buf *gin;              /* the layer's input (X) on the device too, laid out as those:
+                                     kept by its first attention pass for the second, or handed
+                                     on by the layer before (its boundary there, layer.c) */
+    bool gin_ready;               /* gin holds the next attention's input (X's bits) */
+    bool xn_device_only;          /* XN's host copy was not made: gffn_xn holds the layer's kept
+                                     FFN input (layer.c xn_to_host) */
     mq_gpu_buf *gbound;           /* the boundary after attention there too, laid out as those,
                                      for the residual add of the FFN's outputs on the device
                                      (layer.c gpu_ffn_inputs_new), else NULL */

@@ -889,6 +889,7 @@ static bool experts_on_device(const mq_pipe *p, int l, bool replay) {
 }
 
 static void gpu_ffn_inputs_free(mq_pipe *p) {
+    p->xn_device_only = false;   /* its only copy goes (a layer's end, or a host step took it) */
     mq_gpu_buf_free(p->gffn_xn);
     mq_gpu_buf_free(p->gffn_h);
     mq_gpu_buf_free(p->gbound);
@@ -914,8 +915,47 @@ static bool residual_on_device(const mq_pipe *p) {
  * double sum of squares may round apart from the CPU's in rare rows: so every batch of such a run
  * takes them from here, whatever its size. Where they do not fit beside the experts (a quarter of
  * the free memory), the host's go up as before. */
+/* The GPU attention's results that only the device reads stay there; each then crossed the bus
+ * for nothing (2 GB a pass at 128 x 2048 tokens of OLMoE-1B-7B, 0.1 s). The result of the pass
+ * that gives the boundary (h), where the FFN's outputs are added to it on the device (gbound) and
+ * the host reads none of it before: sequential calibration's Hessians read the kept FFN input
+ * (XN), its output pass the device's FFN input. The kept FFN input (XN) where everything of the
+ * layer reads it on the device, unless a host step needs it after all: xn_to_host then (the
+ * experts' fallback of a shared Hessian). MOEQ_GPU_HOST_COPIES=1 makes every copy as before. */
+static bool host_copies_forced(void) {
+    const char *env = getenv("MOEQ_GPU_HOST_COPIES");
+    return env && strcmp(env, "1") == 0;
+}
+
+static bool boundary_device_only(const mq_pipe *p, bool pass_a) {
+    return !host_copies_forced() && !pass_a && p->seq && !p->tseq && p->gbound;
+}
+
+static bool xn_device_only(const mq_pipe *p) {
+    const mq_pipeline_opts *o = p->o;
+    return !host_copies_forced() && p->gffn_xn && p->XN.kind == MQ_ACT_RAM && p->XN.pinned && p->ranks <= 1 &&
+           !p->target && !o->act_quant && !o->expert_weighting && p->c->shared_ffn == 0;
+}
+
+/* XN's host copy from the device's, where the attention left it there only. */
+static moeq_status xn_to_host(mq_pipe *p, int l) {
+    if (!p->xn_device_only) return MOEQ_OK;
+    moeq_status st = MOEQ_OK;
+    for (int64_t s = 0; s < p->calib.n && !st; s++)
+        st = mq_gpu_buf_read_async(p->gffn_xn, s * p->LD, p->calib.len[s] * p->c->D,
+                                   mq_actbuf_ptr(&p->XN, (size_t)(s * p->LD)));
+    moeq_status ss = mq_gpu_sync(p->gpu);
+    if (!st) st = ss;
+    if (!st) p->xn_device_only = p->layers[l].gpu_xn_device_only = false;
+    return st;
+}
+
 static moeq_status gpu_ffn_inputs_new(mq_pipe *p, int l, bool replay) {
     gpu_ffn_inputs_free(p);
+    if (!p->gin_ready) {   /* not this layer's input */
+        mq_gpu_buf_free(p->gin);
+        p->gin = NULL;
+    }
     if (!experts_on_device(p, l, replay)) return MOEQ_OK;
     const bool xn = !replay && p->seq && !p->tseq;
     const int64_t n = p->calib.n * p->LD;
@@ -936,6 +976,14 @@ static moeq_status gpu_ffn_inputs_new(mq_pipe *p, int l, bool replay) {
     mq_gpu_get_info(p->gpu, &gi);
     if (residual_on_device(p) && (int64_t)sizeof(float) * n <= (int64_t)(gi.mem_free / 4)) {
         st = mq_gpu_buf_new(p->gpu, n, &p->gbound);
+        if (st == MOEQ_E_NOMEM) st = MOEQ_OK;
+    }
+    /* and the layer's input, unless the layer before left it there: its first attention pass
+     * keeps it for the second (the same X), which then need not send it up again */
+    mq_gpu_get_info(p->gpu, &gi);
+    if (!st && p->gbound && !p->gin && !host_copies_forced() &&
+        (int64_t)sizeof(float) * n <= (int64_t)(gi.mem_free / 4)) {
+        st = mq_gpu_buf_new(p->gpu, n, &p->gin);
         if (st == MOEQ_E_NOMEM) st = MOEQ_OK;
     }
     return st;
@@ -1104,12 +1152,19 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
     const int64_t s_lo = p->ranks > 1 ? p->s_lo : 0, s_hi = p->ranks > 1 ? p->s_hi : p->calib.n;
     /* what follows the attention (below) on the GPU too: only the results come back */
     const bool keep_xn = pass_a && p->seq && !p->tseq, keep_h = !pass_a || !p->seq;
+    /* ... and of those the host's copies, unless only the device reads them */
+    const bool host_xn = keep_xn && !(moe && xn_device_only(p)), host_h = keep_h && !(moe && boundary_device_only(p, pass_a));
+    if (keep_xn) p->xn_device_only = p->layers[l].gpu_xn_device_only = !host_xn;
+    if (keep_h) p->layers[l].gpu_h_device_only = !host_h;
     mq_actbuf *hb = out_buf(p);
-    const bool x_direct = p->X.pinned, h_direct = !keep_h || hb->pinned, n_direct = !keep_xn || p->XN.pinned;
+    /* X from the device where it is there (gin), else from the host, kept there for pass B */
+    mq_gpu_buf *x_from = p->gin && p->gin_ready ? p->gin : NULL;
+    mq_gpu_buf *x_keep = !x_from && p->gin && pass_a && p->seq ? p->gin : NULL;
+    const bool x_direct = p->X.pinned || x_from, h_direct = !host_h || hb->pinned, n_direct = !host_xn || p->XN.pinned;
     const bool staged = !x_direct || !h_direct || !n_direct;
     const int64_t rows_max = staged ? Lmax : mq_gpu_attn_rows(p->gatt);
     mq_gpu_attn_io io = {.ffn_dev = keep_xn ? p->gffn_xn : keep_h && moe ? p->gffn_h : NULL,
-                         .h_dev = keep_h && moe && !keep_xn ? p->gbound : NULL};
+                         .h_dev = keep_h && moe && !keep_xn ? p->gbound : NULL, .x_from = x_from, .x_keep = x_keep};
     if (cap && !cap->store) {   /* the hooks' work done there: Hessian sums on the device */
         io.hq = cap->qkv->gh;
         io.ho = cap->o->gh;
@@ -1134,15 +1189,17 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
             mq_gpu_attn_sample *m = &smp[n++];
             memset(m, 0, sizeof *m);
             m->T = T;
-            if (x_direct) {
+            if (x_from) {
+                m->x = NULL;
+            } else if (x_direct) {
                 m->x = mq_actbuf_ptr(&p->X, off);
             } else {   /* bf16 or mapped: converted or copied into the staging rows */
                 const float *v = mq_actbuf_view(&p->X, off, (size_t)(T * D), xt);
                 if (v != xt) mq_copy_floats(xt, v, (size_t)(T * D));
                 m->x = xt;
             }
-            if (keep_h) m->y = hb->pinned ? mq_actbuf_ptr(hb, off) : xt;
-            if (keep_xn) m->ffn_in = p->XN.pinned ? mq_actbuf_ptr(&p->XN, off) : xn;
+            if (host_h) m->y = hb->pinned ? mq_actbuf_ptr(hb, off) : xt;
+            if (host_xn) m->ffn_in = p->XN.pinned ? mq_actbuf_ptr(&p->XN, off) : xn;
             if (cap && cap->store) {   /* several ranks: the inputs kept for the Linears' owners */
                 const int64_t at = s1 - s_lo;
                 if (cap->arena_qkv) m->xn = cap->arena_qkv + at * Lmax * D;
@@ -1161,8 +1218,8 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
         io.meanwhile = NULL;   /* once: with the first group */
         for (int64_t i = 0, r = 0; i < n && !st; r += smp[i].T, i++) {   /* the staged results */
             const size_t off = (size_t)((s0 + i) * p->LD), nv = (size_t)(smp[i].T * D);
-            if (keep_h && !hb->pinned) mq_actbuf_put(hb, off, nv, sc->xt + r * D);
-            if (keep_xn && !p->XN.pinned) mq_actbuf_put(&p->XN, off, nv, sc->xn + r * D);
+            if (host_h && !hb->pinned) mq_actbuf_put(hb, off, nv, sc->xt + r * D);
+            if (host_xn && !p->XN.pinned) mq_actbuf_put(&p->XN, off, nv, sc->xn + r * D);
         }
         /* the experts' read and upload meanwhile are counted as theirs (experts_ahead) */
         const double wall = mq_now() - t0 - ahead.seconds, cpu = mq_cpu_now() - c0 - ahead.cpu;
@@ -1173,6 +1230,8 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
         mq_pipe_progress(p, p->mp_units.attention_sample * n * (p->ranks > 1 ? p->ranks : 1));
     }
     mq_free(smp);
+    if (!st && x_keep) p->gin_ready = true;   /* for pass B */
+    if (!st && x_from) p->layers[l].gpu_inputs_from_device++;
     return st;
 }
 
@@ -1587,6 +1646,10 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         mq_free(sc.xn);
     }
     mq_free(sc.probs);
+    /* the layer's input on the device has served both passes: the FFN's room */
+    mq_gpu_buf_free(p->gin);
+    p->gin = NULL;
+    p->gin_ready = false;
     drop_part(p, l, MQ_PART_ATTN, 0, 0);
     mq_state_drop_layer(p->state, l);
     return st;
@@ -1661,6 +1724,7 @@ typedef struct ex_batch {
     int64_t *tasks, n_tasks;      /* expert << 32 | block of TASK_ROWS rows */
     mq_gpu_mlp *gmlp;             /* the chunk's experts on the GPU (runs with a device), or NULL */
     int32_t *grow;                /* [rows] GPU: each row's place in the batch's uploaded inputs */
+    int64_t rows_cap;             /* the most rows any batch of the pass holds */
     int64_t *xrows, *xfirst;      /* [nb] GPU: the rows of each sample's uploaded input, its first */
     hband *htasks;                /* the CPU's Hessian bands (batch_hessian_bands) */
     int64_t n_htasks;
@@ -2157,7 +2221,8 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
         g_ex_prof[1] += tq - tp;
         if (din) st = mq_gpu_mlp_inputs_from(b->gmlp, din, p->calib.n * Lmax);
         else st = b->all_dev ? batch_inputs_device(b) : mq_gpu_mlp_inputs(b->gmlp, b->xin, b->xrows, b->nb);
-        if (!st && b->all_dev && b->down && p->gout) st = mq_gpu_mlp_reserve_kept(b->gmlp, b->ebase[C]);
+        /* room for the pass's largest batch at once: a larger one later would wait for the device */
+        if (!st && b->all_dev && b->down && p->gout) st = mq_gpu_mlp_reserve_kept(b->gmlp, b->rows_cap);
         /* the whole batch's row indices up at once, unless the outputs come back to the host */
         const bool indexed = !b->down || p->gout;
         if (!st && indexed) st = mq_gpu_mlp_rows_index(b->gmlp, b->grow, b->ebase[C]);
@@ -2310,6 +2375,11 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     const bool on_dev = experts_plain(p, l, e0, e1) || (p->gx && p->gx_e0 == e0 && p->gx_e1 == e1);
     const bool all_dev = p->gpu && dev_batches && on_dev && !amax &&
                          !(hess && p->o->expert_weighting) && (!down || p->gout);
+    /* batches that take their inputs from the host need XN's host copy (batch_run's dev_rows) */
+    if (src.from_xn && !(p->gpu && on_dev && !amax && !(hess && p->o->expert_weighting))) {
+        moeq_status xs = xn_to_host(p, l);
+        if (xs) return xs;
+    }
     if (all_dev) {
         int64_t worst = 1, total = 0;
         for (int64_t s = s_lo; s < s_hi; s++) {
@@ -2352,6 +2422,7 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
         bf.dn = dn;
     }
     b.all_dev = all_dev;
+    b.rows_cap = rows_cap;
     b.p = p;
     b.l = l;
     b.e0 = e0;
@@ -2612,7 +2683,8 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     moeq_status st = fit && (!measure || rank_x) ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
     free(fit);
     float *block_H = NULL;
-    if (need_block && !replay) st = block_hessian(p, l, &block_H);
+    if (!st && need_block && !replay) st = xn_to_host(p, l);   /* the fallback's inputs, on the host */
+    if (!st && need_block && !replay) st = block_hessian(p, l, &block_H);
     const int C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
     const bool calib = p->calibrate && !replay;
     /* one process on a GPU: the experts' outputs are combined there, over every chunk, and read
@@ -2764,7 +2836,14 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         if (!st) st = ss;
         p->layers[l].forward += mq_now() - t0;
         p->layers[l].cpu_forward += mq_cpu_now() - c0;
-        mq_gpu_buf_free(p->gout);
+        /* the boundary there is the next layer's input (gin), X's bits */
+        if (!st && p->layers[l].gpu_residual && !host_copies_forced()) {
+            mq_gpu_buf_free(p->gin);
+            p->gin = p->gout;
+            p->gin_ready = true;
+        } else {
+            mq_gpu_buf_free(p->gout);
+        }
         p->gout = NULL;
     }
     gpu_ffn_inputs_free(p);

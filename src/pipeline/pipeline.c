@@ -286,6 +286,7 @@ static void pipe_free(mq_pipe *p) {
     mq_gpu_buf_free(p->gffn_xn);
     mq_gpu_buf_free(p->gffn_h);
     mq_gpu_buf_free(p->gbound);
+    mq_gpu_buf_free(p->gin);
     mq_gpu_close(p->gpu);
     mq_ckpt_writer_close(p->w);
     for (int l = 0; p->layers && l < p->plan.n_layers; l++) cJSON_Delete(p->layers[l].modules);

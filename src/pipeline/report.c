@@ -161,6 +161,9 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
             cJSON_AddBoolToObject(g, "outputs_combined_on_device", lr->gpu_combined);
             cJSON_AddBoolToObject(g, "first_experts_sent_during_attention", lr->gpu_experts_ahead);
             cJSON_AddBoolToObject(g, "residual_added_on_device", lr->gpu_residual);
+            cJSON_AddBoolToObject(g, "boundary_only_on_device", lr->gpu_h_device_only);
+            cJSON_AddBoolToObject(g, "ffn_input_only_on_device", lr->gpu_xn_device_only);
+            cJSON_AddNumberToObject(g, "attention_inputs_from_device", lr->gpu_inputs_from_device);
         }
         cJSON_AddItemToArray(layers, x);
         const cJSON *m;

@@ -6,7 +6,8 @@
 # chunk, the thread count and the batches (the device's, the default: all samples at once, or a
 # few at a time with MOEQ_GPU_BATCH_ROWS; the CPU plan's with MOEQ_GPU_BATCH=plan), whether the
 # first experts go up during the attention and the FFN's outputs join the boundary on the device
-# or not (MOEQ_EXPERTS_AHEAD=0, MOEQ_GPU_RESIDUAL=0), and after a
+# or not (MOEQ_EXPERTS_AHEAD=0, MOEQ_GPU_RESIDUAL=0), whether the attention's results come
+# back to the host where only the device reads them (MOEQ_GPU_HOST_COPIES=1), and after a
 # kill and --resume (whose replay dequantizes the finished layers on the host, so the device's
 # dequantized weights must be the host's bits); experts rounded to nearest as a fallback (their
 # dequantized weights go up from the host) likewise, and without sequential calibration; the
@@ -56,6 +57,29 @@ MOEQ_GPU_RESIDUAL=0 "$cli" quantize "$model" --out "$tmp/host_add" "${args[@]}" 
 n=$(grep -c '"residual_added_on_device":[[:space:]]*true' "$tmp/host_add/gptq_report.json")
 [ "$n" = 0 ] || fail "MOEQ_GPU_RESIDUAL=0: the residual still added on the device in $n layers"
 same_checkpoint "$tmp/a" "$tmp/host_add" "MOEQ_GPU_RESIDUAL=0" "the default"
+# the boundary did not come back to the host (only the device read it); copied back as before,
+# the same bytes
+n=$(grep -c '"boundary_only_on_device":[[:space:]]*true' "$rep")
+[ "$n" = 4 ] || fail "boundary_only_on_device in $n of 4 layers ($rep)"
+# each layer's input went up once, for its first attention pass, which kept it there for the
+# second; each later layer took it from the device, where the layer before left its boundary
+n1=$(grep -c '"attention_inputs_from_device":[[:space:]]*1[,}]*$' "$rep")
+n2=$(grep -c '"attention_inputs_from_device":[[:space:]]*2[,}]*$' "$rep")
+[ "$n1" = 1 ] && [ "$n2" = 3 ] || fail "attention passes with X from the device: 1 in $n1 layers, 2 in $n2 ($rep)"
+MOEQ_GPU_HOST_COPIES=1 "$cli" quantize "$model" --out "$tmp/copies" "${args[@]}" --device cuda ||
+    fail "the GPU run with MOEQ_GPU_HOST_COPIES=1 exited $?"
+n=$(grep -c '"boundary_only_on_device":[[:space:]]*true' "$tmp/copies/gptq_report.json")
+[ "$n" = 0 ] || fail "MOEQ_GPU_HOST_COPIES=1: the boundary still left on the device in $n layers"
+same_checkpoint "$tmp/a" "$tmp/copies" "MOEQ_GPU_HOST_COPIES=1" "the default"
+# nor did the kept FFN input where no expert falls back to the shared Hessian (16 x 128 tokens
+# leave some below the default 32, whose Hessian is summed from it on the host)
+"$cli" quantize "$model" --out "$tmp/x0" "${args[@]}" --device cuda --min-expert-tokens 0 ||
+    fail "the GPU run with --min-expert-tokens 0 exited $?"
+n=$(grep -c '"ffn_input_only_on_device":[[:space:]]*true' "$tmp/x0/gptq_report.json")
+[ "$n" = 4 ] || fail "--min-expert-tokens 0: ffn_input_only_on_device in $n of 4 layers"
+MOEQ_GPU_HOST_COPIES=1 "$cli" quantize "$model" --out "$tmp/x1" "${args[@]}" --device cuda --min-expert-tokens 0 ||
+    fail "the GPU run with --min-expert-tokens 0 and MOEQ_GPU_HOST_COPIES=1 exited $?"
+same_checkpoint "$tmp/x0" "$tmp/x1" "--min-expert-tokens 0, MOEQ_GPU_HOST_COPIES=1" "the default"
 # the CPU plan's batches (MOEQ_GPU_BATCH=plan: about a sample at a time), and device batches of
 # 700 rows (two samples of 128 tokens routed to 2 experts each), give the default's values
 MOEQ_GPU_BATCH=plan "$cli" quantize "$model" --out "$tmp/plan" "${args[@]}" --device cuda ||
@@ -79,6 +103,8 @@ for key in first_experts_sent_during_attention residual_added_on_device; do
     n=$(grep -c "\"$key\":[[:space:]]*true" "$tmp/ns/gptq_report.json")
     [ "$n" = 4 ] || fail "nonsequential: $key in $n of 4 layers"
 done
+n=$(grep -c '"attention_inputs_from_device":[[:space:]]*1[,}]*$' "$tmp/ns/gptq_report.json")
+[ "$n" = 3 ] || fail "nonsequential: X from the device in $n of the 3 layers after the first"
 
 # killed inside the second layer's expert chunks, then resumed
 MOEQ_FAULT=chunk:1:1 "$cli" quantize "$model" --out "$tmp/r" "${args[@]}" --device cuda --expert-chunk 3 2>/dev/null
@@ -93,6 +119,16 @@ fb=(--min-expert-tokens 1000000 --expert-fallback rtn)
 "$cli" quantize "$model" --out "$tmp/f2" "${args[@]}" --device cuda "${fb[@]}" --expert-chunk 2 ||
     fail "the fallback run with --expert-chunk 2 exited $?"
 same_checkpoint "$tmp/f1" "$tmp/f2" "RTN fallback experts, --expert-chunk 2" "the default chunk"
+# ... or quantized with the layer's shared Hessian, summed on the host from the kept FFN input,
+# which must come back from the device first (else the host's copy is stale): the same bytes as
+# with every copy made
+fb=(--min-expert-tokens 1000000)
+"$cli" quantize "$model" --out "$tmp/b1" "${args[@]}" --device cuda "${fb[@]}" || fail "the block-Hessian fallback run exited $?"
+n=$(grep -c '"ffn_input_only_on_device":[[:space:]]*true' "$tmp/b1/gptq_report.json")
+[ "$n" = 0 ] || fail "block-Hessian fallback: the kept FFN input never came to the host in $n layers"
+MOEQ_GPU_HOST_COPIES=1 "$cli" quantize "$model" --out "$tmp/b2" "${args[@]}" --device cuda "${fb[@]}" ||
+    fail "the block-Hessian fallback run with MOEQ_GPU_HOST_COPIES=1 exited $?"
+same_checkpoint "$tmp/b1" "$tmp/b2" "block-Hessian fallback experts" "the same with every copy made"
 
 # quality against the CPU's checkpoint
 "$cli" quantize "$model" --out "$tmp/cpu" "${args[@]}" --refine 0 --target quantized || fail "the CPU run exited $?"

@@ -413,9 +413,17 @@ moeq_status run_group(mq_gpu_attn *a, const mq_gpu_attn_sample *smp, int64_t i0,
         ffn |= smp[i].ffn_in || smp[i].sel || smp[i].w;
     }
     mark(a, -1);
+    float *x_from = io->x_from ? mq_gpu_buf_device(io->x_from, NULL) : NULL;
+    float *x_keep = io->x_keep ? mq_gpu_buf_device(io->x_keep, NULL) : NULL;
     for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++) {
+        const size_t bytes = (size_t)(smp[i].T * D) * sizeof(float);
         for (int64_t t = 0; t < smp[i].T; t++) a->pos_h[r + t] = (int32_t)t;
-        st = CU(cudaMemcpyAsync(a->x + r * D, smp[i].x, (size_t)(smp[i].T * D) * sizeof(float), cudaMemcpyHostToDevice, s));
+        if (x_from)
+            st = CU(cudaMemcpyAsync(a->x + r * D, x_from + smp[i].ffn_dev_off, bytes, cudaMemcpyDeviceToDevice, s));
+        else
+            st = CU(cudaMemcpyAsync(a->x + r * D, smp[i].x, bytes, cudaMemcpyHostToDevice, s));
+        if (!st && x_keep)
+            st = CU(cudaMemcpyAsync(x_keep + smp[i].ffn_dev_off, a->x + r * D, bytes, cudaMemcpyDeviceToDevice, s));
     }
     if (!st) st = CU(cudaMemcpyAsync(a->pos, a->pos_h, (size_t)R * sizeof(int32_t), cudaMemcpyHostToDevice, s));
     mark(a, PH_UPLOAD);
@@ -522,9 +530,11 @@ extern "C" moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn
                                                const mq_gpu_attn_io *io) {
     const mq_gpu_attn_shape *sh = &a->sh;
     const int64_t D = sh->D;
-    int64_t nbuf = 0, nh = 0;
+    int64_t nbuf = 0, nh = 0, nxf = 0, nxk = 0;
     if (io->ffn_dev) mq_gpu_buf_device(io->ffn_dev, &nbuf);
     if (io->h_dev) mq_gpu_buf_device(io->h_dev, &nh);
+    if (io->x_from) mq_gpu_buf_device(io->x_from, &nxf);
+    if (io->x_keep) mq_gpu_buf_device(io->x_keep, &nxk);
     for (int64_t i = 0; i < n; i++) {   /* everything checked before anything runs */
         const mq_gpu_attn_sample *m = &smp[i];
         if (m->T <= 0 || m->T > sh->max_T)
@@ -539,6 +549,11 @@ extern "C" moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn
         if (io->h_dev && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nh))
             return mq_err(MOEQ_E_ARG, "GPU attention: result at %lld past a buffer of %lld",
                           (long long)m->ffn_dev_off, (long long)nh);
+        if ((io->x_from && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nxf)) ||
+            (io->x_keep && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nxk)))
+            return mq_err(MOEQ_E_ARG, "GPU attention: input at %lld past a buffer of %lld",
+                          (long long)m->ffn_dev_off, (long long)(io->x_from ? nxf : nxk));
+        if (!io->x_from && !m->x) return mq_err(MOEQ_E_ARG, "GPU attention: sample %lld has no input", (long long)i);
     }
     moeq_status st = CU(cudaSetDevice(a->g->device));
     for (int64_t i0 = 0; i0 < n && !st;) {   /* groups of whole samples up to a->rows tokens */

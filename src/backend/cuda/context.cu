@@ -375,6 +375,41 @@ extern "C" moeq_status mq_gpu_measure(mq_gpu *g, double *sgemm_gflops, double *b
 
 enum { PIN_PIECE = 64 << 20, PIN_DIRECT = 1 << 20 };
 
+moeq_status mq_cu_stage_upload(mq_cu_stage *st, cudaStream_t s, void *dst, const void *src, size_t bytes) {
+    if (bytes == 0) return MOEQ_OK;
+    const int k = st->next;
+    moeq_status r = MOEQ_OK;
+    if (st->pending[k]) {   /* its last copy has left */
+        r = CU(cudaEventSynchronize(st->done[k]));
+        st->pending[k] = false;
+        if (r) return r;
+    }
+    if (!st->done[k] && (r = CU(cudaEventCreateWithFlags(&st->done[k], cudaEventDisableTiming)))) return r;
+    if (bytes > st->cap[k]) {   /* a quarter more than asked: batches of a pass differ a little */
+        if (st->buf[k]) cudaFreeHost(st->buf[k]);
+        st->buf[k] = NULL;
+        st->cap[k] = 0;
+        const size_t cap = bytes + bytes / 4;
+        if ((r = CU(cudaMallocHost(&st->buf[k], cap)))) return r;
+        st->cap[k] = cap;
+    }
+    memcpy(st->buf[k], src, bytes);
+    r = CU(cudaMemcpyAsync(dst, st->buf[k], bytes, cudaMemcpyHostToDevice, s));
+    if (!r) r = CU(cudaEventRecord(st->done[k], s));
+    st->pending[k] = !r;
+    st->next = k ^ 1;
+    return r;
+}
+
+void mq_cu_stage_free(mq_cu_stage *st) {
+    for (int k = 0; k < 2; k++) {
+        if (st->pending[k]) cudaEventSynchronize(st->done[k]);
+        if (st->done[k]) cudaEventDestroy(st->done[k]);
+        if (st->buf[k]) cudaFreeHost(st->buf[k]);
+    }
+    memset(st, 0, sizeof *st);
+}
+
 moeq_status mq_cu_pinned(mq_gpu *g, size_t *piece) {
     *piece = PIN_PIECE;
     if (g->pin_cap >= 2 * (size_t)PIN_PIECE) return MOEQ_OK;

@@ -75,6 +75,20 @@ moeq_status mq_cu_upload(mq_gpu *g, void *dst, const void *src, size_t bytes);
  * own. On the copy stream, beside whatever stream 0 runs; returns once every piece has arrived,
  * so work queued after it on any stream sees the data. */
 moeq_status mq_cu_upload_many(mq_gpu *g, int64_t n, void *const *dst, const void *const *src, const size_t *bytes);
+/* Small host arrays (a batch's row indices, the combine's pairs) up in stream order without
+ * waiting for the work queued before them: each call copies into one of two pinned buffers of
+ * the stage's own and queues the copy on s, returning before it runs; the host waits only for
+ * the copy two calls back through the same buffer (zero-initialised; mq_cu_stage_free after
+ * the stream's work is done). */
+struct mq_cu_stage {
+    void *buf[2];
+    size_t cap[2];
+    cudaEvent_t done[2];
+    bool pending[2];
+    int next;
+};
+moeq_status mq_cu_stage_upload(mq_cu_stage *st, cudaStream_t s, void *dst, const void *src, size_t bytes);
+void mq_cu_stage_free(mq_cu_stage *st);
 /* The pinned buffer, two halves of `piece` bytes (allocated on first use). */
 moeq_status mq_cu_pinned(mq_gpu *g, size_t *piece);
 
@@ -83,7 +97,7 @@ moeq_status mq_cu_pinned(mq_gpu *g, size_t *piece);
 float *mq_gpu_mlp_weight(mq_gpu_mlp *m, int64_t e, int k);
 bool mq_gpu_mlp_shape(const mq_gpu_mlp *m, int64_t e, int k, int64_t *rows, int64_t *cols);
 const float *mq_gpu_hessians_sum(const mq_gpu_hessians *hs, int64_t i, int64_t *K, int64_t *n);
-/* An mq_gpu_buf's device memory and its size in floats. */
+/* An mq_gpu_buf's device memory and its size in floats (n may be NULL). */
 float *mq_gpu_buf_device(mq_gpu_buf *b, int64_t *n);
 
 /* The calibration's products and Hessian updates, on stream g->stream[j] (cuBLAS handle j):

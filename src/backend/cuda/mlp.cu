@@ -47,7 +47,7 @@ struct mq_gpu_buf {
 };
 
 float *mq_gpu_buf_device(mq_gpu_buf *b, int64_t *n) {
-    *n = b ? b->n : 0;
+    if (n) *n = b ? b->n : 0;
     return b ? b->d : NULL;
 }
 
@@ -72,6 +72,9 @@ struct mq_gpu_mlp {
     bool in_ext;
     int32_t *idx;             /* [idx_n] a batch's row indices into `in` (mq_gpu_mlp_rows_index) */
     int64_t idx_n, idx_cap;
+    char *pairs;              /* [pairs_cap] the combine's index arrays */
+    size_t pairs_cap;
+    mq_cu_stage idx_up, pairs_up;   /* their uploads, which do not wait for the experts' work */
 };
 
 namespace {
@@ -124,6 +127,9 @@ extern "C" void mq_gpu_mlp_free(mq_gpu_mlp *m) {
     mq_cu_free(m->yk);
     if (!m->in_ext) mq_cu_free(m->in);
     mq_cu_free(m->idx);
+    mq_cu_free(m->pairs);
+    mq_cu_stage_free(&m->idx_up);
+    mq_cu_stage_free(&m->pairs_up);
     delete m;
 }
 
@@ -150,6 +156,10 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     m->in_ext = false;
     m->idx = NULL;
     m->idx_n = m->idx_cap = 0;
+    m->pairs = NULL;
+    m->pairs_cap = 0;
+    memset(&m->idx_up, 0, sizeof m->idx_up);
+    memset(&m->pairs_up, 0, sizeof m->pairs_up);
     const size_t wsz = (size_t)(D * F);
     std::vector<void *> dst;
     std::vector<const void *> src;
@@ -302,7 +312,8 @@ extern "C" moeq_status mq_gpu_mlp_rows_index(mq_gpu_mlp *m, const int32_t *src, 
         if ((st = cu_alloc(&m->idx, (size_t)n, "expert row indices"))) return st;
         m->idx_cap = n;
     }
-    if (!st && n > 0) st = mq_cu_upload(m->g, m->idx, src, (size_t)n * sizeof(int32_t));
+    /* in stream order behind the lanes' work (joined above), without waiting for it */
+    if (!st && n > 0) st = mq_cu_stage_upload(&m->idx_up, m->g->stream[0], m->idx, src, (size_t)n * sizeof(int32_t));
     m->idx_n = st ? 0 : n;
     return st;
 }
@@ -342,6 +353,10 @@ extern "C" moeq_status mq_gpu_mlp_inputs_from(mq_gpu_mlp *m, mq_gpu_buf *b, int6
         return mq_err(MOEQ_E_ARG, "GPU experts: %lld input rows of %lld values in a buffer of %lld", (long long)rows,
                       (long long)m->D, (long long)n);
     moeq_status st = CU(cudaSetDevice(m->g->device));
+    if (!st && m->in_ext && m->in == d) {   /* the same buffer again: nothing to wait for */
+        m->in_cap = m->in_rows = rows;
+        return MOEQ_OK;
+    }
     if (!st) st = mlp_join(m);
     if (!st) st = CU(cudaStreamSynchronize(m->g->stream[0]));   /* a previous batch may still read `in` */
     if (st) return st;
@@ -540,21 +555,23 @@ extern "C" moeq_status mq_gpu_mlp_combine(mq_gpu_mlp *m, mq_gpu_buf *out, const 
     memcpy(h.data() + at_f, first, bf);
     memcpy(h.data() + at_r, row, br);
     memcpy(h.data() + at_w, w, bw);
-    char *d = NULL;
     moeq_status st = CU(cudaSetDevice(m->g->device));
     if (!st) st = mlp_join(m);   /* the lanes' outputs */
-    if (!st) st = cu_alloc(&d, total, "combine indices");
-    if (!st) st = CU(cudaMemcpyAsync(d, h.data(), total, cudaMemcpyHostToDevice, s));
+    if (!st && total > m->pairs_cap) {   /* kept from batch to batch (stream order) */
+        mq_cu_free(m->pairs);   /* synchronises the device */
+        m->pairs = NULL;
+        m->pairs_cap = 0;
+        const size_t cap = total + total / 4;
+        if (!(st = cu_alloc(&m->pairs, cap, "combine indices"))) m->pairs_cap = cap;
+    }
+    char *d = m->pairs;
+    if (!st) st = mq_cu_stage_upload(&m->pairs_up, s, d, h.data(), total);
     if (!st) {
         const int64_t blocks = (n_tok * D + 255) / 256;
         k_combine<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, s>>>(
             out->d, m->yk, (const int64_t *)d, (const int32_t *)(d + at_f), (const int32_t *)(d + at_r),
             (const float *)(d + at_w), n_tok, D);
         st = CU_LAUNCHED("k_combine");
-    }
-    if (d) {
-        cudaStreamSynchronize(s);   /* the indices are read by the kernel */
-        mq_cu_free(d);
     }
     return st;
 }
