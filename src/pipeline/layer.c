@@ -2774,7 +2774,12 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             slot_drop_sums(&gu[e]);
             slot_drop_sums(&dn[e]);
         }
-        mq_gpu_mlp_free(p->gx);
+        {   /* freeing waits for the device to finish the chunk's quantized pass: forward time */
+            double t0 = mq_now(), c0 = mq_cpu_now();
+            mq_gpu_mlp_free(p->gx);
+            p->layers[l].forward += mq_now() - t0;
+            p->layers[l].cpu_forward += mq_cpu_now() - c0;
+        }
         p->gx = NULL;
         drop_part(p, l, MQ_PART_EXPERTS, e0, e1);
         p->layers[l].chunks++;
