@@ -40,42 +40,37 @@ for key in expert_batches_on_device batches_with_inputs_from_attention; do
 done
 n=$(grep -c '"outputs_combined_on_device":[[:space:]]*true' "$rep")
 [ "$n" = 4 ] || fail "outputs combined on the device in $n of 4 layers ($rep)"
-# each layer's first expert chunk went up while its attention ran; sent after it instead, the
-# same bytes
-n=$(grep -c '"first_experts_sent_during_attention":[[:space:]]*true' "$rep")
-[ "$n" = 4 ] || fail "the first experts sent during the attention in $n of 4 layers ($rep)"
-MOEQ_EXPERTS_AHEAD=0 "$cli" quantize "$model" --out "$tmp/after" "${args[@]}" --device cuda ||
-    fail "the GPU run with MOEQ_EXPERTS_AHEAD=0 exited $?"
-n=$(grep -c '"first_experts_sent_during_attention":[[:space:]]*true' "$tmp/after/gptq_report.json")
-[ "$n" = 0 ] || fail "MOEQ_EXPERTS_AHEAD=0: the first experts still sent during the attention in $n layers"
-same_checkpoint "$tmp/a" "$tmp/after" "MOEQ_EXPERTS_AHEAD=0" "the default"
-# the FFN's outputs were added to the boundary on the device; added on the host, the same bytes
-n=$(grep -c '"residual_added_on_device":[[:space:]]*true' "$rep")
-[ "$n" = 4 ] || fail "the residual added on the device in $n of 4 layers ($rep)"
-MOEQ_GPU_RESIDUAL=0 "$cli" quantize "$model" --out "$tmp/host_add" "${args[@]}" --device cuda ||
-    fail "the GPU run with MOEQ_GPU_RESIDUAL=0 exited $?"
-n=$(grep -c '"residual_added_on_device":[[:space:]]*true' "$tmp/host_add/gptq_report.json")
-[ "$n" = 0 ] || fail "MOEQ_GPU_RESIDUAL=0: the residual still added on the device in $n layers"
-same_checkpoint "$tmp/a" "$tmp/host_add" "MOEQ_GPU_RESIDUAL=0" "the default"
-# the boundary did not come back to the host (only the device read it); copied back as before,
-# the same bytes
-n=$(grep -c '"boundary_only_on_device":[[:space:]]*true' "$rep")
-[ "$n" = 4 ] || fail "boundary_only_on_device in $n of 4 layers ($rep)"
+# flagged KEY FILE: how many layers of the report have KEY true
+flagged() { grep -c "\"$1\":[[:space:]]*true" "$2"; }
+# switched_off VAR=VALUE KEY DIR: the run with the variable set has KEY in no layer and gives the
+# default run's bytes
+switched_off() {
+    env "$1" "$cli" quantize "$model" --out "$3" "${args[@]}" --device cuda || fail "the GPU run with $1 exited $?"
+    local n
+    n=$(flagged "$2" "$3/gptq_report.json")
+    [ "$n" = 0 ] || fail "$1: $2 still in $n layers"
+    same_checkpoint "$tmp/a" "$3" "$1" "the default"
+}
+# each layer's first expert chunk went up while its attention ran (else after it); the FFN's
+# outputs were added to the boundary on the device (else on the host); the boundary did not come
+# back to the host, as only the device read it (else copied back as before): each the same bytes
+for key in first_experts_sent_during_attention residual_added_on_device boundary_only_on_device; do
+    n=$(flagged $key "$rep")
+    [ "$n" = 4 ] || fail "$key in $n of 4 layers ($rep)"
+done
+switched_off MOEQ_EXPERTS_AHEAD=0 first_experts_sent_during_attention "$tmp/after"
+switched_off MOEQ_GPU_RESIDUAL=0 residual_added_on_device "$tmp/host_add"
 # each layer's input went up once, for its first attention pass, which kept it there for the
 # second; each later layer took it from the device, where the layer before left its boundary
 n1=$(grep -c '"attention_inputs_from_device":[[:space:]]*1[,}]*$' "$rep")
 n2=$(grep -c '"attention_inputs_from_device":[[:space:]]*2[,}]*$' "$rep")
 [ "$n1" = 1 ] && [ "$n2" = 3 ] || fail "attention passes with X from the device: 1 in $n1 layers, 2 in $n2 ($rep)"
-MOEQ_GPU_HOST_COPIES=1 "$cli" quantize "$model" --out "$tmp/copies" "${args[@]}" --device cuda ||
-    fail "the GPU run with MOEQ_GPU_HOST_COPIES=1 exited $?"
-n=$(grep -c '"boundary_only_on_device":[[:space:]]*true' "$tmp/copies/gptq_report.json")
-[ "$n" = 0 ] || fail "MOEQ_GPU_HOST_COPIES=1: the boundary still left on the device in $n layers"
-same_checkpoint "$tmp/a" "$tmp/copies" "MOEQ_GPU_HOST_COPIES=1" "the default"
+switched_off MOEQ_GPU_HOST_COPIES=1 boundary_only_on_device "$tmp/copies"
 # nor did the kept FFN input where no expert falls back to the shared Hessian (16 x 128 tokens
 # leave some below the default 32, whose Hessian is summed from it on the host)
 "$cli" quantize "$model" --out "$tmp/x0" "${args[@]}" --device cuda --min-expert-tokens 0 ||
     fail "the GPU run with --min-expert-tokens 0 exited $?"
-n=$(grep -c '"ffn_input_only_on_device":[[:space:]]*true' "$tmp/x0/gptq_report.json")
+n=$(flagged ffn_input_only_on_device "$tmp/x0/gptq_report.json")
 [ "$n" = 4 ] || fail "--min-expert-tokens 0: ffn_input_only_on_device in $n of 4 layers"
 MOEQ_GPU_HOST_COPIES=1 "$cli" quantize "$model" --out "$tmp/x1" "${args[@]}" --device cuda --min-expert-tokens 0 ||
     fail "the GPU run with --min-expert-tokens 0 and MOEQ_GPU_HOST_COPIES=1 exited $?"
@@ -100,7 +95,7 @@ same_checkpoint "$tmp/ns" "$tmp/ns_plan" "nonsequential, MOEQ_GPU_BATCH=plan" "n
 n=$(grep -c '"outputs_combined_on_device":[[:space:]]*true' "$tmp/ns/gptq_report.json")
 [ "$n" = 4 ] || fail "nonsequential: outputs combined on the device in $n of 4 layers"
 for key in first_experts_sent_during_attention residual_added_on_device; do
-    n=$(grep -c "\"$key\":[[:space:]]*true" "$tmp/ns/gptq_report.json")
+    n=$(flagged $key "$tmp/ns/gptq_report.json")
     [ "$n" = 4 ] || fail "nonsequential: $key in $n of 4 layers"
 done
 n=$(grep -c '"attention_inputs_from_device":[[:space:]]*1[,}]*$' "$tmp/ns/gptq_report.json")
@@ -124,7 +119,7 @@ same_checkpoint "$tmp/f1" "$tmp/f2" "RTN fallback experts, --expert-chunk 2" "th
 # with every copy made
 fb=(--min-expert-tokens 1000000)
 "$cli" quantize "$model" --out "$tmp/b1" "${args[@]}" --device cuda "${fb[@]}" || fail "the block-Hessian fallback run exited $?"
-n=$(grep -c '"ffn_input_only_on_device":[[:space:]]*true' "$tmp/b1/gptq_report.json")
+n=$(flagged ffn_input_only_on_device "$tmp/b1/gptq_report.json")
 [ "$n" = 0 ] || fail "block-Hessian fallback: the kept FFN input never came to the host in $n layers"
 MOEQ_GPU_HOST_COPIES=1 "$cli" quantize "$model" --out "$tmp/b2" "${args[@]}" --device cuda "${fb[@]}" ||
     fail "the block-Hessian fallback run with MOEQ_GPU_HOST_COPIES=1 exited $?"
