@@ -896,25 +896,20 @@ static void gpu_ffn_inputs_free(mq_pipe *p) {
     p->gffn_xn = p->gffn_h = p->gbound = NULL;
 }
 
+static mq_actbuf *out_buf(mq_pipe *p) { return p->X.kind == MQ_ACT_DISK ? &p->X2 : &p->X; }
+
 /* Whether the FFN's outputs of layer l may be added to the boundary on the GPU (p->gbound) and
  * come back as the next boundary: the combined outputs are the whole FFN (no shared expert, no
  * unquantized stream beside) and the boundary is plain page-locked fp32 (not bf16 or a file). The
  * add is the host's add_out, one fp32 add a value: the same bits, 0.05 s a layer less of a host
  * pass over 2 GB on OLMoE-1B-7B at 128 x 2048 tokens. MOEQ_GPU_RESIDUAL=0 turns it off. */
-static bool residual_on_device(const mq_pipe *p) {
+static bool residual_on_device(mq_pipe *p) {
     const char *env = getenv("MOEQ_GPU_RESIDUAL");
     if (env && strcmp(env, "0") == 0) return false;
-    const mq_actbuf *hb = p->X.kind == MQ_ACT_DISK ? &p->X2 : &p->X;
+    const mq_actbuf *hb = out_buf(p);
     return p->c->shared_ffn == 0 && !p->target && hb->kind == MQ_ACT_RAM && hb->pinned;
 }
 
-/* With the attention and the routed experts of layer l on the GPU, the experts' inputs stay there
- * from the attention (the FFN input it computed, sample s at s * LD) instead of going up again
- * from the host: the kept FFN input of pass A (sequential calibration) and the FFN norm of the
- * boundary it leaves (pass B, or the only pass). The experts then read the GPU's FFN norm, whose
- * double sum of squares may round apart from the CPU's in rare rows: so every batch of such a run
- * takes them from here, whatever its size. Where they do not fit beside the experts (a quarter of
- * the free memory), the host's go up as before. */
 /* The GPU attention's results that only the device reads stay there; each then crossed the bus
  * for nothing (2 GB a pass at 128 x 2048 tokens of OLMoE-1B-7B, 0.1 s). The result of the pass
  * that gives the boundary (h), where the FFN's outputs are added to it on the device (gbound) and
@@ -937,19 +932,42 @@ static bool xn_device_only(const mq_pipe *p) {
            !p->target && !o->act_quant && !o->expert_weighting && p->c->shared_ffn == 0;
 }
 
+/* A device buffer laid out as the activations (sample s at s * LD) into their page-locked host
+ * copy, every sample, one wait (also after a failed copy: nothing is left in flight). */
+static moeq_status gpu_acts_to_host(mq_pipe *p, mq_gpu_buf *b, mq_actbuf *dst) {
+    moeq_status st = MOEQ_OK;
+    for (int64_t s = 0; s < p->calib.n && !st; s++)
+        st = mq_gpu_buf_read_async(b, s * p->LD, p->calib.len[s] * p->c->D, mq_actbuf_ptr(dst, (size_t)(s * p->LD)));
+    moeq_status ss = mq_gpu_sync(p->gpu);
+    return st ? st : ss;
+}
+
 /* XN's host copy from the device's, where the attention left it there only. */
 static moeq_status xn_to_host(mq_pipe *p, int l) {
     if (!p->xn_device_only) return MOEQ_OK;
-    moeq_status st = MOEQ_OK;
-    for (int64_t s = 0; s < p->calib.n && !st; s++)
-        st = mq_gpu_buf_read_async(p->gffn_xn, s * p->LD, p->calib.len[s] * p->c->D,
-                                   mq_actbuf_ptr(&p->XN, (size_t)(s * p->LD)));
-    moeq_status ss = mq_gpu_sync(p->gpu);
-    if (!st) st = ss;
+    moeq_status st = gpu_acts_to_host(p, p->gffn_xn, &p->XN);
     if (!st) p->xn_device_only = p->layers[l].gpu_xn_device_only = false;
     return st;
 }
 
+/* An activation-sized buffer on the device where it fits in a quarter of the free memory, else
+ * none (*out stays NULL: the host's copy serves). */
+static moeq_status gpu_acts_buf_if_room(mq_pipe *p, mq_gpu_buf **out) {
+    const int64_t n = p->calib.n * p->LD;
+    mq_gpu_info gi;
+    mq_gpu_get_info(p->gpu, &gi);
+    if ((int64_t)sizeof(float) * n > (int64_t)(gi.mem_free / 4)) return MOEQ_OK;
+    moeq_status st = mq_gpu_buf_new(p->gpu, n, out);
+    return st == MOEQ_E_NOMEM ? MOEQ_OK : st;
+}
+
+/* With the attention and the routed experts of layer l on the GPU, the experts' inputs stay there
+ * from the attention (the FFN input it computed, sample s at s * LD) instead of going up again
+ * from the host: the kept FFN input of pass A (sequential calibration) and the FFN norm of the
+ * boundary it leaves (pass B, or the only pass). The experts then read the GPU's FFN norm, whose
+ * double sum of squares may round apart from the CPU's in rare rows: so every batch of such a run
+ * takes them from here, whatever its size. Where they do not fit beside the experts (a quarter of
+ * the free memory), the host's go up as before. */
 static moeq_status gpu_ffn_inputs_new(mq_pipe *p, int l, bool replay) {
     gpu_ffn_inputs_free(p);
     if (!p->gin_ready) {   /* not this layer's input */
@@ -973,19 +991,10 @@ static moeq_status gpu_ffn_inputs_new(mq_pipe *p, int l, bool replay) {
         return st;
     }
     /* the boundary too, where it fits in the same share (else the host adds) */
-    mq_gpu_get_info(p->gpu, &gi);
-    if (residual_on_device(p) && (int64_t)sizeof(float) * n <= (int64_t)(gi.mem_free / 4)) {
-        st = mq_gpu_buf_new(p->gpu, n, &p->gbound);
-        if (st == MOEQ_E_NOMEM) st = MOEQ_OK;
-    }
+    if (residual_on_device(p)) st = gpu_acts_buf_if_room(p, &p->gbound);
     /* and the layer's input, unless the layer before left it there: its first attention pass
      * keeps it for the second (the same X), which then need not send it up again */
-    mq_gpu_get_info(p->gpu, &gi);
-    if (!st && p->gbound && !p->gin && !host_copies_forced() &&
-        (int64_t)sizeof(float) * n <= (int64_t)(gi.mem_free / 4)) {
-        st = mq_gpu_buf_new(p->gpu, n, &p->gin);
-        if (st == MOEQ_E_NOMEM) st = MOEQ_OK;
-    }
+    if (!st && p->gbound && !p->gin && !host_copies_forced()) st = gpu_acts_buf_if_room(p, &p->gin);
     return st;
 }
 
@@ -1038,8 +1047,6 @@ static void on_attention(void *user, int layer, mq_site site, int expert, const 
 
 /* The activation buffer that receives h (the boundary after attention): the input buffer itself
  * in memory, its double on disk (so the snapshot of the layer's input stays intact). */
-static mq_actbuf *out_buf(mq_pipe *p) { return p->X.kind == MQ_ACT_DISK ? &p->X2 : &p->X; }
-
 static int32_t *sel_of(int32_t *sel, const mq_pipe *p, int64_t s) {
     return sel + s * p->calib.max_len * p->c->top_k;
 }
@@ -1093,10 +1100,6 @@ static moeq_status gpu_attention_set(mq_pipe *p, int l) {
     return mq_gpu_attn_set(p->gatt, &w);
 }
 
-/* attention_pass on the GPU: the samples in batches of up to one group of the GPU twin
- * (mq_gpu_attn_rows tokens), each batch one call. Where the activations are page-locked
- * (alloc_activations) a sample goes up from them and its results come back into them directly;
- * otherwise through sc's page-locked rows (Lmax tokens a batch). */
 static moeq_status read_part(mq_pipe *p, int l, unsigned what, int e0, int e1,
                              bool (*alloc_only)(float **dest, void *user), void *user);
 static moeq_status gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int64_t rows, mq_gpu_mlp **out);
@@ -1145,6 +1148,10 @@ static moeq_status experts_ahead(void *user) {
     return st;
 }
 
+/* attention_pass on the GPU: the samples in batches of up to one group of the GPU twin
+ * (mq_gpu_attn_rows tokens), each batch one call. Where the activations are page-locked
+ * (alloc_activations) a sample goes up from them and its results come back into them directly;
+ * otherwise through sc's page-locked rows (Lmax tokens a batch). */
 static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_capture *cap, att_scratch *sc) {
     const mq_config *c = p->c;
     const bool moe = p->m->layers[l].is_moe;
@@ -2373,10 +2380,11 @@ static moeq_status experts_pass(mq_pipe *p, int l, int e0, int e1, ffn_source sr
     /* the experts on the device: plain ones go up for this pass, quantized ones are there already
      * (p->gx: GPTQ left their dequantized weights there for the output pass) */
     const bool on_dev = experts_plain(p, l, e0, e1) || (p->gx && p->gx_e0 == e0 && p->gx_e1 == e1);
-    const bool all_dev = p->gpu && dev_batches && on_dev && !amax &&
-                         !(hess && p->o->expert_weighting) && (!down || p->gout);
-    /* batches that take their inputs from the host need XN's host copy (batch_run's dev_rows) */
-    if (src.from_xn && !(p->gpu && on_dev && !amax && !(hess && p->o->expert_weighting))) {
+    /* the rows stay on the device (batch_run's dev_rows), else the batches take their inputs from
+     * the host, which then needs XN's host copy */
+    const bool dev_rows = p->gpu && on_dev && !amax && !(hess && p->o->expert_weighting);
+    const bool all_dev = dev_rows && dev_batches && (!down || p->gout);
+    if (src.from_xn && !dev_rows) {
         moeq_status xs = xn_to_host(p, l);
         if (xs) return xs;
     }
@@ -2683,8 +2691,10 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     moeq_status st = fit && (!measure || rank_x) ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory for %d experts", E);
     free(fit);
     float *block_H = NULL;
-    if (!st && need_block && !replay) st = xn_to_host(p, l);   /* the fallback's inputs, on the host */
-    if (!st && need_block && !replay) st = block_hessian(p, l, &block_H);
+    if (!st && need_block && !replay) {   /* the fallback's inputs, on the host */
+        st = xn_to_host(p, l);
+        if (!st) st = block_hessian(p, l, &block_H);
+    }
     const int C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
     const bool calib = p->calibrate && !replay;
     /* one process on a GPU: the experts' outputs are combined there, over every chunk, and read
@@ -2834,11 +2844,8 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
             dst = out_buf(p);
             p->layers[l].gpu_residual = !st;
         }
-        for (int64_t s = 0; s < p->calib.n && !st; s++)
-            st = mq_gpu_buf_read_async(p->gout, s * p->LD, p->calib.len[s] * p->c->D,
-                                       mq_actbuf_ptr(dst, (size_t)(s * p->LD)));
-        moeq_status ss = mq_gpu_sync(p->gpu);   /* also after a failed one: nothing left in flight */
-        if (!st) st = ss;
+        if (!st) st = gpu_acts_to_host(p, p->gout, dst);
+        else mq_gpu_sync(p->gpu);   /* nothing left in flight */
         p->layers[l].forward += mq_now() - t0;
         p->layers[l].cpu_forward += mq_cpu_now() - c0;
         /* the boundary there is the next layer's input (gin), X's bits */
