@@ -230,12 +230,16 @@ static char *first_difference(const cJSON *then, const cJSON *now, const char *w
 
 static char *work_path(const mq_pipe *p, const char *name) { return mq_path_join(p->work_dir, name); }
 
+/* The manifest's text in place of the last (whole or not at all), the directory synced after. */
+static moeq_status manifest_put(const mq_pipe *p, const char *path, const char *text) {
+    moeq_status s = mq_write_file_atomic(path, text, strlen(text));
+    return s ? s : mq_fsync_dir(p->work_dir);
+}
+
 static moeq_status manifest_write(mq_pipe *p) {
     char *text = cJSON_Print(p->manifest);
     char *path = work_path(p, "manifest.json");
-    moeq_status s = text && path ? mq_write_file_atomic(path, text, strlen(text))
-                                 : mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!s) s = mq_fsync_dir(p->work_dir);
+    moeq_status s = text && path ? manifest_put(p, path, text) : mq_err(MOEQ_E_NOMEM, "out of memory");
     free(text);
     free(path);
     return s;
@@ -774,8 +778,7 @@ struct mq_rec_job {
 static void *rec_thread(void *arg) {
     struct mq_rec_job *j = arg;
     moeq_status s = mq_ckpt_writer_sync_all(j->p->w);
-    if (!s) s = mq_write_file_atomic(j->path, j->text, strlen(j->text));
-    if (!s) s = mq_fsync_dir(j->p->work_dir);
+    if (!s) s = manifest_put(j->p, j->path, j->text);
     for (int i = 0; i < 2 && !s; i++) drop_snapshot(j->p, j->drop[i]);
     if (s) snprintf(j->msg, sizeof j->msg, "%s", moeq_last_error());
     j->st = s;
