@@ -400,6 +400,18 @@ moeq_status attend(mq_gpu_attn *a, int64_t T, const float *q, const float *k, co
     return st;
 }
 
+/* The group's rows of samples [i0, i1) (`rows`, the samples back to back) into device buffer b,
+ * each sample at its ffn_dev_off (NULL b: nothing). */
+moeq_status rows_to_buf(mq_gpu_buf *b, const float *rows, const mq_gpu_attn_sample *smp, int64_t i0, int64_t i1,
+                        int64_t D, cudaStream_t s) {
+    float *d = b ? mq_gpu_buf_device(b, NULL) : NULL;
+    moeq_status st = MOEQ_OK;
+    for (int64_t i = i0, r = 0; d && i < i1 && !st; r += smp[i].T, i++)
+        st = CU(cudaMemcpyAsync(d + smp[i].ffn_dev_off, rows + r * D, (size_t)(smp[i].T * D) * sizeof(float),
+                                cudaMemcpyDeviceToDevice, s));
+    return st;
+}
+
 /* Samples [i0, i1) of s, R tokens, through the layer (see mq_gpu_attn_run_samples). */
 moeq_status run_group(mq_gpu_attn *a, const mq_gpu_attn_sample *smp, int64_t i0, int64_t i1, int64_t R,
                       const mq_gpu_attn_io *io, bool meanwhile) {
@@ -484,20 +496,9 @@ moeq_status run_group(mq_gpu_attn *a, const mq_gpu_attn_sample *smp, int64_t i0,
                                                                      a->rsel, a->rw);
         st = CU_LAUNCHED("k_route_softmax");
     }
-    if (!st && io->h_dev) {   /* the result kept on the device for the FFN's residual add */
-        int64_t n = 0;
-        float *d = mq_gpu_buf_device(io->h_dev, &n);
-        for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++)
-            st = CU(cudaMemcpyAsync(d + smp[i].ffn_dev_off, a->x + r * D, (size_t)(smp[i].T * D) * sizeof(float),
-                                    cudaMemcpyDeviceToDevice, s));
-    }
-    if (!st && io->ffn_dev) {   /* the FFN input kept on the device for the experts */
-        int64_t n = 0;
-        float *d = mq_gpu_buf_device(io->ffn_dev, &n);
-        for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++)
-            st = CU(cudaMemcpyAsync(d + smp[i].ffn_dev_off, a->xn + r * D, (size_t)(smp[i].T * D) * sizeof(float),
-                                    cudaMemcpyDeviceToDevice, s));
-    }
+    /* the result kept on the device for the FFN's residual add, the FFN input for the experts */
+    if (!st) st = rows_to_buf(io->h_dev, a->x, smp, i0, i1, D, s);
+    if (!st) st = rows_to_buf(io->ffn_dev, a->xn, smp, i0, i1, D, s);
     mark(a, PH_ROUTE);
     for (int64_t i = i0, r = 0; i < i1 && !st; r += smp[i].T, i++) {
         const mq_gpu_attn_sample *m = &smp[i];
@@ -543,16 +544,17 @@ extern "C" moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn
         if (((m->ffn_in || io->ffn_dev || m->sel || m->w) && !a->has[11]) || ((m->sel || m->w) && !a->has[12]))
             return mq_err(MOEQ_E_ARG, "GPU attention: the FFN input or routing of a layer without %s",
                           !a->has[11] ? "an FFN norm" : "a router");
-        if (io->ffn_dev && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nbuf))
-            return mq_err(MOEQ_E_ARG, "GPU attention: FFN input at %lld past a buffer of %lld",
-                          (long long)m->ffn_dev_off, (long long)nbuf);
-        if (io->h_dev && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nh))
-            return mq_err(MOEQ_E_ARG, "GPU attention: result at %lld past a buffer of %lld",
-                          (long long)m->ffn_dev_off, (long long)nh);
-        if ((io->x_from && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nxf)) ||
-            (io->x_keep && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > nxk)))
-            return mq_err(MOEQ_E_ARG, "GPU attention: input at %lld past a buffer of %lld",
-                          (long long)m->ffn_dev_off, (long long)(io->x_from ? nxf : nxk));
+        /* the sample's rows at ffn_dev_off in each buffer it goes to or comes from */
+        const struct {
+            const mq_gpu_buf *b;
+            int64_t n;
+            const char *what;
+        } at[4] = {{io->ffn_dev, nbuf, "FFN input"}, {io->h_dev, nh, "result"}, {io->x_from, nxf, "input"},
+                   {io->x_keep, nxk, "input"}};
+        for (int k = 0; k < 4; k++)
+            if (at[k].b && (m->ffn_dev_off < 0 || m->ffn_dev_off + m->T * D > at[k].n))
+                return mq_err(MOEQ_E_ARG, "GPU attention: %s at %lld past a buffer of %lld", at[k].what,
+                              (long long)m->ffn_dev_off, (long long)at[k].n);
         if (!io->x_from && !m->x) return mq_err(MOEQ_E_ARG, "GPU attention: sample %lld has no input", (long long)i);
     }
     moeq_status st = CU(cudaSetDevice(a->g->device));
