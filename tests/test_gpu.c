@@ -623,20 +623,48 @@ static void test_gemm_det_bitexact(void) {
     mq_gpu_close(g);
 }
 
+/* Up to 5 experts of deterministic Linears for the GPU MLP's tests: gate and up [F, D] from seeds
+ * seed + e and seed + 5 + e (their values times `scale`), down [D, F] from seed + 9 + e. */
+typedef struct {
+    int64_t E;
+    mq_linear gate[5], up[5], down[5];
+    const float *pg[5], *pu[5], *pd[5];
+} expert_set;
+
+static void experts_make(expert_set *x, int64_t E, int64_t D, int64_t F, uint64_t seed, float scale) {
+    ASSERT_TRUE(E <= 5);
+    x->E = E;
+    for (int64_t e = 0; e < E; e++) {
+        x->gate[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, seed + (uint64_t)e), .det = true};
+        x->up[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, seed + 5 + (uint64_t)e), .det = true};
+        x->down[e] = (mq_linear){.out = D, .in = F, .w = make_weights(D, F, seed + 9 + (uint64_t)e), .det = true};
+        for (int64_t i = 0; i < F * D; i++) x->gate[e].w[i] *= scale, x->up[e].w[i] *= scale;
+        x->pg[e] = x->gate[e].w, x->pu[e] = x->up[e].w, x->pd[e] = x->down[e].w;
+    }
+}
+
+static void experts_free(expert_set *x) {
+    for (int64_t e = 0; e < x->E; e++) free(x->gate[e].w), free(x->up[e].w), free(x->down[e].w);
+}
+
+/* Values of gate/up activations (nF each) and outputs (nD; y NULL: none) whose bits differ. */
+static int64_t mlp_diffs(const float *hg, const float *hg2, const float *hu, const float *hu2, int64_t nF,
+                         const float *y, const float *y2, int64_t nD) {
+    int64_t diff = 0;
+    for (int64_t i = 0; i < nF; i++) diff += !same_float(hg[i], hg2[i]) + !same_float(hu[i], hu2[i]);
+    for (int64_t i = 0; y && i < nD; i++) diff += !same_float(y[i], y2[i]);
+    return diff;
+}
+
 /* Experts through the GPU MLP against mq_mlp_forward on deterministic Linears: the same bits,
  * also when the rows come max_rows at a time and without the down product. */
 static void test_mlp_bitexact(void) {
     mq_gpu *g = open_gpu();
     const int64_t E = 3, D = 96, F = 160, n = 75;
-    mq_linear gate[3], up[3], down[3];
-    const float *pg[3], *pu[3], *pd[3];
-    for (int64_t e = 0; e < E; e++) {
-        gate[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 90 + (uint64_t)e), .det = true};
-        up[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 95 + (uint64_t)e), .det = true};
-        down[e] = (mq_linear){.out = D, .in = F, .w = make_weights(D, F, 99 + (uint64_t)e), .det = true};
-        for (int64_t i = 0; i < F * D; i++) gate[e].w[i] *= 40, up[e].w[i] *= 40;   /* SwiGLU's whole range */
-        pg[e] = gate[e].w, pu[e] = up[e].w, pd[e] = down[e].w;
-    }
+    expert_set xs;
+    experts_make(&xs, E, D, F, 90, 40);   /* gate and up times 40: SwiGLU's whole range */
+    mq_linear *gate = xs.gate, *up = xs.up, *down = xs.down;
+    const float **pg = xs.pg, **pu = xs.pu, **pd = xs.pd;
     float *x = make_weights(n, D, 7);
     for (int64_t i = 0; i < n * D; i++) x[i] *= 50;
     float *hg = malloc((size_t)(n * F) * 4), *hu = malloc((size_t)(n * F) * 4), *y = malloc((size_t)(n * D) * 4);
@@ -647,16 +675,14 @@ static void test_mlp_bitexact(void) {
         for (int64_t e = 0; e < E; e++) {
             ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate[e], &up[e], rep ? NULL : &down[e], x, n, hg, hu, rep ? NULL : y));
             ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, e, x, n, hg2, hu2, rep ? NULL : y2, NULL, NULL));
-            int64_t diff = 0;
-            for (int64_t i = 0; i < n * F; i++) diff += !same_float(hg[i], hg2[i]) + !same_float(hu[i], hu2[i]);
-            for (int64_t i = 0; !rep && i < n * D; i++) diff += !same_float(y[i], y2[i]);
+            const int64_t diff = mlp_diffs(hg, hg2, hu, hu2, n * F, rep ? NULL : y, y2, n * D);
             if (diff) FAIL("expert %lld (%s): %lld values differ from mq_mlp_forward", (long long)e,
                            rep ? "no down, all rows at once" : "32 rows at a time", (long long)diff);
         }
         if (rep) ASSERT_EQ_INT(MOEQ_E_ARG, mq_gpu_mlp_run(m, 0, x, n, hg2, hu2, y2, NULL, NULL));   /* no down weights */
         mq_gpu_mlp_free(m);
     }
-    for (int64_t e = 0; e < E; e++) free(gate[e].w), free(up[e].w), free(down[e].w);
+    experts_free(&xs);
     free(x), free(hg), free(hu), free(y), free(hg2), free(hu2), free(y2);
     mq_gpu_close(g);
 }
@@ -667,30 +693,22 @@ static void test_mlp_bitexact(void) {
 static void test_mlp_large_upload(void) {
     mq_gpu *g = open_gpu();
     const int64_t E = 5, D = 1000, F = 2900, n = 8;
-    mq_linear gate[5], up[5], down[5];
-    const float *pg[5], *pu[5], *pd[5];
-    for (int64_t e = 0; e < E; e++) {
-        gate[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 190 + (uint64_t)e), .det = true};
-        up[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 195 + (uint64_t)e), .det = true};
-        down[e] = (mq_linear){.out = D, .in = F, .w = make_weights(D, F, 199 + (uint64_t)e), .det = true};
-        pg[e] = gate[e].w, pu[e] = up[e].w, pd[e] = down[e].w;
-    }
+    expert_set xs;
+    experts_make(&xs, E, D, F, 190, 1);
     float *x = make_weights(n, D, 17);
     float *hg = malloc((size_t)(n * F) * 4), *hu = malloc((size_t)(n * F) * 4), *y = malloc((size_t)(n * D) * 4);
     float *hg2 = malloc((size_t)(n * F) * 4), *hu2 = malloc((size_t)(n * F) * 4), *y2 = malloc((size_t)(n * D) * 4);
     mq_gpu_mlp *m = NULL;
-    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, E, D, F, pg, pu, pd, n, &m));
+    ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, E, D, F, xs.pg, xs.pu, xs.pd, n, &m));
     for (int64_t e = 0; e < E; e++) {
-        ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate[e], &up[e], &down[e], x, n, hg, hu, y));
+        ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&xs.gate[e], &xs.up[e], &xs.down[e], x, n, hg, hu, y));
         ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_run(m, e, x, n, hg2, hu2, y2, NULL, NULL));
-        int64_t diff = 0;
-        for (int64_t i = 0; i < n * F; i++) diff += !same_float(hg[i], hg2[i]) + !same_float(hu[i], hu2[i]);
-        for (int64_t i = 0; i < n * D; i++) diff += !same_float(y[i], y2[i]);
+        const int64_t diff = mlp_diffs(hg, hg2, hu, hu2, n * F, y, y2, n * D);
         if (diff) FAIL("expert %lld of weights uploaded across the pinned halves: %lld values differ", (long long)e,
                        (long long)diff);
     }
     mq_gpu_mlp_free(m);
-    for (int64_t e = 0; e < E; e++) free(gate[e].w), free(up[e].w), free(down[e].w);
+    experts_free(&xs);
     free(x), free(hg), free(hu), free(y), free(hg2), free(hu2), free(y2);
     mq_gpu_close(g);
 }
