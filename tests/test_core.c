@@ -1,6 +1,8 @@
 #define _DEFAULT_SOURCE   /* mincore, usleep */
 /* Core services: status names, errors, the pool, GEMM determinism, half conversions, atomic files. */
 #include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -37,6 +39,61 @@ static void test_pool_covers_every_task(void) {
         sq_ctx c = {out};
         mq_parallel_for(1000, square_task, &c);
         for (int i = 0; i < 1000; i++) ASSERT_EQ_INT((int64_t)i * i, out[i]);
+    }
+    moeq_set_threads(0);
+}
+
+/* The pool's hand-off (pool.c): jobs back to back (workers still spinning), after pauses longer
+ * than the spin (workers asleep), of 0, 1, fewer and more tasks than threads, from two user
+ * threads at once and across a restart: every task of every job runs exactly once, and its
+ * writes are seen by the caller when mq_parallel_for returns. */
+enum { HANDOFF_MAX = 97 };
+typedef struct {
+    _Atomic int runs[HANDOFF_MAX];
+    int64_t value[HANDOFF_MAX];
+    int64_t stamp;
+} handoff_ctx;
+
+static void handoff_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    handoff_ctx *c = vctx;
+    atomic_fetch_add(&c->runs[t], 1);
+    c->value[t] = c->stamp * 1000 + t;   /* a plain write: the return must publish it */
+}
+
+static int handoff_jobs(int jobs, uint32_t seed) {
+    handoff_ctx *c = calloc(1, sizeof *c);
+    int bad = 0;
+    for (int j = 0; j < jobs && !bad; j++) {
+        seed = seed * 1103515245u + 12345u;
+        const int64_t n = (int64_t)((seed >> 8) % HANDOFF_MAX);
+        for (int i = 0; i < HANDOFF_MAX; i++) atomic_store(&c->runs[i], 0);
+        c->stamp = j + 1;
+        if ((seed >> 20) % 8 == 0) usleep(1000);   /* past the spin: the workers sleep */
+        mq_parallel_for(n, handoff_task, c);
+        for (int64_t i = 0; i < HANDOFF_MAX; i++)
+            if (atomic_load(&c->runs[i]) != (i < n) || (i < n && c->value[i] != c->stamp * 1000 + i)) bad = 1;
+    }
+    free(c);
+    return bad;
+}
+
+static void *handoff_thread(void *arg) {
+    *(int *)arg = handoff_jobs(400, 7);
+    return NULL;
+}
+
+static void test_pool_handoff(void) {
+    for (int threads = 2; threads <= max_threads(5); threads += 3) {
+        moeq_set_threads(threads);
+        ASSERT_EQ_INT(0, handoff_jobs(600, 1));
+        pthread_t th;
+        int other = -1;
+        ASSERT_EQ_INT(0, pthread_create(&th, NULL, handoff_thread, &other));
+        int mine = handoff_jobs(400, 3);
+        pthread_join(th, NULL);
+        ASSERT_EQ_INT(0, mine);
+        ASSERT_EQ_INT(0, other);
     }
     moeq_set_threads(0);
 }
@@ -167,6 +224,6 @@ static void test_prefetch_reads_ahead(void) {
     free(buf);
 }
 
-TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_threads_from_environment),
+TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
           T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead))

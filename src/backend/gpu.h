@@ -39,6 +39,10 @@ bool mq_gpu_built(void);
 /* Opens GPU `device` (0-based): MOEQ_E_UNSUPPORTED without a CUDA build or without that device,
  * MOEQ_E_DEVICE when the driver fails; the message says which. */
 moeq_status mq_gpu_open(int device, mq_gpu **out);
+/* The checks mq_gpu_open starts with (a CUDA build, the driver, the device's number), without
+ * making the device's context: cheap, so a caller may open the device on a thread of its own and
+ * still fail at once where there is none. */
+moeq_status mq_gpu_probe(int device);
 void mq_gpu_close(mq_gpu *g);
 void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info);
 /* Tests: the tile of the deterministic GEMMs and Hessian sums (128, 64 or 32; 0, the default:

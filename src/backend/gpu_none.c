@@ -7,11 +7,15 @@
 
 bool mq_gpu_built(void) { return false; }
 
-moeq_status mq_gpu_open(int device, mq_gpu **out) {
-    *out = NULL;
+moeq_status mq_gpu_probe(int device) {
     return mq_err(MOEQ_E_UNSUPPORTED,
                   "cuda:%d: this moeq was built without CUDA (configure with -DMOEQ_CUDA=ON, "
                   "which needs nvcc, cuBLAS and cuSOLVER)", device);
+}
+
+moeq_status mq_gpu_open(int device, mq_gpu **out) {
+    *out = NULL;
+    return mq_gpu_probe(device);
 }
 
 void mq_gpu_close(mq_gpu *g) { (void)g; }

@@ -10,6 +10,19 @@
 
 #include "core.h"
 
+/*
+ * Hand-off: the caller publishes a job and bumps `generation`; workers that finished a job a
+ * moment ago are still spinning on that counter and start at once, the others sleep on cv_work
+ * and are woken only when some are asleep (`sleepers`). The caller spins on `pending` the same
+ * way before it sleeps on cv_done. A job costs no lock when the workers are awake: with every
+ * worker taking the one mutex to wake and again to check in, a job of 16 threads spent tens to
+ * hundreds of microseconds in handing over (more on a VM), which the many short jobs of the
+ * forward and the GPU's result unpacking paid each time.
+ *
+ * No lost wake-up: a worker counts itself in `sleepers` and then reads `generation`; the caller
+ * bumps `generation` and then reads `sleepers` (all sequentially consistent): one of the two
+ * sees the other's write. A sleeper registers under `mu`, which the caller takes to broadcast.
+ */
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv_work;
@@ -17,10 +30,11 @@ typedef struct {
     pthread_mutex_t submit;   /* one job at a time from any user thread */
     int size;                 /* threads including the caller */
     pthread_t *workers;       /* size - 1 */
-    uint64_t generation;
+    atomic_uint_fast64_t generation;
     uint64_t start_generation;   /* generation when the workers were started */
-    int shutdown;
-    int pending;              /* workers still running the current job */
+    atomic_int shutdown;
+    atomic_int pending;       /* workers still running the current job */
+    atomic_int sleepers;      /* workers asleep (or going to sleep) on cv_work */
     mq_task_fn fn;
     void *ctx;
     int64_t n_tasks;
@@ -33,6 +47,33 @@ static mq_pool g_pool = {.mu = PTHREAD_MUTEX_INITIALIZER,
                          .submit = PTHREAD_MUTEX_INITIALIZER};
 static int g_requested_threads = 0;            /* 0: number of CPUs */
 static _Thread_local int tl_thread = -1;       /* pool thread index while running a job */
+
+/* How long a worker waits for the next job, and the caller for the workers, before sleeping:
+ * long enough for back-to-back jobs, short enough not to hold idle cores while the caller does
+ * serial work or waits for a device (GOMP and OpenBLAS spin similarly). */
+#define SPIN_SECONDS 200e-6
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Spins until *v != unequal_to (returns true) or the spin time is over (false). */
+static bool spin_while_equal(const atomic_uint_fast64_t *v, uint64_t unequal_to) {
+    double t0 = -1;
+    for (int i = 0;; i++) {
+        if (atomic_load(v) != unequal_to || atomic_load(&g_pool.shutdown)) return true;
+        cpu_relax();
+        if ((i & 63) == 63) {   /* the clock now and then: pause lasts 10-150 cycles by CPU */
+            double t = mq_now();
+            if (t0 < 0) t0 = t;
+            else if (t - t0 > SPIN_SECONDS) return false;
+        }
+    }
+}
 
 static void run_tasks(int thread) {
     int saved = tl_thread;
@@ -47,22 +88,31 @@ static void run_tasks(int thread) {
 
 static void *worker_main(void *arg) {
     int thread = (int)(intptr_t)arg;
-    pthread_mutex_lock(&g_pool.mu);
     /* the jobs before this pool's start are not this worker's: a pool restarted by
      * moeq_set_threads starts with the generation counter past 0, and a worker that began at 0
      * took a round of a finished (or, racing, the next) job and counted it off `pending` twice,
      * so mq_parallel_for could return while another worker still ran a task */
+    pthread_mutex_lock(&g_pool.mu);
     uint64_t seen = g_pool.start_generation;
-    for (;;) {
-        while (!g_pool.shutdown && g_pool.generation == seen) pthread_cond_wait(&g_pool.cv_work, &g_pool.mu);
-        if (g_pool.shutdown) break;
-        seen = g_pool.generation;
-        pthread_mutex_unlock(&g_pool.mu);
-        run_tasks(thread);
-        pthread_mutex_lock(&g_pool.mu);
-        if (--g_pool.pending == 0) pthread_cond_signal(&g_pool.cv_done);
-    }
     pthread_mutex_unlock(&g_pool.mu);
+    for (;;) {
+        if (!spin_while_equal(&g_pool.generation, seen)) {
+            pthread_mutex_lock(&g_pool.mu);
+            atomic_fetch_add(&g_pool.sleepers, 1);
+            while (!atomic_load(&g_pool.shutdown) && atomic_load(&g_pool.generation) == seen)
+                pthread_cond_wait(&g_pool.cv_work, &g_pool.mu);
+            atomic_fetch_sub(&g_pool.sleepers, 1);
+            pthread_mutex_unlock(&g_pool.mu);
+        }
+        if (atomic_load(&g_pool.shutdown)) break;
+        seen = atomic_load(&g_pool.generation);
+        run_tasks(thread);
+        if (atomic_fetch_sub(&g_pool.pending, 1) == 1) {   /* the last: the caller may be asleep */
+            pthread_mutex_lock(&g_pool.mu);
+            pthread_cond_signal(&g_pool.cv_done);
+            pthread_mutex_unlock(&g_pool.mu);
+        }
+    }
     return NULL;
 }
 
@@ -85,13 +135,13 @@ static void pool_stop(void) {
         return;
     }
     pthread_mutex_lock(&g_pool.mu);
-    g_pool.shutdown = 1;
+    atomic_store(&g_pool.shutdown, 1);
     pthread_cond_broadcast(&g_pool.cv_work);
     pthread_mutex_unlock(&g_pool.mu);
     for (int i = 0; i < g_pool.size - 1; i++) pthread_join(g_pool.workers[i], NULL);
     free(g_pool.workers);
     g_pool.workers = NULL;
-    g_pool.shutdown = 0;
+    atomic_store(&g_pool.shutdown, 0);
     g_pool.size = 0;
 }
 
@@ -101,7 +151,7 @@ static void pool_start(void) {
     if (want > 1024) want = 1024;
     g_pool.size = 1;
     if (want <= 1) return;
-    g_pool.start_generation = g_pool.generation;   /* no job is in flight: submit is held */
+    g_pool.start_generation = atomic_load(&g_pool.generation);   /* no job is in flight: submit is held */
     g_pool.workers = calloc((size_t)want - 1, sizeof(pthread_t));
     if (!g_pool.workers) return;
     for (int i = 1; i < want; i++) {
@@ -140,21 +190,36 @@ void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx) {
         tl_thread = -1;
         return;
     }
-    pthread_mutex_lock(&g_pool.mu);
     g_pool.fn = fn;
     g_pool.ctx = ctx;
     g_pool.n_tasks = n_tasks;
     atomic_store(&g_pool.next, 0);
-    g_pool.pending = g_pool.size - 1;
-    g_pool.generation++;
-    pthread_cond_broadcast(&g_pool.cv_work);
-    pthread_mutex_unlock(&g_pool.mu);
+    atomic_store(&g_pool.pending, g_pool.size - 1);
+    atomic_fetch_add(&g_pool.generation, 1);   /* publishes the job (sequentially consistent) */
+    const bool woke = atomic_load(&g_pool.sleepers) > 0;
+    if (woke) {
+        pthread_mutex_lock(&g_pool.mu);
+        pthread_cond_broadcast(&g_pool.cv_work);
+        pthread_mutex_unlock(&g_pool.mu);
+    }
 
     run_tasks(0);
 
-    pthread_mutex_lock(&g_pool.mu);
-    while (g_pool.pending > 0) pthread_cond_wait(&g_pool.cv_done, &g_pool.mu);
+    /* a woken worker is often queued on this CPU (the scheduler's wake-affinity) and would wait
+     * for the spin to end: after a wake-up the caller sleeps at once */
+    double t0 = -1;
+    for (int i = 0; atomic_load(&g_pool.pending) > 0; i++) {
+        cpu_relax();
+        if (!woke && (i & 63) != 63) continue;
+        double t = mq_now();
+        if (t0 < 0) t0 = t;
+        if (woke || t - t0 > SPIN_SECONDS) {
+            pthread_mutex_lock(&g_pool.mu);
+            while (atomic_load(&g_pool.pending) > 0) pthread_cond_wait(&g_pool.cv_done, &g_pool.mu);
+            pthread_mutex_unlock(&g_pool.mu);
+            break;
+        }
+    }
     g_pool.fn = NULL;
-    pthread_mutex_unlock(&g_pool.mu);
     pthread_mutex_unlock(&g_pool.submit);
 }

@@ -158,6 +158,7 @@ typedef struct mq_pipe {
     float *w_a, *w_b;
     mq_state *state;
     mq_gpu *gpu;                  /* GPTQ's device (o->device >= 0), else NULL */
+    struct mq_gpu_opening *opening;   /* the device being opened beside the start (pipeline.c) */
     mq_gpu_attn *gatt;            /* the attention's calibration forward on that device (made at
                                      the first layer it can run, layer.c), else NULL */
     mq_gpu_mlp *gx;               /* routed experts [gx_e0, gx_e1) on that device for a whole

@@ -6,6 +6,8 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -448,6 +450,70 @@ static moeq_status run(mq_pipe *p) {
     return s;
 }
 
+/* Opening the GPU (its context, streams, cuBLAS and cuSOLVER handles) takes about a second; it
+ * runs on a thread of its own while the config, the model's index and the tokenizer are read and
+ * the calibration text is tokenized, and is waited for before the memory plan, the first step
+ * that asks the device. The probe first, so a machine without the device still fails at once.
+ * MOEQ_GPU_OPEN_AHEAD=0 opens it in place (to measure the difference). */
+struct mq_gpu_opening {
+    pthread_t th;
+    int device;
+    mq_gpu *gpu;
+    moeq_status st;
+    char msg[1024];   /* the thread's error message (messages are per thread) */
+};
+
+static void *gpu_open_main(void *arg) {
+    struct mq_gpu_opening *g = arg;
+    g->st = mq_gpu_open(g->device, &g->gpu);
+    if (g->st) snprintf(g->msg, sizeof g->msg, "%s", moeq_last_error());
+    return NULL;
+}
+
+static moeq_status gpu_open_start(mq_pipe *p, int device) {
+    const char *env = getenv("MOEQ_GPU_OPEN_AHEAD");
+    moeq_status s = mq_gpu_probe(device);
+    if (s || (env && strcmp(env, "0") == 0)) return s ? s : mq_gpu_open(device, &p->gpu);
+    struct mq_gpu_opening *g = calloc(1, sizeof *g);
+    if (!g) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    g->device = device;
+    if (pthread_create(&g->th, NULL, gpu_open_main, g) != 0) {   /* then in place */
+        free(g);
+        return mq_gpu_open(device, &p->gpu);
+    }
+    p->opening = g;
+    return MOEQ_OK;
+}
+
+/* Waits for the opening thread; its device becomes p->gpu (also after an error elsewhere, so
+ * that it is closed with the rest: `quiet` then keeps that error's message). */
+static moeq_status gpu_open_wait(mq_pipe *p, bool quiet) {
+    struct mq_gpu_opening *g = p->opening;
+    if (!g) return MOEQ_OK;
+    pthread_join(g->th, NULL);
+    p->opening = NULL;
+    p->gpu = g->gpu;
+    moeq_status s = g->st;
+    if (s && !quiet) mq_err(s, "%s", g->msg);
+    free(g);
+    return s;
+}
+
+/* The device open: its line in the log and the precision asked for. */
+static moeq_status gpu_ready(mq_pipe *p) {
+    moeq_status s = gpu_open_wait(p, false);
+    if (s || !p->gpu) return s;
+    const mq_pipeline_opts *o = p->o;
+    mq_gpu_info gi;
+    mq_gpu_get_info(p->gpu, &gi);
+    mq_info("GPTQ on cuda:%d, %s (compute %d.%d, %d SMs, %.1f GB free of %.1f GB)%s", gi.device, gi.name,
+            gi.cc_major, gi.cc_minor, gi.sm_count, (double)gi.mem_free / 1e9, (double)gi.mem_total / 1e9,
+            o->gpu_precision == MOEQ_GPU_TF32     ? ", TF32 products"
+            : o->gpu_precision == MOEQ_GPU_TF32X3 ? ", products as three TF32 ones (tf32x3)"
+                                                  : "");
+    return o->gpu_precision ? mq_gpu_set_precision(p->gpu, o->gpu_precision) : MOEQ_OK;
+}
+
 /* The finished checkpoint: config and tokenizer files, renamed over OUT_DIR. */
 static moeq_status finish(mq_pipe *p) {
     size_t n_kept = 0;
@@ -497,18 +563,8 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         p->fit_shares = fit != 0;
     }
     if (p->rank == 0 && (s = mq_ckpt_check_out(model_dir, p->out_dir, o->force, &exists))) goto done;
-    if (o->gptq && o->device >= 0) {
-        /* first, so that a missing GPU costs nothing */
-        if ((s = mq_gpu_open(o->device, &p->gpu))) goto done;
-        mq_gpu_info gi;
-        mq_gpu_get_info(p->gpu, &gi);
-        mq_info("GPTQ on cuda:%d, %s (compute %d.%d, %d SMs, %.1f GB free of %.1f GB)%s", gi.device, gi.name,
-                gi.cc_major, gi.cc_minor, gi.sm_count, (double)gi.mem_free / 1e9, (double)gi.mem_total / 1e9,
-                o->gpu_precision == MOEQ_GPU_TF32     ? ", TF32 products"
-                : o->gpu_precision == MOEQ_GPU_TF32X3 ? ", products as three TF32 ones (tf32x3)"
-                                                      : "");
-        if (o->gpu_precision && (s = mq_gpu_set_precision(p->gpu, o->gpu_precision))) goto done;
-    }
+    /* first, so that a missing GPU costs nothing; opened beside what follows up to the plan */
+    if (o->gptq && o->device >= 0 && (s = gpu_open_start(p, o->device))) goto done;
     if ((s = read_config(model_dir, &p->src_config, &p->mixtral))) goto done;
     p->calibrate = o->gptq || o->act_quant;
     p->seq = o->gptq && o->sequential;
@@ -599,6 +655,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     p->s_lo = 0;
     p->s_hi = p->calib.n;
     mq_dist_share(p->calib.n, p->rank, p->ranks, &p->s_lo, &p->s_hi);
+    if ((s = gpu_ready(p))) goto done;
     if ((s = mq_plan_memory(p))) goto done;
     if ((s = mq_dist_agree(s, "planning"))) goto done;
     if (o->dry_run) mq_plan_estimate_time(p);
@@ -640,6 +697,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         s = mq_report_write(p, o->report_path, o->report_html_path);
     }
 done:
+    if (p->opening) gpu_open_wait(p, true);   /* an error before the plan: the device is closed below */
     /* a snapshot still being written: kept for the resume */
     if (s) mq_work_snapshot_wait(p);
     s = mq_dist_agree(s, "the end of the run");   /* a rank that failed early meets the others */

@@ -68,8 +68,7 @@ void mq_cu_free(void *p) {
     if (p) cudaFree(p);
 }
 
-extern "C" moeq_status mq_gpu_open(int device, mq_gpu **out) {
-    *out = NULL;
+extern "C" moeq_status mq_gpu_probe(int device) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {
@@ -80,6 +79,13 @@ extern "C" moeq_status mq_gpu_open(int device, mq_gpu **out) {
     if (device < 0 || device >= n)
         return mq_err(MOEQ_E_UNSUPPORTED, "cuda:%d: this machine has %d CUDA device%s (cuda:0%s)",
                       device, n, n == 1 ? "" : "s", n == 1 ? "" : " ..");
+    return MOEQ_OK;
+}
+
+extern "C" moeq_status mq_gpu_open(int device, mq_gpu **out) {
+    *out = NULL;
+    moeq_status pst = mq_gpu_probe(device);
+    if (pst) return pst;
     mq_gpu *g = (mq_gpu *)calloc(1, sizeof *g);
     if (!g) return mq_err(MOEQ_E_NOMEM, "out of memory");
     g->device = device;

@@ -839,6 +839,7 @@ moeq_status factor_all(mq_gpu *g, const mq_gptq_opts *o, std::vector<factor> &fs
         const size_t b = (size_t)(lw > 0 ? lw : 1) * sizeof(float);
         need[f.stream] = b > need[f.stream] ? b : need[f.stream];
     }
+    profiler prof;   /* MOEQ_GPU_PROFILE: the Cholesky factorisations apart from the inverses */
     for (int s = 0; s < MQ_GPU_STREAMS && !st; s++)
         if (need[s]) st = ensure_workspace(g, s, need[s]);
     if (st) return st;
@@ -885,7 +886,9 @@ moeq_status factor_all(mq_gpu *g, const mq_gptq_opts *o, std::vector<factor> &fs
             f.percdamp = f.percdamp == 0 ? 1e-4 : f.percdamp * 2;
         }
     }
-    /* R (into dH, no longer needed) and U = R^-1 */
+    prof.mark("potrf");
+    /* R (into dH, no longer needed) and U = R^-1 (cuSOLVER's trtri took 1.4 ms more than this
+     * solve for K = 2048 on an H200) */
     const float one = 1.0f;
     for (auto &f : fs) {
         const int64_t K = f.K;
@@ -988,6 +991,36 @@ void unpack_task(void *vctx, int64_t t, int thread) {
     copy_piece(c, h.pc + r0 * (K / 2), (size_t)(n * K / 2), q->codes + u.r0 * K, 0);
     if (h.pb) copy_piece(c, h.pb + r0 * ng, (size_t)(n * ng), q->params + u.r0 * ng, 1);
     else copy_piece(c, h.pp + r0 * ng, (size_t)(n * ng) * sizeof(mq_gparams), q->params + u.r0 * ng, 2);
+}
+
+/* Fresh results' pages, faulted in on the pool while the device still runs the column loop: the
+ * unpacking after the download otherwise takes its first-touch faults (and the kernel's page
+ * zeroing) on the critical path, 14 MB for a 4096 x 2048 weight. One byte a page, in 2 MB tasks. */
+struct touch_ctx {
+    std::vector<std::pair<char *, size_t>> spans;   /* 2 MB pieces of the results' codes and params */
+};
+
+void touch_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    const touch_ctx &c = *(const touch_ctx *)vctx;
+    volatile char *p = c.spans[(size_t)t].first;
+    const size_t n = c.spans[(size_t)t].second;
+    for (size_t k = 0; k < n; k += 4096) p[k] = 0;
+}
+
+void touch_results(const std::vector<hset> &sets, const mq_gptq_job *jobs) {
+    const size_t piece = (size_t)2 << 20;
+    touch_ctx c;
+    auto add = [&](void *base, size_t n) {
+        for (size_t a = 0; base && a < n; a += piece) c.spans.push_back({(char *)base + a, n - a < piece ? n - a : piece});
+    };
+    for (const hset &h : sets)
+        for (int64_t ji : h.jobs) {
+            const mq_qtensor *q = jobs[ji].out;
+            add(q->codes, (size_t)(q->rows * q->cols));
+            add(q->params, (size_t)(q->rows * q->n_groups) * sizeof(mq_gparams));
+        }
+    mq_parallel_for((int64_t)c.spans.size(), touch_task, &c);
 }
 
 /* The loop of a wave: RTN loss, load, groups, the column blocks with their trailing GEMMs. */
@@ -1302,6 +1335,8 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
         k_pack_params<<<dim3((unsigned)((maxld + 63) / 64), (unsigned)ns), 64, 0, s0>>>(dsets, dpb, dpp);
         st = CU_LAUNCHED("k_pack_params");
     }
+    const char *pretouch = getenv("MOEQ_GPU_PRETOUCH");   /* =0 turns it off (to measure it) */
+    if (!st && !(pretouch && strcmp(pretouch, "0") == 0)) touch_results(sets, jobs);   /* before any copy that waits */
     for (auto &h : sets)
         for (size_t k = 0; k < h.jobs.size() && !st; k++) {
             const int64_t ji = h.jobs[k];
