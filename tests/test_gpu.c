@@ -129,6 +129,13 @@ static void test_open_missing_device(void) {
     const char *msg = moeq_last_error();
     ASSERT_TRUE(strstr(msg, "cuda:999") != NULL);
     if (!mq_gpu_built()) ASSERT_TRUE(strstr(msg, "-DMOEQ_CUDA=ON") != NULL);
+    /* the probe the pipeline runs before opening the device on a thread: the same refusal */
+    char open_msg[1024];
+    snprintf(open_msg, sizeof open_msg, "%s", msg);
+    mq_err(MOEQ_OK, "%s", "");
+    ASSERT_EQ_INT(MOEQ_E_UNSUPPORTED, mq_gpu_probe(999));
+    ASSERT_EQ_STR(open_msg, moeq_last_error());
+    ASSERT_EQ_INT(MOEQ_E_UNSUPPORTED, mq_gpu_probe(-1));
 }
 
 /* ---- device twins ------------------------------------------------------------------------------ */
