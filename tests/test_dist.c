@@ -1,4 +1,5 @@
-/* The ranks' shares (src/dist): contiguous, covering, balanced to one item, the larger first;
+/* The ranks' shares (src/dist): contiguous, covering, balanced to one item, the larger first
+ * (weighted: the least largest share);
  * and a process alone is rank 0 of 1 whose agreements return its own status. */
 #include <stdlib.h>
 
@@ -75,6 +76,55 @@ static void test_weighted_shares(void) {
     ASSERT_EQ_INT(phi, hi);
 }
 
+/* The largest share is the least any contiguous split of the items into `size` parts gives
+ * (every split tried), and rank 0's is never above the others' where the parts differ. */
+static int64_t best_max(const int64_t *cost, int64_t n, int parts) {
+    if (parts == 1) {
+        int64_t c = 0;
+        for (int64_t i = 0; i < n; i++) c += cost[i];
+        return c;
+    }
+    int64_t best = -1, first = 0;
+    for (int64_t k = 0; k <= n; k++) {   /* the first part is [0, k) */
+        if (k > 0) first += cost[k - 1];
+        const int64_t rest = best_max(cost + k, n - k, parts - 1), m = first > rest ? first : rest;
+        if (best < 0 || m < best) best = m;
+    }
+    return best;
+}
+
+static void test_weighted_shares_least_max(void) {
+    int64_t cost[10];
+    uint64_t x = 2463534242ull;
+    for (int trial = 0; trial < 300; trial++) {
+        const int64_t n = trial % 11;
+        for (int64_t i = 0; i < n; i++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            cost[i] = (int64_t)(x % 50) * (trial % 4 ? 1 : (int64_t)(x % 3));   /* some zeros */
+        }
+        for (int size = 1; size <= 4; size++) {
+            int64_t most = 0, c0 = 0, next = 0;
+            for (int r = 0; r < size; r++) {
+                int64_t lo, hi, c = 0;
+                mq_dist_share_weighted(cost, n, r, size, &lo, &hi);
+                ASSERT_EQ_INT(next, lo);
+                for (int64_t i = lo; i < hi; i++) c += cost[i];
+                most = c > most ? c : most;
+                if (r == 0) c0 = c;
+                next = hi;
+            }
+            ASSERT_EQ_INT(n, next);
+            int64_t all = 0;
+            for (int64_t i = 0; i < n; i++) all += cost[i];
+            if (all == 0) continue;   /* the plain shares */
+            if (most != best_max(cost, n, size))
+                FAIL("n %lld, %d ranks: largest share %lld, the best split's %lld", (long long)n, size,
+                     (long long)most, (long long)best_max(cost, n, size));
+            ASSERT_TRUE(c0 <= most);
+        }
+    }
+}
+
 static void test_alone(void) {
     if (getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK")) SKIP("started by mpirun");
     ASSERT_EQ_INT(MOEQ_OK, mq_dist_start());           /* not started by mpirun: alone */
@@ -92,4 +142,4 @@ static void test_alone(void) {
     mq_dist_stop();
 }
 
-TEST_MAIN(T(test_shares), T(test_weighted_shares), T(test_alone))
+TEST_MAIN(T(test_shares), T(test_weighted_shares), T(test_weighted_shares_least_max), T(test_alone))

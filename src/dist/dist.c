@@ -8,26 +8,54 @@ void mq_dist_share(int64_t n, int rank, int size, int64_t *lo, int64_t *hi) {
     *hi = *lo + base + (rank < extra ? 1 : 0);
 }
 
-/* The first item before which at least part / size of `all` lies. */
-static int64_t weighted_bound(const int64_t *cost, int64_t n, int64_t all, int part, int size) {
-    if (part <= 0) return 0;
-    if (part >= size) return n;
-    int64_t e = 0, before = 0;
-    while (e < n && before * size < (int64_t)part * all) before += cost[e++];
-    return e;
+/* How many contiguous parts of at most `cap` the items need, packed from the last item back. */
+static int64_t parts_from_back(const int64_t *cost, int64_t n, int64_t cap) {
+    int64_t parts = 1, sum = 0;
+    for (int64_t i = n - 1; i >= 0; i--) {
+        if (sum + cost[i] > cap) {
+            parts++;
+            sum = 0;
+        }
+        sum += cost[i];
+    }
+    return parts;
 }
 
+/* The contiguous split whose largest share is the least possible (the slowest rank sets the
+ * layer's time): the least cap that `size` parts can hold, by bisection, then the parts packed
+ * from the last item back, so that rank 0, which also writes the checkpoint's global tensors
+ * and report, keeps what is left (the lightest share where the split is uneven). Integer
+ * arithmetic only: every rank computes the same split. */
 void mq_dist_share_weighted(const int64_t *cost, int64_t n, int rank, int size, int64_t *lo,
                             int64_t *hi) {
     if (size < 1) size = 1;
-    int64_t all = 0;
-    for (int64_t i = 0; i < n; i++) all += cost[i];
+    int64_t all = 0, big = 0;
+    for (int64_t i = 0; i < n; i++) {
+        all += cost[i];
+        big = cost[i] > big ? cost[i] : big;
+    }
     if (all == 0) {
         mq_dist_share(n, rank, size, lo, hi);
         return;
     }
-    *lo = weighted_bound(cost, n, all, rank, size);
-    *hi = weighted_bound(cost, n, all, rank + 1, size);
+    int64_t a = (all + size - 1) / size, b = all;   /* the least feasible cap lies in [a, b] */
+    if (a < big) a = big;
+    while (a < b) {
+        const int64_t mid = a + (b - a) / 2;
+        if (parts_from_back(cost, n, mid) <= size) b = mid;
+        else a = mid + 1;
+    }
+    /* rank size-1 takes the last part, size-2 the one before, ...; ranks before the first part
+     * take nothing */
+    int64_t end = n, sum = 0, start = n;
+    for (int r = size - 1; r >= rank; r--) {
+        end = start;
+        sum = 0;
+        start = end;
+        while (start > 0 && (r == 0 || sum + cost[start - 1] <= a)) sum += cost[--start];
+    }
+    *lo = start;
+    *hi = end;
 }
 
 /* ---- the public face (include/moeq.h) ---- */

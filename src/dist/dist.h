@@ -63,9 +63,10 @@ moeq_status mq_dist_world_barrier(const char *step);
 /* The share [*lo, *hi) of n items of `rank` of `size`: contiguous, sizes differing by at most one,
  * lower ranks taking the larger shares. */
 void mq_dist_share(int64_t n, int rank, int size, int64_t *lo, int64_t *hi);
-/* The share [*lo, *hi) of n items of costs cost[] (>= 0): contiguous, in rank order, each
- * starting at the first item before which rank / size of the total cost lies (so a share's cost
- * is within one item's of the ideal); all costs 0: mq_dist_share's. */
+/* The share [*lo, *hi) of n items of costs cost[] (>= 0): contiguous, in rank order, the largest
+ * share's cost the least any contiguous split gives (so within one item's of the ideal total /
+ * size), the parts filled from the last rank back (rank 0 the lightest where they differ); all
+ * costs 0: mq_dist_share's. */
 void mq_dist_share_weighted(const int64_t *cost, int64_t n, int rank, int size, int64_t *lo,
                             int64_t *hi);
 
