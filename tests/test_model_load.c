@@ -356,6 +356,61 @@ static void test_olmoe_fused_and_dtypes_bit_identical(void) {
     free(src);
 }
 
+/* The streaming pipeline's lazy loader converts in pieces (mq_lazy_set_piece): pieces of 1,
+ * 1000 (dividing no tensor) and the default give every decoder weight of the bf16 fixture and of
+ * its fused-experts fp32 resave (experts as slices of one tensor) bit for bit as the whole-model
+ * load does. */
+static int linear_differs(const mq_linear *a, const mq_linear *b) {
+    if (!a->w && !b->w) return 0;
+    if (!a->w || !b->w || a->out != b->out || a->in != b->in) return 1;
+    return memcmp(a->w, b->w, sizeof(float) * (size_t)(a->out * a->in)) != 0;
+}
+
+static void check_lazy_pieces(const char *dir) {
+    moeq_model *full = NULL;
+    ASSERT_OK(moeq_model_open(dir, NULL, &full));
+    if (!full) return;
+    const int64_t pieces[] = {1, 1000, 0};
+    for (size_t k = 0; k < sizeof pieces / sizeof pieces[0]; k++) {
+        mq_lazy_model *lz = NULL;
+        ASSERT_OK(mq_lazy_open(dir, false, &lz));
+        if (!lz) break;
+        mq_lazy_set_piece(lz, pieces[k]);
+        moeq_model *m = mq_lazy_model_of(lz);
+        const unsigned all = MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_MLP |
+                             MQ_PART_SHARED | MQ_PART_EXPERTS;
+        int bad = 0, seen = 0;
+        for (int l = 0; l < m->cfg.n_layers; l++) {
+            ASSERT_OK(mq_lazy_load(lz, l, all, 0, m->cfg.n_experts));
+            const mq_layer *a = &m->layers[l], *b = &full->layers[l];
+            const mq_linear *la[] = {&a->q, &a->k, &a->v, &a->o}, *lb[] = {&b->q, &b->k, &b->v, &b->o};
+            for (int i = 0; i < 4; i++) bad += linear_differs(la[i], lb[i]), seen += la[i]->w != NULL;
+            for (int e = 0; e < m->cfg.n_experts; e++) {
+                bad += linear_differs(&a->exp_gate[e], &b->exp_gate[e]) + linear_differs(&a->exp_up[e], &b->exp_up[e]) +
+                       linear_differs(&a->exp_down[e], &b->exp_down[e]);
+                seen += 3 * (a->exp_gate[e].w != NULL);
+            }
+            if (m->cfg.n_experts > 0)
+                bad += memcmp(a->router, b->router, sizeof(float) * (size_t)(m->cfg.n_experts * m->cfg.D)) != 0;
+            mq_lazy_release(lz, l, all, 0, m->cfg.n_experts);
+        }
+        if (bad) FAIL("%s, pieces of %lld: %d weights differ from the whole-model load", dir, (long long)pieces[k], bad);
+        ASSERT_EQ_INT(4 * 4 + 4 * 8 * 3, seen);   /* olmoe-tiny: 4 layers of 4 + 8 x 3 */
+        mq_lazy_close(lz);
+    }
+    moeq_model_free(full);
+}
+
+static void test_lazy_pieces_bit_identical(void) {
+    char *src = fixture("olmoe-tiny");
+    check_lazy_pieces(src);
+    char *dst = new_dir("olmoe-lazy-fused");
+    resave_olmoe(dst, true, MOEQ_DT_F32, false, (size_t)8 << 20);
+    check_lazy_pieces(dst);
+    free(dst);
+    free(src);
+}
+
 /* ---- broken checkpoints -------------------------------------------------------------------- */
 static void test_missing_and_misshapen_listed_together(void) {
     char *src = fixture("olmoe-tiny");
@@ -499,7 +554,7 @@ static void test_session_errors(void) {
     free(src);
 }
 
-TEST_MAIN(T(test_mixtral_from_llama_copies), T(test_sliding_window_one_layer),
+TEST_MAIN(T(test_mixtral_from_llama_copies), T(test_lazy_pieces_bit_identical), T(test_sliding_window_one_layer),
           T(test_olmoe_fused_and_dtypes_bit_identical),
           T(test_missing_and_misshapen_listed_together), T(test_layer_count_mismatch),
           T(test_bad_directories_and_configs), T(test_session_errors))

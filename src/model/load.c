@@ -429,19 +429,23 @@ typedef struct {
     moeq_status *status;
 } convert_job;
 
-/* A want's slice of its checkpoint tensor into its fp32 destination (an FP8 block-quantized
- * tensor whole: check_wants). */
-static moeq_status want_to_f32(const want *w) {
-    if (w->t->scale_inv) return mq_tensor_to_f32(w->t, *w->dest);
+/* Elements [k0, k1) of a want's slice of its checkpoint tensor into its fp32 destination; an FP8
+ * block-quantized tensor whole, with k0 = 0 (its scales go by blocks of rows and columns:
+ * check_wants). */
+static moeq_status want_piece_to_f32(const want *w, int64_t k0, int64_t k1) {
+    if (w->t->scale_inv) return k0 == 0 ? mq_tensor_to_f32(w->t, *w->dest) : MOEQ_OK;
     mq_tensor_view v = *w->t;
-    size_t es = moeq_dtype_size(v.dtype);
-    v.data += (size_t)w->off * es;
-    v.numel = w->count;
-    v.nbytes = (size_t)w->count * es;
+    const size_t es = moeq_dtype_size(v.dtype);
+    v.data += (size_t)(w->off + k0) * es;
+    v.numel = k1 - k0;
+    v.nbytes = (size_t)(k1 - k0) * es;
     v.ndim = 1;
-    v.shape[0] = w->count;
-    return mq_tensor_to_f32(&v, *w->dest);
+    v.shape[0] = k1 - k0;
+    return mq_tensor_to_f32(&v, *w->dest + k0);
 }
+
+/* The whole want. */
+static moeq_status want_to_f32(const want *w) { return want_piece_to_f32(w, 0, w->count); }
 
 static void convert_task(void *ctx, int64_t i, int thread) {
     (void)thread;
@@ -887,6 +891,7 @@ struct mq_lazy_model {
     want_list L;
     const mq_tensor_view *embed;
     const mq_rotation *rot;   /* borrowed; NULL: none */
+    int64_t piece;            /* values a conversion task (mq_lazy_set_piece); 0: LAZY_PIECE */
 };
 
 void mq_lazy_close(mq_lazy_model *lz) {
@@ -960,6 +965,7 @@ void mq_model_det_experts(moeq_model *m, bool on) {
 
 moeq_model *mq_lazy_model_of(mq_lazy_model *lz) { return lz->m; }
 void mq_lazy_set_rotation(mq_lazy_model *lz, const mq_rotation *r) { lz->rot = r; }
+void mq_lazy_set_piece(mq_lazy_model *lz, int64_t values) { lz->piece = values > 0 ? values : 0; }
 
 const mq_st *mq_lazy_st(const mq_lazy_model *lz) { return lz->st; }
 
@@ -1002,28 +1008,38 @@ static moeq_status rotate_want(const mq_rotation *r, const want *w, float *x) {
     return mq_rotation_apply(r, k, layer, x, w->count / D, D, w->name);
 }
 
+/* A lazy load converts in pieces of 2 MB of fp32 (a huge page's worth: two threads rarely fault
+ * in one page): a chunk of 8 experts is 24 tensors, which as one task each left a third of 16
+ * threads idle in the second of two rounds. A piece: elements [k0, k1) of want idx. */
+enum { LAZY_PIECE = 512 * 1024 };
+
+typedef struct {
+    size_t idx;
+    int64_t k0, k1;
+} lazy_piece;
+
 typedef struct {
     const mq_lazy_model *lz;
-    size_t *idx;
-    moeq_status *status;
-    bool (*alloc_only)(float **dest, void *user);
-    void *user;
+    const size_t *idx;          /* the wants loaded here */
+    const bool *convert;        /* per want: read here (not only allocated, not dequantized) */
+    const lazy_piece *piece;
+    moeq_status *status;        /* per want */
 } lazy_job;
 
-static void lazy_task(void *ctx, int64_t i, int thread) {
+static void lazy_piece_task(void *ctx, int64_t i, int thread) {
     (void)thread;
-    lazy_job *j = ctx;
+    const lazy_job *j = ctx;
+    const lazy_piece *pc = &j->piece[i];
+    moeq_status st = want_piece_to_f32(&j->lz->L.w[j->idx[pc->idx]], pc->k0, pc->k1);
+    if (st) j->status[pc->idx] = st;   /* any failing piece's status will do: all say the same */
+}
+
+/* The residual-stream rotation, a whole want at a time, after all its pieces. */
+static void lazy_rotate_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    const lazy_job *j = ctx;
     const want *w = &j->lz->L.w[j->idx[i]];
-    if (j->alloc_only && j->alloc_only(w->dest, j->user)) {
-        j->status[i] = MOEQ_OK;
-        return;
-    }
-    if (w->quantized) {
-        j->status[i] = MOEQ_OK;   /* below, on the calling thread, for its messages */
-        return;
-    }
-    j->status[i] = want_to_f32(w);
-    if (!j->status[i] && j->lz->rot) j->status[i] = rotate_want(j->lz->rot, w, *w->dest);
+    if (j->convert[i] && !j->status[i]) j->status[i] = rotate_want(j->lz->rot, w, *w->dest);
 }
 
 moeq_status mq_lazy_load(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
@@ -1033,12 +1049,17 @@ moeq_status mq_lazy_load(mq_lazy_model *lz, int layer, unsigned what, int e0, in
 moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1,
                             bool (*alloc_only)(float **dest, void *user), void *user) {
     size_t n = 0;
+    int64_t n_pieces = 0;
+    const int64_t piece_len = lz->piece > 0 ? lz->piece : LAZY_PIECE;
     for (size_t i = 0; i < lz->L.n; i++) n += want_selected(&lz->L.w[i], layer, what, e0, e1);
     size_t *idx = malloc((n ? n : 1) * sizeof *idx);
     moeq_status *status = calloc(n ? n : 1, sizeof *status);
-    if (!idx || !status) {
+    bool *convert = calloc(n ? n : 1, sizeof *convert);   /* read here (not only allocated) */
+    lazy_piece *piece = NULL;
+    if (!idx || !status || !convert) {
         free(idx);
         free(status);
+        free(convert);
         return mq_err(MOEQ_E_NOMEM, "out of memory");
     }
     moeq_status s = MOEQ_OK;
@@ -1047,12 +1068,28 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
         want *w = &lz->L.w[i];
         if (!want_selected(w, layer, what, e0, e1) || *w->dest) continue;
         *w->dest = mq_alloc_array((size_t)w->count, sizeof(float), w->name);
-        if (!*w->dest) s = MOEQ_E_NOMEM;
-        else idx[n++] = i;
+        if (!*w->dest) {
+            s = MOEQ_E_NOMEM;
+            break;
+        }
+        /* quantized sources are dequantized below, on this thread, for their messages */
+        convert[n] = !w->quantized && !(alloc_only && alloc_only(w->dest, user));
+        if (convert[n]) n_pieces += w->t->scale_inv ? 1 : (w->count + piece_len - 1) / piece_len;
+        idx[n++] = i;
     }
+    if (!s && n_pieces && !(piece = malloc((size_t)n_pieces * sizeof *piece))) s = mq_err(MOEQ_E_NOMEM, "out of memory");
     if (!s) {
-        lazy_job j = {lz, idx, status, alloc_only, user};
-        mq_parallel_for((int64_t)n, lazy_task, &j);
+        int64_t np = 0;
+        for (size_t k = 0; k < n; k++) {
+            const want *w = &lz->L.w[idx[k]];
+            if (!convert[k]) continue;
+            const int64_t step = w->t->scale_inv ? w->count : piece_len;
+            for (int64_t k0 = 0; k0 < w->count; k0 += step)
+                piece[np++] = (lazy_piece){k, k0, k0 + step < w->count ? k0 + step : w->count};
+        }
+        lazy_job j = {lz, idx, convert, piece, status};
+        mq_parallel_for(np, lazy_piece_task, &j);
+        if (lz->rot) mq_parallel_for((int64_t)n, lazy_rotate_task, &j);
         for (size_t k = 0; k < n && !s; k++)
             if (status[k])
                 s = mq_err(status[k], "tensor '%s': cannot convert to fp32", lz->L.w[idx[k]].name);
@@ -1064,6 +1101,8 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
     }
     free(idx);
     free(status);
+    free(convert);
+    free(piece);
     if (s) mq_lazy_release(lz, layer, what, e0, e1);
     return s;
 }

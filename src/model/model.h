@@ -205,6 +205,8 @@ int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0,
  * says (r borrowed, outliving lz; NULL: none). Set before the first load. */
 typedef struct mq_rotation mq_rotation;   /* model/rotate.h */
 void mq_lazy_set_rotation(mq_lazy_model *lz, const mq_rotation *r);
+/* Tests: mq_lazy_load converts in pieces of this many values (0, the default: 2 MB of fp32). */
+void mq_lazy_set_piece(mq_lazy_model *lz, int64_t values);
 /* x[T, D] = embedding rows of ids, read from the mapping (ids checked; rotated when set). */
 moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T, float *x);
 
