@@ -185,6 +185,31 @@ static double resident(const void *p, size_t n) {
     return (double)k / (double)np;
 }
 
+/* mq_touch_pages faults in every page of its regions (a region of odd length ending inside a
+ * page, one of several pieces, a NULL one skipped), with several threads, and nothing beside. */
+static void test_touch_pages(void) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE), n = (size_t)12 << 20;
+    char *m = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_TRUE(m != MAP_FAILED);
+    if (m == MAP_FAILED) return;
+    (void)madvise(m, n, MADV_NOHUGEPAGE);   /* page by page, so the untouched rest stays out */
+    if (resident(m, n) > 0) {
+        munmap(m, n);
+        SKIP("fresh anonymous pages are resident here before any touch");
+    }
+    moeq_set_threads(max_threads(3));
+    void *base[3] = {m, NULL, m + 8 * page};
+    const size_t bytes[3] = {5 * page + 123, 4 * page, (size_t)5 << 20};   /* [8 pages, +5 MB) */
+    mq_touch_pages(base, bytes, 3);
+    moeq_set_threads(0);
+    ASSERT_TRUE(resident(m, 6 * page) == 1.0);
+    ASSERT_TRUE(resident(m + 6 * page, 2 * page) == 0.0);   /* between the regions */
+    ASSERT_TRUE(resident(m + 8 * page, (size_t)5 << 20) == 1.0);
+    ASSERT_TRUE(resident(m + 8 * page + ((size_t)5 << 20), n - 8 * page - ((size_t)5 << 20)) == 0.0);
+    for (size_t k = 0; k < n; k += 997) ASSERT_TRUE(m[k] == 0);
+    munmap(m, n);
+}
+
 /* mq_prefetch reads a mapped file ahead: pages dropped from the page cache are back after it
  * (the kernel reads them in the background: waited for, up to 10 s). Skips where the pages
  * cannot be dropped (tmpfs, or a file system that keeps them). */
@@ -226,4 +251,4 @@ static void test_prefetch_reads_ahead(void) {
 
 TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
-          T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead))
+          T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages))

@@ -43,6 +43,11 @@ void *mq_alloc(size_t n, const char *what);
 void *mq_alloc_zero(size_t n, const char *what);
 void *mq_alloc_array(size_t count, size_t elem, const char *what);
 void mq_free(void *p);
+/* Faults in the pages of n regions of fresh memory, [base[i], base[i] + bytes[i]), on the pool
+ * with one write a page (0, before anything is stored there): the kernel's page faults and zeroing
+ * spread over the threads instead of falling on whatever touches the memory first (a driver
+ * pinning it single-threaded, an unpacking on a critical path). */
+void mq_touch_pages(void *const *base, const size_t *bytes, int64_t n);
 char *mq_strdup(const char *s);
 char *mq_strndup(const char *s, size_t n);
 /* printf into a new malloc'ed string (free with free()). */

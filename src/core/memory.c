@@ -162,6 +162,34 @@ void mq_free(void *p) {
         free(p);
 }
 
+enum { TOUCH_PIECE = 2 << 20, TOUCH_STRIDE = 4096 };   /* bytes a task; the smallest page */
+
+typedef struct {
+    void *const *base;
+    const size_t *bytes;
+} touch_ctx;
+
+static int64_t touch_pieces(const touch_ctx *c, int64_t i) {   /* a NULL region has none */
+    return c->base[i] ? (int64_t)((c->bytes[i] + TOUCH_PIECE - 1) / TOUCH_PIECE) : 0;
+}
+
+static void touch_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    const touch_ctx *c = vctx;
+    int64_t i = 0;
+    while (t >= touch_pieces(c, i)) t -= touch_pieces(c, i++);   /* piece t's region: few, walked */
+    volatile char *p = (char *)c->base[i];
+    const size_t a = (size_t)t * TOUCH_PIECE, e = a + TOUCH_PIECE < c->bytes[i] ? a + TOUCH_PIECE : c->bytes[i];
+    for (size_t k = a; k < e; k += TOUCH_STRIDE) p[k] = 0;
+}
+
+void mq_touch_pages(void *const *base, const size_t *bytes, int64_t n) {
+    const touch_ctx c = {base, bytes};
+    int64_t pieces = 0;
+    for (int64_t i = 0; i < n; i++) pieces += touch_pieces(&c, i);
+    if (pieces) mq_parallel_for(pieces, touch_task, (void *)&c);
+}
+
 char *mq_strdup(const char *s) { return s ? mq_strndup(s, strlen(s)) : NULL; }
 
 char *mq_strndup(const char *s, size_t n) {

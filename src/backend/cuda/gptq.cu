@@ -995,32 +995,19 @@ void unpack_task(void *vctx, int64_t t, int thread) {
 
 /* Fresh results' pages, faulted in on the pool while the device still runs the column loop: the
  * unpacking after the download otherwise takes its first-touch faults (and the kernel's page
- * zeroing) on the critical path, 14 MB for a 4096 x 2048 weight. One byte a page, in 2 MB tasks. */
-struct touch_ctx {
-    std::vector<std::pair<char *, size_t>> spans;   /* 2 MB pieces of the results' codes and params */
-};
-
-void touch_task(void *vctx, int64_t t, int thread) {
-    (void)thread;
-    const touch_ctx &c = *(const touch_ctx *)vctx;
-    volatile char *p = c.spans[(size_t)t].first;
-    const size_t n = c.spans[(size_t)t].second;
-    for (size_t k = 0; k < n; k += 4096) p[k] = 0;
-}
-
+ * zeroing) on the critical path, 14 MB for a 4096 x 2048 weight. */
 void touch_results(const std::vector<hset> &sets, const mq_gptq_job *jobs) {
-    const size_t piece = (size_t)2 << 20;
-    touch_ctx c;
-    auto add = [&](void *base, size_t n) {
-        for (size_t a = 0; base && a < n; a += piece) c.spans.push_back({(char *)base + a, n - a < piece ? n - a : piece});
-    };
+    std::vector<void *> base;
+    std::vector<size_t> bytes;
     for (const hset &h : sets)
         for (int64_t ji : h.jobs) {
             const mq_qtensor *q = jobs[ji].out;
-            add(q->codes, (size_t)(q->rows * q->cols));
-            add(q->params, (size_t)(q->rows * q->n_groups) * sizeof(mq_gparams));
+            base.push_back(q->codes);
+            bytes.push_back((size_t)(q->rows * q->cols));
+            base.push_back(q->params);
+            bytes.push_back((size_t)(q->rows * q->n_groups) * sizeof(mq_gparams));
         }
-    mq_parallel_for((int64_t)c.spans.size(), touch_task, &c);
+    mq_touch_pages(base.data(), bytes.data(), (int64_t)base.size());
 }
 
 /* The loop of a wave: RTN loss, load, groups, the column blocks with their trailing GEMMs. */
