@@ -1031,7 +1031,14 @@ static void lazy_piece_task(void *ctx, int64_t i, int thread) {
     const lazy_job *j = ctx;
     const lazy_piece *pc = &j->piece[i];
     moeq_status st = want_piece_to_f32(&j->lz->L.w[j->idx[pc->idx]], pc->k0, pc->k1);
-    if (st) j->status[pc->idx] = st;   /* any failing piece's status will do: all say the same */
+    /* a conversion fails by its dtype alone, so every piece of a want as its first does: that
+     * one reports (one writer a want) */
+    if (pc->k0 == 0) j->status[pc->idx] = st;
+}
+
+/* The values of a want a piece converts: FP8 block-scaled ones whole (want_piece_to_f32). */
+static int64_t piece_step(const want *w, int64_t len) {
+    return w->t->scale_inv && w->count > 0 ? w->count : len;
 }
 
 /* The residual-stream rotation, a whole want at a time, after all its pieces. */
@@ -1074,7 +1081,7 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
         }
         /* quantized sources are dequantized below, on this thread, for their messages */
         convert[n] = !w->quantized && !(alloc_only && alloc_only(w->dest, user));
-        if (convert[n]) n_pieces += w->t->scale_inv ? 1 : (w->count + piece_len - 1) / piece_len;
+        if (convert[n]) n_pieces += (w->count + piece_step(w, piece_len) - 1) / piece_step(w, piece_len);
         idx[n++] = i;
     }
     if (!s && n_pieces && !(piece = malloc((size_t)n_pieces * sizeof *piece))) s = mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -1083,7 +1090,7 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
         for (size_t k = 0; k < n; k++) {
             const want *w = &lz->L.w[idx[k]];
             if (!convert[k]) continue;
-            const int64_t step = w->t->scale_inv ? w->count : piece_len;
+            const int64_t step = piece_step(w, piece_len);
             for (int64_t k0 = 0; k0 < w->count; k0 += step)
                 piece[np++] = (lazy_piece){k, k0, k0 + step < w->count ? k0 + step : w->count};
         }
