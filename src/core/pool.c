@@ -61,11 +61,11 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Spins until *v != unequal_to (returns true) or the spin time is over (false). */
-static bool spin_while_equal(const atomic_uint_fast64_t *v, uint64_t unequal_to) {
+/* Spins until ready(arg) (returns true) or the spin time is over (false). */
+static bool spin_until(bool (*ready)(const void *arg), const void *arg) {
     double t0 = -1;
     for (int i = 0;; i++) {
-        if (atomic_load(v) != unequal_to || atomic_load(&g_pool.shutdown)) return true;
+        if (ready(arg)) return true;
         cpu_relax();
         if ((i & 63) == 63) {   /* the clock now and then: pause lasts 10-150 cycles by CPU */
             double t = mq_now();
@@ -73,6 +73,16 @@ static bool spin_while_equal(const atomic_uint_fast64_t *v, uint64_t unequal_to)
             else if (t - t0 > SPIN_SECONDS) return false;
         }
     }
+}
+
+/* a job after generation *seen, or the pool stopping */
+static bool job_published(const void *seen) {
+    return atomic_load(&g_pool.generation) != *(const uint64_t *)seen || atomic_load(&g_pool.shutdown);
+}
+
+static bool job_done(const void *unused) {
+    (void)unused;
+    return atomic_load(&g_pool.pending) == 0;
 }
 
 static void run_tasks(int thread) {
@@ -96,7 +106,7 @@ static void *worker_main(void *arg) {
     uint64_t seen = g_pool.start_generation;
     pthread_mutex_unlock(&g_pool.mu);
     for (;;) {
-        if (!spin_while_equal(&g_pool.generation, seen)) {
+        if (!spin_until(job_published, &seen)) {
             pthread_mutex_lock(&g_pool.mu);
             atomic_fetch_add(&g_pool.sleepers, 1);
             while (!atomic_load(&g_pool.shutdown) && atomic_load(&g_pool.generation) == seen)
@@ -207,18 +217,10 @@ void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx) {
 
     /* a woken worker is often queued on this CPU (the scheduler's wake-affinity) and would wait
      * for the spin to end: after a wake-up the caller sleeps at once */
-    double t0 = -1;
-    for (int i = 0; atomic_load(&g_pool.pending) > 0; i++) {
-        cpu_relax();
-        if (!woke && (i & 63) != 63) continue;
-        double t = mq_now();
-        if (t0 < 0) t0 = t;
-        if (woke || t - t0 > SPIN_SECONDS) {
-            pthread_mutex_lock(&g_pool.mu);
-            while (atomic_load(&g_pool.pending) > 0) pthread_cond_wait(&g_pool.cv_done, &g_pool.mu);
-            pthread_mutex_unlock(&g_pool.mu);
-            break;
-        }
+    if (woke || !spin_until(job_done, NULL)) {
+        pthread_mutex_lock(&g_pool.mu);
+        while (atomic_load(&g_pool.pending) > 0) pthread_cond_wait(&g_pool.cv_done, &g_pool.mu);
+        pthread_mutex_unlock(&g_pool.mu);
     }
     g_pool.fn = NULL;
     pthread_mutex_unlock(&g_pool.submit);
