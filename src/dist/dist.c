@@ -47,12 +47,10 @@ void mq_dist_share_weighted(const int64_t *cost, int64_t n, int rank, int size, 
     }
     /* rank size-1 takes the last part, size-2 the one before, ...; ranks before the first part
      * take nothing */
-    int64_t end = n, sum = 0, start = n;
+    int64_t end = n, start = n;
     for (int r = size - 1; r >= rank; r--) {
         end = start;
-        sum = 0;
-        start = end;
-        while (start > 0 && (r == 0 || sum + cost[start - 1] <= a)) sum += cost[--start];
+        for (int64_t sum = 0; start > 0 && (r == 0 || sum + cost[start - 1] <= a);) sum += cost[--start];
     }
     *lo = start;
     *hi = end;

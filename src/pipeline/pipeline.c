@@ -471,9 +471,10 @@ static void *gpu_open_main(void *arg) {
 }
 
 static moeq_status gpu_open_start(mq_pipe *p, int device) {
-    const char *env = getenv("MOEQ_GPU_OPEN_AHEAD");
     moeq_status s = mq_gpu_probe(device);
-    if (s || (env && strcmp(env, "0") == 0)) return s ? s : mq_gpu_open(device, &p->gpu);
+    if (s) return s;
+    const char *env = getenv("MOEQ_GPU_OPEN_AHEAD");
+    if (env && strcmp(env, "0") == 0) return mq_gpu_open(device, &p->gpu);
     struct mq_gpu_opening *g = calloc(1, sizeof *g);
     if (!g) return mq_err(MOEQ_E_NOMEM, "out of memory");
     g->device = device;
