@@ -17,6 +17,14 @@ grep -q '"same_codes": true' "$tmp/s.json" || fail "thread counts gave different
     fail "scaling rows: $(cat "$tmp/s.json")"
 grep -q '"efficiency": 1.000' "$tmp/s.json" || fail "the first count's efficiency is not 1"
 
+# --rounds: the list timed in turn twice, every round's codes compared with the first's
+"$cli" bench gptq --rows 96 --cols 128 --reps 1 --threads 1,2 --rounds 2 --json > "$tmp/r.json" 2> "$tmp/r.err" ||
+    fail "bench gptq --rounds 2 exited $?"
+grep -q '"same_codes": true' "$tmp/r.json" || fail "--rounds: codes differ: $(cat "$tmp/r.json")"
+grep -q "round 2 of 2" "$tmp/r.err" || fail "--rounds: no second round: $(cat "$tmp/r.err")"
+"$cli" bench gptq --rows 64 --cols 64 --rounds 2 >/dev/null 2>"$tmp/r.err"
+[ $? -eq 2 ] && grep -q -- "--rounds" "$tmp/r.err" || fail "--rounds without a list: $(cat "$tmp/r.err")"
+
 "$cli" bench gptq --threads 2,x >/dev/null 2>&1
 [ $? -eq 2 ] || fail "bad --threads list: expected exit 2"
 "$cli" bench gptq --device cuda:999 --rows 64 --cols 64 2> "$tmp/d.err"

@@ -43,6 +43,30 @@ for r in rows:
 assert rows[0]["total"]["efficiency"] == 1.0 and rows[0]["core_rate"] == 1.0, rows[0]
 PY
 ls "$tmp" | grep -q moeq-bench && fail "bench quantize --threads left its temporary checkpoints"
+# --rounds N: the list N times in turn; each count's figures are the medians of its rounds, and
+# each round's own efficiency is that round's pair of runs
+out=$(TMPDIR=$tmp "$cli" bench quantize "$model" --layers 1 --nsamples 2 --seqlen 32 --threads 1,2 --rounds 3 \
+      --calib "$repo/data/demo-calib.txt" --json 2>"$tmp/err") || fail "bench quantize --rounds 3 exited $?: $(cat "$tmp/err")"
+printf '%s\n' "$out" > "$tmp/r.json"
+python3 - "$tmp/r.json" <<'PY' || fail "bench quantize --rounds JSON: $out"
+import json, sys, statistics
+j = json.load(open(sys.argv[1]))
+assert j["rounds"] == 3 and j["same_tensors"] is True, j
+a, b = j["thread_scaling"]
+for r in (a, b):
+    secs = r["total_seconds_by_round"]
+    assert len(secs) == 3 and min(secs) > 0, r
+    assert abs(r["total"]["seconds_per_layer"] - statistics.median(secs)) <= 0.0015, r   # 1 ms printed rounding each
+assert a["total_efficiency_by_round"] == [1.0, 1.0, 1.0], a
+for k in range(3):
+    want = a["total_seconds_by_round"][k] / (2 * b["total_seconds_by_round"][k])
+    assert abs(b["total_efficiency_by_round"][k] - want) <= 0.01 * want + 0.002, (k, want, b)
+want = statistics.median(a["total_seconds_by_round"]) / (2 * statistics.median(b["total_seconds_by_round"]))
+assert abs(b["total"]["efficiency"] - want) <= 0.01 * want + 0.002, (want, b)
+PY
+grep -q "round 3 of 3" "$tmp/err" || fail "bench quantize --rounds: no round progress: $(cat "$tmp/err")"
+"$cli" bench quantize "$model" --rounds 2 >/dev/null 2>"$tmp/err"; rc=$?
+[ $rc -eq 2 ] && grep -q -- "--rounds" "$tmp/err" || fail "bench quantize --rounds without a list: exit $rc, $(cat "$tmp/err")"
 "$cli" bench quantize "$model" --threads 2,,4 >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--threads 2,,4" "$tmp/err" || fail "bench quantize --threads 2,,4: exit $rc, $(cat "$tmp/err")"
 exit $((fails > 0))

@@ -109,8 +109,11 @@ grep -q "did not reach 'layer 1: experts' within 3 s" "$tmp/hang.log" ||
 [ $((t1 - t0)) -lt 120 ] || fail "the hung job took $((t1 - t0)) s to stop"
 
 # the scaling benchmark: one job, the first 1 and then 2 ranks, a table row for each
-run_np 2 bench quantize "$model" --layers 1 --nsamples 4 --seqlen 32 --threads 1 --ranks 1,2 \
+# (two rounds, 1,2,1,2: the rows are medians, and each round's own efficiency is printed)
+run_np 2 bench quantize "$model" --layers 1 --nsamples 4 --seqlen 32 --threads 1 --ranks 1,2 --rounds 2 \
     >"$tmp/bench.log" 2>&1 || fail "bench quantize --ranks 1,2 exited $?: $(tail -5 "$tmp/bench.log")"
+grep -qE "^efficiency of 2 ranks in each round: [0-9.]+ [0-9.]+$" "$tmp/bench.log" ||
+    fail "no per-round efficiencies: $(cat "$tmp/bench.log")"
 grep -qE "^ +1 +[0-9.]+ +1\.000 +[0-9.]+$" "$tmp/bench.log" || fail "no 1-rank row: $(cat "$tmp/bench.log")"
 grep -qE "^ +2 +[0-9.]+ +[0-9.]+ +[0-9.]+ [0-9.]+$" "$tmp/bench.log" || fail "no 2-rank row with 2 peaks: $(cat "$tmp/bench.log")"
 run_np 2 bench quantize "$model" --layers 1 --ranks 3 >/dev/null 2>&1 && fail "--ranks 3 on a 2-rank job was accepted"

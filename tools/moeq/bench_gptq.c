@@ -421,25 +421,53 @@ static int bench_gptq_gpu(mq_gpu *g, const bench_cfg *b, int64_t rows, int64_t c
 /* --threads 2,4,8,16: the single weight (and the MoE layer) at each thread count in turn, with
  * the speedup and efficiency against the first count, and whether every count gave the same
  * codes (they must: results never depend on the thread count). */
-static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int reps, const int *tl, int nt,
-                         int64_t experts, int64_t chunk, bool json) {
+static double median_of(const double *v, int n) {
+    double s[64];
+    if (n <= 0) return 0;
+    if (n > 64) n = 64;
+    memcpy(s, v, sizeof(double) * (size_t)n);
+    sort_doubles(s, n);
+    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+}
+
+static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int reps, int rounds, const int *tl,
+                         int nt, int64_t experts, int64_t chunk, bool json) {
     float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
     if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);
-    double sec[32], fac[32], cores[32], moe[32], moe_cores[32], sgemm[32], core_rate[32];
+    double sec[32], fac[32], cores[32], moe[32], moe_cores[32], sgemm[32], core_rate[32], core_gflops[32];
+    /* each count's figures in every round ([count][round]): the medians are reported */
+    double r_sec[32][64], r_fac[32][64], r_cores[32][64], r_moe[32][64], r_moe_cores[32][64], r_sgemm[32][64],
+        r_rate[32][64];
     uint32_t crc[32];
+    for (int r = 0; r < rounds; r++)
+        for (int i = 0; i < nt; i++) {
+            moeq_set_threads(tl[i]);
+            r_sgemm[i][r] = mq_measure_sgemm_gflops(1024, 1.0);
+            r_rate[i][r] = mq_measure_core_gflops(0.5) / tl[i];   /* per thread, all threads at once */
+            mq_gptq_stats st;
+            r_sec[i][r] = time_one(b, H, W, rows, cols, reps, &r_fac[i][r], &st, &r_cores[i][r]);
+            if (r_sec[i][r] < 0) return cli_fail("bench gptq", MOEQ_E_NUMERIC);
+            if (r == 0) crc[i] = g_last_crc;
+            else if (g_last_crc != crc[i]) crc[i] = ~crc[0];   /* differs from round 0: never the same */
+            r_moe[i][r] = -1;
+            r_moe_cores[i][r] = 0;
+            if (experts > 0 &&
+                (r_moe[i][r] = time_moe_layer(b, experts, chunk, 1024, 2048, &r_moe_cores[i][r], NULL, NULL)) < 0)
+                return cli_fail("bench gptq", MOEQ_E_NOMEM);
+            if (rounds > 1) fprintf(stderr, "bench gptq: %d threads done (round %d of %d)\n", tl[i], r + 1, rounds);
+            else fprintf(stderr, "bench gptq: %d threads done\n", tl[i]);
+        }
     for (int i = 0; i < nt; i++) {
-        moeq_set_threads(tl[i]);
-        sgemm[i] = mq_measure_sgemm_gflops(1024, 1.0);
-        core_rate[i] = mq_measure_core_gflops(0.5) / tl[i];   /* per thread, all threads at once */
-        mq_gptq_stats st;
-        sec[i] = time_one(b, H, W, rows, cols, reps, &fac[i], &st, &cores[i]);
-        crc[i] = g_last_crc;
-        if (sec[i] < 0) return cli_fail("bench gptq", MOEQ_E_NUMERIC);
-        moe[i] = -1;
-        moe_cores[i] = 0;
-        if (experts > 0 && (moe[i] = time_moe_layer(b, experts, chunk, 1024, 2048, &moe_cores[i], NULL, NULL)) < 0)
-            return cli_fail("bench gptq", MOEQ_E_NOMEM);
-        fprintf(stderr, "bench gptq: %d threads done\n", tl[i]);
+        double rel[64];
+        for (int r = 0; r < rounds; r++) rel[r] = r_rate[i][r] / r_rate[0][r];   /* against the round's first */
+        sec[i] = median_of(r_sec[i], rounds);
+        fac[i] = median_of(r_fac[i], rounds);
+        cores[i] = median_of(r_cores[i], rounds);
+        moe[i] = median_of(r_moe[i], rounds);
+        moe_cores[i] = median_of(r_moe_cores[i], rounds);
+        sgemm[i] = median_of(r_sgemm[i], rounds);
+        core_rate[i] = median_of(rel, rounds);
+        core_gflops[i] = median_of(r_rate[i], rounds);
     }
     mq_free(W);
     mq_free(H);
@@ -455,7 +483,7 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
                    "\"speedup\": %.3f, \"efficiency\": %.3f, \"fraction_of_sgemm\": %.4f, \"sgemm_gflops\": %.2f, "
                    "\"core_gflops\": %.2f, \"core_rate\": %.3f",
                    i ? ", " : "", tl[i], sec[i], fac[i], cores[i], sp, eff, flops / sec[i] * 1e-9 / sgemm[i], sgemm[i],
-                   core_rate[i], core_rate[i] / core_rate[0]);
+                   core_gflops[i], core_rate[i]);
             if (experts > 0)
                 printf(", \"moe_layer_seconds\": %.3f, \"moe_layer_efficiency\": %.3f", moe[i],
                        moe[0] / moe[i] * tl[0] / tl[i]);
@@ -464,14 +492,14 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
         printf("]}\n");
         return CLI_OK;
     }
-    printf("gptq %s %lldx%lld: scaling against %d threads (best of %d each)\n", mq_qscheme_name(b->spec.scheme),
-           (long long)rows, (long long)cols, tl[0], reps);
+    printf("gptq %s %lldx%lld: scaling against %d threads (best of %d each%s)\n", mq_qscheme_name(b->spec.scheme),
+           (long long)rows, (long long)cols, tl[0], reps, rounds > 1 ? "; medians of the rounds, counts in turn" : "");
     printf("threads   weight s  factor s  cores busy  speedup  efficiency  of sgemm  sgemm GFLOP/s  core rate%s\n",
            experts > 0 ? "   MoE layer s  cores busy  efficiency" : "");
     for (int i = 0; i < nt; i++) {
         const double sp = sec[0] / sec[i];
         printf("%7d  %9.3f %9.3f %11.2f %8.2fx %11.2f %8.0f%% %14.1f %10.2f", tl[i], sec[i], fac[i], cores[i], sp,
-               sp * tl[0] / tl[i], 100 * flops / sec[i] * 1e-9 / sgemm[i], sgemm[i], core_rate[i] / core_rate[0]);
+               sp * tl[0] / tl[i], 100 * flops / sec[i] * 1e-9 / sgemm[i], sgemm[i], core_rate[i]);
         if (experts > 0)
             printf(" %13.2f %11.2f %11.2f", moe[i], moe_cores[i], moe[0] / moe[i] * tl[0] / tl[i]);
         printf("\n");
@@ -483,7 +511,7 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
 }
 
 int bench_gptq(int argc, char **argv) {
-    int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3;
+    int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3, rounds = 1;
     const char *threads = NULL;
     int64_t experts = 64, chunk = 32, seed = 1;
     double percdamp = 0.01;
@@ -510,6 +538,8 @@ int bench_gptq(int argc, char **argv) {
         {"--reps", OPT_INT, &reps, "R", "timed repetitions, best kept (default 3)", NULL, 1, 1000, NULL},
         {"--threads", OPT_STRING, &threads, "T[,T...]", "threads (default: all cores); a list such as "
          "2,4,8,16 times each count in turn and prints the scaling against the first", NULL, 0, -1, NULL},
+        {"--rounds", OPT_INT, &rounds, "N", "with a --threads list: time the whole list N times in turn "
+         "(2,16,2,16,...) and report the medians (default 1)", NULL, 1, 64, NULL},
         {"--seed", OPT_INT, &seed, "S", "random seed (default 1)", NULL, 1, -1, NULL},
         {"--moe", OPT_FLAG, &moe, NULL, "also time one OLMoE-1B-7B-shaped MoE layer", NULL, 0, -1, NULL},
         {"--experts", OPT_INT, &experts, "E", "experts in the --moe layer (default 64)", NULL, 1, 4096, NULL},
@@ -568,9 +598,10 @@ int bench_gptq(int argc, char **argv) {
         return bench_gptq_gpu(g, &b, rows, cols, reps, moe ? experts : 0, json, tf32);
     }
     if (tf32) return cli_usage_error("bench gptq", "--gpu-tf32 needs --device cuda");
+    if (rounds > 1 && nt < 2) return cli_usage_error("bench gptq", "--rounds needs a list to --threads");
     if (nt > 1) {
         if (model) return cli_usage_error("bench gptq", "a --threads list times the weight and --moe, not --model");
-        return bench_scaling(&b, rows, cols, (int)reps, tlist, nt, moe ? experts : 0, chunk, json);
+        return bench_scaling(&b, rows, cols, (int)reps, (int)rounds, tlist, nt, moe ? experts : 0, chunk, json);
     }
     float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
     if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);

@@ -49,25 +49,87 @@ static void stage_sums(const mq_pipeline_result *r, double wall[N_STAGES], doubl
     }
 }
 
-/* --threads LIST: per stage, seconds per layer, cores busy and efficiency against the first. */
-static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, int nt, const double *core,
-                                 bool same, int64_t tensors, bool json) {
-    double w0[N_STAGES], c0[N_STAGES];
-    stage_sums(&rs[0], w0, c0);
-    const int run0 = rs[0].layers_run > 0 ? rs[0].layers_run : 1;
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median of v[0..n) (n <= 64; the mean of the middle two for even n). */
+static double median(const double *v, int n) {
+    double s[64];
+    if (n <= 0) return 0;
+    if (n > 64) n = 64;
+    memcpy(s, v, sizeof(double) * (size_t)n);
+    qsort(s, (size_t)n, sizeof s[0], cmp_double);
+    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+}
+
+/* One count's figures over the rounds: per stage the median seconds per layer and cores busy. */
+typedef struct {
+    double sec[N_STAGES], cores[N_STAGES], core_rate;
+} count_figures;
+
+/* A run's seconds per layer (all stages). */
+static double per_layer_total(const mq_pipeline_result *r) {
+    double w = 0;
+    for (int l = 0; l < r->layers_run; l++) w += r->layer[l].total;
+    return r->layers_run > 0 ? w / r->layers_run : 0;
+}
+
+/* rs[round * nt + i]: count i's run in each round; core[] the same way. */
+static count_figures count_medians(const mq_pipeline_result *rs, const double *core, int nt, int rounds, int i) {
+    double sec[N_STAGES][64], cores[N_STAGES][64], rate[64];
+    if (rounds > 64) rounds = 64;
+    for (int r = 0; r < rounds; r++) {
+        const mq_pipeline_result *x = &rs[r * nt + i];
+        double w[N_STAGES], c[N_STAGES];
+        stage_sums(x, w, c);
+        const int run = x->layers_run > 0 ? x->layers_run : 1;
+        for (int k = 0; k < N_STAGES; k++) {
+            sec[k][r] = w[k] / run;
+            cores[k][r] = w[k] > 0 ? c[k] / w[k] : 0;
+        }
+        rate[r] = core[r * nt] > 0 ? core[r * nt + i] / core[r * nt] : 0;   /* against the round's first count */
+    }
+    count_figures f;
+    for (int k = 0; k < N_STAGES; k++) {
+        f.sec[k] = median(sec[k], rounds);
+        f.cores[k] = median(cores[k], rounds);
+    }
+    f.core_rate = median(rate, rounds);
+    return f;
+}
+
+/* Within round r, the end-to-end efficiency of count i (threads or ranks: n[i]) against the
+ * first count. */
+static double round_efficiency(const mq_pipeline_result *rs, const int *n, int n_counts, int r, int i) {
+    const double t0 = per_layer_total(&rs[r * n_counts]), t = per_layer_total(&rs[r * n_counts + i]);
+    return t > 0 ? t0 * n[0] / (t * n[i]) : 0;
+}
+
+/* --threads LIST: per stage, seconds per layer, cores busy and efficiency against the first
+ * (medians over the rounds), then each round's end-to-end efficiencies (the spread). */
+static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, int nt, int rounds,
+                                 const double *core, bool same, int64_t tensors, bool json) {
+    count_figures f[32];
+    for (int i = 0; i < nt; i++) f[i] = count_medians(rs, core, nt, rounds, i);
+    double eff[32][N_STAGES];
+    for (int i = 0; i < nt; i++)
+        for (int k = 0; k < N_STAGES; k++)
+            eff[i][k] = f[i].sec[k] > 0 ? f[0].sec[k] * tl[0] / (f[i].sec[k] * tl[i]) : 0;
     if (json) {
-        printf("{\"same_tensors\": %s, \"tensors_compared\": %lld, \"thread_scaling\": [", same ? "true" : "false",
-               (long long)tensors);
+        printf("{\"same_tensors\": %s, \"tensors_compared\": %lld, \"rounds\": %d, \"thread_scaling\": [",
+               same ? "true" : "false", (long long)tensors, rounds);
         for (int i = 0; i < nt; i++) {
-            double w[N_STAGES], c[N_STAGES];
-            stage_sums(&rs[i], w, c);
-            const int run = rs[i].layers_run > 0 ? rs[i].layers_run : 1;
-            printf("%s{\"threads\": %d, \"core_rate\": %.3f", i ? ", " : "", tl[i], core[i] / core[0]);
+            printf("%s{\"threads\": %d, \"core_rate\": %.3f", i ? ", " : "", tl[i], f[i].core_rate);
             for (int k = 0; k < N_STAGES; k++)
                 printf(", \"%s\": {\"seconds_per_layer\": %.3f, \"cores_busy\": %.2f, \"efficiency\": %.3f}",
-                       stage_name[k], w[k] / run, w[k] > 0 ? c[k] / w[k] : 0,
-                       w[k] > 0 ? (w0[k] / run0) * tl[0] / ((w[k] / run) * tl[i]) : 0);
-            printf("}");
+                       stage_name[k], f[i].sec[k], f[i].cores[k], eff[i][k]);
+            printf(", \"total_seconds_by_round\": [");
+            for (int r = 0; r < rounds; r++) printf("%s%.3f", r ? ", " : "", per_layer_total(&rs[r * nt + i]));
+            printf("], \"total_efficiency_by_round\": [");
+            for (int r = 0; r < rounds; r++) printf("%s%.3f", r ? ", " : "", round_efficiency(rs, tl, nt, r, i));
+            printf("]}");
         }
         printf("]}\n");
         return;
@@ -78,23 +140,26 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
     for (int k = 0; k < N_STAGES; k++) printf("  %-22s", "s/layer cores  eff.");
     printf("\n");
     for (int i = 0; i < nt; i++) {
-        double w[N_STAGES], c[N_STAGES];
-        stage_sums(&rs[i], w, c);
-        const int run = rs[i].layers_run > 0 ? rs[i].layers_run : 1;
-        printf("%7d  %9.2f", tl[i], core[i] / core[0]);
-        for (int k = 0; k < N_STAGES; k++)
-            printf("  %7.2f %5.1f %6.2f  ", w[k] / run, w[k] > 0 ? c[k] / w[k] : 0,
-                   w[k] > 0 ? (w0[k] / run0) * tl[0] / ((w[k] / run) * tl[i]) : 0);
+        printf("%7d  %9.2f", tl[i], f[i].core_rate);
+        for (int k = 0; k < N_STAGES; k++) printf("  %7.2f %5.1f %6.2f  ", f[i].sec[k], f[i].cores[k], eff[i][k]);
         printf("\n");
     }
-    printf("(cores: process CPU seconds over wall seconds; eff.: T(%d) * %d / (T(n) * n); core rate: each "
+    printf("(%s; cores: process CPU seconds over wall seconds; eff.: T(%d) * %d / (T(n) * n); core rate: each "
            "thread's single-threaded sgemm rate with all running, against %d threads, the ceiling of "
-           "compute-bound efficiency here)\n", tl[0], tl[0], tl[0]);
+           "compute-bound efficiency here)\n",
+           rounds > 1 ? "medians of the rounds" : "one round", tl[0], tl[0], tl[0]);
+    if (rounds > 1) {   /* each round's own ratio: how far the machine's drift moves it */
+        for (int i = 1; i < nt; i++) {
+            printf("end-to-end efficiency of %d threads in each round:", tl[i]);
+            for (int r = 0; r < rounds; r++) printf(" %.2f", round_efficiency(rs, tl, nt, r, i));
+            printf("\n");
+        }
+    }
     printf("the %lld tensors written %s at every thread count\n", (long long)tensors, same ? "identical" : "DIFFER (a bug)");
 }
 
 int bench_quantize(int argc, char **argv) {
-    int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0;
+    int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0, rounds = 1;
     const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL,
                *threads = NULL, *sampling = "chunks", *mode = "sequential",
                *precision = "fp32", *target = NULL;
@@ -126,6 +191,9 @@ int bench_quantize(int argc, char **argv) {
         {"--gpu-tf32", OPT_FLAG, &tf32, NULL, "the same as --gpu-precision tf32", NULL, 0, -1, NULL},
         {"--ranks", OPT_STRING, &ranks_arg, "N,N,...", "under mpirun: run with the job's first N ranks "
          "for each N in turn and print the scaling table (default: all ranks)", NULL, 0, -1, NULL},
+        {"--rounds", OPT_INT, &rounds, "N", "with a --threads or --ranks list: run the whole list N "
+         "times in turn (2,16,2,16,...) and report the medians (this machine's speed can drift by "
+         "more than the effect within minutes; default 1)", NULL, 1, 64, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
     };
     cli_command cmd = {"bench quantize", "MODEL_DIR [--layers N] [--json]",
@@ -203,28 +271,33 @@ int bench_quantize(int argc, char **argv) {
     }
     if (n_ranks > 1 && nt > 1)
         return cli_usage_error("bench quantize", "give a list to --ranks or to --threads, not to both");
-    const int n_runs = n_ranks > nt ? n_ranks : nt;
+    const int n_counts = n_ranks > nt ? n_ranks : nt;   /* runs a round */
+    if (rounds > 1 && n_counts < 2)
+        return cli_usage_error("bench quantize", "--rounds needs a list to --threads or --ranks");
+    const int n_runs = n_counts * (int)rounds;        /* rs[round * n_counts + i] */
     mq_pipeline_result *rs = calloc((size_t)n_runs, sizeof *rs);
     if (!rs) return cli_fail("bench quantize", MOEQ_E_NOMEM);
     cli_progress_enable(json || world > 1);
     bool same = true;
     uint32_t crc0 = 0;
     int64_t n0 = 0;   /* the tensors the first run wrote */
-    double core[32] = {0};
-    for (int i = 0; i < n_runs && !st; i++) {
+    double core[64 * 32] = {0};
+    for (int run = 0; run < n_runs && !st; run++) {
+        const int i = run % n_counts;
         if (nt > 1) {
             moeq_set_threads(tl[i]);
-            core[i] = mq_measure_core_gflops(0.5) / tl[i];
-            fprintf(stderr, "bench quantize: %d threads\n", tl[i]);
+            core[run] = mq_measure_core_gflops(0.5) / tl[i];
+            if (rounds > 1) fprintf(stderr, "bench quantize: %d threads (round %d of %d)\n", tl[i], run / n_counts + 1, (int)rounds);
+            else fprintf(stderr, "bench quantize: %d threads\n", tl[i]);
         }
         if ((st = mq_dist_subset(ranks[n_ranks > 1 ? i : 0]))) break;
-        if (mq_dist_size() > 0) st = mq_pipeline_run(pos[0], out, &o, &rs[i]);
+        if (mq_dist_size() > 0) st = mq_pipeline_run(pos[0], out, &o, &rs[run]);
         moeq_status bs = mq_dist_subset(0);
         if (!bs) bs = mq_dist_world_barrier("bench quantize");
         if (!st) st = bs;
         if (nt > 1 && !st) {   /* the tensors it wrote, against the first count's */
-            if (i == 0) crc0 = rs[i].tensors_crc, n0 = rs[i].tensors_written;
-            same &= rs[i].tensors_crc == crc0 && rs[i].tensors_written == n0;
+            if (run == 0) crc0 = rs[run].tensors_crc, n0 = rs[run].tensors_written;
+            same &= rs[run].tensors_crc == crc0 && rs[run].tensors_written == n0;
         }
     }
     cli_progress_finish();
@@ -233,21 +306,27 @@ int bench_quantize(int argc, char **argv) {
         free(rs);
         return cli_fail("bench quantize", st);
     }
-    if (world > 1 || n_ranks > 1) {   /* the scaling table, then the details of the largest run */
+    if (world > 1 || n_ranks > 1) {   /* the scaling table (medians of the rounds), then the details of the largest run */
+        const mq_pipeline_result *last = &rs[(rounds - 1) * n_counts];   /* the last round's, for the memory */
         double t0 = 0;
-        printf("ranks  s/layer  efficiency  peak memory per rank (GB)\n");
+        printf("ranks  s/layer  efficiency  peak memory per rank (GB)%s\n", rounds > 1 ? "  (medians of the rounds)" : "");
         for (int i = 0; i < n_ranks; i++) {
-            double t = 0;
-            for (int l = 0; l < rs[i].layers_run; l++) t += rs[i].layer[l].total;
-            t /= rs[i].layers_run > 0 ? rs[i].layers_run : 1;
+            double ts[64];
+            for (int r = 0; r < rounds; r++) ts[r] = per_layer_total(&rs[r * n_counts + i]);
+            const double t = median(ts, (int)rounds);
             if (i == 0) t0 = t * ranks[0];
             printf("%5d  %7.2f  %10.3f ", ranks[i], t, t > 0 ? t0 / (t * ranks[i]) : 0);
-            for (int r = 0; r < ranks[i] && r < 64; r++) printf(" %.2f", (double)rs[i].rank_peak[r] / 1e9);
+            for (int r = 0; r < ranks[i] && r < 64; r++) printf(" %.2f", (double)last[i].rank_peak[r] / 1e9);
+            printf("\n");
+        }
+        for (int i = 1; i < n_ranks && rounds > 1; i++) {   /* each round's own ratio */
+            printf("efficiency of %d ranks in each round:", ranks[i]);
+            for (int r = 0; r < rounds; r++) printf(" %.3f", round_efficiency(rs, ranks, n_counts, r, i));
             printf("\n");
         }
     }
     if (nt > 1) {
-        print_thread_scaling(rs, tl, nt, core, same, n0, json);
+        print_thread_scaling(rs, tl, nt, (int)rounds, core, same, n0, json);
         if (json) {
             free(rs);
             return same ? CLI_OK : CLI_FAIL;
