@@ -90,6 +90,14 @@ void moeq_set_force_ref(int on);
  * lacks AVX2 or FMA: the scalar twins, no instruction it lacks is executed) or "scalar (forced)";
  * on 64-bit Arm "neon+dotprod" (SDOT reported by the kernel's HWCAP_ASIMDDP) or "neon". */
 const char *moeq_cpu_kernels(void);
+/* The kernel set OpenBLAS runs (its openblas_get_corename: "Haswell", "SkylakeX", ...). */
+const char *moeq_blas_kernels(void);
+/* The OPENBLAS_CORETYPE that suits this CPU when OpenBLAS runs kernels without AVX2 on a CPU with
+ * AVX2 and FMA ("SkylakeX" with AVX-512, else "Haswell"), else NULL. OpenBLAS before 0.3.25 (Debian
+ * 12 has 0.3.21) falls back to its Prescott kernels on Intel models it does not know, about 4x
+ * slower for sgemm. It reads the variable only when it loads: a program acts on this by running
+ * again with it set (the moeq CLI re-executes itself once; a set OPENBLAS_CORETYPE is kept). */
+const char *moeq_blas_coretype_advice(void);
 /* 1 when this build has the CUDA backend (GPTQ with device "cuda"), else 0. */
 int moeq_gpu_backend_built(void);
 

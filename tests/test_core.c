@@ -249,6 +249,25 @@ static void test_prefetch_reads_ahead(void) {
     free(buf);
 }
 
+/* The advice on OpenBLAS's kernel set: only sets without AVX2 on a CPU with AVX2 and FMA, in
+ * OpenBLAS's spelling of either case; SkylakeX with AVX-512, else Haswell. */
+static void test_blas_advice(void) {
+    ASSERT_TRUE(mq_blas_advice_for("Prescott", true, true) && !strcmp(mq_blas_advice_for("Prescott", true, true), "SkylakeX"));
+    ASSERT_TRUE(!strcmp(mq_blas_advice_for("PRESCOTT", true, false), "Haswell"));
+    ASSERT_TRUE(!strcmp(mq_blas_advice_for("Sandybridge", true, false), "Haswell"));   /* AVX without AVX2 */
+    ASSERT_TRUE(!strcmp(mq_blas_advice_for("Nehalem", true, true), "SkylakeX"));
+    ASSERT_TRUE(!strcmp(mq_blas_advice_for("Unknown", true, false), "Haswell"));
+    ASSERT_TRUE(mq_blas_advice_for("Prescott", false, false) == NULL);   /* the CPU has nothing better */
+    ASSERT_TRUE(mq_blas_advice_for("Haswell", true, true) == NULL);      /* OpenBLAS's own choice for Zen */
+    ASSERT_TRUE(mq_blas_advice_for("SkylakeX", true, true) == NULL);
+    ASSERT_TRUE(mq_blas_advice_for("Cooperlake", true, true) == NULL);
+    ASSERT_TRUE(mq_blas_advice_for("Zen", true, false) == NULL);
+    ASSERT_TRUE(mq_blas_advice_for("armv8", false, false) == NULL);
+    ASSERT_TRUE(mq_blas_advice_for(NULL, true, true) == NULL);
+    ASSERT_TRUE(moeq_blas_kernels() && *moeq_blas_kernels());
+}
+
 TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
-          T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages))
+          T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages),
+          T(test_blas_advice))

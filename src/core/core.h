@@ -162,6 +162,9 @@ bool mq_cpu_has_avx2_fma(void);
  * kernels run, so both sets can be compared on one host. _vnni: also AVX512-VNNI. */
 bool mq_cpu_has_avx512(void);
 bool mq_cpu_has_avx512_vnni(void);
+/* The OPENBLAS_CORETYPE for a CPU with these features when OpenBLAS runs kernel set `core` and
+ * that set lacks AVX2 ("SkylakeX", "Haswell"), else NULL (blas_info.c). */
+const char *mq_blas_advice_for(const char *core, bool avx2_fma, bool avx512);
 void mq_set_avx512_off(int off);   /* for tests and benchmarks; -1 reads MOEQ_NO_AVX512 again */
 /* AArch64 with the dot-product extension (Linux: HWCAP_ASIMDDP); false elsewhere. */
 bool mq_cpu_has_neon_dot(void);

@@ -303,6 +303,17 @@ void cli_install_sigint(void) {
     sigaction(SIGINT, &sa, NULL);
 }
 
+const char *cli_blas_kernels(void) {
+    static char buf[256];
+    const char *was = getenv("MOEQ_BLAS_REEXEC"), *ct = getenv("OPENBLAS_CORETYPE");
+    if (was && *was && ct && *ct)   /* main's blas_reexec chose the set */
+        snprintf(buf, sizeof buf, "OpenBLAS %s (OPENBLAS_CORETYPE=%s set by moeq: OpenBLAS chose %s on this CPU)",
+                 moeq_blas_kernels(), ct, was);
+    else
+        snprintf(buf, sizeof buf, "OpenBLAS %s", moeq_blas_kernels());
+    return buf;
+}
+
 const char *cli_shared_dir(void) {
     static char buf[4096];
     const char *root = getenv("MOEQ_SHARED");

@@ -81,6 +81,8 @@ void cli_install_sigint(void);
 
 /* Path of the shared fixtures folder ($MOEQ_SHARED or <repo>/../shared); NULL if missing. */
 const char *cli_shared_dir(void);
+/* "OpenBLAS <kernel set>", saying so where the CLI chose the set (main.c's blas_reexec). */
+const char *cli_blas_kernels(void);
 
 /* "5GB", "500MB", "2GiB", "1048576" -> bytes (K/M/G/T decimal, KiB/MiB/GiB/TiB binary, B
  * optional, case ignored); false for anything else. */

@@ -34,7 +34,8 @@ int cmd_bench(int argc, char **argv) {
             /* which kernels the figures are of (stderr: --json keeps stdout one object); the
              * generator measures nothing */
             if (strcmp(g_benches[i].name, "gen-model") != 0)
-                fprintf(stderr, "moeq bench %s: CPU kernels %s\n", g_benches[i].name, moeq_cpu_kernels());
+                fprintf(stderr, "moeq bench %s: CPU kernels %s, BLAS %s\n", g_benches[i].name, moeq_cpu_kernels(),
+                        cli_blas_kernels());
             return g_benches[i].run(argc - 1, argv + 1);
         }
     return cli_usage_error("bench", "unknown benchmark '%s'", argv[1]);
