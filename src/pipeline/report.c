@@ -64,6 +64,12 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
     const mq_pipeline_opts *o = p->o;
     const mq_pipeline_result *r = p->res;
     cJSON *j = cJSON_CreateObject();
+    /* what ran it: the last bits of OpenBLAS's sums depend on its kernel set (checkpoints from
+     * hosts with different sets can differ there; never with the thread or rank count) */
+    cJSON *host = cJSON_AddObjectToObject(j, "host");
+    cJSON_AddStringToObject(host, "moeq", moeq_version());
+    cJSON_AddStringToObject(host, "cpu_kernels", moeq_cpu_kernels());
+    cJSON_AddStringToObject(host, "blas_kernels", moeq_blas_kernels());
     cJSON *set = cJSON_AddObjectToObject(j, "settings");
     cJSON_AddStringToObject(set, "scheme", mq_qscheme_name(o->spec.scheme));
     cJSON_AddNumberToObject(set, "group_size", o->spec.group_size);

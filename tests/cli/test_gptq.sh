@@ -29,6 +29,11 @@ r=$tmp/nv/gptq_report.json
 grep -q '"modules_worse_than_rtn":[[:space:]]*0' "$r" || fail "report: a module has GPTQ loss > RTN loss"
 grep -q '"method":[[:space:]]*"gptq-block-hessian"' "$r" || fail "report: no expert fallback"
 grep -q '"tokens":[[:space:]]*512' "$r" || fail "report: calibration tokens"
+# the host's kernel sets, as --version names them
+grep -q "\"blas_kernels\":[[:space:]]*\"$("$cli" --version | sed -n 's/^BLAS: OpenBLAS \([A-Za-z0-9_]*\).*/\1/p')\"" "$r" ||
+    fail "report: no BLAS kernel set, or not --version's"
+grep -q "\"cpu_kernels\":[[:space:]]*\"$("$cli" --version | sed -n 's/^CPU kernels: //p')\"" "$r" ||
+    fail "report: no CPU kernel set, or not --version's"
 "$cli" inspect "$tmp/nv" | grep -q 'nvfp4 (compressed-tensors) *112 weights' || fail "inspect nvfp4"
 # the checkpoint does not depend on the number of threads
 "$cli" quantize "$model" --out "$tmp/nv1" --scheme nvfp4a16 --method gptq --calib "$calib" \
