@@ -35,7 +35,6 @@ const char *mq_blas_advice_for(const char *core, bool avx2_fma, bool avx512) {
  * the zmm state before it reports any of them). */
 static bool cpu_has_skylakex(void) {
 #if defined(__x86_64__)
-    __builtin_cpu_init();
     return mq_cpu_has_avx512() && __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq");
 #else
     return false;

@@ -438,15 +438,6 @@ static int bench_gptq_gpu(mq_gpu *g, const bench_cfg *b, int64_t rows, int64_t c
 /* --threads 2,4,8,16: the single weight (and the MoE layer) at each thread count in turn, with
  * the speedup and efficiency against the first count, and whether every count gave the same
  * codes (they must: results never depend on the thread count). */
-static double median_of(const double *v, int n) {
-    double s[64];
-    if (n <= 0) return 0;
-    if (n > 64) n = 64;
-    memcpy(s, v, sizeof(double) * (size_t)n);
-    sort_doubles(s, n);
-    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
-}
-
 static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int reps, int rounds, const int *tl,
                          int nt, int64_t experts, int64_t chunk, bool json) {
     float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
@@ -455,7 +446,8 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
     /* each count's figures in every round ([count][round]): the medians are reported */
     double r_sec[32][64], r_fac[32][64], r_cores[32][64], r_moe[32][64], r_moe_cores[32][64], r_sgemm[32][64],
         r_rate[32][64];
-    uint32_t crc[32];
+    uint32_t crc0 = 0;   /* the first run's codes: every run must give them */
+    bool same = true;
     for (int r = 0; r < rounds; r++)
         for (int i = 0; i < nt; i++) {
             moeq_set_threads(tl[i]);
@@ -464,8 +456,8 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
             mq_gptq_stats st;
             r_sec[i][r] = time_one(b, H, W, rows, cols, reps, &r_fac[i][r], &st, &r_cores[i][r]);
             if (r_sec[i][r] < 0) return cli_fail("bench gptq", MOEQ_E_NUMERIC);
-            if (r == 0) crc[i] = g_last_crc;
-            else if (g_last_crc != crc[i]) crc[i] = ~crc[0];   /* differs from round 0: never the same */
+            if (r == 0 && i == 0) crc0 = g_last_crc;
+            same &= g_last_crc == crc0;
             r_moe[i][r] = -1;
             r_moe_cores[i][r] = 0;
             if (experts > 0 &&
@@ -477,19 +469,17 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
     for (int i = 0; i < nt; i++) {
         double rel[64];
         for (int r = 0; r < rounds; r++) rel[r] = r_rate[i][r] / r_rate[0][r];   /* against the round's first */
-        sec[i] = median_of(r_sec[i], rounds);
-        fac[i] = median_of(r_fac[i], rounds);
-        cores[i] = median_of(r_cores[i], rounds);
-        moe[i] = median_of(r_moe[i], rounds);
-        moe_cores[i] = median_of(r_moe_cores[i], rounds);
-        sgemm[i] = median_of(r_sgemm[i], rounds);
-        core_rate[i] = median_of(rel, rounds);
-        core_gflops[i] = median_of(r_rate[i], rounds);
+        sec[i] = cli_median(r_sec[i], rounds);
+        fac[i] = cli_median(r_fac[i], rounds);
+        cores[i] = cli_median(r_cores[i], rounds);
+        moe[i] = cli_median(r_moe[i], rounds);
+        moe_cores[i] = cli_median(r_moe_cores[i], rounds);
+        sgemm[i] = cli_median(r_sgemm[i], rounds);
+        core_rate[i] = cli_median(rel, rounds);
+        core_gflops[i] = cli_median(r_rate[i], rounds);
     }
     mq_free(W);
     mq_free(H);
-    bool same = true;
-    for (int i = 1; i < nt; i++) same &= crc[i] == crc[0];
     const double flops = (double)rows * (double)cols * (double)cols + pow((double)cols, 3);
     if (json) {
         printf("{\"rows\": %lld, \"cols\": %lld, \"same_codes\": %s, \"scaling\": [", (long long)rows,

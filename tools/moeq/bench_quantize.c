@@ -49,21 +49,6 @@ static void stage_sums(const mq_pipeline_result *r, double wall[N_STAGES], doubl
     }
 }
 
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* The median of v[0..n) (n <= 64; the mean of the middle two for even n). */
-static double median(const double *v, int n) {
-    double s[64];
-    if (n <= 0) return 0;
-    if (n > 64) n = 64;
-    memcpy(s, v, sizeof(double) * (size_t)n);
-    qsort(s, (size_t)n, sizeof s[0], cmp_double);
-    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
-}
-
 /* One count's figures over the rounds: per stage the median seconds per layer and cores busy. */
 typedef struct {
     double sec[N_STAGES], cores[N_STAGES], core_rate;
@@ -93,10 +78,10 @@ static count_figures count_medians(const mq_pipeline_result *rs, const double *c
     }
     count_figures f;
     for (int k = 0; k < N_STAGES; k++) {
-        f.sec[k] = median(sec[k], rounds);
-        f.cores[k] = median(cores[k], rounds);
+        f.sec[k] = cli_median(sec[k], rounds);
+        f.cores[k] = cli_median(cores[k], rounds);
     }
-    f.core_rate = median(rate, rounds);
+    f.core_rate = cli_median(rate, rounds);
     return f;
 }
 
@@ -313,7 +298,7 @@ int bench_quantize(int argc, char **argv) {
         for (int i = 0; i < n_ranks; i++) {
             double ts[64];
             for (int r = 0; r < rounds; r++) ts[r] = per_layer_total(&rs[r * n_counts + i]);
-            const double t = median(ts, (int)rounds);
+            const double t = cli_median(ts, (int)rounds);
             if (i == 0) t0 = t * ranks[0];
             printf("%5d  %7.2f  %10.3f ", ranks[i], t, t > 0 ? t0 / (t * ranks[i]) : 0);
             for (int r = 0; r < ranks[i] && r < 64; r++) printf(" %.2f", (double)last[i].rank_peak[r] / 1e9);

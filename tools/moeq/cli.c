@@ -371,6 +371,20 @@ double cli_cpu_seconds(void) {
            (double)ru.ru_stime.tv_sec + 1e-6 * (double)ru.ru_stime.tv_usec;
 }
 
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double cli_median(const double *v, int n) {
+    double s[64];
+    if (n <= 0) return 0;
+    if (n > 64) n = 64;
+    memcpy(s, v, sizeof(double) * (size_t)n);
+    qsort(s, (size_t)n, sizeof s[0], cmp_double);
+    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+}
+
 void cli_report_memory(const char *cmd, const moeq_model_info *info) {
     const double mib = 1024.0 * 1024.0;
     fprintf(stderr, "%s: weights %.2f MiB resident", cmd, (double)info->weight_bytes / mib);

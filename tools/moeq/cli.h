@@ -97,6 +97,9 @@ void cli_print_json_string(FILE *f, const char *s);
  * system, all threads) so far. */
 int64_t cli_peak_rss_bytes(void);
 double cli_cpu_seconds(void);
+/* The median of v[0..n), n <= 64 (the mean of the middle two for even n; v is not changed): the
+ * benchmarks' figure over repeated rounds. */
+double cli_median(const double *v, int n);
 /* One stderr line on a model's resident weights (packed or fp32, and what fp32 would take)
  * and the process's peak RSS. */
 void cli_report_memory(const char *cmd, const moeq_model_info *info);
