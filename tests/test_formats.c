@@ -623,6 +623,42 @@ static void test_rtn_tensor_and_dequant(void) {
     free(w); free(d1); free(d2);
 }
 
+/* The pooled absmax and finiteness checks against the serial ones, with the odd value at chunk
+ * edges (chunks of 2^18 values) and in arrays of every size, at 1 and 3 threads. */
+static void test_pooled_absmax_and_finite(void) {
+    const int64_t n = 3 * (1 << 18) + 77;
+    float *x = malloc((size_t)n * sizeof *x);
+    ASSERT_TRUE(x != NULL);
+    for (int64_t i = 0; i < n; i++) x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+    const int64_t spots[] = {0, (1 << 18) - 1, 1 << 18, 2 * (1 << 18) + 5, n - 1};
+    for (int pass = 0; pass < 2; pass++) {
+        moeq_set_threads(pass == 0 || getenv("MOEQ_CROSS") ? 1 : 3);   /* qemu-user: contended locks crawl */
+        for (int k = 0; k < 5; k++) {
+            const int64_t at = spots[k];
+            const float keep = x[at];
+            x[at] = -7.25f;   /* the largest magnitude, here */
+            float want = mq_absmax(x, n), got = mq_absmax_pool(x, n);
+            ASSERT_TRUE(memcmp(&want, &got, 4) == 0 && got == 7.25f);
+            x[at] = NAN;
+            ASSERT_TRUE(mq_absmax_pool(x, n) != mq_absmax_pool(x, n));   /* NaN */
+            /* three arrays: the whole, an empty one, the part from `at` on */
+            const float *arrs[4] = {x, NULL, x + at, x};
+            const int64_t ns[4] = {n, 5, n - at, at};   /* the last stops before the NaN */
+            uint8_t ok[4];
+            ASSERT_OK(mq_all_finite_many(arrs, ns, 4, ok));
+            ASSERT_TRUE(!ok[0] && ok[1] && !ok[2] && ok[3]);
+            x[at] = INFINITY;
+            ASSERT_OK(mq_all_finite_many(arrs, ns, 4, ok));
+            ASSERT_TRUE(!ok[0] && ok[1] && !ok[2] && ok[3]);
+            x[at] = keep;
+            ASSERT_OK(mq_all_finite_many(arrs, ns, 4, ok));
+            ASSERT_TRUE(ok[0] && ok[1] && ok[2] && ok[3]);
+        }
+    }
+    moeq_set_threads(0);
+    free(x);
+}
+
 static void test_nan_inf_is_an_error_naming_the_position(void) {
     float w[4 * 32] = {0};
     w[2 * 32 + 5] = NAN;
@@ -784,6 +820,6 @@ TEST_MAIN(T(test_e2m1_bit_vectors), T(test_e4m3_bit_vectors), T(test_e8m0_and_st
           T(test_int4_sym_by_hand), T(test_int4_signed_by_hand), T(test_int4_asym_by_hand),
           T(test_mse_search_picks_grid_minimum), T(test_mse_search_matches_slow_search),
           T(test_mse_weighted_by_hand), T(test_mse_sse_twin), T(test_rtn_tensor_and_dequant),
-          T(test_nan_inf_is_an_error_naming_the_position), T(test_spec_checks),
+          T(test_pooled_absmax_and_finite), T(test_nan_inf_is_an_error_naming_the_position), T(test_spec_checks),
           T(test_packing_round_trips), T(test_activation_fake_quant),
           T(test_q8_0_activation_rounding))

@@ -177,6 +177,11 @@ moeq_status mq_quantize_rtn(const mq_qspec *s, const float *w, int64_t rows, int
 void mq_dequantize(const mq_qtensor *q, float *w);
 /* Absolute max of n values; NaN if any is NaN. */
 float mq_absmax(const float *x, int64_t n);
+/* The same on the pool, in fixed chunks (max is exact in any order: the same value). */
+float mq_absmax_pool(const float *x, int64_t n);
+/* ok[i] = whether the n[i] values of x[i] are all finite (a NULL x[i] or n[i] <= 0 counts as
+ * finite), on the pool in chunks; fails only for want of memory. */
+moeq_status mq_all_finite_many(const float *const *x, const int64_t *n, int64_t count, uint8_t *ok);
 
 /* ---- 4-bit packing (shared by every checkpoint layout) -------------------------------------- */
 /* out[i] = codes[2i] | codes[2i+1] << 4 (first element in the low nibble); n even. */

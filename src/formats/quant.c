@@ -5,6 +5,7 @@
  * ModelOpt, GPTQ), torchao_gptq.md section 11; the op order is written out in formats.h.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "formats/formats.h"
@@ -130,6 +131,41 @@ float mq_absmax(const float *x, int64_t n) {
     if (nan) return NAN;
     for (int k = 1; k < 8; k++) m[0] = m[k] > m[0] ? m[k] : m[0];
     return m[0];
+}
+
+/* One pool task per chunk of ABSMAX_CHUNK values: a lone 117M-value weight (DeepSeek-V3's o_proj)
+ * took 50 ms on one thread while the others waited. */
+enum { ABSMAX_CHUNK = 1 << 18 };
+
+typedef struct {
+    const float *x;
+    int64_t n;
+    float *m;   /* [chunks] */
+} absmax_ctx;
+
+static void absmax_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    const absmax_ctx *c = vctx;
+    const int64_t a = t * ABSMAX_CHUNK, b = a + ABSMAX_CHUNK < c->n ? a + ABSMAX_CHUNK : c->n;
+    c->m[t] = mq_absmax(c->x + a, b - a);
+}
+
+float mq_absmax_pool(const float *x, int64_t n) {
+    const int64_t nc = (n + ABSMAX_CHUNK - 1) / ABSMAX_CHUNK;
+    float *m = nc > 1 ? malloc((size_t)nc * sizeof *m) : NULL;
+    if (!m) return mq_absmax(x, n);   /* one chunk, or no memory for the maxima: here */
+    absmax_ctx c = {x, n, m};
+    mq_parallel_for(nc, absmax_task, &c);
+    float r = 0;
+    for (int64_t t = 0; t < nc; t++) {
+        if (m[t] != m[t]) {   /* NaN wins, as in mq_absmax */
+            r = NAN;
+            break;
+        }
+        r = m[t] > r ? m[t] : r;
+    }
+    free(m);
+    return r;
 }
 
 /* ---- per-value ops ------------------------------------------------------------------------ */
@@ -520,6 +556,55 @@ moeq_status mq_check_finite(const float *w, int64_t rows, int64_t cols, const ch
     return MOEQ_OK;
 }
 
+/* Finiteness of several arrays on the pool, in chunks of FINITE_CHUNK values (a lone large weight
+ * no longer runs on one thread). */
+enum { FINITE_CHUNK = 1 << 18 };
+
+typedef struct {
+    const float *const *x;
+    const int64_t *n, *first;   /* first[i]: array i's first chunk; first[count]: all chunks */
+    int64_t count;
+    uint8_t *bad;               /* [chunks] */
+} finite_ctx;
+
+static void finite_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    const finite_ctx *c = vctx;
+    int64_t i = 0;   /* the array of chunk t: a binary search over first[] */
+    for (int64_t lo = 0, hi = c->count - 1; lo <= hi;) {
+        const int64_t mid = (lo + hi) / 2;
+        if (c->first[mid] <= t) i = mid, lo = mid + 1;
+        else hi = mid - 1;
+    }
+    const int64_t a = (t - c->first[i]) * FINITE_CHUNK, b = a + FINITE_CHUNK < c->n[i] ? a + FINITE_CHUNK : c->n[i];
+    const float *x = c->x[i];
+    int bad = 0;   /* x - x is 0 for finite x, NaN for inf or NaN (an OR the compiler vectorises) */
+    for (int64_t k = a; k < b; k++) bad |= (x[k] - x[k]) != 0.0f;
+    c->bad[t] = (uint8_t)bad;
+}
+
+moeq_status mq_all_finite_many(const float *const *x, const int64_t *n, int64_t count, uint8_t *ok) {
+    int64_t *first = malloc(((size_t)count + 1) * sizeof *first);
+    if (!first) return mq_err(MOEQ_E_NOMEM, "out of memory for the finiteness checks");
+    first[0] = 0;
+    for (int64_t i = 0; i < count; i++)
+        first[i + 1] = first[i] + (x[i] && n[i] > 0 ? (n[i] + FINITE_CHUNK - 1) / FINITE_CHUNK : 0);
+    uint8_t *bad = malloc((size_t)first[count] + 1);
+    if (!bad) {
+        free(first);
+        return mq_err(MOEQ_E_NOMEM, "out of memory for the finiteness checks");
+    }
+    finite_ctx c = {x, n, first, count, bad};
+    mq_parallel_for(first[count], finite_task, &c);
+    for (int64_t i = 0; i < count; i++) {
+        ok[i] = 1;
+        for (int64_t t = first[i]; t < first[i + 1]; t++) ok[i] &= (uint8_t)!bad[t];
+    }
+    free(bad);
+    free(first);
+    return MOEQ_OK;
+}
+
 #define ROWS_PER_TASK 8
 
 typedef struct {
@@ -549,10 +634,13 @@ moeq_status mq_quantize_rtn(const mq_qspec *s, const float *w, int64_t rows, int
                             float global_scale, const char *tensor, mq_qtensor *out) {
     moeq_status st = mq_qtensor_init(out, s, rows, cols, tensor);
     if (st) return st;
-    if ((st = mq_check_finite(w, rows, cols, tensor))) return st;
+    const int64_t n = rows * cols;
+    uint8_t ok = 0;
+    if ((st = mq_all_finite_many(&w, &n, 1, &ok))) return st;
+    if (!ok && (st = mq_check_finite(w, rows, cols, tensor))) return st;   /* the message */
     if (s->scheme == MQ_QS_NVFP4)
         out->global_scale = global_scale > 0 ? global_scale
-                                             : mq_nvfp4_global_scale(s, mq_absmax(w, rows * cols));
+                                             : mq_nvfp4_global_scale(s, mq_absmax_pool(w, rows * cols));
     rtn_ctx c = {w, out};
     mq_parallel_for((rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, rtn_task, &c);
     return MOEQ_OK;

@@ -384,34 +384,20 @@ static void factor_task(void *vctx, int64_t task, int thread) {
     c->res[task] = factor_compute(c->H[task], c->K[task], c->o, c->want_R, &c->f[task]);
 }
 
-/* Whether every entry of each matrix is finite, one pool task per matrix (the message, for the
- * first that is not, comes from the serial check after). */
-typedef struct {
-    const float *const *m;
-    const int64_t *rows, *cols;   /* cols NULL: square, rows x rows */
-    uint8_t *ok;
-} finite_ctx;
-
-static void finite_task(void *vctx, int64_t i, int thread) {
-    (void)thread;
-    const finite_ctx *c = vctx;
-    c->ok[i] = 1;
-    if (!c->m[i] || c->rows[i] <= 0) return;
-    const int64_t n = c->rows[i] * (c->cols ? c->cols[i] : c->rows[i]);
-    const float *x = c->m[i];
-    int bad = 0;   /* x - x is 0 for finite x, NaN for inf or NaN (an OR the compiler vectorises) */
-    for (int64_t k = 0; k < n; k++) bad |= (x[k] - x[k]) != 0.0f;
-    c->ok[i] = !bad;
-}
-
 moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t n,
                                 const mq_gptq_opts *o, bool want_R, const char *const *names,
                                 mq_gptq_factor *f) {
     memset(f, 0, (size_t)n * sizeof *f);
     uint8_t *ok = mq_alloc_array((size_t)n + 1, 1, "GPTQ Hessian checks");
-    if (!ok) return MOEQ_E_NOMEM;
-    finite_ctx fc = {H, K, NULL, ok};
-    mq_parallel_for(n, finite_task, &fc);
+    int64_t *sizes = mq_alloc_array((size_t)n + 1, sizeof *sizes, "GPTQ Hessian checks");
+    moeq_status cst = ok && sizes ? MOEQ_OK : MOEQ_E_NOMEM;
+    for (int64_t i = 0; i < n && !cst; i++) sizes[i] = K[i] > 0 ? K[i] * K[i] : 0;
+    if (!cst) cst = mq_all_finite_many(H, sizes, n, ok);
+    mq_free(sizes);
+    if (cst) {
+        mq_free(ok);
+        return cst;
+    }
     for (int64_t i = 0; i < n; i++) {
         if (!H[i]) continue;
         moeq_status st = K[i] <= 0 || !ok[i] ? check_hessian(H[i], K[i], names[i]) : MOEQ_OK;
@@ -1248,18 +1234,21 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         return mq_err(MOEQ_E_ARG, "GPTQ percdamp %g (must be >= 0)", o->percdamp);
     int64_t maxK = 1, maxB = 1, maxG = 1, maxNg = 1, n_tasks = 0;
     bool gidx = o->act_order && o->groups == MQ_GPTQ_GROUPS_GIDX;
-    /* the weights' finiteness checked on the pool, one job per task */
+    /* the weights' finiteness checked on the pool */
     const float **wm = calloc((size_t)n_jobs + 1, sizeof *wm);
-    int64_t *wr = calloc((size_t)n_jobs + 1, sizeof *wr), *wc = calloc((size_t)n_jobs + 1, sizeof *wc);
+    int64_t *wn = calloc((size_t)n_jobs + 1, sizeof *wn);
     uint8_t *wok = calloc((size_t)n_jobs + 1, 1);
-    if (!wm || !wr || !wc || !wok) {
-        free(wm), free(wr), free(wc), free(wok);
+    if (!wm || !wn || !wok) {
+        free(wm), free(wn), free(wok);
         return mq_err(MOEQ_E_NOMEM, "GPTQ weight checks");
     }
-    for (int64_t i = 0; i < n_jobs; i++) wm[i] = jobs[i].w, wr[i] = jobs[i].rows, wc[i] = jobs[i].f->K;
-    finite_ctx fc = {wm, wr, wc, wok};
-    mq_parallel_for(n_jobs, finite_task, &fc);
-    free(wm), free(wr), free(wc);
+    for (int64_t i = 0; i < n_jobs; i++) wm[i] = jobs[i].w, wn[i] = jobs[i].rows * jobs[i].f->K;
+    st = mq_all_finite_many(wm, wn, n_jobs, wok);
+    free(wm), free(wn);
+    if (st) {
+        free(wok);
+        return st;
+    }
     for (int64_t i = 0; i < n_jobs; i++) {
         mq_gptq_job *j = &jobs[i];
         const char *name = j->name ? j->name : "(unnamed)";
@@ -1288,7 +1277,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         if (s->scheme == MQ_QS_NVFP4)
             q->global_scale = j->global_scale > 0 && isfinite(j->global_scale)
                                   ? j->global_scale
-                                  : mq_nvfp4_global_scale(s, mq_absmax(j->w, j->rows * K));
+                                  : mq_nvfp4_global_scale(s, mq_absmax_pool(j->w, j->rows * K));
         if (gidx) {
             q->g_idx = mq_alloc_array((size_t)K, sizeof(int32_t), "GPTQ g_idx");
             if (!q->g_idx) {

@@ -16,6 +16,8 @@ grep -q '"same_codes": true' "$tmp/s.json" || fail "thread counts gave different
 [ "$(grep -o '"threads": [0-9]*' "$tmp/s.json" | tr -d '\n')" = '"threads": 1"threads": 2"threads": 3' ] ||
     fail "scaling rows: $(cat "$tmp/s.json")"
 grep -q '"efficiency": 1.000' "$tmp/s.json" || fail "the first count's efficiency is not 1"
+[ "$(grep -oE '"loop_task_seconds": 0\.0*[1-9][0-9]*' "$tmp/s.json" | wc -l)" = 3 ] ||
+    fail "a thread count without its loop tasks' seconds: $(cat "$tmp/s.json")"
 
 # --rounds: the list timed in turn twice, every round's codes compared with the first's
 "$cli" bench gptq --rows 96 --cols 128 --reps 1 --threads 1,2 --rounds 2 --json > "$tmp/r.json" 2> "$tmp/r.err" ||
