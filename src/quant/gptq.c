@@ -276,7 +276,10 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
     for (;; attempt++) {
         copy_ctx cc = {H, A, NULL, diag, f->perm, K, (float)(percdamp * mean)};
         mq_parallel_for((K + COPY_ROWS - 1) / COPY_ROWS, copy_reversed_task, &cc);
-        if (cholesky_lower(A, K)) break;
+        const double t0 = mq_now();
+        const bool pd = cholesky_lower(A, K);
+        f->sec_cholesky += mq_now() - t0;
+        if (pd) break;
         if (attempt + 1 >= MAX_RETRIES || percdamp * 2 > MQ_GPTQ_MAX_PERCDAMP) {
             f->percdamp = percdamp;
             f->retries = attempt + 1;
@@ -307,7 +310,9 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
     f->U = mq_alloc_zero(kk * sizeof(float), "GPTQ factor");
     if (!f->U) goto nomem;
     fac_ctx c = {NULL, A, f->U, K, 0};
+    const double t0 = mq_now();
     mq_parallel_for((K + FAC_BLOCK - 1) / FAC_BLOCK, inverse_task, &c);
+    f->sec_inverse = mq_now() - t0;
     if (want_R) f->R = A;
     else mq_free(A);
     for (int64_t i = 0; i < K; i++)

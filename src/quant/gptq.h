@@ -83,6 +83,7 @@ typedef struct {
     double percdamp;         /* damping fraction finally used (after retries) */
     double damp;             /* absolute damping added to the diagonal */
     int retries;             /* failed Cholesky attempts before the one that worked */
+    double sec_cholesky, sec_inverse;   /* wall seconds of the two (the rest: copies, checks) */
 } mq_gptq_factor;
 
 /* H [K, K] symmetric (read in full; must be finite). name is used in messages. Not positive
