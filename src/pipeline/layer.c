@@ -362,19 +362,6 @@ static moeq_status finish_record(mq_pipe *p, int l, const slot *s, int k, const 
     return st;
 }
 
-/* Writes one quantized Linear, records it, and continues with its dequantized weights. */
-static moeq_status finish_linear(mq_pipe *p, int l, const slot *s, int k, mq_qtensor *q,
-                                 const mq_gptq_stats *stats) {
-    moeq_status st;
-    float in_amax = finish_prepare(p, s, k, q, &st);
-    double t0 = mq_now(), c0 = mq_cpu_now();
-    if (!st) st = finish_put(p, s, k, q, in_amax, true);
-    p->layers[l].write += mq_now() - t0;
-    p->layers[l].cpu_write += mq_cpu_now() - c0;
-    if (!st) st = finish_record(p, l, s, k, stats);
-    return st;
-}
-
 typedef struct {
     mq_pipe *p;
     const slot *slots;
@@ -848,6 +835,9 @@ static moeq_status share_slots(mq_pipe *p, int l, slot *slots, int n) {
     moeq_status st = MOEQ_OK;
     char step[64];
     snprintf(step, sizeof step, "layer %d: quantized weights", l);
+    /* every Linear from its owner, in order (each rank takes part in every step, also after a
+     * failure of its own), then their writes and dequantized copies on the pool: one Linear at a
+     * time, every rank dequantized all of a layer's experts on one thread */
     for (int i = 0; i < n; i++) {
         slot *s = &slots[i];
         for (int k = 0; k < s->nw; k++) {
@@ -857,18 +847,41 @@ static moeq_status share_slots(mq_pipe *p, int l, slot *slots, int n) {
             if (mine_k(p, s, k)) ps = s->held ? wire_pack(s, k, &buf, &len)
                                          : mq_err(MOEQ_E_ARG, "%s: not quantized", s->w[k]->name);
             moeq_status cs = mq_dist_agree(ps, step);   /* the owner could not pack it */
-            if (cs) return st ? st : cs;
-            cs = mq_dist_bcast_blob(&buf, &len, s->lown[k], step);
+            if (!cs) cs = mq_dist_bcast_blob(&buf, &len, s->lown[k], step);
             if (cs) {
                 free(buf);
-                return st ? st : cs;
+                st = st ? st : cs;
+                goto done;
             }
             if (!mine_k(p, s, k) && !st) st = wire_unpack(s, k, buf, len);
             free(buf);
-            if (!st) st = finish_linear(p, l, s, k, &s->q[k], &s->qs[k]);
-            mq_qtensor_free(&s->q[k]);
         }
-        s->held = false;
+    }
+    mq_qtensor *q = calloc((size_t)(3 * n + 1), sizeof *q);
+    int *weight = calloc((size_t)(3 * n + 1), sizeof *weight);
+    float *amax = calloc((size_t)(3 * n + 1), sizeof *amax);
+    mq_gptq_stats *wst = calloc((size_t)(3 * n + 1), sizeof *wst);
+    if (!st && (!q || !weight || !amax || !wst)) st = mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+    int m = 0;
+    for (int i = 0; i < n && !st; i++)
+        for (int k = 0; k < slots[i].nw && !st; k++) {
+            const int j = 3 * i + k;
+            q[j] = slots[i].q[k];   /* moved: freed below */
+            memset(&slots[i].q[k], 0, sizeof slots[i].q[k]);
+            amax[m] = finish_prepare(p, &slots[i], k, &q[j], &st);
+            wst[m] = slots[i].qs[k];
+            weight[m++] = j;
+        }
+    if (!st) st = put_and_record(p, l, slots, q, weight, amax, wst, m, true);
+    for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
+    free(q);
+    free(weight);
+    free(amax);
+    free(wst);
+done:
+    for (int i = 0; i < n; i++) {
+        for (int k = 0; k < slots[i].nw; k++) mq_qtensor_free(&slots[i].q[k]);
+        slots[i].held = false;
     }
     return st;
 }

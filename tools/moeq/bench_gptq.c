@@ -8,7 +8,6 @@
  * GPU's measured sgemm rate and bandwidth, and the single weight's code agreement with the CPU.
  */
 #include <math.h>
-#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,15 +56,6 @@ typedef struct {
     mq_gptq_opts opts;
 } bench_cfg;
 
-/* CPU seconds of this process: with the wall time it shows whether other processes took cores
- * from the benchmark (the figures are then pessimistic). */
-static double cpu_seconds(void) {
-    struct rusage u;
-    getrusage(RUSAGE_SELF, &u);
-    return (double)u.ru_utime.tv_sec + 1e-6 * (double)u.ru_utime.tv_usec +
-           (double)u.ru_stime.tv_sec + 1e-6 * (double)u.ru_stime.tv_usec;
-}
-
 /* One weight: returns the best wall time over reps (factor + loop), or < 0 on error. */
 static uint32_t qtensor_crc(const mq_qtensor *q) {
     uLong c = crc32(0L, Z_NULL, 0);
@@ -86,7 +76,7 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
                        int reps, double *factor_s, mq_gptq_stats *stats, double *cores) {
     double best = INFINITY;
     for (int r = 0; r < reps; r++) {
-        double t0 = mq_now(), c0 = cpu_seconds();
+        double t0 = mq_now(), c0 = cli_cpu_seconds();
         mq_gptq_factor f;
         if (mq_gptq_factor_init(H, K, &b->opts, b->opts.rtn_loss, "bench.weight", &f)) return -1;
         double t1 = mq_now();
@@ -94,7 +84,7 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
         mq_qtensor q;
         mq_gptq_job j = {&f, W, N, 0, "bench.weight", &q, NULL, {0, 0, 0, 0, 0}};
         moeq_status st = mq_gptq_run(&b->spec, &b->opts, &j, 1);
-        double t2 = mq_now(), c2 = cpu_seconds();
+        double t2 = mq_now(), c2 = cli_cpu_seconds();
         mq_gptq_factor_free(&f);
         if (st) return -1;
         g_last_crc = qtensor_crc(&q);
@@ -283,7 +273,7 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
         goto done;
     }
     fprintf(stderr, "moe layer: %lld experts, %lld at a time...\n", (long long)E, (long long)chunk);
-    double t0 = mq_now(), c0 = cpu_seconds();
+    double t0 = mq_now(), c0 = cli_cpu_seconds();
     for (int64_t e0 = 0; e0 < E && !st; e0 += chunk) {
         int64_t n = E - e0 < chunk ? E - e0 : chunk;
         /* the chunk's 2n Hessians in one call, as the pipeline factors a chunk's slots */
@@ -320,7 +310,7 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
     }
     fprintf(stderr, "\n");
     if (!st) t = mq_now() - t0;
-    *cores = (cpu_seconds() - c0) / (mq_now() - t0);
+    *cores = (cli_cpu_seconds() - c0) / (mq_now() - t0);
 done:
     for (int64_t e = 0; e < chunk; e++) {
         mq_free(hg[e]);
