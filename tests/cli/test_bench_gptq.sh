@@ -16,6 +16,11 @@ grep -q '"same_codes": true' "$tmp/s.json" || fail "thread counts gave different
 [ "$(grep -o '"threads": [0-9]*' "$tmp/s.json" | tr -d '\n')" = '"threads": 1"threads": 2"threads": 3' ] ||
     fail "scaling rows: $(cat "$tmp/s.json")"
 grep -q '"efficiency": 1.000' "$tmp/s.json" || fail "the first count's efficiency is not 1"
+python3 - "$tmp/s.json" <<'PY' || fail "bench gptq --threads: of_ceiling is not efficiency over core rate: $(cat "$tmp/s.json")"
+import json, sys
+for r in json.load(open(sys.argv[1]))["scaling"]:
+    assert abs(r["of_ceiling"] - r["efficiency"] / r["core_rate"]) <= 0.002 + 0.0005 * r["efficiency"] / r["core_rate"] ** 2, r
+PY
 [ "$(grep -oE '"loop_task_seconds": 0\.0*[1-9][0-9]*' "$tmp/s.json" | wc -l)" = 3 ] ||
     fail "a thread count without its loop tasks' seconds: $(cat "$tmp/s.json")"
 

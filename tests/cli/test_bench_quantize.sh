@@ -40,7 +40,11 @@ for r in rows:
     t = r["total"]
     assert t["seconds_per_layer"] > 0 and 0 < t["cores_busy"] <= r["threads"] + 0.5, r
     assert r["forward"]["seconds_per_layer"] >= r["attention"]["seconds_per_layer"] > 0, r
+    for st in ("forward", "gptq", "total"):   # the share of the ceiling: efficiency over the core rate
+        e, c = r[st]["efficiency"], r[st]["of_ceiling"]
+        assert abs(c - e / r["core_rate"]) <= 0.002 + 0.0005 * e / r["core_rate"] ** 2, (st, r)
 assert rows[0]["total"]["efficiency"] == 1.0 and rows[0]["core_rate"] == 1.0, rows[0]
+assert rows[0]["total"]["of_ceiling"] == 1.0, rows[0]
 PY
 ls "$tmp" | grep -q moeq-bench && fail "bench quantize --threads left its temporary checkpoints"
 # --rounds N: the list N times in turn; each count's figures are the medians of its rounds, and

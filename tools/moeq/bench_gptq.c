@@ -493,9 +493,11 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
                    "\"cholesky_seconds\": %.6f, \"inverse_seconds\": %.6f",
                    i ? ", " : "", tl[i], sec[i], fac[i], cores[i], sp, eff, flops / sec[i] * 1e-9 / sgemm[i], sgemm[i],
                    core_gflops[i], core_rate[i], task[i], chol[i], inv[i]);
+            printf(", \"of_ceiling\": %.3f", core_rate[i] > 0 ? eff / core_rate[i] : 0);
             if (experts > 0)
-                printf(", \"moe_layer_seconds\": %.3f, \"moe_layer_efficiency\": %.3f", moe[i],
-                       moe[0] / moe[i] * tl[0] / tl[i]);
+                printf(", \"moe_layer_seconds\": %.3f, \"moe_layer_efficiency\": %.3f, \"moe_layer_of_ceiling\": %.3f",
+                       moe[i], moe[0] / moe[i] * tl[0] / tl[i],
+                       core_rate[i] > 0 ? moe[0] / moe[i] * tl[0] / tl[i] / core_rate[i] : 0);
             printf("}");
         }
         printf("]}\n");
@@ -516,6 +518,13 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
     printf("(chol / inv: the factor's Cholesky and triangular inverse; task s: the column loop's tasks' wall seconds summed, growing with the thread count where each task "
            "runs slower beside the others; core rate: each thread's single-threaded sgemm rate with all threads "
            "running, against %d threads: the ceiling of compute-bound efficiency on this machine)\n", tl[0]);
+    for (int i = 1; i < nt; i++)
+        if (core_rate[i] > 0) {
+            printf("%d threads, efficiency over the core rate (1.00: as fast as the cores allow): weight %.2f", tl[i],
+                   sec[0] / sec[i] * tl[0] / tl[i] / core_rate[i]);
+            if (experts > 0) printf(", MoE layer %.2f", moe[0] / moe[i] * tl[0] / tl[i] / core_rate[i]);
+            printf("\n");
+        }
     printf("codes and scales %s at every thread count\n", same ? "identical" : "DIFFER (a bug)");
     return same ? CLI_OK : CLI_FAIL;
 }

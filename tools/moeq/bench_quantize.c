@@ -108,8 +108,10 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
         for (int i = 0; i < nt; i++) {
             printf("%s{\"threads\": %d, \"core_rate\": %.3f", i ? ", " : "", tl[i], f[i].core_rate);
             for (int k = 0; k < N_STAGES; k++)
-                printf(", \"%s\": {\"seconds_per_layer\": %.3f, \"cores_busy\": %.2f, \"efficiency\": %.3f}",
-                       stage_name[k], f[i].sec[k], f[i].cores[k], eff[i][k]);
+                printf(", \"%s\": {\"seconds_per_layer\": %.3f, \"cores_busy\": %.2f, \"efficiency\": %.3f, "
+                       "\"of_ceiling\": %.3f}",
+                       stage_name[k], f[i].sec[k], f[i].cores[k], eff[i][k],
+                       f[i].core_rate > 0 ? eff[i][k] / f[i].core_rate : 0);
             printf(", \"total_seconds_by_round\": [");
             for (int r = 0; r < rounds; r++) printf("%s%.3f", r ? ", " : "", per_layer_total(&rs[r * nt + i]));
             printf("], \"total_efficiency_by_round\": [");
@@ -133,6 +135,12 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
            "thread's single-threaded sgemm rate with all running, against %d threads, the ceiling of "
            "compute-bound efficiency here)\n",
            rounds > 1 ? "medians of the rounds" : "one round", tl[0], tl[0], tl[0]);
+    for (int i = 1; i < nt; i++) {   /* how much of what the machine allows each stage reached */
+        if (!(f[i].core_rate > 0)) continue;
+        printf("%d threads, efficiency over the core rate (1.00: as fast as the cores allow):", tl[i]);
+        for (int k = 0; k < N_STAGES; k++) printf(" %s %.2f%s", stage_name[k], eff[i][k] / f[i].core_rate, k + 1 < N_STAGES ? "," : "");
+        printf("\n");
+    }
     if (rounds > 1) {   /* each round's own ratio: how far the machine's drift moves it */
         for (int i = 1; i < nt; i++) {
             printf("end-to-end efficiency of %d threads in each round:", tl[i]);
