@@ -671,6 +671,50 @@ static void test_thread_count_independent(void) {
     free(H);
 }
 
+/* The rows per column-loop task change no code or scale (a row's work never sees another row's;
+ * the block updates' products are per row): 256, 128, 64 and 96 on a weight whose rows are no
+ * multiple of them, NVFP4 with the in-loop scale search and refinement, INT4 with act-order
+ * g_idx. The losses are summed per task, so only their last digits may move. */
+static void test_row_block_independent(void) {
+    const int64_t N = 300, K = 256;
+    float *W = make_weights(N, K, 61);
+    float *H = make_hessian(K, 512, 62, NULL, 0);
+    mq_qspec specs[2] = {mq_qspec_default(MQ_QS_NVFP4), mq_qspec_default(MQ_QS_INT4)};
+    specs[0].mse = true;
+    mq_gptq_opts opts[2] = {mq_gptq_opts_default(), mq_gptq_opts_default()};
+    opts[0].mse_weight = MQ_GPTQ_MSE_LOOP;
+    opts[0].refine_passes = 1;
+    opts[1].act_order = true;
+    opts[1].groups = MQ_GPTQ_GROUPS_GIDX;
+    const int blocks[] = {256, 128, 64, 96};
+    for (int k = 0; k < 2; k++) {
+        mq_qtensor a, b;
+        mq_gptq_stats sa, sb;
+        mq_gptq_set_row_block(blocks[0]);
+        ASSERT_OK(mq_gptq_quantize(&specs[k], &opts[k], H, W, N, K, 0, "w", &a, NULL, &sa));
+        for (int i = 1; i < 4; i++) {
+            mq_gptq_set_row_block(blocks[i]);
+            ASSERT_EQ_INT(blocks[i], mq_gptq_row_block());
+            ASSERT_OK(mq_gptq_quantize(&specs[k], &opts[k], H, W, N, K, 0, "w", &b, NULL, &sb));
+            ASSERT_EQ_INT(0, count_diff(a.codes, b.codes, N * K));
+            for (int64_t g = 0; g < N * a.n_groups; g++) {
+                ASSERT_TRUE(memcmp(&a.params[g].scale, &b.params[g].scale, 4) == 0);
+                ASSERT_TRUE(memcmp(&a.params[g].zero, &b.params[g].zero, 4) == 0);
+                ASSERT_EQ_HEX(a.params[g].scale_code, b.params[g].scale_code);
+            }
+            /* each task sums its rows' squared errors, and the loss is a difference of two such
+             * sums (e2 - damp * dsq): regrouped rows move it by a few 1e-8 relative here */
+            ASSERT_TRUE(fabs(sa.loss - sb.loss) <= 1e-6 * fabs(sa.loss));
+            ASSERT_TRUE(fabs(sa.rtn_loss - sb.rtn_loss) <= 1e-6 * fabs(sa.rtn_loss));
+            mq_qtensor_free(&b);
+        }
+        mq_qtensor_free(&a);
+    }
+    mq_gptq_set_row_block(0);   /* back to the default */
+    free(W);
+    free(H);
+}
+
 /* Several jobs in one run (experts of a layer; gate and up sharing a factor) give the same
  * result as separate runs. */
 static void test_many_jobs(void) {
@@ -1443,7 +1487,7 @@ static void test_target_many(void) {
 TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_target_many), T(test_reference_act_order),
           T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
-          T(test_block_sizes), T(test_thread_count_independent), T(test_many_jobs), T(test_factor_many_uneven),
+          T(test_block_sizes), T(test_thread_count_independent), T(test_row_block_independent), T(test_many_jobs), T(test_factor_many_uneven),
           T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
           T(test_force_ref_same_codes), T(test_progress), T(test_bad_input), T(test_clip_search),
           T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom), T(test_factor_odd_size),

@@ -36,8 +36,8 @@ static double code_bytes_per_weight(const mq_qspec *s) {
     return 1.0 + (double)sizeof(mq_gparams) / (double)g + 0.5;
 }
 
-/* GPTQ's per-thread scratch for weights with K inputs (gptq.c scratch_new: rows of 256). */
-static int64_t gptq_scratch(int64_t K) { return (int64_t)mq_pool_size() * K * 256 * 4 * 5; }
+/* GPTQ's per-thread scratch for weights with K inputs (gptq.c scratch_new: its rows per task). */
+static int64_t gptq_scratch(int64_t K) { return (int64_t)mq_pool_size() * K * mq_gptq_row_block() * 4 * 5; }
 
 int64_t mq_plan_batch_rows(const mq_pipe *p, int64_t C) {
     const int64_t K = p->c->top_k, worst = p->calib.max_len * (K < C ? K : C);

@@ -10,7 +10,7 @@
  * Cholesky factor) at half the cost: one Cholesky and one triangular inverse, both blocked over
  * fixed tiles on the pool (so a single large Hessian uses every core, deterministically).
  *
- * Column loop: rows are independent, so a task takes a fixed block of ROW_BLOCK rows through all
+ * Column loop: rows are independent, so a task takes a fixed block of rows (mq_gptq_row_block) through all
  * K columns, holding them transposed (Wt[p][i]: one column is contiguous over the rows). Three
  * levels of blocking: blocks of block_size columns whose errors update the trailing columns in
  * one GEMM (the lazy batch update); sub-blocks of SUB_BLOCK columns whose errors update the rest
@@ -35,7 +35,32 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { ROW_BLOCK = 256, SUB_BLOCK = 16, MAX_RETRIES = 16 };
+enum { SUB_BLOCK = 16, MAX_RETRIES = 16 };
+
+/* Rows per column-loop task. A row's values do not depend on how rows are grouped (test_gptq
+ * checks 64, 128 and 256 give the same codes), so this only moves speed: fewer rows make more
+ * tasks for a lone weight (a 4096-row weight is 16 tasks of 256, one per thread at 16) and a
+ * smaller slab per thread (256 x K = 2 MB at K = 2048), more reads of U. MOEQ_GPTQ_ROWS (32 to
+ * 512, a power of two) sets it for measurements. */
+enum { ROW_BLOCK_DEFAULT = 256, ROW_BLOCK_MAX = 512 };
+static int g_row_block;
+static pthread_once_t g_row_once = PTHREAD_ONCE_INIT;
+
+static void row_block_from_env(void) {
+    const char *e = getenv("MOEQ_GPTQ_ROWS");
+    const long v = e ? strtol(e, NULL, 10) : 0;
+    if (!g_row_block) g_row_block = v >= 32 && v <= ROW_BLOCK_MAX && (v & (v - 1)) == 0 ? (int)v : ROW_BLOCK_DEFAULT;
+}
+
+int mq_gptq_row_block(void) {
+    pthread_once(&g_row_once, row_block_from_env);
+    return g_row_block;
+}
+
+void mq_gptq_set_row_block(int rows) {
+    pthread_once(&g_row_once, row_block_from_env);
+    g_row_block = rows >= 1 && rows <= ROW_BLOCK_MAX ? rows : ROW_BLOCK_DEFAULT;
+}
 
 static pthread_once_t g_blas_once = PTHREAD_ONCE_INIT;
 /* Every BLAS/LAPACK call here runs inside one pool task: OpenBLAS must not start its own threads
@@ -500,32 +525,32 @@ void mq_gptq_qdq_column(const mq_qspec *s, const float *step, const float *zero,
 }
 
 typedef struct {
-    float *wt;          /* [K][ROW_BLOCK] working copy, transposed, processing order */
-    float *et;          /* [block][ROW_BLOCK] scaled errors of the current block */
-    float *tmp;         /* [G][ROW_BLOCK] current values of a group's columns */
-    float *dq;          /* [ROW_BLOCK] */
-    uint8_t *ct;        /* [K][ROW_BLOCK] codes, transposed, processing order */
-    mq_gparams *gp;     /* [n_groups][ROW_BLOCK] */
-    float *step, *zero; /* [n_groups][ROW_BLOCK] quantization step and zero point of gp */
+    float *wt;          /* [K][rows] working copy, transposed, processing order */
+    float *et;          /* [block][rows] scaled errors of the current block */
+    float *tmp;         /* [G][rows] current values of a group's columns */
+    float *dq;          /* [rows] */
+    uint8_t *ct;        /* [K][rows] codes, transposed, processing order */
+    mq_gparams *gp;     /* [n_groups][rows] */
+    float *step, *zero; /* [n_groups][rows] quantization step and zero point of gp */
     uint8_t *ready;     /* [n_groups] */
-    float *w0t;         /* [K][ROW_BLOCK] original weights (W0'), then the quantized ones */
-    float *d;           /* [ROW_BLOCK][K] RTN residual rows (rtn_loss only) */
+    float *w0t;         /* [K][rows] original weights (W0'), then the quantized ones */
+    float *d;           /* [rows][K] RTN residual rows (rtn_loss only) */
     float *hw;          /* [G] weights of a group's columns in the MSE scale search */
     int64_t *pos;       /* [G] processing positions of a group's columns */
     /* the in-loop scale search (MQ_GPTQ_MSE_LOOP) only: */
     float *ucol;        /* [G][G] U restricted to a group's columns, processing order, by column */
     int64_t *ord;       /* [G] a group's columns (t) in processing order */
-    float *wl;          /* [G][ROW_BLOCK] a group's current values in processing order */
-    float *lwork;       /* [G + 2][ROW_BLOCK] mq_gptq_loop_scores work */
-    uint8_t *lcode;     /* [ROW_BLOCK] */
-    mq_gparams *cand;   /* [ROW_BLOCK][mse_steps] candidates of each row */
-    int *nc;            /* [ROW_BLOCK] number of candidates of each row */
-    float *kstep, *kzero; /* [ROW_BLOCK] the candidate being scored, per row */
-    double *score, *best; /* [ROW_BLOCK] */
-    float *gt;            /* [K][ROW_BLOCK] refinement: the gradient (W0' - Q) H', transposed */
+    float *wl;          /* [G][rows] a group's current values in processing order */
+    float *lwork;       /* [G + 2][rows] mq_gptq_loop_scores work */
+    uint8_t *lcode;     /* [rows] */
+    mq_gparams *cand;   /* [rows][mse_steps] candidates of each row */
+    int *nc;            /* [rows] number of candidates of each row */
+    float *kstep, *kzero; /* [rows] the candidate being scored, per row */
+    double *score, *best; /* [rows] */
+    float *gt;            /* [K][rows] refinement: the gradient (W0' - Q) H', transposed */
     float *hsub, *hcols;  /* [G][G], [K][G] scale refinement: H' of a group, its columns */
-    float *cv, *dv;       /* [G][ROW_BLOCK] scale refinement: unit values, changes */
-    float *xlo, *xhi;     /* [ROW_BLOCK] clip search: each row's range and its best multipliers */
+    float *cv, *dv;       /* [G][rows] scale refinement: unit values, changes */
+    float *xlo, *xhi;     /* [rows] clip search: each row's range and its best multipliers */
     float *blo, *bhi;
 } scratch;
 
@@ -559,6 +584,7 @@ typedef struct {
     int64_t n_tasks;
     atomic_int_fast64_t done;
     const int64_t *order;   /* [n_tasks] the tasks, costliest first */
+    int64_t rows;           /* rows per task */
 } run_ctx;
 
 static inline int64_t col_of(const mq_gptq_factor *f, int64_t p) { return f->perm ? f->perm[p] : p; }
@@ -1026,7 +1052,7 @@ static void refine_rows(const loop_state *L, const run_ctx *c, const float *w, i
                 float *qp = q + p * nr, *dp = sc->wt + p * nr, *gp = sc->gt + p * nr;
                 uint8_t *cp = sc->ct + p * nr;
                 for (int64_t i = 0; i < nr; i++) t[i] = qp[i] + gp[i] / h;
-                uint8_t code[ROW_BLOCK];
+                uint8_t code[ROW_BLOCK_MAX];
                 c->qdq(L->s, sc->step + g * nr, sc->zero + g * nr, t, nr, code, qn);
                 bool any = false;
                 for (int64_t i = 0; i < nr; i++) {
@@ -1079,8 +1105,8 @@ static void run_task(void *vctx, int64_t task, int thread) {
     const mq_gptq_factor *f = j->f;
     scratch *sc = &c->scr[thread];
     mq_qtensor *qt = j->out;
-    const int64_t K = f->K, r0 = tr->rb * ROW_BLOCK;
-    const int64_t nr = j->rows - r0 < ROW_BLOCK ? j->rows - r0 : ROW_BLOCK;
+    const int64_t K = f->K, r0 = tr->rb * c->rows;
+    const int64_t nr = j->rows - r0 < c->rows ? j->rows - r0 : c->rows;
     const int64_t G = qt->group_size, ng = qt->n_groups, B = c->block;
     const float *U = f->U;
     loop_state L = {c->s, f, sc, K, nr, G, qt->global_scale,
@@ -1177,14 +1203,14 @@ static void scratch_free(scratch *s, int n) {
 }
 
 /* loop: the in-loop scale search's buffers too (ncand candidates per row). */
-static scratch *scratch_new(int n, int64_t K, int64_t B, int64_t G, int64_t ng, bool rtn,
+static scratch *scratch_new(int n, int64_t rows, int64_t K, int64_t B, int64_t G, int64_t ng, bool rtn,
                             bool loop, int64_t ncand, bool refine) {
     scratch *s = calloc((size_t)n, sizeof *s);
     if (!s) {
         mq_err(MOEQ_E_NOMEM, "GPTQ scratch");
         return NULL;
     }
-    const size_t rb = ROW_BLOCK;
+    const size_t rb = (size_t)rows;
     for (int i = 0; i < n; i++) {
         s[i].wt = mq_alloc_array((size_t)K * rb, sizeof(float), "GPTQ working weights");
         s[i].et = mq_alloc_array((size_t)B * rb, sizeof(float), "GPTQ errors");
@@ -1250,6 +1276,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     if (!(o->percdamp >= 0))
         return mq_err(MOEQ_E_ARG, "GPTQ percdamp %g (must be >= 0)", o->percdamp);
     int64_t maxK = 1, maxB = 1, maxG = 1, maxNg = 1, n_tasks = 0;
+    const int64_t R = mq_gptq_row_block();   /* rows per task */
     bool gidx = o->act_order && o->groups == MQ_GPTQ_GROUPS_GIDX;
     /* the weights' finiteness checked on the pool */
     const float **wm = calloc((size_t)n_jobs + 1, sizeof *wm);
@@ -1308,7 +1335,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         if (q->n_groups > maxNg) maxNg = q->n_groups;
         int64_t B = o->block_size < K ? o->block_size : K;
         if (B > maxB) maxB = B;
-        n_tasks += (j->rows + ROW_BLOCK - 1) / ROW_BLOCK;
+        n_tasks += (j->rows + R - 1) / R;
     }
     free(wok);
     wok = NULL;
@@ -1317,7 +1344,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     task_out *outs = mq_alloc_zero(((size_t)n_tasks + 1) * sizeof *outs, "GPTQ task results");
     int nthreads = mq_pool_size();
     const bool loop = s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP;
-    scratch *scr = scratch_new(nthreads, maxK, maxB, maxG, maxNg, o->rtn_loss, loop,
+    scratch *scr = scratch_new(nthreads, R, maxK, maxB, maxG, maxNg, o->rtn_loss, loop,
                                s->mse_steps > 1 ? s->mse_steps : 1, o->refine_passes > 0);
     if (!tasks || !outs || !scr) {
         mq_free(tasks);
@@ -1328,7 +1355,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     }
     int64_t t = 0;
     for (int64_t i = 0; i < n_jobs; i++)
-        for (int64_t rb = 0; rb * ROW_BLOCK < jobs[i].rows; rb++) tasks[t++] = (task_ref){i, rb};
+        for (int64_t rb = 0; rb * R < jobs[i].rows; rb++) tasks[t++] = (task_ref){i, rb};
     /* Costliest first (K^2 per row; ties in task order), so the pool's counter hands out the long
      * tasks of the widest weights before the short ones that fill the gaps at the end. Each task's
      * result is its own, so the order changes no value. */
@@ -1350,7 +1377,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
 
     pthread_once(&g_blas_once, blas_single_thread);
     run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
-                 mq_gptq_column_errors_ref, mq_gptq_loop_scores_ref, n_tasks, 0, order};
+                 mq_gptq_column_errors_ref, mq_gptq_loop_scores_ref, n_tasks, 0, order, R};
 #if defined(__x86_64__)
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         c.qdq = mq_gptq_qdq_column_avx2;
@@ -1372,7 +1399,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     for (int64_t i = 0; i < n_jobs; i++) {
         mq_gptq_job *j = &jobs[i];
         double e2 = 0, dsq = 0, re2 = 0, rdsq = 0, sec = 0;
-        for (int64_t rb = 0; rb * ROW_BLOCK < j->rows; rb++, t++) {
+        for (int64_t rb = 0; rb * R < j->rows; rb++, t++) {
             e2 += outs[t].e2;
             dsq += outs[t].dsq;
             re2 += outs[t].rtn_e2;

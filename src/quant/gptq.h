@@ -100,6 +100,10 @@ moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t
                                 const mq_gptq_opts *o, bool want_R, const char *const *names,
                                 mq_gptq_factor *f);
 void mq_gptq_factor_free(mq_gptq_factor *f);
+/* Rows per column-loop task (speed only: the results do not depend on it); MOEQ_GPTQ_ROWS sets
+ * it for measurements, mq_gptq_set_row_block for tests (out of 1..512: the default). */
+int mq_gptq_row_block(void);
+void mq_gptq_set_row_block(int rows);
 
 typedef struct {
     double loss;             /* tr((W-Q) H (W-Q)^T) with the H given (undamped) */

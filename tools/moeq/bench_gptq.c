@@ -658,10 +658,10 @@ int bench_gptq(int argc, char **argv) {
         printf("{\"rows\": %lld, \"cols\": %lld, \"scheme\": \"%s\", \"block_size\": %lld, "
                "\"act_order\": %s, \"mse\": %s, \"threads\": %d, \"seconds\": %.6f, "
                "\"factor_seconds\": %.6f, \"gflops\": %.3f, \"sgemm_gflops\": %.3f, "
-               "\"fraction_of_sgemm\": %.4f, \"cores_used\": %.2f",
+               "\"fraction_of_sgemm\": %.4f, \"cores_used\": %.2f, \"codes_crc32\": \"%08x\"",
                (long long)rows, (long long)cols, scheme, (long long)block,
                act_order ? "true" : "false", mse ? "true" : "false", moeq_threads(), sec, factor_s,
-               gflops, sgemm, gflops / sgemm, cores);
+               gflops, sgemm, gflops / sgemm, cores, (unsigned)g_last_crc);
         if (rtn_loss) printf(", \"loss\": %.6g, \"rtn_loss\": %.6g", stats.loss, stats.rtn_loss);
         if (moe)
             printf(", \"moe_layer_experts\": %lld, \"moe_layer_seconds\": %.3f, \"moe_layer_cores_used\": %.2f",
