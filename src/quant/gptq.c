@@ -1554,9 +1554,11 @@ static void target_factor_task(void *vctx, int64_t i, int thread) {
     /* the damping grows tenfold while the factorisation fails, as GPTQ's does */
     for (int r = 0; r < 4; r++) {
         const float damp = (float)(j->percdamp * pow(10.0, r) * mean_diag) + (mean_diag == 0);
-        for (int64_t a = 0; a < K; a++)
-            for (int64_t c = 0; c < K; c++) t->A[a * K + c] = H[a * K + c] + (a == c ? damp : 0.0f);
-        if (LAPACKE_spotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)K, t->A, (lapack_int)K) == 0) {
+        for (int64_t a = 0; a < K; a++)   /* the lower triangle: all that is read */
+            for (int64_t c = 0; c <= a; c++) t->A[a * K + c] = H[a * K + c] + (a == c ? damp : 0.0f);
+        /* column-major 'U' on the row-major lower triangle is the same triangle: no transposed
+         * copy in and out (LAPACKE's row-major call made two and allocated K x K for them) */
+        if (LAPACKE_spotrf_work(LAPACK_COL_MAJOR, 'U', (lapack_int)K, t->A, (lapack_int)K) == 0) {
             t->live = true;
             return;
         }
