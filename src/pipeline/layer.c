@@ -763,6 +763,36 @@ typedef struct {
     mq_gptq_stats stats;
 } wire_head;
 
+/* 4-bit codes to and from the wire (two to a byte, the first in the low nibble) on the pool, in
+ * pieces of WIRE_PIECE codes: a layer's experts are 192 Linears of 2M codes that every rank
+ * packs or unpacks between broadcasts, one core each before. */
+enum { WIRE_PIECE = 1 << 14 };   /* even: only the last piece of an odd count is odd; olmoe-tiny's experts are 4 */
+
+typedef struct {
+    const uint8_t *codes;        /* packing: codes to bytes_out */
+    unsigned char *bytes_out;
+    const unsigned char *bytes;  /* unpacking: bytes to codes_out */
+    uint8_t *codes_out;
+    int64_t n;
+} wire_codes;
+
+static void wire_codes_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const wire_codes *w = ctx;
+    const int64_t a = t * WIRE_PIECE, e = a + WIRE_PIECE < w->n ? a + WIRE_PIECE : w->n;
+    const int64_t even = (e - a) & ~(int64_t)1;
+    if (w->codes) mq_pack_u4_bytes(w->codes + a, even, w->bytes_out + a / 2);
+    else mq_unpack_u4_bytes(w->bytes + a / 2, even, w->codes_out + a);
+    if (even < e - a) {   /* an odd count's last code: the low nibble of the last byte */
+        if (w->codes) w->bytes_out[(e - 1) / 2] = (unsigned char)(w->codes[e - 1] & 15);
+        else w->codes_out[e - 1] = w->bytes[(e - 1) / 2] & 15;
+    }
+}
+
+static void wire_codes_run(wire_codes w) {
+    mq_parallel_for((w.n + WIRE_PIECE - 1) / WIRE_PIECE, wire_codes_task, &w);
+}
+
 static moeq_status wire_pack(const slot *s, int k, void **out, size_t *n) {
     const mq_qtensor *q = &s->q[k];
     wire_head h;
@@ -786,9 +816,7 @@ static moeq_status wire_pack(const slot *s, int k, void **out, size_t *n) {
     unsigned char *b = malloc(*n);
     if (!b) return mq_err(MOEQ_E_NOMEM, "out of memory sending %s", s->w[k]->name);
     memcpy(b, &h, sizeof h);
-    for (size_t i = 0; i < nc; i++)
-        b[sizeof h + i] = (unsigned char)((q->codes[2 * i] & 15) |
-                                          (2 * i + 1 < n_codes ? (q->codes[2 * i + 1] & 15) << 4 : 0));
+    wire_codes_run((wire_codes){q->codes, b + sizeof h, NULL, NULL, (int64_t)n_codes});
     memcpy(b + sizeof h + nc, q->params, np);
     if (ng) memcpy(b + sizeof h + nc + np, q->g_idx, ng);
     *out = b;
@@ -811,7 +839,7 @@ static moeq_status wire_unpack(slot *s, int k, const void *data, size_t n) {
     q->group_size = h.group_size;
     q->n_groups = h.n_groups;
     q->global_scale = h.global_scale;
-    for (size_t i = 0; i < n_codes; i++) q->codes[i] = (uint8_t)((b[sizeof h + i / 2] >> (4 * (i & 1))) & 15);
+    wire_codes_run((wire_codes){NULL, NULL, b + sizeof h, q->codes, (int64_t)n_codes});
     memcpy(q->params, b + sizeof h + nc, np);
     if (ng) {
         q->g_idx = mq_alloc_array((size_t)h.cols, sizeof(int32_t), "g_idx");
