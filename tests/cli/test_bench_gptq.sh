@@ -20,7 +20,16 @@ python3 - "$tmp/s.json" <<'PY' || fail "bench gptq --threads: of_ceiling is not 
 import json, sys
 for r in json.load(open(sys.argv[1]))["scaling"]:
     assert abs(r["of_ceiling"] - r["efficiency"] / r["core_rate"]) <= 0.002 + 0.0005 * r["efficiency"] / r["core_rate"] ** 2, r
+    # the factor's parts: each positive, together within the factor's seconds
+    assert 0 < r["cholesky_seconds"] and 0 < r["inverse_seconds"], r
+    assert r["cholesky_seconds"] + r["inverse_seconds"] <= r["factor_seconds"] + 1e-6, r
 PY
+# the single weight's codes (CRC in the JSON) do not depend on the thread count
+c1=$("$cli" bench gptq --rows 96 --cols 128 --reps 1 --mse --threads 1 --json 2>/dev/null | grep -o '"codes_crc32": "[0-9a-f]\{8\}"')
+c3=$("$cli" bench gptq --rows 96 --cols 128 --reps 1 --mse --threads 3 --json 2>/dev/null | grep -o '"codes_crc32": "[0-9a-f]\{8\}"')
+[ -n "$c1" ] && [ "$c1" = "$c3" ] || fail "codes_crc32 at 1 and 3 threads: '$c1' '$c3'"
+c4=$("$cli" bench gptq --rows 96 --cols 128 --reps 1 --threads 1 --json 2>/dev/null | grep -o '"codes_crc32": "[0-9a-f]\{8\}"')
+[ -n "$c4" ] && [ "$c4" != "$c1" ] || fail "codes_crc32 without --mse equals the MSE search's: '$c4' '$c1'"
 [ "$(grep -oE '"loop_task_seconds": 0\.0*[1-9][0-9]*' "$tmp/s.json" | wc -l)" = 3 ] ||
     fail "a thread count without its loop tasks' seconds: $(cat "$tmp/s.json")"
 
