@@ -582,10 +582,14 @@ static void test_rtn_tensor_and_dequant(void) {
     float *d2 = malloc(sizeof(float) * R * C);
     for (int i = 0; i < R * C; i++) w[i] = rnd_uniform(-2, 2);
     for (int c = 0; c < C; c++) w[5 * C + c] = 0;   /* an all-zero row */
-    mq_qscheme schemes[3] = {MQ_QS_NVFP4, MQ_QS_INT4, MQ_QS_MXFP4};
-    for (int k = 0; k < 3; k++) {
+    /* NVFP4 (both global-scale conventions), INT4 symmetric and asymmetric (a zero point per
+     * group), MXFP4 */
+    mq_qscheme schemes[5] = {MQ_QS_NVFP4, MQ_QS_NVFP4, MQ_QS_INT4, MQ_QS_INT4, MQ_QS_MXFP4};
+    for (int k = 0; k < 5; k++) {
         mq_qspec s = mq_qspec_default(schemes[k]);
         if (schemes[k] == MQ_QS_INT4) s.group_size = 32;
+        if (k == 1) s.nvfp4_conv = MQ_NVFP4_MUL;
+        if (k == 3) s.asym = true;
         mq_qtensor q1, q2;
         moeq_set_threads(1);
         ASSERT_OK(mq_quantize_rtn(&s, w, R, C, 0, "t", &q1));
@@ -601,6 +605,19 @@ static void test_rtn_tensor_and_dequant(void) {
                 float want = mq_dequant_value(&s, q1.global_scale, p, q1.codes[r * C + c]);
                 if (memcmp(&want, &d1[r * C + c], 4)) FAIL("%d,%d: %g vs %g", r, c, want, d1[r * C + c]);
             }
+        /* mq_dequant_n (one column of every row, each with its own group) gives the same bits */
+        for (int c = 0; c < C; c += 7) {
+            mq_gparams gp[37];
+            uint8_t cc[37];
+            float col[37];
+            for (int r = 0; r < R; r++) {
+                gp[r] = q1.params[r * q1.n_groups + c / q1.group_size];
+                cc[r] = q1.codes[r * C + c];
+            }
+            mq_dequant_n(&s, q1.global_scale, gp, cc, R, col);
+            for (int r = 0; r < R; r++)
+                if (memcmp(&col[r], &d1[r * C + c], 4)) FAIL("column %d row %d: %g vs %g", c, r, col[r], d1[r * C + c]);
+        }
         for (int c = 0; c < C; c++) ASSERT_NEAR(0, d1[5 * C + c], 0);
         ASSERT_TRUE(mq_test_rel_maxdiff(d1, w, (size_t)R * C) < 0.25);
         /* g_idx equal to the default mapping changes nothing */

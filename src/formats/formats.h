@@ -136,6 +136,10 @@ float mq_group_step(const mq_qspec *s, float global_scale, const mq_gparams *g);
  * q in 0..15 with the zero point when asymmetric) and its dequantized value. */
 uint8_t mq_quant_value(const mq_qspec *s, float global_scale, const mq_gparams *g, float x);
 float mq_dequant_value(const mq_qspec *s, float global_scale, const mq_gparams *g, uint8_t code);
+/* The dequantized values of n codes that each have their own group params (GPTQ's per-column
+ * step), as mq_dequant_value gives them, without its call per value. */
+void mq_dequant_n(const mq_qspec *s, float global_scale, const mq_gparams *g, const uint8_t *codes,
+                  int64_t n, float *out);
 /* Quantize-dequantize n values that each have their own group params (GPTQ's per-column step:
  * one column, all rows). codes and deq may each be NULL. */
 void mq_qdq_n(const mq_qspec *s, float global_scale, const mq_gparams *g, const float *x,

@@ -1020,9 +1020,8 @@ static void refine_rows(const loop_state *L, const run_ctx *c, const float *w, i
         const int64_t g = L->gidx ? p / G : col_of(f, p) / G;
         float *qp = q + p * nr;
         const uint8_t *cp = sc->ct + p * nr;
-        for (int64_t i = 0; i < nr; i++)
-            qp[i] = f->dead[col_of(f, p)] ? 0.0f
-                                          : mq_dequant_value(L->s, L->gs, &sc->gp[g * nr + i], cp[i]);
+        if (f->dead[col_of(f, p)]) memset(qp, 0, sizeof(float) * (size_t)nr);
+        else mq_dequant_n(L->s, L->gs, &sc->gp[g * nr], cp, nr, qp);
     }
     /* D into wt (wt = W0' - Q), then Gt = H' Dt. The column loop left W0 - Q = E U (U upper,
      * U^T U = H'^-1), so H' Dt = U^-1 U^-T U^T Et = R Et: one triangular product on the kept E,
