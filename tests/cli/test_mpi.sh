@@ -114,8 +114,11 @@ run_np 2 bench quantize "$model" --layers 1 --nsamples 4 --seqlen 32 --threads 1
     >"$tmp/bench.log" 2>&1 || fail "bench quantize --ranks 1,2 exited $?: $(tail -5 "$tmp/bench.log")"
 grep -qE "^efficiency of 2 ranks in each round: [0-9.]+ [0-9.]+$" "$tmp/bench.log" ||
     fail "no per-round efficiencies: $(cat "$tmp/bench.log")"
-grep -qE "^ +1 +[0-9.]+ +1\.000 +[0-9.]+$" "$tmp/bench.log" || fail "no 1-rank row: $(cat "$tmp/bench.log")"
-grep -qE "^ +2 +[0-9.]+ +[0-9.]+ +[0-9.]+ [0-9.]+$" "$tmp/bench.log" || fail "no 2-rank row with 2 peaks: $(cat "$tmp/bench.log")"
+grep -qE "^ +1 +[0-9.]+ +1\.000 +1\.00 +1\.00 +[0-9.]+$" "$tmp/bench.log" || fail "no 1-rank row: $(cat "$tmp/bench.log")"
+grep -qE "^ +2 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ [0-9.]+$" "$tmp/bench.log" || fail "no 2-rank row with 2 peaks: $(cat "$tmp/bench.log")"
+# the 2-rank core rate was measured (positive) and "of ceiling" is the efficiency over it
+awk '$1 == 2 && NF == 7 { ok = $4 > 0 && ($5 - $3 / $4) ^ 2 < 0.0001 } END { exit !ok }' "$tmp/bench.log" ||
+    fail "2-rank core rate or its ceiling ratio wrong: $(grep -E '^ +2 ' "$tmp/bench.log")"
 run_np 2 bench quantize "$model" --layers 1 --ranks 3 >/dev/null 2>&1 && fail "--ranks 3 on a 2-rank job was accepted"
 
 exit $((fails > 0))

@@ -284,7 +284,12 @@ int bench_quantize(int argc, char **argv) {
             else fprintf(stderr, "bench quantize: %d threads\n", tl[i]);
         }
         if ((st = mq_dist_subset(ranks[n_ranks > 1 ? i : 0]))) break;
-        if (mq_dist_size() > 0) st = mq_pipeline_run(pos[0], out, &o, &rs[run]);
+        /* a --ranks list: the core rate with this count's ranks all computing at once (each rank's
+         * threads; rank 0's figure is printed), the ceiling of the ranks' efficiency as it is of
+         * the threads' */
+        if (n_ranks > 1 && mq_dist_size() > 0 && !(st = mq_dist_agree(MOEQ_OK, "core rate")))
+            core[run] = mq_measure_core_gflops(0.5) / moeq_threads();
+        if (!st && mq_dist_size() > 0) st = mq_pipeline_run(pos[0], out, &o, &rs[run]);
         moeq_status bs = mq_dist_subset(0);
         if (!bs) bs = mq_dist_world_barrier("bench quantize");
         if (!st) st = bs;
@@ -302,16 +307,25 @@ int bench_quantize(int argc, char **argv) {
     if (world > 1 || n_ranks > 1) {   /* the scaling table (medians of the rounds), then the details of the largest run */
         const mq_pipeline_result *last = &rs[(rounds - 1) * n_counts];   /* the last round's, for the memory */
         double t0 = 0;
-        printf("ranks  s/layer  efficiency  peak memory per rank (GB)%s\n", rounds > 1 ? "  (medians of the rounds)" : "");
+        printf("ranks  s/layer  efficiency  core rate  of ceiling  peak memory per rank (GB)%s\n",
+               rounds > 1 ? "  (medians of the rounds)" : "");
         for (int i = 0; i < n_ranks; i++) {
-            double ts[64];
-            for (int r = 0; r < rounds; r++) ts[r] = per_layer_total(&rs[r * n_counts + i]);
-            const double t = cli_median(ts, (int)rounds);
+            double ts[64], rate[64];
+            for (int r = 0; r < rounds; r++) {
+                ts[r] = per_layer_total(&rs[r * n_counts + i]);
+                rate[r] = core[r * n_counts] > 0 ? core[r * n_counts + i] / core[r * n_counts] : 0;
+            }
+            const double t = cli_median(ts, (int)rounds), cr = cli_median(rate, (int)rounds);
             if (i == 0) t0 = t * ranks[0];
-            printf("%5d  %7.2f  %10.3f ", ranks[i], t, t > 0 ? t0 / (t * ranks[i]) : 0);
+            const double eff = t > 0 ? t0 / (t * ranks[i]) : 0;
+            printf("%5d  %7.2f  %10.3f  %9.2f  %10.2f ", ranks[i], t, eff, cr, cr > 0 ? eff / cr : 0);
             for (int r = 0; r < ranks[i] && r < 64; r++) printf(" %.2f", (double)last[i].rank_peak[r] / 1e9);
             printf("\n");
         }
+        if (n_ranks > 1)
+            printf("(core rate: rank 0's threads' single-threaded sgemm rate with every rank of the count "
+                   "computing, against %d rank%s: the ceiling of compute-bound efficiency here; of ceiling: "
+                   "efficiency over it)\n", ranks[0], ranks[0] > 1 ? "s" : "");
         for (int i = 1; i < n_ranks && rounds > 1; i++) {   /* each round's own ratio */
             printf("efficiency of %d ranks in each round:", ranks[i]);
             for (int r = 0; r < rounds; r++) printf(" %.3f", round_efficiency(rs, ranks, n_counts, r, i));
