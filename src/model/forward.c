@@ -99,6 +99,7 @@ struct mq_state {
     int64_t n_tasks_cap;
 
     bool moe_fp32;               /* some MoE layer runs the fp32 experts (needs the scratch above) */
+    double *prof;                /* [MQ_ATT_PARTS] seconds by part, or NULL (mq_state_profile) */
     int n_thr;                   /* per-thread attention scratch */
     float *scores;               /* [n_thr, ATT_QB * max_tokens] */
 };
@@ -316,6 +317,8 @@ static moeq_status kv_reserve(mq_state *s, int l) {
     return mq_err(MOEQ_E_NOMEM, "out of memory for the KV cache of layer %d (%d positions)", l,
                   s->max_tokens);
 }
+
+void mq_state_profile(mq_state *s, double *acc) { s->prof = acc; }
 
 void mq_state_drop_layer(mq_state *s, int l) {
     mq_free(s->kc[l]);
@@ -676,6 +679,14 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
     return MOEQ_OK;
 }
 
+/* MOEQ_PROFILE's attention parts: the seconds since *t to part k, *t moved on. */
+static void prof_add(mq_state *s, int k, double *t) {
+    if (!s->prof) return;
+    const double now = mq_now();
+    s->prof[k] += now - *t;
+    *t = now;
+}
+
 static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, float *x, int64_t T,
                                    int64_t pos, const mq_hooks *hk) {
     if (kv_reserve(s, l)) return MOEQ_E_NOMEM;
@@ -683,14 +694,18 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
     int64_t D = c->D, H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim;
+    double t = s->prof ? mq_now() : 0;
     rmsnorm(x, T, D, ly->attn_norm, c->rms_eps, s->xn);
+    prof_add(s, MQ_ATT_NORM, &t);
     hook(hk, l, MQ_SITE_QKV, -1, s->xn, T, D);
+    prof_add(s, MQ_ATT_HOOKS, &t);
     /* xn feeds only q/k/v: quantized in place, once for the three */
     if (ly->q.act_q || ly->k.act_q || ly->v.act_q) act_qdq(m, s->xn, T, D);
     /* k and v of these positions are computed in place in the cache (same [T, KV*hd] layout) */
     float *k = s->kc[l] + pos * s->kv_dim, *v = s->vc[l] + pos * s->kv_dim;
     moeq_status st = qkv_forward(ly, s->xn, T, s->q, k, v);
     if (st) return st;
+    prof_add(s, MQ_ATT_QKV, &t);
     if (c->qk_norm == MQ_QKNORM_FULL) {
         rmsnorm(s->q, T, H * hd, ly->q_norm, c->rms_eps, s->q);
         rmsnorm(k, T, KV * hd, ly->k_norm, c->rms_eps, k);
@@ -708,14 +723,19 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
     }
     rope(s, s->q, T, H, pos);
     rope(s, k, T, KV, pos);
+    prof_add(s, MQ_ATT_QK_ROPE, &t);
 
     att_job j = {s, l, T, pos, (T + ATT_QB - 1) / ATT_QB, (float)c->attn_scale};
     run_tasks(H * j.n_qb, attention_task, &j, T < SMALL_T);
+    prof_add(s, MQ_ATT_SCORES, &t);
 
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * hd);
+    prof_add(s, MQ_ATT_HOOKS, &t);
     if (ly->o.act_q) act_qdq(m, s->att, T, H * hd);
     if ((st = mq_linear_forward(&ly->o, s->att, T, s->tmp))) return st;
+    prof_add(s, MQ_ATT_O, &t);
     residual_add(s->tmp, x, T * D);
+    prof_add(s, MQ_ATT_RESIDUAL, &t);
     return MOEQ_OK;
 }
 

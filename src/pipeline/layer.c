@@ -1104,7 +1104,17 @@ typedef struct {
     bool pinned;                  /* xt and xn are page-locked (mq_gpu_host_alloc) */
     bool ahead;                   /* this pass reads and sends up the first expert chunk while
                                      the device runs it (experts_ahead) */
+    double *prof;                 /* MOEQ_PROFILE: seconds of the inputs' copies, the FFN norm
+                                     and routing, the outputs' copies [3], or NULL */
 } att_scratch;
+
+/* MOEQ_PROFILE's attention-stage parts (att_scratch.prof): the seconds since *t to part k. */
+static void att_prof_add(const att_scratch *sc, int k, double *t) {
+    if (!sc->prof) return;
+    const double now = mq_now();
+    sc->prof[k] += now - *t;
+    *t = now;
+}
 
 /* Whether layer l's attention can run on the GPU: the standard attention of the families the
  * GPU twin implements, fp32 weights, no emulated activation quantizer (its amax and rounding
@@ -1289,18 +1299,23 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
 static moeq_status fp_attention_sample(mq_pipe *p, int l, int64_t s, att_scratch *sc, att_capture *cap) {
     const int64_t T = p->calib.len[s], D = p->c->D;
     const size_t off = (size_t)(s * p->LD);
+    double t = sc->prof ? mq_now() : 0;
     const float *x = mq_actbuf_view(&p->XF, off, (size_t)(T * D), sc->xf);
     if (x != sc->xf) mq_copy_floats(sc->xf, x, (size_t)(T * D));
+    att_prof_add(sc, 0, &t);
     mq_hooks hooks = {on_attention, cap};
     if (cap) cap->fp = true;
     moeq_status st = mq_attention_forward(p->m, p->state, l, sc->xf, T, 0, cap ? &hooks : NULL);
     if (cap) cap->fp = false;
     if (st) return st;
+    if (sc->prof) t = mq_now();
     mq_actbuf_put(&p->XF, off, (size_t)(T * D), sc->xf);
+    att_prof_add(sc, 2, &t);
     if (p->m->layers[l].is_moe) {
         mq_ffn_norm(p->m, l, sc->xf, T, sc->xn);
         mq_moe_route(p->m, l, sc->xn, T, sc->probs, sel_of(p->sel_f, p, s), wt_of(p->w_f, p, s));
     }
+    att_prof_add(sc, 1, &t);
     return MOEQ_OK;
 }
 
@@ -1332,9 +1347,10 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
     for (int64_t s = s_lo; s < s_hi && !st; s++) {
         if ((st = check_interrupt())) break;
         int64_t T = p->calib.len[s];
-        double t0 = mq_now(), c0 = mq_cpu_now();
+        double t0 = mq_now(), c0 = mq_cpu_now(), tp = t0;
         const float *x = mq_actbuf_view(&p->X, (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
         if (x != sc->xt) mq_copy_floats(sc->xt, x, (size_t)(T * D));   /* bf16: converted there */
+        att_prof_add(sc, 0, &tp);
         if (cap) {
             cap->rows_qkv = cap->rows_o = cap->rows_qb = cap->rows_kvb = 0;
             cap->at = cap->store ? s - s_lo : 0;
@@ -1357,13 +1373,17 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
             if (cap->kvb) slot_cross(cap->kvb, cap->farena_kvb, cap->arena_kvb, cap->rows_kvb);
         }
         double t2 = mq_now(), c2 = mq_cpu_now();
+        tp = t2;
         if (!st) {
             if (keep_xn) {   /* the FFN input, kept for the experts' Hessians */
                 mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
+                att_prof_add(sc, 1, &tp);
                 mq_actbuf_put(&p->XN, (size_t)(s * p->LD), (size_t)(T * D), sc->xn);
+                att_prof_add(sc, 2, &tp);
                 if (moe) mq_moe_route(p->m, l, sc->xn, T, sc->probs, sel_of(p->sel_a, p, s), wt_of(p->w_a, p, s));
             } else if (keep_h) {   /* h: the next boundary, less the FFN */
                 mq_actbuf_put(out_buf(p), (size_t)(s * p->LD), (size_t)(T * D), sc->xt);
+                att_prof_add(sc, 2, &tp);
                 if (moe) {
                     mq_ffn_norm(p->m, l, sc->xt, T, sc->xn);
                     mq_moe_route(p->m, l, sc->xn, T, sc->probs,
@@ -1373,6 +1393,7 @@ static moeq_status attention_pass(mq_pipe *p, int l, bool pass_a, att_capture *c
             }
         }
         double t3 = mq_now(), c3 = mq_cpu_now();
+        att_prof_add(sc, 1, &tp);
         p->layers[l].forward += (t1 - t0) + (t3 - t2);
         p->layers[l].cpu_forward += (c1 - c0) + (c3 - c2);
         p->layers[l].attention += (t1 - t0) + (t3 - t2);
@@ -1589,6 +1610,14 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
                               "router probabilities");
     if (p->target) sc.xf = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "unquantized attention input");
     if (!sc.xt || !sc.xn || !sc.probs || (p->target && !sc.xf)) st = MOEQ_E_NOMEM;
+    /* MOEQ_PROFILE on the CPU: where the stage's seconds go, logged at its end */
+    double prof_model[MQ_ATT_PARTS] = {0}, prof_pipe[3] = {0};
+    const bool prof = getenv("MOEQ_PROFILE") && !sc.gpu;
+    if (prof) {
+        mq_state_profile(p->state, prof_model);
+        sc.prof = prof_pipe;
+    }
+    const double t_stage = mq_now();
     const bool pass_a = !replay || !p->seq;
     if (!st && sc.gpu && pass_a) st = gpu_attention_set(p, l);
     if (!st) {
@@ -1675,6 +1704,15 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
         snprintf(step, sizeof step, "layer %d: attention", l);
         st = mq_dist_agree(st, step);
         if (!st) st = share_ffn_inputs(p, l);
+    }
+    if (prof) {   /* the attention_block parts include the unquantized stream's samples */
+        mq_state_profile(p->state, NULL);
+        mq_info("layer %d attention stage %.2f s: inputs %.2f, attention norm %.2f, q/k/v %.2f, q/k norm and RoPE "
+                "%.2f, scores %.2f, o_proj %.2f, residual %.2f, hooks %.2f, FFN norm and routing %.2f, outputs "
+                "%.2f s (the rest: Hessians, GPTQ, other ranks)", l, mq_now() - t_stage, prof_pipe[0],
+                prof_model[MQ_ATT_NORM], prof_model[MQ_ATT_QKV], prof_model[MQ_ATT_QK_ROPE],
+                prof_model[MQ_ATT_SCORES], prof_model[MQ_ATT_O], prof_model[MQ_ATT_RESIDUAL],
+                prof_model[MQ_ATT_HOOKS], prof_pipe[1], prof_pipe[2]);
     }
     for (int i = 0; i < n_sl; i++) slot_free(&sl[i]);
     mq_free(cap.arena_qkv);
