@@ -34,7 +34,7 @@ assert j["same_tensors"] is True and j["tensors_compared"] >= 30, j   # the laye
 rows = j["thread_scaling"]
 assert [r["threads"] for r in rows] == [1, 3], rows
 for r in rows:
-    assert r["core_rate"] > 0, r
+    assert r["core_rate"] > 0 and r["bandwidth_rate"] > 0, r   # both ceilings measured
     for st in ("read", "forward", "attention", "hessians", "gptq", "write", "total"):
         assert st in r, (st, r)
     t = r["total"]
@@ -44,6 +44,7 @@ for r in rows:
         e, c = r[st]["efficiency"], r[st]["of_ceiling"]
         assert abs(c - e / r["core_rate"]) <= 0.002 + 0.0005 * e / r["core_rate"] ** 2, (st, r)
 assert rows[0]["total"]["efficiency"] == 1.0 and rows[0]["core_rate"] == 1.0, rows[0]
+assert rows[0]["bandwidth_rate"] == 1.0, rows[0]
 assert rows[0]["total"]["of_ceiling"] == 1.0, rows[0]
 PY
 ls "$tmp" | grep -q moeq-bench && fail "bench quantize --threads left its temporary checkpoints"

@@ -134,14 +134,6 @@ static int64_t distinct_experts(const shape *s, const float *router, const float
 }
 
 /* Bytes of the last-level cache (L3; 0 where the C library does not say). */
-static size_t llc_bytes(void) {
-    long v = 0;
-#ifdef _SC_LEVEL3_CACHE_SIZE
-    v = sysconf(_SC_LEVEL3_CACHE_SIZE);
-#endif
-    return v > 0 ? (size_t)v : 0;
-}
-
 typedef struct {
     int64_t tokens;
     const char *routing;
@@ -219,7 +211,7 @@ int bench_moe_ffn(int argc, char **argv) {
     moeq_set_threads((int)threads);
     cli_install_sigint();
 
-    const size_t llc = llc_bytes();
+    const size_t llc = cli_llc_bytes();
     const size_t probe0 = quick ? (size_t)64 << 20 : (size_t)1 << 30 > 4 * llc ? (size_t)1 << 30 : 4 * llc;
     const size_t probe = quick ? (size_t)64 << 20 : (size_t)256 << 20 > 4 * llc ? (size_t)256 << 20 : 4 * llc;
     double sgemm = quick ? mq_measure_sgemm_gflops(256, 0.05) : mq_measure_sgemm_gflops(2048, 1.0);

@@ -26,6 +26,7 @@
 #include "cli.h"
 #include "backend/gpu.h"
 #include "dist/dist.h"
+#include "kernels/moe_ffn.h"
 #include "model/model.h"
 #include "pipeline/pipeline.h"
 
@@ -51,7 +52,7 @@ static void stage_sums(const mq_pipeline_result *r, double wall[N_STAGES], doubl
 
 /* One count's figures over the rounds: per stage the median seconds per layer and cores busy. */
 typedef struct {
-    double sec[N_STAGES], cores[N_STAGES], core_rate;
+    double sec[N_STAGES], cores[N_STAGES], core_rate, bw_rate;
 } count_figures;
 
 /* A run's seconds per layer (all stages). */
@@ -61,9 +62,10 @@ static double per_layer_total(const mq_pipeline_result *r) {
     return r->layers_run > 0 ? w / r->layers_run : 0;
 }
 
-/* rs[round * nt + i]: count i's run in each round; core[] the same way. */
-static count_figures count_medians(const mq_pipeline_result *rs, const double *core, int nt, int rounds, int i) {
-    double sec[N_STAGES][64], cores[N_STAGES][64], rate[64];
+/* rs[round * nt + i]: count i's run in each round; core[] and bw[] the same way. */
+static count_figures count_medians(const mq_pipeline_result *rs, const double *core, const double *bw, int nt,
+                                   int rounds, int i) {
+    double sec[N_STAGES][64], cores[N_STAGES][64], rate[64], bwr[64];
     if (rounds > 64) rounds = 64;
     for (int r = 0; r < rounds; r++) {
         const mq_pipeline_result *x = &rs[r * nt + i];
@@ -75,6 +77,7 @@ static count_figures count_medians(const mq_pipeline_result *rs, const double *c
             cores[k][r] = w[k] > 0 ? c[k] / w[k] : 0;
         }
         rate[r] = core[r * nt] > 0 ? core[r * nt + i] / core[r * nt] : 0;   /* against the round's first count */
+        bwr[r] = bw[r * nt] > 0 ? bw[r * nt + i] / bw[r * nt] : 0;
     }
     count_figures f;
     for (int k = 0; k < N_STAGES; k++) {
@@ -82,6 +85,7 @@ static count_figures count_medians(const mq_pipeline_result *rs, const double *c
         f.cores[k] = cli_median(cores[k], rounds);
     }
     f.core_rate = cli_median(rate, rounds);
+    f.bw_rate = cli_median(bwr, rounds);
     return f;
 }
 
@@ -95,9 +99,9 @@ static double round_efficiency(const mq_pipeline_result *rs, const int *n, int n
 /* --threads LIST: per stage, seconds per layer, cores busy and efficiency against the first
  * (medians over the rounds), then each round's end-to-end efficiencies (the spread). */
 static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, int nt, int rounds,
-                                 const double *core, bool same, int64_t tensors, bool json) {
+                                 const double *core, const double *bw, bool same, int64_t tensors, bool json) {
     count_figures f[32];
-    for (int i = 0; i < nt; i++) f[i] = count_medians(rs, core, nt, rounds, i);
+    for (int i = 0; i < nt; i++) f[i] = count_medians(rs, core, bw, nt, rounds, i);
     double eff[32][N_STAGES];
     for (int i = 0; i < nt; i++)
         for (int k = 0; k < N_STAGES; k++)
@@ -106,7 +110,8 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
         printf("{\"same_tensors\": %s, \"tensors_compared\": %lld, \"rounds\": %d, \"thread_scaling\": [",
                same ? "true" : "false", (long long)tensors, rounds);
         for (int i = 0; i < nt; i++) {
-            printf("%s{\"threads\": %d, \"core_rate\": %.3f", i ? ", " : "", tl[i], f[i].core_rate);
+            printf("%s{\"threads\": %d, \"core_rate\": %.3f, \"bandwidth_rate\": %.3f", i ? ", " : "", tl[i],
+                   f[i].core_rate, f[i].bw_rate);
             for (int k = 0; k < N_STAGES; k++)
                 printf(", \"%s\": {\"seconds_per_layer\": %.3f, \"cores_busy\": %.2f, \"efficiency\": %.3f, "
                        "\"of_ceiling\": %.3f}",
@@ -121,20 +126,21 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
         printf("]}\n");
         return;
     }
-    printf("threads  core rate");
+    printf("threads  core rate  bw rate");
     for (int k = 0; k < N_STAGES; k++) printf("  %-22s", stage_name[k]);
-    printf("\n                  ");
+    printf("\n                           ");
     for (int k = 0; k < N_STAGES; k++) printf("  %-22s", "s/layer cores  eff.");
     printf("\n");
     for (int i = 0; i < nt; i++) {
-        printf("%7d  %9.2f", tl[i], f[i].core_rate);
+        printf("%7d  %9.2f  %7.2f", tl[i], f[i].core_rate, f[i].bw_rate);
         for (int k = 0; k < N_STAGES; k++) printf("  %7.2f %5.1f %6.2f  ", f[i].sec[k], f[i].cores[k], eff[i][k]);
         printf("\n");
     }
     printf("(%s; cores: process CPU seconds over wall seconds; eff.: T(%d) * %d / (T(n) * n); core rate: each "
            "thread's single-threaded sgemm rate with all running, against %d threads, the ceiling of "
-           "compute-bound efficiency here)\n",
-           rounds > 1 ? "medians of the rounds" : "one round", tl[0], tl[0], tl[0]);
+           "compute-bound efficiency here; bw rate: the read bandwidth of all the threads per thread, against %d "
+           "threads', the ceiling of memory-bound efficiency)\n",
+           rounds > 1 ? "medians of the rounds" : "one round", tl[0], tl[0], tl[0], tl[0]);
     for (int i = 1; i < nt; i++) {   /* how much of what the machine allows each stage reached */
         if (!(f[i].core_rate > 0)) continue;
         printf("%d threads, efficiency over the core rate (1.00: as fast as the cores allow):", tl[i]);
@@ -274,12 +280,15 @@ int bench_quantize(int argc, char **argv) {
     bool same = true;
     uint32_t crc0 = 0;
     int64_t n0 = 0;   /* the tensors the first run wrote */
-    double core[64 * 32] = {0};
+    double core[64 * 32] = {0}, bw[64 * 32] = {0};
+    /* the bandwidth probe reads well beyond the last-level cache */
+    const size_t probe = (size_t)256 << 20 > 4 * cli_llc_bytes() ? (size_t)256 << 20 : 4 * cli_llc_bytes();
     for (int run = 0; run < n_runs && !st; run++) {
         const int i = run % n_counts;
         if (nt > 1) {
             moeq_set_threads(tl[i]);
             core[run] = mq_measure_core_gflops(0.5) / tl[i];
+            bw[run] = mq_measure_read_gbps(probe, 0.3) / tl[i];
             if (rounds > 1) fprintf(stderr, "bench quantize: %d threads (round %d of %d)\n", tl[i], run / n_counts + 1, (int)rounds);
             else fprintf(stderr, "bench quantize: %d threads\n", tl[i]);
         }
@@ -333,7 +342,7 @@ int bench_quantize(int argc, char **argv) {
         }
     }
     if (nt > 1) {
-        print_thread_scaling(rs, tl, nt, (int)rounds, core, same, n0, json);
+        print_thread_scaling(rs, tl, nt, (int)rounds, core, bw, same, n0, json);
         if (json) {
             free(rs);
             return same ? CLI_OK : CLI_FAIL;

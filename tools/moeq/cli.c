@@ -385,6 +385,14 @@ double cli_median(const double *v, int n) {
     return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
 }
 
+size_t cli_llc_bytes(void) {
+    long v = 0;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    v = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+    return v > 0 ? (size_t)v : 0;
+}
+
 void cli_report_memory(const char *cmd, const moeq_model_info *info) {
     const double mib = 1024.0 * 1024.0;
     fprintf(stderr, "%s: weights %.2f MiB resident", cmd, (double)info->weight_bytes / mib);

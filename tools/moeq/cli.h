@@ -100,6 +100,8 @@ double cli_cpu_seconds(void);
 /* The median of v[0..n), n <= 64 (the mean of the middle two for even n; v is not changed): the
  * benchmarks' figure over repeated rounds. */
 double cli_median(const double *v, int n);
+/* The last-level cache's bytes (sysconf), 0 when unknown: bandwidth probes read several times it. */
+size_t cli_llc_bytes(void);
 /* One stderr line on a model's resident weights (packed or fp32, and what fp32 would take)
  * and the process's peak RSS. */
 void cli_report_memory(const char *cmd, const moeq_model_info *info);
