@@ -132,6 +132,9 @@ void mq_remove_tree(const char *path);
 typedef void (*mq_task_fn)(void *ctx, int64_t task, int thread);
 void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx);
 int mq_pool_size(void);
+/* Wall seconds spent so far in top-level mq_parallel_for calls of two or more tasks (the work that
+ * can spread over the threads); a stage's wall time less this is what ran on one thread. */
+double mq_pool_seconds(void);
 
 /* ---- deterministic dense linear algebra (OpenBLAS underneath, single-threaded per call) ---- */
 /* C[M,N] = alpha * A[M,K] @ B[N,K]^T + beta * C. Row-major, leading dims = row lengths given.

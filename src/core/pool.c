@@ -184,6 +184,12 @@ int moeq_threads(void) {
 
 int mq_pool_size(void) { return moeq_threads(); }
 
+static _Atomic int64_t g_pool_ns;   /* mq_pool_seconds */
+
+double mq_pool_seconds(void) { return (double)atomic_load(&g_pool_ns) * 1e-9; }
+
+static void pool_time_add(double t0) { atomic_fetch_add(&g_pool_ns, (int64_t)((mq_now() - t0) * 1e9)); }
+
 void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;
     if (tl_thread >= 0 || n_tasks == 1) {   /* nested or trivial: run here */
@@ -191,6 +197,7 @@ void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx) {
         for (int64_t t = 0; t < n_tasks; t++) fn(ctx, t, thread);
         return;
     }
+    const double t0 = mq_now();
     pthread_mutex_lock(&g_pool.submit);
     if (g_pool.size == 0) pool_start();
     if (g_pool.size <= 1) {
@@ -198,6 +205,7 @@ void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx) {
         tl_thread = 0;
         for (int64_t t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         tl_thread = -1;
+        pool_time_add(t0);
         return;
     }
     g_pool.fn = fn;
@@ -224,4 +232,5 @@ void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx) {
     }
     g_pool.fn = NULL;
     pthread_mutex_unlock(&g_pool.submit);
+    pool_time_add(t0);
 }

@@ -516,12 +516,16 @@ static moeq_status qtensor_alloc(mq_qtensor *q, const mq_qspec *s, int64_t rows,
     const size_t np = (size_t)rows * (size_t)q->n_groups;
     q->codes = zero ? mq_alloc_zero((size_t)rows * (size_t)cols, "quantized codes")
                     : mq_alloc_array((size_t)rows, (size_t)cols, "quantized codes");
-    q->params = mq_alloc_array(np, sizeof(mq_gparams), "quantization params");
+    /* zeroed as the codes are: a fresh mapping comes zero (a memset here ran on the calling
+     * thread before GPTQ's tasks, 2 MB for each of a chunk's expert Linears) */
+    size_t pbytes = 0;
+    q->params = !mq_mul_size(np, sizeof(mq_gparams), &pbytes) ? NULL
+              : zero ? mq_alloc_zero(pbytes, "quantization params")
+                     : mq_alloc(pbytes, "quantization params");
     if (!q->codes || !q->params) {
         mq_qtensor_free(q);
         return mq_err_prefix(MOEQ_E_NOMEM, "tensor '%s'", tensor);
     }
-    if (zero) memset(q->params, 0, np * sizeof(mq_gparams));
     return MOEQ_OK;
 }
 

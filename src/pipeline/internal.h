@@ -64,6 +64,7 @@ typedef struct {
     double cpu_forward, cpu_hessian, cpu_gptq, cpu_write, cpu_total, cpu_attention;
     double read, cpu_read;        /* reading the layer's weights into fp32 (and freeing them) */
     double wait, exchange;        /* several ranks: waiting for the others, moving data */
+    double pooled;                /* of total: in the pool's parallel loops (mq_pool_seconds) */
     double snapshot;              /* the work directory's record of the layer and the snapshot of
                                      the boundary after it (written, synced) */
     double snapshot_sync, snapshot_copy;   /* of which: waiting for the record before, the boundary copied */

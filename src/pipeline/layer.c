@@ -3326,7 +3326,7 @@ static void add_out(mq_pipe *p, mq_actbuf *h, mq_actbuf *out) {
 }
 
 moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
-    double t0 = mq_now(), c0 = mq_cpu_now(), w0, x0;
+    double t0 = mq_now(), c0 = mq_cpu_now(), w0, x0, pool0 = mq_pool_seconds();
     mq_dist_seconds(&w0, &x0);
     mq_layer *ly = &p->m->layers[l];
     /* the source is read ahead of the compute: the first expert chunk during the attention, the
@@ -3372,6 +3372,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     drop_part(p, l, MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_SHARED | MQ_PART_MLP, 0, 0);
     p->layers[l].total += mq_now() - t0;
     p->layers[l].cpu_total += mq_cpu_now() - c0;
+    p->layers[l].pooled += mq_pool_seconds() - pool0;
     double w1, x1;
     mq_dist_seconds(&w1, &x1);
     p->layers[l].wait += w1 - w0;

@@ -422,9 +422,10 @@ static moeq_status run(mq_pipe *p) {
         if (p->calibrate) {
             s = mq_pipe_layer(p, l, false);
         } else {
-            double t0 = mq_now(), c0 = mq_cpu_now();
+            double t0 = mq_now(), c0 = mq_cpu_now(), pool0 = mq_pool_seconds();
             s = mq_pipe_layer_rtn(p, l);
             if (!s) s = mq_pipe_write_passthrough(p, l);
+            p->layers[l].pooled = mq_pool_seconds() - pool0;
             p->layers[l].total = mq_now() - t0;
             p->layers[l].cpu_total = mq_cpu_now() - c0;
             mq_pipe_progress(p, p->mp_units.rtn_layer);
@@ -443,7 +444,8 @@ static moeq_status run(mq_pipe *p) {
             p->res->layer[p->res->layers_run++] = (mq_layer_stats){
                 lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, lr->total,
                 lr->cpu_forward, lr->cpu_attention, lr->cpu_hessian, lr->cpu_gptq, lr->cpu_write,
-                lr->cpu_total, lr->wait, lr->exchange, lr->peak_anon, lr->chunks, lr->read, lr->cpu_read};
+                lr->cpu_total, lr->wait, lr->exchange, lr->peak_anon, lr->chunks, lr->read, lr->cpu_read,
+                lr->pooled};
         }
     }
     if (!s) s = mq_work_snapshot_wait(p);   /* a run that stops early (--stop-after) names it */

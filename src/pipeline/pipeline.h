@@ -144,6 +144,8 @@ typedef struct {
     int64_t peak_anon;
     int32_t chunks;
     double read, cpu_read;         /* the source's weights read and converted to fp32, and freed */
+    double pooled;                 /* of total: in the pool's parallel loops; the rest (less wait and
+                                      exchange) ran on one thread */
 } mq_layer_stats;
 
 typedef struct {

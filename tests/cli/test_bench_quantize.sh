@@ -16,6 +16,7 @@ assert L["total"] >= L["forward"] >= L["attention"] > 0, L
 assert L["read"] > 0, L   # the layer's bf16 weights converted to fp32
 parts = L["read"] + L["forward"] + L["hessians"] + L["gptq"] + L["write"]
 assert parts <= L["total"] + 0.005, L   # the stages do not overlap; 1 ms printed rounding per figure
+assert 0 <= L["serial"] < L["total"], L   # the time outside the pool's loops was measured
 assert 0 < j["forward_fraction_of_sgemm"] < 5, j
 assert 0 < j["peak_anon_bytes"] <= j["budget_bytes"], j
 assert abs(j["extrapolated_seconds"] - 4 * L["total"]) <= 0.01, j   # both printed to 1 ms

@@ -55,6 +55,13 @@ typedef struct {
     double sec[N_STAGES], cores[N_STAGES], core_rate, bw_rate;
 } count_figures;
 
+/* A layer's seconds on one thread: outside the pool's parallel loops, less waiting for other ranks
+ * and moving data (Amdahl's serial part: what more threads cannot shorten). */
+static double layer_serial(const mq_layer_stats *s) {
+    const double v = s->total - s->pooled - s->wait - s->exchange;
+    return v > 0 ? v : 0;
+}
+
 /* A run's seconds per layer (all stages). */
 static double per_layer_total(const mq_pipeline_result *r) {
     double w = 0;
@@ -383,9 +390,10 @@ int bench_quantize(int argc, char **argv) {
                moeq_threads(), r->plan.chunk);
         for (int l = 0; l < run; l++)
             printf("%s{\"read\": %.3f, \"forward\": %.3f, \"attention\": %.3f, \"hessians\": %.3f, "
-                   "\"gptq\": %.3f, \"write\": %.3f, \"total\": %.3f, \"peak_anon_bytes\": %lld}", l ? ", " : "",
-                   r->layer[l].read, r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian, r->layer[l].gptq,
-                   r->layer[l].write, r->layer[l].total, (long long)r->layer[l].peak_anon);
+                   "\"gptq\": %.3f, \"write\": %.3f, \"total\": %.3f, \"serial\": %.3f, \"peak_anon_bytes\": %lld}",
+                   l ? ", " : "", r->layer[l].read, r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian,
+                   r->layer[l].gptq, r->layer[l].write, r->layer[l].total, layer_serial(&r->layer[l]),
+                   (long long)r->layer[l].peak_anon);
         printf("], \"forward_gflops\": %.2f, \"sgemm_gflops\": %.2f, \"forward_fraction_of_sgemm\": %.3f, "
                "\"gpu_sgemm_gflops\": %.2f, \"gpu_copy_gbs\": %.2f, "
                "\"peak_anon_bytes\": %lld, \"planned_peak_bytes\": %lld, \"budget_bytes\": %lld, "
@@ -399,12 +407,13 @@ int bench_quantize(int argc, char **argv) {
                run, n_layers, r->plan.chunk);
         for (int l = 0; l < run; l++)
             printf("  layer %d: %.1f s = read %.1f + forward %.1f (attention %.1f) + Hessians %.1f + GPTQ %.1f + "
-                   "write %.1f + waiting for other ranks %.1f + moving data %.1f + other %.1f; peak %.2f GB\n", l,
+                   "write %.1f + waiting for other ranks %.1f + moving data %.1f + other %.1f; peak %.2f GB; "
+                   "%.1f s on one thread (outside the pool's loops)\n", l,
                    r->layer[l].total, r->layer[l].read, r->layer[l].forward, r->layer[l].attention, r->layer[l].hessian,
                    r->layer[l].gptq, r->layer[l].write, r->layer[l].wait, r->layer[l].exchange,
                    r->layer[l].total - r->layer[l].read - r->layer[l].forward - r->layer[l].hessian -
                        r->layer[l].gptq - r->layer[l].write - r->layer[l].wait - r->layer[l].exchange,
-                   (double)r->layer[l].peak_anon / 1e9);
+                   (double)r->layer[l].peak_anon / 1e9, layer_serial(&r->layer[l]));
         printf("per layer: %.1f s (read %.1f, forward %.1f, attention %.1f of it, Hessians %.1f, GPTQ %.1f, "
                "write %.1f)\n", sum / run, rd / run, fwd / run, att / run, hes / run, gq / run, wr / run);
         printf("forward: %.1f GFLOP/s = %.2f x sgemm (%.1f GFLOP/s, OpenBLAS 1024^3, same run)\n",
