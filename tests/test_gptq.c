@@ -1484,6 +1484,32 @@ static void test_target_many(void) {
     moeq_set_threads(saved);
 }
 
+/* One input's correction has the same bits at 1, 2 and 3 threads: its factorisation runs its
+ * tiles on the pool when the input is alone (K = 300: three 128-column tiles, a partial one) and
+ * in turn inside a task in a wave (test_target_many compares the two). */
+static void test_target_threads(void) {
+    const int64_t K = 300, n = 400, rows[2] = {260, 33};
+    float *H = malloc(sizeof(float) * (size_t)(K * K)), *G = malloc(sizeof(float) * (size_t)(K * K));
+    target_sums(K, n, 11, H, G);
+    float *orig = make_weights(rows[0], K, 21), *first = NULL;
+    const int saved = moeq_threads();
+    for (int threads = 1; threads <= 3; threads++) {
+        moeq_set_threads(threads);
+        float *w = malloc(sizeof(float) * (size_t)(rows[0] * K));
+        memcpy(w, orig, sizeof(float) * (size_t)(rows[0] * K));
+        float *ws[2] = {w, NULL};
+        ASSERT_OK(mq_gptq_target(H, G, K, n, 0.5f, 0.1, ws, rows, 1, "test.proj"));
+        ASSERT_TRUE(memcmp(w, orig, sizeof(float) * (size_t)(rows[0] * K)) != 0);   /* corrected */
+        if (!first) first = w;
+        else {
+            ASSERT_TRUE(memcmp(first, w, sizeof(float) * (size_t)(rows[0] * K)) == 0);
+            free(w);
+        }
+    }
+    moeq_set_threads(saved);
+    free(first), free(orig), free(H), free(G);
+}
+
 TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_target_many), T(test_reference_act_order),
           T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
@@ -1491,4 +1517,4 @@ TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_target_many), 
           T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
           T(test_force_ref_same_codes), T(test_progress), T(test_bad_input), T(test_clip_search),
           T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom), T(test_factor_odd_size),
-          T(test_target))
+          T(test_target), T(test_target_threads))

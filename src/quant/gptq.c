@@ -1527,12 +1527,41 @@ typedef struct {
     int64_t kmax;
 } target_step;
 
+/* The right-hand sides R = share ((2/n) G - H)^T and the lower triangle of H (the damping added
+ * to A's diagonal after) in blocks of TARGET_FILL rows: elementwise, any split gives the same
+ * matrices; nested in a pool task they run on its thread. */
+enum { TARGET_FILL = 64 };
+
+typedef struct {
+    const mq_gptq_target_job *j;
+    float *A, *R;
+    float sc;
+} target_fill;
+
+static void target_fill_task(void *vctx, int64_t b, int thread) {
+    (void)thread;
+    const target_fill *f = vctx;
+    const int64_t K = f->j->K, a0 = b * TARGET_FILL, a1 = a0 + TARGET_FILL < K ? a0 + TARGET_FILL : K;
+    const float *H = f->j->H, *G = f->j->G;
+    if (f->R)   /* rows [a0, a1) of the transposes, by 64-column blocks (both read down columns) */
+        for (int64_t c0 = 0; c0 < K; c0 += 64)
+            for (int64_t a = a0; a < a1; a++)
+                for (int64_t c = c0; c < K && c < c0 + 64; c++)
+                    f->R[a * K + c] = f->j->share * (f->sc * G[c * K + a] - H[c * K + a]);
+    for (int64_t a = a0; a < a1; a++) memcpy(f->A + a * K, H + a * K, sizeof(float) * (size_t)(a + 1));
+}
+
+/* One input's right-hand sides and the Cholesky factor L of H + damping, with the factorisation of
+ * GPTQ's factor (cholesky_lower: tiles on the pool, or in turn inside a pool task, the same
+ * values): a wave of fewer inputs than threads (the attention's two, DeepSeek's o_proj alone)
+ * factors each over every core instead of on one (LAPACK's potrf on one thread was 0.9 s of
+ * the attention's corrections at 16 threads with 6.8 cores busy). */
 static void target_factor_task(void *vctx, int64_t i, int thread) {
     (void)thread;
     target_input *t = &((target_step *)vctx)->in[i];
     const mq_gptq_target_job *j = t->j;
     const int64_t K = j->K;
-    const float *H = j->H, *G = j->G;
+    const float *H = j->H;
     t->A = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
     t->R = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
     if (!t->A || !t->R) {
@@ -1543,21 +1572,16 @@ static void target_factor_task(void *vctx, int64_t i, int thread) {
     double mean_diag = 0;
     for (int64_t k = 0; k < K; k++) mean_diag += H[k * K + k];
     mean_diag /= (double)K;
-    const float sc = 2.0f / (float)j->n;
-    /* share ((2/n) G - H)^T, by 64 x 64 blocks (both read down columns) */
-    for (int64_t a0 = 0; a0 < K; a0 += 64)
-        for (int64_t c0 = 0; c0 < K; c0 += 64)
-            for (int64_t a = a0; a < K && a < a0 + 64; a++)
-                for (int64_t c = c0; c < K && c < c0 + 64; c++)
-                    t->R[a * K + c] = j->share * (sc * G[c * K + a] - H[c * K + a]);
+    target_fill f = {j, t->A, t->R, 2.0f / (float)j->n};
+    const int64_t blocks = (K + TARGET_FILL - 1) / TARGET_FILL;
+    mq_parallel_for(blocks, target_fill_task, &f);
+    f.R = NULL;   /* a retry copies the triangle again */
     /* the damping grows tenfold while the factorisation fails, as GPTQ's does */
     for (int r = 0; r < 4; r++) {
         const float damp = (float)(j->percdamp * pow(10.0, r) * mean_diag) + (mean_diag == 0);
-        for (int64_t a = 0; a < K; a++)   /* the lower triangle: all that is read */
-            for (int64_t c = 0; c <= a; c++) t->A[a * K + c] = H[a * K + c] + (a == c ? damp : 0.0f);
-        /* column-major 'U' on the row-major lower triangle is the same triangle: no transposed
-         * copy in and out (LAPACKE's row-major call made two and allocated K x K for them) */
-        if (LAPACKE_spotrf_work(LAPACK_COL_MAJOR, 'U', (lapack_int)K, t->A, (lapack_int)K) == 0) {
+        if (r > 0) mq_parallel_for(blocks, target_fill_task, &f);
+        for (int64_t a = 0; a < K; a++) t->A[a * K + a] = H[a * K + a] + damp;
+        if (cholesky_lower(t->A, K)) {
             t->live = true;
             return;
         }
