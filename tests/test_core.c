@@ -43,6 +43,59 @@ static void test_pool_covers_every_task(void) {
     moeq_set_threads(0);
 }
 
+/* The simulated schedule: tasks in index order, each to the first free worker (hand-made cases),
+ * and mq_pool_simulate's loops: P reported, every task once on the caller (thread 0), nested
+ * loops inline, the simulated seconds between the longest task and the tasks' sum (and at least
+ * the sum over P); sleeping tasks give known durations. */
+typedef struct {
+    int64_t *count;
+    int *threads_seen;
+    useconds_t us;
+} sim_ctx;
+
+static void sim_task(void *vctx, int64_t t, int thread) {
+    const sim_ctx *c = vctx;
+    c->count[t]++;
+    if (thread != 0) *c->threads_seen = thread;
+    if (c->us) usleep(c->us);
+}
+
+static void sim_outer_task(void *vctx, int64_t t, int thread) {
+    (void)t;
+    (void)thread;
+    mq_parallel_for(3, sim_task, vctx);   /* nested: inline, not a loop of its own */
+}
+
+static void test_pool_simulation(void) {
+    const double a[5] = {4, 1, 1, 1, 1};
+    ASSERT_NEAR(4.0, mq_schedule_makespan(a, 5, 2), 0);      /* 4 | 1+1+1+1 */
+    ASSERT_NEAR(8.0, mq_schedule_makespan(a, 5, 1), 0);
+    const double b[4] = {1, 1, 1, 3};
+    ASSERT_NEAR(4.0, mq_schedule_makespan(b, 4, 2), 0);      /* 1+1+... the long one last: 1 + 3 */
+    ASSERT_NEAR(3.0, mq_schedule_makespan(b, 4, 8), 0);
+    ASSERT_NEAR(0.0, mq_schedule_makespan(b, 0, 4), 0);
+
+    int64_t count[8] = {0};
+    int seen = 0;
+    sim_ctx c = {count, &seen, 20000};   /* 20 ms a task */
+    mq_pool_simulate(4);
+    ASSERT_EQ_INT(4, mq_pool_size());
+    mq_parallel_for(8, sim_task, &c);   /* 8 x 20 ms on 4 threads: 40 ms */
+    double tasks, span;
+    mq_pool_simulated(&tasks, &span);
+    for (int t = 0; t < 8; t++) ASSERT_EQ_INT(1, count[t]);
+    ASSERT_EQ_INT(0, seen);
+    ASSERT_TRUE(tasks >= 0.16 && span >= 0.04 && span >= tasks / 4 - 1e-9 && span <= tasks / 2);
+    c.us = 0;
+    memset(count, 0, sizeof count);
+    mq_parallel_for(2, sim_outer_task, &c);   /* two tasks, each running the inner loop inline */
+    for (int t = 0; t < 3; t++) ASSERT_EQ_INT(2, count[t]);
+    mq_pool_simulate(0);
+    mq_pool_simulated(&tasks, &span);
+    ASSERT_NEAR(0.0, tasks + span, 0);   /* stopping resets */
+    ASSERT_EQ_INT(moeq_threads(), mq_pool_size());
+}
+
 /* The pool's hand-off (pool.c): jobs back to back (workers still spinning), after pauses longer
  * than the spin (workers asleep), of 0, 1, fewer and more tasks than threads, from two user
  * threads at once and across a restart: every task of every job runs exactly once, and its
@@ -270,4 +323,4 @@ static void test_blas_advice(void) {
 TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
           T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages),
-          T(test_blas_advice))
+          T(test_blas_advice), T(test_pool_simulation))

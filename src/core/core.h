@@ -135,6 +135,17 @@ int mq_pool_size(void);
 /* Wall seconds spent so far in top-level mq_parallel_for calls of two or more tasks (the work that
  * can spread over the threads); a stage's wall time less this is what ran on one thread. */
 double mq_pool_seconds(void);
+/* The schedule of a machine with more cores than this one (bench quantize --simulate-threads):
+ * with P > 0, mq_pool_size() answers P and every top-level loop runs its tasks in turn on the
+ * calling thread, each timed; the seconds P threads would take are added up as the pool hands the
+ * tasks out (in index order, each to the first free thread), ignoring what sharing the cores'
+ * clock and memory costs. P = 0 stops. The results are those of P threads (per-thread scratch,
+ * chunk plans and waves follow mq_pool_size), as only the timing is simulated. */
+void mq_pool_simulate(int P);
+/* Since mq_pool_simulate: the loops' task seconds (on one thread) and their simulated seconds. */
+void mq_pool_simulated(double *tasks_seconds, double *simulated_seconds);
+/* The makespan of tasks of dur[0..n) handed in order to the first free of P workers. */
+double mq_schedule_makespan(const double *dur, int64_t n, int P);
 
 /* ---- deterministic dense linear algebra (OpenBLAS underneath, single-threaded per call) ---- */
 /* C[M,N] = alpha * A[M,K] @ B[N,K]^T + beta * C. Row-major, leading dims = row lengths given.

@@ -182,9 +182,61 @@ int moeq_threads(void) {
     return g_requested_threads > 0 ? g_requested_threads : default_threads();
 }
 
-int mq_pool_size(void) { return moeq_threads(); }
+static int g_sim_threads;           /* mq_pool_simulate's P, 0: off */
+static double g_sim_tasks, g_sim_span;   /* under g_sim_mu: a prefetch thread may run loops too */
+static pthread_mutex_t g_sim_mu = PTHREAD_MUTEX_INITIALIZER;
+
+int mq_pool_size(void) { return g_sim_threads > 0 ? g_sim_threads : moeq_threads(); }
 
 static _Atomic int64_t g_pool_ns;   /* mq_pool_seconds */
+
+void mq_pool_simulate(int P) {
+    pthread_mutex_lock(&g_sim_mu);
+    g_sim_threads = P > 0 ? P : 0;
+    g_sim_tasks = g_sim_span = 0;
+    pthread_mutex_unlock(&g_sim_mu);
+}
+
+void mq_pool_simulated(double *tasks_seconds, double *simulated_seconds) {
+    pthread_mutex_lock(&g_sim_mu);
+    *tasks_seconds = g_sim_tasks;
+    *simulated_seconds = g_sim_span;
+    pthread_mutex_unlock(&g_sim_mu);
+}
+
+double mq_schedule_makespan(const double *dur, int64_t n, int P) {
+    if (P < 1) P = 1;
+    double *free_at = calloc((size_t)P, sizeof *free_at), span = 0;
+    if (!free_at) return 0;
+    for (int64_t t = 0; t < n; t++) {
+        int w = 0;   /* the first free worker takes the next task (the pool's counter) */
+        for (int q = 1; q < P; q++)
+            if (free_at[q] < free_at[w]) w = q;
+        free_at[w] += dur[t];
+        if (free_at[w] > span) span = free_at[w];
+    }
+    free(free_at);
+    return span;
+}
+
+/* A top-level loop under mq_pool_simulate: its tasks in turn on this thread (index 0), timed. */
+static void simulate_loop(int64_t n_tasks, mq_task_fn fn, void *ctx) {
+    double *dur = malloc(sizeof(double) * (size_t)n_tasks), sum = 0;
+    tl_thread = 0;   /* nested loops run inline, as inside a pool task */
+    for (int64_t t = 0; t < n_tasks; t++) {
+        const double a = mq_now();
+        fn(ctx, t, 0);
+        if (dur) dur[t] = mq_now() - a;
+        sum += dur ? dur[t] : 0;
+    }
+    tl_thread = -1;
+    const double span = dur ? mq_schedule_makespan(dur, n_tasks, g_sim_threads) : 0;
+    free(dur);
+    pthread_mutex_lock(&g_sim_mu);
+    g_sim_tasks += sum;
+    g_sim_span += span;
+    pthread_mutex_unlock(&g_sim_mu);
+}
 
 double mq_pool_seconds(void) { return (double)atomic_load(&g_pool_ns) * 1e-9; }
 
@@ -198,6 +250,11 @@ void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx) {
         return;
     }
     const double t0 = mq_now();
+    if (g_sim_threads > 0) {
+        simulate_loop(n_tasks, fn, ctx);
+        pool_time_add(t0);
+        return;
+    }
     pthread_mutex_lock(&g_pool.submit);
     if (g_pool.size == 0) pool_start();
     if (g_pool.size <= 1) {

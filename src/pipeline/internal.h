@@ -65,6 +65,7 @@ typedef struct {
     double read, cpu_read;        /* reading the layer's weights into fp32 (and freeing them) */
     double wait, exchange;        /* several ranks: waiting for the others, moving data */
     double pooled;                /* of total: in the pool's parallel loops (mq_pool_seconds) */
+    double sim_tasks, sim_span;   /* under mq_pool_simulate: the loops' task seconds, their schedule */
     double snapshot;              /* the work directory's record of the layer and the snapshot of
                                      the boundary after it (written, synced) */
     double snapshot_sync, snapshot_copy;   /* of which: waiting for the record before, the boundary copied */

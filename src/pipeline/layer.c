@@ -3326,8 +3326,9 @@ static void add_out(mq_pipe *p, mq_actbuf *h, mq_actbuf *out) {
 }
 
 moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
-    double t0 = mq_now(), c0 = mq_cpu_now(), w0, x0, pool0 = mq_pool_seconds();
+    double t0 = mq_now(), c0 = mq_cpu_now(), w0, x0, pool0 = mq_pool_seconds(), sim0[2];
     mq_dist_seconds(&w0, &x0);
+    mq_pool_simulated(&sim0[0], &sim0[1]);
     mq_layer *ly = &p->m->layers[l];
     /* the source is read ahead of the compute: the first expert chunk during the attention, the
      * next chunk during each chunk (routed_experts), the next layer's attention during the FFN */
@@ -3373,6 +3374,10 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     p->layers[l].total += mq_now() - t0;
     p->layers[l].cpu_total += mq_cpu_now() - c0;
     p->layers[l].pooled += mq_pool_seconds() - pool0;
+    double sim1[2];   /* bench quantize --simulate-threads */
+    mq_pool_simulated(&sim1[0], &sim1[1]);
+    p->layers[l].sim_tasks += sim1[0] - sim0[0];
+    p->layers[l].sim_span += sim1[1] - sim0[1];
     double w1, x1;
     mq_dist_seconds(&w1, &x1);
     p->layers[l].wait += w1 - w0;

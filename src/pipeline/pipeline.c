@@ -445,7 +445,7 @@ static moeq_status run(mq_pipe *p) {
                 lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, lr->total,
                 lr->cpu_forward, lr->cpu_attention, lr->cpu_hessian, lr->cpu_gptq, lr->cpu_write,
                 lr->cpu_total, lr->wait, lr->exchange, lr->peak_anon, lr->chunks, lr->read, lr->cpu_read,
-                lr->pooled};
+                lr->pooled, lr->sim_tasks, lr->sim_span};
         }
     }
     if (!s) s = mq_work_snapshot_wait(p);   /* a run that stops early (--stop-after) names it */

@@ -146,6 +146,7 @@ typedef struct {
     double read, cpu_read;         /* the source's weights read and converted to fp32, and freed */
     double pooled;                 /* of total: in the pool's parallel loops; the rest (less wait and
                                       exchange) ran on one thread */
+    double sim_tasks, sim_span;    /* under mq_pool_simulate: the loops' task seconds, their schedule */
 } mq_layer_stats;
 
 typedef struct {

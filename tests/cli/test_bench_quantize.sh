@@ -75,4 +75,23 @@ grep -q "round 3 of 3" "$tmp/err" || fail "bench quantize --rounds: no round pro
 [ $rc -eq 2 ] && grep -q -- "--rounds" "$tmp/err" || fail "bench quantize --rounds without a list: exit $rc, $(cat "$tmp/err")"
 "$cli" bench quantize "$model" --threads 2,,4 >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--threads 2,,4" "$tmp/err" || fail "bench quantize --threads 2,,4: exit $rc, $(cat "$tmp/err")"
+# --simulate-threads P: one thread does the work of P; the layer's loops' simulated seconds lie
+# between their tasks' sum over P and the sum, and the prediction adds what ran outside them
+out=$(TMPDIR=$tmp "$cli" bench quantize "$model" --layers 1 --nsamples 4 --seqlen 64 --simulate-threads 4 \
+      --calib "$repo/data/demo-calib.txt" --json 2>"$tmp/err") || fail "bench quantize --simulate-threads exited $?: $(cat "$tmp/err")"
+printf '%s\n' "$out" > "$tmp/s.json"
+python3 - "$tmp/s.json" <<'PY' || fail "bench quantize --simulate-threads JSON: $out"
+import json, sys
+j = json.load(open(sys.argv[1]))
+s = j["simulated"]
+assert j["threads"] == 1 and s["threads"] == 4, j
+assert 0 < s["loop_task_seconds"] <= s["layer_seconds"] + 0.002, s
+assert s["loop_task_seconds"] / 4 - 0.002 <= s["loop_seconds"] <= s["loop_task_seconds"] + 0.002, s
+want = s["layer_seconds"] - s["loop_task_seconds"] + s["loop_seconds"]
+assert abs(s["predicted_seconds"] - want) <= 0.003, s
+assert abs(s["efficiency"] - s["layer_seconds"] / (4 * s["predicted_seconds"])) <= 0.002 + 0.01 * s["efficiency"], s
+assert abs(j["per_layer"][0]["total"] - s["layer_seconds"]) <= 0.002, j
+PY
+"$cli" bench quantize "$model" --simulate-threads 4 --threads 2 >/dev/null 2>"$tmp/err"; rc=$?
+[ $rc -eq 2 ] && grep -q -- "--simulate-threads" "$tmp/err" || fail "--simulate-threads with --threads: exit $rc, $(cat "$tmp/err")"
 exit $((fails > 0))

@@ -62,6 +62,13 @@ static double layer_serial(const mq_layer_stats *s) {
     return v > 0 ? v : 0;
 }
 
+/* --simulate-threads: the run's efficiency at P threads against this one, had the loops the
+ * simulated schedule and the rest (outside them) stayed serial. */
+static double sim_efficiency(double run, double tasks, double span, int P) {
+    const double predicted = run - tasks + span;
+    return predicted > 0 ? run / ((double)P * predicted) : 0;
+}
+
 /* A run's seconds per layer (all stages). */
 static double per_layer_total(const mq_pipeline_result *r) {
     double w = 0;
@@ -165,7 +172,7 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
 }
 
 int bench_quantize(int argc, char **argv) {
-    int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0, rounds = 1;
+    int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0, rounds = 1, sim_threads = 0;
     const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL,
                *threads = NULL, *sampling = "chunks", *mode = "sequential",
                *precision = "fp32", *target = NULL;
@@ -200,6 +207,10 @@ int bench_quantize(int argc, char **argv) {
         {"--rounds", OPT_INT, &rounds, "N", "with a --threads or --ranks list: run the whole list N "
          "times in turn (2,16,2,16,...) and report the medians (this machine's speed can drift by "
          "more than the effect within minutes; default 1)", NULL, 1, 64, NULL},
+        {"--simulate-threads", OPT_INT, &sim_threads, "P", "run on one thread as P threads would (their chunk "
+         "plans, scratch and task lists) and print the seconds P threads would take, each parallel loop's "
+         "tasks timed here and handed out as the pool does: what the work's split allows, without what "
+         "sharing the cores' clock and memory costs", NULL, 2, 4096, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
     };
     cli_command cmd = {"bench quantize", "MODEL_DIR [--layers N] [--json]",
@@ -215,7 +226,12 @@ int bench_quantize(int argc, char **argv) {
     tl[0] = 0;
     if (threads && (nt = cli_parse_counts(threads, tl, 32, 1, 4096)) < 1)
         return cli_usage_error("bench quantize", "--threads %s: expected counts such as 2,4,8,16", threads);
+    if (sim_threads > 0 && (nt > 1 || tl[0] > 0))
+        return cli_usage_error("bench quantize", "--simulate-threads runs on one thread: give no --threads");
+    if (sim_threads > 0 && mq_dist_size() > 1)
+        return cli_usage_error("bench quantize", "--simulate-threads is for one process, not under mpirun");
     if (tl[0] > 0) moeq_set_threads(tl[0]);
+    if (sim_threads > 0) moeq_set_threads(1);
     char calib_buf[4200];
     if (!calib) {
         const char *sh = cli_shared_dir();
@@ -305,7 +321,9 @@ int bench_quantize(int argc, char **argv) {
          * the threads' */
         if (n_ranks > 1 && mq_dist_size() > 0 && !(st = mq_dist_agree(MOEQ_OK, "core rate")))
             core[run] = mq_measure_core_gflops(0.5) / moeq_threads();
+        if (sim_threads > 0) mq_pool_simulate((int)sim_threads);
         if (!st && mq_dist_size() > 0) st = mq_pipeline_run(pos[0], out, &o, &rs[run]);
+        if (sim_threads > 0) mq_pool_simulate(0);
         moeq_status bs = mq_dist_subset(0);
         if (!bs) bs = mq_dist_world_barrier("bench quantize");
         if (!st) st = bs;
@@ -377,6 +395,12 @@ int bench_quantize(int argc, char **argv) {
         gq += r->layer[l].gptq;
         wr += r->layer[l].write;
     }
+    mq_layer_stats sim = {0};   /* --simulate-threads: the layers' means */
+    for (int l = 0; l < run; l++) {
+        sim.total += r->layer[l].total / run;
+        sim.sim_tasks += r->layer[l].sim_tasks / run;
+        sim.sim_span += r->layer[l].sim_span / run;
+    }
     /* the plan's FLOPs are the whole model's; per layer they are all alike */
     double fwd_flops = r->plan.flops_forward / r->plan.layers * run;
     double frac = fwd > 0 ? fwd_flops / fwd * 1e-9 / sgemm : 0;
@@ -397,9 +421,15 @@ int bench_quantize(int argc, char **argv) {
         printf("], \"forward_gflops\": %.2f, \"sgemm_gflops\": %.2f, \"forward_fraction_of_sgemm\": %.3f, "
                "\"gpu_sgemm_gflops\": %.2f, \"gpu_copy_gbs\": %.2f, "
                "\"peak_anon_bytes\": %lld, \"planned_peak_bytes\": %lld, \"budget_bytes\": %lld, "
-               "\"extrapolated_seconds\": %.3f, \"extrapolated_hours\": %.4f}\n",
+               "\"extrapolated_seconds\": %.3f, \"extrapolated_hours\": %.4f",
                fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, sgemm, frac, gpu_sgemm, gpu_bw, (long long)r->peak_anon,
                (long long)r->plan.peak, (long long)r->plan.budget, whole, whole / 3600);
+        if (sim_threads > 0)
+            printf(", \"simulated\": {\"threads\": %d, \"layer_seconds\": %.3f, \"loop_task_seconds\": %.3f, "
+                   "\"loop_seconds\": %.3f, \"predicted_seconds\": %.3f, \"efficiency\": %.3f}",
+                   (int)sim_threads, sim.total, sim.sim_tasks, sim.sim_span, sim.total - sim.sim_tasks + sim.sim_span,
+                   sim_efficiency(sim.total, sim.sim_tasks, sim.sim_span, (int)sim_threads));
+        printf("}\n");
     } else {
         printf("%s (%s): GPTQ %s on %s%s, %s, %lld samples x %lld tokens (mean; %s), %d threads, %d layers run of "
                "%d, %d experts per chunk\n", pos[0], model_type, scheme, device, qo.gpu_precision ? (qo.gpu_precision == MOEQ_GPU_TF32 ? " in TF32" : " in TF32x3") : "", mode,
@@ -429,6 +459,14 @@ int bench_quantize(int argc, char **argv) {
         if (strcmp(model_type, "qwen3_moe") == 0)
             printf("; llm-compressor GPTQ of Qwen3-30B-A3B: 3.9 h on one GPU (%.2f x)", 3.9 * 3600 / whole);
         printf("\n");
+        if (sim_threads > 0)
+            printf("simulated %d threads (each parallel loop's tasks timed here and handed out as the pool does; not "
+                   "modelled: the cores' shared clock and memory), per layer: the loops' %.2f s take %.2f s (%.2f of "
+                   "%dx); with the %.2f s outside them the layer's %.2f s would take %.2f s, efficiency %.2f\n",
+                   (int)sim_threads, sim.sim_tasks, sim.sim_span,
+                   sim.sim_span > 0 ? sim.sim_tasks / (sim.sim_span * (double)sim_threads) : 0, (int)sim_threads,
+                   sim.total - sim.sim_tasks, sim.total, sim.total - sim.sim_tasks + sim.sim_span,
+                   sim_efficiency(sim.total, sim.sim_tasks, sim.sim_span, (int)sim_threads));
     }
     free(rs);
     return same ? CLI_OK : CLI_FAIL;
