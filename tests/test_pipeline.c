@@ -18,6 +18,7 @@
 #include "export/layout.h"
 #include "harness.h"
 #include "model/model.h"
+#include "pipeline/internal.h"
 #include "pipeline/pipeline.h"
 #include "reference/gptq_model_ref.h"
 
@@ -660,10 +661,37 @@ static void test_target_unquantized_invariance_resume(void) {
     ASSERT_FALSE(mq_dir_exists(out));
 }
 
+/* Activation copies go over the pool in pieces (actbuf.c): fp32 copies and bf16 stores and loads
+ * of a length that is not a whole number of pieces, from an offset, give every value as the
+ * one-value conversions do, at 1 and 3 threads. */
+static void test_activation_copies(void) {
+    const size_t n = 5 * 65536 + 77, off = 3;
+    float *src = malloc(sizeof(float) * (n + off)), *dst = malloc(sizeof(float) * (n + off));
+    float *view = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n + off; i++) src[i] = (float)((i * 2654435761u) % 100003) * 1e-3f - 50.0f;
+    const int saved = moeq_threads();
+    for (int threads = 1; threads <= 3; threads += 2) {
+        moeq_set_threads(threads);
+        memset(dst, 0, sizeof(float) * (n + off));
+        mq_copy_floats(dst + off, src + off, n);
+        ASSERT_TRUE(dst[0] == 0 && memcmp(dst + off, src + off, sizeof(float) * n) == 0);
+        mq_actbuf b;
+        ASSERT_OK(mq_actbuf_init(&b, MQ_ACT_BF16, n + off, NULL, "test activations"));
+        mq_actbuf_put(&b, off, n, src + off);
+        const float *v = mq_actbuf_view(&b, off, n, view);
+        for (size_t i = 0; i < n; i++)
+            if (v[i] != mq_bf16_to_f32(mq_f32_to_bf16(src[off + i]))) FAIL("value %zu: %g", i, v[i]);
+        mq_actbuf_free(&b);
+    }
+    moeq_set_threads(saved);
+    free(src), free(dst), free(view);
+}
+
 TEST_MAIN(T(test_olmoe_nvfp4_sequential_block_fallback),
           T(test_olmoe_int4_gidx_nonsequential_rtn_fallback), T(test_olmoe_true_sequential),
           T(test_qwen2moe_dense_layers_shared_expert), T(test_mixtral_fused_nonsequential),
           T(test_qwen3moe_sequential), T(test_deepseek_sequential),
           T(test_deepseek_fp8_true_sequential), T(test_chunks_threads_storage_byte_identical),
           T(test_memory_plan), T(test_resume), T(test_reference_asymmetric),
-          T(test_target_unquantized_matches_reference), T(test_target_unquantized_invariance_resume))
+          T(test_target_unquantized_matches_reference), T(test_target_unquantized_invariance_resume),
+          T(test_activation_copies))

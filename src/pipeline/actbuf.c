@@ -83,7 +83,7 @@ void mq_actbuf_free(mq_actbuf *b) {
  * core copies them at a few GB/s, which the GPU's calibration waits for sample by sample, so
  * copies and conversions go over the pool in pieces of COPY_PIECE values (each value is moved or
  * rounded alone: the same bytes whatever the pieces). */
-enum { COPY_PIECE = 1 << 18 };
+enum { COPY_PIECE = 1 << 16 };   /* 256 KB: a 512-token sample of 2048 values is 16 pieces */
 
 typedef struct {
     float *f;              /* fp32 side */
