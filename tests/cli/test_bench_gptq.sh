@@ -41,6 +41,23 @@ grep -q "round 2 of 2" "$tmp/r.err" || fail "--rounds: no second round: $(cat "$
 "$cli" bench gptq --rows 64 --cols 64 --rounds 2 >/dev/null 2>"$tmp/r.err"
 [ $? -eq 2 ] && grep -q -- "--rounds" "$tmp/r.err" || fail "--rounds without a list: $(cat "$tmp/r.err")"
 
+# --simulate-threads P: the weight's tasks on one thread, the simulated seconds between their sum over P
+# and their sum, the efficiency their ratio
+"$cli" bench gptq --rows 600 --cols 256 --reps 1 --simulate-threads 4 --json > "$tmp/s.json" 2> "$tmp/s.err" ||
+    fail "bench gptq --simulate-threads exited $?: $(cat "$tmp/s.err")"
+python3 - "$tmp/s.json" <<'PY' || fail "bench gptq --simulate-threads JSON: $(cat "$tmp/s.json")"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["simulated_threads"] == 4 and j["rows"] == 600, j
+for part in ("factor", "loop"):
+    t, s = j[part + "_task_seconds"], j[part + "_seconds"]
+    assert 0 < t and t / 4 - 1e-6 <= s <= t + 1e-6, (part, j)
+tasks, span = j["factor_task_seconds"] + j["loop_task_seconds"], j["factor_seconds"] + j["loop_seconds"]
+assert abs(j["efficiency"] - tasks / (4 * span)) <= 1e-3, j
+PY
+"$cli" bench gptq --simulate-threads 4 --threads 2 >/dev/null 2>"$tmp/s.err"
+[ $? -eq 2 ] && grep -q -- "--simulate-threads" "$tmp/s.err" || fail "--simulate-threads with --threads: $(cat "$tmp/s.err")"
+
 "$cli" bench gptq --threads 2,x >/dev/null 2>&1
 [ $? -eq 2 ] || fail "bad --threads list: expected exit 2"
 "$cli" bench gptq --device cuda:999 --rows 64 --cols 64 2> "$tmp/d.err"

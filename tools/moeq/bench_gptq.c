@@ -101,6 +101,52 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
     return best;
 }
 
+/* --simulate-threads P: the weight's factor and column loop on one thread as P threads would split
+ * them (mq_pool_simulate), the best of reps by the simulated total. */
+static int bench_simulated(const bench_cfg *b, int64_t N, int64_t K, int reps, int P, bool json) {
+    float *W = random_matrix(N, K, 0.02f), *H = random_hessian(K);
+    if (!W || !H) {
+        mq_free(W), mq_free(H);
+        return cli_fail("bench gptq", MOEQ_E_NOMEM);
+    }
+    moeq_set_threads(1);
+    double best[5] = {0, 0, 0, 0, INFINITY};   /* factor tasks, span; loop tasks, span; total span */
+    moeq_status st = MOEQ_OK;
+    for (int r = 0; r < reps && !st; r++) {
+        double v[5];
+        mq_gptq_factor f;
+        mq_pool_simulate(P);
+        st = mq_gptq_factor_init(H, K, &b->opts, b->opts.rtn_loss, "bench.weight", &f);
+        mq_pool_simulated(&v[0], &v[1]);
+        if (st) break;
+        mq_pool_simulate(P);
+        mq_qtensor q;
+        mq_gptq_job j = {&f, W, N, 0, "bench.weight", &q, NULL, {0, 0, 0, 0, 0}};
+        st = mq_gptq_run(&b->spec, &b->opts, &j, 1);
+        mq_pool_simulated(&v[2], &v[3]);
+        mq_gptq_factor_free(&f);
+        if (!st) mq_qtensor_free(&q);
+        v[4] = v[1] + v[3];
+        if (!st && v[4] < best[4]) memcpy(best, v, sizeof best);
+    }
+    mq_pool_simulate(0);
+    mq_free(W);
+    mq_free(H);
+    if (st) return cli_fail("bench gptq", st);
+    const double tasks = best[0] + best[2], eff = best[4] > 0 ? tasks / (P * best[4]) : 0;
+    if (json)
+        printf("{\"rows\": %lld, \"cols\": %lld, \"simulated_threads\": %d, \"factor_task_seconds\": %.6f, "
+               "\"factor_seconds\": %.6f, \"loop_task_seconds\": %.6f, \"loop_seconds\": %.6f, "
+               "\"efficiency\": %.4f}\n", (long long)N, (long long)K, P, best[0], best[1], best[2], best[3], eff);
+    else
+        printf("gptq %lldx%lld simulated at %d threads (tasks timed on one thread, handed out as the pool does; the "
+               "cores' shared clock and memory not modelled): factor %.4f s of tasks -> %.4f s (%.2f of %dx), "
+               "column loop %.4f -> %.4f s (%.2f), weight %.4f -> %.4f s: efficiency %.2f\n", (long long)N,
+               (long long)K, P, best[0], best[1], best[1] > 0 ? best[0] / (P * best[1]) : 0, P, best[2], best[3],
+               best[3] > 0 ? best[2] / (P * best[3]) : 0, tasks, best[4], eff);
+    return CLI_OK;
+}
+
 static void sort_doubles(double *v, int n) {
     for (int i = 1; i < n; i++)
         for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
@@ -530,7 +576,7 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
 }
 
 int bench_gptq(int argc, char **argv) {
-    int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3, rounds = 1;
+    int64_t rows = 4096, cols = 2048, group = 128, block = 128, reps = 3, rounds = 1, sim_threads = 0;
     const char *threads = NULL;
     int64_t experts = 64, chunk = 32, seed = 1;
     double percdamp = 0.01;
@@ -560,6 +606,10 @@ int bench_gptq(int argc, char **argv) {
         {"--rounds", OPT_INT, &rounds, "N", "with a --threads list: time the whole list N times in turn "
          "(2,16,2,16,...) and report the medians (default 1)", NULL, 1, 64, NULL},
         {"--seed", OPT_INT, &seed, "S", "random seed (default 1)", NULL, 1, -1, NULL},
+        {"--simulate-threads", OPT_INT, &sim_threads, "P", "the single weight on one thread as P threads "
+         "would split it: the factor's and the column loop's task seconds and the seconds P threads would "
+         "take, the pool's hand-out simulated (the cores' shared clock and memory not modelled)", NULL, 2,
+         4096, NULL},
         {"--moe", OPT_FLAG, &moe, NULL, "also time one OLMoE-1B-7B-shaped MoE layer", NULL, 0, -1, NULL},
         {"--experts", OPT_INT, &experts, "E", "experts in the --moe layer (default 64)", NULL, 1, 4096, NULL},
         {"--moe-chunk", OPT_INT, &chunk, "C", "experts factorised and run together (default 32, the pipeline's chunk on the 16-core GPU machine)", NULL, 1, 64, NULL},
@@ -617,6 +667,12 @@ int bench_gptq(int argc, char **argv) {
         return bench_gptq_gpu(g, &b, rows, cols, reps, moe ? experts : 0, json, tf32);
     }
     if (tf32) return cli_usage_error("bench gptq", "--gpu-tf32 needs --device cuda");
+    if (sim_threads > 0) {
+        if (threads || moe || model)
+            return cli_usage_error("bench gptq", "--simulate-threads times the single weight on one thread: "
+                                   "give no --threads, --moe or --model");
+        return bench_simulated(&b, rows, cols, (int)reps, (int)sim_threads, json);
+    }
     if (rounds > 1 && nt < 2) return cli_usage_error("bench gptq", "--rounds needs a list to --threads");
     if (nt > 1) {
         if (model) return cli_usage_error("bench gptq", "a --threads list times the weight and --moe, not --model");
