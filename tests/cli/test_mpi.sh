@@ -119,6 +119,11 @@ grep -qE "^ +2 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ [0-9.]+$" "$tmp/benc
 # the 2-rank core rate was measured (positive) and "of ceiling" is the efficiency over it
 awk '$1 == 2 && NF == 7 { ok = $4 > 0 && ($5 - $3 / $4) ^ 2 < 0.0001 } END { exit !ok }' "$tmp/bench.log" ||
     fail "2-rank core rate or its ceiling ratio wrong: $(grep -E '^ +2 ' "$tmp/bench.log")"
+# without a list: one row, its own core rate (1.00, not an unmeasured 0.00)
+run_np 2 bench quantize "$model" --layers 1 --nsamples 4 --seqlen 32 --threads 1 >"$tmp/bench1.log" 2>&1 ||
+    fail "bench quantize under mpirun exited $?: $(tail -5 "$tmp/bench1.log")"
+grep -qE "^ +2 +[0-9.]+ +1\.000 +1\.00 +1\.00 +[0-9.]+ [0-9.]+$" "$tmp/bench1.log" ||
+    fail "no 2-rank row with its core rate: $(cat "$tmp/bench1.log")"
 run_np 2 bench quantize "$model" --layers 1 --ranks 3 >/dev/null 2>&1 && fail "--ranks 3 on a 2-rank job was accepted"
 
 exit $((fails > 0))

@@ -316,10 +316,10 @@ int bench_quantize(int argc, char **argv) {
             else fprintf(stderr, "bench quantize: %d threads\n", tl[i]);
         }
         if ((st = mq_dist_subset(ranks[n_ranks > 1 ? i : 0]))) break;
-        /* a --ranks list: the core rate with this count's ranks all computing at once (each rank's
+        /* the rank table: the core rate with this count's ranks all computing at once (each rank's
          * threads; rank 0's figure is printed), the ceiling of the ranks' efficiency as it is of
          * the threads' */
-        if (n_ranks > 1 && mq_dist_size() > 0 && !(st = mq_dist_agree(MOEQ_OK, "core rate")))
+        if ((world > 1 || n_ranks > 1) && mq_dist_size() > 0 && !(st = mq_dist_agree(MOEQ_OK, "core rate")))
             core[run] = mq_measure_core_gflops(0.5) / moeq_threads();
         if (sim_threads > 0) mq_pool_simulate((int)sim_threads);
         if (!st && mq_dist_size() > 0) st = mq_pipeline_run(pos[0], out, &o, &rs[run]);
@@ -386,20 +386,18 @@ int bench_quantize(int argc, char **argv) {
     }
     const int run = r->layers_run;
     double sum = 0, fwd = 0, att = 0, hes = 0, gq = 0, wr = 0, rd = 0;
+    mq_layer_stats sim = {0};   /* --simulate-threads: the layers' means */
     for (int l = 0; l < run; l++) {
         sum += r->layer[l].total;
+        sim.total += r->layer[l].total / run;
+        sim.sim_tasks += r->layer[l].sim_tasks / run;
+        sim.sim_span += r->layer[l].sim_span / run;
         rd += r->layer[l].read;
         fwd += r->layer[l].forward;
         att += r->layer[l].attention;
         hes += r->layer[l].hessian;
         gq += r->layer[l].gptq;
         wr += r->layer[l].write;
-    }
-    mq_layer_stats sim = {0};   /* --simulate-threads: the layers' means */
-    for (int l = 0; l < run; l++) {
-        sim.total += r->layer[l].total / run;
-        sim.sim_tasks += r->layer[l].sim_tasks / run;
-        sim.sim_span += r->layer[l].sim_span / run;
     }
     /* the plan's FLOPs are the whole model's; per layer they are all alike */
     double fwd_flops = r->plan.flops_forward / r->plan.layers * run;
