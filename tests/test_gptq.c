@@ -715,6 +715,61 @@ static void test_row_block_independent(void) {
     free(H);
 }
 
+/* The scratch one run keeps for the next (mq_gptq_release_scratch): runs of other widths, row
+ * counts, thread counts and options after each other give each run's result from fresh scratch
+ * to the bit: a kept scratch with wider rows (other strides), one without the in-loop search's or
+ * the refinement's buffers (which must not be taken), one made for fewer threads. */
+static void test_scratch_reuse(void) {
+    const int64_t N[2] = {300, 200}, K[2] = {128, 512};
+    float *W[2] = {make_weights(N[0], K[0], 71), make_weights(N[1], K[1], 72)};
+    float *H[2] = {make_hessian(K[0], 256, 73, NULL, 0), make_hessian(K[1], 1024, 74, NULL, 0)};
+    mq_qspec specs[2] = {mq_qspec_default(MQ_QS_NVFP4), mq_qspec_default(MQ_QS_INT4)};
+    specs[0].mse = true;
+    mq_gptq_opts opts[2] = {mq_gptq_opts_default(), mq_gptq_opts_default()};
+    opts[0].mse_weight = MQ_GPTQ_MSE_LOOP;
+    opts[0].refine_passes = 1;
+    opts[1].act_order = true;
+    opts[1].groups = MQ_GPTQ_GROUPS_GIDX;
+    const int saved = moeq_threads();
+    const int threads[2] = {1, getenv("MOEQ_CROSS") ? 1 : 3};
+    /* case c: weight c / 2 % 2, spec and options c % 2, threads c / 4 */
+    mq_qtensor ref[8];
+    mq_gptq_stats rs[8];
+    for (int c = 0; c < 8; c++) {
+        const int w = c / 2 % 2, k = c % 2;
+        moeq_set_threads(threads[c / 4]);
+        mq_gptq_release_scratch();
+        ASSERT_OK(mq_gptq_quantize(&specs[k], &opts[k], H[w], W[w], N[w], K[w], 0, "w", &ref[c], NULL, &rs[c]));
+    }
+    mq_gptq_release_scratch();
+    /* narrow after wide, wide after narrow, without and with the search, more threads after fewer */
+    const int order[] = {3, 0, 2, 1, 6, 4, 7, 5, 0};
+    for (size_t i = 0; i < sizeof order / sizeof *order; i++) {
+        const int c = order[i], w = c / 2 % 2, k = c % 2;
+        moeq_set_threads(threads[c / 4]);
+        mq_qtensor q;
+        mq_gptq_stats st;
+        ASSERT_OK(mq_gptq_quantize(&specs[k], &opts[k], H[w], W[w], N[w], K[w], 0, "w", &q, NULL, &st));
+        ASSERT_EQ_INT(0, count_diff(ref[c].codes, q.codes, N[w] * K[w]));
+        for (int64_t g = 0; g < N[w] * q.n_groups; g++) {   /* field by field: the struct has padding */
+            ASSERT_TRUE(memcmp(&ref[c].params[g].scale, &q.params[g].scale, 4) == 0);
+            ASSERT_TRUE(memcmp(&ref[c].params[g].zero, &q.params[g].zero, 4) == 0);
+            ASSERT_EQ_HEX(ref[c].params[g].scale_code, q.params[g].scale_code);
+        }
+        if (memcmp(&rs[c].loss, &st.loss, sizeof st.loss) != 0 || memcmp(&rs[c].rtn_loss, &st.rtn_loss, sizeof st.rtn_loss) != 0)
+            FAIL("case %d after case %d: loss %.17g / %.17g, fresh %.17g / %.17g", c, i ? order[i - 1] : -1,
+                 st.loss, st.rtn_loss, rs[c].loss, rs[c].rtn_loss);
+        mq_qtensor_free(&q);
+    }
+    mq_gptq_release_scratch();
+    moeq_set_threads(saved);
+    for (int c = 0; c < 8; c++) mq_qtensor_free(&ref[c]);
+    for (int w = 0; w < 2; w++) {
+        free(W[w]);
+        free(H[w]);
+    }
+}
+
 /* Several jobs in one run (experts of a layer; gate and up sharing a factor) give the same
  * result as separate runs. */
 static void test_many_jobs(void) {
@@ -1513,7 +1568,7 @@ static void test_target_threads(void) {
 TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_target_many), T(test_reference_act_order),
           T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
-          T(test_block_sizes), T(test_thread_count_independent), T(test_row_block_independent), T(test_many_jobs), T(test_factor_many_uneven),
+          T(test_block_sizes), T(test_thread_count_independent), T(test_row_block_independent), T(test_scratch_reuse), T(test_many_jobs), T(test_factor_many_uneven),
           T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
           T(test_force_ref_same_codes), T(test_progress), T(test_bad_input), T(test_clip_search),
           T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom), T(test_factor_odd_size),

@@ -1262,6 +1262,68 @@ static scratch *scratch_new(int n, int64_t rows, int64_t K, int64_t B, int64_t G
     return s;
 }
 
+/* The scratch of the last run, kept for the next (mq_gptq_release_scratch frees it). Every run
+ * made its slabs afresh before: on a 2-core VM a column-loop task's first run on a thread took
+ * 30 ms against 17 ms for the next (the page faults of its 2 MB slabs), and a lone weight at 16
+ * threads is one task a thread, every task a first one. A run takes the kept scratch when it is at
+ * least as large in every dimension and has every buffer the run needs (its contents are never
+ * read before written); otherwise that one is freed before the new one is made, so at most one
+ * exists: the pipeline's memory plan counts one run's scratch in every stage that runs GPTQ, and
+ * the pipeline frees it after each (the attention, the routed experts, the dense or shared FFN). */
+typedef struct {
+    int n;
+    int64_t rows, K, B, G, ng, ncand;
+    bool rtn, loop, refine;
+} scratch_shape;
+
+static pthread_mutex_t g_kept_mu = PTHREAD_MUTEX_INITIALIZER;
+static scratch *g_kept;
+static scratch_shape g_kept_shape;
+
+static bool shape_covers(const scratch_shape *a, const scratch_shape *b) {
+    return a->n >= b->n && a->rows >= b->rows && a->K >= b->K && a->B >= b->B && a->G >= b->G &&
+           a->ng >= b->ng && a->ncand >= b->ncand && (a->rtn || !b->rtn) && (a->loop || !b->loop) &&
+           (a->refine || !b->refine);
+}
+
+static scratch *scratch_take(const scratch_shape *want, scratch_shape *got) {
+    pthread_mutex_lock(&g_kept_mu);
+    scratch *s = g_kept;
+    scratch_shape had = g_kept_shape;
+    g_kept = NULL;
+    pthread_mutex_unlock(&g_kept_mu);
+    if (s && shape_covers(&had, want)) {
+        *got = had;
+        return s;
+    }
+    scratch_free(s, had.n);   /* too small for this run: gone before the new one is made */
+    *got = *want;
+    return scratch_new(want->n, want->rows, want->K, want->B, want->G, want->ng, want->rtn, want->loop,
+                       want->ncand, want->refine);
+}
+
+/* Keeps s for the next run (or frees it where another run's is kept already). */
+static void scratch_give(scratch *s, const scratch_shape *shape) {
+    if (!s) return;
+    pthread_mutex_lock(&g_kept_mu);
+    const bool keep = !g_kept;
+    if (keep) {
+        g_kept = s;
+        g_kept_shape = *shape;
+    }
+    pthread_mutex_unlock(&g_kept_mu);
+    if (!keep) scratch_free(s, shape->n);
+}
+
+void mq_gptq_release_scratch(void) {
+    pthread_mutex_lock(&g_kept_mu);
+    scratch *s = g_kept;
+    const int n = g_kept_shape.n;
+    g_kept = NULL;
+    pthread_mutex_unlock(&g_kept_mu);
+    scratch_free(s, n);
+}
+
 static void free_outs(mq_gptq_job *jobs, int64_t n) {
     for (int64_t i = 0; i < n; i++) mq_qtensor_free(jobs[i].out);
 }
@@ -1341,14 +1403,15 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
 
     task_ref *tasks = mq_alloc_array((size_t)n_tasks + 1, sizeof *tasks, "GPTQ tasks");
     task_out *outs = mq_alloc_zero(((size_t)n_tasks + 1) * sizeof *outs, "GPTQ task results");
-    int nthreads = mq_pool_size();
-    const bool loop = s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP;
-    scratch *scr = scratch_new(nthreads, R, maxK, maxB, maxG, maxNg, o->rtn_loss, loop,
-                               s->mse_steps > 1 ? s->mse_steps : 1, o->refine_passes > 0);
+    const int nthreads = mq_pool_size();
+    const scratch_shape want = {nthreads, R, maxK, maxB, maxG, maxNg, s->mse_steps > 1 ? s->mse_steps : 1,
+                                o->rtn_loss, s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP, o->refine_passes > 0};
+    scratch_shape shape;
+    scratch *scr = scratch_take(&want, &shape);
     if (!tasks || !outs || !scr) {
         mq_free(tasks);
         mq_free(outs);
-        scratch_free(scr, nthreads);
+        scratch_give(scr, &shape);
         st = MOEQ_E_NOMEM;
         goto fail;
     }
@@ -1362,7 +1425,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     if (!order) {
         mq_free(tasks);
         mq_free(outs);
-        scratch_free(scr, nthreads);
+        scratch_give(scr, &shape);
         st = MOEQ_E_NOMEM;
         goto fail;
     }
@@ -1414,7 +1477,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     mq_free(tasks);
     mq_free(order);
     mq_free(outs);
-    scratch_free(scr, nthreads);
+    scratch_give(scr, &shape);
     if (moeq_interrupted()) {
         st = mq_err(MOEQ_E_INTERRUPTED, "GPTQ interrupted");
         goto fail;

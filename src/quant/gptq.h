@@ -104,6 +104,9 @@ void mq_gptq_factor_free(mq_gptq_factor *f);
  * it for measurements, mq_gptq_set_row_block for tests (out of 1..512: the default). */
 int mq_gptq_row_block(void);
 void mq_gptq_set_row_block(int rows);
+/* mq_gptq_run keeps its per-thread scratch for the next run (the slabs' page faults are paid once,
+ * not by every run's first tasks); this frees it (the pipeline at the end of each layer). */
+void mq_gptq_release_scratch(void);
 
 typedef struct {
     double loss;             /* tr((W-Q) H (W-Q)^T) with the H given (undamped) */
