@@ -671,6 +671,19 @@ static void test_thread_count_independent(void) {
     free(H);
 }
 
+/* Two configurations that use most of the column loop's buffers: NVFP4 with the in-loop scale
+ * search and one refinement pass; INT4 with act-order g_idx groups. */
+static void two_loop_configs(mq_qspec specs[2], mq_gptq_opts opts[2]) {
+    specs[0] = mq_qspec_default(MQ_QS_NVFP4);
+    specs[1] = mq_qspec_default(MQ_QS_INT4);
+    specs[0].mse = true;
+    opts[0] = opts[1] = mq_gptq_opts_default();
+    opts[0].mse_weight = MQ_GPTQ_MSE_LOOP;
+    opts[0].refine_passes = 1;
+    opts[1].act_order = true;
+    opts[1].groups = MQ_GPTQ_GROUPS_GIDX;
+}
+
 /* The rows per column-loop task change no code or scale (a row's work never sees another row's;
  * the block updates' products are per row): 256, 128, 64 and 96 on a weight whose rows are no
  * multiple of them, NVFP4 with the in-loop scale search and refinement, INT4 with act-order
@@ -679,13 +692,9 @@ static void test_row_block_independent(void) {
     const int64_t N = 300, K = 256;
     float *W = make_weights(N, K, 61);
     float *H = make_hessian(K, 512, 62, NULL, 0);
-    mq_qspec specs[2] = {mq_qspec_default(MQ_QS_NVFP4), mq_qspec_default(MQ_QS_INT4)};
-    specs[0].mse = true;
-    mq_gptq_opts opts[2] = {mq_gptq_opts_default(), mq_gptq_opts_default()};
-    opts[0].mse_weight = MQ_GPTQ_MSE_LOOP;
-    opts[0].refine_passes = 1;
-    opts[1].act_order = true;
-    opts[1].groups = MQ_GPTQ_GROUPS_GIDX;
+    mq_qspec specs[2];
+    mq_gptq_opts opts[2];
+    two_loop_configs(specs, opts);
     const int blocks[] = {256, 128, 64, 96};
     for (int k = 0; k < 2; k++) {
         mq_qtensor a, b;
@@ -723,13 +732,9 @@ static void test_scratch_reuse(void) {
     const int64_t N[2] = {300, 200}, K[2] = {128, 512};
     float *W[2] = {make_weights(N[0], K[0], 71), make_weights(N[1], K[1], 72)};
     float *H[2] = {make_hessian(K[0], 256, 73, NULL, 0), make_hessian(K[1], 1024, 74, NULL, 0)};
-    mq_qspec specs[2] = {mq_qspec_default(MQ_QS_NVFP4), mq_qspec_default(MQ_QS_INT4)};
-    specs[0].mse = true;
-    mq_gptq_opts opts[2] = {mq_gptq_opts_default(), mq_gptq_opts_default()};
-    opts[0].mse_weight = MQ_GPTQ_MSE_LOOP;
-    opts[0].refine_passes = 1;
-    opts[1].act_order = true;
-    opts[1].groups = MQ_GPTQ_GROUPS_GIDX;
+    mq_qspec specs[2];
+    mq_gptq_opts opts[2];
+    two_loop_configs(specs, opts);
     const int saved = moeq_threads();
     const int threads[2] = {1, getenv("MOEQ_CROSS") ? 1 : 3};
     /* case c: weight c / 2 % 2, spec and options c % 2, threads c / 4 */
