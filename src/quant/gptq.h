@@ -105,7 +105,7 @@ void mq_gptq_factor_free(mq_gptq_factor *f);
 int mq_gptq_row_block(void);
 void mq_gptq_set_row_block(int rows);
 /* mq_gptq_run keeps its per-thread scratch for the next run (the slabs' page faults are paid once,
- * not by every run's first tasks); this frees it (the pipeline at the end of each layer). */
+ * not by every run's first tasks); this frees it (the pipeline after each stage that runs GPTQ). */
 void mq_gptq_release_scratch(void);
 
 typedef struct {
