@@ -1,10 +1,34 @@
-/* The report pages' text buffer and SVG helpers (page.h). */
+/* A growing text buffer and the report pages' SVG helpers (page.h). */
 #include "core/page.h"
 
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+
+/* Room for n more bytes and the NUL after them; false (and oom) when it cannot be had. */
+static bool page_room(mq_page *b, size_t n) {
+    if (b->oom) return false;
+    if (b->s && b->n + n < b->cap) return true;
+    size_t cap = b->cap ? b->cap : 1 << 16;
+    while (cap <= b->n + n) cap *= 2;
+    char *g = realloc(b->s, cap);
+    if (!g) {
+        b->oom = true;
+        return false;
+    }
+    b->s = g;
+    b->cap = cap;
+    return true;
+}
+
+void mq_page_put(mq_page *b, const char *t, size_t n) {
+    if (n == 0 || !page_room(b, n)) return;
+    memcpy(b->s + b->n, t, n);
+    b->n += n;
+    b->s[b->n] = 0;
+}
 
 void mq_page_printf(mq_page *b, const char *fmt, ...) {
     if (b->oom) return;
@@ -21,15 +45,7 @@ void mq_page_printf(mq_page *b, const char *fmt, ...) {
             b->n += (size_t)k;
             return;
         }
-        size_t cap = b->cap ? b->cap : 1 << 16;
-        while (cap <= b->n + (size_t)k) cap *= 2;
-        char *g = realloc(b->s, cap);
-        if (!g) {
-            b->oom = true;
-            return;
-        }
-        b->s = g;
-        b->cap = cap;
+        if (!page_room(b, (size_t)k)) return;
     }
 }
 

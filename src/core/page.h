@@ -1,6 +1,7 @@
 /*
- * Writing the report pages (the GPTQ report, the evaluation report): a growing text buffer, XML
- * escaping, and the few SVG pieces both draw with. The pages are XHTML with inline SVG and
+ * A growing text buffer (the report pages, the safetensors headers and index, the wikitext
+ * detokenizer's passes), and for the report pages (the GPTQ report, the evaluation report) XML
+ * escaping and the few SVG pieces both draw with. The pages are XHTML with inline SVG and
  * nothing else, so an XML parser reads them back.
  */
 #ifndef MOEQ_CORE_PAGE_H
@@ -14,6 +15,8 @@ typedef struct {
     bool oom;      /* an allocation failed: later writes are dropped; check before saving */
 } mq_page;
 
+/* The buffer stays NUL-terminated after anything was written (s is NULL before). */
+void mq_page_put(mq_page *b, const char *t, size_t n);
 void mq_page_printf(mq_page *b, const char *fmt, ...) MQ_PRINTF(2, 3);
 /* Text for element content and attribute values (& < > " escaped). */
 void mq_page_text(mq_page *b, const char *t);

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/page.h"
 #include "eval/eval.h"
 
 bool mq_py_isspace(uint32_t c) {
@@ -98,83 +99,61 @@ int64_t moeq_count_words(const char *text, size_t len) {
 
 /* ---- detokenizer ---------------------------------------------------------------------------- */
 
-typedef struct {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->oom || n == 0) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 64;
-        while (cap < b->len + n + 1) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
+/* Each pass reads one text buffer and writes another (core/page.h), then they swap. */
 
 /* str.replace(old, new): one left-to-right pass over non-overlapping occurrences. */
-static void replace_all(const sbuf *in, sbuf *out, const char *old, const char *rep) {
+static void replace_all(const mq_page *in, mq_page *out, const char *old, const char *rep) {
     size_t on = strlen(old), rn = strlen(rep), i = 0, start = 0;
-    out->len = 0;
-    while (i + on <= in->len) {
-        const char *hit = memchr(in->p + i, old[0], in->len - on + 1 - i);
+    out->n = 0;
+    while (i + on <= in->n) {
+        const char *hit = memchr(in->s + i, old[0], in->n - on + 1 - i);
         if (!hit) break;
-        i = (size_t)(hit - in->p);
+        i = (size_t)(hit - in->s);
         if (memcmp(hit, old, on) == 0) {
-            sb_put(out, in->p + start, i - start);
-            sb_put(out, rep, rn);
+            mq_page_put(out, in->s + start, i - start);
+            mq_page_put(out, rep, rn);
             i += on;
             start = i;
         } else {
             i++;
         }
     }
-    sb_put(out, in->p + start, in->len - start);
+    mq_page_put(out, in->s + start, in->n - start);
 }
 
 static bool is_ascii_digit(char c) { return c >= '0' && c <= '9'; }
 
 /* re.sub(r"/' [0-9]/", r"/'[0-9]/", s): the replacement is the literal text "/'[0-9]/". */
-static void replace_slash_quote_digit(const sbuf *in, sbuf *out) {
+static void replace_slash_quote_digit(const mq_page *in, mq_page *out) {
     size_t i = 0, start = 0;
-    out->len = 0;
-    while (i + 5 <= in->len) {
-        const char *s = in->p + i;
+    out->n = 0;
+    while (i + 5 <= in->n) {
+        const char *s = in->s + i;
         if (s[0] == '/' && s[1] == '\'' && s[2] == ' ' && is_ascii_digit(s[3]) && s[4] == '/') {
-            sb_put(out, in->p + start, i - start);
-            sb_put(out, "/'[0-9]/", 8);
+            mq_page_put(out, in->s + start, i - start);
+            mq_page_put(out, "/'[0-9]/", 8);
             i += 5;
             start = i;
         } else {
             i++;
         }
     }
-    sb_put(out, in->p + start, in->len - start);
+    mq_page_put(out, in->s + start, in->n - start);
 }
 
 /* re.sub(r"O\s*([^C]*?)\s*C", r"O\1C", s) for an ASCII opener O and closer C. The match from an
  * opener always ends at the next closer (neither \s nor [^C] can cross it), the greedy \s* takes
  * all leading whitespace and the lazy group stops before the trailing whitespace: the inner text
  * is stripped. Without a later closer the opener is left as is and the scan moves one char on. */
-static void strip_brackets(const sbuf *in, sbuf *out, char open, char close) {
+static void strip_brackets(const mq_page *in, mq_page *out, char open, char close) {
     size_t i = 0, start = 0;
-    const char *s = in->p;
-    out->len = 0;
-    while (i < in->len) {
-        const char *o = memchr(s + i, open, in->len - i);
+    const char *s = in->s;
+    out->n = 0;
+    while (i < in->n) {
+        const char *o = memchr(s + i, open, in->n - i);
         if (!o) break;
         size_t a = (size_t)(o - s) + 1;
-        const char *c = memchr(s + a, close, in->len - a);
+        const char *c = memchr(s + a, close, in->n - a);
         if (!c) break; /* no closer after this opener, hence none after any later one */
         size_t b = (size_t)(c - s);
         size_t lo = a, w;
@@ -189,16 +168,16 @@ static void strip_brackets(const sbuf *in, sbuf *out, char open, char close) {
                 hi = k;
             }
         }
-        sb_put(out, s + start, a - start); /* text before and the opener */
-        sb_put(out, s + lo, hi - lo);
-        sb_put(out, &close, 1);
+        mq_page_put(out, s + start, a - start); /* text before and the opener */
+        mq_page_put(out, s + lo, hi - lo);
+        mq_page_put(out, &close, 1);
         i = start = b + 1;
     }
-    sb_put(out, s + start, in->len - start);
+    mq_page_put(out, s + start, in->n - start);
 }
 
-static void sb_swap(sbuf *a, sbuf *b) {
-    sbuf t = *a;
+static void page_swap(mq_page *a, mq_page *b) {
+    mq_page t = *a;
     *a = *b;
     *b = t;
 }
@@ -217,31 +196,31 @@ moeq_status moeq_wikitext_detokenize(const char *text, size_t len, char **out, s
     };
     *out = NULL;
     if (out_len) *out_len = 0;
-    sbuf a = {0}, b = {0}; /* each pass reads a and writes b, then they swap */
-    sb_put(&a, text, len);
+    mq_page a = {0}, b = {0}; /* each pass reads a and writes b, then they swap */
+    mq_page_put(&a, text, len);
     replace_all(&a, &b, "s '", "s'");
-    sb_swap(&a, &b);
+    page_swap(&a, &b);
     replace_slash_quote_digit(&a, &b);
-    sb_swap(&a, &b);
+    page_swap(&a, &b);
     for (size_t i = 0; i < sizeof punct / sizeof punct[0]; i++) {
         replace_all(&a, &b, punct[i][0], punct[i][1]);
-        sb_swap(&a, &b);
+        page_swap(&a, &b);
     }
     for (size_t i = 0; i < sizeof brackets / sizeof brackets[0]; i++) {
         strip_brackets(&a, &b, brackets[i][0], brackets[i][1]);
-        sb_swap(&a, &b);
+        page_swap(&a, &b);
     }
     for (size_t i = 0; i < sizeof misc / sizeof misc[0]; i++) {
         replace_all(&a, &b, misc[i][0], misc[i][1]);
-        sb_swap(&a, &b);
+        page_swap(&a, &b);
     }
-    free(b.p);
-    if (!a.oom && !b.oom && !a.p) a.p = calloc(1, 1); /* empty result */
-    if (a.oom || b.oom || !a.p) {
-        free(a.p);
+    free(b.s);
+    if (!a.oom && !b.oom && !a.s) a.s = calloc(1, 1); /* empty result */
+    if (a.oom || b.oom || !a.s) {
+        free(a.s);
         return mq_err(MOEQ_E_NOMEM, "wikitext detokenizer: out of memory (%zu bytes of text)", len);
     }
-    *out = a.p;
-    if (out_len) *out_len = a.len;
+    *out = a.s;
+    if (out_len) *out_len = a.n;
     return MOEQ_OK;
 }

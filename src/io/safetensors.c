@@ -15,6 +15,7 @@
 #include "io/safetensors.h"
 #include "formats/formats.h"
 #include "io/fp8.h"
+#include "core/page.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -115,50 +116,12 @@ static void strset_free(strset *set) {
     memset(set, 0, sizeof *set);
 }
 
-/* Growable string buffer for the JSON the writers produce. */
-typedef struct {
-    char *p;
-    size_t n, cap;
-    bool oom;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-
-static void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
-
-static void sb_fmt(sbuf *b, const char *fmt, ...) MQ_PRINTF(2, 3);
-static void sb_fmt(sbuf *b, const char *fmt, ...) {
-    char tmp[128];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0 || (size_t)n >= sizeof tmp) {
-        b->oom = true;   /* only short numeric fragments go through here */
-        return;
-    }
-    sb_put(b, tmp, (size_t)n);
-}
+/* The JSON the writers produce goes into a growing text buffer (core/page.h). */
+static void sb_str(mq_page *b, const char *s) { mq_page_put(b, s, strlen(s)); }
 
 /* A JSON string literal, escaped the way serde_json does (short forms, else \u00xx). */
-static void sb_json_str(sbuf *b, const char *s) {
-    sb_put(b, "\"", 1);
+static void sb_json_str(mq_page *b, const char *s) {
+    mq_page_put(b, "\"", 1);
     for (; *s; s++) {
         unsigned char c = (unsigned char)*s;
         const char *esc = NULL;
@@ -175,12 +138,12 @@ static void sb_json_str(sbuf *b, const char *s) {
         if (esc) {
             sb_str(b, esc);
         } else if (c < 0x20) {
-            sb_fmt(b, "\\u%04x", c);
+            mq_page_printf(b, "\\u%04x", c);
         } else {
-            sb_put(b, s, 1);
+            mq_page_put(b, s, 1);
         }
     }
-    sb_put(b, "\"", 1);
+    mq_page_put(b, "\"", 1);
 }
 
 static void format_shape(char *buf, size_t cap, int ndim, const int64_t *shape) {
@@ -1144,28 +1107,28 @@ moeq_status mq_stw_write(mq_st_writer *w, const char *path) {
     sort_n(ord, w->n, sizeof *ord, cmp_stw_order);
     sort_n(w->meta, w->n_meta, sizeof *w->meta, cmp_meta_key);
 
-    sbuf h = {0};
+    mq_page h = {0};
     sb_str(&h, "{\"__metadata__\":{\"format\":");
     sb_json_str(&h, w->format);
     for (size_t i = 0; i < w->n_meta; i++) {
-        sb_put(&h, ",", 1);
+        mq_page_put(&h, ",", 1);
         sb_json_str(&h, w->meta[i].key);
-        sb_put(&h, ":", 1);
+        mq_page_put(&h, ":", 1);
         sb_json_str(&h, w->meta[i].value);
     }
-    sb_put(&h, "}", 1);
+    mq_page_put(&h, "}", 1);
     uint64_t off = 0;
     for (size_t i = 0; i < w->n; i++) {
         const stw_tensor *t = ord[i];
-        sb_put(&h, ",", 1);
+        mq_page_put(&h, ",", 1);
         sb_json_str(&h, t->name);
-        sb_fmt(&h, ":{\"dtype\":\"%s\",\"shape\":[", moeq_dtype_name(t->dtype));
-        for (int d = 0; d < t->ndim; d++) sb_fmt(&h, "%s%" PRId64, d ? "," : "", t->shape[d]);
-        sb_fmt(&h, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", off, off + t->nbytes);
+        mq_page_printf(&h, ":{\"dtype\":\"%s\",\"shape\":[", moeq_dtype_name(t->dtype));
+        for (int d = 0; d < t->ndim; d++) mq_page_printf(&h, "%s%" PRId64, d ? "," : "", t->shape[d]);
+        mq_page_printf(&h, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", off, off + t->nbytes);
         off += t->nbytes;
     }
-    sb_put(&h, "}", 1);
-    while (!h.oom && h.n % 8 != 0) sb_put(&h, " ", 1);   /* data starts 8-aligned */
+    mq_page_put(&h, "}", 1);
+    while (!h.oom && h.n % 8 != 0) mq_page_put(&h, " ", 1);   /* data starts 8-aligned */
     moeq_status s = MOEQ_OK;
     if (h.oom) s = mq_err(MOEQ_E_NOMEM, "%s: out of memory building the header", path);
     else if (h.n > ST_MAX_HEADER)
@@ -1177,7 +1140,7 @@ moeq_status mq_stw_write(mq_st_writer *w, const char *path) {
         uint8_t len8[8];
         for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.n >> (8 * i));
         s = mq_atomic_write(&af, len8, 8);
-        if (s == MOEQ_OK) s = mq_atomic_write(&af, h.p, h.n);
+        if (s == MOEQ_OK) s = mq_atomic_write(&af, h.s, h.n);
         for (size_t i = 0; i < w->n && s == MOEQ_OK; i++)
             s = mq_atomic_write(&af, ord[i]->data, ord[i]->nbytes);
         if (s == MOEQ_OK)
@@ -1185,7 +1148,7 @@ moeq_status mq_stw_write(mq_st_writer *w, const char *path) {
         else
             mq_atomic_abort(&af);
     }
-    free(h.p);
+    free(h.s);
     free(ord);
     return s;
 }
@@ -1365,8 +1328,8 @@ moeq_status mq_shards_finish(mq_shard_writer *sw) {
     }
     sort_n(sw->map, sw->n_map, sizeof *sw->map, cmp_shw_name);
     /* The layout transformers' save_pretrained writes: json.dumps(indent=2, sort_keys=True). */
-    sbuf j = {0};
-    sb_fmt(&j, "{\n  \"metadata\": {\n    \"total_size\": %" PRIu64 "\n  },\n  \"weight_map\": {",
+    mq_page j = {0};
+    mq_page_printf(&j, "{\n  \"metadata\": {\n    \"total_size\": %" PRIu64 "\n  },\n  \"weight_map\": {",
            sw->total);
     for (size_t i = 0; i < sw->n_map; i++) {
         sb_str(&j, i ? ",\n    " : "\n    ");
@@ -1379,10 +1342,10 @@ moeq_status mq_shards_finish(mq_shard_writer *sw) {
         s = mq_err(MOEQ_E_NOMEM, "%s: out of memory building the index", sw->dir);
     } else {
         char *idx = mq_path_join(sw->dir, ST_INDEX_NAME);
-        s = idx ? mq_write_file_atomic(idx, j.p, j.n) : MOEQ_E_NOMEM;
+        s = idx ? mq_write_file_atomic(idx, j.s, j.n) : MOEQ_E_NOMEM;
         free(idx);
     }
-    free(j.p);
+    free(j.s);
     if (s == MOEQ_OK) sw->finished = true;
 done:
     for (size_t i = 0; i < k; i++) free(final[i]);
@@ -1471,23 +1434,26 @@ static int cmp_plan_order(const void *a, const void *b) {
 static moeq_status plan_layout_shard(mq_shard_plan *p, size_t k, size_t *idx, size_t n_idx) {
     g_sort_plan = p;
     sort_n(idx, n_idx, sizeof *idx, cmp_plan_order);
-    sbuf h = {0};
+    mq_page h = {0};
     sb_str(&h, "{\"__metadata__\":{\"format\":\"pt\"}");
     uint64_t off = 0;
     for (size_t i = 0; i < n_idx; i++) {
         const sp_tensor *t = &p->t[idx[i]];
-        sb_put(&h, ",", 1);
+        mq_page_put(&h, ",", 1);
         sb_json_str(&h, t->name);
-        sb_fmt(&h, ":{\"dtype\":\"%s\",\"shape\":[", moeq_dtype_name(t->dtype));
-        for (int d = 0; d < t->ndim; d++) sb_fmt(&h, "%s%" PRId64, d ? "," : "", t->shape[d]);
-        sb_fmt(&h, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", off, off + t->nbytes);
+        mq_page_printf(&h, ":{\"dtype\":\"%s\",\"shape\":[", moeq_dtype_name(t->dtype));
+        for (int d = 0; d < t->ndim; d++) mq_page_printf(&h, "%s%" PRId64, d ? "," : "", t->shape[d]);
+        mq_page_printf(&h, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", off, off + t->nbytes);
         off += t->nbytes;
     }
-    sb_put(&h, "}", 1);
-    while (!h.oom && h.n % 8 != 0) sb_put(&h, " ", 1);
-    if (h.oom) return mq_err(MOEQ_E_NOMEM, "out of memory building a shard header");
+    mq_page_put(&h, "}", 1);
+    while (!h.oom && h.n % 8 != 0) mq_page_put(&h, " ", 1);
+    if (h.oom) {
+        free(h.s);
+        return mq_err(MOEQ_E_NOMEM, "out of memory building a shard header");
+    }
     if (h.n > ST_MAX_HEADER) {
-        free(h.p);
+        free(h.s);
         return mq_err(MOEQ_E_ARG, "shard %zu: header of %zu bytes exceeds the safetensors limit",
                       k + 1, h.n);
     }
@@ -1495,12 +1461,12 @@ static moeq_status plan_layout_shard(mq_shard_plan *p, size_t k, size_t *idx, si
     s->header_len = 8 + h.n;
     s->header = malloc(s->header_len);
     if (!s->header) {
-        free(h.p);
+        free(h.s);
         return mq_err(MOEQ_E_NOMEM, "out of memory building a shard header");
     }
     for (int i = 0; i < 8; i++) s->header[i] = (char)(uint8_t)((uint64_t)h.n >> (8 * i));
-    memcpy(s->header + 8, h.p, h.n);
-    free(h.p);
+    memcpy(s->header + 8, h.s, h.n);
+    free(h.s);
     int64_t pos = (int64_t)s->header_len;
     for (size_t i = 0; i < n_idx; i++) {
         p->t[idx[i]].offset = pos;
@@ -1812,8 +1778,8 @@ moeq_status mq_shard_files_finish(mq_shard_files *f) {
         unlink(idx);   /* a stale index would shadow model.safetensors */
     } else if (!s) {
         /* the layout transformers' save_pretrained writes: json.dumps(indent=2, sort_keys=True) */
-        sbuf j = {0};
-        sb_fmt(&j, "{\n  \"metadata\": {\n    \"total_size\": %" PRIu64 "\n  },\n  \"weight_map\": {",
+        mq_page j = {0};
+        mq_page_printf(&j, "{\n  \"metadata\": {\n    \"total_size\": %" PRIu64 "\n  },\n  \"weight_map\": {",
                p->total);
         for (size_t i = 0; i < p->n; i++) {
             const sp_tensor *t = &p->t[p->by_name[i]];
@@ -1824,8 +1790,8 @@ moeq_status mq_shard_files_finish(mq_shard_files *f) {
         }
         sb_str(&j, p->n ? "\n  }\n}\n" : "}\n}\n");
         s = j.oom ? mq_err(MOEQ_E_NOMEM, "%s: out of memory building the index", f->dir)
-                  : mq_write_file_atomic(idx, j.p, j.n);
-        free(j.p);
+                  : mq_write_file_atomic(idx, j.s, j.n);
+        free(j.s);
     }
     free(idx);
     return s;
