@@ -3339,8 +3339,9 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
         mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, (int)lo, (int)(lo + C < hi ? lo + C : hi));
     }
     moeq_status st = attention_stage(p, l, replay);
-    /* GPTQ's kept scratch goes with each stage: the plan counts one stage's (K = the attention's
-     * widest input; DeepSeek-V3's o_proj, 16384, is 2.3x its experts' 7168) */
+    /* GPTQ's kept scratch goes with each stage (here, after the routed experts and after the FFN):
+     * the plan counts one stage's (K = the attention's widest input; DeepSeek-V3's o_proj, 16384,
+     * is 2.3x its experts' 7168) */
     mq_gptq_release_scratch();
     if (!st && l + 1 < p->c->n_layers)
         mq_lazy_prefetch(p->lz, l + 1, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0, 0);
@@ -3355,6 +3356,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
             st = mlp_unit(p, l, false, replay);
         }
     }
+    mq_gptq_release_scratch();   /* the dense or shared FFN's */
     if (!st && !p->layers[l].gpu_residual) add_out(p, out_buf(p), &p->OUT);
     if (!st && p->target) add_out(p, &p->XF, &p->OUTF);
     if (p->ranks > 1) {

@@ -430,7 +430,6 @@ static moeq_status run(mq_pipe *p) {
             p->layers[l].cpu_total = mq_cpu_now() - c0;
             mq_pipe_progress(p, p->mp_units.rtn_layer);
         }
-        mq_gptq_release_scratch();   /* the layer's GPTQ runs kept it for each other, not for the next layer */
         p->layers[l].peak_anon = mq_mem_watch_take_peak();
         if (!s && p->w) s = mq_work_layer_done(p, l);
         if (p->ranks > 1) {

@@ -62,11 +62,13 @@ static double layer_serial(const mq_layer_stats *s) {
     return v > 0 ? v : 0;
 }
 
-/* --simulate-threads: the run's efficiency at P threads against this one, had the loops the
- * simulated schedule and the rest (outside them) stayed serial. */
-static double sim_efficiency(double run, double tasks, double span, int P) {
-    const double predicted = run - tasks + span;
-    return predicted > 0 ? run / ((double)P * predicted) : 0;
+/* --simulate-threads: a layer's seconds at P threads, had its loops the simulated schedule and the
+ * rest (outside them) stayed serial, and the efficiency that gives against this one thread. */
+static double sim_predicted(const mq_layer_stats *s) { return s->total - s->sim_tasks + s->sim_span; }
+
+static double sim_efficiency(const mq_layer_stats *s, int P) {
+    const double predicted = sim_predicted(s);
+    return predicted > 0 ? s->total / ((double)P * predicted) : 0;
 }
 
 /* A run's seconds per layer (all stages). */
@@ -425,8 +427,8 @@ int bench_quantize(int argc, char **argv) {
         if (sim_threads > 0)
             printf(", \"simulated\": {\"threads\": %d, \"layer_seconds\": %.3f, \"loop_task_seconds\": %.3f, "
                    "\"loop_seconds\": %.3f, \"predicted_seconds\": %.3f, \"efficiency\": %.3f}",
-                   (int)sim_threads, sim.total, sim.sim_tasks, sim.sim_span, sim.total - sim.sim_tasks + sim.sim_span,
-                   sim_efficiency(sim.total, sim.sim_tasks, sim.sim_span, (int)sim_threads));
+                   (int)sim_threads, sim.total, sim.sim_tasks, sim.sim_span, sim_predicted(&sim),
+                   sim_efficiency(&sim, (int)sim_threads));
         printf("}\n");
     } else {
         printf("%s (%s): GPTQ %s on %s%s, %s, %lld samples x %lld tokens (mean; %s), %d threads, %d layers run of "
@@ -463,8 +465,7 @@ int bench_quantize(int argc, char **argv) {
                    "%dx); with the %.2f s outside them the layer's %.2f s would take %.2f s, efficiency %.2f\n",
                    (int)sim_threads, sim.sim_tasks, sim.sim_span,
                    sim.sim_span > 0 ? sim.sim_tasks / (sim.sim_span * (double)sim_threads) : 0, (int)sim_threads,
-                   sim.total - sim.sim_tasks, sim.total, sim.total - sim.sim_tasks + sim.sim_span,
-                   sim_efficiency(sim.total, sim.sim_tasks, sim.sim_span, (int)sim_threads));
+                   sim.total - sim.sim_tasks, sim.total, sim_predicted(&sim), sim_efficiency(&sim, (int)sim_threads));
     }
     free(rs);
     return same ? CLI_OK : CLI_FAIL;
