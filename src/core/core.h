@@ -149,7 +149,12 @@ double mq_schedule_makespan(const double *dur, int64_t n, int P);
 
 /* ---- deterministic dense linear algebra (OpenBLAS underneath, single-threaded per call) ---- */
 /* C[M,N] = alpha * A[M,K] @ B[N,K]^T + beta * C. Row-major, leading dims = row lengths given.
- * Split over the pool in fixed column blocks so the result is independent of the thread count. */
+ * Split over the pool in a fixed grid of MQ_GEMM_TILE_M x MQ_GEMM_TILE_N tiles, so the result is
+ * independent of the thread count (OpenBLAS's last bits do depend on a product's shape: whoever
+ * wants the same values tiles the same way). Tiles of 256 x 128 run at the rate of 256 x 256 ones
+ * and make twice the tasks: a 512-token sample's 2048 x 2048 projection is 32 of them, two rounds
+ * of 16 threads, where 16 left every thread waiting for the slowest. */
+enum { MQ_GEMM_TILE_M = 256, MQ_GEMM_TILE_N = 128 };
 void mq_gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
                 const float *B, int64_t ldb, float beta, float *C, int64_t ldc);
 /* C[M,N] = alpha * A[M,K] @ B[K,N] + beta * C. */

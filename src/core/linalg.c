@@ -9,7 +9,7 @@
 
 #include "core.h"
 
-enum { TILE_M = 256, TILE_N = 256 };
+enum { TILE_M = MQ_GEMM_TILE_M, TILE_N = MQ_GEMM_TILE_N };
 
 static pthread_once_t g_blas_once = PTHREAD_ONCE_INIT;
 static void blas_single_thread(void) { openblas_set_num_threads(1); }

@@ -519,9 +519,10 @@ static void attention_task(void *ctx, int64_t task, int thread) {
 }
 
 /* q, k and v projections of one layer. fp32 weights with enough rows run as one set of pool
- * tasks (one wake-up instead of three): QKV_TILE x QKV_TILE output tiles of the three products,
- * each computed by mq_gemm_nt on that tile alone (which, nested in a task, runs on this thread). */
-enum { QKV_TILE = 256 };
+ * tasks (one wake-up instead of three): core's GEMM grid over the three products, each tile
+ * computed by mq_gemm_nt on that tile alone (which, nested in a task, runs on this thread), so the
+ * values are those of mq_gemm_nt on each whole product. */
+enum { QKV_TILE_M = MQ_GEMM_TILE_M, QKV_TILE_N = MQ_GEMM_TILE_N };
 
 typedef struct {
     const mq_linear *l[3];
@@ -536,9 +537,9 @@ static void qkv_task(void *ctx, int64_t task, int thread) {
     int p = 0;
     while (task >= j->tm * j->tn[p]) task -= j->tm * j->tn[p++];
     const mq_linear *l = j->l[p];
-    int64_t m0 = task / j->tn[p] * QKV_TILE, n0 = task % j->tn[p] * QKV_TILE;
-    int64_t m = j->T - m0 < QKV_TILE ? j->T - m0 : QKV_TILE;
-    int64_t n = l->out - n0 < QKV_TILE ? l->out - n0 : QKV_TILE;
+    int64_t m0 = task / j->tn[p] * QKV_TILE_M, n0 = task % j->tn[p] * QKV_TILE_N;
+    int64_t m = j->T - m0 < QKV_TILE_M ? j->T - m0 : QKV_TILE_M;
+    int64_t n = l->out - n0 < QKV_TILE_N ? l->out - n0 : QKV_TILE_N;
     mq_gemm_nt(m, n, l->in, 1.0f, j->x + m0 * l->in, l->in, l->w + n0 * l->in, l->in, 0.0f,
                j->y[p] + m0 * l->out + n0, l->out);
 }
@@ -551,10 +552,10 @@ static moeq_status qkv_forward(const mq_layer *ly, const float *x, int64_t T, fl
         if (!st) st = mq_linear_forward(&ly->v, x, T, v);
         return st;
     }
-    qkv_job j = {{&ly->q, &ly->k, &ly->v}, x, {q, k, v}, T, (T + QKV_TILE - 1) / QKV_TILE, {0}};
+    qkv_job j = {{&ly->q, &ly->k, &ly->v}, x, {q, k, v}, T, (T + QKV_TILE_M - 1) / QKV_TILE_M, {0}};
     int64_t n_tasks = 0;
     for (int p = 0; p < 3; p++) {
-        j.tn[p] = (j.l[p]->out + QKV_TILE - 1) / QKV_TILE;
+        j.tn[p] = (j.l[p]->out + QKV_TILE_N - 1) / QKV_TILE_N;
         n_tasks += j.tm * j.tn[p];
     }
     mq_parallel_for(n_tasks, qkv_task, &j);

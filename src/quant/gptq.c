@@ -1570,9 +1570,9 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
 /* The correction in three steps over the pool, each cut into fixed blocks (the same whatever the
  * thread count): per input, R = share ((2/n) G - H)^T and the Cholesky factor L of H + damping
  * (one task each); R := (L L^T)^-1 R in blocks of 64 columns; then W += W R^T in blocks of 256
- * rows, each block's product as OpenBLAS tiles of 256 columns (core/linalg.c's grid, so the
- * values are those of mq_gemm_nt on the whole weight). BLAS runs single-threaded in every task. */
-enum { TARGET_COLS = 64, TARGET_ROWS = 256, TARGET_TILE_N = 256 };
+ * rows, each block's product as OpenBLAS tiles of MQ_GEMM_TILE_N columns (core/linalg.c's grid, so
+ * the values are those of mq_gemm_nt on the whole weight). BLAS runs single-threaded in every task. */
+enum { TARGET_COLS = 64, TARGET_ROWS = MQ_GEMM_TILE_M, TARGET_TILE_N = MQ_GEMM_TILE_N };
 
 typedef struct {
     const mq_gptq_target_job *j;
