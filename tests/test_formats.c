@@ -620,6 +620,15 @@ static void test_rtn_tensor_and_dequant(void) {
         }
         for (int c = 0; c < C; c++) ASSERT_NEAR(0, d1[5 * C + c], 0);
         ASSERT_TRUE(mq_test_rel_maxdiff(d1, w, (size_t)R * C) < 0.25);
+        /* row ranges (the pipeline's pieces: 5, 10 and the 22 past the end) write exactly their
+         * rows, with the whole tensor's values */
+        for (int i = 0; i < R * C; i++) d2[i] = -7.0f;
+        mq_dequantize_rows(&q1, d2, 5, 15);
+        for (int i = 0; i < R * C; i++)
+            if (i / C >= 5 && i / C < 15 ? memcmp(&d1[i], &d2[i], 4) : d2[i] != -7.0f) FAIL("rows 5-15: value %d", i);
+        mq_dequantize_rows(&q1, d2, 0, 5);
+        mq_dequantize_rows(&q1, d2, 15, 64);
+        ASSERT_TRUE(memcmp(d1, d2, sizeof(float) * R * C) == 0);
         /* g_idx equal to the default mapping changes nothing */
         q1.g_idx = mq_alloc(sizeof(int32_t) * C, "g_idx");
         for (int c = 0; c < C; c++) q1.g_idx[c] = (int32_t)(c / q1.group_size);

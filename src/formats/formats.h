@@ -179,6 +179,9 @@ moeq_status mq_quantize_rtn(const mq_qspec *s, const float *w, int64_t rows, int
                             float global_scale, const char *tensor, mq_qtensor *out);
 /* w [rows, cols] = dequantized values, exactly as a loader of the written checkpoint computes. */
 void mq_dequantize(const mq_qtensor *q, float *w);
+/* Rows [r0, r1) of mq_dequantize's result (r1 past the end: to the end), w the whole tensor's:
+ * for callers spreading the rows of several tensors over one pool loop. */
+void mq_dequantize_rows(const mq_qtensor *q, float *w, int64_t r0, int64_t r1);
 /* Absolute max of n values; NaN if any is NaN. */
 float mq_absmax(const float *x, int64_t n);
 /* The same on the pool, in fixed chunks (max is exact in any order: the same value). */

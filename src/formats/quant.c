@@ -676,19 +676,15 @@ void mq_dequant_n(const mq_qspec *s, float global_scale, const mq_gparams *g, co
     }
 }
 
-static void deq_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    deq_ctx *c = vctx;
-    const mq_qtensor *q = c->q;
+void mq_dequantize_rows(const mq_qtensor *q, float *w_all, int64_t r0, int64_t r1) {
     const bool asym = q->spec.scheme == MQ_QS_INT4 && q->spec.asym;
     float base[16];
     code_base(&q->spec, 0.0f, base);
-    int64_t r1 = (task + 1) * ROWS_PER_TASK;
     if (r1 > q->rows) r1 = q->rows;
-    for (int64_t r = task * ROWS_PER_TASK; r < r1; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const mq_gparams *p = &q->params[r * q->n_groups];
         const uint8_t *codes = q->codes + r * q->cols;
-        float *w = c->w + r * q->cols;
+        float *w = w_all + r * q->cols;
         if (!q->g_idx) {
             for (int64_t g = 0; g < q->n_groups; g++) {
                 const float step = mq_group_step(&q->spec, q->global_scale, &p[g]);
@@ -705,6 +701,12 @@ static void deq_task(void *vctx, int64_t task, int thread) {
             }
         }
     }
+}
+
+static void deq_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    const deq_ctx *c = vctx;
+    mq_dequantize_rows(c->q, c->w, task * ROWS_PER_TASK, (task + 1) * ROWS_PER_TASK);
 }
 
 void mq_dequantize(const mq_qtensor *q, float *w) {

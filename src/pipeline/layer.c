@@ -347,13 +347,9 @@ static float finish_prepare(mq_pipe *p, const slot *s, int k, mq_qtensor *q, moe
     return in_amax;
 }
 
-/* deq: the dequantized weights into the Linear's host copy for the stages after (sequential
- * calibration), unless the device already holds them and the host copy is dropped unread */
-static moeq_status finish_put(mq_pipe *p, const slot *s, int k, const mq_qtensor *q, float in_amax, bool deq) {
-    mq_linear *lin = s->w[k];
-    moeq_status st = p->w ? mq_ckpt_writer_put_linear(p->w, lin->name, q, in_amax) : MOEQ_OK;
-    if (!st && deq && p->seq && lin->w) mq_dequantize(q, lin->w);
-    return st;
+/* Packs and writes one Linear's quantized weight (the dequantization is put_and_record's). */
+static moeq_status finish_put(mq_pipe *p, const slot *s, int k, const mq_qtensor *q, float in_amax) {
+    return p->w ? mq_ckpt_writer_put_linear(p->w, s->w[k]->name, q, in_amax) : MOEQ_OK;
 }
 
 static moeq_status finish_record(mq_pipe *p, int l, const slot *s, int k, const mq_gptq_stats *stats) {
@@ -371,20 +367,58 @@ typedef struct {
     const float *amax;     /* [n] */
     moeq_status *st;       /* [n] */
     char (*msg)[320];      /* [n] the message of a failure (the pool thread's error state) */
-    bool deq;              /* finish_put's */
 } put_ctx;
 
 static void put_task(void *vctx, int64_t t, int thread) {
     (void)thread;
     const put_ctx *c = vctx;
     const int j = c->weight[t];
-    c->st[t] = finish_put(c->p, &c->slots[j / 3], j % 3, &c->q[j], c->amax[t], c->deq);
+    c->st[t] = finish_put(c->p, &c->slots[j / 3], j % 3, &c->q[j], c->amax[t]);
     if (c->st[t]) snprintf(c->msg[t], sizeof c->msg[t], "%s", moeq_last_error());
 }
 
+/* The dequantized weights back into the Linears' host copies (sequential calibration) in pieces
+ * of DEQ_ROWS rows of all the written weights, one pool loop: as a part of each weight's own task
+ * the attention's four weights kept 4 of 16 threads busy. Elementwise: any split, the same values. */
+enum { DEQ_ROWS = 64 };
+
+typedef struct {
+    const mq_qtensor *q;
+    float *w;
+    int64_t r0;
+} deq_piece;
+
+static void deq_piece_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    const deq_piece *pc = (const deq_piece *)vctx + t;
+    mq_dequantize_rows(pc->q, pc->w, pc->r0, pc->r0 + DEQ_ROWS);
+}
+
+static moeq_status dequantize_back(mq_pipe *p, int l, const slot *slots, const mq_qtensor *q, const int *weight,
+                                   const moeq_status *sts, int m) {
+    int64_t n = 0;
+    for (int t = 0; t < m; t++) {
+        const int j = weight[t];
+        if (!sts[t] && slots[j / 3].w[j % 3]->w) n += (q[j].rows + DEQ_ROWS - 1) / DEQ_ROWS;
+    }
+    if (!n) return MOEQ_OK;
+    deq_piece *pc = malloc((size_t)n * sizeof *pc);
+    if (!pc) return mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+    n = 0;
+    for (int t = 0; t < m; t++) {
+        const int j = weight[t];
+        float *w = slots[j / 3].w[j % 3]->w;
+        for (int64_t r0 = 0; !sts[t] && w && r0 < q[j].rows; r0 += DEQ_ROWS) pc[n++] = (deq_piece){&q[j], w, r0};
+    }
+    mq_parallel_for(n, deq_piece_task, pc);
+    free(pc);
+    return MOEQ_OK;
+}
+
 /* Packs and writes the m weights (weight[t] = 3 * slot + k, stats[t] its GPTQ stats) on the pool,
- * then records them in order (the first failure in that order is the one reported). deq:
- * finish_put's. */
+ * then records them in order (the first failure in that order is the one reported). deq: the
+ * dequantized weights into the Linears' host copies for the stages after (sequential
+ * calibration), unless the device already holds them and the host copy is dropped unread. */
 static moeq_status put_and_record(mq_pipe *p, int l, const slot *slots, const mq_qtensor *q, const int *weight,
                                   const float *amax, const mq_gptq_stats *stats, int m, bool deq) {
     moeq_status *sts = calloc((size_t)(m + 1), sizeof *sts);
@@ -392,8 +426,9 @@ static moeq_status put_and_record(mq_pipe *p, int l, const slot *slots, const mq
     moeq_status st = sts && msg ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
     double t0 = mq_now(), c0 = mq_cpu_now();
     if (!st) {
-        put_ctx c = {p, slots, q, weight, amax, sts, msg, deq};
+        put_ctx c = {p, slots, q, weight, amax, sts, msg};
         mq_parallel_for(m, put_task, &c);
+        if (deq && p->seq) st = dequantize_back(p, l, slots, q, weight, sts, m);
     }
     p->layers[l].write += mq_now() - t0;
     p->layers[l].cpu_write += mq_cpu_now() - c0;
