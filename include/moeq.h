@@ -56,8 +56,9 @@ const char *moeq_last_error(void);
 /* ------------------------------------------------------------------------------------------ */
 /* Process-wide runtime settings                                                              */
 /* ------------------------------------------------------------------------------------------ */
-/* Number of worker threads of the one thread pool (n <= 0: the number of online CPUs).
- * Results never depend on this number. */
+/* Number of worker threads of the one thread pool (n <= 0: MOEQ_THREADS if set, else the CPUs the
+ * process may run on, as nproc counts them). MOEQ_PIN_THREADS=1 pins each worker to a CPU of its
+ * own. Results never depend on this number. */
 void moeq_set_threads(int n);
 int moeq_threads(void);
 

@@ -1,7 +1,8 @@
-#define _DEFAULT_SOURCE   /* mincore, usleep */
+#define _GNU_SOURCE   /* mincore, usleep, sched_getaffinity */
 /* Core services: status names, errors, the pool, GEMM determinism, half conversions, atomic files. */
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -183,9 +184,73 @@ static void test_threads_from_environment(void) {
     ASSERT_EQ_INT(3, moeq_threads());
     setenv("MOEQ_THREADS", "x", 1);
     moeq_set_threads(0);
-    ASSERT_EQ_INT(sysconf(_SC_NPROCESSORS_ONLN) > 0 ? sysconf(_SC_NPROCESSORS_ONLN) : 1, moeq_threads());
+    cpu_set_t all, one;
+    ASSERT_TRUE(sched_getaffinity(0, sizeof all, &all) == 0);
+    ASSERT_EQ_INT(CPU_COUNT(&all), moeq_threads());   /* the CPUs it may run on, as nproc */
+    /* restricted to one CPU (as taskset -c or mpirun's binding to a core would): one thread */
+    int first = 0;
+    while (!CPU_ISSET(first, &all)) first++;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    ASSERT_TRUE(sched_setaffinity(0, sizeof one, &one) == 0);
+    moeq_set_threads(0);
+    ASSERT_EQ_INT(1, moeq_threads());
+    ASSERT_TRUE(sched_setaffinity(0, sizeof all, &all) == 0);
     if (env) setenv("MOEQ_THREADS", saved, 1);   /* the run's own setting, for the cases after */
     else unsetenv("MOEQ_THREADS");
+    moeq_set_threads(0);
+}
+
+/* MOEQ_PIN_THREADS=1: each worker runs on its own allowed CPU (the i-th for worker i), the caller
+ * keeps the process's mask. */
+typedef struct {
+    int count[64], cpu[64];   /* per task: the CPUs its thread may use, the first of them */
+    int thread[64];
+} pin_probe;
+
+static void pin_probe_task(void *ctx, int64_t t, int thread) {
+    pin_probe *p = ctx;
+    cpu_set_t m;
+    CPU_ZERO(&m);
+    sched_getaffinity(0, sizeof m, &m);   /* 0: the calling thread */
+    p->count[t] = CPU_COUNT(&m);
+    p->cpu[t] = -1;
+    for (int c = 0; c < CPU_SETSIZE && p->cpu[t] < 0; c++)
+        if (CPU_ISSET(c, &m)) p->cpu[t] = c;
+    p->thread[t] = thread;
+    usleep(2000);   /* long enough that every worker takes some */
+}
+
+static void test_pinned_workers(void) {
+    cpu_set_t all;
+    ASSERT_TRUE(sched_getaffinity(0, sizeof all, &all) == 0);
+    const int n = CPU_COUNT(&all);
+    if (n < 2) {
+        printf("  (skipped: one CPU)\n");
+        return;
+    }
+    int nth[CPU_SETSIZE], k = 0;   /* the allowed CPUs in order */
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &all)) nth[k++] = c;
+    setenv("MOEQ_PIN_THREADS", "1", 1);
+    moeq_set_threads(3);
+    pin_probe p;
+    mq_parallel_for(64, pin_probe_task, &p);
+    int by_workers = 0;
+    for (int t = 0; t < 64; t++) {
+        if (p.thread[t] == 0) {
+            ASSERT_EQ_INT(n, p.count[t]);
+        } else {
+            ASSERT_EQ_INT(1, p.count[t]);
+            ASSERT_EQ_INT(nth[p.thread[t] % n], p.cpu[t]);
+            by_workers++;
+        }
+    }
+    ASSERT_TRUE(by_workers > 0);
+    unsetenv("MOEQ_PIN_THREADS");
+    moeq_set_threads(3);   /* a new pool: unpinned */
+    mq_parallel_for(64, pin_probe_task, &p);
+    for (int t = 0; t < 64; t++) ASSERT_EQ_INT(n, p.count[t]);
     moeq_set_threads(0);
 }
 
@@ -320,7 +385,7 @@ static void test_blas_advice(void) {
     ASSERT_TRUE(moeq_blas_kernels() && *moeq_blas_kernels());
 }
 
-TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment),
+TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment), T(test_pinned_workers),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
           T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages),
           T(test_blas_advice), T(test_pool_simulation))

@@ -3,7 +3,9 @@
  * counter; the caller works too. Work is always split into the same tasks whatever the pool size,
  * and each task's result is computed by one thread, so results never depend on the thread count.
  */
+#define _GNU_SOURCE   /* sched_getaffinity, pthread_setaffinity_np */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -45,7 +47,7 @@ static mq_pool g_pool = {.mu = PTHREAD_MUTEX_INITIALIZER,
                          .cv_work = PTHREAD_COND_INITIALIZER,
                          .cv_done = PTHREAD_COND_INITIALIZER,
                          .submit = PTHREAD_MUTEX_INITIALIZER};
-static int g_requested_threads = 0;            /* 0: number of CPUs */
+static int g_requested_threads = 0;            /* 0: default_threads() */
 static _Thread_local int tl_thread = -1;       /* pool thread index while running a job */
 
 /* How long a worker waits for the next job, and the caller for the workers, before sleeping:
@@ -96,8 +98,46 @@ static void run_tasks(int thread) {
     tl_thread = saved;
 }
 
+/* The CPUs this process may run on (taskset, a container's cpuset, mpirun's binding), or 0 where
+ * that cannot be read. */
+static int allowed_cpus(cpu_set_t *mask) {
+#if defined(__linux__)
+    CPU_ZERO(mask);
+    if (sched_getaffinity(0, sizeof *mask, mask) == 0) return CPU_COUNT(mask);
+#else
+    (void)mask;
+#endif
+    return 0;
+}
+
+/* MOEQ_PIN_THREADS=1: worker i runs only on the i-th allowed CPU (counting from 0, modulo their
+ * number), the caller stays free (threads it creates later inherit its mask, and it runs on the
+ * CPU left over). A measuring knob: without it the scheduler can stack two workers on one CPU for
+ * a while after a wake-up, and a loop of one task a thread then waits for the one that shared its
+ * CPU. Off by default: processes sharing a host (mpirun's ranks unbound) would pin onto the same
+ * CPUs. */
+static void pin_worker(int thread) {
+#if defined(__linux__)
+    const char *e = getenv("MOEQ_PIN_THREADS");
+    cpu_set_t mask;
+    const int n = e && *e == '1' ? allowed_cpus(&mask) : 0;
+    if (n < 2) return;
+    for (int c = 0, k = -1; c < CPU_SETSIZE; c++) {
+        if (!CPU_ISSET(c, &mask) || ++k != thread % n) continue;
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(c, &one);
+        pthread_setaffinity_np(pthread_self(), sizeof one, &one);   /* a failure leaves it unpinned */
+        return;
+    }
+#else
+    (void)thread;
+#endif
+}
+
 static void *worker_main(void *arg) {
     int thread = (int)(intptr_t)arg;
+    pin_worker(thread);
     /* the jobs before this pool's start are not this worker's: a pool restarted by
      * moeq_set_threads starts with the generation counter past 0, and a worker that began at 0
      * took a round of a finished (or, racing, the next) job and counted it off `pending` twice,
@@ -126,8 +166,9 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-/* The online CPUs, unless MOEQ_THREADS says otherwise (e.g. 1 under an emulator, where
- * contended locks crawl). */
+/* The CPUs this process may run on (as nproc counts them: under taskset, a cpuset or mpirun's
+ * binding to a core, not the machine's), unless MOEQ_THREADS says otherwise (e.g. 1 under an
+ * emulator, where contended locks crawl). */
 static int default_threads(void) {
     const char *e = getenv("MOEQ_THREADS");
     if (e && *e) {
@@ -135,6 +176,9 @@ static int default_threads(void) {
         long v = strtol(e, &end, 10);
         if (!*end && v >= 1 && v <= 1024) return (int)v;
     }
+    cpu_set_t mask;
+    const int allowed = allowed_cpus(&mask);
+    if (allowed > 0) return allowed;
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
 }

@@ -20,7 +20,7 @@ int bench_forward(int argc, char **argv) {
          1, 1 << 20, NULL},
         {"--reps", OPT_INT, &reps, "R", "prefill repetitions, the best is reported (default 3)",
          NULL, 1, 1000, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 0, 1024,
+        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 0, 1024,
          NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
     };

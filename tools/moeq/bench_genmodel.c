@@ -1041,7 +1041,7 @@ int bench_gen_model(int argc, char **argv) {
          INT64_MAX, NULL},
         {"--max-shard-size", OPT_STRING, &max_shard_text, "SIZE", "largest shard's tensor data "
          "(bytes, or 500MB, 5GB, 2GiB; default 5GB)", NULL, 0, 0, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 1, 1024,
+        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 1, 1024,
          NULL},
         {"--force", OPT_FLAG, &force, NULL, "replace an existing DIR", NULL, 0, 0, NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress lines on stderr", NULL, 0, 0, NULL},

@@ -601,7 +601,7 @@ int bench_gptq(int argc, char **argv) {
          "(as moeq quantize --refine; default 0)", NULL, 0, 64, NULL},
         {"--rtn-loss", OPT_FLAG, &rtn_loss, NULL, "also compute the RTN loss (timed)", NULL, 0, -1, NULL},
         {"--reps", OPT_INT, &reps, "R", "timed repetitions, best kept (default 3)", NULL, 1, 1000, NULL},
-        {"--threads", OPT_STRING, &threads, "T[,T...]", "threads (default: all cores); a list such as "
+        {"--threads", OPT_STRING, &threads, "T[,T...]", "threads (default: every CPU it may use); a list such as "
          "2,4,8,16 times each count in turn and prints the scaling against the first", NULL, 0, -1, NULL},
         {"--rounds", OPT_INT, &rounds, "N", "with a --threads list: time the whole list N times in turn "
          "(2,16,2,16,...) and report the medians (default 1)", NULL, 1, 64, NULL},

@@ -198,7 +198,7 @@ int bench_quantize(int argc, char **argv) {
          "unquantized on the CPU)", NULL, 0, -1, NULL},
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory budget (default as moeq "
          "quantize)", NULL, 0, -1, NULL},
-        {"--threads", OPT_STRING, &threads, "T[,T...]", "worker threads (default: all CPUs); a list "
+        {"--threads", OPT_STRING, &threads, "T[,T...]", "worker threads (default: every CPU it may use); a list "
          "such as 2,4,8,16 runs each in turn and prints the scaling table", NULL, 0, -1, NULL},
         {"--device", OPT_STRING, &device, "DEV", "GPTQ on cpu (default), cuda or cuda:N", NULL, 0, -1, NULL},
         {"--gpu-precision", OPT_CHOICE, &precision, NULL, "with a GPU: as moeq quantize's (the GPU's "

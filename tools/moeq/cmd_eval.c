@@ -169,7 +169,7 @@ int cmd_eval(int argc, char **argv) {
         {"--max-length", OPT_INT, &max_length, "L",
          "tokens per window (default: config max_position_embeddings)", NULL, 1, 1 << 30, NULL},
         {"--limit", OPT_INT, &limit, "N", "only the first N documents", NULL, 1, INT64_MAX, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 1, 1024,
+        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 1, 1024,
          NULL},
         {"--add-bos", OPT_FLAG, &add_bos, NULL,
          "prepend BOS to each document (lm-eval >= 0.4.10 with BOS-adding tokenizers)", NULL, 0, 0,

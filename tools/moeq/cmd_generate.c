@@ -114,7 +114,7 @@ int cmd_generate(int argc, char **argv) {
          NULL, 0, 0, NULL},
         {"--no-bos", OPT_FLAG, &no_bos, NULL, "do not put the BOS token before the prompt", NULL, 0,
          0, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: all CPUs)", NULL, 0, 1024,
+        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 0, 1024,
          NULL},
         {"--dequantize", OPT_FLAG, &dequantize, NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL},
         {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0", 0, 0, NULL},

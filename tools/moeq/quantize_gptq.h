@@ -88,7 +88,7 @@ void gptq_cli_defaults(gptq_cli *g);
      "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL},                                               \
     {"--report-html", OPT_STRING, &(g).report_html, "FILE", "GPTQ: the report also as one "           \
      "self-contained HTML page of plots (no scripts, nothing from the network)", NULL, 0, 0, NULL},   \
-    {"--threads", OPT_INT, &(g).threads, "N", "worker threads (default: all CPUs)", NULL, 1, 1024, NULL}
+    {"--threads", OPT_INT, &(g).threads, "N", "worker threads (default: every CPU it may use)", NULL, 1, 1024, NULL}
 
 /* Fills o->gptq from the flags. Returns -1, or CLI_FAIL after printing the error of a flag
  * combination that GPTQ cannot run (checked only with --method gptq). */
