@@ -55,6 +55,20 @@ for part in ("factor", "loop"):
 tasks, span = j["factor_task_seconds"] + j["loop_task_seconds"], j["factor_seconds"] + j["loop_seconds"]
 assert abs(j["efficiency"] - tasks / (4 * span)) <= 1e-3, j
 PY
+# with --moe the MoE layer too: its loops' task seconds within its one-thread seconds, the simulated
+# seconds what runs outside the loops plus between the tasks' sum over P and their sum
+"$cli" bench gptq --rows 256 --cols 256 --reps 1 --moe --experts 2 --moe-chunk 2 --simulate-threads 4 --json \
+    > "$tmp/sm.json" 2> "$tmp/sm.err" || fail "bench gptq --moe --simulate-threads exited $?: $(cat "$tmp/sm.err")"
+python3 - "$tmp/sm.json" <<'PY' || fail "bench gptq --moe --simulate-threads JSON: $(cat "$tmp/sm.json")"
+import json, sys
+j = json.load(open(sys.argv[1]))
+one, tasks, sim = j["moe_layer_one_thread_seconds"], j["moe_layer_task_seconds"], j["moe_layer_seconds"]
+assert j["moe_layer_experts"] == 2 and j["moe_layer_chunk"] == 2, j
+assert 0 < tasks <= one + 1e-3, j
+outside = one - tasks
+assert outside + tasks / 4 - 1e-4 <= sim <= one + 1e-4, j
+assert abs(j["moe_layer_efficiency"] - one / (4 * sim)) <= 1e-3, j
+PY
 "$cli" bench gptq --simulate-threads 4 --threads 2 >/dev/null 2>"$tmp/s.err"
 [ $? -eq 2 ] && grep -q -- "--simulate-threads" "$tmp/s.err" || fail "--simulate-threads with --threads: $(cat "$tmp/s.err")"
 

@@ -101,9 +101,15 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
     return best;
 }
 
+static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64_t F, int64_t D,
+                             double *cores, mq_gpu *g, double *host_s, double sim[2]);
+
 /* --simulate-threads P: the weight's factor and column loop on one thread as P threads would split
- * them (mq_pool_simulate), the best of reps by the simulated total. */
-static int bench_simulated(const bench_cfg *b, int64_t N, int64_t K, int reps, int P, bool json) {
+ * them (mq_pool_simulate), the best of reps by the simulated total; with --moe (experts > 0) the
+ * MoE layer too, once: its seconds on one thread are the loops' tasks plus what runs outside them,
+ * and P threads would take the loops' simulated seconds plus that. */
+static int bench_simulated(const bench_cfg *b, int64_t N, int64_t K, int reps, int P, int64_t experts,
+                           int64_t chunk, bool json) {
     float *W = random_matrix(N, K, 0.02f), *H = random_hessian(K);
     if (!W || !H) {
         mq_free(W), mq_free(H);
@@ -129,21 +135,39 @@ static int bench_simulated(const bench_cfg *b, int64_t N, int64_t K, int reps, i
         v[4] = v[1] + v[3];
         if (!st && v[4] < best[4]) memcpy(best, v, sizeof best);
     }
-    mq_pool_simulate(0);
     mq_free(W);
     mq_free(H);
+    double moe[3] = {0, 0, 0};   /* one thread's seconds, the loops' task seconds, their simulated seconds */
+    if (!st && experts > 0) {
+        double cores;
+        mq_pool_simulate(P);
+        moe[0] = time_moe_layer(b, experts, chunk, 1024, 2048, &cores, NULL, NULL, &moe[1]);
+        if (moe[0] < 0) st = MOEQ_E_NOMEM;
+    }
+    mq_pool_simulate(0);
     if (st) return cli_fail("bench gptq", st);
     const double tasks = best[0] + best[2], eff = best[4] > 0 ? tasks / (P * best[4]) : 0;
-    if (json)
+    const double moe_p = moe[0] - moe[1] + moe[2], moe_eff = moe_p > 0 ? moe[0] / (P * moe_p) : 0;
+    if (json) {
         printf("{\"rows\": %lld, \"cols\": %lld, \"simulated_threads\": %d, \"factor_task_seconds\": %.6f, "
                "\"factor_seconds\": %.6f, \"loop_task_seconds\": %.6f, \"loop_seconds\": %.6f, "
-               "\"efficiency\": %.4f}\n", (long long)N, (long long)K, P, best[0], best[1], best[2], best[3], eff);
-    else
+               "\"efficiency\": %.4f", (long long)N, (long long)K, P, best[0], best[1], best[2], best[3], eff);
+        if (experts > 0)
+            printf(", \"moe_layer_experts\": %lld, \"moe_layer_chunk\": %lld, \"moe_layer_one_thread_seconds\": %.4f, "
+                   "\"moe_layer_task_seconds\": %.4f, \"moe_layer_seconds\": %.4f, \"moe_layer_efficiency\": %.4f",
+                   (long long)experts, (long long)chunk, moe[0], moe[1], moe_p, moe_eff);
+        printf("}\n");
+    } else {
         printf("gptq %lldx%lld simulated at %d threads (tasks timed on one thread, handed out as the pool does; the "
                "cores' shared clock and memory not modelled): factor %.4f s of tasks -> %.4f s (%.2f of %dx), "
                "column loop %.4f -> %.4f s (%.2f), weight %.4f -> %.4f s: efficiency %.2f\n", (long long)N,
                (long long)K, P, best[0], best[1], best[1] > 0 ? best[0] / (P * best[1]) : 0, P, best[2], best[3],
                best[3] > 0 ? best[2] / (P * best[3]) : 0, tasks, best[4], eff);
+        if (experts > 0)
+            printf("moe layer (%lld experts, %lld at a time) simulated at %d threads: %.2f s on one thread (loops' "
+                   "tasks %.2f s) -> %.2f s: efficiency %.2f\n", (long long)experts, (long long)chunk, P, moe[0],
+                   moe[1], moe_p, moe_eff);
+    }
     return CLI_OK;
 }
 
@@ -213,8 +237,10 @@ static void gscale_task(void *vctx, int64_t e, int thread) {
 /* One MoE layer of E experts, processed `chunk` experts at a time (bounded memory): per chunk,
  * factorise the 2*chunk Hessians in parallel, then run the 3*chunk weights in one parallel
  * loop. Random inputs are made once per chunk slot and reused (values do not change the time). */
+/* sim (under mq_pool_simulate, else NULL): the timed part's loops' task seconds and simulated
+ * seconds, without the making of the inputs. */
 static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64_t F, int64_t D,
-                             double *cores, mq_gpu *g, double *host_s) {
+                             double *cores, mq_gpu *g, double *host_s, double sim[2]) {
     moeq_status st = MOEQ_OK;
     float *hg[64] = {0}, *hd[64] = {0}, *wg[64] = {0}, *wu[64] = {0}, *wd[64] = {0};
     if (chunk > 64) chunk = 64;
@@ -319,7 +345,8 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
         goto done;
     }
     fprintf(stderr, "moe layer: %lld experts, %lld at a time...\n", (long long)E, (long long)chunk);
-    double t0 = mq_now(), c0 = cli_cpu_seconds();
+    double t0 = mq_now(), c0 = cli_cpu_seconds(), sim0[2] = {0, 0};
+    if (sim) mq_pool_simulated(&sim0[0], &sim0[1]);
     for (int64_t e0 = 0; e0 < E && !st; e0 += chunk) {
         int64_t n = E - e0 < chunk ? E - e0 : chunk;
         /* the chunk's 2n Hessians in one call, as the pipeline factors a chunk's slots */
@@ -357,6 +384,11 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
     fprintf(stderr, "\n");
     if (!st) t = mq_now() - t0;
     *cores = (cli_cpu_seconds() - c0) / (mq_now() - t0);
+    if (sim) {
+        mq_pool_simulated(&sim[0], &sim[1]);
+        sim[0] -= sim0[0];
+        sim[1] -= sim0[1];
+    }
 done:
     for (int64_t e = 0; e < chunk; e++) {
         mq_free(hg[e]);
@@ -439,7 +471,7 @@ static int bench_gptq_gpu(mq_gpu *g, const bench_cfg *b, int64_t rows, int64_t c
     mq_free(H);
     double flops = (double)rows * (double)cols * (double)cols + pow((double)cols, 3);
     double moe_s = -1, moe_cores = 0, moe_host_s = -1;
-    if (experts > 0) moe_s = time_moe_layer(b, experts, 8, 1024, 2048, &moe_cores, g, &moe_host_s);
+    if (experts > 0) moe_s = time_moe_layer(b, experts, 8, 1024, 2048, &moe_cores, g, &moe_host_s, NULL);
     mq_gpu_close(g);
     if (experts > 0 && moe_s < 0) return cli_fail("bench gptq", MOEQ_E_DEVICE);
     if (json) {
@@ -505,7 +537,7 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
             r_moe[i][r] = -1;
             r_moe_cores[i][r] = 0;
             if (experts > 0 &&
-                (r_moe[i][r] = time_moe_layer(b, experts, chunk, 1024, 2048, &r_moe_cores[i][r], NULL, NULL)) < 0)
+                (r_moe[i][r] = time_moe_layer(b, experts, chunk, 1024, 2048, &r_moe_cores[i][r], NULL, NULL, NULL)) < 0)
                 return cli_fail("bench gptq", MOEQ_E_NOMEM);
             if (rounds > 1) fprintf(stderr, "bench gptq: %d threads done (round %d of %d)\n", tl[i], r + 1, rounds);
             else fprintf(stderr, "bench gptq: %d threads done\n", tl[i]);
@@ -606,9 +638,10 @@ int bench_gptq(int argc, char **argv) {
         {"--rounds", OPT_INT, &rounds, "N", "with a --threads list: time the whole list N times in turn "
          "(2,16,2,16,...) and report the medians (default 1)", NULL, 1, 64, NULL},
         {"--seed", OPT_INT, &seed, "S", "random seed (default 1)", NULL, 1, -1, NULL},
-        {"--simulate-threads", OPT_INT, &sim_threads, "P", "the single weight on one thread as P threads "
-         "would split it: the factor's and the column loop's task seconds and the seconds P threads would "
-         "take, the pool's hand-out simulated (the cores' shared clock and memory not modelled)", NULL, 2,
+        {"--simulate-threads", OPT_INT, &sim_threads, "P", "the single weight (with --moe also the MoE "
+         "layer) on one thread as P threads would split it: the factor's and the column loop's task seconds and "
+         "the seconds P threads would take, the pool's hand-out simulated (the cores' shared clock and memory "
+         "not modelled)", NULL, 2,
          4096, NULL},
         {"--moe", OPT_FLAG, &moe, NULL, "also time one OLMoE-1B-7B-shaped MoE layer", NULL, 0, -1, NULL},
         {"--experts", OPT_INT, &experts, "E", "experts in the --moe layer (default 64)", NULL, 1, 4096, NULL},
@@ -668,10 +701,10 @@ int bench_gptq(int argc, char **argv) {
     }
     if (tf32) return cli_usage_error("bench gptq", "--gpu-tf32 needs --device cuda");
     if (sim_threads > 0) {
-        if (threads || moe || model)
-            return cli_usage_error("bench gptq", "--simulate-threads times the single weight on one thread: "
-                                   "give no --threads, --moe or --model");
-        return bench_simulated(&b, rows, cols, (int)reps, (int)sim_threads, json);
+        if (threads || model)
+            return cli_usage_error("bench gptq", "--simulate-threads times the single weight (and --moe's layer) "
+                                   "on one thread: give no --threads or --model");
+        return bench_simulated(&b, rows, cols, (int)reps, (int)sim_threads, moe ? experts : 0, chunk, json);
     }
     if (rounds > 1 && nt < 2) return cli_usage_error("bench gptq", "--rounds needs a list to --threads");
     if (nt > 1) {
@@ -692,7 +725,7 @@ int bench_gptq(int argc, char **argv) {
     double gflops = flops / sec * 1e-9;
     double moe_s = -1;
     if (moe) {
-        moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048, &moe_cores, NULL, NULL);
+        moe_s = time_moe_layer(&b, experts, chunk, 1024, 2048, &moe_cores, NULL, NULL, NULL);
         if (moe_s < 0) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     }
     mq_pipeline_result mr;
