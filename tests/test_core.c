@@ -81,12 +81,17 @@ static void test_pool_simulation(void) {
     sim_ctx c = {count, &seen, 20000};   /* 20 ms a task */
     mq_pool_simulate(4);
     ASSERT_EQ_INT(4, mq_pool_size());
+    const double t0 = mq_now(), c0 = mq_cpu_now();
     mq_parallel_for(8, sim_task, &c);   /* 8 x 20 ms on 4 threads: 40 ms */
+    const double dt = mq_now() - t0, dc = mq_cpu_now() - c0;
     double tasks, span;
     mq_pool_simulated(&tasks, &span);
     for (int t = 0; t < 8; t++) ASSERT_EQ_INT(1, count[t]);
     ASSERT_EQ_INT(0, seen);
     ASSERT_TRUE(tasks >= 0.16 && span >= 0.04 && span >= tasks / 4 - 1e-9 && span <= tasks / 2);
+    /* the simulated clock moved by the schedule's seconds, not the tasks' sum (160 ms slept) */
+    ASSERT_TRUE(dt >= span - 1e-6 && dt < span + 0.02);
+    ASSERT_TRUE(dc >= 0 && dc < 0.1);   /* sleeping: this thread's CPU seconds stay small */
     c.us = 0;
     memset(count, 0, sizeof count);
     mq_parallel_for(2, sim_outer_task, &c);   /* two tasks, each running the inner loop inline */

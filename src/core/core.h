@@ -142,7 +142,8 @@ double mq_pool_seconds(void);
  * clock and memory costs. P = 0 stops. The results are those of P threads (per-thread scratch,
  * chunk plans and waves follow mq_pool_size), as only the timing is simulated. */
 void mq_pool_simulate(int P);
-/* Since mq_pool_simulate: the loops' task seconds (on one thread) and their simulated seconds. */
+/* Since mq_pool_simulate: the loops' task seconds (on one thread) and their simulated seconds; the
+ * difference is what mq_now skipped. */
 void mq_pool_simulated(double *tasks_seconds, double *simulated_seconds);
 /* The makespan of tasks of dur[0..n) handed in order to the first free of P workers. */
 double mq_schedule_makespan(const double *dur, int64_t n, int P);
@@ -189,8 +190,19 @@ void mq_set_avx512_off(int off);   /* for tests and benchmarks; -1 reads MOEQ_NO
 bool mq_cpu_has_neon_dot(void);
 
 /* ---- time ------------------------------------------------------------------------------ */
-double mq_now(void);       /* monotonic seconds */
-double mq_cpu_now(void);   /* CPU seconds of the whole process (every thread) */
+/* Monotonic seconds; while mq_pool_simulate runs, the simulated clock: each simulated loop moves it
+ * on by the seconds P threads would take, not by its tasks' sum (mq_clock_skip), so every duration
+ * taken around loops (a stage, a layer, an ETA) is P threads'. Inside a loop's task it runs as
+ * the real clock. */
+double mq_now(void);
+/* CPU seconds of the whole process (every thread); while mq_pool_simulate runs, of the calling
+ * thread only, which runs every task of its loops: one thread's work, without what background
+ * threads (snapshots, records) did meanwhile. */
+double mq_cpu_now(void);
+/* Takes seconds off mq_now from here on (the simulated loops' saving). */
+void mq_clock_skip(double seconds);
+/* mq_pool_simulate's switch of mq_cpu_now to the calling thread's CPU seconds. */
+void mq_clock_simulating(bool on);
 
 /* ---- small numeric helpers --------------------------------------------------------------- */
 static inline float mq_bf16_to_f32(uint16_t h) {

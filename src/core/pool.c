@@ -238,6 +238,7 @@ void mq_pool_simulate(int P) {
     pthread_mutex_lock(&g_sim_mu);
     g_sim_threads = P > 0 ? P : 0;
     g_sim_tasks = g_sim_span = 0;
+    mq_clock_simulating(P > 0);
     pthread_mutex_unlock(&g_sim_mu);
 }
 
@@ -276,6 +277,7 @@ static void simulate_loop(int64_t n_tasks, mq_task_fn fn, void *ctx) {
     tl_thread = -1;
     const double span = dur ? mq_schedule_makespan(dur, n_tasks, g_sim_threads) : 0;
     free(dur);
+    mq_clock_skip(sum - span);   /* the loop took P threads' time (mq_now) */
     pthread_mutex_lock(&g_sim_mu);
     g_sim_tasks += sum;
     g_sim_span += span;

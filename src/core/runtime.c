@@ -1,6 +1,7 @@
 /* Process-wide plumbing: progress and log callbacks, the interrupt flag, CPU features, time. */
 #define _POSIX_C_SOURCE 200809L
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -123,14 +124,25 @@ const char *moeq_cpu_kernels(void) {
     return mq_cpu_has_avx2_fma() ? "avx2+fma" : "scalar";
 }
 
+static _Atomic int64_t g_skipped_ns;   /* mq_clock_skip's sum */
+
 double mq_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    const int64_t skipped = atomic_load_explicit(&g_skipped_ns, memory_order_relaxed);
+    return (double)ts.tv_sec + 1e-9 * (double)(ts.tv_nsec - skipped);
 }
+
+void mq_clock_skip(double seconds) {
+    if (seconds > 0) atomic_fetch_add_explicit(&g_skipped_ns, (int64_t)(seconds * 1e9), memory_order_relaxed);
+}
+
+static _Atomic int g_thread_cpu;   /* mq_clock_simulating */
+
+void mq_clock_simulating(bool on) { atomic_store(&g_thread_cpu, on ? 1 : 0); }
 
 double mq_cpu_now(void) {
     struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    clock_gettime(atomic_load(&g_thread_cpu) ? CLOCK_THREAD_CPUTIME_ID : CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }

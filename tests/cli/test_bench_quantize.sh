@@ -76,7 +76,9 @@ grep -q "round 3 of 3" "$tmp/err" || fail "bench quantize --rounds: no round pro
 "$cli" bench quantize "$model" --threads 2,,4 >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--threads 2,,4" "$tmp/err" || fail "bench quantize --threads 2,,4: exit $rc, $(cat "$tmp/err")"
 # --simulate-threads P: one thread does the work of P; the layer's loops' simulated seconds lie
-# between their tasks' sum over P and the sum, and the prediction adds what ran outside them
+# between their tasks' sum over P and the sum, and the prediction adds what ran outside them; the
+# layer's and stages' seconds are the simulated clock's (P threads'), each stage's efficiency its
+# one-thread CPU seconds over P times them
 out=$(TMPDIR=$tmp "$cli" bench quantize "$model" --layers 1 --nsamples 4 --seqlen 64 --simulate-threads 4 \
       --calib "$repo/data/demo-calib.txt" --json 2>"$tmp/err") || fail "bench quantize --simulate-threads exited $?: $(cat "$tmp/err")"
 printf '%s\n' "$out" > "$tmp/s.json"
@@ -85,12 +87,20 @@ import json, sys
 j = json.load(open(sys.argv[1]))
 s = j["simulated"]
 assert j["threads"] == 1 and s["threads"] == 4, j
-assert 0 < s["loop_task_seconds"] <= s["layer_seconds"] + 0.002, s
+assert 0 < s["loop_task_seconds"] <= s["one_thread_seconds"] + 0.002, s
 assert s["loop_task_seconds"] / 4 - 0.002 <= s["loop_seconds"] <= s["loop_task_seconds"] + 0.002, s
-want = s["layer_seconds"] - s["loop_task_seconds"] + s["loop_seconds"]
-assert abs(s["predicted_seconds"] - want) <= 0.003, s
-assert abs(s["efficiency"] - s["layer_seconds"] / (4 * s["predicted_seconds"])) <= 0.002 + 0.01 * s["efficiency"], s
-assert abs(j["per_layer"][0]["total"] - s["layer_seconds"]) <= 0.002, j
+want = s["predicted_seconds"] - s["loop_seconds"] + s["loop_task_seconds"]
+assert abs(s["one_thread_seconds"] - want) <= 0.003, s
+assert abs(s["efficiency"] - s["one_thread_seconds"] / (4 * s["predicted_seconds"])) <= 0.002 + 0.01 * s["efficiency"], s
+assert abs(j["per_layer"][0]["total"] - s["predicted_seconds"]) <= 0.002, j
+st = s["stages"]
+assert sum(st[k]["seconds"] for k in ("read", "forward", "hessians", "gptq", "write")) <= s["predicted_seconds"] + 0.003, s
+for k, v in st.items():
+    assert 0 <= v["efficiency"] <= 1.05, (k, v)
+    sec, cpu, u = v["seconds"], v["cpu_seconds"], 5e-5   # printed to 4 decimals
+    if sec > u: assert (cpu - u) / (4 * (sec + u)) - 0.001 <= v["efficiency"] <= (cpu + u) / (4 * (sec - u)) + 0.001, (k, v)
+# GPTQ's loops ran as 4 threads would: its seconds well below its one thread's
+assert st["gptq"]["efficiency"] > 0.4, st
 PY
 "$cli" bench quantize "$model" --simulate-threads 4 --threads 2 >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--simulate-threads" "$tmp/err" || fail "--simulate-threads with --threads: exit $rc, $(cat "$tmp/err")"

@@ -137,17 +137,17 @@ static int bench_simulated(const bench_cfg *b, int64_t N, int64_t K, int reps, i
     }
     mq_free(W);
     mq_free(H);
-    double moe[3] = {0, 0, 0};   /* one thread's seconds, the loops' task seconds, their simulated seconds */
+    double moe_p = 0, moe[2] = {0, 0};   /* P threads' seconds (mq_now's); the loops' task seconds, their schedule */
     if (!st && experts > 0) {
         double cores;
         mq_pool_simulate(P);
-        moe[0] = time_moe_layer(b, experts, chunk, 1024, 2048, &cores, NULL, NULL, &moe[1]);
-        if (moe[0] < 0) st = MOEQ_E_NOMEM;
+        moe_p = time_moe_layer(b, experts, chunk, 1024, 2048, &cores, NULL, NULL, moe);
+        if (moe_p < 0) st = MOEQ_E_NOMEM;
     }
     mq_pool_simulate(0);
     if (st) return cli_fail("bench gptq", st);
     const double tasks = best[0] + best[2], eff = best[4] > 0 ? tasks / (P * best[4]) : 0;
-    const double moe_p = moe[0] - moe[1] + moe[2], moe_eff = moe_p > 0 ? moe[0] / (P * moe_p) : 0;
+    const double moe_one = moe_p + moe[0] - moe[1], moe_eff = moe_p > 0 ? moe_one / (P * moe_p) : 0;
     if (json) {
         printf("{\"rows\": %lld, \"cols\": %lld, \"simulated_threads\": %d, \"factor_task_seconds\": %.6f, "
                "\"factor_seconds\": %.6f, \"loop_task_seconds\": %.6f, \"loop_seconds\": %.6f, "
@@ -155,7 +155,7 @@ static int bench_simulated(const bench_cfg *b, int64_t N, int64_t K, int reps, i
         if (experts > 0)
             printf(", \"moe_layer_experts\": %lld, \"moe_layer_chunk\": %lld, \"moe_layer_one_thread_seconds\": %.4f, "
                    "\"moe_layer_task_seconds\": %.4f, \"moe_layer_seconds\": %.4f, \"moe_layer_efficiency\": %.4f",
-                   (long long)experts, (long long)chunk, moe[0], moe[1], moe_p, moe_eff);
+                   (long long)experts, (long long)chunk, moe_one, moe[0], moe_p, moe_eff);
         printf("}\n");
     } else {
         printf("gptq %lldx%lld simulated at %d threads (tasks timed on one thread, handed out as the pool does; the "
@@ -165,8 +165,8 @@ static int bench_simulated(const bench_cfg *b, int64_t N, int64_t K, int reps, i
                best[3] > 0 ? best[2] / (P * best[3]) : 0, tasks, best[4], eff);
         if (experts > 0)
             printf("moe layer (%lld experts, %lld at a time) simulated at %d threads: %.2f s on one thread (loops' "
-                   "tasks %.2f s) -> %.2f s: efficiency %.2f\n", (long long)experts, (long long)chunk, P, moe[0],
-                   moe[1], moe_p, moe_eff);
+                   "tasks %.2f s) -> %.2f s: efficiency %.2f\n", (long long)experts, (long long)chunk, P, moe_one,
+                   moe[0], moe_p, moe_eff);
     }
     return CLI_OK;
 }

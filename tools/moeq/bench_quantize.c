@@ -62,14 +62,18 @@ static double layer_serial(const mq_layer_stats *s) {
     return v > 0 ? v : 0;
 }
 
-/* --simulate-threads: a layer's seconds at P threads, had its loops the simulated schedule and the
- * rest (outside them) stayed serial, and the efficiency that gives against this one thread. */
-static double sim_predicted(const mq_layer_stats *s) { return s->total - s->sim_tasks + s->sim_span; }
+/* --simulate-threads: the layer's seconds are P threads' (the simulated clock: mq_now), had its
+ * loops the simulated schedule and the rest (outside them) stayed serial; on this one thread it
+ * took their tasks' sum instead of their schedule. */
+static double sim_one_thread(const mq_layer_stats *s) { return s->total + s->sim_tasks - s->sim_span; }
 
 static double sim_efficiency(const mq_layer_stats *s, int P) {
-    const double predicted = sim_predicted(s);
-    return predicted > 0 ? s->total / ((double)P * predicted) : 0;
+    return s->total > 0 ? sim_one_thread(s) / ((double)P * s->total) : 0;
 }
+
+/* A stage's efficiency at P simulated threads: its CPU seconds (one thread's) over P times its
+ * seconds on the simulated clock. */
+static double sim_stage(double cpu, double seconds, int P) { return seconds > 0 ? cpu / ((double)P * seconds) : 0; }
 
 /* A run's seconds per layer (all stages). */
 static double per_layer_total(const mq_pipeline_result *r) {
@@ -212,7 +216,8 @@ int bench_quantize(int argc, char **argv) {
         {"--simulate-threads", OPT_INT, &sim_threads, "P", "run on one thread as P threads would (their chunk "
          "plans, scratch and task lists) and print the seconds P threads would take, each parallel loop's "
          "tasks timed here and handed out as the pool does: what the work's split allows, without what "
-         "sharing the cores' clock and memory costs", NULL, 2, 4096, NULL},
+         "sharing the cores' clock and memory costs; every printed second is then P threads' (a simulated "
+         "clock), and each stage's efficiency is its one-thread CPU seconds over P times them", NULL, 2, 4096, NULL},
         {"--json", OPT_FLAG, &json, NULL, "print one JSON object on stdout", NULL, 0, -1, NULL},
     };
     cli_command cmd = {"bench quantize", "MODEL_DIR [--layers N] [--json]",
@@ -390,10 +395,17 @@ int bench_quantize(int argc, char **argv) {
     double sum = 0, fwd = 0, att = 0, hes = 0, gq = 0, wr = 0, rd = 0;
     mq_layer_stats sim = {0};   /* --simulate-threads: the layers' means */
     for (int l = 0; l < run; l++) {
+        const mq_layer_stats *ls = &r->layer[l];
         sum += r->layer[l].total;
-        sim.total += r->layer[l].total / run;
-        sim.sim_tasks += r->layer[l].sim_tasks / run;
-        sim.sim_span += r->layer[l].sim_span / run;
+        sim.total += ls->total / run;
+        sim.sim_tasks += ls->sim_tasks / run;
+        sim.sim_span += ls->sim_span / run;
+        sim.read += ls->read / run, sim.cpu_read += ls->cpu_read / run;
+        sim.forward += ls->forward / run, sim.cpu_forward += ls->cpu_forward / run;
+        sim.attention += ls->attention / run, sim.cpu_attention += ls->cpu_attention / run;
+        sim.hessian += ls->hessian / run, sim.cpu_hessian += ls->cpu_hessian / run;
+        sim.gptq += ls->gptq / run, sim.cpu_gptq += ls->cpu_gptq / run;
+        sim.write += ls->write / run, sim.cpu_write += ls->cpu_write / run;
         rd += r->layer[l].read;
         fwd += r->layer[l].forward;
         att += r->layer[l].attention;
@@ -424,11 +436,20 @@ int bench_quantize(int argc, char **argv) {
                "\"extrapolated_seconds\": %.3f, \"extrapolated_hours\": %.4f",
                fwd > 0 ? fwd_flops / fwd * 1e-9 : 0, sgemm, frac, gpu_sgemm, gpu_bw, (long long)r->peak_anon,
                (long long)r->plan.peak, (long long)r->plan.budget, whole, whole / 3600);
-        if (sim_threads > 0)
-            printf(", \"simulated\": {\"threads\": %d, \"layer_seconds\": %.3f, \"loop_task_seconds\": %.3f, "
-                   "\"loop_seconds\": %.3f, \"predicted_seconds\": %.3f, \"efficiency\": %.3f}",
-                   (int)sim_threads, sim.total, sim.sim_tasks, sim.sim_span, sim_predicted(&sim),
-                   sim_efficiency(&sim, (int)sim_threads));
+        if (sim_threads > 0) {
+            const int P = (int)sim_threads;
+            printf(", \"simulated\": {\"threads\": %d, \"one_thread_seconds\": %.3f, \"loop_task_seconds\": %.3f, "
+                   "\"loop_seconds\": %.3f, \"predicted_seconds\": %.3f, \"efficiency\": %.3f, \"stages\": {",
+                   P, sim_one_thread(&sim), sim.sim_tasks, sim.sim_span, sim.total, sim_efficiency(&sim, P));
+            const char *names[6] = {"read", "forward", "attention", "hessians", "gptq", "write"};
+            const double secs[6] = {sim.read, sim.forward, sim.attention, sim.hessian, sim.gptq, sim.write};
+            const double cpus[6] = {sim.cpu_read, sim.cpu_forward, sim.cpu_attention, sim.cpu_hessian, sim.cpu_gptq,
+                                    sim.cpu_write};
+            for (int k = 0; k < 6; k++)
+                printf("%s\"%s\": {\"seconds\": %.4f, \"cpu_seconds\": %.4f, \"efficiency\": %.3f}", k ? ", " : "",
+                       names[k], secs[k], cpus[k], sim_stage(cpus[k], secs[k], P));
+            printf("}}");
+        }
         printf("}\n");
     } else {
         printf("%s (%s): GPTQ %s on %s%s, %s, %lld samples x %lld tokens (mean; %s), %d threads, %d layers run of "
@@ -459,13 +480,19 @@ int bench_quantize(int argc, char **argv) {
         if (strcmp(model_type, "qwen3_moe") == 0)
             printf("; llm-compressor GPTQ of Qwen3-30B-A3B: 3.9 h on one GPU (%.2f x)", 3.9 * 3600 / whole);
         printf("\n");
-        if (sim_threads > 0)
+        if (sim_threads > 0) {
+            const int P = (int)sim_threads;
             printf("simulated %d threads (each parallel loop's tasks timed here and handed out as the pool does; not "
-                   "modelled: the cores' shared clock and memory), per layer: the loops' %.2f s take %.2f s (%.2f of "
-                   "%dx); with the %.2f s outside them the layer's %.2f s would take %.2f s, efficiency %.2f\n",
-                   (int)sim_threads, sim.sim_tasks, sim.sim_span,
-                   sim.sim_span > 0 ? sim.sim_tasks / (sim.sim_span * (double)sim_threads) : 0, (int)sim_threads,
-                   sim.total - sim.sim_tasks, sim.total, sim_predicted(&sim), sim_efficiency(&sim, (int)sim_threads));
+                   "modelled: the cores' shared clock and memory; the seconds above are theirs), per layer: the "
+                   "loops' %.2f s take %.2f s (%.2f of %dx); with the %.2f s outside them the layer's %.2f s on one "
+                   "thread would take %.2f s, efficiency %.2f; by stage: read %.2f, forward %.2f, attention %.2f, "
+                   "Hessians %.2f, GPTQ %.2f, write %.2f\n",
+                   P, sim.sim_tasks, sim.sim_span, sim.sim_span > 0 ? sim.sim_tasks / (sim.sim_span * (double)P) : 0, P,
+                   sim.total - sim.sim_span, sim_one_thread(&sim), sim.total, sim_efficiency(&sim, P),
+                   sim_stage(sim.cpu_read, sim.read, P), sim_stage(sim.cpu_forward, sim.forward, P),
+                   sim_stage(sim.cpu_attention, sim.attention, P), sim_stage(sim.cpu_hessian, sim.hessian, P),
+                   sim_stage(sim.cpu_gptq, sim.gptq, P), sim_stage(sim.cpu_write, sim.write, P));
+        }
     }
     free(rs);
     return same ? CLI_OK : CLI_FAIL;
