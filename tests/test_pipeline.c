@@ -1,3 +1,4 @@
+#define _DEFAULT_SOURCE   /* mincore */
 /*
  * The streaming pipeline (src/pipeline) against the whole-model reference loop
  * (tests/reference/gptq_model_ref.c: the model loaded in full, hooks, one block at a time):
@@ -12,6 +13,7 @@
 #include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -681,6 +683,22 @@ static void test_activation_copies(void) {
         const float *v = mq_actbuf_view(&b, off, n, view);
         for (size_t i = 0; i < n; i++)
             if (v[i] != mq_bf16_to_f32(mq_f32_to_bf16(src[off + i]))) FAIL("value %zu: %g", i, v[i]);
+        mq_actbuf_free(&b);
+    }
+    /* in memory, fp32 and bf16: every page faulted in by the init (on the pool), not left to the
+     * first layer's copies */
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    for (int k = 0; k < 2; k++) {
+        mq_actbuf b;
+        ASSERT_OK(mq_actbuf_init(&b, k ? MQ_ACT_BF16 : MQ_ACT_RAM, (size_t)3 << 20, NULL, "test activations"));
+        void *base = k ? (void *)b.h : (void *)b.f;
+        const size_t bytes = ((size_t)3 << 20) * (k ? 2 : 4), np = (bytes + page - 1) / page;
+        unsigned char *v = malloc(np);
+        ASSERT_EQ_INT(0, mincore(base, bytes, v));
+        size_t in = 0;
+        for (size_t i = 0; i < np; i++) in += v[i] & 1;
+        ASSERT_EQ_INT((int64_t)np, (int64_t)in);
+        free(v);
         mq_actbuf_free(&b);
     }
     moeq_set_threads(saved);

@@ -1691,6 +1691,17 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
                                                   "unquantized attention inputs")))
                 st = MOEQ_E_NOMEM;
         }
+        if (!st) {   /* faulted in on the pool in 2 MB pieces, not by the first sample's copies (actbuf.c) */
+            float *ar[8] = {cap.arena_qkv, cap.arena_o, cap.arena_qb, cap.arena_kvb,
+                            cap.farena_qkv, cap.farena_o, cap.farena_qb, cap.farena_kvb};
+            const int64_t wd[8] = {width[0], width[1], width[2], width[3], width[0], width[1], width[2], width[3]};
+            void *base[8];
+            size_t bytes[8];
+            int64_t nb = 0;
+            for (int i = 0; i < 8; i++)
+                if (ar[i]) base[nb] = ar[i], bytes[nb++] = (size_t)(keep * Lmax * wd[i]) * sizeof(float);
+            mq_touch_pages(base, bytes, nb);
+        }
         /* pass A: the unquantized attention (nothing needed of it in a sequential replay); the
          * layer's last unless sequential */
         sc.ahead = !p->seq && experts_ahead_wanted(p, l, replay);
