@@ -89,6 +89,19 @@ static void test_rows_do_not_depend_on_the_call(void) {
     memset(part, 0, sizeof(float) * (size_t)(M * N));
     mq_gemm_det_nt_pool(M, N, K, A, K, B, K, part, N);
     ASSERT_TRUE(memcmp(all, part, sizeof(float) * (size_t)(M * N)) == 0);
+    {   /* several tiles each way, with partial edge tiles (128 x 96 tiles), at 3 threads */
+        const int64_t M2 = 300, N2 = 250, K2 = 64;
+        float *A2 = rand_matrix(M2, K2), *B2 = rand_matrix(N2, K2);
+        float *one = malloc(sizeof(float) * (size_t)(M2 * N2)), *pool = malloc(sizeof(float) * (size_t)(M2 * N2));
+        mq_gemm_det_nt(M2, N2, K2, A2, K2, B2, K2, one, N2);
+        const int saved = moeq_threads();
+        moeq_set_threads(3);
+        for (int64_t i = 0; i < M2 * N2; i++) pool[i] = NAN;
+        mq_gemm_det_nt_pool(M2, N2, K2, A2, K2, B2, K2, pool, N2);
+        moeq_set_threads(saved);
+        ASSERT_TRUE(memcmp(one, pool, sizeof(float) * (size_t)(M2 * N2)) == 0);
+        free(A2), free(B2), free(one), free(pool);
+    }
     /* a product: |C - exact| <= K u sum |a b| (the classic bound of a K-term fma chain) */
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j++) {

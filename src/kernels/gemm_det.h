@@ -23,7 +23,7 @@
 /* C[M, N] (ldc) = A[M, K] (lda) B[N, K]^T (ldb); C is written, never read. */
 void mq_gemm_det_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
                     int64_t ldb, float *C, int64_t ldc);
-/* The same over the pool in fixed tiles of output columns (identical values). */
+/* The same over the pool in tiles of output rows and columns (identical values). */
 void mq_gemm_det_nt_pool(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                          const float *B, int64_t ldb, float *C, int64_t ldc);
 

@@ -213,8 +213,9 @@ moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n,
  * factorisation is one pool task, and the solves and the weights' products of all of them are
  * cut into column and row blocks that go over the pool together, so uneven inputs leave no
  * thread idle. Inputs are taken up to one per pool thread at a time when there are at least as
- * many as threads, else one at a time (each holds 2 K^2 floats while it is corrected). The
- * first failure in the order of the jobs is the one reported. */
+ * many as threads, else one at a time (each holds 2 K^2 floats while it is corrected), largest K
+ * first, so a wave's factorisations (one task each) are alike. Every input is tried; the first
+ * failure in the order of the jobs is the one reported. */
 typedef struct {
     const float *H, *G;
     int64_t K, n;
