@@ -24,20 +24,13 @@ moeq_status mq_actbuf_init(mq_actbuf *b, mq_act_storage kind, size_t n, const ch
      * instead of by the first layer's copies of 256 KB, where the piece that first touched a huge
      * page zeroed all 2 MB of it and took ten times the others: the slowest piece set each copy's
      * time, and the first layer's outputs and hooks ran at 2 of 16 threads (simulated). */
-    if (kind == MQ_ACT_BF16) {
-        b->h = mq_alloc_array(n, sizeof(uint16_t), what);
-        if (!b->h) return MOEQ_E_NOMEM;
-        void *base = b->h;
-        const size_t bytes = n * sizeof(uint16_t);
-        mq_touch_pages(&base, &bytes, 1);
-        return MOEQ_OK;
-    }
     if (kind != MQ_ACT_DISK) {
-        b->kind = MQ_ACT_RAM;
-        b->f = mq_alloc_array(n, sizeof(float), what);
-        if (!b->f) return MOEQ_E_NOMEM;
-        void *base = b->f;
-        const size_t bytes = n * sizeof(float);
+        const size_t elem = kind == MQ_ACT_BF16 ? sizeof(uint16_t) : sizeof(float);
+        void *base = mq_alloc_array(n, elem, what);
+        if (!base) return MOEQ_E_NOMEM;
+        if (kind == MQ_ACT_BF16) b->h = base;
+        else b->kind = MQ_ACT_RAM, b->f = base;
+        const size_t bytes = n * elem;
         mq_touch_pages(&base, &bytes, 1);
         return MOEQ_OK;
     }
