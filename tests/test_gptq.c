@@ -815,23 +815,32 @@ static void test_many_jobs(void) {
 }
 
 /* Factorisations of uneven sizes in one call (DeepSeek-V3's o_proj beside its small latent
- * Linears): the dominant one runs alone on the whole pool, the others as tasks; every factor is
- * bit for bit mq_gptq_factor_init's of its Hessian alone, at every thread count. */
+ * Linears), one of them failing in its second tile until its damping is raised twice: their tiles
+ * go out together, step by step, and every factor is bit for bit mq_gptq_factor_init's of its
+ * Hessian alone (damping and retries too), at every thread count. */
 static void test_factor_many_uneven(void) {
     const int64_t Ks[4] = {24, 200, 16, 40};
     float *H[4];
     const char *names[4] = {"a", "big", "b", "c"};
     for (int i = 0; i < 4; i++) H[i] = make_hessian(Ks[i], 2 * Ks[i] + 8, 90 + (uint64_t)i, NULL, 0);
+    H[1][150 * 200 + 150] *= -0.02f;   /* indefinite past the first 128-column tile */
     mq_gptq_opts o = mq_gptq_opts_default();
     o.refine_passes = 1;   /* H' is kept too */
     mq_gptq_factor one[4];
+    moeq_set_log(capture_log, NULL);
     for (int i = 0; i < 4; i++) ASSERT_OK(mq_gptq_factor_init(H[i], Ks[i], &o, true, names[i], &one[i]));
+    moeq_set_log(NULL, NULL);
+    ASSERT_TRUE(one[1].retries >= 2);
+    ASSERT_EQ_INT(0, one[0].retries + one[2].retries + one[3].retries);
     for (int threads = 1; threads <= 3; threads++) {
         moeq_set_threads(threads);
         mq_gptq_factor f[4];
+        moeq_set_log(capture_log, NULL);
         ASSERT_OK(mq_gptq_factor_many((const float *const *)H, Ks, 4, &o, true, names, f));
+        moeq_set_log(NULL, NULL);
         for (int i = 0; i < 4; i++) {
             const size_t kk = (size_t)(Ks[i] * Ks[i]) * sizeof(float);
+            ASSERT_EQ_INT(one[i].retries, f[i].retries);
             ASSERT_TRUE(memcmp(f[i].U, one[i].U, kk) == 0);
             ASSERT_TRUE(memcmp(f[i].R, one[i].R, kk) == 0);
             ASSERT_TRUE(memcmp(f[i].Hp, one[i].Hp, kk) == 0);
@@ -1503,6 +1512,7 @@ static void test_target_many(void) {
                 H[j] = malloc(sizeof(float) * (size_t)(K * K));
                 G[j] = malloc(sizeof(float) * (size_t)(K * K));
                 target_sums(K, n, 7 + (uint64_t)j, H[j], G[j]);
+                if (j == 3) H[j][(K - 5) * K + K - 5] *= -1.0f;   /* factored only with more damping, beside others */
                 rows[j][0] = j % 2 ? 17 : 520;
                 rows[j][1] = 33;
                 for (int k = 0; k < 2; k++) {

@@ -107,8 +107,9 @@ static int cmp_diag_desc(const void *a, const void *b) {
 typedef enum { FAC_OK = 0, FAC_NOMEM, FAC_NOT_PD, FAC_SINGULAR } fac_result;
 
 /* Blocked right-looking Cholesky and triangular inverse over fixed FAC_BLOCK tiles: each tile
- * operation is one single-threaded BLAS/LAPACK call, the tiles of a step run on the pool (or
- * serially inside a pool task), so the result does not depend on the thread count. */
+ * operation is one single-threaded BLAS/LAPACK call, and the tiles of a step run as one pool loop
+ * (or serially inside a pool task), for one matrix or for several factorised together, so the
+ * result depends neither on the thread count nor on which matrices go together. */
 enum { FAC_BLOCK = 128 };
 
 typedef struct {
@@ -116,10 +117,61 @@ typedef struct {
     const float *R;
     float *U;
     int64_t K, kb;
+    bool pd;   /* in: factor this matrix; out: false if a diagonal tile was not positive definite */
 } fac_ctx;
 
 static inline int64_t fac_dim(int64_t K, int64_t b) {
     return K - b * FAC_BLOCK < FAC_BLOCK ? K - b * FAC_BLOCK : FAC_BLOCK;
+}
+
+static inline int64_t fac_blocks(int64_t K) { return (K + FAC_BLOCK - 1) / FAC_BLOCK; }
+
+/* ---- several matrices' loops as one pool loop ------------------------------------------------ */
+
+/* Matrix i's tasks are fn(base + i * stride, t, thread) for t < its count, all of them one pool
+ * loop, matrix by matrix: a step of several factorisations keeps every thread busy however
+ * uneven they are (one task per matrix left threads idle behind the largest, or behind one that
+ * needed a second try with more damping: 0.64 of 16 threads, simulated), and each task is the
+ * one its matrix alone would run, so the values are the same. */
+typedef struct {
+    mq_task_fn fn;
+    char *base;
+    size_t stride;
+    const int64_t *first;   /* [n + 1]: each matrix's first task */
+    int64_t n;
+} ragged_loop;
+
+static void ragged_task(void *vctx, int64_t task, int thread) {
+    const ragged_loop *r = vctx;
+    int64_t lo = 0, hi = r->n - 1;   /* the last matrix whose first task is at or before task */
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (r->first[mid] <= task) lo = mid;
+        else hi = mid - 1;
+    }
+    r->fn(r->base + (size_t)lo * r->stride, task - r->first[lo], thread);
+}
+
+/* first[1 + i] holds matrix i's task count on entry (0: none); made the running sums here. */
+static void ragged_for(mq_task_fn fn, void *base, size_t stride, int64_t n, int64_t *first) {
+    first[0] = 0;
+    for (int64_t i = 0; i < n; i++) first[i + 1] += first[i];
+    ragged_loop r = {fn, base, stride, first, n};
+    mq_parallel_for(first[n], ragged_task, &r);
+}
+
+/* ---- Cholesky ------------------------------------------------------------------------------- */
+
+/* Diagonal tile kb: its lower Cholesky factor, in place. */
+static void chol_diag_task(void *vctx, int64_t task, int thread) {
+    (void)task, (void)thread;
+    fac_ctx *c = vctx;
+    const int64_t K = c->K, k0 = c->kb * FAC_BLOCK;
+    /* column-major 'U' on our row-major storage is the row-major lower triangle */
+    lapack_int info = LAPACKE_spotrf_work(LAPACK_COL_MAJOR, 'U', (lapack_int)fac_dim(K, c->kb),
+                                          c->A + k0 * K + k0, (lapack_int)K);
+    MQ_ASSERT(info >= 0);
+    if (info > 0) c->pd = false;
 }
 
 /* Panel: A[i, k] = A[i, k] L_kk^-T for the row tile i = kb + 1 + task. */
@@ -152,22 +204,33 @@ static void chol_update_task(void *vctx, int64_t task, int thread) {
                     (int)kn, -1.0f, aik, (int)K, ajk, (int)K, 1.0f, aij, (int)K);
 }
 
-/* Lower Cholesky factor of the row-major lower triangle of A, in place; false if A is not
- * positive definite. */
-static bool cholesky_lower(float *A, int64_t K) {
-    const int64_t nb = (K + FAC_BLOCK - 1) / FAC_BLOCK;
-    fac_ctx c = {A, NULL, NULL, K, 0};
-    for (c.kb = 0; c.kb < nb; c.kb++) {
-        const int64_t k0 = c.kb * FAC_BLOCK, m = nb - c.kb - 1;
-        /* column-major 'U' on our row-major storage is the row-major lower triangle */
-        lapack_int info = LAPACKE_spotrf_work(LAPACK_COL_MAJOR, 'U', (lapack_int)fac_dim(K, c.kb),
-                                              A + k0 * K + k0, (lapack_int)K);
-        MQ_ASSERT(info >= 0);
-        if (info > 0) return false;
-        mq_parallel_for(m, chol_panel_task, &c);
-        mq_parallel_for(m * (m + 1) / 2, chol_update_task, &c);
+/* Lower Cholesky factors of n matrices at once, each fac_ctx at base + i * stride (its A's
+ * row-major lower triangle, in place; pd: in, whether to factor it, out, false where not positive
+ * definite): step kb's diagonal tiles, then its panels, then its trailing updates, each step one
+ * pool loop over the matrices still going. first: [n + 1] scratch. */
+static void cholesky_many(void *base, size_t stride, int64_t n, int64_t *first) {
+#define FAC_AT(i) ((fac_ctx *)((char *)base + (size_t)(i) * stride))
+    int64_t steps = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (FAC_AT(i)->pd && fac_blocks(FAC_AT(i)->K) > steps) steps = fac_blocks(FAC_AT(i)->K);
+    for (int64_t kb = 0; kb < steps; kb++) {
+        for (int64_t i = 0; i < n; i++) {
+            FAC_AT(i)->kb = kb;
+            first[i + 1] = FAC_AT(i)->pd && kb < fac_blocks(FAC_AT(i)->K);
+        }
+        ragged_for(chol_diag_task, base, stride, n, first);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t m = fac_blocks(FAC_AT(i)->K) - kb - 1;
+            first[i + 1] = FAC_AT(i)->pd && m > 0 ? m : 0;
+        }
+        ragged_for(chol_panel_task, base, stride, n, first);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t m = fac_blocks(FAC_AT(i)->K) - kb - 1;
+            first[i + 1] = FAC_AT(i)->pd && m > 0 ? m * (m + 1) / 2 : 0;
+        }
+        ragged_for(chol_update_task, base, stride, n, first);
     }
-    return true;
+#undef FAC_AT
 }
 
 /* Columns [c0, c0 + INV_COLS) of U = R^-1 (U is upper), within the column tile j of FAC_BLOCK
@@ -264,40 +327,53 @@ static void rotate_task(void *vctx, int64_t task, int thread) {
     }
 }
 
-/* Does the work of mq_gptq_factor_init without touching the thread's error state (it runs in
- * pool tasks); the caller turns the result into a message. */
-static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *o, bool want_R,
-                                 mq_gptq_factor *f) {
-    memset(f, 0, sizeof *f);
-    f->K = K;
-    size_t kk = (size_t)K * (size_t)K;
-    f->dead = mq_alloc_zero((size_t)K, "GPTQ dead columns");
-    float *diag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
-    float *A = mq_alloc_array(kk, sizeof(float), "GPTQ factor");
-    if (!f->dead || !diag || !A) goto nomem;
+/* One Hessian's factorisation while it is made (factor_batch). */
+typedef struct {
+    const float *H;
+    mq_gptq_factor *f;
+    float *diag, *A;
+    double mean, percdamp;
+    int attempt;
+    fac_result res;   /* FAC_OK until it fails */
+    bool pending;     /* its Cholesky still to (re)try */
+    copy_ctx cc;
+    fac_ctx fc;
+} fac_job;
 
+/* Dead columns, the diagonal, its mean, the act-order permutation and A's memory. */
+static void fac_prepare(fac_job *j, const mq_gptq_opts *o) {
+    mq_gptq_factor *f = j->f;
+    const int64_t K = f->K;
+    f->dead = mq_alloc_zero((size_t)K, "GPTQ dead columns");
+    j->diag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
+    j->A = mq_alloc_array((size_t)K * (size_t)K, sizeof(float), "GPTQ factor");
+    if (!f->dead || !j->diag || !j->A) {
+        j->res = FAC_NOMEM;
+        return;
+    }
     double mean = 0;
     for (int64_t i = 0; i < K; i++) {
-        float d = H[i * K + i];
+        float d = j->H[i * K + i];
         if (d == 0.0f) {
             f->dead[i] = 1;
             f->n_dead++;
             d = 1.0f;
         }
-        diag[i] = d;
+        j->diag[i] = d;
         mean += d;
     }
-    mean /= (double)K;
-
+    j->mean = mean / (double)K;
+    j->percdamp = o->percdamp;
     if (o->act_order) {
         f->perm = mq_alloc_array((size_t)K, sizeof(int32_t), "GPTQ permutation");
         f->inv_perm = mq_alloc_array((size_t)K, sizeof(int32_t), "GPTQ permutation");
         diag_ref *refs = mq_alloc_array((size_t)K, sizeof(diag_ref), "GPTQ permutation");
         if (!f->perm || !f->inv_perm || !refs) {
             mq_free(refs);
-            goto nomem;
+            j->res = FAC_NOMEM;
+            return;
         }
-        for (int64_t i = 0; i < K; i++) refs[i] = (diag_ref){diag[i], (int32_t)i};
+        for (int64_t i = 0; i < K; i++) refs[i] = (diag_ref){j->diag[i], (int32_t)i};
         qsort(refs, (size_t)K, sizeof *refs, cmp_diag_desc);
         for (int64_t p = 0; p < K; p++) {
             f->perm[p] = refs[p].i;
@@ -305,61 +381,136 @@ static fac_result factor_compute(const float *H, int64_t K, const mq_gptq_opts *
         }
         mq_free(refs);
     }
+    j->pending = true;
+}
 
-    /* A = H' with rows and columns in reverse processing order; only the lower triangle (row
-     * major) is read by the factorisation. */
-    double percdamp = o->percdamp;
-    int attempt = 0;
-    for (;; attempt++) {
-        copy_ctx cc = {H, A, NULL, diag, f->perm, K, (float)(percdamp * mean)};
-        mq_parallel_for((K + COPY_ROWS - 1) / COPY_ROWS, copy_reversed_task, &cc);
-        const double t0 = mq_now();
-        const bool pd = cholesky_lower(A, K);
-        f->sec_cholesky += mq_now() - t0;
-        if (pd) break;
-        if (attempt + 1 >= MAX_RETRIES || percdamp * 2 > MQ_GPTQ_MAX_PERCDAMP) {
-            f->percdamp = percdamp;
-            f->retries = attempt + 1;
-            mq_free(diag);
-            mq_free(A);
-            return FAC_NOT_PD;
+typedef struct {
+    fac_job *J;
+    const mq_gptq_opts *o;
+} prepare_ctx;
+
+static void fac_prepare_task(void *vctx, int64_t i, int thread) {
+    (void)thread;
+    const prepare_ctx *c = vctx;
+    fac_prepare(&c->J[i], c->o);
+}
+
+/* The factorisations of n Hessians at once (jobs[i].H, jobs[i].f->K set; the rest zero), each
+ * step's pieces of all of them one pool loop: the dead columns and damping, the Cholesky factor
+ * with the damping doubled and the factor retried while it fails (only the ones that failed go
+ * again), then R and U = R^-1. Does not touch the thread's error state (the caller turns each
+ * jobs[i].res into a message). first: [n + 1] scratch. */
+static void factor_batch(fac_job *J, int64_t n, const mq_gptq_opts *o, bool want_R, int64_t *first) {
+    prepare_ctx pc = {J, o};
+    mq_parallel_for(n, fac_prepare_task, &pc);
+    /* A = H' with rows and columns in reverse processing order (only the lower triangle, row
+     * major, is read by the factorisation), factored; again with more damping where it fails */
+    for (bool more = true; more;) {
+        for (int64_t i = 0; i < n; i++) {
+            fac_job *j = &J[i];
+            const int64_t K = j->f->K;
+            j->cc = (copy_ctx){j->H, j->A, NULL, j->diag, j->f->perm, K, (float)(j->percdamp * j->mean)};
+            j->fc = (fac_ctx){j->A, NULL, NULL, K, 0, j->pending};
+            first[i + 1] = j->pending ? (K + COPY_ROWS - 1) / COPY_ROWS : 0;
         }
-        percdamp = percdamp == 0 ? 1e-4 : percdamp * 2;
+        ragged_for(copy_reversed_task, &J[0].cc, sizeof *J, n, first);
+        const double t0 = mq_now();
+        cholesky_many(&J[0].fc, sizeof *J, n, first);
+        const double dt = mq_now() - t0;
+        more = false;
+        for (int64_t i = 0; i < n; i++) {
+            fac_job *j = &J[i];
+            if (!j->pending) continue;
+            mq_gptq_factor *f = j->f;
+            f->sec_cholesky += dt;
+            if (j->fc.pd) {
+                j->pending = false;
+                f->percdamp = j->percdamp;
+                f->damp = (double)(float)(j->percdamp * j->mean);
+                f->retries = j->attempt;
+            } else if (j->attempt + 1 >= MAX_RETRIES || j->percdamp * 2 > MQ_GPTQ_MAX_PERCDAMP) {
+                j->pending = false;
+                j->res = FAC_NOT_PD;
+                f->percdamp = j->percdamp;
+                f->retries = j->attempt + 1;
+            } else {
+                j->attempt++;
+                j->percdamp = j->percdamp == 0 ? 1e-4 : j->percdamp * 2;
+                more = true;
+            }
+        }
     }
-    f->percdamp = percdamp;
-    f->damp = (double)(float)(percdamp * mean);
-    f->retries = attempt;
-    if (o->refine_passes > 0) {   /* H' in processing order for the refinement */
-        f->Hp = mq_alloc_array(kk, sizeof(float), "GPTQ refinement Hessian");
-        if (!f->Hp) goto nomem;
-        copy_ctx cc = {H, NULL, f->Hp, diag, f->perm, K, (float)f->damp};
-        mq_parallel_for((K + COPY_ROWS - 1) / COPY_ROWS, copy_ordered_task, &cc);
+    for (int64_t i = 0; i < n; i++) {   /* H' in processing order for the refinement */
+        fac_job *j = &J[i];
+        first[i + 1] = 0;
+        if (j->res || o->refine_passes <= 0) continue;
+        const int64_t K = j->f->K;
+        j->f->Hp = mq_alloc_array((size_t)K * (size_t)K, sizeof(float), "GPTQ refinement Hessian");
+        if (!j->f->Hp) j->res = FAC_NOMEM;
+        j->cc = (copy_ctx){j->H, NULL, j->f->Hp, j->diag, j->f->perm, K, (float)j->f->damp};
+        first[i + 1] = j->res ? 0 : (K + COPY_ROWS - 1) / COPY_ROWS;
     }
-    f->hdiag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
-    if (!f->hdiag) goto nomem;
-    for (int64_t p = 0; p < K; p++) f->hdiag[p] = diag[f->perm ? f->perm[p] : p];
-    mq_free(diag);
-    diag = NULL;   /* the out-of-memory exit below frees it again */
-
+    ragged_for(copy_ordered_task, &J[0].cc, sizeof *J, n, first);
     /* Rotating the lower factor L by 180 degrees (reversing the flat array) gives R, upper. */
-    copy_ctx rc = {NULL, A, NULL, NULL, NULL, K, 0};
-    mq_parallel_for(((K + 1) / 2 + COPY_ROWS - 1) / COPY_ROWS, rotate_task, &rc);
-    f->U = mq_alloc_zero(kk * sizeof(float), "GPTQ factor");
-    if (!f->U) goto nomem;
-    fac_ctx c = {NULL, A, f->U, K, 0};
+    for (int64_t i = 0; i < n; i++) {
+        fac_job *j = &J[i];
+        mq_gptq_factor *f = j->f;
+        const int64_t K = f->K;
+        first[i + 1] = 0;
+        if (j->res) continue;
+        f->hdiag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
+        f->U = mq_alloc_zero((size_t)K * (size_t)K * sizeof(float), "GPTQ factor");
+        if (!f->hdiag || !f->U) {
+            j->res = FAC_NOMEM;
+            continue;
+        }
+        for (int64_t p = 0; p < K; p++) f->hdiag[p] = j->diag[f->perm ? f->perm[p] : p];
+        j->cc = (copy_ctx){NULL, j->A, NULL, NULL, NULL, K, 0};
+        first[i + 1] = ((K + 1) / 2 + COPY_ROWS - 1) / COPY_ROWS;
+    }
+    ragged_for(rotate_task, &J[0].cc, sizeof *J, n, first);
+    /* U's pages faulted in on the pool first: every inverse task writes a column block down all
+     * the rows, so the first (the largest) took the zeroing of all of U's pages (5.8 of its 6
+     * ms at K = 2048, the whole step's time at 16 threads). Only a speed-up: skipped without
+     * memory for the lists. */
+    void **ub = malloc(sizeof *ub * (size_t)(n + 1));
+    size_t *un = malloc(sizeof *un * (size_t)(n + 1));
+    if (ub && un) {
+        int64_t m = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (!J[i].res) ub[m] = J[i].f->U, un[m++] = (size_t)J[i].f->K * (size_t)J[i].f->K * sizeof(float);
+        mq_touch_pages(ub, un, m);
+    }
+    free(ub);
+    free(un);
+    for (int64_t i = 0; i < n; i++) {
+        fac_job *j = &J[i];
+        j->fc = (fac_ctx){NULL, j->A, j->f->U, j->f->K, 0, true};
+        first[i + 1] = j->res ? 0 : fac_blocks(j->f->K) * (FAC_BLOCK / INV_COLS);
+    }
     const double t0 = mq_now();
-    mq_parallel_for((K + FAC_BLOCK - 1) / FAC_BLOCK * (FAC_BLOCK / INV_COLS), inverse_task, &c);
-    f->sec_inverse = mq_now() - t0;
-    if (want_R) f->R = A;
-    else mq_free(A);
-    for (int64_t i = 0; i < K; i++)
-        if (!isfinite(f->U[i * K + i])) return FAC_SINGULAR;
-    return FAC_OK;
-
-nomem:
-    mq_free(diag);
-    mq_free(A);
-    return FAC_NOMEM;
+    ragged_for(inverse_task, &J[0].fc, sizeof *J, n, first);
+    const double dt = mq_now() - t0;
+    for (int64_t i = 0; i < n; i++) {
+        fac_job *j = &J[i];
+        mq_gptq_factor *f = j->f;
+        mq_free(j->diag);
+        j->diag = NULL;
+        if (j->res) {
+            mq_free(j->A);
+            j->A = NULL;
+            continue;
+        }
+        f->sec_inverse = dt;
+        if (want_R) f->R = j->A;
+        else mq_free(j->A);
+        j->A = NULL;
+        for (int64_t p = 0; p < f->K; p++)
+            if (!isfinite(f->U[p * f->K + p])) {
+                j->res = FAC_SINGULAR;
+                break;
+            }
+    }
 }
 
 static moeq_status check_hessian(const float *H, int64_t K, const char *name) {
@@ -371,7 +522,7 @@ static moeq_status check_hessian(const float *H, int64_t K, const char *name) {
     return MOEQ_OK;
 }
 
-/* Turns a factor_compute result into the thread's error message and the damping log. */
+/* Turns a factor_batch result into the thread's error message and the damping log. */
 static moeq_status factor_report(fac_result r, const mq_gptq_opts *o, const char *name,
                                  mq_gptq_factor *f) {
     switch (r) {
@@ -401,29 +552,11 @@ moeq_status mq_gptq_factor_init(const float *H, int64_t K, const mq_gptq_opts *o
     moeq_status st = check_hessian(H, K, name);
     if (st) return st;
     pthread_once(&g_blas_once, blas_single_thread);
-    return factor_report(factor_compute(H, K, o, want_R, f), o, name, f);
-}
-
-typedef struct {
-    const float *const *H;
-    const int64_t *K;
-    const mq_gptq_opts *o;
-    bool want_R;
-    mq_gptq_factor *f;
-    fac_result *res;
-    const int64_t *order;   /* the largest first */
-} factor_ctx;
-
-static void factor_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    factor_ctx *c = vctx;
-    task = c->order[task];
-    if (!c->H[task]) {
-        memset(&c->f[task], 0, sizeof c->f[task]);
-        c->res[task] = FAC_OK;
-        return;
-    }
-    c->res[task] = factor_compute(c->H[task], c->K[task], c->o, c->want_R, &c->f[task]);
+    fac_job j = {.H = H, .f = f};
+    int64_t first[2];
+    f->K = K;
+    factor_batch(&j, 1, o, want_R, first);
+    return factor_report(j.res, o, name, f);
 }
 
 moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t n,
@@ -449,43 +582,40 @@ moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t
         }
     }
     mq_free(ok);
-    fac_result *res = mq_alloc_array((size_t)n, sizeof *res, "GPTQ factor results");
-    int64_t *order = mq_alloc_array((size_t)n, sizeof *order, "GPTQ factor order");
-    if (!res || !order) {
-        mq_free(res);
+    /* the largest first (K^3; ties in order): the pool hands out each step's pieces in order */
+    int64_t *order = mq_alloc_array((size_t)n + 1, sizeof *order, "GPTQ factor order");
+    int64_t *first = mq_alloc_array((size_t)n + 1, sizeof *first, "GPTQ factor order");
+    fac_job *J = mq_alloc_zero((size_t)n * sizeof *J + 1, "GPTQ factor jobs");
+    if (!order || !first || !J) {
         mq_free(order);
+        mq_free(first);
+        mq_free(J);
         return MOEQ_E_NOMEM;
     }
-    /* the largest factorisations (K^3) first, so the small ones fill the end (ties in order) */
+    int64_t m = 0;   /* Hessians to factor */
     for (int64_t i = 0; i < n; i++) {
-        const int64_t kv = H[i] ? K[i] : 0;
-        int64_t u = i;
-        for (; u > 0 && (H[order[u - 1]] ? K[order[u - 1]] : 0) < kv; u--) order[u] = order[u - 1];
+        if (!H[i]) continue;
+        int64_t u = m++;
+        for (; u > 0 && K[order[u - 1]] < K[i]; u--) order[u] = order[u - 1];
         order[u] = i;
     }
     pthread_once(&g_blas_once, blas_single_thread);
-    /* A factorisation larger than a thread's share of them all runs alone on the whole pool (its
-     * blocked Cholesky and inverse are pool jobs; as one task among others they would run on its
-     * thread only): DeepSeek-V3's o_proj (K = 16384) beside q_b and kv_b took 62 s on one core of
-     * two. Where it runs does not change its values. The others go out as tasks, largest first. */
-    double total = 0;
-    for (int64_t i = 0; i < n; i++) total += H[i] ? (double)K[i] * (double)K[i] * (double)K[i] : 0;
-    const double threads = (double)mq_pool_size();
-    int64_t big = 0;   /* a prefix of order */
-    while (big < n && H[order[big]] && threads > 1 &&
-           (double)K[order[big]] * (double)K[order[big]] * (double)K[order[big]] * threads > total)
-        big++;
-    factor_ctx c = {H, K, o, want_R, f, res, order};
-    for (int64_t i = 0; i < big; i++) factor_task(&c, i, 0);
-    c.order = order + big;
-    mq_parallel_for(n - big, factor_task, &c);
-    mq_free(order);
-    moeq_status st = MOEQ_OK;
-    for (int64_t i = 0; i < n; i++) {
-        moeq_status si = factor_report(res[i], o, names[i], &f[i]);
-        if (si && !st) st = si;   /* the first failure keeps its message */
+    for (int64_t u = 0; u < m; u++) {
+        J[u] = (fac_job){.H = H[order[u]], .f = &f[order[u]]};
+        f[order[u]].K = K[order[u]];
     }
-    mq_free(res);
+    factor_batch(J, m, o, want_R, first);
+    moeq_status st = MOEQ_OK;
+    for (int64_t i = 0; i < n; i++) first[i] = -1;   /* now each input's job */
+    for (int64_t u = 0; u < m; u++) first[order[u]] = u;
+    for (int64_t i = 0; i < n; i++) {   /* the first failure in the inputs' order keeps its message */
+        if (first[i] < 0) continue;
+        moeq_status si = factor_report(J[first[i]].res, o, names[i], &f[i]);
+        if (si && !st) st = si;
+    }
+    mq_free(order);
+    mq_free(first);
+    mq_free(J);
     if (st)
         for (int64_t i = 0; i < n; i++) mq_gptq_factor_free(&f[i]);
     return st;
@@ -1569,10 +1699,22 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
 
 /* The correction in three steps over the pool, each cut into fixed blocks (the same whatever the
  * thread count): per input, R = share ((2/n) G - H)^T and the Cholesky factor L of H + damping
- * (one task each); R := (L L^T)^-1 R in blocks of 64 columns; then W += W R^T in blocks of 256
- * rows, each block's product as OpenBLAS tiles of MQ_GEMM_TILE_N columns (core/linalg.c's grid, so
- * the values are those of mq_gemm_nt on the whole weight). BLAS runs single-threaded in every task. */
+ * (the factorisation's tiles, of every input of a wave in one loop a step); R := (L L^T)^-1 R in
+ * blocks of 64 columns; then W += W R^T in blocks of 256 rows, each block's product as OpenBLAS
+ * tiles of MQ_GEMM_TILE_N columns (core/linalg.c's grid, so the values are those of mq_gemm_nt on
+ * the whole weight). BLAS runs single-threaded in every task. */
 enum { TARGET_COLS = 64, TARGET_ROWS = MQ_GEMM_TILE_M, TARGET_TILE_N = MQ_GEMM_TILE_N };
+
+/* The right-hand sides R = share ((2/n) G - H)^T and the lower triangle of H (the damping added
+ * to A's diagonal after) in blocks of TARGET_FILL rows: elementwise, any split gives the same
+ * matrices. */
+enum { TARGET_FILL = 64 };
+
+typedef struct {
+    const mq_gptq_target_job *j;
+    float *A, *R;   /* R NULL: A's triangle only (a retry) */
+    float sc;
+} target_fill;
 
 typedef struct {
     const mq_gptq_target_job *j;
@@ -1580,6 +1722,9 @@ typedef struct {
     bool live;             /* factored: the solve and product steps run for it */
     moeq_status st;
     char msg[320];
+    double mean_diag;
+    target_fill fill;
+    fac_ctx fc;
 } target_input;
 
 typedef struct {
@@ -1589,17 +1734,6 @@ typedef struct {
     float *scratch;        /* [pool threads][TARGET_ROWS * Kmax] */
     int64_t kmax;
 } target_step;
-
-/* The right-hand sides R = share ((2/n) G - H)^T and the lower triangle of H (the damping added
- * to A's diagonal after) in blocks of TARGET_FILL rows: elementwise, any split gives the same
- * matrices; nested in a pool task they run on its thread. */
-enum { TARGET_FILL = 64 };
-
-typedef struct {
-    const mq_gptq_target_job *j;
-    float *A, *R;
-    float sc;
-} target_fill;
 
 static void target_fill_task(void *vctx, int64_t b, int thread) {
     (void)thread;
@@ -1614,44 +1748,61 @@ static void target_fill_task(void *vctx, int64_t b, int thread) {
     for (int64_t a = a0; a < a1; a++) memcpy(f->A + a * K, H + a * K, sizeof(float) * (size_t)(a + 1));
 }
 
-/* One input's right-hand sides and the Cholesky factor L of H + damping, with the factorisation of
- * GPTQ's factor (cholesky_lower: tiles on the pool, or in turn inside a pool task, the same
- * values): a wave of fewer inputs than threads (the attention's two, DeepSeek's o_proj alone)
- * factors each over every core instead of on one (LAPACK's potrf on one thread was 0.9 s of
- * the attention's corrections at 16 threads with 6.8 cores busy). */
-static void target_factor_task(void *vctx, int64_t i, int thread) {
-    (void)thread;
-    target_input *t = &((target_step *)vctx)->in[i];
-    const mq_gptq_target_job *j = t->j;
-    const int64_t K = j->K;
-    const float *H = j->H;
-    t->A = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
-    t->R = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
-    if (!t->A || !t->R) {
-        t->st = MOEQ_E_NOMEM;
-        snprintf(t->msg, sizeof t->msg, "%s: out of memory for asymmetric calibration", j->name);
-        return;
-    }
-    double mean_diag = 0;
-    for (int64_t k = 0; k < K; k++) mean_diag += H[k * K + k];
-    mean_diag /= (double)K;
-    target_fill f = {j, t->A, t->R, 2.0f / (float)j->n};
-    const int64_t blocks = (K + TARGET_FILL - 1) / TARGET_FILL;
-    mq_parallel_for(blocks, target_fill_task, &f);
-    f.R = NULL;   /* a retry copies the triangle again */
-    /* the damping grows tenfold while the factorisation fails, as GPTQ's does */
-    for (int r = 0; r < 4; r++) {
-        const float damp = (float)(j->percdamp * pow(10.0, r) * mean_diag) + (mean_diag == 0);
-        if (r > 0) mq_parallel_for(blocks, target_fill_task, &f);
-        for (int64_t a = 0; a < K; a++) t->A[a * K + a] = H[a * K + a] + damp;
-        if (cholesky_lower(t->A, K)) {
-            t->live = true;
-            return;
+/* The wave's right-hand sides and Cholesky factors L of H + damping: every input's fill blocks
+ * in one loop, then the factorisations' steps together (cholesky_many; a wave of fewer inputs
+ * than threads, the attention's one at a time, still spreads its tiles over every core), the
+ * damping raised tenfold where one fails, as GPTQ's is, up to three times. */
+static void target_factor(target_input *in, int64_t n, int64_t *first) {
+    for (int64_t i = 0; i < n; i++) {
+        target_input *t = &in[i];
+        const mq_gptq_target_job *j = t->j;
+        const int64_t K = j->K;
+        t->A = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
+        t->R = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
+        first[i + 1] = 0;
+        if (!t->A || !t->R) {
+            t->st = MOEQ_E_NOMEM;
+            snprintf(t->msg, sizeof t->msg, "%s: out of memory for asymmetric calibration", j->name);
+            continue;
         }
+        t->mean_diag = 0;
+        for (int64_t k = 0; k < K; k++) t->mean_diag += j->H[k * K + k];
+        t->mean_diag /= (double)K;
+        t->fill = (target_fill){j, t->A, t->R, 2.0f / (float)j->n};
+        t->fc = (fac_ctx){t->A, NULL, NULL, K, 0, true};
+        first[i + 1] = (K + TARGET_FILL - 1) / TARGET_FILL;
     }
-    t->st = MOEQ_E_NUMERIC;
-    snprintf(t->msg, sizeof t->msg, "%s: asymmetric calibration: the damped Hessian is not positive definite "
-             "(damping up to 1000x percdamp)", j->name);
+    for (int r = 0; r < 4; r++) {
+        if (r > 0) {   /* a retry copies the triangle again, for the inputs still to factor */
+            for (int64_t i = 0; i < n; i++) {
+                in[i].fill.R = NULL;
+                first[i + 1] = in[i].fc.pd ? (in[i].j->K + TARGET_FILL - 1) / TARGET_FILL : 0;
+            }
+        }
+        ragged_for(target_fill_task, &in[0].fill, sizeof *in, n, first);
+        for (int64_t i = 0; i < n; i++) {
+            target_input *t = &in[i];
+            if (!t->fc.pd) continue;
+            const int64_t K = t->j->K;
+            const float damp = (float)(t->j->percdamp * pow(10.0, r) * t->mean_diag) + (t->mean_diag == 0);
+            for (int64_t a = 0; a < K; a++) t->A[a * K + a] = t->j->H[a * K + a] + damp;
+        }
+        cholesky_many(&in[0].fc, sizeof *in, n, first);
+        bool again = false;
+        for (int64_t i = 0; i < n; i++) {
+            target_input *t = &in[i];
+            if (t->st || t->live) continue;
+            if (t->fc.pd) t->live = true, t->fc.pd = false;   /* done: not factored again */
+            else if (r < 3) t->fc.pd = again = true;
+        }
+        if (!again) break;
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (!in[i].st && !in[i].live) {
+            in[i].st = MOEQ_E_NUMERIC;
+            snprintf(in[i].msg, sizeof in[i].msg, "%s: asymmetric calibration: the damped Hessian is not positive "
+                     "definite (damping up to 1000x percdamp)", in[i].j->name);
+        }
 }
 
 /* the input of task `task` among the step's blocks (first[] ascending) */
@@ -1705,7 +1856,7 @@ static moeq_status target_wave(target_input *in, int64_t n) {
     const int P = mq_pool_size();
     target_step c = {in, n, malloc(sizeof(int64_t) * (size_t)(n + 1)), NULL, 0};
     moeq_status st = c.first ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!st) mq_parallel_for(n, target_factor_task, &c);
+    if (!st) target_factor(in, n, c.first);
     for (int64_t i = 0; i < n; i++)
         if (in[i].live && in[i].j->K > c.kmax) c.kmax = in[i].j->K;
     if (!st && c.kmax > 0) {

@@ -83,7 +83,8 @@ typedef struct {
     double percdamp;         /* damping fraction finally used (after retries) */
     double damp;             /* absolute damping added to the diagonal */
     int retries;             /* failed Cholesky attempts before the one that worked */
-    double sec_cholesky, sec_inverse;   /* wall seconds of the two (the rest: copies, checks) */
+    double sec_cholesky, sec_inverse;   /* wall seconds of the two (the rest: copies, checks); a batch
+                                           (mq_gptq_factor_many) gives each of its factors the whole batch's */
 } mq_gptq_factor;
 
 /* H [K, K] symmetric (read in full; must be finite). name is used in messages. Not positive
@@ -92,10 +93,11 @@ typedef struct {
 #define MQ_GPTQ_MAX_PERCDAMP 100.0
 moeq_status mq_gptq_factor_init(const float *H, int64_t K, const mq_gptq_opts *o, bool want_R,
                                 const char *name, mq_gptq_factor *f);
-/* Factorises n Hessians (H[i] of size K[i]) in parallel: one larger than a thread's share of them
- * all alone on the whole pool, the others one task each (single-threaded LAPACK); the values are
- * mq_gptq_factor_init's either way. H[i] may be NULL to skip (f[i] is then zeroed). On error every
- * factor is freed. */
+/* Factorises n Hessians (H[i] of size K[i]) together: each step's tiles of all of them (copies,
+ * Cholesky steps, inverse columns; single-threaded BLAS/LAPACK calls) one pool loop, the largest
+ * first, a retry with more damping only for those that failed; the values are
+ * mq_gptq_factor_init's of each alone. Every factor's memory is held at once (the plan counts it
+ * per input). H[i] may be NULL to skip (f[i] is then zeroed). On error every factor is freed. */
 moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t n,
                                 const mq_gptq_opts *o, bool want_R, const char *const *names,
                                 mq_gptq_factor *f);
