@@ -333,6 +333,51 @@ static void test_touch_pages(void) {
     munmap(m, n);
 }
 
+/* Whether [p, p + n) is mapped (mincore fails with ENOMEM on an unmapped page). */
+static bool mapped(const void *p, size_t n) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    unsigned char *v = malloc((n + page - 1) / page);
+    ASSERT_TRUE(v != NULL);
+    const bool m = mincore((void *)p, n, v) == 0;
+    free(v);
+    return m;
+}
+
+/* Freed blocks of 1 MB or more are handed out again for the same size (the same mapping, zeroed
+ * for mq_alloc_zero, on the pool), and never make the process hold more than it would without:
+ * a request they cannot serve first unmaps kept blocks of at least its size; mq_mem_release
+ * unmaps the rest. */
+static void test_recycling(void) {
+    const char *off = getenv("MOEQ_RECYCLE");
+    if (off && off[0] == '0') SKIP("MOEQ_RECYCLE=0");
+    mq_mem_release();
+    ASSERT_EQ_INT(0, (long long)mq_mem_kept_bytes());
+    const size_t a = (size_t)5 << 20, b = (size_t)7 << 20;
+    unsigned char *x = mq_alloc(a, "x");
+    ASSERT_TRUE(x != NULL);
+    memset(x, 0x5a, a);
+    mq_free(x);
+    ASSERT_EQ_INT((long long)a, (long long)mq_mem_kept_bytes());
+    ASSERT_TRUE(mapped(x, a));
+    moeq_set_threads(max_threads(3));
+    unsigned char *y = mq_alloc_zero(a, "y");
+    ASSERT_TRUE(y == x);
+    ASSERT_EQ_INT(0, (long long)mq_mem_kept_bytes());
+    size_t nonzero = 0;
+    for (size_t k = 0; k < a; k++) nonzero += y[k] != 0;
+    ASSERT_EQ_INT(0, (long long)nonzero);
+    mq_free(y);
+    unsigned char *z = mq_alloc(b, "z");   /* another size: the kept block is unmapped first */
+    ASSERT_TRUE(z != NULL);
+    ASSERT_EQ_INT(0, (long long)mq_mem_kept_bytes());
+    mq_free(z);
+    ASSERT_EQ_INT((long long)b, (long long)mq_mem_kept_bytes());
+    mq_mem_release();
+    ASSERT_EQ_INT(0, (long long)mq_mem_kept_bytes());
+    ASSERT_TRUE(!mapped(z, b));
+    moeq_set_threads(0);
+}
+
 /* mq_prefetch reads a mapped file ahead: pages dropped from the page cache are back after it
  * (the kernel reads them in the background: waited for, up to 10 s). Skips where the pages
  * cannot be dropped (tmpfs, or a file system that keeps them). */
@@ -392,5 +437,5 @@ static void test_blas_advice(void) {
 
 TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment), T(test_pinned_workers),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
-          T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages),
+          T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages), T(test_recycling),
           T(test_blas_advice), T(test_pool_simulation))

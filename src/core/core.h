@@ -43,6 +43,10 @@ void *mq_alloc(size_t n, const char *what);
 void *mq_alloc_zero(size_t n, const char *what);
 void *mq_alloc_array(size_t count, size_t elem, const char *what);
 void mq_free(void *p);
+/* Unmaps the freed blocks of 1 MB or more kept for reuse (core/memory.c: recycling), e.g. when a
+ * job is done and its memory should go back to the system. */
+void mq_mem_release(void);
+size_t mq_mem_kept_bytes(void);   /* the bytes kept for reuse now */
 /* Faults in the pages of n regions of fresh memory, [base[i], base[i] + bytes[i]), on the pool
  * with one write a page (0, before anything is stored there): the kernel's page faults and zeroing
  * spread over the threads instead of falling on whatever touches the memory first (a driver

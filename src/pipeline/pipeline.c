@@ -306,6 +306,7 @@ static void pipe_free(mq_pipe *p) {
     free(p->out_dir);
     free(p->work_dir);
     free(p->build_dir);
+    mq_mem_release();   /* the blocks kept for reuse between chunks and layers go back now */
 }
 
 /* The GPTQ totals of every layer's module records (those of resumed layers included). */
