@@ -245,29 +245,14 @@ void *mq_alloc(size_t n, const char *what) {
     return p;
 }
 
-/* Zeroes [p, p + n) on the pool in pieces of 2 MB (a kept Hessian or factor: as the page faults
- * of a fresh mapping would, not all on the allocating thread). */
-enum { ZERO_PIECE = 2 << 20 };
-
-typedef struct {
-    char *p;
-    size_t n;
-} zero_ctx;
-
-static void zero_task(void *vctx, int64_t t, int thread) {
-    (void)thread;
-    const zero_ctx *c = vctx;
-    const size_t a = (size_t)t * ZERO_PIECE, e = a + ZERO_PIECE < c->n ? a + ZERO_PIECE : c->n;
-    memset(c->p + a, 0, e - a);
-}
+static void pieces_for(void *const *base, const size_t *bytes, int64_t n, bool zero);
 
 void *mq_alloc_zero(size_t n, const char *what) {
     bool reused;
     void *p = alloc_any(n, what, &reused);
-    if (p && (reused || n + 63 < MQ_BIG_ALLOC)) {   /* fresh mappings are zero already */
-        zero_ctx c = {p, n};
-        mq_parallel_for((int64_t)((n + ZERO_PIECE - 1) / ZERO_PIECE), zero_task, &c);
-    }
+    /* fresh mappings are zero already; a kept one is cleared on the pool in 2 MB pieces, as the
+     * page faults of a fresh one would spread, not all on the allocating thread */
+    if (p && (reused || n + 63 < MQ_BIG_ALLOC)) pieces_for(&p, &n, 1, true);
     return p;
 }
 
@@ -296,6 +281,7 @@ enum { TOUCH_PIECE = 2 << 20, TOUCH_STRIDE = 4096 };   /* bytes a task; the smal
 typedef struct {
     void *const *base;
     const size_t *bytes;
+    bool zero;   /* clear every byte (mq_alloc_zero), not one a page */
 } touch_ctx;
 
 static int64_t touch_pieces(const touch_ctx *c, int64_t i) {   /* a NULL region has none */
@@ -309,15 +295,19 @@ static void touch_task(void *vctx, int64_t t, int thread) {
     while (t >= touch_pieces(c, i)) t -= touch_pieces(c, i++);   /* piece t's region: few, walked */
     volatile char *p = (char *)c->base[i];
     const size_t a = (size_t)t * TOUCH_PIECE, e = a + TOUCH_PIECE < c->bytes[i] ? a + TOUCH_PIECE : c->bytes[i];
-    for (size_t k = a; k < e; k += TOUCH_STRIDE) p[k] = 0;
+    if (c->zero) memset((char *)c->base[i] + a, 0, e - a);
+    else
+        for (size_t k = a; k < e; k += TOUCH_STRIDE) p[k] = 0;
 }
 
-void mq_touch_pages(void *const *base, const size_t *bytes, int64_t n) {
-    const touch_ctx c = {base, bytes};
+static void pieces_for(void *const *base, const size_t *bytes, int64_t n, bool zero) {
+    const touch_ctx c = {base, bytes, zero};
     int64_t pieces = 0;
     for (int64_t i = 0; i < n; i++) pieces += touch_pieces(&c, i);
     if (pieces) mq_parallel_for(pieces, touch_task, (void *)&c);
 }
+
+void mq_touch_pages(void *const *base, const size_t *bytes, int64_t n) { pieces_for(base, bytes, n, false); }
 
 char *mq_strdup(const char *s) { return s ? mq_strndup(s, strlen(s)) : NULL; }
 
