@@ -2,10 +2,10 @@
  * Checked allocation and arithmetic. Every allocation failure names what was being allocated.
  *
  * Blocks of MQ_BIG_ALLOC bytes or more (weights, Hessians, activations) are mapped straight from
- * the kernel and unmapped on free, so the memory of a finished layer goes back to the system at
- * once: glibc would serve such sizes from its heaps once its dynamic mmap threshold has risen,
- * and a heap keeps freed blocks resident, which would make the streaming pipeline's resident
- * memory drift above its plan. A small table records the mapped blocks so mq_free can tell them
+ * the kernel, and what is freed is either reused (below) or unmapped: glibc would serve such sizes
+ * from its heaps once its dynamic mmap threshold has risen, and a heap keeps freed blocks
+ * resident with no bound, which would make the streaming pipeline's resident memory drift above
+ * its plan. A small table records the mapped blocks so mq_free can tell them
  * from heap blocks.
  *
  * Recycling: a freed mapping is kept and handed out again for a request of the same size, since

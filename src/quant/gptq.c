@@ -141,15 +141,22 @@ typedef struct {
     int64_t n;
 } ragged_loop;
 
-static void ragged_task(void *vctx, int64_t task, int thread) {
-    const ragged_loop *r = vctx;
-    int64_t lo = 0, hi = r->n - 1;   /* the last matrix whose first task is at or before task */
+/* The matrix of task `task` among n whose tasks begin at first[] (ascending; a matrix without
+ * tasks has the same first as the next): the last one whose first task is at or before it. */
+static int64_t ragged_owner(const int64_t *first, int64_t n, int64_t task) {
+    int64_t lo = 0, hi = n - 1;
     while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
-        if (r->first[mid] <= task) lo = mid;
+        if (first[mid] <= task) lo = mid;
         else hi = mid - 1;
     }
-    r->fn(r->base + (size_t)lo * r->stride, task - r->first[lo], thread);
+    return lo;
+}
+
+static void ragged_task(void *vctx, int64_t task, int thread) {
+    const ragged_loop *r = vctx;
+    const int64_t i = ragged_owner(r->first, r->n, task);
+    r->fn(r->base + (size_t)i * r->stride, task - r->first[i], thread);
 }
 
 /* first[1 + i] holds matrix i's task count on entry (0: none); made the running sums here. */
@@ -1805,22 +1812,11 @@ static void target_factor(target_input *in, int64_t n, int64_t *first) {
         }
 }
 
-/* the input of task `task` among the step's blocks (first[] ascending) */
-static int64_t target_input_of(const target_step *c, int64_t task) {
-    int64_t lo = 0, hi = c->n - 1;
-    while (lo < hi) {
-        int64_t mid = (lo + hi + 1) / 2;
-        if (c->first[mid] <= task) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 /* Columns [64 b, 64 b + 64) of an input's R := (L L^T)^-1 R. */
 static void target_solve_task(void *vctx, int64_t task, int thread) {
     (void)thread;
     const target_step *c = vctx;
-    const int64_t i = target_input_of(c, task);
+    const int64_t i = ragged_owner(c->first, c->n, task);
     const target_input *t = &c->in[i];
     const int64_t K = t->j->K, c0 = (task - c->first[i]) * TARGET_COLS;
     const int64_t nc = K - c0 < TARGET_COLS ? K - c0 : TARGET_COLS;
@@ -1834,7 +1830,7 @@ static void target_solve_task(void *vctx, int64_t task, int thread) {
  * scratch (the block's old rows are read by every column tile). */
 static void target_product_task(void *vctx, int64_t task, int thread) {
     const target_step *c = vctx;
-    const int64_t i = target_input_of(c, task);
+    const int64_t i = ragged_owner(c->first, c->n, task);
     const target_input *t = &c->in[i];
     const mq_gptq_target_job *j = t->j;
     const int64_t K = j->K;
@@ -1885,10 +1881,10 @@ static moeq_status target_wave(target_input *in, int64_t n) {
     return st;
 }
 
-/* Job indices by K, largest first (stable): a wave is one task per thread in its factor step, and
- * a wave mixing an expert's gate/up input (K = 2048) with down inputs (1024) left the threads of
- * the small ones idle for 7/8 of the step (0.63 of 16 threads, simulated). Each job corrects its
- * own weights, so the order changes no value. */
+/* Job indices by K, largest first (stable): a wave then holds inputs alike, and its steps' loops
+ * (the factorisations' tiles, the solves, the products) hand out the largest inputs' tasks first,
+ * so the small ones fill the end. Each job corrects its own weights, so the order changes no
+ * value. */
 static int64_t *jobs_by_k(const mq_gptq_target_job *jobs, int64_t n) {
     int64_t *o = malloc(sizeof *o * (size_t)(n > 0 ? n : 1));
     if (!o) return NULL;
