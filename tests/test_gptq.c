@@ -4,6 +4,7 @@
  * blocking, column by column. Scalar quantization of one value goes through formats.h, whose own
  * tests cover it; what is tested here is the algorithm around it.
  */
+#include <float.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -923,6 +924,72 @@ static void test_qdq_column_matches_formats(void) {
     free(gp);
 }
 
+/* E2M1 at its edges: every decision threshold and grid point, the floats just beside each, zero
+ * of both signs, subnormals, the largest float, infinities and NaN, at steps 1 and 2^-3 (exact
+ * quotients) and 0: the SIMD twins' codes and values (the AVX-512 one rounds at each binade's
+ * spacing instead of counting thresholds) bit for bit the scalar kernel's; and the in-loop
+ * search's scores, whose values-only step skips the codes, on the finite ones. */
+static void test_e2m1_edges(void) {
+    if (!MQ_TEST_X86 || !mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+#if MQ_TEST_X86
+    static const float marks[] = {0.25f, 0.5f, 0.75f, 1.0f, 1.25f, 1.5f, 1.75f, 2.0f, 2.5f, 3.0f,
+                                  3.5f, 4.0f, 5.0f, 6.0f, 7.0f, 8.0f, 12.0f, 1e-3f, 1e-30f};
+    enum { NM = sizeof marks / sizeof marks[0], N = 4 * NM * 3 + 8 };
+    const mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    float y[N], x[N], step[N], zero[N] = {0}, dq[N], dq2[N];
+    uint8_t code[N], code2[N];
+    int n = 0;
+    for (int m = 0; m < NM; m++)
+        for (int d = -1; d <= 1; d++) {
+            const float v = d == 0 ? marks[m] : nextafterf(marks[m], d < 0 ? 0.0f : INFINITY);
+            y[n++] = v;
+            y[n++] = -v;
+        }
+    const float specials[] = {0.0f, -0.0f, 1e-40f, -1e-40f, FLT_MAX, -FLT_MAX, INFINITY, -INFINITY, NAN, -NAN};
+    for (size_t k = 0; k < sizeof specials / sizeof specials[0]; k++) y[n++] = specials[k];
+    const int finite = n - 4;   /* the infinities and NaNs last */
+    const float steps[3] = {1.0f, 0.125f, 0.0f};
+    for (int k = 0; k < 3; k++) {
+        for (int i = 0; i < n; i++) {
+            step[i] = steps[k];
+            x[i] = k == 2 ? y[i] : y[i] * steps[k];   /* x / step == y exactly */
+        }
+        mq_gptq_qdq_column(&s, step, zero, x, n, code, dq);
+        mq_gptq_qdq_column_avx2(&s, step, zero, x, n, code2, dq2);
+        for (int i = 0; i < n; i++)
+            if (code[i] != code2[i] || memcmp(&dq[i], &dq2[i], sizeof(float)) != 0)
+                FAIL("AVX2, step %g, y %a: code %d value %a, scalar %d %a", steps[k], y[i], code2[i], dq2[i], code[i], dq[i]);
+        if (!mq_cpu_has_avx512()) continue;
+        mq_gptq_qdq_column_avx512(&s, step, zero, x, n, code2, dq2);
+        for (int i = 0; i < n; i++)
+            if (code[i] != code2[i] || memcmp(&dq[i], &dq2[i], sizeof(float)) != 0)
+                FAIL("AVX-512, step %g, y %a: code %d value %a, scalar %d %a", steps[k], y[i], code2[i], dq2[i], code[i], dq[i]);
+    }
+    /* the search: a group of G = 1 column per row, U = 1, so each row's score is (x - q)^2 */
+    const float one = 1.0f;
+    float work[3 * N];
+    double sa[N], sb[N];
+    for (int i = 0; i < n; i++) {
+        step[i] = 0.125f;
+        x[i] = y[i] * 0.125f;
+    }
+    mq_gptq_loop_scores_ref(&s, &one, 1, x, N, finite, step, zero, work, code, sa);
+    for (int i = 0; i < finite; i++) {
+        mq_gptq_qdq_column(&s, &step[i], zero, &x[i], 1, &code[i], &dq[i]);
+        const double e = (double)(x[i] - dq[i]);
+        if (sa[i] != e * e) FAIL("scalar score of y %a: %.17g, expected %.17g", y[i], sa[i], e * e);
+    }
+    mq_gptq_loop_scores_avx2(&s, &one, 1, x, N, finite, step, zero, work, code, sb);
+    ASSERT_TRUE(memcmp(sa, sb, (size_t)finite * sizeof(double)) == 0);
+    if (mq_cpu_has_avx512()) {
+        memset(sb, 0, sizeof sb);
+        mq_gptq_loop_scores_avx512(&s, &one, 1, x, N, finite, step, zero, work, code, sb);
+        for (int i = 0; i < finite; i++)
+            if (sa[i] != sb[i]) FAIL("AVX-512 score of y %a: %.17g, scalar %.17g", y[i], sb[i], sa[i]);
+    }
+#endif
+}
+
 static void test_column_errors_twin(void) {
     if (!MQ_TEST_X86 || !mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
 #if MQ_TEST_X86
@@ -1584,7 +1651,7 @@ TEST_MAIN(T(test_reference_nvfp4), T(test_reference_int4), T(test_target_many), 
           T(test_reference_mse), T(test_reference_mse_weights), T(test_dead_columns), T(test_damping_retry),
           T(test_factor_matches_textbook), T(test_gidx_consistency), T(test_static_vs_dynamic),
           T(test_block_sizes), T(test_thread_count_independent), T(test_row_block_independent), T(test_scratch_reuse), T(test_many_jobs), T(test_factor_many_uneven),
-          T(test_qdq_column_matches_formats), T(test_column_errors_twin), T(test_loop_scores_twin),
+          T(test_qdq_column_matches_formats), T(test_e2m1_edges), T(test_column_errors_twin), T(test_loop_scores_twin),
           T(test_force_ref_same_codes), T(test_progress), T(test_bad_input), T(test_clip_search),
           T(test_damp_sweep), T(test_refine), T(test_global_scale_headroom), T(test_factor_odd_size),
           T(test_target), T(test_target_threads))

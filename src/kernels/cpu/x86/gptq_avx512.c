@@ -1,7 +1,8 @@
 /*
  * AVX-512F twins of GPTQ's per-column steps in src/quant/gptq.c, called only when
- * mq_cpu_has_avx512(): the operations of gptq_avx2.c on 16 lanes, so codes, dequantized values,
- * scaled errors and the in-loop scores are bit-identical to the scalar versions; the two
+ * mq_cpu_has_avx512(): the operations of gptq_avx2.c on 16 lanes (but E2M1, rounded at each
+ * binade's spacing, e2m1_value16), so codes, dequantized values, scaled errors and the in-loop
+ * scores are bit-identical to the scalar versions; the two
  * squared-error sums of the column step are accumulated in the AVX2 twin's order (8 lanes, block
  * after block), so they equal the AVX2 twin's to the bit as well. The masks of the compares are
  * k registers; every value computed under them is the one the AVX2 kernel's blends give.
@@ -17,7 +18,24 @@ INLINE __m512 andnot_ps(__m512 a, __m512 b) {   /* ~a & b (AVX-512F has no float
     return _mm512_castsi512_ps(_mm512_andnot_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
 }
 
-/* 16 lanes of mq_gptq_qdq_column. */
+/* E2M1's grid value of a = |y| as the decision thresholds of mq_gptq_qdq_column give it (ties
+ * to even): a rounded at its binade's spacing, 0.5 below 2, 1 in [2, 4) and 2 from 4 on (the
+ * scalings are powers of two, so exact), capped at 6; a <= 0.25 and NaN give 0. About a third of
+ * the instructions of seven compares and their masked sums. *ge2: a >= 2 (for the code). */
+INLINE __m512 e2m1_value16(__m512 a, __mmask16 *ge2) {
+    const __mmask16 g2 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.0f), _CMP_GE_OQ);
+    const __mmask16 g4 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(4.0f), _CMP_GE_OQ);
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+    const __m512 up = _mm512_mask_blend_ps(g4, _mm512_mask_blend_ps(g2, two, one), half);
+    const __m512 down = _mm512_mask_blend_ps(g4, _mm512_mask_blend_ps(g2, half, one), two);
+    __m512 v = _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                             down);
+    v = _mm512_min_ps(v, _mm512_set1_ps(6.0f));
+    *ge2 = g2;
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ), v);
+}
+
+/* 16 lanes of mq_gptq_qdq_column; code NULL: the values alone (the in-loop search). */
 INLINE void qdq16(const mq_qspec *s, const float *step, const float *zero, const float *x,
                   uint8_t *code, float *dq) {
     const __m512 st = _mm512_loadu_ps(step), zf = _mm512_setzero_ps();
@@ -33,40 +51,24 @@ INLINE void qdq16(const mq_qspec *s, const float *step, const float *zero, const
         q = _mm512_mask_blend_ps(zs, q, z);
         __m512 cf = asym ? q : _mm512_add_ps(q, eight);
         __m512i c = _mm512_cvttps_epi32(cf);
-        _mm_storeu_si128((__m128i *)code, _mm512_cvtepi32_epi8(c));   /* 0..15 */
+        if (code) _mm_storeu_si128((__m128i *)code, _mm512_cvtepi32_epi8(c));   /* 0..15 */
         __m512 back = _mm512_sub_ps(_mm512_cvtepi32_ps(c), asym ? z : eight);
         _mm512_storeu_ps(dq, _mm512_mul_ps(back, st));
         return;
     }
     const __m512 sign = _mm512_set1_ps(-0.0f);
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
     __m512 y = _mm512_div_ps(_mm512_loadu_ps(x), st);
-    __m512 a = andnot_ps(sign, y);
     __m512i sg = _mm512_and_si512(_mm512_castps_si512(sign), _mm512_castps_si512(y));
-    __mmask16 m1 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ);
-    __mmask16 m2 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ);
-    __mmask16 m3 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ);
-    __mmask16 m4 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ);
-    __mmask16 m5 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ);
-    __mmask16 m6 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ);
-    __mmask16 m7 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ);
-    /* the grid value as a sum of its steps (exact), summed as the AVX2 twin sums them */
-    __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_maskz_mov_ps(m1, half), _mm512_maskz_mov_ps(m2, half)),
-                             _mm512_add_ps(_mm512_maskz_mov_ps(m3, half), _mm512_maskz_mov_ps(m4, half)));
-    v = _mm512_add_ps(v, _mm512_add_ps(_mm512_add_ps(_mm512_maskz_mov_ps(m5, one), _mm512_maskz_mov_ps(m6, one)),
-                                       _mm512_maskz_mov_ps(m7, two)));
-    /* index = number of thresholds passed */
-    const __m512i i1 = _mm512_set1_epi32(1);
-    __m512i idx = _mm512_setzero_si512();
-    idx = _mm512_mask_add_epi32(idx, m1, idx, i1);
-    idx = _mm512_mask_add_epi32(idx, m2, idx, i1);
-    idx = _mm512_mask_add_epi32(idx, m3, idx, i1);
-    idx = _mm512_mask_add_epi32(idx, m4, idx, i1);
-    idx = _mm512_mask_add_epi32(idx, m5, idx, i1);
-    idx = _mm512_mask_add_epi32(idx, m6, idx, i1);
-    idx = _mm512_mask_add_epi32(idx, m7, idx, i1);
-    __m512i c = _mm512_maskz_mov_epi32((__mmask16)~zs, _mm512_or_si512(idx, _mm512_srli_epi32(sg, 28)));
-    _mm_storeu_si128((__m128i *)code, _mm512_cvtepi32_epi8(c));
+    __mmask16 ge2;
+    const __m512 v = e2m1_value16(andnot_ps(sign, y), &ge2);
+    if (code) {
+        /* the index from the value: 2v up to 2 (0..4), above it the value's exponent and first
+         * mantissa bit (3 -> 5, 4 -> 6, 6 -> 7) */
+        const __m512i low = _mm512_cvttps_epi32(_mm512_add_ps(v, v));
+        const __m512i high = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(v), 22), _mm512_set1_epi32(252));
+        __m512i c = _mm512_or_si512(_mm512_mask_blend_epi32(ge2, low, high), _mm512_srli_epi32(sg, 28));
+        _mm_storeu_si128((__m128i *)code, _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32((__mmask16)~zs, c)));
+    }
     __m512 d = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sg)), st);
     _mm512_storeu_ps(dq, _mm512_maskz_mov_ps((__mmask16)~zs, d));
 }
@@ -122,11 +124,12 @@ double mq_gptq_column_errors_avx512(const float *x, const float *q, float upp, f
     return r;
 }
 
-/* gptq_avx2.c's loop_column_step for 16 * nv rows from i0. */
+/* gptq_avx2.c's loop_column_step for 16 * nv rows from i0, without the codes (the search
+ * needs the values alone). */
 INLINE void loop_column_step(const mq_qspec *s, float ubb, int nv, int64_t i0, const float *step,
-                             const float *zero, const float *w, float *q, float *eb,
-                             uint8_t *code, double *score) {
-    mq_gptq_qdq_column_avx512(s, step + i0, zero + i0, w + i0, 16 * nv, code + i0, q + i0);
+                             const float *zero, const float *w, float *q, float *eb, double *score) {
+    for (int64_t i = i0; i < i0 + 16 * nv; i += 16)
+        qdq16(s, step + i, s->asym ? zero + i : zero, w + i, NULL, q + i);
     const __m512 u = _mm512_set1_ps(ubb);
     for (int64_t i = i0; i < i0 + 16 * nv; i += 16) {
         __m512 ev = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(q + i)), u);
@@ -142,7 +145,7 @@ INLINE void loop_column_step(const mq_qspec *s, float ubb, int nv, int64_t i0, c
  * earlier columns are subtracted in order. */
 static void loop_scores_rows(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
                              int64_t ld, int64_t i0, int nv, const float *step, const float *zero,
-                             float *e, float *w, float *q, uint8_t *code, double *score) {
+                             float *e, float *w, float *q, double *score) {
     for (int64_t i = i0; i < i0 + 16 * nv; i++) score[i] = 0;
     for (int64_t b = 0; b < G; b++) {
         const float *ub = ucol + b * G, *ea = e + i0, *xb = x + b * ld + i0;
@@ -166,7 +169,7 @@ static void loop_scores_rows(const mq_qspec *s, const float *ucol, int64_t G, co
                 a0 = _mm512_sub_ps(a0, _mm512_mul_ps(_mm512_set1_ps(ub[a]), _mm512_loadu_ps(ea)));
             _mm512_storeu_ps(w + i0, a0);
         }
-        loop_column_step(s, ub[b], nv, i0, step, zero, w, q, e + b * ld, code, score);
+        loop_column_step(s, ub[b], nv, i0, step, zero, w, q, e + b * ld, score);
     }
 }
 
@@ -175,8 +178,8 @@ void mq_gptq_loop_scores_avx512(const mq_qspec *s, const float *ucol, int64_t G,
                                 float *work, uint8_t *code, double *score) {
     float *e = work, *w = work + G * ld, *q = w + ld;
     int64_t i = 0;
-    for (; i + 64 <= n; i += 64) loop_scores_rows(s, ucol, G, x, ld, i, 4, step, zero, e, w, q, code, score);
-    for (; i + 16 <= n; i += 16) loop_scores_rows(s, ucol, G, x, ld, i, 1, step, zero, e, w, q, code, score);
+    for (; i + 64 <= n; i += 64) loop_scores_rows(s, ucol, G, x, ld, i, 4, step, zero, e, w, q, score);
+    for (; i + 16 <= n; i += 16) loop_scores_rows(s, ucol, G, x, ld, i, 1, step, zero, e, w, q, score);
     /* rows are independent: the rest (under 16) as the AVX2 twin computes them */
     if (i < n)
         mq_gptq_loop_scores_avx2(s, ucol, G, x + i, ld, n - i, step + i, zero + i, work + i,
