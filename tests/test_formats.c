@@ -517,6 +517,49 @@ static void test_mse_search_matches_slow_search(void) {
     moeq_set_force_ref(0);
 }
 
+/* Candidates of many rows at once (GPTQ's in-loop search: rows innermost) are each row's own,
+ * bit for bit, for every trial spec, on 93 rows (a block of 64, then 29), with all-zero rows,
+ * one-signed rows and NaN in a row; and without MSE nothing to search, the plain params. */
+static void test_candidates_rows(void) {
+    enum { R = 93, LD = 97, N = 128 };
+    static float x[N * LD], col[N];
+    static mq_gparams cand[R * 72], one[72];
+    mq_gparams plain[R];
+    int nc[R];
+    for (int t = 0; t < 200; t++) {
+        trial_values(t, x, N * LD);
+        for (int i = 0; i < R; i += 17)   /* all-zero rows */
+            for (int k = 0; k < N; k++) x[k * LD + i + t % 3] = 0.0f;
+        if (t % 4 == 1) x[5 * LD + 70] = NAN;
+        float amax_tensor = mq_absmax(x, N * LD);
+        if (!(amax_tensor > 0)) amax_tensor = 1.0f;
+        float gs;
+        mq_qspec s = trial_spec(t, amax_tensor * rnd_uniform(1, 4), &gs);
+        if (t % 13 == 0) s.mse = false;
+        const int n = (int)mq_qspec_group(&s, N), room = s.mse_steps > 1 ? s.mse_steps : 1;
+        const int most = mq_group_candidates_rows(&s, gs, x, n, LD, R, plain, cand, room, nc);
+        int want_most = 0;
+        for (int i = 0; i < R; i++) {
+            for (int k = 0; k < n; k++) col[k] = x[k * LD + i];
+            mq_gparams p;
+            const int m = mq_group_candidates(&s, gs, col, n, 1, &p, one);
+            if (m != nc[i] || bits_of(p.scale) != bits_of(plain[i].scale) || p.zero != plain[i].zero ||
+                p.scale_code != plain[i].scale_code)
+                FAIL("trial %d (%s) row %d: %d candidates, plain %.9g, want %d, %.9g", t,
+                     mq_qscheme_name(s.scheme), i, nc[i], plain[i].scale, m, p.scale);
+            for (int k = 0; k < m; k++) {
+                const mq_gparams *c = &cand[i * room + k];
+                if (bits_of(c->scale) != bits_of(one[k].scale) || c->zero != one[k].zero ||
+                    c->scale_code != one[k].scale_code)
+                    FAIL("trial %d row %d candidate %d: %.9g, want %.9g", t, i, k, c->scale, one[k].scale);
+            }
+            want_most = m > want_most ? m : want_most;
+            if (!s.mse) ASSERT_EQ_INT(0, m);
+        }
+        ASSERT_EQ_INT(want_most, most);
+    }
+}
+
 /* Hessian weights change the choice: a group whose big value has weight 0 scores only the
  * small ones, so the search shrinks the scale to the bottom of the grid. */
 static void test_mse_weighted_by_hand(void) {
@@ -844,7 +887,7 @@ static void test_q8_0_activation_rounding(void) {
 TEST_MAIN(T(test_e2m1_bit_vectors), T(test_e4m3_bit_vectors), T(test_e8m0_and_storage_rounding),
           T(test_nvfp4_ct_group_by_hand), T(test_nvfp4_mul_reference_convention),
           T(test_int4_sym_by_hand), T(test_int4_signed_by_hand), T(test_int4_asym_by_hand),
-          T(test_mse_search_picks_grid_minimum), T(test_mse_search_matches_slow_search),
+          T(test_mse_search_picks_grid_minimum), T(test_mse_search_matches_slow_search), T(test_candidates_rows),
           T(test_mse_weighted_by_hand), T(test_mse_sse_twin), T(test_rtn_tensor_and_dequant),
           T(test_pooled_absmax_and_finite), T(test_nan_inf_is_an_error_naming_the_position), T(test_spec_checks),
           T(test_packing_round_trips), T(test_activation_fake_quant),

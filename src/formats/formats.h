@@ -114,6 +114,13 @@ void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, in
  * candidates its own way (GPTQ's in-loop search). */
 int mq_group_candidates(const mq_qspec *s, float global_scale, const float *x, int64_t n,
                         int64_t stride, mq_gparams *plain, mq_gparams *cand);
+/* mq_group_candidates for rows groups at once, each of n values: row i's value t at
+ * x[t * ld + i]; row i's candidates at cand + i * room, their number in nc[i], its plain params
+ * in plain[i]. Returns the largest number. The same candidates as one call a row, at a fraction
+ * of the cost (the ranges vectorized over rows, the grid's constants once). */
+int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                             int64_t ld, int64_t rows, mq_gparams *plain, mq_gparams *cand,
+                             int64_t room, int *nc);
 /* The MSE search's score of nc candidate quantizers of one group (step[c] as mq_group_step,
  * zero[c] the INT4 zero point): sse[c] = sum over i = 0..n-1, in that order, in double, of
  * h[i] * d*d (h NULL: d*d) with d = (double)x[i*stride] - dequant(quant(x[i*stride])). step,
@@ -131,7 +138,11 @@ void mq_mse_sse_avx2(const mq_qspec *s, const float *step, const float *zero, in
 void mq_int4_asym_params(const mq_qspec *s, float lo, float hi, mq_gparams *out);
 /* The quantization step of a group: the value of one unit of the code grid (NVFP4: s/gs or s*g;
  * INT4 and MXFP4: scale). 0 for an all-zero group. */
-float mq_group_step(const mq_qspec *s, float global_scale, const mq_gparams *g);
+static inline float mq_group_step(const mq_qspec *s, float global_scale, const mq_gparams *g) {
+    if (s->scheme == MQ_QS_NVFP4)
+        return s->nvfp4_conv == MQ_NVFP4_MUL ? g->scale * global_scale : g->scale / global_scale;
+    return g->scale;
+}
 /* Code of one value (NVFP4/MXFP4: 4-bit E2M1 code; INT4: unsigned 0..15, i.e. q+8 when symmetric,
  * q in 0..15 with the zero point when asymmetric) and its dequantized value. */
 uint8_t mq_quant_value(const mq_qspec *s, float global_scale, const mq_gparams *g, float x);

@@ -170,12 +170,6 @@ float mq_absmax_pool(const float *x, int64_t n) {
 
 /* ---- per-value ops ------------------------------------------------------------------------ */
 
-float mq_group_step(const mq_qspec *s, float global_scale, const mq_gparams *g) {
-    if (s->scheme == MQ_QS_NVFP4)
-        return s->nvfp4_conv == MQ_NVFP4_MUL ? g->scale * global_scale : g->scale / global_scale;
-    return g->scale;
-}
-
 /* Code and dequantized value of x for a group whose step is `step`. */
 static inline uint8_t quant_step(const mq_qspec *s, float step, float zero, float x) {
     if (s->scheme == MQ_QS_INT4) {
@@ -393,8 +387,26 @@ typedef struct {
     mq_gparams prev;
 } cand_iter;
 
-static inline void cand_init(cand_iter *it, const mq_qspec *s, float gs, float amax, float xmin,
-                             float xmax) {
+/* What the grid gives every group of a spec: its first and last multipliers and whether it is
+ * dense for NVFP4 (consecutive points less than 6.25% apart; the default grid: 3.6%). Then no
+ * E4M3 code lies strictly between the codes of two neighbours (each code rounds an interval
+ * wider than 6.8% of its value; clamping only narrows the gaps), so a group's candidates are
+ * every code from the first point's to the last point's: two encodes instead of one per point. */
+typedef struct {
+    float m_first, m_last;
+    bool dense;
+} grid_info;
+
+static grid_info grid_info_of(const mq_qspec *s) {
+    const int32_t steps = s->mse_steps;
+    grid_info g = {grid_m(s, 0), grid_m(s, steps - 1), false};
+    g.dense = s->scheme == MQ_QS_NVFP4 && steps > 1 && s->mse_lo > 0 && s->mse_hi >= s->mse_lo &&
+              (s->mse_hi - s->mse_lo) / (float)(steps - 1) < 0.0625f * s->mse_lo;
+    return g;
+}
+
+static inline void cand_init(cand_iter *it, const mq_qspec *s, const grid_info *grid, float gs,
+                             float amax, float xmin, float xmax) {
     it->s = s;
     it->gs = gs;
     it->amax = amax;
@@ -405,17 +417,10 @@ static inline void cand_init(cand_iter *it, const mq_qspec *s, float gs, float a
     if (s->scheme != MQ_QS_NVFP4) return;
     float t0 = amax / E2M1_MAX;
     it->t0 = t0 = s->nvfp4_conv == MQ_NVFP4_MUL ? t0 / gs : gs * t0;
-    /* The codes of t0 m_i rise with i. When consecutive grid points are less than 6.25% apart
-     * (the default grid: 3.6%), no E4M3 code lies strictly between the codes of two neighbours
-     * (each code rounds an interval wider than 6.8% of its value; clamping only narrows the
-     * gaps), so the candidates are every code from the first point's to the last point's: two
-     * encodes instead of one per grid point. */
-    const int32_t steps = s->mse_steps;
-    it->dense = steps > 1 && isfinite(t0) && s->mse_lo > 0 && s->mse_hi >= s->mse_lo &&
-                (s->mse_hi - s->mse_lo) / (float)(steps - 1) < 0.0625f * s->mse_lo;
+    it->dense = grid->dense && isfinite(t0);
     if (it->dense) {
-        it->code = nvfp4_code(s, t0, grid_m(s, 0));
-        it->last = nvfp4_code(s, t0, grid_m(s, steps - 1));
+        it->code = nvfp4_code(s, t0, grid->m_first);
+        it->last = nvfp4_code(s, t0, grid->m_last);
     }
 }
 
@@ -444,21 +449,28 @@ static inline bool cand_next(cand_iter *it, mq_gparams *c) {
     return false;
 }
 
-/* The group's range statistics and its plain (m = 1) params; false if there is nothing to
- * search (no MSE, or an all-zero group). */
+/* A group's plain (m = 1) params from its range [xmin, xmax] (xmin <= 0 <= xmax); false if
+ * there is nothing to search (no MSE, or an all-zero group), else the candidates' iterator. */
+static bool group_start_range(const mq_qspec *s, const grid_info *grid, float global_scale,
+                              float xmin, float xmax, mq_gparams *out, cand_iter *it) {
+    const float amax = -xmin > xmax ? -xmin : xmax;
+    params_scaled(s, global_scale, amax, xmin, xmax, 1.0f, out);
+    if (!s->mse || !(amax > 0)) return false;
+    cand_init(it, s, grid, global_scale, amax, xmin, xmax);
+    return true;
+}
+
+/* The group's range statistics and its plain params (group_start_range). */
 static bool group_start(const mq_qspec *s, float global_scale, const float *x, int64_t n,
                         int64_t stride, mq_gparams *out, cand_iter *it) {
-    float amax = 0.0f, xmin = 0.0f, xmax = 0.0f;
+    float xmin = 0.0f, xmax = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         float v = x[i * stride];
         xmin = v < xmin ? v : xmin;
         xmax = v > xmax ? v : xmax;
     }
-    amax = -xmin > xmax ? -xmin : xmax;
-    params_scaled(s, global_scale, amax, xmin, xmax, 1.0f, out);
-    if (!s->mse || !(amax > 0)) return false;
-    cand_init(it, s, global_scale, amax, xmin, xmax);
-    return true;
+    const grid_info grid = grid_info_of(s);
+    return group_start_range(s, &grid, global_scale, xmin, xmax, out, it);
 }
 
 void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, int64_t n,
@@ -493,6 +505,38 @@ int mq_group_candidates(const mq_qspec *s, float global_scale, const float *x, i
     int k = 0;
     while (cand_next(&it, &cand[k])) k++;
     return k;
+}
+
+int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float *x, int64_t n,
+                             int64_t ld, int64_t rows, mq_gparams *plain, mq_gparams *cand,
+                             int64_t room, int *nc) {
+    const grid_info grid = grid_info_of(s);
+    int most = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += 64) {
+        const int64_t m = rows - r0 < 64 ? rows - r0 : 64;
+        float lo[64], hi[64];
+        for (int64_t i = 0; i < m; i++) lo[i] = hi[i] = 0.0f;
+        /* each row's range as group_start takes it, value by value in the same order; rows
+         * innermost, so that it vectorizes */
+        for (int64_t t = 0; t < n; t++) {
+            const float *xt = x + t * ld + r0;
+            for (int64_t i = 0; i < m; i++) {
+                const float v = xt[i];
+                lo[i] = v < lo[i] ? v : lo[i];
+                hi[i] = v > hi[i] ? v : hi[i];
+            }
+        }
+        for (int64_t i = 0; i < m; i++) {
+            cand_iter it;
+            mq_gparams *c = cand + (r0 + i) * room;
+            int k = 0;
+            if (group_start_range(s, &grid, global_scale, lo[i], hi[i], &plain[r0 + i], &it))
+                while (cand_next(&it, &c[k])) k++;
+            nc[r0 + i] = k;
+            most = k > most ? k : most;
+        }
+    }
+    return most;
 }
 
 void mq_group_params(const mq_qspec *s, float global_scale, const float *x, int64_t n,

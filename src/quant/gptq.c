@@ -682,7 +682,8 @@ typedef struct {
     uint8_t *lcode;     /* [rows] */
     mq_gparams *cand;   /* [rows][mse_steps] candidates of each row */
     int *nc;            /* [rows] number of candidates of each row */
-    float *kstep, *kzero; /* [rows] the candidate being scored, per row */
+    float *kstep, *kzero; /* [mse_steps][rows] the candidates' steps and zeros, by candidate */
+    int *bestk;           /* [rows] each row's best candidate so far, -1: none */
     double *score, *best; /* [rows] */
     float *gt;            /* [K][rows] refinement: the gradient (W0' - Q) H', transposed */
     float *hsub, *hcols;  /* [G][G], [K][G] scale refinement: H' of a group, its columns */
@@ -784,31 +785,36 @@ static void set_params_loop(const loop_state *L, int64_t g, const float *x) {
     scratch *sc = L->sc;
     const int64_t G = L->G, nr = L->nr;
     mq_gparams *gp = &sc->gp[g * nr];
-    int nmax = 0;
+    const int64_t nk = L->ncand;
+    const int nmax = mq_group_candidates_rows(L->s, L->gs, x, G, nr, nr, gp, sc->cand, nk, sc->nc);
+    /* the candidates' steps by candidate, so that the scores of candidate k read one vector;
+     * rows with fewer candidates repeat their last one (none: the plain params) */
     for (int64_t i = 0; i < nr; i++) {
-        sc->nc[i] = mq_group_candidates(L->s, L->gs, x + i, G, nr, &gp[i], sc->cand + i * L->ncand);
-        if (sc->nc[i] > nmax) nmax = sc->nc[i];
+        const int n = sc->nc[i];
+        const mq_gparams *c = n > 0 ? sc->cand + i * nk : &gp[i];
+        for (int k = 0; k < nmax || k == 0; k++) {
+            const mq_gparams *ck = &c[k < n ? k : n > 0 ? n - 1 : 0];
+            sc->kstep[k * nr + i] = mq_group_step(L->s, L->gs, ck);
+            sc->kzero[k * nr + i] = ck->zero;
+        }
         sc->best[i] = INFINITY;
+        sc->bestk[i] = -1;
     }
     for (int64_t a = 0; a < G; a++)
         memcpy(sc->wl + a * nr, x + sc->ord[a] * nr, (size_t)nr * sizeof(float));
     for (int k = 0; k < nmax; k++) {
-        for (int64_t i = 0; i < nr; i++) {
-            const mq_gparams *c = sc->nc[i] == 0 ? &gp[i]
-                                  : &sc->cand[i * L->ncand + (k < sc->nc[i] ? k : sc->nc[i] - 1)];
-            sc->kstep[i] = mq_group_step(L->s, L->gs, c);
-            sc->kzero[i] = c->zero;
+        L->loop_scores(L->s, sc->ucol, G, sc->wl, nr, nr, sc->kstep + k * nr, sc->kzero + k * nr,
+                       sc->lwork, sc->lcode, sc->score);
+        for (int64_t i = 0; i < nr; i++) {   /* branch-free: vectorizes */
+            const bool win = k < sc->nc[i] && sc->score[i] < sc->best[i];
+            sc->best[i] = win ? sc->score[i] : sc->best[i];
+            sc->bestk[i] = win ? k : sc->bestk[i];
         }
-        L->loop_scores(L->s, sc->ucol, G, sc->wl, nr, nr, sc->kstep, sc->kzero, sc->lwork, sc->lcode,
-                       sc->score);
-        for (int64_t i = 0; i < nr; i++)
-            if (k < sc->nc[i] && sc->score[i] < sc->best[i]) {
-                sc->best[i] = sc->score[i];
-                gp[i] = sc->cand[i * L->ncand + k];
-            }
     }
     for (int64_t i = 0; i < nr; i++) {
-        sc->step[g * nr + i] = mq_group_step(L->s, L->gs, &gp[i]);
+        const int k = sc->bestk[i];
+        if (k >= 0) gp[i] = sc->cand[i * nk + k];   /* else the plain params stay */
+        sc->step[g * nr + i] = k >= 0 ? sc->kstep[k * nr + i] : mq_group_step(L->s, L->gs, &gp[i]);
         sc->zero[g * nr + i] = gp[i].zero;
     }
 }
@@ -1323,6 +1329,7 @@ static void scratch_free(scratch *s, int n) {
         mq_free(s[i].nc);
         mq_free(s[i].kstep);
         mq_free(s[i].kzero);
+        mq_free(s[i].bestk);
         mq_free(s[i].score);
         mq_free(s[i].best);
         mq_free(s[i].gt);
@@ -1376,8 +1383,9 @@ static scratch *scratch_new(int n, int64_t rows, int64_t K, int64_t B, int64_t G
             s[i].lcode = mq_alloc(rb, "GPTQ group codes");
             s[i].cand = mq_alloc_array((size_t)ncand * rb, sizeof(mq_gparams), "GPTQ scale candidates");
             s[i].nc = mq_alloc_array(rb, sizeof(int), "GPTQ candidate counts");
-            s[i].kstep = mq_alloc_array(rb, sizeof(float), "GPTQ candidate steps");
-            s[i].kzero = mq_alloc_array(rb, sizeof(float), "GPTQ candidate zeros");
+            s[i].kstep = mq_alloc_array((size_t)ncand * rb, sizeof(float), "GPTQ candidate steps");
+            s[i].kzero = mq_alloc_array((size_t)ncand * rb, sizeof(float), "GPTQ candidate zeros");
+            s[i].bestk = mq_alloc_array(rb, sizeof(int), "GPTQ best candidates");
             s[i].score = mq_alloc_array(rb, sizeof(double), "GPTQ candidate scores");
             s[i].best = mq_alloc_array(rb, sizeof(double), "GPTQ best scores");
             s[i].xlo = mq_alloc_array(rb, sizeof(float), "GPTQ clip search");
@@ -1386,7 +1394,7 @@ static scratch *scratch_new(int n, int64_t rows, int64_t K, int64_t B, int64_t G
             s[i].bhi = mq_alloc_array(rb, sizeof(float), "GPTQ clip search");
         }
         bool loop_ok = !loop || (s[i].ucol && s[i].ord && s[i].wl && s[i].lwork && s[i].lcode &&
-                                 s[i].cand && s[i].nc && s[i].kstep && s[i].kzero && s[i].score &&
+                                 s[i].cand && s[i].nc && s[i].kstep && s[i].kzero && s[i].bestk && s[i].score &&
                                  s[i].best && s[i].xlo && s[i].xhi && s[i].blo && s[i].bhi);
         if (!s[i].wt || !s[i].et || !s[i].tmp || !s[i].dq || !s[i].ct || !s[i].gp ||
             !s[i].step || !s[i].zero || !s[i].ready || !s[i].w0t || (rtn && !s[i].d) ||
