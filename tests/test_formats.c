@@ -138,7 +138,24 @@ static void test_e4m3_bit_vectors(void) {
         float mid = (float)((ref_e4m3_value(b) + ref_e4m3_value(b + 1)) / 2);
         if (mq_e4m3_encode(mid) != ref_e4m3(mid))
             FAIL("e4m3 midpoint %.9g: 0x%x vs ref 0x%x", mid, mq_e4m3_encode(mid), ref_e4m3(mid));
+        /* the floats beside each midpoint and each code, of both signs (the branch-free encoder
+         * selects between its subnormal, normal and saturating results) */
+        const float near[4] = {nextafterf(mid, 0.0f), nextafterf(mid, INFINITY),
+                               nextafterf((float)ref_e4m3_value(b), 0.0f),
+                               nextafterf((float)ref_e4m3_value(b), INFINITY)};
+        for (int k = 0; k < 8; k++) {
+            const float x = k < 4 ? near[k] : -near[k - 4];
+            if (mq_e4m3_encode(x) != ref_e4m3(x))
+                FAIL("e4m3(%a): 0x%x vs ref 0x%x", x, mq_e4m3_encode(x), ref_e4m3(x));
+        }
     }
+    /* every binade from far below the subnormals to far above 448, 64 mantissas each */
+    for (int e = -40; e <= 40; e++)
+        for (int m = 0; m < 64; m++) {
+            const float x = ldexpf(1.0f + (float)m / 64.0f + 0x1p-20f * (float)(m % 3), e);
+            if (mq_e4m3_encode(x) != ref_e4m3(x) || mq_e4m3_encode(-x) != ref_e4m3(-x))
+                FAIL("e4m3(%a): 0x%x vs ref 0x%x", x, mq_e4m3_encode(x), ref_e4m3(x));
+        }
 }
 
 static void test_e8m0_and_storage_rounding(void) {
@@ -524,6 +541,7 @@ static void test_candidates_rows(void) {
     enum { R = 93, LD = 97, N = 128 };
     static float x[N * LD], col[N];
     static mq_gparams cand[R * 72], one[72];
+    static float step[72 * R], zero[72 * R];
     mq_gparams plain[R];
     int nc[R];
     for (int t = 0; t < 200; t++) {
@@ -537,7 +555,8 @@ static void test_candidates_rows(void) {
         mq_qspec s = trial_spec(t, amax_tensor * rnd_uniform(1, 4), &gs);
         if (t % 13 == 0) s.mse = false;
         const int n = (int)mq_qspec_group(&s, N), room = s.mse_steps > 1 ? s.mse_steps : 1;
-        const int most = mq_group_candidates_rows(&s, gs, x, n, LD, R, plain, cand, room, nc);
+        const int most = mq_group_candidates_rows(&s, gs, x, n, LD, R, plain, cand, room, nc,
+                                                  t % 2 ? step : NULL, t % 2 ? zero : NULL);
         int want_most = 0;
         for (int i = 0; i < R; i++) {
             for (int k = 0; k < n; k++) col[k] = x[k * LD + i];
@@ -552,7 +571,13 @@ static void test_candidates_rows(void) {
                 if (bits_of(c->scale) != bits_of(one[k].scale) || c->zero != one[k].zero ||
                     c->scale_code != one[k].scale_code)
                     FAIL("trial %d row %d candidate %d: %.9g, want %.9g", t, i, k, c->scale, one[k].scale);
+                if (t % 2 && (bits_of(step[k * R + i]) != bits_of(mq_group_step(&s, gs, &one[k])) ||
+                              zero[k * R + i] != one[k].zero))
+                    FAIL("trial %d row %d candidate %d: step %.9g, want %.9g", t, i, k, step[k * R + i],
+                         mq_group_step(&s, gs, &one[k]));
             }
+            if (t % 2 && m == 0 && bits_of(step[i]) != bits_of(mq_group_step(&s, gs, &p)))
+                FAIL("trial %d row %d: plain step %.9g, want %.9g", t, i, step[i], mq_group_step(&s, gs, &p));
             want_most = m > want_most ? m : want_most;
             if (!s.mse) ASSERT_EQ_INT(0, m);
         }

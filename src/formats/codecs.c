@@ -45,29 +45,6 @@ float mq_e2m1_decode(uint8_t code) {
     return (code & 8) ? -v : v;
 }
 
-uint8_t mq_e4m3_encode(float x) {
-    if (isnan(x)) return 0x7F;
-    uint32_t bits = f32_bits(x);
-    uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
-    uint32_t a = bits & 0x7fffffffu;
-    if (a >= f32_bits(448.0f)) return sign | 0x7E;   /* saturate (the c10 cast would give NaN) */
-    uint8_t r;
-    if (a < (121u << 23)) {
-        /* Below 2^-6 the result is a subnormal k * 2^-9. Adding 2^14 leaves exactly the bits
-         * of k in the low mantissa, rounded to nearest even by the FPU. */
-        const uint32_t magic = 141u << 23;   /* 2^14 */
-        uint32_t sum = f32_bits(f32_from_bits(a) + f32_from_bits(magic));
-        r = (uint8_t)(sum - magic);
-    } else {
-        /* Rebias the exponent (127 -> 7) and round the 23-bit mantissa to 3 bits, ties to even:
-         * add 0x7FFFF plus the lowest kept bit, then drop 20 bits. */
-        uint32_t odd = (a >> 20) & 1u;
-        a += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
-        r = (uint8_t)(a >> 20);
-    }
-    return sign | r;
-}
-
 /* Built from its bits, without libm (FP8 sources decode every weight through it): a normal code
  * is (1 + m/8) 2^(e-7), a subnormal m 2^-9, both exact in fp32. */
 float mq_e4m3_decode(uint8_t bits) {

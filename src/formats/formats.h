@@ -23,6 +23,8 @@
 #ifndef MOEQ_FORMATS_H
 #define MOEQ_FORMATS_H
 
+#include <string.h>
+
 #include "core/core.h"
 
 /* ---- scalar codecs (bit-exact, IEEE, no fast-math) ------------------------------------------ */
@@ -32,8 +34,28 @@
 uint8_t mq_e2m1_encode(float x);
 float mq_e2m1_decode(uint8_t code);
 /* E4M3 (float8_e4m3fn): round to nearest even, saturating at +-448 (also for +-Inf), subnormals
- * down to 2^-9, NaN -> 0x7F. */
-uint8_t mq_e4m3_encode(float x);
+ * down to 2^-9, NaN -> 0x7F. The bit algorithm of c10's fp8e4m3fn_from_fp32_value with a
+ * saturating clamp in front, every case computed and the answer selected (no branches: the
+ * scale searches encode several scales per group of every row). */
+static inline uint8_t mq_e4m3_encode(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint32_t sign = (bits >> 24) & 0x80u, a = bits & 0x7fffffffu;
+    /* below 2^-6 a subnormal k 2^-9: adding 2^14 leaves exactly the bits of k in the low
+     * mantissa, rounded to nearest even by the FPU */
+    float fa, sum;
+    memcpy(&fa, &a, sizeof fa);
+    sum = fa + 0x1p14f;
+    uint32_t sub;
+    memcpy(&sub, &sum, sizeof sub);
+    sub -= 141u << 23;
+    /* normal: rebias the exponent (127 -> 7) and round the 23-bit mantissa to 3 bits, ties to
+     * even (add 0x7FFFF plus the lowest kept bit, then drop 20 bits) */
+    const uint32_t norm = (a + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+    uint32_t r = a < (121u << 23) ? sub : norm;
+    r = a >= 0x43E00000u ? 0x7Eu : r;   /* 448 and beyond, infinities too */
+    return (uint8_t)(a > 0x7F800000u ? 0x7Fu : (sign | r));   /* NaN of either sign: 0x7F */
+}
 float mq_e4m3_decode(uint8_t bits);
 /* E8M0 (power of two 2^(e-127), 0xFF = NaN), used by MXFP4 scales. encode_ceil gives the smallest
  * power of two >= x (clamped to [2^-127, 2^127]; x <= 0 -> 2^-127). */
@@ -117,10 +139,14 @@ int mq_group_candidates(const mq_qspec *s, float global_scale, const float *x, i
 /* mq_group_candidates for rows groups at once, each of n values: row i's value t at
  * x[t * ld + i]; row i's candidates at cand + i * room, their number in nc[i], its plain params
  * in plain[i]. Returns the largest number. The same candidates as one call a row, at a fraction
- * of the cost (the ranges vectorized over rows, the grid's constants once). */
+ * of the cost (the grid's constants and NVFP4's code values and steps once a call, a dense
+ * grid's codes without a branch). step, zero (both or neither, [room][rows]): candidate k's
+ * mq_group_step and zero point of row i at [k * rows + i], for k < nc[i], and for a row
+ * without candidates its plain params' at k = 0 (a row-vectorized scorer reads them by
+ * candidate). */
 int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float *x, int64_t n,
                              int64_t ld, int64_t rows, mq_gparams *plain, mq_gparams *cand,
-                             int64_t room, int *nc);
+                             int64_t room, int *nc, float *step, float *zero);
 /* The MSE search's score of nc candidate quantizers of one group (step[c] as mq_group_step,
  * zero[c] the INT4 zero point): sse[c] = sum over i = 0..n-1, in that order, in double, of
  * h[i] * d*d (h NULL: d*d) with d = (double)x[i*stride] - dequant(quant(x[i*stride])). step,

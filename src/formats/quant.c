@@ -507,17 +507,41 @@ int mq_group_candidates(const mq_qspec *s, float global_scale, const float *x, i
     return k;
 }
 
+/* NVFP4's scale code of the block scale t (t0 times a multiplier): clamped to
+ * [scale_min, 448], a 0 code raised to the smallest subnormal (callers have amax > 0); as
+ * params_scaled and nvfp4_code compute it, without branches. */
+static inline uint32_t nvfp4_code_of(const mq_qspec *s, float t) {
+    t = t < s->nvfp4_scale_min ? s->nvfp4_scale_min : t;
+    t = t > E4M3_MAX ? E4M3_MAX : t;
+    const uint32_t code = mq_e4m3_encode(t);
+    return code == 0 ? 0x01u : code;
+}
+
 int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float *x, int64_t n,
                              int64_t ld, int64_t rows, mq_gparams *plain, mq_gparams *cand,
-                             int64_t room, int *nc) {
+                             int64_t room, int *nc, float *step, float *zero) {
+    enum { BLOCK = 64 };
     const grid_info grid = grid_info_of(s);
+    /* every non-negative E4M3 code's value and step, once a call (a division a candidate else) */
+    float code_value[128], code_step[128];
+    if (s->scheme == MQ_QS_NVFP4)
+        for (int c = 0; c < 128; c++) {
+            const mq_gparams g = {e4m3_value((uint8_t)c), 0.0f, (uint8_t)c};
+            code_value[c] = g.scale;
+            code_step[c] = mq_group_step(s, global_scale, &g);
+        }
+    /* NVFP4 on a dense grid (the default): a row's candidates are the codes from its first
+     * point's to its last point's, and its plain params the code of t0 itself: three encodes a
+     * row, computed for a block of rows in straight-line loops of fixed length */
+    const bool codes_only = s->mse && grid.dense;
+    const bool mul = s->nvfp4_conv == MQ_NVFP4_MUL;
     int most = 0;
-    for (int64_t r0 = 0; r0 < rows; r0 += 64) {
-        const int64_t m = rows - r0 < 64 ? rows - r0 : 64;
-        float lo[64], hi[64];
-        for (int64_t i = 0; i < m; i++) lo[i] = hi[i] = 0.0f;
-        /* each row's range as group_start takes it, value by value in the same order; rows
-         * innermost, so that it vectorizes */
+    for (int64_t r0 = 0; r0 < rows; r0 += BLOCK) {
+        const int64_t m = rows - r0 < BLOCK ? rows - r0 : BLOCK;
+        float lo[BLOCK], hi[BLOCK], t0[BLOCK];
+        uint32_t c_plain[BLOCK], c_first[BLOCK], c_last[BLOCK];
+        for (int64_t i = 0; i < BLOCK; i++) lo[i] = hi[i] = 0.0f;
+        /* each row's range as group_start takes it, value by value in the same order */
         for (int64_t t = 0; t < n; t++) {
             const float *xt = x + t * ld + r0;
             for (int64_t i = 0; i < m; i++) {
@@ -526,12 +550,37 @@ int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float 
                 hi[i] = v > hi[i] ? v : hi[i];
             }
         }
+        if (codes_only)
+            for (int64_t i = 0; i < BLOCK; i++) {   /* rows past m: zeros, unused */
+                const float amax = -lo[i] > hi[i] ? -lo[i] : hi[i], t = amax / E2M1_MAX;
+                t0[i] = mul ? t / global_scale : global_scale * t;
+                c_plain[i] = nvfp4_code_of(s, t0[i]);
+                c_first[i] = nvfp4_code_of(s, t0[i] * grid.m_first);
+                c_last[i] = nvfp4_code_of(s, t0[i] * grid.m_last);
+            }
         for (int64_t i = 0; i < m; i++) {
-            cand_iter it;
-            mq_gparams *c = cand + (r0 + i) * room;
+            mq_gparams *c = cand + (r0 + i) * room, *p = &plain[r0 + i];
+            const float amax = -lo[i] > hi[i] ? -lo[i] : hi[i];
             int k = 0;
-            if (group_start_range(s, &grid, global_scale, lo[i], hi[i], &plain[r0 + i], &it))
-                while (cand_next(&it, &c[k])) k++;
+            if (codes_only && amax > 0 && isfinite(t0[i])) {
+                *p = (mq_gparams){code_value[c_plain[i]], 0.0f, (uint8_t)c_plain[i]};
+                for (uint32_t code = c_first[i]; code <= c_last[i]; code++, k++) {
+                    c[k] = (mq_gparams){code_value[code], 0.0f, (uint8_t)code};
+                    if (step) {
+                        step[k * rows + r0 + i] = code_step[code];
+                        zero[k * rows + r0 + i] = 0.0f;
+                    }
+                }
+            } else {
+                cand_iter it;
+                if (group_start_range(s, &grid, global_scale, lo[i], hi[i], p, &it))
+                    while (cand_next(&it, &c[k])) k++;
+                for (int j = 0; step && j < (k > 0 ? k : 1); j++) {
+                    const mq_gparams *g = k > 0 ? &c[j] : p;
+                    step[j * rows + r0 + i] = mq_group_step(s, global_scale, g);
+                    zero[j * rows + r0 + i] = g->zero;
+                }
+            }
             nc[r0 + i] = k;
             most = k > most ? k : most;
         }

@@ -786,16 +786,15 @@ static void set_params_loop(const loop_state *L, int64_t g, const float *x) {
     const int64_t G = L->G, nr = L->nr;
     mq_gparams *gp = &sc->gp[g * nr];
     const int64_t nk = L->ncand;
-    const int nmax = mq_group_candidates_rows(L->s, L->gs, x, G, nr, nr, gp, sc->cand, nk, sc->nc);
     /* the candidates' steps by candidate, so that the scores of candidate k read one vector;
      * rows with fewer candidates repeat their last one (none: the plain params) */
+    const int nmax = mq_group_candidates_rows(L->s, L->gs, x, G, nr, nr, gp, sc->cand, nk, sc->nc,
+                                              sc->kstep, sc->kzero);
     for (int64_t i = 0; i < nr; i++) {
-        const int n = sc->nc[i];
-        const mq_gparams *c = n > 0 ? sc->cand + i * nk : &gp[i];
-        for (int k = 0; k < nmax || k == 0; k++) {
-            const mq_gparams *ck = &c[k < n ? k : n > 0 ? n - 1 : 0];
-            sc->kstep[k * nr + i] = mq_group_step(L->s, L->gs, ck);
-            sc->kzero[k * nr + i] = ck->zero;
+        const int last = sc->nc[i] > 0 ? sc->nc[i] - 1 : 0;
+        for (int k = last + 1; k < nmax; k++) {
+            sc->kstep[k * nr + i] = sc->kstep[last * nr + i];
+            sc->kzero[k * nr + i] = sc->kzero[last * nr + i];
         }
         sc->best[i] = INFINITY;
         sc->bestk[i] = -1;
