@@ -804,7 +804,7 @@ static void set_params_loop(const loop_state *L, int64_t g, const float *x) {
     for (int k = 0; k < nmax; k++) {
         L->loop_scores(L->s, sc->ucol, G, sc->wl, nr, nr, sc->kstep + k * nr, sc->kzero + k * nr,
                        sc->lwork, sc->lcode, sc->score);
-        for (int64_t i = 0; i < nr; i++) {   /* branch-free: vectorizes */
+        for (int64_t i = 0; i < nr; i++) {   /* branch-free: which row wins is random */
             const bool win = k < sc->nc[i] && sc->score[i] < sc->best[i];
             sc->best[i] = win ? sc->score[i] : sc->best[i];
             sc->bestk[i] = win ? k : sc->bestk[i];
