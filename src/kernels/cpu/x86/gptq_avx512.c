@@ -1,8 +1,7 @@
 /*
  * AVX-512F twins of GPTQ's per-column steps in src/quant/gptq.c, called only when
- * mq_cpu_has_avx512(): the operations of gptq_avx2.c on 16 lanes (but E2M1, rounded at each
- * binade's spacing, e2m1_value16), so codes, dequantized values, scaled errors and the in-loop
- * scores are bit-identical to the scalar versions; the two
+ * mq_cpu_has_avx512(): the operations of gptq_avx2.c on 16 lanes, so codes, dequantized values,
+ * scaled errors and the in-loop scores are bit-identical to the scalar versions; the two
  * squared-error sums of the column step are accumulated in the AVX2 twin's order (8 lanes, block
  * after block), so they equal the AVX2 twin's to the bit as well. The masks of the compares are
  * k registers; every value computed under them is the one the AVX2 kernel's blends give.
