@@ -945,7 +945,8 @@ static void test_e2m1_edges(void) {
             y[n++] = v;
             y[n++] = -v;
         }
-    const float specials[] = {0.0f, -0.0f, 1e-40f, -1e-40f, FLT_MAX, -FLT_MAX, INFINITY, -INFINITY, NAN, -NAN};
+    const float specials[] = {0.0f,    -0.0f,     1e-40f,   -1e-40f,   FLT_MAX,
+                              -FLT_MAX, INFINITY, -INFINITY, NAN,      -NAN};
     for (size_t k = 0; k < sizeof specials / sizeof specials[0]; k++) y[n++] = specials[k];
     const int finite = n - 4;   /* the infinities and NaNs last */
     const float steps[3] = {1.0f, 0.125f, 0.0f};
@@ -958,12 +959,14 @@ static void test_e2m1_edges(void) {
         mq_gptq_qdq_column_avx2(&s, step, zero, x, n, code2, dq2);
         for (int i = 0; i < n; i++)
             if (code[i] != code2[i] || memcmp(&dq[i], &dq2[i], sizeof(float)) != 0)
-                FAIL("AVX2, step %g, y %a: code %d value %a, scalar %d %a", steps[k], y[i], code2[i], dq2[i], code[i], dq[i]);
+                FAIL("AVX2, step %g, y %a: code %d value %a, scalar %d %a", steps[k], y[i], code2[i],
+                     dq2[i], code[i], dq[i]);
         if (!mq_cpu_has_avx512()) continue;
         mq_gptq_qdq_column_avx512(&s, step, zero, x, n, code2, dq2);
         for (int i = 0; i < n; i++)
             if (code[i] != code2[i] || memcmp(&dq[i], &dq2[i], sizeof(float)) != 0)
-                FAIL("AVX-512, step %g, y %a: code %d value %a, scalar %d %a", steps[k], y[i], code2[i], dq2[i], code[i], dq[i]);
+                FAIL("AVX-512, step %g, y %a: code %d value %a, scalar %d %a", steps[k], y[i],
+                     code2[i], dq2[i], code[i], dq[i]);
     }
     /* the search: a group of G = 1 column per row, U = 1, so each row's score is (x - q)^2 */
     const float one = 1.0f;

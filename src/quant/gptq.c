@@ -1393,8 +1393,9 @@ static scratch *scratch_new(int n, int64_t rows, int64_t K, int64_t B, int64_t G
             s[i].bhi = mq_alloc_array(rb, sizeof(float), "GPTQ clip search");
         }
         bool loop_ok = !loop || (s[i].ucol && s[i].ord && s[i].wl && s[i].lwork && s[i].lcode &&
-                                 s[i].cand && s[i].nc && s[i].kstep && s[i].kzero && s[i].bestk && s[i].score &&
-                                 s[i].best && s[i].xlo && s[i].xhi && s[i].blo && s[i].bhi);
+                                 s[i].cand && s[i].nc && s[i].kstep && s[i].kzero && s[i].bestk &&
+                                 s[i].score && s[i].best && s[i].xlo && s[i].xhi && s[i].blo &&
+                                 s[i].bhi);
         if (!s[i].wt || !s[i].et || !s[i].tmp || !s[i].dq || !s[i].ct || !s[i].gp ||
             !s[i].step || !s[i].zero || !s[i].ready || !s[i].w0t || (rtn && !s[i].d) ||
             (refine && (!s[i].gt || !s[i].hsub || !s[i].hcols || !s[i].cv || !s[i].dv)) ||

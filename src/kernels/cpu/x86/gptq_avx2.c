@@ -23,11 +23,12 @@ static inline void store_u8x8(uint8_t *out, __m256i v) {
  * instructions of seven compares and their masked sums. *ge2: a >= 2 (for the code). */
 static inline __m256 e2m1_value8(__m256 a, __m256 *ge2) {
     const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
-    const __m256 g2 = _mm256_cmp_ps(a, two, _CMP_GE_OQ), g4 = _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ);
+    const __m256 g2 = _mm256_cmp_ps(a, two, _CMP_GE_OQ);
+    const __m256 g4 = _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ);
     const __m256 up = _mm256_blendv_ps(_mm256_blendv_ps(two, one, g2), half, g4);
     const __m256 down = _mm256_blendv_ps(_mm256_blendv_ps(half, one, g2), two, g4);
-    __m256 v = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(a, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                             down);
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256 v = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(a, up), nearest), down);
     v = _mm256_min_ps(v, _mm256_set1_ps(6.0f));
     *ge2 = g2;
     return _mm256_and_ps(_mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_GT_OQ), v);
@@ -63,8 +64,10 @@ static inline __attribute__((always_inline)) void qdq8(const mq_qspec *s, const 
         /* the index from the value: 2v up to 2 (0..4), above it the value's exponent and first
          * mantissa bit (3 -> 5, 4 -> 6, 6 -> 7) */
         const __m256i low = _mm256_cvttps_epi32(_mm256_add_ps(v, v));
-        const __m256i high = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 22), _mm256_set1_epi32(252));
-        __m256i c = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(low), _mm256_castsi256_ps(high), ge2));
+        const __m256i high = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 22),
+                                              _mm256_set1_epi32(252));
+        __m256i c = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(low), _mm256_castsi256_ps(high), ge2));
         c = _mm256_or_si256(c, _mm256_srli_epi32(_mm256_castps_si256(sg), 28));
         store_u8x8(code, _mm256_andnot_si256(_mm256_castps_si256(zs), c));
     }

@@ -27,8 +27,8 @@ INLINE __m512 e2m1_value16(__m512 a, __mmask16 *ge2) {
     const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
     const __m512 up = _mm512_mask_blend_ps(g4, _mm512_mask_blend_ps(g2, two, one), half);
     const __m512 down = _mm512_mask_blend_ps(g4, _mm512_mask_blend_ps(g2, half, one), two);
-    __m512 v = _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                             down);
+    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512 v = _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, up), nearest), down);
     v = _mm512_min_ps(v, _mm512_set1_ps(6.0f));
     *ge2 = g2;
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ), v);
@@ -64,7 +64,8 @@ INLINE void qdq16(const mq_qspec *s, const float *step, const float *zero, const
         /* the index from the value: 2v up to 2 (0..4), above it the value's exponent and first
          * mantissa bit (3 -> 5, 4 -> 6, 6 -> 7) */
         const __m512i low = _mm512_cvttps_epi32(_mm512_add_ps(v, v));
-        const __m512i high = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(v), 22), _mm512_set1_epi32(252));
+        const __m512i high = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(v), 22),
+                                              _mm512_set1_epi32(252));
         __m512i c = _mm512_or_si512(_mm512_mask_blend_epi32(ge2, low, high), _mm512_srli_epi32(sg, 28));
         _mm_storeu_si128((__m128i *)code, _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32((__mmask16)~zs, c)));
     }
