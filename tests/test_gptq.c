@@ -818,7 +818,7 @@ static void test_many_jobs(void) {
 /* Factorisations of uneven sizes in one call (DeepSeek-V3's o_proj beside its small latent
  * Linears), one of them failing in its second tile until its damping is raised twice: their tiles
  * go out together, step by step, and every factor is bit for bit mq_gptq_factor_init's of its
- * Hessian alone (damping and retries too), at every thread count and in batches of any size. */
+ * Hessian alone (damping and retries too), at every thread count. */
 static void test_factor_many_uneven(void) {
     const int64_t Ks[4] = {24, 200, 16, 40};
     float *H[4];
@@ -833,12 +833,8 @@ static void test_factor_many_uneven(void) {
     moeq_set_log(NULL, NULL);
     ASSERT_TRUE(one[1].retries >= 2);
     ASSERT_EQ_INT(0, one[0].retries + one[2].retries + one[3].retries);
-    for (int run = 0; run < 5; run++) {
-        /* 1, 2, 3 threads in one batch; then 3 threads in batches of at most 2 x 40^2 x 8 bytes
-         * (big alone, then c with a, then b) and of one Hessian each */
-        const int threads = run < 3 ? run + 1 : 3;
+    for (int threads = 1; threads <= 3; threads++) {
         moeq_set_threads(threads);
-        mq_gptq_set_factor_batch_bytes(run == 3 ? 2 * 40 * 40 * 8 : run == 4 ? 1 : 0);
         mq_gptq_factor f[4];
         moeq_set_log(capture_log, NULL);
         ASSERT_OK(mq_gptq_factor_many((const float *const *)H, Ks, 4, &o, true, names, f));
@@ -853,7 +849,6 @@ static void test_factor_many_uneven(void) {
             mq_gptq_factor_free(&f[i]);
         }
     }
-    mq_gptq_set_factor_batch_bytes(0);
     moeq_set_threads(0);
     for (int i = 0; i < 4; i++) {
         mq_gptq_factor_free(&one[i]);

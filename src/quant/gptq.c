@@ -62,34 +62,6 @@ void mq_gptq_set_row_block(int rows) {
     g_row_block = rows >= 1 && rows <= ROW_BLOCK_MAX ? rows : ROW_BLOCK_DEFAULT;
 }
 
-/* Bytes of factor buffers (A and U, 8 K^2 a Hessian) one batch of mq_gptq_factor_many may hold;
- * 0: no cap, every Hessian of a call in one batch. Each step of a batch streams through all its
- * matrices, so a batch larger than the last-level cache reads them from memory at every step,
- * where one thread a factorisation kept each thread's matrix in cache: on the GPU machine's Xeon
- * a chunk of 32 experts' factors ran at 0.61 of the 2-thread rate per core at 16 threads, with
- * 15.9 cores busy. MOEQ_FACTOR_BATCH_MB sets a cap for measurements; the factors do not depend on
- * the grouping (test_factor_many_uneven). */
-static int64_t g_batch_bytes = -1;
-static pthread_mutex_t g_batch_mu = PTHREAD_MUTEX_INITIALIZER;
-
-int64_t mq_gptq_factor_batch_bytes(void) {
-    pthread_mutex_lock(&g_batch_mu);
-    if (g_batch_bytes < 0) {
-        const char *e = getenv("MOEQ_FACTOR_BATCH_MB");
-        const long long v = e ? strtoll(e, NULL, 10) : 0;
-        g_batch_bytes = v > 0 && v < (1LL << 30) ? (int64_t)v << 20 : 0;
-    }
-    const int64_t b = g_batch_bytes;
-    pthread_mutex_unlock(&g_batch_mu);
-    return b;
-}
-
-void mq_gptq_set_factor_batch_bytes(int64_t bytes) {
-    pthread_mutex_lock(&g_batch_mu);
-    g_batch_bytes = bytes > 0 ? bytes : 0;
-    pthread_mutex_unlock(&g_batch_mu);
-}
-
 static pthread_once_t g_blas_once = PTHREAD_ONCE_INIT;
 /* Every BLAS/LAPACK call here runs inside one pool task: OpenBLAS must not start its own threads
  * (that would oversubscribe the cores and could change results with the thread count). */
@@ -639,17 +611,7 @@ moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t
         J[u] = (fac_job){.H = H[order[u]], .f = &f[order[u]]};
         f[order[u]].K = K[order[u]];
     }
-    /* in batches of at most the cap's bytes (a Hessian larger than it alone), largest first */
-    const int64_t cap = mq_gptq_factor_batch_bytes();
-    for (int64_t u0 = 0, u1; u0 < m; u0 = u1) {
-        int64_t bytes = 0;
-        for (u1 = u0; u1 < m; u1++) {
-            const int64_t b = 8 * J[u1].f->K * J[u1].f->K;
-            if (cap > 0 && u1 > u0 && bytes + b > cap) break;
-            bytes += b;
-        }
-        factor_batch(J + u0, u1 - u0, o, want_R, first);
-    }
+    factor_batch(J, m, o, want_R, first);
     moeq_status st = MOEQ_OK;
     for (int64_t i = 0; i < n; i++) first[i] = -1;   /* now each input's job */
     for (int64_t u = 0; u < m; u++) first[order[u]] = u;

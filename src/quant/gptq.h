@@ -106,11 +106,6 @@ void mq_gptq_factor_free(mq_gptq_factor *f);
  * it for measurements, mq_gptq_set_row_block for tests (out of 1..512: the default). */
 int mq_gptq_row_block(void);
 void mq_gptq_set_row_block(int rows);
-/* The most bytes of factor buffers one batch of mq_gptq_factor_many holds (0: no cap, the
- * default; MOEQ_FACTOR_BATCH_MB sets it for measurements, mq_gptq_set_factor_batch_bytes for
- * tests). */
-int64_t mq_gptq_factor_batch_bytes(void);
-void mq_gptq_set_factor_batch_bytes(int64_t bytes);
 /* mq_gptq_run keeps its per-thread scratch for the next run (the slabs' page faults are paid once,
  * not by every run's first tasks); this frees it (the pipeline after each stage that runs GPTQ). */
 void mq_gptq_release_scratch(void);
