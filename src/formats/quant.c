@@ -360,12 +360,18 @@ static void mse_flush(const mq_qspec *s, const float *x, int64_t n, int64_t stri
 
 /* The NVFP4 scale code of multiplier m, as params_scaled computes it from t0 = the block scale
  * before the multiplier (amax / 6 with the global scale applied), for amax > 0. */
+/* NVFP4's scale code of the block scale t (t0 times a multiplier): clamped to
+ * [scale_min, 448], a 0 code raised to the smallest subnormal (callers have amax > 0); as
+ * params_scaled and nvfp4_code compute it, without branches. */
+static inline uint32_t nvfp4_code_of(const mq_qspec *s, float t) {
+    t = t < s->nvfp4_scale_min ? s->nvfp4_scale_min : t;
+    t = t > E4M3_MAX ? E4M3_MAX : t;
+    const uint32_t code = mq_e4m3_encode(t);
+    return code == 0 ? 0x01u : code;
+}
+
 static inline uint8_t nvfp4_code(const mq_qspec *s, float t0, float m) {
-    float t = t0 * m;   /* t0 * 1 = t0: the same as params_scaled skipping m == 1 */
-    if (t < s->nvfp4_scale_min) t = s->nvfp4_scale_min;
-    if (t > E4M3_MAX) t = E4M3_MAX;
-    uint8_t code = mq_e4m3_encode(t);
-    return code == 0 ? 0x01 : code;
+    return (uint8_t)nvfp4_code_of(s, t0 * m);   /* t0 * 1 = t0: as params_scaled skipping m == 1 */
 }
 
 /* Multiplier i of the search grid. */
@@ -505,16 +511,6 @@ int mq_group_candidates(const mq_qspec *s, float global_scale, const float *x, i
     int k = 0;
     while (cand_next(&it, &cand[k])) k++;
     return k;
-}
-
-/* NVFP4's scale code of the block scale t (t0 times a multiplier): clamped to
- * [scale_min, 448], a 0 code raised to the smallest subnormal (callers have amax > 0); as
- * params_scaled and nvfp4_code compute it, without branches. */
-static inline uint32_t nvfp4_code_of(const mq_qspec *s, float t) {
-    t = t < s->nvfp4_scale_min ? s->nvfp4_scale_min : t;
-    t = t > E4M3_MAX ? E4M3_MAX : t;
-    const uint32_t code = mq_e4m3_encode(t);
-    return code == 0 ? 0x01u : code;
 }
 
 int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float *x, int64_t n,
