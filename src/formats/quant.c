@@ -358,8 +358,6 @@ static void mse_flush(const mq_qspec *s, const float *x, int64_t n, int64_t stri
     m->n = 0;
 }
 
-/* The NVFP4 scale code of multiplier m, as params_scaled computes it from t0 = the block scale
- * before the multiplier (amax / 6 with the global scale applied), for amax > 0. */
 /* NVFP4's scale code of the block scale t (t0 times a multiplier): clamped to
  * [scale_min, 448], a 0 code raised to the smallest subnormal (callers have amax > 0); as
  * params_scaled and nvfp4_code compute it, without branches. */
@@ -370,6 +368,8 @@ static inline uint32_t nvfp4_code_of(const mq_qspec *s, float t) {
     return code == 0 ? 0x01u : code;
 }
 
+/* The NVFP4 scale code of multiplier m, as params_scaled computes it from t0 = the block scale
+ * before the multiplier (amax / 6 with the global scale applied), for amax > 0. */
 static inline uint8_t nvfp4_code(const mq_qspec *s, float t0, float m) {
     return (uint8_t)nvfp4_code_of(s, t0 * m);   /* t0 * 1 = t0: as params_scaled skipping m == 1 */
 }
