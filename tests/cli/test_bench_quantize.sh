@@ -71,9 +71,11 @@ want = statistics.median(a["total_seconds_by_round"]) / (2 * statistics.median(b
 assert abs(b["total"]["efficiency"] - want) <= 0.01 * want + 0.002, (want, b)
 PY
 grep -q "round 3 of 3" "$tmp/err" || fail "bench quantize --rounds: no round progress: $(cat "$tmp/err")"
-"$cli" bench quantize "$model" --rounds 2 >/dev/null 2>"$tmp/err"; rc=$?
+# flag errors leave no temporary directory behind (each such run gets an empty TMPDIR of its own)
+mkdir -p "$tmp/u"
+TMPDIR=$tmp/u "$cli" bench quantize "$model" --rounds 2 >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--rounds" "$tmp/err" || fail "bench quantize --rounds without a list: exit $rc, $(cat "$tmp/err")"
-"$cli" bench quantize "$model" --threads 2,,4 >/dev/null 2>"$tmp/err"; rc=$?
+TMPDIR=$tmp/u "$cli" bench quantize "$model" --threads 2,,4 >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--threads 2,,4" "$tmp/err" || fail "bench quantize --threads 2,,4: exit $rc, $(cat "$tmp/err")"
 # --simulate-threads P: one thread does the work of P; the layer's loops' simulated seconds lie
 # between their tasks' sum over P and the sum, and the prediction adds what ran outside them; the
@@ -102,6 +104,7 @@ for k, v in st.items():
 # GPTQ's loops ran as 4 threads would: its seconds well below its one thread's
 assert st["gptq"]["efficiency"] > 0.4, st
 PY
-"$cli" bench quantize "$model" --simulate-threads 4 --threads 2 >/dev/null 2>"$tmp/err"; rc=$?
+TMPDIR=$tmp/u "$cli" bench quantize "$model" --simulate-threads 4 --threads 2 >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--simulate-threads" "$tmp/err" || fail "--simulate-threads with --threads: exit $rc, $(cat "$tmp/err")"
+[ -z "$(ls "$tmp/u")" ] || fail "flag errors left temporary directories: $(ls "$tmp/u")"
 exit $((fails > 0))

@@ -283,11 +283,6 @@ int bench_quantize(int argc, char **argv) {
     mq_pipeline_opts o;
     mq_pipeline_opts_from(&qo, &o);
     o.stop_after = (int32_t)layers;
-    const char *td = getenv("TMPDIR");
-    char tmpl[1024], out[1100];
-    snprintf(tmpl, sizeof tmpl, "%s/moeq-bench-XXXXXX", td && *td ? td : "/tmp");
-    if (!mkdtemp(tmpl)) return cli_fail("bench quantize", mq_err(MOEQ_E_IO, "cannot make a temporary directory in %s", tmpl));
-    snprintf(out, sizeof out, "%s/q", tmpl);
     /* the rank counts to run with */
     const int world = mq_dist_size();
     int ranks[16], n_ranks = 0;
@@ -306,6 +301,15 @@ int bench_quantize(int argc, char **argv) {
     const int n_runs = n_counts * (int)rounds;        /* rs[round * n_counts + i] */
     mq_pipeline_result *rs = calloc((size_t)n_runs, sizeof *rs);
     if (!rs) return cli_fail("bench quantize", MOEQ_E_NOMEM);
+    /* the checkpoints go to a temporary directory, made once the flags are checked (removed below) */
+    const char *td = getenv("TMPDIR");
+    char tmpl[1024], out[1100];
+    snprintf(tmpl, sizeof tmpl, "%s/moeq-bench-XXXXXX", td && *td ? td : "/tmp");
+    if (!mkdtemp(tmpl)) {
+        free(rs);
+        return cli_fail("bench quantize", mq_err(MOEQ_E_IO, "cannot make a temporary directory in %s", tmpl));
+    }
+    snprintf(out, sizeof out, "%s/q", tmpl);
     cli_progress_enable(json || world > 1);
     bool same = true;
     uint32_t crc0 = 0;
