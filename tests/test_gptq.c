@@ -1596,7 +1596,9 @@ static void test_target_many(void) {
                 snprintf(names[j], sizeof names[j], "layer.%lld.proj", (long long)j);
                 jobs[j] = (mq_gptq_target_job){H[j], G[j], K, n, 0.5f, 0.1, w[j], rows[j], 1 + (int)(j % 2 == 0), names[j]};
             }
-            ASSERT_OK(mq_gptq_target_many(jobs, count));
+            double sec[3] = {-1, -1, -1};
+            ASSERT_OK(mq_gptq_target_many(jobs, count, sec));
+            ASSERT_TRUE(sec[0] > 0 && sec[1] > 0 && sec[2] > 0);   /* each step ran and was timed */
             for (int64_t j = 0; j < count; j++) {
                 const int64_t K = Ks[j % 3];
                 ASSERT_OK(mq_gptq_target(H[j], G[j], K, n, 0.5f, 0.1, one[j], rows[j], jobs[j].nw, names[j]));
@@ -1613,7 +1615,7 @@ static void test_target_many(void) {
             const int64_t last = count - 1;
             for (int64_t i = 0; i < Ks[last % 3] * Ks[last % 3]; i++)
                 H[last][i] = i % (Ks[last % 3] + 1) == 0 ? -1.0f : 0.0f;
-            ASSERT_STATUS(MOEQ_E_NUMERIC, mq_gptq_target_many(jobs, count));
+            ASSERT_STATUS(MOEQ_E_NUMERIC, mq_gptq_target_many(jobs, count, NULL));
             ASSERT_ERROR_MENTIONS("layer.1.proj");
             for (int64_t j = 0; j < count; j++) {
                 free(H[j]), free(G[j]);

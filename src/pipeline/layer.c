@@ -234,7 +234,8 @@ static moeq_status target_slots(mq_pipe *p, int l, slot *a, int na, slot *b, int
         jobs[i] = (mq_gptq_target_job){x->H, x->G, x->w[0]->in, x->g_rows, p->o->target_share, p->o->g.percdamp,
                                        w[i], rows[i], x->nw, x->w[0]->name};
     }
-    if (!st) st = mq_gptq_target_many(jobs, m);
+    double sec[3] = {0, 0, 0};
+    if (!st) st = mq_gptq_target_many(jobs, m, sec);
     for (int i = 0; i < n; i++) {
         slot *x = i < na ? &a[i] : &b[i - na];
         mq_free(x->G);
@@ -245,8 +246,9 @@ static moeq_status target_slots(mq_pipe *p, int l, slot *a, int na, slot *b, int
     free(w);
     free(rows);
     if (getenv("MOEQ_PROFILE"))
-        mq_info("layer %d target corrections, %d Linear inputs: %.2f s (%.1f cores busy)", l, m, mq_now() - t0,
-                (mq_cpu_now() - c0) / (mq_now() - t0 + 1e-9));
+        mq_info("layer %d target corrections, %d Linear inputs: %.2f s (%.1f cores busy; factorisations %.2f, "
+                "solves %.2f, products %.2f s)", l, m, mq_now() - t0, (mq_cpu_now() - c0) / (mq_now() - t0 + 1e-9),
+                sec[0], sec[1], sec[2]);
     p->layers[l].gptq += mq_now() - t0;
     p->layers[l].cpu_gptq += mq_cpu_now() - c0;
     return st;
@@ -727,11 +729,19 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
         free(dW);
     } else if (!st && n_jobs > 0) {
         const double tr0 = mq_now(), cr0 = mq_cpu_now();
+        /* the batch's seconds (each factor of a batch carries the whole batch's) */
+        double fac_sec[3] = {0, 0, 0};
+        for (int i = 0; i < nf && factored; i++) {
+            fac_sec[0] = fmax(fac_sec[0], f[i].sec_cholesky);
+            fac_sec[1] = fmax(fac_sec[1], f[i].sec_inverse);
+            fac_sec[2] = fmax(fac_sec[2], f[i].sec_copies);
+        }
         st = mq_gptq_run(&o->spec, &o->g, jobs, n_jobs);
         if (getenv("MOEQ_PROFILE"))   /* where GPTQ's time goes and how many cores it kept busy */
-            mq_info("layer %d GPTQ, %d weights: factors %.2f s (%.1f cores busy), column loops %.2f s "
-                    "(%.1f cores busy)", l, n_jobs, tr0 - tf0, (cr0 - cf0) / (tr0 - tf0 + 1e-9),
-                    mq_now() - tr0, (mq_cpu_now() - cr0) / (mq_now() - tr0 + 1e-9));
+            mq_info("layer %d GPTQ, %d weights: factors %.2f s (%.1f cores busy; Cholesky %.2f, inverse %.2f, "
+                    "copies %.2f s), column loops %.2f s (%.1f cores busy)", l, n_jobs, tr0 - tf0,
+                    (cr0 - cf0) / (tr0 - tf0 + 1e-9), fac_sec[0], fac_sec[1], fac_sec[2], mq_now() - tr0,
+                    (mq_cpu_now() - cr0) / (mq_now() - tr0 + 1e-9));
     }
     if (p->gpu)
         for (int i = 0; i < n; i++) {

@@ -412,6 +412,8 @@ static void fac_prepare_task(void *vctx, int64_t i, int thread) {
  * again), then R and U = R^-1. Does not touch the thread's error state (the caller turns each
  * jobs[i].res into a message). first: [n + 1] scratch. */
 static void factor_batch(fac_job *J, int64_t n, const mq_gptq_opts *o, bool want_R, int64_t *first) {
+    const double tb = mq_now();
+    double t_chol = 0;
     prepare_ctx pc = {J, o};
     mq_parallel_for(n, fac_prepare_task, &pc);
     /* A = H' with rows and columns in reverse processing order (only the lower triangle, row
@@ -428,6 +430,7 @@ static void factor_batch(fac_job *J, int64_t n, const mq_gptq_opts *o, bool want
         const double t0 = mq_now();
         cholesky_many(&J[0].fc, sizeof *J, n, first);
         const double dt = mq_now() - t0;
+        t_chol += dt;
         more = false;
         for (int64_t i = 0; i < n; i++) {
             fac_job *j = &J[i];
@@ -501,7 +504,7 @@ static void factor_batch(fac_job *J, int64_t n, const mq_gptq_opts *o, bool want
     }
     const double t0 = mq_now();
     ragged_for(inverse_task, &J[0].fc, sizeof *J, n, first);
-    const double dt = mq_now() - t0;
+    const double dt = mq_now() - t0, t_copies = t0 - tb - t_chol;
     for (int64_t i = 0; i < n; i++) {
         fac_job *j = &J[i];
         mq_gptq_factor *f = j->f;
@@ -513,6 +516,7 @@ static void factor_batch(fac_job *J, int64_t n, const mq_gptq_opts *o, bool want
             continue;
         }
         f->sec_inverse = dt;
+        f->sec_copies = t_copies;
         if (want_R) f->R = j->A;
         else mq_free(j->A);
         j->A = NULL;
@@ -1861,11 +1865,14 @@ static void target_product_task(void *vctx, int64_t task, int thread) {
 }
 
 /* Inputs in[0..n) through the three steps. */
-static moeq_status target_wave(target_input *in, int64_t n) {
+static moeq_status target_wave(target_input *in, int64_t n, double sec[3]) {
     const int P = mq_pool_size();
+    double t0 = mq_now();
     target_step c = {in, n, malloc(sizeof(int64_t) * (size_t)(n + 1)), NULL, 0};
     moeq_status st = c.first ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
     if (!st) target_factor(in, n, c.first);
+    sec[0] += mq_now() - t0;
+    t0 = mq_now();
     for (int64_t i = 0; i < n; i++)
         if (in[i].live && in[i].j->K > c.kmax) c.kmax = in[i].j->K;
     if (!st && c.kmax > 0) {
@@ -1873,6 +1880,7 @@ static moeq_status target_wave(target_input *in, int64_t n) {
         for (int64_t i = 0; i < n; i++)
             c.first[i + 1] = c.first[i] + (in[i].live ? (in[i].j->K + TARGET_COLS - 1) / TARGET_COLS : 0);
         mq_parallel_for(c.first[n], target_solve_task, &c);
+        sec[1] += mq_now() - t0;
         c.scratch = mq_alloc_array((size_t)P * TARGET_ROWS, (size_t)c.kmax * sizeof(float), "asymmetric calibration");
         if (!c.scratch) st = MOEQ_E_NOMEM;
     }
@@ -1882,7 +1890,9 @@ static moeq_status target_wave(target_input *in, int64_t n) {
             for (int k = 0; in[i].live && k < in[i].j->nw; k++) blocks += (in[i].j->rows[k] + TARGET_ROWS - 1) / TARGET_ROWS;
             c.first[i + 1] = c.first[i] + blocks;
         }
+        t0 = mq_now();
         mq_parallel_for(c.first[n], target_product_task, &c);
+        sec[2] += mq_now() - t0;
     }
     for (int64_t i = 0; i < n; i++) {
         mq_free(in[i].A);
@@ -1909,7 +1919,10 @@ static int64_t *jobs_by_k(const mq_gptq_target_job *jobs, int64_t n) {
     return o;
 }
 
-moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs) {
+moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs, double sec[3]) {
+    double own[3];
+    if (!sec) sec = own;
+    sec[0] = sec[1] = sec[2] = 0;
     pthread_once(&g_blas_once, blas_single_thread);
     const int64_t P = mq_pool_size(), wave = n_jobs >= P ? P : 1;
     target_input *in = calloc((size_t)(wave > 0 ? wave : 1), sizeof *in);
@@ -1930,7 +1943,7 @@ moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs) 
             memset(&in[n], 0, sizeof in[n]);
             in[n++].j = j;
         }
-        st = target_wave(in, n);
+        st = target_wave(in, n, sec);
         for (int64_t i = 0; i < n && !st; i++)
             if (in[i].st && (failed < 0 || in[i].j - jobs < failed)) {
                 failed = in[i].j - jobs;
@@ -1946,5 +1959,5 @@ moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs) 
 moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n, float share, double percdamp,
                            float *const *W, const int64_t *rows, int nw, const char *name) {
     mq_gptq_target_job j = {H, G, K, n, share, percdamp, W, rows, nw, name};
-    return mq_gptq_target_many(&j, 1);
+    return mq_gptq_target_many(&j, 1, NULL);
 }

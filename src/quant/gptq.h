@@ -83,8 +83,10 @@ typedef struct {
     double percdamp;         /* damping fraction finally used (after retries) */
     double damp;             /* absolute damping added to the diagonal */
     int retries;             /* failed Cholesky attempts before the one that worked */
-    double sec_cholesky, sec_inverse;   /* wall seconds of the two (the rest: copies, checks); a batch
-                                           (mq_gptq_factor_many) gives each of its factors the whole batch's */
+    double sec_cholesky, sec_inverse;   /* wall seconds of the two; a batch (mq_gptq_factor_many) gives
+                                           each of its factors the whole batch's */
+    double sec_copies;                  /* the same of the rest: dead columns, copies, the rotation,
+                                           U's page faults */
 } mq_gptq_factor;
 
 /* H [K, K] symmetric (read in full; must be finite). name is used in messages. Not positive
@@ -228,7 +230,9 @@ typedef struct {
     int nw;
     const char *name;
 } mq_gptq_target_job;
-moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs);
+/* sec (NULL: not wanted): the wall seconds of the three steps over all waves, {factorisations
+ * (with the right-hand sides' fill), solves, products}, for MOEQ_PROFILE. */
+moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs, double sec[3]);
 
 /* tr((W-Q) H (W-Q)^T) computed directly (2*rows*K^2 flops, double accumulation). */
 double mq_gptq_loss(const float *H, int64_t K, const float *w, const float *q, int64_t rows);

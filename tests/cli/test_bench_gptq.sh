@@ -21,8 +21,8 @@ import json, sys
 for r in json.load(open(sys.argv[1]))["scaling"]:
     assert abs(r["of_ceiling"] - r["efficiency"] / r["core_rate"]) <= 0.002 + 0.0005 * r["efficiency"] / r["core_rate"] ** 2, r
     # the factor's parts: each positive, together within the factor's seconds
-    assert 0 < r["cholesky_seconds"] and 0 < r["inverse_seconds"], r
-    assert r["cholesky_seconds"] + r["inverse_seconds"] <= r["factor_seconds"] + 1e-6, r
+    assert 0 < r["cholesky_seconds"] and 0 < r["inverse_seconds"] and 0 < r["copies_seconds"], r
+    assert r["cholesky_seconds"] + r["inverse_seconds"] + r["copies_seconds"] <= r["factor_seconds"] + 1e-6, r
 PY
 # the single weight's codes (CRC in the JSON) do not depend on the thread count
 c1=$("$cli" bench gptq --rows 96 --cols 128 --reps 1 --mse --threads 1 --json 2>/dev/null | grep -o '"codes_crc32": "[0-9a-f]\{8\}"')

@@ -70,7 +70,7 @@ static uint32_t qtensor_crc(const mq_qtensor *q) {
 }
 
 static uint32_t g_last_crc;   /* of time_one's last result */
-static double g_best_parts[2];   /* the best run's Cholesky and inverse seconds */
+static double g_best_parts[3];   /* the best run's Cholesky, inverse and copies seconds */
 
 static double time_one(const bench_cfg *b, const float *H, const float *W, int64_t N, int64_t K,
                        int reps, double *factor_s, mq_gptq_stats *stats, double *cores) {
@@ -80,7 +80,7 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
         mq_gptq_factor f;
         if (mq_gptq_factor_init(H, K, &b->opts, b->opts.rtn_loss, "bench.weight", &f)) return -1;
         double t1 = mq_now();
-        const double parts[2] = {f.sec_cholesky, f.sec_inverse};
+        const double parts[3] = {f.sec_cholesky, f.sec_inverse, f.sec_copies};
         mq_qtensor q;
         mq_gptq_job j = {&f, W, N, 0, "bench.weight", &q, NULL, {0, 0, 0, 0, 0}};
         moeq_status st = mq_gptq_run(&b->spec, &b->opts, &j, 1);
@@ -96,6 +96,7 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
             *cores = (c2 - c0) / (t2 - t0);
             g_best_parts[0] = parts[0];
             g_best_parts[1] = parts[1];
+            g_best_parts[2] = parts[2];
         }
     }
     return best;
@@ -515,10 +516,10 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
     float *W = random_matrix(rows, cols, 0.02f), *H = random_hessian(cols);
     if (!W || !H) return cli_fail("bench gptq", MOEQ_E_NOMEM);
     double sec[32], fac[32], cores[32], moe[32], moe_cores[32], sgemm[32], core_rate[32], core_gflops[32],
-        task[32], chol[32], inv[32];
+        task[32], chol[32], inv[32], copies[32];
     /* each count's figures in every round ([count][round]): the medians are reported */
     double r_sec[32][64], r_fac[32][64], r_cores[32][64], r_moe[32][64], r_moe_cores[32][64], r_sgemm[32][64],
-        r_rate[32][64], r_task[32][64], r_chol[32][64], r_inv[32][64];
+        r_rate[32][64], r_task[32][64], r_chol[32][64], r_inv[32][64], r_copies[32][64];
     uint32_t crc0 = 0;   /* the first run's codes: every run must give them */
     bool same = true;
     for (int r = 0; r < rounds; r++)
@@ -532,6 +533,7 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
             r_task[i][r] = st.seconds;   /* the column loop's tasks, each one's wall time, summed */
             r_chol[i][r] = g_best_parts[0];
             r_inv[i][r] = g_best_parts[1];
+            r_copies[i][r] = g_best_parts[2];
             if (r == 0 && i == 0) crc0 = g_last_crc;
             same &= g_last_crc == crc0;
             r_moe[i][r] = -1;
@@ -556,6 +558,7 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
         task[i] = cli_median(r_task[i], rounds);
         chol[i] = cli_median(r_chol[i], rounds);
         inv[i] = cli_median(r_inv[i], rounds);
+        copies[i] = cli_median(r_copies[i], rounds);
     }
     mq_free(W);
     mq_free(H);
@@ -568,9 +571,9 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
             printf("%s{\"threads\": %d, \"seconds\": %.6f, \"factor_seconds\": %.6f, \"cores_used\": %.2f, "
                    "\"speedup\": %.3f, \"efficiency\": %.3f, \"fraction_of_sgemm\": %.4f, \"sgemm_gflops\": %.2f, "
                    "\"core_gflops\": %.2f, \"core_rate\": %.3f, \"loop_task_seconds\": %.6f, "
-                   "\"cholesky_seconds\": %.6f, \"inverse_seconds\": %.6f",
+                   "\"cholesky_seconds\": %.6f, \"inverse_seconds\": %.6f, \"copies_seconds\": %.6f",
                    i ? ", " : "", tl[i], sec[i], fac[i], cores[i], sp, eff, flops / sec[i] * 1e-9 / sgemm[i], sgemm[i],
-                   core_gflops[i], core_rate[i], task[i], chol[i], inv[i]);
+                   core_gflops[i], core_rate[i], task[i], chol[i], inv[i], copies[i]);
             printf(", \"of_ceiling\": %.3f", core_rate[i] > 0 ? eff / core_rate[i] : 0);
             if (experts > 0)
                 printf(", \"moe_layer_seconds\": %.3f, \"moe_layer_efficiency\": %.3f, \"moe_layer_of_ceiling\": %.3f",
@@ -583,17 +586,17 @@ static int bench_scaling(const bench_cfg *b, int64_t rows, int64_t cols, int rep
     }
     printf("gptq %s %lldx%lld: scaling against %d threads (best of %d each%s)\n", mq_qscheme_name(b->spec.scheme),
            (long long)rows, (long long)cols, tl[0], reps, rounds > 1 ? "; medians of the rounds, counts in turn" : "");
-    printf("threads   weight s  factor s  (chol / inv)  task s  cores busy  speedup  efficiency  of sgemm  sgemm GFLOP/s  core rate%s\n",
+    printf("threads   weight s  factor s  (chol / inv / copies)  task s  cores busy  speedup  efficiency  of sgemm  sgemm GFLOP/s  core rate%s\n",
            experts > 0 ? "   MoE layer s  cores busy  efficiency" : "");
     for (int i = 0; i < nt; i++) {
         const double sp = sec[0] / sec[i];
-        printf("%7d  %9.3f %9.3f (%.3f / %.3f) %7.3f %11.2f %8.2fx %11.2f %8.0f%% %14.1f %10.2f", tl[i], sec[i], fac[i],
-               chol[i], inv[i], task[i], cores[i], sp, sp * tl[0] / tl[i], 100 * flops / sec[i] * 1e-9 / sgemm[i], sgemm[i], core_rate[i]);
+        printf("%7d  %9.3f %9.3f (%.3f / %.3f / %.3f) %7.3f %11.2f %8.2fx %11.2f %8.0f%% %14.1f %10.2f", tl[i], sec[i], fac[i],
+               chol[i], inv[i], copies[i], task[i], cores[i], sp, sp * tl[0] / tl[i], 100 * flops / sec[i] * 1e-9 / sgemm[i], sgemm[i], core_rate[i]);
         if (experts > 0)
             printf(" %13.2f %11.2f %11.2f", moe[i], moe_cores[i], moe[0] / moe[i] * tl[0] / tl[i]);
         printf("\n");
     }
-    printf("(chol / inv: the factor's Cholesky and triangular inverse; task s: the column loop's tasks' wall seconds summed, growing with the thread count where each task "
+    printf("(chol / inv / copies: the factor's Cholesky, triangular inverse and the rest (copies, rotation, page faults); task s: the column loop's tasks' wall seconds summed, growing with the thread count where each task "
            "runs slower beside the others; core rate: each thread's single-threaded sgemm rate with all threads "
            "running, against %d threads: the ceiling of compute-bound efficiency on this machine)\n", tl[0]);
     for (int i = 1; i < nt; i++)
