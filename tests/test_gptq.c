@@ -508,7 +508,7 @@ static void test_factor_matches_textbook(void) {
     free(W);
 }
 
-/* An odd K over several factor blocks (two 256-tiles and a short one), inverse tiles and copy
+/* An odd K over several factor blocks and inverse tiles (each ending in a short one) and copy
  * blocks (the row-block copies, the turn of L into R about its middle row): U^T U is the inverse
  * of the damped H, and U the inverse of R. */
 static void test_factor_odd_size(void) {
@@ -825,7 +825,7 @@ static void test_factor_many_uneven(void) {
     float *H[4];
     const char *names[4] = {"a", "big", "b", "c"};
     for (int i = 0; i < 4; i++) H[i] = make_hessian(Ks[i], 2 * Ks[i] + 8, 90 + (uint64_t)i, NULL, 0);
-    H[1][400 * 600 + 400] *= -0.02f;   /* indefinite past the first 256-column tile */
+    H[1][400 * 600 + 400] *= -0.02f;   /* indefinite past the first three 128-column tiles */
     mq_gptq_opts o = mq_gptq_opts_default();
     o.refine_passes = 1;   /* H' is kept too */
     mq_gptq_factor one[4];
@@ -1559,8 +1559,8 @@ static void test_target(void) {
 }
 
 /* Many inputs at once (mq_gptq_target_many: more than the pool's threads, so in waves, and
- * fewer, so one at a time): inputs of 300, 70 and 130 columns (partial 256-column factor tiles,
- * 128-column solve blocks and product tiles) and weights of 520 and 17 rows (partial 256-row blocks), each
+ * fewer, so one at a time): inputs of 300, 70 and 130 columns (partial factor tiles, 128-column
+ * solve blocks and product tiles) and weights of 520 and 17 rows (partial 256-row blocks), each
  * against the double-precision formula, and bit for bit what one mq_gptq_target call gives it
  * at 1 and at 3 threads (damping 0.1, which keeps the bound above meaningful at 300 columns);
  * an input no damping makes positive definite fails the call with its

@@ -110,11 +110,13 @@ typedef enum { FAC_OK = 0, FAC_NOMEM, FAC_NOT_PD, FAC_SINGULAR } fac_result;
  * INV_TILE column tiles: each tile operation is one single-threaded BLAS/LAPACK call, and the
  * tiles of a step run as one pool loop (or serially inside a pool task), for one matrix or for
  * several factorised together, so the result depends neither on the thread count nor on which
- * matrices go together. The trailing updates are most of the Cholesky's flops and read their
- * tiles from memory: on the 16-core Xeon, 16 threads ran 256-tiles at 52-55 GFLOP/s each against
- * 34-36 for 128-tiles (2 threads: 80 against 59), and a chunk's factorisations took 0.86 s a
- * layer against 1.02. */
-enum { FAC_BLOCK = 256, INV_TILE = 128 };
+ * matrices go together. The tile trades the updates' rate against the steps' critical path: on
+ * the 16-core Xeon 16 threads ran 256-tile updates at 52-55 GFLOP/s each against 34-36 for
+ * 128-tiles, and a chunk of 64 experts' factorisations took 0.86 s a layer against 1.02, but a
+ * lone weight's factorisation (diagonal tile, then a panel, then an update, each step in turn)
+ * simulated for 16 threads (`bench gptq --simulate-threads 16`) took 3-4x as long with
+ * 256-tiles: 128 keeps the lone weight's. */
+enum { FAC_BLOCK = 128, INV_TILE = 128 };
 
 typedef struct {
     float *A;
