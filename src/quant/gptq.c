@@ -1727,9 +1727,10 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
  * (the factorisation's tiles, of every input of a wave in one loop a step); R := (L L^T)^-1 R in
  * blocks of 128 columns (each block reads all of L twice: 16 threads solved 128-column blocks at
  * 52-54 GFLOP/s each against 44-49 for 64 on the Xeon); then W += W R^T in blocks of 256 rows,
- * each block's product as OpenBLAS tiles of MQ_GEMM_TILE_N columns (core/linalg.c's grid, so the
- * values are those of mq_gemm_nt on the whole weight). BLAS runs single-threaded in every task. */
-enum { TARGET_COLS = 128, TARGET_ROWS = MQ_GEMM_TILE_M, TARGET_TILE_N = MQ_GEMM_TILE_N };
+ * each block's product as OpenBLAS tiles of 256 columns (each tile packs the block's rows again:
+ * 16 threads ran 256 x 256 tiles at 70-79 GFLOP/s each against 66-73 for 256 x 128 there). BLAS
+ * runs single-threaded in every task. */
+enum { TARGET_COLS = 128, TARGET_ROWS = 256, TARGET_TILE_N = 256 };
 
 /* The right-hand sides R = share ((2/n) G - H)^T and the lower triangle of H (the damping added
  * to A's diagonal after) in blocks of TARGET_FILL rows: elementwise, any split gives the same
