@@ -47,18 +47,23 @@ static void test_pool_covers_every_task(void) {
 /* The simulated schedule: tasks in index order, each to the first free worker (hand-made cases),
  * and mq_pool_simulate's loops: P reported, every task once on the caller (thread 0), nested
  * loops inline, the simulated seconds between the longest task and the tasks' sum (and at least
- * the sum over P); sleeping tasks give known durations. */
+ * the sum over P); tasks that spin for a known time on the thread's CPU clock (the one simulated
+ * tasks are timed by) give known durations, however loaded the machine. */
 typedef struct {
     int64_t *count;
     int *threads_seen;
-    useconds_t us;
+    double spin;   /* CPU seconds */
+    useconds_t sleep;
 } sim_ctx;
 
 static void sim_task(void *vctx, int64_t t, int thread) {
     const sim_ctx *c = vctx;
     c->count[t]++;
     if (thread != 0) *c->threads_seen = thread;
-    if (c->us) usleep(c->us);
+    const double a = mq_cpu_now();
+    while (mq_cpu_now() - a < c->spin) {
+    }
+    if (c->sleep) usleep(c->sleep);
 }
 
 static void sim_outer_task(void *vctx, int64_t t, int thread) {
@@ -78,7 +83,7 @@ static void test_pool_simulation(void) {
 
     int64_t count[8] = {0};
     int seen = 0;
-    sim_ctx c = {count, &seen, 20000};   /* 20 ms a task */
+    sim_ctx c = {count, &seen, 0.02, 0};   /* 20 ms a task */
     mq_pool_simulate(4);
     ASSERT_EQ_INT(4, mq_pool_size());
     const double t0 = mq_now(), c0 = mq_cpu_now();
@@ -89,10 +94,18 @@ static void test_pool_simulation(void) {
     for (int t = 0; t < 8; t++) ASSERT_EQ_INT(1, count[t]);
     ASSERT_EQ_INT(0, seen);
     ASSERT_TRUE(tasks >= 0.16 && span >= 0.04 && span >= tasks / 4 - 1e-9 && span <= tasks / 2);
-    /* the simulated clock moved by the schedule's seconds, not the tasks' sum (160 ms slept) */
+    /* the simulated clock moved by the schedule's seconds, not the tasks' sum (160 ms spun) */
     ASSERT_TRUE(dt >= span - 1e-6 && dt < span + 0.02);
-    ASSERT_TRUE(dc >= 0 && dc < 0.1);   /* sleeping: this thread's CPU seconds stay small */
-    c.us = 0;
+    ASSERT_TRUE(dc >= tasks - 1e-6 && dc < tasks + 0.02);   /* this thread's CPU: the tasks' */
+    /* waiting is not work: 8 tasks sleeping 20 ms each take next to nothing on the CPU clock, as
+     * a task the machine's other processes hold up does not take longer */
+    c.spin = 0;
+    c.sleep = 20000;
+    mq_pool_simulate(4);
+    mq_parallel_for(8, sim_task, &c);
+    mq_pool_simulated(&tasks, &span);
+    ASSERT_TRUE(tasks < 0.02 && span <= tasks + 1e-9);
+    c.sleep = 0;
     memset(count, 0, sizeof count);
     mq_parallel_for(2, sim_outer_task, &c);   /* two tasks, each running the inner loop inline */
     for (int t = 0; t < 3; t++) ASSERT_EQ_INT(2, count[t]);

@@ -195,9 +195,9 @@ bool mq_cpu_has_neon_dot(void);
 
 /* ---- time ------------------------------------------------------------------------------ */
 /* Monotonic seconds; while mq_pool_simulate runs, the simulated clock: each simulated loop moves it
- * on by the seconds P threads would take, not by its tasks' sum (mq_clock_skip), so every duration
- * taken around loops (a stage, a layer, an ETA) is P threads'. Inside a loop's task it runs as
- * the real clock. */
+ * on by the seconds P threads would take (its tasks' CPU seconds scheduled on P; mq_clock_skip),
+ * not by its wall time, so every duration taken around loops (a stage, a layer, an ETA) is P
+ * threads'. Inside a loop's task it runs as the real clock. */
 double mq_now(void);
 /* CPU seconds of the whole process (every thread); while mq_pool_simulate runs, of the calling
  * thread only, which runs every task of its loops: one thread's work, without what background

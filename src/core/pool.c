@@ -264,20 +264,24 @@ double mq_schedule_makespan(const double *dur, int64_t n, int P) {
     return span;
 }
 
-/* A top-level loop under mq_pool_simulate: its tasks in turn on this thread (index 0), timed. */
+/* A top-level loop under mq_pool_simulate: its tasks in turn on this thread (index 0), each
+ * timed by the thread's CPU clock (mq_cpu_now while simulating), so other processes' load on the
+ * machine does not lengthen them; the loop then takes the schedule's span on mq_now. */
 static void simulate_loop(int64_t n_tasks, mq_task_fn fn, void *ctx) {
     double *dur = malloc(sizeof(double) * (size_t)n_tasks), sum = 0;
+    const double w0 = mq_now();
     tl_thread = 0;   /* nested loops run inline, as inside a pool task */
     for (int64_t t = 0; t < n_tasks; t++) {
-        const double a = mq_now();
+        const double a = mq_cpu_now();
         fn(ctx, t, 0);
-        if (dur) dur[t] = mq_now() - a;
+        if (dur) dur[t] = mq_cpu_now() - a;
         sum += dur ? dur[t] : 0;
     }
     tl_thread = -1;
-    const double span = dur ? mq_schedule_makespan(dur, n_tasks, g_sim_threads) : 0;
+    const double span = dur ? mq_schedule_makespan(dur, n_tasks, g_sim_threads) : mq_now() - w0;
     free(dur);
-    mq_clock_skip(sum - span);   /* the loop took P threads' time (mq_now) */
+    const double wall = mq_now() - w0;
+    if (wall > span) mq_clock_skip(wall - span);   /* the loop took P threads' time (mq_now) */
     pthread_mutex_lock(&g_sim_mu);
     g_sim_tasks += sum;
     g_sim_span += span;
