@@ -278,9 +278,9 @@ static void simulate_loop(int64_t n_tasks, mq_task_fn fn, void *ctx) {
         sum += dur ? dur[t] : 0;
     }
     tl_thread = -1;
-    const double span = dur ? mq_schedule_makespan(dur, n_tasks, g_sim_threads) : mq_now() - w0;
-    free(dur);
     const double wall = mq_now() - w0;
+    const double span = dur ? mq_schedule_makespan(dur, n_tasks, g_sim_threads) : wall;
+    free(dur);
     if (wall > span) mq_clock_skip(wall - span);   /* the loop took P threads' time (mq_now) */
     pthread_mutex_lock(&g_sim_mu);
     g_sim_tasks += sum;

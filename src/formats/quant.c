@@ -244,6 +244,13 @@ void mq_int4_asym_params(const mq_qspec *s, float lo, float hi, mq_gparams *out)
 }
 
 /* Params from the max-based statistic times multiplier m (m = 1: plain RTN). */
+/* NVFP4's scale code of the block scale t: t clamped to [scale_min, 448], then encoded. */
+static inline uint32_t nvfp4_encode_clamped(const mq_qspec *s, float t) {
+    t = t < s->nvfp4_scale_min ? s->nvfp4_scale_min : t;
+    t = t > E4M3_MAX ? E4M3_MAX : t;
+    return mq_e4m3_encode(t);
+}
+
 static void params_scaled(const mq_qspec *s, float global_scale, float amax, float xmin,
                           float xmax, float m, mq_gparams *out) {
     out->zero = 0.0f;
@@ -253,9 +260,7 @@ static void params_scaled(const mq_qspec *s, float global_scale, float amax, flo
         float t = amax / E2M1_MAX;
         t = s->nvfp4_conv == MQ_NVFP4_MUL ? t / global_scale : global_scale * t;
         if (m != 1.0f) t = t * m;
-        if (t < s->nvfp4_scale_min) t = s->nvfp4_scale_min;
-        if (t > E4M3_MAX) t = E4M3_MAX;
-        uint8_t code = mq_e4m3_encode(t);
+        uint8_t code = (uint8_t)nvfp4_encode_clamped(s, t);
         if (code == 0 && amax > 0) code = 0x01;   /* keep a tiny non-zero block alive: 2^-9 */
         out->scale_code = code;
         out->scale = e4m3_value(code);
@@ -358,13 +363,10 @@ static void mse_flush(const mq_qspec *s, const float *x, int64_t n, int64_t stri
     m->n = 0;
 }
 
-/* NVFP4's scale code of the block scale t (t0 times a multiplier): clamped to
- * [scale_min, 448], a 0 code raised to the smallest subnormal (callers have amax > 0); as
- * params_scaled and nvfp4_code compute it, without branches. */
+/* NVFP4's scale code of the block scale t (t0 times a multiplier) for amax > 0: as
+ * params_scaled computes it, a 0 code raised to the smallest subnormal. */
 static inline uint32_t nvfp4_code_of(const mq_qspec *s, float t) {
-    t = t < s->nvfp4_scale_min ? s->nvfp4_scale_min : t;
-    t = t > E4M3_MAX ? E4M3_MAX : t;
-    const uint32_t code = mq_e4m3_encode(t);
+    const uint32_t code = nvfp4_encode_clamped(s, t);
     return code == 0 ? 0x01u : code;
 }
 
