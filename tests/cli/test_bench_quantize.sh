@@ -52,12 +52,13 @@ ls "$tmp" | grep -q moeq-bench && fail "bench quantize --threads left its tempor
 # --rounds N: the list N times in turn; each count's figures are the medians of its rounds, and
 # each round's own efficiency is that round's pair of runs
 out=$(TMPDIR=$tmp "$cli" bench quantize "$model" --layers 1 --nsamples 2 --seqlen 32 --threads 1,2 --rounds 3 \
-      --calib "$repo/data/demo-calib.txt" --json 2>"$tmp/err") || fail "bench quantize --rounds 3 exited $?: $(cat "$tmp/err")"
+      --block-size 64 --calib "$repo/data/demo-calib.txt" --json 2>"$tmp/err") || fail "bench quantize --rounds 3 exited $?: $(cat "$tmp/err")"
 printf '%s\n' "$out" > "$tmp/r.json"
 python3 - "$tmp/r.json" <<'PY' || fail "bench quantize --rounds JSON: $out"
 import json, sys, statistics
 j = json.load(open(sys.argv[1]))
 assert j["rounds"] == 3 and j["same_tensors"] is True, j
+assert j["block_size"] == 64, j["block_size"]
 a, b = j["thread_scaling"]
 for r in (a, b):
     secs = r["total_seconds_by_round"]
@@ -75,6 +76,8 @@ grep -q "round 3 of 3" "$tmp/err" || fail "bench quantize --rounds: no round pro
 mkdir -p "$tmp/u"
 TMPDIR=$tmp/u "$cli" bench quantize "$model" --rounds 2 >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--rounds" "$tmp/err" || fail "bench quantize --rounds without a list: exit $rc, $(cat "$tmp/err")"
+TMPDIR=$tmp/u "$cli" bench quantize "$model" --block-size 0 >/dev/null 2>"$tmp/err"; rc=$?
+[ $rc -eq 2 ] && grep -q -- "--block-size" "$tmp/err" || fail "bench quantize --block-size 0: exit $rc, $(cat "$tmp/err")"
 TMPDIR=$tmp/u "$cli" bench quantize "$model" --threads 2,,4 >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 2 ] && grep -q -- "--threads 2,,4" "$tmp/err" || fail "bench quantize --threads 2,,4: exit $rc, $(cat "$tmp/err")"
 # --simulate-threads P: one thread does the work of P; the layer's loops' simulated seconds lie

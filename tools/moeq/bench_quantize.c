@@ -119,7 +119,8 @@ static double round_efficiency(const mq_pipeline_result *rs, const int *n, int n
 /* --threads LIST: per stage, seconds per layer, cores busy and efficiency against the first
  * (medians over the rounds), then each round's end-to-end efficiencies (the spread). */
 static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, int nt, int rounds,
-                                 const double *core, const double *bw, bool same, int64_t tensors, bool json) {
+                                 const double *core, const double *bw, bool same, int64_t tensors, int block,
+                                 bool json) {
     count_figures f[32];
     for (int i = 0; i < nt; i++) f[i] = count_medians(rs, core, bw, nt, rounds, i);
     double eff[32][N_STAGES];
@@ -127,8 +128,8 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
         for (int k = 0; k < N_STAGES; k++)
             eff[i][k] = f[i].sec[k] > 0 ? f[0].sec[k] * tl[0] / (f[i].sec[k] * tl[i]) : 0;
     if (json) {
-        printf("{\"same_tensors\": %s, \"tensors_compared\": %lld, \"rounds\": %d, \"thread_scaling\": [",
-               same ? "true" : "false", (long long)tensors, rounds);
+        printf("{\"same_tensors\": %s, \"tensors_compared\": %lld, \"rounds\": %d, \"block_size\": %d, "
+               "\"thread_scaling\": [", same ? "true" : "false", (long long)tensors, rounds, block);
         for (int i = 0; i < nt; i++) {
             printf("%s{\"threads\": %d, \"core_rate\": %.3f, \"bandwidth_rate\": %.3f", i ? ", " : "", tl[i],
                    f[i].core_rate, f[i].bw_rate);
@@ -178,7 +179,7 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
 }
 
 int bench_quantize(int argc, char **argv) {
-    int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0, rounds = 1, sim_threads = 0;
+    int64_t layers = 2, nsamples = 128, seqlen = 512, full_layers = 0, rounds = 1, sim_threads = 0, block = 128;
     const char *calib = NULL, *scheme = "nvfp4", *max_memory = NULL, *device = "cpu", *ranks_arg = NULL,
                *threads = NULL, *sampling = "chunks", *mode = "sequential",
                *precision = "fp32", *target = NULL;
@@ -200,6 +201,8 @@ int bench_quantize(int argc, char **argv) {
         {"--scheme", OPT_CHOICE, &scheme, NULL, "weight format (default nvfp4)", "nvfp4|int4", 0, -1, NULL},
         {"--target", OPT_STRING, &target, "quantized|unquantized[:A]", "as moeq quantize's (default "
          "unquantized on the CPU)", NULL, 0, -1, NULL},
+        {"--block-size", OPT_INT, &block, "B", "GPTQ's lazy-update block, as moeq quantize's (default 128)",
+         NULL, 1, 1 << 16, NULL},
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory budget (default as moeq "
          "quantize)", NULL, 0, -1, NULL},
         {"--threads", OPT_STRING, &threads, "T[,T...]", "worker threads (default: every CPU it may use); a list "
@@ -274,6 +277,7 @@ int bench_quantize(int argc, char **argv) {
     qo.gptq.sampling = !strcmp(sampling, "docs") ? MOEQ_CALIB_DOCS : !strcmp(sampling, "random") ? MOEQ_CALIB_RANDOM
                                                                                                : MOEQ_CALIB_CHUNKS;
     qo.gptq.mode = !strcmp(mode, "nonsequential") ? MOEQ_GPTQ_NONSEQUENTIAL : MOEQ_GPTQ_SEQUENTIAL;
+    qo.gptq.block_size = (int32_t)block;
     qo.max_memory = (int64_t)mem;
     qo.device = dev >= 0 ? device : NULL;
     moeq_quant_options_set(&qo, "gpu-precision", precision);   /* a checked choice */
@@ -378,7 +382,7 @@ int bench_quantize(int argc, char **argv) {
         }
     }
     if (nt > 1) {
-        print_thread_scaling(rs, tl, nt, (int)rounds, core, bw, same, n0, json);
+        print_thread_scaling(rs, tl, nt, (int)rounds, core, bw, same, n0, (int)block, json);
         if (json) {
             free(rs);
             return same ? CLI_OK : CLI_FAIL;
@@ -425,9 +429,9 @@ int bench_quantize(int argc, char **argv) {
         printf("{\"model\": ");
         cli_print_json_string(stdout, pos[0]);
         printf(", \"model_type\": \"%s\", \"layers\": %d, \"layers_run\": %d, \"samples\": %lld, "
-               "\"tokens\": %lld, \"threads\": %d, \"expert_chunk\": %d, \"per_layer\": [",
+               "\"tokens\": %lld, \"threads\": %d, \"expert_chunk\": %d, \"block_size\": %lld, \"per_layer\": [",
                model_type, n_layers, run, (long long)r->samples, (long long)r->tokens,
-               moeq_threads(), r->plan.chunk);
+               moeq_threads(), r->plan.chunk, (long long)o.g.block_size);
         for (int l = 0; l < run; l++)
             printf("%s{\"read\": %.3f, \"forward\": %.3f, \"attention\": %.3f, \"hessians\": %.3f, "
                    "\"gptq\": %.3f, \"write\": %.3f, \"total\": %.3f, \"serial\": %.3f, \"peak_anon_bytes\": %lld}",
