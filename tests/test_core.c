@@ -170,45 +170,6 @@ static void test_pool_handoff(void) {
     moeq_set_threads(0);
 }
 
-/* A chain: task t waits for task t - 1's mark, reads its value and publishes its own. Any task
- * that ran before its predecessor published would read a wrong value (or none: 0). */
-enum { CHAIN_N = 2000 };
-
-typedef struct {
-    int mark[CHAIN_N];
-    int64_t value[CHAIN_N];
-} chain_ctx;
-
-static void chain_task(void *vctx, int64_t t, int thread) {
-    (void)thread;
-    chain_ctx *c = vctx;
-    if (t > 0) mq_wait_at_least(&c->mark[t - 1], 1);
-    c->value[t] = (t > 0 ? c->value[t - 1] : 0) + t + 1;
-    mq_publish(&c->mark[t], 1);
-}
-
-static void test_pool_waits_for_earlier_tasks(void) {
-    chain_ctx *c = malloc(sizeof *c);
-    ASSERT_TRUE(c != NULL);
-    for (int threads = 1; threads <= max_threads(4); threads++) {
-        moeq_set_threads(threads);
-        for (int rep = 0; rep < 5; rep++) {
-            memset(c, 0, sizeof *c);
-            mq_parallel_for(CHAIN_N, chain_task, c);
-            int bad = 0;
-            for (int64_t t = 0; t < CHAIN_N; t++) bad += c->value[t] != (t + 1) * (t + 2) / 2 || c->mark[t] != 1;
-            ASSERT_EQ_INT(0, bad);
-        }
-    }
-    mq_pool_simulate(4);   /* simulated: the tasks in order on this thread */
-    memset(c, 0, sizeof *c);
-    mq_parallel_for(CHAIN_N, chain_task, c);
-    mq_pool_simulate(0);
-    ASSERT_TRUE(c->value[CHAIN_N - 1] == (int64_t)CHAIN_N * (CHAIN_N + 1) / 2);
-    moeq_set_threads(0);
-    free(c);
-}
-
 static void test_gemm_matches_naive_and_is_thread_independent(void) {
     const int M = 300, N = 517, K = 129;
     float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * N * K);
@@ -493,7 +454,7 @@ static void test_blas_advice(void) {
     ASSERT_TRUE(moeq_blas_kernels() && *moeq_blas_kernels());
 }
 
-TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_pool_waits_for_earlier_tasks), T(test_threads_from_environment), T(test_pinned_workers),
+TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment), T(test_pinned_workers),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
           T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages), T(test_recycling),
           T(test_blas_advice), T(test_pool_simulation))

@@ -135,14 +135,6 @@ void mq_remove_tree(const char *path);
  * serially on the calling thread. */
 typedef void (*mq_task_fn)(void *ctx, int64_t task, int thread);
 void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx);
-/* Waits (spinning, then yielding) until *v >= want, read with acquire order. Tasks are handed out
- * in index order, one at a time, and run to the end by whoever took them, so a task may wait for
- * what tasks of lower index in the same loop publish (with release order): those were handed out
- * first and never wait for it. Run serially (nested, one thread, simulated) the loop goes in index
- * order and every such wait is already met; the simulated schedule does not model waits. */
-void mq_wait_at_least(const int *v, int want);
-/* *v = value with release order (what mq_wait_at_least waits for). */
-void mq_publish(int *v, int value);
 int mq_pool_size(void);
 /* Wall seconds spent so far in top-level mq_parallel_for calls of two or more tasks (the work that
  * can spread over the threads); a stage's wall time less this is what ran on one thread. */

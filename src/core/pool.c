@@ -63,15 +63,6 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-void mq_wait_at_least(const int *v, int want) {
-    for (int i = 0; __atomic_load_n(v, __ATOMIC_ACQUIRE) < want; i++) {
-        if (i < 4096) cpu_relax();
-        else sched_yield();   /* the task waited for may share this core (more threads than cores) */
-    }
-}
-
-void mq_publish(int *v, int value) { __atomic_store_n(v, value, __ATOMIC_RELEASE); }
-
 /* Spins until ready(arg) (returns true) or the spin time is over (false). */
 static bool spin_until(bool (*ready)(const void *arg), const void *arg) {
     double t0 = -1;

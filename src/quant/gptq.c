@@ -122,7 +122,7 @@ typedef struct {
     float *A;
     const float *R;
     float *U;
-    int64_t K;
+    int64_t K, kb;
     bool pd;   /* in: factor this matrix; out: false if a diagonal tile was not positive definite */
 } fac_ctx;
 
@@ -175,127 +175,74 @@ static void ragged_for(mq_task_fn fn, void *base, size_t stride, int64_t n, int6
 
 /* ---- Cholesky ------------------------------------------------------------------------------- */
 
-/* Step kb of a matrix is its diagonal tile's factor (task 0), the panel below it (tasks 1..m, row
- * tiles kb+1..) and the trailing update of the tiles (i, j), kb < j <= i, column by column, so
- * the next step's column comes first. The steps of all matrices are one pool loop, step by step
- * (every matrix's step kb before any step kb+1), and a task waits only for the tiles it reads
- * (mq_wait_at_least): the next step's diagonal and panels run while this step's last updates do.
- * Three loops a step kept every thread waiting at each loop's end for the slowest task and for
- * the lone diagonal factor (a 2048-wide factorisation was 48 loops). Each tile sees the same
- * BLAS calls in the same order as loop by loop, so the values are theirs whatever the thread
- * count. Tile (i, j)'s state counts what was done to it: its updates of steps 0..j-1, then its
- * diagonal factor or panel solve (j + 1: final). */
-typedef struct {
-    char *base;
-    size_t stride;
-    int64_t n, steps;
-    int64_t *first;   /* [steps * n + 1]: the first task of (step, matrix), step-major */
-    int64_t *off;     /* [n]: matrix i's tile states at state + off[i] */
-    int *state;
-} chol_plan;
-
-static inline int64_t chol_tasks(int64_t K, int64_t kb) {
-    const int64_t m = fac_blocks(K) - kb - 1;
-    return m >= 0 ? 1 + m + m * (m + 1) / 2 : 0;
+/* Diagonal tile kb: its lower Cholesky factor, in place. */
+static void chol_diag_task(void *vctx, int64_t task, int thread) {
+    (void)task, (void)thread;
+    fac_ctx *c = vctx;
+    const int64_t K = c->K, k0 = c->kb * FAC_BLOCK;
+    /* column-major 'U' on our row-major storage is the row-major lower triangle */
+    lapack_int info = LAPACKE_spotrf_work(LAPACK_COL_MAJOR, 'U', (lapack_int)fac_dim(K, c->kb),
+                                          c->A + k0 * K + k0, (lapack_int)K);
+    MQ_ASSERT(info >= 0);
+    if (info > 0) c->pd = false;
 }
 
-/* st: the matrix's tile states (nb x nb) or NULL (tasks run in order: every wait is met) */
-static inline void tile_wait(const int *st, int64_t nb, int64_t i, int64_t j, int64_t want) {
-    if (st) mq_wait_at_least(st + i * nb + j, (int)want);
-}
-
-static inline void tile_done(int *st, int64_t nb, int64_t i, int64_t j, int64_t value) {
-    if (st) mq_publish(st + i * nb + j, (int)value);
-}
-
-/* Task t of step kb of one matrix (its A's row-major lower triangle, in place). A matrix whose
- * diagonal tile was not positive definite skips the work of its later tasks (c->pd false) but
- * still marks their tiles done. */
-static void chol_step_task(fac_ctx *c, int *st, int64_t kb, int64_t t) {
-    const int64_t K = c->K, nb = fac_blocks(K), m = nb - kb - 1, k0 = kb * FAC_BLOCK, kn = fac_dim(K, kb);
-    float *A = c->A;
-    if (t == 0) {   /* the diagonal tile's lower factor */
-        tile_wait(st, nb, kb, kb, kb);
-        if (__atomic_load_n(&c->pd, __ATOMIC_RELAXED)) {
-            /* column-major 'U' on our row-major storage is the row-major lower triangle */
-            lapack_int info = LAPACKE_spotrf_work(LAPACK_COL_MAJOR, 'U', (lapack_int)kn, A + k0 * K + k0,
-                                                  (lapack_int)K);
-            MQ_ASSERT(info >= 0);
-            if (info > 0) __atomic_store_n(&c->pd, false, __ATOMIC_RELAXED);
-        }
-        tile_done(st, nb, kb, kb, kb + 1);
-        return;
-    }
-    if (t <= m) {   /* panel: A[i, k] = A[i, k] L_kk^-T */
-        const int64_t i = kb + t;
-        tile_wait(st, nb, kb, kb, kb + 1);
-        tile_wait(st, nb, i, kb, kb);
-        if (__atomic_load_n(&c->pd, __ATOMIC_RELAXED))
-            cblas_strsm(CblasRowMajor, CblasRight, CblasLower, CblasTrans, CblasNonUnit, (int)fac_dim(K, i),
-                        (int)kn, 1.0f, A + k0 * K + k0, (int)K, A + i * FAC_BLOCK * K + k0, (int)K);
-        tile_done(st, nb, i, kb, kb + 1);
-        return;
-    }
-    /* update: A_ij -= A_ik A_jk^T (lower triangle only) */
-    int64_t u = t - 1 - m, j = kb + 1;
-    while (u >= nb - j) u -= nb - j, j++;
-    const int64_t i = j + u;
-    tile_wait(st, nb, i, kb, kb + 1);
-    tile_wait(st, nb, j, kb, kb + 1);
-    tile_wait(st, nb, i, j, kb);
-    if (__atomic_load_n(&c->pd, __ATOMIC_RELAXED)) {
-        const float *aik = A + i * FAC_BLOCK * K + k0, *ajk = A + j * FAC_BLOCK * K + k0;
-        float *aij = A + i * FAC_BLOCK * K + j * FAC_BLOCK;
-        if (i == j)
-            cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)fac_dim(K, i), (int)kn, -1.0f, aik,
-                        (int)K, 1.0f, aij, (int)K);
-        else
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)fac_dim(K, i), (int)fac_dim(K, j),
-                        (int)kn, -1.0f, aik, (int)K, ajk, (int)K, 1.0f, aij, (int)K);
-    }
-    tile_done(st, nb, i, j, kb + 1);
-}
-
-static void chol_pool_task(void *vctx, int64_t task, int thread) {
+/* Panel: A[i, k] = A[i, k] L_kk^-T for the row tile i = kb + 1 + task. */
+static void chol_panel_task(void *vctx, int64_t task, int thread) {
     (void)thread;
-    const chol_plan *p = vctx;
-    const int64_t s = ragged_owner(p->first, p->steps * p->n, task), i = s % p->n;
-    chol_step_task((fac_ctx *)(p->base + (size_t)i * p->stride), p->state + p->off[i], s / p->n,
-                   task - p->first[s]);
+    fac_ctx *c = vctx;
+    const int64_t K = c->K, k0 = c->kb * FAC_BLOCK, i0 = (c->kb + 1 + task) * FAC_BLOCK;
+    cblas_strsm(CblasRowMajor, CblasRight, CblasLower, CblasTrans, CblasNonUnit,
+                (int)fac_dim(K, c->kb + 1 + task), (int)fac_dim(K, c->kb), 1.0f, c->A + k0 * K + k0,
+                (int)K, c->A + i0 * K + k0, (int)K);
+}
+
+/* Trailing update of tile (i, j), kb < j <= i: A_ij -= A_ik A_jk^T (lower triangle only). */
+static void chol_update_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    fac_ctx *c = vctx;
+    int64_t i = 0;
+    while ((i + 1) * (i + 2) / 2 <= task) i++;
+    int64_t j = task - i * (i + 1) / 2;
+    i += c->kb + 1;
+    j += c->kb + 1;
+    const int64_t K = c->K, k0 = c->kb * FAC_BLOCK, kn = fac_dim(K, c->kb);
+    const float *aik = c->A + i * FAC_BLOCK * K + k0, *ajk = c->A + j * FAC_BLOCK * K + k0;
+    float *aij = c->A + i * FAC_BLOCK * K + j * FAC_BLOCK;
+    if (i == j)
+        cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)fac_dim(K, i), (int)kn, -1.0f,
+                    aik, (int)K, 1.0f, aij, (int)K);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)fac_dim(K, i), (int)fac_dim(K, j),
+                    (int)kn, -1.0f, aik, (int)K, ajk, (int)K, 1.0f, aij, (int)K);
 }
 
 /* Lower Cholesky factors of n matrices at once, each fac_ctx at base + i * stride (its A's
  * row-major lower triangle, in place; pd: in, whether to factor it, out, false where not positive
- * definite). Without memory for the plan, the same tasks run in order on this thread. */
-static void cholesky_many(void *base, size_t stride, int64_t n) {
+ * definite): step kb's diagonal tiles, then its panels, then its trailing updates, each step one
+ * pool loop over the matrices still going. first: [n + 1] scratch. */
+static void cholesky_many(void *base, size_t stride, int64_t n, int64_t *first) {
 #define FAC_AT(i) ((fac_ctx *)((char *)base + (size_t)(i) * stride))
-    chol_plan p = {base, stride, n, 0, NULL, malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1)), NULL};
-    int64_t tiles = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t nb = FAC_AT(i)->pd ? fac_blocks(FAC_AT(i)->K) : 0;
-        if (nb > p.steps) p.steps = nb;
-        if (p.off) p.off[i] = tiles;
-        tiles += nb * nb;
-    }
-    p.first = malloc(sizeof(int64_t) * (size_t)(p.steps * n + 1));
-    p.state = calloc((size_t)(tiles > 0 ? tiles : 1), sizeof(int));
-    if (p.first && p.off && p.state) {
-        p.first[0] = 0;
-        for (int64_t s = 0; s < p.steps * n; s++) {
-            const fac_ctx *c = FAC_AT(s % n);
-            p.first[s + 1] = p.first[s] + (c->pd ? chol_tasks(c->K, s / n) : 0);
-        }
-        mq_parallel_for(p.first[p.steps * n], chol_pool_task, &p);
-    } else {
+    int64_t steps = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (FAC_AT(i)->pd && fac_blocks(FAC_AT(i)->K) > steps) steps = fac_blocks(FAC_AT(i)->K);
+    for (int64_t kb = 0; kb < steps; kb++) {
         for (int64_t i = 0; i < n; i++) {
-            if (!FAC_AT(i)->pd) continue;
-            for (int64_t kb = 0; kb < fac_blocks(FAC_AT(i)->K); kb++)
-                for (int64_t t = 0; t < chol_tasks(FAC_AT(i)->K, kb); t++) chol_step_task(FAC_AT(i), NULL, kb, t);
+            FAC_AT(i)->kb = kb;
+            first[i + 1] = FAC_AT(i)->pd && kb < fac_blocks(FAC_AT(i)->K);
         }
+        ragged_for(chol_diag_task, base, stride, n, first);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t m = fac_blocks(FAC_AT(i)->K) - kb - 1;
+            first[i + 1] = FAC_AT(i)->pd && m > 0 ? m : 0;
+        }
+        ragged_for(chol_panel_task, base, stride, n, first);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t m = fac_blocks(FAC_AT(i)->K) - kb - 1;
+            first[i + 1] = FAC_AT(i)->pd && m > 0 ? m * (m + 1) / 2 : 0;
+        }
+        ragged_for(chol_update_task, base, stride, n, first);
     }
-    free(p.first);
-    free(p.off);
-    free(p.state);
 #undef FAC_AT
 }
 
@@ -478,12 +425,12 @@ static void factor_batch(fac_job *J, int64_t n, const mq_gptq_opts *o, bool want
             fac_job *j = &J[i];
             const int64_t K = j->f->K;
             j->cc = (copy_ctx){j->H, j->A, NULL, j->diag, j->f->perm, K, (float)(j->percdamp * j->mean)};
-            j->fc = (fac_ctx){j->A, NULL, NULL, K, j->pending};
+            j->fc = (fac_ctx){j->A, NULL, NULL, K, 0, j->pending};
             first[i + 1] = j->pending ? (K + COPY_ROWS - 1) / COPY_ROWS : 0;
         }
         ragged_for(copy_reversed_task, &J[0].cc, sizeof *J, n, first);
         const double t0 = mq_now();
-        cholesky_many(&J[0].fc, sizeof *J, n);
+        cholesky_many(&J[0].fc, sizeof *J, n, first);
         const double dt = mq_now() - t0;
         t_chol += dt;
         more = false;
@@ -554,7 +501,7 @@ static void factor_batch(fac_job *J, int64_t n, const mq_gptq_opts *o, bool want
     free(un);
     for (int64_t i = 0; i < n; i++) {
         fac_job *j = &J[i];
-        j->fc = (fac_ctx){NULL, j->A, j->f->U, j->f->K, true};
+        j->fc = (fac_ctx){NULL, j->A, j->f->U, j->f->K, 0, true};
         first[i + 1] = j->res ? 0 : (j->f->K + INV_TILE - 1) / INV_TILE * (INV_TILE / INV_COLS);
     }
     const double t0 = mq_now();
@@ -1849,7 +1796,7 @@ static void target_factor(target_input *in, int64_t n, int64_t *first) {
         for (int64_t k = 0; k < K; k++) t->mean_diag += j->H[k * K + k];
         t->mean_diag /= (double)K;
         t->fill = (target_fill){j, t->A, t->R, 2.0f / (float)j->n};
-        t->fc = (fac_ctx){t->A, NULL, NULL, K, true};
+        t->fc = (fac_ctx){t->A, NULL, NULL, K, 0, true};
         first[i + 1] = (K + TARGET_FILL - 1) / TARGET_FILL;
     }
     for (int r = 0; r < 4; r++) {
@@ -1867,7 +1814,7 @@ static void target_factor(target_input *in, int64_t n, int64_t *first) {
             const float damp = (float)(t->j->percdamp * pow(10.0, r) * t->mean_diag) + (t->mean_diag == 0);
             for (int64_t a = 0; a < K; a++) t->A[a * K + a] = t->j->H[a * K + a] + damp;
         }
-        cholesky_many(&in[0].fc, sizeof *in, n);
+        cholesky_many(&in[0].fc, sizeof *in, n, first);
         bool again = false;
         for (int64_t i = 0; i < n; i++) {
             target_input *t = &in[i];

@@ -160,8 +160,7 @@ static int bench_simulated(const bench_cfg *b, int64_t N, int64_t K, int reps, i
         printf("}\n");
     } else {
         printf("gptq %lldx%lld simulated at %d threads (tasks timed on one thread, handed out as the pool does; the "
-               "cores' shared clock and memory not modelled, nor the factor's waits): factor %.4f s of tasks -> "
-               "%.4f s (%.2f of %dx), "
+               "cores' shared clock and memory not modelled): factor %.4f s of tasks -> %.4f s (%.2f of %dx), "
                "column loop %.4f -> %.4f s (%.2f), weight %.4f -> %.4f s: efficiency %.2f\n", (long long)N,
                (long long)K, P, best[0], best[1], best[1] > 0 ? best[0] / (P * best[1]) : 0, P, best[2], best[3],
                best[3] > 0 ? best[2] / (P * best[3]) : 0, tasks, best[4], eff);
@@ -645,7 +644,7 @@ int bench_gptq(int argc, char **argv) {
         {"--simulate-threads", OPT_INT, &sim_threads, "P", "the single weight (with --moe also the MoE "
          "layer) on one thread as P threads would split it: the factor's and the column loop's task seconds and "
          "the seconds P threads would take, the pool's hand-out simulated (the cores' shared clock and memory "
-         "not modelled, nor the Cholesky tiles' waits for the tiles they read: its seconds are a lower bound)", NULL, 2,
+         "not modelled)", NULL, 2,
          4096, NULL},
         {"--moe", OPT_FLAG, &moe, NULL, "also time one OLMoE-1B-7B-shaped MoE layer", NULL, 0, -1, NULL},
         {"--experts", OPT_INT, &experts, "E", "experts in the --moe layer (default 64)", NULL, 1, 4096, NULL},
