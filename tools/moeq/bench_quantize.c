@@ -382,7 +382,7 @@ int bench_quantize(int argc, char **argv) {
         }
     }
     if (nt > 1) {
-        print_thread_scaling(rs, tl, nt, (int)rounds, core, bw, same, n0, (int)block, json);
+        print_thread_scaling(rs, tl, nt, (int)rounds, core, bw, same, n0, (int)o.g.block_size, json);
         if (json) {
             free(rs);
             return same ? CLI_OK : CLI_FAIL;
