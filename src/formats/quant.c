@@ -243,7 +243,6 @@ void mq_int4_asym_params(const mq_qspec *s, float lo, float hi, mq_gparams *out)
     out->scale = scale;
 }
 
-/* Params from the max-based statistic times multiplier m (m = 1: plain RTN). */
 /* NVFP4's scale code of the block scale t: t clamped to [scale_min, 448], then encoded. */
 static inline uint32_t nvfp4_encode_clamped(const mq_qspec *s, float t) {
     t = t < s->nvfp4_scale_min ? s->nvfp4_scale_min : t;
@@ -251,6 +250,7 @@ static inline uint32_t nvfp4_encode_clamped(const mq_qspec *s, float t) {
     return mq_e4m3_encode(t);
 }
 
+/* Params from the max-based statistic times multiplier m (m = 1: plain RTN). */
 static void params_scaled(const mq_qspec *s, float global_scale, float amax, float xmin,
                           float xmax, float m, mq_gparams *out) {
     out->zero = 0.0f;
