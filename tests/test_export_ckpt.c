@@ -3,9 +3,14 @@
  * scales; ignore lists; write -> read round trips bit-identical to in-memory RTN; atomic output
  * (existing directory, interrupt, numeric error); sharding. */
 #include <cjson/cJSON.h>
+#include <dirent.h>
+#include <math.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 
+#include "export/writer.h"
 #include "pipeline/pipeline.h"
 #include "harness.h"
 
@@ -20,6 +25,16 @@ static char *outdir(const char *name) {
     static char buf[1024];
     snprintf(buf, sizeof buf, "%s/%s", mq_test_tmpdir(), name);
     return buf;
+}
+
+static char *read_all(const char *dir, const char *name, size_t *len) {
+    char path[2500];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    char *text = NULL;
+    size_t n = 0;
+    if (mq_read_file(path, &text, &n) != MOEQ_OK) return NULL;
+    if (len) *len = n;
+    return text;
 }
 
 static cJSON *read_json(const char *dir, const char *name) {
@@ -516,6 +531,133 @@ static void test_nan_weight_names_module_and_leaves_nothing(void) {
     ASSERT_FALSE(mq_dir_exists(out));
 }
 
+/* ---- write-behind (export/writer.h) ---- */
+enum { WB_N = 12, WB_ROWS = 64, WB_COLS = 128 };
+
+typedef struct {
+    mq_tensor_decl d[WB_N * 4];
+    char names[WB_N * 4][96];
+    size_t n;
+} wb_decls;
+
+static moeq_status wb_describe(void *user, const char *name, moeq_dtype dtype, int ndim, const int64_t *shape) {
+    wb_decls *x = user;
+    snprintf(x->names[x->n], sizeof x->names[x->n], "%s", name);
+    mq_tensor_decl *d = &x->d[x->n];
+    d->name = x->names[x->n++];
+    d->dtype = dtype;
+    d->ndim = ndim;
+    for (int i = 0; i < ndim; i++) d->shape[i] = shape[i];
+    return MOEQ_OK;
+}
+
+/* WB_N NVFP4 Linears (RTN of distinct weights) through a writer in dir: written at once, or
+ * queued (cap bytes) and flushed; max_shard_bytes small, so they spread over several files. */
+static void wb_write(const char *dir, bool behind, size_t cap, const wb_decls *dd, const mq_qtensor *q) {
+    mq_ckpt_opts o = {.format = MQ_FMT_CT, .spec = mq_qspec_default(MQ_QS_NVFP4), .max_shard_bytes = 20000};
+    mq_ckpt_writer *w = NULL;
+    ASSERT_TRUE(mkdir(dir, 0755) == 0);
+    ASSERT_OK(mq_ckpt_writer_open(dir, dd->d, dd->n, &o, false, &w));
+    if (behind) ASSERT_OK(mq_ckpt_writer_behind(w, cap));
+    char mod[64];
+    for (int i = 0; i < WB_N; i++) {
+        snprintf(mod, sizeof mod, "model.layers.%d.mlp.down_proj", i);
+        ASSERT_OK(mq_ckpt_writer_put_linear(w, mod, &q[i], 0));
+    }
+    ASSERT_OK(mq_ckpt_writer_flush(w));
+    cJSON *cfg = cJSON_Parse("{\"model_type\": \"llama\"}");
+    ASSERT_OK(mq_ckpt_writer_finish(w, cfg, dir, NULL, 0));
+    cJSON_Delete(cfg);
+    mq_ckpt_writer_close(w);
+}
+
+static void wb_setup(wb_decls *dd, mq_qtensor *q) {
+    mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
+    float *w = malloc(sizeof(float) * WB_ROWS * WB_COLS);
+    char mod[64];
+    dd->n = 0;
+    for (int i = 0; i < WB_N; i++) {
+        for (int k = 0; k < WB_ROWS * WB_COLS; k++) w[k] = sinf(0.37f * (float)k + (float)i) * (float)(1 + i % 5);
+        ASSERT_OK(mq_quantize_rtn(&s, w, WB_ROWS, WB_COLS, 0, "w", &q[i]));
+        snprintf(mod, sizeof mod, "model.layers.%d.mlp.down_proj", i);
+        ASSERT_OK(mq_layout_describe(MQ_FMT_CT, mod, &s, WB_ROWS, WB_COLS, false, false, wb_describe, dd));
+    }
+    free(w);
+}
+
+/* Queued writes land as direct ones do, byte for byte in every shard, whether the queue takes
+ * a tensor at a time (cap 1: each put waits for the one before) or all of them. */
+static void test_write_behind_equals_direct_writes(void) {
+    wb_decls dd;
+    mq_qtensor q[WB_N];
+    wb_setup(&dd, q);
+    char a[1024], b[1100], c[1100];
+    snprintf(a, sizeof a, "%s/wb_direct", mq_test_tmpdir());
+    snprintf(b, sizeof b, "%s/wb_cap1", mq_test_tmpdir());
+    snprintf(c, sizeof c, "%s/wb_all", mq_test_tmpdir());
+    wb_write(a, false, 0, &dd, q);
+    wb_write(b, true, 1, &dd, q);
+    wb_write(c, true, (size_t)1 << 30, &dd, q);
+    char name[64];
+    int shards = 0;
+    for (int k = 1; k <= 9; k++) {
+        snprintf(name, sizeof name, "model-%05d-of-", k);
+        char pa[300];
+        DIR *dir = opendir(a);
+        struct dirent *e;
+        const char *found = NULL;
+        while (dir && (e = readdir(dir)))
+            if (strncmp(e->d_name, name, strlen(name)) == 0) {
+                snprintf(pa, sizeof pa, "%s", e->d_name);
+                found = pa;
+            }
+        if (dir) closedir(dir);
+        if (!found) break;
+        shards++;
+        size_t na = 0, nb = 1, nc = 2;
+        char *da = read_all(a, found, &na), *db = read_all(b, found, &nb), *dc = read_all(c, found, &nc);
+        ASSERT_TRUE(da && db && dc);
+        ASSERT_TRUE(na == nb && na == nc && memcmp(da, db, na) == 0 && memcmp(da, dc, na) == 0);
+        free(da), free(db), free(dc);
+    }
+    ASSERT_TRUE(shards >= 3);   /* the writes went to several files */
+    for (int i = 0; i < WB_N; i++) mq_qtensor_free(&q[i]);
+}
+
+/* A write that fails on the writer's thread (here: past the process's file size limit) is
+ * returned by the flush, naming the file, and by every put after it; nothing is lost silently. */
+static void test_write_behind_failure_is_reported(void) {
+    wb_decls dd;
+    mq_qtensor q[WB_N];
+    wb_setup(&dd, q);
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/wb_fail", mq_test_tmpdir());
+    ASSERT_TRUE(mkdir(dir, 0755) == 0);
+    mq_ckpt_opts o = {.format = MQ_FMT_CT, .spec = mq_qspec_default(MQ_QS_NVFP4)};
+    mq_ckpt_writer *w = NULL;
+    ASSERT_OK(mq_ckpt_writer_open(dir, dd.d, dd.n, &o, false, &w));
+    ASSERT_OK(mq_ckpt_writer_behind(w, (size_t)1 << 30));
+    struct rlimit old, lim;
+    ASSERT_TRUE(getrlimit(RLIMIT_FSIZE, &old) == 0);
+    void (*prev)(int) = signal(SIGXFSZ, SIG_IGN);   /* EFBIG instead of the signal */
+    lim = old;
+    lim.rlim_cur = 1024;   /* below every tensor's data (the header alone is larger) */
+    ASSERT_TRUE(setrlimit(RLIMIT_FSIZE, &lim) == 0);
+    ASSERT_OK(mq_ckpt_writer_put_linear(w, "model.layers.0.mlp.down_proj", &q[0], 0));   /* queued */
+    moeq_status st = mq_ckpt_writer_flush(w);
+    ASSERT_TRUE(setrlimit(RLIMIT_FSIZE, &old) == 0);
+    signal(SIGXFSZ, prev);
+    ASSERT_STATUS(MOEQ_E_IO, st);
+    ASSERT_ERROR_MENTIONS("model.safetensors.partial");
+    ASSERT_STATUS(MOEQ_E_IO, mq_ckpt_writer_put_linear(w, "model.layers.1.mlp.down_proj", &q[1], 0));
+    ASSERT_STATUS(MOEQ_E_IO, mq_ckpt_writer_flush(w));
+    uint32_t crc;
+    ASSERT_FALSE(mq_ckpt_writer_crc(w, "model.layers.0.mlp.down_proj.weight_packed", &crc));
+    mq_ckpt_writer_close(w);
+    for (int i = 0; i < WB_N; i++) mq_qtensor_free(&q[i]);
+}
+
 TEST_MAIN(T(test_ct_nvfp4_olmoe), T(test_modelopt_nvfp4_qwen2moe), T(test_ct_int4_and_gptq_llama),
           T(test_fused_experts_on_disk_are_split_per_expert), T(test_ignore_no_fuse_and_sharding),
-          T(test_atomic_output), T(test_nan_weight_names_module_and_leaves_nothing))
+          T(test_atomic_output), T(test_nan_weight_names_module_and_leaves_nothing),
+          T(test_write_behind_equals_direct_writes), T(test_write_behind_failure_is_reported))

@@ -807,6 +807,32 @@ static void test_packing_round_trips(void) {
     mq_pack_u4_bytes(all, 256, pk);
     mq_unpack_u4_bytes(pk, 256, un);
     ASSERT_TRUE(memcmp(all, un, 256) == 0);
+    /* the vector path against its scalar twin: high bits set (only the low four count), every
+     * length from 0 to 100 (tails shorter than a vector step), offsets 0..3; and the words */
+    uint8_t raw[104], pv[60], pr[60];
+    uint32_t wv[13], wr[13];
+    uint32_t x = 12345;
+    for (int i = 0; i < 104; i++) {
+        x = x * 1664525u + 1013904223u;
+        raw[i] = (uint8_t)(x >> 24);
+    }
+    for (int off = 0; off < 4; off++)
+        for (int n = 0; n + off <= 100; n += 2) {
+            memset(pv, 0xAA, sizeof pv);
+            memset(pr, 0xAA, sizeof pr);
+            mq_pack_u4_bytes(raw + off, n, pv);
+            mq_pack_u4_bytes_ref(raw + off, n, pr);
+            ASSERT_TRUE(memcmp(pv, pr, sizeof pv) == 0);
+            if (n % 8) continue;
+            memset(wv, 0xAA, sizeof wv);
+            mq_pack_u4_words(raw + off, n, wv);
+            for (int i = 0; i < n / 8; i++) {
+                wr[i] = 0;
+                for (int j = 0; j < 8; j++) wr[i] |= (uint32_t)(raw[off + 8 * i + j] & 15) << (4 * j);
+            }
+            ASSERT_TRUE(memcmp(wv, wr, (size_t)n / 2) == 0);
+            ASSERT_EQ_HEX(0xAAAAAAAAu, wv[n / 8]);   /* nothing written past the end */
+        }
 }
 
 static void test_activation_fake_quant(void) {

@@ -441,6 +441,25 @@ static void test_to_f32(void) {
     ASSERT_OK(mq_tensor_to_f32(&v, out));
     for (int i = 0; i < 6; i++) ASSERT_EQ_HEX(fbits(bf16_want[i]), fbits(out[i]));
 
+    /* longer than a vector step, every length to 40 at an odd address: bit for bit the
+     * scalar conversion (the value's bits as a float's high half) */
+    uint16_t hb[40];
+    uint8_t raw[2 * 40 + 1];
+    float got[40];
+    uint32_t x = 777;
+    for (int i = 0; i < 40; i++) {
+        x = x * 1664525u + 1013904223u;
+        hb[i] = (uint16_t)(x >> 16);
+    }
+    memcpy(raw + 1, hb, sizeof hb);
+    for (int n = 0; n <= 40; n++) {
+        memset(got, 0xAA, sizeof got);
+        v = view_of(MOEQ_DT_BF16, raw + 1, n);
+        ASSERT_OK(mq_tensor_to_f32(&v, got));
+        for (int i = 0; i < n; i++) ASSERT_EQ_HEX((uint32_t)hb[i] << 16, fbits(got[i]));
+        for (int i = n; i < 40; i++) ASSERT_EQ_HEX(0xAAAAAAAAu, fbits(got[i]));
+    }
+
     memcpy(buf + 1, f64, sizeof f64);
     v = view_of(MOEQ_DT_F64, buf + 1, 4);
     ASSERT_OK(mq_tensor_to_f32(&v, out));

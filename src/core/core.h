@@ -116,6 +116,8 @@ moeq_status mq_write_file_atomic(const char *path, const void *data, size_t n);
 /* Positional I/O of whole buffers (retried on short transfers); MOEQ_E_IO naming path. A short
  * read (end of file) is MOEQ_E_FORMAT: the file is truncated. */
 moeq_status mq_pwrite_all(int fd, const void *buf, size_t n, int64_t off, const char *path);
+/* Wall nanoseconds mq_pwrite_all has spent in the kernel so far, summed over threads. */
+uint64_t mq_pwrite_ns(void);
 moeq_status mq_pread_all(int fd, void *buf, size_t n, int64_t off, const char *path);
 /* fsync of a directory, so renames and new names in it are durable. */
 moeq_status mq_fsync_dir(const char *dir);

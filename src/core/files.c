@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -210,7 +211,7 @@ void mq_remove_tree(const char *path) {
     rmdir(path);
 }
 
-moeq_status mq_pwrite_all(int fd, const void *buf, size_t n, int64_t off, const char *path) {
+static moeq_status pwrite_all(int fd, const void *buf, size_t n, int64_t off, const char *path) {
     const uint8_t *p = buf;
     while (n > 0) {
         ssize_t k = pwrite(fd, p, n, (off_t)off);
@@ -223,6 +224,18 @@ moeq_status mq_pwrite_all(int fd, const void *buf, size_t n, int64_t off, const 
         off += k;
     }
     return MOEQ_OK;
+}
+
+/* Wall nanoseconds spent in pwrite, summed over threads (MOEQ_PROFILE's write split). */
+static atomic_uint_fast64_t g_write_ns;
+
+uint64_t mq_pwrite_ns(void) { return atomic_load(&g_write_ns); }
+
+moeq_status mq_pwrite_all(int fd, const void *buf, size_t n, int64_t off, const char *path) {
+    const double t0 = mq_now();
+    moeq_status st = pwrite_all(fd, buf, n, off, path);
+    atomic_fetch_add(&g_write_ns, (uint_fast64_t)((mq_now() - t0) * 1e9));
+    return st;
 }
 
 moeq_status mq_pread_all(int fd, void *buf, size_t n, int64_t off, const char *path) {

@@ -7,6 +7,8 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -22,7 +24,144 @@ struct mq_ckpt_writer {
     uint8_t *done;
     size_t n;
     mq_st **readers;    /* the partial shards opened for reading back (read_linear) */
+    struct behind *wb;  /* write-behind (mq_ckpt_writer_behind), or NULL */
 };
+
+/* ---- write-behind ----------------------------------------------------------------------------
+ * The tensors a layout emits are queued and written by one thread, in order, while the caller
+ * goes on. Written from the pool's threads at once, buffered writes to one file take turns on the
+ * file's lock in the kernel and spin for it: at 16 threads a chunk of 96 expert weights (113 MB)
+ * spent 0.28 thread-seconds in pwrite against 0.02 on 2 threads, every core stalled for most of
+ * the write stage. The queue holds at most `cap` bytes (a larger item goes alone); a caller
+ * waits for room. The first failure is kept and returned by every later call. */
+typedef struct wb_item {
+    long idx;                 /* its index in names */
+    moeq_dtype dtype;
+    void *data;               /* owned (mq_alloc'd by the layout's emitter) */
+    size_t nbytes;
+    struct wb_item *next;
+} wb_item;
+
+struct behind {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;        /* any change: an item queued or written, the stop */
+    pthread_t th;
+    wb_item *head, *tail;
+    size_t queued, cap;       /* bytes queued and not yet written (the item in hand included) */
+    int pending;              /* items queued and not yet written */
+    bool stop;
+    moeq_status err;
+    char msg[320];
+};
+
+static void *behind_thread(void *arg) {
+    mq_ckpt_writer *w = arg;
+    struct behind *b = w->wb;
+    pthread_mutex_lock(&b->mu);
+    for (;;) {
+        while (!b->head && !b->stop) pthread_cond_wait(&b->cv, &b->mu);
+        wb_item *it = b->head;
+        if (!it) break;   /* stopped and drained */
+        b->head = it->next;
+        if (!b->head) b->tail = NULL;
+        const bool failed = b->err != MOEQ_OK;
+        pthread_mutex_unlock(&b->mu);
+        uint32_t crc = 0;
+        moeq_status s = failed ? MOEQ_OK
+                               : mq_shard_files_put(w->files, w->names[it->idx], it->dtype, it->data, it->nbytes, &crc);
+        pthread_mutex_lock(&b->mu);
+        if (s && !b->err) {
+            b->err = s;
+            snprintf(b->msg, sizeof b->msg, "%s", moeq_last_error());
+        } else if (!s && !failed) {
+            w->crc[it->idx] = crc;
+            w->done[it->idx] = 1;
+        }
+        b->queued -= it->nbytes;
+        b->pending--;
+        pthread_cond_broadcast(&b->cv);
+        pthread_mutex_unlock(&b->mu);
+        mq_free(it->data);
+        free(it);
+        pthread_mutex_lock(&b->mu);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return NULL;
+}
+
+/* The kept failure as this thread's error (the caller holds b->mu). */
+static moeq_status behind_failure(const struct behind *b) { return mq_err(b->err, "%s", b->msg); }
+
+moeq_status mq_ckpt_writer_behind(mq_ckpt_writer *w, size_t cap) {
+    if (w->wb) return MOEQ_OK;
+    struct behind *b = calloc(1, sizeof *b);
+    if (!b) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->cv, NULL);
+    b->cap = cap;
+    w->wb = b;
+    if (pthread_create(&b->th, NULL, behind_thread, w) != 0) {
+        w->wb = NULL;
+        pthread_cond_destroy(&b->cv);
+        pthread_mutex_destroy(&b->mu);
+        free(b);
+        return mq_err(MOEQ_E_IO, "%s: cannot start the thread that writes the checkpoint", w->dir);
+    }
+    return MOEQ_OK;
+}
+
+moeq_status mq_ckpt_writer_flush(mq_ckpt_writer *w) {
+    struct behind *b = w->wb;
+    if (!b) return MOEQ_OK;
+    pthread_mutex_lock(&b->mu);
+    while (b->pending > 0) pthread_cond_wait(&b->cv, &b->mu);
+    moeq_status s = b->err ? behind_failure(b) : MOEQ_OK;
+    pthread_mutex_unlock(&b->mu);
+    return s;
+}
+
+/* Queues data (owned from here on, freed on failure too) for the writer's thread. */
+static moeq_status behind_put(mq_ckpt_writer *w, long idx, moeq_dtype dtype, void *data, size_t nbytes) {
+    struct behind *b = w->wb;
+    wb_item *it = malloc(sizeof *it);
+    if (!it) {
+        mq_free(data);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    *it = (wb_item){idx, dtype, data, nbytes, NULL};
+    pthread_mutex_lock(&b->mu);
+    while (!b->err && b->pending > 0 && b->queued + nbytes > b->cap) pthread_cond_wait(&b->cv, &b->mu);
+    if (b->err) {
+        moeq_status s = behind_failure(b);
+        pthread_mutex_unlock(&b->mu);
+        mq_free(data);
+        free(it);
+        return s;
+    }
+    if (b->tail) b->tail->next = it;
+    else b->head = it;
+    b->tail = it;
+    b->queued += nbytes;
+    b->pending++;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    return MOEQ_OK;
+}
+
+/* Stops the thread once it has written what is queued. */
+static void behind_stop(mq_ckpt_writer *w) {
+    struct behind *b = w->wb;
+    if (!b) return;
+    pthread_mutex_lock(&b->mu);
+    b->stop = true;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    pthread_join(b->th, NULL);
+    pthread_cond_destroy(&b->cv);
+    pthread_mutex_destroy(&b->mu);
+    free(b);
+    w->wb = NULL;
+}
 
 static int cmp_str(const void *a, const void *b) {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
@@ -42,6 +181,7 @@ static long name_index(const mq_ckpt_writer *w, const char *name) {
 
 void mq_ckpt_writer_close(mq_ckpt_writer *w) {
     if (!w) return;
+    behind_stop(w);
     for (size_t k = 0; w->readers && k < mq_shard_plan_count(w->plan); k++) mq_st_close(w->readers[k]);
     free(w->readers);
     mq_shard_files_close(w->files);
@@ -82,23 +222,38 @@ moeq_status mq_ckpt_writer_open(const char *dir, const mq_tensor_decl *decls, si
     return MOEQ_OK;
 }
 
+/* A caller's data, written now: after what is queued (the files then have one writer). */
 moeq_status mq_ckpt_writer_put(mq_ckpt_writer *w, const char *name, moeq_dtype dtype,
                                const void *data, size_t nbytes) {
     long i = name_index(w, name);
     if (i < 0) return mq_err(MOEQ_E_NOTFOUND, "%s: tensor '%s' is not in the checkpoint plan", w->dir, name);
     uint32_t crc;
-    moeq_status s = mq_shard_files_put(w->files, name, dtype, data, nbytes, &crc);
+    moeq_status s = mq_ckpt_writer_flush(w);
+    if (!s) s = mq_shard_files_put(w->files, name, dtype, data, nbytes, &crc);
     if (s) return s;
     w->crc[i] = crc;
     w->done[i] = 1;
     return MOEQ_OK;
 }
 
+/* The layouts' emitted tensors (owned here): queued with write-behind, after the checks that name
+ * the tensor, else written now. */
 static moeq_status emit_put(void *user, const char *name, moeq_dtype dtype, int ndim,
                             const int64_t *shape, void *data, size_t nbytes) {
     (void)ndim;
     (void)shape;   /* checked against the plan by size and dtype */
-    moeq_status s = mq_ckpt_writer_put(user, name, dtype, data, nbytes);
+    mq_ckpt_writer *w = user;
+    if (w->wb) {
+        long i = name_index(w, name);
+        moeq_status s = i < 0 ? mq_err(MOEQ_E_NOTFOUND, "%s: tensor '%s' is not in the checkpoint plan", w->dir, name)
+                              : mq_shard_files_check(w->files, name, dtype, nbytes);
+        if (s) {
+            mq_free(data);
+            return s;
+        }
+        return behind_put(w, i, dtype, data, nbytes);
+    }
+    moeq_status s = mq_ckpt_writer_put(w, name, dtype, data, nbytes);
     mq_free(data);
     return s;
 }
@@ -133,7 +288,10 @@ moeq_status mq_ckpt_writer_verify(mq_ckpt_writer *w, const char *name, uint32_t 
     return mq_shard_files_mark(w->files, name);
 }
 
-moeq_status mq_ckpt_writer_sync(mq_ckpt_writer *w) { return mq_shard_files_sync(w->files); }
+moeq_status mq_ckpt_writer_sync(mq_ckpt_writer *w) {
+    moeq_status s = mq_ckpt_writer_flush(w);
+    return s ? s : mq_shard_files_sync(w->files);
+}
 moeq_status mq_ckpt_writer_sync_all(const mq_ckpt_writer *w) { return mq_shard_files_sync_all(w->files); }
 
 static const mq_tensor_view *reader_lookup(void *user, const char *name) {
@@ -325,7 +483,8 @@ static moeq_status copy_python_files(const char *src_dir, const char *dst_dir) {
 
 moeq_status mq_ckpt_writer_finish(mq_ckpt_writer *w, const cJSON *src_config, const char *src_dir,
                                   const char *const *kept, size_t n_kept) {
-    moeq_status s = mq_shard_files_finish(w->files);
+    moeq_status s = mq_ckpt_writer_flush(w);
+    if (!s) s = mq_shard_files_finish(w->files);
     if (s) return s;
     cJSON *config = cJSON_Duplicate(src_config, 1);
     cJSON *ign = ignore_list(kept, n_kept);

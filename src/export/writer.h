@@ -39,7 +39,16 @@ moeq_status mq_ckpt_writer_put_input_scale(mq_ckpt_writer *w, const char *module
 /* A tensor stored as given (unquantized Linears, norms, embeddings, ...). */
 moeq_status mq_ckpt_writer_put(mq_ckpt_writer *w, const char *name, moeq_dtype dtype,
                                const void *data, size_t nbytes);
-/* CRC-32 of the data written for `name` by this writer; false when it has written none. */
+/* Write-behind: from here on the Linears' tensors (put_linear, put_input_scale) are queued and
+ * written by a thread of the writer while the caller goes on, at most cap bytes queued (the
+ * caller waits for room; one larger tensor goes alone). put, sync and finish write what is
+ * queued first; crc and the layer's records need a flush. */
+moeq_status mq_ckpt_writer_behind(mq_ckpt_writer *w, size_t cap);
+/* Waits until everything queued is written; the first write that failed (naming its file),
+ * which every put after it returned too. */
+moeq_status mq_ckpt_writer_flush(mq_ckpt_writer *w);
+/* CRC-32 of the data written for `name` by this writer; false when it has written none (or it
+ * is still queued: flush first). */
 bool mq_ckpt_writer_crc(const mq_ckpt_writer *w, const char *name, uint32_t *crc);
 /* A resumed run: the data an earlier run wrote for `name` must have CRC crc (MOEQ_E_FORMAT when
  * it has not: torn or corrupt); then it counts as written. */

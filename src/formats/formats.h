@@ -228,8 +228,10 @@ float mq_absmax_pool(const float *x, int64_t n);
 moeq_status mq_all_finite_many(const float *const *x, const int64_t *n, int64_t count, uint8_t *ok);
 
 /* ---- 4-bit packing (shared by every checkpoint layout) -------------------------------------- */
-/* out[i] = codes[2i] | codes[2i+1] << 4 (first element in the low nibble); n even. */
+/* out[i] = codes[2i] | codes[2i+1] << 4 (first element in the low nibble, each code's low four
+ * bits); n even. SSE2 on x86-64; mq_pack_u4_bytes_ref is its scalar twin (MOEQ_FORCE_REF). */
 void mq_pack_u4_bytes(const uint8_t *codes, int64_t n, uint8_t *out);
+void mq_pack_u4_bytes_ref(const uint8_t *codes, int64_t n, uint8_t *out);
 void mq_unpack_u4_bytes(const uint8_t *packed, int64_t n, uint8_t *codes);
 /* out[i] = sum_j codes[8i+j] << 4j (LSB first); n % 8 == 0. */
 void mq_pack_u4_words(const uint8_t *codes, int64_t n, uint32_t *out);

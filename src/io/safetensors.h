@@ -151,6 +151,9 @@ moeq_status mq_shard_files_create(mq_shard_plan *p, const char *dir, mq_shard_fi
  * planned size and header, else MOEQ_E_NOTFOUND / MOEQ_E_FORMAT naming it. A shard that an
  * interrupted finish() already renamed to its final name is taken back. */
 moeq_status mq_shard_files_open(mq_shard_plan *p, const char *dir, mq_shard_files **out);
+/* Whether the plan holds tensor `name` as dtype of nbytes (MOEQ_E_NOTFOUND / MOEQ_E_SHAPE naming
+ * it): what put checks, for a writer that queues the data and writes it later. */
+moeq_status mq_shard_files_check(const mq_shard_files *f, const char *name, moeq_dtype dtype, size_t nbytes);
 /* Writes a tensor's data to its place (dtype and size checked against the plan); crc (may be
  * NULL): the CRC-32 of the data. */
 moeq_status mq_shard_files_put(mq_shard_files *f, const char *name, moeq_dtype dtype,

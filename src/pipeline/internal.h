@@ -239,6 +239,8 @@ moeq_status mq_plan_memory(mq_pipe *p);
 /* Expert rows a batch of the chunk of C experts holds: at least one sample's worst case, and
  * enough blocks to keep every thread busy. */
 int64_t mq_plan_batch_rows(const mq_pipe *p, int64_t C);
+/* Bytes the checkpoint writer may queue (memplan.c). */
+int64_t mq_plan_write_behind(const mq_pipe *p);
 /* Measures this machine's sgemm rate and estimates the run's time from the plan's FLOPs. */
 void mq_plan_estimate_time(mq_pipe *p);
 

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "dist/dist.h"
 #include "kernels/gemm_det.h"
@@ -45,9 +46,15 @@ static moeq_status check_interrupt(void) {
 static moeq_status read_part(mq_pipe *p, int l, unsigned what, int e0, int e1,
                              bool (*alloc_only)(float **dest, void *user), void *user) {
     double t0 = mq_now(), c0 = mq_cpu_now();
+    struct rusage r0, r1;
+    const bool prof = getenv("MOEQ_PROFILE") != NULL;
+    if (prof) getrusage(RUSAGE_SELF, &r0);
     moeq_status st = mq_lazy_load_ex(p->lz, l, what, e0, e1, alloc_only, user);
     p->layers[l].read += mq_now() - t0;
     p->layers[l].cpu_read += mq_cpu_now() - c0;
+    if (prof && !getrusage(RUSAGE_SELF, &r1))   /* page faults: the source's mapping, fresh buffers */
+        mq_info("layer %d read, part %u experts %d..%d: %.3f s (%.1f cores busy), %ld minor faults", l, what, e0,
+                e1, mq_now() - t0, (mq_cpu_now() - c0) / (mq_now() - t0 + 1e-9), r1.ru_minflt - r0.ru_minflt);
     return st;
 }
 
@@ -397,11 +404,12 @@ static void deq_piece_task(void *vctx, int64_t t, int thread) {
 }
 
 static moeq_status dequantize_back(mq_pipe *p, int l, const slot *slots, const mq_qtensor *q, const int *weight,
-                                   const moeq_status *sts, int m) {
+                                   const moeq_status *sts, int m, const bool *in_place) {
     int64_t n = 0;
     for (int t = 0; t < m; t++) {
         const int j = weight[t];
-        if (!sts[t] && slots[j / 3].w[j % 3]->w) n += (q[j].rows + DEQ_ROWS - 1) / DEQ_ROWS;
+        if (!sts[t] && slots[j / 3].w[j % 3]->w && !(in_place && in_place[j]))
+            n += (q[j].rows + DEQ_ROWS - 1) / DEQ_ROWS;
     }
     if (!n) return MOEQ_OK;
     deq_piece *pc = malloc((size_t)n * sizeof *pc);
@@ -409,7 +417,7 @@ static moeq_status dequantize_back(mq_pipe *p, int l, const slot *slots, const m
     n = 0;
     for (int t = 0; t < m; t++) {
         const int j = weight[t];
-        float *w = slots[j / 3].w[j % 3]->w;
+        float *w = in_place && in_place[j] ? NULL : slots[j / 3].w[j % 3]->w;
         for (int64_t r0 = 0; !sts[t] && w && r0 < q[j].rows; r0 += DEQ_ROWS) pc[n++] = (deq_piece){&q[j], w, r0};
     }
     mq_parallel_for(n, deq_piece_task, pc);
@@ -422,18 +430,26 @@ static moeq_status dequantize_back(mq_pipe *p, int l, const slot *slots, const m
  * dequantized weights into the Linears' host copies for the stages after (sequential
  * calibration), unless the device already holds them and the host copy is dropped unread. */
 static moeq_status put_and_record(mq_pipe *p, int l, const slot *slots, const mq_qtensor *q, const int *weight,
-                                  const float *amax, const mq_gptq_stats *stats, int m, bool deq) {
+                                  const float *amax, const mq_gptq_stats *stats, int m, bool deq,
+                                  const bool *in_place) {
     moeq_status *sts = calloc((size_t)(m + 1), sizeof *sts);
     char (*msg)[320] = calloc((size_t)(m + 1), sizeof *msg);
     moeq_status st = sts && msg ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
-    double t0 = mq_now(), c0 = mq_cpu_now();
+    double t0 = mq_now(), c0 = mq_cpu_now(), t1 = t0, c1 = c0;
+    const uint64_t w0 = mq_pwrite_ns();
     if (!st) {
         put_ctx c = {p, slots, q, weight, amax, sts, msg};
         mq_parallel_for(m, put_task, &c);
-        if (deq && p->seq) st = dequantize_back(p, l, slots, q, weight, sts, m);
+        t1 = mq_now(), c1 = mq_cpu_now();
+        if (deq && p->seq) st = dequantize_back(p, l, slots, q, weight, sts, m, in_place);
     }
     p->layers[l].write += mq_now() - t0;
     p->layers[l].cpu_write += mq_cpu_now() - c0;
+    if (getenv("MOEQ_PROFILE"))   /* the write stage's parts (the writer's thread writes meanwhile) */
+        mq_info("layer %d write, %d weights: packing %.3f s (%.1f cores busy), dequantizing back %.3f s (%.1f "
+                "cores busy); the writer's thread in pwrite meanwhile %.3f s", l, m, t1 - t0,
+                (c1 - c0) / (t1 - t0 + 1e-9), mq_now() - t1, (mq_cpu_now() - c1) / (mq_now() - t1 + 1e-9),
+                (double)(mq_pwrite_ns() - w0) * 1e-9);
     for (int t = 0; t < m && !st; t++) {
         const int j = weight[t];
         if (sts[t]) st = mq_err(sts[t], "%s", msg[t]);
@@ -472,7 +488,7 @@ static moeq_status write_pending(mq_pipe *p, bool write) {
     pending_write *pw = p->pending;
     if (!pw) return MOEQ_OK;
     p->pending = NULL;
-    moeq_status st = write ? put_and_record(p, pw->l, pw->slots, pw->q, pw->weight, pw->amax, pw->stats, pw->m, false)
+    moeq_status st = write ? put_and_record(p, pw->l, pw->slots, pw->q, pw->weight, pw->amax, pw->stats, pw->m, false, NULL)
                            : MOEQ_OK;
     pending_free(pw);
     return st;
@@ -506,7 +522,8 @@ static moeq_status defer_slots(mq_pipe *p, int l, const slot *slots, int n, mq_q
 
 /* finish_linear for the weights of quantize_slots at once: prepared in order, packed and written
  * on the pool, recorded in order. With `written` (a GPU chunk: job -> dequantized on the device)
- * the packing and writing wait for write_pending, which then owns q (*took_q). */
+ * the packing and writing wait for write_pending, which then owns q (*took_q). A job with deq
+ * wrote its dequantized weights into the Linear's host copy already (quantize_slots). */
 static moeq_status finish_slots(mq_pipe *p, int l, const slot *slots, int n, mq_qtensor *q,
                                 const mq_gptq_job *jobs, const int *job_of, const mq_gptq_stats *stats,
                                 const bool *written, bool *took_q) {
@@ -514,7 +531,10 @@ static moeq_status finish_slots(mq_pipe *p, int l, const slot *slots, int n, mq_
     int *weight = calloc((size_t)(3 * n + 1), sizeof *weight);
     float *amax = calloc((size_t)(3 * n + 1), sizeof *amax);
     mq_gptq_stats *wst = calloc((size_t)(3 * n + 1), sizeof *wst);
-    moeq_status st = weight && amax && wst ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+    bool *in_place = calloc((size_t)(3 * n + 1), sizeof *in_place);
+    moeq_status st = weight && amax && wst && in_place ? MOEQ_OK
+                                                       : mq_err(MOEQ_E_NOMEM, "out of memory writing layer %d", l);
+    for (int j = 0; j < 3 * n && !st; j++) in_place[j] = job_of[j] >= 0 && jobs[job_of[j]].deq != NULL;
     int m = 0;
     for (int i = 0; i < n && !st; i++)
         for (int k = 0; k < slots[i].nw && !st; k++) {
@@ -528,14 +548,16 @@ static moeq_status finish_slots(mq_pipe *p, int l, const slot *slots, int n, mq_
         st = defer_slots(p, l, slots, n, q, weight, amax, wst, m, job_of, written);
         if (!st) {
             *took_q = true;
+            free(in_place);
             return st;
         }
     } else if (!st) {
-        st = put_and_record(p, l, slots, q, weight, amax, wst, m, true);
+        st = put_and_record(p, l, slots, q, weight, amax, wst, m, true, in_place);
     }
     free(weight);
     free(amax);
     free(wst);
+    free(in_place);
     return st;
 }
 
@@ -697,8 +719,11 @@ static moeq_status quantize_slots(mq_pipe *p, int l, slot *slots, int n, float *
             }
             const mq_gptq_factor *fi = s->how == MQ_HOW_GPTQ_BLOCK_HESSIAN && !s->down ? &f[n] : &f[i];
             job_of[j] = n_jobs;
-            jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], NULL,
-                                           {0, 0, 0, 0, 0}};
+            /* sequential calibration on the CPU, one process: GPTQ leaves the dequantized weights
+             * in the host copy as each row block finishes (while it is in cache), instead of a
+             * pass over every weight after the write (memory-bound: 0.6 of 16x the 2-thread one) */
+            float *deq = p->seq && !p->gpu && p->ranks <= 1 ? lin->w : NULL;
+            jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], deq, {0, 0, 0, 0, 0}};
         }
     }
     /* the GPTQ jobs ran into q[] through their out pointers; their stats go back by position */
@@ -946,7 +971,7 @@ static moeq_status share_slots(mq_pipe *p, int l, slot *slots, int n) {
             wst[m] = slots[i].qs[k];
             weight[m++] = j;
         }
-    if (!st) st = put_and_record(p, l, slots, q, weight, amax, wst, m, true);
+    if (!st) st = put_and_record(p, l, slots, q, weight, amax, wst, m, true, NULL);
     for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
     free(q);
     free(weight);
@@ -3442,6 +3467,13 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     if (!st && !replay) st = mq_pipe_layer_rtn(p, l);   /* Linears the model's forward lacks */
     if (!st && !replay) st = mq_pipe_write_passthrough(p, l);
     drop_part(p, l, MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_SHARED | MQ_PART_MLP, 0, 0);
+    if (!st && p->w) {   /* the writer's queue, the layer's last (usually done by now) */
+        const double tw = mq_now(), cw = mq_cpu_now();
+        st = mq_ckpt_writer_flush(p->w);
+        if (getenv("MOEQ_PROFILE")) mq_info("layer %d write: %.3f s waiting for the writer's queue", l, mq_now() - tw);
+        p->layers[l].write += mq_now() - tw;
+        p->layers[l].cpu_write += mq_cpu_now() - cw;
+    }
     p->layers[l].total += mq_now() - t0;
     p->layers[l].cpu_total += mq_cpu_now() - c0;
     p->layers[l].pooled += mq_pool_seconds() - pool0;

@@ -36,6 +36,33 @@ static double code_bytes_per_weight(const mq_qspec *s) {
     return 1.0 + (double)sizeof(mq_gparams) / (double)g + 0.5;
 }
 
+/* The checkpoint writer's queue (mq_ckpt_writer_behind): the packed bytes (4-bit codes and their
+ * scales, 9/16 of a byte a weight at most) of the most weights one write puts at once: an expert
+ * chunk, a layer's attention or its dense MLP or shared expert. The plan counts every weight's
+ * packed copy beside its codes (code_bytes_per_weight), and a chunk queued while the next one
+ * works fills the room the next one's copies take once they are made, so the queue adds nothing
+ * to the peak. */
+int64_t mq_plan_write_behind(const mq_pipe *p) {
+    int64_t b = 0;
+    if (p->calibrate && p->lz) {
+        const int E = p->c->n_experts, C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
+        const int64_t parts[4] = {max_part(p, MQ_PART_ATTN, 0), max_part(p, MQ_PART_MLP, 0),
+                                  max_part(p, MQ_PART_SHARED, 0), E > 0 ? max_part(p, MQ_PART_EXPERTS, C) : 0};
+        for (int i = 0; i < 4; i++) b = parts[i] > b ? parts[i] : b;
+    } else {   /* plain RTN: a fusion group at a time, as planned */
+        for (size_t i = 0; i < p->plan.n_items; i++) {
+            const mq_plan_item *a = &p->plan.items[i];
+            int64_t g = 0;
+            for (size_t j = 0; a->quantize && j < p->plan.n_items; j++) {
+                const mq_plan_item *x = &p->plan.items[j];
+                if (x->group == a->group && x->quantize) g += x->rows * x->cols * 4;
+            }
+            b = g > b ? g : b;
+        }
+    }
+    return b / 4 * 9 / 16 + (1 << 20);   /* fp32 bytes -> packed; scalars and g_idx */
+}
+
 /* GPTQ's per-thread scratch for weights with K inputs (gptq.c scratch_new: its rows per task). */
 static int64_t gptq_scratch(int64_t K) { return (int64_t)mq_pool_size() * K * mq_gptq_row_block() * 4 * 5; }
 

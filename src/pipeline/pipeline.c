@@ -677,6 +677,8 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
             free(path);
         }
     }
+    /* the packing goes on while one thread writes (export/writer.h) */
+    if (!s && p->w) s = mq_ckpt_writer_behind(p->w, (size_t)mq_plan_write_behind(p));
     if ((s = mq_dist_agree(s, "the work directory"))) goto done;
     if (p->ranks > 1) {
         int32_t done_layers = p->layers_done;

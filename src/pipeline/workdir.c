@@ -882,6 +882,7 @@ static moeq_status layer_done(mq_pipe *p, int l) {
     moeq_status s = rec_finish(p);   /* the layer before's, made durable while this one ran */
     p->layers[l].snapshot_sync = mq_now() - t_sync;
     if (s) return s;
+    if ((s = mq_ckpt_writer_flush(p->w))) return s;   /* queued writes (the layer flushed them) */
     cJSON *rec = cJSON_CreateObject();
     cJSON_AddNumberToObject(rec, "layer", l);
     cJSON *t = layer_tensors(p, l);

@@ -1303,8 +1303,8 @@ static void run_task(void *vctx, int64_t task, int thread) {
     out->e2 = e2;
     out->dsq = dsq;
     if (c->o->refine_passes > 0) refine_rows(&L, c, j->w, r0, out);
-    store_rows(&L, j, r0);
     if (c->o->rtn_loss) rtn_loss_rows(&L, j->w, r0, out);
+    store_rows(&L, j, r0);   /* the last use of these rows of w: deq may be w itself */
     out->seconds = mq_now() - t0;
     int64_t done = atomic_fetch_add(&c->done, 1) + 1;
     const mq_gptq_opts *o = c->o;

@@ -129,7 +129,9 @@ typedef struct {
                                 <= 0: from the absolute max of this w */
     const char *name;
     mq_qtensor *out;         /* initialised by mq_gptq_run (free with mq_qtensor_free) */
-    float *deq;              /* optional [rows, K]: the dequantized result, in original order */
+    float *deq;              /* optional [rows, K]: the dequantized result, in original order;
+                                may be w itself (each row block of w is read before its
+                                dequantized rows replace it) */
     mq_gptq_stats stats;     /* filled by mq_gptq_run */
 } mq_gptq_job;
 
