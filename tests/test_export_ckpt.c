@@ -532,7 +532,7 @@ static void test_nan_weight_names_module_and_leaves_nothing(void) {
 }
 
 /* ---- write-behind (export/writer.h) ---- */
-enum { WB_N = 12, WB_ROWS = 64, WB_COLS = 128 };
+enum { WB_N = 12, WB_ROWS = 256, WB_COLS = 512 };   /* 64 KiB packed, 8 KiB of scales a weight */
 
 typedef struct {
     mq_tensor_decl d[WB_N * 4];
@@ -554,7 +554,7 @@ static moeq_status wb_describe(void *user, const char *name, moeq_dtype dtype, i
 /* WB_N NVFP4 Linears (RTN of distinct weights) through a writer in dir: written at once, or
  * queued (cap bytes) and flushed; max_shard_bytes small, so they spread over several files. */
 static void wb_write(const char *dir, bool behind, size_t cap, const wb_decls *dd, const mq_qtensor *q) {
-    mq_ckpt_opts o = {.format = MQ_FMT_CT, .spec = mq_qspec_default(MQ_QS_NVFP4), .max_shard_bytes = 20000};
+    mq_ckpt_opts o = {.format = MQ_FMT_CT, .spec = mq_qspec_default(MQ_QS_NVFP4), .max_shard_bytes = 300000};
     mq_ckpt_writer *w = NULL;
     ASSERT_TRUE(mkdir(dir, 0755) == 0);
     ASSERT_OK(mq_ckpt_writer_open(dir, dd->d, dd->n, &o, false, &w));
@@ -585,19 +585,22 @@ static void wb_setup(wb_decls *dd, mq_qtensor *q) {
     free(w);
 }
 
-/* Queued writes land as direct ones do, byte for byte in every shard, whether the queue takes
- * a tensor at a time (cap 1: each put waits for the one before) or all of them. */
+/* Queued writes land as direct ones do, byte for byte in every shard: in the emitters' own
+ * buffers a tensor at a time (cap 1: each put waits for the one before), in a ring that wraps
+ * and makes puts wait (100 KB: one packed weight and a few scales), in a ring holding them all. */
 static void test_write_behind_equals_direct_writes(void) {
     wb_decls dd;
     mq_qtensor q[WB_N];
     wb_setup(&dd, q);
-    char a[1024], b[1100], c[1100];
+    char a[1024], b[1100], c[1100], d[1100];
     snprintf(a, sizeof a, "%s/wb_direct", mq_test_tmpdir());
     snprintf(b, sizeof b, "%s/wb_cap1", mq_test_tmpdir());
-    snprintf(c, sizeof c, "%s/wb_all", mq_test_tmpdir());
+    snprintf(c, sizeof c, "%s/wb_ring", mq_test_tmpdir());
+    snprintf(d, sizeof d, "%s/wb_all", mq_test_tmpdir());
     wb_write(a, false, 0, &dd, q);
     wb_write(b, true, 1, &dd, q);
-    wb_write(c, true, (size_t)1 << 30, &dd, q);
+    wb_write(c, true, 100000, &dd, q);
+    wb_write(d, true, (size_t)4 << 20, &dd, q);
     char name[64];
     int shards = 0;
     for (int k = 1; k <= 9; k++) {
@@ -614,11 +617,13 @@ static void test_write_behind_equals_direct_writes(void) {
         if (dir) closedir(dir);
         if (!found) break;
         shards++;
-        size_t na = 0, nb = 1, nc = 2;
-        char *da = read_all(a, found, &na), *db = read_all(b, found, &nb), *dc = read_all(c, found, &nc);
-        ASSERT_TRUE(da && db && dc);
-        ASSERT_TRUE(na == nb && na == nc && memcmp(da, db, na) == 0 && memcmp(da, dc, na) == 0);
-        free(da), free(db), free(dc);
+        size_t na = 0, nb = 1, nc = 2, nd = 3;
+        char *da = read_all(a, found, &na), *db = read_all(b, found, &nb), *dc = read_all(c, found, &nc),
+             *de = read_all(d, found, &nd);
+        ASSERT_TRUE(da && db && dc && de);
+        ASSERT_TRUE(na == nb && na == nc && na == nd);
+        ASSERT_TRUE(memcmp(da, db, na) == 0 && memcmp(da, dc, na) == 0 && memcmp(da, de, na) == 0);
+        free(da), free(db), free(dc), free(de);
     }
     ASSERT_TRUE(shards >= 3);   /* the writes went to several files */
     for (int i = 0; i < WB_N; i++) mq_qtensor_free(&q[i]);
@@ -636,7 +641,7 @@ static void test_write_behind_failure_is_reported(void) {
     mq_ckpt_opts o = {.format = MQ_FMT_CT, .spec = mq_qspec_default(MQ_QS_NVFP4)};
     mq_ckpt_writer *w = NULL;
     ASSERT_OK(mq_ckpt_writer_open(dir, dd.d, dd.n, &o, false, &w));
-    ASSERT_OK(mq_ckpt_writer_behind(w, (size_t)1 << 30));
+    ASSERT_OK(mq_ckpt_writer_behind(w, (size_t)4 << 20));
     struct rlimit old, lim;
     ASSERT_TRUE(getrlimit(RLIMIT_FSIZE, &old) == 0);
     void (*prev)(int) = signal(SIGXFSZ, SIG_IGN);   /* EFBIG instead of the signal */

@@ -36,16 +36,16 @@ static double code_bytes_per_weight(const mq_qspec *s) {
     return 1.0 + (double)sizeof(mq_gparams) / (double)g + 0.5;
 }
 
-/* The checkpoint writer's queue (mq_ckpt_writer_behind): the packed bytes (4-bit codes and their
- * scales, 9/16 of a byte a weight at most) of the most weights one write puts at once: an expert
- * chunk, a layer's attention or its dense MLP or shared expert. The plan counts every weight's
- * packed copy beside its codes (code_bytes_per_weight), and a chunk queued while the next one
- * works fills the room the next one's copies take once they are made, so the queue adds nothing
- * to the peak. */
-int64_t mq_plan_write_behind(const mq_pipe *p) {
+/* The checkpoint writer's queue (mq_ckpt_writer_behind), a ring mapped once: the packed bytes
+ * (4-bit codes and their scales, 9/16 of a byte a weight at most) of the most weights one write
+ * puts at once: a chunk of C experts, a layer's attention or its dense MLP or shared expert. The
+ * plan counts every weight's packed copy beside its codes (code_bytes_per_weight): the ring is
+ * where the FFN stage's copies go; beside the attention it is counted in full (plan_sizes). */
+static int64_t write_behind_bytes(const mq_pipe *p, int C) {
     int64_t b = 0;
     if (p->calibrate && p->lz) {
-        const int E = p->c->n_experts, C = p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
+        const int E = p->c->n_experts;
+        C = C > 0 && C < E ? C : E;
         const int64_t parts[4] = {max_part(p, MQ_PART_ATTN, 0), max_part(p, MQ_PART_MLP, 0),
                                   max_part(p, MQ_PART_SHARED, 0), E > 0 ? max_part(p, MQ_PART_EXPERTS, C) : 0};
         for (int i = 0; i < 4; i++) b = parts[i] > b ? parts[i] : b;
@@ -62,6 +62,8 @@ int64_t mq_plan_write_behind(const mq_pipe *p) {
     }
     return b / 4 * 9 / 16 + (1 << 20);   /* fp32 bytes -> packed; scalars and g_idx */
 }
+
+int64_t mq_plan_write_behind(const mq_pipe *p) { return write_behind_bytes(p, p->mp.chunk); }
 
 /* GPTQ's per-thread scratch for weights with K inputs (gptq.c scratch_new: its rows per task). */
 static int64_t gptq_scratch(int64_t K) { return (int64_t)mq_pool_size() * K * mq_gptq_row_block() * 4 * 5; }
@@ -121,7 +123,8 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
                   tgt * ((2 * Kmax * Kmax + (Q + 2 * KV > D ? Q + 2 * KV : D) * Kmax) * 4 +
                          L * (2 * D + Qo + (c->mla ? qr + lr : 0)) * 4) +
                   L * (3 * D + Qo + (c->mla ? qr + lr : 0)) * 4 +
-                  L * (E > 0 ? E : 1) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)att_w / 4);
+                  L * (E > 0 ? E : 1) * 4 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)att_w / 4) +
+                  write_behind_bytes(p, C);   /* the writer's ring, filled by the FFN stage before */
     /* the FFN stage keeps the norms and the router */
     int64_t ffn_fixed = max_part(p, MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0);
     bool block = o->gptq && !o->fallback_rtn && o->min_expert_tokens > 0 && E > 0;
