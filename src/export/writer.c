@@ -34,7 +34,7 @@ struct mq_ckpt_writer {
  * spent 0.28 thread-seconds in pwrite against 0.02 on 2 threads, every core stalled for most of
  * the write stage. The queued bytes live in one ring of `cap` bytes mapped once: an emitter's
  * buffer is copied in and freed on its own thread, which then reuses it for its next tensor
- * (packed into freshly mapped buffers, a weight's packing took 4-5 ms instead of 0.5-0.9, all
+ * (into freshly mapped buffers a weight's packing took 4-5 ms instead of 0.5-0.9, most of it
  * page faults). A caller waits for room; a tensor larger than the ring goes alone in its own
  * buffer. The first failure is kept and returned by every later call. */
 typedef struct wb_item {
