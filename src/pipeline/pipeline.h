@@ -113,7 +113,8 @@ typedef struct {
     int64_t activations;           /* calibration activations at the layer boundary */
     int64_t routing;               /* every token's experts and weights */
     int64_t state;                 /* attention state, KV cache, forward scratch */
-    int64_t attention;             /* a layer's attention weights, Hessians and factors */
+    int64_t attention;             /* a layer's attention weights, Hessians and factors, and the
+                                      checkpoint writer's queue */
     int64_t expert_chunk;          /* one chunk of experts: weights, Hessians, factors, codes */
     int64_t ffn_other;             /* shared expert or dense MLP, block Hessian, batch scratch */
     int64_t snapshot_copy;         /* the activation snapshot's copy, written behind the next

@@ -37,7 +37,7 @@ static void print_plan(const char *model, const moeq_quant_plan *p) {
     print_bytes("calibration activations", p->activations, note);
     print_bytes("routing", p->routing, NULL);
     print_bytes("attention state and KV cache", p->state, NULL);
-    print_bytes("one layer's attention", p->attention, "weights, Hessians, factors");
+    print_bytes("one layer's attention", p->attention, "weights, Hessians, factors, the writer's queue");
     if (p->chunk > 0) {
         snprintf(note, sizeof note, "%d expert%s at a time, %d chunk%s per layer, up to %d samples "
                  "per batch", p->chunk, p->chunk > 1 ? "s" : "", p->n_chunks, p->n_chunks > 1 ? "s" : "",
