@@ -227,6 +227,12 @@ static long name_index(const mq_ckpt_writer *w, const char *name) {
     return -1;
 }
 
+/* name_index, or MOEQ_E_NOTFOUND naming the tensor. */
+static moeq_status plan_index(const mq_ckpt_writer *w, const char *name, long *i) {
+    *i = name_index(w, name);
+    return *i < 0 ? mq_err(MOEQ_E_NOTFOUND, "%s: tensor '%s' is not in the checkpoint plan", w->dir, name) : MOEQ_OK;
+}
+
 void mq_ckpt_writer_close(mq_ckpt_writer *w) {
     if (!w) return;
     behind_stop(w);
@@ -273,10 +279,10 @@ moeq_status mq_ckpt_writer_open(const char *dir, const mq_tensor_decl *decls, si
 /* A caller's data, written now: after what is queued (the files then have one writer). */
 moeq_status mq_ckpt_writer_put(mq_ckpt_writer *w, const char *name, moeq_dtype dtype,
                                const void *data, size_t nbytes) {
-    long i = name_index(w, name);
-    if (i < 0) return mq_err(MOEQ_E_NOTFOUND, "%s: tensor '%s' is not in the checkpoint plan", w->dir, name);
+    long i;
     uint32_t crc;
-    moeq_status s = mq_ckpt_writer_flush(w);
+    moeq_status s = plan_index(w, name, &i);
+    if (!s) s = mq_ckpt_writer_flush(w);
     if (!s) s = mq_shard_files_put(w->files, name, dtype, data, nbytes, &crc);
     if (s) return s;
     w->crc[i] = crc;
@@ -292,9 +298,9 @@ static moeq_status emit_put(void *user, const char *name, moeq_dtype dtype, int 
     (void)shape;   /* checked against the plan by size and dtype */
     mq_ckpt_writer *w = user;
     if (w->wb) {
-        long i = name_index(w, name);
-        moeq_status s = i < 0 ? mq_err(MOEQ_E_NOTFOUND, "%s: tensor '%s' is not in the checkpoint plan", w->dir, name)
-                              : mq_shard_files_check(w->files, name, dtype, nbytes);
+        long i;
+        moeq_status s = plan_index(w, name, &i);
+        if (!s) s = mq_shard_files_check(w->files, name, dtype, nbytes);
         if (s) {
             mq_free(data);
             return s;
@@ -323,10 +329,11 @@ bool mq_ckpt_writer_crc(const mq_ckpt_writer *w, const char *name, uint32_t *crc
 }
 
 moeq_status mq_ckpt_writer_verify(mq_ckpt_writer *w, const char *name, uint32_t crc) {
-    long i = name_index(w, name);
-    if (i < 0) return mq_err(MOEQ_E_NOTFOUND, "%s: tensor '%s' is not in the checkpoint plan", w->dir, name);
+    long i;
+    moeq_status s = plan_index(w, name, &i);
+    if (s) return s;
     uint32_t have;
-    moeq_status s = mq_shard_files_crc(w->files, name, &have);
+    s = mq_shard_files_crc(w->files, name, &have);
     if (s) return s;
     if (have != crc)
         return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s': the data on disk has CRC %08x, the work "

@@ -1712,27 +1712,31 @@ moeq_status mq_shard_files_open(mq_shard_plan *p, const char *dir, mq_shard_file
     return MOEQ_OK;
 }
 
-static moeq_status files_tensor(mq_shard_files *f, const char *name, const sp_tensor **t) {
+static moeq_status files_tensor(const mq_shard_files *f, const char *name, const sp_tensor **t) {
     *t = plan_find(f->p, name);
     if (!*t) return mq_err(MOEQ_E_NOTFOUND, "%s: tensor '%s' is not in the checkpoint plan", f->dir, name);
     return MOEQ_OK;
 }
 
+/* files_tensor, and the data's dtype and size as planned. */
+static moeq_status files_tensor_as(const mq_shard_files *f, const char *name, moeq_dtype dtype, size_t nbytes,
+                                   const sp_tensor **t) {
+    moeq_status s = files_tensor(f, name, t);
+    if (!s && ((*t)->dtype != dtype || (*t)->nbytes != nbytes))
+        s = mq_err(MOEQ_E_SHAPE, "%s: tensor '%s' is %s of %zu bytes, the plan says %s of %zu", f->dir, name,
+                   moeq_dtype_name(dtype), nbytes, moeq_dtype_name((*t)->dtype), (*t)->nbytes);
+    return s;
+}
+
 moeq_status mq_shard_files_check(const mq_shard_files *f, const char *name, moeq_dtype dtype, size_t nbytes) {
-    const sp_tensor *t = plan_find(f->p, name);
-    if (!t) return mq_err(MOEQ_E_NOTFOUND, "%s: tensor '%s' is not in the checkpoint plan", f->dir, name);
-    if (t->dtype != dtype || t->nbytes != nbytes)
-        return mq_err(MOEQ_E_SHAPE, "%s: tensor '%s' is %s of %zu bytes, the plan says %s of %zu",
-                      f->dir, name, moeq_dtype_name(dtype), nbytes, moeq_dtype_name(t->dtype),
-                      t->nbytes);
-    return MOEQ_OK;
+    const sp_tensor *t;
+    return files_tensor_as(f, name, dtype, nbytes, &t);
 }
 
 moeq_status mq_shard_files_put(mq_shard_files *f, const char *name, moeq_dtype dtype,
                                const void *data, size_t nbytes, uint32_t *crc) {
     const sp_tensor *t;
-    moeq_status s = mq_shard_files_check(f, name, dtype, nbytes);
-    if (!s) s = files_tensor(f, name, &t);
+    moeq_status s = files_tensor_as(f, name, dtype, nbytes, &t);
     if (s) return s;
     s = mq_pwrite_all(f->fd[t->shard], data, nbytes, t->offset, f->tmp[t->shard]);
     if (s) return s;

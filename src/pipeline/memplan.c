@@ -49,16 +49,14 @@ static int64_t write_behind_bytes(const mq_pipe *p, int C) {
         const int64_t parts[4] = {max_part(p, MQ_PART_ATTN, 0), max_part(p, MQ_PART_MLP, 0),
                                   max_part(p, MQ_PART_SHARED, 0), E > 0 ? max_part(p, MQ_PART_EXPERTS, C) : 0};
         for (int i = 0; i < 4; i++) b = parts[i] > b ? parts[i] : b;
-    } else {   /* plain RTN: a fusion group at a time, as planned */
-        for (size_t i = 0; i < p->plan.n_items; i++) {
+    } else {   /* plain RTN: a fusion group at a time, as planned; each group's sum in one pass */
+        int64_t *g = calloc((size_t)p->plan.n_groups + 1, sizeof *g);
+        for (size_t i = 0; g && i < p->plan.n_items; i++) {
             const mq_plan_item *a = &p->plan.items[i];
-            int64_t g = 0;
-            for (size_t j = 0; a->quantize && j < p->plan.n_items; j++) {
-                const mq_plan_item *x = &p->plan.items[j];
-                if (x->group == a->group && x->quantize) g += x->rows * x->cols * 4;
-            }
-            b = g > b ? g : b;
+            if (a->quantize && a->group >= 0 && a->group < p->plan.n_groups) g[a->group] += a->rows * a->cols * 4;
         }
+        for (int k = 0; g && k < p->plan.n_groups; k++) b = g[k] > b ? g[k] : b;
+        free(g);   /* out of memory: the smallest ring; larger tensors queue alone */
     }
     return b / 4 * 9 / 16 + (1 << 20);   /* fp32 bytes -> packed; scalars and g_idx */
 }
