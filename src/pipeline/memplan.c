@@ -36,6 +36,17 @@ static double code_bytes_per_weight(const mq_qspec *s) {
     return 1.0 + (double)sizeof(mq_gparams) / (double)g + 0.5;
 }
 
+/* Each fusion group's quantized fp32 bytes (plain RTN quantizes a group at a time), summed in
+ * one pass; NULL when out of memory. */
+static int64_t *group_fp32_bytes(const mq_pipe *p) {
+    int64_t *g = calloc((size_t)p->plan.n_groups + 1, sizeof *g);
+    for (size_t i = 0; g && i < p->plan.n_items; i++) {
+        const mq_plan_item *a = &p->plan.items[i];
+        if (a->quantize && a->group >= 0 && a->group < p->plan.n_groups) g[a->group] += a->rows * a->cols * 4;
+    }
+    return g;
+}
+
 /* The checkpoint writer's queue (mq_ckpt_writer_behind), a ring mapped once: the packed bytes
  * (4-bit codes and their scales, 9/16 of a byte a weight at most) of the most weights one write
  * puts at once: a chunk of C experts, a layer's attention or its dense MLP or shared expert. The
@@ -50,11 +61,7 @@ static int64_t write_behind_bytes(const mq_pipe *p, int C) {
                                   max_part(p, MQ_PART_SHARED, 0), E > 0 ? max_part(p, MQ_PART_EXPERTS, C) : 0};
         for (int i = 0; i < 4; i++) b = parts[i] > b ? parts[i] : b;
     } else {   /* plain RTN: a fusion group at a time, as planned; each group's sum in one pass */
-        int64_t *g = calloc((size_t)p->plan.n_groups + 1, sizeof *g);
-        for (size_t i = 0; g && i < p->plan.n_items; i++) {
-            const mq_plan_item *a = &p->plan.items[i];
-            if (a->quantize && a->group >= 0 && a->group < p->plan.n_groups) g[a->group] += a->rows * a->cols * 4;
-        }
+        int64_t *g = group_fp32_bytes(p);
         for (int k = 0; g && k < p->plan.n_groups; k++) b = g[k] > b ? g[k] : b;
         free(g);   /* out of memory: the smallest ring; larger tensors queue alone */
     }
@@ -284,20 +291,18 @@ moeq_status mq_plan_memory(mq_pipe *p) {
         /* plain RTN: one fusion group's fp32 weights, their codes and packed copies */
         int64_t worst = 0, group = 0;
         const char *name = NULL;
+        int64_t *sum = group_fp32_bytes(p);
+        if (!sum) return mq_err(MOEQ_E_NOMEM, "out of memory");
         for (size_t i = 0; i < p->plan.n_items; i++) {
             const mq_plan_item *a = &p->plan.items[i];
             if (!a->quantize) continue;
-            int64_t b = 0;
-            for (size_t j = 0; j < p->plan.n_items; j++) {
-                const mq_plan_item *x = &p->plan.items[j];
-                if (x->group == a->group && x->quantize) b += x->rows * x->cols * 4;
-            }
-            b += (int64_t)(code_bytes_per_weight(&o->spec) * (double)(a->rows * a->cols));
+            const int64_t b = sum[a->group] + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(a->rows * a->cols));
             if (b > group) {
                 group = b;
                 name = a->module;
             }
         }
+        free(sum);
         worst = group + (64 << 20) + p->plan.dequant_bytes;
         mp->expert_chunk = group;
         mp->peak = worst;

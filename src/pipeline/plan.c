@@ -9,6 +9,7 @@
 
 #include <pcre2.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -200,16 +201,32 @@ static moeq_status plan_tensors(mq_out_plan *p, const mq_st *st, bool mixtral,
     return MOEQ_OK;
 }
 
-static moeq_status group_of(mq_out_plan *p, const char *key, int *out) {
-    for (int g = 0; g < p->n_groups; g++)
-        if (strcmp(p->group_keys[g], key) == 0) {
-            *out = g;
+/* The fusion groups' keys in an open-addressing table (slots hold group + 1, 0 free): a full
+ * DeepSeek-V3 has some 31,000 groups among 47,000 Linears, too many to search one by one. */
+typedef struct {
+    int *slot;
+    size_t mask;
+} group_table;
+
+static size_t key_hash(const char *k) {   /* FNV-1a */
+    uint64_t h = 1469598103934665603ull;
+    for (; *k; k++) h = (h ^ (unsigned char)*k) * 1099511628211ull;
+    return (size_t)h;
+}
+
+/* The group of key, a new one (numbered in order of first appearance) if unseen. */
+static moeq_status group_of(mq_out_plan *p, group_table *t, const char *key, int *out) {
+    size_t i = key_hash(key) & t->mask;
+    for (; t->slot[i]; i = (i + 1) & t->mask)
+        if (strcmp(p->group_keys[t->slot[i] - 1], key) == 0) {
+            *out = t->slot[i] - 1;
             return MOEQ_OK;
         }
     char **v = realloc(p->group_keys, (size_t)(p->n_groups + 1) * sizeof *v);
     if (!v) return mq_err(MOEQ_E_NOMEM, "out of memory");
     p->group_keys = v;
     if (!(v[p->n_groups] = mq_strdup(key))) return MOEQ_E_NOMEM;
+    t->slot[i] = p->n_groups + 1;
     *out = p->n_groups++;
     return MOEQ_OK;
 }
@@ -234,6 +251,11 @@ static moeq_status plan_select(mq_out_plan *p, const mq_plan_opts *o) {
     }
     pcre2_match_data *md = s ? NULL : pcre2_match_data_create(4, NULL);
     if (!s && !md) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    group_table gt = {NULL, 0};
+    size_t cap = 16;
+    while (cap < 2 * p->n_items) cap *= 2;   /* at most half full: one group per item */
+    if (!s && !(gt.slot = calloc(cap, sizeof *gt.slot))) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    gt.mask = cap - 1;
     for (size_t k = 0; k < p->n_items && !s; k++) {
         mq_plan_item *it = &p->items[k];
         const char *leaf = leaf_of(it->module);
@@ -246,19 +268,23 @@ static moeq_status plan_select(mq_out_plan *p, const mq_plan_opts *o) {
         const char *tag = mq_fusion_tag(leaf);
         char *key = tag ? mq_asprintf("%.*s#%s", (int)(leaf - it->module), it->module, tag)
                         : mq_strdup(it->module);
-        s = key ? group_of(p, key, &it->group) : mq_err(MOEQ_E_NOMEM, "out of memory");
+        s = key ? group_of(p, &gt, key, &it->group) : mq_err(MOEQ_E_NOMEM, "out of memory");
         free(key);
     }
-    /* all or nothing per fusion group: vLLM needs one scheme per fused layer */
-    for (size_t k = 0; k < p->n_items && !s; k++) {
-        if (p->items[k].quantize) continue;
-        for (size_t j = 0; j < p->n_items; j++)
-            if (p->items[j].group == p->items[k].group && p->items[j].quantize) {
-                mq_warn("%s stays unquantized because '%s' (fused with it in vLLM) does",
-                        p->items[j].module, p->items[k].module);
-                p->items[j].quantize = false;
-            }
-    }
+    free(gt.slot);
+    /* all or nothing per fusion group: vLLM needs one scheme per fused layer (off[g]: the
+     * group's first unquantized Linear + 1) */
+    size_t *off = s ? NULL : calloc((size_t)p->n_groups + 1, sizeof *off);
+    if (!s && !off) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (size_t k = 0; k < p->n_items && !s; k++)
+        if (!p->items[k].quantize && !off[p->items[k].group]) off[p->items[k].group] = k + 1;
+    for (size_t j = 0; j < p->n_items && !s; j++)
+        if (p->items[j].quantize && off[p->items[j].group]) {
+            mq_warn("%s stays unquantized because '%s' (fused with it in vLLM) does", p->items[j].module,
+                    p->items[off[p->items[j].group] - 1].module);
+            p->items[j].quantize = false;
+        }
+    free(off);
     pcre2_match_data_free(md);
     for (int i = 0; re && i < o->n_ignore; i++) pcre2_code_free(re[i]);
     free(re);
