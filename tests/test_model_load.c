@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -401,12 +402,73 @@ static void check_lazy_pieces(const char *dir) {
     moeq_model_free(full);
 }
 
+/* The read-ahead (mq_lazy_ahead_*): experts [e0, e1) of every layer, finished at once (the pool
+ * converts what the thread has not), finished after the thread had time, or cancelled, in
+ * pieces of 1000 values and of the default: the weights equal the whole-model load bit for bit,
+ * a load after the finish keeps its buffers (they count as loaded), a cancel frees them, and
+ * what is loaded already is not read ahead. */
+static void check_lazy_ahead(const char *dir) {
+    moeq_model *full = NULL;
+    ASSERT_OK(moeq_model_open(dir, NULL, &full));
+    if (!full) return;
+    const int64_t pieces[] = {1000, 0};
+    for (size_t k = 0; k < 2; k++) {
+        mq_lazy_model *lz = NULL;
+        ASSERT_OK(mq_lazy_open(dir, false, &lz));
+        if (!lz) break;
+        mq_lazy_set_piece(lz, pieces[k]);
+        moeq_model *m = mq_lazy_model_of(lz);
+        const int E = m->cfg.n_experts;
+        for (int l = 0; l < m->cfg.n_layers; l++) {
+            const mq_layer *a = &m->layers[l], *b = &full->layers[l];
+            for (int how = 0; how < 3; how++) {   /* finish at once, finish later, cancel */
+                const int e0 = how == 1 ? 3 : 0, e1 = how == 1 ? E : 3;
+                mq_lazy_ahead *ah = NULL;
+                ASSERT_OK(mq_lazy_ahead_start(lz, l, MQ_PART_EXPERTS, e0, e1, &ah));
+                if (!ah) FAIL("%s layer %d: experts %d..%d not read ahead", dir, l, e0, e1);
+                if (how == 1) {
+                    struct timespec ts = {0, 20 * 1000 * 1000};
+                    nanosleep(&ts, NULL);
+                }
+                if (how == 2) {
+                    mq_lazy_ahead_cancel(ah);
+                    for (int e = e0; e < e1; e++)
+                        if (a->exp_gate[e].w || a->exp_up[e].w || a->exp_down[e].w)
+                            FAIL("%s layer %d expert %d: kept after the cancel", dir, l, e);
+                    continue;
+                }
+                int64_t by = -1, n = -1;
+                ASSERT_OK(mq_lazy_ahead_finish(ah, &by, &n));
+                const int64_t per = pieces[k] ? ((int64_t)m->cfg.moe_ffn * m->cfg.D + pieces[k] - 1) / pieces[k] : 1;
+                ASSERT_EQ_INT(3 * (e1 - e0) * per, n);
+                if (by < 0 || by > n) FAIL("%s: %lld of %lld pieces by the thread", dir, (long long)by, (long long)n);
+                const float *kept = a->exp_down[e0].w;
+                ASSERT_OK(mq_lazy_load(lz, l, MQ_PART_EXPERTS, e0, e1));
+                if (a->exp_down[e0].w != kept) FAIL("%s: the load replaced a read-ahead buffer", dir);
+                int bad = 0;
+                for (int e = e0; e < e1; e++)
+                    bad += linear_differs(&a->exp_gate[e], &b->exp_gate[e]) + linear_differs(&a->exp_up[e], &b->exp_up[e]) +
+                           linear_differs(&a->exp_down[e], &b->exp_down[e]) + !a->exp_gate[e].w;
+                if (bad) FAIL("%s layer %d, pieces of %lld: %d expert weights differ from the whole-model load", dir, l,
+                              (long long)pieces[k], bad);
+                ASSERT_OK(mq_lazy_ahead_start(lz, l, MQ_PART_EXPERTS, e0, e1, &ah));
+                if (ah) FAIL("%s: loaded experts read ahead again", dir);
+                mq_lazy_release(lz, l, MQ_PART_EXPERTS, 0, E);
+            }
+        }
+        mq_lazy_close(lz);
+    }
+    moeq_model_free(full);
+}
+
 static void test_lazy_pieces_bit_identical(void) {
     char *src = fixture("olmoe-tiny");
     check_lazy_pieces(src);
+    check_lazy_ahead(src);
     char *dst = new_dir("olmoe-lazy-fused");
     resave_olmoe(dst, true, MOEQ_DT_F32, false, (size_t)8 << 20);
     check_lazy_pieces(dst);
+    check_lazy_ahead(dst);
     free(dst);
     free(src);
 }

@@ -319,18 +319,23 @@ static void test_chunks_threads_storage_byte_identical(void) {
     o.max_shard_bytes = 3 << 20;   /* several shards */
     moeq_set_threads(2);
     ASSERT_OK(mq_pipeline_run(model, base, &o, NULL));
-    const struct { int chunk, threads; mq_act_storage act; } runs[] = {
-        {1, 1, MQ_ACT_AUTO}, {3, 2, MQ_ACT_AUTO}, {8, 1, MQ_ACT_RAM}, {3, 3, MQ_ACT_DISK}, {8, 16, MQ_ACT_AUTO}};
+    /* ahead: the experts read ahead (the default), or each chunk in turn (MOEQ_READ_AHEAD=0) */
+    const struct { int chunk, threads; mq_act_storage act; bool ahead; } runs[] = {
+        {1, 1, MQ_ACT_AUTO, true}, {3, 2, MQ_ACT_AUTO, true}, {8, 1, MQ_ACT_RAM, true}, {3, 3, MQ_ACT_DISK, true},
+        {8, 16, MQ_ACT_AUTO, true}, {3, 2, MQ_ACT_AUTO, false}, {1, 3, MQ_ACT_AUTO, false}};
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
         char out[1100];
         snprintf(out, sizeof out, "%s/run%zu", mq_test_tmpdir(), i);
         o.expert_chunk = runs[i].chunk;
         o.act_storage = runs[i].act;
         moeq_set_threads(runs[i].threads);
+        if (!runs[i].ahead) setenv("MOEQ_READ_AHEAD", "0", 1);
         mq_pipeline_result r;
         ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+        unsetenv("MOEQ_READ_AHEAD");
         ASSERT_EQ_INT(runs[i].chunk, r.plan.chunk);
         ASSERT_EQ_INT(runs[i].act == MQ_ACT_DISK ? MQ_ACT_DISK : MQ_ACT_RAM, r.plan.storage);
+        ASSERT_EQ_INT(runs[i].ahead ? runs[i].chunk * 3 * 256 * 256 * 4 : 0, r.plan.read_ahead);
         same_checkpoint(base, out);
     }
     moeq_set_threads(0);
@@ -383,6 +388,22 @@ static void test_memory_plan(void) {
     ASSERT_TRUE(p->peak > p->activations + p->attention);
     ASSERT_TRUE(p->flops_forward > 0 && p->flops_hessian > 0 && p->flops_gptq > 0);
     ASSERT_TRUE(p->seconds > 0);
+    /* the next chunk read ahead (8 experts' fp32 weights: 3 x 256 x 256 each), in the plan beside
+     * the attention and the chunk before; where the budget falls short of it, the read-ahead
+     * goes, not the chunk's experts */
+    ASSERT_EQ_INT(8 * 3 * 256 * 256 * 4, p->read_ahead);
+    const int64_t with_ahead = p->peak;
+    o.max_memory = with_ahead - 1;
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    ASSERT_EQ_INT(8, r.plan.chunk);
+    ASSERT_EQ_INT(0, r.plan.read_ahead);
+    ASSERT_EQ_INT(with_ahead - 8 * 3 * 256 * 256 * 4, r.plan.peak);
+    o.max_memory = 0;
+    /* the rest without it (MOEQ_READ_AHEAD=0) */
+    setenv("MOEQ_READ_AHEAD", "0", 1);
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    ASSERT_EQ_INT(0, r.plan.read_ahead);
+    ASSERT_EQ_INT(with_ahead - 8 * 3 * 256 * 256 * 4, r.plan.peak);
     /* a budget below the plan with one expert at a time and spilled activations is refused
      * before any work, naming what is needed */
     o.dry_run = false;
@@ -408,6 +429,7 @@ static void test_memory_plan(void) {
     ASSERT_TRUE(r.plan.chunk < 8 && r.plan.chunk >= 1);
     ASSERT_TRUE(r.plan.peak <= o.max_memory);
     ASSERT_EQ_INT(1, count_entries(parent));   /* OUT_DIR only: the work directory is gone */
+    unsetenv("MOEQ_READ_AHEAD");
 }
 
 /* ---- interruption and resume ---------------------------------------------------------------------- */

@@ -16,6 +16,10 @@
  * layers (model.layers.N.* for num_hidden_layers <= N < + num_nextn_predict_layers) are allowed
  * and not loaded.
  */
+#define _GNU_SOURCE   /* SCHED_IDLE (the read-ahead thread) */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1112,6 +1116,144 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
     free(piece);
     if (s) mq_lazy_release(lz, layer, what, e0, e1);
     return s;
+}
+
+/* ---- read-ahead (model.h) ---- */
+
+struct mq_lazy_ahead {
+    mq_lazy_model *lz;
+    int layer, e0, e1;
+    unsigned what;
+    size_t *idx;                  /* the wants it fills */
+    size_t n;
+    lazy_piece *piece;
+    int64_t n_pieces;
+    moeq_status *status;          /* per want, written by its first piece */
+    atomic_int_fast64_t next;     /* the next piece to claim, by the thread or the pool */
+    atomic_int_fast64_t by_thread;
+    atomic_bool stop;
+    pthread_t th;
+    bool started;
+};
+
+/* Claims and converts pieces until none is left; returns how many it converted. */
+static int64_t ahead_drain(mq_lazy_ahead *a) {
+    int64_t done = 0;
+    for (;;) {
+        if (atomic_load(&a->stop)) break;
+        const int64_t i = atomic_fetch_add(&a->next, 1);
+        if (i >= a->n_pieces) break;
+        const lazy_piece *pc = &a->piece[i];
+        moeq_status st = want_piece_to_f32(&a->lz->L.w[a->idx[pc->idx]], pc->k0, pc->k1);
+        if (pc->k0 == 0) a->status[pc->idx] = st;   /* one writer a want, as lazy_piece_task */
+        done++;
+    }
+    return done;
+}
+
+static void *ahead_main(void *arg) {
+    mq_lazy_ahead *a = arg;
+#ifdef SCHED_IDLE
+    /* only on cores nothing else wants: the pool's threads take a core back at once */
+    struct sched_param sp = {0};
+    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
+#endif
+    atomic_fetch_add(&a->by_thread, ahead_drain(a));
+    return NULL;
+}
+
+static void ahead_pool_task(void *ctx, int64_t i, int thread) {
+    (void)i, (void)thread;
+    mq_lazy_ahead *a = ctx;
+    if (atomic_load(&a->next) < a->n_pieces) {   /* claim one piece (the thread may take it first) */
+        const int64_t k = atomic_fetch_add(&a->next, 1);
+        if (k < a->n_pieces) {
+            const lazy_piece *pc = &a->piece[k];
+            moeq_status st = want_piece_to_f32(&a->lz->L.w[a->idx[pc->idx]], pc->k0, pc->k1);
+            if (pc->k0 == 0) a->status[pc->idx] = st;
+        }
+    }
+}
+
+static void ahead_free(mq_lazy_ahead *a) {
+    free(a->idx);
+    free(a->piece);
+    free(a->status);
+    free(a);
+}
+
+moeq_status mq_lazy_ahead_start(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1,
+                                mq_lazy_ahead **out) {
+    *out = NULL;
+    if (lz->rot) return MOEQ_OK;   /* the rotation follows the whole load */
+    const int64_t piece_len = lz->piece > 0 ? lz->piece : LAZY_PIECE;
+    size_t n = 0;
+    for (size_t i = 0; i < lz->L.n; i++) {
+        const want *w = &lz->L.w[i];
+        if (!want_selected(w, layer, what, e0, e1)) continue;
+        if (*w->dest || w->quantized || w->packed || !w->t || w->t->scale_inv) return MOEQ_OK;
+        n++;
+    }
+    if (n == 0) return MOEQ_OK;
+    mq_lazy_ahead *a = calloc(1, sizeof *a);
+    if (a) {
+        a->idx = malloc(n * sizeof *a->idx);
+        a->status = calloc(n, sizeof *a->status);
+    }
+    if (!a || !a->idx || !a->status) {
+        if (a) ahead_free(a);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    *a = (mq_lazy_ahead){.lz = lz, .layer = layer, .e0 = e0, .e1 = e1, .what = what, .idx = a->idx,
+                         .status = a->status};
+    int64_t np = 0;
+    moeq_status s = MOEQ_OK;
+    for (size_t i = 0; i < lz->L.n && !s; i++) {
+        want *w = &lz->L.w[i];
+        if (!want_selected(w, layer, what, e0, e1)) continue;
+        if (!(*w->dest = mq_alloc_array((size_t)w->count, sizeof(float), w->name))) s = MOEQ_E_NOMEM;
+        else {
+            a->idx[a->n++] = i;
+            np += (w->count + piece_len - 1) / piece_len;
+        }
+    }
+    if (!s && !(a->piece = malloc((size_t)(np ? np : 1) * sizeof *a->piece))) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (size_t k = 0; k < a->n && !s; k++) {
+        const want *w = &lz->L.w[a->idx[k]];
+        for (int64_t k0 = 0; k0 < w->count; k0 += piece_len)
+            a->piece[a->n_pieces++] = (lazy_piece){k, k0, k0 + piece_len < w->count ? k0 + piece_len : w->count};
+    }
+    if (!s) a->started = pthread_create(&a->th, NULL, ahead_main, a) == 0;   /* else the finish converts */
+    if (s) {
+        mq_lazy_release(lz, layer, what, e0, e1);
+        ahead_free(a);
+        return s;
+    }
+    *out = a;
+    return MOEQ_OK;
+}
+
+moeq_status mq_lazy_ahead_finish(mq_lazy_ahead *a, int64_t *by_thread, int64_t *pieces) {
+    if (!a) return MOEQ_OK;
+    const int64_t left = a->n_pieces - atomic_load(&a->next);
+    if (left > 0) mq_parallel_for(left, ahead_pool_task, a);
+    if (a->started) pthread_join(a->th, NULL);   /* its last piece */
+    moeq_status s = MOEQ_OK;
+    for (size_t k = 0; k < a->n && !s; k++)
+        if (a->status[k]) s = mq_err(a->status[k], "tensor '%s': cannot convert to fp32", a->lz->L.w[a->idx[k]].name);
+    if (by_thread) *by_thread = atomic_load(&a->by_thread);
+    if (pieces) *pieces = a->n_pieces;
+    if (s) mq_lazy_release(a->lz, a->layer, a->what, a->e0, a->e1);
+    ahead_free(a);
+    return s;
+}
+
+void mq_lazy_ahead_cancel(mq_lazy_ahead *a) {
+    if (!a) return;
+    atomic_store(&a->stop, true);
+    if (a->started) pthread_join(a->th, NULL);
+    mq_lazy_release(a->lz, a->layer, a->what, a->e0, a->e1);
+    ahead_free(a);
 }
 
 void mq_lazy_release(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {

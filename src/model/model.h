@@ -199,6 +199,21 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
 /* Starts reading the source bytes mq_lazy_load would read for the same arguments in the
  * background (mq_prefetch), so that a later load finds them in the page cache. */
 void mq_lazy_prefetch(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
+/* Read-ahead: mq_lazy_ahead_start allocates the fp32 buffers mq_lazy_load would fill for the
+ * same arguments and converts them on a thread of its own at the lowest priority (SCHED_IDLE:
+ * it runs on cores the pool leaves idle and yields to it at once), piece by piece;
+ * mq_lazy_ahead_finish converts the pieces still left on the pool, waits for the thread's last
+ * one and returns the conversion's status (the parts then count as loaded: mq_lazy_load finds
+ * them there; by_thread and pieces, when not NULL, receive how many pieces its thread converted
+ * and how many there were); mq_lazy_ahead_cancel stops it and frees the buffers. Both free a. Until finished the parts'
+ * fields hold buffers being filled: nothing may read them. Sources that need more than a
+ * conversion (stored quantized, FP8 block-scaled, a rotation set) are not read ahead: *out is
+ * then NULL and the load does it all. */
+typedef struct mq_lazy_ahead mq_lazy_ahead;
+moeq_status mq_lazy_ahead_start(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1,
+                                mq_lazy_ahead **out);
+moeq_status mq_lazy_ahead_finish(mq_lazy_ahead *a, int64_t *by_thread, int64_t *pieces);
+void mq_lazy_ahead_cancel(mq_lazy_ahead *a);
 /* fp32 bytes mq_lazy_load would allocate for the same arguments. */
 int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1);
 /* From now on every weight the lazy model loads, and every embedding row, is rotated as rotate.h

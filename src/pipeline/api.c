@@ -327,6 +327,7 @@ static void plan_out(const mq_mem_plan *mp, moeq_quant_plan *q) {
     q->expert_chunk = mp->expert_chunk;
     q->ffn_other = mp->ffn_other;
     q->snapshot_copy = mp->snapshot_copy;
+    q->read_ahead = mp->read_ahead;
     q->chunk = mp->chunk;
     q->n_chunks = mp->n_chunks;
     q->sample_batch = mp->batch;

@@ -68,6 +68,14 @@ static int64_t write_behind_bytes(const mq_pipe *p, int C) {
     return b / 4 * 9 / 16 + (1 << 20);   /* fp32 bytes -> packed; scalars and g_idx */
 }
 
+/* The CPU reads the next expert chunk ahead on a thread of its own (layer.c start_ahead): one
+ * process without a GPU (which has its own, experts_ahead), the source read as it is (no
+ * rotation); MOEQ_READ_AHEAD=0 turns it off. */
+static bool read_ahead_wanted(const mq_pipe *p) {
+    const char *env = getenv("MOEQ_READ_AHEAD");
+    return p->calibrate && p->lz && !p->gpu && p->ranks <= 1 && !p->rotated && !(env && strcmp(env, "0") == 0);
+}
+
 int64_t mq_plan_write_behind(const mq_pipe *p) { return write_behind_bytes(p, p->mp.chunk); }
 
 /* GPTQ's per-thread scratch for weights with K inputs (gptq.c scratch_new: its rows per task). */
@@ -152,6 +160,12 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         /* one process on a GPU reads the first chunk's weights during the attention (layer.c
          * experts_ahead) */
         if (p->gpu && p->ranks <= 1) z.attention += C * w1;
+        /* the CPU's read-ahead (layer.c start_ahead): the next chunk beside the attention and
+         * beside the chunk before */
+        if (p->mp.read_ahead > 0) {
+            z.attention += C * w1;
+            z.chunk += C * w1;
+        }
     }
     int64_t unit = 0;
     int64_t Fu = c->shared_ffn > 0 ? c->shared_ffn : (E == 0 ? c->ffn : 0);
@@ -362,7 +376,21 @@ moeq_status mq_plan_memory(mq_pipe *p) {
      * fits beside the rest (one process: several ranks gather theirs to rank 0 in place;
      * MOEQ_SNAPSHOT_IN_PLACE=1, for the tests: never) */
     const int64_t copy = p->calib.total * (int64_t)c->D * 4 * (1 + p->target);   /* both streams */
-    if (p->ranks <= 1 && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE")) {
+    const bool snap_copy = p->ranks <= 1 && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE");
+    /* the read-ahead where it fits beside the rest, as the chunk and the snapshot's copy are */
+    if (read_ahead_wanted(p) && E > 0 && C > 0) {
+        mp->read_ahead = (int64_t)Cs * 3 * c->moe_ffn * c->D * 4;
+        const sizes za = plan_sizes(p, kind, Cs, batch_for(p, Cs));
+        if (za.peak + (snap_copy ? copy : 0) <= mp->budget) {
+            z = za;
+            mp->attention = z.attention;
+            mp->expert_chunk = z.chunk;
+            mp->peak = z.peak;
+        } else {
+            mp->read_ahead = 0;
+        }
+    }
+    if (snap_copy) {
         mp->snapshot_copy = copy;
         mp->peak += copy;
     }
