@@ -299,5 +299,30 @@ if [ -n "$free_kb" ] && [ "$free_kb" -lt 90000000 ]; then
     ls -d "$tmp"/big* >/dev/null 2>&1 && fail "the no-space run left $(ls -d "$tmp"/big*)"
 fi
 
+# the tokenizer: --tokenizer DIR's copied byte for byte; one missing or with more ids than
+# --vocab refused naming the flag, nothing left; without the flag, the bundled one found beside
+# the executable (a copy of the binary in a tree of its own with a marked tokenizer)
+bundled=$(dirname "$0")/../../models/olmoe-tiny
+mkdir -p "$tmp/tok" "$tmp/notok" "$tmp/tree/bin" "$tmp/tree/models/olmoe-tiny"
+{ cat "$bundled/tokenizer.json"; echo; } > "$tmp/tok/tokenizer.json"   # differs by a newline
+gen "${small[@]}" --out "$tmp/given" --tokenizer "$tmp/tok" >/dev/null 2>"$tmp/err" ||
+    fail "--tokenizer exited $?: $(cat "$tmp/err")"
+cmp -s "$tmp/tok/tokenizer.json" "$tmp/given/tokenizer.json" || fail "--tokenizer: not the given tokenizer.json"
+[ -e "$tmp/given/tokenizer_config.json" ] && fail "--tokenizer: a tokenizer_config.json the directory lacks"
+gen "${small[@]}" --out "$tmp/none" --tokenizer "$tmp/notok" >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q -- "--tokenizer $tmp/notok" "$tmp/err" ||
+    fail "--tokenizer without tokenizer.json: expected exit 1 naming the flag: $(cat "$tmp/err")"
+gen --like llama-3.2-1b --layers 1 --hidden 64 --ffn 32 --vocab 100 --quiet --out "$tmp/small-vocab" \
+    --tokenizer "$tmp/tok" >/dev/null 2>"$tmp/err"
+[ $? -eq 1 ] && grep -q "do not fit vocab_size 100" "$tmp/err" ||
+    fail "--tokenizer beyond --vocab: expected exit 1: $(cat "$tmp/err")"
+ls -d "$tmp"/none* "$tmp"/small-vocab* >/dev/null 2>&1 && fail "a refused tokenizer left $(ls -d "$tmp"/none* "$tmp"/small-vocab*)"
+cp "$cli" "$tmp/tree/bin/moeq"
+cp "$tmp/tok/tokenizer.json" "$tmp/tree/models/olmoe-tiny/"
+"$tmp/tree/bin/moeq" bench gen-model "${small[@]}" --out "$tmp/beside" >/dev/null 2>"$tmp/err" ||
+    fail "gen-model from a copied binary exited $?: $(cat "$tmp/err")"
+cmp -s "$tmp/tok/tokenizer.json" "$tmp/beside/tokenizer.json" ||
+    fail "the tokenizer beside the executable (../models/olmoe-tiny) was not the one copied"
+
 [ $fails -eq 0 ] || exit 1
 echo "test_genmodel: all checks passed"

@@ -719,27 +719,74 @@ static moeq_status write_index(const gen *g, const char *dir, uint64_t total) {
     return st;
 }
 
-/* The bundled olmoe-tiny tokenizer: its ids are < 4096, valid for every vocabulary here. */
-static moeq_status copy_tokenizer(const char *dir, bool quiet) {
+/* The directory of the tokenizer to copy: --tokenizer DIR, else the bundled olmoe-tiny's (its
+ * ids are < 4096, valid for every vocabulary here) found beside the executable (a build
+ * directory in the source tree, or a copy of the tree with the binary) or in the source tree it
+ * was built from; NULL if none has a tokenizer.json. */
+static char *tokenizer_dir(const char *given) {
+    if (given) return mq_strdup(given);
+    char exe[4096];
+    const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n > 0) {
+        exe[n] = 0;
+        char *slash = strrchr(exe, '/');
+        if (slash) *slash = 0;
+        static const char *const rel[] = {"%s/../models/olmoe-tiny", "%s/models/olmoe-tiny"};
+        for (size_t i = 0; i < sizeof rel / sizeof rel[0]; i++) {
+            char *d = mq_asprintf(rel[i], exe), *f = d ? mq_asprintf("%s/tokenizer.json", d) : NULL;
+            const bool found = f && mq_file_exists(f);
+            free(f);
+            if (found) return d;
+            free(d);
+        }
+    }
+    char *f = mq_asprintf("%s/models/olmoe-tiny/tokenizer.json", MOEQ_SOURCE_DIR);
+    const bool found = f && mq_file_exists(f);
+    free(f);
+    return found ? mq_asprintf("%s/models/olmoe-tiny", MOEQ_SOURCE_DIR) : NULL;
+}
+
+/* tokenizer.json (and tokenizer_config.json where there is one) from tokenizer_dir(given): a
+ * given directory must have a tokenizer whose ids fit the vocabulary; without one and none
+ * bundled, a warning and no tokenizer. */
+static moeq_status copy_tokenizer(const char *dir, const char *given, int64_t vocab, bool quiet) {
+    char *from = tokenizer_dir(given);
+    if (!from) {
+        if (!quiet) fprintf(stderr, "moeq %s: warning: the bundled tokenizer (models/olmoe-tiny) was not found "
+                                    "beside the executable or in %s; no tokenizer written (--tokenizer DIR names one)\n",
+                            CMD, MOEQ_SOURCE_DIR);
+        return MOEQ_OK;
+    }
     static const char *const files[] = {"tokenizer.json", "tokenizer_config.json"};
-    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
-        char *src = mq_asprintf("%s/models/olmoe-tiny/%s", MOEQ_SOURCE_DIR, files[i]);
-        if (!src) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    moeq_status st = MOEQ_OK;
+    if (given) {   /* its ids must be rows of the embeddings */
+        char *tj = mq_asprintf("%s/tokenizer.json", from);
+        moeq_tokenizer *tok = NULL;
+        st = tj ? moeq_tokenizer_load(tj, &tok) : mq_err(MOEQ_E_NOMEM, "out of memory");
+        if (st) st = mq_err_prefix(st, "--tokenizer %s", given);
+        else if (moeq_tokenizer_vocab_size(tok) > vocab)
+            st = mq_err(MOEQ_E_ARG, "--tokenizer %s: its %d token ids do not fit vocab_size %lld (--vocab)", given,
+                        moeq_tokenizer_vocab_size(tok), (long long)vocab);
+        moeq_tokenizer_free(tok);
+        free(tj);
+    }
+    for (size_t i = 0; i < sizeof files / sizeof files[0] && !st; i++) {
+        char *src = mq_asprintf("%s/%s", from, files[i]);
+        if (!src) {
+            st = mq_err(MOEQ_E_NOMEM, "out of memory");
+            break;
+        }
         char *text = NULL;
         size_t len = 0;
-        moeq_status st = mq_file_exists(src) ? mq_read_file(src, &text, &len) : MOEQ_E_NOTFOUND;
-        if (st == MOEQ_E_NOTFOUND) {
-            if (!quiet) fprintf(stderr, "moeq %s: warning: %s not found; no %s written\n", CMD, src,
-                                files[i]);
-            st = MOEQ_OK;
-        } else if (st == MOEQ_OK) {
-            st = write_text(dir, files[i], text, len);
-        }
+        st = mq_file_exists(src) ? mq_read_file(src, &text, &len) : MOEQ_E_NOTFOUND;
+        if (st == MOEQ_E_NOTFOUND && i > 0) st = MOEQ_OK;   /* tokenizer_config.json is optional */
+        else if (st == MOEQ_E_NOTFOUND) st = mq_err(MOEQ_E_NOTFOUND, "%s: not found", src);
+        else if (st == MOEQ_OK) st = write_text(dir, files[i], text, len);
         free(text);
         free(src);
-        if (st) return st;
     }
-    return MOEQ_OK;
+    free(from);
+    return st;
 }
 
 /* Puts tmp at out; an existing out (allowed by --force) is moved aside first and removed last. */
@@ -868,7 +915,7 @@ static moeq_status check_config(const char *json, const char *label, int64_t pla
 
 /* dry_run: plan and check only; config.json and the summary go to stdout, nothing is written. */
 static moeq_status generate(const spec *sp, const char *out, bool exists, uint64_t seed,
-                            uint64_t max_shard, bool quiet, bool dry_run) {
+                            uint64_t max_shard, const char *tokenizer, bool quiet, bool dry_run) {
     gen g = {.p = NULL};
     plan p = {0};
     g.p = &p;
@@ -949,7 +996,7 @@ static moeq_status generate(const spec *sp, const char *out, bool exists, uint64
 
     if ((st = write_text(tmp, "config.json", cfg, strlen(cfg)))) goto done;
     if ((st = write_text(tmp, "generation_config.json", gcfg, strlen(gcfg)))) goto done;
-    if ((st = copy_tokenizer(tmp, quiet))) goto done;
+    if ((st = copy_tokenizer(tmp, tokenizer, sp->V, quiet))) goto done;
 
     g.shard_names = calloc((size_t)g.n_shards, sizeof *g.shard_names);
     g.buf[0] = mq_alloc((size_t)(2 * CHUNK_VALUES), "gen-model chunk");
@@ -1017,7 +1064,7 @@ done:
 }
 
 int bench_gen_model(int argc, char **argv) {
-    const char *name = NULL, *out = NULL, *max_shard_text = NULL;
+    const char *name = NULL, *out = NULL, *max_shard_text = NULL, *tokenizer = NULL;
     int64_t layers = 0, experts = 0, top_k = 0, hidden = 0, ffn = 0, vocab = 0, seed = 0,
             threads = 0;
     bool force = false, quiet = false, dry_run = false;
@@ -1043,6 +1090,9 @@ int bench_gen_model(int argc, char **argv) {
          "(bytes, or 500MB, 5GB, 2GiB; default 5GB)", NULL, 0, 0, NULL},
         {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 1, 1024,
          NULL},
+        {"--tokenizer", OPT_STRING, &tokenizer, "DIR", "copy DIR's tokenizer.json (and tokenizer_config.json); "
+         "its ids must fit the vocabulary (default: the bundled olmoe-tiny's, found beside the executable or in the "
+         "source tree)", NULL, 0, 0, NULL},
         {"--force", OPT_FLAG, &force, NULL, "replace an existing DIR", NULL, 0, 0, NULL},
         {"--quiet", OPT_FLAG, &quiet, NULL, "no progress lines on stderr", NULL, 0, 0, NULL},
         {"--dry-run", OPT_FLAG, &dry_run, NULL, "plan and check only: print config.json and the "
@@ -1075,7 +1125,7 @@ int bench_gen_model(int argc, char **argv) {
 
     if (dry_run) {
         moeq_status st =
-            generate(&sp, out ? out : "", false, (uint64_t)seed, max_shard, true, true);
+            generate(&sp, out ? out : "", false, (uint64_t)seed, max_shard, tokenizer, true, true);
         return st ? cli_fail(CMD, st) : CLI_OK;
     }
     size_t olen = strlen(out);
@@ -1093,7 +1143,7 @@ int bench_gen_model(int argc, char **argv) {
         if (threads > 0) moeq_set_threads((int)threads);
         cli_install_sigint();
         cli_progress_enable(quiet);
-        st = generate(&sp, dir, exists, (uint64_t)seed, max_shard, quiet, false);
+        st = generate(&sp, dir, exists, (uint64_t)seed, max_shard, tokenizer, quiet, false);
     }
     free(dir);
     return st ? cli_fail(CMD, st) : CLI_OK;
