@@ -455,6 +455,19 @@ static void check_lazy_ahead(const char *dir) {
                 if (ah) FAIL("%s: loaded experts read ahead again", dir);
                 mq_lazy_release(lz, l, MQ_PART_EXPERTS, 0, E);
             }
+            /* the attention's parts (the next layer's, read during the last chunk) */
+            const unsigned att = MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER;
+            mq_lazy_ahead *ah = NULL;
+            ASSERT_OK(mq_lazy_ahead_start(lz, l, att, 0, 0, &ah));
+            if (!ah) FAIL("%s layer %d: the attention not read ahead", dir, l);
+            ASSERT_OK(mq_lazy_ahead_finish(ah, NULL, NULL));
+            const mq_linear *la[] = {&a->q, &a->k, &a->v, &a->o}, *lb[] = {&b->q, &b->k, &b->v, &b->o};
+            int bad = 0;
+            for (int i = 0; i < 4; i++) bad += linear_differs(la[i], lb[i]) + !la[i]->w;
+            bad += memcmp(a->router, b->router, sizeof(float) * (size_t)(E * m->cfg.D)) != 0;
+            bad += memcmp(a->ffn_norm, b->ffn_norm, sizeof(float) * (size_t)m->cfg.D) != 0;
+            if (bad) FAIL("%s layer %d: %d attention weights differ from the whole-model load", dir, l, bad);
+            mq_lazy_release(lz, l, att, 0, 0);
         }
         mq_lazy_close(lz);
     }

@@ -171,9 +171,11 @@ typedef struct mq_pipe {
                                      and sent up while its attention ran (layer.c experts_ahead),
                                      for routed_experts to take as gx, else NULL */
     int gx_ahead_l, gx_ahead_e1;
-    struct mq_lazy_ahead *ahead;  /* layer ahead_l's experts [ahead_e0, ahead_e1) being read on
-                                     the CPU ahead of their chunk (layer.c start_ahead), else NULL */
+    struct mq_lazy_ahead *ahead;  /* parts ahead_what of layer ahead_l (experts [ahead_e0,
+                                     ahead_e1)) being read on the CPU ahead of their stage (layer.c
+                                     start_ahead), else NULL */
     int ahead_l, ahead_e0, ahead_e1;
+    unsigned ahead_what;
     struct mq_pending_write *pending;   /* a GPU chunk's quantized Linears still to be written
                                            while the device runs its quantized pass (layer.c) */
     mq_gpu_buf *gout;             /* the routed experts' FFN outputs of a layer on that device,

@@ -41,22 +41,28 @@ static moeq_status check_interrupt(void) {
     return moeq_interrupted() ? mq_err(MOEQ_E_INTERRUPTED, "quantization interrupted") : MOEQ_OK;
 }
 
-/* Read-ahead (the plan's mp.read_ahead): layer l's experts [e0, e1) converted on a thread of
- * the lowest priority while the pool computes (the attention, the chunk before), so that the
- * chunk's read finds them done, or nearly: it converts what is left on the pool. The read stage
- * was memory-bound (about 100 GB/s of bf16 in and fp32 out at 16 threads on the GPU machine's
- * Xeon: its efficiency 0.4-0.5 from 2 threads) and waits for a disk where the source is not in
- * the page cache. Where the sources need more than a conversion (mq_lazy_ahead_start), only
- * the page cache is asked to read ahead. */
-static moeq_status start_ahead(mq_pipe *p, int l, int e0, int e1) {
-    mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, e0, e1);
-    if (p->mp.read_ahead <= 0 || p->ahead || e0 >= e1) return MOEQ_OK;
+/* Read-ahead (the plan's mp.read_ahead): parts `what` of layer l (experts [e0, e1)) converted
+ * on a thread of the lowest priority while the pool computes, so that their read finds them
+ * done, or nearly: it converts what is left on the pool. A MoE layer's first expert chunk goes
+ * during its attention, each next chunk during the one before, the next layer's attention
+ * during the last chunk. The read stage was memory-bound (about 100 GB/s of bf16 in and fp32
+ * out at 16 threads on the GPU machine's Xeon: its efficiency 0.4-0.5 from 2 threads) and waits
+ * for a disk where the source is not in the page cache. Where the sources need more than a
+ * conversion (mq_lazy_ahead_start), only the page cache is asked to read ahead. */
+static moeq_status start_ahead(mq_pipe *p, int l, unsigned what, int e0, int e1) {
+    mq_lazy_prefetch(p->lz, l, what, e0, e1);
+    if (p->mp.read_ahead <= 0 || p->ahead || ((what & MQ_PART_EXPERTS) && e0 >= e1)) return MOEQ_OK;
     const double t0 = mq_now(), c0 = mq_cpu_now();   /* the buffers' allocation: the read's */
-    moeq_status st = mq_lazy_ahead_start(p->lz, l, MQ_PART_EXPERTS, e0, e1, &p->ahead);
+    moeq_status st = mq_lazy_ahead_start(p->lz, l, what, e0, e1, &p->ahead);
     p->layers[l].read += mq_now() - t0;
     p->layers[l].cpu_read += mq_cpu_now() - c0;
-    p->ahead_l = l, p->ahead_e0 = e0, p->ahead_e1 = e1;
+    p->ahead_l = l, p->ahead_what = what, p->ahead_e0 = e0, p->ahead_e1 = e1;
     return st;
+}
+
+/* The parts attention_stage reads. */
+static unsigned attention_parts(const mq_pipe *p, int l) {
+    return MQ_PART_ATTN | MQ_PART_FFN_NORM | (p->m->layers[l].is_moe ? MQ_PART_ROUTER : 0);
 }
 
 /* The source's weights of a layer part, read into fp32 (mq_lazy_load_ex) or freed, timed as the
@@ -70,11 +76,11 @@ static moeq_status read_part(mq_pipe *p, int l, unsigned what, int e0, int e1,
     if (prof) getrusage(RUSAGE_SELF, &r0);
     moeq_status st = MOEQ_OK;
     int64_t by_thread = -1, pieces = 0;
-    if (p->ahead && (what & MQ_PART_EXPERTS)) {
-        if (p->ahead_l == l && p->ahead_e0 == e0 && p->ahead_e1 == e1 && !alloc_only)
-            st = mq_lazy_ahead_finish(p->ahead, &by_thread, &pieces);
-        else
-            mq_lazy_ahead_cancel(p->ahead);
+    if (p->ahead && p->ahead_l == l && (p->ahead_what & what)) {
+        const bool same = p->ahead_what == what && !alloc_only &&
+                          (!(what & MQ_PART_EXPERTS) || (p->ahead_e0 == e0 && p->ahead_e1 == e1));
+        if (same) st = mq_lazy_ahead_finish(p->ahead, &by_thread, &pieces);
+        else mq_lazy_ahead_cancel(p->ahead);
         p->ahead = NULL;
     }
     if (!st) st = mq_lazy_load_ex(p->lz, l, what, e0, e1, alloc_only, user);
@@ -1672,8 +1678,9 @@ static moeq_status attention_stage(mq_pipe *p, int l, bool replay) {
     const mq_config *c = p->c;
     mq_layer *ly = &p->m->layers[l];
     const int64_t Lmax = p->calib.max_len, D = c->D, Q = (int64_t)c->n_heads * c->v_head_dim;
-    unsigned parts = MQ_PART_ATTN | MQ_PART_FFN_NORM | (ly->is_moe ? MQ_PART_ROUTER : 0);
-    moeq_status st = read_part(p, l, parts, 0, 0, NULL, NULL);
+    moeq_status st = read_part(p, l, attention_parts(p, l), 0, 0, NULL, NULL);
+    /* the first expert chunk while the attention computes */
+    if (!st && ly->is_moe && p->ranks <= 1 && !replay) st = start_ahead(p, l, MQ_PART_EXPERTS, 0, first_chunk_end(p));
     if (st) return st;
     /* slots: q/k/v (MLA: q_a or q_proj with kv_a), o; MLA also q_b and kv_b */
     slot sl[4];
@@ -2908,9 +2915,11 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
     for (int e0 = (int)own_lo; e0 < own_hi && !st; e0 += C) {
         const int e1 = e0 + C < own_hi ? e0 + C : (int)own_hi;
         if ((st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, NULL, NULL))) break;
-        /* the next chunk, while this one computes (one process: else only the page cache) */
-        if (e1 < own_hi && !dist && !replay) st = start_ahead(p, l, e1, e1 + C < own_hi ? e1 + C : (int)own_hi);
+        /* the next chunk while this one computes, during the last the next layer's attention (one
+         * process: else only the page cache) */
+        if (e1 < own_hi && !dist && !replay) st = start_ahead(p, l, MQ_PART_EXPERTS, e1, e1 + C < own_hi ? e1 + C : (int)own_hi);
         else if (e1 < own_hi) mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, e1, e1 + C < own_hi ? e1 + C : (int)own_hi);
+        else if (!dist && !replay && l + 1 < p->plan.n_layers) st = start_ahead(p, l + 1, attention_parts(p, l + 1), 0, 0);
         if (st) break;
         /* one process on a GPU: the chunk's experts go up once, gate, up and down, for both
          * passes and GPTQ (which leaves the dequantized weights there) */
@@ -3460,15 +3469,13 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     mq_layer *ly = &p->m->layers[l];
     /* the source is read ahead of the compute: the first expert chunk during the attention, the
      * next chunk during each chunk (routed_experts), the next layer's attention during the FFN */
-    moeq_status st = MOEQ_OK;
-    if (ly->is_moe) {
+    if (ly->is_moe) {   /* the page cache's part (one process: read ahead by attention_stage) */
         int64_t lo = 0, hi = p->c->n_experts;
         if (p->ranks > 1) mq_dist_share(p->c->n_experts, p->rank, p->ranks, &lo, &hi);
-        const int C = p->mp.chunk > 0 ? p->mp.chunk : p->c->n_experts, e1 = (int)(lo + C < hi ? lo + C : hi);
-        if (p->ranks <= 1 && !replay) st = start_ahead(p, l, (int)lo, e1);
-        else mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, (int)lo, e1);
+        const int C = p->mp.chunk > 0 ? p->mp.chunk : p->c->n_experts;
+        mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, (int)lo, (int)(lo + C < hi ? lo + C : hi));
     }
-    if (!st) st = attention_stage(p, l, replay);
+    moeq_status st = attention_stage(p, l, replay);
     /* GPTQ's kept scratch goes with each stage (here, after the routed experts and after the FFN):
      * the plan counts one stage's (K = the attention's widest input; DeepSeek-V3's o_proj, 16384,
      * is 2.3x its experts' 7168) */

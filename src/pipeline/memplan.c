@@ -18,6 +18,7 @@ static double gb(int64_t b) { return (double)b / 1e9; }
 typedef struct {
     int64_t acts, routing, state, attention, chunk, ffn_other, peak;
     int64_t batch;
+    int64_t ahead;   /* the read-ahead's largest part, where mp.read_ahead asks for it */
 } sizes;
 
 /* The largest fp32 bytes any layer loads for `what` (experts [0, e)). */
@@ -160,11 +161,12 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         /* one process on a GPU reads the first chunk's weights during the attention (layer.c
          * experts_ahead) */
         if (p->gpu && p->ranks <= 1) z.attention += C * w1;
-        /* the CPU's read-ahead (layer.c start_ahead): the next chunk beside the attention and
-         * beside the chunk before */
+        /* the CPU's read-ahead (layer.c start_ahead): the first chunk beside the attention, the
+         * next chunk beside the one before, the next layer's attention beside the last */
         if (p->mp.read_ahead > 0) {
+            z.ahead = C * w1 > att_w ? C * w1 : att_w;
             z.attention += C * w1;
-            z.chunk += C * w1;
+            z.chunk += z.ahead;
         }
     }
     int64_t unit = 0;
@@ -379,10 +381,11 @@ moeq_status mq_plan_memory(mq_pipe *p) {
     const bool snap_copy = p->ranks <= 1 && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE");
     /* the read-ahead where it fits beside the rest, as the chunk and the snapshot's copy are */
     if (read_ahead_wanted(p) && E > 0 && C > 0) {
-        mp->read_ahead = (int64_t)Cs * 3 * c->moe_ffn * c->D * 4;
+        mp->read_ahead = 1;   /* asks plan_sizes for it */
         const sizes za = plan_sizes(p, kind, Cs, batch_for(p, Cs));
         if (za.peak + (snap_copy ? copy : 0) <= mp->budget) {
             z = za;
+            mp->read_ahead = z.ahead;
             mp->attention = z.attention;
             mp->expert_chunk = z.chunk;
             mp->peak = z.peak;

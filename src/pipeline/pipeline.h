@@ -119,9 +119,10 @@ typedef struct {
     int64_t ffn_other;             /* shared expert or dense MLP, block Hessian, batch scratch */
     int64_t snapshot_copy;         /* the activation snapshot's copy, written behind the next
                                       layer (0: written in place, the layers wait) */
-    int64_t read_ahead;            /* an expert chunk's fp32 weights read ahead (layer.c
-                                      start_ahead), beside the attention and beside the chunk
-                                      before, counted in both (0: off) */
+    int64_t read_ahead;            /* the largest part read ahead (layer.c start_ahead): an expert
+                                      chunk's fp32 weights beside the attention and beside the
+                                      chunk before, or the next layer's attention beside the last
+                                      chunk; counted in both (0: off) */
     int64_t peak;                  /* the largest sum of the above at any stage */
     int32_t chunk;                 /* experts per chunk (0: no routed experts) */
     int32_t n_chunks;              /* chunks per MoE layer */

@@ -45,7 +45,7 @@ static void print_plan(const char *model, const moeq_quant_plan *p) {
         print_bytes("one expert chunk", p->expert_chunk, note);
     }
     print_bytes("shared expert / dense MLP", p->ffn_other, NULL);
-    if (p->read_ahead > 0) print_bytes("expert chunk read ahead", p->read_ahead, "the next chunk's weights, in the two above");
+    if (p->read_ahead > 0) print_bytes("read ahead", p->read_ahead, "the next expert chunk or layer's attention, in the two above");
     if (p->snapshot_copy > 0) print_bytes("activation snapshot", p->snapshot_copy, "a copy written behind the next layer");
     print_bytes("peak", p->peak, NULL);
     if (p->attention_passes > 0)
