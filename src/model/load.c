@@ -1136,6 +1136,13 @@ struct mq_lazy_ahead {
     bool started;
 };
 
+/* Converts piece i, which the caller claimed. */
+static void ahead_piece(mq_lazy_ahead *a, int64_t i) {
+    const lazy_piece *pc = &a->piece[i];
+    moeq_status st = want_piece_to_f32(&a->lz->L.w[a->idx[pc->idx]], pc->k0, pc->k1);
+    if (pc->k0 == 0) a->status[pc->idx] = st;   /* one writer a want, as lazy_piece_task */
+}
+
 /* Claims and converts pieces until none is left; returns how many it converted. */
 static int64_t ahead_drain(mq_lazy_ahead *a) {
     int64_t done = 0;
@@ -1143,9 +1150,7 @@ static int64_t ahead_drain(mq_lazy_ahead *a) {
         if (atomic_load(&a->stop)) break;
         const int64_t i = atomic_fetch_add(&a->next, 1);
         if (i >= a->n_pieces) break;
-        const lazy_piece *pc = &a->piece[i];
-        moeq_status st = want_piece_to_f32(&a->lz->L.w[a->idx[pc->idx]], pc->k0, pc->k1);
-        if (pc->k0 == 0) a->status[pc->idx] = st;   /* one writer a want, as lazy_piece_task */
+        ahead_piece(a, i);
         done++;
     }
     return done;
@@ -1167,11 +1172,7 @@ static void ahead_pool_task(void *ctx, int64_t i, int thread) {
     mq_lazy_ahead *a = ctx;
     if (atomic_load(&a->next) < a->n_pieces) {   /* claim one piece (the thread may take it first) */
         const int64_t k = atomic_fetch_add(&a->next, 1);
-        if (k < a->n_pieces) {
-            const lazy_piece *pc = &a->piece[k];
-            moeq_status st = want_piece_to_f32(&a->lz->L.w[a->idx[pc->idx]], pc->k0, pc->k1);
-            if (pc->k0 == 0) a->status[pc->idx] = st;
-        }
+        if (k < a->n_pieces) ahead_piece(a, k);
     }
 }
 
