@@ -16,6 +16,7 @@
  * job's first 1, 2 and 4 ranks in turn and prints, for each, the time per layer, every rank's
  * peak memory and the scaling efficiency against the first (T1 * n1 / (Tn * n)).
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -123,21 +124,30 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
                                  bool json) {
     count_figures f[32];
     for (int i = 0; i < nt; i++) f[i] = count_medians(rs, core, bw, nt, rounds, i);
+    /* a stage under a thousandth of the layer at both counts (the read, done ahead by then) has
+     * no efficiency: its ratio of two near-zero times would be noise (NAN: "-", null) */
     double eff[32][N_STAGES];
     for (int i = 0; i < nt; i++)
-        for (int k = 0; k < N_STAGES; k++)
-            eff[i][k] = f[i].sec[k] > 0 ? f[0].sec[k] * tl[0] / (f[i].sec[k] * tl[i]) : 0;
+        for (int k = 0; k < N_STAGES; k++) {
+            const bool hidden = f[i].sec[k] < 1e-3 * f[i].sec[ST_TOTAL] && f[0].sec[k] < 1e-3 * f[0].sec[ST_TOTAL];
+            eff[i][k] = hidden ? NAN : f[i].sec[k] > 0 ? f[0].sec[k] * tl[0] / (f[i].sec[k] * tl[i]) : 0;
+        }
     if (json) {
         printf("{\"same_tensors\": %s, \"tensors_compared\": %lld, \"rounds\": %d, \"block_size\": %d, "
                "\"thread_scaling\": [", same ? "true" : "false", (long long)tensors, rounds, block);
         for (int i = 0; i < nt; i++) {
             printf("%s{\"threads\": %d, \"core_rate\": %.3f, \"bandwidth_rate\": %.3f", i ? ", " : "", tl[i],
                    f[i].core_rate, f[i].bw_rate);
-            for (int k = 0; k < N_STAGES; k++)
-                printf(", \"%s\": {\"seconds_per_layer\": %.3f, \"cores_busy\": %.2f, \"efficiency\": %.3f, "
-                       "\"of_ceiling\": %.3f}",
-                       stage_name[k], f[i].sec[k], f[i].cores[k], eff[i][k],
-                       f[i].core_rate > 0 ? eff[i][k] / f[i].core_rate : 0);
+            for (int k = 0; k < N_STAGES; k++) {
+                char e[32] = "null", c[32] = "null";
+                if (!isnan(eff[i][k])) {
+                    snprintf(e, sizeof e, "%.3f", eff[i][k]);
+                    snprintf(c, sizeof c, "%.3f", f[i].core_rate > 0 ? eff[i][k] / f[i].core_rate : 0);
+                }
+                printf(", \"%s\": {\"seconds_per_layer\": %.3f, \"cores_busy\": %.2f, \"efficiency\": %s, "
+                       "\"of_ceiling\": %s}",
+                       stage_name[k], f[i].sec[k], f[i].cores[k], e, c);
+            }
             printf(", \"total_seconds_by_round\": [");
             for (int r = 0; r < rounds; r++) printf("%s%.3f", r ? ", " : "", per_layer_total(&rs[r * nt + i]));
             printf("], \"total_efficiency_by_round\": [");
@@ -154,18 +164,24 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
     printf("\n");
     for (int i = 0; i < nt; i++) {
         printf("%7d  %9.2f  %7.2f", tl[i], f[i].core_rate, f[i].bw_rate);
-        for (int k = 0; k < N_STAGES; k++) printf("  %7.2f %5.1f %6.2f  ", f[i].sec[k], f[i].cores[k], eff[i][k]);
+        for (int k = 0; k < N_STAGES; k++) {
+            if (isnan(eff[i][k])) printf("  %7.2f %5.1f %6s  ", f[i].sec[k], f[i].cores[k], "-");
+            else printf("  %7.2f %5.1f %6.2f  ", f[i].sec[k], f[i].cores[k], eff[i][k]);
+        }
         printf("\n");
     }
     printf("(%s; cores: process CPU seconds over wall seconds; eff.: T(%d) * %d / (T(n) * n); core rate: each "
            "thread's single-threaded sgemm rate with all running, against %d threads, the ceiling of "
            "compute-bound efficiency here; bw rate: the read bandwidth of all the threads per thread, against %d "
-           "threads', the ceiling of memory-bound efficiency)\n",
+           "threads', the ceiling of memory-bound efficiency; -: under a thousandth of the layer at both counts)\n",
            rounds > 1 ? "medians of the rounds" : "one round", tl[0], tl[0], tl[0], tl[0]);
     for (int i = 1; i < nt; i++) {   /* how much of what the machine allows each stage reached */
         if (!(f[i].core_rate > 0)) continue;
         printf("%d threads, efficiency over the core rate (1.00: as fast as the cores allow):", tl[i]);
-        for (int k = 0; k < N_STAGES; k++) printf(" %s %.2f%s", stage_name[k], eff[i][k] / f[i].core_rate, k + 1 < N_STAGES ? "," : "");
+        for (int k = 0; k < N_STAGES; k++) {
+            if (isnan(eff[i][k])) printf(" %s -%s", stage_name[k], k + 1 < N_STAGES ? "," : "");
+            else printf(" %s %.2f%s", stage_name[k], eff[i][k] / f[i].core_rate, k + 1 < N_STAGES ? "," : "");
+        }
         printf("\n");
     }
     if (rounds > 1) {   /* each round's own ratio: how far the machine's drift moves it */
