@@ -66,8 +66,8 @@ static unsigned attention_parts(const mq_pipe *p, int l) {
 }
 
 /* The source's weights of a layer part, read into fp32 (mq_lazy_load_ex) or freed, timed as the
- * layer's read stage; a read-ahead of exactly these experts is finished first (another one is
- * cancelled: nothing else may hold experts' buffers being filled). */
+ * layer's read stage; a read-ahead of exactly these parts is finished first (one that overlaps
+ * them otherwise is cancelled: no part may be read while its buffers are being filled). */
 static moeq_status read_part(mq_pipe *p, int l, unsigned what, int e0, int e1,
                              bool (*alloc_only)(float **dest, void *user), void *user) {
     double t0 = mq_now(), c0 = mq_cpu_now();
