@@ -47,10 +47,10 @@ static moeq_status check_interrupt(void) {
  * during its attention, each next chunk during the one before, the next layer's attention
  * during the last chunk. The read stage was memory-bound (about 100 GB/s of bf16 in and fp32
  * out at 16 threads on the GPU machine's Xeon: its efficiency 0.4-0.5 from 2 threads) and waits
- * for a disk where the source is not in the page cache. Where the sources need more than a
- * conversion (mq_lazy_ahead_start), only the page cache is asked to read ahead. */
+ * for a disk where the source is not in the page cache (the callers ask the page cache to read
+ * the same parts ahead, mq_lazy_prefetch, which is all that is done where the sources need more
+ * than a conversion: mq_lazy_ahead_start). */
 static moeq_status start_ahead(mq_pipe *p, int l, unsigned what, int e0, int e1) {
-    mq_lazy_prefetch(p->lz, l, what, e0, e1);
     if (p->mp.read_ahead <= 0 || p->ahead || ((what & MQ_PART_EXPERTS) && e0 >= e1)) return MOEQ_OK;
     const double t0 = mq_now(), c0 = mq_cpu_now();   /* the buffers' allocation: the read's */
     moeq_status st = mq_lazy_ahead_start(p->lz, l, what, e0, e1, &p->ahead);
@@ -2917,8 +2917,9 @@ static moeq_status routed_experts(mq_pipe *p, int l, bool replay) {
         if ((st = read_part(p, l, MQ_PART_EXPERTS, e0, e1, NULL, NULL))) break;
         /* the next chunk while this one computes, during the last the next layer's attention (one
          * process: else only the page cache) */
-        if (e1 < own_hi && !dist && !replay) st = start_ahead(p, l, MQ_PART_EXPERTS, e1, e1 + C < own_hi ? e1 + C : (int)own_hi);
-        else if (e1 < own_hi) mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, e1, e1 + C < own_hi ? e1 + C : (int)own_hi);
+        const int e2 = e1 + C < own_hi ? e1 + C : (int)own_hi;
+        if (e1 < own_hi) mq_lazy_prefetch(p->lz, l, MQ_PART_EXPERTS, e1, e2);
+        if (e1 < own_hi && !dist && !replay) st = start_ahead(p, l, MQ_PART_EXPERTS, e1, e2);
         else if (!dist && !replay && l + 1 < p->plan.n_layers) st = start_ahead(p, l + 1, attention_parts(p, l + 1), 0, 0);
         if (st) break;
         /* one process on a GPU: the chunk's experts go up once, gate, up and down, for both

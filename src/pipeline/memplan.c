@@ -18,7 +18,7 @@ static double gb(int64_t b) { return (double)b / 1e9; }
 typedef struct {
     int64_t acts, routing, state, attention, chunk, ffn_other, peak;
     int64_t batch;
-    int64_t ahead;   /* the read-ahead's largest part, where mp.read_ahead asks for it */
+    int64_t ahead;   /* the read-ahead's largest part (plan_sizes' ahead) */
 } sizes;
 
 /* The largest fp32 bytes any layer loads for `what` (experts [0, e)). */
@@ -88,7 +88,8 @@ int64_t mq_plan_batch_rows(const mq_pipe *p, int64_t C) {
     return worst > busy ? worst : busy;
 }
 
-static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t batch) {
+/* ahead: with the CPU's read-ahead (layer.c start_ahead) */
+static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t batch, bool ahead) {
     const mq_config *c = p->c;
     const mq_pipeline_opts *o = p->o;
     sizes z;
@@ -163,7 +164,7 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         if (p->gpu && p->ranks <= 1) z.attention += C * w1;
         /* the CPU's read-ahead (layer.c start_ahead): the first chunk beside the attention, the
          * next chunk beside the one before, the next layer's attention beside the last */
-        if (p->mp.read_ahead > 0) {
+        if (ahead) {
             z.ahead = C * w1 > att_w ? C * w1 : att_w;
             z.attention += C * w1;
             z.chunk += z.ahead;
@@ -209,7 +210,7 @@ static int64_t batch_for(const mq_pipe *p, int C) {
  * with one chunk of 64 instead of two of 32). 0 when not even one expert fits. */
 static int best_chunk(const mq_pipe *p, mq_act_storage kind, int64_t budget) {
     int E = p->c->n_experts;
-    if (E == 0) return plan_sizes(p, kind, 0, 1).peak <= budget ? 1 : 0;
+    if (E == 0) return plan_sizes(p, kind, 0, 1, false).peak <= budget ? 1 : 0;
     int want = 2 * mq_pool_size() > 8 ? 2 * mq_pool_size() : 8;
     if (p->gpu && p->ranks <= 1) {
         mq_gpu_info gi;
@@ -220,7 +221,7 @@ static int best_chunk(const mq_pipe *p, mq_act_storage kind, int64_t budget) {
         if (fit > want) want = fit < E ? (int)fit : E;
     }
     for (int C = want < E ? want : E; C >= 1; C--)
-        if (plan_sizes(p, kind, C, batch_for(p, C)).peak <= budget) return C;
+        if (plan_sizes(p, kind, C, batch_for(p, C), false).peak <= budget) return C;
     return 0;
 }
 
@@ -341,7 +342,7 @@ moeq_status mq_plan_memory(mq_pipe *p) {
     if (o->expert_chunk > 0) {
         C = o->expert_chunk < E ? o->expert_chunk : (E > 0 ? E : 1);
         if (kind == MQ_ACT_AUTO)
-            kind = plan_sizes(p, MQ_ACT_RAM, C, batch_for(p, C)).peak <= mp->budget ? MQ_ACT_RAM : MQ_ACT_DISK;
+            kind = plan_sizes(p, MQ_ACT_RAM, C, batch_for(p, C), false).peak <= mp->budget ? MQ_ACT_RAM : MQ_ACT_DISK;
     } else if (kind != MQ_ACT_AUTO) {
         C = best_chunk(p, kind, mp->budget);
     } else {
@@ -361,7 +362,7 @@ moeq_status mq_plan_memory(mq_pipe *p) {
      * each rank's) */
     if (p->ranks > 1 && E > 0 && C > (E + p->ranks - 1) / p->ranks) C = (E + p->ranks - 1) / p->ranks;
     int Cs = C > 0 ? C : 1;
-    sizes z = plan_sizes(p, kind, Cs, batch_for(p, Cs));
+    sizes z = plan_sizes(p, kind, Cs, batch_for(p, Cs), false);
     mp->storage = kind;
     mp->chunk = E > 0 ? Cs : 0;
     const int share = p->ranks > 1 ? (E + p->ranks - 1) / p->ranks : E;   /* experts of this rank */
@@ -381,16 +382,13 @@ moeq_status mq_plan_memory(mq_pipe *p) {
     const bool snap_copy = p->ranks <= 1 && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE");
     /* the read-ahead where it fits beside the rest, as the chunk and the snapshot's copy are */
     if (read_ahead_wanted(p) && E > 0 && C > 0) {
-        mp->read_ahead = 1;   /* asks plan_sizes for it */
-        const sizes za = plan_sizes(p, kind, Cs, batch_for(p, Cs));
+        const sizes za = plan_sizes(p, kind, Cs, batch_for(p, Cs), true);
         if (za.peak + (snap_copy ? copy : 0) <= mp->budget) {
             z = za;
             mp->read_ahead = z.ahead;
             mp->attention = z.attention;
             mp->expert_chunk = z.chunk;
             mp->peak = z.peak;
-        } else {
-            mp->read_ahead = 0;
         }
     }
     if (snap_copy) {
@@ -413,7 +411,7 @@ moeq_status mq_plan_memory(mq_pipe *p) {
         else if (f.mlp > 0) p->mp_units.mlp = units(f.mlp);
     }
     if (C == 0 || z.peak > mp->budget) {
-        sizes d = plan_sizes(p, MQ_ACT_DISK, 1, batch_for(p, 1));
+        sizes d = plan_sizes(p, MQ_ACT_DISK, 1, batch_for(p, 1), false);
         char what[160] = "";
         if (E > 0)
             snprintf(what, sizeof what, ", %d expert%s at a time %.2f GB", Cs, Cs > 1 ? "s" : "",
