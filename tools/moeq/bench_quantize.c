@@ -54,6 +54,7 @@ static void stage_sums(const mq_pipeline_result *r, double wall[N_STAGES], doubl
 /* One count's figures over the rounds: per stage the median seconds per layer and cores busy. */
 typedef struct {
     double sec[N_STAGES], cores[N_STAGES], core_rate, bw_rate;
+    double hot;   /* the core rate right after the count's run over the one just before it */
 } count_figures;
 
 /* A layer's seconds on one thread: outside the pool's parallel loops, less waiting for other ranks
@@ -83,10 +84,10 @@ static double per_layer_total(const mq_pipeline_result *r) {
     return r->layers_run > 0 ? w / r->layers_run : 0;
 }
 
-/* rs[round * nt + i]: count i's run in each round; core[] and bw[] the same way. */
-static count_figures count_medians(const mq_pipeline_result *rs, const double *core, const double *bw, int nt,
-                                   int rounds, int i) {
-    double sec[N_STAGES][64], cores[N_STAGES][64], rate[64], bwr[64];
+/* rs[round * nt + i]: count i's run in each round; core[], hot[] and bw[] the same way. */
+static count_figures count_medians(const mq_pipeline_result *rs, const double *core, const double *hot,
+                                   const double *bw, int nt, int rounds, int i) {
+    double sec[N_STAGES][64], cores[N_STAGES][64], rate[64], bwr[64], hr[64];
     if (rounds > 64) rounds = 64;
     for (int r = 0; r < rounds; r++) {
         const mq_pipeline_result *x = &rs[r * nt + i];
@@ -99,6 +100,7 @@ static count_figures count_medians(const mq_pipeline_result *rs, const double *c
         }
         rate[r] = core[r * nt] > 0 ? core[r * nt + i] / core[r * nt] : 0;   /* against the round's first count */
         bwr[r] = bw[r * nt] > 0 ? bw[r * nt + i] / bw[r * nt] : 0;
+        hr[r] = core[r * nt + i] > 0 ? hot[r * nt + i] / core[r * nt + i] : 0;
     }
     count_figures f;
     for (int k = 0; k < N_STAGES; k++) {
@@ -107,6 +109,7 @@ static count_figures count_medians(const mq_pipeline_result *rs, const double *c
     }
     f.core_rate = cli_median(rate, rounds);
     f.bw_rate = cli_median(bwr, rounds);
+    f.hot = cli_median(hr, rounds);
     return f;
 }
 
@@ -120,10 +123,10 @@ static double round_efficiency(const mq_pipeline_result *rs, const int *n, int n
 /* --threads LIST: per stage, seconds per layer, cores busy and efficiency against the first
  * (medians over the rounds), then each round's end-to-end efficiencies (the spread). */
 static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, int nt, int rounds,
-                                 const double *core, const double *bw, bool same, int64_t tensors, int block,
-                                 bool json) {
+                                 const double *core, const double *hot, const double *bw, bool same,
+                                 int64_t tensors, int block, bool json) {
     count_figures f[32];
-    for (int i = 0; i < nt; i++) f[i] = count_medians(rs, core, bw, nt, rounds, i);
+    for (int i = 0; i < nt; i++) f[i] = count_medians(rs, core, hot, bw, nt, rounds, i);
     /* a stage under a thousandth of the layer at both counts (the read, done ahead by then) has
      * no efficiency: its ratio of two near-zero times would be noise (NAN: "-", null) */
     double eff[32][N_STAGES];
@@ -136,8 +139,8 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
         printf("{\"same_tensors\": %s, \"tensors_compared\": %lld, \"rounds\": %d, \"block_size\": %d, "
                "\"thread_scaling\": [", same ? "true" : "false", (long long)tensors, rounds, block);
         for (int i = 0; i < nt; i++) {
-            printf("%s{\"threads\": %d, \"core_rate\": %.3f, \"bandwidth_rate\": %.3f", i ? ", " : "", tl[i],
-                   f[i].core_rate, f[i].bw_rate);
+            printf("%s{\"threads\": %d, \"core_rate\": %.3f, \"bandwidth_rate\": %.3f, \"core_rate_after_run\": %.3f",
+                   i ? ", " : "", tl[i], f[i].core_rate, f[i].bw_rate, f[i].hot);
             for (int k = 0; k < N_STAGES; k++) {
                 char e[32] = "null", c[32] = "null";
                 if (!isnan(eff[i][k])) {
@@ -157,13 +160,13 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
         printf("]}\n");
         return;
     }
-    printf("threads  core rate  bw rate");
+    printf("threads  core rate  bw rate  after run");
     for (int k = 0; k < N_STAGES; k++) printf("  %-22s", stage_name[k]);
-    printf("\n                           ");
+    printf("\n                                      ");
     for (int k = 0; k < N_STAGES; k++) printf("  %-22s", "s/layer cores  eff.");
     printf("\n");
     for (int i = 0; i < nt; i++) {
-        printf("%7d  %9.2f  %7.2f", tl[i], f[i].core_rate, f[i].bw_rate);
+        printf("%7d  %9.2f  %7.2f  %9.2f", tl[i], f[i].core_rate, f[i].bw_rate, f[i].hot);
         for (int k = 0; k < N_STAGES; k++) {
             if (isnan(eff[i][k])) printf("  %7.2f %5.1f %6s  ", f[i].sec[k], f[i].cores[k], "-");
             else printf("  %7.2f %5.1f %6.2f  ", f[i].sec[k], f[i].cores[k], eff[i][k]);
@@ -173,7 +176,9 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
     printf("(%s; cores: process CPU seconds over wall seconds; eff.: T(%d) * %d / (T(n) * n); core rate: each "
            "thread's single-threaded sgemm rate with all running, against %d threads, the ceiling of "
            "compute-bound efficiency here; bw rate: the read bandwidth of all the threads per thread, against %d "
-           "threads', the ceiling of memory-bound efficiency; -: under a thousandth of the layer at both counts)\n",
+           "threads', the ceiling of memory-bound efficiency; after run: each thread's sgemm rate measured again right after "
+           "the count's run, over the one just before it (below 1: the cores ran slower once hot, which the core rate, "
+           "measured cold, does not see); -: under a thousandth of the layer at both counts)\n",
            rounds > 1 ? "medians of the rounds" : "one round", tl[0], tl[0], tl[0], tl[0]);
     for (int i = 1; i < nt; i++) {   /* how much of what the machine allows each stage reached */
         if (!(f[i].core_rate > 0)) continue;
@@ -334,7 +339,7 @@ int bench_quantize(int argc, char **argv) {
     bool same = true;
     uint32_t crc0 = 0;
     int64_t n0 = 0;   /* the tensors the first run wrote */
-    double core[64 * 32] = {0}, bw[64 * 32] = {0};
+    double core[64 * 32] = {0}, bw[64 * 32] = {0}, hot[64 * 32] = {0};
     /* the bandwidth probe reads well beyond the last-level cache */
     const size_t probe = (size_t)256 << 20 > 4 * cli_llc_bytes() ? (size_t)256 << 20 : 4 * cli_llc_bytes();
     for (int run = 0; run < n_runs && !st; run++) {
@@ -358,6 +363,9 @@ int bench_quantize(int argc, char **argv) {
         moeq_status bs = mq_dist_subset(0);
         if (!bs) bs = mq_dist_world_barrier("bench quantize");
         if (!st) st = bs;
+        /* the same rate again while the cores are hot from the run (a power or thermal limit the
+         * half-second measure before it does not reach) */
+        if (nt > 1 && !st) hot[run] = mq_measure_core_gflops(0.5) / tl[i];
         if (nt > 1 && !st) {   /* the tensors it wrote, against the first count's */
             if (run == 0) crc0 = rs[run].tensors_crc, n0 = rs[run].tensors_written;
             same &= rs[run].tensors_crc == crc0 && rs[run].tensors_written == n0;
@@ -398,7 +406,7 @@ int bench_quantize(int argc, char **argv) {
         }
     }
     if (nt > 1) {
-        print_thread_scaling(rs, tl, nt, (int)rounds, core, bw, same, n0, (int)o.g.block_size, json);
+        print_thread_scaling(rs, tl, nt, (int)rounds, core, hot, bw, same, n0, (int)o.g.block_size, json);
         if (json) {
             free(rs);
             return same ? CLI_OK : CLI_FAIL;
