@@ -319,7 +319,7 @@ static void test_chunks_threads_storage_byte_identical(void) {
     o.max_shard_bytes = 3 << 20;   /* several shards */
     moeq_set_threads(2);
     ASSERT_OK(mq_pipeline_run(model, base, &o, NULL));
-    /* ahead: the experts read ahead (the default), or each chunk in turn (MOEQ_READ_AHEAD=0) */
+    /* ahead: the experts read ahead (MOEQ_READ_AHEAD=1), or each chunk in turn (the default) */
     const struct { int chunk, threads; mq_act_storage act; bool ahead; } runs[] = {
         {1, 1, MQ_ACT_AUTO, true}, {3, 2, MQ_ACT_AUTO, true}, {8, 1, MQ_ACT_RAM, true}, {3, 3, MQ_ACT_DISK, true},
         {8, 16, MQ_ACT_AUTO, true}, {3, 2, MQ_ACT_AUTO, false}, {1, 3, MQ_ACT_AUTO, false}};
@@ -329,7 +329,7 @@ static void test_chunks_threads_storage_byte_identical(void) {
         o.expert_chunk = runs[i].chunk;
         o.act_storage = runs[i].act;
         moeq_set_threads(runs[i].threads);
-        if (!runs[i].ahead) setenv("MOEQ_READ_AHEAD", "0", 1);
+        if (runs[i].ahead) setenv("MOEQ_READ_AHEAD", "1", 1);
         mq_pipeline_result r;
         ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
         unsetenv("MOEQ_READ_AHEAD");
@@ -376,7 +376,8 @@ static void test_memory_plan(void) {
     snprintf(out, sizeof out, "%s/q", parent);
     mq_pipeline_opts o;
     default_gptq(&o);
-    /* a dry run: the plan, nothing written */
+    /* a dry run: the plan, nothing written (with the read-ahead asked for: MOEQ_READ_AHEAD=1) */
+    setenv("MOEQ_READ_AHEAD", "1", 1);
     o.dry_run = true;
     mq_pipeline_result r;
     ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
@@ -402,8 +403,12 @@ static void test_memory_plan(void) {
     ASSERT_EQ_INT(0, r.plan.read_ahead);
     ASSERT_EQ_INT(with_ahead - 8 * 3 * 256 * 256 * 4, r.plan.peak);
     o.max_memory = 0;
-    /* the rest without it (MOEQ_READ_AHEAD=0) */
+    /* MOEQ_READ_AHEAD=0 and the default (unset): none */
     setenv("MOEQ_READ_AHEAD", "0", 1);
+    ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
+    ASSERT_EQ_INT(0, r.plan.read_ahead);
+    ASSERT_EQ_INT(with_ahead - 8 * 3 * 256 * 256 * 4, r.plan.peak);
+    unsetenv("MOEQ_READ_AHEAD");
     ASSERT_OK(mq_pipeline_run(model, out, &o, &r));
     ASSERT_EQ_INT(0, r.plan.read_ahead);
     ASSERT_EQ_INT(with_ahead - 8 * 3 * 256 * 256 * 4, r.plan.peak);

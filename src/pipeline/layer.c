@@ -41,9 +41,10 @@ static moeq_status check_interrupt(void) {
     return moeq_interrupted() ? mq_err(MOEQ_E_INTERRUPTED, "quantization interrupted") : MOEQ_OK;
 }
 
-/* Read-ahead (the plan's mp.read_ahead): parts `what` of layer l (experts [e0, e1)) converted
- * on a thread of the lowest priority while the pool computes, so that their read finds them
- * done, or nearly: it converts what is left on the pool. A MoE layer's first expert chunk goes
+/* Read-ahead (the plan's mp.read_ahead; MOEQ_READ_AHEAD=1 only, see memplan.c
+ * read_ahead_wanted for why): parts `what` of layer l (experts [e0, e1)) converted on a thread
+ * of the lowest priority while the pool computes, so that their read finds them done, or
+ * nearly: it converts what is left on the pool. A MoE layer's first expert chunk goes
  * during its attention, each next chunk during the one before, the next layer's attention
  * during the last chunk. The read stage was memory-bound (about 100 GB/s of bf16 in and fp32
  * out at 16 threads on the GPU machine's Xeon: its efficiency 0.4-0.5 from 2 threads) and waits
