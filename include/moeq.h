@@ -672,7 +672,8 @@ typedef struct {
     int64_t read_ahead;            /* what is read ahead at most: the next expert chunk's weights
                                       (beside the attention and the chunk before) or the next
                                       layer's attention (beside the last chunk); 0: each part read
-                                      in turn; counted in attention and expert_chunk */
+                                      in turn (the default; MOEQ_READ_AHEAD=1 asks for it);
+                                      counted in attention and expert_chunk */
     int32_t chunk, n_chunks;       /* experts per chunk, chunks per MoE layer */
     int32_t sample_batch;          /* samples whose expert rows run together, at most */
     int32_t attention_passes;      /* per layer: every sample through the attention (2 when
