@@ -3471,7 +3471,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     mq_layer *ly = &p->m->layers[l];
     /* the source is read ahead of the compute: the first expert chunk during the attention, the
      * next chunk during each chunk (routed_experts), the next layer's attention during the FFN */
-    if (ly->is_moe) {   /* the page cache's part (one process: read ahead by attention_stage) */
+    if (ly->is_moe) {   /* the page cache's part (converted ahead too with MOEQ_READ_AHEAD=1: attention_stage) */
         int64_t lo = 0, hi = p->c->n_experts;
         if (p->ranks > 1) mq_dist_share(p->c->n_experts, p->rank, p->ranks, &lo, &hi);
         const int C = p->mp.chunk > 0 ? p->mp.chunk : p->c->n_experts;
@@ -3483,7 +3483,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
      * is 2.3x its experts' 7168) */
     mq_gptq_release_scratch();
     if (!st && l + 1 < p->c->n_layers)
-        mq_lazy_prefetch(p->lz, l + 1, MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER, 0, 0);
+        mq_lazy_prefetch(p->lz, l + 1, attention_parts(p, l + 1), 0, 0);
     if (!st) {
         /* OUT gathers the FFN's outputs, unless the GPU's combined ones overwrite all of it */
         if (!experts_on_device(p, l, replay) || p->target) zero_out(p);

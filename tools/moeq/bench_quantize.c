@@ -127,7 +127,7 @@ static void print_thread_scaling(const mq_pipeline_result *rs, const int *tl, in
                                  int64_t tensors, int block, bool json) {
     count_figures f[32];
     for (int i = 0; i < nt; i++) f[i] = count_medians(rs, core, hot, bw, nt, rounds, i);
-    /* a stage under a thousandth of the layer at both counts (the read, done ahead by then) has
+    /* a stage under a thousandth of the layer at both counts (the read, with MOEQ_READ_AHEAD=1) has
      * no efficiency: its ratio of two near-zero times would be noise (NAN: "-", null) */
     double eff[32][N_STAGES];
     for (int i = 0; i < nt; i++)
