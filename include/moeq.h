@@ -85,6 +85,10 @@ void moeq_set_log(moeq_log_fn fn, void *user);
  * downloads: a hub id not in the cache is MOEQ_E_NOTFOUND saying where it looked. */
 moeq_status moeq_resolve_model(const char *name, const char *revision, char **out);
 
+/* The memory a job may use when no budget is given (quantize's and eval's max_memory 0): 85% of
+ * the memory available now, at most the total less 2 GiB, at least 1 GiB. */
+int64_t moeq_default_memory_budget(void);
+
 /* Force the scalar reference kernels (also: environment MOEQ_FORCE_REF=1). */
 void moeq_set_force_ref(int on);
 /* The CPU kernel set in use, chosen from CPUID at the first call: "avx2+fma", "scalar" (the CPU
@@ -218,6 +222,13 @@ typedef struct {
     int keep_packed;
     int no_tokenizer;  /* do not load tokenizer.json */
     int act_quant;     /* moeq_act_quant */
+    /* Open without loading weights: the checkpoint is checked as a whole load checks it, and
+     * moeq_eval then reads each layer's weights when every window reaches that layer and frees
+     * them after it (keep_packed packs them a layer at a time), so memory holds one layer, not
+     * the model: see moeq_eval. Only moeq_eval runs such a model (moeq_session_create refuses
+     * it); info.weight_bytes is then what the stream holds at most (the largest layer and the
+     * output layer). */
+    int stream;
 } moeq_model_options;
 
 typedef struct {
@@ -234,6 +245,9 @@ typedef struct {
      * tensors; embeddings, norms, routers and biases included), and what the same model takes
      * with every weight in fp32. */
     int64_t weight_bytes, weight_bytes_fp32;
+    /* What the weights take loaded whole (packed where keep_packed packs, else fp32): for a model
+     * opened whole weight_bytes, for one opened with stream an estimate from the tensors. */
+    int64_t weight_bytes_whole;
     int32_t packed_linears;    /* quantized Linears running packed (each routed expert counts 3) */
     int32_t fallback_linears;  /* quantized Linears kept dequantized because the kernels lack them */
     int32_t act_quant;         /* moeq_act_quant in effect */
@@ -333,6 +347,21 @@ typedef struct {
      * and entropy adds the mean entropy of its predictive distribution per scored token. */
     double temperature;
     int entropy;
+    /* Models opened with moeq_model_options.stream run layer by layer: every window goes through
+     * layer l before layer l + 1, the model and its kl_base in lockstep, each layer's weights
+     * read when it starts and freed when it ends. The activations at the layer boundary (every
+     * window's rows, per model) stay in memory where max_memory allows, else in files of
+     * work_dir; the final norm, lm_head and scores run a window at a time at the end. The
+     * results are those of the whole-model forward, bit for bit (the same products on the same
+     * rows), at any budget and thread count. */
+    int64_t max_memory;          /* bytes the run may hold; 0: 85% of the memory available */
+    const char *work_dir;        /* boundary files and the resume record; NULL: a directory
+                                    named by the run's inputs under $TMPDIR (else /tmp), removed
+                                    when the run ends, kept after an interrupt or failure once a
+                                    layer's boundary is durable */
+    int resume;                  /* continue an interrupted streamed run from work_dir's record
+                                    (the same models, data and options), else start afresh */
+    int dry_run;                 /* plan only: res->plan, nothing run */
 } moeq_eval_options;
 
 void moeq_eval_options_init(moeq_eval_options *o);
@@ -366,6 +395,31 @@ typedef struct {
     /* with kl_base: the base model on the same windows */
     int has_base;
     double base_loglikelihood, base_word_perplexity;
+    /* The memory plan of the run (streamed or not) and what it measured. */
+    struct {
+        int streamed;            /* 1: layer by layer (a model opened with stream) */
+        int threads;             /* windows in flight at once (the plan may use fewer than the
+                                    pool's threads to fit max_memory; results do not change) */
+        int64_t budget;          /* max_memory, or the default */
+        int64_t peak_bytes;      /* planned peak of the run */
+        int64_t resident_bytes;  /* models loaded whole (weights) */
+        int64_t layer_bytes;     /* the largest layer a stream holds (weights, packed or fp32) */
+        int64_t head_bytes;      /* streamed final norms and lm_heads, held while scoring */
+        int64_t window_bytes;    /* per window in flight: states (KV cache, scratch) */
+        int64_t score_bytes;     /* per window being scored: logits and records */
+        int64_t boundary_bytes;  /* one model's activations at a layer boundary, every window */
+        int boundary_in_memory[2];   /* [model, kl_base]: 1 in memory, 0 in work_dir files */
+        int64_t disk_bytes;      /* work_dir files at most */
+        int64_t windows, rows;   /* windows, and the rows they feed the model */
+        double flops;            /* the forward's FLOPs, every model */
+        double core_gflops;      /* the cores' measured sgemm rate (a single-threaded product on
+                                    each), what windows run at */
+        double eta_seconds;      /* flops over that rate, from the start (resumed layers not
+                                    counted) */
+        int32_t layers_resumed;  /* layers an interrupted run had finished */
+        int64_t peak_anon_bytes; /* measured peak anonymous memory during the run */
+        double forward_gflops;   /* measured: the forward's FLOPs over its seconds */
+    } plan;
 } moeq_eval_result;
 
 /* An evaluation drawn as one self-contained page (`moeq eval --html`): XHTML with inline SVG,

@@ -44,6 +44,13 @@ int64_t mq_mem_available_bytes(void) {
     return v < 0 ? mq_mem_total_bytes() : v;
 }
 
+int64_t moeq_default_memory_budget(void) {
+    int64_t avail = mq_mem_available_bytes(), total = mq_mem_total_bytes();
+    int64_t b = (int64_t)(0.85 * (double)(avail > 0 ? avail : total));
+    if (total > 0 && b > total - ((int64_t)2 << 30)) b = total - ((int64_t)2 << 30);
+    return b > ((int64_t)1 << 30) ? b : ((int64_t)1 << 30);
+}
+
 /* ---- the watcher ------------------------------------------------------------------------- */
 enum { WATCH_PERIOD_MS = 10 };
 

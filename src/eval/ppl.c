@@ -18,64 +18,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "eval/eval.h"
-#include "model/model.h"
-
-enum { CHUNK = 128 }; /* lm_head rows per call: bounds the [rows, vocab] logits scratch */
-
-typedef struct {
-    bool ready;
-    mq_state *st, *st_base;
-    float *x, *xb;    /* [L, D] hidden states of the model / the base */
-    float *lg, *lgb;  /* [CHUNK, V] logits */
-    int32_t *ids;     /* [L] window input */
-    uint8_t *mark;    /* [V] for mq_kl_topk */
-    uint32_t *tk_ids; /* [k] */
-    float *tk_vals;   /* [k] */
-    uint8_t *rec;     /* [L * record] a window's saved records */
-    float *zeros;     /* [V] for mq_entropy_row */
-} scratch;
-
-typedef struct {
-    const moeq_model *m, *base;
-    const moeq_docs *docs;
-    moeq_eval_task task;
-    int32_t L, prefix;
-    int add_bos;
-    int64_t V, n_docs;
-    int32_t **tok;      /* [n_docs] token ids */
-    int64_t *ntok;      /* [n_docs] */
-    int64_t *tok_off;   /* [n_docs + 1] global index of each document's first token */
-    int64_t *win_first; /* [n_docs + 1] each document's first window */
-    mq_window *win;
-    int32_t *win_doc;
-    int64_t n_win;
-    double *win_ll;
-    uint8_t *win_done;
-    float temperature;  /* 1: logits unchanged */
-    double *tok_ent;    /* entropy per scored token (global index), or NULL */
-    /* KL per scored token (global index) */
-    bool kl;
-    double *tok_kl, *tok_bound;
-    double *tok_llb;    /* the base's log-likelihood of each scored token (kl_base) */
-    uint8_t *tok_changed;
-    /* saved logits: writing (save_fd >= 0) and reading (kl_data) */
-    int save_fd;
-    uint32_t save_k;
-    const char *save_path;
-    const uint8_t *kl_data;
-    uint32_t kl_k;
-    scratch *sc;
-    int n_sc;
-    atomic_int_fast64_t tokens_done;
-    int64_t tokens_total;
-    atomic_int failed;
-    moeq_status err;
-    char errmsg[1024];
-} eval_ctx;
+#include "eval/eval_run.h"
 
 /* Records the first failure of a pool task (the message lives in that thread's last error). */
-static void task_fail(eval_ctx *c, moeq_status st) {
+void mq_eval_task_fail(mq_eval_ctx *c, moeq_status st) {
     int expected = 0;
     if (atomic_compare_exchange_strong(&c->failed, &expected, 1)) {
         c->err = st;
@@ -86,7 +32,7 @@ static void task_fail(eval_ctx *c, moeq_status st) {
 /* ---- tokenization ------------------------------------------------------------------------- */
 static void tokenize_task(void *vc, int64_t d, int thread) {
     (void)thread;
-    eval_ctx *c = vc;
+    mq_eval_ctx *c = vc;
     if (atomic_load(&c->failed)) return;
     size_t len = 0;
     const char *text = moeq_docs_text(c->docs, d, &len);
@@ -101,14 +47,14 @@ static void tokenize_task(void *vc, int64_t d, int thread) {
     if (!st) st = moeq_tokenizer_encode(moeq_model_tokenizer(c->m), text, len, &ids, &n);
     free(detok);
     if (st) {
-        task_fail(c, mq_err_prefix(st, "document %lld", (long long)d + 1));
+        mq_eval_task_fail(c, mq_err_prefix(st, "document %lld", (long long)d + 1));
         return;
     }
     int64_t total = (int64_t)n + (c->add_bos ? 1 : 0);
     int32_t *t = malloc(sizeof(int32_t) * (size_t)(total > 0 ? total : 1));
     if (!t) {
         free(ids);
-        task_fail(c, mq_err(MOEQ_E_NOMEM, "document %lld: out of memory for %lld tokens",
+        mq_eval_task_fail(c, mq_err(MOEQ_E_NOMEM, "document %lld: out of memory for %lld tokens",
                             (long long)d + 1, (long long)total));
         return;
     }
@@ -118,7 +64,7 @@ static void tokenize_task(void *vc, int64_t d, int thread) {
         if (ids[i] < 0 || ids[i] >= c->V) {
             free(ids);
             free(t);
-            task_fail(c, mq_err(MOEQ_E_FORMAT,
+            mq_eval_task_fail(c, mq_err(MOEQ_E_FORMAT,
                                 "document %lld: token id %d outside the model's "
                                 "vocabulary of %lld",
                                 (long long)d + 1, ids[i], (long long)c->V));
@@ -132,22 +78,32 @@ static void tokenize_task(void *vc, int64_t d, int thread) {
 }
 
 /* ---- scoring ------------------------------------------------------------------------------ */
-static moeq_status scratch_init(eval_ctx *c, scratch *s) {
+/* The whole-model forward's part of a thread's scratch. */
+static moeq_status scratch_init(mq_eval_ctx *c, mq_eval_scratch *s) {
     const mq_config *cfg = &c->m->cfg;
-    int64_t L = c->L, V = c->V;
+    int64_t L = c->L;
     moeq_status st = mq_state_new(c->m, c->L, &s->st);
     if (st) return st;
     s->x = mq_alloc_array((size_t)(L * cfg->D), sizeof(float), "eval hidden states");
-    s->lg = mq_alloc_array((size_t)(CHUNK * V), sizeof(float), "eval logits");
     s->ids = mq_alloc_array((size_t)L, sizeof(int32_t), "eval window ids");
-    if (!s->x || !s->lg || !s->ids) return MOEQ_E_NOMEM;
+    if (!s->x || !s->ids) return MOEQ_E_NOMEM;
     if (c->base) {
         if ((st = mq_state_new(c->base, c->L, &s->st_base)) != MOEQ_OK) return st;
         s->xb =
             mq_alloc_array((size_t)(L * c->base->cfg.D), sizeof(float), "eval base hidden states");
-        s->lgb = mq_alloc_array((size_t)(CHUNK * V), sizeof(float), "eval base logits");
-        if (!s->xb || !s->lgb) return MOEQ_E_NOMEM;
+        if (!s->xb) return MOEQ_E_NOMEM;
     }
+    s->ready = true;
+    return mq_eval_scoring_init(c, s);
+}
+
+moeq_status mq_eval_scoring_init(mq_eval_ctx *c, mq_eval_scratch *s) {
+    if (s->scoring_ready) return MOEQ_OK;
+    int64_t L = c->L, V = c->V;
+    if (!(s->lg = mq_alloc_array((size_t)(CHUNK * V), sizeof(float), "eval logits")))
+        return MOEQ_E_NOMEM;
+    if (c->base && !(s->lgb = mq_alloc_array((size_t)(CHUNK * V), sizeof(float), "eval base logits")))
+        return MOEQ_E_NOMEM;
     uint32_t k = c->save_k > c->kl_k ? c->save_k : c->kl_k;
     if (k) {
         s->tk_ids = mq_alloc_array(k, sizeof(uint32_t), "top-k ids");
@@ -160,11 +116,11 @@ static moeq_status scratch_init(eval_ctx *c, scratch *s) {
     if (c->save_k && !(s->rec = mq_alloc_array((size_t)L, mq_logits_record_size(c->save_k),
                                                "saved logits records")))
         return MOEQ_E_NOMEM;
-    s->ready = true;
+    s->scoring_ready = true;
     return MOEQ_OK;
 }
 
-static void scratch_free(scratch *s) {
+static void scratch_free(mq_eval_scratch *s) {
     mq_state_free(s->st);
     mq_state_free(s->st_base);
     mq_free(s->x);
@@ -191,24 +147,33 @@ static moeq_status run_hidden(const moeq_model *m, mq_state *st, const int32_t *
     return s;
 }
 
-static moeq_status score_window(eval_ctx *c, scratch *s, int64_t wi) {
+/* The whole-model forward of window wi, then its scores. */
+static moeq_status score_window(mq_eval_ctx *c, mq_eval_scratch *s, int64_t wi) {
     const mq_window *w = &c->win[wi];
-    int64_t d = c->win_doc[wi], V = c->V, D = c->m->cfg.D;
-    const int32_t *T = c->tok[d];
-    mq_window_input(w, T, c->prefix, s->ids);
+    int64_t d = c->win_doc[wi];
+    mq_window_input(w, c->tok[d], c->prefix, s->ids);
     int64_t r0 = w->n_input - w->n_score;
     moeq_status st = run_hidden(c->m, s->st, s->ids, w, s->x);
     if (!st && c->base) st = run_hidden(c->base, s->st_base, s->ids, w, s->xb);
     if (st) return mq_err_prefix(st, "document %lld", (long long)d + 1);
+    return mq_eval_score_window(c, s, wi, s->x + r0 * c->m->cfg.D,
+                                c->base ? s->xb + r0 * c->base->cfg.D : NULL);
+}
+
+moeq_status mq_eval_score_window(mq_eval_ctx *c, mq_eval_scratch *s, int64_t wi, const float *xm,
+                                 const float *xb) {
+    const mq_window *w = &c->win[wi];
+    int64_t d = c->win_doc[wi], V = c->V, D = c->m->cfg.D;
+    const int32_t *T = c->tok[d];
     size_t rec_size = c->save_k ? mq_logits_record_size(c->save_k) : 0;
     int64_t g0 = c->tok_off[d] + w->first_target; /* global index of the first scored token */
     double ll = 0;
     for (int64_t c0 = 0; c0 < w->n_score; c0 += CHUNK) {
         int64_t rows = w->n_score - c0 < CHUNK ? w->n_score - c0 : CHUNK;
-        mq_lm_head(c->m, s->x + (r0 + c0) * D, rows, s->lg);
+        mq_lm_head(c->m, xm + c0 * D, rows, s->lg);
         if (c->temperature != 1.0f)
             for (int64_t i = 0; i < rows * V; i++) s->lg[i] /= c->temperature;
-        if (c->base) mq_lm_head(c->base, s->xb + (r0 + c0) * c->base->cfg.D, rows, s->lgb);
+        if (c->base) mq_lm_head(c->base, xb + c0 * c->base->cfg.D, rows, s->lgb);
         for (int64_t r = 0; r < rows; r++) {
             int64_t t = w->first_target + c0 + r, g = g0 + c0 + r;
             const float *row = s->lg + r * V;
@@ -267,13 +232,13 @@ static moeq_status score_window(eval_ctx *c, scratch *s, int64_t wi) {
 }
 
 static void window_task(void *vc, int64_t wi, int thread) {
-    eval_ctx *c = vc;
+    mq_eval_ctx *c = vc;
     if (atomic_load(&c->failed) || moeq_interrupted()) return;
-    scratch *s = &c->sc[thread];
+    mq_eval_scratch *s = &c->sc[thread];
     moeq_status st = s->ready ? MOEQ_OK : scratch_init(c, s);
     if (!st) st = score_window(c, s, wi);
     if (st) {
-        task_fail(c, st);
+        mq_eval_task_fail(c, st);
         return;
     }
     c->win_done[wi] = 1;
@@ -353,7 +318,7 @@ static moeq_status check_inputs(const moeq_model *m, const moeq_eval_options *o,
 }
 
 /* FNV-1a over each document's token count (u64) and ids (u32), little-endian. */
-static uint64_t ids_checksum(const eval_ctx *c) {
+static uint64_t ids_checksum(const mq_eval_ctx *c) {
     uint64_t h = MQ_FNV_INIT;
     for (int64_t d = 0; d < c->n_docs; d++) {
         uint8_t b[8];
@@ -368,7 +333,7 @@ static uint64_t ids_checksum(const eval_ctx *c) {
     return h;
 }
 
-static moeq_status check_saved_header(const eval_ctx *c, const char *path,
+static moeq_status check_saved_header(const mq_eval_ctx *c, const char *path,
                                       const mq_logits_header *h, uint64_t checksum) {
     if ((int64_t)h->vocab != c->V)
         return mq_err(MOEQ_E_ARG, "%s: saved with a vocabulary of %u tokens, the model has %lld",
@@ -401,7 +366,7 @@ static int kl_bin(double kl) {
     return b < 1 ? 1 : b > MOEQ_KL_HIST_BINS - 1 ? MOEQ_KL_HIST_BINS - 1 : b;
 }
 
-static void fill_result(const eval_ctx *c, const moeq_eval_options *o, moeq_eval_result *r) {
+static void fill_result(const mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval_result *r) {
     double ll = 0, kl_sum = 0, bound_sum = 0, ent_sum = 0, llb = 0;
     int64_t changed = 0, kl_n = 0;
     double *kl_vals = c->kl ? malloc(sizeof(double) * (size_t)(c->tokens_total + 1)) : NULL;
@@ -473,7 +438,7 @@ static void fill_result(const eval_ctx *c, const moeq_eval_options *o, moeq_eval
     free(kl_vals);
 }
 
-static void ctx_free(eval_ctx *c) {
+static void ctx_free(mq_eval_ctx *c) {
     if (c->tok)
         for (int64_t d = 0; d < c->n_docs; d++) free(c->tok[d]);
     free(c->tok);
@@ -501,7 +466,7 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
     moeq_eval_options defaults;
     if (!opt) moeq_eval_options_init(&defaults), opt = &defaults;
     if (!m || !docs) return mq_err(MOEQ_E_ARG, "moeq_eval: no model or documents");
-    eval_ctx c;
+    mq_eval_ctx c;
     memset(&c, 0, sizeof c);
     c.save_fd = -1;
     moeq_status st = check_inputs(m, opt, &c.L, &c.prefix);
@@ -581,7 +546,14 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
     }
 
     /* Saved logits: check the one to read, open the one to write. */
-    uint64_t checksum = (opt->kl_logits || opt->save_logits) ? ids_checksum(&c) : 0;
+    const bool streamed = mq_model_lazy(m) || (c.base && mq_model_lazy(c.base));
+    uint64_t checksum = (opt->kl_logits || opt->save_logits || streamed) ? ids_checksum(&c) : 0;
+    c.ids_checksum = checksum;
+    if (opt->dry_run) {
+        st = mq_eval_stream_plan_only(&c, opt, res);
+        ctx_free(&c);
+        return st;
+    }
     mq_map kl_map = {0};
     mq_atomic_file af = {0};
     mq_logits_header hdr = {0};
@@ -606,9 +578,15 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
     }
 
     atomic_store(&c.tokens_done, 0);
-    mq_progress("eval", 0, c.tokens_total);
-    mq_parallel_for(c.n_win, window_task, &c);
-    mq_progress("eval", atomic_load(&c.tokens_done), c.tokens_total);
+    if (streamed) {
+        st = mq_eval_stream(&c, opt, res);
+        if (st && st != MOEQ_E_INTERRUPTED && !atomic_load(&c.failed)) mq_eval_task_fail(&c, st);
+        st = MOEQ_OK;
+    } else {
+        mq_progress("eval", 0, c.tokens_total);
+        mq_parallel_for(c.n_win, window_task, &c);
+        mq_progress("eval", atomic_load(&c.tokens_done), c.tokens_total);
+    }
 
     bool interrupted = !atomic_load(&c.failed) && moeq_interrupted();
     if (atomic_load(&c.failed)) {

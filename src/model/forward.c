@@ -327,6 +327,25 @@ void mq_state_drop_layer(mq_state *s, int l) {
     s->filled[l] = 0;
 }
 
+int64_t mq_state_bytes(const moeq_model *m, int32_t max_tokens, bool moe_fp32) {
+    const mq_config *c = &m->cfg;
+    const int64_t R = max_tokens, D = c->D, Q = (int64_t)c->n_heads * c->head_dim;
+    const int64_t QV = (int64_t)c->n_heads * c->v_head_dim;
+    const int64_t F = c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn;
+    const int64_t E = moe_fp32 ? c->n_experts : 0, K = c->top_k, FE = c->moe_ffn;
+    int64_t f = R * (2 * D + Q + (Q > QV ? Q : QV));                 /* xn, tmp, q, att */
+    if (c->mla)
+        f += R * ((c->q_lora_rank > 0 ? c->q_lora_rank : 1) + 2 * c->kv_lora_rank + c->qk_rope +
+                  (int64_t)c->n_heads * (c->qk_nope + c->v_head_dim));
+    f += 2 * R * F;                                                   /* g, u */
+    if (E > 0) f += R * (E + 3 * K + 1) + 2 * E + R * K * (2 * D + 2 * FE) + R * K / 2;
+    if (m->act_quant) f += R * D + (E > 0 ? R * K * (D + FE) : 0);
+    f += R * (int64_t)c->n_kv_heads * (c->head_dim + c->v_head_dim);   /* one layer's KV cache */
+    f += R * c->rope_dim;                                             /* RoPE tables */
+    f += (int64_t)mq_pool_size() * ATT_QB * R;                        /* attention scores */
+    return 4 * f;
+}
+
 moeq_status mq_state_new(const moeq_model *m, int32_t max_tokens, mq_state **out) {
     return mq_state_new_ex(m, max_tokens, true, out);
 }
@@ -1165,6 +1184,9 @@ struct moeq_session {
 
 moeq_status moeq_session_create(const moeq_model *m, int32_t max_tokens, moeq_session **out) {
     if (!m || !out) return mq_err(MOEQ_E_ARG, "moeq_session_create: NULL argument");
+    if (m->lazy)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: opened with stream (weights a layer at a time): "
+                      "only moeq_eval runs it; open it without stream to generate", m->dir);
     *out = NULL;
     moeq_session *s = calloc(1, sizeof *s);
     if (!s) return mq_err(MOEQ_E_NOMEM, "out of memory");

@@ -285,8 +285,9 @@ static moeq_status build_wants(want_list *L, const mq_st *st, moeq_model *m) {
     const mq_config *c = &m->cfg;
     int64_t V = c->vocab, D = c->D;
     int64_t vd[2] = {V, D};
-    L->what = MQ_PART_GLOBAL;
+    L->what = MQ_PART_EMBED;
     want_add(L, -1, mq_strdup("model.embed_tokens.weight"), 2, vd, &m->embed, 0, V * D);
+    L->what = MQ_PART_HEAD;
     want_vec(L, -1, mq_strdup("model.norm.weight"), D, &m->final_norm);
     if (!c->tie_embeddings) {
         want_add(L, -1, mq_strdup("lm_head.weight"), 2, vd, &m->lm_head, 0, V * D);
@@ -546,13 +547,15 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
     return s;
 }
 
-/* Packs every quantized decoder Linear the kernels support; the rest stay on the fp32 path. */
-static moeq_status pack_quantized(want_list *L, const mq_st *st, moeq_model *m, int *n_fallback) {
+/* Packs every quantized decoder Linear of layers [l0, l1) the kernels support; the rest stay on
+ * the fp32 path. */
+static moeq_status pack_layers(want_list *L, const mq_st *st, moeq_model *m, int l0, int l1,
+                               int *n_fallback) {
     const int E = m->cfg.n_experts, nmoe = 3 * E + (m->cfg.shared_ffn > 0 ? 3 : 0);
     want **ws = calloc((size_t)(nmoe > 0 ? nmoe : 1), sizeof *ws);
     if (!ws) return mq_err(MOEQ_E_NOMEM, "out of memory");
     moeq_status s = MOEQ_OK;
-    for (int l = 0; l < m->cfg.n_layers && !s; l++) {
+    for (int l = l0; l < l1 && !s; l++) {
         memset(ws, 0, sizeof *ws * (size_t)(nmoe > 0 ? nmoe : 1));
         for (size_t i = 0; i < L->n && !s; i++) {
             want *w = &L->w[i];
@@ -566,6 +569,10 @@ static moeq_status pack_quantized(want_list *L, const mq_st *st, moeq_model *m, 
     }
     free(ws);
     return s;
+}
+
+static moeq_status pack_quantized(want_list *L, const mq_st *st, moeq_model *m, int *n_fallback) {
+    return pack_layers(L, st, m, 0, m->cfg.n_layers, n_fallback);
 }
 
 /* ---- resident bytes -------------------------------------------------------------------------- */
@@ -664,7 +671,7 @@ static bool v_b_q8_0(const cJSON *types, const char *name) {
     return plus && q8_0_type(plus + 1);
 }
 
-static moeq_status mark_act_quant(moeq_model *m) {
+static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
     if (m->act_quant == MOEQ_ACT_QUANT_NONE) return MOEQ_OK;
     bool all = m->cfg.quant_method == NULL || m->cfg.fp8_block_rows > 0;   /* FP8: all fp32 */
     for (int l = 0; l < m->cfg.n_layers; l++) {
@@ -695,7 +702,8 @@ static moeq_status mark_act_quant(moeq_model *m) {
         for (int i = 0; !s && i < 14; i++) s = check_q8_0_width(m, v[i]);
         ly->vb_act_q = types && m->cfg.mla && ly->kv_b.name && v_b_q8_0(types, ly->kv_b.name);
         int32_t kr = m->cfg.kv_lora_rank;
-        if (!s && ly->vb_act_q && (kr % 32 || kr > 4096 || !ly->kv_b.w))
+        /* a lazily opened model loads kv_b in fp32 later (act_quant never packs) */
+        if (!s && ly->vb_act_q && (kr % 32 || kr > 4096 || (loaded && !ly->kv_b.w)))
             s = mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: layer %d's latent attention "
                        "output (kv_lora_rank %d) cannot take llama.cpp's Q8_0 rounding (a "
                        "multiple of 32 up to 4096, fp32 weights)", m->dir, l, kr);
@@ -723,6 +731,10 @@ static void linear_free(mq_linear *l) {
 
 void moeq_model_free(moeq_model *m) {
     if (!m) return;
+    if (m->lazy) {   /* a streamed model belongs to its lazy model */
+        mq_lazy_close(m->lazy);
+        return;
+    }
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
         mq_free(ly->attn_norm);
@@ -811,6 +823,48 @@ moeq_status mq_config_load(const char *dir, mq_config *out) {
     return s;
 }
 
+static char *scheme_name(const mq_config *c) {
+    if (!c->quant_method) return NULL;
+    return c->quant_format ? mq_asprintf("%s/%s", c->quant_method, c->quant_format)
+                           : mq_strdup(c->quant_method);
+}
+
+/* moeq_model_options.stream: the lazy model's structure, weights a layer at a time (eval). The
+ * same choices as a whole load: packed where keep_packed would pack, routed experts through the
+ * ordinary (not row-independent) products, the activation quantizer's marks. */
+static moeq_status open_streamed(const char *dir, const moeq_model_options *o, moeq_model **out) {
+    mq_lazy_model *lz = NULL;
+    moeq_status s = mq_lazy_open(dir, !o->no_tokenizer, &lz);
+    if (s) return s;
+    moeq_model *m = mq_lazy_model_of(lz);
+    m->lazy = lz;
+    m->act_quant = o->act_quant;
+    mq_model_det_experts(m, false);
+    bool pack = o->keep_packed && m->cfg.quant_method && m->cfg.fp8_block_rows == 0 && !o->act_quant;
+    mq_lazy_set_packed(lz, pack);
+    if (m->cfg.quant_method && !(m->quant_scheme = scheme_name(&m->cfg)))
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!s) s = mark_act_quant(m, false);
+    if (s) {
+        moeq_model_free(m);
+        return s;
+    }
+    fill_info(m);
+    m->info.act_quant = m->act_quant;
+    int64_t peak = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        int64_t b = mq_lazy_layer_bytes(lz, l);
+        peak = b > peak ? b : peak;
+    }
+    /* resident weights: the largest layer and the output layer, as a stream holds them */
+    m->info.weight_bytes = peak + mq_lazy_head_bytes(lz);
+    m->info.weight_bytes_whole = mq_lazy_bytes(lz, -1, MQ_PART_GLOBAL, 0, 0);
+    for (int l = 0; l < m->cfg.n_layers; l++) m->info.weight_bytes_whole += mq_lazy_layer_bytes(lz, l);
+    count_bytes(m, &(int64_t){0}, &m->info.weight_bytes_fp32);
+    *out = m;
+    return MOEQ_OK;
+}
+
 moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq_model **out) {
     if (!out) return mq_err(MOEQ_E_ARG, "moeq_model_open: out is NULL");
     *out = NULL;
@@ -820,6 +874,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
         o.act_quant != MOEQ_ACT_QUANT_Q8_0)
         return mq_err(MOEQ_E_ARG, "moeq_model_open: act_quant %d (expected MOEQ_ACT_QUANT_NONE, "
                       "MOEQ_ACT_QUANT_NVFP4 or MOEQ_ACT_QUANT_Q8_0)", o.act_quant);
+    if (o.stream) return open_streamed(dir, &o, out);
     moeq_model *m = calloc(1, sizeof *m);
     if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
     mq_st *st = NULL;
@@ -827,10 +882,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     moeq_status s = mq_config_load(dir, &m->cfg);
     if (s) goto fail;
     m->dir = mq_strdup(dir);
-    if (m->cfg.quant_method)
-        m->quant_scheme = m->cfg.quant_format
-                              ? mq_asprintf("%s/%s", m->cfg.quant_method, m->cfg.quant_format)
-                              : mq_strdup(m->cfg.quant_method);
+    m->quant_scheme = scheme_name(&m->cfg);
     m->layers = calloc((size_t)m->cfg.n_layers, sizeof(mq_layer));
     if (!m->layers || !m->dir) {
         s = mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -850,7 +902,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     if (!s) s = check_wants(&L, st, m, dir);
     if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
     if (!s) s = load_wants(&L, st);
-    if (!s) s = mark_act_quant(m);
+    if (!s) s = mark_act_quant(m, true);
     if (s) goto fail;
     if (m->cfg.tie_embeddings) m->lm_head = m->embed;
     want_free(&L);
@@ -869,6 +921,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     }
     fill_info(m);
     count_bytes(m, &m->info.weight_bytes, &m->info.weight_bytes_fp32);
+    m->info.weight_bytes_whole = m->info.weight_bytes;
     m->info.packed_linears = m->n_packed;
     m->info.fallback_linears = n_fallback;
     m->info.act_quant = m->act_quant;
@@ -896,6 +949,9 @@ struct mq_lazy_model {
     const mq_tensor_view *embed;
     const mq_rotation *rot;   /* borrowed; NULL: none */
     int64_t piece;            /* values a conversion task (mq_lazy_set_piece); 0: LAZY_PIECE */
+    bool pack;                /* whole layers' quantized Linears packed (mq_lazy_set_packed) */
+    bool *packed_layer;       /* [n_layers]: packed weights are loaded */
+    int n_fallback;           /* quantized Linears the kernels refused (they run in fp32) */
 };
 
 void mq_lazy_close(mq_lazy_model *lz) {
@@ -910,7 +966,9 @@ void mq_lazy_close(mq_lazy_model *lz) {
     }
     want_free(&lz->L);
     mq_st_close(lz->st);
-    moeq_model_free(lz->m);
+    if (lz->m) lz->m->lazy = NULL;
+    moeq_model_free(lz->m);   /* packed weights still loaded go with their Linears */
+    free(lz->packed_layer);
     free(lz);
 }
 
@@ -930,13 +988,15 @@ moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
         m->layers = calloc((size_t)m->cfg.n_layers, sizeof(mq_layer));
         if (!m->dir || !m->layers) s = mq_err(MOEQ_E_NOMEM, "out of memory");
     }
+    if (!s && !(lz->packed_layer = calloc((size_t)m->cfg.n_layers + 1, sizeof(bool))))
+        s = mq_err(MOEQ_E_NOMEM, "out of memory");
     if (!s) s = mq_st_open_dir(dir, &lz->st);
     if (!s) s = build_wants(&lz->L, lz->st, m);
     if (!s) s = check_wants(&lz->L, lz->st, m, dir);
     if (!s) {
         lz->embed = mq_st_find(lz->st, "model.embed_tokens.weight");
         for (size_t i = 0; i < lz->L.n; i++)
-            if (lz->L.w[i].quantized && lz->L.w[i].what == MQ_PART_GLOBAL &&
+            if (lz->L.w[i].quantized && lz->L.w[i].what == MQ_PART_EMBED &&
                 lz->L.w[i].dest == &m->embed)
                 s = mq_err(MOEQ_E_UNSUPPORTED, "%s: quantized embeddings", dir);
     }
@@ -970,6 +1030,35 @@ void mq_model_det_experts(moeq_model *m, bool on) {
 moeq_model *mq_lazy_model_of(mq_lazy_model *lz) { return lz->m; }
 void mq_lazy_set_rotation(mq_lazy_model *lz, const mq_rotation *r) { lz->rot = r; }
 void mq_lazy_set_piece(mq_lazy_model *lz, int64_t values) { lz->piece = values > 0 ? values : 0; }
+void mq_lazy_set_packed(mq_lazy_model *lz, bool on) { lz->pack = on; }
+bool mq_lazy_packed(const mq_lazy_model *lz) { return lz->pack && lz->m->cfg.quant_method; }
+mq_lazy_model *mq_model_lazy(const moeq_model *m) { return m ? m->lazy : NULL; }
+
+/* Whether a load of (layer, what, e0, e1) is a whole decoder layer. */
+static bool whole_layer(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
+    return layer >= 0 && (what & MQ_PART_LAYER) == MQ_PART_LAYER && e0 <= 0 &&
+           e1 >= lz->m->cfg.n_experts;
+}
+
+/* Packed bytes of a quantized weight of n values, an upper bound for every layout the kernels
+ * take: 4-bit codes plus at most one byte of scale per 8 values (INT4 groups of 32 keep an fp32
+ * scale; NVFP4 one E4M3 byte per 16). */
+static int64_t packed_estimate(int64_t n) { return n / 2 + n / 8 + 256; }
+
+int64_t mq_lazy_layer_bytes(const mq_lazy_model *lz, int layer) {
+    int64_t n = 0;
+    for (size_t i = 0; i < lz->L.n; i++) {
+        const want *w = &lz->L.w[i];
+        if (w->layer != layer) continue;
+        n += lz->pack && w->quantized && w->lin ? packed_estimate(w->count) : w->bytes;
+    }
+    return n;
+}
+
+int64_t mq_lazy_head_bytes(const mq_lazy_model *lz) {
+    unsigned what = MQ_PART_HEAD | (lz->m->cfg.tie_embeddings ? MQ_PART_EMBED : 0);
+    return mq_lazy_bytes(lz, -1, what, 0, 0);
+}
 
 const mq_st *mq_lazy_st(const mq_lazy_model *lz) { return lz->st; }
 
@@ -1074,10 +1163,14 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
         return mq_err(MOEQ_E_NOMEM, "out of memory");
     }
     moeq_status s = MOEQ_OK;
+    if (lz->pack && whole_layer(lz, layer, what, e0, e1) && !lz->packed_layer[layer]) {
+        s = pack_layers(&lz->L, lz->st, lz->m, layer, layer + 1, &lz->n_fallback);
+        lz->packed_layer[layer] = true;   /* also after a failure: the release frees what it made */
+    }
     n = 0;
     for (size_t i = 0; i < lz->L.n && !s; i++) {
         want *w = &lz->L.w[i];
-        if (!want_selected(w, layer, what, e0, e1) || *w->dest) continue;
+        if (!want_selected(w, layer, what, e0, e1) || *w->dest || w->packed) continue;
         *w->dest = mq_alloc_array((size_t)w->count, sizeof(float), w->name);
         if (!*w->dest) {
             s = MOEQ_E_NOMEM;
@@ -1258,6 +1351,22 @@ void mq_lazy_ahead_cancel(mq_lazy_ahead *a) {
 }
 
 void mq_lazy_release(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
+    if (layer >= 0 && lz->packed_layer[layer] && whole_layer(lz, layer, what, e0, e1)) {
+        for (size_t i = 0; i < lz->L.n; i++) {
+            want *w = &lz->L.w[i];
+            if (w->layer != layer || !w->packed) continue;
+            if (w->expert < 0) {
+                mq_packed_weight_free(w->lin->qw);
+                w->lin->qw = NULL;
+            }
+            w->packed = false;
+        }
+        moeq_moe_experts_free(lz->m->layers[layer].pexperts);
+        lz->m->layers[layer].pexperts = NULL;
+        lz->packed_layer[layer] = false;
+    }
+    if (layer < 0 && (what & MQ_PART_EMBED) && lz->m->lm_head == lz->m->embed)
+        lz->m->lm_head = NULL;   /* tied: lm_head borrowed the embeddings */
     for (size_t i = 0; i < lz->L.n; i++) {
         want *w = &lz->L.w[i];
         if (!want_selected(w, layer, what, e0, e1) || !*w->dest) continue;

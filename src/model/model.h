@@ -165,6 +165,8 @@ struct moeq_model {
     bool lm_head_act_q;              /* act_quant Q8_0 on lm_head's input (mq_final_norm): a
                                         GGUF whose output.weight llama.cpp runs on Q8_0 */
     int n_packed;                    /* Linears running packed (each expert weight counts) */
+    struct mq_lazy_model *lazy;      /* moeq_model_options.stream: the lazy model that owns this
+                                        one (its weights are loaded a layer at a time), else NULL */
 };
 
 /* ---- lazy loading (the streaming pipeline) ------------------------------------------------------ */
@@ -175,13 +177,18 @@ struct moeq_model {
  * read row by row; lm_head is never loaded. */
 typedef struct mq_lazy_model mq_lazy_model;
 enum {
-    MQ_PART_GLOBAL = 1u << 0,     /* embeddings, final norm, lm_head */
+    MQ_PART_EMBED = 1u << 0,      /* the embedding table */
+    MQ_PART_HEAD = 1u << 7,       /* final norm and lm_head (a tied lm_head is the embeddings:
+                                     load MQ_PART_EMBED with it) */
+    MQ_PART_GLOBAL = MQ_PART_EMBED | MQ_PART_HEAD,
     MQ_PART_ATTN = 1u << 1,       /* input norm, q/k/v/o (+ biases), q/k norms */
     MQ_PART_FFN_NORM = 1u << 2,   /* post-attention norm */
     MQ_PART_ROUTER = 1u << 3,     /* router, shared_expert_gate */
     MQ_PART_MLP = 1u << 4,        /* dense MLP */
     MQ_PART_SHARED = 1u << 5,     /* shared expert */
     MQ_PART_EXPERTS = 1u << 6,    /* routed experts [e0, e1) */
+    MQ_PART_LAYER = MQ_PART_ATTN | MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_MLP |
+                    MQ_PART_SHARED | MQ_PART_EXPERTS,   /* a whole decoder layer */
 };
 moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out);
 void mq_lazy_close(mq_lazy_model *lz);
@@ -220,6 +227,18 @@ int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0,
  * says (r borrowed, outliving lz; NULL: none). Set before the first load. */
 typedef struct mq_rotation mq_rotation;   /* model/rotate.h */
 void mq_lazy_set_rotation(mq_lazy_model *lz, const mq_rotation *r);
+/* Quantized Linears of a whole layer loaded at once (MQ_PART_LAYER, every expert) are packed for
+ * the quantized kernels as moeq_model_open's keep_packed packs them (the same bytes), instead of
+ * dequantized to fp32; loads of parts of a layer still dequantize. Set before the first load. */
+void mq_lazy_set_packed(mq_lazy_model *lz, bool on);
+bool mq_lazy_packed(const mq_lazy_model *lz);   /* set, and the checkpoint is quantized */
+/* The lazy model behind a model opened with moeq_model_options.stream, else NULL. */
+mq_lazy_model *mq_model_lazy(const moeq_model *m);
+/* Resident bytes a whole layer takes once loaded (packed or fp32, as the lazy model loads it;
+ * packed weights estimated from their codes and scales), and the final norm with lm_head
+ * (the embeddings when tied). */
+int64_t mq_lazy_layer_bytes(const mq_lazy_model *lz, int layer);
+int64_t mq_lazy_head_bytes(const mq_lazy_model *lz);
 /* Tests: mq_lazy_load converts in pieces of this many values (0, the default: 2 MB of fp32). */
 void mq_lazy_set_piece(mq_lazy_model *lz, int64_t values);
 /* x[T, D] = embedding rows of ids, read from the mapping (ids checked; rotated when set). */
@@ -274,6 +293,10 @@ moeq_status mq_state_new(const moeq_model *m, int32_t max_tokens, mq_state **out
  * mq_attention_forward). KV caches are made per layer when a layer first runs. */
 moeq_status mq_state_new_ex(const moeq_model *m, int32_t max_tokens, bool moe_scratch,
                             mq_state **out);
+/* Bytes a state of max_tokens positions comes to once it has run a full window through one layer
+ * (scratch, one layer's KV cache, RoPE tables), for memory plans; moe_fp32: with the fp32
+ * routed experts' scratch. An estimate from the same sizes the state allocates. */
+int64_t mq_state_bytes(const moeq_model *m, int32_t max_tokens, bool moe_fp32);
 void mq_state_free(mq_state *s);
 void mq_state_reset(mq_state *s);
 /* Frees layer l's KV cache (made again when the layer runs). */

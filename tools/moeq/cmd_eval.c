@@ -7,6 +7,8 @@
  * --act-quant nvfp4 emulates W4A4 on the dequantized path, --act-quant q8_0 llama.cpp's
  * Q8_0 activations. The resident weight bytes and the
  * peak RSS go to stderr, or with --json into the object.
+ * A model too large for memory is streamed (--stream): every window through layer l before
+ * layer l + 1, one layer's weights in memory, within --max-memory; --dry-run prints the plan.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -97,6 +99,22 @@ static void print_json(const char *model_dir, const char *data, const char *task
     json_int(f, "weight_bytes", rs->info->weight_bytes);
     json_int(f, "weight_bytes_fp32", rs->info->weight_bytes_fp32);
     json_int(f, "peak_rss_bytes", rs->peak_rss);
+    fprintf(f, "  \"plan\": {\"streamed\": %s, \"threads\": %d, \"budget_bytes\": %lld, "
+            "\"peak_bytes\": %lld, \"resident_bytes\": %lld, \"layer_bytes\": %lld, "
+            "\"head_bytes\": %lld, \"window_bytes\": %lld, \"score_bytes\": %lld, "
+            "\"boundary_bytes\": %lld, \"boundary_in_memory\": [%s, %s], \"disk_bytes\": %lld, "
+            "\"windows\": %lld, \"rows\": %lld, \"flops\": %.6g, \"core_gflops\": %.6g, "
+            "\"eta_seconds\": %.6g, \"layers_resumed\": %d, \"peak_anon_bytes\": %lld, "
+            "\"forward_gflops\": %.6g},\n",
+            r->plan.streamed ? "true" : "false", r->plan.threads, (long long)r->plan.budget,
+            (long long)r->plan.peak_bytes, (long long)r->plan.resident_bytes,
+            (long long)r->plan.layer_bytes, (long long)r->plan.head_bytes,
+            (long long)r->plan.window_bytes, (long long)r->plan.score_bytes,
+            (long long)r->plan.boundary_bytes, r->plan.boundary_in_memory[0] ? "true" : "false",
+            r->plan.boundary_in_memory[1] ? "true" : "false", (long long)r->plan.disk_bytes,
+            (long long)r->plan.windows, (long long)r->plan.rows, r->plan.flops,
+            r->plan.core_gflops, r->plan.eta_seconds, r->plan.layers_resumed,
+            (long long)r->plan.peak_anon_bytes, r->plan.forward_gflops);
     fprintf(f, "  \"interrupted\": %s,\n", r->interrupted ? "true" : "false");
     json_num(f, "seconds", r->seconds, false);
     json_num(f, "cpu_seconds", rs->cpu_seconds, false);
@@ -142,6 +160,40 @@ static void print_text(const char *model_dir, const char *task, const moeq_eval_
     if (r->has_entropy) fprintf(f, "  entropy_mean      %.6f nats/token\n", r->entropy_mean);
     fprintf(f, "  %.1f s, %.0f tokens/s (%.1f CPU s)\n", r->seconds, r->tokens_per_second,
             rs->cpu_seconds);
+    if (r->plan.streamed)
+        fprintf(f, "  streamed: peak %.2f GB planned, %.2f GB measured; forward %.1f GFLOP/s, "
+                "%.2f of the cores' sgemm rate%s\n", r->plan.peak_bytes / 1e9,
+                r->plan.peak_anon_bytes / 1e9, r->plan.forward_gflops,
+                r->plan.core_gflops > 0 ? r->plan.forward_gflops / r->plan.core_gflops : 0.0,
+                r->plan.layers_resumed ? " (resumed layers not counted)" : "");
+}
+
+static const char *gb(double bytes, char *buf, size_t n) {
+    snprintf(buf, n, "%.2f GB", bytes / 1e9);
+    return buf;
+}
+
+/* --dry-run: what the run would hold and cost. */
+static void print_plan(FILE *f, const moeq_eval_result *r, bool has_base) {
+    char a[32];
+    fprintf(f, "eval plan: %s, %lld windows (%lld rows), %d in flight\n",
+            r->plan.streamed ? "streamed layer by layer" : "whole models in memory",
+            (long long)r->plan.windows, (long long)r->plan.rows, r->plan.threads);
+    fprintf(f, "  budget            %s\n", gb((double)r->plan.budget, a, sizeof a));
+    fprintf(f, "  peak (planned)    %s\n", gb((double)r->plan.peak_bytes, a, sizeof a));
+    if (r->plan.resident_bytes) fprintf(f, "  models held whole %s\n", gb((double)r->plan.resident_bytes, a, sizeof a));
+    if (r->plan.streamed) {
+        fprintf(f, "  largest layer     %s\n", gb((double)r->plan.layer_bytes, a, sizeof a));
+        fprintf(f, "  output layers     %s (while scoring)\n", gb((double)r->plan.head_bytes, a, sizeof a));
+        fprintf(f, "  boundary          %s a model: model %s", gb((double)r->plan.boundary_bytes, a, sizeof a),
+                r->plan.boundary_in_memory[0] ? "in memory" : "in files");
+        if (has_base) fprintf(f, ", base %s", r->plan.boundary_in_memory[1] ? "in memory" : "in files");
+        fprintf(f, "\n  work directory    up to %s\n", gb((double)r->plan.disk_bytes, a, sizeof a));
+    }
+    fprintf(f, "  per window        %s (state and scratch), %s scoring\n",
+            gb((double)r->plan.window_bytes, a, sizeof a), gb((double)r->plan.score_bytes, a, sizeof a));
+    fprintf(f, "  forward           %.3g TFLOP; at the cores' sgemm rate (%.1f GFLOP/s) %.0f s\n",
+            r->plan.flops / 1e12, r->plan.core_gflops, r->plan.eta_seconds);
 }
 
 int cmd_eval(int argc, char **argv) {
@@ -152,8 +204,18 @@ int cmd_eval(int argc, char **argv) {
     double temperature = 1.0;
     bool entropy = false;
     bool json = false, add_bos = false, quiet = false, per_doc = false, dequantize = false;
-    const char *revision = NULL;
+    const char *revision = NULL, *stream = "auto", *max_memory = NULL, *work_dir = NULL;
+    bool resume = false, dry_run = false;
     const cli_opt opts[] = {
+        {"--stream", OPT_CHOICE, &stream, NULL, "run layer by layer, one layer's weights in memory "
+         "(auto, the default: when the models do not fit half of --max-memory whole)", "auto|on|off", 0, 0, NULL},
+        {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory a streamed run may use (e.g. 6GB; "
+         "default 85% of the memory available); boundary activations go to files beyond it", NULL, 0, 0, NULL},
+        {"--work-dir", OPT_STRING, &work_dir, "DIR", "a streamed run's boundary files and resume "
+         "record (default: under $TMPDIR, named by the run's inputs)", NULL, 0, 0, NULL},
+        {"--resume", OPT_FLAG, &resume, NULL, "continue an interrupted streamed run", NULL, 0, 0, NULL},
+        {"--dry-run", OPT_FLAG, &dry_run, NULL, "print the plan (memory, disk, FLOPs, ETA) and stop",
+         NULL, 0, 0, NULL},
         CLI_REVISION_OPT(revision),
         {"--html", OPT_STRING, &html, "FILE", "also draw the evaluation as one self-contained HTML page "
          "(KL and top-1 changes per document, the per-token KL distribution, perplexity per document "
@@ -213,7 +275,12 @@ int cmd_eval(int argc, char **argv) {
         "saved logits keep the top-k logits of each token, so that KL is a lower bound (tokens\n"
         "outside the top-k form one bucket). A quantized checkpoint runs packed on the quantized\n"
         "kernels (within a small tolerance of --dequantize); stderr (or the --json object)\n"
-        "reports the resident weights and peak RSS. Ctrl-C prints the partial result and exits 130.",
+        "reports the resident weights and peak RSS. Ctrl-C prints the partial result and exits 130.\n"
+        "Models that do not fit memory whole are streamed (--stream): every window goes through\n"
+        "layer l before layer l + 1 with one layer's weights in memory (a --kl-base in lockstep),\n"
+        "within --max-memory, the boundary activations in files where memory is short; the results\n"
+        "are the whole-model forward's, bit for bit. An interrupted streamed run continues with\n"
+        "--resume. --dry-run prints the plan.",
         opts,
         (int)(sizeof opts / sizeof opts[0]),
         1,
@@ -251,11 +318,33 @@ int cmd_eval(int argc, char **argv) {
               : strcmp(act_quant, "q8_0") == 0  ? MOEQ_ACT_QUANT_Q8_0
                                                 : MOEQ_ACT_QUANT_NONE;
     bool aq = aqk != MOEQ_ACT_QUANT_NONE;
-    moeq_model_options mo = {.keep_packed = !dequantize && !aq, .act_quant = aqk};
-    moeq_model_options bo = {.keep_packed = !dequantize};
+    uint64_t mem = 0;
+    if (max_memory && !cli_parse_size(max_memory, &mem))
+        return cli_usage_error("eval", "--max-memory: cannot read '%s'", max_memory);
+    if (resume && strcmp(stream, "off") == 0)
+        return cli_usage_error("eval", "--resume continues a streamed run: drop --stream off");
+    moeq_model_options mo = {.keep_packed = !dequantize && !aq, .act_quant = aqk, .stream = 1};
+    moeq_model_options bo = {.keep_packed = !dequantize, .stream = 1};
     moeq_status st = moeq_docs_load(data, lay, &docs);
+    /* open streamed first (the structure only), then whole where that fits */
     if (!st) st = moeq_model_open(model_dir, &mo, &m);
     if (!st && kl_base) st = moeq_model_open(kl_base, &bo, &base);
+    if (!st && strcmp(stream, "on") != 0) {
+        int64_t budget = mem ? (int64_t)mem : moeq_default_memory_budget();
+        int64_t whole = moeq_model_get_info(m)->weight_bytes_whole +
+                        (base ? moeq_model_get_info(base)->weight_bytes_whole : 0);
+        if (strcmp(stream, "off") == 0 || (!resume && whole <= budget / 2)) {
+            moeq_model_free(m);
+            moeq_model_free(base);
+            m = base = NULL;
+            mo.stream = bo.stream = 0;
+            st = moeq_model_open(model_dir, &mo, &m);
+            if (!st && kl_base) st = moeq_model_open(kl_base, &bo, &base);
+        } else if (!quiet && !json) {
+            fprintf(stderr, "moeq eval: streaming layer by layer (the weights take %.1f GB whole, "
+                    "the budget is %.1f GB)\n", whole / 1e9, budget / 1e9);
+        }
+    }
     if (!st && (per_doc || html)) {
         doc_ll = calloc((size_t)moeq_docs_count(docs), sizeof *doc_ll);
         doc_tok = calloc((size_t)moeq_docs_count(docs), sizeof *doc_tok);
@@ -289,7 +378,29 @@ int cmd_eval(int argc, char **argv) {
         o.doc_base_loglikelihood = doc_llb;
         o.temperature = temperature;
         o.entropy = entropy;
+        o.max_memory = (int64_t)mem;
+        o.work_dir = work_dir;
+        o.resume = resume;
+        o.dry_run = dry_run;
         st = moeq_eval(m, docs, &o, &r);
+    }
+    if (st == MOEQ_OK && dry_run) {
+        cli_progress_finish();
+        if (json) {
+            rs.peak_rss = cli_peak_rss_bytes();
+            print_json(model_dir, data, task, &r, docs, NULL, doc_tok, &rs);
+        } else {
+            print_plan(stdout, &r, base != NULL);
+        }
+        free(doc_kl);
+        free(doc_top1);
+        free(doc_llb);
+        free(doc_ll);
+        free(doc_tok);
+        moeq_model_free(base);
+        moeq_model_free(m);
+        moeq_docs_free(docs);
+        return CLI_OK;
     }
     cli_progress_finish();
     if (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED) {

@@ -1,0 +1,762 @@
+/*
+ * The streamed evaluation forward: models opened with moeq_model_options.stream never sit in
+ * memory whole. Every window goes through layer l before any goes through layer l + 1; the layer's
+ * weights are read (packed or converted to fp32, as a whole load would) when the pass starts and
+ * freed when it ends. A kl_base runs in lockstep: layer l of the base, then layer l of the model,
+ * so one layer of one model is resident at a time. What crosses from layer to layer is the
+ * boundary: every window's rows of hidden state, per model, in memory where the budget allows,
+ * else in two files of the work directory (read from one, written to the other, so that the file
+ * of the last finished layer is intact until the next one is).
+ *
+ * Each window runs its layer exactly as the whole-model forward runs it (mq_forward_layers on the
+ * window's rows from position 0, its own KV cache), and the scores come from the same
+ * mq_eval_score_window: the results equal the whole-model forward's bit for bit, whatever the
+ * budget, the storage or the number of windows in flight.
+ *
+ * Resume: after a layer whose boundary is durable (synced files, or a snapshot of the memory
+ * boundary taken when a minute of work would otherwise be at stake) the work directory's record
+ * says so; an interrupted run continues from there with moeq_eval_options.resume.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <dirent.h>
+
+#include <cjson/cJSON.h>
+
+#include "eval/eval_run.h"
+
+#define RECORD "eval-stream.json"
+enum { MAX_MODELS = 2 };
+
+/* Seconds of layers after which a memory boundary is snapshot to the work directory: below it a
+ * lost run costs less than the snapshots would. */
+static double g_snapshot_seconds = 60.0;
+void mq_eval_set_snapshot_seconds(double s);   /* tests */
+void mq_eval_set_snapshot_seconds(double s) { g_snapshot_seconds = s; }
+
+/* One model's boundary: rows x D fp32, in memory or in two files (cur: the input of the layer
+ * being run; its outputs go to the other). */
+typedef struct {
+    bool ram;
+    float *f;
+    int fd[2];
+    char *path[2];
+    int cur;
+} boundary;
+
+typedef struct {
+    mq_state *st[MAX_MODELS];
+    bool st_fp32[MAX_MODELS];   /* the state has the fp32 routed experts' scratch */
+    float *x;                   /* [L, Dmax]: a window's rows read from a file */
+    int32_t *ids;               /* [L] */
+} worker;
+
+typedef enum { PASS_EMBED, PASS_LAYER, PASS_SCORE } pass_kind;
+
+typedef struct {
+    mq_eval_ctx *c;
+    int nm;
+    const moeq_model *m[MAX_MODELS];   /* [0] the model, [1] the kl_base */
+    mq_lazy_model *lz[MAX_MODELS];     /* NULL: loaded whole */
+    int64_t D[MAX_MODELS], Dmax;
+    int64_t *row0;                     /* [n_win + 1]: each window's first boundary row */
+    int64_t rows;
+    boundary B[MAX_MODELS];
+    worker *W;
+    int n_workers;
+    /* the pass being run */
+    pass_kind kind;
+    int layer, which;
+    atomic_int_fast64_t next;
+    /* progress in rows: rows x (layers of every model) + the scored rows */
+    atomic_int_fast64_t rows_done;
+    int64_t rows_total;
+    pthread_t caller;
+    /* work directory */
+    char *dir;
+    bool dir_made;
+    bool touched;   /* the run got past its checks: the directory's files are its own */
+    int lock_fd;
+    char identity[17];
+    int layers_done, durable_layers;
+    double since_durable;
+} stream;
+
+/* ---- boundary storage ---------------------------------------------------------------------- */
+static void boundary_free(boundary *b) {
+    mq_free(b->f);
+    for (int i = 0; i < 2; i++) {
+        if (b->fd[i] >= 0) close(b->fd[i]);
+        free(b->path[i]);
+    }
+    memset(b, 0, sizeof *b);
+    b->fd[0] = b->fd[1] = -1;
+}
+
+static moeq_status work_dir_make(stream *S);
+
+static moeq_status boundary_init(stream *S, int k, bool ram) {
+    boundary *b = &S->B[k];
+    const size_t n = (size_t)S->rows * (size_t)S->D[k];
+    b->ram = ram;
+    if (ram) {
+        b->f = mq_alloc_array(n, sizeof(float), "eval boundary activations");
+        return b->f ? MOEQ_OK : MOEQ_E_NOMEM;
+    }
+    moeq_status s = work_dir_make(S);
+    if (s) return s;
+    for (int i = 0; i < 2; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "boundary-%d-%c.f32", k, 'a' + i);
+        b->path[i] = mq_path_join(S->dir, name);
+        if (!b->path[i]) return mq_err(MOEQ_E_NOMEM, "out of memory");
+        b->fd[i] = open(b->path[i], O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+        if (b->fd[i] < 0)
+            return mq_err(MOEQ_E_IO, "%s: cannot create: %s", b->path[i], strerror(errno));
+        if (ftruncate(b->fd[i], (off_t)(n * sizeof(float))) != 0)
+            return mq_err(MOEQ_E_IO, "%s: cannot size to %zu bytes: %s", b->path[i],
+                          n * sizeof(float), strerror(errno));
+    }
+    return MOEQ_OK;
+}
+
+/* The rows [r0, r0 + n) of model k's boundary: a pointer into memory, or read into scratch. */
+static moeq_status boundary_get(stream *S, int k, int64_t r0, int64_t n, float *scratch,
+                                float **x) {
+    boundary *b = &S->B[k];
+    const size_t D = (size_t)S->D[k];
+    if (b->ram) {
+        *x = b->f + (size_t)r0 * D;
+        return MOEQ_OK;
+    }
+    *x = scratch;
+    return mq_pread_all(b->fd[b->cur], scratch, (size_t)n * D * sizeof(float),
+                        (int64_t)((size_t)r0 * D * sizeof(float)), b->path[b->cur]);
+}
+
+/* Stores a layer's output rows (in memory they were updated in place). */
+static moeq_status boundary_put(stream *S, int k, int64_t r0, int64_t n, const float *x, bool next) {
+    boundary *b = &S->B[k];
+    if (b->ram) return MOEQ_OK;
+    const int f = next ? 1 - b->cur : b->cur;
+    const size_t D = (size_t)S->D[k];
+    return mq_pwrite_all(b->fd[f], x, (size_t)n * D * sizeof(float),
+                         (int64_t)((size_t)r0 * D * sizeof(float)), b->path[f]);
+}
+
+/* ---- the passes ------------------------------------------------------------------------------ */
+static bool is_caller(const stream *S) { return pthread_equal(pthread_self(), S->caller) != 0; }
+
+static void report(stream *S, int64_t rows) {
+    int64_t done = atomic_fetch_add(&S->rows_done, rows) + rows;
+    if (is_caller(S)) mq_progress("eval", done, S->rows_total);
+}
+
+/* The state of worker w for model k, with the fp32 experts' scratch when layer l needs it. */
+static moeq_status worker_state(stream *S, worker *w, int k, int l, mq_state **out) {
+    const moeq_model *m = S->m[k];
+    bool fp32 = l >= 0 && m->layers[l].is_moe && !m->layers[l].pexperts;
+    if (w->st[k] && fp32 && !w->st_fp32[k]) {
+        mq_state_free(w->st[k]);
+        w->st[k] = NULL;
+    }
+    if (!w->st[k]) {
+        moeq_status s = mq_state_new_ex(m, S->c->L, fp32, &w->st[k]);
+        if (s) return s;
+        w->st_fp32[k] = fp32;
+    }
+    *out = w->st[k];
+    return MOEQ_OK;
+}
+
+static moeq_status run_window(stream *S, worker *w, int64_t wi, int t) {
+    mq_eval_ctx *c = S->c;
+    const mq_window *win = &c->win[wi];
+    const int64_t r0 = S->row0[wi], n = win->n_input, ns = win->n_score;
+    moeq_status s = MOEQ_OK;
+    if (S->kind == PASS_EMBED) {
+        mq_window_input(win, c->tok[c->win_doc[wi]], c->prefix, w->ids);
+        for (int k = 0; k < S->nm && !s; k++) {
+            float *x = S->B[k].ram ? S->B[k].f + (size_t)r0 * (size_t)S->D[k] : w->x;
+            s = S->lz[k] ? mq_lazy_embed(S->lz[k], w->ids, n, x) : mq_embed(S->m[k], w->ids, n, x);
+            if (!s) s = boundary_put(S, k, r0, n, x, false);
+        }
+        return s;
+    }
+    if (S->kind == PASS_LAYER) {
+        const int k = S->which;
+        float *x = NULL;
+        mq_state *st = NULL;
+        s = worker_state(S, w, k, S->layer, &st);
+        if (!s) s = boundary_get(S, k, r0, n, w->x, &x);
+        if (!s) s = mq_forward_layers(S->m[k], st, x, n, 0, S->layer, S->layer + 1, NULL);
+        if (!s) s = boundary_put(S, k, r0, n, x, true);
+        report(S, n);
+        return s;
+    }
+    /* scoring: the final norm of the scored rows, then the window's scores */
+    mq_eval_scratch *sc = &c->sc[t];
+    float *x[MAX_MODELS] = {NULL, NULL};
+    s = mq_eval_scoring_init(c, sc);
+    for (int k = 0; k < S->nm && !s; k++) {
+        s = boundary_get(S, k, r0 + n - ns, ns, w->x + (size_t)k * (size_t)c->L * (size_t)S->Dmax, &x[k]);
+        if (!s) mq_final_norm(S->m[k], x[k], ns);
+    }
+    if (!s) s = mq_eval_score_window(c, sc, wi, x[0], S->nm > 1 ? x[1] : NULL);
+    if (!s) {
+        c->win_done[wi] = 1;
+        atomic_fetch_add(&c->tokens_done, ns);
+    }
+    report(S, ns);
+    return s;
+}
+
+/* Task t of n_workers: windows in turn from the shared counter, on worker t's scratch. */
+static void pass_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    stream *S = ctx;
+    mq_eval_ctx *c = S->c;
+    for (;;) {
+        if (atomic_load(&c->failed) || moeq_interrupted()) return;
+        int64_t wi = atomic_fetch_add(&S->next, 1);
+        if (wi >= c->n_win) return;
+        moeq_status s = run_window(S, &S->W[t], wi, (int)t);
+        if (s) {
+            const int64_t d = c->win_doc[wi];
+            mq_eval_task_fail(c, S->kind == PASS_LAYER
+                                     ? mq_err_prefix(s, "%s, layer %d, document %lld",
+                                                     S->which ? "KL base" : "model", S->layer,
+                                                     (long long)d + 1)
+                                     : mq_err_prefix(s, "document %lld", (long long)d + 1));
+            return;
+        }
+    }
+}
+
+static moeq_status run_pass(stream *S, pass_kind kind, int layer, int which) {
+    S->kind = kind;
+    S->layer = layer;
+    S->which = which;
+    atomic_store(&S->next, 0);
+    mq_parallel_for(S->n_workers, pass_task, S);
+    if (atomic_load(&S->c->failed)) return mq_err(S->c->err, "%s", S->c->errmsg);
+    if (moeq_interrupted()) return MOEQ_E_INTERRUPTED;
+    return MOEQ_OK;
+}
+
+/* ---- the plan ---------------------------------------------------------------------------- */
+static int64_t mib(int64_t b) { return (b + (1 << 19)) >> 20; }
+
+/* Whether the routed experts of m run in fp32 (the state's scratch) rather than packed. */
+static bool experts_fp32(const stream *S, int k) {
+    const moeq_model *m = S->m[k];
+    if (m->cfg.n_experts == 0) return false;
+    if (!S->lz[k]) {
+        for (int l = 0; l < m->cfg.n_layers; l++)
+            if (m->layers[l].is_moe && !m->layers[l].pexperts) return true;
+        return false;
+    }
+    return !mq_lazy_packed(S->lz[k]);
+}
+
+typedef struct {
+    int64_t fixed, resident, layer, head, window, score, boundary[MAX_MODELS], disk_window;
+} plan_sizes;
+
+static int64_t plan_peak(const stream *S, const plan_sizes *z, const bool ram[MAX_MODELS], int workers) {
+    int64_t b = 0, disk = 0;
+    for (int k = 0; k < S->nm; k++) {
+        if (ram[k]) b += z->boundary[k];
+        else disk = z->disk_window;
+    }
+    const int64_t layers = z->layer + (int64_t)workers * (z->window + disk);
+    const int64_t scoring = z->head + (int64_t)workers * (z->score + disk * S->nm);
+    return z->fixed + z->resident + b + (layers > scoring ? layers : scoring);
+}
+
+static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_result *res,
+                             bool streamed, bool ram[MAX_MODELS]) {
+    mq_eval_ctx *c = S->c;
+    plan_sizes z = {0};
+    const int64_t L = c->L;
+    int64_t D_all = 0;
+    for (int k = 0; k < S->nm; k++) {
+        const moeq_model *m = S->m[k];
+        D_all += S->D[k];
+        z.window += mq_state_bytes(m, c->L, experts_fp32(S, k));
+        z.boundary[k] = S->rows * S->D[k] * 4;
+        if (!S->lz[k]) {
+            z.resident += m->info.weight_bytes;
+            continue;
+        }
+        for (int l = 0; l < m->cfg.n_layers; l++) {
+            int64_t lb = mq_lazy_layer_bytes(S->lz[k], l);
+            z.layer = lb > z.layer ? lb : z.layer;
+        }
+        z.head += mq_lazy_head_bytes(S->lz[k]);
+    }
+    z.window += L * 4;   /* the window's ids */
+    z.disk_window = L * S->Dmax * 4;
+    z.score = CHUNK * c->V * 4 * S->nm + c->V * 5 +
+              (c->save_k ? L * (int64_t)mq_logits_record_size(c->save_k) : 0);
+    /* per token: ids, KL, top-1, base log-likelihood, entropy, bounds (eval_run.h), per window its
+     * record; and the allocator's and the runtime's own */
+    z.fixed = c->tokens_total * 45 + c->n_win * 64 + ((int64_t)64 << 20);
+    const int64_t budget = o->max_memory > 0 ? o->max_memory : moeq_default_memory_budget();
+    const int pool = mq_pool_size();
+    /* a model loaded whole keeps its boundary in memory */
+    bool choice[MAX_MODELS] = {true, true};
+    int workers = pool;
+    if (streamed) {
+        /* memory for both boundaries, else the model's, else the base's, else neither; each with
+         * every thread, else the most threads that fit with both boundaries in files */
+        static const bool options[4][MAX_MODELS] = {{true, true}, {true, false}, {false, true}, {false, false}};
+        bool found = false;
+        for (int i = 0; i < 4 && !found; i++) {
+            bool r[MAX_MODELS];
+            for (int k = 0; k < MAX_MODELS; k++) r[k] = !S->lz[k] || options[i][k];
+            if (plan_peak(S, &z, r, pool) <= budget) {
+                memcpy(choice, r, sizeof r);
+                found = true;
+            }
+        }
+        if (!found) {
+            for (int k = 0; k < MAX_MODELS; k++) choice[k] = !S->lz[k];
+            for (workers = pool; workers > 1 && plan_peak(S, &z, choice, workers) > budget; workers--) {
+            }
+        }
+        if (plan_peak(S, &z, choice, workers) > budget)
+            return mq_err(MOEQ_E_NOMEM,
+                          "--max-memory %lld MiB is too small for a streamed eval: one layer needs "
+                          "%lld MiB (the largest layer's weights %lld MiB, one window of %lld "
+                          "tokens in flight %lld MiB, its boundary rows in files; %lld MiB besides: "
+                          "models loaded whole %lld MiB, the token records %lld MiB); scoring "
+                          "needs the output layers, %lld MiB",
+                          (long long)mib(budget), (long long)mib(plan_peak(S, &z, choice, 1)),
+                          (long long)mib(z.layer), (long long)L,
+                          (long long)mib(z.window + z.disk_window), (long long)mib(z.fixed + z.resident),
+                          (long long)mib(z.resident), (long long)mib(z.fixed), (long long)mib(z.head));
+        if (workers < pool)
+            mq_warn("eval: --max-memory %lld MiB holds %d windows in flight, not one per thread "
+                    "(%d); results do not change", (long long)mib(budget), workers, pool);
+    }
+    if (ram) {
+        ram[0] = choice[0];
+        ram[1] = choice[1];
+    }
+    S->n_workers = workers;
+    double flops = 0;
+    for (int k = 0; k < S->nm; k++) {
+        const mq_config *cfg = &S->m[k]->cfg;
+        for (int64_t w = 0; w < c->n_win; w++) {
+            const mq_window *win = &c->win[w];
+            flops += mq_config_forward_flops(cfg, win->n_input, 0) -
+                     2.0 * (double)cfg->vocab * (double)cfg->D * (double)(win->n_input - win->n_score);
+        }
+    }
+    res->plan.streamed = streamed;
+    res->plan.threads = workers;
+    res->plan.budget = budget;
+    res->plan.peak_bytes = plan_peak(S, &z, choice, workers);
+    res->plan.resident_bytes = z.resident;
+    res->plan.layer_bytes = z.layer;
+    res->plan.head_bytes = z.head;
+    res->plan.window_bytes = z.window;
+    res->plan.score_bytes = z.score;
+    res->plan.boundary_bytes = z.boundary[0];
+    res->plan.disk_bytes = 0;
+    for (int k = 0; k < S->nm; k++) {
+        res->plan.boundary_in_memory[k] = streamed && choice[k];
+        /* two files, or a snapshot of the memory */
+        if (streamed) res->plan.disk_bytes += (choice[k] ? 1 : 2) * z.boundary[k];
+    }
+    res->plan.windows = c->n_win;
+    res->plan.rows = S->rows;
+    res->plan.flops = flops;
+    res->plan.core_gflops = mq_measure_core_gflops(0.25);
+    res->plan.eta_seconds = res->plan.core_gflops > 0 ? flops / (res->plan.core_gflops * 1e9) : 0;
+    return MOEQ_OK;
+}
+
+/* ---- work directory, identity and resume --------------------------------------------------- */
+static uint64_t fnv_str(uint64_t h, const char *s) { return mq_fnv1a(h, s, strlen(s) + 1); }
+
+/* What the boundaries depend on: each model (its directory's config and the sizes and times of
+ * its files), how it runs (packed, activation quantizer), and the windows' token ids. */
+static moeq_status run_identity(stream *S) {
+    mq_eval_ctx *c = S->c;
+    uint64_t h = MQ_FNV_INIT;
+    char buf[512];
+    for (int k = 0; k < S->nm; k++) {
+        const moeq_model *m = S->m[k];
+        char *real = realpath(m->dir, NULL);
+        h = fnv_str(h, real ? real : m->dir);
+        free(real);
+        char *cfg_path = mq_path_join(m->dir, "config.json");
+        char *text = NULL;
+        size_t len = 0;
+        if (cfg_path && mq_read_file(cfg_path, &text, &len) == MOEQ_OK) h = mq_fnv1a(h, text, len);
+        free(text);
+        free(cfg_path);
+        /* every file of the directory by name, size and time, in any order (a sum of hashes) */
+        uint64_t files = 0;
+        DIR *dir = opendir(m->dir);
+        for (struct dirent *e; dir && (e = readdir(dir));) {
+            struct stat sb;
+            char *fp = mq_path_join(m->dir, e->d_name);
+            if (fp && stat(fp, &sb) == 0 && S_ISREG(sb.st_mode)) {
+                snprintf(buf, sizeof buf, "%s:%lld:%lld.%09ld", e->d_name, (long long)sb.st_size,
+                         (long long)sb.st_mtim.tv_sec, sb.st_mtim.tv_nsec);
+                files += fnv_str(MQ_FNV_INIT, buf);
+            }
+            free(fp);
+        }
+        if (dir) closedir(dir);
+        snprintf(buf, sizeof buf, "files=%016llx streamed=%d packed=%d act=%d",
+                 (unsigned long long)files, S->lz[k] != NULL, S->lz[k] && mq_lazy_packed(S->lz[k]),
+                 m->act_quant);
+        h = fnv_str(h, buf);
+    }
+    snprintf(buf, sizeof buf, "L=%d prefix=%d bos=%d windows=%lld ids=%016llx", c->L, c->prefix,
+             c->add_bos, (long long)c->n_win, (unsigned long long)c->ids_checksum);
+    h = fnv_str(h, buf);
+    snprintf(S->identity, sizeof S->identity, "%016llx", (unsigned long long)h);
+    return MOEQ_OK;
+}
+
+/* Names the work directory; it is made when first needed (work_dir_make). */
+static moeq_status work_dir_name(stream *S, const moeq_eval_options *o) {
+    if (o->work_dir) {
+        S->dir = mq_strdup(o->work_dir);
+    } else {
+        const char *tmp = getenv("TMPDIR");
+        S->dir = mq_asprintf("%s/moeq-eval-%s", tmp && *tmp ? tmp : "/tmp", S->identity);
+    }
+    S->dir_made = !o->work_dir;   /* the default directory is the run's own */
+    return S->dir ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
+}
+
+static moeq_status work_dir_make(stream *S) {
+    if (S->lock_fd >= 0) return MOEQ_OK;
+    if (!mq_dir_exists(S->dir)) {
+        if (mkdir(S->dir, 0755) != 0)
+            return mq_err(MOEQ_E_IO, "eval work directory %s: cannot create: %s", S->dir, strerror(errno));
+        S->dir_made = true;
+    }
+    char *lock = mq_path_join(S->dir, "lock");
+    if (!lock) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    S->lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    free(lock);
+    if (S->lock_fd < 0 || flock(S->lock_fd, LOCK_EX | LOCK_NB) != 0) {
+        if (S->lock_fd >= 0) close(S->lock_fd);
+        S->lock_fd = -1;   /* not ours: nothing of it is removed */
+        return mq_err(MOEQ_E_EXISTS, "eval work directory %s is in use by another run", S->dir);
+    }
+    return MOEQ_OK;
+}
+
+/* The record of the layers whose boundaries are durable: which file of each model holds them. */
+static moeq_status record_write(stream *S, int layers_done, const char *const files[MAX_MODELS]) {
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "identity", S->identity);
+    cJSON_AddNumberToObject(j, "layers_done", layers_done);
+    cJSON_AddNumberToObject(j, "rows", (double)S->rows);
+    cJSON *a = cJSON_AddArrayToObject(j, "boundaries");
+    for (int k = 0; k < S->nm; k++) cJSON_AddItemToArray(a, cJSON_CreateString(files[k]));
+    char *text = cJSON_Print(j);
+    cJSON_Delete(j);
+    char *path = mq_path_join(S->dir, RECORD);
+    moeq_status s = text && path ? mq_write_file_atomic(path, text, strlen(text))
+                                 : mq_err(MOEQ_E_NOMEM, "out of memory");
+    free(text);
+    free(path);
+    if (!s) S->durable_layers = layers_done;
+    return s;
+}
+
+static const char *base_name(const char *p) {
+    const char *s = strrchr(p, '/');
+    return s ? s + 1 : p;
+}
+
+/* After layer l of every model: the boundary files synced (or the memory snapshot written when
+ * enough work is at stake), then the record. */
+static moeq_status layer_durable(stream *S, int layers_done, double layer_seconds) {
+    S->since_durable += layer_seconds;
+    bool any_file = false, any_ram = false;
+    for (int k = 0; k < S->nm; k++) {
+        if (!S->lz[k]) continue;
+        any_file |= !S->B[k].ram;
+        any_ram |= S->B[k].ram;
+    }
+    if (!any_file && !(any_ram && S->since_durable >= g_snapshot_seconds)) return MOEQ_OK;
+    const char *files[MAX_MODELS] = {"", ""};
+    char snap[MAX_MODELS][64];
+    moeq_status sd = work_dir_make(S);
+    if (sd) return sd;
+    for (int k = 0; k < S->nm; k++) {
+        boundary *b = &S->B[k];
+        if (!b->ram) {
+            if (fdatasync(b->fd[b->cur]) != 0)
+                return mq_err(MOEQ_E_IO, "%s: sync failed: %s", b->path[b->cur], strerror(errno));
+            files[k] = base_name(b->path[b->cur]);
+            continue;
+        }
+        snprintf(snap[k], sizeof snap[k], "snapshot-%d.f32", k);
+        char *p = mq_path_join(S->dir, snap[k]);
+        if (!p) return mq_err(MOEQ_E_NOMEM, "out of memory");
+        moeq_status s = mq_write_file_atomic(p, b->f, (size_t)S->rows * (size_t)S->D[k] * sizeof(float));
+        free(p);
+        if (s) return s;
+        files[k] = snap[k];
+    }
+    S->since_durable = 0;
+    return record_write(S, layers_done, files);
+}
+
+/* With resume: the layers a record in the work directory says are done, checked against this run
+ * before anything of the directory is touched; files[k] the file that holds model k's boundary
+ * (free()). 0 layers when there is no record. */
+static moeq_status resume_check(stream *S, int *layers_done, char *files[MAX_MODELS]) {
+    *layers_done = 0;
+    char *path = mq_path_join(S->dir, RECORD), *text = NULL;
+    size_t len = 0;
+    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!mq_dir_exists(S->dir) || !mq_file_exists(path)) {
+        mq_info("eval: nothing to resume in %s; starting afresh", S->dir);
+        free(path);
+        return MOEQ_OK;
+    }
+    moeq_status s = mq_read_file(path, &text, &len);
+    cJSON *j = s ? NULL : cJSON_ParseWithLength(text, len);
+    free(text);
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(j, "identity");
+    const cJSON *ld = cJSON_GetObjectItemCaseSensitive(j, "layers_done");
+    const cJSON *rw = cJSON_GetObjectItemCaseSensitive(j, "rows");
+    const cJSON *bs = cJSON_GetObjectItemCaseSensitive(j, "boundaries");
+    if (!s && (!cJSON_IsString(id) || !cJSON_IsNumber(ld) || !cJSON_IsNumber(rw) ||
+               !cJSON_IsArray(bs) || cJSON_GetArraySize(bs) != S->nm))
+        s = mq_err(MOEQ_E_FORMAT, "%s: not a record of a streamed eval", path);
+    if (!s && strcmp(id->valuestring, S->identity) != 0)
+        s = mq_err(MOEQ_E_ARG, "%s: the work directory holds an eval of other models, data or "
+                   "options (identity %s, this run %s): give another --work-dir or drop --resume",
+                   path, id->valuestring, S->identity);
+    const int n_layers = S->m[0]->cfg.n_layers;
+    if (!s && (ld->valueint < 1 || ld->valueint > n_layers || (int64_t)rw->valuedouble != S->rows))
+        s = mq_err(MOEQ_E_FORMAT, "%s: layers_done %d or rows %.0f out of range", path,
+                   ld->valueint, rw->valuedouble);
+    for (int k = 0; k < S->nm && !s; k++) {
+        const cJSON *f = cJSON_GetArrayItem(bs, k);
+        if (!cJSON_IsString(f) || strchr(f->valuestring, '/') || !*f->valuestring) {
+            s = mq_err(MOEQ_E_FORMAT, "%s: boundary %d: not a file name", path, k);
+            break;
+        }
+        char *fp = mq_path_join(S->dir, f->valuestring);
+        const size_t bytes = (size_t)S->rows * (size_t)S->D[k] * sizeof(float);
+        struct stat sb;
+        if (!fp) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+        else if (stat(fp, &sb) != 0 || (size_t)sb.st_size != bytes)
+            s = mq_err(MOEQ_E_FORMAT, "%s: missing or not %zu bytes (the record %s names it)", fp,
+                       bytes, path);
+        files[k] = fp;
+    }
+    if (!s) *layers_done = ld->valueint;
+    cJSON_Delete(j);
+    free(path);
+    return s;
+}
+
+/* The boundaries the record names, into this run's storage. */
+static moeq_status resume_apply(stream *S, char *files[MAX_MODELS]) {
+    moeq_status s = MOEQ_OK;
+    for (int k = 0; k < S->nm && !s; k++) {
+        const char *fp = files[k];
+        const size_t bytes = (size_t)S->rows * (size_t)S->D[k] * sizeof(float);
+        boundary *b = &S->B[k];
+        if (b->ram) {
+            int fd = open(fp, O_RDONLY | O_CLOEXEC);
+            s = fd < 0 ? mq_err(MOEQ_E_IO, "%s: cannot open: %s", fp, strerror(errno))
+                       : mq_pread_all(fd, b->f, bytes, 0, fp);
+            if (fd >= 0) close(fd);
+        } else {
+            /* the named file becomes the current one of the pair */
+            if (strcmp(fp, b->path[0]) == 0) b->cur = 0;
+            else if (strcmp(fp, b->path[1]) == 0) b->cur = 1;
+            else if (rename(fp, b->path[0]) != 0) s = mq_err(MOEQ_E_IO, "%s: cannot rename: %s", fp, strerror(errno));
+            else {
+                close(b->fd[0]);
+                b->fd[0] = open(b->path[0], O_RDWR | O_CLOEXEC);
+                b->cur = 0;
+                if (b->fd[0] < 0) s = mq_err(MOEQ_E_IO, "%s: cannot open: %s", b->path[0], strerror(errno));
+            }
+        }
+    }
+    return s;
+}
+
+static void stream_free(stream *S, bool remove_dir) {
+    for (int i = 0; S->W && i < S->n_workers; i++) {
+        for (int k = 0; k < MAX_MODELS; k++) mq_state_free(S->W[i].st[k]);
+        mq_free(S->W[i].x);
+        mq_free(S->W[i].ids);
+    }
+    free(S->W);
+    for (int k = 0; k < MAX_MODELS; k++) boundary_free(&S->B[k]);
+    free(S->row0);
+    if (S->dir && remove_dir && S->lock_fd >= 0 && S->touched) {
+        if (S->dir_made) mq_remove_tree(S->dir);
+        else {   /* a directory the user named: only what this run put there */
+            static const char *const ours[] = {RECORD, "lock", "boundary-0-a.f32", "boundary-0-b.f32",
+                                               "boundary-1-a.f32", "boundary-1-b.f32",
+                                               "snapshot-0.f32", "snapshot-1.f32"};
+            for (size_t i = 0; i < sizeof ours / sizeof ours[0]; i++) {
+                char *p = mq_path_join(S->dir, ours[i]);
+                if (p) unlink(p);
+                free(p);
+            }
+        }
+    }
+    if (S->lock_fd >= 0) close(S->lock_fd);
+    free(S->dir);
+}
+
+static moeq_status stream_setup(stream *S, mq_eval_ctx *c) {
+    memset(S, 0, sizeof *S);
+    S->c = c;
+    S->lock_fd = -1;
+    for (int k = 0; k < MAX_MODELS; k++) S->B[k].fd[0] = S->B[k].fd[1] = -1;
+    S->m[0] = c->m;
+    S->nm = 1;
+    if (c->base) S->m[S->nm++] = c->base;
+    for (int k = 0; k < S->nm; k++) {
+        S->lz[k] = mq_model_lazy(S->m[k]);
+        S->D[k] = S->m[k]->cfg.D;
+        S->Dmax = S->D[k] > S->Dmax ? S->D[k] : S->Dmax;
+    }
+    S->row0 = calloc((size_t)c->n_win + 1, sizeof *S->row0);
+    if (!S->row0) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (int64_t w = 0; w < c->n_win; w++) S->row0[w + 1] = S->row0[w] + c->win[w].n_input;
+    S->rows = S->row0[c->n_win];
+    return MOEQ_OK;
+}
+
+moeq_status mq_eval_stream_plan_only(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval_result *res) {
+    stream S;
+    moeq_status s = stream_setup(&S, c);
+    const bool streamed = mq_model_lazy(c->m) || (c->base && mq_model_lazy(c->base));
+    if (!s) s = make_plan(&S, o, res, streamed, NULL);
+    stream_free(&S, false);
+    return s;
+}
+
+/* Loads (or frees) model k's final norm and lm_head for scoring (a tied one: the embeddings). */
+static moeq_status head_load(stream *S, int k, bool load) {
+    mq_lazy_model *lz = S->lz[k];
+    if (!lz) return MOEQ_OK;
+    moeq_model *m = mq_lazy_model_of(lz);
+    const unsigned what = MQ_PART_HEAD | (m->cfg.tie_embeddings ? MQ_PART_EMBED : 0);
+    if (!load) {
+        mq_lazy_release(lz, -1, what, 0, 0);
+        return MOEQ_OK;
+    }
+    moeq_status s = mq_lazy_load(lz, -1, what, 0, 0);
+    if (!s && m->cfg.tie_embeddings) m->lm_head = m->embed;
+    return s;
+}
+
+moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval_result *res) {
+    stream S;
+    bool ram[MAX_MODELS] = {true, true};
+    moeq_status s = stream_setup(&S, c);
+    S.caller = pthread_self();
+    if (!s) s = make_plan(&S, o, res, true, ram);
+    if (!s) s = run_identity(&S);
+    /* the work directory, made for boundary files, a resume, or the snapshots of long runs */
+    if (!s) s = work_dir_name(&S, o);
+    int first = 0;
+    char *resume_files[MAX_MODELS] = {NULL, NULL};
+    if (!s && o->resume && mq_dir_exists(S.dir)) s = work_dir_make(&S);
+    if (!s && o->resume) s = resume_check(&S, &first, resume_files);
+    S.touched = !s;   /* from here on the directory's files are this run's */
+    for (int k = 0; k < S.nm && !s; k++) s = boundary_init(&S, k, !S.lz[k] || ram[k]);
+    S.W = s ? NULL : calloc((size_t)S.n_workers, sizeof *S.W);
+    if (!s && !S.W) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (int i = 0; i < S.n_workers && !s; i++) {
+        worker *w = &S.W[i];
+        w->ids = mq_alloc_array((size_t)c->L, sizeof(int32_t), "eval window ids");
+        w->x = mq_alloc_array((size_t)c->L * (size_t)S.Dmax * (size_t)S.nm, sizeof(float),
+                              "eval window rows");
+        if (!w->ids || !w->x) s = MOEQ_E_NOMEM;
+    }
+    if (!s && first > 0) s = resume_apply(&S, resume_files);
+    for (int k = 0; k < MAX_MODELS; k++) free(resume_files[k]);
+    res->plan.layers_resumed = first;
+    int64_t layer_rows = 0;
+    for (int k = 0; k < S.nm; k++) layer_rows += S.rows * (S.m[k]->cfg.n_layers - first);
+    S.rows_total = layer_rows + c->tokens_total;
+    double flops_done = 0, t_forward = 0;
+    mq_mem_watch_start();
+    mq_progress("eval", 0, S.rows_total);
+    if (!s && first == 0) s = run_pass(&S, PASS_EMBED, -1, 0);
+    /* Layers in lockstep: the base's layer l, then the model's (a kl_base may have a different
+     * depth: each model runs the layers it has). */
+    int max_layers = 0;
+    for (int k = 0; k < S.nm; k++)
+        max_layers = S.m[k]->cfg.n_layers > max_layers ? S.m[k]->cfg.n_layers : max_layers;
+    for (int l = first; l < max_layers && !s; l++) {
+        const double t0 = mq_now();
+        for (int kk = S.nm - 1; kk >= 0 && !s; kk--) {
+            if (l >= S.m[kk]->cfg.n_layers) continue;
+            if (S.lz[kk]) s = mq_lazy_load(S.lz[kk], l, MQ_PART_LAYER, 0, S.m[kk]->cfg.n_experts);
+            if (!s) s = run_pass(&S, PASS_LAYER, l, kk);
+            if (S.lz[kk]) mq_lazy_release(S.lz[kk], l, MQ_PART_LAYER, 0, S.m[kk]->cfg.n_experts);
+            for (int i = 0; i < S.n_workers; i++)
+                if (S.W[i].st[kk]) mq_state_drop_layer(S.W[i].st[kk], l);
+            if (!S.B[kk].ram) S.B[kk].cur = 1 - S.B[kk].cur;
+        }
+        if (!s) {
+            const double dt = mq_now() - t0;
+            t_forward += dt;
+            S.layers_done = l + 1;
+            s = layer_durable(&S, l + 1, dt);
+        }
+    }
+    for (int k = 0; k < S.nm; k++) {
+        const mq_config *cfg = &S.m[k]->cfg;
+        for (int64_t w = 0; w < c->n_win; w++)
+            flops_done += (mq_config_forward_flops(cfg, c->win[w].n_input, 0) -
+                           2.0 * (double)cfg->vocab * (double)cfg->D * (double)c->win[w].n_input) *
+                          (double)(cfg->n_layers - first) / (double)cfg->n_layers;
+    }
+    /* scoring: both output layers resident, each window's scored rows normed and scored */
+    for (int i = 0; i < S.n_workers && !s; i++)
+        for (int k = 0; k < MAX_MODELS; k++) {
+            mq_state_free(S.W[i].st[k]);
+            S.W[i].st[k] = NULL;
+        }
+    for (int k = 0; k < S.nm && !s; k++) s = head_load(&S, k, true);
+    if (!s) s = run_pass(&S, PASS_SCORE, -1, 0);
+    for (int k = 0; k < S.nm; k++) head_load(&S, k, false);
+    mq_progress("eval", atomic_load(&S.rows_done), S.rows_total);
+    res->plan.peak_anon_bytes = mq_mem_watch_peak();
+    mq_mem_watch_stop();
+    res->plan.forward_gflops = t_forward > 0 ? flops_done / t_forward * 1e-9 : 0;
+    /* keep the work directory where a later --resume has something to continue */
+    const bool keep = s && S.durable_layers > 0;
+    if (keep)
+        mq_warn("eval: %s after %d of %d layers; %s keeps the finished layers: the same command "
+                "with --resume continues from there", s == MOEQ_E_INTERRUPTED ? "interrupted" : "failed",
+                S.durable_layers, max_layers, S.dir);
+    stream_free(&S, !keep);
+    if (s == MOEQ_E_INTERRUPTED) return MOEQ_E_INTERRUPTED;
+    return s;
+}
