@@ -583,9 +583,16 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
         if (st && st != MOEQ_E_INTERRUPTED && !atomic_load(&c.failed)) mq_eval_task_fail(&c, st);
         st = MOEQ_OK;
     } else {
+        res->plan.threads = mq_pool_size();
+        res->plan.resident_bytes = moeq_model_get_info(m)->weight_bytes +
+                                   (c.base ? moeq_model_get_info(c.base)->weight_bytes : 0);
+        res->plan.windows = c.n_win;
+        mq_mem_watch_start();
         mq_progress("eval", 0, c.tokens_total);
         mq_parallel_for(c.n_win, window_task, &c);
         mq_progress("eval", atomic_load(&c.tokens_done), c.tokens_total);
+        res->plan.peak_anon_bytes = mq_mem_watch_peak();
+        mq_mem_watch_stop();
     }
 
     bool interrupted = !atomic_load(&c.failed) && moeq_interrupted();

@@ -150,5 +150,44 @@ docs=$(json_get "$tmp/int.json" documents)
 [ -n "$docs" ] && [ "$docs" -lt 40 ] || fail "Ctrl-C: documents $docs"
 grep -q "interrupted after $docs of 40 documents" "$tmp/err" || fail "Ctrl-C: message: $(cat "$tmp/err")"
 
+# Streamed (--stream on): the whole model's numbers; the plan; a budget too small for one layer.
+"$cli" eval "$model" --data "$tmp/wiki.txt" --json --stream on > "$tmp/st.json" 2>/dev/null ||
+    fail "--stream on failed"
+for key in loglikelihood words bytes tokens documents; do
+    [ "$(json_get "$tmp/st.json" $key)" = "$(json_get "$tmp/out.json" $key)" ] || fail "--stream on: $key differs"
+done
+grep -q '"streamed": true' "$tmp/st.json" || fail "--stream on: the plan does not say streamed"
+"$cli" eval "$model" --data "$tmp/wiki.txt" --stream on --dry-run > "$tmp/plan.txt" 2>&1 || fail "--dry-run failed"
+grep -q "eval plan: streamed layer by layer" "$tmp/plan.txt" || fail "--dry-run: $(cat "$tmp/plan.txt")"
+! grep -q "word_perplexity" "$tmp/plan.txt" || fail "--dry-run ran the evaluation"
+expect_fail 1 "one layer needs" "$model" --data "$tmp/wiki.txt" --stream on --max-memory 1MB
+expect_fail 2 "--resume continues a streamed run" "$model" --data "$tmp/wiki.txt" --stream off --resume
+expect_fail 2 "--max-memory: cannot read" "$model" --data "$tmp/wiki.txt" --max-memory lots
+
+# Ctrl-C of a streamed run whose boundary is in files (each layer durable): exit 130, the work
+# directory kept; --resume then gives the uninterrupted run's numbers and removes it.
+if [ $have_python = 1 ]; then
+    "$cli" eval "$model" --data "$tmp/long.txt" --stream on --dry-run --json > "$tmp/lp.json" 2>/dev/null
+    budget=$(python3 -c 'import json,sys; p=json.load(open(sys.argv[1]))["plan"]; print(p["peak_bytes"] - p["boundary_bytes"] // 2)' "$tmp/lp.json")
+    "$cli" eval "$model" --data "$tmp/long.txt" --json --stream on --max-memory "$budget" > "$tmp/full.json" 2>/dev/null ||
+        fail "streamed run with files failed"
+    grep -q '"boundary_in_memory": \[false' "$tmp/full.json" || fail "--max-memory $budget: the boundary stayed in memory"
+    "$cli" eval "$model" --data "$tmp/long.txt" --json --stream on --max-memory "$budget" --work-dir "$tmp/w" > "$tmp/sint.json" 2> "$tmp/err" &
+    pid=$!
+    for i in $(seq 1 60); do [ -f "$tmp/w/eval-stream.json" ] && break; sleep 0.5; done
+    kill -INT $pid
+    wait $pid
+    rc=$?
+    [ $rc -eq 130 ] || fail "streamed Ctrl-C: expected exit 130, got $rc"
+    grep -q -- "--resume continues" "$tmp/err" || fail "streamed Ctrl-C: message: $(cat "$tmp/err")"
+    [ -f "$tmp/w/eval-stream.json" ] || fail "streamed Ctrl-C: the work directory's record is gone"
+    "$cli" eval "$model" --data "$tmp/long.txt" --json --stream on --max-memory "$budget" --work-dir "$tmp/w" --resume > "$tmp/res.json" 2>/dev/null ||
+        fail "--resume failed"
+    [ "$(json_get "$tmp/res.json" loglikelihood)" = "$(json_get "$tmp/full.json" loglikelihood)" ] ||
+        fail "--resume: $(json_get "$tmp/res.json" loglikelihood) against $(json_get "$tmp/full.json" loglikelihood)"
+    grep -q '"layers_resumed": 0' "$tmp/res.json" && fail "--resume resumed no layer"
+    [ ! -e "$tmp/w/eval-stream.json" ] || fail "--resume left its record behind"
+fi
+
 [ $fails -eq 0 ] || exit 1
 echo "test_eval: all checks passed"

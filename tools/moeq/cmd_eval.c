@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "commands.h"
@@ -340,7 +341,7 @@ int cmd_eval(int argc, char **argv) {
             mo.stream = bo.stream = 0;
             st = moeq_model_open(model_dir, &mo, &m);
             if (!st && kl_base) st = moeq_model_open(kl_base, &bo, &base);
-        } else if (!quiet && !json) {
+        } else if (!quiet && !json && isatty(STDERR_FILENO)) {
             fprintf(stderr, "moeq eval: streaming layer by layer (the weights take %.1f GB whole, "
                     "the budget is %.1f GB)\n", whole / 1e9, budget / 1e9);
         }
