@@ -627,10 +627,10 @@ typedef struct {
          * a Linear aims at the unquantized model's outputs (A of the way; its inputs from the
          * unquantized model run beside the quantized one) instead of the same weights' outputs
          * on the quantized stream: W becomes W + A W ((2/n) G - H)(H + damping)^-1, G = sum
-         * x_f x_q^T (docs/gptq_results.md). -1 (default): 0.5 where it runs, else off; 0: off
-         * (--target quantized); (0, 1]: A (--target unquantized: 0.5). Sequential mode, not
-         * true-sequential, on the CPU (also under mpirun; a resume then needs one process); not
-         * with expert_weighting or damp_sweep */
+         * x_f x_q^T (docs/results/gptq_results.md). -1 (default): 0.5 where it runs, else
+         * off; 0: off (--target quantized); (0, 1]: A (--target unquantized: 0.5). Sequential
+         * mode, not true-sequential, on the CPU (also under mpirun; a resume then needs one
+         * process); not with expert_weighting or damp_sweep */
         double target_unquantized;
         int refine_scales;         /* --refine-scales: with refine_passes, after each pass every
                                       group's scale moves to the stored value nearest to its
