@@ -514,7 +514,8 @@ typedef enum {
                                       positive, so that it takes the code -8 either way (as
                                       llama.cpp's Q4_0): the longer side where the group needs it;
                                       lowered INT4-g128 GPTQ's KL by 7.5-10.5% on the fixtures
-                                      (README). Engines multiply code and scale: nothing to do */
+                                      (docs/gptq.md). Engines multiply code and scale:
+                                      nothing to do */
     MOEQ_INT4_SCALE_POSITIVE = 2,  /* amax / 7.5 (amax / 7 with reference), always positive */
 } moeq_int4_scale_sign;
 
@@ -535,7 +536,7 @@ typedef struct {
      * max-based scale (NVFP4: every E4M3 code in it when the grid is finer than E4M3's steps);
      * 0 = the default: 0.90:1.50:25 for NVFP4 GPTQ, else 0.70:1.10:17. Scales above 1 give no clipped value a smaller step; with
      * GPTQ's own score, 0.9:1.5 lowered the KL of every fixture's NVFP4 checkpoint by 9-11%
-     * (README) at about the same cost */
+     * (docs/gptq.md) at about the same cost */
     double scale_lo, scale_hi;
     int32_t scale_steps;
     /* --global-scale-headroom H: NVFP4's global scale maps the tensor's amax to a block scale of
