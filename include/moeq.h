@@ -568,7 +568,8 @@ typedef enum {
                                       positive, so that it takes the code -8 either way (as
                                       llama.cpp's Q4_0): the longer side where the group needs it;
                                       lowered INT4-g128 GPTQ's KL by 7.5-10.5% on the fixtures
-                                      (README). Engines multiply code and scale: nothing to do */
+                                      (docs/gptq.md). Engines multiply code and scale:
+                                      nothing to do */
     MOEQ_INT4_SCALE_POSITIVE = 2,  /* amax / 7.5 (amax / 7 with reference), always positive */
 } moeq_int4_scale_sign;
 
@@ -589,7 +590,7 @@ typedef struct {
      * max-based scale (NVFP4: every E4M3 code in it when the grid is finer than E4M3's steps);
      * 0 = the default: 0.90:1.50:25 for NVFP4 GPTQ, else 0.70:1.10:17. Scales above 1 give no clipped value a smaller step; with
      * GPTQ's own score, 0.9:1.5 lowered the KL of every fixture's NVFP4 checkpoint by 9-11%
-     * (README) at about the same cost */
+     * (docs/gptq.md) at about the same cost */
     double scale_lo, scale_hi;
     int32_t scale_steps;
     /* --global-scale-headroom H: NVFP4's global scale maps the tensor's amax to a block scale of
@@ -681,10 +682,10 @@ typedef struct {
          * a Linear aims at the unquantized model's outputs (A of the way; its inputs from the
          * unquantized model run beside the quantized one) instead of the same weights' outputs
          * on the quantized stream: W becomes W + A W ((2/n) G - H)(H + damping)^-1, G = sum
-         * x_f x_q^T (docs/gptq_results.md). -1 (default): 0.5 where it runs, else off; 0: off
-         * (--target quantized); (0, 1]: A (--target unquantized: 0.5). Sequential mode, not
-         * true-sequential, on the CPU (also under mpirun; a resume then needs one process); not
-         * with expert_weighting or damp_sweep */
+         * x_f x_q^T (docs/results/gptq_results.md). -1 (default): 0.5 where it runs, else
+         * off; 0: off (--target quantized); (0, 1]: A (--target unquantized: 0.5). Sequential
+         * mode, not true-sequential, on the CPU (also under mpirun; a resume then needs one
+         * process); not with expert_weighting or damp_sweep */
         double target_unquantized;
         int refine_scales;         /* --refine-scales: with refine_passes, after each pass every
                                       group's scale moves to the stored value nearest to its

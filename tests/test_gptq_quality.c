@@ -3,14 +3,14 @@
  * with the default options GPTQ's checkpoint is measurably closer to the unquantized model than
  * round to nearest of the same scheme, for NVFP4 and INT4-g128. A small version of issue 5's
  * quality check (the full one, 128 x 512 calibration tokens and all of wikitext, is in
- * docs/gptq_results.md): 32 x 256 calibration tokens, scored on the project's own held-out text
- * (data/demo-eval.txt) against the unquantized model. (16 x 256 served until INT4's signed scales
- * made RTN flatten less: its entropy moved +0.027 there, GPTQ's +0.030 from 4096 tokens over 32
- * experts; from 8192, +0.0006.)
+ * docs/results/gptq_results.md): 32 x 256 calibration tokens, scored on the project's own
+ * held-out text (data/demo-eval.txt) against the unquantized model. (16 x 256 served until INT4's
+ * signed scales made RTN flatten less: its entropy moved +0.027 there, GPTQ's +0.030 from 4096
+ * tokens over 32 experts; from 8192, +0.0006.)
  *
  * Closer means: lower mean KL (by a wide margin), fewer changed top-1 predictions, and a smaller
  * change of the mean entropy of the predictions (GPTQ keeps the model's confidence, where RTN's
- * noise flattens it; docs/gptq_results.md shows why that matters for perplexity).
+ * noise flattens it; docs/results/gptq_results.md shows why that matters for perplexity).
  */
 #include <math.h>
 #include <stdio.h>

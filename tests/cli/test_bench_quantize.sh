@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # moeq bench quantize on the bundled olmoe-tiny (one layer, a few samples): the JSON has the
-# figures the README's table quotes, and nothing is left behind.
+# figures docs/results/benchmarks.md quotes, and nothing is left behind.
 . "$(dirname "$0")/common.sh"
 
 out=$(TMPDIR=$tmp "$cli" bench quantize "$model" --layers 1 --full-layers 4 --nsamples 4 --seqlen 64 \

@@ -137,7 +137,7 @@ rel_close "$kg" "$kc" 0.02 || fail "GPU KL $kg is not within 2% of the CPU's $kc
 # the TF32 modes (--gpu-precision tf32x3, --gpu-tf32): the products and Hessian sums on TF32
 # tensor cores. The same bytes from run to run, the report says which, and the KL to the base
 # within the same 2% of the fp32 GPU run's (the fixture's parity bound; the issue's 1% is judged
-# on the README's wikitext protocol)
+# on the fixture protocol, docs/gptq.md)
 for mode in tf32x3 tf32; do
     flag=(--gpu-precision tf32x3)
     [ $mode = tf32 ] && flag=(--gpu-tf32)

@@ -4,7 +4,7 @@
 # INT4 symmetric amax/7) have wikitext word perplexity within 1% of reference.json for every
 # fixture model and scheme, and, for one checkpoint, mean KL / top-1 agreement close to the
 # reference's. The quantized models agree with the reference to 0.1-0.6% in perplexity, not
-# bit-for-bit (README "Formats and checkpoints" says why), so the bounds are the 1% and
+# bit-for-bit (docs/results/reference-checks.md says why), so the bounds are the 1% and
 # 3% on KL. Each evaluation reads the whole wikitext file (~404K tokens), so CI runs two
 # representative checkpoints (olmoe-tiny NVFP4, llama-tiny INT4 g128 with KL); MOEQ_TEST_FULL=1
 # runs all nine (about ten minutes of CPU); an emulated cross build (MOEQ_CROSS) compares its

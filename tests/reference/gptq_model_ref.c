@@ -22,9 +22,10 @@ void ref_gptq_opts_init(ref_gptq_opts *o, const mq_qspec *spec) {
     o->spec.mse = true;
     o->gptq = mq_gptq_opts_default();
     o->gptq.act_order = spec->scheme == MQ_QS_INT4;
-    /* the scale search scores candidates by running GPTQ over the group (docs/gptq_results.md:
-     * lower KL in three of four cases, equal in the fourth); with one group per row that would
-     * be GPTQ over whole rows once per candidate, so those keep the plain squared error */
+    /* the scale search scores candidates by running GPTQ over the group
+     * (docs/results/gptq_results.md: lower KL in three of four cases, equal in the fourth); with
+     * one group per row that would be GPTQ over whole rows once per candidate, so those keep the
+     * plain squared error */
     o->gptq.mse_weight = spec->group_size > 0 ? MQ_GPTQ_MSE_LOOP : MQ_GPTQ_MSE_PLAIN;
     o->mode = REF_SEQUENTIAL;
     o->min_expert_tokens = 32;

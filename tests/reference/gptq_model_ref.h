@@ -57,7 +57,7 @@ typedef struct {
     void *want_user;
 } ref_gptq_opts;
 
-/* The defaults measured in docs/gptq_results.md: the spec with the MSE scale search on,
+/* The defaults measured in docs/results/gptq_results.md: the spec with the MSE scale search on,
  * sequential, percdamp 0.01, block 128, dynamic groups, act-order for INT4 only (it hurts
  * NVFP4's 16-column groups), experts below 32 tokens on the block Hessian. */
 void ref_gptq_opts_init(ref_gptq_opts *o, const mq_qspec *spec);
