@@ -32,12 +32,28 @@ static double ref_uniform(uint64_t *x) {
     return (double)(z >> 11) / 9007199254740992.0;
 }
 
-#define REF_MAXV 512
+#define REF_MAXV 50304
+
+typedef struct {
+    double l;
+    int32_t id;
+} ref_cand;
+/* larger logit first, then the lower id */
+static int ref_cmp(const void *x, const void *y) {
+    const ref_cand *a = x, *b = y;
+    if (a->l > b->l) return -1;
+    if (a->l < b->l) return 1;
+    return a->id < b->id ? -1 : 1;
+}
+static double g_l[REF_MAXV];
+static int32_t g_ord[REF_MAXV], g_keep[REF_MAXV];
+static char g_used[REF_MAXV];
+static ref_cand g_rc[REF_MAXV];
 
 /* One step of the header's rules; hist[0..n_hist) is everything accepted so far. */
 static int32_t ref_sample(const moeq_sampler_options *o, const int32_t *hist, size_t n_hist,
                           const float *logits, int32_t V, uint64_t *rng) {
-    double l[REF_MAXV];
+    double *l = g_l;
     for (int32_t i = 0; i < V; i++) l[i] = logits[i];
     size_t start = 0;
     if (o->repeat_last_n == 0) start = n_hist;
@@ -56,15 +72,23 @@ static int32_t ref_sample(const moeq_sampler_options *o, const int32_t *hist, si
             if (l[i] > l[best]) best = i;
         return best;
     }
-    /* selection sort: position k gets the best id not yet placed */
-    int32_t ord[REF_MAXV];
-    char used[REF_MAXV] = {0};
-    for (int32_t k = 0; k < V; k++) {
-        int32_t b = -1;
-        for (int32_t i = 0; i < V; i++)
-            if (!used[i] && (b < 0 || l[i] > l[b])) b = i;   /* first of equals: the lower id */
-        used[b] = 1;
-        ord[k] = b;
+    /* selection sort: position k gets the best id not yet placed (qsort with the plain
+     * comparator past 1024 ids, where V^2 steps would take too long) */
+    int32_t *ord = g_ord;
+    if (V <= 1024) {
+        char *used = g_used;
+        memset(used, 0, 1024);   /* V <= 1024 here */
+        for (int32_t k = 0; k < V; k++) {
+            int32_t b = -1;
+            for (int32_t i = 0; i < V; i++)
+                if (!used[i] && (b < 0 || l[i] > l[b])) b = i;   /* first of equals: the lower id */
+            used[b] = 1;
+            ord[k] = b;
+        }
+    } else {
+        for (int32_t i = 0; i < V; i++) g_rc[i] = (ref_cand){l[i], i};
+        qsort(g_rc, (size_t)V, sizeof g_rc[0], ref_cmp);
+        for (int32_t i = 0; i < V; i++) ord[i] = g_rc[i].id;
     }
     double lmax = l[ord[0]];
     int32_t n = V;
@@ -81,7 +105,7 @@ static int32_t ref_sample(const moeq_sampler_options *o, const int32_t *hist, si
             }
         }
     }
-    int32_t keep[REF_MAXV], nk = 0;
+    int32_t *keep = g_keep, nk = 0;
     for (int32_t i = 0; i < n; i++)
         if (o->min_p <= 0 || exp(l[ord[i]] - lmax) >= o->min_p) keep[nk++] = ord[i];
     double sum = 0;
@@ -112,6 +136,7 @@ static void random_logits(float *l, int32_t V, int flavour) {
         for (int k = 0; k < 4; k++) g += rnd01() - 0.5;   /* roughly normal, sd ~0.58 */
         double x = 6 * g;
         if (flavour == 1) x = floor(x * 2) / 2;           /* many exact ties */
+        if (flavour == 1 && rnd64() % 5 == 0) x = rnd64() % 2 ? -0.0 : 0.0;   /* equal, too */
         if (flavour == 2 && rnd64() % 5 == 0) x = -INFINITY;
         if (flavour == 3) x = x * 5;                      /* very peaked: tiny tail weights */
         l[i] = (float)x;
@@ -151,7 +176,7 @@ static int compare_run(const moeq_sampler_options *o, int32_t V, int flavour, co
     memcpy(hist, prompt, sizeof prompt);
     n_hist = 8;
     uint64_t rng = o->seed;
-    float l[REF_MAXV];
+    float l[512];
     int done = 0;
     for (int t = 0; t < 24; t++) {
         random_logits(l, V, flavour);
@@ -193,6 +218,36 @@ static void test_presence_penalty_alone(void) { run_cases(5, "presence_penalty")
 static void test_frequency_penalty_alone(void) { run_cases(6, "frequency_penalty"); }
 static void test_chain(void) { run_cases(7, "chain"); }
 static void test_chain_greedy(void) { run_cases(8, "chain, greedy"); }
+
+/* A real vocabulary's size (OLMoE's 50,304 rows), where the library sorts by radix: a few tokens
+ * of every flavour and option set. */
+static void test_large_vocabulary(void) {
+    static float l[50304];
+    int compared = 0;
+    for (int which = 0; which <= 8; which++)
+        for (int flavour = 0; flavour < 4; flavour++) {
+            moeq_sampler_options o = random_options(which);
+            moeq_sampler *s = NULL;
+            ASSERT_OK(moeq_sampler_create(&o, &s));
+            if (!s) return;
+            uint64_t rng = o.seed;
+            int32_t hist[4];
+            for (int t = 0; t < 4; t++) {
+                random_logits(l, 50304, flavour);
+                int32_t want = ref_sample(&o, hist, (size_t)t, l, 50304, &rng), got = -1;
+                ASSERT_OK(moeq_sampler_sample(s, l, 50304, &got));
+                if (want != got) {
+                    FAIL("option set %d flavour %d token %d: expected %d, got %d", which, flavour, t,
+                         want, got);
+                    break;
+                }
+                hist[t] = got;
+                compared++;
+            }
+            moeq_sampler_free(s);
+        }
+    ASSERT_EQ_INT(9 * 4 * 4, compared);
+}
 
 /* A long history (the library keeps only the window's tail once it is long): 700 tokens on a
  * vocabulary of 40 with windows around the buffer's sizes, against the reference that keeps all. */
@@ -704,7 +759,8 @@ static void test_model_eos_ids(void) {
 
 TEST_MAIN(T(test_temperature_alone), T(test_top_k_alone), T(test_top_p_alone), T(test_min_p_alone),
           T(test_repeat_penalty_alone), T(test_presence_penalty_alone),
-          T(test_frequency_penalty_alone), T(test_chain), T(test_chain_greedy), T(test_long_history),
+          T(test_frequency_penalty_alone), T(test_chain), T(test_chain_greedy), T(test_large_vocabulary),
+          T(test_long_history),
           T(test_top_p_exact_boundary), T(test_distribution),
           T(test_greedy_ties), T(test_penalties_hand_made), T(test_reproducible_by_seed),
           T(test_old_generate_draws), T(test_bad_options), T(test_decode_skip_unknown),
