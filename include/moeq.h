@@ -269,6 +269,80 @@ int32_t moeq_session_pos(const moeq_session *s);
 moeq_status moeq_session_forward(moeq_session *s, const int32_t *ids, int32_t n, float *logits);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Sampling (src/runtime): choosing each next token, as `moeq generate` does                  */
+/* ------------------------------------------------------------------------------------------ */
+/*
+ * A sampler maps one row of logits l[0..V) (a moeq_session_forward row) to a token id. Every step
+ * is computed in double from the float logits, in this fixed order (llama.cpp's default chain:
+ * penalties, top-k, top-p, min-p, temperature):
+ *
+ *  1. Penalties, over the window W: the last repeat_last_n ids of the history (ids given to
+ *     moeq_sampler_accept, e.g. the prompt, then every sampled id; -1: all of them; 0: none).
+ *     Each id occurring c > 0 times in W (ids outside [0, V) are ignored) gets
+ *        l = l > 0 ? l / repeat_penalty : l * repeat_penalty       (CTRL / llama.cpp)
+ *        l = l - c * frequency_penalty - presence_penalty          (OpenAI)
+ *  2. temperature == 0 (greedy): the id of the largest l, ties to the lower id; no random draw
+ *     is taken and steps 3-6 are skipped (none of them can remove the largest logit).
+ *  3. The candidates are every id sorted by l, largest first, ties to the lower id. top_k > 0
+ *     keeps the first top_k.
+ *  4. top_p < 1: with w_i = exp(l_i - l_max) and Z their sum over the candidates (in candidate
+ *     order), keeps the shortest prefix whose running sum of w reaches top_p * Z (at least one).
+ *  5. min_p > 0: keeps the candidates with exp(l_i - l_max) >= min_p, i.e. p_i >= min_p * p_max
+ *     (the most likely one always stays).
+ *  6. Temperature: q_i = exp((l_i - l_max) / temperature) over what is left; one uniform u in
+ *     [0, 1) from the generator, scaled by the sum of q (in candidate order); the pick is the
+ *     first candidate whose running sum of q exceeds u * sum (the last one if rounding leaves
+ *     none).
+ *
+ * The generator is splitmix64 seeded with seed; each sampled token takes exactly one 53-bit
+ * uniform, whatever the filters kept, so the n-th token always uses the n-th draw. The same
+ * seed, options, history and logits give the same id, independent of the thread count (logits
+ * themselves do not depend on it either). Filters run on the untempered distribution (as in
+ * llama.cpp; transformers applies temperature before top-k/top-p): temperature only reshapes
+ * the draw among the survivors. A NaN or +inf logit, or every logit -inf, is MOEQ_E_NUMERIC
+ * naming the id.
+ */
+typedef struct {
+    double temperature;        /* 0: greedy; else finite > 0. Default 1 */
+    int32_t top_k;             /* >= 0; 0: off (default) */
+    double top_p;              /* (0, 1]; 1: off (default) */
+    double min_p;              /* [0, 1]; 0: off (default) */
+    double repeat_penalty;     /* finite > 0; 1: off (default) */
+    int32_t repeat_last_n;     /* the penalties' window: >= -1 (-1: the whole history). Default 64 */
+    double presence_penalty;   /* finite; 0: off (default) */
+    double frequency_penalty;  /* finite; 0: off (default) */
+    uint64_t seed;             /* default 0 */
+} moeq_sampler_options;
+
+/* The defaults above: plain sampling from softmax(l) at temperature 1, no filter, no penalty. */
+void moeq_sampler_options_init(moeq_sampler_options *o);
+
+typedef struct moeq_sampler moeq_sampler;
+/* Checks every option (MOEQ_E_ARG naming the field and the value) and makes a sampler with an
+ * empty history and the generator at seed. The options are copied. */
+moeq_status moeq_sampler_create(const moeq_sampler_options *o, moeq_sampler **out);
+void moeq_sampler_free(moeq_sampler *s);
+/* Empties the history and seeds the generator again: the next draws repeat the first ones. */
+void moeq_sampler_reset(moeq_sampler *s);
+/* Appends ids to the history the penalties look at (the prompt, or tokens chosen elsewhere). */
+moeq_status moeq_sampler_accept(moeq_sampler *s, const int32_t *ids, size_t n);
+/* Chooses the next id from logits[0..n_vocab) (not modified) and appends it to the history. */
+moeq_status moeq_sampler_sample(moeq_sampler *s, const float *logits, int32_t n_vocab, int32_t *id);
+
+/* Generation helpers. A model's embedding rows may outnumber its tokenizer's ids (OLMoE: 50,304
+ * rows for 50,280 tokens) and such an id can be sampled. moeq_tokenizer_decode_ex is
+ * moeq_tokenizer_decode with flags: MOEQ_DECODE_SKIP_UNKNOWN decodes ids the tokenizer lacks
+ * (outside its vocabulary, or holes in its id range) to nothing instead of failing. Other flag
+ * bits are MOEQ_E_ARG. */
+#define MOEQ_DECODE_SKIP_UNKNOWN 1u
+moeq_status moeq_tokenizer_decode_ex(const moeq_tokenizer *tok, const int32_t *ids, size_t n_ids,
+                                     unsigned flags, char **text, size_t *len);
+/* The ids that end generation: every id of config.json's eos_token_id (an integer or a list),
+ * else moeq_model_info.eos_token_id (the tokenizer's EOS) when it is >= 0. Stores the first cap
+ * of them in ids (ids may be NULL when cap is 0) and returns how many there are. */
+int32_t moeq_model_eos_ids(const moeq_model *m, int32_t *ids, int32_t cap);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Evaluation (src/eval)                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 

@@ -1532,21 +1532,26 @@ moeq_status moeq_tokenizer_encode(const moeq_tokenizer *t, const char *text, siz
 
 /* ---- decoding ------------------------------------------------------------------------------- */
 
-moeq_status mq_tokenizer_decode_bytes(const moeq_tokenizer *t, const int32_t *ids, size_t n_ids,
-                                      char **out, size_t *len) {
+/* skip_unknown: ids the tokenizer lacks decode to nothing instead of failing (a model's
+ * embedding rows past the tokenizer's ids, e.g. OLMoE's 50,304 rows for 50,280 tokens). */
+static moeq_status decode_bytes(const moeq_tokenizer *t, const int32_t *ids, size_t n_ids,
+                                bool skip_unknown, char **out, size_t *len) {
     if (!t || (!ids && n_ids) || !out) return mq_err(MOEQ_E_ARG, "tokenizer decode: NULL argument");
     *out = NULL;
     size_t total = 0;
     for (size_t i = 0; i < n_ids; i++) {
-        if (ids[i] < 0 || ids[i] >= t->n_ids || t->id_off[ids[i]] < 0)
+        if (ids[i] < 0 || ids[i] >= t->n_ids || t->id_off[ids[i]] < 0) {
+            if (skip_unknown) continue;
             return mq_err(MOEQ_E_ARG, "%s: decode: id %d at position %zu is not in the vocabulary "
                           "(size %d)", t->path, ids[i], i, t->n_ids);
+        }
         total += t->dec_len[ids[i]];
     }
     char *o = malloc(total + 1);
     if (!o) return mq_err(MOEQ_E_NOMEM, "tokenizer decode: out of memory");
     size_t at = 0;
     for (size_t i = 0; i < n_ids; i++) {
+        if (ids[i] < 0 || ids[i] >= t->n_ids || t->id_off[ids[i]] < 0) continue;
         memcpy(o + at, t->dec + t->dec_off[ids[i]], t->dec_len[ids[i]]);
         at += t->dec_len[ids[i]];
     }
@@ -1556,11 +1561,20 @@ moeq_status mq_tokenizer_decode_bytes(const moeq_tokenizer *t, const int32_t *id
     return MOEQ_OK;
 }
 
-moeq_status moeq_tokenizer_decode(const moeq_tokenizer *t, const int32_t *ids, size_t n_ids,
-                                  char **text, size_t *len) {
+moeq_status mq_tokenizer_decode_bytes(const moeq_tokenizer *t, const int32_t *ids, size_t n_ids,
+                                      char **out, size_t *len) {
+    return decode_bytes(t, ids, n_ids, false, out, len);
+}
+
+moeq_status moeq_tokenizer_decode_ex(const moeq_tokenizer *t, const int32_t *ids, size_t n_ids,
+                                     unsigned flags, char **text, size_t *len) {
+    if (text) *text = NULL;
+    if (flags & ~(unsigned)MOEQ_DECODE_SKIP_UNKNOWN)
+        return mq_err(MOEQ_E_ARG, "tokenizer decode: unknown flags 0x%x", flags);
+    if (!text) return mq_err(MOEQ_E_ARG, "tokenizer decode: NULL argument");
     char *raw;
     size_t n;
-    moeq_status st = mq_tokenizer_decode_bytes(t, ids, n_ids, &raw, &n);
+    moeq_status st = decode_bytes(t, ids, n_ids, (flags & MOEQ_DECODE_SKIP_UNKNOWN) != 0, &raw, &n);
     if (st) return st;
     if (mq_utf8_check(raw, n) == n) {
         *text = raw;
@@ -1592,6 +1606,11 @@ moeq_status moeq_tokenizer_decode(const moeq_tokenizer *t, const int32_t *ids, s
     *text = o;
     if (len) *len = k;
     return MOEQ_OK;
+}
+
+moeq_status moeq_tokenizer_decode(const moeq_tokenizer *t, const int32_t *ids, size_t n_ids,
+                                  char **text, size_t *len) {
+    return moeq_tokenizer_decode_ex(t, ids, n_ids, 0, text, len);
 }
 
 const char *mq_tokenizer_pre_name(const moeq_tokenizer *t) { return t->pre_name; }

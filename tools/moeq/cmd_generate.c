@@ -1,115 +1,168 @@
 /*
- * moeq generate MODEL_DIR --prompt P -n N [--greedy | --temp T --top-p P --seed S]: text
+ * moeq generate MODEL_DIR (--prompt P | --prompt-file F | stdin) -n N [sampling options]: text
  * generation with the forward pass and its KV cache (a quantized checkpoint on the packed
  * kernels unless --dequantize; --act-quant nvfp4 emulates W4A4 on the dequantized path, q8_0
  * llama.cpp's Q8_0 activations). stdout gets the prompt followed by the generated text as it is
- * produced; stderr gets prefill and decode tokens/s, the resident weight bytes and the peak RSS.
- * Greedy picks the largest logit (ties to the lower id); sampling draws from softmax(logits / T)
- * cut to the smallest set of most likely tokens whose probability reaches top_p, with a seeded
- * generator, so a given seed always gives the same text.
+ * produced (with --json: one JSON object at the end instead); stderr gets prefill and decode
+ * tokens/s, the resident weight bytes and the peak RSS. Each token is chosen by the library's
+ * sampler (moeq.h, "Sampling": penalties, then greedy or top-k, top-p, min-p and temperature),
+ * so a given seed always gives the same text. Only moeq.h and cli.h are used: this is also an
+ * example of a program on the public API.
+ *
+ * Streaming holds text back in two cases: a trailing U+FFFD (a character cut between tokens,
+ * completed by the next ones) and a tail that may be the start of a --stop string (printed once
+ * the next tokens show it is not, or cut with the stop string). Ids the tokenizer lacks (embedding
+ * rows past it) print as nothing; --json lists every generated id.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "commands.h"
-#include "model/model.h"
 
-typedef struct {
-    double p;
-    int32_t id;
-} cand;
+#define CMD "generate"
 
-static int cmp_cand(const void *x, const void *y) {
-    const cand *a = x, *b = y;
-    if (a->p != b->p) return a->p > b->p ? -1 : 1;
-    return a->id < b->id ? -1 : a->id > b->id;
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* splitmix64: a small, well-mixed generator; uniform double in [0, 1). */
-static double next_uniform(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return (double)(z >> 11) * 0x1p-53;
-}
-
-static int32_t pick_greedy(const float *logits, int32_t V) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < V; i++)
-        if (logits[i] > logits[best]) best = i;
-    return best;
-}
-
-static int32_t pick_sample(const float *logits, int32_t V, double temp, double top_p, cand *c,
-                           uint64_t *rng) {
-    double mx = logits[0];
-    for (int32_t i = 1; i < V; i++) mx = logits[i] > mx ? logits[i] : mx;
-    double sum = 0;
-    for (int32_t i = 0; i < V; i++) {
-        c[i].id = i;
-        c[i].p = exp(((double)logits[i] - mx) / temp);
-        sum += c[i].p;
+/* The whole stream into a malloc'ed, NUL-terminated buffer; one trailing '\n' is dropped, as
+ * llama.cpp does for -f (a file's last line ends in one; the prompt should not). NULL on a read
+ * error (errno set) or out of memory. */
+static char *read_prompt(FILE *f, size_t *len) {
+    size_t cap = 4096, n = 0;
+    char *b = malloc(cap);
+    while (b) {
+        n += fread(b + n, 1, cap - n - 1, f);
+        if (ferror(f)) break;
+        if (feof(f)) {
+            if (n > 0 && b[n - 1] == '\n') n--;
+            b[n] = 0;
+            *len = n;
+            return b;
+        }
+        if (cap - n - 1 == 0) {
+            char *g = realloc(b, 2 * cap);
+            if (!g) break;
+            b = g;
+            cap *= 2;
+        }
     }
-    qsort(c, (size_t)V, sizeof *c, cmp_cand);
-    int32_t keep = 0;
-    double mass = 0;
-    while (keep < V && (keep == 0 || mass < top_p * sum)) mass += c[keep++].p;
-    double u = next_uniform(rng) * mass, acc = 0;
-    for (int32_t i = 0; i < keep; i++) {
-        acc += c[i].p;
-        if (u < acc) return c[i].id;
-    }
-    return c[keep - 1].id;
+    free(b);
+    return NULL;
 }
 
-/* Prints the newly decoded text of ids[0..n) beyond *printed bytes; a trailing U+FFFD (a
- * character cut between tokens) is held back until more tokens complete it, or final is set. */
-static moeq_status stream_text(const moeq_tokenizer *tok, const int32_t *ids, size_t n, size_t *printed,
-                               bool final) {
-    char *text = NULL;
-    size_t len = 0;
-    moeq_status st = moeq_tokenizer_decode(tok, ids, n, &text, &len);
-    if (st) return st;
-    size_t end = len;
-    if (!final && end >= 3 && !memcmp(text + end - 3, "\xef\xbf\xbd", 3)) end -= 3;
-    if (end > *printed) {
-        fwrite(text + *printed, 1, end - *printed, stdout);
-        fflush(stdout);
-        *printed = end;
+/* JSON string of s[0..n) (the text may hold NUL bytes: byte-level tokens can decode to one). */
+static void json_bytes(FILE *f, const char *s, size_t n) {
+    fputc('"', f);
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        switch (c) {
+        case '"': fputs("\\\"", f); break;
+        case '\\': fputs("\\\\", f); break;
+        case '\n': fputs("\\n", f); break;
+        case '\r': fputs("\\r", f); break;
+        case '\t': fputs("\\t", f); break;
+        default:
+            if (c < 0x20)
+                fprintf(f, "\\u%04x", c);
+            else
+                fputc(c, f);
+        }
     }
-    free(text);
-    return MOEQ_OK;
+    fputc('"', f);
 }
 
-static bool is_eos(const moeq_model *m, int32_t id) {
-    for (int i = 0; i < m->cfg.n_eos; i++)
-        if (m->cfg.eos_ids[i] == id) return true;
-    return m->cfg.n_eos == 0 && id == m->info.eos_token_id;
+static void json_ids(FILE *f, const char *key, const int32_t *ids, size_t n) {
+    fprintf(f, "  \"%s\": [", key);
+    for (size_t i = 0; i < n; i++) fprintf(f, "%s%d", i ? ", " : "", ids[i]);
+    fputs("],\n", f);
+}
+
+/* The earliest occurrence at or after from of any stop string in t[0..n): its offset (and which
+ * string in *which), or n + 1 when there is none. A match cannot start before the printed text
+ * ends (stream_cut held back every tail that could begin one), hence from. */
+static size_t find_stop(const char *t, size_t n, size_t from, const cli_list *stops, int *which) {
+    for (size_t p = from; p < n; p++)
+        for (int k = 0; k < stops->n; k++) {
+            size_t m = strlen(stops->items[k]);
+            if (m <= n - p && memcmp(t + p, stops->items[k], m) == 0) {
+                *which = k;
+                return p;
+            }
+        }
+    return n + 1;
+}
+
+/* How much of t[0..n) may be printed now: all of it less the longest tail that is a proper
+ * prefix of a stop string (the next tokens may complete it). */
+static size_t stream_cut(const char *t, size_t n, const cli_list *stops) {
+    size_t hold = 0;
+    for (int k = 0; k < stops->n; k++) {
+        size_t m = strlen(stops->items[k]);
+        for (size_t h = (m - 1 < n ? m - 1 : n); h > hold; h--)
+            if (memcmp(t + n - h, stops->items[k], h) == 0) {
+                hold = h;
+                break;
+            }
+    }
+    return n - hold;
+}
+
+/* Reports an error of the library with what it concerns first ("--prompt-file F: ..."). */
+static int fail_about(const char *what, moeq_status st) {
+    const char *msg = moeq_last_error();
+    fprintf(stderr, "moeq %s: error: %s: %s\n", CMD, what, msg && *msg ? msg : moeq_status_text(st));
+    return st == MOEQ_E_INTERRUPTED ? CLI_INTERRUPTED : CLI_FAIL;
 }
 
 int cmd_generate(int argc, char **argv) {
-    const char *prompt = NULL;
-    int64_t n_new = -1, seed = 0, threads = 0;
-    double temp = 1.0, top_p = 1.0;
+    const char *prompt_arg = NULL, *prompt_file = NULL;
+    int64_t n_new = -1, seed = 0, threads = 0, top_k = 0, repeat_last_n = 64;
+    double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0, frequency = 0.0;
     const char *act_quant = NULL;
+    cli_list stops = {NULL, 0};
     bool greedy = false, ignore_eos = false, no_bos = false, temp_seen = false, top_p_seen = false,
-         seed_seen = false, dequantize = false;
+         top_k_seen = false, min_p_seen = false, seed_seen = false, dequantize = false, json = false;
     const char *revision = NULL;
     const cli_opt opts[] = {
         CLI_REVISION_OPT(revision),
-        {"--prompt", OPT_STRING, &prompt, "P", "the prompt text", NULL, 0, 0, NULL},
+        {"--prompt", OPT_STRING, &prompt_arg, "P", "the prompt text; '-' reads it from stdin (as does "
+         "no prompt at all when stdin is not a terminal)", NULL, 0, 0, NULL},
+        {"--prompt-file", OPT_STRING, &prompt_file, "FILE", "read the prompt from FILE (one trailing "
+         "newline dropped, as llama.cpp's -f; also for stdin)", NULL, 0, 0, NULL},
         {"-n", OPT_INT, &n_new, "N", "number of tokens to generate", NULL, 0, 1 << 24, NULL},
-        {"--greedy", OPT_FLAG, &greedy, NULL, "always take the most likely token (the default)",
-         NULL, 0, 0, NULL},
-        {"--temp", OPT_DOUBLE, &temp, "T", "sample with temperature T > 0", NULL, 0, 0, &temp_seen},
-        {"--top-p", OPT_DOUBLE, &top_p, "P", "sample from the smallest set of tokens with "
-                                             "probability >= P (0 < P <= 1, default 1)",
-         NULL, 0, 0, &top_p_seen},
-        {"--seed", OPT_INT, &seed, "S", "random seed for sampling (default 0)", NULL, 0, -1,
-         &seed_seen},
+        {"--greedy", OPT_FLAG, &greedy, NULL, "always take the most likely token, ties to the lower "
+         "id (the default when no sampling option is given; the same as --temp 0)", NULL, 0, 0, NULL},
+        {"--temp", OPT_DOUBLE, &temp, "T", "sample with temperature T >= 0 (0: greedy; default 1 once "
+         "any sampling option is given)", NULL, 0, 0, &temp_seen},
+        {"--top-k", OPT_INT, &top_k, "K", "sample from the K most likely tokens (0: all, the default)",
+         NULL, 0, INT32_MAX, &top_k_seen},
+        {"--top-p", OPT_DOUBLE, &top_p, "P", "sample from the smallest set of most likely tokens with "
+         "probability >= P (0 < P <= 1, default 1)", NULL, 0, 0, &top_p_seen},
+        {"--min-p", OPT_DOUBLE, &min_p, "P", "sample from the tokens with probability >= P times the "
+         "most likely one's (0 <= P <= 1, default 0)", NULL, 0, 0, &min_p_seen},
+        {"--seed", OPT_INT, &seed, "S", "random seed for sampling (default 0): the same seed and "
+         "options give the same text on any thread count", NULL, 0, -1, &seed_seen},
+        {"--repeat-penalty", OPT_DOUBLE, &repeat_penalty, "R", "divide the positive logits of the "
+         "tokens in the last --repeat-last-n ids by R, multiply the others (llama.cpp, CTRL; "
+         "default 1: off)", NULL, 0, 0, NULL},
+        {"--repeat-last-n", OPT_INT, &repeat_last_n, "N", "the ids the penalties look at: the last N "
+         "of prompt and output (default 64; -1: all, 0: none)", NULL, -1, INT32_MAX, NULL},
+        {"--presence-penalty", OPT_DOUBLE, &presence, "P", "subtract P from the logit of each token "
+         "in that window (OpenAI; default 0)", NULL, 0, 0, NULL},
+        {"--frequency-penalty", OPT_DOUBLE, &frequency, "F", "subtract F times its count in that "
+         "window from each token's logit (OpenAI; default 0)", NULL, 0, 0, NULL},
+        {"--stop", OPT_LIST, &stops, "S", "stop when the generated text contains S, printing it up to "
+         "S (repeatable)", NULL, 0, 0, NULL},
+        {"--json", OPT_FLAG, &json, NULL, "print one JSON object at the end instead of streaming: "
+         "prompt, text, prompt_ids, ids (every generated id), finish_reason, speeds", NULL, 0, 0, NULL},
         {"--ignore-eos", OPT_FLAG, &ignore_eos, NULL, "do not stop at the end-of-sequence token",
          NULL, 0, 0, NULL},
         {"--no-bos", OPT_FLAG, &no_bos, NULL, "do not put the BOS token before the prompt", NULL, 0,
@@ -120,27 +173,112 @@ int cmd_generate(int argc, char **argv) {
         {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0", 0, 0, NULL},
     };
     const cli_command cmd = {
-        "generate", "MODEL_DIR --prompt P -n N [--greedy | --temp T --top-p P --seed S]",
+        CMD, "MODEL_DIR (--prompt P | --prompt-file F | < stdin) -n N [--greedy | --temp T --top-k K "
+        "--top-p P --min-p P --seed S] [--repeat-penalty R ...] [--stop S ...] [--json]",
         "Generates up to N tokens after the prompt and prints the prompt and the continuation on\n"
-        "stdout (stopping at the end-of-sequence token unless --ignore-eos); prefill and decode\n"
-        "speeds, resident weights and peak RSS go to stderr. A quantized checkpoint runs packed\n"
-        "on the quantized kernels unless --dequantize. The model's BOS token, when it has one,\n"
-        "is put before the prompt.",
+        "stdout as it comes (stopping at the end-of-sequence token unless --ignore-eos, or at a\n"
+        "--stop string, which is not printed); prefill and decode speeds, resident weights and peak\n"
+        "RSS go to stderr. A quantized checkpoint runs packed on the quantized kernels unless\n"
+        "--dequantize. The model's BOS token, when it has one, is put before the prompt.\n"
+        "Each token is greedy (the default) or sampled once --temp, --top-k, --top-p, --min-p or\n"
+        "--seed is given. The steps run in llama.cpp's order: the penalties (repeat, presence,\n"
+        "frequency, over the last --repeat-last-n ids of prompt and output; they apply to greedy\n"
+        "too), then top-k, top-p and min-p on the untempered probabilities, then a draw from\n"
+        "softmax(logits / T) over what is left (include/moeq.h, \"Sampling\", has the exact rules).\n"
+        "Ids past the tokenizer's vocabulary (models pad their embeddings) print as nothing;\n"
+        "--json lists them with the others.",
         opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
-    if (rc >= 0) return rc;
-    if (!prompt) return cli_usage_error("generate", "--prompt is required");
-    if (n_new < 0) return cli_usage_error("generate", "-n is required");
-    if (greedy && (temp_seen || top_p_seen || seed_seen))
-        return cli_usage_error("generate", "--greedy cannot be combined with --temp/--top-p/--seed");
-    if (temp_seen && !(temp > 0 && isfinite(temp)))
-        return cli_usage_error("generate", "--temp must be a positive number, got %g", temp);
-    if (!(top_p > 0 && top_p <= 1))
-        return cli_usage_error("generate", "--top-p must be in (0, 1], got %g", top_p);
-    bool sample = temp_seen || top_p_seen || seed_seen;
-    if (threads > 0) moeq_set_threads((int)threads);
+    if (rc >= 0) {
+        free(stops.items);
+        return rc;
+    }
+    /* Usage checks first, each naming its flag, before anything is read or loaded. */
+    const char *bad = NULL;
+    char msg[160];
+    bool sample = temp_seen || top_p_seen || top_k_seen || min_p_seen || seed_seen;
+    if (prompt_arg && prompt_file) bad = "--prompt and --prompt-file cannot be combined (give one)";
+    else if (n_new < 0) bad = "-n is required";
+    else if (greedy && sample)
+        bad = "--greedy cannot be combined with --temp/--top-k/--top-p/--min-p/--seed";
+    else if (!(temp >= 0 && isfinite(temp)))
+        snprintf(msg, sizeof msg, "--temp must be a finite number >= 0 (0: greedy), got %g", temp), bad = msg;
+    else if (!(top_p > 0 && top_p <= 1))
+        snprintf(msg, sizeof msg, "--top-p must be in (0, 1], got %g", top_p), bad = msg;
+    else if (!(min_p >= 0 && min_p <= 1))
+        snprintf(msg, sizeof msg, "--min-p must be in [0, 1], got %g", min_p), bad = msg;
+    else if (!(repeat_penalty > 0 && isfinite(repeat_penalty)))
+        snprintf(msg, sizeof msg, "--repeat-penalty must be a finite number > 0 (1: off), got %g",
+                 repeat_penalty), bad = msg;
+    else if (!isfinite(presence))
+        snprintf(msg, sizeof msg, "--presence-penalty must be finite, got %g", presence), bad = msg;
+    else if (!isfinite(frequency))
+        snprintf(msg, sizeof msg, "--frequency-penalty must be finite, got %g", frequency), bad = msg;
+    for (int k = 0; !bad && k < stops.n; k++)
+        if (!stops.items[k][0]) bad = "--stop needs a non-empty string";
+    if (bad) {
+        free(stops.items);
+        return cli_usage_error(CMD, "%s", bad);
+    }
+    moeq_sampler_options so;
+    moeq_sampler_options_init(&so);
+    so.temperature = sample ? temp : 0.0;
+    so.top_k = (int32_t)top_k;
+    so.top_p = top_p;
+    so.min_p = min_p;
+    so.repeat_penalty = repeat_penalty;
+    so.repeat_last_n = (int32_t)repeat_last_n;
+    so.presence_penalty = presence;
+    so.frequency_penalty = frequency;
+    so.seed = (uint64_t)seed;
+    moeq_sampler *smp = NULL;
+    moeq_status st = moeq_sampler_create(&so, &smp);
+    if (st) {   /* the checks above cover every option: this would be a missing one */
+        free(stops.items);
+        return cli_usage_error(CMD, "%s", moeq_last_error());
+    }
 
+    /* The prompt: --prompt, --prompt-file, or stdin ('-', or nothing given and stdin not a
+     * terminal, so that `echo text | moeq generate M -n 8` works). */
+    char *prompt = NULL;
+    size_t prompt_len = 0;
+    char prompt_src[64 + 4096];   /* for messages: "--prompt", "--prompt-file F" or "stdin" */
+    snprintf(prompt_src, sizeof prompt_src, "--prompt");
+    if (prompt_arg && strcmp(prompt_arg, "-") != 0) {
+        prompt_len = strlen(prompt_arg);
+        prompt = malloc(prompt_len + 1);
+        if (prompt) memcpy(prompt, prompt_arg, prompt_len + 1);
+    } else if (prompt_file) {
+        snprintf(prompt_src, sizeof prompt_src, "--prompt-file %s", prompt_file);
+        FILE *f = fopen(prompt_file, "rb");
+        if (!f) {
+            fprintf(stderr, "moeq %s: error: --prompt-file %s: cannot open: %s\n", CMD, prompt_file,
+                    strerror(errno));
+            moeq_sampler_free(smp);
+            free(stops.items);
+            return CLI_FAIL;
+        }
+        prompt = read_prompt(f, &prompt_len);
+        int e = errno;
+        fclose(f);
+        errno = e;
+    } else if (prompt_arg || !isatty(STDIN_FILENO)) {
+        snprintf(prompt_src, sizeof prompt_src, "stdin (the prompt)");
+        prompt = read_prompt(stdin, &prompt_len);
+    } else {
+        moeq_sampler_free(smp);
+        free(stops.items);
+        return cli_usage_error(CMD, "no prompt: give --prompt P, --prompt-file FILE or text on stdin");
+    }
+    if (!prompt) {
+        fprintf(stderr, "moeq %s: error: %s: cannot read: %s\n", CMD, prompt_src, strerror(errno));
+        moeq_sampler_free(smp);
+        free(stops.items);
+        return CLI_FAIL;
+    }
+
+    if (threads > 0) moeq_set_threads((int)threads);
     int aqk = !act_quant                        ? MOEQ_ACT_QUANT_NONE
               : strcmp(act_quant, "nvfp4") == 0 ? MOEQ_ACT_QUANT_NVFP4
               : strcmp(act_quant, "q8_0") == 0  ? MOEQ_ACT_QUANT_Q8_0
@@ -148,97 +286,190 @@ int cmd_generate(int argc, char **argv) {
     bool aq = aqk != MOEQ_ACT_QUANT_NONE;
     moeq_model_options mo = {.keep_packed = !dequantize && !aq, .act_quant = aqk};
     moeq_model *m = NULL;
-    const char *dir = cli_model_dir("generate", pos[0], revision);
-    if (!dir) return CLI_FAIL;
-    moeq_status st = moeq_model_open(dir, &mo, &m);
-    if (st) return cli_fail("generate", st);
-    const moeq_tokenizer *tok = moeq_model_tokenizer(m);
-    if (!tok) {
-        moeq_model_free(m);
-        return cli_fail("generate", mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json", pos[0]));
-    }
     int32_t *enc = NULL, *ids = NULL;
     size_t n_enc = 0;
     float *logits = NULL;
-    cand *cands = NULL;
+    char *text = NULL;
     moeq_session *s = NULL;
     int ret = CLI_OK;
-    st = moeq_tokenizer_encode(tok, prompt, strlen(prompt), &enc, &n_enc);
-    if (st) {
-        ret = cli_fail("generate", st);
+    const char *dir = cli_model_dir(CMD, pos[0], revision);
+    if (!dir) {
+        ret = CLI_FAIL;
         goto out;
     }
-    int32_t bos = no_bos ? -1 : m->info.bos_token_id;
+    st = moeq_model_open(dir, &mo, &m);
+    if (st) {
+        ret = cli_fail(CMD, st);
+        goto out;
+    }
+    const moeq_model_info *info = moeq_model_get_info(m);
+    const moeq_tokenizer *tok = moeq_model_tokenizer(m);
+    if (!tok) {
+        fprintf(stderr, "moeq %s: error: %s: no tokenizer.json\n", CMD, pos[0]);
+        ret = CLI_FAIL;
+        goto out;
+    }
+    int32_t eos[64];
+    int32_t n_eos = moeq_model_eos_ids(m, eos, 64);
+    if (n_eos > 64) n_eos = 64;   /* config parsing keeps at most 8 */
+    st = moeq_tokenizer_encode(tok, prompt, prompt_len, &enc, &n_enc);
+    if (st) {
+        ret = fail_about(prompt_src, st);
+        goto out;
+    }
+    int32_t bos = no_bos ? -1 : info->bos_token_id;
     size_t n_prompt = n_enc + (bos >= 0);
     if (n_prompt == 0) {
-        ret = cli_usage_error("generate", "the prompt is empty and the model has no BOS token");
+        ret = cli_usage_error(CMD, "the prompt is empty and the model has no BOS token");
         goto out;
     }
-    if ((int64_t)n_prompt + n_new > m->cfg.max_pos) {
-        ret = cli_usage_error("generate", "the prompt (%zu tokens) plus -n %lld exceeds the model's "
-                              "context of %d tokens", n_prompt, (long long)n_new, m->cfg.max_pos);
+    if ((int64_t)n_prompt + n_new > info->max_position_embeddings) {
+        ret = cli_usage_error(CMD, "the prompt (%zu tokens) plus -n %lld exceeds the model's "
+                              "context of %d tokens", n_prompt, (long long)n_new,
+                              info->max_position_embeddings);
         goto out;
     }
-    int32_t V = m->cfg.vocab;
-    ids = malloc(sizeof(int32_t) * (size_t)(n_prompt + (size_t)n_new + 1));
+    const int32_t V = info->vocab_size;
+    ids = malloc(sizeof(int32_t) * (n_prompt + (size_t)n_new + 1));
     logits = malloc(sizeof(float) * (size_t)V);
-    cands = sample ? malloc(sizeof(cand) * (size_t)V) : NULL;
-    if (!ids || !logits || (sample && !cands)) {
-        ret = cli_fail("generate", mq_err(MOEQ_E_NOMEM, "out of memory"));
+    if (!ids || !logits) {
+        fprintf(stderr, "moeq %s: error: out of memory\n", CMD);
+        ret = CLI_FAIL;
         goto out;
     }
     if (bos >= 0) ids[0] = bos;
     memcpy(ids + (bos >= 0), enc, sizeof(int32_t) * n_enc);
-    st = moeq_session_create(m, (int32_t)(n_prompt + (size_t)n_new), &s);
+    int32_t *gen = ids + n_prompt;
+    /* The prompt (BOS included, as llama.cpp feeds it) is history for the penalties. */
+    st = moeq_sampler_accept(smp, ids, n_prompt);
+    if (!st) st = moeq_session_create(m, (int32_t)(n_prompt + (size_t)n_new), &s);
     if (st) {
-        ret = cli_fail("generate", st);
+        ret = cli_fail(CMD, st);
         goto out;
     }
 
-    fputs(prompt, stdout);
-    fflush(stdout);
+    if (!json) {
+        fwrite(prompt, 1, prompt_len, stdout);
+        fflush(stdout);
+    }
     /* Prefill: logits are needed for the last prompt token only. */
-    double t0 = mq_now();
+    double t0 = now_s();
     st = moeq_session_forward(s, ids, (int32_t)n_prompt - 1, NULL);
     if (!st) st = moeq_session_forward(s, ids + n_prompt - 1, 1, logits);
-    double t_prefill = mq_now() - t0, t_decode = 0;
-    uint64_t rng = (uint64_t)seed;
-    size_t n_gen = 0, printed = 0;
+    double t_prefill = now_s() - t0, t_decode = 0;
+    size_t n_gen = 0, n_text_ids = 0, printed = 0, text_len = 0, cut = 0;
+    const char *finish = "length";
+    int stop_which = -1;
     cli_install_sigint();
     while (!st && (int64_t)n_gen < n_new) {
-        int32_t next = sample ? pick_sample(logits, V, temp, top_p, cands, &rng)
-                              : pick_greedy(logits, V);
-        if (!ignore_eos && is_eos(m, next)) break;
-        ids[n_prompt + n_gen++] = next;
-        st = stream_text(tok, ids + n_prompt, n_gen, &printed, false);
-        if (st || (int64_t)n_gen == n_new) break;
-        if (moeq_interrupted()) {
-            st = mq_err(MOEQ_E_INTERRUPTED, "interrupted");
+        int32_t next;
+        st = moeq_sampler_sample(smp, logits, V, &next);
+        if (st) break;
+        gen[n_gen++] = next;
+        bool is_eos = false;
+        for (int32_t k = 0; k < n_eos && !ignore_eos; k++) is_eos |= next == eos[k];
+        if (is_eos) {   /* listed in --json's ids, never printed */
+            finish = "eos";
             break;
         }
-        double t1 = mq_now();
+        n_text_ids = n_gen;
+        free(text);
+        text = NULL;
+        st = moeq_tokenizer_decode_ex(tok, gen, n_gen, MOEQ_DECODE_SKIP_UNKNOWN, &text, &text_len);
+        if (st) break;
+        /* What is certain so far: the text less a trailing U+FFFD that more bytes may complete. */
+        size_t sure = text_len;
+        if (sure >= 3 && !memcmp(text + sure - 3, "\xef\xbf\xbd", 3)) sure -= 3;
+        size_t at = find_stop(text, text_len, printed, &stops, &stop_which);
+        if (at <= text_len) {
+            cut = at;
+            finish = "stop";
+            break;
+        }
+        cut = stream_cut(text, sure, &stops);
+        if (!json && cut > printed) {
+            fwrite(text + printed, 1, cut - printed, stdout);
+            fflush(stdout);
+            printed = cut;
+        }
+        if ((int64_t)n_gen == n_new) break;
+        if (moeq_interrupted()) {
+            st = MOEQ_E_INTERRUPTED;
+            break;
+        }
+        double t1 = now_s();
         st = moeq_session_forward(s, &next, 1, logits);
-        t_decode += mq_now() - t1;
+        t_decode += now_s() - t1;
     }
-    if (n_gen > 0) stream_text(tok, ids + n_prompt, n_gen, &printed, true);
-    fputc('\n', stdout);
-    fflush(stdout);
-    if (st) {
-        ret = cli_fail("generate", st);
+    /* The end: everything decoded, or up to the stop string. */
+    if (strcmp(finish, "stop") != 0) {
+        free(text);
+        text = NULL;
+        text_len = 0;
+        moeq_status st2 = moeq_tokenizer_decode_ex(tok, gen, n_text_ids, MOEQ_DECODE_SKIP_UNKNOWN,
+                                                   &text, &text_len);
+        if (st2 && !st) st = st2;
+        cut = text ? text_len : 0;
+    }
+    if (st == MOEQ_E_INTERRUPTED) finish = "interrupted";
+    if (!json) {
+        if (text && cut > printed) fwrite(text + printed, 1, cut - printed, stdout);
+        fputc('\n', stdout);
+        fflush(stdout);
+    }
+    if (st && st != MOEQ_E_INTERRUPTED) {
+        ret = cli_fail(CMD, st);
         goto out;
     }
     /* n_gen tokens came from 1 prefill and n_gen - 1 decode steps. */
+    size_t n_decode = n_gen > 0 ? n_gen - 1 : 0;
+    double prefill_tps = (double)n_prompt / t_prefill,
+           decode_tps = n_decode > 0 && t_decode > 0 ? (double)n_decode / t_decode : 0.0;
+    if (json) {
+        FILE *f = stdout;
+        fputs("{\n  \"prompt\": ", f);
+        json_bytes(f, prompt, prompt_len);
+        fputs(",\n  \"text\": ", f);
+        json_bytes(f, text ? text : "", text ? cut : 0);
+        fputs(",\n", f);
+        json_ids(f, "prompt_ids", ids, n_prompt);
+        json_ids(f, "ids", gen, n_gen);
+        /* The generated ids that printed as nothing because the tokenizer lacks them. */
+        int32_t n_tok = moeq_tokenizer_vocab_size(tok);
+        fputs("  \"ids_without_text\": [", f);
+        bool first = true;
+        for (size_t i = 0; i < n_gen; i++)
+            if (gen[i] < 0 || gen[i] >= n_tok || !moeq_tokenizer_token(tok, gen[i])) {
+                fprintf(f, "%s%d", first ? "" : ", ", gen[i]);
+                first = false;
+            }
+        fprintf(f, "],\n  \"finish_reason\": \"%s\",\n  \"stop\": ", finish);
+        if (stop_which >= 0 && !strcmp(finish, "stop"))
+            json_bytes(f, stops.items[stop_which], strlen(stops.items[stop_which]));
+        else
+            fputs("null", f);
+        fprintf(f, ",\n  \"prompt_tokens\": %zu,\n  \"generated_tokens\": %zu,\n"
+                "  \"prefill_seconds\": %.6f,\n  \"prefill_tokens_per_second\": %.3f,\n"
+                "  \"decode_seconds\": %.6f,\n  \"decode_tokens_per_second\": %.3f\n}\n",
+                n_prompt, n_gen, t_prefill, prefill_tps, t_decode, decode_tps);
+        fflush(f);
+    }
     fprintf(stderr, "prefill: %zu tokens in %.3f s (%.1f tokens/s); decode: %zu tokens in %.3f s "
-            "(%.1f tokens/s)\n", n_prompt, t_prefill, (double)n_prompt / t_prefill,
-            n_gen > 0 ? n_gen - 1 : 0, t_decode,
-            n_gen > 1 && t_decode > 0 ? (double)(n_gen - 1) / t_decode : 0.0);
-    cli_report_memory("generate", moeq_model_get_info(m));
+            "(%.1f tokens/s)\n", n_prompt, t_prefill, prefill_tps, n_decode, t_decode, decode_tps);
+    cli_report_memory(CMD, info);
+    if (st == MOEQ_E_INTERRUPTED) {
+        fprintf(stderr, "moeq %s: interrupted\n", CMD);
+        ret = CLI_INTERRUPTED;
+    }
 out:
     moeq_session_free(s);
+    moeq_sampler_free(smp);
     free(enc);
     free(ids);
     free(logits);
-    free(cands);
+    free(text);
+    free(prompt);
+    free(stops.items);
     moeq_model_free(m);
     return ret;
 }
