@@ -128,10 +128,10 @@ static moeq_status gpu_attention_set(mq_pipe *p, int l) {
 }
 
 /* One process on a GPU uploads each chunk of a layer's routed experts in mq_pipe_routed_experts,
- * where the device waits for the host to read (bf16 -> fp32) and send them. The first chunk instead
- * goes while the layer's last attention pass runs there (mq_gpu_attn_io.meanwhile): 0.1-0.2 s a
- * layer less of an idle device on OLMoE-1B-7B (64 experts, 1.6 GB). The plan counts the chunk's
- * weights beside the attention stage (memplan.c). MOEQ_EXPERTS_AHEAD=0 turns it off. */
+ * where the device waits for the host to read (bf16 -> fp32) and send them. The first chunk
+ * instead goes while the layer's last attention pass runs there (mq_gpu_attn_io.meanwhile), so
+ * the device does not sit idle through its read and upload. The plan counts the chunk's weights
+ * beside the attention stage (memplan.c). MOEQ_EXPERTS_AHEAD=0 turns it off. */
 static int first_chunk_end(const mq_pipe *p) {
     const int E = p->c->n_experts;
     return p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;

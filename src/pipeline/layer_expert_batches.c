@@ -456,8 +456,7 @@ static void batch_layout(ex_batch *b) {
     mq_parallel_for(b->nb, batch_fill_task, b);
     /* The blocks largest first: the pool hands tasks out in order, and each expert's last block
      * holds 1 to 255 rows, so in expert order a full block could start last while the other
-     * threads idle (0.82 of 16 threads, simulated). Every block writes only its own rows: the
-     * order changes no value. */
+     * threads idle. Every block writes only its own rows: the order changes no value. */
     b->n_tasks = 0;
     for (int64_t e = 0; e < C; e++)
         for (int64_t blk = 0; blk < (b->ebase[e + 1] - b->ebase[e]) / TASK_ROWS; blk++)
@@ -704,12 +703,11 @@ moeq_status mq_pipe_experts_pass(mq_pipe *p, int l, int e0, int e1, mq_ffn_sourc
     const int64_t plan_rows = mq_plan_batch_rows(p, e1 - e0);
     int64_t rows_cap = plan_rows, nb_in = nb;
     /* On the GPU (unless MOEQ_GPU_BATCH=plan) every expert's GEMMs take as many rows as the device
-     * holds (all the samples' on OLMoE-1B-7B at 128 x 2048 tokens) instead of the CPU threads'
-     * batches (about 1,000 rows an expert there, which leaves the GPU's GEMMs small): possible
-     * where the rows stay on the device (batch_run's dev_rows) and the outputs are combined there.
-     * Measured faster on the H200 (OLMoE-1B-7B, 128 x 2048: 214 s against 235 s extrapolated)
-     * and byte-identical (test_gpu_pipeline compares both, killed and resumed too), so the
-     * default; MOEQ_GPU_BATCH=plan takes the CPU plan's batches. */
+     * holds instead of the CPU threads' batches, which are sized to keep the host's threads busy
+     * and leave the GPU's GEMMs small: possible where the rows stay on the device (batch_run's
+     * dev_rows) and the outputs are combined there. Fewer, larger products keep the device busier,
+     * and the bytes are the same either way (test_gpu_pipeline compares both, killed and resumed
+     * too), so it is the default; MOEQ_GPU_BATCH=plan takes the CPU plan's batches. */
     const char *gb = getenv("MOEQ_GPU_BATCH");
     const bool dev_batches = gb ? strcmp(gb, "plan") != 0 : GPU_DEVICE_BATCHES_DEFAULT;
     /* the experts on the device: plain ones go up for this pass, quantized ones are there already

@@ -70,8 +70,8 @@ mq_actbuf *mq_pipe_out_buf(mq_pipe *p) { return p->X.kind == MQ_ACT_DISK ? &p->X
 /* Whether the FFN's outputs of layer l may be added to the boundary on the GPU (p->gbound) and
  * come back as the next boundary: the combined outputs are the whole FFN (no shared expert, no
  * unquantized stream beside) and the boundary is plain page-locked fp32 (not bf16 or a file). The
- * add is the host's add_out, one fp32 add a value: the same bits, 0.05 s a layer less of a host
- * pass over 2 GB on OLMoE-1B-7B at 128 x 2048 tokens. MOEQ_GPU_RESIDUAL=0 turns it off. */
+ * add is the host's add_out, one fp32 add a value: the same bits, without the host's pass over
+ * the whole boundary (gigabytes a layer at real size). MOEQ_GPU_RESIDUAL=0 turns it off. */
 static bool residual_on_device(mq_pipe *p) {
     const char *env = getenv("MOEQ_GPU_RESIDUAL");
     if (env && strcmp(env, "0") == 0) return false;
@@ -79,13 +79,14 @@ static bool residual_on_device(mq_pipe *p) {
     return p->c->shared_ffn == 0 && !p->target && hb->kind == MQ_ACT_RAM && hb->pinned;
 }
 
-/* The GPU attention's results that only the device reads stay there; each then crossed the bus
- * for nothing (2 GB a pass at 128 x 2048 tokens of OLMoE-1B-7B, 0.1 s). The result of the pass
+/* The GPU attention's results that only the device reads stay there: a host copy of them would
+ * cross the bus for nothing (every sample's activations, each pass). The result of the pass
  * that gives the boundary (h), where the FFN's outputs are added to it on the device (gbound) and
  * the host reads none of it before: sequential calibration's Hessians read the kept FFN input
  * (XN), its output pass the device's FFN input. The kept FFN input (XN) where everything of the
- * layer reads it on the device, unless a host step needs it after all: mq_pipe_xn_to_host then (the
- * experts' fallback of a shared Hessian). MOEQ_GPU_HOST_COPIES=1 makes every copy as before. */
+ * layer reads it on the device, unless a host step needs it after all: mq_pipe_xn_to_host then
+ * (the experts' fallback of a shared Hessian). MOEQ_GPU_HOST_COPIES=1 makes every copy as
+ * before. */
 static bool host_copies_forced(void) {
     const char *env = getenv("MOEQ_GPU_HOST_COPIES");
     return env && strcmp(env, "1") == 0;
@@ -292,18 +293,16 @@ static void expert_costs(const mq_pipe *p, const int64_t *tokens, int E, int64_t
 }
 
 /* Several ranks, MOEQ_DIST_SHARES=measured (p->fit_shares; an experiment, the default shares by
- * FLOPs): the
- * weight of GPTQ in the next layer's shares from this layer's seconds. The FLOPs may say too
- * little about a rank's time (GPTQ's column loops run far from the products' rate, by how much
- * depends on the machine): a rank r that spent w[r] seconds on its experts' calibration and GPTQ,
- * x[r] and g[r] FLOPs of each, gives w[r] = a x[r] + b g[r]; a, b by least squares over the
- * ranks, and GPTQ's weight becomes (b / a) against the FLOPs' 1, damped (the geometric mean with
- * the weight before) and kept within [1/8, 8]. Every rank fits the same numbers in the same
+ * FLOPs): the weight of GPTQ in the next layer's shares from this layer's seconds. The FLOPs may
+ * say too little about a rank's time (GPTQ's column loops run far from the products' rate, by
+ * how much depends on the machine): a rank r that spent w[r] seconds on its experts' calibration
+ * and GPTQ, x[r] and g[r] FLOPs of each, gives w[r] = a x[r] + b g[r]; a, b by least squares over
+ * the ranks, and GPTQ's weight becomes (b / a) against the FLOPs' 1, damped (the geometric mean
+ * with the weight before) and kept within [1/8, 8]. Every rank fits the same numbers in the same
  * order, so they agree on the shares; the shares change the speed only (the checkpoint is the
- * same for any split). On this project's 2-core VM (a 1024-wide, 16-expert OLMoE, 48 x 256
- * tokens, 2 ranks of 1 thread, two runs each) it did not help: 13.84 and 14.58 s a layer against
- * 13.37 and 13.58 s with the FLOPs' shares, the ranks waiting 0.1-0.5 s either way; where ranks
- * wait seconds at the experts' hand-over (4 ranks on the GPU machine) it is yet to be measured. */
+ * same for any split). It is not the default: where it was tried the ranks waited little with
+ * either shares and it did not help; it is meant for runs whose ranks wait long at the experts'
+ * hand-over. */
 static void fit_shares(mq_pipe *p, const double *w, const double *x, const double *g) {
     double xx = 0, xg = 0, gg = 0, xw = 0, gw = 0;
     for (int r = 0; r < p->ranks; r++) {

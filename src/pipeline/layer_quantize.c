@@ -102,7 +102,8 @@ static void put_task(void *vctx, int64_t t, int thread) {
 
 /* The dequantized weights back into the Linears' host copies (sequential calibration) in pieces
  * of DEQ_ROWS rows of all the written weights, one pool loop: as a part of each weight's own task
- * the attention's four weights kept 4 of 16 threads busy. Elementwise: any split, the same values. */
+ * a write of few weights (the attention's four) would keep as few threads busy. Elementwise: any
+ * split, the same values. */
 enum { DEQ_ROWS = 64 };
 
 typedef struct {
@@ -436,8 +437,7 @@ moeq_status mq_pipe_quantize_slots(mq_pipe *p, int l, mq_slot *slots, int n, flo
             job_of[j] = n_jobs;
             /* sequential calibration on the CPU, one process: GPTQ leaves the dequantized weights
              * in the host copy as each row block finishes (while it is in cache), instead of a
-             * pass over every weight after the write (memory-bound: 16 threads ran it 5x faster
-             * than 2) */
+             * pass over every weight after the write (bound by memory: each weight read again) */
             float *deq = p->seq && !p->gpu && p->ranks <= 1 ? lin->w : NULL;
             jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], deq, {0, 0, 0, 0, 0}};
         }

@@ -15,9 +15,9 @@
  * of the lowest priority while the pool computes, so that their read finds them done, or
  * nearly: it converts what is left on the pool. A MoE layer's first expert chunk goes
  * during its attention, each next chunk during the one before, the next layer's attention
- * during the last chunk. The read stage was memory-bound (about 100 GB/s of bf16 in and fp32
- * out at 16 threads on the GPU machine's Xeon: its efficiency 0.4-0.5 from 2 threads) and waits
- * for a disk where the source is not in the page cache (the callers ask the page cache to read
+ * during the last chunk. The read stage is bound by memory (bf16 in, fp32 out: more of the
+ * pool's threads add little to it) and waits for a disk where the source is not in the page
+ * cache, so it is worth taking off the compute's path (the callers ask the page cache to read
  * the same parts ahead, mq_lazy_prefetch, which is all that is done where the sources need more
  * than a conversion: mq_lazy_ahead_start). */
 moeq_status mq_pipe_start_ahead(mq_pipe *p, int l, unsigned what, int e0, int e1) {

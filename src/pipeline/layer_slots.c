@@ -79,7 +79,8 @@ moeq_status mq_slot_hessian(mq_pipe *p, mq_slot *s) {
     if (!st && p->gpu) st = mq_gpu_hessians_new(p->gpu, 1, &s->h.K, &s->gh);
     if (!st && p->target) {   /* the cross sum beside it */
         /* zero as it comes (a fresh mapping): its pages are first touched by the sum's tasks on
-         * the pool; a memset here took 0.3 s of one core a layer (16 MB per expert input) */
+         * the pool, not by a memset on one core here (K x K floats for every expert's input of
+         * every layer) */
         s->G = mq_alloc_zero(sizeof(float) * (size_t)(s->h.K * s->h.K), "asymmetric calibration's cross sum");
         if (!s->G) return MOEQ_E_NOMEM;
         s->g_rows = 0;
