@@ -1,6 +1,7 @@
 /*
- * Shared state of the pipeline's files: pipeline.c (the driver), layer.c (one decoder layer),
- * memplan.c (the memory plan), workdir.c (manifest, activation snapshots, resume), report.c.
+ * Shared state of the pipeline's files: pipeline.c (the driver), layer.c (one decoder layer; its
+ * stages' files in layer_internal.h), memplan.c (the memory plan), workdir.c (manifest,
+ * activation snapshots, resume), report.c.
  */
 #ifndef MOEQ_PIPELINE_INTERNAL_H
 #define MOEQ_PIPELINE_INTERNAL_H
@@ -151,7 +152,8 @@ typedef struct mq_pipe {
     mq_actbuf X, X2, XN, OUT;     /* X2: the next boundary when X is a file (else X is updated) */
     /* asymmetric calibration (o->target_share > 0, sequential): the unquantized model's stream
      * beside the quantized one: XF its boundary (updated in place: h after the attention, then
-     * the boundary after the layer), OUTF its FFN outputs, sel_f/w_f its routing (layer.c) */
+     * the boundary after the layer), OUTF its FFN outputs, sel_f/w_f its routing
+     * (layer_attention.c) */
     bool target;
     mq_actbuf XF, OUTF;
     int32_t *sel_f;
@@ -162,36 +164,40 @@ typedef struct mq_pipe {
     mq_gpu *gpu;                  /* GPTQ's device (o->device >= 0), else NULL */
     struct mq_gpu_opening *opening;   /* the device being opened beside the start (pipeline.c) */
     mq_gpu_attn *gatt;            /* the attention's calibration forward on that device (made at
-                                     the first layer it can run, layer.c), else NULL */
+                                     the first layer it can run, layer_attention.c), else NULL */
     mq_gpu_mlp *gx;               /* routed experts [gx_e0, gx_e1) on that device for a whole
                                      chunk: both calibration passes and GPTQ's inputs, which GPTQ
-                                     replaces by the dequantized weights (layer.c), else NULL */
+                                     replaces by the dequantized weights (layer_ffn.c,
+                                     layer_quantize.c), else NULL */
     int gx_e0, gx_e1;
     mq_gpu_mlp *gx_ahead;         /* layer gx_ahead_l's first expert chunk, [0, gx_ahead_e1), read
-                                     and sent up while its attention ran (layer.c experts_ahead),
-                                     for routed_experts to take as gx, else NULL */
+                                     and sent up while its attention ran (layer_attention.c
+                                     experts_ahead), for mq_pipe_routed_experts to take as gx,
+                                     else NULL */
     int gx_ahead_l, gx_ahead_e1;
     struct mq_lazy_ahead *ahead;  /* parts ahead_what of layer ahead_l (experts [ahead_e0,
-                                     ahead_e1)) being read on the CPU ahead of their stage (layer.c
-                                     start_ahead), else NULL */
+                                     ahead_e1)) being read on the CPU ahead of their stage
+                                     (layer_read.c mq_pipe_start_ahead), else NULL */
     int ahead_l, ahead_e0, ahead_e1;
     unsigned ahead_what;
     struct mq_pending_write *pending;   /* a GPU chunk's quantized Linears still to be written
-                                           while the device runs its quantized pass (layer.c) */
+                                           while the device runs its quantized pass
+                                           (layer_quantize.c) */
     mq_gpu_buf *gout;             /* the routed experts' FFN outputs of a layer on that device,
-                                     combined there and read back once (layer.c), else NULL */
+                                     combined there and read back once (layer_ffn.c), else
+                                     NULL */
     mq_gpu_buf *gffn_xn, *gffn_h; /* the routed experts' inputs as the GPU attention left them
                                      there (the kept FFN input; the FFN norm of the boundary after
-                                     attention), Lmax rows a sample, else NULL (layer.c) */
+                                     attention), Lmax rows a sample, else NULL (layer_ffn.c) */
     mq_gpu_buf *gin;              /* the layer's input (X) on the device too, laid out as those:
                                      kept by its first attention pass for the second, or handed
-                                     on by the layer before (its boundary there, layer.c) */
+                                     on by the layer before (its boundary there, layer_ffn.c) */
     bool gin_ready;               /* gin holds the next attention's input (X's bits) */
     bool xn_device_only;          /* XN's host copy was not made: gffn_xn holds the layer's kept
-                                     FFN input (layer.c xn_to_host) */
+                                     FFN input (layer_ffn.c mq_pipe_xn_to_host) */
     mq_gpu_buf *gbound;           /* the boundary after attention there too, laid out as those,
                                      for the residual add of the FFN's outputs on the device
-                                     (layer.c gpu_ffn_inputs_new), else NULL */
+                                     (layer_ffn.c mq_pipe_gpu_ffn_inputs_new), else NULL */
     /* ranks (src/dist; pipeline.h "Distributed runs"): this process is `rank` of `ranks`; rank
      * 0 alone has the writer and the work directory (p->w NULL elsewhere) */
     int rank, ranks;
@@ -217,7 +223,7 @@ typedef struct mq_pipe {
     double share_gptq;            /* several ranks: the weight of an expert's GPTQ against its
                                      tokens' calibration in the shares of the experts, relative to
                                      their FLOPs (1; fitted to the seconds measured on the ranks
-                                     with fit_shares: layer.c) */
+                                     with fit_shares: layer_ffn.c) */
     bool fit_shares;              /* MOEQ_DIST_SHARES=measured as rank 0 has it (every rank gathers
                                      and fits alike, whatever its own environment) */
     float *snap_spare;            /* the last snapshot's copy buffer, kept for the next (the plan
@@ -234,7 +240,7 @@ typedef struct mq_pipe {
                                      directory as calib-choice.json for a resume; NULL: none */
 } mq_pipe;
 
-/* fp32 values of a rotated unquantized tensor converted at once (layer.c) */
+/* fp32 values of a rotated unquantized tensor converted at once (layer_quantize.c) */
 #define MQ_ROT_PIECE ((int64_t)1 << 20)
 
 /* ---- memplan.c ---- */
@@ -249,7 +255,7 @@ int64_t mq_plan_write_behind(const mq_pipe *p);
 /* Measures this machine's sgemm rate and estimates the run's time from the plan's FLOPs. */
 void mq_plan_estimate_time(mq_pipe *p);
 
-/* ---- layer.c ---- */
+/* ---- layer.c (and layer_quantize.c: plain RTN, pass-through) ---- */
 /* One decoder layer: calibration passes, quantization, writes, the next boundary's activations.
  * replay: the layer was finished by an earlier run; only recompute the activations after it from
  * what the checkpoint holds. */

@@ -4,7 +4,7 @@
  * factors, one chunk of experts with theirs, the shared expert or dense MLP, scratch) is computed
  * from the config and the options, and the largest expert chunk and the activation storage that
  * fit the budget are chosen; or the run stops with what does not fit and what would. Sizes are
- * those the stages allocate (layer.c), in bytes of anonymous memory. The FLOP counts give the
+ * those the stages allocate (layer*.c), in bytes of anonymous memory. The FLOP counts give the
  * time estimate (against this machine's sgemm rate) and the progress units.
  */
 #include <math.h>
@@ -69,7 +69,7 @@ static int64_t write_behind_bytes(const mq_pipe *p, int C) {
     return b / 4 * 9 / 16 + (1 << 20);   /* fp32 bytes -> packed; scalars and g_idx */
 }
 
-/* The CPU reads the next expert chunk ahead on a thread of its own (layer.c start_ahead) only
+/* The CPU reads the next expert chunk ahead on a thread of its own (mq_pipe_start_ahead) only
  * when MOEQ_READ_AHEAD=1 asks for it: one process without a GPU (which has its own,
  * experts_ahead), the source read as it is (no rotation). Off by default: on the GPU machine's
  * 16-core Xeon at 16 threads a full-width OLMoE-1B-7B layer took 20.4, 23.0, 20.7 s with it
@@ -93,7 +93,7 @@ int64_t mq_plan_batch_rows(const mq_pipe *p, int64_t C) {
     return worst > busy ? worst : busy;
 }
 
-/* ahead: with the CPU's read-ahead (layer.c start_ahead) */
+/* ahead: with the CPU's read-ahead (layer_read.c mq_pipe_start_ahead) */
 static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t batch, bool ahead) {
     const mq_config *c = p->c;
     const mq_pipeline_opts *o = p->o;
@@ -136,7 +136,7 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
     /* asymmetric calibration: the cross sum G beside each Hessian (freed before the factors) */
     const int64_t nh = 3 + (o->n_damp_sweep > 0) + (o->g.refine_passes > 0) + tgt;   /* refine: H' kept */
     /* ... and its correction: (H + damping), the solution and a weight's copy, per input at once
-     * (target_slots: each of a chunk's slots its own task, up to one per thread) */
+     * (mq_pipe_target_slots: each of a chunk's slots its own task, up to one per thread) */
     const int64_t Kmax = D > Qo ? D : Qo;
     const int64_t par = mq_pool_size();
     z.attention = att_w + (o->gptq ? nh * hs + gptq_scratch(D > Qo ? D : Qo) : 0) +
@@ -164,11 +164,12 @@ static sizes plan_sizes(const mq_pipe *p, mq_act_storage kind, int C, int64_t ba
         z.chunk = C * (w1 + h1 + (int64_t)(code_bytes_per_weight(&o->spec) * (double)(3 * F * D))) +
                   bscratch + (o->gptq ? gptq_scratch(D > F ? D : F) : 0);
         if (block) z.chunk += (2 * L * F + L * D) * 4;   /* fallback down: its scratch */
-        /* one process on a GPU reads the first chunk's weights during the attention (layer.c
-         * experts_ahead) */
+        /* one process on a GPU reads the first chunk's weights during the attention
+         * (layer_attention.c experts_ahead) */
         if (p->gpu && p->ranks <= 1) z.attention += C * w1;
-        /* the CPU's read-ahead (layer.c start_ahead): the first chunk beside the attention, the
-         * next chunk beside the one before, the next layer's attention beside the last */
+        /* the CPU's read-ahead (layer_read.c mq_pipe_start_ahead): the first chunk beside the
+         * attention, the next chunk beside the one before, the next layer's attention beside the
+         * last */
         if (ahead) {
             z.ahead = C * w1 > att_w ? C * w1 : att_w;
             z.attention += C * w1;

@@ -244,7 +244,8 @@ static moeq_status rotation_setup(mq_pipe *p, const char *model_dir, bool *untie
     return MOEQ_OK;
 }
 
-/* The memory of the largest unquantized tensor the rotation rewrites (layer.c put_rotated). */
+/* The memory of the largest unquantized tensor the rotation rewrites (layer_quantize.c
+ * put_rotated). */
 static void rotated_bytes(mq_pipe *p) {
     int layer;
     int64_t most = 0;

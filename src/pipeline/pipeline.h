@@ -119,7 +119,7 @@ typedef struct {
     int64_t ffn_other;             /* shared expert or dense MLP, block Hessian, batch scratch */
     int64_t snapshot_copy;         /* the activation snapshot's copy, written behind the next
                                       layer (0: written in place, the layers wait) */
-    int64_t read_ahead;            /* the largest part read ahead (layer.c start_ahead): an expert
+    int64_t read_ahead;            /* the largest part read ahead (mq_pipe_start_ahead): an expert
                                       chunk's fp32 weights beside the attention and beside the
                                       chunk before, or the next layer's attention beside the last
                                       chunk; counted in both (0: off) */
