@@ -111,8 +111,9 @@ static void test_every_family_equals_whole(void) {
         check_family(mq_test_model("llama-tiny"));
     }
     char dir[1024];
-    const char *bundled[] = {"mixtral-tiny", "qwen3moe-tiny", "deepseekv3-tiny"};
-    for (int i = 0; i < 3; i++) {
+    /* and an FP8 block-scaled release (its weights dequantized as they are read) */
+    const char *bundled[] = {"mixtral-tiny", "qwen3moe-tiny", "deepseekv3-tiny", "deepseekv3-fp8-tiny"};
+    for (int i = 0; i < 4; i++) {
         snprintf(dir, sizeof dir, "%s", mq_test_with_tokenizer(bundled[i]));
         check_family(dir);
     }
@@ -188,16 +189,18 @@ static void test_kl_base_in_lockstep(void) {
     moeq_docs_free(docs);
 }
 
-/* olmoe-tiny quantized here (NVFP4 and INT4 by round to nearest): packed a layer at a time
- * equals the packed whole load, and dequantized the dequantized one. */
+/* olmoe-tiny quantized here by round to nearest into each checkpoint layout: packed a layer at a
+ * time equals the packed whole load, and dequantized the dequantized one. */
 static void test_quantized_packed_and_dequantized(void) {
-    const mq_qscheme schemes[2] = {MQ_QS_NVFP4, MQ_QS_INT4};
-    for (int i = 0; i < 2; i++) {
+    /* compressed-tensors NVFP4 and INT4, ModelOpt NVFP4, GPTQ v1 INT4 */
+    const mq_qscheme schemes[4] = {MQ_QS_NVFP4, MQ_QS_INT4, MQ_QS_NVFP4, MQ_QS_INT4};
+    const mq_ckpt_format formats[4] = {MQ_FMT_CT, MQ_FMT_CT, MQ_FMT_MODELOPT, MQ_FMT_GPTQ};
+    for (int i = 0; i < 4; i++) {
         char name[64];
         snprintf(name, sizeof name, "olmoe-q%d", i);
         char *dir = mq_path_join(mq_test_tmpdir(), name);
         mq_pipeline_opts q;
-        mq_pipeline_opts_init(&q, schemes[i], MQ_FMT_CT);
+        mq_pipeline_opts_init(&q, schemes[i], formats[i]);
         if (schemes[i] == MQ_QS_INT4) q.spec.group_size = 32;
         ASSERT_OK(mq_pipeline_run(mq_test_model("olmoe-tiny"), dir, &q, NULL));
         moeq_docs *docs = text_docs();

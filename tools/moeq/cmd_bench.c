@@ -11,6 +11,8 @@ static const struct {
     int (*run)(int argc, char **argv);
     const char *summary;
 } g_benches[] = {
+    {"eval", bench_eval,
+     "streamed eval at real size: tokens/s, GFLOP/s vs sgemm, peak memory, the whole data's time"},
     {"forward", bench_forward, "fp32 forward: prefill and decode tokens/s, GFLOP/s vs sgemm"},
     {"gen-model", bench_gen_model,
      "writes a random-weight checkpoint with a real model's shapes and config"},

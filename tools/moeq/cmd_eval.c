@@ -191,8 +191,9 @@ static void print_plan(FILE *f, const moeq_eval_result *r, bool has_base) {
         if (has_base) fprintf(f, ", base %s", r->plan.boundary_in_memory[1] ? "in memory" : "in files");
         fprintf(f, "\n  work directory    up to %s\n", gb((double)r->plan.disk_bytes, a, sizeof a));
     }
+    char b2[32];
     fprintf(f, "  per window        %s (state and scratch), %s scoring\n",
-            gb((double)r->plan.window_bytes, a, sizeof a), gb((double)r->plan.score_bytes, a, sizeof a));
+            gb((double)r->plan.window_bytes, a, sizeof a), gb((double)r->plan.score_bytes, b2, sizeof b2));
     fprintf(f, "  forward           %.3g TFLOP; at the cores' sgemm rate (%.1f GFLOP/s) %.0f s\n",
             r->plan.flops / 1e12, r->plan.core_gflops, r->plan.eta_seconds);
 }
