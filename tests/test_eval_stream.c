@@ -104,7 +104,30 @@ static void check_family(const char *dir) {
     moeq_docs_free(docs);
 }
 
+/* Fewer windows than threads: each window runs with the whole pool inside its forward. */
+static void check_few_windows(const char *dir) {
+    moeq_docs *docs = text_docs();
+    moeq_model *whole = open_as(dir, 0, 1), *streamed = open_as(dir, 1, 1);
+    double ll_w[3], ll_s[3];
+    moeq_eval_options o;
+    moeq_eval_result rw, rs;
+    moeq_set_threads(5);
+    eval_opts(&o, ll_w);
+    o.limit = 1;
+    ASSERT_OK(moeq_eval(whole, docs, &o, &rw));
+    eval_opts(&o, ll_s);
+    o.limit = 1;
+    ASSERT_OK(moeq_eval(streamed, docs, &o, &rs));
+    ASSERT_TRUE(rs.plan.windows < 5);
+    assert_same_result(&rw, &rs, ll_w, ll_s, 1);
+    moeq_set_threads(0);
+    moeq_model_free(streamed);
+    moeq_model_free(whole);
+    moeq_docs_free(docs);
+}
+
 static void test_every_family_equals_whole(void) {
+    check_few_windows(mq_test_model("olmoe-tiny"));
     check_family(mq_test_model("olmoe-tiny"));
     if (mq_test_have_shared()) {
         check_family(mq_test_model("qwen2moe-tiny"));

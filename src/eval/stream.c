@@ -247,7 +247,10 @@ static moeq_status run_pass(stream *S, pass_kind kind, int layer, int which) {
     S->layer = layer;
     S->which = which;
     atomic_store(&S->next, 0);
-    mq_parallel_for(S->n_workers, pass_task, S);
+    /* Fewer windows than threads: one window at a time with the whole pool inside its forward
+     * (the forward's results do not depend on the thread count), instead of idle threads. */
+    if (S->c->n_win < S->n_workers) pass_task(S, 0, 0);
+    else mq_parallel_for(S->n_workers, pass_task, S);
     if (atomic_load(&S->c->failed)) return mq_err(S->c->err, "%s", S->c->errmsg);
     if (moeq_interrupted()) return MOEQ_E_INTERRUPTED;
     return MOEQ_OK;
