@@ -67,6 +67,9 @@ typedef struct {
     moeq_status err;
     char errmsg[1024];
     uint64_t ids_checksum;   /* of every document's token ids (stream.c's resume identity) */
+    /* Ranks of an mpirun job: this rank runs windows [w_lo, w_hi) (all of them in one process)
+     * and rank 0 gathers the scores (ppl.c) */
+    int64_t w_lo, w_hi;
 } mq_eval_ctx;
 
 /* Records the first failure of a pool task (the message lives in that thread's last error). */

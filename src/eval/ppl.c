@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "dist/dist.h"
 #include "eval/eval_run.h"
 
 /* Records the first failure of a pool task (the message lives in that thread's last error). */
@@ -231,8 +232,9 @@ moeq_status mq_eval_score_window(mq_eval_ctx *c, mq_eval_scratch *s, int64_t wi,
     return MOEQ_OK;
 }
 
-static void window_task(void *vc, int64_t wi, int thread) {
+static void window_task(void *vc, int64_t i, int thread) {
     mq_eval_ctx *c = vc;
+    const int64_t wi = c->w_lo + i;
     if (atomic_load(&c->failed) || moeq_interrupted()) return;
     mq_eval_scratch *s = &c->sc[thread];
     moeq_status st = s->ready ? MOEQ_OK : scratch_init(c, s);
@@ -459,6 +461,89 @@ static void ctx_free(mq_eval_ctx *c) {
     free(c->sc);
 }
 
+/* ---- ranks (mpirun) --------------------------------------------------------------------- */
+/* A rank past 0 keeps its windows' saved-logits records in an unlinked temporary file, at the
+ * offsets rank 0's file has them (sparse), until they are sent. */
+static moeq_status rank_records_open(mq_eval_ctx *c) {
+    const char *tmp = getenv("TMPDIR");
+    char *path = mq_asprintf("%s/moeq-eval-records-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    c->save_fd = mkstemp(path);
+    moeq_status s = c->save_fd < 0 ? mq_err(MOEQ_E_IO, "%s: cannot create", path) : MOEQ_OK;
+    if (c->save_fd >= 0) unlink(path);
+    free(path);
+    return s;
+}
+
+/* The scored tokens of windows [w0, w1): a contiguous range of global token indices. */
+static void window_tokens(const mq_eval_ctx *c, int64_t w0, int64_t w1, int64_t *t0, int64_t *t1) {
+    *t0 = *t1 = 0;
+    if (w0 >= w1) return;
+    const mq_window *a = &c->win[w0], *b = &c->win[w1 - 1];
+    *t0 = c->tok_off[c->win_doc[w0]] + a->first_target;
+    *t1 = c->tok_off[c->win_doc[w1 - 1]] + b->first_target + b->n_score;
+}
+
+/* Moves n bytes at buf between rank r and rank 0 (r sends, 0 receives), in pieces. */
+static moeq_status move(void *buf, size_t n, int r, const char *step) {
+    const size_t piece = (size_t)64 << 20;
+    for (size_t off = 0; off < n; off += piece) {
+        size_t k = n - off < piece ? n - off : piece;
+        moeq_status s = mq_dist_rank() == 0 ? mq_dist_recv((char *)buf + off, k, r, step)
+                                             : mq_dist_send((char *)buf + off, k, 0, step);
+        if (s) return s;
+    }
+    return MOEQ_OK;
+}
+
+/* Every rank's window scores, per-token values and saved-logits records into rank 0's arrays (the
+ * same places one process fills), after every rank agreed that none failed; *interrupted becomes
+ * whether any rank was. */
+static moeq_status gather_ranks(mq_eval_ctx *c, moeq_status mine, bool *interrupted) {
+    moeq_status s = mq_dist_agree(mine, "eval: the windows' forward");
+    int64_t any = *interrupted;
+    if (!s) s = mq_dist_gather_i64(any, &any, NULL, "eval: interrupts");
+    if (s) return s;
+    *interrupted = any != 0;
+    const int R = mq_dist_size(), me = mq_dist_rank();
+    int64_t *cost = malloc(sizeof *cost * (size_t)(c->n_win + 1));
+    const size_t rec = c->save_k ? mq_logits_record_size(c->save_k) : 0;
+    uint8_t *buf = rec ? malloc((size_t)4 << 20) : NULL;
+    if (!cost || (rec && !buf)) {
+        free(cost);
+        free(buf);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    for (int64_t w = 0; w < c->n_win; w++) cost[w] = c->win[w].n_input;
+    for (int r = 1; r < R && !s; r++) {
+        if (me != 0 && me != r) continue;
+        int64_t w0, w1, t0, t1;
+        mq_dist_share_weighted(cost, c->n_win, r, R, &w0, &w1);
+        window_tokens(c, w0, w1, &t0, &t1);
+        const size_t nw = (size_t)(w1 - w0), nt = (size_t)(t1 - t0);
+        s = move(c->win_ll + w0, nw * sizeof(double), r, "eval: window scores");
+        if (!s) s = move(c->win_done + w0, nw, r, "eval: windows done");
+        double *per_token[] = {c->tok_kl, c->tok_bound, c->tok_llb, c->tok_ent};
+        for (int i = 0; i < 4 && !s; i++)
+            if (per_token[i]) s = move(per_token[i] + t0, nt * sizeof(double), r, "eval: token values");
+        if (!s && c->tok_changed) s = move(c->tok_changed + t0, nt, r, "eval: top-1 changes");
+        /* the records, through a bounded buffer */
+        const size_t per = rec ? ((size_t)4 << 20) / rec : 0;
+        for (size_t k = 0; rec && k < nt && !s; k += per) {
+            const size_t m = nt - k < per ? nt - k : per;
+            const int64_t off = (int64_t)(MQ_LOGITS_HEADER + (size_t)(t0 + (int64_t)k) * rec);
+            if (me != 0) s = mq_pread_all(c->save_fd, buf, m * rec, off, "saved logits records");
+            if (!s) s = move(buf, m * rec, r, "eval: saved logits");
+            if (!s && me == 0) s = mq_pwrite_all(c->save_fd, buf, m * rec, off, c->save_path);
+        }
+    }
+    free(cost);
+    free(buf);
+    /* the last word: whether rank 0 took everything */
+    moeq_status done = mq_dist_agree(s, "eval: gathering the scores");
+    return s ? s : done;
+}
+
 moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eval_options *opt,
                       moeq_eval_result *res) {
     double t0 = mq_now();
@@ -545,6 +630,20 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
         for (int64_t w = c.win_first[d]; w < c.win_first[d + 1]; w++) c.win_doc[w] = (int32_t)d;
     }
 
+    /* Ranks: each runs a contiguous share of the windows, weighted by their rows */
+    c.w_lo = 0;
+    c.w_hi = c.n_win;
+    if (mq_dist_size() > 1) {
+        int64_t *cost = malloc(sizeof *cost * (size_t)(c.n_win + 1));
+        if (!cost) {
+            ctx_free(&c);
+            return mq_err(MOEQ_E_NOMEM, "out of memory");
+        }
+        for (int64_t w = 0; w < c.n_win; w++) cost[w] = c.win[w].n_input;
+        mq_dist_share_weighted(cost, c.n_win, mq_dist_rank(), mq_dist_size(), &c.w_lo, &c.w_hi);
+        free(cost);
+    }
+
     /* Saved logits: check the one to read, open the one to write. */
     const bool streamed = mq_model_lazy(m) || (c.base && mq_model_lazy(c.base));
     uint64_t checksum = (opt->kl_logits || opt->save_logits || streamed) ? ids_checksum(&c) : 0;
@@ -568,8 +667,12 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
         c.save_k = (uint32_t)(opt->save_top_k ? opt->save_top_k : MOEQ_EVAL_DEFAULT_TOP_K);
         if ((int64_t)c.save_k > c.V) c.save_k = (uint32_t)c.V;
         c.save_path = opt->save_logits;
-        st = mq_atomic_open(&af, opt->save_logits);
-        if (!st) c.save_fd = fileno(af.f);
+        if (mq_dist_rank() == 0) {
+            st = mq_atomic_open(&af, opt->save_logits);
+            if (!st) c.save_fd = fileno(af.f);
+        } else {
+            st = rank_records_open(&c);   /* sent to rank 0 at the end */
+        }
     }
     if (st) {
         mq_unmap(&kl_map);
@@ -586,25 +689,38 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
         res->plan.threads = mq_pool_size();
         res->plan.resident_bytes = moeq_model_get_info(m)->weight_bytes +
                                    (c.base ? moeq_model_get_info(c.base)->weight_bytes : 0);
-        res->plan.windows = c.n_win;
+        res->plan.windows = c.w_hi - c.w_lo;
         mq_mem_watch_start();
         mq_progress("eval", 0, c.tokens_total);
-        mq_parallel_for(c.n_win, window_task, &c);
+        mq_parallel_for(c.w_hi - c.w_lo, window_task, &c);
         mq_progress("eval", atomic_load(&c.tokens_done), c.tokens_total);
         res->plan.peak_anon_bytes = mq_mem_watch_peak();
         mq_mem_watch_stop();
     }
 
     bool interrupted = !atomic_load(&c.failed) && moeq_interrupted();
+    if (mq_dist_size() > 1) {
+        st = gather_ranks(&c, atomic_load(&c.failed) ? mq_err(c.err, "%s", c.errmsg) : MOEQ_OK,
+                          &interrupted);
+        if (st) {
+            atomic_store(&c.failed, 1);
+            c.err = st;
+            snprintf(c.errmsg, sizeof c.errmsg, "%s", moeq_last_error());
+        }
+    }
     if (atomic_load(&c.failed)) {
         st = mq_err(c.err, "%s", c.errmsg);
+    } else if (mq_dist_rank() > 0) {
+        res->interrupted = interrupted;   /* rank 0 holds the result */
     } else {
         fill_result(&c, opt, res);
         res->interrupted = interrupted;
         res->seconds = mq_now() - t0;
         res->tokens_per_second = res->seconds > 0 ? (double)res->tokens / res->seconds : 0;
     }
-    if (opt->save_logits && c.save_fd >= 0) {
+    if (c.save_fd >= 0 && mq_dist_rank() > 0) {
+        close(c.save_fd);
+    } else if (opt->save_logits && c.save_fd >= 0) {
         if (st || interrupted) {
             mq_atomic_abort(&af);
         } else {

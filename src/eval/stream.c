@@ -68,7 +68,8 @@ typedef struct {
     const moeq_model *m[MAX_MODELS];   /* [0] the model, [1] the kl_base */
     mq_lazy_model *lz[MAX_MODELS];     /* NULL: loaded whole */
     int64_t D[MAX_MODELS], Dmax;
-    int64_t *row0;                     /* [n_win + 1]: each window's first boundary row */
+    int64_t *row0;                     /* [w_hi - w_lo + 1]: each window's first boundary row (the
+                                          boundary holds this rank's windows) */
     int64_t rows;
     boundary B[MAX_MODELS];
     worker *W;
@@ -181,7 +182,7 @@ static moeq_status worker_state(stream *S, worker *w, int k, int l, mq_state **o
 static moeq_status run_window(stream *S, worker *w, int64_t wi, int t) {
     mq_eval_ctx *c = S->c;
     const mq_window *win = &c->win[wi];
-    const int64_t r0 = S->row0[wi], n = win->n_input, ns = win->n_score;
+    const int64_t r0 = S->row0[wi - c->w_lo], n = win->n_input, ns = win->n_score;
     moeq_status s = MOEQ_OK;
     if (S->kind == PASS_EMBED) {
         mq_window_input(win, c->tok[c->win_doc[wi]], c->prefix, w->ids);
@@ -227,8 +228,8 @@ static void pass_task(void *ctx, int64_t t, int thread) {
     mq_eval_ctx *c = S->c;
     for (;;) {
         if (atomic_load(&c->failed) || moeq_interrupted()) return;
-        int64_t wi = atomic_fetch_add(&S->next, 1);
-        if (wi >= c->n_win) return;
+        int64_t wi = c->w_lo + atomic_fetch_add(&S->next, 1);
+        if (wi >= c->w_hi) return;
         moeq_status s = run_window(S, &S->W[t], wi, (int)t);
         if (s) {
             const int64_t d = c->win_doc[wi];
@@ -249,7 +250,7 @@ static moeq_status run_pass(stream *S, pass_kind kind, int layer, int which) {
     atomic_store(&S->next, 0);
     /* Fewer windows than threads: one window at a time with the whole pool inside its forward
      * (the forward's results do not depend on the thread count), instead of idle threads. */
-    if (S->c->n_win < S->n_workers) pass_task(S, 0, 0);
+    if (S->c->w_hi - S->c->w_lo < S->n_workers) pass_task(S, 0, 0);
     else mq_parallel_for(S->n_workers, pass_task, S);
     if (atomic_load(&S->c->failed)) return mq_err(S->c->err, "%s", S->c->errmsg);
     if (moeq_interrupted()) return MOEQ_E_INTERRUPTED;
@@ -361,7 +362,7 @@ static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_re
     double flops = 0;
     for (int k = 0; k < S->nm; k++) {
         const mq_config *cfg = &S->m[k]->cfg;
-        for (int64_t w = 0; w < c->n_win; w++) {
+        for (int64_t w = c->w_lo; w < c->w_hi; w++) {
             const mq_window *win = &c->win[w];
             flops += mq_config_forward_flops(cfg, win->n_input, 0) -
                      2.0 * (double)cfg->vocab * (double)cfg->D * (double)(win->n_input - win->n_score);
@@ -383,7 +384,7 @@ static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_re
         /* two files, or a snapshot of the memory */
         if (streamed) res->plan.disk_bytes += (choice[k] ? 1 : 2) * z.boundary[k];
     }
-    res->plan.windows = c->n_win;
+    res->plan.windows = c->w_hi - c->w_lo;
     res->plan.rows = S->rows;
     res->plan.flops = flops;
     res->plan.core_gflops = mq_measure_core_gflops(0.25);
@@ -430,8 +431,9 @@ static moeq_status run_identity(stream *S) {
                  m->act_quant);
         h = fnv_str(h, buf);
     }
-    snprintf(buf, sizeof buf, "L=%d prefix=%d bos=%d windows=%lld ids=%016llx", c->L, c->prefix,
-             c->add_bos, (long long)c->n_win, (unsigned long long)c->ids_checksum);
+    snprintf(buf, sizeof buf, "L=%d prefix=%d bos=%d windows=%lld [%lld, %lld) ids=%016llx", c->L,
+             c->prefix, c->add_bos, (long long)c->n_win, (long long)c->w_lo, (long long)c->w_hi,
+             (unsigned long long)c->ids_checksum);
     h = fnv_str(h, buf);
     snprintf(S->identity, sizeof S->identity, "%016llx", (unsigned long long)h);
     return MOEQ_OK;
@@ -646,10 +648,11 @@ static moeq_status stream_setup(stream *S, mq_eval_ctx *c) {
         S->D[k] = S->m[k]->cfg.D;
         S->Dmax = S->D[k] > S->Dmax ? S->D[k] : S->Dmax;
     }
-    S->row0 = calloc((size_t)c->n_win + 1, sizeof *S->row0);
+    const int64_t nw = c->w_hi - c->w_lo;
+    S->row0 = calloc((size_t)nw + 1, sizeof *S->row0);
     if (!S->row0) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    for (int64_t w = 0; w < c->n_win; w++) S->row0[w + 1] = S->row0[w] + c->win[w].n_input;
-    S->rows = S->row0[c->n_win];
+    for (int64_t w = 0; w < nw; w++) S->row0[w + 1] = S->row0[w] + c->win[c->w_lo + w].n_input;
+    S->rows = S->row0[nw];
     return MOEQ_OK;
 }
 
@@ -706,7 +709,8 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
     res->plan.layers_resumed = first;
     int64_t layer_rows = 0;
     for (int k = 0; k < S.nm; k++) layer_rows += S.rows * (S.m[k]->cfg.n_layers - first);
-    S.rows_total = layer_rows + c->tokens_total;
+    S.rows_total = layer_rows;
+    for (int64_t w = c->w_lo; w < c->w_hi; w++) S.rows_total += c->win[w].n_score;
     double flops_done = 0, t_forward = 0;
     mq_mem_watch_start();
     mq_progress("eval", 0, S.rows_total);
@@ -736,7 +740,7 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
     }
     for (int k = 0; k < S.nm; k++) {
         const mq_config *cfg = &S.m[k]->cfg;
-        for (int64_t w = 0; w < c->n_win; w++)
+        for (int64_t w = c->w_lo; w < c->w_hi; w++)
             flops_done += (mq_config_forward_flops(cfg, c->win[w].n_input, 0) -
                            2.0 * (double)cfg->vocab * (double)cfg->D * (double)c->win[w].n_input) *
                           (double)(cfg->n_layers - first) / (double)cfg->n_layers;

@@ -130,4 +130,24 @@ grep -qE "^ +2 +[0-9.]+ +1\.000 +1\.00 +1\.00 +[0-9.]+ [0-9.]+$" "$tmp/bench1.lo
     fail "no 2-rank row with its core rate: $(cat "$tmp/bench1.log")"
 run_np 2 bench quantize "$model" --layers 1 --ranks 3 >/dev/null 2>&1 && fail "--ranks 3 on a 2-rank job was accepted"
 
+# eval over 1, 2 and 3 ranks (each runs a share of the windows, rank 0 gathers): the single
+# process's numbers and saved-logits file, whole and streamed, with the quantized checkpoint
+# against the bundled model as its --kl-base
+head -c 12000 "$calib" > "$tmp/eval.txt"
+eargs=(--data "$tmp/eval.txt" --task text --max-length 48 --kl-base "$model" --entropy --threads 1 --json)
+"$cli" eval "$tmp/base" "${eargs[@]}" --save-logits "$tmp/e1.topk" > "$tmp/e1.json" 2>/dev/null ||
+    fail "eval, one process, exited $?"
+for np in 2 3; do
+    for stream in off on; do
+        run_np "$np" eval "$tmp/base" "${eargs[@]}" --stream "$stream" --save-logits "$tmp/e$np$stream.topk" \
+            > "$tmp/e$np$stream.json" 2>"$tmp/e.err" || fail "eval -np $np --stream $stream exited $?: $(cat "$tmp/e.err")"
+        for key in loglikelihood kl_mean kl_p99 top1_changed entropy_mean documents tokens; do
+            [ "$(json_get "$tmp/e$np$stream.json" $key)" = "$(json_get "$tmp/e1.json" $key)" ] ||
+                fail "eval -np $np --stream $stream: $key $(json_get "$tmp/e$np$stream.json" $key) against $(json_get "$tmp/e1.json" $key)"
+        done
+        cmp -s "$tmp/e1.topk" "$tmp/e$np$stream.topk" || fail "eval -np $np --stream $stream: the saved logits differ"
+    done
+done
+[ "$(json_get "$tmp/e1.json" kl_mean)" != 0 ] || fail "eval: the KL of a quantized model to its base is 0"
+
 exit $((fails > 0))

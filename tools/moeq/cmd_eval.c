@@ -415,7 +415,7 @@ int cmd_eval(int argc, char **argv) {
             print_text(model_dir, task, &r, docs, per_doc ? doc_ll : NULL, doc_tok, &rs);
         fflush(stdout);
     }
-    if (st == MOEQ_OK && html) {
+    if (st == MOEQ_OK && html && moeq_dist_rank() == 0) {   /* rank 0 holds the result */
         moeq_eval_page pg = {model_dir, kl_base, data, docs, &r, doc_ll, doc_llb, doc_kl, doc_top1, doc_tok};
         st = moeq_eval_html(html, &pg);
     }

@@ -41,7 +41,8 @@ static void rank_log(void *user, int level, const char *msg) {
 
 /* Commands that split their work over the ranks of an mpirun job. */
 static int run_command(int i, int argc, char **argv) {
-    const bool dist = !strcmp(g_commands[i].name, "quantize") || !strcmp(g_commands[i].name, "bench");
+    const bool dist = !strcmp(g_commands[i].name, "quantize") || !strcmp(g_commands[i].name, "bench") ||
+                      !strcmp(g_commands[i].name, "eval");
     if (dist) {
         moeq_status st = moeq_dist_start();
         if (st) return cli_fail(g_commands[i].name, st);
