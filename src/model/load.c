@@ -894,9 +894,13 @@ static moeq_status open_streamed(const char *dir, const moeq_model_options *o, m
     }
     /* resident weights: the largest layer and the output layer, as a stream holds them */
     m->info.weight_bytes = peak + mq_lazy_head_bytes(lz);
-    m->info.weight_bytes_whole = mq_lazy_bytes(lz, -1, MQ_PART_GLOBAL, 0, 0);
-    for (int l = 0; l < m->cfg.n_layers; l++) m->info.weight_bytes_whole += mq_lazy_layer_bytes(lz, l);
-    count_bytes(m, &(int64_t){0}, &m->info.weight_bytes_fp32);
+    m->info.weight_bytes_whole = m->info.weight_bytes_fp32 = mq_lazy_bytes(lz, -1, MQ_PART_GLOBAL, 0, 0);
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        m->info.weight_bytes_whole += mq_lazy_layer_bytes(lz, l);
+        /* every tensor's fp32 bytes (count_bytes would see no lm_head and no biases: the lazy
+         * model loads neither yet) */
+        m->info.weight_bytes_fp32 += mq_lazy_bytes(lz, l, MQ_PART_LAYER, 0, m->cfg.n_experts);
+    }
     *out = m;
     return MOEQ_OK;
 }
