@@ -817,6 +817,15 @@ static void test_corrupt_and_truncated(void) {
     moeq_model_options mo = {.stream = 1, .no_tokenizer = 1};
     ASSERT_OK(moeq_model_open(plain, &mo, &m));
     moeq_model_free(m);
+    /* the quantizer needs a checkpoint directory: told so, nothing written */
+    moeq_quant_options q;
+    moeq_quant_options_init(&q);
+    q.scheme = MOEQ_QUANT_INT4;
+    char out[1100];
+    snprintf(out, sizeof out, "%s/requantized", mq_test_tmpdir());
+    ASSERT_STATUS(MOEQ_E_UNSUPPORTED, moeq_quantize(file, out, &q, NULL));
+    ASSERT_ERROR_MENTIONS("moeq_import_gguf");
+    ASSERT_FALSE(mq_file_exists(out));
 }
 
 TEST_MAIN(T(test_views_olmoe_every_type), T(test_views_llama_permuted), T(test_olmoe_q4_0), T(test_olmoe_q4_1_f16),

@@ -15,6 +15,10 @@
  * e_score_correction_bias}, mlp.shared_experts.*; the tensors of its multi-token-prediction
  * layers (model.layers.N.* for num_hidden_layers <= N < + num_nextn_predict_layers) are allowed
  * and not loaded.
+ * A GGUF file is read in place (io/gguf_hf.h): its views carry the HF names and shapes above and
+ * decode their ggml blocks when converted, so everything below treats it as a checkpoint whose
+ * tensors are all unquantized (its config.json and tokenizer.json are made in memory; the ggml
+ * types go to m->gguf_types for act_quant q8_0).
  */
 #define _GNU_SOURCE   /* SCHED_IDLE (the read-ahead thread) */
 #include <pthread.h>
