@@ -150,7 +150,8 @@ typedef struct moeq_tokenizer moeq_tokenizer;
 
 /* Loads tokenizer.json (byte-level BPE as GPT-2/OLMo/Llama-3 use it), Kimi K2's tiktoken.model
  * (with its tokenizer_config.json beside it), or a directory holding one of them (tokenizer.json
- * first); src/io/tokenizer.h lists what is supported. Other model, normalizer, pre-tokenizer or
+ * first), or a GGUF file's tokenizer.ggml.* (rebuilt as moeq_model_open rebuilds it);
+ * src/io/tokenizer.h lists what is supported. Other model, normalizer, pre-tokenizer or
  * decoder types give MOEQ_E_UNSUPPORTED naming the file and the field. A loaded tokenizer is
  * immutable: encode and decode may be called from several threads at once. */
 moeq_status moeq_tokenizer_load(const char *path, moeq_tokenizer **out);
@@ -196,7 +197,7 @@ typedef enum {
      * as Q4_0, Q4_1, NVFP4 or Q8_0) are rounded per row in blocks of 32 as its x86 AVX/AVX2
      * quantize_row_q8_0 does: d = amax/127 stored as fp16, q = round_half_even(x * 127/amax),
      * input fp16(d) * q. Row-local (no dependence on batching or threads). Which Linears: on a
-     * checkpoint imported from GGUF (moeq_import_gguf; a .gguf MODEL in the CLI) exactly those
+     * .gguf file opened directly, or a checkpoint imported from one (moeq_import_gguf), exactly those
      * whose tensor is Q4_0, Q4_1, NVFP4 or Q8_0 there, lm_head included (`--gguf-rest q8_0`);
      * otherwise the same as NVFP4 above: on a quantized checkpoint those stored quantized, on an
      * unquantized one every decoder Linear; never routers or shared_expert_gate. Not emulated:
@@ -253,6 +254,12 @@ typedef struct {
     int32_t act_quant;         /* moeq_act_quant in effect */
 } moeq_model_info;
 
+/* dir: a checkpoint directory (config.json, safetensors, tokenizer), or a GGUF file (a .gguf name
+ * or the GGUF magic; llama, olmoe, qwen2moe, qwen3moe, Mixtral as llama with experts, deepseek2)
+ * read in place: the file is mapped, each tensor appears under its Hugging Face name and is
+ * decoded to fp32 only when loaded (a stream's layer at a time), config and tokenizer are made
+ * from its KVs in memory: the same model, bit for bit, as moeq_import_gguf's checkpoint of it. A
+ * corrupt or truncated file is MOEQ_E_FORMAT naming the file and the field or tensor. */
 moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq_model **out);
 void moeq_model_free(moeq_model *m);
 const moeq_model_info *moeq_model_get_info(const moeq_model *m);
@@ -855,7 +862,8 @@ typedef struct {
  * (killed processes too); the result is byte-identical to an uninterrupted run's and does not
  * depend on the thread count, expert_chunk or max_memory. Progress goes to the
  * moeq_set_progress callback ("quantize"), a line per layer to the log. result may be NULL; on
- * failure it is zeroed except for a dry run's plan. */
+ * failure it is zeroed except for a dry run's plan. A GGUF file as model_dir is
+ * MOEQ_E_UNSUPPORTED (import it first: moeq_import_gguf). */
 moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
                           const moeq_quant_options *opts, moeq_quant_result *result);
 
@@ -874,12 +882,13 @@ moeq_status moeq_gguf_describe(const char *path, int list_tensors, char **text);
  * computes it, stored as rest says; NULL/"auto": F32): the same model through llama.cpp's float
  * kernels, the reference a quantized file's llama.cpp logits are measured against. */
 moeq_status moeq_export_gguf_dequantized(const char *ckpt_dir, const char *out_path, const char *rest);
-/* A GGUF file (llama, olmoe, qwen2moe, qwen3moe; types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
- * Q6_K, NVFP4) as a checkpoint directory moeq_model_open reads: config.json from the KVs (routing
- * as llama.cpp computes it), tokenizer.json from tokenizer.ggml.*, model.safetensors with every
+/* A GGUF file (llama, olmoe, qwen2moe, qwen3moe, deepseek2; types F32, F16, BF16, Q8_0, Q4_0,
+ * Q4_1, Q4_K, Q5_K, Q6_K, NVFP4) as a checkpoint directory: config.json from the KVs (routing as
+ * llama.cpp computes it), tokenizer.json from tokenizer.ggml.*, model.safetensors with every
  * tensor decoded to F32 (the whole model in memory while it is written), gguf_types.json with
- * each matrix's ggml type by its HF name (for MOEQ_ACT_QUANT_Q8_0). The CLI does this in a
- * temporary directory when a MODEL_DIR argument is a .gguf file. */
+ * each matrix's ggml type by its HF name (for MOEQ_ACT_QUANT_Q8_0). moeq_model_open reads a .gguf
+ * in place with the same result, bit for bit, and none of that memory; the import is for tools
+ * that need a directory (the CLI imports a .gguf MODEL given to quantize). */
 moeq_status moeq_import_gguf(const char *gguf_path, const char *out_dir);
 
 /* ------------------------------------------------------------------------------------------ */

@@ -334,23 +334,6 @@ moeq_status mq_gguf_check_model(const char *model_dir, mq_qscheme scheme, bool a
 
 /* ---- the tokenizer ------------------------------------------------------------------------------ */
 
-/* The regexes of the Split pre-tokenizers llama.cpp knows by name (tokenizer.json's spelling). */
-const char mq_gguf_re_llama3[] =
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-const char mq_gguf_re_qwen2[] =
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-
-/* DeepSeek-V3's three Splits (llama.cpp's "deepseek-v3", llama-vocab.cpp): digits in threes,
- * runs of CJK ideographs and kana, then words, punctuation and spaces; CR and LF as characters. */
-const char *const mq_gguf_re_deepseek3[3] = {
-    "\\p{N}{1,3}",
-    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
-    " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
-};
-
 /* a == b, where a may spell CR and LF as the regex escapes \r and \n */
 static bool same_regex(const char *a, const char *b) {
     for (; *a && *b; a++, b++) {

@@ -10,6 +10,7 @@
 #include <cjson/cJSON.h>
 
 #include "formats/formats.h"
+#include "io/gguf_hf.h"
 
 /* Storage of the unquantized 2-D tensors (embeddings, lm_head, kept Linears); 1-D tensors
  * (norms, biases) and routers are always F32. */
@@ -47,10 +48,7 @@ moeq_status mq_gguf_export_dequantized(const char *ckpt_dir, const char *out_pat
  * tensor decoded to F32; the config routes as llama.cpp's graph does). out_dir is created. */
 moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir);
 
-/* tokenizer.json's Split regexes of Llama 3 ("llama-bpe") and Qwen2 ("qwen2"). */
-extern const char mq_gguf_re_llama3[];
-extern const char mq_gguf_re_qwen2[];
-/* DeepSeek-V3's three Split regexes ("deepseek-v3"), CR and LF as characters */
-extern const char *const mq_gguf_re_deepseek3[3];
+/* The tokenizer regexes (mq_gguf_re_llama3, mq_gguf_re_qwen2, mq_gguf_re_deepseek3) are io's,
+ * shared with the reader: io/gguf_hf.h. */
 
 #endif

@@ -15,6 +15,7 @@
 #include "io/safetensors.h"
 #include "formats/formats.h"
 #include "io/fp8.h"
+#include "io/gguf_hf.h"
 #include "core/page.h"
 
 #include <cjson/cJSON.h>
@@ -174,6 +175,8 @@ typedef struct {
     mq_map map;     /* owned mapping; empty for a caller's buffer */
     st_meta *meta;  /* __metadata__, sorted by key */
     size_t n_meta;
+    void *owner;    /* mq_st_from_views: what the views point into, freed with free_owner */
+    void (*free_owner)(void *);
 } st_file;
 
 struct mq_st {
@@ -240,6 +243,7 @@ static void free_file(st_file *f) {
     }
     free(f->meta);
     mq_unmap(&f->map);
+    if (f->free_owner) f->free_owner(f->owner);
     free(f->path);
     memset(f, 0, sizeof *f);
 }
@@ -861,6 +865,37 @@ static moeq_status open_dir_files(const char *dir, mq_st **out) {
     return s;
 }
 
+moeq_status mq_st_from_views(const char *path, mq_tensor_view *t, size_t n, void *owner,
+                             void (*free_owner)(void *), mq_st **out) {
+    *out = NULL;
+    mq_st *st;
+    moeq_status s = st_new(1, &st);
+    if (s) {
+        free_views(t, n);
+        if (free_owner) free_owner(owner);
+        return s;
+    }
+    st_file *f = &st->files[st->n_files++];
+    f->owner = owner;
+    f->free_owner = free_owner;
+    st->t = t;
+    st->n = n;
+    if (!(f->path = mq_strdup(path ? path : "(views)"))) {
+        mq_st_close(st);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < n; i++) t[i].file = f->path;
+    sort_n(t, n, sizeof *t, cmp_view_name);
+    for (size_t i = 1; i < n; i++)
+        if (!strcmp(t[i - 1].name, t[i].name)) {
+            s = mq_err(MOEQ_E_FORMAT, "%s: two tensors are read as '%s'", f->path, t[i].name);
+            mq_st_close(st);
+            return s;
+        }
+    *out = st;
+    return MOEQ_OK;
+}
+
 size_t mq_st_count(const mq_st *st) { return st ? st->n : 0; }
 
 const mq_tensor_view *mq_st_at(const mq_st *st, size_t i) {
@@ -882,7 +917,31 @@ const char *mq_st_metadata(const mq_st *st, const char *key) {
 
 /* ---- conversion ---------------------------------------------------------------------------- */
 
+bool mq_tensor_whole_only(const mq_tensor_view *t) {
+    return t->scale_inv || (t->ggml && t->ggml->mla_heads > 0);
+}
+
+moeq_status mq_tensor_range_to_f32(const mq_tensor_view *t, int64_t k0, int64_t k1, float *out) {
+    if (k0 < 0 || k1 < k0 || k1 > t->numel)
+        return mq_err(MOEQ_E_ARG, "%s: tensor '%s': values [%lld, %lld) of %lld", t->file ? t->file : "?",
+                      t->name, (long long)k0, (long long)k1, (long long)t->numel);
+    if (t->ggml) return mq_ggml_view_to_f32(t, k0, k1, out);
+    if (k0 == 0 && k1 == t->numel) return mq_tensor_to_f32(t, out);
+    if (t->scale_inv)
+        return mq_err(MOEQ_E_ARG, "%s: tensor '%s': an FP8 block-quantized weight converts to fp32 only "
+                      "as the whole 2-D tensor", t->file ? t->file : "?", t->name);
+    mq_tensor_view v = *t;
+    const size_t es = moeq_dtype_size(v.dtype);
+    v.data += (size_t)k0 * es;
+    v.numel = k1 - k0;
+    v.nbytes = (size_t)(k1 - k0) * es;
+    v.ndim = 1;
+    v.shape[0] = k1 - k0;
+    return mq_tensor_to_f32(&v, out);
+}
+
 moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out) {
+    if (t->ggml) return mq_ggml_view_to_f32(t, 0, t->numel, out);
     /* Views may be unaligned (a header length that is not a multiple of 8, mixed dtypes), so
      * elements are loaded with memcpy. */
     const uint8_t *p = t->data;

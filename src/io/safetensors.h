@@ -13,6 +13,8 @@
 
 #define MQ_MAX_DIMS 8
 
+struct mq_ggml_view;   /* io/gguf_hf.h */
+
 typedef struct mq_tensor_view {
     const char *name;
     moeq_dtype dtype;
@@ -29,6 +31,12 @@ typedef struct mq_tensor_view {
     const struct mq_tensor_view *scale_inv;
     int32_t block_rows, block_cols;
     bool is_block_scale;   /* this is the scale_inv of such a weight (consumed by it) */
+    /* A tensor of a GGUF file read in place (io/gguf_hf.h): data holds ggml blocks, decoded (rows
+     * un-permuted, scaled, deepseek2's kv_b merged) as this says when converted; dtype is then
+     * F32, F16 or BF16 for those ggml types and U8 for block types, and only mq_tensor_to_f32 /
+     * mq_tensor_range_to_f32 read it (a view sliced by its dtype would be wrong). NULL for every
+     * safetensors tensor. */
+    const struct mq_ggml_view *ggml;
 } mq_tensor_view;
 
 typedef struct mq_st mq_st;   /* one file, or all shards of a checkpoint */
@@ -75,6 +83,21 @@ bool mq_dtype_from_name(const char *name, moeq_dtype *out);
  * the view must then be the whole 2-D tensor (a slice or reshape of it is MOEQ_E_ARG), and a NaN
  * code or a non-finite scale is MOEQ_E_FORMAT (mq_fp8_dequant_rows). */
 moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out);
+/* Values [k0, k1) of the tensor in row-major order into out[0, k1 - k0): a slice of a floating
+ * tensor as mq_tensor_to_f32 converts it, or of a GGUF tensor (decoded block by block, exactly as
+ * the whole tensor decodes). A tensor that converts only whole (mq_tensor_whole_only) needs
+ * k0 = 0, k1 = numel, else MOEQ_E_ARG; a bad range is MOEQ_E_ARG. */
+moeq_status mq_tensor_range_to_f32(const mq_tensor_view *t, int64_t k0, int64_t k1, float *out);
+/* Whether a tensor converts to fp32 only whole: an FP8 block-quantized weight (its scales go by
+ * blocks of rows and columns), or deepseek2's kv_b_proj merged from a GGUF's attn_k_b/attn_v_b. */
+bool mq_tensor_whole_only(const mq_tensor_view *t);
+
+/* An mq_st over views made elsewhere (a GGUF file read as a checkpoint, io/gguf_hf.h): takes the
+ * views (n of them, names malloc'ed) and owner, which the handle frees with free_owner (also on
+ * error) after the views; path names it in messages and in each view's file. The views are
+ * sorted by name; two of one name are MOEQ_E_FORMAT naming path and the tensor. */
+moeq_status mq_st_from_views(const char *path, mq_tensor_view *t, size_t n, void *owner,
+                             void (*free_owner)(void *), mq_st **out);
 
 /* ---- writing ---------------------------------------------------------------------------- */
 typedef struct mq_st_writer mq_st_writer;

@@ -17,6 +17,7 @@
  */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "io/tokenizer.h"
+#include "io/gguf_hf.h"
 
 #include <cjson/cJSON.h>
 #include <pcre2.h>
@@ -754,10 +755,10 @@ static moeq_status load_special_ids(moeq_tokenizer *t) {
     return st;
 }
 
-static moeq_status load_json(moeq_tokenizer *t) {
-    cJSON *root = NULL;
-    moeq_status st = parse_json_file(t->path, &root);
-    if (st == MOEQ_OK && !cJSON_IsObject(root))
+/* tokenizer.json's document (root), read from t->path or made elsewhere (a GGUF's). */
+static moeq_status load_json_root(moeq_tokenizer *t, const cJSON *root) {
+    moeq_status st = MOEQ_OK;
+    if (!cJSON_IsObject(root))
         st = mq_err(MOEQ_E_FORMAT, "%s: top level is not a JSON object", t->path);
     const cJSON *norm = jget(root, "normalizer"), *dec = jget(root, "decoder");
     if (st == MOEQ_OK) st = parse_normalizer(t, norm);
@@ -767,6 +768,13 @@ static moeq_status load_json(moeq_tokenizer *t) {
     if (st == MOEQ_OK) st = parse_model(t, jget(root, "model"));
     if (st == MOEQ_OK) st = parse_added(t, jget(root, "added_tokens"));
     if (st == MOEQ_OK) st = parse_pre_tokenizer(t, jget(root, "pre_tokenizer"));
+    return st;
+}
+
+static moeq_status load_json(moeq_tokenizer *t) {
+    cJSON *root = NULL;
+    moeq_status st = parse_json_file(t->path, &root);
+    if (st == MOEQ_OK) st = load_json_root(t, root);
     cJSON_Delete(root);
     return st;
 }
@@ -998,9 +1006,54 @@ void moeq_tokenizer_free(moeq_tokenizer *t) {
     free(t);
 }
 
+/* The steps after the vocabulary is read, for every source. */
+static moeq_status finish_load(moeq_tokenizer *t, moeq_status st) {
+    if (st == MOEQ_OK && t->n_ids == 0) st = mq_err(MOEQ_E_FORMAT, "%s: empty vocabulary", t->path);
+    if (st == MOEQ_OK) st = build_added_index(t);
+    if (st == MOEQ_OK) st = build_id_tables(t);
+    return st;
+}
+
+moeq_status mq_tokenizer_from_json(const char *label, const cJSON *root, const cJSON *config,
+                                   moeq_tokenizer **out) {
+    *out = NULL;
+    moeq_tokenizer *t = calloc(1, sizeof *t);
+    if (!t || !(t->path = mq_strdup(label ? label : "tokenizer.json"))) {
+        free(t);
+        return mq_err(MOEQ_E_NOMEM, "%s: out of memory", label ? label : "tokenizer.json");
+    }
+    build_byte_alphabet(t);
+    moeq_status st = finish_load(t, load_json_root(t, root));
+    /* as load_special_ids reads a config.json beside tokenizer.json */
+    t->bos = config ? id_from_config(jget(config, "bos_token_id")) : -1;
+    t->eos = config ? id_from_config(jget(config, "eos_token_id")) : -1;
+    if (st) {
+        moeq_tokenizer_free(t);
+        return st;
+    }
+    *out = t;
+    return MOEQ_OK;
+}
+
+/* A GGUF file's tokenizer, rebuilt from tokenizer.ggml.* as moeq_model_open rebuilds it. */
+static moeq_status load_gguf(const char *path, moeq_tokenizer **out) {
+    mq_gguf *g;
+    moeq_status st = mq_gguf_open(path, &g);
+    if (st) return st;
+    cJSON *doc = NULL, *ids = cJSON_CreateObject();
+    st = ids ? mq_gguf_hf_tokenizer(g, path, &doc) : mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!st) mq_gguf_hf_special_ids(g, ids);
+    if (!st) st = mq_tokenizer_from_json(path, doc, ids, out);
+    cJSON_Delete(doc);
+    cJSON_Delete(ids);
+    mq_gguf_close(g);
+    return st;
+}
+
 moeq_status moeq_tokenizer_load(const char *path, moeq_tokenizer **out) {
     if (!out || !path) return mq_err(MOEQ_E_ARG, "moeq_tokenizer_load: NULL argument");
     *out = NULL;
+    if (mq_is_gguf_file(path)) return load_gguf(path, out);
     struct stat sb;
     char *found = NULL;
     if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
@@ -1017,10 +1070,7 @@ moeq_status moeq_tokenizer_load(const char *path, moeq_tokenizer **out) {
     }
     free(found);
     build_byte_alphabet(t);
-    moeq_status st = is_tiktoken_file(t->path) ? load_tiktoken(t) : load_json(t);
-    if (st == MOEQ_OK && t->n_ids == 0) st = mq_err(MOEQ_E_FORMAT, "%s: empty vocabulary", t->path);
-    if (st == MOEQ_OK) st = build_added_index(t);
-    if (st == MOEQ_OK) st = build_id_tables(t);
+    moeq_status st = finish_load(t, is_tiktoken_file(t->path) ? load_tiktoken(t) : load_json(t));
     if (st == MOEQ_OK) st = load_special_ids(t);
     if (st) {
         moeq_tokenizer_free(t);

@@ -46,6 +46,13 @@
 /* Kimi K2's split pattern (tokenization_kimi.py's pat_str) in PCRE2 syntax. */
 extern const char mq_tokenizer_kimi_split[];
 
+/* A tokenizer from a tokenizer.json document made in memory (a GGUF's, io/gguf_hf.h): as
+ * moeq_tokenizer_load reads the file, with bos/eos from config (may be NULL) as from a
+ * config.json beside it; label names it in messages. */
+struct cJSON;
+moeq_status mq_tokenizer_from_json(const char *label, const struct cJSON *root,
+                                   const struct cJSON *config, moeq_tokenizer **out);
+
 /* The tokenizer file of a model directory: tokenizer.json, else tiktoken.model (malloc'ed path);
  * NULL when it has neither. */
 char *mq_tokenizer_find(const char *dir);

@@ -15,6 +15,10 @@
  * e_score_correction_bias}, mlp.shared_experts.*; the tensors of its multi-token-prediction
  * layers (model.layers.N.* for num_hidden_layers <= N < + num_nextn_predict_layers) are allowed
  * and not loaded.
+ * A GGUF file is read in place (io/gguf_hf.h): its views carry the HF names and shapes above and
+ * decode their ggml blocks when converted, so everything below treats it as a checkpoint whose
+ * tensors are all unquantized (its config.json and tokenizer.json are made in memory; the ggml
+ * types go to m->gguf_types for act_quant q8_0).
  */
 #define _GNU_SOURCE   /* SCHED_IDLE (the read-ahead thread) */
 #include <pthread.h>
@@ -27,6 +31,7 @@
 
 #include "export/layout.h"
 #include "io/fp8.h"
+#include "io/gguf_hf.h"
 #include "io/tokenizer.h"
 #include "kernels/moe_ffn.h"
 #include "model/model_internal.h"
@@ -341,7 +346,8 @@ static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *
     for (size_t i = 0; i < L->n; i++) {
         want *w = &L->w[i];
         w->t = mq_st_find(st, w->name);
-        if (w->module) {   /* absent, or U8 for ModelOpt NVFP4, when stored quantized */
+        /* a GGUF tensor decodes by its ggml type, never through a quantized checkpoint's layout */
+        if (w->module && !(w->t && w->t->ggml)) {   /* absent, or U8 for ModelOpt NVFP4, when stored quantized */
             mq_linear_kind k = mq_layout_detect(w->module, st_lookup, (void *)st);
             /* FP8 block weights dequantize through mq_tensor_to_f32 like float ones */
             w->quantized = k != MQ_LIN_ABSENT && k != MQ_LIN_DENSE && k != MQ_LIN_FP8_BLOCK;
@@ -368,12 +374,16 @@ static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *
             continue;
         }
         const mq_tensor_view *t = w->t;
-        if (t->scale_inv && w->off == 0 && w->count == t->numel) {
-            /* FP8 block-quantized (linked and shape-checked by mq_st_open_dir) */
-        } else if (t->scale_inv) {
-            mq_problems_add(&probs, "tensor '%s': an FP8 block-quantized tensor cannot be split",
-                            w->name);
+        if (mq_tensor_whole_only(t) && w->off == 0 && w->count == t->numel) {
+            /* FP8 block-quantized (linked and shape-checked by mq_st_open_dir), or GGUF's merged
+             * kv_b (io/gguf_hf.h) */
+        } else if (mq_tensor_whole_only(t)) {
+            mq_problems_add(&probs, "tensor '%s': %s cannot be split", w->name,
+                            t->scale_inv ? "an FP8 block-quantized tensor"
+                                         : "a tensor merged from GGUF's attn_k_b and attn_v_b");
             continue;
+        } else if (t->ggml) {
+            /* a GGUF tensor: every ggml type its reader accepted decodes */
         } else if (t->dtype == MOEQ_DT_F8_E4M3) {
             mq_problems_add(&probs, "tensor '%s' has dtype F8_E4M3 without a block scale (an FP8 "
                             "source needs '%s_scale_inv' and config.json quantization_config "
@@ -434,19 +444,13 @@ typedef struct {
     moeq_status *status;
 } convert_job;
 
-/* Elements [k0, k1) of a want's slice of its checkpoint tensor into its fp32 destination; an FP8
- * block-quantized tensor whole, with k0 = 0 (its scales go by blocks of rows and columns:
- * check_wants). */
+/* Elements [k0, k1) of a want's slice of its checkpoint tensor into its fp32 destination (a GGUF
+ * tensor's blocks decoded for just those values); a tensor that converts only whole (FP8
+ * block-quantized: its scales go by blocks of rows and columns; GGUF's merged kv_b) whole, with
+ * k0 = 0 (check_wants). */
 static moeq_status want_piece_to_f32(const want *w, int64_t k0, int64_t k1) {
-    if (w->t->scale_inv) return k0 == 0 ? mq_tensor_to_f32(w->t, *w->dest) : MOEQ_OK;
-    mq_tensor_view v = *w->t;
-    const size_t es = moeq_dtype_size(v.dtype);
-    v.data += (size_t)(w->off + k0) * es;
-    v.numel = k1 - k0;
-    v.nbytes = (size_t)(k1 - k0) * es;
-    v.ndim = 1;
-    v.shape[0] = k1 - k0;
-    return mq_tensor_to_f32(&v, *w->dest + k0);
+    if (mq_tensor_whole_only(w->t)) return k0 == 0 ? mq_tensor_to_f32(w->t, *w->dest) : MOEQ_OK;
+    return mq_tensor_range_to_f32(w->t, w->off + k0, w->off + k1, *w->dest + k0);
 }
 
 /* The whole want. */
@@ -632,7 +636,8 @@ static moeq_status check_q8_0_width(const moeq_model *m, const mq_linear *x) {
 }
 
 /* A checkpoint imported from GGUF (moeq_import_gguf) records each matrix's ggml type in
- * gguf_types.json; NULL when there is none. */
+ * gguf_types.json; NULL when there is none. (A .gguf opened directly has the same document in
+ * m->gguf_types.) */
 static moeq_status gguf_types(const moeq_model *m, cJSON **out) {
     *out = NULL;
     char *p = mq_path_join(m->dir, "gguf_types.json"), *text = NULL;
@@ -689,8 +694,9 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
     }
     if (m->act_quant != MOEQ_ACT_QUANT_Q8_0) return MOEQ_OK;
     /* from a GGUF file: by the type each Linear (and lm_head) has in it */
-    cJSON *types = NULL;
-    moeq_status s = gguf_types(m, &types);
+    cJSON *owned = NULL;
+    moeq_status s = m->gguf_types ? MOEQ_OK : gguf_types(m, &owned);
+    const cJSON *types = m->gguf_types ? m->gguf_types : owned;
     if (types) m->lm_head_act_q = q8_0_activations(types, "lm_head", ".weight");
     for (int l = 0; !s && l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
@@ -717,7 +723,7 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
     if (!s && m->lm_head_act_q && m->cfg.D % 32 != 0)
         s = mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: lm_head has %lld inputs, not a "
                    "multiple of 32 (llama.cpp's Q8_0 blocks)", m->dir, (long long)m->cfg.D);
-    cJSON_Delete(types);
+    cJSON_Delete(owned);
     return s;
 }
 
@@ -775,6 +781,7 @@ void moeq_model_free(moeq_model *m) {
     mq_free(m->embed);
     mq_free(m->final_norm);
     moeq_tokenizer_free(m->tok);
+    cJSON_Delete(m->gguf_types);
     free(m->quant_scheme);
     free(m->dir);
     mq_config_free(&m->cfg);
@@ -829,6 +836,39 @@ static char *scheme_name(const mq_config *c) {
                            : mq_strdup(c->quant_method);
 }
 
+/* Config and weights of a model path: a checkpoint directory, or a GGUF file read in place
+ * (io/gguf_hf.h: the tensors stay in the mapped file; config.json, tokenizer.json when asked for
+ * and the ggml types are made in memory, into docs, which the caller frees). config.json goes
+ * through the parser as the text moeq_import_gguf would write, so both read the same config. */
+static moeq_status open_source(const char *path, bool tokenizer, mq_config *cfg, mq_st **st,
+                               mq_gguf_docs *docs) {
+    memset(docs, 0, sizeof *docs);
+    if (!mq_is_gguf_file(path)) {
+        moeq_status s = mq_config_load(path, cfg);
+        return s ? s : mq_st_open_dir(path, st);
+    }
+    memset(cfg, 0, sizeof *cfg);
+    moeq_status s = mq_st_open_gguf(path, tokenizer, st, docs);
+    if (s) return s;
+    char *text = cJSON_Print(docs->config);
+    s = text ? mq_config_parse(text, strlen(text), path, cfg) : mq_err(MOEQ_E_NOMEM, "out of memory");
+    free(text);
+    return s;
+}
+
+/* The tokenizer of a model path (none, without an error, where a directory has none). */
+static moeq_status open_tokenizer(const char *path, const mq_gguf_docs *docs, moeq_tokenizer **tok) {
+    if (docs->tokenizer) return mq_tokenizer_from_json(path, docs->tokenizer, docs->config, tok);
+    moeq_status s = MOEQ_OK;
+    char *tp = mq_tokenizer_find(path);   /* tokenizer.json, else tiktoken.model */
+    if (tp) {
+        s = moeq_tokenizer_load(tp, tok);
+        if (s) s = mq_err_prefix(s, "%s", path);
+    }
+    free(tp);
+    return s;
+}
+
 /* moeq_model_options.stream: the lazy model's structure, weights a layer at a time (eval). The
  * same choices as a whole load: packed where keep_packed would pack, routed experts through the
  * ordinary (not row-independent) products, the activation quantizer's marks. */
@@ -858,9 +898,13 @@ static moeq_status open_streamed(const char *dir, const moeq_model_options *o, m
     }
     /* resident weights: the largest layer and the output layer, as a stream holds them */
     m->info.weight_bytes = peak + mq_lazy_head_bytes(lz);
-    m->info.weight_bytes_whole = mq_lazy_bytes(lz, -1, MQ_PART_GLOBAL, 0, 0);
-    for (int l = 0; l < m->cfg.n_layers; l++) m->info.weight_bytes_whole += mq_lazy_layer_bytes(lz, l);
-    count_bytes(m, &(int64_t){0}, &m->info.weight_bytes_fp32);
+    m->info.weight_bytes_whole = m->info.weight_bytes_fp32 = mq_lazy_bytes(lz, -1, MQ_PART_GLOBAL, 0, 0);
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        m->info.weight_bytes_whole += mq_lazy_layer_bytes(lz, l);
+        /* every tensor's fp32 bytes (count_bytes would see no lm_head and no biases: the lazy
+         * model loads neither yet) */
+        m->info.weight_bytes_fp32 += mq_lazy_bytes(lz, l, MQ_PART_LAYER, 0, m->cfg.n_experts);
+    }
     *out = m;
     return MOEQ_OK;
 }
@@ -879,7 +923,10 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
     mq_st *st = NULL;
     want_list L = {0};
-    moeq_status s = mq_config_load(dir, &m->cfg);
+    mq_gguf_docs docs;
+    moeq_status s = open_source(dir, !o.no_tokenizer, &m->cfg, &st, &docs);
+    m->gguf_types = docs.types;
+    docs.types = NULL;
     if (s) goto fail;
     m->dir = mq_strdup(dir);
     m->quant_scheme = scheme_name(&m->cfg);
@@ -896,8 +943,6 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
         pack = false;
     }
     int n_fallback = 0;
-    s = mq_st_open_dir(dir, &st);
-    if (s) goto fail;
     s = build_wants(&L, st, m);
     if (!s) s = check_wants(&L, st, m, dir);
     if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
@@ -910,15 +955,8 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     mq_st_close(st);
     st = NULL;
 
-    if (!o.no_tokenizer) {
-        char *tp = mq_tokenizer_find(dir);   /* tokenizer.json, else tiktoken.model */
-        if (tp) {
-            s = moeq_tokenizer_load(tp, &m->tok);
-            if (s) s = mq_err_prefix(s, "%s", dir);
-        }
-        free(tp);
-        if (s) goto fail;
-    }
+    if (!o.no_tokenizer && (s = open_tokenizer(dir, &docs, &m->tok))) goto fail;
+    mq_gguf_docs_free(&docs);
     fill_info(m);
     count_bytes(m, &m->info.weight_bytes, &m->info.weight_bytes_fp32);
     m->info.weight_bytes_whole = m->info.weight_bytes;
@@ -931,6 +969,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
 fail:
     want_free(&L);
     mq_st_close(st);
+    mq_gguf_docs_free(&docs);
     moeq_model_free(m);
     return s;
 }
@@ -982,7 +1021,10 @@ moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
         return mq_err(MOEQ_E_NOMEM, "out of memory");
     }
     lz->m = m;
-    moeq_status s = mq_config_load(dir, &m->cfg);
+    mq_gguf_docs docs;
+    moeq_status s = open_source(dir, tokenizer, &m->cfg, &lz->st, &docs);
+    m->gguf_types = docs.types;
+    docs.types = NULL;
     if (!s) {
         m->dir = mq_strdup(dir);
         m->layers = calloc((size_t)m->cfg.n_layers, sizeof(mq_layer));
@@ -990,7 +1032,6 @@ moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
     }
     if (!s && !(lz->packed_layer = calloc((size_t)m->cfg.n_layers + 1, sizeof(bool))))
         s = mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!s) s = mq_st_open_dir(dir, &lz->st);
     if (!s) s = build_wants(&lz->L, lz->st, m);
     if (!s) s = check_wants(&lz->L, lz->st, m, dir);
     if (!s) {
@@ -1000,14 +1041,8 @@ moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
                 lz->L.w[i].dest == &m->embed)
                 s = mq_err(MOEQ_E_UNSUPPORTED, "%s: quantized embeddings", dir);
     }
-    if (!s && tokenizer) {
-        char *tp = mq_tokenizer_find(dir);   /* tokenizer.json, else tiktoken.model */
-        if (tp) {
-            s = moeq_tokenizer_load(tp, &m->tok);
-            if (s) s = mq_err_prefix(s, "%s", dir);
-        }
-        free(tp);
-    }
+    if (!s && tokenizer) s = open_tokenizer(dir, &docs, &m->tok);
+    mq_gguf_docs_free(&docs);
     if (s) {
         mq_lazy_close(lz);
         return s;
@@ -1073,7 +1108,8 @@ void mq_lazy_prefetch(const mq_lazy_model *lz, int layer, unsigned what, int e0,
         const want *w = &lz->L.w[i];
         if (!want_selected(w, layer, what, e0, e1) || !w->t || w->quantized) continue;
         const size_t es = moeq_dtype_size(w->t->dtype);
-        if (w->t->scale_inv) mq_prefetch(w->t->data, w->t->nbytes);   /* FP8 blocks: the whole tensor */
+        /* FP8 blocks, GGUF (a view is one whole matrix): the whole tensor */
+        if (w->t->scale_inv || w->t->ggml) mq_prefetch(w->t->data, w->t->nbytes);
         else mq_prefetch(w->t->data + (size_t)w->off * es, (size_t)w->count * es);
     }
 }
@@ -1129,9 +1165,10 @@ static void lazy_piece_task(void *ctx, int64_t i, int thread) {
     if (pc->k0 == 0) j->status[pc->idx] = st;
 }
 
-/* The values of a want a piece converts: FP8 block-scaled ones whole (want_piece_to_f32). */
+/* The values of a want a piece converts: those that convert only whole, whole
+ * (want_piece_to_f32). */
 static int64_t piece_step(const want *w, int64_t len) {
-    return w->t->scale_inv && w->count > 0 ? w->count : len;
+    return mq_tensor_whole_only(w->t) && w->count > 0 ? w->count : len;
 }
 
 /* The residual-stream rotation, a whole want at a time, after all its pieces. */
@@ -1285,7 +1322,7 @@ moeq_status mq_lazy_ahead_start(mq_lazy_model *lz, int layer, unsigned what, int
     for (size_t i = 0; i < lz->L.n; i++) {
         const want *w = &lz->L.w[i];
         if (!want_selected(w, layer, what, e0, e1)) continue;
-        if (*w->dest || w->quantized || w->packed || !w->t || w->t->scale_inv) return MOEQ_OK;
+        if (*w->dest || w->quantized || w->packed || !w->t || mq_tensor_whole_only(w->t)) return MOEQ_OK;
         n++;
     }
     if (n == 0) return MOEQ_OK;
@@ -1388,14 +1425,8 @@ moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T
             if (lz->rot) mq_rotation_vec(lz->rot, x + t * D);
             continue;
         }
-        mq_tensor_view v = *lz->embed;
-        size_t es = moeq_dtype_size(v.dtype);
-        v.data += (size_t)ids[t] * (size_t)D * es;
-        v.ndim = 1;
-        v.shape[0] = D;
-        v.numel = D;
-        v.nbytes = (size_t)D * es;
-        moeq_status s = mq_tensor_to_f32(&v, x + t * D);
+        /* one row (a GGUF's: the blocks of that row) */
+        moeq_status s = mq_tensor_range_to_f32(lz->embed, (int64_t)ids[t] * D, (int64_t)ids[t] * D + D, x + t * D);
         if (s) return mq_err(s, "tensor 'model.embed_tokens.weight': cannot convert to fp32");
         if (lz->rot) mq_rotation_vec(lz->rot, x + t * D);
     }

@@ -167,6 +167,9 @@ struct moeq_model {
     int n_packed;                    /* Linears running packed (each expert weight counts) */
     struct mq_lazy_model *lazy;      /* moeq_model_options.stream: the lazy model that owns this
                                         one (its weights are loaded a layer at a time), else NULL */
+    struct cJSON *gguf_types;        /* a .gguf opened directly: each matrix's ggml type by HF
+                                        name (io/gguf_hf.h; what an imported checkpoint keeps in
+                                        gguf_types.json), else NULL */
 };
 
 /* ---- lazy loading (the streaming pipeline) ------------------------------------------------------ */

@@ -9,6 +9,7 @@
 
 #include "backend/gpu.h"
 #include "dist/dist.h"
+#include "io/gguf_hf.h"
 #include "pipeline/pipeline.h"
 
 void moeq_quant_options_init(moeq_quant_options *o) {
@@ -353,6 +354,11 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
         return BAD("%s is NULL", !model_dir ? "model_dir" : !out_dir ? "out_dir" : "opts");
     moeq_status st = check_options(opts);
     if (st) return st;
+    /* the pipeline plans shards and plain or quantized Linears of a checkpoint directory; a GGUF
+     * read in place has neither */
+    if (mq_is_gguf_file(model_dir))
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: a GGUF file: moeq_quantize reads a checkpoint directory "
+                      "(moeq_import_gguf makes one; the CLI's quantize does that itself)", model_dir);
     mq_pipeline_opts o;
     mq_pipeline_opts_from(opts, &o);
     /* GGUF: what llama.cpp would compute otherwise is refused before any work */

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GGUF from the command line on the bundled olmoe-tiny: quantize --format gguf writes one file and
 # no work directory, inspect lists its KVs and tensors, export-gguf of the same codes gives the
-# same bytes, eval (also --act-quant q8_0) and tokenize take the .gguf, refused combinations exit 1 and leave nothing,
-# bad usage exits 2.
+# same bytes, eval (also --act-quant q8_0, streamed, and as a --kl-base) and tokenize read the .gguf in
+# place (no temporary checkpoint), refused combinations exit 1 and leave nothing, bad usage exits 2,
+# corrupt and truncated files are errors naming the file.
 . "$(dirname "$0")/common.sh"
 
 mkdir -p "$tmp/a" "$tmp/b"
@@ -26,8 +27,7 @@ cmp -s "$tmp/a/olmoe.gguf" "$tmp/b/olmoe.gguf" || fail "export-gguf of the GPTQ 
 [ $? -eq 1 ] || fail "export-gguf over an existing file without --force should exit 1"
 
 # eval on the .gguf equals eval --dequantize on the checkpoint of the same codes
-# (the temporary checkpoints of a .gguf MODEL go to a TMPDIR of this test alone: other tests
-# running at the same time make and remove their own in /tmp)
+# (a TMPDIR of this test alone: a .gguf MODEL is read in place, so nothing may appear there)
 export TMPDIR="$tmp/gguf-tmp"
 mkdir -p "$TMPDIR"
 "$cli" eval "$tmp/a/olmoe.gguf" --task text --data "$repo/data/demo-eval.txt" --json > "$tmp/e1.json" 2>/dev/null ||
@@ -36,6 +36,19 @@ mkdir -p "$TMPDIR"
     fail "eval on the checkpoint exited $?"
 a=$(json_get "$tmp/e1.json" loglikelihood); b=$(json_get "$tmp/e2.json" loglikelihood)
 [ -n "$a" ] && [ "$a" = "$b" ] || fail "eval: .gguf loglikelihood '$a', checkpoint '$b'"
+[ "$(json_get "$tmp/e1.json" model)" = "\"$tmp/a/olmoe.gguf\"" ] || fail "eval: model is $(json_get "$tmp/e1.json" model)"
+# streamed layer by layer from the file: the same figure, one layer's weights resident
+"$cli" eval "$tmp/a/olmoe.gguf" --task text --data "$repo/data/demo-eval.txt" --stream on --json > "$tmp/e5.json" 2>/dev/null ||
+    fail "eval --stream on on .gguf exited $?"
+c=$(json_get "$tmp/e5.json" loglikelihood)
+[ "$c" = "$a" ] || fail "eval --stream on: .gguf loglikelihood '$c', whole '$a'"
+w=$(json_get "$tmp/e5.json" weight_bytes); f=$(json_get "$tmp/e5.json" weight_bytes_fp32)
+[ -n "$w" ] && [ $((w * 3)) -lt "$f" ] || fail "eval --stream on: $w bytes of weights resident of $f"
+# the .gguf as the KL base, both streamed in lockstep: the same distributions
+"$cli" eval "$tmp/gptq" --dequantize --kl-base "$tmp/a/olmoe.gguf" --stream on --task text \
+    --data "$repo/data/demo-eval.txt" --json > "$tmp/e6.json" 2>/dev/null || fail "eval --kl-base .gguf exited $?"
+[ "$(json_get "$tmp/e6.json" kl_mean)" = 0 ] || fail "eval --kl-base .gguf: kl_mean $(json_get "$tmp/e6.json" kl_mean)"
+[ "$(json_get "$tmp/e6.json" top1_changed)" = 0 ] || fail "eval --kl-base .gguf: top1 changed"
 # and with llama.cpp's Q8_0 activations emulated (every Q4_0 Linear of the file, the Linears stored
 # quantized in the checkpoint): the same again, and not the fp32 figure
 "$cli" eval "$tmp/a/olmoe.gguf" --task text --data "$repo/data/demo-eval.txt" --act-quant q8_0 --json > "$tmp/e3.json" 2>/dev/null ||
@@ -48,8 +61,8 @@ c=$(json_get "$tmp/e3.json" loglikelihood); d=$(json_get "$tmp/e4.json" loglikel
 t1=$("$cli" tokenize "$tmp/a/olmoe.gguf" --text "The tower is 324 metres tall." --json) || fail "tokenize .gguf"
 t2=$("$cli" tokenize "$model" --text "The tower is 324 metres tall." --json)
 [ "$t1" = "$t2" ] || fail "tokenize: .gguf $t1, model $t2"
-[ -z "$(ls -A "$TMPDIR")" ] || fail "a temporary checkpoint was left in $TMPDIR: $(ls -A "$TMPDIR")"
-# killed by SIGPIPE (its reader gone after one byte): the temporary checkpoint goes too
+[ -z "$(ls -A "$TMPDIR")" ] || fail "something was left in $TMPDIR: $(ls -A "$TMPDIR")"
+# killed by SIGPIPE (its reader gone after one byte): nothing is left either
 "$cli" generate "$tmp/a/olmoe.gguf" --prompt "The" -n 500 --greedy 2>/dev/null | head -c 1 >/dev/null
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 141 ] || fail "generate | head -c 1: exit $rc (expected death by SIGPIPE, 141)"
@@ -92,4 +105,19 @@ head -c 1000 "$tmp/a/olmoe.gguf" > "$tmp/cut.gguf"
 "$cli" inspect "$tmp/cut.gguf" 2> "$tmp/err" >/dev/null
 [ $? -eq 1 ] || fail "inspect of a truncated file should exit 1"
 grep -q "truncated" "$tmp/err" || fail "truncated: message: $(cat "$tmp/err")"
+# ... and for eval and tokenize, naming the file: cut short, cut in its tensors' data, bad magic
+size=$(wc -c < "$tmp/a/olmoe.gguf")
+head -c $((size / 2)) "$tmp/a/olmoe.gguf" > "$tmp/half.gguf"
+{ printf 'GGUX'; tail -c +5 "$tmp/a/olmoe.gguf"; } > "$tmp/magic.gguf"
+for bad in cut half magic; do
+    for st in on off; do
+        "$cli" eval "$tmp/$bad.gguf" --task text --data "$repo/data/demo-eval.txt" --stream $st 2> "$tmp/err" >/dev/null
+        [ $? -eq 1 ] || fail "eval --stream $st of $bad.gguf should exit 1"
+        grep -q "$tmp/$bad.gguf" "$tmp/err" || fail "eval of $bad.gguf: message does not name it: $(cat "$tmp/err")"
+    done
+    "$cli" tokenize "$tmp/$bad.gguf" --text "x" 2> "$tmp/err" >/dev/null
+    [ $? -eq 1 ] || fail "tokenize of $bad.gguf should exit 1"
+    grep -q "$tmp/$bad.gguf" "$tmp/err" || fail "tokenize of $bad.gguf: message does not name it: $(cat "$tmp/err")"
+done
+grep -q "not a GGUF file" "$tmp/err" || fail "bad magic: message: $(cat "$tmp/err")"
 exit $((fails > 0))

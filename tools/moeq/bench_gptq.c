@@ -742,7 +742,7 @@ int bench_gptq(int argc, char **argv) {
             snprintf(calib_buf, sizeof calib_buf, "%s/fixtures/text/calib.txt", sh);
             calib = calib_buf;
         }
-        if (!(model = cli_model_dir("bench gptq", model, NULL))) return CLI_FAIL;
+        if (!(model = cli_checkpoint_dir("bench gptq", model, NULL))) return CLI_FAIL;
         moeq_status st = time_model(model, calib, &b, nsamples, seqlen, &mr, &model_s);
         if (st) return cli_fail("bench gptq", st);
     }

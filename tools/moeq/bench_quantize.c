@@ -274,7 +274,7 @@ int bench_quantize(int argc, char **argv) {
     if (max_memory && !cli_parse_size(max_memory, &mem))
         return cli_usage_error("bench quantize", "--max-memory: cannot read '%s'", max_memory);
     mq_config cfg;
-    if (!(pos[0] = cli_model_dir("bench quantize", pos[0], NULL))) return CLI_FAIL;
+    if (!(pos[0] = cli_checkpoint_dir("bench quantize", pos[0], NULL))) return CLI_FAIL;
     moeq_status st = mq_config_load(pos[0], &cfg);
     if (st) return cli_fail("bench quantize", st);
     const int n_layers = full_layers > 0 ? (int)full_layers : cfg.n_layers;

@@ -44,9 +44,9 @@ static void free_models(void) {
 
 const char *cli_model_dir(const char *cmd, const char *arg, const char *revision) {
     struct stat st;
-    if (!revision && stat(arg, &st) == 0 && S_ISREG(st.st_mode) && cli_is_gguf(arg))
-        return cli_gguf_model_dir(cmd, arg);   /* a GGUF file: decoded into a temporary checkpoint */
-    if (!revision && stat(arg, &st) == 0) return arg;   /* a directory, or tokenize's file */
+    /* a directory, a GGUF file (moeq_model_open and moeq_tokenizer_load read it in place), or
+     * tokenize's file */
+    if (!revision && stat(arg, &st) == 0) return arg;
     char *dir = NULL;
     moeq_status s = moeq_resolve_model(arg, revision, &dir);
     if (s) {
@@ -61,6 +61,13 @@ const char *cli_model_dir(const char *cmd, const char *arg, const char *revision
     if (!g_n_models) atexit(free_models);
     g_models[g_n_models++] = dir;
     return dir;
+}
+
+const char *cli_checkpoint_dir(const char *cmd, const char *arg, const char *revision) {
+    struct stat st;
+    if (!revision && stat(arg, &st) == 0 && S_ISREG(st.st_mode) && cli_is_gguf(arg))
+        return cli_gguf_model_dir(cmd, arg);   /* a GGUF file: decoded into a temporary checkpoint */
+    return cli_model_dir(cmd, arg, revision);
 }
 
 void cli_usage(const cli_command *cmd, FILE *to) {

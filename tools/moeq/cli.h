@@ -60,10 +60,14 @@ int cli_usage_error(const char *cmd, const char *fmt, ...);
 /* Prints "moeq <cmd>: error: <moeq_last_error()>" and returns CLI_FAIL (or CLI_INTERRUPTED). */
 int cli_fail(const char *cmd, moeq_status st);
 
-/* MODEL_DIR as typed: an existing path as it is, else a Hugging Face hub id resolved in the
- * local cache at revision (NULL: main); NULL after printing the error (return CLI_FAIL). The
- * result lives until the process ends. */
+/* MODEL_DIR as typed: an existing path as it is (a .gguf file too: moeq_model_open reads it in
+ * place), else a Hugging Face hub id resolved in the local cache at revision (NULL: main); NULL
+ * after printing the error (return CLI_FAIL). The result lives until the process ends. */
 const char *cli_model_dir(const char *cmd, const char *arg, const char *revision);
+/* The same for commands that need a checkpoint directory (quantize and its benchmarks: the
+ * pipeline reads config.json and safetensors shards): a .gguf file is imported first
+ * (cli_gguf_model_dir). */
+const char *cli_checkpoint_dir(const char *cmd, const char *arg, const char *revision);
 /* A .gguf MODEL (cmd_export_gguf.c): moeq_import_gguf into a temporary directory removed at exit;
  * NULL after printing the error. cli_is_gguf: a .gguf name or the GGUF magic. */
 const char *cli_gguf_model_dir(const char *cmd, const char *path);

@@ -282,7 +282,8 @@ int cmd_eval(int argc, char **argv) {
         "layer l before layer l + 1 with one layer's weights in memory (a --kl-base in lockstep),\n"
         "within --max-memory, the boundary activations in files where memory is short; the results\n"
         "are the whole-model forward's, bit for bit. An interrupted streamed run continues with\n"
-        "--resume. --dry-run prints the plan.",
+        "--resume. --dry-run prints the plan. MODEL_DIR may be a .gguf file: read in place (its\n"
+        "blocks decoded to fp32 as each layer is loaded), streamed like any model too large.",
         opts,
         (int)(sizeof opts / sizeof opts[0]),
         1,

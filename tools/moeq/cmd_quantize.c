@@ -271,7 +271,7 @@ int cmd_quantize(int argc, char **argv) {
     moeq_quant_result res;
     moeq_status st = MOEQ_OK;
     rc = gptq_cli_apply(&gq, &o);
-    const char *model_dir = rc < 0 ? cli_model_dir("quantize", pos[0], revision) : NULL;
+    const char *model_dir = rc < 0 ? cli_checkpoint_dir("quantize", pos[0], revision) : NULL;
     if (rc < 0 && !model_dir) rc = CLI_FAIL;
     if (rc < 0) st = moeq_quantize(model_dir, out, &o, &res);
     free(ignore.items);
