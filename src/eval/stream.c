@@ -412,8 +412,15 @@ static moeq_status run_identity(stream *S) {
         if (cfg_path && mq_read_file(cfg_path, &text, &len) == MOEQ_OK) h = mq_fnv1a(h, text, len);
         free(text);
         free(cfg_path);
-        /* every file of the directory by name, size and time, in any order (a sum of hashes) */
+        /* every file of the directory (or the one .gguf file) by name, size and time, in any
+         * order (a sum of hashes) */
         uint64_t files = 0;
+        struct stat self;
+        if (stat(m->dir, &self) == 0 && S_ISREG(self.st_mode)) {
+            snprintf(buf, sizeof buf, "%s:%lld:%lld.%09ld", m->dir, (long long)self.st_size,
+                     (long long)self.st_mtim.tv_sec, self.st_mtim.tv_nsec);
+            files += fnv_str(MQ_FNV_INIT, buf);
+        }
         DIR *dir = opendir(m->dir);
         for (struct dirent *e; dir && (e = readdir(dir));) {
             struct stat sb;
