@@ -308,14 +308,16 @@ static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_re
         }
         z.head += mq_lazy_head_bytes(S->lz[k]);
     }
-    z.window += L * 4;   /* the window's ids */
+    /* the window's ids, and what a thread's products keep of their own (OpenBLAS's buffers, the
+     * packed kernels' quantized activations): 32 MiB covers both at full size */
+    z.window += L * 4 + ((int64_t)32 << 20);
     z.disk_window = L * S->Dmax * 4;
     z.score = CHUNK * c->V * 4 * S->nm + c->V * 5 +
               (c->save_k ? L * (int64_t)mq_logits_record_size(c->save_k) : 0);
     /* per token: ids, KL, top-1, base log-likelihood, entropy, bounds (eval_run.h), per window its
      * record; and the process's own (the tokenizer, the documents, the allocator's and the
-     * runtime's): 128 MiB covers it for every fixture and full-size vocabulary measured */
-    z.fixed = c->tokens_total * 45 + c->n_win * 64 + ((int64_t)128 << 20);
+     * runtime's): 256 MiB covers it for every fixture and full-size vocabulary measured */
+    z.fixed = c->tokens_total * 45 + c->n_win * 64 + ((int64_t)256 << 20);
     const int64_t budget = o->max_memory > 0 ? o->max_memory : moeq_default_memory_budget();
     const int pool = mq_pool_size();
     /* a model loaded whole keeps its boundary in memory */
