@@ -9,7 +9,9 @@
  * 256 KiB at K = 2048, per thread on the heap) stays in L2 while the groups of B stream past it.
  */
 /* -O3 unrolls the tile loops completely, so the accumulators stay in registers. */
+#if !defined(__clang__)   /* GCC only (clang, the fuzz build's compiler, has no such pragma) */
 #pragma GCC optimize("O3")
+#endif
 
 #include <immintrin.h>
 #include <math.h>
