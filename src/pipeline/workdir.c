@@ -325,7 +325,8 @@ char *mq_work_identity_diff(const cJSON *manifest, const cJSON *identity) {
         const cJSON *b = cJSON_GetObjectItemCaseSensitive(identity, parts[i]);
         char *d = a ? first_difference(a, b, parts[i]) : mq_asprintf("%s: not recorded", parts[i]);
         if (d) {
-            char *r = mq_asprintf("the %s differs from the interrupted run's (%s)", parts[i], d);
+            char *r = mq_asprintf("the %s %s from the interrupted run's (%s)", parts[i],
+                                  i == 1 ? "differ" : "differs", d);
             free(d);
             return r ? r : mq_strdup("out of memory");
         }
