@@ -242,7 +242,7 @@ def seeds_gguf(out, ck):
     put(out, "gguf", "olmoe-1layer-q4_0", gguf_small(ck["gguf"]))
 
 
-def small_tokenizer(path, keep_ids=400):
+def small_tokenizer(path, keep_ids=300):
     """The tokenizer.json with its vocabulary cut to the first keep_ids ids (and the merges that
     stay inside them), ids renumbered densely, added tokens after them."""
     t = json.loads(read(path))

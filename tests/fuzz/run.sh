@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every libFuzzer target of a fuzz build for a bounded time on a seed corpus made from the
-# fixtures (tests/fuzz/corpus.py), and says per target how many inputs ran in how long. CI's fuzz
+# fixtures (tests/fuzz/corpus.py), as many at a time as there are CPUs ($MOEQ_FUZZ_JOBS), and says
+# per target how many inputs ran in how long. CI's fuzz
 # job (.ci/run fuzz) runs it; locally:
 #   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DMOEQ_BUILD_FUZZ=ON -DMOEQ_BUILD_TESTS=OFF
 #   cmake --build build-fuzz -j2 && tests/fuzz/run.sh build-fuzz 25 [TARGET ...]
@@ -30,19 +31,16 @@ max_len() {
         *) echo 8192 ;;
     esac
 }
-failed=()
-printf '%-12s %10s %8s %7s  %s\n' target executions seconds exec/s result
-for t in "${targets[@]}"; do
-    bin=$build/fuzz_$t
-    [ -x "$bin" ] || { echo "FAIL: $bin was not built"; failed+=("$t"); continue; }
+# one target: its log, and its line of the table in $work/<target>.row
+fuzz_one() {
+    local t=$1 bin=$build/fuzz_$1 dict=() seeds=() start end rc runs dur rate
+    [ -x "$bin" ] || { printf '%-12s %10s %8s %7s  %s\n' "$t" - - - "FAILED (not built)" > "$work/$t.row"; return; }
     mkdir -p "$art/$t" "$work/corpus/$t"
-    dict=()
     [ -f "$here/$t.dict" ] && dict=(-dict="$here/$t.dict")
-    seeds=()
     [ -d "$work/seeds/$t" ] && seeds=("$work/seeds/$t")
     [ -d "$here/regressions/$t" ] && seeds+=("$here/regressions/$t")
     start=$(date +%s.%N)
-    # the new corpus in $work/corpus/$t, the seeds and regression files read only
+    # the new corpus in $work/corpus/$t; the seeds and regression files are only read
     "$bin" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len="$(max_len "$t")" \
         -print_final_stats=1 -artifact_prefix="$art/$t/" "${dict[@]}" "$work/corpus/$t" "${seeds[@]}" \
         > "$work/$t.log" 2>&1
@@ -52,15 +50,28 @@ for t in "${targets[@]}"; do
     dur=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.1f", b - a }')
     rate=$(awk -v n="${runs:-0}" -v d="$dur" 'BEGIN { printf "%d", (d > 0 ? n / d : 0) }')
     if [ $rc -eq 0 ]; then
-        printf '%-12s %10s %8s %7s  %s\n' "$t" "${runs:-?}" "$dur" "$rate" ok
+        printf '%-12s %10s %8s %7s  %s\n' "$t" "${runs:-?}" "$dur" "$rate" ok > "$work/$t.row"
     else
-        printf '%-12s %10s %8s %7s  %s\n' "$t" "${runs:-?}" "$dur" "$rate" "FAILED (exit $rc)"
-        grep -E "^==[0-9]+==ERROR|SUMMARY|runtime error|ALARM|Test unit written|deadly signal" "$work/$t.log" | head -8
-        failed+=("$t")
+        { printf '%-12s %10s %8s %7s  %s\n' "$t" "${runs:-?}" "$dur" "$rate" "FAILED (exit $rc)"
+          grep -E "^==[0-9]+==ERROR|SUMMARY|runtime error|ALARM|Test unit written|deadly signal" "$work/$t.log" | head -8
+        } > "$work/$t.row"
     fi
+}
+# as many targets at a time as there are CPUs (each fuzzer runs on one)
+par=${MOEQ_FUZZ_JOBS:-$(nproc)}
+for t in "${targets[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n || true; done
+    fuzz_one "$t" &
+done
+wait
+failed=()
+printf '%-12s %10s %8s %7s  %s\n' target executions seconds exec/s result
+for t in "${targets[@]}"; do
+    cat "$work/$t.row"
+    grep -q "^$t .*ok$" "$work/$t.row" || failed+=("$t")
 done
 if [ ${#failed[@]} -gt 0 ]; then
     echo "FAIL: fuzz targets failed: ${failed[*]} (inputs in $art/<target>/)"
     exit 1
 fi
-echo "fuzz: ${#targets[@]} targets, no crash, leak, undefined behaviour or hang"
+echo "fuzz: ${#targets[@]} targets, $par at a time, no crash, leak, undefined behaviour or hang"
