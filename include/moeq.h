@@ -772,7 +772,8 @@ typedef struct {
                                       group's scale moves to the stored value nearest to its
                                       least-squares optimum for the codes (when that helps) */
         const char *report;        /* --report: JSON report path; NULL (default) =
-                                      "<out_dir>/gptq_report.json" */
+                                      "<out_dir>/gptq_report.json", or beside a GGUF file
+                                      "<out_dir>.gptq_report.json" (moeq_quant_report_path) */
         const char *report_html;   /* --report-html: also this self-contained HTML page (inline
                                       SVG plots of the report: losses per layer and expert,
                                       tokens per expert, time and memory); NULL: none */
@@ -866,6 +867,11 @@ typedef struct {
  * MOEQ_E_UNSUPPORTED (import it first: moeq_import_gguf). */
 moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
                           const moeq_quant_options *opts, moeq_quant_result *result);
+/* The GPTQ report a moeq_quantize(model_dir, out_dir, opts) call writes: opts->gptq.report, else
+ * out_dir/gptq_report.json, or out_dir.gptq_report.json for MOEQ_FORMAT_GGUF (out_dir is then
+ * the .gguf file). NULL when the call writes none (not GPTQ, or a dry run) or out of memory;
+ * release with moeq_string_free. */
+char *moeq_quant_report_path(const char *out_dir, const moeq_quant_options *opts);
 
 /* GGUF (docs/gguf.md). moeq_export_gguf converts a checkpoint directory (compressed-tensors,
  * ModelOpt, GPTQ v1 or unquantized; llama, mixtral, olmoe, qwen2_moe, qwen3_moe) into one GGUF

@@ -3,12 +3,14 @@
 # also what some tests use when present, best effort: qemu-user (the CLI under an AVX-less CPU)
 # chromium (rendering the HTML reports headless) and python3-pytest (the Python package's tests;
 # without it they run as a script); those tests skip that part without them. With "arm64": the
-# cross toolchain and the :arm64 -dev packages for cmake/aarch64-linux-gnu.cmake, and qemu-user.
+# cross toolchain and the :arm64 -dev packages for cmake/aarch64-linux-gnu.cmake, and qemu-user. With
+# "fuzz": Debian's clang and the compiler-rt package that holds libFuzzer (tests/fuzz, .ci/run fuzz).
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config python3 libopenblas-dev liblapacke-dev libcjson-dev libpcre2-dev zlib1g-dev
       libopenmpi-dev openmpi-bin)
 optional=()
 [ "${1:-}" = test ] && optional=(qemu-user chromium python3-pytest)
+[ "${1:-}" = fuzz ] && pkgs+=(clang)
 missing() {
   for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"
@@ -33,6 +35,12 @@ mapfile -t need < <(missing "${pkgs[@]}")
 if [ ${#need[@]} -gt 0 ]; then
   echo "moeq: installing ${need[*]}" >&2
   install "${need[@]}"
+fi
+# libFuzzer ships in libclang-rt-<version>-dev, which clang only recommends
+if [ "${1:-}" = fuzz ] && [ "$(clang -print-file-name=libclang_rt.fuzzer-x86_64.a)" = libclang_rt.fuzzer-x86_64.a ]; then
+  rt=libclang-rt-$(clang -dumpversion | cut -d. -f1)-dev
+  echo "moeq: installing $rt (libFuzzer)" >&2
+  install "$rt"
 fi
 if [ ${#optional[@]} -gt 0 ]; then
   mapfile -t opt < <(missing "${optional[@]}")

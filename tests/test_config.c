@@ -179,6 +179,13 @@ static void test_head_dim_and_eos(void) {
     ASSERT_OK(parse("{\"model_type\": \"llama\", " BASE ", \"intermediate_size\": 8, \"head_dim\": null}", &c));
     ASSERT_EQ_INT(16, c.head_dim);
     mq_config_free(&c);
+    /* an eos id in a list outside int32 is no id (it was cast unchecked: undefined, INT32_MIN on
+     * x86, and the config accepted); tests/fuzz/regressions/config/eos-list-1e30.json */
+    ASSERT_STATUS(MOEQ_E_FORMAT, parse("{\"model_type\": \"llama\", " BASE ", \"intermediate_size\": 8,"
+                                       " \"eos_token_id\": [2, 1e30]}", &c));
+    ASSERT_ERROR_MENTIONS("eos_token_id");
+    ASSERT_STATUS(MOEQ_E_FORMAT, parse("{\"model_type\": \"llama\", " BASE ", \"intermediate_size\": 8,"
+                                       " \"eos_token_id\": [-3000000000]}", &c));
 }
 
 static void test_qwen_layer_patterns(void) {

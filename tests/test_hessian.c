@@ -200,6 +200,16 @@ static void test_calib_files(void) {
     o.path = "/nonexistent/calib.txt";
     ASSERT_STATUS(MOEQ_E_IO, mq_calib_load(tok, &o, &s));
     ASSERT_ERROR_MENTIONS("/nonexistent/calib.txt");
+    /* text that is not UTF-8: the error names the file, and a JSONL record's line (it named only
+     * "tokenizer"; found by fuzz_calib, tests/fuzz/regressions/calib/) */
+    o.path = write_tmp("latin1.txt", "caf\xe9 au lait\n");
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("latin1.txt: tokenizer: input is not valid UTF-8 at byte offset 3");
+    o.mode = MQ_CALIB_DOCS;
+    o.path = write_tmp("latin1.jsonl", "{\"text\": \"fine\"}\n\n{\"text\": \"caf\xe9\"}\n");
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
+    ASSERT_ERROR_MENTIONS("latin1.jsonl:3: tokenizer: input is not valid UTF-8");
+    o.mode = MQ_CALIB_CHUNKS;
     free(ids);
     free(d3);
     moeq_tokenizer_free(tok);

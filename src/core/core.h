@@ -73,6 +73,23 @@ int64_t mq_mem_watch_peak(void);
 /* Checked arithmetic: return false on overflow. */
 bool mq_mul_size(size_t a, size_t b, size_t *out);
 bool mq_add_size(size_t a, size_t b, size_t *out);
+/* A number read from a file (a JSON number is a double) as an integer: *out = v when v is an
+ * integer in [lo, hi], else false. Casting a double outside the integer's range is undefined
+ * behaviour, so no value from input is cast unchecked. */
+static inline bool mq_int_of(double v, int64_t lo, int64_t hi, int64_t *out) {
+    /* (double)hi + 1 is at most 2^63, so every v below it converts */
+    if (!(v >= (double)lo && v < (double)hi + 1.0) || v != (double)(int64_t)v) return false;
+    *out = (int64_t)v;
+    return *out >= lo && *out <= hi;
+}
+/* v truncated to an integer and clamped to [INT64_MIN, INT64_MAX] (NaN: 0): where a value from
+ * input only feeds range checks, so that a huge one stays huge. */
+static inline int64_t mq_clamp_i64(double v) {
+    if (!(v == v)) return 0;
+    if (v >= 9223372036854775807.0) return INT64_MAX;
+    if (v <= -9223372036854775808.0) return INT64_MIN;
+    return (int64_t)v;
+}
 bool mq_mul_i64(int64_t a, int64_t b, int64_t *out);
 
 /* ---- files ----------------------------------------------------------------------------- */

@@ -66,3 +66,11 @@ void mq_assert_fail(const char *expr, const char *file, int line) {
     fprintf(stderr, "moeq: internal error: assertion '%s' failed at %s:%d\n", expr, file, line);
     abort();
 }
+
+#ifdef MOEQ_SANITIZE_BUILD
+/* -DMOEQ_SANITIZE=ON: UBSan's first report ends the program (a failing test), with its stack; the
+ * runtime asks for these defaults. The checks are built recoverable because GCC's non-recovering
+ * ones miscompiled AVX2 code. */
+const char *__ubsan_default_options(void);
+const char *__ubsan_default_options(void) { return "halt_on_error=1:print_stacktrace=1"; }
+#endif

@@ -125,7 +125,7 @@ moeq_status mq_atomic_open(mq_atomic_file *af, const char *path) {
     }
     af->f = fopen(af->tmp_path, "wb");
     if (!af->f) {
-        moeq_status st = mq_err(MOEQ_E_IO, "%s: cannot create: %s", af->tmp_path, strerror(errno));
+        moeq_status st = mq_err(MOEQ_E_IO, "%s: cannot create: %s", af->path, strerror(errno));
         mq_atomic_abort(af);
         return st;
     }

@@ -115,22 +115,117 @@ static moeq_status mpi_fail(int rc, const char *what, const char *step) {
 enum { SLEEP_MAX_NS = 1000000 };
 static const double SPIN_FIRST_S = 2e-3;
 
+/* Which rank is lost: a wait that runs out asks every other rank "are you there?" (TAG_PING) for
+ * the last part of the timeout, and names those that do not answer (TAG_PONG) by its end. Every
+ * wait answers the pings it finds, so a rank that waits at any step answers; one that is gone (its
+ * host down, its link cut) or hung does not. Point-to-point messages on the job's communicator,
+ * apart from its collectives. */
+enum { TAG_PING = 0x6d71, TAG_PONG = 0x6d72 };
+static const double PING_WINDOW_S = 5.0;
+
+static void answer_pings(void) {
+    static int32_t pong = 1;   /* the sends below read it after this returns */
+    for (int n = 0; n < 64; n++) {
+        int found = 0;
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_PING, g_comm, &found, &st) != MPI_SUCCESS || !found) return;
+        int32_t v;
+        if (MPI_Recv(&v, 1, MPI_INT32_T, st.MPI_SOURCE, TAG_PING, g_comm, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
+        MPI_Request r;
+        if (MPI_Isend(&pong, 1, MPI_INT32_T, st.MPI_SOURCE, TAG_PONG, g_comm, &r) == MPI_SUCCESS) MPI_Request_free(&r);
+    }
+}
+
+typedef struct {
+    MPI_Request *recv;            /* [size] the answers (MPI_REQUEST_NULL: this rank) */
+    int32_t *answer;
+    int *answered;
+    bool started;
+} ping_round;
+
+static void ping_start(ping_round *pr) {
+    static int32_t ping = 1;
+    pr->started = true;
+    pr->recv = malloc(sizeof *pr->recv * (size_t)g_size);
+    pr->answer = calloc((size_t)g_size, sizeof *pr->answer);
+    pr->answered = calloc((size_t)g_size, sizeof *pr->answered);
+    if (!pr->recv || !pr->answer || !pr->answered) return;
+    for (int r = 0; r < g_size; r++) {
+        pr->recv[r] = MPI_REQUEST_NULL;
+        pr->answered[r] = r == g_rank;
+        if (r == g_rank) continue;
+        MPI_Request sr;
+        if (MPI_Irecv(&pr->answer[r], 1, MPI_INT32_T, r, TAG_PONG, g_comm, &pr->recv[r]) != MPI_SUCCESS)
+            pr->recv[r] = MPI_REQUEST_NULL;
+        if (MPI_Isend(&ping, 1, MPI_INT32_T, r, TAG_PING, g_comm, &sr) == MPI_SUCCESS) MPI_Request_free(&sr);
+    }
+}
+
+static void ping_poll(ping_round *pr) {
+    for (int r = 0; pr->answered && r < g_size; r++)
+        if (!pr->answered[r] && pr->recv[r] != MPI_REQUEST_NULL &&
+            MPI_Test(&pr->recv[r], &pr->answered[r], MPI_STATUS_IGNORE) != MPI_SUCCESS)
+            pr->recv[r] = MPI_REQUEST_NULL;
+}
+
+/* "rank 3 does not answer", "ranks 1, 2 and 3 do not answer" (lost or hung), or that all do. */
+static void ping_verdict(const ping_round *pr, char *out, size_t n) {
+    if (!pr->answered) {
+        snprintf(out, n, "no rank could be asked whether it is there");
+        return;
+    }
+    int k = 0, missing = 0;
+    for (int r = 0; r < g_size; r++) missing += !pr->answered[r];
+    if (missing == 0) {
+        snprintf(out, n, "every rank answers (one of them waits at another step)");
+        return;
+    }
+    size_t at = (size_t)snprintf(out, n, "rank%s", missing > 1 ? "s" : "");
+    for (int r = 0; r < g_size && at < n; r++) {
+        if (pr->answered[r]) continue;
+        k++;
+        const char *sep = k == 1 ? " " : k == missing ? " and " : ", ";
+        at += (size_t)snprintf(out + at, n - at, "%s%d", sep, r);
+    }
+    if (at < n) snprintf(out + at, n - at, " do%s not answer: lost or hung", missing > 1 ? "" : "es");
+}
+
+static void ping_end(ping_round *pr) {
+    /* unanswered receives stay posted on a broken job: cancelling them could wait on the lost */
+    free(pr->answer);
+    free(pr->answered);
+    free(pr->recv);
+}
+
 static moeq_status wait_on(MPI_Request *req, const char *step, bool spin) {
     const double t0 = mq_now();
     long sleep_ns = 50000;
     bool sleeping = false;
+    ping_round pr = {NULL, NULL, NULL, false};
+    const double ping_at = g_timeout - (g_timeout / 3 < PING_WINDOW_S ? g_timeout / 3 : PING_WINDOW_S);
     for (unsigned polls = 1;; polls++) {
         int done = 0;
         int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Test", step);
-        if (done) return MOEQ_OK;
+        if (rc != MPI_SUCCESS) {
+            if (pr.started) ping_end(&pr);
+            return mpi_fail(rc, "MPI_Test", step);
+        }
+        if (done) {
+            if (pr.started) ping_end(&pr);
+            return MOEQ_OK;
+        }
         if (!sleeping && polls % 256 != 0) continue;   /* the clock now and then while spinning */
+        answer_pings();
         const double waited = mq_now() - t0;
+        if (waited > ping_at && !pr.started) ping_start(&pr);
+        if (pr.started) ping_poll(&pr);
         if (waited > g_timeout) {
+            char who[512];
+            ping_verdict(&pr, who, sizeof who);
+            ping_end(&pr);
             g_broken = true;
-            return mq_err(MOEQ_E_IO, "rank %d: the other ranks did not reach '%s' within %.0f s "
-                          "(a rank hangs or was lost; --mpi-timeout sets the limit); stopping",
-                          g_rank, step, g_timeout);
+            return mq_err(MOEQ_E_IO, "rank %d: the other ranks did not reach '%s' within %.0f s; %s "
+                          "(--mpi-timeout sets the limit); stopping", g_rank, step, g_timeout, who);
         }
         if (spin || waited < SPIN_FIRST_S) continue;
         sleeping = true;

@@ -78,7 +78,7 @@ static bool num(const cJSON *c, const char *k, double *v) {
 
 static int64_t inum(const cJSON *c, const char *k, int64_t dflt) {
     double v;
-    return num(c, k, &v) ? (int64_t)v : dflt;
+    return num(c, k, &v) ? mq_clamp_i64(v) : dflt;
 }
 
 /* dflt when absent, null_val when null (transformers' configs spell "all" / "none" as null) */
@@ -397,7 +397,7 @@ static moeq_status pick_pre(const cJSON *tok, const char *path, const char **pre
 }
 
 typedef struct {
-    int64_t n;             /* entries: max(vocab_size, ids + 1) */
+    int64_t n;             /* entries: vocab_size (every id below it) */
     char **tok;
     size_t *len;
     int32_t *type;         /* 1 normal, 3 control, 4 user defined, 5 unused (padding) */
@@ -428,9 +428,10 @@ static int32_t id_of(const vocab *v, const cJSON *cfg_id, const cJSON *tc, const
         for (int64_t i = 0; i < v->n; i++)
             if (v->tok[i] && v->len[i] == strlen(t->valuestring) && !memcmp(v->tok[i], t->valuestring, v->len[i]))
                 return (int32_t)i;
-    if (cfg_id && cJSON_IsNumber(cfg_id)) return (int32_t)cfg_id->valuedouble;
-    if (cfg_id && cJSON_IsArray(cfg_id) && cJSON_GetArraySize(cfg_id) > 0)
-        return (int32_t)cJSON_GetArrayItem(cfg_id, 0)->valuedouble;
+    if (cfg_id && cJSON_IsArray(cfg_id)) cfg_id = cJSON_GetArrayItem(cfg_id, 0);
+    int64_t id;
+    /* an id that is no id of the vocabulary is none */
+    if (cfg_id && cJSON_IsNumber(cfg_id) && mq_int_of(cfg_id->valuedouble, 0, v->n - 1, &id)) return (int32_t)id;
     return -1;
 }
 
@@ -509,16 +510,17 @@ static moeq_status read_vocab(const char *dir, const cJSON *cfg, int64_t vocab_s
         goto done;
     }
     if ((s = pick_pre(tok, path, &v->pre))) goto done;
-    int64_t n = vocab_size;
+    /* every id a row of the embedding: [0, vocab_size) */
+    const int64_t n = vocab_size;
     const cJSON *e;
-    cJSON_ArrayForEach(e, voc) if (cJSON_IsNumber(e) && e->valuedouble + 1 > n) n = (int64_t)e->valuedouble + 1;
+    double top = -1;
+    cJSON_ArrayForEach(e, voc) if (cJSON_IsNumber(e) && e->valuedouble > top) top = e->valuedouble;
     cJSON_ArrayForEach(e, added) {
         const cJSON *id = item(e, "id");
-        if (id && cJSON_IsNumber(id) && id->valuedouble + 1 > n) n = (int64_t)id->valuedouble + 1;
+        if (id && cJSON_IsNumber(id) && id->valuedouble > top) top = id->valuedouble;
     }
-    if (n > vocab_size) {
-        s = mq_err(MOEQ_E_FORMAT, "%s: token ids reach %lld, past vocab_size %lld", path, (long long)n - 1,
-                   (long long)vocab_size);
+    if (top >= (double)vocab_size) {
+        s = mq_err(MOEQ_E_FORMAT, "%s: token ids reach %.0f, past vocab_size %lld", path, top, (long long)vocab_size);
         goto done;
     }
     v->n = n;
@@ -530,11 +532,11 @@ static moeq_status read_vocab(const char *dir, const cJSON *cfg, int64_t vocab_s
         goto done;
     }
     cJSON_ArrayForEach(e, voc) {
-        if (!cJSON_IsNumber(e) || e->valuedouble < 0) {
+        int64_t id;
+        if (!cJSON_IsNumber(e) || !mq_int_of(e->valuedouble, 0, n - 1, &id)) {
             s = mq_err(MOEQ_E_FORMAT, "%s: vocab entry '%s' has no valid id", path, e->string);
             goto done;
         }
-        int64_t id = (int64_t)e->valuedouble;
         free(v->tok[id]);
         v->tok[id] = mq_strdup(e->string);
         v->len[id] = strlen(e->string);
@@ -546,8 +548,10 @@ static moeq_status read_vocab(const char *dir, const cJSON *cfg, int64_t vocab_s
     }
     cJSON_ArrayForEach(e, added) {
         const cJSON *id = item(e, "id"), *content = item(e, "content");
-        if (!id || !cJSON_IsNumber(id) || id->valuedouble < 0 || !content || !cJSON_IsString(content)) continue;
-        int64_t i = (int64_t)id->valuedouble;
+        int64_t i;
+        if (!id || !cJSON_IsNumber(id) || !mq_int_of(id->valuedouble, 0, n - 1, &i) || !content ||
+            !cJSON_IsString(content))
+            continue;
         free(v->tok[i]);
         v->tok[i] = mq_strdup(content->valuestring);
         v->len[i] = strlen(content->valuestring);

@@ -169,11 +169,12 @@ static void parse_eos(const fields *f, mq_config *c) {
     if (v && cJSON_IsArray(v)) {
         const cJSON *e;
         cJSON_ArrayForEach(e, v) {
-            if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble)) {
+            int64_t id;
+            if (!cJSON_IsNumber(e) || !mq_int_of(e->valuedouble, INT32_MIN, INT32_MAX, &id)) {
                 mq_problems_add(f->p, "field 'eos_token_id' must hold integers");
                 break;
             }
-            if (c->n_eos < 8) c->eos_ids[c->n_eos++] = (int32_t)e->valuedouble;
+            if (c->n_eos < 8) c->eos_ids[c->n_eos++] = (int32_t)id;
         }
     } else {
         int32_t id = get_int(f, "eos_token_id", false, -1);

@@ -347,6 +347,14 @@ static void plan_out(const mq_mem_plan *mp, moeq_quant_plan *q) {
     q->disk_work = mp->disk_work;
 }
 
+char *moeq_quant_report_path(const char *out_dir, const moeq_quant_options *opts) {
+    if (!out_dir || !opts || opts->method != MOEQ_QUANT_GPTQ || opts->dry_run) return NULL;
+    /* a GGUF output is one file, so the report goes beside it, not into it */
+    return opts->gptq.report                  ? mq_strdup(opts->gptq.report)
+           : opts->format == MOEQ_FORMAT_GGUF ? mq_asprintf("%s.gptq_report.json", out_dir)
+                                              : mq_path_join(out_dir, "gptq_report.json");
+}
+
 moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
                           const moeq_quant_options *opts, moeq_quant_result *result) {
     if (result) memset(result, 0, sizeof *result);
@@ -366,10 +374,7 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
         return st;
     char *report = NULL;
     if (opts->method == MOEQ_QUANT_GPTQ && !opts->dry_run) {
-        report = opts->gptq.report                  ? mq_strdup(opts->gptq.report)
-                 : opts->format == MOEQ_FORMAT_GGUF ? mq_asprintf("%s.gptq_report.json", out_dir)
-                                                    : mq_path_join(out_dir, "gptq_report.json");
-        if (!report) return mq_err(MOEQ_E_NOMEM, "out of memory");
+        if (!(report = moeq_quant_report_path(out_dir, opts))) return mq_err(MOEQ_E_NOMEM, "out of memory");
         o.report_path = report;
         o.report_html_path = opts->gptq.report_html;
     }

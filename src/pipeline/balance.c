@@ -342,15 +342,20 @@ static bool record_read(const mq_pipe *p, int64_t want, int64_t *chosen, int64_t
         const cJSON *nc = cJSON_GetObjectItemCaseSensitive(j, "candidates"),
                     *crc = cJSON_GetObjectItemCaseSensitive(j, "candidates_crc"),
                     *ns = cJSON_GetObjectItemCaseSensitive(j, "samples");
+        int64_t v_nc = -1, v_crc = -1, v_ns = -1;   /* a record's numbers are checked before any cast */
         ok = cJSON_IsArray(a) && cJSON_IsArray(s) && cJSON_IsNumber(nc) && cJSON_IsNumber(crc) &&
-             cJSON_IsNumber(ns) && (int64_t)nc->valuedouble == p->calib.n &&
-             (uint32_t)crc->valuedouble == pool_crc(&p->calib) && (int64_t)ns->valuedouble == want &&
+             cJSON_IsNumber(ns) && mq_int_of(nc->valuedouble, 0, INT64_MAX, &v_nc) && v_nc == p->calib.n &&
+             mq_int_of(crc->valuedouble, 0, UINT32_MAX, &v_crc) && (uint32_t)v_crc == pool_crc(&p->calib) &&
+             mq_int_of(ns->valuedouble, 0, INT64_MAX, &v_ns) && v_ns == want &&
              cJSON_GetArraySize(a) == want && cJSON_GetArraySize(s) == 4;
         for (int64_t i = 0; ok && i < want; i++) {
-            chosen[i] = (int64_t)cJSON_GetArrayItem(a, (int)i)->valuedouble;
-            ok = chosen[i] >= (i ? chosen[i - 1] + 1 : 0) && chosen[i] < p->calib.n;
+            const cJSON *c = cJSON_GetArrayItem(a, (int)i);
+            ok = cJSON_IsNumber(c) && mq_int_of(c->valuedouble, i ? chosen[i - 1] + 1 : 0, p->calib.n - 1, &chosen[i]);
         }
-        for (int i = 0; ok && i < 4; i++) st[i] = (int64_t)cJSON_GetArrayItem(s, i)->valuedouble;
+        for (int i = 0; ok && i < 4; i++) {
+            const cJSON *c = cJSON_GetArrayItem(s, i);
+            ok = cJSON_IsNumber(c) && mq_int_of(c->valuedouble, 0, INT64_MAX, &st[i]);
+        }
         cJSON_Delete(j);
         if (!ok) mq_info("%s: not this run's calibration choice; choosing again", path);
     }

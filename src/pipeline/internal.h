@@ -288,6 +288,38 @@ moeq_status mq_work_load_boundary(mq_pipe *p, int l, int *at);
 bool mq_work_globals_done(const mq_pipe *p);
 moeq_status mq_work_globals_written(mq_pipe *p);
 void mq_work_release(mq_pipe *p, bool keep);   /* unlock; remove the work dir unless keep */
+/* Reading what an interrupted run left, apart from a run (the resume uses these; so does the fuzz
+ * target tests/fuzz/fuzz_workdir.c). mq_work_manifest_parse: the manifest's text is JSON of this
+ * version with an identity and a layers array, else MOEQ_E_FORMAT naming path. */
+moeq_status mq_work_manifest_parse(const char *path, const char *text, size_t len, cJSON **out);
+/* NULL when the manifest's identity is `identity` (source files, options, calibration, plan),
+ * else the first difference as a phrase (malloc'ed). */
+char *mq_work_identity_diff(const cJSON *manifest, const cJSON *identity);
+typedef struct {
+    moeq_status (*verify)(void *user, const char *tensor, uint32_t crc);   /* the data has this CRC */
+    int (*count)(void *user, int layer);   /* tensors the plan has in a layer (-1: the globals) */
+    void *user;
+} mq_work_check;
+/* The finished layers the manifest records that check out: records 0, 1, ... in order, at most
+ * n_layers, each with every tensor's CRC verified and the plan's count; the first that does not
+ * (and the ones after it) is dropped from the manifest with a warning naming path and why, to be
+ * redone; so are the globals' record when it does not check out. Returns the layers kept. */
+int mq_work_layers_check(cJSON *manifest, const char *path, int n_layers, const mq_work_check *chk);
+/* The activation snapshot the manifest names: the layer at whose input it was taken (>= 1) and
+ * its CRC; false when there is none or the record is malformed. */
+bool mq_work_boundary(const cJSON *manifest, int *layer, uint32_t *crc);
+typedef struct {
+    int layer;
+    int64_t samples, D;
+    const int64_t *len;           /* [samples] tokens of each sample */
+    int streams;                  /* 2 with the unquantized target's stream */
+    uint32_t crc;                 /* the manifest's */
+} mq_acts_shape;
+typedef void (*mq_acts_put_fn)(void *user, int64_t row, const float *v, size_t n);
+/* Reads the snapshot at path (tmp: room for the longest row), handing row r (sample r % samples
+ * of stream r / samples, len * D values) to put as it is read; true when the file is exactly
+ * this shape's, of this layer, and its CRC is the manifest's (else what put got is garbage). */
+bool mq_work_acts_read(const char *path, const mq_acts_shape *a, float *tmp, mq_acts_put_fn put, void *user);
 /* Test-only fault points: MOEQ_FAULT="<where>:<a>[:<b>]" kills the process (SIGKILL) there;
  * with MOEQ_FAULT_MODE=error it returns true instead (the caller fails with an injected error),
  * with MOEQ_FAULT_MODE=hang it sleeps for ever; MOEQ_FAULT_RANK=R: only on rank R. */

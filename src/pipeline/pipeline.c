@@ -54,6 +54,25 @@ static moeq_status check_opts(const mq_pipeline_opts *o) {
     return MOEQ_OK;
 }
 
+/* A report is written after the checkpoint is in place, so a folder that cannot take it must be
+ * refused before any work: found at the end, the run failed with its checkpoint published. The
+ * report may go into OUT_DIR itself, which exists by then. */
+static moeq_status check_report_dir(const char *path, const char *out_dir, const char *what) {
+    if (!path) return MOEQ_OK;
+    const char *slash = strrchr(path, '/');
+    if (!slash) return MOEQ_OK;   /* the working directory */
+    size_t n = (size_t)(slash - path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    char *dir = n ? mq_strndup(path, n) : mq_strdup("/");
+    if (!dir) return MOEQ_E_NOMEM;
+    moeq_status s = MOEQ_OK;
+    struct stat sb;
+    if (strcmp(dir, out_dir) != 0 && (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode)))
+        s = mq_err(MOEQ_E_NOTFOUND, "%s: cannot write the %s there: %s is not a directory", path, what, dir);
+    free(dir);
+    return s;
+}
+
 static moeq_status read_config(const char *model_dir, cJSON **out, bool *mixtral) {
     char *path = mq_path_join(model_dir, "config.json");
     if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -569,6 +588,10 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         p->fit_shares = fit != 0;
     }
     if (p->rank == 0 && (s = mq_ckpt_check_out(model_dir, p->out_dir, o->force, &exists))) goto done;
+    if (p->rank == 0 && !o->dry_run &&
+        ((s = check_report_dir(o->report_path, p->out_dir, "report")) ||
+         (s = check_report_dir(o->report_html_path, p->out_dir, "report page"))))
+        goto done;
     /* first, so that a missing GPU costs nothing; opened beside what follows up to the plan */
     if (o->gptq && o->device >= 0 && (s = gpu_open_start(p, o->device))) goto done;
     if ((s = read_config(model_dir, &p->src_config, &p->mixtral))) goto done;

@@ -15,6 +15,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -285,60 +286,139 @@ static cJSON *layer_tensors(const mq_pipe *p, int l) {
     return t;
 }
 
-static moeq_status verify_tensors(mq_pipe *p, const cJSON *tensors, int l) {
-    const cJSON *e;
-    int n = 0;
-    cJSON_ArrayForEach(e, tensors) {
-        if (!cJSON_IsNumber(e)) return mq_err(MOEQ_E_FORMAT, "manifest: bad CRC of '%s'", e->string);
-        moeq_status s = mq_ckpt_writer_verify(p->w, e->string, (uint32_t)e->valuedouble);
-        if (s) return s;
-        n++;
+/* ---- reading what an interrupted run left (pure: tests/fuzz/fuzz_workdir.c runs these) ---------- */
+
+/* A manifest number as an integer in [lo, hi] (never a cast of a double out of range). */
+static bool json_int(const cJSON *v, int64_t lo, int64_t hi, int64_t *out) {
+    return cJSON_IsNumber(v) && mq_int_of(v->valuedouble, lo, hi, out);
+}
+
+/* A report figure: a finite number, else 0 (a record's report is for the summary only). */
+static double json_num(const cJSON *o, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsNumber(v) && isfinite(v->valuedouble) ? v->valuedouble : 0.0;
+}
+
+moeq_status mq_work_manifest_parse(const char *path, const char *text, size_t len, cJSON **out) {
+    *out = NULL;
+    cJSON *m = cJSON_ParseWithLength(text, len);
+    if (!m) return mq_err(MOEQ_E_FORMAT, "%s: not JSON", path);
+    int64_t ver;
+    if (!cJSON_IsObject(m) || !json_int(cJSON_GetObjectItemCaseSensitive(m, "version"), 0, INT32_MAX, &ver) ||
+        ver != MANIFEST_VERSION || !cJSON_IsObject(cJSON_GetObjectItemCaseSensitive(m, "identity"))) {
+        cJSON_Delete(m);
+        return mq_err(MOEQ_E_FORMAT, "%s: not a work manifest of this version of moeq", path);
     }
-    int want = 0;
-    for (size_t i = 0; i < p->plan.n_decls; i++) want += p->decl_layer[i] == l;
-    if (n != want)
-        return mq_err(MOEQ_E_FORMAT, "manifest: %d tensors recorded for layer %d, the plan has %d", n, l, want);
+    if (!cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(m, "layers"))) {
+        cJSON_Delete(m);
+        return mq_err(MOEQ_E_FORMAT, "%s: a manifest without its layers", path);
+    }
+    *out = m;
     return MOEQ_OK;
 }
 
-/* Takes over the finished layers of the interrupted run that check out. */
-static moeq_status resume_layers(mq_pipe *p) {
-    cJSON *layers = cJSON_GetObjectItemCaseSensitive(p->manifest, "layers");
-    cJSON *globals = cJSON_GetObjectItemCaseSensitive(p->manifest, "globals");
-    if (!cJSON_IsArray(layers)) return mq_err(MOEQ_E_FORMAT, "%s: manifest without layers", p->work_dir);
-    if (globals && verify_tensors(p, globals, -1)) {
+char *mq_work_identity_diff(const cJSON *manifest, const cJSON *identity) {
+    static const char *const parts[] = {"source", "options", "calibration", "plan"};
+    const cJSON *then = cJSON_GetObjectItemCaseSensitive(manifest, "identity");
+    for (int i = 0; i < 4; i++) {
+        const cJSON *a = cJSON_GetObjectItemCaseSensitive(then, parts[i]);
+        const cJSON *b = cJSON_GetObjectItemCaseSensitive(identity, parts[i]);
+        char *d = a ? first_difference(a, b, parts[i]) : mq_asprintf("%s: not recorded", parts[i]);
+        if (d) {
+            char *r = mq_asprintf("the %s %s from the interrupted run's (%s)", parts[i],
+                                  i == 1 ? "differ" : "differs", d);
+            free(d);
+            return r ? r : mq_strdup("out of memory");
+        }
+    }
+    return NULL;
+}
+
+/* The records of layer l's tensors (an object of name: CRC) check out: every CRC a 32-bit
+ * integer that the data on disk has (chk->verify), as many tensors as the plan has there. */
+static moeq_status check_tensors(const mq_work_check *chk, const char *path, const cJSON *tensors, int l) {
+    if (!cJSON_IsObject(tensors)) return mq_err(MOEQ_E_FORMAT, "%s: layer %d: no tensors object", path, l);
+    const cJSON *e;
+    int n = 0;
+    cJSON_ArrayForEach(e, tensors) {
+        int64_t crc;
+        if (!json_int(e, 0, UINT32_MAX, &crc))
+            return mq_err(MOEQ_E_FORMAT, "%s: bad CRC of tensor '%s'", path, e->string);
+        moeq_status s = chk->verify(chk->user, e->string, (uint32_t)crc);
+        if (s) return s;
+        n++;
+    }
+    const int want = chk->count(chk->user, l);
+    if (n != want)
+        return mq_err(MOEQ_E_FORMAT, "%s: %d tensors recorded for %s %d, the plan has %d", path, n,
+                      l < 0 ? "the globals" : "layer", l, want);
+    return MOEQ_OK;
+}
+
+int mq_work_layers_check(cJSON *manifest, const char *path, int n_layers, const mq_work_check *chk) {
+    cJSON *layers = cJSON_GetObjectItemCaseSensitive(manifest, "layers");
+    cJSON *globals = cJSON_GetObjectItemCaseSensitive(manifest, "globals");
+    if (globals && check_tensors(chk, path, globals, -1)) {
         mq_warn("%s; the global tensors are written again", moeq_last_error());
-        cJSON_DeleteItemFromObjectCaseSensitive(p->manifest, "globals");
+        cJSON_DeleteItemFromObjectCaseSensitive(manifest, "globals");
     }
     int l = 0;
-    cJSON *rec;
-    cJSON_ArrayForEach(rec, layers) {
-        const cJSON *li = cJSON_GetObjectItemCaseSensitive(rec, "layer");
-        const cJSON *tensors = cJSON_GetObjectItemCaseSensitive(rec, "tensors");
-        if (!cJSON_IsNumber(li) || (int)li->valuedouble != l || !tensors) break;
-        if (verify_tensors(p, tensors, l)) {
+    for (const cJSON *rec = cJSON_IsArray(layers) ? layers->child : NULL; rec; rec = rec->next, l++) {
+        int64_t li;
+        if (l >= n_layers) {
+            mq_warn("%s: records past the plan's %d layers; they are dropped", path, n_layers);
+            break;
+        }
+        if (!json_int(cJSON_GetObjectItemCaseSensitive(rec, "layer"), 0, INT32_MAX, &li) || li != l) {
+            mq_warn("%s: the record after layer %d is not layer %d's; layer %d and the ones after it are redone",
+                    path, l - 1, l, l);
+            break;
+        }
+        if (check_tensors(chk, path, cJSON_GetObjectItemCaseSensitive(rec, "tensors"), l)) {
             mq_warn("%s; layer %d and the ones after it are redone", moeq_last_error(), l);
             break;
         }
-        const cJSON *rep = cJSON_GetObjectItemCaseSensitive(rec, "report");
-        mq_layer_report *lr = &p->layers[l];
-        const cJSON *sec = cJSON_GetObjectItemCaseSensitive(rep, "seconds");
-        lr->forward = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "forward"));
-        lr->hessian = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "hessians"));
-        lr->gptq = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "gptq"));
-        lr->write = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "write"));
-        lr->total = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(sec, "total"));
-        lr->peak_anon = (int64_t)cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(rep, "peak_anon_bytes"));
-        lr->chunks = (int)cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(rep, "expert_chunks"));
-        const cJSON *mods = cJSON_GetObjectItemCaseSensitive(rep, "modules");
-        cJSON_Delete(lr->modules);
-        lr->modules = mods ? cJSON_Duplicate(mods, 1) : cJSON_CreateArray();
-        l++;
     }
     /* the records past the last good layer go */
-    while (cJSON_GetArraySize(layers) > l) cJSON_DeleteItemFromArray(layers, l);
-    p->layers_done = l;
-    return MOEQ_OK;
+    while (cJSON_IsArray(layers) && cJSON_GetArraySize(layers) > l) cJSON_DeleteItemFromArray(layers, l);
+    return l;
+}
+
+static moeq_status writer_verify(void *user, const char *tensor, uint32_t crc) {
+    return mq_ckpt_writer_verify(((mq_pipe *)user)->w, tensor, crc);
+}
+
+static int plan_count(void *user, int l) {
+    const mq_pipe *p = user;
+    int want = 0;
+    for (size_t i = 0; i < p->plan.n_decls; i++) want += p->decl_layer[i] == l;
+    return want;
+}
+
+/* Takes over the finished layers of the interrupted run that check out. */
+static void resume_layers(mq_pipe *p, const char *mpath) {
+    const mq_work_check chk = {writer_verify, plan_count, p};
+    const int done = mq_work_layers_check(p->manifest, mpath, p->plan.n_layers, &chk);
+    int l = 0;
+    const cJSON *rec;
+    cJSON_ArrayForEach(rec, cJSON_GetObjectItemCaseSensitive(p->manifest, "layers")) {
+        if (l >= done) break;
+        const cJSON *rep = cJSON_GetObjectItemCaseSensitive(rec, "report");
+        mq_layer_report *lr = &p->layers[l++];
+        const cJSON *sec = cJSON_GetObjectItemCaseSensitive(rep, "seconds");
+        lr->forward = json_num(sec, "forward");
+        lr->hessian = json_num(sec, "hessians");
+        lr->gptq = json_num(sec, "gptq");
+        lr->write = json_num(sec, "write");
+        lr->total = json_num(sec, "total");
+        int64_t v;
+        lr->peak_anon = json_int(cJSON_GetObjectItemCaseSensitive(rep, "peak_anon_bytes"), 0, INT64_MAX, &v) ? v : 0;
+        lr->chunks = json_int(cJSON_GetObjectItemCaseSensitive(rep, "expert_chunks"), 0, INT32_MAX, &v) ? (int)v : 0;
+        const cJSON *mods = cJSON_GetObjectItemCaseSensitive(rep, "modules");
+        cJSON_Delete(lr->modules);
+        lr->modules = cJSON_IsArray(mods) ? cJSON_Duplicate(mods, 1) : cJSON_CreateArray();
+    }
+    p->layers_done = done;
 }
 
 moeq_status mq_work_prepare(mq_pipe *p) {
@@ -386,38 +466,26 @@ moeq_status mq_work_prepare(mq_pipe *p) {
         char *text = NULL;
         size_t len;
         s = mq_read_file(mpath, &text, &len);
-        if (!s) {
-            p->manifest = cJSON_ParseWithLength(text, len);
-            if (!p->manifest) s = mq_err(MOEQ_E_FORMAT, "%s: not JSON; delete %s to start over", mpath, p->work_dir);
-        }
+        if (!s) s = mq_work_manifest_parse(mpath, text, len, &p->manifest);
         free(text);
-        if (s) goto done;
-        const cJSON *ver = cJSON_GetObjectItemCaseSensitive(p->manifest, "version");
-        const cJSON *then = cJSON_GetObjectItemCaseSensitive(p->manifest, "identity");
-        if (!cJSON_IsNumber(ver) || (int)ver->valuedouble != MANIFEST_VERSION || !then) {
-            s = mq_err(MOEQ_E_FORMAT, "%s: written by another version of moeq; delete %s to start over",
-                       mpath, p->work_dir);
+        if (s) {   /* never guessed at: the run starts over only when told to */
+            mq_err_prefix(s, "--resume: delete %s to start over", p->work_dir);
             goto done;
         }
-        static const char *const parts[] = {"source", "options", "calibration", "plan"};
-        for (int i = 0; i < 4 && !s; i++) {
-            char *d = first_difference(cJSON_GetObjectItemCaseSensitive(then, parts[i]),
-                                       cJSON_GetObjectItemCaseSensitive(identity, parts[i]), parts[i]);
-            if (d) {
-                s = mq_err(MOEQ_E_ARG, "--resume: the %s differs from the interrupted run's (%s); "
-                           "resume with the same source and options, or delete %s to start over",
-                           parts[i], d, p->work_dir);
-                free(d);
-            }
+        char *d = mq_work_identity_diff(p->manifest, identity);
+        if (d) {
+            s = mq_err(MOEQ_E_ARG, "--resume: %s: %s; resume with the same source and options, or "
+                       "delete %s to start over", mpath, d, p->work_dir);
+            free(d);
+            goto done;
         }
-        if (!s) s = mq_ckpt_writer_open(p->build_dir, p->plan.decls, p->plan.n_decls, &p->ckpt_opts,
-                                        true, &p->w);
+        s = mq_ckpt_writer_open(p->build_dir, p->plan.decls, p->plan.n_decls, &p->ckpt_opts, true, &p->w);
         if (s) {
             mq_err_prefix(s, "--resume: %s", p->work_dir);
             goto done;
         }
-        s = resume_layers(p);
-        if (!s && p->layers_done > 0)
+        resume_layers(p, mpath);
+        if (p->layers_done > 0)
             mq_info("resuming %s: %d of %d layers were finished", p->out_dir, p->layers_done,
                     p->plan.n_layers);
         goto done;
@@ -484,11 +552,22 @@ static char *acts_name(int layer) { return mq_asprintf("acts-%d.bin", layer); }
 static int snap_streams(const mq_pipe *p) { return 1 + (p->target ? 1 : 0); }
 static const mq_actbuf *snap_buf(const mq_pipe *p, int64_t r) { return r < p->calib.n ? &p->X : &p->XF; }
 
+bool mq_work_boundary(const cJSON *manifest, int *layer, uint32_t *crc) {
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(manifest, "boundary");
+    int64_t l, c;
+    if (!json_int(cJSON_GetObjectItemCaseSensitive(b, "layer"), 1, INT32_MAX, &l) ||
+        !json_int(cJSON_GetObjectItemCaseSensitive(b, "crc"), 0, UINT32_MAX, &c))
+        return false;
+    *layer = (int)l;
+    *crc = (uint32_t)c;
+    return true;
+}
+
 /* The layer whose input the manifest's snapshot holds, or -1. */
 static int boundary_layer(const mq_pipe *p) {
-    const cJSON *b = cJSON_GetObjectItemCaseSensitive(p->manifest, "boundary");
-    const cJSON *bl = cJSON_GetObjectItemCaseSensitive(b, "layer");
-    return cJSON_IsNumber(bl) ? (int)bl->valuedouble : -1;
+    int l;
+    uint32_t crc;
+    return mq_work_boundary(p->manifest, &l, &crc) ? l : -1;
 }
 
 /* Whether layer l's output boundary is snapshotted: a snapshot saves the replay of the layers
@@ -821,51 +900,61 @@ static moeq_status rec_finish(mq_pipe *p) {
     return s;
 }
 
-moeq_status mq_work_load_boundary(mq_pipe *p, int upto, int *at) {
-    *at = 0;
-    const cJSON *b = cJSON_GetObjectItemCaseSensitive(p->manifest, "boundary");
-    const cJSON *bc = cJSON_GetObjectItemCaseSensitive(b, "crc");
-    const int layer = boundary_layer(p);
-    if (layer < 1 || layer > upto || !cJSON_IsNumber(bc)) return MOEQ_OK;
-    char *name = acts_name(layer), *path = name ? work_path(p, name) : NULL;
-    free(name);
-    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    const int64_t D = p->c->D;
-    int fd = open(path, O_RDONLY);
-    float *tmp = mq_alloc_array((size_t)p->LD, sizeof(float), "activation snapshot");
-    moeq_status s = tmp ? MOEQ_OK : MOEQ_E_NOMEM;
-    bool good = fd >= 0 && tmp;
+bool mq_work_acts_read(const char *path, const mq_acts_shape *a, float *tmp, mq_acts_put_fn put, void *user) {
+    const int fd = open(path, O_RDONLY);
+    if (fd < 0) return false;
+    const int64_t rows = a->samples * a->streams;
+    /* the file is exactly the header, every row and the CRC: longer or shorter is another file */
+    int64_t want = 8 + 4 * (int64_t)sizeof(int64_t) + (int64_t)sizeof(uint32_t);
+    for (int64_t i = 0; i < rows; i++) want += a->len[i % a->samples] * a->D * (int64_t)sizeof(float);
+    struct stat sb;
     char magic[8];
     int64_t hdr[4];
-    int64_t off = 0;
-    if (good && !mq_pread_all(fd, magic, 8, 0, path) && !mq_pread_all(fd, hdr, sizeof hdr, 8, path))
-        good = memcmp(magic, k_act_magic, 8) == 0 && hdr[0] == MANIFEST_VERSION && hdr[1] == layer &&
-               hdr[2] == p->calib.n && hdr[3] == D;
-    else
-        good = false;
-    off = 8 + (int64_t)sizeof hdr;
+    bool good = fstat(fd, &sb) == 0 && (int64_t)sb.st_size == want && !mq_pread_all(fd, magic, 8, 0, path) &&
+                !mq_pread_all(fd, hdr, sizeof hdr, 8, path) && memcmp(magic, k_act_magic, 8) == 0 &&
+                hdr[0] == MANIFEST_VERSION && hdr[1] == a->layer && hdr[2] == a->samples && hdr[3] == a->D;
+    int64_t off = 8 + (int64_t)sizeof hdr;
     uint32_t crc = 0;
-    const int64_t S = p->calib.n;
-    for (int64_t i = 0; i < S * snap_streams(p) && good; i++) {
-        size_t n = (size_t)(p->calib.len[i % S] * D);
+    for (int64_t i = 0; i < rows && good; i++) {
+        const size_t n = (size_t)(a->len[i % a->samples] * a->D);
         if (mq_pread_all(fd, tmp, n * sizeof(float), off, path)) {
             good = false;
             break;
         }
         off += (int64_t)(n * sizeof(float));
         crc = mq_crc32(crc, tmp, n * sizeof(float));
-        mq_actbuf_put((mq_actbuf *)snap_buf(p, i), (size_t)(i % S * p->LD), n, tmp);
+        put(user, i, tmp, n);
     }
     uint32_t stored;
-    if (good) good = !mq_pread_all(fd, &stored, sizeof stored, off, path) && stored == crc &&
-                     crc == (uint32_t)bc->valuedouble;
-    if (!good)
-        mq_warn("%s: the activations at layer %d are missing or corrupt; they are recomputed", path, layer);
-    if (fd >= 0) close(fd);
+    if (good) good = !mq_pread_all(fd, &stored, sizeof stored, off, path) && stored == crc && crc == a->crc;
+    close(fd);
+    return good;
+}
+
+static void put_row(void *user, int64_t i, const float *v, size_t n) {
+    const mq_pipe *p = user;
+    mq_actbuf_put((mq_actbuf *)snap_buf(p, i), (size_t)(i % p->calib.n * p->LD), n, v);
+}
+
+moeq_status mq_work_load_boundary(mq_pipe *p, int upto, int *at) {
+    *at = 0;
+    int layer;
+    uint32_t crc;
+    if (!mq_work_boundary(p->manifest, &layer, &crc) || layer > upto) return MOEQ_OK;
+    char *name = acts_name(layer), *path = name ? work_path(p, name) : NULL;
+    free(name);
+    float *tmp = path ? mq_alloc_array((size_t)p->LD, sizeof(float), "activation snapshot") : NULL;
+    if (!tmp) {
+        free(path);
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    const mq_acts_shape a = {layer, p->calib.n, p->c->D, p->calib.len, snap_streams(p), crc};
+    if (mq_work_acts_read(path, &a, tmp, put_row, p)) *at = layer;
+    else mq_warn("%s: the activations at layer %d are missing, corrupt or another run's; they are recomputed",
+                 path, layer);
     mq_free(tmp);
     free(path);
-    if (good) *at = layer;
-    return s;
+    return MOEQ_OK;
 }
 
 static moeq_status layer_done(mq_pipe *p, int l);

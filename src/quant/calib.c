@@ -141,6 +141,7 @@ static bool ends_with(const char *s, const char *suf) {
 typedef struct {
     char **doc;
     size_t *len;
+    int64_t *line;       /* the document's line in the file (0: the whole file), for messages */
     int64_t n, cap;
 } doc_list;
 
@@ -148,22 +149,35 @@ static void docs_free(doc_list *d) {
     for (int64_t i = 0; i < d->n; i++) free(d->doc[i]);
     free(d->doc);
     free(d->len);
+    free(d->line);
     memset(d, 0, sizeof *d);
 }
 
-static moeq_status docs_add(doc_list *d, const char *s, size_t n) {
+static moeq_status docs_add(doc_list *d, const char *s, size_t n, int64_t line) {
     if (d->n == d->cap) {
         int64_t cap = d->cap ? 2 * d->cap : 256;
         char **a = realloc(d->doc, (size_t)cap * sizeof *a);
         if (a) d->doc = a;
         size_t *b = realloc(d->len, (size_t)cap * sizeof *b);
         if (b) d->len = b;
-        if (!a || !b) return mq_err(MOEQ_E_NOMEM, "out of memory reading calibration documents");
+        int64_t *c = realloc(d->line, (size_t)cap * sizeof *c);
+        if (c) d->line = c;
+        if (!a || !b || !c) return mq_err(MOEQ_E_NOMEM, "out of memory reading calibration documents");
         d->cap = cap;
     }
     d->doc[d->n] = mq_strndup(s, n);
     if (!d->doc[d->n]) return mq_err(MOEQ_E_NOMEM, "out of memory reading calibration documents");
+    d->line[d->n] = line;
     d->len[d->n++] = n;
+    return MOEQ_OK;
+}
+
+/* Document i tokenized; an error (text that is not UTF-8) names the file and the line. */
+static moeq_status doc_encode(const moeq_tokenizer *tok, const doc_list *d, int64_t i, const char *path,
+                              int32_t **ids, size_t *n) {
+    moeq_status st = moeq_tokenizer_encode(tok, d->doc[i], d->len[i], ids, n);
+    if (st && d->line[i] > 0) return mq_err_prefix(st, "%s:%lld", path, (long long)d->line[i]);
+    if (st) return mq_err_prefix(st, "%s", path);
     return MOEQ_OK;
 }
 
@@ -271,7 +285,7 @@ static moeq_status join_messages(const cJSON *msgs, const char *path, int64_t li
             n += (size_t)sprintf(buf + n, "%s%s", sep, piece);
         }
     }
-    if (!st) st = docs_add(d, buf, n);
+    if (!st) st = docs_add(d, buf, n, line_no);
     free(buf);
     return st;
 }
@@ -283,7 +297,7 @@ static moeq_status read_docs(const char *path, const char *field, const char *te
     while (i < len && (text[i] == ' ' || text[i] == '\t' || text[i] == '\r' || text[i] == '\n')) i++;
     bool jsonl = ends_with(path, ".jsonl") || ends_with(path, ".jsonl.gz") || (i < len && text[i] == '{');
     if (field && !jsonl) return mq_err(MOEQ_E_ARG, "%s: --calib-field %s needs a JSONL file", path, field);
-    if (!jsonl && !per_line) return docs_add(d, text, len);
+    if (!jsonl && !per_line) return docs_add(d, text, len, 0);
     int64_t line_no = 0;
     for (size_t p = 0; p < len;) {
         const char *nl = memchr(text + p, '\n', len - p);
@@ -294,7 +308,7 @@ static moeq_status read_docs(const char *path, const char *field, const char *te
         p = e + 1;
         if (blank(line, n)) continue;
         if (!jsonl) {
-            moeq_status st = docs_add(d, line, n);
+            moeq_status st = docs_add(d, line, n, line_no);
             if (st) return st;
             continue;
         }
@@ -307,7 +321,7 @@ static moeq_status read_docs(const char *path, const char *field, const char *te
         if (!name) name = cJSON_HasObjectItem(j, "text") || !cJSON_HasObjectItem(j, "messages") ? "text" : "messages";
         const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, name);
         moeq_status st;
-        if (cJSON_IsString(t)) st = docs_add(d, t->valuestring, strlen(t->valuestring));
+        if (cJSON_IsString(t)) st = docs_add(d, t->valuestring, strlen(t->valuestring), line_no);
         else if (cJSON_IsArray(t)) st = join_messages(t, path, line_no, d);
         else
             st = mq_err(MOEQ_E_FORMAT, "%s:%lld: expected a string or a messages list in \"%s\"%s", path,
@@ -374,7 +388,7 @@ moeq_status mq_calib_load(const moeq_tokenizer *tok, const mq_calib_opts *o, mq_
         for (int64_t i = 0; i < d.n && out->n < o->nsamples && !st; i++) {
             int32_t *ids;
             size_t n;
-            if ((st = moeq_tokenizer_encode(tok, d.doc[i], d.len[i], &ids, &n))) break;
+            if ((st = doc_encode(tok, &d, i, o->path, &ids, &n))) break;
             if (n > 0) st = set_add(out, bos, ids, (int64_t)n < L ? (int64_t)n : L);
             free(ids);
         }
@@ -390,7 +404,7 @@ moeq_status mq_calib_load(const moeq_tokenizer *tok, const mq_calib_opts *o, mq_
         for (int64_t i = 0; i < d.n && !st; i++) {
             int32_t *ids;
             size_t n;
-            if ((st = moeq_tokenizer_encode(tok, d.doc[i], d.len[i], &ids, &n))) break;
+            if ((st = doc_encode(tok, &d, i, o->path, &ids, &n))) break;
             int32_t *grown = realloc(all, (size_t)(n_all + (int64_t)n + 1) * sizeof(int32_t));
             if (!grown) {
                 free(ids);

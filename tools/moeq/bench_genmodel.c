@@ -982,7 +982,8 @@ static moeq_status generate(const spec *sp, const char *out, bool exists, uint64
     }
     mq_remove_tree(tmp);   /* a stale one from an earlier process with this pid */
     if (mkdir(tmp, 0755) != 0) {
-        st = mq_err(MOEQ_E_IO, "%s: cannot create: %s", tmp, strerror(errno));
+        /* named by the directory asked for, not the temporary one that no longer exists */
+        st = mq_err(MOEQ_E_IO, "%s: cannot create: %s", out, strerror(errno));
         goto done;
     }
     made_tmp = true;

@@ -99,9 +99,6 @@ int gptq_cli_apply(const gptq_cli *g, moeq_quant_options *o) {
 }
 
 void gptq_cli_print(const moeq_quant_result *r, const moeq_quant_options *o, const char *out_dir) {
-    /* the default report path as moeq_quantize forms it */
-    size_t n = strlen(out_dir);
-    const char *sep = n > 0 && out_dir[n - 1] == '/' ? "" : "/";
     cli_progress_finish();
     if (r->balance_candidates > 0)
         printf("calibration: %lld of %lld candidates chosen across experts in %.1f s; experts below %lld "
@@ -118,6 +115,9 @@ void gptq_cli_print(const moeq_quant_result *r, const moeq_quant_options *o, con
            o->gptq.expert_fallback == MOEQ_EXPERT_FALLBACK_RTN ? "rtn" : "block Hessian",
            r->gptq_loss, r->gptq_rtn_loss, (long long)r->gptq_worse_than_rtn, r->gptq_seconds,
            r->gptq_seconds_forward, r->gptq_seconds_hessian, r->gptq_seconds_solve);
-    if (o->gptq.report) printf("%s\n", o->gptq.report);
-    else printf("%s%sgptq_report.json\n", out_dir, sep);
+    /* the path moeq_quantize wrote, formed by the same function */
+    char *report = moeq_quant_report_path(out_dir, o);
+    printf("%s\n", report ? report : "(none)");
+    moeq_string_free(report);
+    if (o->gptq.report_html) printf("report page: %s\n", o->gptq.report_html);
 }

@@ -85,7 +85,7 @@ void gptq_cli_defaults(gptq_cli *g);
      "--device cuda, nonsequential, --true-sequential, --expert-weighting and --damp-sweep run)",   \
      NULL, 0, 0, NULL},                                                                             \
     {"--report", OPT_STRING, &(g).report, "FILE", "GPTQ: JSON report (default "                    \
-     "OUT_DIR/gptq_report.json)", NULL, 0, 0, NULL},                                               \
+     "OUT_DIR/gptq_report.json; with --format gguf OUT.gptq_report.json beside the file)", NULL, 0, 0, NULL},                                               \
     {"--report-html", OPT_STRING, &(g).report_html, "FILE", "GPTQ: the report also as one "           \
      "self-contained HTML page of plots (no scripts, nothing from the network)", NULL, 0, 0, NULL},   \
     {"--threads", OPT_INT, &(g).threads, "N", "worker threads (default: every CPU it may use)", NULL, 1, 1024, NULL}

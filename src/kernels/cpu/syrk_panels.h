@@ -10,19 +10,37 @@
 #define MOEQ_KERNELS_CPU_SYRK_PANELS_H
 
 #include <math.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 enum { SYRK_SR = 6, SYRK_SC = 16, SYRK_ROWS = 64 };
 
-/* The calling thread's panel scratch of at least `floats` floats, kept between calls (NULL when
+/* A thread's scratch goes with the thread: the pool's workers end when moeq_set_threads restarts
+ * it, and their buffers stayed behind (LeakSanitizer found them). Each buffer of the including
+ * file has a slot, a key whose value is the buffer and whose destructor frees it at thread exit. */
+enum { SYRK_SLOTS = 3 };
+static pthread_key_t syrk_keys[SYRK_SLOTS];
+static bool syrk_keys_ok;
+static pthread_once_t syrk_keys_once = PTHREAD_ONCE_INIT;
+
+static inline void syrk_keys_make(void) {
+    bool ok = true;
+    for (int i = 0; i < SYRK_SLOTS && ok; i++) ok = pthread_key_create(&syrk_keys[i], free) == 0;
+    syrk_keys_ok = ok;
+}
+
+/* The calling thread's scratch (slot) of at least `floats` floats, kept between calls (NULL when
  * it cannot be had: the caller falls back to the reference, which gives the same values). */
-static inline float *syrk_scratch(float **buf, size_t *cap, size_t floats, size_t align) {
+static inline float *syrk_scratch(float **buf, size_t *cap, size_t floats, size_t align, int slot) {
     if (floats > *cap) {
+        pthread_once(&syrk_keys_once, syrk_keys_make);
         free(*buf);
         *buf = aligned_alloc(align, (floats * sizeof(float) + align - 1) / align * align);
         *cap = *buf ? floats : 0;
+        if (syrk_keys_ok) pthread_setspecific(syrk_keys[slot], *buf);
     }
     return *buf;
 }

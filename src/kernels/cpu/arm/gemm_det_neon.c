@@ -149,7 +149,7 @@ void mq_syrk_det_acc_neon(int64_t K, int64_t n, const float *X, int64_t ldx, flo
                           int64_t ldc, int64_t row0, int64_t row1) {
     if (K <= 0 || n <= 0 || row0 >= row1) return;
     const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    float *P = syrk_scratch(&tl_pack, &tl_cap, (size_t)panels * ROWS_BLK * SC, 64);
+    float *P = syrk_scratch(&tl_pack, &tl_cap, (size_t)panels * ROWS_BLK * SC, 64, 0);
     if (!P) {   /* no scratch: the reference gives the same values */
         mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
         return;

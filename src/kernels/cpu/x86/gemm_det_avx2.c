@@ -192,7 +192,7 @@ void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, flo
                           int64_t ldc, int64_t row0, int64_t row1) {
     if (K <= 0 || n <= 0 || row0 >= row1) return;
     const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    float *P = syrk_scratch(&tl_pack, &tl_cap, (size_t)panels * ROWS_BLK * SC, 32);
+    float *P = syrk_scratch(&tl_pack, &tl_cap, (size_t)panels * ROWS_BLK * SC, 32, 0);
     if (!P) {   /* no scratch: the reference gives the same values */
         mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
         return;
@@ -230,8 +230,8 @@ void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, co
                            float *C, int64_t ldc, int64_t row0, int64_t row1) {
     if (K <= 0 || n <= 0 || row0 >= row1) return;
     const int64_t pa = (row1 + SC - 1) / SC, pb = (K + SC - 1) / SC;
-    float *PA = syrk_scratch(&tl_pack, &tl_cap, (size_t)pa * ROWS_BLK * SC, 32);
-    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_cap_b, (size_t)pb * ROWS_BLK * SC, 32) : NULL;
+    float *PA = syrk_scratch(&tl_pack, &tl_cap, (size_t)pa * ROWS_BLK * SC, 32, 0);
+    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_cap_b, (size_t)pb * ROWS_BLK * SC, 32, 1) : NULL;
     if (!PB) {   /* no scratch: the reference gives the same values */
         mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
         return;

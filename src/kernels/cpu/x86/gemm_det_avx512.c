@@ -9,7 +9,9 @@
  * 256 KiB at K = 2048, per thread on the heap) stays in L2 while the groups of B stream past it.
  */
 /* -O3 unrolls the tile loops completely, so the accumulators stay in registers. */
+#if !defined(__clang__)   /* GCC only (clang, the fuzz build's compiler, has no such pragma) */
 #pragma GCC optimize("O3")
+#endif
 
 #include <immintrin.h>
 #include <math.h>
@@ -86,14 +88,9 @@ void mq_gemm_det_nt_avx512(int64_t M, int64_t N, int64_t K, const float *A, int6
                            const float *B, int64_t ldb, float *C, int64_t ldc) {
     if (M <= 0 || N <= 0) return;
     const size_t need = (size_t)K * MR;
-    if (need > tl_cap) {
-        free(tl_ap);
-        tl_ap = aligned_alloc(64, need * sizeof(float));
-        tl_cap = tl_ap ? need : 0;
-        if (!tl_ap) {   /* no scratch: the reference gives the same values */
-            mq_gemm_det_nt_ref(M, N, K, A, lda, B, ldb, C, ldc);
-            return;
-        }
+    if (!syrk_scratch(&tl_ap, &tl_cap, need, 64, 2)) {   /* no scratch: the reference gives the same values */
+        mq_gemm_det_nt_ref(M, N, K, A, lda, B, ldb, C, ldc);
+        return;
     }
     float *ap = tl_ap;
     for (int64_t i0 = 0; i0 < M; i0 += MR) {
@@ -193,7 +190,7 @@ void mq_syrk_det_acc_avx512(int64_t K, int64_t n, const float *X, int64_t ldx, f
                             int64_t ldc, int64_t row0, int64_t row1) {
     if (K <= 0 || n <= 0 || row0 >= row1) return;
     const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    float *P = syrk_scratch(&tl_pack, &tl_pack_cap, (size_t)panels * ROWS_BLK * SC, 64);
+    float *P = syrk_scratch(&tl_pack, &tl_pack_cap, (size_t)panels * ROWS_BLK * SC, 64, 0);
     if (!P) {   /* no scratch: the reference gives the same values */
         mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
         return;
@@ -229,8 +226,8 @@ void mq_cross_det_acc_avx512(int64_t K, int64_t n, const float *A, int64_t lda, 
                              int64_t ldb, float *C, int64_t ldc, int64_t row0, int64_t row1) {
     if (K <= 0 || n <= 0 || row0 >= row1) return;
     const int64_t pa = (row1 + SC - 1) / SC, pb = (K + SC - 1) / SC;
-    float *PA = syrk_scratch(&tl_pack, &tl_pack_cap, (size_t)pa * ROWS_BLK * SC, 64);
-    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_pack_b_cap, (size_t)pb * ROWS_BLK * SC, 64) : NULL;
+    float *PA = syrk_scratch(&tl_pack, &tl_pack_cap, (size_t)pa * ROWS_BLK * SC, 64, 0);
+    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_pack_b_cap, (size_t)pb * ROWS_BLK * SC, 64, 1) : NULL;
     if (!PB) {   /* no scratch: the reference gives the same values */
         mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
         return;

@@ -27,7 +27,7 @@ static inline __m256 e2m1_value8(__m256 a, __m256 *ge2) {
     const __m256 g4 = _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ);
     const __m256 up = _mm256_blendv_ps(_mm256_blendv_ps(two, one, g2), half, g4);
     const __m256 down = _mm256_blendv_ps(_mm256_blendv_ps(half, one, g2), two, g4);
-    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    enum { nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC };   /* a constant for clang */
     __m256 v = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(a, up), nearest), down);
     v = _mm256_min_ps(v, _mm256_set1_ps(6.0f));
     *ge2 = g2;

@@ -27,7 +27,7 @@ INLINE __m512 e2m1_value16(__m512 a, __mmask16 *ge2) {
     const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
     const __m512 up = _mm512_mask_blend_ps(g4, _mm512_mask_blend_ps(g2, two, one), half);
     const __m512 down = _mm512_mask_blend_ps(g4, _mm512_mask_blend_ps(g2, half, one), two);
-    const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    enum { nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC };   /* a constant for clang */
     __m512 v = _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, up), nearest), down);
     v = _mm512_min_ps(v, _mm512_set1_ps(6.0f));
     *ge2 = g2;

@@ -1,0 +1,63 @@
+/*
+ * libFuzzer target for Kimi's tiktoken.model with its tokenizer_config.json (io/tokenizer.c):
+ * the input is up to three parts cut at FUZZ_SEP lines (fuzz_common.h): tiktoken.model,
+ * tokenizer_config.json, a text to encode. Loading gives MOEQ_OK or an input error naming one of
+ * the two files; a loaded tokenizer encodes into ids inside its vocabulary and decodes them.
+ * Seeds: tests/fuzz/corpus.py (from tests/data/kimi-tiny-tokenizer).
+ */
+#include "fuzz_common.h"
+#include "io/tokenizer.h"
+
+static const char k_text[] = "[BOS]The tower is 324 metres tall. \xe4\xb8\xad\xe6\x96\x87\xe3\x80\x82 it's "
+                             "<|reserved_token_5|>\r\n\n  x";
+
+static void encode_decode(const moeq_tokenizer *t, const char *text, size_t len) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    moeq_status s = moeq_tokenizer_encode(t, text, len, &ids, &n);
+    if (s == MOEQ_OK) {
+        const int32_t V = moeq_tokenizer_vocab_size(t);
+        for (size_t i = 0; i < n; i++)
+            if (ids[i] < 0 || ids[i] >= V) abort();
+        char *back = NULL;
+        size_t blen = 0;
+        if (moeq_tokenizer_decode(t, ids, n, &back, &blen) != MOEQ_OK) abort();
+        free(back);
+    } else if (s != MOEQ_E_FORMAT && s != MOEQ_E_NOMEM) {
+        abort();
+    }
+    free(ids);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    const uint8_t *part[3];
+    size_t len[3];
+    int n = fuzz_split(data, size, 3, part, len);
+    const char *path = fuzz_file(0, "tiktoken.model", part[0], len[0]);
+    if (n > 1) fuzz_file(1, "tokenizer_config.json", part[1], len[1]);
+    else fuzz_unlink("tokenizer_config.json");
+    moeq_tokenizer *t = NULL;
+    moeq_status s = moeq_tokenizer_load(path, &t);
+    if (s != MOEQ_OK) {
+        const char *msg = moeq_last_error();
+        fuzz_check_error(s, NULL, "tiktoken.model");
+        if (!strstr(msg, "tiktoken.model") && !strstr(msg, "tokenizer_config.json")) {
+            fprintf(stderr, "the error names neither file: %s\n", msg);
+            abort();
+        }
+        return 0;
+    }
+    encode_decode(t, k_text, sizeof k_text - 1);
+    if (n > 2) encode_decode(t, (const char *)part[2], len[2]);
+    const int32_t V = moeq_tokenizer_vocab_size(t);
+    int32_t *pairs = NULL;
+    size_t np = 0;
+    if (mq_tokenizer_merges(t, &pairs, &np) == MOEQ_OK)
+        for (size_t i = 0; i < 2 * np; i++)
+            if (pairs[i] < 0 || pairs[i] >= V) abort();
+    free(pairs);
+    const int32_t bos = moeq_tokenizer_bos(t), eos = moeq_tokenizer_eos(t);
+    if (bos >= V || eos >= V || bos < -1 || eos < -1) abort();
+    moeq_tokenizer_free(t);
+    return 0;
+}
