@@ -298,7 +298,7 @@ moeq_status mq_gpu_mlp_add_kept(mq_gpu_mlp *m, mq_gpu_buf *out, const mq_gpu_buf
 
 /* A model's output layer on the device: its final RMSNorm weight norm [D] (epsilon eps) and
  * lm_head [V, D] (host; copied before the call returns); each product takes at most max_rows
- * rows (0: as a quarter of the free memory holds, at most 2048). */
+ * rows (0: 2048, fewer only where the device cannot hold their logits). */
 typedef struct mq_gpu_head mq_gpu_head;
 moeq_status mq_gpu_head_new(mq_gpu *g, int64_t D, int64_t V, const float *norm, float eps, const float *lm_head,
                             int64_t max_rows, mq_gpu_head **out);

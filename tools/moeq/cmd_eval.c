@@ -9,6 +9,8 @@
  * peak RSS go to stderr, or with --json into the object.
  * A model too large for memory is streamed (--stream): every window through layer l before
  * layer l + 1, one layer's weights in memory, within --max-memory; --dry-run prints the plan.
+ * --device cuda[:N] runs that stream's layers and the scores on a GPU (fp32 weights: a quantized
+ * checkpoint is dequantized as it streams), within a derived tolerance of the CPU's figures.
  */
 #include <math.h>
 #include <stdlib.h>

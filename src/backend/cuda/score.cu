@@ -444,18 +444,21 @@ extern "C" moeq_status mq_gpu_head_new(mq_gpu *g, int64_t D, int64_t V, const fl
     if (!st) st = mq_cu_upload(g, h->norm, norm, (size_t)D * sizeof(float));
     if (!st) st = mq_cu_upload(g, h->W, lm_head, (size_t)(V * D) * sizeof(float));
     if (!st) st = CU(cudaStreamSynchronize(g->stream[0]));   /* the host's buffers may go */
-    int64_t rows = max_rows;
-    if (!st && rows <= 0) {   /* the logits of a quarter of the free memory */
-        size_t free_b = 0, total_b = 0;
-        st = CU(cudaMemGetInfo(&free_b, &total_b));
-        rows = (int64_t)(free_b / 4 / ((size_t)V * sizeof(float) + (size_t)D * sizeof(float)));
-        rows = rows < HEAD_ROWS_MAX ? rows : HEAD_ROWS_MAX;
-        rows = rows > 0 ? rows : 1;
+    /* a fixed number of rows (not the free memory's), so that a row's product is the same in
+     * every run: halved only where the device cannot hold them */
+    int64_t rows = max_rows > 0 ? max_rows : HEAD_ROWS_MAX;
+    for (; !st;) {
+        h->rows = rows;
+        st = cu_alloc(&h->x, (size_t)(rows * D), "scored rows");
+        if (!st) st = cu_alloc(&h->logits, (size_t)(rows * V), "logits");
+        if (!st) st = stats_alloc(&h->st, rows);
+        if (st != MOEQ_E_NOMEM || max_rows > 0 || rows == 1) break;
+        mq_cu_free(h->x);
+        mq_cu_free(h->logits);
+        h->x = h->logits = NULL;
+        rows /= 2;
+        st = MOEQ_OK;
     }
-    h->rows = rows;
-    if (!st) st = cu_alloc(&h->x, (size_t)(rows * D), "scored rows");
-    if (!st) st = cu_alloc(&h->logits, (size_t)(rows * V), "logits");
-    if (!st) st = stats_alloc(&h->st, rows);
     if (st) {
         mq_gpu_head_free(h);
         return st;
