@@ -187,6 +187,36 @@ static void assert_same(const moeq_eval_result *a, const moeq_eval_result *b, co
 }
 
 /* ---- everywhere --------------------------------------------------------------------------------- */
+/* The derived bounds of every fixture, stated: eps per logit and the relative tolerance of the
+ * total log-likelihood it gives on the test's documents (2 eps N / |LL|), per precision. */
+static void test_derived_bounds(void) {
+    const char *names[] = {"olmoe-tiny", "qwen2moe-tiny", "llama-tiny", "mixtral-tiny", "qwen3moe-tiny",
+                           "qwen2moe-dense-tiny"};
+    moeq_docs *docs = text_docs();
+    for (int i = 0; i < 6; i++) {
+        char dir[1024];
+        if (i < 3 && i > 0 && !mq_test_have_shared()) continue;
+        snprintf(dir, sizeof dir, "%s", i < 3 ? mq_test_model(names[i]) : mq_test_with_tokenizer(names[i]));
+        moeq_model *m = open_as(dir, 1);
+        double ll[3];
+        moeq_eval_options o;
+        moeq_eval_result r;
+        eval_opts(&o, ll, -1, 0);
+        ASSERT_OK(moeq_eval(m, docs, &o, &r));
+        printf("  %-20s %lld tokens, mean |ll| %.3f:", names[i], (long long)r.tokens,
+               fabs(r.loglikelihood) / (double)r.tokens);
+        const char *pn[3] = {"fp32", "tf32x3", "tf32"};
+        for (int p = 0; p < 3; p++) {
+            const double eps = logit_eps(dir, (moeq_gpu_precision)p);
+            ASSERT_TRUE(eps > 0 && isfinite(eps));
+            printf("  %s eps %.3g rel LL %.3g", pn[p], eps, 2 * eps * (double)r.tokens / fabs(r.loglikelihood));
+        }
+        printf("\n");
+        moeq_model_free(m);
+    }
+    moeq_docs_free(docs);
+}
+
 static void test_options(void) {
     moeq_eval_options o;
     moeq_eval_options_init(&o);
@@ -573,6 +603,6 @@ static void test_kl_pair(void) {
     moeq_docs_free(docs);
 }
 
-TEST_MAIN(T(test_options), T(test_refusals), T(test_twin_final_norm), T(test_twin_row_stats), T(test_twin_mlp_add),
+TEST_MAIN(T(test_options), T(test_derived_bounds), T(test_refusals), T(test_twin_final_norm), T(test_twin_row_stats), T(test_twin_mlp_add),
           T(test_twin_head), T(test_olmoe), T(test_qwen2moe), T(test_llama), T(test_bundled_families),
           T(test_quantized_kl), T(test_kl_pair))
