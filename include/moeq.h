@@ -443,6 +443,21 @@ typedef struct {
     int resume;                  /* continue an interrupted streamed run from work_dir's record
                                     (the same models, data and options), else start afresh */
     int dry_run;                 /* plan only: res->plan, nothing run */
+    /* Where the forward and the scores run (`moeq eval --device`): -1 the CPU (the default of
+     * moeq_eval_options_init); N >= 0 CUDA device N (a build with -DMOEQ_CUDA=ON). On a GPU the
+     * models run layer by layer as a streamed eval does (opened with stream, or whole): each
+     * layer's weights go up once, every window goes through attention, routing, the routed
+     * experts, the shared expert or dense MLP and the residual on the device, then the final
+     * norm, lm_head and each token's scores; the host sums them in the CPU's order. fp32 products
+     * in another order than the CPU's: results within the tolerance docs/eval.md derives, not
+     * bit for bit. Weights must be fp32 on the host (a quantized checkpoint opened with
+     * keep_packed off is dequantized); deepseek_v3 / kimi_k2, sigmoid routing and act_quant are
+     * refused (MOEQ_E_UNSUPPORTED) before any work; no device, or a build without CUDA, is
+     * MOEQ_E_UNSUPPORTED too. save_logits / kl_logits copy each row's logits back (slower). */
+    int device;
+    int gpu_precision;           /* moeq_gpu_precision (`--gpu-precision`), with a device: fp32
+                                    (0, the default), tf32x3 (1) or tf32 (2): products on TF32
+                                    tensor cores, faster and less exact (docs/eval.md) */
 } moeq_eval_options;
 
 void moeq_eval_options_init(moeq_eval_options *o);
@@ -501,6 +516,8 @@ typedef struct {
         int64_t peak_anon_bytes; /* measured peak anonymous memory during the run */
         double forward_gflops;   /* measured: the forward's FLOPs over its seconds */
     } plan;
+    /* with moeq_eval_options.device: "cuda:N NAME (PRECISION)"; "" on the CPU */
+    char device[128];
 } moeq_eval_result;
 
 /* An evaluation drawn as one self-contained page (`moeq eval --html`): XHTML with inline SVG,

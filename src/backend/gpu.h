@@ -271,6 +271,67 @@ moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn_sample *s,
                                     const mq_gpu_attn_io *io);
 int64_t mq_gpu_attn_rows(const mq_gpu_attn *a);
 
+/* ---- the evaluation's pieces (src/backend/cuda/score.cu; src/eval/eval_gpu.c drives them) ------
+ * What moeq_eval adds to the calibration's layer pieces above: the FFN's remaining sums on the
+ * device and the scoring of a window's rows. Twins on the CPU (tests/test_gpu_eval.c):
+ *  - mq_gpu_buf_zero, mq_gpu_mlp_add_kept: the forward's axpy chains (kernels/vec.h) and the
+ *    shared expert's gate (model.h's mq_shared_expert_add): the gate's dot in vec.h's lane
+ *    layout (the CPU's GEMV bits), its sigmoid with the device's expf (within 2 ulp of libm's);
+ *  - the final norm: vec.h's rmsnorm in its lane layout, the CPU's bits;
+ *  - the row statistics: vec.h's logsumexp (maximum, first argmax, the double exp terms summed
+ *    in its 8 lanes and reduced in its order; the log taken on the host, as the CPU takes it),
+ *    its KL and the entropy's KL to the uniform row: given the same logits, the CPU's bits;
+ *  - lm_head: cuBLAS GEMMs in chunks of rows (fp32: the default math, never TF32; the TF32 modes
+ *    as mq_gpu_set_precision says), whose sums run in another order than OpenBLAS's: a logit
+ *    differs from the CPU's by at most 2 gamma_D sum_k |x_k W_ik| (gamma_D = D u / (1 - D u),
+ *    u = 2^-24), which is what makes the scores differ. */
+
+/* n zeros into b from value off. */
+moeq_status mq_gpu_buf_zero(mq_gpu_buf *b, int64_t off, int64_t n);
+/* out[t] = fmaf(s_t, y[t], out[t]) over the D values of rows t < n (out: rows of D values of the
+ * buffer), y the expert set's kept outputs [0, n) (expert 0 run with keep on rows [0, n)): s_t = 1
+ * without a gate, else the shared expert's gate sigmoid(gate . xn[t]) (gate: D values of a
+ * buffer; xn: rows of D values of a buffer, the FFN inputs): the CPU's axpy of a dense MLP onto
+ * the residual (out = the hidden rows) or of mq_shared_expert_add (out = the routed sum). */
+moeq_status mq_gpu_mlp_add_kept(mq_gpu_mlp *m, mq_gpu_buf *out, const mq_gpu_buf *xn, const mq_gpu_buf *gate,
+                                int64_t n);
+
+/* A model's output layer on the device: its final RMSNorm weight norm [D] (epsilon eps) and
+ * lm_head [V, D] (host; copied before the call returns); each product takes at most max_rows
+ * rows (0: 2048, fewer only where the device cannot hold their logits). */
+typedef struct mq_gpu_head mq_gpu_head;
+moeq_status mq_gpu_head_new(mq_gpu *g, int64_t D, int64_t V, const float *norm, float eps, const float *lm_head,
+                            int64_t max_rows, mq_gpu_head **out);
+void mq_gpu_head_free(mq_gpu_head *h);
+int64_t mq_gpu_head_rows(const mq_gpu_head *h);
+
+/* What scoring gives per row (mq_eval_score_window's per-token values): the model's log-sum-exp
+ * (mq_logsumexp: max + log(sum), not finite where the row is not), first argmax and target
+ * logit; with entropy, kl(row, lse, zeros, log V) (mq_entropy_row is log V minus it); with a
+ * base, the base row's three and KL(p_base || p_model) (mq_kl_rows). */
+typedef struct {
+    double lse, ent_kl, lse_b, kl;
+    float target, target_b;
+    int32_t argmax, argmax_b;
+} mq_gpu_row_stats;
+
+/* n rows x [n, D] (host; the hidden states before the final norm) through the final norm and
+ * lm_head of h, the logits divided by temperature (1: unchanged), and with base (may be NULL) its
+ * rows xb [n, D_base] through base's (undivided): stats[i] for row i predicting target[i]; logits
+ * (may be NULL) gets the model's logits [n, V] (host). Rows go in chunks of the smaller head's
+ * rows, so a row's results depend only on the rows of its call. */
+moeq_status mq_gpu_head_score(mq_gpu_head *h, mq_gpu_head *base, const float *x, const float *xb, int64_t n,
+                              const int32_t *target, float temperature, bool entropy, mq_gpu_row_stats *stats,
+                              float *logits);
+
+/* Tests: the twins one by one. The final norm of n rows x [n, D] (host) by w [D] into out; the
+ * row statistics of given logits rows l [n, V] (and lb, or NULL) as mq_gpu_head_score computes
+ * them. */
+moeq_status mq_gpu_rmsnorm_rows(mq_gpu *g, const float *x, int64_t n, int64_t D, const float *w, float eps,
+                                float *out);
+moeq_status mq_gpu_row_stats_of(mq_gpu *g, const float *l, const float *lb, int64_t n, int64_t V,
+                                const int32_t *target, bool entropy, mq_gpu_row_stats *stats);
+
 #ifdef __cplusplus
 }
 #endif

@@ -245,4 +245,50 @@ int64_t mq_gpu_attn_rows(const mq_gpu_attn *a) {
     return 0;
 }
 
+/* the evaluation's pieces */
+moeq_status mq_gpu_buf_zero(mq_gpu_buf *b, int64_t off, int64_t n) {
+    (void)b, (void)off, (void)n;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_mlp_add_kept(mq_gpu_mlp *m, mq_gpu_buf *out, const mq_gpu_buf *xn, const mq_gpu_buf *gate,
+                                int64_t n) {
+    (void)m, (void)out, (void)xn, (void)gate, (void)n;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_head_new(mq_gpu *g, int64_t D, int64_t V, const float *norm, float eps, const float *lm_head,
+                            int64_t max_rows, mq_gpu_head **out) {
+    (void)g, (void)D, (void)V, (void)norm, (void)eps, (void)lm_head, (void)max_rows;
+    *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+void mq_gpu_head_free(mq_gpu_head *h) { (void)h; }
+
+int64_t mq_gpu_head_rows(const mq_gpu_head *h) {
+    (void)h;
+    return 0;
+}
+
+moeq_status mq_gpu_head_score(mq_gpu_head *h, mq_gpu_head *base, const float *x, const float *xb, int64_t n,
+                              const int32_t *target, float temperature, bool entropy, mq_gpu_row_stats *stats,
+                              float *logits) {
+    (void)h, (void)base, (void)x, (void)xb, (void)n, (void)target, (void)temperature, (void)entropy, (void)stats,
+        (void)logits;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_rmsnorm_rows(mq_gpu *g, const float *x, int64_t n, int64_t D, const float *w, float eps,
+                                float *out) {
+    (void)g, (void)x, (void)n, (void)D, (void)w, (void)eps, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_row_stats_of(mq_gpu *g, const float *l, const float *lb, int64_t n, int64_t V,
+                                const int32_t *target, bool entropy, mq_gpu_row_stats *stats) {
+    (void)g, (void)l, (void)lb, (void)n, (void)V, (void)target, (void)entropy, (void)stats;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 #endif

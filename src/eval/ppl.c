@@ -18,7 +18,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend/gpu.h"
 #include "dist/dist.h"
+#include "eval/eval_gpu.h"
 #include "eval/eval_run.h"
 
 /* Records the first failure of a pool task (the message lives in that thread's last error). */
@@ -253,6 +255,7 @@ void moeq_eval_options_init(moeq_eval_options *o) {
     memset(o, 0, sizeof *o);
     o->task = MOEQ_TASK_WIKITEXT;
     o->prefix_token = -1;
+    o->device = -1;
 }
 
 static bool same_tokenizer(const moeq_tokenizer *a, const moeq_tokenizer *b) {
@@ -556,6 +559,14 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
     c.save_fd = -1;
     moeq_status st = check_inputs(m, opt, &c.L, &c.prefix);
     if (st) return st;
+    if (opt->device >= 0) {   /* what the GPU lacks, and the device, before any work */
+        st = mq_eval_gpu_check(m, "the model");
+        if (!st && opt->kl_base) st = mq_eval_gpu_check(opt->kl_base, "--kl-base");
+        if (!st && (opt->gpu_precision < MOEQ_GPU_FP32 || opt->gpu_precision > MOEQ_GPU_TF32))
+            st = mq_err(MOEQ_E_ARG, "eval: gpu_precision %d (fp32 0, tf32x3 1, tf32 2)", opt->gpu_precision);
+        if (!st && !opt->dry_run) st = mq_gpu_probe(opt->device);
+        if (st) return st;
+    }
     c.m = m;
     c.base = opt->kl_base;
     c.docs = docs;
@@ -645,7 +656,8 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
     }
 
     /* Saved logits: check the one to read, open the one to write. */
-    const bool streamed = mq_model_lazy(m) || (c.base && mq_model_lazy(c.base));
+    /* a GPU runs every model layer by layer, as the streamed forward does */
+    const bool streamed = mq_model_lazy(m) || (c.base && mq_model_lazy(c.base)) || opt->device >= 0;
     uint64_t checksum = (opt->kl_logits || opt->save_logits || streamed) ? ids_checksum(&c) : 0;
     c.ids_checksum = checksum;
     if (opt->dry_run) {

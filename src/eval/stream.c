@@ -32,6 +32,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "eval/eval_gpu.h"
 #include "eval/eval_run.h"
 
 #define RECORD "eval-stream.json"
@@ -90,6 +91,11 @@ typedef struct {
     char identity[17];
     int layers_done, durable_layers;
     double since_durable;
+    /* --device cuda (eval_gpu.h): the layers and the scoring on the GPU; -1: the CPU */
+    int gpu_precision;
+    mq_eval_gpu *gpu;
+    bool pinned[MAX_MODELS];   /* the memory boundary page-locked for the device's copies */
+    float *stage;              /* a group's rows read from files */
 } stream;
 
 /* ---- boundary storage ---------------------------------------------------------------------- */
@@ -318,6 +324,8 @@ static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_re
      * record; and the process's own (the tokenizer, the documents, the allocator's and the
      * runtime's): 256 MiB covers it for every fixture and full-size vocabulary measured */
     z.fixed = c->tokens_total * 45 + c->n_win * 64 + ((int64_t)256 << 20);
+    /* a GPU: the next layer read while the device runs this one, a group's rows staged */
+    if (o->device >= 0) z.fixed += z.layer + (int64_t)16384 * S->Dmax * 4;
     const int64_t budget = o->max_memory > 0 ? o->max_memory : moeq_default_memory_budget();
     const int pool = mq_pool_size();
     /* a model loaded whole keeps its boundary in memory */
@@ -444,6 +452,10 @@ static moeq_status run_identity(stream *S) {
              c->prefix, c->add_bos, (long long)c->n_win, (long long)c->w_lo, (long long)c->w_hi,
              (unsigned long long)c->ids_checksum);
     h = fnv_str(h, buf);
+    if (S->gpu_precision >= 0) {   /* a GPU's boundaries differ from the CPU's in the last bits */
+        snprintf(buf, sizeof buf, "gpu precision=%d", S->gpu_precision);
+        h = fnv_str(h, buf);
+    }
     snprintf(S->identity, sizeof S->identity, "%016llx", (unsigned long long)h);
     return MOEQ_OK;
 }
@@ -619,6 +631,10 @@ static moeq_status resume_apply(stream *S, char *files[MAX_MODELS]) {
 }
 
 static void stream_free(stream *S, bool remove_dir) {
+    for (int k = 0; k < MAX_MODELS; k++)
+        if (S->pinned[k]) mq_eval_gpu_unpin(S->B[k].f);
+    mq_free(S->stage);
+    mq_eval_gpu_close(S->gpu);
     for (int i = 0; S->W && i < S->n_workers; i++) {
         for (int k = 0; k < MAX_MODELS; k++) mq_state_free(S->W[i].st[k]);
         mq_free(S->W[i].x);
@@ -648,6 +664,7 @@ static moeq_status stream_setup(stream *S, mq_eval_ctx *c) {
     memset(S, 0, sizeof *S);
     S->c = c;
     S->lock_fd = -1;
+    S->gpu_precision = -1;
     for (int k = 0; k < MAX_MODELS; k++) S->B[k].fd[0] = S->B[k].fd[1] = -1;
     S->m[0] = c->m;
     S->nm = 1;
@@ -689,12 +706,108 @@ static moeq_status head_load(stream *S, int k, bool load) {
     return s;
 }
 
+/* ---- the GPU's passes (eval_gpu.h) --------------------------------------------------------- */
+/* Every window through layer l of model k on the device, in groups of whole windows whose rows
+ * are consecutive in the boundary. */
+static moeq_status gpu_layer_pass(stream *S, int k, int l) {
+    mq_eval_ctx *c = S->c;
+    const int64_t cap = mq_eval_gpu_group_rows(S->gpu);
+    moeq_status s = MOEQ_OK;
+    const int64_t lo = c->w_lo;   /* row0 holds this rank's windows [w_lo, w_hi) */
+    for (int64_t w0 = lo, w1; w0 < c->w_hi && !s; w0 = w1) {
+        if (moeq_interrupted()) return MOEQ_E_INTERRUPTED;
+        for (w1 = w0 + 1; w1 < c->w_hi && S->row0[w1 + 1 - lo] - S->row0[w0 - lo] <= cap; w1++) {
+        }
+        const int64_t r0 = S->row0[w0 - lo], n = S->row0[w1 - lo] - r0;
+        float *x = NULL;
+        s = boundary_get(S, k, r0, n, S->stage, &x);
+        if (!s) s = mq_eval_gpu_layer_run(S->gpu, w0, w1, x);
+        if (!s) s = boundary_put(S, k, r0, n, x, true);
+        if (s)
+            return mq_err_prefix(s, "%s, layer %d, documents %lld..%lld", k ? "KL base" : "model", l,
+                                 (long long)c->win_doc[w0] + 1, (long long)c->win_doc[w1 - 1] + 1);
+        report(S, n);
+    }
+    return s;
+}
+
+/* The layers [first, max_layers) of every model on the device, in stream.c's lockstep order (the
+ * base's layer l, then the model's). Each layer's weights are read on the host, go up, and are
+ * freed there; the next one's are read ahead (mq_lazy_ahead) while the device runs this one. */
+static moeq_status gpu_layers(stream *S, int first, int max_layers, double *t_forward) {
+    typedef struct {
+        int l, k;
+    } step;
+    step *steps = malloc(sizeof *steps * (size_t)(max_layers > first ? (max_layers - first) * S->nm : 1));
+    if (!steps) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    int n = 0;
+    for (int l = first; l < max_layers; l++)
+        for (int kk = S->nm - 1; kk >= 0; kk--)
+            if (l < S->m[kk]->cfg.n_layers) steps[n++] = (step){l, kk};
+    mq_lazy_ahead *ahead = NULL;
+    moeq_status s = MOEQ_OK;
+    double t0 = mq_now();
+    for (int i = 0; i < n && !s; i++) {
+        const int l = steps[i].l, kk = steps[i].k, E = S->m[kk]->cfg.n_experts;
+        mq_lazy_model *lz = S->lz[kk];
+        if (ahead) s = mq_lazy_ahead_finish(ahead, NULL, NULL);   /* this step's, read ahead */
+        ahead = NULL;
+        if (!s && lz) s = mq_lazy_load(lz, l, MQ_PART_LAYER, 0, E);
+        if (!s) s = mq_eval_gpu_layer_begin(S->gpu, kk, l);
+        if (lz) mq_lazy_release(lz, l, MQ_PART_LAYER, 0, E);   /* on the device now */
+        if (!s && i + 1 < n && S->lz[steps[i + 1].k])
+            s = mq_lazy_ahead_start(S->lz[steps[i + 1].k], steps[i + 1].l, MQ_PART_LAYER, 0,
+                                    S->m[steps[i + 1].k]->cfg.n_experts, &ahead);
+        if (!s) s = gpu_layer_pass(S, kk, l);
+        mq_eval_gpu_layer_end(S->gpu);
+        if (!S->B[kk].ram) S->B[kk].cur = 1 - S->B[kk].cur;
+        if (!s && (i + 1 == n || steps[i + 1].l != l)) {   /* layer l of every model */
+            const double dt = mq_now() - t0;
+            t0 = mq_now();
+            *t_forward += dt;
+            S->layers_done = l + 1;
+            s = layer_durable(S, l + 1, dt);
+        }
+    }
+    if (ahead) mq_lazy_ahead_cancel(ahead);
+    free(steps);
+    return s;
+}
+
+/* Every window's scores on the device, windows in order. */
+static moeq_status gpu_score_pass(stream *S) {
+    mq_eval_ctx *c = S->c;
+    moeq_status s = mq_eval_gpu_head_begin(S->gpu);
+    for (int64_t wi = c->w_lo; wi < c->w_hi && !s; wi++) {
+        if (moeq_interrupted()) return MOEQ_E_INTERRUPTED;
+        const mq_window *win = &c->win[wi];
+        const int64_t r0 = S->row0[wi - c->w_lo], n = win->n_input, ns = win->n_score;
+        float *x[MAX_MODELS] = {NULL, NULL};
+        for (int k = 0; k < S->nm && !s; k++)
+            s = boundary_get(S, k, r0 + n - ns, ns, S->W[0].x + (size_t)k * (size_t)c->L * (size_t)S->Dmax, &x[k]);
+        if (!s) s = mq_eval_gpu_score_window(S->gpu, wi, x[0], S->nm > 1 ? x[1] : NULL);
+        if (!s) {
+            c->win_done[wi] = 1;
+            atomic_fetch_add(&c->tokens_done, ns);
+        }
+        report(S, ns);
+    }
+    return s;
+}
+
 moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval_result *res) {
     stream S;
     bool ram[MAX_MODELS] = {true, true};
     moeq_status s = stream_setup(&S, c);
     S.caller = pthread_self();
-    if (!s) s = make_plan(&S, o, res, true, ram);
+    /* with a GPU, models loaded whole run there too: a stream only where a model is one */
+    const bool lazy = S.lz[0] || (S.nm > 1 && S.lz[1]);
+    if (!s) s = make_plan(&S, o, res, o->device < 0 || lazy, ram);
+    if (!s && o->device >= 0) {
+        S.gpu_precision = o->gpu_precision;
+        s = mq_eval_gpu_open(c, o, S.nm, S.m, &S.gpu);
+        if (!s) mq_eval_gpu_describe(S.gpu, res->device, sizeof res->device);
+    }
     if (!s) s = run_identity(&S);
     /* the work directory, made for boundary files, a resume, or the snapshots of long runs */
     if (!s) s = work_dir_name(&S, o);
@@ -713,6 +826,13 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
                               "eval window rows");
         if (!w->ids || !w->x) s = MOEQ_E_NOMEM;
     }
+    if (!s && S.gpu) {   /* the group's rows go up from, and back into, the boundary or the stage */
+        for (int k = 0; k < S.nm; k++)
+            if (S.B[k].ram)
+                S.pinned[k] = mq_eval_gpu_pin(S.gpu, S.B[k].f, (size_t)S.rows * (size_t)S.D[k] * sizeof(float));
+        const size_t n = (size_t)mq_eval_gpu_group_rows(S.gpu) * (size_t)S.Dmax;
+        if (!(S.stage = mq_alloc_array(n, sizeof(float), "eval GPU group rows"))) s = MOEQ_E_NOMEM;
+    }
     if (!s && first > 0) s = resume_apply(&S, resume_files);
     for (int k = 0; k < MAX_MODELS; k++) free(resume_files[k]);
     res->plan.layers_resumed = first;
@@ -729,7 +849,8 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
     int max_layers = 0;
     for (int k = 0; k < S.nm; k++)
         max_layers = S.m[k]->cfg.n_layers > max_layers ? S.m[k]->cfg.n_layers : max_layers;
-    for (int l = first; l < max_layers && !s; l++) {
+    if (!s && S.gpu) s = gpu_layers(&S, first, max_layers, &t_forward);
+    for (int l = first; l < max_layers && !s && !S.gpu; l++) {
         const double t0 = mq_now();
         for (int kk = S.nm - 1; kk >= 0 && !s; kk--) {
             if (l >= S.m[kk]->cfg.n_layers) continue;
@@ -761,7 +882,11 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
             S.W[i].st[k] = NULL;
         }
     for (int k = 0; k < S.nm && !s; k++) s = head_load(&S, k, true);
-    if (!s) s = run_pass(&S, PASS_SCORE, -1, 0);
+    if (!s && S.gpu) {
+        s = gpu_score_pass(&S);
+    } else if (!s) {
+        s = run_pass(&S, PASS_SCORE, -1, 0);
+    }
     for (int k = 0; k < S.nm; k++) head_load(&S, k, false);
     mq_progress("eval", atomic_load(&S.rows_done), S.rows_total);
     res->plan.peak_anon_bytes = mq_mem_watch_peak();

@@ -12,6 +12,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "backend/gpu.h"
 #include "io/safetensors.h"
 #include "model/model.h"
 
@@ -279,6 +280,13 @@ moeq_status moeq_eval_options_set(moeq_eval_options *o, const char *key, const c
         o->kl_logits = v;
     } else if (!strcmp(key, "save-logits")) {
         o->save_logits = v;
+    } else if (!strcmp(key, "device")) {
+        st = mq_gpu_parse_device(v, &o->device);
+    } else if (!strcmp(key, "gpu-precision")) {
+        static const char *const n[] = {"fp32", "tf32x3", "tf32"};
+        int k = pick(v, n, 3);
+        if (k < 0) return bad(key, v, "fp32, tf32x3 or tf32");
+        o->gpu_precision = k;
     } else {
         return mq_err(MOEQ_E_ARG, "unknown eval option '%s' (the names of moeq eval's flags)", key);
     }
@@ -384,6 +392,7 @@ char *moeq_eval_result_json(const moeq_eval_result *r) {
     }
     if (r->has_base) add_num(j, "base_word_perplexity", r->base_word_perplexity);
     if (r->has_entropy) add_num(j, "entropy_mean", r->entropy_mean);
+    if (r->device[0]) cJSON_AddStringToObject(j, "device", r->device);
     return to_text(j);
 }
 

@@ -189,5 +189,21 @@ if [ $have_python = 1 ]; then
     [ ! -e "$tmp/w/eval-stream.json" ] || fail "--resume left its record behind"
 fi
 
+# --device cuda: where no GPU answers (none on the machine, or a build without CUDA) exit 1 with a
+# message naming the device; on a GPU the figures agree with the CPU's (a loose 1e-3 relative
+# here: tests/test_gpu_eval.c holds the derived tolerance, about 1e-3 for this model in fp32).
+"$cli" eval "$model" --data "$tmp/wiki.txt" --json --device cuda > "$tmp/gpu.json" 2> "$tmp/err"
+rc=$?
+if [ $rc -eq 0 ]; then
+    rel_close "$(json_get "$tmp/gpu.json" loglikelihood)" "$(json_get "$tmp/out.json" loglikelihood)" 1e-3 ||
+        fail "--device cuda: loglikelihood $(json_get "$tmp/gpu.json" loglikelihood) against the CPU's $(json_get "$tmp/out.json" loglikelihood)"
+else
+    [ $rc -eq 1 ] || fail "--device cuda without a GPU: expected exit 1, got $rc"
+    grep -q "cuda:0" "$tmp/err" && grep -Eq "no CUDA device|built without CUDA" "$tmp/err" ||
+        fail "--device cuda without a GPU: message: $(cat "$tmp/err")"
+fi
+expect_fail 2 "--gpu-precision needs --device cuda" "$model" --data "$tmp/wiki.txt" --gpu-precision tf32
+expect_fail 2 "expected cpu, cuda or cuda:N" "$model" --data "$tmp/wiki.txt" --device gpu
+
 [ $fails -eq 0 ] || exit 1
 echo "test_eval: all checks passed"

@@ -9,6 +9,8 @@
  * peak RSS go to stderr, or with --json into the object.
  * A model too large for memory is streamed (--stream): every window through layer l before
  * layer l + 1, one layer's weights in memory, within --max-memory; --dry-run prints the plan.
+ * --device cuda[:N] runs that stream's layers and the scores on a GPU (fp32 weights: a quantized
+ * checkpoint is dequantized as it streams), within a derived tolerance of the CPU's figures.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -116,6 +118,9 @@ static void print_json(const char *model_dir, const char *data, const char *task
             (long long)r->plan.windows, (long long)r->plan.rows, r->plan.flops,
             r->plan.core_gflops, r->plan.eta_seconds, r->plan.layers_resumed,
             (long long)r->plan.peak_anon_bytes, r->plan.forward_gflops);
+    fputs("  \"device\": ", f);
+    cli_print_json_string(f, r->device[0] ? r->device : "cpu");
+    fputs(",\n", f);
     fprintf(f, "  \"interrupted\": %s,\n", r->interrupted ? "true" : "false");
     json_num(f, "seconds", r->seconds, false);
     json_num(f, "cpu_seconds", rs->cpu_seconds, false);
@@ -159,8 +164,8 @@ static void print_text(const char *model_dir, const char *task, const moeq_eval_
                     r->kl_gap_bound);
     }
     if (r->has_entropy) fprintf(f, "  entropy_mean      %.6f nats/token\n", r->entropy_mean);
-    fprintf(f, "  %.1f s, %.0f tokens/s (%.1f CPU s)\n", r->seconds, r->tokens_per_second,
-            rs->cpu_seconds);
+    fprintf(f, "  %.1f s, %.0f tokens/s (%.1f CPU s)%s%s\n", r->seconds, r->tokens_per_second,
+            rs->cpu_seconds, r->device[0] ? " on " : "", r->device);
     if (r->plan.streamed)
         fprintf(f, "  streamed: peak %.2f GB planned, %.2f GB measured; forward %.1f GFLOP/s, "
                 "%.2f of the cores' sgemm rate%s\n", r->plan.peak_bytes / 1e9,
@@ -207,8 +212,15 @@ int cmd_eval(int argc, char **argv) {
     bool entropy = false;
     bool json = false, add_bos = false, quiet = false, per_doc = false, dequantize = false;
     const char *revision = NULL, *stream = "auto", *max_memory = NULL, *work_dir = NULL;
+    const char *device = NULL, *gpu_precision = NULL;
     bool resume = false, dry_run = false;
     const cli_opt opts[] = {
+        {"--device", OPT_STRING, &device, "DEV", "where the forward and the scores run: cpu (default), cuda "
+         "or cuda:N (a build with -DMOEQ_CUDA=ON; layer by layer, fp32 weights: a quantized checkpoint is "
+         "dequantized; within a stated tolerance of the CPU's figures, docs/eval.md)", NULL, 0, 0, NULL},
+        {"--gpu-precision", OPT_CHOICE, &gpu_precision, NULL, "with --device cuda: the products' arithmetic, "
+         "fp32 (default), tf32x3 or tf32 (TF32 tensor cores: faster, perplexity within about 1e-3 "
+         "relative; docs/eval.md)", "fp32|tf32x3|tf32", 0, 0, NULL},
         {"--stream", OPT_CHOICE, &stream, NULL, "run layer by layer, one layer's weights in memory "
          "(auto, the default: when the models do not fit half of --max-memory whole)", "auto|on|off", 0, 0, NULL},
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory a streamed run may use (e.g. 6GB; "
@@ -326,13 +338,24 @@ int cmd_eval(int argc, char **argv) {
         return cli_usage_error("eval", "--max-memory: cannot read '%s'", max_memory);
     if (resume && strcmp(stream, "off") == 0)
         return cli_usage_error("eval", "--resume continues a streamed run: drop --stream off");
-    moeq_model_options mo = {.keep_packed = !dequantize && !aq, .act_quant = aqk, .stream = 1};
-    moeq_model_options bo = {.keep_packed = !dequantize, .stream = 1};
+    moeq_eval_options dev;   /* --device checked here, before any file is read */
+    moeq_eval_options_init(&dev);
+    if (device && moeq_eval_options_set(&dev, "device", device))
+        return cli_usage_error("eval", "%s", moeq_last_error());
+    const bool gpu = dev.device >= 0;
+    if (gpu_precision && !gpu)
+        return cli_usage_error("eval", "--gpu-precision needs --device cuda");
+    if (gpu_precision) moeq_eval_options_set(&dev, "gpu-precision", gpu_precision);   /* a checked choice */
+    if (gpu && strcmp(stream, "off") == 0)
+        return cli_usage_error("eval", "--device cuda runs layer by layer (streamed): drop --stream off");
+    /* a GPU takes each layer's fp32 weights up from the stream: a quantized checkpoint dequantized */
+    moeq_model_options mo = {.keep_packed = !dequantize && !aq && !gpu, .act_quant = aqk, .stream = 1};
+    moeq_model_options bo = {.keep_packed = !dequantize && !gpu, .stream = 1};
     moeq_status st = moeq_docs_load(data, lay, &docs);
     /* open streamed first (the structure only), then whole where that fits */
     if (!st) st = moeq_model_open(model_dir, &mo, &m);
     if (!st && kl_base) st = moeq_model_open(kl_base, &bo, &base);
-    if (!st && strcmp(stream, "on") != 0) {
+    if (!st && strcmp(stream, "on") != 0 && !gpu) {
         int64_t budget = mem ? (int64_t)mem : moeq_default_memory_budget();
         int64_t whole = moeq_model_get_info(m)->weight_bytes_whole +
                         (base ? moeq_model_get_info(base)->weight_bytes_whole : 0);
@@ -385,6 +408,8 @@ int cmd_eval(int argc, char **argv) {
         o.work_dir = work_dir;
         o.resume = resume;
         o.dry_run = dry_run;
+        o.device = dev.device;
+        o.gpu_precision = dev.gpu_precision;
         st = moeq_eval(m, docs, &o, &r);
     }
     if (st == MOEQ_OK && dry_run) {

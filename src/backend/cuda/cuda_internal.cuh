@@ -96,6 +96,12 @@ moeq_status mq_cu_pinned(mq_gpu *g, size_t *piece);
  * Linear k of an mq_gpu_mlp and its shape; sum i of an mq_gpu_hessians (K[i], rows so far). */
 float *mq_gpu_mlp_weight(mq_gpu_mlp *m, int64_t e, int k);
 bool mq_gpu_mlp_shape(const mq_gpu_mlp *m, int64_t e, int k, int64_t *rows, int64_t *cols);
+/* The expert set's kept batch outputs (mq_gpu_mlp_run_indexed with keep): rows of D values, the
+ * room for *rows of them (0 and NULL before any was kept); read them on stream 0 after a join. */
+float *mq_gpu_mlp_kept(mq_gpu_mlp *m, int64_t *rows, int64_t *D);
+/* The context an expert set or a buffer was made on. */
+mq_gpu *mq_gpu_mlp_gpu(const mq_gpu_mlp *m);
+mq_gpu *mq_gpu_buf_gpu(const mq_gpu_buf *b);
 const float *mq_gpu_hessians_sum(const mq_gpu_hessians *hs, int64_t i, int64_t *K, int64_t *n);
 /* An mq_gpu_buf's device memory and its size in floats (n may be NULL). */
 float *mq_gpu_buf_device(mq_gpu_buf *b, int64_t *n);

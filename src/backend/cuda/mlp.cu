@@ -421,6 +421,16 @@ float *mq_gpu_mlp_weight(mq_gpu_mlp *m, int64_t e, int k) {
     return m->w[(size_t)(3 * e + k)];
 }
 
+mq_gpu *mq_gpu_mlp_gpu(const mq_gpu_mlp *m) { return m ? m->g : NULL; }
+
+mq_gpu *mq_gpu_buf_gpu(const mq_gpu_buf *b) { return b ? b->g : NULL; }
+
+float *mq_gpu_mlp_kept(mq_gpu_mlp *m, int64_t *rows, int64_t *D) {
+    if (rows) *rows = m && m->yk ? m->yk_cap : 0;
+    if (D) *D = m ? m->D : 0;
+    return m ? m->yk : NULL;
+}
+
 bool mq_gpu_mlp_shape(const mq_gpu_mlp *m, int64_t e, int k, int64_t *rows, int64_t *cols) {
     if (!m || e < 0 || e >= m->E || k < 0 || k > 2 || !m->w[(size_t)(3 * e + k)]) return false;
     *rows = k == 2 ? m->D : m->F;

@@ -1,0 +1,431 @@
+/*
+ * The evaluation's GPU driver (eval_gpu.h): a layer's weights up once, the windows through it in
+ * groups, and the scoring of each window, with the backend's pieces (backend/gpu.h).
+ *
+ * A group's FFN is the CPU forward's (model/forward.c, ffn_block) step for step, on the device:
+ * the routed experts' slots expert-major with the tokens in increasing order within an expert,
+ * each token's outputs summed from +0 in increasing expert order (one fmaf each, mq_gpu_mlp_combine),
+ * then the shared expert's gate times its output (mq_gpu_mlp_add_kept), then the residual add; a
+ * dense MLP's output goes onto the residual as one fmaf by 1 (the CPU's residual axpy).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "backend/gpu.h"
+#include "eval/eval_gpu.h"
+
+static int64_t g_group_rows = 0;
+void mq_eval_set_gpu_group_rows(int64_t rows) { g_group_rows = rows; }
+
+enum { EXPERT_ROWS = 2048, MLP_ROWS = 4096 };   /* the expert sets' rows a product (their lanes' scratch) */
+
+struct mq_eval_gpu {
+    mq_eval_ctx *c;
+    mq_gpu *g;
+    moeq_gpu_precision prec;
+    int nm;
+    const moeq_model *m[2];
+    mq_state *st[2];              /* for the RoPE tables */
+    mq_gpu_attn *att[2];
+    int64_t rows, Dmax, Kmax, Emax;
+    mq_gpu_buf *h, *xn, *out, *gate;   /* [rows, Dmax] x3 (the layer's result, the FFN input, the
+                                          FFN output), [Dmax] the shared expert's gate */
+    /* the layer being run */
+    int k, l;
+    mq_gpu_mlp *experts, *shared, *dense;
+    bool gated;
+    /* a group's host scratch */
+    mq_gpu_attn_sample *smp;      /* [rows]: a window each */
+    int32_t *sel, *slot, *list, *crow, *first, *ident, *cnt, *start;
+    float *w, *cw;
+    int64_t *tok;
+    /* scoring */
+    mq_gpu_head *head[2];
+    int64_t head_rows;
+    mq_gpu_row_stats *stats;      /* [head_rows] */
+    int32_t *targets;             /* [head_rows] */
+    float *logits;                /* [head_rows, V]: with saved logits to write or read */
+};
+
+/* ---- what the GPU path runs ------------------------------------------------------------------ */
+moeq_status mq_eval_gpu_check(const moeq_model *m, const char *role) {
+    const mq_config *c = &m->cfg;
+    const char *name = m->dir ? m->dir : "model";
+    const bool family = c->arch == MQ_ARCH_LLAMA || c->arch == MQ_ARCH_OLMOE || c->arch == MQ_ARCH_QWEN2_MOE ||
+                        c->arch == MQ_ARCH_QWEN3_MOE || c->arch == MQ_ARCH_MIXTRAL;
+    const char *why = NULL;
+    char buf[160];
+    if (!family || c->mla) {
+        snprintf(buf, sizeof buf, "model_type %s (multi-head latent attention and its routing)", c->model_type);
+        why = buf;
+    } else if (c->sigmoid_router || c->router_bias || c->n_group > 1 || c->routed_scale != 1.0f) {
+        why = "sigmoid or group-limited routing";
+    } else if (m->act_quant) {
+        why = "--act-quant (the emulated activation quantizer)";
+    } else if (m->n_packed > 0 || (mq_model_lazy(m) && mq_lazy_packed(mq_model_lazy(m)))) {
+        why = "packed quantized weights (open the model with keep_packed off: moeq eval --dequantize; packed GPU "
+              "kernels are not written yet)";
+    } else if (c->mlp_bias) {
+        why = "MLP biases (mlp_bias)";
+    } else if (c->attn_scale != 1.0 / sqrt((double)c->head_dim) || c->rope_dim != c->head_dim || c->rope_interleave ||
+               c->v_head_dim != c->head_dim) {
+        why = "a softmax scale, rotary layout or value head other than the standard attention's";
+    } else if (c->head_dim % 2 || c->n_kv_heads <= 0 || c->n_heads % c->n_kv_heads) {
+        why = "an odd head size or query heads not a multiple of the KV heads";
+    } else if (c->n_experts > 0 && c->top_k > 64) {
+        why = "more than 64 experts per token";
+    }
+    if (why)
+        return mq_err(MOEQ_E_UNSUPPORTED, "--device cuda: %s (%s) has %s, which the GPU evaluation lacks; evaluate it "
+                      "on the CPU (--device cpu)", role, name, why);
+    return MOEQ_OK;
+}
+
+/* ---- open and close -------------------------------------------------------------------------- */
+void mq_eval_gpu_close(mq_eval_gpu *G) {
+    if (!G) return;
+    mq_eval_gpu_layer_end(G);
+    for (int k = 0; k < 2; k++) {
+        mq_gpu_attn_free(G->att[k]);
+        mq_state_free(G->st[k]);
+        mq_gpu_head_free(G->head[k]);
+    }
+    mq_gpu_buf_free(G->h);
+    mq_gpu_buf_free(G->xn);
+    mq_gpu_buf_free(G->out);
+    mq_gpu_buf_free(G->gate);
+    free(G->smp);
+    void *host[] = {G->sel, G->slot, G->list, G->crow, G->first, G->ident, G->cnt, G->start, G->w, G->cw, G->tok,
+                    G->stats, G->targets};
+    for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) free(host[i]);
+    mq_free(G->logits);
+    mq_gpu_close(G->g);
+    free(G);
+}
+
+moeq_status mq_eval_gpu_open(mq_eval_ctx *c, const moeq_eval_options *o, int nm, const moeq_model *const *m,
+                             mq_eval_gpu **out) {
+    *out = NULL;
+    if (o->gpu_precision < MOEQ_GPU_FP32 || o->gpu_precision > MOEQ_GPU_TF32)
+        return mq_err(MOEQ_E_ARG, "eval: gpu_precision %d (fp32 0, tf32x3 1, tf32 2)", o->gpu_precision);
+    mq_eval_gpu *G = calloc(1, sizeof *G);
+    if (!G) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    G->c = c;
+    G->nm = nm;
+    G->k = G->l = -1;
+    G->prec = (moeq_gpu_precision)o->gpu_precision;
+    moeq_status s = mq_gpu_open(o->device, &G->g);
+    if (!s) s = mq_gpu_set_precision(G->g, G->prec);
+    int64_t rows = INT64_MAX;
+    for (int k = 0; k < nm && !s; k++) {
+        const mq_config *cf = &m[k]->cfg;
+        G->m[k] = m[k];
+        G->Dmax = cf->D > G->Dmax ? cf->D : G->Dmax;
+        G->Kmax = cf->top_k > G->Kmax ? cf->top_k : G->Kmax;
+        G->Emax = cf->n_experts > G->Emax ? cf->n_experts : G->Emax;
+        s = mq_state_new_ex(m[k], c->L, false, &G->st[k]);
+        if (s) break;
+        mq_gpu_attn_shape sh = {.D = cf->D, .H = cf->n_heads, .KV = cf->n_kv_heads, .hd = cf->head_dim,
+                                .max_T = c->L, .eps = cf->rms_eps,
+                                .qk_norm = cf->qk_norm == MQ_QKNORM_FULL ? 1 : cf->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
+                                .clip_qkv = cf->clip_qkv, .E = cf->n_experts, .top_k = cf->n_experts ? cf->top_k : 0,
+                                .norm_topk = cf->norm_topk_prob};
+        mq_state_rope_tables(G->st[k], &sh.rope_cos, &sh.rope_sin);
+        s = mq_gpu_attn_new(G->g, &sh, &G->att[k]);
+        if (!s && mq_gpu_attn_rows(G->att[k]) < rows) rows = mq_gpu_attn_rows(G->att[k]);
+    }
+    /* a test's smaller groups, never below a window */
+    if (!s && g_group_rows > 0 && g_group_rows < rows) rows = g_group_rows > c->L ? g_group_rows : c->L;
+    G->rows = rows;
+    const size_t R = (size_t)rows, RK = R * (size_t)(G->Kmax > 0 ? G->Kmax : 1);
+    if (!s) s = mq_gpu_buf_new(G->g, rows * G->Dmax, &G->h);
+    if (!s) s = mq_gpu_buf_new(G->g, rows * G->Dmax, &G->xn);
+    if (!s) s = mq_gpu_buf_new(G->g, rows * G->Dmax, &G->out);
+    if (!s) s = mq_gpu_buf_new(G->g, G->Dmax, &G->gate);
+    if (!s) {
+        G->smp = calloc(R, sizeof *G->smp);
+        G->sel = malloc(RK * sizeof *G->sel);
+        G->slot = malloc(RK * sizeof *G->slot);
+        G->list = malloc(RK * sizeof *G->list);
+        G->crow = malloc(RK * sizeof *G->crow);
+        G->w = malloc(RK * sizeof *G->w);
+        G->cw = malloc(RK * sizeof *G->cw);
+        G->first = malloc((R + 1) * sizeof *G->first);
+        G->tok = malloc(R * sizeof *G->tok);
+        G->ident = malloc(R * sizeof *G->ident);
+        G->cnt = malloc((size_t)(G->Emax + 1) * sizeof *G->cnt);
+        G->start = malloc((size_t)(G->Emax + 1) * sizeof *G->start);
+        if (!G->smp || !G->sel || !G->slot || !G->list || !G->crow || !G->w || !G->cw || !G->first || !G->tok ||
+            !G->ident || !G->cnt || !G->start)
+            s = mq_err(MOEQ_E_NOMEM, "out of memory for the GPU eval's groups of %lld rows", (long long)rows);
+        for (int64_t i = 0; !s && i < rows; i++) G->ident[i] = (int32_t)i;
+    }
+    if (s) {
+        mq_eval_gpu_close(G);
+        return s;
+    }
+    *out = G;
+    return MOEQ_OK;
+}
+
+void mq_eval_gpu_describe(const mq_eval_gpu *G, char *buf, size_t n) {
+    mq_gpu_info info;
+    mq_gpu_get_info(G->g, &info);
+    snprintf(buf, n, "cuda:%d %s (%s)", info.device, info.name, mq_gpu_precision_name(G->prec));
+}
+
+bool mq_eval_gpu_pin(mq_eval_gpu *G, void *p, size_t bytes) { return mq_gpu_host_register(G->g, p, bytes); }
+void mq_eval_gpu_unpin(void *p) { mq_gpu_host_unregister(p); }
+int64_t mq_eval_gpu_group_rows(const mq_eval_gpu *G) { return G->rows; }
+
+/* ---- a layer ---------------------------------------------------------------------------------- */
+void mq_eval_gpu_layer_end(mq_eval_gpu *G) {
+    mq_gpu_mlp_free(G->experts);
+    mq_gpu_mlp_free(G->shared);
+    mq_gpu_mlp_free(G->dense);
+    G->experts = G->shared = G->dense = NULL;
+    G->k = G->l = -1;
+}
+
+/* An expert set of one MLP (E = 1): the shared expert or a dense MLP. */
+static moeq_status one_mlp(mq_eval_gpu *G, const mq_linear *gate, const mq_linear *up, const mq_linear *down,
+                           int64_t D, mq_gpu_mlp **out) {
+    if (!gate->w || !up->w || !down->w)
+        return mq_err(MOEQ_E_ARG, "%s: not loaded as fp32 weights", !gate->w ? gate->name : !up->w ? up->name : down->name);
+    const float *g = gate->w, *u = up->w, *d = down->w;
+    return mq_gpu_mlp_new(G->g, 1, D, gate->out, &g, &u, &d, G->rows < MLP_ROWS ? G->rows : MLP_ROWS, out);
+}
+
+moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l) {
+    mq_eval_gpu_layer_end(G);
+    const moeq_model *m = G->m[k];
+    const mq_config *cf = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    if (!ly->q.w || !ly->k.w || !ly->v.w || !ly->o.w || !ly->attn_norm || !ly->ffn_norm)
+        return mq_err(MOEQ_E_ARG, "layer %d: its attention is not loaded as fp32 weights", l);
+    mq_gpu_attn_weights aw = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
+                              .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias, .o_bias = ly->o.bias,
+                              .q_norm = ly->q_norm, .k_norm = ly->k_norm,
+                              .window = cf->layer_sliding && cf->layer_sliding[l] ? cf->sliding_window : 0,
+                              .ffn_norm = ly->ffn_norm, .router = ly->is_moe ? ly->router : NULL};
+    moeq_status s = mq_gpu_attn_set(G->att[k], &aw);
+    const int64_t D = cf->D, E = cf->n_experts;
+    if (!s && ly->is_moe) {
+        const float **w = malloc((size_t)(3 * E) * sizeof *w);
+        if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
+        for (int64_t e = 0; e < E && !s; e++) {
+            w[e] = ly->exp_gate[e].w;
+            w[E + e] = ly->exp_up[e].w;
+            w[2 * E + e] = ly->exp_down[e].w;
+            if (!w[e] || !w[E + e] || !w[2 * E + e])
+                s = mq_err(MOEQ_E_ARG, "layer %d, expert %lld: not loaded as fp32 weights", l, (long long)e);
+        }
+        if (!s) s = mq_gpu_mlp_new(G->g, E, D, cf->moe_ffn, w, w + E, w + 2 * E, EXPERT_ROWS, &G->experts);
+        free(w);
+        if (!s && cf->shared_ffn > 0) s = one_mlp(G, &ly->sh_gate, &ly->sh_up, &ly->sh_down, D, &G->shared);
+        G->gated = cf->shared_ffn > 0 && cf->shared_gate;
+        if (!s && G->gated && !ly->sh_gate_w) s = mq_err(MOEQ_E_ARG, "layer %d: shared_expert_gate not loaded", l);
+        if (!s && G->gated) s = mq_gpu_buf_write(G->gate, 0, D, ly->sh_gate_w);
+    } else if (!s) {
+        s = one_mlp(G, &ly->gate, &ly->up, &ly->down, D, &G->dense);
+    }
+    if (s) {
+        mq_eval_gpu_layer_end(G);
+        return mq_err_prefix(s, "GPU layer %d", l);
+    }
+    G->k = k;
+    G->l = l;
+    return MOEQ_OK;
+}
+
+/* The routed experts' slots and the combine's pairs of R rows (routing sel/w [R, K] of E
+ * experts), as forward.c's moe_block orders them. */
+static moeq_status routed_layout(mq_eval_gpu *G, int64_t R, int64_t K, int64_t E) {
+    int32_t *cnt = G->cnt, *start = G->start;
+    for (int64_t e = 0; e <= E; e++) cnt[e] = 0;
+    for (int64_t i = 0; i < R * K; i++) {
+        if (G->sel[i] < 0 || G->sel[i] >= E)
+            return mq_err(MOEQ_E_NUMERIC, "row %lld routed to expert %d of %lld (non-finite router logits?)",
+                          (long long)(i / K), G->sel[i], (long long)E);
+        cnt[G->sel[i]]++;
+    }
+    start[0] = 0;
+    for (int64_t e = 0; e < E; e++) start[e + 1] = start[e] + cnt[e];
+    for (int64_t e = 0; e < E; e++) cnt[e] = start[e];   /* the next slot of each expert */
+    for (int64_t t = 0; t < R; t++)
+        for (int64_t k = 0; k < K; k++) {
+            const int32_t e = G->sel[t * K + k], slot = cnt[e]++;
+            G->list[slot] = (int32_t)t;
+            G->slot[t * K + k] = slot;
+        }
+    for (int64_t t = 0; t < R; t++) {
+        int32_t order[64];
+        const int32_t *sel = G->sel + t * K;
+        for (int64_t k = 0; k < K; k++) order[k] = (int32_t)k;
+        for (int64_t a = 1; a < K; a++)   /* by expert id */
+            for (int64_t b = a; b > 0 && sel[order[b - 1]] > sel[order[b]]; b--) {
+                const int32_t x = order[b];
+                order[b] = order[b - 1];
+                order[b - 1] = x;
+            }
+        G->tok[t] = t;
+        G->first[t] = (int32_t)(t * K);
+        for (int64_t k = 0; k < K; k++) {
+            G->crow[t * K + k] = G->slot[t * K + order[k]];
+            G->cw[t * K + k] = G->w[t * K + order[k]];
+        }
+    }
+    G->first[R] = (int32_t)(R * K);
+    return MOEQ_OK;
+}
+
+/* One MLP (E = 1) over all R rows of the FFN input, its outputs kept for add_kept. */
+static moeq_status one_mlp_rows(mq_eval_gpu *G, mq_gpu_mlp *m, int64_t R) {
+    moeq_status s = mq_gpu_mlp_inputs_from(m, G->xn, R);
+    if (!s) s = mq_gpu_mlp_rows_index(m, G->ident, R);
+    if (!s) s = mq_gpu_mlp_reserve_kept(m, R);
+    if (!s) s = mq_gpu_mlp_run_indexed(m, 0, 0, R, true, NULL, NULL);
+    return s;
+}
+
+moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x) {
+    if (G->k < 0) return mq_err(MOEQ_E_ARG, "GPU eval: no layer begun");
+    const mq_eval_ctx *c = G->c;
+    const moeq_model *m = G->m[G->k];
+    const mq_config *cf = &m->cfg;
+    const mq_layer *ly = &m->layers[G->l];
+    const int64_t D = cf->D, E = cf->n_experts, K = ly->is_moe ? cf->top_k : 0;
+    int64_t R = 0, n = 0;
+    for (int64_t wi = w0; wi < w1; wi++) {
+        const int64_t T = c->win[wi].n_input;
+        if (R + T > G->rows || n >= G->rows)
+            return mq_err(MOEQ_E_ARG, "GPU eval: windows %lld..%lld hold more than a group's %lld rows", (long long)w0,
+                          (long long)w1, (long long)G->rows);
+        mq_gpu_attn_sample *sm = &G->smp[n++];
+        memset(sm, 0, sizeof *sm);
+        sm->x = x + R * D;
+        sm->T = T;
+        sm->ffn_dev_off = R * D;
+        if (K) {
+            sm->sel = G->sel + R * K;
+            sm->w = G->w + R * K;
+        }
+        R += T;
+    }
+    if (R == 0) return MOEQ_OK;
+    const mq_gpu_attn_io io = {.ffn_dev = G->xn, .h_dev = G->h};
+    moeq_status s = mq_gpu_attn_run_samples(G->att[G->k], G->smp, n, &io);
+    if (!s && ly->is_moe) {
+        s = mq_gpu_buf_zero(G->out, 0, R * D);
+        if (!s) s = routed_layout(G, R, K, E);
+        if (!s) s = mq_gpu_mlp_inputs_from(G->experts, G->xn, R);
+        if (!s) s = mq_gpu_mlp_rows_index(G->experts, G->list, R * K);
+        if (!s) s = mq_gpu_mlp_reserve_kept(G->experts, R * K);
+        for (int64_t e = 0; e < E && !s; e++)
+            if (G->start[e + 1] > G->start[e])
+                s = mq_gpu_mlp_run_indexed(G->experts, e, G->start[e], G->start[e + 1] - G->start[e], true, NULL, NULL);
+        if (!s) s = mq_gpu_mlp_combine(G->experts, G->out, G->tok, G->first, G->crow, G->cw, R);
+        if (!s && G->shared) s = one_mlp_rows(G, G->shared, R);
+        if (!s && G->shared) s = mq_gpu_mlp_add_kept(G->shared, G->out, G->xn, G->gated ? G->gate : NULL, R);
+        if (!s) s = mq_gpu_buf_add(G->h, G->out, R * D);
+    } else if (!s) {
+        s = one_mlp_rows(G, G->dense, R);
+        if (!s) s = mq_gpu_mlp_add_kept(G->dense, G->h, G->xn, NULL, R);
+    }
+    if (!s) s = mq_gpu_buf_read(G->h, 0, R * D, x);
+    return s;
+}
+
+/* ---- scoring ------------------------------------------------------------------------------------ */
+moeq_status mq_eval_gpu_head_begin(mq_eval_gpu *G) {
+    moeq_status s = MOEQ_OK;
+    int64_t rows = INT64_MAX;
+    for (int k = 0; k < G->nm && !s; k++) {
+        const moeq_model *m = G->m[k];
+        if (!m->final_norm || !m->lm_head) return mq_err(MOEQ_E_ARG, "%s: the output layer is not loaded", m->dir);
+        s = mq_gpu_head_new(G->g, m->cfg.D, m->cfg.vocab, m->final_norm, m->cfg.rms_eps, m->lm_head, 0, &G->head[k]);
+        if (!s && mq_gpu_head_rows(G->head[k]) < rows) rows = mq_gpu_head_rows(G->head[k]);
+    }
+    if (s) return s;
+    /* pieces of exactly the heads' rows: each call then makes the products it would make alone */
+    G->head_rows = rows;
+    G->stats = malloc((size_t)rows * sizeof *G->stats);
+    G->targets = malloc((size_t)rows * sizeof *G->targets);
+    if (!G->stats || !G->targets) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    const mq_eval_ctx *c = G->c;
+    if ((c->save_k || c->kl_data) &&
+        !(G->logits = mq_alloc_array((size_t)rows * (size_t)c->V, sizeof(float), "GPU eval logits")))
+        return MOEQ_E_NOMEM;
+    return MOEQ_OK;
+}
+
+moeq_status mq_eval_gpu_score_window(mq_eval_gpu *G, int64_t wi, const float *xm, const float *xb) {
+    mq_eval_ctx *c = G->c;
+    mq_eval_scratch *sc = &c->sc[0];
+    moeq_status st = mq_eval_scoring_init(c, sc);
+    if (st) return st;
+    const mq_window *w = &c->win[wi];
+    const int64_t d = c->win_doc[wi], V = c->V, D = c->m->cfg.D, Db = c->base ? c->base->cfg.D : 0;
+    const int32_t *T = c->tok[d];
+    const size_t rec_size = c->save_k ? mq_logits_record_size(c->save_k) : 0;
+    const int64_t g0 = c->tok_off[d] + w->first_target;
+    const double log_v = log((double)V);
+    double ll = 0;
+    for (int64_t p0 = 0; p0 < w->n_score; p0 += G->head_rows) {
+        const int64_t rows = w->n_score - p0 < G->head_rows ? w->n_score - p0 : G->head_rows;
+        for (int64_t r = 0; r < rows; r++) G->targets[r] = T[w->first_target + p0 + r];
+        st = mq_gpu_head_score(G->head[0], c->base ? G->head[1] : NULL, xm + p0 * D, xb ? xb + p0 * Db : NULL, rows,
+                               G->targets, c->temperature, c->tok_ent != NULL, G->stats, G->logits);
+        if (st) return mq_err_prefix(st, "document %lld", (long long)d + 1);
+        /* mq_eval_score_window's per-row work, in its order */
+        for (int64_t r = 0; r < rows; r++) {
+            const mq_gpu_row_stats *o = &G->stats[r];
+            const int64_t t = w->first_target + p0 + r, g = g0 + p0 + r;
+            const float *row = G->logits ? G->logits + r * V : NULL;
+            const double lse = o->lse;
+            if (!isfinite(lse))
+                return mq_err(MOEQ_E_NUMERIC, "document %lld, token %lld: non-finite logits", (long long)d + 1,
+                              (long long)t);
+            ll += (double)o->target - lse;
+            if (c->tok_ent) c->tok_ent[g] = log_v - o->ent_kl;
+            if (c->save_k) {
+                mq_topk(row, V, (int32_t)c->save_k, sc->tk_ids, sc->tk_vals);
+                mq_logits_record_encode(sc->rec + (size_t)(p0 + r) * rec_size, lse, sc->tk_ids, sc->tk_vals,
+                                        c->save_k);
+            }
+            if (c->base) {
+                if (!isfinite(o->lse_b))
+                    return mq_err(MOEQ_E_NUMERIC, "KL base: document %lld, token %lld: non-finite logits",
+                                  (long long)d + 1, (long long)t);
+                c->tok_kl[g] = o->kl;
+                c->tok_changed[g] = o->argmax != o->argmax_b;
+                c->tok_llb[g] = (double)o->target_b - o->lse_b;
+            } else if (c->kl_data) {
+                double lse_b;
+                const uint8_t *rec = c->kl_data + MQ_LOGITS_HEADER + (size_t)g * mq_logits_record_size(c->kl_k);
+                mq_logits_record_decode(rec, c->kl_k, &lse_b, sc->tk_ids, sc->tk_vals);
+                for (uint32_t i = 0; i < c->kl_k; i++)
+                    if (sc->tk_ids[i] >= (uint32_t)V)
+                        return mq_err(MOEQ_E_FORMAT, "saved logits: token %lld holds id %u outside the vocabulary",
+                                      (long long)g, sc->tk_ids[i]);
+                c->tok_kl[g] = mq_kl_topk(sc->tk_ids, sc->tk_vals, (int32_t)c->kl_k, lse_b, row, lse, V, sc->mark,
+                                          &c->tok_bound[g]);
+                c->tok_changed[g] = (uint32_t)o->argmax != sc->tk_ids[0];
+            }
+        }
+    }
+    if (c->save_k) {
+        const size_t n = (size_t)w->n_score * rec_size;
+        const off_t off = (off_t)(MQ_LOGITS_HEADER + (size_t)g0 * rec_size);
+        size_t done = 0;
+        while (done < n) {
+            const ssize_t k = pwrite(c->save_fd, sc->rec + done, n - done, off + (off_t)done);
+            if (k <= 0) return mq_err(MOEQ_E_IO, "%s: write failed", c->save_path);
+            done += (size_t)k;
+        }
+    }
+    c->win_ll[wi] = ll;
+    return MOEQ_OK;
+}

@@ -1,0 +1,61 @@
+/*
+ * moeq_eval on a CUDA device (moeq_eval_options.device >= 0): the streamed forward's layer pass
+ * and its scoring on the GPU backend's pieces (backend/gpu.h), driven by stream.c. Layer by
+ * layer, each model's layer weights (fp32, as the loader left them in m->layers[l]) go up once;
+ * the windows go through in groups of whole windows: attention, FFN norm and routing
+ * (mq_gpu_attn_run_samples, a window a sample from position 0), the routed experts over all of
+ * the group's rows (gathered on the device) and their combine, the shared expert (gated) or the
+ * dense MLP, the residual; only the group's rows cross the bus, once each way. Scoring: the final
+ * norm, lm_head and the per-token statistics of each window on the device (mq_gpu_head_score),
+ * summed on the host in mq_eval_score_window's order.
+ *
+ * What differs from the CPU's results is only the order of the products' sums: see
+ * docs/eval.md and tests/test_gpu_eval.c for the tolerance. Every step is a function of its row
+ * (or window) alone, so in fp32 the results do not depend on how windows are grouped.
+ */
+#ifndef MOEQ_EVAL_GPU_H
+#define MOEQ_EVAL_GPU_H
+
+#include "eval/eval_run.h"
+
+typedef struct mq_eval_gpu mq_eval_gpu;
+
+/* What the GPU path cannot run, checked before any work: MOEQ_E_UNSUPPORTED naming the feature
+ * of model m (role: "the model", "--kl-base") - a family without GPU kernels (multi-head latent
+ * attention), sigmoid or group-limited routing, the emulated activation quantizer, packed
+ * quantized weights (keep_packed), MLP biases, a nonstandard softmax scale or rotary layout. */
+moeq_status mq_eval_gpu_check(const moeq_model *m, const char *role);
+
+/* Opens device o->device with o->gpu_precision for the nm models of c (their per-layer
+ * attention twins, the group buffers). */
+moeq_status mq_eval_gpu_open(mq_eval_ctx *c, const moeq_eval_options *o, int nm, const moeq_model *const *m,
+                             mq_eval_gpu **out);
+void mq_eval_gpu_close(mq_eval_gpu *G);
+/* "cuda:N NAME (precision)" for the result. */
+void mq_eval_gpu_describe(const mq_eval_gpu *G, char *buf, size_t n);
+/* Page-locks host memory the groups go up from and come back into (best effort; false: it
+ * stays pageable); undone by mq_eval_gpu_unpin. */
+bool mq_eval_gpu_pin(mq_eval_gpu *G, void *p, size_t bytes);
+void mq_eval_gpu_unpin(void *p);
+/* Rows of windows a group holds at most (at least the longest window). */
+int64_t mq_eval_gpu_group_rows(const mq_eval_gpu *G);
+
+/* Layer l of model k: its weights (loaded in m->layers[l]) up to the device; the host's copy
+ * may be freed when this returns. */
+moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l);
+/* The windows [w0, w1) through the layer: x holds their rows back to back (host; rows of the
+ * model's D), replaced by the layer's output. */
+moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x);
+void mq_eval_gpu_layer_end(mq_eval_gpu *G);
+
+/* Scoring: every model's final norm and lm_head (loaded) up to the device; the host's copies may
+ * be freed when this returns. */
+moeq_status mq_eval_gpu_head_begin(mq_eval_gpu *G);
+/* Window wi from the hidden states of its scored rows before the final norm (xm the model's, xb
+ * the base's or NULL): what mq_eval_score_window sets, from the device's per-token values. */
+moeq_status mq_eval_gpu_score_window(mq_eval_gpu *G, int64_t wi, const float *xm, const float *xb);
+
+/* Tests: groups of at most this many rows (0: the default); at least one window each. */
+void mq_eval_set_gpu_group_rows(int64_t rows);
+
+#endif
