@@ -1041,6 +1041,35 @@ void moeq_string_free(char *s);
 /* libmoeq.so's interface version (bindings check it): 1. */
 int moeq_abi_version(void);
 
+/* ------------------------------------------------------------------------------------------ */
+/* Options described (issue 57): what moeq_quant_options_set takes, for a CLI or a binding     */
+/* ------------------------------------------------------------------------------------------ */
+typedef enum {
+    MOEQ_OPTION_SWITCH = 0,   /* "true" / "false"; a CLI flag without a value */
+    MOEQ_OPTION_INT = 1,      /* an integer in min .. max (min > max: any) */
+    MOEQ_OPTION_NUMBER = 2,   /* a finite number */
+    MOEQ_OPTION_TEXT = 3,     /* a string (a path, a size such as 6GB, a range such as 0.9:1.5) */
+    MOEQ_OPTION_CHOICE = 4,   /* one of choices */
+    MOEQ_OPTION_LIST = 5,     /* patterns: moeq_quant_options_set_ignore */
+} moeq_option_kind;
+
+typedef struct {
+    const char *key;          /* moeq_quant_options_set's key, `moeq quantize --KEY` */
+    moeq_option_kind kind;
+    const char *choices;      /* MOEQ_OPTION_CHOICE: the names, "a|b|c"; else NULL */
+    int64_t min, max;         /* MOEQ_OPTION_INT: the range moeq_quant_options_set accepts */
+    const char *metavar;      /* the value's name in help ("N", "FILE"); NULL for switches and
+                                 choices */
+    const char *help;         /* one line of `moeq quantize --help` */
+    int identity;             /* 1: the value changes the checkpoint's bytes, and a resumed run
+                                 must be given the same (0: memory, threads, paths, reports) */
+} moeq_option_info;
+
+/* The i-th option of moeq_quant_options (i = 0, 1, ...; NULL past the last), in the order of
+ * `moeq quantize --help`. moeq_quant_options_set fails with the message "KEY=VALUE: expected
+ * ..." (MOEQ_E_ARG) for a value the option does not take. */
+const moeq_option_info *moeq_quant_option_info(int i);
+
 #ifdef __cplusplus
 }
 #endif

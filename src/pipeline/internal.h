@@ -297,6 +297,10 @@ bool mq_fault_point(const char *where, int a, int b);
 cJSON *mq_mod_report_json(const mq_mod_report *r);
 /* The JSON report into path and, when html_path, the page drawn from it (report_html.c). */
 moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html_path);
+/* The run's effective settings as quant_options.def's RECORD column lists them: the report's
+ * "settings" (identity false), or also what only the resume check needs (the manifest's
+ * "options", identity true). */
+cJSON *mq_settings_json(const mq_pipe *p, bool identity);
 moeq_status mq_report_html_write(const cJSON *report, const char *path);
 
 #endif
