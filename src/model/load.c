@@ -805,18 +805,9 @@ static void fill_info(moeq_model *m) {
 
 moeq_status mq_config_load(const char *dir, mq_config *out) {
     memset(out, 0, sizeof *out);
-    if (!dir || !mq_dir_exists(dir))
-        return mq_err(MOEQ_E_NOTFOUND, "model directory '%s' not found", dir ? dir : "(null)");
-    char *path = mq_path_join(dir, "config.json");
-    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!mq_file_exists(path)) {
-        moeq_status s = mq_err(MOEQ_E_NOTFOUND, "%s: no config.json in the model directory", dir);
-        free(path);
-        return s;
-    }
-    char *json = NULL;
+    char *json = NULL, *path = NULL;
     size_t len = 0;
-    moeq_status s = mq_read_file(path, &json, &len);
+    moeq_status s = mq_config_file_read(dir, &path, &json, &len);   /* counted: model/source.h */
     if (!s) s = mq_config_parse(json, len, path, out);
     free(json);
     free(path);
@@ -896,7 +887,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
         pack = false;
     }
     int n_fallback = 0;
-    s = mq_st_open_dir(dir, &st);
+    s = mq_st_open_dir_blocks(dir, (mq_fp8_blocks){m->cfg.fp8_block_rows, m->cfg.fp8_block_cols}, &st);
     if (s) goto fail;
     s = build_wants(&L, st, m);
     if (!s) s = check_wants(&L, st, m, dir);
@@ -973,6 +964,10 @@ void mq_lazy_close(mq_lazy_model *lz) {
 }
 
 moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
+    return mq_lazy_open_config(dir, NULL, tokenizer, out);
+}
+
+moeq_status mq_lazy_open_config(const char *dir, mq_config *cfg, bool tokenizer, mq_lazy_model **out) {
     *out = NULL;
     mq_lazy_model *lz = calloc(1, sizeof *lz);
     moeq_model *m = calloc(1, sizeof *m);
@@ -982,7 +977,13 @@ moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
         return mq_err(MOEQ_E_NOMEM, "out of memory");
     }
     lz->m = m;
-    moeq_status s = mq_config_load(dir, &m->cfg);
+    moeq_status s = MOEQ_OK;
+    if (cfg) {
+        m->cfg = *cfg;
+        memset(cfg, 0, sizeof *cfg);
+    } else {
+        s = mq_config_load(dir, &m->cfg);
+    }
     if (!s) {
         m->dir = mq_strdup(dir);
         m->layers = calloc((size_t)m->cfg.n_layers, sizeof(mq_layer));
@@ -990,7 +991,7 @@ moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
     }
     if (!s && !(lz->packed_layer = calloc((size_t)m->cfg.n_layers + 1, sizeof(bool))))
         s = mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!s) s = mq_st_open_dir(dir, &lz->st);
+    if (!s) s = mq_st_open_dir_blocks(dir, (mq_fp8_blocks){m->cfg.fp8_block_rows, m->cfg.fp8_block_cols}, &lz->st);
     if (!s) s = build_wants(&lz->L, lz->st, m);
     if (!s) s = check_wants(&lz->L, lz->st, m, dir);
     if (!s) {

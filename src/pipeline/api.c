@@ -334,9 +334,8 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
     if (st) return st;
     mq_pipeline_opts o;
     mq_pipeline_opts_from(opts, &o);
-    /* GGUF: what llama.cpp would compute otherwise is refused before any work */
-    if (opts->format == MOEQ_FORMAT_GGUF && (st = mq_gguf_check_model(model_dir, o.spec.scheme, o.act_quant)))
-        return st;
+    /* GGUF: what llama.cpp would compute otherwise is refused before any work, by the pipeline
+     * when it reads the source's config.json (once) */
     char *report = NULL;
     if (opts->method == MOEQ_QUANT_GPTQ && !opts->dry_run) {
         report = opts->gptq.report                  ? mq_strdup(opts->gptq.report)

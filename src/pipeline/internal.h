@@ -129,6 +129,11 @@ typedef struct mq_pipe {
     char *out_dir;                /* without trailing slashes */
     char *work_dir, *build_dir;   /* build_dir: work_dir/out, the checkpoint being assembled */
     cJSON *src_config;
+    /* the source's config.json read once (pipeline.c read_source): its FP8 block size, and its
+     * mq_config where the run needs one (calibration takes it into the lazy model, the
+     * rotation reads it) */
+    mq_fp8_blocks src_fp8;
+    mq_config src_cfg;
     bool mixtral;
     mq_st *st;                    /* the source (borrowed from lz when calibrating) */
     mq_lazy_model *lz;            /* NULL for plain RTN */
