@@ -1070,6 +1070,20 @@ typedef struct {
  * ..." (MOEQ_E_ARG) for a value the option does not take. */
 const moeq_option_info *moeq_quant_option_info(int i);
 
+/* Tokens as bytes (for `moeq tokenize`): the bytes id stands for (the byte-level alphabet of
+ * moeq_tokenizer_token decoded; a token may hold part of a UTF-8 character), *len of them; NULL
+ * for an id outside the vocabulary. Borrowed from tok. */
+const char *moeq_tokenizer_token_bytes(const moeq_tokenizer *tok, int32_t id, size_t *len);
+/* How many bytes at the start of s[0..n) form valid UTF-8 (n when all of it does). */
+size_t moeq_utf8_valid_prefix(const char *s, size_t n);
+
+/* moeq_inspect_json with more: flags MOEQ_INSPECT_TENSORS adds "tensor_list" (every tensor's
+ * name, dtype, shape and bytes, in natural name order), MOEQ_INSPECT_WEIGHTS "weight_list"
+ * (every 2-D weight's storage, group and bits per weight). Without flags: moeq_inspect_json. */
+#define MOEQ_INSPECT_TENSORS 1u
+#define MOEQ_INSPECT_WEIGHTS 2u
+moeq_status moeq_inspect_json_ex(const char *model_dir, unsigned flags, char **out);
+
 #ifdef __cplusplus
 }
 #endif
