@@ -226,7 +226,7 @@ static moeq_status pwrite_all(int fd, const void *buf, size_t n, int64_t off, co
     return MOEQ_OK;
 }
 
-/* Wall nanoseconds spent in pwrite, summed over threads (MOEQ_PROFILE's write split). */
+/* Wall nanoseconds spent in pwrite, summed over threads (MOEQ_DEBUG_PROFILE's write split). */
 static atomic_uint_fast64_t g_write_ns;
 
 uint64_t mq_pwrite_ns(void) { return atomic_load(&g_write_ns); }

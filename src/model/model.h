@@ -307,7 +307,7 @@ void mq_state_free(mq_state *s);
 void mq_state_reset(mq_state *s);
 /* Frees layer l's KV cache (made again when the layer runs). */
 void mq_state_drop_layer(mq_state *s, int l);
-/* Where a prefill's standard attention spends its wall seconds (MOEQ_PROFILE measurements): acc,
+/* Where a prefill's standard attention spends its wall seconds (MOEQ_DEBUG_PROFILE measurements): acc,
  * if not NULL, gets each call's seconds added by part; NULL stops it. */
 enum { MQ_ATT_NORM, MQ_ATT_QKV, MQ_ATT_QK_ROPE, MQ_ATT_SCORES, MQ_ATT_O, MQ_ATT_RESIDUAL, MQ_ATT_HOOKS, MQ_ATT_PARTS };
 void mq_state_profile(mq_state *s, double *acc);

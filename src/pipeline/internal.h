@@ -293,9 +293,9 @@ moeq_status mq_work_load_boundary(mq_pipe *p, int l, int *at);
 bool mq_work_globals_done(const mq_pipe *p);
 moeq_status mq_work_globals_written(mq_pipe *p);
 void mq_work_release(mq_pipe *p, bool keep);   /* unlock; remove the work dir unless keep */
-/* Test-only fault points: MOEQ_FAULT="<where>:<a>[:<b>]" kills the process (SIGKILL) there;
- * with MOEQ_FAULT_MODE=error it returns true instead (the caller fails with an injected error),
- * with MOEQ_FAULT_MODE=hang it sleeps for ever; MOEQ_FAULT_RANK=R: only on rank R. */
+/* Test-only fault points: MOEQ_DEBUG_FAULT="<where>:<a>[:<b>]" kills the process (SIGKILL) there;
+ * with MOEQ_DEBUG_FAULT_MODE=error it returns true instead (the caller fails with an injected error),
+ * with MOEQ_DEBUG_FAULT_MODE=hang it sleeps for ever; MOEQ_DEBUG_FAULT_RANK=R: only on rank R. */
 bool mq_fault_point(const char *where, int a, int b);
 
 /* ---- report.c ---- */

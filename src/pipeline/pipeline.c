@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 
 #include "dist/dist.h"
+#include "core/env.h"
 #include "pipeline/internal.h"
 
 void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_format format) {
@@ -452,7 +453,7 @@ static moeq_status run(mq_pipe *p) {
  * own while the config, the model's index and the tokenizer are read and the calibration text is
  * tokenized, and is waited for before the memory plan, the first step that asks the device: the
  * first layer started about 0.2 s sooner on an H200. The probe first, so a machine without the
- * device still fails at once. MOEQ_GPU_OPEN_AHEAD=0 opens it in place (to measure it). */
+ * device still fails at once. MOEQ_DEBUG_GPU_OPEN_AHEAD=0 opens it in place (to measure it). */
 struct mq_gpu_opening {
     pthread_t th;
     int device;
@@ -471,7 +472,7 @@ static void *gpu_open_main(void *arg) {
 static moeq_status gpu_open_start(mq_pipe *p, int device) {
     moeq_status s = mq_gpu_probe(device);
     if (s) return s;
-    const char *env = getenv("MOEQ_GPU_OPEN_AHEAD");
+    const char *env = mq_env(MQ_ENV_GPU_OPEN_AHEAD);
     if (env && strcmp(env, "0") == 0) return mq_gpu_open(device, &p->gpu);
     struct mq_gpu_opening *g = calloc(1, sizeof *g);
     if (!g) return mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -535,6 +536,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     mq_pipeline_result res;
     memset(&res, 0, sizeof res);
     if (result) memset(result, 0, sizeof *result);
+    mq_env_reload();   /* the run sees the environment switches as they are when it starts */
     double t0 = mq_now();
     moeq_status s = check_opts(o);
     if (s) return s;
@@ -556,7 +558,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     bool exists = false;
     bool watching = false, work = false;
     if (p->ranks > 1) {   /* before any rank can fail alone */
-        const char *shares = getenv("MOEQ_DIST_SHARES");
+        const char *shares = mq_env(MQ_ENV_DIST_SHARES);
         int32_t fit = p->rank == 0 && shares && strcmp(shares, "measured") == 0;
         if ((s = mq_dist_bcast(&fit, sizeof fit, 0, "the options"))) goto done;
         p->fit_shares = fit != 0;

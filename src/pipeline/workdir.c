@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "dist/dist.h"
+#include "core/env.h"
 #include "pipeline/internal.h"
 
 /* 2: the options recorded as quant_options.def's RECORD column has them (the report's names and
@@ -33,9 +34,9 @@
 static const char k_act_magic[8] = {'M', 'O', 'E', 'Q', 'A', 'C', 'T', '1'};
 
 bool mq_fault_point(const char *where, int a, int b) {
-    const char *f = getenv("MOEQ_FAULT");
+    const char *f = mq_env(MQ_ENV_FAULT);
     if (!f || !*f) return false;
-    const char *fr = getenv("MOEQ_FAULT_RANK");
+    const char *fr = mq_env(MQ_ENV_FAULT_RANK);
     if (fr && *fr && atoi(fr) != mq_dist_rank()) return false;
     char want[96];
     snprintf(want, sizeof want, "%s:%d", where, a);
@@ -43,7 +44,7 @@ bool mq_fault_point(const char *where, int a, int b) {
     if (strncmp(f, want, n) != 0) return false;
     if (f[n] == ':' && atoi(f + n + 1) != b) return false;
     if (f[n] != '\0' && f[n] != ':') return false;
-    const char *mode = getenv("MOEQ_FAULT_MODE");
+    const char *mode = mq_env(MQ_ENV_FAULT_MODE);
     if (mode && !strcmp(mode, "error")) return true;
     if (mode && !strcmp(mode, "hang"))
         for (;;) pause();
@@ -440,13 +441,13 @@ static int boundary_layer(const mq_pipe *p) {
  * layers since the last have taken SNAPSHOT_RATIO times what that one cost (a resume then
  * replays a few layers' forward at most); on the CPU, whose layers take minutes, after every
  * layer. Several ranks: always (their resume needs the snapshot at the first layer it runs).
- * MOEQ_SNAPSHOT_EVERY=N (tests): after every N-th layer. */
+ * MOEQ_DEBUG_SNAPSHOT_EVERY=N (tests): after every N-th layer. */
 enum { SNAPSHOT_RATIO = 10 };
 
 static bool snapshot_due(mq_pipe *p, int l) {
     p->since_snapshot += p->layers[l].total;
     if (p->ranks > 1) return true;
-    const char *e = getenv("MOEQ_SNAPSHOT_EVERY");
+    const char *e = mq_env(MQ_ENV_SNAPSHOT_EVERY);
     if (e && atoi(e) > 0) return (l + 1) % atoi(e) == 0;
     return p->snapshot_cost <= 0 || p->since_snapshot >= SNAPSHOT_RATIO * p->snapshot_cost;
 }
