@@ -1,6 +1,7 @@
 /*
  * The walk of moeq_quantize's model directory reads config.json once (issue 57): RTN, GPTQ,
- * --rotate and GGUF output each parse it once and pass it on (model/source.h counts the reads).
+ * --rotate and GGUF output each parse it once and pass it on (core's mq_read_file counts the reads
+ * of one file, whoever reads it).
  * And the option table (src/pipeline/quant_options.def) is what moeq_quant_options_set takes:
  * every key moeq_quant_option_info lists is accepted with a value of its kind.
  */
@@ -8,7 +9,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "model/source.h"
+#include "core/core.h"
 
 static char g_calib[1100];
 
@@ -24,16 +25,18 @@ static const char *calib_file(void) {
 }
 
 /* Quantizes olmoe-tiny with o into a fresh directory; returns the reads of the source's
- * config.json it took (GGUF output reads the written checkpoint's too, to convert it). */
+ * config.json it took, by any reader (mq_read_file counts them; GGUF output reads the written
+ * checkpoint's config too, to convert it, which is another file). */
 static int64_t reads_of(const moeq_quant_options *o, const char *name) {
-    char out[1200];
+    char out[1200], cfg[1200];
     snprintf(out, sizeof out, "%s/%s", mq_test_tmpdir(), name);
     const char *model = mq_test_model("olmoe-tiny");
-    mq_config_file_watch(model);
-    const int64_t before = mq_config_file_reads();
+    snprintf(cfg, sizeof cfg, "%s/config.json", model);
+    mq_read_file_watch(cfg);
+    const int64_t before = mq_read_file_watched();
     ASSERT_OK(moeq_quantize(model, out, o, NULL));
-    const int64_t n = mq_config_file_reads() - before;
-    mq_config_file_watch(NULL);
+    const int64_t n = mq_read_file_watched() - before;
+    mq_read_file_watch(NULL);
     return n;
 }
 

@@ -2,17 +2,10 @@
 #include "model/source.h"
 
 #include <math.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 /* ---- config.json -------------------------------------------------------------------------- */
-
-static atomic_llong g_config_reads;
-static _Atomic(const char *) g_config_watch;
-
-int64_t mq_config_file_reads(void) { return (int64_t)atomic_load(&g_config_reads); }
-void mq_config_file_watch(const char *dir) { atomic_store(&g_config_watch, dir); }
 
 moeq_status mq_config_file_read(const char *dir, char **path, char **text, size_t *len) {
     *text = NULL;
@@ -26,8 +19,6 @@ moeq_status mq_config_file_read(const char *dir, char **path, char **text, size_
     if (!mq_file_exists(p)) {
         s = mq_err(MOEQ_E_NOTFOUND, "%s: no config.json in the model directory", dir);
     } else {
-        const char *w = atomic_load(&g_config_watch);
-        if (!w || !strcmp(w, dir)) atomic_fetch_add(&g_config_reads, 1);
         s = mq_read_file(p, text, len);
     }
     if (s || !path) free(p);

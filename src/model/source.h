@@ -1,8 +1,9 @@
 /*
- * A source checkpoint directory as the model layer reads it: config.json (read from disk only
- * here, and counted, so that a test can see a run read it once), the FP8 block quantization its
- * quantization_config declares (io/fp8.h has the weights' format), and the safetensors opened
- * with an FP8 checkpoint's weights linked to their scales.
+ * A source checkpoint directory as the model layer reads it: config.json (the model layer reads
+ * it here; mq_read_file_watch in core counts the reads, so that a test sees a quantize run read
+ * it once), the FP8 block quantization its quantization_config declares (io/fp8.h has the
+ * weights' format), and the safetensors opened with an FP8 checkpoint's weights linked to their
+ * scales.
  */
 #ifndef MOEQ_MODEL_SOURCE_H
 #define MOEQ_MODEL_SOURCE_H
@@ -17,11 +18,6 @@
 moeq_status mq_config_file_read(const char *dir, char **path, char **text, size_t *len);
 /* The same parsed: a JSON object, else MOEQ_E_FORMAT naming the file. */
 moeq_status mq_config_file_parse(const char *dir, char **path, cJSON **root);
-/* How many times config.json has been read from disk by this process: of the directory named by
- * the last mq_config_file_watch (the string as given, kept by pointer), or of any (NULL, the
- * default). For tests: the quantize pipeline reads its source's once. */
-int64_t mq_config_file_reads(void);
-void mq_config_file_watch(const char *dir);
 
 /* The block size of an FP8 checkpoint's weights (weight_block_size = [rows, cols]); both 0 when
  * the checkpoint is not FP8 block-quantized. */

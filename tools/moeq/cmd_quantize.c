@@ -222,7 +222,7 @@ static void print_gptq(const moeq_quant_result *r, const moeq_quant_options *o, 
 }
 
 int cmd_quantize(int argc, char **argv) {
-    static table_flag t[MAX_FLAGS];
+    table_flag t[MAX_FLAGS];
     const char *out = NULL, *revision = NULL;
     bool quiet = false;
     int64_t threads = 0;
@@ -243,6 +243,10 @@ int cmd_quantize(int argc, char **argv) {
     }
     opts[n_opts++] = (cli_opt){"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)",
                                NULL, 1, 1024, NULL};
+    if (moeq_quant_option_info(n)) {   /* a library with more options than this table holds */
+        fprintf(stderr, "moeq quantize: error: the library has more than %d options: raise MAX_FLAGS\n", MAX_FLAGS);
+        return CLI_FAIL;
+    }
     const cli_command cmd = {
         "quantize", "MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4 [options]",
         "Quantizes every decoder Linear (attention, dense and expert MLPs) by round to nearest or\n"
