@@ -1013,8 +1013,9 @@ size_t moeq_eval_options_size(void);
 size_t moeq_eval_result_size(void);
 /* Sets one option by the name of `moeq quantize`'s flag without the dashes ("scheme",
  * "method", "calib", "nsamples", "act-order", "max-memory", "report-html", ...; booleans
- * "true"/"false"). String values are kept by pointer: they must outlive the call of
- * moeq_quantize. Unknown names and bad values: MOEQ_E_ARG naming both. */
+ * "true"/"false"); moeq_quant_option_info lists them all. String values are kept by pointer:
+ * they must outlive the call of moeq_quantize. Unknown names and bad values: MOEQ_E_ARG naming
+ * both ("KEY=VALUE: expected ..."). */
 moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const char *value);
 /* --ignore: n patterns (the array and strings outlive the call of moeq_quantize). */
 void moeq_quant_options_set_ignore(moeq_quant_options *o, const char *const *patterns, int32_t n);

@@ -109,17 +109,17 @@ static moeq_status set_scale_search(moeq_quant_options *o, const char *key, cons
     char *end;
     double lo = strtod(v, &end), hi = 0;
     long n = 0;
-    if (end == v || *end != ':') return mq_opt_bad(key, v, "LO:HI or LO:HI:N");
+    static const char want[] = "LO:HI or LO:HI:N with LO and HI > 0, e.g. 0.9:1.5";
+    if (end == v || *end != ':') return mq_opt_bad(key, v, want);
     const char *h = end + 1;
     hi = strtod(h, &end);
-    if (end == h) return mq_opt_bad(key, v, "LO:HI or LO:HI:N");
+    if (end == h) return mq_opt_bad(key, v, want);
     if (*end == ':') {
         const char *s = end + 1;
         n = strtol(s, &end, 10);
-        if (end == s) return mq_opt_bad(key, v, "LO:HI or LO:HI:N");
+        if (end == s) return mq_opt_bad(key, v, want);
     }
-    if (*end || !(lo > 0) || !(hi > 0) || n < 0 || n > INT32_MAX)
-        return mq_opt_bad(key, v, "LO:HI or LO:HI:N with LO and HI > 0");
+    if (*end || !(lo > 0) || !(hi > 0) || n < 0 || n > INT32_MAX) return mq_opt_bad(key, v, want);
     o->scale_lo = lo;
     o->scale_hi = hi;
     o->scale_steps = (int32_t)n;
@@ -135,7 +135,7 @@ static moeq_status set_damp_sweep(moeq_quant_options *o, const char *key, const 
         errno = 0;
         const double d = strtod(q, &end);
         if (end == q || errno || !isfinite(d) || d < 0 || n == 8 || (*end && *end != ','))
-            return mq_opt_bad(key, v, "up to 8 damping fractions >= 0 separated by commas");
+            return mq_opt_bad(key, v, "up to 8 damping fractions >= 0 separated by commas, e.g. 0.003,0.01,0.03,0.1");
         x[n++] = d;
         q = *end ? end + 1 : end;
     }

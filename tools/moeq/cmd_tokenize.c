@@ -13,24 +13,31 @@
 /* The whole of path into *out (malloc'd, NUL-terminated); false after printing why not. */
 static bool read_all(const char *path, char **out, size_t *len) {
     FILE *f = fopen(path, "rb");
+    if (!f) {   /* the library's wording for the same failure */
+        fprintf(stderr, "moeq tokenize: error: %s: cannot open: %s\n", path, strerror(errno));
+        return false;
+    }
     char *b = NULL;
     size_t n = 0, cap = 0;
-    while (f) {
+    bool full = false;   /* out of memory */
+    for (;;) {
         if (n + 65536 + 1 > cap) {
             char *g = realloc(b, cap = 2 * cap + 65536 + 1);
-            if (!g) break;
+            if (!g) {
+                full = true;
+                break;
+            }
             b = g;
         }
         size_t got = fread(b + n, 1, cap - n - 1, f);
         n += got;
         if (got == 0) break;
     }
-    const bool ok = f && !ferror(f) && b;
-    const int err = errno;
-    if (f) fclose(f);
+    const bool ok = !ferror(f) && !full;
+    fclose(f);
     if (!ok) {
         free(b);
-        fprintf(stderr, "moeq tokenize: error: %s: cannot read: %s\n", path, strerror(err));
+        fprintf(stderr, "moeq tokenize: error: %s: %s\n", path, full ? "out of memory" : "read error");
         return false;
     }
     b[n] = 0;
