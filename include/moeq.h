@@ -1045,8 +1045,9 @@ size_t moeq_eval_options_size(void);
 size_t moeq_eval_result_size(void);
 /* Sets one option by the name of `moeq quantize`'s flag without the dashes ("scheme",
  * "method", "calib", "nsamples", "act-order", "max-memory", "report-html", ...; booleans
- * "true"/"false"). String values are kept by pointer: they must outlive the call of
- * moeq_quantize. Unknown names and bad values: MOEQ_E_ARG naming both. */
+ * "true"/"false"); moeq_quant_option_info lists them all. String values are kept by pointer:
+ * they must outlive the call of moeq_quantize. Unknown names and bad values: MOEQ_E_ARG naming
+ * both ("KEY=VALUE: expected ..."). */
 moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const char *value);
 /* --ignore: n patterns (the array and strings outlive the call of moeq_quantize). */
 void moeq_quant_options_set_ignore(moeq_quant_options *o, const char *const *patterns, int32_t n);
@@ -1072,6 +1073,49 @@ moeq_status moeq_inspect_json(const char *model_dir, char **out);
 void moeq_string_free(char *s);
 /* libmoeq.so's interface version (bindings check it): 1. */
 int moeq_abi_version(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Options described (issue 57): what moeq_quant_options_set takes, for a CLI or a binding     */
+/* ------------------------------------------------------------------------------------------ */
+typedef enum {
+    MOEQ_OPTION_SWITCH = 0,   /* "true" / "false"; a CLI flag without a value */
+    MOEQ_OPTION_INT = 1,      /* an integer in min .. max (min > max: any) */
+    MOEQ_OPTION_NUMBER = 2,   /* a finite number */
+    MOEQ_OPTION_TEXT = 3,     /* a string (a path, a size such as 6GB, a range such as 0.9:1.5) */
+    MOEQ_OPTION_CHOICE = 4,   /* one of choices */
+    MOEQ_OPTION_LIST = 5,     /* patterns: moeq_quant_options_set_ignore */
+} moeq_option_kind;
+
+typedef struct {
+    const char *key;          /* moeq_quant_options_set's key, `moeq quantize --KEY` */
+    moeq_option_kind kind;
+    const char *choices;      /* MOEQ_OPTION_CHOICE: the names, "a|b|c"; else NULL */
+    int64_t min, max;         /* MOEQ_OPTION_INT: the range moeq_quant_options_set accepts */
+    const char *metavar;      /* the value's name in help ("N", "FILE"); NULL for switches and
+                                 choices */
+    const char *help;         /* one line of `moeq quantize --help` */
+    int identity;             /* 1: the value changes the checkpoint's bytes, and a resumed run
+                                 must be given the same (0: memory, threads, paths, reports) */
+} moeq_option_info;
+
+/* The i-th option of moeq_quant_options (i = 0, 1, ...; NULL past the last), in the order of
+ * `moeq quantize --help`. moeq_quant_options_set fails with the message "KEY=VALUE: expected
+ * ..." (MOEQ_E_ARG) for a value the option does not take. */
+const moeq_option_info *moeq_quant_option_info(int i);
+
+/* Tokens as bytes (for `moeq tokenize`): the bytes id stands for (the byte-level alphabet of
+ * moeq_tokenizer_token decoded; a token may hold part of a UTF-8 character), *len of them; NULL
+ * for an id outside the vocabulary. Borrowed from tok. */
+const char *moeq_tokenizer_token_bytes(const moeq_tokenizer *tok, int32_t id, size_t *len);
+/* How many bytes at the start of s[0..n) form valid UTF-8 (n when all of it does). */
+size_t moeq_utf8_valid_prefix(const char *s, size_t n);
+
+/* moeq_inspect_json with more: flags MOEQ_INSPECT_TENSORS adds "tensor_list" (every tensor's
+ * name, dtype, shape and bytes, in natural name order), MOEQ_INSPECT_WEIGHTS "weight_list"
+ * (every 2-D weight's storage, group and bits per weight). Without flags: moeq_inspect_json. */
+#define MOEQ_INSPECT_TENSORS 1u
+#define MOEQ_INSPECT_WEIGHTS 2u
+moeq_status moeq_inspect_json_ex(const char *model_dir, unsigned flags, char **out);
 
 #ifdef __cplusplus
 }

@@ -5,10 +5,12 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include "core/core.h"
+#include "core/env.h"
 #include "harness.h"
 
 static void test_status_names(void) {
@@ -454,7 +456,31 @@ static void test_blas_advice(void) {
     ASSERT_TRUE(moeq_blas_kernels() && *moeq_blas_kernels());
 }
 
+/* Environment switches (core/env.h): read from a snapshot taken again at a job's start; a
+ * measurement aid's new MOEQ_DEBUG_* name wins over its earlier name, which still works alone. */
+static void test_env_switches(void) {
+    char keep[64] = "", keep_old[64] = "";   /* the run's own settings, put back at the end */
+    const bool had = getenv("MOEQ_DEBUG_SNAPSHOT_EVERY"), had_old = getenv("MOEQ_SNAPSHOT_EVERY");
+    if (had) snprintf(keep, sizeof keep, "%s", getenv("MOEQ_DEBUG_SNAPSHOT_EVERY"));
+    if (had_old) snprintf(keep_old, sizeof keep_old, "%s", getenv("MOEQ_SNAPSHOT_EVERY"));
+    unsetenv("MOEQ_DEBUG_SNAPSHOT_EVERY");
+    setenv("MOEQ_SNAPSHOT_EVERY", "3", 1);
+    mq_env_reload();
+    ASSERT_TRUE(mq_env(MQ_ENV_SNAPSHOT_EVERY) && !strcmp(mq_env(MQ_ENV_SNAPSHOT_EVERY), "3"));
+    setenv("MOEQ_DEBUG_SNAPSHOT_EVERY", "5", 1);
+    ASSERT_TRUE(!strcmp(mq_env(MQ_ENV_SNAPSHOT_EVERY), "3"));   /* the snapshot until a job starts */
+    mq_env_reload();
+    ASSERT_TRUE(!strcmp(mq_env(MQ_ENV_SNAPSHOT_EVERY), "5"));
+    unsetenv("MOEQ_DEBUG_SNAPSHOT_EVERY");
+    unsetenv("MOEQ_SNAPSHOT_EVERY");
+    mq_env_reload();
+    ASSERT_TRUE(mq_env(MQ_ENV_SNAPSHOT_EVERY) == NULL && !mq_env_set(MQ_ENV_SNAPSHOT_EVERY));
+    if (had) setenv("MOEQ_DEBUG_SNAPSHOT_EVERY", keep, 1);
+    if (had_old) setenv("MOEQ_SNAPSHOT_EVERY", keep_old, 1);
+    mq_env_reload();
+}
+
 TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment), T(test_pinned_workers),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
           T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages), T(test_recycling),
-          T(test_blas_advice), T(test_pool_simulation))
+          T(test_blas_advice), T(test_pool_simulation), T(test_env_switches))

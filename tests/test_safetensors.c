@@ -13,6 +13,7 @@
 
 #include "harness.h"
 #include "io/safetensors.h"
+#include "model/source.h"
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 

@@ -16,6 +16,7 @@
 #include <strings.h>
 
 #include "core.h"
+#include "core/env.h"
 
 /* OpenBLAS's kernel sets without AVX2 (the names its openblas_get_corename gives, in any case). */
 static const char *const g_pre_avx2[] = {
@@ -47,8 +48,8 @@ const char *moeq_blas_kernels(void) {
 }
 
 const char *moeq_blas_coretype_advice(void) {
-    /* MOEQ_BLAS_PRETEND_CORE: the kernel set to judge instead of OpenBLAS's (tests) */
-    const char *pretend = getenv("MOEQ_BLAS_PRETEND_CORE");
+    /* MOEQ_DEBUG_BLAS_PRETEND_CORE: the kernel set to judge instead of OpenBLAS's (tests) */
+    const char *pretend = mq_env(MQ_ENV_BLAS_PRETEND_CORE);
     return mq_blas_advice_for(pretend && *pretend ? pretend : moeq_blas_kernels(), mq_cpu_has_avx2_fma(),
                               cpu_has_skylakex());
 }

@@ -106,6 +106,11 @@ void mq_unmap(mq_map *m);
 void mq_prefetch(const void *p, size_t n);
 /* Reads a whole file into a NUL-terminated heap buffer (free with free()). */
 moeq_status mq_read_file(const char *path, char **out, size_t *len);
+/* Tests: count the reads mq_read_file makes of one file (the same device and inode as path when
+ * this is called; NULL: none) from now on; mq_read_file_watched is the count so far (it only
+ * grows). Every reader of a checkpoint's config.json goes through mq_read_file. */
+void mq_read_file_watch(const char *path);
+int64_t mq_read_file_watched(void);
 bool mq_file_exists(const char *path);
 bool mq_dir_exists(const char *path);
 char *mq_path_join(const char *dir, const char *name);   /* malloc'ed */

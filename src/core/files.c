@@ -61,11 +61,34 @@ void mq_unmap(mq_map *m) {
     memset(m, 0, sizeof *m);
 }
 
+/* mq_read_file_watch: the watched file's identity (device, inode; both 0: none) and the count of
+ * whole reads of it. */
+static _Atomic unsigned long long g_watch_dev, g_watch_ino;
+static atomic_llong g_watch_reads;
+
+void mq_read_file_watch(const char *path) {
+    struct stat sb;
+    const bool ok = path && stat(path, &sb) == 0;
+    atomic_store(&g_watch_dev, ok ? (unsigned long long)sb.st_dev : 0);
+    atomic_store(&g_watch_ino, ok ? (unsigned long long)sb.st_ino : 0);
+}
+
+int64_t mq_read_file_watched(void) { return (int64_t)atomic_load(&g_watch_reads); }
+
+static void count_watched(FILE *f) {
+    struct stat sb;
+    const unsigned long long ino = atomic_load(&g_watch_ino);
+    if (ino && fstat(fileno(f), &sb) == 0 && (unsigned long long)sb.st_ino == ino &&
+        (unsigned long long)sb.st_dev == atomic_load(&g_watch_dev))
+        atomic_fetch_add(&g_watch_reads, 1);
+}
+
 moeq_status mq_read_file(const char *path, char **out, size_t *len) {
     *out = NULL;
     if (len) *len = 0;
     FILE *f = fopen(path, "rb");
     if (!f) return mq_err(MOEQ_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    count_watched(f);
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap);
     if (!buf) {
@@ -226,7 +249,7 @@ static moeq_status pwrite_all(int fd, const void *buf, size_t n, int64_t off, co
     return MOEQ_OK;
 }
 
-/* Wall nanoseconds spent in pwrite, summed over threads (MOEQ_PROFILE's write split). */
+/* Wall nanoseconds spent in pwrite, summed over threads (MOEQ_DEBUG_PROFILE's write split). */
 static atomic_uint_fast64_t g_write_ns;
 
 uint64_t mq_pwrite_ns(void) { return atomic_load(&g_write_ns); }

@@ -16,7 +16,7 @@
  * memory never exceeds what it would be without: a request the kept blocks cannot serve first
  * unmaps kept blocks of at least its size (the oldest first), so the mapped bytes only grow where
  * the live ones would. A kept block's old contents stay (mq_alloc_zero clears it on the pool);
- * mq_mem_release unmaps every kept block. MOEQ_RECYCLE=0 turns it off.
+ * mq_mem_release unmaps every kept block. MOEQ_DEBUG_RECYCLE=0 turns it off.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -25,6 +25,7 @@
 #include <sys/mman.h>
 
 #include "core.h"
+#include "core/env.h"
 
 enum { MQ_BIG_ALLOC = 1 << 20 };
 
@@ -101,11 +102,11 @@ static size_t big_unregister(void *p) {
 /* ---- kept blocks (recycling) ---- */
 static big_block *g_kept;          /* under g_big_lock: freed mappings, the oldest first */
 static size_t g_kept_n, g_kept_cap;
-static int g_recycle = -1;         /* MOEQ_RECYCLE=0 turns it off (measurements); -1: not read */
+static int g_recycle = -1;         /* MOEQ_DEBUG_RECYCLE=0 turns it off (measurements); -1: not read */
 
 static bool recycle_on(void) {
     if (g_recycle < 0) {
-        const char *e = getenv("MOEQ_RECYCLE");
+        const char *e = mq_env(MQ_ENV_RECYCLE);
         g_recycle = !(e && e[0] == '0');
     }
     return g_recycle;
@@ -210,14 +211,14 @@ bool mq_mul_i64(int64_t a, int64_t b, int64_t *out) {
     return true;
 }
 
-/* MOEQ_ALLOC_POISON=1 fills what mq_alloc hands out with 0xff bytes (NaN floats) in place of
+/* MOEQ_DEBUG_ALLOC_POISON=1 fills what mq_alloc hands out with 0xff bytes (NaN floats) in place of
  * the fresh mappings' zeros, so a test run shows any reader of memory it never wrote (a kept
  * block holds old values). */
 static int g_poison = -1;
 
 static bool poison_on(void) {
     if (g_poison < 0) {
-        const char *e = getenv("MOEQ_ALLOC_POISON");
+        const char *e = mq_env(MQ_ENV_ALLOC_POISON);
         g_poison = e && e[0] == '1';
     }
     return g_poison;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "core.h"
+#include "core/env.h"
 
 /*
  * Hand-off: the caller publishes a job and bumps `generation`; workers that finished a job a
@@ -118,7 +119,7 @@ static int allowed_cpus(cpu_set_t *mask) {
  * CPUs. */
 static void pin_worker(int thread) {
 #if defined(__linux__)
-    const char *e = getenv("MOEQ_PIN_THREADS");
+    const char *e = mq_env(MQ_ENV_PIN_THREADS);
     cpu_set_t mask;
     const int n = e && *e == '1' ? allowed_cpus(&mask) : 0;
     if (n < 2) return;
@@ -170,7 +171,7 @@ static void *worker_main(void *arg) {
  * binding to a core, not the machine's), unless MOEQ_THREADS says otherwise (e.g. 1 under an
  * emulator, where contended locks crawl). */
 static int default_threads(void) {
-    const char *e = getenv("MOEQ_THREADS");
+    const char *e = mq_env(MQ_ENV_THREADS);
     if (e && *e) {
         char *end;
         long v = strtol(e, &end, 10);
@@ -215,6 +216,7 @@ static void pool_start(void) {
 }
 
 void moeq_set_threads(int n) {
+    mq_env_reload();   /* MOEQ_THREADS and MOEQ_PIN_THREADS as they are now, for the new pool */
     pthread_mutex_lock(&g_pool.submit);
     g_requested_threads = n > 0 ? n : 0;
     pool_stop();

@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "core.h"
+#include "core/env.h"
 
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
@@ -54,7 +55,7 @@ void moeq_set_force_ref(int on) { g_force_ref = on ? 1 : 0; }
 
 bool mq_force_ref(void) {
     if (g_force_ref < 0) {
-        const char *e = getenv("MOEQ_FORCE_REF");
+        const char *e = mq_env(MQ_ENV_FORCE_REF);
         g_force_ref = (e && *e && strcmp(e, "0") != 0) ? 1 : 0;
     }
     return g_force_ref == 1;
@@ -77,7 +78,7 @@ void mq_set_avx512_off(int off) { g_avx512_off = off < 0 ? -1 : off ? 1 : 0; }
 
 static bool avx512_off(void) {
     if (g_avx512_off < 0) {
-        const char *e = getenv("MOEQ_NO_AVX512");
+        const char *e = mq_env(MQ_ENV_NO_AVX512);
         g_avx512_off = (e && *e && strcmp(e, "0") != 0) ? 1 : 0;
     }
     return g_avx512_off == 1;

@@ -35,7 +35,7 @@ moeq_status mq_dist_agree(moeq_status st, const char *step);
 /* Seconds this rank spent so far waiting for the others at agreements (load imbalance) and
  * moving data (transfers), for the reports. */
 void mq_dist_seconds(double *waiting, double *moving);
-/* MOEQ_DIST_PROFILE=1: where those seconds went, by kind of step ("layer N: " and what follows
+/* MOEQ_DEBUG_DIST_PROFILE=1: where those seconds went, by kind of step ("layer N: " and what follows
  * " of " left out), as one line per rank on stderr, the largest first; then starts over. */
 void mq_dist_profile_report(void);
 /* Forgets an agreed failure (a new job in the same processes; every rank calls it). */

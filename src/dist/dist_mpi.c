@@ -4,6 +4,7 @@
  * polled against the timeout, so a rank that never arrives cannot hang the others.
  */
 #include "dist/dist.h"
+#include "core/env.h"
 
 #ifdef MOEQ_HAVE_MPI
 
@@ -237,7 +238,7 @@ static moeq_status wait_on(MPI_Request *req, const char *step, bool spin) {
 
 static double g_wait_s, g_data_s;   /* seconds in agreements / in data transfers */
 
-/* MOEQ_DIST_PROFILE: seconds by kind of step */
+/* MOEQ_DEBUG_DIST_PROFILE: seconds by kind of step */
 enum { PROF_KINDS = 24 };
 static struct {
     char kind[40];
@@ -247,7 +248,7 @@ static struct {
 static int g_prof_n = -1;   /* -1: not yet looked at the environment; -2: off */
 
 static void prof_add(const char *step, double sec, bool data) {
-    if (g_prof_n == -1) g_prof_n = getenv("MOEQ_DIST_PROFILE") ? 0 : -2;
+    if (g_prof_n == -1) g_prof_n = mq_env(MQ_ENV_DIST_PROFILE) ? 0 : -2;
     if (g_prof_n < 0) return;
     if (strncmp(step, "layer ", 6) == 0 && strchr(step, ':')) step = strchr(step, ':') + 1;
     while (*step == ' ') step++;

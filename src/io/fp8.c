@@ -1,6 +1,6 @@
 /*
- * FP8 block-quantized source checkpoints (see fp8.h): the quantization_config checks and the
- * block dequantization (codes through formats' mq_e4m3_decode).
+ * FP8 block-quantized weights (see fp8.h): the block dequantization (codes through formats'
+ * mq_e4m3_decode). Which checkpoints are FP8 is config.json's word, read in model/source.c.
  */
 #include "io/fp8.h"
 
@@ -9,78 +9,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* ---- quantization_config -------------------------------------------------------------------- */
-
-static bool block_side(const cJSON *v, int32_t *out) {
-    if (!cJSON_IsNumber(v)) return false;
-    double d = v->valuedouble;
-    if (!(d >= 1 && d <= MQ_FP8_MAX_BLOCK) || d != floor(d)) return false;
-    *out = (int32_t)d;
-    return true;
-}
-
-moeq_status mq_fp8_parse_qconfig(const cJSON *qc, const char *path, mq_fp8_blocks *out) {
-    memset(out, 0, sizeof *out);
-    if (!cJSON_IsObject(qc)) return MOEQ_OK;
-    const cJSON *method = cJSON_GetObjectItemCaseSensitive(qc, "quant_method");
-    if (!cJSON_IsString(method) || strcmp(method->valuestring, "fp8") != 0) return MOEQ_OK;
-    const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(qc, "fmt");
-    if (fmt && (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, "e4m3") != 0)) {
-        char *text = cJSON_PrintUnformatted(fmt);
-        moeq_status s = mq_err(MOEQ_E_UNSUPPORTED, "%s: quantization_config.fmt %s is not supported "
-                               "(FP8 sources are read in \"e4m3\" only)", path, text ? text : "?");
-        free(text);
-        return s;
-    }
-    const cJSON *act = cJSON_GetObjectItemCaseSensitive(qc, "activation_scheme");
-    if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "dynamic") != 0)) {
-        char *text = cJSON_PrintUnformatted(act);
-        moeq_status s = mq_err(MOEQ_E_UNSUPPORTED, "%s: quantization_config.activation_scheme %s is "
-                               "not supported (FP8 sources are read with \"dynamic\" activations, "
-                               "which carry no input scales)", path, text ? text : "?");
-        free(text);
-        return s;
-    }
-    const cJSON *bs = cJSON_GetObjectItemCaseSensitive(qc, "weight_block_size");
-    if (!bs)
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: quantization_config (quant_method \"fp8\") has no "
-                      "weight_block_size: only block-quantized FP8 (weight_scale_inv per block) is "
-                      "read", path);
-    mq_fp8_blocks b = {0, 0};
-    if (!cJSON_IsArray(bs) || cJSON_GetArraySize(bs) != 2 ||
-        !block_side(cJSON_GetArrayItem(bs, 0), &b.rows) ||
-        !block_side(cJSON_GetArrayItem(bs, 1), &b.cols)) {
-        char *text = cJSON_PrintUnformatted(bs);
-        moeq_status s = mq_err(MOEQ_E_FORMAT, "%s: quantization_config.weight_block_size %s is not "
-                               "[rows, cols] with two integers in 1..%d", path, text ? text : "?",
-                               MQ_FP8_MAX_BLOCK);
-        free(text);
-        return s;
-    }
-    *out = b;
-    return MOEQ_OK;
-}
-
-moeq_status mq_fp8_read_dir_config(const char *dir, mq_fp8_blocks *out) {
-    memset(out, 0, sizeof *out);
-    char *path = mq_path_join(dir, "config.json");
-    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    moeq_status s = MOEQ_OK;
-    if (mq_file_exists(path)) {
-        char *text = NULL;
-        size_t len = 0;
-        s = mq_read_file(path, &text, &len);
-        cJSON *root = s ? NULL : cJSON_ParseWithLength(text, len);
-        free(text);
-        if (cJSON_IsObject(root))
-            s = mq_fp8_parse_qconfig(cJSON_GetObjectItemCaseSensitive(root, "quantization_config"),
-                                     path, out);
-        cJSON_Delete(root);
-    }
-    free(path);
-    return s;
-}
 
 /* ---- dequantization -------------------------------------------------------------------------- */
 

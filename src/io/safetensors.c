@@ -796,24 +796,7 @@ moeq_status mq_st_link_fp8(mq_st *st, int32_t br, int32_t bc) {
     return MOEQ_OK;
 }
 
-static moeq_status open_dir_files(const char *dir, mq_st **out);
-
-moeq_status mq_st_open_dir(const char *dir, mq_st **out) {
-    *out = NULL;
-    mq_fp8_blocks b;
-    moeq_status s = mq_dir_exists(dir) ? mq_fp8_read_dir_config(dir, &b) : MOEQ_OK;
-    if (s) return s;
-    mq_st *st;
-    if ((s = open_dir_files(dir, &st))) return s;
-    if (b.rows > 0 && (s = mq_st_link_fp8(st, b.rows, b.cols))) {
-        mq_st_close(st);
-        return s;
-    }
-    *out = st;
-    return MOEQ_OK;
-}
-
-static moeq_status open_dir_files(const char *dir, mq_st **out) {
+moeq_status mq_st_open_dir_files(const char *dir, mq_st **out) {
     *out = NULL;
     if (!mq_dir_exists(dir)) return mq_err(MOEQ_E_IO, "%s: not a directory", dir);
     char *path = mq_path_join(dir, ST_INDEX_NAME);

@@ -54,10 +54,9 @@ moeq_status mq_st_open_buffer(const void *buf, size_t len, const char *label, mq
  * the shard and tensor; tensors a shard holds beyond the map are exposed too; a name stored in two
  * shards is an error), else model.safetensors, else the single *.safetensors file in the
  * directory. No such file: MOEQ_E_NOTFOUND; several without an index: MOEQ_E_FORMAT. */
-moeq_status mq_st_open_dir(const char *dir, mq_st **out);
-/* mq_st_open_dir also reads DIR/config.json: for an FP8 block-quantized checkpoint
- * (quantization_config quant_method "fp8", io/fp8.h) it links each weight to its scale with
- * mq_st_link_fp8, and a bad quantization_config is that function's error. */
+moeq_status mq_st_open_dir_files(const char *dir, mq_st **out);
+/* (mq_st_open_dir in model/source.h does this and links an FP8 checkpoint's scales, which takes
+ * its config.json: io reads tensors, the model layer reads configs.) */
 
 /* Links every F8_E4M3 2-D tensor NAME.weight to NAME.weight_scale_inv (blocks of br x bc):
  * the scale must exist, be F32, BF16 or F16 and have shape [ceil(rows / br), ceil(cols / bc)];

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "io/fp8.h"
+#include "model/source.h"
 #include "model/model_internal.h"
 
 static const struct {
@@ -347,6 +347,14 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
         cJSON_Delete(root);
         return mq_err(MOEQ_E_FORMAT, "%s: not a JSON object", path);
     }
+    moeq_status st = mq_config_from_json(root, path, out);
+    cJSON_Delete(root);
+    return st;
+}
+
+moeq_status mq_config_from_json(const cJSON *root, const char *path, mq_config *out) {
+    memset(out, 0, sizeof *out);
+    if (!cJSON_IsObject(root)) return mq_err(MOEQ_E_FORMAT, "%s: not a JSON object", path);
     mq_problems probs;
     mq_problems_init(&probs);
     fields f = {root, &probs};
@@ -533,7 +541,6 @@ moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_c
 
 done:
     mq_problems_free(&probs);
-    cJSON_Delete(root);
     if (st != MOEQ_OK) mq_config_free(out);
     return st;
 }

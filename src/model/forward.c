@@ -699,7 +699,7 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
     return MOEQ_OK;
 }
 
-/* MOEQ_PROFILE's attention parts: the seconds since *t to part k, *t moved on. */
+/* MOEQ_DEBUG_PROFILE's attention parts: the seconds since *t to part k, *t moved on. */
 static void prof_add(mq_state *s, int k, double *t) {
     if (!s->prof) return;
     const double now = mq_now();

@@ -812,18 +812,9 @@ static void fill_info(moeq_model *m) {
 
 moeq_status mq_config_load(const char *dir, mq_config *out) {
     memset(out, 0, sizeof *out);
-    if (!dir || !mq_dir_exists(dir))
-        return mq_err(MOEQ_E_NOTFOUND, "model directory '%s' not found", dir ? dir : "(null)");
-    char *path = mq_path_join(dir, "config.json");
-    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!mq_file_exists(path)) {
-        moeq_status s = mq_err(MOEQ_E_NOTFOUND, "%s: no config.json in the model directory", dir);
-        free(path);
-        return s;
-    }
-    char *json = NULL;
+    char *json = NULL, *path = NULL;
     size_t len = 0;
-    moeq_status s = mq_read_file(path, &json, &len);
+    moeq_status s = mq_config_file_read(dir, &path, &json, &len);   /* counted: model/source.h */
     if (!s) s = mq_config_parse(json, len, path, out);
     free(json);
     free(path);
@@ -840,13 +831,21 @@ static char *scheme_name(const mq_config *c) {
  * (io/gguf_hf.h: the tensors stay in the mapped file; config.json, tokenizer.json when asked for
  * and the ggml types are made in memory, into docs, which the caller frees). config.json goes
  * through the parser as the text moeq_import_gguf would write, so both read the same config. */
-static moeq_status open_source(const char *path, bool tokenizer, mq_config *cfg, mq_st **st,
-                               mq_gguf_docs *docs) {
+/* given: config.json already parsed by the caller (taken over, left zeroed), else NULL: read. */
+static moeq_status open_source(const char *path, bool tokenizer, mq_config *given, mq_config *cfg,
+                               mq_st **st, mq_gguf_docs *docs) {
     memset(docs, 0, sizeof *docs);
     if (!mq_is_gguf_file(path)) {
-        moeq_status s = mq_config_load(path, cfg);
-        return s ? s : mq_st_open_dir(path, st);
+        moeq_status s = MOEQ_OK;
+        if (given) {
+            *cfg = *given;
+            memset(given, 0, sizeof *given);
+        } else {
+            s = mq_config_load(path, cfg);
+        }
+        return s ? s : mq_st_open_dir_blocks(path, (mq_fp8_blocks){cfg->fp8_block_rows, cfg->fp8_block_cols}, st);
     }
+    if (given) mq_config_free(given);   /* a .gguf's config comes from its KVs */
     memset(cfg, 0, sizeof *cfg);
     moeq_status s = mq_st_open_gguf(path, tokenizer, st, docs);
     if (s) return s;
@@ -924,7 +923,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     mq_st *st = NULL;
     want_list L = {0};
     mq_gguf_docs docs;
-    moeq_status s = open_source(dir, !o.no_tokenizer, &m->cfg, &st, &docs);
+    moeq_status s = open_source(dir, !o.no_tokenizer, NULL, &m->cfg, &st, &docs);
     m->gguf_types = docs.types;
     docs.types = NULL;
     if (s) goto fail;
@@ -1012,6 +1011,10 @@ void mq_lazy_close(mq_lazy_model *lz) {
 }
 
 moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
+    return mq_lazy_open_config(dir, NULL, tokenizer, out);
+}
+
+moeq_status mq_lazy_open_config(const char *dir, mq_config *cfg, bool tokenizer, mq_lazy_model **out) {
     *out = NULL;
     mq_lazy_model *lz = calloc(1, sizeof *lz);
     moeq_model *m = calloc(1, sizeof *m);
@@ -1022,7 +1025,7 @@ moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
     }
     lz->m = m;
     mq_gguf_docs docs;
-    moeq_status s = open_source(dir, tokenizer, &m->cfg, &lz->st, &docs);
+    moeq_status s = open_source(dir, tokenizer, cfg, &m->cfg, &lz->st, &docs);
     m->gguf_types = docs.types;
     docs.types = NULL;
     if (!s) {

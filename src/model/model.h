@@ -16,6 +16,7 @@
 
 #include "core/core.h"
 #include "io/safetensors.h"
+#include "model/source.h"
 
 typedef enum {
     MQ_ARCH_LLAMA = 0,
@@ -93,6 +94,8 @@ typedef struct {
 /* Parses config.json text. Unknown model_type, missing or inconsistent fields: MOEQ_E_FORMAT or
  * MOEQ_E_UNSUPPORTED with a message naming the file and field(s). */
 moeq_status mq_config_parse(const char *json, size_t len, const char *path, mq_config *out);
+/* The same from config.json already parsed (root: its object; not modified). */
+moeq_status mq_config_from_json(const cJSON *root, const char *path, mq_config *out);
 /* Reads and parses MODEL_DIR/config.json (a missing directory or file is MOEQ_E_NOTFOUND). */
 moeq_status mq_config_load(const char *dir, mq_config *out);
 void mq_config_free(mq_config *c);
@@ -194,6 +197,9 @@ enum {
                     MQ_PART_SHARED | MQ_PART_EXPERTS,   /* a whole decoder layer */
 };
 moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out);
+/* The same with dir's config already read: *cfg is taken (left zeroed), config.json not read
+ * again (the quantize pipeline reads its source's once). */
+moeq_status mq_lazy_open_config(const char *dir, mq_config *cfg, bool tokenizer, mq_lazy_model **out);
 void mq_lazy_close(mq_lazy_model *lz);
 /* The model (cfg, layers with names and shapes; weights NULL until loaded). Borrowed. */
 moeq_model *mq_lazy_model_of(mq_lazy_model *lz);
@@ -304,7 +310,7 @@ void mq_state_free(mq_state *s);
 void mq_state_reset(mq_state *s);
 /* Frees layer l's KV cache (made again when the layer runs). */
 void mq_state_drop_layer(mq_state *s, int l);
-/* Where a prefill's standard attention spends its wall seconds (MOEQ_PROFILE measurements): acc,
+/* Where a prefill's standard attention spends its wall seconds (MOEQ_DEBUG_PROFILE measurements): acc,
  * if not NULL, gets each call's seconds added by part; NULL stops it. */
 enum { MQ_ATT_NORM, MQ_ATT_QKV, MQ_ATT_QK_ROPE, MQ_ATT_SCORES, MQ_ATT_O, MQ_ATT_RESIDUAL, MQ_ATT_HOOKS, MQ_ATT_PARTS };
 void mq_state_profile(mq_state *s, double *acc);

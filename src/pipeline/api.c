@@ -1,6 +1,7 @@
 /*
  * The public quantization entry point (moeq_quantize in include/moeq.h): checks the public
- * options, translates them into the pipeline's (pipeline/pipeline.h) and runs it. Settings
+ * options (named, defaulted and read in options.c's table), translates them into the pipeline's
+ * (pipeline/pipeline.h), runs it and gives the result (also as JSON for the bindings). Settings
  * follow `moeq quantize` exactly (the CLI is a thin layer over this file).
  */
 #include <math.h>
@@ -8,32 +9,10 @@
 #include <string.h>
 
 #include "backend/gpu.h"
+#include "core/json.h"
 #include "dist/dist.h"
 #include "io/gguf_hf.h"
 #include "pipeline/pipeline.h"
-
-void moeq_quant_options_init(moeq_quant_options *o) {
-    memset(o, 0, sizeof *o);
-    o->scheme = MOEQ_QUANT_SCHEME_UNSET;
-    o->method = MOEQ_QUANT_RTN;
-    o->format = MOEQ_FORMAT_COMPRESSED_TENSORS;
-    o->calib_tokens = 65536;
-    o->gptq.nsamples = 128;
-    o->gptq.seqlen = 512;
-    o->gptq.sampling = MOEQ_CALIB_CHUNKS;
-    o->gptq.percdamp = 0.01;
-    o->gptq.block_size = 128;
-    o->gptq.act_order = -1;
-    o->gptq.refine_passes = -1;
-    o->gptq.target_unquantized = -1;
-    o->gptq.groups = MOEQ_GPTQ_GROUPS_DYNAMIC;
-    o->gptq.mse = 1;
-    o->gptq.mse_weight = MOEQ_GPTQ_MSE_AUTO;
-    o->gptq.mode = MOEQ_GPTQ_SEQUENTIAL;
-    o->gptq.min_expert_tokens = 32;
-    o->gptq.expert_fallback = MOEQ_EXPERT_FALLBACK_BLOCK;
-    o->activations = MOEQ_ACT_STORAGE_AUTO;
-}
 
 #define BAD(...) mq_err(MOEQ_E_ARG, "moeq_quantize: " __VA_ARGS__)
 
@@ -369,9 +348,8 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
                       "(moeq_import_gguf makes one; the CLI's quantize does that itself)", model_dir);
     mq_pipeline_opts o;
     mq_pipeline_opts_from(opts, &o);
-    /* GGUF: what llama.cpp would compute otherwise is refused before any work */
-    if (opts->format == MOEQ_FORMAT_GGUF && (st = mq_gguf_check_model(model_dir, o.spec.scheme, o.act_quant)))
-        return st;
+    /* GGUF: what llama.cpp would compute otherwise is refused before any work, by the pipeline
+     * when it reads the source's config.json (once) */
     char *report = NULL;
     if (opts->method == MOEQ_QUANT_GPTQ && !opts->dry_run) {
         if (!(report = moeq_quant_report_path(out_dir, opts))) return mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -421,4 +399,42 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
     }
     *result = res;
     return MOEQ_OK;
+}
+
+size_t moeq_quant_result_size(void) { return sizeof(moeq_quant_result); }
+
+char *moeq_quant_result_json(const moeq_quant_result *r) {
+    cJSON *j = cJSON_CreateObject();
+    if (!j || !r) return mq_json_take_text(j);
+    mq_json_add_num(j, "linears_quantized", (double)r->linears_quantized);
+    mq_json_add_num(j, "linears_kept", (double)r->linears_kept);
+    mq_json_add_num(j, "weights_quantized", (double)r->weights_quantized);
+    mq_json_add_num(j, "tensors_written", (double)r->tensors_written);
+    mq_json_add_num(j, "bytes_written", (double)r->bytes_written);
+    mq_json_add_num(j, "seconds", r->seconds);
+    mq_json_add_num(j, "gptq_samples", (double)r->gptq_samples);
+    mq_json_add_num(j, "gptq_tokens", (double)r->gptq_tokens);
+    mq_json_add_num(j, "gptq_linears", (double)r->gptq_linears);
+    mq_json_add_num(j, "gptq_fallback_linears", (double)r->gptq_fallback_linears);
+    mq_json_add_num(j, "gptq_worse_than_rtn", (double)r->gptq_worse_than_rtn);
+    mq_json_add_num(j, "gptq_loss", r->gptq_loss);
+    mq_json_add_num(j, "gptq_rtn_loss", r->gptq_rtn_loss);
+    mq_json_add_num(j, "peak_anon_bytes", (double)r->peak_anon_bytes);
+    mq_json_add_num(j, "layers_resumed", r->layers_resumed);
+    if (r->balance_candidates > 0) {
+        cJSON *b = cJSON_AddObjectToObject(j, "balance");
+        mq_json_add_num(b, "candidates", (double)r->balance_candidates);
+        mq_json_add_num(b, "experts_under_first", (double)r->balance_under[0]);
+        mq_json_add_num(b, "experts_under_chosen", (double)r->balance_under[1]);
+        mq_json_add_num(b, "fewest_tokens_first", (double)r->balance_fewest[0]);
+        mq_json_add_num(b, "fewest_tokens_chosen", (double)r->balance_fewest[1]);
+        mq_json_add_num(b, "seconds", r->balance_seconds);
+    }
+    cJSON *p = cJSON_AddObjectToObject(j, "plan");
+    mq_json_add_num(p, "budget_bytes", (double)r->plan.budget);
+    mq_json_add_num(p, "peak_bytes", (double)r->plan.peak);
+    mq_json_add_num(p, "expert_chunk", r->plan.chunk);
+    mq_json_add_num(p, "estimated_seconds", r->plan.seconds);
+    mq_json_add_num(p, "disk_output_bytes", (double)r->plan.disk_output);
+    return mq_json_take_text(j);
 }

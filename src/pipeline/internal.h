@@ -129,6 +129,11 @@ typedef struct mq_pipe {
     char *out_dir;                /* without trailing slashes */
     char *work_dir, *build_dir;   /* build_dir: work_dir/out, the checkpoint being assembled */
     cJSON *src_config;
+    /* the source's config.json read once (pipeline.c read_source): its FP8 block size, and its
+     * mq_config where the run needs one (calibration takes it into the lazy model, the
+     * rotation reads it) */
+    mq_fp8_blocks src_fp8;
+    mq_config src_cfg;
     bool mixtral;
     mq_st *st;                    /* the source (borrowed from lz when calibrating) */
     mq_lazy_model *lz;            /* NULL for plain RTN */
@@ -320,15 +325,19 @@ typedef void (*mq_acts_put_fn)(void *user, int64_t row, const float *v, size_t n
  * of stream r / samples, len * D values) to put as it is read; true when the file is exactly
  * this shape's, of this layer, and its CRC is the manifest's (else what put got is garbage). */
 bool mq_work_acts_read(const char *path, const mq_acts_shape *a, float *tmp, mq_acts_put_fn put, void *user);
-/* Test-only fault points: MOEQ_FAULT="<where>:<a>[:<b>]" kills the process (SIGKILL) there;
- * with MOEQ_FAULT_MODE=error it returns true instead (the caller fails with an injected error),
- * with MOEQ_FAULT_MODE=hang it sleeps for ever; MOEQ_FAULT_RANK=R: only on rank R. */
+/* Test-only fault points: MOEQ_DEBUG_FAULT="<where>:<a>[:<b>]" kills the process (SIGKILL) there;
+ * with MOEQ_DEBUG_FAULT_MODE=error it returns true instead (the caller fails with an injected error),
+ * with MOEQ_DEBUG_FAULT_MODE=hang it sleeps for ever; MOEQ_DEBUG_FAULT_RANK=R: only on rank R. */
 bool mq_fault_point(const char *where, int a, int b);
 
 /* ---- report.c ---- */
 cJSON *mq_mod_report_json(const mq_mod_report *r);
 /* The JSON report into path and, when html_path, the page drawn from it (report_html.c). */
 moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html_path);
+/* The run's effective settings as quant_options.def's RECORD column lists them: the report's
+ * "settings" (identity false), or also what only the resume check needs (the manifest's
+ * "options", identity true). */
+cJSON *mq_settings_json(const mq_pipe *p, bool identity);
 moeq_status mq_report_html_write(const cJSON *report, const char *path);
 
 #endif

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "dist/dist.h"
+#include "core/env.h"
 #include "kernels/vec.h"
 #include "pipeline/layer_internal.h"
 
@@ -173,7 +174,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
     if (!st && p->w) {   /* the writer's queue, the layer's last (usually done by now) */
         const double tw = mq_now(), cw = mq_cpu_now();
         st = mq_ckpt_writer_flush(p->w);
-        if (getenv("MOEQ_PROFILE")) mq_info("layer %d write: %.3f s waiting for the writer's queue", l, mq_now() - tw);
+        if (mq_env(MQ_ENV_PROFILE)) mq_info("layer %d write: %.3f s waiting for the writer's queue", l, mq_now() - tw);
         p->layers[l].write += mq_now() - tw;
         p->layers[l].cpu_write += mq_cpu_now() - cw;
     }

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "dist/dist.h"
+#include "core/env.h"
 #include "kernels/gemm_det.h"
 #include "pipeline/layer_internal.h"
 
@@ -80,11 +81,11 @@ typedef struct {
     bool pinned;                  /* xt and xn are page-locked (mq_gpu_host_alloc) */
     bool ahead;                   /* this pass reads and sends up the first expert chunk while
                                      the device runs it (experts_ahead) */
-    double *prof;                 /* MOEQ_PROFILE: seconds of the inputs' copies, the FFN norm
+    double *prof;                 /* MOEQ_DEBUG_PROFILE: seconds of the inputs' copies, the FFN norm
                                      and routing, the outputs' copies [3], or NULL */
 } att_scratch;
 
-/* MOEQ_PROFILE's attention-stage parts (att_scratch.prof): the seconds since *t to part k. */
+/* MOEQ_DEBUG_PROFILE's attention-stage parts (att_scratch.prof): the seconds since *t to part k. */
 static void att_prof_add(const att_scratch *sc, int k, double *t) {
     if (!sc->prof) return;
     const double now = mq_now();
@@ -101,7 +102,7 @@ static bool gpu_attention_fits(const mq_pipe *p, int l) {
     const bool family = c->arch == MQ_ARCH_LLAMA || c->arch == MQ_ARCH_OLMOE || c->arch == MQ_ARCH_QWEN2_MOE ||
                         c->arch == MQ_ARCH_QWEN3_MOE || c->arch == MQ_ARCH_MIXTRAL;
     return p->gpu && family && !p->o->act_quant && ly->q.w && ly->k.w && ly->v.w && ly->o.w &&
-           !ly->q.act_q && !ly->o.act_q && getenv("MOEQ_GPU_ATTENTION_OFF") == NULL;
+           !ly->q.act_q && !ly->o.act_q && mq_env(MQ_ENV_GPU_ATTENTION_OFF) == NULL;
 }
 
 /* Uploads layer l's attention weights (as they are now: the quantized ones for pass B) to the
@@ -131,14 +132,14 @@ static moeq_status gpu_attention_set(mq_pipe *p, int l) {
  * where the device waits for the host to read (bf16 -> fp32) and send them. The first chunk
  * instead goes while the layer's last attention pass runs there (mq_gpu_attn_io.meanwhile), so
  * the device does not sit idle through its read and upload. The plan counts the chunk's weights
- * beside the attention stage (memplan.c). MOEQ_EXPERTS_AHEAD=0 turns it off. */
+ * beside the attention stage (memplan.c). MOEQ_DEBUG_EXPERTS_AHEAD=0 turns it off. */
 static int first_chunk_end(const mq_pipe *p) {
     const int E = p->c->n_experts;
     return p->mp.chunk > 0 && p->mp.chunk < E ? p->mp.chunk : E;
 }
 
 static bool experts_ahead_wanted(const mq_pipe *p, int l, bool replay) {
-    const char *env = getenv("MOEQ_EXPERTS_AHEAD");
+    const char *env = mq_env(MQ_ENV_EXPERTS_AHEAD);
     if (env && strcmp(env, "0") == 0) return false;
     /* as mq_pipe_routed_experts uploads: calibration in one process, experts plain once read */
     return p->gpu && p->ranks <= 1 && !replay && p->calibrate && p->m->layers[l].is_moe &&
@@ -604,9 +605,9 @@ moeq_status mq_pipe_attention_stage(mq_pipe *p, int l, bool replay) {
                               "router probabilities");
     if (p->target) sc.xf = mq_alloc_array((size_t)Lmax, (size_t)D * sizeof(float), "unquantized attention input");
     if (!sc.xt || !sc.xn || !sc.probs || (p->target && !sc.xf)) st = MOEQ_E_NOMEM;
-    /* MOEQ_PROFILE on the CPU: where the stage's seconds go, logged at its end */
+    /* MOEQ_DEBUG_PROFILE on the CPU: where the stage's seconds go, logged at its end */
     double prof_model[MQ_ATT_PARTS] = {0}, prof_pipe[3] = {0};
-    const bool prof = getenv("MOEQ_PROFILE") && !sc.gpu;
+    const bool prof = mq_env(MQ_ENV_PROFILE) && !sc.gpu;
     if (prof) {
         mq_state_profile(p->state, prof_model);
         sc.prof = prof_pipe;

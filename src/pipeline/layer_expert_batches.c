@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "kernels/gemm_det.h"
+#include "core/env.h"
 #include "kernels/vec.h"
 #include "pipeline/layer_internal.h"
 
@@ -384,7 +385,7 @@ static moeq_status batch_combine_device(ex_batch *b) {
 
 /* Runs samples [s0, s0 + nb) through experts [e0, e1): inputs, the rows of each expert (tokens
  * in order, as the forward groups them), gate/up (and down), then Hessians / amax / combine. */
-/* MOEQ_PROFILE=1 with a GPU: the experts' batches' seconds by step, logged per layer
+/* MOEQ_DEBUG_PROFILE=1 with a GPU: the experts' batches' seconds by step, logged per layer
  * (mq_pipe_routed_experts): FFN inputs, routing bookkeeping, inputs up, the experts on the device
  * (to their end), the combine. */
 static double g_ex_prof[5];
@@ -579,7 +580,7 @@ static moeq_status batch_run(ex_batch *b, mq_pipe *p, int l) {
             if (hdn) dn->h.n += n;
         }
         if (!st) st = mq_gpu_mlp_join(b->gmlp);   /* the experts ran on several streams */
-        if (getenv("MOEQ_PROFILE") && !st) st = mq_gpu_sync(p->gpu);
+        if (mq_env(MQ_ENV_PROFILE) && !st) st = mq_gpu_sync(p->gpu);
         tq = mq_now();
         g_ex_prof[3] += tq - tp;
         if (!st && b->down && p->gout) st = batch_combine_device(b);
@@ -671,13 +672,13 @@ moeq_status mq_pipe_gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, in
 /* The GPU's expert batches: how many rows (token, expert) pairs one batch may hold on the device,
  * a third of its free memory at 2 D floats per row, 4 when down runs (its kept output, and
  * the tokens' inputs, fewer than the rows), at most GPU_BATCH_MAX_ROWS for the host's per-row
- * bookkeeping (24 bytes a row: 100 MB). MOEQ_GPU_BATCH_ROWS=N sets it (the tests' small batches).
- * Unless MOEQ_GPU_BATCH=plan (mq_pipe_experts_pass). */
+ * bookkeeping (24 bytes a row: 100 MB). MOEQ_DEBUG_GPU_BATCH_ROWS=N sets it (the tests' small batches).
+ * Unless MOEQ_DEBUG_GPU_BATCH=plan (mq_pipe_experts_pass). */
 enum { GPU_BATCH_MAX_ROWS = 1 << 22, GPU_DEVICE_BATCHES_DEFAULT = 1 };
 #define GPU_BATCH_HOST_ROUTES ((int64_t)1 << 23)
 
 static int64_t gpu_batch_rows(const mq_pipe *p, bool down) {
-    const char *env = getenv("MOEQ_GPU_BATCH_ROWS");
+    const char *env = mq_env(MQ_ENV_GPU_BATCH_ROWS);
     if (env && atoll(env) > 0) return atoll(env);
     mq_gpu_info gi;
     mq_gpu_get_info(p->gpu, &gi);
@@ -702,13 +703,13 @@ moeq_status mq_pipe_experts_pass(mq_pipe *p, int l, int e0, int e1, mq_ffn_sourc
     if (nb > s_hi - s_lo) nb = s_hi - s_lo;
     const int64_t plan_rows = mq_plan_batch_rows(p, e1 - e0);
     int64_t rows_cap = plan_rows, nb_in = nb;
-    /* On the GPU (unless MOEQ_GPU_BATCH=plan) every expert's GEMMs take as many rows as the device
+    /* On the GPU (unless MOEQ_DEBUG_GPU_BATCH=plan) every expert's GEMMs take as many rows as the device
      * holds instead of the CPU threads' batches, which are sized to keep the host's threads busy
      * and leave the GPU's GEMMs small: possible where the rows stay on the device (batch_run's
      * dev_rows) and the outputs are combined there. Fewer, larger products keep the device busier,
      * and the bytes are the same either way (test_gpu_pipeline compares both, killed and resumed
-     * too), so it is the default; MOEQ_GPU_BATCH=plan takes the CPU plan's batches. */
-    const char *gb = getenv("MOEQ_GPU_BATCH");
+     * too), so it is the default; MOEQ_DEBUG_GPU_BATCH=plan takes the CPU plan's batches. */
+    const char *gb = mq_env(MQ_ENV_GPU_BATCH);
     const bool dev_batches = gb ? strcmp(gb, "plan") != 0 : GPU_DEVICE_BATCHES_DEFAULT;
     /* the experts on the device: plain ones go up for this pass, quantized ones are there already
      * (p->gx: GPTQ left their dequantized weights there for the output pass) */

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "dist/dist.h"
+#include "core/env.h"
 #include "pipeline/layer_internal.h"
 
 /* The fallback Hessian of an expert's down projection (MQ_HOW_GPTQ_BLOCK_HESSIAN) is taken from
@@ -71,9 +72,9 @@ mq_actbuf *mq_pipe_out_buf(mq_pipe *p) { return p->X.kind == MQ_ACT_DISK ? &p->X
  * come back as the next boundary: the combined outputs are the whole FFN (no shared expert, no
  * unquantized stream beside) and the boundary is plain page-locked fp32 (not bf16 or a file). The
  * add is the host's add_out, one fp32 add a value: the same bits, without the host's pass over
- * the whole boundary (gigabytes a layer at real size). MOEQ_GPU_RESIDUAL=0 turns it off. */
+ * the whole boundary (gigabytes a layer at real size). MOEQ_DEBUG_GPU_RESIDUAL=0 turns it off. */
 static bool residual_on_device(mq_pipe *p) {
-    const char *env = getenv("MOEQ_GPU_RESIDUAL");
+    const char *env = mq_env(MQ_ENV_GPU_RESIDUAL);
     if (env && strcmp(env, "0") == 0) return false;
     const mq_actbuf *hb = mq_pipe_out_buf(p);
     return p->c->shared_ffn == 0 && !p->target && hb->kind == MQ_ACT_RAM && hb->pinned;
@@ -85,10 +86,10 @@ static bool residual_on_device(mq_pipe *p) {
  * the host reads none of it before: sequential calibration's Hessians read the kept FFN input
  * (XN), its output pass the device's FFN input. The kept FFN input (XN) where everything of the
  * layer reads it on the device, unless a host step needs it after all: mq_pipe_xn_to_host then
- * (the experts' fallback of a shared Hessian). MOEQ_GPU_HOST_COPIES=1 makes every copy as
+ * (the experts' fallback of a shared Hessian). MOEQ_DEBUG_GPU_HOST_COPIES=1 makes every copy as
  * before. */
 static bool host_copies_forced(void) {
-    const char *env = getenv("MOEQ_GPU_HOST_COPIES");
+    const char *env = mq_env(MQ_ENV_GPU_HOST_COPIES);
     return env && strcmp(env, "1") == 0;
 }
 
@@ -315,7 +316,7 @@ static void fit_shares(mq_pipe *p, const double *w, const double *x, const doubl
     if (!(a > 0 && b > 0)) return;
     double ratio = sqrt(p->share_gptq * (b / a));
     ratio = ratio < 0.125 ? 0.125 : ratio > 8 ? 8 : ratio;
-    if (getenv("MOEQ_DIST_PROFILE") && p->rank == 0)
+    if (mq_env(MQ_ENV_DIST_PROFILE) && p->rank == 0)
         mq_info("experts' shares: GPTQ weighted %.3g x its FLOPs (fit %.3g)", ratio, b / a);
     p->share_gptq = ratio;
 }
@@ -497,7 +498,7 @@ moeq_status mq_pipe_routed_experts(mq_pipe *p, int l, bool replay) {
         mq_pipe_drop_part(p, l, MQ_PART_EXPERTS, e0, e1);
         p->layers[l].chunks++;
         if (!st && mq_fault_point("chunk", l, (e0 - (int)own_lo) / C))
-            st = mq_err(MOEQ_E_IO, "layer %d, expert chunk %d: injected fault (MOEQ_FAULT)", l, (e0 - (int)own_lo) / C);
+            st = mq_err(MOEQ_E_IO, "layer %d, expert chunk %d: injected fault (MOEQ_DEBUG_FAULT)", l, (e0 - (int)own_lo) / C);
         if (!dist) mq_pipe_progress(p, p->mp_units.expert * (e1 - e0));
     }
     if (dist) {
@@ -535,7 +536,7 @@ moeq_status mq_pipe_routed_experts(mq_pipe *p, int l, bool replay) {
         }
     }
     if (!st && o->act_quant && !replay && p->w) st = unseen_expert_scales(p, gu, dn, E);
-    if (p->gpu && getenv("MOEQ_PROFILE")) mq_expert_batches_profile_log(l);
+    if (p->gpu && mq_env(MQ_ENV_PROFILE)) mq_expert_batches_profile_log(l);
     if (p->gout) {   /* the combined outputs into OUT, or added to the boundary there */
         double t0 = mq_now(), c0 = mq_cpu_now();
         mq_actbuf *dst = &p->OUT;

@@ -150,7 +150,7 @@ moeq_status mq_pipe_experts_pass(mq_pipe *p, int l, int e0, int e1, mq_ffn_sourc
 bool mq_pipe_experts_plain_as(const mq_pipe *p, int l, int e0, int e1, bool read);
 moeq_status mq_pipe_gpu_experts(mq_pipe *p, int l, int e0, int e1, bool down, int64_t rows,
                                 mq_gpu_mlp **out);
-/* MOEQ_PROFILE with a GPU: logs the seconds of layer l's expert batches by step, then zeroes
+/* MOEQ_DEBUG_PROFILE with a GPU: logs the seconds of layer l's expert batches by step, then zeroes
  * them. */
 void mq_expert_batches_profile_log(int l);
 

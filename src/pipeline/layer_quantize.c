@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "dist/dist.h"
+#include "core/env.h"
 #include "pipeline/layer_internal.h"
 
 const char *mq_how_name(mq_how h) {
@@ -160,7 +161,7 @@ static moeq_status put_and_record(mq_pipe *p, int l, const mq_slot *slots, const
     }
     p->layers[l].write += mq_now() - t0;
     p->layers[l].cpu_write += mq_cpu_now() - c0;
-    if (getenv("MOEQ_PROFILE"))   /* the write stage's parts (the writer's thread writes meanwhile) */
+    if (mq_env(MQ_ENV_PROFILE))   /* the write stage's parts (the writer's thread writes meanwhile) */
         mq_info("layer %d write, %d weights: packing %.3f s (%.1f cores busy), dequantizing back %.3f s (%.1f "
                 "cores busy); the writer's thread in pwrite meanwhile %.3f s", l, m, t1 - t0,
                 (c1 - c0) / (t1 - t0 + 1e-9), mq_now() - t1, (mq_cpu_now() - c1) / (mq_now() - t1 + 1e-9),
@@ -478,7 +479,7 @@ moeq_status mq_pipe_quantize_slots(mq_pipe *p, int l, mq_slot *slots, int n, flo
             fac_sec[2] = fmax(fac_sec[2], f[i].sec_copies);
         }
         st = mq_gptq_run(&o->spec, &o->g, jobs, n_jobs);
-        if (getenv("MOEQ_PROFILE"))   /* where GPTQ's time goes and how many cores it kept busy */
+        if (mq_env(MQ_ENV_PROFILE))   /* where GPTQ's time goes and how many cores it kept busy */
             mq_info("layer %d GPTQ, %d weights: factors %.2f s (%.1f cores busy; Cholesky %.2f, inverse %.2f, "
                     "copies %.2f s), column loops %.2f s (%.1f cores busy)", l, n_jobs, tr0 - tf0,
                     (cr0 - cf0) / (tr0 - tf0 + 1e-9), fac_sec[0], fac_sec[1], fac_sec[2], mq_now() - tr0,

@@ -9,6 +9,7 @@
 #include <sys/resource.h>
 
 #include "pipeline/layer_internal.h"
+#include "core/env.h"
 
 /* Read-ahead (the plan's mp.read_ahead; MOEQ_READ_AHEAD=1 only, see memplan.c
  * read_ahead_wanted for why): parts `what` of layer l (experts [e0, e1)) converted on a thread
@@ -42,7 +43,7 @@ moeq_status mq_pipe_read_part(mq_pipe *p, int l, unsigned what, int e0, int e1,
                               bool (*alloc_only)(float **dest, void *user), void *user) {
     double t0 = mq_now(), c0 = mq_cpu_now();
     struct rusage r0, r1;
-    const bool prof = getenv("MOEQ_PROFILE") != NULL;
+    const bool prof = mq_env(MQ_ENV_PROFILE) != NULL;
     if (prof) getrusage(RUSAGE_SELF, &r0);
     moeq_status st = MOEQ_OK;
     int64_t by_thread = -1, pieces = 0;

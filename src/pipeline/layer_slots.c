@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "kernels/gemm_det.h"
+#include "core/env.h"
 #include "pipeline/layer_internal.h"
 
 /* Whether this rank quantizes a Linear of slot s (and so holds its Hessian). */
@@ -146,7 +147,7 @@ moeq_status mq_pipe_target_slots(mq_pipe *p, int l, mq_slot *a, int na, mq_slot 
     free(jobs);
     free(w);
     free(rows);
-    if (getenv("MOEQ_PROFILE"))
+    if (mq_env(MQ_ENV_PROFILE))
         mq_info("layer %d target corrections, %d Linear inputs: %.2f s (%.1f cores busy; factorisations %.2f, "
                 "solves %.2f, products %.2f s)", l, m, mq_now() - t0, (mq_cpu_now() - c0) / (mq_now() - t0 + 1e-9),
                 sec[0], sec[1], sec[2]);

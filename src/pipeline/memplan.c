@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "pipeline/internal.h"
+#include "core/env.h"
 
 static double gb(int64_t b) { return (double)b / 1e9; }
 
@@ -78,7 +79,7 @@ static int64_t write_behind_bytes(const mq_pipe *p, int C) {
  * a read stage of 0.05-0.1 s: its traffic through the cores' caches costs the pool more than the
  * conversion it takes off the path. The page cache's read-ahead of the same parts stays on. */
 static bool read_ahead_wanted(const mq_pipe *p) {
-    const char *env = getenv("MOEQ_READ_AHEAD");
+    const char *env = mq_env(MQ_ENV_READ_AHEAD);
     return p->calibrate && p->lz && !p->gpu && p->ranks <= 1 && !p->rotated && env && strcmp(env, "1") == 0;
 }
 
@@ -383,9 +384,9 @@ moeq_status mq_plan_memory(mq_pipe *p) {
     mp->peak = z.peak;
     /* the activation snapshot (workdir.c): a copy written to disk behind the next layer where it
      * fits beside the rest (one process: several ranks gather theirs to rank 0 in place;
-     * MOEQ_SNAPSHOT_IN_PLACE=1, for the tests: never) */
+     * MOEQ_DEBUG_SNAPSHOT_IN_PLACE=1, for the tests: never) */
     const int64_t copy = p->calib.total * (int64_t)c->D * 4 * (1 + p->target);   /* both streams */
-    const bool snap_copy = p->ranks <= 1 && z.peak + copy <= mp->budget && !getenv("MOEQ_SNAPSHOT_IN_PLACE");
+    const bool snap_copy = p->ranks <= 1 && z.peak + copy <= mp->budget && !mq_env(MQ_ENV_SNAPSHOT_IN_PLACE);
     /* the read-ahead where it fits beside the rest, as the chunk and the snapshot's copy are */
     if (read_ahead_wanted(p) && E > 0 && C > 0) {
         const sizes za = plan_sizes(p, kind, Cs, batch_for(p, Cs), true);

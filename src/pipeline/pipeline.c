@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 
 #include "dist/dist.h"
+#include "core/env.h"
 #include "pipeline/internal.h"
 
 void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_format format) {
@@ -73,38 +74,32 @@ static moeq_status check_report_dir(const char *path, const char *out_dir, const
     return s;
 }
 
-static moeq_status read_config(const char *model_dir, cJSON **out, bool *mixtral) {
-    char *path = mq_path_join(model_dir, "config.json");
-    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    char *text;
-    size_t len;
-    moeq_status s = mq_dir_exists(model_dir) ? mq_read_file(path, &text, &len)
+/* The source's config.json, read once for the whole run: p->src_config (what the output's
+ * config.json is made from), its FP8 block size and, where the run needs it (need_cfg), its
+ * mq_config. GGUF output refuses what llama.cpp would compute differently here, before any
+ * work. */
+static moeq_status read_source(mq_pipe *p, const char *model_dir, bool need_cfg) {
+    char *path = NULL;
+    cJSON *j = NULL;
+    moeq_status s = mq_dir_exists(model_dir) ? mq_config_file_parse(model_dir, &path, &j)
                                              : mq_err(MOEQ_E_NOTFOUND, "model directory '%s' not found", model_dir);
+    if (s) return s;
+    /* An FP8 block-quantized source is read dequantized (io/fp8.h), any other quantized one
+     * refused; the source's quantization_config never reaches the output's config.json. */
+    const cJSON *qc = cJSON_GetObjectItemCaseSensitive(j, "quantization_config");
+    if (qc && !(s = mq_fp8_parse_qconfig(qc, path, &p->src_fp8)) && p->src_fp8.rows == 0)
+        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: the model is already quantized (quantization_config); "
+                   "quantize an unquantized checkpoint (or an FP8 block-quantized one)", path);
+    const mq_pipeline_opts *o = p->o;
+    if (!s && o->format == MQ_FMT_GGUF) s = mq_gguf_check_config(j, model_dir, o->spec.scheme, o->act_quant);
+    if (!s && need_cfg) s = mq_config_from_json(j, path, &p->src_cfg);
     if (s) {
-        free(path);
-        return s;
-    }
-    cJSON *j = cJSON_ParseWithLength(text, len);
-    free(text);
-    if (!j || !cJSON_IsObject(j)) {
         cJSON_Delete(j);
-        s = mq_err(MOEQ_E_FORMAT, "%s: not a JSON object", path);
     } else {
-        /* An FP8 block-quantized source is read dequantized (io/fp8.h), any other quantized one
-         * refused; the source's quantization_config never reaches the output's config.json. */
-        const cJSON *qc = cJSON_GetObjectItemCaseSensitive(j, "quantization_config");
-        mq_fp8_blocks fp8 = {0, 0};
-        if (qc && !(s = mq_fp8_parse_qconfig(qc, path, &fp8)) && fp8.rows == 0)
-            s = mq_err(MOEQ_E_UNSUPPORTED, "%s: the model is already quantized (quantization_config); "
-                       "quantize an unquantized checkpoint (or an FP8 block-quantized one)", path);
-        if (s) {
-            cJSON_Delete(j);
-        } else {
-            cJSON_DeleteItemFromObjectCaseSensitive(j, "quantization_config");
-            const cJSON *mt = cJSON_GetObjectItemCaseSensitive(j, "model_type");
-            *mixtral = cJSON_IsString(mt) && strcmp(mt->valuestring, "mixtral") == 0;
-            *out = j;
-        }
+        cJSON_DeleteItemFromObjectCaseSensitive(j, "quantization_config");
+        const cJSON *mt = cJSON_GetObjectItemCaseSensitive(j, "model_type");
+        p->mixtral = cJSON_IsString(mt) && strcmp(mt->valuestring, "mixtral") == 0;
+        p->src_config = j;
     }
     free(path);
     return s;
@@ -242,14 +237,12 @@ static int default_rotate_block(const mq_qspec *spec, int64_t D) {
 /* --rotate residual: refused before any work where it is not exact (model/rotate.h); the norms
  * read, the lazy model told; a tied model is untied (the output's config says so). */
 static moeq_status rotation_setup(mq_pipe *p, const char *model_dir, bool *untie) {
-    mq_config c;
-    moeq_status s = mq_config_load(model_dir, &c);
-    if (s) return s;
-    int b = p->o->rotate_block > 0 ? p->o->rotate_block : default_rotate_block(&p->o->spec, c.D);
-    s = mq_rotation_check(&c, b);
-    if (!s) s = mq_rotation_init(&p->rot, &c, p->st, b, MQ_ROTATE_SEED);
-    *untie = c.tie_embeddings;
-    mq_config_free(&c);
+    /* the source's config as read_source parsed it (the lazy model took it where it calibrates) */
+    const mq_config *c = p->m ? &p->m->cfg : &p->src_cfg;
+    int b = p->o->rotate_block > 0 ? p->o->rotate_block : default_rotate_block(&p->o->spec, c->D);
+    moeq_status s = mq_rotation_check(c, b);
+    if (!s) s = mq_rotation_init(&p->rot, c, p->st, b, MQ_ROTATE_SEED);
+    *untie = c->tie_embeddings;
     if (s) return mq_err_prefix(s, "%s", model_dir);
     p->rotated = true;
     if (p->lz) mq_lazy_set_rotation(p->lz, &p->rot);
@@ -323,6 +316,7 @@ static void pipe_free(mq_pipe *p) {
     if (p->lz) mq_lazy_close(p->lz);
     else mq_st_close(p->st);
     cJSON_Delete(p->src_config);
+    mq_config_free(&p->src_cfg);
     cJSON_Delete(p->manifest);
     free(p->out_dir);
     free(p->work_dir);
@@ -478,7 +472,7 @@ static moeq_status run(mq_pipe *p) {
  * own while the config, the model's index and the tokenizer are read and the calibration text is
  * tokenized, and is waited for before the memory plan, the first step that asks the device: the
  * first layer started about 0.2 s sooner on an H200. The probe first, so a machine without the
- * device still fails at once. MOEQ_GPU_OPEN_AHEAD=0 opens it in place (to measure it). */
+ * device still fails at once. MOEQ_DEBUG_GPU_OPEN_AHEAD=0 opens it in place (to measure it). */
 struct mq_gpu_opening {
     pthread_t th;
     int device;
@@ -497,7 +491,7 @@ static void *gpu_open_main(void *arg) {
 static moeq_status gpu_open_start(mq_pipe *p, int device) {
     moeq_status s = mq_gpu_probe(device);
     if (s) return s;
-    const char *env = getenv("MOEQ_GPU_OPEN_AHEAD");
+    const char *env = mq_env(MQ_ENV_GPU_OPEN_AHEAD);
     if (env && strcmp(env, "0") == 0) return mq_gpu_open(device, &p->gpu);
     struct mq_gpu_opening *g = calloc(1, sizeof *g);
     if (!g) return mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -561,6 +555,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     mq_pipeline_result res;
     memset(&res, 0, sizeof res);
     if (result) memset(result, 0, sizeof *result);
+    mq_env_reload();   /* the run sees the environment switches as they are when it starts */
     double t0 = mq_now();
     moeq_status s = check_opts(o);
     if (s) return s;
@@ -582,7 +577,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     bool exists = false;
     bool watching = false, work = false;
     if (p->ranks > 1) {   /* before any rank can fail alone */
-        const char *shares = getenv("MOEQ_DIST_SHARES");
+        const char *shares = mq_env(MQ_ENV_DIST_SHARES);
         int32_t fit = p->rank == 0 && shares && strcmp(shares, "measured") == 0;
         if ((s = mq_dist_bcast(&fit, sizeof fit, 0, "the options"))) goto done;
         p->fit_shares = fit != 0;
@@ -594,8 +589,8 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         goto done;
     /* first, so that a missing GPU costs nothing; opened beside what follows up to the plan */
     if (o->gptq && o->device >= 0 && (s = gpu_open_start(p, o->device))) goto done;
-    if ((s = read_config(model_dir, &p->src_config, &p->mixtral))) goto done;
     p->calibrate = o->gptq || o->act_quant;
+    if ((s = read_source(p, model_dir, p->calibrate || o->rotate_block))) goto done;
     p->seq = o->gptq && o->sequential;
     p->tseq = p->seq && o->true_sequential;
     p->target = o->target_share > 0;
@@ -605,7 +600,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         goto done;
     }
     if (p->calibrate) {
-        if ((s = mq_lazy_open(model_dir, true, &p->lz))) goto done;
+        if ((s = mq_lazy_open_config(model_dir, &p->src_cfg, true, &p->lz))) goto done;
         p->m = mq_lazy_model_of(p->lz);
         p->c = &p->m->cfg;
         p->st = (mq_st *)mq_lazy_st(p->lz);
@@ -613,7 +608,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
             s = mq_err(MOEQ_E_NOTFOUND, "%s: no tokenizer.json or tiktoken.model to tokenize the calibration text", model_dir);
             goto done;
         }
-    } else if ((s = mq_st_open_dir(model_dir, &p->st))) {
+    } else if ((s = mq_st_open_dir_blocks(model_dir, p->src_fp8, &p->st))) {
         goto done;
     }
     bool untie = false;

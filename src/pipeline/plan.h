@@ -16,7 +16,7 @@
 #define MOEQ_PIPELINE_PLAN_H
 
 #include "export/layout.h"
-#include "io/fp8.h"   /* FP8 block-quantized sources (also read_config's check) */
+#include "io/fp8.h"   /* FP8 block-quantized sources' weights */
 #include "io/safetensors.h"
 
 typedef struct {

@@ -32,10 +32,56 @@ cJSON *mq_mod_report_json(const mq_mod_report *x) {
     return m;
 }
 
-static const char *mse_weight_name(mq_gptq_mse_weight w) {
+/* ---- the settings of a run (quant_options.def's RECORD column) ---------------------------- */
+
+static const char *mq_gptq_mse_weight_name(mq_gptq_mse_weight w) {
     return w == MQ_GPTQ_MSE_HDIAG ? "hessian" : w == MQ_GPTQ_MSE_OBQ ? "obq"
                                   : w == MQ_GPTQ_MSE_LOOP ? "gptq" : "plain";
 }
+
+static const char *mq_gptq_groups_name(mq_gptq_groups g) {
+    return g == MQ_GPTQ_GROUPS_STATIC ? "static" : g == MQ_GPTQ_GROUPS_GIDX ? "g_idx" : "dynamic";
+}
+
+static cJSON *mq_strings_json(const char *const *s, int n) {
+    cJSON *a = cJSON_CreateArray();
+    for (int i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateString(s[i]));
+    return a;
+}
+
+static cJSON *mq_scale_search_json(const mq_qspec *q) {
+    cJSON *a = cJSON_CreateArray();
+    if (!a) return NULL;
+    cJSON_AddItemToArray(a, cJSON_CreateNumber(q->mse_lo));
+    cJSON_AddItemToArray(a, cJSON_CreateNumber(q->mse_hi));
+    cJSON_AddItemToArray(a, cJSON_CreateNumber(q->mse_steps));
+    return a;
+}
+
+enum { MQ_REC_ALL, MQ_REC_ID };
+#define MQ_REC_NUM(j, k, v) cJSON_AddNumberToObject(j, k, v)
+#define MQ_REC_BOOL(j, k, v) cJSON_AddBoolToObject(j, k, (v) != 0)
+#define MQ_REC_STR(j, k, v) cJSON_AddStringToObject(j, k, v)
+#define MQ_REC_ITEM(j, k, v) cJSON_AddItemToObject(j, k, v)
+#define REC(where, type, key, value, when)                                                         \
+    if ((identity || where == MQ_REC_ALL) && (when)) MQ_REC_##type(j, key, value);
+#define NOREC
+
+cJSON *mq_settings_json(const mq_pipe *p, bool identity) {
+    const mq_pipeline_opts *o = p->o;
+    cJSON *j = cJSON_CreateObject();
+    if (!j) return NULL;
+#define MQ_QOPT(name, kind, p1, p2, field, def, metavar, ident, record, help) record
+#include "pipeline/quant_options.def"
+#undef MQ_QOPT
+    if (identity) {   /* conventions of the format, set by none of the options */
+        cJSON_AddNumberToObject(j, "int4_zero_min", o->spec.int4_zero_min);
+        cJSON_AddNumberToObject(j, "nvfp4_conv", o->spec.nvfp4_conv);
+    }
+    return j;
+}
+#undef REC
+#undef NOREC
 
 static cJSON *plan_json(const mq_mem_plan *mp) {
     cJSON *j = cJSON_CreateObject();
@@ -70,46 +116,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
     cJSON_AddStringToObject(host, "moeq", moeq_version());
     cJSON_AddStringToObject(host, "cpu_kernels", moeq_cpu_kernels());
     cJSON_AddStringToObject(host, "blas_kernels", moeq_blas_kernels());
-    cJSON *set = cJSON_AddObjectToObject(j, "settings");
-    cJSON_AddStringToObject(set, "scheme", mq_qscheme_name(o->spec.scheme));
-    cJSON_AddNumberToObject(set, "group_size", o->spec.group_size);
-    cJSON_AddBoolToObject(set, "mse", o->spec.mse);
-    if (o->spec.mse) {
-        cJSON *ss = cJSON_AddArrayToObject(set, "scale_search");
-        cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_lo));
-        cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_hi));
-        cJSON_AddItemToArray(ss, cJSON_CreateNumber(o->spec.mse_steps));
-    }
-    if (o->spec.scheme == MQ_QS_INT4 && !o->spec.asym)
-        cJSON_AddStringToObject(set, "int4_scale_sign", o->spec.int4_signed_scale ? "signed" : "positive");
-    if (o->spec.scheme == MQ_QS_NVFP4)
-        cJSON_AddNumberToObject(set, "global_scale_headroom", o->spec.nvfp4_headroom > 1 ? o->spec.nvfp4_headroom : 1);
-    if (o->spec.mse && o->gptq) cJSON_AddStringToObject(set, "mse_weight", mse_weight_name(o->g.mse_weight));
-    cJSON_AddStringToObject(set, "method", o->gptq ? "gptq" : "rtn");
-    if (o->gptq) {
-        cJSON_AddStringToObject(set, "mode", o->sequential ? "sequential" : "nonsequential");
-        cJSON_AddBoolToObject(set, "true_sequential", o->true_sequential && o->sequential);
-        cJSON_AddNumberToObject(set, "percdamp", o->g.percdamp);
-        cJSON_AddNumberToObject(set, "block_size", o->g.block_size);
-        cJSON_AddBoolToObject(set, "act_order", o->g.act_order);
-        cJSON_AddStringToObject(set, "groups", o->g.groups == MQ_GPTQ_GROUPS_STATIC ? "static"
-                                               : o->g.groups == MQ_GPTQ_GROUPS_GIDX ? "g_idx"
-                                                                                    : "dynamic");
-        cJSON_AddNumberToObject(set, "min_expert_tokens", (double)o->min_expert_tokens);
-        cJSON_AddStringToObject(set, "expert_fallback", o->fallback_rtn ? "rtn" : "block-hessian");
-        cJSON_AddStringToObject(set, "expert_weighting", o->expert_weighting == 1   ? "gate"
-                                                         : o->expert_weighting == 2 ? "gate-squared"
-                                                                                    : "none");
-        cJSON_AddBoolToObject(set, "clip_search", o->g.clip_search);
-        cJSON_AddNumberToObject(set, "refine_passes", o->g.refine_passes);
-        cJSON_AddBoolToObject(set, "refine_scales", o->g.refine_scales);
-        cJSON_AddNumberToObject(set, "target_unquantized", o->target_share);
-        cJSON_AddStringToObject(set, "device", o->device >= 0 ? "cuda" : "cpu");
-        if (o->device >= 0) cJSON_AddStringToObject(set, "gpu_precision", mq_gpu_precision_name(o->gpu_precision));
-        cJSON *ds = cJSON_AddArrayToObject(set, "damp_sweep");
-        for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
-    }
-    if (p->rotated) cJSON_AddNumberToObject(set, "rotate_block", p->rot.block);
+    cJSON_AddItemToObject(j, "settings", mq_settings_json(p, false));
     cJSON *cal = cJSON_AddObjectToObject(j, "calibration");
     const char *cfile = o->gptq ? o->calib.path : o->act_calib;
     if (cfile) cJSON_AddStringToObject(cal, "file", cfile);

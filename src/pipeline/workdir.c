@@ -26,15 +26,18 @@
 #include <unistd.h>
 
 #include "dist/dist.h"
+#include "core/env.h"
 #include "pipeline/internal.h"
 
-#define MANIFEST_VERSION 1
+/* 2: the options recorded as quant_options.def's RECORD column has them (the report's names and
+ * values); a work directory of version 1 is not resumed, it says so */
+#define MANIFEST_VERSION 2
 static const char k_act_magic[8] = {'M', 'O', 'E', 'Q', 'A', 'C', 'T', '1'};
 
 bool mq_fault_point(const char *where, int a, int b) {
-    const char *f = getenv("MOEQ_FAULT");
+    const char *f = mq_env(MQ_ENV_FAULT);
     if (!f || !*f) return false;
-    const char *fr = getenv("MOEQ_FAULT_RANK");
+    const char *fr = mq_env(MQ_ENV_FAULT_RANK);
     if (fr && *fr && atoi(fr) != mq_dist_rank()) return false;
     char want[96];
     snprintf(want, sizeof want, "%s:%d", where, a);
@@ -42,7 +45,7 @@ bool mq_fault_point(const char *where, int a, int b) {
     if (strncmp(f, want, n) != 0) return false;
     if (f[n] == ':' && atoi(f + n + 1) != b) return false;
     if (f[n] != '\0' && f[n] != ':') return false;
-    const char *mode = getenv("MOEQ_FAULT_MODE");
+    const char *mode = mq_env(MQ_ENV_FAULT_MODE);
     if (mode && !strcmp(mode, "error")) return true;
     if (mode && !strcmp(mode, "hang"))
         for (;;) pause();
@@ -120,65 +123,6 @@ static moeq_status source_identity(const mq_pipe *p, cJSON *src) {
         free(path);
     }
     return s;
-}
-
-/* Every option that changes the checkpoint's bytes (not threads, memory, chunk size or paths). */
-static cJSON *options_identity(const mq_pipe *p) {
-    const mq_pipeline_opts *o = p->o;
-    cJSON *j = cJSON_CreateObject();
-    cJSON_AddStringToObject(j, "scheme", mq_qscheme_name(o->spec.scheme));
-    cJSON_AddStringToObject(j, "format", mq_ckpt_format_name(o->format));
-    cJSON_AddNumberToObject(j, "group_size", o->spec.group_size);
-    cJSON_AddBoolToObject(j, "asym", o->spec.asym);
-    cJSON_AddNumberToObject(j, "int4_zero_min", o->spec.int4_zero_min);
-    cJSON_AddNumberToObject(j, "int4_sym_div", o->spec.int4_sym_div);
-    cJSON_AddBoolToObject(j, "int4_signed_scale", o->spec.int4_signed_scale);
-    cJSON_AddStringToObject(j, "scale_dtype", moeq_dtype_name(o->spec.scale_dtype));
-    cJSON_AddNumberToObject(j, "nvfp4_conv", o->spec.nvfp4_conv);
-    cJSON_AddNumberToObject(j, "nvfp4_scale_min", o->spec.nvfp4_scale_min);
-    cJSON_AddBoolToObject(j, "mse", o->spec.mse);
-    cJSON_AddNumberToObject(j, "mse_steps", o->spec.mse_steps);
-    cJSON_AddNumberToObject(j, "mse_lo", o->spec.mse_lo);
-    cJSON_AddNumberToObject(j, "mse_hi", o->spec.mse_hi);
-    cJSON_AddNumberToObject(j, "nvfp4_headroom", o->spec.nvfp4_headroom);
-    cJSON_AddBoolToObject(j, "act_quant", o->act_quant);
-    cJSON_AddBoolToObject(j, "no_fuse", o->no_fuse);
-    cJSON *ign = cJSON_AddArrayToObject(j, "ignore");
-    for (int i = 0; i < o->n_ignore; i++) cJSON_AddItemToArray(ign, cJSON_CreateString(o->ignore[i]));
-    cJSON_AddNumberToObject(j, "max_shard_bytes", (double)o->max_shard_bytes);
-    if (o->drop_mtp) cJSON_AddBoolToObject(j, "drop_mtp", true);   /* absent: older manifests */
-    if (p->rotated) {   /* absent: not rotated (older manifests too) */
-        cJSON *r = cJSON_AddObjectToObject(j, "rotate");
-        cJSON_AddStringToObject(r, "kind", "residual");
-        cJSON_AddNumberToObject(r, "block", p->rot.block);
-        cJSON_AddNumberToObject(r, "seed", MQ_ROTATE_SEED);
-    }
-    cJSON_AddStringToObject(j, "method", o->gptq ? "gptq" : "rtn");
-    if (o->gptq) {
-        cJSON_AddNumberToObject(j, "percdamp", o->g.percdamp);
-        cJSON_AddNumberToObject(j, "block_size", o->g.block_size);
-        cJSON_AddBoolToObject(j, "act_order", o->g.act_order);
-        cJSON_AddNumberToObject(j, "groups", o->g.groups);
-        cJSON_AddNumberToObject(j, "mse_weight", o->g.mse_weight);
-        cJSON_AddBoolToObject(j, "sequential", o->sequential);
-        cJSON_AddBoolToObject(j, "true_sequential", o->true_sequential);
-        cJSON_AddNumberToObject(j, "min_expert_tokens", (double)o->min_expert_tokens);
-        cJSON_AddBoolToObject(j, "fallback_rtn", o->fallback_rtn);
-        cJSON_AddNumberToObject(j, "expert_weighting", o->expert_weighting);
-        cJSON_AddBoolToObject(j, "clip_search", o->g.clip_search);
-        cJSON_AddNumberToObject(j, "refine_passes", o->g.refine_passes);
-        cJSON_AddBoolToObject(j, "refine_scales", o->g.refine_scales);
-        if (o->target_share > 0) cJSON_AddNumberToObject(j, "target_unquantized", o->target_share);
-        cJSON *ds = cJSON_AddArrayToObject(j, "damp_sweep");
-        for (int i = 0; i < o->n_damp_sweep; i++) cJSON_AddItemToArray(ds, cJSON_CreateNumber(o->damp_sweep[i]));
-        /* GPU and CPU codes differ where a weight sits on a rounding threshold */
-        cJSON_AddStringToObject(j, "gptq_device", o->device >= 0 ? "cuda" : "cpu");
-        if (o->gpu_precision)   /* absent in fp32 runs */
-            cJSON_AddStringToObject(j, "gpu_precision", mq_gpu_precision_name(o->gpu_precision));
-    }
-    /* bf16 activations round the calibration's values */
-    cJSON_AddBoolToObject(j, "bf16_activations", p->mp.storage == MQ_ACT_BF16);
-    return j;
 }
 
 static cJSON *calib_identity(const mq_pipe *p) {
@@ -443,7 +387,7 @@ moeq_status mq_work_prepare(mq_pipe *p) {
     moeq_status s = source_identity(p, src);
     cJSON *identity = cJSON_CreateObject();
     cJSON_AddItemToObject(identity, "source", src);
-    cJSON_AddItemToObject(identity, "options", options_identity(p));
+    cJSON_AddItemToObject(identity, "options", mq_settings_json(p, true));
     cJSON_AddItemToObject(identity, "calibration", calib_identity(p));
     cJSON_AddItemToObject(identity, "plan", plan_identity(p));
     if (s) {
@@ -576,13 +520,13 @@ static int boundary_layer(const mq_pipe *p) {
  * layers since the last have taken SNAPSHOT_RATIO times what that one cost (a resume then
  * replays a few layers' forward at most); on the CPU, whose layers take minutes, after every
  * layer. Several ranks: always (their resume needs the snapshot at the first layer it runs).
- * MOEQ_SNAPSHOT_EVERY=N (tests): after every N-th layer. */
+ * MOEQ_DEBUG_SNAPSHOT_EVERY=N (tests): after every N-th layer. */
 enum { SNAPSHOT_RATIO = 10 };
 
 static bool snapshot_due(mq_pipe *p, int l) {
     p->since_snapshot += p->layers[l].total;
     if (p->ranks > 1) return true;
-    const char *e = getenv("MOEQ_SNAPSHOT_EVERY");
+    const char *e = mq_env(MQ_ENV_SNAPSHOT_EVERY);
     if (e && atoi(e) > 0) return (l + 1) % atoi(e) == 0;
     return p->snapshot_cost <= 0 || p->since_snapshot >= SNAPSHOT_RATIO * p->snapshot_cost;
 }

@@ -26,6 +26,7 @@
  * ||D R||^2 - damp ||D||^2 with D = W0 - Q_rtn (one triangular multiply).
  */
 #include "quant/gptq.h"
+#include "core/env.h"
 
 #include <cblas.h>
 #include <lapacke.h>
@@ -40,14 +41,14 @@ enum { SUB_BLOCK = 16, MAX_RETRIES = 16 };
 /* Rows per column-loop task. A row's values do not depend on how rows are grouped (test_gptq
  * checks 64, 128 and 256 give the same codes), so this only moves speed: fewer rows make more
  * tasks for a lone weight (a 4096-row weight is 16 tasks of 256, one per thread at 16) and a
- * smaller slab per thread (256 x K = 2 MB at K = 2048), more reads of U. MOEQ_GPTQ_ROWS (32 to
+ * smaller slab per thread (256 x K = 2 MB at K = 2048), more reads of U. MOEQ_DEBUG_GPTQ_ROWS (32 to
  * 512, a power of two) sets it for measurements. */
 enum { ROW_BLOCK_DEFAULT = 256, ROW_BLOCK_MAX = 512 };
 static int g_row_block;
 static pthread_once_t g_row_once = PTHREAD_ONCE_INIT;
 
 static void row_block_from_env(void) {
-    const char *e = getenv("MOEQ_GPTQ_ROWS");
+    const char *e = mq_env(MQ_ENV_GPTQ_ROWS);
     const long v = e ? strtol(e, NULL, 10) : 0;
     if (!g_row_block) g_row_block = v >= 32 && v <= ROW_BLOCK_MAX && (v & (v - 1)) == 0 ? (int)v : ROW_BLOCK_DEFAULT;
 }

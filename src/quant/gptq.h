@@ -104,7 +104,7 @@ moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t
                                 const mq_gptq_opts *o, bool want_R, const char *const *names,
                                 mq_gptq_factor *f);
 void mq_gptq_factor_free(mq_gptq_factor *f);
-/* Rows per column-loop task (speed only: the results do not depend on it); MOEQ_GPTQ_ROWS sets
+/* Rows per column-loop task (speed only: the results do not depend on it); MOEQ_DEBUG_GPTQ_ROWS sets
  * it for measurements, mq_gptq_set_row_block for tests (out of 1..512: the default). */
 int mq_gptq_row_block(void);
 void mq_gptq_set_row_block(int rows);
@@ -233,7 +233,7 @@ typedef struct {
     const char *name;
 } mq_gptq_target_job;
 /* sec (NULL: not wanted): the wall seconds of the three steps over all waves, {factorisations
- * (with the right-hand sides' fill), solves, products}, for MOEQ_PROFILE. */
+ * (with the right-hand sides' fill), solves, products}, for MOEQ_DEBUG_PROFILE. */
 moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs, double sec[3]);
 
 /* tr((W-Q) H (W-Q)^T) computed directly (2*rows*K^2 flops, double accumulation). */

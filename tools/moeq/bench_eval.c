@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "bench.h"
+#include "commands.h"
 #include "cli.h"
 #include "core/core.h"
 

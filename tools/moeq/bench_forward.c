@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "bench.h"
+#include "commands.h"
 #include "cli.h"
 #include "model/model.h"
 

@@ -39,7 +39,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
-#include "bench.h"
+#include "commands.h"
 #include "cli.h"
 #include "core/core.h"
 #include "core/page.h"

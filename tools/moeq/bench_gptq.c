@@ -14,7 +14,7 @@
 
 #include <zlib.h>
 
-#include "bench.h"
+#include "commands.h"
 #include "cli.h"
 #include <unistd.h>
 

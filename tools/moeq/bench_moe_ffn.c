@@ -24,7 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench.h"
+#include "commands.h"
 #include "cli.h"
 #include "core/core.h"
 #include "kernels/moe_ffn.h"

@@ -23,7 +23,7 @@
 #include <unistd.h>
 
 
-#include "bench.h"
+#include "commands.h"
 #include "cli.h"
 #include "backend/gpu.h"
 #include "dist/dist.h"

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bench.h"
+#include "commands.h"
 #include "cli.h"
 #include "core/core.h"
 #include "io/tokenizer.h"

@@ -2,7 +2,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "bench.h"
 #include "cli.h"
 #include "commands.h"
 

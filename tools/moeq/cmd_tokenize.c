@@ -3,13 +3,48 @@
  * tokenizer.json (only the tokenizer is loaded, never the weights). With --json stdout is exactly
  * one JSON array of ids; otherwise one line per token: id, vocabulary string, decoded bytes.
  */
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
 #include "commands.h"
-#include "core/core.h"
-#include "io/tokenizer.h"
+
+/* The whole of path into *out (malloc'd, NUL-terminated); false after printing why not. */
+static bool read_all(const char *path, char **out, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {   /* the library's wording for the same failure */
+        fprintf(stderr, "moeq tokenize: error: %s: cannot open: %s\n", path, strerror(errno));
+        return false;
+    }
+    char *b = NULL;
+    size_t n = 0, cap = 0;
+    bool full = false;   /* out of memory */
+    for (;;) {
+        if (n + 65536 + 1 > cap) {
+            char *g = realloc(b, cap = 2 * cap + 65536 + 1);
+            if (!g) {
+                full = true;
+                break;
+            }
+            b = g;
+        }
+        size_t got = fread(b + n, 1, cap - n - 1, f);
+        n += got;
+        if (got == 0) break;
+    }
+    const bool ok = !ferror(f) && !full;
+    fclose(f);
+    if (!ok) {
+        free(b);
+        fprintf(stderr, "moeq tokenize: error: %s: %s\n", path, full ? "out of memory" : "read error");
+        return false;
+    }
+    b[n] = 0;
+    *out = b;
+    *len = n;
+    return true;
+}
 
 /* MODEL_DIR/tokenizer.json, or the argument itself when it names a file. */
 /* Prints bytes quoted, escaping control bytes and bytes that are not whole UTF-8 characters
@@ -19,7 +54,7 @@ static void print_quoted(FILE *f, const char *b, size_t n) {
     for (size_t i = 0; i < n;) {
         uint8_t c = (uint8_t)b[i];
         size_t k = c < 0x80 ? 1 : c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : 2;
-        if (c >= 0x80 && k <= n - i && mq_utf8_check(b + i, k) == k) {
+        if (c >= 0x80 && k <= n - i && moeq_utf8_valid_prefix(b + i, k) == k) {
             fwrite(b + i, 1, k, f);
             i += k;
             continue;
@@ -69,9 +104,17 @@ int cmd_tokenize(int argc, char **argv) {
     int32_t *ids = NULL;
     size_t len = text ? strlen(text) : 0, n = 0;
     moeq_status st = moeq_tokenizer_load(dir, &tok);
-    if (st == MOEQ_OK && file) st = mq_read_file(file, &buf, &len);
+    if (st == MOEQ_OK && file && !read_all(file, &buf, &len)) {
+        moeq_tokenizer_free(tok);
+        return CLI_FAIL;
+    }
     if (st == MOEQ_OK) st = moeq_tokenizer_encode(tok, file ? buf : text, len, &ids, &n);
-    if (st != MOEQ_OK && file && buf) mq_err_prefix(st, "%s", file);
+    if (st != MOEQ_OK && file && buf) {   /* the encoder's message ("at byte offset N") names the file */
+        fprintf(stderr, "moeq tokenize: error: %s: %s\n", file, moeq_last_error());
+        free(buf);
+        moeq_tokenizer_free(tok);
+        return st == MOEQ_E_INTERRUPTED ? CLI_INTERRUPTED : CLI_FAIL;
+    }
     if (st == MOEQ_OK) {
         if (json) {
             putchar('[');
@@ -81,7 +124,7 @@ int cmd_tokenize(int argc, char **argv) {
             printf("%8s  %-24s %s\n", "id", "token", "bytes");
             for (size_t i = 0; i < n; i++) {
                 size_t blen = 0;
-                const char *bytes = mq_tokenizer_token_bytes(tok, ids[i], &blen);
+                const char *bytes = moeq_tokenizer_token_bytes(tok, ids[i], &blen);
                 const char *name = moeq_tokenizer_token(tok, ids[i]);
                 printf("%8d  ", ids[i]);
                 print_quoted(stdout, name, strlen(name));

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "kernels/cpu/x86/exp_avx2.h"
+#include "core/env.h"
 #include "kernels/moe_ffn.h"
 
 #ifndef MQ_AVX512_VNNI
@@ -44,13 +45,13 @@
 
 enum { NT512 = 8 };
 
-/* How far ahead the tiles prefetch, in bytes: 24 KiB as the AVX2 kernel, or MOEQ_MOE_PREFETCH_KIB
+/* How far ahead the tiles prefetch, in bytes: 24 KiB as the AVX2 kernel, or MOEQ_DEBUG_MOE_PREFETCH_KIB
  * (0 = no software prefetch; a tuning knob for `moeq bench moe-ffn` on new hosts), read once. */
 static size_t pf_ahead(void) {
     static _Atomic long cached = -1;   /* threads racing here store the same value */
     long v = atomic_load_explicit(&cached, memory_order_relaxed);
     if (v < 0) {
-        const char *e = getenv("MOEQ_MOE_PREFETCH_KIB");
+        const char *e = mq_env(MQ_ENV_MOE_PREFETCH_KIB);
         v = e && *e ? strtol(e, NULL, 10) : 24;
         v = v < 0 ? 0 : v > 4096 ? 4096 : v;
         atomic_store_explicit(&cached, v, memory_order_relaxed);

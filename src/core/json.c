@@ -1,0 +1,26 @@
+/* JSON helpers of the bindings' results (see json.h). */
+#include "core/json.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/core.h"
+
+void moeq_string_free(char *s) { free(s); }
+
+void mq_json_add_num(cJSON *j, const char *k, double v) {
+    char t[40];
+    if (!isfinite(v)) {
+        cJSON_AddNullToObject(j, k);
+        return;
+    }
+    snprintf(t, sizeof t, "%.17g", v);
+    cJSON_AddRawToObject(j, k, t);
+}
+
+char *mq_json_take_text(cJSON *j) {
+    char *s = j ? cJSON_PrintUnformatted(j) : NULL;
+    cJSON_Delete(j);
+    return s;
+}
