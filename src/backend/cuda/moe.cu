@@ -43,17 +43,18 @@ constexpr size_t CUBLAS_WS = (size_t)32 << 20;
 
 /* Tile shapes: MS strips x NT n8-tiles per warp, WO x WT warps, STAGES-deep pipeline. */
 struct Cfg {
-    int MS, NT, WO, WT, STAGES;
+    int MS, NT, WO, WT, STAGES, MINB;
     int S() const { return MS * WO; }
     int BM() const { return 8 * NT * WT; }
     int threads() const { return 32 * WO * WT; }
     size_t smem(bool nv) const {
-        return (size_t)STAGES * gemm_stage_bytes(MS, NT, WO, WT) + (nv ? 512 : 0);
+        return (size_t)STAGES * gemm_stage_bytes(MS, NT, WO, WT) + gemm_extra_bytes(NT, WT, nv);
     }
 };
-constexpr Cfg CFG_DECODE = {1, 1, 4, 1, 8};    /* 64 rows x 8 tokens, 128 threads */
-constexpr Cfg CFG_MID = {2, 2, 4, 2, 4};       /* 128 x 32, 256 threads */
-constexpr Cfg CFG_PREFILL = {2, 8, 4, 2, 4};   /* 128 x 128, 256 threads */
+constexpr Cfg CFG_DECODE = {1, 1, 4, 1, 8, 4};    /* 64 rows x 8 tokens, 128 threads */
+constexpr Cfg CFG_MID = {2, 2, 4, 2, 4, 2};       /* 128 x 32, 256 threads */
+constexpr Cfg CFG_M64 = {2, 4, 4, 2, 4, 2};       /* 128 x 64 */
+constexpr Cfg CFG_PREFILL = {2, 8, 4, 2, 4, 2};   /* 128 x 128 */
 
 struct Ws {
     int64_t T, P;                 /* capacity */
@@ -279,6 +280,8 @@ void set_factors(MoeMat &M, int nv, int mult, const float gs[2]) {
     }
 }
 
+/* n_ex matrices of geometry q, their codes one after the other at dst (q.codes is a multiple of
+ * 512 bytes, so the blob's 256-byte alignment adds no gap between them). */
 moeq_status pack_codes(mq_gpu_moe *m, const uint8_t *src, int n_ex, const Geom &q, uint8_t *dst) {
     const size_t per = (size_t)q.N * (size_t)q.K;
     int batch = (int)std::max<size_t>(1, ((size_t)256 << 20) / std::max<size_t>(per, 1));
@@ -433,47 +436,52 @@ dim3 tile_grid(int64_t x, int64_t tiles) {
     return dim3((unsigned)x, (unsigned)std::max<int64_t>(y, 1), (unsigned)std::max<int64_t>(z, 1));
 }
 
-template <int MS, int NT, int WO, int WT, int STAGES, bool NV, bool SWIGLU>
+template <int MS, int NT, int WO, int WT, int STAGES, int MINB, bool NV, bool SWIGLU>
 moeq_status launch_gemm(mq_gpu_moe *m, const GemmArgs &p, int64_t max_strips, int64_t max_tiles) {
-    constexpr Cfg c = {MS, NT, WO, WT, STAGES};
+    constexpr Cfg c = {MS, NT, WO, WT, STAGES, MINB};
     const dim3 grid = tile_grid((max_strips + c.S() - 1) / c.S(), max_tiles);
-    k_gemm<MS, NT, WO, WT, STAGES, NV, SWIGLU><<<grid, c.threads(), c.smem(NV), m->s>>>(p);
+    k_gemm<MS, NT, WO, WT, STAGES, MINB, NV, SWIGLU><<<grid, c.threads(), c.smem(NV), m->s>>>(p);
     return CU_LAUNCHED("k_gemm");
 }
 
-template <int MS, int NT, int WO, int WT, int STAGES, bool NV>
+template <int MS, int NT, int WO, int WT, int STAGES, int MINB, bool NV>
 moeq_status set_attr_one() {
-    constexpr Cfg c = {MS, NT, WO, WT, STAGES};
-    moeq_status st = CU(cudaFuncSetAttribute(k_gemm<MS, NT, WO, WT, STAGES, NV, true>,
+    constexpr Cfg c = {MS, NT, WO, WT, STAGES, MINB};
+    moeq_status st = CU(cudaFuncSetAttribute(k_gemm<MS, NT, WO, WT, STAGES, MINB, NV, true>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)c.smem(NV)));
     if (!st)
-        st = CU(cudaFuncSetAttribute(k_gemm<MS, NT, WO, WT, STAGES, NV, false>,
+        st = CU(cudaFuncSetAttribute(k_gemm<MS, NT, WO, WT, STAGES, MINB, NV, false>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)c.smem(NV)));
     return st;
 }
 
-#define CFG_ARGS(c) c.MS, c.NT, c.WO, c.WT, c.STAGES
+#define CFG_ARGS(c) c.MS, c.NT, c.WO, c.WT, c.STAGES, c.MINB
 
 moeq_status set_attrs(bool nv) {
     moeq_status st;
     if (nv) {
         st = set_attr_one<CFG_ARGS(CFG_DECODE), true>();
         if (!st) st = set_attr_one<CFG_ARGS(CFG_MID), true>();
+        if (!st) st = set_attr_one<CFG_ARGS(CFG_M64), true>();
         if (!st) st = set_attr_one<CFG_ARGS(CFG_PREFILL), true>();
     } else {
         st = set_attr_one<CFG_ARGS(CFG_DECODE), false>();
         if (!st) st = set_attr_one<CFG_ARGS(CFG_MID), false>();
+        if (!st) st = set_attr_one<CFG_ARGS(CFG_M64), false>();
         if (!st) st = set_attr_one<CFG_ARGS(CFG_PREFILL), false>();
     }
     return st;
 }
 
-/* Which tile shape: by the rows a routed expert gets on average. */
+/* Which tile shape: by the rows a routed expert gets on average (a tile's unused rows cost
+ * tensor-core work, a narrower tile decodes each weight for fewer rows). */
 int pick_cfg(const mq_gpu_moe *m, int64_t T) {
     const double r = (double)T * m->k / m->E;
-    return r <= 8.0 ? 0 : r <= 48.0 ? 1 : 2;
+    return r <= 8.0 ? 0 : r <= 48.0 ? 1 : r <= 160.0 ? 2 : 3;
 }
-int cfg_bm(int c) { return c == 0 ? CFG_DECODE.BM() : c == 1 ? CFG_MID.BM() : CFG_PREFILL.BM(); }
+int cfg_bm(int c) {
+    return c == 0 ? CFG_DECODE.BM() : c == 1 ? CFG_MID.BM() : c == 2 ? CFG_M64.BM() : CFG_PREFILL.BM();
+}
 
 template <bool NV>
 moeq_status run_gemms_cfg(mq_gpu_moe *m, int cfg, const GemmArgs &gu, const GemmArgs &dn, int64_t gu_strips,
@@ -487,6 +495,10 @@ moeq_status run_gemms_cfg(mq_gpu_moe *m, int cfg, const GemmArgs &gu, const Gemm
         case 1:
             st = launch_gemm<CFG_ARGS(CFG_MID), NV, true>(m, gu, gu_strips, tiles);
             if (!st) st = launch_gemm<CFG_ARGS(CFG_MID), NV, false>(m, dn, dn_strips, tiles);
+            return st;
+        case 2:
+            st = launch_gemm<CFG_ARGS(CFG_M64), NV, true>(m, gu, gu_strips, tiles);
+            if (!st) st = launch_gemm<CFG_ARGS(CFG_M64), NV, false>(m, dn, dn_strips, tiles);
             return st;
         default:
             st = launch_gemm<CFG_ARGS(CFG_PREFILL), NV, true>(m, gu, gu_strips, tiles);
@@ -695,16 +707,17 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
         geo[i] = geom_of(nv, (int)G, (int)(2 * f), (int)D, (int)f, m->asym, s32);
         geo[nm + i] = geom_of(nv, (int)G, (int)D, (int)f, 0, m->asym, s32);
     }
+    /* part by part (all codes, then all scales, ...), so that the routed experts' codes follow
+     * each other (pack_codes writes them as one array) */
     std::vector<size_t> at(geo.size() * 4);
     size_t total = 0;
-    for (size_t i = 0; i < geo.size(); i++) {
-        const size_t parts[4] = {geo[i].codes, geo[i].scales, geo[i].offs, geo[i].s32};
-        for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < 4; j++)
+        for (size_t i = 0; i < geo.size(); i++) {
+            const size_t part = j == 0 ? geo[i].codes : j == 1 ? geo[i].scales : j == 2 ? geo[i].offs : geo[i].s32;
             at[i * 4 + j] = total;
-            total += align256(parts[j]);
-            m->resident += parts[j];
+            total += align256(part);
+            m->resident += part;
         }
-    }
     if (!st) st = mq_cu_alloc((void **)&m->blob, total, "MoE experts on the GPU");
     m->blob_bytes = total;
     if (!st) {

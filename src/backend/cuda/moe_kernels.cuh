@@ -363,13 +363,15 @@ struct GemmArgs {
 __host__ __device__ constexpr int gemm_stage_bytes(int MS, int NT, int WO, int WT) {
     return MS * WO * 512 + 2 * MS * WO * 64 + 8 * NT * WT * 128;
 }
+/* Shared memory after the stages: the E4M3 table (NVFP4), the rows' activation offsets. */
+__host__ __device__ constexpr int gemm_extra_bytes(int NT, int WT, bool nv) { return (nv ? 512 : 0) + 8 * 8 * NT * WT; }
 
 /* One block: S = MS*WO strips (16 rows each) of one matrix times a tile of up to BM = 8*NT*WT
  * sorted rows; warp (wo, wt) computes MS strips x NT n8-tiles of tokens. Weights and activations
  * go through a STAGES-deep cp.async pipeline of 64-input chunks; each warp decodes its A
  * fragments in registers and runs mma.m16n8k16 (bf16, fp32 accumulators). */
-template <int MS, int NT, int WO, int WT, int STAGES, bool NV, bool SWIGLU>
-__global__ void __launch_bounds__(32 * WO * WT) k_gemm(GemmArgs p) {
+template <int MS, int NT, int WO, int WT, int STAGES, int MINB, bool NV, bool SWIGLU>
+__global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
     constexpr int NTHR = 32 * WO * WT, S = MS * WO, BM = 8 * NT * WT;
     constexpr int CODE_B = S * 512, SC_B = S * 64;
     constexpr int STAGE_B = gemm_stage_bytes(MS, NT, WO, WT);
@@ -388,20 +390,11 @@ __global__ void __launch_bounds__(32 * WO * WT) k_gemm(GemmArgs p) {
     if (NV)
         for (int i = tid; i < 256; i += NTHR) lut[i] = (uint16_t)(__float_as_uint(e4m3_value((uint32_t)i)) >> 16);
 
-    /* the activation pieces this thread copies: (row, 16-byte chunk) */
-    const bf16 *a_src[ACTN];
-    int a_dst[ACTN];
-#pragma unroll
-    for (int i = 0; i < ACTN; i++) {
-        const int idx = tid + i * NTHR, r = idx >> 3, ch = idx & 7;
-        a_src[i] = nullptr;
-        a_dst[i] = 0;
-        if (idx < BM * 8 && r < tl.rows) {
-            const int64_t src = p.perm ? p.perm[tl.row0 + r] : tl.row0 + r;
-            a_src[i] = p.act + src * p.lda + ch * 8;
-            a_dst[i] = CODE_B + 2 * SC_B + r * 128 + ((ch ^ (r & 7)) << 4);
-        }
-    }
+    /* where each row of the tile reads its activations (-1: no row), in shared memory */
+    int64_t *rowsrc = (int64_t *)(sm + STAGES * STAGE_B + (NV ? 512 : 0));
+    for (int r = tid; r < BM; r += NTHR)
+        rowsrc[r] = r < tl.rows ? (p.perm ? (int64_t)p.perm[tl.row0 + r] : (int64_t)(tl.row0 + r)) * p.lda : -1;
+    __syncthreads();
 
     auto load = [&](int stage, int c) {
         uint8_t *st = sm + stage * STAGE_B;
@@ -421,8 +414,13 @@ __global__ void __launch_bounds__(32 * WO * WT) k_gemm(GemmArgs p) {
             }
         }
 #pragma unroll
-        for (int i = 0; i < ACTN; i++)
-            if (a_src[i]) cp_async16(st + a_dst[i], a_src[i] + c * 64);
+        for (int i = 0; i < ACTN; i++) {
+            const int idx = tid + i * NTHR, r = idx >> 3, ch = idx & 7;
+            if (idx >= BM * 8) break;
+            const int64_t src = rowsrc[r];
+            if (src >= 0)
+                cp_async16(st + CODE_B + 2 * SC_B + r * 128 + ((ch ^ (r & 7)) << 4), p.act + src + c * 64 + ch * 8);
+        }
     };
 
     float acc[MS][NT][4];
