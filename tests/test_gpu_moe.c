@@ -760,6 +760,48 @@ static void test_formats(void) {
     }
 }
 
+/* The four tile shapes of the bf16 path give the same bits (each output is one chain of
+ * tensor-core steps over k, whatever rows and outputs share its tile); so do repeated runs. */
+static void test_tile_shapes_same_bits(void) {
+    mq_gpu *g = gpu_or_skip();
+    for (int v = 0; v < 3; v++) {
+        seed(150 + (uint64_t)v);
+        layer L = {.nv = v == 2, .G = v == 2 ? 16 : v == 1 ? 128 : 32, .asym = v == 1, .E = 6, .D = v == 1 ? 256 : 208,
+                   .F = v == 1 ? 128 : 96, .Fs = v == 1 ? 0 : 64, .k = 3, .renorm = 1, .use_sgate = v == 0,
+                   .route_scale = 1.0f};
+        if (L.nv) L.Fs = 48;
+        layer_random(&L, 1);
+        const int64_t T = 77;
+        float *x = make_x(T, L.D, 1.0f);
+        moeq_moe_experts_desc d = desc_of(&L);
+        moeq_moe_zero_points zp = L.asym ? zeros_of(&L) : (moeq_moe_zero_points){0};
+        moeq_moe_ffn_args a = args_of(&L, x, T);
+        mq_gpu_moe *m = NULL;
+        ASSERT_OK(mq_gpu_moe_upload(g, &d, L.asym ? &zp : NULL, &a, &m));
+        const size_t n = (size_t)(T * L.D);
+        float *o[5];
+        for (int c = 0; c < 5; c++) {
+            o[c] = malloc(sizeof(float) * n);
+            poison(o[c], n);
+            mq_gpu_moe_force_tiles(m, c < 4 ? c : -1);
+            ASSERT_OK(mq_gpu_moe_ffn(m, x, T, MQ_GPU_MOE_BF16, o[c]));
+            ASSERT_TRUE(all_finite(o[c], n));
+        }
+        for (int c = 1; c < 5; c++) {
+            size_t first = 0;
+            const int64_t nd = count_diff_bits(o[0], o[c], n, &first);
+            if (nd) FAIL("tile shape %d differs from shape 0 in %lld values (first at %zu: %.9g vs %.9g)", c,
+                         (long long)nd, first, o[c][first], o[0][first]);
+        }
+        char nm[48];
+        printf("    %-24s tile shapes 64x8, 128x32, 128x64, 128x128: the same bits\n", scheme_name(&L, nm, sizeof nm));
+        for (int c = 0; c < 5; c++) free(o[c]);
+        free(x);
+        mq_gpu_moe_free(m);
+        layer_free(&L);
+    }
+}
+
 /* Experts with 0, 1, 7 and 4096 rows (k = 1, a gated shared expert beside), then NaN in one token. */
 static void test_rows_0_1_7_4096(void) {
     gpu_or_skip();
@@ -1070,6 +1112,7 @@ static void test_close(void) {
     g_gpu = NULL;
 }
 
-TEST_MAIN(T(test_args_without_device), T(test_value_errors), T(test_decoders), T(test_formats),
+TEST_MAIN(T(test_args_without_device), T(test_value_errors), T(test_decoders), T(test_tile_shapes_same_bits),
+          T(test_formats),
           T(test_rows_0_1_7_4096), T(test_random_shapes), T(test_fixture_families), T(test_public_api_and_baseline),
           T(test_close))

@@ -284,6 +284,9 @@ moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc *d, const m
 void mq_gpu_moe_free(mq_gpu_moe *m);
 size_t mq_gpu_moe_bytes(const mq_gpu_moe *m);
 moeq_status mq_gpu_moe_ffn(mq_gpu_moe *m, const float *x, int64_t T, int math, float *out);
+/* The bf16 path's tile shape for every later call (tests, bench): 0: 64 outputs x 8 rows,
+ * 1: 128 x 32, 2: 128 x 64, 3: 128 x 128; -1: by the rows per expert (the default). */
+void mq_gpu_moe_force_tiles(mq_gpu_moe *m, int shape);
 /* Tests: the routing of the last call (sel, wt [T, k]; gshared [T] when the layer has a shared
  * gate; each may be NULL), and expert e's (E: the shared one) matrix which (0 gate_up, 1 down)
  * as the bf16 path decodes it, before the NVFP4 global scale, into out [rows, cols] (canonical

@@ -254,6 +254,8 @@ moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc *d, const m
 
 void mq_gpu_moe_free(mq_gpu_moe *m) { (void)m; }
 
+void mq_gpu_moe_force_tiles(mq_gpu_moe *m, int shape) { (void)m, (void)shape; }
+
 size_t mq_gpu_moe_bytes(const mq_gpu_moe *m) {
     (void)m;
     return 0;

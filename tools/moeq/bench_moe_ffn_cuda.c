@@ -228,9 +228,22 @@ int bench_moe_ffn_cuda(const bench_cuda_opts *o) {
                 if ((st = mq_gpu_buf_new(g, (int64_t)n, &xb)) || (st = mq_gpu_buf_write(xb, 0, (int64_t)n, xs)) ||
                     (st = mq_gpu_buf_new(g, T * s->D, &ob)))
                     FAILGPU(st);
-                double ms = 0;
+                double ms = 0, alt[4] = {0, 0, 0, 0};
                 if ((st = mq_gpu_moe_time(layers, 2, xb, nx, T, ob, MQ_GPU_MOE_BF16, decode ? 200 : 6, 5, &ms)))
                     FAILGPU(st);
+                /* the other tile shapes of this regime, for the record */
+                for (int c = decode ? 0 : 1; c < (decode ? 2 : 4); c++) {
+                    for (int l = 0; l < 2; l++) mq_gpu_moe_force_tiles(layers[l], c);
+                    st = mq_gpu_moe_time(layers, 2, xb, nx, T, ob, MQ_GPU_MOE_BF16, decode ? 200 : 6, 3, &alt[c]);
+                    for (int l = 0; l < 2; l++) mq_gpu_moe_force_tiles(layers[l], -1);
+                    if (st) FAILGPU(st);
+                }
+                char alts[160];
+                int ao = snprintf(alts, sizeof alts, "  [tiles:");
+                const char *tn[4] = {"64x8", "128x32", "128x64", "128x128"};
+                for (int c = 0; c < 4 && ao < (int)sizeof alts; c++)
+                    if (alt[c] > 0) ao += snprintf(alts + ao, sizeof alts - (size_t)ao, " %s %.4f ms", tn[c], alt[c]);
+                if (ao < (int)sizeof alts) snprintf(alts + ao, sizeof alts - (size_t)ao, "]");
                 const double flops = 2.0 * (double)T * (double)s->k * 3.0 * (double)s->F * (double)s->D;
                 if (decode) {
                     free(lg);
@@ -243,8 +256,8 @@ int bench_moe_ffn_cuda(const bench_cuda_opts *o) {
                     dist /= nx;
                     const double gbs = dist * ex_bytes / (ms * 1e-3) * 1e-9;
                     printf("  tokens %5lld  %8.4f ms  %5.1f distinct experts  weights %7.1f GB/s = %.2f x copy bandwidth"
-                           "  (%.1f TFLOP/s)\n",
-                           (long long)T, ms, dist, gbs, gbs / bw, flops / (ms * 1e-3) * 1e-12);
+                           "  (%.1f TFLOP/s)%s\n",
+                           (long long)T, ms, dist, gbs, gbs / bw, flops / (ms * 1e-3) * 1e-12, alts);
                 } else {
                     const int64_t M[2] = {T * s->k, T * s->k}, N[2] = {2 * s->F, s->D}, K[2] = {s->D, s->F};
                     double cub = 0, base = 0;
@@ -253,8 +266,8 @@ int bench_moe_ffn_cuda(const bench_cuda_opts *o) {
                     const double tf = flops / (ms * 1e-3) * 1e-12, tc = flops / (cub * 1e-3) * 1e-12;
                     const double tb = flops / (base * 1e-3) * 1e-12;
                     printf("  tokens %5lld  %8.4f ms  %6.1f TFLOP/s = %.2f x cuBLAS bf16 (%.1f TFLOP/s, %.3f ms)  "
-                           "dequantize + cuBLAS: %.3f ms, %.1f TFLOP/s (ours %.2f x faster)\n",
-                           (long long)T, ms, tf, tf / tc, tc, cub, base, tb, base / ms);
+                           "dequantize + cuBLAS: %.3f ms, %.1f TFLOP/s (ours %.2f x faster)%s\n",
+                           (long long)T, ms, tf, tf / tc, tc, cub, base, tb, base / ms, alts);
                 }
                 fflush(stdout);
             }

@@ -95,6 +95,7 @@ struct mq_gpu_moe {
     std::vector<MoeMat> h_mats;
     Ws ws;
     int64_t last_T;
+    int force_cfg;                /* mq_gpu_moe_force_tiles: a tile shape for every call, or -1 */
 };
 
 namespace {
@@ -476,6 +477,7 @@ moeq_status set_attrs(bool nv) {
 /* Which tile shape: by the rows a routed expert gets on average (a tile's unused rows cost
  * tensor-core work, a narrower tile decodes each weight for fewer rows). */
 int pick_cfg(const mq_gpu_moe *m, int64_t T) {
+    if (m->force_cfg >= 0) return m->force_cfg;
     const double r = (double)T * m->k / m->E;
     return r <= 8.0 ? 0 : r <= 48.0 ? 1 : r <= 160.0 ? 2 : 3;
 }
@@ -605,6 +607,10 @@ extern "C" void mq_gpu_moe_free(mq_gpu_moe *m) {
 
 extern "C" size_t mq_gpu_moe_bytes(const mq_gpu_moe *m) { return m ? m->resident : 0; }
 
+extern "C" void mq_gpu_moe_force_tiles(mq_gpu_moe *m, int shape) {
+    if (m) m->force_cfg = shape >= 0 && shape < 4 ? shape : -1;
+}
+
 extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
                                          const moeq_moe_ffn_args *r, mq_gpu_moe **out) {
     if (!out) return mq_err(MOEQ_E_ARG, "%s: out is NULL", k_up);
@@ -663,6 +669,7 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
     if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
     m->g = g;
     m->s = g->stream[0];
+    m->force_cfg = -1;
     m->nv = nv;
     m->G = (int)G;
     m->B = nv ? 16 : 32;

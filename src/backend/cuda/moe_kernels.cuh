@@ -396,8 +396,16 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
         rowsrc[r] = r < tl.rows ? (p.perm ? (int64_t)p.perm[tl.row0 + r] : (int64_t)(tl.row0 + r)) * p.lda : -1;
     __syncthreads();
 
+    /* the INT4 scale group at the start of the chunk being loaded, kept without divisions
+     * (chunks are loaded in order; a chunk of 64 inputs spans at most two groups of G >= 32) */
+    int lg = 0, lg_next = NV ? 0 : M.G;
     auto load = [&](int stage, int c) {
         uint8_t *st = sm + stage * STAGE_B;
+        if (!NV)
+            while (c * 64 >= lg_next) {
+                lg++;
+                lg_next += M.G;
+            }
         for (int i = tid; i < S * 32; i += NTHR) {
             const int sl = i >> 5, l = i & 31, sg = s0 + sl;
             if (sg < strips) cp_async16(st + sl * 512 + l * 16, M.codes + ((int64_t)sg * nch + c) * 32 + l);
@@ -408,7 +416,7 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
             if (NV) {
                 cp_async16(st + CODE_B + sl * 64 + pc * 16, M.scales + ((int64_t)sg * M.ngs + 4 * c) * 16 + pc * 16);
             } else {
-                const int64_t o = ((int64_t)sg * M.ngs + (c * 64) / M.G) * 32 + pc * 16;
+                const int64_t o = ((int64_t)sg * M.ngs + lg) * 32 + pc * 16;
                 cp_async16(st + CODE_B + sl * 64 + pc * 16, M.scales + o);
                 if (asym) cp_async16(st + CODE_B + SC_B + sl * 64 + pc * 16, M.offs + o);
             }
@@ -437,6 +445,7 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
         cp_async_commit();
     }
     const int g = lane >> 2;
+    int cg_next = NV ? 0 : M.G;   /* the compute side's next group boundary (input index) */
     for (int c = 0; c < nch; c++) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
@@ -450,7 +459,8 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
         uint4 wv[MS];
 #pragma unroll
         for (int i = 0; i < MS; i++) wv[i] = *(const uint4 *)(st + (wo * MS + i) * 512 + lane * 16);
-        const int gbase = NV ? 0 : (c * 64) / M.G;
+        if (!NV)
+            while (c * 64 >= cg_next) cg_next += M.G;
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             uint32_t b[NT][2];
@@ -466,7 +476,7 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
                                 actb + r * 128 + ((chl ^ (r & 7)) << 4));
                 }
             }
-            const int gi = NV ? kk : (c * 64 + kk * 16) / M.G - gbase;
+            const int gi = NV ? kk : (c * 64 + kk * 16 >= cg_next ? 1 : 0);
 #pragma unroll
             for (int i = 0; i < MS; i++) {
                 const uint8_t *scp = st + CODE_B + (wo * MS + i) * 64;
