@@ -485,6 +485,17 @@ static mq_gpu *gpu_or_skip(void) {
     return g_gpu;
 }
 
+/* The op's cases run on the GPU where there is one, else through the emulator (a CUDA build:
+ * the same kernel source on the CPU, at smaller sizes); a build without CUDA skips them. */
+static int g_emu;
+static void gpu_or_emulator(void) {
+    if (!mq_gpu_built()) SKIP("this build has no CUDA backend (configure with -DMOEQ_CUDA=ON)");
+    if (!g_gpu && mq_gpu_open(0, &g_gpu) != MOEQ_OK) {
+        if (!g_emu) printf("    no usable GPU (%s): the kernels run in the emulator\n", moeq_last_error());
+        g_emu = 1;
+    }
+}
+
 static float *make_x(int64_t T, int D, float scale) {
     float *x = malloc(sizeof(float) * (size_t)(T * D));
     for (int64_t i = 0; i < T * D; i++) x[i] = rnd_normal() * scale;
@@ -506,33 +517,68 @@ typedef struct {
     int64_t fp32_bits_differ;
 } check_result;
 
+/* One call of the op: on the GPU (m) or through the emulator (m NULL: the layer's descriptor). */
+typedef struct {
+    mq_gpu_moe *m;
+    const moeq_moe_experts_desc *d;
+    const moeq_moe_zero_points *zp;
+    const moeq_moe_ffn_args *a;
+} runner;
+
+static void run_op(const runner *r, const float *x, int64_t T, int math, int tiles, float *out, int32_t *sel,
+                   float *wt, float *gsh) {
+    if (r->m) {
+        mq_gpu_moe_force_tiles(r->m, tiles);
+        ASSERT_OK(mq_gpu_moe_ffn(r->m, x, T, math, out));
+        ASSERT_OK(mq_gpu_moe_last_routing(r->m, sel, wt, gsh));
+        mq_gpu_moe_force_tiles(r->m, -1);
+    } else {
+        ASSERT_OK(mq_gpu_moe_emulate(r->d, r->zp, r->a, x, T, math, tiles, out, sel, wt, gsh));
+    }
+}
+
 /* The whole check of one layer on x [T, D]: routing, fp32 mode against the CPU kernels (bits) and
- * the CPU op (or, asymmetric, the fp64 reference), bf16 mode against the fp64 reference. */
-static check_result check_layer(const layer *L, const float *x, int64_t T, const char *label) {
+ * the CPU op (or, asymmetric, the fp64 reference), bf16 mode against the fp64 reference, and the
+ * bf16 mode's four tile shapes against each other (bits). emu: through the emulator, else on the
+ * GPU. */
+static check_result check_layer_on(const layer *L, const float *x, int64_t T, const char *label, int emu) {
     check_result res = {0, 0, 0, 0};
-    mq_gpu *g = gpu_or_skip();
     moeq_moe_experts_desc d = desc_of(L);
     moeq_moe_zero_points zp = L->asym ? zeros_of(L) : (moeq_moe_zero_points){0};
     moeq_moe_ffn_args a = args_of(L, x, T);
-    mq_gpu_moe *m = NULL;
-    moeq_status st = mq_gpu_moe_upload(g, &d, L->asym ? &zp : NULL, &a, &m);
-    if (st) {
-        FAIL("%s: upload: %s: %s", label, moeq_status_name(st), moeq_last_error());
-        return res;
+    runner rn = {NULL, &d, L->asym ? &zp : NULL, &a};
+    if (!emu) {
+        mq_gpu *g = gpu_or_skip();
+        moeq_status st = mq_gpu_moe_upload(g, &d, L->asym ? &zp : NULL, &a, &rn.m);
+        if (st) {
+            FAIL("%s: upload: %s: %s", label, moeq_status_name(st), moeq_last_error());
+            return res;
+        }
     }
     const size_t n = (size_t)(T * L->D), tk = (size_t)(T * L->k);
     float *o32 = malloc(sizeof(float) * n), *o16 = malloc(sizeof(float) * n), *want = malloc(sizeof(float) * n);
+    float *ot = malloc(sizeof(float) * n);
     int32_t *sel = malloc(sizeof(int32_t) * tk), *sel2 = malloc(sizeof(int32_t) * tk);
     float *wt = malloc(sizeof(float) * tk), *wt2 = malloc(sizeof(float) * tk), *gsh = malloc(sizeof(float) * (size_t)T);
     double *ref = malloc(sizeof(double) * n);
     poison(o32, n);
     poison(o16, n);
-    ASSERT_OK(mq_gpu_moe_ffn(m, x, T, MQ_GPU_MOE_FP32, o32));
-    ASSERT_OK(mq_gpu_moe_last_routing(m, sel, wt, gsh));
-    ASSERT_OK(mq_gpu_moe_ffn(m, x, T, MQ_GPU_MOE_BF16, o16));
-    ASSERT_OK(mq_gpu_moe_last_routing(m, sel2, wt2, NULL));
+    run_op(&rn, x, T, MQ_GPU_MOE_FP32, -1, o32, sel, wt, gsh);
+    run_op(&rn, x, T, MQ_GPU_MOE_BF16, -1, o16, sel2, wt2, NULL);
     if (memcmp(sel, sel2, tk * 4) || memcmp(wt, wt2, tk * 4)) FAIL("%s: the routing differs between the modes", label);
     if (!all_finite(o32, n) || !all_finite(o16, n)) FAIL("%s: an output value is not finite (or was not written)", label);
+    int shapes_same = 1;
+    for (int c = 0; c < 4; c++) {   /* every tile shape: the same bits */
+        poison(ot, n);
+        run_op(&rn, x, T, MQ_GPU_MOE_BF16, c, ot, sel2, NULL, NULL);
+        size_t first = 0;
+        const int64_t nd = count_diff_bits(o16, ot, n, &first);
+        if (nd) {
+            shapes_same = 0;
+            FAIL("%s: bf16 tile shape %d differs from the default in %lld values (first at %zu: %.9g vs %.9g)", label,
+                 c, (long long)nd, first, ot[first], o16[first]);
+        }
+    }
     check_routing(L, x, T, sel, wt);
     ref_forward(L, x, T, sel, wt, L->use_sgate ? gsh : NULL, ref);
     res.bf16_err = rel_l2(o16, ref, n);
@@ -561,19 +607,25 @@ static check_result check_layer(const layer *L, const float *x, int64_t T, const
                  TOL_FP32_CPU);
         moeq_moe_experts_free(w);
     }
-    printf("    %-44s T=%-5lld bf16 %.2e  fp32 %.2e  vs CPU op %.1e%s\n", label, (long long)T, res.bf16_err,
-           res.fp32_err, res.fp32_cpu_err, L->asym ? " (asym: no CPU twin)" : ", CPU kernels: same bits");
+    printf("    %s%-42s T=%-5lld bf16 %.2e  fp32 %.2e  vs CPU op %.1e%s%s\n", emu ? "[emulated] " : "", label,
+           (long long)T, res.bf16_err, res.fp32_err, res.fp32_cpu_err,
+           L->asym ? " (asym: no CPU twin)" : ", CPU kernels: same bits", shapes_same ? ", 4 tile shapes: same bits" : "");
     free(o32);
     free(o16);
     free(want);
+    free(ot);
     free(sel);
     free(sel2);
     free(wt);
     free(wt2);
     free(gsh);
     free(ref);
-    mq_gpu_moe_free(m);
+    mq_gpu_moe_free(rn.m);
     return res;
+}
+
+static check_result check_layer(const layer *L, const float *x, int64_t T, const char *label) {
+    return check_layer_on(L, x, T, label, g_emu);
 }
 
 static const char *scheme_name(const layer *L, char *buf, size_t n) {
@@ -733,27 +785,34 @@ static void test_decoders(void) {
 
 /* Every format at the three tile shapes and both routing kernels. */
 static void test_formats(void) {
-    gpu_or_skip();
+    gpu_or_emulator();
     const int cfg[][5] = {/* nv, G, asym, mult, bf16 scales */
                           {0, 32, 0, 0, 1}, {0, 64, 0, 0, 0}, {0, 128, 0, 0, 1}, {0, 32, 1, 0, 1},
                           {0, 128, 1, 0, 0}, {1, 16, 0, 0, 0}, {1, 16, 0, 1, 0}};
     const int64_t Ts[] = {3, 20, 200};
     for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
+        if (g_emu && ci % 2) continue;   /* the emulator: every other format (test_emulated_op has the rest) */
         seed(100 + ci);
         const int G = cfg[ci][1];
         layer L = {.nv = cfg[ci][0], .G = G, .asym = cfg[ci][2], .mult = cfg[ci][3], .E = 8,
                    .D = G == 128 ? 384 : G == 64 ? 192 : 160, .F = G == 128 ? 256 : G == 64 ? 128 : 96, .k = 2,
                    .scoring = (int)(ci & 1), .renorm = 1, .use_bias = (int)(ci & 1), .route_scale = 1.0f};
         if (L.nv) L.D = 144, L.F = 80;
+        if (g_emu) {   /* the emulator: smaller layers (one K chunk pad kept: 96 and 80 inputs) */
+            L.D = G == 128 ? 256 : G == 64 ? 128 : L.nv ? 80 : 96;
+            L.F = G == 128 ? 128 : G == 64 ? 64 : L.nv ? 48 : 64;
+        }
         L.Fs = (ci % 3 == 0) ? L.F : (ci % 3 == 1 ? 2 * L.G : 0);
         L.use_sgate = L.Fs && (ci & 2);
         L.gs_pairs = L.nv && ci == 5;
         layer_random(&L, cfg[ci][4]);
         for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
-            float *x = make_x(Ts[ti], L.D, 1.0f);
+            if (g_emu && ti == 1) continue;   /* the emulator: 3 and 40 tokens */
+            const int64_t T = g_emu && Ts[ti] > 40 ? 40 : Ts[ti];
+            float *x = make_x(T, L.D, 1.0f);
             char nm[48], lb[96];
             snprintf(lb, sizeof lb, "%s, %s", scheme_name(&L, nm, sizeof nm), L.Fs ? "shared" : "no shared");
-            check_layer(&L, x, Ts[ti], lb);
+            check_layer(&L, x, T, lb);
             free(x);
         }
         layer_free(&L);
@@ -804,7 +863,7 @@ static void test_tile_shapes_same_bits(void) {
 
 /* Experts with 0, 1, 7 and 4096 rows (k = 1, a gated shared expert beside), then NaN in one token. */
 static void test_rows_0_1_7_4096(void) {
-    gpu_or_skip();
+    gpu_or_emulator();
     for (int nv = 0; nv < 2; nv++) {
         seed(200 + (uint64_t)nv);
         layer L = {.nv = nv, .G = nv ? 16 : 32, .E = 4, .D = 128, .F = 64, .Fs = 64, .k = 1, .renorm = 1,
@@ -812,7 +871,7 @@ static void test_rows_0_1_7_4096(void) {
         layer_random(&L, 1);
         memset(L.router, 0, sizeof(float) * (size_t)L.E * L.D);
         for (int e = 0; e < L.E; e++) L.router[(size_t)e * L.D + e] = 8.0f;
-        const int64_t T = 4104;
+        const int64_t T = g_emu ? 8 + 120 : 4104;   /* the emulator: 120 rows for the big expert */
         float *x = make_x(T, L.D, 1.0f);
         int want[4] = {0, 0, 0, 0};
         for (int64_t t = 0; t < T; t++) {
@@ -820,7 +879,24 @@ static void test_rows_0_1_7_4096(void) {
             for (int j = 0; j < 4; j++) x[t * L.D + j] = j == e ? 1.5f : -1.5f;
             want[e]++;
         }
-        check_layer(&L, x, T, nv ? "nvfp4: rows 0 / 1 / 7 / 4096" : "int4 g32: rows 0 / 1 / 7 / 4096");
+        check_layer(&L, x, T, nv ? "nvfp4: rows 0 / 1 / 7 / many" : "int4 g32: rows 0 / 1 / 7 / many");
+        if (g_emu) {   /* the routing's counts, then the rest needs the GPU */
+            int32_t *sel = malloc(sizeof(int32_t) * (size_t)T);
+            float *o = malloc(sizeof(float) * (size_t)(T * L.D));
+            moeq_moe_experts_desc d = desc_of(&L);
+            moeq_moe_ffn_args a = args_of(&L, x, T);
+            ASSERT_OK(mq_gpu_moe_emulate(&d, NULL, &a, x, T, MQ_GPU_MOE_BF16, -1, o, sel, NULL, NULL));
+            int got[4] = {0, 0, 0, 0};
+            for (int64_t t = 0; t < T; t++) got[sel[t]]++;
+            for (int e = 0; e < 4; e++) ASSERT_EQ_INT(want[e], got[e]);
+            printf("    [emulated] %s: rows per expert %d %d %d %d as routed\n", nv ? "nvfp4" : "int4", got[0], got[1],
+                   got[2], got[3]);
+            free(sel);
+            free(o);
+            free(x);
+            layer_free(&L);
+            continue;
+        }
         mq_gpu_moe *m = NULL;
         moeq_moe_experts_desc d = desc_of(&L);
         moeq_moe_ffn_args a = args_of(&L, x, T);
@@ -859,9 +935,9 @@ static void test_rows_0_1_7_4096(void) {
 
 /* Random shapes, formats and routings. */
 static void test_random_shapes(void) {
-    gpu_or_skip();
+    gpu_or_emulator();
     const int64_t Ts[] = {1, 2, 3, 5, 8, 13, 31, 33, 64, 150, 300};
-    for (int it = 0; it < 22; it++) {
+    for (int it = 0; it < (g_emu ? 8 : 22); it++) {
         seed(300 + (uint64_t)it);
         layer L;
         memset(&L, 0, sizeof L);
@@ -891,7 +967,34 @@ static void test_random_shapes(void) {
             if (L.k > cap) L.k = cap;
         }
         layer_random(&L, rnd_int(2));
-        const int64_t T = Ts[rnd_int((int)(sizeof Ts / sizeof Ts[0]))];
+        int64_t T = Ts[rnd_int((int)(sizeof Ts / sizeof Ts[0]))];
+        if (g_emu) {   /* the emulator: smaller */
+            T = T > 40 ? 40 : T;
+            const int D = L.D > 128 ? (128 / unit) * unit : L.D, F = L.F > 128 ? (128 / unit) * unit : L.F;
+            layer_free(&L);
+            seed(300 + (uint64_t)it);
+            /* a smaller shape, with options of its own */
+            L.nv = sch >= 5;
+            L.mult = sch == 6;
+            L.G = unit;
+            L.asym = sch == 3 || sch == 4;
+            L.D = D, L.F = F;
+            L.E = 2 + (it * 5) % 10;
+            L.k = 1 + it % (L.E < 4 ? L.E : 4);
+            L.Fs = it % 3 == 0 ? unit : 0;
+            L.scoring = it & 1;
+            L.renorm = (it >> 1) & 1;
+            L.use_bias = (it >> 2) & 1;
+            L.use_sgate = L.Fs && (it & 2);
+            L.route_scale = it % 4 == 3 ? 2.5f : 1.0f;
+            L.gs_pairs = L.nv && (it & 1);
+            if (L.E % 4 == 0 && it % 2 == 0) {
+                L.n_group = 2;
+                L.topk_group = 1;
+                if (L.k > L.E / 2) L.k = L.E / 2;
+            }
+            layer_random(&L, it & 1);
+        }
         float *x = make_x(T, L.D, 1.0f);
         char nm[48], lb[128];
         snprintf(lb, sizeof lb, "%s E%d k%d D%d F%d Fs%d%s", scheme_name(&L, nm, sizeof nm), L.E, L.k, L.D, L.F, L.Fs,
@@ -1030,7 +1133,8 @@ static void run_family(const family *fm, int nv, int G, int asym) {
     mq_st_close(st);
     seed(400);
     for (int ti = 0; ti < 2; ti++) {
-        const int64_t T = ti ? 61 : 4;
+        if (g_emu && ti && L.D > 64) break;   /* the emulator: OLMoE's wider layer at 4 tokens only */
+        const int64_t T = ti ? (g_emu ? 33 : 61) : 4;
         float *x = make_x(T, D, 1.0f);
         char sn[48], lb[128];
         snprintf(lb, sizeof lb, "%s %s", fm->name, scheme_name(&L, sn, sizeof sn));
@@ -1041,7 +1145,7 @@ static void run_family(const family *fm, int nv, int G, int asym) {
 }
 
 static void test_fixture_families(void) {
-    gpu_or_skip();
+    gpu_or_emulator();
     const family fams[] = {
         {"mixtral", "tests/data/mixtral-tiny", 0, 4, 64, 96, 0, 2, 0, 1, 0, 0, 0, 0, 1.0f, "block_sparse_moe", "gate.weight",
          "w1", "w3", "w2", NULL, NULL, NULL},
@@ -1057,6 +1161,7 @@ static void test_fixture_families(void) {
     for (size_t i = 0; i < sizeof fams / sizeof fams[0]; i++) {
         const family *f = &fams[i];
         run_family(f, 1, 16, 0);
+        if (g_emu) continue;   /* the emulator: NVFP4 (test_emulated_op has the INT4 kinds) */
         const int int4_ok = f->F % 32 == 0 && f->Fs % 32 == 0 && f->D % 32 == 0;
         if (int4_ok) run_family(f, 0, 32, 0);
         if (int4_ok && f->F % 128 == 0 && f->D % 128 == 0) run_family(f, 0, 128, 1);
@@ -1107,12 +1212,97 @@ static void test_public_api_and_baseline(void) {
     layer_free(&L);
 }
 
+/* ---- the kernels through the emulator: every machine with a CUDA build, GPU or not ---------- */
+static void emu_or_skip(void) {
+    if (!mq_gpu_built()) SKIP("this build has no CUDA backend (the emulator compiles its kernels)");
+}
+
+/* The decoders through the emulated dequantization kernel. */
+static void test_emulated_decoders(void) {
+    emu_or_skip();
+    const int cfg[][4] = {{0, 32, 0, 1}, {0, 64, 1, 0}, {1, 16, 0, 1}};
+    for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
+        seed(610 + ci);
+        layer L = {.nv = cfg[ci][0], .G = cfg[ci][1], .asym = cfg[ci][2], .E = 2, .D = cfg[ci][0] ? 80 : 2 * cfg[ci][1] + 32 * (cfg[ci][1] == 32),
+                   .F = cfg[ci][1], .Fs = cfg[ci][1], .k = 1, .route_scale = 1.0f};
+        layer_random(&L, cfg[ci][3]);
+        moeq_moe_experts_desc d = desc_of(&L);
+        moeq_moe_zero_points zp = L.asym ? zeros_of(&L) : (moeq_moe_zero_points){0};
+        float x[256] = {0};
+        moeq_moe_ffn_args a = args_of(&L, x, 1);
+        int64_t bad = 0, total = 0;
+        for (int e = 0; e <= L.E; e++)
+            for (int which = 0; which < 2; which++) {
+                const int sh = e == L.E, f = sh ? L.Fs : L.F, i = which + (sh ? 2 : 0);
+                const int rows = which ? L.D : 2 * f, cols = which ? f : L.D, ng = cols / L.G;
+                float *w = malloc(sizeof(float) * (size_t)rows * cols);
+                ASSERT_OK(mq_gpu_moe_emulate_dequant(&d, L.asym ? &zp : NULL, &a, e, which, w));
+                const size_t base = sh ? 0 : (size_t)e * rows * cols, sb = sh ? 0 : (size_t)e * rows * ng;
+                for (int r = 0; r < rows; r++)
+                    for (int k = 0; k < cols; k++) {
+                        const uint8_t c = L.c[i][base + (size_t)r * cols + k];
+                        const size_t si = sb + (size_t)r * ng + k / L.G;
+                        float want;
+                        if (L.nv) {
+                            want = (float)(e2m1_dec(c) * e4m3_dec(((const uint8_t *)L.s[i])[si]));
+                        } else {
+                            const int z = L.asym ? L.z[i][si] : 8;
+                            const float sc = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L.s[i])[si]));
+                            want = mq_bf16_to_f32(mq_f32_to_bf16(sc * (float)((int)c - z)));
+                        }
+                        const float got = w[(size_t)r * cols + k];
+                        total++;
+                        if (memcmp(&want, &got, 4) != 0 && !(want == 0 && got == 0)) {
+                            if (!bad)
+                                printf("    first difference: expert %d matrix %d row %d col %d: %.9g vs %.9g\n", e,
+                                       which, r, k, got, want);
+                            bad++;
+                        }
+                    }
+                free(w);
+            }
+        char nm[48];
+        printf("    [emulated] %-24s %lld weights decoded, %lld differ\n", scheme_name(&L, nm, sizeof nm),
+               (long long)total, (long long)bad);
+        ASSERT_EQ_INT(0, bad);
+        layer_free(&L);
+    }
+}
+
+/* The whole op through the emulator: each format, both routing kernels, shared experts, groups. */
+static void test_emulated_op(void) {
+    emu_or_skip();
+    const int cfg[][8] = {/* nv, G, asym, mult, Fs, T, scoring, groups */
+                          {0, 32, 0, 0, 1, 5, 0, 0},  {0, 64, 0, 0, 0, 40, 1, 0}, {0, 32, 1, 0, 1, 3, 1, 1},
+                          {0, 128, 1, 0, 0, 9, 0, 0}, {1, 16, 0, 0, 1, 36, 0, 0}, {1, 16, 0, 1, 0, 7, 1, 1}};
+    for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
+        seed(700 + ci);
+        const int G = cfg[ci][1];
+        layer L = {.nv = cfg[ci][0], .G = G, .asym = cfg[ci][2], .mult = cfg[ci][3], .E = 8,
+                   .D = G == 128 ? 128 : G == 64 ? 128 : cfg[ci][0] ? 80 : 96, .F = G == 128 ? 128 : G == 64 ? 64 : cfg[ci][0] ? 48 : 64,
+                   .k = 2, .scoring = cfg[ci][6], .renorm = 1, .use_bias = cfg[ci][6], .route_scale = cfg[ci][6] ? 2.5f : 1.0f};
+        L.Fs = cfg[ci][4] ? G : 0;
+        L.use_sgate = L.Fs && (ci & 1) == 0;
+        L.gs_pairs = L.nv;
+        if (cfg[ci][7]) L.n_group = 4, L.topk_group = 2;
+        layer_random(&L, (int)(ci & 1));
+        const int64_t T = cfg[ci][5];
+        float *x = make_x(T, L.D, 1.0f);
+        char nm[48], lb[96];
+        snprintf(lb, sizeof lb, "%s%s%s", scheme_name(&L, nm, sizeof nm), L.Fs ? ", shared" : "",
+                 L.n_group ? ", grouped" : "");
+        check_layer_on(&L, x, T, lb, 1);
+        free(x);
+        layer_free(&L);
+    }
+}
+
 static void test_close(void) {
     if (g_gpu) mq_gpu_close(g_gpu);
     g_gpu = NULL;
 }
 
-TEST_MAIN(T(test_args_without_device), T(test_value_errors), T(test_decoders), T(test_tile_shapes_same_bits),
+TEST_MAIN(T(test_args_without_device), T(test_emulated_decoders), T(test_emulated_op), T(test_value_errors), T(test_decoders), T(test_tile_shapes_same_bits),
           T(test_formats),
           T(test_rows_0_1_7_4096), T(test_random_shapes), T(test_fixture_families), T(test_public_api_and_baseline),
           T(test_close))

@@ -293,6 +293,17 @@ void mq_gpu_moe_force_tiles(mq_gpu_moe *m, int shape);
  * order). */
 moeq_status mq_gpu_moe_last_routing(mq_gpu_moe *m, int32_t *sel, float *wt, float *gshared);
 moeq_status mq_gpu_moe_dequant(mq_gpu_moe *m, int64_t expert, int which, float *out);
+/* The same kernels run by a host emulator (moe_emu.cu: one OS thread per CUDA thread, the warp
+ * collectives as the PTX manual defines them; no GPU needed, small shapes only): the result of
+ * mq_gpu_moe_upload + mq_gpu_moe_ffn with tile shape `tiles` (-1: by the rows), with its routing
+ * (sel, wt [T, k], gsh [T]; each may be NULL), and one matrix as mq_gpu_moe_dequant decodes it.
+ * The fp32 mode's values are the card's; the bf16 mode's differ from the card's only in how the
+ * tensor cores round their sums (the emulator sums each step's 16 products in double). */
+moeq_status mq_gpu_moe_emulate(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                               const moeq_moe_ffn_args *routing, const float *x, int64_t T, int math, int tiles,
+                               float *out, int32_t *sel, float *wt, float *gsh);
+moeq_status mq_gpu_moe_emulate_dequant(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                                       const moeq_moe_ffn_args *routing, int64_t expert, int which, float *out);
 /* The comparison of the benchmark: every expert dequantized to bf16 (the global scale folded in),
  * then cuBLAS bf16 GEMMs (grouped, fp32 outputs), SwiGLU, the weighted sums. Waits. */
 moeq_status mq_gpu_moe_ffn_baseline(mq_gpu_moe *m, const float *x, int64_t T, float *out);

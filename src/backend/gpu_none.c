@@ -276,6 +276,20 @@ moeq_status mq_gpu_moe_dequant(mq_gpu_moe *m, int64_t expert, int which, float *
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_moe_emulate(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                               const moeq_moe_ffn_args *routing, const float *x, int64_t T, int math, int tiles,
+                               float *out, int32_t *sel, float *wt, float *gsh) {
+    (void)d, (void)zp, (void)routing, (void)x, (void)T, (void)math, (void)tiles, (void)out, (void)sel, (void)wt,
+        (void)gsh;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA (the emulator compiles the CUDA kernels)");
+}
+
+moeq_status mq_gpu_moe_emulate_dequant(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                                       const moeq_moe_ffn_args *routing, int64_t expert, int which, float *out) {
+    (void)d, (void)zp, (void)routing, (void)expert, (void)which, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA (the emulator compiles the CUDA kernels)");
+}
+
 moeq_status mq_gpu_moe_ffn_baseline(mq_gpu_moe *m, const float *x, int64_t T, float *out) {
     (void)m, (void)x, (void)T, (void)out;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");

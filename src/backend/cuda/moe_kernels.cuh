@@ -36,14 +36,14 @@ struct Tile {
     int e, row0, rows, pad_;
 };
 
-__device__ __forceinline__ uint32_t word_of(const uint4 &w, int kk) {
+MQD uint32_t word_of(const uint4 &w, int kk) {
     return kk == 0 ? w.x : kk == 1 ? w.y : kk == 2 ? w.z : w.w;
 }
 
 /* NaN ranks below every number; between equal scores the lower index wins (mq_moe_select). */
-__device__ __forceinline__ bool score_better(float a, float b) { return !isnan(a) && (isnan(b) || a > b); }
+MQD bool score_better(float a, float b) { return !isnan(a) && (isnan(b) || a > b); }
 
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + mqd::vec_expf(-g)) * u; }
+MQD float silu_mul(float g, float u) { return g / (1.0f + mqd::vec_expf(-g)) * u; }
 
 /* ---- routing ------------------------------------------------------------------------------- */
 struct RouteArgs {
@@ -75,7 +75,7 @@ struct RouteArgs {
 
 /* The CPU's quant_act_ref on one block of B values: v = rne(x * 32512 / amax), scale
  * amax / 32512; NaN / Inf in the block: scale NaN; amax < 2^-100: all zero. */
-__device__ __forceinline__ void quant_block(const float *v, int B, int16_t *q, float *s) {
+MQD void quant_block(const float *v, int B, int16_t *q, float *s) {
     float amax = 0.0f;
     bool bad = false;
     for (int i = 0; i < B; i++) {
@@ -95,7 +95,7 @@ __device__ __forceinline__ void quant_block(const float *v, int B, int16_t *q, f
 }
 
 /* The GEMMs' input from x: token rows [t0, t1), the calling block's threads. */
-__device__ void convert_x(const RouteArgs &a, int64_t t0, int64_t t1) {
+MQDF void convert_x(const RouteArgs &a, int64_t t0, int64_t t1) {
     if (a.exact) {
         const int nb = a.D / a.B;
         for (int64_t i = t0 * nb + threadIdx.x; i < t1 * nb; i += blockDim.x) {
@@ -114,15 +114,15 @@ struct Cand {
     float s;
     int i;   /* -1: none */
 };
-__device__ __forceinline__ bool cand_better(const Cand &a, const Cand &b) {
+MQD bool cand_better(const Cand &a, const Cand &b) {
     if (a.i < 0) return false;
     if (b.i < 0) return true;
     if (score_better(a.s, b.s)) return true;
     if (score_better(b.s, a.s)) return false;
     return a.i < b.i;
 }
-__device__ __forceinline__ Cand warp_best(Cand c) {
-#pragma unroll
+MQD Cand warp_best(Cand c) {
+MQ_UNROLL
     for (int o = 16; o > 0; o >>= 1) {
         Cand d;
         d.s = __shfl_xor_sync(0xffffffffu, c.s, o);
@@ -134,7 +134,7 @@ __device__ __forceinline__ Cand warp_best(Cand c) {
 
 /* Token t's routing by one warp (mq_moe_select's semantics, the CPU op's weights). taken: E bytes
  * of shared memory of this warp; gs: n_group floats of it. */
-__device__ void route_token(const RouteArgs &a, int64_t t, uint8_t *taken, float *gs) {
+MQDF void route_token(const RouteArgs &a, int64_t t, uint8_t *taken, float *gs) {
     const int lane = threadIdx.x & 31, E = a.E;
     float *p = a.logits + t * a.E1;
     if (a.scoring == 0) {
@@ -230,7 +230,7 @@ __device__ void route_token(const RouteArgs &a, int64_t t, uint8_t *taken, float
 /* The plan, by one block after every token is routed: a counting sort of (token, slot) by
  * matrix (the shared expert last, all tokens in order), and the tiles of bm rows. The order of
  * the rows within a matrix may vary from run to run; no result depends on it. */
-__device__ void plan_block(const RouteArgs &a, int32_t *sh) {
+MQDF void plan_block(const RouteArgs &a, int32_t *sh) {
     const int nm = a.n_mats, tid = threadIdx.x, nt = blockDim.x;
     int32_t *cnt = sh, *cur = sh + nm, *tst = sh + 2 * nm;
     const int64_t Tk = a.T * a.k;
@@ -276,8 +276,8 @@ __device__ void plan_block(const RouteArgs &a, int32_t *sh) {
 }
 
 /* True in every thread of the block that finishes last (the others return); resets the ticket. */
-__device__ bool last_block(unsigned *ticket) {
-    __shared__ bool last;
+MQDF bool last_block(unsigned *ticket) {
+    MQ_SHARED(bool, last);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
@@ -288,8 +288,8 @@ __device__ bool last_block(unsigned *ticket) {
 
 /* Few tokens: the logits here (one warp per router row, every token), the input conversion, then
  * the last block routes every token and plans. 256 threads. */
-__global__ void __launch_bounds__(256) k_route_small(RouteArgs a) {
-    extern __shared__ __align__(16) uint8_t rsm[];
+MQ_KERNEL(256) k_route_small(RouteArgs a) {
+    MQ_DYN_SMEM(rsm);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * 8 + warp;
     if (row < a.E1) {
@@ -298,14 +298,14 @@ __global__ void __launch_bounds__(256) k_route_small(RouteArgs a) {
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             for (int d = lane * 4; d < a.D; d += 128) {
                 const float4 rv = *(const float4 *)(r + d);
-#pragma unroll
+MQ_UNROLL
                 for (int u = 0; u < 4; u++)
                     if (t0 + u < a.T) {
                         const float4 xv = *(const float4 *)(a.x + (t0 + u) * a.D + d);
                         acc[u] = fmaf(rv.x, xv.x, fmaf(rv.y, xv.y, fmaf(rv.z, xv.z, fmaf(rv.w, xv.w, acc[u]))));
                     }
             }
-#pragma unroll
+MQ_UNROLL
             for (int u = 0; u < 4; u++) {
                 float v = acc[u];
                 for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -330,8 +330,8 @@ __global__ void __launch_bounds__(256) k_route_small(RouteArgs a) {
 
 /* Many tokens (logits from cuBLAS): a warp routes each token, the block converts its 8 tokens'
  * input, the last block plans. 256 threads. */
-__global__ void __launch_bounds__(256) k_route_large(RouteArgs a) {
-    extern __shared__ __align__(16) uint8_t rsm[];
+MQ_KERNEL(256) k_route_large(RouteArgs a) {
+    MQ_DYN_SMEM(rsm);
     const int warp = threadIdx.x >> 5;
     const int64_t t = (int64_t)blockIdx.x * 8 + warp;
     const int eb = (a.E + 15) & ~15;
@@ -360,23 +360,23 @@ struct GemmArgs {
 };
 
 /* Bytes of shared memory of one configuration. */
-__host__ __device__ constexpr int gemm_stage_bytes(int MS, int NT, int WO, int WT) {
+MQHDC constexpr int gemm_stage_bytes(int MS, int NT, int WO, int WT) {
     return MS * WO * 512 + 2 * MS * WO * 64 + 8 * NT * WT * 128;
 }
 /* Shared memory after the stages: the E4M3 table (NVFP4), the rows' activation offsets. */
-__host__ __device__ constexpr int gemm_extra_bytes(int NT, int WT, bool nv) { return (nv ? 512 : 0) + 8 * 8 * NT * WT; }
+MQHDC constexpr int gemm_extra_bytes(int NT, int WT, bool nv) { return (nv ? 512 : 0) + 8 * 8 * NT * WT; }
 
 /* One block: S = MS*WO strips (16 rows each) of one matrix times a tile of up to BM = 8*NT*WT
  * sorted rows; warp (wo, wt) computes MS strips x NT n8-tiles of tokens. Weights and activations
  * go through a STAGES-deep cp.async pipeline of 64-input chunks; each warp decodes its A
  * fragments in registers and runs mma.m16n8k16 (bf16, fp32 accumulators). */
 template <int MS, int NT, int WO, int WT, int STAGES, int MINB, bool NV, bool SWIGLU>
-__global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
+MQ_KERNEL2(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
     constexpr int NTHR = 32 * WO * WT, S = MS * WO, BM = 8 * NT * WT;
     constexpr int CODE_B = S * 512, SC_B = S * 64;
     constexpr int STAGE_B = gemm_stage_bytes(MS, NT, WO, WT);
     constexpr int ACTN = (BM * 8 + NTHR - 1) / NTHR;
-    extern __shared__ __align__(16) uint8_t sm[];
+    MQ_DYN_SMEM(sm);
     const int tix = blockIdx.y + blockIdx.z * 65535;
     if (tix >= *p.n_tiles) return;
     const Tile tl = p.tiles[tix];
@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
                 if (asym) cp_async16(st + CODE_B + SC_B + sl * 64 + pc * 16, M.offs + o);
             }
         }
-#pragma unroll
+MQ_UNROLL
         for (int i = 0; i < ACTN; i++) {
             const int idx = tid + i * NTHR, r = idx >> 3, ch = idx & 7;
             if (idx >= BM * 8) break;
@@ -432,14 +432,14 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
     };
 
     float acc[MS][NT][4];
-#pragma unroll
+MQ_UNROLL
     for (int i = 0; i < MS; i++)
-#pragma unroll
+MQ_UNROLL
         for (int j = 0; j < NT; j++)
-#pragma unroll
+MQ_UNROLL
             for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
 
-#pragma unroll
+MQ_UNROLL
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < nch) load(s, s);
         cp_async_commit();
@@ -457,18 +457,18 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
         const uint8_t *st = sm + (c % STAGES) * STAGE_B;
         const uint8_t *actb = st + CODE_B + 2 * SC_B;
         uint4 wv[MS];
-#pragma unroll
+MQ_UNROLL
         for (int i = 0; i < MS; i++) wv[i] = *(const uint4 *)(st + (wo * MS + i) * 512 + lane * 16);
         if (!NV)
             while (c * 64 >= cg_next) cg_next += M.G;
-#pragma unroll
+MQ_UNROLL
         for (int kk = 0; kk < 4; kk++) {
             uint32_t b[NT][2];
             if (NT == 1) {
                 const int r = wt * 8 + (lane & 7), chl = kk * 2 + ((lane >> 3) & 1);
                 ldmatrix_x2(b[0][0], b[0][1], actb + r * 128 + ((chl ^ (r & 7)) << 4));
             } else {
-#pragma unroll
+MQ_UNROLL
                 for (int jj = 0; jj < NT / 2; jj++) {
                     const int r = wt * NT * 8 + jj * 16 + ((lane >> 4) << 3) + (lane & 7);
                     const int chl = kk * 2 + ((lane >> 3) & 1);
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
                 }
             }
             const int gi = NV ? kk : (c * 64 + kk * 16 >= cg_next ? 1 : 0);
-#pragma unroll
+MQ_UNROLL
             for (int i = 0; i < MS; i++) {
                 const uint8_t *scp = st + CODE_B + (wo * MS + i) * 64;
                 uint32_t a[4];
@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
                     }
                     decode_int4(word_of(wv[i], kk), bcast_lo(sw), bcast_hi(sw), og, og8, a);
                 }
-#pragma unroll
+MQ_UNROLL
                 for (int j = 0; j < NT; j++) mma_bf16(acc[i][j], a, b[j][0], b[j][1]);
             }
         }
@@ -503,14 +503,14 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
     cp_async_wait<0>();
 
     const int t4 = lane & 3;
-#pragma unroll
+MQ_UNROLL
     for (int i = 0; i < MS; i++) {
         const int sg = s0 + wo * MS + i;
         if (sg >= strips) continue;
-#pragma unroll
+MQ_UNROLL
         for (int j = 0; j < NT; j++) {
             const int tok0 = wt * NT * 8 + j * 8 + 2 * t4;
-#pragma unroll
+MQ_UNROLL
             for (int e = 0; e < 2; e++) {
                 const int tok = tok0 + e;
                 if (tok >= tl.rows) continue;
@@ -538,7 +538,7 @@ __global__ void __launch_bounds__(32 * WO * WT, MINB) k_gemm(GemmArgs p) {
 /* The signed integer weight of packed row n, input k (INT4 u - z; NVFP4 2 * e2m1) and the scale
  * of its group, as the CPU kernels use them. */
 template <bool NV>
-__device__ __forceinline__ int exact_weight(const MoeMat &M, int n, int k) {
+MQD int exact_weight(const MoeMat &M, int n, int k) {
     const int strip = n >> 4, r = n & 15, c = k >> 6, kk = (k >> 4) & 3;
     int lane, ai;
     frag_pos(r, k & 15, &lane, &ai);
@@ -552,7 +552,7 @@ __device__ __forceinline__ int exact_weight(const MoeMat &M, int n, int k) {
     return (int)int4_code(w, ai) - z;
 }
 template <bool NV>
-__device__ __forceinline__ float exact_scale(const MoeMat &M, int n, int k) {
+MQD float exact_scale(const MoeMat &M, int n, int k) {
     const int strip = n >> 4, r = n & 15;
     if (NV) return e4m3_value(M.scales[((int64_t)strip * M.ngs + (k >> 4)) * 16 + (r & 7) * 2 + (r >> 3)]);
     if (M.s32) return M.s32[(int64_t)n * (M.K / M.G) + k / M.G];
@@ -576,10 +576,10 @@ struct ExactArgs {
  * of B inputs the exact integer dot, then acc = fmaf(dot, sw * sa, acc) in block order, then
  * acc * mul / div and the SwiGLU: gemm_ref's operations in gemm_ref's order. */
 template <bool NV, bool SWIGLU, int B>
-__global__ void __launch_bounds__(256) k_exact(ExactArgs p) {
+MQ_KERNEL(256) k_exact(ExactArgs p) {
     constexpr int BMX = 16;
-    __shared__ int16_t v[BMX][B];
-    __shared__ float sa[BMX];
+    MQ_SHARED_ARR(int16_t, v, [BMX][B]);
+    MQ_SHARED_ARR(float, sa, [BMX]);
     const int tix = blockIdx.y + blockIdx.z * 65535;
     if (tix >= *p.n_tiles) return;
     const Tile tl = p.tiles[tix];
@@ -613,17 +613,17 @@ __global__ void __launch_bounds__(256) k_exact(ExactArgs p) {
         __syncthreads();
         if (!live) continue;
         int wg[B], wu[B];
-#pragma unroll
+MQ_UNROLL
         for (int kk = 0; kk < B; kk++) {
             wg[kk] = exact_weight<NV>(M, n0, b * B + kk);
             if (SWIGLU) wu[kk] = exact_weight<NV>(M, n1, b * B + kk);
         }
         const float sg = exact_scale<NV>(M, n0, b * B), su = SWIGLU ? exact_scale<NV>(M, n1, b * B) : 0.0f;
-#pragma unroll
+MQ_UNROLL
         for (int q = 0; q < 4; q++) {
             const int r = rl + 4 * q;
             int dg = 0, du = 0;
-#pragma unroll
+MQ_UNROLL
             for (int kk = 0; kk < B; kk++) {
                 dg += wg[kk] * (int)v[r][kk];
                 if (SWIGLU) du += wu[kk] * (int)v[r][kk];
@@ -633,7 +633,7 @@ __global__ void __launch_bounds__(256) k_exact(ExactArgs p) {
         }
     }
     if (!live) return;
-#pragma unroll
+MQ_UNROLL
     for (int q = 0; q < 4; q++) {
         const int r = rl + 4 * q;
         if (r >= tl.rows) continue;
@@ -649,7 +649,7 @@ __global__ void __launch_bounds__(256) k_exact(ExactArgs p) {
 }
 
 /* rows x cols values (row stride ldx) -> integers q [rows, ldq] and scales [rows, ldq / B]. */
-__global__ void k_quant_rows(const float *x, int64_t rows, int cols, int64_t ldx, int B, int16_t *q, float *qs,
+MQ_KERNEL0 k_quant_rows(const float *x, int64_t rows, int cols, int64_t ldx, int B, int16_t *q, float *qs,
                              int64_t ldq) {
     const int nb = cols / B;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * nb; i += (int64_t)gridDim.x * blockDim.x) {
@@ -659,7 +659,7 @@ __global__ void k_quant_rows(const float *x, int64_t rows, int cols, int64_t ldx
 }
 
 /* out[t] = sum_j wt[t, j] y[pos[t, j]] (+ g[t] y[off[E] + t]), in the CPU's order and operations. */
-__global__ void k_combine(const float *y, int64_t D, int64_t T, int k, const int32_t *pos, const float *wt,
+MQ_KERNEL0 k_combine(const float *y, int64_t D, int64_t T, int k, const int32_t *pos, const float *wt,
                           const float *gsh, const int32_t *off_shared, float *out) {
     const int64_t D4 = D / 4;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < T * D4; i += (int64_t)gridDim.x * blockDim.x) {
@@ -689,14 +689,14 @@ __global__ void k_combine(const float *y, int64_t D, int64_t T, int k, const int
 
 /* ---- the layout: packing and dequantization ------------------------------------------------ */
 /* Packed row n of a gate_up matrix (F > 0) or of down (F = 0) -> canonical row. */
-__host__ __device__ __forceinline__ int64_t canon_row(int64_t n, int64_t F) {
+MQHD int64_t canon_row(int64_t n, int64_t F) {
     if (!F) return n;
     const int64_t s = n >> 4, r = n & 15;
     return r < 8 ? s * 8 + r : F + s * 8 + r - 8;
 }
 
 /* Codes of n_ex matrices [N, K] (canonical, one byte each) -> the packed words. */
-__global__ void k_pack_codes(const uint8_t *src, int n_ex, int N, int K, int K64, int F, int nv, uint32_t *dst) {
+MQ_KERNEL0 k_pack_codes(const uint8_t *src, int n_ex, int N, int K, int K64, int F, int nv, uint32_t *dst) {
     const int nch = K64 >> 6;
     const int64_t per = (int64_t)(N >> 4) * nch * 128, total = per * n_ex;
     for (int64_t w = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; w < total; w += (int64_t)gridDim.x * blockDim.x) {
@@ -720,7 +720,7 @@ __global__ void k_pack_codes(const uint8_t *src, int n_ex, int N, int K, int K64
  * (bf16 when outb, else fp32 outf), the weight times fmul/fdiv when `global`, else the bf16 value
  * the MMA multiplies. One warp per (strip, chunk). F: gate_up's F, 0 for down. */
 template <bool NV>
-__global__ void k_dequant(const MoeMat *mats, int e0, int64_t F, bool global, float *outf, bf16 *outb,
+MQ_KERNEL0 k_dequant(const MoeMat *mats, int e0, int64_t F, bool global, float *outf, bf16 *outb,
                           int64_t mat_stride) {
     const MoeMat M = mats[e0 + blockIdx.y];
     const int lane = threadIdx.x & 31, nch = M.K64 >> 6, strips = M.N >> 4;
