@@ -17,10 +17,14 @@
  *               value (NVFP4 e2m1 * e4m3; INT4 bf16(bf16(scale) * (u - z))).
  * Shapes: random ones over every format (INT4 groups 32, 64, 128, symmetric and asymmetric, bf16
  * and fp32 scales; NVFP4 with divisor and multiplier global scales), every routing option, the
- * three tile shapes and both routing kernels; experts with 0, 1, 7 and 4096 rows; the MoE layer of
- * each fixture family (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared expert, DeepSeek-V3's
- * group-limited sigmoid routing, OLMoE) quantized here. Without a GPU, or in a build without CUDA,
- * the GPU cases skip with a message; the argument checks run everywhere.
+ * four tile shapes (which must give the same bits) and both routing kernels; experts with 0, 1,
+ * 7 and 4096 rows; the MoE layer of each fixture family (Mixtral, Qwen3-MoE, Qwen2-MoE with its
+ * gated shared expert, DeepSeek-V3's group-limited sigmoid routing, OLMoE) quantized here.
+ * Without a GPU the op's cases run the same kernel source through the emulator
+ * (backend/cuda/moe_emu.cu; smaller sizes, the bf16 path's tensor-core sums rounded once per
+ * step) with every check above; the cases that need the device itself (upload errors, the public
+ * interface, the baseline) skip with a message; in a build without CUDA every GPU case skips.
+ * The argument checks run everywhere.
  */
 #include <math.h>
 #include <stdlib.h>
