@@ -8,15 +8,17 @@
  * slot) pairs by expert and cuts the tiles of the grouped GEMMs. Then
  *  - bf16 mode: x in bf16; gate_up as one grouped GEMM on the tensor cores (mma.m16n8k16, fp32
  *    accumulators, the 4-bit weights decoded to bf16 in registers) with SwiGLU in the epilogue,
- *    the result rounded to bf16; down likewise into fp32 rows; three tile shapes by the expected
- *    rows per expert (decode, middle, prefill);
+ *    the result rounded to bf16; down likewise into fp32 rows; four tile shapes by the expected
+ *    rows per expert (64 outputs x 8 rows for decoding up to 128 x 128 for prefill; every shape
+ *    gives the same bits, each output being one chain of tensor-core steps over k);
  *  - fp32 mode (exact): the CPU kernels' arithmetic, operation for operation: activations as
  *    16-bit integers per block of 32 (INT4) or 16 (NVFP4) inputs, exact integer block dots, one
  *    fp32 multiply and fused multiply-add per block in block order, acc * mul / div, moeq's SwiGLU;
  *    given the same routing the output is the CPU op's, bit for bit;
  * and the weighted sum per token in slot order, the gated shared expert last (the CPU's order).
  * Everything runs on the context's stream 0; nothing waits for the device unless a host pointer
- * is given (then the call returns with the result in place).
+ * is given (then the call returns with the result in place). moe_emu.cu runs the same kernels on
+ * the CPU for the tests of machines without a GPU.
  */
 #include <math.h>
 #include <stdlib.h>
