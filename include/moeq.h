@@ -1035,6 +1035,54 @@ moeq_status moeq_moe_ffn_check(const moeq_moe_ffn_args *a, int64_t out_shape[2])
 moeq_status moeq_moe_ffn(const moeq_moe_ffn_args *a, float *out, size_t out_capacity);
 
 /* ------------------------------------------------------------------------------------------ */
+/* The MoE feed-forward op on an NVIDIA GPU (src/backend/cuda; docs/gpu.md)                    */
+/* ------------------------------------------------------------------------------------------ */
+
+/*
+ * moeq_moe_ffn's semantics with a layer's experts resident on a CUDA device (a build with
+ * -DMOEQ_CUDA=ON; elsewhere moeq_moe_cuda_create fails with MOEQ_E_UNSUPPORTED saying so). The
+ * experts come in the canonical form of moeq_moe_experts_desc and are packed on upload; the
+ * routing tensors (router, bias, shared gate) and options are fixed at creation.
+ *   MOEQ_MOE_CUDA_BF16: x and the SwiGLU output rounded to bf16, the weights decoded to bf16
+ *       (NVFP4 exactly; INT4 as bf16(bf16(scale) * (u - z))), products on the tensor cores with
+ *       fp32 sums; routing, the epilogues and the weighted sums in fp32. Relative error against
+ *       the exact result (norm of the difference over the norm of the result) below 1.6e-2
+ *       (4 bf16 roundings of 2^-8 each; typically 3e-3 to 5e-3).
+ *   MOEQ_MOE_CUDA_FP32: the CPU op's arithmetic, operation for operation (16-bit activation
+ *       blocks, exact integer dots, fp32 sums): for the same routing the result is the CPU op's
+ *       bit for bit; the router's logits are summed in another order than the CPU's, so the
+ *       routing weights may differ in the last bits (results then within about 1e-6).
+ * Asymmetric INT4 (the GPU op only): zero_points gives a code z (0..15) per (row, group),
+ * w = (u - z) * scale; NULL: symmetric (z = 8).
+ */
+typedef struct {
+    moeq_tensor_ref gate_up;          /* U8 [E, 2F, D / group] */
+    moeq_tensor_ref down;             /* U8 [E, D, F / group] */
+    moeq_tensor_ref shared_gate_up;   /* U8 [2Fs, D / group] (with a shared expert) */
+    moeq_tensor_ref shared_down;      /* U8 [D, Fs / group] */
+} moeq_moe_zero_points;
+
+typedef enum { MOEQ_MOE_CUDA_BF16 = 0, MOEQ_MOE_CUDA_FP32 = 1 } moeq_moe_cuda_math;
+typedef struct moeq_moe_cuda moeq_moe_cuda;
+
+/* Uploads the experts of d to GPU `device` (0-based) with the routing of `routing` (its x and
+ * experts are not read); checks as moeq_moe_experts_pack and moeq_moe_ffn_check do, with the same
+ * messages ("moe_experts: ...", "moe_ffn_cuda: ..."). The caller's buffers are not referenced
+ * afterwards. */
+moeq_status moeq_moe_cuda_create(int device, const moeq_moe_experts_desc *d,
+                                 const moeq_moe_zero_points *zero_points,
+                                 const moeq_moe_ffn_args *routing, moeq_moe_cuda **out);
+/* out [T, D] = the layer on x (F32 [T, D], T >= 0); out_capacity: floats at out. x.data and out
+ * may be host memory (the call returns with the result there) or device memory of the same GPU
+ * (the work is queued; moeq_moe_cuda_sync waits for it). */
+moeq_status moeq_moe_cuda_ffn(moeq_moe_cuda *m, const moeq_tensor_ref *x, moeq_moe_cuda_math math,
+                              float *out, size_t out_capacity);
+moeq_status moeq_moe_cuda_sync(moeq_moe_cuda *m);
+/* Device bytes of the packed experts (codes, scales, zero points). */
+size_t moeq_moe_cuda_bytes(const moeq_moe_cuda *m);
+void moeq_moe_cuda_free(moeq_moe_cuda *m);
+
+/* ------------------------------------------------------------------------------------------ */
 /* For bindings (python/ uses ctypes): options by the CLI's flag names, results as JSON        */
 /* ------------------------------------------------------------------------------------------ */
 

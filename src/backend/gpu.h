@@ -331,6 +331,52 @@ moeq_status mq_gpu_rmsnorm_rows(mq_gpu *g, const float *x, int64_t n, int64_t D,
                                 float *out);
 moeq_status mq_gpu_row_stats_of(mq_gpu *g, const float *l, const float *lb, int64_t n, int64_t V,
                                 const int32_t *target, bool entropy, mq_gpu_row_stats *stats);
+/* The quantized MoE feed-forward op on the GPU (moe.cu; moeq_moe_cuda_* in include/moeq.h is the
+ * public face): the experts of a layer packed once into the device layout (moe_dev.cuh), routing
+ * fixed at upload, then calls on x [T, D] (host or device memory; with host memory the call
+ * waits for its result, with device memory it is only queued on stream 0). math: MQ_GPU_MOE_BF16
+ * (tensor cores) or MQ_GPU_MOE_FP32 (the CPU op's arithmetic; include/moeq.h says what each
+ * guarantees). zp: asymmetric INT4 zero points, or NULL. */
+typedef struct mq_gpu_moe mq_gpu_moe;
+enum { MQ_GPU_MOE_BF16 = 0, MQ_GPU_MOE_FP32 = 1, MQ_GPU_MOE_BASELINE = 2 };
+moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                              const moeq_moe_ffn_args *routing, mq_gpu_moe **out);
+void mq_gpu_moe_free(mq_gpu_moe *m);
+size_t mq_gpu_moe_bytes(const mq_gpu_moe *m);
+moeq_status mq_gpu_moe_ffn(mq_gpu_moe *m, const float *x, int64_t T, int math, float *out);
+/* The bf16 path's tile shape for every later call (tests, bench): 0: 64 outputs x 8 rows,
+ * 1: 128 x 32, 2: 128 x 64, 3: 128 x 128; -1: by the rows per expert (the default). */
+void mq_gpu_moe_force_tiles(mq_gpu_moe *m, int shape);
+/* Tests: the routing of the last call (sel, wt [T, k]; gshared [T] when the layer has a shared
+ * gate; each may be NULL), and expert e's (E: the shared one) matrix which (0 gate_up, 1 down)
+ * as the bf16 path decodes it, before the NVFP4 global scale, into out [rows, cols] (canonical
+ * order). */
+moeq_status mq_gpu_moe_last_routing(mq_gpu_moe *m, int32_t *sel, float *wt, float *gshared);
+moeq_status mq_gpu_moe_dequant(mq_gpu_moe *m, int64_t expert, int which, float *out);
+/* The same kernels run by a host emulator (moe_emu.cu: one OS thread per CUDA thread, the warp
+ * collectives as the PTX manual defines them; no GPU needed, small shapes only): the result of
+ * mq_gpu_moe_upload + mq_gpu_moe_ffn with tile shape `tiles` (-1: by the rows), with its routing
+ * (sel, wt [T, k], gsh [T]; each may be NULL), and one matrix as mq_gpu_moe_dequant decodes it.
+ * The fp32 mode's values are the card's; the bf16 mode's differ from the card's only in how the
+ * tensor cores round their sums (the emulator sums each step's 16 products in double). */
+moeq_status mq_gpu_moe_emulate(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                               const moeq_moe_ffn_args *routing, const float *x, int64_t T, int math, int tiles,
+                               float *out, int32_t *sel, float *wt, float *gsh);
+moeq_status mq_gpu_moe_emulate_dequant(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                                       const moeq_moe_ffn_args *routing, int64_t expert, int which, float *out);
+/* The comparison of the benchmark: every expert dequantized to bf16 (the global scale folded in),
+ * then cuBLAS bf16 GEMMs (grouped, fp32 outputs), SwiGLU, the weighted sums. Waits. */
+moeq_status mq_gpu_moe_ffn_baseline(mq_gpu_moe *m, const float *x, int64_t T, float *out);
+/* Bench: device milliseconds per call, the median of `rounds` replays of a graph of `calls`
+ * calls that cycle over layers[i % n_layers] and inputs i % n_x of x (n_x blocks of [T, D],
+ * device memory) into out; mode MQ_GPU_MOE_BF16 / _FP32, or MQ_GPU_MOE_BASELINE (no graph: it
+ * waits for the routing's counts each call). */
+moeq_status mq_gpu_moe_time(mq_gpu_moe *const *layers, int n_layers, mq_gpu_buf *x, int n_x, int64_t T,
+                            mq_gpu_buf *out, int mode, int calls, int rounds, double *ms);
+/* cuBLAS bf16 GEMMs (fp32 accumulation, bf16 outputs, random data) C_i [M_i, N_i] = A [M_i, K_i]
+ * B [N_i, K_i]^T, run back to back: the median milliseconds of the sequence over 7 runs. */
+moeq_status mq_gpu_gemm_bf16_time(mq_gpu *g, int n, const int64_t *M, const int64_t *N, const int64_t *K,
+                                  double *ms);
 
 #ifdef __cplusplus
 }

@@ -288,6 +288,67 @@ moeq_status mq_gpu_rmsnorm_rows(mq_gpu *g, const float *x, int64_t n, int64_t D,
 moeq_status mq_gpu_row_stats_of(mq_gpu *g, const float *l, const float *lb, int64_t n, int64_t V,
                                 const int32_t *target, bool entropy, mq_gpu_row_stats *stats) {
     (void)g, (void)l, (void)lb, (void)n, (void)V, (void)target, (void)entropy, (void)stats;
+moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                              const moeq_moe_ffn_args *routing, mq_gpu_moe **out) {
+    (void)g, (void)d, (void)zp, (void)routing;
+    if (out) *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+void mq_gpu_moe_free(mq_gpu_moe *m) { (void)m; }
+
+void mq_gpu_moe_force_tiles(mq_gpu_moe *m, int shape) { (void)m, (void)shape; }
+
+size_t mq_gpu_moe_bytes(const mq_gpu_moe *m) {
+    (void)m;
+    return 0;
+}
+
+moeq_status mq_gpu_moe_ffn(mq_gpu_moe *m, const float *x, int64_t T, int math, float *out) {
+    (void)m, (void)x, (void)T, (void)math, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_moe_last_routing(mq_gpu_moe *m, int32_t *sel, float *wt, float *gshared) {
+    (void)m, (void)sel, (void)wt, (void)gshared;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_moe_dequant(mq_gpu_moe *m, int64_t expert, int which, float *out) {
+    (void)m, (void)expert, (void)which, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_moe_emulate(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                               const moeq_moe_ffn_args *routing, const float *x, int64_t T, int math, int tiles,
+                               float *out, int32_t *sel, float *wt, float *gsh) {
+    (void)d, (void)zp, (void)routing, (void)x, (void)T, (void)math, (void)tiles, (void)out, (void)sel, (void)wt,
+        (void)gsh;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA (the emulator compiles the CUDA kernels)");
+}
+
+moeq_status mq_gpu_moe_emulate_dequant(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
+                                       const moeq_moe_ffn_args *routing, int64_t expert, int which, float *out) {
+    (void)d, (void)zp, (void)routing, (void)expert, (void)which, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA (the emulator compiles the CUDA kernels)");
+}
+
+moeq_status mq_gpu_moe_ffn_baseline(mq_gpu_moe *m, const float *x, int64_t T, float *out) {
+    (void)m, (void)x, (void)T, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_moe_time(mq_gpu_moe *const *layers, int n_layers, mq_gpu_buf *x, int n_x, int64_t T,
+                            mq_gpu_buf *out, int mode, int calls, int rounds, double *ms) {
+    (void)layers, (void)n_layers, (void)x, (void)n_x, (void)T, (void)out, (void)mode, (void)calls, (void)rounds;
+    *ms = 0;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_gemm_bf16_time(mq_gpu *g, int n, const int64_t *M, const int64_t *N, const int64_t *K,
+                                  double *ms) {
+    (void)g, (void)n, (void)M, (void)N, (void)K;
+    *ms = 0;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 

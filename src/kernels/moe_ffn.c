@@ -207,58 +207,72 @@ moeq_status moeq_moe_experts_pack(const moeq_moe_experts_desc *d, moeq_moe_exper
 /* ---- the op: validation -------------------------------------------------------------------- */
 static const char *k_op = "moe_ffn";
 
+/* The routing arguments of a layer of E experts of width D (Fs: the shared expert's width, 0 for
+ * none): router, selection bias, shared gate, top-k, scoring, renormalisation, route scale,
+ * groups. Messages start with `op`. */
+moeq_status mq_moe_routing_check(const char *op, const moeq_moe_ffn_args *a, int64_t E, int64_t D, int32_t Fs) {
+    moeq_status st;
+    if ((st = check_tref(op, "router", &a->router, MOEQ_DT_F32, 2, (int64_t[]){E, D}))) return st;
+    if (tref_present(&a->router_bias) &&
+        (st = check_tref(op, "router_bias", &a->router_bias, MOEQ_DT_F32, 1, (int64_t[]){E})))
+        return st;
+    if (tref_present(&a->shared_gate)) {
+        if (Fs == 0)
+            return mq_err(MOEQ_E_ARG, "%s: shared_gate given but the experts have no shared expert",
+                          op);
+        if (a->shared_gate.ndim == 2)
+            st = check_tref(op, "shared_gate", &a->shared_gate, MOEQ_DT_F32, 2, (int64_t[]){1, D});
+        else
+            st = check_tref(op, "shared_gate", &a->shared_gate, MOEQ_DT_F32, 1, (int64_t[]){D});
+        if (st) return st;
+    }
+    if (a->top_k < 1 || a->top_k > E)
+        return mq_err(MOEQ_E_ARG, "%s: top_k %d: must be in 1..%lld (n_experts)", op,
+                      (int)a->top_k, (long long)E);
+    if (a->scoring != MOEQ_MOE_SOFTMAX && a->scoring != MOEQ_MOE_SIGMOID)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: scoring %d (expected softmax or sigmoid)", op,
+                      (int)a->scoring);
+    if (a->renormalize != 0 && a->renormalize != 1)
+        return mq_err(MOEQ_E_ARG, "%s: renormalize %d (expected 0 or 1)", op, (int)a->renormalize);
+    if (!isfinite(a->route_scale))
+        return mq_err(MOEQ_E_ARG, "%s: route_scale %g is not finite", op, (double)a->route_scale);
+    if (a->n_group < 0 || (a->n_group > 1 && (E % a->n_group != 0 || E / a->n_group < 2)))
+        return mq_err(MOEQ_E_ARG, "%s: n_group %d: must be 0, 1 or divide n_experts %lld into "
+                      "groups of at least 2", op, (int)a->n_group, (long long)E);
+    if (a->n_group > 1 && (a->topk_group < 1 || a->topk_group > a->n_group))
+        return mq_err(MOEQ_E_ARG, "%s: topk_group %d: must be in 1..n_group %d", op,
+                      (int)a->topk_group, (int)a->n_group);
+    if (a->n_group > 1 && a->top_k > (int64_t)a->topk_group * (E / a->n_group))
+        return mq_err(MOEQ_E_ARG, "%s: top_k %d exceeds the %lld experts of topk_group %d groups",
+                      op, (int)a->top_k, (long long)(a->topk_group * (E / a->n_group)),
+                      (int)a->topk_group);
+    return MOEQ_OK;
+}
+
+/* x of an op: F32 [T, D], T may be 0 (then data may be NULL); T into *T. */
+moeq_status mq_moe_x_check(const char *op, const moeq_tensor_ref *x, int64_t D, int64_t *T) {
+    if (x->ndim != 2)
+        return mq_err(MOEQ_E_SHAPE, "%s: x: ndim %d, expected 2 ([tokens, %lld])", op,
+                      (int)x->ndim, (long long)D);
+    *T = x->shape[0];
+    if (*T < 0 || *T > INT32_MAX)
+        return mq_err(MOEQ_E_SHAPE, "%s: x: %lld tokens", op, (long long)*T);
+    if (*T > 0) return check_tref(op, "x", x, MOEQ_DT_F32, 2, (int64_t[]){*T, D});
+    if (x->dtype != MOEQ_DT_F32 || x->shape[1] != D)
+        return mq_err(MOEQ_E_SHAPE, "%s: x: empty input must be F32 [0, %lld]", op, (long long)D);
+    return MOEQ_OK;
+}
+
 moeq_status moeq_moe_ffn_check(const moeq_moe_ffn_args *a, int64_t out_shape[2]) {
     if (!a) return mq_err(MOEQ_E_ARG, "%s: args is NULL", k_op);
     if (!out_shape) return mq_err(MOEQ_E_ARG, "%s: out_shape is NULL", k_op);
     const moeq_moe_experts *w = a->experts;
     if (!w) return mq_err(MOEQ_E_ARG, "%s: experts is NULL", k_op);
     const int64_t E = w->E, D = w->D;
-    if (a->x.ndim != 2)
-        return mq_err(MOEQ_E_SHAPE, "%s: x: ndim %d, expected 2 ([tokens, %lld])", k_op,
-                      (int)a->x.ndim, (long long)D);
-    const int64_t T = a->x.shape[0];
-    if (T < 0 || T > INT32_MAX)
-        return mq_err(MOEQ_E_SHAPE, "%s: x: %lld tokens", k_op, (long long)T);
+    int64_t T;
     moeq_status st;
-    if (T > 0) {
-        if ((st = check_tref(k_op, "x", &a->x, MOEQ_DT_F32, 2, (int64_t[]){T, D}))) return st;
-    } else if (a->x.dtype != MOEQ_DT_F32 || a->x.shape[1] != D) {
-        return mq_err(MOEQ_E_SHAPE, "%s: x: empty input must be F32 [0, %lld]", k_op, (long long)D);
-    }
-    if ((st = check_tref(k_op, "router", &a->router, MOEQ_DT_F32, 2, (int64_t[]){E, D}))) return st;
-    if (tref_present(&a->router_bias) &&
-        (st = check_tref(k_op, "router_bias", &a->router_bias, MOEQ_DT_F32, 1, (int64_t[]){E})))
-        return st;
-    if (tref_present(&a->shared_gate)) {
-        if (w->Fs == 0)
-            return mq_err(MOEQ_E_ARG, "%s: shared_gate given but the experts have no shared expert",
-                          k_op);
-        if (a->shared_gate.ndim == 2)
-            st = check_tref(k_op, "shared_gate", &a->shared_gate, MOEQ_DT_F32, 2, (int64_t[]){1, D});
-        else
-            st = check_tref(k_op, "shared_gate", &a->shared_gate, MOEQ_DT_F32, 1, (int64_t[]){D});
-        if (st) return st;
-    }
-    if (a->top_k < 1 || a->top_k > E)
-        return mq_err(MOEQ_E_ARG, "%s: top_k %d: must be in 1..%lld (n_experts)", k_op,
-                      (int)a->top_k, (long long)E);
-    if (a->scoring != MOEQ_MOE_SOFTMAX && a->scoring != MOEQ_MOE_SIGMOID)
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: scoring %d (expected softmax or sigmoid)", k_op,
-                      (int)a->scoring);
-    if (a->renormalize != 0 && a->renormalize != 1)
-        return mq_err(MOEQ_E_ARG, "%s: renormalize %d (expected 0 or 1)", k_op, (int)a->renormalize);
-    if (!isfinite(a->route_scale))
-        return mq_err(MOEQ_E_ARG, "%s: route_scale %g is not finite", k_op, (double)a->route_scale);
-    if (a->n_group < 0 || (a->n_group > 1 && (E % a->n_group != 0 || E / a->n_group < 2)))
-        return mq_err(MOEQ_E_ARG, "%s: n_group %d: must be 0, 1 or divide n_experts %lld into "
-                      "groups of at least 2", k_op, (int)a->n_group, (long long)E);
-    if (a->n_group > 1 && (a->topk_group < 1 || a->topk_group > a->n_group))
-        return mq_err(MOEQ_E_ARG, "%s: topk_group %d: must be in 1..n_group %d", k_op,
-                      (int)a->topk_group, (int)a->n_group);
-    if (a->n_group > 1 && a->top_k > (int64_t)a->topk_group * (E / a->n_group))
-        return mq_err(MOEQ_E_ARG, "%s: top_k %d exceeds the %lld experts of topk_group %d groups",
-                      k_op, (int)a->top_k, (long long)(a->topk_group * (E / a->n_group)),
-                      (int)a->topk_group);
+    if ((st = mq_moe_x_check(k_op, &a->x, D, &T))) return st;
+    if ((st = mq_moe_routing_check(k_op, a, E, D, w->Fs))) return st;
     out_shape[0] = T;
     out_shape[1] = D;
     return MOEQ_OK;

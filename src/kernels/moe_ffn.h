@@ -174,6 +174,12 @@ extern const mq_moe_kernels mq_moe_kernels_neon_dot;
 const mq_moe_kernels *mq_moe_kernels_active(void);
 
 
+/* The op's argument checks, shared with the GPU op (moeq_moe_cuda_*): the routing arguments of a
+ * layer of E experts of width D with a shared expert of width Fs (0: none), and x, F32 [T, D]
+ * (T into *T). Messages start with `op`. */
+moeq_status mq_moe_routing_check(const char *op, const moeq_moe_ffn_args *a, int64_t E, int64_t D, int32_t Fs);
+moeq_status mq_moe_x_check(const char *op, const moeq_tensor_ref *x, int64_t D, int64_t *T);
+
 /* ---- entry points for the model runtime ------------------------------------------------------- */
 /* One MoE layer as the runtime holds it: packed experts plus the fp32 routing tensors (borrowed,
  * they must outlive the layer) and the routing options. */

@@ -24,9 +24,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench.h"
 #include "commands.h"
 #include "cli.h"
 #include "core/core.h"
+#include "backend/gpu.h"
 #include "kernels/moe_ffn.h"
 
 typedef struct {
@@ -176,16 +178,21 @@ static int parse_tokens(const char *s, int64_t *out, int max) {
 int bench_moe_ffn(int argc, char **argv) {
     int64_t E = 128, k = 8, D = 2048, F = 768, threads = 2, group = 0;
     double seconds = 1.0;
-    const char *tokens_s = "1,16,512", *scheme = "int4", *routing_s = "both";
-    bool json = false, quick = false;
+    const char *tokens_s = NULL, *scheme = NULL, *routing_s = "both", *device_s = "cpu";
+    const char *preset = "both";
+    bool json = false, quick = false, seen_shape[4] = {false, false, false, false};
     const cli_opt opts[] = {
-        {"--experts", OPT_INT, &E, "E", "number of routed experts (default 128)", NULL, 1, 4096, NULL},
-        {"--topk", OPT_INT, &k, "K", "experts per token (default 8)", NULL, 1, 4096, NULL},
-        {"--hidden", OPT_INT, &D, "D", "hidden size (default 2048)", NULL, 16, 1 << 16, NULL},
-        {"--ffn", OPT_INT, &F, "F", "expert intermediate size (default 768)", NULL, 16, 1 << 16, NULL},
-        {"--tokens", OPT_STRING, &tokens_s, "LIST", "token counts, comma separated (default 1,16,512)", NULL, 0, -1, NULL},
-        {"--scheme", OPT_CHOICE, &scheme, NULL, "weight scheme (default int4)", "int4|nvfp4", 0, -1, NULL},
-        {"--group", OPT_INT, &group, "G", "INT4 group size (default 32)", NULL, 32, 1 << 16, NULL},
+        {"--device", OPT_STRING, &device_s, "DEV", "cpu (default) or cuda[:N]: the GPU op (bench_moe_ffn_cuda.c)", NULL, 0, -1, NULL},
+        {"--preset", OPT_CHOICE, &preset, NULL, "cuda: expert shapes (default both; --experts etc. override)",
+         "qwen3-30b-a3b|olmoe-1b-7b|both", 0, -1, NULL},
+        {"--experts", OPT_INT, &E, "E", "number of routed experts (default 128)", NULL, 1, 4096, &seen_shape[0]},
+        {"--topk", OPT_INT, &k, "K", "experts per token (default 8)", NULL, 1, 4096, &seen_shape[1]},
+        {"--hidden", OPT_INT, &D, "D", "hidden size (default 2048)", NULL, 16, 1 << 16, &seen_shape[2]},
+        {"--ffn", OPT_INT, &F, "F", "expert intermediate size (default 768)", NULL, 16, 1 << 16, &seen_shape[3]},
+        {"--tokens", OPT_STRING, &tokens_s, "LIST", "token counts, comma separated (default 1,16,512; cuda "
+         "1,2,4,8,2048,4096,8192)", NULL, 0, -1, NULL},
+        {"--scheme", OPT_CHOICE, &scheme, NULL, "weight scheme (default int4; cuda both)", "int4|nvfp4|both", 0, -1, NULL},
+        {"--group", OPT_INT, &group, "G", "INT4 group size (default 32; cuda 128)", NULL, 32, 1 << 16, NULL},
         {"--routing", OPT_CHOICE, &routing_s, NULL, "routings to run (default both)", "fixed|varied|both", 0, -1, NULL},
         {"--threads", OPT_INT, &threads, "N", "threads (default 2)", NULL, 1, 1024, NULL},
         {"--seconds", OPT_DOUBLE, &seconds, "S", "minimum time per measurement (default 1)", NULL, 0, -1, NULL},
@@ -201,6 +208,19 @@ int bench_moe_ffn(int argc, char **argv) {
     int npos;
     int rc = cli_parse(&cmd, argc, argv, pos, &npos);
     if (rc >= 0) return rc;
+    int dev = -1;
+    if (mq_gpu_parse_device(device_s, &dev) != MOEQ_OK) return cli_usage_error(cmd.name, "%s", moeq_last_error());
+    if (dev >= 0) {
+        if (k > E) return cli_usage_error(cmd.name, "--topk %lld > --experts %lld", (long long)k, (long long)E);
+        if (json) return cli_usage_error(cmd.name, "--json is for the CPU op");
+        bench_cuda_opts co = {dev, E, k, D, F, seen_shape[0] || seen_shape[1] || seen_shape[2] || seen_shape[3],
+                              preset, tokens_s, scheme ? scheme : "both", group, quick};
+        cli_install_sigint();
+        return bench_moe_ffn_cuda(&co);
+    }
+    if (!tokens_s) tokens_s = "1,16,512";
+    if (!scheme) scheme = "int4";
+    if (!strcmp(scheme, "both")) return cli_usage_error(cmd.name, "--scheme both is for --device cuda");
     int64_t toks[32];
     int ntok = parse_tokens(tokens_s, toks, 32);
     if (ntok <= 0) return cli_usage_error(cmd.name, "--tokens expects a list like 1,16,512");

@@ -8,13 +8,19 @@
 
 #include <stdint.h>
 
+#ifdef MQM_EMU
+#define MQ_VEC_DEV inline
+#else
+#define MQ_VEC_DEV __device__ __forceinline__
+#endif
+
 namespace mqd {
 
-__device__ __forceinline__ float pow2i(float k) { return __uint_as_float((uint32_t)((int32_t)k + 127) << 23); }
+MQ_VEC_DEV float pow2i(float k) { return __uint_as_float((uint32_t)((int32_t)k + 127) << 23); }
 
 /* mq_vec_expf: Cody-Waite reduction by ln 2, a degree-6 polynomial, the scale in two halves so
  * that results near the limits stay finite. */
-__device__ __forceinline__ float vec_expf(float x) {
+MQ_VEC_DEV float vec_expf(float x) {
     if (x != x) return x + x;
     x = -104.0f > x ? -104.0f : x;
     x = 88.75f < x ? 88.75f : x;

@@ -1,0 +1,156 @@
+/*
+ * Host-side pieces of the MoE op on the GPU shared by moe.cu and the emulator (moe_emu.cu): the
+ * geometry of the packed layout (moe_dev.cuh), the scales laid out for the kernels, the global
+ * scale factors, the tile shapes of the bf16 GEMMs and which one a call takes.
+ */
+#ifndef MOEQ_BACKEND_CUDA_MOE_HOST_CUH
+#define MOEQ_BACKEND_CUDA_MOE_HOST_CUH
+
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "backend/cuda/moe_kernels.cuh"
+
+namespace mqm {
+
+constexpr int ROUTE_SMALL_T = 32;   /* up to this many tokens the routing kernel makes the logits */
+constexpr int EXACT_BM = 16;        /* rows per tile of the exact kernels */
+
+/* Dynamic shared memory of the routing kernels: 8 warps' taken flags and group scores, or the
+ * plan's three counters per matrix. */
+inline size_t route_smem(int E, int n_group, int n_mats) {
+    const size_t eb = (size_t)((E + 15) & ~15);
+    const size_t r = 8 * eb + 8 * (size_t)std::max(1, n_group) * 4, p = (size_t)3 * n_mats * 4;
+    return std::max(r, p);
+}
+
+/* Tile shapes: MS strips x NT n8-tiles per warp, WO x WT warps, STAGES-deep pipeline. */
+struct Cfg {
+    int MS, NT, WO, WT, STAGES, MINB;
+    int S() const { return MS * WO; }
+    int BM() const { return 8 * NT * WT; }
+    int threads() const { return 32 * WO * WT; }
+    size_t smem(bool nv) const {
+        return (size_t)STAGES * gemm_stage_bytes(MS, NT, WO, WT) + gemm_extra_bytes(NT, WT, nv);
+    }
+};
+constexpr Cfg CFG_DECODE = {1, 1, 4, 1, 8, 4};    /* 64 rows x 8 tokens, 128 threads */
+constexpr Cfg CFG_MID = {2, 2, 4, 2, 4, 2};       /* 128 x 32, 256 threads */
+constexpr Cfg CFG_M64 = {2, 4, 4, 2, 4, 2};       /* 128 x 64 */
+constexpr Cfg CFG_PREFILL = {2, 8, 4, 2, 4, 2};   /* 128 x 128 */
+
+/* ---- geometry and host-side parts of the layout ----------------------------------------------- */
+struct Geom {
+    int N, K, K64, ngs, fused_F;   /* fused_F: gate_up's F (row order), 0 for down */
+    size_t codes, scales, offs, s32;
+};
+
+inline size_t align256(size_t v) { return (v + 255) & ~(size_t)255; }
+
+inline Geom geom_of(int nv, int G, int N, int K, int fused_F, bool asym, bool s32) {
+    Geom q;
+    q.N = N;
+    q.K = K;
+    q.K64 = (K + 63) & ~63;
+    q.fused_F = fused_F;
+    const size_t strips = (size_t)N / 16;
+    q.codes = strips * (size_t)(q.K64 / 64) * 512;
+    if (nv) {
+        q.ngs = q.K64 / 16;
+        q.scales = strips * (size_t)q.ngs * 16;
+    } else {
+        q.ngs = (q.K64 + G - 1) / G + 1;
+        q.scales = strips * (size_t)q.ngs * 32;
+    }
+    q.offs = asym ? q.scales : 0;
+    q.s32 = s32 ? (size_t)N * (size_t)(K / G) * 4 : 0;
+    return q;
+}
+
+/* One matrix's canonical scales (and zero points) laid out for the kernels. */
+inline void build_scales(const Geom &q, int nv, int G, const uint8_t *scales_src, const uint8_t *zero_src,
+                  std::vector<uint8_t> &sc, std::vector<uint8_t> &of, std::vector<float> &s32) {
+    const int strips = q.N / 16, ngk = q.K / G;
+    sc.assign(q.scales, 0);
+    of.assign(q.offs, 0);
+    if (q.s32) s32.assign(q.s32 / 4, 0.0f);
+    for (int s = 0; s < strips; s++)
+        for (int grp = 0; grp < q.ngs; grp++)
+            for (int g = 0; g < 8; g++)
+                for (int h = 0; h < 2; h++) {
+                    const int64_t n = (int64_t)s * 16 + g + 8 * h, cr = canon_row(n, q.fused_F);
+                    if (nv) {
+                        if (grp < ngk) sc[(((size_t)s * q.ngs + grp) * 8 + g) * 2 + h] = scales_src[cr * ngk + grp];
+                        continue;
+                    }
+                    float f = 0.0f;
+                    if (grp < ngk) memcpy(&f, scales_src + ((size_t)cr * ngk + grp) * 4, 4);
+                    const uint16_t b = mq_f32_to_bf16(f);
+                    const size_t o = ((((size_t)s * q.ngs + grp) * 8 + g) * 2 + h) * 2;
+                    memcpy(&sc[o], &b, 2);
+                    if (q.offs) {
+                        const int z = grp < ngk ? zero_src[cr * ngk + grp] : 8;
+                        const uint16_t ob = mq_f32_to_bf16(-(float)(128 + z));
+                        memcpy(&of[o], &ob, 2);
+                    }
+                    if (q.s32 && grp < ngk && h == 0) {
+                        for (int hh = 0; hh < 2; hh++) {
+                            const int64_t nn = (int64_t)s * 16 + g + 8 * hh, cc = canon_row(nn, q.fused_F);
+                            float v;
+                            memcpy(&v, scales_src + ((size_t)cc * ngk + grp) * 4, 4);
+                            s32[(size_t)nn * ngk + grp] = v;
+                        }
+                    }
+                }
+}
+
+inline bool all_bf16_exact(const float *s, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float r = mq_bf16_to_f32(mq_f32_to_bf16(s[i]));
+        if (memcmp(&r, &s[i], 4) != 0) return false;
+    }
+    return true;
+}
+
+/* Index of expert e's (h = 0 gate, 1 up) global scale in gate_up.global_scale (e < 0: shared). */
+inline int64_t gs_index(const moeq_tensor_ref *g, int64_t e, int h) {
+    const bool pairs = g->data && g->shape[g->ndim - 1] == 2 && (g->ndim == 2 || e < 0);
+    return pairs ? (e < 0 ? 0 : e) * 2 + h : (e < 0 ? 0 : e);
+}
+
+inline void set_factors(MoeMat &M, int nv, int mult, const float gs[2]) {
+    for (int h = 0; h < 2; h++) {
+        M.fmul[h] = M.fdiv[h] = M.xmul[h] = M.xdiv[h] = 1.0f;
+        if (!nv) continue;
+        if (mult) {
+            M.fmul[h] = gs[h];
+            M.xmul[h] = gs[h];
+            M.xdiv[h] = 2.0f;
+        } else {
+            M.fdiv[h] = gs[h];
+            M.xdiv[h] = 2.0f * gs[h];
+        }
+    }
+}
+
+/* Which tile shape: by the rows a routed expert gets on average (a tile's unused rows cost
+ * tensor-core work, a narrower tile decodes each weight for fewer rows). */
+inline int pick_cfg(int force, int64_t T, int k, int E) {
+    if (force >= 0) return force;
+    const double r = (double)T * k / E;
+    return r <= 8.0 ? 0 : r <= 48.0 ? 1 : r <= 160.0 ? 2 : 3;
+}
+inline int cfg_bm(int c) {
+    return c == 0 ? CFG_DECODE.BM() : c == 1 ? CFG_MID.BM() : c == 2 ? CFG_M64.BM() : CFG_PREFILL.BM();
+}
+
+inline dim3 tile_grid(int64_t x, int64_t tiles) {
+    const int64_t y = std::min<int64_t>(tiles, 65535), z = (tiles + 65534) / 65535;
+    return dim3((unsigned)x, (unsigned)std::max<int64_t>(y, 1), (unsigned)std::max<int64_t>(z, 1));
+}
+
+}  // namespace mqm
+
+#endif
