@@ -2,8 +2,9 @@
  * libFuzzer target for a checkpoint folder as the model loader reads it (model/load.c through
  * moeq_model_open): config.json with its quantization_config, and model.safetensors holding the
  * compressed-tensors, ModelOpt, GPTQ or plain layouts, cut at a FUZZ_SEP line (fuzz_common.h).
- * Opening gives MOEQ_OK or an input error naming the folder or a file in it; an opened model runs
- * a forward of three tokens (packed kernels where the layout allows) inside its buffers (ASan).
+ * Opening gives MOEQ_OK or an input error naming the folder, a file in it or the tensor at fault;
+ * an opened model runs a forward of three tokens (packed kernels where the layout allows) inside
+ * its buffers (ASan).
  * Seeds: tests/fuzz/corpus.py (a one-layer model of 48 ids quantized into each layout).
  */
 #include "fuzz_common.h"
@@ -20,7 +21,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     moeq_model *m = NULL;
     moeq_status s = moeq_model_open(fuzz_dir(), &o, &m);
     if (s != MOEQ_OK) {
-        fuzz_check_error(s, fuzz_dir(), "moeq_model_open");
+        /* the folder, a file of it, or the tensor or module at fault (a missing tensor has no file) */
+        fuzz_check_error(s, NULL, "moeq_model_open");
+        const char *msg = moeq_last_error();
+        if (!strstr(msg, fuzz_dir()) && !strstr(msg, "tensor '") && !strstr(msg, "module '")) {
+            fprintf(stderr, "moeq_model_open: the error names neither the folder nor a tensor: %s\n", msg);
+            abort();
+        }
         return 0;
     }
     const moeq_model_info *info = moeq_model_get_info(m);
