@@ -270,7 +270,7 @@ def seeds_tokenizer(out):
     tcfg = read(os.path.join(tdir, "tokenizer_config.json"))
     cfg = json.dumps({"bos_token_id": 0, "eos_token_id": [0, 1]}).encode()
     text = read(os.path.join(REPO, "data", "demo-eval.txt"))[:200]
-    dump = lambda o: json.dumps(o, ensure_ascii=False, indent=1).encode()
+    dump = lambda o: json.dumps(o, ensure_ascii=False, separators=(",", ":")).encode()
     put(out, "tokenizer", "olmoe-small", dump(t))
     put(out, "tokenizer", "olmoe-small-configs", dump(t) + SEP + tcfg + SEP + cfg + SEP + text)
     # the Llama-3 / Qwen2 layout: NFC, a Sequence of Split pre-tokenizers ending in ByteLevel
@@ -325,6 +325,29 @@ def seeds_calib(out):
     put(out, "calib", "evaldocs-wikitext", bytes([64]) + b" = Title = \n\n" + text.encode())
 
 
+def seeds_model(out, cli, work):
+    """A one-layer olmoe-like model of 48 ids (a tokenizer cut to them) in each layout; each seed
+    is its config.json and model.safetensors."""
+    tok = os.path.join(work, "model-tok")
+    os.makedirs(tok, exist_ok=True)
+    with open(os.path.join(tok, "tokenizer.json"), "w") as f:
+        json.dump(small_tokenizer(os.path.join(REPO, "models", "olmoe-tiny", "tokenizer.json"), keep_ids=40), f)
+    src = os.path.join(work, "model-src")
+    run = lambda *a: subprocess.run([cli, *a], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run("bench", "gen-model", "--like", "olmoe-1b-7b", "--out", src, "--layers", "1", "--experts", "2",
+        "--hidden", "32", "--ffn", "32", "--vocab", "48", "--tokenizer", tok, "--quiet")
+    forms = {"bf16": None, "ct-nvfp4a16": ["--scheme", "nvfp4a16"],
+             "modelopt": ["--scheme", "nvfp4a16", "--format", "modelopt"],
+             "ct-int4-asym": ["--scheme", "int4", "--group-size", "32", "--asym"],
+             "gptq": ["--scheme", "int4", "--group-size", "32", "--format", "gptq"]}
+    for name, args in forms.items():
+        d = src
+        if args:
+            d = os.path.join(work, "model-" + name)
+            run("quantize", src, "--out", d, "--quiet", *args)
+        put(out, "model", name, read(os.path.join(d, "config.json")) + SEP + read(os.path.join(d, "model.safetensors")))
+
+
 def seeds_workdir(out, cli, work):
     """Work directories of a one-layer-at-a-time GPTQ run killed after its first layer."""
     mk = os.path.join(HERE, "workdir_seeds.sh")
@@ -333,7 +356,7 @@ def seeds_workdir(out, cli, work):
                        stdout=subprocess.DEVNULL)
 
 
-TARGETS = ["config", "safetensors", "layout", "gguf", "tokenizer", "tiktoken", "calib", "workdir"]
+TARGETS = ["config", "safetensors", "layout", "gguf", "tokenizer", "tiktoken", "calib", "workdir", "model"]
 
 
 def main():
@@ -356,6 +379,7 @@ def main():
             elif t == "tiktoken": seeds_tiktoken(a.out)
             elif t == "calib": seeds_calib(a.out)
             elif t == "workdir": seeds_workdir(a.out, a.cli, work)
+            elif t == "model": seeds_model(a.out, a.cli, work)
 
 
 if __name__ == "__main__":

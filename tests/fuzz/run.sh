@@ -28,6 +28,7 @@ python3 "$here/corpus.py" --cli "$build/moeq" --out "$work/seeds" "${targets[@]}
 max_len() {
     case $1 in
         tokenizer | tiktoken | layout | workdir) echo 16384 ;;
+        model) echo 32768 ;;
         *) echo 8192 ;;
     esac
 }
