@@ -107,7 +107,7 @@ resumes extra "manifest.json: records past the plan's 4 layers; they are dropped
 # ---- the manifest itself: refused -----------------------------------------------------------------
 damaged torn; truncate -s 100 "$m"
 refused torn "$tmp/torn.moeq-work/manifest.json: not JSON"
-damaged version; sed -i 's/"version":[[:space:]]*1,/"version": 99,/' "$m"
+damaged version; sed -i 's/"version":[[:space:]]*[0-9][0-9]*,/"version": 99,/' "$m"
 refused version "manifest.json: not a work manifest of this version of moeq"
 # the work directory of another model (a generated one of the same family and shapes but other
 # weights) or of other options
