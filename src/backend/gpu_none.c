@@ -288,6 +288,9 @@ moeq_status mq_gpu_rmsnorm_rows(mq_gpu *g, const float *x, int64_t n, int64_t D,
 moeq_status mq_gpu_row_stats_of(mq_gpu *g, const float *l, const float *lb, int64_t n, int64_t V,
                                 const int32_t *target, bool entropy, mq_gpu_row_stats *stats) {
     (void)g, (void)l, (void)lb, (void)n, (void)V, (void)target, (void)entropy, (void)stats;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
                               const moeq_moe_ffn_args *routing, mq_gpu_moe **out) {
     (void)g, (void)d, (void)zp, (void)routing;
