@@ -17,8 +17,10 @@ static const char *const k_names[MQ_ENV_COUNT][2] = {
 /* A snapshot is never freed: a reader on another thread may hold it. A new one is made only when
  * a value changed, so a process makes one per change of its environment (a test's setenv), not
  * one per job. */
-typedef struct {
+typedef struct snapshot {
     const char *value[MQ_ENV_COUNT];
+    struct snapshot *prev;   /* older snapshots are never freed (a reader may still hold a value
+                                of one) and stay linked, so they are kept, not lost */
 } snapshot;
 
 static _Atomic(snapshot *) g_snap;
@@ -43,7 +45,10 @@ void mq_env_reload(void) {
         const char *v = read_one(i);
         s->value[i] = v ? mq_strdup(v) : NULL;   /* getenv's string may change with the environment */
     }
-    if (s) atomic_store(&g_snap, s);   /* out of memory: the last snapshot stays */
+    if (s) {
+        s->prev = cur;
+        atomic_store(&g_snap, s);   /* out of memory: the last snapshot stays */
+    }
     pthread_mutex_unlock(&g_lock);
 }
 
