@@ -578,9 +578,11 @@ static moeq_status resume_check(stream *S, int *layers_done, char *files[MAX_MOD
                    "options (identity %s, this run %s): give another --work-dir or drop --resume",
                    path, id->valuestring, S->identity);
     const int n_layers = S->m[0]->cfg.n_layers;
-    if (!s && (ld->valueint < 1 || ld->valueint > n_layers || (int64_t)rw->valuedouble != S->rows))
-        s = mq_err(MOEQ_E_FORMAT, "%s: layers_done %d or rows %.0f out of range", path,
-                   ld->valueint, rw->valuedouble);
+    /* numbers from a file are range-checked before any cast */
+    if (!s && (!(ld->valuedouble >= 1 && ld->valuedouble <= n_layers) ||
+               ld->valuedouble != (double)ld->valueint || rw->valuedouble != (double)S->rows))
+        s = mq_err(MOEQ_E_FORMAT, "%s: layers_done %g or rows %g out of range", path,
+                   ld->valuedouble, rw->valuedouble);
     for (int k = 0; k < S->nm && !s; k++) {
         const cJSON *f = cJSON_GetArrayItem(bs, k);
         if (!cJSON_IsString(f) || strchr(f->valuestring, '/') || !*f->valuestring) {

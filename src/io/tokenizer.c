@@ -1210,8 +1210,9 @@ static moeq_status cache_put(enc_state *e, uint64_t h, const char *s, size_t n, 
     c->key_len = (uint32_t)n;
     c->ids_off = (uint32_t)e->c_ids_len;
     c->n_ids = (uint32_t)n_ids;
-    memcpy(e->c_keys + e->c_keys_len, s, n);
-    memcpy(e->c_ids + e->c_ids_len, ids, n_ids * sizeof(int32_t));
+    /* an empty piece leaves its buffer unallocated: no offset from NULL */
+    if (n) memcpy(e->c_keys + e->c_keys_len, s, n);
+    if (n_ids) memcpy(e->c_ids + e->c_ids_len, ids, n_ids * sizeof(int32_t));
     e->c_keys_len += n;
     e->c_ids_len += n_ids;
     uint32_t i = (uint32_t)h & e->c_mask;
