@@ -137,6 +137,8 @@ static void answer_pings(void) {
     }
 }
 
+/* A round of pings: its receives and answers live in storage that is never freed, since MPI may
+ * still write an answer that arrives after the round (a cancelled receive, a slow peer). */
 typedef struct {
     MPI_Request *recv;            /* [size] the answers (MPI_REQUEST_NULL: this rank) */
     int32_t *answer;
@@ -146,11 +148,22 @@ typedef struct {
 
 static void ping_start(ping_round *pr) {
     static int32_t ping = 1;
+    static MPI_Request *recv;
+    static int32_t *answer;
+    static int *answered;
+    static int cap;
     pr->started = true;
-    pr->recv = malloc(sizeof *pr->recv * (size_t)g_size);
-    pr->answer = calloc((size_t)g_size, sizeof *pr->answer);
-    pr->answered = calloc((size_t)g_size, sizeof *pr->answered);
-    if (!pr->recv || !pr->answer || !pr->answered) return;
+    if (g_size > cap) {   /* grown only: an old round's receives may still point into the old */
+        MPI_Request *r = malloc(sizeof *r * (size_t)g_size);
+        int32_t *a = calloc((size_t)g_size, sizeof *a);
+        int *d = calloc((size_t)g_size, sizeof *d);
+        if (!r || !a || !d) {
+            free(r), free(a), free(d);
+            return;
+        }
+        recv = r, answer = a, answered = d, cap = g_size;
+    }
+    pr->recv = recv, pr->answer = answer, pr->answered = answered;
     for (int r = 0; r < g_size; r++) {
         pr->recv[r] = MPI_REQUEST_NULL;
         pr->answered[r] = r == g_rank;
@@ -191,11 +204,14 @@ static void ping_verdict(const ping_round *pr, char *out, size_t n) {
     if (at < n) snprintf(out + at, n - at, " do%s not answer: lost or hung", missing > 1 ? "" : "es");
 }
 
+/* The receives still open are cancelled and let go (a cancel of a receive completes here, without
+ * the peer); their storage stays. */
 static void ping_end(ping_round *pr) {
-    /* unanswered receives stay posted on a broken job: cancelling them could wait on the lost */
-    free(pr->answer);
-    free(pr->answered);
-    free(pr->recv);
+    for (int r = 0; pr->answered && r < g_size; r++)
+        if (!pr->answered[r] && pr->recv[r] != MPI_REQUEST_NULL) {
+            MPI_Cancel(&pr->recv[r]);
+            MPI_Request_free(&pr->recv[r]);
+        }
 }
 
 static moeq_status wait_on(MPI_Request *req, const char *step, bool spin) {

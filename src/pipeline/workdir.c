@@ -314,8 +314,8 @@ int mq_work_layers_check(cJSON *manifest, const char *path, int n_layers, const 
             break;
         }
         if (!json_int(cJSON_GetObjectItemCaseSensitive(rec, "layer"), 0, INT32_MAX, &li) || li != l) {
-            mq_warn("%s: the record after layer %d is not layer %d's; layer %d and the ones after it are redone",
-                    path, l - 1, l, l);
+            mq_warn("%s: the %s record is not layer %d's; layer %d and the ones after it are redone", path,
+                    l == 0 ? "first layer" : "next layer", l, l);
             break;
         }
         if (check_tensors(chk, path, cJSON_GetObjectItemCaseSensitive(rec, "tensors"), l)) {
