@@ -350,6 +350,51 @@ moeq_status moeq_tokenizer_decode_ex(const moeq_tokenizer *tok, const int32_t *i
 int32_t moeq_model_eos_ids(const moeq_model *m, int32_t *ids, int32_t cap);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Chat templates, chat and serving (src/runtime/template*.c, chat.c, serve.c)                */
+/* ------------------------------------------------------------------------------------------ */
+/*
+ * A chat template is the model's Jinja2 text that turns a list of messages into the prompt.
+ * moeq renders it as transformers' apply_chat_template does (jinja2's ImmutableSandboxedEnvironment
+ * with trim_blocks, lstrip_blocks and loopcontrols; raise_exception, strftime_now and a tojson
+ * that is json.dumps(ensure_ascii=False)), with the subset of Jinja2 real templates use:
+ * if/elif/else, for (loop.*, `if` filters, else), set (also ns.attr and the block form),
+ * break/continue, namespace(), range(), the usual operators, Python's str and dict methods
+ * (startswith, split, strip, get, items, ...), filters (trim, length, tojson, string, default,
+ * items, join, map, select, ...) and tests (defined, none, string, mapping, ...). A construct
+ * outside it is MOEQ_E_UNSUPPORTED and a syntax error MOEQ_E_FORMAT, each naming the template
+ * line; raise_exception and errors of evaluation (an undefined value used, a type error) are
+ * MOEQ_E_ARG with the template's message. Rendering never reads files or the network.
+ */
+typedef struct moeq_chat_template moeq_chat_template;
+/* Parses template text (len bytes, UTF-8); name is used in messages ("chat template NAME line
+ * L: ..."). The template has no special tokens: pass bos_token etc. when rendering. */
+moeq_status moeq_chat_template_parse(const char *name, const char *text, size_t len,
+                                     moeq_chat_template **out);
+/* A model's template: path is a checkpoint directory (chat_template.jinja, else
+ * tokenizer_config.json's "chat_template": a string, or a list of {"name", "template"}) or a GGUF
+ * file (tokenizer.chat_template, or tokenizer.chat_template.NAME). which: a named template
+ * ("tool_use", ...), NULL for "default" (or the only one). The special tokens bos_token,
+ * eos_token, unk_token and pad_token (tokenizer_config.json, a string or {"content": ...}; a GGUF's
+ * token ids) become variables of every render. MOEQ_E_NOTFOUND when the model has no template. */
+moeq_status moeq_chat_template_load(const char *path, const char *which, moeq_chat_template **out);
+void moeq_chat_template_free(moeq_chat_template *t);
+/* The special token the model's configuration names ("bos_token", "eos_token", ...): borrowed,
+ * NULL when absent. */
+const char *moeq_chat_template_special(const moeq_chat_template *t, const char *name);
+/* Renders with the variables of vars_json, a JSON object ("messages", "add_generation_prompt",
+ * "tools", "enable_thinking", "bos_token", ...; read as Python's json.loads reads it), over the
+ * loaded special tokens and the defaults transformers passes (tools = documents = None,
+ * add_generation_prompt = false). *out is malloc'ed, NUL-terminated, owned by the caller.
+ * Safe to call from several threads at once on one template. */
+moeq_status moeq_chat_template_render(const moeq_chat_template *t, const char *vars_json, size_t len,
+                                      char **out, size_t *out_len);
+/* The same for a messages list: messages_json is a JSON array of {"role", "content", ...};
+ * extra_json (NULL or a JSON object) adds variables (tools, enable_thinking, ...). */
+moeq_status moeq_chat_apply(const moeq_chat_template *t, const char *messages_json, size_t len,
+                            int add_generation_prompt, const char *extra_json, char **out,
+                            size_t *out_len);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Evaluation (src/eval)                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 
