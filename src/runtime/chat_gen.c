@@ -219,9 +219,9 @@ moeq_status moeq_gen_run(moeq_gen *g, const int32_t *prompt, size_t n_prompt,
         text = NULL;
         st = moeq_tokenizer_decode_ex(tok, gen, (size_t)n_text, MOEQ_DECODE_SKIP_UNKNOWN, &text, &text_len);
         cut = text_len;
-        if (!st && cut > printed && piece && piece(user, text + printed, cut - printed)) finish = "cancelled";
     }
     if (!st && !strcmp(finish, "cancelled")) cut = printed;
+    else if (!st && cut > printed && piece) piece(user, text + printed, cut - printed);   /* the rest */
     moeq_sampler_free(smp);
     free(gen);
     if (st) {
