@@ -141,6 +141,11 @@ def main():
     ap.add_argument("--out", default=os.path.join(DATA, "chat_goldens.json"))
     args = ap.parse_args()
 
+    if args.transformers:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            sys.exit("gen_chat_goldens.py: --transformers needs the transformers package")
     cases = []
     env = None if args.transformers else jinja_env()
     for tname in sorted(PLAN):
