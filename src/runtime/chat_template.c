@@ -19,7 +19,7 @@ enum { SP_BOS, SP_EOS, SP_UNK, SP_PAD, SP_N };
 static const char *const sp_names[SP_N] = {"bos_token", "eos_token", "unk_token", "pad_token"};
 
 struct moeq_chat_template {
-    tt_template t;
+    mq_tt_template t;
     char *special[SP_N];
 };
 
@@ -35,7 +35,7 @@ moeq_status moeq_chat_template_parse(const char *name, const char *text, size_t 
         return mq_err(MOEQ_E_FORMAT, "chat template %s: not valid UTF-8 at byte offset %zu", name ? name : "(text)",
                       moeq_utf8_valid_prefix(text, len));
     }
-    moeq_status st = tt_parse(&ct->t, text, len);
+    moeq_status st = mq_tt_parse(&ct->t, text, len);
     if (st) {
         free(ct);
         return st;
@@ -46,7 +46,7 @@ moeq_status moeq_chat_template_parse(const char *name, const char *text, size_t 
 
 void moeq_chat_template_free(moeq_chat_template *t) {
     if (!t) return;
-    tt_arena_free(&t->t.arena);
+    mq_tt_arena_free(&t->t.arena);
     for (int i = 0; i < SP_N; i++) free(t->special[i]);
     free(t);
 }
@@ -196,42 +196,42 @@ static moeq_status render(const moeq_chat_template *t, const char *vars_json, si
     *out_len = 0;
     if (!t) return mq_err(MOEQ_E_ARG, "chat template: NULL template");
     /* on the heap: nothing the longjmp of an error returns to is a local changed after setjmp */
-    tt_arena *arena = malloc(sizeof *arena);
+    mq_tt_arena *arena = malloc(sizeof *arena);
     if (!arena) return mq_err(MOEQ_E_NOMEM, "chat template: out of memory");
-    tt_arena_init(arena, (size_t)512 << 20);
-    tt_ctx c = {.name = t->t.name, .a = arena};
+    mq_tt_arena_init(arena, (size_t)512 << 20);
+    mq_tt_ctx c = {.name = t->t.name, .a = arena};
     if (setjmp(c.jb)) {
-        tt_arena_free(arena);
+        mq_tt_arena_free(arena);
         free(arena);
         return mq_err(c.st, "%s", c.msg);
     }
-    tv *vars = tv_dict(&c, TV_DICT);
-    tv_dict_set(&c, vars, tv_str_ref(&c, "tools", 5), &tt_none);
-    tv_dict_set(&c, vars, tv_str_ref(&c, "documents", 9), &tt_none);
-    tv_dict_set(&c, vars, tv_str_ref(&c, "add_generation_prompt", 21), &tt_false);
+    tv *vars = mq_tv_dict(&c, TV_DICT);
+    mq_tv_dict_set(&c, vars, mq_tv_str_ref(&c, "tools", 5), &mq_tt_none);
+    mq_tv_dict_set(&c, vars, mq_tv_str_ref(&c, "documents", 9), &mq_tt_none);
+    mq_tv_dict_set(&c, vars, mq_tv_str_ref(&c, "add_generation_prompt", 21), &mq_tt_false);
     for (int i = 0; i < SP_N; i++)
         if (t->special[i])
-            tv_dict_set(&c, vars, tv_str_ref(&c, sp_names[i], strlen(sp_names[i])),
-                        tv_str_ref(&c, t->special[i], strlen(t->special[i])));
+            mq_tv_dict_set(&c, vars, mq_tv_str_ref(&c, sp_names[i], strlen(sp_names[i])),
+                        mq_tv_str_ref(&c, t->special[i], strlen(t->special[i])));
     const char *objs[2] = {vars_json, extra};
     size_t lens[2] = {len, extra ? strlen(extra) : 0};
     if (messages) {
-        tv *m = tv_from_json(&c, "messages", messages, mlen);
-        if (m->k != TV_LIST) tt_fail(&c, MOEQ_E_FORMAT, 0, "messages: expected a JSON array of messages");
+        tv *m = mq_tv_from_json(&c, "messages", messages, mlen);
+        if (m->k != TV_LIST) mq_tt_fail(&c, MOEQ_E_FORMAT, 0, "messages: expected a JSON array of messages");
         for (size_t i = 0; i < m->u.l.n; i++)
-            if (m->u.l.v[i]->k != TV_DICT) tt_fail(&c, MOEQ_E_FORMAT, 0, "messages[%zu]: expected a JSON object", i);
-        tv_dict_set(&c, vars, tv_str_ref(&c, "messages", 8), m);
-        tv_dict_set(&c, vars, tv_str_ref(&c, "add_generation_prompt", 21), tv_bool(agp));
+            if (m->u.l.v[i]->k != TV_DICT) mq_tt_fail(&c, MOEQ_E_FORMAT, 0, "messages[%zu]: expected a JSON object", i);
+        mq_tv_dict_set(&c, vars, mq_tv_str_ref(&c, "messages", 8), m);
+        mq_tv_dict_set(&c, vars, mq_tv_str_ref(&c, "add_generation_prompt", 21), mq_tv_bool(agp));
         objs[0] = NULL;
     }
     for (int k = 0; k < 2; k++) {
         if (!objs[k]) continue;
-        tv *o = tv_from_json(&c, k ? "extra variables" : "variables", objs[k], lens[k]);
-        if (o->k != TV_DICT) tt_fail(&c, MOEQ_E_FORMAT, 0, "%s: expected a JSON object", k ? "extra variables" : "variables");
-        for (size_t i = 0; i < o->u.d.n; i++) tv_dict_set(&c, vars, o->u.d.key[i], o->u.d.val[i]);
+        tv *o = mq_tv_from_json(&c, k ? "extra variables" : "variables", objs[k], lens[k]);
+        if (o->k != TV_DICT) mq_tt_fail(&c, MOEQ_E_FORMAT, 0, "%s: expected a JSON object", k ? "extra variables" : "variables");
+        for (size_t i = 0; i < o->u.d.n; i++) mq_tv_dict_set(&c, vars, o->u.d.key[i], o->u.d.val[i]);
     }
-    moeq_status st = tt_render(&t->t, &c, vars, out, out_len);
-    tt_arena_free(arena);
+    moeq_status st = mq_tt_render(&t->t, &c, vars, out, out_len);
+    mq_tt_arena_free(arena);
     free(arena);
     return st;
 }

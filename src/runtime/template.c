@@ -29,7 +29,7 @@ typedef struct {
 } tk;
 
 typedef struct {
-    tt_ctx *c;
+    mq_tt_ctx *c;
     tk *t;
     size_t n, cap, p;
 } ps;
@@ -37,7 +37,7 @@ typedef struct {
 static void push(ps *P, tk t) {
     if (P->n == P->cap) {
         size_t cap = P->cap ? P->cap * 2 : 256;
-        tk *nt = tt_alloc(P->c, sizeof(tk) * cap);
+        tk *nt = mq_tt_alloc(P->c, sizeof(tk) * cap);
         if (P->n) memcpy(nt, P->t, sizeof(tk) * P->n);
         P->t = nt;
         P->cap = cap;
@@ -49,7 +49,7 @@ static bool is_ws(char ch) { return ch == ' ' || ch == '\t' || ch == '\n' || ch 
 static bool is_id0(char ch) { return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || ch == '_'; }
 static bool is_id(char ch) { return is_id0(ch) || (ch >= '0' && ch <= '9'); }
 
-static void put_cp(tt_ctx *c, tt_buf *b, uint32_t cp) {
+static void put_cp(mq_tt_ctx *c, mq_tt_buf *b, uint32_t cp) {
     char t[4];
     size_t n;
     if (cp < 0x80) t[0] = (char)cp, n = 1;
@@ -59,32 +59,32 @@ static void put_cp(tt_ctx *c, tt_buf *b, uint32_t cp) {
     else
         t[0] = (char)(0xF0 | cp >> 18), t[1] = (char)(0x80 | ((cp >> 12) & 63)),
         t[2] = (char)(0x80 | ((cp >> 6) & 63)), t[3] = (char)(0x80 | (cp & 63)), n = 4;
-    tt_put(c, b, t, n);
+    mq_tt_put(c, b, t, n);
 }
 
 /* A string literal's body, unescaped as Python's unicode-escape codec does (what Jinja2 applies):
  * \n \t \r \\ \' \" \a \b \f \v \xhh \uXXXX \UXXXXXXXX \ooo; an unknown escape keeps the
  * backslash. */
 static void unescape(ps *P, int line, const char *s, size_t n, tk *out) {
-    tt_buf b = {0};
+    mq_tt_buf b = {0};
     for (size_t i = 0; i < n; i++) {
         if (s[i] != '\\' || i + 1 >= n) {
-            tt_put(P->c, &b, s + i, 1);
+            mq_tt_put(P->c, &b, s + i, 1);
             continue;
         }
         char e = s[++i];
         int nd = 0;
         switch (e) {
-        case 'n': tt_puts(P->c, &b, "\n"); break;
-        case 't': tt_puts(P->c, &b, "\t"); break;
-        case 'r': tt_puts(P->c, &b, "\r"); break;
-        case 'a': tt_puts(P->c, &b, "\a"); break;
-        case 'b': tt_puts(P->c, &b, "\b"); break;
-        case 'f': tt_puts(P->c, &b, "\f"); break;
-        case 'v': tt_puts(P->c, &b, "\v"); break;
-        case '\\': tt_puts(P->c, &b, "\\"); break;
-        case '\'': tt_puts(P->c, &b, "'"); break;
-        case '"': tt_puts(P->c, &b, "\""); break;
+        case 'n': mq_tt_puts(P->c, &b, "\n"); break;
+        case 't': mq_tt_puts(P->c, &b, "\t"); break;
+        case 'r': mq_tt_puts(P->c, &b, "\r"); break;
+        case 'a': mq_tt_puts(P->c, &b, "\a"); break;
+        case 'b': mq_tt_puts(P->c, &b, "\b"); break;
+        case 'f': mq_tt_puts(P->c, &b, "\f"); break;
+        case 'v': mq_tt_puts(P->c, &b, "\v"); break;
+        case '\\': mq_tt_puts(P->c, &b, "\\"); break;
+        case '\'': mq_tt_puts(P->c, &b, "'"); break;
+        case '"': mq_tt_puts(P->c, &b, "\""); break;
         case '\n': break;
         case 'x': nd = 2; break;
         case 'u': nd = 4; break;
@@ -97,7 +97,7 @@ static void unescape(ps *P, int line, const char *s, size_t n, tk *out) {
                 i--;
                 put_cp(P->c, &b, v);
             } else {
-                tt_put(P->c, &b, s + i - 1, 2);
+                mq_tt_put(P->c, &b, s + i - 1, 2);
             }
         }
         if (nd) {
@@ -105,11 +105,11 @@ static void unescape(ps *P, int line, const char *s, size_t n, tk *out) {
             for (int k = 0; k < nd; k++) {
                 char h = i + 1 + (size_t)k < n ? s[i + 1 + (size_t)k] : 0;
                 int d = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
-                if (d < 0) tt_fail(P->c, MOEQ_E_FORMAT, line, "truncated \\%c escape in a string", e);
+                if (d < 0) mq_tt_fail(P->c, MOEQ_E_FORMAT, line, "truncated \\%c escape in a string", e);
                 v = v * 16 + (uint32_t)d;
             }
             if (v > 0x10FFFF || (v >= 0xD800 && v < 0xE000))
-                tt_fail(P->c, MOEQ_E_FORMAT, line, "escape \\%c is not a character", e);
+                mq_tt_fail(P->c, MOEQ_E_FORMAT, line, "escape \\%c is not a character", e);
             i += (size_t)nd;
             put_cp(P->c, &b, v);
         }
@@ -128,7 +128,7 @@ static void lex_tag(ps *P, const char *src, size_t n, size_t *pos, int *line, bo
             if (src[i] == '\n') (*line)++;
             i++;
         }
-        if (i >= n) tt_fail(P->c, MOEQ_E_FORMAT, open_line, "tag not closed (missing '%s')", var ? "}}" : "%}");
+        if (i >= n) mq_tt_fail(P->c, MOEQ_E_FORMAT, open_line, "tag not closed (missing '%s')", var ? "}}" : "%}");
         char ch = src[i];
         char close = var ? '}' : '%';
         if (depth == 0) {
@@ -175,7 +175,7 @@ static void lex_tag(ps *P, const char *src, size_t n, size_t *pos, int *line, bo
                 t.k = T_INT;
                 errno = 0;
                 t.i = strtoll(buf, NULL, 10);
-                if (errno) tt_fail(P->c, MOEQ_E_UNSUPPORTED, *line, "integer literal %s does not fit 64 bits", buf);
+                if (errno) mq_tt_fail(P->c, MOEQ_E_UNSUPPORTED, *line, "integer literal %s does not fit 64 bits", buf);
             }
             i = j;
         } else if (ch == '\'' || ch == '"') {
@@ -185,7 +185,7 @@ static void lex_tag(ps *P, const char *src, size_t n, size_t *pos, int *line, bo
                 if (j < n && src[j] == '\n') (*line)++;
                 j++;
             }
-            if (j >= n) tt_fail(P->c, MOEQ_E_FORMAT, t.line, "string literal not closed");
+            if (j >= n) mq_tt_fail(P->c, MOEQ_E_FORMAT, t.line, "string literal not closed");
             t.k = T_STR;
             unescape(P, t.line, src + i + 1, j - i - 1, &t);
             i = j + 1;
@@ -194,10 +194,10 @@ static void lex_tag(ps *P, const char *src, size_t n, size_t *pos, int *line, bo
             for (size_t k = 0; k < sizeof two / sizeof two[0]; k++)
                 if (i + 1 < n && src[i] == two[k][0] && src[i + 1] == two[k][1]) t.n = 2;
             if (t.n == 1 && !strchr("+-*/%~()[]{}.,:|=<>", ch))
-                tt_fail(P->c, MOEQ_E_FORMAT, *line, "unexpected character '%c'", ch);
+                mq_tt_fail(P->c, MOEQ_E_FORMAT, *line, "unexpected character '%c'", ch);
             if (ch == '(' || ch == '[' || ch == '{') depth++;
             if (ch == ')' || ch == ']' || ch == '}') {
-                if (depth == 0) tt_fail(P->c, MOEQ_E_FORMAT, *line, "unexpected '%c'", ch);
+                if (depth == 0) mq_tt_fail(P->c, MOEQ_E_FORMAT, *line, "unexpected '%c'", ch);
                 depth--;
             }
             i += t.n;
@@ -241,7 +241,7 @@ static void lex(ps *P, const char *src, size_t n) {
         if (kind == '#') {
             size_t q = p;
             while (q + 1 < n && !(src[q] == '#' && src[q + 1] == '}')) q++;
-            if (q + 1 >= n) tt_fail(P->c, MOEQ_E_FORMAT, line, "comment not closed (missing '#}')");
+            if (q + 1 >= n) mq_tt_fail(P->c, MOEQ_E_FORMAT, line, "comment not closed (missing '#}')");
             for (size_t k = p; k < q; k++) line += src[k] == '\n';
             strip = q > p && (src[q - 1] == '-' || src[q - 1] == '+') ? src[q - 1] : 0;
             p = q + 2;
@@ -284,7 +284,7 @@ static bool accept_name(ps *P, const char *nm) {
 static const char *tk_desc(ps *P, const tk *t) {
     switch (t->k) {
     case T_NAME:
-    case T_OP: return tt_strdup(P->c, t->s, t->n);
+    case T_OP: return mq_tt_strdup(P->c, t->s, t->n);
     case T_STR: return "a string";
     case T_INT:
     case T_FLOAT: return "a number";
@@ -296,7 +296,7 @@ static const char *tk_desc(ps *P, const tk *t) {
 }
 
 _Noreturn static void expected(ps *P, const char *what) {
-    tt_fail(P->c, MOEQ_E_FORMAT, cur(P)->line, "expected %s, got %s", what, tk_desc(P, cur(P)));
+    mq_tt_fail(P->c, MOEQ_E_FORMAT, cur(P)->line, "expected %s, got %s", what, tk_desc(P, cur(P)));
 }
 static void expect_op(ps *P, const char *op) {
     if (!accept_op(P, op)) {
@@ -309,65 +309,65 @@ static const char *expect_ident(ps *P) {
     tk *t = cur(P);
     if (t->k != T_NAME) expected(P, "a name");
     P->p++;
-    return tt_strdup(P->c, t->s, t->n);
+    return mq_tt_strdup(P->c, t->s, t->n);
 }
 
-static tt_expr *ex(ps *P, tt_expr_op op, int line) {
-    tt_expr *e = tt_alloc(P->c, sizeof *e);
+static mq_tt_expr *ex(ps *P, mq_tt_expr_op op, int line) {
+    mq_tt_expr *e = mq_tt_alloc(P->c, sizeof *e);
     e->op = op;
     e->line = line;
     return e;
 }
 
-static tt_expr *parse_expr(ps *P);
-static tt_expr *parse_or(ps *P);
-static tt_expr *parse_unary(ps *P, bool filters);
+static mq_tt_expr *parse_expr(ps *P);
+static mq_tt_expr *parse_or(ps *P);
+static mq_tt_expr *parse_unary(ps *P, bool filters);
 
 /* (args, kw=args) after '(' */
-static void parse_args(ps *P, tt_expr *e) {
-    tt_expr *a[64], *kv[64];
+static void parse_args(ps *P, mq_tt_expr *e) {
+    mq_tt_expr *a[64], *kv[64];
     const char *kn[64];
     int na = 0, nk = 0;
     while (!accept_op(P, ")")) {
         if (na + nk) expect_op(P, ",");
         if (accept_op(P, ")")) break;
-        if (na + nk >= 64) tt_fail(P->c, MOEQ_E_UNSUPPORTED, cur(P)->line, "more than 64 arguments");
+        if (na + nk >= 64) mq_tt_fail(P->c, MOEQ_E_UNSUPPORTED, cur(P)->line, "more than 64 arguments");
         if (cur(P)->k == T_NAME && is_op(&P->t[P->p + 1], "=")) {
             kn[nk] = expect_ident(P);
             P->p++;
             kv[nk++] = parse_expr(P);
         } else {
-            if (nk) tt_fail(P->c, MOEQ_E_FORMAT, cur(P)->line, "positional argument after a keyword argument");
+            if (nk) mq_tt_fail(P->c, MOEQ_E_FORMAT, cur(P)->line, "positional argument after a keyword argument");
             a[na++] = parse_expr(P);
         }
     }
     e->nargs = na;
-    e->args = tt_alloc(P->c, sizeof(tt_expr *) * (size_t)(na + 1));
-    memcpy(e->args, a, sizeof(tt_expr *) * (size_t)na);
+    e->args = mq_tt_alloc(P->c, sizeof(mq_tt_expr *) * (size_t)(na + 1));
+    memcpy(e->args, a, sizeof(mq_tt_expr *) * (size_t)na);
     e->nkw = nk;
-    e->kwn = tt_alloc(P->c, sizeof(char *) * (size_t)(nk + 1));
-    e->kwv = tt_alloc(P->c, sizeof(tt_expr *) * (size_t)(nk + 1));
+    e->kwn = mq_tt_alloc(P->c, sizeof(char *) * (size_t)(nk + 1));
+    e->kwv = mq_tt_alloc(P->c, sizeof(mq_tt_expr *) * (size_t)(nk + 1));
     memcpy(e->kwn, kn, sizeof(char *) * (size_t)nk);
-    memcpy(e->kwv, kv, sizeof(tt_expr *) * (size_t)nk);
+    memcpy(e->kwv, kv, sizeof(mq_tt_expr *) * (size_t)nk);
 }
 
-static tt_expr *lit(ps *P, tv *v, int line) {
-    tt_expr *e = ex(P, E_LIT, line);
+static mq_tt_expr *lit(ps *P, tv *v, int line) {
+    mq_tt_expr *e = ex(P, E_LIT, line);
     e->lit = v;
     return e;
 }
 
 /* a list of expressions up to the closer, as E_LIST */
-static tt_expr *parse_seq(ps *P, const char *close, int line) {
-    tt_expr *e = ex(P, E_LIST, line);
+static mq_tt_expr *parse_seq(ps *P, const char *close, int line) {
+    mq_tt_expr *e = ex(P, E_LIST, line);
     size_t cap = 8;
-    e->args = tt_alloc(P->c, sizeof(tt_expr *) * cap);
+    e->args = mq_tt_alloc(P->c, sizeof(mq_tt_expr *) * cap);
     while (!accept_op(P, close)) {
         if (e->nargs) expect_op(P, ",");
         if (accept_op(P, close)) break;
         if ((size_t)e->nargs == cap) {
-            tt_expr **n = tt_alloc(P->c, sizeof(tt_expr *) * cap * 2);
-            memcpy(n, e->args, sizeof(tt_expr *) * cap);
+            mq_tt_expr **n = mq_tt_alloc(P->c, sizeof(mq_tt_expr *) * cap * 2);
+            memcpy(n, e->args, sizeof(mq_tt_expr *) * cap);
             e->args = n;
             cap *= 2;
         }
@@ -376,103 +376,103 @@ static tt_expr *parse_seq(ps *P, const char *close, int line) {
     return e;
 }
 
-static tt_expr *parse_primary(ps *P) {
+static mq_tt_expr *parse_primary(ps *P) {
     tk *t = cur(P);
     int line = t->line;
     if (t->k == T_NAME) {
         P->p++;
-        if ((t->n == 4 && (!memcmp(t->s, "true", 4) || !memcmp(t->s, "True", 4)))) return lit(P, &tt_true, line);
-        if ((t->n == 5 && (!memcmp(t->s, "false", 5) || !memcmp(t->s, "False", 5)))) return lit(P, &tt_false, line);
-        if ((t->n == 4 && (!memcmp(t->s, "none", 4) || !memcmp(t->s, "None", 4)))) return lit(P, &tt_none, line);
-        tt_expr *e = ex(P, E_NAME, line);
-        e->name = tt_strdup(P->c, t->s, t->n);
+        if ((t->n == 4 && (!memcmp(t->s, "true", 4) || !memcmp(t->s, "True", 4)))) return lit(P, &mq_tt_true, line);
+        if ((t->n == 5 && (!memcmp(t->s, "false", 5) || !memcmp(t->s, "False", 5)))) return lit(P, &mq_tt_false, line);
+        if ((t->n == 4 && (!memcmp(t->s, "none", 4) || !memcmp(t->s, "None", 4)))) return lit(P, &mq_tt_none, line);
+        mq_tt_expr *e = ex(P, E_NAME, line);
+        e->name = mq_tt_strdup(P->c, t->s, t->n);
         return e;
     }
     if (t->k == T_STR) {   /* adjacent literals join */
-        tt_buf b = {0};
+        mq_tt_buf b = {0};
         while (cur(P)->k == T_STR) {
-            tt_put(P->c, &b, cur(P)->s, cur(P)->n);
+            mq_tt_put(P->c, &b, cur(P)->s, cur(P)->n);
             P->p++;
         }
-        return lit(P, tv_str_ref(P->c, b.p ? b.p : "", b.n), line);
+        return lit(P, mq_tv_str_ref(P->c, b.p ? b.p : "", b.n), line);
     }
     if (t->k == T_INT) {
         P->p++;
-        return lit(P, tv_int(P->c, t->i), line);
+        return lit(P, mq_tv_int(P->c, t->i), line);
     }
     if (t->k == T_FLOAT) {
         P->p++;
-        return lit(P, tv_float(P->c, t->f), line);
+        return lit(P, mq_tv_float(P->c, t->f), line);
     }
     if (accept_op(P, "(")) {
         if (accept_op(P, ")")) return ex(P, E_LIST, line);   /* () */
-        tt_expr *e = parse_expr(P);
+        mq_tt_expr *e = parse_expr(P);
         if (accept_op(P, ")")) return e;
         expect_op(P, ",");   /* a tuple */
-        tt_expr *l = parse_seq(P, ")", line);
-        tt_expr **a = tt_alloc(P->c, sizeof(tt_expr *) * (size_t)(l->nargs + 1));
+        mq_tt_expr *l = parse_seq(P, ")", line);
+        mq_tt_expr **a = mq_tt_alloc(P->c, sizeof(mq_tt_expr *) * (size_t)(l->nargs + 1));
         a[0] = e;
-        memcpy(a + 1, l->args, sizeof(tt_expr *) * (size_t)l->nargs);
+        memcpy(a + 1, l->args, sizeof(mq_tt_expr *) * (size_t)l->nargs);
         l->args = a;
         l->nargs++;
         return l;
     }
     if (accept_op(P, "[")) return parse_seq(P, "]", line);
     if (accept_op(P, "{")) {
-        tt_expr *e = ex(P, E_DICT, line);
-        tt_expr *k[256], *v[256];
+        mq_tt_expr *e = ex(P, E_DICT, line);
+        mq_tt_expr *k[256], *v[256];
         while (!accept_op(P, "}")) {
             if (e->nargs) expect_op(P, ",");
             if (accept_op(P, "}")) break;
-            if (e->nargs >= 256) tt_fail(P->c, MOEQ_E_UNSUPPORTED, line, "a dict literal of more than 256 items");
+            if (e->nargs >= 256) mq_tt_fail(P->c, MOEQ_E_UNSUPPORTED, line, "a dict literal of more than 256 items");
             k[e->nargs] = parse_expr(P);
             expect_op(P, ":");
             v[e->nargs++] = parse_expr(P);
         }
-        e->args = tt_alloc(P->c, sizeof(tt_expr *) * (size_t)(e->nargs + 1));
-        e->vals = tt_alloc(P->c, sizeof(tt_expr *) * (size_t)(e->nargs + 1));
-        memcpy(e->args, k, sizeof(tt_expr *) * (size_t)e->nargs);
-        memcpy(e->vals, v, sizeof(tt_expr *) * (size_t)e->nargs);
+        e->args = mq_tt_alloc(P->c, sizeof(mq_tt_expr *) * (size_t)(e->nargs + 1));
+        e->vals = mq_tt_alloc(P->c, sizeof(mq_tt_expr *) * (size_t)(e->nargs + 1));
+        memcpy(e->args, k, sizeof(mq_tt_expr *) * (size_t)e->nargs);
+        memcpy(e->vals, v, sizeof(mq_tt_expr *) * (size_t)e->nargs);
         return e;
     }
     expected(P, "an expression");
 }
 
-static tt_expr *parse_postfix(ps *P, tt_expr *e) {
+static mq_tt_expr *parse_postfix(ps *P, mq_tt_expr *e) {
     for (;;) {
         int line = cur(P)->line;
         if (accept_op(P, ".")) {
-            tt_expr *a = ex(P, E_ATTR, line);
+            mq_tt_expr *a = ex(P, E_ATTR, line);
             a->a = e;
             if (cur(P)->k == T_INT) {   /* foo.0 is foo[0] */
                 a->op = E_ITEM;
-                a->b = lit(P, tv_int(P->c, cur(P)->i), line);
+                a->b = lit(P, mq_tv_int(P->c, cur(P)->i), line);
                 P->p++;
             } else {
                 a->name = expect_ident(P);
             }
             e = a;
         } else if (accept_op(P, "[")) {
-            tt_expr *parts[3] = {NULL, NULL, NULL};
+            mq_tt_expr *parts[3] = {NULL, NULL, NULL};
             int np = 0;
             bool slice = false;
             for (;;) {
                 if (is_op(cur(P), ":")) {
                     P->p++;
                     slice = true;
-                    if (++np > 2) tt_fail(P->c, MOEQ_E_FORMAT, line, "too many ':' in a slice");
+                    if (++np > 2) mq_tt_fail(P->c, MOEQ_E_FORMAT, line, "too many ':' in a slice");
                     continue;
                 }
                 if (accept_op(P, "]")) break;
                 if (parts[np]) expected(P, "':' or ']'");
                 parts[np] = parse_expr(P);
             }
-            tt_expr *s = ex(P, slice ? E_SLICE : E_ITEM, line);
+            mq_tt_expr *s = ex(P, slice ? E_SLICE : E_ITEM, line);
             s->a = e;
             if (slice) {
                 s->b = parts[0];
                 s->c = parts[1];
-                s->args = tt_alloc(P->c, sizeof(tt_expr *));
+                s->args = mq_tt_alloc(P->c, sizeof(mq_tt_expr *));
                 s->args[0] = parts[2];
             } else {
                 if (!parts[0]) expected(P, "an index");
@@ -480,7 +480,7 @@ static tt_expr *parse_postfix(ps *P, tt_expr *e) {
             }
             e = s;
         } else if (accept_op(P, "(")) {
-            tt_expr *c = ex(P, E_CALL, line);
+            mq_tt_expr *c = ex(P, E_CALL, line);
             c->a = e;
             parse_args(P, c);
             e = c;
@@ -490,18 +490,18 @@ static tt_expr *parse_postfix(ps *P, tt_expr *e) {
     }
 }
 
-static tt_expr *parse_filters(ps *P, tt_expr *e) {
+static mq_tt_expr *parse_filters(ps *P, mq_tt_expr *e) {
     for (;;) {
         int line = cur(P)->line;
         if (accept_op(P, "|")) {
-            tt_expr *f = ex(P, E_FILTER, line);
+            mq_tt_expr *f = ex(P, E_FILTER, line);
             f->a = e;
             f->name = expect_ident(P);
             if (accept_op(P, "(")) parse_args(P, f);
             else f->args = NULL;
             e = f;
         } else if (accept_name(P, "is")) {
-            tt_expr *t = ex(P, E_TEST, line);
+            mq_tt_expr *t = ex(P, E_TEST, line);
             t->a = e;
             t->negate = accept_name(P, "not");
             t->name = expect_ident(P);
@@ -514,7 +514,7 @@ static tt_expr *parse_filters(ps *P, tt_expr *e) {
                     (n->k == T_NAME && !is_name(n, "and") && !is_name(n, "or") && !is_name(n, "else") &&
                      !is_name(n, "if") && !is_name(n, "in") && !is_name(n, "is") && !is_name(n, "not")) ||
                     is_op(n, "(") || is_op(n, "[") || is_op(n, "{")) {
-                    t->args = tt_alloc(P->c, sizeof(tt_expr *));
+                    t->args = mq_tt_alloc(P->c, sizeof(mq_tt_expr *));
                     t->args[0] = parse_primary(P);
                     t->args[0] = parse_postfix(P, t->args[0]);
                     t->nargs = 1;
@@ -527,9 +527,9 @@ static tt_expr *parse_filters(ps *P, tt_expr *e) {
     }
 }
 
-static tt_expr *parse_unary(ps *P, bool filters) {
+static mq_tt_expr *parse_unary(ps *P, bool filters) {
     int line = cur(P)->line;
-    tt_expr *e;
+    mq_tt_expr *e;
     if (accept_op(P, "-")) {
         e = ex(P, E_NEG, line);
         e->a = parse_unary(P, false);
@@ -542,16 +542,16 @@ static tt_expr *parse_unary(ps *P, bool filters) {
     return filters ? parse_filters(P, e) : e;
 }
 
-static tt_expr *bin(ps *P, const char *op, tt_expr *a, tt_expr *b, int line) {
-    tt_expr *e = ex(P, E_BIN, line);
+static mq_tt_expr *bin(ps *P, const char *op, mq_tt_expr *a, mq_tt_expr *b, int line) {
+    mq_tt_expr *e = ex(P, E_BIN, line);
     e->name = op;
     e->a = a;
     e->b = b;
     return e;
 }
 
-static tt_expr *parse_pow(ps *P) {
-    tt_expr *e = parse_unary(P, true);
+static mq_tt_expr *parse_pow(ps *P) {
+    mq_tt_expr *e = parse_unary(P, true);
     while (is_op(cur(P), "**")) {
         int line = cur(P)->line;
         P->p++;
@@ -560,8 +560,8 @@ static tt_expr *parse_pow(ps *P) {
     return e;
 }
 
-static tt_expr *parse_math2(ps *P) {
-    tt_expr *e = parse_pow(P);
+static mq_tt_expr *parse_math2(ps *P) {
+    mq_tt_expr *e = parse_pow(P);
     for (;;) {
         tk *t = cur(P);
         const char *op = is_op(t, "*") ? "*" : is_op(t, "/") ? "/" : is_op(t, "//") ? "//" : is_op(t, "%") ? "%" : NULL;
@@ -571,8 +571,8 @@ static tt_expr *parse_math2(ps *P) {
     }
 }
 
-static tt_expr *parse_concat(ps *P) {
-    tt_expr *e = parse_math2(P);
+static mq_tt_expr *parse_concat(ps *P) {
+    mq_tt_expr *e = parse_math2(P);
     while (is_op(cur(P), "~")) {
         int line = cur(P)->line;
         P->p++;
@@ -581,8 +581,8 @@ static tt_expr *parse_concat(ps *P) {
     return e;
 }
 
-static tt_expr *parse_math1(ps *P) {
-    tt_expr *e = parse_concat(P);
+static mq_tt_expr *parse_math1(ps *P) {
+    mq_tt_expr *e = parse_concat(P);
     for (;;) {
         tk *t = cur(P);
         const char *op = is_op(t, "+") ? "+" : is_op(t, "-") ? "-" : NULL;
@@ -592,8 +592,8 @@ static tt_expr *parse_math1(ps *P) {
     }
 }
 
-static tt_expr *parse_compare(ps *P) {
-    tt_expr *e = parse_math1(P), *chain = NULL, *prev = e;
+static mq_tt_expr *parse_compare(ps *P) {
+    mq_tt_expr *e = parse_math1(P), *chain = NULL, *prev = e;
     for (;;) {
         tk *t = cur(P);
         int line = t->line;
@@ -608,10 +608,10 @@ static tt_expr *parse_compare(ps *P) {
             op = "not in";
         } else
             break;
-        tt_expr *rhs = parse_math1(P), *c = bin(P, op, prev, rhs, line);
+        mq_tt_expr *rhs = parse_math1(P), *c = bin(P, op, prev, rhs, line);
         if (!chain) chain = c;
         else {   /* a < b < c is a < b and b < c */
-            tt_expr *a = ex(P, E_AND, line);
+            mq_tt_expr *a = ex(P, E_AND, line);
             a->a = chain;
             a->b = c;
             chain = a;
@@ -621,20 +621,20 @@ static tt_expr *parse_compare(ps *P) {
     return chain ? chain : e;
 }
 
-static tt_expr *parse_not(ps *P) {
+static mq_tt_expr *parse_not(ps *P) {
     int line = cur(P)->line;
     if (accept_name(P, "not")) {
-        tt_expr *e = ex(P, E_NOT, line);
+        mq_tt_expr *e = ex(P, E_NOT, line);
         e->a = parse_not(P);
         return e;
     }
     return parse_compare(P);
 }
 
-static tt_expr *parse_and(ps *P) {
-    tt_expr *e = parse_not(P);
+static mq_tt_expr *parse_and(ps *P) {
+    mq_tt_expr *e = parse_not(P);
     while (is_name(cur(P), "and")) {
-        tt_expr *a = ex(P, E_AND, cur(P)->line);
+        mq_tt_expr *a = ex(P, E_AND, cur(P)->line);
         P->p++;
         a->a = e;
         a->b = parse_not(P);
@@ -643,10 +643,10 @@ static tt_expr *parse_and(ps *P) {
     return e;
 }
 
-static tt_expr *parse_or(ps *P) {
-    tt_expr *e = parse_and(P);
+static mq_tt_expr *parse_or(ps *P) {
+    mq_tt_expr *e = parse_and(P);
     while (is_name(cur(P), "or")) {
-        tt_expr *a = ex(P, E_OR, cur(P)->line);
+        mq_tt_expr *a = ex(P, E_OR, cur(P)->line);
         P->p++;
         a->a = e;
         a->b = parse_and(P);
@@ -655,10 +655,10 @@ static tt_expr *parse_or(ps *P) {
     return e;
 }
 
-static tt_expr *parse_expr(ps *P) {
-    tt_expr *e = parse_or(P);
+static mq_tt_expr *parse_expr(ps *P) {
+    mq_tt_expr *e = parse_or(P);
     while (is_name(cur(P), "if")) {
-        tt_expr *c = ex(P, E_COND, cur(P)->line);
+        mq_tt_expr *c = ex(P, E_COND, cur(P)->line);
         P->p++;
         c->b = e;
         c->a = parse_or(P);
@@ -669,8 +669,8 @@ static tt_expr *parse_expr(ps *P) {
 }
 
 /* ---- statements ------------------------------------------------------------------------- */
-static tt_node *nd(ps *P, tt_node_kind k, int line) {
-    tt_node *n = tt_alloc(P->c, sizeof *n);
+static mq_tt_node *nd(ps *P, mq_tt_node_kind k, int line) {
+    mq_tt_node *n = mq_tt_alloc(P->c, sizeof *n);
     n->kind = k;
     n->line = line;
     return n;
@@ -683,29 +683,29 @@ static void expect_bend(ps *P) {
 
 /* Statements up to a block tag whose name is one of ends ("endif|elif|else"); that tag's name is
  * consumed and returned (NULL at the end of the template, allowed only when ends is NULL). */
-static tt_node *parse_body(ps *P, const char *ends, const char **end_found, int open_line, const char *what);
+static mq_tt_node *parse_body(ps *P, const char *ends, const char **end_found, int open_line, const char *what);
 
 static const char **names_list(ps *P, int *n) {
     const char *nm[16];
     int k = 0;
     do {
-        if (k == 16) tt_fail(P->c, MOEQ_E_UNSUPPORTED, cur(P)->line, "more than 16 targets");
+        if (k == 16) mq_tt_fail(P->c, MOEQ_E_UNSUPPORTED, cur(P)->line, "more than 16 targets");
         nm[k++] = expect_ident(P);
     } while (accept_op(P, ","));
-    const char **r = tt_alloc(P->c, sizeof(char *) * (size_t)k);
+    const char **r = mq_tt_alloc(P->c, sizeof(char *) * (size_t)k);
     memcpy(r, nm, sizeof(char *) * (size_t)k);
     *n = k;
     return r;
 }
 
-static tt_node *parse_stmt(ps *P) {
+static mq_tt_node *parse_stmt(ps *P) {
     tk *t = cur(P);
     int line = t->line;
     if (t->k != T_NAME) expected(P, "a statement name");
-    const char *kw = tt_strdup(P->c, t->s, t->n);
+    const char *kw = mq_tt_strdup(P->c, t->s, t->n);
     P->p++;
     if (!strcmp(kw, "if")) {
-        tt_node *n = nd(P, N_IF, line), *top = n;
+        mq_tt_node *n = nd(P, N_IF, line), *top = n;
         n->e = parse_expr(P);
         expect_bend(P);
         for (;;) {
@@ -721,7 +721,7 @@ static tt_node *parse_stmt(ps *P) {
                 expect_bend(P);
                 break;
             }
-            tt_node *e = nd(P, N_IF, P->t[P->p - 1].line);   /* elif */
+            mq_tt_node *e = nd(P, N_IF, P->t[P->p - 1].line);   /* elif */
             e->e = parse_expr(P);
             e->is_elif = 1;
             expect_bend(P);
@@ -731,12 +731,12 @@ static tt_node *parse_stmt(ps *P) {
         return top;
     }
     if (!strcmp(kw, "for")) {
-        tt_node *n = nd(P, N_FOR, line);
+        mq_tt_node *n = nd(P, N_FOR, line);
         n->names = names_list(P, &n->nnames);
         if (!accept_name(P, "in")) expected(P, "'in'");
         n->e = parse_or(P);   /* `if` here filters the loop */
         if (accept_name(P, "if")) n->cond = parse_expr(P);
-        if (accept_name(P, "recursive")) tt_fail(P->c, MOEQ_E_UNSUPPORTED, line, "recursive loops are not supported");
+        if (accept_name(P, "recursive")) mq_tt_fail(P->c, MOEQ_E_UNSUPPORTED, line, "recursive loops are not supported");
         expect_bend(P);
         const char *end;
         n->body = parse_body(P, "else|endfor", &end, line, "for");
@@ -748,10 +748,10 @@ static tt_node *parse_stmt(ps *P) {
         return n;
     }
     if (!strcmp(kw, "set")) {
-        tt_node *n = nd(P, N_SET, line);
+        mq_tt_node *n = nd(P, N_SET, line);
         const char *first = expect_ident(P);
         if (accept_op(P, ".")) {
-            n->names = tt_alloc(P->c, sizeof(char *));
+            n->names = mq_tt_alloc(P->c, sizeof(char *));
             n->names[0] = first;
             n->nnames = 1;
             n->attr = expect_ident(P);
@@ -762,13 +762,13 @@ static tt_node *parse_stmt(ps *P) {
         if (accept_op(P, "=")) {
             n->e = parse_expr(P);
             if (is_op(cur(P), ",")) {   /* set a, b = x, y */
-                tt_expr *l = ex(P, E_LIST, line);
-                tt_expr *items[16];
+                mq_tt_expr *l = ex(P, E_LIST, line);
+                mq_tt_expr *items[16];
                 items[0] = n->e;
                 int k = 1;
                 while (accept_op(P, ",") && k < 16) items[k++] = parse_expr(P);
-                l->args = tt_alloc(P->c, sizeof(tt_expr *) * (size_t)k);
-                memcpy(l->args, items, sizeof(tt_expr *) * (size_t)k);
+                l->args = mq_tt_alloc(P->c, sizeof(mq_tt_expr *) * (size_t)k);
+                memcpy(l->args, items, sizeof(mq_tt_expr *) * (size_t)k);
                 l->nargs = k;
                 n->e = l;
             }
@@ -776,7 +776,7 @@ static tt_node *parse_stmt(ps *P) {
             return n;
         }
         if (n->attr || n->nnames != 1) expected(P, "'='");
-        if (is_op(cur(P), "|")) tt_fail(P->c, MOEQ_E_UNSUPPORTED, line, "filtered block set is not supported");
+        if (is_op(cur(P), "|")) mq_tt_fail(P->c, MOEQ_E_UNSUPPORTED, line, "filtered block set is not supported");
         expect_bend(P);
         n->kind = N_SETBLOCK;
         const char *end;
@@ -790,7 +790,7 @@ static tt_node *parse_stmt(ps *P) {
     }
     if (!strcmp(kw, "generation")) {   /* transformers' AssistantTracker: marks assistant text */
         expect_bend(P);
-        tt_node *n = nd(P, N_BLOCK, line);
+        mq_tt_node *n = nd(P, N_BLOCK, line);
         const char *end;
         n->body = parse_body(P, "endgeneration", &end, line, "generation");
         expect_bend(P);
@@ -800,8 +800,8 @@ static tt_node *parse_stmt(ps *P) {
                                   "block", "with", "raw", "autoescape", "do"};
     for (size_t k = 0; k < sizeof known / sizeof known[0]; k++)
         if (!strcmp(kw, known[k]))
-            tt_fail(P->c, MOEQ_E_UNSUPPORTED, line, "the '%s' statement is not supported", kw);
-    tt_fail(P->c, MOEQ_E_FORMAT, line, "unknown statement '%s'", kw);
+            mq_tt_fail(P->c, MOEQ_E_UNSUPPORTED, line, "the '%s' statement is not supported", kw);
+    mq_tt_fail(P->c, MOEQ_E_FORMAT, line, "unknown statement '%s'", kw);
 }
 
 static bool in_list(const char *list, const char *s, size_t n) {
@@ -814,13 +814,13 @@ static bool in_list(const char *list, const char *s, size_t n) {
     return false;
 }
 
-static tt_node *parse_body(ps *P, const char *ends, const char **end_found, int open_line, const char *what) {
-    tt_node *head = NULL, **tail = &head;
+static mq_tt_node *parse_body(ps *P, const char *ends, const char **end_found, int open_line, const char *what) {
+    mq_tt_node *head = NULL, **tail = &head;
     for (;;) {
         tk *t = cur(P);
-        tt_node *n = NULL;
+        mq_tt_node *n = NULL;
         if (t->k == T_EOF) {
-            if (ends) tt_fail(P->c, MOEQ_E_FORMAT, open_line, "'%s' is never closed", what);
+            if (ends) mq_tt_fail(P->c, MOEQ_E_FORMAT, open_line, "'%s' is never closed", what);
             *end_found = NULL;
             return head;
         }
@@ -839,11 +839,11 @@ static tt_node *parse_body(ps *P, const char *ends, const char **end_found, int 
             tk *k = &P->t[P->p + 1];
             if (k->k == T_NAME && in_list(ends, k->s, k->n)) {
                 P->p += 2;
-                *end_found = tt_strdup(P->c, k->s, k->n);
+                *end_found = mq_tt_strdup(P->c, k->s, k->n);
                 return head;
             }
             if (k->k == T_NAME && (in_list("endif|endfor|elif|else|endset|endgeneration|endmacro", k->s, k->n)))
-                tt_fail(P->c, MOEQ_E_FORMAT, k->line, "unexpected '%.*s'%s%s%s", (int)k->n, k->s,
+                mq_tt_fail(P->c, MOEQ_E_FORMAT, k->line, "unexpected '%.*s'%s%s%s", (int)k->n, k->s,
                         ends ? " (the innermost open block is '" : "", ends ? what : "", ends ? "')" : "");
             P->p++;
             n = parse_stmt(P);
@@ -855,15 +855,15 @@ static tt_node *parse_body(ps *P, const char *ends, const char **end_found, int 
     }
 }
 
-moeq_status tt_parse(tt_template *t, const char *text, size_t len) {
-    tt_ctx c = {.name = t->name, .a = &t->arena};
-    tt_arena_init(&t->arena, (size_t)1 << 30);
+moeq_status mq_tt_parse(mq_tt_template *t, const char *text, size_t len) {
+    mq_tt_ctx c = {.name = t->name, .a = &t->arena};
+    mq_tt_arena_init(&t->arena, (size_t)1 << 30);
     if (setjmp(c.jb)) {
-        tt_arena_free(&t->arena);
+        mq_tt_arena_free(&t->arena);
         return mq_err(c.st, "%s", c.msg);
     }
     /* newlines as Jinja2 reads them: \r\n and \r are \n; one trailing newline dropped */
-    char *src = tt_alloc(&c, len + 1);
+    char *src = mq_tt_alloc(&c, len + 1);
     size_t n = 0;
     for (size_t i = 0; i < len; i++) {
         if (text[i] == '\r') {

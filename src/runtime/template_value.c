@@ -14,16 +14,16 @@
 #include "core/core.h"
 #include "runtime/template.h"
 
-struct tt_block {
-    tt_block *next;
+struct mq_tt_block {
+    mq_tt_block *next;
     size_t used, cap;
     _Alignas(16) unsigned char data[];
 };
 
-tv tt_undef = {.k = TV_UNDEF}, tt_none = {.k = TV_NONE}, tt_true = {.k = TV_BOOL, .u.b = 1},
-   tt_false = {.k = TV_BOOL, .u.b = 0};
+tv mq_tt_undef = {.k = TV_UNDEF}, mq_tt_none = {.k = TV_NONE}, mq_tt_true = {.k = TV_BOOL, .u.b = 1},
+   mq_tt_false = {.k = TV_BOOL, .u.b = 0};
 
-_Noreturn void tt_fail(tt_ctx *c, moeq_status st, int line, const char *fmt, ...) {
+_Noreturn void mq_tt_fail(mq_tt_ctx *c, moeq_status st, int line, const char *fmt, ...) {
     char m[400];
     va_list ap;
     va_start(ap, fmt);
@@ -37,30 +37,30 @@ _Noreturn void tt_fail(tt_ctx *c, moeq_status st, int line, const char *fmt, ...
     longjmp(c->jb, 1);
 }
 
-void tt_arena_init(tt_arena *a, size_t limit) {
+void mq_tt_arena_init(mq_tt_arena *a, size_t limit) {
     a->head = NULL;
     a->used_total = 0;
     a->limit = limit;
 }
 
-void tt_arena_free(tt_arena *a) {
+void mq_tt_arena_free(mq_tt_arena *a) {
     while (a->head) {
-        tt_block *n = a->head->next;
+        mq_tt_block *n = a->head->next;
         free(a->head);
         a->head = n;
     }
     a->used_total = 0;
 }
 
-void *tt_alloc(tt_ctx *c, size_t n) {
-    tt_arena *a = c->a;
+void *mq_tt_alloc(mq_tt_ctx *c, size_t n) {
+    mq_tt_arena *a = c->a;
     n = (n + 15) & ~(size_t)15;
     if (n > a->limit || a->used_total > a->limit - n)
-        tt_fail(c, MOEQ_E_NOMEM, 0, "more than %zu bytes of values (a loop without end?)", a->limit);
+        mq_tt_fail(c, MOEQ_E_NOMEM, 0, "more than %zu bytes of values (a loop without end?)", a->limit);
     if (!a->head || a->head->cap - a->head->used < n) {
         size_t cap = n > 65536 ? n : 65536;
-        tt_block *b = malloc(sizeof *b + cap);
-        if (!b) tt_fail(c, MOEQ_E_NOMEM, 0, "out of memory");
+        mq_tt_block *b = malloc(sizeof *b + cap);
+        if (!b) mq_tt_fail(c, MOEQ_E_NOMEM, 0, "out of memory");
         b->next = a->head;
         b->used = 0;
         b->cap = cap;
@@ -73,50 +73,50 @@ void *tt_alloc(tt_ctx *c, size_t n) {
     return p;
 }
 
-char *tt_strdup(tt_ctx *c, const char *s, size_t n) {
-    char *p = tt_alloc(c, n + 1);
+char *mq_tt_strdup(mq_tt_ctx *c, const char *s, size_t n) {
+    char *p = mq_tt_alloc(c, n + 1);
     if (n) memcpy(p, s, n);
     p[n] = 0;
     return p;
 }
 
-tv *tv_int(tt_ctx *c, int64_t i) {
-    tv *x = tt_alloc(c, sizeof *x);
+tv *mq_tv_int(mq_tt_ctx *c, int64_t i) {
+    tv *x = mq_tt_alloc(c, sizeof *x);
     x->k = TV_INT;
     x->u.i = i;
     return x;
 }
 
-tv *tv_float(tt_ctx *c, double f) {
-    tv *x = tt_alloc(c, sizeof *x);
+tv *mq_tv_float(mq_tt_ctx *c, double f) {
+    tv *x = mq_tt_alloc(c, sizeof *x);
     x->k = TV_FLOAT;
     x->u.f = f;
     return x;
 }
 
-tv *tv_bool(bool b) { return b ? &tt_true : &tt_false; }
+tv *mq_tv_bool(bool b) { return b ? &mq_tt_true : &mq_tt_false; }
 
-tv *tv_str_ref(tt_ctx *c, const char *s, size_t n) {
-    tv *x = tt_alloc(c, sizeof *x);
+tv *mq_tv_str_ref(mq_tt_ctx *c, const char *s, size_t n) {
+    tv *x = mq_tt_alloc(c, sizeof *x);
     x->k = TV_STR;
     x->u.s.s = s;
     x->u.s.n = n;
     return x;
 }
 
-tv *tv_str(tt_ctx *c, const char *s, size_t n) { return tv_str_ref(c, tt_strdup(c, s, n), n); }
+tv *mq_tv_str(mq_tt_ctx *c, const char *s, size_t n) { return mq_tv_str_ref(c, mq_tt_strdup(c, s, n), n); }
 
-tv *tv_list(tt_ctx *c, size_t cap) {
-    tv *x = tt_alloc(c, sizeof *x);
+tv *mq_tv_list(mq_tt_ctx *c, size_t cap) {
+    tv *x = mq_tt_alloc(c, sizeof *x);
     x->k = TV_LIST;
     x->u.l.cap = cap ? cap : 4;
-    x->u.l.v = tt_alloc(c, sizeof(tv *) * x->u.l.cap);
+    x->u.l.v = mq_tt_alloc(c, sizeof(tv *) * x->u.l.cap);
     return x;
 }
 
-void tv_list_push(tt_ctx *c, tv *l, tv *x) {
+void mq_tv_list_push(mq_tt_ctx *c, tv *l, tv *x) {
     if (l->u.l.n == l->u.l.cap) {
-        tv **v = tt_alloc(c, sizeof(tv *) * l->u.l.cap * 2);
+        tv **v = mq_tt_alloc(c, sizeof(tv *) * l->u.l.cap * 2);
         memcpy(v, l->u.l.v, sizeof(tv *) * l->u.l.n);
         l->u.l.v = v;
         l->u.l.cap *= 2;
@@ -124,22 +124,22 @@ void tv_list_push(tt_ctx *c, tv *l, tv *x) {
     l->u.l.v[l->u.l.n++] = x;
 }
 
-tv *tv_dict(tt_ctx *c, tv_kind k) {
-    tv *x = tt_alloc(c, sizeof *x);
+tv *mq_tv_dict(mq_tt_ctx *c, mq_tv_kind k) {
+    tv *x = mq_tt_alloc(c, sizeof *x);
     x->k = k;
     x->u.d.cap = 4;
-    x->u.d.key = tt_alloc(c, sizeof(tv *) * 4);
-    x->u.d.val = tt_alloc(c, sizeof(tv *) * 4);
+    x->u.d.key = mq_tt_alloc(c, sizeof(tv *) * 4);
+    x->u.d.val = mq_tt_alloc(c, sizeof(tv *) * 4);
     return x;
 }
 
 static bool key_eq(const tv *a, const tv *b) {
     if (a->k == TV_STR && b->k == TV_STR)
         return a->u.s.n == b->u.s.n && !memcmp(a->u.s.s, b->u.s.s, a->u.s.n);
-    return tv_eq(a, b);
+    return mq_tv_eq(a, b);
 }
 
-void tv_dict_set(tt_ctx *c, tv *d, tv *key, tv *val) {
+void mq_tv_dict_set(mq_tt_ctx *c, tv *d, tv *key, tv *val) {
     for (size_t i = 0; i < d->u.d.n; i++)
         if (key_eq(d->u.d.key[i], key)) {
             d->u.d.val[i] = val;
@@ -147,7 +147,7 @@ void tv_dict_set(tt_ctx *c, tv *d, tv *key, tv *val) {
         }
     if (d->u.d.n == d->u.d.cap) {
         size_t cap = d->u.d.cap * 2;
-        tv **k = tt_alloc(c, sizeof(tv *) * cap), **v = tt_alloc(c, sizeof(tv *) * cap);
+        tv **k = mq_tt_alloc(c, sizeof(tv *) * cap), **v = mq_tt_alloc(c, sizeof(tv *) * cap);
         memcpy(k, d->u.d.key, sizeof(tv *) * d->u.d.n);
         memcpy(v, d->u.d.val, sizeof(tv *) * d->u.d.n);
         d->u.d.key = k;
@@ -158,13 +158,13 @@ void tv_dict_set(tt_ctx *c, tv *d, tv *key, tv *val) {
     d->u.d.val[d->u.d.n++] = val;
 }
 
-tv *tv_dict_get(const tv *d, const tv *key) {
+tv *mq_tv_dict_get(const tv *d, const tv *key) {
     for (size_t i = 0; i < d->u.d.n; i++)
         if (key_eq(d->u.d.key[i], key)) return d->u.d.val[i];
     return NULL;
 }
 
-tv *tv_dict_gets(const tv *d, const char *key) {
+tv *mq_tv_dict_gets(const tv *d, const char *key) {
     size_t n = strlen(key);
     for (size_t i = 0; i < d->u.d.n; i++) {
         const tv *k = d->u.d.key[i];
@@ -173,7 +173,7 @@ tv *tv_dict_gets(const tv *d, const char *key) {
     return NULL;
 }
 
-bool tv_truthy(const tv *x) {
+bool mq_tv_truthy(const tv *x) {
     switch (x->k) {
     case TV_UNDEF:
     case TV_NONE: return false;
@@ -193,7 +193,7 @@ static double num(const tv *x) {
 }
 static int64_t inum(const tv *x) { return x->k == TV_INT ? x->u.i : x->u.b; }
 
-bool tv_eq(const tv *a, const tv *b) {
+bool mq_tv_eq(const tv *a, const tv *b) {
     if (is_num(a) && is_num(b)) {
         if (a->k != TV_FLOAT && b->k != TV_FLOAT) return inum(a) == inum(b);
         return num(a) == num(b);
@@ -206,20 +206,20 @@ bool tv_eq(const tv *a, const tv *b) {
     case TV_LIST:
         if (a->u.l.n != b->u.l.n) return false;
         for (size_t i = 0; i < a->u.l.n; i++)
-            if (!tv_eq(a->u.l.v[i], b->u.l.v[i])) return false;
+            if (!mq_tv_eq(a->u.l.v[i], b->u.l.v[i])) return false;
         return true;
     case TV_DICT:
         if (a->u.d.n != b->u.d.n) return false;
         for (size_t i = 0; i < a->u.d.n; i++) {
-            const tv *o = tv_dict_get(b, a->u.d.key[i]);
-            if (!o || !tv_eq(a->u.d.val[i], o)) return false;
+            const tv *o = mq_tv_dict_get(b, a->u.d.key[i]);
+            if (!o || !mq_tv_eq(a->u.d.val[i], o)) return false;
         }
         return true;
     default: return a == b;
     }
 }
 
-int tv_cmp(tt_ctx *c, int line, const tv *a, const tv *b) {
+int mq_tv_cmp(mq_tt_ctx *c, int line, const tv *a, const tv *b) {
     if (is_num(a) && is_num(b)) {
         if (a->k != TV_FLOAT && b->k != TV_FLOAT) return (inum(a) > inum(b)) - (inum(a) < inum(b));
         return (num(a) > num(b)) - (num(a) < num(b));
@@ -232,29 +232,29 @@ int tv_cmp(tt_ctx *c, int line, const tv *a, const tv *b) {
     }
     if (a->k == TV_LIST && b->k == TV_LIST) {
         for (size_t i = 0; i < a->u.l.n && i < b->u.l.n; i++)
-            if (!tv_eq(a->u.l.v[i], b->u.l.v[i])) return tv_cmp(c, line, a->u.l.v[i], b->u.l.v[i]);
+            if (!mq_tv_eq(a->u.l.v[i], b->u.l.v[i])) return mq_tv_cmp(c, line, a->u.l.v[i], b->u.l.v[i]);
         return (a->u.l.n > b->u.l.n) - (a->u.l.n < b->u.l.n);
     }
-    tt_fail(c, MOEQ_E_ARG, line, "cannot order %s and %s", tv_type_name(a), tv_type_name(b));
+    mq_tt_fail(c, MOEQ_E_ARG, line, "cannot order %s and %s", mq_tv_type_name(a), mq_tv_type_name(b));
 }
 
-const char *tv_type_name(const tv *x) {
+const char *mq_tv_type_name(const tv *x) {
     static const char *n[] = {"undefined", "NoneType", "bool", "int", "float", "str", "list",
                               "dict", "Namespace", "function"};
     return n[x->k];
 }
 
-size_t tt_utf8_len(const char *s, size_t n) {
+size_t mq_tt_utf8_len(const char *s, size_t n) {
     size_t k = 0;
     for (size_t i = 0; i < n; i++) k += ((unsigned char)s[i] & 0xC0) != 0x80;
     return k;
 }
 
-void tt_put(tt_ctx *c, tt_buf *b, const char *s, size_t n) {
+void mq_tt_put(mq_tt_ctx *c, mq_tt_buf *b, const char *s, size_t n) {
     if (b->cap - b->n < n + 1) {
         size_t cap = b->cap ? b->cap : 256;
         while (cap - b->n < n + 1) cap *= 2;
-        char *p = tt_alloc(c, cap);
+        char *p = mq_tt_alloc(c, cap);
         if (b->n) memcpy(p, b->p, b->n);
         b->p = p;
         b->cap = cap;
@@ -264,13 +264,13 @@ void tt_put(tt_ctx *c, tt_buf *b, const char *s, size_t n) {
     b->p[b->n] = 0;
 }
 
-void tt_puts(tt_ctx *c, tt_buf *b, const char *s) { tt_put(c, b, s, strlen(s)); }
+void mq_tt_puts(mq_tt_ctx *c, mq_tt_buf *b, const char *s) { mq_tt_put(c, b, s, strlen(s)); }
 
 /* Python's float repr: the shortest digits that read back the same, in exponent form when the
  * exponent is < -4 or >= 16, and ".0" on integral values. */
-static void put_float(tt_ctx *c, tt_buf *b, double f) {
-    if (isnan(f)) return tt_puts(c, b, "nan");
-    if (isinf(f)) return tt_puts(c, b, f < 0 ? "-inf" : "inf");
+static void put_float(mq_tt_ctx *c, mq_tt_buf *b, double f) {
+    if (isnan(f)) return mq_tt_puts(c, b, "nan");
+    if (isinf(f)) return mq_tt_puts(c, b, f < 0 ? "-inf" : "inf");
     char t[40];
     int p;
     for (p = 1; p <= 17; p++) {
@@ -308,77 +308,77 @@ static void put_float(tt_ctx *c, tt_buf *b, double f) {
         else
             o[k++] = '0';
     }
-    tt_put(c, b, o, (size_t)k);
+    mq_tt_put(c, b, o, (size_t)k);
 }
 
-static void put_int(tt_ctx *c, tt_buf *b, int64_t i) {
+static void put_int(mq_tt_ctx *c, mq_tt_buf *b, int64_t i) {
     char t[24];
-    tt_put(c, b, t, (size_t)snprintf(t, sizeof t, "%lld", (long long)i));
+    mq_tt_put(c, b, t, (size_t)snprintf(t, sizeof t, "%lld", (long long)i));
 }
 
 /* Python's str repr: single quotes unless the text holds ' and no ". Non-printable ASCII is
  * escaped; other characters are kept (Python keeps printable non-ASCII). */
-static void put_str_repr(tt_ctx *c, tt_buf *b, const char *s, size_t n) {
+static void put_str_repr(mq_tt_ctx *c, mq_tt_buf *b, const char *s, size_t n) {
     bool sq = memchr(s, '\'', n) != NULL, dq = memchr(s, '"', n) != NULL;
     char qc = sq && !dq ? '"' : '\'';
-    tt_put(c, b, &qc, 1);
+    mq_tt_put(c, b, &qc, 1);
     for (size_t i = 0; i < n; i++) {
         unsigned char ch = (unsigned char)s[i];
         char t[8];
         if (ch == (unsigned char)qc || ch == '\\') {
             t[0] = '\\';
             t[1] = (char)ch;
-            tt_put(c, b, t, 2);
-        } else if (ch == '\n') tt_puts(c, b, "\\n");
-        else if (ch == '\r') tt_puts(c, b, "\\r");
-        else if (ch == '\t') tt_puts(c, b, "\\t");
-        else if (ch < 0x20 || ch == 0x7f) tt_put(c, b, t, (size_t)snprintf(t, sizeof t, "\\x%02x", ch));
-        else tt_put(c, b, (const char *)&s[i], 1);
+            mq_tt_put(c, b, t, 2);
+        } else if (ch == '\n') mq_tt_puts(c, b, "\\n");
+        else if (ch == '\r') mq_tt_puts(c, b, "\\r");
+        else if (ch == '\t') mq_tt_puts(c, b, "\\t");
+        else if (ch < 0x20 || ch == 0x7f) mq_tt_put(c, b, t, (size_t)snprintf(t, sizeof t, "\\x%02x", ch));
+        else mq_tt_put(c, b, (const char *)&s[i], 1);
     }
-    tt_put(c, b, &qc, 1);
+    mq_tt_put(c, b, &qc, 1);
 }
 
-void tv_repr(tt_ctx *c, tt_buf *b, const tv *x) {
+void mq_tv_repr(mq_tt_ctx *c, mq_tt_buf *b, const tv *x) {
     switch (x->k) {
     case TV_STR: put_str_repr(c, b, x->u.s.s, x->u.s.n); return;
     case TV_LIST:
-        tt_puts(c, b, "[");
+        mq_tt_puts(c, b, "[");
         for (size_t i = 0; i < x->u.l.n; i++) {
-            if (i) tt_puts(c, b, ", ");
-            tv_repr(c, b, x->u.l.v[i]);
+            if (i) mq_tt_puts(c, b, ", ");
+            mq_tv_repr(c, b, x->u.l.v[i]);
         }
-        tt_puts(c, b, "]");
+        mq_tt_puts(c, b, "]");
         return;
     case TV_DICT:
-        tt_puts(c, b, "{");
+        mq_tt_puts(c, b, "{");
         for (size_t i = 0; i < x->u.d.n; i++) {
-            if (i) tt_puts(c, b, ", ");
-            tv_repr(c, b, x->u.d.key[i]);
-            tt_puts(c, b, ": ");
-            tv_repr(c, b, x->u.d.val[i]);
+            if (i) mq_tt_puts(c, b, ", ");
+            mq_tv_repr(c, b, x->u.d.key[i]);
+            mq_tt_puts(c, b, ": ");
+            mq_tv_repr(c, b, x->u.d.val[i]);
         }
-        tt_puts(c, b, "}");
+        mq_tt_puts(c, b, "}");
         return;
-    default: tv_to_str(c, b, x);
+    default: mq_tv_to_str(c, b, x);
     }
 }
 
-void tv_to_str(tt_ctx *c, tt_buf *b, const tv *x) {
+void mq_tv_to_str(mq_tt_ctx *c, mq_tt_buf *b, const tv *x) {
     switch (x->k) {
     case TV_UNDEF: return;
-    case TV_NONE: tt_puts(c, b, "None"); return;
-    case TV_BOOL: tt_puts(c, b, x->u.b ? "True" : "False"); return;
+    case TV_NONE: mq_tt_puts(c, b, "None"); return;
+    case TV_BOOL: mq_tt_puts(c, b, x->u.b ? "True" : "False"); return;
     case TV_INT: put_int(c, b, x->u.i); return;
     case TV_FLOAT: put_float(c, b, x->u.f); return;
-    case TV_STR: tt_put(c, b, x->u.s.s, x->u.s.n); return;
-    case TV_NS: tt_puts(c, b, "<Namespace>"); return;
-    case TV_FUNC: tt_puts(c, b, "<function>"); return;
-    default: tv_repr(c, b, x);
+    case TV_STR: mq_tt_put(c, b, x->u.s.s, x->u.s.n); return;
+    case TV_NS: mq_tt_puts(c, b, "<Namespace>"); return;
+    case TV_FUNC: mq_tt_puts(c, b, "<function>"); return;
+    default: mq_tv_repr(c, b, x);
     }
 }
 
-static void json_str(tt_ctx *c, tt_buf *b, const char *s, size_t n) {
-    tt_puts(c, b, "\"");
+static void json_str(mq_tt_ctx *c, mq_tt_buf *b, const char *s, size_t n) {
+    mq_tt_puts(c, b, "\"");
     size_t run = 0;
     for (size_t i = 0; i < n; i++) {
         unsigned char ch = (unsigned char)s[i];
@@ -399,93 +399,93 @@ static void json_str(tt_ctx *c, tt_buf *b, const char *s, size_t n) {
             }
         }
         if (e) {
-            tt_put(c, b, s + run, i - run);
-            tt_puts(c, b, e);
+            mq_tt_put(c, b, s + run, i - run);
+            mq_tt_puts(c, b, e);
             run = i + 1;
         }
     }
-    tt_put(c, b, s + run, n - run);
-    tt_puts(c, b, "\"");
+    mq_tt_put(c, b, s + run, n - run);
+    mq_tt_puts(c, b, "\"");
 }
 
-static void json_nl(tt_ctx *c, tt_buf *b, int indent, int depth) {
-    tt_puts(c, b, "\n");
-    for (int i = 0; i < indent * depth; i++) tt_puts(c, b, " ");
+static void json_nl(mq_tt_ctx *c, mq_tt_buf *b, int indent, int depth) {
+    mq_tt_puts(c, b, "\n");
+    for (int i = 0; i < indent * depth; i++) mq_tt_puts(c, b, " ");
 }
 
-static void to_json(tt_ctx *c, int line, tt_buf *b, const tv *x, int indent, bool sort, int depth) {
-    if (depth > 100) tt_fail(c, MOEQ_E_ARG, line, "tojson: nesting deeper than 100");
+static void to_json(mq_tt_ctx *c, int line, mq_tt_buf *b, const tv *x, int indent, bool sort, int depth) {
+    if (depth > 100) mq_tt_fail(c, MOEQ_E_ARG, line, "tojson: nesting deeper than 100");
     switch (x->k) {
-    case TV_NONE: tt_puts(c, b, "null"); return;
-    case TV_BOOL: tt_puts(c, b, x->u.b ? "true" : "false"); return;
+    case TV_NONE: mq_tt_puts(c, b, "null"); return;
+    case TV_BOOL: mq_tt_puts(c, b, x->u.b ? "true" : "false"); return;
     case TV_INT: put_int(c, b, x->u.i); return;
     case TV_FLOAT:
-        if (isnan(x->u.f)) tt_puts(c, b, "NaN");
-        else if (isinf(x->u.f)) tt_puts(c, b, x->u.f < 0 ? "-Infinity" : "Infinity");
+        if (isnan(x->u.f)) mq_tt_puts(c, b, "NaN");
+        else if (isinf(x->u.f)) mq_tt_puts(c, b, x->u.f < 0 ? "-Infinity" : "Infinity");
         else put_float(c, b, x->u.f);
         return;
     case TV_STR: json_str(c, b, x->u.s.s, x->u.s.n); return;
     case TV_LIST:
-        if (!x->u.l.n) return tt_puts(c, b, "[]");
-        tt_puts(c, b, "[");
+        if (!x->u.l.n) return mq_tt_puts(c, b, "[]");
+        mq_tt_puts(c, b, "[");
         for (size_t i = 0; i < x->u.l.n; i++) {
-            if (i) tt_puts(c, b, indent >= 0 ? "," : ", ");
+            if (i) mq_tt_puts(c, b, indent >= 0 ? "," : ", ");
             if (indent >= 0) json_nl(c, b, indent, depth + 1);
             to_json(c, line, b, x->u.l.v[i], indent, sort, depth + 1);
         }
         if (indent >= 0) json_nl(c, b, indent, depth);
-        tt_puts(c, b, "]");
+        mq_tt_puts(c, b, "]");
         return;
     case TV_DICT: {
-        if (!x->u.d.n) return tt_puts(c, b, "{}");
-        size_t n = x->u.d.n, *ord = tt_alloc(c, sizeof(size_t) * n);
+        if (!x->u.d.n) return mq_tt_puts(c, b, "{}");
+        size_t n = x->u.d.n, *ord = mq_tt_alloc(c, sizeof(size_t) * n);
         for (size_t i = 0; i < n; i++) ord[i] = i;
         if (sort)   /* insertion sort: dicts in templates are small */
             for (size_t i = 1; i < n; i++)
-                for (size_t j = i; j > 0 && tv_cmp(c, line, x->u.d.key[ord[j - 1]], x->u.d.key[ord[j]]) > 0; j--) {
+                for (size_t j = i; j > 0 && mq_tv_cmp(c, line, x->u.d.key[ord[j - 1]], x->u.d.key[ord[j]]) > 0; j--) {
                     size_t t = ord[j];
                     ord[j] = ord[j - 1];
                     ord[j - 1] = t;
                 }
-        tt_puts(c, b, "{");
+        mq_tt_puts(c, b, "{");
         for (size_t k = 0; k < n; k++) {
             size_t i = ord[k];
-            if (k) tt_puts(c, b, indent >= 0 ? "," : ", ");
+            if (k) mq_tt_puts(c, b, indent >= 0 ? "," : ", ");
             if (indent >= 0) json_nl(c, b, indent, depth + 1);
             const tv *key = x->u.d.key[i];
             if (key->k == TV_STR) json_str(c, b, key->u.s.s, key->u.s.n);
             else {   /* json.dumps turns int, float, bool and None keys into strings */
-                tt_buf kb = {0};
+                mq_tt_buf kb = {0};
                 to_json(c, line, &kb, key, -1, false, depth + 1);
                 json_str(c, b, kb.p, kb.n);
             }
-            tt_puts(c, b, ": ");
+            mq_tt_puts(c, b, ": ");
             to_json(c, line, b, x->u.d.val[i], indent, sort, depth + 1);
         }
         if (indent >= 0) json_nl(c, b, indent, depth);
-        tt_puts(c, b, "}");
+        mq_tt_puts(c, b, "}");
         return;
     }
     default:
-        tt_fail(c, MOEQ_E_ARG, line, "tojson: Object of type %s is not JSON serializable",
-                tv_type_name(x));
+        mq_tt_fail(c, MOEQ_E_ARG, line, "tojson: Object of type %s is not JSON serializable",
+                mq_tv_type_name(x));
     }
 }
 
-void tv_to_json(tt_ctx *c, int line, tt_buf *b, const tv *x, int indent, bool sort_keys) {
+void mq_tv_to_json(mq_tt_ctx *c, int line, mq_tt_buf *b, const tv *x, int indent, bool sort_keys) {
     to_json(c, line, b, x, indent, sort_keys, 0);
 }
 
 /* ---- JSON reader ------------------------------------------------------------------------ */
 typedef struct {
-    tt_ctx *c;
+    mq_tt_ctx *c;
     const char *what, *s;
     size_t n, i;
     int depth;
 } jr;
 
 _Noreturn static void jr_fail(jr *r, const char *m) {
-    tt_fail(r->c, MOEQ_E_FORMAT, 0, "%s: %s at byte offset %zu", r->what, m, r->i);
+    mq_tt_fail(r->c, MOEQ_E_FORMAT, 0, "%s: %s at byte offset %zu", r->what, m, r->i);
 }
 
 static void jr_ws(jr *r) {
@@ -493,7 +493,7 @@ static void jr_ws(jr *r) {
         r->i++;
 }
 
-static void put_utf8(tt_ctx *c, tt_buf *b, uint32_t cp) {
+static void put_utf8(mq_tt_ctx *c, mq_tt_buf *b, uint32_t cp) {
     char t[4];
     size_t n;
     if (cp < 0x80) t[0] = (char)cp, n = 1;
@@ -503,7 +503,7 @@ static void put_utf8(tt_ctx *c, tt_buf *b, uint32_t cp) {
     else
         t[0] = (char)(0xF0 | cp >> 18), t[1] = (char)(0x80 | ((cp >> 12) & 63)),
         t[2] = (char)(0x80 | ((cp >> 6) & 63)), t[3] = (char)(0x80 | (cp & 63)), n = 4;
-    tt_put(c, b, t, n);
+    mq_tt_put(c, b, t, n);
 }
 
 static uint32_t jr_hex4(jr *r) {
@@ -521,7 +521,7 @@ static uint32_t jr_hex4(jr *r) {
 }
 
 static tv *jr_string(jr *r) {
-    tt_buf b = {0};
+    mq_tt_buf b = {0};
     r->i++;   /* the quote */
     size_t run = r->i;
     for (;;) {
@@ -533,19 +533,19 @@ static tv *jr_string(jr *r) {
             r->i++;
             continue;
         }
-        tt_put(r->c, &b, r->s + run, r->i - run);
+        mq_tt_put(r->c, &b, r->s + run, r->i - run);
         r->i++;
         if (r->i >= r->n) jr_fail(r, "unterminated string");
         char e = r->s[r->i++];
         switch (e) {
-        case '"': tt_puts(r->c, &b, "\""); break;
-        case '\\': tt_puts(r->c, &b, "\\"); break;
-        case '/': tt_puts(r->c, &b, "/"); break;
-        case 'b': tt_puts(r->c, &b, "\b"); break;
-        case 'f': tt_puts(r->c, &b, "\f"); break;
-        case 'n': tt_puts(r->c, &b, "\n"); break;
-        case 'r': tt_puts(r->c, &b, "\r"); break;
-        case 't': tt_puts(r->c, &b, "\t"); break;
+        case '"': mq_tt_puts(r->c, &b, "\""); break;
+        case '\\': mq_tt_puts(r->c, &b, "\\"); break;
+        case '/': mq_tt_puts(r->c, &b, "/"); break;
+        case 'b': mq_tt_puts(r->c, &b, "\b"); break;
+        case 'f': mq_tt_puts(r->c, &b, "\f"); break;
+        case 'n': mq_tt_puts(r->c, &b, "\n"); break;
+        case 'r': mq_tt_puts(r->c, &b, "\r"); break;
+        case 't': mq_tt_puts(r->c, &b, "\t"); break;
         case 'u': {
             uint32_t cp = jr_hex4(r);
             if (cp >= 0xD800 && cp < 0xDC00 && r->n - r->i >= 6 && r->s[r->i] == '\\' && r->s[r->i + 1] == 'u') {
@@ -563,10 +563,10 @@ static tv *jr_string(jr *r) {
         }
         run = r->i;
     }
-    tt_put(r->c, &b, r->s + run, r->i - run);
+    mq_tt_put(r->c, &b, r->s + run, r->i - run);
     r->i++;
     if (moeq_utf8_valid_prefix(b.p ? b.p : "", b.n) != b.n) jr_fail(r, "string is not valid UTF-8");
-    return tv_str_ref(r->c, b.p ? b.p : "", b.n);
+    return mq_tv_str_ref(r->c, b.p ? b.p : "", b.n);
 }
 
 static tv *jr_value(jr *r) {
@@ -576,7 +576,7 @@ static tv *jr_value(jr *r) {
     char ch = r->s[r->i];
     tv *x;
     if (ch == '{') {
-        x = tv_dict(r->c, TV_DICT);
+        x = mq_tv_dict(r->c, TV_DICT);
         r->i++;
         jr_ws(r);
         if (r->i < r->n && r->s[r->i] == '}') r->i++;
@@ -588,7 +588,7 @@ static tv *jr_value(jr *r) {
                 jr_ws(r);
                 if (r->i >= r->n || r->s[r->i] != ':') jr_fail(r, "expected ':'");
                 r->i++;
-                tv_dict_set(r->c, x, k, jr_value(r));
+                mq_tv_dict_set(r->c, x, k, jr_value(r));
                 jr_ws(r);
                 if (r->i < r->n && r->s[r->i] == ',') {
                     r->i++;
@@ -601,13 +601,13 @@ static tv *jr_value(jr *r) {
                 jr_fail(r, "expected ',' or '}'");
             }
     } else if (ch == '[') {
-        x = tv_list(r->c, 4);
+        x = mq_tv_list(r->c, 4);
         r->i++;
         jr_ws(r);
         if (r->i < r->n && r->s[r->i] == ']') r->i++;
         else
             for (;;) {
-                tv_list_push(r->c, x, jr_value(r));
+                mq_tv_list_push(r->c, x, jr_value(r));
                 jr_ws(r);
                 if (r->i < r->n && r->s[r->i] == ',') {
                     r->i++;
@@ -623,13 +623,13 @@ static tv *jr_value(jr *r) {
         x = jr_string(r);
     } else if (r->n - r->i >= 4 && !memcmp(r->s + r->i, "true", 4)) {
         r->i += 4;
-        x = &tt_true;
+        x = &mq_tt_true;
     } else if (r->n - r->i >= 5 && !memcmp(r->s + r->i, "false", 5)) {
         r->i += 5;
-        x = &tt_false;
+        x = &mq_tt_false;
     } else if (r->n - r->i >= 4 && !memcmp(r->s + r->i, "null", 4)) {
         r->i += 4;
-        x = &tt_none;
+        x = &mq_tt_none;
     } else if (ch == '-' || (ch >= '0' && ch <= '9')) {
         size_t st = r->i;
         bool isf = false;
@@ -649,12 +649,12 @@ static tv *jr_value(jr *r) {
         if (!isf) {
             long long v = strtoll(t, &end, 10);
             if (*end || errno) isf = true;   /* past int64: read as a float */
-            else x = tv_int(r->c, v);
+            else x = mq_tv_int(r->c, v);
         }
         if (isf) {
             double d = strtod(t, &end);
             if (*end) jr_fail(r, "bad number");
-            x = tv_float(r->c, d);
+            x = mq_tv_float(r->c, d);
         }
     } else {
         jr_fail(r, "unexpected character");
@@ -663,7 +663,7 @@ static tv *jr_value(jr *r) {
     return x;
 }
 
-tv *tv_from_json(tt_ctx *c, const char *what, const char *s, size_t n) {
+tv *mq_tv_from_json(mq_tt_ctx *c, const char *what, const char *s, size_t n) {
     jr r = {c, what, s, n, 0, 0};
     tv *x = jr_value(&r);
     jr_ws(&r);
