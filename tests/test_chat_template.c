@@ -122,6 +122,20 @@ static void errors_name_the_line(void) {
     /* a loop whose output grows past the limit stops with an error, not a crash */
     expect_error("{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
                  MOEQ_E_NOMEM, NULL, "bytes");
+    /* nesting that would run the stack out is refused */
+    char deep[2 * 5000 + 16];
+    memset(deep, '(', 5000);
+    memset(deep + 5000, ')', 5000);
+    memcpy(deep, "{{", 2);
+    memcpy(deep + 10000 - 2, "}}", 3);
+    expect_error(deep, MOEQ_E_UNSUPPORTED, "line 1", "nested deeper");
+    static char deep2[10 * 3000 + 16];
+    for (int i = 0; i < 3000; i++) strcat(deep2, "{% if 1 %}");
+    expect_error(deep2, MOEQ_E_UNSUPPORTED, "line 1", "nested deeper");
+    static char deep3[4 * 5000 + 64] = "{{ ";
+    for (int i = 0; i < 5000; i++) strcat(deep3, "not ");
+    strcat(deep3, "1 }}");
+    expect_error(deep3, MOEQ_E_UNSUPPORTED, "line 1", "nested deeper");
     /* not UTF-8 */
     expect_error("ab\xff", MOEQ_E_FORMAT, NULL, "UTF-8");
     /* bad messages */

@@ -32,7 +32,14 @@ typedef struct {
     mq_tt_ctx *c;
     tk *t;
     size_t n, cap, p;
+    int depth;   /* nesting of expressions and blocks, bounded so that no input runs the stack out */
 } ps;
+
+#define MAX_NESTING 100
+static void enter(ps *P, int line) {
+    if (++P->depth > MAX_NESTING)
+        mq_tt_fail(P->c, MOEQ_E_UNSUPPORTED, line, "nested deeper than %d levels", MAX_NESTING);
+}
 
 static void push(ps *P, tk t) {
     if (P->n == P->cap) {
@@ -532,10 +539,14 @@ static mq_tt_expr *parse_unary(ps *P, bool filters) {
     mq_tt_expr *e;
     if (accept_op(P, "-")) {
         e = ex(P, E_NEG, line);
+        enter(P, line);
         e->a = parse_unary(P, false);
+        P->depth--;
     } else if (accept_op(P, "+")) {
         e = ex(P, E_POS, line);
+        enter(P, line);
         e->a = parse_unary(P, false);
+        P->depth--;
     } else {
         e = parse_postfix(P, parse_primary(P));
     }
@@ -625,7 +636,9 @@ static mq_tt_expr *parse_not(ps *P) {
     int line = cur(P)->line;
     if (accept_name(P, "not")) {
         mq_tt_expr *e = ex(P, E_NOT, line);
+        enter(P, line);
         e->a = parse_not(P);
+        P->depth--;
         return e;
     }
     return parse_compare(P);
@@ -656,6 +669,7 @@ static mq_tt_expr *parse_or(ps *P) {
 }
 
 static mq_tt_expr *parse_expr(ps *P) {
+    enter(P, cur(P)->line);
     mq_tt_expr *e = parse_or(P);
     while (is_name(cur(P), "if")) {
         mq_tt_expr *c = ex(P, E_COND, cur(P)->line);
@@ -665,6 +679,7 @@ static mq_tt_expr *parse_expr(ps *P) {
         c->c = accept_name(P, "else") ? parse_expr(P) : NULL;
         e = c;
     }
+    P->depth--;
     return e;
 }
 
@@ -846,7 +861,9 @@ static mq_tt_node *parse_body(ps *P, const char *ends, const char **end_found, i
                 mq_tt_fail(P->c, MOEQ_E_FORMAT, k->line, "unexpected '%.*s'%s%s%s", (int)k->n, k->s,
                         ends ? " (the innermost open block is '" : "", ends ? what : "", ends ? "')" : "");
             P->p++;
+            enter(P, t->line);
             n = parse_stmt(P);
+            P->depth--;
         } else {
             expected(P, "text or a tag");
         }
