@@ -132,8 +132,8 @@ static bool peer_gone(int fd) {
     return k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
 }
 
-/* A free slot's index; -1 when the queue is full (503), -2 when the server stops or the client
- * left while it waited. */
+/* A free slot's index; -1 when the queue is full (503), -2 when the server stops, -3 when the
+ * client left while it waited. */
 static int slot_acquire(int fd) {
     server *s = &g_srv;
     pthread_mutex_lock(&s->mu);
@@ -150,12 +150,15 @@ static int slot_acquire(int fd) {
             pthread_cond_timedwait(&s->cv, &s->mu, &ts);
             for (int i = 0; i < s->n_slots && got < 0; i++)
                 if (!s->busy[i]) got = i;
-            if (got < 0 && peer_gone(fd)) break;
+            if (got < 0 && peer_gone(fd)) {
+                got = -3;
+                break;
+            }
         }
         s->waiting--;
-        if (got < 0) got = -2;
+        if (got == -1) got = -2;
     }
-    if (s->stopping) got = -2;
+    if (s->stopping && got >= 0) got = -2;
     if (got >= 0) s->busy[got] = true;
     pthread_mutex_unlock(&s->mu);
     return got;
@@ -246,8 +249,10 @@ static int stream_piece(void *user, const char *text, size_t len) {
 
 static void log_request(const char *path, int status, const moeq_gen_result *r) {
     if (r)
-        fprintf(stderr, "moeq serve: POST %s %d: %d prompt tokens (%d reused), %d generated, %s\n", path, status,
-                r->prompt_tokens, r->reused_tokens, r->completion_tokens, r->finish_reason);
+        fprintf(stderr, "moeq serve: POST %s %d: %d prompt tokens (%d reused), %d generated, %s; prefill %.3f s, "
+                "decode %.1f tokens/s\n", path, status, r->prompt_tokens, r->reused_tokens, r->completion_tokens,
+                r->finish_reason, r->prefill_seconds,
+                r->completion_tokens > 1 && r->decode_seconds > 0 ? (r->completion_tokens - 1) / r->decode_seconds : 0.0);
     else
         fprintf(stderr, "moeq serve: POST %s %d\n", path, status);
 }
@@ -362,8 +367,9 @@ static enum MHD_Result completion(struct MHD_Connection *c, const char *path, in
         moeq_openai_request_free(&req);
         log_request(path, 503, NULL);
         return send_error(c, MHD_HTTP_SERVICE_UNAVAILABLE,
-                          slot == -1 ? "every slot is busy and the queue is full: try again"
-                                     : "the server is stopping",
+                          slot == -1   ? "every slot is busy and the queue is full: try again"
+                          : slot == -3 ? "the client left while its request waited"
+                                       : "the server is stopping",
                           "server_error", "overloaded", NULL);
     }
     pthread_mutex_lock(&g_srv.mu);
