@@ -36,6 +36,7 @@ struct mq_eval_gpu {
     int k, l;
     mq_gpu_mlp *experts, *shared, *dense;
     mq_gpu_moe *moe;              /* bf16: the routed experts as one MoE op (routing included) */
+    int k_begin;                  /* the model of the layer being begun */
     bool gated;
     /* a group's host scratch */
     mq_gpu_attn_sample *smp;      /* [rows]: a window each */
@@ -202,12 +203,44 @@ static moeq_status one_mlp(mq_eval_gpu *G, const mq_linear *gate, const mq_linea
     return mq_gpu_mlp_new(G->g, 1, D, gate->out, &g, &u, &d, G->rows < MLP_ROWS ? G->rows : MLP_ROWS, out);
 }
 
-/* bf16: layer l's routed experts as one MoE op, their weights rounded to bf16 on the device;
- * routing by the op (softmax top-k, norm_topk_prob), the shared expert kept on the fp32 path. */
+/* Whether the device reads layer l's routed experts of model k as codes (bf16, streamed,
+ * stored NVFP4 / INT4 with every expert's gate, up and down so). */
+static bool reads_codes(const mq_eval_gpu *G, int k, int l) {
+    const moeq_model *m = G->m[k];
+    if (G->prec != MOEQ_GPU_BF16 || !mq_model_lazy(m) || l < 0 || l >= m->cfg.n_layers) return false;
+    const mq_layer *ly = &m->layers[l];
+    if (!ly->is_moe || !ly->exp_gate) return false;
+    for (int64_t e = 0; e < m->cfg.n_experts; e++)
+        if (!ly->exp_gate[e].stored_quantized || !ly->exp_up[e].stored_quantized || !ly->exp_down[e].stored_quantized)
+            return false;
+    return true;
+}
+
+unsigned mq_eval_gpu_layer_parts(const mq_eval_gpu *G, int k, int l) {
+    return reads_codes(G, k, l) ? MQ_PART_LAYER & ~MQ_PART_EXPERTS : MQ_PART_LAYER;
+}
+
+/* bf16: layer l's routed experts as one MoE op: codes and scales as stored (decoded in the op's
+ * GEMMs), or fp32 weights rounded to bf16 on the device; routing by the op (softmax top-k,
+ * norm_topk_prob), the shared expert kept on the fp32 path. */
 static moeq_status moe_op(mq_eval_gpu *G, const moeq_model *m, int l) {
     const mq_config *cf = &m->cfg;
     const mq_layer *ly = &m->layers[l];
     const int64_t E = cf->n_experts;
+    moeq_moe_ffn_args r = {.router = {.data = ly->router, .dtype = MOEQ_DT_F32, .ndim = 2, .shape = {E, cf->D},
+                                      .nbytes = (size_t)(E * cf->D) * sizeof(float)},
+                           .top_k = cf->top_k, .scoring = MOEQ_MOE_SOFTMAX, .renormalize = cf->norm_topk_prob,
+                           .route_scale = 1.0f};
+    if (reads_codes(G, G->k_begin, l)) {
+        mq_gpu_experts x;
+        moeq_status s = mq_gpu_experts_read(mq_lazy_st(mq_model_lazy(m)), cf, ly, l, &x);
+        if (s == MOEQ_E_UNSUPPORTED)
+            return mq_err(s, "%s; the GPU MoE op cannot run these experts as stored: evaluate with "
+                          "--gpu-precision tf32 (the experts dequantized)", moeq_last_error());
+        if (!s) s = mq_gpu_moe_upload(G->g, &x.desc, x.has_zp ? &x.zp : NULL, &r, &G->moe);
+        mq_gpu_experts_free(&x);
+        return s;
+    }
     const float **w = malloc((size_t)(3 * E) * sizeof *w);
     if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
     moeq_status s = MOEQ_OK;
@@ -218,10 +251,6 @@ static moeq_status moe_op(mq_eval_gpu *G, const moeq_model *m, int l) {
         if (!w[e] || !w[E + e] || !w[2 * E + e])
             s = mq_err(MOEQ_E_ARG, "layer %d, expert %lld: not loaded as fp32 weights", l, (long long)e);
     }
-    moeq_moe_ffn_args r = {.router = {.data = ly->router, .dtype = MOEQ_DT_F32, .ndim = 2, .shape = {E, cf->D},
-                                      .nbytes = (size_t)(E * cf->D) * sizeof(float)},
-                           .top_k = cf->top_k, .scoring = MOEQ_MOE_SOFTMAX, .renormalize = cf->norm_topk_prob,
-                           .route_scale = 1.0f};
     if (!s) s = mq_gpu_moe_upload_dense(G->g, E, cf->D, cf->moe_ffn, w, w + E, w + 2 * E, &r, &G->moe);
     free(w);
     return s;
@@ -232,6 +261,7 @@ moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l) {
     const moeq_model *m = G->m[k];
     const mq_config *cf = &m->cfg;
     const mq_layer *ly = &m->layers[l];
+    G->k_begin = k;
     if (!ly->q.w || !ly->k.w || !ly->v.w || !ly->o.w || !ly->attn_norm || !ly->ffn_norm)
         return mq_err(MOEQ_E_ARG, "layer %d: its attention is not loaded as fp32 weights", l);
     mq_gpu_attn_weights aw = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,

@@ -459,6 +459,8 @@ moeq_status forward_dev(mq_gpu_moe *m, const float *xd, int64_t T, int math, flo
     return st;
 }
 
+moeq_status forward_baseline(mq_gpu_moe *m, const float *xd, int64_t T, float *outd);   /* below */
+
 }  // namespace
 
 /* ---- C interface ------------------------------------------------------------------------------ */
