@@ -43,6 +43,7 @@
 #include "pipeline/pipeline.h"
 
 void mq_eval_set_gpu_group_rows(int64_t rows);   /* src/eval/eval_gpu.c, for tests */
+void mq_eval_set_gpu_resident(bool on);
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 static uint64_t g_rng = 1;
@@ -474,6 +475,12 @@ static void check_family(const char *dir, const char *name, int whole_too) {
             eval_opts(&o, ll_s, 0, precs[p]);
             ASSERT_OK(moeq_eval(m, docs, &o, &rs));
             mq_eval_set_gpu_group_rows(0);
+            assert_same(&rg, &rs, ll_g, ll_s, 3);
+            /* the boundary on the host, its rows up and back at every layer: the same bits */
+            mq_eval_set_gpu_resident(false);
+            eval_opts(&o, ll_s, 0, precs[p]);
+            ASSERT_OK(moeq_eval(m, docs, &o, &rs));
+            mq_eval_set_gpu_resident(true);
             assert_same(&rg, &rs, ll_g, ll_s, 3);
             /* against itself as the base: the same logits, KL 0 */
             eval_opts(&o, ll_s, 0, precs[p]);

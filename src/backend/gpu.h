@@ -170,6 +170,8 @@ moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
  * (many samples' pieces, one wait). */
 moeq_status mq_gpu_buf_read_async(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
 moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, const float *host);
+/* n values of src from src_off into dst at dst_off (the same GPU), queued on stream 0. */
+moeq_status mq_gpu_buf_copy(mq_gpu_buf *dst, int64_t dst_off, const mq_gpu_buf *src, int64_t src_off, int64_t n);
 /* dst += src over the first n values of both, queued (stream order): one fp32 add each, the
  * host's axpy by 1 bit for bit (the FFN's output onto the boundary where both are there). */
 moeq_status mq_gpu_buf_add(mq_gpu_buf *dst, const mq_gpu_buf *src, int64_t n);

@@ -18,6 +18,8 @@
 
 static int64_t g_group_rows = 0;
 void mq_eval_set_gpu_group_rows(int64_t rows) { g_group_rows = rows; }
+static bool g_no_resident = false;
+void mq_eval_set_gpu_resident(bool on) { g_no_resident = !on; }
 
 enum { EXPERT_ROWS = 2048, MLP_ROWS = 4096 };   /* the expert sets' rows a product (their lanes' scratch) */
 
@@ -37,6 +39,10 @@ struct mq_eval_gpu {
     mq_gpu_mlp *experts, *shared, *dense;
     mq_gpu_moe *moe;              /* bf16: the routed experts as one MoE op (routing included) */
     int k_begin;                  /* the model of the layer being begun */
+    /* the boundary kept on the device (mq_eval_gpu_resident_begin): every window's rows of each
+     * model, and a group's input rows */
+    mq_gpu_buf *res[2], *xin;
+    int64_t res_rows;
     bool gated;
     /* a group's host scratch */
     mq_gpu_attn_sample *smp;      /* [rows]: a window each */
@@ -98,6 +104,8 @@ void mq_eval_gpu_close(mq_eval_gpu *G) {
     mq_gpu_buf_free(G->xn);
     mq_gpu_buf_free(G->out);
     mq_gpu_buf_free(G->gate);
+    for (int k = 0; k < 2; k++) mq_gpu_buf_free(G->res[k]);
+    mq_gpu_buf_free(G->xin);
     free(G->smp);
     void *host[] = {G->sel, G->slot, G->list, G->crow, G->first, G->ident, G->cnt, G->start, G->w, G->cw, G->tok,
                     G->stats, G->targets};
@@ -357,8 +365,47 @@ static moeq_status one_mlp_rows(mq_eval_gpu *G, mq_gpu_mlp *m, int64_t R) {
     return s;
 }
 
+/* ---- the boundary on the device ---------------------------------------------------------------- */
+bool mq_eval_gpu_resident_begin(mq_eval_gpu *G, int64_t rows, const float *const *host, const int64_t *D) {
+    mq_gpu_info info;
+    mq_gpu_get_info(G->g, &info);
+    int64_t need = rows * G->Dmax;   /* the group's input rows */
+    for (int k = 0; k < G->nm; k++) need += rows * D[k];
+    need *= (int64_t)sizeof(float);
+    /* half of what is free now: a layer's weights and the work space come and go beside it */
+    if (g_no_resident || rows <= 0 || need > info.mem_free / 2) return false;
+    moeq_status s = mq_gpu_buf_new(G->g, G->rows * G->Dmax, &G->xin);
+    for (int k = 0; k < G->nm && !s; k++) {
+        s = mq_gpu_buf_new(G->g, rows * D[k], &G->res[k]);
+        if (!s) s = mq_gpu_buf_write(G->res[k], 0, rows * D[k], host[k]);
+    }
+    if (s) {   /* not an error: the rows cross the bus each layer instead */
+        mq_info("eval: the layer boundary stays on the host (%s)", moeq_last_error());
+        for (int k = 0; k < G->nm; k++) {
+            mq_gpu_buf_free(G->res[k]);
+            G->res[k] = NULL;
+        }
+        mq_gpu_buf_free(G->xin);
+        G->xin = NULL;
+        return false;
+    }
+    G->res_rows = rows;
+    return true;
+}
+
+moeq_status mq_eval_gpu_resident_read(mq_eval_gpu *G, int k, float *host) {
+    if (!G->res[k]) return mq_err(MOEQ_E_ARG, "GPU eval: no boundary on the device");
+    return mq_gpu_buf_read(G->res[k], 0, G->res_rows * G->m[k]->cfg.D, host);
+}
+
 moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x) {
+    return mq_eval_gpu_layer_run_at(G, w0, w1, x, -1);
+}
+
+moeq_status mq_eval_gpu_layer_run_at(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x, int64_t r0) {
     if (G->k < 0) return mq_err(MOEQ_E_ARG, "GPU eval: no layer begun");
+    const bool dev = r0 >= 0;
+    if (dev && !G->res[G->k]) return mq_err(MOEQ_E_ARG, "GPU eval: no boundary on the device");
     const mq_eval_ctx *c = G->c;
     const moeq_model *m = G->m[G->k];
     const mq_config *cf = &m->cfg;
@@ -372,7 +419,7 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
                           (long long)w1, (long long)G->rows);
         mq_gpu_attn_sample *sm = &G->smp[n++];
         memset(sm, 0, sizeof *sm);
-        sm->x = x + R * D;
+        sm->x = dev ? NULL : x + R * D;
         sm->T = T;
         sm->ffn_dev_off = R * D;
         if (K && !G->moe) {
@@ -382,8 +429,12 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
         R += T;
     }
     if (R == 0) return MOEQ_OK;
-    const mq_gpu_attn_io io = {.ffn_dev = G->xn, .h_dev = G->h};
-    moeq_status s = mq_gpu_attn_run_samples(G->att[G->k], G->smp, n, &io);
+    if (dev && r0 + R > G->res_rows)
+        return mq_err(MOEQ_E_ARG, "GPU eval: rows %lld..%lld of a boundary of %lld", (long long)r0,
+                      (long long)(r0 + R), (long long)G->res_rows);
+    const mq_gpu_attn_io io = {.ffn_dev = G->xn, .h_dev = G->h, .x_from = dev ? G->xin : NULL};
+    moeq_status s = dev ? mq_gpu_buf_copy(G->xin, 0, G->res[G->k], r0 * D, R * D) : MOEQ_OK;
+    if (!s) s = mq_gpu_attn_run_samples(G->att[G->k], G->smp, n, &io);
     if (!s && G->moe) {
         s = mq_gpu_moe_ffn_buf(G->moe, G->xn, R, MQ_GPU_MOE_BF16, G->out);
         if (!s && G->shared) s = one_mlp_rows(G, G->shared, R);
@@ -406,7 +457,7 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
         s = one_mlp_rows(G, G->dense, R);
         if (!s) s = mq_gpu_mlp_add_kept(G->dense, G->h, G->xn, NULL, R);
     }
-    if (!s) s = mq_gpu_buf_read(G->h, 0, R * D, x);
+    if (!s) s = dev ? mq_gpu_buf_copy(G->res[G->k], r0 * D, G->h, 0, R * D) : mq_gpu_buf_read(G->h, 0, R * D, x);
     return s;
 }
 
