@@ -15,6 +15,7 @@
 
 #include "backend/gpu.h"
 #include "eval/eval_gpu.h"
+#include "io/safetensors.h"
 
 static int64_t g_group_rows = 0;
 void mq_eval_set_gpu_group_rows(int64_t rows) { g_group_rows = rows; }
@@ -211,21 +212,40 @@ static moeq_status one_mlp(mq_eval_gpu *G, const mq_linear *gate, const mq_linea
     return mq_gpu_mlp_new(G->g, 1, D, gate->out, &g, &u, &d, G->rows < MLP_ROWS ? G->rows : MLP_ROWS, out);
 }
 
-/* Whether the device reads layer l's routed experts of model k as codes (bf16, streamed,
- * stored NVFP4 / INT4 with every expert's gate, up and down so). */
-static bool reads_codes(const mq_eval_gpu *G, int k, int l) {
+/* Where the device takes layer l's routed experts of model k from in the bf16 mode of a streamed
+ * model: their codes as stored (every expert's gate, up and down stored NVFP4 / INT4), their
+ * bf16 tensors as stored (a bf16 checkpoint), or the fp32 weights the host loads. */
+enum { FROM_FP32 = 0, FROM_CODES, FROM_BF16 };
+
+static const mq_tensor_view *bf16_view(const mq_st *st, const mq_linear *lin) {
+    char name[512];
+    if (!lin->name || snprintf(name, sizeof name, "%s.weight", lin->name) >= (int)sizeof name) return NULL;
+    const mq_tensor_view *v = mq_st_find(st, name);
+    if (!v || v->dtype != MOEQ_DT_BF16 || v->ndim != 2 || v->shape[0] != lin->out || v->shape[1] != lin->in ||
+        v->scale_inv)
+        return NULL;
+    return v;
+}
+
+static int experts_from(const mq_eval_gpu *G, int k, int l) {
     const moeq_model *m = G->m[k];
-    if (G->prec != MOEQ_GPU_BF16 || !mq_model_lazy(m) || l < 0 || l >= m->cfg.n_layers) return false;
+    if (G->prec != MOEQ_GPU_BF16 || !mq_model_lazy(m) || l < 0 || l >= m->cfg.n_layers) return FROM_FP32;
     const mq_layer *ly = &m->layers[l];
-    if (!ly->is_moe || !ly->exp_gate) return false;
-    for (int64_t e = 0; e < m->cfg.n_experts; e++)
-        if (!ly->exp_gate[e].stored_quantized || !ly->exp_up[e].stored_quantized || !ly->exp_down[e].stored_quantized)
-            return false;
-    return true;
+    if (!ly->is_moe || !ly->exp_gate) return FROM_FP32;
+    bool codes = true, bf16 = true;
+    const mq_st *st = mq_lazy_st(mq_model_lazy(m));
+    for (int64_t e = 0; e < m->cfg.n_experts; e++) {
+        const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+        for (int i = 0; i < 3; i++) {
+            codes &= lin[i]->stored_quantized;
+            bf16 &= !lin[i]->stored_quantized && bf16_view(st, lin[i]) != NULL;
+        }
+    }
+    return codes ? FROM_CODES : bf16 ? FROM_BF16 : FROM_FP32;
 }
 
 unsigned mq_eval_gpu_layer_parts(const mq_eval_gpu *G, int k, int l) {
-    return reads_codes(G, k, l) ? MQ_PART_LAYER & ~MQ_PART_EXPERTS : MQ_PART_LAYER;
+    return experts_from(G, k, l) != FROM_FP32 ? MQ_PART_LAYER & ~MQ_PART_EXPERTS : MQ_PART_LAYER;
 }
 
 /* bf16: layer l's routed experts as one MoE op: codes and scales as stored (decoded in the op's
@@ -239,7 +259,8 @@ static moeq_status moe_op(mq_eval_gpu *G, const moeq_model *m, int l) {
                                       .nbytes = (size_t)(E * cf->D) * sizeof(float)},
                            .top_k = cf->top_k, .scoring = MOEQ_MOE_SOFTMAX, .renormalize = cf->norm_topk_prob,
                            .route_scale = 1.0f};
-    if (reads_codes(G, G->k_begin, l)) {
+    const int from = experts_from(G, G->k_begin, l);
+    if (from == FROM_CODES) {
         mq_gpu_experts x;
         moeq_status s = mq_gpu_experts_read(mq_lazy_st(mq_model_lazy(m)), cf, ly, l, &x);
         if (s == MOEQ_E_UNSUPPORTED)
@@ -249,17 +270,22 @@ static moeq_status moe_op(mq_eval_gpu *G, const moeq_model *m, int l) {
         mq_gpu_experts_free(&x);
         return s;
     }
-    const float **w = malloc((size_t)(3 * E) * sizeof *w);
+    const void **w = malloc((size_t)(3 * E) * sizeof *w);
     if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
     moeq_status s = MOEQ_OK;
+    const mq_st *st = from == FROM_BF16 ? mq_lazy_st(mq_model_lazy(m)) : NULL;
     for (int64_t e = 0; e < E && !s; e++) {
-        w[e] = ly->exp_gate[e].w;
-        w[E + e] = ly->exp_up[e].w;
-        w[2 * E + e] = ly->exp_down[e].w;
+        const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+        for (int i = 0; i < 3; i++) {
+            const mq_tensor_view *v = st ? bf16_view(st, lin[i]) : NULL;
+            w[i * E + e] = st ? (v ? (const void *)v->data : NULL) : (const void *)lin[i]->w;
+        }
         if (!w[e] || !w[E + e] || !w[2 * E + e])
-            s = mq_err(MOEQ_E_ARG, "layer %d, expert %lld: not loaded as fp32 weights", l, (long long)e);
+            s = mq_err(MOEQ_E_ARG, "layer %d, expert %lld: not loaded", l, (long long)e);
     }
-    if (!s) s = mq_gpu_moe_upload_dense(G->g, E, cf->D, cf->moe_ffn, w, w + E, w + 2 * E, &r, &G->moe);
+    if (!s)
+        s = mq_gpu_moe_upload_dense(G->g, E, cf->D, cf->moe_ffn, from == FROM_BF16, w, w + E, w + 2 * E, &r,
+                                    &G->moe);
     free(w);
     return s;
 }
