@@ -324,11 +324,14 @@ void mq_kq_fit_block(const mq_kq_info *t, const mq_qspec *s, const float *x, int
     const float d0 = asym ? top / (float)t->mult_hi : top / (float)t->mult_lo;
     const float m0 = asym ? f16r(top_min / (float)t->min_hi) : 0.0f;
     const int nd = s->mse ? s->mse_steps : 1, radius = s->mse ? 1 : 0;
+    /* symmetric grids are lopsided (-4..3, -32..31): which side the block's largest values get
+     * is the sign of d, taken from one sub-block's fit, so the search tries the other too */
+    const int sides = s->mse && !asym ? 2 : 1;
     mq_gparams cand[16];
     double best = INFINITY;
     float prev = NAN, best_d = 0;
-    for (int k = 0; k < nd; k++) {
-        const float d = f16r(d0 * (s->mse ? grid_mult(s, k) : 1.0f));
+    for (int k = 0; k < nd * sides; k++) {
+        const float d = f16r((k < nd ? d0 : -d0) * (s->mse ? grid_mult(s, k % nd) : 1.0f));
         if (d == prev || !isfinite(d)) continue;
         prev = d;
         const double e = assign(t, x, stride, w, scale, off, d, m0, radius, cand);

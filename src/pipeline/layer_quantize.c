@@ -440,7 +440,7 @@ moeq_status mq_pipe_quantize_slots(mq_pipe *p, int l, mq_slot *slots, int n, flo
              * in the host copy as each row block finishes (while it is in cache), instead of a
              * pass over every weight after the write (bound by memory: each weight read again) */
             float *deq = p->seq && !p->gpu && p->ranks <= 1 ? lin->w : NULL;
-            jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], deq, {0, 0, 0, 0, 0}};
+            jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], deq, {0, 0, 0, 0, 0}, NULL};
         }
     }
     /* the GPTQ jobs ran into q[] through their out pointers; their stats go back by position */
