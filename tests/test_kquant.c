@@ -208,7 +208,7 @@ static double sse(const float *a, const float *b, int n, const float *w) {
  * worse than ggml's one-shot rounding (up to the grid's own multiplier 1 not being exactly 1),
  * weights move the error where they are large, and bits per weight are the layouts'. */
 static void test_fit(void) {
-    const double bpw[MQ_KQ_COUNT] = {3.4375, 4.5, 5.5, 6.5625, 5.5, 6.0, 8.5};
+    const double bpw[MQ_KQ_COUNT] = {3.4375, 4.5, 5.5, 6.5625, 5.5, 6.0, 8.5, 4.5};
     for (int ty = 0; ty < MQ_KQ_COUNT; ty++) {
         const mq_kq_info *t = mq_kq_info_of((mq_kq_type)ty);
         ASSERT_NEAR(bpw[ty], mq_kq_bpw((mq_kq_type)ty), 0);

@@ -1,6 +1,6 @@
 /*
- * llama.cpp's K-quants (Q3_K, Q4_K, Q5_K, Q6_K) and their 32-value fallbacks (Q5_0, Q5_1, Q8_0)
- * as a grid moeq rounds to: the block layouts of ggml-common.h and ggml-quants.c
+ * llama.cpp's K-quants (Q3_K, Q4_K, Q5_K, Q6_K) and their 32-value fallbacks (Q4_0, Q5_0, Q5_1,
+ * Q8_0) as a grid moeq rounds to: the block layouts of ggml-common.h and ggml-quants.c
  * (dequantize_row_* for the values, quantize_row_*_ref for the byte order), and the search for a
  * block's scales. Layouts and value formulas: kquant.h.
  *
@@ -26,6 +26,7 @@ static const mq_kq_info k_info[MQ_KQ_COUNT] = {
     [MQ_KQ_Q5_0] = {"q5_0", 6, 32, 32, 22, 0, 31, 16, 0, 0, 0},
     [MQ_KQ_Q5_1] = {"q5_1", 7, 32, 32, 24, 0, 31, -1, 0, 0, 0},
     [MQ_KQ_Q8_0] = {"q8_0", 8, 32, 32, 34, 1, 255, 128, 0, 0, 0},
+    [MQ_KQ_Q4_0] = {"q4_0", 2, 32, 32, 18, 0, 15, 8, 0, 0, 0},
 };
 
 const mq_kq_info *mq_kq_info_of(mq_kq_type t) {
@@ -264,7 +265,7 @@ static double assign(const mq_kq_info *t, const float *x, int64_t st, const floa
     return total;
 }
 
-/* Q5_0, Q5_1, Q8_0: one step (and offset) per 32 values, both fp16. */
+/* Q4_0, Q5_0, Q5_1, Q8_0: one step (and offset) per 32 values, both fp16. */
 static void fit_single(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t st,
                        const float *w, mq_gparams *g) {
     float d0, m0 = 0;
@@ -522,6 +523,10 @@ bool mq_kq_pack_block(const mq_kq_info *t, const mq_gparams *g, const uint8_t *c
         for (int j = 0; j < 16; j++) blk[o + 4 + j] = (uint8_t)((c[j] & 0xF) | (c[j + 16] & 0xF) << 4);
         return true;
     }
+    case 2:   /* Q4_0 */
+        wr16(blk, d);
+        for (int j = 0; j < 16; j++) blk[2 + j] = (uint8_t)((c[j] & 0xF) | (c[j + 16] & 0xF) << 4);
+        return true;
     case 8:   /* Q8_0 */
         wr16(blk, d);
         for (int j = 0; j < 32; j++) blk[2 + j] = (uint8_t)(c[j] - 128);
@@ -580,6 +585,14 @@ void mq_kq_unpack_block(const mq_kq_info *t, const uint8_t *blk, mq_gparams *g, 
         for (int j = 0; j < 16; j++) {
             c[j] = (uint8_t)((blk[o + 4 + j] & 0xF) | ((qh >> j) & 1) << 4);
             c[j + 16] = (uint8_t)((blk[o + 4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+        }
+        return;
+    }
+    case 2: {
+        g[0] = (mq_gparams){mq_f16_to_f32(rd16(blk)), 0.0f, 1, 0};
+        for (int j = 0; j < 16; j++) {
+            c[j] = blk[2 + j] & 0xF;
+            c[j + 16] = blk[2 + j] >> 4;
         }
         return;
     }

@@ -1,6 +1,6 @@
 /*
  * llama.cpp's block types with sub-block scales (the K-quants Q3_K, Q4_K, Q5_K, Q6_K) and the
- * 32-value types they fall back to (Q5_0, Q5_1, Q8_0) as a quantization grid moeq rounds to
+ * 32-value types they fall back to (Q4_0, Q5_0, Q5_1, Q8_0) as a quantization grid moeq rounds to
  * itself: the exact values a GGUF block holds, their byte layout (ggml-common.h's block structs,
  * written field by field), and the search that picks a block's scales.
  *
@@ -9,7 +9,7 @@
  *     asymmetric (Q4_K, Q5_K):  step_j * code - off_j,     step_j = d * sc_j, off_j = dmin * m_j
  *                (Q5_1):        step * code - off,         step = d, off = -m
  *     symmetric  (Q3_K, Q6_K):  step_j * (code - zero),    step_j = d * mult(sc_j)
- *                (Q5_0, Q8_0):  step * (code - zero),      step = d
+ *                (Q4_0, Q5_0, Q8_0):  step * (code - zero), step = d
  * each product and difference one fp32 operation in that order, which is ggml's dequantization
  * (dequantize_row_*: d1 * q - m1, d * sc * q, dl * q, x0 * d, x0 * d + m), so a block decodes to
  * the same floats in moeq and in ggml. step_j = d * mult is exact in fp32 (11 + 8 significant bits).
@@ -35,6 +35,7 @@
  *        fifth bit j of the u32 qh; code - 16.
  *   Q5_1  24 B: d m qh[4] qs[16]: as Q5_0, value code * d + m.
  *   Q8_0  34 B: d qs[32] int8; code - 128 (codes 1..255: int8 -127..127 as ggml's quantizer).
+ *   Q4_0  18 B: d qs[16]: value j < 16 low nibble of qs[j], j >= 16 high nibble; code - 8.
  */
 #ifndef MOEQ_FORMATS_KQUANT_H
 #define MOEQ_FORMATS_KQUANT_H

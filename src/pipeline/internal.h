@@ -145,6 +145,8 @@ typedef struct mq_pipe {
     moeq_model *m;
     const mq_config *c;
     mq_out_plan plan;
+    mq_gguf_recipe recipe;         /* K-quants: each tensor's type (kquant_recipe in pipeline.c) */
+    int8_t *recipe_table;          /* --target-bpw's choice (recipe.table), else NULL */
     int *decl_layer;              /* layer of each output tensor (-1 global) */
     uint8_t *item_done;           /* [plan.n_items] written by this run */
     mq_ckpt_writer *w;

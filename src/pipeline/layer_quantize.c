@@ -430,7 +430,7 @@ moeq_status mq_pipe_quantize_slots(mq_pipe *p, int l, mq_slot *slots, int n, flo
             if (!mine_k(p, s, k)) continue;   /* another rank's Linear of this slot */
             if (s->how == MQ_HOW_RTN) {
                 double tr = mq_now();
-                st = mq_quantize_rtn(&o->spec, lin->w, lin->out, lin->in, gs[j], lin->name, &q[j]);
+                st = mq_quantize_rtn(&s->it[k]->spec, lin->w, lin->out, lin->in, gs[j], lin->name, &q[j]);
                 stats[j] = (mq_gptq_stats){NAN, NAN, 0, 0, mq_now() - tr};
                 continue;
             }
@@ -440,7 +440,7 @@ moeq_status mq_pipe_quantize_slots(mq_pipe *p, int l, mq_slot *slots, int n, flo
              * in the host copy as each row block finishes (while it is in cache), instead of a
              * pass over every weight after the write (bound by memory: each weight read again) */
             float *deq = p->seq && !p->gpu && p->ranks <= 1 ? lin->w : NULL;
-            jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], deq, {0, 0, 0, 0, 0}, NULL};
+            jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], deq, {0, 0, 0, 0, 0}, &s->it[k]->spec};
         }
     }
     /* the GPTQ jobs ran into q[] through their out pointers; their stats go back by position */
@@ -813,7 +813,7 @@ moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l) {
             const mq_plan_item *it = &pl->items[idx[k]];
             float gs = mq_nvfp4_global_scale(&o->spec, o->no_fuse ? mq_absmax(w[k], it->rows * it->cols) : amax);
             mq_qtensor q;
-            st = mq_quantize_rtn(&o->spec, w[k], it->rows, it->cols, gs, it->module, &q);
+            st = mq_quantize_rtn(&it->spec, w[k], it->rows, it->cols, gs, it->module, &q);
             if (!st && o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX)
                 st = identity_gidx(&q);
             if (!st) {

@@ -49,6 +49,14 @@ static cJSON *mq_strings_json(const char *const *s, int n) {
     return a;
 }
 
+/* The K-quant file's recipe as the CLI names it: "q4_k_m", "q6_k", ... */
+static const char *mq_pipe_recipe_name(const mq_pipeline_opts *o) {
+    static const char *const mixed[MQ_KQ_COUNT] = {"q3_k_m", "q4_k_m", "q5_k_m", "q6_k"};
+    static const char *const pure[MQ_KQ_COUNT] = {"q3_k", "q4_k", "q5_k", "q6_k"};
+    const char *n = (unsigned)o->spec.kq < MQ_KQ_COUNT ? (o->kq_mixture ? mixed : pure)[o->spec.kq] : NULL;
+    return n ? n : "?";
+}
+
 static cJSON *mq_scale_search_json(const mq_qspec *q) {
     cJSON *a = cJSON_CreateArray();
     if (!a) return NULL;
