@@ -245,6 +245,53 @@ static void test_fit(void) {
     }
 }
 
+/* quantize_row_q8_K_ref of ggml-quants.c, transcribed (nearest_int's magic-number rounding),
+ * then d * q: what llama.cpp's K-quant dot products see of an activation. */
+static void ref_q8_k(const float *x, float *y) {
+    float max = 0, amax = 0;
+    for (int j = 0; j < 256; ++j) {
+        float ax = fabsf(x[j]);
+        if (ax > amax) {
+            amax = ax;
+            max = x[j];
+        }
+    }
+    if (!amax) {
+        for (int j = 0; j < 256; ++j) y[j] = 0;
+        return;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < 256; ++j) {
+        float val = iscale * x[j] + 12582912.f;
+        int i;
+        memcpy(&i, &val, sizeof i);
+        int v = (i & 0x007fffff) - 0x00400000;
+        v = v < 127 ? v : 127;
+        y[j] = (1 / iscale) * (float)v;
+    }
+}
+
+static void test_q8_k_activations(void) {
+    enum { R = 6, C = 512 };
+    static float x[R * C], want[R * C];
+    for (int i = 0; i < R * C; i++) x[i] = rnd_gauss() * (i % 211 == 0 ? 20.0f : 1.0f) * (i < C ? 1e-3f : 1.0f);
+    for (int j = 0; j < 256; j++) x[2 * C + j] = 0;                           /* an all-zero block */
+    x[3 * C + 7] = -40.0f;                                                     /* a negative max */
+    for (int j = 0; j < 256; j++) x[4 * C + 256 + j] = (float)(j - 128) * 0.5f; /* ties: iscale*x = k + 1/2 */
+    for (int i = 0; i < R * C; i += 256) ref_q8_k(x + i, want + i);
+    float *got = malloc(sizeof x);
+    memcpy(got, x, sizeof x);
+    mq_q8_k_act_qdq(got, R, C);
+    for (int i = 0; i < R * C; i++)
+        if (memcmp(&got[i], &want[i], 4)) FAIL("value %d: %.9g, ggml's %.9g (x %.9g)", i, got[i], want[i], x[i]);
+    float inf[256] = {0};   /* a block with an infinity is left as it is */
+    inf[3] = INFINITY;
+    inf[4] = 2.0f;
+    mq_q8_k_act_qdq(inf, 1, 256);
+    ASSERT_NEAR(2.0, inf[4], 0);
+    free(got);
+}
+
 static void test_names(void) {
     mq_kq_type t;
     ASSERT_TRUE(mq_kq_parse("q4_k", &t));
@@ -270,4 +317,4 @@ static void test_names(void) {
 }
 
 TEST_MAIN(T(test_q4_k_by_hand), T(test_q6_k_by_hand), T(test_q3_k_by_hand), T(test_q5_0_by_hand),
-          T(test_random_round_trips), T(test_pack_refuses), T(test_fit), T(test_names))
+          T(test_random_round_trips), T(test_pack_refuses), T(test_fit), T(test_names), T(test_q8_k_activations))

@@ -58,6 +58,9 @@ const char *mq_gguf_cat_name(mq_gguf_cat c);
  * values, or -1: not quantized (token_embd and output of a recipe without a mixture: --gguf-rest;
  * rows that no 32-value block divides). */
 int mq_gguf_recipe_type(const mq_gguf_recipe *r, mq_gguf_cat cat, int layer, int64_t cols);
+/* llama.cpp's fallback of type t (an mq_kq_type) for rows of cols values (Q3_K -> Q4_0, Q4_K ->
+ * Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 where 256 does not divide them; -1, F16, where 32 does not). */
+int mq_gguf_fallback(int t, int64_t cols);
 /* general.file_type for the recipe (llama.cpp's LLAMA_FTYPE numbers; 1024 "guessed" for a table). */
 uint32_t mq_gguf_recipe_ftype(const mq_gguf_recipe *r);
 

@@ -95,6 +95,10 @@ int mq_gguf_recipe_type(const mq_gguf_recipe *r, mq_gguf_cat cat, int layer, int
     if (t < 0) return -1;   /* as --gguf-rest says */
     /* llama.cpp's output rule: Q8_0 where the rows are no whole K-quant blocks */
     if (cat == MQ_GCAT_OUTPUT && cols % 256 && mq_kq_info_of((mq_kq_type)t)->block == 256) return MQ_KQ_Q8_0;
+    return mq_gguf_fallback(t, cols);
+}
+
+int mq_gguf_fallback(int t, int64_t cols) {
     if (cols % mq_kq_info_of((mq_kq_type)t)->block) {   /* tensor_type_fallback */
         switch ((mq_kq_type)t) {
         case MQ_KQ_Q3_K: t = MQ_KQ_Q4_0; break;

@@ -263,5 +263,12 @@ void mq_nvfp4_act_qdq(float *x, int64_t rows, int64_t cols);
  * Row-local, so the result does not depend on how rows are batched. A block whose amax is not
  * finite is left unchanged. */
 void mq_q8_0_act_qdq(float *x, int64_t rows, int64_t cols);
+/* Q8_K quantize-dequantize of x [rows, cols] in place, as llama.cpp rounds the activations of
+ * its K-quant matmuls (quantize_row_q8_K, the reference on x86 and elsewhere): per row, blocks
+ * of 256 along cols (a shorter tail block if cols % 256 != 0):
+ *     max = the block's first value of largest magnitude (signed);  iscale = -127 / max;
+ *     q = min(127, round_half_even(iscale * x));  x^ = (1 / iscale) * q   (fp32 d, no fp16)
+ * An all-zero block stays 0; one with a NaN or Inf is left unchanged. Row-local. */
+void mq_q8_k_act_qdq(float *x, int64_t rows, int64_t cols);
 
 #endif

@@ -14,6 +14,7 @@
 
 #include "dist/dist.h"
 #include "core/env.h"
+#include "formats/kquant.h"
 #include "pipeline/layer_internal.h"
 
 const char *mq_how_name(mq_how h) {
@@ -40,10 +41,11 @@ static moeq_status identity_gidx(mq_qtensor *q) {
     return MOEQ_OK;
 }
 
-static moeq_status add_module(mq_pipe *p, int l, const mq_slot *s, const mq_linear *lin,
-                              const mq_gptq_stats *st) {
+static moeq_status add_module(mq_pipe *p, int l, const mq_slot *s, int k, const mq_gptq_stats *st) {
     if (!p->o->gptq) return MOEQ_OK;
-    mq_mod_report r = {lin->name, l, s->expert, s->tokens, s->how, *st};
+    const mq_qspec *spec = &s->it[k]->spec;
+    mq_mod_report r = {s->w[k]->name, l, s->expert, s->tokens, s->how, *st,
+                       spec->scheme == MQ_QS_KQUANT ? mq_kq_name(spec->kq) : NULL};
     cJSON *j = mq_mod_report_json(&r);
     if (!j) return mq_err(MOEQ_E_NOMEM, "out of memory");
     cJSON_AddItemToArray(p->layers[l].modules, j);
@@ -77,7 +79,7 @@ static moeq_status finish_put(mq_pipe *p, const mq_slot *s, int k, const mq_qten
 }
 
 static moeq_status finish_record(mq_pipe *p, int l, const mq_slot *s, int k, const mq_gptq_stats *stats) {
-    moeq_status st = p->w ? add_module(p, l, s, s->w[k], stats) : MOEQ_OK;
+    moeq_status st = p->w ? add_module(p, l, s, k, stats) : MOEQ_OK;
     if (!st) item_mark(p, s->it[k]);
     if (!st) mq_fault_point("linear", l, p->layers[l].linears++);
     return st;

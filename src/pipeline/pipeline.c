@@ -311,6 +311,8 @@ static void pipe_free(mq_pipe *p) {
     free(p->layers);
     free(p->decl_layer);
     free(p->item_done);
+    free(p->recipe_table);
+    cJSON_Delete(p->budget_json);
     mq_out_plan_free(&p->plan);
     mq_calib_free(&p->calib);
     free(p->balance_record);
@@ -640,6 +642,8 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     bool untie = false;
     if (o->rotate_block && (s = rotation_setup(p, model_dir, &untie))) goto done;
     if (o->spec.scheme == MQ_QS_KQUANT && (s = kquant_recipe(p))) goto done;
+    /* (a dry run plans with the file type's rules: the probe is compute) */
+    if (o->spec.scheme == MQ_QS_KQUANT && o->target_bpw > 0 && !o->dry_run && (s = mq_pipe_kquant_budget(p))) goto done;
     mq_plan_opts po = {o->format, o->spec,
                        o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX &&
                            o->spec.scheme == MQ_QS_INT4,
