@@ -470,30 +470,49 @@ static moeq_status plan(exporter *x) {
 /* ---- writing the tensors -------------------------------------------------------------------------- */
 
 /* Rows of float data as one of llama.cpp's block types, rounded to nearest with moeq's block
- * search (the spec's MSE grid on the exact values, plain squared error). */
-static moeq_status encode_kq_rows(mq_kq_type kt, const float *x, int64_t n, int64_t cols, uint8_t *out) {
-    const mq_kq_info *t = mq_kq_info_of(kt);
-    mq_qspec spec = mq_kq_spec(kt);
-    spec.mse = true;
-    mq_gparams *g = mq_alloc_array((size_t)(cols / t->sub), sizeof *g, "GGUF block scales");
-    uint8_t *c = mq_alloc((size_t)cols, "GGUF codes");
-    if (!g || !c) {
-        mq_free(g);
-        mq_free(c);
-        return MOEQ_E_NOMEM;
-    }
-    const int64_t nb = cols / t->block, per = t->block / t->sub;
-    moeq_status st = MOEQ_OK;
-    for (int64_t r = 0; r < n && !st; r++) {
-        mq_kq_quantize_row(t, &spec, x + r * cols, cols, NULL, g, c);
-        for (int64_t b = 0; b < nb && !st; b++)   /* only scales past fp16 fail */
-            if (!mq_kq_pack_block(t, g + b * per, c + b * t->block, out + (r * nb + b) * t->bytes))
-                st = mq_err(MOEQ_E_NUMERIC, "row %lld block %lld: its scales do not fit %s's fp16 ones", (long long)r,
-                            (long long)b, t->name);
+ * search (the spec's MSE grid on the exact values, plain squared error), rows on the pool (an
+ * embedding is the largest tensor; each row is its own). */
+typedef struct {
+    const mq_kq_info *t;
+    mq_qspec spec;
+    const float *x;
+    int64_t n, cols;
+    uint8_t *out;
+    uint8_t *bad;   /* per task: a row whose scales do not fit fp16 */
+} kq_rows;
+
+enum { KQ_ROWS_TASK = 16 };
+
+static void kq_rows_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    const kq_rows *c = vctx;
+    const mq_kq_info *t = c->t;
+    const int64_t nb = c->cols / t->block, per = t->block / t->sub;
+    mq_gparams *g = mq_alloc_array((size_t)(c->cols / t->sub), sizeof *g, "GGUF block scales");
+    uint8_t *codes = mq_alloc((size_t)c->cols, "GGUF codes");
+    c->bad[task] = !g || !codes;
+    for (int64_t r = task * KQ_ROWS_TASK; r < c->n && r < (task + 1) * KQ_ROWS_TASK && !c->bad[task]; r++) {
+        mq_kq_quantize_row(t, &c->spec, c->x + r * c->cols, c->cols, NULL, g, codes);
+        for (int64_t b = 0; b < nb; b++)   /* only scales past fp16 fail */
+            if (!mq_kq_pack_block(t, g + b * per, codes + b * t->block, c->out + (r * nb + b) * t->bytes))
+                c->bad[task] = 2;
     }
     mq_free(g);
-    mq_free(c);
-    return st;
+    mq_free(codes);
+}
+
+static moeq_status encode_kq_rows(mq_kq_type kt, const float *x, int64_t n, int64_t cols, uint8_t *out) {
+    const int64_t tasks = (n + KQ_ROWS_TASK - 1) / KQ_ROWS_TASK;
+    kq_rows c = {mq_kq_info_of(kt), mq_kq_spec(kt), x, n, cols, out, calloc((size_t)tasks + 1, 1)};
+    if (!c.bad) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    c.spec.mse = true;
+    mq_parallel_for(tasks, kq_rows_task, &c);
+    int bad = 0;
+    for (int64_t i = 0; i < tasks; i++) bad = c.bad[i] > bad ? c.bad[i] : bad;
+    free(c.bad);
+    if (bad == 1) return MOEQ_E_NOMEM;
+    if (bad) return mq_err(MOEQ_E_NUMERIC, "values too large for %s's fp16 scales", c.t->name);
+    return MOEQ_OK;
 }
 
 /* Encodes rows [0, n) of float data (row-major, cols each) as type into out. */
