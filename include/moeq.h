@@ -681,6 +681,17 @@ typedef enum {
                                       (needs calib) */
     MOEQ_QUANT_NVFP4A16 = 2,       /* weight-only NVFP4 */
     MOEQ_QUANT_INT4 = 3,           /* weight-only INT4 */
+    /* llama.cpp's K-quants (format MOEQ_FORMAT_GGUF only; docs/gguf.md, "K-quants"): every
+     * decoder Linear one type (token_embd and output as gguf_rest says) ... */
+    MOEQ_QUANT_Q3_K = 4,
+    MOEQ_QUANT_Q4_K = 5,
+    MOEQ_QUANT_Q5_K = 6,
+    MOEQ_QUANT_Q6_K = 7,           /* ... (Q6_K: llama.cpp's Q6_K file type, output Q6_K) */
+    /* ... or llama.cpp's mixtures of its Q3_K_M, Q4_K_M and Q5_K_M file types (more bits for
+     * attn_v, ffn_down in some layers, output Q6_K, ...) */
+    MOEQ_QUANT_Q3_K_M = 8,
+    MOEQ_QUANT_Q4_K_M = 9,
+    MOEQ_QUANT_Q5_K_M = 10,
 } moeq_quant_scheme;
 
 typedef enum { MOEQ_QUANT_RTN = 0, MOEQ_QUANT_GPTQ = 1 } moeq_quant_method;
@@ -935,6 +946,10 @@ typedef struct {
                                       two >= 2 dividing the hidden size; 0 (default) = the
                                       scheme's group size (NVFP4 16, INT4 group_size, 64 per
                                       channel), halved until it divides the hidden size */
+    double target_bpw;             /* --target-bpw B: K-quant schemes: each tensor's type chosen
+                                      from its measured sensitivity so that the file holds at
+                                      most B bits per parameter (docs/gguf.md); 0: the scheme's
+                                      rules */
 } moeq_quant_options;
 
 /* Fills o with the defaults of `moeq quantize` (scheme left unset). */

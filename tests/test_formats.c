@@ -421,7 +421,7 @@ static mq_gparams slow_mse(const mq_qspec *s, float gs, const float *x, int n, i
         float m = s->mse_steps == 1 ? s->mse_lo
                                     : s->mse_lo + (s->mse_hi - s->mse_lo) * (float)k /
                                                       (float)(s->mse_steps - 1);
-        mq_gparams c = {0, 0, 0};
+        mq_gparams c = {0, 0, 0, 0};
         if (s->scheme == MQ_QS_NVFP4) {
             float t = amax / 6.0f;
             t = s->nvfp4_conv == MQ_NVFP4_MUL ? t / gs : gs * t;

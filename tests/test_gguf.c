@@ -179,7 +179,7 @@ static void test_decode_bad_lengths(void) {
     float y[64];
     uint8_t b[64] = {0};
     ASSERT_STATUS(MOEQ_E_ARG, mq_ggml_dequantize(MQ_GGML_Q4_0, b, 31, y));
-    ASSERT_STATUS(MOEQ_E_FORMAT, mq_ggml_dequantize(7, b, 32, y));
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_ggml_dequantize(10, b, 256, y));
 }
 
 /* ---- reader: corrupt and truncated files ------------------------------------------------------ */

@@ -33,7 +33,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "export/gguf_export.h"
+#include "export/gguf_export_internal.h"
+#include "formats/kquant.h"
 #include "export/layout.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
@@ -49,563 +50,6 @@ bool mq_gguf_rest_parse(const char *s, mq_gguf_rest *out) {
         }
     return false;
 }
-
-/* ---- the architecture from config.json -------------------------------------------------------- */
-
-typedef struct {
-    const char *arch;          /* llama.cpp's: llama, olmoe, qwen2moe, qwen3moe, deepseek2 */
-    const char *model_type;
-    bool mixtral, permute_qk;
-    int64_t D, L, H, KV, HD, FF, E, K, FF_EXP, FF_SH, ctx, vocab;
-    double eps, theta;
-    bool tie, norm_topk;
-    /* deepseek2 (mla): latent widths, routing, YaRN */
-    bool mla, interleave, yarn;
-    int64_t q_lora, kv_lora, nope, rope, vhd, n_shared, first_dense, n_group, topk_group, mtp, yarn_orig;
-    double routed_scale, yarn_factor, yarn_a, yarn_lm;   /* yarn_a, yarn_lm: yarn_kvs */
-} arch_cfg;
-
-static const cJSON *item(const cJSON *c, const char *k) {
-    const cJSON *x = cJSON_GetObjectItemCaseSensitive(c, k);
-    return x && !cJSON_IsNull(x) ? x : NULL;
-}
-
-static bool num(const cJSON *c, const char *k, double *v) {
-    const cJSON *x = item(c, k);
-    if (!x || !cJSON_IsNumber(x)) return false;
-    *v = x->valuedouble;
-    return true;
-}
-
-static int64_t inum(const cJSON *c, const char *k, int64_t dflt) {
-    double v;
-    return num(c, k, &v) ? mq_clamp_i64(v) : dflt;
-}
-
-/* dflt when absent, null_val when null (transformers' configs spell "all" / "none" as null) */
-static int64_t inum_null(const cJSON *c, const char *k, int64_t dflt, int64_t null_val) {
-    const cJSON *x = cJSON_GetObjectItemCaseSensitive(c, k);
-    return x && cJSON_IsNull(x) ? null_val : inum(c, k, dflt);
-}
-
-static bool flag(const cJSON *c, const char *k, bool dflt) {
-    const cJSON *x = item(c, k);
-    return x && cJSON_IsBool(x) ? cJSON_IsTrue(x) : dflt;
-}
-
-/* yarn_get_mscale of transformers. */
-static double yarn_g(double f, double m) { return f <= 1 ? 1.0 : 0.1 * m * log(f) + 1.0; }
-
-/* The two YaRN KVs of deepseek2 for transformers' cos/sin factor A and softmax scale G^2/sqrt(d).
- * llama.cpp (llama-context.cpp, models/deepseek2.cpp), with a = rope.scaling.attn_factor and
- * m = yarn_log_multiplier / 0.1: cos/sin times a, softmax scale a^2 g(m)^2 / sqrt(d) (m != 0),
- * or a g(1) and (a g(1))^2 / sqrt(d) (no multiplier). DeepSeek-V3 and Kimi K2 (mscale ==
- * mscale_all_dim, so A = 1) get a = 1 and m = mscale_all_dim, what its converter writes. */
-static void yarn_kvs(double f, double A, double G, double *a, double *lm) {
-    if (A == G) {   /* m would be 0: the branch without the multiplier */
-        *a = A / yarn_g(f, 1.0);
-        *lm = 0;
-        return;
-    }
-    *a = A;
-    *lm = (G / A - 1.0) / (0.1 * log(f));
-}
-
-/* deepseek_v3 / kimi_k2 as llama.cpp's deepseek2: what its graph computes, or a refusal naming
- * the difference. */
-static moeq_status read_deepseek(const cJSON *c, const char *what, arch_cfg *a) {
-    a->arch = "deepseek2";
-    a->mla = true;
-    a->D = inum(c, "hidden_size", 0);
-    a->L = inum(c, "num_hidden_layers", 0);
-    a->H = inum(c, "num_attention_heads", 0);
-    a->KV = a->H;
-    a->FF = inum(c, "intermediate_size", 0);
-    a->E = inum(c, "n_routed_experts", 0);
-    a->K = inum(c, "num_experts_per_tok", 0);
-    a->FF_EXP = inum(c, "moe_intermediate_size", 0);
-    a->n_shared = inum_null(c, "n_shared_experts", 1, 0);
-    a->ctx = inum(c, "max_position_embeddings", 0);
-    a->vocab = inum(c, "vocab_size", 0);
-    a->tie = flag(c, "tie_word_embeddings", false);
-    a->norm_topk = flag(c, "norm_topk_prob", true);
-    a->q_lora = inum(c, "q_lora_rank", 0);
-    a->kv_lora = inum(c, "kv_lora_rank", 0);
-    a->nope = inum(c, "qk_nope_head_dim", 0);
-    a->rope = inum(c, "qk_rope_head_dim", 0);
-    a->vhd = inum(c, "v_head_dim", 0);
-    a->HD = a->nope + a->rope;
-    a->first_dense = inum(c, "first_k_dense_replace", 3);
-    a->n_group = inum_null(c, "n_group", 8, 1);
-    a->topk_group = inum_null(c, "topk_group", 4, a->n_group);
-    a->mtp = inum(c, "num_nextn_predict_layers", 0);
-    a->interleave = flag(c, "rope_interleave", true);
-    a->routed_scale = 2.5;
-    num(c, "routed_scaling_factor", &a->routed_scale);
-    if (a->D <= 0 || a->L <= 0 || a->H <= 0 || a->vocab <= 0 || a->ctx <= 0 || a->kv_lora <= 0 || a->nope <= 0 ||
-        a->rope <= 0 || a->rope % 2 || a->vhd <= 0 || a->q_lora < 0 || a->E <= 0 || a->K <= 0 || a->FF_EXP <= 0 ||
-        a->n_shared < 0 || a->first_dense < 0 || a->first_dense > a->L || a->n_group <= 0 || a->E % a->n_group ||
-        a->topk_group <= 0 || a->topk_group > a->n_group || a->mtp < 0 || a->D > UINT32_MAX || a->vocab > INT32_MAX)
-        return mq_err(MOEQ_E_FORMAT, "%s: config.json: missing or bad %s sizes (hidden_size, layers, heads, "
-                      "kv_lora_rank, qk_nope/rope/v head dims, experts, n_group, first_k_dense_replace)", what,
-                      a->model_type);
-    if (!num(c, "rms_norm_eps", &a->eps)) return mq_err(MOEQ_E_FORMAT, "%s: config.json has no rms_norm_eps", what);
-    /* transformers' q_a/kv_a layernorms keep their default eps 1e-6; llama.cpp uses rms_norm_eps */
-    if ((float)a->eps != 1e-6f)
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: rms_norm_eps %g: llama.cpp's deepseek2 graph uses it for the "
-                      "latent norms too, which transformers runs with 1e-6", what, a->eps);
-    if (flag(c, "attention_bias", false))
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: attention_bias: llama.cpp's deepseek2 graph has no attention biases", what);
-    if (a->FF <= 0 && a->first_dense > 0)
-        return mq_err(MOEQ_E_FORMAT, "%s: config.json: dense layers without intermediate_size", what);
-    const cJSON *rp = item(c, "rope_parameters");
-    if (!rp) rp = item(c, "rope_scaling");
-    a->theta = 10000.0;
-    if (!num(c, "rope_theta", &a->theta) && rp) num(rp, "rope_theta", &a->theta);
-    const cJSON *rt = rp ? item(rp, "rope_type") : NULL;
-    if (rp && !rt) rt = item(rp, "type");
-    if (rt && !cJSON_IsString(rt))
-        return mq_err(MOEQ_E_FORMAT, "%s: rope_type is not a string", what);
-    if (rt && !strcmp(rt->valuestring, "yarn")) {
-        double bf = 32, bs = 1, ms = 0, msa = 0, A = NAN;
-        a->yarn = true;
-        a->yarn_orig = inum(rp, "original_max_position_embeddings", a->ctx);
-        a->yarn_factor = a->yarn_orig > 0 ? (double)a->ctx / (double)a->yarn_orig : 0;
-        num(rp, "factor", &a->yarn_factor);
-        num(rp, "beta_fast", &bf);
-        num(rp, "beta_slow", &bs);
-        num(rp, "mscale", &ms);
-        num(rp, "mscale_all_dim", &msa);
-        num(rp, "attention_factor", &A);
-        if ((bf != 32 && bf != 0) || (bs != 1 && bs != 0))
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: YaRN beta_fast %g, beta_slow %g: llama.cpp's deepseek2 reads "
-                          "neither and uses 32 and 1", what, bf, bs);
-        if (!(a->yarn_factor > 1) || a->yarn_orig <= 0 || !flag(rp, "truncate", true))
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: YaRN with factor %g, original context %lld%s is not written to "
-                          "GGUF by moeq", what, a->yarn_factor, (long long)a->yarn_orig,
-                          flag(rp, "truncate", true) ? "" : " and truncate false");
-        if (isnan(A)) A = ms != 0 && msa != 0 ? yarn_g(a->yarn_factor, ms) / yarn_g(a->yarn_factor, msa)
-                                               : yarn_g(a->yarn_factor, 1.0);
-        double G = msa != 0 ? yarn_g(a->yarn_factor, msa) : 1.0;
-        if (!(A > 0) || !(G > 0))
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: YaRN attention factor %g, mscale %g: not positive", what, A, G);
-        yarn_kvs(a->yarn_factor, A, G, &a->yarn_a, &a->yarn_lm);
-    } else if (rt && strcmp(rt->valuestring, "default")) {
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: rope scaling '%s' is not written to GGUF by moeq (default, yarn)",
-                      what, rt->valuestring);
-    }
-    return MOEQ_OK;
-}
-
-static moeq_status read_arch(const cJSON *c, const char *what, arch_cfg *a) {
-    memset(a, 0, sizeof *a);
-    const cJSON *mt = item(c, "model_type");
-    if (!mt || !cJSON_IsString(mt)) return mq_err(MOEQ_E_FORMAT, "%s: config.json has no model_type", what);
-    a->model_type = mt->valuestring;
-    if (!strcmp(a->model_type, "llama")) a->arch = "llama", a->permute_qk = true;
-    else if (!strcmp(a->model_type, "mixtral")) a->arch = "llama", a->permute_qk = true, a->mixtral = true;
-    else if (!strcmp(a->model_type, "olmoe")) a->arch = "olmoe";
-    else if (!strcmp(a->model_type, "qwen2_moe")) a->arch = "qwen2moe";
-    else if (!strcmp(a->model_type, "qwen3_moe")) a->arch = "qwen3moe";
-    else if (!strcmp(a->model_type, "deepseek_v3") || !strcmp(a->model_type, "kimi_k2"))
-        return read_deepseek(c, what, a);
-    else
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: model_type '%s' has no GGUF mapping in moeq (llama, mixtral, "
-                      "olmoe, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2)", what, a->model_type);
-    a->D = inum(c, "hidden_size", 0);
-    a->L = inum(c, "num_hidden_layers", 0);
-    a->H = inum(c, "num_attention_heads", 0);
-    a->KV = inum(c, "num_key_value_heads", a->H);
-    a->HD = inum(c, "head_dim", a->H > 0 ? a->D / a->H : 0);
-    a->FF = inum(c, "intermediate_size", 0);
-    a->E = a->mixtral ? inum(c, "num_local_experts", 0) : inum(c, "num_experts", 0);
-    a->K = inum(c, "num_experts_per_tok", 0);
-    a->FF_EXP = inum(c, "moe_intermediate_size", 0);
-    a->FF_SH = inum(c, "shared_expert_intermediate_size", 0);
-    a->ctx = inum(c, "max_position_embeddings", 0);
-    a->vocab = inum(c, "vocab_size", 0);
-    a->tie = flag(c, "tie_word_embeddings", false);
-    a->norm_topk = flag(c, "norm_topk_prob", false);
-    if (a->D <= 0 || a->L <= 0 || a->H <= 0 || a->KV <= 0 || a->HD <= 0 || a->vocab <= 0 || a->ctx <= 0 ||
-        a->D > UINT32_MAX || a->vocab > INT32_MAX || a->H % a->KV)
-        return mq_err(MOEQ_E_FORMAT, "%s: config.json: missing or bad hidden_size, num_hidden_layers, heads, "
-                      "vocab_size or max_position_embeddings", what);
-    if (!num(c, "rms_norm_eps", &a->eps)) return mq_err(MOEQ_E_FORMAT, "%s: config.json has no rms_norm_eps", what);
-    const cJSON *rp = item(c, "rope_parameters");
-    if (!rp) rp = item(c, "rope_scaling");
-    a->theta = 10000.0;
-    if (!num(c, "rope_theta", &a->theta) && rp) num(rp, "rope_theta", &a->theta);
-    if (rp) {
-        const cJSON *rt = item(rp, "rope_type");
-        if (!rt) rt = item(rp, "type");
-        if (rt && (!cJSON_IsString(rt) || strcmp(rt->valuestring, "default")))
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: rope scaling '%s' is not written to GGUF by moeq", what,
-                          cJSON_IsString(rt) ? rt->valuestring : "?");
-    }
-    return MOEQ_OK;
-}
-
-static bool has_dense_layers(const cJSON *c) {
-    const cJSON *m = item(c, "mlp_only_layers");
-    if (m && cJSON_IsArray(m) && cJSON_GetArraySize(m) > 0) return true;
-    return inum(c, "decoder_sparse_step", 1) != 1;
-}
-
-moeq_status mq_gguf_check_config(const cJSON *c, const char *what, mq_qscheme scheme, bool act_quant) {
-    arch_cfg a;
-    moeq_status s = read_arch(c, what, &a);
-    if (s) return s;
-    const cJSON *act = item(c, "hidden_act");
-    if (act && cJSON_IsString(act) && strcmp(act->valuestring, "silu"))
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: hidden_act '%s': llama.cpp's %s graph uses SiLU", what,
-                      act->valuestring, a.arch);
-    if (act_quant)
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: W4A4 (NVFP4 activations) cannot be written as GGUF: llama.cpp "
-                      "quantizes activations its own way (use --scheme nvfp4a16)", what);
-    if (scheme == MQ_QS_NVFP4 && (!strcmp(a.arch, "olmoe") || !strcmp(a.arch, "qwen2moe")))
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: NVFP4 cannot be written as GGUF for %s: llama.cpp's %s graph does "
-                      "not apply the per-tensor global scale of the experts (use --scheme int4)", what,
-                      a.model_type, a.arch);
-    if (scheme == MQ_QS_NVFP4 && a.mla)
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: NVFP4 cannot be written as GGUF for %s: llama.cpp's deepseek2 graph "
-                      "applies no global scale to q_a/q_b/kv_a, the latent products or the experts (use --scheme "
-                      "int4)", what, a.model_type);
-    if (scheme == MQ_QS_MXFP4) return mq_err(MOEQ_E_UNSUPPORTED, "%s: MXFP4 has no GGUF export in moeq", what);
-    if (!strcmp(a.arch, "qwen2moe")) {
-        if (a.norm_topk)
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: qwen2_moe with norm_topk_prob true: llama.cpp's qwen2moe graph "
-                          "never renormalises the top-k router weights, so it would compute another model", what);
-        if (has_dense_layers(c))
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: qwen2_moe with dense layers (mlp_only_layers, decoder_sparse_step): "
-                          "llama.cpp's qwen2moe graph has MoE layers only", what);
-        if (flag(c, "use_sliding_window", false))
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: sliding-window attention is not written to GGUF by moeq", what);
-    }
-    if (!strcmp(a.arch, "qwen3moe")) {
-        if (!a.norm_topk)
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: qwen3_moe with norm_topk_prob false: llama.cpp's qwen3moe graph "
-                          "always renormalises the top-k router weights", what);
-        if (has_dense_layers(c))
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: qwen3_moe with dense layers: llama.cpp's qwen3moe graph has MoE "
-                          "layers only", what);
-    }
-    if (!strcmp(a.arch, "olmoe")) {
-        if (a.norm_topk)
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: olmoe with norm_topk_prob true: llama.cpp's olmoe graph never "
-                          "renormalises the top-k router weights", what);
-        if (item(c, "clip_qkv"))
-            return mq_err(MOEQ_E_UNSUPPORTED, "%s: olmoe with clip_qkv: llama.cpp's olmoe graph does not clip", what);
-    }
-    if (flag(c, "mlp_bias", false))
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: MLP biases are not written to GGUF by moeq", what);
-    if ((a.E > 0) != (a.K > 0) || (strcmp(a.arch, "llama") && a.E <= 0))
-        return mq_err(MOEQ_E_FORMAT, "%s: config.json: expert count and experts per token do not fit %s", what,
-                      a.model_type);
-    return MOEQ_OK;
-}
-
-static moeq_status read_json(const char *dir, const char *name, bool required, cJSON **out) {
-    *out = NULL;
-    char *path = mq_path_join(dir, name);
-    if (!path) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!required && !mq_file_exists(path)) {
-        free(path);
-        return MOEQ_OK;
-    }
-    char *text;
-    size_t len;
-    moeq_status s = mq_read_file(path, &text, &len);
-    if (!s) {
-        *out = cJSON_ParseWithLength(text, len);
-        free(text);
-        if (!*out) s = mq_err(MOEQ_E_FORMAT, "%s: not valid JSON", path);
-    }
-    free(path);
-    return s;
-}
-
-moeq_status mq_gguf_check_model(const char *model_dir, mq_qscheme scheme, bool act_quant) {
-    cJSON *c;
-    moeq_status s = read_json(model_dir, "config.json", true, &c);
-    if (s) return s;
-    s = mq_gguf_check_config(c, model_dir, scheme, act_quant);
-    cJSON_Delete(c);
-    return s;
-}
-
-/* ---- the tokenizer ------------------------------------------------------------------------------ */
-
-/* a == b, where a may spell CR and LF as the regex escapes \r and \n */
-static bool same_regex(const char *a, const char *b) {
-    for (; *a && *b; a++, b++) {
-        if (a[0] == '\\' && (a[1] == 'r' || a[1] == 'n') && *b == (a[1] == 'r' ? '\r' : '\n')) {
-            a++;
-            continue;
-        }
-        if (*a != *b) return false;
-        if (*a == '\\') {   /* an escape pair is compared whole */
-            a++, b++;
-            if (*a != *b) return false;
-            if (!*a) return true;
-        }
-    }
-    return !*a && !*b;
-}
-
-/* tokenizer.ggml.pre from the pre_tokenizer block: a lone byte-level split with GPT-2's regex is
- * "gpt-2"; a Split with Llama 3's or Qwen2's regex followed by a regex-less byte level is
- * "llama-bpe" or "qwen2". Anything else is refused: llama.cpp would split differently. */
-static moeq_status pick_pre(const cJSON *tok, const char *path, const char **pre) {
-    const cJSON *p = item(tok, "pre_tokenizer");
-    const cJSON *ty = p ? item(p, "type") : NULL;
-    if (ty && cJSON_IsString(ty) && !strcmp(ty->valuestring, "ByteLevel")) {
-        if (flag(p, "use_regex", true) && !flag(p, "add_prefix_space", false)) {
-            *pre = "gpt-2";
-            return MOEQ_OK;
-        }
-    } else if (ty && cJSON_IsString(ty) && !strcmp(ty->valuestring, "Sequence")) {
-        const cJSON *l = item(p, "pretokenizers");
-        if (l && cJSON_GetArraySize(l) == 4) {   /* DeepSeek-V3's */
-            bool ok = true;
-            for (int i = 0; ok && i < 3; i++) {
-                const cJSON *sp = cJSON_GetArrayItem(l, i), *t0 = item(sp, "type"), *pat = item(sp, "pattern");
-                const cJSON *re = pat ? item(pat, "Regex") : NULL;
-                ok = t0 && cJSON_IsString(t0) && !strcmp(t0->valuestring, "Split") && re && cJSON_IsString(re) &&
-                     same_regex(re->valuestring, mq_gguf_re_deepseek3[i]);
-            }
-            const cJSON *bl = cJSON_GetArrayItem(l, 3), *t3 = item(bl, "type");
-            if (ok && t3 && cJSON_IsString(t3) && !strcmp(t3->valuestring, "ByteLevel") && !flag(bl, "use_regex", true)) {
-                *pre = "deepseek-v3";
-                return MOEQ_OK;
-            }
-        }
-        if (l && cJSON_GetArraySize(l) == 2) {
-            const cJSON *sp = cJSON_GetArrayItem(l, 0), *bl = cJSON_GetArrayItem(l, 1);
-            const cJSON *t0 = item(sp, "type"), *t1 = item(bl, "type"), *pat = item(sp, "pattern");
-            const cJSON *re = pat ? item(pat, "Regex") : NULL;
-            if (t0 && t1 && re && cJSON_IsString(t0) && cJSON_IsString(t1) && cJSON_IsString(re) &&
-                !strcmp(t0->valuestring, "Split") && !strcmp(t1->valuestring, "ByteLevel") &&
-                !flag(bl, "use_regex", true)) {
-                if (!strcmp(re->valuestring, mq_gguf_re_llama3)) *pre = "llama-bpe";
-                else if (!strcmp(re->valuestring, mq_gguf_re_qwen2)) *pre = "qwen2";
-                else *pre = NULL;
-                if (*pre) return MOEQ_OK;
-            }
-        }
-    }
-    return mq_err(MOEQ_E_UNSUPPORTED, "%s: pre_tokenizer is none of those llama.cpp names (GPT-2 byte level, "
-                  "Llama 3, Qwen2 or DeepSeek-V3 splits): its tokens would differ", path);
-}
-
-typedef struct {
-    int64_t n;             /* entries: vocab_size (every id below it) */
-    char **tok;
-    size_t *len;
-    int32_t *type;         /* 1 normal, 3 control, 4 user defined, 5 unused (padding) */
-    char **merges;
-    size_t *mlen;
-    int64_t n_merges;
-    const char *pre;
-    int32_t bos, eos, pad; /* -1: none */
-    bool add_bos;
-} vocab;
-
-static void vocab_free(vocab *v) {
-    for (int64_t i = 0; i < v->n; i++) free(v->tok ? v->tok[i] : NULL);
-    for (int64_t i = 0; i < v->n_merges; i++) free(v->merges[i]);
-    free(v->tok);
-    free(v->len);
-    free(v->type);
-    free(v->merges);
-    free(v->mlen);
-}
-
-/* A special token's id as moeq's tokenizer takes it (io/tokenizer.c): tokenizer_config.json's
- * token string first, else config.json's *_token_id. */
-static int32_t id_of(const vocab *v, const cJSON *cfg_id, const cJSON *tc, const char *key) {
-    const cJSON *t = tc ? item(tc, key) : NULL;
-    if (t && cJSON_IsObject(t)) t = item(t, "content");
-    if (t && cJSON_IsString(t))
-        for (int64_t i = 0; i < v->n; i++)
-            if (v->tok[i] && v->len[i] == strlen(t->valuestring) && !memcmp(v->tok[i], t->valuestring, v->len[i]))
-                return (int32_t)i;
-    if (cfg_id && cJSON_IsArray(cfg_id)) cfg_id = cJSON_GetArrayItem(cfg_id, 0);
-    int64_t id;
-    /* an id that is no id of the vocabulary is none */
-    if (cfg_id && cJSON_IsNumber(cfg_id) && mq_int_of(cfg_id->valuedouble, 0, v->n - 1, &id)) return (int32_t)id;
-    return -1;
-}
-
-/* A tiktoken.model (Kimi K2) as llama.cpp's converter writes it: the ranks' bytes in the
- * byte-level alphabet, the merges recovered from the ranks in rank order, the specials as control
- * tokens, the split pattern by name ("kimi-k2"). */
-static moeq_status read_vocab_tiktoken(const char *dir, const cJSON *cfg, int64_t vocab_size, vocab *v) {
-    char *path = mq_path_join(dir, "tiktoken.model");
-    moeq_tokenizer *tok = NULL;
-    cJSON *tc = NULL;
-    int32_t *pairs = NULL;
-    size_t np = 0;
-    moeq_status s = path ? moeq_tokenizer_load(path, &tok) : mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!s && !(v->pre = mq_tokenizer_pre_name(tok)))
-        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: its split pattern has no llama.cpp name", path);
-    if (!s && moeq_tokenizer_vocab_size(tok) > vocab_size)
-        s = mq_err(MOEQ_E_FORMAT, "%s: token ids reach %d, past vocab_size %lld", path,
-                   moeq_tokenizer_vocab_size(tok) - 1, (long long)vocab_size);
-    if (!s) s = read_json(dir, "tokenizer_config.json", false, &tc);
-    if (!s) s = mq_tokenizer_merges(tok, &pairs, &np);
-    if (!s) {
-        v->n = vocab_size;
-        v->tok = calloc((size_t)vocab_size, sizeof *v->tok);
-        v->len = calloc((size_t)vocab_size, sizeof *v->len);
-        v->type = calloc((size_t)vocab_size, sizeof *v->type);
-        v->merges = calloc(np + 1, sizeof *v->merges);
-        v->mlen = calloc(np + 1, sizeof *v->mlen);
-        if (!v->tok || !v->len || !v->type || !v->merges || !v->mlen) s = mq_err(MOEQ_E_NOMEM, "out of memory");
-    }
-    for (int64_t i = 0; !s && i < vocab_size; i++) {
-        const char *t = moeq_tokenizer_token(tok, (int32_t)i);
-        v->tok[i] = t ? mq_strdup(t) : mq_asprintf("[PAD%lld]", (long long)i);
-        v->type[i] = !t ? 5 : mq_tokenizer_is_added(tok, (int32_t)i) ? 3 : 1;
-        if (!v->tok[i]) s = mq_err(MOEQ_E_NOMEM, "out of memory");
-        else v->len[i] = strlen(v->tok[i]);
-    }
-    for (size_t i = 0; !s && i < np; i++) {
-        char *m = mq_asprintf("%s %s", moeq_tokenizer_token(tok, pairs[2 * i]), moeq_tokenizer_token(tok, pairs[2 * i + 1]));
-        if (!m) s = mq_err(MOEQ_E_NOMEM, "out of memory");
-        else v->mlen[v->n_merges] = strlen(m), v->merges[v->n_merges++] = m;
-    }
-    if (!s) {
-        v->bos = id_of(v, item(cfg, "bos_token_id"), tc, "bos_token");
-        v->eos = id_of(v, item(cfg, "eos_token_id"), tc, "eos_token");
-        v->pad = id_of(v, item(cfg, "pad_token_id"), tc, "pad_token");
-        v->add_bos = tc ? flag(tc, "add_bos_token", false) : false;
-    }
-    free(pairs);
-    cJSON_Delete(tc);
-    moeq_tokenizer_free(tok);
-    free(path);
-    return s;
-}
-
-static moeq_status read_vocab(const char *dir, const cJSON *cfg, int64_t vocab_size, vocab *v) {
-    memset(v, 0, sizeof *v);
-    char *found = mq_tokenizer_find(dir);   /* tokenizer.json first, as the loader takes it */
-    size_t fl = found ? strlen(found) : 0;
-    bool tiktoken = fl >= 14 && !strcmp(found + fl - 14, "tiktoken.model");
-    free(found);
-    if (tiktoken) return read_vocab_tiktoken(dir, cfg, vocab_size, v);
-    cJSON *tok, *tc;
-    moeq_status s = read_json(dir, "tokenizer.json", true, &tok);
-    if (s) return s;
-    if ((s = read_json(dir, "tokenizer_config.json", false, &tc))) {
-        cJSON_Delete(tok);
-        return s;
-    }
-    char path[4096];
-    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
-    const cJSON *model = item(tok, "model"), *mty = model ? item(model, "type") : NULL;
-    const cJSON *voc = model ? item(model, "vocab") : NULL, *mer = model ? item(model, "merges") : NULL;
-    const cJSON *added = item(tok, "added_tokens");
-    if (!mty || !cJSON_IsString(mty) || strcmp(mty->valuestring, "BPE") || !voc || !cJSON_IsObject(voc)) {
-        s = mq_err(MOEQ_E_UNSUPPORTED, "%s: only byte-level BPE tokenizers are written to GGUF", path);
-        goto done;
-    }
-    if ((s = pick_pre(tok, path, &v->pre))) goto done;
-    /* every id a row of the embedding: [0, vocab_size) */
-    const int64_t n = vocab_size;
-    const cJSON *e;
-    double top = -1;
-    cJSON_ArrayForEach(e, voc) if (cJSON_IsNumber(e) && e->valuedouble > top) top = e->valuedouble;
-    cJSON_ArrayForEach(e, added) {
-        const cJSON *id = item(e, "id");
-        if (id && cJSON_IsNumber(id) && id->valuedouble > top) top = id->valuedouble;
-    }
-    if (top >= (double)vocab_size) {
-        s = mq_err(MOEQ_E_FORMAT, "%s: token ids reach %.0f, past vocab_size %lld", path, top, (long long)vocab_size);
-        goto done;
-    }
-    v->n = n;
-    v->tok = calloc((size_t)n, sizeof *v->tok);
-    v->len = calloc((size_t)n, sizeof *v->len);
-    v->type = calloc((size_t)n, sizeof *v->type);
-    if (!v->tok || !v->len || !v->type) {
-        s = mq_err(MOEQ_E_NOMEM, "out of memory");
-        goto done;
-    }
-    cJSON_ArrayForEach(e, voc) {
-        int64_t id;
-        if (!cJSON_IsNumber(e) || !mq_int_of(e->valuedouble, 0, n - 1, &id)) {
-            s = mq_err(MOEQ_E_FORMAT, "%s: vocab entry '%s' has no valid id", path, e->string);
-            goto done;
-        }
-        free(v->tok[id]);
-        v->tok[id] = mq_strdup(e->string);
-        v->len[id] = strlen(e->string);
-        v->type[id] = 1;
-        if (!v->tok[id]) {
-            s = mq_err(MOEQ_E_NOMEM, "out of memory");
-            goto done;
-        }
-    }
-    cJSON_ArrayForEach(e, added) {
-        const cJSON *id = item(e, "id"), *content = item(e, "content");
-        int64_t i;
-        if (!id || !cJSON_IsNumber(id) || !mq_int_of(id->valuedouble, 0, n - 1, &i) || !content ||
-            !cJSON_IsString(content))
-            continue;
-        free(v->tok[i]);
-        v->tok[i] = mq_strdup(content->valuestring);
-        v->len[i] = strlen(content->valuestring);
-        v->type[i] = flag(e, "special", false) ? 3 : 4;
-        if (!v->tok[i]) {
-            s = mq_err(MOEQ_E_NOMEM, "out of memory");
-            goto done;
-        }
-    }
-    for (int64_t i = 0; i < n; i++)
-        if (!v->tok[i]) {   /* rows of the embedding past the tokenizer: llama.cpp's padding names */
-            v->tok[i] = mq_asprintf("[PAD%lld]", (long long)i);
-            if (!v->tok[i]) {
-                s = mq_err(MOEQ_E_NOMEM, "out of memory");
-                goto done;
-            }
-            v->len[i] = strlen(v->tok[i]);
-            v->type[i] = 5;
-        }
-    int64_t nm = mer && cJSON_IsArray(mer) ? cJSON_GetArraySize(mer) : 0;
-    v->merges = calloc((size_t)(nm ? nm : 1), sizeof *v->merges);
-    v->mlen = calloc((size_t)(nm ? nm : 1), sizeof *v->mlen);
-    if (!v->merges || !v->mlen) {
-        s = mq_err(MOEQ_E_NOMEM, "out of memory");
-        goto done;
-    }
-    cJSON_ArrayForEach(e, mer) {
-        char *m = NULL;
-        if (cJSON_IsString(e)) m = mq_strdup(e->valuestring);
-        else if (cJSON_IsArray(e) && cJSON_GetArraySize(e) == 2 && cJSON_IsString(cJSON_GetArrayItem(e, 0)) &&
-                 cJSON_IsString(cJSON_GetArrayItem(e, 1)))
-            m = mq_asprintf("%s %s", cJSON_GetArrayItem(e, 0)->valuestring, cJSON_GetArrayItem(e, 1)->valuestring);
-        else {
-            s = mq_err(MOEQ_E_FORMAT, "%s: merge %lld is neither \"a b\" nor [a, b]", path, (long long)v->n_merges);
-            goto done;
-        }
-        if (!m) {
-            s = mq_err(MOEQ_E_NOMEM, "out of memory");
-            goto done;
-        }
-        v->merges[v->n_merges] = m;
-        v->mlen[v->n_merges++] = strlen(m);
-    }
-    v->bos = id_of(v, item(cfg, "bos_token_id"), tc, "bos_token");
-    v->eos = id_of(v, item(cfg, "eos_token_id"), tc, "eos_token");
-    v->pad = id_of(v, item(cfg, "pad_token_id"), tc, "pad_token");
-    v->add_bos = tc ? flag(tc, "add_bos_token", false) : false;
-done:
-    cJSON_Delete(tok);
-    cJSON_Delete(tc);
-    return s;
-}
-
 /* ---- the tensor plan ---------------------------------------------------------------------------- */
 
 typedef enum { SRC_PLAIN, SRC_LINEAR, SRC_EXPERTS, SRC_SCALE, SRC_KB } src_kind;
@@ -652,6 +96,7 @@ typedef struct {
     size_t n, cap;
     bool warned_f16;
     uint32_t ftype;       /* general.file_type */
+    const mq_gguf_recipe *recipe;   /* K-quants: token_embd's and output's types; NULL: none */
 } exporter;
 
 static const mq_tensor_view *lookup(void *user, const char *name) { return mq_st_find(user, name); }
@@ -732,6 +177,10 @@ static moeq_status linear_type(exporter *x, const char *module, int64_t rows, in
     if (qi.has_input_scale)
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: Linear '%s' has W4A4 activation scales: llama.cpp quantizes "
                       "activations its own way", x->dir, module);
+    if (qi.scheme == MQ_QS_KQUANT) {   /* GGUF rows already */
+        *type = mq_kq_info_of(qi.kq)->ggml_type;
+        return MOEQ_OK;
+    }
     if (qi.scheme == MQ_QS_NVFP4) {
         if (cols % 64)
             return mq_err(MOEQ_E_SHAPE, "%s: Linear '%s': %lld input features are not whole 64-value NVFP4 blocks",
@@ -1020,9 +469,57 @@ static moeq_status plan(exporter *x) {
 
 /* ---- writing the tensors -------------------------------------------------------------------------- */
 
+/* Rows of float data as one of llama.cpp's block types, rounded to nearest with moeq's block
+ * search (the spec's MSE grid on the exact values, plain squared error), rows on the pool (an
+ * embedding is the largest tensor; each row is its own). */
+typedef struct {
+    const mq_kq_info *t;
+    mq_qspec spec;
+    const float *x;
+    int64_t n, cols;
+    uint8_t *out;
+    uint8_t *bad;   /* per task: a row whose scales do not fit fp16 */
+} kq_rows;
+
+enum { KQ_ROWS_TASK = 16 };
+
+static void kq_rows_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    const kq_rows *c = vctx;
+    const mq_kq_info *t = c->t;
+    const int64_t nb = c->cols / t->block, per = t->block / t->sub;
+    mq_gparams *g = mq_alloc_array((size_t)(c->cols / t->sub), sizeof *g, "GGUF block scales");
+    uint8_t *codes = mq_alloc((size_t)c->cols, "GGUF codes");
+    c->bad[task] = !g || !codes;
+    for (int64_t r = task * KQ_ROWS_TASK; r < c->n && r < (task + 1) * KQ_ROWS_TASK && !c->bad[task]; r++) {
+        mq_kq_quantize_row(t, &c->spec, c->x + r * c->cols, c->cols, NULL, g, codes);
+        for (int64_t b = 0; b < nb; b++)   /* only scales past fp16 fail */
+            if (!mq_kq_pack_block(t, g + b * per, codes + b * t->block, c->out + (r * nb + b) * t->bytes))
+                c->bad[task] = 2;
+    }
+    mq_free(g);
+    mq_free(codes);
+}
+
+static moeq_status encode_kq_rows(mq_kq_type kt, const float *x, int64_t n, int64_t cols, uint8_t *out) {
+    const int64_t tasks = (n + KQ_ROWS_TASK - 1) / KQ_ROWS_TASK;
+    kq_rows c = {mq_kq_info_of(kt), mq_kq_spec(kt), x, n, cols, out, calloc((size_t)tasks + 1, 1)};
+    if (!c.bad) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    c.spec.mse = true;
+    mq_parallel_for(tasks, kq_rows_task, &c);
+    int bad = 0;
+    for (int64_t i = 0; i < tasks; i++) bad = c.bad[i] > bad ? c.bad[i] : bad;
+    free(c.bad);
+    if (bad == 1) return MOEQ_E_NOMEM;
+    if (bad) return mq_err(MOEQ_E_NUMERIC, "values too large for %s's fp16 scales", c.t->name);
+    return MOEQ_OK;
+}
+
 /* Encodes rows [0, n) of float data (row-major, cols each) as type into out. */
-static void encode_float_rows(uint32_t type, const float *x, int64_t n, int64_t cols, uint8_t *out) {
+static moeq_status encode_float_rows(uint32_t type, const float *x, int64_t n, int64_t cols, uint8_t *out) {
     int64_t total = n * cols;
+    mq_kq_type kt;
+    if (type != MQ_GGML_Q8_0 && mq_kq_of_ggml(type, &kt)) return encode_kq_rows(kt, x, n, cols, out);
     switch (type) {
     case MQ_GGML_F32: memcpy(out, x, (size_t)total * 4); break;
     case MQ_GGML_F16:
@@ -1043,6 +540,7 @@ static void encode_float_rows(uint32_t type, const float *x, int64_t n, int64_t 
         for (int64_t i = 0; i < total / 32; i++) mq_ggml_put_q8_0(out + 34 * i, x + 32 * i);
         break;
     }
+    return MOEQ_OK;
 }
 
 static size_t row_bytes(uint32_t type, int64_t cols) {
@@ -1074,8 +572,8 @@ static moeq_status write_float(exporter *x, mq_gguf_writer *w, const out_tensor 
     for (int64_t r = 0; !s && r < rows; r += chunk) {
         int64_t n = rows - r < chunk ? rows - r : chunk;
         if (full) {
-            encode_float_rows(t->type, full + src_row(r, &t->map) * cols, n, cols, o);
-            s = mq_gguf_writer_data(w, o, (size_t)n * rb);
+            s = encode_float_rows(t->type, full + src_row(r, &t->map) * cols, n, cols, o);
+            if (!s) s = mq_gguf_writer_data(w, o, (size_t)n * rb);
             continue;
         }
         mq_tensor_view sub = *v;
@@ -1086,8 +584,8 @@ static moeq_status write_float(exporter *x, mq_gguf_writer *w, const out_tensor 
         sub.data = v->data + (size_t)src_row(r, &t->map) * (size_t)cols * es;
         sub.nbytes = (size_t)(n * cols) * es;
         if ((s = mq_tensor_to_f32(&sub, f))) break;
-        encode_float_rows(t->type, f, n, cols, o);
-        s = mq_gguf_writer_data(w, o, (size_t)n * rb);
+        s = encode_float_rows(t->type, f, n, cols, o);
+        if (!s) s = mq_gguf_writer_data(w, o, (size_t)n * rb);
     }
     mq_free(full);
     mq_free(f);
@@ -1107,8 +605,20 @@ static moeq_status f16_exact(exporter *x, const char *module, float v, uint16_t 
     return MOEQ_OK;
 }
 
-/* One quantized Linear re-blocked into type (its rows through t->map). */
+/* One quantized Linear re-blocked into type (its rows through t->map); rows of llama.cpp's block
+ * types copied as they are. */
 static moeq_status write_qlinear(exporter *x, mq_gguf_writer *w, const out_tensor *t, const char *module) {
+    const mq_tensor_view *kv = mq_layout_ggml_find(module, lookup, x->st, NULL);
+    if (kv) {
+        const size_t rb = row_bytes(t->type, t->cols);
+        if (kv->dtype != MOEQ_DT_U8 || kv->ndim != 2 || kv->shape[0] != t->rows || (size_t)kv->shape[1] != rb)
+            return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s': not %lld GGUF rows of %zu bytes", kv->file, kv->name,
+                          (long long)t->rows, rb);
+        moeq_status s = MOEQ_OK;
+        for (int64_t r = 0; !s && r < t->out_rows; r++)
+            s = mq_gguf_writer_data(w, kv->data + (size_t)src_row(r, &t->map) * rb, rb);
+        return s;
+    }
     mq_qtensor q;
     moeq_status s = mq_layout_read(module, t->rows, t->cols, lookup, x->st, &q);
     if (s) {
@@ -1166,8 +676,8 @@ static moeq_status write_dequantized(exporter *x, mq_gguf_writer *w, const out_t
     uint8_t *o = mq_alloc(rb, "GGUF row");
     moeq_status s = f && o ? mq_load_linear_weight(x->st, module, t->rows, t->cols, f, NULL) : MOEQ_E_NOMEM;
     for (int64_t r = 0; !s && r < t->out_rows; r++) {
-        encode_float_rows(t->type, f + src_row(r, &t->map) * t->cols, 1, t->cols, o);
-        s = mq_gguf_writer_data(w, o, rb);
+        s = encode_float_rows(t->type, f + src_row(r, &t->map) * t->cols, 1, t->cols, o);
+        if (!s) s = mq_gguf_writer_data(w, o, rb);
     }
     mq_free(f);
     mq_free(o);
@@ -1218,8 +728,8 @@ static moeq_status write_k_b(exporter *x, mq_gguf_writer *w, const out_tensor *t
     for (int64_t h = 0; !s && h < a->H; h++)
         for (int64_t c = 0; !s && c < r; c++) {
             for (int64_t i = 0; i < nope; i++) row[i] = f[(h * hb + i) * r + c];
-            encode_float_rows(t->type, row, 1, nope, o);
-            s = mq_gguf_writer_data(w, o, rb);
+            s = encode_float_rows(t->type, row, 1, nope, o);
+            if (!s) s = mq_gguf_writer_data(w, o, rb);
         }
     mq_free(f);
     mq_free(row);
@@ -1325,6 +835,7 @@ static void put_kvs(exporter *x, mq_gguf_writer *w, const vocab *v, const char *
 
 /* general.file_type from the quantized tensors' type (llama.cpp's LLAMA_FTYPE numbers). */
 static uint32_t file_type(const exporter *x) {
+    if (x->recipe) return mq_gguf_recipe_ftype(x->recipe);
     for (size_t i = 0; i < x->n; i++) {
         switch (x->t[i].type) {
         case MQ_GGML_Q4_0: return 2;
@@ -1343,28 +854,45 @@ static uint32_t file_type(const exporter *x) {
     return 0;
 }
 
-static moeq_status export_file(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest, bool dequant) {
+/* token_embd and output as the recipe says (their rows rounded by encode_kq_rows), where it gives
+ * them a block type and they are not quantized already */
+static void recipe_types(exporter *x) {
+    for (size_t i = 0; x->recipe && i < x->n; i++) {
+        out_tensor *t = &x->t[i];
+        const bool embd = !strcmp(t->gname, "token_embd.weight"), out = !strcmp(t->gname, "output.weight");
+        if ((!embd && !out) || t->n_dims != 2) continue;
+        if (t->kind == SRC_LINEAR && mq_layout_detect(t->src, lookup, x->st) != MQ_LIN_DENSE) continue;
+        /* a tied model's token_embd doubles as the output (llama.cpp's rule) */
+        const int k = mq_gguf_recipe_type(x->recipe, out ? MQ_GCAT_OUTPUT : MQ_GCAT_TOKEN_EMBD, -1, t->ne[0]);
+        if (k >= 0) t->type = mq_kq_info_of((mq_kq_type)k)->ggml_type;
+    }
+}
+
+static moeq_status export_file(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest, bool dequant,
+                               const mq_gguf_recipe *recipe) {
     exporter x;
     memset(&x, 0, sizeof x);
     x.dir = ckpt_dir;
     x.rest = rest;
     x.dequant = dequant;
+    x.recipe = recipe;
     cJSON *cfg = NULL;
     vocab v;
     memset(&v, 0, sizeof v);
     mq_gguf_writer *w = NULL;
     mq_atomic_file af;
     bool open = false;
-    moeq_status s = read_json(ckpt_dir, "config.json", true, &cfg);
+    moeq_status s = mq_gguf_read_json(ckpt_dir, "config.json", true, &cfg);
     if (!s) s = mq_gguf_check_config(cfg, ckpt_dir, MQ_QS_NONE, false);
-    if (!s) s = read_arch(cfg, ckpt_dir, &x.a);
-    if (!s) s = read_vocab(ckpt_dir, cfg, x.a.vocab, &v);
+    if (!s) s = mq_gguf_read_arch(cfg, ckpt_dir, &x.a);
+    if (!s) s = mq_gguf_read_vocab(ckpt_dir, cfg, x.a.vocab, &v);
     if (!s) s = mq_st_open_dir(ckpt_dir, &x.st);
     if (!s) s = plan(&x);
     /* NVFP4 where llama.cpp's graph drops the global scale */
     for (size_t i = 0; !s && i < x.n; i++)
         if (x.t[i].type == MQ_GGML_NVFP4) s = mq_gguf_check_config(cfg, ckpt_dir, MQ_QS_NVFP4, false);
     if (s) goto done;
+    recipe_types(&x);
     x.ftype = file_type(&x);
     if (!(w = mq_gguf_writer_new())) {
         s = mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -1400,15 +928,21 @@ done:
     mq_gguf_writer_free(w);
     mq_st_close(x.st);
     free(x.t);
-    vocab_free(&v);
+    mq_gguf_vocab_free(&v);
     cJSON_Delete(cfg);
     return s;
 }
 
 moeq_status mq_gguf_export(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest) {
-    return export_file(ckpt_dir, out_path, rest, false);
+    return export_file(ckpt_dir, out_path, rest, false, NULL);
+}
+
+moeq_status mq_gguf_export_recipe(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest,
+                                  const mq_gguf_recipe *recipe) {
+    return export_file(ckpt_dir, out_path, rest, false, recipe);
 }
 
 moeq_status mq_gguf_export_dequantized(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest) {
-    return export_file(ckpt_dir, out_path, rest, true);
+    return export_file(ckpt_dir, out_path, rest, true, NULL);
 }
+

@@ -27,6 +27,7 @@ static const char *const quant_suffixes[] = {
     "scales", "g_idx", "weight_scale_inv"};
 
 bool mq_layout_is_quant_suffix(const char *suffix) {
+    if (mq_layout_ggml_suffix(suffix, NULL)) return true;
     for (size_t i = 0; i < sizeof quant_suffixes / sizeof quant_suffixes[0]; i++)
         if (strcmp(suffix, quant_suffixes[i]) == 0) return true;
     return false;
@@ -181,6 +182,11 @@ moeq_status mq_layout_emit_input_scale(mq_ckpt_format fmt, const char *module, f
 moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qtensor *q,
                            float input_amax, mq_emit_fn emit, void *user) {
     emitter e = {module, emit, user};
+    if (q->spec.scheme == MQ_QS_KQUANT) {
+        if (fmt != MQ_FMT_GGUF)
+            return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': llama.cpp's block types are GGUF's", module);
+        return mq_layout_ggml_emit(module, q, emit, user);
+    }
     if (fmt == MQ_FMT_GGUF) fmt = MQ_FMT_CT;
     int64_t N = q->rows, K = q->cols;
     mq_qscheme sch = q->spec.scheme;
@@ -249,6 +255,11 @@ moeq_status mq_layout_describe(mq_ckpt_format fmt, const char *module, const mq_
                                int64_t N, int64_t K, bool g_idx, bool input_scale,
                                mq_describe_fn fn, void *user) {
     describer d = {module, fn, user};
+    if (spec->scheme == MQ_QS_KQUANT) {
+        if (fmt != MQ_FMT_GGUF)
+            return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': llama.cpp's block types are GGUF's", module);
+        return mq_layout_ggml_describe(module, spec, N, K, fn, user);
+    }
     if (fmt == MQ_FMT_GGUF) fmt = MQ_FMT_CT;
     moeq_status st;
     const int64_t G = (K + mq_qspec_group(spec, K) - 1) / mq_qspec_group(spec, K);
@@ -314,6 +325,7 @@ static const mq_tensor_view *find(const reader *r, const char *suffix) {
 mq_linear_kind mq_layout_detect(const char *module, mq_lookup_fn lookup, void *user) {
     reader r = {module, lookup, user};
     const mq_tensor_view *t;
+    if (mq_layout_ggml_find(module, lookup, user, NULL)) return MQ_LIN_GGML;
     if ((t = find(&r, "weight_packed"))) {
         if (t->dtype == MOEQ_DT_U8) return MQ_LIN_CT_NVFP4;
         return MQ_LIN_CT_INT4;
@@ -551,6 +563,7 @@ moeq_status mq_layout_read(const char *module, int64_t rows, int64_t cols, mq_lo
     case MQ_LIN_MODELOPT_NVFP4: return read_nvfp4(&r, rows, cols, false, out);
     case MQ_LIN_CT_INT4: return read_ct_int4(&r, rows, cols, out);
     case MQ_LIN_GPTQ: return read_gptq(&r, rows, cols, out);
+    case MQ_LIN_GGML: return mq_layout_ggml_read(module, rows, cols, lookup, user, out);
     case MQ_LIN_DENSE:
         return mq_err(MOEQ_E_ARG, "module '%s' is not quantized", module);
     case MQ_LIN_FP8_BLOCK:

@@ -68,6 +68,8 @@ typedef enum {
     MQ_LIN_CT_INT4,
     MQ_LIN_MODELOPT_NVFP4,
     MQ_LIN_GPTQ,
+    MQ_LIN_GGML,          /* P.weight_<type>: GGUF rows of a llama.cpp block type (--format gguf's
+                             K-quants; layout_ggml.c) */
     MQ_LIN_FP8_BLOCK,     /* P.weight F8_E4M3 with P.weight_scale_inv per block (io/fp8.h): an
                              FP8 source, loaded dequantized, never packed */
 } mq_linear_kind;
@@ -84,6 +86,18 @@ moeq_status mq_layout_read(const char *module, int64_t rows, int64_t cols, mq_lo
 /* Tensor name suffixes of every layout (for recognising quantization tensors in a checkpoint). */
 bool mq_layout_is_quant_suffix(const char *suffix);
 
+/* ---- llama.cpp's block types (layout_ggml.c; MQ_FMT_GGUF with an MQ_QS_KQUANT spec) --------- */
+/* "weight_q4_K" and the like (t: its type; may be NULL). */
+bool mq_layout_ggml_suffix(const char *suffix, mq_kq_type *t);
+moeq_status mq_layout_ggml_describe(const char *module, const mq_qspec *spec, int64_t N, int64_t K,
+                                    mq_describe_fn fn, void *user);
+moeq_status mq_layout_ggml_emit(const char *module, const mq_qtensor *q, mq_emit_fn emit, void *user);
+/* The module's block tensor (its type in *t), NULL when it has none. */
+const mq_tensor_view *mq_layout_ggml_find(const char *module, mq_lookup_fn lookup, void *user,
+                                          mq_kq_type *t);
+moeq_status mq_layout_ggml_read(const char *module, int64_t rows, int64_t cols,
+                                mq_lookup_fn lookup, void *user, mq_qtensor *out);
+
 /* ---- for the model loader and inspect ------------------------------------------------------ */
 /* The fp32 weight w [rows, cols] of the Linear `module` of st, whatever its storage: a float
  * `module.weight`, or any quantized layout above, dequantized exactly as mq_dequantize does (so
@@ -99,6 +113,7 @@ typedef struct {
     int64_t rows, cols;        /* from the tensors */
     int64_t group_size;
     bool asym, act_order, has_input_scale;
+    mq_kq_type kq;             /* MQ_LIN_GGML: the block type */
     double bits_per_weight;    /* stored bytes of the module's weight tensors * 8 / (rows * cols) */
 } mq_linear_qinfo;
 

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "export/layout.h"
+#include "formats/kquant.h"
 
 static const mq_tensor_view *st_lookup(void *user, const char *name) {
     return mq_st_find((const mq_st *)user, name);
@@ -19,6 +20,7 @@ const char *mq_linear_kind_name(mq_linear_kind k) {
     case MQ_LIN_CT_INT4: return "int4 (compressed-tensors)";
     case MQ_LIN_MODELOPT_NVFP4: return "nvfp4 (modelopt)";
     case MQ_LIN_GPTQ: return "int4 (gptq)";
+    case MQ_LIN_GGML: return "ggml blocks (gguf)";
     case MQ_LIN_FP8_BLOCK: return "fp8 (block scales)";
     default: return "absent";
     }
@@ -93,6 +95,18 @@ moeq_status mq_linear_qinfo_get(const mq_st *st, const char *module, mq_linear_q
         static const char *const w[] = {"weight", "weight_scale_inv", NULL};
         out->bits_per_weight = 8.0 * (double)bytes_of(st, module, w) /
                                ((double)out->rows * (double)out->cols);
+        return MOEQ_OK;
+    }
+    case MQ_LIN_GGML: {
+        t = mq_layout_ggml_find(module, st_lookup, (void *)st, &out->kq);
+        const mq_kq_info *k = mq_kq_info_of(out->kq);
+        if (t->ndim != 2 || t->shape[1] % k->bytes) return bad_shape(t);
+        out->scheme = MQ_QS_KQUANT;
+        out->rows = t->shape[0];
+        out->cols = t->shape[1] / k->bytes * k->block;
+        out->group_size = k->sub;
+        out->asym = k->zero < 0;
+        out->bits_per_weight = mq_kq_bpw(out->kq);
         return MOEQ_OK;
     }
     case MQ_LIN_CT_NVFP4:

@@ -78,6 +78,44 @@ static void q8_0_task(void *vctx, int64_t task, int thread) {
     for (int64_t r = task * ACT_ROWS_PER_TASK; r < r1; r++) q8_0_row(c->x + r * c->cols, c->cols);
 }
 
+/* One row of mq_q8_k_act_qdq (see formats.h): quantize_row_q8_K_ref's operations per block of
+ * 256 (a shorter last block where n % 256 != 0; llama.cpp's K-quant rows have none). */
+static void q8_k_row(float *row, int64_t n) {
+    for (int64_t b = 0; b < n; b += 256) {
+        const int64_t m = n - b < 256 ? n - b : 256;
+        float *x = row + b, amax = 0.0f, max = 0.0f;
+        for (int64_t i = 0; i < m; i++) {   /* the first value of the largest magnitude, signed */
+            const float a = fabsf(x[i]);
+            if (a > amax) amax = a, max = x[i];
+        }
+        if (!isfinite(amax) || isnan(mq_absmax(x, m))) continue;   /* meaningless: as is */
+        if (amax == 0.0f) continue;   /* d = 0, q = 0: the values are 0 already */
+        const float iscale = -127.0f / max, d = 1.0f / iscale;
+        for (int64_t i = 0; i < m; i++) {
+            float q = (float)(int)rintf(iscale * x[i]);   /* nearest_int: half to even, an int (+0) */
+            q = q > 127.0f ? 127.0f : q;
+            x[i] = d * q;
+        }
+    }
+}
+
+static void q8_k_task(void *vctx, int64_t task, int thread) {
+    (void)thread;
+    const act_ctx *c = vctx;
+    int64_t r1 = (task + 1) * ACT_ROWS_PER_TASK;
+    if (r1 > c->rows) r1 = c->rows;
+    for (int64_t r = task * ACT_ROWS_PER_TASK; r < r1; r++) q8_k_row(c->x + r * c->cols, c->cols);
+}
+
+void mq_q8_k_act_qdq(float *x, int64_t rows, int64_t cols) {
+    if (rows <= 0 || cols <= 0) return;
+    act_ctx c = {x, rows, cols, 0.0f, 0.0f};
+    if (rows <= ACT_ROWS_PER_TASK)
+        q8_k_task(&c, 0, 0);
+    else
+        mq_parallel_for((rows + ACT_ROWS_PER_TASK - 1) / ACT_ROWS_PER_TASK, q8_k_task, &c);
+}
+
 void mq_q8_0_act_qdq(float *x, int64_t rows, int64_t cols) {
     if (rows <= 0 || cols <= 0) return;
     act_ctx c = {x, rows, cols, 0.0f, 0.0f};

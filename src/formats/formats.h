@@ -67,7 +67,15 @@ float mq_e8m0_decode(uint8_t bits);
 float mq_round_to_dtype(float x, moeq_dtype dt);
 
 /* ---- schemes ----------------------------------------------------------------------------- */
-typedef enum { MQ_QS_NONE = 0, MQ_QS_NVFP4, MQ_QS_INT4, MQ_QS_MXFP4 } mq_qscheme;
+/* MQ_QS_KQUANT: one of llama.cpp's block types with an fp16 super-scale (formats/kquant.h). */
+typedef enum { MQ_QS_NONE = 0, MQ_QS_NVFP4, MQ_QS_INT4, MQ_QS_MXFP4, MQ_QS_KQUANT } mq_qscheme;
+/* The block types of MQ_QS_KQUANT: the K-quants and the 32-value types llama.cpp falls back to
+ * where a row is no whole number of 256-value blocks (Q4_0 is Q3_K's; moeq's INT4 scheme writes
+ * Q4_0 too, with its own scale conventions). */
+typedef enum {
+    MQ_KQ_Q3_K = 0, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q5_0, MQ_KQ_Q5_1, MQ_KQ_Q8_0,
+    MQ_KQ_Q4_0, MQ_KQ_COUNT
+} mq_kq_type;
 typedef enum { MQ_NVFP4_CT = 0, MQ_NVFP4_MUL } mq_nvfp4_conv;
 
 typedef struct {
@@ -91,6 +99,7 @@ typedef struct {
     float nvfp4_headroom;    /* NVFP4: the global scale leaves block scales this much room above
                                 the max-based one below E4M3's 448 (1 or 0: none; 1.5 lets a
                                 scale search up to 1.5 reach every block) */
+    mq_kq_type kq;           /* MQ_QS_KQUANT: the block type (group_size is its sub-block) */
 } mq_qspec;
 
 /* Defaults for a scheme: NVFP4 group 16, CT convention, no clamp; INT4 group 128, symmetric,
@@ -118,7 +127,8 @@ float mq_nvfp4_global_scale(const mq_qspec *s, float amax);
 typedef struct {
     float scale;         /* NVFP4/MXFP4: the decoded block scale; INT4: the (storage-rounded) scale */
     float zero;          /* INT4 asym: integer zero point (q = round(x/scale) + zero); else 0 */
-    uint8_t scale_code;  /* NVFP4: E4M3 bits; MXFP4: E8M0 bits */
+    uint8_t scale_code;  /* NVFP4: E4M3 bits; MXFP4: E8M0 bits; K-quants: the sub-scale */
+    uint8_t min_code;    /* K-quants Q4_K/Q5_K: the sub-block's min multiplier (kquant.h) */
 } mq_gparams;
 
 /* Computes a group's params from its n values (x[i*stride]). global_scale is used by NVFP4. */
@@ -253,5 +263,12 @@ void mq_nvfp4_act_qdq(float *x, int64_t rows, int64_t cols);
  * Row-local, so the result does not depend on how rows are batched. A block whose amax is not
  * finite is left unchanged. */
 void mq_q8_0_act_qdq(float *x, int64_t rows, int64_t cols);
+/* Q8_K quantize-dequantize of x [rows, cols] in place, as llama.cpp rounds the activations of
+ * its K-quant matmuls (quantize_row_q8_K, the reference on x86 and elsewhere): per row, blocks
+ * of 256 along cols (a shorter tail block if cols % 256 != 0):
+ *     max = the block's first value of largest magnitude (signed);  iscale = -127 / max;
+ *     q = min(127, round_half_even(iscale * x));  x^ = (1 / iscale) * q   (fp32 d, no fp16)
+ * An all-zero block stays 0; one with a NaN or Inf is left unchanged. Row-local. */
+void mq_q8_k_act_qdq(float *x, int64_t rows, int64_t cols);
 
 #endif

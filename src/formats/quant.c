@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "formats/formats.h"
+#include "formats/kquant.h"
 
 #define E4M3_MAX 448.0f
 #define E2M1_MAX 6.0f
@@ -18,7 +19,8 @@ mq_qspec mq_qspec_default(mq_qscheme scheme) {
     mq_qspec s;
     memset(&s, 0, sizeof s);
     s.scheme = scheme;
-    s.group_size = scheme == MQ_QS_NVFP4 ? 16 : scheme == MQ_QS_MXFP4 ? 32 : 128;
+    s.group_size = scheme == MQ_QS_NVFP4 ? 16 : scheme == MQ_QS_MXFP4 ? 32 : scheme == MQ_QS_KQUANT ? 32 : 128;
+    s.kq = MQ_KQ_Q4_K;   /* MQ_QS_KQUANT: group_size is its sub-block (mq_kq_spec) */
     s.int4_sym_div = 7.5f;
     s.scale_dtype = MOEQ_DT_BF16;
     s.nvfp4_conv = MQ_NVFP4_CT;
@@ -44,6 +46,7 @@ const char *mq_qscheme_name(mq_qscheme scheme) {
     case MQ_QS_NVFP4: return "nvfp4";
     case MQ_QS_INT4: return "int4";
     case MQ_QS_MXFP4: return "mxfp4";
+    case MQ_QS_KQUANT: return "kquant";
     default: return "none";
     }
 }
@@ -88,6 +91,17 @@ moeq_status mq_qspec_check(const mq_qspec *s, int64_t rows, int64_t cols, const 
         if (s->mse && (s->mse_steps < 1 || !(s->mse_lo > 0) || !(s->mse_hi >= s->mse_lo)))
             return mq_err(MOEQ_E_ARG, "tensor '%s': bad MSE grid", tensor);
         return MOEQ_OK;
+    case MQ_QS_KQUANT: {
+        const mq_kq_info *k = mq_kq_info_of(s->kq);
+        if (s->kq < 0 || s->kq >= MQ_KQ_COUNT || s->group_size != k->sub)
+            return mq_err(MOEQ_E_ARG, "tensor '%s': bad K-quant type or sub-block", tensor);
+        if (cols % k->block)
+            return mq_err(MOEQ_E_SHAPE, "tensor '%s': %s needs in-features divisible by %d, got %lld", tensor,
+                          k->name, k->block, (long long)cols);
+        if (s->mse && (s->mse_steps < 1 || !(s->mse_lo > 0) || !(s->mse_hi >= s->mse_lo)))
+            return mq_err(MOEQ_E_ARG, "tensor '%s': bad MSE grid", tensor);
+        return MOEQ_OK;
+    }
     default:
         return mq_err(MOEQ_E_ARG, "tensor '%s': no quantization scheme", tensor);
     }
@@ -99,6 +113,7 @@ double mq_qspec_bits_per_weight(const mq_qspec *s, int64_t rows, int64_t cols) {
     switch (s->scheme) {
     case MQ_QS_NVFP4: return 4.0 + 8.0 / g + 32.0 / n;
     case MQ_QS_MXFP4: return 4.0 + 8.0 / g;
+    case MQ_QS_KQUANT: return mq_kq_bpw(s->kq);
     case MQ_QS_INT4:
         return 4.0 + (s->scale_dtype == MOEQ_DT_F32 ? 32.0 : 16.0) / g + (s->asym ? 4.0 / g : 0.0);
     default: return 32.0;
@@ -172,6 +187,11 @@ float mq_absmax_pool(const float *x, int64_t n) {
 
 /* Code and dequantized value of x for a group whose step is `step`. */
 static inline uint8_t quant_step(const mq_qspec *s, float step, float zero, float x) {
+    if (s->scheme == MQ_QS_KQUANT) {
+        uint8_t c;
+        mq_kq_qdq(mq_kq_info_of(s->kq), step, zero, &x, 1, &c, NULL);
+        return c;
+    }
     if (s->scheme == MQ_QS_INT4) {
         if (step == 0.0f) return s->asym ? (uint8_t)zero : 8;
         float q = rintf(x / step);   /* default rounding mode: half to even */
@@ -188,6 +208,10 @@ static inline uint8_t quant_step(const mq_qspec *s, float step, float zero, floa
 }
 
 static inline float dequant_step(const mq_qspec *s, float step, float zero, uint8_t code) {
+    if (s->scheme == MQ_QS_KQUANT) {
+        const mq_gparams g = {step, zero, 0, 0};
+        return mq_kq_value(mq_kq_info_of(s->kq), &g, code);
+    }
     if (s->scheme == MQ_QS_INT4) {
         float q = s->asym ? (float)code - zero : (float)code - 8.0f;
         return q * step;
@@ -435,7 +459,7 @@ static inline void cand_init(cand_iter *it, const mq_qspec *s, const grid_info *
 static inline bool cand_next(cand_iter *it, mq_gparams *c) {
     if (it->dense) {   /* distinct by construction */
         if (it->code > it->last) return false;
-        *c = (mq_gparams){e4m3_value((uint8_t)it->code), 0.0f, (uint8_t)it->code};
+        *c = (mq_gparams){e4m3_value((uint8_t)it->code), 0.0f, (uint8_t)it->code, 0};
         it->code++;
         return true;
     }
@@ -444,7 +468,7 @@ static inline bool cand_next(cand_iter *it, mq_gparams *c) {
         float m = grid_m(s, it->i);
         if (s->scheme == MQ_QS_NVFP4) {
             uint8_t code = nvfp4_code(s, it->t0, m);
-            *c = (mq_gparams){e4m3_value(code), 0.0f, code};
+            *c = (mq_gparams){e4m3_value(code), 0.0f, code, 0};
         } else {
             params_scaled(s, it->gs, it->amax, it->xmin, it->xmax, m, c);
         }
@@ -483,6 +507,8 @@ static bool group_start(const mq_qspec *s, float global_scale, const float *x, i
 
 void mq_group_params_h(const mq_qspec *s, float global_scale, const float *x, int64_t n,
                        int64_t stride, const float *h, mq_gparams *out) {
+    /* a K-quant sub-block's scale is a multiple of its block's: mq_kq_fit_block */
+    MQ_ASSERT(s->scheme != MQ_QS_KQUANT);
     cand_iter it;
     if (!group_start(s, global_scale, x, n, stride, out, &it)) return;
     /* the first least error wins */
@@ -524,7 +550,7 @@ int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float 
     float code_value[128], code_step[128];
     if (s->scheme == MQ_QS_NVFP4)
         for (int c = 0; c < 128; c++) {
-            const mq_gparams g = {e4m3_value((uint8_t)c), 0.0f, (uint8_t)c};
+            const mq_gparams g = {e4m3_value((uint8_t)c), 0.0f, (uint8_t)c, 0};
             code_value[c] = g.scale;
             code_step[c] = mq_group_step(s, global_scale, &g);
         }
@@ -561,9 +587,9 @@ int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float 
             const float amax = -lo[i] > hi[i] ? -lo[i] : hi[i];
             int k = 0;
             if (codes_only && amax > 0 && isfinite(t0[i])) {
-                *p = (mq_gparams){code_value[c_plain[i]], 0.0f, (uint8_t)c_plain[i]};
+                *p = (mq_gparams){code_value[c_plain[i]], 0.0f, (uint8_t)c_plain[i], 0};
                 for (uint32_t code = c_first[i]; code <= c_last[i]; code++, k++) {
-                    c[k] = (mq_gparams){code_value[code], 0.0f, (uint8_t)code};
+                    c[k] = (mq_gparams){code_value[code], 0.0f, (uint8_t)code, 0};
                     if (step) {
                         step[k * rows + r0 + i] = code_step[code];
                         zero[k * rows + r0 + i] = 0.0f;
@@ -713,6 +739,12 @@ static void rtn_task(void *vctx, int64_t task, int thread) {
     mq_qtensor *q = c->q;
     int64_t r1 = (task + 1) * ROWS_PER_TASK;
     if (r1 > q->rows) r1 = q->rows;
+    if (q->spec.scheme == MQ_QS_KQUANT) {
+        for (int64_t r = task * ROWS_PER_TASK; r < r1; r++)
+            mq_kq_quantize_row(mq_kq_info_of(q->spec.kq), &q->spec, c->w + r * q->cols, q->cols, NULL,
+                               q->params + r * q->n_groups, q->codes + r * q->cols);
+        return;
+    }
     for (int64_t r = task * ROWS_PER_TASK; r < r1; r++)
         for (int64_t g = 0; g < q->n_groups; g++) {
             const float *x = c->w + r * q->cols + g * q->group_size;
@@ -758,6 +790,11 @@ static void code_base(const mq_qspec *s, float zero, float base[16]) {
 
 void mq_dequant_n(const mq_qspec *s, float global_scale, const mq_gparams *g, const uint8_t *codes,
                   int64_t n, float *out) {
+    if (s->scheme == MQ_QS_KQUANT) {
+        const mq_kq_info *k = mq_kq_info_of(s->kq);
+        for (int64_t i = 0; i < n; i++) out[i] = mq_kq_value(k, &g[i], codes[i]);
+        return;
+    }
     float base[16];
     const bool asym = s->scheme == MQ_QS_INT4 && s->asym;
     code_base(s, 0.0f, base);
@@ -772,6 +809,12 @@ void mq_dequantize_rows(const mq_qtensor *q, float *w_all, int64_t r0, int64_t r
     float base[16];
     code_base(&q->spec, 0.0f, base);
     if (r1 > q->rows) r1 = q->rows;
+    if (q->spec.scheme == MQ_QS_KQUANT) {
+        for (int64_t r = r0; r < r1; r++)
+            mq_kq_dequant_row(mq_kq_info_of(q->spec.kq), q->params + r * q->n_groups, q->codes + r * q->cols, q->cols,
+                              w_all + r * q->cols);
+        return;
+    }
     for (int64_t r = r0; r < r1; r++) {
         const mq_gparams *p = &q->params[r * q->n_groups];
         const uint8_t *codes = q->codes + r * q->cols;

@@ -42,7 +42,9 @@ typedef struct {
 static const type_row type_rows[] = {
     {MQ_GGML_F32, "f32", 1, 4},       {MQ_GGML_F16, "f16", 1, 2},
     {MQ_GGML_Q4_0, "q4_0", 32, 18},   {MQ_GGML_Q4_1, "q4_1", 32, 20},
-    {MQ_GGML_Q8_0, "q8_0", 32, 34},   {MQ_GGML_Q4_K, "q4_K", 256, 144},
+    {MQ_GGML_Q5_0, "q5_0", 32, 22},   {MQ_GGML_Q5_1, "q5_1", 32, 24},
+    {MQ_GGML_Q8_0, "q8_0", 32, 34},   {MQ_GGML_Q3_K, "q3_K", 256, 110},
+    {MQ_GGML_Q4_K, "q4_K", 256, 144},
     {MQ_GGML_Q5_K, "q5_K", 256, 176}, {MQ_GGML_Q6_K, "q6_K", 256, 210},
     {MQ_GGML_BF16, "bf16", 1, 2},     {MQ_GGML_NVFP4, "nvfp4", 64, 36},
 };
@@ -480,6 +482,47 @@ static void dec_q8_0(const uint8_t *b, float *y) {
     for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)b[2 + j] * d;
 }
 
+/* Q5_0 and Q5_1: the fifth bit of value j in bit j of the u32 qh (dequantize_row_q5_0/1). */
+static void dec_q5(const uint8_t *b, float *y, bool one) {
+    float d = mq_f16_to_f32(rd16(b)), m = one ? mq_f16_to_f32(rd16(b + 2)) : 0.0f;
+    const uint8_t *p = b + (one ? 4 : 2);
+    uint32_t qh = rd32(p);
+    for (int j = 0; j < 16; j++) {
+        int x0 = (p[4 + j] & 0xF) | (int)((qh >> j) << 4 & 0x10);
+        int x1 = (p[4 + j] >> 4) | (int)((qh >> (j + 12)) & 0x10);
+        if (one) {
+            y[j] = (float)x0 * d + m;
+            y[j + 16] = (float)x1 * d + m;
+        } else {
+            y[j] = (float)(x0 - 16) * d;
+            y[j + 16] = (float)(x1 - 16) * d;
+        }
+    }
+}
+
+/* Q3_K (dequantize_row_q3_K): hmask[32], qs[64], 12 bytes of 6-bit scales, d. */
+static void dec_q3_k(const uint8_t *b, float *y) {
+    const uint8_t *hm = b, *q = b + 32, *sc = b + 96;
+    float d = mq_f16_to_f32(rd16(b + 108));
+    int8_t scales[16];
+    for (int j = 0; j < 16; j++) {
+        int lo = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4;
+        scales[j] = (int8_t)((lo | ((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32);
+    }
+    int is = 0;
+    uint8_t m = 1;
+    for (int n = 0; n < 256; n += 128) {
+        for (int j = 0, shift = 0; j < 4; j++, shift += 2, m = (uint8_t)(m << 1)) {
+            for (int h = 0; h < 2; h++) {   /* two sub-blocks of 16: q[l] and q[l + 16] */
+                float dl = d * (float)scales[is++];
+                for (int l = 0; l < 16; l++)
+                    *y++ = dl * (float)(((q[l + 16 * h] >> shift) & 3) - ((hm[l + 16 * h] & m) ? 0 : 4));
+            }
+        }
+        q += 32;
+    }
+}
+
 static void dec_q4_k(const uint8_t *b, float *y) {
     float d = mq_f16_to_f32(rd16(b)), dmin = mq_f16_to_f32(rd16(b + 2));
     const uint8_t *sc = b + 4, *q = b + 16;
@@ -562,6 +605,9 @@ moeq_status mq_ggml_dequantize(uint32_t type, const void *src, int64_t n, float 
         case MQ_GGML_Q4_0: dec_q4_0(p, dst); break;
         case MQ_GGML_Q4_1: dec_q4_1(p, dst); break;
         case MQ_GGML_Q8_0: dec_q8_0(p, dst); break;
+        case MQ_GGML_Q5_0: dec_q5(p, dst, false); break;
+        case MQ_GGML_Q5_1: dec_q5(p, dst, true); break;
+        case MQ_GGML_Q3_K: dec_q3_k(p, dst); break;
         case MQ_GGML_Q4_K: dec_q4_k(p, dst); break;
         case MQ_GGML_Q5_K: dec_q5_k(p, dst); break;
         case MQ_GGML_Q6_K: dec_q6_k(p, dst); break;

@@ -12,7 +12,11 @@
  *   Q4_0  32 values, 18 B: f16 d, 16 B nibbles; value j = (nib(j) - 8) * d, nibble j in the low
  *         half of byte j (j < 16), nibble j + 16 in its high half
  *   Q4_1  32 values, 20 B: f16 d, f16 m, 16 B nibbles; value = nib * d + m
+ *   Q5_0  32 values, 22 B: f16 d, u32 fifth bits, 16 B nibbles; value = (q - 16) * d
+ *   Q5_1  32 values, 24 B: f16 d, f16 m, u32 fifth bits, 16 B nibbles; value = q * d + m
  *   Q8_0  32 values, 34 B: f16 d, 32 x int8; value = q * d
+ *   Q3_K  256 values, 110 B: 32 B high bits, 64 B 2-bit pairs, 12 B of 6-bit scales, f16 d
+ *   (the K-quants' and Q5_x's layouts in detail, and their encoders: formats/kquant.h)
  *   Q4_K  256 values, 144 B: f16 d, f16 dmin, 12 B of 6-bit scales/mins, 128 B nibbles
  *   Q5_K  256 values, 176 B: as Q4_K plus 32 B of fifth bits
  *   Q6_K  256 values, 210 B: 128 B low nibbles, 64 B high 2-bit pairs, 16 x int8 scales, f16 d
@@ -40,8 +44,9 @@ typedef enum {
 
 /* ggml tensor types (ggml.h's numbers). */
 typedef enum {
-    MQ_GGML_F32 = 0, MQ_GGML_F16 = 1, MQ_GGML_Q4_0 = 2, MQ_GGML_Q4_1 = 3, MQ_GGML_Q8_0 = 8,
-    MQ_GGML_Q4_K = 12, MQ_GGML_Q5_K = 13, MQ_GGML_Q6_K = 14, MQ_GGML_BF16 = 30,
+    MQ_GGML_F32 = 0, MQ_GGML_F16 = 1, MQ_GGML_Q4_0 = 2, MQ_GGML_Q4_1 = 3, MQ_GGML_Q5_0 = 6,
+    MQ_GGML_Q5_1 = 7, MQ_GGML_Q8_0 = 8, MQ_GGML_Q3_K = 11, MQ_GGML_Q4_K = 12, MQ_GGML_Q5_K = 13,
+    MQ_GGML_Q6_K = 14, MQ_GGML_BF16 = 30,
     MQ_GGML_NVFP4 = 40,
 } mq_ggml_type;
 

@@ -12,6 +12,7 @@
 #include "core/json.h"
 #include "dist/dist.h"
 #include "io/gguf_hf.h"
+#include "formats/kquant.h"
 #include "pipeline/pipeline.h"
 
 #define BAD(...) mq_err(MOEQ_E_ARG, "moeq_quantize: " __VA_ARGS__)
@@ -97,8 +98,20 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
 static moeq_status check_options(const moeq_quant_options *o) {
     if (o->scheme == MOEQ_QUANT_SCHEME_UNSET)
         return BAD("scheme is required (MOEQ_QUANT_NVFP4, MOEQ_QUANT_NVFP4A16 or MOEQ_QUANT_INT4)");
-    if (o->scheme < MOEQ_QUANT_NVFP4 || o->scheme > MOEQ_QUANT_INT4)
+    if (o->scheme < MOEQ_QUANT_NVFP4 || o->scheme > MOEQ_QUANT_Q5_K_M)
         return BAD("scheme: unknown value %d", (int)o->scheme);
+    const bool kq = o->scheme >= MOEQ_QUANT_Q3_K;
+    if (kq && o->format != MOEQ_FORMAT_GGUF)
+        return BAD("scheme: llama.cpp's K-quants are GGUF block types (format MOEQ_FORMAT_GGUF)");
+    if (kq && (o->asym || o->int4_scale_sign || o->group_size || o->reference || o->global_scale_headroom))
+        return BAD("asym, int4_scale_sign, group_size, reference, global_scale_headroom: a K-quant's blocks, "
+                   "scales and mins are llama.cpp's");
+    if (kq && o->device) return BAD("device: GPTQ into K-quants runs on the CPU (leave device unset)");
+    if (kq && mq_dist_size() > 1) return BAD("scheme: K-quants are quantized in one process (not under mpirun)");
+    if (kq && o->method == MOEQ_QUANT_GPTQ && (o->gptq.n_damp_sweep || o->gptq.clip_search))
+        return BAD("gptq.damp_sweep, gptq.clip_search: not with K-quants");
+    if (o->target_bpw != 0 && !(kq && o->target_bpw >= 1 && o->target_bpw <= 16))
+        return BAD("target_bpw %g: a K-quant scheme's budget of 1 .. 16 bits per parameter", o->target_bpw);
     if ((unsigned)o->method > MOEQ_QUANT_GPTQ)
         return BAD("method: unknown value %d", (int)o->method);
     mq_gguf_rest rest;
@@ -114,7 +127,7 @@ static moeq_status check_options(const moeq_quant_options *o) {
                    (int)o->rotate_block);
     if (o->rotate_block && o->rotate == MOEQ_ROTATE_NONE)
         return BAD("rotate_block is set but rotate is MOEQ_ROTATE_NONE");
-    bool nv = o->scheme != MOEQ_QUANT_INT4;
+    bool nv = !kq && o->scheme != MOEQ_QUANT_INT4;
     if (nv && o->format == MOEQ_FORMAT_GPTQ) return BAD("format MOEQ_FORMAT_GPTQ holds INT4 only");
     if (!nv && o->format == MOEQ_FORMAT_MODELOPT)
         return BAD("format MOEQ_FORMAT_MODELOPT holds NVFP4 only");
@@ -190,8 +203,16 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
                          : po->format == MOEQ_FORMAT_GPTQ   ? MQ_FMT_GPTQ
                          : po->format == MOEQ_FORMAT_GGUF   ? MQ_FMT_GGUF
                                                             : MQ_FMT_CT;
-    bool nv = po->scheme != MOEQ_QUANT_INT4;
-    mq_pipeline_opts_init(o, nv ? MQ_QS_NVFP4 : MQ_QS_INT4, fmt);
+    const bool kq = po->scheme >= MOEQ_QUANT_Q3_K;
+    bool nv = !kq && po->scheme != MOEQ_QUANT_INT4;
+    mq_pipeline_opts_init(o, kq ? MQ_QS_KQUANT : nv ? MQ_QS_NVFP4 : MQ_QS_INT4, fmt);
+    if (kq) {   /* the base type of the K-quant scheme and whether llama.cpp's mixture applies */
+        static const mq_kq_type base[7] = {MQ_KQ_Q3_K, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K,
+                                           MQ_KQ_Q3_K, MQ_KQ_Q4_K, MQ_KQ_Q5_K};
+        o->spec = mq_kq_spec(base[po->scheme - MOEQ_QUANT_Q3_K]);
+        o->kq_mixture = po->scheme >= MOEQ_QUANT_Q3_K_M || po->scheme == MOEQ_QUANT_Q6_K;
+        o->target_bpw = po->target_bpw;
+    }
     o->max_shard_bytes = (size_t)po->max_shard_bytes;
     if (!nv && po->group_size != 0) o->spec.group_size = po->group_size;
     o->spec.asym = po->asym != 0;
@@ -203,6 +224,12 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
         o->spec.mse_lo = (float)po->scale_lo;
         o->spec.mse_hi = (float)po->scale_hi;
         if (po->scale_steps > 0) o->spec.mse_steps = po->scale_steps;
+    } else if (po->method == MOEQ_QUANT_GPTQ && kq) {
+        /* the K-quants' super-scale, both ways around the max-based one (sub-block multipliers
+         * also move one step either way in the search) */
+        o->spec.mse_lo = 0.85f;
+        o->spec.mse_hi = 1.15f;
+        o->spec.mse_steps = 13;
     } else if (po->method == MOEQ_QUANT_GPTQ && nv) {
         /* issue 15 (docs/gptq_results.md): NVFP4 block scales searched both ways around the
          * max-based one lowered GPTQ's KL on every fixture, at the same cost */
@@ -257,6 +284,7 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
                       : po->gptq.mse_weight == MOEQ_GPTQ_MSE_OBQ   ? MQ_GPTQ_MSE_OBQ
                       : po->gptq.mse_weight == MOEQ_GPTQ_MSE_GPTQ  ? MQ_GPTQ_MSE_LOOP
                       : po->gptq.mse_weight == MOEQ_GPTQ_MSE_PLAIN ? MQ_GPTQ_MSE_PLAIN
+                      : kq                                         ? MQ_GPTQ_MSE_OBQ   /* block fits: no loop */
                       : o->spec.group_size > 0                     ? MQ_GPTQ_MSE_LOOP
                                                                    : MQ_GPTQ_MSE_PLAIN;
     /* measured on olmoe-tiny and qwen2moe-tiny (docs/gptq_results.md): act order helps INT4

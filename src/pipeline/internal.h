@@ -55,6 +55,7 @@ typedef struct {
     int64_t tokens;               /* calibration rows of its Hessian */
     mq_how how;
     mq_gptq_stats stats;          /* loss/rtn_loss NaN for RTN */
+    const char *type;             /* a K-quant file's block type ("q4_K"), else NULL */
 } mq_mod_report;
 
 typedef struct {
@@ -122,6 +123,10 @@ struct mq_pipe;
  * without routed experts: the first ones), after planning the run's memory (MOEQ_E_NOMEM as the
  * run would give). Several ranks each stream their share of the candidates. */
 moeq_status mq_pipe_balance(struct mq_pipe *p);
+/* --target-bpw (kquant_budget.c): a probe of the unquantized model measures each tensor group's
+ * sensitivity to each block type, and p->recipe.table gets the types that meet the budget (its
+ * record in p->budget_json). Before the plan. */
+moeq_status mq_pipe_kquant_budget(struct mq_pipe *p);
 
 typedef struct mq_pipe {
     const mq_pipeline_opts *o;
@@ -145,6 +150,9 @@ typedef struct mq_pipe {
     moeq_model *m;
     const mq_config *c;
     mq_out_plan plan;
+    mq_gguf_recipe recipe;         /* K-quants: each tensor's type (kquant_recipe in pipeline.c) */
+    int8_t *recipe_table;          /* --target-bpw's choice (recipe.table), else NULL */
+    cJSON *budget_json;            /* --target-bpw's choice and sensitivities, for the report */
     int *decl_layer;              /* layer of each output tensor (-1 global) */
     uint8_t *item_done;           /* [plan.n_items] written by this run */
     mq_ckpt_writer *w;

@@ -14,6 +14,7 @@
 
 #include "dist/dist.h"
 #include "core/env.h"
+#include "formats/kquant.h"
 #include "pipeline/layer_internal.h"
 
 const char *mq_how_name(mq_how h) {
@@ -40,10 +41,11 @@ static moeq_status identity_gidx(mq_qtensor *q) {
     return MOEQ_OK;
 }
 
-static moeq_status add_module(mq_pipe *p, int l, const mq_slot *s, const mq_linear *lin,
-                              const mq_gptq_stats *st) {
+static moeq_status add_module(mq_pipe *p, int l, const mq_slot *s, int k, const mq_gptq_stats *st) {
     if (!p->o->gptq) return MOEQ_OK;
-    mq_mod_report r = {lin->name, l, s->expert, s->tokens, s->how, *st};
+    const mq_qspec *spec = &s->it[k]->spec;
+    mq_mod_report r = {s->w[k]->name, l, s->expert, s->tokens, s->how, *st,
+                       spec->scheme == MQ_QS_KQUANT ? mq_kq_name(spec->kq) : NULL};
     cJSON *j = mq_mod_report_json(&r);
     if (!j) return mq_err(MOEQ_E_NOMEM, "out of memory");
     cJSON_AddItemToArray(p->layers[l].modules, j);
@@ -77,7 +79,7 @@ static moeq_status finish_put(mq_pipe *p, const mq_slot *s, int k, const mq_qten
 }
 
 static moeq_status finish_record(mq_pipe *p, int l, const mq_slot *s, int k, const mq_gptq_stats *stats) {
-    moeq_status st = p->w ? add_module(p, l, s, s->w[k], stats) : MOEQ_OK;
+    moeq_status st = p->w ? add_module(p, l, s, k, stats) : MOEQ_OK;
     if (!st) item_mark(p, s->it[k]);
     if (!st) mq_fault_point("linear", l, p->layers[l].linears++);
     return st;
@@ -430,7 +432,7 @@ moeq_status mq_pipe_quantize_slots(mq_pipe *p, int l, mq_slot *slots, int n, flo
             if (!mine_k(p, s, k)) continue;   /* another rank's Linear of this slot */
             if (s->how == MQ_HOW_RTN) {
                 double tr = mq_now();
-                st = mq_quantize_rtn(&o->spec, lin->w, lin->out, lin->in, gs[j], lin->name, &q[j]);
+                st = mq_quantize_rtn(&s->it[k]->spec, lin->w, lin->out, lin->in, gs[j], lin->name, &q[j]);
                 stats[j] = (mq_gptq_stats){NAN, NAN, 0, 0, mq_now() - tr};
                 continue;
             }
@@ -440,7 +442,7 @@ moeq_status mq_pipe_quantize_slots(mq_pipe *p, int l, mq_slot *slots, int n, flo
              * in the host copy as each row block finishes (while it is in cache), instead of a
              * pass over every weight after the write (bound by memory: each weight read again) */
             float *deq = p->seq && !p->gpu && p->ranks <= 1 ? lin->w : NULL;
-            jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], deq, {0, 0, 0, 0, 0}};
+            jobs[n_jobs++] = (mq_gptq_job){fi, lin->w, lin->out, gs[j], lin->name, &q[j], deq, {0, 0, 0, 0, 0}, &s->it[k]->spec};
         }
     }
     /* the GPTQ jobs ran into q[] through their out pointers; their stats go back by position */
@@ -813,7 +815,7 @@ moeq_status mq_pipe_layer_rtn(mq_pipe *p, int l) {
             const mq_plan_item *it = &pl->items[idx[k]];
             float gs = mq_nvfp4_global_scale(&o->spec, o->no_fuse ? mq_absmax(w[k], it->rows * it->cols) : amax);
             mq_qtensor q;
-            st = mq_quantize_rtn(&o->spec, w[k], it->rows, it->cols, gs, it->module, &q);
+            st = mq_quantize_rtn(&it->spec, w[k], it->rows, it->cols, gs, it->module, &q);
             if (!st && o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX)
                 st = identity_gidx(&q);
             if (!st) {

@@ -34,6 +34,8 @@ static int64_t max_part(const mq_pipe *p, unsigned what, int e) {
 
 /* Codes, group parameters and the packed copy the writer makes, per quantized weight. */
 static double code_bytes_per_weight(const mq_qspec *s) {
+    /* a K-quant file's Linears each have their type: the worst, 16-value sub-blocks and Q8_0 rows */
+    if (s->scheme == MQ_QS_KQUANT) return 1.0 + (double)sizeof(mq_gparams) / 16.0 + 34.0 / 32.0;
     int64_t g = s->group_size > 0 ? s->group_size : 128;
     return 1.0 + (double)sizeof(mq_gparams) / (double)g + 0.5;
 }

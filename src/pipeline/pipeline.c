@@ -14,6 +14,7 @@
 
 #include "dist/dist.h"
 #include "core/env.h"
+#include "formats/kquant.h"
 #include "pipeline/internal.h"
 
 void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_format format) {
@@ -36,7 +37,9 @@ void mq_pipeline_opts_init(mq_pipeline_opts *o, mq_qscheme scheme, mq_ckpt_forma
 
 static moeq_status check_opts(const mq_pipeline_opts *o) {
     mq_qscheme sch = o->spec.scheme;
-    if (sch != MQ_QS_NVFP4 && sch != MQ_QS_INT4)
+    if (sch == MQ_QS_KQUANT && (o->format != MQ_FMT_GGUF || o->device >= 0 || mq_dist_size() > 1))
+        return mq_err(MOEQ_E_ARG, "llama.cpp's K-quants are written as GGUF, by one process on the CPU");
+    if (sch != MQ_QS_NVFP4 && sch != MQ_QS_INT4 && sch != MQ_QS_KQUANT)
         return mq_err(MOEQ_E_ARG, "scheme %s cannot be written as a checkpoint", mq_qscheme_name(sch));
     if (sch == MQ_QS_NVFP4 && o->format == MQ_FMT_GPTQ)
         return mq_err(MOEQ_E_ARG, "--format gptq holds INT4 only (use compressed-tensors or modelopt for NVFP4)");
@@ -308,6 +311,8 @@ static void pipe_free(mq_pipe *p) {
     free(p->layers);
     free(p->decl_layer);
     free(p->item_done);
+    free(p->recipe_table);
+    cJSON_Delete(p->budget_json);
     mq_out_plan_free(&p->plan);
     mq_calib_free(&p->calib);
     free(p->balance_record);
@@ -533,6 +538,27 @@ static moeq_status gpu_ready(mq_pipe *p) {
     return o->gpu_precision ? mq_gpu_set_precision(p->gpu, o->gpu_precision) : MOEQ_OK;
 }
 
+/* K-quants: the model's counts the recipe's rules read (layers, experts, a tied output). */
+static moeq_status kquant_recipe(mq_pipe *p) {
+    return mq_gguf_recipe_init(&p->recipe, p->src_config, p->model_dir, p->o->spec.kq, p->o->kq_mixture);
+}
+
+/* A Linear's block type under the recipe (mq_plan_opts.spec_for), the run's scale search kept. */
+static bool kquant_spec(void *user, const mq_plan_item *it, mq_qspec *spec) {
+    const mq_pipe *p = user;
+    int layer;
+    const mq_gguf_cat cat = mq_gguf_category_hf(it->module, &layer);
+    const int t = mq_gguf_recipe_type(&p->recipe, cat, layer, it->cols);
+    if (t < 0) return false;
+    const mq_qspec run = p->o->spec;
+    *spec = mq_kq_spec((mq_kq_type)t);
+    spec->mse = run.mse;
+    spec->mse_steps = run.mse_steps;
+    spec->mse_lo = run.mse_lo;
+    spec->mse_hi = run.mse_hi;
+    return true;
+}
+
 /* The finished checkpoint: config and tokenizer files, renamed over OUT_DIR. */
 static moeq_status finish(mq_pipe *p) {
     size_t n_kept = 0;
@@ -546,7 +572,9 @@ static moeq_status finish(mq_pipe *p) {
     p->w = NULL;
     if (s) return s;
     mq_fault_point("rename", 0, 0);
-    if (p->o->format == MQ_FMT_GGUF) return mq_gguf_export(p->build_dir, p->out_dir, p->o->gguf_rest);
+    if (p->o->format == MQ_FMT_GGUF)
+        return mq_gguf_export_recipe(p->build_dir, p->out_dir, p->o->gguf_rest,
+                                     p->o->spec.scheme == MQ_QS_KQUANT ? &p->recipe : NULL);
     return mq_ckpt_publish(p->build_dir, p->out_dir);
 }
 
@@ -613,11 +641,14 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     }
     bool untie = false;
     if (o->rotate_block && (s = rotation_setup(p, model_dir, &untie))) goto done;
+    if (o->spec.scheme == MQ_QS_KQUANT && (s = kquant_recipe(p))) goto done;
+    /* (a dry run plans with the file type's rules: the probe is compute) */
+    if (o->spec.scheme == MQ_QS_KQUANT && o->target_bpw > 0 && !o->dry_run && (s = mq_pipe_kquant_budget(p))) goto done;
     mq_plan_opts po = {o->format, o->spec,
                        o->gptq && o->g.act_order && o->g.groups == MQ_GPTQ_GROUPS_GIDX &&
                            o->spec.scheme == MQ_QS_INT4,
                        o->act_quant, o->ignore, o->n_ignore, mtp_first_layer(p->src_config),
-                       o->drop_mtp, untie};
+                       o->drop_mtp, untie, o->spec.scheme == MQ_QS_KQUANT ? kquant_spec : NULL, p};
     if ((s = mq_out_plan_build(p->st, p->mixtral, &po, &p->plan))) goto done;
     if (p->plan.n_mtp_pass || p->plan.n_mtp_dropped)
         mq_info("%s: %d tensors of the multi-token-prediction layers %s", model_dir,

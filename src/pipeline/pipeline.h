@@ -58,6 +58,11 @@ typedef struct {
     size_t max_shard_bytes;        /* 0: 5 GB */
     bool force;                    /* replace an existing OUT_DIR */
     mq_gguf_rest gguf_rest;        /* MQ_FMT_GGUF: storage of the unquantized tensors */
+    /* MQ_QS_KQUANT (spec.kq the file type's base): llama.cpp's mixture of that file type
+     * (gguf_export_recipe.c), or every Linear spec.kq; target_bpw > 0: types chosen to meet
+     * that many bits per parameter (kquant_budget.c) */
+    bool kq_mixture;
+    double target_bpw;
     /* the method */
     bool gptq;                     /* GPTQ (else RTN) */
     mq_gptq_opts g;

@@ -101,7 +101,7 @@ static moeq_status item_add(mq_out_plan *p, char *src_module, bool mixtral,
     }
     int layer = layer_of(module);
     p->items[p->n_items++] = (mq_plan_item){module, src_module, src, offset, rows, cols, layer,
-                                            true, false, -1};
+                                            true, false, -1, {0}};
     if (layer + 1 > p->n_layers) p->n_layers = layer + 1;
     return MOEQ_OK;
 }
@@ -382,7 +382,7 @@ static moeq_status decl_pass(mq_out_plan *p, const mq_plan_pass *t) {
 
 static moeq_status decl_item(mq_out_plan *p, const mq_plan_item *it, const mq_plan_opts *o) {
     if (it->quantize)
-        return mq_layout_describe(o->format, it->module, &o->spec, it->rows, it->cols, o->g_idx,
+        return mq_layout_describe(o->format, it->module, &it->spec, it->rows, it->cols, o->g_idx,
                                   o->input_scale, decl_add, p);
     char *name = mq_asprintf("%s.weight", it->module);
     if (!name) return MOEQ_E_NOMEM;
@@ -414,9 +414,14 @@ moeq_status mq_out_plan_build(const mq_st *st, bool mixtral, const mq_plan_opts 
     moeq_status s = plan_tensors(p, st, mixtral, o);
     if (!s) s = plan_select(p, o);
     for (size_t k = 0; k < p->n_items && !s; k++) {
-        const mq_plan_item *it = &p->items[k];
+        mq_plan_item *it = &p->items[k];
         if (!it->quantize) continue;
-        if ((s = mq_qspec_check(&o->spec, it->rows, it->cols, it->module))) {
+        it->spec = o->spec;
+        if (o->spec_for && !o->spec_for(o->spec_user, it, &it->spec)) {
+            it->quantize = false;
+            continue;
+        }
+        if ((s = mq_qspec_check(&it->spec, it->rows, it->cols, it->module))) {
             mq_err_prefix(s, "%s (leave it unquantized with --ignore)", it->src->file);
             break;
         }

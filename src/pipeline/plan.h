@@ -29,6 +29,8 @@ typedef struct {
     bool quantize;
     bool user_ignored;
     int group;                    /* fusion group */
+    mq_qspec spec;                /* quantize: its scheme (the run's, or its own type in a mixed
+                                     K-quant file: mq_plan_opts.spec_for) */
 } mq_plan_item;
 
 typedef struct {
@@ -54,6 +56,9 @@ typedef struct {
     /* A tied model rotated (model/rotate.h): lm_head.weight, absent from the source, is written
      * from the embeddings (its src the embeddings' view; the rotation makes it differ) */
     bool untie_lm_head;
+    /* Each quantized Linear's own spec (NULL: every one spec): false keeps it unquantized */
+    bool (*spec_for)(void *user, const mq_plan_item *it, mq_qspec *spec);
+    void *spec_user;
 } mq_plan_opts;
 
 typedef struct {

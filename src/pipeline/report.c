@@ -22,6 +22,7 @@ cJSON *mq_mod_report_json(const mq_mod_report *x) {
     if (x->expert >= 0) cJSON_AddNumberToObject(m, "expert", x->expert);
     cJSON_AddNumberToObject(m, "tokens", (double)x->tokens);
     cJSON_AddStringToObject(m, "method", mq_how_name(x->how));
+    if (x->type) cJSON_AddStringToObject(m, "type", x->type);
     json_num(m, "loss", x->stats.loss);
     json_num(m, "rtn_loss", x->stats.rtn_loss);
     if (x->how != MQ_HOW_RTN) {
@@ -47,6 +48,14 @@ static cJSON *mq_strings_json(const char *const *s, int n) {
     cJSON *a = cJSON_CreateArray();
     for (int i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateString(s[i]));
     return a;
+}
+
+/* The K-quant file's recipe as the CLI names it: "q4_k_m", "q6_k", ... */
+static const char *mq_pipe_recipe_name(const mq_pipeline_opts *o) {
+    static const char *const mixed[MQ_KQ_COUNT] = {"q3_k_m", "q4_k_m", "q5_k_m", "q6_k"};
+    static const char *const pure[MQ_KQ_COUNT] = {"q3_k", "q4_k", "q5_k", "q6_k"};
+    const char *n = (unsigned)o->spec.kq < MQ_KQ_COUNT ? (o->kq_mixture ? mixed : pure)[o->spec.kq] : NULL;
+    return n ? n : "?";
 }
 
 static cJSON *mq_scale_search_json(const mq_qspec *q) {
@@ -152,6 +161,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
     cJSON_AddNumberToObject(sec, "balance", r->balance_seconds);
     cJSON_AddNumberToObject(j, "peak_anon_bytes", (double)r->peak_anon);
     cJSON_AddNumberToObject(j, "layers_resumed", r->layers_resumed);
+    if (p->budget_json) cJSON_AddItemToObject(j, "kquant_budget", cJSON_Duplicate(p->budget_json, 1));
     cJSON *layers = cJSON_AddArrayToObject(j, "layers");
     cJSON *mods = cJSON_AddArrayToObject(j, "modules");
     for (int l = 0; l < p->plan.n_layers; l++) {

@@ -25,18 +25,17 @@
  * ||E||^2 - damp ||W0-Q||^2 (dead columns contribute nothing to either). The RTN loss is
  * ||D R||^2 - damp ||D||^2 with D = W0 - Q_rtn (one triangular multiply).
  */
-#include "quant/gptq.h"
+#include "quant/gptq_internal.h"
 #include "core/env.h"
+#include "formats/kquant.h"
 
 #include <cblas.h>
-#include <lapacke.h>
 #include <math.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { SUB_BLOCK = 16, MAX_RETRIES = 16 };
+enum { SUB_BLOCK = 16 };
 
 /* Rows per column-loop task. A row's values do not depend on how rows are grouped (test_gptq
  * checks 64, 128 and 256 give the same codes), so this only moves speed: fewer rows make more
@@ -63,10 +62,6 @@ void mq_gptq_set_row_block(int rows) {
     g_row_block = rows >= 1 && rows <= ROW_BLOCK_MAX ? rows : ROW_BLOCK_DEFAULT;
 }
 
-static pthread_once_t g_blas_once = PTHREAD_ONCE_INIT;
-/* Every BLAS/LAPACK call here runs inside one pool task: OpenBLAS must not start its own threads
- * (that would oversubscribe the cores and could change results with the thread count). */
-static void blas_single_thread(void) { openblas_set_num_threads(1); }
 
 mq_gptq_opts mq_gptq_opts_default(void) {
     mq_gptq_opts o;
@@ -78,567 +73,6 @@ mq_gptq_opts mq_gptq_opts_default(void) {
     o.rtn_loss = true;
     return o;
 }
-
-/* ---- factor ------------------------------------------------------------------------------- */
-
-void mq_gptq_factor_free(mq_gptq_factor *f) {
-    if (!f) return;
-    mq_free(f->U);
-    mq_free(f->R);
-    mq_free(f->perm);
-    mq_free(f->inv_perm);
-    mq_free(f->dead);
-    mq_free(f->hdiag);
-    mq_free(f->Hp);
-    memset(f, 0, sizeof *f);
-}
-
-typedef struct {
-    float d;
-    int32_t i;
-} diag_ref;
-
-/* Decreasing diagonal; ties by column index so the order is fully determined. */
-static int cmp_diag_desc(const void *a, const void *b) {
-    const diag_ref *x = a, *y = b;
-    if (x->d != y->d) return x->d > y->d ? -1 : 1;
-    return x->i < y->i ? -1 : x->i > y->i;
-}
-
-typedef enum { FAC_OK = 0, FAC_NOMEM, FAC_NOT_PD, FAC_SINGULAR } fac_result;
-
-/* Blocked right-looking Cholesky over fixed FAC_BLOCK tiles and a triangular inverse over fixed
- * INV_TILE column tiles: each tile operation is one single-threaded BLAS/LAPACK call, and the
- * tiles of a step run as one pool loop (or serially inside a pool task), for one matrix or for
- * several factorised together, so the result depends neither on the thread count nor on which
- * matrices go together. The tile trades the updates' rate against the steps' critical path: on
- * the 16-core Xeon 16 threads ran 256-tile updates at 52-55 GFLOP/s each against 34-36 for
- * 128-tiles, and a chunk of 64 experts' factorisations took 0.86 s a layer against 1.02, but a
- * lone weight's factorisation (diagonal tile, then a panel, then an update, each step in turn)
- * simulated for 16 threads (`bench gptq --simulate-threads 16`) took 3-4x as long with
- * 256-tiles: 128 keeps the lone weight's. */
-enum { FAC_BLOCK = 128, INV_TILE = 128 };
-
-typedef struct {
-    float *A;
-    const float *R;
-    float *U;
-    int64_t K, kb;
-    bool pd;   /* in: factor this matrix; out: false if a diagonal tile was not positive definite */
-} fac_ctx;
-
-static inline int64_t fac_dim(int64_t K, int64_t b) {
-    return K - b * FAC_BLOCK < FAC_BLOCK ? K - b * FAC_BLOCK : FAC_BLOCK;
-}
-
-static inline int64_t fac_blocks(int64_t K) { return (K + FAC_BLOCK - 1) / FAC_BLOCK; }
-
-/* ---- several matrices' loops as one pool loop ------------------------------------------------ */
-
-/* Matrix i's tasks are fn(base + i * stride, t, thread) for t < its count, all of them one pool
- * loop, matrix by matrix: a step of several factorisations keeps every thread busy however
- * uneven they are (one task per matrix left threads idle behind the largest, or behind one that
- * needed a second try with more damping: 0.64 of 16 threads, simulated), and each task is the
- * one its matrix alone would run, so the values are the same. */
-typedef struct {
-    mq_task_fn fn;
-    char *base;
-    size_t stride;
-    const int64_t *first;   /* [n + 1]: each matrix's first task */
-    int64_t n;
-} ragged_loop;
-
-/* The matrix of task `task` among n whose tasks begin at first[] (ascending; a matrix without
- * tasks has the same first as the next): the last one whose first task is at or before it. */
-static int64_t ragged_owner(const int64_t *first, int64_t n, int64_t task) {
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) / 2;
-        if (first[mid] <= task) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
-static void ragged_task(void *vctx, int64_t task, int thread) {
-    const ragged_loop *r = vctx;
-    const int64_t i = ragged_owner(r->first, r->n, task);
-    r->fn(r->base + (size_t)i * r->stride, task - r->first[i], thread);
-}
-
-/* first[1 + i] holds matrix i's task count on entry (0: none); made the running sums here. */
-static void ragged_for(mq_task_fn fn, void *base, size_t stride, int64_t n, int64_t *first) {
-    first[0] = 0;
-    for (int64_t i = 0; i < n; i++) first[i + 1] += first[i];
-    ragged_loop r = {fn, base, stride, first, n};
-    mq_parallel_for(first[n], ragged_task, &r);
-}
-
-/* ---- Cholesky ------------------------------------------------------------------------------- */
-
-/* Diagonal tile kb: its lower Cholesky factor, in place. */
-static void chol_diag_task(void *vctx, int64_t task, int thread) {
-    (void)task, (void)thread;
-    fac_ctx *c = vctx;
-    const int64_t K = c->K, k0 = c->kb * FAC_BLOCK;
-    /* column-major 'U' on our row-major storage is the row-major lower triangle */
-    lapack_int info = LAPACKE_spotrf_work(LAPACK_COL_MAJOR, 'U', (lapack_int)fac_dim(K, c->kb),
-                                          c->A + k0 * K + k0, (lapack_int)K);
-    MQ_ASSERT(info >= 0);
-    if (info > 0) c->pd = false;
-}
-
-/* Panel: A[i, k] = A[i, k] L_kk^-T for the row tile i = kb + 1 + task. */
-static void chol_panel_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    fac_ctx *c = vctx;
-    const int64_t K = c->K, k0 = c->kb * FAC_BLOCK, i0 = (c->kb + 1 + task) * FAC_BLOCK;
-    cblas_strsm(CblasRowMajor, CblasRight, CblasLower, CblasTrans, CblasNonUnit,
-                (int)fac_dim(K, c->kb + 1 + task), (int)fac_dim(K, c->kb), 1.0f, c->A + k0 * K + k0,
-                (int)K, c->A + i0 * K + k0, (int)K);
-}
-
-/* Trailing update of tile (i, j), kb < j <= i: A_ij -= A_ik A_jk^T (lower triangle only). */
-static void chol_update_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    fac_ctx *c = vctx;
-    int64_t i = 0;
-    while ((i + 1) * (i + 2) / 2 <= task) i++;
-    int64_t j = task - i * (i + 1) / 2;
-    i += c->kb + 1;
-    j += c->kb + 1;
-    const int64_t K = c->K, k0 = c->kb * FAC_BLOCK, kn = fac_dim(K, c->kb);
-    const float *aik = c->A + i * FAC_BLOCK * K + k0, *ajk = c->A + j * FAC_BLOCK * K + k0;
-    float *aij = c->A + i * FAC_BLOCK * K + j * FAC_BLOCK;
-    if (i == j)
-        cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, (int)fac_dim(K, i), (int)kn, -1.0f,
-                    aik, (int)K, 1.0f, aij, (int)K);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)fac_dim(K, i), (int)fac_dim(K, j),
-                    (int)kn, -1.0f, aik, (int)K, ajk, (int)K, 1.0f, aij, (int)K);
-}
-
-/* Lower Cholesky factors of n matrices at once, each fac_ctx at base + i * stride (its A's
- * row-major lower triangle, in place; pd: in, whether to factor it, out, false where not positive
- * definite): step kb's diagonal tiles, then its panels, then its trailing updates, each step one
- * pool loop over the matrices still going. first: [n + 1] scratch. */
-static void cholesky_many(void *base, size_t stride, int64_t n, int64_t *first) {
-#define FAC_AT(i) ((fac_ctx *)((char *)base + (size_t)(i) * stride))
-    int64_t steps = 0;
-    for (int64_t i = 0; i < n; i++)
-        if (FAC_AT(i)->pd && fac_blocks(FAC_AT(i)->K) > steps) steps = fac_blocks(FAC_AT(i)->K);
-    for (int64_t kb = 0; kb < steps; kb++) {
-        for (int64_t i = 0; i < n; i++) {
-            FAC_AT(i)->kb = kb;
-            first[i + 1] = FAC_AT(i)->pd && kb < fac_blocks(FAC_AT(i)->K);
-        }
-        ragged_for(chol_diag_task, base, stride, n, first);
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t m = fac_blocks(FAC_AT(i)->K) - kb - 1;
-            first[i + 1] = FAC_AT(i)->pd && m > 0 ? m : 0;
-        }
-        ragged_for(chol_panel_task, base, stride, n, first);
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t m = fac_blocks(FAC_AT(i)->K) - kb - 1;
-            first[i + 1] = FAC_AT(i)->pd && m > 0 ? m * (m + 1) / 2 : 0;
-        }
-        ragged_for(chol_update_task, base, stride, n, first);
-    }
-#undef FAC_AT
-}
-
-/* Columns [c0, c0 + INV_COLS) of U = R^-1 (U is upper), within the column tile j of INV_TILE
- * columns that ends at j1: solve R[0:j1, 0:j1] X = I[0:j1, c0:c0+n]. Each column is its own
- * right-hand side, so splitting a tile's columns changes no value on most of OpenBLAS's kernel
- * sets (on Haswell's the last bits can move); the system size stays the tile's. A task per column
- * tile made the last tile (costs grow as j1 squared) 17% of the work at K = 2048: at 16 threads
- * the others waited for it; a quarter of a tile is 4%. */
-enum { INV_COLS = 32 };
-
-static void inverse_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    fac_ctx *c = vctx;
-    const int64_t K = c->K, per = INV_TILE / INV_COLS;
-    task = (K + INV_TILE - 1) / INV_TILE * per - 1 - task;   /* the costliest (last) columns first */
-    const int64_t tile = task / per;
-    const int64_t j1 = (tile + 1) * INV_TILE < K ? (tile + 1) * INV_TILE : K;
-    const int64_t c0 = task * INV_COLS, n = j1 - c0 < INV_COLS ? j1 - c0 : INV_COLS;
-    if (n <= 0) return;   /* past a short last tile */
-    float *X = c->U + c0;
-    for (int64_t t = 0; t < n; t++) X[(c0 + t) * K + t] = 1.0f;
-    cblas_strsm(CblasRowMajor, CblasLeft, CblasUpper, CblasNoTrans, CblasNonUnit, (int)j1, (int)n,
-                1.0f, c->R, (int)K, X, (int)K);
-}
-
-/* The factor's O(K^2) copies over blocks of COPY_ROWS rows on the pool (pure copies: any split
- * gives the same matrices; nested in a pool task they run on its thread). */
-enum { COPY_ROWS = 64 };
-
-typedef struct {
-    const float *H;
-    float *A, *Hp;
-    const float *diag;
-    const int32_t *perm;
-    int64_t K;
-    float damp;
-} copy_ctx;
-
-/* A's lower triangle: H' with rows and columns in reverse processing order, damped diagonal */
-static void copy_reversed_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    const copy_ctx *c = vctx;
-    const int64_t K = c->K, a1 = (task + 1) * COPY_ROWS < K ? (task + 1) * COPY_ROWS : K;
-    for (int64_t a = task * COPY_ROWS; a < a1; a++) {
-        const int64_t pa = K - 1 - a, ca = c->perm ? c->perm[pa] : pa;
-        for (int64_t b = 0; b <= a; b++) {
-            const int64_t pb = K - 1 - b, cb = c->perm ? c->perm[pb] : pb;
-            c->A[a * K + b] = c->H[ca * K + cb];
-        }
-        c->A[a * K + a] = c->diag[ca] + c->damp;
-    }
-}
-
-/* Hp: H' in processing order (the refinement's), damped diagonal */
-static void copy_ordered_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    const copy_ctx *c = vctx;
-    const int64_t K = c->K, a1 = (task + 1) * COPY_ROWS < K ? (task + 1) * COPY_ROWS : K;
-    for (int64_t a = task * COPY_ROWS; a < a1; a++) {
-        const int64_t ca = c->perm ? c->perm[a] : a;
-        for (int64_t b = 0; b < K; b++) {
-            const int64_t cb = c->perm ? c->perm[b] : b;
-            c->Hp[a * K + b] = a == b ? c->diag[ca] + c->damp : c->H[ca * K + cb];
-        }
-    }
-}
-
-/* The lower factor L (A's lower triangle) turned by 180 degrees into the upper R: row a of R is
- * row K-1-a of L reversed, zero below the diagonal. Rows a and K-1-a go together (in place). */
-static void rotate_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    const copy_ctx *c = vctx;
-    const int64_t K = c->K, half = (K + 1) / 2;
-    const int64_t a1 = (task + 1) * COPY_ROWS < half ? (task + 1) * COPY_ROWS : half;
-    float *A = c->A;
-    for (int64_t a = task * COPY_ROWS; a < a1; a++) {
-        const int64_t z = K - 1 - a;   /* the partner row */
-        float *ra = A + a * K, *rz = A + z * K;
-        if (a == z) {   /* the middle row (odd K): reversed in place */
-            for (int64_t i = 0, j = K - 1; i < j; i++, j--) {
-                float t = ra[i];
-                ra[i] = ra[j];
-                ra[j] = t;
-            }
-        } else {
-            for (int64_t i = 0; i < K; i++) {
-                float t = ra[i];
-                ra[i] = rz[K - 1 - i];
-                rz[K - 1 - i] = t;
-            }
-        }
-        memset(ra, 0, (size_t)a * sizeof(float));
-        memset(rz, 0, (size_t)z * sizeof(float));
-    }
-}
-
-/* One Hessian's factorisation while it is made (factor_batch). */
-typedef struct {
-    const float *H;
-    mq_gptq_factor *f;
-    float *diag, *A;
-    double mean, percdamp;
-    int attempt;
-    fac_result res;   /* FAC_OK until it fails */
-    bool pending;     /* its Cholesky still to (re)try */
-    copy_ctx cc;
-    fac_ctx fc;
-} fac_job;
-
-/* Dead columns, the diagonal, its mean, the act-order permutation and A's memory. */
-static void fac_prepare(fac_job *j, const mq_gptq_opts *o) {
-    mq_gptq_factor *f = j->f;
-    const int64_t K = f->K;
-    f->dead = mq_alloc_zero((size_t)K, "GPTQ dead columns");
-    j->diag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
-    j->A = mq_alloc_array((size_t)K * (size_t)K, sizeof(float), "GPTQ factor");
-    if (!f->dead || !j->diag || !j->A) {
-        j->res = FAC_NOMEM;
-        return;
-    }
-    double mean = 0;
-    for (int64_t i = 0; i < K; i++) {
-        float d = j->H[i * K + i];
-        if (d == 0.0f) {
-            f->dead[i] = 1;
-            f->n_dead++;
-            d = 1.0f;
-        }
-        j->diag[i] = d;
-        mean += d;
-    }
-    j->mean = mean / (double)K;
-    j->percdamp = o->percdamp;
-    if (o->act_order) {
-        f->perm = mq_alloc_array((size_t)K, sizeof(int32_t), "GPTQ permutation");
-        f->inv_perm = mq_alloc_array((size_t)K, sizeof(int32_t), "GPTQ permutation");
-        diag_ref *refs = mq_alloc_array((size_t)K, sizeof(diag_ref), "GPTQ permutation");
-        if (!f->perm || !f->inv_perm || !refs) {
-            mq_free(refs);
-            j->res = FAC_NOMEM;
-            return;
-        }
-        for (int64_t i = 0; i < K; i++) refs[i] = (diag_ref){j->diag[i], (int32_t)i};
-        qsort(refs, (size_t)K, sizeof *refs, cmp_diag_desc);
-        for (int64_t p = 0; p < K; p++) {
-            f->perm[p] = refs[p].i;
-            f->inv_perm[refs[p].i] = (int32_t)p;
-        }
-        mq_free(refs);
-    }
-    j->pending = true;
-}
-
-typedef struct {
-    fac_job *J;
-    const mq_gptq_opts *o;
-} prepare_ctx;
-
-static void fac_prepare_task(void *vctx, int64_t i, int thread) {
-    (void)thread;
-    const prepare_ctx *c = vctx;
-    fac_prepare(&c->J[i], c->o);
-}
-
-/* The factorisations of n Hessians at once (jobs[i].H, jobs[i].f->K set; the rest zero), each
- * step's pieces of all of them one pool loop: the dead columns and damping, the Cholesky factor
- * with the damping doubled and the factor retried while it fails (only the ones that failed go
- * again), then R and U = R^-1. Does not touch the thread's error state (the caller turns each
- * jobs[i].res into a message). first: [n + 1] scratch. */
-static void factor_batch(fac_job *J, int64_t n, const mq_gptq_opts *o, bool want_R, int64_t *first) {
-    const double tb = mq_now();
-    double t_chol = 0;
-    prepare_ctx pc = {J, o};
-    mq_parallel_for(n, fac_prepare_task, &pc);
-    /* A = H' with rows and columns in reverse processing order (only the lower triangle, row
-     * major, is read by the factorisation), factored; again with more damping where it fails */
-    for (bool more = true; more;) {
-        for (int64_t i = 0; i < n; i++) {
-            fac_job *j = &J[i];
-            const int64_t K = j->f->K;
-            j->cc = (copy_ctx){j->H, j->A, NULL, j->diag, j->f->perm, K, (float)(j->percdamp * j->mean)};
-            j->fc = (fac_ctx){j->A, NULL, NULL, K, 0, j->pending};
-            first[i + 1] = j->pending ? (K + COPY_ROWS - 1) / COPY_ROWS : 0;
-        }
-        ragged_for(copy_reversed_task, &J[0].cc, sizeof *J, n, first);
-        const double t0 = mq_now();
-        cholesky_many(&J[0].fc, sizeof *J, n, first);
-        const double dt = mq_now() - t0;
-        t_chol += dt;
-        more = false;
-        for (int64_t i = 0; i < n; i++) {
-            fac_job *j = &J[i];
-            if (!j->pending) continue;
-            mq_gptq_factor *f = j->f;
-            f->sec_cholesky += dt;
-            if (j->fc.pd) {
-                j->pending = false;
-                f->percdamp = j->percdamp;
-                f->damp = (double)(float)(j->percdamp * j->mean);
-                f->retries = j->attempt;
-            } else if (j->attempt + 1 >= MAX_RETRIES || j->percdamp * 2 > MQ_GPTQ_MAX_PERCDAMP) {
-                j->pending = false;
-                j->res = FAC_NOT_PD;
-                f->percdamp = j->percdamp;
-                f->retries = j->attempt + 1;
-            } else {
-                j->attempt++;
-                j->percdamp = j->percdamp == 0 ? 1e-4 : j->percdamp * 2;
-                more = true;
-            }
-        }
-    }
-    for (int64_t i = 0; i < n; i++) {   /* H' in processing order for the refinement */
-        fac_job *j = &J[i];
-        first[i + 1] = 0;
-        if (j->res || o->refine_passes <= 0) continue;
-        const int64_t K = j->f->K;
-        j->f->Hp = mq_alloc_array((size_t)K * (size_t)K, sizeof(float), "GPTQ refinement Hessian");
-        if (!j->f->Hp) j->res = FAC_NOMEM;
-        j->cc = (copy_ctx){j->H, NULL, j->f->Hp, j->diag, j->f->perm, K, (float)j->f->damp};
-        first[i + 1] = j->res ? 0 : (K + COPY_ROWS - 1) / COPY_ROWS;
-    }
-    ragged_for(copy_ordered_task, &J[0].cc, sizeof *J, n, first);
-    /* Rotating the lower factor L by 180 degrees (reversing the flat array) gives R, upper. */
-    for (int64_t i = 0; i < n; i++) {
-        fac_job *j = &J[i];
-        mq_gptq_factor *f = j->f;
-        const int64_t K = f->K;
-        first[i + 1] = 0;
-        if (j->res) continue;
-        f->hdiag = mq_alloc_array((size_t)K, sizeof(float), "GPTQ diagonal");
-        f->U = mq_alloc_zero((size_t)K * (size_t)K * sizeof(float), "GPTQ factor");
-        if (!f->hdiag || !f->U) {
-            j->res = FAC_NOMEM;
-            continue;
-        }
-        for (int64_t p = 0; p < K; p++) f->hdiag[p] = j->diag[f->perm ? f->perm[p] : p];
-        j->cc = (copy_ctx){NULL, j->A, NULL, NULL, NULL, K, 0};
-        first[i + 1] = ((K + 1) / 2 + COPY_ROWS - 1) / COPY_ROWS;
-    }
-    ragged_for(rotate_task, &J[0].cc, sizeof *J, n, first);
-    /* U's pages faulted in on the pool first: every inverse task writes a column block down all
-     * the rows, so the first (the largest) took the zeroing of all of U's pages (5.8 of its 6
-     * ms at K = 2048, the whole step's time at 16 threads). Only a speed-up: skipped without
-     * memory for the lists. */
-    void **ub = malloc(sizeof *ub * (size_t)(n + 1));
-    size_t *un = malloc(sizeof *un * (size_t)(n + 1));
-    if (ub && un) {
-        int64_t m = 0;
-        for (int64_t i = 0; i < n; i++)
-            if (!J[i].res) ub[m] = J[i].f->U, un[m++] = (size_t)J[i].f->K * (size_t)J[i].f->K * sizeof(float);
-        mq_touch_pages(ub, un, m);
-    }
-    free(ub);
-    free(un);
-    for (int64_t i = 0; i < n; i++) {
-        fac_job *j = &J[i];
-        j->fc = (fac_ctx){NULL, j->A, j->f->U, j->f->K, 0, true};
-        first[i + 1] = j->res ? 0 : (j->f->K + INV_TILE - 1) / INV_TILE * (INV_TILE / INV_COLS);
-    }
-    const double t0 = mq_now();
-    ragged_for(inverse_task, &J[0].fc, sizeof *J, n, first);
-    const double dt = mq_now() - t0, t_copies = t0 - tb - t_chol;
-    for (int64_t i = 0; i < n; i++) {
-        fac_job *j = &J[i];
-        mq_gptq_factor *f = j->f;
-        mq_free(j->diag);
-        j->diag = NULL;
-        if (j->res) {
-            mq_free(j->A);
-            j->A = NULL;
-            continue;
-        }
-        f->sec_inverse = dt;
-        f->sec_copies = t_copies;
-        if (want_R) f->R = j->A;
-        else mq_free(j->A);
-        j->A = NULL;
-        for (int64_t p = 0; p < f->K; p++)
-            if (!isfinite(f->U[p * f->K + p])) {
-                j->res = FAC_SINGULAR;
-                break;
-            }
-    }
-}
-
-static moeq_status check_hessian(const float *H, int64_t K, const char *name) {
-    if (K <= 0) return mq_err(MOEQ_E_SHAPE, "%s: Hessian size %lld", name, (long long)K);
-    for (int64_t i = 0; i < K * K; i++)
-        if (!isfinite(H[i]))
-            return mq_err(MOEQ_E_NUMERIC, "%s: non-finite Hessian entry %g at (%lld, %lld)", name,
-                          (double)H[i], (long long)(i / K), (long long)(i % K));
-    return MOEQ_OK;
-}
-
-/* Turns a factor_batch result into the thread's error message and the damping log. */
-static moeq_status factor_report(fac_result r, const mq_gptq_opts *o, const char *name,
-                                 mq_gptq_factor *f) {
-    switch (r) {
-    case FAC_OK:
-        if (f->retries > 0)
-            mq_warn("%s: Hessian not positive definite with percdamp %g; raised to %g", name,
-                    o->percdamp, f->percdamp);
-        return MOEQ_OK;
-    case FAC_NOMEM:
-        mq_gptq_factor_free(f);
-        return mq_err(MOEQ_E_NOMEM, "%s: out of memory factorising the Hessian", name);
-    case FAC_NOT_PD: {
-        double pd = f->percdamp;
-        mq_gptq_factor_free(f);
-        return mq_err(MOEQ_E_NUMERIC,
-                      "%s: Hessian not positive definite even with percdamp raised to %g", name, pd);
-    }
-    default:
-        mq_gptq_factor_free(f);
-        return mq_err(MOEQ_E_NUMERIC, "%s: Cholesky factor of the Hessian is singular", name);
-    }
-}
-
-moeq_status mq_gptq_factor_init(const float *H, int64_t K, const mq_gptq_opts *o, bool want_R,
-                                const char *name, mq_gptq_factor *f) {
-    memset(f, 0, sizeof *f);
-    moeq_status st = check_hessian(H, K, name);
-    if (st) return st;
-    pthread_once(&g_blas_once, blas_single_thread);
-    fac_job j = {.H = H, .f = f};
-    int64_t first[2];
-    f->K = K;
-    factor_batch(&j, 1, o, want_R, first);
-    return factor_report(j.res, o, name, f);
-}
-
-moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t n,
-                                const mq_gptq_opts *o, bool want_R, const char *const *names,
-                                mq_gptq_factor *f) {
-    memset(f, 0, (size_t)n * sizeof *f);
-    uint8_t *ok = mq_alloc_array((size_t)n + 1, 1, "GPTQ Hessian checks");
-    int64_t *sizes = mq_alloc_array((size_t)n + 1, sizeof *sizes, "GPTQ Hessian checks");
-    moeq_status cst = ok && sizes ? MOEQ_OK : MOEQ_E_NOMEM;
-    for (int64_t i = 0; i < n && !cst; i++) sizes[i] = K[i] > 0 ? K[i] * K[i] : 0;
-    if (!cst) cst = mq_all_finite_many(H, sizes, n, ok);
-    mq_free(sizes);
-    if (cst) {
-        mq_free(ok);
-        return cst;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        if (!H[i]) continue;
-        moeq_status st = K[i] <= 0 || !ok[i] ? check_hessian(H[i], K[i], names[i]) : MOEQ_OK;
-        if (st) {
-            mq_free(ok);
-            return st;
-        }
-    }
-    mq_free(ok);
-    /* the largest first (K^3; ties in order): the pool hands out each step's pieces in order */
-    int64_t *order = mq_alloc_array((size_t)n + 1, sizeof *order, "GPTQ factor order");
-    int64_t *first = mq_alloc_array((size_t)n + 1, sizeof *first, "GPTQ factor order");
-    fac_job *J = mq_alloc_zero((size_t)n * sizeof *J + 1, "GPTQ factor jobs");
-    if (!order || !first || !J) {
-        mq_free(order);
-        mq_free(first);
-        mq_free(J);
-        return MOEQ_E_NOMEM;
-    }
-    int64_t m = 0;   /* Hessians to factor */
-    for (int64_t i = 0; i < n; i++) {
-        if (!H[i]) continue;
-        int64_t u = m++;
-        for (; u > 0 && K[order[u - 1]] < K[i]; u--) order[u] = order[u - 1];
-        order[u] = i;
-    }
-    pthread_once(&g_blas_once, blas_single_thread);
-    for (int64_t u = 0; u < m; u++) {
-        J[u] = (fac_job){.H = H[order[u]], .f = &f[order[u]]};
-        f[order[u]].K = K[order[u]];
-    }
-    factor_batch(J, m, o, want_R, first);
-    moeq_status st = MOEQ_OK;
-    for (int64_t i = 0; i < n; i++) first[i] = -1;   /* now each input's job */
-    for (int64_t u = 0; u < m; u++) first[order[u]] = u;
-    for (int64_t i = 0; i < n; i++) {   /* the first failure in the inputs' order keeps its message */
-        if (first[i] < 0) continue;
-        moeq_status si = factor_report(J[first[i]].res, o, names[i], &f[i]);
-        if (si && !st) st = si;
-    }
-    mq_free(order);
-    mq_free(first);
-    mq_free(J);
-    if (st)
-        for (int64_t i = 0; i < n; i++) mq_gptq_factor_free(&f[i]);
-    return st;
-}
-
 /* ---- column loop -------------------------------------------------------------------------- */
 
 /* Column quantize-dequantize with precomputed steps: the same operations, in the same order, as
@@ -647,6 +81,10 @@ moeq_status mq_gptq_factor_many(const float *const *H, const int64_t *K, int64_t
 void mq_gptq_qdq_column(const mq_qspec *s, const float *step, const float *zero, const float *x,
                         int64_t n, uint8_t *code, float *dq) {
     static const float e2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    if (s->scheme == MQ_QS_KQUANT) {
+        mq_kq_qdq_column(mq_kq_info_of(s->kq), step, zero, x, n, code, dq);
+        return;
+    }
     if (s->scheme == MQ_QS_INT4) {
         const float lo = s->asym ? 0.0f : -8.0f, hi = s->asym ? 15.0f : 7.0f;
         for (int64_t i = 0; i < n; i++) {
@@ -670,103 +108,6 @@ void mq_gptq_qdq_column(const mq_qspec *s, const float *step, const float *zero,
         code[i] = st == 0.0f ? 0 : c;
         dq[i] = st == 0.0f ? 0.0f : v * st;
     }
-}
-
-typedef struct {
-    float *wt;          /* [K][rows] working copy, transposed, processing order */
-    float *et;          /* [block][rows] scaled errors of the current block */
-    float *tmp;         /* [G][rows] current values of a group's columns */
-    float *dq;          /* [rows] */
-    uint8_t *ct;        /* [K][rows] codes, transposed, processing order */
-    mq_gparams *gp;     /* [n_groups][rows] */
-    float *step, *zero; /* [n_groups][rows] quantization step and zero point of gp */
-    uint8_t *ready;     /* [n_groups] */
-    float *w0t;         /* [K][rows] original weights (W0'), then the quantized ones */
-    float *d;           /* [rows][K] RTN residual rows (rtn_loss only) */
-    float *hw;          /* [G] weights of a group's columns in the MSE scale search */
-    int64_t *pos;       /* [G] processing positions of a group's columns */
-    /* the in-loop scale search (MQ_GPTQ_MSE_LOOP) only: */
-    float *ucol;        /* [G][G] U restricted to a group's columns, processing order, by column */
-    int64_t *ord;       /* [G] a group's columns (t) in processing order */
-    float *wl;          /* [G][rows] a group's current values in processing order */
-    float *lwork;       /* [G + 2][rows] mq_gptq_loop_scores work */
-    uint8_t *lcode;     /* [rows] */
-    mq_gparams *cand;   /* [rows][mse_steps] candidates of each row */
-    int *nc;            /* [rows] number of candidates of each row */
-    float *kstep, *kzero; /* [mse_steps][rows] the candidates' steps and zeros, by candidate */
-    int *bestk;           /* [rows] each row's best candidate so far, -1: none */
-    double *score, *best; /* [rows] */
-    float *gt;            /* [K][rows] refinement: the gradient (W0' - Q) H', transposed */
-    float *hsub, *hcols;  /* [G][G], [K][G] scale refinement: H' of a group, its columns */
-    float *cv, *dv;       /* [G][rows] scale refinement: unit values, changes */
-    float *xlo, *xhi;     /* [rows] clip search: each row's range and its best multipliers */
-    float *blo, *bhi;
-} scratch;
-
-/* mq_gptq_loop_scores_ref or its AVX2 twin */
-typedef void (*loop_scores_fn)(const mq_qspec *, const float *, int64_t, const float *, int64_t,
-                               int64_t, const float *, const float *, float *, uint8_t *, double *);
-
-typedef struct {
-    int64_t job, rb;
-} task_ref;
-
-typedef struct {
-    double e2;          /* sum of squared scaled errors */
-    double dsq;         /* ||W0' - Q||^2 */
-    double rtn_e2, rtn_dsq;
-    double seconds;
-} task_out;
-
-typedef struct {
-    const mq_qspec *s;
-    const mq_gptq_opts *o;
-    mq_gptq_job *jobs;
-    task_ref *tasks;
-    task_out *outs;
-    scratch *scr;
-    int64_t block;      /* effective block size */
-    void (*qdq)(const mq_qspec *, const float *, const float *, const float *, int64_t, uint8_t *,
-                float *);
-    double (*errors)(const float *, const float *, float, float *, int64_t, float *, double *);
-    loop_scores_fn loop_scores;
-    int64_t n_tasks;
-    atomic_int_fast64_t done;
-    const int64_t *order;   /* [n_tasks] the tasks, costliest first */
-    int64_t rows;           /* rows per task */
-} run_ctx;
-
-static inline int64_t col_of(const mq_gptq_factor *f, int64_t p) { return f->perm ? f->perm[p] : p; }
-static inline int64_t pos_of(const mq_gptq_factor *f, int64_t c) {
-    return f->inv_perm ? f->inv_perm[c] : c;
-}
-
-/* Loop state of one task, passed to the helpers below. */
-typedef struct {
-    const mq_qspec *s;
-    const mq_gptq_factor *f;
-    scratch *sc;
-    int64_t K, nr, G;
-    float gs;
-    bool gidx;          /* groups in processing order */
-    mq_gptq_mse_weight mse_weight;
-    int64_t ncand;            /* room for candidates per row (sc->cand) */
-    loop_scores_fn loop_scores;
-    bool clip;                /* the clip search (INT4 asymmetric, in-loop scores) */
-    int64_t b0, b1, s0, s1;   /* current block and sub-block */
-} loop_state;
-
-/* Processing position of the t-th column of group g. */
-static inline int64_t group_pos(const loop_state *L, int64_t g, int64_t t) {
-    return L->gidx ? g * L->G + t : pos_of(L->f, g * L->G + t);
-}
-
-/* The MSE search's weight of the column at processing position q (mq_gptq_mse_weight). */
-static inline float column_weight(const loop_state *L, int64_t q) {
-    if (L->mse_weight == MQ_GPTQ_MSE_HDIAG) return L->f->hdiag[q];
-    /* OBQ (and static groups with the in-loop search: the loss of each column alone) */
-    float u = L->f->U[q * L->K + q];
-    return 1.0f / (u * u);
 }
 
 /* Weights of the G columns at processing positions pos[0..G-1] into sc->hw; NULL when the
@@ -987,6 +328,16 @@ static void rtn_loss_rows(const loop_state *L, const float *w, int64_t r0, task_
     for (int64_t i = 0; i < nr; i++) {
         const float *row = w + (r0 + i) * K;
         float *d = sc->d + i * K;
+        if (L->s->scheme == MQ_QS_KQUANT) {   /* the loop's working copy is free by now */
+            float *q = sc->wt;
+            mq_gptq_kq_rtn_row(L->s, row, K, q);
+            for (int64_t c = 0; c < K; c++) {
+                float v = L->f->dead[c] ? 0.0f : row[c] - q[c];
+                d[pos_of(L->f, c)] = v;
+                dsq += (double)v * v;
+            }
+            continue;
+        }
         for (int64_t g = 0; g < K / G; g++) {
             mq_gparams gp;
             mq_group_params(L->s, L->gs, row + g * G, G, 1, &gp);
@@ -1173,8 +524,7 @@ static void refine_rows(const loop_state *L, const run_ctx *c, const float *w, i
         const int64_t g = L->gidx ? p / G : col_of(f, p) / G;
         float *qp = q + p * nr;
         const uint8_t *cp = sc->ct + p * nr;
-        if (f->dead[col_of(f, p)]) memset(qp, 0, sizeof(float) * (size_t)nr);
-        else mq_dequant_n(L->s, L->gs, &sc->gp[g * nr], cp, nr, qp);
+        mq_dequant_n(L->s, L->gs, &sc->gp[g * nr], cp, nr, qp);   /* dead: the code's value too */
     }
     /* D into wt (wt = W0' - Q), then Gt = H' Dt. The column loop left W0 - Q = E U (U upper,
      * U^T U = H'^-1), so H' Dt = U^-1 U^-T U^T Et = R Et: one triangular product on the kept E,
@@ -1205,7 +555,7 @@ static void refine_rows(const loop_state *L, const run_ctx *c, const float *w, i
                 uint8_t *cp = sc->ct + p * nr;
                 for (int64_t i = 0; i < nr; i++) t[i] = qp[i] + gp[i] / h;
                 uint8_t code[ROW_BLOCK_MAX];
-                c->qdq(L->s, sc->step + g * nr, sc->zero + g * nr, t, nr, code, qn);
+                L->qdq(L->s, sc->step + g * nr, sc->zero + g * nr, t, nr, code, qn);
                 bool any = false;
                 for (int64_t i = 0; i < nr; i++) {
                     const float delta = qn[i] - qp[i];
@@ -1233,7 +583,8 @@ static void refine_rows(const loop_state *L, const run_ctx *c, const float *w, i
                             (int)(b1 - b0), -1.0f, f->Hp + b1 * K + b0, (int)K, dlt, (int)nr, 1.0f,
                             sc->gt + b1 * nr, (int)nr);
         }
-        if (c->o->refine_scales) refine_scales(L, q);
+        /* a K-quant sub-block's step is a multiple of its block's fp16 scale: kept */
+        if (c->o->refine_scales && L->s->scheme != MQ_QS_KQUANT) refine_scales(L, q);
     }
     /* the objective ||D R||^2 = tr(D H' D^T): G = H' D was kept up to date with every change of
      * D (its rounding drifts by far less than the digits the loss is reported with), so no
@@ -1261,16 +612,22 @@ static void run_task(void *vctx, int64_t task, int thread) {
     const int64_t nr = j->rows - r0 < c->rows ? j->rows - r0 : c->rows;
     const int64_t G = qt->group_size, ng = qt->n_groups, B = c->block;
     const float *U = f->U;
-    loop_state L = {c->s, f, sc, K, nr, G, qt->global_scale,
+    const mq_qspec *s = j->spec ? j->spec : c->s;
+    const bool kq = s->scheme == MQ_QS_KQUANT;
+    loop_state L = {s, f, sc, K, nr, G, qt->global_scale,
                     c->o->act_order && c->o->groups == MQ_GPTQ_GROUPS_GIDX, c->o->mse_weight,
-                    c->s->mse_steps > 1 ? c->s->mse_steps : 1, c->loop_scores,
-                    c->o->clip_search && c->s->mse && c->o->mse_weight == MQ_GPTQ_MSE_LOOP,
+                    s->mse_steps > 1 ? s->mse_steps : 1, c->loop_scores,
+                    c->o->clip_search && s->mse && c->o->mse_weight == MQ_GPTQ_MSE_LOOP,
+                    kq ? mq_gptq_qdq_column : c->qdq,   /* the SIMD twins know INT4 and NVFP4 */
                     0, 0, 0, 0};
     task_out *out = &c->outs[task];
 
     load_rows(&L, j->w, r0);
     memset(sc->ready, 0, (size_t)ng);
-    if (c->o->groups == MQ_GPTQ_GROUPS_STATIC) group_params_static(&L, j->w, r0);
+    if (c->o->groups == MQ_GPTQ_GROUPS_STATIC) {
+        if (kq) mq_gptq_kq_params_static(&L, j->w, r0);
+        else group_params_static(&L, j->w, r0);
+    }
 
     /* the refinement's G = H'D is R E (below): the scaled errors E are kept for it */
     const bool keep_e = c->o->refine_passes > 0 && f->R;
@@ -1281,9 +638,12 @@ static void run_task(void *vctx, int64_t task, int thread) {
             L.s1 = L.s0 + SUB_BLOCK < L.b1 ? L.s0 + SUB_BLOCK : L.b1;
             for (int64_t p = L.s0; p < L.s1; p++) {
                 const int64_t g = L.gidx ? p / G : col_of(f, p) / G;
-                if (!sc->ready[g]) group_params_dynamic(&L, g, p);
+                if (!sc->ready[g]) {
+                    if (kq) mq_gptq_kq_params_dynamic(&L, g, p);
+                    else group_params_dynamic(&L, g, p);
+                }
                 float *x = sc->wt + p * nr, *e = sc->et + (p - L.b0) * nr;
-                c->qdq(c->s, sc->step + g * nr, sc->zero + g * nr, x, nr, sc->ct + p * nr, sc->dq);
+                L.qdq(s, sc->step + g * nr, sc->zero + g * nr, x, nr, sc->ct + p * nr, sc->dq);
                 e2 += c->errors(x, sc->dq, U[p * K + p], sc->w0t + p * nr, nr, e, &dsq);
                 if (keep_e) memcpy(sc->gt + p * nr, e, (size_t)nr * sizeof(float));
                 if (p + 1 < L.s1)   /* rank-1 update of the rest of the sub-block */
@@ -1304,6 +664,13 @@ static void run_task(void *vctx, int64_t task, int thread) {
     out->e2 = e2;
     out->dsq = dsq;
     if (c->o->refine_passes > 0) refine_rows(&L, c, j->w, r0, out);
+    /* A dead column (H_ii = 0, set to 1 in H') holds the grid value nearest 0, which is 0 but on
+     * an asymmetric K-quant grid: its q^2 (1 + damp) in e2 and q^2 in dsq are in no loss for H */
+    for (int64_t cd = 0; cd < K && f->n_dead > 0; cd++) {
+        if (!f->dead[cd]) continue;
+        const float *qd = sc->w0t + pos_of(f, cd) * nr;
+        for (int64_t i = 0; i < nr; i++) out->e2 -= (double)qd[i] * qd[i];
+    }
     if (c->o->rtn_loss) rtn_loss_rows(&L, j->w, r0, out);
     store_rows(&L, j, r0);   /* the last use of these rows of w: deq may be w itself */
     out->seconds = mq_now() - t0;
@@ -1484,7 +851,7 @@ static void free_outs(mq_gptq_job *jobs, int64_t n) {
     for (int64_t i = 0; i < n; i++) mq_qtensor_free(jobs[i].out);
 }
 
-moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *jobs,
+moeq_status mq_gptq_run(const mq_qspec *run_spec, const mq_gptq_opts *o, mq_gptq_job *jobs,
                         int64_t n_jobs) {
     moeq_status st = MOEQ_OK;
     for (int64_t i = 0; i < n_jobs; i++) memset(jobs[i].out, 0, sizeof *jobs[i].out);
@@ -1492,7 +859,8 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         return mq_err(MOEQ_E_ARG, "GPTQ block size %d (must be >= 1)", (int)o->block_size);
     if (!(o->percdamp >= 0))
         return mq_err(MOEQ_E_ARG, "GPTQ percdamp %g (must be >= 0)", o->percdamp);
-    int64_t maxK = 1, maxB = 1, maxG = 1, maxNg = 1, n_tasks = 0;
+    int64_t maxK = 1, maxB = 1, maxG = 1, maxNg = 1, n_tasks = 0, ncand = 1;
+    bool loop = false;   /* some job's scale search runs GPTQ over its groups (the K-quants' never) */
     const int64_t R = mq_gptq_row_block();   /* rows per task */
     bool gidx = o->act_order && o->groups == MQ_GPTQ_GROUPS_GIDX;
     /* the weights' finiteness checked on the pool */
@@ -1514,6 +882,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         mq_gptq_job *j = &jobs[i];
         const char *name = j->name ? j->name : "(unnamed)";
         const int64_t K = j->f->K;
+        const mq_qspec *s = j->spec ? j->spec : run_spec;
         if ((st = mq_qtensor_init(j->out, s, j->rows, K, name))) goto fail;
         if (!wok[i] && (st = mq_check_finite(j->w, j->rows, K, name))) goto fail;
         if (o->rtn_loss && !j->f->R) {
@@ -1548,8 +917,12 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
             for (int64_t p = 0; p < K; p++) q->g_idx[col_of(j->f, p)] = (int32_t)(p / q->group_size);
         }
         if (K > maxK) maxK = K;
-        if (q->group_size > maxG) maxG = q->group_size;
+        if (mq_gptq_param_span(s, q->group_size) > maxG) maxG = mq_gptq_param_span(s, q->group_size);
         if (q->n_groups > maxNg) maxNg = q->n_groups;
+        if (s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP && s->scheme != MQ_QS_KQUANT) {
+            loop = true;
+            ncand = s->mse_steps > ncand ? s->mse_steps : ncand;
+        }
         int64_t B = o->block_size < K ? o->block_size : K;
         if (B > maxB) maxB = B;
         n_tasks += (j->rows + R - 1) / R;
@@ -1560,8 +933,7 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
     task_ref *tasks = mq_alloc_array((size_t)n_tasks + 1, sizeof *tasks, "GPTQ tasks");
     task_out *outs = mq_alloc_zero(((size_t)n_tasks + 1) * sizeof *outs, "GPTQ task results");
     const int nthreads = mq_pool_size();
-    const scratch_shape want = {nthreads, R, maxK, maxB, maxG, maxNg, s->mse_steps > 1 ? s->mse_steps : 1,
-                                o->rtn_loss, s->mse && o->mse_weight == MQ_GPTQ_MSE_LOOP, o->refine_passes > 0};
+    const scratch_shape want = {nthreads, R, maxK, maxB, maxG, maxNg, ncand, o->rtn_loss, loop, o->refine_passes > 0};
     scratch_shape shape;
     scratch *scr = scratch_take(&want, &shape);
     if (!tasks || !outs || !scr) {
@@ -1593,8 +965,8 @@ moeq_status mq_gptq_run(const mq_qspec *s, const mq_gptq_opts *o, mq_gptq_job *j
         order[u] = v;
     }
 
-    pthread_once(&g_blas_once, blas_single_thread);
-    run_ctx c = {s, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
+    mq_gptq_blas_single();
+    run_ctx c = {run_spec, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
                  mq_gptq_column_errors_ref, mq_gptq_loop_scores_ref, n_tasks, 0, order, R};
 #if defined(__x86_64__)
     if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
@@ -1654,7 +1026,7 @@ moeq_status mq_gptq_quantize(const mq_qspec *s, const mq_gptq_opts *o, const flo
     mq_gptq_factor f;
     moeq_status st = mq_gptq_factor_init(H, cols, o, o->rtn_loss, name, &f);
     if (st) return st;
-    mq_gptq_job j = {&f, w, rows, global_scale, name, out, deq, {0, 0, 0, 0, 0}};
+    mq_gptq_job j = {&f, w, rows, global_scale, name, out, deq, {0, 0, 0, 0, 0}, NULL};
     st = mq_gptq_run(s, o, &j, 1);
     if (!st && stats) *stats = j.stats;
     mq_gptq_factor_free(&f);
@@ -1701,7 +1073,7 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
         double sum = 0;
         for (int k = 0; k < nw && !st; k++) {
             mq_qtensor q;
-            mq_gptq_job j = {&f, w[k], rows[k], gs ? gs[k] : 0.0f, name, &q, deq, {0, 0, 0, 0, 0}};
+            mq_gptq_job j = {&f, w[k], rows[k], gs ? gs[k] : 0.0f, name, &q, deq, {0, 0, 0, 0, 0}, NULL};
             st = mq_gptq_run(s, &oc, &j, 1);
             mq_qtensor_free(&q);
             if (!st) sum += mq_gptq_loss(H_held, K, w[k], deq, rows[k]);
@@ -1721,247 +1093,3 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
     return st;
 }
 
-/* ---- asymmetric calibration's target (mq_gptq_target) ---------------------------------------- */
-
-/* The correction in three steps over the pool, each cut into fixed blocks (the same whatever the
- * thread count): per input, R = share ((2/n) G - H)^T and the Cholesky factor L of H + damping
- * (the factorisation's tiles, of every input of a wave in one loop a step); R := (L L^T)^-1 R in
- * blocks of 128 columns (each block reads all of L twice: 16 threads solved 128-column blocks at
- * 52-54 GFLOP/s each against 44-49 for 64 on the Xeon); then W += W R^T in blocks of 256 rows,
- * each block's product as OpenBLAS tiles of 256 columns (each tile packs the block's rows again:
- * 16 threads ran 256 x 256 tiles at 70-79 GFLOP/s each against 66-73 for 256 x 128 there). BLAS
- * runs single-threaded in every task. */
-enum { TARGET_COLS = 128, TARGET_ROWS = 256, TARGET_TILE_N = 256 };
-
-/* The right-hand sides R = share ((2/n) G - H)^T and the lower triangle of H (the damping added
- * to A's diagonal after) in blocks of TARGET_FILL rows: elementwise, any split gives the same
- * matrices. */
-enum { TARGET_FILL = 64 };
-
-typedef struct {
-    const mq_gptq_target_job *j;
-    float *A, *R;   /* R NULL: A's triangle only (a retry) */
-    float sc;
-} target_fill;
-
-typedef struct {
-    const mq_gptq_target_job *j;
-    float *A, *R;          /* [K, K]: H + damping, then its factor L; the right-hand sides */
-    bool live;             /* factored: the solve and product steps run for it */
-    moeq_status st;
-    char msg[320];
-    double mean_diag;
-    target_fill fill;
-    fac_ctx fc;
-} target_input;
-
-typedef struct {
-    target_input *in;
-    int64_t n;
-    int64_t *first;        /* [n + 1]: each input's first task of the step */
-    float *scratch;        /* [pool threads][TARGET_ROWS * Kmax] */
-    int64_t kmax;
-} target_step;
-
-static void target_fill_task(void *vctx, int64_t b, int thread) {
-    (void)thread;
-    const target_fill *f = vctx;
-    const int64_t K = f->j->K, a0 = b * TARGET_FILL, a1 = a0 + TARGET_FILL < K ? a0 + TARGET_FILL : K;
-    const float *H = f->j->H, *G = f->j->G;
-    if (f->R)   /* rows [a0, a1) of the transposes, by 64-column blocks (both read down columns) */
-        for (int64_t c0 = 0; c0 < K; c0 += 64)
-            for (int64_t a = a0; a < a1; a++)
-                for (int64_t c = c0; c < K && c < c0 + 64; c++)
-                    f->R[a * K + c] = f->j->share * (f->sc * G[c * K + a] - H[c * K + a]);
-    for (int64_t a = a0; a < a1; a++) memcpy(f->A + a * K, H + a * K, sizeof(float) * (size_t)(a + 1));
-}
-
-/* The wave's right-hand sides and Cholesky factors L of H + damping: every input's fill blocks
- * in one loop, then the factorisations' steps together (cholesky_many; a wave of fewer inputs
- * than threads, the attention's one at a time, still spreads its tiles over every core), the
- * damping raised tenfold where one fails, as GPTQ's is, up to three times. */
-static void target_factor(target_input *in, int64_t n, int64_t *first) {
-    for (int64_t i = 0; i < n; i++) {
-        target_input *t = &in[i];
-        const mq_gptq_target_job *j = t->j;
-        const int64_t K = j->K;
-        t->A = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
-        t->R = mq_alloc_array((size_t)K, (size_t)K * sizeof(float), "asymmetric calibration");
-        first[i + 1] = 0;
-        if (!t->A || !t->R) {
-            t->st = MOEQ_E_NOMEM;
-            snprintf(t->msg, sizeof t->msg, "%s: out of memory for asymmetric calibration", j->name);
-            continue;
-        }
-        t->mean_diag = 0;
-        for (int64_t k = 0; k < K; k++) t->mean_diag += j->H[k * K + k];
-        t->mean_diag /= (double)K;
-        t->fill = (target_fill){j, t->A, t->R, 2.0f / (float)j->n};
-        t->fc = (fac_ctx){t->A, NULL, NULL, K, 0, true};
-        first[i + 1] = (K + TARGET_FILL - 1) / TARGET_FILL;
-    }
-    for (int r = 0; r < 4; r++) {
-        if (r > 0) {   /* a retry copies the triangle again, for the inputs still to factor */
-            for (int64_t i = 0; i < n; i++) {
-                in[i].fill.R = NULL;
-                first[i + 1] = in[i].fc.pd ? (in[i].j->K + TARGET_FILL - 1) / TARGET_FILL : 0;
-            }
-        }
-        ragged_for(target_fill_task, &in[0].fill, sizeof *in, n, first);
-        for (int64_t i = 0; i < n; i++) {
-            target_input *t = &in[i];
-            if (!t->fc.pd) continue;
-            const int64_t K = t->j->K;
-            const float damp = (float)(t->j->percdamp * pow(10.0, r) * t->mean_diag) + (t->mean_diag == 0);
-            for (int64_t a = 0; a < K; a++) t->A[a * K + a] = t->j->H[a * K + a] + damp;
-        }
-        cholesky_many(&in[0].fc, sizeof *in, n, first);
-        bool again = false;
-        for (int64_t i = 0; i < n; i++) {
-            target_input *t = &in[i];
-            if (t->st || t->live) continue;
-            if (t->fc.pd) t->live = true, t->fc.pd = false;   /* done: not factored again */
-            else if (r < 3) t->fc.pd = again = true;
-        }
-        if (!again) break;
-    }
-    for (int64_t i = 0; i < n; i++)
-        if (!in[i].st && !in[i].live) {
-            in[i].st = MOEQ_E_NUMERIC;
-            snprintf(in[i].msg, sizeof in[i].msg, "%s: asymmetric calibration: the damped Hessian is not positive "
-                     "definite (damping up to 1000x percdamp)", in[i].j->name);
-        }
-}
-
-/* Columns [64 b, 64 b + 64) of an input's R := (L L^T)^-1 R. */
-static void target_solve_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    const target_step *c = vctx;
-    const int64_t i = ragged_owner(c->first, c->n, task);
-    const target_input *t = &c->in[i];
-    const int64_t K = t->j->K, c0 = (task - c->first[i]) * TARGET_COLS;
-    const int64_t nc = K - c0 < TARGET_COLS ? K - c0 : TARGET_COLS;
-    cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, (int)K, (int)nc, 1.0f, t->A,
-                (int)K, t->R + c0, (int)K);
-    cblas_strsm(CblasRowMajor, CblasLeft, CblasLower, CblasTrans, CblasNonUnit, (int)K, (int)nc, 1.0f, t->A,
-                (int)K, t->R + c0, (int)K);
-}
-
-/* Rows [256 b, 256 b + 256) of one of an input's weights: W += W R^T through the thread's
- * scratch (the block's old rows are read by every column tile). */
-static void target_product_task(void *vctx, int64_t task, int thread) {
-    const target_step *c = vctx;
-    const int64_t i = ragged_owner(c->first, c->n, task);
-    const target_input *t = &c->in[i];
-    const mq_gptq_target_job *j = t->j;
-    const int64_t K = j->K;
-    int64_t b = task - c->first[i], k = 0;
-    while (b >= (j->rows[k] + TARGET_ROWS - 1) / TARGET_ROWS) b -= (j->rows[k++] + TARGET_ROWS - 1) / TARGET_ROWS;
-    const int64_t r0 = b * TARGET_ROWS, m = j->rows[k] - r0 < TARGET_ROWS ? j->rows[k] - r0 : TARGET_ROWS;
-    float *w = j->W[k] + r0 * K, *ws = c->scratch + (size_t)thread * (size_t)(TARGET_ROWS * c->kmax);
-    memcpy(ws, w, sizeof(float) * (size_t)(m * K));
-    for (int64_t n0 = 0; n0 < K; n0 += TARGET_TILE_N) {
-        const int64_t nn = K - n0 < TARGET_TILE_N ? K - n0 : TARGET_TILE_N;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)nn, (int)K, 1.0f, w, (int)K,
-                    t->R + n0 * K, (int)K, 1.0f, ws + n0, (int)K);
-    }
-    memcpy(w, ws, sizeof(float) * (size_t)(m * K));
-}
-
-/* Inputs in[0..n) through the three steps. */
-static moeq_status target_wave(target_input *in, int64_t n, double sec[3]) {
-    const int P = mq_pool_size();
-    double t0 = mq_now();
-    target_step c = {in, n, malloc(sizeof(int64_t) * (size_t)(n + 1)), NULL, 0};
-    moeq_status st = c.first ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!st) target_factor(in, n, c.first);
-    sec[0] += mq_now() - t0;
-    t0 = mq_now();
-    for (int64_t i = 0; i < n; i++)
-        if (in[i].live && in[i].j->K > c.kmax) c.kmax = in[i].j->K;
-    if (!st && c.kmax > 0) {
-        c.first[0] = 0;
-        for (int64_t i = 0; i < n; i++)
-            c.first[i + 1] = c.first[i] + (in[i].live ? (in[i].j->K + TARGET_COLS - 1) / TARGET_COLS : 0);
-        mq_parallel_for(c.first[n], target_solve_task, &c);
-        sec[1] += mq_now() - t0;
-        c.scratch = mq_alloc_array((size_t)P * TARGET_ROWS, (size_t)c.kmax * sizeof(float), "asymmetric calibration");
-        if (!c.scratch) st = MOEQ_E_NOMEM;
-    }
-    if (!st && c.kmax > 0) {
-        for (int64_t i = 0; i < n; i++) {
-            int64_t blocks = 0;
-            for (int k = 0; in[i].live && k < in[i].j->nw; k++) blocks += (in[i].j->rows[k] + TARGET_ROWS - 1) / TARGET_ROWS;
-            c.first[i + 1] = c.first[i] + blocks;
-        }
-        t0 = mq_now();
-        mq_parallel_for(c.first[n], target_product_task, &c);
-        sec[2] += mq_now() - t0;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        mq_free(in[i].A);
-        mq_free(in[i].R);
-        in[i].A = in[i].R = NULL;
-    }
-    mq_free(c.scratch);
-    free(c.first);
-    return st;
-}
-
-/* Job indices by K, largest first (stable): a wave then holds inputs alike, and its steps' loops
- * (the factorisations' tiles, the solves, the products) hand out the largest inputs' tasks first,
- * so the small ones fill the end. Each job corrects its own weights, so the order changes no
- * value. */
-static int64_t *jobs_by_k(const mq_gptq_target_job *jobs, int64_t n) {
-    int64_t *o = malloc(sizeof *o * (size_t)(n > 0 ? n : 1));
-    if (!o) return NULL;
-    for (int64_t i = 0; i < n; i++) {   /* insertion: a layer has at most a few hundred inputs */
-        int64_t k = i;
-        while (k > 0 && jobs[o[k - 1]].K < jobs[i].K) o[k] = o[k - 1], k--;
-        o[k] = i;
-    }
-    return o;
-}
-
-moeq_status mq_gptq_target_many(const mq_gptq_target_job *jobs, int64_t n_jobs, double sec[3]) {
-    double own[3];
-    if (!sec) sec = own;
-    sec[0] = sec[1] = sec[2] = 0;
-    pthread_once(&g_blas_once, blas_single_thread);
-    const int64_t P = mq_pool_size(), wave = n_jobs >= P ? P : 1;
-    target_input *in = calloc((size_t)(wave > 0 ? wave : 1), sizeof *in);
-    int64_t *order = jobs_by_k(jobs, n_jobs);
-    if (!in || !order) {
-        free(in);
-        free(order);
-        return mq_err(MOEQ_E_NOMEM, "out of memory");
-    }
-    moeq_status st = MOEQ_OK, fst = MOEQ_OK;
-    int64_t failed = -1;   /* the first job, in the jobs' order, whose input failed: fst, fmsg */
-    char fmsg[320] = "";
-    for (int64_t i0 = 0; i0 < n_jobs && !st; i0 += wave) {
-        int64_t n = 0;
-        for (int64_t i = i0; i < n_jobs && i < i0 + wave; i++) {
-            const mq_gptq_target_job *j = &jobs[order[i]];
-            if (j->n <= 0 || j->share == 0.0f || j->K <= 0) continue;   /* nothing to correct */
-            memset(&in[n], 0, sizeof in[n]);
-            in[n++].j = j;
-        }
-        st = target_wave(in, n, sec);
-        for (int64_t i = 0; i < n && !st; i++)
-            if (in[i].st && (failed < 0 || in[i].j - jobs < failed)) {
-                failed = in[i].j - jobs;
-                fst = in[i].st;
-                snprintf(fmsg, sizeof fmsg, "%s", in[i].msg);
-            }
-    }
-    free(in);
-    free(order);
-    return st ? st : fst ? mq_err(fst, "%s", fmsg) : MOEQ_OK;
-}
-
-moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n, float share, double percdamp,
-                           float *const *W, const int64_t *rows, int nw, const char *name) {
-    mq_gptq_target_job j = {H, G, K, n, share, percdamp, W, rows, nw, name};
-    return mq_gptq_target_many(&j, 1, NULL);
-}

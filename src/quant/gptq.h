@@ -133,6 +133,8 @@ typedef struct {
                                 may be w itself (each row block of w is read before its
                                 dequantized rows replace it) */
     mq_gptq_stats stats;     /* filled by mq_gptq_run */
+    const mq_qspec *spec;    /* NULL: mq_gptq_run's; else this job's own (the tensors of a mixed
+                                K-quant recipe each have their block type) */
 } mq_gptq_job;
 
 /* Runs GPTQ for every job. Errors (bad shape or spec, non-finite weights, out of memory,

@@ -520,7 +520,7 @@ static moeq_status block_quantize(block_ctx *b, ref_gptq_results *res) {
                 continue;
             }
             job_res[n_jobs] = res->n - 1;
-            jobs[n_jobs++] = (mq_gptq_job){&f[i], l->w, l->out, gs, l->name, &r->q, NULL, {0, 0, 0, 0, 0}};
+            jobs[n_jobs++] = (mq_gptq_job){&f[i], l->w, l->out, gs, l->name, &r->q, NULL, {0, 0, 0, 0, 0}, NULL};
         }
     }
     if (st) goto done;

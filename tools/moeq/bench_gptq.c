@@ -82,7 +82,7 @@ static double time_one(const bench_cfg *b, const float *H, const float *W, int64
         double t1 = mq_now();
         const double parts[3] = {f.sec_cholesky, f.sec_inverse, f.sec_copies};
         mq_qtensor q;
-        mq_gptq_job j = {&f, W, N, 0, "bench.weight", &q, NULL, {0, 0, 0, 0, 0}};
+        mq_gptq_job j = {&f, W, N, 0, "bench.weight", &q, NULL, {0, 0, 0, 0, 0}, NULL};
         moeq_status st = mq_gptq_run(&b->spec, &b->opts, &j, 1);
         double t2 = mq_now(), c2 = cli_cpu_seconds();
         mq_gptq_factor_free(&f);
@@ -128,7 +128,7 @@ static int bench_simulated(const bench_cfg *b, int64_t N, int64_t K, int reps, i
         if (st) break;
         mq_pool_simulate(P);
         mq_qtensor q;
-        mq_gptq_job j = {&f, W, N, 0, "bench.weight", &q, NULL, {0, 0, 0, 0, 0}};
+        mq_gptq_job j = {&f, W, N, 0, "bench.weight", &q, NULL, {0, 0, 0, 0, 0}, NULL};
         st = mq_gptq_run(&b->spec, &b->opts, &j, 1);
         mq_pool_simulated(&v[2], &v[3]);
         mq_gptq_factor_free(&f);
@@ -203,7 +203,7 @@ static double time_one_gpu(mq_gpu *g, const bench_cfg *b, const float *H, const 
     const mq_gpu_hsrc dh[] = {{hs, 0}};
     const mq_gpu_wsrc dw[] = {{m, 0, 0, false}};
     for (int r = -1; r < reps; r++) {
-        mq_gptq_job j = {NULL, W, N, 0, "bench.weight", q, NULL, {0, 0, 0, 0, 0}};
+        mq_gptq_job j = {NULL, W, N, 0, "bench.weight", q, NULL, {0, 0, 0, 0, 0}, NULL};
         double t0 = mq_now();
         if (mq_gpu_gptq_ex(g, &b->spec, &b->opts, Hs, resident ? dh : NULL, Ks, hn, 1, &j, resident ? dw : NULL, jh, 1))
             goto out;
@@ -292,9 +292,9 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
             Ks[2 * e + 1] = F;
             hn[2 * e] = hn[2 * e + 1] = "bench.expert";
             float gs = mq_nvfp4_global_scale(&b->spec, fmaxf(mq_absmax(wg[c], F * D), mq_absmax(wu[c], F * D)));
-            gj[3 * e] = (mq_gptq_job){NULL, wg[c], F, gs, "gate", &gq[3 * e], NULL, {0, 0, 0, 0, 0}};
-            gj[3 * e + 1] = (mq_gptq_job){NULL, wu[c], F, gs, "up", &gq[3 * e + 1], NULL, {0, 0, 0, 0, 0}};
-            gj[3 * e + 2] = (mq_gptq_job){NULL, wd[c], D, 0, "down", &gq[3 * e + 2], NULL, {0, 0, 0, 0, 0}};
+            gj[3 * e] = (mq_gptq_job){NULL, wg[c], F, gs, "gate", &gq[3 * e], NULL, {0, 0, 0, 0, 0}, NULL};
+            gj[3 * e + 1] = (mq_gptq_job){NULL, wu[c], F, gs, "up", &gq[3 * e + 1], NULL, {0, 0, 0, 0, 0}, NULL};
+            gj[3 * e + 2] = (mq_gptq_job){NULL, wd[c], D, 0, "down", &gq[3 * e + 2], NULL, {0, 0, 0, 0, 0}, NULL};
             jh[3 * e] = jh[3 * e + 1] = (int32_t)(2 * e);
             jh[3 * e + 2] = (int32_t)(2 * e + 1);
         }
@@ -368,9 +368,9 @@ static double time_moe_layer(const bench_cfg *b, int64_t E, int64_t chunk, int64
         gscale_ctx gc = {&b->spec, wg, wu, F * D, gs};
         mq_parallel_for(n, gscale_task, &gc);
         for (int64_t e = 0; e < n; e++) {
-            jobs[3 * e] = (mq_gptq_job){&fg[e], wg[e], F, gs[e], "gate", &q[3 * e], NULL, {0, 0, 0, 0, 0}};
-            jobs[3 * e + 1] = (mq_gptq_job){&fg[e], wu[e], F, gs[e], "up", &q[3 * e + 1], NULL, {0, 0, 0, 0, 0}};
-            jobs[3 * e + 2] = (mq_gptq_job){&fd[e], wd[e], D, 0, "down", &q[3 * e + 2], NULL, {0, 0, 0, 0, 0}};
+            jobs[3 * e] = (mq_gptq_job){&fg[e], wg[e], F, gs[e], "gate", &q[3 * e], NULL, {0, 0, 0, 0, 0}, NULL};
+            jobs[3 * e + 1] = (mq_gptq_job){&fg[e], wu[e], F, gs[e], "up", &q[3 * e + 1], NULL, {0, 0, 0, 0, 0}, NULL};
+            jobs[3 * e + 2] = (mq_gptq_job){&fd[e], wd[e], D, 0, "down", &q[3 * e + 2], NULL, {0, 0, 0, 0, 0}, NULL};
         }
         st = mq_gptq_run(&b->spec, &b->opts, jobs, 3 * n);
         for (int64_t e = 0; e < n; e++) {

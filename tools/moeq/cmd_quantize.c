@@ -1,7 +1,8 @@
 /*
- * moeq quantize MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4 [options]: round-to-nearest
- * quantization of every decoder Linear into a checkpoint vLLM loads (compressed-tensors, ModelOpt
- * NVFP4 or GPTQ v1). W4A4 (--scheme nvfp4) also calibrates the activation scales on --calib text.
+ * moeq quantize MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4|q4_k_m|... [options]:
+ * round-to-nearest quantization of every decoder Linear into a checkpoint vLLM loads
+ * (compressed-tensors, ModelOpt NVFP4 or GPTQ v1), or a GGUF file (--format gguf; llama.cpp's
+ * K-quants only there). W4A4 (--scheme nvfp4) also calibrates the activation scales on --calib text.
  * --method gptq runs GPTQ on --calib. Memory budget, dry run and resume: --max-memory, --dry-run,
  * --resume. The flags are the library's option table (moeq_quant_option_info): each one given
  * goes to moeq_quant_options_set by its name, and moeq_quantize (include/moeq.h) does the work.
@@ -161,7 +162,16 @@ static int check_gptq(const table_flag *t, int n, const moeq_quant_options *o) {
 static int check_flags(const table_flag *t, int n, const moeq_quant_options *o) {
     if (given(t, n, "sym") && given(t, n, "asym"))
         return cli_usage_error("quantize", "--sym and --asym exclude each other");
-    const bool nv = o->scheme != MOEQ_QUANT_INT4;
+    const bool kq = o->scheme >= MOEQ_QUANT_Q3_K;
+    const bool nv = !kq && o->scheme != MOEQ_QUANT_INT4;
+    if (kq && o->format != MOEQ_FORMAT_GGUF)
+        return cli_usage_error("quantize", "--scheme %s: llama.cpp's K-quants are GGUF types (--format gguf)",
+                               flag_of(t, n, "scheme")->s);
+    if (kq && (given(t, n, "group-size") || given(t, n, "asym") || given(t, n, "sym") || given(t, n, "int4-scale-sign")))
+        return cli_usage_error("quantize", "--scheme %s: the K-quants' blocks, scales and mins are llama.cpp's "
+                               "(--group-size/--sym/--asym/--int4-scale-sign are for int4)", flag_of(t, n, "scheme")->s);
+    if (given(t, n, "target-bpw") && !kq)
+        return cli_usage_error("quantize", "--target-bpw chooses among llama.cpp's K-quants (--scheme q4_k_m, ...)");
     if (given(t, n, "int4-scale-sign") && (o->asym || nv))
         return cli_usage_error("quantize", "--int4-scale-sign is for symmetric INT4 (--scheme int4 without --asym)");
     if (given(t, n, "int4-scale-sign") && o->reference && o->int4_scale_sign == MOEQ_INT4_SCALE_SIGNED)
@@ -248,7 +258,7 @@ int cmd_quantize(int argc, char **argv) {
         return CLI_FAIL;
     }
     const cli_command cmd = {
-        "quantize", "MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4 [options]",
+        "quantize", "MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4|q3_k..q6_k|q3_k_m|q4_k_m|q5_k_m [options]",
         "Quantizes every decoder Linear (attention, dense and expert MLPs) by round to nearest or\n"
         "GPTQ (--method gptq --calib FILE: per-expert Hessians from the tokens routed to each\n"
         "expert) and writes a checkpoint that vLLM loads. One streaming pass over the model, layer\n"
@@ -269,7 +279,8 @@ int cmd_quantize(int argc, char **argv) {
         if (t[i].seen) rc = table_apply(&t[i], &o);
     if (rc < 0 && !out) rc = cli_usage_error("quantize", "--out OUT_DIR is required");
     if (rc < 0 && !given(t, n, "scheme"))
-        rc = cli_usage_error("quantize", "--scheme is required (nvfp4, nvfp4a16 or int4)");
+        rc = cli_usage_error("quantize", "--scheme is required (nvfp4, nvfp4a16, int4, or with --format gguf "
+                             "q3_k .. q6_k, q3_k_m, q4_k_m, q5_k_m)");
     if (rc < 0 && threads) moeq_set_threads((int)threads);
     if (rc < 0) rc = check_flags(t, n, &o);
     moeq_quant_result res;

@@ -1,0 +1,604 @@
+/*
+ * llama.cpp's K-quants (Q3_K, Q4_K, Q5_K, Q6_K) and their 32-value fallbacks (Q4_0, Q5_0, Q5_1,
+ * Q8_0) as a grid moeq rounds to: the block layouts of ggml-common.h and ggml-quants.c
+ * (dequantize_row_* for the values, quantize_row_*_ref for the byte order), and the search for a
+ * block's scales. Layouts and value formulas: kquant.h.
+ *
+ * The search follows ggml's two levels: each sub-block's step (and offset) fitted by weighted
+ * least squares over a grid of trial inverse scales (make_qkx2_quants for the asymmetric types,
+ * make_qx_quants for the symmetric ones), then the fp16 super-scale and the integer
+ * multipliers. ggml rounds each sub-block's scale to its multiplier once; with the spec's MSE
+ * search moeq tries the super-scale over the grid and, for each, the neighbouring multipliers of
+ * every sub-block, scoring each candidate by the weighted squared error of the values rounded to
+ * the exact grid the file will hold.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "formats/kquant.h"
+
+static const mq_kq_info k_info[MQ_KQ_COUNT] = {
+    /* name, ggml, block, sub, bytes, qmin, qmax, zero, mult_lo, mult_hi, min_hi */
+    [MQ_KQ_Q3_K] = {"q3_K", 11, 256, 16, 110, 0, 7, 4, -32, 31, 0},
+    [MQ_KQ_Q4_K] = {"q4_K", 12, 256, 32, 144, 0, 15, -1, 0, 63, 63},
+    [MQ_KQ_Q5_K] = {"q5_K", 13, 256, 32, 176, 0, 31, -1, 0, 63, 63},
+    [MQ_KQ_Q6_K] = {"q6_K", 14, 256, 16, 210, 0, 63, 32, -128, 127, 0},
+    [MQ_KQ_Q5_0] = {"q5_0", 6, 32, 32, 22, 0, 31, 16, 0, 0, 0},
+    [MQ_KQ_Q5_1] = {"q5_1", 7, 32, 32, 24, 0, 31, -1, 0, 0, 0},
+    [MQ_KQ_Q8_0] = {"q8_0", 8, 32, 32, 34, 1, 255, 128, 0, 0, 0},
+    [MQ_KQ_Q4_0] = {"q4_0", 2, 32, 32, 18, 0, 15, 8, 0, 0, 0},
+};
+
+const mq_kq_info *mq_kq_info_of(mq_kq_type t) {
+    return t >= 0 && t < MQ_KQ_COUNT ? &k_info[t] : &k_info[MQ_KQ_Q4_K];
+}
+
+const char *mq_kq_name(mq_kq_type t) { return mq_kq_info_of(t)->name; }
+
+mq_qspec mq_kq_spec(mq_kq_type t) {
+    mq_qspec s = mq_qspec_default(MQ_QS_KQUANT);
+    s.kq = t;
+    s.group_size = mq_kq_info_of(t)->sub;
+    return s;
+}
+
+bool mq_kq_parse(const char *name, mq_kq_type *t) {
+    for (int i = 0; i < MQ_KQ_COUNT; i++) {
+        const char *a = k_info[i].name, *b = name;
+        while (*a && *b && (*a | 0x20) == (*b | 0x20)) a++, b++;
+        if (!*a && !*b) {
+            *t = (mq_kq_type)i;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool mq_kq_of_ggml(uint32_t ggml_type, mq_kq_type *t) {
+    for (int i = 0; i < MQ_KQ_COUNT; i++)
+        if (k_info[i].ggml_type == ggml_type) {
+            *t = (mq_kq_type)i;
+            return true;
+        }
+    return false;
+}
+
+double mq_kq_bpw(mq_kq_type t) {
+    const mq_kq_info *k = mq_kq_info_of(t);
+    return 8.0 * k->bytes / k->block;
+}
+
+static inline bool has_sub(const mq_kq_info *t) { return t->mult_hi != 0; }
+
+int mq_kq_mult(const mq_kq_info *t, uint8_t c) {
+    if (!has_sub(t)) return 1;
+    if (t->mult_lo == -128) return (int8_t)c;
+    if (t->mult_lo < 0) return (int)c - 32;
+    return c;
+}
+
+static inline uint8_t mult_code(const mq_kq_info *t, int mult) {
+    if (t->mult_lo == -128) return (uint8_t)(int8_t)mult;
+    return (uint8_t)(t->mult_lo < 0 ? mult + 32 : mult);
+}
+
+/* ---- rounding ------------------------------------------------------------------------------- */
+
+static inline uint8_t round_code(const mq_kq_info *t, float step, float off, float x) {
+    if (step == 0.0f) return (uint8_t)(t->zero < 0 ? t->qmin : t->zero);
+    float q = t->zero < 0 ? rintf((x + off) / step) : rintf(x / step) + (float)t->zero;
+    q = q < (float)t->qmin ? (float)t->qmin : q > (float)t->qmax ? (float)t->qmax : q;
+    return (uint8_t)(int)q;
+}
+
+void mq_kq_qdq(const mq_kq_info *t, float step, float off, const float *x, int64_t n,
+               uint8_t *code, float *dq) {
+    const mq_gparams g = {step, off, 0, 0};
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t c = round_code(t, step, off, x[i]);
+        if (code) code[i] = c;
+        if (dq) dq[i] = mq_kq_value(t, &g, c);
+    }
+}
+
+void mq_kq_qdq_column(const mq_kq_info *t, const float *step, const float *off, const float *x,
+                      int64_t n, uint8_t *code, float *dq) {
+    for (int64_t i = 0; i < n; i++) {
+        const mq_gparams g = {step[i], off[i], 0, 0};
+        const uint8_t c = round_code(t, step[i], off[i], x[i]);
+        code[i] = c;
+        dq[i] = mq_kq_value(t, &g, c);
+    }
+}
+
+/* Weighted squared error of n values x[i * st] rounded to the grid (step, off), in double. */
+static double grid_sse(const mq_kq_info *t, float step, float off, const float *x, int64_t st,
+                       const float *w, int n) {
+    const mq_gparams g = {step, off, 0, 0};
+    double e = 0;
+    for (int i = 0; i < n; i++) {
+        const double d = (double)x[i * st] - mq_kq_value(t, &g, round_code(t, step, off, x[i * st]));
+        e += (w ? w[i] : 1.0) * d * d;
+    }
+    return e;
+}
+
+/* ---- one sub-block's continuous fit ----------------------------------------------------------- */
+
+enum { FIT_STEPS = 20 };
+
+/* Asymmetric: the grid scale * l + min (l = 0..nmax) with the least weighted squared error among
+ * the trial inverse scales (nmax - 1 + 0.1 k) / (max - min), k = 0..20, each refitted by least
+ * squares for its codes (ggml's make_qkx2_quants with rmin -1, rdelta 0.1, nstep 20). clamp: the
+ * grid reaches 0 (min <= 0: the K-quants' mins are stored unsigned). *off = -min. */
+static void fit_asym(const float *x, int64_t st, const float *w, int n, int nmax, bool clamp,
+                     float *scale, float *off) {
+    float min = x[0], max = x[0], sum_w = 0, sum_x = 0;
+    for (int i = 0; i < n; i++) {
+        const float v = x[i * st], wi = w ? w[i] : 1.0f;
+        min = v < min ? v : min;
+        max = v > max ? v : max;
+        sum_w += wi;
+        sum_x += wi * v;
+    }
+    if (clamp && min > 0) min = 0;
+    if (!(max > min)) {
+        *scale = 0;
+        *off = -min;
+        return;
+    }
+    float iscale = (float)nmax / (max - min), best_scale = 1 / iscale, best_min = min;
+    double best = 0;
+    for (int i = 0; i < n; i++) {
+        float l = rintf(iscale * (x[i * st] - min));
+        l = l < 0 ? 0 : l > nmax ? (float)nmax : l;
+        const float d = best_scale * l + min - x[i * st];
+        best += (double)(w ? w[i] : 1.0f) * d * d;
+    }
+    for (int is = 0; is <= FIT_STEPS; is++) {
+        iscale = (-1.0f + 0.1f * (float)is + (float)nmax) / (max - min);
+        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+        for (int i = 0; i < n; i++) {
+            float l = rintf(iscale * (x[i * st] - min));
+            l = l < 0 ? 0 : l > nmax ? (float)nmax : l;
+            const float wi = w ? w[i] : 1.0f;
+            sum_l += wi * l;
+            sum_l2 += wi * l * l;
+            sum_xl += wi * l * x[i * st];
+        }
+        const float D = sum_w * sum_l2 - sum_l * sum_l;
+        if (!(D > 0)) continue;
+        float sc = (sum_w * sum_xl - sum_x * sum_l) / D, mn = (sum_l2 * sum_x - sum_l * sum_xl) / D;
+        if (clamp && mn > 0) {
+            mn = 0;
+            sc = sum_xl / sum_l2;
+        }
+        double e = 0;
+        for (int i = 0; i < n; i++) {
+            float l = rintf(iscale * (x[i * st] - min));
+            l = l < 0 ? 0 : l > nmax ? (float)nmax : l;
+            const float d = sc * l + mn - x[i * st];
+            e += (double)(w ? w[i] : 1.0f) * d * d;
+        }
+        if (e < best) {
+            best = e;
+            best_scale = sc;
+            best_min = mn;
+        }
+    }
+    *scale = best_scale;
+    *off = -best_min;
+}
+
+/* Symmetric: the scale of the grid l * scale (l = -nmax .. nmax-1) with the largest weighted
+ * sum(x l)^2 / sum(l^2) among the trial inverse scales -(nmax + 0.1 k) / max, k = -9..9
+ * (ggml's make_qx_quants), max the value of largest magnitude. 0 for an all-zero sub-block. */
+static float fit_sym(const float *x, int64_t st, const float *w, int n, int nmax) {
+    float amax = 0, max = 0;
+    for (int i = 0; i < n; i++) {
+        const float a = fabsf(x[i * st]);
+        if (a > amax) amax = a, max = x[i * st];
+    }
+    if (amax < 1e-15f) return 0.0f;
+    float scale = 0, best = 0;
+    bool any = false;
+    for (int is = -9; is <= 9; is++) {
+        const float iscale = -((float)nmax + 0.1f * (float)is) / max;
+        float sumlx = 0, suml2 = 0;
+        for (int i = 0; i < n; i++) {
+            float l = rintf(iscale * x[i * st]);
+            l = l < -nmax ? (float)-nmax : l > nmax - 1 ? (float)(nmax - 1) : l;
+            const float wi = w ? w[i] : 1.0f;
+            sumlx += wi * x[i * st] * l;
+            suml2 += wi * l * l;
+        }
+        if (suml2 > 0 && (!any || sumlx * sumlx > best * suml2)) {
+            scale = sumlx / suml2;
+            best = scale * sumlx;
+            any = true;
+        }
+    }
+    return any ? scale : -max / (float)nmax;
+}
+
+/* ---- the block's super-scales ---------------------------------------------------------------- */
+
+static inline float f16r(float v) { return mq_f16_to_f32(mq_f32_to_f16(v)); }
+
+static inline float grid_mult(const mq_qspec *s, int i) {
+    return s->mse_steps <= 1 ? s->mse_lo
+                             : s->mse_lo + (s->mse_hi - s->mse_lo) * (float)i / (float)(s->mse_steps - 1);
+}
+
+static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+/* The sub-blocks' multipliers for super-scales d (and dmin): each sub-block's own best among the
+ * multipliers within `radius` of its rounded continuous scale (and min), scored on the exact
+ * grid; the total error. */
+static double assign(const mq_kq_info *t, const float *x, int64_t st, const float *w,
+                     const float *scale, const float *off, float d, float dmin, int radius,
+                     mq_gparams *g) {
+    const int nsub = t->block / t->sub, asym = t->zero < 0;
+    double total = 0;
+    for (int j = 0; j < nsub; j++) {
+        const float *xj = x + (int64_t)j * t->sub * st;
+        const float *wj = w ? w + j * t->sub : NULL;
+        const int r = d != 0.0f ? clampi((int)rintf(fminf(fmaxf(scale[j] / d, -256.0f), 256.0f)), t->mult_lo,
+                                         t->mult_hi)
+                                : 0;
+        const int rm = asym && dmin != 0.0f
+                           ? clampi((int)rintf(fminf(fmaxf(off[j] / dmin, -256.0f), 256.0f)), 0, t->min_hi)
+                           : 0;
+        const int rs = d != 0.0f ? radius : 0, rms = asym && dmin != 0.0f ? radius : 0;
+        double best = INFINITY;
+        for (int a = clampi(r - rs, t->mult_lo, t->mult_hi); a <= clampi(r + rs, t->mult_lo, t->mult_hi); a++)
+            for (int b = clampi(rm - rms, 0, t->min_hi); b <= clampi(rm + rms, 0, t->min_hi); b++) {
+                const float step = d * (float)a, o = asym ? dmin * (float)b : 0.0f;
+                const double e = grid_sse(t, step, o, xj, st, wj, t->sub);
+                if (e < best) {
+                    best = e;
+                    g[j] = (mq_gparams){step, o, mult_code(t, a), (uint8_t)b};
+                }
+            }
+        total += best;
+    }
+    return total;
+}
+
+/* Q4_0, Q5_0, Q5_1, Q8_0: one step (and offset) per 32 values, both fp16. */
+static void fit_single(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t st,
+                       const float *w, mq_gparams *g) {
+    float d0, m0 = 0;
+    if (t->zero >= 0) {
+        float amax = 0, max = 0;
+        for (int i = 0; i < t->block; i++) {
+            const float a = fabsf(x[i * st]);
+            if (a > amax) amax = a, max = x[i * st];
+        }
+        /* Q8_0: amax / 127 (codes -127..127); Q5_0: the largest magnitude gets -16 (ggml) */
+        d0 = t->qmin > 0 ? amax / (float)(t->zero - t->qmin) : max / -(float)t->zero;
+    } else {
+        float off;
+        fit_asym(x, st, w, t->block, t->qmax, false, &d0, &off);
+        m0 = f16r(-off);
+    }
+    const int nd = s->mse ? s->mse_steps : 1;
+    const float off = t->zero < 0 ? -m0 : 0.0f;
+    double best = INFINITY;
+    float prev = NAN;
+    *g = (mq_gparams){0, off, 1, 0};
+    for (int k = 0; k < nd; k++) {
+        const float d = f16r(d0 * (s->mse ? grid_mult(s, k) : 1.0f));
+        if (d == prev || !isfinite(d)) continue;
+        prev = d;
+        const double e = grid_sse(t, d, off, x, st, w, t->block);
+        if (e < best) {
+            best = e;
+            *g = (mq_gparams){d, off, 1, 0};
+        }
+    }
+}
+
+void mq_kq_fit_block(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
+                     const float *w, mq_gparams *g) {
+    if (!has_sub(t)) {
+        fit_single(t, s, x, stride, w, g);
+        return;
+    }
+    const int nsub = t->block / t->sub, asym = t->zero < 0;
+    float scale[16], off[16];
+    float top = 0, top_min = 0;
+    for (int j = 0; j < nsub; j++) {
+        const float *xj = x + (int64_t)j * t->sub * stride;
+        const float *wj = w ? w + j * t->sub : NULL;
+        if (asym) {
+            fit_asym(xj, stride, wj, t->sub, t->qmax, true, &scale[j], &off[j]);
+            top = scale[j] > top ? scale[j] : top;
+            top_min = off[j] > top_min ? off[j] : top_min;
+        } else {
+            scale[j] = fit_sym(xj, stride, wj, t->sub, t->zero);
+            if (fabsf(scale[j]) > fabsf(top)) top = scale[j];
+        }
+    }
+    /* ggml: d = max / 63 and dmin = max min / 63 (Q4_K, Q5_K), or the largest-magnitude scale
+     * over -128 (Q6_K) or -32 (Q3_K), which gets that multiplier */
+    const float d0 = asym ? top / (float)t->mult_hi : top / (float)t->mult_lo;
+    const float m0 = asym ? f16r(top_min / (float)t->min_hi) : 0.0f;
+    const int nd = s->mse ? s->mse_steps : 1, radius = s->mse ? 1 : 0;
+    /* symmetric grids are lopsided (-4..3, -32..31): which side the block's largest values get
+     * is the sign of d, taken from one sub-block's fit, so the search tries the other too */
+    const int sides = s->mse && !asym ? 2 : 1;
+    mq_gparams cand[16];
+    double best = INFINITY;
+    float prev = NAN, best_d = 0;
+    for (int k = 0; k < nd * sides; k++) {
+        const float d = f16r((k < nd ? d0 : -d0) * (s->mse ? grid_mult(s, k % nd) : 1.0f));
+        if (d == prev || !isfinite(d)) continue;
+        prev = d;
+        const double e = assign(t, x, stride, w, scale, off, d, m0, radius, cand);
+        if (e < best) {
+            best = e;
+            best_d = d;
+            memcpy(g, cand, (size_t)nsub * sizeof *g);
+        }
+    }
+    if (!asym || !s->mse || m0 == 0.0f) return;
+    prev = m0;   /* the min's super-scale over the same grid, d fixed */
+    for (int k = 0; k < nd; k++) {
+        const float dm = f16r(top_min / (float)t->min_hi * grid_mult(s, k));
+        if (dm == prev || !isfinite(dm)) continue;
+        prev = dm;
+        const double e = assign(t, x, stride, w, scale, off, best_d, dm, radius, cand);
+        if (e < best) {
+            best = e;
+            memcpy(g, cand, (size_t)nsub * sizeof *g);
+        }
+    }
+}
+
+/* ---- rows ------------------------------------------------------------------------------------- */
+
+void mq_kq_quantize_row(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t cols,
+                        const float *w, mq_gparams *params, uint8_t *codes) {
+    const int nsub = t->block / t->sub;
+    for (int64_t b = 0; b < cols / t->block; b++) {
+        const float *xb = x + b * t->block;
+        mq_gparams *g = params + b * nsub;
+        mq_kq_fit_block(t, s, xb, 1, w ? w + b * t->block : NULL, g);
+        for (int j = 0; j < nsub; j++)
+            mq_kq_qdq(t, g[j].scale, g[j].zero, xb + j * t->sub, t->sub, codes + b * t->block + j * t->sub, NULL);
+    }
+}
+
+void mq_kq_dequant_row(const mq_kq_info *t, const mq_gparams *params, const uint8_t *codes,
+                       int64_t cols, float *out) {
+    for (int64_t i = 0; i < cols; i++) out[i] = mq_kq_value(t, &params[i / t->sub], codes[i]);
+}
+
+/* ---- block bytes ------------------------------------------------------------------------------ */
+
+static inline void wr16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+/* The one fp16 value v with steps[j] == v * mult[j] for every j (mult 0: any); 0 when every
+ * mult is 0. false when none. */
+static bool implied(const float *steps, const int *mult, int n, uint16_t *out) {
+    float v = 0;
+    bool found = false;
+    for (int j = 0; j < n; j++) {
+        if (!mult[j]) {
+            if (steps[j] != 0.0f) return false;
+            continue;
+        }
+        const float u = steps[j] / (float)mult[j];
+        if (found && u != v) return false;
+        v = u, found = true;
+    }
+    const uint16_t h = mq_f32_to_f16(v);
+    if (mq_f16_to_f32(h) != v) return false;
+    for (int j = 0; j < n; j++)
+        if (steps[j] != v * (float)mult[j]) return false;
+    *out = h;
+    return true;
+}
+
+/* The 6-bit scale and min of sub-block j of a Q4_K/Q5_K 12-byte table (get_scale_min_k4). */
+static void k4_get(const uint8_t *q, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *mn = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+static void k4_put(uint8_t *q, const uint8_t *sc, const uint8_t *mn) {
+    memset(q, 0, 12);
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            q[j] |= sc[j];
+            q[j + 4] |= mn[j];
+        } else {
+            q[j + 4] = (uint8_t)((sc[j] & 0xF) | ((mn[j] & 0xF) << 4));
+            q[j - 4] |= (uint8_t)((sc[j] >> 4) << 6);
+            q[j] |= (uint8_t)((mn[j] >> 4) << 6);
+        }
+    }
+}
+
+/* Q3_K: the 6-bit stored scale of sub-block j (0..15) of the 12-byte table. */
+static uint8_t k3_get(const uint8_t *q, int j) {
+    const int lo = j < 8 ? q[j] & 0xF : q[j - 8] >> 4;
+    return (uint8_t)(lo | ((q[8 + j % 4] >> (2 * (j / 4))) & 3) << 4);
+}
+
+static void k3_put(uint8_t *q, const uint8_t *v) {
+    memset(q, 0, 12);
+    for (int j = 0; j < 16; j++) {
+        if (j < 8) q[j] |= v[j] & 0xF;
+        else q[j - 8] |= (uint8_t)((v[j] & 0xF) << 4);
+        q[8 + j % 4] |= (uint8_t)((v[j] >> 4) << (2 * (j / 4)));
+    }
+}
+
+bool mq_kq_pack_block(const mq_kq_info *t, const mq_gparams *g, const uint8_t *c, uint8_t *blk) {
+    const int nsub = t->block / t->sub;
+    for (int i = 0; i < t->block; i++)   /* Q8_0's code 0 (-128) is a valid byte too */
+        if (c[i] > t->qmax) return false;
+    float steps[16], offs[16];
+    int mult[16], mins[16];
+    uint8_t sc[16], mn[16];
+    for (int j = 0; j < nsub; j++) {
+        steps[j] = g[j].scale;
+        offs[j] = g[j].zero;
+        mult[j] = mq_kq_mult(t, g[j].scale_code);
+        mins[j] = g[j].min_code;
+        sc[j] = g[j].scale_code;
+        mn[j] = g[j].min_code;
+        if (has_sub(t) && (mult[j] < t->mult_lo || mult[j] > t->mult_hi || mins[j] > t->min_hi)) return false;
+        if (t->zero >= 0 && offs[j] != 0.0f) return false;
+    }
+    uint16_t d = 0, dmin = 0;
+    if (!has_sub(t)) {
+        mult[0] = 1;
+        if (!implied(steps, mult, 1, &d)) return false;
+        if (t->zero < 0) {   /* Q5_1: m = -off */
+            const float m = -offs[0];
+            dmin = mq_f32_to_f16(m);
+            if (mq_f16_to_f32(dmin) != m) return false;
+        }
+    } else {
+        if (!implied(steps, mult, nsub, &d)) return false;
+        if (t->zero < 0 && !implied(offs, mins, nsub, &dmin)) return false;
+    }
+    switch (t->ggml_type) {
+    case 11: {   /* Q3_K */
+        uint8_t *hm = blk, *qs = blk + 32;
+        memset(blk, 0, 96);
+        for (int i = 0; i < 256; i++) {
+            qs[(i / 128) * 32 + i % 32] |= (uint8_t)((c[i] & 3) << (2 * ((i % 128) / 32)));
+            if (c[i] & 4) hm[i % 32] |= (uint8_t)(1u << (i / 32));
+        }
+        k3_put(blk + 96, sc);
+        wr16(blk + 108, d);
+        return true;
+    }
+    case 12: case 13: {   /* Q4_K, Q5_K */
+        const bool five = t->ggml_type == 13;
+        wr16(blk, d);
+        wr16(blk + 2, dmin);
+        k4_put(blk + 4, sc, mn);
+        uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+        memset(blk + 16, 0, five ? 160 : 128);
+        for (int i = 0; i < 256; i++) {
+            qs[(i / 64) * 32 + i % 32] |= (uint8_t)((c[i] & 0xF) << ((i / 32) % 2 ? 4 : 0));
+            if (five && (c[i] & 16)) qh[i % 32] |= (uint8_t)(1u << (i / 32));
+        }
+        return true;
+    }
+    case 14: {   /* Q6_K */
+        uint8_t *ql = blk, *qh = blk + 128;
+        memset(blk, 0, 192);
+        for (int i = 0; i < 256; i++) {
+            const int h = i / 128, r = i % 128;
+            ql[64 * h + r % 64] |= (uint8_t)((c[i] & 0xF) << (r >= 64 ? 4 : 0));
+            qh[32 * h + r % 32] |= (uint8_t)((c[i] >> 4) << (2 * (r / 32)));
+        }
+        memcpy(blk + 192, sc, 16);
+        wr16(blk + 208, d);
+        return true;
+    }
+    case 6: case 7: {   /* Q5_0, Q5_1 */
+        const int o = t->ggml_type == 7 ? 4 : 2;
+        wr16(blk, d);
+        if (o == 4) wr16(blk + 2, dmin);
+        uint32_t qh = 0;
+        for (int j = 0; j < 32; j++) qh |= (uint32_t)((c[j] >> 4) & 1) << j;
+        for (int k = 0; k < 4; k++) blk[o + k] = (uint8_t)(qh >> (8 * k));
+        for (int j = 0; j < 16; j++) blk[o + 4 + j] = (uint8_t)((c[j] & 0xF) | (c[j + 16] & 0xF) << 4);
+        return true;
+    }
+    case 2:   /* Q4_0 */
+        wr16(blk, d);
+        for (int j = 0; j < 16; j++) blk[2 + j] = (uint8_t)((c[j] & 0xF) | (c[j + 16] & 0xF) << 4);
+        return true;
+    case 8:   /* Q8_0 */
+        wr16(blk, d);
+        for (int j = 0; j < 32; j++) blk[2 + j] = (uint8_t)(c[j] - 128);
+        return true;
+    }
+    return false;
+}
+
+void mq_kq_unpack_block(const mq_kq_info *t, const uint8_t *blk, mq_gparams *g, uint8_t *c) {
+    switch (t->ggml_type) {
+    case 11: {
+        const uint8_t *hm = blk, *qs = blk + 32;
+        const float d = mq_f16_to_f32(rd16(blk + 108));
+        for (int j = 0; j < 16; j++) {
+            const uint8_t v = k3_get(blk + 96, j);
+            g[j] = (mq_gparams){d * (float)((int)v - 32), 0.0f, v, 0};
+        }
+        for (int i = 0; i < 256; i++)
+            c[i] = (uint8_t)(((qs[(i / 128) * 32 + i % 32] >> (2 * ((i % 128) / 32))) & 3) |
+                             ((hm[i % 32] >> (i / 32)) & 1) << 2);
+        return;
+    }
+    case 12: case 13: {
+        const bool five = t->ggml_type == 13;
+        const float d = mq_f16_to_f32(rd16(blk)), dmin = mq_f16_to_f32(rd16(blk + 2));
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, mn;
+            k4_get(blk + 4, j, &sc, &mn);
+            g[j] = (mq_gparams){d * (float)sc, dmin * (float)mn, sc, mn};
+        }
+        const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+        for (int i = 0; i < 256; i++) {
+            uint8_t v = (uint8_t)((qs[(i / 64) * 32 + i % 32] >> ((i / 32) % 2 ? 4 : 0)) & 0xF);
+            if (five) v |= (uint8_t)(((qh[i % 32] >> (i / 32)) & 1) << 4);
+            c[i] = v;
+        }
+        return;
+    }
+    case 14: {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const float d = mq_f16_to_f32(rd16(blk + 208));
+        for (int j = 0; j < 16; j++) g[j] = (mq_gparams){d * (float)(int8_t)blk[192 + j], 0.0f, blk[192 + j], 0};
+        for (int i = 0; i < 256; i++) {
+            const int h = i / 128, r = i % 128;
+            c[i] = (uint8_t)(((ql[64 * h + r % 64] >> (r >= 64 ? 4 : 0)) & 0xF) |
+                             ((qh[32 * h + r % 32] >> (2 * (r / 32))) & 3) << 4);
+        }
+        return;
+    }
+    case 6: case 7: {
+        const int o = t->ggml_type == 7 ? 4 : 2;
+        const float d = mq_f16_to_f32(rd16(blk));
+        g[0] = (mq_gparams){d, o == 4 ? -mq_f16_to_f32(rd16(blk + 2)) : 0.0f, 1, 0};
+        const uint32_t qh = (uint32_t)blk[o] | (uint32_t)blk[o + 1] << 8 | (uint32_t)blk[o + 2] << 16 |
+                            (uint32_t)blk[o + 3] << 24;
+        for (int j = 0; j < 16; j++) {
+            c[j] = (uint8_t)((blk[o + 4 + j] & 0xF) | ((qh >> j) & 1) << 4);
+            c[j + 16] = (uint8_t)((blk[o + 4 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+        }
+        return;
+    }
+    case 2: {
+        g[0] = (mq_gparams){mq_f16_to_f32(rd16(blk)), 0.0f, 1, 0};
+        for (int j = 0; j < 16; j++) {
+            c[j] = blk[2 + j] & 0xF;
+            c[j + 16] = blk[2 + j] >> 4;
+        }
+        return;
+    }
+    default: {   /* Q8_0 */
+        g[0] = (mq_gparams){mq_f16_to_f32(rd16(blk)), 0.0f, 1, 0};
+        for (int j = 0; j < 32; j++) c[j] = (uint8_t)(blk[2 + j] + 128);
+    }
+    }
+}

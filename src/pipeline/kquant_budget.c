@@ -1,0 +1,398 @@
+/*
+ * --target-bpw B: the block type of each tensor group of a K-quant GGUF file (a layer's q, k, v,
+ * o, gate, up, down; a layer's experts and shared expert share their role's type, as llama.cpp's
+ * stacked tensors must) chosen so that the file holds at most B bits per parameter.
+ *
+ * Sensitivity of a group to type T: the loss GPTQ minimises, tr((W - Q_T) H (W - Q_T)^T), with
+ * H's diagonal (sum over calibration tokens of x_j^2, each Linear's own input: an expert's routed
+ * tokens only, so an expert's weight is its use) and Q_T the type's round to nearest (the block
+ * fit without search, on a sample of rows, scaled to all of them): the squared error the group
+ * adds to its outputs. Those outputs are not in one unit (q's error passes a softmax, down's
+ * lands in the residual stream as it is), so each group's loss is carried to the layer's
+ * output, the residual stream every layer shares: the layer is run again with the group
+ * rounded to Q3_K, and gain = |residual change|^2 / the group's Q3_K loss scales all its types'
+ * losses. GPTQ lowers the losses by a similar factor for every type (its report's loss against
+ * RTN: 0.3-0.4 on the fixtures), so the ranking holds. Why not the others the issue names: the
+ * Hessian's trace ignores the weights' own error; a KL probe on the logits needs a forward of the
+ * rest of the model per group and type; GPTQ loss against RTN needs GPTQ per candidate. This
+ * costs a forward of a few samples through the unquantized model, one more layer forward per
+ * group, a layer at a time (each whole layer in memory once), before the plan, which must know
+ * every tensor's size.
+ *
+ * Choice: a multiple-choice knapsack by its Lagrangian greedy: every group at its cheapest type,
+ * then the upgrade with the largest loss removed per added bit, one at a time, while it fits the
+ * budget. token_embd and output keep the file type's rules (output Q6_K: its error is in the
+ * logits, another unit) and count in the budget, as do the F32 norms and routers.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "formats/kquant.h"
+#include "pipeline/internal.h"
+
+enum { PROBE_SAMPLES = 16, ROWS_DENSE = 32, ROWS_EXPERT = 8, N_CAND = 5 };
+
+/* A group's candidates are the K-quants and Q8_0; a member whose rows are no whole 256-value
+ * blocks takes each one's llama.cpp fallback (Q3_K -> Q4_0, Q4_K -> Q5_0, ...), whose loss and
+ * bits it adds (qwen2moe's 128-input experts' down beside its shared expert's). */
+static const int cand[N_CAND] = {MQ_KQ_Q3_K, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q8_0};
+
+typedef struct {
+    double loss[N_CAND];       /* sensitivity of each candidate */
+    double bits[N_CAND];       /* the group's bits with each */
+    int64_t params;
+    double gain;               /* residual-stream change per unit of the group's loss */
+    int pick;                  /* index into cand */
+    bool used;
+} group;
+
+/* Per Linear input: sum over tokens of x_j^2 (double), by (site, expert). */
+typedef struct {
+    const mq_config *c;
+    double *h[MQ_SITE_COUNT];   /* [E or 1][cols] */
+    int64_t cols[MQ_SITE_COUNT];
+} probe_sums;
+
+static void capture(void *user, int layer, mq_site site, int expert, const float *x, int64_t rows, int64_t cols) {
+    (void)layer;
+    probe_sums *ps = user;
+    if (!ps->h[site] || cols != ps->cols[site]) return;
+    double *h = ps->h[site] + (expert > 0 ? expert : 0) * cols;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < cols; j++) h[j] += (double)x[r * cols + j] * x[r * cols + j];
+}
+
+/* The sensitivities of one Linear added into its group. */
+static void linear_losses(const mq_linear *lin, const double *h, bool expert, group *g) {
+    if (!lin->name || !lin->w || !h || !g) return;
+    g->used = true;
+    g->params += lin->out * lin->in;
+    const int64_t want = expert ? ROWS_EXPERT : ROWS_DENSE, n = lin->out < want ? lin->out : want;
+    float *q = malloc(sizeof(float) * (size_t)lin->in);
+    mq_gparams *gp = malloc(sizeof(mq_gparams) * (size_t)(lin->in / 16 + 1));
+    uint8_t *c = malloc((size_t)lin->in);
+    if (!q || !gp || !c) goto done;
+    for (int k = 0; k < N_CAND; k++) {
+        const int eff = mq_gguf_fallback(cand[k], lin->in);
+        if (eff < 0) {   /* llama.cpp's F16: no loss worth the name, 16 bits */
+            g->bits[k] += 16.0 * (double)(lin->out * lin->in);
+            continue;
+        }
+        const mq_kq_info *t = mq_kq_info_of((mq_kq_type)eff);
+        const mq_qspec s = mq_kq_spec((mq_kq_type)eff);
+        g->bits[k] += mq_kq_bpw((mq_kq_type)eff) * (double)(lin->out * lin->in);
+        double e = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const float *row = lin->w + (i * lin->out / n) * lin->in;   /* evenly spread */
+            mq_kq_quantize_row(t, &s, row, lin->in, NULL, gp, c);
+            mq_kq_dequant_row(t, gp, c, lin->in, q);
+            for (int64_t j = 0; j < lin->in; j++) e += h[j] * ((double)row[j] - q[j]) * ((double)row[j] - q[j]);
+        }
+        g->loss[k] += e * (double)lin->out / (double)n;
+    }
+done:
+    free(q);
+    free(gp);
+    free(c);
+}
+
+static group *group_of(group *gs, const mq_linear *lin) {
+    int layer;
+    const mq_gguf_cat cat = mq_gguf_category_hf(lin->name, &layer);
+    return layer >= 0 ? &gs[(size_t)layer * MQ_GCAT_COUNT + cat] : NULL;
+}
+
+/* Every Linear of layer ly that has weights, into out (room for 16 + 3 E). */
+static int layer_linears(const mq_layer *ly, int E, mq_linear **out) {
+    mq_linear *all[14] = {(mq_linear *)&ly->q,    (mq_linear *)&ly->k,       (mq_linear *)&ly->v,
+                          (mq_linear *)&ly->o,    (mq_linear *)&ly->q_a,     (mq_linear *)&ly->q_b,
+                          (mq_linear *)&ly->kv_a, (mq_linear *)&ly->kv_b,    (mq_linear *)&ly->gate,
+                          (mq_linear *)&ly->up,   (mq_linear *)&ly->down,    (mq_linear *)&ly->sh_gate,
+                          (mq_linear *)&ly->sh_up, (mq_linear *)&ly->sh_down};
+    int n = 0;
+    for (int k = 0; k < 14; k++)
+        if (all[k]->name && all[k]->w) out[n++] = all[k];
+    for (int e = 0; e < E; e++) {
+        mq_linear *ex[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+        for (int k = 0; k < 3; k++)
+            if (ex[k]->name && ex[k]->w) out[n++] = ex[k];
+    }
+    return n;
+}
+
+/* The group's Linears rounded to Q3_K (their fallback where the rows want it) in place, the
+ * originals into saved[] (NULL: put them back). */
+static moeq_status swap_rounded(mq_linear **lins, int n, float **saved, bool back) {
+    for (int k = 0; k < n; k++) {
+        mq_linear *lin = lins[k];
+        const size_t bytes = sizeof(float) * (size_t)(lin->out * lin->in);
+        if (back) {
+            memcpy(lin->w, saved[k], bytes);
+            mq_free(saved[k]);
+            saved[k] = NULL;
+            continue;
+        }
+        const int eff = mq_gguf_fallback(MQ_KQ_Q3_K, lin->in);
+        if (!(saved[k] = mq_alloc(bytes, "--target-bpw probe"))) return MOEQ_E_NOMEM;
+        memcpy(saved[k], lin->w, bytes);
+        if (eff < 0) continue;
+        const mq_kq_info *t = mq_kq_info_of((mq_kq_type)eff);
+        const mq_qspec s = mq_kq_spec((mq_kq_type)eff);
+        mq_gparams *gp = malloc(sizeof(mq_gparams) * (size_t)(lin->in / 16 + 1));
+        uint8_t *c = malloc((size_t)lin->in);
+        if (!gp || !c) {
+            free(gp);
+            free(c);
+            return mq_err(MOEQ_E_NOMEM, "out of memory");
+        }
+        for (int64_t r = 0; r < lin->out; r++) {
+            mq_kq_quantize_row(t, &s, lin->w + r * lin->in, lin->in, NULL, gp, c);
+            mq_kq_dequant_row(t, gp, c, lin->in, lin->w + r * lin->in);
+        }
+        free(gp);
+        free(c);
+    }
+    return MOEQ_OK;
+}
+
+/* The residual-stream gain of each group of layer l: the layer run on its inputs xin with the
+ * group rounded, |out - xout|^2 over the probe's tokens, divided by the group's Q3_K loss. */
+static moeq_status layer_gains(mq_pipe *p, mq_state *st, const float *xin, const float *xout, float *xs,
+                               const int64_t *len, int64_t S, int64_t T, int l, group *gs) {
+    const moeq_model *m = p->m;
+    const mq_layer *ly = &m->layers[l];
+    const int E = ly->is_moe ? m->cfg.n_experts : 0;
+    const int64_t D = m->cfg.D;
+    mq_linear **lins = malloc(sizeof *lins * (size_t)(16 + 3 * E)), **sel = malloc(sizeof *sel * (size_t)(16 + 3 * E));
+    float **saved = calloc((size_t)(16 + 3 * E), sizeof *saved);
+    moeq_status s = lins && sel && saved ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
+    const int n = s ? 0 : layer_linears(ly, E, lins);
+    for (int cat = 0; cat < MQ_GCAT_COUNT && !s; cat++) {
+        group *g = &gs[(size_t)l * MQ_GCAT_COUNT + cat];
+        if (!g->used || !(g->loss[0] > 0)) continue;
+        int k = 0;
+        for (int i = 0; i < n; i++) {
+            int li;
+            if (mq_gguf_category_hf(lins[i]->name, &li) == (mq_gguf_cat)cat) sel[k++] = lins[i];
+        }
+        if ((s = swap_rounded(sel, k, saved, false))) {
+            for (int i = 0; i < k && saved[i]; i++) mq_free(saved[i]);
+            break;
+        }
+        double d2 = 0;
+        for (int64_t i = 0; i < S && !s; i++) {
+            float *x = xs + i * T * D;
+            memcpy(x, xin + i * T * D, sizeof(float) * (size_t)(len[i] * D));
+            s = mq_forward_layers(m, st, x, len[i], 0, l, l + 1, NULL);
+            for (int64_t j = 0; !s && j < len[i] * D; j++) {
+                const double d = (double)x[j] - xout[i * T * D + j];
+                d2 += d * d;
+            }
+        }
+        swap_rounded(sel, k, saved, true);
+        g->gain = d2 / g->loss[0];
+    }
+    mq_state_drop_layer(st, l);
+    free(lins);
+    free(sel);
+    free(saved);
+    return s;
+}
+
+/* Layer l of the lazy model through the probe samples x [S][T][D], the sums taken, each Linear's
+ * losses into gs, then each group's gain to the layer's output. */
+static moeq_status probe_layer(mq_pipe *p, mq_state *st, float *x, float *xin, float *xs, const int64_t *len,
+                               int64_t S, int64_t T, int l, group *gs) {
+    const moeq_model *m = p->m;
+    const mq_config *c = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    const int E = ly->is_moe ? c->n_experts : 0;
+    moeq_status s = mq_lazy_load(p->lz, l, MQ_PART_LAYER, 0, E);
+    if (s) return s;
+    probe_sums ps = {c, {0}, {0}};
+    const mq_linear *site_lin[MQ_SITE_COUNT] = {&ly->q, &ly->o, &ly->gate, &ly->down, E ? &ly->exp_gate[0] : NULL,
+                                                 E ? &ly->exp_down[0] : NULL, &ly->sh_gate, &ly->sh_down, NULL,
+                                                 &ly->q_b, &ly->kv_b};
+    if (c->mla) site_lin[MQ_SITE_QKV] = ly->q_a.name ? &ly->q_a : &ly->q;
+    for (int k = 0; k < MQ_SITE_COUNT && !s; k++) {
+        if (!site_lin[k] || !site_lin[k]->name) continue;
+        const int64_t n = (k == MQ_SITE_EXPERT || k == MQ_SITE_EXPERT_DOWN ? E : 1) * site_lin[k]->in;
+        ps.cols[k] = site_lin[k]->in;
+        if (!(ps.h[k] = calloc((size_t)n, sizeof(double)))) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    const mq_hooks hooks = {capture, &ps};
+    memcpy(xin, x, sizeof(float) * (size_t)(S * T * c->D));
+    for (int64_t i = 0; i < S && !s; i++) s = mq_forward_layers(m, st, x + i * T * c->D, len[i], 0, l, l + 1, &hooks);
+    mq_state_drop_layer(st, l);
+    if (!s) {
+        const mq_linear *att[4] = {&ly->q, &ly->k, &ly->v, &ly->o};
+        const mq_site att_site[4] = {MQ_SITE_QKV, MQ_SITE_QKV, MQ_SITE_QKV, MQ_SITE_O};
+        for (int k = 0; k < 4 && !c->mla; k++) linear_losses(att[k], ps.h[att_site[k]], false, group_of(gs, att[k]));
+        if (c->mla) {
+            const mq_linear *mla[5] = {&ly->q_a, &ly->q_b, &ly->kv_a, &ly->kv_b, &ly->o};
+            const mq_site ms[5] = {MQ_SITE_QKV, MQ_SITE_Q_B, MQ_SITE_QKV, MQ_SITE_KV_B, MQ_SITE_O};
+            if (!ly->q_a.name) mla[0] = &ly->q, mla[1] = NULL;
+            for (int k = 0; k < 5; k++)
+                if (mla[k] && mla[k]->name) linear_losses(mla[k], ps.h[ms[k]], false, group_of(gs, mla[k]));
+        }
+        const mq_linear *mlp[6] = {&ly->gate, &ly->up, &ly->down, &ly->sh_gate, &ly->sh_up, &ly->sh_down};
+        const mq_site mlp_site[6] = {MQ_SITE_MLP, MQ_SITE_MLP, MQ_SITE_MLP_DOWN, MQ_SITE_SHARED, MQ_SITE_SHARED,
+                                     MQ_SITE_SHARED_DOWN};
+        for (int k = 0; k < 6; k++)
+            if (mlp[k]->name) linear_losses(mlp[k], ps.h[mlp_site[k]], false, group_of(gs, mlp[k]));
+        for (int e = 0; e < E; e++) {
+            const mq_linear *ex[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+            for (int k = 0; k < 3; k++)
+                linear_losses(ex[k], ps.h[k == 2 ? MQ_SITE_EXPERT_DOWN : MQ_SITE_EXPERT] + (int64_t)e * ex[k]->in, true,
+                              group_of(gs, ex[k]));
+        }
+    }
+    for (int k = 0; k < MQ_SITE_COUNT; k++) free(ps.h[k]);
+    if (!s) s = layer_gains(p, st, xin, x, xs, len, S, T, l, gs);
+    mq_lazy_release(p->lz, l, MQ_PART_LAYER, 0, E);
+    return s;
+}
+
+/* Bits of the tensors outside the groups: everything the file holds besides the quantized
+ * Linears (token_embd and output at their recipe types, norms and routers F32). */
+static double fixed_bits(const mq_pipe *p, int64_t *params) {
+    double bits = 0;
+    *params = 0;
+    const mq_config *c = &p->m->cfg;
+    const int64_t VD = c->vocab * c->D;
+    const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
+    bits += (double)VD * (te >= 0 ? mq_kq_bpw((mq_kq_type)te) : 16.0);
+    *params += VD;
+    if (!p->recipe.tied) {
+        const int to = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_OUTPUT, -1, c->D);
+        bits += (double)VD * (to >= 0 ? mq_kq_bpw((mq_kq_type)to) : 16.0);
+        *params += VD;
+    }
+    return bits;
+}
+
+moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
+    const mq_pipeline_opts *o = p->o;
+    if (!p->lz)
+        return mq_err(MOEQ_E_ARG, "--target-bpw measures each tensor's sensitivity on the calibration text "
+                      "(--method gptq --calib FILE)");
+    const moeq_model *m = p->m;
+    const mq_config *c = &m->cfg;
+    const int L = c->n_layers;
+    const double t0 = mq_now();
+    mq_calib_opts co = o->calib;
+    co.nsamples = co.nsamples < PROBE_SAMPLES ? co.nsamples : PROBE_SAMPLES;
+    mq_calib_set set;
+    memset(&set, 0, sizeof set);
+    moeq_status s = mq_calib_load(moeq_model_tokenizer(m), &co, &set);
+    if (s) return s;
+    const int64_t S = set.n, T = co.seqlen;
+    group *gs = calloc((size_t)L * MQ_GCAT_COUNT, sizeof *gs);
+    float *x = mq_alloc_array((size_t)(S * T), (size_t)c->D * sizeof(float), "--target-bpw probe");
+    float *xin = mq_alloc_array((size_t)(S * T), (size_t)c->D * sizeof(float), "--target-bpw probe");
+    float *xs = mq_alloc_array((size_t)(S * T), (size_t)c->D * sizeof(float), "--target-bpw probe");
+    mq_state *st = NULL;
+    if (!gs || !x || !xin || !xs) s = mq_err(MOEQ_E_NOMEM, "out of memory for the --target-bpw probe");
+    if (!s) s = mq_state_new(m, (int32_t)T, &st);
+    for (int64_t i = 0; i < S && !s; i++) s = mq_lazy_embed(p->lz, set.ids[i], set.len[i], x + i * T * c->D);
+    for (int l = 0; l < L && !s; l++) {
+        if (moeq_interrupted()) s = mq_err(MOEQ_E_INTERRUPTED, "interrupted");
+        if (!s) s = probe_layer(p, st, x, xin, xs, set.len, S, T, l, gs);
+        mq_progress("sensitivity", l + 1, L);
+    }
+    mq_state_free(st);
+    mq_free(x);
+    mq_free(xin);
+    mq_free(xs);
+    mq_calib_free(&set);
+    for (size_t i = 0; i < (size_t)L * MQ_GCAT_COUNT && gs; i++)   /* losses in the residual's unit */
+        for (int k = 0; k < N_CAND; k++) gs[i].loss[k] *= gs[i].gain;
+    /* the knapsack */
+    int64_t total = 0, fixed_params;
+    double bits = fixed_bits(p, &fixed_params);
+    total += fixed_params;
+    for (size_t i = 0; !s && i < (size_t)L * MQ_GCAT_COUNT; i++) {
+        const group *g = &gs[i];
+        if (!g->used) continue;
+        total += g->params;
+        bits += g->bits[0];
+    }
+    /* the rest of the file (norms, routers, biases) in F32: the parameters the model holds
+     * besides the embeddings and the quantized Linears */
+    int64_t all = 0, active = 0;
+    mq_config_param_counts(c, &all, &active);
+    const int64_t rest = all > total ? all - total : 0;
+    bits += 32.0 * (double)rest;
+    total += rest;
+    const double budget = o->target_bpw * (double)total;
+    if (!s && bits > budget)
+        s = mq_err(MOEQ_E_ARG, "--target-bpw %g: the smallest file of these types holds %.3f bits per parameter",
+                   o->target_bpw, bits / (double)total);
+    while (!s) {   /* the upgrade removing most loss per added bit that still fits */
+        double best = 0, add = 0;
+        group *bg = NULL;
+        int bk = -1;
+        for (size_t i = 0; i < (size_t)L * MQ_GCAT_COUNT; i++) {
+            group *g = &gs[i];
+            for (int k = g->used ? g->pick + 1 : N_CAND; k < N_CAND; k++) {
+                const double db = g->bits[k] - g->bits[g->pick];
+                const double gain = db > 0 ? (g->loss[g->pick] - g->loss[k]) / db : 0;
+                if (bits + db <= budget && gain > best) best = gain, bg = g, bk = k, add = db;
+            }
+        }
+        if (!bg) break;
+        bg->pick = bk;
+        bits += add;
+    }
+    if (!s) {
+        p->recipe_table = malloc((size_t)L * MQ_GCAT_COUNT + 2);
+        if (!p->recipe_table) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    if (!s) {
+        const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
+        const int to = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_OUTPUT, -1, c->D);
+        p->budget_json = cJSON_CreateObject();
+        cJSON *arr = p->budget_json ? cJSON_AddArrayToObject(p->budget_json, "tensors") : NULL;
+        for (int l = 0; l < L; l++)
+            for (int k = 0; k < MQ_GCAT_COUNT; k++) {
+                const group *g = &gs[(size_t)l * MQ_GCAT_COUNT + k];
+                p->recipe_table[(size_t)l * MQ_GCAT_COUNT + k] = (int8_t)(g->used ? cand[g->pick] : -1);
+                if (!g->used || !arr) continue;
+                cJSON *j = cJSON_CreateObject();
+                cJSON_AddNumberToObject(j, "layer", l);
+                cJSON_AddStringToObject(j, "tensor", mq_gguf_cat_name((mq_gguf_cat)k));
+                cJSON_AddStringToObject(j, "type", mq_kq_name((mq_kq_type)cand[g->pick]));
+                cJSON_AddNumberToObject(j, "params", (double)g->params);
+                cJSON_AddNumberToObject(j, "residual_gain", g->gain);
+                /* the sensitivity of each candidate: its RTN loss carried to the residual stream */
+                cJSON *ls = cJSON_AddObjectToObject(j, "sensitivity");
+                for (int c2 = 0; c2 < N_CAND; c2++) cJSON_AddNumberToObject(ls, mq_kq_name((mq_kq_type)cand[c2]), g->loss[c2]);
+                cJSON_AddItemToArray(arr, j);
+            }
+        p->recipe_table[(size_t)L * MQ_GCAT_COUNT] = (int8_t)te;
+        p->recipe_table[(size_t)L * MQ_GCAT_COUNT + 1] = (int8_t)to;
+        p->recipe.table = p->recipe_table;
+        if (p->budget_json) {
+            cJSON_AddNumberToObject(p->budget_json, "target_bpw", o->target_bpw);
+            cJSON_AddNumberToObject(p->budget_json, "bpw", bits / (double)total);
+            cJSON_AddNumberToObject(p->budget_json, "probe_samples", (double)S);
+            cJSON_AddNumberToObject(p->budget_json, "seconds", mq_now() - t0);
+        }
+        mq_info("--target-bpw %g: %.4f bits per parameter planned (%lld parameters), types chosen by each "
+                "group's RTN loss carried to the residual stream, %lld probe samples, %.1f s", o->target_bpw, bits / (double)total,
+                (long long)total, (long long)S, mq_now() - t0);
+        for (int l = 0; l < L; l++) {
+            char line[512];
+            int n = 0;
+            for (int k = 0; k < MQ_GCAT_COUNT && n < (int)sizeof line - 40; k++) {
+                const int8_t t = p->recipe_table[(size_t)l * MQ_GCAT_COUNT + k];
+                if (t >= 0) n += snprintf(line + n, sizeof line - (size_t)n, " %s %s", mq_gguf_cat_name((mq_gguf_cat)k),
+                                          mq_kq_name((mq_kq_type)t));
+            }
+            mq_info("  layer %d:%s", l, line);
+        }
+    }
+    free(gs);
+    return s;
+}

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# llama.cpp's K-quants from the command line on the bundled olmoe-tiny (8 experts, 4 layers):
+# --scheme q4_k_m writes llama.cpp's Q4_K_M mixture tensor by tensor (its rules for an 8-expert
+# model: attn_k/attn_v Q8_0, attn_output Q5_K, ffn_down Q6_K where use_more_bits, output Q6_K),
+# q4_k every Linear Q4_K; eval reads the file in place and more bits give less KL; --target-bpw
+# meets its budget and the report shows each tensor's type; the refusals exit 1 leaving nothing.
+. "$(dirname "$0")/common.sh"
+
+"$cli" quantize "$model" --out "$tmp/m.gguf" --scheme q4_k_m --format gguf --quiet || fail "q4_k_m exited $?"
+out=$("$cli" inspect "$tmp/m.gguf" --tensors) || fail "inspect exited $?"
+has() { printf '%s\n' "$out" | grep -q "$1" || fail "q4_k_m: no line matching '$1'"; }
+has '^  general.file_type  *UINT32  *15$'
+has '^  token_embd.weight  *q4_K '
+has '^  output.weight  *q6_K '
+for l in 0 1 2 3; do
+    has "^  blk.$l.attn_q.weight  *q4_K "
+    has "^  blk.$l.attn_k.weight  *q8_0 "
+    has "^  blk.$l.attn_v.weight  *q8_0 "
+    has "^  blk.$l.attn_output.weight  *q5_K "
+    has "^  blk.$l.ffn_gate_exps.weight  *q4_K  *{256, 256, 8}"
+done
+# use_more_bits(i, 4): layers 2 and 3
+has '^  blk.0.ffn_down_exps.weight  *q4_K '
+has '^  blk.1.ffn_down_exps.weight  *q4_K '
+has '^  blk.2.ffn_down_exps.weight  *q6_K '
+has '^  blk.3.ffn_down_exps.weight  *q6_K '
+
+for s in q4_k q3_k q6_k; do
+    "$cli" quantize "$model" --out "$tmp/$s.gguf" --scheme "$s" --format gguf --quiet || fail "$s exited $?"
+done
+out=$("$cli" inspect "$tmp/q4_k.gguf" --tensors) || fail "inspect q4_k exited $?"
+printf '%s\n' "$out" | grep -q '^  blk.3.attn_v.weight  *q4_K ' || fail "q4_k: attn_v not q4_K"
+printf '%s\n' "$out" | grep -q '^  token_embd.weight  *bf16 ' || fail "q4_k: token_embd not in its source dtype"
+printf '%s\n' "$out" | grep -q '^  blk.0.ffn_norm.weight  *f32 ' || fail "q4_k: norms not F32"
+
+# read in place: less KL to the model with more bits
+export TMPDIR="$tmp/gguf-tmp"
+mkdir -p "$TMPDIR"
+kl() {
+    "$cli" eval "$1" --task text --data "$repo/data/demo-eval.txt" --kl-base "$model" --json 2>/dev/null |
+        sed -n 's/^  "kl_mean": \([^,]*\),\{0,1\}$/\1/p'
+}
+k3=$(kl "$tmp/q3_k.gguf"); k4=$(kl "$tmp/q4_k.gguf"); k6=$(kl "$tmp/q6_k.gguf")
+[ -n "$k3" ] && [ -n "$k4" ] && [ -n "$k6" ] || fail "eval on the K-quant files: KL '$k3' '$k4' '$k6'"
+awk -v a="$k6" -v b="$k4" -v c="$k3" 'BEGIN { exit !(0 < a && a < b && b < c && c < 1) }' ||
+    fail "KL not falling with the bits: q3_k $k3, q4_k $k4, q6_k $k6"
+[ -z "$(ls -A "$TMPDIR")" ] || fail "eval left files in TMPDIR: $(ls "$TMPDIR")"
+
+# --target-bpw: the budget met, each module's type in the report
+"$cli" quantize "$model" --out "$tmp/b.gguf" --scheme q4_k_m --target-bpw 4.5 --method gptq \
+    --calib "$repo/data/demo-calib.txt" --nsamples 4 --seqlen 128 --format gguf --quiet || fail "--target-bpw exited $?"
+bpw=$("$cli" inspect "$tmp/b.gguf" | sed -n 's/^tensors: .*(\([0-9.]*\) bits per value)$/\1/p')
+awk -v b="$bpw" 'BEGIN { exit !(b > 4.0 && b <= 4.5) }' || fail "--target-bpw 4.5: the tensors hold '$bpw' bits per value"
+python3 - "$tmp/b.gguf.gptq_report.json" <<'EOF' || fail "--target-bpw: the report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+b = r["kquant_budget"]
+assert b["target_bpw"] == 4.5 and b["bpw"] <= 4.5, b
+assert {t["tensor"] for t in b["tensors"]} >= {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_down"}, b
+for t in b["tensors"]:
+    s = t["sensitivity"]
+    assert s["q3_K"] >= s["q4_K"] >= s["q5_K"] >= s["q6_K"], t   # more bits, less loss
+assert r["settings"]["gguf_recipe"] == "q4_k_m" and r["settings"]["target_bpw"] == 4.5
+assert all(m.get("type") for m in r["modules"]), "a module without its type"
+EOF
+
+# refused before any work, nothing written: usage errors exit 2, the library's refusal 1
+for args in "2 --scheme q4_k" "1 --scheme q4_k --format gguf --target-bpw 4.5" "2 --scheme int4 --format gguf --target-bpw 4.5" \
+    "2 --scheme q4_k --format gguf --group-size 64" "2 --scheme q4_k --format gguf --asym"; do
+    # shellcheck disable=SC2086
+    "$cli" quantize "$model" --out "$tmp/r.gguf" ${args#? } --quiet 2>"$tmp/err"
+    [ $? -eq "${args%% *}" ] || fail "quantize ${args#? } should exit ${args%% *}"
+    [ ! -e "$tmp/r.gguf" ] || fail "quantize ${args#? } left $tmp/r.gguf"
+    grep -q "K-quant\|target-bpw\|target_bpw" "$tmp/err" || fail "quantize ${args#? }: $(cat "$tmp/err")"
+done
+
+exit $((fails > 0))

@@ -1,0 +1,320 @@
+/* K-quant codecs (formats/kquant.h): hand-made blocks of Q4_K, Q6_K, Q3_K and Q5_0 with every
+ * byte and some values worked out by hand from ggml-common.h's layouts, pack/unpack round trips
+ * of random blocks of every type decoded by io's independent decoders (gguf.c, ggml's
+ * dequantize_row_* transcribed), and the scale search. */
+#include <stdlib.h>
+
+#include "formats/kquant.h"
+#include "harness.h"
+#include "io/gguf.h"
+
+static uint32_t rng = 777;
+static uint32_t rnd_u32(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 17;
+    rng ^= rng << 5;
+    return rng;
+}
+static float rnd_gauss(void) {
+    double u = (rnd_u32() + 1.0) / 4294967297.0, v = (rnd_u32() + 1.0) / 4294967297.0;
+    return (float)(sqrt(-2 * log(u)) * cos(6.283185307179586 * v));
+}
+
+/* The groups a block of type t has when its fp16 scales are d (dmin) and its multipliers mult
+ * (mins): as the file holds them. */
+static void groups_of(const mq_kq_info *t, float d, float dmin, const int *mult, const int *mins, mq_gparams *g) {
+    for (int j = 0; j < t->block / t->sub; j++) {
+        uint8_t c = t->mult_lo == -128 ? (uint8_t)(int8_t)mult[j] : t->mult_lo < 0 ? (uint8_t)(mult[j] + 32)
+                                                                                     : (uint8_t)mult[j];
+        g[j] = (mq_gparams){d * (float)mult[j], t->zero < 0 ? dmin * (float)mins[j] : 0.0f, c,
+                            (uint8_t)(mins ? mins[j] : 0)};
+    }
+}
+
+/* io's decoder (ggml's dequantize_row_*) of one block against the codec's values, bit for bit */
+static void check_decodes(const mq_kq_info *t, const uint8_t *blk, const mq_gparams *g, const uint8_t *codes) {
+    float a[256], b[256];
+    ASSERT_OK(mq_ggml_dequantize(t->ggml_type, blk, t->block, a));
+    mq_kq_dequant_row(t, g, codes, t->block, b);
+    for (int i = 0; i < t->block; i++)
+        if (memcmp(&a[i], &b[i], 4)) FAIL("%s value %d: ggml decodes %.9g, the codec %.9g", t->name, i, a[i], b[i]);
+}
+
+static void test_q4_k_by_hand(void) {
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_Q4_K);
+    const int sc[8] = {1, 2, 3, 4, 5, 6, 7, 63}, mn[8] = {0, 1, 2, 3, 60, 61, 62, 63};
+    mq_gparams g[8];
+    groups_of(t, 0.5f, 0.25f, sc, mn, g);
+    uint8_t codes[256], blk[144];
+    for (int i = 0; i < 256; i++) codes[i] = (uint8_t)(i % 16);
+    ASSERT_TRUE(mq_kq_pack_block(t, g, codes, blk));
+    /* d 0.5 = f16 0x3800, dmin 0.25 = 0x3400, little endian */
+    const uint8_t head[16] = {0x00, 0x38, 0x00, 0x34,
+                              /* scales[0..3]: sc[j] | (sc[j+4] >> 4) << 6 */
+                              0x01, 0x02, 0x03, 0xC4,
+                              /* scales[4..7]: mn[j] | (mn[j+4] >> 4) << 6 */
+                              0xC0, 0xC1, 0xC2, 0xC3,
+                              /* scales[8..11]: (sc[j+4] & 15) | (mn[j+4] & 15) << 4 */
+                              0xC5, 0xD6, 0xE7, 0xFF};
+    for (int i = 0; i < 16; i++) ASSERT_EQ_HEX(head[i], blk[i]);
+    /* qs[32 c + l]: value 64 c + l in the low nibble, 64 c + 32 + l in the high; both l % 16 */
+    for (int k = 0; k < 128; k++) ASSERT_EQ_HEX(0x11 * ((k % 32) % 16), blk[16 + k]);
+    float y[256];
+    ASSERT_OK(mq_ggml_dequantize(MQ_GGML_Q4_K, blk, 256, y));
+    ASSERT_EQ_INT(0, y[0] != 0.0f);                   /* 0.5*1*0 - 0.25*0 */
+    ASSERT_NEAR(456.75, y[255], 0);                   /* 0.5*63*15 - 0.25*63 */
+    ASSERT_NEAR(-10.0, y[130], 0);                    /* sub-block 4: 0.5*5*2 - 0.25*60 */
+    check_decodes(t, blk, g, codes);
+    mq_gparams g2[8];
+    uint8_t c2[256];
+    mq_kq_unpack_block(t, blk, g2, c2);
+    ASSERT_EQ_INT(0, memcmp(c2, codes, 256));
+    for (int j = 0; j < 8; j++) {
+        ASSERT_EQ_INT(sc[j], g2[j].scale_code);
+        ASSERT_EQ_INT(mn[j], g2[j].min_code);
+        ASSERT_NEAR(g[j].scale, g2[j].scale, 0);
+        ASSERT_NEAR(g[j].zero, g2[j].zero, 0);
+    }
+}
+
+static void test_q6_k_by_hand(void) {
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_Q6_K);
+    int sc[16];
+    for (int j = 0; j < 16; j++) sc[j] = j - 8;
+    mq_gparams g[16];
+    groups_of(t, 0.125f, 0, sc, NULL, g);
+    uint8_t codes[256], blk[210];
+    for (int i = 0; i < 256; i++) codes[i] = (uint8_t)(i % 64);
+    ASSERT_TRUE(mq_kq_pack_block(t, g, codes, blk));
+    /* ql[64 h + k]: value 128 h + k (low nibble) and 128 h + k + 64 (high): both code k */
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 64; k++) ASSERT_EQ_HEX(0x11 * (k & 15), blk[64 * h + k]);
+    /* qh[32 h + t]: the top 2 bits of values t, t+32, t+64, t+96: t/16, 2 + t/16, t/16, 2 + t/16 */
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 32; k++) ASSERT_EQ_HEX(k < 16 ? 0x88 : 0xDD, blk[128 + 32 * h + k]);
+    for (int j = 0; j < 16; j++) ASSERT_EQ_HEX((uint8_t)(int8_t)(j - 8), blk[192 + j]);
+    ASSERT_EQ_HEX(0x00, blk[208]);
+    ASSERT_EQ_HEX(0x30, blk[209]);   /* 0.125 = f16 0x3000 */
+    float y[256];
+    ASSERT_OK(mq_ggml_dequantize(MQ_GGML_Q6_K, blk, 256, y));
+    ASSERT_NEAR(32.0, y[0], 0);       /* 0.125 * -8 * (0 - 32) */
+    ASSERT_NEAR(27.125, y[255], 0);   /* 0.125 * 7 * (63 - 32) */
+    ASSERT_NEAR(-1.0, y[100], 0);     /* sub-block 6: 0.125 * -2 * (36 - 32) */
+    check_decodes(t, blk, g, codes);
+}
+
+static void test_q3_k_by_hand(void) {
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_Q3_K);
+    int mult[16];
+    for (int j = 0; j < 16; j++) mult[j] = 4 * j + 1 - 32;   /* stored 6-bit value 4j + 1 */
+    mq_gparams g[16];
+    groups_of(t, 0.25f, 0, mult, NULL, g);
+    uint8_t codes[256], blk[110];
+    for (int i = 0; i < 256; i++) codes[i] = (uint8_t)(i % 8);
+    ASSERT_TRUE(mq_kq_pack_block(t, g, codes, blk));
+    /* hmask[t]: values t + 32 b all have code t % 8: its high bit in every bit or none */
+    for (int k = 0; k < 32; k++) ASSERT_EQ_HEX(k % 8 >= 4 ? 0xFF : 0x00, blk[k]);
+    /* qs: the low 2 bits (t % 4) at all four shifts */
+    for (int k = 0; k < 64; k++) ASSERT_EQ_HEX(0x55 * ((k % 32) % 4), blk[32 + k]);
+    /* scales: low nibbles of 4j+1 (j < 8 low half, j >= 8 high half), then the top 2 bits */
+    const uint8_t sc[12] = {0x11, 0x55, 0x99, 0xDD, 0x11, 0x55, 0x99, 0xDD, 0xE4, 0xE4, 0xE4, 0xE4};
+    for (int k = 0; k < 12; k++) ASSERT_EQ_HEX(sc[k], blk[96 + k]);
+    ASSERT_EQ_HEX(0x00, blk[108]);
+    ASSERT_EQ_HEX(0x34, blk[109]);
+    float y[256];
+    ASSERT_OK(mq_ggml_dequantize(MQ_GGML_Q3_K, blk, 256, y));
+    ASSERT_NEAR(31.0, y[0], 0);     /* 0.25 * -31 * (0 - 4) */
+    ASSERT_NEAR(21.75, y[255], 0);  /* 0.25 * 29 * (7 - 4) */
+    ASSERT_NEAR(-3.75, y[77], 0);   /* sub-block 4: 0.25 * -15 * (5 - 4) */
+    check_decodes(t, blk, g, codes);
+}
+
+static void test_q5_0_by_hand(void) {
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_Q5_0);
+    mq_gparams g = {-2.0f, 0.0f, 1, 0};
+    uint8_t codes[32], blk[22];
+    for (int i = 0; i < 32; i++) codes[i] = (uint8_t)i;
+    ASSERT_TRUE(mq_kq_pack_block(t, &g, codes, blk));
+    const uint8_t head[6] = {0x00, 0xC0, 0x00, 0x00, 0xFF, 0xFF};   /* d -2 = 0xC000; qh bits 16..31 */
+    for (int i = 0; i < 6; i++) ASSERT_EQ_HEX(head[i], blk[i]);
+    for (int j = 0; j < 16; j++) ASSERT_EQ_HEX(0x11 * j, blk[6 + j]);
+    float y[32];
+    ASSERT_OK(mq_ggml_dequantize(MQ_GGML_Q5_0, blk, 32, y));
+    ASSERT_NEAR(32.0, y[0], 0);
+    ASSERT_NEAR(-30.0, y[31], 0);
+    check_decodes(t, blk, &g, codes);
+}
+
+/* Random fp16 scales, multipliers and codes of every type: pack -> the same groups and codes
+ * unpacked, and ggml's decoder gives the codec's values. */
+static void test_random_round_trips(void) {
+    for (int ty = 0; ty < MQ_KQ_COUNT; ty++) {
+        const mq_kq_info *t = mq_kq_info_of((mq_kq_type)ty);
+        for (int rep = 0; rep < 200; rep++) {
+            const float d = mq_f16_to_f32(mq_f32_to_f16(rnd_gauss() * 0.01f));
+            const float dmin = mq_f16_to_f32(mq_f32_to_f16(fabsf(rnd_gauss()) * 0.01f));
+            int mult[16], mins[16];
+            for (int j = 0; j < 16; j++) {
+                mult[j] = t->mult_hi ? t->mult_lo + (int)(rnd_u32() % (uint32_t)(t->mult_hi - t->mult_lo + 1)) : 1;
+                mins[j] = t->min_hi ? (int)(rnd_u32() % 64) : 0;
+            }
+            mq_gparams g[16];
+            groups_of(t, d, dmin, mult, mins, g);
+            if (!t->mult_hi && t->zero < 0) g[0].zero = -mq_f16_to_f32(mq_f32_to_f16(rnd_gauss()));   /* Q5_1's m */
+            uint8_t codes[256], blk[256], c2[256];
+            for (int i = 0; i < t->block; i++) codes[i] = (uint8_t)(t->qmin + rnd_u32() % (uint32_t)(t->qmax - t->qmin + 1));
+            if (!mq_kq_pack_block(t, g, codes, blk)) FAIL("%s: block %d does not pack", t->name, rep);
+            mq_gparams g2[16];
+            mq_kq_unpack_block(t, blk, g2, c2);
+            ASSERT_EQ_INT(0, memcmp(c2, codes, (size_t)t->block));
+            for (int j = 0; j < t->block / t->sub; j++) {
+                ASSERT_NEAR(g[j].scale, g2[j].scale, 0);
+                ASSERT_NEAR(g[j].zero, g2[j].zero, 0);
+                if (t->mult_hi) ASSERT_EQ_INT(g[j].scale_code, g2[j].scale_code);
+                if (t->min_hi) ASSERT_EQ_INT(g[j].min_code, g2[j].min_code);
+            }
+            check_decodes(t, blk, g, codes);
+            uint8_t blk2[256];   /* unpack -> pack: the same bytes */
+            ASSERT_TRUE(mq_kq_pack_block(t, g2, c2, blk2));
+            ASSERT_EQ_INT(0, memcmp(blk, blk2, (size_t)t->bytes));
+        }
+    }
+}
+
+/* Groups that imply no single fp16 d (or dmin), or codes out of range, do not pack. */
+static void test_pack_refuses(void) {
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_Q4_K);
+    int sc[8] = {1, 2, 3, 4, 5, 6, 7, 8}, mn[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    mq_gparams g[8];
+    uint8_t codes[256] = {0}, blk[144];
+    groups_of(t, 0.5f, 0.25f, sc, mn, g);
+    ASSERT_TRUE(mq_kq_pack_block(t, g, codes, blk));
+    g[3].scale = 0.5f * 4.0f + 0x1p-10f;   /* sub-block 3 on another d */
+    ASSERT_FALSE(mq_kq_pack_block(t, g, codes, blk));
+    groups_of(t, 0.1f, 0.25f, sc, mn, g);   /* 0.1 is no fp16 */
+    ASSERT_FALSE(mq_kq_pack_block(t, g, codes, blk));
+    groups_of(t, 0.5f, 0.25f, sc, mn, g);
+    codes[9] = 16;
+    ASSERT_FALSE(mq_kq_pack_block(t, g, codes, blk));
+}
+
+static double sse(const float *a, const float *b, int n, const float *w) {
+    double e = 0;
+    for (int i = 0; i < n; i++) e += (w ? w[i] : 1.0) * ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+    return e;
+}
+
+/* The fitted rows pack and decode to what the codec says; the search on the exact grid is never
+ * worse than ggml's one-shot rounding (up to the grid's own multiplier 1 not being exactly 1),
+ * weights move the error where they are large, and bits per weight are the layouts'. */
+static void test_fit(void) {
+    const double bpw[MQ_KQ_COUNT] = {3.4375, 4.5, 5.5, 6.5625, 5.5, 6.0, 8.5, 4.5};
+    for (int ty = 0; ty < MQ_KQ_COUNT; ty++) {
+        const mq_kq_info *t = mq_kq_info_of((mq_kq_type)ty);
+        ASSERT_NEAR(bpw[ty], mq_kq_bpw((mq_kq_type)ty), 0);
+        enum { N = 1024 };
+        float x[N], w[N], yp[N], ym[N], yw[N];
+        for (int i = 0; i < N; i++) {
+            x[i] = rnd_gauss() * (i % 97 == 0 ? 4.0f : 1.0f) * 0.02f + (ty == MQ_KQ_Q5_1 ? 0.01f : 0.0f);
+            w[i] = i % 7 == 0 ? 50.0f : 1.0f;
+        }
+        mq_gparams g[N / 16];
+        uint8_t c[N], blk[N / 32 * 34];   /* the largest: Q8_0 */
+        mq_qspec plain = mq_kq_spec((mq_kq_type)ty), mse = plain;
+        mse.mse = true;
+        double e[3];
+        const mq_qspec *sp[3] = {&plain, &mse, &mse};
+        float *ys[3] = {yp, ym, yw};
+        for (int k = 0; k < 3; k++) {
+            mq_kq_quantize_row(t, sp[k], x, N, k == 2 ? w : NULL, g, c);
+            mq_kq_dequant_row(t, g, c, N, ys[k]);
+            for (int b = 0; b < N / t->block; b++)
+                if (!mq_kq_pack_block(t, g + b * (t->block / t->sub), c + b * t->block, blk + b * t->bytes))
+                    FAIL("%s: fitted block %d does not pack", t->name, b);
+            float dec[N];
+            ASSERT_OK(mq_ggml_dequantize(t->ggml_type, blk, N, dec));
+            ASSERT_EQ_INT(0, memcmp(dec, ys[k], sizeof dec));
+            e[k] = sse(x, ys[k], N, NULL);
+        }
+        if (!(e[1] <= e[0] * 1.001)) FAIL("%s: the search's error %.6g above the plain fit's %.6g", t->name, e[1], e[0]);
+        if (!(sse(x, yw, N, w) <= sse(x, ym, N, w))) FAIL("%s: weights did not lower the weighted error", t->name);
+        /* a sane quantizer: relative error of the order 2^-bits */
+        const double rel = sqrt(e[1] / sse(x, (float[N]){0}, N, NULL));
+        if (!(rel < pow(2.0, -(double)mq_kq_bpw((mq_kq_type)ty) + 3.0)))
+            FAIL("%s: relative error %.4g", t->name, rel);
+    }
+}
+
+/* quantize_row_q8_K_ref of ggml-quants.c, transcribed (nearest_int's magic-number rounding),
+ * then d * q: what llama.cpp's K-quant dot products see of an activation. */
+static void ref_q8_k(const float *x, float *y) {
+    float max = 0, amax = 0;
+    for (int j = 0; j < 256; ++j) {
+        float ax = fabsf(x[j]);
+        if (ax > amax) {
+            amax = ax;
+            max = x[j];
+        }
+    }
+    if (!amax) {
+        for (int j = 0; j < 256; ++j) y[j] = 0;
+        return;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < 256; ++j) {
+        float val = iscale * x[j] + 12582912.f;
+        int i;
+        memcpy(&i, &val, sizeof i);
+        int v = (i & 0x007fffff) - 0x00400000;
+        v = v < 127 ? v : 127;
+        y[j] = (1 / iscale) * (float)v;
+    }
+}
+
+static void test_q8_k_activations(void) {
+    enum { R = 6, C = 512 };
+    static float x[R * C], want[R * C];
+    for (int i = 0; i < R * C; i++) x[i] = rnd_gauss() * (i % 211 == 0 ? 20.0f : 1.0f) * (i < C ? 1e-3f : 1.0f);
+    for (int j = 0; j < 256; j++) x[2 * C + j] = 0;                           /* an all-zero block */
+    x[3 * C + 7] = -40.0f;                                                     /* a negative max */
+    for (int j = 0; j < 256; j++) x[4 * C + 256 + j] = (float)(j - 128) * 0.5f; /* ties: iscale*x = k + 1/2 */
+    for (int i = 0; i < R * C; i += 256) ref_q8_k(x + i, want + i);
+    float *got = malloc(sizeof x);
+    memcpy(got, x, sizeof x);
+    mq_q8_k_act_qdq(got, R, C);
+    for (int i = 0; i < R * C; i++)
+        if (memcmp(&got[i], &want[i], 4)) FAIL("value %d: %.9g, ggml's %.9g (x %.9g)", i, got[i], want[i], x[i]);
+    float inf[256] = {0};   /* a block with an infinity is left as it is */
+    inf[3] = INFINITY;
+    inf[4] = 2.0f;
+    mq_q8_k_act_qdq(inf, 1, 256);
+    ASSERT_NEAR(2.0, inf[4], 0);
+    free(got);
+}
+
+static void test_names(void) {
+    mq_kq_type t;
+    ASSERT_TRUE(mq_kq_parse("q4_k", &t));
+    ASSERT_EQ_INT(MQ_KQ_Q4_K, t);
+    ASSERT_TRUE(mq_kq_parse("Q6_K", &t));
+    ASSERT_EQ_INT(MQ_KQ_Q6_K, t);
+    ASSERT_TRUE(mq_kq_parse("q8_0", &t));
+    ASSERT_EQ_INT(MQ_KQ_Q8_0, t);
+    ASSERT_FALSE(mq_kq_parse("q4_k_m", &t));
+    ASSERT_FALSE(mq_kq_parse("q4", &t));
+    ASSERT_TRUE(mq_kq_of_ggml(11, &t));
+    ASSERT_EQ_INT(MQ_KQ_Q3_K, t);
+    for (int ty = 0; ty < MQ_KQ_COUNT; ty++) {   /* io's type table agrees on every size */
+        const mq_kq_info *k = mq_kq_info_of((mq_kq_type)ty);
+        int64_t blk;
+        size_t bb;
+        const char *name;
+        ASSERT_TRUE(mq_ggml_type_info(k->ggml_type, &name, &blk, &bb));
+        ASSERT_EQ_STR(k->name, name);
+        ASSERT_EQ_INT(k->block, blk);
+        ASSERT_EQ_INT(k->bytes, (int64_t)bb);
+    }
+}
+
+TEST_MAIN(T(test_q4_k_by_hand), T(test_q6_k_by_hand), T(test_q3_k_by_hand), T(test_q5_0_by_hand),
+          T(test_random_round_trips), T(test_pack_refuses), T(test_fit), T(test_names), T(test_q8_k_activations))
