@@ -33,6 +33,7 @@
 #include "io/fp8.h"
 #include "io/gguf_hf.h"
 #include "io/tokenizer.h"
+#include "kernels/ggml_mat.h"
 #include "kernels/moe_ffn.h"
 #include "model/model_internal.h"
 #include "model/rotate.h"
@@ -460,7 +461,8 @@ static void convert_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     convert_job *j = ctx;
     const want *w = &j->L->w[i];
-    if (w->quantized) return;   /* dequantized afterwards, on this thread, for its messages */
+    if (w->quantized || w->packed) return;   /* dequantized afterwards (on this thread, for its
+                                                 messages), or kept packed */
     j->status[i] = want_to_f32(w);
 }
 
@@ -579,11 +581,69 @@ static moeq_status pack_quantized(want_list *L, const mq_st *st, moeq_model *m, 
     return pack_layers(L, st, m, 0, m->cfg.n_layers, n_fallback);
 }
 
+/* ---- a .gguf in place (keep_packed; load_gguf.c) --------------------------------------------- */
+/* Whether want w is one whole GGUF tensor (not a slice of a fused one). */
+static bool gguf_whole(const want *w) {
+    return w->t && w->t->ggml && w->off == 0 && w->count == w->t->numel;
+}
+
+/* Each MoE layer's experts repacked, every other Linear, the embeddings and lm_head mapped; what
+ * cannot be (K-quants, the merged kv_b, experts of other types) stays for load_wants to decode. */
+static moeq_status map_gguf(want_list *L, moeq_model *m, int *n_fallback) {
+    const int E = m->cfg.n_experts, nmoe = 3 * E + (m->cfg.shared_ffn > 0 ? 3 : 0);
+    const mq_tensor_view **v = calloc((size_t)(nmoe > 0 ? nmoe : 1), sizeof *v);
+    want **ws = calloc((size_t)(nmoe > 0 ? nmoe : 1), sizeof *ws);
+    moeq_status s = v && ws ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (int l = 0; l < m->cfg.n_layers && !s && nmoe > 0; l++) {
+        if (!m->layers[l].is_moe) continue;
+        memset(ws, 0, sizeof *ws * (size_t)nmoe);
+        memset(v, 0, sizeof *v * (size_t)nmoe);
+        for (size_t i = 0; i < L->n; i++) {
+            want *w = &L->w[i];
+            if (w->layer != l || !w->lin || w->expert < 0 || !gguf_whole(w)) continue;
+            int k = w->expert < E ? w->part * E + w->expert : 3 * E + w->part;
+            ws[k] = w;
+            v[k] = w->t;
+        }
+        char what[64];
+        snprintf(what, sizeof what, "model.layers.%d.mlp", l);
+        s = mq_gguf_map_experts(v, E, m->cfg.shared_ffn > 0, what, &m->layers[l].pexperts);
+        if (s == MOEQ_E_UNSUPPORTED) {   /* its Linears are mapped one by one below */
+            mq_info("%s; its experts run through the mapped rows", moeq_last_error());
+            s = MOEQ_OK;
+        } else if (!s) {
+            for (int k = 0; k < nmoe; k++) ws[k]->packed = true;
+            m->n_packed += nmoe;
+        }
+    }
+    for (size_t i = 0; i < L->n && !s; i++) {
+        want *w = &L->w[i];
+        if (w->packed || !gguf_whole(w) || w->ndim != 2) continue;
+        struct mq_ggml_mat **dst = w->dest == &m->embed ? &m->embed_g
+                                   : w->dest == &m->lm_head ? &m->head_g : NULL;
+        if (!dst && !w->lin) continue;
+        s = w->lin ? mq_gguf_map_linear(w->t, w->lin)
+                   : mq_gguf_map_mat(w->t, w->shape[0], w->shape[1], dst);
+        if (s == MOEQ_E_UNSUPPORTED) {
+            mq_info("%s; it is decoded to fp32", moeq_last_error());
+            (*n_fallback)++;
+            s = MOEQ_OK;
+        } else if (!s) {
+            w->packed = true;
+            m->n_packed += w->lin != NULL;
+        }
+    }
+    free(v);
+    free(ws);
+    return s;
+}
+
 /* ---- resident bytes -------------------------------------------------------------------------- */
 static void count_linear(const mq_linear *l, int64_t *res, int64_t *f32) {
     int64_t wb = l->out * l->in * 4, bb = l->bias ? l->out * 4 : 0;
     *f32 += wb + bb;
-    *res += bb + (l->w ? wb : (int64_t)mq_packed_weight_bytes(l->qw));
+    *res += bb + (l->w ? wb : l->gw ? (int64_t)mq_ggml_mat_bytes(l->gw)
+                                    : (int64_t)mq_packed_weight_bytes(l->qw));
 }
 
 static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
@@ -623,6 +683,9 @@ static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
     }
     *res += 4 * vec;
     *f32 += 4 * vec;
+    /* mapped embeddings / lm_head: their file bytes, not fp32 */
+    if (m->embed_g) *res -= VD * 4 - (int64_t)mq_ggml_mat_bytes(m->embed_g);
+    if (m->head_g && m->head_g != m->embed_g) *res -= VD * 4 - (int64_t)mq_ggml_mat_bytes(m->head_g);
 }
 
 /* Marks the Linears whose input the emulated activation quantizer sees: all decoder Linears of
@@ -730,6 +793,7 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
 /* ---- open / free --------------------------------------------------------------------------- */
 static void linear_free(mq_linear *l) {
     mq_free(l->w);
+    mq_free(l->gw);
     mq_free(l->bias);
     free(l->name);
     mq_packed_weight_free(l->qw);
@@ -779,6 +843,9 @@ void moeq_model_free(moeq_model *m) {
     free(m->layers);
     if (m->lm_head != m->embed) mq_free(m->lm_head);
     mq_free(m->embed);
+    if (m->head_g != m->embed_g) mq_free(m->head_g);
+    mq_free(m->embed_g);
+    mq_st_close(m->mapped);
     mq_free(m->final_norm);
     moeq_tokenizer_free(m->tok);
     cJSON_Delete(m->gguf_types);
@@ -944,14 +1011,18 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     int n_fallback = 0;
     s = build_wants(&L, st, m);
     if (!s) s = check_wants(&L, st, m, dir);
+    /* a .gguf: its blocks used in place (the mapping then stays open with the model) */
+    bool in_place = o.keep_packed && !o.act_quant && mq_is_gguf_file(dir);
     if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
+    if (!s && in_place) s = map_gguf(&L, m, &n_fallback);
     if (!s) s = load_wants(&L, st);
     if (!s) s = mark_act_quant(m, true);
     if (s) goto fail;
-    if (m->cfg.tie_embeddings) m->lm_head = m->embed;
+    if (m->cfg.tie_embeddings) m->lm_head = m->embed, m->head_g = m->embed_g;
     want_free(&L);
     L = (want_list){0};
-    mq_st_close(st);
+    if (in_place) m->mapped = st;
+    else mq_st_close(st);
     st = NULL;
 
     if (!o.no_tokenizer && (s = open_tokenizer(dir, &docs, &m->tok))) goto fail;
