@@ -651,7 +651,7 @@ static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
     int64_t D = c->D, VD = (int64_t)c->vocab * D, vec = 0, q = (int64_t)c->n_heads * c->head_dim,
             kv = (int64_t)c->n_kv_heads * c->head_dim;
     *res = *f32 = 0;
-    vec += VD + D + (m->lm_head != m->embed ? VD : 0);
+    vec += VD + D + (c->tie_embeddings ? 0 : VD);
     for (int l = 0; l < c->n_layers; l++) {
         const mq_layer *ly = &m->layers[l];
         vec += 2 * D;
