@@ -607,7 +607,8 @@ static moeq_status map_gguf(want_list *L, moeq_model *m, int *n_fallback) {
         }
         char what[64];
         snprintf(what, sizeof what, "model.layers.%d.mlp", l);
-        s = mq_gguf_map_experts(v, E, m->cfg.shared_ffn > 0, what, &m->layers[l].pexperts);
+        s = mq_gguf_map_experts(v, E, m->cfg.shared_ffn > 0, what, m->pcache,
+                                &m->layers[l].pexperts);
         if (s == MOEQ_E_UNSUPPORTED) {   /* its Linears are mapped one by one below */
             mq_info("%s; its experts run through the mapped rows", moeq_last_error());
             s = MOEQ_OK;
@@ -622,7 +623,7 @@ static moeq_status map_gguf(want_list *L, moeq_model *m, int *n_fallback) {
         struct mq_ggml_mat **dst = w->dest == &m->embed ? &m->embed_g
                                    : w->dest == &m->lm_head ? &m->head_g : NULL;
         if (!dst && !w->lin) continue;
-        s = w->lin ? mq_gguf_map_linear(w->t, w->lin)
+        s = w->lin ? mq_gguf_map_linear(w->t, w->lin, m->pcache)
                    : mq_gguf_map_mat(w->t, w->shape[0], w->shape[1], dst);
         if (s == MOEQ_E_UNSUPPORTED) {
             mq_info("%s; it is decoded to fp32", moeq_last_error());
@@ -805,6 +806,7 @@ void moeq_model_free(moeq_model *m) {
         mq_lazy_close(m->lazy);
         return;
     }
+    mq_gguf_detach_cached(m);
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
         mq_free(ly->attn_norm);
@@ -846,6 +848,7 @@ void moeq_model_free(moeq_model *m) {
     if (m->head_g != m->embed_g) mq_free(m->head_g);
     mq_free(m->embed_g);
     mq_st_close(m->mapped);
+    mq_pack_cache_close(m->pcache);
     mq_free(m->final_norm);
     moeq_tokenizer_free(m->tok);
     cJSON_Delete(m->gguf_types);
@@ -1014,6 +1017,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     /* a .gguf: its blocks used in place (the mapping then stays open with the model) */
     bool in_place = o.keep_packed && !o.act_quant && mq_is_gguf_file(dir);
     if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
+    if (!s && in_place) s = mq_pack_cache_open(dir, &m->pcache);
     if (!s && in_place) s = map_gguf(&L, m, &n_fallback);
     if (!s) s = load_wants(&L, st);
     if (!s) s = mark_act_quant(m, true);
@@ -1024,6 +1028,9 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     if (in_place) m->mapped = st;
     else mq_st_close(st);
     st = NULL;
+    if (m->pcache && (s = mq_pack_cache_commit(m->pcache)))   /* a cache not written costs time */
+        mq_info("%s; the next open repacks again", moeq_last_error());
+    s = MOEQ_OK;
 
     if (!o.no_tokenizer && (s = open_tokenizer(dir, &docs, &m->tok))) goto fail;
     mq_gguf_docs_free(&docs);

@@ -40,12 +40,20 @@ moeq_status mq_gguf_map_mat(const mq_tensor_view *t, int64_t rows, int64_t cols,
     return MOEQ_OK;
 }
 
-moeq_status mq_gguf_map_linear(const mq_tensor_view *t, mq_linear *lin) {
+moeq_status mq_gguf_map_linear(const mq_tensor_view *t, mq_linear *lin, mq_pack_cache *c) {
     mq_ggml_mat m;
     moeq_status s = view_mat(t, lin->out, lin->in, &m);
     if (s) return s;
     if (m.type == MQ_GM_Q4_0 || m.type == MQ_GM_NVFP4) {
-        s = mq_packed_weight_from_ggml(&m, lin->name, &lin->qw);
+        size_t nb = 0;
+        const uint8_t *p = mq_pack_cache_peek(c, &nb);
+        if (p) {
+            s = mq_packed_weight_from_ggml(&m, lin->name, p, nb, &lin->qw);
+            mq_pack_cache_taken(c, !s);
+            if (!s) return mq_pack_cache_add(c, p, nb, false);
+        }
+        s = mq_packed_weight_from_ggml(&m, lin->name, NULL, 0, &lin->qw);
+        if (!s) return mq_pack_cache_add(c, lin->qw->blob, lin->qw->bytes, true);
         if (s != MOEQ_E_UNSUPPORTED) return s;
     }
     if (!(lin->gw = mq_alloc(sizeof m, "ggml matrix"))) return MOEQ_E_NOMEM;
@@ -54,7 +62,7 @@ moeq_status mq_gguf_map_linear(const mq_tensor_view *t, mq_linear *lin) {
 }
 
 moeq_status mq_gguf_map_experts(const mq_tensor_view *const *v, int E, bool shared,
-                                const char *what, moeq_moe_experts **out) {
+                                const char *what, mq_pack_cache *c, moeq_moe_experts **out) {
     *out = NULL;
     const int n = E + (shared ? 1 : 0);
     mq_ggml_expert *ex = mq_alloc_zero(sizeof *ex * (size_t)n, "experts");
@@ -73,7 +81,42 @@ moeq_status mq_gguf_map_experts(const mq_tensor_view *const *v, int E, bool shar
         if (!s) s = view_mat(u, F, D, &ex[e].up);
         if (!s) s = view_mat(d, D, F, &ex[e].down);
     }
-    if (!s) s = mq_moe_experts_from_ggml(ex, E, shared, what, out);
+    size_t nb = 0;
+    const uint8_t *p = s ? NULL : mq_pack_cache_peek(c, &nb);
+    if (p) {
+        moeq_status t = mq_moe_experts_from_ggml(ex, E, shared, what, p, nb, out);
+        mq_pack_cache_taken(c, !t);
+        if (!t) {
+            mq_free(ex);
+            return mq_pack_cache_add(c, p, nb, false);
+        }
+    }
+    if (!s) s = mq_moe_experts_from_ggml(ex, E, shared, what, NULL, 0, out);
+    if (!s) s = mq_pack_cache_add(c, (*out)->blob, (*out)->blob_bytes, true);
     mq_free(ex);
     return s;
+}
+
+static void detach_linear(const mq_pack_cache *c, mq_linear *l) {
+    if (l->qw && mq_pack_cache_owns(c, l->qw->blob)) l->qw->blob = NULL;
+}
+
+void mq_gguf_detach_cached(moeq_model *m) {
+    const mq_pack_cache *c = m->pcache;
+    if (!c) return;
+    for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
+        mq_layer *ly = &m->layers[l];
+        mq_linear *att[11] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->q_a, &ly->q_b, &ly->kv_a,
+                              &ly->kv_b, &ly->gate, &ly->up, &ly->down};
+        for (int i = 0; i < 11; i++) detach_linear(c, att[i]);
+        detach_linear(c, &ly->sh_gate);
+        detach_linear(c, &ly->sh_up);
+        detach_linear(c, &ly->sh_down);
+        for (int e = 0; ly->exp_gate && e < m->cfg.n_experts; e++) {
+            detach_linear(c, &ly->exp_gate[e]);
+            detach_linear(c, &ly->exp_up[e]);
+            detach_linear(c, &ly->exp_down[e]);
+        }
+        if (ly->pexperts && mq_pack_cache_owns(c, ly->pexperts->blob)) ly->pexperts->blob = NULL;
+    }
 }

@@ -168,6 +168,7 @@ struct moeq_model {
      * gw point into, kept open. */
     struct mq_ggml_mat *embed_g, *head_g;
     mq_st *mapped;
+    struct mq_pack_cache *pcache;    /* the repacked blobs' cache (model/pack_cache.c), or NULL */
     mq_layer *layers;                /* [n_layers] */
     moeq_tokenizer *tok;             /* NULL if not loaded */
     char *quant_scheme;              /* NULL, or the scheme of a quantized checkpoint */
