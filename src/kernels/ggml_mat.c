@@ -327,16 +327,13 @@ static moeq_status shape_ok(const mq_ggml_expert *s, uint32_t type, int64_t D, i
     return MOEQ_OK;
 }
 
-moeq_status mq_moe_experts_from_ggml(const mq_ggml_expert *src, int32_t E, int has_shared,
-                                     const char *what, const uint8_t *packed, size_t packed_bytes,
-                                     moeq_moe_experts **out) {
-    *out = NULL;
+moeq_status mq_moe_experts_ggml_check(const mq_ggml_expert *src, int32_t E, int has_shared,
+                                      const char *what) {
     const uint32_t type = src[0].gate.type;
     if (type != MQ_GM_Q4_0 && type != MQ_GM_NVFP4)
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: experts of ggml type %u have no packed kernel", what,
                       type);
-    const int nvfp4 = type == MQ_GM_NVFP4;
-    const int32_t group = nvfp4 ? 16 : 32, n = E + (has_shared ? 1 : 0);
+    const int32_t group = type == MQ_GM_NVFP4 ? 16 : 32, n = E + (has_shared ? 1 : 0);
     const int64_t D = src[0].gate.cols;
     if (D > INT32_MAX) return mq_err(MOEQ_E_UNSUPPORTED, "%s: too wide", what);
     for (int32_t e = 0; e < n; e++) {
@@ -345,6 +342,19 @@ moeq_status mq_moe_experts_from_ggml(const mq_ggml_expert *src, int32_t E, int h
         if (e < E && src[e].gate.rows != src[0].gate.rows)
             return mq_err(MOEQ_E_UNSUPPORTED, "%s: experts of different widths", what);
     }
+    return MOEQ_OK;
+}
+
+moeq_status mq_moe_experts_from_ggml(const mq_ggml_expert *src, int32_t E, int has_shared,
+                                     const char *what, const uint8_t *packed, size_t packed_bytes,
+                                     moeq_moe_experts **out) {
+    *out = NULL;
+    moeq_status cs = mq_moe_experts_ggml_check(src, E, has_shared, what);
+    if (cs) return cs;
+    const uint32_t type = src[0].gate.type;
+    const int nvfp4 = type == MQ_GM_NVFP4;
+    const int32_t group = nvfp4 ? 16 : 32, n = E + (has_shared ? 1 : 0);
+    const int64_t D = src[0].gate.cols;
     const mq_moe_stype st = nvfp4 ? MQ_MOE_S_E4M3 : MQ_MOE_S_F16;
     moeq_moe_experts *w = mq_alloc_zero(sizeof *w, "moe experts");
     int32_t *bad = mq_alloc_zero(sizeof(int32_t) * 2 * (size_t)n, "repack tasks");
@@ -413,18 +423,25 @@ done:
 }
 
 /* ---- a dense Linear into the packed Linear's layout ------------------------------------------- */
+moeq_status mq_packed_weight_ggml_check(const mq_ggml_mat *m, const char *name) {
+    if (m->type != MQ_GM_Q4_0 && m->type != MQ_GM_NVFP4)
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: ggml type %u has no packed kernel", name, m->type);
+    const int32_t group = m->type == MQ_GM_NVFP4 ? 16 : 32;
+    if (m->rows > INT32_MAX - 16 || m->cols > INT32_MAX || m->cols % group ||
+        (m->type == MQ_GM_Q4_0 && m->scale != 1.0f))
+        return mq_err(MOEQ_E_UNSUPPORTED, "%s: [%lld, %lld] does not fit the packed kernels", name,
+                      (long long)m->rows, (long long)m->cols);
+    return MOEQ_OK;
+}
+
 moeq_status mq_packed_weight_from_ggml(const mq_ggml_mat *m, const char *name,
                                        const uint8_t *packed, size_t packed_bytes,
                                        struct mq_packed_weight **out) {
     *out = NULL;
-    if (m->type != MQ_GM_Q4_0 && m->type != MQ_GM_NVFP4)
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: ggml type %u has no packed kernel", name, m->type);
+    moeq_status cs = mq_packed_weight_ggml_check(m, name);
+    if (cs) return cs;
     const int nvfp4 = m->type == MQ_GM_NVFP4;
     const int32_t group = nvfp4 ? 16 : 32;
-    if (m->rows > INT32_MAX - 16 || m->cols > INT32_MAX || m->cols % group ||
-        (!nvfp4 && m->scale != 1.0f))
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: [%lld, %lld] does not fit the packed kernels", name,
-                      (long long)m->rows, (long long)m->cols);
     const mq_moe_stype st = nvfp4 ? MQ_MOE_S_E4M3 : MQ_MOE_S_F16;
     const int32_t prow = (int32_t)((m->rows + 15) / 16 * 16), cols = (int32_t)m->cols;
     const size_t rbb = mq_moe_rb_bytes(cols, group, st);

@@ -78,6 +78,8 @@ typedef struct {
  * what prefixes messages. packed: that layout already made (a mapped cache, model/pack_cache.c)
  * of packed_bytes (MOEQ_E_FORMAT when the layout's size differs): it is used as the blob, not
  * copied nor packed; the caller keeps it alive and clears (*out)->blob before freeing. */
+moeq_status mq_moe_experts_ggml_check(const mq_ggml_expert *ex, int32_t E, int has_shared,
+                                      const char *what);   /* the checks alone */
 moeq_status mq_moe_experts_from_ggml(const mq_ggml_expert *ex, int32_t E, int has_shared,
                                      const char *what, const uint8_t *packed, size_t packed_bytes,
                                      moeq_moe_experts **out);
@@ -85,6 +87,7 @@ moeq_status mq_moe_experts_from_ggml(const mq_ggml_expert *ex, int32_t E, int ha
 /* A dense Linear stored Q4_0 or NVFP4 repacked into the packed Linear's layout (moe_ffn.h's
  * struct mq_packed_weight; rows padded to 16); MOEQ_E_UNSUPPORTED for other types. packed /
  * packed_bytes as for mq_moe_experts_from_ggml. */
+moeq_status mq_packed_weight_ggml_check(const mq_ggml_mat *m, const char *name);   /* checks */
 moeq_status mq_packed_weight_from_ggml(const mq_ggml_mat *m, const char *name,
                                        const uint8_t *packed, size_t packed_bytes,
                                        struct mq_packed_weight **out);

@@ -491,7 +491,13 @@ static moeq_status load_wants(want_list *L, const mq_st *st) {
 /* ---- packed weights (keep_packed) ---------------------------------------------------------- */
 /* One quantized Linear outside the MoE experts: packed, or left for dequantization when the
  * kernels refuse it. Reading errors (a malformed tensor) fail the load as the fp32 path would. */
-static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_fallback) {
+static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_fallback,
+                               mq_pack_cache *c) {
+    if (mq_pack_cache_get_weight(c, w->module, &w->lin->qw)) {   /* nothing read */
+        w->packed = true;
+        m->n_packed++;
+        return MOEQ_OK;
+    }
     mq_qtensor q;
     moeq_status s = mq_layout_read(w->module, w->shape[0], w->shape[1], st_lookup, (void *)st, &q);
     if (!s) s = mq_packed_weight_from_qtensor(&q, w->module, &w->lin->qw);
@@ -504,6 +510,7 @@ static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_f
     if (!s) {
         w->packed = true;
         m->n_packed++;
+        s = mq_pack_cache_put_weight(c, w->module, w->lin->qw);
     }
     return s;
 }
@@ -512,7 +519,7 @@ static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_f
  * or all left for dequantization. ws: the layer's expert weight wants, [part * E + e] for routed
  * expert e, [3 * E + part] for the shared expert. */
 static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model *m, int l,
-                                  int *n_fallback) {
+                                  int *n_fallback, mq_pack_cache *c) {
     const int E = m->cfg.n_experts;
     int nq = 0;
     for (int i = 0; i < n; i++) nq += ws[i] && ws[i]->quantized;
@@ -527,6 +534,12 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
         *n_fallback += nq;
         return MOEQ_OK;
     }
+    mq_layer *ly = &m->layers[l];
+    if (mq_pack_cache_get_experts(c, what, &ly->pexperts)) {   /* nothing read */
+        for (int i = 0; i < n; i++) ws[i]->packed = true;
+        m->n_packed += n;
+        return MOEQ_OK;
+    }
     mq_qtensor *q = calloc((size_t)n, sizeof *q);
     if (!q) return mq_err(MOEQ_E_NOMEM, "%s: out of memory", what);
     moeq_status s = MOEQ_OK;
@@ -534,7 +547,6 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
     for (; n_read < n && !s; n_read++)
         s = mq_layout_read(ws[n_read]->module, ws[n_read]->shape[0], ws[n_read]->shape[1],
                            st_lookup, (void *)st, &q[n_read]);
-    mq_layer *ly = &m->layers[l];
     if (!s) {
         const mq_qtensor *sh = n > 3 * E ? q + 3 * E : NULL;
         s = mq_moe_experts_from_qtensors(q, q + E, q + 2 * E, E, sh, sh ? sh + 1 : NULL,
@@ -546,6 +558,7 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
         } else if (!s) {
             for (int i = 0; i < n; i++) ws[i]->packed = true;
             m->n_packed += n;
+            s = mq_pack_cache_put_experts(c, what, ly->pexperts);
         }
     }
     for (int i = 0; i < n_read; i++) mq_qtensor_free(&q[i]);
@@ -556,7 +569,7 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
 /* Packs every quantized decoder Linear of layers [l0, l1) the kernels support; the rest stay on
  * the fp32 path. */
 static moeq_status pack_layers(want_list *L, const mq_st *st, moeq_model *m, int l0, int l1,
-                               int *n_fallback) {
+                               int *n_fallback, mq_pack_cache *c) {
     const int E = m->cfg.n_experts, nmoe = 3 * E + (m->cfg.shared_ffn > 0 ? 3 : 0);
     want **ws = calloc((size_t)(nmoe > 0 ? nmoe : 1), sizeof *ws);
     if (!ws) return mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -569,16 +582,16 @@ static moeq_status pack_layers(want_list *L, const mq_st *st, moeq_model *m, int
             if (w->expert >= 0)
                 ws[w->expert < E ? w->part * E + w->expert : 3 * E + w->part] = w;
             else if (w->quantized)
-                s = pack_linear(st, w, m, n_fallback);
+                s = pack_linear(st, w, m, n_fallback, c);
         }
-        if (!s && m->layers[l].is_moe) s = pack_moe_layer(st, ws, nmoe, m, l, n_fallback);
+        if (!s && m->layers[l].is_moe) s = pack_moe_layer(st, ws, nmoe, m, l, n_fallback, c);
     }
     free(ws);
     return s;
 }
 
 static moeq_status pack_quantized(want_list *L, const mq_st *st, moeq_model *m, int *n_fallback) {
-    return pack_layers(L, st, m, 0, m->cfg.n_layers, n_fallback);
+    return pack_layers(L, st, m, 0, m->cfg.n_layers, n_fallback, m->pcache);
 }
 
 /* ---- a .gguf in place (keep_packed; load_gguf.c) --------------------------------------------- */
@@ -1016,8 +1029,8 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     if (!s) s = check_wants(&L, st, m, dir);
     /* a .gguf: its blocks used in place (the mapping then stays open with the model) */
     bool in_place = o.keep_packed && !o.act_quant && mq_is_gguf_file(dir);
+    if (!s && (pack || in_place)) s = mq_pack_cache_open(dir, &m->pcache);
     if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
-    if (!s && in_place) s = mq_pack_cache_open(dir, &m->pcache);
     if (!s && in_place) s = map_gguf(&L, m, &n_fallback);
     if (!s) s = load_wants(&L, st);
     if (!s) s = mark_act_quant(m, true);
@@ -1282,7 +1295,7 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
     }
     moeq_status s = MOEQ_OK;
     if (lz->pack && whole_layer(lz, layer, what, e0, e1) && !lz->packed_layer[layer]) {
-        s = pack_layers(&lz->L, lz->st, lz->m, layer, layer + 1, &lz->n_fallback);
+        s = pack_layers(&lz->L, lz->st, lz->m, layer, layer + 1, &lz->n_fallback, NULL);
         lz->packed_layer[layer] = true;   /* also after a failure: the release frees what it made */
     }
     n = 0;

@@ -44,16 +44,10 @@ moeq_status mq_gguf_map_linear(const mq_tensor_view *t, mq_linear *lin, mq_pack_
     mq_ggml_mat m;
     moeq_status s = view_mat(t, lin->out, lin->in, &m);
     if (s) return s;
-    if (m.type == MQ_GM_Q4_0 || m.type == MQ_GM_NVFP4) {
-        size_t nb = 0;
-        const uint8_t *p = mq_pack_cache_peek(c, &nb);
-        if (p) {
-            s = mq_packed_weight_from_ggml(&m, lin->name, p, nb, &lin->qw);
-            mq_pack_cache_taken(c, !s);
-            if (!s) return mq_pack_cache_add(c, p, nb, false);
-        }
+    if (!mq_packed_weight_ggml_check(&m, lin->name)) {
+        if (mq_pack_cache_get_weight(c, lin->name, &lin->qw)) return MOEQ_OK;
         s = mq_packed_weight_from_ggml(&m, lin->name, NULL, 0, &lin->qw);
-        if (!s) return mq_pack_cache_add(c, lin->qw->blob, lin->qw->bytes, true);
+        if (!s) return mq_pack_cache_put_weight(c, lin->name, lin->qw);
         if (s != MOEQ_E_UNSUPPORTED) return s;
     }
     if (!(lin->gw = mq_alloc(sizeof m, "ggml matrix"))) return MOEQ_E_NOMEM;
@@ -81,18 +75,13 @@ moeq_status mq_gguf_map_experts(const mq_tensor_view *const *v, int E, bool shar
         if (!s) s = view_mat(u, F, D, &ex[e].up);
         if (!s) s = view_mat(d, D, F, &ex[e].down);
     }
-    size_t nb = 0;
-    const uint8_t *p = s ? NULL : mq_pack_cache_peek(c, &nb);
-    if (p) {
-        moeq_status t = mq_moe_experts_from_ggml(ex, E, shared, what, p, nb, out);
-        mq_pack_cache_taken(c, !t);
-        if (!t) {
-            mq_free(ex);
-            return mq_pack_cache_add(c, p, nb, false);
-        }
+    if (!s) s = mq_moe_experts_ggml_check(ex, E, shared, what);
+    if (!s && mq_pack_cache_get_experts(c, what, out)) {
+        mq_free(ex);
+        return MOEQ_OK;
     }
     if (!s) s = mq_moe_experts_from_ggml(ex, E, shared, what, NULL, 0, out);
-    if (!s) s = mq_pack_cache_add(c, (*out)->blob, (*out)->blob_bytes, true);
+    if (!s) s = mq_pack_cache_put_experts(c, what, *out);
     mq_free(ex);
     return s;
 }

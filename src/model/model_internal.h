@@ -34,15 +34,20 @@ typedef struct mq_pack_cache mq_pack_cache;
 moeq_status mq_pack_cache_open(const char *src, mq_pack_cache **out);
 mq_pack_cache_state mq_pack_cache_state_of(const mq_pack_cache *c);
 const char *mq_pack_cache_path(const mq_pack_cache *c);
-/* A valid cache's next blob (its size in *bytes), or NULL; the caller then says whether it took
- * it (the planned layout had that size) or not (the cache is then left and written again). */
-const uint8_t *mq_pack_cache_peek(const mq_pack_cache *c, size_t *bytes);
-void mq_pack_cache_taken(mq_pack_cache *c, bool ok);
-/* Records the next blob of this load (borrowed until commit); packed_here: it was not mapped. */
-moeq_status mq_pack_cache_add(mq_pack_cache *c, const uint8_t *blob, size_t bytes, bool packed_here);
+/* A valid cache's entry for the layer's experts / the Linear named name: made from its stored
+ * layout (checked) over the mapped blob, and true; else false (none there; a layout failing its
+ * checks also stops the cache's use for the rest of this open). Every one taken or packed here
+ * is recorded (put: packed here, so the cache is written again; borrowed until commit), in load
+ * order. */
+bool mq_pack_cache_get_experts(mq_pack_cache *c, const char *name, moeq_moe_experts **out);
+bool mq_pack_cache_get_weight(mq_pack_cache *c, const char *name, struct mq_packed_weight **out);
+moeq_status mq_pack_cache_put_experts(mq_pack_cache *c, const char *name, const moeq_moe_experts *w);
+moeq_status mq_pack_cache_put_weight(mq_pack_cache *c, const char *name,
+                                     const struct mq_packed_weight *w);
 /* Whether p is inside the mapped cache (such blobs are not freed). */
 bool mq_pack_cache_owns(const mq_pack_cache *c, const void *p);
-/* Writes the cache (temporary name, renamed) when this load packed anything. */
+/* Writes the cache (temporary name, renamed) when this load packed anything; then it is no
+ * longer needed but for the mapped blobs (close it with the model). */
 moeq_status mq_pack_cache_commit(mq_pack_cache *c);
 void mq_pack_cache_close(mq_pack_cache *c);
 
