@@ -288,6 +288,24 @@ static void packed_equals_decoded(const char *file, const char *tag, bool repack
     moeq_model_free(mf);
 }
 
+/* A compressed-tensors checkpoint run packed keeps its BF16 embeddings and lm_head in the mapped
+ * file (no fp32 copy) and gives the fp32 path's logits within the same tolerance. */
+static void test_checkpoint_bf16_head(void) {
+    char ckpt[1100];
+    snprintf(ckpt, sizeof ckpt, "%s/ct", mq_test_tmpdir());
+    mq_pipeline_opts o;
+    mq_pipeline_opts_init(&o, MQ_QS_INT4, MQ_FMT_CT);
+    o.spec.group_size = 32;
+    ASSERT_OK(mq_pipeline_run(mq_test_model("olmoe-tiny"), ckpt, &o, NULL));
+    moeq_model_options po = {.keep_packed = 1};
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_model_open(ckpt, &po, &m));
+    if (m) ASSERT_TRUE(m->embed_g && m->head_g && !m->embed && !m->lm_head);
+    if (m) ASSERT_TRUE(m->embed_g->type == MQ_GM_BF16 && m->head_g->type == MQ_GM_BF16);
+    moeq_model_free(m);
+    packed_equals_decoded(ckpt, "olmoe-ct", true);
+}
+
 static void family(const char *model, const char *name, bool moe, bool nvfp4) {
     char tag[64];
     snprintf(tag, sizeof tag, "%s-q4_0", name);
@@ -350,6 +368,6 @@ static void test_llama(void) {
     family(m, "llama", false, true);
 }
 
-TEST_MAIN(T(test_rows_equal_io_decoder), T(test_dot_twins), T(test_experts_repack_equals_op_packing), T(test_olmoe), T(test_qwen2moe),
+TEST_MAIN(T(test_rows_equal_io_decoder), T(test_dot_twins), T(test_experts_repack_equals_op_packing), T(test_checkpoint_bf16_head), T(test_olmoe), T(test_qwen2moe),
           T(test_mixtral),
           T(test_llama))

@@ -627,6 +627,30 @@ static moeq_status map_gguf(want_list *L, moeq_model *m, int *n_fallback) {
     return s;
 }
 
+/* A quantized checkpoint run packed: its BF16 / F16 embeddings and lm_head read in place from the
+ * mapped safetensors (no fp32 copy: half the bytes a decoded token reads of lm_head). */
+static moeq_status map_float_head(want_list *L, moeq_model *m) {
+    moeq_status s = MOEQ_OK;
+    for (size_t i = 0; i < L->n && !s; i++) {
+        want *w = &L->w[i];
+        struct mq_ggml_mat **dst = w->dest == &m->embed ? &m->embed_g
+                                   : w->dest == &m->lm_head ? &m->head_g : NULL;
+        const mq_tensor_view *t = w->t;
+        if (!dst || !t || t->ggml || t->scale_inv || w->off != 0 || w->count != t->numel ||
+            t->ndim != 2 || (t->dtype != MOEQ_DT_BF16 && t->dtype != MOEQ_DT_F16))
+            continue;
+        mq_ggml_mat g;
+        s = mq_ggml_mat_init(&g, t->data, t->dtype == MOEQ_DT_BF16 ? MQ_GM_BF16 : MQ_GM_F16,
+                             t->shape[0], t->shape[1], 1.0f, 0, t->name);
+        if (!s && !(*dst = mq_alloc(sizeof g, "mapped matrix"))) s = MOEQ_E_NOMEM;
+        if (!s) {
+            **dst = g;
+            w->packed = true;
+        }
+    }
+    return s;
+}
+
 /* ---- resident bytes -------------------------------------------------------------------------- */
 static void count_linear(const mq_linear *l, int64_t *res, int64_t *f32) {
     int64_t wb = l->out * l->in * 4, bb = l->bias ? l->out * 4 : 0;
@@ -1006,6 +1030,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     bool in_place = o.keep_packed && !o.act_quant && mq_is_gguf_file(dir);
     if (!s && (pack || in_place)) s = mq_pack_cache_open(dir, &m->pcache);
     if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
+    if (!s && pack) s = map_float_head(&L, m);
     if (!s && in_place) s = map_gguf(&L, m, &n_fallback);
     if (!s) s = load_wants(&L, st);
     if (!s) s = mark_act_quant(m, true);
@@ -1013,7 +1038,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     if (m->cfg.tie_embeddings) m->lm_head = m->embed, m->head_g = m->embed_g;
     mq_want_free(&L);
     L = (want_list){0};
-    if (in_place) m->mapped = st;
+    if (in_place || m->embed_g || m->head_g) m->mapped = st;   /* they point into it */
     else mq_st_close(st);
     st = NULL;
     if (m->pcache && (s = mq_pack_cache_commit(m->pcache)))   /* a cache not written costs time */
