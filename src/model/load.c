@@ -607,7 +607,8 @@ static moeq_status map_gguf(want_list *L, moeq_model *m, int *n_fallback) {
     }
     for (size_t i = 0; i < L->n && !s; i++) {
         want *w = &L->w[i];
-        if (w->packed || !gguf_whole(w) || w->ndim != 2) continue;
+        /* F32 stays as it is decoded: a copy of the same bytes, computed as the source's */
+        if (w->packed || !gguf_whole(w) || w->ndim != 2 || w->t->ggml->type == MQ_GGML_F32) continue;
         struct mq_ggml_mat **dst = w->dest == &m->embed ? &m->embed_g
                                    : w->dest == &m->lm_head ? &m->head_g : NULL;
         if (!dst && !w->lin) continue;
@@ -628,15 +629,16 @@ static moeq_status map_gguf(want_list *L, moeq_model *m, int *n_fallback) {
 }
 
 /* A quantized checkpoint run packed: its BF16 / F16 embeddings and lm_head read in place from the
- * mapped safetensors (no fp32 copy: half the bytes a decoded token reads of lm_head). */
-static moeq_status map_float_head(want_list *L, moeq_model *m) {
+ * mapped safetensors (no fp32 copy: half the bytes a decoded token reads of lm_head). mark: the
+ * wants are then done (a whole open); the lazy model loads its fp32 copies still, unused. */
+moeq_status mq_map_float_head(want_list *L, moeq_model *m, bool mark) {
     moeq_status s = MOEQ_OK;
     for (size_t i = 0; i < L->n && !s; i++) {
         want *w = &L->w[i];
         struct mq_ggml_mat **dst = w->dest == &m->embed ? &m->embed_g
                                    : w->dest == &m->lm_head ? &m->head_g : NULL;
         const mq_tensor_view *t = w->t;
-        if (!dst || !t || t->ggml || t->scale_inv || w->off != 0 || w->count != t->numel ||
+        if (!dst || *dst || !t || t->ggml || t->scale_inv || w->off != 0 || w->count != t->numel ||
             t->ndim != 2 || (t->dtype != MOEQ_DT_BF16 && t->dtype != MOEQ_DT_F16))
             continue;
         mq_ggml_mat g;
@@ -645,7 +647,7 @@ static moeq_status map_float_head(want_list *L, moeq_model *m) {
         if (!s && !(*dst = mq_alloc(sizeof g, "mapped matrix"))) s = MOEQ_E_NOMEM;
         if (!s) {
             **dst = g;
-            w->packed = true;
+            w->packed = mark;
         }
     }
     return s;
@@ -1030,7 +1032,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     bool in_place = o.keep_packed && !o.act_quant && mq_is_gguf_file(dir);
     if (!s && (pack || in_place)) s = mq_pack_cache_open(dir, &m->pcache);
     if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
-    if (!s && pack) s = map_float_head(&L, m);
+    if (!s && pack && m->n_packed > 0) s = mq_map_float_head(&L, m, true);   /* not all fp32 */
     if (!s && in_place) s = map_gguf(&L, m, &n_fallback);
     if (!s) s = load_wants(&L, st);
     if (!s) s = mark_act_quant(m, true);

@@ -45,5 +45,6 @@ moeq_status mq_open_source(const char *path, bool tokenizer, mq_config *given, m
 void mq_fill_info(moeq_model *m);
 moeq_status mq_check_wants(want_list *L, const mq_st *st, const moeq_model *m, const char *dir);
 moeq_status mq_build_wants(want_list *L, const mq_st *st, moeq_model *m);
+moeq_status mq_map_float_head(want_list *L, moeq_model *m, bool mark);
 
 #endif

@@ -248,6 +248,10 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
     moeq_status s = MOEQ_OK;
     if (lz->pack && whole_layer(lz, layer, what, e0, e1) && !lz->packed_layer[layer]) {
         s = mq_pack_layers(&lz->L, lz->st, lz->m, layer, layer + 1, &lz->n_fallback, NULL);
+        /* once a Linear runs packed, the BF16 / F16 embeddings and lm_head are read in place, as
+         * a whole open reads them, so that a streamed eval computes what a whole one does (out
+         * of memory: they stay fp32) */
+        if (!s && lz->m->n_packed > 0) (void)mq_map_float_head(&lz->L, lz->m, false);
         lz->packed_layer[layer] = true;   /* also after a failure: the release frees what it made */
     }
     n = 0;
