@@ -189,7 +189,7 @@ static void test_experts_repack_equals_op_packing(void) {
         }
         moeq_moe_experts *got = NULL, *want = NULL;
         mq_moe_names names = {"test", "gate", "up", "down", 0};
-        ASSERT_OK(mq_moe_experts_from_ggml(gx, E, 1, "test", NULL, 0, &got));
+        ASSERT_OK(mq_moe_experts_from_ggml(gx, E, 1, "test", &got));
         ASSERT_OK(mq_moe_experts_build(nv, group, E, D, src, 1, &names, &want));
         if (got && want) {
             ASSERT_EQ_INT(want->blob_bytes, got->blob_bytes);

@@ -317,8 +317,7 @@ moeq_status mq_moe_experts_ggml_check(const mq_ggml_expert *src, int32_t E, int 
 }
 
 moeq_status mq_moe_experts_from_ggml(const mq_ggml_expert *src, int32_t E, int has_shared,
-                                     const char *what, const uint8_t *packed, size_t packed_bytes,
-                                     moeq_moe_experts **out) {
+                                     const char *what, moeq_moe_experts **out) {
     *out = NULL;
     moeq_status cs = mq_moe_experts_ggml_check(src, E, has_shared, what);
     if (cs) return cs;
@@ -360,23 +359,17 @@ moeq_status mq_moe_experts_from_ggml(const mq_ggml_expert *src, int32_t E, int h
             goto done;
         }
     }
-    if (packed && packed_bytes != total) {
-        s = mq_err(MOEQ_E_FORMAT, "%s: %zu packed bytes given, the layout has %zu", what,
-                   packed_bytes, total);
-        goto done;
-    }
-    if (!packed && !(w->blob = blob_alloc(total))) {
+    if (!(w->blob = blob_alloc(total))) {
         s = mq_err(MOEQ_E_NOMEM, "%s: out of memory for %zu packed bytes", what, total);
         goto done;
     }
-    if (packed) w->blob = (uint8_t *)(uintptr_t)packed;   /* read only: the kernels only read */
     w->blob_bytes = total;
     for (int32_t e = 0; e < n; e++) {
         w->ex[e].gate_up.data = w->blob + (uintptr_t)w->ex[e].gate_up.data;
         w->ex[e].down.data = w->blob + (uintptr_t)w->ex[e].down.data;
     }
     gp_job j = {src, w, nvfp4, bad};
-    if (!packed) mq_parallel_for(2 * (int64_t)n, gp_task, &j);
+    mq_parallel_for(2 * (int64_t)n, gp_task, &j);
     for (int32_t i = 0; i < 2 * n && !s; i++)
         if (bad[i] == 2) s = mq_err(MOEQ_E_NOMEM, "%s: out of memory", what);
         else if (bad[i])
@@ -385,7 +378,6 @@ moeq_status mq_moe_experts_from_ggml(const mq_ggml_expert *src, int32_t E, int h
 done:
     mq_free(bad);
     if (s) {
-        if (w && packed) w->blob = NULL;   /* not ours */
         moeq_moe_experts_free(w);
         return s;
     }
@@ -406,7 +398,6 @@ moeq_status mq_packed_weight_ggml_check(const mq_ggml_mat *m, const char *name) 
 }
 
 moeq_status mq_packed_weight_from_ggml(const mq_ggml_mat *m, const char *name,
-                                       const uint8_t *packed, size_t packed_bytes,
                                        struct mq_packed_weight **out) {
     *out = NULL;
     moeq_status cs = mq_packed_weight_ggml_check(m, name);
@@ -429,16 +420,6 @@ moeq_status mq_packed_weight_from_ggml(const mq_ggml_mat *m, const char *name,
     w->bytes = rbb * (size_t)(prow / MQ_MOE_RB);
     const float gm = nvfp4 ? m->scale : 1, dv = nvfp4 ? 2 : 1;
     w->W = (mq_pmat){NULL, rbb, prow, cols, group, nvfp4, st, {gm, gm}, {dv, dv}, 0};
-    if (packed) {
-        if (packed_bytes != w->bytes) {
-            s = mq_err(MOEQ_E_FORMAT, "%s: %zu packed bytes given, the layout has %zu", name,
-                       packed_bytes, w->bytes);
-            goto done;
-        }
-        w->blob = (uint8_t *)(uintptr_t)packed;
-        w->W.data = w->blob;
-        goto done;
-    }
     if (!(w->blob = blob_alloc(w->bytes))) {
         s = mq_err(MOEQ_E_NOMEM, "%s: out of memory for %zu packed bytes", name, w->bytes);
         goto done;
@@ -452,7 +433,6 @@ done:
     mq_free(codes);
     mq_free(sc);
     if (s) {
-        if (w && packed) w->blob = NULL;   /* not ours */
         mq_packed_weight_free(w);
         return s;
     }

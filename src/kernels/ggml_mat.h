@@ -75,21 +75,16 @@ typedef struct {
 /* Packs E routed experts (plus ex[E] as the shared expert when has_shared) of one type (Q4_0 or
  * NVFP4, the same for all) into the MoE op's layout. MOEQ_E_UNSUPPORTED when the types differ,
  * are other types, or the shapes do not fit the op (D and F multiples of 16 and of the group);
- * what prefixes messages. packed: that layout already made (a mapped cache, model/pack_cache.c)
- * of packed_bytes (MOEQ_E_FORMAT when the layout's size differs): it is used as the blob, not
- * copied nor packed; the caller keeps it alive and clears (*out)->blob before freeing. */
+ * what prefixes messages. (A mapped cache's blob is put under a layout by model/pack_cache.c.) */
 moeq_status mq_moe_experts_ggml_check(const mq_ggml_expert *ex, int32_t E, int has_shared,
                                       const char *what);   /* the checks alone */
 moeq_status mq_moe_experts_from_ggml(const mq_ggml_expert *ex, int32_t E, int has_shared,
-                                     const char *what, const uint8_t *packed, size_t packed_bytes,
-                                     moeq_moe_experts **out);
+                                     const char *what, moeq_moe_experts **out);
 
 /* A dense Linear stored Q4_0 or NVFP4 repacked into the packed Linear's layout (moe_ffn.h's
- * struct mq_packed_weight; rows padded to 16); MOEQ_E_UNSUPPORTED for other types. packed /
- * packed_bytes as for mq_moe_experts_from_ggml. */
+ * struct mq_packed_weight; rows padded to 16); MOEQ_E_UNSUPPORTED for other types. */
 moeq_status mq_packed_weight_ggml_check(const mq_ggml_mat *m, const char *name);   /* checks */
 moeq_status mq_packed_weight_from_ggml(const mq_ggml_mat *m, const char *name,
-                                       const uint8_t *packed, size_t packed_bytes,
                                        struct mq_packed_weight **out);
 
 #endif

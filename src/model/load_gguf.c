@@ -46,7 +46,7 @@ moeq_status mq_gguf_map_linear(const mq_tensor_view *t, mq_linear *lin, mq_pack_
     if (s) return s;
     if (!mq_packed_weight_ggml_check(&m, lin->name)) {
         if (mq_pack_cache_get_weight(c, lin->name, &lin->qw)) return MOEQ_OK;
-        s = mq_packed_weight_from_ggml(&m, lin->name, NULL, 0, &lin->qw);
+        s = mq_packed_weight_from_ggml(&m, lin->name, &lin->qw);
         if (!s) return mq_pack_cache_put_weight(c, lin->name, lin->qw);
         if (s != MOEQ_E_UNSUPPORTED) return s;
     }
@@ -80,7 +80,7 @@ moeq_status mq_gguf_map_experts(const mq_tensor_view *const *v, int E, bool shar
         mq_free(ex);
         return MOEQ_OK;
     }
-    if (!s) s = mq_moe_experts_from_ggml(ex, E, shared, what, NULL, 0, out);
+    if (!s) s = mq_moe_experts_from_ggml(ex, E, shared, what, out);
     if (!s) s = mq_pack_cache_put_experts(c, what, *out);
     mq_free(ex);
     return s;
