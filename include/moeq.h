@@ -357,7 +357,8 @@ int32_t moeq_model_eos_ids(const moeq_model *m, int32_t *ids, int32_t cap);
  * kv_b) is decoded to fp32. Results are within a small tolerance of the fp32-decoded path (the
  * order of the sums; the packed kernels' int16 activation blocks). The repacked layout is
  * cached in a file that the next open maps instead of repacking: "<file>.moeqpack" beside the
- * .gguf when there is one or its folder is writable, else $XDG_CACHE_HOME/moeq (~/.cache/moeq);
+ * .gguf ("<dir>.moeqpack" beside a quantized checkpoint folder, whose repacking is cached the same
+ * way) when there is one or the folder is writable, else $XDG_CACHE_HOME/moeq (~/.cache/moeq);
  * it is keyed by the .gguf's size, modification time and a hash of its header and of samples of
  * its data, every byte of it is checked against the hashes it carries when it is opened, and a
  * stale or damaged one is ignored and written again (temporary name, then renamed).

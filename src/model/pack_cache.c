@@ -4,8 +4,8 @@
  * quantized safetensors checkpoint (load.c), in load order, with their layouts, in one file that
  * the next open maps instead of reading and repacking the source.
  *
- * Where: "<file>.moeqpack" beside a .gguf ("<dir>/moeq.moeqpack" in a checkpoint folder) when
- * one is there or the folder is writable, else $XDG_CACHE_HOME/moeq (default ~/.cache/moeq) as
+ * Where: "<file>.moeqpack" beside a .gguf ("<dir>.moeqpack" beside a checkpoint folder, never in
+ * it) when one is there or the folder is writable, else $XDG_CACHE_HOME/moeq (~/.cache/moeq) as
  * "<name>-<hash of the absolute path>.moeqpack"; moeq_set_pack_cache_dir names another folder,
  * or turns the cache off.
  *
@@ -150,13 +150,18 @@ static bool mkdirs(const char *path) {
 /* The cache's path for src (malloc'd), or NULL when off or nowhere to put it. */
 static char *cache_path(const char *src) {
     if (g_mode == 2) return NULL;
-    const bool folder_src = mq_dir_exists(src);
-    char *beside = folder_src ? mq_path_join(src, "moeq.moeqpack") : mq_asprintf("%s.moeqpack", src);
+    /* beside the source: "FILE.moeqpack", or "DIR.moeqpack" next to a checkpoint folder (never
+     * inside it: a checkpoint's files stay the writer's) */
+    char *src_c = mq_strdup(src);
+    if (!src_c) return NULL;
+    for (size_t l = strlen(src_c); l > 1 && src_c[l - 1] == '/'; l--) src_c[l - 1] = '\0';
+    char *beside = mq_asprintf("%s.moeqpack", src_c);
+    free(src_c);
     if (!beside) return NULL;
     if (g_mode == 0) {
-        char *dir = mq_strdup(folder_src ? beside : src), *slash = dir ? strrchr(dir, '/') : NULL;
+        char *dir = mq_strdup(beside), *slash = dir ? strrchr(dir, '/') : NULL;
         if (slash) *slash = '\0';
-        bool ok = dir && (mq_file_exists(beside) || access(slash ? dir : ".", W_OK) == 0);
+        bool ok = dir && (mq_file_exists(beside) || access(slash ? (dir[0] ? dir : "/") : ".", W_OK) == 0);
         free(dir);
         if (ok) return beside;
     }
