@@ -218,8 +218,8 @@ typedef struct {
      * bit-identical. Tensors or MoE layers the kernels do not support (asymmetric INT4,
      * act-order g_idx, other schemes or group sizes) keep the dequantized fp32 path; an info log
      * names each. Embeddings, norms, routers and lm_head stay fp32 (a quantized lm_head is
-     * dequantized). No effect on unquantized checkpoints or with act_quant (which needs the fp32
-     * path). Calibration hooks (src/model) refuse a model with packed weights. */
+     * dequantized). A .gguf is run in place instead (see moeq_set_pack_cache_dir). No effect on
+     * unquantized checkpoints or with act_quant (which needs the fp32 path). Calibration hooks (src/model) refuse a model with packed weights. */
     int keep_packed;
     int no_tokenizer;  /* do not load tokenizer.json */
     int act_quant;     /* moeq_act_quant */
@@ -348,6 +348,23 @@ moeq_status moeq_tokenizer_decode_ex(const moeq_tokenizer *tok, const int32_t *i
  * else moeq_model_info.eos_token_id (the tokenizer's EOS) when it is >= 0. Stores the first cap
  * of them in ids (ids may be NULL when cap is 0) and returns how many there are. */
 int32_t moeq_model_eos_ids(const moeq_model *m, int32_t *ids, int32_t cap);
+
+/* A .gguf in place. moeq_model_open with keep_packed (and no act_quant) on a .gguf keeps the file
+ * mapped and uses its blocks: Q4_0 and NVFP4 Linears and experts are repacked once for the
+ * packed kernels (MoE layers through the fused MoE op); Q8_0, Q4_1, F16, BF16 and F32 Linears, the
+ * embeddings and lm_head are read from the mapping (Q8_0 and BF16 rows by dot-product kernels,
+ * the others decoded a few rows at a time); only what is neither (K-quants, deepseek2's merged
+ * kv_b) is decoded to fp32. Results are within a small tolerance of the fp32-decoded path (the
+ * order of the sums; the packed kernels' int16 activation blocks). The repacked layout is
+ * cached in a file that the next open maps instead of repacking: "<file>.moeqpack" beside the
+ * .gguf ("<dir>.moeqpack" beside a quantized checkpoint folder, whose repacking is cached the same
+ * way) when there is one or the folder is writable, else $XDG_CACHE_HOME/moeq (~/.cache/moeq);
+ * it is keyed by the .gguf's size, modification time and a hash of its header and of samples of
+ * its data, every byte of it is checked against the hashes it carries when it is opened, and a
+ * stale or damaged one is ignored and written again (temporary name, then renamed).
+ * moeq_set_pack_cache_dir: NULL the default above, "" no cache, else the folder for every cache
+ * (process-wide; set it before opening models). */
+moeq_status moeq_set_pack_cache_dir(const char *dir);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Chat templates, chat and serving (src/runtime/template*.c, chat.c, serve.c)                */

@@ -60,6 +60,7 @@
 
 #include "formats/formats.h"
 #include "kernels/gemm_det.h"
+#include "kernels/ggml_mat.h"
 #include "kernels/moe_ffn.h"
 #include "kernels/vec.h"
 #include "model/model_internal.h"
@@ -194,8 +195,9 @@ static void add_bias(const mq_linear *l, float *y, int64_t T) {
 }
 
 moeq_status mq_linear_forward(const mq_linear *l, const float *x, int64_t T, float *y) {
-    if (l->qw) {
-        moeq_status st = mq_packed_weight_forward(l->qw, x, T, y);
+    if (l->qw || l->gw) {
+        moeq_status st = l->qw ? mq_packed_weight_forward(l->qw, x, T, y)
+                               : mq_ggml_mat_forward(l->gw, x, T, y);
         if (st) return mq_err_prefix(st, "%s", l->name);
     } else if (l->det) {
         MQ_ASSERT(l->w != NULL);
@@ -447,7 +449,9 @@ moeq_status mq_embed(const moeq_model *m, const int32_t *ids, int64_t T, float *
         if (ids[t] < 0 || ids[t] >= m->cfg.vocab)
             return mq_err(MOEQ_E_ARG, "token id %d at position %lld is outside the vocabulary "
                           "(0..%d)", ids[t], (long long)t, m->cfg.vocab - 1);
-    for (int64_t t = 0; t < T; t++) memcpy(x + t * D, m->embed + (int64_t)ids[t] * D, (size_t)D * 4);
+    for (int64_t t = 0; t < T; t++)
+        if (m->embed_g) mq_ggml_mat_row(m->embed_g, ids[t], x + t * D);
+        else memcpy(x + t * D, m->embed + (int64_t)ids[t] * D, (size_t)D * 4);
     return MOEQ_OK;
 }
 
@@ -456,9 +460,11 @@ void mq_final_norm(const moeq_model *m, float *x, int64_t T) {
     if (m->lm_head_act_q) mq_q8_0_act_qdq(x, T, m->cfg.D);   /* x now feeds lm_head only */
 }
 
-void mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits) {
-    if (!logits) return;
+moeq_status mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits) {
+    if (!logits) return MOEQ_OK;
+    if (m->head_g) return mq_ggml_mat_forward(m->head_g, x, T, logits);
     matmul_nt(x, T, m->lm_head, m->cfg.vocab, m->cfg.D, logits);
+    return MOEQ_OK;
 }
 
 /* ---- attention ----------------------------------------------------------------------------- */
@@ -1170,71 +1176,5 @@ moeq_status mq_forward_layers(const moeq_model *m, mq_state *s, float *x, int64_
         if (st) return st;
         s->filled[l] = pos + T;
     }
-    return MOEQ_OK;
-}
-
-/* ---- sessions ------------------------------------------------------------------------------ */
-struct moeq_session {
-    const moeq_model *m;
-    mq_state *st;
-    int32_t pos;
-    float *x;
-    int64_t x_rows;
-};
-
-moeq_status moeq_session_create(const moeq_model *m, int32_t max_tokens, moeq_session **out) {
-    if (!m || !out) return mq_err(MOEQ_E_ARG, "moeq_session_create: NULL argument");
-    if (m->lazy)
-        return mq_err(MOEQ_E_UNSUPPORTED, "%s: opened with stream (weights a layer at a time): "
-                      "only moeq_eval runs it; open it without stream to generate", m->dir);
-    *out = NULL;
-    moeq_session *s = calloc(1, sizeof *s);
-    if (!s) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    s->m = m;
-    moeq_status st = mq_state_new(m, max_tokens, &s->st);
-    if (st) {
-        free(s);
-        return st;
-    }
-    *out = s;
-    return MOEQ_OK;
-}
-
-void moeq_session_free(moeq_session *s) {
-    if (!s) return;
-    mq_state_free(s->st);
-    mq_free(s->x);
-    free(s);
-}
-
-void moeq_session_reset(moeq_session *s) {
-    mq_state_reset(s->st);
-    s->pos = 0;
-}
-
-int32_t moeq_session_pos(const moeq_session *s) { return s->pos; }
-
-moeq_status moeq_session_forward(moeq_session *s, const int32_t *ids, int32_t n, float *logits) {
-    if (!s || (!ids && n > 0)) return mq_err(MOEQ_E_ARG, "moeq_session_forward: NULL argument");
-    if (n < 0) return mq_err(MOEQ_E_ARG, "moeq_session_forward: negative token count %d", n);
-    if (n == 0) return MOEQ_OK;
-    if ((int64_t)s->pos + n > s->st->max_tokens)
-        return mq_err(MOEQ_E_ARG, "session full: %d + %d tokens exceed its %d positions", s->pos, n,
-                      s->st->max_tokens);
-    const mq_config *c = &s->m->cfg;
-    if (n > s->x_rows) {
-        mq_free(s->x);
-        s->x = mq_alloc_array((size_t)n, (size_t)c->D * 4, "session activations");
-        s->x_rows = s->x ? n : 0;
-        if (!s->x) return MOEQ_E_NOMEM;
-    }
-    moeq_status st = mq_embed(s->m, ids, n, s->x);
-    if (!st) st = mq_forward_layers(s->m, s->st, s->x, n, s->pos, 0, c->n_layers, NULL);
-    if (st) return st;
-    if (logits) {
-        mq_final_norm(s->m, s->x, n);
-        mq_lm_head(s->m, s->x, n, logits);
-    }
-    s->pos += n;
     return MOEQ_OK;
 }

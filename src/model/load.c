@@ -33,35 +33,11 @@
 #include "io/fp8.h"
 #include "io/gguf_hf.h"
 #include "io/tokenizer.h"
+#include "kernels/ggml_mat.h"
 #include "kernels/moe_ffn.h"
+#include "model/load_internal.h"
 #include "model/model_internal.h"
 #include "model/rotate.h"
-
-/* One fp32 destination filled from (a slice of) one checkpoint tensor. */
-typedef struct {
-    char *name;
-    int ndim;
-    int64_t shape[3];
-    float **dest;
-    int64_t off, count;   /* elements [off, off + count) of the tensor */
-    int layer;            /* -1 for the embeddings, final norm and lm_head */
-    const mq_tensor_view *t;
-    char *module;         /* a Linear's weight: its module name (may be stored quantized) */
-    bool quantized;       /* module.weight absent, a quantized layout present */
-    mq_linear *lin;       /* the decoder Linear this weight belongs to, or NULL */
-    int expert;           /* routed expert index, n_experts for the shared expert, else -1 */
-    int part;             /* expert weights: 0 gate, 1 up, 2 down */
-    bool packed;          /* kept packed: no fp32 copy is made */
-    unsigned what;        /* the MQ_PART_* it belongs to (lazy loading) */
-    int64_t bytes;        /* fp32 bytes of its destination */
-} want;
-
-typedef struct {
-    want *w;
-    size_t n, cap;
-    bool oom;
-    unsigned what;        /* MQ_PART_* of the wants being added */
-} want_list;
 
 static void want_add(want_list *L, int layer, char *name, int ndim, const int64_t *shape,
                      float **dest, int64_t off, int64_t count) {
@@ -127,7 +103,7 @@ static void tag_expert(want_list *L, int e, int part) {
     L->w[L->n - 1].part = part;
 }
 
-static void want_free(want_list *L) {
+void mq_want_free(want_list *L) {
     for (size_t i = 0; i < L->n; i++) {
         free(L->w[i].name);
         free(L->w[i].module);
@@ -286,7 +262,7 @@ static moeq_status want_moe(want_list *L, const mq_st *st, const mq_config *c, i
     return MOEQ_OK;
 }
 
-static moeq_status build_wants(want_list *L, const mq_st *st, moeq_model *m) {
+moeq_status mq_build_wants(want_list *L, const mq_st *st, moeq_model *m) {
     const mq_config *c = &m->cfg;
     int64_t V = c->vocab, D = c->D;
     int64_t vd[2] = {V, D};
@@ -331,7 +307,7 @@ static const mq_tensor_view *st_lookup(void *user, const char *name) {
 }
 
 /* Finds every wanted tensor and checks dtype and shape; one error lists all problems. */
-static moeq_status check_wants(want_list *L, const mq_st *st, const moeq_model *m, const char *dir) {
+moeq_status mq_check_wants(want_list *L, const mq_st *st, const moeq_model *m, const char *dir) {
     const mq_config *c = &m->cfg;
     mq_problems probs;
     mq_problems_init(&probs);
@@ -448,19 +424,20 @@ typedef struct {
  * tensor's blocks decoded for just those values); a tensor that converts only whole (FP8
  * block-quantized: its scales go by blocks of rows and columns; GGUF's merged kv_b) whole, with
  * k0 = 0 (check_wants). */
-static moeq_status want_piece_to_f32(const want *w, int64_t k0, int64_t k1) {
+moeq_status mq_want_piece_to_f32(const want *w, int64_t k0, int64_t k1) {
     if (mq_tensor_whole_only(w->t)) return k0 == 0 ? mq_tensor_to_f32(w->t, *w->dest) : MOEQ_OK;
     return mq_tensor_range_to_f32(w->t, w->off + k0, w->off + k1, *w->dest + k0);
 }
 
 /* The whole want. */
-static moeq_status want_to_f32(const want *w) { return want_piece_to_f32(w, 0, w->count); }
+static moeq_status want_to_f32(const want *w) { return mq_want_piece_to_f32(w, 0, w->count); }
 
 static void convert_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     convert_job *j = ctx;
     const want *w = &j->L->w[i];
-    if (w->quantized) return;   /* dequantized afterwards, on this thread, for its messages */
+    if (w->quantized || w->packed) return;   /* dequantized afterwards (on this thread, for its
+                                                 messages), or kept packed */
     j->status[i] = want_to_f32(w);
 }
 
@@ -489,7 +466,13 @@ static moeq_status load_wants(want_list *L, const mq_st *st) {
 /* ---- packed weights (keep_packed) ---------------------------------------------------------- */
 /* One quantized Linear outside the MoE experts: packed, or left for dequantization when the
  * kernels refuse it. Reading errors (a malformed tensor) fail the load as the fp32 path would. */
-static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_fallback) {
+static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_fallback,
+                               mq_pack_cache *c) {
+    if (mq_pack_cache_get_weight(c, w->module, &w->lin->qw)) {   /* nothing read */
+        w->packed = true;
+        m->n_packed++;
+        return MOEQ_OK;
+    }
     mq_qtensor q;
     moeq_status s = mq_layout_read(w->module, w->shape[0], w->shape[1], st_lookup, (void *)st, &q);
     if (!s) s = mq_packed_weight_from_qtensor(&q, w->module, &w->lin->qw);
@@ -502,6 +485,7 @@ static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_f
     if (!s) {
         w->packed = true;
         m->n_packed++;
+        s = mq_pack_cache_put_weight(c, w->module, w->lin->qw);
     }
     return s;
 }
@@ -510,7 +494,7 @@ static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_f
  * or all left for dequantization. ws: the layer's expert weight wants, [part * E + e] for routed
  * expert e, [3 * E + part] for the shared expert. */
 static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model *m, int l,
-                                  int *n_fallback) {
+                                  int *n_fallback, mq_pack_cache *c) {
     const int E = m->cfg.n_experts;
     int nq = 0;
     for (int i = 0; i < n; i++) nq += ws[i] && ws[i]->quantized;
@@ -525,6 +509,12 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
         *n_fallback += nq;
         return MOEQ_OK;
     }
+    mq_layer *ly = &m->layers[l];
+    if (mq_pack_cache_get_experts(c, what, &ly->pexperts)) {   /* nothing read */
+        for (int i = 0; i < n; i++) ws[i]->packed = true;
+        m->n_packed += n;
+        return MOEQ_OK;
+    }
     mq_qtensor *q = calloc((size_t)n, sizeof *q);
     if (!q) return mq_err(MOEQ_E_NOMEM, "%s: out of memory", what);
     moeq_status s = MOEQ_OK;
@@ -532,7 +522,6 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
     for (; n_read < n && !s; n_read++)
         s = mq_layout_read(ws[n_read]->module, ws[n_read]->shape[0], ws[n_read]->shape[1],
                            st_lookup, (void *)st, &q[n_read]);
-    mq_layer *ly = &m->layers[l];
     if (!s) {
         const mq_qtensor *sh = n > 3 * E ? q + 3 * E : NULL;
         s = mq_moe_experts_from_qtensors(q, q + E, q + 2 * E, E, sh, sh ? sh + 1 : NULL,
@@ -544,6 +533,7 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
         } else if (!s) {
             for (int i = 0; i < n; i++) ws[i]->packed = true;
             m->n_packed += n;
+            s = mq_pack_cache_put_experts(c, what, ly->pexperts);
         }
     }
     for (int i = 0; i < n_read; i++) mq_qtensor_free(&q[i]);
@@ -553,8 +543,8 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
 
 /* Packs every quantized decoder Linear of layers [l0, l1) the kernels support; the rest stay on
  * the fp32 path. */
-static moeq_status pack_layers(want_list *L, const mq_st *st, moeq_model *m, int l0, int l1,
-                               int *n_fallback) {
+moeq_status mq_pack_layers(want_list *L, const mq_st *st, moeq_model *m, int l0, int l1,
+                               int *n_fallback, mq_pack_cache *c) {
     const int E = m->cfg.n_experts, nmoe = 3 * E + (m->cfg.shared_ffn > 0 ? 3 : 0);
     want **ws = calloc((size_t)(nmoe > 0 ? nmoe : 1), sizeof *ws);
     if (!ws) return mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -567,23 +557,108 @@ static moeq_status pack_layers(want_list *L, const mq_st *st, moeq_model *m, int
             if (w->expert >= 0)
                 ws[w->expert < E ? w->part * E + w->expert : 3 * E + w->part] = w;
             else if (w->quantized)
-                s = pack_linear(st, w, m, n_fallback);
+                s = pack_linear(st, w, m, n_fallback, c);
         }
-        if (!s && m->layers[l].is_moe) s = pack_moe_layer(st, ws, nmoe, m, l, n_fallback);
+        if (!s && m->layers[l].is_moe) s = pack_moe_layer(st, ws, nmoe, m, l, n_fallback, c);
     }
     free(ws);
     return s;
 }
 
 static moeq_status pack_quantized(want_list *L, const mq_st *st, moeq_model *m, int *n_fallback) {
-    return pack_layers(L, st, m, 0, m->cfg.n_layers, n_fallback);
+    return mq_pack_layers(L, st, m, 0, m->cfg.n_layers, n_fallback, m->pcache);
+}
+
+/* ---- a .gguf in place (keep_packed; load_gguf.c) --------------------------------------------- */
+/* Whether want w is one whole GGUF tensor (not a slice of a fused one). */
+static bool gguf_whole(const want *w) {
+    return w->t && w->t->ggml && w->off == 0 && w->count == w->t->numel;
+}
+
+/* Each MoE layer's experts repacked, every other Linear, the embeddings and lm_head mapped; what
+ * cannot be (K-quants, the merged kv_b, experts of other types) stays for load_wants to decode. */
+static moeq_status map_gguf(want_list *L, moeq_model *m, int *n_fallback) {
+    const int E = m->cfg.n_experts, nmoe = 3 * E + (m->cfg.shared_ffn > 0 ? 3 : 0);
+    const mq_tensor_view **v = calloc((size_t)(nmoe > 0 ? nmoe : 1), sizeof *v);
+    want **ws = calloc((size_t)(nmoe > 0 ? nmoe : 1), sizeof *ws);
+    moeq_status s = v && ws ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory");
+    for (int l = 0; l < m->cfg.n_layers && !s && nmoe > 0; l++) {
+        if (!m->layers[l].is_moe) continue;
+        memset(ws, 0, sizeof *ws * (size_t)nmoe);
+        memset(v, 0, sizeof *v * (size_t)nmoe);
+        for (size_t i = 0; i < L->n; i++) {
+            want *w = &L->w[i];
+            if (w->layer != l || !w->lin || w->expert < 0 || !gguf_whole(w)) continue;
+            int k = w->expert < E ? w->part * E + w->expert : 3 * E + w->part;
+            ws[k] = w;
+            v[k] = w->t;
+        }
+        char what[64];
+        snprintf(what, sizeof what, "model.layers.%d.mlp", l);
+        s = mq_gguf_map_experts(v, E, m->cfg.shared_ffn > 0, what, m->pcache,
+                                &m->layers[l].pexperts);
+        if (s == MOEQ_E_UNSUPPORTED) {   /* its Linears are mapped one by one below */
+            mq_info("%s; its experts run through the mapped rows", moeq_last_error());
+            s = MOEQ_OK;
+        } else if (!s) {
+            for (int k = 0; k < nmoe; k++) ws[k]->packed = true;
+            m->n_packed += nmoe;
+        }
+    }
+    for (size_t i = 0; i < L->n && !s; i++) {
+        want *w = &L->w[i];
+        /* F32 stays as it is decoded: a copy of the same bytes, computed as the source's */
+        if (w->packed || !gguf_whole(w) || w->ndim != 2 || w->t->ggml->type == MQ_GGML_F32) continue;
+        struct mq_ggml_mat **dst = w->dest == &m->embed ? &m->embed_g
+                                   : w->dest == &m->lm_head ? &m->head_g : NULL;
+        if (!dst && !w->lin) continue;
+        s = w->lin ? mq_gguf_map_linear(w->t, w->lin, m->pcache)
+                   : mq_gguf_map_mat(w->t, w->shape[0], w->shape[1], dst);
+        if (s == MOEQ_E_UNSUPPORTED) {
+            mq_info("%s; it is decoded to fp32", moeq_last_error());
+            (*n_fallback)++;
+            s = MOEQ_OK;
+        } else if (!s) {
+            w->packed = true;
+            m->n_packed += w->lin != NULL;
+        }
+    }
+    free(v);
+    free(ws);
+    return s;
+}
+
+/* A quantized checkpoint run packed: its BF16 / F16 embeddings and lm_head read in place from the
+ * mapped safetensors (no fp32 copy: half the bytes a decoded token reads of lm_head). mark: the
+ * wants are then done (a whole open); the lazy model loads its fp32 copies still, unused. */
+moeq_status mq_map_float_head(want_list *L, moeq_model *m, bool mark) {
+    moeq_status s = MOEQ_OK;
+    for (size_t i = 0; i < L->n && !s; i++) {
+        want *w = &L->w[i];
+        struct mq_ggml_mat **dst = w->dest == &m->embed ? &m->embed_g
+                                   : w->dest == &m->lm_head ? &m->head_g : NULL;
+        const mq_tensor_view *t = w->t;
+        if (!dst || *dst || !t || t->ggml || t->scale_inv || w->off != 0 || w->count != t->numel ||
+            t->ndim != 2 || (t->dtype != MOEQ_DT_BF16 && t->dtype != MOEQ_DT_F16))
+            continue;
+        mq_ggml_mat g;
+        s = mq_ggml_mat_init(&g, t->data, t->dtype == MOEQ_DT_BF16 ? MQ_GM_BF16 : MQ_GM_F16,
+                             t->shape[0], t->shape[1], 1.0f, 0, t->name);
+        if (!s && !(*dst = mq_alloc(sizeof g, "mapped matrix"))) s = MOEQ_E_NOMEM;
+        if (!s) {
+            **dst = g;
+            w->packed = mark;
+        }
+    }
+    return s;
 }
 
 /* ---- resident bytes -------------------------------------------------------------------------- */
 static void count_linear(const mq_linear *l, int64_t *res, int64_t *f32) {
     int64_t wb = l->out * l->in * 4, bb = l->bias ? l->out * 4 : 0;
     *f32 += wb + bb;
-    *res += bb + (l->w ? wb : (int64_t)mq_packed_weight_bytes(l->qw));
+    *res += bb + (l->w ? wb : l->gw ? (int64_t)mq_ggml_mat_bytes(l->gw)
+                                    : (int64_t)mq_packed_weight_bytes(l->qw));
 }
 
 static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
@@ -591,7 +666,7 @@ static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
     int64_t D = c->D, VD = (int64_t)c->vocab * D, vec = 0, q = (int64_t)c->n_heads * c->head_dim,
             kv = (int64_t)c->n_kv_heads * c->head_dim;
     *res = *f32 = 0;
-    vec += VD + D + (m->lm_head != m->embed ? VD : 0);
+    vec += VD + D + (c->tie_embeddings ? 0 : VD);
     for (int l = 0; l < c->n_layers; l++) {
         const mq_layer *ly = &m->layers[l];
         vec += 2 * D;
@@ -623,6 +698,9 @@ static void count_bytes(const moeq_model *m, int64_t *res, int64_t *f32) {
     }
     *res += 4 * vec;
     *f32 += 4 * vec;
+    /* mapped embeddings / lm_head: their file bytes, not fp32 */
+    if (m->embed_g) *res -= VD * 4 - (int64_t)mq_ggml_mat_bytes(m->embed_g);
+    if (m->head_g && m->head_g != m->embed_g) *res -= VD * 4 - (int64_t)mq_ggml_mat_bytes(m->head_g);
 }
 
 /* Marks the Linears whose input the emulated activation quantizer sees: all decoder Linears of
@@ -730,6 +808,7 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
 /* ---- open / free --------------------------------------------------------------------------- */
 static void linear_free(mq_linear *l) {
     mq_free(l->w);
+    mq_free(l->gw);
     mq_free(l->bias);
     free(l->name);
     mq_packed_weight_free(l->qw);
@@ -741,6 +820,7 @@ void moeq_model_free(moeq_model *m) {
         mq_lazy_close(m->lazy);
         return;
     }
+    mq_gguf_detach_cached(m);
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
         mq_free(ly->attn_norm);
@@ -779,6 +859,10 @@ void moeq_model_free(moeq_model *m) {
     free(m->layers);
     if (m->lm_head != m->embed) mq_free(m->lm_head);
     mq_free(m->embed);
+    if (m->head_g != m->embed_g) mq_free(m->head_g);
+    mq_free(m->embed_g);
+    mq_st_close(m->mapped);
+    mq_pack_cache_close(m->pcache);
     mq_free(m->final_norm);
     moeq_tokenizer_free(m->tok);
     cJSON_Delete(m->gguf_types);
@@ -788,7 +872,7 @@ void moeq_model_free(moeq_model *m) {
     free(m);
 }
 
-static void fill_info(moeq_model *m) {
+void mq_fill_info(moeq_model *m) {
     const mq_config *c = &m->cfg;
     moeq_model_info *i = &m->info;
     i->model_type = c->model_type;
@@ -832,7 +916,7 @@ static char *scheme_name(const mq_config *c) {
  * and the ggml types are made in memory, into docs, which the caller frees). config.json goes
  * through the parser as the text moeq_import_gguf would write, so both read the same config. */
 /* given: config.json already parsed by the caller (taken over, left zeroed), else NULL: read. */
-static moeq_status open_source(const char *path, bool tokenizer, mq_config *given, mq_config *cfg,
+moeq_status mq_open_source(const char *path, bool tokenizer, mq_config *given, mq_config *cfg,
                                mq_st **st, mq_gguf_docs *docs) {
     memset(docs, 0, sizeof *docs);
     if (!mq_is_gguf_file(path)) {
@@ -856,7 +940,7 @@ static moeq_status open_source(const char *path, bool tokenizer, mq_config *give
 }
 
 /* The tokenizer of a model path (none, without an error, where a directory has none). */
-static moeq_status open_tokenizer(const char *path, const mq_gguf_docs *docs, moeq_tokenizer **tok) {
+moeq_status mq_open_tokenizer(const char *path, const mq_gguf_docs *docs, moeq_tokenizer **tok) {
     if (docs->tokenizer) return mq_tokenizer_from_json(path, docs->tokenizer, docs->config, tok);
     moeq_status s = MOEQ_OK;
     char *tp = mq_tokenizer_find(path);   /* tokenizer.json, else tiktoken.model */
@@ -888,7 +972,7 @@ static moeq_status open_streamed(const char *dir, const moeq_model_options *o, m
         moeq_model_free(m);
         return s;
     }
-    fill_info(m);
+    mq_fill_info(m);
     m->info.act_quant = m->act_quant;
     int64_t peak = 0;
     for (int l = 0; l < m->cfg.n_layers; l++) {
@@ -923,7 +1007,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     mq_st *st = NULL;
     want_list L = {0};
     mq_gguf_docs docs;
-    moeq_status s = open_source(dir, !o.no_tokenizer, NULL, &m->cfg, &st, &docs);
+    moeq_status s = mq_open_source(dir, !o.no_tokenizer, NULL, &m->cfg, &st, &docs);
     m->gguf_types = docs.types;
     docs.types = NULL;
     if (s) goto fail;
@@ -942,21 +1026,30 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
         pack = false;
     }
     int n_fallback = 0;
-    s = build_wants(&L, st, m);
-    if (!s) s = check_wants(&L, st, m, dir);
+    s = mq_build_wants(&L, st, m);
+    if (!s) s = mq_check_wants(&L, st, m, dir);
+    /* a .gguf: its blocks used in place (the mapping then stays open with the model) */
+    bool in_place = o.keep_packed && !o.act_quant && mq_is_gguf_file(dir);
+    if (!s && (pack || in_place)) s = mq_pack_cache_open(dir, &m->pcache);
     if (!s && pack) s = pack_quantized(&L, st, m, &n_fallback);
+    if (!s && pack && m->n_packed > 0) s = mq_map_float_head(&L, m, true);   /* not all fp32 */
+    if (!s && in_place) s = map_gguf(&L, m, &n_fallback);
     if (!s) s = load_wants(&L, st);
     if (!s) s = mark_act_quant(m, true);
     if (s) goto fail;
-    if (m->cfg.tie_embeddings) m->lm_head = m->embed;
-    want_free(&L);
+    if (m->cfg.tie_embeddings) m->lm_head = m->embed, m->head_g = m->embed_g;
+    mq_want_free(&L);
     L = (want_list){0};
-    mq_st_close(st);
+    if (in_place || m->embed_g || m->head_g) m->mapped = st;   /* they point into it */
+    else mq_st_close(st);
     st = NULL;
+    if (m->pcache && (s = mq_pack_cache_commit(m->pcache)))   /* a cache not written costs time */
+        mq_info("%s; the next open repacks again", moeq_last_error());
+    s = MOEQ_OK;
 
-    if (!o.no_tokenizer && (s = open_tokenizer(dir, &docs, &m->tok))) goto fail;
+    if (!o.no_tokenizer && (s = mq_open_tokenizer(dir, &docs, &m->tok))) goto fail;
     mq_gguf_docs_free(&docs);
-    fill_info(m);
+    mq_fill_info(m);
     count_bytes(m, &m->info.weight_bytes, &m->info.weight_bytes_fp32);
     m->info.weight_bytes_whole = m->info.weight_bytes;
     m->info.packed_linears = m->n_packed;
@@ -966,7 +1059,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     return MOEQ_OK;
 
 fail:
-    want_free(&L);
+    mq_want_free(&L);
     mq_st_close(st);
     mq_gguf_docs_free(&docs);
     moeq_model_free(m);
@@ -976,462 +1069,3 @@ fail:
 const moeq_model_info *moeq_model_get_info(const moeq_model *m) { return m ? &m->info : NULL; }
 const moeq_tokenizer *moeq_model_tokenizer(const moeq_model *m) { return m ? m->tok : NULL; }
 
-/* ---- the lazy model (streaming) --------------------------------------------------------------- */
-/* The structure of moeq_model_open (config, every tensor checked, Linear names and shapes) with
- * no weight loaded: parts of a layer are converted to fp32 when asked for and freed again, and
- * embeddings are read row by row from the mapping. */
-struct mq_lazy_model {
-    moeq_model *m;
-    mq_st *st;
-    want_list L;
-    const mq_tensor_view *embed;
-    const mq_rotation *rot;   /* borrowed; NULL: none */
-    int64_t piece;            /* values a conversion task (mq_lazy_set_piece); 0: LAZY_PIECE */
-    bool pack;                /* whole layers' quantized Linears packed (mq_lazy_set_packed) */
-    bool *packed_layer;       /* [n_layers]: packed weights are loaded */
-    int n_fallback;           /* quantized Linears the kernels refused (they run in fp32) */
-};
-
-void mq_lazy_close(mq_lazy_model *lz) {
-    if (!lz) return;
-    if (lz->m) {
-        for (size_t i = 0; i < lz->L.n; i++)
-            if (lz->L.w[i].dest) {
-                mq_free(*lz->L.w[i].dest);
-                *lz->L.w[i].dest = NULL;
-            }
-        lz->m->lm_head = NULL;
-    }
-    want_free(&lz->L);
-    mq_st_close(lz->st);
-    if (lz->m) lz->m->lazy = NULL;
-    moeq_model_free(lz->m);   /* packed weights still loaded go with their Linears */
-    free(lz->packed_layer);
-    free(lz);
-}
-
-moeq_status mq_lazy_open(const char *dir, bool tokenizer, mq_lazy_model **out) {
-    return mq_lazy_open_config(dir, NULL, tokenizer, out);
-}
-
-moeq_status mq_lazy_open_config(const char *dir, mq_config *cfg, bool tokenizer, mq_lazy_model **out) {
-    *out = NULL;
-    mq_lazy_model *lz = calloc(1, sizeof *lz);
-    moeq_model *m = calloc(1, sizeof *m);
-    if (!lz || !m) {
-        free(lz);
-        free(m);
-        return mq_err(MOEQ_E_NOMEM, "out of memory");
-    }
-    lz->m = m;
-    mq_gguf_docs docs;
-    moeq_status s = open_source(dir, tokenizer, cfg, &m->cfg, &lz->st, &docs);
-    m->gguf_types = docs.types;
-    docs.types = NULL;
-    if (!s) {
-        m->dir = mq_strdup(dir);
-        m->layers = calloc((size_t)m->cfg.n_layers, sizeof(mq_layer));
-        if (!m->dir || !m->layers) s = mq_err(MOEQ_E_NOMEM, "out of memory");
-    }
-    if (!s && !(lz->packed_layer = calloc((size_t)m->cfg.n_layers + 1, sizeof(bool))))
-        s = mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!s) s = build_wants(&lz->L, lz->st, m);
-    if (!s) s = check_wants(&lz->L, lz->st, m, dir);
-    if (!s) {
-        lz->embed = mq_st_find(lz->st, "model.embed_tokens.weight");
-        for (size_t i = 0; i < lz->L.n; i++)
-            if (lz->L.w[i].quantized && lz->L.w[i].what == MQ_PART_EMBED &&
-                lz->L.w[i].dest == &m->embed)
-                s = mq_err(MOEQ_E_UNSUPPORTED, "%s: quantized embeddings", dir);
-    }
-    if (!s && tokenizer) s = open_tokenizer(dir, &docs, &m->tok);
-    mq_gguf_docs_free(&docs);
-    if (s) {
-        mq_lazy_close(lz);
-        return s;
-    }
-    fill_info(m);
-    /* the pipeline groups an expert's rows across samples: its products must not depend on it */
-    mq_model_det_experts(m, true);
-    *out = lz;
-    return MOEQ_OK;
-}
-
-void mq_model_det_experts(moeq_model *m, bool on) {
-    for (int l = 0; l < m->cfg.n_layers; l++) {
-        mq_layer *ly = &m->layers[l];
-        for (int e = 0; ly->is_moe && e < m->cfg.n_experts; e++)
-            ly->exp_gate[e].det = ly->exp_up[e].det = ly->exp_down[e].det = on;
-    }
-}
-
-moeq_model *mq_lazy_model_of(mq_lazy_model *lz) { return lz->m; }
-void mq_lazy_set_rotation(mq_lazy_model *lz, const mq_rotation *r) { lz->rot = r; }
-void mq_lazy_set_piece(mq_lazy_model *lz, int64_t values) { lz->piece = values > 0 ? values : 0; }
-void mq_lazy_set_packed(mq_lazy_model *lz, bool on) { lz->pack = on; }
-bool mq_lazy_packed(const mq_lazy_model *lz) { return lz->pack && lz->m->cfg.quant_method; }
-mq_lazy_model *mq_model_lazy(const moeq_model *m) { return m ? m->lazy : NULL; }
-
-/* Whether a load of (layer, what, e0, e1) is a whole decoder layer. */
-static bool whole_layer(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
-    return layer >= 0 && (what & MQ_PART_LAYER) == MQ_PART_LAYER && e0 <= 0 &&
-           e1 >= lz->m->cfg.n_experts;
-}
-
-/* Packed bytes of a quantized weight of n values, an upper bound for every layout the kernels
- * take: 4-bit codes plus at most one byte of scale per 8 values (INT4 groups of 32 keep an fp32
- * scale; NVFP4 one E4M3 byte per 16). */
-static int64_t packed_estimate(int64_t n) { return n / 2 + n / 8 + 256; }
-
-int64_t mq_lazy_layer_bytes(const mq_lazy_model *lz, int layer) {
-    int64_t n = 0;
-    for (size_t i = 0; i < lz->L.n; i++) {
-        const want *w = &lz->L.w[i];
-        if (w->layer != layer) continue;
-        n += lz->pack && w->quantized && w->lin ? packed_estimate(w->count) : w->bytes;
-    }
-    return n;
-}
-
-int64_t mq_lazy_head_bytes(const mq_lazy_model *lz) {
-    unsigned what = MQ_PART_HEAD | (lz->m->cfg.tie_embeddings ? MQ_PART_EMBED : 0);
-    return mq_lazy_bytes(lz, -1, what, 0, 0);
-}
-
-const mq_st *mq_lazy_st(const mq_lazy_model *lz) { return lz->st; }
-
-static bool want_selected(const want *w, int layer, unsigned what, int e0, int e1) {
-    if (w->layer != layer || !(w->what & what)) return false;
-    if (w->what == MQ_PART_EXPERTS) return w->expert >= e0 && w->expert < e1;
-    return true;
-}
-
-void mq_lazy_prefetch(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
-    for (size_t i = 0; i < lz->L.n; i++) {
-        const want *w = &lz->L.w[i];
-        if (!want_selected(w, layer, what, e0, e1) || !w->t || w->quantized) continue;
-        const size_t es = moeq_dtype_size(w->t->dtype);
-        /* FP8 blocks, GGUF (a view is one whole matrix): the whole tensor */
-        if (w->t->scale_inv || w->t->ggml) mq_prefetch(w->t->data, w->t->nbytes);
-        else mq_prefetch(w->t->data + (size_t)w->off * es, (size_t)w->count * es);
-    }
-}
-
-int64_t mq_lazy_bytes(const mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
-    int64_t n = 0;
-    for (size_t i = 0; i < lz->L.n; i++)
-        if (want_selected(&lz->L.w[i], layer, what, e0, e1)) n += lz->L.w[i].bytes;
-    return n;
-}
-
-/* The residual-stream rotation of one loaded fp32 want (rotate.h). Routed and shared experts by
- * their part (fused experts have no name of their own), everything else by its tensor name. */
-static moeq_status rotate_want(const mq_rotation *r, const want *w, float *x) {
-    int layer = w->layer;
-    mq_rot_kind k;
-    if (w->expert >= 0) k = w->part == 2 ? MQ_ROT_WRITE : MQ_ROT_READ_FFN;
-    else k = mq_rot_classify(w->name, &layer);
-    const int64_t D = r->D;
-    if (k == MQ_ROT_NONE) return MOEQ_OK;
-    if (w->count % D)
-        return mq_err(MOEQ_E_SHAPE, "rotate: tensor '%s': %lld values, not rows of %lld", w->name,
-                      (long long)w->count, (long long)D);
-    if (k == MQ_ROT_WRITE) return mq_rotation_apply(r, k, layer, x, D, w->count / D, w->name);
-    return mq_rotation_apply(r, k, layer, x, w->count / D, D, w->name);
-}
-
-/* A lazy load converts in pieces of 2 MB of fp32 (a huge page's worth: two threads rarely fault
- * in one page): a chunk of 8 experts is 24 tensors, which as one task each left a third of 16
- * threads idle in the second of two rounds. A piece: elements [k0, k1) of want idx. */
-enum { LAZY_PIECE = 512 * 1024 };
-
-typedef struct {
-    size_t idx;
-    int64_t k0, k1;
-} lazy_piece;
-
-typedef struct {
-    const mq_lazy_model *lz;
-    const size_t *idx;          /* the wants loaded here */
-    const bool *convert;        /* per want: read here (not only allocated, not dequantized) */
-    const lazy_piece *piece;
-    moeq_status *status;        /* per want */
-} lazy_job;
-
-static void lazy_piece_task(void *ctx, int64_t i, int thread) {
-    (void)thread;
-    const lazy_job *j = ctx;
-    const lazy_piece *pc = &j->piece[i];
-    moeq_status st = want_piece_to_f32(&j->lz->L.w[j->idx[pc->idx]], pc->k0, pc->k1);
-    /* a conversion fails by its dtype alone, so every piece of a want as its first does: that
-     * one reports (one writer a want) */
-    if (pc->k0 == 0) j->status[pc->idx] = st;
-}
-
-/* The values of a want a piece converts: those that convert only whole, whole
- * (want_piece_to_f32). */
-static int64_t piece_step(const want *w, int64_t len) {
-    return mq_tensor_whole_only(w->t) && w->count > 0 ? w->count : len;
-}
-
-/* The residual-stream rotation, a whole want at a time, after all its pieces. */
-static void lazy_rotate_task(void *ctx, int64_t i, int thread) {
-    (void)thread;
-    const lazy_job *j = ctx;
-    const want *w = &j->lz->L.w[j->idx[i]];
-    if (j->convert[i] && !j->status[i]) j->status[i] = rotate_want(j->lz->rot, w, *w->dest);
-}
-
-moeq_status mq_lazy_load(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
-    return mq_lazy_load_ex(lz, layer, what, e0, e1, NULL, NULL);
-}
-
-moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1,
-                            bool (*alloc_only)(float **dest, void *user), void *user) {
-    size_t n = 0;
-    int64_t n_pieces = 0;
-    const int64_t piece_len = lz->piece > 0 ? lz->piece : LAZY_PIECE;
-    for (size_t i = 0; i < lz->L.n; i++) n += want_selected(&lz->L.w[i], layer, what, e0, e1);
-    size_t *idx = malloc((n ? n : 1) * sizeof *idx);
-    moeq_status *status = calloc(n ? n : 1, sizeof *status);
-    bool *convert = calloc(n ? n : 1, sizeof *convert);   /* read here (not only allocated) */
-    lazy_piece *piece = NULL;
-    if (!idx || !status || !convert) {
-        free(idx);
-        free(status);
-        free(convert);
-        return mq_err(MOEQ_E_NOMEM, "out of memory");
-    }
-    moeq_status s = MOEQ_OK;
-    if (lz->pack && whole_layer(lz, layer, what, e0, e1) && !lz->packed_layer[layer]) {
-        s = pack_layers(&lz->L, lz->st, lz->m, layer, layer + 1, &lz->n_fallback);
-        lz->packed_layer[layer] = true;   /* also after a failure: the release frees what it made */
-    }
-    n = 0;
-    for (size_t i = 0; i < lz->L.n && !s; i++) {
-        want *w = &lz->L.w[i];
-        if (!want_selected(w, layer, what, e0, e1) || *w->dest || w->packed) continue;
-        *w->dest = mq_alloc_array((size_t)w->count, sizeof(float), w->name);
-        if (!*w->dest) {
-            s = MOEQ_E_NOMEM;
-            break;
-        }
-        /* quantized sources are dequantized below, on this thread, for their messages */
-        convert[n] = !w->quantized && !(alloc_only && alloc_only(w->dest, user));
-        if (convert[n]) n_pieces += (w->count + piece_step(w, piece_len) - 1) / piece_step(w, piece_len);
-        idx[n++] = i;
-    }
-    if (!s && n_pieces && !(piece = malloc((size_t)n_pieces * sizeof *piece))) s = mq_err(MOEQ_E_NOMEM, "out of memory");
-    if (!s) {
-        int64_t np = 0;
-        for (size_t k = 0; k < n; k++) {
-            const want *w = &lz->L.w[idx[k]];
-            if (!convert[k]) continue;
-            const int64_t step = piece_step(w, piece_len);
-            for (int64_t k0 = 0; k0 < w->count; k0 += step)
-                piece[np++] = (lazy_piece){k, k0, k0 + step < w->count ? k0 + step : w->count};
-        }
-        lazy_job j = {lz, idx, convert, piece, status};
-        mq_parallel_for(np, lazy_piece_task, &j);
-        if (lz->rot) mq_parallel_for((int64_t)n, lazy_rotate_task, &j);
-        for (size_t k = 0; k < n && !s; k++)
-            if (status[k])
-                s = mq_err(status[k], "tensor '%s': cannot convert to fp32", lz->L.w[idx[k]].name);
-        for (size_t k = 0; k < n && !s; k++) {
-            const want *w = &lz->L.w[idx[k]];
-            if (w->quantized && !(alloc_only && alloc_only(w->dest, user)))
-                s = mq_load_linear_weight(lz->st, w->module, w->shape[0], w->shape[1], *w->dest, NULL);
-        }
-    }
-    free(idx);
-    free(status);
-    free(convert);
-    free(piece);
-    if (s) mq_lazy_release(lz, layer, what, e0, e1);
-    return s;
-}
-
-/* ---- read-ahead (model.h) ---- */
-
-struct mq_lazy_ahead {
-    mq_lazy_model *lz;
-    int layer, e0, e1;
-    unsigned what;
-    size_t *idx;                  /* the wants it fills */
-    size_t n;
-    lazy_piece *piece;
-    int64_t n_pieces;
-    moeq_status *status;          /* per want, written by its first piece */
-    atomic_int_fast64_t next;     /* the next piece to claim, by the thread or the pool */
-    atomic_int_fast64_t by_thread;
-    atomic_bool stop;
-    pthread_t th;
-    bool started;
-};
-
-/* Converts piece i, which the caller claimed. */
-static void ahead_piece(mq_lazy_ahead *a, int64_t i) {
-    const lazy_piece *pc = &a->piece[i];
-    moeq_status st = want_piece_to_f32(&a->lz->L.w[a->idx[pc->idx]], pc->k0, pc->k1);
-    if (pc->k0 == 0) a->status[pc->idx] = st;   /* one writer a want, as lazy_piece_task */
-}
-
-/* Claims and converts pieces until none is left; returns how many it converted. */
-static int64_t ahead_drain(mq_lazy_ahead *a) {
-    int64_t done = 0;
-    for (;;) {
-        if (atomic_load(&a->stop)) break;
-        const int64_t i = atomic_fetch_add(&a->next, 1);
-        if (i >= a->n_pieces) break;
-        ahead_piece(a, i);
-        done++;
-    }
-    return done;
-}
-
-static void *ahead_main(void *arg) {
-    mq_lazy_ahead *a = arg;
-#ifdef SCHED_IDLE
-    /* only on cores nothing else wants: the pool's threads take a core back at once */
-    struct sched_param sp = {0};
-    (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp);
-#endif
-    atomic_fetch_add(&a->by_thread, ahead_drain(a));
-    return NULL;
-}
-
-static void ahead_pool_task(void *ctx, int64_t i, int thread) {
-    (void)i, (void)thread;
-    mq_lazy_ahead *a = ctx;
-    if (atomic_load(&a->next) < a->n_pieces) {   /* claim one piece (the thread may take it first) */
-        const int64_t k = atomic_fetch_add(&a->next, 1);
-        if (k < a->n_pieces) ahead_piece(a, k);
-    }
-}
-
-static void ahead_free(mq_lazy_ahead *a) {
-    free(a->idx);
-    free(a->piece);
-    free(a->status);
-    free(a);
-}
-
-moeq_status mq_lazy_ahead_start(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1,
-                                mq_lazy_ahead **out) {
-    *out = NULL;
-    if (lz->rot) return MOEQ_OK;   /* the rotation follows the whole load */
-    const int64_t piece_len = lz->piece > 0 ? lz->piece : LAZY_PIECE;
-    size_t n = 0;
-    for (size_t i = 0; i < lz->L.n; i++) {
-        const want *w = &lz->L.w[i];
-        if (!want_selected(w, layer, what, e0, e1)) continue;
-        if (*w->dest || w->quantized || w->packed || !w->t || mq_tensor_whole_only(w->t)) return MOEQ_OK;
-        n++;
-    }
-    if (n == 0) return MOEQ_OK;
-    mq_lazy_ahead *a = calloc(1, sizeof *a);
-    if (a) {
-        a->idx = malloc(n * sizeof *a->idx);
-        a->status = calloc(n, sizeof *a->status);
-    }
-    if (!a || !a->idx || !a->status) {
-        if (a) ahead_free(a);
-        return mq_err(MOEQ_E_NOMEM, "out of memory");
-    }
-    *a = (mq_lazy_ahead){.lz = lz, .layer = layer, .e0 = e0, .e1 = e1, .what = what, .idx = a->idx,
-                         .status = a->status};
-    int64_t np = 0;
-    moeq_status s = MOEQ_OK;
-    for (size_t i = 0; i < lz->L.n && !s; i++) {
-        want *w = &lz->L.w[i];
-        if (!want_selected(w, layer, what, e0, e1)) continue;
-        if (!(*w->dest = mq_alloc_array((size_t)w->count, sizeof(float), w->name))) s = MOEQ_E_NOMEM;
-        else {
-            a->idx[a->n++] = i;
-            np += (w->count + piece_len - 1) / piece_len;
-        }
-    }
-    if (!s && !(a->piece = malloc((size_t)(np ? np : 1) * sizeof *a->piece))) s = mq_err(MOEQ_E_NOMEM, "out of memory");
-    for (size_t k = 0; k < a->n && !s; k++) {
-        const want *w = &lz->L.w[a->idx[k]];
-        for (int64_t k0 = 0; k0 < w->count; k0 += piece_len)
-            a->piece[a->n_pieces++] = (lazy_piece){k, k0, k0 + piece_len < w->count ? k0 + piece_len : w->count};
-    }
-    if (!s) a->started = pthread_create(&a->th, NULL, ahead_main, a) == 0;   /* else the finish converts */
-    if (s) {
-        mq_lazy_release(lz, layer, what, e0, e1);
-        ahead_free(a);
-        return s;
-    }
-    *out = a;
-    return MOEQ_OK;
-}
-
-moeq_status mq_lazy_ahead_finish(mq_lazy_ahead *a, int64_t *by_thread, int64_t *pieces) {
-    if (!a) return MOEQ_OK;
-    const int64_t left = a->n_pieces - atomic_load(&a->next);
-    if (left > 0) mq_parallel_for(left, ahead_pool_task, a);
-    if (a->started) pthread_join(a->th, NULL);   /* its last piece */
-    moeq_status s = MOEQ_OK;
-    for (size_t k = 0; k < a->n && !s; k++)
-        if (a->status[k]) s = mq_err(a->status[k], "tensor '%s': cannot convert to fp32", a->lz->L.w[a->idx[k]].name);
-    if (by_thread) *by_thread = atomic_load(&a->by_thread);
-    if (pieces) *pieces = a->n_pieces;
-    if (s) mq_lazy_release(a->lz, a->layer, a->what, a->e0, a->e1);
-    ahead_free(a);
-    return s;
-}
-
-void mq_lazy_ahead_cancel(mq_lazy_ahead *a) {
-    if (!a) return;
-    atomic_store(&a->stop, true);
-    if (a->started) pthread_join(a->th, NULL);
-    mq_lazy_release(a->lz, a->layer, a->what, a->e0, a->e1);
-    ahead_free(a);
-}
-
-void mq_lazy_release(mq_lazy_model *lz, int layer, unsigned what, int e0, int e1) {
-    if (layer >= 0 && lz->packed_layer[layer] && whole_layer(lz, layer, what, e0, e1)) {
-        for (size_t i = 0; i < lz->L.n; i++) {
-            want *w = &lz->L.w[i];
-            if (w->layer != layer || !w->packed) continue;
-            if (w->expert < 0) {
-                mq_packed_weight_free(w->lin->qw);
-                w->lin->qw = NULL;
-            }
-            w->packed = false;
-        }
-        moeq_moe_experts_free(lz->m->layers[layer].pexperts);
-        lz->m->layers[layer].pexperts = NULL;
-        lz->packed_layer[layer] = false;
-    }
-    if (layer < 0 && (what & MQ_PART_EMBED) && lz->m->lm_head == lz->m->embed)
-        lz->m->lm_head = NULL;   /* tied: lm_head borrowed the embeddings */
-    for (size_t i = 0; i < lz->L.n; i++) {
-        want *w = &lz->L.w[i];
-        if (!want_selected(w, layer, what, e0, e1) || !*w->dest) continue;
-        mq_free(*w->dest);
-        *w->dest = NULL;
-    }
-}
-
-moeq_status mq_lazy_embed(const mq_lazy_model *lz, const int32_t *ids, int64_t T, float *x) {
-    const mq_config *c = &lz->m->cfg;
-    const int64_t D = c->D;
-    for (int64_t t = 0; t < T; t++) {
-        if (ids[t] < 0 || ids[t] >= c->vocab)
-            return mq_err(MOEQ_E_ARG, "token id %d at position %lld is outside the vocabulary "
-                          "(0..%d)", ids[t], (long long)t, c->vocab - 1);
-        if (lz->embed->scale_inv) {   /* FP8 block-quantized embeddings: one row */
-            moeq_status s = mq_fp8_dequant_rows(lz->embed, ids[t], 1, x + t * D);
-            if (s) return s;
-            if (lz->rot) mq_rotation_vec(lz->rot, x + t * D);
-            continue;
-        }
-        /* one row (a GGUF's: the blocks of that row) */
-        moeq_status s = mq_tensor_range_to_f32(lz->embed, (int64_t)ids[t] * D, (int64_t)ids[t] * D + D, x + t * D);
-        if (s) return mq_err(s, "tensor 'model.embed_tokens.weight': cannot convert to fp32");
-        if (lz->rot) mq_rotation_vec(lz->rot, x + t * D);
-    }
-    return MOEQ_OK;
-}

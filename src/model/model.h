@@ -115,11 +115,13 @@ double mq_config_forward_flops(const mq_config *c, int64_t T, int64_t pos);
  * Routed experts of a layer run packed through mq_layer.pexperts instead (their w and qw are
  * then both NULL). */
 struct mq_packed_weight;   /* defined by the quantized-kernel module (kernels/moe_ffn.h) */
+struct mq_ggml_mat;        /* a GGUF matrix read in place (kernels/ggml_mat.h) */
 typedef struct {
     int64_t out, in;
     float *w;                        /* [out, in], owned; NULL when packed */
     float *bias;                     /* [out] or NULL */
     struct mq_packed_weight *qw;     /* owned, or NULL */
+    struct mq_ggml_mat *gw;          /* a GGUF file's blocks, mapped (owned struct), or NULL */
     char *name;                      /* HF module name, e.g. "model.layers.0.self_attn.q_proj" */
     bool stored_quantized;           /* the checkpoint holds this weight quantized */
     bool act_q;                      /* the emulated activation quantizer runs on its input */
@@ -161,6 +163,12 @@ struct moeq_model {
     float *embed;                    /* [V, D] */
     float *final_norm;               /* [D] */
     float *lm_head;                  /* [V, D]; == embed when tied */
+    /* A .gguf opened with keep_packed: the embeddings and lm_head read in place from the file's
+     * blocks (NULL otherwise; embed/lm_head are then NULL), and the mapping they and the Linears'
+     * gw point into, kept open. */
+    struct mq_ggml_mat *embed_g, *head_g;
+    mq_st *mapped;
+    struct mq_pack_cache *pcache;    /* the repacked blobs' cache (model/pack_cache.c), or NULL */
     mq_layer *layers;                /* [n_layers] */
     moeq_tokenizer *tok;             /* NULL if not loaded */
     char *quant_scheme;              /* NULL, or the scheme of a quantized checkpoint */
@@ -353,8 +361,8 @@ void mq_shared_expert_add(const moeq_model *m, int l, const float *xn, int64_t T
 
 /* mq_final_norm: the final RMSNorm in place on x[T, D] (then, with lm_head_act_q, the Q8_0
  * rounding llama.cpp gives lm_head's input). mq_lm_head: logits[T, V] = x @ lm_head^T
- * (nothing when logits is NULL). */
+ * (nothing when logits is NULL); fails only for a mapped lm_head's row buffers (MOEQ_E_NOMEM). */
 void mq_final_norm(const moeq_model *m, float *x, int64_t T);
-void mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits);
+moeq_status mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits);
 
 #endif

@@ -26,11 +26,11 @@ cmp -s "$tmp/a/olmoe.gguf" "$tmp/b/olmoe.gguf" || fail "export-gguf of the GPTQ 
 "$cli" export-gguf "$tmp/gptq" "$tmp/b/olmoe.gguf" --quiet 2>/dev/null
 [ $? -eq 1 ] || fail "export-gguf over an existing file without --force should exit 1"
 
-# eval on the .gguf equals eval --dequantize on the checkpoint of the same codes
+# eval --dequantize on the .gguf equals eval --dequantize on the checkpoint of the same codes
 # (a TMPDIR of this test alone: a .gguf MODEL is read in place, so nothing may appear there)
 export TMPDIR="$tmp/gguf-tmp"
 mkdir -p "$TMPDIR"
-"$cli" eval "$tmp/a/olmoe.gguf" --task text --data "$repo/data/demo-eval.txt" --json > "$tmp/e1.json" 2>/dev/null ||
+"$cli" eval "$tmp/a/olmoe.gguf" --task text --data "$repo/data/demo-eval.txt" --dequantize --json > "$tmp/e1.json" 2>/dev/null ||
     fail "eval on .gguf exited $?"
 "$cli" eval "$tmp/gptq" --task text --data "$repo/data/demo-eval.txt" --dequantize --json > "$tmp/e2.json" 2>/dev/null ||
     fail "eval on the checkpoint exited $?"
@@ -42,6 +42,12 @@ a=$(json_get "$tmp/e1.json" loglikelihood); b=$(json_get "$tmp/e2.json" loglikel
     fail "eval --stream on on .gguf exited $?"
 c=$(json_get "$tmp/e5.json" loglikelihood)
 [ "$c" = "$a" ] || fail "eval --stream on: .gguf loglikelihood '$c', whole '$a'"
+# run packed in place (the default): within the packed kernels' rounding of the fp32 figure
+"$cli" eval "$tmp/a/olmoe.gguf" --task text --data "$repo/data/demo-eval.txt" --json > "$tmp/e7.json" 2>/dev/null ||
+    fail "eval packed on .gguf exited $?"
+p=$(json_get "$tmp/e7.json" loglikelihood)
+awk -v p="$p" -v a="$a" 'BEGIN { d = (p - a) / a; exit !(p != "" && d < 1e-4 && d > -1e-4) }' ||
+    fail "eval packed on .gguf: loglikelihood '$p' against the fp32 '$a'"
 w=$(json_get "$tmp/e5.json" weight_bytes); f=$(json_get "$tmp/e5.json" weight_bytes_fp32)
 [ -n "$w" ] && [ $((w * 3)) -lt "$f" ] || fail "eval --stream on: $w bytes of weights resident of $f"
 # the .gguf as the KL base, both streamed in lockstep: the same distributions
@@ -76,7 +82,7 @@ for like in mixtral-8x7b qwen3-30b-a3b; do
     "$cli" quantize "$tmp/$like" --out "$tmp/$like-gptq" --scheme int4 --group-size 32 --format gptq --quiet ||
         fail "$like: gptq exited $?"
     "$cli" export-gguf "$tmp/$like-gptq" "$tmp/$like.gguf" --quiet || fail "$like: export-gguf exited $?"
-    "$cli" eval "$tmp/$like.gguf" --task text --data "$repo/data/demo-eval.txt" --max-length 256 --json > "$tmp/m1.json" 2>/dev/null ||
+    "$cli" eval "$tmp/$like.gguf" --task text --data "$repo/data/demo-eval.txt" --max-length 256 --dequantize --json > "$tmp/m1.json" 2>/dev/null ||
         fail "$like: eval on .gguf exited $?"
     "$cli" eval "$tmp/$like-gptq" --task text --data "$repo/data/demo-eval.txt" --max-length 256 --dequantize --json > "$tmp/m2.json" 2>/dev/null ||
         fail "$like: eval exited $?"

@@ -52,7 +52,7 @@ for fx in deepseekv3-tiny deepseekv3-noqlora-tiny; do
     mkdir -p "$tmp/$fx-b"   # the same base name: general.name
     "$cli" export-gguf "$tmp/$fx-gptq" "$tmp/$fx-b/q.gguf" --quiet 2>/dev/null || fail "$fx: export-gguf exited $?"
     cmp -s "$tmp/$fx-a/q.gguf" "$tmp/$fx-b/q.gguf" || fail "$fx: export-gguf of the GPTQ checkpoint differs"
-    "$cli" eval "$tmp/$fx-a/q.gguf" "${ev[@]}" >"$tmp/e1.json" 2>/dev/null || fail "$fx: eval on .gguf exited $?"
+    "$cli" eval "$tmp/$fx-a/q.gguf" "${ev[@]}" --dequantize >"$tmp/e1.json" 2>/dev/null || fail "$fx: eval on .gguf exited $?"
     "$cli" eval "$tmp/$fx-gptq" "${ev[@]}" --dequantize >"$tmp/e2.json" 2>/dev/null || fail "$fx: eval exited $?"
     a=$(json_get "$tmp/e1.json" loglikelihood); b=$(json_get "$tmp/e2.json" loglikelihood)
     [ -n "$a" ] && [ "$a" = "$b" ] || fail "$fx: .gguf loglikelihood '$a', checkpoint '$b'"
@@ -76,7 +76,7 @@ mkdir -p "$src" && cp "$data/deepseekv3-fp8-tiny"/* "$src"/ && cp "$model"/token
 "$cli" export-gguf "$src" "$tmp/fp8.gguf" --quiet 2>/dev/null || fail "FP8 source: export-gguf exited $?"
 "$cli" inspect "$tmp/fp8.gguf" --tensors | grep -q '^  blk.1.attn_q_b.weight  *f32  *{64, 96}' ||
     fail "FP8 source: attn_q_b is not F32"
-"$cli" eval "$tmp/fp8.gguf" "${ev[@]}" >"$tmp/e6.json" 2>/dev/null || fail "FP8 source: eval of the .gguf exited $?"
+"$cli" eval "$tmp/fp8.gguf" "${ev[@]}" --dequantize >"$tmp/e6.json" 2>/dev/null || fail "FP8 source: eval of the .gguf exited $?"
 "$cli" eval "$src" "${ev[@]}" >"$tmp/e7.json" 2>/dev/null || fail "FP8 source: eval exited $?"
 a=$(json_get "$tmp/e6.json" loglikelihood); b=$(json_get "$tmp/e7.json" loglikelihood)
 [ -n "$a" ] && [ "$a" = "$b" ] || fail "FP8 source: .gguf loglikelihood '$a', FP8 checkpoint '$b'"

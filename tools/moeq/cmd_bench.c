@@ -13,6 +13,8 @@ static const struct {
     {"eval", bench_eval,
      "streamed eval at real size: tokens/s, GFLOP/s vs sgemm, peak memory, the whole data's time"},
     {"forward", bench_forward, "fp32 forward: prefill and decode tokens/s, GFLOP/s vs sgemm"},
+    {"generate", bench_generate,
+     "packed runtime as llama-bench: load, pp and tg tokens/s, memory; llama-bench alternated"},
     {"gen-model", bench_gen_model,
      "writes a random-weight checkpoint with a real model's shapes and config"},
     {"gptq", bench_gptq, "GPTQ on one weight: seconds and fraction of the sgemm FLOP rate"},

@@ -126,7 +126,7 @@ int cmd_generate(int argc, char **argv) {
     const char *prompt_arg = NULL, *prompt_file = NULL, *messages_file = NULL;
     int64_t n_new = -1, seed = 0, threads = 0, top_k = 0, repeat_last_n = 64;
     double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0, frequency = 0.0;
-    const char *act_quant = NULL;
+    const char *act_quant = NULL, *pack_cache = NULL;
     cli_list stops = {NULL, 0};
     bool greedy = false, ignore_eos = false, no_bos = false, temp_seen = false, top_p_seen = false,
          top_k_seen = false, min_p_seen = false, seed_seen = false, dequantize = false, json = false;
@@ -174,6 +174,9 @@ int cmd_generate(int argc, char **argv) {
          NULL},
         {"--dequantize", OPT_FLAG, &dequantize, NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL},
         {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0", 0, 0, NULL},
+        {"--pack-cache", OPT_STRING, &pack_cache, "DIR", "folder of the packed-layout cache that the "
+         "next run maps instead of repacking ('off': none; default: beside the model when its folder "
+         "is writable, else $XDG_CACHE_HOME/moeq)", NULL, 0, 0, NULL},
     };
     const cli_command cmd = {
         CMD, "MODEL_DIR (--prompt P | --prompt-file F | < stdin) -n N [--greedy | --temp T --top-k K "
@@ -283,6 +286,10 @@ int cmd_generate(int argc, char **argv) {
     }
 
     if (threads > 0) moeq_set_threads((int)threads);
+    if (pack_cache) {
+        moeq_status ps = moeq_set_pack_cache_dir(strcmp(pack_cache, "off") ? pack_cache : "");
+        if (ps) return cli_fail("generate", ps);
+    }
     int aqk = !act_quant                        ? MOEQ_ACT_QUANT_NONE
               : strcmp(act_quant, "nvfp4") == 0 ? MOEQ_ACT_QUANT_NVFP4
               : strcmp(act_quant, "q8_0") == 0  ? MOEQ_ACT_QUANT_Q8_0

@@ -14,6 +14,7 @@ int cmd_serve(int argc, char **argv);
  * internals); each takes argv with argv[0] = its own name. */
 int bench_eval(int argc, char **argv);
 int bench_forward(int argc, char **argv);
+int bench_generate(int argc, char **argv);
 int bench_gen_model(int argc, char **argv);
 int bench_gptq(int argc, char **argv);
 int bench_quantize(int argc, char **argv);
