@@ -76,7 +76,9 @@ const char *mq_gpu_precision_name(moeq_gpu_precision p);
 moeq_status mq_gpu_parse_device(const char *s, int *device);
 
 /* GPTQ for n_jobs weights on the GPU: factors the n_h Hessians H[h] ([K[h], K[h]], host memory,
- * names hnames[h]) with the CPU's damping, retry and act-order rules (mq_gptq_factor_init), then
+ * names hnames[h]; every entry is checked finite, then only the lower triangle is read, as of a
+ * device sum: mq_hessian_get's H is symmetric, an sgemm's X X^T may not be bit for bit) with the
+ * CPU's damping, retry and act-order rules (mq_gptq_factor_init), then
  * runs the column loop of every job (job i uses Hessian job_h[i]; jobs[i].f is not read) and
  * fills jobs[i].out, .deq (if non-NULL) and .stats as mq_gptq_run does. Errors name the tensor
  * or the CUDA call; on error every out is freed. */

@@ -592,6 +592,17 @@ __global__ void k_form(float *H, const float *sum, int64_t K, float scale) {
     H[a * K + b] = b <= a ? scale * sum[a * K + b] : scale * sum[b * K + a];
 }
 
+/* H's upper triangle from its lower one, in place: a Hessian from host memory is read as a
+ * device sum is (k_form), so that the same lower triangle gives the same bits whichever way it
+ * came (an H whose triangles differ in rounding, as a GEMM's X X^T may, factored as given gave
+ * other codes than the same values passed as a device sum). */
+__global__ void k_mirror_lower(float *H, int64_t K) {
+    const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t a = (int64_t)blockIdx.y * blockDim.y + threadIdx.y;
+    if (a >= K || b <= a || b >= K) return;
+    H[a * K + b] = H[b * K + a];
+}
+
 /* A = H' with rows and columns in reverse processing order, lower triangle (gptq.c). */
 __global__ void k_build_a(float *A, const float *H, const int32_t *perm, const float *diag,
                           int64_t K, float damp) {
@@ -1238,6 +1249,13 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
         st = mq_err(MOEQ_E_NUMERIC, "%s: non-finite weight %g at (%lld, %lld)", j.name ? j.name : "(unnamed)",
                     (double)v, (long long)(row - h.row0[jk]), (long long)col);
     }
+    /* the finiteness checks saw H as given; from here only its lower triangle counts */
+    for (size_t k = 0; k < nf && !st; k++)
+        if (fs[k].H_host) {
+            dim3 blk(32, 8);
+            k_mirror_lower<<<grid2(fs[k].K, fs[k].K, blk), blk, 0, s0>>>(fs[k].dH, fs[k].K);
+            st = CU_LAUNCHED("k_mirror_lower");
+        }
     for (size_t a = 0; a < need_gs.size() && !st; a++) {
         unsigned bits = *(const unsigned *)host_small(damax + a);
         float amax;

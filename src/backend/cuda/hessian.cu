@@ -123,7 +123,12 @@ extern "C" moeq_status mq_gpu_hessians_set(mq_gpu_hessians *hs, int64_t i, const
     if (n < 0) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld: %lld rows", (long long)i, (long long)n);
     const int64_t K = hs->K[i];
     moeq_status st = CU(cudaSetDevice(hs->g->device));
-    if (!st) st = CU(cudaMemcpy(hs->sum[i], sum, (size_t)(K * K) * sizeof(float), cudaMemcpyHostToDevice));
+    /* on stream 0, after the zeroing mq_gpu_hessians_new queued there and before the kernels that
+     * read the sum: a plain cudaMemcpy goes on the legacy stream, which the non-blocking streams
+     * do not wait for (and it may return before its last piece has landed) */
+    cudaStream_t s = hs->g->stream[0];
+    if (!st) st = CU(cudaMemcpyAsync(hs->sum[i], sum, (size_t)(K * K) * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) st = CU(cudaStreamSynchronize(s));
     if (!st) hs->n[i] = n;
     return st;
 }
