@@ -523,6 +523,9 @@ static moeq_status gpu_ready(mq_pipe *p) {
     moeq_status s = gpu_open_wait(p, false);
     if (s || !p->gpu) return s;
     const mq_pipeline_opts *o = p->o;
+    /* the bound before anything is put on the device; its peak from here */
+    mq_gpu_set_memory_limit(p->gpu, o->max_gpu_memory);
+    mq_gpu_memory_reset_peak(p->gpu);
     mq_gpu_info gi;
     mq_gpu_get_info(p->gpu, &gi);
     mq_info("GPTQ on cuda:%d, %s (compute %d.%d, %d SMs, %.1f GB free of %.1f GB)%s", gi.device, gi.name,
@@ -587,8 +590,13 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         ((s = check_report_dir(o->report_path, p->out_dir, "report")) ||
          (s = check_report_dir(o->report_html_path, p->out_dir, "report page"))))
         goto done;
-    /* first, so that a missing GPU costs nothing; opened beside what follows up to the plan */
-    if (o->gptq && o->device >= 0 && (s = gpu_open_start(p, o->device))) goto done;
+    /* first, so that a missing GPU costs nothing; opened beside what follows up to the plan. A
+     * dry run with --max-gpu-memory plans against the bound where there is no GPU to open */
+    if (o->gptq && o->device >= 0 && (s = gpu_open_start(p, o->device))) {
+        if (!(o->dry_run && o->max_gpu_memory > 0)) goto done;
+        mq_info("no GPU at hand (%s): the plan's GPU memory is against --max-gpu-memory alone", moeq_last_error());
+        s = MOEQ_OK;
+    }
     p->calibrate = o->gptq || o->act_quant;
     if ((s = read_source(p, model_dir, p->calibrate || o->rotate_block))) goto done;
     p->seq = o->gptq && o->sequential;
@@ -759,6 +767,7 @@ done:
     }
     res.seconds_total = mq_now() - t0;
     res.plan = p->mp;
+    if (p->gpu) mq_gpu_memory(p->gpu, NULL, &res.gpu_peak, NULL);
     if (!s && result) *result = res;
     else if (s && result && o->dry_run) *result = res;
     pipe_free(p);

@@ -826,7 +826,7 @@ moeq_status ensure_workspace(mq_gpu *g, int stream, size_t bytes) {
     if (bytes <= g->ws_cap[stream]) return MOEQ_OK;
     if (g->ws[stream]) {
         cudaStreamSynchronize(g->stream[stream]);
-        cudaFree(g->ws[stream]);
+        mq_cu_free(g->ws[stream]);
     }
     g->ws[stream] = NULL;
     g->ws_cap[stream] = 0;
@@ -1141,11 +1141,9 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
             const size_t meta = r.meta.used, small = r.small.used, big = r.big.used;
-            if ((st = CU(cudaMallocAsync((void **)&base, r.total() + 256, s0)))) {
-                (void)cudaGetLastError();
-                return mq_err(MOEQ_E_NOMEM, "%s: GPTQ needs %.2f GB of GPU memory", fs[0].name,
-                              (double)r.total() / 1e9);
-            }
+            if ((st = mq_cu_alloc_async((void **)&base, r.total() + 256, s0, "GPTQ")))
+                return mq_err(MOEQ_E_NOMEM, "%s: GPTQ needs %.2f GB of GPU memory (%s)", fs[0].name,
+                              (double)r.total() / 1e9, moeq_last_error());
             r = regions();
             r.meta.base = base;
             r.small.base = base + meta;
@@ -1403,7 +1401,7 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
             }
         }
     cudaDeviceSynchronize();   /* an error may leave work of the factor streams queued */
-    if (base) cudaFreeAsync(base, s0);
+    mq_cu_free_async(base, s0);
     return st;
 }
 
@@ -1456,16 +1454,8 @@ extern "C" moeq_status mq_gpu_gptq_ex(mq_gpu *g, const mq_qspec *s, const mq_gpt
         }
     prof.mark("host prep");
     /* Waves: Hessians in order with their jobs, as many as fit 85% of the free device memory. */
-    size_t free_b = 0, total_b = 0;
-    if (!st) st = CU(cudaMemGetInfo(&free_b, &total_b));
-    {   /* what the stream-ordered pool keeps from earlier calls is free for this one too */
-        cudaMemPool_t pool;
-        uint64_t res = 0, used = 0;
-        if (cudaDeviceGetDefaultMemPool(&pool, g->device) == cudaSuccess &&
-            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &res) == cudaSuccess &&
-            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess && res > used)
-            free_b += (size_t)(res - used);
-    }
+    /* free memory, with what the stream-ordered pool keeps from earlier calls, under the bound */
+    const size_t free_b = st ? 0 : mq_cu_mem_free(g);
     const size_t budget = (size_t)(0.85 * (double)free_b);
     std::vector<std::vector<int64_t>> jobs_of((size_t)n_h);
     for (int64_t i = 0; i < n_jobs; i++) jobs_of[(size_t)job_h[i]].push_back(i);
