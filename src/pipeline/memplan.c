@@ -313,8 +313,8 @@ static moeq_status plan_gpu(mq_pipe *p, int *C) {
         /* every expert of a chunk is on the device with its Hessian sums at once */
         const int64_t fit = 1 + (budget - n.least) / n.per_expert;
         if (*C > fit) {
-            mq_info("the GPU holds %lld experts at a time within %.2f GB: chunks of %lld, not %d",
-                    (long long)fit, gb(budget), (long long)fit, *C);
+            mq_info("the GPU holds %lld expert%s at a time within %.2f GB: chunks of %lld, not %d",
+                    (long long)fit, fit == 1 ? "" : "s", gb(budget), (long long)fit, *C);
             *C = (int)fit;
         }
     }

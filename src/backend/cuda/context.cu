@@ -327,6 +327,7 @@ extern "C" void mq_gpu_close(mq_gpu *g) {
     if (g->pin) cudaFreeHost(g->pin);
     cudaMemPool_t pool;
     if (cudaDeviceGetDefaultMemPool(&pool, g->device) == cudaSuccess) cudaMemPoolTrimTo(pool, 0);
+    mq_gpu_set_memory_limit(g, 0);   /* the bound is this handle's */
     free(g);
 }
 
