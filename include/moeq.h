@@ -458,6 +458,9 @@ typedef struct {
     int gpu_precision;           /* moeq_gpu_precision (`--gpu-precision`), with a device: fp32
                                     (0, the default), tf32x3 (1) or tf32 (2): products on TF32
                                     tensor cores, faster and less exact (docs/eval.md) */
+    int64_t max_gpu_memory;      /* `--max-gpu-memory`, with a device: bytes of GPU memory the
+                                    run may hold (0, the default: the card's); what would go
+                                    over it fails as out of memory, naming the bound */
 } moeq_eval_options;
 
 void moeq_eval_options_init(moeq_eval_options *o);

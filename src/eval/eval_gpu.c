@@ -117,6 +117,7 @@ moeq_status mq_eval_gpu_open(mq_eval_ctx *c, const moeq_eval_options *o, int nm,
     G->k = G->l = -1;
     G->prec = (moeq_gpu_precision)o->gpu_precision;
     moeq_status s = mq_gpu_open(o->device, &G->g);
+    if (!s) mq_gpu_set_memory_limit(G->g, o->max_gpu_memory);   /* --max-gpu-memory, before anything goes up */
     if (!s) s = mq_gpu_set_precision(G->g, G->prec);
     int64_t rows = INT64_MAX;
     for (int k = 0; k < nm && !s; k++) {
