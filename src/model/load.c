@@ -461,6 +461,10 @@ static void convert_task(void *ctx, int64_t i, int thread) {
     convert_job *j = ctx;
     const want *w = &j->L->w[i];
     if (w->quantized) return;   /* dequantized afterwards, on this thread, for its messages */
+    if (moeq_interrupted()) {   /* Ctrl-C: the tensors left are not read */
+        j->status[i] = MOEQ_E_INTERRUPTED;
+        return;
+    }
     j->status[i] = want_to_f32(w);
 }
 
@@ -475,12 +479,13 @@ static moeq_status load_wants(want_list *L, const mq_st *st) {
     if (!status) return mq_err(MOEQ_E_NOMEM, "out of memory");
     convert_job j = {L, status};
     mq_parallel_for((int64_t)L->n, convert_task, &j);
-    moeq_status s = MOEQ_OK;
+    moeq_status s = moeq_interrupted() ? mq_err(MOEQ_E_INTERRUPTED, "loading the weights interrupted") : MOEQ_OK;
     for (size_t i = 0; i < L->n && !s; i++)
         if (status[i]) s = mq_err(status[i], "tensor '%s': cannot convert to fp32", L->w[i].name);
     free(status);
     for (size_t i = 0; i < L->n && !s; i++)
-        if (L->w[i].quantized && !L->w[i].packed)
+        if (moeq_interrupted()) s = mq_err(MOEQ_E_INTERRUPTED, "loading the weights interrupted");
+        else if (L->w[i].quantized && !L->w[i].packed)
             s = mq_load_linear_weight(st, L->w[i].module, L->w[i].shape[0], L->w[i].shape[1],
                                       *L->w[i].dest, NULL);
     return s;
@@ -560,6 +565,10 @@ static moeq_status pack_layers(want_list *L, const mq_st *st, moeq_model *m, int
     if (!ws) return mq_err(MOEQ_E_NOMEM, "out of memory");
     moeq_status s = MOEQ_OK;
     for (int l = l0; l < l1 && !s; l++) {
+        if (moeq_interrupted()) {   /* a layer's packing reads its experts: a poll a layer */
+            s = mq_err(MOEQ_E_INTERRUPTED, "layer %d: packing its weights interrupted", l);
+            break;
+        }
         memset(ws, 0, sizeof *ws * (size_t)(nmoe > 0 ? nmoe : 1));
         for (size_t i = 0; i < L->n && !s; i++) {
             want *w = &L->w[i];
@@ -1162,6 +1171,9 @@ static void lazy_piece_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     const lazy_job *j = ctx;
     const lazy_piece *pc = &j->piece[i];
+    /* Ctrl-C: the pieces left are skipped (the caller sees the flag after the loop); a piece is
+     * a few MB, read from the page cache or the disk, so the loop ends within a second */
+    if (moeq_interrupted()) return;
     moeq_status st = want_piece_to_f32(&j->lz->L.w[j->idx[pc->idx]], pc->k0, pc->k1);
     /* a conversion fails by its dtype alone, so every piece of a want as its first does: that
      * one reports (one writer a want) */
@@ -1233,7 +1245,8 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
         }
         lazy_job j = {lz, idx, convert, piece, status};
         mq_parallel_for(np, lazy_piece_task, &j);
-        if (lz->rot) mq_parallel_for((int64_t)n, lazy_rotate_task, &j);
+        if (moeq_interrupted()) s = mq_err(MOEQ_E_INTERRUPTED, "layer %d: loading its weights interrupted", layer);
+        if (!s && lz->rot) mq_parallel_for((int64_t)n, lazy_rotate_task, &j);
         for (size_t k = 0; k < n && !s; k++)
             if (status[k])
                 s = mq_err(status[k], "tensor '%s': cannot convert to fp32", lz->L.w[idx[k]].name);

@@ -473,6 +473,11 @@ static moeq_status run(mq_pipe *p) {
  * tokenized, and is waited for before the memory plan, the first step that asks the device: the
  * first layer started about 0.2 s sooner on an H200. The probe first, so a machine without the
  * device still fails at once. MOEQ_DEBUG_GPU_OPEN_AHEAD=0 opens it in place (to measure it). */
+/* Ctrl-C between the steps before the layers (the steps that can take long poll inside) */
+static moeq_status interrupted(void) {
+    return moeq_interrupted() ? mq_err(MOEQ_E_INTERRUPTED, "quantization interrupted") : MOEQ_OK;
+}
+
 struct mq_gpu_opening {
     pthread_t th;
     int device;
@@ -682,12 +687,13 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     } else if (o->act_quant) {
         s = act_calibration(p);
     }
+    if (!s) s = interrupted();   /* Ctrl-C during the calibration's tokenizing */
     if (s) goto done;
     p->LD = p->calibrate ? p->calib.max_len * p->c->D : 0;
     p->s_lo = 0;
     p->s_hi = p->calib.n;
     mq_dist_share(p->calib.n, p->rank, p->ranks, &p->s_lo, &p->s_hi);
-    if ((s = gpu_ready(p))) goto done;
+    if ((s = gpu_ready(p)) || (s = interrupted())) goto done;
     if ((s = mq_plan_memory(p))) goto done;
     if ((s = mq_dist_agree(s, "planning"))) goto done;
     if (o->dry_run) mq_plan_estimate_time(p);
@@ -707,6 +713,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     }
     /* the packing goes on while one thread writes (export/writer.h) */
     if (!s && p->w) s = mq_ckpt_writer_behind(p->w, (size_t)mq_plan_write_behind(p));
+    if (!s) s = interrupted();
     if ((s = mq_dist_agree(s, "the work directory"))) goto done;
     if (p->ranks > 1) {
         int32_t done_layers = p->layers_done;

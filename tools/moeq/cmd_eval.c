@@ -390,6 +390,7 @@ int cmd_eval(int argc, char **argv) {
     }
     moeq_eval_result r;
     memset(&r, 0, sizeof r);
+    bool evaluated = false;   /* Ctrl-C while the models load: nothing to print but the message */
     run_stats rs = {m ? moeq_model_get_info(m) : NULL, 0, 0};
     double cpu0 = cli_cpu_seconds();
     if (!st) {
@@ -418,6 +419,7 @@ int cmd_eval(int argc, char **argv) {
         o.gpu_precision = dev.gpu_precision;
         o.max_gpu_memory = (int64_t)gpu_mem;
         st = moeq_eval(m, docs, &o, &r);
+        evaluated = true;
     }
     if (st == MOEQ_OK && dry_run) {
         cli_progress_finish();
@@ -438,7 +440,7 @@ int cmd_eval(int argc, char **argv) {
         return CLI_OK;
     }
     cli_progress_finish();
-    if (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED) {
+    if (evaluated && (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED)) {
         rs.cpu_seconds = cli_cpu_seconds() - cpu0;
         rs.peak_rss = cli_peak_rss_bytes();
         if (!json) cli_report_memory("eval", rs.info);   /* --json: in the object (stderr stays quiet) */
