@@ -457,7 +457,8 @@ typedef struct {
     int device;
     int gpu_precision;           /* moeq_gpu_precision (`--gpu-precision`), with a device: fp32
                                     (0, the default), tf32x3 (1) or tf32 (2): products on TF32
-                                    tensor cores, faster and less exact (docs/eval.md) */
+                                    tensor cores, faster and less exact; bf16 (3): the routed
+                                    experts in bf16 too, the fastest (docs/eval.md) */
     int64_t max_gpu_memory;      /* `--max-gpu-memory`, with a device: bytes of GPU memory the
                                     run may hold (0, the default: the card's); what would go
                                     over it fails as out of memory, naming the bound */
@@ -598,6 +599,8 @@ typedef enum {
                               two TF32 halves (hi*hi + hi*lo + lo*hi): about fp32's accuracy */
     MOEQ_GPU_TF32 = 2,     /* one TF32 product (10-bit mantissas, fp32 sums), the attention's
                               scores and GPTQ's updates too: fastest, least accurate */
+    MOEQ_GPU_BF16 = 3,     /* evaluation only: the routed experts on the bf16 tensor cores (the
+                              GPU MoE op; fp32 sums), the rest as MOEQ_GPU_TF32 */
 } moeq_gpu_precision;
 
 /* When GPTQ takes a group's scale. */

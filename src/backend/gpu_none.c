@@ -366,4 +366,17 @@ moeq_status mq_gpu_gemm_bf16_time(mq_gpu *g, int n, const int64_t *M, const int6
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_moe_upload_dense(mq_gpu *g, int64_t E, int64_t D, int64_t F, const float *const *gate,
+                                    const float *const *up, const float *const *down,
+                                    const moeq_moe_ffn_args *routing, mq_gpu_moe **out) {
+    (void)g, (void)E, (void)D, (void)F, (void)gate, (void)up, (void)down, (void)routing;
+    if (out) *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_moe_ffn_buf(mq_gpu_moe *m, mq_gpu_buf *x, int64_t T, int math, mq_gpu_buf *out) {
+    (void)m, (void)x, (void)T, (void)math, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 #endif

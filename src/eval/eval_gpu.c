@@ -35,6 +35,8 @@ struct mq_eval_gpu {
     /* the layer being run */
     int k, l;
     mq_gpu_mlp *experts, *shared, *dense;
+    mq_gpu_moe *moe;              /* bf16: the routed experts as one MoE op (routing included) */
+    int k_begin;                  /* the model of the layer being begun */
     bool gated;
     /* a group's host scratch */
     mq_gpu_attn_sample *smp;      /* [rows]: a window each */
@@ -108,8 +110,8 @@ void mq_eval_gpu_close(mq_eval_gpu *G) {
 moeq_status mq_eval_gpu_open(mq_eval_ctx *c, const moeq_eval_options *o, int nm, const moeq_model *const *m,
                              mq_eval_gpu **out) {
     *out = NULL;
-    if (o->gpu_precision < MOEQ_GPU_FP32 || o->gpu_precision > MOEQ_GPU_TF32)
-        return mq_err(MOEQ_E_ARG, "eval: gpu_precision %d (fp32 0, tf32x3 1, tf32 2)", o->gpu_precision);
+    if (o->gpu_precision < MOEQ_GPU_FP32 || o->gpu_precision > MOEQ_GPU_BF16)
+        return mq_err(MOEQ_E_ARG, "eval: gpu_precision %d (fp32 0, tf32x3 1, tf32 2, bf16 3)", o->gpu_precision);
     mq_eval_gpu *G = calloc(1, sizeof *G);
     if (!G) return mq_err(MOEQ_E_NOMEM, "out of memory");
     G->c = c;
@@ -118,7 +120,8 @@ moeq_status mq_eval_gpu_open(mq_eval_ctx *c, const moeq_eval_options *o, int nm,
     G->prec = (moeq_gpu_precision)o->gpu_precision;
     moeq_status s = mq_gpu_open(o->device, &G->g);
     if (!s) mq_gpu_set_memory_limit(G->g, o->max_gpu_memory);   /* --max-gpu-memory, before anything goes up */
-    if (!s) s = mq_gpu_set_precision(G->g, G->prec);
+    /* bf16: the routed experts on the MoE op's tensor cores, everything else as tf32 */
+    if (!s) s = mq_gpu_set_precision(G->g, G->prec == MOEQ_GPU_BF16 ? MOEQ_GPU_TF32 : G->prec);
     int64_t rows = INT64_MAX;
     for (int k = 0; k < nm && !s; k++) {
         const mq_config *cf = &m[k]->cfg;
@@ -186,7 +189,9 @@ void mq_eval_gpu_layer_end(mq_eval_gpu *G) {
     mq_gpu_mlp_free(G->experts);
     mq_gpu_mlp_free(G->shared);
     mq_gpu_mlp_free(G->dense);
+    mq_gpu_moe_free(G->moe);
     G->experts = G->shared = G->dense = NULL;
+    G->moe = NULL;
     G->k = G->l = -1;
 }
 
@@ -199,11 +204,65 @@ static moeq_status one_mlp(mq_eval_gpu *G, const mq_linear *gate, const mq_linea
     return mq_gpu_mlp_new(G->g, 1, D, gate->out, &g, &u, &d, G->rows < MLP_ROWS ? G->rows : MLP_ROWS, out);
 }
 
+/* Whether the device reads layer l's routed experts of model k as codes (bf16, streamed,
+ * stored NVFP4 / INT4 with every expert's gate, up and down so). */
+static bool reads_codes(const mq_eval_gpu *G, int k, int l) {
+    const moeq_model *m = G->m[k];
+    if (G->prec != MOEQ_GPU_BF16 || !mq_model_lazy(m) || l < 0 || l >= m->cfg.n_layers) return false;
+    const mq_layer *ly = &m->layers[l];
+    if (!ly->is_moe || !ly->exp_gate) return false;
+    for (int64_t e = 0; e < m->cfg.n_experts; e++)
+        if (!ly->exp_gate[e].stored_quantized || !ly->exp_up[e].stored_quantized || !ly->exp_down[e].stored_quantized)
+            return false;
+    return true;
+}
+
+unsigned mq_eval_gpu_layer_parts(const mq_eval_gpu *G, int k, int l) {
+    return reads_codes(G, k, l) ? MQ_PART_LAYER & ~MQ_PART_EXPERTS : MQ_PART_LAYER;
+}
+
+/* bf16: layer l's routed experts as one MoE op: codes and scales as stored (decoded in the op's
+ * GEMMs), or fp32 weights rounded to bf16 on the device; routing by the op (softmax top-k,
+ * norm_topk_prob), the shared expert kept on the fp32 path. */
+static moeq_status moe_op(mq_eval_gpu *G, const moeq_model *m, int l) {
+    const mq_config *cf = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    const int64_t E = cf->n_experts;
+    moeq_moe_ffn_args r = {.router = {.data = ly->router, .dtype = MOEQ_DT_F32, .ndim = 2, .shape = {E, cf->D},
+                                      .nbytes = (size_t)(E * cf->D) * sizeof(float)},
+                           .top_k = cf->top_k, .scoring = MOEQ_MOE_SOFTMAX, .renormalize = cf->norm_topk_prob,
+                           .route_scale = 1.0f};
+    if (reads_codes(G, G->k_begin, l)) {
+        mq_gpu_experts x;
+        moeq_status s = mq_gpu_experts_read(mq_lazy_st(mq_model_lazy(m)), cf, ly, l, &x);
+        if (s == MOEQ_E_UNSUPPORTED)
+            return mq_err(s, "%s; the GPU MoE op cannot run these experts as stored: evaluate with "
+                          "--gpu-precision tf32 (the experts dequantized)", moeq_last_error());
+        if (!s) s = mq_gpu_moe_upload(G->g, &x.desc, x.has_zp ? &x.zp : NULL, &r, &G->moe);
+        mq_gpu_experts_free(&x);
+        return s;
+    }
+    const float **w = malloc((size_t)(3 * E) * sizeof *w);
+    if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    moeq_status s = MOEQ_OK;
+    for (int64_t e = 0; e < E && !s; e++) {
+        w[e] = ly->exp_gate[e].w;
+        w[E + e] = ly->exp_up[e].w;
+        w[2 * E + e] = ly->exp_down[e].w;
+        if (!w[e] || !w[E + e] || !w[2 * E + e])
+            s = mq_err(MOEQ_E_ARG, "layer %d, expert %lld: not loaded as fp32 weights", l, (long long)e);
+    }
+    if (!s) s = mq_gpu_moe_upload_dense(G->g, E, cf->D, cf->moe_ffn, w, w + E, w + 2 * E, &r, &G->moe);
+    free(w);
+    return s;
+}
+
 moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l) {
     mq_eval_gpu_layer_end(G);
     const moeq_model *m = G->m[k];
     const mq_config *cf = &m->cfg;
     const mq_layer *ly = &m->layers[l];
+    G->k_begin = k;
     if (!ly->q.w || !ly->k.w || !ly->v.w || !ly->o.w || !ly->attn_norm || !ly->ffn_norm)
         return mq_err(MOEQ_E_ARG, "layer %d: its attention is not loaded as fp32 weights", l);
     mq_gpu_attn_weights aw = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
@@ -211,9 +270,17 @@ moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l) {
                               .q_norm = ly->q_norm, .k_norm = ly->k_norm,
                               .window = cf->layer_sliding && cf->layer_sliding[l] ? cf->sliding_window : 0,
                               .ffn_norm = ly->ffn_norm, .router = ly->is_moe ? ly->router : NULL};
+    const bool op = ly->is_moe && G->prec == MOEQ_GPU_BF16;
+    if (op) aw.router = NULL;   /* the MoE op routes */
     moeq_status s = mq_gpu_attn_set(G->att[k], &aw);
     const int64_t D = cf->D, E = cf->n_experts;
-    if (!s && ly->is_moe) {
+    if (!s && op) {
+        s = moe_op(G, m, l);
+        if (!s && cf->shared_ffn > 0) s = one_mlp(G, &ly->sh_gate, &ly->sh_up, &ly->sh_down, D, &G->shared);
+        G->gated = cf->shared_ffn > 0 && cf->shared_gate;
+        if (!s && G->gated && !ly->sh_gate_w) s = mq_err(MOEQ_E_ARG, "layer %d: shared_expert_gate not loaded", l);
+        if (!s && G->gated) s = mq_gpu_buf_write(G->gate, 0, D, ly->sh_gate_w);
+    } else if (!s && ly->is_moe) {
         const float **w = malloc((size_t)(3 * E) * sizeof *w);
         if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
         for (int64_t e = 0; e < E && !s; e++) {
@@ -309,7 +376,7 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
         sm->x = x + R * D;
         sm->T = T;
         sm->ffn_dev_off = R * D;
-        if (K) {
+        if (K && !G->moe) {
             sm->sel = G->sel + R * K;
             sm->w = G->w + R * K;
         }
@@ -318,7 +385,12 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
     if (R == 0) return MOEQ_OK;
     const mq_gpu_attn_io io = {.ffn_dev = G->xn, .h_dev = G->h};
     moeq_status s = mq_gpu_attn_run_samples(G->att[G->k], G->smp, n, &io);
-    if (!s && ly->is_moe) {
+    if (!s && G->moe) {
+        s = mq_gpu_moe_ffn_buf(G->moe, G->xn, R, MQ_GPU_MOE_BF16, G->out);
+        if (!s && G->shared) s = one_mlp_rows(G, G->shared, R);
+        if (!s && G->shared) s = mq_gpu_mlp_add_kept(G->shared, G->out, G->xn, G->gated ? G->gate : NULL, R);
+        if (!s) s = mq_gpu_buf_add(G->h, G->out, R * D);
+    } else if (!s && ly->is_moe) {
         s = mq_gpu_buf_zero(G->out, 0, R * D);
         if (!s) s = routed_layout(G, R, K, E);
         if (!s) s = mq_gpu_mlp_inputs_from(G->experts, G->xn, R);

@@ -58,4 +58,23 @@ moeq_status mq_eval_gpu_score_window(mq_eval_gpu *G, int64_t wi, const float *xm
 /* Tests: groups of at most this many rows (0: the default); at least one window each. */
 void mq_eval_set_gpu_group_rows(int64_t rows);
 
+/* The parts of layer l of model k (MQ_PART_*) the host loads for mq_eval_gpu_layer_begin: the
+ * whole layer, or without the routed experts where the GPU reads their codes itself (bf16, a
+ * streamed checkpoint whose experts are stored NVFP4 or INT4). */
+unsigned mq_eval_gpu_layer_parts(const mq_eval_gpu *G, int k, int l);
+
+/* A quantized checkpoint's routed experts of one layer in the GPU MoE op's canonical form
+ * (eval_gpu_experts.c): codes and scales as stored, read from st by each expert Linear's name. */
+typedef struct {
+    moeq_moe_experts_desc desc;
+    moeq_moe_zero_points zp;
+    bool has_zp;
+    uint8_t *gu_codes, *dn_codes, *gu_scales, *dn_scales, *gu_zero, *dn_zero;
+    float *gu_global, *dn_global;
+} mq_gpu_experts;
+/* MOEQ_E_UNSUPPORTED where the op cannot take them (another scheme, act-order groups, experts
+ * stored unlike each other): the caller loads them as fp32 instead. */
+moeq_status mq_gpu_experts_read(const mq_st *st, const mq_config *cf, const mq_layer *ly, int l, mq_gpu_experts *x);
+void mq_gpu_experts_free(mq_gpu_experts *x);
+
 #endif

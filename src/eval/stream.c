@@ -773,11 +773,13 @@ static moeq_status gpu_layers(stream *S, int first, int max_layers, double *t_fo
         mq_lazy_model *lz = S->lz[kk];
         if (ahead) s = mq_lazy_ahead_finish(ahead, NULL, NULL);   /* this step's, read ahead */
         ahead = NULL;
-        if (!s && lz) s = mq_lazy_load(lz, l, MQ_PART_LAYER, 0, E);
+        const unsigned parts = mq_eval_gpu_layer_parts(S->gpu, kk, l);   /* the experts' codes: the GPU's */
+        if (!s && lz) s = mq_lazy_load(lz, l, parts, 0, E);
         if (!s) s = mq_eval_gpu_layer_begin(S->gpu, kk, l);
-        if (lz) mq_lazy_release(lz, l, MQ_PART_LAYER, 0, E);   /* on the device now */
+        if (lz) mq_lazy_release(lz, l, parts, 0, E);   /* on the device now */
         if (!s && i + 1 < n && S->lz[steps[i + 1].k])
-            s = mq_lazy_ahead_start(S->lz[steps[i + 1].k], steps[i + 1].l, MQ_PART_LAYER, 0,
+            s = mq_lazy_ahead_start(S->lz[steps[i + 1].k], steps[i + 1].l,
+                                    mq_eval_gpu_layer_parts(S->gpu, steps[i + 1].k, steps[i + 1].l), 0,
                                     S->m[steps[i + 1].k]->cfg.n_experts, &ahead);
         if (!s) s = gpu_layer_pass(S, kk, l);
         mq_eval_gpu_layer_end(S->gpu);
