@@ -117,11 +117,13 @@ moeq_status over_bound(const mem_acct *a, size_t bytes, const char *what) {
 moeq_status mq_cu_alloc_async(void **p, size_t bytes, cudaStream_t s, const char *what) {
     *p = NULL;
     if (bytes == 0) bytes = 1;
+    /* counted as the pool maps it: in whole 2 MiB pages, so that its reserve stays under the bound */
+    const size_t counted = (bytes + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
     int dev = 0;
     mem_acct *a = acct_of_current(&dev);
     if (a) {
         std::lock_guard<std::mutex> lk(a->mu);
-        if (!fits_bound(a, dev, bytes, true)) return over_bound(a, bytes, what);
+        if (!fits_bound(a, dev, counted, true)) return over_bound(a, counted, what);
     }
     cudaError_t e = cudaMallocAsync(p, bytes, s);
     if (e != cudaSuccess) {
@@ -132,8 +134,8 @@ moeq_status mq_cu_alloc_async(void **p, size_t bytes, cudaStream_t s, const char
     }
     if (a) {
         std::lock_guard<std::mutex> lk(a->mu);
-        a->pool_live[*p] = bytes;
-        a->pool_used += bytes;
+        a->pool_live[*p] = counted;
+        a->pool_used += counted;
         note_peak(a, dev);
     }
     return MOEQ_OK;
