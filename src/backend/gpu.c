@@ -77,6 +77,7 @@ int64_t mq_gpu_gptq_bytes(const mq_qspec *s, const mq_gptq_opts *o, int64_t K, i
          piece(G * ld * 4) + (loop ? piece(G * ld * 4) + piece(ng * G * G * 4) : 0);
     b += piece(kl / 2) + (nvfp4 ? piece(ng * ld) : piece(ng * ld * gp)) + piece(4 * ld * 8);
     b += 8 * 256 + 256;   /* item_bytes' margin (the wave's own pieces), the arena's alignment */
+    b = (b + ((int64_t)2 << 20) - 1) / ((int64_t)2 << 20) * ((int64_t)2 << 20);   /* the pool's 2 MiB pages */
     /* cuSOLVER's potrf workspace (cusolverDnSpotrf_bufferSize, kept per stream): a panel of K
      * columns at most, counted as 256 of them */
     b += K * (K < 256 ? K : 256) * 4;
