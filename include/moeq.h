@@ -350,6 +350,131 @@ moeq_status moeq_tokenizer_decode_ex(const moeq_tokenizer *tok, const int32_t *i
 int32_t moeq_model_eos_ids(const moeq_model *m, int32_t *ids, int32_t cap);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Chat templates, chat and serving (src/runtime/template*.c, chat.c, serve.c)                */
+/* ------------------------------------------------------------------------------------------ */
+/*
+ * A chat template is the model's Jinja2 text that turns a list of messages into the prompt.
+ * moeq renders it as transformers' apply_chat_template does (jinja2's ImmutableSandboxedEnvironment
+ * with trim_blocks, lstrip_blocks and loopcontrols; raise_exception, strftime_now and a tojson
+ * that is json.dumps(ensure_ascii=False)), with the subset of Jinja2 real templates use:
+ * if/elif/else, for (loop.*, `if` filters, else), set (also ns.attr and the block form),
+ * break/continue, namespace(), range(), the usual operators, Python's str and dict methods
+ * (startswith, split, strip, get, items, ...), filters (trim, length, tojson, string, default,
+ * items, join, map, select, ...) and tests (defined, none, string, mapping, ...). A construct
+ * outside it is MOEQ_E_UNSUPPORTED and a syntax error MOEQ_E_FORMAT, each naming the template
+ * line; raise_exception and errors of evaluation (an undefined value used, a type error) are
+ * MOEQ_E_ARG with the template's message. Rendering never reads files or the network.
+ */
+typedef struct moeq_chat_template moeq_chat_template;
+/* Parses template text (len bytes, UTF-8); name is used in messages ("chat template NAME line
+ * L: ..."). The template has no special tokens: pass bos_token etc. when rendering. */
+moeq_status moeq_chat_template_parse(const char *name, const char *text, size_t len,
+                                     moeq_chat_template **out);
+/* A model's template: path is a checkpoint directory (chat_template.jinja, else
+ * tokenizer_config.json's "chat_template": a string, or a list of {"name", "template"}) or a GGUF
+ * file (tokenizer.chat_template, or tokenizer.chat_template.NAME). which: a named template
+ * ("tool_use", ...), NULL for "default" (or the only one). The special tokens bos_token,
+ * eos_token, unk_token and pad_token (tokenizer_config.json, a string or {"content": ...}; a GGUF's
+ * token ids) become variables of every render. MOEQ_E_NOTFOUND when the model has no template. */
+moeq_status moeq_chat_template_load(const char *path, const char *which, moeq_chat_template **out);
+void moeq_chat_template_free(moeq_chat_template *t);
+/* The special token the model's configuration names ("bos_token", "eos_token", ...): borrowed,
+ * NULL when absent. */
+const char *moeq_chat_template_special(const moeq_chat_template *t, const char *name);
+/* Renders with the variables of vars_json, a JSON object ("messages", "add_generation_prompt",
+ * "tools", "enable_thinking", "bos_token", ...; read as Python's json.loads reads it), over the
+ * loaded special tokens and the defaults transformers passes (tools = documents = None,
+ * add_generation_prompt = false). *out is malloc'ed, NUL-terminated, owned by the caller.
+ * Safe to call from several threads at once on one template. */
+moeq_status moeq_chat_template_render(const moeq_chat_template *t, const char *vars_json, size_t len,
+                                      char **out, size_t *out_len);
+/* The same for a messages list: messages_json is a JSON array of {"role", "content", ...};
+ * extra_json (NULL or a JSON object) adds variables (tools, enable_thinking, ...). */
+moeq_status moeq_chat_apply(const moeq_chat_template *t, const char *messages_json, size_t len,
+                            int add_generation_prompt, const char *extra_json, char **out,
+                            size_t *out_len);
+
+/* Generation over a held context (a chat's turns, a server's slot): a session with the ids it
+ * holds. moeq_gen_run feeds only what extends them: when the ids held are a prefix of the new
+ * prompt (a chat's next turn, rendered in full, begins with the previous prompt and reply), the
+ * session's KV cache is kept and the rest fed; otherwise it starts over. Each token is chosen by
+ * a sampler made from o->sampling and the prompt (the history the penalties see), so a run gives
+ * the same ids as `moeq generate` with the same options. Forward passes of different moeq_gen
+ * objects (one per thread) run one at a time, a step each in turn. */
+typedef struct {
+    int32_t max_tokens;            /* new tokens at most; <= 0: up to the end of the context */
+    const char *const *stop;       /* n_stop strings: the text ends before the first one found */
+    int32_t n_stop;
+    int ignore_eos;                /* 1: the end-of-sequence ids do not stop */
+    moeq_sampler_options sampling;
+} moeq_gen_options;
+void moeq_gen_options_init(moeq_gen_options *o);   /* greedy, no limit, no stop strings */
+
+/* Gets each piece of the text as soon as it is certain: a piece never ends inside a UTF-8
+ * character (a trailing U+FFFD waits for the next token) nor inside what may still become a stop
+ * string. Returning nonzero stops the run (finish_reason "cancelled"). */
+typedef int (*moeq_gen_piece_fn)(void *user, const char *text, size_t len);
+
+typedef struct {
+    char *text;                    /* the generated text, cut before a stop string (malloc'ed) */
+    size_t text_len;
+    int32_t prompt_tokens, reused_tokens, completion_tokens;
+    const char *finish_reason;     /* "eos", "stop" (a stop string), "length", "cancelled",
+                                      "interrupted" (moeq_interrupt) */
+    int32_t stop_index;            /* the stop string found, else -1 */
+    double prefill_seconds, decode_seconds;
+} moeq_gen_result;
+void moeq_gen_result_free(moeq_gen_result *r);   /* frees text; r itself is the caller's */
+
+typedef struct moeq_gen moeq_gen;
+/* n_ctx: the positions the session holds (prompt and output), at most the model's context. */
+moeq_status moeq_gen_create(const moeq_model *m, int32_t n_ctx, moeq_gen **out);
+void moeq_gen_free(moeq_gen *g);
+void moeq_gen_reset(moeq_gen *g);          /* forget the held ids (the next run starts over) */
+int32_t moeq_gen_n_ctx(const moeq_gen *g);
+/* Generates after prompt[0..n_prompt) (n_prompt >= 1). A prompt that leaves no room for one new
+ * token is MOEQ_E_ARG ("prompt of N tokens ... context of M"); max_tokens is cut to the room
+ * left. piece may be NULL. On success *r holds the result (moeq_gen_result_free it). */
+moeq_status moeq_gen_run(moeq_gen *g, const int32_t *prompt, size_t n_prompt,
+                         const moeq_gen_options *o, moeq_gen_piece_fn piece, void *user,
+                         moeq_gen_result *r);
+
+/* OpenAI-compatible requests and responses (src/runtime/serve.c; `moeq serve` puts HTTP around
+ * them). A request body of /v1/completions (chat = 0: "prompt", a string or a list of one) or
+ * /v1/chat/completions (chat = 1: "messages", rendered with the chat template t and
+ * add_generation_prompt; "tools" and "chat_template_kwargs" become template variables) becomes
+ * the prompt text and generation options: max_tokens (or max_completion_tokens; default 16 for
+ * completions, the context's end for chat), temperature (default 1; 0: greedy), top_p, top_k,
+ * min_p, seed (default: from the clock), presence_penalty, frequency_penalty, repeat_penalty (or
+ * repetition_penalty), repeat_last_n, stop (a string or up to 16 strings), ignore_eos, stream and
+ * stream_options.include_usage. n must be 1; other fields (logprobs, user, ...) are ignored. A
+ * malformed body or a bad value is MOEQ_E_FORMAT / MOEQ_E_ARG naming the field (HTTP 400). */
+typedef struct {
+    int chat, stream, include_usage;
+    int add_bos;                 /* completions: the model's BOS goes first, as `moeq generate` */
+    char *prompt;                /* the text the model continues (malloc'ed) */
+    size_t prompt_len;
+    char *model;                 /* the "model" field, or NULL */
+    moeq_gen_options gen;        /* gen.stop points into stop_buf */
+    char **stop_buf;
+} moeq_openai_request;
+moeq_status moeq_openai_parse(const char *body, size_t len, int chat, const moeq_chat_template *t,
+                              moeq_openai_request *r);
+void moeq_openai_request_free(moeq_openai_request *r);
+/* The response JSON (malloc'ed) of a finished run: a text_completion or chat.completion object
+ * with usage; finish_reason "stop" (EOS or a stop string) or "length". */
+char *moeq_openai_response(const moeq_openai_request *r, const char *id, const char *model,
+                           int64_t created, const moeq_gen_result *g);
+/* One server-sent event's JSON (malloc'ed) of a streamed run: text[0..len) as the next piece
+ * (chat: the first event also carries role "assistant"); finish_reason NULL while running; with
+ * usage (non-NULL) the closing usage event of stream_options.include_usage. */
+char *moeq_openai_chunk(const moeq_openai_request *r, const char *id, const char *model,
+                        int64_t created, const char *text, size_t len, int first,
+                        const char *finish_reason, const moeq_gen_result *usage);
+/* {"error": {"message", "type", "param", "code"}} (malloc'ed); param and code may be NULL. */
+char *moeq_openai_error(const char *message, const char *type, const char *param, const char *code);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Evaluation (src/eval)                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 

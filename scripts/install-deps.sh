@@ -7,7 +7,7 @@
 # "fuzz": Debian's clang and the compiler-rt package that holds libFuzzer (tests/fuzz, .ci/run fuzz).
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config python3 libopenblas-dev liblapacke-dev libcjson-dev libpcre2-dev zlib1g-dev
-      libopenmpi-dev openmpi-bin)
+      libopenmpi-dev openmpi-bin libmicrohttpd-dev)
 optional=()
 [ "${1:-}" = test ] && optional=(qemu-user chromium python3-pytest)
 [ "${1:-}" = fuzz ] && pkgs+=(clang)

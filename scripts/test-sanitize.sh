@@ -14,9 +14,9 @@ jobs=$(nproc)
 tests=(
     test_core test_formats test_safetensors test_gguf test_tokenizer test_tiktoken test_config
     test_export_layout test_hessian test_eval_text test_eval_windows test_sampler test_vec_kernels
-    test_gemm_det
+    test_gemm_det test_chat_template
     fuzz_calib fuzz_config fuzz_gguf fuzz_layout fuzz_model fuzz_safetensors fuzz_tiktoken fuzz_tokenizer
-    fuzz_workdir
+    fuzz_workdir fuzz_chat_template
     cli_test_resume_damaged cli_test_printed_paths
 )
 targets=(moeq_cli)

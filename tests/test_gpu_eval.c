@@ -33,9 +33,11 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "backend/gpu.h"
 #include "core/core.h"
+#include "io/safetensors.h"
 #include "eval/eval.h"
 #include "harness.h"
 #include "kernels/vec.h"
@@ -43,6 +45,7 @@
 #include "pipeline/pipeline.h"
 
 void mq_eval_set_gpu_group_rows(int64_t rows);   /* src/eval/eval_gpu.c, for tests */
+void mq_eval_set_gpu_resident(bool on);
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 static uint64_t g_rng = 1;
@@ -475,6 +478,12 @@ static void check_family(const char *dir, const char *name, int whole_too) {
             ASSERT_OK(moeq_eval(m, docs, &o, &rs));
             mq_eval_set_gpu_group_rows(0);
             assert_same(&rg, &rs, ll_g, ll_s, 3);
+            /* the boundary on the host, its rows up and back at every layer: the same bits */
+            mq_eval_set_gpu_resident(false);
+            eval_opts(&o, ll_s, 0, precs[p]);
+            ASSERT_OK(moeq_eval(m, docs, &o, &rs));
+            mq_eval_set_gpu_resident(true);
+            assert_same(&rg, &rs, ll_g, ll_s, 3);
             /* against itself as the base: the same logits, KL 0 */
             eval_opts(&o, ll_s, 0, precs[p]);
             o.kl_base = m2;
@@ -495,6 +504,71 @@ static void check_family(const char *dir, const char *name, int whole_too) {
     moeq_model_free(m2);
     moeq_model_free(m);
     moeq_docs_free(docs);
+}
+
+/* A bf16 copy of checkpoint src in tmp/name (every F32 tensor rounded to bf16; config and
+ * tokenizer copied). malloc'ed path. */
+static char *bf16_copy(const char *src, const char *name) {
+    char *dir = mq_path_join(mq_test_tmpdir(), name);
+    ASSERT_TRUE(dir && mkdir(dir, 0755) == 0);
+    const char *files[] = {"config.json", "tokenizer.json", "tokenizer_config.json"};
+    for (int i = 0; i < 3; i++) {
+        char *from = mq_path_join(src, files[i]), *to = mq_path_join(dir, files[i]), *text = NULL;
+        size_t len = 0;
+        if (mq_read_file(from, &text, &len) == MOEQ_OK) ASSERT_OK(mq_write_file_atomic(to, text, len));
+        free(text);
+        free(from);
+        free(to);
+    }
+    mq_st *st = NULL;
+    ASSERT_OK(mq_st_open_dir_files(src, &st));
+    mq_st_writer *w = mq_stw_new();
+    for (size_t i = 0; i < mq_st_count(st); i++) {
+        const mq_tensor_view *v = mq_st_at(st, i);
+        if (v->dtype != MOEQ_DT_F32) {
+            ASSERT_OK(mq_stw_add(w, v->name, v->dtype, v->ndim, v->shape, v->data, v->nbytes));
+            continue;
+        }
+        float *f = malloc(sizeof(float) * (size_t)v->numel);
+        uint16_t *h = malloc(sizeof(uint16_t) * (size_t)v->numel);
+        ASSERT_TRUE(f && h);
+        ASSERT_OK(mq_tensor_to_f32(v, f));
+        for (int64_t j = 0; j < v->numel; j++) h[j] = mq_f32_to_bf16(f[j]);
+        ASSERT_OK(mq_stw_add(w, v->name, MOEQ_DT_BF16, v->ndim, v->shape, h, sizeof(uint16_t) * (size_t)v->numel));
+        free(f);
+        free(h);
+    }
+    char *out = mq_path_join(dir, "model.safetensors");
+    ASSERT_OK(mq_stw_write(w, out));
+    free(out);
+    mq_stw_free(w);
+    mq_st_close(st);
+    return dir;
+}
+
+/* A bf16 checkpoint in the bf16 mode: its experts go up as stored (no fp32 copy on the host);
+ * against the CPU's fp32 evaluation of the same bf16 values, within the mode's stated 1%. */
+static void test_bf16_source(void) {
+    need_gpu();
+    char *dir = bf16_copy(mq_test_model("olmoe-tiny"), "olmoe-bf16");
+    moeq_docs *docs = text_docs();
+    moeq_model *m = open_as(dir, 1);
+    double ll_c[3], ll_g[3];
+    int64_t ntok[3];
+    moeq_eval_options o;
+    moeq_eval_result rc, rg;
+    eval_opts(&o, ll_c, -1, 0);
+    o.doc_tokens = ntok;
+    ASSERT_OK(moeq_eval(m, docs, &o, &rc));
+    eval_opts(&o, ll_g, 0, MOEQ_GPU_BF16);
+    ASSERT_OK(moeq_eval(m, docs, &o, &rg));
+    deviation dv = check_within(&rg, &rc, ll_g, ll_c, ntok, 3, logit_eps(dir, MOEQ_GPU_BF16),
+                                logit_eps(dir, MOEQ_GPU_BF16));
+    log_dev("olmoe-tiny bf16", "bf16", &dv);
+    ASSERT_TRUE(dv.rel_ll <= 1e-2);
+    moeq_model_free(m);
+    moeq_docs_free(docs);
+    free(dir);
 }
 
 static void test_olmoe(void) {
@@ -614,6 +688,6 @@ static void test_kl_pair(void) {
     moeq_docs_free(docs);
 }
 
-TEST_MAIN(T(test_options), T(test_derived_bounds), T(test_refusals), T(test_twin_final_norm), T(test_twin_row_stats), T(test_twin_mlp_add),
+TEST_MAIN(T(test_bf16_source), T(test_options), T(test_derived_bounds), T(test_refusals), T(test_twin_final_norm), T(test_twin_row_stats), T(test_twin_mlp_add),
           T(test_twin_head), T(test_olmoe), T(test_qwen2moe), T(test_llama), T(test_bundled_families),
           T(test_quantized_kl), T(test_kl_pair))

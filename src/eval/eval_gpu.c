@@ -15,9 +15,12 @@
 
 #include "backend/gpu.h"
 #include "eval/eval_gpu.h"
+#include "io/safetensors.h"
 
 static int64_t g_group_rows = 0;
 void mq_eval_set_gpu_group_rows(int64_t rows) { g_group_rows = rows; }
+static bool g_no_resident = false;
+void mq_eval_set_gpu_resident(bool on) { g_no_resident = !on; }
 
 enum { EXPERT_ROWS = 2048, MLP_ROWS = 4096 };   /* the expert sets' rows a product (their lanes' scratch) */
 
@@ -37,6 +40,10 @@ struct mq_eval_gpu {
     mq_gpu_mlp *experts, *shared, *dense;
     mq_gpu_moe *moe;              /* bf16: the routed experts as one MoE op (routing included) */
     int k_begin;                  /* the model of the layer being begun */
+    /* the boundary kept on the device (mq_eval_gpu_resident_begin): every window's rows of each
+     * model, and a group's input rows */
+    mq_gpu_buf *res[2], *xin;
+    int64_t res_rows;
     bool gated;
     /* a group's host scratch */
     mq_gpu_attn_sample *smp;      /* [rows]: a window each */
@@ -98,6 +105,8 @@ void mq_eval_gpu_close(mq_eval_gpu *G) {
     mq_gpu_buf_free(G->xn);
     mq_gpu_buf_free(G->out);
     mq_gpu_buf_free(G->gate);
+    for (int k = 0; k < 2; k++) mq_gpu_buf_free(G->res[k]);
+    mq_gpu_buf_free(G->xin);
     free(G->smp);
     void *host[] = {G->sel, G->slot, G->list, G->crow, G->first, G->ident, G->cnt, G->start, G->w, G->cw, G->tok,
                     G->stats, G->targets};
@@ -204,21 +213,40 @@ static moeq_status one_mlp(mq_eval_gpu *G, const mq_linear *gate, const mq_linea
     return mq_gpu_mlp_new(G->g, 1, D, gate->out, &g, &u, &d, G->rows < MLP_ROWS ? G->rows : MLP_ROWS, out);
 }
 
-/* Whether the device reads layer l's routed experts of model k as codes (bf16, streamed,
- * stored NVFP4 / INT4 with every expert's gate, up and down so). */
-static bool reads_codes(const mq_eval_gpu *G, int k, int l) {
+/* Where the device takes layer l's routed experts of model k from in the bf16 mode of a streamed
+ * model: their codes as stored (every expert's gate, up and down stored NVFP4 / INT4), their
+ * bf16 tensors as stored (a bf16 checkpoint), or the fp32 weights the host loads. */
+enum { FROM_FP32 = 0, FROM_CODES, FROM_BF16 };
+
+static const mq_tensor_view *bf16_view(const mq_st *st, const mq_linear *lin) {
+    char name[512];
+    if (!lin->name || snprintf(name, sizeof name, "%s.weight", lin->name) >= (int)sizeof name) return NULL;
+    const mq_tensor_view *v = mq_st_find(st, name);
+    if (!v || v->dtype != MOEQ_DT_BF16 || v->ndim != 2 || v->shape[0] != lin->out || v->shape[1] != lin->in ||
+        v->scale_inv)
+        return NULL;
+    return v;
+}
+
+static int experts_from(const mq_eval_gpu *G, int k, int l) {
     const moeq_model *m = G->m[k];
-    if (G->prec != MOEQ_GPU_BF16 || !mq_model_lazy(m) || l < 0 || l >= m->cfg.n_layers) return false;
+    if (G->prec != MOEQ_GPU_BF16 || !mq_model_lazy(m) || l < 0 || l >= m->cfg.n_layers) return FROM_FP32;
     const mq_layer *ly = &m->layers[l];
-    if (!ly->is_moe || !ly->exp_gate) return false;
-    for (int64_t e = 0; e < m->cfg.n_experts; e++)
-        if (!ly->exp_gate[e].stored_quantized || !ly->exp_up[e].stored_quantized || !ly->exp_down[e].stored_quantized)
-            return false;
-    return true;
+    if (!ly->is_moe || !ly->exp_gate) return FROM_FP32;
+    bool codes = true, bf16 = true;
+    const mq_st *st = mq_lazy_st(mq_model_lazy(m));
+    for (int64_t e = 0; e < m->cfg.n_experts; e++) {
+        const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+        for (int i = 0; i < 3; i++) {
+            codes &= lin[i]->stored_quantized;
+            bf16 &= !lin[i]->stored_quantized && bf16_view(st, lin[i]) != NULL;
+        }
+    }
+    return codes ? FROM_CODES : bf16 ? FROM_BF16 : FROM_FP32;
 }
 
 unsigned mq_eval_gpu_layer_parts(const mq_eval_gpu *G, int k, int l) {
-    return reads_codes(G, k, l) ? MQ_PART_LAYER & ~MQ_PART_EXPERTS : MQ_PART_LAYER;
+    return experts_from(G, k, l) != FROM_FP32 ? MQ_PART_LAYER & ~MQ_PART_EXPERTS : MQ_PART_LAYER;
 }
 
 /* bf16: layer l's routed experts as one MoE op: codes and scales as stored (decoded in the op's
@@ -232,7 +260,8 @@ static moeq_status moe_op(mq_eval_gpu *G, const moeq_model *m, int l) {
                                       .nbytes = (size_t)(E * cf->D) * sizeof(float)},
                            .top_k = cf->top_k, .scoring = MOEQ_MOE_SOFTMAX, .renormalize = cf->norm_topk_prob,
                            .route_scale = 1.0f};
-    if (reads_codes(G, G->k_begin, l)) {
+    const int from = experts_from(G, G->k_begin, l);
+    if (from == FROM_CODES) {
         mq_gpu_experts x;
         moeq_status s = mq_gpu_experts_read(mq_lazy_st(mq_model_lazy(m)), cf, ly, l, &x);
         if (s == MOEQ_E_UNSUPPORTED)
@@ -242,17 +271,22 @@ static moeq_status moe_op(mq_eval_gpu *G, const moeq_model *m, int l) {
         mq_gpu_experts_free(&x);
         return s;
     }
-    const float **w = malloc((size_t)(3 * E) * sizeof *w);
+    const void **w = malloc((size_t)(3 * E) * sizeof *w);
     if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
     moeq_status s = MOEQ_OK;
+    const mq_st *st = from == FROM_BF16 ? mq_lazy_st(mq_model_lazy(m)) : NULL;
     for (int64_t e = 0; e < E && !s; e++) {
-        w[e] = ly->exp_gate[e].w;
-        w[E + e] = ly->exp_up[e].w;
-        w[2 * E + e] = ly->exp_down[e].w;
+        const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+        for (int i = 0; i < 3; i++) {
+            const mq_tensor_view *v = st ? bf16_view(st, lin[i]) : NULL;
+            w[i * E + e] = st ? (v ? (const void *)v->data : NULL) : (const void *)lin[i]->w;
+        }
         if (!w[e] || !w[E + e] || !w[2 * E + e])
-            s = mq_err(MOEQ_E_ARG, "layer %d, expert %lld: not loaded as fp32 weights", l, (long long)e);
+            s = mq_err(MOEQ_E_ARG, "layer %d, expert %lld: not loaded", l, (long long)e);
     }
-    if (!s) s = mq_gpu_moe_upload_dense(G->g, E, cf->D, cf->moe_ffn, w, w + E, w + 2 * E, &r, &G->moe);
+    if (!s)
+        s = mq_gpu_moe_upload_dense(G->g, E, cf->D, cf->moe_ffn, from == FROM_BF16, w, w + E, w + 2 * E, &r,
+                                    &G->moe);
     free(w);
     return s;
 }
@@ -358,8 +392,47 @@ static moeq_status one_mlp_rows(mq_eval_gpu *G, mq_gpu_mlp *m, int64_t R) {
     return s;
 }
 
+/* ---- the boundary on the device ---------------------------------------------------------------- */
+bool mq_eval_gpu_resident_begin(mq_eval_gpu *G, int64_t rows, const float *const *host, const int64_t *D) {
+    mq_gpu_info info;
+    mq_gpu_get_info(G->g, &info);
+    int64_t need = rows * G->Dmax;   /* the group's input rows */
+    for (int k = 0; k < G->nm; k++) need += rows * D[k];
+    need *= (int64_t)sizeof(float);
+    /* half of what is free now: a layer's weights and the work space come and go beside it */
+    if (g_no_resident || rows <= 0 || need > info.mem_free / 2) return false;
+    moeq_status s = mq_gpu_buf_new(G->g, G->rows * G->Dmax, &G->xin);
+    for (int k = 0; k < G->nm && !s; k++) {
+        s = mq_gpu_buf_new(G->g, rows * D[k], &G->res[k]);
+        if (!s) s = mq_gpu_buf_write(G->res[k], 0, rows * D[k], host[k]);
+    }
+    if (s) {   /* not an error: the rows cross the bus each layer instead */
+        mq_info("eval: the layer boundary stays on the host (%s)", moeq_last_error());
+        for (int k = 0; k < G->nm; k++) {
+            mq_gpu_buf_free(G->res[k]);
+            G->res[k] = NULL;
+        }
+        mq_gpu_buf_free(G->xin);
+        G->xin = NULL;
+        return false;
+    }
+    G->res_rows = rows;
+    return true;
+}
+
+moeq_status mq_eval_gpu_resident_read(mq_eval_gpu *G, int k, float *host) {
+    if (!G->res[k]) return mq_err(MOEQ_E_ARG, "GPU eval: no boundary on the device");
+    return mq_gpu_buf_read(G->res[k], 0, G->res_rows * G->m[k]->cfg.D, host);
+}
+
 moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x) {
+    return mq_eval_gpu_layer_run_at(G, w0, w1, x, -1);
+}
+
+moeq_status mq_eval_gpu_layer_run_at(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x, int64_t r0) {
     if (G->k < 0) return mq_err(MOEQ_E_ARG, "GPU eval: no layer begun");
+    const bool dev = r0 >= 0;
+    if (dev && !G->res[G->k]) return mq_err(MOEQ_E_ARG, "GPU eval: no boundary on the device");
     const mq_eval_ctx *c = G->c;
     const moeq_model *m = G->m[G->k];
     const mq_config *cf = &m->cfg;
@@ -373,7 +446,7 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
                           (long long)w1, (long long)G->rows);
         mq_gpu_attn_sample *sm = &G->smp[n++];
         memset(sm, 0, sizeof *sm);
-        sm->x = x + R * D;
+        sm->x = dev ? NULL : x + R * D;
         sm->T = T;
         sm->ffn_dev_off = R * D;
         if (K && !G->moe) {
@@ -383,8 +456,12 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
         R += T;
     }
     if (R == 0) return MOEQ_OK;
-    const mq_gpu_attn_io io = {.ffn_dev = G->xn, .h_dev = G->h};
-    moeq_status s = mq_gpu_attn_run_samples(G->att[G->k], G->smp, n, &io);
+    if (dev && r0 + R > G->res_rows)
+        return mq_err(MOEQ_E_ARG, "GPU eval: rows %lld..%lld of a boundary of %lld", (long long)r0,
+                      (long long)(r0 + R), (long long)G->res_rows);
+    const mq_gpu_attn_io io = {.ffn_dev = G->xn, .h_dev = G->h, .x_from = dev ? G->xin : NULL};
+    moeq_status s = dev ? mq_gpu_buf_copy(G->xin, 0, G->res[G->k], r0 * D, R * D) : MOEQ_OK;
+    if (!s) s = mq_gpu_attn_run_samples(G->att[G->k], G->smp, n, &io);
     if (!s && G->moe) {
         s = mq_gpu_moe_ffn_buf(G->moe, G->xn, R, MQ_GPU_MOE_BF16, G->out);
         if (!s && G->shared) s = one_mlp_rows(G, G->shared, R);
@@ -407,7 +484,7 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
         s = one_mlp_rows(G, G->dense, R);
         if (!s) s = mq_gpu_mlp_add_kept(G->dense, G->h, G->xn, NULL, R);
     }
-    if (!s) s = mq_gpu_buf_read(G->h, 0, R * D, x);
+    if (!s) s = dev ? mq_gpu_buf_copy(G->res[G->k], r0 * D, G->h, 0, R * D) : mq_gpu_buf_read(G->h, 0, R * D, x);
     return s;
 }
 

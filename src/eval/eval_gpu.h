@@ -48,6 +48,16 @@ moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l);
 moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x);
 void mq_eval_gpu_layer_end(mq_eval_gpu *G);
 
+/* The boundary on the device: every window's rows of each model (host[k]: rows x D[k], the
+ * embeddings or a resumed layer's output) go up once and stay there from layer to layer, so that
+ * only the weights cross the bus; false (nothing kept) where they would take more than half of
+ * the device's free memory. Then mq_eval_gpu_layer_run_at runs windows [w0, w1) on the device's
+ * rows from r0 (their first row) in place, and mq_eval_gpu_resident_read brings model k's rows
+ * back (before the scores or a snapshot). */
+bool mq_eval_gpu_resident_begin(mq_eval_gpu *G, int64_t rows, const float *const *host, const int64_t *D);
+moeq_status mq_eval_gpu_layer_run_at(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x, int64_t r0);
+moeq_status mq_eval_gpu_resident_read(mq_eval_gpu *G, int k, float *host);
+
 /* Scoring: every model's final norm and lm_head (loaded) up to the device; the host's copies may
  * be freed when this returns. */
 moeq_status mq_eval_gpu_head_begin(mq_eval_gpu *G);
@@ -57,6 +67,8 @@ moeq_status mq_eval_gpu_score_window(mq_eval_gpu *G, int64_t wi, const float *xm
 
 /* Tests: groups of at most this many rows (0: the default); at least one window each. */
 void mq_eval_set_gpu_group_rows(int64_t rows);
+/* Tests: false keeps the boundary on the host (each group's rows cross the bus every layer). */
+void mq_eval_set_gpu_resident(bool on);
 
 /* The parts of layer l of model k (MQ_PART_*) the host loads for mq_eval_gpu_layer_begin: the
  * whole layer, or without the routed experts where the GPU reads their codes itself (bf16, a

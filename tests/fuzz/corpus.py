@@ -356,7 +356,21 @@ def seeds_workdir(out, cli, work):
                        stdout=subprocess.DEVNULL)
 
 
-TARGETS = ["config", "safetensors", "layout", "gguf", "tokenizer", "tiktoken", "calib", "workdir", "model"]
+def seeds_chat_template(out):
+    """Each template of tests/data/chat_templates with the variables of its first golden case,
+    and an OpenAI chat request."""
+    tdir = os.path.join(REPO, "tests", "data", "chat_templates")
+    gold = json.loads(read(os.path.join(REPO, "tests", "data", "chat_goldens.json")))
+    req = json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                      "max_tokens": 8, "temperature": 0.5, "stop": ["\n"], "stream": True}).encode()
+    for name in sorted(os.listdir(tdir)):
+        case = next(c for c in gold["cases"] if c["template"] == name)
+        put(out, "chat_template", name.replace(".jinja", ""),
+            read(os.path.join(tdir, name)) + SEP + case["vars_json"].encode() + SEP + req)
+
+
+TARGETS = ["config", "safetensors", "layout", "gguf", "tokenizer", "tiktoken", "calib", "workdir", "model",
+           "chat_template"]
 
 
 def main():
@@ -380,6 +394,7 @@ def main():
             elif t == "calib": seeds_calib(a.out)
             elif t == "workdir": seeds_workdir(a.out, a.cli, work)
             elif t == "model": seeds_model(a.out, a.cli, work)
+            elif t == "chat_template": seeds_chat_template(a.out)
 
 
 if __name__ == "__main__":

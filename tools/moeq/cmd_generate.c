@@ -123,7 +123,7 @@ static int fail_about(const char *what, moeq_status st) {
 }
 
 int cmd_generate(int argc, char **argv) {
-    const char *prompt_arg = NULL, *prompt_file = NULL;
+    const char *prompt_arg = NULL, *prompt_file = NULL, *messages_file = NULL;
     int64_t n_new = -1, seed = 0, threads = 0, top_k = 0, repeat_last_n = 64;
     double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0, frequency = 0.0;
     const char *act_quant = NULL;
@@ -137,6 +137,9 @@ int cmd_generate(int argc, char **argv) {
          "no prompt at all when stdin is not a terminal)", NULL, 0, 0, NULL},
         {"--prompt-file", OPT_STRING, &prompt_file, "FILE", "read the prompt from FILE (one trailing "
          "newline dropped, as llama.cpp's -f; also for stdin)", NULL, 0, 0, NULL},
+        {"--messages", OPT_STRING, &messages_file, "FILE", "a JSON list of chat messages ({\"role\", "
+         "\"content\"}) rendered with the model's chat template and add_generation_prompt (no BOS "
+         "added: the template writes it); stdout gets the reply only", NULL, 0, 0, NULL},
         {"-n", OPT_INT, &n_new, "N", "number of tokens to generate", NULL, 0, 1 << 24, NULL},
         {"--greedy", OPT_FLAG, &greedy, NULL, "always take the most likely token, ties to the lower "
          "id (the default when no sampling option is given; the same as --temp 0)", NULL, 0, 0, NULL},
@@ -199,6 +202,7 @@ int cmd_generate(int argc, char **argv) {
     char msg[160];
     bool sample = temp_seen || top_p_seen || top_k_seen || min_p_seen || seed_seen;
     if (prompt_arg && prompt_file) bad = "--prompt and --prompt-file cannot be combined (give one)";
+    else if (messages_file && (prompt_arg || prompt_file)) bad = "--messages cannot be combined with --prompt or --prompt-file";
     else if (n_new < 0) bad = "-n is required";
     else if (greedy && sample)
         bad = "--greedy cannot be combined with --temp/--top-k/--top-p/--min-p/--seed";
@@ -249,12 +253,12 @@ int cmd_generate(int argc, char **argv) {
         prompt_len = strlen(prompt_arg);
         prompt = malloc(prompt_len + 1);
         if (prompt) memcpy(prompt, prompt_arg, prompt_len + 1);
-    } else if (prompt_file) {
-        snprintf(prompt_src, sizeof prompt_src, "--prompt-file %s", prompt_file);
-        FILE *f = fopen(prompt_file, "rb");
+    } else if (prompt_file || messages_file) {
+        const char *flag = prompt_file ? "--prompt-file" : "--messages", *fn = prompt_file ? prompt_file : messages_file;
+        snprintf(prompt_src, sizeof prompt_src, "%s %s", flag, fn);
+        FILE *f = fopen(fn, "rb");
         if (!f) {
-            fprintf(stderr, "moeq %s: error: --prompt-file %s: cannot open: %s\n", CMD, prompt_file,
-                    strerror(errno));
+            fprintf(stderr, "moeq %s: error: %s %s: cannot open: %s\n", CMD, flag, fn, strerror(errno));
             moeq_sampler_free(smp);
             free(stops.items);
             return CLI_FAIL;
@@ -309,6 +313,22 @@ int cmd_generate(int argc, char **argv) {
         ret = CLI_FAIL;
         goto out;
     }
+    if (messages_file) {   /* the messages through the model's chat template */
+        moeq_chat_template *ct = NULL;
+        char *chat = NULL;
+        size_t chat_len = 0;
+        st = moeq_chat_template_load(dir, NULL, &ct);
+        if (!st) st = moeq_chat_apply(ct, prompt, prompt_len, 1, NULL, &chat, &chat_len);
+        moeq_chat_template_free(ct);
+        if (st) {
+            ret = fail_about(prompt_src, st);
+            goto out;
+        }
+        free(prompt);
+        prompt = chat;
+        prompt_len = chat_len;
+        no_bos = true;
+    }
     int32_t eos[64];
     int32_t n_eos = moeq_model_eos_ids(m, eos, 64);
     if (n_eos > 64) n_eos = 64;   /* config parsing keeps at most 8 */
@@ -348,7 +368,7 @@ int cmd_generate(int argc, char **argv) {
         goto out;
     }
 
-    if (!json) {
+    if (!json && !messages_file) {
         fwrite(prompt, 1, prompt_len, stdout);
         fflush(stdout);
     }

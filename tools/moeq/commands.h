@@ -8,6 +8,8 @@ int cmd_eval(int argc, char **argv);
 int cmd_quantize(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_export_gguf(int argc, char **argv);
+int cmd_chat(int argc, char **argv);
+int cmd_serve(int argc, char **argv);
 /* The benchmarks behind `moeq bench <name>` (bench_*.c, which may reach the library's
  * internals); each takes argv with argv[0] = its own name. */
 int bench_eval(int argc, char **argv);

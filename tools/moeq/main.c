@@ -17,6 +17,8 @@ static const struct {
     {"inspect", cmd_inspect, "show a checkpoint's architecture, tensors, dtypes and sizes"},
     {"tokenize", cmd_tokenize, "turn text into token ids with the model's tokenizer"},
     {"generate", cmd_generate, "generate text from a prompt"},
+    {"chat", cmd_chat, "chat with the model through its chat template"},
+    {"serve", cmd_serve, "an OpenAI-compatible HTTP server (completions, chat, streaming)"},
     {"eval", cmd_eval, "wikitext perplexity and KL divergence, exactly as lm-eval"},
     {"quantize", cmd_quantize, "quantize a model (RTN or GPTQ) into NVFP4 or INT4 checkpoints"},
     {"bench", cmd_bench, "benchmarks: forward, gptq, moe-ffn, tokenizer"},

@@ -1044,9 +1044,10 @@ moeq_status upload_bf16(mq_gpu_moe *m, const float *src, int64_t n, float *stage
 }
 }  // namespace
 
-extern "C" moeq_status mq_gpu_moe_upload_dense(mq_gpu *g, int64_t E, int64_t D, int64_t F, const float *const *gate,
-                                               const float *const *up, const float *const *down,
-                                               const moeq_moe_ffn_args *r, mq_gpu_moe **out) {
+extern "C" moeq_status mq_gpu_moe_upload_dense(mq_gpu *g, int64_t E, int64_t D, int64_t F, int bf16_src,
+                                               const void *const *gate, const void *const *up,
+                                               const void *const *down, const moeq_moe_ffn_args *r,
+                                               mq_gpu_moe **out) {
     if (!out) return mq_err(MOEQ_E_ARG, "%s: out is NULL", k_up);
     *out = NULL;
     if (!g || !gate || !up || !down || !r) return mq_err(MOEQ_E_ARG, "%s: NULL argument", k_up);
@@ -1108,12 +1109,15 @@ extern "C" moeq_status mq_gpu_moe_upload_dense(mq_gpu *g, int64_t E, int64_t D, 
     if (!st) st = cu_alloc(&w.wdn, (size_t)(E * FD), "bf16 experts");
     if (!st) st = cu_alloc(&w.ptrs, (size_t)6 * E, "grouped GEMM pointers");
     float *stage = nullptr;
-    if (!st) st = cu_alloc(&stage, (size_t)FD, "expert staging");
+    if (!st && !bf16_src) st = cu_alloc(&stage, (size_t)FD, "expert staging");
     for (int64_t e = 0; e < E && !st; e++) {
-        st = upload_bf16(m, gate[e], FD, stage, FD, w.wgu + e * 2 * FD);
-        if (!st) st = upload_bf16(m, up[e], FD, stage, FD, w.wgu + e * 2 * FD + FD);
-        if (!st) st = upload_bf16(m, down[e], FD, stage, FD, w.wdn + e * FD);
+        const void *src[3] = {gate[e], up[e], down[e]};
+        bf16 *dst[3] = {w.wgu + e * 2 * FD, w.wgu + e * 2 * FD + FD, w.wdn + e * FD};
+        for (int i = 0; i < 3 && !st; i++)   /* bf16 as stored, or fp32 rounded on the device */
+            st = bf16_src ? CU(cudaMemcpyAsync(dst[i], src[i], (size_t)FD * sizeof(bf16), cudaMemcpyHostToDevice, m->s))
+                          : upload_bf16(m, (const float *)src[i], FD, stage, FD, dst[i]);
     }
+    if (!st) st = CU(cudaStreamSynchronize(m->s));
     mq_cu_free(stage);
     m->resident = (size_t)(E * 3 * FD) * sizeof(bf16);
     if (st) {
