@@ -601,6 +601,9 @@ typedef struct {
                                     (0, the default), tf32x3 (1) or tf32 (2): products on TF32
                                     tensor cores, faster and less exact; bf16 (3): the routed
                                     experts in bf16 too, the fastest (docs/eval.md) */
+    int64_t max_gpu_memory;      /* `--max-gpu-memory`, with a device: bytes of GPU memory the
+                                    run may hold (0, the default: the card's); what would go
+                                    over it fails as out of memory, naming the bound */
 } moeq_eval_options;
 
 void moeq_eval_options_init(moeq_eval_options *o);
@@ -967,6 +970,9 @@ typedef struct {
                                       from its measured sensitivity so that the file holds at
                                       most B bits per parameter (docs/gguf.md); 0: the scheme's
                                       rules */
+    int64_t max_gpu_memory;        /* --max-gpu-memory: with device, bytes of GPU memory the run
+                                      may hold (0, the default: the card's free memory); planned
+                                      before any compute, a card short of one layer refused */
 } moeq_quant_options;
 
 /* Fills o with the defaults of `moeq quantize` (scheme left unset). */
@@ -1001,6 +1007,16 @@ typedef struct {
     double sgemm_gflops;           /* this machine's, measured for the estimate */
     double seconds;                /* estimated wall time */
     int64_t disk_output, disk_work;   /* bytes: the checkpoint; the work files beside it */
+    /* with a device (GPTQ on a GPU, one process): GPU memory. gpu_budget: max_gpu_memory, else
+     * the card's free memory (0 in a dry run without a GPU and no bound); gpu_least: what one
+     * layer needs at the least (the persistent attention object plus the larger of its two
+     * stages), its parts: gpu_attention (the attention object with one sample's rows per
+     * group), gpu_attention_stage (the attention's Hessian sums and GPTQ of its largest weight),
+     * gpu_expert (one routed expert, or the shared/dense MLP: weights, Hessian sums, a lane's
+     * rows, GPTQ of its largest weight); gpu_chunk: experts per chunk on the device. Larger
+     * batches and waves take what the budget leaves */
+    int64_t gpu_budget, gpu_least, gpu_attention, gpu_attention_stage, gpu_expert;
+    int32_t gpu_chunk;
 } moeq_quant_plan;
 
 /* What a run did (the summary `moeq quantize` prints). */
@@ -1027,6 +1043,8 @@ typedef struct {
      * fewest tokens any got, [0] from the first nsamples candidates, [1] from the chosen ones */
     int64_t balance_candidates, balance_under[2], balance_fewest[2];
     double balance_seconds;
+    int64_t gpu_peak_bytes;        /* with a device: the peak of GPU memory moeq held (measured by
+                                      its allocations), at most max_gpu_memory */
 } moeq_quant_result;
 
 /* Quantizes the checkpoint in model_dir into out_dir, streaming: one pass over the source, layer

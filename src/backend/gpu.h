@@ -45,6 +45,16 @@ moeq_status mq_gpu_open(int device, mq_gpu **out);
 moeq_status mq_gpu_probe(int device);
 void mq_gpu_close(mq_gpu *g);
 void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info);
+/* The device memory moeq holds on g's device (`--max-gpu-memory`): every buffer, GPTQ's arenas
+ * and the cuSOLVER workspaces are counted (the CUDA context and cuBLAS's own workspaces are not).
+ * With a bound (bytes > 0), an allocation that would take them over it fails (MOEQ_E_NOMEM naming
+ * the bound) and mq_gpu_get_info says what is left under it (mem_free) and the bound (mem_total),
+ * so the sizes chosen from them stay within; 0: none (the card's). _memory: in use now (with what
+ * the stream-ordered pool keeps of freed blocks), the peak since the device was opened or the
+ * last _reset_peak, and the bound. Without CUDA: no-ops, zeros. */
+void mq_gpu_set_memory_limit(mq_gpu *g, int64_t bytes);
+void mq_gpu_memory(mq_gpu *g, int64_t *used, int64_t *peak, int64_t *limit);
+void mq_gpu_memory_reset_peak(mq_gpu *g);
 /* Tests: the tile of the deterministic GEMMs and Hessian sums (128, 64 or 32; 0, the default:
  * the largest that fills the SMs). Every tile gives the same bits. */
 void mq_gpu_force_det_tile(mq_gpu *g, int tile);
@@ -76,7 +86,9 @@ const char *mq_gpu_precision_name(moeq_gpu_precision p);
 moeq_status mq_gpu_parse_device(const char *s, int *device);
 
 /* GPTQ for n_jobs weights on the GPU: factors the n_h Hessians H[h] ([K[h], K[h]], host memory,
- * names hnames[h]) with the CPU's damping, retry and act-order rules (mq_gptq_factor_init), then
+ * names hnames[h]; every entry is checked finite, then only the lower triangle is read, as of a
+ * device sum: mq_hessian_get's H is symmetric, an sgemm's X X^T may not be bit for bit) with the
+ * CPU's damping, retry and act-order rules (mq_gptq_factor_init), then
  * runs the column loop of every job (job i uses Hessian job_h[i]; jobs[i].f is not read) and
  * fills jobs[i].out, .deq (if non-NULL) and .stats as mq_gptq_run does. Errors name the tensor
  * or the CUDA call; on error every out is freed. */
@@ -272,6 +284,24 @@ typedef struct {
 moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn_sample *s, int64_t n,
                                     const mq_gpu_attn_io *io);
 int64_t mq_gpu_attn_rows(const mq_gpu_attn *a);
+
+/* ---- planning (gpu.c: the same arithmetic in every build, no GPU needed) -----------------------
+ * The bytes the backend's objects take on the device, as their allocations count them
+ * (mq_gpu_memory; test_gpu_memory compares on a GPU): the planner's figures for --max-gpu-memory.
+ *  - mq_gpu_attn_bytes: mq_gpu_attn_new of sh with groups of `rows` tokens (0: the default,
+ *    MQ_GPU_ATTN_GROUP_ROWS or the longest sample; attention.cu falls back to the longest sample
+ *    where that does not fit);
+ *  - mq_gpu_mlp_bytes: mq_gpu_mlp_new of E experts [F, D] (down too where asked), `lanes` lanes
+ *    of max_rows rows;
+ *  - mq_gpu_hessians_bytes: one device sum of K inputs;
+ *  - mq_gpu_gptq_bytes: one wave of mq_gpu_gptq_ex holding one Hessian of K inputs and `rows`
+ *    rows of weights that share it (a wave never holds less), with cuSOLVER's workspace. */
+enum { MQ_GPU_ATTN_GROUP_ROWS = 16384 };                  /* attention.cu's GROUP_ROWS */
+#define MQ_GPU_ATTN_SCORES_FLOATS ((int64_t)1 << 28)       /* attention.cu's SCORES_FLOATS */
+int64_t mq_gpu_attn_bytes(const mq_gpu_attn_shape *sh, int64_t rows);
+int64_t mq_gpu_mlp_bytes(int64_t E, int64_t D, int64_t F, bool down, int64_t max_rows, int lanes);
+int64_t mq_gpu_hessians_bytes(int64_t K);
+int64_t mq_gpu_gptq_bytes(const mq_qspec *s, const mq_gptq_opts *o, int64_t K, int64_t rows);
 
 /* ---- the evaluation's pieces (src/backend/cuda/score.cu; src/eval/eval_gpu.c drives them) ------
  * What moeq_eval adds to the calibration's layer pieces above: the FFN's remaining sums on the

@@ -27,6 +27,17 @@ void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
 
 void mq_gpu_force_det_tile(mq_gpu *g, int tile) { (void)g, (void)tile; }
 
+void mq_gpu_set_memory_limit(mq_gpu *g, int64_t bytes) { (void)g, (void)bytes; }
+
+void mq_gpu_memory(mq_gpu *g, int64_t *used, int64_t *peak, int64_t *limit) {
+    (void)g;
+    if (used) *used = 0;
+    if (peak) *peak = 0;
+    if (limit) *limit = 0;
+}
+
+void mq_gpu_memory_reset_peak(mq_gpu *g) { (void)g; }
+
 moeq_status mq_gpu_set_precision(mq_gpu *g, moeq_gpu_precision p) {
     (void)g, (void)p;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");

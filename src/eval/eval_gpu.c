@@ -128,6 +128,7 @@ moeq_status mq_eval_gpu_open(mq_eval_ctx *c, const moeq_eval_options *o, int nm,
     G->k = G->l = -1;
     G->prec = (moeq_gpu_precision)o->gpu_precision;
     moeq_status s = mq_gpu_open(o->device, &G->g);
+    if (!s) mq_gpu_set_memory_limit(G->g, o->max_gpu_memory);   /* --max-gpu-memory, before anything goes up */
     /* bf16: the routed experts on the MoE op's tensor cores, everything else as tf32 */
     if (!s) s = mq_gpu_set_precision(G->g, G->prec == MOEQ_GPU_BF16 ? MOEQ_GPU_TF32 : G->prec);
     int64_t rows = INT64_MAX;

@@ -39,6 +39,8 @@ moeq_status moeq_eval_options_set(moeq_eval_options *o, const char *key, const c
         o->save_logits = v;
     } else if (!strcmp(key, "device")) {
         st = mq_gpu_parse_device(v, &o->device);
+    } else if (!strcmp(key, "max-gpu-memory")) {
+        st = mq_opt_int(key, v, 0, INT64_MAX, &o->max_gpu_memory);
     } else if (!strcmp(key, "gpu-precision")) {
         if (!strcmp(v, "fp32")) o->gpu_precision = MOEQ_GPU_FP32;
         else if (!strcmp(v, "tf32x3")) o->gpu_precision = MOEQ_GPU_TF32X3;

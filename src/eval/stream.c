@@ -511,6 +511,25 @@ static moeq_status record_write(stream *S, int layers_done, const char *const fi
     return s;
 }
 
+/* A memory boundary's snapshot, written under a temporary name in pieces of 64 MB with a poll
+ * between them: all of wikitext-2's rows are gigabytes (minutes on a slow disk), and Ctrl-C must
+ * not wait for them. Interrupted, the file is dropped and the record before it stays. */
+static moeq_status snapshot_write(const char *path, const float *f, size_t bytes) {
+    enum { PIECE = 64 << 20 };
+    mq_atomic_file af;
+    moeq_status s = mq_atomic_open(&af, path);
+    if (s) return s;
+    for (size_t off = 0; off < bytes && !s; off += PIECE) {
+        if (moeq_interrupted()) s = mq_err(MOEQ_E_INTERRUPTED, "%s: interrupted while written", path);
+        else s = mq_atomic_write(&af, (const char *)f + off, bytes - off < PIECE ? bytes - off : PIECE);
+    }
+    if (s) {
+        mq_atomic_abort(&af);
+        return s;
+    }
+    return mq_atomic_commit(&af);
+}
+
 static const char *base_name(const char *p) {
     const char *s = strrchr(p, '/');
     return s ? s + 1 : p;
@@ -542,7 +561,7 @@ static moeq_status layer_durable(stream *S, int layers_done, double layer_second
         snprintf(snap[k], sizeof snap[k], "snapshot-%d.f32", k);
         char *p = mq_path_join(S->dir, snap[k]);
         if (!p) return mq_err(MOEQ_E_NOMEM, "out of memory");
-        moeq_status s = mq_write_file_atomic(p, b->f, (size_t)S->rows * (size_t)S->D[k] * sizeof(float));
+        moeq_status s = snapshot_write(p, b->f, (size_t)S->rows * (size_t)S->D[k] * sizeof(float));
         free(p);
         if (s) return s;
         files[k] = snap[k];

@@ -438,6 +438,10 @@ static void convert_task(void *ctx, int64_t i, int thread) {
     const want *w = &j->L->w[i];
     if (w->quantized || w->packed) return;   /* dequantized afterwards (on this thread, for its
                                                  messages), or kept packed */
+    if (moeq_interrupted()) {   /* Ctrl-C: the tensors left are not read */
+        j->status[i] = MOEQ_E_INTERRUPTED;
+        return;
+    }
     j->status[i] = want_to_f32(w);
 }
 
@@ -452,12 +456,13 @@ static moeq_status load_wants(want_list *L, const mq_st *st) {
     if (!status) return mq_err(MOEQ_E_NOMEM, "out of memory");
     convert_job j = {L, status};
     mq_parallel_for((int64_t)L->n, convert_task, &j);
-    moeq_status s = MOEQ_OK;
+    moeq_status s = moeq_interrupted() ? mq_err(MOEQ_E_INTERRUPTED, "loading the weights interrupted") : MOEQ_OK;
     for (size_t i = 0; i < L->n && !s; i++)
         if (status[i]) s = mq_err(status[i], "tensor '%s': cannot convert to fp32", L->w[i].name);
     free(status);
     for (size_t i = 0; i < L->n && !s; i++)
-        if (L->w[i].quantized && !L->w[i].packed)
+        if (moeq_interrupted()) s = mq_err(MOEQ_E_INTERRUPTED, "loading the weights interrupted");
+        else if (L->w[i].quantized && !L->w[i].packed)
             s = mq_load_linear_weight(st, L->w[i].module, L->w[i].shape[0], L->w[i].shape[1],
                                       *L->w[i].dest, NULL);
     return s;
@@ -550,6 +555,10 @@ moeq_status mq_pack_layers(want_list *L, const mq_st *st, moeq_model *m, int l0,
     if (!ws) return mq_err(MOEQ_E_NOMEM, "out of memory");
     moeq_status s = MOEQ_OK;
     for (int l = l0; l < l1 && !s; l++) {
+        if (moeq_interrupted()) {   /* a layer's packing reads its experts: a poll a layer */
+            s = mq_err(MOEQ_E_INTERRUPTED, "layer %d: packing its weights interrupted", l);
+            break;
+        }
         memset(ws, 0, sizeof *ws * (size_t)(nmoe > 0 ? nmoe : 1));
         for (size_t i = 0; i < L->n && !s; i++) {
             want *w = &L->w[i];

@@ -205,6 +205,9 @@ static void lazy_piece_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     const lazy_job *j = ctx;
     const lazy_piece *pc = &j->piece[i];
+    /* Ctrl-C: the pieces left are skipped (the caller sees the flag after the loop); a piece is
+     * a few MB, read from the page cache or the disk, so the loop ends within a second */
+    if (moeq_interrupted()) return;
     moeq_status st = mq_want_piece_to_f32(&j->lz->L.w[j->idx[pc->idx]], pc->k0, pc->k1);
     /* a conversion fails by its dtype alone, so every piece of a want as its first does: that
      * one reports (one writer a want) */
@@ -280,7 +283,8 @@ moeq_status mq_lazy_load_ex(mq_lazy_model *lz, int layer, unsigned what, int e0,
         }
         lazy_job j = {lz, idx, convert, piece, status};
         mq_parallel_for(np, lazy_piece_task, &j);
-        if (lz->rot) mq_parallel_for((int64_t)n, lazy_rotate_task, &j);
+        if (moeq_interrupted()) s = mq_err(MOEQ_E_INTERRUPTED, "layer %d: loading its weights interrupted", layer);
+        if (!s && lz->rot) mq_parallel_for((int64_t)n, lazy_rotate_task, &j);
         for (size_t k = 0; k < n && !s; k++)
             if (status[k])
                 s = mq_err(status[k], "tensor '%s': cannot convert to fp32", lz->L.w[idx[k]].name);

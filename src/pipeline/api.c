@@ -172,6 +172,8 @@ static moeq_status check_options(const moeq_quant_options *o) {
         if (!o->ignore[i]) return BAD("ignore[%d] is NULL", i);
     if (o->max_memory < 0) return BAD("max_memory must be >= 0 (0: a share of the machine's), got %lld",
                                       (long long)o->max_memory);
+    if (o->max_gpu_memory < 0)
+        return BAD("max_gpu_memory must be >= 0 (0: the card's free memory), got %lld", (long long)o->max_gpu_memory);
     if (o->expert_chunk < 0) return BAD("expert_chunk must be >= 0 (0: from max_memory), got %d",
                                         o->expert_chunk);
     int dev = -1;
@@ -253,6 +255,7 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
     o->force = po->force != 0;
     if (po->gguf_rest) mq_gguf_rest_parse(po->gguf_rest, &o->gguf_rest);   /* checked before */
     o->max_memory = po->max_memory;
+    o->max_gpu_memory = po->max_gpu_memory;
     o->work_dir = po->work_dir;
     o->resume = po->resume != 0;
     o->dry_run = po->dry_run != 0;
@@ -352,6 +355,12 @@ static void plan_out(const mq_mem_plan *mp, moeq_quant_plan *q) {
     q->seconds = mp->seconds;
     q->disk_output = mp->disk_output;
     q->disk_work = mp->disk_work;
+    q->gpu_budget = mp->gpu_budget;
+    q->gpu_least = mp->gpu_least;
+    q->gpu_attention = mp->gpu_attention;
+    q->gpu_attention_stage = mp->gpu_attention_stage;
+    q->gpu_expert = mp->gpu_expert;
+    q->gpu_chunk = mp->gpu_chunk;
 }
 
 char *moeq_quant_report_path(const char *out_dir, const moeq_quant_options *opts) {
@@ -412,6 +421,7 @@ moeq_status moeq_quantize(const char *model_dir, const char *out_dir,
         res.balance_fewest[i] = r.balance_least[i];
     }
     res.balance_seconds = r.balance_seconds;
+    res.gpu_peak_bytes = r.gpu_peak;
     if (opts->method == MOEQ_QUANT_GPTQ) {
         res.gptq_samples = r.samples;
         res.gptq_tokens = r.tokens;

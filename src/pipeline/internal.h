@@ -263,6 +263,15 @@ moeq_status mq_plan_memory(mq_pipe *p);
 /* Expert rows a batch of the chunk of C experts holds: at least one sample's worst case, and
  * enough blocks to keep every thread busy. */
 int64_t mq_plan_batch_rows(const mq_pipe *p, int64_t C);
+/* What one decoder layer of c needs on the GPU at the least (memplan.c, from gpu.h's
+ * arithmetic), samples of max_len tokens, a lane of batch_rows rows: the attention object, its
+ * stage (Hessian sums, the first expert's weights, GPTQ), one expert's or the shared/dense MLP's
+ * stage, least = attention + the larger stage; per_expert: each further expert of a chunk. */
+typedef struct {
+    int64_t attention, attention_stage, expert, least, per_expert;
+} mq_gpu_layer_need;
+mq_gpu_layer_need mq_plan_gpu_layer(const mq_config *c, int64_t max_len, int64_t batch_rows, const mq_qspec *s,
+                                    const mq_gptq_opts *o);
 /* Bytes the checkpoint writer may queue (memplan.c). */
 int64_t mq_plan_write_behind(const mq_pipe *p);
 /* Measures this machine's sgemm rate and estimates the run's time from the plan's FLOPs. */

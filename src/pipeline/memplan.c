@@ -221,9 +221,11 @@ static int best_chunk(const mq_pipe *p, mq_act_storage kind, int64_t budget) {
     int E = p->c->n_experts;
     if (E == 0) return plan_sizes(p, kind, 0, 1, false).peak <= budget ? 1 : 0;
     int want = 2 * mq_pool_size() > 8 ? 2 * mq_pool_size() : 8;
-    if (p->gpu && p->ranks <= 1) {
+    const int64_t gpu_free = p->gpu ? 0 : p->o->max_gpu_memory;   /* a dry run without a GPU: the bound */
+    if ((p->gpu || (gpu_free > 0 && p->o->device >= 0)) && p->ranks <= 1) {
         mq_gpu_info gi;
-        mq_gpu_get_info(p->gpu, &gi);
+        gi.mem_free = gpu_free;
+        if (p->gpu) mq_gpu_get_info(p->gpu, &gi);
         const int64_t D = p->c->D, F = p->c->moe_ffn;
         const int64_t per_expert = 4 * (3 * F * D + 2 * (D * D + F * F));   /* weights, Hessians and factors */
         const int64_t fit = per_expert > 0 ? gi.mem_free / 2 / per_expert : 0;
@@ -232,6 +234,94 @@ static int best_chunk(const mq_pipe *p, mq_act_storage kind, int64_t budget) {
     for (int C = want < E ? want : E; C >= 1; C--)
         if (plan_sizes(p, kind, C, batch_for(p, C), false).peak <= budget) return C;
     return 0;
+}
+
+/* ---- GPU memory (GPTQ with a device) ----------------------------------------------------------
+ * What one layer needs on the device at the least, from the backend's own arithmetic (gpu.h
+ * mq_gpu_*_bytes): the attention object, made at the first layer and kept (groups of one
+ * sample's tokens at the least), beside the larger of two stages: the attention's (its two
+ * Hessian sums, the first expert sent up beside it, GPTQ of the Hessian whose weights take the
+ * most) and one expert's (its weights with a lane of the plan's batch rows, its two Hessian sums,
+ * one sample's routed rows in and out, GPTQ likewise), or of the shared expert / dense MLP. The
+ * rest (more experts a chunk, larger batches and GPTQ waves, the layer's outputs kept on the
+ * device) is sized by the run from what the budget leaves. */
+mq_gpu_layer_need mq_plan_gpu_layer(const mq_config *c, int64_t max_len, int64_t batch_rows, const mq_qspec *s,
+                                    const mq_gptq_opts *o) {
+    mq_gpu_layer_need n;
+    memset(&n, 0, sizeof n);
+    const int64_t D = c->D, QD = (int64_t)c->n_heads * c->head_dim, KVD = (int64_t)c->n_kv_heads * c->head_dim;
+    const int64_t T = max_len > 0 ? max_len : 1, E = c->n_experts, F = c->moe_ffn;
+    const mq_gpu_attn_shape sh = {.D = D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim, .max_T = T,
+                                  .E = E, .top_k = c->top_k};
+    n.attention = mq_gpu_attn_bytes(&sh, T);
+    const int64_t gq = mq_gpu_gptq_bytes(s, o, D, QD + 2 * KVD), go = mq_gpu_gptq_bytes(s, o, QD, D);
+    n.attention_stage = mq_gpu_hessians_bytes(D) + mq_gpu_hessians_bytes(QD) + (gq > go ? gq : go);
+    /* one MLP of width W: weights and a lane, Hessians of gate/up and down, a sample's rows, GPTQ */
+    int64_t Fu = c->shared_ffn > 0 ? c->shared_ffn : (E == 0 ? c->ffn : 0);
+    for (int l = 0; l < c->n_layers && E > 0 && c->layer_is_moe; l++)
+        if (!c->layer_is_moe[l] && c->ffn > Fu) Fu = c->ffn;
+    const int64_t rows = T * (c->top_k > 0 ? c->top_k : 1);
+    for (int k = 0; k < 2; k++) {
+        const int64_t W = k == 0 ? (E > 0 ? F : 0) : Fu;
+        if (W <= 0) continue;
+        const int64_t gu = mq_gpu_gptq_bytes(s, o, D, 2 * W), gd = mq_gpu_gptq_bytes(s, o, W, D);
+        const int64_t b = mq_gpu_mlp_bytes(1, D, W, true, batch_rows, 1) + mq_gpu_hessians_bytes(D) +
+                          mq_gpu_hessians_bytes(W) + 2 * rows * D * 4 + (gu > gd ? gu : gd);
+        if (b > n.expert) n.expert = b;
+        if (k == 0) {
+            n.per_expert = 3 * F * D * 4 + mq_gpu_hessians_bytes(D) + mq_gpu_hessians_bytes(F);
+            n.attention_stage += 3 * F * D * 4;   /* the first chunk goes up during the attention */
+        }
+    }
+    n.least = n.attention + (n.attention_stage > n.expert ? n.attention_stage : n.expert);
+    return n;
+}
+
+/* The GPU's part of the plan: the budget (the bound, at most the card's free memory), what a
+ * layer needs, and the chunk capped at what the device holds; an error naming what one layer
+ * needs where the budget is short of it. *C may shrink. */
+static moeq_status plan_gpu(mq_pipe *p, int *C) {
+    const mq_pipeline_opts *o = p->o;
+    mq_mem_plan *mp = &p->mp;
+    if (!(o->gptq && o->device >= 0 && p->calibrate)) return MOEQ_OK;
+    const int Cs = *C > 0 ? *C : 1;
+    const mq_gpu_layer_need n =
+        mq_plan_gpu_layer(p->c, p->calib.max_len, mq_plan_batch_rows(p, Cs), &o->spec, &o->g);
+    int64_t budget = o->max_gpu_memory, card = 0;
+    if (p->gpu) {
+        mq_gpu_info gi;
+        mq_gpu_get_info(p->gpu, &gi);   /* under the bound: what it leaves */
+        card = gi.mem_free;
+        if (budget <= 0 || card < budget) budget = card;
+    }
+    mp->gpu_budget = budget;
+    mp->gpu_attention = n.attention;
+    mp->gpu_attention_stage = n.attention_stage;
+    mp->gpu_expert = n.expert;
+    mp->gpu_least = n.least;
+    if (budget > 0 && n.least > budget) {
+        char who[160];
+        if (o->max_gpu_memory > 0 && (!p->gpu || o->max_gpu_memory <= card))
+            snprintf(who, sizeof who, "--max-gpu-memory %.3f GB is too small", gb(o->max_gpu_memory));
+        else
+            snprintf(who, sizeof who, "cuda:%d has %.3f GB of memory free", o->device, gb(card));
+        return mq_err(MOEQ_E_NOMEM,
+                      "%s: one layer needs %.3f GB on the GPU (the attention %.3f GB for %lld-token samples, "
+                      "beside the larger of its Hessians and GPTQ %.3f GB or one expert with its Hessians, rows "
+                      "and GPTQ %.3f GB)", who, gb(n.least), gb(n.attention), (long long)p->calib.max_len,
+                      gb(n.attention_stage), gb(n.expert));
+    }
+    if (budget > 0 && p->c->n_experts > 0 && n.per_expert > 0) {
+        /* every expert of a chunk is on the device with its Hessian sums at once */
+        const int64_t fit = 1 + (budget - n.least) / n.per_expert;
+        if (*C > fit) {
+            mq_info("the GPU holds %lld expert%s at a time within %.2f GB: chunks of %lld, not %d",
+                    (long long)fit, fit == 1 ? "" : "s", gb(budget), (long long)fit, *C);
+            *C = (int)fit;
+        }
+    }
+    mp->gpu_chunk = p->c->n_experts > 0 ? (*C > 0 ? *C : 1) : 0;
+    return MOEQ_OK;
 }
 
 static int64_t default_budget(void) {
@@ -370,6 +460,10 @@ moeq_status mq_plan_memory(mq_pipe *p) {
     /* several ranks: a rank holds at most its share of a layer's experts at once (the plan is
      * each rank's) */
     if (p->ranks > 1 && E > 0 && C > (E + p->ranks - 1) / p->ranks) C = (E + p->ranks - 1) / p->ranks;
+    /* the GPU's refusal after the rest of the plan is filled (a dry run prints it whole) */
+    const moeq_status gs = plan_gpu(p, &C);
+    char gpu_msg[1024] = "";
+    if (gs) snprintf(gpu_msg, sizeof gpu_msg, "%s", moeq_last_error());
     int Cs = C > 0 ? C : 1;
     sizes z = plan_sizes(p, kind, Cs, batch_for(p, Cs), false);
     mp->storage = kind;
@@ -419,6 +513,7 @@ moeq_status mq_plan_memory(mq_pipe *p) {
         if (f.mlp > 0 && c->layer_is_moe[l]) p->mp_units.shared = units(f.mlp);
         else if (f.mlp > 0) p->mp_units.mlp = units(f.mlp);
     }
+    if (gs) return mq_err(gs, "%s", gpu_msg);
     if (C == 0 || z.peak > mp->budget) {
         sizes d = plan_sizes(p, MQ_ACT_DISK, 1, batch_for(p, 1), false);
         char what[160] = "";

@@ -478,6 +478,11 @@ static moeq_status run(mq_pipe *p) {
  * tokenized, and is waited for before the memory plan, the first step that asks the device: the
  * first layer started about 0.2 s sooner on an H200. The probe first, so a machine without the
  * device still fails at once. MOEQ_DEBUG_GPU_OPEN_AHEAD=0 opens it in place (to measure it). */
+/* Ctrl-C between the steps before the layers (the steps that can take long poll inside) */
+static moeq_status interrupted(void) {
+    return moeq_interrupted() ? mq_err(MOEQ_E_INTERRUPTED, "quantization interrupted") : MOEQ_OK;
+}
+
 struct mq_gpu_opening {
     pthread_t th;
     int device;
@@ -528,6 +533,9 @@ static moeq_status gpu_ready(mq_pipe *p) {
     moeq_status s = gpu_open_wait(p, false);
     if (s || !p->gpu) return s;
     const mq_pipeline_opts *o = p->o;
+    /* the bound before anything is put on the device; its peak from here */
+    mq_gpu_set_memory_limit(p->gpu, o->max_gpu_memory);
+    mq_gpu_memory_reset_peak(p->gpu);
     mq_gpu_info gi;
     mq_gpu_get_info(p->gpu, &gi);
     mq_info("GPTQ on cuda:%d, %s (compute %d.%d, %d SMs, %.1f GB free of %.1f GB)%s", gi.device, gi.name,
@@ -615,8 +623,13 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
         ((s = check_report_dir(o->report_path, p->out_dir, "report")) ||
          (s = check_report_dir(o->report_html_path, p->out_dir, "report page"))))
         goto done;
-    /* first, so that a missing GPU costs nothing; opened beside what follows up to the plan */
-    if (o->gptq && o->device >= 0 && (s = gpu_open_start(p, o->device))) goto done;
+    /* first, so that a missing GPU costs nothing; opened beside what follows up to the plan. A
+     * dry run with --max-gpu-memory plans against the bound where there is no GPU to open */
+    if (o->gptq && o->device >= 0 && (s = gpu_open_start(p, o->device))) {
+        if (!(o->dry_run && o->max_gpu_memory > 0)) goto done;
+        mq_info("no GPU at hand (%s): the plan's GPU memory is against --max-gpu-memory alone", moeq_last_error());
+        s = MOEQ_OK;
+    }
     p->calibrate = o->gptq || o->act_quant;
     if ((s = read_source(p, model_dir, p->calibrate || o->rotate_block))) goto done;
     p->seq = o->gptq && o->sequential;
@@ -705,12 +718,13 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     } else if (o->act_quant) {
         s = act_calibration(p);
     }
+    if (!s) s = interrupted();   /* Ctrl-C during the calibration's tokenizing */
     if (s) goto done;
     p->LD = p->calibrate ? p->calib.max_len * p->c->D : 0;
     p->s_lo = 0;
     p->s_hi = p->calib.n;
     mq_dist_share(p->calib.n, p->rank, p->ranks, &p->s_lo, &p->s_hi);
-    if ((s = gpu_ready(p))) goto done;
+    if ((s = gpu_ready(p)) || (s = interrupted())) goto done;
     if ((s = mq_plan_memory(p))) goto done;
     if ((s = mq_dist_agree(s, "planning"))) goto done;
     if (o->dry_run) mq_plan_estimate_time(p);
@@ -730,6 +744,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     }
     /* the packing goes on while one thread writes (export/writer.h) */
     if (!s && p->w) s = mq_ckpt_writer_behind(p->w, (size_t)mq_plan_write_behind(p));
+    if (!s) s = interrupted();
     if ((s = mq_dist_agree(s, "the work directory"))) goto done;
     if (p->ranks > 1) {
         int32_t done_layers = p->layers_done;
@@ -790,6 +805,7 @@ done:
     }
     res.seconds_total = mq_now() - t0;
     res.plan = p->mp;
+    if (p->gpu) mq_gpu_memory(p->gpu, NULL, &res.gpu_peak, NULL);
     if (!s && result) *result = res;
     else if (s && result && o->dry_run) *result = res;
     pipe_free(p);

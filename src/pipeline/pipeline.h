@@ -84,6 +84,7 @@ typedef struct {
     int64_t act_calib_tokens;      /* RTN W4A4: its first N tokens, in chunks of 512 */
     /* resources */
     int64_t max_memory;            /* bytes of anonymous memory; 0: a share of the machine's */
+    int64_t max_gpu_memory;        /* with a device: bytes of GPU memory; 0: the card's free memory */
     const char *work_dir;          /* NULL: OUT_DIR.moeq-work beside OUT_DIR */
     bool resume;                   /* continue the run the work directory holds */
     bool dry_run;                  /* plan only */
@@ -142,6 +143,9 @@ typedef struct {
     int64_t disk_work;             /* work files beside it (activations) */
     int32_t layers;                /* decoder layers */
     int64_t samples, tokens;       /* calibration */
+    /* GPU memory (moeq_quant_plan's gpu_* say what each holds) */
+    int64_t gpu_budget, gpu_least, gpu_attention, gpu_attention_stage, gpu_expert;
+    int32_t gpu_chunk;
 } mq_mem_plan;
 
 /* One finished layer (seconds, peak anonymous memory). */
@@ -186,6 +190,7 @@ typedef struct {
     int64_t balance_pool, balance_under[2], balance_least[2];
     double balance_seconds;
     int64_t rank_peak[64];         /* measured peak anonymous memory of the first 64 ranks */
+    int64_t gpu_peak;              /* with a device: the peak GPU memory moeq held */
 } mq_pipeline_result;
 
 /* Quantizes model_dir into out_dir (see the top of this file). Errors before any work: bad

@@ -105,6 +105,7 @@ job=$!
 if mid_layer "$tmp/k"; then
     kill -9 $(ranks "$b")
     took=$(gone_within "$a" $((timeout_s + 20))) || fail "killed host: the first host's ranks still run after $took s"
+    echo "killed host: the first host's ranks gone $took s after the kill (--mpi-timeout $timeout_s)"
     end_job $job
     # Open MPI's TCP transport ends a rank whose peer disconnects, before moeq's own wait can: the
     # job names the lost rank (mpirun: "process rank 2 ... exited on signal 9") or its host (the
@@ -132,6 +133,7 @@ if mid_layer "$tmp/c"; then
     ip -n "$b" link set "${b}v" down
     # within the timeout of the step they wait at, which may begin a layer's computation later
     took=$(gone_within "$a" $((timeout_s + 20))) || fail "cut link: the first host's ranks still run after $took s"
+    echo "cut link: the first host's ranks gone $took s after the cut (--mpi-timeout $timeout_s)"
     end_job $job
     for r in 0 1; do
         grep -q "error: rank $r: the other ranks did not reach '.*' within $timeout_s s; ranks 2 and 3 do not answer" \

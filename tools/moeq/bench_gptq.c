@@ -47,6 +47,11 @@ static float *random_hessian(int64_t K) {
     float *xt = random_matrix(K, T, 1.0f);   /* X^T [K, T] */
     float *h = mq_alloc_array((size_t)K * (size_t)K, sizeof(float), "bench Hessian");
     if (xt && h) mq_gemm_nt(K, K, T, 2.0f / (float)T, xt, T, xt, T, 0.0f, h, K);
+    /* exactly symmetric, as mq_hessian_get's H is: a tiled GEMM's X X^T differs between its
+     * triangles in rounding (a tenth of the pairs at K = 2048), and the CPU reads one triangle
+     * where the GPU reads the other */
+    for (int64_t a = 0; h && a < K; a++)
+        for (int64_t b = a + 1; b < K; b++) h[a * K + b] = h[b * K + a];
     mq_free(xt);
     return h;
 }

@@ -212,7 +212,7 @@ int cmd_eval(int argc, char **argv) {
     bool entropy = false;
     bool json = false, add_bos = false, quiet = false, per_doc = false, dequantize = false;
     const char *revision = NULL, *stream = "auto", *max_memory = NULL, *work_dir = NULL;
-    const char *device = NULL, *gpu_precision = NULL;
+    const char *device = NULL, *gpu_precision = NULL, *max_gpu_memory = NULL;
     bool resume = false, dry_run = false;
     const cli_opt opts[] = {
         {"--device", OPT_STRING, &device, "DEV", "where the forward and the scores run: cpu (default), cuda "
@@ -222,6 +222,8 @@ int cmd_eval(int argc, char **argv) {
          "fp32 (default), tf32x3 or tf32 (TF32 tensor cores: faster, perplexity within about 1e-3 "
          "relative), bf16 (the routed experts on the bf16 tensor cores, the rest as tf32: fastest; "
          "docs/eval.md)", "fp32|tf32x3|tf32|bf16", 0, 0, NULL},
+        {"--max-gpu-memory", OPT_STRING, &max_gpu_memory, "SIZE", "with --device cuda: GPU memory the run "
+         "may hold (e.g. 20GB; default: the card's)", NULL, 0, 0, NULL},
         {"--stream", OPT_CHOICE, &stream, NULL, "run layer by layer, one layer's weights in memory "
          "(auto, the default: when the models do not fit half of --max-memory whole)", "auto|on|off", 0, 0, NULL},
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory a streamed run may use (e.g. 6GB; "
@@ -347,6 +349,10 @@ int cmd_eval(int argc, char **argv) {
     if (gpu_precision && !gpu)
         return cli_usage_error("eval", "--gpu-precision needs --device cuda");
     if (gpu_precision) moeq_eval_options_set(&dev, "gpu-precision", gpu_precision);   /* a checked choice */
+    uint64_t gpu_mem = 0;
+    if (max_gpu_memory && !cli_parse_size(max_gpu_memory, &gpu_mem))
+        return cli_usage_error("eval", "--max-gpu-memory: cannot read '%s'", max_gpu_memory);
+    if (max_gpu_memory && !gpu) return cli_usage_error("eval", "--max-gpu-memory needs --device cuda");
     if (gpu && strcmp(stream, "off") == 0)
         return cli_usage_error("eval", "--device cuda runs layer by layer (streamed): drop --stream off");
     /* a GPU takes each layer's fp32 weights up from the stream: a quantized checkpoint dequantized */
@@ -385,6 +391,7 @@ int cmd_eval(int argc, char **argv) {
     }
     moeq_eval_result r;
     memset(&r, 0, sizeof r);
+    bool evaluated = false;   /* Ctrl-C while the models load: nothing to print but the message */
     run_stats rs = {m ? moeq_model_get_info(m) : NULL, 0, 0};
     double cpu0 = cli_cpu_seconds();
     if (!st) {
@@ -411,7 +418,9 @@ int cmd_eval(int argc, char **argv) {
         o.dry_run = dry_run;
         o.device = dev.device;
         o.gpu_precision = dev.gpu_precision;
+        o.max_gpu_memory = (int64_t)gpu_mem;
         st = moeq_eval(m, docs, &o, &r);
+        evaluated = true;
     }
     if (st == MOEQ_OK && dry_run) {
         cli_progress_finish();
@@ -432,7 +441,7 @@ int cmd_eval(int argc, char **argv) {
         return CLI_OK;
     }
     cli_progress_finish();
-    if (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED) {
+    if (evaluated && (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED)) {
         rs.cpu_seconds = cli_cpu_seconds() - cpu0;
         rs.peak_rss = cli_peak_rss_bytes();
         if (!json) cli_report_memory("eval", rs.info);   /* --json: in the object (stderr stays quiet) */

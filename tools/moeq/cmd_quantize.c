@@ -50,6 +50,16 @@ static void print_plan(const char *model, const moeq_quant_plan *p) {
     if (p->read_ahead > 0) print_bytes("read ahead", p->read_ahead, "the next expert chunk or layer's attention, in the two above");
     if (p->snapshot_copy > 0) print_bytes("activation snapshot", p->snapshot_copy, "a copy written behind the next layer");
     print_bytes("peak", p->peak, NULL);
+    if (p->gpu_least > 0) {
+        if (p->gpu_budget > 0) printf("GPU memory (budget %.2f GB):\n", (double)p->gpu_budget / 1e9);
+        else printf("GPU memory (no GPU here and no --max-gpu-memory: no budget):\n");
+        print_bytes("attention", p->gpu_attention, "weights, a group of one sample's tokens, kept");
+        print_bytes("its stage", p->gpu_attention_stage, "Hessian sums, the first expert, GPTQ");
+        print_bytes("one expert's stage", p->gpu_expert, "weights, Hessian sums, rows, GPTQ");
+        snprintf(note, sizeof note, "%d expert%s at a time; batches and GPTQ waves take the rest", p->gpu_chunk,
+                 p->gpu_chunk == 1 ? "" : "s");
+        print_bytes("one layer needs at least", p->gpu_least, p->gpu_chunk > 0 ? note : NULL);
+    }
     if (p->attention_passes > 0)
         printf("passes per layer: %d over the attention (%s), %d per expert chunk / MLP "
                "(%scalibration%s)\n", p->attention_passes,

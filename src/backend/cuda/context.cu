@@ -2,7 +2,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <mutex>
 #include <new>
+#include <unordered_map>
 #include <vector>
 
 #include "backend/cuda/cuda_internal.cuh"
@@ -38,9 +40,175 @@ moeq_status mq_cusolver_fail(cusolverStatus_t e, const char *what, const char *f
                   "cuSOLVER: %s: status %d (%s:%d)", what, (int)e, file, line);
 }
 
+/* ---- the device memory moeq holds, and its bound (mq_gpu_set_memory_limit) --------------------
+ * Every allocation of the backend goes through mq_cu_alloc (cudaMalloc) or mq_cu_alloc_async (the
+ * stream-ordered pool), which count it per device: in use, the pool's reserve (what it keeps of
+ * freed blocks for the next call), their peak. With a bound, an allocation that would take the
+ * sum over it first gives the pool's reserve back, then fails as out of memory naming the bound,
+ * and mq_gpu_get_info's free memory is what is left under it, so every size the backend and the
+ * pipeline choose from it (GPTQ's waves, expert batches, lanes) stays within. The CUDA context and
+ * the libraries' own workspaces (cuBLAS, cuSOLVER's are ours) are not counted. */
+namespace {
+enum { MEM_DEVICES = 64 };
+struct mem_acct {
+    std::mutex mu;
+    std::unordered_map<void *, size_t> sync_live, pool_live;
+    size_t sync_used = 0, pool_used = 0, peak = 0, limit = 0;
+};
+mem_acct g_mem[MEM_DEVICES];
+
+mem_acct *acct_of_current(int *dev_out) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= MEM_DEVICES) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    if (dev_out) *dev_out = dev;
+    return &g_mem[dev];
+}
+
+/* The pool's reserve on device dev: at least what is in use from it. */
+size_t pool_reserved(int dev, size_t pool_used) {
+    cudaMemPool_t pool;
+    uint64_t res = 0;
+    if (cudaDeviceGetDefaultMemPool(&pool, dev) != cudaSuccess ||
+        cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &res) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return pool_used;
+    }
+    return (size_t)res > pool_used ? (size_t)res : pool_used;
+}
+
+void pool_trim(int dev, size_t keep) {
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess) {
+        cudaDeviceSynchronize();
+        cudaMemPoolTrimTo(pool, keep);
+    }
+    (void)cudaGetLastError();
+}
+
+/* Whether `bytes` more fit under the bound (taken under a's lock); the pool's reserve is given
+ * back first where that makes room. */
+bool fits_bound(mem_acct *a, int dev, size_t bytes, bool from_pool) {
+    if (!a->limit) return true;
+    const size_t used = a->sync_used + a->pool_used;
+    if (used + bytes > a->limit) return false;
+    const size_t res = pool_reserved(dev, a->pool_used);
+    /* a pool allocation may come out of the reserve; a plain one needs room beside it */
+    const size_t need = from_pool ? (res > a->pool_used + bytes ? res : a->pool_used + bytes) : res + bytes;
+    if (a->sync_used + need <= a->limit) return true;
+    pool_trim(dev, 0);
+    return true;   /* the reserve beyond what is in use is back: used + bytes <= limit */
+}
+
+void note_peak(mem_acct *a, int dev) {
+    const size_t now = a->sync_used + pool_reserved(dev, a->pool_used);
+    if (now > a->peak) a->peak = now;
+}
+
+moeq_status over_bound(const mem_acct *a, size_t bytes, const char *what) {
+    return mq_err(MOEQ_E_NOMEM, "GPU: %s: %.3f GB more would exceed the GPU memory bound of %.3f GB "
+                  "(--max-gpu-memory; %.3f GB in use)", what, (double)bytes / 1e9, (double)a->limit / 1e9,
+                  (double)(a->sync_used + a->pool_used) / 1e9);
+}
+}   // namespace
+
+moeq_status mq_cu_alloc_async(void **p, size_t bytes, cudaStream_t s, const char *what) {
+    *p = NULL;
+    if (bytes == 0) bytes = 1;
+    /* counted as the pool maps it: in whole 2 MiB pages, so that its reserve stays under the bound */
+    const size_t counted = (bytes + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
+    int dev = 0;
+    mem_acct *a = acct_of_current(&dev);
+    if (a) {
+        std::lock_guard<std::mutex> lk(a->mu);
+        if (!fits_bound(a, dev, counted, true)) return over_bound(a, counted, what);
+    }
+    cudaError_t e = cudaMallocAsync(p, bytes, s);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        *p = NULL;
+        return mq_err(e == cudaErrorMemoryAllocation ? MOEQ_E_NOMEM : MOEQ_E_DEVICE,
+                      "GPU: %s: cannot allocate %.2f GB: %s", what, (double)bytes / 1e9, cudaGetErrorString(e));
+    }
+    if (a) {
+        std::lock_guard<std::mutex> lk(a->mu);
+        a->pool_live[*p] = counted;
+        a->pool_used += counted;
+        note_peak(a, dev);
+    }
+    return MOEQ_OK;
+}
+
+void mq_cu_free_async(void *p, cudaStream_t s) {
+    if (!p) return;
+    cudaFreeAsync(p, s);
+    int dev = 0;
+    mem_acct *a = acct_of_current(&dev);
+    if (!a) return;
+    std::lock_guard<std::mutex> lk(a->mu);
+    auto it = a->pool_live.find(p);
+    if (it == a->pool_live.end()) return;
+    a->pool_used -= it->second;
+    a->pool_live.erase(it);
+}
+
+size_t mq_cu_mem_free(mq_gpu *g) {
+    size_t free_b = 0, total_b = 0;
+    if (cudaSetDevice(g->device) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (g->device < 0 || g->device >= MEM_DEVICES) return free_b;
+    mem_acct *a = &g_mem[g->device];
+    std::lock_guard<std::mutex> lk(a->mu);
+    /* what the pool keeps from earlier calls is free for the next ones too */
+    free_b += pool_reserved(g->device, a->pool_used) - a->pool_used;
+    if (a->limit) {
+        const size_t used = a->sync_used + a->pool_used, left = used < a->limit ? a->limit - used : 0;
+        if (left < free_b) free_b = left;
+    }
+    return free_b;
+}
+
+extern "C" void mq_gpu_set_memory_limit(mq_gpu *g, int64_t bytes) {
+    if (!g || g->device < 0 || g->device >= MEM_DEVICES) return;
+    mem_acct *a = &g_mem[g->device];
+    std::lock_guard<std::mutex> lk(a->mu);
+    a->limit = bytes > 0 ? (size_t)bytes : 0;
+}
+
+extern "C" void mq_gpu_memory(mq_gpu *g, int64_t *used, int64_t *peak, int64_t *limit) {
+    int64_t u = 0, pk = 0, l = 0;
+    if (g && g->device >= 0 && g->device < MEM_DEVICES && cudaSetDevice(g->device) == cudaSuccess) {
+        mem_acct *a = &g_mem[g->device];
+        std::lock_guard<std::mutex> lk(a->mu);
+        u = (int64_t)(a->sync_used + pool_reserved(g->device, a->pool_used));
+        pk = (int64_t)a->peak;
+        l = (int64_t)a->limit;
+    }
+    if (used) *used = u;
+    if (peak) *peak = pk;
+    if (limit) *limit = l;
+}
+
+extern "C" void mq_gpu_memory_reset_peak(mq_gpu *g) {
+    if (!g || g->device < 0 || g->device >= MEM_DEVICES || cudaSetDevice(g->device) != cudaSuccess) return;
+    mem_acct *a = &g_mem[g->device];
+    std::lock_guard<std::mutex> lk(a->mu);
+    a->peak = a->sync_used + pool_reserved(g->device, a->pool_used);
+}
+
 moeq_status mq_cu_alloc(void **p, size_t bytes, const char *what) {
     *p = NULL;
     if (bytes == 0) bytes = 1;
+    int dev = 0;
+    mem_acct *a = acct_of_current(&dev);
+    if (a) {
+        std::lock_guard<std::mutex> lk(a->mu);
+        if (!fits_bound(a, dev, bytes, false)) return over_bound(a, bytes, what);
+    }
     cudaError_t e = cudaMalloc(p, bytes);
     if (e == cudaErrorMemoryAllocation) {
         /* the stream-ordered pool of the GPTQ calls keeps what they freed: give it back, retry */
@@ -53,7 +221,15 @@ moeq_status mq_cu_alloc(void **p, size_t bytes, const char *what) {
         }
         e = cudaMalloc(p, bytes);
     }
-    if (e == cudaSuccess) return MOEQ_OK;
+    if (e == cudaSuccess) {
+        if (a) {
+            std::lock_guard<std::mutex> lk(a->mu);
+            a->sync_live[*p] = bytes;
+            a->sync_used += bytes;
+            note_peak(a, dev);
+        }
+        return MOEQ_OK;
+    }
     (void)cudaGetLastError();   /* clear the sticky-free allocation error */
     *p = NULL;
     size_t free_b = 0, total_b = 0;
@@ -65,7 +241,18 @@ moeq_status mq_cu_alloc(void **p, size_t bytes, const char *what) {
 }
 
 void mq_cu_free(void *p) {
-    if (p) cudaFree(p);
+    if (!p) return;
+    cudaFree(p);
+    /* the device the pointer is on: the accounts are few, a pointer is in one */
+    for (int d = 0; d < MEM_DEVICES; d++) {
+        mem_acct *a = &g_mem[d];
+        std::lock_guard<std::mutex> lk(a->mu);
+        auto it = a->sync_live.find(p);
+        if (it == a->sync_live.end()) continue;
+        a->sync_used -= it->second;
+        a->sync_live.erase(it);
+        return;
+    }
 }
 
 extern "C" moeq_status mq_gpu_probe(int device) {
@@ -131,7 +318,7 @@ extern "C" void mq_gpu_close(mq_gpu *g) {
     cudaSetDevice(g->device);
     cudaDeviceSynchronize();
     for (int i = 0; i < MQ_GPU_STREAMS; i++) {
-        if (g->ws[i]) cudaFree(g->ws[i]);
+        mq_cu_free(g->ws[i]);
         if (g->solver[i]) cusolverDnDestroy(g->solver[i]);
         if (g->blas[i]) cublasDestroy(g->blas[i]);
         if (g->stream[i]) cudaStreamDestroy(g->stream[i]);
@@ -142,6 +329,7 @@ extern "C" void mq_gpu_close(mq_gpu *g) {
     if (g->pin) cudaFreeHost(g->pin);
     cudaMemPool_t pool;
     if (cudaDeviceGetDefaultMemPool(&pool, g->device) == cudaSuccess) cudaMemPoolTrimTo(pool, 0);
+    mq_gpu_set_memory_limit(g, 0);   /* the bound is this handle's */
     free(g);
 }
 
@@ -152,6 +340,14 @@ extern "C" void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
     if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
         info->mem_free = (int64_t)free_b;
         info->mem_total = (int64_t)total_b;
+    }
+    /* under a bound: what is left under it, and the bound as the card's size */
+    int64_t used = 0, peak = 0, limit = 0;
+    mq_gpu_memory(g, &used, &peak, &limit);
+    if (limit > 0) {
+        const int64_t left = (int64_t)mq_cu_mem_free(g);
+        info->mem_free = left < info->mem_free ? left : info->mem_free;
+        info->mem_total = limit < info->mem_total ? limit : info->mem_total;
     }
 }
 
@@ -250,7 +446,7 @@ static moeq_status product_tf32x3(mq_gpu *g, int j, int64_t M, int64_t N, int64_
     cudaStream_t s = g->stream[j];
     cublasHandle_t h = g->blas[j];
     float *buf = NULL;
-    moeq_status st = CU(cudaMallocAsync((void **)&buf, (size_t)(2 * (am + bn) * K) * sizeof(float), s));
+    moeq_status st = mq_cu_alloc_async((void **)&buf, (size_t)(2 * (am + bn) * K) * sizeof(float), s, "tf32x3 halves");
     if (st) return st;
     float *ah = buf, *al = ah + am * K, *bh = al + am * K, *bl = bh + bn * K;
     for (int64_t n0 = 0; n0 < N && !st; n0 += bn) {
@@ -266,7 +462,7 @@ static moeq_status product_tf32x3(mq_gpu *g, int j, int64_t M, int64_t N, int64_
             if (!st) st = tf32_gemm(h, CUBLAS_OP_T, CUBLAS_OP_N, nn, mm, K, bh, K, ah, K, 1.0f, c, ldc);
         }
     }
-    cudaFreeAsync(buf, s);
+    mq_cu_free_async(buf, s);
     return st;
 }
 
@@ -276,7 +472,7 @@ static moeq_status gram_tf32x3(mq_gpu *g, int j, float *C, const float *X, int64
     cudaStream_t s = g->stream[j];
     cublasHandle_t h = g->blas[j];
     float *buf = NULL;
-    moeq_status st = CU(cudaMallocAsync((void **)&buf, (size_t)(2 * bm * K) * sizeof(float), s));
+    moeq_status st = mq_cu_alloc_async((void **)&buf, (size_t)(2 * bm * K) * sizeof(float), s, "tf32x3 halves");
     if (st) return st;
     float *xh = buf, *xl = xh + bm * K;
     for (int64_t r0 = 0; r0 < n && !st; r0 += bm) {
@@ -287,7 +483,7 @@ static moeq_status gram_tf32x3(mq_gpu *g, int j, float *C, const float *X, int64
         if (!st) st = tf32_gemm(h, CUBLAS_OP_N, CUBLAS_OP_T, K, K, rows, xh, K, xl, K, 1.0f, C, K);
         if (!st) st = tf32_gemm(h, CUBLAS_OP_N, CUBLAS_OP_T, K, K, rows, xh, K, xh, K, 1.0f, C, K);
     }
-    cudaFreeAsync(buf, s);
+    mq_cu_free_async(buf, s);
     return st;
 }
 

@@ -63,6 +63,12 @@ template <typename T> static inline moeq_status cu_alloc(T **p, size_t n, const 
     return mq_cu_alloc((void **)p, n * sizeof(T), what);
 }
 void mq_cu_free(void *p);
+/* cudaMallocAsync / cudaFreeAsync on stream s, counted and bounded as mq_cu_alloc's (context.cu). */
+moeq_status mq_cu_alloc_async(void **p, size_t bytes, cudaStream_t s, const char *what);
+void mq_cu_free_async(void *p, cudaStream_t s);
+/* The device's free memory for this process's next allocations: the driver's, plus what the
+ * stream-ordered pool keeps of freed blocks, at most what the bound leaves (mq_gpu_set_memory_limit). */
+size_t mq_cu_mem_free(mq_gpu *g);
 
 /* Host memory to the device through the pinned buffer (g->pin): pieces copied on the host pool
  * into one half while the other half's piece travels; faster than a pageable copy. Stream 0;

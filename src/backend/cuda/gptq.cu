@@ -592,6 +592,17 @@ __global__ void k_form(float *H, const float *sum, int64_t K, float scale) {
     H[a * K + b] = b <= a ? scale * sum[a * K + b] : scale * sum[b * K + a];
 }
 
+/* H's upper triangle from its lower one, in place: a Hessian from host memory is read as a
+ * device sum is (k_form), so that the same lower triangle gives the same bits whichever way it
+ * came (an H whose triangles differ in rounding, as a GEMM's X X^T may, factored as given gave
+ * other codes than the same values passed as a device sum). */
+__global__ void k_mirror_lower(float *H, int64_t K) {
+    const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t a = (int64_t)blockIdx.y * blockDim.y + threadIdx.y;
+    if (a >= K || b <= a || b >= K) return;
+    H[a * K + b] = H[b * K + a];
+}
+
 /* A = H' with rows and columns in reverse processing order, lower triangle (gptq.c). */
 __global__ void k_build_a(float *A, const float *H, const int32_t *perm, const float *diag,
                           int64_t K, float damp) {
@@ -815,7 +826,7 @@ moeq_status ensure_workspace(mq_gpu *g, int stream, size_t bytes) {
     if (bytes <= g->ws_cap[stream]) return MOEQ_OK;
     if (g->ws[stream]) {
         cudaStreamSynchronize(g->stream[stream]);
-        cudaFree(g->ws[stream]);
+        mq_cu_free(g->ws[stream]);
     }
     g->ws[stream] = NULL;
     g->ws_cap[stream] = 0;
@@ -1130,11 +1141,9 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) {
             const size_t meta = r.meta.used, small = r.small.used, big = r.big.used;
-            if ((st = CU(cudaMallocAsync((void **)&base, r.total() + 256, s0)))) {
-                (void)cudaGetLastError();
-                return mq_err(MOEQ_E_NOMEM, "%s: GPTQ needs %.2f GB of GPU memory", fs[0].name,
-                              (double)r.total() / 1e9);
-            }
+            if ((st = mq_cu_alloc_async((void **)&base, r.total() + 256, s0, "GPTQ")))
+                return mq_err(MOEQ_E_NOMEM, "%s: GPTQ needs %.2f GB of GPU memory (%s)", fs[0].name,
+                              (double)r.total() / 1e9, moeq_last_error());
             r = regions();
             r.meta.base = base;
             r.small.base = base + meta;
@@ -1238,6 +1247,13 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
         st = mq_err(MOEQ_E_NUMERIC, "%s: non-finite weight %g at (%lld, %lld)", j.name ? j.name : "(unnamed)",
                     (double)v, (long long)(row - h.row0[jk]), (long long)col);
     }
+    /* the finiteness checks saw H as given; from here only its lower triangle counts */
+    for (size_t k = 0; k < nf && !st; k++)
+        if (fs[k].H_host) {
+            dim3 blk(32, 8);
+            k_mirror_lower<<<grid2(fs[k].K, fs[k].K, blk), blk, 0, s0>>>(fs[k].dH, fs[k].K);
+            st = CU_LAUNCHED("k_mirror_lower");
+        }
     for (size_t a = 0; a < need_gs.size() && !st; a++) {
         unsigned bits = *(const unsigned *)host_small(damax + a);
         float amax;
@@ -1385,7 +1401,7 @@ moeq_status run_wave(mq_gpu *g, const mq_qspec *s, const mq_gptq_opts *o, std::v
             }
         }
     cudaDeviceSynchronize();   /* an error may leave work of the factor streams queued */
-    if (base) cudaFreeAsync(base, s0);
+    mq_cu_free_async(base, s0);
     return st;
 }
 
@@ -1438,16 +1454,8 @@ extern "C" moeq_status mq_gpu_gptq_ex(mq_gpu *g, const mq_qspec *s, const mq_gpt
         }
     prof.mark("host prep");
     /* Waves: Hessians in order with their jobs, as many as fit 85% of the free device memory. */
-    size_t free_b = 0, total_b = 0;
-    if (!st) st = CU(cudaMemGetInfo(&free_b, &total_b));
-    {   /* what the stream-ordered pool keeps from earlier calls is free for this one too */
-        cudaMemPool_t pool;
-        uint64_t res = 0, used = 0;
-        if (cudaDeviceGetDefaultMemPool(&pool, g->device) == cudaSuccess &&
-            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &res) == cudaSuccess &&
-            cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used) == cudaSuccess && res > used)
-            free_b += (size_t)(res - used);
-    }
+    /* free memory, with what the stream-ordered pool keeps from earlier calls, under the bound */
+    const size_t free_b = st ? 0 : mq_cu_mem_free(g);
     const size_t budget = (size_t)(0.85 * (double)free_b);
     std::vector<std::vector<int64_t>> jobs_of((size_t)n_h);
     for (int64_t i = 0; i < n_jobs; i++) jobs_of[(size_t)job_h[i]].push_back(i);

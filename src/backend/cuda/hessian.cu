@@ -31,6 +31,7 @@ struct mq_gpu_hessians {
     std::vector<int64_t> K, n;
     std::vector<float *> sum;
     float *stage;
+    int64_t stage_floats;   /* its size: the first call's rows, at most STAGE_FLOATS */
 };
 
 extern "C" moeq_status mq_gpu_hessians_new(mq_gpu *g, int64_t n, const int64_t *K, mq_gpu_hessians **out) {
@@ -41,6 +42,7 @@ extern "C" moeq_status mq_gpu_hessians_new(mq_gpu *g, int64_t n, const int64_t *
     if (!hs) return mq_err(MOEQ_E_NOMEM, "out of memory");
     hs->g = g;
     hs->stage = NULL;
+    hs->stage_floats = 0;
     hs->K.assign(K, K + n);
     hs->n.assign((size_t)n, 0);
     hs->sum.assign((size_t)n, NULL);
@@ -73,13 +75,23 @@ extern "C" moeq_status mq_gpu_hessians_add(mq_gpu_hessians *hs, int64_t i, const
     if (i < 0 || i >= (int64_t)hs->K.size()) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld of %zu", (long long)i, hs->K.size());
     if (rows <= 0) return MOEQ_OK;
     const int64_t K = hs->K[i];
-    const int64_t per = STAGE_FLOATS / K;
-    if (per < 1) return mq_err(MOEQ_E_SHAPE, "GPU Hessian: rows of %lld values are too long", (long long)K);
+    if (STAGE_FLOATS / K < 1) return mq_err(MOEQ_E_SHAPE, "GPU Hessian: rows of %lld values are too long", (long long)K);
     cudaStream_t s = hs->g->stream[0];
     moeq_status st = CU(cudaSetDevice(hs->g->device));
     /* the rows' staging area only when rows come from the host (most sums get theirs on the
-     * device: the pipeline makes a layer's worth of these objects) */
-    if (!st && !hs->stage) st = cu_alloc(&hs->stage, STAGE_FLOATS, "Hessian rows");
+     * device: the pipeline makes a layer's worth of these objects), as large as the first call's
+     * rows need (a sample's, a few MB; not 64 MB per object under --max-gpu-memory) */
+    if (!st && hs->stage && hs->stage_floats < K) {   /* a longer row than the stage was made for */
+        st = CU(cudaStreamSynchronize(s));
+        mq_cu_free(hs->stage);
+        hs->stage = NULL;
+    }
+    if (!st && !hs->stage) {
+        const int64_t want = rows < STAGE_FLOATS / K ? rows * K : STAGE_FLOATS / K * K;
+        st = cu_alloc(&hs->stage, (size_t)want, "Hessian rows");
+        if (!st) hs->stage_floats = want;
+    }
+    const int64_t per = hs->stage_floats / K > 0 ? hs->stage_floats / K : 1;
     for (int64_t r0 = 0; r0 < rows && !st; r0 += per) {
         const int64_t n = rows - r0 < per ? rows - r0 : per;
         /* the stage is reused: the previous chunk's kernel must be done reading it */
@@ -123,7 +135,12 @@ extern "C" moeq_status mq_gpu_hessians_set(mq_gpu_hessians *hs, int64_t i, const
     if (n < 0) return mq_err(MOEQ_E_ARG, "GPU Hessian %lld: %lld rows", (long long)i, (long long)n);
     const int64_t K = hs->K[i];
     moeq_status st = CU(cudaSetDevice(hs->g->device));
-    if (!st) st = CU(cudaMemcpy(hs->sum[i], sum, (size_t)(K * K) * sizeof(float), cudaMemcpyHostToDevice));
+    /* on stream 0, after the zeroing mq_gpu_hessians_new queued there and before the kernels that
+     * read the sum: a plain cudaMemcpy goes on the legacy stream, which the non-blocking streams
+     * do not wait for (and it may return before its last piece has landed) */
+    cudaStream_t s = hs->g->stream[0];
+    if (!st) st = CU(cudaMemcpyAsync(hs->sum[i], sum, (size_t)(K * K) * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) st = CU(cudaStreamSynchronize(s));
     if (!st) hs->n[i] = n;
     return st;
 }

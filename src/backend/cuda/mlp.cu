@@ -187,8 +187,8 @@ extern "C" moeq_status mq_gpu_mlp_new(mq_gpu *g, int64_t E, int64_t D, int64_t F
     if (!st) m->n_lanes = 1;
     /* more lanes where they take at most a quarter of the free memory (with several experts) */
     const size_t lane_bytes = r * (size_t)(2 * D + 2 * F) * sizeof(float) + r * sizeof(int32_t);
-    size_t free_b = 0, total_b = 0;
-    if (!st && E > 1 && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+    size_t free_b = 0;
+    if (!st && E > 1 && (free_b = mq_cu_mem_free(g)) > 0)
         while (m->n_lanes < MLP_LANES && m->n_lanes < E && lane_bytes * (size_t)(MLP_LANES - 1) * 4 <= free_b) {
             mlp_lane *l = &m->lane[m->n_lanes];
             if ((st = lane_alloc(l, r, D, F))) break;

@@ -386,7 +386,7 @@ extern "C" moeq_status mq_gpu_mlp_add_kept(mq_gpu_mlp *m, mq_gpu_buf *out, const
     if (!st) st = mq_gpu_mlp_join(m);   /* the kept rows' lanes */
     float *gs = NULL;
     if (!st && gate) {
-        st = CU(cudaMallocAsync((void **)&gs, (size_t)n * sizeof(float), s));
+        st = mq_cu_alloc_async((void **)&gs, (size_t)n * sizeof(float), s, "shared expert gates");
         if (!st) {
             k_gate<<<row_blocks(n), ROWS_PER_BLOCK * LANES, 0, s>>>(gs, x, gw, n, D);
             st = CU_LAUNCHED("k_gate");
@@ -396,7 +396,7 @@ extern "C" moeq_status mq_gpu_mlp_add_kept(mq_gpu_mlp *m, mq_gpu_buf *out, const
         k_axpy_rows<<<grid_of(n * D), 256, 0, s>>>(o, y, gs, n, D);
         st = CU_LAUNCHED("k_axpy_rows");
     }
-    if (gs) cudaFreeAsync(gs, s);
+    mq_cu_free_async(gs, s);
     return st;
 }
 
