@@ -230,14 +230,3 @@ const mq_vec_kernels mq_vec_ref = {
     .rmsnorm = rmsnorm_ref,
     .swiglu = swiglu_ref,
 };
-
-const mq_vec_kernels *mq_vec(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (mq_cpu_has_avx512() && !mq_force_ref()) return &mq_vec_avx512;
-    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) return &mq_vec_avx2;
-#endif
-#if defined(__aarch64__)
-    if (!mq_force_ref()) return &mq_vec_neon;
-#endif
-    return &mq_vec_ref;
-}

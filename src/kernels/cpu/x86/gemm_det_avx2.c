@@ -238,3 +238,5 @@ void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, co
     }
     cross_run(K, n, A, lda, B, ldb, C, ldc, row0, row1, PA, PB, cross_tiles);
 }
+
+const mq_det_kernels mq_det_avx2 = {mq_gemm_det_nt_avx2, mq_syrk_det_acc_avx2, mq_cross_det_acc_avx2};

@@ -234,3 +234,6 @@ void mq_cross_det_acc_avx512(int64_t K, int64_t n, const float *A, int64_t lda, 
     }
     cross_run(K, n, A, lda, B, ldb, C, ldc, row0, row1, PA, PB, cross_tiles);
 }
+
+const mq_det_kernels mq_det_avx512 = {mq_gemm_det_nt_avx512, mq_syrk_det_acc_avx512,
+                                      mq_cross_det_acc_avx512};
