@@ -1,13 +1,20 @@
 /*
- * The deterministic Hessian update's data layout, shared by its SIMD kernels
- * (x86/gemm_det_avx2.c, x86/gemm_det_avx512.c, arm/gemm_det_neon.c): X goes in blocks of
+ * What the deterministic sums' SIMD twins (x86/gemm_det_avx2.c, x86/gemm_det_avx512.c,
+ * arm/gemm_det_neon.c) share besides their tiles, free of any instruction set: the GEMM's packed
+ * panel of A, the copy of a tile's lanes into C and the walk over C's tiles; the Hessian update's
+ * and the cross sum's data layout, their walks and their scalar edges.
+ *
+ * GEMM: a panel of `mr` rows of A packed k-major (Ap[k][mr], rows past M zero), the tiles of
+ * up to `nr` columns of C read B in place; every element of C is the reference's chain.
+ *
+ * Hessian update: X goes in blocks of
  * SYRK_ROWS rows, repacked by SYRK_SC-column panels (P[panel][r][SYRK_SC], zero past K), which
  * the kernels' tiles of SYRK_SR rows read sequentially; the elements the tiles leave are the
  * scalar chain, one fmaf per row in row order from C, as the reference computes every element.
  * What differs between the kernels is only their tiles.
  */
-#ifndef MOEQ_KERNELS_CPU_SYRK_PANELS_H
-#define MOEQ_KERNELS_CPU_SYRK_PANELS_H
+#ifndef MOEQ_KERNELS_CPU_DET_COMMON_H
+#define MOEQ_KERNELS_CPU_DET_COMMON_H
 
 #include <math.h>
 #include <pthread.h>
@@ -17,6 +24,42 @@
 #include <string.h>
 
 enum { SYRK_SR = 6, SYRK_SC = 16, SYRK_ROWS = 64 };
+
+/* ---- the GEMM ---------------------------------------------------------------------------------- */
+/* Ap[k][i] = A[i][k] for the panel's m rows (zero past m, up to mr). */
+static inline void det_pack_panel(const float *A, int64_t lda, int64_t m, int64_t K, int mr, float *ap) {
+    if (m < mr) memset(ap, 0, sizeof(float) * (size_t)(K * mr));
+    for (int64_t i = 0; i < m; i++) {
+        const float *a = A + i * lda;
+        for (int64_t k = 0; k < K; k++) ap[k * mr + i] = a[k];
+    }
+}
+
+/* C[i][r] = t[r * mr + i] for i < m, r < nr: a tile's lanes (column r of C in t's row r) into C. */
+static inline void det_store_cols(const float *t, int mr, int nr, float *C, int64_t ldc, int64_t m) {
+    for (int64_t i = 0; i < m; i++)
+        for (int r = 0; r < nr; r++) C[i * ldc + r] = t[r * mr + i];
+}
+
+/* A twin's tile: m (<= mr) rows of the packed panel ap by nr (<= its widest) rows of B. */
+typedef void (*det_tile_fn)(const float *ap, int64_t K, const float *B, int64_t ldb, int nr,
+                            float *C, int64_t ldc, int64_t m);
+/* C = A B^T by panels of mr rows of A (packed into ap, K * mr floats) and tiles of up to nr_max
+ * columns. */
+static inline void det_gemm_run(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                                const float *B, int64_t ldb, float *C, int64_t ldc, int mr,
+                                int nr_max, float *ap, det_tile_fn tile) {
+    for (int64_t i0 = 0; i0 < M; i0 += mr) {
+        const int64_t m = M - i0 < mr ? M - i0 : mr;
+        det_pack_panel(A + i0 * lda, lda, m, K, mr, ap);
+        for (int64_t j0 = 0; j0 < N; j0 += nr_max) {
+            const int nr = (int)(N - j0 < nr_max ? N - j0 : nr_max);
+            tile(ap, K, B + j0 * ldb, ldb, nr, C + i0 * ldc + j0, ldc, m);
+        }
+    }
+}
+
+/* ---- the Hessian update and the cross sum ------------------------------------------------------ */
 
 /* A thread's scratch goes with the thread: the pool's workers end when moeq_set_threads restarts
  * it, and their buffers stayed behind (LeakSanitizer found them). Each buffer of the including
@@ -85,6 +128,28 @@ static inline void cross_edge(int64_t n, const float *PA, const float *PB, int64
             for (int64_t r = 0; r < n; r++) acc = fmaf(pi[r * SYRK_SC], pj[r * SYRK_SC], acc);
             C[i * ldc + j] = acc;
         }
+}
+
+/* A twin's whole-panel tiles of the Hessian update for the rows [i0, i1) of C (a group of at most
+ * SYRK_SR), the panels of P packed up to `panels`; returns the column where they stop (a multiple
+ * of SYRK_SC): the scalar chains do the rest up to the diagonal. */
+typedef int64_t (*syrk_tiles_fn)(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t K,
+                                 int64_t panels, float *C, int64_t ldc);
+/* The Hessian update's driver, shared by the SIMD twins: X's rows in blocks of SYRK_ROWS packed
+ * into P (the panels of the columns below row1), then for every group of SYRK_SR rows of C the
+ * twin's tiles and the scalar chains past them. */
+static inline void syrk_run(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
+                            int64_t row0, int64_t row1, float *P, syrk_tiles_fn tiles) {
+    const int64_t panels = (row1 + SYRK_SC - 1) / SYRK_SC;   /* columns < row1 are all the rows need */
+    for (int64_t r0 = 0; r0 < n; r0 += SYRK_ROWS) {
+        const int64_t rb = n - r0 < SYRK_ROWS ? n - r0 : SYRK_ROWS;
+        syrk_pack(X, ldx, K, r0, rb, panels, P);
+        for (int64_t i0 = row0; i0 < row1; i0 += SYRK_SR) {
+            const int64_t i1 = i0 + SYRK_SR < row1 ? i0 + SYRK_SR : row1;
+            const int64_t j0 = tiles(rb, P, i0, i1, K, panels, C, ldc);
+            syrk_edge(rb, P, i0, i1, j0, i1, C, ldc);
+        }
+    }
 }
 
 /* The cross sum's driver, shared by the SIMD twins: X's rows in blocks of SYRK_ROWS, A's panels
