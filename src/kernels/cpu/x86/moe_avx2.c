@@ -18,6 +18,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/moe_common.h"
 #include "kernels/cpu/x86/exp_avx2.h"
 #include "kernels/moe_ffn.h"
 
@@ -134,7 +135,7 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
 /* One tile pair x nt activation rows, with the epilogue: o[t] receives 8 SwiGLU outputs or the 16
  * row results of activation row t. */
 INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow,
-                 float *const *o, int swiglu, int prefetch, const uint8_t *next, const int nt,
+                 float *const *o, int swiglu, size_t ahead, const uint8_t *next, const int nt,
                  const int nvfp4, const int split) {
     const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes;
     /* Software prefetch into L2 of the pair PF_AHEAD bytes ahead (whole pairs, at least the next),
@@ -144,13 +145,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
      * this prefetch one token takes 1.6-1.9x as long, with every other line left out 1.3-1.5x;
      * 8-32 KiB ahead read equally fast, 96 KiB and the T0 hint slower; continuing into `next`
      * saved 0-7% at one token (in-process A/B, 2 threads). */
-    const size_t pair_bytes = 2 * W->rb_bytes;
-    const int64_t dist = (int64_t)((PF_AHEAD + pair_bytes - 1) / pair_bytes);
-    const int64_t npairs = W->rows / 16;
-    const uint8_t *pf = !prefetch ? NULL
-                        : pair + dist < npairs ? rb0 + (size_t)dist * pair_bytes
-                        : next ? next + (size_t)(pair + dist - npairs) * pair_bytes
-                                : NULL;
+    const uint8_t *pf = moe_prefetch_at(W, pair, rb0, next, ahead);
     const size_t pf_step = (2 * W->rb_bytes + (size_t)(W->cols / 8) - 1) / (size_t)(W->cols / 8);
     const int B = nvfp4 ? 16 : 32, CH = B / 8;
     const int64_t nb = W->cols / B, lds = A->ld / B;
@@ -161,13 +156,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     const int8_t *aq[MQ_MOE_NT], *aq2[MQ_MOE_NT];
     const float *as[MQ_MOE_NT];
     const int32_t *ac[MQ_MOE_NT];
-#pragma GCC unroll 4
-    for (int t = 0; t < nt; t++) {
-        aq[t] = A->q + arow[t] * A->ld;
-        aq2[t] = split ? A->q2 + arow[t] * A->ld : NULL;
-        as[t] = A->scale + arow[t] * lds;
-        ac[t] = A->corr + arow[t] * lds;
-    }
+    moe_act_rows(A, arow, nt, split, lds, aq, aq2, as, ac);
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
     const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
@@ -264,20 +253,18 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
 
 /* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
  * accumulators in registers. */
-typedef void (*tile_fn)(const mq_pmat *, int64_t, const mq_qact *, const int64_t *, float *const *,
-                        int, int, const uint8_t *);
 #define TILE_FN(NT, NV, SP)                                                                        \
     static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
         const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
-        int swiglu, int prefetch, const uint8_t *next) {                                           \
-        tile(W, pair, A, arow, o, swiglu, prefetch, next, NT, NV, SP);                             \
+        int swiglu, size_t ahead, const uint8_t *next) {                                           \
+        tile(W, pair, A, arow, o, swiglu, ahead, next, NT, NV, SP);                                \
     }
 #define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
 TILE_FNS(1)
 TILE_FNS(2)
 TILE_FNS(3)
 TILE_FNS(4)
-static const tile_fn k_tiles[2][2][MQ_MOE_NT] = {
+static const moe_tile_fn k_tiles[2][2][MQ_MOE_NT] = {
     {{tile_1_0_0, tile_2_0_0, tile_3_0_0, tile_4_0_0}, {tile_1_0_1, tile_2_0_1, tile_3_0_1, tile_4_0_1}},
     {{tile_1_1_0, tile_2_1_0, tile_3_1_0, tile_4_1_0}, {tile_1_1_1, tile_2_1_1, tile_3_1_1, tile_4_1_1}},
 };
@@ -285,24 +272,8 @@ static const tile_fn k_tiles[2][2][MQ_MOE_NT] = {
 static void gemm_avx2(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qact *A,
                       const int32_t *act_rows, int64_t row0, int64_t m, float *out, int64_t ldo,
                       int swiglu, const uint8_t *next) {
-    const tile_fn *fns = k_tiles[W->nvfp4 != 0][A->q2 != NULL];
-    /* blocks of 64 activation rows (128 KiB of split int16 at K = 1024) stay in L2 while the
-     * pairs stream by; each pair's 16 rows stay in L1 across the block's 4-row tiles */
-    for (int64_t ib = 0; ib < m; ib += 64) {
-        const int64_t ie = ib + 64 < m ? ib + 64 : m;
-        for (int64_t pair = pair0; pair < pair1; pair++) {
-            for (int64_t i0 = ib; i0 < ie; i0 += MQ_MOE_NT) {
-                int nt = ie - i0 < MQ_MOE_NT ? (int)(ie - i0) : MQ_MOE_NT;
-                int64_t arow[MQ_MOE_NT];
-                float *o[MQ_MOE_NT];
-                for (int t = 0; t < nt; t++) {
-                    arow[t] = act_rows ? act_rows[i0 + t] : row0 + i0 + t;
-                    o[t] = out + (i0 + t) * ldo + (swiglu ? 8 * (pair - pair0) : 16 * pair);
-                }
-                fns[nt - 1](W, pair, A, arow, o, swiglu, i0 == ib, next);
-            }
-        }
-    }
+    moe_gemm_run(W, pair0, pair1, A, act_rows, row0, m, out, ldo, swiglu, next,
+                 k_tiles[W->nvfp4 != 0][A->q2 != NULL], MQ_MOE_NT, PF_AHEAD);
 }
 
 const mq_moe_kernels mq_moe_kernels_avx2 = {quant_act_avx2, gemm_avx2};
