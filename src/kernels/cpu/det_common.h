@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/gemm_det.h"
+
 enum { SYRK_SR = 6, SYRK_SC = 16, SYRK_ROWS = 64 };
 
 /* ---- the GEMM ---------------------------------------------------------------------------------- */
@@ -173,6 +175,42 @@ static inline void cross_run(int64_t K, int64_t n, const float *A, int64_t lda, 
             cross_edge(rb, PA, PB, i0, i1, full, K, C, ldc);
         }
     }
+}
+
+/* The including twin's packed streams, per thread, grown as needed (the Hessian's panels, the cross
+ * sum's rows of A in the first and of B in the second; scratch slots 0 and 1). */
+static _Thread_local float *det_pack_a __attribute__((unused)), *det_pack_b __attribute__((unused));
+static _Thread_local size_t det_cap_a __attribute__((unused)), det_cap_b __attribute__((unused));
+
+/* A twin's mq_syrk_det_acc: its tiles over the rows [row0, row1) of C, the panels aligned to
+ * `align` bytes; without scratch the reference (the same values). */
+static inline void syrk_acc_twin(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                                 int64_t ldc, int64_t row0, int64_t row1, size_t align,
+                                 syrk_tiles_fn tiles) {
+    if (K <= 0 || n <= 0 || row0 >= row1) return;
+    const int64_t panels = (row1 + SYRK_SC - 1) / SYRK_SC;
+    float *P = syrk_scratch(&det_pack_a, &det_cap_a, (size_t)panels * SYRK_ROWS * SYRK_SC, align, 0);
+    if (!P) {
+        mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
+        return;
+    }
+    syrk_run(K, n, X, ldx, C, ldc, row0, row1, P, tiles);
+}
+
+/* A twin's mq_cross_det_acc, likewise. */
+static inline void cross_acc_twin(int64_t K, int64_t n, const float *A, int64_t lda, const float *B,
+                                  int64_t ldb, float *C, int64_t ldc, int64_t row0, int64_t row1,
+                                  size_t align, cross_tiles_fn tiles) {
+    if (K <= 0 || n <= 0 || row0 >= row1) return;
+    const int64_t pa = (row1 + SYRK_SC - 1) / SYRK_SC, pb = (K + SYRK_SC - 1) / SYRK_SC;
+    float *PA = syrk_scratch(&det_pack_a, &det_cap_a, (size_t)pa * SYRK_ROWS * SYRK_SC, align, 0);
+    float *PB = PA ? syrk_scratch(&det_pack_b, &det_cap_b, (size_t)pb * SYRK_ROWS * SYRK_SC, align, 1)
+                   : NULL;
+    if (!PB) {
+        mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
+        return;
+    }
+    cross_run(K, n, A, lda, B, ldb, C, ldc, row0, row1, PA, PB, tiles);
 }
 
 #endif

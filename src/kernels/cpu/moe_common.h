@@ -17,6 +17,16 @@ enum { MOE_TILE_MAX = 8 };   /* the most activation rows a twin's micro-tile tak
 typedef void (*moe_tile_fn)(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow,
                             float *const *o, int swiglu, size_t ahead, const uint8_t *next);
 
+/* One out-of-line instantiation of the including twin's always-inline `tile` per (token count,
+ * scheme, activation planes), so each keeps its accumulators in registers: tile_NT_NV_SP. */
+#define MOE_TILE_FN(NT, NV, SP)                                                                    \
+    static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
+        const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
+        int swiglu, size_t ahead, const uint8_t *next) {                                           \
+        tile(W, pair, A, arow, o, swiglu, ahead, next, NT, NV, SP);                                \
+    }
+#define MOE_TILE_FNS(NT) MOE_TILE_FN(NT, 0, 0) MOE_TILE_FN(NT, 0, 1) MOE_TILE_FN(NT, 1, 0) MOE_TILE_FN(NT, 1, 1)
+
 /* Where the tile of pair `pair` (its first row block at rb0) prefetches: the pair `ahead` bytes on
  * (whole pairs, at least the next), past the matrix's last pair continuing at `next`, where the
  * calling thread reads next (NULL: nowhere); NULL when ahead is 0. */

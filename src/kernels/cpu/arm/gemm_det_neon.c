@@ -82,8 +82,6 @@ void mq_gemm_det_nt_neon(int64_t M, int64_t N, int64_t K, const float *A, int64_
 /* ---- the Hessian update ------------------------------------------------------------------------ */
 enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 
-static _Thread_local float *tl_pack;
-static _Thread_local size_t tl_cap;
 
 /* Rows i0 .. i0 + nr - 1 (nr <= 6) of C by the 16 columns j0 .. j0 + 15: per row r of X, the
  * panel's 16 values of X[r][j] and one broadcast of X[r][i] per row of the tile, one fma per
@@ -148,14 +146,7 @@ static int64_t syrk_tiles(int64_t n, const float *P, int64_t i0, int64_t i1, int
 
 void mq_syrk_det_acc_neon(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
                           int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    float *P = syrk_scratch(&tl_pack, &tl_cap, (size_t)panels * ROWS_BLK * SC, 64, 0);
-    if (!P) {   /* no scratch: the reference gives the same values */
-        mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
-        return;
-    }
-    syrk_run(K, n, X, ldx, C, ldc, row0, row1, P, syrk_tiles);
+    syrk_acc_twin(K, n, X, ldx, C, ldc, row0, row1, 64, syrk_tiles);
 }
 
 /* no cross sum twin: the reference's chains (the same values) */

@@ -289,24 +289,17 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     }
 }
 
-/* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
- * accumulators in registers. Without SDOT split tiles take at most 2 tokens (NT_SPLIT). */
+/* moe_common.h's instantiations of `tile`. Without SDOT split tiles take at most 2 tokens
+ * (NT_SPLIT). */
 #define NT_SPLIT (MQ_NEON_DOT ? 4 : 2)
-#define TILE_FN(NT, NV, SP)                                                                        \
-    static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
-        const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
-        int swiglu, size_t ahead, const uint8_t *next) {                                           \
-        tile(W, pair, A, arow, o, swiglu, ahead, next, NT, NV, SP);                                \
-    }
-#define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
-TILE_FNS(1)
-TILE_FNS(2)
+MOE_TILE_FNS(1)
+MOE_TILE_FNS(2)
 #if MQ_NEON_DOT
-TILE_FNS(3)
-TILE_FNS(4)
+MOE_TILE_FNS(3)
+MOE_TILE_FNS(4)
 #define SPLIT_3_4(NV) tile_3_##NV##_1, tile_4_##NV##_1
 #else
-TILE_FN(3, 0, 0) TILE_FN(3, 1, 0) TILE_FN(4, 0, 0) TILE_FN(4, 1, 0)
+MOE_TILE_FN(3, 0, 0) MOE_TILE_FN(3, 1, 0) MOE_TILE_FN(4, 0, 0) MOE_TILE_FN(4, 1, 0)
 #define SPLIT_3_4(NV) NULL, NULL   /* never called: split tiles end at NT_SPLIT */
 #endif
 static const moe_tile_fn k_tiles[2][2][MQ_MOE_NT] = {

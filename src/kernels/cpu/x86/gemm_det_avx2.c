@@ -104,8 +104,6 @@ void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_
  * the diagonal in the last panel of a row group (elements above the diagonal, never read). */
 enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 
-static _Thread_local float *tl_pack;
-static _Thread_local size_t tl_cap;
 
 /* Pi: the panels the six broadcasts (rows i) come from, Pj: those of the 16 columns j (the same
  * panels for the Hessian, the two streams' inputs for the cross sum). */
@@ -191,20 +189,11 @@ static int64_t syrk_tiles(int64_t n, const float *P, int64_t i0, int64_t i1, int
 
 void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
                           int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    float *P = syrk_scratch(&tl_pack, &tl_cap, (size_t)panels * ROWS_BLK * SC, 32, 0);
-    if (!P) {   /* no scratch: the reference gives the same values */
-        mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
-        return;
-    }
-    syrk_run(K, n, X, ldx, C, ldc, row0, row1, P, syrk_tiles);
+    syrk_acc_twin(K, n, X, ldx, C, ldc, row0, row1, 32, syrk_tiles);
 }
 
 /* ---- the cross sum of two streams (mq_cross_det_acc) ------------------------------------------- */
 
-static _Thread_local float *tl_pack_b;
-static _Thread_local size_t tl_cap_b;
 
 /* rows [i0, i1) of C over the columns [0, full) of whole panels */
 static void cross_tiles(int64_t n, const float *PA, const float *PB, int64_t i0, int64_t i1, int64_t full,
@@ -215,17 +204,9 @@ static void cross_tiles(int64_t n, const float *PA, const float *PB, int64_t i0,
     }
 }
 
-void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
-                           float *C, int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t pa = (row1 + SC - 1) / SC, pb = (K + SC - 1) / SC;
-    float *PA = syrk_scratch(&tl_pack, &tl_cap, (size_t)pa * ROWS_BLK * SC, 32, 0);
-    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_cap_b, (size_t)pb * ROWS_BLK * SC, 32, 1) : NULL;
-    if (!PB) {   /* no scratch: the reference gives the same values */
-        mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
-        return;
-    }
-    cross_run(K, n, A, lda, B, ldb, C, ldc, row0, row1, PA, PB, cross_tiles);
+void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, const float *B,
+                           int64_t ldb, float *C, int64_t ldc, int64_t row0, int64_t row1) {
+    cross_acc_twin(K, n, A, lda, B, ldb, C, ldc, row0, row1, 32, cross_tiles);
 }
 
 const mq_det_kernels mq_det_avx2 = {mq_gemm_det_nt_avx2, mq_syrk_det_acc_avx2, mq_cross_det_acc_avx2};

@@ -99,8 +99,6 @@ void mq_gemm_det_nt_avx512(int64_t M, int64_t N, int64_t K, const float *A, int6
  * read). */
 enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 
-static _Thread_local float *tl_pack;
-static _Thread_local size_t tl_pack_cap;
 
 /* rows [i0, i0 + nr) x columns [j0, j0 + 16 nv) of C; nr <= 6, nv 1 or 2. The rows' values come
  * from the panels P, the columns' from Pj (P itself for the Hessian, the other stream for the
@@ -191,33 +189,16 @@ static int64_t syrk_tiles(int64_t n, const float *P, int64_t i0, int64_t i1, int
 
 void mq_syrk_det_acc_avx512(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
                             int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    float *P = syrk_scratch(&tl_pack, &tl_pack_cap, (size_t)panels * ROWS_BLK * SC, 64, 0);
-    if (!P) {   /* no scratch: the reference gives the same values */
-        mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
-        return;
-    }
-    syrk_run(K, n, X, ldx, C, ldc, row0, row1, P, syrk_tiles);
+    syrk_acc_twin(K, n, X, ldx, C, ldc, row0, row1, 64, syrk_tiles);
 }
 
 /* ---- the cross sum of two streams (mq_cross_det_acc) ------------------------------------------- */
 /* The Hessian's tiles with the rows' values from A's panels and the columns' from B's, over every
  * column (no triangle), through the twins' shared driver (det_common.h's cross_run). */
-static _Thread_local float *tl_pack_b;
-static _Thread_local size_t tl_pack_b_cap;
 
 void mq_cross_det_acc_avx512(int64_t K, int64_t n, const float *A, int64_t lda, const float *B,
                              int64_t ldb, float *C, int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t pa = (row1 + SC - 1) / SC, pb = (K + SC - 1) / SC;
-    float *PA = syrk_scratch(&tl_pack, &tl_pack_cap, (size_t)pa * ROWS_BLK * SC, 64, 0);
-    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_pack_b_cap, (size_t)pb * ROWS_BLK * SC, 64, 1) : NULL;
-    if (!PB) {   /* no scratch: the reference gives the same values */
-        mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
-        return;
-    }
-    cross_run(K, n, A, lda, B, ldb, C, ldc, row0, row1, PA, PB, cross_tiles);
+    cross_acc_twin(K, n, A, lda, B, ldb, C, ldc, row0, row1, 64, cross_tiles);
 }
 
 const mq_det_kernels mq_det_avx512 = {mq_gemm_det_nt_avx512, mq_syrk_det_acc_avx512,

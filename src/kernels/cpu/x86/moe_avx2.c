@@ -251,19 +251,11 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     }
 }
 
-/* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
- * accumulators in registers. */
-#define TILE_FN(NT, NV, SP)                                                                        \
-    static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
-        const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
-        int swiglu, size_t ahead, const uint8_t *next) {                                           \
-        tile(W, pair, A, arow, o, swiglu, ahead, next, NT, NV, SP);                                \
-    }
-#define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
-TILE_FNS(1)
-TILE_FNS(2)
-TILE_FNS(3)
-TILE_FNS(4)
+/* moe_common.h's instantiations of `tile`. */
+MOE_TILE_FNS(1)
+MOE_TILE_FNS(2)
+MOE_TILE_FNS(3)
+MOE_TILE_FNS(4)
 static const moe_tile_fn k_tiles[2][2][MQ_MOE_NT] = {
     {{tile_1_0_0, tile_2_0_0, tile_3_0_0, tile_4_0_0}, {tile_1_0_1, tile_2_0_1, tile_3_0_1, tile_4_0_1}},
     {{tile_1_1_0, tile_2_1_0, tile_3_1_0, tile_4_1_0}, {tile_1_1_1, tile_2_1_1, tile_3_1_1, tile_4_1_1}},

@@ -268,23 +268,15 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     }
 }
 
-/* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
- * accumulators in registers. */
-#define TILE_FN(NT, NV, SP)                                                                        \
-    static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
-        const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
-        int swiglu, size_t ahead, const uint8_t *next) {                                           \
-        tile(W, pair, A, arow, o, swiglu, ahead, next, NT, NV, SP);                                \
-    }
-#define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
-TILE_FNS(1)
-TILE_FNS(2)
-TILE_FNS(3)
-TILE_FNS(4)
-TILE_FNS(5)
-TILE_FNS(6)
-TILE_FNS(7)
-TILE_FNS(8)
+/* moe_common.h's instantiations of `tile`. */
+MOE_TILE_FNS(1)
+MOE_TILE_FNS(2)
+MOE_TILE_FNS(3)
+MOE_TILE_FNS(4)
+MOE_TILE_FNS(5)
+MOE_TILE_FNS(6)
+MOE_TILE_FNS(7)
+MOE_TILE_FNS(8)
 #define TILE_ROW(NV, SP)                                                                           \
     {tile_1_##NV##_##SP, tile_2_##NV##_##SP, tile_3_##NV##_##SP, tile_4_##NV##_##SP,               \
      tile_5_##NV##_##SP, tile_6_##NV##_##SP, tile_7_##NV##_##SP, tile_8_##NV##_##SP}
