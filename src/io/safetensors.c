@@ -13,7 +13,7 @@
  * spaces to a multiple of 8, so every tensor is naturally aligned; written atomically.
  */
 #include "io/safetensors.h"
-#include "formats/formats.h"
+#include "formats/codecs_inline.h"   /* an F8_E4M3 tensor's values, as BF16's and F16's (core) */
 #include "io/fp8.h"
 #include "io/gguf_hf.h"
 #include "core/page.h"
@@ -745,8 +745,9 @@ static bool has_suffix(const char *s, const char *suffix) {
 
 static const char k_scale_suffix[] = "_scale_inv";
 
-moeq_status mq_st_link_fp8(mq_st *st, int32_t br, int32_t bc) {
-    if (br < 1 || bc < 1) return mq_err(MOEQ_E_ARG, "FP8 block size %d x %d", br, bc);
+moeq_status mq_st_link_fp8(mq_st *st, int32_t br, int32_t bc, mq_block_dequant_fn dequant) {
+    if (br < 1 || bc < 1 || !dequant)
+        return mq_err(MOEQ_E_ARG, "FP8 block size %d x %d%s", br, bc, dequant ? "" : ", no decoder");
     const size_t sl = sizeof k_scale_suffix - 1;
     char name[1024];
     /* every scale names its weight */
@@ -784,6 +785,7 @@ moeq_status mq_st_link_fp8(mq_st *st, int32_t br, int32_t bc) {
         w->scale_inv = s;
         w->block_rows = br;
         w->block_cols = bc;
+        w->dequant = dequant;
         s->is_block_scale = true;
     }
     /* and every FP8 weight has its scale */
@@ -982,7 +984,7 @@ moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out) {
                               t->name);
             return mq_fp8_dequant_rows(t, 0, t->shape[0], out);
         }
-        for (size_t i = 0; i < n; i++) out[i] = mq_e4m3_decode(p[i]);
+        for (size_t i = 0; i < n; i++) out[i] = mq_e4m3_decode_inl(p[i]);
         return MOEQ_OK;
     default:
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: tensor '%s': dtype %s is not a floating type",
