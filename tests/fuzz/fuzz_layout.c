@@ -1,5 +1,5 @@
 /*
- * libFuzzer target for the quantized checkpoint layouts (export/layout.c, export/load.c): a
+ * libFuzzer target for the quantized checkpoint layouts (export/layout.c writes them, ckpt/layout_read.c and ckpt/linear.c read them): a
  * safetensors file whose tensors are compressed-tensors NVFP4 / INT4 (pack-quantized, with zero
  * points, g_idx and weight_shape), ModelOpt NVFP4, GPTQ v1 or dense; every module found in it is
  * described (mq_linear_qinfo_get: what `inspect` and the loaders read first), read back as a
