@@ -22,25 +22,21 @@
 #define MQ_CODEC static inline
 #endif
 
-MQ_CODEC uint32_t mq_codec_f32_bits(float f) {
 #ifdef __CUDA_ARCH__
-    return __float_as_uint(f);
+MQ_CODEC uint32_t mq_codec_f32_bits(float f) { return __float_as_uint(f); }
+MQ_CODEC float mq_codec_f32_from_bits(uint32_t u) { return __uint_as_float(u); }
 #else
+MQ_CODEC uint32_t mq_codec_f32_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
-#endif
 }
-
 MQ_CODEC float mq_codec_f32_from_bits(uint32_t u) {
-#ifdef __CUDA_ARCH__
-    return __uint_as_float(u);
-#else
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
-#endif
 }
+#endif
 
 /* E2M1 magnitude of a 3-bit index: {0, 0.5, 1, 1.5, 2, 3, 4, 6}. */
 MQ_CODEC float mq_e2m1_value(int idx) {

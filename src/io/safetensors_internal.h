@@ -124,6 +124,52 @@ static inline void sort_n(void *base, size_t n, size_t size, int (*cmp)(const vo
 
 static inline bool is_json_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
+/* One tensor's header entry, ,"NAME":{"dtype":..,"shape":[..],"data_offsets":[off, off + nbytes]};
+ * returns where the next tensor's data starts. */
+static inline uint64_t sb_tensor_entry(mq_page *h, const char *name, moeq_dtype dtype, int ndim,
+                                       const int64_t *shape, uint64_t off, size_t nbytes) {
+    mq_page_put(h, ",", 1);
+    sb_json_str(h, name);
+    mq_page_printf(h, ":{\"dtype\":\"%s\",\"shape\":[", moeq_dtype_name(dtype));
+    for (int d = 0; d < ndim; d++) mq_page_printf(h, "%s%" PRId64, d ? "," : "", shape[d]);
+    mq_page_printf(h, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", off, off + nbytes);
+    return off + nbytes;
+}
+
+/* The header's end: the closing brace, then spaces up to a multiple of 8 (the data starts
+ * 8-aligned). */
+static inline void sb_header_end(mq_page *h) {
+    mq_page_put(h, "}", 1);
+    while (!h->oom && h->n % 8 != 0) mq_page_put(h, " ", 1);
+}
+
+/* Room for one more of n elements of `elem` bytes in the array whose pointer is at arrp
+ * (capacity *cap, doubled from `first`); the pointer is unchanged when memory runs out. */
+static inline moeq_status st_grow(void *arrp, size_t n, size_t *cap, size_t elem, size_t first,
+                                  const char *what) {
+    if (n < *cap) return MOEQ_OK;
+    void *arr;
+    memcpy(&arr, arrp, sizeof arr);
+    const size_t c = *cap ? *cap * 2 : first;
+    void *a = realloc(arr, c * elem);
+    if (!a) return mq_err(MOEQ_E_NOMEM, "out of memory: %s", what);
+    memcpy(arrp, &a, sizeof a);
+    *cap = c;
+    return MOEQ_OK;
+}
+
+/* *out = a copy of name, registered in names (whose duplicates the caller has refused). */
+static inline moeq_status st_name_add(strset *names, const char *name, char **out) {
+    char *nm = mq_strdup(name);
+    moeq_status s = nm ? strset_add(names, nm) : MOEQ_E_NOMEM;
+    if (s != MOEQ_OK) {
+        free(nm);
+        nm = NULL;
+    }
+    *out = nm;
+    return s;
+}
+
 /* A writer's checks of one tensor's arguments (name, dtype, shape, byte count against the shape;
  * data may be "" for a planned tensor). Messages start with "safetensors writer". */
 moeq_status mq_stw_check_tensor(const char *name, moeq_dtype dtype, int ndim, const int64_t *shape,

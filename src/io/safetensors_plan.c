@@ -85,15 +85,9 @@ static moeq_status plan_layout_shard(mq_shard_plan *p, size_t k, size_t *idx, si
     uint64_t off = 0;
     for (size_t i = 0; i < n_idx; i++) {
         const sp_tensor *t = &p->t[idx[i]];
-        mq_page_put(&h, ",", 1);
-        sb_json_str(&h, t->name);
-        mq_page_printf(&h, ":{\"dtype\":\"%s\",\"shape\":[", moeq_dtype_name(t->dtype));
-        for (int d = 0; d < t->ndim; d++) mq_page_printf(&h, "%s%" PRId64, d ? "," : "", t->shape[d]);
-        mq_page_printf(&h, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", off, off + t->nbytes);
-        off += t->nbytes;
+        off = sb_tensor_entry(&h, t->name, t->dtype, t->ndim, t->shape, off, t->nbytes);
     }
-    mq_page_put(&h, "}", 1);
-    while (!h.oom && h.n % 8 != 0) mq_page_put(&h, " ", 1);
+    sb_header_end(&h);
     if (h.oom) {
         free(h.s);
         return mq_err(MOEQ_E_NOMEM, "out of memory building a shard header");

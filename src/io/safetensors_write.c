@@ -110,19 +110,10 @@ moeq_status mq_stw_add_owned(mq_st_writer *w, const char *name, moeq_dtype dtype
     moeq_status s = mq_stw_check_tensor(name, dtype, ndim, shape, data, nbytes);
     if (s == MOEQ_OK && strset_has(&w->names, name))
         s = mq_err(MOEQ_E_EXISTS, "safetensors writer: tensor '%s' added twice", name);
-    if (s == MOEQ_OK && w->n == w->cap) {
-        size_t cap = w->cap ? w->cap * 2 : 64;
-        stw_tensor *t = realloc(w->t, cap * sizeof *t);
-        if (!t) {
-            s = mq_err(MOEQ_E_NOMEM, "out of memory: safetensors writer table");
-        } else {
-            w->t = t;
-            w->cap = cap;
-        }
-    }
-    char *nm = s == MOEQ_OK ? mq_strdup(name) : NULL;
-    if (s == MOEQ_OK && !nm) s = MOEQ_E_NOMEM;
-    if (s == MOEQ_OK && (s = strset_add(&w->names, nm)) != MOEQ_OK) free(nm);
+    if (s == MOEQ_OK)
+        s = st_grow(&w->t, w->n, &w->cap, sizeof *w->t, 64, "safetensors writer table");
+    char *nm = NULL;
+    if (s == MOEQ_OK) s = st_name_add(&w->names, name, &nm);
     if (s != MOEQ_OK) {
         mq_free(data);
         return s;
@@ -208,17 +199,10 @@ moeq_status mq_stw_write(mq_st_writer *w, const char *path) {
     }
     mq_page_put(&h, "}", 1);
     uint64_t off = 0;
-    for (size_t i = 0; i < w->n; i++) {
-        const stw_tensor *t = ord[i];
-        mq_page_put(&h, ",", 1);
-        sb_json_str(&h, t->name);
-        mq_page_printf(&h, ":{\"dtype\":\"%s\",\"shape\":[", moeq_dtype_name(t->dtype));
-        for (int d = 0; d < t->ndim; d++) mq_page_printf(&h, "%s%" PRId64, d ? "," : "", t->shape[d]);
-        mq_page_printf(&h, "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", off, off + t->nbytes);
-        off += t->nbytes;
-    }
-    mq_page_put(&h, "}", 1);
-    while (!h.oom && h.n % 8 != 0) mq_page_put(&h, " ", 1);   /* data starts 8-aligned */
+    for (size_t i = 0; i < w->n; i++)
+        off = sb_tensor_entry(&h, ord[i]->name, ord[i]->dtype, ord[i]->ndim, ord[i]->shape, off,
+                              ord[i]->nbytes);
+    sb_header_end(&h);
     moeq_status s = MOEQ_OK;
     if (h.oom) s = mq_err(MOEQ_E_NOMEM, "%s: out of memory building the header", path);
     else if (h.n > ST_MAX_HEADER)
@@ -308,22 +292,10 @@ moeq_status mq_shards_add_owned(mq_shard_writer *sw, const char *name, moeq_dtyp
                    name);
     if (s == MOEQ_OK && strset_has(&sw->names, name))
         s = mq_err(MOEQ_E_EXISTS, "%s: tensor '%s' added twice", sw->dir, name);
-    if (s == MOEQ_OK && sw->n_map == sw->cap_map) {
-        size_t cap = sw->cap_map ? sw->cap_map * 2 : 256;
-        shw_entry *m = realloc(sw->map, cap * sizeof *m);
-        if (!m) {
-            s = mq_err(MOEQ_E_NOMEM, "out of memory: weight map");
-        } else {
-            sw->map = m;
-            sw->cap_map = cap;
-        }
-    }
-    char *nm = s == MOEQ_OK ? mq_strdup(name) : NULL;
-    if (s == MOEQ_OK && !nm) s = MOEQ_E_NOMEM;
-    if (s == MOEQ_OK && (s = strset_add(&sw->names, nm)) != MOEQ_OK) {
-        free(nm);
-        nm = NULL;
-    }
+    if (s == MOEQ_OK)
+        s = st_grow(&sw->map, sw->n_map, &sw->cap_map, sizeof *sw->map, 256, "weight map");
+    char *nm = NULL;
+    if (s == MOEQ_OK) s = st_name_add(&sw->names, name, &nm);
     if (s != MOEQ_OK) {
         mq_free(data);
         return s;

@@ -9,17 +9,6 @@
 
 #ifndef PCRE2_CODE_UNIT_WIDTH
 #define PCRE2_CODE_UNIT_WIDTH 8
-/* UTF-8 of one alphabet code point (< 0x800); returns the length. */
-static inline int put_cp(char *o, uint32_t cp) {
-    if (cp < 0x80) {
-        o[0] = (char)cp;
-        return 1;
-    }
-    o[0] = (char)(0xc0 | (cp >> 6));
-    o[1] = (char)(0x80 | (cp & 0x3f));
-    return 2;
-}
-
 #endif
 #include <pcre2.h>
 #include <stdlib.h>

@@ -56,6 +56,22 @@ static inline __attribute__((always_inline)) void moe_act_rows(const mq_qact *A,
     }
 }
 
+/* Where quant_act writes row `row` of A from column col0: the int8 plane(s), the blocks' scales
+ * and corrections, and the largest code (int16 split: 32512, int8: 127). */
+typedef struct {
+    int8_t *q, *q2;
+    float *sc;
+    int32_t *cr;
+    float qmax;
+} moe_qact_dst;
+static inline moe_qact_dst moe_qact_at(const mq_qact *A, int64_t row, int64_t col0) {
+    const int32_t B = A->block;
+    const int split = A->q2 != NULL;
+    return (moe_qact_dst){A->q + row * A->ld + col0, split ? A->q2 + row * A->ld + col0 : NULL,
+                          A->scale + row * (A->ld / B) + col0 / B,
+                          A->corr + row * (A->ld / B) + col0 / B, split ? 32512.0f : 127.0f};
+}
+
 /* mq_moe_kernels' gemm over the twin's micro-tiles fns[nt - 1] of up to ntmax rows: blocks of 64
  * activation rows stay in L2 while the pairs stream by, and each pair's 16 rows stay in L1 across
  * the block's tiles; the first tile of a block prefetches `ahead` bytes on. */

@@ -54,10 +54,11 @@ static void quant_act_neon(const float *x, int64_t n, const mq_qact *A, int64_t 
                            int64_t col0) {
     const int32_t B = A->block, nv = B / 4;   /* 4 or 8 vectors per block */
     const int split = A->q2 != NULL;
-    int8_t *q = A->q + row * A->ld + col0, *q2 = split ? A->q2 + row * A->ld + col0 : NULL;
-    float *sc = A->scale + row * (A->ld / B) + col0 / B;
-    int32_t *cr = A->corr + row * (A->ld / B) + col0 / B;
-    const float qmax = split ? 32512.0f : 127.0f;
+    const moe_qact_dst d = moe_qact_at(A, row, col0);
+    int8_t *q = d.q, *q2 = d.q2;
+    float *sc = d.sc;
+    int32_t *cr = d.cr;
+    const float qmax = d.qmax;
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
         float32x4_t vx[8], amax = vdupq_n_f32(0.0f);

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/moe_common.h"
 #include "kernels/moe_ffn.h"
 #include "kernels/vec.h"
 
@@ -25,10 +26,11 @@ static float e4m3_value(uint8_t b) {
 static void quant_act_ref(const float *x, int64_t n, const mq_qact *A, int64_t row, int64_t col0) {
     const int32_t B = A->block;
     const int split = A->q2 != NULL;
-    int8_t *q = A->q + row * A->ld + col0, *q2 = split ? A->q2 + row * A->ld + col0 : NULL;
-    float *sc = A->scale + row * (A->ld / B) + col0 / B;
-    int32_t *cr = A->corr + row * (A->ld / B) + col0 / B;
-    const float qmax = split ? 32512.0f : 127.0f;
+    const moe_qact_dst d = moe_qact_at(A, row, col0);
+    int8_t *q = d.q, *q2 = d.q2;
+    float *sc = d.sc;
+    int32_t *cr = d.cr;
+    const float qmax = d.qmax;
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
         float amax = 0.0f;

@@ -90,10 +90,11 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
                            int64_t col0) {
     const int32_t B = A->block, nv = B / 8;   /* 2 or 4 vectors per block */
     const int split = A->q2 != NULL;
-    int8_t *q = A->q + row * A->ld + col0, *q2 = split ? A->q2 + row * A->ld + col0 : NULL;
-    float *sc = A->scale + row * (A->ld / B) + col0 / B;
-    int32_t *cr = A->corr + row * (A->ld / B) + col0 / B;
-    const float qmax = split ? 32512.0f : 127.0f;
+    const moe_qact_dst d = moe_qact_at(A, row, col0);
+    int8_t *q = d.q, *q2 = d.q2;
+    float *sc = d.sc;
+    int32_t *cr = d.cr;
+    const float qmax = d.qmax;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
