@@ -55,10 +55,6 @@ static void quant_act_neon(const float *x, int64_t n, const mq_qact *A, int64_t 
     const int32_t B = A->block, nv = B / 4;   /* 4 or 8 vectors per block */
     const int split = A->q2 != NULL;
     const moe_qact_dst d = moe_qact_at(A, row, col0);
-    int8_t *q = d.q, *q2 = d.q2;
-    float *sc = d.sc;
-    int32_t *cr = d.cr;
-    const float qmax = d.qmax;
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
         float32x4_t vx[8], amax = vdupq_n_f32(0.0f);
@@ -72,13 +68,13 @@ static void quant_act_neon(const float *x, int64_t n, const mq_qact *A, int64_t 
         float m = vmaxvq_f32(amax);
         int bad = vminvq_u32(ordered) == 0 || m == INFINITY;
         if (bad || !(m >= 0x1p-100f)) {
-            memset(q + b * B, 0, (size_t)B);
-            if (split) memset(q2 + b * B, 0, (size_t)B);
-            sc[b] = bad ? NAN : 0.0f;
-            cr[b] = 0;
+            memset(d.q + b * B, 0, (size_t)B);
+            if (split) memset(d.q2 + b * B, 0, (size_t)B);
+            d.sc[b] = bad ? NAN : 0.0f;
+            d.cr[b] = 0;
             continue;
         }
-        const float32x4_t inv = vdupq_n_f32(qmax / m);
+        const float32x4_t inv = vdupq_n_f32(d.qmax / m);
         int32x4_t sum = vdupq_n_s32(0);
         for (int j = 0; j < nv; j += 2) {   /* 8 columns per step */
             /* FCVTNS: round to nearest, ties to even, as nearbyintf */
@@ -89,15 +85,15 @@ static void quant_act_neon(const float *x, int64_t n, const mq_qact *A, int64_t 
                 /* hi = floor((c + 128) / 256) by an arithmetic shift, lo = c - 256 hi */
                 int32x4_t h0 = vshrq_n_s32(vaddq_s32(c0, vdupq_n_s32(128)), 8);
                 int32x4_t h1 = vshrq_n_s32(vaddq_s32(c1, vdupq_n_s32(128)), 8);
-                vst1_s8(q2 + b * B + 4 * j,
+                vst1_s8(d.q2 + b * B + 4 * j,
                         narrow8(vsubq_s32(c0, vshlq_n_s32(h0, 8)), vsubq_s32(c1, vshlq_n_s32(h1, 8))));
                 c0 = h0;
                 c1 = h1;
             }
-            vst1_s8(q + b * B + 4 * j, narrow8(c0, c1));
+            vst1_s8(d.q + b * B + 4 * j, narrow8(c0, c1));
         }
-        sc[b] = m / qmax;
-        cr[b] = vaddvq_s32(sum) * A->offset;
+        d.sc[b] = m / d.qmax;
+        d.cr[b] = vaddvq_s32(sum) * A->offset;
     }
 }
 

@@ -91,10 +91,6 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
     const int32_t B = A->block, nv = B / 8;   /* 2 or 4 vectors per block */
     const int split = A->q2 != NULL;
     const moe_qact_dst d = moe_qact_at(A, row, col0);
-    int8_t *q = d.q, *q2 = d.q2;
-    float *sc = d.sc;
-    int32_t *cr = d.cr;
-    const float qmax = d.qmax;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
@@ -108,13 +104,13 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
         float m = hmax8(amax);
         int bad = _mm256_movemask_ps(nan) != 0 || m == INFINITY;
         if (bad || !(m >= 0x1p-100f)) {
-            memset(q + b * B, 0, (size_t)B);
-            if (split) memset(q2 + b * B, 0, (size_t)B);
-            sc[b] = bad ? NAN : 0.0f;
-            cr[b] = 0;
+            memset(d.q + b * B, 0, (size_t)B);
+            if (split) memset(d.q2 + b * B, 0, (size_t)B);
+            d.sc[b] = bad ? NAN : 0.0f;
+            d.cr[b] = 0;
             continue;
         }
-        __m256 inv = _mm256_set1_ps(qmax / m);
+        __m256 inv = _mm256_set1_ps(d.qmax / m);
         __m256i sum = _mm256_setzero_si256(), c[4], lo[4];
         for (int j = 0; j < nv; j++) {
             c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(vx[j], inv));
@@ -125,10 +121,10 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
                 c[j] = hi;
             }
         }
-        store_i8(c, nv, q + b * B);
-        if (split) store_i8(lo, nv, q2 + b * B);
-        sc[b] = m / qmax;
-        cr[b] = hsum8i(sum) * A->offset;
+        store_i8(c, nv, d.q + b * B);
+        if (split) store_i8(lo, nv, d.q2 + b * B);
+        d.sc[b] = m / d.qmax;
+        d.cr[b] = hsum8i(sum) * A->offset;
     }
 }
 

@@ -95,10 +95,6 @@ static void quant_act_avx512(const float *x, int64_t n, const mq_qact *A, int64_
     const int32_t B = A->block, nv = B / 16;   /* 1 or 2 vectors per block */
     const int split = A->q2 != NULL;
     const moe_qact_dst d = moe_qact_at(A, row, col0);
-    int8_t *q = d.q, *q2 = d.q2;
-    float *sc = d.sc;
-    int32_t *cr = d.cr;
-    const float qmax = d.qmax;
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
@@ -115,15 +111,15 @@ static void quant_act_avx512(const float *x, int64_t n, const mq_qact *A, int64_
         float m = _mm512_reduce_max_ps(amax);
         int bad = nan != 0 || m == INFINITY;
         if (bad || !(m >= 0x1p-100f)) {
-            memset(q + b * B, 0, (size_t)B);
-            if (split) memset(q2 + b * B, 0, (size_t)B);
-            sc[b] = bad ? NAN : 0.0f;
-            cr[b] = 0;
+            memset(d.q + b * B, 0, (size_t)B);
+            if (split) memset(d.q2 + b * B, 0, (size_t)B);
+            d.sc[b] = bad ? NAN : 0.0f;
+            d.cr[b] = 0;
             continue;
         }
         /* the reference's nearbyintf(x * inv): one rounded product, then the current (nearest
          * even) rounding of the conversion */
-        __m512 inv = _mm512_set1_ps(qmax / m);
+        __m512 inv = _mm512_set1_ps(d.qmax / m);
         __m512i sum = _mm512_setzero_si512();
         for (int j = 0; j < nv; j++) {
             __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(vx[j], inv));
@@ -131,13 +127,13 @@ static void quant_act_avx512(const float *x, int64_t n, const mq_qact *A, int64_
             if (split) {
                 __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(128)), 8);
                 __m512i lo = _mm512_sub_epi32(c, _mm512_slli_epi32(hi, 8));
-                _mm_storeu_si128((__m128i *)(q2 + b * B + 16 * j), _mm512_cvtepi32_epi8(lo));
+                _mm_storeu_si128((__m128i *)(d.q2 + b * B + 16 * j), _mm512_cvtepi32_epi8(lo));
                 c = hi;
             }
-            _mm_storeu_si128((__m128i *)(q + b * B + 16 * j), _mm512_cvtepi32_epi8(c));
+            _mm_storeu_si128((__m128i *)(d.q + b * B + 16 * j), _mm512_cvtepi32_epi8(c));
         }
-        sc[b] = m / qmax;
-        cr[b] = _mm512_reduce_add_epi32(sum) * A->offset;
+        d.sc[b] = m / d.qmax;
+        d.cr[b] = _mm512_reduce_add_epi32(sum) * A->offset;
     }
 }
 
