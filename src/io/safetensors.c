@@ -633,12 +633,10 @@ static bool has_suffix(const char *s, const char *suffix) {
 
 /* ---- FP8 block-quantized weights ---------------------------------------------------------- */
 
-static const char k_scale_suffix[] = "_scale_inv";
-
 moeq_status mq_st_link_fp8(mq_st *st, int32_t br, int32_t bc, mq_block_dequant_fn dequant) {
     if (br < 1 || bc < 1 || !dequant)
         return mq_err(MOEQ_E_ARG, "FP8 block size %d x %d%s", br, bc, dequant ? "" : ", no decoder");
-    const size_t sl = sizeof k_scale_suffix - 1;
+    const size_t sl = strlen("_scale_inv");
     char name[1024];
     /* every scale names its weight */
     for (size_t i = 0; i < st->n; i++) {
