@@ -457,7 +457,8 @@ typedef struct {
     int device;
     int gpu_precision;           /* moeq_gpu_precision (`--gpu-precision`), with a device: fp32
                                     (0, the default), tf32x3 (1) or tf32 (2): products on TF32
-                                    tensor cores, faster and less exact (docs/eval.md) */
+                                    tensor cores, faster and less exact; bf16 (3): the routed
+                                    experts in bf16 too, the fastest (docs/eval.md) */
 } moeq_eval_options;
 
 void moeq_eval_options_init(moeq_eval_options *o);
@@ -595,6 +596,8 @@ typedef enum {
                               two TF32 halves (hi*hi + hi*lo + lo*hi): about fp32's accuracy */
     MOEQ_GPU_TF32 = 2,     /* one TF32 product (10-bit mantissas, fp32 sums), the attention's
                               scores and GPTQ's updates too: fastest, least accurate */
+    MOEQ_GPU_BF16 = 3,     /* evaluation only: the routed experts on the bf16 tensor cores (the
+                              GPU MoE op; fp32 sums), the rest as MOEQ_GPU_TF32 */
 } moeq_gpu_precision;
 
 /* When GPTQ takes a group's scale. */

@@ -8,7 +8,7 @@
 int moeq_gpu_backend_built(void) { return mq_gpu_built() ? 1 : 0; }
 
 const char *mq_gpu_precision_name(moeq_gpu_precision p) {
-    return p == MOEQ_GPU_TF32 ? "tf32" : p == MOEQ_GPU_TF32X3 ? "tf32x3" : "fp32";
+    return p == MOEQ_GPU_TF32 ? "tf32" : p == MOEQ_GPU_TF32X3 ? "tf32x3" : p == MOEQ_GPU_BF16 ? "bf16" : "fp32";
 }
 
 moeq_status mq_gpu_parse_device(const char *s, int *device) {

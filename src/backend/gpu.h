@@ -170,6 +170,8 @@ moeq_status mq_gpu_buf_read(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
  * (many samples' pieces, one wait). */
 moeq_status mq_gpu_buf_read_async(mq_gpu_buf *b, int64_t off, int64_t n, float *host);
 moeq_status mq_gpu_buf_write(mq_gpu_buf *b, int64_t off, int64_t n, const float *host);
+/* n values of src from src_off into dst at dst_off (the same GPU), queued on stream 0. */
+moeq_status mq_gpu_buf_copy(mq_gpu_buf *dst, int64_t dst_off, const mq_gpu_buf *src, int64_t src_off, int64_t n);
 /* dst += src over the first n values of both, queued (stream order): one fp32 add each, the
  * host's axpy by 1 bit for bit (the FFN's output onto the boundary where both are there). */
 moeq_status mq_gpu_buf_add(mq_gpu_buf *dst, const mq_gpu_buf *src, int64_t n);
@@ -367,6 +369,18 @@ moeq_status mq_gpu_moe_emulate_dequant(const moeq_moe_experts_desc *d, const moe
 /* The comparison of the benchmark: every expert dequantized to bf16 (the global scale folded in),
  * then cuBLAS bf16 GEMMs (grouped, fp32 outputs), SwiGLU, the weighted sums. Waits. */
 moeq_status mq_gpu_moe_ffn_baseline(mq_gpu_moe *m, const float *x, int64_t T, float *out);
+/* A layer of unquantized experts (an fp32 or bf16 checkpoint's, the evaluation's fast mode):
+ * expert e's gate [F, D], up [F, D] and down [D, F] (host memory: bf16 as stored when bf16_src,
+ * else fp32, rounded to bf16 on the device),
+ * routing as mq_gpu_moe_upload's (no shared expert). mq_gpu_moe_ffn runs it in MQ_GPU_MOE_BF16
+ * only: routing as the quantized layers', then cuBLAS bf16 GEMMs with fp32 sums, the SwiGLU
+ * output rounded to bf16, the weighted sums in fp32. */
+moeq_status mq_gpu_moe_upload_dense(mq_gpu *g, int64_t E, int64_t D, int64_t F, int bf16_src,
+                                    const void *const *gate, const void *const *up, const void *const *down,
+                                    const moeq_moe_ffn_args *routing, mq_gpu_moe **out);
+/* mq_gpu_moe_ffn on device buffers of the layer's GPU: out [T, D] = the layer on x [T, D], queued
+ * on stream 0 after what it holds (the evaluation's other work runs there too). */
+moeq_status mq_gpu_moe_ffn_buf(mq_gpu_moe *m, mq_gpu_buf *x, int64_t T, int math, mq_gpu_buf *out);
 /* Bench: device milliseconds per call, the median of `rounds` replays of a graph of `calls`
  * calls that cycle over layers[i % n_layers] and inputs i % n_x of x (n_x blocks of [T, D],
  * device memory) into out; mode MQ_GPU_MOE_BF16 / _FP32, or MQ_GPU_MOE_BASELINE (no graph: it

@@ -355,4 +355,22 @@ moeq_status mq_gpu_gemm_bf16_time(mq_gpu *g, int n, const int64_t *M, const int6
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_moe_upload_dense(mq_gpu *g, int64_t E, int64_t D, int64_t F, int bf16_src,
+                                    const void *const *gate, const void *const *up, const void *const *down,
+                                    const moeq_moe_ffn_args *routing, mq_gpu_moe **out) {
+    (void)g, (void)E, (void)D, (void)F, (void)bf16_src, (void)gate, (void)up, (void)down, (void)routing;
+    if (out) *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_buf_copy(mq_gpu_buf *dst, int64_t dst_off, const mq_gpu_buf *src, int64_t src_off, int64_t n) {
+    (void)dst, (void)dst_off, (void)src, (void)src_off, (void)n;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_moe_ffn_buf(mq_gpu_moe *m, mq_gpu_buf *x, int64_t T, int math, mq_gpu_buf *out) {
+    (void)m, (void)x, (void)T, (void)math, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 #endif

@@ -15,9 +15,12 @@
 
 #include "backend/gpu.h"
 #include "eval/eval_gpu.h"
+#include "io/safetensors.h"
 
 static int64_t g_group_rows = 0;
 void mq_eval_set_gpu_group_rows(int64_t rows) { g_group_rows = rows; }
+static bool g_no_resident = false;
+void mq_eval_set_gpu_resident(bool on) { g_no_resident = !on; }
 
 enum { EXPERT_ROWS = 2048, MLP_ROWS = 4096 };   /* the expert sets' rows a product (their lanes' scratch) */
 
@@ -35,6 +38,12 @@ struct mq_eval_gpu {
     /* the layer being run */
     int k, l;
     mq_gpu_mlp *experts, *shared, *dense;
+    mq_gpu_moe *moe;              /* bf16: the routed experts as one MoE op (routing included) */
+    int k_begin;                  /* the model of the layer being begun */
+    /* the boundary kept on the device (mq_eval_gpu_resident_begin): every window's rows of each
+     * model, and a group's input rows */
+    mq_gpu_buf *res[2], *xin;
+    int64_t res_rows;
     bool gated;
     /* a group's host scratch */
     mq_gpu_attn_sample *smp;      /* [rows]: a window each */
@@ -96,6 +105,8 @@ void mq_eval_gpu_close(mq_eval_gpu *G) {
     mq_gpu_buf_free(G->xn);
     mq_gpu_buf_free(G->out);
     mq_gpu_buf_free(G->gate);
+    for (int k = 0; k < 2; k++) mq_gpu_buf_free(G->res[k]);
+    mq_gpu_buf_free(G->xin);
     free(G->smp);
     void *host[] = {G->sel, G->slot, G->list, G->crow, G->first, G->ident, G->cnt, G->start, G->w, G->cw, G->tok,
                     G->stats, G->targets};
@@ -108,8 +119,8 @@ void mq_eval_gpu_close(mq_eval_gpu *G) {
 moeq_status mq_eval_gpu_open(mq_eval_ctx *c, const moeq_eval_options *o, int nm, const moeq_model *const *m,
                              mq_eval_gpu **out) {
     *out = NULL;
-    if (o->gpu_precision < MOEQ_GPU_FP32 || o->gpu_precision > MOEQ_GPU_TF32)
-        return mq_err(MOEQ_E_ARG, "eval: gpu_precision %d (fp32 0, tf32x3 1, tf32 2)", o->gpu_precision);
+    if (o->gpu_precision < MOEQ_GPU_FP32 || o->gpu_precision > MOEQ_GPU_BF16)
+        return mq_err(MOEQ_E_ARG, "eval: gpu_precision %d (fp32 0, tf32x3 1, tf32 2, bf16 3)", o->gpu_precision);
     mq_eval_gpu *G = calloc(1, sizeof *G);
     if (!G) return mq_err(MOEQ_E_NOMEM, "out of memory");
     G->c = c;
@@ -117,7 +128,8 @@ moeq_status mq_eval_gpu_open(mq_eval_ctx *c, const moeq_eval_options *o, int nm,
     G->k = G->l = -1;
     G->prec = (moeq_gpu_precision)o->gpu_precision;
     moeq_status s = mq_gpu_open(o->device, &G->g);
-    if (!s) s = mq_gpu_set_precision(G->g, G->prec);
+    /* bf16: the routed experts on the MoE op's tensor cores, everything else as tf32 */
+    if (!s) s = mq_gpu_set_precision(G->g, G->prec == MOEQ_GPU_BF16 ? MOEQ_GPU_TF32 : G->prec);
     int64_t rows = INT64_MAX;
     for (int k = 0; k < nm && !s; k++) {
         const mq_config *cf = &m[k]->cfg;
@@ -185,7 +197,9 @@ void mq_eval_gpu_layer_end(mq_eval_gpu *G) {
     mq_gpu_mlp_free(G->experts);
     mq_gpu_mlp_free(G->shared);
     mq_gpu_mlp_free(G->dense);
+    mq_gpu_moe_free(G->moe);
     G->experts = G->shared = G->dense = NULL;
+    G->moe = NULL;
     G->k = G->l = -1;
 }
 
@@ -198,11 +212,90 @@ static moeq_status one_mlp(mq_eval_gpu *G, const mq_linear *gate, const mq_linea
     return mq_gpu_mlp_new(G->g, 1, D, gate->out, &g, &u, &d, G->rows < MLP_ROWS ? G->rows : MLP_ROWS, out);
 }
 
+/* Where the device takes layer l's routed experts of model k from in the bf16 mode of a streamed
+ * model: their codes as stored (every expert's gate, up and down stored NVFP4 / INT4), their
+ * bf16 tensors as stored (a bf16 checkpoint), or the fp32 weights the host loads. */
+enum { FROM_FP32 = 0, FROM_CODES, FROM_BF16 };
+
+static const mq_tensor_view *bf16_view(const mq_st *st, const mq_linear *lin) {
+    char name[512];
+    if (!lin->name || snprintf(name, sizeof name, "%s.weight", lin->name) >= (int)sizeof name) return NULL;
+    const mq_tensor_view *v = mq_st_find(st, name);
+    if (!v || v->dtype != MOEQ_DT_BF16 || v->ndim != 2 || v->shape[0] != lin->out || v->shape[1] != lin->in ||
+        v->scale_inv)
+        return NULL;
+    return v;
+}
+
+static int experts_from(const mq_eval_gpu *G, int k, int l) {
+    const moeq_model *m = G->m[k];
+    if (G->prec != MOEQ_GPU_BF16 || !mq_model_lazy(m) || l < 0 || l >= m->cfg.n_layers) return FROM_FP32;
+    const mq_layer *ly = &m->layers[l];
+    if (!ly->is_moe || !ly->exp_gate) return FROM_FP32;
+    bool codes = true, bf16 = true;
+    const mq_st *st = mq_lazy_st(mq_model_lazy(m));
+    for (int64_t e = 0; e < m->cfg.n_experts; e++) {
+        const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+        for (int i = 0; i < 3; i++) {
+            codes &= lin[i]->stored_quantized;
+            bf16 &= !lin[i]->stored_quantized && bf16_view(st, lin[i]) != NULL;
+        }
+    }
+    return codes ? FROM_CODES : bf16 ? FROM_BF16 : FROM_FP32;
+}
+
+unsigned mq_eval_gpu_layer_parts(const mq_eval_gpu *G, int k, int l) {
+    return experts_from(G, k, l) != FROM_FP32 ? MQ_PART_LAYER & ~MQ_PART_EXPERTS : MQ_PART_LAYER;
+}
+
+/* bf16: layer l's routed experts as one MoE op: codes and scales as stored (decoded in the op's
+ * GEMMs), or fp32 weights rounded to bf16 on the device; routing by the op (softmax top-k,
+ * norm_topk_prob), the shared expert kept on the fp32 path. */
+static moeq_status moe_op(mq_eval_gpu *G, const moeq_model *m, int l) {
+    const mq_config *cf = &m->cfg;
+    const mq_layer *ly = &m->layers[l];
+    const int64_t E = cf->n_experts;
+    moeq_moe_ffn_args r = {.router = {.data = ly->router, .dtype = MOEQ_DT_F32, .ndim = 2, .shape = {E, cf->D},
+                                      .nbytes = (size_t)(E * cf->D) * sizeof(float)},
+                           .top_k = cf->top_k, .scoring = MOEQ_MOE_SOFTMAX, .renormalize = cf->norm_topk_prob,
+                           .route_scale = 1.0f};
+    const int from = experts_from(G, G->k_begin, l);
+    if (from == FROM_CODES) {
+        mq_gpu_experts x;
+        moeq_status s = mq_gpu_experts_read(mq_lazy_st(mq_model_lazy(m)), cf, ly, l, &x);
+        if (s == MOEQ_E_UNSUPPORTED)
+            return mq_err(s, "%s; the GPU MoE op cannot run these experts as stored: evaluate with "
+                          "--gpu-precision tf32 (the experts dequantized)", moeq_last_error());
+        if (!s) s = mq_gpu_moe_upload(G->g, &x.desc, x.has_zp ? &x.zp : NULL, &r, &G->moe);
+        mq_gpu_experts_free(&x);
+        return s;
+    }
+    const void **w = malloc((size_t)(3 * E) * sizeof *w);
+    if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    moeq_status s = MOEQ_OK;
+    const mq_st *st = from == FROM_BF16 ? mq_lazy_st(mq_model_lazy(m)) : NULL;
+    for (int64_t e = 0; e < E && !s; e++) {
+        const mq_linear *lin[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
+        for (int i = 0; i < 3; i++) {
+            const mq_tensor_view *v = st ? bf16_view(st, lin[i]) : NULL;
+            w[i * E + e] = st ? (v ? (const void *)v->data : NULL) : (const void *)lin[i]->w;
+        }
+        if (!w[e] || !w[E + e] || !w[2 * E + e])
+            s = mq_err(MOEQ_E_ARG, "layer %d, expert %lld: not loaded", l, (long long)e);
+    }
+    if (!s)
+        s = mq_gpu_moe_upload_dense(G->g, E, cf->D, cf->moe_ffn, from == FROM_BF16, w, w + E, w + 2 * E, &r,
+                                    &G->moe);
+    free(w);
+    return s;
+}
+
 moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l) {
     mq_eval_gpu_layer_end(G);
     const moeq_model *m = G->m[k];
     const mq_config *cf = &m->cfg;
     const mq_layer *ly = &m->layers[l];
+    G->k_begin = k;
     if (!ly->q.w || !ly->k.w || !ly->v.w || !ly->o.w || !ly->attn_norm || !ly->ffn_norm)
         return mq_err(MOEQ_E_ARG, "layer %d: its attention is not loaded as fp32 weights", l);
     mq_gpu_attn_weights aw = {.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
@@ -210,9 +303,17 @@ moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l) {
                               .q_norm = ly->q_norm, .k_norm = ly->k_norm,
                               .window = cf->layer_sliding && cf->layer_sliding[l] ? cf->sliding_window : 0,
                               .ffn_norm = ly->ffn_norm, .router = ly->is_moe ? ly->router : NULL};
+    const bool op = ly->is_moe && G->prec == MOEQ_GPU_BF16;
+    if (op) aw.router = NULL;   /* the MoE op routes */
     moeq_status s = mq_gpu_attn_set(G->att[k], &aw);
     const int64_t D = cf->D, E = cf->n_experts;
-    if (!s && ly->is_moe) {
+    if (!s && op) {
+        s = moe_op(G, m, l);
+        if (!s && cf->shared_ffn > 0) s = one_mlp(G, &ly->sh_gate, &ly->sh_up, &ly->sh_down, D, &G->shared);
+        G->gated = cf->shared_ffn > 0 && cf->shared_gate;
+        if (!s && G->gated && !ly->sh_gate_w) s = mq_err(MOEQ_E_ARG, "layer %d: shared_expert_gate not loaded", l);
+        if (!s && G->gated) s = mq_gpu_buf_write(G->gate, 0, D, ly->sh_gate_w);
+    } else if (!s && ly->is_moe) {
         const float **w = malloc((size_t)(3 * E) * sizeof *w);
         if (!w) return mq_err(MOEQ_E_NOMEM, "out of memory");
         for (int64_t e = 0; e < E && !s; e++) {
@@ -290,8 +391,47 @@ static moeq_status one_mlp_rows(mq_eval_gpu *G, mq_gpu_mlp *m, int64_t R) {
     return s;
 }
 
+/* ---- the boundary on the device ---------------------------------------------------------------- */
+bool mq_eval_gpu_resident_begin(mq_eval_gpu *G, int64_t rows, const float *const *host, const int64_t *D) {
+    mq_gpu_info info;
+    mq_gpu_get_info(G->g, &info);
+    int64_t need = rows * G->Dmax;   /* the group's input rows */
+    for (int k = 0; k < G->nm; k++) need += rows * D[k];
+    need *= (int64_t)sizeof(float);
+    /* half of what is free now: a layer's weights and the work space come and go beside it */
+    if (g_no_resident || rows <= 0 || need > info.mem_free / 2) return false;
+    moeq_status s = mq_gpu_buf_new(G->g, G->rows * G->Dmax, &G->xin);
+    for (int k = 0; k < G->nm && !s; k++) {
+        s = mq_gpu_buf_new(G->g, rows * D[k], &G->res[k]);
+        if (!s) s = mq_gpu_buf_write(G->res[k], 0, rows * D[k], host[k]);
+    }
+    if (s) {   /* not an error: the rows cross the bus each layer instead */
+        mq_info("eval: the layer boundary stays on the host (%s)", moeq_last_error());
+        for (int k = 0; k < G->nm; k++) {
+            mq_gpu_buf_free(G->res[k]);
+            G->res[k] = NULL;
+        }
+        mq_gpu_buf_free(G->xin);
+        G->xin = NULL;
+        return false;
+    }
+    G->res_rows = rows;
+    return true;
+}
+
+moeq_status mq_eval_gpu_resident_read(mq_eval_gpu *G, int k, float *host) {
+    if (!G->res[k]) return mq_err(MOEQ_E_ARG, "GPU eval: no boundary on the device");
+    return mq_gpu_buf_read(G->res[k], 0, G->res_rows * G->m[k]->cfg.D, host);
+}
+
 moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x) {
+    return mq_eval_gpu_layer_run_at(G, w0, w1, x, -1);
+}
+
+moeq_status mq_eval_gpu_layer_run_at(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x, int64_t r0) {
     if (G->k < 0) return mq_err(MOEQ_E_ARG, "GPU eval: no layer begun");
+    const bool dev = r0 >= 0;
+    if (dev && !G->res[G->k]) return mq_err(MOEQ_E_ARG, "GPU eval: no boundary on the device");
     const mq_eval_ctx *c = G->c;
     const moeq_model *m = G->m[G->k];
     const mq_config *cf = &m->cfg;
@@ -305,19 +445,28 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
                           (long long)w1, (long long)G->rows);
         mq_gpu_attn_sample *sm = &G->smp[n++];
         memset(sm, 0, sizeof *sm);
-        sm->x = x + R * D;
+        sm->x = dev ? NULL : x + R * D;
         sm->T = T;
         sm->ffn_dev_off = R * D;
-        if (K) {
+        if (K && !G->moe) {
             sm->sel = G->sel + R * K;
             sm->w = G->w + R * K;
         }
         R += T;
     }
     if (R == 0) return MOEQ_OK;
-    const mq_gpu_attn_io io = {.ffn_dev = G->xn, .h_dev = G->h};
-    moeq_status s = mq_gpu_attn_run_samples(G->att[G->k], G->smp, n, &io);
-    if (!s && ly->is_moe) {
+    if (dev && r0 + R > G->res_rows)
+        return mq_err(MOEQ_E_ARG, "GPU eval: rows %lld..%lld of a boundary of %lld", (long long)r0,
+                      (long long)(r0 + R), (long long)G->res_rows);
+    const mq_gpu_attn_io io = {.ffn_dev = G->xn, .h_dev = G->h, .x_from = dev ? G->xin : NULL};
+    moeq_status s = dev ? mq_gpu_buf_copy(G->xin, 0, G->res[G->k], r0 * D, R * D) : MOEQ_OK;
+    if (!s) s = mq_gpu_attn_run_samples(G->att[G->k], G->smp, n, &io);
+    if (!s && G->moe) {
+        s = mq_gpu_moe_ffn_buf(G->moe, G->xn, R, MQ_GPU_MOE_BF16, G->out);
+        if (!s && G->shared) s = one_mlp_rows(G, G->shared, R);
+        if (!s && G->shared) s = mq_gpu_mlp_add_kept(G->shared, G->out, G->xn, G->gated ? G->gate : NULL, R);
+        if (!s) s = mq_gpu_buf_add(G->h, G->out, R * D);
+    } else if (!s && ly->is_moe) {
         s = mq_gpu_buf_zero(G->out, 0, R * D);
         if (!s) s = routed_layout(G, R, K, E);
         if (!s) s = mq_gpu_mlp_inputs_from(G->experts, G->xn, R);
@@ -334,7 +483,7 @@ moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float 
         s = one_mlp_rows(G, G->dense, R);
         if (!s) s = mq_gpu_mlp_add_kept(G->dense, G->h, G->xn, NULL, R);
     }
-    if (!s) s = mq_gpu_buf_read(G->h, 0, R * D, x);
+    if (!s) s = dev ? mq_gpu_buf_copy(G->res[G->k], r0 * D, G->h, 0, R * D) : mq_gpu_buf_read(G->h, 0, R * D, x);
     return s;
 }
 

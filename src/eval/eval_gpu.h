@@ -48,6 +48,16 @@ moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l);
 moeq_status mq_eval_gpu_layer_run(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x);
 void mq_eval_gpu_layer_end(mq_eval_gpu *G);
 
+/* The boundary on the device: every window's rows of each model (host[k]: rows x D[k], the
+ * embeddings or a resumed layer's output) go up once and stay there from layer to layer, so that
+ * only the weights cross the bus; false (nothing kept) where they would take more than half of
+ * the device's free memory. Then mq_eval_gpu_layer_run_at runs windows [w0, w1) on the device's
+ * rows from r0 (their first row) in place, and mq_eval_gpu_resident_read brings model k's rows
+ * back (before the scores or a snapshot). */
+bool mq_eval_gpu_resident_begin(mq_eval_gpu *G, int64_t rows, const float *const *host, const int64_t *D);
+moeq_status mq_eval_gpu_layer_run_at(mq_eval_gpu *G, int64_t w0, int64_t w1, float *x, int64_t r0);
+moeq_status mq_eval_gpu_resident_read(mq_eval_gpu *G, int k, float *host);
+
 /* Scoring: every model's final norm and lm_head (loaded) up to the device; the host's copies may
  * be freed when this returns. */
 moeq_status mq_eval_gpu_head_begin(mq_eval_gpu *G);
@@ -57,5 +67,26 @@ moeq_status mq_eval_gpu_score_window(mq_eval_gpu *G, int64_t wi, const float *xm
 
 /* Tests: groups of at most this many rows (0: the default); at least one window each. */
 void mq_eval_set_gpu_group_rows(int64_t rows);
+/* Tests: false keeps the boundary on the host (each group's rows cross the bus every layer). */
+void mq_eval_set_gpu_resident(bool on);
+
+/* The parts of layer l of model k (MQ_PART_*) the host loads for mq_eval_gpu_layer_begin: the
+ * whole layer, or without the routed experts where the GPU reads their codes itself (bf16, a
+ * streamed checkpoint whose experts are stored NVFP4 or INT4). */
+unsigned mq_eval_gpu_layer_parts(const mq_eval_gpu *G, int k, int l);
+
+/* A quantized checkpoint's routed experts of one layer in the GPU MoE op's canonical form
+ * (eval_gpu_experts.c): codes and scales as stored, read from st by each expert Linear's name. */
+typedef struct {
+    moeq_moe_experts_desc desc;
+    moeq_moe_zero_points zp;
+    bool has_zp;
+    uint8_t *gu_codes, *dn_codes, *gu_scales, *dn_scales, *gu_zero, *dn_zero;
+    float *gu_global, *dn_global;
+} mq_gpu_experts;
+/* MOEQ_E_UNSUPPORTED where the op cannot take them (another scheme, act-order groups, experts
+ * stored unlike each other): the caller loads them as fp32 instead. */
+moeq_status mq_gpu_experts_read(const mq_st *st, const mq_config *cf, const mq_layer *ly, int l, mq_gpu_experts *x);
+void mq_gpu_experts_free(mq_gpu_experts *x);
 
 #endif

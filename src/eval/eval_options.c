@@ -43,7 +43,8 @@ moeq_status moeq_eval_options_set(moeq_eval_options *o, const char *key, const c
         if (!strcmp(v, "fp32")) o->gpu_precision = MOEQ_GPU_FP32;
         else if (!strcmp(v, "tf32x3")) o->gpu_precision = MOEQ_GPU_TF32X3;
         else if (!strcmp(v, "tf32")) o->gpu_precision = MOEQ_GPU_TF32;
-        else return mq_opt_bad(key, v, "fp32, tf32x3 or tf32");
+        else if (!strcmp(v, "bf16")) o->gpu_precision = MOEQ_GPU_BF16;
+        else return mq_opt_bad(key, v, "fp32, tf32x3, tf32 or bf16");
     } else {
         return mq_err(MOEQ_E_ARG, "unknown eval option '%s' (the names of moeq eval's flags)", key);
     }

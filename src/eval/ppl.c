@@ -562,8 +562,8 @@ moeq_status moeq_eval(const moeq_model *m, const moeq_docs *docs, const moeq_eva
     if (opt->device >= 0) {   /* what the GPU lacks, and the device, before any work */
         st = mq_eval_gpu_check(m, "the model");
         if (!st && opt->kl_base) st = mq_eval_gpu_check(opt->kl_base, "--kl-base");
-        if (!st && (opt->gpu_precision < MOEQ_GPU_FP32 || opt->gpu_precision > MOEQ_GPU_TF32))
-            st = mq_err(MOEQ_E_ARG, "eval: gpu_precision %d (fp32 0, tf32x3 1, tf32 2)", opt->gpu_precision);
+        if (!st && (opt->gpu_precision < MOEQ_GPU_FP32 || opt->gpu_precision > MOEQ_GPU_BF16))
+            st = mq_err(MOEQ_E_ARG, "eval: gpu_precision %d (fp32 0, tf32x3 1, tf32 2, bf16 3)", opt->gpu_precision);
         if (!st && !opt->dry_run) st = mq_gpu_probe(opt->device);
         if (st) return st;
     }

@@ -95,6 +95,7 @@ typedef struct {
     int gpu_precision;
     mq_eval_gpu *gpu;
     bool pinned[MAX_MODELS];   /* the memory boundary page-locked for the device's copies */
+    bool resident;             /* the boundary on the device (mq_eval_gpu_resident_begin) */
     float *stage;              /* a group's rows read from files */
 } stream;
 
@@ -722,9 +723,13 @@ static moeq_status gpu_layer_pass(stream *S, int k, int l) {
         }
         const int64_t r0 = S->row0[w0 - lo], n = S->row0[w1 - lo] - r0;
         float *x = NULL;
-        s = boundary_get(S, k, r0, n, S->stage, &x);
-        if (!s) s = mq_eval_gpu_layer_run(S->gpu, w0, w1, x);
-        if (!s) s = boundary_put(S, k, r0, n, x, true);
+        if (S->resident) {
+            s = mq_eval_gpu_layer_run_at(S->gpu, w0, w1, NULL, r0);
+        } else {
+            s = boundary_get(S, k, r0, n, S->stage, &x);
+            if (!s) s = mq_eval_gpu_layer_run(S->gpu, w0, w1, x);
+            if (!s) s = boundary_put(S, k, r0, n, x, true);
+        }
         if (s)
             return mq_err_prefix(s, "%s, layer %d, documents %lld..%lld", k ? "KL base" : "model", l,
                                  (long long)c->win_doc[w0] + 1, (long long)c->win_doc[w1 - 1] + 1);
@@ -754,11 +759,13 @@ static moeq_status gpu_layers(stream *S, int first, int max_layers, double *t_fo
         mq_lazy_model *lz = S->lz[kk];
         if (ahead) s = mq_lazy_ahead_finish(ahead, NULL, NULL);   /* this step's, read ahead */
         ahead = NULL;
-        if (!s && lz) s = mq_lazy_load(lz, l, MQ_PART_LAYER, 0, E);
+        const unsigned parts = mq_eval_gpu_layer_parts(S->gpu, kk, l);   /* the experts' codes: the GPU's */
+        if (!s && lz) s = mq_lazy_load(lz, l, parts, 0, E);
         if (!s) s = mq_eval_gpu_layer_begin(S->gpu, kk, l);
-        if (lz) mq_lazy_release(lz, l, MQ_PART_LAYER, 0, E);   /* on the device now */
+        if (lz) mq_lazy_release(lz, l, parts, 0, E);   /* on the device now */
         if (!s && i + 1 < n && S->lz[steps[i + 1].k])
-            s = mq_lazy_ahead_start(S->lz[steps[i + 1].k], steps[i + 1].l, MQ_PART_LAYER, 0,
+            s = mq_lazy_ahead_start(S->lz[steps[i + 1].k], steps[i + 1].l,
+                                    mq_eval_gpu_layer_parts(S->gpu, steps[i + 1].k, steps[i + 1].l), 0,
                                     S->m[steps[i + 1].k]->cfg.n_experts, &ahead);
         if (!s) s = gpu_layer_pass(S, kk, l);
         mq_eval_gpu_layer_end(S->gpu);
@@ -768,7 +775,10 @@ static moeq_status gpu_layers(stream *S, int first, int max_layers, double *t_fo
             t0 = mq_now();
             *t_forward += dt;
             S->layers_done = l + 1;
-            s = layer_durable(S, l + 1, dt);
+            /* a snapshot of the boundary is due: the device's rows come back first */
+            if (S->resident && S->since_durable + dt >= g_snapshot_seconds)
+                for (int k = 0; k < S->nm && !s; k++) s = mq_eval_gpu_resident_read(S->gpu, k, S->B[k].f);
+            if (!s) s = layer_durable(S, l + 1, dt);
         }
     }
     if (ahead) mq_lazy_ahead_cancel(ahead);
@@ -851,7 +861,21 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
     int max_layers = 0;
     for (int k = 0; k < S.nm; k++)
         max_layers = S.m[k]->cfg.n_layers > max_layers ? S.m[k]->cfg.n_layers : max_layers;
-    if (!s && S.gpu) s = gpu_layers(&S, first, max_layers, &t_forward);
+    if (!s && S.gpu) {
+        /* every model's boundary in memory: kept on the device where it fits, so that the rows
+         * go up once and come back once instead of crossing the bus at every layer */
+        bool all_ram = true;
+        const float *host[MAX_MODELS] = {NULL, NULL};
+        int64_t Dk[MAX_MODELS] = {0, 0};
+        for (int k = 0; k < S.nm; k++) {
+            all_ram &= S.B[k].ram;
+            host[k] = S.B[k].f;
+            Dk[k] = S.D[k];
+        }
+        S.resident = all_ram && mq_eval_gpu_resident_begin(S.gpu, S.rows, host, Dk);
+        s = gpu_layers(&S, first, max_layers, &t_forward);
+        for (int k = 0; k < S.nm && !s && S.resident; k++) s = mq_eval_gpu_resident_read(S.gpu, k, S.B[k].f);
+    }
     for (int l = first; l < max_layers && !s && !S.gpu; l++) {
         const double t0 = mq_now();
         for (int kk = S.nm - 1; kk >= 0 && !s; kk--) {

@@ -220,7 +220,8 @@ int cmd_eval(int argc, char **argv) {
          "dequantized; within a stated tolerance of the CPU's figures, docs/eval.md)", NULL, 0, 0, NULL},
         {"--gpu-precision", OPT_CHOICE, &gpu_precision, NULL, "with --device cuda: the products' arithmetic, "
          "fp32 (default), tf32x3 or tf32 (TF32 tensor cores: faster, perplexity within about 1e-3 "
-         "relative; docs/eval.md)", "fp32|tf32x3|tf32", 0, 0, NULL},
+         "relative), bf16 (the routed experts on the bf16 tensor cores, the rest as tf32: fastest; "
+         "docs/eval.md)", "fp32|tf32x3|tf32|bf16", 0, 0, NULL},
         {"--stream", OPT_CHOICE, &stream, NULL, "run layer by layer, one layer's weights in memory "
          "(auto, the default: when the models do not fit half of --max-memory whole)", "auto|on|off", 0, 0, NULL},
         {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory a streamed run may use (e.g. 6GB; "

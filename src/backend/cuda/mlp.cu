@@ -585,3 +585,17 @@ extern "C" moeq_status mq_gpu_mlp_combine(mq_gpu_mlp *m, mq_gpu_buf *out, const 
     }
     return st;
 }
+
+extern "C" moeq_status mq_gpu_buf_copy(mq_gpu_buf *dst, int64_t dst_off, const mq_gpu_buf *src, int64_t src_off,
+                                       int64_t n) {
+    if (!dst || !src || n < 0 || dst_off < 0 || src_off < 0 || dst_off + n > dst->n || src_off + n > src->n)
+        return mq_err(MOEQ_E_ARG, "GPU buffer copy: %lld values from %lld of %lld into %lld of %lld", (long long)n,
+                      (long long)src_off, (long long)(src ? src->n : 0), (long long)dst_off,
+                      (long long)(dst ? dst->n : 0));
+    if (n == 0) return MOEQ_OK;
+    moeq_status st = CU(cudaSetDevice(dst->g->device));
+    if (!st)
+        st = CU(cudaMemcpyAsync(dst->d + dst_off, src->d + src_off, (size_t)n * sizeof(float), cudaMemcpyDeviceToDevice,
+                                dst->g->stream[0]));
+    return st;
+}

@@ -82,6 +82,7 @@ struct mq_gpu_moe {
     Ws ws;
     int64_t last_T;
     int force_cfg;                /* mq_gpu_moe_force_tiles: a tile shape for every call, or -1 */
+    bool dense;                   /* mq_gpu_moe_upload_dense: bf16 weights in ws.wgu / ws.wdn, no codes */
 };
 
 namespace {
@@ -458,6 +459,8 @@ moeq_status forward_dev(mq_gpu_moe *m, const float *xd, int64_t T, int math, flo
     return st;
 }
 
+moeq_status forward_baseline(mq_gpu_moe *m, const float *xd, int64_t T, float *outd);   /* below */
+
 }  // namespace
 
 /* ---- C interface ------------------------------------------------------------------------------ */
@@ -675,7 +678,9 @@ extern "C" moeq_status mq_gpu_moe_ffn(mq_gpu_moe *m, const float *x, int64_t T, 
         xd = m->ws.xd;
     }
     float *od = odev ? out : m->ws.outd;
-    if (!st) st = forward_dev(m, xd, T, math, od);
+    if (!st && m->dense && math != MQ_GPU_MOE_BF16)
+        st = mq_err(MOEQ_E_UNSUPPORTED, "moe_ffn_cuda: a layer of dense (bf16) experts runs in bf16 only");
+    if (!st) st = m->dense ? forward_baseline(m, xd, T, od) : forward_dev(m, xd, T, math, od);
     if (!st && !odev) st = CU(cudaMemcpyAsync(out, od, (size_t)(T * m->D) * 4, cudaMemcpyDeviceToHost, m->s));
     if (!st && (!odev || !xdev)) st = CU(cudaStreamSynchronize(m->s));
     return st;
@@ -801,16 +806,16 @@ moeq_status forward_baseline(mq_gpu_moe *m, const float *xd, int64_t T, float *o
     std::vector<int32_t> off((size_t)nm + 1);
     st = CU(cudaMemcpyAsync(off.data(), w.off, off.size() * 4, cudaMemcpyDeviceToHost, m->s));
     if (!st) st = CU(cudaStreamSynchronize(m->s));
-    /* every matrix to bf16 (the routed ones in one launch each) */
+    /* every matrix to bf16 (the routed ones in one launch each; a dense layer holds them so) */
     const size_t gu_el = (size_t)2 * m->F * m->D, dn_el = (size_t)m->D * m->F;
-    if (!st) st = m->nv ? dequant_launch<true>(m, 0, m->E, m->F, true, nullptr, w.wgu, (int64_t)gu_el)
+    if (!st && !m->dense) st = m->nv ? dequant_launch<true>(m, 0, m->E, m->F, true, nullptr, w.wgu, (int64_t)gu_el)
                         : dequant_launch<false>(m, 0, m->E, m->F, true, nullptr, w.wgu, (int64_t)gu_el);
-    if (!st) st = m->nv ? dequant_launch<true>(m, nm, m->E, 0, true, nullptr, w.wdn, (int64_t)dn_el)
+    if (!st && !m->dense) st = m->nv ? dequant_launch<true>(m, nm, m->E, 0, true, nullptr, w.wdn, (int64_t)dn_el)
                         : dequant_launch<false>(m, nm, m->E, 0, true, nullptr, w.wdn, (int64_t)dn_el);
-    if (!st && m->Fs > 0)
+    if (!st && !m->dense && m->Fs > 0)
         st = m->nv ? dequant_launch<true>(m, m->E, 1, m->Fs, true, nullptr, w.wgu + gu_el * m->E, 0)
                    : dequant_launch<false>(m, m->E, 1, m->Fs, true, nullptr, w.wgu + gu_el * m->E, 0);
-    if (!st && m->Fs > 0)
+    if (!st && !m->dense && m->Fs > 0)
         st = m->nv ? dequant_launch<true>(m, nm + m->E, 1, 0, true, nullptr, w.wdn + dn_el * m->E, 0)
                    : dequant_launch<false>(m, nm + m->E, 1, 0, true, nullptr, w.wdn + dn_el * m->E, 0);
     const int64_t P = rows_of(m, T);
@@ -1014,5 +1019,130 @@ extern "C" moeq_status mq_gpu_gemm_bf16_time(mq_gpu *g, int n, const int64_t *M,
         std::sort(t.begin(), t.end());
         *ms = t[t.size() / 2];
     }
+    return st;
+}
+
+/* ---- dense experts: bf16 weights and cuBLAS (an unquantized model's fast evaluation) ----------- */
+namespace {
+__global__ void k_to_bf16(const float *in, bf16 *out, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16_rn(in[i]);
+}
+
+/* rows x cols fp32 (host) into dst bf16 (device), through the staging buffer stage [n_stage]. */
+moeq_status upload_bf16(mq_gpu_moe *m, const float *src, int64_t n, float *stage, int64_t n_stage, bf16 *dst) {
+    moeq_status st = MOEQ_OK;
+    for (int64_t i = 0; i < n && !st; i += n_stage) {
+        const int64_t k = std::min(n_stage, n - i);
+        st = CU(cudaMemcpyAsync(stage, src + i, (size_t)k * 4, cudaMemcpyHostToDevice, m->s));
+        if (st) break;
+        k_to_bf16<<<(unsigned)std::min<int64_t>((k + 255) / 256, 65536), 256, 0, m->s>>>(stage, dst + i, k);
+        st = CU_LAUNCHED("k_to_bf16");
+        if (!st) st = CU(cudaStreamSynchronize(m->s));   /* the staging buffer is reused */
+    }
+    return st;
+}
+}  // namespace
+
+extern "C" moeq_status mq_gpu_moe_upload_dense(mq_gpu *g, int64_t E, int64_t D, int64_t F, int bf16_src,
+                                               const void *const *gate, const void *const *up,
+                                               const void *const *down, const moeq_moe_ffn_args *r,
+                                               mq_gpu_moe **out) {
+    if (!out) return mq_err(MOEQ_E_ARG, "%s: out is NULL", k_up);
+    *out = NULL;
+    if (!g || !gate || !up || !down || !r) return mq_err(MOEQ_E_ARG, "%s: NULL argument", k_up);
+    if (E < 1 || E > INT32_MAX || D < 8 || D % 8 || D > INT32_MAX || F < 1 || F > INT32_MAX / 2)
+        return mq_err(MOEQ_E_SHAPE, "%s: %lld experts of hidden %lld, ffn %lld (hidden a multiple of 8)", k_up,
+                      (long long)E, (long long)D, (long long)F);
+    for (int64_t e = 0; e < E; e++)
+        if (!gate[e] || !up[e] || !down[e]) return mq_err(MOEQ_E_ARG, "%s: expert %lld: NULL weight", k_up, (long long)e);
+    moeq_status st = mq_moe_routing_check("moe_ffn_cuda", r, E, D, 0);
+    if (st) return st;
+    mq_gpu_moe *m = new (std::nothrow) mq_gpu_moe();
+    if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    m->g = g;
+    m->s = g->stream[0];
+    m->force_cfg = -1;
+    m->dense = true;
+    m->nv = 0;
+    m->G = m->B = 32;
+    m->E = (int)E;
+    m->D = (int)D;
+    m->F = (int)F;
+    m->Fs = 0;
+    m->n_mats = (int)E;
+    m->D64 = (int)((D + 63) & ~63);
+    m->Fmax = (int)F;
+    m->F64m = (m->Fmax + 63) & ~63;
+    m->k = r->top_k;
+    m->scoring = r->scoring == MOEQ_MOE_SIGMOID;
+    m->renorm = r->renormalize;
+    m->route_scale = r->route_scale;
+    m->n_group = r->n_group > 1 ? r->n_group : 0;
+    m->topk_group = r->n_group > 1 ? r->topk_group : 0;
+    m->has_sgate = 0;
+    m->E1 = (int)E;
+    m->h_mats.resize((size_t)(2 * E));
+    for (int64_t e = 0; e < E; e++) {
+        memset(&m->h_mats[e], 0, sizeof(MoeMat));
+        memset(&m->h_mats[E + e], 0, sizeof(MoeMat));
+        m->h_mats[e].N = (int)(2 * F);
+        m->h_mats[e].K = (int)D;
+        m->h_mats[E + e].N = (int)D;
+        m->h_mats[E + e].K = (int)F;
+    }
+    st = CU(cudaSetDevice(g->device));
+    if (!st) st = CUBLAS(cublasCreate(&m->blas));
+    if (!st) st = CUBLAS(cublasSetStream(m->blas, m->s));
+    if (!st) st = mq_cu_alloc(&m->blas_ws, CUBLAS_WS, "cuBLAS workspace");
+    if (!st) st = CUBLAS(cublasSetWorkspace(m->blas, m->blas_ws, CUBLAS_WS));
+    if (!st) st = set_attrs(false);
+    if (!st) st = cu_alloc(&m->router, (size_t)(E * D), "MoE router");
+    if (!st) st = CU(cudaMemcpyAsync(m->router, r->router.data, (size_t)(E * D) * 4, cudaMemcpyHostToDevice, m->s));
+    if (!st && r->router_bias.data) {
+        st = cu_alloc(&m->bias, (size_t)E, "MoE router bias");
+        if (!st) st = CU(cudaMemcpyAsync(m->bias, r->router_bias.data, (size_t)E * 4, cudaMemcpyHostToDevice, m->s));
+    }
+    Ws &w = m->ws;
+    const int64_t FD = F * D;
+    if (!st) st = cu_alloc(&w.wgu, (size_t)(E * 2 * FD), "bf16 experts");
+    if (!st) st = cu_alloc(&w.wdn, (size_t)(E * FD), "bf16 experts");
+    if (!st) st = cu_alloc(&w.ptrs, (size_t)6 * E, "grouped GEMM pointers");
+    float *stage = nullptr;
+    if (!st && !bf16_src) st = cu_alloc(&stage, (size_t)FD, "expert staging");
+    for (int64_t e = 0; e < E && !st; e++) {
+        const void *src[3] = {gate[e], up[e], down[e]};
+        bf16 *dst[3] = {w.wgu + e * 2 * FD, w.wgu + e * 2 * FD + FD, w.wdn + e * FD};
+        for (int i = 0; i < 3 && !st; i++)   /* bf16 as stored, or fp32 rounded on the device */
+            st = bf16_src ? CU(cudaMemcpyAsync(dst[i], src[i], (size_t)FD * sizeof(bf16), cudaMemcpyHostToDevice, m->s))
+                          : upload_bf16(m, (const float *)src[i], FD, stage, FD, dst[i]);
+    }
+    if (!st) st = CU(cudaStreamSynchronize(m->s));
+    mq_cu_free(stage);
+    m->resident = (size_t)(E * 3 * FD) * sizeof(bf16);
+    if (st) {
+        mq_gpu_moe_free(m);
+        return st;
+    }
+    *out = m;
+    return MOEQ_OK;
+}
+
+extern "C" moeq_status mq_gpu_moe_ffn_buf(mq_gpu_moe *m, mq_gpu_buf *x, int64_t T, int math, mq_gpu_buf *out) {
+    if (!m || !x || !out) return mq_err(MOEQ_E_ARG, "moe_ffn_cuda: NULL argument");
+    int64_t nx = 0, no = 0;
+    float *xd = mq_gpu_buf_device(x, &nx), *od = mq_gpu_buf_device(out, &no);
+    if (T < 0 || T * m->D > nx || T * m->D > no)
+        return mq_err(MOEQ_E_SHAPE, "moe_ffn_cuda: %lld rows of %d do not fit the buffers (%lld, %lld values)",
+                      (long long)T, m->D, (long long)nx, (long long)no);
+    if (T == 0) return MOEQ_OK;
+    if (math != MQ_GPU_MOE_BF16 && math != MQ_GPU_MOE_FP32)
+        return mq_err(MOEQ_E_ARG, "moe_ffn_cuda: math %d (expected bf16 0 or fp32 1)", math);
+    if (m->dense && math != MQ_GPU_MOE_BF16)
+        return mq_err(MOEQ_E_UNSUPPORTED, "moe_ffn_cuda: a layer of dense (bf16) experts runs in bf16 only");
+    moeq_status st = set_dev(m);
+    if (!st) st = ensure_ws(m, T);
+    if (!st && math == MQ_GPU_MOE_FP32) st = ensure_exact(m, T);
+    if (!st) st = m->dense ? forward_baseline(m, xd, T, od) : forward_dev(m, xd, T, math, od);
     return st;
 }
