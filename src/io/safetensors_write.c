@@ -130,15 +130,21 @@ moeq_status mq_stw_add_owned(mq_st_writer *w, const char *name, moeq_dtype dtype
     return MOEQ_OK;
 }
 
-moeq_status mq_stw_add(mq_st_writer *w, const char *name, moeq_dtype dtype, int ndim,
-                       const int64_t *shape, const void *data, size_t nbytes) {
-    /* Check before copying, so a bad call costs no allocation. */
+/* *copy = the caller's data copied, after the checks (so a bad call costs no allocation). */
+static moeq_status checked_copy(const char *name, moeq_dtype dtype, int ndim, const int64_t *shape,
+                                const void *data, size_t nbytes, void **copy) {
     moeq_status s = mq_stw_check_tensor(name, dtype, ndim, shape, data, nbytes);
     if (s != MOEQ_OK) return s;
-    void *copy = mq_alloc(nbytes, name);
-    if (!copy) return MOEQ_E_NOMEM;
-    if (nbytes) memcpy(copy, data, nbytes);
-    return mq_stw_add_owned(w, name, dtype, ndim, shape, copy, nbytes);
+    if (!(*copy = mq_alloc(nbytes, name))) return MOEQ_E_NOMEM;
+    if (nbytes) memcpy(*copy, data, nbytes);
+    return MOEQ_OK;
+}
+
+moeq_status mq_stw_add(mq_st_writer *w, const char *name, moeq_dtype dtype, int ndim,
+                       const int64_t *shape, const void *data, size_t nbytes) {
+    void *copy = NULL;
+    moeq_status s = checked_copy(name, dtype, ndim, shape, data, nbytes, &copy);
+    return s ? s : mq_stw_add_owned(w, name, dtype, ndim, shape, copy, nbytes);
 }
 
 moeq_status mq_stw_set_metadata(mq_st_writer *w, const char *key, const char *value) {
@@ -319,12 +325,9 @@ moeq_status mq_shards_add_owned(mq_shard_writer *sw, const char *name, moeq_dtyp
 
 moeq_status mq_shards_add(mq_shard_writer *sw, const char *name, moeq_dtype dtype, int ndim,
                           const int64_t *shape, const void *data, size_t nbytes) {
-    moeq_status s = mq_stw_check_tensor(name, dtype, ndim, shape, data, nbytes);
-    if (s != MOEQ_OK) return s;
-    void *copy = mq_alloc(nbytes, name);
-    if (!copy) return MOEQ_E_NOMEM;
-    if (nbytes) memcpy(copy, data, nbytes);
-    return mq_shards_add_owned(sw, name, dtype, ndim, shape, copy, nbytes);
+    void *copy = NULL;
+    moeq_status s = checked_copy(name, dtype, ndim, shape, data, nbytes, &copy);
+    return s ? s : mq_shards_add_owned(sw, name, dtype, ndim, shape, copy, nbytes);
 }
 
 static int cmp_shw_name(const void *a, const void *b) {

@@ -12,43 +12,35 @@
 #include "kernels/moe_ffn.h"
 #include "kernels/vec.h"
 
-static const mq_vec_kernels *const k_vec[MQ_ISA_COUNT] = {
-    [MQ_ISA_REF] = &mq_vec_ref,
+/* A table row per instruction set of this architecture (the others stay NULL). */
 #if defined(__x86_64__) || defined(__i386__)
-    [MQ_ISA_AVX2] = &mq_vec_avx2,
-    [MQ_ISA_AVX512] = &mq_vec_avx512,
-    [MQ_ISA_AVX512_VNNI] = &mq_vec_avx512,
+#define X86_ROWS(avx2, avx512, vnni) \
+    [MQ_ISA_AVX2] = avx2, [MQ_ISA_AVX512] = avx512, [MQ_ISA_AVX512_VNNI] = vnni,
+#else
+#define X86_ROWS(avx2, avx512, vnni)
 #endif
 #if defined(__aarch64__)
-    [MQ_ISA_NEON] = &mq_vec_neon,
-    [MQ_ISA_NEON_DOT] = &mq_vec_neon,
+#define ARM_ROWS(neon, dot) [MQ_ISA_NEON] = neon, [MQ_ISA_NEON_DOT] = dot,
+#else
+#define ARM_ROWS(neon, dot)
 #endif
+
+static const mq_vec_kernels *const k_vec[MQ_ISA_COUNT] = {
+    [MQ_ISA_REF] = &mq_vec_ref,
+    X86_ROWS(&mq_vec_avx2, &mq_vec_avx512, &mq_vec_avx512)
+    ARM_ROWS(&mq_vec_neon, &mq_vec_neon)
 };
 
 static const mq_det_kernels *const k_det[MQ_ISA_COUNT] = {
     [MQ_ISA_REF] = &mq_det_ref,
-#if defined(__x86_64__) || defined(__i386__)
-    [MQ_ISA_AVX2] = &mq_det_avx2,
-    [MQ_ISA_AVX512] = &mq_det_avx512,
-    [MQ_ISA_AVX512_VNNI] = &mq_det_avx512,
-#endif
-#if defined(__aarch64__)
-    [MQ_ISA_NEON] = &mq_det_neon,
-    [MQ_ISA_NEON_DOT] = &mq_det_neon,
-#endif
+    X86_ROWS(&mq_det_avx2, &mq_det_avx512, &mq_det_avx512)
+    ARM_ROWS(&mq_det_neon, &mq_det_neon)
 };
 
 static const mq_moe_kernels *const k_moe[MQ_ISA_COUNT] = {
     [MQ_ISA_REF] = &mq_moe_kernels_ref,
-#if defined(__x86_64__) || defined(__i386__)
-    [MQ_ISA_AVX2] = &mq_moe_kernels_avx2,
-    [MQ_ISA_AVX512] = &mq_moe_kernels_avx512,
-    [MQ_ISA_AVX512_VNNI] = &mq_moe_kernels_avx512_vnni,
-#endif
-#if defined(__aarch64__)
-    [MQ_ISA_NEON] = &mq_moe_kernels_neon,
-    [MQ_ISA_NEON_DOT] = &mq_moe_kernels_neon_dot,
-#endif
+    X86_ROWS(&mq_moe_kernels_avx2, &mq_moe_kernels_avx512, &mq_moe_kernels_avx512_vnni)
+    ARM_ROWS(&mq_moe_kernels_neon, &mq_moe_kernels_neon_dot)
 };
 
 const mq_vec_kernels *mq_vec(void) { return k_vec[mq_cpu_isa()]; }
