@@ -25,6 +25,7 @@
 #include "harness.h"
 #include "io/fp8.h"
 #include "model/model.h"
+#include "model/source.h"
 
 /* ---- an E4M3 decode of this file's own: (1 + m/8) * 2^(e-7), subnormals m/8 * 2^-6 ---------- */
 static double ref_e4m3(uint8_t b) {
@@ -649,7 +650,7 @@ static void test_scale_without_fp8_weight(void) {
     mq_stw_free(w);
     mq_st *st = NULL;
     ASSERT_OK(mq_st_open_file(path, &st));
-    ASSERT_STATUS(MOEQ_E_FORMAT, mq_st_link_fp8(st, 128, 128));
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_st_link_fp8(st, 128, 128, mq_fp8_block_dequant));
     ASSERT_ERROR_MENTIONS("a.weight");
     mq_st_close(st);
     free(path);
@@ -660,7 +661,7 @@ static void test_scale_without_fp8_weight(void) {
     ASSERT_OK(mq_stw_write(w, path));
     mq_stw_free(w);
     ASSERT_OK(mq_st_open_file(path, &st));
-    ASSERT_STATUS(MOEQ_E_FORMAT, mq_st_link_fp8(st, 128, 128));
+    ASSERT_STATUS(MOEQ_E_FORMAT, mq_st_link_fp8(st, 128, 128, mq_fp8_block_dequant));
     ASSERT_ERROR_MENTIONS("b.weight_scale_inv");
     mq_st_close(st);
     free(path);
@@ -677,7 +678,7 @@ static void test_scale_without_fp8_weight(void) {
     ASSERT_OK(mq_stw_write(w, path));
     mq_stw_free(w);
     ASSERT_OK(mq_st_open_file(path, &st));
-    ASSERT_OK(mq_st_link_fp8(st, 2, 2));   /* blocks of 2 x 2: partial at the bottom and right */
+    ASSERT_OK(mq_st_link_fp8(st, 2, 2, mq_fp8_block_dequant));   /* blocks of 2 x 2: partial at the bottom and right */
     const mq_tensor_view *t = mq_st_find(st, "c.weight");
     float out[15], ref[15];
     ASSERT_OK(mq_tensor_to_f32(t, out));

@@ -216,6 +216,21 @@ const char *mq_blas_advice_for(const char *core, bool avx2_fma, bool avx512);
 void mq_set_avx512_off(int off);   /* for tests and benchmarks; -1 reads MOEQ_NO_AVX512 again */
 /* AArch64 with the dot-product extension (Linux: HWCAP_ASIMDDP); false elsewhere. */
 bool mq_cpu_has_neon_dot(void);
+/* The kernel sets, one per instruction set a kernel family may have a twin for. Every family
+ * (src/kernels/kernels.c) has a table of its implementations indexed by this, a set it lacks
+ * filled with the next lower one it has (at least the scalar reference). */
+typedef enum {
+    MQ_ISA_REF = 0,        /* the scalar references (src/kernels/cpu/ref/), any CPU */
+    MQ_ISA_AVX2,           /* x86-64 AVX2+FMA */
+    MQ_ISA_AVX512,         /* x86-64 AVX-512 F/BW/VL */
+    MQ_ISA_AVX512_VNNI,    /* and AVX512-VNNI */
+    MQ_ISA_NEON,           /* AArch64 */
+    MQ_ISA_NEON_DOT,       /* with the dot-product extension */
+    MQ_ISA_COUNT
+} mq_isa;
+/* The set the kernels use now: the best the CPU has (its features are detected once), the
+ * reference under mq_force_ref(), AVX2 on an AVX-512 host under MOEQ_NO_AVX512. */
+mq_isa mq_cpu_isa(void);
 
 /* ---- time ------------------------------------------------------------------------------ */
 /* Monotonic seconds; while mq_pool_simulate runs, the simulated clock: each simulated loop moves it

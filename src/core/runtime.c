@@ -114,6 +114,17 @@ bool mq_cpu_has_neon_dot(void) {
 #endif
 }
 
+mq_isa mq_cpu_isa(void) {
+    if (mq_force_ref()) return MQ_ISA_REF;
+#if defined(__aarch64__)
+    return mq_cpu_has_neon_dot() ? MQ_ISA_NEON_DOT : MQ_ISA_NEON;
+#else
+    if (mq_cpu_has_avx512_vnni()) return MQ_ISA_AVX512_VNNI;
+    if (mq_cpu_has_avx512()) return MQ_ISA_AVX512;
+    return mq_cpu_has_avx2_fma() ? MQ_ISA_AVX2 : MQ_ISA_REF;
+#endif
+}
+
 const char *moeq_cpu_kernels(void) {
     if (mq_force_ref()) return "scalar (forced)";
 #if defined(__aarch64__)

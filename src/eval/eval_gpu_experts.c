@@ -1,7 +1,7 @@
 /*
  * A quantized checkpoint's routed experts as the GPU MoE op takes them (eval_gpu.h): each
  * expert's gate, up and down read from the mapped files as codes and scales
- * (export/layout.h's mq_layout_read, the loader's own reader) and laid out in the canonical
+ * (ckpt/layout.h's mq_layout_read, the loader's own reader) and laid out in the canonical
  * moeq_moe_experts_desc of the layer, so that the device decodes them in its GEMMs and no fp32
  * copy of the experts is made on the host.
  */
@@ -9,9 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckpt/layout.h"
 #include "core/core.h"
 #include "eval/eval_gpu.h"
-#include "export/layout.h"
 #include "io/safetensors.h"
 
 static const mq_tensor_view *lookup(void *user, const char *name) { return mq_st_find((const mq_st *)user, name); }

@@ -11,6 +11,7 @@
 
 #include "formats/formats.h"
 #include "io/gguf_hf.h"
+#include "io/gguf_import.h"
 
 /* Storage of the unquantized 2-D tensors (embeddings, lm_head, kept Linears); 1-D tensors
  * (norms, biases) and routers are always F32. */
@@ -87,10 +88,7 @@ moeq_status mq_gguf_export_recipe(const char *ckpt_dir, const char *out_path, mq
  * checking a quantized file against it. */
 moeq_status mq_gguf_export_dequantized(const char *ckpt_dir, const char *out_path, mq_gguf_rest rest);
 
-/* The reverse: a GGUF file (llama, olmoe, qwen2moe, qwen3moe, deepseek2; gpt2 tokenizer) written out as a
- * checkpoint directory moeq opens (config.json, tokenizer.json, model.safetensors with every
- * tensor decoded to F32; the config routes as llama.cpp's graph does). out_dir is created. */
-moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir);
+/* The reverse, a GGUF file written out as a checkpoint directory: io/gguf_import.h. */
 
 /* The tokenizer regexes (mq_gguf_re_llama3, mq_gguf_re_qwen2, mq_gguf_re_deepseek3) are io's,
  * shared with the reader: io/gguf_hf.h. */

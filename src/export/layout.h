@@ -1,6 +1,6 @@
 /*
  * Checkpoint layouts of one quantized Linear: packing an mq_qtensor into the tensors a serving
- * engine loads, and unpacking them back. Spec: ../shared/docs/formats.md sections 2.1-2.4.
+ * engine loads (layout.c); unpacking them back is ckpt/layout.h's, below model and export. Spec: ../shared/docs/formats.md sections 2.1-2.4.
  *
  *   compressed-tensors NVFP4 (nvfp4-pack-quantized):
  *       P.weight_packed U8 [N, K/2] (even column in the low nibble), P.weight_scale F8_E4M3
@@ -22,6 +22,7 @@
 #ifndef MOEQ_EXPORT_LAYOUT_H
 #define MOEQ_EXPORT_LAYOUT_H
 
+#include "ckpt/layout.h"   /* the reading half (the model loader includes it directly) */
 #include "formats/formats.h"
 #include "io/safetensors.h"
 
@@ -57,69 +58,10 @@ moeq_status mq_layout_describe(mq_ckpt_format fmt, const char *module, const mq_
                                int64_t N, int64_t K, bool g_idx, bool input_scale,
                                mq_describe_fn fn, void *user);
 
-/* Looks a tensor up by its full name; NULL when absent. */
-typedef const mq_tensor_view *(*mq_lookup_fn)(void *user, const char *name);
-
-/* What a checkpoint holds for one Linear module. */
-typedef enum {
-    MQ_LIN_ABSENT = 0,    /* no tensor of the module */
-    MQ_LIN_DENSE,         /* P.weight in a float dtype */
-    MQ_LIN_CT_NVFP4,
-    MQ_LIN_CT_INT4,
-    MQ_LIN_MODELOPT_NVFP4,
-    MQ_LIN_GPTQ,
-    MQ_LIN_GGML,          /* P.weight_<type>: GGUF rows of a llama.cpp block type (--format gguf's
-                             K-quants; layout_ggml.c) */
-    MQ_LIN_FP8_BLOCK,     /* P.weight F8_E4M3 with P.weight_scale_inv per block (io/fp8.h): an
-                             FP8 source, loaded dequantized, never packed */
-} mq_linear_kind;
-
-mq_linear_kind mq_layout_detect(const char *module, mq_lookup_fn lookup, void *user);
-
-/* Rebuilds the mq_qtensor of a quantized Linear with `rows` x `cols` (the shape the model config
- * implies; checked against the tensors). Every shape, dtype and code is validated: a malformed
- * tensor is MOEQ_E_FORMAT naming the tensor. out is initialised here; free it with
- * mq_qtensor_free (also after an error). */
-moeq_status mq_layout_read(const char *module, int64_t rows, int64_t cols, mq_lookup_fn lookup,
-                           void *user, mq_qtensor *out);
-
-/* Tensor name suffixes of every layout (for recognising quantization tensors in a checkpoint). */
-bool mq_layout_is_quant_suffix(const char *suffix);
-
-/* ---- llama.cpp's block types (layout_ggml.c; MQ_FMT_GGUF with an MQ_QS_KQUANT spec) --------- */
-/* "weight_q4_K" and the like (t: its type; may be NULL). */
-bool mq_layout_ggml_suffix(const char *suffix, mq_kq_type *t);
+/* llama.cpp's block types (layout_ggml.c; MQ_FMT_GGUF with an MQ_QS_KQUANT spec): the GGUF rows
+ * as P.weight_<type> U8 [N, (K / block) * bytes]; ckpt/layout.h reads them back. */
 moeq_status mq_layout_ggml_describe(const char *module, const mq_qspec *spec, int64_t N, int64_t K,
                                     mq_describe_fn fn, void *user);
 moeq_status mq_layout_ggml_emit(const char *module, const mq_qtensor *q, mq_emit_fn emit, void *user);
-/* The module's block tensor (its type in *t), NULL when it has none. */
-const mq_tensor_view *mq_layout_ggml_find(const char *module, mq_lookup_fn lookup, void *user,
-                                          mq_kq_type *t);
-moeq_status mq_layout_ggml_read(const char *module, int64_t rows, int64_t cols,
-                                mq_lookup_fn lookup, void *user, mq_qtensor *out);
-
-/* ---- for the model loader and inspect ------------------------------------------------------ */
-/* The fp32 weight w [rows, cols] of the Linear `module` of st, whatever its storage: a float
- * `module.weight`, or any quantized layout above, dequantized exactly as mq_dequantize does (so
- * quantize -> write -> load is bit-identical to the in-memory fake quantization), or an FP8
- * block-quantized weight (its scale linked by mq_st_open_dir; unlinked: MOEQ_E_FORMAT). kind may
- * be NULL. MOEQ_E_NOTFOUND when the module has no tensor. */
-moeq_status mq_load_linear_weight(const mq_st *st, const char *module, int64_t rows, int64_t cols,
-                                  float *w, mq_linear_kind *kind);
-
-typedef struct {
-    mq_linear_kind kind;
-    mq_qscheme scheme;         /* MQ_QS_NONE for a dense weight */
-    int64_t rows, cols;        /* from the tensors */
-    int64_t group_size;
-    bool asym, act_order, has_input_scale;
-    mq_kq_type kq;             /* MQ_LIN_GGML: the block type */
-    double bits_per_weight;    /* stored bytes of the module's weight tensors * 8 / (rows * cols) */
-} mq_linear_qinfo;
-
-/* Describes the Linear `module` of st from its tensors (shapes inferred, scales not read). */
-moeq_status mq_linear_qinfo_get(const mq_st *st, const char *module, mq_linear_qinfo *out);
-/* "dense", "nvfp4 (compressed-tensors)", ... */
-const char *mq_linear_kind_name(mq_linear_kind k);
 
 #endif

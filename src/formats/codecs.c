@@ -6,68 +6,16 @@
  * formats.md section 2.0). No vendor intrinsics: they may round twice.
  */
 #include <math.h>
-#include <string.h>
 
 #include "formats/formats.h"
 
-static const float e2m1_values[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-static inline float f32_from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-uint8_t mq_e2m1_encode(float x) {
-    uint8_t sign = (f32_bits(x) >> 28) & 0x8;
-    float a = fabsf(x);
-    uint8_t idx;
-    /* The midpoints 0.25, 1.25, 2.5, 5 tie to the even code below, 0.75, 1.75, 3.5 to the even
-     * code above; NaN fails every comparison and lands on 6. */
-    if (a <= 0.25f) idx = 0;
-    else if (a < 0.75f) idx = 1;
-    else if (a <= 1.25f) idx = 2;
-    else if (a < 1.75f) idx = 3;
-    else if (a <= 2.5f) idx = 4;
-    else if (a < 3.5f) idx = 5;
-    else if (a <= 5.0f) idx = 6;
-    else idx = 7;
-    return (uint8_t)(sign | idx);
-}
-
-float mq_e2m1_decode(uint8_t code) {
-    float v = e2m1_values[code & 7];
-    return (code & 8) ? -v : v;
-}
-
-/* Built from its bits, without libm (FP8 sources decode every weight through it): a normal code
- * is (1 + m/8) 2^(e-7), a subnormal m 2^-9, both exact in fp32. */
-float mq_e4m3_decode(uint8_t bits) {
-    if ((bits & 0x7F) == 0x7F) return NAN;
-    uint32_t e = (bits >> 3) & 0xFu, m = bits & 7u;
-    float v = e == 0 ? (float)m * 0x1p-9f : f32_from_bits((e + 120u) << 23 | m << 20);
-    return (bits & 0x80) ? -v : v;
-}
-
-uint8_t mq_e8m0_encode_ceil(float x) {
-    if (isnan(x)) return 0xFF;
-    if (!(x > 0x1p-127f)) return 0;
-    if (x >= 0x1p127f) return 254;
-    int e;
-    float m = frexpf(x, &e);   /* x = m * 2^e, m in [0.5, 1) */
-    int k = (m == 0.5f) ? e - 1 : e;   /* exact power of two stays, else round up */
-    return (uint8_t)(k + 127);
-}
-
-float mq_e8m0_decode(uint8_t bits) {
-    if (bits == 0xFF) return NAN;
-    return ldexpf(1.0f, (int)bits - 127);
-}
+/* The codecs themselves are codecs_inline.h's, which the GPU's device code compiles too. */
+uint8_t mq_e2m1_encode(float x) { return mq_e2m1_encode_inl(x); }
+float mq_e2m1_decode(uint8_t code) { return mq_e2m1_decode_inl(code); }
+/* Built from its bits, without libm: FP8 sources decode every weight through it. */
+float mq_e4m3_decode(uint8_t bits) { return mq_e4m3_decode_inl(bits); }
+uint8_t mq_e8m0_encode_ceil(float x) { return mq_e8m0_encode_ceil_inl(x); }
+float mq_e8m0_decode(uint8_t bits) { return mq_e8m0_decode_inl(bits); }
 
 float mq_round_to_dtype(float x, moeq_dtype dt) {
     switch (dt) {

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "formats/codecs_inline.h"
 
 /* ---- scalar codecs (bit-exact, IEEE, no fast-math) ------------------------------------------ */
 /* E2M1 code = sign<<3 | idx, idx -> {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Round to nearest, ties to even;
@@ -37,25 +38,7 @@ float mq_e2m1_decode(uint8_t code);
  * down to 2^-9, NaN -> 0x7F. The bit algorithm of c10's fp8e4m3fn_from_fp32_value with a
  * saturating clamp in front, every case computed and the answer selected (no branches: the
  * scale searches encode several scales per group of every row). */
-static inline uint8_t mq_e4m3_encode(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    const uint32_t sign = (bits >> 24) & 0x80u, a = bits & 0x7fffffffu;
-    /* below 2^-6 a subnormal k 2^-9: adding 2^14 leaves exactly the bits of k in the low
-     * mantissa, rounded to nearest even by the FPU */
-    float fa, sum;
-    memcpy(&fa, &a, sizeof fa);
-    sum = fa + 0x1p14f;
-    uint32_t sub;
-    memcpy(&sub, &sum, sizeof sub);
-    sub -= 141u << 23;
-    /* normal: rebias the exponent (127 -> 7) and round the 23-bit mantissa to 3 bits, ties to
-     * even (add 0x7FFFF plus the lowest kept bit, then drop 20 bits) */
-    const uint32_t norm = (a + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
-    uint32_t r = a < (121u << 23) ? sub : norm;
-    r = a >= 0x43E00000u ? 0x7Eu : r;   /* 448 and beyond, infinities too */
-    return (uint8_t)(a > 0x7F800000u ? 0x7Fu : (sign | r));   /* NaN of either sign: 0x7F */
-}
+/* mq_e4m3_encode: static inline in codecs_inline.h (shared with the GPU's device code). */
 float mq_e4m3_decode(uint8_t bits);
 /* E8M0 (power of two 2^(e-127), 0xFF = NaN), used by MXFP4 scales. encode_ceil gives the smallest
  * power of two >= x (clamped to [2^-127, 2^127]; x <= 0 -> 2^-127). */

@@ -12,7 +12,7 @@
 
 void mq_pack_u4_bytes_ref(const uint8_t *codes, int64_t n, uint8_t *out) {
     for (int64_t i = 0; i < n / 2; i++)
-        out[i] = (uint8_t)((codes[2 * i] & 0xF) | (codes[2 * i + 1] & 0xF) << 4);
+        out[i] = mq_u4_pair(codes[2 * i], codes[2 * i + 1]);
 }
 
 /* 32 codes a step with SSE2 (every x86-64 CPU): a byte pair (c0, c1) as one 16-bit lane
@@ -38,8 +38,8 @@ void mq_pack_u4_bytes(const uint8_t *codes, int64_t n, uint8_t *out) {
 
 void mq_unpack_u4_bytes(const uint8_t *packed, int64_t n, uint8_t *codes) {
     for (int64_t i = 0; i < n / 2; i++) {
-        codes[2 * i] = packed[i] & 0xF;
-        codes[2 * i + 1] = packed[i] >> 4;
+        codes[2 * i] = mq_u4_first(packed[i]);
+        codes[2 * i + 1] = mq_u4_second(packed[i]);
     }
 }
 

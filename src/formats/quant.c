@@ -192,19 +192,7 @@ static inline uint8_t quant_step(const mq_qspec *s, float step, float zero, floa
         mq_kq_qdq(mq_kq_info_of(s->kq), step, zero, &x, 1, &c, NULL);
         return c;
     }
-    if (s->scheme == MQ_QS_INT4) {
-        if (step == 0.0f) return s->asym ? (uint8_t)zero : 8;
-        float q = rintf(x / step);   /* default rounding mode: half to even */
-        if (s->asym) {
-            q += zero;
-            q = q < 0.0f ? 0.0f : q > 15.0f ? 15.0f : q;
-            return (uint8_t)q;
-        }
-        q = q < -8.0f ? -8.0f : q > 7.0f ? 7.0f : q;
-        return (uint8_t)(int)(q + 8.0f);
-    }
-    if (step == 0.0f) return 0;
-    return mq_e2m1_encode(x / step);
+    return mq_code_of_step(s->scheme == MQ_QS_INT4, s->asym, step, zero, x);
 }
 
 static inline float dequant_step(const mq_qspec *s, float step, float zero, uint8_t code) {
@@ -212,11 +200,7 @@ static inline float dequant_step(const mq_qspec *s, float step, float zero, uint
         const mq_gparams g = {step, zero, 0, 0};
         return mq_kq_value(mq_kq_info_of(s->kq), &g, code);
     }
-    if (s->scheme == MQ_QS_INT4) {
-        float q = s->asym ? (float)code - zero : (float)code - 8.0f;
-        return q * step;
-    }
-    return mq_e2m1_decode(code) * step;
+    return mq_value_of_code(s->scheme == MQ_QS_INT4, s->asym, step, zero, code);
 }
 
 uint8_t mq_quant_value(const mq_qspec *s, float global_scale, const mq_gparams *g, float x) {
@@ -238,18 +222,6 @@ void mq_qdq_n(const mq_qspec *s, float global_scale, const mq_gparams *g, const 
 }
 
 /* ---- group parameters --------------------------------------------------------------------- */
-
-/* mq_e4m3_decode of a non-negative code without libm: (1 + m/8) 2^(e-7), or m 2^-9 for e = 0
- * (both exact in fp32); 0x7F is NaN. */
-static inline float e4m3_value(uint8_t code) {
-    uint32_t e = code >> 3, m = code & 7;
-    if (code == 0x7F) return NAN;
-    if (e == 0) return (float)m * 0x1p-9f;
-    uint32_t bits = (e + 120u) << 23 | m << 20;
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
 
 void mq_int4_asym_params(const mq_qspec *s, float lo, float hi, mq_gparams *out) {
     out->zero = 0.0f;
@@ -287,7 +259,7 @@ static void params_scaled(const mq_qspec *s, float global_scale, float amax, flo
         uint8_t code = (uint8_t)nvfp4_encode_clamped(s, t);
         if (code == 0 && amax > 0) code = 0x01;   /* keep a tiny non-zero block alive: 2^-9 */
         out->scale_code = code;
-        out->scale = e4m3_value(code);
+        out->scale = mq_e4m3_value(code);
         return;
     }
     case MQ_QS_MXFP4: {
@@ -459,7 +431,7 @@ static inline void cand_init(cand_iter *it, const mq_qspec *s, const grid_info *
 static inline bool cand_next(cand_iter *it, mq_gparams *c) {
     if (it->dense) {   /* distinct by construction */
         if (it->code > it->last) return false;
-        *c = (mq_gparams){e4m3_value((uint8_t)it->code), 0.0f, (uint8_t)it->code, 0};
+        *c = (mq_gparams){mq_e4m3_value((uint8_t)it->code), 0.0f, (uint8_t)it->code, 0};
         it->code++;
         return true;
     }
@@ -468,7 +440,7 @@ static inline bool cand_next(cand_iter *it, mq_gparams *c) {
         float m = grid_m(s, it->i);
         if (s->scheme == MQ_QS_NVFP4) {
             uint8_t code = nvfp4_code(s, it->t0, m);
-            *c = (mq_gparams){e4m3_value(code), 0.0f, code, 0};
+            *c = (mq_gparams){mq_e4m3_value(code), 0.0f, code, 0};
         } else {
             params_scaled(s, it->gs, it->amax, it->xmin, it->xmax, m, c);
         }
@@ -550,7 +522,7 @@ int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float 
     float code_value[128], code_step[128];
     if (s->scheme == MQ_QS_NVFP4)
         for (int c = 0; c < 128; c++) {
-            const mq_gparams g = {e4m3_value((uint8_t)c), 0.0f, (uint8_t)c, 0};
+            const mq_gparams g = {mq_e4m3_value((uint8_t)c), 0.0f, (uint8_t)c, 0};
             code_value[c] = g.scale;
             code_step[c] = mq_group_step(s, global_scale, &g);
         }

@@ -1,62 +1,17 @@
 /*
- * FP8 block-quantized weights (see fp8.h): the block dequantization (codes through formats'
- * mq_e4m3_decode). Which checkpoints are FP8 is config.json's word, read in model/source.c.
+ * FP8 block-quantized weights (see fp8.h): the view's checks, then the decoder linked to it
+ * (mq_st_link_fp8). What the codes mean is the model layer's (model/fp8.c); which checkpoints are
+ * FP8 is config.json's word, read in model/source.c.
  */
 #include "io/fp8.h"
 
-#include "formats/formats.h"
-
-#include <math.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* ---- dequantization -------------------------------------------------------------------------- */
-
-static float scale_at(const mq_tensor_view *s, int64_t i) {
-    const uint8_t *p = s->data;
-    uint16_t h;
-    float f;
-    switch (s->dtype) {
-    case MOEQ_DT_BF16:
-        memcpy(&h, p + 2 * i, 2);
-        return mq_bf16_to_f32(h);
-    case MOEQ_DT_F16:
-        memcpy(&h, p + 2 * i, 2);
-        return mq_f16_to_f32(h);
-    default:   /* F32, checked when the scale was linked */
-        memcpy(&f, p + 4 * i, 4);
-        return f;
-    }
-}
-
 moeq_status mq_fp8_dequant_rows(const mq_tensor_view *w, int64_t r0, int64_t nr, float *out) {
-    const mq_tensor_view *s = w->scale_inv;
-    if (!s || w->ndim != 2 || w->dtype != MOEQ_DT_F8_E4M3 || w->block_rows < 1 || w->block_cols < 1)
+    if (!w->scale_inv || !w->dequant || w->ndim != 2 || w->dtype != MOEQ_DT_F8_E4M3 ||
+        w->block_rows < 1 || w->block_cols < 1)
         return mq_err(MOEQ_E_ARG, "tensor '%s' is not an FP8 block-quantized weight", w->name);
-    const int64_t R = w->shape[0], C = w->shape[1], br = w->block_rows, bc = w->block_cols;
-    const int64_t SC = (C + bc - 1) / bc;
+    const int64_t R = w->shape[0];
     if (r0 < 0 || nr < 0 || r0 + nr > R)
         return mq_err(MOEQ_E_ARG, "tensor '%s': rows [%lld, %lld) outside its %lld rows", w->name,
                       (long long)r0, (long long)(r0 + nr), (long long)R);
-    for (int64_t r = r0; r < r0 + nr; r++) {
-        const uint8_t *codes = w->data + r * C;
-        float *o = out + (r - r0) * C;
-        const int64_t sr = r / br;
-        for (int64_t cb = 0; cb < SC; cb++) {
-            const float sc = scale_at(s, sr * SC + cb);
-            if (!isfinite(sc))
-                return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s': scale [%lld, %lld] is %g (not "
-                              "finite)", s->file ? s->file : "?", s->name, (long long)sr,
-                              (long long)cb, (double)sc);
-            const int64_t c1 = (cb + 1) * bc < C ? (cb + 1) * bc : C;
-            for (int64_t c = cb * bc; c < c1; c++) {
-                if ((codes[c] & 0x7F) == 0x7F)
-                    return mq_err(MOEQ_E_FORMAT, "%s: tensor '%s': NaN code 0x%02X at row %lld, "
-                                  "column %lld", w->file ? w->file : "?", w->name, codes[c],
-                                  (long long)r, (long long)c);
-                o[c] = mq_e4m3_decode(codes[c]) * sc;
-            }
-        }
-    }
-    return MOEQ_OK;
+    return w->dequant(w, r0, nr, out);
 }

@@ -9,7 +9,8 @@
  * routers, lm_head) is stored in a float dtype as usual.
  *
  * mq_st_open_dir (model/source.h) reads the directory's config.json and, for such a checkpoint,
- * links every F8_E4M3 weight view to its scale (mq_tensor_view.scale_inv, mq_st_link_fp8), so
+ * links every F8_E4M3 weight view to its scale and to the model layer's decoder
+ * (mq_tensor_view.scale_inv and .dequant, mq_st_link_fp8; the arithmetic in model/fp8.c), so
  * that mq_tensor_to_f32 returns the dequantized weight to every reader (model loader, lazy
  * loader, quantize pipeline, inspect).
  *
@@ -22,8 +23,8 @@
 #include "io/safetensors.h"
 
 /* Rows [r0, r0 + nr) of the FP8 block-quantized weight w (a view with w->scale_inv set, as
- * mq_st_open_dir makes them; 2-D [rows, cols]) as fp32 into out[nr * cols]. A scale that is not
- * finite or a NaN code is MOEQ_E_FORMAT naming the tensor and where. */
+ * mq_st_open_dir makes them; 2-D [rows, cols]) as fp32 into out[nr * cols], through the view's
+ * decoder. A scale that is not finite or a NaN code is MOEQ_E_FORMAT naming the tensor and where. */
 moeq_status mq_fp8_dequant_rows(const mq_tensor_view *w, int64_t r0, int64_t nr, float *out);
 
 #endif

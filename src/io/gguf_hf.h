@@ -1,6 +1,6 @@
 /*
  * A GGUF file read as a Hugging Face checkpoint, in place: what moeq_import_gguf writes out
- * (export/gguf_import.c) and what moeq_model_open reads directly (model/load.c) come from here,
+ * (io/gguf_import.c) and what moeq_model_open reads directly (model/load.c) come from here,
  * so the two cannot drift apart.
  *
  *  - the names: llama.cpp's tensor names (blk.N.attn_q.weight, ...) to the hub's

@@ -14,6 +14,11 @@
 #define MQ_MAX_DIMS 8
 
 struct mq_ggml_view;   /* io/gguf_hf.h */
+struct mq_tensor_view;
+/* The decoder of a block-quantized weight's rows [r0, r0 + nr) into out[nr * cols], linked to its
+ * view by the layer that knows what the codes mean (model/fp8.c for FP8); io only calls it. */
+typedef moeq_status (*mq_block_dequant_fn)(const struct mq_tensor_view *w, int64_t r0, int64_t nr,
+                                           float *out);
 
 typedef struct mq_tensor_view {
     const char *name;
@@ -30,6 +35,7 @@ typedef struct mq_tensor_view {
      * then gives the dequantized weight. NULL / 0 for every other tensor. */
     const struct mq_tensor_view *scale_inv;
     int32_t block_rows, block_cols;
+    mq_block_dequant_fn dequant;   /* its decoder (mq_st_link_fp8's) */
     bool is_block_scale;   /* this is the scale_inv of such a weight (consumed by it) */
     /* A tensor of a GGUF file read in place (io/gguf_hf.h): data holds ggml blocks, decoded (rows
      * un-permuted, scaled, deepseek2's kv_b merged) as this says when converted; dtype is then
@@ -58,11 +64,12 @@ moeq_status mq_st_open_dir_files(const char *dir, mq_st **out);
 /* (mq_st_open_dir in model/source.h does this and links an FP8 checkpoint's scales, which takes
  * its config.json: io reads tensors, the model layer reads configs.) */
 
-/* Links every F8_E4M3 2-D tensor NAME.weight to NAME.weight_scale_inv (blocks of br x bc):
- * the scale must exist, be F32, BF16 or F16 and have shape [ceil(rows / br), ceil(cols / bc)];
- * a scale_inv without an F8_E4M3 2-D weight beside it is an error too (a 3-D fused FP8 weight:
- * MOEQ_E_UNSUPPORTED). Errors are MOEQ_E_FORMAT naming the file, the tensors and the block size. */
-moeq_status mq_st_link_fp8(mq_st *st, int32_t br, int32_t bc);
+/* Links every F8_E4M3 2-D tensor NAME.weight to NAME.weight_scale_inv (blocks of br x bc) and to
+ * the decoder `dequant` (model/source.h's mq_fp8_block_dequant): the scale must exist, be F32, BF16
+ * or F16 and have shape [ceil(rows / br), ceil(cols / bc)]; a scale_inv without an F8_E4M3 2-D
+ * weight beside it is an error too (a 3-D fused FP8 weight: MOEQ_E_UNSUPPORTED). Errors are
+ * MOEQ_E_FORMAT naming the file, the tensors and the block size. */
+moeq_status mq_st_link_fp8(mq_st *st, int32_t br, int32_t bc, mq_block_dequant_fn dequant);
 void mq_st_close(mq_st *st);
 
 size_t mq_st_count(const mq_st *st);

@@ -1,25 +1,10 @@
-/* Dispatch of the deterministic GEMM (see gemm_det.h) and its pool split over column tiles. */
+/* The deterministic GEMM and Hessian sums through the kernel set of now (mq_det(), kernels.c),
+ * and their pool splits over tiles of C. */
 #include "kernels/gemm_det.h"
 
 void mq_gemm_det_nt(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
                     int64_t ldb, float *C, int64_t ldc) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (mq_cpu_has_avx512() && !mq_force_ref()) {
-        mq_gemm_det_nt_avx512(M, N, K, A, lda, B, ldb, C, ldc);
-        return;
-    }
-    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
-        mq_gemm_det_nt_avx2(M, N, K, A, lda, B, ldb, C, ldc);
-        return;
-    }
-#endif
-#if defined(__aarch64__)
-    if (!mq_force_ref()) {
-        mq_gemm_det_nt_neon(M, N, K, A, lda, B, ldb, C, ldc);
-        return;
-    }
-#endif
-    mq_gemm_det_nt_ref(M, N, K, A, lda, B, ldb, C, ldc);
+    mq_det()->gemm_nt(M, N, K, A, lda, B, ldb, C, ldc);
 }
 
 /* Tiles of TILE_M rows by TILE_N columns: any split gives these values (every output is its own
@@ -51,23 +36,7 @@ void mq_gemm_det_nt_pool(int64_t M, int64_t N, int64_t K, const float *A, int64_
 
 void mq_syrk_det_acc(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
                      int64_t i0, int64_t i1) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (mq_cpu_has_avx512() && !mq_force_ref()) {
-        mq_syrk_det_acc_avx512(K, n, X, ldx, C, ldc, i0, i1);
-        return;
-    }
-    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
-        mq_syrk_det_acc_avx2(K, n, X, ldx, C, ldc, i0, i1);
-        return;
-    }
-#endif
-#if defined(__aarch64__)
-    if (!mq_force_ref()) {
-        mq_syrk_det_acc_neon(K, n, X, ldx, C, ldc, i0, i1);
-        return;
-    }
-#endif
-    mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, i0, i1);
+    mq_det()->syrk_acc(K, n, X, ldx, C, ldc, i0, i1);
 }
 
 /* Blocks of rows of C to the pool, the widest (last rows of the triangle) first. */
@@ -118,17 +87,7 @@ void mq_syrk_det_acc_pool_rows(int64_t K, int64_t n, const float *X, int64_t ldx
 
 void mq_cross_det_acc(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                       float *C, int64_t ldc, int64_t i0, int64_t i1) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (mq_cpu_has_avx512() && !mq_force_ref()) {
-        mq_cross_det_acc_avx512(K, n, A, lda, B, ldb, C, ldc, i0, i1);
-        return;
-    }
-    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
-        mq_cross_det_acc_avx2(K, n, A, lda, B, ldb, C, ldc, i0, i1);
-        return;
-    }
-#endif
-    mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, i0, i1);
+    mq_det()->cross_acc(K, n, A, lda, B, ldb, C, ldc, i0, i1);
 }
 
 typedef struct {

@@ -91,4 +91,26 @@ void mq_cross_det_acc_avx512(int64_t K, int64_t n, const float *A, int64_t lda, 
                              float *C, int64_t ldc, int64_t i0, int64_t i1);
 #endif
 
+/* The family's kernel set (a row of kernels.c's table): the three sums of one instruction set, each
+ * bit-identical to its _ref above. NEON has no cross sum twin: its row names the reference's. */
+typedef struct {
+    void (*gemm_nt)(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+                    int64_t ldb, float *C, int64_t ldc);
+    void (*syrk_acc)(int64_t K, int64_t n, const float *X, int64_t ldx, float *C, int64_t ldc,
+                     int64_t i0, int64_t i1);
+    void (*cross_acc)(int64_t K, int64_t n, const float *A, int64_t lda, const float *B,
+                      int64_t ldb, float *C, int64_t ldc, int64_t i0, int64_t i1);
+} mq_det_kernels;
+
+extern const mq_det_kernels mq_det_ref;   /* src/kernels/cpu/ref/gemm_det_ref.c */
+#if defined(__x86_64__) || defined(__i386__)
+extern const mq_det_kernels mq_det_avx2;     /* src/kernels/cpu/x86/gemm_det_avx2.c */
+extern const mq_det_kernels mq_det_avx512;   /* src/kernels/cpu/x86/gemm_det_avx512.c */
+#endif
+#if defined(__aarch64__)
+extern const mq_det_kernels mq_det_neon;     /* src/kernels/cpu/arm/gemm_det_neon.c */
+#endif
+/* The set to use now (kernels.c: the row of mq_cpu_isa()). */
+const mq_det_kernels *mq_det(void);
+
 #endif

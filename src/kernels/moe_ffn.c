@@ -813,18 +813,6 @@ moeq_status moeq_moe_ffn(const moeq_moe_ffn_args *a, float *out, size_t out_capa
 }
 
 /* ---- runtime entry points ------------------------------------------------------------------ */
-const mq_moe_kernels *mq_moe_kernels_active(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (!mq_force_ref() && mq_cpu_has_avx512_vnni()) return &mq_moe_kernels_avx512_vnni;
-    if (!mq_force_ref() && mq_cpu_has_avx512()) return &mq_moe_kernels_avx512;
-    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) return &mq_moe_kernels_avx2;
-#endif
-#if defined(__aarch64__)
-    if (!mq_force_ref()) return mq_cpu_has_neon_dot() ? &mq_moe_kernels_neon_dot : &mq_moe_kernels_neon;
-#endif
-    return &mq_moe_kernels_ref;
-}
-
 moeq_status mq_moe_layer_forward(const mq_moe_layer *L, const float *x, int64_t T, float *out) {
     if (!L || !L->experts || !L->router || (T > 0 && (!x || !out)))
         return mq_err(MOEQ_E_ARG, "%s: layer, router, x or out is NULL", k_op);

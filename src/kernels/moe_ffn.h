@@ -169,8 +169,9 @@ extern const mq_moe_kernels mq_moe_kernels_avx512_vnni;
 extern const mq_moe_kernels mq_moe_kernels_neon;
 extern const mq_moe_kernels mq_moe_kernels_neon_dot;
 #endif
-/* The kernels the op uses now: AVX-512 (with VNNI) or AVX2, the best the CPU has (on Arm NEON,
- * with SDOT when the CPU has it), when mq_force_ref() is off. */
+/* The kernels the op uses now (src/kernels/kernels.c: the row of mq_cpu_isa()): AVX-512 (with
+ * VNNI) or AVX2, the best the CPU has (on Arm NEON, with SDOT when the CPU has it), when
+ * mq_force_ref() is off. */
 const mq_moe_kernels *mq_moe_kernels_active(void);
 
 

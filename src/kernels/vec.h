@@ -69,8 +69,8 @@ extern const mq_vec_kernels mq_vec_avx512;
 #if defined(__aarch64__)
 extern const mq_vec_kernels mq_vec_neon;   /* src/kernels/cpu/arm/vec_neon.c, every AArch64 CPU */
 #endif
-/* The kernels to use now: AVX-512 or AVX2, the best the CPU has (NEON on Arm64), when
- * mq_force_ref() is off. */
+/* The kernels to use now (src/kernels/kernels.c: the row of mq_cpu_isa()): AVX-512 or AVX2, the
+ * best the CPU has (NEON on Arm64), when mq_force_ref() is off. */
 const mq_vec_kernels *mq_vec(void);
 
 /* The scalar exp of both twins (one lane of the AVX2 kernel). */

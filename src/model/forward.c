@@ -62,6 +62,7 @@
 #include "kernels/gemm_det.h"
 #include "kernels/ggml_mat.h"
 #include "kernels/moe_ffn.h"
+#include "kernels/route_inline.h"
 #include "kernels/vec.h"
 #include "model/model_internal.h"
 
@@ -894,32 +895,7 @@ static void route_rows(const mq_config *c, const float *bias, float *probs, int6
             route_sigmoid(c, bias, probs + t * E, sel + t * K, w + t * K);
             continue;
         }
-        float *p = probs + t * E;
-        float mx = p[0];
-        for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
-        double sum = 0;
-        for (int64_t e = 0; e < E; e++) {
-            p[e] = expf(p[e] - mx);
-            sum += p[e];
-        }
-        for (int64_t e = 0; e < E; e++) p[e] = (float)(p[e] / sum);
-        int32_t *st = sel + t * K;
-        float *wt = w + t * K;
-        for (int64_t k = 0; k < K; k++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                bool taken = false;
-                for (int64_t j = 0; j < k; j++) taken |= st[j] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
-            }
-            st[k] = (int32_t)best;
-            wt[k] = p[best];
-        }
-        if (c->norm_topk_prob) {
-            float ws = 0;
-            for (int64_t k = 0; k < K; k++) ws += wt[k];
-            for (int64_t k = 0; k < K; k++) wt[k] /= ws;
-        }
+        mq_route_softmax_topk(probs + t * E, E, K, c->norm_topk_prob, sel + t * K, w + t * K);
     }
 }
 

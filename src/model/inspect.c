@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckpt/layout.h"
 #include "core/json.h"
-#include "export/layout.h"
 #include "io/safetensors.h"
 #include "model/model.h"
 

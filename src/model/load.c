@@ -29,7 +29,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "export/layout.h"
+#include "ckpt/layout.h"
 #include "io/fp8.h"
 #include "io/gguf_hf.h"
 #include "io/tokenizer.h"

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <cjson/cJSON.h>
-#include "export/layout.h"
+#include "ckpt/layout.h"
 #include "io/fp8.h"
 #include "io/gguf_hf.h"
 #include "io/tokenizer.h"

@@ -121,7 +121,7 @@ moeq_status mq_st_open_dir_blocks(const char *dir, mq_fp8_blocks b, mq_st **out)
     mq_st *st;
     moeq_status s = mq_st_open_dir_files(dir, &st);
     if (s) return s;
-    if (b.rows > 0 && (s = mq_st_link_fp8(st, b.rows, b.cols))) {
+    if (b.rows > 0 && (s = mq_st_link_fp8(st, b.rows, b.cols, mq_fp8_block_dequant))) {
         mq_st_close(st);
         return s;
     }

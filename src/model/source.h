@@ -41,6 +41,12 @@ moeq_status mq_fp8_parse_qconfig(const cJSON *qc, const char *path, mq_fp8_block
  * config loader reports those itself). */
 moeq_status mq_fp8_read_dir_config(const char *dir, mq_fp8_blocks *out);
 
+/* The decoder mq_st_link_fp8 links to an FP8 block-quantized weight (model/fp8.c): rows
+ * [r0, r0 + nr) of w (checked by io's mq_fp8_dequant_rows) as fp32 into out[nr * cols], each code
+ * times its block's scale; a scale that is not finite or a NaN code is MOEQ_E_FORMAT naming the
+ * tensor and where. */
+moeq_status mq_fp8_block_dequant(const mq_tensor_view *w, int64_t r0, int64_t nr, float *out);
+
 /* A checkpoint directory's tensors (mq_st_open_dir_files); for an FP8 block-quantized checkpoint
  * (its config.json read for that) each weight linked to its scale with mq_st_link_fp8, and a bad
  * quantization_config is that function's error. */

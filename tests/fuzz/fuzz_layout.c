@@ -1,6 +1,6 @@
 /*
- * libFuzzer target for the quantized checkpoint layouts (export/layout.c, export/load.c): a
- * safetensors file whose tensors are compressed-tensors NVFP4 / INT4 (pack-quantized, with zero
+ * libFuzzer target for the quantized checkpoint layouts (export/layout.c writes them,
+ * ckpt/layout_read.c and ckpt/linear.c read them): a safetensors file whose tensors are compressed-tensors NVFP4 / INT4 (pack-quantized, with zero
  * points, g_idx and weight_shape), ModelOpt NVFP4, GPTQ v1 or dense; every module found in it is
  * described (mq_linear_qinfo_get: what `inspect` and the loaders read first), read back as a
  * 4-bit tensor and loaded as fp32 at the shape the tensors imply, or refused with an input error

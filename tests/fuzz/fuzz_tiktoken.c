@@ -5,29 +5,10 @@
  * the two files; a loaded tokenizer encodes into ids inside its vocabulary and decodes them.
  * Seeds: tests/fuzz/corpus.py (from tests/data/kimi-tiny-tokenizer).
  */
-#include "fuzz_common.h"
-#include "io/tokenizer.h"
+#include "fuzz_tokenizer_common.h"
 
 static const char k_text[] = "[BOS]The tower is 324 metres tall. \xe4\xb8\xad\xe6\x96\x87\xe3\x80\x82 it's "
                              "<|reserved_token_5|>\r\n\n  x";
-
-static void encode_decode(const moeq_tokenizer *t, const char *text, size_t len) {
-    int32_t *ids = NULL;
-    size_t n = 0;
-    moeq_status s = moeq_tokenizer_encode(t, text, len, &ids, &n);
-    if (s == MOEQ_OK) {
-        const int32_t V = moeq_tokenizer_vocab_size(t);
-        for (size_t i = 0; i < n; i++)
-            if (ids[i] < 0 || ids[i] >= V) abort();
-        char *back = NULL;
-        size_t blen = 0;
-        if (moeq_tokenizer_decode(t, ids, n, &back, &blen) != MOEQ_OK) abort();
-        free(back);
-    } else if (s != MOEQ_E_FORMAT && s != MOEQ_E_NOMEM) {
-        abort();
-    }
-    free(ids);
-}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t *part[3];
@@ -47,17 +28,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
         return 0;
     }
-    encode_decode(t, k_text, sizeof k_text - 1);
-    if (n > 2) encode_decode(t, (const char *)part[2], len[2]);
-    const int32_t V = moeq_tokenizer_vocab_size(t);
-    int32_t *pairs = NULL;
-    size_t np = 0;
-    if (mq_tokenizer_merges(t, &pairs, &np) == MOEQ_OK)
-        for (size_t i = 0; i < 2 * np; i++)
-            if (pairs[i] < 0 || pairs[i] >= V) abort();
-    free(pairs);
-    const int32_t bos = moeq_tokenizer_bos(t), eos = moeq_tokenizer_eos(t);
-    if (bos >= V || eos >= V || bos < -1 || eos < -1) abort();
+    fuzz_tok_encode_decode(t, k_text, sizeof k_text - 1, false);
+    if (n > 2) fuzz_tok_encode_decode(t, (const char *)part[2], len[2], false);
+    fuzz_tok_check_tables(t);
     moeq_tokenizer_free(t);
     return 0;
 }

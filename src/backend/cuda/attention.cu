@@ -38,6 +38,7 @@
 #include "backend/cuda/cuda_internal.cuh"
 #include "backend/cuda/tile_det.cuh"
 #include "backend/cuda/vec_dev.cuh"
+#include "kernels/route_inline.h"
 
 namespace {
 
@@ -129,38 +130,13 @@ __global__ void k_softmax_causal(float *S, int64_t ld, int64_t stride, int64_t q
     for (int64_t j = threadIdx.x; j < ld; j += blockDim.x) row[j] = j >= lo && j < hi ? row[j] / total : 0.0f;
 }
 
-/* The routing of token t (one thread each), forward.c's route(): softmax over the E logits (the
- * sum in double), the top_k largest probabilities with ties to the lower expert, optionally
- * renormalised. The row of logits becomes the probabilities. */
+/* The routing of token t (one thread each): kernels/route_inline.h, the CPU forward's very lines
+ * (softmax over the E logits, the sum in double; the top_k largest probabilities with ties to the
+ * lower expert, optionally renormalised). The row of logits becomes the probabilities. */
 __global__ void k_route_softmax(float *logits, int64_t T, int64_t E, int64_t K, bool norm, int32_t *sel, float *w) {
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T) return;
-    float *p = logits + t * E;
-    float mx = p[0];
-    for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
-    double sum = 0;
-    for (int64_t e = 0; e < E; e++) {
-        p[e] = expf(p[e] - mx);
-        sum += p[e];
-    }
-    for (int64_t e = 0; e < E; e++) p[e] = (float)(p[e] / sum);
-    int32_t *st = sel + t * K;
-    float *wt = w + t * K;
-    for (int64_t k = 0; k < K; k++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            bool taken = false;
-            for (int64_t j = 0; j < k; j++) taken |= st[j] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
-        }
-        st[k] = (int32_t)best;
-        wt[k] = p[best];
-    }
-    if (norm) {
-        float ws = 0;
-        for (int64_t k = 0; k < K; k++) ws += wt[k];
-        for (int64_t k = 0; k < K; k++) wt[k] /= ws;
-    }
+    mq_route_softmax_topk(logits + t * E, E, K, norm, sel + t * K, w + t * K);
 }
 
 __global__ void k_add(float *x, const float *y, int64_t n) {

@@ -540,7 +540,7 @@ __global__ void k_pack_codes(const dset *sets, uint8_t *const *pc, bool deq) {
     if (2 * b >= S.K || i >= S.ld) return;
     const int64_t c0 = 2 * b, c1 = c0 + 1;
     const int64_t p0 = S.inv ? S.inv[c0] : c0, p1 = S.inv ? S.inv[c1] : c1;
-    pc[blockIdx.z][i * (S.K / 2) + b] = (uint8_t)(S.ct[p0 * S.ld + i] | S.ct[p1 * S.ld + i] << 4);
+    pc[blockIdx.z][i * (S.K / 2) + b] = mq_u4_pair(S.ct[p0 * S.ld + i], S.ct[p1 * S.ld + i]);
     if (deq) {
         S.wt[i * S.K + c0] = S.w0t[p0 * S.ld + i];
         S.wt[i * S.K + c1] = S.w0t[p1 * S.ld + i];
@@ -973,8 +973,8 @@ void copy_piece(const unpack_ctx &c, const void *dev, size_t n, void *dst_v, int
     if (kind == 0) {
         uint8_t *dst = (uint8_t *)dst_v + 2 * at;
         for (size_t k = 0; k < m; k++) {
-            dst[2 * k] = src[k] & 15;
-            dst[2 * k + 1] = src[k] >> 4;
+            dst[2 * k] = mq_u4_first(src[k]);
+            dst[2 * k + 1] = mq_u4_second(src[k]);
         }
     } else if (kind == 1) {
         mq_gparams *dst = (mq_gparams *)dst_v + at;

@@ -28,80 +28,14 @@ constexpr float E4M3_MAX = 448.0f;
 /* mq_gparams' layout, so device arrays of it copy straight into an mq_qtensor. */
 static_assert(sizeof(mq_gparams) == 12, "mq_gparams layout");
 
-DEV float e2m1_value(int idx) {
-    switch (idx & 7) {
-    case 0: return 0.0f;
-    case 1: return 0.5f;
-    case 2: return 1.0f;
-    case 3: return 1.5f;
-    case 4: return 2.0f;
-    case 5: return 3.0f;
-    case 6: return 4.0f;
-    default: return 6.0f;
-    }
-}
-
-DEV uint8_t e2m1_encode(float x) {
-    uint8_t sign = (uint8_t)((__float_as_uint(x) >> 28) & 0x8);
-    float a = fabsf(x);
-    uint8_t idx;
-    if (a <= 0.25f) idx = 0;
-    else if (a < 0.75f) idx = 1;
-    else if (a <= 1.25f) idx = 2;
-    else if (a < 1.75f) idx = 3;
-    else if (a <= 2.5f) idx = 4;
-    else if (a < 3.5f) idx = 5;
-    else if (a <= 5.0f) idx = 6;
-    else idx = 7;
-    return (uint8_t)(sign | idx);
-}
-
-DEV float e2m1_decode(uint8_t code) {
-    float v = e2m1_value(code & 7);
-    return (code & 8) ? -v : v;
-}
-
-DEV uint8_t e4m3_encode(float x) {
-    if (isnan(x)) return 0x7F;
-    uint32_t bits = __float_as_uint(x);
-    uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
-    uint32_t a = bits & 0x7fffffffu;
-    if (a >= __float_as_uint(448.0f)) return sign | 0x7E;
-    uint8_t r;
-    if (a < (121u << 23)) {
-        const uint32_t magic = 141u << 23;
-        uint32_t sum = __float_as_uint(__fadd_rn(__uint_as_float(a), __uint_as_float(magic)));
-        r = (uint8_t)(sum - magic);
-    } else {
-        uint32_t odd = (a >> 20) & 1u;
-        a += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
-        r = (uint8_t)(a >> 20);
-    }
-    return sign | r;
-}
-
-/* e4m3 value of a non-negative code (quant.c's e4m3_value). */
-DEV float e4m3_value(uint8_t code) {
-    uint32_t e = code >> 3, m = code & 7;
-    if (code == 0x7F) return __uint_as_float(0x7fc00000u);
-    if (e == 0) return (float)m * 0x1p-9f;
-    return __uint_as_float((e + 120u) << 23 | m << 20);
-}
-
-DEV uint8_t e8m0_encode_ceil(float x) {
-    if (isnan(x)) return 0xFF;
-    if (!(x > 0x1p-127f)) return 0;
-    if (x >= 0x1p127f) return 254;
-    int e;
-    float m = frexpf(x, &e);
-    int k = (m == 0.5f) ? e - 1 : e;
-    return (uint8_t)(k + 127);
-}
-
-DEV float e8m0_decode(uint8_t bits) {
-    if (bits == 0xFF) return __uint_as_float(0x7fc00000u);
-    return ldexpf(1.0f, (int)bits - 127);
-}
+/* The codecs are codecs_inline.h's (formats.h includes it), the CPU's very lines. */
+DEV uint8_t e2m1_encode(float x) { return mq_e2m1_encode_inl(x); }
+DEV float e2m1_decode(uint8_t code) { return mq_e2m1_decode_inl(code); }
+DEV uint8_t e4m3_encode(float x) { return mq_e4m3_encode(x); }
+/* e4m3 value of a non-negative code */
+DEV float e4m3_value(uint8_t code) { return mq_e4m3_value(code); }
+DEV uint8_t e8m0_encode_ceil(float x) { return mq_e8m0_encode_ceil_inl(x); }
+DEV float e8m0_decode(uint8_t bits) { return mq_e8m0_decode_inl(bits); }
 
 DEV float round_to_dtype(float x, moeq_dtype dt) {
     if (dt == MOEQ_DT_BF16) return __bfloat162float(__float2bfloat16_rn(x));
@@ -118,27 +52,11 @@ DEV float group_step(const mq_qspec &s, float gs, const mq_gparams &g) {
 }
 
 DEV uint8_t quant_step(const mq_qspec &s, float step, float zero, float x) {
-    if (s.scheme == MQ_QS_INT4) {
-        if (step == 0.0f) return s.asym ? (uint8_t)zero : 8;
-        float q = rintf(x / step);
-        if (s.asym) {
-            q += zero;
-            q = q < 0.0f ? 0.0f : q > 15.0f ? 15.0f : q;
-            return (uint8_t)q;
-        }
-        q = q < -8.0f ? -8.0f : q > 7.0f ? 7.0f : q;
-        return (uint8_t)(int)(q + 8.0f);
-    }
-    if (step == 0.0f) return 0;
-    return e2m1_encode(x / step);
+    return mq_code_of_step(s.scheme == MQ_QS_INT4, s.asym, step, zero, x);
 }
 
 DEV float dequant_step(const mq_qspec &s, float step, float zero, uint8_t code) {
-    if (s.scheme == MQ_QS_INT4) {
-        float q = s.asym ? (float)code - zero : (float)code - 8.0f;
-        return q * step;
-    }
-    return e2m1_decode(code) * step;
+    return mq_value_of_code(s.scheme == MQ_QS_INT4, s.asym, step, zero, code);
 }
 
 DEV void params_scaled(const mq_qspec &s, float gs, float amax, float xmin, float xmax, float m,

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cpu/syrk_panels.h"
+#include "kernels/cpu/det_common.h"
 #include "kernels/gemm_det.h"
 
 enum { MR = 16, NR = 6 };
@@ -46,8 +46,7 @@ static inline __attribute__((always_inline)) void tile(const float *ap, int64_t 
 #pragma GCC unroll 6
     for (int r = 0; r < nr; r++)
         for (int q = 0; q < 4; q++) vst1q_f32(t[r] + 4 * q, c[r][q]);
-    for (int64_t i = 0; i < m; i++)
-        for (int r = 0; r < nr; r++) C[i * ldc + r] = t[r][i];
+    det_store_cols(&t[0][0], MR, nr, C, ldc, m);
 }
 
 static __attribute__((noinline)) void tile6(const float *ap, int64_t K, const float *B,
@@ -61,13 +60,10 @@ static __attribute__((noinline)) void tile_n(const float *ap, int64_t K, const f
     tile(ap, K, B, ldb, nr, C, ldc, m);
 }
 
-/* Ap[k][i] = A[i][k] for the panel's rows (zero past m). */
-static void pack(const float *A, int64_t lda, int64_t m, int64_t K, float *ap) {
-    if (m < MR) memset(ap, 0, sizeof(float) * (size_t)(K * MR));
-    for (int64_t i = 0; i < m; i++) {
-        const float *a = A + i * lda;
-        for (int64_t k = 0; k < K; k++) ap[k * MR + i] = a[k];
-    }
+static void tiles(const float *ap, int64_t K, const float *B, int64_t ldb, int nr, float *C,
+                  int64_t ldc, int64_t m) {
+    if (nr == NR) tile6(ap, K, B, ldb, C, ldc, m);
+    else tile_n(ap, K, B, ldb, nr, C, ldc, m);
 }
 
 enum { KSTACK = 4096 };   /* panels up to this K live in thread-local storage (256 KiB) */
@@ -80,22 +76,12 @@ void mq_gemm_det_nt_neon(int64_t M, int64_t N, int64_t K, const float *A, int64_
         return;
     }
     _Alignas(64) static _Thread_local float ap[KSTACK * MR];
-    for (int64_t i0 = 0; i0 < M; i0 += MR) {
-        int64_t m = M - i0 < MR ? M - i0 : MR;
-        pack(A + i0 * lda, lda, m, K, ap);
-        for (int64_t j0 = 0; j0 < N; j0 += NR) {
-            int nr = (int)(N - j0 < NR ? N - j0 : NR);
-            if (nr == NR) tile6(ap, K, B + j0 * ldb, ldb, C + i0 * ldc + j0, ldc, m);
-            else tile_n(ap, K, B + j0 * ldb, ldb, nr, C + i0 * ldc + j0, ldc, m);
-        }
-    }
+    det_gemm_run(M, N, K, A, lda, B, ldb, C, ldc, MR, NR, ap, tiles);
 }
 
 /* ---- the Hessian update ------------------------------------------------------------------------ */
 enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 
-static _Thread_local float *tl_pack;
-static _Thread_local size_t tl_cap;
 
 /* Rows i0 .. i0 + nr - 1 (nr <= 6) of C by the 16 columns j0 .. j0 + 15: per row r of X, the
  * panel's 16 values of X[r][j] and one broadcast of X[r][i] per row of the tile, one fma per
@@ -145,26 +131,23 @@ static __attribute__((noinline)) void syrk_tile_n(int64_t n, const float *P, int
     syrk_tile(n, P, i0, nr, j0, C, ldc);
 }
 
+/* Rows [i0, i1) of C: whole 16-column panels while they reach the diagonal (det_common.h's
+ * syrk_run does the rest). */
+static int64_t syrk_tiles(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t K,
+                          int64_t panels, float *C, int64_t ldc) {
+    (void)panels;
+    int64_t j0 = 0;
+    for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
+        if (i1 - i0 == SR) syrk_tile6(n, P, i0, j0, C, ldc);
+        else syrk_tile_n(n, P, i0, (int)(i1 - i0), j0, C, ldc);
+    }
+    return j0;
+}
+
 void mq_syrk_det_acc_neon(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
                           int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    float *P = syrk_scratch(&tl_pack, &tl_cap, (size_t)panels * ROWS_BLK * SC, 64, 0);
-    if (!P) {   /* no scratch: the reference gives the same values */
-        mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
-        return;
-    }
-    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
-        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
-        syrk_pack(X, ldx, K, r0, rb, panels, P);
-        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
-            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
-            int64_t j0 = 0;
-            for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
-                if (i1 - i0 == SR) syrk_tile6(rb, P, i0, j0, C, ldc);
-                else syrk_tile_n(rb, P, i0, (int)(i1 - i0), j0, C, ldc);
-            }
-            syrk_edge(rb, P, i0, i1, j0, i1, C, ldc);
-        }
-    }
+    syrk_acc_twin(K, n, X, ldx, C, ldc, row0, row1, 64, syrk_tiles);
 }
+
+/* no cross sum twin: the reference's chains (the same values) */
+const mq_det_kernels mq_det_neon = {mq_gemm_det_nt_neon, mq_syrk_det_acc_neon, mq_cross_det_acc_ref};

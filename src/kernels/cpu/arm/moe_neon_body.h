@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "kernels/cpu/arm/exp_neon.h"
+#include "kernels/cpu/moe_common.h"
 #include "kernels/moe_ffn.h"
 
 #ifndef MQ_NEON_DOT
@@ -53,10 +54,7 @@ static void quant_act_neon(const float *x, int64_t n, const mq_qact *A, int64_t 
                            int64_t col0) {
     const int32_t B = A->block, nv = B / 4;   /* 4 or 8 vectors per block */
     const int split = A->q2 != NULL;
-    int8_t *q = A->q + row * A->ld + col0, *q2 = split ? A->q2 + row * A->ld + col0 : NULL;
-    float *sc = A->scale + row * (A->ld / B) + col0 / B;
-    int32_t *cr = A->corr + row * (A->ld / B) + col0 / B;
-    const float qmax = split ? 32512.0f : 127.0f;
+    const moe_qact_dst d = moe_qact_at(A, row, col0);
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
         float32x4_t vx[8], amax = vdupq_n_f32(0.0f);
@@ -70,13 +68,13 @@ static void quant_act_neon(const float *x, int64_t n, const mq_qact *A, int64_t 
         float m = vmaxvq_f32(amax);
         int bad = vminvq_u32(ordered) == 0 || m == INFINITY;
         if (bad || !(m >= 0x1p-100f)) {
-            memset(q + b * B, 0, (size_t)B);
-            if (split) memset(q2 + b * B, 0, (size_t)B);
-            sc[b] = bad ? NAN : 0.0f;
-            cr[b] = 0;
+            memset(d.q + b * B, 0, (size_t)B);
+            if (split) memset(d.q2 + b * B, 0, (size_t)B);
+            d.sc[b] = bad ? NAN : 0.0f;
+            d.cr[b] = 0;
             continue;
         }
-        const float32x4_t inv = vdupq_n_f32(qmax / m);
+        const float32x4_t inv = vdupq_n_f32(d.qmax / m);
         int32x4_t sum = vdupq_n_s32(0);
         for (int j = 0; j < nv; j += 2) {   /* 8 columns per step */
             /* FCVTNS: round to nearest, ties to even, as nearbyintf */
@@ -87,15 +85,15 @@ static void quant_act_neon(const float *x, int64_t n, const mq_qact *A, int64_t 
                 /* hi = floor((c + 128) / 256) by an arithmetic shift, lo = c - 256 hi */
                 int32x4_t h0 = vshrq_n_s32(vaddq_s32(c0, vdupq_n_s32(128)), 8);
                 int32x4_t h1 = vshrq_n_s32(vaddq_s32(c1, vdupq_n_s32(128)), 8);
-                vst1_s8(q2 + b * B + 4 * j,
+                vst1_s8(d.q2 + b * B + 4 * j,
                         narrow8(vsubq_s32(c0, vshlq_n_s32(h0, 8)), vsubq_s32(c1, vshlq_n_s32(h1, 8))));
                 c0 = h0;
                 c1 = h1;
             }
-            vst1_s8(q + b * B + 4 * j, narrow8(c0, c1));
+            vst1_s8(d.q + b * B + 4 * j, narrow8(c0, c1));
         }
-        sc[b] = m / qmax;
-        cr[b] = vaddvq_s32(sum) * A->offset;
+        d.sc[b] = m / d.qmax;
+        d.cr[b] = vaddvq_s32(sum) * A->offset;
     }
 }
 
@@ -151,12 +149,7 @@ INLINE void rb_tile(const mq_pmat *W, const uint8_t *rb, int h, const mq_qact *A
     const int stype = W->stype, neg = W->neg_scales;
     const int8_t *aq[MQ_MOE_NT], *aq2[MQ_MOE_NT];
     const float *as[MQ_MOE_NT];
-#pragma GCC unroll 4
-    for (int t = 0; t < nt; t++) {
-        aq[t] = A->q + arow[t] * A->ld;
-        aq2[t] = split ? A->q2 + arow[t] * A->ld : NULL;
-        as[t] = A->scale + arow[t] * lds;
-    }
+    moe_act_rows(A, arow, nt, split, lds, aq, aq2, as, NULL);
     const uint8x16_t m4 = vdupq_n_u8(0x0f);
     const int8x16_t lut = vld1q_s8(nvfp4 ? k_w_nvfp4 : k_w_int4);
     float32x4_t f[MQ_MOE_NT][2];
@@ -266,18 +259,13 @@ INLINE void rb_tile(const mq_pmat *W, const uint8_t *rb, int h, const mq_qact *A
 /* One tile pair x nt activation rows with the epilogue: o[t] receives 8 SwiGLU outputs or the
  * 16 row results of activation row t. */
 INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow,
-                 float *const *o, int swiglu, int prefetch, const uint8_t *next, const int nt,
+                 float *const *o, int swiglu, size_t ahead, const uint8_t *next, const int nt,
                  const int nvfp4, const int split) {
     const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes;
     /* the pair PF_AHEAD bytes ahead (at least the next), past the matrix's end continuing at
      * `next`, at the pace this pair is consumed: one line per chunk of each row block */
     const size_t pair_bytes = 2 * W->rb_bytes, nch = (size_t)W->cols / 8;
-    const int64_t dist = (int64_t)((PF_AHEAD + pair_bytes - 1) / pair_bytes);
-    const int64_t npairs = W->rows / 16;
-    const uint8_t *pf = !prefetch ? NULL
-                        : pair + dist < npairs ? rb0 + (size_t)dist * pair_bytes
-                        : next ? next + (size_t)(pair + dist - npairs) * pair_bytes
-                                : NULL;
+    const uint8_t *pf = moe_prefetch_at(W, pair, rb0, next, ahead);
     const size_t pf_step = (pair_bytes + 2 * nch - 1) / (2 * nch);
     float g[MQ_MOE_NT][8], u[MQ_MOE_NT][8];
     float *y0[MQ_MOE_NT], *y1[MQ_MOE_NT];
@@ -298,29 +286,20 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     }
 }
 
-/* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
- * accumulators in registers. Without SDOT split tiles take at most 2 tokens (NT_SPLIT). */
+/* moe_common.h's instantiations of `tile`. Without SDOT split tiles take at most 2 tokens
+ * (NT_SPLIT). */
 #define NT_SPLIT (MQ_NEON_DOT ? 4 : 2)
-typedef void (*tile_fn)(const mq_pmat *, int64_t, const mq_qact *, const int64_t *, float *const *,
-                        int, int, const uint8_t *);
-#define TILE_FN(NT, NV, SP)                                                                        \
-    static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
-        const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
-        int swiglu, int prefetch, const uint8_t *next) {                                           \
-        tile(W, pair, A, arow, o, swiglu, prefetch, next, NT, NV, SP);                             \
-    }
-#define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
-TILE_FNS(1)
-TILE_FNS(2)
+MOE_TILE_FNS(1)
+MOE_TILE_FNS(2)
 #if MQ_NEON_DOT
-TILE_FNS(3)
-TILE_FNS(4)
+MOE_TILE_FNS(3)
+MOE_TILE_FNS(4)
 #define SPLIT_3_4(NV) tile_3_##NV##_1, tile_4_##NV##_1
 #else
-TILE_FN(3, 0, 0) TILE_FN(3, 1, 0) TILE_FN(4, 0, 0) TILE_FN(4, 1, 0)
+MOE_TILE_FN(3, 0, 0) MOE_TILE_FN(3, 1, 0) MOE_TILE_FN(4, 0, 0) MOE_TILE_FN(4, 1, 0)
 #define SPLIT_3_4(NV) NULL, NULL   /* never called: split tiles end at NT_SPLIT */
 #endif
-static const tile_fn k_tiles[2][2][MQ_MOE_NT] = {
+static const moe_tile_fn k_tiles[2][2][MQ_MOE_NT] = {
     {{tile_1_0_0, tile_2_0_0, tile_3_0_0, tile_4_0_0}, {tile_1_0_1, tile_2_0_1, SPLIT_3_4(0)}},
     {{tile_1_1_0, tile_2_1_0, tile_3_1_0, tile_4_1_0}, {tile_1_1_1, tile_2_1_1, SPLIT_3_4(1)}},
 };
@@ -328,23 +307,7 @@ static const tile_fn k_tiles[2][2][MQ_MOE_NT] = {
 static void gemm_neon(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qact *A,
                       const int32_t *act_rows, int64_t row0, int64_t m, float *out, int64_t ldo,
                       int swiglu, const uint8_t *next) {
-    const int split = A->q2 != NULL, ntmax = split ? NT_SPLIT : MQ_MOE_NT;
-    const tile_fn *fns = k_tiles[W->nvfp4 != 0][split];
-    /* blocks of 64 activation rows stay in L2 while the pairs stream by; each pair's 16 rows stay
-     * in L1 across the block's tiles (as the AVX2 kernel) */
-    for (int64_t ib = 0; ib < m; ib += 64) {
-        const int64_t ie = ib + 64 < m ? ib + 64 : m;
-        for (int64_t pair = pair0; pair < pair1; pair++) {
-            for (int64_t i0 = ib; i0 < ie; i0 += ntmax) {
-                int nt = ie - i0 < ntmax ? (int)(ie - i0) : ntmax;
-                int64_t arow[MQ_MOE_NT];
-                float *o[MQ_MOE_NT];
-                for (int t = 0; t < nt; t++) {
-                    arow[t] = act_rows ? act_rows[i0 + t] : row0 + i0 + t;
-                    o[t] = out + (i0 + t) * ldo + (swiglu ? 8 * (pair - pair0) : 16 * pair);
-                }
-                fns[nt - 1](W, pair, A, arow, o, swiglu, i0 == ib, next);
-            }
-        }
-    }
+    const int split = A->q2 != NULL;
+    moe_gemm_run(W, pair0, pair1, A, act_rows, row0, m, out, ldo, swiglu, next,
+                 k_tiles[W->nvfp4 != 0][split], split ? NT_SPLIT : MQ_MOE_NT, PF_AHEAD);
 }

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "kernels/cpu/arm/exp_neon.h"
+#include "kernels/cpu/vec_edges.h"
 #include "kernels/vec.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -109,7 +110,7 @@ static void axpy_neon(float a, const float *x, float *y, int64_t n) {
     const float32x4_t va = vdupq_n_f32(a);
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vfmaq_f32(vld1q_f32(y + i), va, vld1q_f32(x + i)));
-    for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+    vec_axpy_from(i, a, x, y, n);
 }
 
 /* Columns in blocks of 32 held in eight accumulators over all rows, then blocks of 4, then
@@ -148,18 +149,13 @@ static void rope_neon(float *x, int64_t half, const float *c, const float *s) {
         vst1q_f32(x + i, vsubq_f32(vmulq_f32(a, vc), vmulq_f32(b, vs)));
         vst1q_f32(x + half + i, vaddq_f32(vmulq_f32(b, vc), vmulq_f32(a, vs)));
     }
-    for (; i < half; i++) {
-        float a = x[i], b = x[i + half];
-        float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
-        x[i] = ac - bs;
-        x[i + half] = bc + as;
-    }
+    vec_rope_from(i, x, half, c, s);
 }
 
 static void exp_neon(const float *x, float *y, int64_t n) {
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) vst1q_f32(y + i, mq_exp4_neon(vld1q_f32(x + i)));
-    for (; i < n; i++) y[i] = mq_vec_expf(x[i]);
+    vec_exp_from(i, x, y, n);
 }
 
 /* maxps(v, m) = v > m ? v : m (a NaN v is skipped, a NaN m kept), lane-wise. */
@@ -257,11 +253,7 @@ static double logsumexp_neon(const float *x, int64_t n, int32_t *argmax) {
         const float32x4_t vm = vdupq_n_f32(mxf);
         for (; i + 4 <= n; i += 4)
             if (vmaxvq_u32(vceqq_f32(vld1q_f32(x + i), vm))) break;
-        for (; i < n; i++)
-            if (x[i] == mxf) {
-                am = i;
-                break;
-            }
+        am = vec_first_equal_from(i, x, n, mxf);
         *argmax = (int32_t)am;
     }
     if (!isfinite(mxf)) return (double)mxf;
@@ -330,14 +322,14 @@ static void rmsnorm_neon(const float *x, int64_t n, const float *w, float eps, f
     const float32x4_t inv = vdupq_n_f32(invf);
     for (i = 0; i + 4 <= n; i += 4)
         vst1q_f32(out + i, vmulq_f32(vld1q_f32(w + i), vmulq_f32(vld1q_f32(x + i), inv)));
-    for (; i < n; i++) out[i] = w[i] * (x[i] * invf);
+    vec_norm_scale_from(i, x, w, invf, out, n);
 }
 
 static void swiglu_neon(float *g, const float *u, int64_t n) {
     int64_t i = 0;
     for (; i + 4 <= n; i += 4)
         vst1q_f32(g + i, vmulq_f32(mq_silu4_neon(vld1q_f32(g + i)), vld1q_f32(u + i)));
-    for (; i < n; i++) g[i] = mq_vec_silu(g[i]) * u[i];
+    vec_swiglu_from(i, g, u, n);
 }
 
 const mq_vec_kernels mq_vec_neon = {

@@ -34,3 +34,5 @@ void mq_cross_det_acc_ref(int64_t K, int64_t n, const float *A, int64_t lda, con
             C[i * ldc + j] = acc;
         }
 }
+
+const mq_det_kernels mq_det_ref = {mq_gemm_det_nt_ref, mq_syrk_det_acc_ref, mq_cross_det_acc_ref};

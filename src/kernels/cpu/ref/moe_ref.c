@@ -9,6 +9,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/moe_common.h"
 #include "kernels/moe_ffn.h"
 #include "kernels/vec.h"
 
@@ -25,10 +26,7 @@ static float e4m3_value(uint8_t b) {
 static void quant_act_ref(const float *x, int64_t n, const mq_qact *A, int64_t row, int64_t col0) {
     const int32_t B = A->block;
     const int split = A->q2 != NULL;
-    int8_t *q = A->q + row * A->ld + col0, *q2 = split ? A->q2 + row * A->ld + col0 : NULL;
-    float *sc = A->scale + row * (A->ld / B) + col0 / B;
-    int32_t *cr = A->corr + row * (A->ld / B) + col0 / B;
-    const float qmax = split ? 32512.0f : 127.0f;
+    const moe_qact_dst d = moe_qact_at(A, row, col0);
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
         float amax = 0.0f;
@@ -42,25 +40,25 @@ static void quant_act_ref(const float *x, int64_t n, const mq_qact *A, int64_t r
         int32_t sum = 0;
         if (bad || !(amax >= 0x1p-100f)) {
             /* A non-finite block poisons its products with a NaN scale; a (near) zero block is 0. */
-            memset(q + b * B, 0, (size_t)B);
-            if (split) memset(q2 + b * B, 0, (size_t)B);
-            sc[b] = bad ? NAN : 0.0f;
+            memset(d.q + b * B, 0, (size_t)B);
+            if (split) memset(d.q2 + b * B, 0, (size_t)B);
+            d.sc[b] = bad ? NAN : 0.0f;
         } else {
-            float inv = qmax / amax;
+            float inv = d.qmax / amax;
             for (int32_t i = 0; i < B; i++) {
                 int32_t c = (int32_t)nearbyintf(v[i] * inv);
                 sum += c;
                 if (split) {
                     int32_t hi = (c + 128 + 32768) / 256 - 128;   /* floor((c + 128) / 256) */
-                    q[b * B + i] = (int8_t)hi;
-                    q2[b * B + i] = (int8_t)(c - 256 * hi);
+                    d.q[b * B + i] = (int8_t)hi;
+                    d.q2[b * B + i] = (int8_t)(c - 256 * hi);
                 } else {
-                    q[b * B + i] = (int8_t)c;
+                    d.q[b * B + i] = (int8_t)c;
                 }
             }
-            sc[b] = amax / qmax;
+            d.sc[b] = amax / d.qmax;
         }
-        cr[b] = sum * A->offset;
+        d.cr[b] = sum * A->offset;
     }
 }
 

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/vec_edges.h"
 #include "kernels/vec.h"
 
 /* Lane layout of the reductions (see vec.h). */
@@ -84,7 +85,7 @@ static void gemv_ref(const float *W, int64_t ldw, int64_t rows, const float *x, 
 }
 
 static void axpy_ref(float a, const float *x, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+    vec_axpy_from(0, a, x, y, n);
 }
 
 static void gemv_t_ref(const float *V, int64_t ldv, int64_t rows, const float *a, int64_t n,
@@ -94,15 +95,11 @@ static void gemv_t_ref(const float *V, int64_t ldv, int64_t rows, const float *a
 }
 
 static void rope_ref(float *x, int64_t half, const float *c, const float *s) {
-    for (int64_t i = 0; i < half; i++) {
-        float a = x[i], b = x[i + half];
-        x[i] = a * c[i] - b * s[i];
-        x[i + half] = b * c[i] + a * s[i];
-    }
+    vec_rope_from(0, x, half, c, s);
 }
 
 static void exp_ref(const float *x, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = mq_vec_expf(x[i]);
+    vec_exp_from(0, x, y, n);
 }
 
 /* The maximum as two maxps accumulators (block parity) seeded with x[0] fold it, then the
@@ -168,15 +165,7 @@ double mq_vec_exp_sum_term(double d) {
 
 static double logsumexp_ref(const float *x, int64_t n, int32_t *argmax) {
     float mx = max_ref(x, n);
-    if (argmax) {
-        int64_t am = 0;
-        for (int64_t i = 0; i < n; i++)
-            if (x[i] == mx) {
-                am = i;
-                break;
-            }
-        *argmax = (int32_t)am;
-    }
+    if (argmax) *argmax = (int32_t)vec_first_equal_from(0, x, n, mx);
     if (!isfinite(mx)) return (double)mx;
     double d[2][4] = {{0}};
     for (int64_t i = 0; i < n; i++) {
@@ -208,13 +197,13 @@ static void rmsnorm_ref(const float *x, int64_t n, const float *w, float eps, fl
     }
     float var = (float)(reduce_add4d(d) / (double)n);
     float inv = 1.0f / sqrtf(var + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+    vec_norm_scale_from(0, x, w, inv, out, n);
 }
 
 float mq_vec_silu(float g) { return g / (1.0f + mq_vec_expf(-g)); }
 
 static void swiglu_ref(float *g, const float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) g[i] = mq_vec_silu(g[i]) * u[i];
+    vec_swiglu_from(0, g, u, n);
 }
 
 const mq_vec_kernels mq_vec_ref = {
@@ -230,14 +219,3 @@ const mq_vec_kernels mq_vec_ref = {
     .rmsnorm = rmsnorm_ref,
     .swiglu = swiglu_ref,
 };
-
-const mq_vec_kernels *mq_vec(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (mq_cpu_has_avx512() && !mq_force_ref()) return &mq_vec_avx512;
-    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) return &mq_vec_avx2;
-#endif
-#if defined(__aarch64__)
-    if (!mq_force_ref()) return &mq_vec_neon;
-#endif
-    return &mq_vec_ref;
-}

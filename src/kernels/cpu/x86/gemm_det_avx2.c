@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cpu/syrk_panels.h"
+#include "kernels/cpu/det_common.h"
 #include "kernels/gemm_det.h"
 
 enum { MR = 16, NR = 6 };
@@ -23,8 +23,7 @@ static void store_tile(__m256 v[][2], int nr, float *C, int64_t ldc, int64_t m) 
         _mm256_storeu_ps(t[r], v[r][0]);
         _mm256_storeu_ps(t[r] + 8, v[r][1]);
     }
-    for (int64_t i = 0; i < m; i++)
-        for (int r = 0; r < nr; r++) C[i * ldc + r] = t[r][i];
+    det_store_cols(&t[0][0], MR, nr, C, ldc, m);
 }
 
 /* The 16 x 6 tile: twelve accumulators in registers. */
@@ -77,13 +76,10 @@ static void tile_n(const float *ap, int64_t K, const float *B, int64_t ldb, int 
     store_tile(v, nr, C, ldc, m);
 }
 
-/* Ap[k][i] = A[i][k] for the panel's rows (zero past m). */
-static void pack(const float *A, int64_t lda, int64_t m, int64_t K, float *ap) {
-    if (m < MR) memset(ap, 0, sizeof(float) * (size_t)(K * MR));
-    for (int64_t i = 0; i < m; i++) {
-        const float *a = A + i * lda;
-        for (int64_t k = 0; k < K; k++) ap[k * MR + i] = a[k];
-    }
+static void tiles(const float *ap, int64_t K, const float *B, int64_t ldb, int nr, float *C,
+                  int64_t ldc, int64_t m) {
+    if (nr == NR) tile6(ap, K, B, ldb, C, ldc, m);
+    else tile_n(ap, K, B, ldb, nr, C, ldc, m);
 }
 
 enum { KSTACK = 4096 };   /* panels up to this K live on the stack (256 KiB) */
@@ -96,15 +92,7 @@ void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_
         return;
     }
     _Alignas(32) static _Thread_local float ap[KSTACK * MR];
-    for (int64_t i0 = 0; i0 < M; i0 += MR) {
-        int64_t m = M - i0 < MR ? M - i0 : MR;
-        pack(A + i0 * lda, lda, m, K, ap);
-        for (int64_t j0 = 0; j0 < N; j0 += NR) {
-            int nr = (int)(N - j0 < NR ? N - j0 : NR);
-            if (nr == NR) tile6(ap, K, B + j0 * ldb, ldb, C + i0 * ldc + j0, ldc, m);
-            else tile_n(ap, K, B + j0 * ldb, ldb, nr, C + i0 * ldc + j0, ldc, m);
-        }
-    }
+    det_gemm_run(M, N, K, A, lda, B, ldb, C, ldc, MR, NR, ap, tiles);
 }
 
 /* ---- the Hessian update ------------------------------------------------------------------------ */
@@ -116,8 +104,6 @@ void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_
  * the diagonal in the last panel of a row group (elements above the diagonal, never read). */
 enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 
-static _Thread_local float *tl_pack;
-static _Thread_local size_t tl_cap;
 
 /* Pi: the panels the six broadcasts (rows i) come from, Pj: those of the 16 columns j (the same
  * panels for the Hessian, the two streams' inputs for the cross sum). */
@@ -188,34 +174,26 @@ static void syrk_tile_n(int64_t n, const float *P, const float *Pj, int64_t i0, 
     }
 }
 
+/* Rows [i0, i1) of C: whole 16-column panels while they reach the diagonal (det_common.h's
+ * syrk_run does the rest). */
+static int64_t syrk_tiles(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t K,
+                          int64_t panels, float *C, int64_t ldc) {
+    (void)panels;
+    int64_t j0 = 0;
+    for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
+        if (i1 - i0 == SR) syrk_tile6(n, P, P, i0, j0, C, ldc);
+        else syrk_tile_n(n, P, P, i0, (int)(i1 - i0), j0, C, ldc);
+    }
+    return j0;
+}
+
 void mq_syrk_det_acc_avx2(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
                           int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    float *P = syrk_scratch(&tl_pack, &tl_cap, (size_t)panels * ROWS_BLK * SC, 32, 0);
-    if (!P) {   /* no scratch: the reference gives the same values */
-        mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
-        return;
-    }
-    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
-        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
-        syrk_pack(X, ldx, K, r0, rb, panels, P);
-        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
-            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
-            int64_t j0 = 0;
-            for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
-                if (i1 - i0 == SR) syrk_tile6(rb, P, P, i0, j0, C, ldc);
-                else syrk_tile_n(rb, P, P, i0, (int)(i1 - i0), j0, C, ldc);
-            }
-            syrk_edge(rb, P, i0, i1, j0, i1, C, ldc);
-        }
-    }
+    syrk_acc_twin(K, n, X, ldx, C, ldc, row0, row1, 32, syrk_tiles);
 }
 
 /* ---- the cross sum of two streams (mq_cross_det_acc) ------------------------------------------- */
 
-static _Thread_local float *tl_pack_b;
-static _Thread_local size_t tl_cap_b;
 
 /* rows [i0, i1) of C over the columns [0, full) of whole panels */
 static void cross_tiles(int64_t n, const float *PA, const float *PB, int64_t i0, int64_t i1, int64_t full,
@@ -226,15 +204,9 @@ static void cross_tiles(int64_t n, const float *PA, const float *PB, int64_t i0,
     }
 }
 
-void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
-                           float *C, int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t pa = (row1 + SC - 1) / SC, pb = (K + SC - 1) / SC;
-    float *PA = syrk_scratch(&tl_pack, &tl_cap, (size_t)pa * ROWS_BLK * SC, 32, 0);
-    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_cap_b, (size_t)pb * ROWS_BLK * SC, 32, 1) : NULL;
-    if (!PB) {   /* no scratch: the reference gives the same values */
-        mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
-        return;
-    }
-    cross_run(K, n, A, lda, B, ldb, C, ldc, row0, row1, PA, PB, cross_tiles);
+void mq_cross_det_acc_avx2(int64_t K, int64_t n, const float *A, int64_t lda, const float *B,
+                           int64_t ldb, float *C, int64_t ldc, int64_t row0, int64_t row1) {
+    cross_acc_twin(K, n, A, lda, B, ldb, C, ldc, row0, row1, 32, cross_tiles);
 }
+
+const mq_det_kernels mq_det_avx2 = {mq_gemm_det_nt_avx2, mq_syrk_det_acc_avx2, mq_cross_det_acc_avx2};

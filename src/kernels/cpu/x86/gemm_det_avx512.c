@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cpu/syrk_panels.h"
+#include "kernels/cpu/det_common.h"
 #include "kernels/gemm_det.h"
 
 enum { MR = 32, NR = 12 };
@@ -28,8 +28,7 @@ static void store_tile(__m512 v[][2], int nv, int nr, float *C, int64_t ldc, int
     _Alignas(64) float t[NR][MR];
     for (int r = 0; r < nr; r++)
         for (int h = 0; h < nv; h++) _mm512_store_ps(t[r] + 16 * h, v[r][h]);
-    for (int64_t i = 0; i < m; i++)
-        for (int r = 0; r < nr; r++) C[i * ldc + r] = t[r][i];
+    det_store_cols(&t[0][0], MR, nr, C, ldc, m);
 }
 
 /* nv vectors of 16 rows x nr (<= 12) columns; the panel holds MR floats per k. */
@@ -71,13 +70,9 @@ TILE_FNS(2)
      tile_##NV##_7, tile_##NV##_8, tile_##NV##_9, tile_##NV##_10, tile_##NV##_11, tile_##NV##_12}
 static const tile_fn k_tiles[2][NR] = {TILE_ROW(1), TILE_ROW(2)};
 
-/* Ap[k][i] = A[i][k] for the panel's rows (zero past m). */
-static void pack(const float *A, int64_t lda, int64_t m, int64_t K, float *ap) {
-    if (m < MR) memset(ap, 0, sizeof(float) * (size_t)(K * MR));
-    for (int64_t i = 0; i < m; i++) {
-        const float *a = A + i * lda;
-        for (int64_t k = 0; k < K; k++) ap[k * MR + i] = a[k];
-    }
+static void tiles(const float *ap, int64_t K, const float *B, int64_t ldb, int nr, float *C,
+                  int64_t ldc, int64_t m) {
+    k_tiles[m > 16][nr - 1](ap, K, B, ldb, C, ldc, m);
 }
 
 /* The packed panel, per thread, grown as needed (kept for the thread's next calls). */
@@ -92,16 +87,7 @@ void mq_gemm_det_nt_avx512(int64_t M, int64_t N, int64_t K, const float *A, int6
         mq_gemm_det_nt_ref(M, N, K, A, lda, B, ldb, C, ldc);
         return;
     }
-    float *ap = tl_ap;
-    for (int64_t i0 = 0; i0 < M; i0 += MR) {
-        const int64_t m = M - i0 < MR ? M - i0 : MR;
-        const tile_fn *fns = k_tiles[m > 16];
-        pack(A + i0 * lda, lda, m, K, ap);
-        for (int64_t j0 = 0; j0 < N; j0 += NR) {
-            const int nr = (int)(N - j0 < NR ? N - j0 : NR);
-            fns[nr - 1](ap, K, B + j0 * ldb, ldb, C + i0 * ldc + j0, ldc, m);
-        }
-    }
+    det_gemm_run(M, N, K, A, lda, B, ldb, C, ldc, MR, NR, tl_ap, tiles);
 }
 
 /* ---- the Hessian update ------------------------------------------------------------------------ */
@@ -113,8 +99,6 @@ void mq_gemm_det_nt_avx512(int64_t M, int64_t N, int64_t K, const float *A, int6
  * read). */
 enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 
-static _Thread_local float *tl_pack;
-static _Thread_local size_t tl_pack_cap;
 
 /* rows [i0, i0 + nr) x columns [j0, j0 + 16 nv) of C; nr <= 6, nv 1 or 2. The rows' values come
  * from the panels P, the columns' from Pj (P itself for the Hessian, the other stream for the
@@ -186,51 +170,36 @@ static void cross_tiles(int64_t n, const float *P, const float *Pj, int64_t i0, 
     }
 }
 
+/* Rows [i0, i1) of C: 32-column tiles while they lie in the row and in the packed panels, then
+ * 16-column ones (det_common.h's syrk_run does the rest). */
+static int64_t syrk_tiles(int64_t n, const float *P, int64_t i0, int64_t i1, int64_t K,
+                          int64_t panels, float *C, int64_t ldc) {
+    const int nr = (int)(i1 - i0);
+    int64_t j0 = 0;
+    for (; j0 + 2 * SC <= K && j0 + 2 * SC <= panels * SC && j0 <= i1 - 1; j0 += 2 * SC) {
+        if (nr == SR) syrk_tile_6x32(n, P, P, i0, j0, C, ldc);
+        else syrk_tile_rows(n, P, P, i0, nr, j0, C, ldc, 2);
+    }
+    for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
+        if (nr == SR) syrk_tile_6x16(n, P, P, i0, j0, C, ldc);
+        else syrk_tile_rows(n, P, P, i0, nr, j0, C, ldc, 1);
+    }
+    return j0;
+}
+
 void mq_syrk_det_acc_avx512(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
                             int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t panels = (row1 + SC - 1) / SC;   /* columns < row1 are all the rows need */
-    float *P = syrk_scratch(&tl_pack, &tl_pack_cap, (size_t)panels * ROWS_BLK * SC, 64, 0);
-    if (!P) {   /* no scratch: the reference gives the same values */
-        mq_syrk_det_acc_ref(K, n, X, ldx, C, ldc, row0, row1);
-        return;
-    }
-    for (int64_t r0 = 0; r0 < n; r0 += ROWS_BLK) {
-        const int64_t rb = n - r0 < ROWS_BLK ? n - r0 : ROWS_BLK;
-        syrk_pack(X, ldx, K, r0, rb, panels, P);
-        for (int64_t i0 = row0; i0 < row1; i0 += SR) {
-            const int64_t i1 = i0 + SR < row1 ? i0 + SR : row1;
-            const int nr = (int)(i1 - i0);
-            int64_t j0 = 0;
-            /* 32 columns while they lie in the row and in the packed panels */
-            for (; j0 + 2 * SC <= K && j0 + 2 * SC <= panels * SC && j0 <= i1 - 1; j0 += 2 * SC) {
-                if (nr == SR) syrk_tile_6x32(rb, P, P, i0, j0, C, ldc);
-                else syrk_tile_rows(rb, P, P, i0, nr, j0, C, ldc, 2);
-            }
-            for (; j0 + SC <= K && j0 <= i1 - 1; j0 += SC) {
-                if (nr == SR) syrk_tile_6x16(rb, P, P, i0, j0, C, ldc);
-                else syrk_tile_rows(rb, P, P, i0, nr, j0, C, ldc, 1);
-            }
-            syrk_edge(rb, P, i0, i1, j0, i1, C, ldc);
-        }
-    }
+    syrk_acc_twin(K, n, X, ldx, C, ldc, row0, row1, 64, syrk_tiles);
 }
 
 /* ---- the cross sum of two streams (mq_cross_det_acc) ------------------------------------------- */
 /* The Hessian's tiles with the rows' values from A's panels and the columns' from B's, over every
- * column (no triangle), through the twins' shared driver (syrk_panels.h's cross_run). */
-static _Thread_local float *tl_pack_b;
-static _Thread_local size_t tl_pack_b_cap;
+ * column (no triangle), through the twins' shared driver (det_common.h's cross_run). */
 
 void mq_cross_det_acc_avx512(int64_t K, int64_t n, const float *A, int64_t lda, const float *B,
                              int64_t ldb, float *C, int64_t ldc, int64_t row0, int64_t row1) {
-    if (K <= 0 || n <= 0 || row0 >= row1) return;
-    const int64_t pa = (row1 + SC - 1) / SC, pb = (K + SC - 1) / SC;
-    float *PA = syrk_scratch(&tl_pack, &tl_pack_cap, (size_t)pa * ROWS_BLK * SC, 64, 0);
-    float *PB = PA ? syrk_scratch(&tl_pack_b, &tl_pack_b_cap, (size_t)pb * ROWS_BLK * SC, 64, 1) : NULL;
-    if (!PB) {   /* no scratch: the reference gives the same values */
-        mq_cross_det_acc_ref(K, n, A, lda, B, ldb, C, ldc, row0, row1);
-        return;
-    }
-    cross_run(K, n, A, lda, B, ldb, C, ldc, row0, row1, PA, PB, cross_tiles);
+    cross_acc_twin(K, n, A, lda, B, ldb, C, ldc, row0, row1, 64, cross_tiles);
 }
+
+const mq_det_kernels mq_det_avx512 = {mq_gemm_det_nt_avx512, mq_syrk_det_acc_avx512,
+                                      mq_cross_det_acc_avx512};

@@ -9,7 +9,7 @@
 #include <immintrin.h>
 #include <math.h>
 
-#include "quant/gptq.h"
+#include "kernels/gptq_kernels.h"
 
 /* 8 int32 lanes (0..255) to 8 bytes. */
 static inline void store_u8x8(uint8_t *out, __m256i v) {

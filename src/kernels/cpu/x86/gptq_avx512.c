@@ -9,7 +9,7 @@
 #include <immintrin.h>
 #include <math.h>
 
-#include "quant/gptq.h"
+#include "kernels/gptq_kernels.h"
 
 #define INLINE static inline __attribute__((always_inline))
 

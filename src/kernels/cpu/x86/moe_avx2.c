@@ -18,6 +18,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/moe_common.h"
 #include "kernels/cpu/x86/exp_avx2.h"
 #include "kernels/moe_ffn.h"
 
@@ -89,10 +90,7 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
                            int64_t col0) {
     const int32_t B = A->block, nv = B / 8;   /* 2 or 4 vectors per block */
     const int split = A->q2 != NULL;
-    int8_t *q = A->q + row * A->ld + col0, *q2 = split ? A->q2 + row * A->ld + col0 : NULL;
-    float *sc = A->scale + row * (A->ld / B) + col0 / B;
-    int32_t *cr = A->corr + row * (A->ld / B) + col0 / B;
-    const float qmax = split ? 32512.0f : 127.0f;
+    const moe_qact_dst d = moe_qact_at(A, row, col0);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
@@ -106,13 +104,13 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
         float m = hmax8(amax);
         int bad = _mm256_movemask_ps(nan) != 0 || m == INFINITY;
         if (bad || !(m >= 0x1p-100f)) {
-            memset(q + b * B, 0, (size_t)B);
-            if (split) memset(q2 + b * B, 0, (size_t)B);
-            sc[b] = bad ? NAN : 0.0f;
-            cr[b] = 0;
+            memset(d.q + b * B, 0, (size_t)B);
+            if (split) memset(d.q2 + b * B, 0, (size_t)B);
+            d.sc[b] = bad ? NAN : 0.0f;
+            d.cr[b] = 0;
             continue;
         }
-        __m256 inv = _mm256_set1_ps(qmax / m);
+        __m256 inv = _mm256_set1_ps(d.qmax / m);
         __m256i sum = _mm256_setzero_si256(), c[4], lo[4];
         for (int j = 0; j < nv; j++) {
             c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(vx[j], inv));
@@ -123,10 +121,10 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
                 c[j] = hi;
             }
         }
-        store_i8(c, nv, q + b * B);
-        if (split) store_i8(lo, nv, q2 + b * B);
-        sc[b] = m / qmax;
-        cr[b] = hsum8i(sum) * A->offset;
+        store_i8(c, nv, d.q + b * B);
+        if (split) store_i8(lo, nv, d.q2 + b * B);
+        d.sc[b] = m / d.qmax;
+        d.cr[b] = hsum8i(sum) * A->offset;
     }
 }
 
@@ -134,7 +132,7 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
 /* One tile pair x nt activation rows, with the epilogue: o[t] receives 8 SwiGLU outputs or the 16
  * row results of activation row t. */
 INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow,
-                 float *const *o, int swiglu, int prefetch, const uint8_t *next, const int nt,
+                 float *const *o, int swiglu, size_t ahead, const uint8_t *next, const int nt,
                  const int nvfp4, const int split) {
     const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes;
     /* Software prefetch into L2 of the pair PF_AHEAD bytes ahead (whole pairs, at least the next),
@@ -144,13 +142,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
      * this prefetch one token takes 1.6-1.9x as long, with every other line left out 1.3-1.5x;
      * 8-32 KiB ahead read equally fast, 96 KiB and the T0 hint slower; continuing into `next`
      * saved 0-7% at one token (in-process A/B, 2 threads). */
-    const size_t pair_bytes = 2 * W->rb_bytes;
-    const int64_t dist = (int64_t)((PF_AHEAD + pair_bytes - 1) / pair_bytes);
-    const int64_t npairs = W->rows / 16;
-    const uint8_t *pf = !prefetch ? NULL
-                        : pair + dist < npairs ? rb0 + (size_t)dist * pair_bytes
-                        : next ? next + (size_t)(pair + dist - npairs) * pair_bytes
-                                : NULL;
+    const uint8_t *pf = moe_prefetch_at(W, pair, rb0, next, ahead);
     const size_t pf_step = (2 * W->rb_bytes + (size_t)(W->cols / 8) - 1) / (size_t)(W->cols / 8);
     const int B = nvfp4 ? 16 : 32, CH = B / 8;
     const int64_t nb = W->cols / B, lds = A->ld / B;
@@ -161,13 +153,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     const int8_t *aq[MQ_MOE_NT], *aq2[MQ_MOE_NT];
     const float *as[MQ_MOE_NT];
     const int32_t *ac[MQ_MOE_NT];
-#pragma GCC unroll 4
-    for (int t = 0; t < nt; t++) {
-        aq[t] = A->q + arow[t] * A->ld;
-        aq2[t] = split ? A->q2 + arow[t] * A->ld : NULL;
-        as[t] = A->scale + arow[t] * lds;
-        ac[t] = A->corr + arow[t] * lds;
-    }
+    moe_act_rows(A, arow, nt, split, lds, aq, aq2, as, ac);
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
     const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
@@ -262,22 +248,12 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     }
 }
 
-/* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
- * accumulators in registers. */
-typedef void (*tile_fn)(const mq_pmat *, int64_t, const mq_qact *, const int64_t *, float *const *,
-                        int, int, const uint8_t *);
-#define TILE_FN(NT, NV, SP)                                                                        \
-    static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
-        const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
-        int swiglu, int prefetch, const uint8_t *next) {                                           \
-        tile(W, pair, A, arow, o, swiglu, prefetch, next, NT, NV, SP);                             \
-    }
-#define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
-TILE_FNS(1)
-TILE_FNS(2)
-TILE_FNS(3)
-TILE_FNS(4)
-static const tile_fn k_tiles[2][2][MQ_MOE_NT] = {
+/* moe_common.h's instantiations of `tile`. */
+MOE_TILE_FNS(1)
+MOE_TILE_FNS(2)
+MOE_TILE_FNS(3)
+MOE_TILE_FNS(4)
+static const moe_tile_fn k_tiles[2][2][MQ_MOE_NT] = {
     {{tile_1_0_0, tile_2_0_0, tile_3_0_0, tile_4_0_0}, {tile_1_0_1, tile_2_0_1, tile_3_0_1, tile_4_0_1}},
     {{tile_1_1_0, tile_2_1_0, tile_3_1_0, tile_4_1_0}, {tile_1_1_1, tile_2_1_1, tile_3_1_1, tile_4_1_1}},
 };
@@ -285,24 +261,8 @@ static const tile_fn k_tiles[2][2][MQ_MOE_NT] = {
 static void gemm_avx2(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qact *A,
                       const int32_t *act_rows, int64_t row0, int64_t m, float *out, int64_t ldo,
                       int swiglu, const uint8_t *next) {
-    const tile_fn *fns = k_tiles[W->nvfp4 != 0][A->q2 != NULL];
-    /* blocks of 64 activation rows (128 KiB of split int16 at K = 1024) stay in L2 while the
-     * pairs stream by; each pair's 16 rows stay in L1 across the block's 4-row tiles */
-    for (int64_t ib = 0; ib < m; ib += 64) {
-        const int64_t ie = ib + 64 < m ? ib + 64 : m;
-        for (int64_t pair = pair0; pair < pair1; pair++) {
-            for (int64_t i0 = ib; i0 < ie; i0 += MQ_MOE_NT) {
-                int nt = ie - i0 < MQ_MOE_NT ? (int)(ie - i0) : MQ_MOE_NT;
-                int64_t arow[MQ_MOE_NT];
-                float *o[MQ_MOE_NT];
-                for (int t = 0; t < nt; t++) {
-                    arow[t] = act_rows ? act_rows[i0 + t] : row0 + i0 + t;
-                    o[t] = out + (i0 + t) * ldo + (swiglu ? 8 * (pair - pair0) : 16 * pair);
-                }
-                fns[nt - 1](W, pair, A, arow, o, swiglu, i0 == ib, next);
-            }
-        }
-    }
+    moe_gemm_run(W, pair0, pair1, A, act_rows, row0, m, out, ldo, swiglu, next,
+                 k_tiles[W->nvfp4 != 0][A->q2 != NULL], MQ_MOE_NT, PF_AHEAD);
 }
 
 const mq_moe_kernels mq_moe_kernels_avx2 = {quant_act_avx2, gemm_avx2};

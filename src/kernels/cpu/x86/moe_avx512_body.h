@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu/moe_common.h"
 #include "kernels/cpu/x86/exp_avx2.h"
 #include "core/env.h"
 #include "kernels/moe_ffn.h"
@@ -93,10 +94,7 @@ static void quant_act_avx512(const float *x, int64_t n, const mq_qact *A, int64_
                              int64_t col0) {
     const int32_t B = A->block, nv = B / 16;   /* 1 or 2 vectors per block */
     const int split = A->q2 != NULL;
-    int8_t *q = A->q + row * A->ld + col0, *q2 = split ? A->q2 + row * A->ld + col0 : NULL;
-    float *sc = A->scale + row * (A->ld / B) + col0 / B;
-    int32_t *cr = A->corr + row * (A->ld / B) + col0 / B;
-    const float qmax = split ? 32512.0f : 127.0f;
+    const moe_qact_dst d = moe_qact_at(A, row, col0);
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < n / B; b++) {
         const float *v = x + b * B;
@@ -113,15 +111,15 @@ static void quant_act_avx512(const float *x, int64_t n, const mq_qact *A, int64_
         float m = _mm512_reduce_max_ps(amax);
         int bad = nan != 0 || m == INFINITY;
         if (bad || !(m >= 0x1p-100f)) {
-            memset(q + b * B, 0, (size_t)B);
-            if (split) memset(q2 + b * B, 0, (size_t)B);
-            sc[b] = bad ? NAN : 0.0f;
-            cr[b] = 0;
+            memset(d.q + b * B, 0, (size_t)B);
+            if (split) memset(d.q2 + b * B, 0, (size_t)B);
+            d.sc[b] = bad ? NAN : 0.0f;
+            d.cr[b] = 0;
             continue;
         }
         /* the reference's nearbyintf(x * inv): one rounded product, then the current (nearest
          * even) rounding of the conversion */
-        __m512 inv = _mm512_set1_ps(qmax / m);
+        __m512 inv = _mm512_set1_ps(d.qmax / m);
         __m512i sum = _mm512_setzero_si512();
         for (int j = 0; j < nv; j++) {
             __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(vx[j], inv));
@@ -129,13 +127,13 @@ static void quant_act_avx512(const float *x, int64_t n, const mq_qact *A, int64_
             if (split) {
                 __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(128)), 8);
                 __m512i lo = _mm512_sub_epi32(c, _mm512_slli_epi32(hi, 8));
-                _mm_storeu_si128((__m128i *)(q2 + b * B + 16 * j), _mm512_cvtepi32_epi8(lo));
+                _mm_storeu_si128((__m128i *)(d.q2 + b * B + 16 * j), _mm512_cvtepi32_epi8(lo));
                 c = hi;
             }
-            _mm_storeu_si128((__m128i *)(q + b * B + 16 * j), _mm512_cvtepi32_epi8(c));
+            _mm_storeu_si128((__m128i *)(d.q + b * B + 16 * j), _mm512_cvtepi32_epi8(c));
         }
-        sc[b] = m / qmax;
-        cr[b] = _mm512_reduce_add_epi32(sum) * A->offset;
+        d.sc[b] = m / d.qmax;
+        d.cr[b] = _mm512_reduce_add_epi32(sum) * A->offset;
     }
 }
 
@@ -177,14 +175,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
                  const int nvfp4, const int split) {
     const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes;
     /* the AVX2 kernel's prefetch (moe_avx2.c says why and how far); ahead = 0: none */
-    const int prefetch = ahead > 0;
-    const size_t pair_bytes = 2 * W->rb_bytes;
-    const int64_t dist = (int64_t)((ahead + pair_bytes - 1) / pair_bytes);
-    const int64_t npairs = W->rows / 16;
-    const uint8_t *pf = !prefetch ? NULL
-                        : pair + dist < npairs ? rb0 + (size_t)dist * pair_bytes
-                        : next ? next + (size_t)(pair + dist - npairs) * pair_bytes
-                                : NULL;
+    const uint8_t *pf = moe_prefetch_at(W, pair, rb0, next, ahead);
     const size_t pf_step = (2 * W->rb_bytes + (size_t)(W->cols / 8) - 1) / (size_t)(W->cols / 8);
     const int B = nvfp4 ? 16 : 32, CH = B / 8;
     const int64_t nb = W->cols / B, lds = A->ld / B;
@@ -195,13 +186,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     const int8_t *aq[NT512], *aq2[NT512];
     const float *as[NT512];
     const int32_t *ac[NT512];
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; t++) {
-        aq[t] = A->q + arow[t] * A->ld;
-        aq2[t] = split ? A->q2 + arow[t] * A->ld : NULL;
-        as[t] = A->scale + arow[t] * lds;
-        ac[t] = A->corr + arow[t] * lds;
-    }
+    moe_act_rows(A, arow, nt, split, lds, aq, aq2, as, ac);
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i lut = _mm512_broadcast_i32x4(
         _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
@@ -280,29 +265,19 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     }
 }
 
-/* One out-of-line instantiation per (token count, scheme, activation planes), so each keeps its
- * accumulators in registers. */
-typedef void (*tile_fn)(const mq_pmat *, int64_t, const mq_qact *, const int64_t *, float *const *,
-                        int, size_t, const uint8_t *);
-#define TILE_FN(NT, NV, SP)                                                                        \
-    static __attribute__((noinline)) void tile_##NT##_##NV##_##SP(                                 \
-        const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow, float *const *o,    \
-        int swiglu, size_t ahead, const uint8_t *next) {                                           \
-        tile(W, pair, A, arow, o, swiglu, ahead, next, NT, NV, SP);                                \
-    }
-#define TILE_FNS(NT) TILE_FN(NT, 0, 0) TILE_FN(NT, 0, 1) TILE_FN(NT, 1, 0) TILE_FN(NT, 1, 1)
-TILE_FNS(1)
-TILE_FNS(2)
-TILE_FNS(3)
-TILE_FNS(4)
-TILE_FNS(5)
-TILE_FNS(6)
-TILE_FNS(7)
-TILE_FNS(8)
+/* moe_common.h's instantiations of `tile`. */
+MOE_TILE_FNS(1)
+MOE_TILE_FNS(2)
+MOE_TILE_FNS(3)
+MOE_TILE_FNS(4)
+MOE_TILE_FNS(5)
+MOE_TILE_FNS(6)
+MOE_TILE_FNS(7)
+MOE_TILE_FNS(8)
 #define TILE_ROW(NV, SP)                                                                           \
     {tile_1_##NV##_##SP, tile_2_##NV##_##SP, tile_3_##NV##_##SP, tile_4_##NV##_##SP,               \
      tile_5_##NV##_##SP, tile_6_##NV##_##SP, tile_7_##NV##_##SP, tile_8_##NV##_##SP}
-static const tile_fn k_tiles[2][2][NT512] = {
+static const moe_tile_fn k_tiles[2][2][NT512] = {
     {TILE_ROW(0, 0), TILE_ROW(0, 1)},
     {TILE_ROW(1, 0), TILE_ROW(1, 1)},
 };
@@ -310,22 +285,6 @@ static const tile_fn k_tiles[2][2][NT512] = {
 static void gemm_avx512(const mq_pmat *W, int64_t pair0, int64_t pair1, const mq_qact *A,
                         const int32_t *act_rows, int64_t row0, int64_t m, float *out, int64_t ldo,
                         int swiglu, const uint8_t *next) {
-    const tile_fn *fns = k_tiles[W->nvfp4 != 0][A->q2 != NULL];
-    const size_t ahead = pf_ahead();
-    /* blocks of 64 activation rows stay in L2 while the pairs stream by (as the AVX2 kernel) */
-    for (int64_t ib = 0; ib < m; ib += 64) {
-        const int64_t ie = ib + 64 < m ? ib + 64 : m;
-        for (int64_t pair = pair0; pair < pair1; pair++) {
-            for (int64_t i0 = ib; i0 < ie; i0 += NT512) {
-                int nt = ie - i0 < NT512 ? (int)(ie - i0) : NT512;
-                int64_t arow[NT512];
-                float *o[NT512];
-                for (int t = 0; t < nt; t++) {
-                    arow[t] = act_rows ? act_rows[i0 + t] : row0 + i0 + t;
-                    o[t] = out + (i0 + t) * ldo + (swiglu ? 8 * (pair - pair0) : 16 * pair);
-                }
-                fns[nt - 1](W, pair, A, arow, o, swiglu, i0 == ib ? ahead : 0, next);
-            }
-        }
-    }
+    moe_gemm_run(W, pair0, pair1, A, act_rows, row0, m, out, ldo, swiglu, next,
+                 k_tiles[W->nvfp4 != 0][A->q2 != NULL], NT512, pf_ahead());
 }

@@ -8,6 +8,7 @@
 #include <math.h>
 
 #include "kernels/cpu/x86/exp_avx2.h"
+#include "kernels/cpu/vec_edges.h"
 #include "kernels/vec.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -114,7 +115,7 @@ static void axpy_avx2(float a, const float *x, float *y, int64_t n) {
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(y + i,
                          _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+    vec_axpy_from(i, a, x, y, n);
 }
 
 /* Columns in blocks of 64 held in eight accumulators over all rows, then blocks of 8, then a
@@ -163,12 +164,7 @@ static void rope_avx2(float *x, int64_t half, const float *c, const float *s) {
         _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(a, vc), _mm256_mul_ps(b, vs)));
         _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(b, vc), _mm256_mul_ps(a, vs)));
     }
-    for (; i < half; i++) {   /* separate statements: no contraction into fma */
-        float a = x[i], b = x[i + half];
-        float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
-        x[i] = ac - bs;
-        x[i + half] = bc + as;
-    }
+    vec_rope_from(i, x, half, c, s);
 }
 
 static void exp_avx2(const float *x, float *y, int64_t n) {
@@ -270,11 +266,7 @@ static double logsumexp_avx2(const float *x, int64_t n, int32_t *argmax) {
             int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mx, _CMP_EQ_OQ));
             if (bits) break;
         }
-        for (; i < n; i++)
-            if (x[i] == mxf) {
-                am = i;
-                break;
-            }
+        am = vec_first_equal_from(i, x, n, mxf);
         *argmax = (int32_t)am;
     }
     if (!isfinite(mxf)) return (double)mxf;
@@ -344,7 +336,7 @@ static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, f
     for (i = 0; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
                                                 _mm256_mul_ps(_mm256_loadu_ps(x + i), inv)));
-    for (; i < n; i++) out[i] = w[i] * (x[i] * invf);
+    vec_norm_scale_from(i, x, w, invf, out, n);
 }
 
 INLINE __m256 swiglu8(__m256 g, __m256 u) { return _mm256_mul_ps(mq_silu8_avx2(g), u); }

@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "kernels/cpu/x86/exp_avx512.h"
+#include "kernels/cpu/vec_edges.h"
 #include "kernels/vec.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -195,11 +196,7 @@ static double logsumexp_avx512(const float *x, int64_t n, int32_t *argmax) {
         int64_t am = 0, i = 0;
         for (; i + 16 <= n; i += 16)
             if (_mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), mx, _CMP_EQ_OQ)) break;
-        for (; i < n; i++)
-            if (x[i] == mxf) {
-                am = i;
-                break;
-            }
+        am = vec_first_equal_from(i, x, n, mxf);
         *argmax = (int32_t)am;
     }
     if (!isfinite(mxf)) return (double)mxf;

@@ -1,12 +1,12 @@
 /*
  * Loading any Linear of a checkpoint as fp32 (dense float weights, or the quantized layouts of
- * layout.c dequantized exactly like mq_dequantize) and describing its storage for `inspect`.
+ * layout_read.c dequantized exactly like mq_dequantize) and describing its storage for `inspect`.
  * The model loader calls mq_load_linear_weight for every Linear, so moeq's own checkpoints and
  * compressed-tensors / ModelOpt / GPTQ-v1 ones from other tools load the same way.
  */
 #include <string.h>
 
-#include "export/layout.h"
+#include "ckpt/layout.h"
 #include "formats/kquant.h"
 
 static const mq_tensor_view *st_lookup(void *user, const char *name) {

@@ -13,8 +13,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "export/gguf_export.h"
 #include "io/gguf_hf.h"
+#include "io/gguf_import.h"
 #include "io/safetensors.h"
 
 moeq_status mq_gguf_import(const char *gguf_path, const char *out_dir) {

@@ -1,0 +1,56 @@
+/*
+ * The scalar element loops of the vector kernels (kernels/vec.h), from element i on: the whole
+ * operation in the scalar reference (i = 0, src/kernels/cpu/ref/vec_ref.c) and the elements past
+ * the last whole vector in the AVX2, AVX-512 and NEON twins, so a twin's edge is the reference's
+ * arithmetic by construction. Free of any instruction set. Products and sums are separate
+ * statements, so no compiler contracts them into a multiply-add (the fmaf calls are the fused
+ * steps the kernels mean).
+ */
+#ifndef MOEQ_KERNELS_CPU_VEC_EDGES_H
+#define MOEQ_KERNELS_CPU_VEC_EDGES_H
+
+#include <math.h>
+
+#include "kernels/vec.h"
+
+/* y[k] = fmaf(a, x[k], y[k]) */
+static inline void vec_axpy_from(int64_t i, float a, const float *x, float *y, int64_t n) {
+    for (; i < n; i++) y[i] = fmaf(a, x[i], y[i]);
+}
+
+/* rotate_half RoPE of the pairs (x[k], x[k + half]), k >= i */
+static inline void vec_rope_from(int64_t i, float *x, int64_t half, const float *c, const float *s) {
+    for (; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        const float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+        x[i] = ac - bs;
+        x[i + half] = bc + as;
+    }
+}
+
+static inline void vec_exp_from(int64_t i, const float *x, float *y, int64_t n) {
+    for (; i < n; i++) y[i] = mq_vec_expf(x[i]);
+}
+
+/* RMSNorm's last step: out[k] = w[k] * (x[k] * inv) */
+static inline void vec_norm_scale_from(int64_t i, const float *x, const float *w, float inv, float *out,
+                                       int64_t n) {
+    for (; i < n; i++) {
+        const float xs = x[i] * inv;
+        out[i] = w[i] * xs;
+    }
+}
+
+static inline void vec_swiglu_from(int64_t i, float *g, const float *u, int64_t n) {
+    for (; i < n; i++) g[i] = mq_vec_silu(g[i]) * u[i];
+}
+
+/* The first k >= i with x[k] == v, or 0 when there is none (logsumexp's argmax, whose maximum
+ * some x[k] holds unless it is NaN). */
+static inline int64_t vec_first_equal_from(int64_t i, const float *x, int64_t n, float v) {
+    for (; i < n; i++)
+        if (x[i] == v) return i;
+    return 0;
+}
+
+#endif

@@ -1,0 +1,48 @@
+/*
+ * The kernel families' tables of CPU implementations, one row per instruction set (mq_isa, from
+ * the CPU's features detected once and the MOEQ_FORCE_REF / MOEQ_NO_AVX512 switches), in the way
+ * ggml's type_traits_cpu gives each format its functions: a caller asks its family for the set
+ * of now (mq_vec(), mq_det(), mq_moe_kernels_active()) and calls through it, and a family without
+ * a twin for an instruction set names the next lower one it has. Every row of every table agrees
+ * bit for bit with the scalar reference (the family headers say how; the tests in the "kernel
+ * twins" table of docs/kernels-and-hosts.md compare them). The rows of another architecture stay
+ * NULL: mq_cpu_isa() never returns them.
+ */
+#include "kernels/gemm_det.h"
+#include "kernels/moe_ffn.h"
+#include "kernels/vec.h"
+
+/* A table row per instruction set of this architecture (the others stay NULL). */
+#if defined(__x86_64__) || defined(__i386__)
+#define X86_ROWS(avx2, avx512, vnni) \
+    [MQ_ISA_AVX2] = avx2, [MQ_ISA_AVX512] = avx512, [MQ_ISA_AVX512_VNNI] = vnni,
+#else
+#define X86_ROWS(avx2, avx512, vnni)
+#endif
+#if defined(__aarch64__)
+#define ARM_ROWS(neon, dot) [MQ_ISA_NEON] = neon, [MQ_ISA_NEON_DOT] = dot,
+#else
+#define ARM_ROWS(neon, dot)
+#endif
+
+static const mq_vec_kernels *const k_vec[MQ_ISA_COUNT] = {
+    [MQ_ISA_REF] = &mq_vec_ref,
+    X86_ROWS(&mq_vec_avx2, &mq_vec_avx512, &mq_vec_avx512)
+    ARM_ROWS(&mq_vec_neon, &mq_vec_neon)
+};
+
+static const mq_det_kernels *const k_det[MQ_ISA_COUNT] = {
+    [MQ_ISA_REF] = &mq_det_ref,
+    X86_ROWS(&mq_det_avx2, &mq_det_avx512, &mq_det_avx512)
+    ARM_ROWS(&mq_det_neon, &mq_det_neon)
+};
+
+static const mq_moe_kernels *const k_moe[MQ_ISA_COUNT] = {
+    [MQ_ISA_REF] = &mq_moe_kernels_ref,
+    X86_ROWS(&mq_moe_kernels_avx2, &mq_moe_kernels_avx512, &mq_moe_kernels_avx512_vnni)
+    ARM_ROWS(&mq_moe_kernels_neon, &mq_moe_kernels_neon_dot)
+};
+
+const mq_vec_kernels *mq_vec(void) { return k_vec[mq_cpu_isa()]; }
+const mq_det_kernels *mq_det(void) { return k_det[mq_cpu_isa()]; }
+const mq_moe_kernels *mq_moe_kernels_active(void) { return k_moe[mq_cpu_isa()]; }
