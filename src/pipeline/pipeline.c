@@ -317,7 +317,7 @@ static void pipe_free(mq_pipe *p) {
     mq_calib_free(&p->calib);
     free(p->balance_record);
     mq_free(p->snap_spare);
-    mq_lazy_ahead_cancel(p->ahead);
+    mq_readahead_cancel(&p->ahead);
     if (p->lz) mq_lazy_close(p->lz);
     else mq_st_close(p->st);
     cJSON_Delete(p->src_config);
