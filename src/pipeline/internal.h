@@ -202,6 +202,11 @@ typedef struct mq_pipe {
     mq_layer_report *layers;      /* [n_layers] */
     int layers_done;              /* layers finished (this run or before) */
     double since_snapshot;        /* seconds of layers since the last activation snapshot */
+    /* the layer loop on the engine (pipeline.c run_layers): a resume's replay of finished layers,
+     * what its log line adds, and when the layers that are not replays started */
+    bool replay;
+    char replay_from[96];
+    double t_layers;
     double snapshot_cost;         /* seconds the last one took to write (workdir.c) */
     struct mq_snap_job *snap_bg;  /* a snapshot being written behind the next layer, or NULL */
     struct mq_rec_job *rec_bg;    /* a layer's record being made durable behind the next, or NULL */
