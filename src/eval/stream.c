@@ -1,12 +1,16 @@
 /*
- * The streamed evaluation forward: models opened with moeq_model_options.stream never sit in
- * memory whole. Every window goes through layer l before any goes through layer l + 1; the layer's
+ * The streamed evaluation forward, a client of the streaming engine (stream/engine.h): models
+ * opened with moeq_model_options.stream never sit in memory whole. The engine runs the layers
+ * (loading each, reading the next ahead on the GPU, swapping the boundary's files); this file
+ * brings what is eval's: the windows' embedding, each window's layer, the scores, the plan, the
+ * work directory and its resume. Every window goes through layer l before any goes through layer l + 1; the layer's
  * weights are read (packed or converted to fp32, as a whole load would) when the pass starts and
  * freed when it ends. A kl_base runs in lockstep: layer l of the base, then layer l of the model,
  * so one layer of one model is resident at a time. What crosses from layer to layer is the
  * boundary: every window's rows of hidden state, per model, in memory where the budget allows,
- * else in two files of the work directory (read from one, written to the other, so that the file
- * of the last finished layer is intact until the next one is).
+ * else in two mapped files of the work directory (the engine's boundary store: read from one,
+ * written to the other, so that the file of the last finished layer is intact until the next one
+ * is).
  *
  * Each window runs its layer exactly as the whole-model forward runs it (mq_forward_layers on the
  * window's rows from position 0, its own KV cache), and the scores come from the same
