@@ -8,6 +8,7 @@
  *    same bytes as one in memory, and both equal a plain loop over the rows;
  *  - Ctrl-C between layers stops the loop before the next layer with the client's message; an
  *    item's failure comes back with its own message;
+ *  - progress: units added on any worker all counted, printed by the caller, capped at the total;
  *  - loading: the lazy model's layer is loaded during its step and released after it, read ahead
  *    or not (the bundled olmoe-tiny). */
 #define _GNU_SOURCE
@@ -280,5 +281,43 @@ static void test_layers_loaded_one_at_a_time(void) {
     }
 }
 
-TEST_MAIN(T(test_every_item_through_layer_l_first), T(test_spilled_boundary_equals_memory),
+/* ---- progress ------------------------------------------------------------------------------- */
+static int64_t g_calls, g_last_done, g_last_total;
+
+static void on_progress(void *user, const char *label, int64_t done, int64_t total) {
+    (void)user;
+    ASSERT_EQ_STR("test", label);
+    g_calls++;
+    g_last_done = done;
+    g_last_total = total;
+}
+
+static mq_engine_progress g_pr;
+
+static moeq_status progress_item(void *user, int64_t item, int worker) {
+    (void)user, (void)item, (void)worker;
+    mq_engine_progress_add(&g_pr, 2);
+    return MOEQ_OK;
+}
+
+static void test_progress_counts_every_thread(void) {
+    moeq_set_progress(on_progress, NULL);
+    mq_engine_progress_init(&g_pr, "test", 100);
+    ASSERT_OK(mq_engine_items(40, 4, progress_item, NULL));
+    /* 40 items of 2 units, on 4 workers: every unit counted, printed by the caller's thread only
+     * (the items it ran itself, if any) */
+    ASSERT_EQ_INT(80, (int)atomic_load(&g_pr.done));
+    ASSERT_TRUE(g_calls <= 40);
+    mq_engine_progress_add(&g_pr, 0);
+    ASSERT_EQ_INT(80, (int)g_last_done);
+    ASSERT_EQ_INT(100, (int)g_last_total);
+    /* 80 done, 60 of them since the mark, in 3 s: 20 left take 1 s */
+    ASSERT_NEAR(1.0, mq_engine_progress_eta(&g_pr, 20, 3.0), 1e-12);
+    mq_engine_progress_add(&g_pr, 50);
+    ASSERT_EQ_INT(100, (int)g_last_done);   /* an estimate that falls short stops at the total */
+    ASSERT_NEAR(0.0, mq_engine_progress_eta(&g_pr, 20, 3.0), 1e-12);
+    moeq_set_progress(NULL, NULL);
+}
+
+TEST_MAIN(T(test_progress_counts_every_thread), T(test_every_item_through_layer_l_first), T(test_spilled_boundary_equals_memory),
           T(test_interrupt_stops_between_layers), T(test_layers_loaded_one_at_a_time))

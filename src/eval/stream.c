@@ -840,6 +840,7 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
     double flops_done = 0;
     mq_mem_watch_start();
     mq_engine_progress_init(&S.progress, "eval", rows_total);
+    mq_progress("eval", 0, rows_total);
     if (!s && first == 0) s = mq_engine_items(c->w_hi - c->w_lo, S.n_workers, embed_item, &S);
     int max_layers = 0;
     for (int k = 0; k < S.nm; k++)

@@ -187,9 +187,9 @@ typedef struct mq_pipe {
      * 0 alone has the writer and the work directory (p->w NULL elsewhere) */
     int rank, ranks;
     int64_t s_lo, s_hi;           /* the samples whose FFN outputs this rank computes */
-    /* progress, in the plan's estimated MFLOP */
-    int64_t units_done, units_total;
-    int64_t units_run0;           /* units_done when this run's first layer began (the rate of
+    /* progress, in the plan's estimated MFLOP (the engine's counter) */
+    mq_engine_progress progress;
+    int64_t units_run0;           /* units done when this run's first layer began (the rate of
                                      the ETA counts this run's work only, not resumed layers) */
     struct {
         int64_t attention_sample;   /* one sample through a layer's attention */

@@ -23,9 +23,7 @@
 #include "pipeline/layer_internal.h"
 
 void mq_pipe_progress(mq_pipe *p, int64_t units) {
-    p->units_done += units;
-    if (p->units_done > p->units_total) p->units_done = p->units_total;
-    mq_progress("quantize", p->units_done, p->units_total);
+    mq_engine_progress_add(&p->progress, units);
 }
 
 moeq_status mq_pipe_check_interrupt(void) {

@@ -358,8 +358,7 @@ static void sum_modules(mq_pipe *p) {
 static void log_layer(const mq_pipe *p, int l, double t_start) {
     const mq_layer_report *lr = &p->layers[l];
     double el = mq_now() - t_start;
-    const int64_t ran = p->units_done - p->units_run0;
-    double left = ran > 0 ? el * (double)(p->units_total - p->units_done) / (double)ran : 0;
+    double left = mq_engine_progress_eta(&p->progress, p->units_run0, el);
     char chunks[48] = "";
     if (lr->chunks > 0) snprintf(chunks, sizeof chunks, ", %d expert chunk%s", lr->chunks, lr->chunks > 1 ? "s" : "");
     char ranks[96] = "";
@@ -444,7 +443,7 @@ static moeq_status run(mq_pipe *p) {
     p->res->layers_resumed = start;
     /* the units of the finished layers count as done */
     for (int l = 0; l < start; l++)
-        p->units_done += p->units_total / (n_layers > 0 ? n_layers : 1);
+        atomic_fetch_add(&p->progress.done, p->progress.total / (n_layers > 0 ? n_layers : 1));
     if (p->calibrate && start < n_layers) {
         s = alloc_activations(p);
         int snap = 0;   /* the snapshot's layer: the layers from there to start are replayed */
@@ -489,7 +488,7 @@ static moeq_status run(mq_pipe *p) {
     }
     int end = o->stop_after > 0 && start + o->stop_after < n_layers ? start + o->stop_after : n_layers;
     const double t_layers = mq_now();   /* after any recomputation of finished layers */
-    p->units_run0 = p->units_done;
+    p->units_run0 = atomic_load(&p->progress.done);
     p->t_layers = t_layers;
     if (!s) s = run_layers(p, start, end, false);
     if (!s) s = mq_work_snapshot_wait(p);   /* a run that stops early (--stop-after) names it */
@@ -620,6 +619,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     if (s) return s;
     mq_pipe pp, *p = &pp;
     memset(p, 0, sizeof *p);
+    mq_engine_progress_init(&p->progress, "quantize", 0);   /* the plan adds its units */
     p->o = o;
     p->res = &res;
     p->lock_fd = -1;

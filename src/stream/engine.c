@@ -17,13 +17,21 @@ void mq_engine_progress_init(mq_engine_progress *pr, const char *label, int64_t 
     atomic_store(&pr->done, 0);
     pr->total = total;
     pr->caller = pthread_self();
-    mq_progress(label, 0, total);
 }
 
 void mq_engine_progress_add(mq_engine_progress *pr, int64_t units) {
-    const int64_t done = atomic_fetch_add(&pr->done, units) + units;
+    int64_t done = atomic_fetch_add(&pr->done, units) + units;
+    /* a plan's estimate of the units may fall short: never past the total */
+    if (done > pr->total) done = pr->total;
     /* the callback is the caller's: printed from its thread only, the others' rows counted */
     if (pthread_equal(pthread_self(), pr->caller)) mq_progress(pr->label, done, pr->total);
+}
+
+double mq_engine_progress_eta(const mq_engine_progress *pr, int64_t mark, double elapsed) {
+    int64_t done = atomic_load(&pr->done);
+    if (done > pr->total) done = pr->total;
+    const int64_t ran = done - mark;
+    return ran > 0 ? elapsed * (double)(pr->total - done) / (double)ran : 0;
 }
 
 /* ---- items over the pool ------------------------------------------------------------------- */

@@ -51,8 +51,12 @@ typedef struct {
     pthread_t caller;
 } mq_engine_progress;
 
+/* Counts from 0 of total (more may be added to total before the first unit); the calling thread
+ * is the one that prints. */
 void mq_engine_progress_init(mq_engine_progress *pr, const char *label, int64_t total);
 void mq_engine_progress_add(mq_engine_progress *pr, int64_t units);
+/* Seconds left at the rate since `mark` units were done, `elapsed` seconds ago (0 before any). */
+double mq_engine_progress_eta(const mq_engine_progress *pr, int64_t mark, double elapsed);
 
 /* ---- items over the pool ------------------------------------------------------------------- */
 /* fn(user, item, worker) for items [0, n), each once, on `workers` tasks taking items in turn
