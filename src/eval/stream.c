@@ -752,7 +752,8 @@ static moeq_status layer_done(void *user, int l, double dt) {
 static moeq_status run_layers(stream *S, int first, int max_layers) {
     mq_engine_client e = {
         .user = S, .n_streams = S->nm, .first = first, .end = max_layers, .parts = layer_parts,
-        .layer_done = layer_done, .n_items = S->c->w_hi - S->c->w_lo, .workers = S->n_workers};
+        .layer_done = layer_done, .n_items = S->c->w_hi - S->c->w_lo, .workers = S->n_workers,
+        .interrupt_msg = "eval interrupted"};   /* before a layer's load, too */
     for (int k = 0; k < S->nm; k++) {
         e.n_layers[k] = S->m[k]->cfg.n_layers;
         e.lz[k] = S->lz[k];
