@@ -1,12 +1,16 @@
 /*
- * The streamed evaluation forward: models opened with moeq_model_options.stream never sit in
- * memory whole. Every window goes through layer l before any goes through layer l + 1; the layer's
+ * The streamed evaluation forward, a client of the streaming engine (stream/engine.h): models
+ * opened with moeq_model_options.stream never sit in memory whole. The engine runs the layers
+ * (loading each, reading the next ahead on the GPU, swapping the boundary's files); this file
+ * brings what is eval's: the windows' embedding, each window's layer, the scores, the plan, the
+ * work directory and its resume. Every window goes through layer l before any goes through layer l + 1; the layer's
  * weights are read (packed or converted to fp32, as a whole load would) when the pass starts and
  * freed when it ends. A kl_base runs in lockstep: layer l of the base, then layer l of the model,
  * so one layer of one model is resident at a time. What crosses from layer to layer is the
  * boundary: every window's rows of hidden state, per model, in memory where the budget allows,
- * else in two files of the work directory (read from one, written to the other, so that the file
- * of the last finished layer is intact until the next one is).
+ * else in two mapped files of the work directory (the engine's boundary store: read from one,
+ * written to the other, so that the file of the last finished layer is intact until the next one
+ * is).
  *
  * Each window runs its layer exactly as the whole-model forward runs it (mq_forward_layers on the
  * window's rows from position 0, its own KV cache), and the scores come from the same
@@ -21,7 +25,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
@@ -34,6 +37,7 @@
 
 #include "eval/eval_gpu.h"
 #include "eval/eval_run.h"
+#include "stream/engine.h"
 
 #define RECORD "eval-stream.json"
 enum { MAX_MODELS = 2 };
@@ -44,24 +48,20 @@ static double g_snapshot_seconds = 60.0;
 void mq_eval_set_snapshot_seconds(double s);   /* tests */
 void mq_eval_set_snapshot_seconds(double s) { g_snapshot_seconds = s; }
 
-/* One model's boundary: rows x D fp32, in memory or in two files (cur: the input of the layer
- * being run; its outputs go to the other). */
+/* One model's boundary: rows x D fp32 (the engine's store, stream/boundary.h), in memory (buf[0],
+ * updated in place) or in two mapped files of the work directory (buf[0]: the input of the layer
+ * being run; its outputs go to buf[1]; the engine swaps them after the layer). */
 typedef struct {
     bool ram;
-    float *f;
-    int fd[2];
-    char *path[2];
-    int cur;
+    mq_actbuf buf[2];
 } boundary;
 
 typedef struct {
     mq_state *st[MAX_MODELS];
     bool st_fp32[MAX_MODELS];   /* the state has the fp32 routed experts' scratch */
-    float *x;                   /* [L, Dmax]: a window's rows read from a file */
+    float *x;                   /* [L, Dmax]: a window's rows copied from a file */
     int32_t *ids;               /* [L] */
 } worker;
-
-typedef enum { PASS_EMBED, PASS_LAYER, PASS_SCORE } pass_kind;
 
 typedef struct {
     mq_eval_ctx *c;
@@ -75,14 +75,8 @@ typedef struct {
     boundary B[MAX_MODELS];
     worker *W;
     int n_workers;
-    /* the pass being run */
-    pass_kind kind;
-    int layer, which;
-    atomic_int_fast64_t next;
     /* progress in rows: rows x (layers of every model) + the scored rows */
-    atomic_int_fast64_t rows_done;
-    int64_t rows_total;
-    pthread_t caller;
+    mq_engine_progress progress;
     /* work directory */
     char *dir;
     bool dir_made;
@@ -90,24 +84,19 @@ typedef struct {
     int lock_fd;
     char identity[17];
     int layers_done, durable_layers;
-    double since_durable;
+    double since_durable, t_forward;
     /* --device cuda (eval_gpu.h): the layers and the scoring on the GPU; -1: the CPU */
     int gpu_precision;
     mq_eval_gpu *gpu;
     bool pinned[MAX_MODELS];   /* the memory boundary page-locked for the device's copies */
     bool resident;             /* the boundary on the device (mq_eval_gpu_resident_begin) */
-    float *stage;              /* a group's rows read from files */
+    float *stage;              /* a group's rows copied from files */
 } stream;
 
 /* ---- boundary storage ---------------------------------------------------------------------- */
 static void boundary_free(boundary *b) {
-    mq_free(b->f);
-    for (int i = 0; i < 2; i++) {
-        if (b->fd[i] >= 0) close(b->fd[i]);
-        free(b->path[i]);
-    }
-    memset(b, 0, sizeof *b);
-    b->fd[0] = b->fd[1] = -1;
+    for (int i = 0; i < 2; i++) mq_actbuf_free(&b->buf[i]);
+    b->ram = false;
 }
 
 static moeq_status work_dir_make(stream *S);
@@ -116,59 +105,40 @@ static moeq_status boundary_init(stream *S, int k, bool ram) {
     boundary *b = &S->B[k];
     const size_t n = (size_t)S->rows * (size_t)S->D[k];
     b->ram = ram;
-    if (ram) {
-        b->f = mq_alloc_array(n, sizeof(float), "eval boundary activations");
-        return b->f ? MOEQ_OK : MOEQ_E_NOMEM;
-    }
+    if (ram) return mq_actbuf_init(&b->buf[0], MQ_ACT_RAM, n, NULL, "eval boundary activations");
     moeq_status s = work_dir_make(S);
-    if (s) return s;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2 && !s; i++) {
         char name[64];
         snprintf(name, sizeof name, "boundary-%d-%c.f32", k, 'a' + i);
-        b->path[i] = mq_path_join(S->dir, name);
-        if (!b->path[i]) return mq_err(MOEQ_E_NOMEM, "out of memory");
-        b->fd[i] = open(b->path[i], O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-        if (b->fd[i] < 0)
-            return mq_err(MOEQ_E_IO, "%s: cannot create: %s", b->path[i], strerror(errno));
-        if (ftruncate(b->fd[i], (off_t)(n * sizeof(float))) != 0)
-            return mq_err(MOEQ_E_IO, "%s: cannot size to %zu bytes: %s", b->path[i],
-                          n * sizeof(float), strerror(errno));
+        char *path = mq_path_join(S->dir, name);
+        /* kept: a later --resume continues from the file the record names */
+        s = path ? mq_actbuf_open_kept(&b->buf[i], n, path, "eval boundary activations")
+                 : mq_err(MOEQ_E_NOMEM, "out of memory");
+        free(path);
     }
-    return MOEQ_OK;
+    return s;
 }
 
-/* The rows [r0, r0 + n) of model k's boundary: a pointer into memory, or read into scratch. */
-static moeq_status boundary_get(stream *S, int k, int64_t r0, int64_t n, float *scratch,
-                                float **x) {
+/* The rows [r0, r0 + n) of model k's boundary: a pointer into memory, or copied into scratch
+ * (a file's rows are the last finished layer's: never changed in place). */
+static float *boundary_get(stream *S, int k, int64_t r0, int64_t n, float *scratch) {
     boundary *b = &S->B[k];
     const size_t D = (size_t)S->D[k];
-    if (b->ram) {
-        *x = b->f + (size_t)r0 * D;
-        return MOEQ_OK;
-    }
-    *x = scratch;
-    return mq_pread_all(b->fd[b->cur], scratch, (size_t)n * D * sizeof(float),
-                        (int64_t)((size_t)r0 * D * sizeof(float)), b->path[b->cur]);
+    float *at = b->buf[0].f + (size_t)r0 * D;
+    if (b->ram) return at;
+    memcpy(scratch, at, (size_t)n * D * sizeof(float));
+    return scratch;
 }
 
-/* Stores a layer's output rows (in memory they were updated in place). */
-static moeq_status boundary_put(stream *S, int k, int64_t r0, int64_t n, const float *x, bool next) {
+/* Stores a layer's output rows into the next file (in memory they were updated in place). */
+static void boundary_put(stream *S, int k, int64_t r0, int64_t n, const float *x) {
     boundary *b = &S->B[k];
-    if (b->ram) return MOEQ_OK;
-    const int f = next ? 1 - b->cur : b->cur;
+    if (b->ram) return;
     const size_t D = (size_t)S->D[k];
-    return mq_pwrite_all(b->fd[f], x, (size_t)n * D * sizeof(float),
-                         (int64_t)((size_t)r0 * D * sizeof(float)), b->path[f]);
+    memcpy(b->buf[1].f + (size_t)r0 * D, x, (size_t)n * D * sizeof(float));
 }
 
 /* ---- the passes ------------------------------------------------------------------------------ */
-static bool is_caller(const stream *S) { return pthread_equal(pthread_self(), S->caller) != 0; }
-
-static void report(stream *S, int64_t rows) {
-    int64_t done = atomic_fetch_add(&S->rows_done, rows) + rows;
-    if (is_caller(S)) mq_progress("eval", done, S->rows_total);
-}
-
 /* The state of worker w for model k, with the fp32 experts' scratch when layer l needs it. */
 static moeq_status worker_state(stream *S, worker *w, int k, int l, mq_state **out) {
     const moeq_model *m = S->m[k];
@@ -186,82 +156,67 @@ static moeq_status worker_state(stream *S, worker *w, int k, int l, mq_state **o
     return MOEQ_OK;
 }
 
-static moeq_status run_window(stream *S, worker *w, int64_t wi, int t) {
+/* The embedding of window item's tokens into every model's boundary (an engine item). */
+static moeq_status embed_item(void *user, int64_t item, int t) {
+    stream *S = user;
     mq_eval_ctx *c = S->c;
+    worker *w = &S->W[t];
+    const int64_t wi = c->w_lo + item;
     const mq_window *win = &c->win[wi];
-    const int64_t r0 = S->row0[wi - c->w_lo], n = win->n_input, ns = win->n_score;
+    const int64_t r0 = S->row0[item], n = win->n_input;
     moeq_status s = MOEQ_OK;
-    if (S->kind == PASS_EMBED) {
-        mq_window_input(win, c->tok[c->win_doc[wi]], c->prefix, w->ids);
-        for (int k = 0; k < S->nm && !s; k++) {
-            float *x = S->B[k].ram ? S->B[k].f + (size_t)r0 * (size_t)S->D[k] : w->x;
-            s = S->lz[k] ? mq_lazy_embed(S->lz[k], w->ids, n, x) : mq_embed(S->m[k], w->ids, n, x);
-            if (!s) s = boundary_put(S, k, r0, n, x, false);
-        }
-        return s;
+    mq_window_input(win, c->tok[c->win_doc[wi]], c->prefix, w->ids);
+    for (int k = 0; k < S->nm && !s; k++) {
+        float *x = S->B[k].buf[0].f + (size_t)r0 * (size_t)S->D[k];   /* memory or the mapped file */
+        s = S->lz[k] ? mq_lazy_embed(S->lz[k], w->ids, n, x) : mq_embed(S->m[k], w->ids, n, x);
     }
-    if (S->kind == PASS_LAYER) {
-        const int k = S->which;
-        float *x = NULL;
-        mq_state *st = NULL;
-        s = worker_state(S, w, k, S->layer, &st);
-        if (!s) s = boundary_get(S, k, r0, n, w->x, &x);
-        if (!s) s = mq_forward_layers(S->m[k], st, x, n, 0, S->layer, S->layer + 1, NULL);
-        if (!s) s = boundary_put(S, k, r0, n, x, true);
-        report(S, n);
-        return s;
+    return s ? mq_err_prefix(s, "document %lld", (long long)c->win_doc[wi] + 1) : MOEQ_OK;
+}
+
+/* Window item through layer l of model k (the engine's run_item): the whole-model forward's
+ * mq_forward_layers on the window's rows from position 0, its own KV cache. */
+static moeq_status layer_item(void *user, int k, int l, int64_t item, int t) {
+    stream *S = user;
+    mq_eval_ctx *c = S->c;
+    worker *w = &S->W[t];
+    const int64_t wi = c->w_lo + item;
+    const int64_t r0 = S->row0[item], n = c->win[wi].n_input;
+    mq_state *st = NULL;
+    moeq_status s = worker_state(S, w, k, l, &st);
+    if (!s) {
+        float *x = boundary_get(S, k, r0, n, w->x);
+        s = mq_forward_layers(S->m[k], st, x, n, 0, l, l + 1, NULL);
+        if (!s) boundary_put(S, k, r0, n, x);
     }
-    /* scoring: the final norm of the scored rows, then the window's scores */
+    mq_engine_progress_add(&S->progress, n);
+    if (s)
+        return mq_err_prefix(s, "%s, layer %d, document %lld", k ? "KL base" : "model", l,
+                             (long long)c->win_doc[wi] + 1);
+    return MOEQ_OK;
+}
+
+/* Scoring window item: the final norm of the scored rows, then the window's scores. */
+static moeq_status score_item(void *user, int64_t item, int t) {
+    stream *S = user;
+    mq_eval_ctx *c = S->c;
+    worker *w = &S->W[t];
+    const int64_t wi = c->w_lo + item;
+    const mq_window *win = &c->win[wi];
+    const int64_t r0 = S->row0[item], n = win->n_input, ns = win->n_score;
     mq_eval_scratch *sc = &c->sc[t];
     float *x[MAX_MODELS] = {NULL, NULL};
-    s = mq_eval_scoring_init(c, sc);
+    moeq_status s = mq_eval_scoring_init(c, sc);
     for (int k = 0; k < S->nm && !s; k++) {
-        s = boundary_get(S, k, r0 + n - ns, ns, w->x + (size_t)k * (size_t)c->L * (size_t)S->Dmax, &x[k]);
-        if (!s) mq_final_norm(S->m[k], x[k], ns);
+        x[k] = boundary_get(S, k, r0 + n - ns, ns, w->x + (size_t)k * (size_t)c->L * (size_t)S->Dmax);
+        mq_final_norm(S->m[k], x[k], ns);
     }
     if (!s) s = mq_eval_score_window(c, sc, wi, x[0], S->nm > 1 ? x[1] : NULL);
     if (!s) {
         c->win_done[wi] = 1;
         atomic_fetch_add(&c->tokens_done, ns);
     }
-    report(S, ns);
-    return s;
-}
-
-/* Task t of n_workers: windows in turn from the shared counter, on worker t's scratch. */
-static void pass_task(void *ctx, int64_t t, int thread) {
-    (void)thread;
-    stream *S = ctx;
-    mq_eval_ctx *c = S->c;
-    for (;;) {
-        if (atomic_load(&c->failed) || moeq_interrupted()) return;
-        int64_t wi = c->w_lo + atomic_fetch_add(&S->next, 1);
-        if (wi >= c->w_hi) return;
-        moeq_status s = run_window(S, &S->W[t], wi, (int)t);
-        if (s) {
-            const int64_t d = c->win_doc[wi];
-            mq_eval_task_fail(c, S->kind == PASS_LAYER
-                                     ? mq_err_prefix(s, "%s, layer %d, document %lld",
-                                                     S->which ? "KL base" : "model", S->layer,
-                                                     (long long)d + 1)
-                                     : mq_err_prefix(s, "document %lld", (long long)d + 1));
-            return;
-        }
-    }
-}
-
-static moeq_status run_pass(stream *S, pass_kind kind, int layer, int which) {
-    S->kind = kind;
-    S->layer = layer;
-    S->which = which;
-    atomic_store(&S->next, 0);
-    /* Fewer windows than threads: one window at a time with the whole pool inside its forward
-     * (the forward's results do not depend on the thread count), instead of idle threads. */
-    if (S->c->w_hi - S->c->w_lo < S->n_workers) pass_task(S, 0, 0);
-    else mq_parallel_for(S->n_workers, pass_task, S);
-    if (atomic_load(&S->c->failed)) return mq_err(S->c->err, "%s", S->c->errmsg);
-    if (moeq_interrupted()) return MOEQ_E_INTERRUPTED;
-    return MOEQ_OK;
+    mq_engine_progress_add(&S->progress, ns);
+    return s ? mq_err_prefix(s, "document %lld", (long long)c->win_doc[wi] + 1) : MOEQ_OK;
 }
 
 /* ---- the plan ---------------------------------------------------------------------------- */
@@ -552,16 +507,16 @@ static moeq_status layer_durable(stream *S, int layers_done, double layer_second
     if (sd) return sd;
     for (int k = 0; k < S->nm; k++) {
         boundary *b = &S->B[k];
-        if (!b->ram) {
-            if (fdatasync(b->fd[b->cur]) != 0)
-                return mq_err(MOEQ_E_IO, "%s: sync failed: %s", b->path[b->cur], strerror(errno));
-            files[k] = base_name(b->path[b->cur]);
+        if (!b->ram) {   /* the engine swapped the pair: buf[0] holds the finished layer's rows */
+            moeq_status s = mq_actbuf_sync(&b->buf[0]);
+            if (s) return s;
+            files[k] = base_name(b->buf[0].path);
             continue;
         }
         snprintf(snap[k], sizeof snap[k], "snapshot-%d.f32", k);
         char *p = mq_path_join(S->dir, snap[k]);
         if (!p) return mq_err(MOEQ_E_NOMEM, "out of memory");
-        moeq_status s = snapshot_write(p, b->f, (size_t)S->rows * (size_t)S->D[k] * sizeof(float));
+        moeq_status s = snapshot_write(p, b->buf[0].f, (size_t)S->rows * (size_t)S->D[k] * sizeof(float));
         free(p);
         if (s) return s;
         files[k] = snap[k];
@@ -634,19 +589,17 @@ static moeq_status resume_apply(stream *S, char *files[MAX_MODELS]) {
         if (b->ram) {
             int fd = open(fp, O_RDONLY | O_CLOEXEC);
             s = fd < 0 ? mq_err(MOEQ_E_IO, "%s: cannot open: %s", fp, strerror(errno))
-                       : mq_pread_all(fd, b->f, bytes, 0, fp);
+                       : mq_pread_all(fd, b->buf[0].f, bytes, 0, fp);
             if (fd >= 0) close(fd);
-        } else {
-            /* the named file becomes the current one of the pair */
-            if (strcmp(fp, b->path[0]) == 0) b->cur = 0;
-            else if (strcmp(fp, b->path[1]) == 0) b->cur = 1;
-            else if (rename(fp, b->path[0]) != 0) s = mq_err(MOEQ_E_IO, "%s: cannot rename: %s", fp, strerror(errno));
-            else {
-                close(b->fd[0]);
-                b->fd[0] = open(b->path[0], O_RDWR | O_CLOEXEC);
-                b->cur = 0;
-                if (b->fd[0] < 0) s = mq_err(MOEQ_E_IO, "%s: cannot open: %s", b->path[0], strerror(errno));
-            }
+        } else if (strcmp(fp, b->buf[1].path) == 0) {   /* the named file becomes the current one */
+            mq_actbuf_swap(&b->buf[0], &b->buf[1]);
+        } else if (strcmp(fp, b->buf[0].path) != 0) {   /* a snapshot takes the current file's place */
+            char *path = mq_strdup(b->buf[0].path);
+            mq_actbuf_free(&b->buf[0]);
+            if (!path) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+            else if (rename(fp, path) != 0) s = mq_err(MOEQ_E_IO, "%s: cannot rename: %s", fp, strerror(errno));
+            else s = mq_actbuf_open_kept(&b->buf[0], bytes / sizeof(float), path, "eval boundary activations");
+            free(path);
         }
     }
     return s;
@@ -654,7 +607,7 @@ static moeq_status resume_apply(stream *S, char *files[MAX_MODELS]) {
 
 static void stream_free(stream *S, bool remove_dir) {
     for (int k = 0; k < MAX_MODELS; k++)
-        if (S->pinned[k]) mq_eval_gpu_unpin(S->B[k].f);
+        if (S->pinned[k]) mq_eval_gpu_unpin(S->B[k].buf[0].f);
     mq_free(S->stage);
     mq_eval_gpu_close(S->gpu);
     for (int i = 0; S->W && i < S->n_workers; i++) {
@@ -687,7 +640,7 @@ static moeq_status stream_setup(stream *S, mq_eval_ctx *c) {
     S->c = c;
     S->lock_fd = -1;
     S->gpu_precision = -1;
-    for (int k = 0; k < MAX_MODELS; k++) S->B[k].fd[0] = S->B[k].fd[1] = -1;
+    for (int k = 0; k < MAX_MODELS; k++) S->B[k].buf[0].fd = S->B[k].buf[1].fd = -1;
     S->m[0] = c->m;
     S->nm = 1;
     if (c->base) S->m[S->nm++] = c->base;
@@ -731,7 +684,8 @@ static moeq_status head_load(stream *S, int k, bool load) {
 /* ---- the GPU's passes (eval_gpu.h) --------------------------------------------------------- */
 /* Every window through layer l of model k on the device, in groups of whole windows whose rows
  * are consecutive in the boundary. */
-static moeq_status gpu_layer_pass(stream *S, int k, int l) {
+static moeq_status gpu_layer_pass(void *user, int k, int l) {
+    stream *S = user;
     mq_eval_ctx *c = S->c;
     const int64_t cap = mq_eval_gpu_group_rows(S->gpu);
     moeq_status s = MOEQ_OK;
@@ -741,68 +695,82 @@ static moeq_status gpu_layer_pass(stream *S, int k, int l) {
         for (w1 = w0 + 1; w1 < c->w_hi && S->row0[w1 + 1 - lo] - S->row0[w0 - lo] <= cap; w1++) {
         }
         const int64_t r0 = S->row0[w0 - lo], n = S->row0[w1 - lo] - r0;
-        float *x = NULL;
         if (S->resident) {
             s = mq_eval_gpu_layer_run_at(S->gpu, w0, w1, NULL, r0);
         } else {
-            s = boundary_get(S, k, r0, n, S->stage, &x);
-            if (!s) s = mq_eval_gpu_layer_run(S->gpu, w0, w1, x);
-            if (!s) s = boundary_put(S, k, r0, n, x, true);
+            float *x = boundary_get(S, k, r0, n, S->stage);
+            s = mq_eval_gpu_layer_run(S->gpu, w0, w1, x);
+            if (!s) boundary_put(S, k, r0, n, x);
         }
         if (s)
             return mq_err_prefix(s, "%s, layer %d, documents %lld..%lld", k ? "KL base" : "model", l,
                                  (long long)c->win_doc[w0] + 1, (long long)c->win_doc[w1 - 1] + 1);
-        report(S, n);
+        mq_engine_progress_add(&S->progress, n);
     }
     return s;
 }
 
-/* The layers [first, max_layers) of every model on the device, in stream.c's lockstep order (the
- * base's layer l, then the model's). Each layer's weights are read on the host, go up, and are
- * freed there; the next one's are read ahead (mq_lazy_ahead) while the device runs this one. */
-static moeq_status gpu_layers(stream *S, int first, int max_layers, double *t_forward) {
-    typedef struct {
-        int l, k;
-    } step;
-    step *steps = malloc(sizeof *steps * (size_t)(max_layers > first ? (max_layers - first) * S->nm : 1));
-    if (!steps) return mq_err(MOEQ_E_NOMEM, "out of memory");
-    int n = 0;
-    for (int l = first; l < max_layers; l++)
-        for (int kk = S->nm - 1; kk >= 0; kk--)
-            if (l < S->m[kk]->cfg.n_layers) steps[n++] = (step){l, kk};
-    mq_lazy_ahead *ahead = NULL;
+/* The engine's callbacks: the parts of a layer it loads (on the GPU: the experts' codes are the
+ * device's), what the device does around the rows, and after layer l of every model. */
+static unsigned layer_parts(void *user, int k, int l) {
+    stream *S = user;
+    return S->gpu ? mq_eval_gpu_layer_parts(S->gpu, k, l) : MQ_PART_LAYER;
+}
+
+static moeq_status gpu_layer_begin(void *user, int k, int l) {
+    stream *S = user;
+    return mq_eval_gpu_layer_begin(S->gpu, k, l);
+}
+
+static void gpu_layer_end(void *user, int k, int l) {
+    (void)k, (void)l;
+    stream *S = user;
+    mq_eval_gpu_layer_end(S->gpu);
+}
+
+static void cpu_layer_end(void *user, int k, int l) {
+    stream *S = user;
+    for (int i = 0; i < S->n_workers; i++)
+        if (S->W[i].st[k]) mq_state_drop_layer(S->W[i].st[k], l);
+}
+
+static moeq_status layer_done(void *user, int l, double dt) {
+    stream *S = user;
+    S->t_forward += dt;
+    S->layers_done = l + 1;
     moeq_status s = MOEQ_OK;
-    double t0 = mq_now();
-    for (int i = 0; i < n && !s; i++) {
-        const int l = steps[i].l, kk = steps[i].k, E = S->m[kk]->cfg.n_experts;
-        mq_lazy_model *lz = S->lz[kk];
-        if (ahead) s = mq_lazy_ahead_finish(ahead, NULL, NULL);   /* this step's, read ahead */
-        ahead = NULL;
-        const unsigned parts = mq_eval_gpu_layer_parts(S->gpu, kk, l);   /* the experts' codes: the GPU's */
-        if (!s && lz) s = mq_lazy_load(lz, l, parts, 0, E);
-        if (!s) s = mq_eval_gpu_layer_begin(S->gpu, kk, l);
-        if (lz) mq_lazy_release(lz, l, parts, 0, E);   /* on the device now */
-        if (!s && i + 1 < n && S->lz[steps[i + 1].k])
-            s = mq_lazy_ahead_start(S->lz[steps[i + 1].k], steps[i + 1].l,
-                                    mq_eval_gpu_layer_parts(S->gpu, steps[i + 1].k, steps[i + 1].l), 0,
-                                    S->m[steps[i + 1].k]->cfg.n_experts, &ahead);
-        if (!s) s = gpu_layer_pass(S, kk, l);
-        mq_eval_gpu_layer_end(S->gpu);
-        if (!S->B[kk].ram) S->B[kk].cur = 1 - S->B[kk].cur;
-        if (!s && (i + 1 == n || steps[i + 1].l != l)) {   /* layer l of every model */
-            const double dt = mq_now() - t0;
-            t0 = mq_now();
-            *t_forward += dt;
-            S->layers_done = l + 1;
-            /* a snapshot of the boundary is due: the device's rows come back first */
-            if (S->resident && S->since_durable + dt >= g_snapshot_seconds)
-                for (int k = 0; k < S->nm && !s; k++) s = mq_eval_gpu_resident_read(S->gpu, k, S->B[k].f);
-            if (!s) s = layer_durable(S, l + 1, dt);
-        }
+    /* a snapshot of the boundary is due: the device's rows come back first */
+    if (S->resident && S->since_durable + dt >= g_snapshot_seconds)
+        for (int k = 0; k < S->nm && !s; k++) s = mq_eval_gpu_resident_read(S->gpu, k, S->B[k].buf[0].f);
+    return s ? s : layer_durable(S, l + 1, dt);
+}
+
+/* Layers [first, max_layers) of every model through the engine: in lockstep (the base's layer l,
+ * then the model's; a kl_base may have a different depth: each model runs the layers it has),
+ * every window through a layer on the CPU's workers, or the device's groups of windows with the
+ * next layer read ahead while the device runs this one. */
+static moeq_status run_layers(stream *S, int first, int max_layers) {
+    mq_engine_client e = {
+        .user = S, .n_streams = S->nm, .first = first, .end = max_layers, .parts = layer_parts,
+        .layer_done = layer_done, .n_items = S->c->w_hi - S->c->w_lo, .workers = S->n_workers,
+        .interrupt_msg = "eval interrupted"};   /* before a layer's load, too */
+    for (int k = 0; k < S->nm; k++) {
+        e.n_layers[k] = S->m[k]->cfg.n_layers;
+        e.lz[k] = S->lz[k];
+        e.cur[k] = &S->B[k].buf[0];
+        e.next[k] = &S->B[k].buf[1];
     }
-    if (ahead) mq_lazy_ahead_cancel(ahead);
-    free(steps);
-    return s;
+    if (S->gpu) {
+        e.release_after_begin = true;   /* on the device now */
+        e.read_ahead = true;
+        e.begin_layer = gpu_layer_begin;
+        e.run_layer = gpu_layer_pass;
+        e.end_layer = gpu_layer_end;
+    } else {
+        e.run_item = layer_item;
+        e.end_layer = cpu_layer_end;
+    }
+    return mq_engine_run(&e);
 }
 
 /* Every window's scores on the device, windows in order. */
@@ -814,14 +782,14 @@ static moeq_status gpu_score_pass(stream *S) {
         const mq_window *win = &c->win[wi];
         const int64_t r0 = S->row0[wi - c->w_lo], n = win->n_input, ns = win->n_score;
         float *x[MAX_MODELS] = {NULL, NULL};
-        for (int k = 0; k < S->nm && !s; k++)
-            s = boundary_get(S, k, r0 + n - ns, ns, S->W[0].x + (size_t)k * (size_t)c->L * (size_t)S->Dmax, &x[k]);
+        for (int k = 0; k < S->nm; k++)
+            x[k] = boundary_get(S, k, r0 + n - ns, ns, S->W[0].x + (size_t)k * (size_t)c->L * (size_t)S->Dmax);
         if (!s) s = mq_eval_gpu_score_window(S->gpu, wi, x[0], S->nm > 1 ? x[1] : NULL);
         if (!s) {
             c->win_done[wi] = 1;
             atomic_fetch_add(&c->tokens_done, ns);
         }
-        report(S, ns);
+        mq_engine_progress_add(&S->progress, ns);
     }
     return s;
 }
@@ -830,7 +798,6 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
     stream S;
     bool ram[MAX_MODELS] = {true, true};
     moeq_status s = stream_setup(&S, c);
-    S.caller = pthread_self();
     /* with a GPU, models loaded whole run there too: a stream only where a model is one */
     const bool lazy = S.lz[0] || (S.nm > 1 && S.lz[1]);
     if (!s) s = make_plan(&S, o, res, o->device < 0 || lazy, ram);
@@ -860,7 +827,7 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
     if (!s && S.gpu) {   /* the group's rows go up from, and back into, the boundary or the stage */
         for (int k = 0; k < S.nm; k++)
             if (S.B[k].ram)
-                S.pinned[k] = mq_eval_gpu_pin(S.gpu, S.B[k].f, (size_t)S.rows * (size_t)S.D[k] * sizeof(float));
+                S.pinned[k] = mq_eval_gpu_pin(S.gpu, S.B[k].buf[0].f, (size_t)S.rows * (size_t)S.D[k] * sizeof(float));
         const size_t n = (size_t)mq_eval_gpu_group_rows(S.gpu) * (size_t)S.Dmax;
         if (!(S.stage = mq_alloc_array(n, sizeof(float), "eval GPU group rows"))) s = MOEQ_E_NOMEM;
     }
@@ -869,14 +836,13 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
     res->plan.layers_resumed = first;
     int64_t layer_rows = 0;
     for (int k = 0; k < S.nm; k++) layer_rows += S.rows * (S.m[k]->cfg.n_layers - first);
-    S.rows_total = layer_rows;
-    for (int64_t w = c->w_lo; w < c->w_hi; w++) S.rows_total += c->win[w].n_score;
-    double flops_done = 0, t_forward = 0;
+    int64_t rows_total = layer_rows;
+    for (int64_t w = c->w_lo; w < c->w_hi; w++) rows_total += c->win[w].n_score;
+    double flops_done = 0;
     mq_mem_watch_start();
-    mq_progress("eval", 0, S.rows_total);
-    if (!s && first == 0) s = run_pass(&S, PASS_EMBED, -1, 0);
-    /* Layers in lockstep: the base's layer l, then the model's (a kl_base may have a different
-     * depth: each model runs the layers it has). */
+    mq_engine_progress_init(&S.progress, "eval", rows_total);
+    mq_progress("eval", 0, rows_total);
+    if (!s && first == 0) s = mq_engine_items(c->w_hi - c->w_lo, S.n_workers, embed_item, &S);
     int max_layers = 0;
     for (int k = 0; k < S.nm; k++)
         max_layers = S.m[k]->cfg.n_layers > max_layers ? S.m[k]->cfg.n_layers : max_layers;
@@ -888,31 +854,13 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
         int64_t Dk[MAX_MODELS] = {0, 0};
         for (int k = 0; k < S.nm; k++) {
             all_ram &= S.B[k].ram;
-            host[k] = S.B[k].f;
+            host[k] = S.B[k].buf[0].f;
             Dk[k] = S.D[k];
         }
         S.resident = all_ram && mq_eval_gpu_resident_begin(S.gpu, S.rows, host, Dk);
-        s = gpu_layers(&S, first, max_layers, &t_forward);
-        for (int k = 0; k < S.nm && !s && S.resident; k++) s = mq_eval_gpu_resident_read(S.gpu, k, S.B[k].f);
     }
-    for (int l = first; l < max_layers && !s && !S.gpu; l++) {
-        const double t0 = mq_now();
-        for (int kk = S.nm - 1; kk >= 0 && !s; kk--) {
-            if (l >= S.m[kk]->cfg.n_layers) continue;
-            if (S.lz[kk]) s = mq_lazy_load(S.lz[kk], l, MQ_PART_LAYER, 0, S.m[kk]->cfg.n_experts);
-            if (!s) s = run_pass(&S, PASS_LAYER, l, kk);
-            if (S.lz[kk]) mq_lazy_release(S.lz[kk], l, MQ_PART_LAYER, 0, S.m[kk]->cfg.n_experts);
-            for (int i = 0; i < S.n_workers; i++)
-                if (S.W[i].st[kk]) mq_state_drop_layer(S.W[i].st[kk], l);
-            if (!S.B[kk].ram) S.B[kk].cur = 1 - S.B[kk].cur;
-        }
-        if (!s) {
-            const double dt = mq_now() - t0;
-            t_forward += dt;
-            S.layers_done = l + 1;
-            s = layer_durable(&S, l + 1, dt);
-        }
-    }
+    if (!s) s = run_layers(&S, first, max_layers);
+    for (int k = 0; k < S.nm && !s && S.resident; k++) s = mq_eval_gpu_resident_read(S.gpu, k, S.B[k].buf[0].f);
     for (int k = 0; k < S.nm; k++) {
         const mq_config *cfg = &S.m[k]->cfg;
         for (int64_t w = c->w_lo; w < c->w_hi; w++)
@@ -930,13 +878,13 @@ moeq_status mq_eval_stream(mq_eval_ctx *c, const moeq_eval_options *o, moeq_eval
     if (!s && S.gpu) {
         s = gpu_score_pass(&S);
     } else if (!s) {
-        s = run_pass(&S, PASS_SCORE, -1, 0);
+        s = mq_engine_items(c->w_hi - c->w_lo, S.n_workers, score_item, &S);
     }
     for (int k = 0; k < S.nm; k++) head_load(&S, k, false);
-    mq_progress("eval", atomic_load(&S.rows_done), S.rows_total);
+    mq_progress("eval", atomic_load(&S.progress.done), S.progress.total);
     res->plan.peak_anon_bytes = mq_mem_watch_peak();
     mq_mem_watch_stop();
-    res->plan.forward_gflops = t_forward > 0 ? flops_done / t_forward * 1e-9 : 0;
+    res->plan.forward_gflops = S.t_forward > 0 ? flops_done / S.t_forward * 1e-9 : 0;
     /* keep the work directory where a later --resume has something to continue */
     const bool keep = s && S.durable_layers > 0;
     if (keep)

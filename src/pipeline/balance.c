@@ -470,7 +470,7 @@ moeq_status mq_pipe_balance(mq_pipe *p) {
     moeq_status st = mq_plan_memory(p);
     p->calib.n = n;
     p->calib.total = all_tokens;
-    p->units_total = 0;
+    p->progress.total = 0;
     memset(&p->mp_units, 0, sizeof p->mp_units);
     if (st) return st;
     if (o->dry_run) {

@@ -15,35 +15,10 @@
 #include "pipeline/pipeline.h"
 #include "pipeline/plan.h"
 #include "quant/hessian.h"
+#include "stream/engine.h"
 
 /* Activations of every calibration sample at the layer boundary, [S][Lmax][D] (rows past a
- * sample's length unused): fp32 in memory or in a mapped work file, or bf16 in memory. */
-typedef struct {
-    mq_act_storage kind;          /* RAM, DISK or BF16 */
-    float *f;                     /* RAM / DISK */
-    uint16_t *h;                  /* BF16 */
-    size_t n;                     /* values */
-    int fd;
-    char *path;                   /* DISK */
-    bool pinned;                  /* RAM, page-locked for the GPU (mq_actbuf_pin) */
-} mq_actbuf;
-
-moeq_status mq_actbuf_init(mq_actbuf *b, mq_act_storage kind, size_t n, const char *path,
-                           const char *what);
-void mq_actbuf_free(mq_actbuf *b);
-/* Page-locks a RAM buffer for GPU g (the calibration passes copy every sample to and from it);
- * anything else, or a refusal, leaves it as it was. */
-void mq_actbuf_pin(mq_actbuf *b, mq_gpu *g);
-/* Sample s's n values: a pointer into the buffer (fp32 kinds) or converted into scratch. */
-const float *mq_actbuf_view(const mq_actbuf *b, size_t off, size_t n, float *scratch);
-/* Writes n values at off (no copy when src already is the buffer's own memory). */
-void mq_actbuf_put(mq_actbuf *b, size_t off, size_t n, const float *src);
-/* dst = src, n floats, over the pool for large n (activations of a sample). */
-void mq_copy_floats(float *dst, const float *src, size_t n);
-/* A writable fp32 pointer (fp32 kinds only). */
-float *mq_actbuf_ptr(mq_actbuf *b, size_t off);
-/* The storage itself at value off (fp32 or bf16; *elem_bytes tells), for moving it between ranks. */
-void *mq_actbuf_raw(mq_actbuf *b, size_t off, size_t *elem_bytes);
+ * sample's length unused), are the streaming engine's boundary store (stream/boundary.h). */
 
 /* How one Linear was quantized (the report's "method"). */
 typedef enum { MQ_HOW_GPTQ = 0, MQ_HOW_GPTQ_BLOCK_HESSIAN, MQ_HOW_RTN } mq_how;
@@ -188,11 +163,8 @@ typedef struct mq_pipe {
                                      experts_ahead), for mq_pipe_routed_experts to take as gx,
                                      else NULL */
     int gx_ahead_l, gx_ahead_e1;
-    struct mq_lazy_ahead *ahead;  /* parts ahead_what of layer ahead_l (experts [ahead_e0,
-                                     ahead_e1)) being read on the CPU ahead of their stage
-                                     (layer_read.c mq_pipe_start_ahead), else NULL */
-    int ahead_l, ahead_e0, ahead_e1;
-    unsigned ahead_what;
+    mq_readahead ahead;           /* parts of a layer being read on the CPU ahead of their stage
+                                     (layer_read.c mq_pipe_start_ahead; the engine's slot) */
     struct mq_pending_write *pending;   /* a GPU chunk's quantized Linears still to be written
                                            while the device runs its quantized pass
                                            (layer_quantize.c) */
@@ -215,9 +187,9 @@ typedef struct mq_pipe {
      * 0 alone has the writer and the work directory (p->w NULL elsewhere) */
     int rank, ranks;
     int64_t s_lo, s_hi;           /* the samples whose FFN outputs this rank computes */
-    /* progress, in the plan's estimated MFLOP */
-    int64_t units_done, units_total;
-    int64_t units_run0;           /* units_done when this run's first layer began (the rate of
+    /* progress, in the plan's estimated MFLOP (the engine's counter) */
+    mq_engine_progress progress;
+    int64_t units_run0;           /* units done when this run's first layer began (the rate of
                                      the ETA counts this run's work only, not resumed layers) */
     struct {
         int64_t attention_sample;   /* one sample through a layer's attention */
@@ -230,6 +202,11 @@ typedef struct mq_pipe {
     mq_layer_report *layers;      /* [n_layers] */
     int layers_done;              /* layers finished (this run or before) */
     double since_snapshot;        /* seconds of layers since the last activation snapshot */
+    /* the layer loop on the engine (pipeline.c run_layers): a resume's replay of finished layers,
+     * what its log line adds, and when the layers that are not replays started */
+    bool replay;
+    char replay_from[96];
+    double t_layers;
     double snapshot_cost;         /* seconds the last one took to write (workdir.c) */
     struct mq_snap_job *snap_bg;  /* a snapshot being written behind the next layer, or NULL */
     struct mq_rec_job *rec_bg;    /* a layer's record being made durable behind the next, or NULL */

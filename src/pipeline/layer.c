@@ -23,9 +23,7 @@
 #include "pipeline/layer_internal.h"
 
 void mq_pipe_progress(mq_pipe *p, int64_t units) {
-    p->units_done += units;
-    if (p->units_done > p->units_total) p->units_done = p->units_total;
-    mq_progress("quantize", p->units_done, p->units_total);
+    mq_engine_progress_add(&p->progress, units);
 }
 
 moeq_status mq_pipe_check_interrupt(void) {
@@ -161,13 +159,7 @@ moeq_status mq_pipe_layer(mq_pipe *p, int l, bool replay) {
         if (!st && !replay && l + 1 < p->plan.n_layers) st = mq_pipe_gather_samples(p, mq_pipe_out_buf(p), step);
         if (!st && !replay && l + 1 < p->plan.n_layers && p->target) st = mq_pipe_gather_samples(p, &p->XF, step);
     }
-    if (!st) {
-        if (p->X.kind == MQ_ACT_DISK) {   /* the next layer reads what this one wrote */
-            mq_actbuf t = p->X;
-            p->X = p->X2;
-            p->X2 = t;
-        }
-    }
+    if (!st) mq_actbuf_swap(&p->X, &p->X2);   /* files: the next layer reads what this one wrote */
     if (!st && !replay) st = mq_pipe_layer_rtn(p, l);   /* Linears the model's forward lacks */
     if (!st && !replay) st = mq_pipe_write_passthrough(p, l);
     mq_pipe_drop_part(p, l, MQ_PART_FFN_NORM | MQ_PART_ROUTER | MQ_PART_SHARED | MQ_PART_MLP, 0, 0);

@@ -22,12 +22,11 @@
  * the same parts ahead, mq_lazy_prefetch, which is all that is done where the sources need more
  * than a conversion: mq_lazy_ahead_start). */
 moeq_status mq_pipe_start_ahead(mq_pipe *p, int l, unsigned what, int e0, int e1) {
-    if (p->mp.read_ahead <= 0 || p->ahead || ((what & MQ_PART_EXPERTS) && e0 >= e1)) return MOEQ_OK;
+    if (p->mp.read_ahead <= 0 || p->ahead.a || ((what & MQ_PART_EXPERTS) && e0 >= e1)) return MOEQ_OK;
     const double t0 = mq_now(), c0 = mq_cpu_now();   /* the buffers' allocation: the read's */
-    moeq_status st = mq_lazy_ahead_start(p->lz, l, what, e0, e1, &p->ahead);
+    moeq_status st = mq_readahead_start(&p->ahead, p->lz, l, what, e0, e1);
     p->layers[l].read += mq_now() - t0;
     p->layers[l].cpu_read += mq_cpu_now() - c0;
-    p->ahead_l = l, p->ahead_what = what, p->ahead_e0 = e0, p->ahead_e1 = e1;
     return st;
 }
 
@@ -47,13 +46,8 @@ moeq_status mq_pipe_read_part(mq_pipe *p, int l, unsigned what, int e0, int e1,
     if (prof) getrusage(RUSAGE_SELF, &r0);
     moeq_status st = MOEQ_OK;
     int64_t by_thread = -1, pieces = 0;
-    if (p->ahead && p->ahead_l == l && (p->ahead_what & what)) {
-        const bool same = p->ahead_what == what && !alloc_only &&
-                          (!(what & MQ_PART_EXPERTS) || (p->ahead_e0 == e0 && p->ahead_e1 == e1));
-        if (same) st = mq_lazy_ahead_finish(p->ahead, &by_thread, &pieces);
-        else mq_lazy_ahead_cancel(p->ahead);
-        p->ahead = NULL;
-    }
+    /* through alloc_only a part is allocated, not read: a read-ahead of it is cancelled */
+    st = mq_readahead_take(&p->ahead, p->lz, l, what, e0, e1, !alloc_only, &by_thread, &pieces);
     if (!st) st = mq_lazy_load_ex(p->lz, l, what, e0, e1, alloc_only, user);
     p->layers[l].read += mq_now() - t0;
     p->layers[l].cpu_read += mq_cpu_now() - c0;

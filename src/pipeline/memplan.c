@@ -430,7 +430,7 @@ moeq_status mq_plan_memory(mq_pipe *p) {
         mp->expert_chunk = group;
         mp->peak = worst;
         mp->storage = MQ_ACT_RAM;
-        for (int l = 0; l < p->plan.n_layers; l++) p->units_total += 1;
+        for (int l = 0; l < p->plan.n_layers; l++) p->progress.total += 1;
         p->mp_units.rtn_layer = 1;
         if (worst > mp->budget)
             return mq_err(MOEQ_E_NOMEM, "--max-memory %.2f GB is too small: round to nearest of "
@@ -513,7 +513,7 @@ moeq_status mq_plan_memory(mq_pipe *p) {
         mp->flops_forward += f.forward;
         mp->flops_hessian += f.hessian;
         mp->flops_gptq += f.gptq;
-        p->units_total += units(f.att_sample) * p->calib.n * (p->seq ? 2 : 1) +
+        p->progress.total += units(f.att_sample) * p->calib.n * (p->seq ? 2 : 1) +
                           (c->layer_is_moe[l] ? units(f.expert) * E : 0) + (f.mlp > 0 ? units(f.mlp) : 0);
         if (l == 0 || f.expert > 0) p->mp_units.expert = units(f.expert);
         p->mp_units.attention_sample = units(f.att_sample);

@@ -317,7 +317,7 @@ static void pipe_free(mq_pipe *p) {
     mq_calib_free(&p->calib);
     free(p->balance_record);
     mq_free(p->snap_spare);
-    mq_lazy_ahead_cancel(p->ahead);
+    mq_readahead_cancel(&p->ahead);
     if (p->lz) mq_lazy_close(p->lz);
     else mq_st_close(p->st);
     cJSON_Delete(p->src_config);
@@ -358,8 +358,7 @@ static void sum_modules(mq_pipe *p) {
 static void log_layer(const mq_pipe *p, int l, double t_start) {
     const mq_layer_report *lr = &p->layers[l];
     double el = mq_now() - t_start;
-    const int64_t ran = p->units_done - p->units_run0;
-    double left = ran > 0 ? el * (double)(p->units_total - p->units_done) / (double)ran : 0;
+    double left = mq_engine_progress_eta(&p->progress, p->units_run0, el);
     char chunks[48] = "";
     if (lr->chunks > 0) snprintf(chunks, sizeof chunks, ", %d expert chunk%s", lr->chunks, lr->chunks > 1 ? "s" : "");
     char ranks[96] = "";
@@ -375,6 +374,62 @@ static void log_layer(const mq_pipe *p, int l, double t_start) {
             (double)lr->peak_anon / 1e9, left);
 }
 
+/* Layer l through the engine's loop (a client that reads its own parts, a chunk of experts at a
+ * time, and swaps its boundary pair itself: the replays of a resume call mq_pipe_layer too). */
+static moeq_status layer_step(void *user, int k, int l) {
+    (void)k;
+    mq_pipe *p = user;
+    moeq_status s = MOEQ_OK;
+    if (p->replay) {
+        mq_info("recomputing the activations through layer %d/%d%s", l + 1, p->plan.n_layers, p->replay_from);
+        return mq_pipe_layer(p, l, true);
+    }
+    const double t_layers = p->t_layers;
+    mq_mem_watch_take_peak();
+    if (p->calibrate) {
+        s = mq_pipe_layer(p, l, false);
+    } else {
+        double t0 = mq_now(), c0 = mq_cpu_now(), pool0 = mq_pool_seconds();
+        s = mq_pipe_layer_rtn(p, l);
+        if (!s) s = mq_pipe_write_passthrough(p, l);
+        p->layers[l].pooled = mq_pool_seconds() - pool0;
+        p->layers[l].total = mq_now() - t0;
+        p->layers[l].cpu_total = mq_cpu_now() - c0;
+        mq_pipe_progress(p, p->mp_units.rtn_layer);
+    }
+    p->layers[l].peak_anon = mq_mem_watch_take_peak();
+    if (!s && p->w) s = mq_work_layer_done(p, l);
+    if (p->ranks > 1) {
+        char step[48];
+        snprintf(step, sizeof step, "layer %d: done", l);
+        s = mq_dist_agree(s, step);
+        if (!s) p->layers_done = l + 1;
+    }
+    if (!s && p->calibrate && p->rank == 0) log_layer(p, l, t_layers);
+    if (!s && p->res->layers_run < 512) {
+        const mq_layer_report *lr = &p->layers[l];
+        p->res->layer[p->res->layers_run++] = (mq_layer_stats){
+            lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, lr->total,
+            lr->cpu_forward, lr->cpu_attention, lr->cpu_hessian, lr->cpu_gptq, lr->cpu_write,
+            lr->cpu_total, lr->wait, lr->exchange, lr->peak_anon, lr->chunks, lr->read, lr->cpu_read,
+            lr->pooled, lr->sim_tasks, lr->sim_span};
+    }
+    return s;
+}
+
+/* Layers [first, end) on the streaming engine (stream/engine.h): one stream, the layer's own
+ * stages in one step; Ctrl-C polled between layers by a single process (ranks poll inside their
+ * steps, where they agree). replay: the finished layers' activations recomputed for a resume. */
+static moeq_status run_layers(mq_pipe *p, int first, int end, bool replay) {
+    p->replay = replay;
+    mq_engine_client e = {.user = p, .n_streams = 1, .first = first, .end = end,
+                          .n_layers = {p->plan.n_layers}, .run_layer = layer_step,
+                          .interrupt_msg = p->ranks <= 1 ? "quantization interrupted" : NULL};
+    moeq_status s = mq_engine_run(&e);
+    p->replay = false;
+    return s;
+}
+
 static moeq_status run(mq_pipe *p) {
     const mq_pipeline_opts *o = p->o;
     moeq_status s = MOEQ_OK;
@@ -388,18 +443,16 @@ static moeq_status run(mq_pipe *p) {
     p->res->layers_resumed = start;
     /* the units of the finished layers count as done */
     for (int l = 0; l < start; l++)
-        p->units_done += p->units_total / (n_layers > 0 ? n_layers : 1);
+        atomic_fetch_add(&p->progress.done, p->progress.total / (n_layers > 0 ? n_layers : 1));
     if (p->calibrate && start < n_layers) {
         s = alloc_activations(p);
         int snap = 0;   /* the snapshot's layer: the layers from there to start are replayed */
         if (!s && start > 0 && p->rank == 0) s = mq_work_load_boundary(p, start, &snap);
         bool have = snap > 0 && snap == start;
         if (p->ranks <= 1 && snap > 0 && snap < start) {
-            for (int l = snap; l < start && !s; l++) {
-                mq_info("recomputing the activations through layer %d/%d (from the snapshot at the input "
-                        "of layer %d)", l + 1, n_layers, snap + 1);
-                s = mq_pipe_layer(p, l, true);
-            }
+            snprintf(p->replay_from, sizeof p->replay_from, " (from the snapshot at the input of layer %d)",
+                     snap + 1);
+            s = run_layers(p, snap, start, true);
             if (s) return s;
             have = true;
         }
@@ -428,47 +481,16 @@ static moeq_status run(mq_pipe *p) {
             if ((s = embed_all(p))) return s;
             /* a resumed run whose snapshot is gone: the finished layers again, from what the
              * checkpoint holds */
-            for (int l = 0; l < start && !s; l++) {
-                mq_info("recomputing the activations through layer %d/%d", l + 1, n_layers);
-                s = mq_pipe_layer(p, l, true);
-            }
+            p->replay_from[0] = 0;
+            s = run_layers(p, 0, start, true);
             if (s) return s;
         }
     }
     int end = o->stop_after > 0 && start + o->stop_after < n_layers ? start + o->stop_after : n_layers;
     const double t_layers = mq_now();   /* after any recomputation of finished layers */
-    p->units_run0 = p->units_done;
-    for (int l = start; l < end && !s; l++) {
-        mq_mem_watch_take_peak();
-        if (p->calibrate) {
-            s = mq_pipe_layer(p, l, false);
-        } else {
-            double t0 = mq_now(), c0 = mq_cpu_now(), pool0 = mq_pool_seconds();
-            s = mq_pipe_layer_rtn(p, l);
-            if (!s) s = mq_pipe_write_passthrough(p, l);
-            p->layers[l].pooled = mq_pool_seconds() - pool0;
-            p->layers[l].total = mq_now() - t0;
-            p->layers[l].cpu_total = mq_cpu_now() - c0;
-            mq_pipe_progress(p, p->mp_units.rtn_layer);
-        }
-        p->layers[l].peak_anon = mq_mem_watch_take_peak();
-        if (!s && p->w) s = mq_work_layer_done(p, l);
-        if (p->ranks > 1) {
-            char step[48];
-            snprintf(step, sizeof step, "layer %d: done", l);
-            s = mq_dist_agree(s, step);
-            if (!s) p->layers_done = l + 1;
-        }
-        if (!s && p->calibrate && p->rank == 0) log_layer(p, l, t_layers);
-        if (!s && p->res->layers_run < 512) {
-            const mq_layer_report *lr = &p->layers[l];
-            p->res->layer[p->res->layers_run++] = (mq_layer_stats){
-                lr->forward, lr->attention, lr->hessian, lr->gptq, lr->write, lr->total,
-                lr->cpu_forward, lr->cpu_attention, lr->cpu_hessian, lr->cpu_gptq, lr->cpu_write,
-                lr->cpu_total, lr->wait, lr->exchange, lr->peak_anon, lr->chunks, lr->read, lr->cpu_read,
-                lr->pooled, lr->sim_tasks, lr->sim_span};
-        }
-    }
+    p->units_run0 = atomic_load(&p->progress.done);
+    p->t_layers = t_layers;
+    if (!s) s = run_layers(p, start, end, false);
     if (!s) s = mq_work_snapshot_wait(p);   /* a run that stops early (--stop-after) names it */
     return s;
 }
@@ -597,6 +619,7 @@ moeq_status mq_pipeline_run(const char *model_dir, const char *out_dir, const mq
     if (s) return s;
     mq_pipe pp, *p = &pp;
     memset(p, 0, sizeof *p);
+    mq_engine_progress_init(&p->progress, "quantize", 0);   /* the plan adds its units */
     p->o = o;
     p->res = &res;
     p->lock_fd = -1;

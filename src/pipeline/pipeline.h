@@ -38,14 +38,8 @@
 #include "export/layout.h"
 #include "quant/calib.h"
 #include "quant/gptq.h"
+#include "stream/boundary.h"
 
-typedef enum {
-    MQ_ACT_AUTO = 0,   /* in memory when the budget allows, else spilled to the work directory */
-    MQ_ACT_RAM,        /* fp32 in memory */
-    MQ_ACT_DISK,       /* fp32 in files of the work directory (mapped; the page cache holds them) */
-    MQ_ACT_BF16,       /* bf16 in memory: half the memory, changes the results slightly */
-} mq_act_storage;
-const char *mq_act_storage_name(mq_act_storage s);   /* "auto", "ram", "disk", "bf16" */
 
 typedef struct {
     /* the checkpoint */

@@ -1,7 +1,8 @@
 /*
- * Calibration activations at the layer boundary (see internal.h): fp32 in memory, fp32 in a
- * file of the work directory mapped shared (the kernel writes it back and evicts it under memory
- * pressure: a spill that costs no anonymous memory), or bf16 in memory.
+ * The boundary store of the streaming engine (boundary.h): activations at the layer boundary,
+ * fp32 in memory, fp32 in a file of the work directory mapped shared (the kernel writes it back
+ * and evicts it under memory pressure: a spill that costs no anonymous memory), or bf16 in
+ * memory. Quantize keeps its calibration samples here, eval its windows' rows.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -9,9 +10,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-#include "pipeline/internal.h"
+#include "stream/boundary.h"
+
+static moeq_status open_file(mq_actbuf *b, size_t n, const char *path, const char *what, int flags);
 
 moeq_status mq_actbuf_init(mq_actbuf *b, mq_act_storage kind, size_t n, const char *path,
                            const char *what) {
@@ -34,20 +38,28 @@ moeq_status mq_actbuf_init(mq_actbuf *b, mq_act_storage kind, size_t n, const ch
         mq_touch_pages(&base, &bytes, 1);
         return MOEQ_OK;
     }
+    return open_file(b, n, path, what, O_TRUNC);
+}
+
+/* The DISK kind: the file at path (flags: O_TRUNC for a fresh one) sized and mapped. */
+static moeq_status open_file(mq_actbuf *b, size_t n, const char *path, const char *what, int flags) {
     b->path = mq_strdup(path);
     if (!b->path) return MOEQ_E_NOMEM;
-    b->fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    b->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | flags, 0644);
     if (b->fd < 0) {
         moeq_status s = mq_err(MOEQ_E_IO, "%s: cannot create the %s file: %s", path, what, strerror(errno));
         mq_actbuf_free(b);
         return s;
     }
     size_t bytes = n * sizeof(float);
-    if (ftruncate(b->fd, (off_t)bytes) != 0) {
-        moeq_status s = mq_err(MOEQ_E_IO, "%s: cannot size the %s file to %zu bytes: %s", path,
-                               what, bytes, strerror(errno));
-        mq_actbuf_free(b);
-        return s;
+    struct stat sb;
+    if (fstat(b->fd, &sb) != 0 || (size_t)sb.st_size != bytes) {
+        if (ftruncate(b->fd, (off_t)bytes) != 0) {
+            moeq_status s = mq_err(MOEQ_E_IO, "%s: cannot size the %s file to %zu bytes: %s", path,
+                                   what, bytes, strerror(errno));
+            mq_actbuf_free(b);
+            return s;
+        }
     }
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, b->fd, 0);
     if (p == MAP_FAILED) {
@@ -57,6 +69,30 @@ moeq_status mq_actbuf_init(mq_actbuf *b, mq_act_storage kind, size_t n, const ch
     }
     b->f = p;
     return MOEQ_OK;
+}
+
+moeq_status mq_actbuf_open_kept(mq_actbuf *b, size_t n, const char *path, const char *what) {
+    memset(b, 0, sizeof *b);
+    b->kind = MQ_ACT_DISK;
+    b->n = n;
+    b->fd = -1;
+    b->keep = true;
+    if (n == 0) return mq_err(MOEQ_E_ARG, "%s: an empty %s file", path, what);
+    return open_file(b, n, path, what, 0);
+}
+
+moeq_status mq_actbuf_sync(mq_actbuf *b) {
+    if (b->kind != MQ_ACT_DISK || !b->f) return MOEQ_OK;
+    if (msync(b->f, b->n * sizeof(float), MS_SYNC) != 0 || fdatasync(b->fd) != 0)
+        return mq_err(MOEQ_E_IO, "%s: sync failed: %s", b->path, strerror(errno));
+    return MOEQ_OK;
+}
+
+void mq_actbuf_swap(mq_actbuf *cur, mq_actbuf *next) {
+    if (cur->kind != MQ_ACT_DISK) return;
+    mq_actbuf t = *cur;
+    *cur = *next;
+    *next = t;
 }
 
 void mq_actbuf_pin(mq_actbuf *b, mq_gpu *g) {
@@ -74,7 +110,7 @@ void mq_actbuf_free(mq_actbuf *b) {
     if (b->kind == MQ_ACT_DISK) {
         if (b->f) munmap(b->f, b->n * sizeof(float));
         if (b->fd >= 0) close(b->fd);
-        if (b->path) unlink(b->path);
+        if (b->path && !b->keep) unlink(b->path);
     } else {
         mq_free(b->f);
         mq_free(b->h);
