@@ -14,7 +14,7 @@
 #include "eval/eval.h"
 #include "pipeline/pipeline.h"
 #include "io/safetensors.h"
-#include "model/source.h"
+#include "ckpt/source.h"
 #include "harness.h"
 
 static moeq_model *open_model(const char *name) {

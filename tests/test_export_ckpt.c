@@ -13,7 +13,7 @@
 #include "export/writer.h"
 #include "pipeline/pipeline.h"
 #include "harness.h"
-#include "model/source.h"
+#include "ckpt/source.h"
 
 /* The shared fixture model, or the bundled copy (olmoe-tiny) without the shared folder. */
 static const char *fixture(const char *model) {

@@ -25,7 +25,7 @@
 #include "harness.h"
 #include "io/fp8.h"
 #include "model/model.h"
-#include "model/source.h"
+#include "ckpt/source.h"
 
 /* ---- an E4M3 decode of this file's own: (1 + m/8) * 2^(e-7), subnormals m/8 * 2^-6 ---------- */
 static double ref_e4m3(uint8_t b) {

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 
 #include "backend/gpu.h"
+#include "core/env.h"
 #include "harness.h"
 #include "kernels/gemm_det.h"
 #include "kernels/vec.h"
@@ -355,8 +356,8 @@ static void test_gptq_parity(void) {
     mq_gpu_close(g);
 }
 
-/* The column loop's two kernels, a warp per row (MOEQ_GPU_LOOP=warp; the default for calls of
- * few rows) and a thread per row (MOEQ_GPU_LOOP=thread; many rows), compute the same values in
+/* The column loop's two kernels, a warp per row (MOEQ_DEBUG_GPU_LOOP=warp; the default for calls of
+ * few rows) and a thread per row (MOEQ_DEBUG_GPU_LOOP=thread; many rows), compute the same values in
  * the same order: the same codes, params and losses bit for bit in every mode. */
 static void test_gptq_warp_equals_thread(void) {
     mq_gpu *g = open_gpu();
@@ -369,7 +370,8 @@ static void test_gptq_warp_equals_thread(void) {
         mq_qtensor q[2];
         mq_gptq_stats st[2];
         for (int v = 0; v < 2; v++) {
-            setenv("MOEQ_GPU_LOOP", v ? "thread" : "warp", 1);
+            setenv("MOEQ_DEBUG_GPU_LOOP", v ? "thread" : "warp", 1);
+            mq_env_reload();   /* the switches are read at a job's start: this test starts one */
             mq_gptq_job j = {.w = w, .rows = N, .name = "w", .out = &q[v]};
             const float *Hs[] = {H};
             const int64_t Kk[] = {K};
@@ -378,7 +380,8 @@ static void test_gptq_warp_equals_thread(void) {
             ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gptq(g, &m[k].s, &m[k].o, Hs, Kk, hn, 1, &j, jh, 1));
             st[v] = j.stats;
         }
-        unsetenv("MOEQ_GPU_LOOP");
+        unsetenv("MOEQ_DEBUG_GPU_LOOP");
+        mq_env_reload();
         int64_t diff = 0;
         for (int64_t e = 0; e < N * K; e++) diff += q[0].codes[e] != q[1].codes[e];
         if (diff || !params_equal(q[0].params, q[1].params, N * q[0].n_groups))
@@ -957,7 +960,7 @@ static void test_attention_parity(void) {
 }
 
 /* Samples of different lengths in one mq_gpu_attn_run_samples call, in groups of at most 200
- * tokens (MOEQ_GPU_ATTN_ROWS): each sample's output, FFN input (host and device), routing and the
+ * tokens (MOEQ_DEBUG_GPU_ATTN_ROWS): each sample's output, FFN input (host and device), routing and the
  * Hessian sums are the bits of the same samples run one at a time (every row-wise step is a
  * function of its row, the scores are per sample, the sums take the rows in the same order);
  * a sample longer than the twin was made for is refused before anything runs. */
@@ -981,10 +984,12 @@ static void attention_groups_case(mq_gpu *g, const char *dir, int layer) {
     mq_gpu_attn_shape sh;
     mq_gpu_attn_weights w;
     attn_twin_of(m, st, layer, Tm, 0, &sh, &w);
-    setenv("MOEQ_GPU_ATTN_ROWS", "200", 1);
+    setenv("MOEQ_DEBUG_GPU_ATTN_ROWS", "200", 1);
+    mq_env_reload();
     mq_gpu_attn *a = NULL;
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_new(g, &sh, &a));
-    unsetenv("MOEQ_GPU_ATTN_ROWS");
+    unsetenv("MOEQ_DEBUG_GPU_ATTN_ROWS");
+    mq_env_reload();
     ASSERT_EQ_INT(200, mq_gpu_attn_rows(a));
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_set(a, &w));
     /* [0]: one call for all, [1]: a call per sample */

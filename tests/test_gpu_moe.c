@@ -34,7 +34,7 @@
 #include "formats/formats.h"
 #include "harness.h"
 #include "io/safetensors.h"
-#include "model/source.h"
+#include "ckpt/source.h"
 #include "kernels/moe_ffn.h"
 
 #define TOL_BF16 0.015625      /* 4 * 2^-8 */

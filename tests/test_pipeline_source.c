@@ -59,6 +59,9 @@ static void test_config_read_once(void) {
     ASSERT_EQ_INT(1, reads_of(&o, "gptq"));
     o.rotate = MOEQ_ROTATE_RESIDUAL;
     ASSERT_EQ_INT(1, reads_of(&o, "gptq-rotated"));
+    o.scheme = MOEQ_QUANT_INT4;   /* GPTQ, --rotate and GGUF output at once (llama.cpp's olmoe: INT4) */
+    o.format = MOEQ_FORMAT_GGUF;
+    ASSERT_EQ_INT(1, reads_of(&o, "gptq-rotated.gguf"));
 }
 
 /* A value each kind of option takes. */

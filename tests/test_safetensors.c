@@ -13,7 +13,7 @@
 
 #include "harness.h"
 #include "io/safetensors.h"
-#include "model/source.h"
+#include "ckpt/source.h"
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 

@@ -9,6 +9,10 @@
 
 #include <stdbool.h>
 
+#ifdef __cplusplus
+extern "C" {   /* the CUDA backend reads its switches here too */
+#endif
+
 typedef enum {
 #define MQ_ENV(id, name, old, what) MQ_ENV_##id,
 #include "core/env.def"
@@ -23,5 +27,9 @@ const char *mq_env(mq_env_id id);
 bool mq_env_set(mq_env_id id);
 /* Takes the snapshot again (at the start of a job). */
 void mq_env_reload(void);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -39,7 +39,7 @@
 #include "io/gguf.h"
 #include "io/safetensors.h"
 #include "io/tokenizer.h"
-#include "model/source.h"   /* mq_st_open_dir: an FP8 checkpoint's scales linked */
+#include "ckpt/source.h"   /* mq_st_open_dir: an FP8 checkpoint's scales linked */
 
 bool mq_gguf_rest_parse(const char *s, mq_gguf_rest *out) {
     static const char *const names[] = {"auto", "f32", "f16", "bf16", "q8_0"};

@@ -1,7 +1,7 @@
 /*
  * FP8 block-quantized weights (see fp8.h): the view's checks, then the decoder linked to it
- * (mq_st_link_fp8). What the codes mean is the model layer's (model/fp8.c); which checkpoints are
- * FP8 is config.json's word, read in model/source.c.
+ * (mq_st_link_fp8). What the codes mean is the checkpoint readers' (ckpt/fp8.c); which checkpoints are
+ * FP8 is config.json's word, read in ckpt/source.c.
  */
 #include "io/fp8.h"
 

@@ -8,9 +8,9 @@
  * with partial blocks at the bottom and right edges. Everything else (embeddings, norms,
  * routers, lm_head) is stored in a float dtype as usual.
  *
- * mq_st_open_dir (model/source.h) reads the directory's config.json and, for such a checkpoint,
- * links every F8_E4M3 weight view to its scale and to the model layer's decoder
- * (mq_tensor_view.scale_inv and .dequant, mq_st_link_fp8; the arithmetic in model/fp8.c), so
+ * mq_st_open_dir (ckpt/source.h) reads the directory's config.json and, for such a checkpoint,
+ * links every F8_E4M3 weight view to its scale and to the checkpoint readers' decoder
+ * (mq_tensor_view.scale_inv and .dequant, mq_st_link_fp8; the arithmetic in ckpt/fp8.c), so
  * that mq_tensor_to_f32 returns the dequantized weight to every reader (model loader, lazy
  * loader, quantize pipeline, inspect).
  *

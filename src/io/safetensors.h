@@ -16,7 +16,7 @@
 struct mq_ggml_view;   /* io/gguf_hf.h */
 struct mq_tensor_view;
 /* The decoder of a block-quantized weight's rows [r0, r0 + nr) into out[nr * cols], linked to its
- * view by the layer that knows what the codes mean (model/fp8.c for FP8); io only calls it. */
+ * view by the layer that knows what the codes mean (ckpt/fp8.c for FP8); io only calls it. */
 typedef moeq_status (*mq_block_dequant_fn)(const struct mq_tensor_view *w, int64_t r0, int64_t nr,
                                            float *out);
 
@@ -61,11 +61,11 @@ moeq_status mq_st_open_buffer(const void *buf, size_t len, const char *label, mq
  * shards is an error), else model.safetensors, else the single *.safetensors file in the
  * directory. No such file: MOEQ_E_NOTFOUND; several without an index: MOEQ_E_FORMAT. */
 moeq_status mq_st_open_dir_files(const char *dir, mq_st **out);
-/* (mq_st_open_dir in model/source.h does this and links an FP8 checkpoint's scales, which takes
- * its config.json: io reads tensors, the model layer reads configs.) */
+/* (mq_st_open_dir in ckpt/source.h does this and links an FP8 checkpoint's scales, which takes
+ * its config.json: io reads tensors, the checkpoint readers (ckpt/) read configs.) */
 
 /* Links every F8_E4M3 2-D tensor NAME.weight to NAME.weight_scale_inv (blocks of br x bc) and to
- * the decoder `dequant` (model/source.h's mq_fp8_block_dequant): the scale must exist, be F32, BF16
+ * the decoder `dequant` (ckpt/source.h's mq_fp8_block_dequant): the scale must exist, be F32, BF16
  * or F16 and have shape [ceil(rows / br), ceil(cols / bc)]; a scale_inv without an F8_E4M3 2-D
  * weight beside it is an error too (a 3-D fused FP8 weight: MOEQ_E_UNSUPPORTED). Errors are
  * MOEQ_E_FORMAT naming the file, the tensors and the block size. */

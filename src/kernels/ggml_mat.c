@@ -126,14 +126,6 @@ void mq_ggml_mat_row(const mq_ggml_mat *m, int64_t r, float *y) {
     }
 }
 
-/* ---- dot products over stored rows (cpu/ref/ggml_dot_ref.c, cpu/x86/ggml_dot_avx2.c) ------- */
-const mq_ggml_dot_kernels *mq_ggml_dot(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (!mq_force_ref() && mq_cpu_has_avx2_fma()) return &mq_ggml_dot_avx2;
-#endif
-    return &mq_ggml_dot_ref;
-}
-
 /* ---- y = x W^T --------------------------------------------------------------------------------- */
 #define GM_ROWS 8   /* rows decoded together: each token's x row is then read once per 8 rows */
 

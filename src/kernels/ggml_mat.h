@@ -64,7 +64,8 @@ extern const mq_ggml_dot_kernels mq_ggml_dot_ref;
 #if defined(__x86_64__) || defined(__i386__)
 extern const mq_ggml_dot_kernels mq_ggml_dot_avx2;
 #endif
-/* The twin in use: AVX2 when the CPU has it and mq_force_ref() is off, else the reference. */
+/* The twin in use (kernels.c's table): AVX2 when the CPU has it and mq_force_ref() is off, else
+ * the reference. */
 const mq_ggml_dot_kernels *mq_ggml_dot(void);
 
 /* One expert's three matrices for the repack: gate and up [F, D], down [D, F]. */

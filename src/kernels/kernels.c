@@ -2,13 +2,14 @@
  * The kernel families' tables of CPU implementations, one row per instruction set (mq_isa, from
  * the CPU's features detected once and the MOEQ_FORCE_REF / MOEQ_NO_AVX512 switches), in the way
  * ggml's type_traits_cpu gives each format its functions: a caller asks its family for the set
- * of now (mq_vec(), mq_det(), mq_moe_kernels_active()) and calls through it, and a family without
+ * of now (mq_vec(), mq_det(), mq_moe_kernels_active(), mq_ggml_dot()) and calls through it, and a family without
  * a twin for an instruction set names the next lower one it has. Every row of every table agrees
  * bit for bit with the scalar reference (the family headers say how; the tests in the "kernel
  * twins" table of docs/kernels-and-hosts.md compare them). The rows of another architecture stay
  * NULL: mq_cpu_isa() never returns them.
  */
 #include "kernels/gemm_det.h"
+#include "kernels/ggml_mat.h"
 #include "kernels/moe_ffn.h"
 #include "kernels/vec.h"
 
@@ -43,6 +44,14 @@ static const mq_moe_kernels *const k_moe[MQ_ISA_COUNT] = {
     ARM_ROWS(&mq_moe_kernels_neon, &mq_moe_kernels_neon_dot)
 };
 
+/* GGUF rows' dot products: the AVX2 twin on every x86 set, the reference on Arm */
+static const mq_ggml_dot_kernels *const k_ggml_dot[MQ_ISA_COUNT] = {
+    [MQ_ISA_REF] = &mq_ggml_dot_ref,
+    X86_ROWS(&mq_ggml_dot_avx2, &mq_ggml_dot_avx2, &mq_ggml_dot_avx2)
+    ARM_ROWS(&mq_ggml_dot_ref, &mq_ggml_dot_ref)
+};
+
 const mq_vec_kernels *mq_vec(void) { return k_vec[mq_cpu_isa()]; }
 const mq_det_kernels *mq_det(void) { return k_det[mq_cpu_isa()]; }
 const mq_moe_kernels *mq_moe_kernels_active(void) { return k_moe[mq_cpu_isa()]; }
+const mq_ggml_dot_kernels *mq_ggml_dot(void) { return k_ggml_dot[mq_cpu_isa()]; }

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "kernels/moe_ffn.h"
+#include "kernels/route_inline.h"   /* the scores' order and a group's score, the GPU twin's too */
 
 /* ---- small helpers ------------------------------------------------------------------------- */
 static void shape_str(char *buf, size_t n, int ndim, const int64_t *shape) {
@@ -315,8 +316,6 @@ typedef struct {
 
 static float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-/* NaN ranks below every number; among equal scores the earlier (lower) index stays. */
-static bool score_better(float a, float b) { return !isnan(a) && (isnan(b) || a > b); }
 
 void mq_moe_select(const float *p, const float *bias, int64_t E, int32_t k, int32_t n_group,
                    int32_t topk_group, uint8_t *taken, int32_t *sel) {
@@ -330,22 +329,8 @@ void mq_moe_select(const float *p, const float *bias, int64_t E, int32_t k, int3
             float bs = 0.0f;
             for (int64_t g = 0; g < n_group; g++) {
                 if (taken[g * EG] & 2) continue;
-                float b1 = 0.0f, b2 = 0.0f;
-                int64_t i1 = -1, i2 = -1;
-                for (int64_t e = g * EG; e < (g + 1) * EG; e++) {
-                    float s = bias ? p[e] + bias[e] : p[e];
-                    if (i1 < 0 || score_better(s, b1)) {
-                        b2 = b1;
-                        i2 = i1;
-                        b1 = s;
-                        i1 = e;
-                    } else if (i2 < 0 || score_better(s, b2)) {
-                        b2 = s;
-                        i2 = e;
-                    }
-                }
-                float gs = b1 + b2;
-                if (best < 0 || score_better(gs, bs)) {
+                const float gs = mq_route_group_score(p, bias, g * EG, (g + 1) * EG);
+                if (best < 0 || mq_route_better(gs, bs)) {
                     best = g;
                     bs = gs;
                 }
@@ -363,7 +348,7 @@ void mq_moe_select(const float *p, const float *bias, int64_t E, int32_t k, int3
         for (int64_t e = 0; e < E; e++) {
             if (taken[e]) continue;
             float s = bias ? p[e] + bias[e] : p[e];
-            if (best < 0 || score_better(s, bs)) {
+            if (best < 0 || mq_route_better(s, bs)) {
                 best = e;
                 bs = s;
             }

@@ -6,7 +6,10 @@
  *
  * transformers' MixtralSparseMoeBlock / Qwen2MoeSparseMoeBlock: softmax over all E logits (the
  * sum in double), the top_k largest probabilities with ties to the lower expert, optionally
- * renormalised to sum to 1. It sits with the kernels, the floor below both model and backend.
+ * renormalised to sum to 1. And the grouped choice of DeepSeek-V3's router as the MoE op
+ * makes it (src/kernels/moe_ffn.c, mq_moe_select, and its GPU twin in
+ * src/backend/cuda/moe_kernels.cuh): the order of scores and a group's score. It sits with the
+ * kernels, the floor below both model and backend.
  */
 #ifndef MOEQ_KERNELS_ROUTE_INLINE_H
 #define MOEQ_KERNELS_ROUTE_INLINE_H
@@ -48,6 +51,30 @@ MQ_ROUTE void mq_route_softmax_topk(float *p, int64_t E, int64_t K, bool norm, i
         for (int64_t k = 0; k < K; k++) ws += w[k];
         for (int64_t k = 0; k < K; k++) w[k] /= ws;
     }
+}
+
+/* The order of the MoE op's scores: NaN ranks below every number; a tie keeps the earlier (lower)
+ * index, since only a strictly better score takes its place. */
+MQ_ROUTE bool mq_route_better(float a, float b) { return !isnan(a) && (isnan(b) || a > b); }
+
+/* A group's score in DeepSeek-V3's router: the sum of its two best biased scores, p[e] + bias[e]
+ * (bias NULL: p[e]) over the experts e0 .. e1 - 1 (at least two), found in index order. */
+MQ_ROUTE float mq_route_group_score(const float *p, const float *bias, int64_t e0, int64_t e1) {
+    float b1 = 0.0f, b2 = 0.0f;
+    bool h1 = false, h2 = false;
+    for (int64_t e = e0; e < e1; e++) {
+        const float s = bias ? p[e] + bias[e] : p[e];
+        if (!h1 || mq_route_better(s, b1)) {
+            b2 = b1;
+            h2 = h1;
+            b1 = s;
+            h1 = true;
+        } else if (!h2 || mq_route_better(s, b2)) {
+            b2 = s;
+            h2 = true;
+        }
+    }
+    return b1 + b2;
 }
 
 #endif

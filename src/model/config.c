@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/source.h"
+#include "ckpt/source.h"
 #include "model/model_internal.h"
 
 static const struct {

@@ -907,7 +907,7 @@ moeq_status mq_config_load(const char *dir, mq_config *out) {
     memset(out, 0, sizeof *out);
     char *json = NULL, *path = NULL;
     size_t len = 0;
-    moeq_status s = mq_config_file_read(dir, &path, &json, &len);   /* counted: model/source.h */
+    moeq_status s = mq_config_file_read(dir, &path, &json, &len);   /* counted: ckpt/source.h */
     if (!s) s = mq_config_parse(json, len, path, out);
     free(json);
     free(path);

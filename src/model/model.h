@@ -16,7 +16,7 @@
 
 #include "core/core.h"
 #include "io/safetensors.h"
-#include "model/source.h"
+#include "ckpt/source.h"
 
 typedef enum {
     MQ_ARCH_LLAMA = 0,

@@ -233,7 +233,7 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
         o->spec.mse_hi = 1.15f;
         o->spec.mse_steps = 13;
     } else if (po->method == MOEQ_QUANT_GPTQ && nv) {
-        /* issue 15 (docs/gptq_results.md): NVFP4 block scales searched both ways around the
+        /* issue 15 (docs/results/gptq_results.md): NVFP4 block scales searched both ways around the
          * max-based one lowered GPTQ's KL on every fixture, at the same cost */
         o->spec.mse_lo = 0.9f;
         o->spec.mse_hi = 1.5f;
@@ -280,7 +280,7 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
     o->gptq = true;
     o->g.percdamp = po->gptq.percdamp;
     o->g.block_size = po->gptq.block_size;
-    /* the scale search scores candidates by running GPTQ over the group (docs/gptq_results.md:
+    /* the scale search scores candidates by running GPTQ over the group (docs/results/gptq_results.md:
      * lower KL in three of four cases, equal in the fourth); with one group per row that would
      * be GPTQ over whole rows once per candidate, so those keep the plain squared error */
     o->g.mse_weight = po->gptq.mse_weight == MOEQ_GPTQ_MSE_HESSIAN ? MQ_GPTQ_MSE_HDIAG
@@ -290,7 +290,7 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
                       : kq                                         ? MQ_GPTQ_MSE_OBQ   /* block fits: no loop */
                       : o->spec.group_size > 0                     ? MQ_GPTQ_MSE_LOOP
                                                                    : MQ_GPTQ_MSE_PLAIN;
-    /* measured on olmoe-tiny and qwen2moe-tiny (docs/gptq_results.md): act order helps INT4
+    /* measured on olmoe-tiny and qwen2moe-tiny (docs/results/gptq_results.md): act order helps INT4
      * g128 a little and hurts NVFP4's 16-column groups */
     o->g.act_order = po->gptq.act_order < 0 ? o->spec.scheme == MQ_QS_INT4 : po->gptq.act_order != 0;
     o->g.groups = po->gptq.groups == MOEQ_GPTQ_GROUPS_STATIC ? MQ_GPTQ_GROUPS_STATIC
@@ -302,11 +302,11 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
     o->fallback_rtn = po->gptq.expert_fallback == MOEQ_EXPERT_FALLBACK_RTN;
     o->expert_weighting = (int)po->gptq.expert_weighting;
     o->g.clip_search = po->gptq.clip_search != 0;
-    /* issue 15 (docs/gptq_results.md): 2 passes lowered the KL of every fixture, NVFP4 (with the
+    /* issue 15 (docs/results/gptq_results.md): 2 passes lowered the KL of every fixture, NVFP4 (with the
      * scale search above) and INT4; the GPU twin has no refinement */
     o->g.refine_passes = po->gptq.refine_passes >= 0 ? po->gptq.refine_passes : o->device < 0 ? 2 : 0;
     o->g.refine_scales = po->gptq.refine_scales != 0;
-    /* issue 15 (docs/gptq_results.md): half the correction toward the unquantized model lowered
+    /* issue 15 (docs/results/gptq_results.md): half the correction toward the unquantized model lowered
      * the KL of every fixture, NVFP4 and INT4, by 13-21%; the default where it runs (sequential
      * GPTQ on the CPU without the options whose Hessians it does not pair), off elsewhere */
     const bool target_runs = po->method == MOEQ_QUANT_GPTQ && o->device < 0 && o->sequential &&

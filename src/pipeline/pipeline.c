@@ -230,7 +230,7 @@ static moeq_status alloc_activations(mq_pipe *p) {
 
 /* Hadamard blocks as wide as the scheme's groups (NVFP4 16, INT4 its group size; 64 per
  * channel), as MR-GPTQ matches them: the best of the blocks measured on every fixture
- * (docs/gptq_results.md); halved until they divide the hidden size. */
+ * (docs/results/gptq_results.md); halved until they divide the hidden size. */
 static int default_rotate_block(const mq_qspec *spec, int64_t D) {
     int b = spec->group_size > 0 ? spec->group_size : 64;
     while (b > 2 && (D % b || (b & (b - 1)))) b /= 2;

@@ -172,7 +172,7 @@ moeq_status mq_gptq_damp_sweep(const mq_qspec *s, const mq_gptq_opts *o, const f
  * the least-squares correction toward x_f W^T from x_q, damped as GPTQ damps. Written as a
  * correction, so the damping bounds the correction alone: W (2/n) G (H + damping)^-1 taken
  * literally shrinks W along H's small directions even where the two streams agree. The share
- * (0.5 measured best on the fixtures, docs/gptq_results.md) keeps it from fitting the few routed
+ * (0.5 measured best on the fixtures, docs/results/gptq_results.md) keeps it from fitting the few routed
  * tokens of an expert. Deterministic (fixed pool tiles, single-threaded BLAS inside each). */
 moeq_status mq_gptq_target(const float *H, const float *G, int64_t K, int64_t n, float share, double percdamp,
                            float *const *W, const int64_t *rows, int nw, const char *name);

@@ -56,19 +56,6 @@ static bool is_ws(char ch) { return ch == ' ' || ch == '\t' || ch == '\n' || ch 
 static bool is_id0(char ch) { return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || ch == '_'; }
 static bool is_id(char ch) { return is_id0(ch) || (ch >= '0' && ch <= '9'); }
 
-static void put_cp(mq_tt_ctx *c, mq_tt_buf *b, uint32_t cp) {
-    char t[4];
-    size_t n;
-    if (cp < 0x80) t[0] = (char)cp, n = 1;
-    else if (cp < 0x800) t[0] = (char)(0xC0 | cp >> 6), t[1] = (char)(0x80 | (cp & 63)), n = 2;
-    else if (cp < 0x10000)
-        t[0] = (char)(0xE0 | cp >> 12), t[1] = (char)(0x80 | ((cp >> 6) & 63)), t[2] = (char)(0x80 | (cp & 63)), n = 3;
-    else
-        t[0] = (char)(0xF0 | cp >> 18), t[1] = (char)(0x80 | ((cp >> 12) & 63)),
-        t[2] = (char)(0x80 | ((cp >> 6) & 63)), t[3] = (char)(0x80 | (cp & 63)), n = 4;
-    mq_tt_put(c, b, t, n);
-}
-
 /* A string literal's body, unescaped as Python's unicode-escape codec does (what Jinja2 applies):
  * \n \t \r \\ \' \" \a \b \f \v \xhh \uXXXX \UXXXXXXXX \ooo; an unknown escape keeps the
  * backslash. */
@@ -102,7 +89,7 @@ static void unescape(ps *P, int line, const char *s, size_t n, tk *out) {
                 int k = 0;
                 while (k < 3 && i < n && s[i] >= '0' && s[i] <= '7') v = v * 8 + (uint32_t)(s[i++] - '0'), k++;
                 i--;
-                put_cp(P->c, &b, v);
+                mq_tt_put_utf8(P->c, &b, v);
             } else {
                 mq_tt_put(P->c, &b, s + i - 1, 2);
             }
@@ -118,7 +105,7 @@ static void unescape(ps *P, int line, const char *s, size_t n, tk *out) {
             if (v > 0x10FFFF || (v >= 0xD800 && v < 0xE000))
                 mq_tt_fail(P->c, MOEQ_E_FORMAT, line, "escape \\%c is not a character", e);
             i += (size_t)nd;
-            put_cp(P->c, &b, v);
+            mq_tt_put_utf8(P->c, &b, v);
         }
     }
     out->s = b.p ? b.p : "";

@@ -108,6 +108,8 @@ typedef struct {
 } mq_tt_buf;
 void mq_tt_put(mq_tt_ctx *c, mq_tt_buf *b, const char *s, size_t n);
 void mq_tt_puts(mq_tt_ctx *c, mq_tt_buf *b, const char *s);
+/* The code point cp (at most 0x10FFFF) as UTF-8. */
+void mq_tt_put_utf8(mq_tt_ctx *c, mq_tt_buf *b, uint32_t cp);
 /* str(x) as Python prints it (Jinja2's {{ x }}: None -> "None", True, 1.5, ['a', 1]). */
 void mq_tv_to_str(mq_tt_ctx *c, mq_tt_buf *b, const tv *x);
 /* repr(x). */
@@ -164,6 +166,34 @@ typedef struct {
     mq_tt_node *body;
     char name[128];
 } mq_tt_template;
+
+/* ---- the evaluator (template_eval.c: expressions; template_exec.c: statements) --------------- */
+/* the globals' function ids (TV_FUNC) */
+enum { MQ_TT_F_RANGE = 1, MQ_TT_F_NAMESPACE, MQ_TT_F_RAISE, MQ_TT_F_STRFTIME, MQ_TT_F_DICT, MQ_TT_F_METHOD };
+
+/* A scope: its variables and the enclosing one. */
+typedef struct mq_tt_frame mq_tt_frame;
+struct mq_tt_frame {
+    tv *vars;
+    mq_tt_frame *up;
+};
+
+/* One render's state. */
+typedef struct {
+    mq_tt_ctx *c;
+    int depth;
+    size_t out_limit;
+} mq_tt_ev;
+
+/* Fails the render with MOEQ_E_ARG at line (the message cut at 300 bytes). */
+_Noreturn void mq_tt_ev_fail(mq_tt_ev *E, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* The value of an expression in scope f. */
+tv *mq_tt_eval(mq_tt_ev *E, mq_tt_frame *f, const mq_tt_expr *e);
+/* The variable name in f or a scope around it; NULL when none has it. */
+tv *mq_tt_lookup(mq_tt_frame *f, const char *name);
+/* x as a list to iterate (a dict's keys, a str's code points, Undefined empty), else fails naming
+ * what. */
+tv *mq_tt_as_list(mq_tt_ev *E, int line, const tv *x, const char *what);
 
 /* Parses text (not NUL-terminated) into t (t->name set by the caller). */
 moeq_status mq_tt_parse(mq_tt_template *t, const char *text, size_t len);

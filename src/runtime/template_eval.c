@@ -1,8 +1,8 @@
 /*
- * The chat-template evaluator: statements and expressions with Jinja2's semantics as
- * transformers runs them (a sandbox that allows no mutation but namespace attributes). Scopes:
- * every for-loop iteration is a fresh scope over the enclosing one (what `set` does inside stays
- * there, as in Jinja2); if-blocks share their scope. Values follow Python: ints and floats,
+ * The chat-template evaluator's expressions (its statements: template_exec.c), with Jinja2's
+ * semantics as transformers runs them (a sandbox that allows no mutation but namespace
+ * attributes). Scopes: every for-loop iteration is a fresh scope over the enclosing one (what
+ * `set` does inside stays there, as in Jinja2); if-blocks share their scope. Values follow Python: ints and floats,
  * str indexes and lengths in code points, str(None) == "None", a missing key or attribute is
  * Undefined (empty when printed, false when tested, an error when used further). Filters, tests,
  * methods and globals are the ones real chat templates use; any other is MOEQ_E_UNSUPPORTED
@@ -16,24 +16,10 @@
 #include "core/core.h"
 #include "runtime/template.h"
 
-enum { F_RANGE = 1, F_NAMESPACE, F_RAISE, F_STRFTIME, F_DICT, F_METHOD };
+typedef mq_tt_frame frame;
+typedef mq_tt_ev ev;
 
-typedef struct frame frame;
-struct frame {
-    tv *vars;
-    frame *up;
-};
-
-typedef struct {
-    mq_tt_ctx *c;
-    int depth;
-    size_t out_limit;
-} ev;
-
-static tv *eval(ev *E, frame *f, const mq_tt_expr *e);
-
-_Noreturn static void fail(ev *E, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-_Noreturn static void fail(ev *E, int line, const char *fmt, ...) {
+_Noreturn void mq_tt_ev_fail(ev *E, int line, const char *fmt, ...) {
     char m[300];
     va_list ap;
     va_start(ap, fmt);
@@ -42,7 +28,7 @@ _Noreturn static void fail(ev *E, int line, const char *fmt, ...) {
     mq_tt_fail(E->c, MOEQ_E_ARG, line, "%s", m);
 }
 
-static tv *lookup(frame *f, const char *name) {
+tv *mq_tt_lookup(frame *f, const char *name) {
     for (; f; f = f->up) {
         tv *v = mq_tv_dict_gets(f->vars, name);
         if (v) return v;
@@ -64,7 +50,7 @@ static const char *str_of(ev *E, const tv *x, size_t *n) {
 }
 
 static tv *need_str(ev *E, int line, const tv *x, const char *what) {
-    if (x->k != TV_STR) fail(E, line, "%s: expected a string, got %s", what, mq_tv_type_name(x));
+    if (x->k != TV_STR) mq_tt_ev_fail(E, line, "%s: expected a string, got %s", what, mq_tv_type_name(x));
     return (tv *)x;
 }
 
@@ -119,7 +105,7 @@ static size_t *cp_offsets(ev *E, const tv *s, size_t *n) {
     return o;
 }
 
-static tv *as_list(ev *E, int line, const tv *x, const char *what) {
+tv *mq_tt_as_list(ev *E, int line, const tv *x, const char *what) {
     if (x->k == TV_LIST) return (tv *)x;
     tv *l = mq_tv_list(E->c, 8);
     if (x->k == TV_UNDEF) return l;
@@ -132,13 +118,13 @@ static tv *as_list(ev *E, int line, const tv *x, const char *what) {
         for (size_t i = 0; i < n; i++) mq_tv_list_push(E->c, l, mq_tv_str_ref(E->c, x->u.s.s + o[i], o[i + 1] - o[i]));
         return l;
     }
-    fail(E, line, "%s: '%s' object is not iterable", what, mq_tv_type_name(x));
+    mq_tt_ev_fail(E, line, "%s: '%s' object is not iterable", what, mq_tv_type_name(x));
 }
 
 static int64_t need_int(ev *E, int line, const tv *x, const char *what) {
     if (x->k == TV_INT) return x->u.i;
     if (x->k == TV_BOOL) return x->u.b;
-    fail(E, line, "%s: expected an integer, got %s", what, mq_tv_type_name(x));
+    mq_tt_ev_fail(E, line, "%s: expected an integer, got %s", what, mq_tv_type_name(x));
 }
 
 /* ---- attribute and item access ----------------------------------------------------------- */
@@ -162,7 +148,7 @@ static bool in_set(const char *list, const char *s) {
 static tv *method(ev *E, const tv *self, const char *name) {
     tv *x = mq_tt_alloc(E->c, sizeof *x);
     x->k = TV_FUNC;
-    x->u.fn.id = F_METHOD;
+    x->u.fn.id = MQ_TT_F_METHOD;
     x->u.fn.self = self;
     x->u.fn.name = name;
     return x;
@@ -170,7 +156,7 @@ static tv *method(ev *E, const tv *self, const char *name) {
 
 static tv *getattr_(ev *E, int line, const tv *o, const char *name) {
     switch (o->k) {
-    case TV_UNDEF: fail(E, line, "undefined value has no attribute '%s'", name);
+    case TV_UNDEF: mq_tt_ev_fail(E, line, "undefined value has no attribute '%s'", name);
     case TV_DICT:
         if (in_set(dict_methods, name)) return method(E, o, name);
         /* fall through */
@@ -185,7 +171,7 @@ static tv *getattr_(ev *E, int line, const tv *o, const char *name) {
 
 static tv *getitem(ev *E, int line, const tv *o, const tv *k) {
     switch (o->k) {
-    case TV_UNDEF: fail(E, line, "undefined value has no item");
+    case TV_UNDEF: mq_tt_ev_fail(E, line, "undefined value has no item");
     case TV_DICT: {
         tv *v = mq_tv_dict_get(o, k);
         if (v) return v;
@@ -219,7 +205,7 @@ static tv *getitem(ev *E, int line, const tv *o, const tv *k) {
 static void slice_idx(ev *E, int line, const tv *a, const tv *b, const tv *s, int64_t n, int64_t *start,
                       int64_t *stop, int64_t *step) {
     *step = s && s->k != TV_NONE ? need_int(E, line, s, "slice step") : 1;
-    if (*step == 0) fail(E, line, "slice step cannot be zero");
+    if (*step == 0) mq_tt_ev_fail(E, line, "slice step cannot be zero");
     int64_t lo = *step < 0 ? -1 : 0, hi = *step < 0 ? n - 1 : n;
     if (a && a->k != TV_NONE) {
         *start = need_int(E, line, a, "slice start");
@@ -251,7 +237,7 @@ static tv *slice(ev *E, int line, const tv *o, const tv *a, const tv *b, const t
             mq_tt_put(E->c, &buf, o->u.s.s + off[i], off[i + 1] - off[i]);
         return mq_tv_str_ref(E->c, buf.p ? buf.p : "", buf.n);
     }
-    fail(E, line, "cannot slice %s", mq_tv_type_name(o));
+    mq_tt_ev_fail(E, line, "cannot slice %s", mq_tv_type_name(o));
 }
 
 /* ---- arithmetic ---------------------------------------------------------------------------- */
@@ -261,7 +247,7 @@ static double fnum(const tv *x) { return x->k == TV_FLOAT ? x->u.f : x->k == TV_
 static tv *contains(ev *E, int line, const tv *item, const tv *seq) {
     switch (seq->k) {
     case TV_STR:
-        if (item->k != TV_STR) fail(E, line, "'in <string>' requires string as left operand, not %s", mq_tv_type_name(item));
+        if (item->k != TV_STR) mq_tt_ev_fail(E, line, "'in <string>' requires string as left operand, not %s", mq_tv_type_name(item));
         if (!item->u.s.n) return &mq_tt_true;
         for (size_t i = 0; i + item->u.s.n <= seq->u.s.n; i++)
             if (!memcmp(seq->u.s.s + i, item->u.s.s, item->u.s.n)) return &mq_tt_true;
@@ -273,7 +259,7 @@ static tv *contains(ev *E, int line, const tv *item, const tv *seq) {
     case TV_DICT:
     case TV_NS: return mq_tv_bool(mq_tv_dict_get(seq, item) != NULL);
     case TV_UNDEF: return &mq_tt_false;
-    default: fail(E, line, "argument of type '%s' is not iterable", mq_tv_type_name(seq));
+    default: mq_tt_ev_fail(E, line, "argument of type '%s' is not iterable", mq_tv_type_name(seq));
     }
 }
 
@@ -288,7 +274,7 @@ static tv *binop(ev *E, int line, const char *op, tv *a, tv *b) {
         mq_tv_to_str(E->c, &buf, b);
         return mq_tv_str_ref(E->c, buf.p ? buf.p : "", buf.n);
     }
-    if (a->k == TV_UNDEF || b->k == TV_UNDEF) fail(E, line, "undefined value in '%s'", op);
+    if (a->k == TV_UNDEF || b->k == TV_UNDEF) mq_tt_ev_fail(E, line, "undefined value in '%s'", op);
     if (op[0] == '<' || op[0] == '>') {
         int r = mq_tv_cmp(E->c, line, a, b);
         return mq_tv_bool(!strcmp(op, "<") ? r < 0 : !strcmp(op, ">") ? r > 0 : !strcmp(op, "<=") ? r <= 0 : r >= 0);
@@ -316,7 +302,7 @@ static tv *binop(ev *E, int line, const char *op, tv *a, tv *b) {
         return mq_tv_str_ref(E->c, buf.p ? buf.p : "", buf.n);
     }
     if (!isnum(a) || !isnum(b))
-        fail(E, line, "unsupported operand type(s) for %s: '%s' and '%s'", op, mq_tv_type_name(a), mq_tv_type_name(b));
+        mq_tt_ev_fail(E, line, "unsupported operand type(s) for %s: '%s' and '%s'", op, mq_tv_type_name(a), mq_tv_type_name(b));
     bool ints = a->k != TV_FLOAT && b->k != TV_FLOAT;
     if (ints) {
         int64_t x = a->k == TV_INT ? a->u.i : a->u.b, y = b->k == TV_INT ? b->u.i : b->u.b, r;
@@ -325,11 +311,11 @@ static tv *binop(ev *E, int line, const char *op, tv *a, tv *b) {
         else if (!strcmp(op, "-")) ovf = __builtin_sub_overflow(x, y, &r);
         else if (!strcmp(op, "*")) ovf = __builtin_mul_overflow(x, y, &r);
         else if (!strcmp(op, "/")) {
-            if (!y) fail(E, line, "division by zero");
+            if (!y) mq_tt_ev_fail(E, line, "division by zero");
             return mq_tv_float(E->c, (double)x / (double)y);
         } else if (!strcmp(op, "//") || !strcmp(op, "%")) {
-            if (!y) fail(E, line, "integer division or modulo by zero");
-            if (x == INT64_MIN && y == -1) fail(E, line, "integer overflow");
+            if (!y) mq_tt_ev_fail(E, line, "integer division or modulo by zero");
+            if (x == INT64_MIN && y == -1) mq_tt_ev_fail(E, line, "integer overflow");
             int64_t q = x / y, m = x % y;
             if (m && ((m < 0) != (y < 0))) q--, m += y;
             r = op[0] == '%' ? m : q;
@@ -338,7 +324,7 @@ static tv *binop(ev *E, int line, const char *op, tv *a, tv *b) {
             r = 1;
             for (int64_t i = 0; i < y && !ovf; i++) ovf = __builtin_mul_overflow(r, x, &r);
         }
-        if (ovf) fail(E, line, "integer overflow in '%s'", op);
+        if (ovf) mq_tt_ev_fail(E, line, "integer overflow in '%s'", op);
         return mq_tv_int(E->c, r);
     }
     double x = fnum(a), y = fnum(b);
@@ -346,7 +332,7 @@ static tv *binop(ev *E, int line, const char *op, tv *a, tv *b) {
     if (!strcmp(op, "-")) return mq_tv_float(E->c, x - y);
     if (!strcmp(op, "*")) return mq_tv_float(E->c, x * y);
     if (!strcmp(op, "**")) return mq_tv_float(E->c, pow(x, y));
-    if (y == 0) fail(E, line, "float division by zero");
+    if (y == 0) mq_tt_ev_fail(E, line, "float division by zero");
     if (!strcmp(op, "/")) return mq_tv_float(E->c, x / y);
     double m = fmod(x, y);
     if (m != 0 && ((m < 0) != (y < 0))) m += y;
@@ -366,8 +352,8 @@ typedef struct {
 static args_t eval_args(ev *E, frame *f, const mq_tt_expr *e) {
     args_t r = {mq_tt_alloc(E->c, sizeof(tv *) * (size_t)(e->nargs + 1)), e->nargs, e->kwn,
                 mq_tt_alloc(E->c, sizeof(tv *) * (size_t)(e->nkw + 1)), e->nkw};
-    for (int i = 0; i < e->nargs; i++) r.a[i] = eval(E, f, e->args[i]);
-    for (int i = 0; i < e->nkw; i++) r.kv[i] = eval(E, f, e->kwv[i]);
+    for (int i = 0; i < e->nargs; i++) r.a[i] = mq_tt_eval(E, f, e->args[i]);
+    for (int i = 0; i < e->nkw; i++) r.kv[i] = mq_tt_eval(E, f, e->kwv[i]);
     return r;
 }
 
@@ -380,7 +366,7 @@ static tv *arg(const args_t *a, int i, const char *name) {
 }
 
 static void check_args(ev *E, int line, const args_t *a, int max_pos, const char *kws, const char *what) {
-    if (a->n > max_pos) fail(E, line, "%s takes at most %d positional arguments (%d given)", what, max_pos, a->n);
+    if (a->n > max_pos) mq_tt_ev_fail(E, line, "%s takes at most %d positional arguments (%d given)", what, max_pos, a->n);
     for (int k = 0; k < a->nk; k++)
         if (!kws || !in_set(kws, a->kn[k]))
             mq_tt_fail(E->c, MOEQ_E_UNSUPPORTED, line, "%s: keyword argument '%s' is not supported", what, a->kn[k]);
@@ -393,7 +379,7 @@ static tv *split_str(ev *E, int line, const tv *s, const tv *sep, int64_t maxspl
     if (sep && sep->k != TV_NONE) {
         need_str(E, line, sep, "split");
         size_t m = sep->u.s.n;
-        if (!m) fail(E, line, "split: empty separator");
+        if (!m) mq_tt_ev_fail(E, line, "split: empty separator");
         if (!right) {
             size_t st = 0;
             for (size_t i = 0; i + m <= n;) {
@@ -465,7 +451,7 @@ static tv *replace_str(ev *E, int line, const tv *s, const tv *old, const tv *nw
     mq_tt_buf b = {0};
     size_t m = old->u.s.n, i = 0;
     int64_t done = 0;
-    if (!m) fail(E, line, "replace of an empty string is not supported");
+    if (!m) mq_tt_ev_fail(E, line, "replace of an empty string is not supported");
     while (i < s->u.s.n) {
         if ((count < 0 || done < count) && i + m <= s->u.s.n && !memcmp(s->u.s.s + i, old->u.s.s, m)) {
             mq_tt_put(E->c, &b, nw->u.s.s, nw->u.s.n);
@@ -496,7 +482,7 @@ static tv *call_method(ev *E, int line, const tv *self, const char *m, args_t *a
     if (self->k == TV_DICT) {
         if (!strcmp(m, "get")) {
             check_args(E, line, a, 2, NULL, "get");
-            if (a->n < 1) fail(E, line, "get() takes a key");
+            if (a->n < 1) mq_tt_ev_fail(E, line, "get() takes a key");
             tv *v = mq_tv_dict_get(self, a->a[0]);
             return v ? v : a->n > 1 ? a->a[1] : &mq_tt_none;
         }
@@ -517,7 +503,7 @@ static tv *call_method(ev *E, int line, const tv *self, const char *m, args_t *a
     /* str methods */
     if (!strcmp(m, "startswith") || !strcmp(m, "endswith")) {
         check_args(E, line, a, 1, NULL, m);
-        if (a->n < 1) fail(E, line, "%s() takes an argument", m);
+        if (a->n < 1) mq_tt_ev_fail(E, line, "%s() takes an argument", m);
         bool end = m[0] == 'e';
         if (a->a[0]->k == TV_LIST) {
             for (size_t i = 0; i < a->a[0]->u.l.n; i++)
@@ -544,19 +530,19 @@ static tv *call_method(ev *E, int line, const tv *self, const char *m, args_t *a
     }
     if (!strcmp(m, "replace")) {
         check_args(E, line, a, 3, NULL, m);
-        if (a->n < 2) fail(E, line, "replace() takes two arguments");
+        if (a->n < 2) mq_tt_ev_fail(E, line, "replace() takes two arguments");
         return replace_str(E, line, self, a->a[0], a->a[1], a->n > 2 ? need_int(E, line, a->a[2], "count") : -1);
     }
     if (!strcmp(m, "find") || !strcmp(m, "rfind") || !strcmp(m, "index")) {
         check_args(E, line, a, 1, NULL, m);
-        if (a->n < 1) fail(E, line, "%s() takes an argument", m);
+        if (a->n < 1) mq_tt_ev_fail(E, line, "%s() takes an argument", m);
         int64_t r = find_str(self, need_str(E, line, a->a[0], m), m[0] == 'r');
-        if (r < 0 && m[0] == 'i') fail(E, line, "substring not found");
+        if (r < 0 && m[0] == 'i') mq_tt_ev_fail(E, line, "substring not found");
         return mq_tv_int(E->c, r);
     }
     if (!strcmp(m, "count")) {
         check_args(E, line, a, 1, NULL, m);
-        if (a->n < 1) fail(E, line, "count() takes an argument");
+        if (a->n < 1) mq_tt_ev_fail(E, line, "count() takes an argument");
         const tv *sub = need_str(E, line, a->a[0], m);
         int64_t k = 0;
         if (!sub->u.s.n) return mq_tv_int(E->c, (int64_t)mq_tt_utf8_len(self->u.s.s, self->u.s.n) + 1);
@@ -567,8 +553,8 @@ static tv *call_method(ev *E, int line, const tv *self, const char *m, args_t *a
     }
     if (!strcmp(m, "join")) {
         check_args(E, line, a, 1, NULL, m);
-        if (a->n < 1) fail(E, line, "join() takes an argument");
-        tv *l = as_list(E, line, a->a[0], "join");
+        if (a->n < 1) mq_tt_ev_fail(E, line, "join() takes an argument");
+        tv *l = mq_tt_as_list(E, line, a->a[0], "join");
         mq_tt_buf b = {0};
         for (size_t i = 0; i < l->u.l.n; i++) {
             if (i) mq_tt_put(E->c, &b, self->u.s.s, self->u.s.n);
@@ -595,7 +581,7 @@ static tv *call_method(ev *E, int line, const tv *self, const char *m, args_t *a
     }
     if (!strcmp(m, "removeprefix") || !strcmp(m, "removesuffix")) {
         check_args(E, line, a, 1, NULL, m);
-        if (a->n < 1) fail(E, line, "%s() takes an argument", m);
+        if (a->n < 1) mq_tt_ev_fail(E, line, "%s() takes an argument", m);
         const tv *x = need_str(E, line, a->a[0], m);
         bool end = m[6] == 's';
         if (!affix(self, x, end)) return (tv *)self;
@@ -621,19 +607,19 @@ static tv *call_method(ev *E, int line, const tv *self, const char *m, args_t *a
 
 static tv *call_global(ev *E, int line, const tv *fn, args_t *a) {
     switch (fn->u.fn.id) {
-    case F_METHOD: return call_method(E, line, fn->u.fn.self, fn->u.fn.name, a);
-    case F_RAISE: {
+    case MQ_TT_F_METHOD: return call_method(E, line, fn->u.fn.self, fn->u.fn.name, a);
+    case MQ_TT_F_RAISE: {
         size_t n;
         const char *m = a->n ? str_of(E, a->a[0], &n) : "";
         if (!a->n) n = 0;
-        fail(E, line, "raise_exception: %.*s", (int)n, m);
+        mq_tt_ev_fail(E, line, "raise_exception: %.*s", (int)n, m);
     }
-    case F_STRFTIME: {
+    case MQ_TT_F_STRFTIME: {
         check_args(E, line, a, 1, NULL, "strftime_now");
-        if (a->n < 1) fail(E, line, "strftime_now() takes a format");
+        if (a->n < 1) mq_tt_ev_fail(E, line, "strftime_now() takes a format");
         tv *f = need_str(E, line, a->a[0], "strftime_now");
         char fmt[256], out[512];
-        if (f->u.s.n >= sizeof fmt) fail(E, line, "strftime_now: format too long");
+        if (f->u.s.n >= sizeof fmt) mq_tt_ev_fail(E, line, "strftime_now: format too long");
         memcpy(fmt, f->u.s.s, f->u.s.n);
         fmt[f->u.s.n] = 0;
         time_t now = time(NULL);
@@ -642,17 +628,17 @@ static tv *call_global(ev *E, int line, const tv *fn, args_t *a) {
         size_t n = strftime(out, sizeof out, fmt, &tmv);
         return mq_tv_str(E->c, out, n);
     }
-    case F_NAMESPACE:
-    case F_DICT: {
-        tv *d = mq_tv_dict(E->c, fn->u.fn.id == F_NAMESPACE ? TV_NS : TV_DICT);
+    case MQ_TT_F_NAMESPACE:
+    case MQ_TT_F_DICT: {
+        tv *d = mq_tv_dict(E->c, fn->u.fn.id == MQ_TT_F_NAMESPACE ? TV_NS : TV_DICT);
         for (int i = 0; i < a->n; i++) {   /* namespace(mapping) */
-            if (a->a[i]->k != TV_DICT) fail(E, line, "namespace() takes a mapping or keywords");
+            if (a->a[i]->k != TV_DICT) mq_tt_ev_fail(E, line, "namespace() takes a mapping or keywords");
             for (size_t k = 0; k < a->a[i]->u.d.n; k++) mq_tv_dict_set(E->c, d, a->a[i]->u.d.key[k], a->a[i]->u.d.val[k]);
         }
         for (int k = 0; k < a->nk; k++) mq_tv_dict_set(E->c, d, S(E, a->kn[k]), a->kv[k]);
         return d;
     }
-    case F_RANGE: {
+    case MQ_TT_F_RANGE: {
         check_args(E, line, a, 3, NULL, "range");
         int64_t lo = 0, hi, st = 1;
         if (a->n == 1) hi = need_int(E, line, a->a[0], "range");
@@ -661,16 +647,16 @@ static tv *call_global(ev *E, int line, const tv *fn, args_t *a) {
             hi = need_int(E, line, a->a[1], "range");
             if (a->n == 3) st = need_int(E, line, a->a[2], "range");
         } else
-            fail(E, line, "range() takes 1 to 3 arguments");
-        if (!st) fail(E, line, "range() arg 3 must not be zero");
+            mq_tt_ev_fail(E, line, "range() takes 1 to 3 arguments");
+        if (!st) mq_tt_ev_fail(E, line, "range() arg 3 must not be zero");
         tv *l = mq_tv_list(E->c, 8);
         for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st) {
-            if (l->u.l.n >= 1000000) fail(E, line, "range() of more than 1000000 items");
+            if (l->u.l.n >= 1000000) mq_tt_ev_fail(E, line, "range() of more than 1000000 items");
             mq_tv_list_push(E->c, l, mq_tv_int(E->c, i));
         }
         return l;
     }
-    default: fail(E, line, "not callable");
+    default: mq_tt_ev_fail(E, line, "not callable");
     }
 }
 
@@ -700,14 +686,14 @@ static bool run_test(ev *E, int line, const char *t, const tv *x, const args_t *
         int64_t v = need_int(E, line, x, t);
         return (v % 2 != 0) == (t[0] == 'o');
     }
-    if (!y) fail(E, line, "test '%s' needs an argument (or is not supported)", t);
+    if (!y) mq_tt_ev_fail(E, line, "test '%s' needs an argument (or is not supported)", t);
     if (!strcmp(t, "eq") || !strcmp(t, "equalto") || !strcmp(t, "==")) return mq_tv_eq(x, y);
     if (!strcmp(t, "ne") || !strcmp(t, "!=")) return !mq_tv_eq(x, y);
     if (!strcmp(t, "sameas")) return x == y || (x->k == y->k && (x->k == TV_NONE || (x->k == TV_BOOL && x->u.b == y->u.b)));
     if (!strcmp(t, "in")) return mq_tv_truthy(contains(E, line, x, y));
     if (!strcmp(t, "divisibleby")) {
         int64_t d = need_int(E, line, y, t);
-        if (!d) fail(E, line, "divisibleby 0");
+        if (!d) mq_tt_ev_fail(E, line, "divisibleby 0");
         return need_int(E, line, x, t) % d == 0;
     }
     if (!strcmp(t, "lt") || !strcmp(t, "gt") || !strcmp(t, "le") || !strcmp(t, "ge")) {
@@ -740,7 +726,7 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
         case TV_LIST: return mq_tv_int(E->c, (int64_t)x->u.l.n);
         case TV_DICT: return mq_tv_int(E->c, (int64_t)x->u.d.n);
         case TV_UNDEF: return mq_tv_int(E->c, 0);
-        default: fail(E, line, "object of type '%s' has no len()", mq_tv_type_name(x));
+        default: mq_tt_ev_fail(E, line, "object of type '%s' has no len()", mq_tv_type_name(x));
         }
     }
     if (!strcmp(f, "trim")) {
@@ -777,13 +763,13 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
     if (!strcmp(f, "items")) {
         check_args(E, line, a, 0, NULL, f);
         if (x->k == TV_UNDEF) return mq_tv_list(E->c, 1);
-        if (x->k != TV_DICT) fail(E, line, "items: can only get item pairs from a mapping, not %s", mq_tv_type_name(x));
+        if (x->k != TV_DICT) mq_tt_ev_fail(E, line, "items: can only get item pairs from a mapping, not %s", mq_tv_type_name(x));
         args_t z = {0};
         return call_method(E, line, x, "items", &z);
     }
     if (!strcmp(f, "list")) {
         check_args(E, line, a, 0, NULL, f);
-        tv *l = as_list(E, line, x, "list");
+        tv *l = mq_tt_as_list(E, line, x, "list");
         if (l != x) return l;
         tv *c = mq_tv_list(E->c, l->u.l.n + 1);
         for (size_t i = 0; i < l->u.l.n; i++) mq_tv_list_push(E->c, c, l->u.l.v[i]);
@@ -792,7 +778,7 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
     if (!strcmp(f, "join")) {
         check_args(E, line, a, 1, "d|attribute", f);
         tv *d = arg(a, 0, "d"), *at = arg(a, -1, "attribute");
-        tv *l = as_list(E, line, x, "join");
+        tv *l = mq_tt_as_list(E, line, x, "join");
         mq_tt_buf b = {0};
         for (size_t i = 0; i < l->u.l.n; i++) {
             if (i && d) {
@@ -806,7 +792,7 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
     }
     if (!strcmp(f, "first") || !strcmp(f, "last")) {
         check_args(E, line, a, 0, NULL, f);
-        tv *l = as_list(E, line, x, f);
+        tv *l = mq_tt_as_list(E, line, x, f);
         if (!l->u.l.n) return &mq_tt_undef;
         return l->u.l.v[f[0] == 'f' ? 0 : l->u.l.n - 1];
     }
@@ -825,7 +811,7 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
     }
     if (!strcmp(f, "replace")) {
         check_args(E, line, a, 3, NULL, f);
-        if (a->n < 2) fail(E, line, "replace takes two arguments");
+        if (a->n < 2) mq_tt_ev_fail(E, line, "replace takes two arguments");
         size_t n;
         const char *s = str_of(E, x, &n);
         return replace_str(E, line, mq_tv_str_ref(E->c, s, n), a->a[0], a->a[1], a->n > 2 ? need_int(E, line, a->a[2], "count") : -1);
@@ -863,7 +849,7 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
     if (!strcmp(f, "abs")) {
         if (x->k == TV_INT) return mq_tv_int(E->c, x->u.i < 0 ? -x->u.i : x->u.i);
         if (x->k == TV_FLOAT) return mq_tv_float(E->c, fabs(x->u.f));
-        fail(E, line, "abs of %s", mq_tv_type_name(x));
+        mq_tt_ev_fail(E, line, "abs of %s", mq_tv_type_name(x));
     }
     if (!strcmp(f, "reverse")) {
         if (x->k == TV_STR) {
@@ -871,7 +857,7 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
             (void)z;
             return slice(E, line, x, NULL, NULL, mq_tv_int(E->c, -1));
         }
-        tv *l = as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
+        tv *l = mq_tt_as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
         for (size_t i = l->u.l.n; i-- > 0;) mq_tv_list_push(E->c, r, l->u.l.v[i]);
         return r;
     }
@@ -888,20 +874,20 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
         return mq_tv_str_ref(E->c, b.p ? b.p : "", b.n);
     }
     if (!strcmp(f, "unique")) {
-        tv *l = as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
+        tv *l = mq_tt_as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
         for (size_t i = 0; i < l->u.l.n; i++)
             if (!mq_tv_truthy(contains(E, line, l->u.l.v[i], r))) mq_tv_list_push(E->c, r, l->u.l.v[i]);
         return r;
     }
     if (!strcmp(f, "map")) {
-        tv *l = as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
+        tv *l = mq_tt_as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
         tv *at = arg(a, -1, "attribute"), *dv = arg(a, -1, "default");
         for (size_t i = 0; i < l->u.l.n; i++) {
             if (at) {
                 tv *v = attr_path(E, line, l->u.l.v[i], at);
                 mq_tv_list_push(E->c, r, v->k == TV_UNDEF && dv ? dv : v);
             } else {
-                if (a->n < 1) fail(E, line, "map needs a filter name or attribute=");
+                if (a->n < 1) mq_tt_ev_fail(E, line, "map needs a filter name or attribute=");
                 tv *fn = need_str(E, line, a->a[0], "map");
                 args_t rest = {a->a + 1, a->n - 1, NULL, NULL, 0};
                 mq_tv_list_push(E->c, r, filter(E, line, mq_tt_strdup(E->c, fn->u.s.s, fn->u.s.n), l->u.l.v[i], &rest));
@@ -911,10 +897,10 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
     }
     if (!strcmp(f, "select") || !strcmp(f, "reject") || !strcmp(f, "selectattr") || !strcmp(f, "rejectattr")) {
         bool attr = strstr(f, "attr") != NULL, keep_true = f[0] == 's';
-        tv *l = as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
+        tv *l = mq_tt_as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
         int k = 0;
         tv *at = attr ? (a->n > 0 ? a->a[k++] : NULL) : NULL;
-        if (attr && !at) fail(E, line, "%s needs an attribute", f);
+        if (attr && !at) mq_tt_ev_fail(E, line, "%s needs an attribute", f);
         tv *tn = a->n > k ? need_str(E, line, a->a[k++], f) : NULL;
         args_t rest = {a->a + k, a->n - k, NULL, NULL, 0};
         for (size_t i = 0; i < l->u.l.n; i++) {
@@ -927,7 +913,7 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
     if (!strcmp(f, "sort")) {
         check_args(E, line, a, 1, "reverse|attribute|case_sensitive", f);
         tv *rv = arg(a, 0, "reverse"), *at = arg(a, -1, "attribute");
-        tv *l = as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
+        tv *l = mq_tt_as_list(E, line, x, f), *r = mq_tv_list(E->c, l->u.l.n + 1);
         for (size_t i = 0; i < l->u.l.n; i++) mq_tv_list_push(E->c, r, l->u.l.v[i]);
         bool rev = rv && mq_tv_truthy(rv);
         for (size_t i = 1; i < r->u.l.n; i++)   /* stable insertion sort */
@@ -943,7 +929,7 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
         return r;
     }
     if (!strcmp(f, "max") || !strcmp(f, "min")) {
-        tv *l = as_list(E, line, x, f);
+        tv *l = mq_tt_as_list(E, line, x, f);
         if (!l->u.l.n) return &mq_tt_undef;
         tv *best = l->u.l.v[0];
         for (size_t i = 1; i < l->u.l.n; i++) {
@@ -956,55 +942,55 @@ static tv *filter(ev *E, int line, const char *f, tv *x, args_t *a) {
 }
 
 /* ---- expressions --------------------------------------------------------------------------- */
-static tv *eval(ev *E, frame *f, const mq_tt_expr *e) {
-    if (++E->depth > 200) fail(E, e->line, "expressions nested deeper than 200");
+tv *mq_tt_eval(ev *E, frame *f, const mq_tt_expr *e) {
+    if (++E->depth > 200) mq_tt_ev_fail(E, e->line, "expressions nested deeper than 200");
     tv *r;
     switch (e->op) {
     case E_LIT: r = e->lit; break;
     case E_NAME: {
-        r = lookup(f, e->name);
+        r = mq_tt_lookup(f, e->name);
         if (!r) r = &mq_tt_undef;
         break;
     }
     case E_LIST: {
         r = mq_tv_list(E->c, (size_t)e->nargs + 1);
-        for (int i = 0; i < e->nargs; i++) mq_tv_list_push(E->c, r, eval(E, f, e->args[i]));
+        for (int i = 0; i < e->nargs; i++) mq_tv_list_push(E->c, r, mq_tt_eval(E, f, e->args[i]));
         break;
     }
     case E_DICT: {
         r = mq_tv_dict(E->c, TV_DICT);
-        for (int i = 0; i < e->nargs; i++) mq_tv_dict_set(E->c, r, eval(E, f, e->args[i]), eval(E, f, e->vals[i]));
+        for (int i = 0; i < e->nargs; i++) mq_tv_dict_set(E->c, r, mq_tt_eval(E, f, e->args[i]), mq_tt_eval(E, f, e->vals[i]));
         break;
     }
-    case E_ATTR: r = getattr_(E, e->line, eval(E, f, e->a), e->name); break;
-    case E_ITEM: r = getitem(E, e->line, eval(E, f, e->a), eval(E, f, e->b)); break;
+    case E_ATTR: r = getattr_(E, e->line, mq_tt_eval(E, f, e->a), e->name); break;
+    case E_ITEM: r = getitem(E, e->line, mq_tt_eval(E, f, e->a), mq_tt_eval(E, f, e->b)); break;
     case E_SLICE: {
-        tv *o = eval(E, f, e->a);
-        tv *a = e->b ? eval(E, f, e->b) : NULL, *b = e->c ? eval(E, f, e->c) : NULL,
-           *s = e->args[0] ? eval(E, f, e->args[0]) : NULL;
-        if (o->k == TV_UNDEF) fail(E, e->line, "cannot slice an undefined value");
+        tv *o = mq_tt_eval(E, f, e->a);
+        tv *a = e->b ? mq_tt_eval(E, f, e->b) : NULL, *b = e->c ? mq_tt_eval(E, f, e->c) : NULL,
+           *s = e->args[0] ? mq_tt_eval(E, f, e->args[0]) : NULL;
+        if (o->k == TV_UNDEF) mq_tt_ev_fail(E, e->line, "cannot slice an undefined value");
         r = slice(E, e->line, o, a, b, s);
         break;
     }
     case E_CALL: {
         tv *fn;
         if (e->a->op == E_ATTR) {   /* a method: one the interpreter lacks is named as such */
-            tv *o = eval(E, f, e->a->a);
+            tv *o = mq_tt_eval(E, f, e->a->a);
             fn = getattr_(E, e->line, o, e->a->name);
             if (fn->k == TV_UNDEF && (o->k == TV_STR || o->k == TV_DICT || o->k == TV_LIST))
                 mq_tt_fail(E->c, MOEQ_E_UNSUPPORTED, e->line, "the %s method '%s' is not supported",
                         mq_tv_type_name(o), e->a->name);
         } else
-            fn = eval(E, f, e->a);
+            fn = mq_tt_eval(E, f, e->a);
         args_t a = eval_args(E, f, e);
         if (fn->k == TV_UNDEF && e->a->op == E_NAME)
             mq_tt_fail(E->c, MOEQ_E_UNSUPPORTED, e->line, "'%s' is undefined (not a supported function)", e->a->name);
-        if (fn->k != TV_FUNC) fail(E, e->line, "'%s' object is not callable", mq_tv_type_name(fn));
+        if (fn->k != TV_FUNC) mq_tt_ev_fail(E, e->line, "'%s' object is not callable", mq_tv_type_name(fn));
         r = call_global(E, e->line, fn, &a);
         break;
     }
     case E_FILTER: {
-        tv *x = eval(E, f, e->a);
+        tv *x = mq_tt_eval(E, f, e->a);
         if (e->args) {
             args_t a = eval_args(E, f, e);
             r = filter(E, e->line, e->name, x, &a);
@@ -1013,190 +999,41 @@ static tv *eval(ev *E, frame *f, const mq_tt_expr *e) {
         break;
     }
     case E_TEST: {
-        tv *x = eval(E, f, e->a);
+        tv *x = mq_tt_eval(E, f, e->a);
         args_t a = eval_args(E, f, e);
         r = mq_tv_bool(run_test(E, e->line, e->name, x, &a) != (e->negate != 0));
         break;
     }
-    case E_NOT: r = mq_tv_bool(!mq_tv_truthy(eval(E, f, e->a))); break;
+    case E_NOT: r = mq_tv_bool(!mq_tv_truthy(mq_tt_eval(E, f, e->a))); break;
     case E_NEG:
     case E_POS: {
-        tv *x = eval(E, f, e->a);
+        tv *x = mq_tt_eval(E, f, e->a);
         if (x->k == TV_INT || x->k == TV_BOOL) {
             int64_t v = need_int(E, e->line, x, "-");
-            if (e->op == E_NEG && v == INT64_MIN) fail(E, e->line, "integer overflow");
+            if (e->op == E_NEG && v == INT64_MIN) mq_tt_ev_fail(E, e->line, "integer overflow");
             r = mq_tv_int(E->c, e->op == E_NEG ? -v : v);
         } else if (x->k == TV_FLOAT)
             r = mq_tv_float(E->c, e->op == E_NEG ? -x->u.f : x->u.f);
         else
-            fail(E, e->line, "bad operand type for unary %s: '%s'", e->op == E_NEG ? "-" : "+", mq_tv_type_name(x));
+            mq_tt_ev_fail(E, e->line, "bad operand type for unary %s: '%s'", e->op == E_NEG ? "-" : "+", mq_tv_type_name(x));
         break;
     }
-    case E_BIN: r = binop(E, e->line, e->name, eval(E, f, e->a), eval(E, f, e->b)); break;
+    case E_BIN: r = binop(E, e->line, e->name, mq_tt_eval(E, f, e->a), mq_tt_eval(E, f, e->b)); break;
     case E_AND: {
-        tv *a = eval(E, f, e->a);
-        r = mq_tv_truthy(a) ? eval(E, f, e->b) : a;
+        tv *a = mq_tt_eval(E, f, e->a);
+        r = mq_tv_truthy(a) ? mq_tt_eval(E, f, e->b) : a;
         break;
     }
     case E_OR: {
-        tv *a = eval(E, f, e->a);
-        r = mq_tv_truthy(a) ? a : eval(E, f, e->b);
+        tv *a = mq_tt_eval(E, f, e->a);
+        r = mq_tv_truthy(a) ? a : mq_tt_eval(E, f, e->b);
         break;
     }
     case E_COND:
-        r = mq_tv_truthy(eval(E, f, e->a)) ? eval(E, f, e->b) : e->c ? eval(E, f, e->c) : &mq_tt_undef;
+        r = mq_tv_truthy(mq_tt_eval(E, f, e->a)) ? mq_tt_eval(E, f, e->b) : e->c ? mq_tt_eval(E, f, e->c) : &mq_tt_undef;
         break;
-    default: fail(E, e->line, "bad expression");
+    default: mq_tt_ev_fail(E, e->line, "bad expression");
     }
     E->depth--;
     return r;
-}
-
-/* ---- statements ---------------------------------------------------------------------------- */
-enum { GO_ON = 0, GO_BREAK, GO_CONTINUE };
-
-static void out(ev *E, mq_tt_buf *b, const char *s, size_t n, int line) {
-    if (b->n + n > E->out_limit) fail(E, line, "output longer than %zu bytes", E->out_limit);
-    mq_tt_put(E->c, b, s, n);
-}
-
-static void assign(ev *E, frame *f, const mq_tt_node *n, tv *v) {
-    if (n->nnames == 1) {
-        mq_tv_dict_set(E->c, f->vars, S(E, n->names[0]), v);
-        return;
-    }
-    tv *l = as_list(E, n->line, v, "unpacking");
-    if ((int)l->u.l.n != n->nnames)
-        fail(E, n->line, "cannot unpack %zu values into %d names", l->u.l.n, n->nnames);
-    for (int i = 0; i < n->nnames; i++) mq_tv_dict_set(E->c, f->vars, S(E, n->names[i]), l->u.l.v[i]);
-}
-
-static int exec(ev *E, frame *f, const mq_tt_node *n, mq_tt_buf *b) {
-    for (; n; n = n->next) {
-        switch (n->kind) {
-        case N_TEXT: out(E, b, n->text, n->len, n->line); break;
-        case N_OUT: {
-            tv *v = eval(E, f, n->e);
-            mq_tt_buf t = {0};
-            mq_tv_to_str(E->c, &t, v);
-            out(E, b, t.p ? t.p : "", t.n, n->line);
-            break;
-        }
-        case N_IF: {
-            const mq_tt_node *c = n;
-            for (;;) {
-                if (mq_tv_truthy(eval(E, f, c->e))) {
-                    int r = exec(E, f, c->body, b);
-                    if (r) return r;
-                    break;
-                }
-                if (c->els && c->els->kind == N_IF && c->els->is_elif) {
-                    c = c->els;
-                    continue;
-                }
-                if (c->els) {
-                    int r = exec(E, f, c->els, b);
-                    if (r) return r;
-                }
-                break;
-            }
-            break;
-        }
-        case N_FOR: {
-            tv *it = eval(E, f, n->e);
-            if (it->k == TV_NONE) fail(E, n->line, "'NoneType' object is not iterable");
-            tv *l = as_list(E, n->line, it, "for");
-            tv *items = l;
-            if (n->cond) {   /* the loop's `if` filters before loop.* is counted */
-                items = mq_tv_list(E->c, l->u.l.n + 1);
-                for (size_t i = 0; i < l->u.l.n; i++) {
-                    frame g = {mq_tv_dict(E->c, TV_DICT), f};
-                    assign(E, &g, n, l->u.l.v[i]);
-                    if (mq_tv_truthy(eval(E, &g, n->cond))) mq_tv_list_push(E->c, items, l->u.l.v[i]);
-                }
-            }
-            size_t cnt = items->u.l.n;
-            for (size_t i = 0; i < cnt; i++) {
-                frame g = {mq_tv_dict(E->c, TV_DICT), f};
-                tv *loop = mq_tv_dict(E->c, TV_DICT);
-                mq_tv_dict_set(E->c, loop, S(E, "index"), mq_tv_int(E->c, (int64_t)i + 1));
-                mq_tv_dict_set(E->c, loop, S(E, "index0"), mq_tv_int(E->c, (int64_t)i));
-                mq_tv_dict_set(E->c, loop, S(E, "revindex"), mq_tv_int(E->c, (int64_t)(cnt - i)));
-                mq_tv_dict_set(E->c, loop, S(E, "revindex0"), mq_tv_int(E->c, (int64_t)(cnt - i - 1)));
-                mq_tv_dict_set(E->c, loop, S(E, "first"), mq_tv_bool(i == 0));
-                mq_tv_dict_set(E->c, loop, S(E, "last"), mq_tv_bool(i + 1 == cnt));
-                mq_tv_dict_set(E->c, loop, S(E, "length"), mq_tv_int(E->c, (int64_t)cnt));
-                mq_tv_dict_set(E->c, loop, S(E, "depth"), mq_tv_int(E->c, 1));
-                mq_tv_dict_set(E->c, loop, S(E, "depth0"), mq_tv_int(E->c, 0));
-                mq_tv_dict_set(E->c, loop, S(E, "previtem"), i ? items->u.l.v[i - 1] : &mq_tt_undef);
-                mq_tv_dict_set(E->c, loop, S(E, "nextitem"), i + 1 < cnt ? items->u.l.v[i + 1] : &mq_tt_undef);
-                mq_tv_dict_set(E->c, g.vars, S(E, "loop"), loop);
-                assign(E, &g, n, items->u.l.v[i]);
-                int r = exec(E, &g, n->body, b);
-                if (r == GO_BREAK) break;
-            }
-            if (!cnt && n->els) {
-                int r = exec(E, f, n->els, b);
-                if (r) return r;
-            }
-            break;
-        }
-        case N_SET: {
-            tv *v = eval(E, f, n->e);
-            if (n->attr) {
-                tv *ns = lookup(f, n->names[0]);
-                if (!ns || ns->k != TV_NS)
-                    fail(E, n->line, "cannot assign attribute on non-namespace object '%s'", n->names[0]);
-                mq_tv_dict_set(E->c, ns, S(E, n->attr), v);
-            } else
-                assign(E, f, n, v);
-            break;
-        }
-        case N_SETBLOCK: {
-            mq_tt_buf t = {0};
-            exec(E, f, n->body, &t);
-            mq_tv_dict_set(E->c, f->vars, S(E, n->names[0]), mq_tv_str_ref(E->c, t.p ? t.p : "", t.n));
-            break;
-        }
-        case N_BREAK: return GO_BREAK;
-        case N_CONTINUE: return GO_CONTINUE;
-        case N_BLOCK: {
-            int r = exec(E, f, n->body, b);
-            if (r) return r;
-            break;
-        }
-        }
-    }
-    return GO_ON;
-}
-
-static tv *gfn(mq_tt_ctx *c, int id) {
-    tv *x = mq_tt_alloc(c, sizeof *x);
-    x->k = TV_FUNC;
-    x->u.fn.id = id;
-    return x;
-}
-
-moeq_status mq_tt_render(const mq_tt_template *t, mq_tt_ctx *c, const tv *vars, char **out_text, size_t *out_len) {
-    *out_text = NULL;
-    *out_len = 0;
-    if (setjmp(c->jb)) return mq_err(c->st, "%s", c->msg);
-    frame glob = {mq_tv_dict(c, TV_DICT), NULL};
-    mq_tv_dict_set(c, glob.vars, mq_tv_str_ref(c, "range", 5), gfn(c, F_RANGE));
-    mq_tv_dict_set(c, glob.vars, mq_tv_str_ref(c, "namespace", 9), gfn(c, F_NAMESPACE));
-    mq_tv_dict_set(c, glob.vars, mq_tv_str_ref(c, "dict", 4), gfn(c, F_DICT));
-    mq_tv_dict_set(c, glob.vars, mq_tv_str_ref(c, "raise_exception", 15), gfn(c, F_RAISE));
-    mq_tv_dict_set(c, glob.vars, mq_tv_str_ref(c, "strftime_now", 12), gfn(c, F_STRFTIME));
-    frame top = {mq_tv_dict(c, TV_DICT), &glob};
-    for (size_t i = 0; i < vars->u.d.n; i++) mq_tv_dict_set(c, top.vars, vars->u.d.key[i], vars->u.d.val[i]);
-    ev E = {c, 0, (size_t)256 << 20};
-    mq_tt_buf b = {0};
-    exec(&E, &top, t->body, &b);
-    char *r = malloc(b.n + 1);
-    if (!r) return mq_err(MOEQ_E_NOMEM, "chat template %s: out of memory", c->name);
-    if (b.n) memcpy(r, b.p, b.n);
-    r[b.n] = 0;
-    *out_text = r;
-    *out_len = b.n;
-    return MOEQ_OK;
 }

@@ -311,6 +311,19 @@ static void put_float(mq_tt_ctx *c, mq_tt_buf *b, double f) {
     mq_tt_put(c, b, o, (size_t)k);
 }
 
+void mq_tt_put_utf8(mq_tt_ctx *c, mq_tt_buf *b, uint32_t cp) {
+    char t[4];
+    size_t n;
+    if (cp < 0x80) t[0] = (char)cp, n = 1;
+    else if (cp < 0x800) t[0] = (char)(0xC0 | cp >> 6), t[1] = (char)(0x80 | (cp & 63)), n = 2;
+    else if (cp < 0x10000)
+        t[0] = (char)(0xE0 | cp >> 12), t[1] = (char)(0x80 | ((cp >> 6) & 63)), t[2] = (char)(0x80 | (cp & 63)), n = 3;
+    else
+        t[0] = (char)(0xF0 | cp >> 18), t[1] = (char)(0x80 | ((cp >> 12) & 63)),
+        t[2] = (char)(0x80 | ((cp >> 6) & 63)), t[3] = (char)(0x80 | (cp & 63)), n = 4;
+    mq_tt_put(c, b, t, n);
+}
+
 static void put_int(mq_tt_ctx *c, mq_tt_buf *b, int64_t i) {
     char t[24];
     mq_tt_put(c, b, t, (size_t)snprintf(t, sizeof t, "%lld", (long long)i));
@@ -493,18 +506,6 @@ static void jr_ws(jr *r) {
         r->i++;
 }
 
-static void put_utf8(mq_tt_ctx *c, mq_tt_buf *b, uint32_t cp) {
-    char t[4];
-    size_t n;
-    if (cp < 0x80) t[0] = (char)cp, n = 1;
-    else if (cp < 0x800) t[0] = (char)(0xC0 | cp >> 6), t[1] = (char)(0x80 | (cp & 63)), n = 2;
-    else if (cp < 0x10000)
-        t[0] = (char)(0xE0 | cp >> 12), t[1] = (char)(0x80 | ((cp >> 6) & 63)), t[2] = (char)(0x80 | (cp & 63)), n = 3;
-    else
-        t[0] = (char)(0xF0 | cp >> 18), t[1] = (char)(0x80 | ((cp >> 12) & 63)),
-        t[2] = (char)(0x80 | ((cp >> 6) & 63)), t[3] = (char)(0x80 | (cp & 63)), n = 4;
-    mq_tt_put(c, b, t, n);
-}
 
 static uint32_t jr_hex4(jr *r) {
     if (r->n - r->i < 4) jr_fail(r, "short \\u escape");
@@ -556,7 +557,7 @@ static tv *jr_string(jr *r) {
                 else r->i = save;
             }
             if (cp >= 0xD800 && cp < 0xE000) jr_fail(r, "lone surrogate in a \\u escape");
-            put_utf8(r->c, &b, cp);
+            mq_tt_put_utf8(r->c, &b, cp);
             break;
         }
         default: jr_fail(r, "bad escape");

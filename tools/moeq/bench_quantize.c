@@ -342,9 +342,9 @@ int bench_quantize(int argc, char **argv) {
     double core[64 * 32] = {0}, bw[64 * 32] = {0}, hot[64 * 32] = {0};
     /* the bandwidth probe reads well beyond the last-level cache */
     const size_t probe = (size_t)256 << 20 > 4 * cli_llc_bytes() ? (size_t)256 << 20 : 4 * cli_llc_bytes();
-    /* A fresh process's first measure can read low (on the Xeon, 2026-12-06: the rate right after
-     * the first count's run 1.55x the one before it; 0.97-1.09 in every other count and run), and
-     * every core rate is against it: one measure discarded first. */
+    /* A fresh process's first measure can read low (docs/results/thread_scaling.md: on the Xeon
+     * the rate right after the first count's run was 1.55x the one before it, 0.97-1.09 in every
+     * other count and run), and every core rate is against it: one measure discarded first. */
     if (nt > 1) {
         moeq_set_threads(tl[0]);
         (void)mq_measure_core_gflops(0.5);

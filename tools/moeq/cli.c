@@ -333,24 +333,27 @@ const char *cli_shared_dir(void) {
     return buf;
 }
 
-void cli_print_json_string(FILE *f, const char *s) {
+void cli_print_json_bytes(FILE *f, const char *s, size_t n) {
     fputc('"', f);
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        switch (*p) {
+    for (size_t i = 0; i < n; i++) {
+        const unsigned char c = (unsigned char)s[i];
+        switch (c) {
         case '"': fputs("\\\"", f); break;
         case '\\': fputs("\\\\", f); break;
         case '\n': fputs("\\n", f); break;
         case '\r': fputs("\\r", f); break;
         case '\t': fputs("\\t", f); break;
         default:
-            if (*p < 0x20)
-                fprintf(f, "\\u%04x", *p);
+            if (c < 0x20)
+                fprintf(f, "\\u%04x", c);
             else
-                fputc(*p, f);
+                fputc(c, f);
         }
     }
     fputc('"', f);
 }
+
+void cli_print_json_string(FILE *f, const char *s) { cli_print_json_bytes(f, s, strlen(s)); }
 
 int64_t cli_peak_rss_bytes(void) {
     struct rusage ru;

@@ -96,6 +96,8 @@ int cli_parse_counts(const char *s, int *out, int max, int lo, int hi);
 
 /* JSON-safe printing of a string (with quotes). */
 void cli_print_json_string(FILE *f, const char *s);
+/* The same for s[0..n), which may hold NUL bytes (a byte-level token can decode to one). */
+void cli_print_json_bytes(FILE *f, const char *s, size_t n);
 
 /* Process resource use (getrusage): peak resident set size in bytes, and CPU seconds (user +
  * system, all threads) so far. */

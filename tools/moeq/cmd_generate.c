@@ -58,27 +58,6 @@ static char *read_prompt(FILE *f, size_t *len) {
     return NULL;
 }
 
-/* JSON string of s[0..n) (the text may hold NUL bytes: byte-level tokens can decode to one). */
-static void json_bytes(FILE *f, const char *s, size_t n) {
-    fputc('"', f);
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        switch (c) {
-        case '"': fputs("\\\"", f); break;
-        case '\\': fputs("\\\\", f); break;
-        case '\n': fputs("\\n", f); break;
-        case '\r': fputs("\\r", f); break;
-        case '\t': fputs("\\t", f); break;
-        default:
-            if (c < 0x20)
-                fprintf(f, "\\u%04x", c);
-            else
-                fputc(c, f);
-        }
-    }
-    fputc('"', f);
-}
-
 static void json_ids(FILE *f, const char *key, const int32_t *ids, size_t n) {
     fprintf(f, "  \"%s\": [", key);
     for (size_t i = 0; i < n; i++) fprintf(f, "%s%d", i ? ", " : "", ids[i]);
@@ -455,9 +434,9 @@ int cmd_generate(int argc, char **argv) {
     if (json) {
         FILE *f = stdout;
         fputs("{\n  \"prompt\": ", f);
-        json_bytes(f, prompt, prompt_len);
+        cli_print_json_bytes(f, prompt, prompt_len);
         fputs(",\n  \"text\": ", f);
-        json_bytes(f, text ? text : "", text ? cut : 0);
+        cli_print_json_bytes(f, text ? text : "", text ? cut : 0);
         fputs(",\n", f);
         json_ids(f, "prompt_ids", ids, n_prompt);
         json_ids(f, "ids", gen, n_gen);
@@ -472,7 +451,7 @@ int cmd_generate(int argc, char **argv) {
             }
         fprintf(f, "],\n  \"finish_reason\": \"%s\",\n  \"stop\": ", finish);
         if (stop_which >= 0 && !strcmp(finish, "stop"))
-            json_bytes(f, stops.items[stop_which], strlen(stops.items[stop_which]));
+            cli_print_json_bytes(f, stops.items[stop_which], strlen(stops.items[stop_which]));
         else
             fputs("null", f);
         fprintf(f, ",\n  \"prompt_tokens\": %zu,\n  \"generated_tokens\": %zu,\n"

@@ -46,7 +46,7 @@ enum { NORM_THREADS = 256, SOFTMAX_THREADS = 256 };
 /* The scores buffer holds at most this many floats (the heads are then done in parts). */
 constexpr int64_t SCORES_FLOATS = (int64_t)1 << 28;
 /* Tokens of a group (at least the longest sample): 16K rows of the row-wise work fill the GPU,
- * and its buffers take about 1 GB at a hidden size of 2048. MOEQ_GPU_ATTN_ROWS sets it (tests). */
+ * and its buffers take about 1 GB at a hidden size of 2048. MOEQ_DEBUG_GPU_ATTN_ROWS sets it (tests). */
 constexpr int64_t GROUP_ROWS = 16384;
 
 /* out[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))), one block per row; out may be x. */
@@ -151,7 +151,7 @@ unsigned grid_for(int64_t n) {
 
 }  // namespace
 
-/* MOEQ_GPU_PROFILE=1: each phase's time summed over the groups (the device synchronised at each
+/* MOEQ_DEBUG_GPU_PROFILE=1: each phase's time summed over the groups (the device synchronised at each
  * mark), printed on stderr when the twin is freed. */
 enum { PH_UPLOAD, PH_NORM, PH_QKV, PH_ATTEND, PH_OUT, PH_ROUTE, PH_DOWNLOAD, N_PHASES };
 static const char *const PHASE_NAMES[N_PHASES] = {"upload", "norm+H", "q/k/v", "attend", "o+H", "ffn+route",
@@ -239,13 +239,13 @@ extern "C" moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *sh, m
     a->g = g;
     a->sh = *sh;
     a->sh.rope_cos = a->sh.rope_sin = NULL;
-    a->profile = getenv("MOEQ_GPU_PROFILE") != NULL;
+    a->profile = mq_env(MQ_ENV_GPU_PROFILE) != NULL;
     a->QD = sh->H * sh->hd;
     a->KVD = sh->KV * sh->hd;
     const int64_t T = sh->max_T, D = sh->D, tt = T * T;
     a->heads_per_call = SCORES_FLOATS / tt < sh->KV ? SCORES_FLOATS / tt : sh->KV;
     if (a->heads_per_call < 1) a->heads_per_call = 1;
-    const char *env = getenv("MOEQ_GPU_ATTN_ROWS");
+    const char *env = mq_env(MQ_ENV_GPU_ATTN_ROWS);
     const int64_t want = env && atoll(env) > 0 ? atoll(env) : GROUP_ROWS;
     a->rows = want > T ? want : T;
     const size_t half_tab = (size_t)(T * (sh->hd / 2));

@@ -12,6 +12,7 @@
 extern "C" {
 #include "backend/gpu.h"
 }
+#include "core/env.h"
 
 /* Independent factorisations run on this many streams at once (each with its own handles). */
 enum { MQ_GPU_STREAMS = 8 };

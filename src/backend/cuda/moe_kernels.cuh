@@ -13,6 +13,7 @@
 
 #include "backend/cuda/moe_dev.cuh"
 #include "backend/cuda/vec_dev.cuh"
+#include "kernels/route_inline.h"
 
 namespace mqm {
 
@@ -40,8 +41,9 @@ MQD uint32_t word_of(const uint4 &w, int kk) {
     return kk == 0 ? w.x : kk == 1 ? w.y : kk == 2 ? w.z : w.w;
 }
 
-/* NaN ranks below every number; between equal scores the lower index wins (mq_moe_select). */
-MQD bool score_better(float a, float b) { return !isnan(a) && (isnan(b) || a > b); }
+/* NaN ranks below every number; between equal scores the lower index wins (mq_moe_select's
+ * order, kernels/route_inline.h). */
+MQD bool score_better(float a, float b) { return mq_route_better(a, b); }
 
 MQD float silu_mul(float g, float u) { return g / (1.0f + mqd::vec_expf(-g)) * u; }
 
@@ -163,21 +165,7 @@ MQDF void route_token(const RouteArgs &a, int64_t t, uint8_t *taken, float *gs) 
     if (a.n_group > 1) {
         const int G = a.n_group, EG = E / G;
         for (int g = lane; g < G; g += 32) {   /* each group's two best, as the CPU scans them */
-            float b1 = 0.0f, b2 = 0.0f;
-            int i1 = -1, i2 = -1;
-            for (int e = g * EG; e < (g + 1) * EG; e++) {
-                const float s = a.bias ? p[e] + a.bias[e] : p[e];
-                if (i1 < 0 || score_better(s, b1)) {
-                    b2 = b1;
-                    i2 = i1;
-                    b1 = s;
-                    i1 = e;
-                } else if (i2 < 0 || score_better(s, b2)) {
-                    b2 = s;
-                    i2 = e;
-                }
-            }
-            gs[g] = b1 + b2;
+            gs[g] = mq_route_group_score(p, a.bias, (int64_t)g * EG, (int64_t)(g + 1) * EG);
         }
         __syncwarp();
         for (int j = 0; j < a.topk_group; j++) {

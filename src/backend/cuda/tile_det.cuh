@@ -259,7 +259,7 @@ static __global__ void __launch_bounds__(DT_THREADS, 2) k_det_nt128(int64_t M, i
 }
 
 /* The tile for an M x N output (the lower triangle for SYRK), from what an H200 measured (132
- * SMs; tilebench, 2026-12-04; two 128-tile CTAs fit an SM since the launch bounds say so):
+ * SMs, tilebench; docs/results/gpu.md; two 128-tile CTAs fit an SM since the launch bounds say so):
  * - products: 128 while its CTAs come near one per SM (2048 x 1024 x 2048: 128 CTAs at 29
  *   TFLOP/s against 20 with 64), else 64 while a quarter of the SMs get one (256 x 1024: 64
  *   CTAs of 64 at 8.2 against 6.8 with 32), else 32;

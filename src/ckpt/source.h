@@ -1,12 +1,12 @@
 /*
- * A source checkpoint directory as the model layer reads it: config.json (the model layer reads
- * it here; mq_read_file_watch in core counts the reads, so that a test sees a quantize run read
- * it once), the FP8 block quantization its quantization_config declares (io/fp8.h has the
+ * A source checkpoint directory as model, export and the pipeline read it: config.json (read
+ * from disk here only; mq_read_file_watch in core counts the reads, so that a test sees a
+ * quantize run read it once), the FP8 block quantization its quantization_config declares (io/fp8.h has the
  * weights' format), and the safetensors opened with an FP8 checkpoint's weights linked to their
  * scales.
  */
-#ifndef MOEQ_MODEL_SOURCE_H
-#define MOEQ_MODEL_SOURCE_H
+#ifndef MOEQ_CKPT_SOURCE_H
+#define MOEQ_CKPT_SOURCE_H
 
 #include <cjson/cJSON.h>
 
@@ -41,7 +41,7 @@ moeq_status mq_fp8_parse_qconfig(const cJSON *qc, const char *path, mq_fp8_block
  * config loader reports those itself). */
 moeq_status mq_fp8_read_dir_config(const char *dir, mq_fp8_blocks *out);
 
-/* The decoder mq_st_link_fp8 links to an FP8 block-quantized weight (model/fp8.c): rows
+/* The decoder mq_st_link_fp8 links to an FP8 block-quantized weight (ckpt/fp8.c): rows
  * [r0, r0 + nr) of w (checked by io's mq_fp8_dequant_rows) as fp32 into out[nr * cols], each code
  * times its block's scale; a scale that is not finite or a NaN code is MOEQ_E_FORMAT naming the
  * tensor and where. */

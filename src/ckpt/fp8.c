@@ -1,6 +1,6 @@
 /*
  * FP8 block-quantized weights (io/fp8.h has the format): the block dequantization, E4M3 codes
- * (formats' mq_e4m3_decode) times their block's scale, which model/source.c links to each weight
+ * (formats' mq_e4m3_decode) times their block's scale, which ckpt/source.c links to each weight
  * view (mq_st_link_fp8) when config.json's quantization_config says the checkpoint is FP8; io's
  * mq_tensor_to_f32 and mq_fp8_dequant_rows check the view and the rows, then call it.
  */
@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "formats/formats.h"
-#include "model/source.h"
+#include "ckpt/source.h"
 
 static float scale_at(const mq_tensor_view *s, int64_t i) {
     const uint8_t *p = s->data;

@@ -1,5 +1,5 @@
 /* A source checkpoint directory's config.json and FP8 linking (see source.h). */
-#include "model/source.h"
+#include "ckpt/source.h"
 
 #include <math.h>
 #include <stdlib.h>
