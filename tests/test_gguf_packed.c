@@ -1,6 +1,7 @@
 /* A .gguf run in place with keep_packed (kernels/ggml_mat.h, model/load_gguf.c):
  *  - a mapped row decodes to exactly io's decoder's values (mq_ggml_dequantize) for F32, F16,
- *    BF16, Q8_0, Q4_0, Q4_1 and NVFP4 (times a scale), llama's rotated q/k rows through the row map;
+ *    BF16, Q8_0, Q4_0, Q4_1, NVFP4 (times a scale), Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K, llama's
+ *    rotated q/k rows through the row map;
  *  - the Q8_0 and BF16 row dots: the AVX2 twin equals the scalar reference bit for bit, and the
  *    reference is within the summation bound of a double-precision dot;
  *  - olmoe, qwen2moe (shared expert), qwen3moe and llama (dense, rotated q/k) files of every type the
@@ -67,6 +68,15 @@ static uint8_t *rand_blocks(uint32_t type, int64_t rows, int64_t cols, uint64_t 
         case MQ_GM_NVFP4:
             for (int k = 0; k < 4; k++) q[k] = (uint8_t)(rng_next(s) % 0x7F);
             break;
+        case MQ_GM_Q5_1:
+        case MQ_GM_Q4_K:
+        case MQ_GM_Q5_K: {   /* d and dmin (Q5_1: d and m) */
+            uint16_t m = rand_f16(s);
+            memcpy(q + 2, &m, 2);
+        } /* fall through */
+        case MQ_GM_Q5_0: memcpy(q, &h, 2); break;
+        case MQ_GM_Q3_K: memcpy(q + 108, &h, 2); break;
+        case MQ_GM_Q6_K: memcpy(q + 208, &h, 2); break;
         }
     }
     *n = nb * bb;
@@ -75,11 +85,13 @@ static uint8_t *rand_blocks(uint32_t type, int64_t rows, int64_t cols, uint64_t 
 
 static void test_rows_equal_io_decoder(void) {
     static const uint32_t types[] = {MQ_GM_F32, MQ_GM_F16, MQ_GM_BF16, MQ_GM_Q8_0, MQ_GM_Q4_0,
-                                     MQ_GM_Q4_1, MQ_GM_NVFP4};
+                                     MQ_GM_Q4_1, MQ_GM_NVFP4, MQ_GM_Q5_0, MQ_GM_Q5_1, MQ_GM_Q3_K,
+                                     MQ_GM_Q4_K, MQ_GM_Q5_K, MQ_GM_Q6_K};
     uint64_t s = 0x9E3779B97F4A7C15ull;
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++)
         for (int perm = 0; perm < 2; perm++) {
-            const int64_t rows = 16, cols = 128, hd = 8;
+            const int64_t rows = 16, cols = types[ti] >= MQ_GM_Q3_K && types[ti] <= MQ_GM_Q6_K ? 512 : 128,
+                          hd = 8;
             size_t n;
             uint8_t *p = rand_blocks(types[ti], rows, cols, &s, &n);
             float *all = malloc(sizeof(float) * rows * cols), *row = malloc(sizeof(float) * cols);

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "formats/kquant.h"
 #include "kernels/ggml_mat.h"
 #include "kernels/vec.h"
 
@@ -28,6 +29,13 @@ bool mq_ggml_mat_type_ok(uint32_t type, int64_t *block, size_t *block_bytes) {
     case MQ_GM_Q4_0: b = 32, bb = 18; break;
     case MQ_GM_Q4_1: b = 32, bb = 20; break;
     case MQ_GM_NVFP4: b = 64, bb = 36; break;
+    case MQ_GM_Q5_0: case MQ_GM_Q5_1: case MQ_GM_Q3_K: case MQ_GM_Q4_K: case MQ_GM_Q5_K:
+    case MQ_GM_Q6_K: {
+        mq_kq_type k;
+        if (!mq_kq_of_ggml(type, &k)) return false;
+        b = mq_kq_info_of(k)->block, bb = (size_t)mq_kq_info_of(k)->bytes;
+        break;
+    }
     default: return false;
     }
     if (block) *block = b;
@@ -119,7 +127,17 @@ void mq_ggml_mat_row(const mq_ggml_mat *m, int64_t r, float *y) {
                 }
             }
         break;
-    default: MQ_ASSERT(0);
+    default: {   /* the K-quants and Q5_0 / Q5_1: formats/kquant.h's unpacking, ggml's operations */
+        mq_kq_type k;
+        MQ_ASSERT(mq_kq_of_ggml(m->type, &k));
+        const mq_kq_info *t = mq_kq_info_of(k);
+        mq_gparams g[16];
+        uint8_t c[256];
+        for (int64_t b = 0; b < n / t->block; b++, p += t->bytes, y += t->block) {
+            mq_kq_unpack_block(t, p, g, c);
+            for (int i = 0; i < t->block; i++) y[i] = mq_kq_value(t, &g[i / t->sub], c[i]);
+        }
+    }
     }
     if (m->scale != 1.0f) {
         for (int64_t i = 0; i < n; i++) y0[i] *= m->scale;
