@@ -300,6 +300,21 @@ static void packed_equals_decoded(const char *file, const char *tag, bool repack
     moeq_model_free(mf);
 }
 
+/* Whether some 2-D matrix of the file is of a type the runtime repacks for the packed kernels
+ * (the tolerance's 2^-15 term): Q4_0 and NVFP4 (a K-quant file's fallback for widths that are
+ * no whole 256-blocks). */
+static bool kq_repacked(const char *file) {
+    mq_gguf *g = NULL;
+    ASSERT_OK(mq_gguf_open(file, &g));
+    bool any = false;
+    for (size_t i = 0; g && i < mq_gguf_tensor_count(g); i++) {
+        const mq_gguf_tensor *t = mq_gguf_tensor_at(g, i);
+        any |= t->n_dims >= 2 && (t->type == MQ_GM_Q4_0 || t->type == MQ_GM_NVFP4);
+    }
+    mq_gguf_close(g);
+    return any;
+}
+
 /* A compressed-tensors checkpoint run packed keeps its BF16 embeddings and lm_head in the mapped
  * file (no fp32 copy) and gives the fp32 path's logits within the same tolerance. */
 static void test_checkpoint_bf16_head(void) {
@@ -334,7 +349,33 @@ static void family(const char *model, const char *name, bool moe, bool nvfp4) {
                           tag, moe);
 }
 
-static void test_olmoe(void) { family(mq_test_model("olmoe-tiny"), "olmoe", true, false); }
+/* llama.cpp's K-quant files as moeq writes them (moeq_quantize --format gguf): q4_k_m is llama.cpp's
+ * mixture (Q4_K, Q5_K for attn_output, Q6_K for some ffn_down and the output, Q8_0 for attn_k/v
+ * of MoE models), q3_k, q5_k and q6_k one type for every Linear (a width that is no whole
+ * number of 256-blocks falls back as llama.cpp's quantizer does). */
+static void kquant_family(const char *model, const char *name) {
+    static const struct {
+        moeq_quant_scheme s;
+        const char *tag;
+    } kq[] = {{MOEQ_QUANT_Q4_K_M, "q4_k_m"}, {MOEQ_QUANT_Q3_K, "q3_k"}, {MOEQ_QUANT_Q5_K, "q5_k"},
+              {MOEQ_QUANT_Q6_K, "q6_k"}};
+    for (size_t i = 0; i < sizeof kq / sizeof kq[0]; i++) {
+        char tag[64], file[1100];
+        snprintf(tag, sizeof tag, "%s-%s", name, kq[i].tag);
+        snprintf(file, sizeof file, "%s/%s.gguf", mq_test_tmpdir(), tag);
+        moeq_quant_options o;
+        moeq_quant_options_init(&o);
+        o.scheme = kq[i].s;
+        o.format = MOEQ_FORMAT_GGUF;
+        ASSERT_OK(moeq_quantize(model, file, &o, NULL));
+        packed_equals_decoded(file, tag, kq_repacked(file));
+    }
+}
+
+static void test_olmoe(void) {
+    family(mq_test_model("olmoe-tiny"), "olmoe", true, false);
+    kquant_family(mq_test_model("olmoe-tiny"), "olmoe");
+}
 
 /* qwen2moe-tiny with norm_topk_prob false (what llama.cpp's qwen2moe computes, so what the export
  * writes), its files linked into a new folder. */
@@ -363,6 +404,7 @@ static void test_qwen2moe(void) {
     fclose(f);
     free(text);
     family(dir, "qwen2moe", true, false);
+    kquant_family(dir, "qwen2moe");
 }
 
 /* Mixtral: llama's graph with experts (q/k rows rotated); its 96-wide experts have no whole
@@ -372,12 +414,14 @@ static void test_mixtral(void) {
     snprintf(m, sizeof m, "%s", mq_test_with_tokenizer("mixtral-tiny"));
     const char *f = make_file(m, "mixtral-q4_0", MQ_QS_INT4, false, NULL, MQ_GGUF_REST_AUTO);
     packed_equals_decoded(f, "mixtral-q4_0", true);
+    kquant_family(m, "mixtral");
 }
 
 static void test_llama(void) {
     char m[1024];
     snprintf(m, sizeof m, "%s", mq_test_shared("fixtures/models/llama-tiny"));
     family(m, "llama", false, true);
+    kquant_family(m, "llama");
 }
 
 TEST_MAIN(T(test_rows_equal_io_decoder), T(test_dot_twins), T(test_experts_repack_equals_op_packing), T(test_checkpoint_bf16_head), T(test_olmoe), T(test_qwen2moe),
