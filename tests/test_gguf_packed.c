@@ -228,6 +228,71 @@ static void test_experts_repack_equals_op_packing(void) {
     }
 }
 
+/* Q4_1 and Q4_K Linears repacked as symmetric INT4 plus per-block offsets (packed_weight_from_ggml)
+ * against a double-precision product with io's decoded values, for several token counts and
+ * row counts that are no multiple of 16.
+ *
+ * Bound. The kernels use x rounded per block of 32 to v = rne(x * 32512 / amax) (moe_ffn.h):
+ * |x - x^| <= amax / 65024 per value, so the symmetric part is off by at most
+ * sum_blocks amax_b / 65024 * sum_(i in b) |s_b (q_i - 8)|. The rest is fp32 rounding: the block
+ * products are exact integers, the scaled sums, the block sums of x and the offsets' dot take
+ * at most K + 64 roundings each, and the offset 8 s - off0 one rounding: 4 (K + 64) u M with
+ * M = sum_i (|s (q_i - 8)| + |off_b| + |off0_b|) |x_i| covers them. A wrong code, scale or
+ * offset is off by O(|w x|). */
+static void test_asym_repack_forward(void) {
+    uint64_t s = 99;
+    static const uint32_t types[2] = {MQ_GM_Q4_1, MQ_GM_Q4_K};
+    for (int ti = 0; ti < 2; ti++)
+        for (int shape = 0; shape < 2; shape++) {
+            const int64_t rows = shape ? 40 : 16, cols = shape ? 768 : 256;
+            size_t nb;
+            uint8_t *p = rand_blocks(types[ti], rows, cols, &s, &nb);
+            float *w = malloc(sizeof(float) * rows * cols);
+            ASSERT_OK(mq_ggml_dequantize(types[ti], p, rows * cols, w));
+            mq_ggml_mat m;
+            ASSERT_OK(mq_ggml_mat_init(&m, p, types[ti], rows, cols, 1.0f, 0, "asym"));
+            struct mq_packed_weight *pw = NULL;
+            ASSERT_OK(mq_packed_weight_from_ggml(&m, "asym", &pw));
+            if (!pw) return;
+            ASSERT_TRUE(pw->off != NULL);
+            for (int64_t T = 1; T <= 70; T += 23) {
+                float *x = malloc(sizeof(float) * T * cols), *y = malloc(sizeof(float) * T * rows);
+                for (int64_t i = 0; i < T * cols; i++)
+                    x[i] = (float)((int64_t)(rng_next(&s) % 20001) - 10000) / 4000.0f;
+                ASSERT_OK(mq_packed_weight_forward(pw, x, T, y));
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t r = 0; r < rows; r++) {
+                        double exact = 0, quant = 0, mag = 0;
+                        for (int64_t b = 0; b < cols / 32; b++) {
+                            const float *xb = x + t * cols + 32 * b;
+                            const float off = pw->off[r * (cols / 32) + b];
+                            double amax = 0, sym = 0;
+                            for (int i = 0; i < 32; i++) amax = fmax(amax, fabs(xb[i]));
+                            for (int i = 0; i < 32; i++) {
+                                const double wi = w[r * cols + 32 * b + i], ws = wi - off;
+                                exact += wi * xb[i];
+                                sym += fabs(ws);
+                                mag += (fabs(ws) + 2 * fabs(off) + fabs(wi)) * fabs(xb[i]);
+                            }
+                            quant += amax / 65024 * sym;
+                        }
+                        const double tol = quant + 4.0 * (double)(cols + 64) * ldexp(1, -24) * mag;
+                        const double got = y[t * rows + r];
+                        if (!(fabs(got - exact) <= tol)) {
+                            FAIL("type %u [%lld, %lld] T %lld row %lld token %lld: %.9g against %.9g "
+                                 "(bound %.3g)", types[ti], (long long)rows, (long long)cols,
+                                 (long long)T, (long long)r, (long long)t, got, exact, tol);
+                            t = T;
+                            break;
+                        }
+                    }
+                free(x), free(y);
+            }
+            mq_packed_weight_free(pw);
+            free(p), free(w);
+        }
+}
+
 /* ---- models ------------------------------------------------------------------------------------ */
 /* model quantized (sch; INT4 g32, asym for Q4_1) with the Linears matching ignore kept and every
  * unquantized matrix written as rest; returns the file (static). */
@@ -301,15 +366,15 @@ static void packed_equals_decoded(const char *file, const char *tag, bool repack
 }
 
 /* Whether some 2-D matrix of the file is of a type the runtime repacks for the packed kernels
- * (the tolerance's 2^-15 term): Q4_0 and NVFP4 (a K-quant file's fallback for widths that are
- * no whole 256-blocks). */
+ * (the tolerance's 2^-15 term): Q4_0, NVFP4, Q4_1 and Q4_K. */
 static bool kq_repacked(const char *file) {
     mq_gguf *g = NULL;
     ASSERT_OK(mq_gguf_open(file, &g));
     bool any = false;
     for (size_t i = 0; g && i < mq_gguf_tensor_count(g); i++) {
         const mq_gguf_tensor *t = mq_gguf_tensor_at(g, i);
-        any |= t->n_dims >= 2 && (t->type == MQ_GM_Q4_0 || t->type == MQ_GM_NVFP4);
+        any |= t->n_dims >= 2 && (t->type == MQ_GM_Q4_0 || t->type == MQ_GM_NVFP4 ||
+                                  t->type == MQ_GM_Q4_1 || t->type == MQ_GM_Q4_K);
     }
     mq_gguf_close(g);
     return any;
@@ -342,7 +407,7 @@ static void family(const char *model, const char *name, bool moe, bool nvfp4) {
         packed_equals_decoded(make_file(model, tag, MQ_QS_NVFP4, false, NULL, MQ_GGUF_REST_BF16), tag, true);
     }
     snprintf(tag, sizeof tag, "%s-q4_1", name);
-    packed_equals_decoded(make_file(model, tag, MQ_QS_INT4, true, NULL, MQ_GGUF_REST_F16), tag, false);
+    packed_equals_decoded(make_file(model, tag, MQ_QS_INT4, true, NULL, MQ_GGUF_REST_F16), tag, true);
     /* Q8_0 Linears (the MLPs, or everything of a dense model) read in place */
     snprintf(tag, sizeof tag, "%s-q8_0", name);
     packed_equals_decoded(make_file(model, tag, MQ_QS_INT4, false, moe ? "mlp" : ".", MQ_GGUF_REST_Q8_0),
@@ -424,6 +489,6 @@ static void test_llama(void) {
     kquant_family(m, "llama");
 }
 
-TEST_MAIN(T(test_rows_equal_io_decoder), T(test_dot_twins), T(test_experts_repack_equals_op_packing), T(test_checkpoint_bf16_head), T(test_olmoe), T(test_qwen2moe),
+TEST_MAIN(T(test_rows_equal_io_decoder), T(test_dot_twins), T(test_experts_repack_equals_op_packing), T(test_asym_repack_forward), T(test_checkpoint_bf16_head), T(test_olmoe), T(test_qwen2moe),
           T(test_mixtral),
           T(test_llama))
