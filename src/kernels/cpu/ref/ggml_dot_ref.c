@@ -37,5 +37,15 @@ static float ref_dot_bf16(const uint8_t *row, const float *x, int64_t n) {
     return lanes_sum(tot);
 }
 
-const mq_ggml_dot_kernels mq_ggml_dot_ref = {ref_dot_q8_0, ref_dot_bf16};
+/* Four rows at once: each row's dot exactly as above (the SIMD twins interleave the four). */
+static void ref_dot_q8_0_x4(const uint8_t *const rows[4], const float *x, int64_t nb, float *out) {
+    for (int k = 0; k < 4; k++) out[k] = ref_dot_q8_0(rows[k], x, nb);
+}
+
+static void ref_dot_bf16_x4(const uint8_t *const rows[4], const float *x, int64_t n, float *out) {
+    for (int k = 0; k < 4; k++) out[k] = ref_dot_bf16(rows[k], x, n);
+}
+
+const mq_ggml_dot_kernels mq_ggml_dot_ref = {ref_dot_q8_0, ref_dot_bf16, ref_dot_q8_0_x4,
+                                             ref_dot_bf16_x4};
 
