@@ -145,26 +145,6 @@ static void test_dot_twins(void) {
                 if (fbits(a) != fbits(got)) FAIL("avx2 %.9g, reference %.9g", (double)a, (double)got);
             }
 #endif
-            /* four rows at once (this row in slot it % 4, three others) equal the one-row dots */
-            size_t nb2;
-            uint8_t *q = rand_blocks(bf ? MQ_GM_BF16 : MQ_GM_Q8_0, 3, n, &s, &nb2);
-            const uint8_t *rows[4];
-            for (int k = 0, o = 0; k < 4; k++) rows[k] = k == it % 4 ? p : q + (nb2 / 3) * (size_t)o++;
-            const mq_ggml_dot_kernels *sets[2] = {r, NULL};
-#ifdef MQ_TEST_X86
-            if (mq_cpu_has_avx2_fma()) sets[1] = &mq_ggml_dot_avx2;
-#endif
-            for (int si = 0; si < 2 && sets[si]; si++) {
-                float o4[4];
-                if (bf) sets[si]->bf16_x4(rows, x, n, o4);
-                else sets[si]->q8_0_x4(rows, x, n / 32, o4);
-                for (int k = 0; k < 4; k++) {
-                    const float one = bf ? r->bf16(rows[k], x, n) : r->q8_0(rows[k], x, n / 32);
-                    if (fbits(o4[k]) != fbits(one))
-                        FAIL("set %d x4 row %d: %.9g, one row %.9g", si, k, (double)o4[k], (double)one);
-                }
-            }
-            free(q);
             free(p), free(x), free(w);
         }
     }

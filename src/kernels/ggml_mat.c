@@ -178,18 +178,7 @@ static void gm_task(void *ctx, int64_t task, int thread) {
     const mq_ggml_dot_kernels *dk = mq_ggml_dot();
     const bool q8 = m->type == MQ_GM_Q8_0, bf = m->type == MQ_GM_BF16 && m->cols % 8 == 0;
     if ((q8 || bf) && m->scale == 1.0f) {   /* straight from the stored rows */
-        int64_t r = task * j->task_rows;
-        for (; r + 4 <= end; r += 4) {   /* four rows' chains at once: the same bits */
-            const uint8_t *p4[4];
-            float o[4];
-            for (int k = 0; k < 4; k++) p4[k] = m->data + (size_t)stored_row(m, r + k) * m->row_bytes;
-            for (int64_t t = 0; t < j->T; t++) {
-                if (q8) dk->q8_0_x4(p4, j->x + t * m->cols, m->cols / 32, o);
-                else dk->bf16_x4(p4, j->x + t * m->cols, m->cols, o);
-                for (int k = 0; k < 4; k++) j->y[t * m->rows + r + k] = o[k];
-            }
-        }
-        for (; r < end; r++) {
+        for (int64_t r = task * j->task_rows; r < end; r++) {
             const uint8_t *p = m->data + (size_t)stored_row(m, r) * m->row_bytes;
             for (int64_t t = 0; t < j->T; t++)
                 j->y[t * m->rows + r] = q8 ? dk->q8_0(p, j->x + t * m->cols, m->cols / 32)

@@ -61,10 +61,6 @@ moeq_status mq_ggml_mat_forward(const mq_ggml_mat *m, const float *x, int64_t T,
 typedef struct {
     float (*q8_0)(const uint8_t *row, const float *x, int64_t nb);
     float (*bf16)(const uint8_t *row, const float *x, int64_t n);
-    /* out[k] = the dot of rows[k] with x, k < 4, each exactly as the one-row kernel computes it
-     * (the twins interleave the rows' independent chains) */
-    void (*q8_0_x4)(const uint8_t *const rows[4], const float *x, int64_t nb, float *out);
-    void (*bf16_x4)(const uint8_t *const rows[4], const float *x, int64_t n, float *out);
 } mq_ggml_dot_kernels;
 extern const mq_ggml_dot_kernels mq_ggml_dot_ref;
 #if defined(__x86_64__) || defined(__i386__)
