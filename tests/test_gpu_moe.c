@@ -830,7 +830,7 @@ static void test_tile_shapes_same_bits(void) {
     mq_gpu *g = gpu_or_skip();
     for (int v = 0; v < 3; v++) {
         seed(150 + (uint64_t)v);
-        layer L = {.nv = v == 2, .G = v == 2 ? 16 : v == 1 ? 128 : 32, .asym = v == 1, .E = 6, .D = v == 1 ? 256 : 208,
+        layer L = {.nv = v == 2, .G = v == 2 ? 16 : v == 1 ? 128 : 32, .asym = v == 1, .E = 6, .D = v == 1 ? 256 : v == 0 ? 224 : 208,
                    .F = v == 1 ? 128 : 96, .Fs = v == 1 ? 0 : 64, .k = 3, .renorm = 1, .use_sgate = v == 0,
                    .route_scale = 1.0f};
         if (L.nv) L.Fs = 48;

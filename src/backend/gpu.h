@@ -53,6 +53,10 @@ void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info);
  * the stream-ordered pool keeps of freed blocks), the peak since the device was opened or the
  * last _reset_peak, and the bound. Without CUDA: no-ops, zeros. */
 void mq_gpu_set_memory_limit(mq_gpu *g, int64_t bytes);
+/* Bytes that the sizes chosen from the free memory (mq_gpu_get_info's mem_free, GPTQ's waves, the
+ * experts' extra lanes) leave for an allocation another thread makes meanwhile: the pipeline's
+ * expert read-ahead uploads a chunk while the attention's GPTQ sizes its waves. 0: none. */
+void mq_gpu_set_sizing_reserve(mq_gpu *g, int64_t bytes);
 void mq_gpu_memory(mq_gpu *g, int64_t *used, int64_t *peak, int64_t *limit);
 void mq_gpu_memory_reset_peak(mq_gpu *g);
 /* Tests: the tile of the deterministic GEMMs and Hessian sums (128, 64 or 32; 0, the default:

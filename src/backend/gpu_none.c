@@ -28,6 +28,7 @@ void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
 void mq_gpu_force_det_tile(mq_gpu *g, int tile) { (void)g, (void)tile; }
 
 void mq_gpu_set_memory_limit(mq_gpu *g, int64_t bytes) { (void)g, (void)bytes; }
+void mq_gpu_set_sizing_reserve(mq_gpu *g, int64_t bytes) { (void)g, (void)bytes; }
 
 void mq_gpu_memory(mq_gpu *g, int64_t *used, int64_t *peak, int64_t *limit) {
     (void)g;

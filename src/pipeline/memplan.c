@@ -270,7 +270,8 @@ mq_gpu_layer_need mq_plan_gpu_layer(const mq_config *c, int64_t max_len, int64_t
         if (b > n.expert) n.expert = b;
         if (k == 0) {
             n.per_expert = 3 * F * D * 4 + mq_gpu_hessians_bytes(D) + mq_gpu_hessians_bytes(F);
-            n.attention_stage += 3 * F * D * 4;   /* the first chunk goes up during the attention */
+            /* the first chunk goes up during the attention: an expert's weights and its lane */
+            n.attention_stage += mq_gpu_mlp_bytes(1, D, F, true, batch_rows, 1);
         }
     }
     n.least = n.attention + (n.attention_stage > n.expert ? n.attention_stage : n.expert);
@@ -288,6 +289,7 @@ static moeq_status plan_gpu(mq_pipe *p, int *C) {
     const mq_gpu_layer_need n =
         mq_plan_gpu_layer(p->c, p->calib.max_len, mq_plan_batch_rows(p, Cs), &o->spec, &o->g);
     int64_t budget = o->max_gpu_memory, card = 0;
+    if (p->gpu) mq_gpu_set_sizing_reserve(p->gpu, 0);   /* the card's whole free memory to plan with */
     if (p->gpu) {
         mq_gpu_info gi;
         mq_gpu_get_info(p->gpu, &gi);   /* under the bound: what it leaves */
@@ -321,6 +323,11 @@ static moeq_status plan_gpu(mq_pipe *p, int *C) {
         }
     }
     mp->gpu_chunk = p->c->n_experts > 0 ? (*C > 0 ? *C : 1) : 0;
+    /* the first chunk of a layer's experts goes up on a thread of its own while the attention's
+     * stage sizes its GPTQ waves and buffers from the free memory: they leave it room */
+    if (p->gpu && mp->gpu_chunk > 0)
+        mq_gpu_set_sizing_reserve(p->gpu, mq_gpu_mlp_bytes(mp->gpu_chunk, p->c->D, p->c->moe_ffn, true,
+                                                           mq_plan_batch_rows(p, mp->gpu_chunk), 1));
     return MOEQ_OK;
 }
 

@@ -20,6 +20,14 @@ interrupt() {
     shift 5
     "$@" >"$out" 2>"$err" &
     local pid=$! t0 t1 i
+    # a background job of a script starts with SIGINT ignored until moeq installs its handler: on
+    # a loaded machine 0.3 s can come before that, and the signal would be lost (a terminal's
+    # Ctrl-C then kills the process outright). The delay counts from the handler being in place.
+    for ((i = 0; i < 300; i++)); do
+        caught=$(awk '/^SigCgt:/ { print $2 }' "/proc/$pid/status" 2>/dev/null) || break
+        [ -n "$caught" ] && (( (16#$caught >> 1) & 1 )) && break
+        sleep 0.1
+    done
     sleep "$delay"
     answered=
     if kill -0 "$pid" 2>/dev/null; then

@@ -169,7 +169,12 @@ size_t mq_cu_mem_free(mq_gpu *g) {
         const size_t used = a->sync_used + a->pool_used, left = used < a->limit ? a->limit - used : 0;
         if (left < free_b) free_b = left;
     }
-    return free_b;
+    const size_t keep = g->sizing_reserve > 0 ? (size_t)g->sizing_reserve : 0;
+    return free_b > keep ? free_b - keep : 0;
+}
+
+extern "C" void mq_gpu_set_sizing_reserve(mq_gpu *g, int64_t bytes) {
+    if (g) g->sizing_reserve = bytes > 0 ? bytes : 0;
 }
 
 extern "C" void mq_gpu_set_memory_limit(mq_gpu *g, int64_t bytes) {
@@ -338,7 +343,8 @@ extern "C" void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
     size_t free_b = 0, total_b = 0;
     cudaSetDevice(g->device);
     if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
-        info->mem_free = (int64_t)free_b;
+        const int64_t keep = g->sizing_reserve;
+        info->mem_free = (int64_t)free_b > keep ? (int64_t)free_b - keep : 0;
         info->mem_total = (int64_t)total_b;
     }
     /* under a bound: what is left under it, and the bound as the card's size */

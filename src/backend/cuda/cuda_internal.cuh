@@ -31,6 +31,8 @@ struct mq_gpu {
                                        stream 0 has queued (attention while experts go up) */
     int det_tile;                   /* tile_det.cuh's tile, forced (tests); 0: by the grid's size */
     moeq_gpu_precision precision;   /* mq_gpu_set_precision: of the products and Hessian sums */
+    int64_t sizing_reserve;         /* mq_gpu_set_sizing_reserve: kept out of the free memory
+                                       that sizes are chosen from */
 };
 
 moeq_status mq_cu_fail(cudaError_t e, const char *what, const char *file, int line);
