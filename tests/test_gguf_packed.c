@@ -1,6 +1,7 @@
 /* A .gguf run in place with keep_packed (kernels/ggml_mat.h, model/load_gguf.c):
  *  - a mapped row decodes to exactly io's decoder's values (mq_ggml_dequantize) for F32, F16,
- *    BF16, Q8_0, Q4_0, Q4_1 and NVFP4 (times a scale), llama's rotated q/k rows through the row map;
+ *    BF16, Q8_0, Q4_0, Q4_1, NVFP4 (times a scale), Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K, llama's
+ *    rotated q/k rows through the row map;
  *  - the Q8_0 and BF16 row dots: the AVX2 twin equals the scalar reference bit for bit, and the
  *    reference is within the summation bound of a double-precision dot;
  *  - olmoe, qwen2moe (shared expert), qwen3moe and llama (dense, rotated q/k) files of every type the
@@ -67,6 +68,15 @@ static uint8_t *rand_blocks(uint32_t type, int64_t rows, int64_t cols, uint64_t 
         case MQ_GM_NVFP4:
             for (int k = 0; k < 4; k++) q[k] = (uint8_t)(rng_next(s) % 0x7F);
             break;
+        case MQ_GM_Q5_1:
+        case MQ_GM_Q4_K:
+        case MQ_GM_Q5_K: {   /* d and dmin (Q5_1: d and m) */
+            uint16_t m = rand_f16(s);
+            memcpy(q + 2, &m, 2);
+        } /* fall through */
+        case MQ_GM_Q5_0: memcpy(q, &h, 2); break;
+        case MQ_GM_Q3_K: memcpy(q + 108, &h, 2); break;
+        case MQ_GM_Q6_K: memcpy(q + 208, &h, 2); break;
         }
     }
     *n = nb * bb;
@@ -75,11 +85,13 @@ static uint8_t *rand_blocks(uint32_t type, int64_t rows, int64_t cols, uint64_t 
 
 static void test_rows_equal_io_decoder(void) {
     static const uint32_t types[] = {MQ_GM_F32, MQ_GM_F16, MQ_GM_BF16, MQ_GM_Q8_0, MQ_GM_Q4_0,
-                                     MQ_GM_Q4_1, MQ_GM_NVFP4};
+                                     MQ_GM_Q4_1, MQ_GM_NVFP4, MQ_GM_Q5_0, MQ_GM_Q5_1, MQ_GM_Q3_K,
+                                     MQ_GM_Q4_K, MQ_GM_Q5_K, MQ_GM_Q6_K};
     uint64_t s = 0x9E3779B97F4A7C15ull;
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++)
         for (int perm = 0; perm < 2; perm++) {
-            const int64_t rows = 16, cols = 128, hd = 8;
+            const int64_t rows = 16, cols = types[ti] >= MQ_GM_Q3_K && types[ti] <= MQ_GM_Q6_K ? 512 : 128,
+                          hd = 8;
             size_t n;
             uint8_t *p = rand_blocks(types[ti], rows, cols, &s, &n);
             float *all = malloc(sizeof(float) * rows * cols), *row = malloc(sizeof(float) * cols);
@@ -216,6 +228,71 @@ static void test_experts_repack_equals_op_packing(void) {
     }
 }
 
+/* Q4_1 and Q4_K Linears repacked as symmetric INT4 plus per-block offsets (packed_weight_from_ggml)
+ * against a double-precision product with io's decoded values, for several token counts and
+ * row counts that are no multiple of 16.
+ *
+ * Bound. The kernels use x rounded per block of 32 to v = rne(x * 32512 / amax) (moe_ffn.h):
+ * |x - x^| <= amax / 65024 per value, so the symmetric part is off by at most
+ * sum_blocks amax_b / 65024 * sum_(i in b) |s_b (q_i - 8)|. The rest is fp32 rounding: the block
+ * products are exact integers, the scaled sums, the block sums of x and the offsets' dot take
+ * at most K + 64 roundings each, and the offset 8 s - off0 one rounding: 4 (K + 64) u M with
+ * M = sum_i (|s (q_i - 8)| + |off_b| + |off0_b|) |x_i| covers them. A wrong code, scale or
+ * offset is off by O(|w x|). */
+static void test_asym_repack_forward(void) {
+    uint64_t s = 99;
+    static const uint32_t types[2] = {MQ_GM_Q4_1, MQ_GM_Q4_K};
+    for (int ti = 0; ti < 2; ti++)
+        for (int shape = 0; shape < 2; shape++) {
+            const int64_t rows = shape ? 40 : 16, cols = shape ? 768 : 256;
+            size_t nb;
+            uint8_t *p = rand_blocks(types[ti], rows, cols, &s, &nb);
+            float *w = malloc(sizeof(float) * rows * cols);
+            ASSERT_OK(mq_ggml_dequantize(types[ti], p, rows * cols, w));
+            mq_ggml_mat m;
+            ASSERT_OK(mq_ggml_mat_init(&m, p, types[ti], rows, cols, 1.0f, 0, "asym"));
+            struct mq_packed_weight *pw = NULL;
+            ASSERT_OK(mq_packed_weight_from_ggml(&m, "asym", &pw));
+            if (!pw) return;
+            ASSERT_TRUE(pw->off != NULL);
+            for (int64_t T = 1; T <= 70; T += 23) {
+                float *x = malloc(sizeof(float) * T * cols), *y = malloc(sizeof(float) * T * rows);
+                for (int64_t i = 0; i < T * cols; i++)
+                    x[i] = (float)((int64_t)(rng_next(&s) % 20001) - 10000) / 4000.0f;
+                ASSERT_OK(mq_packed_weight_forward(pw, x, T, y));
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t r = 0; r < rows; r++) {
+                        double exact = 0, quant = 0, mag = 0;
+                        for (int64_t b = 0; b < cols / 32; b++) {
+                            const float *xb = x + t * cols + 32 * b;
+                            const float off = pw->off[r * (cols / 32) + b];
+                            double amax = 0, sym = 0;
+                            for (int i = 0; i < 32; i++) amax = fmax(amax, fabs(xb[i]));
+                            for (int i = 0; i < 32; i++) {
+                                const double wi = w[r * cols + 32 * b + i], ws = wi - off;
+                                exact += wi * xb[i];
+                                sym += fabs(ws);
+                                mag += (fabs(ws) + 2 * fabs(off) + fabs(wi)) * fabs(xb[i]);
+                            }
+                            quant += amax / 65024 * sym;
+                        }
+                        const double tol = quant + 4.0 * (double)(cols + 64) * ldexp(1, -24) * mag;
+                        const double got = y[t * rows + r];
+                        if (!(fabs(got - exact) <= tol)) {
+                            FAIL("type %u [%lld, %lld] T %lld row %lld token %lld: %.9g against %.9g "
+                                 "(bound %.3g)", types[ti], (long long)rows, (long long)cols,
+                                 (long long)T, (long long)r, (long long)t, got, exact, tol);
+                            t = T;
+                            break;
+                        }
+                    }
+                free(x), free(y);
+            }
+            mq_packed_weight_free(pw);
+            free(p), free(w);
+        }
+}
+
 /* ---- models ------------------------------------------------------------------------------------ */
 /* model quantized (sch; INT4 g32, asym for Q4_1) with the Linears matching ignore kept and every
  * unquantized matrix written as rest; returns the file (static). */
@@ -288,6 +365,21 @@ static void packed_equals_decoded(const char *file, const char *tag, bool repack
     moeq_model_free(mf);
 }
 
+/* Whether some 2-D matrix of the file is of a type the runtime repacks for the packed kernels
+ * (the tolerance's 2^-15 term): Q4_0, NVFP4, Q4_1 and Q4_K. */
+static bool kq_repacked(const char *file) {
+    mq_gguf *g = NULL;
+    ASSERT_OK(mq_gguf_open(file, &g));
+    bool any = false;
+    for (size_t i = 0; g && i < mq_gguf_tensor_count(g); i++) {
+        const mq_gguf_tensor *t = mq_gguf_tensor_at(g, i);
+        any |= t->n_dims >= 2 && (t->type == MQ_GM_Q4_0 || t->type == MQ_GM_NVFP4 ||
+                                  t->type == MQ_GM_Q4_1 || t->type == MQ_GM_Q4_K);
+    }
+    mq_gguf_close(g);
+    return any;
+}
+
 /* A compressed-tensors checkpoint run packed keeps its BF16 embeddings and lm_head in the mapped
  * file (no fp32 copy) and gives the fp32 path's logits within the same tolerance. */
 static void test_checkpoint_bf16_head(void) {
@@ -315,14 +407,40 @@ static void family(const char *model, const char *name, bool moe, bool nvfp4) {
         packed_equals_decoded(make_file(model, tag, MQ_QS_NVFP4, false, NULL, MQ_GGUF_REST_BF16), tag, true);
     }
     snprintf(tag, sizeof tag, "%s-q4_1", name);
-    packed_equals_decoded(make_file(model, tag, MQ_QS_INT4, true, NULL, MQ_GGUF_REST_F16), tag, false);
+    packed_equals_decoded(make_file(model, tag, MQ_QS_INT4, true, NULL, MQ_GGUF_REST_F16), tag, true);
     /* Q8_0 Linears (the MLPs, or everything of a dense model) read in place */
     snprintf(tag, sizeof tag, "%s-q8_0", name);
     packed_equals_decoded(make_file(model, tag, MQ_QS_INT4, false, moe ? "mlp" : ".", MQ_GGUF_REST_Q8_0),
                           tag, moe);
 }
 
-static void test_olmoe(void) { family(mq_test_model("olmoe-tiny"), "olmoe", true, false); }
+/* llama.cpp's K-quant files as moeq writes them (moeq_quantize --format gguf): q4_k_m is llama.cpp's
+ * mixture (Q4_K, Q5_K for attn_output, Q6_K for some ffn_down and the output, Q8_0 for attn_k/v
+ * of MoE models), q3_k, q5_k and q6_k one type for every Linear (a width that is no whole
+ * number of 256-blocks falls back as llama.cpp's quantizer does). */
+static void kquant_family(const char *model, const char *name) {
+    static const struct {
+        moeq_quant_scheme s;
+        const char *tag;
+    } kq[] = {{MOEQ_QUANT_Q4_K_M, "q4_k_m"}, {MOEQ_QUANT_Q3_K, "q3_k"}, {MOEQ_QUANT_Q5_K, "q5_k"},
+              {MOEQ_QUANT_Q6_K, "q6_k"}};
+    for (size_t i = 0; i < sizeof kq / sizeof kq[0]; i++) {
+        char tag[64], file[1100];
+        snprintf(tag, sizeof tag, "%s-%s", name, kq[i].tag);
+        snprintf(file, sizeof file, "%s/%s.gguf", mq_test_tmpdir(), tag);
+        moeq_quant_options o;
+        moeq_quant_options_init(&o);
+        o.scheme = kq[i].s;
+        o.format = MOEQ_FORMAT_GGUF;
+        ASSERT_OK(moeq_quantize(model, file, &o, NULL));
+        packed_equals_decoded(file, tag, kq_repacked(file));
+    }
+}
+
+static void test_olmoe(void) {
+    family(mq_test_model("olmoe-tiny"), "olmoe", true, false);
+    kquant_family(mq_test_model("olmoe-tiny"), "olmoe");
+}
 
 /* qwen2moe-tiny with norm_topk_prob false (what llama.cpp's qwen2moe computes, so what the export
  * writes), its files linked into a new folder. */
@@ -351,6 +469,7 @@ static void test_qwen2moe(void) {
     fclose(f);
     free(text);
     family(dir, "qwen2moe", true, false);
+    kquant_family(dir, "qwen2moe");
 }
 
 /* Mixtral: llama's graph with experts (q/k rows rotated); its 96-wide experts have no whole
@@ -360,14 +479,16 @@ static void test_mixtral(void) {
     snprintf(m, sizeof m, "%s", mq_test_with_tokenizer("mixtral-tiny"));
     const char *f = make_file(m, "mixtral-q4_0", MQ_QS_INT4, false, NULL, MQ_GGUF_REST_AUTO);
     packed_equals_decoded(f, "mixtral-q4_0", true);
+    kquant_family(m, "mixtral");
 }
 
 static void test_llama(void) {
     char m[1024];
     snprintf(m, sizeof m, "%s", mq_test_shared("fixtures/models/llama-tiny"));
     family(m, "llama", false, true);
+    kquant_family(m, "llama");
 }
 
-TEST_MAIN(T(test_rows_equal_io_decoder), T(test_dot_twins), T(test_experts_repack_equals_op_packing), T(test_checkpoint_bf16_head), T(test_olmoe), T(test_qwen2moe),
+TEST_MAIN(T(test_rows_equal_io_decoder), T(test_dot_twins), T(test_experts_repack_equals_op_packing), T(test_asym_repack_forward), T(test_checkpoint_bf16_head), T(test_olmoe), T(test_qwen2moe),
           T(test_mixtral),
           T(test_llama))

@@ -1,6 +1,7 @@
 /* The packed-layout cache (model/pack_cache.c), for a .gguf and a compressed-tensors checkpoint:
  *  - the first packed open writes it, the second maps it: every packed blob and layout equals a
  *    fresh repack (cache off) byte for byte, and so do the logits;
+ *    (a Q4_K file too: its Linears and experts repacked with offsets, kernels/ggml_mat.h);
  *  - a damaged cache (a flipped byte in its data, in its header, truncated) or a stale one (the
  *    source's time changed; a source byte changed with its size and time kept) is detected,
  *    ignored and written again: the rewritten file equals the first one byte for byte (the
@@ -47,6 +48,12 @@ static void same_linear(const mq_linear *a, const mq_linear *b) {
     if (!a->qw || !b->qw) return;
     ASSERT_TRUE(a->qw->out == b->qw->out && a->qw->in == b->qw->in);
     ASSERT_EQ_INT(a->qw->bytes, b->qw->bytes);
+    ASSERT_EQ_INT(a->qw->off != NULL, b->qw->off != NULL);   /* Q4_1 / Q4_K offsets */
+    if (a->qw->off && b->qw->off) {
+        ASSERT_EQ_INT(a->qw->off_at, b->qw->off_at);
+        ASSERT_TRUE((const uint8_t *)a->qw->off == a->qw->blob + a->qw->off_at);
+        ASSERT_TRUE((const uint8_t *)b->qw->off == b->qw->blob + b->qw->off_at);
+    }
     same_pmat(&a->qw->W, a->qw->blob, &b->qw->W, b->qw->blob);
     if (a->qw->bytes == b->qw->bytes)
         ASSERT_TRUE(memcmp(a->qw->blob, b->qw->blob, a->qw->bytes) == 0);
@@ -59,6 +66,11 @@ static void same_packed(const moeq_model *a, const moeq_model *b) {
         const mq_layer *x = &a->layers[l], *y = &b->layers[l];
         const mq_linear *la[4] = {&x->q, &x->k, &x->v, &x->o}, *lb[4] = {&y->q, &y->k, &y->v, &y->o};
         for (int i = 0; i < 4; i++) same_linear(la[i], lb[i]), n_blobs += la[i]->qw != NULL;
+        for (int e = 0; x->exp_gate && y->exp_gate && e < a->cfg.n_experts; e++) {   /* one by one */
+            same_linear(&x->exp_gate[e], &y->exp_gate[e]);
+            same_linear(&x->exp_up[e], &y->exp_up[e]);
+            same_linear(&x->exp_down[e], &y->exp_down[e]);
+        }
         ASSERT_EQ_INT(x->pexperts != NULL, y->pexperts != NULL);
         if (!x->pexperts || !y->pexperts) continue;
         const moeq_moe_experts *p = x->pexperts, *q = y->pexperts;
@@ -170,6 +182,25 @@ static void test_gguf_cache(void) {
     cache_cycle(file, "gguf", true);
 }
 
+/* A Q4_K file (moeq's own K-quant GGUF): its Linears and experts repacked with their offsets. */
+static void test_kquant_cache(void) {
+    char file[1100];
+    snprintf(file, sizeof file, "%s/olmoe-q4_k.gguf", mq_test_tmpdir());
+    moeq_quant_options o;
+    moeq_quant_options_init(&o);
+    o.scheme = MOEQ_QUANT_Q4_K;
+    o.format = MOEQ_FORMAT_GGUF;
+    ASSERT_OK(moeq_quantize(mq_test_model("olmoe-tiny"), file, &o, NULL));
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_set_pack_cache_dir(""));
+    m = open_packed(file, MQ_PACK_CACHE_NONE);
+    if (m) ASSERT_TRUE(m->layers[0].q.qw && m->layers[0].q.qw->off && m->layers[0].exp_down[0].qw &&
+                       m->layers[0].exp_down[0].qw->off);
+    moeq_model_free(m);
+    ASSERT_OK(moeq_set_pack_cache_dir(NULL));
+    cache_cycle(file, "q4_k", true);
+}
+
 static void test_checkpoint_cache(void) {
     char ckpt[1100];
     snprintf(ckpt, sizeof ckpt, "%s/nvfp4", mq_test_tmpdir());
@@ -193,4 +224,4 @@ static void test_default_beside(void) {
     moeq_model_free(open_packed(file, MQ_PACK_CACHE_MAPPED));
 }
 
-TEST_MAIN(T(test_gguf_cache), T(test_checkpoint_cache), T(test_default_beside))
+TEST_MAIN(T(test_gguf_cache), T(test_kquant_cache), T(test_checkpoint_cache), T(test_default_beside))

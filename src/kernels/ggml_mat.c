@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "formats/kquant.h"
 #include "kernels/ggml_mat.h"
 #include "kernels/vec.h"
 
@@ -28,6 +29,13 @@ bool mq_ggml_mat_type_ok(uint32_t type, int64_t *block, size_t *block_bytes) {
     case MQ_GM_Q4_0: b = 32, bb = 18; break;
     case MQ_GM_Q4_1: b = 32, bb = 20; break;
     case MQ_GM_NVFP4: b = 64, bb = 36; break;
+    case MQ_GM_Q5_0: case MQ_GM_Q5_1: case MQ_GM_Q3_K: case MQ_GM_Q4_K: case MQ_GM_Q5_K:
+    case MQ_GM_Q6_K: {
+        mq_kq_type k;
+        if (!mq_kq_of_ggml(type, &k)) return false;
+        b = mq_kq_info_of(k)->block, bb = (size_t)mq_kq_info_of(k)->bytes;
+        break;
+    }
     default: return false;
     }
     if (block) *block = b;
@@ -119,7 +127,17 @@ void mq_ggml_mat_row(const mq_ggml_mat *m, int64_t r, float *y) {
                 }
             }
         break;
-    default: MQ_ASSERT(0);
+    default: {   /* the K-quants and Q5_0 / Q5_1: formats/kquant.h's unpacking, ggml's operations */
+        mq_kq_type k;
+        MQ_ASSERT(mq_kq_of_ggml(m->type, &k));
+        const mq_kq_info *t = mq_kq_info_of(k);
+        mq_gparams g[16];
+        uint8_t c[256];
+        for (int64_t b = 0; b < n / t->block; b++, p += t->bytes, y += t->block) {
+            mq_kq_unpack_block(t, p, g, c);
+            for (int i = 0; i < t->block; i++) y[i] = mq_kq_value(t, &g[i / t->sub], c[i]);
+        }
+    }
     }
     if (m->scale != 1.0f) {
         for (int64_t i = 0; i < n; i++) y0[i] *= m->scale;
@@ -377,13 +395,45 @@ done:
     return MOEQ_OK;
 }
 
+/* ---- asymmetric blocks (Q4_1, Q4_K) as symmetric INT4 plus offsets ----------------------------- */
+/* Row r's codes, steps and offsets: value (r, c) = step[c / 32] * code[c] - off0[c / 32] in the
+ * file (Q4_1: d * q + m, off0 = -m; Q4_K: (d * sc) * q - dmin * m, kquant.h), kept as
+ * step * (code - 8) (the packed kernels' symmetric INT4 with the exact fp32 step as its scale)
+ * plus off = 8 * step - off0 per block of 32 (one rounding). */
+static void asym_row(const mq_ggml_mat *m, int64_t r, uint8_t *codes, float *step, float *off) {
+    const uint8_t *p = m->data + (size_t)stored_row(m, r) * m->row_bytes;
+    if (m->type == MQ_GM_Q4_1) {
+        for (int64_t b = 0; b < m->cols / 32; b++, p += 20, codes += 32) {
+            const float d = mq_f16_to_f32(rd16(p)), mn = mq_f16_to_f32(rd16(p + 2));
+            step[b] = d;
+            off[b] = 8.0f * d + mn;
+            for (int j = 0; j < 16; j++) {
+                codes[j] = p[4 + j] & 0xF;
+                codes[j + 16] = p[4 + j] >> 4;
+            }
+        }
+        return;
+    }
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_Q4_K);
+    mq_gparams g[8];
+    for (int64_t b = 0; b < m->cols / 256; b++, p += t->bytes, codes += 256) {
+        mq_kq_unpack_block(t, p, g, codes);
+        for (int j = 0; j < 8; j++) {
+            step[8 * b + j] = g[j].scale;
+            off[8 * b + j] = 8.0f * g[j].scale - g[j].zero;
+        }
+    }
+}
+
+static bool asym_type(uint32_t type) { return type == MQ_GM_Q4_1 || type == MQ_GM_Q4_K; }
+
 /* ---- a dense Linear into the packed Linear's layout ------------------------------------------- */
 moeq_status mq_packed_weight_ggml_check(const mq_ggml_mat *m, const char *name) {
-    if (m->type != MQ_GM_Q4_0 && m->type != MQ_GM_NVFP4)
+    if (m->type != MQ_GM_Q4_0 && m->type != MQ_GM_NVFP4 && !asym_type(m->type))
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: ggml type %u has no packed kernel", name, m->type);
     const int32_t group = m->type == MQ_GM_NVFP4 ? 16 : 32;
     if (m->rows > INT32_MAX - 16 || m->cols > INT32_MAX || m->cols % group ||
-        (m->type == MQ_GM_Q4_0 && m->scale != 1.0f))
+        (m->type != MQ_GM_NVFP4 && m->scale != 1.0f))
         return mq_err(MOEQ_E_UNSUPPORTED, "%s: [%lld, %lld] does not fit the packed kernels", name,
                       (long long)m->rows, (long long)m->cols);
     return MOEQ_OK;
@@ -394,9 +444,10 @@ moeq_status mq_packed_weight_from_ggml(const mq_ggml_mat *m, const char *name,
     *out = NULL;
     moeq_status cs = mq_packed_weight_ggml_check(m, name);
     if (cs) return cs;
-    const int nvfp4 = m->type == MQ_GM_NVFP4;
+    const int nvfp4 = m->type == MQ_GM_NVFP4, asym = asym_type(m->type);
     const int32_t group = nvfp4 ? 16 : 32;
-    const mq_moe_stype st = nvfp4 ? MQ_MOE_S_E4M3 : MQ_MOE_S_F16;
+    /* Q4_K's steps d * sc have up to 17 significant bits: fp32 */
+    const mq_moe_stype st = nvfp4 ? MQ_MOE_S_E4M3 : m->type == MQ_GM_Q4_K ? MQ_MOE_S_F32 : MQ_MOE_S_F16;
     const int32_t prow = (int32_t)((m->rows + 15) / 16 * 16), cols = (int32_t)m->cols;
     const size_t rbb = mq_moe_rb_bytes(cols, group, st);
     struct mq_packed_weight *w = mq_alloc_zero(sizeof *w, "packed weight");
@@ -410,6 +461,11 @@ moeq_status mq_packed_weight_from_ggml(const mq_ggml_mat *m, const char *name,
     w->out = (int32_t)m->rows;
     w->in = cols;
     w->bytes = rbb * (size_t)(prow / MQ_MOE_RB);
+    const size_t off_bytes = asym ? (size_t)m->rows * (size_t)(cols / 32) * 4 : 0;
+    if (asym) {   /* the offsets after the row blocks, 64-byte aligned */
+        w->off_at = (w->bytes + 63) & ~(size_t)63;
+        w->bytes = w->off_at + off_bytes;
+    }
     const float gm = nvfp4 ? m->scale : 1, dv = nvfp4 ? 2 : 1;
     w->W = (mq_pmat){NULL, rbb, prow, cols, group, nvfp4, st, {gm, gm}, {dv, dv}, 0};
     if (!(w->blob = blob_alloc(w->bytes))) {
@@ -418,7 +474,21 @@ moeq_status mq_packed_weight_from_ggml(const mq_ggml_mat *m, const char *name,
     }
     w->W.data = w->blob;
     int32_t bad = 0;
-    for (int32_t rb = 0; rb < prow / MQ_MOE_RB && !bad; rb++)
+    if (asym) {
+        float *off = (float *)(void *)(w->blob + w->off_at);
+        w->off = off;
+        for (int32_t rb = 0; rb < prow / MQ_MOE_RB; rb++) {
+            const int64_t r0 = (int64_t)rb * MQ_MOE_RB;
+            for (int64_t l = 0; l < MQ_MOE_RB && r0 + l < m->rows; l++)
+                asym_row(m, r0 + l, codes + l * cols, (float *)(void *)sc + l * (cols / 32),
+                         off + (r0 + l) * (cols / 32));
+            mq_moe_src src = {codes, sc, 4, 1.0f, 1};
+            const int64_t left = m->rows - r0 > 0 ? m->rows - r0 : 0;
+            mq_moe_pack_rb(&src, left < MQ_MOE_RB ? left : MQ_MOE_RB, cols, group, 0, st, 0,
+                           w->blob + (size_t)rb * rbb);
+        }
+    }
+    for (int32_t rb = 0; !asym && rb < prow / MQ_MOE_RB && !bad; rb++)
         gp_pack(m, &w->W, rb, rb, nvfp4, codes, sc, &bad);
     if (bad) s = mq_err(MOEQ_E_UNSUPPORTED, "%s: an NVFP4 scale byte 0xFF (no E4M3 value)", name);
 done:

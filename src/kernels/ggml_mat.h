@@ -2,7 +2,8 @@
  * Matrices kept in a GGUF file's ggml blocks, mapped, never copied to fp32 (issue 56):
  *
  *  - mq_ggml_mat: one [rows, cols] matrix of ggml blocks (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
- *    NVFP4) read in place. A row is decoded into a small fp32 buffer when used; y = x W^T then
+ *    NVFP4, and through formats/kquant.h's block unpacking Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K)
+ *    read in place. A row is decoded into a small fp32 buffer when used; y = x W^T then
  *    takes one dot product per (row, token) through the vector kernels (kernels/vec.h: a scalar
  *    reference and SIMD twins with one lane layout), so a row is decoded once for all T tokens.
  *    The decoded values are exactly the values io's decoder gives (mq_ggml_dequantize: every
@@ -26,7 +27,8 @@
 /* ggml's type numbers this module reads (io/gguf.h's MQ_GGML_*; repeated here so that kernels
  * do not include io). */
 enum {
-    MQ_GM_F32 = 0, MQ_GM_F16 = 1, MQ_GM_Q4_0 = 2, MQ_GM_Q4_1 = 3, MQ_GM_Q8_0 = 8,
+    MQ_GM_F32 = 0, MQ_GM_F16 = 1, MQ_GM_Q4_0 = 2, MQ_GM_Q4_1 = 3, MQ_GM_Q5_0 = 6, MQ_GM_Q5_1 = 7,
+    MQ_GM_Q8_0 = 8, MQ_GM_Q3_K = 11, MQ_GM_Q4_K = 12, MQ_GM_Q5_K = 13, MQ_GM_Q6_K = 14,
     MQ_GM_BF16 = 30, MQ_GM_NVFP4 = 40,
 };
 

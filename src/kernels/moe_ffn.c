@@ -19,6 +19,7 @@
 
 #include "kernels/moe_ffn.h"
 #include "kernels/route_inline.h"   /* the scores' order and a group's score, the GPU twin's too */
+#include "kernels/vec.h"
 
 /* ---- small helpers ------------------------------------------------------------------------- */
 static void shape_str(char *buf, size_t n, int ndim, const int64_t *shape) {
@@ -821,6 +822,7 @@ typedef struct {
     float *y;
     int64_t T, ldy, n_chunks;
     mq_qact A;
+    float *bsum;   /* w->off: [T, in / 32] sums of x's blocks of 32 */
 } lin_ctx;
 
 enum { LIN_TOKENS = 64 };
@@ -828,8 +830,17 @@ enum { LIN_TOKENS = 64 };
 static void lin_quant_task(void *ctx, int64_t task, int thread) {
     (void)thread;
     lin_ctx *c = ctx;
-    for (int64_t t = task * TOK_CHUNK; t < c->T && t < (task + 1) * TOK_CHUNK; t++)
+    const int64_t G = c->w->in / 32;
+    for (int64_t t = task * TOK_CHUNK; t < c->T && t < (task + 1) * TOK_CHUNK; t++) {
         c->K->quant_act(c->x + t * c->w->in, c->w->in, &c->A, t, 0);
+        if (!c->w->off) continue;
+        for (int64_t g = 0; g < G; g++) {   /* in column order: the same bits on every split */
+            const float *xb = c->x + t * c->w->in + 32 * g;
+            float sum = 0.0f;
+            for (int i = 0; i < 32; i++) sum += xb[i];
+            c->bsum[t * G + g] = sum;
+        }
+    }
 }
 
 static void lin_gemm_task(void *ctx, int64_t task, int thread) {
@@ -840,6 +851,12 @@ static void lin_gemm_task(void *ctx, int64_t task, int thread) {
     const int64_t t0 = (task / c->n_chunks) * LIN_TOKENS;
     const int64_t m = c->T - t0 < LIN_TOKENS ? c->T - t0 : LIN_TOKENS;
     c->K->gemm(&c->w->W, p0, p1, &c->A, NULL, t0, m, c->y + t0 * c->ldy, c->ldy, 0, NULL);
+    if (!c->w->off) return;
+    const mq_vec_kernels *vk = mq_vec();
+    const int64_t G = c->w->in / 32, r1 = 16 * p1 < c->w->out ? 16 * p1 : c->w->out;
+    for (int64_t t = t0; t < t0 + m; t++)
+        for (int64_t r = 16 * p0; r < r1; r++)
+            c->y[t * c->ldy + r] += vk->dot(c->w->off + r * G, c->bsum + t * G, G);
 }
 
 moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const float *x, int64_t T,
@@ -853,15 +870,17 @@ moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const flo
     if (!mq_mul_size((size_t)T, (size_t)w->in * 2 + (size_t)(w->in / B) * 8, &qb) ||
         (!direct && !mq_mul_size((size_t)T, (size_t)prow * 4, &ob)))
         return mq_err(MOEQ_E_NOMEM, "packed linear: %lld tokens need too much memory", (long long)T);
-    void *ptr[4];
-    const size_t sizes[4] = {(size_t)T * (size_t)w->in * 2, (size_t)T * (size_t)(w->in / B) * 4,
-                             (size_t)T * (size_t)(w->in / B) * 4, ob};
+    void *ptr[5];
+    const size_t sizes[5] = {(size_t)T * (size_t)w->in * 2, (size_t)T * (size_t)(w->in / B) * 4,
+                             (size_t)T * (size_t)(w->in / B) * 4, ob,
+                             w->off ? (size_t)T * (size_t)(w->in / 32) * 4 : 0};
     bool cached;
-    uint8_t *base = alloc_pieces(4, sizes, ptr, &cached);
+    uint8_t *base = alloc_pieces(5, sizes, ptr, &cached);
     if (!base) return MOEQ_E_NOMEM;
     lin_ctx c = {w, mq_moe_kernels_active(), x, direct ? y : ptr[3], T, direct ? w->out : prow,
                  (prow / 16 + PAIRS_B - 1) / PAIRS_B,
-                 {ptr[0], (int8_t *)ptr[0] + T * w->in, ptr[1], ptr[2], w->in, B, nvfp4 ? 12 : 8}};
+                 {ptr[0], (int8_t *)ptr[0] + T * w->in, ptr[1], ptr[2], w->in, B, nvfp4 ? 12 : 8},
+                 ptr[4]};
     const int64_t nq = (T + TOK_CHUNK - 1) / TOK_CHUNK;
     const int64_t ng = c.n_chunks * ((T + LIN_TOKENS - 1) / LIN_TOKENS);
     if ((double)T * (double)prow * (double)w->in < 1e6) {   /* too small to wake the pool */

@@ -227,13 +227,19 @@ struct mq_packed_weight {
     uint8_t *blob;
     size_t bytes;
     int32_t out, in;
+    /* Asymmetric blocks (a GGUF's Q4_K and Q4_1, ggml_mat.h): weight (r, c) = W's symmetric INT4
+     * value + off[r * (in / 32) + c / 32], so y[t, r] gains dot(off row r, the sums of x[t]'s
+     * blocks of 32) (fp32 sums and vec.h's dot, in a fixed order). NULL: none. off_at: its
+     * byte offset in blob (the cache keeps it). */
+    const float *off;
+    size_t off_at;
 };
 moeq_status mq_packed_weight_from_qtensor(const mq_qtensor *q, const char *name,
                                           struct mq_packed_weight **out);
 void mq_packed_weight_free(struct mq_packed_weight *w);
 size_t mq_packed_weight_bytes(const struct mq_packed_weight *w);
 /* y [T, out] = x [T, in] W^T (no bias), on the pool, activations as split int16 blocks (the same
- * numerics as the MoE op). */
+ * numerics as the MoE op), plus the offsets' term when off is set. */
 moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const float *x, int64_t T,
                                      float *y);
 

@@ -481,16 +481,26 @@ bool mq_pack_cache_get_weight(mq_pack_cache *c, const char *name, struct mq_pack
     int32_t oi[2];
     pc_pmat p;
     struct mq_packed_weight *w = NULL;
-    bool ok = e->meta_bytes == sizeof oi + sizeof p;
+    uint64_t off_at = 0;   /* asymmetric blocks: where the offsets are (0: none) */
+    bool ok = e->meta_bytes == sizeof oi + sizeof p || e->meta_bytes == sizeof oi + sizeof p + 8;
     if (ok) {
         memcpy(oi, rec, sizeof oi);
         memcpy(&p, rec + sizeof oi, sizeof p);
+        if (e->meta_bytes > sizeof oi + sizeof p) memcpy(&off_at, rec + sizeof oi + sizeof p, 8);
         ok = (w = mq_alloc_zero(sizeof *w, "packed weight")) != NULL &&
              pmat_in(&p, blob, e->bytes, &w->W) && oi[0] > 0 && oi[0] <= p.rows && oi[1] == p.cols &&
              p.data_off == 0;
     }
+    if (ok && e->meta_bytes > sizeof oi + sizeof p)   /* after the rows, within the blob */
+        ok = !p.nvfp4 && p.cols % 32 == 0 && off_at % 64 == 0 &&
+             off_at >= (uint64_t)(p.rows / MQ_MOE_RB) * p.rb_bytes && off_at <= e->bytes &&
+             (uint64_t)oi[0] * (uint64_t)(p.cols / 32) * 4 <= e->bytes - off_at;
     if (ok) {
         w->out = oi[0], w->in = oi[1];
+        if (e->meta_bytes > sizeof oi + sizeof p) {
+            w->off_at = (size_t)off_at;
+            w->off = (const float *)(const void *)(blob + off_at);
+        }
         w->blob = (uint8_t *)(uintptr_t)blob;
         w->bytes = (size_t)e->bytes;
         ok = !remember(c, PC_WEIGHT, name, w, false);
@@ -537,8 +547,10 @@ static size_t item_layout(const struct pc_item *it, uint8_t *rec) {
         const struct mq_packed_weight *w = it->obj;
         int32_t oi[2] = {w->out, w->in};
         pc_pmat p = pmat_out(&w->W, w->blob);
+        const uint64_t off_at = w->off ? (uint64_t)w->off_at : 0;
         if (rec) memcpy(rec, oi, sizeof oi), memcpy(rec + sizeof oi, &p, sizeof p);
-        return sizeof oi + sizeof p;
+        if (rec && w->off) memcpy(rec + sizeof oi + sizeof p, &off_at, 8);
+        return sizeof oi + sizeof p + (w->off ? 8 : 0);
     }
     const moeq_moe_experts *w = it->obj;
     pc_experts_head h = {(int32_t)w->scheme, w->group, w->E, w->D, w->F, w->Fs, w->n_mats, 0};

@@ -29,6 +29,7 @@
 
 #include "cli.h"
 #include "commands.h"
+#include "kernels/ggml_mat.h"
 #include "kernels/moe_ffn.h"
 #include "model/model.h"
 
@@ -41,13 +42,34 @@ typedef struct {
     int64_t rss;           /* bytes (llama.cpp: the child's peak) */
 } round_t;
 
-/* Bytes one decoded token reads: every resident weight but the routed experts not chosen. */
+/* Resident bytes of one Linear's weight (packed, mapped or fp32). */
+static double linear_bytes(const mq_linear *l) {
+    return l->qw   ? (double)mq_packed_weight_bytes(l->qw)
+           : l->gw ? (double)mq_ggml_mat_bytes(l->gw)
+           : l->w  ? 4.0 * (double)l->out * (double)l->in : 0.0;
+}
+
+/* Bytes one decoded token reads: every resident weight but the routed experts not chosen (in
+ * the fused op or run one by one) and the embedding rows but the token's own (an untied table:
+ * a tied one is read whole as lm_head). */
 static double bytes_per_token(const moeq_model *m) {
     const moeq_model_info *in = moeq_model_get_info(m);
     double b = (double)in->weight_bytes;
     const mq_config *c = &m->cfg;
+    const double V = (double)c->vocab, D = (double)c->D;
+    if (!c->tie_embeddings)
+        b -= m->embed_g ? (double)mq_ggml_mat_bytes(m->embed_g) * (1.0 - 1.0 / V)
+             : m->embed ? 4.0 * (V - 1.0) * D : 0.0;
     for (int l = 0; l < c->n_layers; l++) {
         const moeq_moe_experts *w = m->layers[l].pexperts;
+        const mq_layer *ly = &m->layers[l];
+        if (!w && ly->is_moe && ly->exp_gate && c->n_experts > 0) {
+            double routed = 0;
+            for (int e = 0; e < c->n_experts; e++)
+                routed += linear_bytes(&ly->exp_gate[e]) + linear_bytes(&ly->exp_up[e]) +
+                          linear_bytes(&ly->exp_down[e]);
+            b -= routed * (1.0 - (double)c->top_k / (double)c->n_experts);
+        }
         if (!w || w->E <= 0) continue;
         double routed = 0;
         for (int e = 0; e < w->E; e++) {

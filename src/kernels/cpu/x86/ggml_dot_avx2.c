@@ -1,9 +1,12 @@
 /*
  * AVX2+FMA twins of the dot products over GGUF rows read in place (kernels/ggml_mat.h,
- * mq_ggml_dot_ref in ggml_mat.c): one 8-lane accumulator, element 8k + l of a block in lane l,
- * Q8_0 summed per block (four fmas a lane) and then scaled into the row's accumulator by one fma,
- * the 8 lanes reduced as (l + l+4), (l + l+2), (l + l+1). The reference performs exactly these
- * operations, so the results are the same bits.
+ * mq_ggml_dot_ref in cpu/ref/ggml_dot_ref.c): four 8-lane accumulators, so that one row streams
+ * at the memory's pace (a single fma chain's latency held a mapped BF16 lm_head to about half of
+ * it: docs/results/runtime.md); BF16 element i into accumulator (i % 32) / 8, lane i % 8; Q8_0
+ * block b summed (four fmas a lane) and then scaled into accumulator b % 4 by one fma; merged as
+ * (0 + 1) + (2 + 3), the lanes reduced as (l + l+4), (l + l+2), (l + l+1). The reference performs
+ * exactly these operations, so the results are the same bits. A row is read from start to end:
+ * interleaving several rows' streams ran slower on a mapped file.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -25,8 +28,13 @@ INLINE __m256 i8x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(v)));
 }
 
+INLINE float merge4(const __m256 *acc) {
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
 static float dot_q8_0(const uint8_t *row, const float *x, int64_t nb) {
-    __m256 tot = _mm256_setzero_ps();
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++, row += 34, x += 32) {
         uint16_t h;
         memcpy(&h, row, 2);
@@ -34,19 +42,29 @@ static float dot_q8_0(const uint8_t *row, const float *x, int64_t nb) {
         a = _mm256_fmadd_ps(i8x8(row + 10), _mm256_loadu_ps(x + 8), a);
         a = _mm256_fmadd_ps(i8x8(row + 18), _mm256_loadu_ps(x + 16), a);
         a = _mm256_fmadd_ps(i8x8(row + 26), _mm256_loadu_ps(x + 24), a);
-        tot = _mm256_fmadd_ps(_mm256_set1_ps(mq_f16_to_f32(h)), a, tot);
+        acc[b % 4] = _mm256_fmadd_ps(_mm256_set1_ps(mq_f16_to_f32(h)), a, acc[b % 4]);
     }
-    return hsum(tot);
+    return merge4(acc);
+}
+
+INLINE __m256 bf16x8(const uint8_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 static float dot_bf16(const uint8_t *row, const float *x, int64_t n) {
-    __m256 tot = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(row + 2 * i));
-        __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        tot = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i), tot);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        acc[0] = _mm256_fmadd_ps(bf16x8(row + 2 * i), _mm256_loadu_ps(x + i), acc[0]);
+        acc[1] = _mm256_fmadd_ps(bf16x8(row + 2 * i + 16), _mm256_loadu_ps(x + i + 8), acc[1]);
+        acc[2] = _mm256_fmadd_ps(bf16x8(row + 2 * i + 32), _mm256_loadu_ps(x + i + 16), acc[2]);
+        acc[3] = _mm256_fmadd_ps(bf16x8(row + 2 * i + 48), _mm256_loadu_ps(x + i + 24), acc[3]);
     }
-    return hsum(tot);
+    for (; i < n; i += 8)
+        acc[(i % 32) / 8] = _mm256_fmadd_ps(bf16x8(row + 2 * i), _mm256_loadu_ps(x + i), acc[(i % 32) / 8]);
+    return merge4(acc);
 }
 
 const mq_ggml_dot_kernels mq_ggml_dot_avx2 = {dot_q8_0, dot_bf16};
