@@ -54,14 +54,17 @@ calc() { awk "BEGIN { printf \"%.6f\", $1 }"; }
 # the llama.cpp file type of a moeq preset: q4_k_m -> Q4_K_M
 ftype() { echo "$1" | tr '[:lower:]' '[:upper:]'; }
 
-# llama.cpp's mean KL and PPL of one file against the base logits: "KL PPL"
+# llama.cpp's mean KL and PPL of one file against the base logits: "KL PPL" (a second try where
+# the first gives none: on a loaded machine a run was seen to stop before its summary)
 judge() {
-    local f=$1 out=$1.kld.txt
-    "$LB/llama-perplexity" -m "$f" -f "$TEXT" -c 512 --chunks "$CHUNKS" -t "$THREADS" \
-        --kl-divergence-base "$BASE_KLD" --kl-divergence > "$out" 2>&1 || { tail -5 "$out" >&2; return 1; }
-    local kl ppl
-    kl=$(awk '/^Mean +KLD:/ {print $3}' "$out")
-    ppl=$(awk '/^Mean PPL\(Q\) +:/ {print $4}' "$out")
+    local f=$1 out=$1.kld.txt kl="" ppl="" try
+    for try in 1 2; do
+        "$LB/llama-perplexity" -m "$f" -f "$TEXT" -c 512 --chunks "$CHUNKS" -t "$THREADS" \
+            --kl-divergence-base "$BASE_KLD" --kl-divergence > "$out" 2>&1 || tail -5 "$out" >&2
+        kl=$(awk '/^Mean +KLD:/ {print $3}' "$out")
+        ppl=$(awk '/^Mean PPL\(Q\) +:/ {print $4}' "$out")
+        [ -z "$kl" ] || break
+    done
     echo "$kl $ppl"
 }
 
