@@ -198,11 +198,15 @@ typedef enum {
      * quantize_row_q8_0 does: d = amax/127 stored as fp16, q = round_half_even(x * 127/amax),
      * input fp16(d) * q. Row-local (no dependence on batching or threads). Which Linears: on a
      * .gguf file opened directly, or a checkpoint imported from one (moeq_import_gguf), exactly those
-     * whose tensor is Q4_0, Q4_1, NVFP4 or Q8_0 there, lm_head included (`--gguf-rest q8_0`);
+     * whose tensor is Q4_0, Q4_1, Q5_0, Q5_1, NVFP4 or Q8_0 there, lm_head included (`--gguf-rest
+     * q8_0`), and those whose tensor is a K-quant (Q3_K..Q6_K) get llama.cpp's Q8_K instead
+     * (quantize_row_q8_K_ref per block of 256: with max the block's first value of largest
+     * magnitude, s = -127 / max, q = min(127, round_half_even(s * x)), input (1 / s) * q in
+     * fp32; lm_head too);
      * otherwise the same as NVFP4 above: on a quantized checkpoint those stored quantized, on an
      * unquantized one every decoder Linear; never routers or shared_expert_gate. Not emulated:
      * the order of llama.cpp's sums (integer block sums times fp16(d_w) * fp16(d_a)), Q8_1's
-     * fp16 block sum in Q4_1's offset term, K-quants' Q8_K activations, the F16/BF16 rounding
+     * fp16 block sum in Q4_1's offset term, the F16/BF16 rounding
      * llama.cpp gives the activations of F16/BF16 weights (a BF16 lm_head), its F16 KV cache
      * and flash attention. moeq_model_open fails with MOEQ_E_UNSUPPORTED naming the Linear if
      * one to be rounded has an input width that is not a multiple of 32 (llama.cpp has no such

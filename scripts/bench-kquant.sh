@@ -11,11 +11,19 @@
 #   MODELS     fixture models (default "olmoe-tiny qwen2moe-tiny llama-tiny")
 #   PRESETS    moeq schemes = llama.cpp file types (default "q4_k_m q3_k_m q5_k_m")
 #   TARGET_BPW moeq --target-bpw runs compared with llama.cpp's Q4_K_M (default "4.5"; "" none)
-#   CHUNKS     llama-perplexity chunks of 512 tokens of wikitext (default 200)
+#   CHUNKS     llama-perplexity chunks of 512 tokens of wikitext (default 200; rounded down to a
+#              multiple of 4: its --kl-divergence stops without a result on a last batch of fewer
+#              than its 4 sequences)
+#   KEEP       1: keep the files of an earlier run in WORK_DIR (the base logits, imatrix and
+#              each GGUF) and only judge them again
+#   AGREE      1: also moeq's perplexity of each moeq file on llama-perplexity's own chunks
+#              (scripts/llama-ppl.py, moeq eval's forward with --act-quant q8_0: Q8_K
+#              activations for the K-quants), next to llama.cpp's
 #   THREADS    threads for every tool (default: nproc)
 #   MOEQ_ARGS  more flags for every moeq quantize run (e.g. "--nsamples 64")
 # Prints a markdown table: file, who made it, bytes, bits per parameter, llama.cpp's mean KL and
-# PPL; and the ratio of moeq's KL to llama.cpp's at each preset. qwen2moe-tiny runs as a copy
+# PPL (the F32 file itself first: its KL to its own base logits must be ~0); and the ratio of
+# moeq's KL to llama.cpp's at each preset. qwen2moe-tiny runs as a copy
 # with norm_topk_prob false (what llama.cpp's qwen2moe graph computes; docs/gguf.md).
 set -euo pipefail
 if [ $# -lt 1 ] || [ ! -x "$1/llama-perplexity" ]; then
@@ -31,7 +39,10 @@ SHARED=${SHARED:-$REPO/../shared}
 MODELS=${MODELS:-olmoe-tiny qwen2moe-tiny llama-tiny}
 PRESETS=${PRESETS:-q4_k_m q3_k_m q5_k_m}
 TARGET_BPW=${TARGET_BPW-4.5}
-CHUNKS=${CHUNKS:-200}
+CHUNKS=$(( ${CHUNKS:-200} / 4 * 4 ))
+[ "$CHUNKS" -ge 4 ] || CHUNKS=4
+KEEP=${KEEP:-0}
+AGREE=${AGREE:-0}
 THREADS=${THREADS:-$(nproc)}
 MOEQ_ARGS=${MOEQ_ARGS:-}
 CALIB=$SHARED/fixtures/text/calib.txt
@@ -43,28 +54,48 @@ calc() { awk "BEGIN { printf \"%.6f\", $1 }"; }
 # the llama.cpp file type of a moeq preset: q4_k_m -> Q4_K_M
 ftype() { echo "$1" | tr '[:lower:]' '[:upper:]'; }
 
-# llama.cpp's mean KL and PPL of one file against the base logits: "KL PPL"
+# llama.cpp's mean KL and PPL of one file against the base logits: "KL PPL" (a second try where
+# the first gives none: on a loaded machine a run was seen to stop before its summary)
 judge() {
-    local f=$1 out=$1.kld.txt
-    "$LB/llama-perplexity" -m "$f" -f "$TEXT" -c 512 --chunks "$CHUNKS" -t "$THREADS" \
-        --kl-divergence-base "$BASE_KLD" --kl-divergence > "$out" 2>&1 || { tail -5 "$out" >&2; return 1; }
-    local kl ppl
-    kl=$(awk '/^Mean +KLD:/ {print $3}' "$out")
-    ppl=$(awk '/^Mean PPL\(Q\) +:/ {print $4}' "$out")
+    local f=$1 out=$1.kld.txt kl="" ppl="" try
+    for try in 1 2; do
+        "$LB/llama-perplexity" -m "$f" -f "$TEXT" -c 512 --chunks "$CHUNKS" -t "$THREADS" \
+            --kl-divergence-base "$BASE_KLD" --kl-divergence > "$out" 2>&1 || tail -5 "$out" >&2
+        kl=$(awk '/^Mean +KLD:/ {print $3}' "$out")
+        ppl=$(awk '/^Mean PPL\(Q\) +:/ {print $4}' "$out")
+        [ -z "$kl" ] || break
+    done
     echo "$kl $ppl"
 }
 
+# moeq's PPL of a file on llama-perplexity's chunks ("" unless AGREE=1)
+agree() {
+    [ "$AGREE" = 1 ] || return 0
+    python3 "$REPO/scripts/llama-ppl.py" "$1" "$BASE_KLD" --act-quant q8_0 --threads "$THREADS" |
+        awk '{print $2}'
+}
+
 row() {   # name maker file
-    local bytes params kp
+    local bytes kl ppl mp
     bytes=$(stat -c %s "$3")
     read -r kl ppl < <(judge "$3")
-    printf '| %s | %s | %s | %d | %.3f | %s | %s |\n' "$MODEL" "$1" "$2" "$bytes" \
-        "$(calc "$bytes * 8 / $PARAMS")" "$kl" "$ppl" | tee -a "$WORK/table.md"
+    [ -n "$kl" ] || { log "$3: no KL from llama-perplexity (see $3.kld.txt)"; exit 1; }
+    mp=$(agree "$3")
+    printf '| %s | %s | %s | %d | %.3f | %s | %s | %s |\n' "$MODEL" "$1" "$2" "$bytes" \
+        "$(calc "$bytes * 8 / $PARAMS")" "$kl" "$ppl" "${mp:--}" | tee -a "$WORK/table.md"
     echo "$kl" > "$3.kl"
 }
 
-echo "| model | file | made by | bytes | bits/param | KL mean (llama.cpp) | PPL (llama.cpp) |" > "$WORK/table.md"
-echo "|---|---|---|---|---|---|---|" >> "$WORK/table.md"
+# "$@" unless KEEP=1 and the file $1 is there already
+make_file() {
+    local f=$1
+    shift
+    if [ "$KEEP" = 1 ] && [ -s "$f" ]; then return 0; fi
+    "$@"
+}
+
+echo "| model | file | made by | bytes | bits/param | KL mean (llama.cpp) | PPL (llama.cpp) | PPL (moeq, q8_0 activations) |" > "$WORK/table.md"
+echo "|---|---|---|---|---|---|---|---|" >> "$WORK/table.md"
 : > "$WORK/ratios.md"
 for MODEL in $MODELS; do
     SRC=$SHARED/fixtures/models/$MODEL
@@ -72,7 +103,8 @@ for MODEL in $MODELS; do
     mkdir -p "$D"
     if [ "$MODEL" = qwen2moe-tiny ]; then   # llama.cpp's qwen2moe never renormalises the top-k
         mkdir -p "$D/src"
-        cp "$SRC"/* "$D/src/"
+        cp -f "$SRC"/* "$D/src/"
+        chmod -R u+w "$D/src"
         python3 - "$D/src/config.json" <<'EOF'
 import json, sys
 p = sys.argv[1]
@@ -83,7 +115,7 @@ EOF
         SRC=$D/src
     fi
     log "$MODEL: F32 base, its logits, the importance matrix"
-    "$MOEQ" export-gguf "$SRC" "$D/f32.gguf" --gguf-rest f32 >&2
+    make_file "$D/f32.gguf" "$MOEQ" export-gguf "$SRC" "$D/f32.gguf" --gguf-rest f32 >&2
     PARAMS=$(python3 - "$SRC/model.safetensors" <<'EOF'
 import json, struct, sys
 f = open(sys.argv[1], "rb"); n = struct.unpack("<Q", f.read(8))[0]; h = json.loads(f.read(n))
@@ -96,18 +128,19 @@ for k, v in h.items():
 print(tot)
 EOF
 )
-    BASE_KLD=$D/base.kld
-    "$LB/llama-perplexity" -m "$D/f32.gguf" -f "$TEXT" -c 512 --chunks "$CHUNKS" -t "$THREADS" \
-        --kl-divergence-base "$BASE_KLD" > "$D/base.txt" 2>&1
-    "$LB/llama-imatrix" -m "$D/f32.gguf" -f "$CALIB" -c 512 --chunks 128 -t "$THREADS" -o "$D/imatrix.gguf" \
-        > "$D/imatrix.txt" 2>&1
+    BASE_KLD=$D/base-$CHUNKS.kld
+    make_file "$BASE_KLD" "$LB/llama-perplexity" -m "$D/f32.gguf" -f "$TEXT" -c 512 --chunks "$CHUNKS" \
+        -t "$THREADS" --kl-divergence-base "$BASE_KLD" > "$D/base.txt" 2>&1
+    make_file "$D/imatrix.gguf" "$LB/llama-imatrix" -m "$D/f32.gguf" -f "$CALIB" -c 512 --chunks 128 \
+        -t "$THREADS" -o "$D/imatrix.gguf" > "$D/imatrix.txt" 2>&1
+    row "f32 (base against itself)" moeq "$D/f32.gguf"
     for P in $PRESETS; do
         log "$MODEL $P: llama-quantize --imatrix, moeq GPTQ"
-        "$LB/llama-quantize" --imatrix "$D/imatrix.gguf" "$D/f32.gguf" "$D/llama-$P.gguf" "$(ftype "$P")" "$THREADS" \
-            > "$D/llama-$P.txt" 2>&1
+        make_file "$D/llama-$P.gguf" "$LB/llama-quantize" --imatrix "$D/imatrix.gguf" "$D/f32.gguf" \
+            "$D/llama-$P.gguf" "$(ftype "$P")" "$THREADS" > "$D/llama-$P.txt" 2>&1
         # shellcheck disable=SC2086
-        "$MOEQ" quantize "$SRC" --out "$D/moeq-$P.gguf" --scheme "$P" --method gptq --calib "$CALIB" \
-            --format gguf --force $MOEQ_ARGS > "$D/moeq-$P.txt" 2>&1
+        make_file "$D/moeq-$P.gguf" "$MOEQ" quantize "$SRC" --out "$D/moeq-$P.gguf" --scheme "$P" --method gptq \
+            --calib "$CALIB" --format gguf --force $MOEQ_ARGS > "$D/moeq-$P.txt" 2>&1
         row "$P" llama.cpp "$D/llama-$P.gguf"
         row "$P" moeq "$D/moeq-$P.gguf"
         lb=$(stat -c %s "$D/llama-$P.gguf")
@@ -119,8 +152,9 @@ EOF
     for B in $TARGET_BPW; do
         log "$MODEL: moeq --target-bpw $B"
         # shellcheck disable=SC2086
-        "$MOEQ" quantize "$SRC" --out "$D/moeq-bpw$B.gguf" --scheme q4_k_m --target-bpw "$B" --method gptq \
-            --calib "$CALIB" --format gguf --force $MOEQ_ARGS > "$D/moeq-bpw$B.txt" 2>&1
+        make_file "$D/moeq-bpw$B.gguf" "$MOEQ" quantize "$SRC" --out "$D/moeq-bpw$B.gguf" --scheme q4_k_m \
+            --target-bpw "$B" --method gptq --calib "$CALIB" --format gguf --force $MOEQ_ARGS \
+            > "$D/moeq-bpw$B.txt" 2>&1
         row "target-bpw $B" moeq "$D/moeq-bpw$B.gguf"
         if [ -f "$D/llama-q4_k_m.gguf" ]; then
             lb=$(stat -c %s "$D/llama-q4_k_m.gguf")

@@ -194,7 +194,11 @@ static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const fl
     double *w = malloc((size_t)(N * K) * sizeof(double));
     double *diag = malloc((size_t)K * sizeof(double));
     int32_t *pos = malloc((size_t)K * sizeof(int32_t));
-    uint8_t *ready = calloc((size_t)ng, 1);
+    uint8_t *ready = calloc((size_t)ng, 1), *started = calloc((size_t)(K / span), 1);
+    /* K-quants, dynamic: each row's super-scales d and dmin of each block, fixed at the block's
+     * first column; each sub-block's multipliers chosen at its own first column */
+    float *refd = malloc((size_t)(N * (K / span)) * sizeof(float));
+    float *refdm = malloc((size_t)(N * (K / span)) * sizeof(float));
     float *vals = malloc((size_t)span * sizeof(float));
     float *hw = malloc((size_t)span * sizeof(float));
     int64_t *qp = malloc((size_t)span * sizeof(int64_t));
@@ -241,7 +245,8 @@ static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const fl
             hw[u] = H[((b) * span + u) * (K + 1)] == 0 ? 0.0f                                      \
                     : !s->mse || o->mse_weight == MQ_GPTQ_MSE_PLAIN ? 1.0f : REF_WEIGHT(q);        \
         }                                                                                          \
-        mq_kq_fit_block(kt, s, vals, 1, hw, &r.params[(n) * ng + (b) * per]);                     \
+        mq_kq_fit_block_d(kt, s, vals, 1, hw, &r.params[(n) * ng + (b) * per],                    \
+                          &refd[(n) * (K / span) + (b)], &refdm[(n) * (K / span) + (b)]);          \
     } while (0)
     if (kq && o->groups == MQ_GPTQ_GROUPS_STATIC) {
         for (int64_t n = 0; n < N; n++)
@@ -263,10 +268,25 @@ static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const fl
     }
     for (int64_t p = 0; p < K; p++) {
         int64_t c = r.perm[p], g = gidx ? p / G : c / G;
-        if (!ready[g] && kq) {
+        if (!ready[g] && kq && !started[c / span]) {   /* the block's first column */
             const int64_t b = c / span;
             for (int64_t n = 0; n < N; n++) REF_KQ_BLOCK(n, b, w[n * K + q]);
-            memset(ready + b * per, 1, (size_t)per);
+            started[b] = 1;
+            ready[g] = 1;
+        }
+        if (!ready[g] && kq) {   /* a later sub-block of a started block: its values now */
+            const int64_t b = c / span;
+            for (int64_t n = 0; n < N; n++) {
+                for (int64_t t = 0; t < G; t++) {
+                    int64_t q = pos[g * G + t];
+                    vals[t] = (float)w[n * K + q];
+                    hw[t] = H[(g * G + t) * (K + 1)] == 0 ? 0.0f
+                            : !s->mse || o->mse_weight == MQ_GPTQ_MSE_PLAIN ? 1.0f : REF_WEIGHT(q);
+                }
+                mq_kq_fit_sub(kt, s, vals, 1, hw, refd[n * (K / span) + b], refdm[n * (K / span) + b],
+                              &r.params[n * ng + g]);
+            }
+            ready[g] = 1;
         }
         if (!ready[g]) {
             for (int64_t n = 0; n < N; n++) {
@@ -295,6 +315,9 @@ static ref_result ref_gptq(const mq_qspec *s, float gs, const float *H, const fl
     free(diag);
     free(pos);
     free(ready);
+    free(started);
+    free(refd);
+    free(refdm);
     free(vals);
     free(hw);
     free(qp);

@@ -30,6 +30,9 @@ static const double TOL = 2e-5;    /* fp32 forward vs double recomputation, rela
 /* the quantizer's effect is at least this: NVFP4 1e-3; Q8_0 (steps of amax/127 per 32) 1e-4 */
 static double SEEN = 1e-3;
 static int g_kind = MOEQ_ACT_QUANT_NVFP4;   /* the quantizer under test (moeq_act_quant) */
+/* each Linear's own rounding, as a GGUF's ggml types give it (K-quants Q8_K, the others Q8_0),
+ * rather than g_kind everywhere */
+static bool g_by_linear = false;
 
 typedef struct {
     int site, expert;
@@ -64,13 +67,20 @@ static const capture *find(const captures *cs, int site, int expert) {
 }
 
 /* ---- reference pieces (double) -------------------------------------------------------------- */
-/* A quantize-dequantized copy of x [rows, cols], or a plain copy when q is false. */
-static float *qcopy(const float *x, int64_t rows, int64_t cols, bool q) {
+/* The rounding the input of Linear l gets (mq_actq) when q (the quantized recomputation). */
+static int kind_of(const mq_linear *l, bool q) {
+    return !q ? MQ_ACTQ_NONE : g_by_linear ? l->act_q : MQ_ACTQ_MODEL;
+}
+
+/* A quantize-dequantized copy of x [rows, cols] (kind: mq_actq), or a plain copy (none). */
+static float *qcopy(const float *x, int64_t rows, int64_t cols, int kind) {
     float *y = malloc(sizeof(float) * (size_t)(rows * cols + 1));
     memcpy(y, x, sizeof(float) * (size_t)(rows * cols));
-    if (q && g_kind == MOEQ_ACT_QUANT_Q8_0)
+    if (kind == MQ_ACTQ_Q8_K)
+        mq_q8_k_act_qdq(y, rows, cols);
+    else if (kind && g_kind == MOEQ_ACT_QUANT_Q8_0)
         mq_q8_0_act_qdq(y, rows, cols);
-    else if (q)
+    else if (kind)
         mq_nvfp4_act_qdq(y, rows, cols);
     return y;
 }
@@ -121,9 +131,12 @@ static void check(const char *what, int layer, const double *ref_q, const double
 static double *attention(const moeq_model *m, const mq_layer *ly, const float *xqkv, bool q) {
     const mq_config *c = &m->cfg;
     int64_t D = c->D, H = c->n_heads, KV = c->n_kv_heads, hd = c->head_dim, half = hd / 2;
-    float *xin = qcopy(xqkv, T, D, q);
-    double *Q = lin(&ly->q, xin, T), *K = lin(&ly->k, xin, T), *V = lin(&ly->v, xin, T);
-    free(xin);
+    float *xq = qcopy(xqkv, T, D, kind_of(&ly->q, q)), *xk = qcopy(xqkv, T, D, kind_of(&ly->k, q));
+    float *xv = qcopy(xqkv, T, D, kind_of(&ly->v, q));
+    double *Q = lin(&ly->q, xq, T), *K = lin(&ly->k, xk, T), *V = lin(&ly->v, xv, T);
+    free(xq);
+    free(xk);
+    free(xv);
     if (c->qk_norm == MQ_QKNORM_FULL) {
         rms(Q, T, H * hd, ly->q_norm, c->rms_eps);
         rms(K, T, KV * hd, ly->k_norm, c->rms_eps);
@@ -174,17 +187,18 @@ static double *attention(const moeq_model *m, const mq_layer *ly, const float *x
 /* silu(gate(x)) * up(x) [rows, F] with x quantized or not. */
 static double *swiglu_in(const mq_linear *g, const mq_linear *u, const float *x, int64_t rows,
                          bool q) {
-    float *xin = qcopy(x, rows, g->in, q);
-    double *a = lin(g, xin, rows), *b = lin(u, xin, rows);
+    float *xg = qcopy(x, rows, g->in, kind_of(g, q)), *xu = qcopy(x, rows, g->in, kind_of(u, q));
+    double *a = lin(g, xg, rows), *b = lin(u, xu, rows);
     for (int64_t i = 0; i < rows * g->out; i++) a[i] = silu(a[i]) * b[i];
-    free(xin);
+    free(xg);
+    free(xu);
     free(b);
     return a;
 }
 
 /* down(qdq(h)) from a captured down input h [rows, F]. */
 static double *down_of(const mq_linear *d, const float *h, int64_t rows, bool q) {
-    float *hin = qcopy(h, rows, d->in, q);
+    float *hin = qcopy(h, rows, d->in, kind_of(d, q));
     double *y = lin(d, hin, rows);
     free(hin);
     return y;
@@ -283,7 +297,14 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
             free(b);
             /* one scale per expert: quantizing the routed rows inside the whole input (one
              * global scale for all tokens) gives another result for some expert */
-            float *all = qcopy(hnf, T, D, true);
+            /* the whole input with the routed rows as the expert got them (a recomputed row
+             * may round to the other side of a half step) */
+            float *whole = malloc(sizeof(float) * (size_t)(T * D));
+            memcpy(whole, hnf, sizeof(float) * (size_t)(T * D));
+            for (int64_t r = 0; r < rows; r++)
+                memcpy(whole + tok[r] * D, ci->x + r * D, sizeof(float) * (size_t)D);
+            float *all = qcopy(whole, T, D, kind_of(&ly->exp_gate[e], true));
+            free(whole);
             double e_all = 0;
             {
                 float *rows_all = malloc(sizeof(float) * (size_t)(rows * D));
@@ -364,10 +385,10 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
     free(hnf);
 }
 
-static void layers_for(const char *name) {
+static void layers_at(const char *path, const char *name) {
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = g_kind};
     moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_model(name), &mo, &m));
+    ASSERT_OK(moeq_model_open(path, &mo, &m));
     if (!m) return;
     ASSERT_TRUE(m->cfg.sliding_window == 0 || m->cfg.sliding_window >= T);
     ASSERT_TRUE(m->cfg.n_experts <= 64 && m->cfg.top_k <= 8);
@@ -386,10 +407,18 @@ static void layers_for(const char *name) {
         check_layer(m, l, xin, x, &cs);
         for (int i = 0; i < cs.n; i++) free(cs.c[i].x);
     }
-    /* the logits: lm_head(final_norm(x)) without a quantizer */
+    /* the logits: lm_head(final_norm(x)), lm_head's input rounded where it is marked */
     double *xn = malloc(sizeof(double) * (size_t)(T * D)), *ref = malloc(sizeof(double) * (size_t)(T * V));
     for (int64_t i = 0; i < T * D; i++) xn[i] = x[i];
     rms(xn, T, D, m->final_norm, m->cfg.rms_eps);
+    if (m->lm_head_act_q) {
+        float *xf = malloc(sizeof(float) * (size_t)(T * D));
+        for (int64_t i = 0; i < T * D; i++) xf[i] = (float)xn[i];
+        float *xr = qcopy(xf, T, D, g_by_linear ? m->lm_head_act_q : MQ_ACTQ_MODEL);
+        for (int64_t i = 0; i < T * D; i++) xn[i] = xr[i];
+        free(xf);
+        free(xr);
+    }
     for (int64_t t = 0; t < T; t++)
         for (int64_t v = 0; v < V; v++) {
             double s = 0;
@@ -411,6 +440,8 @@ static void layers_for(const char *name) {
     free(xin);
     moeq_model_free(m);
 }
+
+static void layers_for(const char *name) { layers_at(mq_test_model(name), name); }
 
 static void test_layers_olmoe(void) { layers_for("olmoe-tiny"); }
 static void test_layers_qwen2moe(void) { layers_for("qwen2moe-tiny"); }
@@ -650,9 +681,50 @@ static void test_q8_0_follows_gguf_types(void) {
     moeq_model_free(ref);
 }
 
+/* A K-quant GGUF (llama.cpp's Q4_K_M mixture, RTN): llama.cpp gives its K-quant matmuls Q8_K
+ * activations (blocks of 256, fp32 d) and its Q8_0 attn_k/attn_v Q8_0 ones; every layer is
+ * recomputed with each Linear's own rounding (q and k/v of one input rounded two ways), the
+ * Q6_K lm_head's input in Q8_K too. */
+static void test_q8_k_layers_gguf(void) {
+    char src[1024], p[1200];
+    snprintf(src, sizeof src, "%s", mq_test_model("olmoe-tiny"));
+    snprintf(p, sizeof p, "%s/q4_k_m.gguf", mq_test_tmpdir());
+    moeq_quant_options o;
+    moeq_quant_options_init(&o);
+    o.scheme = MOEQ_QUANT_Q4_K_M;
+    o.method = MOEQ_QUANT_RTN;
+    o.format = MOEQ_FORMAT_GGUF;
+    moeq_quant_result r;
+    ASSERT_OK(moeq_quantize(src, p, &o, &r));
+    moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_Q8_0};
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_model_open(p, &mo, &m));
+    if (!m) return;
+    for (int l = 0; l < m->cfg.n_layers; l++) {   /* llama.cpp's Q4_K_M for 8 experts */
+        const mq_layer *ly = &m->layers[l];
+        ASSERT_EQ_INT(MQ_ACTQ_Q8_K, ly->q.act_q);
+        ASSERT_EQ_INT(MQ_ACTQ_MODEL, ly->k.act_q);
+        ASSERT_EQ_INT(MQ_ACTQ_MODEL, ly->v.act_q);
+        ASSERT_EQ_INT(MQ_ACTQ_Q8_K, ly->o.act_q);
+        for (int e = 0; e < m->cfg.n_experts; e++) {
+            ASSERT_EQ_INT(MQ_ACTQ_Q8_K, ly->exp_gate[e].act_q);
+            ASSERT_EQ_INT(MQ_ACTQ_Q8_K, ly->exp_down[e].act_q);
+        }
+    }
+    ASSERT_EQ_INT(MQ_ACTQ_Q8_K, m->lm_head_act_q);
+    moeq_model_free(m);
+    g_kind = MOEQ_ACT_QUANT_Q8_0;
+    g_by_linear = true;
+    SEEN = 1e-4;
+    layers_at(p, "olmoe-tiny q4_k_m.gguf");
+    g_kind = MOEQ_ACT_QUANT_NVFP4;
+    g_by_linear = false;
+    SEEN = 1e-3;
+}
+
 TEST_MAIN(T(test_layers_olmoe), T(test_layers_qwen2moe), T(test_layers_llama),
           T(test_only_quantized_linears), T(test_eval_perplexity),
           T(test_eval_perplexity_demo_text),
           T(test_q8_0_layers_olmoe), T(test_q8_0_layers_qwen2moe), T(test_q8_0_layers_llama),
           T(test_q8_0_eval_olmoe), T(test_q8_0_eval_qwen2moe),
-          T(test_q8_0_follows_gguf_types))
+          T(test_q8_0_follows_gguf_types), T(test_q8_k_layers_gguf))

@@ -232,36 +232,42 @@ static inline float grid_mult(const mq_qspec *s, int i) {
 
 static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 
-/* The sub-blocks' multipliers for super-scales d (and dmin): each sub-block's own best among the
- * multipliers within `radius` of its rounded continuous scale (and min), scored on the exact
- * grid; the total error. */
+/* One sub-block's multipliers for super-scales d (and dmin): its best among the multipliers
+ * within `radius` of its rounded continuous scale (and min), scored on the exact grid; into *g,
+ * the error returned. */
+static double assign_one(const mq_kq_info *t, const float *xj, int64_t st, const float *wj,
+                         float scale, float off, float d, float dmin, int radius, mq_gparams *g) {
+    const int asym = t->zero < 0;
+    const int r = d != 0.0f ? clampi((int)rintf(fminf(fmaxf(scale / d, -256.0f), 256.0f)), t->mult_lo,
+                                     t->mult_hi)
+                            : 0;
+    const int rm = asym && dmin != 0.0f
+                       ? clampi((int)rintf(fminf(fmaxf(off / dmin, -256.0f), 256.0f)), 0, t->min_hi)
+                       : 0;
+    const int rs = d != 0.0f ? radius : 0, rms = asym && dmin != 0.0f ? radius : 0;
+    double best = INFINITY;
+    for (int a = clampi(r - rs, t->mult_lo, t->mult_hi); a <= clampi(r + rs, t->mult_lo, t->mult_hi); a++)
+        for (int b = clampi(rm - rms, 0, t->min_hi); b <= clampi(rm + rms, 0, t->min_hi); b++) {
+            const float step = d * (float)a, o = asym ? dmin * (float)b : 0.0f;
+            const double e = grid_sse(t, step, o, xj, st, wj, t->sub);
+            if (e < best) {
+                best = e;
+                *g = (mq_gparams){step, o, mult_code(t, a), (uint8_t)b};
+            }
+        }
+    return best;
+}
+
+/* The sub-blocks' multipliers for super-scales d (and dmin): each sub-block's own (assign_one);
+ * the total error. */
 static double assign(const mq_kq_info *t, const float *x, int64_t st, const float *w,
                      const float *scale, const float *off, float d, float dmin, int radius,
                      mq_gparams *g) {
-    const int nsub = t->block / t->sub, asym = t->zero < 0;
+    const int nsub = t->block / t->sub;
     double total = 0;
-    for (int j = 0; j < nsub; j++) {
-        const float *xj = x + (int64_t)j * t->sub * st;
-        const float *wj = w ? w + j * t->sub : NULL;
-        const int r = d != 0.0f ? clampi((int)rintf(fminf(fmaxf(scale[j] / d, -256.0f), 256.0f)), t->mult_lo,
-                                         t->mult_hi)
-                                : 0;
-        const int rm = asym && dmin != 0.0f
-                           ? clampi((int)rintf(fminf(fmaxf(off[j] / dmin, -256.0f), 256.0f)), 0, t->min_hi)
-                           : 0;
-        const int rs = d != 0.0f ? radius : 0, rms = asym && dmin != 0.0f ? radius : 0;
-        double best = INFINITY;
-        for (int a = clampi(r - rs, t->mult_lo, t->mult_hi); a <= clampi(r + rs, t->mult_lo, t->mult_hi); a++)
-            for (int b = clampi(rm - rms, 0, t->min_hi); b <= clampi(rm + rms, 0, t->min_hi); b++) {
-                const float step = d * (float)a, o = asym ? dmin * (float)b : 0.0f;
-                const double e = grid_sse(t, step, o, xj, st, wj, t->sub);
-                if (e < best) {
-                    best = e;
-                    g[j] = (mq_gparams){step, o, mult_code(t, a), (uint8_t)b};
-                }
-            }
-        total += best;
-    }
+    for (int j = 0; j < nsub; j++)
+        total += assign_one(t, x + (int64_t)j * t->sub * st, st, w ? w + j * t->sub : NULL, scale[j],
+                            off[j], d, dmin, radius, &g[j]);
     return total;
 }
 
@@ -301,6 +307,13 @@ static void fit_single(const mq_kq_info *t, const mq_qspec *s, const float *x, i
 
 void mq_kq_fit_block(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
                      const float *w, mq_gparams *g) {
+    float d, dmin;
+    mq_kq_fit_block_d(t, s, x, stride, w, g, &d, &dmin);
+}
+
+void mq_kq_fit_block_d(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
+                       const float *w, mq_gparams *g, float *d_out, float *dmin_out) {
+    *d_out = *dmin_out = 0.0f;
     if (!has_sub(t)) {
         fit_single(t, s, x, stride, w, g);
         return;
@@ -342,6 +355,8 @@ void mq_kq_fit_block(const mq_kq_info *t, const mq_qspec *s, const float *x, int
             memcpy(g, cand, (size_t)nsub * sizeof *g);
         }
     }
+    *d_out = best_d;
+    *dmin_out = m0;
     if (!asym || !s->mse || m0 == 0.0f) return;
     prev = m0;   /* the min's super-scale over the same grid, d fixed */
     for (int k = 0; k < nd; k++) {
@@ -351,9 +366,18 @@ void mq_kq_fit_block(const mq_kq_info *t, const mq_qspec *s, const float *x, int
         const double e = assign(t, x, stride, w, scale, off, best_d, dm, radius, cand);
         if (e < best) {
             best = e;
+            *dmin_out = dm;
             memcpy(g, cand, (size_t)nsub * sizeof *g);
         }
     }
+}
+
+void mq_kq_fit_sub(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
+                   const float *w, float d, float dmin, mq_gparams *g) {
+    float scale, off = 0.0f;
+    if (t->zero < 0) fit_asym(x, stride, w, t->sub, t->qmax, true, &scale, &off);
+    else scale = fit_sym(x, stride, w, t->sub, t->zero);
+    assign_one(t, x, stride, w, scale, off, d, dmin, s->mse ? 2 : 0, g);
 }
 
 /* ---- rows ------------------------------------------------------------------------------------- */

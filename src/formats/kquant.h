@@ -94,6 +94,18 @@ void mq_kq_qdq_column(const mq_kq_info *t, const float *step, const float *off, 
 void mq_kq_fit_block(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
                      const float *w, mq_gparams *g);
 
+/* mq_kq_fit_block, also giving the block's fp16 super-scales: d (every sub-block's step is d
+ * times its multiplier) and dmin (Q4_K/Q5_K: every offset is dmin times its min; else 0). */
+void mq_kq_fit_block_d(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
+                       const float *w, mq_gparams *g, float *d, float *dmin);
+/* One sub-block of t->sub values x[i * stride] (w: their weights, or NULL) under the fixed
+ * super-scales d and dmin of its block: its continuous fit as mq_kq_fit_block's, then the
+ * multipliers (and mins) within 2 of the rounded ones (with s->mse; else the rounded ones), each
+ * scored by the weighted squared error on the exact grid. GPTQ chooses a sub-block so when its
+ * first column comes, the super-scales having been fixed at the block's first. */
+void mq_kq_fit_sub(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
+                   const float *w, float d, float dmin, mq_gparams *g);
+
 /* Packs one block from its groups (t->block / t->sub params) and t->block codes. false when the
  * groups imply no single fp16 d (and dmin) or a code or multiplier is out of range (not from
  * this file's fit). */

@@ -47,7 +47,9 @@
  * Linear marked act_q, over the whole 2D input of the call: q/k/v share one quantized copy of
  * the normed input, each routed expert quantizes its own routed rows (one global scale per
  * expert, as torchao's grouped MoE path), the shared expert all rows. MOEQ_ACT_QUANT_Q8_0 puts
- * mq_q8_0_act_qdq (llama.cpp's per-row blocks of 32) in the same places. Routers,
+ * mq_q8_0_act_qdq (llama.cpp's per-row blocks of 32) in the same places, and on a GGUF's K-quant
+ * Linears mq_q8_k_act_qdq (blocks of 256; q/k/v or gate/up of other types each round their own
+ * copy). Routers,
  * shared_expert_gate and lm_head always see fp32. Hooks are called before the quantizer.
  * A deepseek2 GGUF's Q4_0/Q8_0 attn_v_b (vb_act_q): llama.cpp attends over the normed latents and
  * multiplies each head's latent output, Q8_0-rounded, by attn_v_b; that layer then runs the same
@@ -107,10 +109,13 @@ struct mq_state {
 };
 
 /* ---- small kernels ------------------------------------------------------------------------- */
-/* The emulated activation quantizer of the model (act_quant) on x[rows, cols] in place: NVFP4
- * over the whole 2D input of the call, or llama.cpp's Q8_0 rounding row by row. */
-static void act_qdq(const moeq_model *m, float *x, int64_t rows, int64_t cols) {
-    if (m->act_quant == MOEQ_ACT_QUANT_Q8_0)
+/* The emulated activation quantizer of a Linear marked `kind` (mq_actq) on x[rows, cols] in
+ * place: llama.cpp's Q8_K row by row, or the model's: NVFP4 over the whole 2D input of the call,
+ * or llama.cpp's Q8_0 rounding row by row. */
+static void act_qdq(const moeq_model *m, int kind, float *x, int64_t rows, int64_t cols) {
+    if (kind == MQ_ACTQ_Q8_K)
+        mq_q8_k_act_qdq(x, rows, cols);
+    else if (m->act_quant == MOEQ_ACT_QUANT_Q8_0)
         mq_q8_0_act_qdq(x, rows, cols);
     else
         mq_nvfp4_act_qdq(x, rows, cols);
@@ -458,7 +463,7 @@ moeq_status mq_embed(const moeq_model *m, const int32_t *ids, int64_t T, float *
 
 void mq_final_norm(const moeq_model *m, float *x, int64_t T) {
     rmsnorm(x, T, m->cfg.D, m->final_norm, m->cfg.rms_eps, x);
-    if (m->lm_head_act_q) mq_q8_0_act_qdq(x, T, m->cfg.D);   /* x now feeds lm_head only */
+    if (m->lm_head_act_q) act_qdq(m, m->lm_head_act_q, x, T, m->cfg.D);   /* x feeds lm_head only */
 }
 
 moeq_status mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *logits) {
@@ -647,14 +652,15 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
     rmsnorm(x, T, D, ly->attn_norm, c->rms_eps, s->xn);
     hook(hk, l, MQ_SITE_QKV, -1, s->xn, T, D);
     /* xn feeds only q_a (q_proj) and kv_a: quantized in place, once for both */
-    if (ly->q.act_q || ly->q_a.act_q || ly->kv_a.act_q) act_qdq(m, s->xn, T, D);
+    const int kx = ly->q.act_q ? ly->q.act_q : ly->q_a.act_q ? ly->q_a.act_q : ly->kv_a.act_q;
+    if (kx) act_qdq(m, kx, s->xn, T, D);
     moeq_status st;
     if (c->q_lora_rank > 0) {
         const int64_t qr = c->q_lora_rank;
         if ((st = mq_linear_forward(&ly->q_a, s->xn, T, s->qa))) return st;
         rmsnorm(s->qa, T, qr, ly->q_a_norm, lat_eps, s->qa);
         hook(hk, l, MQ_SITE_Q_B, -1, s->qa, T, qr);
-        if (ly->q_b.act_q) act_qdq(m, s->qa, T, qr);
+        if (ly->q_b.act_q) act_qdq(m, ly->q_b.act_q, s->qa, T, qr);
         st = mq_linear_forward(&ly->q_b, s->qa, T, s->q);
     } else {
         st = mq_linear_forward(&ly->q, s->xn, T, s->q);
@@ -668,7 +674,7 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
     float *lat = s->lat;
     for (int64_t t = 0; t < T; t++) memcpy(lat + t * r, s->ckv + t * ra, sizeof(float) * (size_t)r);
     hook(hk, l, MQ_SITE_KV_B, -1, lat, T, r);
-    if (ly->kv_b.act_q) act_qdq(m, lat, T, r);
+    if (ly->kv_b.act_q) act_qdq(m, ly->kv_b.act_q, lat, T, r);
     if ((st = mq_linear_forward(&ly->kv_b, lat, T, s->kvb))) return st;
 
     /* keys [k_nope, rope(k_rot)] and values per head, into the cache at these positions */
@@ -700,7 +706,7 @@ static moeq_status mla_attention_block(const moeq_model *m, mq_state *s, int l, 
     }
 
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * vd);
-    if (ly->o.act_q) act_qdq(m, s->att, T, H * vd);
+    if (ly->o.act_q) act_qdq(m, ly->o.act_q, s->att, T, H * vd);
     if ((st = mq_linear_forward(&ly->o, s->att, T, s->tmp))) return st;
     residual_add(s->tmp, x, T * D);
     return MOEQ_OK;
@@ -726,11 +732,27 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
     prof_add(s, MQ_ATT_NORM, &t);
     hook(hk, l, MQ_SITE_QKV, -1, s->xn, T, D);
     prof_add(s, MQ_ATT_HOOKS, &t);
-    /* xn feeds only q/k/v: quantized in place, once for the three */
-    if (ly->q.act_q || ly->k.act_q || ly->v.act_q) act_qdq(m, s->xn, T, D);
     /* k and v of these positions are computed in place in the cache (same [T, KV*hd] layout) */
     float *k = s->kc[l] + pos * s->kv_dim, *v = s->vc[l] + pos * s->kv_dim;
-    moeq_status st = qkv_forward(ly, s->xn, T, s->q, k, v);
+    moeq_status st;
+    if (ly->q.act_q == ly->k.act_q && ly->q.act_q == ly->v.act_q) {
+        /* xn feeds only q/k/v: quantized in place, once for the three */
+        if (ly->q.act_q) act_qdq(m, ly->q.act_q, s->xn, T, D);
+        st = qkv_forward(ly, s->xn, T, s->q, k, v);
+    } else {   /* a GGUF's mixture (Q4_K q, Q8_0 k and v): each its own rounding of xn */
+        const mq_linear *lin[3] = {&ly->q, &ly->k, &ly->v};
+        float *out[3] = {s->q, k, v};
+        st = MOEQ_OK;
+        for (int p = 0; p < 3 && !st; p++) {
+            const float *in = s->xn;
+            if (lin[p]->act_q) {
+                memcpy(s->aq, s->xn, sizeof(float) * (size_t)(T * D));
+                act_qdq(m, lin[p]->act_q, s->aq, T, D);
+                in = s->aq;
+            }
+            st = mq_linear_forward(lin[p], in, T, out[p]);
+        }
+    }
     if (st) return st;
     prof_add(s, MQ_ATT_QKV, &t);
     if (c->qk_norm == MQ_QKNORM_FULL) {
@@ -758,7 +780,7 @@ static moeq_status attention_block(const moeq_model *m, mq_state *s, int l, floa
 
     hook(hk, l, MQ_SITE_O, -1, s->att, T, H * hd);
     prof_add(s, MQ_ATT_HOOKS, &t);
-    if (ly->o.act_q) act_qdq(m, s->att, T, H * hd);
+    if (ly->o.act_q) act_qdq(m, ly->o.act_q, s->att, T, H * hd);
     if ((st = mq_linear_forward(&ly->o, s->att, T, s->tmp))) return st;
     prof_add(s, MQ_ATT_O, &t);
     residual_add(s->tmp, x, T * D);
@@ -775,17 +797,26 @@ static moeq_status mlp(const moeq_model *m, const mq_linear *gate, const mq_line
                        const mq_hooks *hk, int l, mq_site site_in, mq_site site_down) {
     hook(hk, l, site_in, -1, xn, T, gate->in);
     const float *xin = xn;
-    if (gate->act_q || up->act_q) {
+    /* gate and up: one rounded copy, or each its own where a GGUF gives them other types */
+    if (gate->act_q) {
         memcpy(aq, xn, sizeof(float) * (size_t)(T * gate->in));
-        act_qdq(m, aq, T, gate->in);
+        act_qdq(m, gate->act_q, aq, T, gate->in);
         xin = aq;
     }
     moeq_status st = mq_linear_forward(gate, xin, T, g);
+    if (!st && up->act_q != gate->act_q) {
+        xin = xn;
+        if (up->act_q) {
+            memcpy(aq, xn, sizeof(float) * (size_t)(T * gate->in));
+            act_qdq(m, up->act_q, aq, T, gate->in);
+            xin = aq;
+        }
+    }
     if (!st) st = mq_linear_forward(up, xin, T, u);
     if (st) return st;
     swiglu(g, u, T * gate->out);
     hook(hk, l, site_down, -1, g, T, gate->out);
-    if (down->act_q) act_qdq(m, g, T, gate->out);
+    if (down->act_q) act_qdq(m, down->act_q, g, T, gate->out);
     return mq_linear_forward(down, g, T, out);
 }
 
@@ -980,10 +1011,10 @@ static void expert_qdq_task(void *ctx, int64_t e, int thread) {
     if (n == 0) return;
     if (j->stage == EX_GATE_UP && ly->exp_gate[e].act_q) {
         memcpy(s->xq + s0 * D, s->xg + s0 * D, sizeof(float) * (size_t)(n * D));
-        act_qdq(j->m, s->xq + s0 * D, n, D);
+        act_qdq(j->m, ly->exp_gate[e].act_q, s->xq + s0 * D, n, D);
     } else if (j->stage == EX_DOWN && ly->exp_down[e].act_q) {
         memcpy(s->hq + s0 * F, s->hg + s0 * F, sizeof(float) * (size_t)(n * F));
-        act_qdq(j->m, s->hq + s0 * F, n, F);
+        act_qdq(j->m, ly->exp_down[e].act_q, s->hq + s0 * F, n, F);
     }
 }
 

@@ -738,18 +738,26 @@ static moeq_status gguf_types(const moeq_model *m, cJSON **out) {
     return s;
 }
 
-/* Whether llama.cpp's CPU backend computes a matmul with a weight of this ggml type on Q8_0
- * activations (vec_dot_type Q8_0: Q4_0, NVFP4, Q8_0; Q8_1, the same values plus a block sum:
- * Q4_1). K-quants take Q8_K, F16/BF16 their own type, F32 fp32. */
-static bool q8_0_type(const char *v) {
-    return !strcmp(v, "q4_0") || !strcmp(v, "q4_1") || !strcmp(v, "q8_0") || !strcmp(v, "nvfp4");
+/* The activations llama.cpp's CPU backend gives a matmul with a weight of this ggml type (its
+ * vec_dot_type): Q8_0 for Q4_0, Q5_0, NVFP4 and Q8_0; Q8_1 (the same values plus a block sum)
+ * for Q4_1 and Q5_1; Q8_K for the K-quants; F16/BF16 weights their own type and F32 fp32, both
+ * left as they are (MQ_ACTQ_NONE). */
+static uint8_t act_kind(const char *v) {
+    if (!strcmp(v, "q4_0") || !strcmp(v, "q4_1") || !strcmp(v, "q5_0") || !strcmp(v, "q5_1") ||
+        !strcmp(v, "q8_0") || !strcmp(v, "nvfp4"))
+        return MQ_ACTQ_MODEL;
+    if (!strcmp(v, "q3_K") || !strcmp(v, "q4_K") || !strcmp(v, "q5_K") || !strcmp(v, "q6_K"))
+        return MQ_ACTQ_Q8_K;
+    return MQ_ACTQ_NONE;
 }
 
-static bool q8_0_activations(const cJSON *types, const char *name, const char *suffix) {
+static bool q8_0_type(const char *v) { return act_kind(v) == MQ_ACTQ_MODEL; }
+
+static uint8_t gguf_activations(const cJSON *types, const char *name, const char *suffix) {
     char key[320];
     snprintf(key, sizeof key, "%s%s", name, suffix);
     const cJSON *t = cJSON_GetObjectItemCaseSensitive(types, key);
-    return q8_0_type(cJSON_IsString(t) ? t->valuestring : "");
+    return act_kind(cJSON_IsString(t) ? t->valuestring : "");
 }
 
 /* deepseek2's kv_b_proj comes from attn_k_b and attn_v_b ("TYPE_K+TYPE_V"): llama.cpp's Q8_0
@@ -784,14 +792,14 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
     cJSON *owned = NULL;
     moeq_status s = m->gguf_types ? MOEQ_OK : gguf_types(m, &owned);
     const cJSON *types = m->gguf_types ? m->gguf_types : owned;
-    if (types) m->lm_head_act_q = q8_0_activations(types, "lm_head", ".weight");
+    if (types) m->lm_head_act_q = gguf_activations(types, "lm_head", ".weight");
     for (int l = 0; !s && l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
         mq_linear *v[14] = {&ly->q,    &ly->k,    &ly->v,       &ly->o,     &ly->gate,
                             &ly->up,   &ly->down, &ly->q_a,     &ly->q_b,   &ly->kv_a,
                             &ly->kv_b, &ly->sh_gate, &ly->sh_up, &ly->sh_down};
         for (int i = 0; types && i < 14; i++)
-            v[i]->act_q = v[i]->name && q8_0_activations(types, v[i]->name, ".weight");
+            v[i]->act_q = v[i]->name ? gguf_activations(types, v[i]->name, ".weight") : MQ_ACTQ_NONE;
         for (int i = 0; !s && i < 14; i++) s = check_q8_0_width(m, v[i]);
         ly->vb_act_q = types && m->cfg.mla && ly->kv_b.name && v_b_q8_0(types, ly->kv_b.name);
         int32_t kr = m->cfg.kv_lora_rank;
@@ -803,8 +811,12 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
         for (int e = 0; !s && ly->is_moe && e < m->cfg.n_experts; e++) {
             mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
             for (int i = 0; types && i < 3; i++)
-                x[i]->act_q = x[i]->name && q8_0_activations(types, x[i]->name, ".weight");
+                x[i]->act_q = x[i]->name ? gguf_activations(types, x[i]->name, ".weight") : MQ_ACTQ_NONE;
             for (int i = 0; !s && i < 3; i++) s = check_q8_0_width(m, x[i]);
+            if (!s && x[0]->act_q != x[1]->act_q)   /* the routed experts share one rounded input */
+                s = mq_err(MOEQ_E_UNSUPPORTED, "%s: act_quant q8_0: %s and %s take other "
+                           "activation types in llama.cpp (not emulated)", m->dir,
+                           x[0]->name ? x[0]->name : "gate", x[1]->name ? x[1]->name : "up");
         }
     }
     if (!s && m->lm_head_act_q && m->cfg.D % 32 != 0)

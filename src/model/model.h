@@ -115,6 +115,10 @@ double mq_config_forward_flops(const mq_config *c, int64_t T, int64_t pos);
  * Routed experts of a layer run packed through mq_layer.pexperts instead (their w and qw are
  * then both NULL). */
 struct mq_packed_weight;   /* defined by the quantized-kernel module (kernels/moe_ffn.h) */
+/* Which emulated activation rounding a Linear's input gets (mq_linear.act_q): none; the model's
+ * act_quant (NVFP4, or llama.cpp's Q8_0 for the weight types whose vec_dot_type is Q8_0/Q8_1);
+ * llama.cpp's Q8_K (act_quant q8_0 on a GGUF Linear of a K-quant type, vec_dot_type Q8_K). */
+enum mq_actq { MQ_ACTQ_NONE = 0, MQ_ACTQ_MODEL = 1, MQ_ACTQ_Q8_K = 2 };
 struct mq_ggml_mat;        /* a GGUF matrix read in place (kernels/ggml_mat.h) */
 typedef struct {
     int64_t out, in;
@@ -124,7 +128,7 @@ typedef struct {
     struct mq_ggml_mat *gw;          /* a GGUF file's blocks, mapped (owned struct), or NULL */
     char *name;                      /* HF module name, e.g. "model.layers.0.self_attn.q_proj" */
     bool stored_quantized;           /* the checkpoint holds this weight quantized */
-    bool act_q;                      /* the emulated activation quantizer runs on its input */
+    uint8_t act_q;                   /* the emulated activation quantizer on its input: mq_actq */
     bool det;                        /* fp32 products through mq_gemm_det_nt (a row's output
                                         then does not depend on which rows share the call,
                                         kernels/gemm_det.h; mq_model_det_experts) */
@@ -173,8 +177,8 @@ struct moeq_model {
     moeq_tokenizer *tok;             /* NULL if not loaded */
     char *quant_scheme;              /* NULL, or the scheme of a quantized checkpoint */
     int act_quant;                   /* moeq_act_quant */
-    bool lm_head_act_q;              /* act_quant Q8_0 on lm_head's input (mq_final_norm): a
-                                        GGUF whose output.weight llama.cpp runs on Q8_0 */
+    uint8_t lm_head_act_q;           /* mq_actq on lm_head's input (mq_final_norm): a GGUF whose
+                                        output.weight llama.cpp runs on Q8_0 or Q8_K */
     int n_packed;                    /* Linears running packed (each expert weight counts) */
     struct mq_lazy_model *lazy;      /* moeq_model_options.stream: the lazy model that owns this
                                         one (its weights are loaded a layer at a time), else NULL */

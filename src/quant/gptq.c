@@ -638,7 +638,7 @@ static void run_task(void *vctx, int64_t task, int thread) {
             L.s1 = L.s0 + SUB_BLOCK < L.b1 ? L.s0 + SUB_BLOCK : L.b1;
             for (int64_t p = L.s0; p < L.s1; p++) {
                 const int64_t g = L.gidx ? p / G : col_of(f, p) / G;
-                if (!sc->ready[g]) {
+                if (sc->ready[g] != 1) {
                     if (kq) mq_gptq_kq_params_dynamic(&L, g, p);
                     else group_params_dynamic(&L, g, p);
                 }

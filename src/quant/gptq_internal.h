@@ -151,6 +151,10 @@ static inline float column_weight(const loop_state *L, int64_t q) {
 
 /* ---- llama.cpp's K-quant grids (gptq_kquant.c) ---------------------------------------------- */
 
+/* sc->ready of a K-quant sub-block whose block's super-scales are fixed and whose multipliers
+ * are still to be chosen (its params hold d and dmin meanwhile) */
+enum { KQ_PENDING = 2 };
+
 /* Columns a group's params are chosen over at once: a K-quant's whole block of sub-blocks,
  * else the group. */
 int64_t mq_gptq_param_span(const mq_qspec *s, int64_t group_size);

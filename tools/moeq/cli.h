@@ -116,10 +116,10 @@ size_t cli_llc_bytes(void);
     "dequantized path): nvfp4 = W4A4 (one global scale per call, E4M3 per 16); q8_0 = "             \
     "llama.cpp's CPU rounding of the activations of its Q4_0/Q4_1/NVFP4/Q8_0 matmuls "              \
     "(per row, blocks of 32, d = amax/127 stored as fp16, x*127/amax rounded half to "              \
-    "even; on a .gguf the Linears stored Q4_0/Q4_1/NVFP4/Q8_0, lm_head included, on an "            \
-    "unquantized model every decoder Linear; not emulated: llama.cpp's summation order, "           \
-    "K-quants' Q8_K, the F16/BF16 rounding of the activations of F16/BF16 weights, its F16 KV "     \
-    "cache and flash attention; docs/gguf.md)"
+    "even; on a .gguf the Linears stored Q4_0/Q4_1/Q5_0/Q5_1/NVFP4/Q8_0, lm_head included, and "   \
+    "Q8_K for its K-quant Linears (blocks of 256, fp32 d); on an unquantized model every "          \
+    "decoder Linear; not emulated: llama.cpp's summation order, the F16/BF16 rounding of the "      \
+    "activations of F16/BF16 weights, its F16 KV cache and flash attention; docs/gguf.md)"
 /* One stderr line on a model's resident weights (packed or fp32, and what fp32 would take)
  * and the process's peak RSS. */
 void cli_report_memory(const char *cmd, const moeq_model_info *info);
