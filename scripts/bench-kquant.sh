@@ -20,6 +20,7 @@
 #              (scripts/llama-ppl.py, moeq eval's forward with --act-quant q8_0: Q8_K
 #              activations for the K-quants), next to llama.cpp's
 #   THREADS    threads for every tool (default: nproc)
+#   TRIES      llama-perplexity runs per file until one prints its summary (default 4; judge())
 #   MOEQ_ARGS  more flags for every moeq quantize run (e.g. "--nsamples 64")
 # Prints a markdown table: file, who made it, bytes, bits per parameter, llama.cpp's mean KL and
 # PPL (the F32 file itself first: its KL to its own base logits must be ~0); and the ratio of
@@ -44,6 +45,7 @@ CHUNKS=$(( ${CHUNKS:-200} / 4 * 4 ))
 KEEP=${KEEP:-0}
 AGREE=${AGREE:-0}
 THREADS=${THREADS:-$(nproc)}
+TRIES=${TRIES:-4}
 MOEQ_ARGS=${MOEQ_ARGS:-}
 CALIB=$SHARED/fixtures/text/calib.txt
 TEXT=$SHARED/fixtures/text/wikitext2_test.txt
@@ -54,11 +56,13 @@ calc() { awk "BEGIN { printf \"%.6f\", $1 }"; }
 # the llama.cpp file type of a moeq preset: q4_k_m -> Q4_K_M
 ftype() { echo "$1" | tr '[:lower:]' '[:upper:]'; }
 
-# llama.cpp's mean KL and PPL of one file against the base logits: "KL PPL" (a second try where
-# the first gives none: on a loaded machine a run was seen to stop before its summary)
+# llama.cpp's mean KL and PPL of one file against the base logits: "KL PPL". Up to TRIES runs
+# until one prints its summary: llama.cpp's logger writes from a thread of its own and is never
+# drained at exit (common/log.cpp leaks it on purpose; ggml-org/llama.cpp issue 22142), so on a
+# loaded machine a run that exits 0 can lose its last lines, the summary among them.
 judge() {
     local f=$1 out=$1.kld.txt kl="" ppl="" try
-    for try in 1 2; do
+    for try in $(seq "$TRIES"); do
         "$LB/llama-perplexity" -m "$f" -f "$TEXT" -c 512 --chunks "$CHUNKS" -t "$THREADS" \
             --kl-divergence-base "$BASE_KLD" --kl-divergence > "$out" 2>&1 || tail -5 "$out" >&2
         kl=$(awk '/^Mean +KLD:/ {print $3}' "$out")
@@ -86,12 +90,13 @@ row() {   # name maker file
     echo "$kl" > "$3.kl"
 }
 
-# "$@" unless KEEP=1 and the file $1 is there already
+# "$@" (its output into the log $2) unless KEEP=1 and the file $1 is there already: a kept
+# file keeps the log of the run that made it
 make_file() {
-    local f=$1
-    shift
+    local f=$1 log=$2
+    shift 2
     if [ "$KEEP" = 1 ] && [ -s "$f" ]; then return 0; fi
-    "$@"
+    "$@" > "$log" 2>&1
 }
 
 echo "| model | file | made by | bytes | bits/param | KL mean (llama.cpp) | PPL (llama.cpp) | PPL (moeq, q8_0 activations) |" > "$WORK/table.md"
@@ -115,7 +120,7 @@ EOF
         SRC=$D/src
     fi
     log "$MODEL: F32 base, its logits, the importance matrix"
-    make_file "$D/f32.gguf" "$MOEQ" export-gguf "$SRC" "$D/f32.gguf" --gguf-rest f32 >&2
+    make_file "$D/f32.gguf" "$D/f32.txt" "$MOEQ" export-gguf "$SRC" "$D/f32.gguf" --gguf-rest f32
     PARAMS=$(python3 - "$SRC/model.safetensors" <<'EOF'
 import json, struct, sys
 f = open(sys.argv[1], "rb"); n = struct.unpack("<Q", f.read(8))[0]; h = json.loads(f.read(n))
@@ -129,18 +134,18 @@ print(tot)
 EOF
 )
     BASE_KLD=$D/base-$CHUNKS.kld
-    make_file "$BASE_KLD" "$LB/llama-perplexity" -m "$D/f32.gguf" -f "$TEXT" -c 512 --chunks "$CHUNKS" \
-        -t "$THREADS" --kl-divergence-base "$BASE_KLD" > "$D/base.txt" 2>&1
-    make_file "$D/imatrix.gguf" "$LB/llama-imatrix" -m "$D/f32.gguf" -f "$CALIB" -c 512 --chunks 128 \
-        -t "$THREADS" -o "$D/imatrix.gguf" > "$D/imatrix.txt" 2>&1
+    make_file "$BASE_KLD" "$D/base.txt" "$LB/llama-perplexity" -m "$D/f32.gguf" -f "$TEXT" -c 512 \
+        --chunks "$CHUNKS" -t "$THREADS" --kl-divergence-base "$BASE_KLD"
+    make_file "$D/imatrix.gguf" "$D/imatrix.txt" "$LB/llama-imatrix" -m "$D/f32.gguf" -f "$CALIB" -c 512 \
+        --chunks 128 -t "$THREADS" -o "$D/imatrix.gguf"
     row "f32 (base against itself)" moeq "$D/f32.gguf"
     for P in $PRESETS; do
         log "$MODEL $P: llama-quantize --imatrix, moeq GPTQ"
-        make_file "$D/llama-$P.gguf" "$LB/llama-quantize" --imatrix "$D/imatrix.gguf" "$D/f32.gguf" \
-            "$D/llama-$P.gguf" "$(ftype "$P")" "$THREADS" > "$D/llama-$P.txt" 2>&1
+        make_file "$D/llama-$P.gguf" "$D/llama-$P.txt" "$LB/llama-quantize" --imatrix "$D/imatrix.gguf" \
+            "$D/f32.gguf" "$D/llama-$P.gguf" "$(ftype "$P")" "$THREADS"
         # shellcheck disable=SC2086
-        make_file "$D/moeq-$P.gguf" "$MOEQ" quantize "$SRC" --out "$D/moeq-$P.gguf" --scheme "$P" --method gptq \
-            --calib "$CALIB" --format gguf --force $MOEQ_ARGS > "$D/moeq-$P.txt" 2>&1
+        make_file "$D/moeq-$P.gguf" "$D/moeq-$P.txt" "$MOEQ" quantize "$SRC" --out "$D/moeq-$P.gguf" \
+            --scheme "$P" --method gptq --calib "$CALIB" --format gguf --force $MOEQ_ARGS
         row "$P" llama.cpp "$D/llama-$P.gguf"
         row "$P" moeq "$D/moeq-$P.gguf"
         lb=$(stat -c %s "$D/llama-$P.gguf")
@@ -152,9 +157,9 @@ EOF
     for B in $TARGET_BPW; do
         log "$MODEL: moeq --target-bpw $B"
         # shellcheck disable=SC2086
-        make_file "$D/moeq-bpw$B.gguf" "$MOEQ" quantize "$SRC" --out "$D/moeq-bpw$B.gguf" --scheme q4_k_m \
-            --target-bpw "$B" --method gptq --calib "$CALIB" --format gguf --force $MOEQ_ARGS \
-            > "$D/moeq-bpw$B.txt" 2>&1
+        make_file "$D/moeq-bpw$B.gguf" "$D/moeq-bpw$B.txt" "$MOEQ" quantize "$SRC" \
+            --out "$D/moeq-bpw$B.gguf" --scheme q4_k_m --target-bpw "$B" --method gptq --calib "$CALIB" \
+            --format gguf --force $MOEQ_ARGS
         row "target-bpw $B" moeq "$D/moeq-bpw$B.gguf"
         if [ -f "$D/llama-q4_k_m.gguf" ]; then
             lb=$(stat -c %s "$D/llama-q4_k_m.gguf")
