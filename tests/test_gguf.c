@@ -649,37 +649,9 @@ static void test_llama_nvfp4(void) {
     ASSERT_EQ_INT(4 * 7, c.n_scale);
 }
 
-/* qwen2moe-tiny with norm_topk_prob false (what llama.cpp computes): shared experts, biases. */
-static const char *qwen2moe_variant(void) {
-    static char dir[1100];
-    const char *src = mq_test_shared("fixtures/models/qwen2moe-tiny");
-    char s[1024];
-    snprintf(s, sizeof s, "%s", src);
-    snprintf(dir, sizeof dir, "%s/qwen2moe-nonorm", mq_test_tmpdir());
-    mkdir(dir, 0755);
-    const char *files[] = {"model.safetensors", "tokenizer.json", "tokenizer_config.json"};
-    for (int i = 0; i < 3; i++) {
-        char a[1200], b[1200];
-        snprintf(a, sizeof a, "%s/%s", s, files[i]);
-        snprintf(b, sizeof b, "%s/%s", dir, files[i]);
-        if (symlink(a, b) != 0) FAIL("symlink %s", b);
-    }
-    char cp[1200], *text;
-    size_t len;
-    snprintf(cp, sizeof cp, "%s/config.json", s);
-    ASSERT_OK(mq_read_file(cp, &text, &len));
-    char *p = strstr(text, "\"norm_topk_prob\": true");
-    ASSERT_TRUE(p != NULL);
-    memcpy(p, "\"norm_topk_prob\":false", 22);
-    snprintf(cp, sizeof cp, "%s/config.json", dir);
-    ASSERT_OK(mq_write_file_atomic(cp, text, len));
-    free(text);
-    return dir;
-}
-
 static void test_qwen2moe_shared_experts(void) {
     rt_counts c;
-    roundtrip(qwen2moe_variant(), MQ_QS_INT4, 32, false, "qwen2moe-g32", 0, 0, &c);
+    roundtrip(mq_test_qwen2moe_nonorm(), MQ_QS_INT4, 32, false, "qwen2moe-g32", 0, 0, &c);
     ASSERT_EQ_INT(4 * 10, c.n_q4_0);   /* q, k, v, o, 3 stacked experts, 3 shared expert */
 }
 
@@ -853,7 +825,7 @@ static void test_import_llama_permuted(void) {
     import_check(model, "llama");
 }
 
-static void test_import_qwen2moe(void) { import_check(qwen2moe_variant(), "qwen2moe"); }
+static void test_import_qwen2moe(void) { import_check(mq_test_qwen2moe_nonorm(), "qwen2moe"); }
 
 static void test_import_refuses(void) {
     size_t len;

@@ -59,33 +59,6 @@ static void make_gguf(const char *model, const char *tag, mq_qscheme sch, int gr
     ASSERT_OK(mq_gguf_export(ckpt, file, rest));
 }
 
-/* qwen2moe-tiny with norm_topk_prob false (what llama.cpp's qwen2moe computes). */
-static const char *qwen2moe_variant(void) {
-    static char dir[1100];
-    char s[1024];
-    snprintf(s, sizeof s, "%s", mq_test_shared("fixtures/models/qwen2moe-tiny"));
-    snprintf(dir, sizeof dir, "%s/qwen2moe-nonorm", mq_test_tmpdir());
-    mkdir(dir, 0755);
-    const char *files[] = {"model.safetensors", "tokenizer.json", "tokenizer_config.json"};
-    for (int i = 0; i < 3; i++) {
-        char a[1200], b[1200];
-        snprintf(a, sizeof a, "%s/%s", s, files[i]);
-        snprintf(b, sizeof b, "%s/%s", dir, files[i]);
-        if (symlink(a, b) != 0) FAIL("symlink %s", b);
-    }
-    char cp[1200], *text;
-    size_t len;
-    snprintf(cp, sizeof cp, "%s/config.json", s);
-    ASSERT_OK(mq_read_file(cp, &text, &len));
-    char *p = strstr(text, "\"norm_topk_prob\": true");
-    ASSERT_TRUE(p != NULL);
-    memcpy(p, "\"norm_topk_prob\":false", 22);
-    snprintf(cp, sizeof cp, "%s/config.json", dir);
-    ASSERT_OK(mq_write_file_atomic(cp, text, len));
-    free(text);
-    return dir;
-}
-
 static bool ends(const char *s, const char *suffix) {
     size_t n = strlen(s), k = strlen(suffix);
     return n >= k && !strcmp(s + n - k, suffix);
@@ -567,7 +540,7 @@ static void test_llama_nvfp4_and_kquants(void) {
 
 static void test_qwen2moe_shared_expert(void) {
     char ckpt[1100], file[1100];
-    make_gguf(qwen2moe_variant(), "qwen2moe", MQ_QS_INT4, 32, false, MQ_GGUF_REST_AUTO, NULL, ckpt, file);
+    make_gguf(mq_test_qwen2moe_nonorm(), "qwen2moe", MQ_QS_INT4, 32, false, MQ_GGUF_REST_AUTO, NULL, ckpt, file);
     same_logits(ckpt, file, 0, "qwen2moe: checkpoint against its .gguf");
     direct_equals_import(file, "qwen2moe", true);
 }

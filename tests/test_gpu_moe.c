@@ -228,15 +228,6 @@ static moeq_moe_ffn_args args_of(const layer *L, const float *x, int64_t T) {
 }
 
 /* ---- the fp64 reference --------------------------------------------------------------------------- */
-static double e2m1_dec(uint8_t c) {
-    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
-    return (c & 8) ? -mag[c & 7] : mag[c & 7];
-}
-static double e4m3_dec(uint8_t b) {
-    int e = (b >> 3) & 15, m = b & 7;
-    double v = e == 0 ? m / 512.0 : ldexp(1.0 + m / 8.0, e - 7);
-    return (b & 0x80) ? -v : v;
-}
 
 /* Expert e's (E: shared) matrix which (0 gate_up [2f, D], 1 down [D, f]) dequantized in double. */
 static double *deq(const layer *L, int e, int which) {
@@ -253,8 +244,8 @@ static double *deq(const layer *L, int e, int which) {
                 double gs;
                 if (which) gs = sh ? L->sdn_g : L->dn_g[e];
                 else gs = sh ? L->sgu_g[r >= f] : L->gu_g2[2 * e + (r >= f)];
-                const double s = e4m3_dec(((const uint8_t *)L->s[i])[si]);
-                v = L->mult ? e2m1_dec(c) * s * gs : e2m1_dec(c) * s / gs;
+                const double s = mq_test_e4m3_dec(((const uint8_t *)L->s[i])[si]);
+                v = L->mult ? mq_test_e2m1_dec(c) * s * gs : mq_test_e2m1_dec(c) * s / gs;
             } else {
                 const int z = L->asym ? L->z[i][si] : 8;
                 v = ((int)c - z) * (double)((const float *)L->s[i])[si];
@@ -762,7 +753,7 @@ static void test_decoders(void) {
                         const size_t si = sb + (size_t)r * ng + k / L.G;
                         float want;
                         if (L.nv) {
-                            want = (float)(e2m1_dec(c) * e4m3_dec(((const uint8_t *)L.s[i])[si]));
+                            want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L.s[i])[si]));
                         } else {
                             const int z = L.asym ? L.z[i][si] : 8;
                             const float s = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L.s[i])[si]));
@@ -1249,7 +1240,7 @@ static void test_emulated_decoders(void) {
                         const size_t si = sb + (size_t)r * ng + k / L.G;
                         float want;
                         if (L.nv) {
-                            want = (float)(e2m1_dec(c) * e4m3_dec(((const uint8_t *)L.s[i])[si]));
+                            want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L.s[i])[si]));
                         } else {
                             const int z = L.asym ? L.z[i][si] : 8;
                             const float sc = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L.s[i])[si]));

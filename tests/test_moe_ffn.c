@@ -27,16 +27,7 @@ static float rnd_normal(void) {
     return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
 }
 
-/* ---- the test's own decoders ---------------------------------------------------------------- */
-static double e2m1_dec(uint8_t c) {
-    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
-    return (c & 8) ? -mag[c & 7] : mag[c & 7];
-}
-static double e4m3_dec(uint8_t b) {
-    int e = (b >> 3) & 15, m = b & 7;
-    double v = e == 0 ? m / 512.0 : ldexp(1.0 + m / 8.0, e - 7);
-    return (b & 0x80) ? -v : v;
-}
+/* (the test's own E2M1 and E4M3 decoders are the harness's mq_test_e2m1_dec, mq_test_e4m3_dec) */
 
 /* ---- a canonical (unpacked) problem ---------------------------------------------------------- */
 typedef struct {
@@ -174,7 +165,7 @@ static void deq_row(const problem *p, const uint8_t *codes, const void *scales, 
     for (int64_t k = 0; k < cols; k++) {
         uint8_t c = codes[r * cols + k];
         int64_t si = r * ng + k / p->group;
-        if (p->nvfp4) out[k] = e2m1_dec(c) * e4m3_dec(((const uint8_t *)scales)[si]) / gs;
+        if (p->nvfp4) out[k] = mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)scales)[si]) / gs;
         else out[k] = ((int)c - 8) * (double)((const float *)scales)[si];
     }
 }

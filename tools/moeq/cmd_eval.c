@@ -388,26 +388,15 @@ int cmd_eval(int argc, char **argv) {
         st = moeq_eval(m, docs, &o, &r);
         evaluated = true;
     }
-    if (st == MOEQ_OK && o.dry_run) {
-        cli_progress_finish();
+    cli_progress_finish();
+    if (st == MOEQ_OK && o.dry_run) {   /* the plan only */
         if (json) {
             rs.peak_rss = cli_peak_rss_bytes();
             print_json(model_dir, data, task, &o, &r, docs, NULL, doc_tok, &rs);
         } else {
             print_plan(stdout, &r, base != NULL);
         }
-        free(doc_kl);
-        free(doc_top1);
-        free(doc_llb);
-        free(doc_ll);
-        free(doc_tok);
-        moeq_model_free(base);
-        moeq_model_free(m);
-        moeq_docs_free(docs);
-        return CLI_OK;
-    }
-    cli_progress_finish();
-    if (evaluated && (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED)) {
+    } else if (evaluated && (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED)) {
         rs.cpu_seconds = cli_cpu_seconds() - cpu0;
         rs.peak_rss = cli_peak_rss_bytes();
         if (!json) cli_report_memory("eval", rs.info);   /* --json: in the object (stderr stays quiet) */
@@ -417,7 +406,7 @@ int cmd_eval(int argc, char **argv) {
             print_text(model_dir, task, &r, docs, per_doc ? doc_ll : NULL, doc_tok, &rs);
         fflush(stdout);
     }
-    if (st == MOEQ_OK && html && moeq_dist_rank() == 0) {   /* rank 0 holds the result */
+    if (st == MOEQ_OK && !o.dry_run && html && moeq_dist_rank() == 0) {   /* rank 0 holds the result */
         moeq_eval_page pg = {model_dir, kl_base, data, docs, &r, doc_ll, doc_llb, doc_kl, doc_top1, doc_tok};
         st = moeq_eval_html(html, &pg);
     }
