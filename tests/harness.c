@@ -281,3 +281,29 @@ const char *mq_test_qwen2moe_nonorm(void) {
     free(text);
     return dir;
 }
+
+void mq_test_ref_groups(const double *s, int64_t E, int n_group, int topk_group, int *taken) {
+    const int G = n_group, EG = (int)(E / G);
+    double gs[64];
+    int chosen[64] = {0};
+    if (G > 64) FAIL("mq_test_ref_groups: %d groups, at most 64", G);
+    for (int g = 0; g < G; g++) {
+        double b1 = -INFINITY, b2 = -INFINITY;
+        for (int e = g * EG; e < (g + 1) * EG; e++) {
+            if (s[e] > b1) {
+                b2 = b1;
+                b1 = s[e];
+            } else if (s[e] > b2) {
+                b2 = s[e];
+            }
+        }
+        gs[g] = b1 + b2;
+    }
+    for (int j = 0; j < topk_group; j++) {
+        int best = -1;
+        for (int g = 0; g < G; g++)
+            if (!chosen[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        chosen[best] = 1;
+    }
+    for (int64_t e = 0; e < E; e++) taken[e] = !chosen[e / EG];
+}

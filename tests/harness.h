@@ -74,6 +74,10 @@ struct mq_gpu *mq_test_open_gpu(void);
  * definitions and independent of the library's codecs they check. */
 double mq_test_e2m1_dec(uint8_t c);
 double mq_test_e4m3_dec(uint8_t b);
+/* DeepSeek-V3's group-limited routing, the tests' reference: the experts outside the topk_group
+ * of the n_group groups with the largest sums of their two best scores s[] (ties to the lower
+ * group) marked taken (taken[e] = 1), the others 0. */
+void mq_test_ref_groups(const double *s, int64_t E, int n_group, int topk_group, int *taken);
 
 /* The AVX2 twins of the kernels exist in x86 builds only (elsewhere their tests skip). */
 #if defined(__x86_64__) || defined(__i386__)

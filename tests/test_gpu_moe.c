@@ -356,30 +356,7 @@ static void check_routing(const layer *L, const float *x, int64_t T, const int32
         if (!L->scoring)
             for (int e = 0; e < E; e++) p[e] /= sum;
         for (int e = 0; e < E; e++) s[e] = p[e] + (L->use_bias ? L->bias[e] : 0.0), taken[e] = 0;
-        if (L->n_group > 1) {
-            const int G = L->n_group, EG = E / G;
-            double gs[64];
-            int chosen[64] = {0};
-            for (int g = 0; g < G; g++) {
-                double b1 = -INFINITY, b2 = -INFINITY;
-                for (int e = g * EG; e < (g + 1) * EG; e++) {
-                    if (s[e] > b1) {
-                        b2 = b1;
-                        b1 = s[e];
-                    } else if (s[e] > b2) {
-                        b2 = s[e];
-                    }
-                }
-                gs[g] = b1 + b2;
-            }
-            for (int j = 0; j < L->topk_group; j++) {
-                int best = -1;
-                for (int g = 0; g < G; g++)
-                    if (!chosen[g] && (best < 0 || gs[g] > gs[best])) best = g;
-                chosen[best] = 1;
-            }
-            for (int e = 0; e < E; e++) taken[e] = !chosen[e / EG];
-        }
+        if (L->n_group > 1) mq_test_ref_groups(s, E, L->n_group, L->topk_group, taken);
         double wsum = 0;
         for (int j = 0; j < k; j++) {
             int best = -1;

@@ -208,33 +208,6 @@ typedef struct {
 /* Group-limited selection (DeepSeek-V3's n_group / topk_group) of the runs below; 0: none. */
 static int g_n_group, g_topk_group;
 
-/* The experts outside the topk_group groups with the largest sums of their two best scores s[]
- * (ties to the lower group) marked taken. */
-static void ref_groups(const double *s, int64_t E, int *taken) {
-    const int G = g_n_group, EG = (int)(E / G);
-    double gs[64];
-    int chosen[64] = {0};
-    for (int g = 0; g < G; g++) {
-        double b1 = -INFINITY, b2 = -INFINITY;
-        for (int e = g * EG; e < (g + 1) * EG; e++) {
-            if (s[e] > b1) {
-                b2 = b1;
-                b1 = s[e];
-            } else if (s[e] > b2) {
-                b2 = s[e];
-            }
-        }
-        gs[g] = b1 + b2;
-    }
-    for (int j = 0; j < g_topk_group; j++) {
-        int best = -1;
-        for (int g = 0; g < G; g++)
-            if (!chosen[g] && (best < 0 || gs[g] > gs[best])) best = g;
-        chosen[best] = 1;
-    }
-    for (int64_t e = 0; e < E; e++) taken[e] = !chosen[e / EG];
-}
-
 static void ref_forward(const problem *p, const routing *r, const float *x, int64_t T, double *out,
                         int *expert_tokens) {
     const int64_t D = p->D, E = p->E;
@@ -260,7 +233,7 @@ static void ref_forward(const problem *p, const routing *r, const float *x, int6
         if (g_n_group > 1) {
             double sc[256];
             for (int64_t e = 0; e < E; e++) sc[e] = pr[e] + (r->use_bias ? p->bias[e] : 0.0);
-            ref_groups(sc, E, taken);
+            mq_test_ref_groups(sc, E, g_n_group, g_topk_group, taken);
         }
         int sel[64];
         double w[64], wsum = 0;
