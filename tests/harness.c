@@ -307,3 +307,17 @@ void mq_test_ref_groups(const double *s, int64_t E, int n_group, int topk_group,
     }
     for (int64_t e = 0; e < E; e++) taken[e] = !chosen[e / EG];
 }
+
+uint32_t mq_test_f32_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what) {
+    for (int64_t i = 0; i < n; i++)
+        if (mq_test_f32_bits(want[i]) != mq_test_f32_bits(got[i])) {
+            FAIL("%s: value %lld: expected %.9g, got %.9g", what, (long long)i, (double)want[i], (double)got[i]);
+            return;
+        }
+}

@@ -55,6 +55,10 @@ const char *mq_test_with_tokenizer(const char *name);
  * computes: shared experts, biases), in the case's temporary directory: its config.json changed,
  * its other files linked. Returns a static path. */
 const char *mq_test_qwen2moe_nonorm(void);
+/* A float's bits; mq_test_same_floats fails the case at the first of n values whose bits differ,
+ * naming what, the index and both values. */
+uint32_t mq_test_f32_bits(float f);
+void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what);
 /* Largest |a-b| / max|b| over n values (0 if b is all zero and a == b). */
 double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
 
