@@ -317,7 +317,8 @@ uint32_t mq_test_f32_bits(float f) {
 void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what) {
     for (int64_t i = 0; i < n; i++)
         if (mq_test_f32_bits(want[i]) != mq_test_f32_bits(got[i])) {
-            FAIL("%s: value %lld: expected %.9g, got %.9g", what, (long long)i, (double)want[i], (double)got[i]);
+            FAIL("%s: value %lld: expected %.9g, got %.9g", what, (long long)i, (double)want[i],
+                 (double)got[i]);
             return;
         }
 }

@@ -73,10 +73,17 @@ const moeq_option_info *moeq_eval_option_info(int i) {
 #define MQ_EJSON_TEXT(p1, p2, field)                                                               \
     (o->field ? cJSON_AddStringToObject(j, k, o->field) : cJSON_AddNullToObject(j, k))
 #define MQ_EJSON_ENUM(p1, p2, field)                                                               \
-    cJSON_AddStringToObject(j, k, mq_opt_choice_name(p2, (int)o->field - (p1), name, sizeof name) ? name : "?")
+    cJSON_AddStringToObject(j, k,                                                                  \
+                            mq_opt_choice_name(p2, (int)o->field - (p1), name, sizeof name) ? name : "?")
 #define MQ_EJSON_DEVICE(p1, p2, field)                                                             \
-    ((o->field < 0 ? snprintf(name, sizeof name, "cpu") : snprintf(name, sizeof name, "cuda:%d", o->field)), \
-     cJSON_AddStringToObject(j, k, name))
+    cJSON_AddStringToObject(j, k, device_name(o->field, name, sizeof name))
+
+/* "cpu" for -1, else "cuda:N" (--device's text) */
+static const char *device_name(int device, char *buf, size_t cap) {
+    if (device < 0) return "cpu";
+    snprintf(buf, cap, "cuda:%d", device);
+    return buf;
+}
 
 char *moeq_eval_settings_json(const moeq_eval_options *o) {
     cJSON *j = cJSON_CreateObject();

@@ -241,7 +241,8 @@ int cmd_eval(int argc, char **argv) {
          0, 0, NULL}},
         {NULL, {"--per-doc", OPT_FLAG, &per_doc, NULL, "also print each document's log-likelihood", NULL, 0,
          0, NULL}},
-        {NULL, {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON object on stdout", NULL, 0, 0, NULL}},
+        {NULL, {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON object on stdout", NULL, 0, 0,
+         NULL}},
         {NULL, {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar", NULL, 0, 0, NULL}},
     };
     const int n_own = (int)(sizeof own / sizeof own[0]);
@@ -252,13 +253,14 @@ int cmd_eval(int argc, char **argv) {
     for (const moeq_option_info *x;; n++) {
         x = n < MAX_FLAGS ? moeq_eval_option_info(n) : NULL;
         for (int k = 0; k < n_own; k++)
-            if (x ? own[k].before && !strcmp(own[k].before, x->key) : !own[k].before) opts[n_opts++] = own[k].opt;
+            if (x ? own[k].before && !strcmp(own[k].before, x->key) : !own[k].before)
+                opts[n_opts++] = own[k].opt;
         if (!x) break;
         opts[n_opts++] = cli_table_opt(&t[n], x);
     }
     if (moeq_eval_option_info(n) || n_opts != n + n_own) {   /* a library this command does not know */
-        fprintf(stderr, "moeq eval: error: the library's %d options (MAX_FLAGS %d) do not take the command's own "
-                "flags (%d of %d placed)\n", n, MAX_FLAGS, n_opts - n, n_own);
+        fprintf(stderr, "moeq eval: error: the library's %d options (MAX_FLAGS %d) do not take the "
+                "command's own flags (%d of %d placed)\n", n, MAX_FLAGS, n_opts - n, n_own);
         return CLI_FAIL;
     }
     const cli_command cmd = {
