@@ -61,8 +61,8 @@ ftype() { echo "$1" | tr '[:lower:]' '[:upper:]'; }
 # drained at exit (common/log.cpp leaks it on purpose; ggml-org/llama.cpp issue 22142), so on a
 # loaded machine a run that exits 0 can lose its last lines, the summary among them.
 judge() {
-    local f=$1 out=$1.kld.txt kl="" ppl="" try
-    for try in $(seq "$TRIES"); do
+    local f=$1 out=$1.kld.txt kl="" ppl=""
+    for _ in $(seq "$TRIES"); do
         "$LB/llama-perplexity" -m "$f" -f "$TEXT" -c 512 --chunks "$CHUNKS" -t "$THREADS" \
             --kl-divergence-base "$BASE_KLD" --kl-divergence > "$out" 2>&1 || tail -5 "$out" >&2
         kl=$(awk '/^Mean +KLD:/ {print $3}' "$out")
