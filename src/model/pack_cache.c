@@ -26,21 +26,22 @@
  * The hash: eight 64-bit lanes, word w into lane l as h = (h ^ w) * K, h ^= h >> 31 (an odd
  * multiplier and a right xorshift are bijections of the state), the lanes folded by further
  * bijections: a change of one word always changes the result, so a flipped byte is always
- * detected; the eight lanes let the CPU run eight chains at once.
+ * detected; the eight lanes let the CPU run eight chains at once. The file's pages are faulted in
+ * by one call (MADV_POPULATE_READ): they are all read for the check anyway, and one call costs far
+ * less than a fault per page.
  *
- * Memory: the file is read (pread, 8 MiB chunks on the pool, each hashed while it is still in
- * the core's cache) into anonymous memory on 2 MiB pages with the blobs on 2 MiB boundaries, not
- * mapped. Decode streams these blobs once a token; the page cache mostly holds a file written in
- * pieces as 4 KiB pages, and a core streams 4 KiB-mapped memory about a quarter slower than huge
- * pages (its TLB misses, and the hardware prefetcher stops at each 4 KiB boundary:
- * docs/results/runtime.md). The resident set is the same (file pages that are not mapped are not
- * counted), and the copy costs about what faulting the mapped pages in did.
+ * Pages: decode streams the blobs once a token, and a core streams memory mapped in 4 KiB pages
+ * about a quarter slower than in 2 MiB ones (TLB misses; the hardware prefetcher stops at each
+ * 4 KiB boundary: docs/results/runtime.md). The mapping is marked MADV_HUGEPAGE before it is
+ * populated, so pages read from disk come in 2 MiB folios and map as huge pages; the pages the
+ * writer leaves in the page cache are small, so the writer drops them once they are on disk, and
+ * the next open reads the file back in huge folios. (Copying the file into anonymous huge pages
+ * instead made every open 1-3 s slower on the VM, where fresh pages are slow to clear.)
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -107,12 +108,9 @@ typedef struct {
 struct mq_pack_cache {
     char *path;           /* the cache file */
     pc_header key;        /* the source's key (src_* fields) */
-    /* a valid cache, read into memory: the file's bytes at map (map + data_off on a 2 MiB
-     * boundary), inside the anonymous mapping base of base_bytes */
+    /* a valid cache, mapped */
     uint8_t *map;
     size_t map_bytes;
-    uint8_t *base;
-    size_t base_bytes;
     const pc_entry *entries;
     const uint8_t *layouts;
     uint64_t data_off, n_entries, next;
@@ -272,38 +270,20 @@ static moeq_status source_key(const char *src, pc_header *k) {
 }
 
 typedef struct {
-    int fd;
-    uint64_t file_off;    /* where data starts in the file */
-    uint8_t *data;
+    const uint8_t *data;
     size_t bytes;
     const uint64_t *want;
-    _Atomic int32_t *bad;
+    int32_t *bad;
 } chunk_job;
-
-/* Reads the whole of [off, off + n) of fd to dst; false on an error or a short file. */
-static bool read_full(int fd, uint8_t *dst, size_t n, uint64_t off) {
-    while (n > 0) {
-        ssize_t r = pread(fd, dst, n, (off_t)off);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) return false;
-        dst += r;
-        n -= (size_t)r;
-        off += (uint64_t)r;
-    }
-    return true;
-}
 
 static void chunk_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     chunk_job *j = ctx;
     size_t off = (size_t)i * PC_CHUNK, n = j->bytes - off < PC_CHUNK ? j->bytes - off : PC_CHUNK;
-    if (!read_full(j->fd, j->data + off, n, j->file_off + off) ||
-        hash_bytes(j->data + off, n, (uint64_t)i) != j->want[i])
-        atomic_store_explicit(j->bad, 1, memory_order_relaxed);
+    if (hash_bytes(j->data + off, n, (uint64_t)i) != j->want[i]) *j->bad = 1;
 }
 
-/* Reads c->path into memory and checks everything; false (and nothing kept) when anything is
- * off. */
+/* Maps c->path and checks everything; false (and nothing mapped) when anything is off. */
 static bool try_map(mq_pack_cache *c) {
     int fd = open(c->path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return false;
@@ -319,31 +299,26 @@ static bool try_map(mq_pack_cache *c) {
          h.n_chunks == (h.data_bytes + PC_CHUNK - 1) / PC_CHUNK &&
          h.data_off >= sizeof h + h.n_entries * sizeof(pc_entry) + h.meta_bytes + h.n_chunks * 8 &&
          h.data_off % 4096 == 0;
-    uint8_t *base = NULL, *map = NULL;
-    size_t base_bytes = 0;
-    const size_t meta = ok ? sizeof h + h.n_entries * sizeof(pc_entry) + h.meta_bytes + h.n_chunks * 8 : 0;
+    uint8_t *map = NULL;
     if (ok) {
-        /* room to put map + data_off on a 2 MiB boundary wherever the kernel places base */
-        ok = fsz <= SIZE_MAX - 2 * PC_ALIGN;
-        base_bytes = (size_t)fsz + 2 * PC_ALIGN;
-        base = ok ? mmap(NULL, base_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-                  : MAP_FAILED;
-        ok = base != MAP_FAILED;
-        if (!ok) base = NULL;
-    }
-    if (ok) {
-#ifdef MADV_HUGEPAGE
-        madvise(base, base_bytes, MADV_HUGEPAGE);   /* a hint: 4 KiB pages still work */
+#ifdef MADV_POPULATE_READ
+        map = mmap(NULL, (size_t)fsz, PROT_READ, MAP_SHARED, fd, 0);
+#else
+        map = mmap(NULL, (size_t)fsz, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
 #endif
-        const uintptr_t a = ((uintptr_t)base + PC_ALIGN - 1) & ~(uintptr_t)(PC_ALIGN - 1);
-        map = (uint8_t *)a + (PC_ALIGN - (size_t)(h.data_off % PC_ALIGN)) % PC_ALIGN;
-        ok = read_full(fd, map, (size_t)h.data_off, 0);   /* header, tables, padding */
+        ok = map != MAP_FAILED;
+        if (!ok) map = NULL;
     }
-    if (!ok) {
-        if (base) munmap(base, base_bytes);
-        close(fd);
-        return false;
-    }
+    close(fd);
+    if (!ok) return false;
+#ifdef MADV_HUGEPAGE
+    /* before the pages are read in: a hint (the page cache may hold them in small folios) */
+    madvise(map, (size_t)fsz, MADV_HUGEPAGE);
+#endif
+#ifdef MADV_POPULATE_READ
+    madvise(map, (size_t)fsz, MADV_POPULATE_READ);   /* a failure only leaves faults for later */
+#endif
+    const size_t meta = sizeof h + h.n_entries * sizeof(pc_entry) + h.meta_bytes + h.n_chunks * 8;
     pc_header z = h;
     z.head_hash = 0;
     uint64_t hh = hash_bytes(&z, sizeof z, 1);
@@ -354,24 +329,20 @@ static bool try_map(mq_pack_cache *c) {
         ok = e[i].off <= h.data_bytes && e[i].bytes <= h.data_bytes - e[i].off &&
              e[i].meta_off <= h.meta_bytes && e[i].meta_bytes <= h.meta_bytes - e[i].meta_off;
     if (ok) {
-        _Atomic int32_t bad = 0;
-        chunk_job j = {fd, h.data_off, map + h.data_off, h.data_bytes,
+        int32_t bad = 0;
+        chunk_job j = {map + h.data_off, h.data_bytes,
                        (const uint64_t *)(const void *)(map + sizeof h +
                                                         h.n_entries * sizeof(pc_entry) + h.meta_bytes),
                        &bad};
         mq_parallel_for((int64_t)h.n_chunks, chunk_task, &j);
-        ok = !atomic_load(&bad);
+        ok = !bad;
     }
-    close(fd);
-    if (ok) ok = mprotect(base, base_bytes, PROT_READ) == 0;   /* read-only, as a mapping was */
     if (!ok) {
-        munmap(base, base_bytes);
+        munmap(map, (size_t)fsz);
         return false;
     }
     c->map = map;
     c->map_bytes = (size_t)fsz;
-    c->base = base;
-    c->base_bytes = base_bytes;
     c->entries = e;
     c->layouts = map + sizeof h + h.n_entries * sizeof(pc_entry);
     c->n_entries = h.n_entries;
@@ -711,6 +682,9 @@ moeq_status mq_pack_cache_commit(mq_pack_cache *c) {
     }
     if (!s && ftruncate(fd, (off_t)(h.data_off + h.data_bytes)) != 0)
         s = mq_err(MOEQ_E_IO, "%s: %s", tmp, strerror(errno));
+    /* on disk, then out of the page cache: written pages sit there as small folios, read back
+     * they come as huge ones (the header comment says why); failures only cost speed */
+    if (!s && fdatasync(fd) == 0) (void)posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     if (fd >= 0 && close(fd) != 0 && !s) s = mq_err(MOEQ_E_IO, "%s: %s", tmp, strerror(errno));
     if (!s && rename(tmp, c->path) != 0) s = mq_err(MOEQ_E_IO, "%s: %s", c->path, strerror(errno));
     if (s && tmp) unlink(tmp);
@@ -723,7 +697,7 @@ moeq_status mq_pack_cache_commit(mq_pack_cache *c) {
 
 void mq_pack_cache_close(mq_pack_cache *c) {
     if (!c) return;
-    if (c->base) munmap(c->base, c->base_bytes);
+    if (c->map) munmap(c->map, c->map_bytes);
     free(c->items);
     free(c->path);
     free(c);
