@@ -1281,8 +1281,9 @@ size_t moeq_eval_result_size(void);
 moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const char *value);
 /* --ignore: n patterns (the array and strings outlive the call of moeq_quantize). */
 void moeq_quant_options_set_ignore(moeq_quant_options *o, const char *const *patterns, int32_t n);
-/* The same for `moeq eval`'s flags: task, max-length, limit, add-bos, temperature, entropy,
- * kl-logits, save-logits (kl_base is a model: set the field). */
+/* The same for the options of moeq_eval_options that `moeq eval` has flags for, by their names
+ * (moeq_eval_option_info lists them: task, max-length, limit, device, ...); kl_base is a model
+ * (moeq_eval_options_set_base), the per-document outputs are arrays (moeq_eval_options_set_docs). */
 moeq_status moeq_eval_options_set(moeq_eval_options *o, const char *key, const char *value);
 void moeq_eval_options_set_base(moeq_eval_options *o, const moeq_model *base);
 /* The per-document outputs of moeq_eval_options (each NULL or moeq_docs_count() entries), and
@@ -1305,7 +1306,7 @@ void moeq_string_free(char *s);
 int moeq_abi_version(void);
 
 /* ------------------------------------------------------------------------------------------ */
-/* Options described (issue 57): what moeq_quant_options_set takes, for a CLI or a binding     */
+/* Options described (issue 57): what the setters by name take, for a CLI or a binding         */
 /* ------------------------------------------------------------------------------------------ */
 typedef enum {
     MOEQ_OPTION_SWITCH = 0,   /* "true" / "false"; a CLI flag without a value */
@@ -1317,21 +1318,28 @@ typedef enum {
 } moeq_option_kind;
 
 typedef struct {
-    const char *key;          /* moeq_quant_options_set's key, `moeq quantize --KEY` */
+    const char *key;          /* the setter's key (moeq_quant_options_set, moeq_eval_options_set),
+                                 the command's flag --KEY (`moeq quantize`, `moeq eval`) */
     moeq_option_kind kind;
     const char *choices;      /* MOEQ_OPTION_CHOICE: the names, "a|b|c"; else NULL */
-    int64_t min, max;         /* MOEQ_OPTION_INT: the range moeq_quant_options_set accepts */
+    int64_t min, max;         /* MOEQ_OPTION_INT: the range the setter accepts */
     const char *metavar;      /* the value's name in help ("N", "FILE"); NULL for switches and
                                  choices */
-    const char *help;         /* one line of `moeq quantize --help` */
-    int identity;             /* 1: the value changes the checkpoint's bytes, and a resumed run
-                                 must be given the same (0: memory, threads, paths, reports) */
+    const char *help;         /* one line of the command's --help */
+    int identity;             /* quantize: 1 when the value changes the checkpoint's bytes, and a
+                                 resumed run must be given the same (0: memory, threads, paths,
+                                 reports); eval: 0 */
 } moeq_option_info;
 
 /* The i-th option of moeq_quant_options (i = 0, 1, ...; NULL past the last), in the order of
  * `moeq quantize --help`. moeq_quant_options_set fails with the message "KEY=VALUE: expected
  * ..." (MOEQ_E_ARG) for a value the option does not take. */
 const moeq_option_info *moeq_quant_option_info(int i);
+/* The same for moeq_eval_options_set's options, in the order of `moeq eval --help`. */
+const moeq_option_info *moeq_eval_option_info(int i);
+/* The options o gives, as one JSON object (malloc'd; release with moeq_string_free): a key per
+ * option of moeq_eval_option_info, its name with '_' for '-' (`moeq eval --json`'s "settings"). */
+char *moeq_eval_settings_json(const moeq_eval_options *o);
 
 /* Tokens as bytes (for `moeq tokenize`): the bytes id stands for (the byte-level alphabet of
  * moeq_tokenizer_token decoded; a token may hold part of a UTF-8 character), *len of them; NULL

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "backend/gpu.h"
 #include "core/core.h"
 
 #ifndef MOEQ_SOURCE_DIR
@@ -209,4 +210,115 @@ const char *mq_test_with_tokenizer(const char *name) {
         copy_file(a, b);
     }
     return dir;
+}
+
+uint64_t mq_test_rng;
+
+double mq_test_rnd_unit(void) {
+    mq_test_rng ^= mq_test_rng << 13;
+    mq_test_rng ^= mq_test_rng >> 7;
+    mq_test_rng ^= mq_test_rng << 17;
+    return ((double)(mq_test_rng >> 11) + 0.5) * 0x1p-53;
+}
+
+double mq_test_rnd_normal(void) {
+    double u = mq_test_rnd_unit(), v = mq_test_rnd_unit();
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+float *mq_test_weights(int64_t N, int64_t K, uint64_t seed) {
+    mq_test_rng = seed;
+    float *w = malloc((size_t)(N * K) * sizeof(float));
+    if (!w) FAIL("out of memory for %lld x %lld weights", (long long)N, (long long)K);
+    for (int64_t i = 0; i < N * K; i++) {
+        double v = 0.02 * mq_test_rnd_normal();
+        if (mq_test_rnd_unit() < 0.01) v *= 6;
+        w[i] = (float)v;
+    }
+    return w;
+}
+
+mq_gpu *mq_test_open_gpu(void) {
+    if (!mq_gpu_built()) SKIP("this build has no CUDA backend (configure with -DMOEQ_CUDA=ON)");
+    mq_gpu *g = NULL;
+    if (mq_gpu_open(0, &g) != MOEQ_OK) SKIP("no usable GPU: %s", moeq_last_error());
+    return g;
+}
+
+double mq_test_e2m1_dec(uint8_t c) {
+    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    return (c & 8) ? -mag[c & 7] : mag[c & 7];
+}
+
+double mq_test_e4m3_dec(uint8_t b) {
+    int e = (b >> 3) & 15, m = b & 7;
+    double v = e == 0 ? m / 512.0 : ldexp(1.0 + m / 8.0, e - 7);
+    return (b & 0x80) ? -v : v;
+}
+
+const char *mq_test_qwen2moe_nonorm(void) {
+    static char dir[1100];
+    char s[1024];
+    snprintf(s, sizeof s, "%s", mq_test_shared("fixtures/models/qwen2moe-tiny"));
+    snprintf(dir, sizeof dir, "%s/qwen2moe-nonorm", mq_test_tmpdir());
+    mkdir(dir, 0755);
+    const char *files[] = {"model.safetensors", "tokenizer.json", "tokenizer_config.json"};
+    for (int i = 0; i < 3; i++) {
+        char a[1200], b[1200];
+        snprintf(a, sizeof a, "%s/%s", s, files[i]);
+        snprintf(b, sizeof b, "%s/%s", dir, files[i]);
+        if (symlink(a, b) != 0) FAIL("symlink %s", b);
+    }
+    char cp[1200], *text;
+    size_t len;
+    snprintf(cp, sizeof cp, "%s/config.json", s);
+    ASSERT_OK(mq_read_file(cp, &text, &len));
+    char *p = strstr(text, "\"norm_topk_prob\": true");
+    ASSERT_TRUE(p != NULL);
+    memcpy(p, "\"norm_topk_prob\":false", 22);
+    snprintf(cp, sizeof cp, "%s/config.json", dir);
+    ASSERT_OK(mq_write_file_atomic(cp, text, len));
+    free(text);
+    return dir;
+}
+
+void mq_test_ref_groups(const double *s, int64_t E, int n_group, int topk_group, int *taken) {
+    const int G = n_group, EG = (int)(E / G);
+    double gs[64];
+    int chosen[64] = {0};
+    if (G > 64) FAIL("mq_test_ref_groups: %d groups, at most 64", G);
+    for (int g = 0; g < G; g++) {
+        double b1 = -INFINITY, b2 = -INFINITY;
+        for (int e = g * EG; e < (g + 1) * EG; e++) {
+            if (s[e] > b1) {
+                b2 = b1;
+                b1 = s[e];
+            } else if (s[e] > b2) {
+                b2 = s[e];
+            }
+        }
+        gs[g] = b1 + b2;
+    }
+    for (int j = 0; j < topk_group; j++) {
+        int best = -1;
+        for (int g = 0; g < G; g++)
+            if (!chosen[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        chosen[best] = 1;
+    }
+    for (int64_t e = 0; e < E; e++) taken[e] = !chosen[e / EG];
+}
+
+uint32_t mq_test_f32_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what) {
+    for (int64_t i = 0; i < n; i++)
+        if (mq_test_f32_bits(want[i]) != mq_test_f32_bits(got[i])) {
+            FAIL("%s: value %lld: expected %.9g, got %.9g", what, (long long)i, (double)want[i],
+                 (double)got[i]);
+            return;
+        }
 }

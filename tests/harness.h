@@ -51,8 +51,37 @@ const char *mq_test_tmpdir(void);
  * tokenizer beside it, in the case's temporary directory (GPTQ tokenizes its calibration text;
  * these models share its 4096 ids). Returns a static path. */
 const char *mq_test_with_tokenizer(const char *name);
+/* The shared fixture qwen2moe-tiny with norm_topk_prob false (what llama.cpp's qwen2moe
+ * computes: shared experts, biases), in the case's temporary directory: its config.json changed,
+ * its other files linked. Returns a static path. */
+const char *mq_test_qwen2moe_nonorm(void);
+/* A float's bits; mq_test_same_floats fails the case at the first of n values whose bits differ,
+ * naming what, the index and both values. */
+uint32_t mq_test_f32_bits(float f);
+void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what);
 /* Largest |a-b| / max|b| over n values (0 if b is all zero and a == b). */
 double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
+
+/* Deterministic random data: xorshift64 (13, 7, 17) on the state mq_test_rng (0 until a test
+ * seeds it, and 0 stays 0). mq_test_rnd_unit: in (0, 1); mq_test_rnd_normal: N(0, 1) by
+ * Box-Muller from two of those. */
+extern uint64_t mq_test_rng;
+double mq_test_rnd_unit(void);
+double mq_test_rnd_normal(void);
+/* N x K weights 0.02 N(0, 1), 1% of them 6 times larger (so that group scales vary), from the
+ * state seeded with seed (malloc'd). */
+float *mq_test_weights(int64_t N, int64_t K, uint64_t seed);
+/* The GPU backend on device 0 (backend/gpu.h's mq_gpu); the case is skipped in a build without
+ * CUDA or where no GPU opens. */
+struct mq_gpu *mq_test_open_gpu(void);
+/* The tests' own decoders of an E2M1 code (its 4 bits) and an E4M3 byte, written from the formats'
+ * definitions and independent of the library's codecs they check. */
+double mq_test_e2m1_dec(uint8_t c);
+double mq_test_e4m3_dec(uint8_t b);
+/* DeepSeek-V3's group-limited routing, the tests' reference: the experts outside the topk_group
+ * of the n_group groups with the largest sums of their two best scores s[] (ties to the lower
+ * group) marked taken (taken[e] = 1), the others 0. */
+void mq_test_ref_groups(const double *s, int64_t E, int n_group, int topk_group, int *taken);
 
 /* The AVX2 twins of the kernels exist in x86 builds only (elsewhere their tests skip). */
 #if defined(__x86_64__) || defined(__i386__)

@@ -2,7 +2,9 @@
  * References: the shared fixtures (detokenizer output and word counts made by Python with lm-eval's
  * preprocess_wikitext, per-document words/bytes of reference.json) and hand cases whose expected
  * strings were produced by running lm-eval's detokenizer in CPython. */
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <cjson/cJSON.h>
 
@@ -277,7 +279,57 @@ static void test_docs_errors(void) {
     ASSERT_ERROR_MENTIONS("/nonexistent/file.txt");
 }
 
-TEST_MAIN(T(test_detok_matches_lm_eval_on_fixture_pages),
+/* The option table (src/eval/eval_options.def) is what moeq_eval_options_set takes: every key
+ * moeq_eval_option_info lists is accepted with a value of its kind and shows in the settings'
+ * JSON; a value it does not take names the key; the defaults are the table's. */
+static void test_eval_option_table(void) {
+    moeq_eval_options o;
+    int n = 0;
+    char buf[64], key[64];
+    for (const moeq_option_info *x; (x = moeq_eval_option_info(n)); n++) {
+        ASSERT_TRUE(x->key && x->help && *x->help && !x->identity);
+        ASSERT_TRUE((x->kind == MOEQ_OPTION_CHOICE) == (x->choices != NULL));
+        const char *v = "x.bin";
+        if (x->kind == MOEQ_OPTION_SWITCH) v = "true";
+        if (x->kind == MOEQ_OPTION_NUMBER) v = "1.5";
+        if (x->kind == MOEQ_OPTION_INT) snprintf(buf, sizeof buf, "%lld", (long long)x->max), v = buf;
+        if (x->kind == MOEQ_OPTION_CHOICE) v = strrchr(x->choices, '|') + 1;
+        if (!strcmp(x->key, "device")) v = "cuda:3";
+        if (!strcmp(x->key, "max-memory") || !strcmp(x->key, "max-gpu-memory")) v = "2GiB";
+        moeq_eval_options_init(&o);
+        if (moeq_eval_options_set(&o, x->key, v)) FAIL("%s=%s: %s", x->key, v, moeq_last_error());
+        char *j = moeq_eval_settings_json(&o);
+        cJSON *js = cJSON_Parse(j);
+        moeq_string_free(j);
+        snprintf(key, sizeof key, "%s", x->key);
+        for (char *c = key; *c; c++) *c = *c == '-' ? '_' : *c;
+        const cJSON *e = cJSON_GetObjectItemCaseSensitive(js, key);
+        if (!e) FAIL("settings: no %s", key);
+        /* the value set is the value recorded */
+        if (cJSON_IsString(e) && strcmp(e->valuestring, v)) FAIL("settings %s: %s, set %s", key, e->valuestring, v);
+        if (cJSON_IsBool(e) && !cJSON_IsTrue(e)) FAIL("settings %s: false, set true", key);
+        if (cJSON_IsNumber(e) && x->kind != MOEQ_OPTION_TEXT && e->valuedouble != strtod(v, NULL))
+            FAIL("settings %s: %g, set %s", key, e->valuedouble, v);
+        ASSERT_TRUE(cJSON_GetArraySize(js) >= 16);
+        cJSON_Delete(js);
+        if (x->kind != MOEQ_OPTION_SWITCH && x->kind != MOEQ_OPTION_TEXT) {
+            ASSERT_STATUS(MOEQ_E_ARG, moeq_eval_options_set(&o, x->key, "-x-"));
+            snprintf(buf, sizeof buf, "%s=-x-: expected ", x->key);
+            if (!strstr(moeq_last_error(), buf)) FAIL("%s: message '%s'", x->key, moeq_last_error());
+        }
+    }
+    ASSERT_TRUE(n >= 16);
+    ASSERT_TRUE(moeq_eval_option_info(-1) == NULL && moeq_eval_option_info(n) == NULL);
+    ASSERT_STATUS(MOEQ_E_ARG, moeq_eval_options_set(&o, "bogus", "1"));
+    ASSERT_STATUS(MOEQ_E_ARG, moeq_eval_options_set(&o, "temperature", "0"));
+    ASSERT_STATUS(MOEQ_E_ARG, moeq_eval_options_set(&o, "max-memory", "lots"));
+    ASSERT_ERROR_MENTIONS("max-memory=lots: expected a size");
+    moeq_eval_options_init(&o);
+    ASSERT_TRUE(o.task == MOEQ_TASK_WIKITEXT && o.device == -1 && o.prefix_token == -1 && o.temperature == 1);
+    ASSERT_TRUE(o.save_top_k == MOEQ_EVAL_DEFAULT_TOP_K && o.max_length == 0 && o.gpu_precision == MOEQ_GPU_FP32);
+}
+
+TEST_MAIN(T(test_eval_option_table), T(test_detok_matches_lm_eval_on_fixture_pages),
           T(test_wikitext_documents_words_bytes_match_reference), T(test_detok_regex_semantics),
           T(test_word_count_python_whitespace), T(test_py_isspace_table), T(test_utf8_validation),
           T(test_docs_layouts), T(test_docs_errors))

@@ -17,20 +17,6 @@
 #include "model/model.h"
 #include "pipeline/pipeline.h"
 
-static uint32_t f32_bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return b;
-}
-
-static void assert_bits(const float *want, const float *got, int n, const char *what) {
-    for (int i = 0; i < n; i++)
-        if (f32_bits(want[i]) != f32_bits(got[i])) {
-            FAIL("%s value %d: expected %.9g, got %.9g", what, i, (double)want[i], (double)got[i]);
-            return;
-        }
-}
-
 /* ---- decoders ------------------------------------------------------------------------------- */
 
 static void test_decode_float_types(void) {
@@ -41,15 +27,15 @@ static void test_decode_float_types(void) {
     memcpy(f32 + 4, &b, 4);
     ASSERT_OK(mq_ggml_dequantize(MQ_GGML_F32, f32, 2, y));
     float w0[2] = {1.5f, -0x1p-130f};
-    assert_bits(w0, y, 2, "f32");
+    mq_test_same_floats(w0, y, 2, "f32");
     const uint8_t f16[8] = {0x00, 0x3C, 0x01, 0x00, 0xFF, 0xFB, 0x00, 0x7C};   /* 1, 2^-24, -65504, inf */
     ASSERT_OK(mq_ggml_dequantize(MQ_GGML_F16, f16, 4, y));
     float w1[4] = {1.0f, 0x1p-24f, -65504.0f, INFINITY};
-    assert_bits(w1, y, 4, "f16");
+    mq_test_same_floats(w1, y, 4, "f16");
     const uint8_t bf16[8] = {0x80, 0x3F, 0x00, 0xC0, 0x49, 0x40, 0x80, 0x00};   /* 1, -2, 3.140625, 2^-126 */
     ASSERT_OK(mq_ggml_dequantize(MQ_GGML_BF16, bf16, 4, y));
     float w2[4] = {1.0f, -2.0f, 3.140625f, 0x1p-126f};
-    assert_bits(w2, y, 4, "bf16");
+    mq_test_same_floats(w2, y, 4, "bf16");
 }
 
 static void test_decode_q4_0_q4_1_q8_0(void) {
@@ -63,10 +49,10 @@ static void test_decode_q4_0_q4_1_q8_0(void) {
         w[j] = (float)(j - 8) * 0.5f;        /* -4, -3.5, ..., 3.5 */
         w[j + 16] = (float)(7 - j) * 0.5f;   /* 3.5 ... -4 */
     }
-    ASSERT_EQ_HEX(f32_bits(-4.0f), f32_bits(y[0]));
-    ASSERT_EQ_HEX(f32_bits(3.5f), f32_bits(y[15]));
-    ASSERT_EQ_HEX(f32_bits(3.5f), f32_bits(y[16]));
-    assert_bits(w, y, 32, "q4_0");
+    ASSERT_EQ_HEX(mq_test_f32_bits(-4.0f), mq_test_f32_bits(y[0]));
+    ASSERT_EQ_HEX(mq_test_f32_bits(3.5f), mq_test_f32_bits(y[15]));
+    ASSERT_EQ_HEX(mq_test_f32_bits(3.5f), mq_test_f32_bits(y[16]));
+    mq_test_same_floats(w, y, 32, "q4_0");
     /* Q4_1: d = 1 (0x3C00), m = -1 (0xBC00) */
     b[0] = 0x00, b[1] = 0x3C, b[2] = 0x00, b[3] = 0xBC;
     for (int j = 0; j < 16; j++) b[4 + j] = (uint8_t)(j | (15 - j) << 4);
@@ -75,15 +61,15 @@ static void test_decode_q4_0_q4_1_q8_0(void) {
         w[j] = (float)j - 1.0f;
         w[j + 16] = (float)(15 - j) - 1.0f;
     }
-    assert_bits(w, y, 32, "q4_1");
+    mq_test_same_floats(w, y, 32, "q4_1");
     /* Q8_0: d = 0.25 (0x3400), q_j = 8j - 128 */
     b[0] = 0x00, b[1] = 0x34;
     for (int j = 0; j < 32; j++) b[2 + j] = (uint8_t)(int8_t)(8 * j - 128);
     ASSERT_OK(mq_ggml_dequantize(MQ_GGML_Q8_0, b, 32, y));
     for (int j = 0; j < 32; j++) w[j] = (float)(8 * j - 128) * 0.25f;
-    ASSERT_EQ_HEX(f32_bits(-32.0f), f32_bits(y[0]));
-    ASSERT_EQ_HEX(f32_bits(30.0f), f32_bits(y[31]));
-    assert_bits(w, y, 32, "q8_0");
+    ASSERT_EQ_HEX(mq_test_f32_bits(-32.0f), mq_test_f32_bits(y[0]));
+    ASSERT_EQ_HEX(mq_test_f32_bits(30.0f), mq_test_f32_bits(y[31]));
+    mq_test_same_floats(w, y, 32, "q8_0");
 }
 
 /* The Q4_K/Q5_K scale table used below, and the 6-bit scales and mins it encodes (worked out by
@@ -106,9 +92,9 @@ static void test_decode_q4_k_q5_k(void) {
         int q = hi ? 15 - l % 16 : l % 16;   /* byte 32c + l */
         w[n] = (1.0f * (float)KS[sub]) * (float)q - 0.5f * (float)KM[sub];
     }
-    ASSERT_EQ_HEX(f32_bits(0.0f), f32_bits(y[0]));           /* 1*1*0 - 0.5*0 */
-    ASSERT_EQ_HEX(f32_bits(21.0f * 15 - 16.5f), f32_bits(y[128 + 15]));   /* sub-block 4: 21, min 33 */
-    assert_bits(w, y, 256, "q4_K");
+    ASSERT_EQ_HEX(mq_test_f32_bits(0.0f), mq_test_f32_bits(y[0]));           /* 1*1*0 - 0.5*0 */
+    ASSERT_EQ_HEX(mq_test_f32_bits(21.0f * 15 - 16.5f), mq_test_f32_bits(y[128 + 15]));   /* sub-block 4: 21, min 33 */
+    mq_test_same_floats(w, y, 256, "q4_K");
     /* Q5_K: the same scales; fifth bits qh[l] bit 2c (low half) and 2c + 1 (high half) */
     memcpy(b + 4, KSC, 12);
     for (int l = 0; l < 32; l++) b[16 + l] = (uint8_t)(l * 37);
@@ -119,7 +105,7 @@ static void test_decode_q4_k_q5_k(void) {
         int q = (hi ? 15 - l % 16 : l % 16) + 16 * (((uint8_t)(l * 37) >> (2 * c + hi)) & 1);
         w[n] = (1.0f * (float)KS[sub]) * (float)q - 0.5f * (float)KM[sub];
     }
-    assert_bits(w, y, 256, "q5_K");
+    mq_test_same_floats(w, y, 256, "q5_K");
 }
 
 static void test_decode_q6_k(void) {
@@ -141,7 +127,7 @@ static void test_decode_q6_k(void) {
         int sc = h * 8 + l / 16 + 2 * k - 8;
         w[n] = 0.125f * (float)sc * (float)((lo | hb << 4) - 32);
     }
-    assert_bits(w, y, 256, "q6_K");
+    mq_test_same_floats(w, y, 256, "q6_K");
 }
 
 static void test_decode_nvfp4(void) {
@@ -161,18 +147,18 @@ static void test_decode_nvfp4(void) {
             w[16 * s + j] = E2M1[j] * sv[s];
             w[16 * s + j + 8] = E2M1[j + 8] * sv[s];
         }
-    ASSERT_EQ_HEX(f32_bits(6.0f), f32_bits(y[7]));
-    ASSERT_EQ_HEX(f32_bits(-7.5f), f32_bits(y[16 + 15]));
-    ASSERT_EQ_HEX(f32_bits(0.0f), f32_bits(y[32 + 7]));
-    ASSERT_EQ_HEX(f32_bits(3.0f * 0x1p-9f), f32_bits(y[48 + 5]));
-    assert_bits(w, y, 64, "nvfp4");
+    ASSERT_EQ_HEX(mq_test_f32_bits(6.0f), mq_test_f32_bits(y[7]));
+    ASSERT_EQ_HEX(mq_test_f32_bits(-7.5f), mq_test_f32_bits(y[16 + 15]));
+    ASSERT_EQ_HEX(mq_test_f32_bits(0.0f), mq_test_f32_bits(y[32 + 7]));
+    ASSERT_EQ_HEX(mq_test_f32_bits(3.0f * 0x1p-9f), mq_test_f32_bits(y[48 + 5]));
+    mq_test_same_floats(w, y, 64, "nvfp4");
     /* the encoder puts codes back where the decoder reads them */
     uint8_t codes[64], b2[36];
     for (int i = 0; i < 64; i++) codes[i] = (uint8_t)((i * 7) & 15);
     mq_ggml_put_nvfp4(b2, codes, sc);
     ASSERT_OK(mq_ggml_dequantize(MQ_GGML_NVFP4, b2, 64, y));
     for (int i = 0; i < 64; i++) w[i] = E2M1[codes[i]] * sv[i / 16];
-    assert_bits(w, y, 64, "nvfp4 encode");
+    mq_test_same_floats(w, y, 64, "nvfp4 encode");
 }
 
 static void test_decode_bad_lengths(void) {
@@ -522,7 +508,7 @@ static void check_file(const char *file, const char *ckpt, int64_t heads, int64_
         int64_t n = t->numel;
         if (t->type == MQ_GGML_Q4_0 || t->type == MQ_GGML_F32 || t->type == MQ_GGML_BF16) {
             for (int64_t k = 0; k < n; k++)
-                if (f32_bits(dec[k]) != f32_bits(ref[k]) && !(dec[k] == 0 && ref[k] == 0)) {
+                if (mq_test_f32_bits(dec[k]) != mq_test_f32_bits(ref[k]) && !(dec[k] == 0 && ref[k] == 0)) {
                     FAIL("%s value %lld: GGUF %.9g, checkpoint %.9g", t->name, (long long)k, (double)dec[k], (double)ref[k]);
                     break;
                 }
@@ -531,7 +517,7 @@ static void check_file(const char *file, const char *ckpt, int64_t heads, int64_
         } else if (t->type == MQ_GGML_F16) {
             /* the checkpoint's value rounded to f16 (round to nearest even) */
             for (int64_t k = 0; k < n; k++)
-                if (f32_bits(dec[k]) != f32_bits(mq_f16_to_f32(mq_f32_to_f16(ref[k])))) {
+                if (mq_test_f32_bits(dec[k]) != mq_test_f32_bits(mq_f16_to_f32(mq_f32_to_f16(ref[k])))) {
                     FAIL("%s value %lld: GGUF %.9g, checkpoint %.9g", t->name, (long long)k, (double)dec[k], (double)ref[k]);
                     break;
                 }
@@ -649,37 +635,9 @@ static void test_llama_nvfp4(void) {
     ASSERT_EQ_INT(4 * 7, c.n_scale);
 }
 
-/* qwen2moe-tiny with norm_topk_prob false (what llama.cpp computes): shared experts, biases. */
-static const char *qwen2moe_variant(void) {
-    static char dir[1100];
-    const char *src = mq_test_shared("fixtures/models/qwen2moe-tiny");
-    char s[1024];
-    snprintf(s, sizeof s, "%s", src);
-    snprintf(dir, sizeof dir, "%s/qwen2moe-nonorm", mq_test_tmpdir());
-    mkdir(dir, 0755);
-    const char *files[] = {"model.safetensors", "tokenizer.json", "tokenizer_config.json"};
-    for (int i = 0; i < 3; i++) {
-        char a[1200], b[1200];
-        snprintf(a, sizeof a, "%s/%s", s, files[i]);
-        snprintf(b, sizeof b, "%s/%s", dir, files[i]);
-        if (symlink(a, b) != 0) FAIL("symlink %s", b);
-    }
-    char cp[1200], *text;
-    size_t len;
-    snprintf(cp, sizeof cp, "%s/config.json", s);
-    ASSERT_OK(mq_read_file(cp, &text, &len));
-    char *p = strstr(text, "\"norm_topk_prob\": true");
-    ASSERT_TRUE(p != NULL);
-    memcpy(p, "\"norm_topk_prob\":false", 22);
-    snprintf(cp, sizeof cp, "%s/config.json", dir);
-    ASSERT_OK(mq_write_file_atomic(cp, text, len));
-    free(text);
-    return dir;
-}
-
 static void test_qwen2moe_shared_experts(void) {
     rt_counts c;
-    roundtrip(qwen2moe_variant(), MQ_QS_INT4, 32, false, "qwen2moe-g32", 0, 0, &c);
+    roundtrip(mq_test_qwen2moe_nonorm(), MQ_QS_INT4, 32, false, "qwen2moe-g32", 0, 0, &c);
     ASSERT_EQ_INT(4 * 10, c.n_q4_0);   /* q, k, v, o, 3 stacked experts, 3 shared expert */
 }
 
@@ -831,7 +789,7 @@ static void import_check(const char *model, const char *tag) {
     ASSERT_OK(moeq_session_forward(sa, ia, (int32_t)na, la));
     ASSERT_OK(moeq_session_forward(sb, ia, (int32_t)na, lb));
     for (size_t i = 0; i < na * (size_t)V; i++)
-        if (f32_bits(la[i]) != f32_bits(lb[i])) {
+        if (mq_test_f32_bits(la[i]) != mq_test_f32_bits(lb[i])) {
             FAIL("%s: logit %zu: checkpoint %.9g, imported GGUF %.9g", tag, i, (double)la[i], (double)lb[i]);
             break;
         }
@@ -853,7 +811,7 @@ static void test_import_llama_permuted(void) {
     import_check(model, "llama");
 }
 
-static void test_import_qwen2moe(void) { import_check(qwen2moe_variant(), "qwen2moe"); }
+static void test_import_qwen2moe(void) { import_check(mq_test_qwen2moe_nonorm(), "qwen2moe"); }
 
 static void test_import_refuses(void) {
     size_t len;
@@ -898,7 +856,7 @@ static void expect_u32(const header *h, const char *key, uint32_t v) {
 static void expect_f32(const header *h, const char *key, float v) {
     const hkv *k = hfind(h, key);
     if (!k || k->type != 6) FAIL("KV %s: not a FLOAT32", key);
-    else if (f32_bits(k->f32) != f32_bits(v)) FAIL("KV %s: %.9g, expected %.9g", key, (double)k->f32, (double)v);
+    else if (mq_test_f32_bits(k->f32) != mq_test_f32_bits(v)) FAIL("KV %s: %.9g, expected %.9g", key, (double)k->f32, (double)v);
 }
 
 static void expect_tensor(const mq_gguf *g, const char *name, uint32_t type, uint32_t nd, int64_t a, int64_t b,
@@ -1042,19 +1000,19 @@ static void deepseek_check(const char *fixture, const char *tag, bool qlora, cha
         for (int64_t hh = 0; hh < H && bad < 4; hh++)
             for (int64_t c = 0; c < r; c++) {
                 for (int64_t i = 0; i < nope; i++)   /* ne {nope, r, H}: element (i, c, h) */
-                    if (f32_bits(gk[(hh * r + c) * nope + i]) != f32_bits(kvb[(hh * hb + i) * r + c]) && bad++ < 4)
+                    if (mq_test_f32_bits(gk[(hh * r + c) * nope + i]) != mq_test_f32_bits(kvb[(hh * hb + i) * r + c]) && bad++ < 4)
                         FAIL("%s layer %d attn_k_b (%lld, %lld, %lld)", tag, l, (long long)i, (long long)c, (long long)hh);
                 for (int64_t j = 0; j < v; j++)   /* ne {r, v, H}: element (c, j, h) */
-                    if (f32_bits(gv[(hh * v + j) * r + c]) != f32_bits(kvb[(hh * hb + nope + j) * r + c]) && bad++ < 4)
+                    if (mq_test_f32_bits(gv[(hh * v + j) * r + c]) != mq_test_f32_bits(kvb[(hh * hb + nope + j) * r + c]) && bad++ < 4)
                         FAIL("%s layer %d attn_v_b (%lld, %lld, %lld)", tag, l, (long long)c, (long long)j, (long long)hh);
             }
         for (int64_t w = 0; w < r + rope && bad < 4; w++)
             for (int64_t c = 0; c < D; c++)
-                if (f32_bits(ga[w * D + c]) != f32_bits(kva[ds_src(w, r, rope, !qlora) * D + c]) && bad++ < 4)
+                if (mq_test_f32_bits(ga[w * D + c]) != mq_test_f32_bits(kva[ds_src(w, r, rope, !qlora) * D + c]) && bad++ < 4)
                     FAIL("%s layer %d attn_kv_a_mqa row %lld", tag, l, (long long)w);
         for (int64_t w = 0; !qlora && w < H * hq && bad < 4; w++)
             for (int64_t c = 0; c < D; c++)
-                if (f32_bits(gq[w * D + c]) != f32_bits(q[(w / hq * hq + ds_src(w % hq, nope, rope, true)) * D + c]) &&
+                if (mq_test_f32_bits(gq[w * D + c]) != mq_test_f32_bits(q[(w / hq * hq + ds_src(w % hq, nope, rope, true)) * D + c]) &&
                     bad++ < 4)
                     FAIL("%s layer %d attn_q row %lld", tag, l, (long long)w);
         mq_st_close(st);
@@ -1067,7 +1025,7 @@ static void deepseek_check(const char *fixture, const char *tag, bool qlora, cha
         if (tv && tv->numel == H * hb * r) {
             ASSERT_OK(mq_tensor_to_f32(tv, gk = realloc(gk, sizeof(float) * (size_t)(H * hb * r))));
             for (int64_t k = 0; k < H * hb * r; k++)
-                if (f32_bits(gk[k]) != f32_bits(kvb[k])) {
+                if (mq_test_f32_bits(gk[k]) != mq_test_f32_bits(kvb[k])) {
                     FAIL("%s layer %d: imported kv_b_proj value %lld", tag, l, (long long)k);
                     break;
                 }
@@ -1092,7 +1050,7 @@ static void deepseek_check(const char *fixture, const char *tag, bool qlora, cha
     ASSERT_OK(moeq_session_forward(sa, ids, 48, la));
     ASSERT_OK(moeq_session_forward(sb, ids, 48, lb));
     for (size_t i = 0; i < 48 * (size_t)V; i++)
-        if (f32_bits(la[i]) != f32_bits(lb[i])) {
+        if (mq_test_f32_bits(la[i]) != mq_test_f32_bits(lb[i])) {
             FAIL("%s: logit %zu: checkpoint %.9g, imported GGUF %.9g", tag, i, (double)la[i], (double)lb[i]);
             break;
         }

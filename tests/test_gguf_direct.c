@@ -27,20 +27,6 @@
 #include "model/model.h"
 #include "pipeline/pipeline.h"
 
-static uint32_t bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return b;
-}
-
-static void same_floats(const float *want, const float *got, int64_t n, const char *what) {
-    for (int64_t i = 0; i < n; i++)
-        if (bits(want[i]) != bits(got[i])) {
-            FAIL("%s: value %lld: expected %.9g, got %.9g", what, (long long)i, (double)want[i], (double)got[i]);
-            return;
-        }
-}
-
 /* ---- files ------------------------------------------------------------------------------------ */
 
 /* model quantized to a compressed-tensors checkpoint (f16 scales) and exported with rest:
@@ -57,33 +43,6 @@ static void make_gguf(const char *model, const char *tag, mq_qscheme sch, int gr
     if (ignore) o.ignore = ign, o.n_ignore = 1;
     ASSERT_OK(mq_pipeline_run(model, ckpt, &o, NULL));
     ASSERT_OK(mq_gguf_export(ckpt, file, rest));
-}
-
-/* qwen2moe-tiny with norm_topk_prob false (what llama.cpp's qwen2moe computes). */
-static const char *qwen2moe_variant(void) {
-    static char dir[1100];
-    char s[1024];
-    snprintf(s, sizeof s, "%s", mq_test_shared("fixtures/models/qwen2moe-tiny"));
-    snprintf(dir, sizeof dir, "%s/qwen2moe-nonorm", mq_test_tmpdir());
-    mkdir(dir, 0755);
-    const char *files[] = {"model.safetensors", "tokenizer.json", "tokenizer_config.json"};
-    for (int i = 0; i < 3; i++) {
-        char a[1200], b[1200];
-        snprintf(a, sizeof a, "%s/%s", s, files[i]);
-        snprintf(b, sizeof b, "%s/%s", dir, files[i]);
-        if (symlink(a, b) != 0) FAIL("symlink %s", b);
-    }
-    char cp[1200], *text;
-    size_t len;
-    snprintf(cp, sizeof cp, "%s/config.json", s);
-    ASSERT_OK(mq_read_file(cp, &text, &len));
-    char *p = strstr(text, "\"norm_topk_prob\": true");
-    ASSERT_TRUE(p != NULL);
-    memcpy(p, "\"norm_topk_prob\":false", 22);
-    snprintf(cp, sizeof cp, "%s/config.json", dir);
-    ASSERT_OK(mq_write_file_atomic(cp, text, len));
-    free(text);
-    return dir;
 }
 
 static bool ends(const char *s, const char *suffix) {
@@ -349,7 +308,7 @@ static int check_views(const char *file, bool llama, int64_t H, int64_t KV) {
         float *want = expected_view(g, v->name, llama, H, KV, &n);
         if (want) {
             ASSERT_EQ_INT(v->numel, n);
-            same_floats(want, whole, n, v->name);
+            mq_test_same_floats(want, whole, n, v->name);
             raw++;
         }
         free(want);
@@ -361,7 +320,7 @@ static int check_views(const char *file, bool llama, int64_t H, int64_t KV) {
                 a = b, b = c;
             }
             ASSERT_OK(mq_tensor_range_to_f32(v, a, b, part));
-            same_floats(whole + a, part, b - a, v->name);
+            mq_test_same_floats(whole + a, part, b - a, v->name);
         }
         free(whole);
         free(part);
@@ -483,7 +442,7 @@ static void same_logits(const char *a, const char *b, int act_quant, const char 
     ASSERT_OK(moeq_session_create(mb, (int32_t)n, &sb));
     ASSERT_OK(moeq_session_forward(sa, ids, (int32_t)n, la));
     ASSERT_OK(moeq_session_forward(sb, ids, (int32_t)n, lb));
-    same_floats(la, lb, (int64_t)n * V, what);
+    mq_test_same_floats(la, lb, (int64_t)n * V, what);
     free(la), free(lb), free(ids), free(idb);
     moeq_session_free(sa);
     moeq_session_free(sb);
@@ -567,7 +526,7 @@ static void test_llama_nvfp4_and_kquants(void) {
 
 static void test_qwen2moe_shared_expert(void) {
     char ckpt[1100], file[1100];
-    make_gguf(qwen2moe_variant(), "qwen2moe", MQ_QS_INT4, 32, false, MQ_GGUF_REST_AUTO, NULL, ckpt, file);
+    make_gguf(mq_test_qwen2moe_nonorm(), "qwen2moe", MQ_QS_INT4, 32, false, MQ_GGUF_REST_AUTO, NULL, ckpt, file);
     same_logits(ckpt, file, 0, "qwen2moe: checkpoint against its .gguf");
     direct_equals_import(file, "qwen2moe", true);
 }
@@ -706,19 +665,19 @@ static void lazy_equals_whole(const char *file) {
         const mq_linear *la[7] = {&a->q, &a->k, &a->v, &a->o, &a->gate, &a->up, &a->down};
         const mq_linear *lb[7] = {&b->q, &b->k, &b->v, &b->o, &b->gate, &b->up, &b->down};
         for (int k = 0; k < 7; k++)
-            if (la[k]->w) same_floats(la[k]->w, lb[k]->w, la[k]->out * la[k]->in, la[k]->name);
-        same_floats(a->attn_norm, b->attn_norm, c->D, "attn_norm");
+            if (la[k]->w) mq_test_same_floats(la[k]->w, lb[k]->w, la[k]->out * la[k]->in, la[k]->name);
+        mq_test_same_floats(a->attn_norm, b->attn_norm, c->D, "attn_norm");
         for (int e = 0; a->is_moe && e < c->n_experts; e++) {
-            same_floats(a->exp_gate[e].w, b->exp_gate[e].w, a->exp_gate[e].out * a->exp_gate[e].in, a->exp_gate[e].name);
-            same_floats(a->exp_down[e].w, b->exp_down[e].w, a->exp_down[e].out * a->exp_down[e].in, a->exp_down[e].name);
+            mq_test_same_floats(a->exp_gate[e].w, b->exp_gate[e].w, a->exp_gate[e].out * a->exp_gate[e].in, a->exp_gate[e].name);
+            mq_test_same_floats(a->exp_down[e].w, b->exp_down[e].w, a->exp_down[e].out * a->exp_down[e].in, a->exp_down[e].name);
         }
-        if (a->is_moe) same_floats(a->router, b->router, (int64_t)c->n_experts * c->D, "router");
+        if (a->is_moe) mq_test_same_floats(a->router, b->router, (int64_t)c->n_experts * c->D, "router");
         mq_lazy_release(lz, l, MQ_PART_LAYER, 0, c->n_experts);
     }
     int32_t ids[5] = {0, 1, 77, 4000, c->vocab - 1};
     float *x = malloc(sizeof(float) * 5 * (size_t)c->D);
     ASSERT_OK(mq_lazy_embed(lz, ids, 5, x));
-    for (int t = 0; t < 5; t++) same_floats(w->embed + (int64_t)ids[t] * c->D, x + t * c->D, c->D, "embedding row");
+    for (int t = 0; t < 5; t++) mq_test_same_floats(w->embed + (int64_t)ids[t] * c->D, x + t * c->D, c->D, "embedding row");
     int32_t bad = c->vocab;
     ASSERT_STATUS(MOEQ_E_ARG, mq_lazy_embed(lz, &bad, 1, x));
     free(x);

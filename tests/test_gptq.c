@@ -14,42 +14,19 @@
 #include "io/gguf.h"
 #include "quant/gptq.h"
 
-/* ---- deterministic random data --------------------------------------------------------------- */
-static uint64_t g_rng;
-static double rnd_unit(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return ((double)(g_rng >> 11) + 0.5) * 0x1p-53;
-}
-static double rnd_normal(void) {
-    double u = rnd_unit(), v = rnd_unit();
-    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
-}
-
-/* Weights with a few outliers (so that group scales vary). */
-static float *make_weights(int64_t N, int64_t K, uint64_t seed) {
-    g_rng = seed;
-    float *w = malloc((size_t)(N * K) * sizeof(float));
-    for (int64_t i = 0; i < N * K; i++) {
-        double v = 0.02 * rnd_normal();
-        if (rnd_unit() < 0.01) v *= 6;
-        w[i] = (float)v;
-    }
-    return w;
-}
+/* ---- deterministic random data (the harness's mq_test_rnd_*) ------------------------------- */
 
 /* H = (2/T) X^T X for T tokens of inputs with correlated features and uneven scales (so both
  * error feedback and act-order matter). dead: columns of X that are all zero (may be NULL). */
 static float *make_hessian(int64_t K, int64_t T, uint64_t seed, const int *dead, int n_dead) {
-    g_rng = seed;
+    mq_test_rng = seed;
     double *x = calloc((size_t)(T * K), sizeof(double));
     double *scale = malloc((size_t)K * sizeof(double));
-    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * rnd_normal());
+    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * mq_test_rnd_normal());
     for (int64_t t = 0; t < T; t++) {
         double prev = 0;
         for (int64_t k = 0; k < K; k++) {
-            double z = rnd_normal() + 0.7 * prev;
+            double z = mq_test_rnd_normal() + 0.7 * prev;
             prev = z;
             x[t * K + k] = z * scale[k];
         }
@@ -355,7 +332,7 @@ static mq_qspec int4_spec(int group) {
 /* Runs both implementations on one case and checks agreement, the loss and GPTQ <= RTN. */
 static void check_against_reference(const mq_qspec *s, const mq_gptq_opts *o, int64_t N, int64_t K,
                                     const int *dead, int n_dead, double max_code_diff) {
-    float *W = make_weights(N, K, 11 + (uint64_t)K);
+    float *W = mq_test_weights(N, K, 11 + (uint64_t)K);
     float *H = make_hessian(K, 2 * K, 5 + (uint64_t)N, dead, n_dead);
     mq_qtensor q;
     mq_gptq_stats st;
@@ -480,7 +457,7 @@ static void test_reference_mse_weights(void) {
         check_against_reference(&nv, &o, 64, 128, NULL, 0, 0.003);
     }
     /* the weights matter: codes differ from the plain search's */
-    float *W = make_weights(64, 128, 3), *H = make_hessian(128, 256, 4, NULL, 0);
+    float *W = mq_test_weights(64, 128, 3), *H = make_hessian(128, 256, 4, NULL, 0);
     mq_qtensor a, b;
     o = mq_gptq_opts_default();
     ASSERT_OK(mq_gptq_quantize(&nv, &o, H, W, 64, 128, 0, "w", &a, NULL, NULL));
@@ -525,7 +502,7 @@ static void test_reference_kquant(void) {
 static void test_kquant_refine(void) {
     static const int dead[3] = {0, 77, 511};
     const int64_t N = 40, K = 512;
-    float *W = make_weights(N, K, 21), *H = make_hessian(K, 2 * K, 22, dead, 3);
+    float *W = mq_test_weights(N, K, 21), *H = make_hessian(K, 2 * K, 22, dead, 3);
     float *deq = malloc((size_t)(N * K) * sizeof(float)), *back = malloc((size_t)(N * K) * sizeof(float));
     const mq_kq_type types[2] = {MQ_KQ_Q4_K, MQ_KQ_Q6_K};
     for (int k = 0; k < 2; k++) {
@@ -587,7 +564,7 @@ static void test_damping_retry(void) {
     const int64_t K = 32, N = 16;
     float *H = make_hessian(K, 64, 3, NULL, 0);
     H[7 * K + 7] = -0.5f * H[7 * K + 7];   /* indefinite: needs damping beyond 1% of the mean */
-    float *W = make_weights(N, K, 4);
+    float *W = mq_test_weights(N, K, 4);
     mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
     mq_gptq_opts o = mq_gptq_opts_default();
     mq_qtensor q;
@@ -637,7 +614,7 @@ static void test_factor_matches_textbook(void) {
     o.act_order = true;
     mq_gptq_factor f;
     ASSERT_OK(mq_gptq_factor_init(H, K, &o, false, "h", &f));
-    float *W = make_weights(1, K, 1);
+    float *W = mq_test_weights(1, K, 1);
     mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
     ref_result r = ref_gptq(&s, 1.0f, H, W, 1, K, &o);
     for (int64_t p = 0; p < K; p++) ASSERT_EQ_INT(r.perm[p], f.perm[p]);
@@ -686,7 +663,7 @@ static void test_factor_odd_size(void) {
 
 static void test_gidx_consistency(void) {
     const int64_t N = 40, K = 256, G = 64;
-    float *W = make_weights(N, K, 21);
+    float *W = mq_test_weights(N, K, 21);
     float *H = make_hessian(K, 300, 22, NULL, 0);
     mq_qspec s = int4_spec((int)G);
     mq_gptq_opts o = mq_gptq_opts_default();
@@ -725,7 +702,7 @@ static void test_gidx_consistency(void) {
 
 static void test_static_vs_dynamic(void) {
     const int64_t N = 24, K = 128;
-    float *W = make_weights(N, K, 31);
+    float *W = mq_test_weights(N, K, 31);
     float *H = make_hessian(K, 300, 32, NULL, 0);
     mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
     mq_gptq_opts o = mq_gptq_opts_default();
@@ -755,7 +732,7 @@ static void test_static_vs_dynamic(void) {
 }
 
 static void run_blocks(const mq_qspec *s, mq_gptq_opts o, int64_t N, int64_t K) {
-    float *W = make_weights(N, K, 41);
+    float *W = mq_test_weights(N, K, 41);
     float *H = make_hessian(K, 2 * K, 42, NULL, 0);
     static const int sizes[] = {1, 16, 128, 0};
     mq_qtensor q[4];
@@ -790,7 +767,7 @@ static void test_block_sizes(void) {
 
 static void test_thread_count_independent(void) {
     const int64_t N = 300, K = 128;
-    float *W = make_weights(N, K, 51);
+    float *W = mq_test_weights(N, K, 51);
     float *H = make_hessian(K, 256, 52, NULL, 0);
     mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
     mq_gptq_opts o = mq_gptq_opts_default();
@@ -834,7 +811,7 @@ static void two_loop_configs(mq_qspec specs[2], mq_gptq_opts opts[2]) {
  * g_idx. The losses are summed per task, so only their last digits may move. */
 static void test_row_block_independent(void) {
     const int64_t N = 300, K = 256;
-    float *W = make_weights(N, K, 61);
+    float *W = mq_test_weights(N, K, 61);
     float *H = make_hessian(K, 512, 62, NULL, 0);
     mq_qspec specs[2];
     mq_gptq_opts opts[2];
@@ -874,7 +851,7 @@ static void test_row_block_independent(void) {
  * the refinement's buffers (which must not be taken), one made for fewer threads. */
 static void test_scratch_reuse(void) {
     const int64_t N[2] = {300, 200}, K[2] = {128, 512};
-    float *W[2] = {make_weights(N[0], K[0], 71), make_weights(N[1], K[1], 72)};
+    float *W[2] = {mq_test_weights(N[0], K[0], 71), mq_test_weights(N[1], K[1], 72)};
     float *H[2] = {make_hessian(K[0], 256, 73, NULL, 0), make_hessian(K[1], 1024, 74, NULL, 0)};
     mq_qspec specs[2];
     mq_gptq_opts opts[2];
@@ -927,8 +904,8 @@ static void test_many_jobs(void) {
     const char *names[3] = {"e0", "e1", "e2"};
     for (int e = 0; e < E; e++) {
         H[e] = make_hessian(K, 128, 60 + (uint64_t)e, NULL, 0);
-        W[e][0] = make_weights(N, K, 70 + (uint64_t)e);
-        W[e][1] = make_weights(N, K, 80 + (uint64_t)e);
+        W[e][0] = mq_test_weights(N, K, 70 + (uint64_t)e);
+        W[e][1] = mq_test_weights(N, K, 80 + (uint64_t)e);
     }
     mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
     mq_gptq_opts o = mq_gptq_opts_default();
@@ -1015,22 +992,22 @@ static void test_qdq_column_matches_formats(void) {
     mq_gparams *gp = malloc((size_t)n * sizeof(mq_gparams));
     for (int k = 0; k < 5; k++) {
         const mq_qspec *s = &specs[k];
-        g_rng = 99 + (uint64_t)k;
+        mq_test_rng = 99 + (uint64_t)k;
         for (int64_t i = 0; i < n; i++) {
             float v[16];
-            for (int t = 0; t < 16; t++) v[t] = (float)(0.05 * rnd_normal());
+            for (int t = 0; t < 16; t++) v[t] = (float)(0.05 * mq_test_rnd_normal());
             if (i % 97 == 0) memset(v, 0, sizeof v);   /* all-zero group: step 0 */
             mq_group_params(s, 0.37f, v, 16, 1, &gp[i]);
             step[i] = mq_group_step(s, 0.37f, &gp[i]);
             zero[i] = gp[i].zero;
-            double u = rnd_unit();
-            float sign = rnd_unit() < 0.5 ? -1.0f : 1.0f;
+            double u = mq_test_rnd_unit();
+            float sign = mq_test_rnd_unit() < 0.5 ? -1.0f : 1.0f;
             if (u < 0.3)   /* exactly on a rounding tie or grid point */
-                x[i] = sign * ties[(int)(rnd_unit() * 10)] * step[i];
+                x[i] = sign * ties[(int)(mq_test_rnd_unit() * 10)] * step[i];
             else if (u < 0.35)
                 x[i] = sign * 0.0f;
             else
-                x[i] = (float)(0.08 * rnd_normal());
+                x[i] = (float)(0.08 * mq_test_rnd_normal());
         }
         mq_gptq_qdq_column(s, step, zero, x, n, code, dq);
         mq_qdq_n(s, 0.37f, gp, x, n, code2, dq2);
@@ -1143,11 +1120,11 @@ static void test_column_errors_twin(void) {
     float *x = malloc((size_t)n * sizeof(float)), *q = malloc((size_t)n * sizeof(float));
     float *w0a = malloc((size_t)n * sizeof(float)), *w0b = malloc((size_t)n * sizeof(float));
     float *ea = malloc((size_t)n * sizeof(float)), *eb = malloc((size_t)n * sizeof(float));
-    g_rng = 5;
+    mq_test_rng = 5;
     for (int64_t i = 0; i < n; i++) {
-        x[i] = (float)rnd_normal();
-        q[i] = (float)(0.5 * rnd_normal());
-        w0a[i] = w0b[i] = (float)rnd_normal();
+        x[i] = (float)mq_test_rnd_normal();
+        q[i] = (float)(0.5 * mq_test_rnd_normal());
+        w0a[i] = w0b[i] = (float)mq_test_rnd_normal();
     }
     double da = 0.25, db = 0.25;
     double sa = mq_gptq_column_errors_ref(x, q, 0.7f, w0a, n, ea, &da);
@@ -1197,11 +1174,11 @@ static void test_loop_scores_twin(void) {
     float ucol[G * G], x[G * LD], step[LD], zero[LD], work[(G + 2) * LD], wl[G];
     uint8_t code[LD];
     double sa[LD], sb[LD];
-    g_rng = 11;
+    mq_test_rng = 11;
     for (int b = 0; b < G; b++)
         for (int a = 0; a < G; a++)
-            ucol[b * G + a] = a > b ? 0.0f : a == b ? 0.5f + (float)fabs(rnd_normal()) : 0.3f * (float)rnd_normal();
-    for (int i = 0; i < G * LD; i++) x[i] = (float)rnd_normal();
+            ucol[b * G + a] = a > b ? 0.0f : a == b ? 0.5f + (float)fabs(mq_test_rnd_normal()) : 0.3f * (float)mq_test_rnd_normal();
+    for (int i = 0; i < G * LD; i++) x[i] = (float)mq_test_rnd_normal();
     for (int k = 0; k < 4; k++) {
         const mq_qspec *s = &specs[k];
         for (int i = 0; i < LD; i++) {
@@ -1242,7 +1219,7 @@ static void test_loop_scores_twin(void) {
 /* The whole loop with the scalar reference kernels gives the same codes as with AVX2. */
 static void test_force_ref_same_codes(void) {
     const int64_t N = 70, K = 128;
-    float *W = make_weights(N, K, 61);
+    float *W = mq_test_weights(N, K, 61);
     float *H = make_hessian(K, 256, 62, NULL, 0);
     mq_qspec specs[4] = {mq_qspec_default(MQ_QS_NVFP4), int4_spec(32), mq_qspec_default(MQ_QS_NVFP4),
                          int4_spec(32)};
@@ -1284,7 +1261,7 @@ static void on_progress(void *user, const char *label, int64_t done, int64_t tot
 /* Progress comes from the calling thread, never goes back, stays inside its span. */
 static void test_progress(void) {
     const int64_t N = 1500, K = 64;
-    float *W = make_weights(N, K, 71);
+    float *W = mq_test_weights(N, K, 71);
     float *H = make_hessian(K, 128, 72, NULL, 0);
     mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
     mq_gptq_opts o = mq_gptq_opts_default();
@@ -1310,7 +1287,7 @@ static void test_progress(void) {
 
 static void test_bad_input(void) {
     const int64_t K = 32, N = 8;
-    float *W = make_weights(N, K, 1);
+    float *W = mq_test_weights(N, K, 1);
     float *H = make_hessian(K, 64, 2, NULL, 0);
     mq_qspec s = mq_qspec_default(MQ_QS_NVFP4);
     mq_gptq_opts o = mq_gptq_opts_default();
@@ -1324,7 +1301,7 @@ static void test_bad_input(void) {
     ASSERT_ERROR_MENTIONS("mlp.up");
     free(W);
     free(H);
-    W = make_weights(N, 24, 1);   /* NVFP4 needs K % 16 == 0 */
+    W = mq_test_weights(N, 24, 1);   /* NVFP4 needs K % 16 == 0 */
     H = make_hessian(24, 64, 2, NULL, 0);
     ASSERT_STATUS(MOEQ_E_SHAPE, mq_gptq_quantize(&s, &o, H, W, N, 24, 0, "mlp.down", &q, NULL, NULL));
     ASSERT_ERROR_MENTIONS("mlp.down");
@@ -1334,7 +1311,7 @@ static void test_bad_input(void) {
     float *Hs[3], *Ws[3];
     const char *names[3] = {"e0", "e1", "e2"};
     const int64_t Ks[3] = {K, K, K};
-    for (int e = 0; e < 3; e++) Hs[e] = make_hessian(K, 64, 3 + (uint64_t)e, NULL, 0), Ws[e] = make_weights(N, K, 9 + (uint64_t)e);
+    for (int e = 0; e < 3; e++) Hs[e] = make_hessian(K, 64, 3 + (uint64_t)e, NULL, 0), Ws[e] = mq_test_weights(N, K, 9 + (uint64_t)e);
     mq_gptq_factor f[3];
     Hs[2][0] = NAN;
     Hs[1][K * K - 1] = -INFINITY;
@@ -1357,7 +1334,6 @@ static void test_bad_input(void) {
     }
 }
 
-
 /* ---- beyond textbook GPTQ (issue 15) ---------------------------------------------------------- */
 
 /* The clip search (INT4 asymmetric, in-loop scores) never scores worse than the plain search,
@@ -1366,7 +1342,7 @@ static void test_bad_input(void) {
  * weights it falls. Without zero points the option is refused. */
 static void test_clip_search(void) {
     const int64_t N = 96, K = 32;
-    float *W = make_weights(N, K, 21), *H = make_hessian(K, 64, 22, NULL, 0);
+    float *W = mq_test_weights(N, K, 21), *H = make_hessian(K, 64, 22, NULL, 0);
     mq_qspec s = int4_spec(32);
     s.asym = true;
     s.mse = true;
@@ -1406,7 +1382,7 @@ static void test_clip_search(void) {
  * the direct loss), and the first least one is chosen. */
 static void test_damp_sweep(void) {
     const int64_t N = 64, K = 64;
-    float *W[2] = {make_weights(N, K, 31), make_weights(N / 2, K, 32)};
+    float *W[2] = {mq_test_weights(N, K, 31), mq_test_weights(N / 2, K, 32)};
     /* few fitting rows (GPTQ over-fits them), many held-out ones from the same distribution */
     float *Hf = make_hessian(K, 72, 33, NULL, 0), *Hh = make_hessian(K, 2000, 34, NULL, 0);
     const int64_t rows[2] = {N, N / 2};
@@ -1457,7 +1433,7 @@ static void test_damp_sweep(void) {
  * and does not depend on the thread count. */
 static void refine_case(const mq_qspec *s, bool act_order) {
     const int64_t N = 40, K = 64;
-    float *W = make_weights(N, K, 61), *H = make_hessian(K, 96, 62, NULL, 0);
+    float *W = mq_test_weights(N, K, 61), *H = make_hessian(K, 96, 62, NULL, 0);
     mq_gptq_opts o = mq_gptq_opts_default();
     o.act_order = act_order;
     mq_qtensor a, b;
@@ -1593,14 +1569,14 @@ static void test_refine(void) {
  * share 0 leaves them; an H no damping makes positive definite is an error naming the Linear. */
 /* H = (2/n) sum x_q x_q^T and G = sum x_f x_q^T of n correlated rows, x_f = x_q + noise. */
 static void target_sums(int64_t K, int64_t n, uint64_t seed, float *H, float *G) {
-    g_rng = seed;
+    mq_test_rng = seed;
     double *xq = malloc(sizeof(double) * (size_t)(n * K)), *xf = malloc(sizeof(double) * (size_t)(n * K));
     for (int64_t t = 0; t < n; t++) {
         double prev = 0;
         for (int64_t k = 0; k < K; k++) {
-            prev = rnd_normal() + 0.6 * prev;
+            prev = mq_test_rnd_normal() + 0.6 * prev;
             xq[t * K + k] = prev * (1 + 0.05 * (double)k);
-            xf[t * K + k] = xq[t * K + k] + 0.3 * rnd_normal();
+            xf[t * K + k] = xq[t * K + k] + 0.3 * mq_test_rnd_normal();
         }
     }
     for (int64_t a = 0; a < K; a++)
@@ -1673,7 +1649,7 @@ static void test_target(void) {
     const int64_t K = 40, n = 200, N = 24;
     float *H = malloc(sizeof(float) * (size_t)(K * K)), *G = malloc(sizeof(float) * (size_t)(K * K));
     target_sums(K, n, 99, H, G);
-    float *w0 = make_weights(N, K, 5), *w1 = make_weights(N / 2, K, 6);
+    float *w0 = mq_test_weights(N, K, 5), *w1 = mq_test_weights(N / 2, K, 6);
     float *v0 = malloc(sizeof(float) * (size_t)(N * K)), *v1 = malloc(sizeof(float) * (size_t)(N / 2 * K));
     memcpy(v0, w0, sizeof(float) * (size_t)(N * K));
     memcpy(v1, w1, sizeof(float) * (size_t)(N / 2 * K));
@@ -1729,7 +1705,7 @@ static void test_target_many(void) {
                 rows[j][0] = j % 2 ? 17 : 520;
                 rows[j][1] = 33;
                 for (int k = 0; k < 2; k++) {
-                    orig[j][k] = make_weights(rows[j][k], K, 100 + (uint64_t)(2 * j + k));
+                    orig[j][k] = mq_test_weights(rows[j][k], K, 100 + (uint64_t)(2 * j + k));
                     w[j][k] = malloc(sizeof(float) * (size_t)(rows[j][k] * K));
                     one[j][k] = malloc(sizeof(float) * (size_t)(rows[j][k] * K));
                     memcpy(w[j][k], orig[j][k], sizeof(float) * (size_t)(rows[j][k] * K));
@@ -1776,7 +1752,7 @@ static void test_target_threads(void) {
     const int64_t K = 300, n = 400, rows[2] = {260, 33};
     float *H = malloc(sizeof(float) * (size_t)(K * K)), *G = malloc(sizeof(float) * (size_t)(K * K));
     target_sums(K, n, 11, H, G);
-    float *orig = make_weights(rows[0], K, 21), *first = NULL;
+    float *orig = mq_test_weights(rows[0], K, 21), *first = NULL;
     const int saved = moeq_threads();
     for (int threads = 1; threads <= 3; threads++) {
         moeq_set_threads(threads);

@@ -26,41 +26,18 @@
 #include "quant/gptq.h"
 #include "quant/hessian.h"
 
-/* ---- deterministic random data --------------------------------------------------------------- */
-static uint64_t g_rng;
-static double rnd_unit(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return ((double)(g_rng >> 11) + 0.5) * 0x1p-53;
-}
-static double rnd_normal(void) {
-    double u = rnd_unit(), v = rnd_unit();
-    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
-}
-
-/* Weights with a few outliers, so that group scales vary. */
-static float *make_weights(int64_t N, int64_t K, uint64_t seed) {
-    g_rng = seed;
-    float *w = malloc((size_t)(N * K) * sizeof(float));
-    for (int64_t i = 0; i < N * K; i++) {
-        double v = 0.02 * rnd_normal();
-        if (rnd_unit() < 0.01) v *= 6;
-        w[i] = (float)v;
-    }
-    return w;
-}
+/* ---- deterministic random data (the harness's mq_test_rnd_*) ------------------------------- */
 
 /* Inputs [T, K] with correlated features and uneven scales; `dead` columns all zero. */
 static float *make_inputs(int64_t T, int64_t K, uint64_t seed, int64_t dead) {
-    g_rng = seed;
+    mq_test_rng = seed;
     float *x = malloc((size_t)(T * K) * sizeof(float));
     double *scale = malloc((size_t)K * sizeof(double));
-    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * rnd_normal());
+    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * mq_test_rnd_normal());
     for (int64_t t = 0; t < T; t++) {
         double prev = 0;
         for (int64_t k = 0; k < K; k++) {
-            double z = rnd_normal() + 0.7 * prev;
+            double z = mq_test_rnd_normal() + 0.7 * prev;
             prev = z;
             x[t * K + k] = k < dead ? 0.0f : (float)(z * scale[k]);
         }
@@ -80,13 +57,6 @@ static float *make_hessian(int64_t K, int64_t T, uint64_t seed, int64_t dead) {
     mq_hessian_free(&h);
     free(x);
     return H;
-}
-
-static mq_gpu *open_gpu(void) {
-    if (!mq_gpu_built()) SKIP("this build has no CUDA backend (configure with -DMOEQ_CUDA=ON)");
-    mq_gpu *g = NULL;
-    if (mq_gpu_open(0, &g) != MOEQ_OK) SKIP("no usable GPU: %s", moeq_last_error());
-    return g;
 }
 
 static int same_float(float a, float b) {
@@ -142,7 +112,7 @@ static void test_open_missing_device(void) {
 /* ---- device twins ------------------------------------------------------------------------------ */
 
 static void test_codecs_bitexact(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     /* every bf16 bit pattern as a float (all exponents, signs, NaN, Inf, subnormals), the
      * midpoints between neighbours, and random floats */
     const int64_t n = 65536 * 2 + 200000;
@@ -152,8 +122,8 @@ static void test_codecs_bitexact(void) {
         memcpy(&x[2 * i], &b, 4);
         memcpy(&x[2 * i + 1], &m, 4);
     }
-    g_rng = 99;
-    for (int64_t i = 2 * 65536; i < n; i++) x[i] = (float)(rnd_normal() * exp(4 * rnd_normal()));
+    mq_test_rng = 99;
+    for (int64_t i = 2 * 65536; i < n; i++) x[i] = (float)(mq_test_rnd_normal() * exp(4 * mq_test_rnd_normal()));
     uint8_t *c2 = malloc((size_t)n), *c4 = malloc((size_t)n), *c8 = malloc((size_t)n);
     float *bf = malloc((size_t)n * 4), *hf = malloc((size_t)n * 4);
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_codecs(g, x, n, c2, c4, c8, bf, hf));
@@ -191,9 +161,9 @@ static mq_qspec signed_of(int64_t group, bool mse) {
 }
 
 static void test_rtn_bitexact(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t N = 192, K = 512;
-    float *w = make_weights(N, K, 5);
+    float *w = mq_test_weights(N, K, 5);
     w[7] = 0.0f;   /* a zero-ish row segment and an exact zero */
     for (int64_t c = 64; c < 96; c++) w[3 * K + c] = 0.0f;
     mq_qspec specs[] = {
@@ -235,7 +205,7 @@ static void test_hessian_bitexact(void) {
 }
 
 static void hessian_bitexact(int tile) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     mq_gpu_force_det_tile(g, tile);
     const int64_t Ks[] = {200, 384, 64};
     const int64_t T = 1500;
@@ -316,10 +286,10 @@ static double rel(double a, double b) { return fabs(a - b) / fmax(fabs(b), 1e-30
 
 /* GPTQ of one weight on the CPU and on the GPU for every mode: parity as the file comment says. */
 static void test_gptq_parity(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t N = 256, K = 512;
     float *H = make_hessian(K, 2048, 11, 2);
-    float *w = make_weights(N, K, 12);
+    float *w = mq_test_weights(N, K, 12);
     gptq_mode m[16];
     const int nm = n_modes(m);
     for (int k = 0; k < nm; k++) {
@@ -360,10 +330,10 @@ static void test_gptq_parity(void) {
  * few rows) and a thread per row (MOEQ_DEBUG_GPU_LOOP=thread; many rows), compute the same values in
  * the same order: the same codes, params and losses bit for bit in every mode. */
 static void test_gptq_warp_equals_thread(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t N = 200, K = 512;
     float *H = make_hessian(K, 1500, 13, 3);
-    float *w = make_weights(N, K, 14);
+    float *w = mq_test_weights(N, K, 14);
     gptq_mode m[16];
     const int nm = n_modes(m);
     for (int k = 0; k < nm; k++) {
@@ -399,13 +369,13 @@ static void test_gptq_warp_equals_thread(void) {
  * set whose work depends only on its own data, so chunking a layer's experts differently (the
  * pipeline's --expert-chunk) cannot change a code. */
 static void test_gptq_batched_deterministic(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t Ks[] = {256, 512, 256};
     const int64_t rows[] = {96, 128, 64, 200, 32};
     const int32_t jh[] = {0, 1, 0, 2, 1};
     float *H[3], *w[5];
     for (int i = 0; i < 3; i++) H[i] = make_hessian(Ks[i], 1024, 20 + (uint64_t)i, 0);
-    for (int i = 0; i < 5; i++) w[i] = make_weights(rows[i], Ks[jh[i]], 30 + (uint64_t)i);
+    for (int i = 0; i < 5; i++) w[i] = mq_test_weights(rows[i], Ks[jh[i]], 30 + (uint64_t)i);
     const char *hn[] = {"H0", "H1", "H2"};
     mq_qspec s = spec_of(MQ_QS_NVFP4, 0, false, true);
     mq_gptq_opts o = mq_gptq_opts_default();
@@ -451,7 +421,7 @@ static void test_gptq_batched_deterministic(void) {
 /* Damping retry: a rank-deficient Hessian with no damping fails Cholesky; both raise percdamp
  * the same way. Bad inputs are errors naming the tensor, as on the CPU. */
 static void test_gptq_retry_and_errors(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t N = 64, K = 128;
     float *x = make_inputs(40, K, 3, 0);   /* 40 tokens: rank 40 < 128 */
     mq_hessian h;
@@ -461,7 +431,7 @@ static void test_gptq_retry_and_errors(void) {
     mq_hessian_get(&h, H);
     mq_hessian_free(&h);
     free(x);
-    float *w = make_weights(N, K, 4);
+    float *w = mq_test_weights(N, K, 4);
     mq_qspec s = spec_of(MQ_QS_INT4, 32, false, false);
     mq_gptq_opts o = mq_gptq_opts_default();
     o.percdamp = 0;
@@ -514,13 +484,13 @@ static void test_gptq_retry_and_errors(void) {
  * params and losses bit for bit; write_back puts the dequantized weights (the host call's deq)
  * in place of the device's, which mq_gpu_mlp_read returns; bad sources are errors. */
 static void test_gptq_device_inputs(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t E = 2, D = 256, F = 128, T = 700;
     float *gw[2], *uw[2], *dw[2];
     for (int e = 0; e < E; e++) {
-        gw[e] = make_weights(F, D, 40 + (uint64_t)e);
-        uw[e] = make_weights(F, D, 42 + (uint64_t)e);
-        dw[e] = make_weights(D, F, 44 + (uint64_t)e);
+        gw[e] = mq_test_weights(F, D, 40 + (uint64_t)e);
+        uw[e] = mq_test_weights(F, D, 42 + (uint64_t)e);
+        dw[e] = mq_test_weights(D, F, 44 + (uint64_t)e);
     }
     const int64_t Ks[4] = {D, D, F, F};   /* gate/up of expert 0, 1; down of 0, 1 */
     mq_gpu_hessians *hs = NULL;
@@ -612,7 +582,7 @@ static void test_gptq_device_inputs(void) {
 /* ---- the experts' MLP ---------------------------------------------------------------------------- */
 
 static void test_gemm_det_bitexact(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     /* K % 8 == 0 takes k_det_nt128 at tile 128 (130 x 133: its scalar stores at the ragged edge) */
     const int64_t shapes[][3] = {{37, 70, 100}, {300, 128, 256}, {1, 1024, 2048}, {129, 65, 17}, {2100, 1100, 40},
                                  {130, 133, 64}};
@@ -620,7 +590,7 @@ static void test_gemm_det_bitexact(void) {
         mq_gpu_force_det_tile(g, det_tiles[k / (sizeof shapes / sizeof shapes[0])]);
         const size_t sh = k % (sizeof shapes / sizeof shapes[0]);
         const int64_t M = shapes[sh][0], N = shapes[sh][1], K = shapes[sh][2];
-        float *A = make_weights(M, K, 70 + sh), *B = make_weights(N, K, 80 + sh);
+        float *A = mq_test_weights(M, K, 70 + sh), *B = mq_test_weights(N, K, 80 + sh);
         float *c1 = malloc((size_t)(M * N) * 4), *c2 = malloc((size_t)(M * N) * 4);
         mq_gemm_det_nt(M, N, K, A, K, B, K, c1, N);
         ASSERT_EQ_INT(MOEQ_OK, mq_gpu_gemm_det(g, M, N, K, A, B, c2));
@@ -645,9 +615,9 @@ static void experts_make(expert_set *x, int64_t E, int64_t D, int64_t F, uint64_
     ASSERT_TRUE(E <= 5);
     x->E = E;
     for (int64_t e = 0; e < E; e++) {
-        x->gate[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, seed + (uint64_t)e), .det = true};
-        x->up[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, seed + 5 + (uint64_t)e), .det = true};
-        x->down[e] = (mq_linear){.out = D, .in = F, .w = make_weights(D, F, seed + 9 + (uint64_t)e), .det = true};
+        x->gate[e] = (mq_linear){.out = F, .in = D, .w = mq_test_weights(F, D, seed + (uint64_t)e), .det = true};
+        x->up[e] = (mq_linear){.out = F, .in = D, .w = mq_test_weights(F, D, seed + 5 + (uint64_t)e), .det = true};
+        x->down[e] = (mq_linear){.out = D, .in = F, .w = mq_test_weights(D, F, seed + 9 + (uint64_t)e), .det = true};
         for (int64_t i = 0; i < F * D; i++) x->gate[e].w[i] *= scale, x->up[e].w[i] *= scale;
         x->pg[e] = x->gate[e].w, x->pu[e] = x->up[e].w, x->pd[e] = x->down[e].w;
     }
@@ -669,13 +639,13 @@ static int64_t mlp_diffs(const float *hg, const float *hg2, const float *hu, con
 /* Experts through the GPU MLP against mq_mlp_forward on deterministic Linears: the same bits,
  * also when the rows come max_rows at a time and without the down product. */
 static void test_mlp_bitexact(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t E = 3, D = 96, F = 160, n = 75;
     expert_set xs;
     experts_make(&xs, E, D, F, 90, 40);   /* gate and up times 40: SwiGLU's whole range */
     mq_linear *gate = xs.gate, *up = xs.up, *down = xs.down;
     const float **pg = xs.pg, **pu = xs.pu, **pd = xs.pd;
-    float *x = make_weights(n, D, 7);
+    float *x = mq_test_weights(n, D, 7);
     for (int64_t i = 0; i < n * D; i++) x[i] *= 50;
     float *hg = malloc((size_t)(n * F) * 4), *hu = malloc((size_t)(n * F) * 4), *y = malloc((size_t)(n * D) * 4);
     float *hg2 = malloc((size_t)(n * F) * 4), *hu2 = malloc((size_t)(n * F) * 4), *y2 = malloc((size_t)(n * D) * 4);
@@ -701,11 +671,11 @@ static void test_mlp_bitexact(void) {
  * mq_cu_upload_many several times over, one weight split across halves at an unaligned place:
  * every expert's products are still mq_mlp_forward's bits. */
 static void test_mlp_large_upload(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t E = 5, D = 1000, F = 2900, n = 8;
     expert_set xs;
     experts_make(&xs, E, D, F, 190, 1);
-    float *x = make_weights(n, D, 17);
+    float *x = mq_test_weights(n, D, 17);
     float *hg = malloc((size_t)(n * F) * 4), *hu = malloc((size_t)(n * F) * 4), *y = malloc((size_t)(n * D) * 4);
     float *hg2 = malloc((size_t)(n * F) * 4), *hu2 = malloc((size_t)(n * F) * 4), *y2 = malloc((size_t)(n * D) * 4);
     mq_gpu_mlp *m = NULL;
@@ -946,7 +916,7 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
  * heads (qwen3moe), q/k/v biases (qwen2moe), plain (mixtral), a sliding window and clip_qkv; T
  * below and above the CPU's GEMM threshold and across the GPU's query blocks. */
 static void test_attention_parity(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     attention_case(g, mq_test_repo("models/olmoe-tiny"), 48, 0, 0, 0);
     attention_case(g, mq_test_repo("models/olmoe-tiny"), 300, 1, 0, 0);
     attention_case(g, mq_test_repo("models/olmoe-tiny"), 130, 2, 17, 0.8f);
@@ -1058,7 +1028,7 @@ static void attention_groups_case(mq_gpu *g, const char *dir, int layer) {
 }
 
 static void test_attention_groups(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     attention_groups_case(g, mq_test_repo("models/olmoe-tiny"), 1);
     attention_groups_case(g, mq_test_repo("tests/data/qwen3moe-tiny"), 0);   /* grouped KV heads, per-head norms */
     attention_groups_case(g, mq_test_repo("tests/data/qwen2moe-dense-tiny"), 0);   /* biases, a dense layer */
@@ -1070,13 +1040,13 @@ static void test_attention_groups(void) {
  * rows in the same order (mq_mlp_forward, mq_hessian_add), also with fewer rows per call than
  * the expert has; an index outside the inputs is an error. */
 static void test_mlp_rows_hessians(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t D = 96, F = 160, n = 75, blocks[2] = {40, 35};
-    mq_linear gate = {.out = F, .in = D, .w = make_weights(F, D, 11), .det = true};
-    mq_linear up = {.out = F, .in = D, .w = make_weights(F, D, 12), .det = true};
-    mq_linear down = {.out = D, .in = F, .w = make_weights(D, F, 13), .det = true};
+    mq_linear gate = {.out = F, .in = D, .w = mq_test_weights(F, D, 11), .det = true};
+    mq_linear up = {.out = F, .in = D, .w = mq_test_weights(F, D, 12), .det = true};
+    mq_linear down = {.out = D, .in = F, .w = mq_test_weights(D, F, 13), .det = true};
     for (int64_t i = 0; i < F * D; i++) gate.w[i] *= 40, up.w[i] *= 40;
-    float *x = make_weights(n, D, 14);
+    float *x = mq_test_weights(n, D, 14);
     for (int64_t i = 0; i < n * D; i++) x[i] *= 50;
     int32_t src[75];
     float *xp = malloc((size_t)(n * D) * 4);
@@ -1145,10 +1115,10 @@ typedef struct {
 
 static void tf32_case(mq_gpu *g, moeq_gpu_precision prec, int64_t D, int64_t F, int64_t n, int64_t stride,
                       tf32_check *out) {
-    mq_linear gate = {.out = F, .in = D, .w = make_weights(F, D, 81), .det = true};
-    mq_linear up = {.out = F, .in = D, .w = make_weights(F, D, 82), .det = true};
-    mq_linear down = {.out = D, .in = F, .w = make_weights(D, F, 83), .det = true};
-    float *x = make_weights(n, D, 84);
+    mq_linear gate = {.out = F, .in = D, .w = mq_test_weights(F, D, 81), .det = true};
+    mq_linear up = {.out = F, .in = D, .w = mq_test_weights(F, D, 82), .det = true};
+    mq_linear down = {.out = D, .in = F, .w = mq_test_weights(D, F, 83), .det = true};
+    float *x = mq_test_weights(n, D, 84);
     for (int64_t i = 0; i < n * D; i++) x[i] *= 50;
     const float *pg[1] = {gate.w}, *pu[1] = {up.w}, *pd[1] = {down.w};
     const int64_t Ks[2] = {D, F};
@@ -1222,7 +1192,7 @@ static void tf32_case(mq_gpu *g, moeq_gpu_precision prec, int64_t D, int64_t F, 
 }
 
 static void test_tf32_products(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     /* small: every value; large: 4096 inputs x 2560 outputs over 2100 rows, so that the up
      * product's weights (2560 x 4096 floats), its rows (2100 x 4096) and the Hessian's rows are
      * more than one of tf32x3's 2^23-float blocks */
@@ -1247,12 +1217,12 @@ static void test_tf32_products(void) {
  * outputs, weight) in order, one fmaf per pair onto the buffer's value, against the same chain on
  * the CPU from mq_mlp_forward's outputs; a row past the batch is an error. */
 static void test_mlp_combine(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t D = 64, F = 96, n = 50, ntok = 30;
-    mq_linear gate = {.out = F, .in = D, .w = make_weights(F, D, 61), .det = true};
-    mq_linear up = {.out = F, .in = D, .w = make_weights(F, D, 62), .det = true};
-    mq_linear down = {.out = D, .in = F, .w = make_weights(D, F, 63), .det = true};
-    float *x = make_weights(n, D, 64);
+    mq_linear gate = {.out = F, .in = D, .w = mq_test_weights(F, D, 61), .det = true};
+    mq_linear up = {.out = F, .in = D, .w = mq_test_weights(F, D, 62), .det = true};
+    mq_linear down = {.out = D, .in = F, .w = mq_test_weights(D, F, 63), .det = true};
+    float *x = mq_test_weights(n, D, 64);
     for (int64_t i = 0; i < n * D; i++) x[i] *= 30;
     float *hg = malloc((size_t)(n * F) * 4), *hu = malloc((size_t)(n * F) * 4), *y = malloc((size_t)(n * D) * 4);
     ASSERT_EQ_INT(MOEQ_OK, mq_mlp_forward(&gate, &up, &down, x, n, hg, hu, y));
@@ -1306,9 +1276,9 @@ static void test_mlp_combine(void) {
  * host's add_out (mq_vec's axpy by 1) bit for bit, signed zeros, infinities, NaNs, subnormals
  * and rounding ties among the values; n past either buffer is an error. */
 static void test_buf_add(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t n = 100003;
-    float *a = make_weights(1, n, 71), *b = make_weights(1, n, 72), *got = malloc((size_t)n * 4);
+    float *a = mq_test_weights(1, n, 71), *b = mq_test_weights(1, n, 72), *got = malloc((size_t)n * 4);
     const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 0x1p-149f, -0x1p-140f, 0x1.fffffep127f,
                              1.0f, 0x1p-24f, 0x1.000002p0f, -0x1p-25f};
     const int ns = (int)(sizeof special / sizeof *special);
@@ -1341,19 +1311,19 @@ static void test_buf_add(void) {
  * output is the CPU's bits for that expert (mq_mlp_forward, mq_hessian_add), read both through
  * the Hessians (stream 0) and the combine. */
 static void test_mlp_lanes(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     enum { E = 5 };
     const int64_t D = 96, F = 160, n_in = 60;
     mq_linear gate[E], up[E], down[E];
     const float *pg[E], *pu[E], *pd[E];
     for (int e = 0; e < E; e++) {
-        gate[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 100 + 3 * e), .det = true};
-        up[e] = (mq_linear){.out = F, .in = D, .w = make_weights(F, D, 101 + 3 * e), .det = true};
-        down[e] = (mq_linear){.out = D, .in = F, .w = make_weights(D, F, 102 + 3 * e), .det = true};
+        gate[e] = (mq_linear){.out = F, .in = D, .w = mq_test_weights(F, D, 100 + 3 * e), .det = true};
+        up[e] = (mq_linear){.out = F, .in = D, .w = mq_test_weights(F, D, 101 + 3 * e), .det = true};
+        down[e] = (mq_linear){.out = D, .in = F, .w = mq_test_weights(D, F, 102 + 3 * e), .det = true};
         for (int64_t i = 0; i < F * D; i++) gate[e].w[i] *= 40, up[e].w[i] *= 40;
         pg[e] = gate[e].w, pu[e] = up[e].w, pd[e] = down[e].w;
     }
-    float *x = make_weights(n_in, D, 99);
+    float *x = mq_test_weights(n_in, D, 99);
     for (int64_t i = 0; i < n_in * D; i++) x[i] *= 50;
     mq_gpu_mlp *m = NULL;
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_mlp_new(g, E, D, F, pg, pu, pd, 16, &m));

@@ -20,25 +20,6 @@
 #include "harness.h"
 #include "quant/gptq.h"
 
-static uint64_t g_rng;
-static double rnd_unit(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return ((double)(g_rng >> 11) + 0.5) * 0x1p-53;
-}
-static double rnd_normal(void) {
-    double u = rnd_unit(), v = rnd_unit();
-    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
-}
-
-static mq_gpu *open_gpu(void) {
-    if (!mq_gpu_built()) SKIP("this build has no CUDA backend (configure with -DMOEQ_CUDA=ON)");
-    mq_gpu *g = NULL;
-    if (mq_gpu_open(0, &g) != MOEQ_OK) SKIP("no usable GPU: %s", moeq_last_error());
-    return g;
-}
-
 static bool same_float(float a, float b) {
     uint32_t x, y;
     memcpy(&x, &a, 4);
@@ -47,9 +28,9 @@ static bool same_float(float a, float b) {
 }
 
 static float *weights(int64_t N, int64_t K, uint64_t seed) {
-    g_rng = seed;
+    mq_test_rng = seed;
     float *w = malloc((size_t)(N * K) * sizeof(float));
-    for (int64_t i = 0; i < N * K; i++) w[i] = (float)(0.02 * rnd_normal() * (rnd_unit() < 0.01 ? 6 : 1));
+    for (int64_t i = 0; i < N * K; i++) w[i] = (float)(0.02 * mq_test_rnd_normal() * (mq_test_rnd_unit() < 0.01 ? 6 : 1));
     return w;
 }
 
@@ -57,12 +38,12 @@ static float *weights(int64_t N, int64_t K, uint64_t seed) {
  * tiled sgemm: its triangles differ in rounding); then every 7th pair above the diagonal moved by
  * a few ulps more, so the triangles differ whatever the host's BLAS. *asym: pairs that differ. */
 static float *lopsided_hessian(int64_t K, uint64_t seed, int64_t *asym) {
-    g_rng = seed;
+    mq_test_rng = seed;
     const int64_t T = 2 * K;
     float *xt = malloc((size_t)(K * T) * sizeof(float)), *h = malloc((size_t)(K * K) * sizeof(float));
     for (int64_t k = 0; k < K; k++) {
-        const double s = exp(0.5 * rnd_normal());
-        for (int64_t t = 0; t < T; t++) xt[k * T + t] = (float)(s * rnd_normal());
+        const double s = exp(0.5 * mq_test_rnd_normal());
+        for (int64_t t = 0; t < T; t++) xt[k * T + t] = (float)(s * mq_test_rnd_normal());
     }
     mq_gemm_nt(K, K, T, 2.0f / (float)T, xt, T, xt, T, 0.0f, h, K);
     free(xt);
@@ -165,7 +146,7 @@ static void host_against_device(mq_gpu *g, const mode *m, const float *H, const 
 }
 
 static void test_host_equals_device(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t N = 512, K = 1024;
     int64_t asym = 0;
     float *H = lopsided_hessian(K, 11, &asym), *W = weights(N, K, 12);
@@ -181,7 +162,7 @@ static void test_host_equals_device(void) {
 
 /* The benchmark's shape (4096 x 2048 NVFP4, its defaults): the case it printed. */
 static void test_bench_shape(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t N = 4096, K = 2048;
     int64_t asym = 0;
     float *H = lopsided_hessian(K, 21, &asym), *W = weights(N, K, 22);

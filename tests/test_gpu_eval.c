@@ -64,13 +64,6 @@ static float *rnd_array(int64_t n, double scale) {
 
 static int gpu_present(void) { return mq_gpu_built() && mq_gpu_probe(0) == MOEQ_OK; }
 
-static mq_gpu *open_gpu(void) {
-    if (!mq_gpu_built()) SKIP("this build has no CUDA backend (configure with -DMOEQ_CUDA=ON)");
-    mq_gpu *g = NULL;
-    if (mq_gpu_open(0, &g) != MOEQ_OK) SKIP("no usable GPU: %s", moeq_last_error());
-    return g;
-}
-
 static void need_gpu(void) {
     if (!mq_gpu_built()) SKIP("this build has no CUDA backend (configure with -DMOEQ_CUDA=ON)");
     if (mq_gpu_probe(0) != MOEQ_OK) SKIP("no usable GPU: %s", moeq_last_error());
@@ -285,7 +278,7 @@ static void test_refusals(void) {
 
 /* ---- the twins ------------------------------------------------------------------------------------ */
 static void test_twin_final_norm(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t Ds[3] = {67, 256, 2048}, n = 19;
     for (int i = 0; i < 3; i++) {
         const int64_t D = Ds[i];
@@ -300,7 +293,7 @@ static void test_twin_final_norm(void) {
 }
 
 static void test_twin_row_stats(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t Vs[2] = {4099, 4096}, n = 37;
     for (int vi = 0; vi < 2; vi++) {
         const int64_t V = Vs[vi];
@@ -334,7 +327,7 @@ static void test_twin_row_stats(void) {
 
 /* A dense MLP onto the residual (fmaf by 1) and a shared expert's gated add, against forward.c. */
 static void test_twin_mlp_add(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t D = 67, F = 40, ns[2] = {3, 50};
     float *wg = rnd_array(F * D, 0.2), *wu = rnd_array(F * D, 0.2), *wd = rnd_array(D * F, 0.2);
     float *gate = rnd_array(D, 0.3);
@@ -397,7 +390,7 @@ static void test_twin_mlp_add(void) {
 /* lm_head's product within gamma_D sum |x W| of the exact logits, its statistics the CPU's of
  * those logits, in chunks of rows (fp32, then with a temperature). */
 static void test_twin_head(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t D = 300, V = 1003, n = 45;
     float *W = rnd_array(V * D, 0.1), *norm = rnd_array(D, 1.0), *x = rnd_array(n * D, 2.0);
     float *xn = malloc((size_t)(n * D) * 4), *lg = malloc((size_t)(n * V) * 4), *zeros = calloc((size_t)V, 4);

@@ -156,13 +156,6 @@ static void test_dry_run_refusal(void) {
 
 /* ---- on a GPU ------------------------------------------------------------------------------------ */
 
-static mq_gpu *open_gpu(void) {
-    if (!mq_gpu_built()) SKIP("this build has no CUDA backend (configure with -DMOEQ_CUDA=ON)");
-    mq_gpu *g = NULL;
-    if (mq_gpu_open(0, &g) != MOEQ_OK) SKIP("no usable GPU: %s", moeq_last_error());
-    return g;
-}
-
 static int64_t used_now(mq_gpu *g) {
     int64_t u = 0;
     mq_gpu_memory(g, &u, NULL, NULL);
@@ -171,7 +164,7 @@ static int64_t used_now(mq_gpu *g) {
 
 /* The objects' allocations add what gpu.c says they take. */
 static void test_device_counts(void) {
-    mq_gpu *g = open_gpu();
+    mq_gpu *g = mq_test_open_gpu();
     const int64_t D = 128, H = 4, KV = 2, hd = 32, T = 64, E = 4, F = 96;
     float *cs = calloc((size_t)(T * hd / 2), sizeof(float)), *sn = calloc((size_t)(T * hd / 2), sizeof(float));
     const mq_gpu_attn_shape sh = {.D = D, .H = H, .KV = KV, .hd = hd, .max_T = T, .eps = 1e-6f, .rope_cos = cs,
@@ -199,7 +192,7 @@ static void test_device_counts(void) {
 }
 
 static void test_bound_end_to_end(void) {
-    mq_gpu *probe = open_gpu();
+    mq_gpu *probe = mq_test_open_gpu();
     mq_gpu_close(probe);
     const char *model = mq_test_model("olmoe-tiny");
     char model_dir[4096], out[4096];

@@ -228,15 +228,6 @@ static moeq_moe_ffn_args args_of(const layer *L, const float *x, int64_t T) {
 }
 
 /* ---- the fp64 reference --------------------------------------------------------------------------- */
-static double e2m1_dec(uint8_t c) {
-    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
-    return (c & 8) ? -mag[c & 7] : mag[c & 7];
-}
-static double e4m3_dec(uint8_t b) {
-    int e = (b >> 3) & 15, m = b & 7;
-    double v = e == 0 ? m / 512.0 : ldexp(1.0 + m / 8.0, e - 7);
-    return (b & 0x80) ? -v : v;
-}
 
 /* Expert e's (E: shared) matrix which (0 gate_up [2f, D], 1 down [D, f]) dequantized in double. */
 static double *deq(const layer *L, int e, int which) {
@@ -253,8 +244,8 @@ static double *deq(const layer *L, int e, int which) {
                 double gs;
                 if (which) gs = sh ? L->sdn_g : L->dn_g[e];
                 else gs = sh ? L->sgu_g[r >= f] : L->gu_g2[2 * e + (r >= f)];
-                const double s = e4m3_dec(((const uint8_t *)L->s[i])[si]);
-                v = L->mult ? e2m1_dec(c) * s * gs : e2m1_dec(c) * s / gs;
+                const double s = mq_test_e4m3_dec(((const uint8_t *)L->s[i])[si]);
+                v = L->mult ? mq_test_e2m1_dec(c) * s * gs : mq_test_e2m1_dec(c) * s / gs;
             } else {
                 const int z = L->asym ? L->z[i][si] : 8;
                 v = ((int)c - z) * (double)((const float *)L->s[i])[si];
@@ -365,30 +356,7 @@ static void check_routing(const layer *L, const float *x, int64_t T, const int32
         if (!L->scoring)
             for (int e = 0; e < E; e++) p[e] /= sum;
         for (int e = 0; e < E; e++) s[e] = p[e] + (L->use_bias ? L->bias[e] : 0.0), taken[e] = 0;
-        if (L->n_group > 1) {
-            const int G = L->n_group, EG = E / G;
-            double gs[64];
-            int chosen[64] = {0};
-            for (int g = 0; g < G; g++) {
-                double b1 = -INFINITY, b2 = -INFINITY;
-                for (int e = g * EG; e < (g + 1) * EG; e++) {
-                    if (s[e] > b1) {
-                        b2 = b1;
-                        b1 = s[e];
-                    } else if (s[e] > b2) {
-                        b2 = s[e];
-                    }
-                }
-                gs[g] = b1 + b2;
-            }
-            for (int j = 0; j < L->topk_group; j++) {
-                int best = -1;
-                for (int g = 0; g < G; g++)
-                    if (!chosen[g] && (best < 0 || gs[g] > gs[best])) best = g;
-                chosen[best] = 1;
-            }
-            for (int e = 0; e < E; e++) taken[e] = !chosen[e / EG];
-        }
+        if (L->n_group > 1) mq_test_ref_groups(s, E, L->n_group, L->topk_group, taken);
         double wsum = 0;
         for (int j = 0; j < k; j++) {
             int best = -1;
@@ -762,7 +730,7 @@ static void test_decoders(void) {
                         const size_t si = sb + (size_t)r * ng + k / L.G;
                         float want;
                         if (L.nv) {
-                            want = (float)(e2m1_dec(c) * e4m3_dec(((const uint8_t *)L.s[i])[si]));
+                            want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L.s[i])[si]));
                         } else {
                             const int z = L.asym ? L.z[i][si] : 8;
                             const float s = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L.s[i])[si]));
@@ -1249,7 +1217,7 @@ static void test_emulated_decoders(void) {
                         const size_t si = sb + (size_t)r * ng + k / L.G;
                         float want;
                         if (L.nv) {
-                            want = (float)(e2m1_dec(c) * e4m3_dec(((const uint8_t *)L.s[i])[si]));
+                            want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L.s[i])[si]));
                         } else {
                             const int z = L.asym ? L.z[i][si] : 8;
                             const float sc = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L.s[i])[si]));

@@ -27,16 +27,7 @@ static float rnd_normal(void) {
     return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
 }
 
-/* ---- the test's own decoders ---------------------------------------------------------------- */
-static double e2m1_dec(uint8_t c) {
-    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
-    return (c & 8) ? -mag[c & 7] : mag[c & 7];
-}
-static double e4m3_dec(uint8_t b) {
-    int e = (b >> 3) & 15, m = b & 7;
-    double v = e == 0 ? m / 512.0 : ldexp(1.0 + m / 8.0, e - 7);
-    return (b & 0x80) ? -v : v;
-}
+/* (the test's own E2M1 and E4M3 decoders are the harness's mq_test_e2m1_dec, mq_test_e4m3_dec) */
 
 /* ---- a canonical (unpacked) problem ---------------------------------------------------------- */
 typedef struct {
@@ -174,7 +165,7 @@ static void deq_row(const problem *p, const uint8_t *codes, const void *scales, 
     for (int64_t k = 0; k < cols; k++) {
         uint8_t c = codes[r * cols + k];
         int64_t si = r * ng + k / p->group;
-        if (p->nvfp4) out[k] = e2m1_dec(c) * e4m3_dec(((const uint8_t *)scales)[si]) / gs;
+        if (p->nvfp4) out[k] = mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)scales)[si]) / gs;
         else out[k] = ((int)c - 8) * (double)((const float *)scales)[si];
     }
 }
@@ -217,33 +208,6 @@ typedef struct {
 /* Group-limited selection (DeepSeek-V3's n_group / topk_group) of the runs below; 0: none. */
 static int g_n_group, g_topk_group;
 
-/* The experts outside the topk_group groups with the largest sums of their two best scores s[]
- * (ties to the lower group) marked taken. */
-static void ref_groups(const double *s, int64_t E, int *taken) {
-    const int G = g_n_group, EG = (int)(E / G);
-    double gs[64];
-    int chosen[64] = {0};
-    for (int g = 0; g < G; g++) {
-        double b1 = -INFINITY, b2 = -INFINITY;
-        for (int e = g * EG; e < (g + 1) * EG; e++) {
-            if (s[e] > b1) {
-                b2 = b1;
-                b1 = s[e];
-            } else if (s[e] > b2) {
-                b2 = s[e];
-            }
-        }
-        gs[g] = b1 + b2;
-    }
-    for (int j = 0; j < g_topk_group; j++) {
-        int best = -1;
-        for (int g = 0; g < G; g++)
-            if (!chosen[g] && (best < 0 || gs[g] > gs[best])) best = g;
-        chosen[best] = 1;
-    }
-    for (int64_t e = 0; e < E; e++) taken[e] = !chosen[e / EG];
-}
-
 static void ref_forward(const problem *p, const routing *r, const float *x, int64_t T, double *out,
                         int *expert_tokens) {
     const int64_t D = p->D, E = p->E;
@@ -269,7 +233,7 @@ static void ref_forward(const problem *p, const routing *r, const float *x, int6
         if (g_n_group > 1) {
             double sc[256];
             for (int64_t e = 0; e < E; e++) sc[e] = pr[e] + (r->use_bias ? p->bias[e] : 0.0);
-            ref_groups(sc, E, taken);
+            mq_test_ref_groups(sc, E, g_n_group, g_topk_group, taken);
         }
         int sel[64];
         double w[64], wsum = 0;

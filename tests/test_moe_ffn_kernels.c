@@ -23,16 +23,6 @@ static uint32_t rnd(void) {
 }
 static float rnd_sym(void) { return (float)(rnd() & 0xffffff) * 0x1p-23f - 1.0f; }
 
-static double e2m1_dec(uint8_t c) {
-    static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
-    return (c & 8) ? -mag[c & 7] : mag[c & 7];
-}
-static double e4m3_dec(uint8_t b) {
-    int e = (b >> 3) & 15, m = b & 7;
-    double v = e == 0 ? m / 512.0 : ldexp(1.0 + m / 8.0, e - 7);
-    return (b & 0x80) ? -v : v;
-}
-
 /* The SIMD twins this CPU can run (the reference excluded), NULL-terminated, with their names. */
 enum { MAX_TWINS = 5 };
 static int simd_twins(const mq_moe_kernels *k[MAX_TWINS], const char *name[MAX_TWINS]) {
@@ -129,7 +119,7 @@ typedef struct {
 static double wval(const gemm_case *c, const uint8_t *codes, const void *scales, int r, int k) {
     uint8_t q = codes[r * c->K + k];
     int g = k / c->group, ng = c->K / c->group;
-    if (c->nvfp4) return e2m1_dec(q) * e4m3_dec(((const uint8_t *)scales)[r * ng + g]);
+    if (c->nvfp4) return mq_test_e2m1_dec(q) * mq_test_e4m3_dec(((const uint8_t *)scales)[r * ng + g]);
     return ((int)q - 8) * (double)((const float *)scales)[r * ng + g];
 }
 
@@ -288,7 +278,7 @@ static void test_every_e4m3_scale(void) {
             float out[16];
             ks[ki]->gemm(&P, 0, 1, &A, NULL, 0, 1, out, 16, 0, NULL);
             for (int r = 0; r < 16; r++) {
-                double want = 16.0 * 2 * 127 * e4m3_dec(scales[r]) * (double)sc[0] / 2.0;
+                double want = 16.0 * 2 * 127 * mq_test_e4m3_dec(scales[r]) * (double)sc[0] / 2.0;
                 if (!(fabs(out[r] - want) <= 1e-6 * fabs(want)))
                     FAIL("kernel %d scale byte 0x%02x: %.9g vs %.9g", ki, scales[r], out[r], want);
             }

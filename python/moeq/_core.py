@@ -63,6 +63,7 @@ def _load():
         "moeq_docs_count": ([c_p], ctypes.c_int64),
         "moeq_eval": ([c_p, c_p, c_p, c_p], c_int),
         "moeq_eval_result_json": ([c_p], c_p),
+        "moeq_eval_settings_json": ([c_p], c_p),
         "moeq_model_open": ([c_str, ctypes.POINTER(_ModelOptions), ctypes.POINTER(c_p)], c_int),
         "moeq_model_free": ([c_p], None),
         "moeq_docs_load": ([c_str, c_int, ctypes.POINTER(c_p)], c_int),
@@ -207,8 +208,9 @@ def evaluate(model, data, *, task="wikitext", layout=None, kl_base=None, dequant
     """Evaluates MODEL on DATA as `moeq eval` does (lm-eval's wikitext protocol by default):
     perplexities, and with kl_base the KL to that model, top-1 changes and its perplexity;
     html: also the evaluation page (moeq eval --html); act_quant: "nvfp4" (W4A4) or "q8_0"
-    (llama.cpp's Q8_0 activations), as moeq eval --act-quant, on the dequantized path. Returns a
-    dict."""
+    (llama.cpp's Q8_0 activations), as moeq eval --act-quant, on the dequantized path; the other
+    keywords are moeq eval's flags (moeq_eval_option_info: max_length, limit, device, ...). Returns
+    a dict, with the options given under "settings"."""
     lib = _load()
     if act_quant not in _ACT_QUANT:
         raise Error(-5, f"act_quant={act_quant}: expected nvfp4 or q8_0")
@@ -251,7 +253,9 @@ def evaluate(model, data, *, task="wikitext", layout=None, kl_base=None, dequant
             _call(lib.moeq_eval_html_flat, os.fsencode(html), os.fsencode(os.fspath(model)),
                   os.fsencode(os.fspath(kl_base)) if kl_base is not None else None, os.fsencode(data), docs, res,
                   per[0], per[3], per[1], per[2], tok)
-        return json.loads(_text(lib, lib.moeq_eval_result_json(res)))
+        out = json.loads(_text(lib, lib.moeq_eval_result_json(res)))
+        out["settings"] = json.loads(_text(lib, lib.moeq_eval_settings_json(opts)))
+        return out
     finally:
         _with_progress(lib, None)
         del cb

@@ -89,11 +89,13 @@ def test_evaluate_matches_cli():
     c = json.loads(cli("eval", q, "--data", data, "--kl-base", MODEL, "--json"))
     for k in ("word_perplexity", "loglikelihood", "kl_mean", "top1_changed", "base_word_perplexity", "tokens"):
         assert e[k] == c[k], k
+    assert e["settings"] == c["settings"], (e["settings"], c["settings"])   # one table, two callers
     page = os.path.join(TMP, "ev.html")
     moeq.evaluate(q, data, kl_base=MODEL, html=page)
     assert 'id="kl-hist"' in open(page).read()
     t = moeq.evaluate(q, data, task="text", max_length=64)
     assert t["word_perplexity"] > 0 and t["documents"] == 1
+    assert t["settings"]["task"] == "text" and t["settings"]["max_length"] == 64, t["settings"]
     # llama.cpp's Q8_0 activations emulated: the CLI's figure, not the plain one
     a = moeq.evaluate(q, data, act_quant="q8_0")
     c = json.loads(cli("eval", q, "--data", data, "--act-quant", "q8_0", "--json"))

@@ -251,13 +251,6 @@ static void window_task(void *vc, int64_t i, int thread) {
 }
 
 /* ---- setup and results -------------------------------------------------------------------- */
-void moeq_eval_options_init(moeq_eval_options *o) {
-    memset(o, 0, sizeof *o);
-    o->task = MOEQ_TASK_WIKITEXT;
-    o->prefix_token = -1;
-    o->device = -1;
-}
-
 static bool same_tokenizer(const moeq_tokenizer *a, const moeq_tokenizer *b) {
     if (!a || !b) return true; /* nothing to compare; the vocabulary sizes were checked */
     int32_t n = moeq_tokenizer_vocab_size(a);

@@ -1,9 +1,9 @@
 /*
- * GPTQ's column kernels: the scalar references (defined, for now, beside the loop that calls them
- * in src/quant/gptq.c) and their AVX2 and AVX-512 twins (src/kernels/cpu/x86/gptq_avx2.c,
- * gptq_avx512.c). They take only the formats' types, so the twins need nothing from quant/; the
- * loop (gptq.c) picks the twins after mq_cpu_has_avx2_fma() / mq_cpu_has_avx512(), the reference
- * under mq_force_ref(). Tests: tests/test_gptq.c compares each twin with its reference.
+ * GPTQ's column kernels: the scalar references (src/kernels/cpu/ref/gptq_ref.c) and their AVX2 and
+ * AVX-512 twins (src/kernels/cpu/x86/gptq_avx2.c, gptq_avx512.c), one row each of the family's
+ * table (mq_gptq_kernels, kernels.c; the loop in src/quant/gptq.c calls through mq_gptq_cpu()).
+ * They take only the formats' types, so nothing here needs quant/. Tests: tests/test_gptq.c
+ * compares each twin with its reference.
  */
 #ifndef MOEQ_KERNELS_GPTQ_KERNELS_H
 #define MOEQ_KERNELS_GPTQ_KERNELS_H
@@ -53,5 +53,27 @@ double mq_gptq_column_errors_avx512(const float *x, const float *q, float upp, f
 void mq_gptq_loop_scores_avx512(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
                                 int64_t ld, int64_t n, const float *step, const float *zero,
                                 float *work, uint8_t *code, double *score);
+
+/* The family's table: a row per instruction set (kernels.c), the reference under
+ * mq_force_ref(), AVX-512 where the CPU has it, else AVX2+FMA, else the reference (the NEON rows
+ * are the reference). Every row's codes, values, e and scores are the reference's bit for bit;
+ * the SIMD rows' two sums of the error step are in their own order (the same in both). */
+typedef struct {
+    void (*qdq)(const mq_qspec *s, const float *step, const float *zero, const float *x, int64_t n,
+                uint8_t *code, float *dq);
+    double (*errors)(const float *x, const float *q, float upp, float *w0, int64_t n, float *e,
+                     double *dsq);
+    void (*loop_scores)(const mq_qspec *s, const float *ucol, int64_t G, const float *x, int64_t ld,
+                        int64_t n, const float *step, const float *zero, float *work, uint8_t *code,
+                        double *score);
+} mq_gptq_kernels;
+
+extern const mq_gptq_kernels mq_gptq_kernels_ref;      /* src/kernels/cpu/ref/gptq_ref.c */
+#if defined(__x86_64__) || defined(__i386__)
+extern const mq_gptq_kernels mq_gptq_kernels_avx2;     /* src/kernels/cpu/x86/gptq_avx2.c */
+extern const mq_gptq_kernels mq_gptq_kernels_avx512;   /* src/kernels/cpu/x86/gptq_avx512.c */
+#endif
+/* The row of the instruction set the kernels use now (mq_cpu_isa()). */
+const mq_gptq_kernels *mq_gptq_cpu(void);
 
 #endif

@@ -2,7 +2,7 @@
  * The kernel families' tables of CPU implementations, one row per instruction set (mq_isa, from
  * the CPU's features detected once and the MOEQ_FORCE_REF / MOEQ_NO_AVX512 switches), in the way
  * ggml's type_traits_cpu gives each format its functions: a caller asks its family for the set
- * of now (mq_vec(), mq_det(), mq_moe_kernels_active(), mq_ggml_dot()) and calls through it, and a family without
+ * of now (mq_vec(), mq_det(), mq_moe_kernels_active(), mq_ggml_dot(), mq_gptq_cpu()) and calls through it, and a family without
  * a twin for an instruction set names the next lower one it has. Every row of every table agrees
  * bit for bit with the scalar reference (the family headers say how; the tests in the "kernel
  * twins" table of docs/kernels-and-hosts.md compare them). The rows of another architecture stay
@@ -10,6 +10,7 @@
  */
 #include "kernels/gemm_det.h"
 #include "kernels/ggml_mat.h"
+#include "kernels/gptq_kernels.h"
 #include "kernels/moe_ffn.h"
 #include "kernels/vec.h"
 
@@ -51,7 +52,15 @@ static const mq_ggml_dot_kernels *const k_ggml_dot[MQ_ISA_COUNT] = {
     ARM_ROWS(&mq_ggml_dot_ref, &mq_ggml_dot_ref)
 };
 
+/* GPTQ's column steps: AVX2 and AVX-512 twins (VNNI has nothing to add), the reference on Arm */
+static const mq_gptq_kernels *const k_gptq[MQ_ISA_COUNT] = {
+    [MQ_ISA_REF] = &mq_gptq_kernels_ref,
+    X86_ROWS(&mq_gptq_kernels_avx2, &mq_gptq_kernels_avx512, &mq_gptq_kernels_avx512)
+    ARM_ROWS(&mq_gptq_kernels_ref, &mq_gptq_kernels_ref)
+};
+
 const mq_vec_kernels *mq_vec(void) { return k_vec[mq_cpu_isa()]; }
 const mq_det_kernels *mq_det(void) { return k_det[mq_cpu_isa()]; }
 const mq_moe_kernels *mq_moe_kernels_active(void) { return k_moe[mq_cpu_isa()]; }
 const mq_ggml_dot_kernels *mq_ggml_dot(void) { return k_ggml_dot[mq_cpu_isa()]; }
+const mq_gptq_kernels *mq_gptq_cpu(void) { return k_gptq[mq_cpu_isa()]; }

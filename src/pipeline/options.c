@@ -3,7 +3,6 @@
  * (moeq_quant_options_set, by `moeq quantize`'s flag names) and the description of every option
  * (moeq_quant_option_info), all generated from the one table in quant_options.def.
  */
-#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -16,67 +15,6 @@ size_t moeq_quant_options_size(void) { return sizeof(moeq_quant_options); }
 void moeq_quant_options_set_ignore(moeq_quant_options *o, const char *const *patterns, int32_t n) {
     o->ignore = patterns;
     o->n_ignore = n;
-}
-
-/* ---- values read from text (core/optval.h reads the plain kinds) ------------------------- */
-
-/* A byte count: a number with an optional K, M, G, T (powers of 1000) or KiB, MiB, GiB, TiB
- * suffix, B optional, any case: what the CLI has always taken for its sizes. */
-static moeq_status opt_size(const char *key, const char *v, int64_t *out) {
-    static const struct {
-        const char *suffix;
-        double unit;
-    } units[] = {{"", 1},       {"B", 1},           {"K", 1e3},           {"KB", 1e3},
-                 {"M", 1e6},    {"MB", 1e6},        {"G", 1e9},           {"GB", 1e9},
-                 {"T", 1e12},   {"TB", 1e12},       {"KiB", 1024.0},      {"MiB", 1048576.0},
-                 {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
-    char *end;
-    errno = 0;
-    double x = strtod(v, &end);
-    if (end == v || errno || !(x >= 0)) return mq_opt_bad(key, v, "a size such as 6GB");
-    while (*end == ' ') end++;
-    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
-        const char *s = units[i].suffix;
-        size_t n = strlen(s), k = 0;
-        if (strlen(end) != n) continue;
-        while (k < n && toupper((unsigned char)end[k]) == toupper((unsigned char)s[k])) k++;
-        if (k < n) continue;
-        const double b = x * units[i].unit;
-        if (b > 1e18) break;
-        *out = (int64_t)b;
-        return MOEQ_OK;
-    }
-    return mq_opt_bad(key, v, "a size such as 6GB");
-}
-
-/* The position of v among the names "a|b|c", or -1. */
-static int choice_index(const char *v, const char *names) {
-    const size_t n = strlen(v);
-    int i = 0;
-    for (const char *c = names; c; i++) {
-        const char *bar = strchr(c, '|');
-        const size_t len = bar ? (size_t)(bar - c) : strlen(c);
-        if (n > 0 && len == n && !strncmp(c, v, n)) return i;
-        c = bar ? bar + 1 : NULL;
-    }
-    return -1;
-}
-
-static moeq_status bad_choice(const char *key, const char *v, const char *names) {
-    char want[160];
-    size_t k = 0;
-    for (const char *c = names; *c && k + 8 < sizeof want; c++) {
-        /* "a|b|c" as "a, b or c" */
-        if (*c != '|') {
-            want[k++] = *c;
-            continue;
-        }
-        const bool last = !strchr(c + 1, '|');
-        const char *sep = last ? " or " : ", ";
-        for (const char *s = sep; *s; s++) want[k++] = *s;
-    }
-    want[k] = 0;
-    return mq_opt_bad(key, v, want);
 }
 
 /* ---- the options that are more than a field ---------------------------------------------- */
@@ -171,72 +109,28 @@ void moeq_quant_options_init(moeq_quant_options *o) {
 #undef MQ_QOPT
 }
 
-/* One statement per kind, storing the value v of option key in o->field. */
-#define MQ_QSET_SWITCH(p1, p2, field)                                                              \
-    {                                                                                              \
-        int b = 0;                                                                                 \
-        if (!(st = mq_opt_bool(key, v, &b))) o->field = b;                                         \
-    }
-#define MQ_QSET_NOT(p1, p2, field)                                                                 \
-    {                                                                                              \
-        int b = 0;                                                                                 \
-        if (!(st = mq_opt_bool(key, v, &b))) o->field = !b;                                        \
-    }
-#define MQ_QSET_INT(p1, p2, field)                                                                 \
-    {                                                                                              \
-        int64_t x = 0;                                                                             \
-        if (!(st = mq_opt_int(key, v, p1, p2, &x))) o->field = x;                                  \
-    }
-#define MQ_QSET_NUM(p1, p2, field)                                                                 \
-    {                                                                                              \
-        double x = 0;                                                                              \
-        if (!(st = mq_opt_double(key, v, p1, p2, &x))) o->field = x;                               \
-    }
-#define MQ_QSET_TEXT(p1, p2, field) o->field = v;
-#define MQ_QSET_SIZE(p1, p2, field) st = opt_size(key, v, &o->field);
-#define MQ_QSET_ENUM(p1, p2, field)                                                                \
-    {                                                                                              \
-        const int i = choice_index(v, p2);                                                         \
-        if (i < 0) return bad_choice(key, v, p2);                                                  \
-        o->field = p1 + i;                                                                         \
-    }
-#define MQ_QSET_NAME(p1, p2, field)                                                                \
-    if (choice_index(v, p2) < 0) return bad_choice(key, v, p2);                                    \
-    o->field = v;
-#define MQ_QSET_LIST(p1, p2, field)                                                                \
+/* One statement per kind (core/optval.h's), and the list, which has a setter of its own. */
+#define MQ_OPTSET_LIST(p1, p2, field)                                                              \
     return mq_err(MOEQ_E_ARG, "%s: a list, set with moeq_quant_options_set_ignore", key);
-#define MQ_QSET_FLAG_FN(p1, p2, field) st = p1(o, key, v);
-#define MQ_QSET_TEXT_FN(p1, p2, field) st = p1(o, key, v);
 
 moeq_status moeq_quant_options_set(moeq_quant_options *o, const char *key, const char *v) {
     if (!o || !key || !v) return mq_err(MOEQ_E_ARG, "moeq_quant_options_set: NULL argument");
     moeq_status st = MOEQ_OK;
 #define MQ_QOPT(name, kind, p1, p2, field, def, metavar, identity, record, help)                  \
     if (!strcmp(key, name)) {                                                                      \
-        MQ_QSET_##kind(p1, p2, field) return st;                                                   \
+        MQ_OPTSET_##kind(p1, p2, field) return st;                                                 \
     }
 #include "pipeline/quant_options.def"
 #undef MQ_QOPT
     return mq_err(MOEQ_E_ARG, "unknown quantize option '%s' (the names of moeq quantize's flags)", key);
 }
 
-/* The public description of a row: its kind as the CLI and bindings see it, its choices and
- * its range (moeq_option_info's kind, choices, min, max). */
-#define MQ_QINFO_SWITCH(p1, p2) MOEQ_OPTION_SWITCH, NULL, 0, 0
-#define MQ_QINFO_NOT(p1, p2) MOEQ_OPTION_SWITCH, NULL, 0, 0
-#define MQ_QINFO_FLAG_FN(p1, p2) MOEQ_OPTION_SWITCH, NULL, 0, 0
-#define MQ_QINFO_INT(p1, p2) MOEQ_OPTION_INT, NULL, (int64_t)(p1), (int64_t)(p2)
-#define MQ_QINFO_NUM(p1, p2) MOEQ_OPTION_NUMBER, NULL, 0, 0
-#define MQ_QINFO_TEXT(p1, p2) MOEQ_OPTION_TEXT, NULL, 0, 0
-#define MQ_QINFO_SIZE(p1, p2) MOEQ_OPTION_TEXT, NULL, 0, 0
-#define MQ_QINFO_TEXT_FN(p1, p2) MOEQ_OPTION_TEXT, NULL, 0, 0
-#define MQ_QINFO_ENUM(p1, p2) MOEQ_OPTION_CHOICE, p2, 0, 0
-#define MQ_QINFO_NAME(p1, p2) MOEQ_OPTION_CHOICE, p2, 0, 0
-#define MQ_QINFO_LIST(p1, p2) MOEQ_OPTION_LIST, NULL, 0, 0
+/* The public description of a row (core/optval.h's, and the list). */
+#define MQ_OPTINFO_LIST(p1, p2) MOEQ_OPTION_LIST, NULL, 0, 0
 
 static const moeq_option_info g_quant_options[] = {
 #define MQ_QOPT(name, kind, p1, p2, field, def, metavar, identity, record, help)                  \
-    {name, MQ_QINFO_##kind(p1, p2), metavar, help, identity == MQ_QO_ID},
+    {name, MQ_OPTINFO_##kind(p1, p2), metavar, help, identity == MQ_QO_ID},
 #include "pipeline/quant_options.def"
 #undef MQ_QOPT
 };

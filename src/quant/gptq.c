@@ -27,7 +27,6 @@
  */
 #include "quant/gptq_internal.h"
 #include "core/env.h"
-#include "formats/kquant.h"
 
 #include <cblas.h>
 #include <math.h>
@@ -74,41 +73,6 @@ mq_gptq_opts mq_gptq_opts_default(void) {
     return o;
 }
 /* ---- column loop -------------------------------------------------------------------------- */
-
-/* Column quantize-dequantize with precomputed steps: the same operations, in the same order, as
- * formats.h's mq_qdq_n (quant_step / dequant_step), written without branches so the compiler
- * vectorises it. Tested against mq_qdq_n value for value. */
-void mq_gptq_qdq_column(const mq_qspec *s, const float *step, const float *zero, const float *x,
-                        int64_t n, uint8_t *code, float *dq) {
-    static const float e2m1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    if (s->scheme == MQ_QS_KQUANT) {
-        mq_kq_qdq_column(mq_kq_info_of(s->kq), step, zero, x, n, code, dq);
-        return;
-    }
-    if (s->scheme == MQ_QS_INT4) {
-        const float lo = s->asym ? 0.0f : -8.0f, hi = s->asym ? 15.0f : 7.0f;
-        for (int64_t i = 0; i < n; i++) {
-            float st = step[i], z = s->asym ? zero[i] : 0.0f;
-            float q = rintf(x[i] / st) + z;
-            q = q < lo ? lo : q > hi ? hi : q;
-            if (st == 0.0f) q = z;   /* all-zero group: the zero point (8 when symmetric) */
-            uint8_t c = (uint8_t)(int)(s->asym ? q : q + 8.0f);
-            code[i] = c;
-            dq[i] = (s->asym ? (float)c - z : (float)c - 8.0f) * st;
-        }
-        return;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        float st = step[i], y = x[i] / st, a = fabsf(y);
-        int idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
-                  (a >= 3.5f) + (a > 5.0f);
-        int neg = signbit(y) != 0;
-        uint8_t c = (uint8_t)(neg << 3 | idx);
-        float v = neg ? -e2m1[idx] : e2m1[idx];
-        code[i] = st == 0.0f ? 0 : c;
-        dq[i] = st == 0.0f ? 0.0f : v * st;
-    }
-}
 
 /* Weights of the G columns at processing positions pos[0..G-1] into sc->hw; NULL when the
  * search is plain (or off). */
@@ -227,27 +191,6 @@ static void set_params_clip(const loop_state *L, int64_t g, const float *x) {
     for (int64_t i = 0; i < nr; i++) {
         sc->step[g * nr + i] = mq_group_step(s, L->gs, &gp[i]);
         sc->zero[g * nr + i] = gp[i].zero;
-    }
-}
-
-void mq_gptq_loop_scores_ref(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
-                             int64_t ld, int64_t n, const float *step, const float *zero,
-                             float *work, uint8_t *code, double *score) {
-    float *e = work, *w = work + G * ld, *q = w + ld;
-    for (int64_t i = 0; i < n; i++) score[i] = 0;
-    for (int64_t b = 0; b < G; b++) {
-        memcpy(w, x + b * ld, (size_t)n * sizeof(float));
-        for (int64_t a = 0; a < b; a++) {
-            const float u = ucol[b * G + a], *ea = e + a * ld;
-            for (int64_t i = 0; i < n; i++) w[i] -= u * ea[i];
-        }
-        mq_gptq_qdq_column(s, step, zero, w, n, code, q);
-        const float ubb = ucol[b * G + b];
-        float *eb = e + b * ld;
-        for (int64_t i = 0; i < n; i++) {
-            eb[i] = (w[i] - q[i]) / ubb;
-            score[i] += (double)eb[i] * eb[i];
-        }
     }
 }
 
@@ -403,22 +346,6 @@ static void store_rows(const loop_state *L, mq_gptq_job *j, int64_t r0) {
     if (j->deq) unload_floats(L, sc->w0t, j->deq + r0 * K, K);
     for (int64_t i = 0; i < nr; i++)
         for (int64_t g = 0; g < ng; g++) qt->params[(r0 + i) * ng + g] = sc->gp[g * nr + i];
-}
-
-/* e = (x - q) / u_pp (the scaled error, IEEE division as the reference); w0 (the original
- * column) is replaced by q after ||w0 - q||^2 is added to *dsq. Returns ||e||^2. */
-double mq_gptq_column_errors_ref(const float *restrict x, const float *restrict q, float upp,
-                                 float *restrict w0, int64_t n, float *restrict e, double *dsq) {
-    float se = 0, sd = 0;
-    for (int64_t i = 0; i < n; i++) {
-        e[i] = (x[i] - q[i]) / upp;
-        se += e[i] * e[i];
-        float d = w0[i] - q[i];
-        sd += d * d;
-        w0[i] = q[i];
-    }
-    *dsq += sd;
-    return se;
 }
 
 /* The refinement (opts.refine_passes): cyclic coordinate descent on GPTQ's own objective
@@ -966,20 +893,9 @@ moeq_status mq_gptq_run(const mq_qspec *run_spec, const mq_gptq_opts *o, mq_gptq
     }
 
     mq_gptq_blas_single();
-    run_ctx c = {run_spec, o, jobs, tasks, outs, scr, o->block_size, mq_gptq_qdq_column,
-                 mq_gptq_column_errors_ref, mq_gptq_loop_scores_ref, n_tasks, 0, order, R};
-#if defined(__x86_64__)
-    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
-        c.qdq = mq_gptq_qdq_column_avx2;
-        c.errors = mq_gptq_column_errors_avx2;
-        c.loop_scores = mq_gptq_loop_scores_avx2;
-    }
-    if (mq_cpu_has_avx512() && !mq_force_ref()) {
-        c.qdq = mq_gptq_qdq_column_avx512;
-        c.errors = mq_gptq_column_errors_avx512;
-        c.loop_scores = mq_gptq_loop_scores_avx512;
-    }
-#endif
+    const mq_gptq_kernels *k = mq_gptq_cpu();   /* kernels.c's row of this CPU */
+    run_ctx c = {run_spec, o, jobs, tasks, outs, scr, o->block_size, k->qdq,
+                 k->errors, k->loop_scores, n_tasks, 0, order, R};
     mq_parallel_for(n_tasks, run_task, &c);
     if (o->progress_label)
         mq_progress(o->progress_label, o->progress_base + o->progress_span, o->progress_total);

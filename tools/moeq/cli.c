@@ -206,6 +206,51 @@ bool cli_parse_size(const char *s, uint64_t *out) {
     return false;
 }
 
+/* ---- flags of the library's option tables ---------------------------------------------- */
+cli_opt cli_table_opt(cli_table_flag *f, const moeq_option_info *x) {
+    memset(f, 0, sizeof *f);
+    f->info = x;
+    snprintf(f->name, sizeof f->name, "--%s", x->key);
+    cli_opt c = {f->name, OPT_STRING, &f->s, x->metavar, x->help, NULL, 0, 0, &f->seen};
+    switch (x->kind) {
+    case MOEQ_OPTION_SWITCH: c.kind = OPT_FLAG, c.dest = &f->on; break;
+    case MOEQ_OPTION_INT: c.kind = OPT_INT, c.dest = &f->i, c.min = x->min, c.max = x->max; break;
+    case MOEQ_OPTION_NUMBER: c.kind = OPT_DOUBLE, c.dest = &f->d; break;
+    case MOEQ_OPTION_CHOICE: c.kind = OPT_CHOICE, c.choices = x->choices; break;
+    case MOEQ_OPTION_LIST: c.kind = OPT_LIST, c.dest = &f->list; break;
+    case MOEQ_OPTION_TEXT: break;
+    }
+    return c;
+}
+
+const char *cli_table_value(const cli_table_flag *f, char *buf, size_t cap) {
+    switch (f->info->kind) {
+    case MOEQ_OPTION_SWITCH: return "true";
+    case MOEQ_OPTION_INT: snprintf(buf, cap, "%lld", (long long)f->i); return buf;
+    case MOEQ_OPTION_NUMBER: snprintf(buf, cap, "%.17g", f->d); return buf;   /* read back exactly */
+    case MOEQ_OPTION_LIST: return NULL;
+    default: return f->s;
+    }
+}
+
+int cli_table_refused(const char *cmd, const cli_table_flag *f, const char *v, bool quoted) {
+    const char *msg = moeq_last_error(), *why = strstr(msg, ": expected ");
+    if (!why) why = ": not accepted";
+    if (quoted) return cli_usage_error(cmd, "%s: cannot read '%s'%s", f->name, v, why);
+    return cli_usage_error(cmd, "%s %s%s", f->name, v, why);
+}
+
+const cli_table_flag *cli_table_find(const cli_table_flag *t, int n, const char *key) {
+    for (int i = 0; i < n; i++)
+        if (!strcmp(t[i].info->key, key)) return &t[i];
+    return NULL;
+}
+
+bool cli_table_given(const cli_table_flag *t, int n, const char *key) {
+    const cli_table_flag *f = cli_table_find(t, n, key);
+    return f && f->seen;
+}
+
 /* ---- progress bar ---------------------------------------------------------------------- */
 static struct {
     bool on;

@@ -76,6 +76,31 @@ int cli_is_gguf(const char *path);
     {"--revision", OPT_STRING, &(var), "REV", "MODEL_DIR given as a hub id (org/name): the branch, " \
      "tag or commit of the local Hugging Face cache to use (default main)", NULL, 0, 0, NULL}
 
+/* A flag of a library option table (moeq_quant_option_info, moeq_eval_option_info) as parsed,
+ * until its value goes to the setter by name: the command builds its cli_opt from the row
+ * (cli_table_opt: kind, range, metavar and help are the library's) and hands what was given to
+ * the setter as text (cli_table_value), the same text a binding would give. */
+typedef struct {
+    const moeq_option_info *info;
+    char name[48];   /* "--" key */
+    bool seen, on;
+    int64_t i;
+    double d;
+    const char *s;
+    cli_list list;
+} cli_table_flag;
+/* f's row read into f (info set, the rest zeroed) and its cli_opt. */
+cli_opt cli_table_opt(cli_table_flag *f, const moeq_option_info *info);
+/* The value given, as the setter reads it ("true" for a switch; NULL for a list). */
+const char *cli_table_value(const cli_table_flag *f, char *buf, size_t cap);
+/* The usage error for a value the setter refused, with what the library's "KEY=VALUE: expected
+ * ..." message says it wants: "--KEY VALUE: expected ..." (quantize's form), or quoted
+ * "--KEY: cannot read 'VALUE': expected ..." (eval's, whose values are paths and sizes). */
+int cli_table_refused(const char *cmd, const cli_table_flag *f, const char *v, bool quoted);
+/* The flag of t[0..n) with this key, or NULL; cli_table_given: given on the command line. */
+const cli_table_flag *cli_table_find(const cli_table_flag *t, int n, const char *key);
+bool cli_table_given(const cli_table_flag *t, int n, const char *key);
+
 /* Progress bar with ETA on stderr: enabled when stderr is a terminal and quiet is false. */
 void cli_progress_enable(bool quiet);
 void cli_progress_finish(void);

@@ -47,14 +47,17 @@ typedef struct {
 } run_stats;
 
 static void print_json(const char *model_dir, const char *data, const char *task,
-                       const moeq_eval_result *r, const moeq_docs *docs, const double *doc_ll,
-                       const int64_t *doc_tok, const run_stats *rs) {
+                       const moeq_eval_options *o, const moeq_eval_result *r, const moeq_docs *docs,
+                       const double *doc_ll, const int64_t *doc_tok, const run_stats *rs) {
     FILE *f = stdout;
     fputs("{\n  \"model\": ", f);
     cli_print_json_string(f, model_dir);
     fputs(",\n  \"data\": ", f);
     cli_print_json_string(f, data);
     fprintf(f, ",\n  \"task\": \"%s\",\n", task);
+    char *settings = moeq_eval_settings_json(o);   /* the library's options as given, by their keys */
+    fprintf(f, "  \"settings\": %s,\n", settings ? settings : "null");
+    moeq_string_free(settings);
     json_int(f, "max_length", r->max_length);
     json_int(f, "prefix_token", r->prefix_token);
     json_num(f, "word_perplexity", r->word_perplexity, false);
@@ -203,78 +206,63 @@ static void print_plan(FILE *f, const moeq_eval_result *r, bool has_base) {
             r->plan.flops / 1e12, r->plan.core_gflops, r->plan.eta_seconds);
 }
 
+/* The command's own flags (the model and how it is opened, the documents, what is printed),
+ * each placed in --help before the library's row `before` (NULL: after the last). */
+typedef struct {
+    const char *before;
+    cli_opt opt;
+} own_flag;
+
+enum { MAX_FLAGS = 32, MAX_OWN = 16 };
+
 int cmd_eval(int argc, char **argv) {
-    const char *task = "wikitext", *data = NULL, *layout = NULL, *kl_base = NULL, *kl_logits = NULL,
-               *save_logits = NULL, *html = NULL;
-    int64_t max_length = 0, limit = 0, threads = 0, top_k = MOEQ_EVAL_DEFAULT_TOP_K;
-    const char *act_quant = NULL;
-    double temperature = 1.0;
-    bool entropy = false;
-    bool json = false, add_bos = false, quiet = false, per_doc = false, dequantize = false;
-    const char *revision = NULL, *stream = "auto", *max_memory = NULL, *work_dir = NULL;
-    const char *device = NULL, *gpu_precision = NULL, *max_gpu_memory = NULL;
-    bool resume = false, dry_run = false;
-    const cli_opt opts[] = {
-        {"--device", OPT_STRING, &device, "DEV", "where the forward and the scores run: cpu (default), cuda "
-         "or cuda:N (a build with -DMOEQ_CUDA=ON; layer by layer, fp32 weights: a quantized checkpoint is "
-         "dequantized; within a stated tolerance of the CPU's figures, docs/eval.md)", NULL, 0, 0, NULL},
-        {"--gpu-precision", OPT_CHOICE, &gpu_precision, NULL, "with --device cuda: the products' arithmetic, "
-         "fp32 (default), tf32x3 or tf32 (TF32 tensor cores: faster, perplexity within about 1e-3 "
-         "relative), bf16 (the routed experts on the bf16 tensor cores, the rest as tf32: fastest; "
-         "docs/eval.md)", "fp32|tf32x3|tf32|bf16", 0, 0, NULL},
-        {"--max-gpu-memory", OPT_STRING, &max_gpu_memory, "SIZE", "with --device cuda: GPU memory the run "
-         "may hold (e.g. 20GB; default: the card's)", NULL, 0, 0, NULL},
-        {"--stream", OPT_CHOICE, &stream, NULL, "run layer by layer, one layer's weights in memory "
-         "(auto, the default: when the models do not fit half of --max-memory whole)", "auto|on|off", 0, 0, NULL},
-        {"--max-memory", OPT_STRING, &max_memory, "SIZE", "memory a streamed run may use (e.g. 6GB; "
-         "default 85% of the memory available); boundary activations go to files beyond it", NULL, 0, 0, NULL},
-        {"--work-dir", OPT_STRING, &work_dir, "DIR", "a streamed run's boundary files and resume "
-         "record (default: under $TMPDIR, named by the run's inputs)", NULL, 0, 0, NULL},
-        {"--resume", OPT_FLAG, &resume, NULL, "continue an interrupted streamed run", NULL, 0, 0, NULL},
-        {"--dry-run", OPT_FLAG, &dry_run, NULL, "print the plan (memory, disk, FLOPs, ETA) and stop",
-         NULL, 0, 0, NULL},
-        CLI_REVISION_OPT(revision),
-        {"--html", OPT_STRING, &html, "FILE", "also draw the evaluation as one self-contained HTML page "
-         "(KL and top-1 changes per document, the per-token KL distribution, perplexity per document "
-         "against the base)", NULL, 0, 0, NULL},
-        {"--task", OPT_CHOICE, &task, NULL, "wikitext (lm-eval's task, default) or any text",
-         "wikitext|text", 0, 0, NULL},
-        {"--data", OPT_STRING, &data, "FILE", "the documents (required)", NULL, 0, 0, NULL},
-        {"--data-format", OPT_CHOICE, &layout, NULL,
-         "documents: ' = Title = ' pages, JSONL page/text, or one (default: jsonl for *.jsonl, "
-         "else "
-         "wikitext for --task wikitext, whole for text)",
-         "wikitext|jsonl|whole", 0, 0, NULL},
-        {"--max-length", OPT_INT, &max_length, "L",
-         "tokens per window (default: config max_position_embeddings)", NULL, 1, 1 << 30, NULL},
-        {"--limit", OPT_INT, &limit, "N", "only the first N documents", NULL, 1, INT64_MAX, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 1, 1024,
-         NULL},
-        {"--add-bos", OPT_FLAG, &add_bos, NULL,
-         "prepend BOS to each document (lm-eval >= 0.4.10 with BOS-adding tokenizers)", NULL, 0, 0,
-         NULL},
-        {"--kl-base", OPT_STRING, &kl_base, "DIR", "KL divergence against this (unquantized) model",
-         NULL, 0, 0, NULL},
-        {"--save-logits", OPT_STRING, &save_logits, "FILE",
-         "save this model's top-k logits for a later --kl-logits", NULL, 0, 0, NULL},
-        {"--kl-logits", OPT_STRING, &kl_logits, "FILE", "KL divergence against saved logits", NULL,
-         0, 0, NULL},
-        {"--top-k", OPT_INT, &top_k, "K", "logits per token that --save-logits keeps (default 64)",
-         NULL, 1, 1 << 20, NULL},
-        {"--dequantize", OPT_FLAG, &dequantize, NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL},
-        {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0", 0, 0, NULL},
-        {"--temperature", OPT_DOUBLE, &temperature, "T",
-         "divide this model's logits by T before the softmax (default 1; a diagnostic of over- or "
-         "under-confidence, not part of lm-eval)", NULL, 0, 0, NULL},
-        {"--entropy", OPT_FLAG, &entropy, NULL,
-         "also report the mean entropy of the model's next-token distribution (nats)", NULL, 0, 0,
-         NULL},
-        {"--per-doc", OPT_FLAG, &per_doc, NULL, "also print each document's log-likelihood", NULL,
-         0, 0, NULL},
-        {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON object on stdout", NULL, 0, 0,
-         NULL},
-        {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar", NULL, 0, 0, NULL},
+    const char *data = NULL, *layout = NULL, *kl_base = NULL, *html = NULL, *act_quant = NULL;
+    const char *revision = NULL, *stream = "auto";
+    int64_t threads = 0;
+    bool json = false, quiet = false, per_doc = false, dequantize = false;
+    const own_flag own[] = {
+        {"max-memory", {"--stream", OPT_CHOICE, &stream, NULL, "run layer by layer, one layer's weights in "
+         "memory (auto, the default: when the models do not fit half of --max-memory whole)", "auto|on|off",
+         0, 0, NULL}},
+        {"task", CLI_REVISION_OPT(revision)},
+        {"task", {"--html", OPT_STRING, &html, "FILE", "also draw the evaluation as one self-contained HTML "
+         "page (KL and top-1 changes per document, the per-token KL distribution, perplexity per document "
+         "against the base)", NULL, 0, 0, NULL}},
+        {"max-length", {"--data", OPT_STRING, &data, "FILE", "the documents (required)", NULL, 0, 0, NULL}},
+        {"max-length", {"--data-format", OPT_CHOICE, &layout, NULL, "documents: ' = Title = ' pages, JSONL "
+         "page/text, or one (default: jsonl for *.jsonl, else wikitext for --task wikitext, whole for text)",
+         "wikitext|jsonl|whole", 0, 0, NULL}},
+        {"add-bos", {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)",
+         NULL, 1, 1024, NULL}},
+        {"save-logits", {"--kl-base", OPT_STRING, &kl_base, "DIR", "KL divergence against this "
+         "(unquantized) model", NULL, 0, 0, NULL}},
+        {"temperature", {"--dequantize", OPT_FLAG, &dequantize, NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL}},
+        {"temperature", {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0",
+         0, 0, NULL}},
+        {NULL, {"--per-doc", OPT_FLAG, &per_doc, NULL, "also print each document's log-likelihood", NULL, 0,
+         0, NULL}},
+        {NULL, {"--json", OPT_FLAG, &json, NULL, "print exactly one JSON object on stdout", NULL, 0, 0,
+         NULL}},
+        {NULL, {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar", NULL, 0, 0, NULL}},
     };
+    const int n_own = (int)(sizeof own / sizeof own[0]);
+    _Static_assert(sizeof own / sizeof own[0] <= MAX_OWN, "raise MAX_OWN");
+    cli_table_flag t[MAX_FLAGS];
+    cli_opt opts[MAX_FLAGS + MAX_OWN];
+    int n = 0, n_opts = 0;
+    for (const moeq_option_info *x;; n++) {
+        x = n < MAX_FLAGS ? moeq_eval_option_info(n) : NULL;
+        for (int k = 0; k < n_own; k++)
+            if (x ? own[k].before && !strcmp(own[k].before, x->key) : !own[k].before)
+                opts[n_opts++] = own[k].opt;
+        if (!x) break;
+        opts[n_opts++] = cli_table_opt(&t[n], x);
+    }
+    if (moeq_eval_option_info(n) || n_opts != n + n_own) {   /* a library this command does not know */
+        fprintf(stderr, "moeq eval: error: the library's %d options (MAX_FLAGS %d) do not take the "
+                "command's own flags (%d of %d placed)\n", n, MAX_FLAGS, n_opts - n, n_own);
+        return CLI_FAIL;
+    }
     const cli_command cmd = {
         "eval",
         "MODEL_DIR --data FILE [--task wikitext|text] [options]",
@@ -300,7 +288,7 @@ int cmd_eval(int argc, char **argv) {
         "--resume. --dry-run prints the plan. MODEL_DIR may be a .gguf file: read in place (its\n"
         "blocks decoded to fp32 as each layer is loaded), streamed like any model too large.",
         opts,
-        (int)(sizeof opts / sizeof opts[0]),
+        n_opts,
         1,
         1,
         "MODEL_DIR"};
@@ -308,14 +296,26 @@ int cmd_eval(int argc, char **argv) {
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
     if (!data) return cli_usage_error("eval", "--data FILE is required");
-    if (kl_base && kl_logits)
+    if (kl_base && cli_table_given(t, n, "kl-logits"))
         return cli_usage_error("eval", "give only one of --kl-base and --kl-logits");
-    if (!(temperature > 0) || !isfinite((float)temperature))
+    const cli_table_flag *temp = cli_table_find(t, n, "temperature");
+    if (temp && temp->seen && (!(temp->d > 0) || !isfinite((float)temp->d)))
         return cli_usage_error("eval", "--temperature must be a positive finite number");
+    /* the table's flags go to the library as text, checked there (--device before any file is read) */
+    moeq_eval_options o;
+    moeq_eval_options_init(&o);
+    for (int i = 0; i < n && rc < 0; i++) {
+        char text[64];
+        const char *v = cli_table_value(&t[i], text, sizeof text);
+        if (t[i].seen && moeq_eval_options_set(&o, t[i].info->key, v))
+            rc = cli_table_refused("eval", &t[i], v, true);
+    }
+    if (rc >= 0) return rc;
     const char *model_dir = cli_model_dir("eval", pos[0], revision);
     if (!model_dir) return CLI_FAIL;
     if (kl_base && !(kl_base = cli_model_dir("eval", kl_base, NULL))) return CLI_FAIL;
-    bool wikitext = strcmp(task, "wikitext") == 0;
+    const bool wikitext = o.task == MOEQ_TASK_WIKITEXT;
+    const char *task = wikitext ? "wikitext" : "text";
     moeq_docs_layout lay = wikitext ? MOEQ_DOCS_WIKITEXT : MOEQ_DOCS_WHOLE;
     if (layout)
         lay = !strcmp(layout, "jsonl")   ? MOEQ_DOCS_JSONL
@@ -336,23 +336,13 @@ int cmd_eval(int argc, char **argv) {
               : strcmp(act_quant, "q8_0") == 0  ? MOEQ_ACT_QUANT_Q8_0
                                                 : MOEQ_ACT_QUANT_NONE;
     bool aq = aqk != MOEQ_ACT_QUANT_NONE;
-    uint64_t mem = 0;
-    if (max_memory && !cli_parse_size(max_memory, &mem))
-        return cli_usage_error("eval", "--max-memory: cannot read '%s'", max_memory);
-    if (resume && strcmp(stream, "off") == 0)
+    if (o.resume && strcmp(stream, "off") == 0)
         return cli_usage_error("eval", "--resume continues a streamed run: drop --stream off");
-    moeq_eval_options dev;   /* --device checked here, before any file is read */
-    moeq_eval_options_init(&dev);
-    if (device && moeq_eval_options_set(&dev, "device", device))
-        return cli_usage_error("eval", "%s", moeq_last_error());
-    const bool gpu = dev.device >= 0;
-    if (gpu_precision && !gpu)
+    const bool gpu = o.device >= 0;
+    if (cli_table_given(t, n, "gpu-precision") && !gpu)
         return cli_usage_error("eval", "--gpu-precision needs --device cuda");
-    if (gpu_precision) moeq_eval_options_set(&dev, "gpu-precision", gpu_precision);   /* a checked choice */
-    uint64_t gpu_mem = 0;
-    if (max_gpu_memory && !cli_parse_size(max_gpu_memory, &gpu_mem))
-        return cli_usage_error("eval", "--max-gpu-memory: cannot read '%s'", max_gpu_memory);
-    if (max_gpu_memory && !gpu) return cli_usage_error("eval", "--max-gpu-memory needs --device cuda");
+    if (cli_table_given(t, n, "max-gpu-memory") && !gpu)
+        return cli_usage_error("eval", "--max-gpu-memory needs --device cuda");
     if (gpu && strcmp(stream, "off") == 0)
         return cli_usage_error("eval", "--device cuda runs layer by layer (streamed): drop --stream off");
     /* a GPU takes each layer's fp32 weights up from the stream: a quantized checkpoint dequantized */
@@ -363,10 +353,10 @@ int cmd_eval(int argc, char **argv) {
     if (!st) st = moeq_model_open(model_dir, &mo, &m);
     if (!st && kl_base) st = moeq_model_open(kl_base, &bo, &base);
     if (!st && strcmp(stream, "on") != 0 && !gpu) {
-        int64_t budget = mem ? (int64_t)mem : moeq_default_memory_budget();
+        int64_t budget = o.max_memory ? o.max_memory : moeq_default_memory_budget();
         int64_t whole = moeq_model_get_info(m)->weight_bytes_whole +
                         (base ? moeq_model_get_info(base)->weight_bytes_whole : 0);
-        if (strcmp(stream, "off") == 0 || (!resume && whole <= budget / 2)) {
+        if (strcmp(stream, "off") == 0 || (!o.resume && whole <= budget / 2)) {
             moeq_model_free(m);
             moeq_model_free(base);
             m = base = NULL;
@@ -395,63 +385,30 @@ int cmd_eval(int argc, char **argv) {
     run_stats rs = {m ? moeq_model_get_info(m) : NULL, 0, 0};
     double cpu0 = cli_cpu_seconds();
     if (!st) {
-        moeq_eval_options o;
-        moeq_eval_options_init(&o);
-        o.task = wikitext ? MOEQ_TASK_WIKITEXT : MOEQ_TASK_TEXT;
-        o.max_length = (int32_t)max_length;
-        o.limit = limit;
-        o.add_bos = add_bos;
         o.kl_base = base;
-        o.kl_logits = kl_logits;
-        o.save_logits = save_logits;
-        o.save_top_k = (int32_t)top_k;
-        o.doc_loglikelihood = doc_ll;
-        o.doc_tokens = doc_tok;
-        o.doc_kl = doc_kl;
-        o.doc_top1_changed = doc_top1;
-        o.doc_base_loglikelihood = doc_llb;
-        o.temperature = temperature;
-        o.entropy = entropy;
-        o.max_memory = (int64_t)mem;
-        o.work_dir = work_dir;
-        o.resume = resume;
-        o.dry_run = dry_run;
-        o.device = dev.device;
-        o.gpu_precision = dev.gpu_precision;
-        o.max_gpu_memory = (int64_t)gpu_mem;
+        moeq_eval_options_set_docs(&o, doc_ll, doc_tok, doc_kl, doc_top1, doc_llb);
         st = moeq_eval(m, docs, &o, &r);
         evaluated = true;
     }
-    if (st == MOEQ_OK && dry_run) {
-        cli_progress_finish();
+    cli_progress_finish();
+    if (st == MOEQ_OK && o.dry_run) {   /* the plan only */
         if (json) {
             rs.peak_rss = cli_peak_rss_bytes();
-            print_json(model_dir, data, task, &r, docs, NULL, doc_tok, &rs);
+            print_json(model_dir, data, task, &o, &r, docs, NULL, doc_tok, &rs);
         } else {
             print_plan(stdout, &r, base != NULL);
         }
-        free(doc_kl);
-        free(doc_top1);
-        free(doc_llb);
-        free(doc_ll);
-        free(doc_tok);
-        moeq_model_free(base);
-        moeq_model_free(m);
-        moeq_docs_free(docs);
-        return CLI_OK;
-    }
-    cli_progress_finish();
-    if (evaluated && (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED)) {
+    } else if (evaluated && (st == MOEQ_OK || st == MOEQ_E_INTERRUPTED)) {
         rs.cpu_seconds = cli_cpu_seconds() - cpu0;
         rs.peak_rss = cli_peak_rss_bytes();
         if (!json) cli_report_memory("eval", rs.info);   /* --json: in the object (stderr stays quiet) */
         if (json)
-            print_json(model_dir, data, task, &r, docs, per_doc ? doc_ll : NULL, doc_tok, &rs);
+            print_json(model_dir, data, task, &o, &r, docs, per_doc ? doc_ll : NULL, doc_tok, &rs);
         else
             print_text(model_dir, task, &r, docs, per_doc ? doc_ll : NULL, doc_tok, &rs);
         fflush(stdout);
     }
-    if (st == MOEQ_OK && html && moeq_dist_rank() == 0) {   /* rank 0 holds the result */
+    if (st == MOEQ_OK && !o.dry_run && html && moeq_dist_rank() == 0) {   /* rank 0 holds the result */
         moeq_eval_page pg = {model_dir, kl_base, data, docs, &r, doc_ll, doc_llb, doc_kl, doc_top1, doc_tok};
         st = moeq_eval_html(html, &pg);
     }

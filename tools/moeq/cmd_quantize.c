@@ -79,62 +79,18 @@ static void print_plan(const char *model, const moeq_quant_plan *p) {
     }
 }
 
-/* One flag of the library's table as parsed, until it goes to moeq_quant_options_set. */
-typedef struct {
-    const moeq_option_info *info;
-    char name[48];   /* "--" key */
-    bool seen, on;
-    int64_t i;
-    double d;
-    const char *s;
-    cli_list list;
-} table_flag;
-
 enum { MAX_FLAGS = 96 };
 
-/* The cli_opt of a table row (its kind, range and help are the library's). */
-static cli_opt table_opt(table_flag *f) {
-    const moeq_option_info *x = f->info;
-    cli_opt c = {f->name, OPT_STRING, &f->s, x->metavar, x->help, NULL, 0, 0, &f->seen};
-    switch (x->kind) {
-    case MOEQ_OPTION_SWITCH: c.kind = OPT_FLAG, c.dest = &f->on; break;
-    case MOEQ_OPTION_INT: c.kind = OPT_INT, c.dest = &f->i, c.min = x->min, c.max = x->max; break;
-    case MOEQ_OPTION_NUMBER: c.kind = OPT_DOUBLE, c.dest = &f->d; break;
-    case MOEQ_OPTION_CHOICE: c.kind = OPT_CHOICE, c.choices = x->choices; break;
-    case MOEQ_OPTION_LIST: c.kind = OPT_LIST, c.dest = &f->list; break;
-    case MOEQ_OPTION_TEXT: break;
-    }
-    return c;
-}
-
 /* Hands a given flag to the library: its value as text, read by the same code a binding's value
- * is. The library's message is "KEY=VALUE: expected ..."; the usage error names the flag. */
-static int table_apply(const table_flag *f, moeq_quant_options *o) {
-    const moeq_option_info *x = f->info;
+ * is; the usage error names the flag. */
+static int table_apply(const cli_table_flag *f, moeq_quant_options *o) {
     char text[64];
-    const char *v = f->s;
-    if (x->kind == MOEQ_OPTION_LIST) {
+    if (f->info->kind == MOEQ_OPTION_LIST) {
         moeq_quant_options_set_ignore(o, f->list.items, f->list.n);
         return -1;
     }
-    if (x->kind == MOEQ_OPTION_SWITCH) v = "true";
-    if (x->kind == MOEQ_OPTION_INT) snprintf(text, sizeof text, "%lld", (long long)f->i), v = text;
-    if (x->kind == MOEQ_OPTION_NUMBER) snprintf(text, sizeof text, "%.17g", f->d), v = text;
-    if (moeq_quant_options_set(o, x->key, v) == MOEQ_OK) return -1;
-    const char *msg = moeq_last_error(), *why = strstr(msg, ": expected ");
-    return cli_usage_error("quantize", "%s %s%s", f->name, v, why ? why : ": not accepted");
-}
-
-/* A flag of the table by key (NULL if the library has none: a usage error of this file's). */
-static const table_flag *flag_of(const table_flag *t, int n, const char *key) {
-    for (int i = 0; i < n; i++)
-        if (!strcmp(t[i].info->key, key)) return &t[i];
-    return NULL;
-}
-
-static bool given(const table_flag *t, int n, const char *key) {
-    const table_flag *f = flag_of(t, n, key);
-    return f && f->seen;
+    const char *v = cli_table_value(f, text, sizeof text);
+    return moeq_quant_options_set(o, f->info->key, v) == MOEQ_OK ? -1 : cli_table_refused("quantize", f, v, false);
 }
 
 static int fail(const char *msg) {
@@ -146,18 +102,18 @@ static int fail(const char *msg) {
 /* The combinations GPTQ cannot run, checked only with --method gptq: CLI_USAGE or CLI_FAIL
  * (moeq_quantize refuses the latter too, naming the option fields; here they name the flags),
  * else -1. */
-static int check_gptq(const table_flag *t, int n, const moeq_quant_options *o) {
+static int check_gptq(const cli_table_flag *t, int n, const moeq_quant_options *o) {
     if (o->method != MOEQ_QUANT_GPTQ) return -1;
-    if (given(t, n, "calib-pool") && !o->gptq.calib_balance)
+    if (cli_table_given(t, n, "calib-pool") && !o->gptq.calib_balance)
         return cli_usage_error("quantize", "--calib-pool is the pool --calib-balance experts chooses from");
-    if (given(t, n, "calib-pool") && o->gptq.calib_pool < o->gptq.nsamples)
+    if (cli_table_given(t, n, "calib-pool") && o->gptq.calib_pool < o->gptq.nsamples)
         return cli_usage_error("quantize", "--calib-pool %lld: fewer candidates than --nsamples %lld",
                                (long long)o->gptq.calib_pool, (long long)o->gptq.nsamples);
     if (o->gptq.target_unquantized > 0 && o->gptq.mode == MOEQ_GPTQ_NONSEQUENTIAL)
         return fail("--target unquantized needs --gptq-mode sequential");
     if (o->gptq.target_unquantized > 0 && o->gptq.true_sequential)
         return fail("--target unquantized runs with sequential calibration, not --true-sequential");
-    if (given(t, n, "act-order") && given(t, n, "no-act-order"))
+    if (cli_table_given(t, n, "act-order") && cli_table_given(t, n, "no-act-order"))
         return fail("--act-order and --no-act-order exclude each other");
     if (o->gptq.true_sequential && o->gptq.mode == MOEQ_GPTQ_NONSEQUENTIAL)
         return fail("--true-sequential needs --gptq-mode sequential");
@@ -169,31 +125,31 @@ static int check_gptq(const table_flag *t, int n, const moeq_quant_options *o) {
 }
 
 /* The combinations refused before any work (the flags' values are in o already). */
-static int check_flags(const table_flag *t, int n, const moeq_quant_options *o) {
-    if (given(t, n, "sym") && given(t, n, "asym"))
+static int check_flags(const cli_table_flag *t, int n, const moeq_quant_options *o) {
+    if (cli_table_given(t, n, "sym") && cli_table_given(t, n, "asym"))
         return cli_usage_error("quantize", "--sym and --asym exclude each other");
     const bool kq = o->scheme >= MOEQ_QUANT_Q3_K;
     const bool nv = !kq && o->scheme != MOEQ_QUANT_INT4;
     if (kq && o->format != MOEQ_FORMAT_GGUF)
         return cli_usage_error("quantize", "--scheme %s: llama.cpp's K-quants are GGUF types (--format gguf)",
-                               flag_of(t, n, "scheme")->s);
-    if (kq && (given(t, n, "group-size") || given(t, n, "asym") || given(t, n, "sym") || given(t, n, "int4-scale-sign")))
+                               cli_table_find(t, n, "scheme")->s);
+    if (kq && (cli_table_given(t, n, "group-size") || cli_table_given(t, n, "asym") || cli_table_given(t, n, "sym") || cli_table_given(t, n, "int4-scale-sign")))
         return cli_usage_error("quantize", "--scheme %s: the K-quants' blocks, scales and mins are llama.cpp's "
-                               "(--group-size/--sym/--asym/--int4-scale-sign are for int4)", flag_of(t, n, "scheme")->s);
-    if (given(t, n, "target-bpw") && !kq)
+                               "(--group-size/--sym/--asym/--int4-scale-sign are for int4)", cli_table_find(t, n, "scheme")->s);
+    if (cli_table_given(t, n, "target-bpw") && !kq)
         return cli_usage_error("quantize", "--target-bpw chooses among llama.cpp's K-quants (--scheme q4_k_m, ...)");
-    if (given(t, n, "int4-scale-sign") && (o->asym || nv))
+    if (cli_table_given(t, n, "int4-scale-sign") && (o->asym || nv))
         return cli_usage_error("quantize", "--int4-scale-sign is for symmetric INT4 (--scheme int4 without --asym)");
-    if (given(t, n, "int4-scale-sign") && o->reference && o->int4_scale_sign == MOEQ_INT4_SCALE_SIGNED)
+    if (cli_table_given(t, n, "int4-scale-sign") && o->reference && o->int4_scale_sign == MOEQ_INT4_SCALE_SIGNED)
         return cli_usage_error("quantize", "--int4-scale-sign signed: --reference keeps reference.json's positive scales");
-    if (given(t, n, "gguf-rest") && o->format != MOEQ_FORMAT_GGUF)
+    if (cli_table_given(t, n, "gguf-rest") && o->format != MOEQ_FORMAT_GGUF)
         return cli_usage_error("quantize", "--gguf-rest needs --format gguf");
     if (nv && o->format == MOEQ_FORMAT_GPTQ) return cli_usage_error("quantize", "--format gptq holds INT4 only");
     if (!nv && o->format == MOEQ_FORMAT_MODELOPT)
         return cli_usage_error("quantize", "--format modelopt holds NVFP4 only");
-    if (nv && (o->asym || (given(t, n, "group-size") && o->group_size != 16)))
+    if (nv && (o->asym || (cli_table_given(t, n, "group-size") && o->group_size != 16)))
         return cli_usage_error("quantize", "NVFP4 is symmetric with groups of 16 (--group-size/--asym are for int4)");
-    if (!nv && given(t, n, "group-size") && o->group_size == 0)
+    if (!nv && cli_table_given(t, n, "group-size") && o->group_size == 0)
         return cli_usage_error("quantize", "--group-size must be positive or -1");
     const bool w4a4 = o->scheme == MOEQ_QUANT_NVFP4, gptq = o->method == MOEQ_QUANT_GPTQ;
     if (w4a4 && !o->calib)
@@ -207,8 +163,8 @@ static int check_flags(const table_flag *t, int n, const moeq_quant_options *o) 
     if (dev && strcmp(dev, "cpu") && strcmp(dev, "cuda") &&
         !(strncmp(dev, "cuda:", 5) == 0 && dev[5] && strspn(dev + 5, "0123456789") == strlen(dev + 5)))
         return cli_usage_error("quantize", "--device %s: expected cpu, cuda or cuda:N", dev);
-    const table_flag *prec = flag_of(t, n, "gpu-precision");
-    const bool tf32 = given(t, n, "gpu-tf32");
+    const cli_table_flag *prec = cli_table_find(t, n, "gpu-precision");
+    const bool tf32 = cli_table_given(t, n, "gpu-tf32");
     if (tf32 && prec && prec->seen && strcmp(prec->s, "tf32"))
         return cli_usage_error("quantize", "--gpu-tf32 and --gpu-precision %s disagree", prec->s);
     if (o->gpu_precision != MOEQ_GPU_FP32 && (!dev || !strcmp(dev, "cpu")))
@@ -242,7 +198,7 @@ static void print_gptq(const moeq_quant_result *r, const moeq_quant_options *o, 
 }
 
 int cmd_quantize(int argc, char **argv) {
-    table_flag t[MAX_FLAGS];
+    cli_table_flag t[MAX_FLAGS];
     const char *out = NULL, *revision = NULL;
     bool quiet = false;
     int64_t threads = 0;
@@ -251,12 +207,9 @@ int cmd_quantize(int argc, char **argv) {
     opts[n_opts++] = (cli_opt){"--out", OPT_STRING, &out, "OUT_DIR", "output checkpoint directory (required)",
                                NULL, 0, 0, NULL};
     for (const moeq_option_info *x; n < MAX_FLAGS && (x = moeq_quant_option_info(n)); n++) {
-        memset(&t[n], 0, sizeof t[n]);
-        t[n].info = x;
-        snprintf(t[n].name, sizeof t[n].name, "--%s", x->key);
         /* the command's own flags keep their places in --help */
         if (!strcmp(x->key, "scale-search")) opts[n_opts++] = (cli_opt)CLI_REVISION_OPT(revision);
-        opts[n_opts++] = table_opt(&t[n]);
+        opts[n_opts++] = cli_table_opt(&t[n], x);
         if (!strcmp(x->key, "mpi-timeout"))
             opts[n_opts++] = (cli_opt){"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary",
                                        NULL, 0, 0, NULL};
@@ -281,14 +234,14 @@ int cmd_quantize(int argc, char **argv) {
         opts, n_opts, 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
-    const table_flag *ignore = flag_of(t, n, "ignore");
+    const cli_table_flag *ignore = cli_table_find(t, n, "ignore");
     moeq_quant_options o;
     moeq_quant_options_init(&o);
     /* in the table's order, so that a later alias (--static-groups, --gpu-tf32) wins */
     for (int i = 0; i < n && rc < 0; i++)
         if (t[i].seen) rc = table_apply(&t[i], &o);
     if (rc < 0 && !out) rc = cli_usage_error("quantize", "--out OUT_DIR is required");
-    if (rc < 0 && !given(t, n, "scheme"))
+    if (rc < 0 && !cli_table_given(t, n, "scheme"))
         rc = cli_usage_error("quantize", "--scheme is required (nvfp4, nvfp4a16, int4, or with --format gguf "
                              "q3_k .. q6_k, q3_k_m, q4_k_m, q5_k_m)");
     if (rc < 0 && threads) moeq_set_threads((int)threads);
@@ -312,10 +265,10 @@ int cmd_quantize(int argc, char **argv) {
     if (o.method == MOEQ_QUANT_GPTQ && !quiet) print_gptq(&res, &o, out);
     cli_progress_finish();
     if (!quiet) {
-        const table_flag *format = flag_of(t, n, "format");
+        const cli_table_flag *format = cli_table_find(t, n, "format");
         printf("%s: %lld Linears quantized (%s %s, %lld weights), %lld kept; %lld tensors, %.1f MB, "
                "%.1f s, peak memory %.2f GB%s\n", out, (long long)res.linears_quantized,
-               flag_of(t, n, "scheme")->s, format->seen ? format->s : "compressed-tensors",
+               cli_table_find(t, n, "scheme")->s, format->seen ? format->s : "compressed-tensors",
                (long long)res.weights_quantized, (long long)res.linears_kept,
                (long long)res.tensors_written, (double)res.bytes_written / 1e6, res.seconds,
                (double)res.peak_anon_bytes / 1e9, res.layers_resumed ? " (resumed)" : "");

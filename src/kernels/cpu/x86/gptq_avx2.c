@@ -1,5 +1,5 @@
 /*
- * AVX2 twins of GPTQ's per-column steps in src/quant/gptq.c (mq_gptq_qdq_column and
+ * AVX2 twins of GPTQ's per-column steps in src/kernels/cpu/ref/gptq_ref.c (mq_gptq_qdq_column and
  * mq_gptq_column_errors_ref): the same IEEE operations in the same order per element, so codes,
  * dequantized values and scaled errors are bit-identical; only the two squared-error sums are
  * accumulated in another order. E2M1 gives the values of formats.md's decision thresholds (ties
@@ -173,3 +173,6 @@ void mq_gptq_loop_scores_avx2(const mq_qspec *s, const float *ucol, int64_t G, c
         mq_gptq_loop_scores_ref(s, ucol, G, x + i, ld, n - i, step + i, zero + i, work + i,
                                 code + i, score + i);
 }
+
+const mq_gptq_kernels mq_gptq_kernels_avx2 = {mq_gptq_qdq_column_avx2, mq_gptq_column_errors_avx2,
+                                              mq_gptq_loop_scores_avx2};

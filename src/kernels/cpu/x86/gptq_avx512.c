@@ -1,5 +1,5 @@
 /*
- * AVX-512F twins of GPTQ's per-column steps in src/quant/gptq.c, called only when
+ * AVX-512F twins of GPTQ's per-column steps in src/kernels/cpu/ref/gptq_ref.c, called only when
  * mq_cpu_has_avx512(): the operations of gptq_avx2.c on 16 lanes, so codes, dequantized values,
  * scaled errors and the in-loop scores are bit-identical to the scalar versions; the two
  * squared-error sums of the column step are accumulated in the AVX2 twin's order (8 lanes, block
@@ -185,3 +185,6 @@ void mq_gptq_loop_scores_avx512(const mq_qspec *s, const float *ucol, int64_t G,
         mq_gptq_loop_scores_avx2(s, ucol, G, x + i, ld, n - i, step + i, zero + i, work + i,
                                  code + i, score + i);
 }
+
+const mq_gptq_kernels mq_gptq_kernels_avx512 = {mq_gptq_qdq_column_avx512, mq_gptq_column_errors_avx512,
+                                              mq_gptq_loop_scores_avx512};
