@@ -644,9 +644,9 @@ static moeq_status map_gguf(want_list *L, moeq_model *m, int *n_fallback) {
  * pages (TLB misses; the hardware prefetcher stops at each 4 KiB boundary; docs/results/runtime.md).
  * Its blocks are copied once onto anonymous 2 MiB pages, in pieces on the pool, each piece's file
  * pages unmapped from this process after it (MADV_DONTNEED on a file mapping only drops the page
- * table entries), so the resident set does not grow. It costs the fresh pages' faults: about
- * 0.1 s for 622 MB on the 2-core VM, up to 2 s when the VM must back fresh memory. Failing to map
- * is not an error: the rows are then read in place as before. */
+ * table entries), so the resident set does not grow. It costs the fresh pages' faults at load
+ * (docs/results/runtime.md has the figures). Failing to map is not an error: the rows are then
+ * read in place as before. */
 enum { HEAD_PIECE = 8 << 20 };
 
 typedef struct {

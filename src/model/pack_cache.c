@@ -36,7 +36,7 @@
  * populated, so pages read from disk come in 2 MiB folios and map as huge pages; the pages the
  * writer leaves in the page cache are small, so the writer drops them once they are on disk, and
  * the next open reads the file back in huge folios. (Copying the file into anonymous huge pages
- * instead made every open 1-3 s slower on the VM, where fresh pages are slow to clear.)
+ * instead would cost every open the faults of that much fresh memory.)
  */
 #define _GNU_SOURCE
 #include <errno.h>
