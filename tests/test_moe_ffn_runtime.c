@@ -330,5 +330,60 @@ static void test_packed_linear(void) {
     mq_packed_weight_free(NULL);
 }
 
+/* q, k and v in one call (mq_packed_weights_forward): each output has the bits of its own call,
+ * a padded Linear (40 rows) included, on 1 and 2 threads; other widths or schemes are refused. */
+static void test_packed_linears_together(void) {
+    const int64_t C = 128, rows[3] = {128, 40, 64};
+    for (int nv = 0; nv < 2; nv++) {
+        mq_qspec s = mq_qspec_default(nv ? MQ_QS_NVFP4 : MQ_QS_INT4);
+        if (!nv) s.group_size = 32;
+        mq_qtensor q[3];
+        struct mq_packed_weight *pw[3];
+        for (int k = 0; k < 3; k++) {
+            q[k] = quant(&s, rows[k], C, 0);
+            ASSERT_OK(mq_packed_weight_from_qtensor(&q[k], "lin", &pw[k]));
+        }
+        for (int64_t T2 = 1; T2 <= 70; T2 += 69) {
+            float *x = randn((size_t)(T2 * C), 1.0f);
+            for (int th = 1; th <= 2; th++) {
+                moeq_set_threads(th);
+                float *one[3], *all[3];
+                for (int k = 0; k < 3; k++) {
+                    one[k] = malloc(sizeof(float) * (size_t)(T2 * rows[k]));
+                    all[k] = malloc(sizeof(float) * (size_t)(T2 * rows[k]));
+                    ASSERT_OK(mq_packed_weight_forward(pw[k], x, T2, one[k]));
+                }
+                ASSERT_OK(mq_packed_weights_forward((const struct mq_packed_weight *const *)pw, 3, x, T2, all));
+                for (int k = 0; k < 3; k++) {
+                    if (memcmp(one[k], all[k], sizeof(float) * (size_t)(T2 * rows[k])) != 0)
+                        FAIL("nvfp4 %d T %lld threads %d: Linear %d differs from its own call", nv,
+                             (long long)T2, th, k);
+                    free(one[k]);
+                    free(all[k]);
+                }
+            }
+            moeq_set_threads(0);
+            free(x);
+        }
+        for (int k = 0; k < 3; k++) {
+            mq_packed_weight_free(pw[k]);
+            mq_qtensor_free(&q[k]);
+        }
+    }
+    mq_qspec s = mq_qspec_default(MQ_QS_INT4);
+    s.group_size = 32;
+    mq_qtensor a = quant(&s, 32, 128, 0), b = quant(&s, 32, 64, 0);
+    struct mq_packed_weight *pw[2];
+    ASSERT_OK(mq_packed_weight_from_qtensor(&a, "a", &pw[0]));
+    ASSERT_OK(mq_packed_weight_from_qtensor(&b, "b", &pw[1]));
+    float x[128] = {0}, ya[32], yb[32], *y[2] = {ya, yb};
+    ASSERT_STATUS(MOEQ_E_ARG, mq_packed_weights_forward((const struct mq_packed_weight *const *)pw, 2, x, 1, y));
+    ASSERT_ERROR_MENTIONS("widths 128 and 64");
+    mq_packed_weight_free(pw[0]);
+    mq_packed_weight_free(pw[1]);
+    mq_qtensor_free(&a);
+    mq_qtensor_free(&b);
+}
+
 TEST_MAIN(T(test_layer_from_qtensors), T(test_int4_scale_storage_size),
-          T(test_unsupported_layouts_refused), T(test_packed_linear))
+          T(test_unsupported_layouts_refused), T(test_packed_linear), T(test_packed_linears_together))

@@ -815,14 +815,20 @@ moeq_status mq_moe_layer_forward(const mq_moe_layer *L, const float *x, int64_t 
 }
 
 /* ---- packed dense Linear ----------------------------------------------------------------------- */
+/* Up to MQ_LIN_MAX Linears of one input width and scheme run on one quantization of x and one
+ * pool loop (the q, k and v of a layer: at decode one wake-up of the pool instead of three). Each
+ * Linear's results are those of its own call: the same quantized rows, the same tasks. */
 typedef struct {
-    const struct mq_packed_weight *w;
+    const struct mq_packed_weight *w[MQ_LIN_MAX];
+    float *y[MQ_LIN_MAX];            /* each Linear's output, [T, ldy[i]] */
+    int64_t ldy[MQ_LIN_MAX], n_chunks[MQ_LIN_MAX], first[MQ_LIN_MAX + 1];   /* tasks per Linear */
+    int n;
+    int64_t in, n_tok;               /* input width; token tiles */
     const mq_moe_kernels *K;
     const float *x;
-    float *y;
-    int64_t T, ldy, n_chunks;
+    int64_t T;
     mq_qact A;
-    float *bsum;   /* w->off: [T, in / 32] sums of x's blocks of 32 */
+    float *bsum;   /* some w->off: [T, in / 32] sums of x's blocks of 32 */
 } lin_ctx;
 
 enum { LIN_TOKENS = 64 };
@@ -830,12 +836,12 @@ enum { LIN_TOKENS = 64 };
 static void lin_quant_task(void *ctx, int64_t task, int thread) {
     (void)thread;
     lin_ctx *c = ctx;
-    const int64_t G = c->w->in / 32;
+    const int64_t G = c->in / 32;
     for (int64_t t = task * TOK_CHUNK; t < c->T && t < (task + 1) * TOK_CHUNK; t++) {
-        c->K->quant_act(c->x + t * c->w->in, c->w->in, &c->A, t, 0);
-        if (!c->w->off) continue;
+        c->K->quant_act(c->x + t * c->in, c->in, &c->A, t, 0);
+        if (!c->bsum) continue;
         for (int64_t g = 0; g < G; g++) {   /* in column order: the same bits on every split */
-            const float *xb = c->x + t * c->w->in + 32 * g;
+            const float *xb = c->x + t * c->in + 32 * g;
             float sum = 0.0f;
             for (int i = 0; i < 32; i++) sum += xb[i];
             c->bsum[t * G + g] = sum;
@@ -846,55 +852,89 @@ static void lin_quant_task(void *ctx, int64_t task, int thread) {
 static void lin_gemm_task(void *ctx, int64_t task, int thread) {
     (void)thread;
     lin_ctx *c = ctx;
-    const int64_t np = c->w->W.rows / 16, p0 = (task % c->n_chunks) * PAIRS_B;
+    int k = 0;
+    while (task >= c->first[k + 1]) k++;
+    task -= c->first[k];
+    const struct mq_packed_weight *w = c->w[k];
+    const int64_t np = w->W.rows / 16, p0 = (task % c->n_chunks[k]) * PAIRS_B;
     const int64_t p1 = p0 + PAIRS_B < np ? p0 + PAIRS_B : np;
-    const int64_t t0 = (task / c->n_chunks) * LIN_TOKENS;
+    const int64_t t0 = (task / c->n_chunks[k]) * LIN_TOKENS;
     const int64_t m = c->T - t0 < LIN_TOKENS ? c->T - t0 : LIN_TOKENS;
-    c->K->gemm(&c->w->W, p0, p1, &c->A, NULL, t0, m, c->y + t0 * c->ldy, c->ldy, 0, NULL);
-    if (!c->w->off) return;
+    float *y = c->y[k];
+    const int64_t ldy = c->ldy[k];
+    c->K->gemm(&w->W, p0, p1, &c->A, NULL, t0, m, y + t0 * ldy, ldy, 0, NULL);
+    if (!w->off) return;
     const mq_vec_kernels *vk = mq_vec();
-    const int64_t G = c->w->in / 32, r1 = 16 * p1 < c->w->out ? 16 * p1 : c->w->out;
+    const int64_t G = c->in / 32, r1 = 16 * p1 < w->out ? 16 * p1 : w->out;
     for (int64_t t = t0; t < t0 + m; t++)
         for (int64_t r = 16 * p0; r < r1; r++)
-            c->y[t * c->ldy + r] += vk->dot(c->w->off + r * G, c->bsum + t * G, G);
+            y[t * ldy + r] += vk->dot(w->off + r * G, c->bsum + t * G, G);
 }
 
-moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const float *x, int64_t T,
-                                     float *y) {
-    if (!w || (T > 0 && (!x || !y))) return mq_err(MOEQ_E_ARG, "packed linear: NULL argument");
+moeq_status mq_packed_weights_forward(const struct mq_packed_weight *const *w, int n,
+                                      const float *x, int64_t T, float *const *y) {
+    if (n < 1 || n > MQ_LIN_MAX || !w || (T > 0 && (!x || !y)))
+        return mq_err(MOEQ_E_ARG, "packed linear: NULL argument or %d Linears", n);
+    for (int k = 0; k < n; k++)
+        if (!w[k] || (T > 0 && !y[k])) return mq_err(MOEQ_E_ARG, "packed linear: NULL argument");
+    for (int k = 1; k < n; k++)
+        if (w[k]->in != w[0]->in || w[k]->W.nvfp4 != w[0]->W.nvfp4)
+            return mq_err(MOEQ_E_ARG, "packed linear: Linears of widths %d and %d or other schemes "
+                          "share an input", (int)w[0]->in, (int)w[k]->in);
     if (T <= 0) return MOEQ_OK;
-    const int nvfp4 = w->W.nvfp4;
-    const int32_t B = nvfp4 ? 16 : 32, prow = w->W.rows;
-    const bool direct = prow == w->out;
-    size_t qb, ob = 0;
-    if (!mq_mul_size((size_t)T, (size_t)w->in * 2 + (size_t)(w->in / B) * 8, &qb) ||
-        (!direct && !mq_mul_size((size_t)T, (size_t)prow * 4, &ob)))
+    const int nvfp4 = w[0]->W.nvfp4;
+    const int32_t B = nvfp4 ? 16 : 32;
+    const int64_t in = w[0]->in;
+    bool any_off = false;
+    size_t qb, ob[MQ_LIN_MAX] = {0};
+    for (int k = 0; k < n; k++) {
+        any_off = any_off || w[k]->off;
+        if (w[k]->W.rows != w[k]->out && !mq_mul_size((size_t)T, (size_t)w[k]->W.rows * 4, &ob[k]))
+            return mq_err(MOEQ_E_NOMEM, "packed linear: %lld tokens need too much memory", (long long)T);
+    }
+    if (!mq_mul_size((size_t)T, (size_t)in * 2 + (size_t)(in / B) * 8, &qb))
         return mq_err(MOEQ_E_NOMEM, "packed linear: %lld tokens need too much memory", (long long)T);
-    void *ptr[5];
-    const size_t sizes[5] = {(size_t)T * (size_t)w->in * 2, (size_t)T * (size_t)(w->in / B) * 4,
-                             (size_t)T * (size_t)(w->in / B) * 4, ob,
-                             w->off ? (size_t)T * (size_t)(w->in / 32) * 4 : 0};
+    enum { NP = 4 + MQ_LIN_MAX };
+    void *ptr[NP];
+    size_t sizes[NP] = {(size_t)T * (size_t)in * 2, (size_t)T * (size_t)(in / B) * 4,
+                        (size_t)T * (size_t)(in / B) * 4, any_off ? (size_t)T * (size_t)(in / 32) * 4 : 0};
+    for (int k = 0; k < MQ_LIN_MAX; k++) sizes[4 + k] = ob[k];
     bool cached;
-    uint8_t *base = alloc_pieces(5, sizes, ptr, &cached);
+    uint8_t *base = alloc_pieces(NP, sizes, ptr, &cached);
     if (!base) return MOEQ_E_NOMEM;
-    lin_ctx c = {w, mq_moe_kernels_active(), x, direct ? y : ptr[3], T, direct ? w->out : prow,
-                 (prow / 16 + PAIRS_B - 1) / PAIRS_B,
-                 {ptr[0], (int8_t *)ptr[0] + T * w->in, ptr[1], ptr[2], w->in, B, nvfp4 ? 12 : 8},
-                 ptr[4]};
-    const int64_t nq = (T + TOK_CHUNK - 1) / TOK_CHUNK;
-    const int64_t ng = c.n_chunks * ((T + LIN_TOKENS - 1) / LIN_TOKENS);
-    if ((double)T * (double)prow * (double)w->in < 1e6) {   /* too small to wake the pool */
+    lin_ctx c = {.n = n, .in = in, .n_tok = (T + LIN_TOKENS - 1) / LIN_TOKENS,
+                 .K = mq_moe_kernels_active(), .x = x, .T = T,
+                 .A = {ptr[0], (int8_t *)ptr[0] + T * in, ptr[1], ptr[2], in, B, nvfp4 ? 12 : 8},
+                 .bsum = any_off ? ptr[3] : NULL};
+    double work = 0;
+    for (int k = 0; k < n; k++) {
+        const bool direct = w[k]->W.rows == w[k]->out;
+        c.w[k] = w[k];
+        c.y[k] = direct ? y[k] : ptr[4 + k];
+        c.ldy[k] = direct ? w[k]->out : w[k]->W.rows;
+        c.n_chunks[k] = (w[k]->W.rows / 16 + PAIRS_B - 1) / PAIRS_B;
+        c.first[k + 1] = c.first[k] + c.n_chunks[k] * c.n_tok;
+        work += (double)T * (double)w[k]->W.rows * (double)in;
+    }
+    const int64_t nq = (T + TOK_CHUNK - 1) / TOK_CHUNK, ng = c.first[n];
+    if (work < 1e6) {   /* too small to wake the pool */
         for (int64_t i = 0; i < nq; i++) lin_quant_task(&c, i, 0);
         for (int64_t i = 0; i < ng; i++) lin_gemm_task(&c, i, 0);
     } else {
         mq_parallel_for(nq, lin_quant_task, &c);
         mq_parallel_for(ng, lin_gemm_task, &c);
     }
-    if (!direct)
-        for (int64_t t = 0; t < T; t++)
-            memcpy(y + t * w->out, c.y + t * prow, sizeof(float) * (size_t)w->out);
+    for (int k = 0; k < n; k++)
+        if (c.y[k] != y[k])
+            for (int64_t t = 0; t < T; t++)
+                memcpy(y[k] + t * w[k]->out, c.y[k] + t * c.ldy[k], sizeof(float) * (size_t)w[k]->out);
     ws_release(base, cached);
     return MOEQ_OK;
+}
+
+moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const float *x, int64_t T,
+                                     float *y) {
+    return mq_packed_weights_forward(&w, 1, x, T, &y);
 }
 
 void mq_moe_layer_free(mq_moe_layer *L) {

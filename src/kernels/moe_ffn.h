@@ -242,6 +242,13 @@ size_t mq_packed_weight_bytes(const struct mq_packed_weight *w);
  * numerics as the MoE op), plus the offsets' term when off is set. */
 moeq_status mq_packed_weight_forward(const struct mq_packed_weight *w, const float *x, int64_t T,
                                      float *y);
+/* y[k] = x W_k^T for n (1..MQ_LIN_MAX) Linears of one input width and scheme (INT4 or NVFP4),
+ * on one quantization of x and one pool loop: each y[k] has exactly the bits of
+ * mq_packed_weight_forward(w[k], x, T, y[k]) (a layer's q, k and v at decode: one wake-up of
+ * the pool instead of three). MOEQ_E_ARG for other widths or schemes. */
+enum { MQ_LIN_MAX = 3 };
+moeq_status mq_packed_weights_forward(const struct mq_packed_weight *const *w, int n,
+                                      const float *x, int64_t T, float *const *y);
 
 /* Frees the op's cached scratch workspace (kept between calls; sized by the largest call). */
 void mq_moe_workspace_free(void);

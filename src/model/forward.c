@@ -577,6 +577,18 @@ static void qkv_task(void *ctx, int64_t task, int thread) {
 
 static moeq_status qkv_forward(const mq_layer *ly, const float *x, int64_t T, float *q, float *k,
                                float *v) {
+    const struct mq_packed_weight *pw[3] = {ly->q.qw, ly->k.qw, ly->v.qw};
+    if (pw[0] && pw[1] && pw[2] && pw[1]->in == pw[0]->in && pw[2]->in == pw[0]->in &&
+        pw[1]->W.nvfp4 == pw[0]->W.nvfp4 && pw[2]->W.nvfp4 == pw[0]->W.nvfp4) {
+        /* packed alike: one quantization of x and one pool loop for the three */
+        float *y[3] = {q, k, v};
+        moeq_status st = mq_packed_weights_forward(pw, 3, x, T, y);
+        if (st) return mq_err_prefix(st, "%s", ly->q.name);
+        add_bias(&ly->q, q, T);
+        add_bias(&ly->k, k, T);
+        add_bias(&ly->v, v, T);
+        return MOEQ_OK;
+    }
     if (T < SMALL_T || !ly->q.w || !ly->k.w || !ly->v.w) {
         moeq_status st = mq_linear_forward(&ly->q, x, T, q);
         if (!st) st = mq_linear_forward(&ly->k, x, T, k);

@@ -26,6 +26,8 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -637,6 +639,55 @@ static moeq_status map_gguf(want_list *L, moeq_model *m, int *n_fallback) {
     return s;
 }
 
+/* lm_head read in place (head_g) is streamed whole for every decoded token, from the file's
+ * page-cache pages: mostly 4 KiB pages, which a core streams about a quarter slower than huge
+ * pages (TLB misses; the hardware prefetcher stops at each 4 KiB boundary; docs/results/runtime.md).
+ * Its blocks are copied once onto anonymous 2 MiB pages, in pieces on the pool, each piece's file
+ * pages unmapped from this process after it (MADV_DONTNEED on a file mapping only drops the page
+ * table entries), so the resident set does not grow. It costs the fresh pages' faults at load
+ * (docs/results/runtime.md has the figures). Failing to map is not an error: the rows are then
+ * read in place as before. */
+enum { HEAD_PIECE = 8 << 20 };
+
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    size_t n;
+    uintptr_t pmask;
+} head_copy_job;
+
+/* Piece i: copied, then its whole file pages unmapped (a page shared with a neighbour tensor or
+ * piece stays mapped). On the pool: the new pages' faults are most of the cost. */
+static void head_copy_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    const head_copy_job *j = ctx;
+    const size_t off = (size_t)i * HEAD_PIECE, k = j->n - off < HEAD_PIECE ? j->n - off : HEAD_PIECE;
+    memcpy(j->dst + off, j->src + off, k);
+    const uintptr_t a = ((uintptr_t)(j->src + off) + j->pmask) & ~j->pmask;
+    const uintptr_t b = ((uintptr_t)(j->src + off + k)) & ~j->pmask;
+    if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
+}
+
+static void head_to_anon(moeq_model *m) {
+    mq_ggml_mat *g = m->head_g;
+    if (!g || m->head_copy) return;
+    const size_t n = mq_ggml_mat_bytes(g), huge = (size_t)2 << 20;
+    const size_t cap = (n + huge - 1) & ~(huge - 1);
+    if (n < huge) return;   /* small enough to stay in the caches */
+    uint8_t *p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return;
+#ifdef MADV_HUGEPAGE
+    madvise(p, cap, MADV_HUGEPAGE);
+#endif
+    const long pg = sysconf(_SC_PAGESIZE);
+    head_copy_job j = {g->data, p, n, pg > 0 ? (uintptr_t)pg - 1 : 4095};
+    mq_parallel_for((int64_t)((n + HEAD_PIECE - 1) / HEAD_PIECE), head_copy_task, &j);
+    mprotect(p, cap, PROT_READ);
+    g->data = p;
+    m->head_copy = p;
+    m->head_copy_bytes = cap;
+}
+
 /* A quantized checkpoint run packed: its BF16 / F16 embeddings and lm_head read in place from the
  * mapped safetensors (no fp32 copy: half the bytes a decoded token reads of lm_head). mark: the
  * wants are then done (a whole open); the lazy model loads its fp32 copies still, unused. */
@@ -882,6 +933,7 @@ void moeq_model_free(moeq_model *m) {
     mq_free(m->embed);
     if (m->head_g != m->embed_g) mq_free(m->head_g);
     mq_free(m->embed_g);
+    if (m->head_copy) munmap(m->head_copy, m->head_copy_bytes);
     mq_st_close(m->mapped);
     mq_pack_cache_close(m->pcache);
     mq_free(m->final_norm);
@@ -1059,6 +1111,7 @@ moeq_status moeq_model_open(const char *dir, const moeq_model_options *opt, moeq
     if (!s) s = mark_act_quant(m, true);
     if (s) goto fail;
     if (m->cfg.tie_embeddings) m->lm_head = m->embed, m->head_g = m->embed_g;
+    head_to_anon(m);
     mq_want_free(&L);
     L = (want_list){0};
     if (in_place || m->embed_g || m->head_g) m->mapped = st;   /* they point into it */

@@ -171,6 +171,10 @@ struct moeq_model {
      * blocks (NULL otherwise; embed/lm_head are then NULL), and the mapping they and the Linears'
      * gw point into, kept open. */
     struct mq_ggml_mat *embed_g, *head_g;
+    /* head_g's blocks copied out of the mapping onto 2 MiB pages (head_to_anon in load.c), or
+     * NULL: the one matrix a decoded token reads whole that is not in the pack cache. */
+    uint8_t *head_copy;
+    size_t head_copy_bytes;
     mq_st *mapped;
     struct mq_pack_cache *pcache;    /* the repacked blobs' cache (model/pack_cache.c), or NULL */
     mq_layer *layers;                /* [n_layers] */

@@ -26,9 +26,17 @@
  * The hash: eight 64-bit lanes, word w into lane l as h = (h ^ w) * K, h ^= h >> 31 (an odd
  * multiplier and a right xorshift are bijections of the state), the lanes folded by further
  * bijections: a change of one word always changes the result, so a flipped byte is always
- * detected; the eight lanes let the CPU run eight chains at once. The file is mapped with
- * MAP_POPULATE: the pages are all read for the check anyway, and faulting them in one call costs
- * far less than a fault per page.
+ * detected; the eight lanes let the CPU run eight chains at once. The file's pages are faulted in
+ * by one call (MADV_POPULATE_READ): they are all read for the check anyway, and one call costs far
+ * less than a fault per page.
+ *
+ * Pages: decode streams the blobs once a token, and a core streams memory mapped in 4 KiB pages
+ * about a quarter slower than in 2 MiB ones (TLB misses; the hardware prefetcher stops at each
+ * 4 KiB boundary: docs/results/runtime.md). The mapping is marked MADV_HUGEPAGE before it is
+ * populated, so pages read from disk come in 2 MiB folios and map as huge pages; the pages the
+ * writer leaves in the page cache are small, so the writer drops them once they are on disk, and
+ * the next open reads the file back in huge folios. (Copying the file into anonymous huge pages
+ * instead would cost every open the faults of that much fresh memory.)
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -293,14 +301,22 @@ static bool try_map(mq_pack_cache *c) {
          h.data_off % 4096 == 0;
     uint8_t *map = NULL;
     if (ok) {
+#ifdef MADV_POPULATE_READ
+        map = mmap(NULL, (size_t)fsz, PROT_READ, MAP_SHARED, fd, 0);
+#else
         map = mmap(NULL, (size_t)fsz, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+#endif
         ok = map != MAP_FAILED;
         if (!ok) map = NULL;
     }
     close(fd);
     if (!ok) return false;
 #ifdef MADV_HUGEPAGE
-    madvise(map, (size_t)fsz, MADV_HUGEPAGE);   /* a hint; file pages may not take it */
+    /* before the pages are read in: a hint (the page cache may hold them in small folios) */
+    madvise(map, (size_t)fsz, MADV_HUGEPAGE);
+#endif
+#ifdef MADV_POPULATE_READ
+    madvise(map, (size_t)fsz, MADV_POPULATE_READ);   /* a failure only leaves faults for later */
 #endif
     const size_t meta = sizeof h + h.n_entries * sizeof(pc_entry) + h.meta_bytes + h.n_chunks * 8;
     pc_header z = h;
@@ -666,6 +682,9 @@ moeq_status mq_pack_cache_commit(mq_pack_cache *c) {
     }
     if (!s && ftruncate(fd, (off_t)(h.data_off + h.data_bytes)) != 0)
         s = mq_err(MOEQ_E_IO, "%s: %s", tmp, strerror(errno));
+    /* on disk, then out of the page cache: written pages sit there as small folios, read back
+     * they come as huge ones (the header comment says why); failures only cost speed */
+    if (!s && fdatasync(fd) == 0) (void)posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     if (fd >= 0 && close(fd) != 0 && !s) s = mq_err(MOEQ_E_IO, "%s: %s", tmp, strerror(errno));
     if (!s && rename(tmp, c->path) != 0) s = mq_err(MOEQ_E_IO, "%s: %s", c->path, strerror(errno));
     if (s && tmp) unlink(tmp);

@@ -193,17 +193,27 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     __m512 f[NT512];
 #pragma GCC unroll 8
     for (int t = 0; t < nt; t++) f[t] = _mm512_setzero_ps();
+    /* Independent accumulator chains per plane: a VNNI dot's result feeds the next one's
+     * accumulator, so with one chain a few activation rows wait on its latency instead of the
+     * memory (one decoded token: 8 dependent dots per block). The integer sums are exact, so
+     * merging the chains at the block's end gives the same I. NW chains: the nibble half (lo, hi)
+     * and, for one row, also the chunk's parity. */
+    enum { WMAX = 4 };
+    const int NW = !MQ_AVX512_VNNI ? 1 : nt == 1 ? 4 : nt <= 4 ? 2 : 1;
     int64_t g = 0;
     int in_group = 0;
     for (int64_t b = 0; b < nb; b++) {
-        __m512i acc[NT512], acc2[NT512];
+        __m512i acc[WMAX][NT512], acc2[WMAX][NT512];
+#pragma GCC unroll 4
+        for (int w = 0; w < NW; w++)
 #pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) {
-            acc[t] = _mm512_setzero_si512();
-            acc2[t] = _mm512_setzero_si512();
-        }
+            for (int t = 0; t < nt; t++) {
+                acc[w][t] = _mm512_setzero_si512();
+                acc2[w][t] = _mm512_setzero_si512();
+            }
 #pragma GCC unroll 4
         for (int c = 0; c < CH; c++) {
+            const int wl = NW == 4 ? 2 * (c & 1) : 0, wh = NW == 1 ? 0 : wl + 1;
             const size_t off = (size_t)(b * CH + c) * 32;
             if (pf) {
                 const uint8_t *p = pf + (size_t)(b * CH + c) * pf_step;
@@ -221,13 +231,25 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
 #pragma GCC unroll 8
             for (int t = 0; t < nt; t++) {
                 const int8_t *xq = aq[t] + b * B + c * 8;
-                acc[t] = dot4(acc[t], lo, bcast4(xq));
-                acc[t] = dot4(acc[t], hi, bcast4(xq + 4));
+                acc[wl][t] = dot4(acc[wl][t], lo, bcast4(xq));
+                acc[wh][t] = dot4(acc[wh][t], hi, bcast4(xq + 4));
                 if (split) {
                     const int8_t *xq2 = aq2[t] + b * B + c * 8;
-                    acc2[t] = dot4(acc2[t], lo, bcast4(xq2));
-                    acc2[t] = dot4(acc2[t], hi, bcast4(xq2 + 4));
+                    acc2[wl][t] = dot4(acc2[wl][t], lo, bcast4(xq2));
+                    acc2[wh][t] = dot4(acc2[wh][t], hi, bcast4(xq2 + 4));
                 }
+            }
+        }
+        /* merge the chains: (0 + 1) + (2 + 3), exact int32 sums (VNNI only: NW is 1 otherwise) */
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) {
+            if (NW >= 2) {
+                acc[0][t] = _mm512_add_epi32(acc[0][t], acc[1][t]);
+                acc2[0][t] = _mm512_add_epi32(acc2[0][t], acc2[1][t]);
+            }
+            if (NW == 4) {
+                acc[0][t] = _mm512_add_epi32(acc[0][t], _mm512_add_epi32(acc[2][t], acc[3][t]));
+                acc2[0][t] = _mm512_add_epi32(acc2[0][t], _mm512_add_epi32(acc2[2][t], acc2[3][t]));
             }
         }
         __m512 sw;
@@ -242,7 +264,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         }
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
-            __m512i i = block_int(acc[t], acc2[t], split, ac[t][b]);
+            __m512i i = block_int(acc[0][t], acc2[0][t], split, ac[t][b]);
             f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(sw, _mm512_set1_ps(as[t][b])), f[t]);
         }
     }
