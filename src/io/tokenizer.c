@@ -321,6 +321,7 @@ static moeq_status bpe_word(enc_state *e, const char *s, size_t n) {
     uint64_t h = hash_bytes(s, n);
     size_t first, count;
     if (cache_get(e, h, s, n, &first, &count)) {
+        if (count == 0) return MOEQ_OK;   /* a word that encodes to nothing: ids may still be NULL */
         if ((st = grow((void **)&e->ids, &e->cap, e->n + count, sizeof(int32_t)))) return st;
         memcpy(e->ids + e->n, e->c_ids + first, count * sizeof(int32_t));
         e->n += count;
@@ -338,7 +339,7 @@ static moeq_status bpe_word(enc_state *e, const char *s, size_t n) {
         }
         if (t->tiktoken) {
             if ((st = tiktoken_word(e, e->wbuf, k))) return st;
-            return cache_put(e, h, s, n, e->ids + start, e->n - start);
+            return cache_put(e, h, s, n, e->n > start ? e->ids + start : NULL, e->n - start);
         }
     }
     if (2 * n > e->sym_cap) {   /* byte_fallback may give two symbols per byte */
@@ -371,7 +372,7 @@ static moeq_status bpe_word(enc_state *e, const char *s, size_t n) {
     }
     for (int32_t i = m ? 0 : -1; i >= 0; i = sym[i].next)
         if ((st = push_id(e, sym[i].id))) return st;
-    return cache_put(e, h, s, n, e->ids + start, e->n - start);
+    return cache_put(e, h, s, n, e->n > start ? e->ids + start : NULL, e->n - start);
 }
 
 /* Split level `level` (a Split regex or ByteLevel's): matches and the gaps between them are
