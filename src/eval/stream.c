@@ -254,10 +254,8 @@ static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_re
     mq_eval_ctx *c = S->c;
     plan_sizes z = {0};
     const int64_t L = c->L;
-    int64_t D_all = 0;
     for (int k = 0; k < S->nm; k++) {
         const moeq_model *m = S->m[k];
-        D_all += S->D[k];
         z.window += mq_state_bytes(m, c->L, experts_fp32(S, k));
         z.boundary[k] = S->rows * S->D[k] * 4;
         if (!S->lz[k]) {
