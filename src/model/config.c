@@ -295,6 +295,9 @@ static void parse_deepseek(const fields *f, mq_config *c, bool have_layers) {
     c->ffn = get_int(f, "intermediate_size", false, 0);
     int32_t n_shared = get_int_or_null(f, "n_shared_experts", 1, 0);
     if (n_shared < 0) mq_problems_add(P, "field 'n_shared_experts' must not be negative");
+    else if ((int64_t)n_shared * c->moe_ffn > INT32_MAX)   /* before the multiply: no overflow */
+        mq_problems_add(P, "n_shared_experts %d x moe_intermediate_size %d is too large",
+                        n_shared, c->moe_ffn);
     else c->shared_ffn = n_shared * c->moe_ffn;
     c->norm_topk_prob = get_bool(f, "norm_topk_prob", true);
     c->routed_scale = (float)get_num(f, "routed_scaling_factor", 2.5);
