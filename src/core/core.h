@@ -43,6 +43,11 @@ void *mq_alloc(size_t n, const char *what);
 void *mq_alloc_zero(size_t n, const char *what);
 void *mq_alloc_array(size_t count, size_t elem, const char *what);
 void mq_free(void *p);
+/* The buffers a struct owns released in one statement: MQ_FREE_EACH(mq_free, a, b, ...) for
+ * mq_alloc memory, MQ_FREE_EACH(free, a, b, ...) for malloc's (NULL is fine for both). */
+void mq_free_each(void (*release)(void *), void *const *p, size_t n);
+#define MQ_FREE_EACH(release, ...)                                                                 \
+    mq_free_each(release, (void *const[]){__VA_ARGS__}, sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *))
 /* Unmaps the freed blocks of 1 MB or more kept for reuse (core/memory.c: recycling), e.g. when a
  * job is done and its memory should go back to the system. */
 void mq_mem_release(void);
@@ -52,6 +57,9 @@ size_t mq_mem_kept_bytes(void);   /* the bytes kept for reuse now */
  * spread over the threads instead of falling on whatever touches the memory first (a driver
  * pinning it single-threaded, an unpacking on a critical path). */
 void mq_touch_pages(void *const *base, const size_t *bytes, int64_t n);
+/* Room for element n of the array *v of *cap elements of elem bytes: when n reaches *cap, *v is
+ * realloc'ed to twice as many (64 at first). MOEQ_E_NOMEM naming what on failure (*v kept). */
+moeq_status mq_grow(void **v, size_t *cap, size_t n, size_t elem, const char *what);
 char *mq_strdup(const char *s);
 char *mq_strndup(const char *s, size_t n);
 /* printf into a new malloc'ed string (free with free()). */
@@ -159,6 +167,11 @@ void mq_remove_tree(const char *path);
  * serially on the calling thread. */
 typedef void (*mq_task_fn)(void *ctx, int64_t task, int thread);
 void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx);
+/* mq_parallel_for over [0, n) cut into pieces of `piece` (the last one shorter), one task a
+ * piece: fn(ctx, begin, end) for the loops whose tasks are runs of rows or values and need no
+ * per-thread scratch. */
+typedef void (*mq_range_fn)(void *ctx, int64_t begin, int64_t end);
+void mq_parallel_ranges(int64_t n, int64_t piece, mq_range_fn fn, void *ctx);
 int mq_pool_size(void);
 /* Wall seconds spent so far in top-level mq_parallel_for calls of two or more tasks (the work that
  * can spread over the threads); a stage's wall time less this is what ran on one thread. */

@@ -277,6 +277,20 @@ void mq_free(void *p) {
     }
 }
 
+moeq_status mq_grow(void **v, size_t *cap, size_t n, size_t elem, const char *what) {
+    if (n < *cap) return MOEQ_OK;
+    const size_t c = *cap ? 2 * *cap : 64;
+    void *x = c <= SIZE_MAX / elem ? realloc(*v, c * elem) : NULL;
+    if (!x) return mq_err(MOEQ_E_NOMEM, "out of memory: %s", what);
+    *v = x;
+    *cap = c;
+    return MOEQ_OK;
+}
+
+void mq_free_each(void (*release)(void *), void *const *p, size_t n) {
+    for (size_t i = 0; i < n; i++) release(p[i]);
+}
+
 enum { TOUCH_PIECE = 2 << 20, TOUCH_STRIDE = 4096 };   /* bytes a task; the smallest page */
 
 typedef struct {

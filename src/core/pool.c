@@ -343,3 +343,22 @@ void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx) {
     pthread_mutex_unlock(&g_pool.submit);
     pool_time_add(t0);
 }
+
+typedef struct {
+    mq_range_fn fn;
+    void *ctx;
+    int64_t n, piece;
+} range_job;
+
+static void range_task(void *vctx, int64_t t, int thread) {
+    (void)thread;
+    const range_job *j = vctx;
+    const int64_t a = t * j->piece;
+    j->fn(j->ctx, a, j->n - a < j->piece ? j->n : a + j->piece);
+}
+
+void mq_parallel_ranges(int64_t n, int64_t piece, mq_range_fn fn, void *ctx) {
+    if (n <= 0) return;
+    range_job j = {fn, ctx, n, piece};
+    mq_parallel_for((n + piece - 1) / piece, range_task, &j);
+}

@@ -102,13 +102,8 @@ typedef struct {
 static const mq_tensor_view *lookup(void *user, const char *name) { return mq_st_find(user, name); }
 
 static moeq_status add(exporter *x, out_tensor *t) {
-    if (x->n == x->cap) {
-        size_t cap = x->cap ? 2 * x->cap : 64;
-        out_tensor *n = realloc(x->t, cap * sizeof *n);
-        if (!n) return mq_err(MOEQ_E_NOMEM, "out of memory");
-        x->t = n;
-        x->cap = cap;
-    }
+    moeq_status s = mq_grow((void **)&x->t, &x->cap, x->n, sizeof *x->t, "the GGUF's tensor list");
+    if (s) return s;
     x->t[x->n++] = *t;
     return MOEQ_OK;
 }
@@ -515,6 +510,15 @@ static moeq_status encode_kq_rows(mq_kq_type kt, const float *x, int64_t n, int6
     return MOEQ_OK;
 }
 
+/* n values as 16-bit halves (to_half: fp16 or bf16), little-endian. */
+static void put_halves(uint16_t (*to_half)(float), const float *x, int64_t n, uint8_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t h = to_half(x[i]);
+        out[2 * i] = (uint8_t)h;
+        out[2 * i + 1] = (uint8_t)(h >> 8);
+    }
+}
+
 /* Encodes rows [0, n) of float data (row-major, cols each) as type into out. */
 static moeq_status encode_float_rows(uint32_t type, const float *x, int64_t n, int64_t cols, uint8_t *out) {
     int64_t total = n * cols;
@@ -522,20 +526,8 @@ static moeq_status encode_float_rows(uint32_t type, const float *x, int64_t n, i
     if (type != MQ_GGML_Q8_0 && mq_kq_of_ggml(type, &kt)) return encode_kq_rows(kt, x, n, cols, out);
     switch (type) {
     case MQ_GGML_F32: memcpy(out, x, (size_t)total * 4); break;
-    case MQ_GGML_F16:
-        for (int64_t i = 0; i < total; i++) {
-            uint16_t h = mq_f32_to_f16(x[i]);
-            out[2 * i] = (uint8_t)h;
-            out[2 * i + 1] = (uint8_t)(h >> 8);
-        }
-        break;
-    case MQ_GGML_BF16:
-        for (int64_t i = 0; i < total; i++) {
-            uint16_t h = mq_f32_to_bf16(x[i]);
-            out[2 * i] = (uint8_t)h;
-            out[2 * i + 1] = (uint8_t)(h >> 8);
-        }
-        break;
+    case MQ_GGML_F16: put_halves(mq_f32_to_f16, x, total, out); break;
+    case MQ_GGML_BF16: put_halves(mq_f32_to_bf16, x, total, out); break;
     case MQ_GGML_Q8_0:
         for (int64_t i = 0; i < total / 32; i++) mq_ggml_put_q8_0(out + 34 * i, x + 32 * i);
         break;

@@ -16,30 +16,30 @@
 
 #define ACT_ROWS_PER_TASK 16
 
-typedef struct {
+typedef struct act_ctx act_ctx;
+struct act_ctx {
     float *x;
-    int64_t rows, cols;
-    float g, inv_g;
-} act_ctx;
+    int64_t cols;
+    float g, inv_g;                              /* NVFP4: the per-tensor scale, its reciprocal */
+    void (*row)(const act_ctx *c, float *row);   /* rounds one row of cols values in place */
+};
 
-static void act_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    act_ctx *c = vctx;
-    int64_t r1 = (task + 1) * ACT_ROWS_PER_TASK;
-    if (r1 > c->rows) r1 = c->rows;
-    for (int64_t r = task * ACT_ROWS_PER_TASK; r < r1; r++) {
-        float *row = c->x + r * c->cols;
-        for (int64_t b = 0; b < c->cols; b += 16) {
-            int64_t n = c->cols - b < 16 ? c->cols - b : 16;
-            float amax = mq_absmax(row + b, n);
-            float t = (amax / 6.0f) / c->g;
-            t = t < 0x1p-6f ? 0x1p-6f : t > 448.0f ? 448.0f : t;
-            float s = mq_e4m3_decode(mq_e4m3_encode(t));
-            float rcp = c->inv_g / s;
-            float step = c->g * s;
-            for (int64_t i = 0; i < n; i++)
-                row[b + i] = mq_e2m1_decode(mq_e2m1_encode(row[b + i] * rcp)) * step;
-        }
+static void rows_task(void *vctx, int64_t r0, int64_t r1) {
+    const act_ctx *c = vctx;
+    for (int64_t r = r0; r < r1; r++) c->row(c, c->x + r * c->cols);
+}
+
+static void nvfp4_row(const act_ctx *c, float *row) {
+    for (int64_t b = 0; b < c->cols; b += 16) {
+        int64_t n = c->cols - b < 16 ? c->cols - b : 16;
+        float amax = mq_absmax(row + b, n);
+        float t = (amax / 6.0f) / c->g;
+        t = t < 0x1p-6f ? 0x1p-6f : t > 448.0f ? 448.0f : t;
+        float s = mq_e4m3_decode(mq_e4m3_encode(t));
+        float rcp = c->inv_g / s;
+        float step = c->g * s;
+        for (int64_t i = 0; i < n; i++)
+            row[b + i] = mq_e2m1_decode(mq_e2m1_encode(row[b + i] * rcp)) * step;
     }
 }
 
@@ -47,15 +47,16 @@ void mq_nvfp4_act_qdq(float *x, int64_t rows, int64_t cols) {
     if (rows <= 0 || cols <= 0) return;
     float amax = mq_absmax(x, rows * cols);
     if (!(amax > 0) || !isfinite(amax)) return;
-    act_ctx c = {x, rows, cols, amax / 2688.0f, 0.0f};
+    act_ctx c = {x, cols, amax / 2688.0f, 0.0f, nvfp4_row};
     c.inv_g = 1.0f / c.g;
     if (!(c.g > 0) || !isfinite(c.inv_g)) return;   /* amax too small for the scales: as is */
-    mq_parallel_for((rows + ACT_ROWS_PER_TASK - 1) / ACT_ROWS_PER_TASK, act_task, &c);
+    mq_parallel_ranges(rows, ACT_ROWS_PER_TASK, rows_task, &c);
 }
 
 /* One row of mq_q8_0_act_qdq (see formats.h); a block shorter than 32 at the end of the row if
  * n % 32 != 0. */
-static void q8_0_row(float *row, int64_t n) {
+static void q8_0_row(const act_ctx *c, float *row) {
+    const int64_t n = c->cols;
     for (int64_t b = 0; b < n; b += 32) {
         int64_t m = n - b < 32 ? n - b : 32;
         float amax = mq_absmax(row + b, m);
@@ -70,17 +71,10 @@ static void q8_0_row(float *row, int64_t n) {
     }
 }
 
-static void q8_0_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    const act_ctx *c = vctx;
-    int64_t r1 = (task + 1) * ACT_ROWS_PER_TASK;
-    if (r1 > c->rows) r1 = c->rows;
-    for (int64_t r = task * ACT_ROWS_PER_TASK; r < r1; r++) q8_0_row(c->x + r * c->cols, c->cols);
-}
-
 /* One row of mq_q8_k_act_qdq (see formats.h): quantize_row_q8_K_ref's operations per block of
  * 256 (a shorter last block where n % 256 != 0; llama.cpp's K-quant rows have none). */
-static void q8_k_row(float *row, int64_t n) {
+static void q8_k_row(const act_ctx *c, float *row) {
+    const int64_t n = c->cols;
     for (int64_t b = 0; b < n; b += 256) {
         const int64_t m = n - b < 256 ? n - b : 256;
         float *x = row + b, amax = 0.0f, max = 0.0f;
@@ -99,28 +93,15 @@ static void q8_k_row(float *row, int64_t n) {
     }
 }
 
-static void q8_k_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
-    const act_ctx *c = vctx;
-    int64_t r1 = (task + 1) * ACT_ROWS_PER_TASK;
-    if (r1 > c->rows) r1 = c->rows;
-    for (int64_t r = task * ACT_ROWS_PER_TASK; r < r1; r++) q8_k_row(c->x + r * c->cols, c->cols);
-}
-
+/* A row or two (decode) is one piece: mq_parallel_for runs it here, with no pool wake-up. */
 void mq_q8_k_act_qdq(float *x, int64_t rows, int64_t cols) {
     if (rows <= 0 || cols <= 0) return;
-    act_ctx c = {x, rows, cols, 0.0f, 0.0f};
-    if (rows <= ACT_ROWS_PER_TASK)
-        q8_k_task(&c, 0, 0);
-    else
-        mq_parallel_for((rows + ACT_ROWS_PER_TASK - 1) / ACT_ROWS_PER_TASK, q8_k_task, &c);
+    act_ctx c = {x, cols, 0.0f, 0.0f, q8_k_row};
+    mq_parallel_ranges(rows, ACT_ROWS_PER_TASK, rows_task, &c);
 }
 
 void mq_q8_0_act_qdq(float *x, int64_t rows, int64_t cols) {
     if (rows <= 0 || cols <= 0) return;
-    act_ctx c = {x, rows, cols, 0.0f, 0.0f};
-    if (rows <= ACT_ROWS_PER_TASK)
-        q8_0_task(&c, 0, 0);   /* decode: no pool wake-up for a row or two */
-    else
-        mq_parallel_for((rows + ACT_ROWS_PER_TASK - 1) / ACT_ROWS_PER_TASK, q8_0_task, &c);
+    act_ctx c = {x, cols, 0.0f, 0.0f, q8_0_row};
+    mq_parallel_ranges(rows, ACT_ROWS_PER_TASK, rows_task, &c);
 }

@@ -154,23 +154,20 @@ enum { ABSMAX_CHUNK = 1 << 18 };
 
 typedef struct {
     const float *x;
-    int64_t n;
     float *m;   /* [chunks] */
 } absmax_ctx;
 
-static void absmax_task(void *vctx, int64_t t, int thread) {
-    (void)thread;
+static void absmax_task(void *vctx, int64_t a, int64_t b) {
     const absmax_ctx *c = vctx;
-    const int64_t a = t * ABSMAX_CHUNK, b = a + ABSMAX_CHUNK < c->n ? a + ABSMAX_CHUNK : c->n;
-    c->m[t] = mq_absmax(c->x + a, b - a);
+    c->m[a / ABSMAX_CHUNK] = mq_absmax(c->x + a, b - a);
 }
 
 float mq_absmax_pool(const float *x, int64_t n) {
     const int64_t nc = (n + ABSMAX_CHUNK - 1) / ABSMAX_CHUNK;
     float *m = nc > 1 ? malloc((size_t)nc * sizeof *m) : NULL;
     if (!m) return mq_absmax(x, n);   /* one chunk, or no memory for the maxima: here */
-    absmax_ctx c = {x, n, m};
-    mq_parallel_for(nc, absmax_task, &c);
+    absmax_ctx c = {x, m};
+    mq_parallel_ranges(n, ABSMAX_CHUNK, absmax_task, &c);
     float r = 0;
     for (int64_t t = 0; t < nc; t++) {
         if (m[t] != m[t]) {   /* NaN wins, as in mq_absmax */
@@ -705,19 +702,16 @@ typedef struct {
     mq_qtensor *q;
 } rtn_ctx;
 
-static void rtn_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
+static void rtn_task(void *vctx, int64_t r0, int64_t r1) {
     rtn_ctx *c = vctx;
     mq_qtensor *q = c->q;
-    int64_t r1 = (task + 1) * ROWS_PER_TASK;
-    if (r1 > q->rows) r1 = q->rows;
     if (q->spec.scheme == MQ_QS_KQUANT) {
-        for (int64_t r = task * ROWS_PER_TASK; r < r1; r++)
+        for (int64_t r = r0; r < r1; r++)
             mq_kq_quantize_row(mq_kq_info_of(q->spec.kq), &q->spec, c->w + r * q->cols, q->cols, NULL,
                                q->params + r * q->n_groups, q->codes + r * q->cols);
         return;
     }
-    for (int64_t r = task * ROWS_PER_TASK; r < r1; r++)
+    for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < q->n_groups; g++) {
             const float *x = c->w + r * q->cols + g * q->group_size;
             mq_gparams *p = &q->params[r * q->n_groups + g];
@@ -741,7 +735,7 @@ moeq_status mq_quantize_rtn(const mq_qspec *s, const float *w, int64_t rows, int
         out->global_scale = global_scale > 0 ? global_scale
                                              : mq_nvfp4_global_scale(s, mq_absmax_pool(w, rows * cols));
     rtn_ctx c = {w, out};
-    mq_parallel_for((rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, rtn_task, &c);
+    mq_parallel_ranges(rows, ROWS_PER_TASK, rtn_task, &c);
     return MOEQ_OK;
 }
 
@@ -809,13 +803,12 @@ void mq_dequantize_rows(const mq_qtensor *q, float *w_all, int64_t r0, int64_t r
     }
 }
 
-static void deq_task(void *vctx, int64_t task, int thread) {
-    (void)thread;
+static void deq_task(void *vctx, int64_t r0, int64_t r1) {
     const deq_ctx *c = vctx;
-    mq_dequantize_rows(c->q, c->w, task * ROWS_PER_TASK, (task + 1) * ROWS_PER_TASK);
+    mq_dequantize_rows(c->q, c->w, r0, r1);
 }
 
 void mq_dequantize(const mq_qtensor *q, float *w) {
     deq_ctx c = {q, w};
-    mq_parallel_for((q->rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, deq_task, &c);
+    mq_parallel_ranges(q->rows, ROWS_PER_TASK, deq_task, &c);
 }

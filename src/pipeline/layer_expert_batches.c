@@ -265,33 +265,10 @@ static void batch_combine_task(void *ctx, int64_t i, int thread) {
 }
 
 static void batch_free(ex_batch *b) {
-    free(b->xin);
-    mq_free(b->xin_buf);
-    free(b->xinf);
-    mq_free(b->xinf_buf);
-    mq_free(b->xgf);
-    mq_free(b->hgf);
-    mq_free(b->huf);
-    free(b->cnt);
-    free(b->pos);
-    free(b->ebase);
-    mq_free(b->tok);
-    mq_free(b->tsample);
-    mq_free(b->rw);
-    mq_free(b->tok_row);
-    mq_free(b->xg);
-    mq_free(b->hg);
-    mq_free(b->hu);
-    mq_free(b->yg);
-    mq_free(b->tasks);
-    mq_free(b->grow);
-    free(b->xrows);
-    free(b->xfirst);
-    mq_free(b->htasks);
-    mq_free(b->ctok);
-    mq_free(b->cfirst);
-    mq_free(b->crow);
-    mq_free(b->cw);
+    MQ_FREE_EACH(free, b->xin, b->xinf, b->cnt, b->pos, b->ebase, b->xrows, b->xfirst);
+    MQ_FREE_EACH(mq_free, b->xin_buf, b->xinf_buf, b->xgf, b->hgf, b->huf, b->tok, b->tsample, b->rw,
+                 b->tok_row, b->xg, b->hg, b->hu, b->yg, b->tasks, b->grow, b->htasks, b->ctok, b->cfirst,
+                 b->crow, b->cw);
 }
 
 /* Buffers for batches of up to nb samples and `rows` expert rows of a chunk of C experts. */

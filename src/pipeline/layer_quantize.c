@@ -193,11 +193,7 @@ typedef struct mq_pending_write {
 static void pending_free(pending_write *pw) {
     if (!pw) return;
     for (int j = 0; pw->q && j < 3 * pw->n + 1; j++) mq_qtensor_free(&pw->q[j]);
-    free(pw->q);
-    free(pw->slots);
-    free(pw->weight);
-    free(pw->amax);
-    free(pw->stats);
+    MQ_FREE_EACH(free, pw->q, pw->slots, pw->weight, pw->amax, pw->stats);
     free(pw);
 }
 
@@ -273,10 +269,7 @@ static moeq_status finish_slots(mq_pipe *p, int l, const mq_slot *slots, int n, 
     } else if (!st) {
         st = put_and_record(p, l, slots, q, weight, amax, wst, m, true, in_place);
     }
-    free(weight);
-    free(amax);
-    free(wst);
-    free(in_place);
+    MQ_FREE_EACH(free, weight, amax, wst, in_place);
     return st;
 }
 
@@ -515,16 +508,7 @@ moeq_status mq_pipe_quantize_slots(mq_pipe *p, int l, mq_slot *slots, int n, flo
     if (!st && p->gx && p->seq) st = device_experts_follow(p, l, slots, n, job_of, written);
     for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
     for (int i = 0; factored && i < nf; i++) mq_gptq_factor_free(&f[i]);
-    free(Hs);
-    free(Ks);
-    free(names);
-    free(f);
-    free(jobs);
-    free(q);
-    free(gs);
-    free(stats);
-    free(job_of);
-    free(written);
+    MQ_FREE_EACH(free, Hs, Ks, names, f, jobs, q, gs, stats, job_of, written);
     return st;
 }
 
@@ -568,10 +552,8 @@ typedef struct {
     int64_t n;
 } wire_codes;
 
-static void wire_codes_task(void *ctx, int64_t t, int thread) {
-    (void)thread;
+static void wire_codes_task(void *ctx, int64_t a, int64_t e) {
     const wire_codes *w = ctx;
-    const int64_t a = t * WIRE_PIECE, e = a + WIRE_PIECE < w->n ? a + WIRE_PIECE : w->n;
     const int64_t even = (e - a) & ~(int64_t)1;
     if (w->codes) mq_pack_u4_bytes(w->codes + a, even, w->bytes_out + a / 2);
     else mq_unpack_u4_bytes(w->bytes + a / 2, even, w->codes_out + a);
@@ -582,7 +564,7 @@ static void wire_codes_task(void *ctx, int64_t t, int thread) {
 }
 
 static void wire_codes_run(wire_codes w) {
-    mq_parallel_for((w.n + WIRE_PIECE - 1) / WIRE_PIECE, wire_codes_task, &w);
+    mq_parallel_ranges(w.n, WIRE_PIECE, wire_codes_task, &w);
 }
 
 static moeq_status wire_pack(const mq_slot *s, int k, void **out, size_t *n) {
@@ -694,10 +676,7 @@ moeq_status mq_pipe_share_slots(mq_pipe *p, int l, mq_slot *slots, int n) {
         }
     if (!st) st = put_and_record(p, l, slots, q, weight, amax, wst, m, true, NULL);
     for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
-    free(q);
-    free(weight);
-    free(amax);
-    free(wst);
+    MQ_FREE_EACH(free, q, weight, amax, wst);
 done:
     for (int i = 0; i < n; i++) {
         for (int k = 0; k < slots[i].nw; k++) mq_qtensor_free(&slots[i].q[k]);

@@ -35,13 +35,7 @@ void mq_out_plan_free(mq_out_plan *p) {
         mq_free((void *)p->dq[i]->data);
         free(p->dq[i]);
     }
-    free(p->dq);
-    free(p->items);
-    free(p->pass);
-    free(p->group_keys);
-    free(p->by_name);
-    free(p->decls);
-    free(p->decl_names);
+    MQ_FREE_EACH(free, p->dq, p->items, p->pass, p->group_keys, p->by_name, p->decls, p->decl_names);
     memset(p, 0, sizeof *p);
 }
 
@@ -78,21 +72,14 @@ static bool ends_with(const char *s, const char *suf) {
     return a >= b && strcmp(s + a - b, suf) == 0;
 }
 
-static moeq_status grow(void **v, size_t *cap, size_t n, size_t elem) {
-    if (n < *cap) return MOEQ_OK;
-    size_t c = *cap ? 2 * *cap : 64;
-    void *x = realloc(*v, c * elem);
-    if (!x) return mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
-    *v = x;
-    *cap = c;
-    return MOEQ_OK;
-}
+#define PLAN_WHAT "the checkpoint's plan"   /* what runs out of memory in mq_grow's message */
 
 /* src_module: the source's name of the module (malloc'ed, owned from here). */
 static moeq_status item_add(mq_out_plan *p, char *src_module, bool mixtral,
                             const mq_tensor_view *src, int64_t offset, int64_t rows, int64_t cols) {
     char *module = src_module ? out_name(src_module, mixtral) : NULL;
-    moeq_status s = module ? grow((void **)&p->items, &p->cap_items, p->n_items, sizeof *p->items)
+    moeq_status s = module ? mq_grow((void **)&p->items, &p->cap_items, p->n_items, sizeof *p->items,
+                                     PLAN_WHAT)
                            : mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
     if (s) {
         free(src_module);
@@ -102,6 +89,21 @@ static moeq_status item_add(mq_out_plan *p, char *src_module, bool mixtral,
     int layer = layer_of(module);
     p->items[p->n_items++] = (mq_plan_item){module, src_module, src, offset, rows, cols, layer,
                                             true, false, -1, {0}};
+    if (layer + 1 > p->n_layers) p->n_layers = layer + 1;
+    return MOEQ_OK;
+}
+
+/* A pass-through tensor under `name` (malloc'ed, owned from here; NULL: out of memory), in the
+ * decoder layer its name says unless raw (an MTP layer's: outside them). */
+static moeq_status pass_add(mq_out_plan *p, char *name, const mq_tensor_view *src, bool raw) {
+    moeq_status s = name ? mq_grow((void **)&p->pass, &p->cap_pass, p->n_pass, sizeof *p->pass, PLAN_WHAT)
+                         : mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
+    if (s) {
+        free(name);
+        return s;
+    }
+    const int layer = raw ? -1 : layer_of(name);
+    p->pass[p->n_pass++] = (mq_plan_pass){name, src, layer, raw};
     if (layer + 1 > p->n_layers) p->n_layers = layer + 1;
     return MOEQ_OK;
 }
@@ -122,16 +124,9 @@ static moeq_status plan_mtp(mq_out_plan *p, const mq_tensor_view *t, const mq_pl
         p->n_mtp_dropped++;
         return MOEQ_OK;
     }
-    char *name = mq_strdup(t->name);
-    moeq_status s = name ? grow((void **)&p->pass, &p->cap_pass, p->n_pass, sizeof *p->pass)
-                         : mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
-    if (s) {
-        free(name);
-        return s;
-    }
-    p->pass[p->n_pass++] = (mq_plan_pass){name, t, -1, true};
-    p->n_mtp_pass++;
-    return MOEQ_OK;
+    moeq_status s = pass_add(p, mq_strdup(t->name), t, true);
+    if (!s) p->n_mtp_pass++;
+    return s;
 }
 
 /* Linears and pass-through tensors, in the source's (name) order. */
@@ -174,30 +169,13 @@ static moeq_status plan_tensors(mq_out_plan *p, const mq_st *st, bool mixtral,
                 }
             }
         } else {
-            char *name = out_name(t->name, mixtral);
-            s = name ? grow((void **)&p->pass, &p->cap_pass, p->n_pass, sizeof *p->pass)
-                     : mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
-            if (s) {
-                free(name);
-                return s;
-            }
-            int layer = layer_of(name);
-            p->pass[p->n_pass++] = (mq_plan_pass){name, t, layer, false};
-            if (layer + 1 > p->n_layers) p->n_layers = layer + 1;
+            s = pass_add(p, out_name(t->name, mixtral), t, false);
         }
         if (s) return s;
     }
     const mq_tensor_view *e = mq_st_find(st, "model.embed_tokens.weight");
-    if (o->untie_lm_head && e && !mq_st_find(st, "lm_head.weight")) {
-        char *name = mq_strdup("lm_head.weight");
-        moeq_status s = name ? grow((void **)&p->pass, &p->cap_pass, p->n_pass, sizeof *p->pass)
-                             : mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
-        if (s) {
-            free(name);
-            return s;
-        }
-        p->pass[p->n_pass++] = (mq_plan_pass){name, e, -1, false};
-    }
+    if (o->untie_lm_head && e && !mq_st_find(st, "lm_head.weight"))
+        return pass_add(p, mq_strdup("lm_head.weight"), e, false);
     return MOEQ_OK;
 }
 
@@ -316,7 +294,7 @@ const mq_plan_item *mq_out_plan_find(const mq_out_plan *p, const char *module) {
 /* *src (an FP8 block-quantized weight) becomes an owned BF16 view of its dequantized values. */
 static moeq_status dequant_bf16(mq_out_plan *p, const mq_tensor_view **src) {
     const mq_tensor_view *t = *src;
-    moeq_status s = grow((void **)&p->dq, &p->cap_dq, p->n_dq, sizeof *p->dq);
+    moeq_status s = mq_grow((void **)&p->dq, &p->cap_dq, p->n_dq, sizeof *p->dq, PLAN_WHAT);
     if (s) return s;
     mq_tensor_view *v = calloc(1, sizeof *v);
     float *f = mq_alloc_array((size_t)t->numel, sizeof(float), t->name);
@@ -359,7 +337,8 @@ static moeq_status plan_dequant(mq_out_plan *p) {
 static moeq_status decl_add(void *user, const char *name, moeq_dtype dtype, int ndim,
                             const int64_t *shape) {
     mq_out_plan *p = user;
-    moeq_status s = grow((void **)&p->decls, &p->cap_decls, p->n_decls, sizeof *p->decls);
+    moeq_status s = mq_grow((void **)&p->decls, &p->cap_decls, p->n_decls, sizeof *p->decls,
+                            PLAN_WHAT);
     if (s) return s;
     char **nv = realloc(p->decl_names, p->cap_decls * sizeof *nv);
     if (!nv) return mq_err(MOEQ_E_NOMEM, "out of memory");

@@ -611,40 +611,10 @@ static void run_task(void *vctx, int64_t task, int thread) {
 static void scratch_free(scratch *s, int n) {
     if (!s) return;
     for (int i = 0; i < n; i++) {
-        mq_free(s[i].wt);
-        mq_free(s[i].et);
-        mq_free(s[i].tmp);
-        mq_free(s[i].dq);
-        mq_free(s[i].ct);
-        mq_free(s[i].gp);
-        mq_free(s[i].step);
-        mq_free(s[i].zero);
-        mq_free(s[i].ready);
-        mq_free(s[i].d);
-        mq_free(s[i].w0t);
-        mq_free(s[i].hw);
-        mq_free(s[i].pos);
-        mq_free(s[i].ucol);
-        mq_free(s[i].ord);
-        mq_free(s[i].wl);
-        mq_free(s[i].lwork);
-        mq_free(s[i].lcode);
-        mq_free(s[i].cand);
-        mq_free(s[i].nc);
-        mq_free(s[i].kstep);
-        mq_free(s[i].kzero);
-        mq_free(s[i].bestk);
-        mq_free(s[i].score);
-        mq_free(s[i].best);
-        mq_free(s[i].gt);
-        mq_free(s[i].hsub);
-        mq_free(s[i].hcols);
-        mq_free(s[i].cv);
-        mq_free(s[i].dv);
-        mq_free(s[i].xlo);
-        mq_free(s[i].xhi);
-        mq_free(s[i].blo);
-        mq_free(s[i].bhi);
+        MQ_FREE_EACH(mq_free, s[i].wt, s[i].et, s[i].tmp, s[i].dq, s[i].ct, s[i].gp, s[i].step, s[i].zero,
+                     s[i].ready, s[i].d, s[i].w0t, s[i].hw, s[i].pos, s[i].ucol, s[i].ord, s[i].wl, s[i].lwork,
+                     s[i].lcode, s[i].cand, s[i].nc, s[i].kstep, s[i].kzero, s[i].bestk, s[i].score, s[i].best,
+                     s[i].gt, s[i].hsub, s[i].hcols, s[i].cv, s[i].dv, s[i].xlo, s[i].xhi, s[i].blo, s[i].bhi);
     }
     free(s);
 }

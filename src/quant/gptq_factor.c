@@ -24,13 +24,7 @@ void mq_gptq_blas_single(void) { pthread_once(&g_blas_once, blas_single_thread);
 
 void mq_gptq_factor_free(mq_gptq_factor *f) {
     if (!f) return;
-    mq_free(f->U);
-    mq_free(f->R);
-    mq_free(f->perm);
-    mq_free(f->inv_perm);
-    mq_free(f->dead);
-    mq_free(f->hdiag);
-    mq_free(f->Hp);
+    MQ_FREE_EACH(mq_free, f->U, f->R, f->perm, f->inv_perm, f->dead, f->hdiag, f->Hp);
     memset(f, 0, sizeof *f);
 }
 

@@ -77,10 +77,9 @@ typedef struct {
     float scale, sh;
 } form_job;
 
-static void form_task(void *ctx, int64_t blk, int thread) {
-    (void)thread;
+static void form_task(void *ctx, int64_t a0, int64_t a1) {
     const form_job *j = ctx;
-    const int64_t K = j->K, a0 = blk * FORM_TILE, a1 = a0 + FORM_TILE < K ? a0 + FORM_TILE : K;
+    const int64_t K = j->K;
     for (int64_t b0 = 0; b0 < a1; b0 += FORM_TILE) {
         const int64_t b1 = b0 + FORM_TILE < K ? b0 + FORM_TILE : K;
         for (int64_t a = a0; a < a1; a++)
@@ -97,7 +96,7 @@ static void form_task(void *ctx, int64_t blk, int thread) {
 
 static void form(const mq_hessian *h, float *whole, float *held, float sh) {
     form_job j = {h->sum, h->fit, whole, held, h->K, h->n > 0 ? 2.0f / (float)h->n : 0.0f, sh};
-    mq_parallel_for((h->K + FORM_TILE - 1) / FORM_TILE, form_task, &j);
+    mq_parallel_ranges(h->K, FORM_TILE, form_task, &j);
 }
 
 void mq_hessian_get_split(mq_hessian *h, float *whole, float *held, int64_t *n_fit,
