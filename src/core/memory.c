@@ -326,6 +326,18 @@ void mq_touch_pages(void *const *base, const size_t *bytes, int64_t n) { pieces_
 
 char *mq_strdup(const char *s) { return s ? mq_strndup(s, strlen(s)) : NULL; }
 
+int64_t mq_sorted_find(const char *key, size_t n, const char *(*name)(const void *ctx, size_t i), const void *ctx) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        const size_t mid = lo + (hi - lo) / 2;
+        const int c = strcmp(name(ctx, mid), key);
+        if (c == 0) return (int64_t)mid;
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return -1;
+}
+
 char *mq_strndup(const char *s, size_t n) {
     char *r = malloc(n + 1);
     if (!r) {

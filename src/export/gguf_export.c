@@ -768,23 +768,20 @@ static void put_kvs(exporter *x, mq_gguf_writer *w, const vocab *v, const char *
     mq_gguf_kv_u32(w, AK("block_count"), (uint32_t)a->L);
     mq_gguf_kv_u32(w, AK("feed_forward_length"), (uint32_t)a->FF);
     mq_gguf_kv_u32(w, AK("attention.head_count"), (uint32_t)a->H);
+    /* absorbed MLA: one shared latent "head" of kv_lora (+ rope for keys); *_mla per head */
+    mq_gguf_kv_u32(w, AK("attention.head_count_kv"), (uint32_t)(a->mla ? 1 : a->KV));
+    mq_gguf_kv_u32(w, AK("attention.key_length"), (uint32_t)(a->mla ? a->kv_lora + a->rope : a->HD));
+    mq_gguf_kv_u32(w, AK("attention.value_length"), (uint32_t)(a->mla ? a->kv_lora : a->HD));
     if (a->mla) {
-        /* absorbed MLA: one shared latent "head" of kv_lora (+ rope for keys); *_mla per head */
-        mq_gguf_kv_u32(w, AK("attention.head_count_kv"), 1);
-        mq_gguf_kv_u32(w, AK("attention.key_length"), (uint32_t)(a->kv_lora + a->rope));
-        mq_gguf_kv_u32(w, AK("attention.value_length"), (uint32_t)a->kv_lora);
         mq_gguf_kv_u32(w, AK("attention.key_length_mla"), (uint32_t)(a->nope + a->rope));
         mq_gguf_kv_u32(w, AK("attention.value_length_mla"), (uint32_t)a->vhd);
-        mq_gguf_kv_u32(w, AK("rope.dimension_count"), (uint32_t)a->rope);
+    }
+    mq_gguf_kv_u32(w, AK("rope.dimension_count"), (uint32_t)(a->mla ? a->rope : a->HD));
+    if (a->mla) {
         /* 0 = a plain q_proj: this llama.cpp reads the key for every model but DeepSeek-V2-Lite's
          * layer counts and then takes attn_q when it is 0 */
         mq_gguf_kv_u32(w, AK("attention.q_lora_rank"), (uint32_t)a->q_lora);
         mq_gguf_kv_u32(w, AK("attention.kv_lora_rank"), (uint32_t)a->kv_lora);
-    } else {
-        mq_gguf_kv_u32(w, AK("attention.head_count_kv"), (uint32_t)a->KV);
-        mq_gguf_kv_u32(w, AK("attention.key_length"), (uint32_t)a->HD);
-        mq_gguf_kv_u32(w, AK("attention.value_length"), (uint32_t)a->HD);
-        mq_gguf_kv_u32(w, AK("rope.dimension_count"), (uint32_t)a->HD);
     }
     mq_gguf_kv_f32(w, AK("rope.freq_base"), (float)a->theta);
     mq_gguf_kv_f32(w, AK("attention.layer_norm_rms_epsilon"), (float)a->eps);

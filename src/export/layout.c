@@ -23,18 +23,29 @@ const char *mq_ckpt_format_name(mq_ckpt_format f) {
 
 /* ---- emitting ----------------------------------------------------------------------------- */
 
+/* A module's tensors go to emit (mq_layout_emit) or their declarations to describe
+ * (mq_layout_describe), named "module.suffix". */
 typedef struct {
     const char *module;
     mq_emit_fn emit;
+    mq_describe_fn describe;
     void *user;
 } emitter;
 
+enum { NAME_CAP = 1024 };
+
+static moeq_status tensor_name(const emitter *e, const char *suffix, char name[NAME_CAP]) {
+    if (snprintf(name, NAME_CAP, "%s.%s", e->module, suffix) < NAME_CAP) return MOEQ_OK;
+    return mq_err(MOEQ_E_ARG, "module name too long: '%s'", e->module);
+}
+
 static moeq_status emit_owned(const emitter *e, const char *suffix, moeq_dtype dt, int ndim,
                               const int64_t *shape, void *data, size_t nbytes) {
-    char name[1024];
-    if (snprintf(name, sizeof name, "%s.%s", e->module, suffix) >= (int)sizeof name) {
+    char name[NAME_CAP];
+    moeq_status s = tensor_name(e, suffix, name);
+    if (s) {
         mq_free(data);
-        return mq_err(MOEQ_E_ARG, "module name too long: '%s'", e->module);
+        return s;
     }
     return e->emit(e->user, name, dt, ndim, shape, data, nbytes);
 }
@@ -160,7 +171,7 @@ static moeq_status emit_gptq(const emitter *e, const mq_qtensor *q) {
 
 moeq_status mq_layout_emit_input_scale(mq_ckpt_format fmt, const char *module, float input_amax,
                                        mq_emit_fn emit, void *user) {
-    emitter e = {module, emit, user};
+    emitter e = {module, emit, NULL, user};
     if (fmt == MQ_FMT_GGUF) fmt = MQ_FMT_CT;   /* assembled as compressed-tensors */
     if (fmt == MQ_FMT_CT) return emit_f32_scalar(&e, "input_global_scale", 2688.0f / input_amax, 1);
     if (fmt == MQ_FMT_MODELOPT) return emit_f32_scalar(&e, "input_scale", input_amax / 2688.0f, 0);
@@ -169,7 +180,7 @@ moeq_status mq_layout_emit_input_scale(mq_ckpt_format fmt, const char *module, f
 
 moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qtensor *q,
                            float input_amax, mq_emit_fn emit, void *user) {
-    emitter e = {module, emit, user};
+    emitter e = {module, emit, NULL, user};
     if (q->spec.scheme == MQ_QS_KQUANT) {
         if (fmt != MQ_FMT_GGUF)
             return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': llama.cpp's block types are GGUF's", module);
@@ -224,25 +235,18 @@ moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qten
 /* What mq_layout_emit will emit, without the data: the checkpoint writer plans its files from
  * this before any weight is quantized. Kept in step with the emitters above (tested). */
 
-typedef struct {
-    const char *module;
-    mq_describe_fn fn;
-    void *user;
-} describer;
-
-static moeq_status describe(const describer *d, const char *suffix, moeq_dtype dt, int ndim,
-                            int64_t d0, int64_t d1) {
-    char name[1024];
-    if (snprintf(name, sizeof name, "%s.%s", d->module, suffix) >= (int)sizeof name)
-        return mq_err(MOEQ_E_ARG, "module name too long: '%s'", d->module);
+static moeq_status describe(const emitter *d, const char *suffix, moeq_dtype dt, int ndim, int64_t d0,
+                            int64_t d1) {
+    char name[NAME_CAP];
+    moeq_status s = tensor_name(d, suffix, name);
     int64_t shape[2] = {d0, d1};
-    return d->fn(d->user, name, dt, ndim, shape);
+    return s ? s : d->describe(d->user, name, dt, ndim, shape);
 }
 
 moeq_status mq_layout_describe(mq_ckpt_format fmt, const char *module, const mq_qspec *spec,
                                int64_t N, int64_t K, bool g_idx, bool input_scale,
                                mq_describe_fn fn, void *user) {
-    describer d = {module, fn, user};
+    emitter d = {module, NULL, fn, user};
     if (spec->scheme == MQ_QS_KQUANT) {
         if (fmt != MQ_FMT_GGUF)
             return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': llama.cpp's block types are GGUF's", module);

@@ -215,16 +215,10 @@ static int cmp_str(const void *a, const void *b) {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
+static const char *name_at(const void *ctx, size_t i) { return ((const mq_ckpt_writer *)ctx)->names[i]; }
+
 static long name_index(const mq_ckpt_writer *w, const char *name) {
-    size_t lo = 0, hi = w->n;
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        int c = strcmp(w->names[mid], name);
-        if (c == 0) return (long)mid;
-        if (c < 0) lo = mid + 1;
-        else hi = mid;
-    }
-    return -1;
+    return (long)mq_sorted_find(name, w->n, name_at, w);
 }
 
 /* name_index, or MOEQ_E_NOTFOUND naming the tensor. */

@@ -325,6 +325,10 @@ bool mq_work_acts_read(const char *path, const mq_acts_shape *a, float *tmp, mq_
 bool mq_fault_point(const char *where, int a, int b);
 
 /* ---- report.c ---- */
+/* A layer's stage seconds as the object "seconds" of parent (the report's layers and totals, the
+ * work manifest's records; returned), and back from one (a resume: what is missing reads 0). */
+cJSON *mq_layer_seconds_put(cJSON *parent, const mq_layer_report *lr);
+void mq_layer_seconds_get(mq_layer_report *lr, const cJSON *parent);
 cJSON *mq_mod_report_json(const mq_mod_report *r);
 /* The JSON report into path and, when html_path, the page drawn from it (report_html.c). */
 moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html_path);

@@ -275,15 +275,14 @@ static int cmp_item_name(const void *a, const void *b) {
                   g_name_plan->items[*(const size_t *)b].module);
 }
 
+static const char *item_by_name(const void *ctx, size_t i) {
+    const mq_out_plan *p = ctx;
+    return p->items[p->by_name[i]].module;
+}
+
 const mq_plan_item *mq_out_plan_find(const mq_out_plan *p, const char *module) {
-    size_t lo = 0, hi = p->n_items;
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        int c = strcmp(p->items[p->by_name[mid]].module, module);
-        if (c == 0) return &p->items[p->by_name[mid]];
-        if (c < 0) lo = mid + 1;
-        else hi = mid;
-    }
+    const int64_t k = mq_sorted_find(module, p->n_items, item_by_name, p);
+    if (k >= 0) return &p->items[p->by_name[k]];
     for (size_t i = 0; i < p->n_items; i++)   /* a source name (rare: Mixtral under mlp.) */
         if (strcmp(p->items[i].src_module, module) == 0) return &p->items[i];
     return NULL;

@@ -4,6 +4,7 @@
  * against the RTN loss, damping, dead columns, seconds), with totals. Written atomically.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,6 +13,33 @@
 static void json_num(cJSON *o, const char *k, double v) {
     if (isfinite(v)) cJSON_AddNumberToObject(o, k, v);
     else cJSON_AddNullToObject(o, k);
+}
+
+/* A layer's stage seconds under the names the report and the work manifest give them. */
+static const struct {
+    const char *key;
+    size_t at;   /* the double's offset in mq_layer_report */
+} k_stages[] = {
+    {"total", offsetof(mq_layer_report, total)},      {"forward", offsetof(mq_layer_report, forward)},
+    {"hessians", offsetof(mq_layer_report, hessian)}, {"gptq", offsetof(mq_layer_report, gptq)},
+    {"write", offsetof(mq_layer_report, write)},      {"read", offsetof(mq_layer_report, read)},
+};
+enum { N_STAGES = sizeof k_stages / sizeof *k_stages };
+
+cJSON *mq_layer_seconds_put(cJSON *parent, const mq_layer_report *lr) {
+    cJSON *s = cJSON_AddObjectToObject(parent, "seconds");
+    for (int i = 0; i < N_STAGES; i++)
+        cJSON_AddNumberToObject(s, k_stages[i].key, *(const double *)((const char *)lr + k_stages[i].at));
+    return s;
+}
+
+void mq_layer_seconds_get(mq_layer_report *lr, const cJSON *parent) {
+    const cJSON *s = cJSON_GetObjectItemCaseSensitive(parent, "seconds");
+    for (int i = 0; i < N_STAGES; i++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(s, k_stages[i].key);
+        double *x = (double *)((char *)lr + k_stages[i].at);
+        *x = cJSON_IsNumber(v) && isfinite(v->valuedouble) ? v->valuedouble : 0.0;
+    }
 }
 
 cJSON *mq_mod_report_json(const mq_mod_report *x) {
@@ -151,14 +179,10 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
     cJSON_AddNumberToObject(cal, "samples", (double)r->samples);
     cJSON_AddNumberToObject(cal, "tokens", (double)r->tokens);
     cJSON_AddItemToObject(j, "plan", plan_json(&r->plan));
-    cJSON *sec = cJSON_AddObjectToObject(j, "seconds");
-    cJSON_AddNumberToObject(sec, "total", r->seconds_total);
-    cJSON_AddNumberToObject(sec, "forward", r->seconds_forward);
-    cJSON_AddNumberToObject(sec, "hessians", r->seconds_hessian);
-    cJSON_AddNumberToObject(sec, "gptq", r->seconds_gptq);
-    cJSON_AddNumberToObject(sec, "write", r->seconds_write);
-    cJSON_AddNumberToObject(sec, "read", r->seconds_read);
-    cJSON_AddNumberToObject(sec, "balance", r->balance_seconds);
+    const mq_layer_report all = {.total = r->seconds_total, .forward = r->seconds_forward,
+                                 .hessian = r->seconds_hessian, .gptq = r->seconds_gptq,
+                                 .write = r->seconds_write, .read = r->seconds_read};
+    cJSON_AddNumberToObject(mq_layer_seconds_put(j, &all), "balance", r->balance_seconds);
     cJSON_AddNumberToObject(j, "peak_anon_bytes", (double)r->peak_anon);
     cJSON_AddNumberToObject(j, "layers_resumed", r->layers_resumed);
     if (p->budget_json) cJSON_AddItemToObject(j, "kquant_budget", cJSON_Duplicate(p->budget_json, 1));
@@ -168,13 +192,7 @@ moeq_status mq_report_write(const mq_pipe *p, const char *path, const char *html
         const mq_layer_report *lr = &p->layers[l];
         cJSON *x = cJSON_CreateObject();
         cJSON_AddNumberToObject(x, "layer", l);
-        cJSON *s = cJSON_AddObjectToObject(x, "seconds");
-        cJSON_AddNumberToObject(s, "total", lr->total);
-        cJSON_AddNumberToObject(s, "forward", lr->forward);
-        cJSON_AddNumberToObject(s, "hessians", lr->hessian);
-        cJSON_AddNumberToObject(s, "gptq", lr->gptq);
-        cJSON_AddNumberToObject(s, "write", lr->write);
-        cJSON_AddNumberToObject(s, "read", lr->read);
+        mq_layer_seconds_put(x, lr);
         cJSON_AddNumberToObject(x, "peak_anon_bytes", (double)lr->peak_anon);
         cJSON_AddNumberToObject(x, "expert_chunks", lr->chunks);
         if (p->gpu) {   /* where the routed experts' rows, inputs and outputs lived */

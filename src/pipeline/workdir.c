@@ -238,11 +238,6 @@ static bool json_int(const cJSON *v, int64_t lo, int64_t hi, int64_t *out) {
 }
 
 /* A report figure: a finite number, else 0 (a record's report is for the summary only). */
-static double json_num(const cJSON *o, const char *key) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    return cJSON_IsNumber(v) && isfinite(v->valuedouble) ? v->valuedouble : 0.0;
-}
-
 moeq_status mq_work_manifest_parse(const char *path, const char *text, size_t len, cJSON **out) {
     *out = NULL;
     cJSON *m = cJSON_ParseWithLength(text, len);
@@ -349,12 +344,7 @@ static void resume_layers(mq_pipe *p, const char *mpath) {
         if (l >= done) break;
         const cJSON *rep = cJSON_GetObjectItemCaseSensitive(rec, "report");
         mq_layer_report *lr = &p->layers[l++];
-        const cJSON *sec = cJSON_GetObjectItemCaseSensitive(rep, "seconds");
-        lr->forward = json_num(sec, "forward");
-        lr->hessian = json_num(sec, "hessians");
-        lr->gptq = json_num(sec, "gptq");
-        lr->write = json_num(sec, "write");
-        lr->total = json_num(sec, "total");
+        mq_layer_seconds_get(lr, rep);
         int64_t v;
         lr->peak_anon = json_int(cJSON_GetObjectItemCaseSensitive(rep, "peak_anon_bytes"), 0, INT64_MAX, &v) ? v : 0;
         lr->chunks = json_int(cJSON_GetObjectItemCaseSensitive(rep, "expert_chunks"), 0, INT32_MAX, &v) ? (int)v : 0;
@@ -496,6 +486,13 @@ static char *acts_name(int layer) { return mq_asprintf("acts-%d.bin", layer); }
 static int snap_streams(const mq_pipe *p) { return 1 + (p->target ? 1 : 0); }
 static const mq_actbuf *snap_buf(const mq_pipe *p, int64_t r) { return r < p->calib.n ? &p->X : &p->XF; }
 
+/* Row r's *n values: in its buffer, or read into tmp (mq_actbuf_view). */
+static const float *snap_row(const mq_pipe *p, int64_t r, float *tmp, size_t *n) {
+    const int64_t smp = r % p->calib.n;
+    *n = (size_t)(p->calib.len[smp] * p->c->D);
+    return mq_actbuf_view(snap_buf(p, r), (size_t)(smp * p->LD), *n, tmp);
+}
+
 bool mq_work_boundary(const cJSON *manifest, int *layer, uint32_t *crc) {
     const cJSON *b = cJSON_GetObjectItemCaseSensitive(manifest, "boundary");
     int64_t l, c;
@@ -548,9 +545,8 @@ typedef struct {
 static void boundary_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     const boundary_job *j = ctx;
-    const int64_t smp = i % j->p->calib.n;
-    const size_t n = (size_t)(j->p->calib.len[smp] * j->p->c->D);
-    const float *v = mq_actbuf_view(snap_buf(j->p, i), (size_t)(smp * j->p->LD), n, NULL);
+    size_t n;
+    const float *v = snap_row(j->p, i, NULL, &n);
     j->crc[i] = mq_crc32(0, v, n * sizeof(float));
     j->st[i] = mq_atomic_pwrite(j->af, v, n * sizeof(float), j->off[i]);
 }
@@ -593,8 +589,8 @@ static moeq_status write_boundary(mq_pipe *p, int layer, uint32_t *crc_out) {
         if (!s) s = mq_atomic_pwrite(&af, &crc, sizeof crc, at);
     } else {
         for (int64_t i = 0; i < R && !s; i++) {
-            size_t n = (size_t)(p->calib.len[i % S] * D);
-            const float *v = mq_actbuf_view(snap_buf(p, i), (size_t)(i % S * p->LD), n, tmp);
+            size_t n;
+            const float *v = snap_row(p, i, tmp, &n);
             crc = mq_crc32(crc, v, n * sizeof(float));
             s = mq_atomic_write(&af, v, n * sizeof(float));
         }
@@ -648,10 +644,9 @@ typedef struct {
 static void snap_copy_task(void *ctx, int64_t i, int thread) {
     (void)thread;
     const snap_copy_job *j = ctx;
-    const int64_t smp = i % j->p->calib.n;
-    const size_t n = (size_t)(j->p->calib.len[smp] * j->p->c->D);
     float *d = j->dst + j->at[i];
-    const float *v = mq_actbuf_view(snap_buf(j->p, i), (size_t)(smp * j->p->LD), n, d);
+    size_t n;
+    const float *v = snap_row(j->p, i, d, &n);
     if (v != d) memcpy(d, v, n * sizeof(float));
     j->crc[i] = mq_crc32(0, d, n * sizeof(float));
 }
@@ -926,12 +921,7 @@ static moeq_status layer_done(mq_pipe *p, int l) {
     cJSON_AddItemToObject(rec, "tensors", t);
     const mq_layer_report *lr = &p->layers[l];
     cJSON *rep = cJSON_AddObjectToObject(rec, "report");
-    cJSON *sec = cJSON_AddObjectToObject(rep, "seconds");
-    cJSON_AddNumberToObject(sec, "forward", lr->forward);
-    cJSON_AddNumberToObject(sec, "hessians", lr->hessian);
-    cJSON_AddNumberToObject(sec, "gptq", lr->gptq);
-    cJSON_AddNumberToObject(sec, "write", lr->write);
-    cJSON_AddNumberToObject(sec, "total", lr->total);
+    mq_layer_seconds_put(rep, lr);
     cJSON_AddNumberToObject(rep, "peak_anon_bytes", (double)lr->peak_anon);
     cJSON_AddNumberToObject(rep, "expert_chunks", lr->chunks);
     cJSON_AddItemToObject(rep, "modules", cJSON_Duplicate(lr->modules, 1));
