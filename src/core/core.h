@@ -43,11 +43,19 @@ void *mq_alloc(size_t n, const char *what);
 void *mq_alloc_zero(size_t n, const char *what);
 void *mq_alloc_array(size_t count, size_t elem, const char *what);
 void mq_free(void *p);
-/* The buffers a struct owns released in one statement: MQ_FREE_EACH(mq_free, a, b, ...) for
- * mq_alloc memory, MQ_FREE_EACH(free, a, b, ...) for malloc's (NULL is fine for both). */
-void mq_free_each(void (*release)(void *), void *const *p, size_t n);
-#define MQ_FREE_EACH(release, ...)                                                                 \
-    mq_free_each(release, (void *const[]){__VA_ARGS__}, sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *))
+/* Releases each of n pointers (NULLs skipped): with free() (malloc'd) or mq_free (mq_alloc'd).
+ * For a struct's owned arrays, listed once: MQ_FREE_EACH(t->a, t->b), MQ_RELEASE_EACH(...). */
+void mq_free_each(void *const *p, size_t n);
+void mq_release_each(void *const *p, size_t n);
+#define MQ_PTRS_(...) ((void *const[]){__VA_ARGS__}), sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *)
+#define MQ_FREE_EACH(...) mq_free_each(MQ_PTRS_(__VA_ARGS__))
+#define MQ_RELEASE_EACH(...) mq_release_each(MQ_PTRS_(__VA_ARGS__))
+/* Room for need elements of `elem` bytes in the malloc'd array whose pointer is at arrp: its
+ * capacity *cap doubled (from `first` when 0) until it holds them; false, the array unchanged,
+ * when memory runs out. */
+bool mq_reserve(void *arrp, size_t *cap, size_t need, size_t elem, size_t first);
+/* mq_reserve's room for one more of n elements, MOEQ_E_NOMEM naming `what` when memory runs out. */
+moeq_status mq_grow(void *arrp, size_t n, size_t *cap, size_t elem, size_t first, const char *what);
 /* Unmaps the freed blocks of 1 MB or more kept for reuse (core/memory.c: recycling), e.g. when a
  * job is done and its memory should go back to the system. */
 void mq_mem_release(void);
@@ -57,9 +65,6 @@ size_t mq_mem_kept_bytes(void);   /* the bytes kept for reuse now */
  * spread over the threads instead of falling on whatever touches the memory first (a driver
  * pinning it single-threaded, an unpacking on a critical path). */
 void mq_touch_pages(void *const *base, const size_t *bytes, int64_t n);
-/* Room for element n of the array *v of *cap elements of elem bytes: when n reaches *cap, *v is
- * realloc'ed to twice as many (64 at first). MOEQ_E_NOMEM naming what on failure (*v kept). */
-moeq_status mq_grow(void **v, size_t *cap, size_t n, size_t elem, const char *what);
 char *mq_strdup(const char *s);
 char *mq_strndup(const char *s, size_t n);
 /* printf into a new malloc'ed string (free with free()). */
@@ -169,12 +174,12 @@ void mq_remove_tree(const char *path);
  * serially on the calling thread. */
 typedef void (*mq_task_fn)(void *ctx, int64_t task, int thread);
 void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx);
-/* mq_parallel_for over [0, n) cut into pieces of `piece` (the last one shorter), one task a
- * piece: fn(ctx, begin, end) for the loops whose tasks are runs of rows or values and need no
- * per-thread scratch. */
-typedef void (*mq_range_fn)(void *ctx, int64_t begin, int64_t end);
-void mq_parallel_ranges(int64_t n, int64_t piece, mq_range_fn fn, void *ctx);
 int mq_pool_size(void);
+/* fn(ctx, lo, hi) over [0, n) cut into pieces of `step` (the last one shorter): as tasks of
+ * mq_parallel_for when pool, else in order on the calling thread. For elementwise or row-wise
+ * work, whose values do not depend on the cut. */
+typedef void (*mq_range_fn)(void *ctx, int64_t lo, int64_t hi);
+void mq_parallel_ranges(int64_t n, int64_t step, bool pool, mq_range_fn fn, void *ctx);
 /* Wall seconds spent so far in top-level mq_parallel_for calls of two or more tasks (the work that
  * can spread over the threads); a stage's wall time less this is what ran on one thread. */
 double mq_pool_seconds(void);

@@ -277,20 +277,6 @@ void mq_free(void *p) {
     }
 }
 
-moeq_status mq_grow(void **v, size_t *cap, size_t n, size_t elem, const char *what) {
-    if (n < *cap) return MOEQ_OK;
-    const size_t c = *cap ? 2 * *cap : 64;
-    void *x = c <= SIZE_MAX / elem ? realloc(*v, c * elem) : NULL;
-    if (!x) return mq_err(MOEQ_E_NOMEM, "out of memory: %s", what);
-    *v = x;
-    *cap = c;
-    return MOEQ_OK;
-}
-
-void mq_free_each(void (*release)(void *), void *const *p, size_t n) {
-    for (size_t i = 0; i < n; i++) release(p[i]);
-}
-
 enum { TOUCH_PIECE = 2 << 20, TOUCH_STRIDE = 4096 };   /* bytes a task; the smallest page */
 
 typedef struct {
@@ -360,4 +346,29 @@ char *mq_asprintf(const char *fmt, ...) {
     va_end(ap2);
     if (!r) mq_err(MOEQ_E_NOMEM, "out of memory formatting a string");
     return r;
+}
+
+void mq_free_each(void *const *p, size_t n) {
+    for (size_t i = 0; i < n; i++) free(p[i]);
+}
+
+void mq_release_each(void *const *p, size_t n) {
+    for (size_t i = 0; i < n; i++) mq_free(p[i]);
+}
+
+bool mq_reserve(void *arrp, size_t *cap, size_t need, size_t elem, size_t first) {
+    if (need <= *cap) return true;
+    size_t c = *cap ? *cap : first;
+    while (c < need) c *= 2;
+    void *arr;
+    memcpy(&arr, arrp, sizeof arr);
+    void *a = realloc(arr, c * elem);
+    if (!a) return false;
+    memcpy(arrp, &a, sizeof a);
+    *cap = c;
+    return true;
+}
+
+moeq_status mq_grow(void *arrp, size_t n, size_t *cap, size_t elem, size_t first, const char *what) {
+    return mq_reserve(arrp, cap, n + 1, elem, first) ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory: %s", what);
 }

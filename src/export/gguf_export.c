@@ -102,7 +102,7 @@ typedef struct {
 static const mq_tensor_view *lookup(void *user, const char *name) { return mq_st_find(user, name); }
 
 static moeq_status add(exporter *x, out_tensor *t) {
-    moeq_status s = mq_grow((void **)&x->t, &x->cap, x->n, sizeof *x->t, "the GGUF's tensor list");
+    moeq_status s = mq_grow(&x->t, x->n, &x->cap, sizeof *x->t, 64, "the GGUF's tensor list");
     if (s) return s;
     x->t[x->n++] = *t;
     return MOEQ_OK;

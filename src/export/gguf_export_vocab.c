@@ -76,7 +76,7 @@ static moeq_status pick_pre(const cJSON *tok, const char *path, const char **pre
 void mq_gguf_vocab_free(vocab *v) {
     for (int64_t i = 0; i < v->n; i++) free(v->tok ? v->tok[i] : NULL);
     for (int64_t i = 0; i < v->n_merges; i++) free(v->merges[i]);
-    MQ_FREE_EACH(free, v->tok, v->len, v->type, v->merges, v->mlen);
+    MQ_FREE_EACH(v->tok, v->len, v->type, v->merges, v->mlen);
 }
 
 /* A special token's id as moeq's tokenizer takes it (io/tokenizer.c): tokenizer_config.json's

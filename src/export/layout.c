@@ -178,25 +178,48 @@ moeq_status mq_layout_emit_input_scale(mq_ckpt_format fmt, const char *module, f
     return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the GPTQ format has no activation scales", module);
 }
 
-moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qtensor *q,
-                           float input_amax, mq_emit_fn emit, void *user) {
-    emitter e = {module, emit, NULL, user};
-    if (q->spec.scheme == MQ_QS_KQUANT) {
-        if (fmt != MQ_FMT_GGUF)
-            return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': llama.cpp's block types are GGUF's", module);
-        return mq_layout_ggml_emit(module, q, emit, user);
-    }
+/* Whether fmt holds a module of scheme sch with N out- and K in-features (what emitting and
+ * describing check first; GGUF assembles all but llama.cpp's block types as compressed-tensors). */
+static moeq_status layout_check(mq_ckpt_format fmt, const char *module, mq_qscheme sch, int64_t N,
+                                int64_t K) {
+    if (sch == MQ_QS_KQUANT && fmt != MQ_FMT_GGUF)
+        return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': llama.cpp's block types are GGUF's", module);
+    if (sch == MQ_QS_KQUANT) return MOEQ_OK;   /* its own checks: layout_ggml.c */
     if (fmt == MQ_FMT_GGUF) fmt = MQ_FMT_CT;
-    int64_t N = q->rows, K = q->cols;
-    mq_qscheme sch = q->spec.scheme;
     if (sch == MQ_QS_NVFP4) {
         if (fmt == MQ_FMT_GPTQ)
             return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the GPTQ format holds INT4 only", module);
         if (K % 16)
             return mq_err(MOEQ_E_SHAPE, "module '%s': NVFP4 needs in-features %% 16 == 0, got %lld",
                           module, (long long)K);
+        return MOEQ_OK;
+    }
+    if (sch != MQ_QS_INT4)
+        return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': scheme %s has no checkpoint layout", module,
+                      mq_qscheme_name(sch));
+    if (fmt == MQ_FMT_MODELOPT)
+        return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the ModelOpt format holds NVFP4 only",
+                      module);
+    if (K % 8)
+        return mq_err(MOEQ_E_SHAPE, "module '%s': INT4 packing needs in-features %% 8 == 0, got %lld",
+                      module, (long long)K);
+    if (fmt == MQ_FMT_GPTQ && N % 8)
+        return mq_err(MOEQ_E_SHAPE, "module '%s': GPTQ needs out-features %% 8 == 0, got %lld",
+                      module, (long long)N);
+    return MOEQ_OK;
+}
+
+moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qtensor *q,
+                           float input_amax, mq_emit_fn emit, void *user) {
+    emitter e = {module, emit, NULL, user};
+    const mq_qscheme sch = q->spec.scheme;
+    moeq_status st = layout_check(fmt, module, sch, q->rows, q->cols);
+    if (st) return st;
+    if (sch == MQ_QS_KQUANT) return mq_layout_ggml_emit(module, q, emit, user);
+    if (fmt == MQ_FMT_GGUF) fmt = MQ_FMT_CT;
+    if (sch == MQ_QS_NVFP4) {
         bool ct = fmt == MQ_FMT_CT;
-        moeq_status st = emit_nvfp4_common(&e, q, ct ? "weight_packed" : "weight");
+        st = emit_nvfp4_common(&e, q, ct ? "weight_packed" : "weight");
         if (st) return st;
         if (ct) {
             if ((st = emit_f32_scalar(&e, "weight_global_scale", global_as(q, MQ_NVFP4_CT), 1)))
@@ -208,27 +231,15 @@ moeq_status mq_layout_emit(mq_ckpt_format fmt, const char *module, const mq_qten
         if (input_amax > 0) st = mq_layout_emit_input_scale(fmt, module, input_amax, emit, user);
         return st;
     }
-    if (sch == MQ_QS_INT4) {
-        if (fmt == MQ_FMT_MODELOPT)
-            return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the ModelOpt format holds NVFP4 only",
-                          module);
-        if (K % 8)
-            return mq_err(MOEQ_E_SHAPE, "module '%s': INT4 packing needs in-features %% 8 == 0, got %lld",
-                          module, (long long)K);
-        if (fmt == MQ_FMT_CT) return emit_ct_int4(&e, q);
-        if (N % 8)
-            return mq_err(MOEQ_E_SHAPE, "module '%s': GPTQ needs out-features %% 8 == 0, got %lld",
-                          module, (long long)N);
-        if (q->spec.asym)
-            for (int64_t i = 0; i < N * q->n_groups; i++)
-                if (q->params[i].zero < 1)
-                    return mq_err(MOEQ_E_ARG,
-                                  "module '%s': zero point 0 cannot be stored in GPTQ v1 (quantize "
-                                  "with int4_zero_min = 1)", module);
-        return emit_gptq(&e, q);
-    }
-    return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': scheme %s has no checkpoint layout", module,
-                  mq_qscheme_name(sch));
+    /* INT4 */
+    if (fmt == MQ_FMT_CT) return emit_ct_int4(&e, q);
+    if (q->spec.asym)
+        for (int64_t i = 0; i < q->rows * q->n_groups; i++)
+            if (q->params[i].zero < 1)
+                return mq_err(MOEQ_E_ARG,
+                              "module '%s': zero point 0 cannot be stored in GPTQ v1 (quantize "
+                              "with int4_zero_min = 1)", module);
+    return emit_gptq(&e, q);
 }
 
 /* ---- describing --------------------------------------------------------------------------- */
@@ -247,20 +258,12 @@ moeq_status mq_layout_describe(mq_ckpt_format fmt, const char *module, const mq_
                                int64_t N, int64_t K, bool g_idx, bool input_scale,
                                mq_describe_fn fn, void *user) {
     emitter d = {module, NULL, fn, user};
-    if (spec->scheme == MQ_QS_KQUANT) {
-        if (fmt != MQ_FMT_GGUF)
-            return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': llama.cpp's block types are GGUF's", module);
-        return mq_layout_ggml_describe(module, spec, N, K, fn, user);
-    }
+    moeq_status st = layout_check(fmt, module, spec->scheme, N, K);
+    if (st) return st;
+    if (spec->scheme == MQ_QS_KQUANT) return mq_layout_ggml_describe(module, spec, N, K, fn, user);
     if (fmt == MQ_FMT_GGUF) fmt = MQ_FMT_CT;
-    moeq_status st;
     const int64_t G = (K + mq_qspec_group(spec, K) - 1) / mq_qspec_group(spec, K);
     if (spec->scheme == MQ_QS_NVFP4) {
-        if (fmt == MQ_FMT_GPTQ)
-            return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the GPTQ format holds INT4 only", module);
-        if (K % 16)
-            return mq_err(MOEQ_E_SHAPE, "module '%s': NVFP4 needs in-features %% 16 == 0, got %lld",
-                          module, (long long)K);
         bool ct = fmt == MQ_FMT_CT;
         if ((st = describe(&d, ct ? "weight_packed" : "weight", MOEQ_DT_U8, 2, N, K / 2))) return st;
         if ((st = describe(&d, "weight_scale", MOEQ_DT_F8_E4M3, 2, N, K / 16))) return st;
@@ -273,15 +276,7 @@ moeq_status mq_layout_describe(mq_ckpt_format fmt, const char *module, const mq_
         }
         return st;
     }
-    if (spec->scheme != MQ_QS_INT4)
-        return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': scheme %s has no checkpoint layout", module,
-                      mq_qscheme_name(spec->scheme));
-    if (fmt == MQ_FMT_MODELOPT)
-        return mq_err(MOEQ_E_UNSUPPORTED, "module '%s': the ModelOpt format holds NVFP4 only",
-                      module);
-    if (K % 8)
-        return mq_err(MOEQ_E_SHAPE, "module '%s': INT4 packing needs in-features %% 8 == 0, got %lld",
-                      module, (long long)K);
+    /* INT4 */
     if (fmt == MQ_FMT_CT) {
         if ((st = describe(&d, "weight_packed", MOEQ_DT_I32, 2, N, K / 8))) return st;
         if ((st = describe(&d, "weight_scale", spec->scale_dtype, 2, N, G))) return st;
@@ -291,9 +286,6 @@ moeq_status mq_layout_describe(mq_ckpt_format fmt, const char *module, const mq_
         if (g_idx) st = describe(&d, "weight_g_idx", MOEQ_DT_I32, 1, K, 0);
         return st;
     }
-    if (N % 8)
-        return mq_err(MOEQ_E_SHAPE, "module '%s': GPTQ needs out-features %% 8 == 0, got %lld",
-                      module, (long long)N);
     if ((st = describe(&d, "qweight", MOEQ_DT_I32, 2, K / 8, N))) return st;
     if ((st = describe(&d, "qzeros", MOEQ_DT_I32, 2, G, N / 8))) return st;
     if ((st = describe(&d, "scales", MOEQ_DT_F16, 2, G, N))) return st;

@@ -235,7 +235,7 @@ void mq_ckpt_writer_close(mq_ckpt_writer *w) {
     mq_shard_files_close(w->files);
     mq_shard_plan_free(w->plan);
     for (size_t i = 0; w->names && i < w->n; i++) free(w->names[i]);
-    MQ_FREE_EACH(free, w->names, w->crc, w->done, w->dir);
+    MQ_FREE_EACH(w->names, w->crc, w->done, w->dir);
     free(w);
 }
 

@@ -50,7 +50,7 @@ void mq_nvfp4_act_qdq(float *x, int64_t rows, int64_t cols) {
     act_ctx c = {x, cols, amax / 2688.0f, 0.0f, nvfp4_row};
     c.inv_g = 1.0f / c.g;
     if (!(c.g > 0) || !isfinite(c.inv_g)) return;   /* amax too small for the scales: as is */
-    mq_parallel_ranges(rows, ACT_ROWS_PER_TASK, rows_task, &c);
+    mq_parallel_ranges(rows, ACT_ROWS_PER_TASK, true, rows_task, &c);
 }
 
 /* One row of mq_q8_0_act_qdq (see formats.h); a block shorter than 32 at the end of the row if
@@ -97,11 +97,11 @@ static void q8_k_row(const act_ctx *c, float *row) {
 void mq_q8_k_act_qdq(float *x, int64_t rows, int64_t cols) {
     if (rows <= 0 || cols <= 0) return;
     act_ctx c = {x, cols, 0.0f, 0.0f, q8_k_row};
-    mq_parallel_ranges(rows, ACT_ROWS_PER_TASK, rows_task, &c);
+    mq_parallel_ranges(rows, ACT_ROWS_PER_TASK, true, rows_task, &c);
 }
 
 void mq_q8_0_act_qdq(float *x, int64_t rows, int64_t cols) {
     if (rows <= 0 || cols <= 0) return;
     act_ctx c = {x, cols, 0.0f, 0.0f, q8_0_row};
-    mq_parallel_ranges(rows, ACT_ROWS_PER_TASK, rows_task, &c);
+    mq_parallel_ranges(rows, ACT_ROWS_PER_TASK, true, rows_task, &c);
 }

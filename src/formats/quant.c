@@ -167,7 +167,7 @@ float mq_absmax_pool(const float *x, int64_t n) {
     float *m = nc > 1 ? malloc((size_t)nc * sizeof *m) : NULL;
     if (!m) return mq_absmax(x, n);   /* one chunk, or no memory for the maxima: here */
     absmax_ctx c = {x, m};
-    mq_parallel_ranges(n, ABSMAX_CHUNK, absmax_task, &c);
+    mq_parallel_ranges(n, ABSMAX_CHUNK, true, absmax_task, &c);
     float r = 0;
     for (int64_t t = 0; t < nc; t++) {
         if (m[t] != m[t]) {   /* NaN wins, as in mq_absmax */
@@ -735,7 +735,7 @@ moeq_status mq_quantize_rtn(const mq_qspec *s, const float *w, int64_t rows, int
         out->global_scale = global_scale > 0 ? global_scale
                                              : mq_nvfp4_global_scale(s, mq_absmax_pool(w, rows * cols));
     rtn_ctx c = {w, out};
-    mq_parallel_ranges(rows, ROWS_PER_TASK, rtn_task, &c);
+    mq_parallel_ranges(rows, ROWS_PER_TASK, true, rtn_task, &c);
     return MOEQ_OK;
 }
 
@@ -810,5 +810,5 @@ static void deq_task(void *vctx, int64_t r0, int64_t r1) {
 
 void mq_dequantize(const mq_qtensor *q, float *w) {
     deq_ctx c = {q, w};
-    mq_parallel_ranges(q->rows, ROWS_PER_TASK, deq_task, &c);
+    mq_parallel_ranges(q->rows, ROWS_PER_TASK, true, deq_task, &c);
 }

@@ -444,35 +444,42 @@ size_t moeq_quant_result_size(void) { return sizeof(moeq_quant_result); }
 char *moeq_quant_result_json(const moeq_quant_result *r) {
     cJSON *j = cJSON_CreateObject();
     if (!j || !r) return mq_json_take_text(j);
-    mq_json_add_num(j, "linears_quantized", (double)r->linears_quantized);
-    mq_json_add_num(j, "linears_kept", (double)r->linears_kept);
-    mq_json_add_num(j, "weights_quantized", (double)r->weights_quantized);
-    mq_json_add_num(j, "tensors_written", (double)r->tensors_written);
-    mq_json_add_num(j, "bytes_written", (double)r->bytes_written);
-    mq_json_add_num(j, "seconds", r->seconds);
-    mq_json_add_num(j, "gptq_samples", (double)r->gptq_samples);
-    mq_json_add_num(j, "gptq_tokens", (double)r->gptq_tokens);
-    mq_json_add_num(j, "gptq_linears", (double)r->gptq_linears);
-    mq_json_add_num(j, "gptq_fallback_linears", (double)r->gptq_fallback_linears);
-    mq_json_add_num(j, "gptq_worse_than_rtn", (double)r->gptq_worse_than_rtn);
-    mq_json_add_num(j, "gptq_loss", r->gptq_loss);
-    mq_json_add_num(j, "gptq_rtn_loss", r->gptq_rtn_loss);
-    mq_json_add_num(j, "peak_anon_bytes", (double)r->peak_anon_bytes);
-    mq_json_add_num(j, "layers_resumed", r->layers_resumed);
+    const mq_json_num totals[] = {
+        {"linears_quantized", (double)r->linears_quantized},
+        {"linears_kept", (double)r->linears_kept},
+        {"weights_quantized", (double)r->weights_quantized},
+        {"tensors_written", (double)r->tensors_written},
+        {"bytes_written", (double)r->bytes_written},
+        {"seconds", r->seconds},
+        {"gptq_samples", (double)r->gptq_samples},
+        {"gptq_tokens", (double)r->gptq_tokens},
+        {"gptq_linears", (double)r->gptq_linears},
+        {"gptq_fallback_linears", (double)r->gptq_fallback_linears},
+        {"gptq_worse_than_rtn", (double)r->gptq_worse_than_rtn},
+        {"gptq_loss", r->gptq_loss},
+        {"gptq_rtn_loss", r->gptq_rtn_loss},
+        {"peak_anon_bytes", (double)r->peak_anon_bytes},
+        {"layers_resumed", r->layers_resumed},
+    };
+    mq_json_add_nums(j, totals, sizeof totals / sizeof *totals);
     if (r->balance_candidates > 0) {
-        cJSON *b = cJSON_AddObjectToObject(j, "balance");
-        mq_json_add_num(b, "candidates", (double)r->balance_candidates);
-        mq_json_add_num(b, "experts_under_first", (double)r->balance_under[0]);
-        mq_json_add_num(b, "experts_under_chosen", (double)r->balance_under[1]);
-        mq_json_add_num(b, "fewest_tokens_first", (double)r->balance_fewest[0]);
-        mq_json_add_num(b, "fewest_tokens_chosen", (double)r->balance_fewest[1]);
-        mq_json_add_num(b, "seconds", r->balance_seconds);
+        const mq_json_num balance[] = {
+            {"candidates", (double)r->balance_candidates},
+            {"experts_under_first", (double)r->balance_under[0]},
+            {"experts_under_chosen", (double)r->balance_under[1]},
+            {"fewest_tokens_first", (double)r->balance_fewest[0]},
+            {"fewest_tokens_chosen", (double)r->balance_fewest[1]},
+            {"seconds", r->balance_seconds},
+        };
+        mq_json_add_nums(cJSON_AddObjectToObject(j, "balance"), balance, sizeof balance / sizeof *balance);
     }
-    cJSON *p = cJSON_AddObjectToObject(j, "plan");
-    mq_json_add_num(p, "budget_bytes", (double)r->plan.budget);
-    mq_json_add_num(p, "peak_bytes", (double)r->plan.peak);
-    mq_json_add_num(p, "expert_chunk", r->plan.chunk);
-    mq_json_add_num(p, "estimated_seconds", r->plan.seconds);
-    mq_json_add_num(p, "disk_output_bytes", (double)r->plan.disk_output);
+    const mq_json_num plan[] = {
+        {"budget_bytes", (double)r->plan.budget},
+        {"peak_bytes", (double)r->plan.peak},
+        {"expert_chunk", r->plan.chunk},
+        {"estimated_seconds", r->plan.seconds},
+        {"disk_output_bytes", (double)r->plan.disk_output},
+    };
+    mq_json_add_nums(cJSON_AddObjectToObject(j, "plan"), plan, sizeof plan / sizeof *plan);
     return mq_json_take_text(j);
 }

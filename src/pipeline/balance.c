@@ -76,8 +76,8 @@ static void expert_block_task(void *ctx, int64_t b, int thread) {
 }
 
 void mq_balance_counter_free(mq_balance_counter *k) {
-    MQ_FREE_EACH(mq_free, k->x, k->xn, k->out, k->probs, k->wt, k->sel, k->rows, k->start, k->scratch,
-                 k->mlp_scratch);
+    MQ_RELEASE_EACH(k->x, k->xn, k->out, k->probs, k->wt, k->sel, k->rows, k->start, k->scratch,
+                    k->mlp_scratch);
     mq_state_free(k->state);
     free(k->moe_index);
     memset(k, 0, sizeof *k);

@@ -721,8 +721,8 @@ moeq_status mq_pipe_attention_stage(mq_pipe *p, int l, bool replay) {
                 prof_model[MQ_ATT_HOOKS], prof_pipe[1], prof_pipe[2]);
     }
     for (int i = 0; i < n_sl; i++) mq_slot_free(&sl[i]);
-    MQ_FREE_EACH(mq_free, cap.arena_qkv, cap.arena_o, cap.arena_qb, cap.arena_kvb, cap.farena_qkv, cap.farena_o,
-                 cap.farena_qb, cap.farena_kvb, sc.xf);
+    MQ_RELEASE_EACH(cap.arena_qkv, cap.arena_o, cap.arena_qb, cap.arena_kvb, cap.farena_qkv, cap.farena_o,
+                    cap.farena_qb, cap.farena_kvb, sc.xf);
     if (sc.pinned) {
         mq_gpu_host_free(sc.xt);
         mq_gpu_host_free(sc.xn);

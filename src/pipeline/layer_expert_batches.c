@@ -265,10 +265,10 @@ static void batch_combine_task(void *ctx, int64_t i, int thread) {
 }
 
 static void batch_free(ex_batch *b) {
-    MQ_FREE_EACH(free, b->xin, b->xinf, b->cnt, b->pos, b->ebase, b->xrows, b->xfirst);
-    MQ_FREE_EACH(mq_free, b->xin_buf, b->xinf_buf, b->xgf, b->hgf, b->huf, b->tok, b->tsample, b->rw,
-                 b->tok_row, b->xg, b->hg, b->hu, b->yg, b->tasks, b->grow, b->htasks, b->ctok, b->cfirst,
-                 b->crow, b->cw);
+    MQ_FREE_EACH(b->xin, b->xinf, b->cnt, b->pos, b->ebase, b->xrows, b->xfirst);
+    MQ_RELEASE_EACH(b->xin_buf, b->xinf_buf, b->xgf, b->hgf, b->huf, b->tok, b->tsample, b->rw, b->tok_row,
+                    b->xg, b->hg, b->hu, b->yg, b->tasks, b->grow, b->htasks, b->ctok, b->cfirst, b->crow,
+                    b->cw);
 }
 
 /* Buffers for batches of up to nb samples and `rows` expert rows of a chunk of C experts. */

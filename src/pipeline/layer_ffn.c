@@ -689,7 +689,7 @@ moeq_status mq_pipe_mlp_unit(mq_pipe *p, int l, bool shared, bool replay) {
         st = mlp_pass(p, l, shared, sl, output_source(p), false, true, xs, hg, hu, y, sgate, false, NULL);
     }
     for (int i = 0; i < 2; i++) mq_slot_free(&sl[i]);
-    MQ_FREE_EACH(mq_free, fs.xs, fs.hg, fs.hu, xs, hg, hu, y, sgate);
+    MQ_RELEASE_EACH(fs.xs, fs.hg, fs.hu, xs, hg, hu, y, sgate);
     mq_pipe_drop_part(p, l, part, 0, 0);
     mq_pipe_progress(p, shared ? p->mp_units.shared : p->mp_units.mlp);
     return st;

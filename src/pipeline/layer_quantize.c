@@ -193,7 +193,7 @@ typedef struct mq_pending_write {
 static void pending_free(pending_write *pw) {
     if (!pw) return;
     for (int j = 0; pw->q && j < 3 * pw->n + 1; j++) mq_qtensor_free(&pw->q[j]);
-    MQ_FREE_EACH(free, pw->q, pw->slots, pw->weight, pw->amax, pw->stats);
+    MQ_FREE_EACH(pw->q, pw->slots, pw->weight, pw->amax, pw->stats);
     free(pw);
 }
 
@@ -269,7 +269,7 @@ static moeq_status finish_slots(mq_pipe *p, int l, const mq_slot *slots, int n, 
     } else if (!st) {
         st = put_and_record(p, l, slots, q, weight, amax, wst, m, true, in_place);
     }
-    MQ_FREE_EACH(free, weight, amax, wst, in_place);
+    MQ_FREE_EACH(weight, amax, wst, in_place);
     return st;
 }
 
@@ -508,7 +508,7 @@ moeq_status mq_pipe_quantize_slots(mq_pipe *p, int l, mq_slot *slots, int n, flo
     if (!st && p->gx && p->seq) st = device_experts_follow(p, l, slots, n, job_of, written);
     for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
     for (int i = 0; factored && i < nf; i++) mq_gptq_factor_free(&f[i]);
-    MQ_FREE_EACH(free, Hs, Ks, names, f, jobs, q, gs, stats, job_of, written);
+    MQ_FREE_EACH(Hs, Ks, names, f, jobs, q, gs, stats, job_of, written);
     return st;
 }
 
@@ -564,7 +564,7 @@ static void wire_codes_task(void *ctx, int64_t a, int64_t e) {
 }
 
 static void wire_codes_run(wire_codes w) {
-    mq_parallel_ranges(w.n, WIRE_PIECE, wire_codes_task, &w);
+    mq_parallel_ranges(w.n, WIRE_PIECE, true, wire_codes_task, &w);
 }
 
 static moeq_status wire_pack(const mq_slot *s, int k, void **out, size_t *n) {
@@ -676,7 +676,7 @@ moeq_status mq_pipe_share_slots(mq_pipe *p, int l, mq_slot *slots, int n) {
         }
     if (!st) st = put_and_record(p, l, slots, q, weight, amax, wst, m, true, NULL);
     for (int j = 0; q && j < 3 * n + 1; j++) mq_qtensor_free(&q[j]);
-    MQ_FREE_EACH(free, q, weight, amax, wst);
+    MQ_FREE_EACH(q, weight, amax, wst);
 done:
     for (int i = 0; i < n; i++) {
         for (int k = 0; k < slots[i].nw; k++) mq_qtensor_free(&slots[i].q[k]);

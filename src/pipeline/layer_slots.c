@@ -143,7 +143,7 @@ moeq_status mq_pipe_target_slots(mq_pipe *p, int l, mq_slot *a, int na, mq_slot 
         mq_free(x->G);
         x->G = NULL;
     }
-    MQ_FREE_EACH(free, work, jobs, w, rows);
+    MQ_FREE_EACH(work, jobs, w, rows);
     if (mq_env(MQ_ENV_PROFILE))
         mq_info("layer %d target corrections, %d Linear inputs: %.2f s (%.1f cores busy; factorisations %.2f, "
                 "solves %.2f, products %.2f s)", l, m, mq_now() - t0, (mq_cpu_now() - c0) / (mq_now() - t0 + 1e-9),

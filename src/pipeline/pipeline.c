@@ -191,7 +191,7 @@ static moeq_status alloc_activations(mq_pipe *p) {
     /* asymmetric calibration: the unquantized model's stream, stored as the quantized one */
     if (!s && p->target) s = mq_actbuf_init(&p->XF, k, n, pf, "unquantized calibration activations");
     if (!s && p->target) s = mq_actbuf_init(&p->OUTF, k == MQ_ACT_DISK ? k : MQ_ACT_RAM, n, pof, "unquantized FFN outputs");
-    MQ_FREE_EACH(free, px, px2, pn, po, pf, pof);
+    MQ_FREE_EACH(px, px2, pn, po, pf, pof);
     if (s) return s;
     if (p->c->n_experts > 0) {
         size_t r = (size_t)(p->calib.n * p->calib.max_len * p->c->top_k);
@@ -285,7 +285,7 @@ static void pipe_free(mq_pipe *p) {
     mq_actbuf_free(&p->XF);
     mq_actbuf_free(&p->OUTF);
     if (p->rank_dir) mq_remove_tree(p->work_dir);
-    MQ_FREE_EACH(mq_free, p->sel_f, p->w_f, p->sel_a, p->sel_b, p->w_a, p->w_b);
+    MQ_RELEASE_EACH(p->sel_f, p->w_f, p->sel_a, p->sel_b, p->w_a, p->w_b);
     mq_state_free(p->state);
     mq_gpu_attn_free(p->gatt);
     mq_gpu_mlp_free(p->gx);
@@ -298,7 +298,7 @@ static void pipe_free(mq_pipe *p) {
     mq_gpu_close(p->gpu);
     mq_ckpt_writer_close(p->w);
     for (int l = 0; p->layers && l < p->plan.n_layers; l++) cJSON_Delete(p->layers[l].modules);
-    MQ_FREE_EACH(free, p->layers, p->decl_layer, p->item_done, p->recipe_table);
+    MQ_FREE_EACH(p->layers, p->decl_layer, p->item_done, p->recipe_table);
     cJSON_Delete(p->budget_json);
     mq_out_plan_free(&p->plan);
     mq_calib_free(&p->calib);
@@ -310,7 +310,7 @@ static void pipe_free(mq_pipe *p) {
     cJSON_Delete(p->src_config);
     mq_config_free(&p->src_cfg);
     cJSON_Delete(p->manifest);
-    MQ_FREE_EACH(free, p->out_dir, p->work_dir, p->build_dir);
+    MQ_FREE_EACH(p->out_dir, p->work_dir, p->build_dir);
     mq_mem_release();   /* the blocks kept for reuse between chunks and layers go back now */
 }
 

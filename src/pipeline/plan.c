@@ -35,7 +35,7 @@ void mq_out_plan_free(mq_out_plan *p) {
         mq_free((void *)p->dq[i]->data);
         free(p->dq[i]);
     }
-    MQ_FREE_EACH(free, p->dq, p->items, p->pass, p->group_keys, p->by_name, p->decls, p->decl_names);
+    MQ_FREE_EACH(p->dq, p->items, p->pass, p->group_keys, p->by_name, p->decls, p->decl_names);
     memset(p, 0, sizeof *p);
 }
 
@@ -78,7 +78,7 @@ static bool ends_with(const char *s, const char *suf) {
 static moeq_status item_add(mq_out_plan *p, char *src_module, bool mixtral,
                             const mq_tensor_view *src, int64_t offset, int64_t rows, int64_t cols) {
     char *module = src_module ? out_name(src_module, mixtral) : NULL;
-    moeq_status s = module ? mq_grow((void **)&p->items, &p->cap_items, p->n_items, sizeof *p->items,
+    moeq_status s = module ? mq_grow(&p->items, p->n_items, &p->cap_items, sizeof *p->items, 64,
                                      PLAN_WHAT)
                            : mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
     if (s) {
@@ -96,7 +96,7 @@ static moeq_status item_add(mq_out_plan *p, char *src_module, bool mixtral,
 /* A pass-through tensor under `name` (malloc'ed, owned from here; NULL: out of memory), in the
  * decoder layer its name says unless raw (an MTP layer's: outside them). */
 static moeq_status pass_add(mq_out_plan *p, char *name, const mq_tensor_view *src, bool raw) {
-    moeq_status s = name ? mq_grow((void **)&p->pass, &p->cap_pass, p->n_pass, sizeof *p->pass, PLAN_WHAT)
+    moeq_status s = name ? mq_grow(&p->pass, p->n_pass, &p->cap_pass, sizeof *p->pass, 64, PLAN_WHAT)
                          : mq_err(MOEQ_E_NOMEM, "out of memory planning the checkpoint");
     if (s) {
         free(name);
@@ -293,7 +293,7 @@ const mq_plan_item *mq_out_plan_find(const mq_out_plan *p, const char *module) {
 /* *src (an FP8 block-quantized weight) becomes an owned BF16 view of its dequantized values. */
 static moeq_status dequant_bf16(mq_out_plan *p, const mq_tensor_view **src) {
     const mq_tensor_view *t = *src;
-    moeq_status s = mq_grow((void **)&p->dq, &p->cap_dq, p->n_dq, sizeof *p->dq, PLAN_WHAT);
+    moeq_status s = mq_grow(&p->dq, p->n_dq, &p->cap_dq, sizeof *p->dq, 64, PLAN_WHAT);
     if (s) return s;
     mq_tensor_view *v = calloc(1, sizeof *v);
     float *f = mq_alloc_array((size_t)t->numel, sizeof(float), t->name);
@@ -336,7 +336,7 @@ static moeq_status plan_dequant(mq_out_plan *p) {
 static moeq_status decl_add(void *user, const char *name, moeq_dtype dtype, int ndim,
                             const int64_t *shape) {
     mq_out_plan *p = user;
-    moeq_status s = mq_grow((void **)&p->decls, &p->cap_decls, p->n_decls, sizeof *p->decls,
+    moeq_status s = mq_grow(&p->decls, p->n_decls, &p->cap_decls, sizeof *p->decls, 64,
                             PLAN_WHAT);
     if (s) return s;
     char **nv = realloc(p->decl_names, p->cap_decls * sizeof *nv);

@@ -611,10 +611,11 @@ static void run_task(void *vctx, int64_t task, int thread) {
 static void scratch_free(scratch *s, int n) {
     if (!s) return;
     for (int i = 0; i < n; i++) {
-        MQ_FREE_EACH(mq_free, s[i].wt, s[i].et, s[i].tmp, s[i].dq, s[i].ct, s[i].gp, s[i].step, s[i].zero,
-                     s[i].ready, s[i].d, s[i].w0t, s[i].hw, s[i].pos, s[i].ucol, s[i].ord, s[i].wl, s[i].lwork,
-                     s[i].lcode, s[i].cand, s[i].nc, s[i].kstep, s[i].kzero, s[i].bestk, s[i].score, s[i].best,
-                     s[i].gt, s[i].hsub, s[i].hcols, s[i].cv, s[i].dv, s[i].xlo, s[i].xhi, s[i].blo, s[i].bhi);
+        MQ_RELEASE_EACH(s[i].wt, s[i].et, s[i].tmp, s[i].dq, s[i].ct, s[i].gp, s[i].step, s[i].zero, s[i].ready,
+                        s[i].d, s[i].w0t, s[i].hw, s[i].pos, s[i].ucol, s[i].ord, s[i].wl, s[i].lwork,
+                        s[i].lcode, s[i].cand, s[i].nc, s[i].kstep, s[i].kzero, s[i].bestk, s[i].score,
+                        s[i].best, s[i].gt, s[i].hsub, s[i].hcols, s[i].cv, s[i].dv, s[i].xlo, s[i].xhi,
+                        s[i].blo, s[i].bhi);
     }
     free(s);
 }

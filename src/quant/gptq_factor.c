@@ -24,7 +24,7 @@ void mq_gptq_blas_single(void) { pthread_once(&g_blas_once, blas_single_thread);
 
 void mq_gptq_factor_free(mq_gptq_factor *f) {
     if (!f) return;
-    MQ_FREE_EACH(mq_free, f->U, f->R, f->perm, f->inv_perm, f->dead, f->hdiag, f->Hp);
+    MQ_RELEASE_EACH(f->U, f->R, f->perm, f->inv_perm, f->dead, f->hdiag, f->Hp);
     memset(f, 0, sizeof *f);
 }
 

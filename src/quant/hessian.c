@@ -36,8 +36,7 @@ moeq_status mq_hessian_init_split(mq_hessian *h, int64_t K, int64_t hold, const 
 
 void mq_hessian_free(mq_hessian *h) {
     if (!h) return;
-    mq_free(h->fit);
-    mq_free(h->sum);
+    MQ_RELEASE_EACH(h->fit, h->sum);
     memset(h, 0, sizeof *h);
 }
 
@@ -96,7 +95,7 @@ static void form_task(void *ctx, int64_t a0, int64_t a1) {
 
 static void form(const mq_hessian *h, float *whole, float *held, float sh) {
     form_job j = {h->sum, h->fit, whole, held, h->K, h->n > 0 ? 2.0f / (float)h->n : 0.0f, sh};
-    mq_parallel_ranges(h->K, FORM_TILE, form_task, &j);
+    mq_parallel_ranges(h->K, FORM_TILE, true, form_task, &j);
 }
 
 void mq_hessian_get_split(mq_hessian *h, float *whole, float *held, int64_t *n_fit,
