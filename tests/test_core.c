@@ -46,6 +46,50 @@ static void test_pool_covers_every_task(void) {
     moeq_set_threads(0);
 }
 
+/* mq_parallel_ranges: pieces of `piece` covering [0, n) once each, the last one shorter, on the
+ * pool or in order on the caller; n = 0 calls nothing. */
+typedef struct {
+    int64_t *hits, *los, *his;   /* [n]: how often each index was covered, its piece (checked
+                                    on the caller's thread: a failed assert jumps) */
+} range_ctx;
+static void range_cover(void *ctx, int64_t lo, int64_t hi) {
+    const range_ctx *c = ctx;
+    for (int64_t i = lo; i < hi; i++) c->hits[i]++, c->los[i] = lo, c->his[i] = hi;
+}
+
+static void test_parallel_ranges_cover_once(void) {
+    int64_t hits[1000], los[1000], his[1000];
+    const int64_t ns[] = {0, 1, 7, 64, 999, 1000};
+    for (int threads = 1; threads <= max_threads(3); threads += 2)
+        for (size_t k = 0; k < sizeof ns / sizeof *ns; k++)
+            for (int pool = 0; pool < 2; pool++) {
+                moeq_set_threads(threads);
+                memset(hits, 0, sizeof hits);
+                range_ctx c = {hits, los, his};
+                mq_parallel_ranges(ns[k], 64, pool, range_cover, &c);
+                for (int64_t i = 0; i < 1000; i++) ASSERT_EQ_INT(i < ns[k] ? 1 : 0, hits[i]);
+                for (int64_t i = 0; i < ns[k]; i++) {
+                    ASSERT_EQ_INT(i / 64 * 64, los[i]);
+                    ASSERT_EQ_INT((i / 64 + 1) * 64 < ns[k] ? (i / 64 + 1) * 64 : ns[k], his[i]);
+                }
+            }
+    moeq_set_threads(0);
+}
+
+/* mq_sorted_find: every name of a sorted list found at its index, absent ones (before, between,
+ * after, a prefix) not, and an empty list. */
+static const char *name_of(const void *ctx, size_t i) { return ((const char *const *)ctx)[i]; }
+
+static void test_sorted_find(void) {
+    static const char *const names[] = {"a.bias", "a.weight", "b", "b.weight", "mlp.0", "mlp.10", "mlp.2"};
+    const size_t n = sizeof names / sizeof *names;
+    for (size_t i = 0; i < n; i++) ASSERT_EQ_INT((int64_t)i, mq_sorted_find(names[i], n, name_of, names));
+    const char *absent[] = {"", "a", "a.c", "mlp.1", "mlp.3", "z"};
+    for (size_t i = 0; i < sizeof absent / sizeof *absent; i++)
+        ASSERT_EQ_INT(-1, mq_sorted_find(absent[i], n, name_of, names));
+    ASSERT_EQ_INT(-1, mq_sorted_find("a.bias", 0, name_of, names));
+}
+
 /* The simulated schedule: tasks in index order, each to the first free worker (hand-made cases),
  * and mq_pool_simulate's loops: P reported, every task once on the caller (thread 0), nested
  * loops inline, the simulated seconds between the longest task and the tasks' sum (and at least
@@ -480,7 +524,7 @@ static void test_env_switches(void) {
     mq_env_reload();
 }
 
-TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_pool_handoff), T(test_threads_from_environment), T(test_pinned_workers),
+TEST_MAIN(T(test_status_names), T(test_pool_covers_every_task), T(test_parallel_ranges_cover_once), T(test_sorted_find), T(test_pool_handoff), T(test_threads_from_environment), T(test_pinned_workers),
           T(test_gemm_matches_naive_and_is_thread_independent), T(test_half_conversions),
           T(test_atomic_file_leaves_nothing_on_abort), T(test_prefetch_reads_ahead), T(test_touch_pages), T(test_recycling),
           T(test_blas_advice), T(test_pool_simulation), T(test_env_switches))
