@@ -76,18 +76,18 @@ static void test_parallel_ranges_cover_once(void) {
     moeq_set_threads(0);
 }
 
-/* mq_sorted_find: every name of a sorted list found at its index, absent ones (before, between,
+/* mq_find_name: every name of a sorted list found at its index, absent ones (before, between,
  * after, a prefix) not, and an empty list. */
 static const char *name_of(const void *ctx, size_t i) { return ((const char *const *)ctx)[i]; }
 
 static void test_sorted_find(void) {
     static const char *const names[] = {"a.bias", "a.weight", "b", "b.weight", "mlp.0", "mlp.10", "mlp.2"};
     const size_t n = sizeof names / sizeof *names;
-    for (size_t i = 0; i < n; i++) ASSERT_EQ_INT((int64_t)i, mq_sorted_find(names[i], n, name_of, names));
+    for (size_t i = 0; i < n; i++) ASSERT_EQ_INT((int64_t)i, mq_find_name(names[i], n, name_of, names));
     const char *absent[] = {"", "a", "a.c", "mlp.1", "mlp.3", "z"};
     for (size_t i = 0; i < sizeof absent / sizeof *absent; i++)
-        ASSERT_EQ_INT(-1, mq_sorted_find(absent[i], n, name_of, names));
-    ASSERT_EQ_INT(-1, mq_sorted_find("a.bias", 0, name_of, names));
+        ASSERT_EQ_INT(-1, mq_find_name(absent[i], n, name_of, names));
+    ASSERT_EQ_INT(-1, mq_find_name("a.bias", 0, name_of, names));
 }
 
 /* The simulated schedule: tasks in index order, each to the first free worker (hand-made cases),

@@ -312,18 +312,6 @@ void mq_touch_pages(void *const *base, const size_t *bytes, int64_t n) { pieces_
 
 char *mq_strdup(const char *s) { return s ? mq_strndup(s, strlen(s)) : NULL; }
 
-int64_t mq_sorted_find(const char *key, size_t n, const char *(*name)(const void *ctx, size_t i), const void *ctx) {
-    size_t lo = 0, hi = n;
-    while (lo < hi) {
-        const size_t mid = lo + (hi - lo) / 2;
-        const int c = strcmp(name(ctx, mid), key);
-        if (c == 0) return (int64_t)mid;
-        if (c < 0) lo = mid + 1;
-        else hi = mid;
-    }
-    return -1;
-}
-
 char *mq_strndup(const char *s, size_t n) {
     char *r = malloc(n + 1);
     if (!r) {
@@ -354,6 +342,18 @@ void mq_free_each(void *const *p, size_t n) {
 
 void mq_release_each(void *const *p, size_t n) {
     for (size_t i = 0; i < n; i++) mq_free(p[i]);
+}
+
+int64_t mq_find_name(const char *key, size_t n, const char *(*name_at)(const void *ctx, size_t i), const void *ctx) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        const size_t mid = lo + (hi - lo) / 2;
+        const int c = strcmp(name_at(ctx, mid), key);
+        if (c == 0) return (int64_t)mid;
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return -1;
 }
 
 bool mq_reserve(void *arrp, size_t *cap, size_t need, size_t elem, size_t first) {

@@ -218,7 +218,7 @@ static int cmp_str(const void *a, const void *b) {
 static const char *name_at(const void *ctx, size_t i) { return ((const mq_ckpt_writer *)ctx)->names[i]; }
 
 static long name_index(const mq_ckpt_writer *w, const char *name) {
-    return (long)mq_sorted_find(name, w->n, name_at, w);
+    return (long)mq_find_name(name, w->n, name_at, w);
 }
 
 /* name_index, or MOEQ_E_NOTFOUND naming the tensor. */

@@ -281,7 +281,7 @@ static const char *item_by_name(const void *ctx, size_t i) {
 }
 
 const mq_plan_item *mq_out_plan_find(const mq_out_plan *p, const char *module) {
-    const int64_t k = mq_sorted_find(module, p->n_items, item_by_name, p);
+    const int64_t k = mq_find_name(module, p->n_items, item_by_name, p);
     if (k >= 0) return &p->items[p->by_name[k]];
     for (size_t i = 0; i < p->n_items; i++)   /* a source name (rare: Mixtral under mlp.) */
         if (strcmp(p->items[i].src_module, module) == 0) return &p->items[i];
