@@ -430,6 +430,13 @@ typedef struct {
     moeq_sampler_options sampling;
 } moeq_gen_options;
 void moeq_gen_options_init(moeq_gen_options *o);   /* greedy, no limit, no stop strings */
+/* Sets one option by the name of `moeq generate`'s flag without the dashes ("temp", "top-k",
+ * "top-p", "min-p", "seed", "repeat-penalty", "repeat-last-n", "presence-penalty",
+ * "frequency-penalty", "ignore-eos"; switches "true"/"false"); moeq_gen_option_info lists them.
+ * An unknown name or a value out of the option's range: MOEQ_E_ARG "KEY=VALUE: expected ...".
+ * max_tokens and the stop strings are set as fields. */
+moeq_status moeq_gen_options_set(moeq_gen_options *o, const char *key, const char *value);
+size_t moeq_gen_options_size(void);
 
 /* Gets each piece of the text as soon as it is certain: a piece never ends inside a UTF-8
  * character (a trailing U+FFFD waits for the next token) nor inside what may still become a stop
@@ -1328,7 +1335,8 @@ typedef struct {
     const char *help;         /* one line of the command's --help */
     int identity;             /* quantize: 1 when the value changes the checkpoint's bytes, and a
                                  resumed run must be given the same (0: memory, threads, paths,
-                                 reports); eval: 0 */
+                                 reports); eval: 0; generation: 1 when giving it asks for
+                                 sampling (moeq_gen_option_info) */
 } moeq_option_info;
 
 /* The i-th option of moeq_quant_options (i = 0, 1, ...; NULL past the last), in the order of
@@ -1337,6 +1345,10 @@ typedef struct {
 const moeq_option_info *moeq_quant_option_info(int i);
 /* The same for moeq_eval_options_set's options, in the order of `moeq eval --help`. */
 const moeq_option_info *moeq_eval_option_info(int i);
+/* The same for moeq_gen_options_set's options, in the order of `moeq generate --help`; identity
+ * is 1 for those that ask for sampling (temp, top-k, top-p, min-p, seed): `moeq generate` and
+ * `moeq chat` are greedy until one of them is given, then start from temperature 1. */
+const moeq_option_info *moeq_gen_option_info(int i);
 /* The options o gives, as one JSON object (malloc'd; release with moeq_string_free): a key per
  * option of moeq_eval_option_info, its name with '_' for '-' (`moeq eval --json`'s "settings"). */
 char *moeq_eval_settings_json(const moeq_eval_options *o);

@@ -24,12 +24,6 @@ struct moeq_gen {
     float *logits;
 };
 
-void moeq_gen_options_init(moeq_gen_options *o) {
-    memset(o, 0, sizeof *o);
-    moeq_sampler_options_init(&o->sampling);
-    o->sampling.temperature = 0;
-}
-
 void moeq_gen_result_free(moeq_gen_result *r) {
     if (!r) return;
     free(r->text);

@@ -36,19 +36,7 @@ struct moeq_sampler {
     int32_t cap_v;
 };
 
-void moeq_sampler_options_init(moeq_sampler_options *o) {
-    if (!o) return;
-    memset(o, 0, sizeof *o);
-    o->temperature = 1.0;
-    o->top_k = 0;
-    o->top_p = 1.0;
-    o->min_p = 0.0;
-    o->repeat_penalty = 1.0;
-    o->repeat_last_n = 64;   /* llama.cpp's default window */
-    o->presence_penalty = 0.0;
-    o->frequency_penalty = 0.0;
-    o->seed = 0;
-}
+/* moeq_sampler_options_init: gen_options.c, from the option table. */
 
 static moeq_status check_options(const moeq_sampler_options *o) {
     if (!(o->temperature >= 0 && isfinite(o->temperature)))

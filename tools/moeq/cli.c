@@ -251,6 +251,41 @@ bool cli_table_given(const cli_table_flag *t, int n, const char *key) {
     return f && f->seen;
 }
 
+int cli_table_opts(const char *cmd, const moeq_option_info *(*info)(int), const cli_own_flag *own, int n_own,
+                   cli_table_flag *t, int max_t, int *n_t, cli_opt *opts) {
+    int n = 0, n_opts = 0;
+    for (const moeq_option_info *x;; n++) {
+        x = n < max_t ? info(n) : NULL;
+        for (int k = 0; k < n_own; k++)
+            if (x ? own[k].before && !strcmp(own[k].before, x->key) : !own[k].before) opts[n_opts++] = own[k].opt;
+        if (!x) break;
+        opts[n_opts++] = cli_table_opt(&t[n], x);
+    }
+    if (info(n) || n_opts != n + n_own) {   /* a library this command does not know */
+        fprintf(stderr, "moeq %s: error: the library's %d options (at most %d here) do not take the "
+                "command's own flags (%d of %d placed)\n", cmd, n, max_t, n_opts - n, n_own);
+        return -1;
+    }
+    *n_t = n;
+    return n_opts;
+}
+
+int cli_gen_options(const char *cmd, const cli_table_flag *t, int n, bool greedy, moeq_gen_options *o) {
+    moeq_gen_options_init(o);
+    for (int i = 0; i < n; i++)
+        if (t[i].seen && t[i].info->identity) {   /* sampling asked for: from temperature 1 */
+            if (greedy) return cli_usage_error(cmd, "--greedy cannot be combined with %s", t[i].name);
+            moeq_gen_options_set(o, "temp", "1");
+            break;
+        }
+    for (int i = 0; i < n; i++) {
+        char text[64];
+        const char *v = cli_table_value(&t[i], text, sizeof text);
+        if (t[i].seen && moeq_gen_options_set(o, t[i].info->key, v)) return cli_table_refused(cmd, &t[i], v, false);
+    }
+    return -1;
+}
+
 /* ---- progress bar ---------------------------------------------------------------------- */
 static struct {
     bool on;

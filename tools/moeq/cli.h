@@ -72,6 +72,18 @@ const char *cli_checkpoint_dir(const char *cmd, const char *arg, const char *rev
  * NULL after printing the error. cli_is_gguf: a .gguf name or the GGUF magic. */
 const char *cli_gguf_model_dir(const char *cmd, const char *path);
 int cli_is_gguf(const char *path);
+/* The flags several commands share, with one help text. */
+#define CLI_THREADS_OPT(var)                                                                       \
+    {"--threads", OPT_INT, &(var), "N", "worker threads (default: every CPU it may use)", NULL, 0,   \
+     1024, NULL}
+#define CLI_DEQUANTIZE_OPT(var)                                                                    \
+    {"--dequantize", OPT_FLAG, &(var), NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL}
+#define CLI_JSON_OPT(var)                                                                          \
+    {"--json", OPT_FLAG, &(var), NULL, "print one JSON object on stdout", NULL, 0, -1, NULL}
+#define CLI_CTX_OPT(var, help) {"--ctx", OPT_INT, &(var), "N", help, NULL, 0, 1 << 24, NULL}
+#define CLI_TEMPLATE_OPT(var)                                                                      \
+    {"--template", OPT_STRING, &(var), "NAME", "a named chat template of the model (default: "      \
+     "\"default\", or the only one)", NULL, 0, 0, NULL}
 #define CLI_REVISION_OPT(var)                                                                      \
     {"--revision", OPT_STRING, &(var), "REV", "MODEL_DIR given as a hub id (org/name): the branch, " \
      "tag or commit of the local Hugging Face cache to use (default main)", NULL, 0, 0, NULL}
@@ -100,6 +112,24 @@ int cli_table_refused(const char *cmd, const cli_table_flag *f, const char *v, b
 /* The flag of t[0..n) with this key, or NULL; cli_table_given: given on the command line. */
 const cli_table_flag *cli_table_find(const cli_table_flag *t, int n, const char *key);
 bool cli_table_given(const cli_table_flag *t, int n, const char *key);
+
+/* A command's flags from a library table (info(0), info(1), ... until NULL: moeq_eval_option_info,
+ * moeq_gen_option_info) and its own flags, each own flag placed in --help before the row whose key
+ * is `before` (NULL: after the last row). Fills t[0..*n_t) (at most max_t rows) and
+ * opts[0..return) (room for max_t + n_own); -1 after printing why when the table outgrows max_t
+ * or a `before` names no row. */
+typedef struct {
+    const char *before;
+    cli_opt opt;
+} cli_own_flag;
+int cli_table_opts(const char *cmd, const moeq_option_info *(*info)(int), const cli_own_flag *own, int n_own,
+                   cli_table_flag *t, int max_t, int *n_t, cli_opt *opts);
+/* The generation flags given (t[0..n), the rows of moeq_gen_option_info) into o, after
+ * moeq_gen_options_init: greedy unless a flag that asks for sampling (the row's identity) was
+ * given, then from temperature 1, each given value through moeq_gen_options_set. A refused value,
+ * or greedy (--greedy) together with a sampling flag, is a usage error naming the flag: returns
+ * its exit code, else -1. */
+int cli_gen_options(const char *cmd, const cli_table_flag *t, int n, bool greedy, moeq_gen_options *o);
 
 /* Progress bar with ETA on stderr: enabled when stderr is a terminal and quiet is false. */
 void cli_progress_enable(bool quiet);

@@ -10,7 +10,6 @@
  * token counts (prompt, reused from the cache, generated) go to stderr.
  */
 #include <errno.h>
-#include <math.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,60 +76,45 @@ static int print_piece(void *user, const char *text, size_t len) {
     return 0;
 }
 
+enum { MAX_GEN_FLAGS = 24 };
+
 int cmd_chat(int argc, char **argv) {
     const char *system_msg = NULL, *revision = NULL, *kwargs = NULL, *template_name = NULL;
-    int64_t n_max = 0, ctx = 0, seed = 0, threads = 0, top_k = 0, repeat_last_n = 64;
-    double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0, frequency = 0.0;
-    bool temp_seen = false, top_p_seen = false, top_k_seen = false, min_p_seen = false, seed_seen = false,
-         dequantize = false;
-    const cli_opt opts[] = {
-        CLI_REVISION_OPT(revision),
-        {"--system", OPT_STRING, &system_msg, "TEXT", "a system message before the conversation", NULL, 0, 0, NULL},
-        {"-n", OPT_INT, &n_max, "N", "tokens per reply at most (default: up to the context's end)", NULL, 0, 1 << 24, NULL},
-        {"--ctx", OPT_INT, &ctx, "N", "the context in tokens, the whole conversation (default: the model's)", NULL, 0, 1 << 24, NULL},
-        {"--template", OPT_STRING, &template_name, "NAME", "a named chat template of the model (default: \"default\")", NULL, 0, 0, NULL},
-        {"--template-kwargs", OPT_STRING, &kwargs, "JSON", "more variables for the template, a JSON object "
-         "(e.g. '{\"enable_thinking\": false}')", NULL, 0, 0, NULL},
-        {"--temp", OPT_DOUBLE, &temp, "T", "sample with temperature T >= 0 (default: greedy unless a sampling option is given)", NULL, 0, 0, &temp_seen},
-        {"--top-k", OPT_INT, &top_k, "K", "sample from the K most likely tokens (0: all)", NULL, 0, INT32_MAX, &top_k_seen},
-        {"--top-p", OPT_DOUBLE, &top_p, "P", "nucleus sampling, 0 < P <= 1", NULL, 0, 0, &top_p_seen},
-        {"--min-p", OPT_DOUBLE, &min_p, "P", "drop tokens below P times the most likely one's", NULL, 0, 0, &min_p_seen},
-        {"--seed", OPT_INT, &seed, "S", "random seed (each reply starts from it)", NULL, 0, -1, &seed_seen},
-        {"--repeat-penalty", OPT_DOUBLE, &repeat_penalty, "R", "llama.cpp's repeat penalty (1: off)", NULL, 0, 0, NULL},
-        {"--repeat-last-n", OPT_INT, &repeat_last_n, "N", "the ids the penalties look at (-1: all)", NULL, -1, INT32_MAX, NULL},
-        {"--presence-penalty", OPT_DOUBLE, &presence, "P", "OpenAI's presence penalty", NULL, 0, 0, NULL},
-        {"--frequency-penalty", OPT_DOUBLE, &frequency, "F", "OpenAI's frequency penalty", NULL, 0, 0, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 0, 1024, NULL},
-        {"--dequantize", OPT_FLAG, &dequantize, NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL},
+    int64_t n_max = 0, ctx = 0, threads = 0;
+    bool dequantize = false;
+    /* the sampling options are the library's table (moeq_gen_option_info), as moeq generate's */
+    const cli_own_flag own[] = {
+        {"temp", CLI_REVISION_OPT(revision)},
+        {"temp", {"--system", OPT_STRING, &system_msg, "TEXT", "a system message before the conversation", NULL, 0, 0, NULL}},
+        {"temp", {"-n", OPT_INT, &n_max, "N", "tokens per reply at most (default: up to the context's end)", NULL, 0, 1 << 24, NULL}},
+        {"temp", CLI_CTX_OPT(ctx, "the context in tokens, the whole conversation (default: the model's)")},
+        {"temp", CLI_TEMPLATE_OPT(template_name)},
+        {"temp", {"--template-kwargs", OPT_STRING, &kwargs, "JSON", "more variables for the template, a JSON object "
+         "(e.g. '{\"enable_thinking\": false}')", NULL, 0, 0, NULL}},
+        {NULL, CLI_THREADS_OPT(threads)},
+        {NULL, CLI_DEQUANTIZE_OPT(dequantize)},
     };
+    const int n_own = (int)(sizeof own / sizeof own[0]);
+    cli_table_flag t[MAX_GEN_FLAGS];
+    cli_opt opts[MAX_GEN_FLAGS + sizeof own / sizeof own[0]];
+    int n_t = 0, n_opts = cli_table_opts(CMD, moeq_gen_option_info, own, n_own, t, MAX_GEN_FLAGS, &n_t, opts);
+    if (n_opts < 0) return CLI_FAIL;
     const cli_command cmd = {
         CMD, "MODEL_DIR [--system TEXT] [-n N] [--temp T --top-p P ...]",
         "An interactive chat with the model, through its chat template (tokenizer_config.json,\n"
         "chat_template.jinja or the GGUF's). The conversation is kept; each turn reuses the KV\n"
         "cache of what the previous turns fed. Type /reset to start over, /exit or Ctrl-D to leave;\n"
         "Ctrl-C stops the current reply. When stdin is not a terminal, every line is a user message\n"
-        "and every reply is printed on one line of stdout (token counts per turn on stderr).",
-        opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
+        "and every reply is printed on one line of stdout (token counts per turn on stderr).\n"
+        "Each reply is greedy unless a sampling option is given, as in moeq generate.",
+        opts, n_opts, 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
-    bool sample = temp_seen || top_p_seen || top_k_seen || min_p_seen || seed_seen;
-    moeq_gen_options go;
-    moeq_gen_options_init(&go);
+    moeq_gen_options go;   /* every option checked here, before anything loads */
+    if ((rc = cli_gen_options(CMD, t, n_t, false, &go)) >= 0) return rc;
     go.max_tokens = (int32_t)n_max;
-    go.sampling.temperature = sample ? temp : 0.0;
-    go.sampling.top_k = (int32_t)top_k;
-    go.sampling.top_p = top_p;
-    go.sampling.min_p = min_p;
-    go.sampling.repeat_penalty = repeat_penalty;
-    go.sampling.repeat_last_n = (int32_t)repeat_last_n;
-    go.sampling.presence_penalty = presence;
-    go.sampling.frequency_penalty = frequency;
-    go.sampling.seed = (uint64_t)seed;
-    moeq_sampler *probe = NULL;   /* every option checked before anything loads */
-    moeq_status st = moeq_sampler_create(&go.sampling, &probe);
-    moeq_sampler_free(probe);
-    if (st) return cli_usage_error(CMD, "%s", moeq_last_error());
+    moeq_status st;
     if (threads > 0) moeq_set_threads((int)threads);
 
     const char *dir = cli_model_dir(CMD, pos[0], revision);

@@ -512,11 +512,11 @@ int cmd_serve(int argc, char **argv) {
         {"--host", OPT_STRING, &host, "H", "the IPv4 address to listen on (default 127.0.0.1; 0.0.0.0: every one)", NULL, 0, 0, NULL},
         {"--parallel", OPT_INT, &parallel, "N", "requests generated at once, each on its own session (default 1)", NULL, 1, 256, NULL},
         {"--queue", OPT_INT, &queue, "N", "requests that may wait for a slot; more are answered 503 (default 4 x --parallel)", NULL, 0, 4096, NULL},
-        {"--ctx", OPT_INT, &ctx, "N", "each slot's context in tokens (default: the model's)", NULL, 0, 1 << 24, NULL},
+        CLI_CTX_OPT(ctx, "each slot's context in tokens (default: the model's)"),
         {"--alias", OPT_STRING, &alias, "NAME", "the model's name in responses and /v1/models (default: MODEL_DIR's last part)", NULL, 0, 0, NULL},
-        {"--template", OPT_STRING, &template_name, "NAME", "a named chat template of the model", NULL, 0, 0, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 0, 1024, NULL},
-        {"--dequantize", OPT_FLAG, &dequantize, NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL},
+        CLI_TEMPLATE_OPT(template_name),
+        CLI_THREADS_OPT(threads),
+        CLI_DEQUANTIZE_OPT(dequantize),
     };
     const cli_command cmd = {
         CMD, "MODEL_DIR --port P [--host H] [--parallel N] [--queue N] [--ctx N]",
