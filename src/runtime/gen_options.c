@@ -17,8 +17,8 @@ size_t moeq_gen_options_size(void) { return sizeof(moeq_gen_options); }
 /* (0, 1]: the sampler keeps at least one candidate, and 0 would keep none */
 static moeq_status set_top_p(moeq_gen_options *o, const char *key, const char *v) {
     double d = 0;
-    moeq_status st = mq_opt_double(key, v, 0, 1, &d);
-    if (!st && !(d > 0)) st = mq_opt_bad(key, v, "a number in (0, 1]");
+    moeq_status st = mq_opt_double(key, v, -HUGE_VAL, HUGE_VAL, &d);
+    if (!st && !(d > 0 && d <= 1)) st = mq_opt_bad(key, v, "a number in (0, 1]");
     if (!st) o->sampling.top_p = d;
     return st;
 }
@@ -26,7 +26,7 @@ static moeq_status set_top_p(moeq_gen_options *o, const char *key, const char *v
 /* a divisor of the positive logits: positive */
 static moeq_status set_repeat_penalty(moeq_gen_options *o, const char *key, const char *v) {
     double d = 0;
-    moeq_status st = mq_opt_double(key, v, 0, HUGE_VAL, &d);
+    moeq_status st = mq_opt_double(key, v, -HUGE_VAL, HUGE_VAL, &d);
     if (!st && !(d > 0)) st = mq_opt_bad(key, v, "a number > 0 (1: off)");
     if (!st) o->sampling.repeat_penalty = d;
     return st;
