@@ -9,6 +9,7 @@
 
 #include "core/core.h"
 #include "core/optval.h"
+#include "runtime/gen_options.h"
 
 size_t moeq_gen_options_size(void) { return sizeof(moeq_gen_options); }
 
@@ -75,4 +76,27 @@ static const moeq_option_info g_gen_options[] = {
 const moeq_option_info *moeq_gen_option_info(int i) {
     const int n = (int)(sizeof g_gen_options / sizeof g_gen_options[0]);
     return i >= 0 && i < n ? &g_gen_options[i] : NULL;
+}
+
+/* Each row's value as the text its flag would carry: numbers exactly ("%.17g" reads back the same
+ * double), integers in full. */
+#define MQ_GTEXT_NUM(field) snprintf(v, sizeof v, "%.17g", (double)o->field)
+#define MQ_GTEXT_NUM_FN(field) MQ_GTEXT_NUM(field)
+#define MQ_GTEXT_INT(field) snprintf(v, sizeof v, "%lld", (long long)o->field)
+#define MQ_GTEXT_SWITCH(field) snprintf(v, sizeof v, "%s", o->field ? "true" : "false")
+
+moeq_status mq_gen_options_check(const moeq_gen_options *o, const char *who) {
+    moeq_gen_options scratch;
+    char v[64], why[256];
+    moeq_gen_options_init(&scratch);
+#define MQ_GOPT(key, kind, p1, p2, field, def, samples, json, metavar, help)                       \
+    MQ_GTEXT_##kind(field);                                                                        \
+    if (moeq_gen_options_set(&scratch, key, v)) {                                                  \
+        const char *f = #field;                                                                    \
+        snprintf(why, sizeof why, "%s", moeq_last_error());                                        \
+        return mq_err(MOEQ_E_ARG, "%s: %s: %s", who, strchr(f, '.') ? strchr(f, '.') + 1 : f, why); \
+    }
+#include "runtime/gen_options.def"
+#undef MQ_GOPT
+    return MOEQ_OK;
 }
