@@ -113,17 +113,25 @@ int cli_table_refused(const char *cmd, const cli_table_flag *f, const char *v, b
 const cli_table_flag *cli_table_find(const cli_table_flag *t, int n, const char *key);
 bool cli_table_given(const cli_table_flag *t, int n, const char *key);
 
-/* A command's flags from a library table (info(0), info(1), ... until NULL: moeq_eval_option_info,
- * moeq_gen_option_info) and its own flags, each own flag placed in --help before the row whose key
- * is `before` (NULL: after the last row). Fills t[0..*n_t) (at most max_t rows) and
- * opts[0..return) (room for max_t + n_own); -1 after printing why when the table outgrows max_t
- * or a `before` names no row. */
+/* A command's flags: the rows of a library table (info(0), info(1), ... until NULL:
+ * moeq_quant_option_info, moeq_eval_option_info, moeq_gen_option_info) and the command's own
+ * flags, each own flag placed in --help before the row whose key is `before` (NULL: after the
+ * last row). t[0..n) are the rows as parsed, opts[0..n_opts) the cli_command's options. */
 typedef struct {
     const char *before;
     cli_opt opt;
 } cli_own_flag;
-int cli_table_opts(const char *cmd, const moeq_option_info *(*info)(int), const cli_own_flag *own, int n_own,
-                   cli_table_flag *t, int max_t, int *n_t, cli_opt *opts);
+enum { CLI_TABLE_MAX = 112, CLI_OWN_MAX = 24 };
+typedef struct {
+    cli_table_flag t[CLI_TABLE_MAX];
+    int n;
+    cli_opt opts[CLI_TABLE_MAX + CLI_OWN_MAX];
+    int n_opts;
+} cli_table;
+/* false after printing why when the table outgrows CLI_TABLE_MAX, there are more than CLI_OWN_MAX
+ * own flags, or a `before` names no row (a library this command does not know). */
+bool cli_table_build(cli_table *tb, const char *cmd, const moeq_option_info *(*info)(int), const cli_own_flag *own,
+                     int n_own);
 /* The generation flags given (t[0..n), the rows of moeq_gen_option_info) into o, after
  * moeq_gen_options_init: greedy unless a flag that asks for sampling (the row's identity) was
  * given, then from temperature 1, each given value through moeq_gen_options_set. A refused value,
@@ -148,6 +156,14 @@ const char *cli_blas_kernels(void);
 bool cli_parse_size(const char *s, uint64_t *out);
 /* "2,4,8,16": up to max counts, each in [lo, hi], into out; the number read, or -1 if malformed. */
 int cli_parse_counts(const char *s, int *out, int max, int lo, int hi);
+
+/* A growing byte buffer, p[0..n) NUL-terminated after every put ({0}: empty; free(p)). */
+typedef struct {
+    char *p;
+    size_t n, cap;
+} cli_buf;
+/* Appends s[0..n); false when out of memory (b unchanged). */
+bool cli_buf_put(cli_buf *b, const char *s, size_t n);
 
 /* JSON-safe printing of a string (with quotes). */
 void cli_print_json_string(FILE *f, const char *s);

@@ -20,46 +20,26 @@
 
 #define CMD "chat"
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
-
-static bool sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->cap - b->n < n + 1) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap - b->n < n + 1) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) return false;
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-    return true;
-}
-
 /* A JSON string of s[0..n). */
-static bool sb_json(sbuf *b, const char *s, size_t n) {
-    bool ok = sb_put(b, "\"", 1);
+static bool sb_json(cli_buf *b, const char *s, size_t n) {
+    bool ok = cli_buf_put(b, "\"", 1);
     for (size_t i = 0; i < n && ok; i++) {
         unsigned char c = (unsigned char)s[i];
         char t[8];
-        if (c == '"' || c == '\\') t[0] = '\\', t[1] = (char)c, ok = sb_put(b, t, 2);
-        else if (c == '\n') ok = sb_put(b, "\\n", 2);
-        else if (c == '\r') ok = sb_put(b, "\\r", 2);
-        else if (c == '\t') ok = sb_put(b, "\\t", 2);
-        else if (c < 0x20) ok = sb_put(b, t, (size_t)snprintf(t, sizeof t, "\\u%04x", c));
-        else ok = sb_put(b, (const char *)&s[i], 1);
+        if (c == '"' || c == '\\') t[0] = '\\', t[1] = (char)c, ok = cli_buf_put(b, t, 2);
+        else if (c == '\n') ok = cli_buf_put(b, "\\n", 2);
+        else if (c == '\r') ok = cli_buf_put(b, "\\r", 2);
+        else if (c == '\t') ok = cli_buf_put(b, "\\t", 2);
+        else if (c < 0x20) ok = cli_buf_put(b, t, (size_t)snprintf(t, sizeof t, "\\u%04x", c));
+        else ok = cli_buf_put(b, (const char *)&s[i], 1);
     }
-    return ok && sb_put(b, "\"", 1);
+    return ok && cli_buf_put(b, "\"", 1);
 }
 
-static bool add_message(sbuf *msgs, const char *role, const char *text, size_t n) {
-    if (msgs->n > 1 && !sb_put(msgs, ", ", 2)) return false;
-    return sb_put(msgs, "{\"role\": ", 9) && sb_json(msgs, role, strlen(role)) && sb_put(msgs, ", \"content\": ", 13) &&
-           sb_json(msgs, text, n) && sb_put(msgs, "}", 1);
+static bool add_message(cli_buf *msgs, const char *role, const char *text, size_t n) {
+    if (msgs->n > 1 && !cli_buf_put(msgs, ", ", 2)) return false;
+    return cli_buf_put(msgs, "{\"role\": ", 9) && sb_json(msgs, role, strlen(role)) && cli_buf_put(msgs, ", \"content\": ", 13) &&
+           sb_json(msgs, text, n) && cli_buf_put(msgs, "}", 1);
 }
 
 static volatile sig_atomic_t g_in_reply;
@@ -75,8 +55,6 @@ static int print_piece(void *user, const char *text, size_t len) {
     fflush(stdout);
     return 0;
 }
-
-enum { MAX_GEN_FLAGS = 24 };
 
 int cmd_chat(int argc, char **argv) {
     const char *system_msg = NULL, *revision = NULL, *kwargs = NULL, *template_name = NULL;
@@ -94,11 +72,8 @@ int cmd_chat(int argc, char **argv) {
         {NULL, CLI_THREADS_OPT(threads)},
         {NULL, CLI_DEQUANTIZE_OPT(dequantize)},
     };
-    const int n_own = (int)(sizeof own / sizeof own[0]);
-    cli_table_flag t[MAX_GEN_FLAGS];
-    cli_opt opts[MAX_GEN_FLAGS + sizeof own / sizeof own[0]];
-    int n_t = 0, n_opts = cli_table_opts(CMD, moeq_gen_option_info, own, n_own, t, MAX_GEN_FLAGS, &n_t, opts);
-    if (n_opts < 0) return CLI_FAIL;
+    static cli_table tb;
+    if (!cli_table_build(&tb, CMD, moeq_gen_option_info, own, (int)(sizeof own / sizeof own[0]))) return CLI_FAIL;
     const cli_command cmd = {
         CMD, "MODEL_DIR [--system TEXT] [-n N] [--temp T --top-p P ...]",
         "An interactive chat with the model, through its chat template (tokenizer_config.json,\n"
@@ -107,12 +82,12 @@ int cmd_chat(int argc, char **argv) {
         "Ctrl-C stops the current reply. When stdin is not a terminal, every line is a user message\n"
         "and every reply is printed on one line of stdout (token counts per turn on stderr).\n"
         "Each reply is greedy unless a sampling option is given, as in moeq generate.",
-        opts, n_opts, 1, 1, "MODEL_DIR"};
+        tb.opts, tb.n_opts, 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
     moeq_gen_options go;   /* every option checked here, before anything loads */
-    if ((rc = cli_gen_options(CMD, t, n_t, false, &go)) >= 0) return rc;
+    if ((rc = cli_gen_options(CMD, tb.t, tb.n, false, &go)) >= 0) return rc;
     go.max_tokens = (int32_t)n_max;
     moeq_status st;
     if (threads > 0) moeq_set_threads((int)threads);
@@ -123,7 +98,7 @@ int cmd_chat(int argc, char **argv) {
     moeq_model *m = NULL;
     moeq_chat_template *ct = NULL;
     moeq_gen *g = NULL;
-    sbuf msgs = {0}, line = {0};
+    cli_buf msgs = {0}, line = {0};
     char *prompt = NULL;
     int32_t *ids = NULL;
     int ret = CLI_OK;
@@ -149,7 +124,7 @@ int cmd_chat(int argc, char **argv) {
     if (tty)
         fprintf(stderr, "moeq chat: %s, a context of %d tokens. /reset starts over, /exit leaves, "
                         "Ctrl-C stops a reply.\n", pos[0], moeq_gen_n_ctx(g));
-    if (!sb_put(&msgs, "[", 1)) goto nomem;
+    if (!cli_buf_put(&msgs, "[", 1)) goto nomem;
     if (system_msg && !add_message(&msgs, "system", system_msg, strlen(system_msg))) goto nomem;
     size_t base = msgs.n;   /* the conversation before any turn */
     int turn = 0;
@@ -162,10 +137,10 @@ int cmd_chat(int argc, char **argv) {
         int c;
         while ((c = getchar()) != EOF && c != '\n') {
             char ch = (char)c;
-            if (!sb_put(&line, &ch, 1)) goto nomem;
+            if (!cli_buf_put(&line, &ch, 1)) goto nomem;
         }
         if (c == EOF && line.n == 0) break;
-        if (!line.p && !sb_put(&line, "", 0)) goto nomem;
+        if (!line.p && !cli_buf_put(&line, "", 0)) goto nomem;
         if (line.n && line.p[line.n - 1] == '\r') line.p[--line.n] = 0;
         if (!strcmp(line.p, "/exit") || !strcmp(line.p, "/quit")) break;
         if (!strcmp(line.p, "/reset")) {
@@ -176,7 +151,7 @@ int cmd_chat(int argc, char **argv) {
             continue;
         }
         size_t before = msgs.n;
-        if (!add_message(&msgs, "user", line.p, line.n) || !sb_put(&msgs, "]", 1)) goto nomem;
+        if (!add_message(&msgs, "user", line.p, line.n) || !cli_buf_put(&msgs, "]", 1)) goto nomem;
         size_t plen;
         free(prompt);
         prompt = NULL;

@@ -206,8 +206,6 @@ static void print_plan(FILE *f, const moeq_eval_result *r, bool has_base) {
             r->plan.flops / 1e12, r->plan.core_gflops, r->plan.eta_seconds);
 }
 
-enum { MAX_FLAGS = 32 };
-
 int cmd_eval(int argc, char **argv) {
     const char *data = NULL, *layout = NULL, *kl_base = NULL, *html = NULL, *act_quant = NULL;
     const char *revision = NULL, *stream = "auto";
@@ -240,11 +238,10 @@ int cmd_eval(int argc, char **argv) {
          NULL}},
         {NULL, {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar", NULL, 0, 0, NULL}},
     };
-    const int n_own = (int)(sizeof own / sizeof own[0]);
-    cli_table_flag t[MAX_FLAGS];
-    cli_opt opts[MAX_FLAGS + sizeof own / sizeof own[0]];
-    int n = 0, n_opts = cli_table_opts("eval", moeq_eval_option_info, own, n_own, t, MAX_FLAGS, &n, opts);
-    if (n_opts < 0) return CLI_FAIL;
+    static cli_table tb;
+    if (!cli_table_build(&tb, "eval", moeq_eval_option_info, own, (int)(sizeof own / sizeof own[0]))) return CLI_FAIL;
+    const cli_table_flag *t = tb.t;
+    const int n = tb.n;
     const cli_command cmd = {
         "eval",
         "MODEL_DIR --data FILE [--task wikitext|text] [options]",
@@ -269,8 +266,8 @@ int cmd_eval(int argc, char **argv) {
         "are the whole-model forward's, bit for bit. An interrupted streamed run continues with\n"
         "--resume. --dry-run prints the plan. MODEL_DIR may be a .gguf file: read in place (its\n"
         "blocks decoded to fp32 as each layer is loaded), streamed like any model too large.",
-        opts,
-        n_opts,
+        tb.opts,
+        tb.n_opts,
         1,
         1,
         "MODEL_DIR"};

@@ -100,8 +100,6 @@ static int fail_about(const char *what, moeq_status st) {
     return st == MOEQ_E_INTERRUPTED ? CLI_INTERRUPTED : CLI_FAIL;
 }
 
-enum { MAX_GEN_FLAGS = 24 };
-
 int cmd_generate(int argc, char **argv) {
     const char *prompt_arg = NULL, *prompt_file = NULL, *messages_file = NULL;
     int64_t n_new = -1, threads = 0;
@@ -135,11 +133,8 @@ int cmd_generate(int argc, char **argv) {
          "next run maps instead of repacking ('off': none; default: beside the model when its folder "
          "is writable, else $XDG_CACHE_HOME/moeq)", NULL, 0, 0, NULL}},
     };
-    const int n_own = (int)(sizeof own / sizeof own[0]);
-    cli_table_flag t[MAX_GEN_FLAGS];
-    cli_opt opts[MAX_GEN_FLAGS + sizeof own / sizeof own[0]];
-    int n_t = 0, n_opts = cli_table_opts(CMD, moeq_gen_option_info, own, n_own, t, MAX_GEN_FLAGS, &n_t, opts);
-    if (n_opts < 0) return CLI_FAIL;
+    static cli_table tb;
+    if (!cli_table_build(&tb, CMD, moeq_gen_option_info, own, (int)(sizeof own / sizeof own[0]))) return CLI_FAIL;
     const cli_command cmd = {
         CMD, "MODEL_DIR (--prompt P | --prompt-file F | < stdin) -n N [--greedy | --temp T --top-k K "
         "--top-p P --min-p P --seed S] [--repeat-penalty R ...] [--stop S ...] [--json]",
@@ -155,7 +150,7 @@ int cmd_generate(int argc, char **argv) {
         "softmax(logits / T) over what is left (include/moeq.h, \"Sampling\", has the exact rules).\n"
         "Ids past the tokenizer's vocabulary (models pad their embeddings) print as nothing;\n"
         "--json lists them with the others.",
-        opts, n_opts, 1, 1, "MODEL_DIR"};
+        tb.opts, tb.n_opts, 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) {
@@ -170,7 +165,7 @@ int cmd_generate(int argc, char **argv) {
     for (int k = 0; !bad && k < stops.n; k++)
         if (!stops.items[k][0]) bad = "--stop needs a non-empty string";
     moeq_gen_options go;
-    if (!bad && (rc = cli_gen_options(CMD, t, n_t, greedy, &go)) >= 0) {
+    if (!bad && (rc = cli_gen_options(CMD, tb.t, tb.n, greedy, &go)) >= 0) {
         free(stops.items);
         return rc;
     }
