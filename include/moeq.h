@@ -454,6 +454,15 @@ typedef struct {
 } moeq_gen_result;
 void moeq_gen_result_free(moeq_gen_result *r);   /* frees text; r itself is the caller's */
 
+/* The stop strings' scan, moeq_gen_run's for a caller with its own loop (`moeq generate`):
+ * moeq_gen_find_stop: the earliest occurrence at or after from of any stop[k] in t[0..n) (its
+ * offset, and k in *which when which is not NULL), else n + 1. moeq_gen_certain: how much of
+ * t[0..n) is certain, all of it less a trailing U+FFFD (a character cut between tokens) and less
+ * the longest tail that may still become a stop string. */
+size_t moeq_gen_find_stop(const char *t, size_t n, size_t from, const char *const *stop, int32_t n_stop,
+                          int32_t *which);
+size_t moeq_gen_certain(const char *t, size_t n, const char *const *stop, int32_t n_stop);
+
 typedef struct moeq_gen moeq_gen;
 /* n_ctx: the positions the session holds (prompt and output), at most the model's context. */
 moeq_status moeq_gen_create(const moeq_model *m, int32_t n_ctx, moeq_gen **out);

@@ -200,5 +200,27 @@ static void test_request_fields(void) {
     moeq_openai_request_free(&r);
 }
 
-TEST_MAIN(T(test_every_row_sets_its_field), T(test_fields_and_sampling_rows), T(test_ranges), T(test_defaults),
+/* The stop-string scan that moeq_gen_run and `moeq generate` share. */
+static void test_stop_scan(void) {
+    const char *stop[] = {"END", "\n\n"};
+    const char *t = "abc\nEN";
+    int32_t which = -1;
+    ASSERT_EQ_INT(strlen(t) + 1, moeq_gen_find_stop(t, strlen(t), 0, stop, 2, &which));
+    ASSERT_EQ_INT(-1, which);
+    /* "EN" may become "END", and a final "\n" "\n\n": neither is certain yet */
+    ASSERT_EQ_INT(4, moeq_gen_certain(t, strlen(t), stop, 2));
+    ASSERT_EQ_INT(3, moeq_gen_certain(t, 4, stop, 2));
+    ASSERT_EQ_INT(4, moeq_gen_certain(t, 4, stop, 1));
+    const char *u = "xy ENDz\n\n";
+    ASSERT_EQ_INT(3, moeq_gen_find_stop(u, strlen(u), 0, stop, 2, &which));
+    ASSERT_EQ_INT(0, which);
+    ASSERT_EQ_INT(7, moeq_gen_find_stop(u, strlen(u), 4, stop, 2, &which));   /* from 4: past END */
+    ASSERT_EQ_INT(1, which);
+    /* a trailing U+FFFD waits for the next token; one inside the text does not */
+    const char *f = "a\xef\xbf\xbd" "b\xef\xbf\xbd";
+    ASSERT_EQ_INT(5, moeq_gen_certain(f, strlen(f), NULL, 0));
+    ASSERT_EQ_INT(strlen(f) - 1, moeq_gen_certain(f, strlen(f) - 1, NULL, 0));
+}
+
+TEST_MAIN(T(test_stop_scan), T(test_every_row_sets_its_field), T(test_fields_and_sampling_rows), T(test_ranges), T(test_defaults),
           T(test_request_fields))

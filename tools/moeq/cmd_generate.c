@@ -63,36 +63,6 @@ static void json_ids(FILE *f, const char *key, const int32_t *ids, size_t n) {
     fputs("],\n", f);
 }
 
-/* The earliest occurrence at or after from of any stop string in t[0..n): its offset (and which
- * string in *which), or n + 1 when there is none. A match cannot start before the printed text
- * ends (stream_cut held back every tail that could begin one), hence from. */
-static size_t find_stop(const char *t, size_t n, size_t from, const cli_list *stops, int *which) {
-    for (size_t p = from; p < n; p++)
-        for (int k = 0; k < stops->n; k++) {
-            size_t m = strlen(stops->items[k]);
-            if (m <= n - p && memcmp(t + p, stops->items[k], m) == 0) {
-                *which = k;
-                return p;
-            }
-        }
-    return n + 1;
-}
-
-/* How much of t[0..n) may be printed now: all of it less the longest tail that is a proper
- * prefix of a stop string (the next tokens may complete it). */
-static size_t stream_cut(const char *t, size_t n, const cli_list *stops) {
-    size_t hold = 0;
-    for (int k = 0; k < stops->n; k++) {
-        size_t m = strlen(stops->items[k]);
-        for (size_t h = (m - 1 < n ? m - 1 : n); h > hold; h--)
-            if (memcmp(t + n - h, stops->items[k], h) == 0) {
-                hold = h;
-                break;
-            }
-    }
-    return n - hold;
-}
-
 /* Reports an error of the library with what it concerns first ("--prompt-file F: ..."). */
 static int fail_about(const char *what, moeq_status st) {
     const char *msg = moeq_last_error();
@@ -321,7 +291,7 @@ int cmd_generate(int argc, char **argv) {
     double t_prefill = now_s() - t0, t_decode = 0;
     size_t n_gen = 0, n_text_ids = 0, printed = 0, text_len = 0, cut = 0;
     const char *finish = "length";
-    int stop_which = -1;
+    int32_t stop_which = -1;
     cli_install_sigint();
     while (!st && (int64_t)n_gen < n_new) {
         int32_t next;
@@ -339,16 +309,15 @@ int cmd_generate(int argc, char **argv) {
         text = NULL;
         st = moeq_tokenizer_decode_ex(tok, gen, n_gen, MOEQ_DECODE_SKIP_UNKNOWN, &text, &text_len);
         if (st) break;
-        /* What is certain so far: the text less a trailing U+FFFD that more bytes may complete. */
-        size_t sure = text_len;
-        if (sure >= 3 && !memcmp(text + sure - 3, "\xef\xbf\xbd", 3)) sure -= 3;
-        size_t at = find_stop(text, text_len, printed, &stops, &stop_which);
+        /* A stop string cannot start before the printed text ends (what might begin one was held
+         * back), hence the search from there. */
+        size_t at = moeq_gen_find_stop(text, text_len, printed, stops.items, stops.n, &stop_which);
         if (at <= text_len) {
             cut = at;
             finish = "stop";
             break;
         }
-        cut = stream_cut(text, sure, &stops);
+        cut = moeq_gen_certain(text, text_len, stops.items, stops.n);
         if (!json && cut > printed) {
             fwrite(text + printed, 1, cut - printed, stdout);
             fflush(stdout);
