@@ -134,14 +134,12 @@ int cmd_generate(int argc, char **argv) {
     else if (n_new < 0) bad = "-n is required";
     for (int k = 0; !bad && k < stops.n; k++)
         if (!stops.items[k][0]) bad = "--stop needs a non-empty string";
-    moeq_gen_options go;
-    if (!bad && (rc = cli_gen_options(CMD, tb.t, tb.n, greedy, &go)) >= 0) {
+    moeq_gen_options go;   /* the sampling flags, each checked by the library's setter */
+    if (bad) rc = cli_usage_error(CMD, "%s", bad);
+    else rc = cli_gen_options(CMD, tb.t, tb.n, greedy, &go);
+    if (rc >= 0) {
         free(stops.items);
         return rc;
-    }
-    if (bad) {
-        free(stops.items);
-        return cli_usage_error(CMD, "%s", bad);
     }
     const bool ignore_eos = go.ignore_eos;
     moeq_sampler *smp = NULL;
