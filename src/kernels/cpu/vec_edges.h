@@ -53,4 +53,22 @@ static inline int64_t vec_first_equal_from(int64_t i, const float *x, int64_t n,
     return 0;
 }
 
+/* y[r] = alpha * dot(W + r * ldw, x, n) for r < rows: groups of R rows through the twin's
+ * `block` (x loaded once per step for all R), the rows past the last group through its `dot`.
+ * Inlined into the twin's gemv, so both calls are direct. */
+static inline __attribute__((always_inline)) void vec_gemv_rows(
+    const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n, float alpha, float *y, int R,
+    void (*block)(const float *W, int64_t ldw, const float *x, int64_t n, float alpha, float *y),
+    float (*dot)(const float *a, const float *b, int64_t n)) {
+    int64_t r = 0;
+    for (; r + R <= rows; r += R) block(W + r * ldw, ldw, x, n, alpha, y + r);
+    for (; r < rows; r++) y[r] = alpha * dot(W + r * ldw, x, n);
+}
+
+/* A twin's row of mq_vec_kernels, its functions named <operation>_<isa>. */
+#define MQ_VEC_KERNELS_OF(isa)                                                                     \
+    {.dot = dot_##isa, .gemv = gemv_##isa, .gemv_t = gemv_t_##isa, .axpy = axpy_##isa,             \
+     .rope = rope_##isa, .exp = exp_##isa, .softmax = softmax_##isa, .logsumexp = logsumexp_##isa, \
+     .kl = kl_##isa, .rmsnorm = rmsnorm_##isa, .swiglu = swiglu_##isa}
+
 #endif

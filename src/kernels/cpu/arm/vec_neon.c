@@ -101,9 +101,7 @@ static void dot4(const float *W, int64_t ldw, const float *x, int64_t n, float a
 
 static void gemv_neon(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
                       float alpha, float *y) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) dot4(W + r * ldw, ldw, x, n, alpha, y + r);
-    for (; r < rows; r++) y[r] = alpha * dot_neon(W + r * ldw, x, n);
+    vec_gemv_rows(W, ldw, rows, x, n, alpha, y, 4, dot4, dot_neon);
 }
 
 static void axpy_neon(float a, const float *x, float *y, int64_t n) {
@@ -332,16 +330,4 @@ static void swiglu_neon(float *g, const float *u, int64_t n) {
     vec_swiglu_from(i, g, u, n);
 }
 
-const mq_vec_kernels mq_vec_neon = {
-    .dot = dot_neon,
-    .gemv = gemv_neon,
-    .gemv_t = gemv_t_neon,
-    .axpy = axpy_neon,
-    .rope = rope_neon,
-    .exp = exp_neon,
-    .softmax = softmax_neon,
-    .logsumexp = logsumexp_neon,
-    .kl = kl_neon,
-    .rmsnorm = rmsnorm_neon,
-    .swiglu = swiglu_neon,
-};
+const mq_vec_kernels mq_vec_neon = MQ_VEC_KERNELS_OF(neon);

@@ -206,16 +206,4 @@ static void swiglu_ref(float *g, const float *u, int64_t n) {
     vec_swiglu_from(0, g, u, n);
 }
 
-const mq_vec_kernels mq_vec_ref = {
-    .dot = dot_ref,
-    .gemv = gemv_ref,
-    .gemv_t = gemv_t_ref,
-    .axpy = axpy_ref,
-    .rope = rope_ref,
-    .exp = exp_ref,
-    .softmax = softmax_ref,
-    .logsumexp = logsumexp_ref,
-    .kl = kl_ref,
-    .rmsnorm = rmsnorm_ref,
-    .swiglu = swiglu_ref,
-};
+const mq_vec_kernels mq_vec_ref = MQ_VEC_KERNELS_OF(ref);

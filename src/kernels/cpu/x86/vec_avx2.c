@@ -104,9 +104,7 @@ static void dot4(const float *W, int64_t ldw, const float *x, int64_t n, float a
 
 static void gemv_avx2(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
                       float alpha, float *y) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) dot4(W + r * ldw, ldw, x, n, alpha, y + r);
-    for (; r < rows; r++) y[r] = alpha * dot_avx2(W + r * ldw, x, n);
+    vec_gemv_rows(W, ldw, rows, x, n, alpha, y, 4, dot4, dot_avx2);
 }
 
 static void axpy_avx2(float a, const float *x, float *y, int64_t n) {
@@ -352,16 +350,4 @@ static void swiglu_avx2(float *g, const float *u, int64_t n) {
     }
 }
 
-const mq_vec_kernels mq_vec_avx2 = {
-    .dot = dot_avx2,
-    .gemv = gemv_avx2,
-    .gemv_t = gemv_t_avx2,
-    .axpy = axpy_avx2,
-    .rope = rope_avx2,
-    .exp = exp_avx2,
-    .softmax = softmax_avx2,
-    .logsumexp = logsumexp_avx2,
-    .kl = kl_avx2,
-    .rmsnorm = rmsnorm_avx2,
-    .swiglu = swiglu_avx2,
-};
+const mq_vec_kernels mq_vec_avx2 = MQ_VEC_KERNELS_OF(avx2);

@@ -81,9 +81,7 @@ static void dot8(const float *W, int64_t ldw, const float *x, int64_t n, float a
 
 static void gemv_avx512(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
                         float alpha, float *y) {
-    int64_t r = 0;
-    for (; r + 8 <= rows; r += 8) dot8(W + r * ldw, ldw, x, n, alpha, y + r);
-    for (; r < rows; r++) y[r] = alpha * dot_avx512(W + r * ldw, x, n);
+    vec_gemv_rows(W, ldw, rows, x, n, alpha, y, 8, dot8, dot_avx512);
 }
 
 static void axpy_avx512(float a, const float *x, float *y, int64_t n) {
@@ -249,16 +247,4 @@ static void swiglu_avx512(float *g, const float *u, int64_t n) {
     }
 }
 
-const mq_vec_kernels mq_vec_avx512 = {
-    .dot = dot_avx512,
-    .gemv = gemv_avx512,
-    .gemv_t = gemv_t_avx512,
-    .axpy = axpy_avx512,
-    .rope = rope_avx512,
-    .exp = exp_avx512,
-    .softmax = softmax_avx512,
-    .logsumexp = logsumexp_avx512,
-    .kl = kl_avx512,
-    .rmsnorm = rmsnorm_avx512,
-    .swiglu = swiglu_avx512,
-};
+const mq_vec_kernels mq_vec_avx512 = MQ_VEC_KERNELS_OF(avx512);
