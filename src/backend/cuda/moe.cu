@@ -633,19 +633,8 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
     std::vector<uint8_t> sc, of;
     std::vector<float> sv;
     for (size_t i = 0; i < geo.size() && !st; i++) {
-        const bool gu = (int64_t)i < (int64_t)nm;
-        const int64_t e = (int64_t)i % nm;
-        const bool sh = e == E;
-        const moeq_moe_qweight *w = gu ? (sh ? &d->shared_gate_up : &d->gate_up) : (sh ? &d->shared_down : &d->down);
         const Geom &q = geo[i];
-        const size_t per = (size_t)q.N * (size_t)(q.K / G) * (nv ? 1 : 4);
-        const uint8_t *ssrc = (const uint8_t *)w->scales.data + (sh ? 0 : per * (size_t)e);
-        const uint8_t *zsrc = NULL;
-        if (zp) {
-            const moeq_tensor_ref *z = gu ? (sh ? &zp->shared_gate_up : &zp->gate_up) : (sh ? &zp->shared_down : &zp->down);
-            zsrc = (const uint8_t *)z->data + (sh ? 0 : (size_t)q.N * (size_t)(q.K / G) * (size_t)e);
-        }
-        build_scales(q, nv, (int)G, ssrc, zsrc, sc, of, sv);
+        build_scales_of(d, zp, q, i, nm, E, nv, (int)G, sc, of, sv);
         st = CU(cudaMemcpy(m->blob + at[i * 4 + 1], sc.data(), q.scales, cudaMemcpyHostToDevice));
         if (!st && q.offs) st = CU(cudaMemcpy(m->blob + at[i * 4 + 2], of.data(), q.offs, cudaMemcpyHostToDevice));
         if (!st && q.s32) st = CU(cudaMemcpy(m->blob + at[i * 4 + 3], sv.data(), q.s32, cudaMemcpyHostToDevice));
@@ -657,6 +646,31 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
     }
     *out = m;
     return MOEQ_OK;
+}
+
+/* The op's input and output where the caller's pointers are host memory: x staged into the
+ * workspace (xd), the result computed into it (od) and copied back by io_out. */
+struct MoeIo {
+    const float *xd;
+    float *od;
+    bool xdev, odev;
+};
+
+static moeq_status io_in(mq_gpu_moe *m, const float *x, int64_t T, float *out, MoeIo *io) {
+    io->xdev = is_device_ptr(x);
+    io->odev = is_device_ptr(out);
+    io->xd = io->xdev ? x : m->ws.xd;
+    io->od = io->odev ? out : m->ws.outd;
+    if (io->xdev) return MOEQ_OK;
+    return CU(cudaMemcpyAsync(m->ws.xd, x, (size_t)(T * m->D) * 4, cudaMemcpyHostToDevice, m->s));
+}
+
+/* After the forward (its status st): the result to host memory, then the stream synchronized
+ * when a host buffer was involved (or always: `sync`). */
+static moeq_status io_out(mq_gpu_moe *m, moeq_status st, const MoeIo &io, float *out, int64_t T, bool sync) {
+    if (!st && !io.odev) st = CU(cudaMemcpyAsync(out, io.od, (size_t)(T * m->D) * 4, cudaMemcpyDeviceToHost, m->s));
+    if (!st && (sync || !io.odev || !io.xdev)) st = CU(cudaStreamSynchronize(m->s));
+    return st;
 }
 
 extern "C" moeq_status mq_gpu_moe_ffn(mq_gpu_moe *m, const float *x, int64_t T, int math, float *out) {
@@ -671,19 +685,12 @@ extern "C" moeq_status mq_gpu_moe_ffn(mq_gpu_moe *m, const float *x, int64_t T, 
     if (!st) st = ensure_ws(m, T);
     if (!st && math == MQ_GPU_MOE_FP32) st = ensure_exact(m, T);
     if (st) return st;
-    const bool xdev = is_device_ptr(x), odev = is_device_ptr(out);
-    const float *xd = x;
-    if (!xdev) {
-        st = CU(cudaMemcpyAsync(m->ws.xd, x, (size_t)(T * m->D) * 4, cudaMemcpyHostToDevice, m->s));
-        xd = m->ws.xd;
-    }
-    float *od = odev ? out : m->ws.outd;
+    MoeIo io;
+    st = io_in(m, x, T, out, &io);
     if (!st && m->dense && math != MQ_GPU_MOE_BF16)
         st = mq_err(MOEQ_E_UNSUPPORTED, "moe_ffn_cuda: a layer of dense (bf16) experts runs in bf16 only");
-    if (!st) st = m->dense ? forward_baseline(m, xd, T, od) : forward_dev(m, xd, T, math, od);
-    if (!st && !odev) st = CU(cudaMemcpyAsync(out, od, (size_t)(T * m->D) * 4, cudaMemcpyDeviceToHost, m->s));
-    if (!st && (!odev || !xdev)) st = CU(cudaStreamSynchronize(m->s));
-    return st;
+    if (!st) st = m->dense ? forward_baseline(m, io.xd, T, io.od) : forward_dev(m, io.xd, T, math, io.od);
+    return io_out(m, st, io, out, T, false);
 }
 
 extern "C" moeq_status mq_gpu_moe_last_routing(mq_gpu_moe *m, int32_t *sel, float *wt, float *gshared) {
@@ -876,17 +883,10 @@ extern "C" moeq_status mq_gpu_moe_ffn_baseline(mq_gpu_moe *m, const float *x, in
     moeq_status st = set_dev(m);
     if (!st) st = ensure_ws(m, T);
     if (st) return st;
-    const bool xdev = is_device_ptr(x), odev = is_device_ptr(out);
-    const float *xd = x;
-    if (!xdev) {
-        st = CU(cudaMemcpyAsync(m->ws.xd, x, (size_t)(T * m->D) * 4, cudaMemcpyHostToDevice, m->s));
-        xd = m->ws.xd;
-    }
-    float *od = odev ? out : m->ws.outd;
-    if (!st) st = forward_baseline(m, xd, T, od);
-    if (!st && !odev) st = CU(cudaMemcpyAsync(out, od, (size_t)(T * m->D) * 4, cudaMemcpyDeviceToHost, m->s));
-    if (!st) st = CU(cudaStreamSynchronize(m->s));
-    return st;
+    MoeIo io;
+    st = io_in(m, x, T, out, &io);
+    if (!st) st = forward_baseline(m, io.xd, T, io.od);
+    return io_out(m, st, io, out, T, true);
 }
 
 /* ---- timing (bench) --------------------------------------------------------------------------- */

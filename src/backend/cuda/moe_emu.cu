@@ -374,19 +374,8 @@ moeq_status emu_build(const moeq_moe_experts_desc *d, const moeq_moe_zero_points
     std::vector<uint8_t> sc, of;
     std::vector<float> sv;
     for (size_t i = 0; i < geo.size(); i++) {
-        const bool gu = (int64_t)i < nm;
-        const int64_t e = (int64_t)i % nm;
-        const bool sh = e == E;
-        const moeq_moe_qweight *w = gu ? (sh ? &d->shared_gate_up : &d->gate_up) : (sh ? &d->shared_down : &d->down);
         const Geom &q = geo[i];
-        const size_t per = (size_t)q.N * (size_t)(q.K / G) * (nv ? 1 : 4);
-        const uint8_t *ssrc = (const uint8_t *)w->scales.data + (sh ? 0 : per * (size_t)e);
-        const uint8_t *zsrc = NULL;
-        if (zp) {
-            const moeq_tensor_ref *z = gu ? (sh ? &zp->shared_gate_up : &zp->gate_up) : (sh ? &zp->shared_down : &zp->down);
-            zsrc = (const uint8_t *)z->data + (sh ? 0 : (size_t)q.N * (size_t)(q.K / G) * (size_t)e);
-        }
-        build_scales(q, nv, (int)G, ssrc, zsrc, sc, of, sv);
+        build_scales_of(d, zp, q, i, nm, E, nv, (int)G, sc, of, sv);
         memcpy(blob + at[i * 4 + 1], sc.data(), q.scales);
         if (q.offs) memcpy(blob + at[i * 4 + 2], of.data(), q.offs);
         if (q.s32) memcpy(blob + at[i * 4 + 3], sv.data(), q.s32);

@@ -106,6 +106,26 @@ inline void build_scales(const Geom &q, int nv, int G, const uint8_t *scales_src
                 }
 }
 
+/* build_scales of matrix i of a layer's list (geo: the nm gate_up matrices, then the nm down
+ * ones; index E of each half is the shared expert's), from the descriptor's scales and zero
+ * points (zp may be NULL). */
+inline void build_scales_of(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp, const Geom &q,
+                            size_t i, int64_t nm, int64_t E, int nv, int G, std::vector<uint8_t> &sc,
+                            std::vector<uint8_t> &of, std::vector<float> &sv) {
+    const bool gu = (int64_t)i < nm;
+    const int64_t e = (int64_t)i % nm;
+    const bool sh = e == E;
+    const moeq_moe_qweight *w = gu ? (sh ? &d->shared_gate_up : &d->gate_up) : (sh ? &d->shared_down : &d->down);
+    const size_t per = (size_t)q.N * (size_t)(q.K / G) * (nv ? 1 : 4);
+    const uint8_t *ssrc = (const uint8_t *)w->scales.data + (sh ? 0 : per * (size_t)e);
+    const uint8_t *zsrc = NULL;
+    if (zp) {
+        const moeq_tensor_ref *z = gu ? (sh ? &zp->shared_gate_up : &zp->gate_up) : (sh ? &zp->shared_down : &zp->down);
+        zsrc = (const uint8_t *)z->data + (sh ? 0 : (size_t)q.N * (size_t)(q.K / G) * (size_t)e);
+    }
+    build_scales(q, nv, G, ssrc, zsrc, sc, of, sv);
+}
+
 inline bool all_bf16_exact(const float *s, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         const float r = mq_bf16_to_f32(mq_f32_to_bf16(s[i]));
