@@ -530,13 +530,7 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
                 return st;
         }
     }
-    bool s32 = false;
-    if (!nv) {
-        s32 = !all_bf16_exact((const float *)d->gate_up.scales.data, E * 2 * F * (D / G)) ||
-              !all_bf16_exact((const float *)d->down.scales.data, E * D * (F / G)) ||
-              (Fs > 0 && (!all_bf16_exact((const float *)d->shared_gate_up.scales.data, 2 * Fs * (D / G)) ||
-                          !all_bf16_exact((const float *)d->shared_down.scales.data, D * (Fs / G))));
-    }
+    const bool s32 = needs_s32(d, nv, E, D, F, Fs, G);
 
     mq_gpu_moe *m = new (std::nothrow) mq_gpu_moe();
     if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -581,23 +575,11 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
         if (!st) st = CU(cudaMemcpyAsync(m->bias, r->router_bias.data, (size_t)E * 4, cudaMemcpyHostToDevice, m->s));
     }
     /* the blob: codes, scales, zero points, exact scales of every matrix */
-    std::vector<Geom> geo((size_t)nm * 2);
-    for (int64_t i = 0; i < nm; i++) {
-        const int64_t f = i == E ? Fs : F;
-        geo[i] = geom_of(nv, (int)G, (int)(2 * f), (int)D, (int)f, m->asym, s32);
-        geo[nm + i] = geom_of(nv, (int)G, (int)D, (int)f, 0, m->asym, s32);
-    }
-    /* part by part (all codes, then all scales, ...), so that the routed experts' codes follow
-     * each other (pack_codes writes them as one array) */
-    std::vector<size_t> at(geo.size() * 4);
-    size_t total = 0;
-    for (int j = 0; j < 4; j++)
-        for (size_t i = 0; i < geo.size(); i++) {
-            const size_t part = j == 0 ? geo[i].codes : j == 1 ? geo[i].scales : j == 2 ? geo[i].offs : geo[i].s32;
-            at[i * 4 + j] = total;
-            total += align256(part);
-            m->resident += part;
-        }
+    std::vector<Geom> geo;
+    std::vector<size_t> at;
+    size_t parts = 0;
+    const size_t total = layer_layout(nv, (int)G, nm, E, D, F, Fs, m->asym, s32, geo, at, &parts);
+    m->resident += parts;
     if (!st) st = mq_cu_alloc((void **)&m->blob, total, "MoE experts on the GPU");
     m->blob_bytes = total;
     if (!st) {

@@ -309,26 +309,11 @@ moeq_status emu_build(const moeq_moe_experts_desc *d, const moeq_moe_zero_points
     L.F64m = (L.Fmax + 63) & ~63;
     L.D64 = (int)((D + 63) & ~63);
     const int64_t nm = L.nm;
-    bool s32 = false;
-    if (!nv)
-        s32 = !all_bf16_exact((const float *)d->gate_up.scales.data, E * 2 * F * (D / G)) ||
-              !all_bf16_exact((const float *)d->down.scales.data, E * D * (F / G)) ||
-              (Fs > 0 && (!all_bf16_exact((const float *)d->shared_gate_up.scales.data, 2 * Fs * (D / G)) ||
-                          !all_bf16_exact((const float *)d->shared_down.scales.data, D * (Fs / G))));
-    std::vector<Geom> geo((size_t)nm * 2);
-    for (int64_t i = 0; i < nm; i++) {
-        const int64_t f = i == E ? Fs : F;
-        geo[i] = geom_of(nv, (int)G, (int)(2 * f), (int)D, (int)f, zp != NULL, s32);
-        geo[nm + i] = geom_of(nv, (int)G, (int)D, (int)f, 0, zp != NULL, s32);
-    }
-    std::vector<size_t> at(geo.size() * 4);
-    size_t total = 0;
-    for (int j = 0; j < 4; j++)
-        for (size_t i = 0; i < geo.size(); i++) {
-            const size_t part = j == 0 ? geo[i].codes : j == 1 ? geo[i].scales : j == 2 ? geo[i].offs : geo[i].s32;
-            at[i * 4 + j] = total;
-            total += align256(part);
-        }
+    const bool s32 = needs_s32(d, nv, E, D, F, Fs, G);
+    std::vector<Geom> geo;
+    std::vector<size_t> at;
+    size_t parts = 0;
+    const size_t total = layer_layout(nv, (int)G, nm, E, D, F, Fs, zp != NULL, s32, geo, at, &parts);
     uint8_t *blob = halloc<uint8_t>(L.keep, total);
     L.mats.resize(geo.size());
     for (size_t i = 0; i < geo.size(); i++) {

@@ -106,6 +106,49 @@ inline void build_scales(const Geom &q, int nv, int G, const uint8_t *scales_src
                 }
 }
 
+inline bool all_bf16_exact(const float *s, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float r = mq_bf16_to_f32(mq_f32_to_bf16(s[i]));
+        if (memcmp(&r, &s[i], 4) != 0) return false;
+    }
+    return true;
+}
+
+/* INT4 scales the bf16 layout cannot hold exactly: then every matrix also gets fp32 scales. */
+inline bool needs_s32(const moeq_moe_experts_desc *d, int nv, int64_t E, int64_t D, int64_t F, int64_t Fs, int64_t G) {
+    if (nv) return false;
+    return !all_bf16_exact((const float *)d->gate_up.scales.data, E * 2 * F * (D / G)) ||
+           !all_bf16_exact((const float *)d->down.scales.data, E * D * (F / G)) ||
+           (Fs > 0 && (!all_bf16_exact((const float *)d->shared_gate_up.scales.data, 2 * Fs * (D / G)) ||
+                       !all_bf16_exact((const float *)d->shared_down.scales.data, D * (Fs / G))));
+}
+
+/* A layer's matrices, geo: the nm gate_up ones (index E: the shared expert's, Fs wide), then the
+ * nm down ones; and their one blob, part by part (all codes, then all scales, ...) so that the
+ * routed experts' codes follow each other (pack_codes writes them as one array): part j of
+ * matrix i at at[i * 4 + j], each 256-byte aligned. Returns the blob's size; *parts: the parts'
+ * bytes without the alignment. */
+inline size_t layer_layout(int nv, int G, int64_t nm, int64_t E, int64_t D, int64_t F, int64_t Fs, bool asym,
+                           bool s32, std::vector<Geom> &geo, std::vector<size_t> &at, size_t *parts) {
+    geo.assign((size_t)nm * 2, Geom());
+    for (int64_t i = 0; i < nm; i++) {
+        const int64_t f = i == E ? Fs : F;
+        geo[i] = geom_of(nv, G, (int)(2 * f), (int)D, (int)f, asym, s32);
+        geo[nm + i] = geom_of(nv, G, (int)D, (int)f, 0, asym, s32);
+    }
+    at.assign(geo.size() * 4, 0);
+    size_t total = 0;
+    *parts = 0;
+    for (int j = 0; j < 4; j++)
+        for (size_t i = 0; i < geo.size(); i++) {
+            const size_t part = j == 0 ? geo[i].codes : j == 1 ? geo[i].scales : j == 2 ? geo[i].offs : geo[i].s32;
+            at[i * 4 + j] = total;
+            total += align256(part);
+            *parts += part;
+        }
+    return total;
+}
+
 /* build_scales of matrix i of a layer's list (geo: the nm gate_up matrices, then the nm down
  * ones; index E of each half is the shared expert's), from the descriptor's scales and zero
  * points (zp may be NULL). */
@@ -124,14 +167,6 @@ inline void build_scales_of(const moeq_moe_experts_desc *d, const moeq_moe_zero_
         zsrc = (const uint8_t *)z->data + (sh ? 0 : (size_t)q.N * (size_t)(q.K / G) * (size_t)e);
     }
     build_scales(q, nv, G, ssrc, zsrc, sc, of, sv);
-}
-
-inline bool all_bf16_exact(const float *s, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const float r = mq_bf16_to_f32(mq_f32_to_bf16(s[i]));
-        if (memcmp(&r, &s[i], 4) != 0) return false;
-    }
-    return true;
 }
 
 /* Index of expert e's (h = 0 gate, 1 up) global scale in gate_up.global_scale (e < 0: shared). */

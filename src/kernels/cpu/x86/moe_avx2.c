@@ -227,7 +227,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         __m256 y0 = _mm256_div_ps(_mm256_mul_ps(f[0][t], u0), d0);
         __m256 y1 = _mm256_div_ps(_mm256_mul_ps(f[1][t], u1), d1);
         if (swiglu) {
-            _mm256_storeu_ps(o[t], _mm256_mul_ps(mq_silu8_avx2(y0), y1));
+            _mm256_storeu_ps(o[t], _mm256_mul_ps(mq_silu_avx2(y0), y1));
         } else {
             _mm256_storeu_ps(o[t], y0);
             _mm256_storeu_ps(o[t] + 8, y1);

@@ -266,7 +266,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         if (swiglu) {
             __m256 y0 = _mm512_castps512_ps256(y);
             __m256 y1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1));
-            _mm256_storeu_ps(o[t], _mm256_mul_ps(mq_silu8_avx2(y0), y1));
+            _mm256_storeu_ps(o[t], _mm256_mul_ps(mq_silu_avx2(y0), y1));
         } else {
             _mm512_storeu_ps(o[t], y);
         }

@@ -167,10 +167,10 @@ static void rope_avx2(float *x, int64_t half, const float *c, const float *s) {
 
 static void exp_avx2(const float *x, float *y, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, mq_exp8_avx2(_mm256_loadu_ps(x + i)));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, mq_exp_avx2(_mm256_loadu_ps(x + i)));
     if (i < n) {
         __m256i m = mask_tail(n - i);
-        _mm256_maskstore_ps(y + i, m, mq_exp8_avx2(_mm256_maskload_ps(x + i, m)));
+        _mm256_maskstore_ps(y + i, m, mq_exp_avx2(_mm256_maskload_ps(x + i, m)));
     }
 }
 
@@ -208,14 +208,14 @@ static void softmax_avx2(float *x, int64_t n) {
     int64_t i = 0;
     int k = 0;
     for (; i + 8 <= n; i += 8, k ^= 1) {
-        __m256 e = mq_exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx));
+        __m256 e = mq_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx));
         _mm256_storeu_ps(x + i, e);
         acc[k] = _mm256_add_ps(acc[k], e);
     }
     __m256i mk = _mm256_setzero_si256();
     if (i < n) {
         mk = mask_tail(n - i);
-        __m256 e = mq_exp8_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), mx));
+        __m256 e = mq_exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), mx));
         e = _mm256_and_ps(e, _mm256_castsi256_ps(mk));
         _mm256_maskstore_ps(x + i, mk, e);
         acc[k] = _mm256_add_ps(acc[k], e);
@@ -226,24 +226,6 @@ static void softmax_avx2(float *x, int64_t n) {
     if (i < n) _mm256_maskstore_ps(x + i, mk, _mm256_div_ps(_mm256_maskload_ps(x + i, mk), sum));
 }
 
-/* 4 lanes of mq_vec_exp_sum_term. */
-INLINE __m256d expd4(__m256d d) {
-    d = _mm256_max_pd(_mm256_set1_pd(-708.0), d);   /* NaN d passes */
-    __m256d n = _mm256_round_pd(_mm256_mul_pd(d, _mm256_set1_pd(1.4426950408889634)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), d);
-    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
-    static const double c[13] = {1.0,         1.0,          1.0 / 2,       1.0 / 6,
-                                 1.0 / 24,    1.0 / 120,    1.0 / 720,     1.0 / 5040,
-                                 1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
-                                 1.0 / 479001600};
-    __m256d p = _mm256_set1_pd(c[12]);
-    for (int k = 11; k >= 0; k--) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c[k]));
-    __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
-    e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
-    return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
-}
-
 /* Adds exp(v - mx) of the 8 floats of v to the double lanes (low half to d0, high half to d1);
  * lanes outside keep (all ones in keep) add exactly +0. */
 INLINE void add_exp8(__m256 v, __m256d mx, __m256i keep, __m256d *d0, __m256d *d1) {
@@ -251,8 +233,8 @@ INLINE void add_exp8(__m256 v, __m256d mx, __m256i keep, __m256d *d0, __m256d *d
     __m256d hi = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), mx);
     __m256d klo = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(keep)));
     __m256d khi = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(keep, 1)));
-    *d0 = _mm256_add_pd(*d0, _mm256_and_pd(expd4(lo), klo));
-    *d1 = _mm256_add_pd(*d1, _mm256_and_pd(expd4(hi), khi));
+    *d0 = _mm256_add_pd(*d0, _mm256_and_pd(mq_expd_avx2(lo), klo));
+    *d1 = _mm256_add_pd(*d1, _mm256_and_pd(mq_expd_avx2(hi), khi));
 }
 
 static double logsumexp_avx2(const float *x, int64_t n, int32_t *argmax) {
@@ -284,7 +266,7 @@ static double logsumexp_avx2(const float *x, int64_t n, int32_t *argmax) {
 INLINE __m256d kl_term4(__m128 lb, __m128 lm, __m256d lse_b, __m256d lse_m) {
     __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(lb), lse_b);
     __m256d b = _mm256_sub_pd(_mm256_cvtps_pd(lm), lse_m);
-    return _mm256_mul_pd(expd4(a), _mm256_sub_pd(a, b));
+    return _mm256_mul_pd(mq_expd_avx2(a), _mm256_sub_pd(a, b));
 }
 
 static double kl_avx2(const float *lb, double lse_b, const float *lm, double lse_m, int64_t n) {
@@ -337,7 +319,7 @@ static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, f
     vec_norm_scale_from(i, x, w, invf, out, n);
 }
 
-INLINE __m256 swiglu8(__m256 g, __m256 u) { return _mm256_mul_ps(mq_silu8_avx2(g), u); }
+INLINE __m256 swiglu8(__m256 g, __m256 u) { return _mm256_mul_ps(mq_silu_avx2(g), u); }
 
 static void swiglu_avx2(float *g, const float *u, int64_t n) {
     int64_t i = 0;

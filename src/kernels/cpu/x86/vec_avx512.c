@@ -136,7 +136,7 @@ static void rope_avx512(float *x, int64_t half, const float *c, const float *s) 
 static void exp_avx512(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = first(n - i);
-        _mm512_mask_storeu_ps(y + i, m, mq_exp16_avx512(_mm512_maskz_loadu_ps(m, x + i)));
+        _mm512_mask_storeu_ps(y + i, m, mq_exp_avx512(_mm512_maskz_loadu_ps(m, x + i)));
     }
 }
 
@@ -164,13 +164,13 @@ static void softmax_avx512(float *x, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512 e = mq_exp16_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), mx));
+        __m512 e = mq_exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), mx));
         _mm512_storeu_ps(x + i, e);
         acc = _mm512_add_ps(acc, e);
     }
     if (i < n) {
         __mmask16 m = first(n - i);
-        __m512 e = _mm512_maskz_mov_ps(m, mq_exp16_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), mx)));
+        __m512 e = _mm512_maskz_mov_ps(m, mq_exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), mx)));
         _mm512_mask_storeu_ps(x + i, m, e);
         acc = _mm512_mask_add_ps(acc, blocks(n - i), acc, e);
     }
@@ -184,7 +184,7 @@ static void softmax_avx512(float *x, int64_t n) {
 /* exp(v - mx) of 8 floats (m: the lanes inside n) as 8 doubles, +0 outside m. */
 INLINE __m512d exp8d(const float *p, __mmask8 m, __m512d mx) {
     __m512d d = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, p)), mx);
-    return _mm512_maskz_mov_pd(m, mq_expd8_avx512(d));
+    return _mm512_maskz_mov_pd(m, mq_expd_avx512(d));
 }
 
 static double logsumexp_avx512(const float *x, int64_t n, int32_t *argmax) {
@@ -209,7 +209,7 @@ static double logsumexp_avx512(const float *x, int64_t n, int32_t *argmax) {
 INLINE __m512d kl_term8(const float *lb, const float *lm, __mmask8 m, __m512d zb, __m512d zm) {
     __m512d a = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, lb)), zb);
     __m512d b = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, lm)), zm);
-    return _mm512_maskz_mov_pd(m, _mm512_mul_pd(mq_expd8_avx512(a), _mm512_sub_pd(a, b)));
+    return _mm512_maskz_mov_pd(m, _mm512_mul_pd(mq_expd_avx512(a), _mm512_sub_pd(a, b)));
 }
 
 static double kl_avx512(const float *lb, double lse_b, const float *lm, double lse_m, int64_t n) {
@@ -241,7 +241,7 @@ static void rmsnorm_avx512(const float *x, int64_t n, const float *w, float eps,
 static void swiglu_avx512(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = first(n - i);
-        __m512 y = _mm512_mul_ps(mq_silu16_avx512(_mm512_maskz_loadu_ps(m, g + i)),
+        __m512 y = _mm512_mul_ps(mq_silu_avx512(_mm512_maskz_loadu_ps(m, g + i)),
                                  _mm512_maskz_loadu_ps(m, u + i));
         _mm512_mask_storeu_ps(g + i, m, y);
     }
