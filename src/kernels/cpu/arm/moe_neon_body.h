@@ -268,8 +268,8 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     if (swiglu) {
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
-            vst1q_f32(o[t], vmulq_f32(mq_silu4_neon(vld1q_f32(g[t])), vld1q_f32(u[t])));
-            vst1q_f32(o[t] + 4, vmulq_f32(mq_silu4_neon(vld1q_f32(g[t] + 4)), vld1q_f32(u[t] + 4)));
+            vst1q_f32(o[t], vmulq_f32(mq_silu_neon(vld1q_f32(g[t])), vld1q_f32(u[t])));
+            vst1q_f32(o[t] + 4, vmulq_f32(mq_silu_neon(vld1q_f32(g[t] + 4)), vld1q_f32(u[t] + 4)));
         }
     }
 }

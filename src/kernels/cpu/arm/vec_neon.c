@@ -152,7 +152,7 @@ static void rope_neon(float *x, int64_t half, const float *c, const float *s) {
 
 static void exp_neon(const float *x, float *y, int64_t n) {
     int64_t i = 0;
-    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, mq_exp4_neon(vld1q_f32(x + i)));
+    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, mq_exp_neon(vld1q_f32(x + i)));
     vec_exp_from(i, x, y, n);
 }
 
@@ -189,8 +189,8 @@ static void softmax_neon(float *x, int64_t n) {
     f8 acc[2] = {f8_zero(), f8_zero()};
     int64_t i = 0;
     for (int k = 0; i + 8 <= n; i += 8, k ^= 1) {
-        float32x4_t lo = mq_exp4_neon(vsubq_f32(vld1q_f32(x + i), vmx));
-        float32x4_t hi = mq_exp4_neon(vsubq_f32(vld1q_f32(x + i + 4), vmx));
+        float32x4_t lo = mq_exp_neon(vsubq_f32(vld1q_f32(x + i), vmx));
+        float32x4_t hi = mq_exp_neon(vsubq_f32(vld1q_f32(x + i + 4), vmx));
         vst1q_f32(x + i, lo);
         vst1q_f32(x + i + 4, hi);
         acc[k].lo = vaddq_f32(acc[k].lo, lo);
@@ -208,22 +208,6 @@ static void softmax_neon(float *x, int64_t n) {
     const float32x4_t vs = vdupq_n_f32(sum);
     for (i = 0; i + 4 <= n; i += 4) vst1q_f32(x + i, vdivq_f32(vld1q_f32(x + i), vs));
     for (; i < n; i++) x[i] = x[i] / sum;
-}
-
-/* 2 lanes of mq_vec_exp_sum_term. */
-INLINE float64x2_t expd2(float64x2_t d) {
-    static const double c[13] = {1.0,         1.0,          1.0 / 2,       1.0 / 6,
-                                 1.0 / 24,    1.0 / 120,    1.0 / 720,     1.0 / 5040,
-                                 1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
-                                 1.0 / 479001600};
-    d = vmaxq_f64(vdupq_n_f64(-708.0), d);   /* NaN d passes */
-    float64x2_t n = vrndnq_f64(vmulq_f64(d, vdupq_n_f64(1.4426950408889634)));
-    float64x2_t r = vfmsq_f64(d, n, vdupq_n_f64(6.93147180369123816490e-01));
-    r = vfmsq_f64(r, n, vdupq_n_f64(1.90821492927058770002e-10));
-    float64x2_t p = vdupq_n_f64(c[12]);
-    for (int k = 11; k >= 0; k--) p = vfmaq_f64(vdupq_n_f64(c[k]), p, r);
-    int64x2_t e = vshlq_n_s64(vaddq_s64(vcvtq_s64_f64(n), vdupq_n_s64(1023)), 52);
-    return vmulq_f64(p, vreinterpretq_f64_s64(e));
 }
 
 /* The 8 floats at p widened to doubles minus mx, as 4 pairs: lanes 0-1, 2-3, 4-5, 6-7. */
@@ -262,7 +246,7 @@ static double logsumexp_neon(const float *x, int64_t n, int32_t *argmax) {
     for (; i + 8 <= n; i += 8) {
         float64x2_t v[4];
         widen8(x + i, mx, v);
-        for (int k = 0; k < 4; k++) dq[k] = vaddq_f64(dq[k], expd2(v[k]));
+        for (int k = 0; k < 4; k++) dq[k] = vaddq_f64(dq[k], mq_expd_neon(v[k]));
     }
     double d[2][4];
     store_d(dq, d);
@@ -283,7 +267,7 @@ static double kl_neon(const float *lb, double lse_b, const float *lm, double lse
         widen8(lb + i, zb, a);
         widen8(lm + i, zm, b);
         for (int k = 0; k < 4; k++)
-            dq[k] = vaddq_f64(dq[k], vmulq_f64(expd2(a[k]), vsubq_f64(a[k], b[k])));
+            dq[k] = vaddq_f64(dq[k], vmulq_f64(mq_expd_neon(a[k]), vsubq_f64(a[k], b[k])));
     }
     double d[2][4];
     store_d(dq, d);
@@ -326,7 +310,7 @@ static void rmsnorm_neon(const float *x, int64_t n, const float *w, float eps, f
 static void swiglu_neon(float *g, const float *u, int64_t n) {
     int64_t i = 0;
     for (; i + 4 <= n; i += 4)
-        vst1q_f32(g + i, vmulq_f32(mq_silu4_neon(vld1q_f32(g + i)), vld1q_f32(u + i)));
+        vst1q_f32(g + i, vmulq_f32(mq_silu_neon(vld1q_f32(g + i)), vld1q_f32(u + i)));
     vec_swiglu_from(i, g, u, n);
 }
 
