@@ -384,16 +384,9 @@ template <bool NV, int B>
 moeq_status run_exact(mq_gpu_moe *m, int64_t T) {
     Ws &w = m->ws;
     const int64_t P = rows_of(m, T), tiles = P / EXACT_BM + std::min<int64_t>(m->n_mats, P) + 1;
-    ExactArgs a;
-    a.mats = m->d_mats;
-    a.tiles = w.tiles;
-    a.n_tiles = w.n_tiles;
-    a.q = w.xq;
-    a.qs = w.xs;
-    a.ldq = m->D;
-    a.perm = w.perm;
-    a.out = w.midf;
-    a.ldo = m->Fmax;
+    ExactArgs a, b;
+    exact_args(m->d_mats, m->n_mats, w.tiles, w.n_tiles, w.perm, w.xq, w.xs, m->D, w.midf, w.midq, w.mids, m->Fmax,
+               w.y, &a, &b);
     k_exact<NV, true, B><<<tile_grid((m->Fmax + 63) / 64, tiles), 256, 0, m->s>>>(a);
     moeq_status st = CU_LAUNCHED("k_exact (gate_up)");
     if (st) return st;
@@ -401,14 +394,7 @@ moeq_status run_exact(mq_gpu_moe *m, int64_t T) {
     k_quant_rows<<<(unsigned)std::min<int64_t>((nq + 255) / 256, 65536), 256, 0, m->s>>>(
         w.midf, P, m->Fmax, m->Fmax, B, w.midq, w.mids, m->Fmax);
     if ((st = CU_LAUNCHED("k_quant_rows"))) return st;
-    a.mats = m->d_mats + m->n_mats;
-    a.q = w.midq;
-    a.qs = w.mids;
-    a.ldq = m->Fmax;
-    a.perm = nullptr;
-    a.out = w.y;
-    a.ldo = m->D;
-    k_exact<NV, false, B><<<tile_grid((m->D + 63) / 64, tiles), 256, 0, m->s>>>(a);
+    k_exact<NV, false, B><<<tile_grid((m->D + 63) / 64, tiles), 256, 0, m->s>>>(b);
     return CU_LAUNCHED("k_exact (down)");
 }
 
@@ -434,22 +420,7 @@ moeq_status forward_dev(mq_gpu_moe *m, const float *xd, int64_t T, int math, flo
         const int64_t P = rows_of(m, T), bm = cfg_bm(cfg);
         const int64_t tiles = P / bm + std::min<int64_t>(m->n_mats, P) + 1;
         GemmArgs gu, dn;
-        memset(&gu, 0, sizeof gu);
-        gu.mats = m->d_mats;
-        gu.tiles = w.tiles;
-        gu.n_tiles = w.n_tiles;
-        gu.act = w.xb;
-        gu.lda = m->D64;
-        gu.perm = w.perm;
-        gu.mid = w.mid;
-        gu.ldm = m->F64m;
-        dn = gu;
-        dn.mats = m->d_mats + m->n_mats;
-        dn.act = w.mid;
-        dn.lda = m->F64m;
-        dn.perm = nullptr;
-        dn.y = w.y;
-        dn.ldy = m->D;
+        gemm_args(m->d_mats, m->n_mats, w.tiles, w.n_tiles, w.perm, w.xb, m->D64, w.mid, m->F64m, w.y, m->D, &gu, &dn);
         const int64_t gu_strips = 2 * (int64_t)std::max(m->F, m->Fs) / 16, dn_strips = m->D / 16;
         st = m->nv ? run_gemms_cfg<true>(m, cfg, gu, dn, gu_strips, dn_strips, tiles)
                    : run_gemms_cfg<false>(m, cfg, gu, dn, gu_strips, dn_strips, tiles);
@@ -586,16 +557,7 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
         m->h_mats.resize(geo.size());
         for (size_t i = 0; i < geo.size(); i++) {
             MoeMat &M = m->h_mats[i];
-            memset(&M, 0, sizeof M);
-            M.codes = (const uint4 *)(m->blob + at[i * 4]);
-            M.scales = m->blob + at[i * 4 + 1];
-            M.offs = m->asym ? m->blob + at[i * 4 + 2] : nullptr;
-            M.s32 = s32 ? (const float *)(m->blob + at[i * 4 + 3]) : nullptr;
-            M.N = geo[i].N;
-            M.K = geo[i].K;
-            M.K64 = geo[i].K64;
-            M.G = (int)G;
-            M.ngs = geo[i].ngs;
+            mat_at(M, m->blob, at, geo[i], i, (int)G, m->asym, s32);
             const int64_t e = (int64_t)i % nm;
             const bool gu = (int64_t)i < nm;
             const float gs2[2] = {gu ? ggu[2 * e] : gdn[e], gu ? ggu[2 * e + 1] : gdn[e]};

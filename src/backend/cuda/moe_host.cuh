@@ -149,6 +149,71 @@ inline size_t layer_layout(int nv, int G, int64_t nm, int64_t E, int64_t D, int6
     return total;
 }
 
+/* Matrix i's entry of the kernels' table (zeroed first; the factors are the caller's): its parts
+ * in the blob at layer_layout's offsets, and its shape. */
+inline void mat_at(MoeMat &M, const uint8_t *blob, const std::vector<size_t> &at, const Geom &q, size_t i, int G,
+                   bool asym, bool s32) {
+    memset(&M, 0, sizeof M);
+    M.codes = (const uint4 *)(blob + at[i * 4]);
+    M.scales = blob + at[i * 4 + 1];
+    M.offs = asym ? blob + at[i * 4 + 2] : nullptr;
+    M.s32 = s32 ? (const float *)(blob + at[i * 4 + 3]) : nullptr;
+    M.N = q.N;
+    M.K = q.K;
+    M.K64 = q.K64;
+    M.G = G;
+    M.ngs = q.ngs;
+}
+
+/* The bf16 path's two grouped GEMMs: gate_up reads the activation rows xb (row stride D64)
+ * through perm and writes the SwiGLU rows mid (F64m); down reads mid and writes y (D). mats: the
+ * nm gate_up matrices, then the nm down ones. */
+inline void gemm_args(const MoeMat *mats, int nm, const Tile *tiles, const int32_t *n_tiles, const int32_t *perm,
+                      const bf16 *xb, int64_t D64, bf16 *mid, int64_t F64m, float *y, int64_t D, GemmArgs *gu,
+                      GemmArgs *dn) {
+    memset(gu, 0, sizeof *gu);
+    gu->mats = mats;
+    gu->tiles = tiles;
+    gu->n_tiles = n_tiles;
+    gu->act = xb;
+    gu->lda = D64;
+    gu->perm = perm;
+    gu->mid = mid;
+    gu->ldm = F64m;
+    *dn = *gu;
+    dn->mats = mats + nm;
+    dn->act = mid;
+    dn->lda = F64m;
+    dn->perm = nullptr;
+    dn->y = y;
+    dn->ldy = D;
+}
+
+/* The exact path's two: gate_up reads the activation integers xq and their scales xs (row
+ * stride D) through perm and writes the fp32 SwiGLU rows midf (Fmax); down reads them
+ * requantized (midq, mids) and writes y (D). */
+inline void exact_args(const MoeMat *mats, int nm, const Tile *tiles, const int32_t *n_tiles, const int32_t *perm,
+                       const int16_t *xq, const float *xs, int64_t D, float *midf, const int16_t *midq,
+                       const float *mids, int64_t Fmax, float *y, ExactArgs *gu, ExactArgs *dn) {
+    gu->mats = mats;
+    gu->tiles = tiles;
+    gu->n_tiles = n_tiles;
+    gu->q = xq;
+    gu->qs = xs;
+    gu->ldq = D;
+    gu->perm = perm;
+    gu->out = midf;
+    gu->ldo = Fmax;
+    *dn = *gu;
+    dn->mats = mats + nm;
+    dn->q = midq;
+    dn->qs = mids;
+    dn->ldq = Fmax;
+    dn->perm = nullptr;
+    dn->out = y;
+    dn->ldo = D;
+}
+
 /* build_scales of matrix i of a layer's list (geo: the nm gate_up matrices, then the nm down
  * ones; index E of each half is the shared expert's), from the descriptor's scales and zero
  * points (zp may be NULL). */

@@ -64,6 +64,12 @@ static inline __attribute__((always_inline)) void vec_gemv_rows(
     for (; r + R <= rows; r += R) block(W + r * ldw, ldw, x, n, alpha, y + r);
     for (; r < rows; r++) y[r] = alpha * dot(W + r * ldw, x, n);
 }
+/* A twin's gemv_<isa>: vec_gemv_rows over its R-row `block` and dot_<isa>. */
+#define MQ_VEC_GEMV(isa, R, block)                                                                 \
+    static void gemv_##isa(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,   \
+                           float alpha, float *y) {                                                \
+        vec_gemv_rows(W, ldw, rows, x, n, alpha, y, R, block, dot_##isa);                          \
+    }
 
 /* A twin's row of mq_vec_kernels, its functions named <operation>_<isa>. */
 #define MQ_VEC_KERNELS_OF(isa)                                                                     \

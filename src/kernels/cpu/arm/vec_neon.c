@@ -99,10 +99,7 @@ static void dot4(const float *W, int64_t ldw, const float *x, int64_t n, float a
     }
 }
 
-static void gemv_neon(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
-                      float alpha, float *y) {
-    vec_gemv_rows(W, ldw, rows, x, n, alpha, y, 4, dot4, dot_neon);
-}
+MQ_VEC_GEMV(neon, 4, dot4)
 
 static void axpy_neon(float a, const float *x, float *y, int64_t n) {
     const float32x4_t va = vdupq_n_f32(a);

@@ -102,10 +102,7 @@ static void dot4(const float *W, int64_t ldw, const float *x, int64_t n, float a
     y[3] = alpha * hsum8(a3, b3);
 }
 
-static void gemv_avx2(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
-                      float alpha, float *y) {
-    vec_gemv_rows(W, ldw, rows, x, n, alpha, y, 4, dot4, dot_avx2);
-}
+MQ_VEC_GEMV(avx2, 4, dot4)
 
 static void axpy_avx2(float a, const float *x, float *y, int64_t n) {
     __m256 va = _mm256_set1_ps(a);

@@ -79,10 +79,7 @@ static void dot8(const float *W, int64_t ldw, const float *x, int64_t n, float a
     for (int r = 0; r < 8; r++) y[r] = alpha * hsum16(acc[r]);
 }
 
-static void gemv_avx512(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
-                        float alpha, float *y) {
-    vec_gemv_rows(W, ldw, rows, x, n, alpha, y, 8, dot8, dot_avx512);
-}
+MQ_VEC_GEMV(avx512, 8, dot8)
 
 static void axpy_avx512(float a, const float *x, float *y, int64_t n) {
     __m512 va = _mm512_set1_ps(a);
