@@ -1,8 +1,10 @@
 /*
  * What the MoE op's SIMD twins (x86/moe_avx2.c, x86/moe_avx512_body.h, arm/moe_neon_body.h)
- * share besides their instructions: the walk of a GEMM call over blocks of activation rows, tile
- * pairs and micro-tiles; where a tile's software prefetch reads; and the rows' activation planes.
- * Free of any instruction set, so each twin includes it under its own flags.
+ * and the scalar reference (ref/moe_ref.c) share besides their instructions: the walk of a GEMM
+ * call over blocks of activation rows, tile pairs and micro-tiles; a tile's view of its pair and
+ * blocks; where its software prefetch reads; the rows' activation planes; and where quant_act
+ * writes a row and what it writes for a block it cannot scale. Free of any instruction set, so
+ * each twin includes it under its own flags.
  */
 #ifndef MOEQ_KERNELS_CPU_MOE_COMMON_H
 #define MOEQ_KERNELS_CPU_MOE_COMMON_H

@@ -4,7 +4,8 @@
  * the last whole vector in the AVX2, AVX-512 and NEON twins, so a twin's edge is the reference's
  * arithmetic by construction. Free of any instruction set. Products and sums are separate
  * statements, so no compiler contracts them into a multiply-add (the fmaf calls are the fused
- * steps the kernels mean).
+ * steps the kernels mean). Also what the twins' GEMVs share (the walk over groups of rows) and the
+ * shape of a twin's row of mq_vec_kernels.
  */
 #ifndef MOEQ_KERNELS_CPU_VEC_EDGES_H
 #define MOEQ_KERNELS_CPU_VEC_EDGES_H
