@@ -455,6 +455,16 @@ extern "C" void mq_gpu_moe_force_tiles(mq_gpu_moe *m, int shape) {
     if (m) m->force_cfg = shape >= 0 && shape < 4 ? shape : -1;
 }
 
+/* The router's settings of the op's arguments (both uploads). */
+static void take_routing(mq_gpu_moe *m, const moeq_moe_ffn_args *r) {
+    m->k = r->top_k;
+    m->scoring = r->scoring == MOEQ_MOE_SIGMOID;
+    m->renorm = r->renormalize;
+    m->route_scale = r->route_scale;
+    m->n_group = r->n_group > 1 ? r->n_group : 0;
+    m->topk_group = r->n_group > 1 ? r->topk_group : 0;
+}
+
 extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
                                          const moeq_moe_ffn_args *r, mq_gpu_moe **out) {
     if (!out) return mq_err(MOEQ_E_ARG, "%s: out is NULL", k_up);
@@ -520,12 +530,7 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
     m->D64 = (int)((D + 63) & ~63);
     m->Fmax = (int)std::max(F, Fs);
     m->F64m = (m->Fmax + 63) & ~63;
-    m->k = r->top_k;
-    m->scoring = r->scoring == MOEQ_MOE_SIGMOID;
-    m->renorm = r->renormalize;
-    m->route_scale = r->route_scale;
-    m->n_group = r->n_group > 1 ? r->n_group : 0;
-    m->topk_group = r->n_group > 1 ? r->topk_group : 0;
+    take_routing(m, r);
     m->has_sgate = r->shared_gate.data != NULL;
     m->E1 = (int)E + m->has_sgate;
 
@@ -1018,12 +1023,7 @@ extern "C" moeq_status mq_gpu_moe_upload_dense(mq_gpu *g, int64_t E, int64_t D, 
     m->D64 = (int)((D + 63) & ~63);
     m->Fmax = (int)F;
     m->F64m = (m->Fmax + 63) & ~63;
-    m->k = r->top_k;
-    m->scoring = r->scoring == MOEQ_MOE_SIGMOID;
-    m->renorm = r->renormalize;
-    m->route_scale = r->route_scale;
-    m->n_group = r->n_group > 1 ? r->n_group : 0;
-    m->topk_group = r->n_group > 1 ? r->topk_group : 0;
+    take_routing(m, r);
     m->has_sgate = 0;
     m->E1 = (int)E;
     m->h_mats.resize((size_t)(2 * E));
