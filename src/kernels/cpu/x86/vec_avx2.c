@@ -8,6 +8,7 @@
 #include <math.h>
 
 #include "kernels/cpu/x86/exp_avx2.h"
+#include "kernels/cpu/x86/vec_reduce_avx2.h"
 #include "kernels/cpu/vec_edges.h"
 #include "kernels/vec.h"
 
@@ -17,21 +18,6 @@
 INLINE __m256i mask_tail(int64_t k) {
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), idx);
-}
-
-INLINE float hsum8(__m256 a0, __m256 a1) {
-    __m256 v = _mm256_add_ps(a0, a1);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
-INLINE double hsum4d(__m256d d0, __m256d d1) {
-    __m256d v = _mm256_add_pd(d0, d1);
-    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
-    return _mm_cvtsd_f64(s);
 }
 
 static float dot_avx2(const float *a, const float *b, int64_t n) {
@@ -52,7 +38,7 @@ static float dot_avx2(const float *a, const float *b, int64_t n) {
         __m256 va = _mm256_maskload_ps(a + i, m), vb = _mm256_maskload_ps(b + i, m);
         acc[k] = _mm256_fmadd_ps(va, vb, acc[k]);
     }
-    return hsum8(acc[0], acc[1]);
+    return mq_hsum8_avx2(acc[0], acc[1]);
 }
 
 /* Four rows of W against x at once (x loaded once per block); each row as dot_avx2. */
@@ -96,10 +82,10 @@ static void dot4(const float *W, int64_t ldw, const float *x, int64_t n, float a
             b3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + i, m), xb, b3);
         }
     }
-    y[0] = alpha * hsum8(a0, b0);
-    y[1] = alpha * hsum8(a1, b1);
-    y[2] = alpha * hsum8(a2, b2);
-    y[3] = alpha * hsum8(a3, b3);
+    y[0] = alpha * mq_hsum8_avx2(a0, b0);
+    y[1] = alpha * mq_hsum8_avx2(a1, b1);
+    y[2] = alpha * mq_hsum8_avx2(a2, b2);
+    y[3] = alpha * mq_hsum8_avx2(a3, b3);
 }
 
 MQ_VEC_GEMV(avx2, 4, dot4)
@@ -192,11 +178,7 @@ static float max_avx2(const float *x, int64_t n) {
         __m256 v = _mm256_blendv_ps(x0, _mm256_maskload_ps(x + i, mk), _mm256_castsi256_ps(mk));
         m[k] = _mm256_max_ps(v, m[k]);
     }
-    __m256 v = _mm256_max_ps(m[1], m[0]);
-    __m128 s = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    s = _mm_max_ps(_mm_movehl_ps(s, s), s);
-    s = _mm_max_ss(_mm_shuffle_ps(s, s, 1), s);
-    return _mm_cvtss_f32(s);
+    return mq_hmax8_avx2(m[0], m[1]);
 }
 
 static void softmax_avx2(float *x, int64_t n) {
@@ -217,7 +199,7 @@ static void softmax_avx2(float *x, int64_t n) {
         _mm256_maskstore_ps(x + i, mk, e);
         acc[k] = _mm256_add_ps(acc[k], e);
     }
-    __m256 sum = _mm256_set1_ps(hsum8(acc[0], acc[1]));
+    __m256 sum = _mm256_set1_ps(mq_hsum8_avx2(acc[0], acc[1]));
     for (i = 0; i + 8 <= n; i += 8)
         _mm256_storeu_ps(x + i, _mm256_div_ps(_mm256_loadu_ps(x + i), sum));
     if (i < n) _mm256_maskstore_ps(x + i, mk, _mm256_div_ps(_mm256_maskload_ps(x + i, mk), sum));
@@ -256,7 +238,7 @@ static double logsumexp_avx2(const float *x, int64_t n, int32_t *argmax) {
         __m256i mk = mask_tail(n - i);
         add_exp8(_mm256_maskload_ps(x + i, mk), mx, mk, &d0, &d1);
     }
-    return (double)mxf + log(hsum4d(d0, d1));
+    return (double)mxf + log(mq_hsum4d_avx2(d0, d1));
 }
 
 /* exp(a) * (a - b) of 4 lanes, a = lb - lse_b, b = lm - lse_m. */
@@ -287,7 +269,7 @@ static double kl_avx2(const float *lb, double lse_b, const float *lm, double lse
         d0 = _mm256_add_pd(d0, _mm256_and_pd(t0, klo));
         d1 = _mm256_add_pd(d1, _mm256_and_pd(t1, khi));
     }
-    return hsum4d(d0, d1);
+    return mq_hsum4d_avx2(d0, d1);
 }
 
 static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, float *out) {
@@ -307,7 +289,7 @@ static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, f
         d0 = _mm256_fmadd_pd(lo, lo, d0);
         d1 = _mm256_fmadd_pd(hi, hi, d1);
     }
-    float var = (float)(hsum4d(d0, d1) / (double)n);
+    float var = (float)(mq_hsum4d_avx2(d0, d1) / (double)n);
     float invf = 1.0f / sqrtf(var + eps);
     __m256 inv = _mm256_set1_ps(invf);
     for (i = 0; i + 8 <= n; i += 8)

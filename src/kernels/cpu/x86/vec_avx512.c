@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "kernels/cpu/x86/exp_avx512.h"
+#include "kernels/cpu/x86/vec_reduce_avx2.h"
 #include "kernels/cpu/vec_edges.h"
 #include "kernels/vec.h"
 
@@ -22,24 +23,13 @@ INLINE __mmask16 first(int64_t k) { return (__mmask16)(k >= 16 ? 0xffff : (1u <<
 /* The lanes of the 8-blocks a tail of k (0 < k < 16) elements touches. */
 INLINE __mmask16 blocks(int64_t k) { return (__mmask16)(k > 8 ? 0xffff : 0x00ff); }
 
-/* vec_avx2.c's hsum8(a0, a1) with a0, a1 the halves of v. */
-INLINE float hsum16(__m512 v) {
-    __m256 lo = _mm512_castps512_ps256(v);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
+/* The halves of a zmm (lanes 0-7, 8-15; doubles 0-3, 4-7). */
+INLINE __m256 lo8(__m512 v) { return _mm512_castps512_ps256(v); }
+INLINE __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
-/* vec_avx2.c's hsum4d(d0, d1) with d0, d1 the halves of v. */
-INLINE double hsum8d(__m512d v) {
-    __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
-    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
-    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
-    return _mm_cvtsd_f64(s);
-}
+/* The AVX2 twins' reductions of the two accumulators a zmm holds. */
+INLINE float hsum16(__m512 v) { return mq_hsum8_avx2(lo8(v), hi8(v)); }
+INLINE double hsum8d(__m512d v) { return mq_hsum4d_avx2(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1)); }
 
 static float dot_avx512(const float *a, const float *b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
@@ -147,13 +137,7 @@ static float max_avx512(const float *x, int64_t n) {
         __m512 v = _mm512_mask_loadu_ps(x0, first(n - i), x + i);
         m = _mm512_mask_max_ps(m, blocks(n - i), v, m);
     }
-    __m256 lo = _mm512_castps512_ps256(m);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1));
-    __m256 v = _mm256_max_ps(hi, lo);
-    __m128 s = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    s = _mm_max_ps(_mm_movehl_ps(s, s), s);
-    s = _mm_max_ss(_mm_shuffle_ps(s, s, 1), s);
-    return _mm_cvtss_f32(s);
+    return mq_hmax8_avx2(lo8(m), hi8(m));
 }
 
 static void softmax_avx512(float *x, int64_t n) {
