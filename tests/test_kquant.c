@@ -390,6 +390,29 @@ static void test_asym_trials_twin(void) {
     ASSERT_TRUE(checked > 1000);
 }
 
+/* The AVX2 trials of the symmetric sub-block fit are bit-identical to the scalar reference, for
+ * Q3_K's and Q6_K's code ranges, with and without weights, strided, codes clamped at both ends. */
+static void test_sym_trials_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    enum { NT = 40 };
+    static float x[64 * 3], w[64], is[NT], a[2][NT], b[2][NT];
+    for (int tr = 0; tr < 600; tr++) {
+        const int n = 1 + tr % 64, stride = 1 + tr % 3, nt = 1 + (tr * 5) % NT, nmax = tr % 2 ? 4 : 32;
+        for (int i = 0; i < n * stride; i++) x[i] = rnd_gauss() * 0.02f;
+        for (int i = 0; i < n; i++) w[i] = (float)(rnd_u32() % 1000) / 250.0f;
+        const float *wp = tr % 3 ? w : NULL;
+        /* around nmax / 0.04: the largest values clamped on both sides */
+        for (int k = 0; k < nt; k++) is[k] = -((float)nmax + 0.1f * (float)(k % 19 - 9)) / (0.04f * (tr % 4 ? 1 : -1));
+        mq_kq_sym_trials_ref(x, n, stride, wp, nmax, is, nt, a[0], a[1]);
+#if MQ_TEST_X86
+        mq_kq_sym_trials_avx2(x, n, stride, wp, nmax, is, nt, b[0], b[1]);
+#endif
+        for (int k = 0; k < nt; k++)
+            if (memcmp(&a[0][k], &b[0][k], sizeof(float)) || memcmp(&a[1][k], &b[1][k], sizeof(float)))
+                FAIL("trial %d/%d: ref %.9g %.9g, avx2 %.9g %.9g", tr, k, a[0][k], a[1][k], b[0][k], b[1][k]);
+    }
+}
+
 static bool same_groups(const mq_gparams *a, const mq_gparams *b) {
     return !memcmp(&a->scale, &b->scale, sizeof(float)) && !memcmp(&a->zero, &b->zero, sizeof(float)) &&
            a->scale_code == b->scale_code && a->min_code == b->min_code;
@@ -428,4 +451,5 @@ static void test_fit_simd_same(void) {
 
 TEST_MAIN(T(test_q4_k_by_hand), T(test_q6_k_by_hand), T(test_q3_k_by_hand), T(test_q5_0_by_hand),
           T(test_random_round_trips), T(test_pack_refuses), T(test_fit), T(test_names), T(test_q8_k_activations),
-          T(test_sse_twin), T(test_asym_trials_twin), T(test_fit_simd_same))
+          T(test_sse_twin), T(test_asym_trials_twin),
+          T(test_sym_trials_twin), T(test_fit_simd_same))

@@ -233,6 +233,22 @@ static void fit_asym(const float *x, int64_t st, const float *w, int n, int nmax
     *off = -best_min;
 }
 
+void mq_kq_sym_trials_ref(const float *x, int64_t n, int64_t st, const float *w, int nmax,
+                          const float *iscale, int nt, float *sumlx, float *suml2) {
+    for (int k = 0; k < nt; k++) {
+        float slx = 0, sl2 = 0;
+        for (int64_t i = 0; i < n; i++) {
+            float l = rintf(iscale[k] * x[i * st]);
+            l = l < -nmax ? (float)-nmax : l > nmax - 1 ? (float)(nmax - 1) : l;
+            const float wi = w ? w[i] : 1.0f;
+            slx += wi * x[i * st] * l;
+            sl2 += wi * l * l;
+        }
+        sumlx[k] = slx;
+        suml2[k] = sl2;
+    }
+}
+
 /* Symmetric: the scale of the grid l * scale (l = -nmax .. nmax-1) with the largest weighted
  * sum(x l)^2 / sum(l^2) among the trial inverse scales -(nmax + 0.1 k) / max, k = -9..9
  * (ggml's make_qx_quants), max the value of largest magnitude. 0 for an all-zero sub-block. */
@@ -243,24 +259,24 @@ static float fit_sym(const float *x, int64_t st, const float *w, int n, int nmax
         if (a > amax) amax = a, max = x[i * st];
     }
     if (amax < 1e-15f) return 0.0f;
+    /* the trials summed together (by the AVX2 twin where the CPU has it), then taken in order */
+    enum { NT = 19, NT8 = (NT + 7) / 8 * 8 };
+    float is[NT8], sumlx[NT8], suml2[NT8];
+    for (int k = 0; k < NT8; k++) is[k] = -((float)nmax + 0.1f * (float)(k < NT ? k - 9 : 0)) / max;
+#if defined(__x86_64__)
+    if (mq_cpu_has_avx2_fma() && !mq_force_ref())
+        mq_kq_sym_trials_avx2(x, n, st, w, nmax, is, NT, sumlx, suml2);
+    else
+#endif
+        mq_kq_sym_trials_ref(x, n, st, w, nmax, is, NT, sumlx, suml2);
     float scale = 0, best = 0;
     bool any = false;
-    for (int is = -9; is <= 9; is++) {
-        const float iscale = -((float)nmax + 0.1f * (float)is) / max;
-        float sumlx = 0, suml2 = 0;
-        for (int i = 0; i < n; i++) {
-            float l = rintf(iscale * x[i * st]);
-            l = l < -nmax ? (float)-nmax : l > nmax - 1 ? (float)(nmax - 1) : l;
-            const float wi = w ? w[i] : 1.0f;
-            sumlx += wi * x[i * st] * l;
-            suml2 += wi * l * l;
-        }
-        if (suml2 > 0 && (!any || sumlx * sumlx > best * suml2)) {
-            scale = sumlx / suml2;
-            best = scale * sumlx;
+    for (int k = 0; k < NT; k++)
+        if (suml2[k] > 0 && (!any || sumlx[k] * sumlx[k] > best * suml2[k])) {
+            scale = sumlx[k] / suml2[k];
+            best = scale * sumlx[k];
             any = true;
         }
-    }
     return any ? scale : -max / (float)nmax;
 }
 

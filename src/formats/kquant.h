@@ -139,6 +139,16 @@ void mq_kq_asym_trials_avx2(const float *x, int64_t n, int64_t stride, const flo
                             const mq_kq_sums *s, const float *iscale, int nt, float *D, float *sc,
                             float *mn, double *e);
 
+/* The symmetric sub-block fit's trials (ggml's make_qx_quants): for trial k < nt, codes
+ * l_i = rint(iscale[k] * x_i) clamped to -nmax..nmax-1 and the float sums over i in order of
+ * (w_i x_i) l_i into sumlx[k] and (w_i l_i) l_i into suml2[k] (w NULL: 1). The arrays hold nt
+ * rounded up to a multiple of 8. */
+void mq_kq_sym_trials_ref(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
+                          const float *iscale, int nt, float *sumlx, float *suml2);
+/* AVX2 twin (kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical sums. */
+void mq_kq_sym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
+                           const float *iscale, int nt, float *sumlx, float *suml2);
+
 /* Packs one block from its groups (t->block / t->sub params) and t->block codes. false when the
  * groups imply no single fp16 d (and dmin) or a code or multiplier is out of range (not from
  * this file's fit). */
