@@ -354,14 +354,22 @@ static int search_pairs(const block_search *b, const float *ds, const float *dms
               b->w ? b->w + j * t->sub : NULL, sse);
         /* a pair's total adds its sub-blocks' errors in their order whatever the loop order */
         for (int k = 0, at = 0; k < n; k++) {
+            /* candidate u is (a0 + u / nb, b0 + u % nb): a, then b, ascending; the first least
+             * is kept without a branch (the comparisons are a coin toss to the predictor) */
+            const int nb = box[k].b1 - box[k].b0 + 1, cnt = (box[k].a1 - box[k].a0 + 1) * nb;
             double bj = INFINITY;
-            for (int a = box[k].a0; a <= box[k].a1; a++)
-                for (int c = box[k].b0; c <= box[k].b1; c++, at++)
-                    if (sse[at] < bj) {
-                        bj = sse[at];
-                        pick_a[j][k] = (int16_t)a;
-                        pick_b[j][k] = (int16_t)c;
-                    }
+            int bu = -1;
+            for (int u = 0; u < cnt; u++) {
+                const double e = sse[at + u];
+                const bool lt = e < bj;
+                bj = lt ? e : bj;
+                bu = lt ? u : bu;
+            }
+            at += cnt;
+            if (bu >= 0) {
+                pick_a[j][k] = (int16_t)(box[k].a0 + bu / nb);
+                pick_b[j][k] = (int16_t)(box[k].b0 + bu % nb);
+            }
             total[k] += bj;
         }
     }
