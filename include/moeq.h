@@ -430,6 +430,13 @@ typedef struct {
     moeq_sampler_options sampling;
 } moeq_gen_options;
 void moeq_gen_options_init(moeq_gen_options *o);   /* greedy, no limit, no stop strings */
+/* Sets one option by the name of `moeq generate`'s flag without the dashes ("temp", "top-k",
+ * "top-p", "min-p", "seed", "repeat-penalty", "repeat-last-n", "presence-penalty",
+ * "frequency-penalty", "ignore-eos"; switches "true"/"false"); moeq_gen_option_info lists them.
+ * An unknown name or a value out of the option's range: MOEQ_E_ARG "KEY=VALUE: expected ...".
+ * max_tokens and the stop strings are set as fields. */
+moeq_status moeq_gen_options_set(moeq_gen_options *o, const char *key, const char *value);
+size_t moeq_gen_options_size(void);
 
 /* Gets each piece of the text as soon as it is certain: a piece never ends inside a UTF-8
  * character (a trailing U+FFFD waits for the next token) nor inside what may still become a stop
@@ -446,6 +453,15 @@ typedef struct {
     double prefill_seconds, decode_seconds;
 } moeq_gen_result;
 void moeq_gen_result_free(moeq_gen_result *r);   /* frees text; r itself is the caller's */
+
+/* The stop strings' scan, moeq_gen_run's for a caller with its own loop (`moeq generate`):
+ * moeq_gen_find_stop: the earliest occurrence at or after from of any stop[k] in t[0..n) (its
+ * offset, and k in *which when which is not NULL), else n + 1. moeq_gen_certain: how much of
+ * t[0..n) is certain, all of it less a trailing U+FFFD (a character cut between tokens) and less
+ * the longest tail that may still become a stop string. */
+size_t moeq_gen_find_stop(const char *t, size_t n, size_t from, const char *const *stop, int32_t n_stop,
+                          int32_t *which);
+size_t moeq_gen_certain(const char *t, size_t n, const char *const *stop, int32_t n_stop);
 
 typedef struct moeq_gen moeq_gen;
 /* n_ctx: the positions the session holds (prompt and output), at most the model's context. */
@@ -1330,7 +1346,8 @@ typedef struct {
     const char *help;         /* one line of the command's --help */
     int identity;             /* quantize: 1 when the value changes the checkpoint's bytes, and a
                                  resumed run must be given the same (0: memory, threads, paths,
-                                 reports); eval: 0 */
+                                 reports); eval: 0; generation: 1 when giving it asks for
+                                 sampling (moeq_gen_option_info) */
 } moeq_option_info;
 
 /* The i-th option of moeq_quant_options (i = 0, 1, ...; NULL past the last), in the order of
@@ -1339,6 +1356,10 @@ typedef struct {
 const moeq_option_info *moeq_quant_option_info(int i);
 /* The same for moeq_eval_options_set's options, in the order of `moeq eval --help`. */
 const moeq_option_info *moeq_eval_option_info(int i);
+/* The same for moeq_gen_options_set's options, in the order of `moeq generate --help`; identity
+ * is 1 for those that ask for sampling (temp, top-k, top-p, min-p, seed): `moeq generate` and
+ * `moeq chat` are greedy until one of them is given, then start from temperature 1. */
+const moeq_option_info *moeq_gen_option_info(int i);
 /* The options o gives, as one JSON object (malloc'd; release with moeq_string_free): a key per
  * option of moeq_eval_option_info, its name with '_' for '-' (`moeq eval --json`'s "settings"). */
 char *moeq_eval_settings_json(const moeq_eval_options *o);

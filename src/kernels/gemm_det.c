@@ -39,75 +39,52 @@ void mq_syrk_det_acc(int64_t K, int64_t n, const float *X, int64_t ldx, float *C
     mq_det()->syrk_acc(K, n, X, ldx, C, ldc, i0, i1);
 }
 
-/* Blocks of rows of C to the pool, the widest (last rows of the triangle) first. */
-enum { SYRK_ROWS = 48 };
-
-typedef struct {
-    int64_t K, n, ldx, ldc, n_blocks;
-    const float *X;
-    float *C;
-} syrk_job;
-
-static void syrk_task(void *ctx, int64_t t, int thread) {
-    (void)thread;
-    const syrk_job *j = ctx;
-    int64_t b = j->n_blocks - 1 - t, i0 = b * SYRK_ROWS;
-    int64_t i1 = i0 + SYRK_ROWS < j->K ? i0 + SYRK_ROWS : j->K;
-    mq_syrk_det_acc(j->K, j->n, j->X, j->ldx, j->C, j->ldc, i0, i1);
-}
-
-void mq_syrk_det_acc_pool(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
-                          int64_t ldc) {
-    if (K <= 0 || n <= 0) return;
-    syrk_job j = {K, n, ldx, ldc, (K + SYRK_ROWS - 1) / SYRK_ROWS, X, C};
-    mq_parallel_for(j.n_blocks, syrk_task, &j);
-}
-
-typedef struct {
-    int64_t K, n, ldx, ldc, i0, i1;
-    const float *X;
-    float *C;
-} syrk_rows_job;
-
-static void syrk_rows_task(void *ctx, int64_t t, int thread) {
-    (void)thread;
-    const syrk_rows_job *j = ctx;
-    const int64_t nb = (j->i1 - j->i0 + SYRK_ROWS - 1) / SYRK_ROWS;
-    int64_t a = j->i0 + (nb - 1 - t) * SYRK_ROWS;   /* the widest rows first */
-    int64_t b = a + SYRK_ROWS < j->i1 ? a + SYRK_ROWS : j->i1;
-    mq_syrk_det_acc(j->K, j->n, j->X, j->ldx, j->C, j->ldc, a, b);
-}
-
-void mq_syrk_det_acc_pool_rows(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
-                               int64_t ldc, int64_t i0, int64_t i1) {
-    if (K <= 0 || n <= 0 || i1 <= i0) return;
-    syrk_rows_job j = {K, n, ldx, ldc, i0, i1, X, C};
-    mq_parallel_for((i1 - i0 + SYRK_ROWS - 1) / SYRK_ROWS, syrk_rows_task, &j);
-}
-
 void mq_cross_det_acc(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                       float *C, int64_t ldc, int64_t i0, int64_t i1) {
     mq_det()->cross_acc(K, n, A, lda, B, ldb, C, ldc, i0, i1);
 }
 
+/* Blocks of SYRK_ROWS rows [i0, i1) of C to the pool: the Hessian update's widest (the
+ * triangle's last rows) first, the cross sum's in order. */
+enum { SYRK_ROWS = 48 };
+
 typedef struct {
     int64_t K, n, lda, ldb, ldc, i0, i1;
-    const float *A, *B;
+    const float *A, *B;   /* the Hessian update reads A alone */
     float *C;
-} cross_job;
+    int cross;
+} rows_job;
 
-static void cross_task(void *ctx, int64_t t, int thread) {
+static void rows_task(void *ctx, int64_t t, int thread) {
     (void)thread;
-    const cross_job *j = ctx;
-    const int64_t i0 = j->i0 + t * SYRK_ROWS, i1 = i0 + SYRK_ROWS < j->i1 ? i0 + SYRK_ROWS : j->i1;
-    mq_cross_det_acc(j->K, j->n, j->A, j->lda, j->B, j->ldb, j->C, j->ldc, i0, i1);
+    const rows_job *j = ctx;
+    const int64_t nb = (j->i1 - j->i0 + SYRK_ROWS - 1) / SYRK_ROWS;
+    const int64_t a = j->i0 + (j->cross ? t : nb - 1 - t) * SYRK_ROWS;
+    const int64_t b = a + SYRK_ROWS < j->i1 ? a + SYRK_ROWS : j->i1;
+    if (j->cross) mq_cross_det_acc(j->K, j->n, j->A, j->lda, j->B, j->ldb, j->C, j->ldc, a, b);
+    else mq_syrk_det_acc(j->K, j->n, j->A, j->lda, j->C, j->ldc, a, b);
+}
+
+static void rows_pool(rows_job *j) {
+    if (j->K <= 0 || j->n <= 0 || j->i1 <= j->i0) return;
+    mq_parallel_for((j->i1 - j->i0 + SYRK_ROWS - 1) / SYRK_ROWS, rows_task, j);
+}
+
+void mq_syrk_det_acc_pool_rows(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                               int64_t ldc, int64_t i0, int64_t i1) {
+    rows_job j = {K, n, ldx, 0, ldc, i0, i1, X, NULL, C, 0};
+    rows_pool(&j);
+}
+
+void mq_syrk_det_acc_pool(int64_t K, int64_t n, const float *X, int64_t ldx, float *C,
+                          int64_t ldc) {
+    mq_syrk_det_acc_pool_rows(K, n, X, ldx, C, ldc, 0, K);
 }
 
 void mq_cross_det_acc_pool_rows(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                                 float *C, int64_t ldc, int64_t i0, int64_t i1) {
-    if (K <= 0 || n <= 0 || i1 <= i0) return;
-    cross_job j = {K, n, lda, ldb, ldc, i0, i1, A, B, C};
-    mq_parallel_for((i1 - i0 + SYRK_ROWS - 1) / SYRK_ROWS, cross_task, &j);
+    rows_job j = {K, n, lda, ldb, ldc, i0, i1, A, B, C, 1};
+    rows_pool(&j);
 }
 
 void mq_cross_det_acc_pool(int64_t K, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,

@@ -27,40 +27,22 @@
 #define ARM_ROWS(neon, dot)
 #endif
 
-static const mq_vec_kernels *const k_vec[MQ_ISA_COUNT] = {
-    [MQ_ISA_REF] = &mq_vec_ref,
-    X86_ROWS(&mq_vec_avx2, &mq_vec_avx512, &mq_vec_avx512)
-    ARM_ROWS(&mq_vec_neon, &mq_vec_neon)
-};
+/* A family's table, one row per instruction set, and its accessor `fn`: the row of mq_cpu_isa(). */
+#define FAMILY(T, fn, ref, avx2, avx512, vnni, neon, neon_dot)                                     \
+    static const T *const k_##fn[MQ_ISA_COUNT] = {                                                 \
+        [MQ_ISA_REF] = ref, X86_ROWS(avx2, avx512, vnni) ARM_ROWS(neon, neon_dot)};                \
+    const T *fn(void) { return k_##fn[mq_cpu_isa()]; }
 
-static const mq_det_kernels *const k_det[MQ_ISA_COUNT] = {
-    [MQ_ISA_REF] = &mq_det_ref,
-    X86_ROWS(&mq_det_avx2, &mq_det_avx512, &mq_det_avx512)
-    ARM_ROWS(&mq_det_neon, &mq_det_neon)
-};
-
-static const mq_moe_kernels *const k_moe[MQ_ISA_COUNT] = {
-    [MQ_ISA_REF] = &mq_moe_kernels_ref,
-    X86_ROWS(&mq_moe_kernels_avx2, &mq_moe_kernels_avx512, &mq_moe_kernels_avx512_vnni)
-    ARM_ROWS(&mq_moe_kernels_neon, &mq_moe_kernels_neon_dot)
-};
-
+FAMILY(mq_vec_kernels, mq_vec, &mq_vec_ref, &mq_vec_avx2, &mq_vec_avx512, &mq_vec_avx512,
+       &mq_vec_neon, &mq_vec_neon)
+FAMILY(mq_det_kernels, mq_det, &mq_det_ref, &mq_det_avx2, &mq_det_avx512, &mq_det_avx512,
+       &mq_det_neon, &mq_det_neon)
+FAMILY(mq_moe_kernels, mq_moe_kernels_active, &mq_moe_kernels_ref, &mq_moe_kernels_avx2,
+       &mq_moe_kernels_avx512, &mq_moe_kernels_avx512_vnni, &mq_moe_kernels_neon,
+       &mq_moe_kernels_neon_dot)
 /* GGUF rows' dot products: the AVX2 twin on every x86 set, the reference on Arm */
-static const mq_ggml_dot_kernels *const k_ggml_dot[MQ_ISA_COUNT] = {
-    [MQ_ISA_REF] = &mq_ggml_dot_ref,
-    X86_ROWS(&mq_ggml_dot_avx2, &mq_ggml_dot_avx2, &mq_ggml_dot_avx2)
-    ARM_ROWS(&mq_ggml_dot_ref, &mq_ggml_dot_ref)
-};
-
+FAMILY(mq_ggml_dot_kernels, mq_ggml_dot, &mq_ggml_dot_ref, &mq_ggml_dot_avx2, &mq_ggml_dot_avx2,
+       &mq_ggml_dot_avx2, &mq_ggml_dot_ref, &mq_ggml_dot_ref)
 /* GPTQ's column steps: AVX2 and AVX-512 twins (VNNI has nothing to add), the reference on Arm */
-static const mq_gptq_kernels *const k_gptq[MQ_ISA_COUNT] = {
-    [MQ_ISA_REF] = &mq_gptq_kernels_ref,
-    X86_ROWS(&mq_gptq_kernels_avx2, &mq_gptq_kernels_avx512, &mq_gptq_kernels_avx512)
-    ARM_ROWS(&mq_gptq_kernels_ref, &mq_gptq_kernels_ref)
-};
-
-const mq_vec_kernels *mq_vec(void) { return k_vec[mq_cpu_isa()]; }
-const mq_det_kernels *mq_det(void) { return k_det[mq_cpu_isa()]; }
-const mq_moe_kernels *mq_moe_kernels_active(void) { return k_moe[mq_cpu_isa()]; }
-const mq_ggml_dot_kernels *mq_ggml_dot(void) { return k_ggml_dot[mq_cpu_isa()]; }
-const mq_gptq_kernels *mq_gptq_cpu(void) { return k_gptq[mq_cpu_isa()]; }
+FAMILY(mq_gptq_kernels, mq_gptq_cpu, &mq_gptq_kernels_ref, &mq_gptq_kernels_avx2,
+       &mq_gptq_kernels_avx512, &mq_gptq_kernels_avx512, &mq_gptq_kernels_ref, &mq_gptq_kernels_ref)

@@ -24,12 +24,6 @@ struct moeq_gen {
     float *logits;
 };
 
-void moeq_gen_options_init(moeq_gen_options *o) {
-    memset(o, 0, sizeof *o);
-    moeq_sampler_options_init(&o->sampling);
-    o->sampling.temperature = 0;
-}
-
 void moeq_gen_result_free(moeq_gen_result *r) {
     if (!r) return;
     free(r->text);
@@ -101,26 +95,26 @@ static moeq_status feed(moeq_gen *g, const int32_t *ids, int32_t n) {
     return st;
 }
 
-/* The earliest stop string in t[from..n): its offset and index, or n + 1. */
-static size_t find_stop(const char *t, size_t n, size_t from, const moeq_gen_options *o, int32_t *which) {
+size_t moeq_gen_find_stop(const char *t, size_t n, size_t from, const char *const *stop, int32_t n_stop,
+                          int32_t *which) {
     for (size_t p = from; p < n; p++)
-        for (int32_t k = 0; k < o->n_stop; k++) {
-            size_t m = strlen(o->stop[k]);
-            if (m && m <= n - p && !memcmp(t + p, o->stop[k], m)) {
-                *which = k;
+        for (int32_t k = 0; k < n_stop; k++) {
+            size_t m = strlen(stop[k]);
+            if (m && m <= n - p && !memcmp(t + p, stop[k], m)) {
+                if (which) *which = k;
                 return p;
             }
         }
     return n + 1;
 }
 
-/* How much of t[0..n) is certain: all but the longest tail that begins a stop string. */
-static size_t certain(const char *t, size_t n, const moeq_gen_options *o) {
-    size_t hold = 0;
-    for (int32_t k = 0; k < o->n_stop; k++) {
-        size_t m = strlen(o->stop[k]);
+size_t moeq_gen_certain(const char *t, size_t n, const char *const *stop, int32_t n_stop) {
+    if (n >= 3 && !memcmp(t + n - 3, "\xef\xbf\xbd", 3)) n -= 3;   /* U+FFFD: more bytes may complete it */
+    size_t hold = 0;   /* the longest tail that begins a stop string */
+    for (int32_t k = 0; k < n_stop; k++) {
+        size_t m = strlen(stop[k]);
         for (size_t h = m > 0 && m - 1 < n ? m - 1 : n; h > hold; h--)
-            if (!memcmp(t + n - h, o->stop[k], h)) {
+            if (!memcmp(t + n - h, stop[k], h)) {
                 hold = h;
                 break;
             }
@@ -188,15 +182,13 @@ moeq_status moeq_gen_run(moeq_gen *g, const int32_t *prompt, size_t n_prompt,
         text = NULL;
         st = moeq_tokenizer_decode_ex(tok, gen, (size_t)n_gen, MOEQ_DECODE_SKIP_UNKNOWN, &text, &text_len);
         if (st) break;
-        size_t at = find_stop(text, text_len, printed, o, &r->stop_index);
+        size_t at = moeq_gen_find_stop(text, text_len, printed, o->stop, o->n_stop, &r->stop_index);
         if (at <= text_len) {
             cut = at;
             finish = "stop";
             break;
         }
-        size_t sure = text_len;
-        if (sure >= 3 && !memcmp(text + sure - 3, "\xef\xbf\xbd", 3)) sure -= 3;
-        cut = certain(text, sure, o);
+        cut = moeq_gen_certain(text, text_len, o->stop, o->n_stop);
         if (cut > printed) {
             if (piece && piece(user, text + printed, cut - printed)) {
                 printed = cut;

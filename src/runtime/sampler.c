@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "runtime/gen_options.h"
 
 typedef struct {
     double l;
@@ -36,41 +37,14 @@ struct moeq_sampler {
     int32_t cap_v;
 };
 
-void moeq_sampler_options_init(moeq_sampler_options *o) {
-    if (!o) return;
-    memset(o, 0, sizeof *o);
-    o->temperature = 1.0;
-    o->top_k = 0;
-    o->top_p = 1.0;
-    o->min_p = 0.0;
-    o->repeat_penalty = 1.0;
-    o->repeat_last_n = 64;   /* llama.cpp's default window */
-    o->presence_penalty = 0.0;
-    o->frequency_penalty = 0.0;
-    o->seed = 0;
-}
+/* moeq_sampler_options_init: gen_options.c, from the option table. */
 
+/* The table's ranges (gen_options.def), the same that the flags and request fields are held to. */
 static moeq_status check_options(const moeq_sampler_options *o) {
-    if (!(o->temperature >= 0 && isfinite(o->temperature)))
-        return mq_err(MOEQ_E_ARG, "sampler: temperature must be 0 (greedy) or a finite number > 0, "
-                      "got %g", o->temperature);
-    if (o->top_k < 0) return mq_err(MOEQ_E_ARG, "sampler: top_k must be >= 0 (0: off), got %d", o->top_k);
-    if (!(o->top_p > 0 && o->top_p <= 1))
-        return mq_err(MOEQ_E_ARG, "sampler: top_p must be in (0, 1] (1: off), got %g", o->top_p);
-    if (!(o->min_p >= 0 && o->min_p <= 1))
-        return mq_err(MOEQ_E_ARG, "sampler: min_p must be in [0, 1] (0: off), got %g", o->min_p);
-    if (!(o->repeat_penalty > 0 && isfinite(o->repeat_penalty)))
-        return mq_err(MOEQ_E_ARG, "sampler: repeat_penalty must be a finite number > 0 (1: off), "
-                      "got %g", o->repeat_penalty);
-    if (o->repeat_last_n < -1)
-        return mq_err(MOEQ_E_ARG, "sampler: repeat_last_n must be >= -1 (-1: the whole history), "
-                      "got %d", o->repeat_last_n);
-    if (!isfinite(o->presence_penalty))
-        return mq_err(MOEQ_E_ARG, "sampler: presence_penalty must be finite, got %g", o->presence_penalty);
-    if (!isfinite(o->frequency_penalty))
-        return mq_err(MOEQ_E_ARG, "sampler: frequency_penalty must be finite, got %g",
-                      o->frequency_penalty);
-    return MOEQ_OK;
+    moeq_gen_options g;
+    moeq_gen_options_init(&g);
+    g.sampling = *o;
+    return mq_gen_options_check(&g, "sampler");
 }
 
 moeq_status moeq_sampler_create(const moeq_sampler_options *o, moeq_sampler **out) {

@@ -27,16 +27,6 @@ static const cJSON *field(const cJSON *o, const char *k) {
     return v && !cJSON_IsNull(v) ? v : NULL;
 }
 
-/* A number field: absent leaves *v; else it must be a finite number in [lo, hi]. */
-static moeq_status num_field(const cJSON *o, const char *k, double lo, double hi, double *v) {
-    const cJSON *x = field(o, k);
-    if (!x) return MOEQ_OK;
-    if (!cJSON_IsNumber(x) || !isfinite(x->valuedouble) || x->valuedouble < lo || x->valuedouble > hi)
-        return mq_err(MOEQ_E_ARG, "'%s' must be a number in [%g, %g]", k, lo, hi);
-    *v = x->valuedouble;
-    return MOEQ_OK;
-}
-
 static moeq_status int_field(const cJSON *o, const char *k, int64_t lo, int64_t hi, int64_t *v) {
     const cJSON *x = field(o, k);
     if (!x) return MOEQ_OK;
@@ -51,6 +41,38 @@ static moeq_status bool_field(const cJSON *o, const char *k, int *v) {
     if (!cJSON_IsBool(x)) return mq_err(MOEQ_E_ARG, "'%s' must be true or false", k);
     *v = cJSON_IsTrue(x);
     return MOEQ_OK;
+}
+
+/* The request field of each row of gen_options.def ("a|b": either name), NULL where none. */
+static const char *const g_json_fields[] = {
+#define MQ_GOPT(key, kind, p1, p2, field, def, samples, json, metavar, help) json,
+#include "runtime/gen_options.def"
+#undef MQ_GOPT
+};
+
+/* Field k of o, when given, to the generation option x: its JSON value as the text the flag
+ * would carry, through moeq_gen_options_set, so that a field takes exactly what the flag takes. */
+static moeq_status gen_field(const cJSON *o, const char *k, const moeq_option_info *x, moeq_gen_options *g) {
+    const cJSON *v = field(o, k);
+    if (!v) return MOEQ_OK;
+    char text[64];
+    int64_t i = 0;
+    if (x->kind == MOEQ_OPTION_SWITCH) {
+        if (!cJSON_IsBool(v)) return mq_err(MOEQ_E_ARG, "'%s' must be true or false", k);
+        snprintf(text, sizeof text, "%s", cJSON_IsTrue(v) ? "true" : "false");
+    } else if (!cJSON_IsNumber(v)) {
+        return mq_err(MOEQ_E_ARG, "'%s' must be a number", k);
+    } else if (x->kind == MOEQ_OPTION_INT) {
+        if (!mq_int_of(v->valuedouble, INT64_MIN, INT64_MAX, &i)) return mq_err(MOEQ_E_ARG, "'%s' must be an integer", k);
+        snprintf(text, sizeof text, "%lld", (long long)i);
+    } else {
+        snprintf(text, sizeof text, "%.17g", v->valuedouble);
+    }
+    if (!moeq_gen_options_set(g, x->key, text)) return MOEQ_OK;
+    char why[256];   /* the setter's "KEY=VALUE: expected ..." told by the field's name */
+    const char *e = strstr(moeq_last_error(), ": expected ");
+    snprintf(why, sizeof why, "%s", e ? e : ": not accepted");
+    return mq_err(MOEQ_E_ARG, "'%s' %s%s", k, text, why);
 }
 
 static moeq_status parse_stop(const cJSON *o, moeq_openai_request *r) {
@@ -123,29 +145,22 @@ static moeq_status parse_body(const cJSON *o, int chat, const moeq_chat_template
     if ((st = int_field(o, "max_tokens", 1, INT32_MAX, &mt))) return st;
     if ((st = int_field(o, "max_completion_tokens", 1, INT32_MAX, &mt))) return st;
     r->gen.max_tokens = (int32_t)mt;
-    moeq_sampler_options *s = &r->gen.sampling;
-    double temp = 1.0, rp = s->repeat_penalty;
-    int64_t top_k = 0, last_n = s->repeat_last_n, seed;
-    if ((st = num_field(o, "temperature", 0, 1e9, &temp))) return st;
-    if ((st = num_field(o, "top_p", 1e-300, 1, &s->top_p))) return mq_err(MOEQ_E_ARG, "'top_p' must be a number in (0, 1]");
-    if ((st = int_field(o, "top_k", 0, INT32_MAX, &top_k))) return st;
-    if ((st = num_field(o, "min_p", 0, 1, &s->min_p))) return st;
-    if ((st = num_field(o, "presence_penalty", -1e9, 1e9, &s->presence_penalty))) return st;
-    if ((st = num_field(o, "frequency_penalty", -1e9, 1e9, &s->frequency_penalty))) return st;
-    if ((st = num_field(o, "repetition_penalty", 1e-300, 1e9, &rp))) return st;
-    if ((st = num_field(o, "repeat_penalty", 1e-300, 1e9, &rp))) return st;
-    if ((st = int_field(o, "repeat_last_n", -1, INT32_MAX, &last_n))) return st;
+    /* OpenAI's defaults where they differ from moeq_gen_options_init: temperature 1, and a seed
+     * from the clock (each request its own draws unless it names one) */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    seed = (int64_t)(ts.tv_nsec ^ ((int64_t)ts.tv_sec << 20));
-    if ((st = int_field(o, "seed", INT64_MIN + 1, INT64_MAX - 1, &seed))) return st;
-    s->temperature = temp;
-    s->top_k = (int32_t)top_k;
-    s->repeat_penalty = rp;
-    s->repeat_last_n = (int32_t)last_n;
-    s->seed = (uint64_t)seed;
+    r->gen.sampling.temperature = 1.0;
+    r->gen.sampling.seed = (uint64_t)(int64_t)(ts.tv_nsec ^ ((int64_t)ts.tv_sec << 20));
+    const moeq_option_info *x;
+    for (int i = 0; (x = moeq_gen_option_info(i)); i++)
+        for (const char *k = g_json_fields[i]; k && *k;) {   /* "a|b": each name in turn */
+            char name[48];
+            const size_t len = strcspn(k, "|");
+            snprintf(name, sizeof name, "%.*s", (int)len, k);
+            if ((st = gen_field(o, name, x, &r->gen))) return st;
+            k += len + (k[len] == '|');
+        }
     if ((st = bool_field(o, "stream", &r->stream))) return st;
-    if ((st = bool_field(o, "ignore_eos", &r->gen.ignore_eos))) return st;
     const cJSON *so = field(o, "stream_options");
     if (so && !cJSON_IsObject(so)) return mq_err(MOEQ_E_ARG, "'stream_options' must be an object");
     if (so && (st = bool_field(so, "include_usage", &r->include_usage))) return st;

@@ -357,6 +357,25 @@ static void plan_free(plan *p) {
     memset(p, 0, sizeof *p);
 }
 
+/* A gated MLP of F x D at "<where>.<name>.weight": gate and up [F, D], down [D, F], in the
+ * order of names (the down projection at names[down]). */
+static const char *const MLP_NAMES[3] = {"gate_proj", "up_proj", "down_proj"};
+static void add_mlp(plan *p, uint64_t seed, int64_t F, int64_t D, const char *where, const char *const names[3],
+                    int down) {
+    for (int j = 0; j < 3; j++)
+        add(p, seed, INIT_NORMAL, j == down ? D : F, j == down ? F : D, "%s.%s.weight", where, names[j]);
+}
+
+/* The routed experts, each a gated MLP at "<where>.<e>" (with names and down as add_mlp's). */
+static void add_experts(plan *p, uint64_t seed, int64_t E, int64_t F, int64_t D, const char *where,
+                        const char *const names[3], int down) {
+    for (int64_t e = 0; e < E; e++) {
+        char at[128];
+        snprintf(at, sizeof at, "%.96s.%lld", where, (long long)e);
+        add_mlp(p, seed, F, D, at, names, down);
+    }
+}
+
 /* One deepseek_v3 layer after its input norm: latent attention, then the dense MLP or the MoE
  * block (router and its selection bias, experts, the shared expert). */
 static void plan_deepseek_layer(plan *p, const spec *s, uint64_t seed, const char *pre, bool moe) {
@@ -369,22 +388,18 @@ static void plan_deepseek_layer(plan *p, const spec *s, uint64_t seed, const cha
     add(p, seed, INIT_NORMAL, H * (128 + 128), 512, "%s.self_attn.kv_b_proj.weight", pre);
     add(p, seed, INIT_NORMAL, D, H * 128, "%s.self_attn.o_proj.weight", pre);
     add(p, seed, INIT_ONES, D, 0, "%s.post_attention_layernorm.weight", pre);
+    char at[96];
     if (!moe) {
-        add(p, seed, INIT_NORMAL, s->inter, D, "%s.mlp.gate_proj.weight", pre);
-        add(p, seed, INIT_NORMAL, s->inter, D, "%s.mlp.up_proj.weight", pre);
-        add(p, seed, INIT_NORMAL, D, s->inter, "%s.mlp.down_proj.weight", pre);
+        snprintf(at, sizeof at, "%s.mlp", pre);
+        add_mlp(p, seed, s->inter, D, at, MLP_NAMES, 2);
         return;
     }
     add(p, seed, INIT_NORMAL, s->E, D, "%s.mlp.gate.weight", pre);
     add(p, seed, INIT_NORMAL, s->E, 0, "%s.mlp.gate.e_score_correction_bias", pre);
-    for (int64_t e = 0; e < s->E; e++) {
-        add(p, seed, INIT_NORMAL, F, D, "%s.mlp.experts.%lld.gate_proj.weight", pre, (long long)e);
-        add(p, seed, INIT_NORMAL, F, D, "%s.mlp.experts.%lld.up_proj.weight", pre, (long long)e);
-        add(p, seed, INIT_NORMAL, D, F, "%s.mlp.experts.%lld.down_proj.weight", pre, (long long)e);
-    }
-    add(p, seed, INIT_NORMAL, s->shared, D, "%s.mlp.shared_experts.gate_proj.weight", pre);
-    add(p, seed, INIT_NORMAL, s->shared, D, "%s.mlp.shared_experts.up_proj.weight", pre);
-    add(p, seed, INIT_NORMAL, D, s->shared, "%s.mlp.shared_experts.down_proj.weight", pre);
+    snprintf(at, sizeof at, "%s.mlp.experts", pre);
+    add_experts(p, seed, s->E, F, D, at, MLP_NAMES, 2);
+    snprintf(at, sizeof at, "%s.mlp.shared_experts", pre);
+    add_mlp(p, seed, s->shared, D, at, MLP_NAMES, 2);
 }
 
 /* The hub's tensor names and [out, in] shapes, in the fixed order. */
@@ -416,35 +431,22 @@ static void plan_model(plan *p, const spec *s, uint64_t seed) {
             add(p, seed, INIT_ONES, s->hd, 0, "%s.self_attn.k_norm.weight", pre);
         }
         add(p, seed, INIT_ONES, D, 0, "%s.post_attention_layernorm.weight", pre);
+        static const char *const W123[3] = {"w1", "w2", "w3"};   /* gate, down, up */
+        char at[96];
         if (fam == FAM_LLAMA) {
-            add(p, seed, INIT_NORMAL, F, D, "%s.mlp.gate_proj.weight", pre);
-            add(p, seed, INIT_NORMAL, F, D, "%s.mlp.up_proj.weight", pre);
-            add(p, seed, INIT_NORMAL, D, F, "%s.mlp.down_proj.weight", pre);
+            snprintf(at, sizeof at, "%s.mlp", pre);
+            add_mlp(p, seed, F, D, at, MLP_NAMES, 2);
         } else if (fam == FAM_MIXTRAL) {
             add(p, seed, INIT_NORMAL, s->E, D, "%s.block_sparse_moe.gate.weight", pre);
-            for (int64_t e = 0; e < s->E; e++) {
-                add(p, seed, INIT_NORMAL, F, D, "%s.block_sparse_moe.experts.%lld.w1.weight", pre,
-                    (long long)e);
-                add(p, seed, INIT_NORMAL, D, F, "%s.block_sparse_moe.experts.%lld.w2.weight", pre,
-                    (long long)e);
-                add(p, seed, INIT_NORMAL, F, D, "%s.block_sparse_moe.experts.%lld.w3.weight", pre,
-                    (long long)e);
-            }
+            snprintf(at, sizeof at, "%s.block_sparse_moe.experts", pre);
+            add_experts(p, seed, s->E, F, D, at, W123, 1);
         } else {
             add(p, seed, INIT_NORMAL, s->E, D, "%s.mlp.gate.weight", pre);
-            for (int64_t e = 0; e < s->E; e++) {
-                add(p, seed, INIT_NORMAL, F, D, "%s.mlp.experts.%lld.gate_proj.weight", pre,
-                    (long long)e);
-                add(p, seed, INIT_NORMAL, F, D, "%s.mlp.experts.%lld.up_proj.weight", pre,
-                    (long long)e);
-                add(p, seed, INIT_NORMAL, D, F, "%s.mlp.experts.%lld.down_proj.weight", pre,
-                    (long long)e);
-            }
+            snprintf(at, sizeof at, "%s.mlp.experts", pre);
+            add_experts(p, seed, s->E, F, D, at, MLP_NAMES, 2);
             if (fam == FAM_QWEN2_MOE) {
-                const int64_t S = s->shared;
-                add(p, seed, INIT_NORMAL, S, D, "%s.mlp.shared_expert.gate_proj.weight", pre);
-                add(p, seed, INIT_NORMAL, S, D, "%s.mlp.shared_expert.up_proj.weight", pre);
-                add(p, seed, INIT_NORMAL, D, S, "%s.mlp.shared_expert.down_proj.weight", pre);
+                snprintf(at, sizeof at, "%s.mlp.shared_expert", pre);
+                add_mlp(p, seed, s->shared, D, at, MLP_NAMES, 2);
                 add(p, seed, INIT_NORMAL, 1, D, "%s.mlp.shared_expert_gate.weight", pre);
             }
         }

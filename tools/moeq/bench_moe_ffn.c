@@ -36,103 +36,16 @@ typedef struct {
     int nvfp4;
 } shape;
 
-static uint64_t g_s = 88172645463325252ull;
-static inline uint64_t rnd64(void) {
-    g_s ^= g_s << 13;
-    g_s ^= g_s >> 7;
-    g_s ^= g_s << 17;
-    return g_s;
-}
-static float rnd_normal(void) {
-    float u1 = ((float)(rnd64() >> 40) + 0.5f) * 0x1p-24f, u2 = (float)(rnd64() >> 40) * 0x1p-24f;
-    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
-}
+static uint64_t g_s = 88172645463325252ull;   /* bench_rnd64's state: the same inputs every run */
 
-static void fill_codes(uint8_t *c, size_t n) {
-    size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        uint64_t r = rnd64();
-        for (int j = 0; j < 16; j++) c[i + j] = (uint8_t)((r >> (4 * j)) & 15);
-    }
-    for (; i < n; i++) c[i] = (uint8_t)(rnd64() & 15);
-}
-
-static void *fill_scales(size_t n, int nvfp4) {
-    if (nvfp4) {
-        uint8_t *s = malloc(n);
-        if (s)
-            for (size_t i = 0; i < n; i++) s[i] = (uint8_t)(40 + rnd64() % 40);   /* ~1..8 */
-        return s;
-    }
-    /* INT4 scales rounded to bf16, as checkpoints store them (so they pack as 16-bit scales) */
-    float *s = malloc(n * 4);
-    if (s)
-        for (size_t i = 0; i < n; i++)
-            s[i] = mq_bf16_to_f32(mq_f32_to_bf16(0.01f + 0.01f * (float)(rnd64() >> 40) * 0x1p-24f));
-    return s;
-}
-
-static moeq_tensor_ref ref3(const void *p, moeq_dtype dt, int64_t a, int64_t b, int64_t c, size_t es) {
-    moeq_tensor_ref r = {p, dt, c ? 3 : (b ? 2 : 1), {a, b, c, 0}, 0};
-    r.nbytes = (size_t)a * (size_t)(b ? b : 1) * (size_t)(c ? c : 1) * es;
-    return r;
-}
-
-/* Random packed experts of the given shape (codes uniform in 0..15). */
+/* Random packed experts of the given shape (bench_random_experts). */
 static moeq_status make_experts(const shape *s, moeq_moe_experts **out) {
-    const size_t E = (size_t)s->E, D = (size_t)s->D, F = (size_t)s->F, g = (size_t)s->group;
-    const size_t ngu = E * 2 * F * D, ndn = E * D * F;
-    uint8_t *guc = malloc(ngu), *dnc = malloc(ndn);
-    void *gus = fill_scales(ngu / g, s->nvfp4), *dns = fill_scales(ndn / g, s->nvfp4);
-    float *gg = malloc(E * 4), *dg = malloc(E * 4);
-    moeq_status st = MOEQ_E_NOMEM;
-    if (guc && dnc && gus && dns && gg && dg) {
-        fill_codes(guc, ngu);
-        fill_codes(dnc, ndn);
-        for (size_t e = 0; e < E; e++) gg[e] = dg[e] = 100.0f;
-        moeq_dtype sdt = s->nvfp4 ? MOEQ_DT_F8_E4M3 : MOEQ_DT_F32;
-        size_t ss = s->nvfp4 ? 1 : 4;
-        moeq_moe_experts_desc d;
-        memset(&d, 0, sizeof d);
-        d.scheme = s->nvfp4 ? MOEQ_MOE_NVFP4 : MOEQ_MOE_INT4;
-        d.group_size = (int32_t)g;
-        d.n_experts = (int32_t)E;
-        d.hidden = (int32_t)D;
-        d.ffn = (int32_t)F;
-        d.gate_up.codes = ref3(guc, MOEQ_DT_U8, (int64_t)E, (int64_t)(2 * F), (int64_t)D, 1);
-        d.gate_up.scales = ref3(gus, sdt, (int64_t)E, (int64_t)(2 * F), (int64_t)(D / g), ss);
-        d.down.codes = ref3(dnc, MOEQ_DT_U8, (int64_t)E, (int64_t)D, (int64_t)F, 1);
-        d.down.scales = ref3(dns, sdt, (int64_t)E, (int64_t)D, (int64_t)(F / g), ss);
-        if (s->nvfp4) {
-            d.gate_up.global_scale = ref3(gg, MOEQ_DT_F32, (int64_t)E, 0, 0, 4);
-            d.down.global_scale = ref3(dg, MOEQ_DT_F32, (int64_t)E, 0, 0, 4);
-        }
-        st = moeq_moe_experts_pack(&d, out);
-    } else {
-        mq_err(MOEQ_E_NOMEM, "bench moe-ffn: out of memory for the random experts");
-    }
-    free(guc); free(dnc); free(gus); free(dns); free(gg); free(dg);
+    bench_experts h;
+    moeq_moe_experts_desc d;
+    moeq_status st = bench_random_experts(s->E, s->D, s->F, s->group, s->nvfp4, &g_s, &h, &d);
+    if (!st) st = moeq_moe_experts_pack(&d, out);
+    bench_experts_free(&h);
     return st;
-}
-
-/* Distinct experts the op picks for x [T, D] (softmax top-k = largest logits). */
-static int64_t distinct_experts(const shape *s, const float *router, const float *x, int64_t T,
-                                uint8_t *used, float *logits) {
-    memset(used, 0, (size_t)s->E);
-    mq_gemm_nt(T, s->E, s->D, 1.0f, x, s->D, router, s->D, 0.0f, logits, s->E);
-    int64_t n = 0;
-    for (int64_t t = 0; t < T; t++) {
-        float *l = logits + t * s->E;
-        for (int64_t j = 0; j < s->k; j++) {
-            int64_t best = 0;
-            for (int64_t e = 1; e < s->E; e++)
-                if (l[e] > l[best]) best = e;
-            if (!used[best]) n++;
-            used[best] = 1;
-            l[best] = -INFINITY;
-        }
-    }
-    return n;
 }
 
 /* Bytes of the last-level cache (L3; 0 where the C library does not say). */
@@ -159,20 +72,6 @@ static double load_average(void) {
         fclose(f);
     }
     return l;
-}
-
-static int parse_tokens(const char *s, int64_t *out, int max) {
-    int n = 0;
-    while (*s && n < max) {
-        char *end;
-        long long v = strtoll(s, &end, 10);
-        if (end == s || v < 1 || v > 1 << 20) return -1;
-        out[n++] = v;
-        s = end;
-        if (*s == ',') s++;
-        else if (*s) return -1;
-    }
-    return n;
 }
 
 int bench_moe_ffn(int argc, char **argv) {
@@ -222,7 +121,7 @@ int bench_moe_ffn(int argc, char **argv) {
     if (!scheme) scheme = "int4";
     if (!strcmp(scheme, "both")) return cli_usage_error(cmd.name, "--scheme both is for --device cuda");
     int64_t toks[32];
-    int ntok = parse_tokens(tokens_s, toks, 32);
+    int ntok = bench_parse_tokens(tokens_s, toks, 32);
     if (ntok <= 0) return cli_usage_error(cmd.name, "--tokens expects a list like 1,16,512");
     if (k > E) return cli_usage_error(cmd.name, "--topk %lld > --experts %lld", (long long)k, (long long)E);
     shape s = {E, k, D, F, 0, threads, strcmp(scheme, "nvfp4") == 0};
@@ -266,7 +165,7 @@ int bench_moe_ffn(int argc, char **argv) {
                mq_now() - t0);
 
     float *router = malloc(sizeof(float) * (size_t)(E * D));
-    for (int64_t i = 0; i < E * D; i++) router[i] = rnd_normal();
+    for (int64_t i = 0; i < E * D; i++) router[i] = bench_rnd_normal(&g_s);
     int64_t tmax = 0;
     for (int i = 0; i < ntok; i++) tmax = toks[i] > tmax ? toks[i] : tmax;
     /* inputs: a pool big enough that varied routing keeps changing experts */
@@ -280,7 +179,7 @@ int bench_moe_ffn(int argc, char **argv) {
         fprintf(stderr, "moeq bench moe-ffn: out of memory\n");
         return CLI_FAIL;
     }
-    for (int64_t i = 0; i < pool * tmax * D; i++) xs[i] = rnd_normal();
+    for (int64_t i = 0; i < pool * tmax * D; i++) xs[i] = bench_rnd_normal(&g_s);
     int64_t *nused = malloc(sizeof(int64_t) * (size_t)pool);
 
     result res[64];
@@ -290,19 +189,19 @@ int bench_moe_ffn(int argc, char **argv) {
     for (int ti = 0; ti < ntok; ti++) {
         const int64_t T = toks[ti];
         for (int64_t p = 0; p < pool; p++)
-            nused[p] = distinct_experts(&s, router, xs + p * T * D, T, used, logits);
+            nused[p] = bench_distinct_experts(s.E, s.k, s.D, router, xs + p * T * D, T, used, logits);
         for (int ri = 0; ri < 2; ri++) {
             if (strcmp(routing_s, "both") && strcmp(routing_s, routings[ri])) continue;
             const int varied = ri == 1;
             moeq_moe_ffn_args a;
             memset(&a, 0, sizeof a);
-            a.router = ref3(router, MOEQ_DT_F32, E, D, 0, 4);
+            a.router = bench_ref(router, MOEQ_DT_F32, 2, E, D, 0, 4);
             a.experts = w[0];
             a.top_k = (int32_t)k;
             a.scoring = MOEQ_MOE_SOFTMAX;
             a.renormalize = 1;
             a.route_scale = 1.0f;
-            a.x = ref3(xs, MOEQ_DT_F32, T, D, 0, 4);
+            a.x = bench_ref(xs, MOEQ_DT_F32, 2, T, D, 0, 4);
             if ((st = moeq_moe_ffn(&a, out, (size_t)(T * D)))) return cli_fail("bench moe-ffn", st);
             double bytes = 0, elapsed = 0, cpu0 = cpu_seconds();
             int64_t reps = 0;

@@ -251,6 +251,57 @@ bool cli_table_given(const cli_table_flag *t, int n, const char *key) {
     return f && f->seen;
 }
 
+bool cli_table_build(cli_table *tb, const char *cmd, const moeq_option_info *(*info)(int), const cli_own_flag *own,
+                     int n_own) {
+    int n = 0, n_opts = 0;
+    for (const moeq_option_info *x; n_own <= CLI_OWN_MAX; n++) {
+        x = n < CLI_TABLE_MAX ? info(n) : NULL;
+        for (int k = 0; k < n_own; k++)
+            if (x ? own[k].before && !strcmp(own[k].before, x->key) : !own[k].before) tb->opts[n_opts++] = own[k].opt;
+        if (!x) break;
+        tb->opts[n_opts++] = cli_table_opt(&tb->t[n], x);
+    }
+    if (n_own > CLI_OWN_MAX || info(n) || n_opts != n + n_own) {
+        fprintf(stderr, "moeq %s: error: the library's %d options (at most %d here) do not take the "
+                "command's %d own flags (%d placed)\n", cmd, n, CLI_TABLE_MAX, n_own, n_opts - n);
+        return false;
+    }
+    tb->n = n;
+    tb->n_opts = n_opts;
+    return true;
+}
+
+int cli_gen_options(const char *cmd, const cli_table_flag *t, int n, bool greedy, moeq_gen_options *o) {
+    moeq_gen_options_init(o);
+    for (int i = 0; i < n; i++)
+        if (t[i].seen && t[i].info->identity) {   /* sampling asked for: from temperature 1 */
+            if (greedy) return cli_usage_error(cmd, "--greedy cannot be combined with %s", t[i].name);
+            moeq_gen_options_set(o, "temp", "1");
+            break;
+        }
+    for (int i = 0; i < n; i++) {
+        char text[64];
+        const char *v = cli_table_value(&t[i], text, sizeof text);
+        if (t[i].seen && moeq_gen_options_set(o, t[i].info->key, v)) return cli_table_refused(cmd, &t[i], v, false);
+    }
+    return -1;
+}
+
+bool cli_buf_put(cli_buf *b, const char *s, size_t n) {
+    if (b->cap - b->n < n + 1) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap - b->n < n + 1) cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) return false;
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+    return true;
+}
+
 /* ---- progress bar ---------------------------------------------------------------------- */
 static struct {
     bool on;

@@ -72,6 +72,18 @@ const char *cli_checkpoint_dir(const char *cmd, const char *arg, const char *rev
  * NULL after printing the error. cli_is_gguf: a .gguf name or the GGUF magic. */
 const char *cli_gguf_model_dir(const char *cmd, const char *path);
 int cli_is_gguf(const char *path);
+/* The flags several commands share, with one help text. */
+#define CLI_THREADS_OPT(var)                                                                       \
+    {"--threads", OPT_INT, &(var), "N", "worker threads (default: every CPU it may use)", NULL, 0,   \
+     1024, NULL}
+#define CLI_DEQUANTIZE_OPT(var)                                                                    \
+    {"--dequantize", OPT_FLAG, &(var), NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL}
+#define CLI_JSON_OPT(var)                                                                          \
+    {"--json", OPT_FLAG, &(var), NULL, "print one JSON object on stdout", NULL, 0, -1, NULL}
+#define CLI_CTX_OPT(var, help) {"--ctx", OPT_INT, &(var), "N", help, NULL, 0, 1 << 24, NULL}
+#define CLI_TEMPLATE_OPT(var)                                                                      \
+    {"--template", OPT_STRING, &(var), "NAME", "a named chat template of the model (default: "      \
+     "\"default\", or the only one)", NULL, 0, 0, NULL}
 #define CLI_REVISION_OPT(var)                                                                      \
     {"--revision", OPT_STRING, &(var), "REV", "MODEL_DIR given as a hub id (org/name): the branch, " \
      "tag or commit of the local Hugging Face cache to use (default main)", NULL, 0, 0, NULL}
@@ -101,6 +113,32 @@ int cli_table_refused(const char *cmd, const cli_table_flag *f, const char *v, b
 const cli_table_flag *cli_table_find(const cli_table_flag *t, int n, const char *key);
 bool cli_table_given(const cli_table_flag *t, int n, const char *key);
 
+/* A command's flags: the rows of a library table (info(0), info(1), ... until NULL:
+ * moeq_quant_option_info, moeq_eval_option_info, moeq_gen_option_info) and the command's own
+ * flags, each own flag placed in --help before the row whose key is `before` (NULL: after the
+ * last row). t[0..n) are the rows as parsed, opts[0..n_opts) the cli_command's options. */
+typedef struct {
+    const char *before;
+    cli_opt opt;
+} cli_own_flag;
+enum { CLI_TABLE_MAX = 112, CLI_OWN_MAX = 24 };
+typedef struct {
+    cli_table_flag t[CLI_TABLE_MAX];
+    int n;
+    cli_opt opts[CLI_TABLE_MAX + CLI_OWN_MAX];
+    int n_opts;
+} cli_table;
+/* false after printing why when the table outgrows CLI_TABLE_MAX, there are more than CLI_OWN_MAX
+ * own flags, or a `before` names no row (a library this command does not know). */
+bool cli_table_build(cli_table *tb, const char *cmd, const moeq_option_info *(*info)(int), const cli_own_flag *own,
+                     int n_own);
+/* The generation flags given (t[0..n), the rows of moeq_gen_option_info) into o, after
+ * moeq_gen_options_init: greedy unless a flag that asks for sampling (the row's identity) was
+ * given, then from temperature 1, each given value through moeq_gen_options_set. A refused value,
+ * or greedy (--greedy) together with a sampling flag, is a usage error naming the flag: returns
+ * its exit code, else -1. */
+int cli_gen_options(const char *cmd, const cli_table_flag *t, int n, bool greedy, moeq_gen_options *o);
+
 /* Progress bar with ETA on stderr: enabled when stderr is a terminal and quiet is false. */
 void cli_progress_enable(bool quiet);
 void cli_progress_finish(void);
@@ -118,6 +156,14 @@ const char *cli_blas_kernels(void);
 bool cli_parse_size(const char *s, uint64_t *out);
 /* "2,4,8,16": up to max counts, each in [lo, hi], into out; the number read, or -1 if malformed. */
 int cli_parse_counts(const char *s, int *out, int max, int lo, int hi);
+
+/* A growing byte buffer, p[0..n) NUL-terminated after every put ({0}: empty; free(p)). */
+typedef struct {
+    char *p;
+    size_t n, cap;
+} cli_buf;
+/* Appends s[0..n); false when out of memory (b unchanged). */
+bool cli_buf_put(cli_buf *b, const char *s, size_t n);
 
 /* JSON-safe printing of a string (with quotes). */
 void cli_print_json_string(FILE *f, const char *s);

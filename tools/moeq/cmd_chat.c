@@ -10,7 +10,6 @@
  * token counts (prompt, reused from the cache, generated) go to stderr.
  */
 #include <errno.h>
-#include <math.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,46 +20,26 @@
 
 #define CMD "chat"
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
-
-static bool sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->cap - b->n < n + 1) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap - b->n < n + 1) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) return false;
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-    return true;
-}
-
 /* A JSON string of s[0..n). */
-static bool sb_json(sbuf *b, const char *s, size_t n) {
-    bool ok = sb_put(b, "\"", 1);
+static bool sb_json(cli_buf *b, const char *s, size_t n) {
+    bool ok = cli_buf_put(b, "\"", 1);
     for (size_t i = 0; i < n && ok; i++) {
         unsigned char c = (unsigned char)s[i];
         char t[8];
-        if (c == '"' || c == '\\') t[0] = '\\', t[1] = (char)c, ok = sb_put(b, t, 2);
-        else if (c == '\n') ok = sb_put(b, "\\n", 2);
-        else if (c == '\r') ok = sb_put(b, "\\r", 2);
-        else if (c == '\t') ok = sb_put(b, "\\t", 2);
-        else if (c < 0x20) ok = sb_put(b, t, (size_t)snprintf(t, sizeof t, "\\u%04x", c));
-        else ok = sb_put(b, (const char *)&s[i], 1);
+        if (c == '"' || c == '\\') t[0] = '\\', t[1] = (char)c, ok = cli_buf_put(b, t, 2);
+        else if (c == '\n') ok = cli_buf_put(b, "\\n", 2);
+        else if (c == '\r') ok = cli_buf_put(b, "\\r", 2);
+        else if (c == '\t') ok = cli_buf_put(b, "\\t", 2);
+        else if (c < 0x20) ok = cli_buf_put(b, t, (size_t)snprintf(t, sizeof t, "\\u%04x", c));
+        else ok = cli_buf_put(b, (const char *)&s[i], 1);
     }
-    return ok && sb_put(b, "\"", 1);
+    return ok && cli_buf_put(b, "\"", 1);
 }
 
-static bool add_message(sbuf *msgs, const char *role, const char *text, size_t n) {
-    if (msgs->n > 1 && !sb_put(msgs, ", ", 2)) return false;
-    return sb_put(msgs, "{\"role\": ", 9) && sb_json(msgs, role, strlen(role)) && sb_put(msgs, ", \"content\": ", 13) &&
-           sb_json(msgs, text, n) && sb_put(msgs, "}", 1);
+static bool add_message(cli_buf *msgs, const char *role, const char *text, size_t n) {
+    if (msgs->n > 1 && !cli_buf_put(msgs, ", ", 2)) return false;
+    return cli_buf_put(msgs, "{\"role\": ", 9) && sb_json(msgs, role, strlen(role)) && cli_buf_put(msgs, ", \"content\": ", 13) &&
+           sb_json(msgs, text, n) && cli_buf_put(msgs, "}", 1);
 }
 
 static volatile sig_atomic_t g_in_reply;
@@ -79,58 +58,38 @@ static int print_piece(void *user, const char *text, size_t len) {
 
 int cmd_chat(int argc, char **argv) {
     const char *system_msg = NULL, *revision = NULL, *kwargs = NULL, *template_name = NULL;
-    int64_t n_max = 0, ctx = 0, seed = 0, threads = 0, top_k = 0, repeat_last_n = 64;
-    double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0, frequency = 0.0;
-    bool temp_seen = false, top_p_seen = false, top_k_seen = false, min_p_seen = false, seed_seen = false,
-         dequantize = false;
-    const cli_opt opts[] = {
-        CLI_REVISION_OPT(revision),
-        {"--system", OPT_STRING, &system_msg, "TEXT", "a system message before the conversation", NULL, 0, 0, NULL},
-        {"-n", OPT_INT, &n_max, "N", "tokens per reply at most (default: up to the context's end)", NULL, 0, 1 << 24, NULL},
-        {"--ctx", OPT_INT, &ctx, "N", "the context in tokens, the whole conversation (default: the model's)", NULL, 0, 1 << 24, NULL},
-        {"--template", OPT_STRING, &template_name, "NAME", "a named chat template of the model (default: \"default\")", NULL, 0, 0, NULL},
-        {"--template-kwargs", OPT_STRING, &kwargs, "JSON", "more variables for the template, a JSON object "
-         "(e.g. '{\"enable_thinking\": false}')", NULL, 0, 0, NULL},
-        {"--temp", OPT_DOUBLE, &temp, "T", "sample with temperature T >= 0 (default: greedy unless a sampling option is given)", NULL, 0, 0, &temp_seen},
-        {"--top-k", OPT_INT, &top_k, "K", "sample from the K most likely tokens (0: all)", NULL, 0, INT32_MAX, &top_k_seen},
-        {"--top-p", OPT_DOUBLE, &top_p, "P", "nucleus sampling, 0 < P <= 1", NULL, 0, 0, &top_p_seen},
-        {"--min-p", OPT_DOUBLE, &min_p, "P", "drop tokens below P times the most likely one's", NULL, 0, 0, &min_p_seen},
-        {"--seed", OPT_INT, &seed, "S", "random seed (each reply starts from it)", NULL, 0, -1, &seed_seen},
-        {"--repeat-penalty", OPT_DOUBLE, &repeat_penalty, "R", "llama.cpp's repeat penalty (1: off)", NULL, 0, 0, NULL},
-        {"--repeat-last-n", OPT_INT, &repeat_last_n, "N", "the ids the penalties look at (-1: all)", NULL, -1, INT32_MAX, NULL},
-        {"--presence-penalty", OPT_DOUBLE, &presence, "P", "OpenAI's presence penalty", NULL, 0, 0, NULL},
-        {"--frequency-penalty", OPT_DOUBLE, &frequency, "F", "OpenAI's frequency penalty", NULL, 0, 0, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 0, 1024, NULL},
-        {"--dequantize", OPT_FLAG, &dequantize, NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL},
+    int64_t n_max = 0, ctx = 0, threads = 0;
+    bool dequantize = false;
+    /* the sampling options are the library's table (moeq_gen_option_info), as moeq generate's */
+    const cli_own_flag own[] = {
+        {"temp", CLI_REVISION_OPT(revision)},
+        {"temp", {"--system", OPT_STRING, &system_msg, "TEXT", "a system message before the conversation", NULL, 0, 0, NULL}},
+        {"temp", {"-n", OPT_INT, &n_max, "N", "tokens per reply at most (default: up to the context's end)", NULL, 0, 1 << 24, NULL}},
+        {"temp", CLI_CTX_OPT(ctx, "the context in tokens, the whole conversation (default: the model's)")},
+        {"temp", CLI_TEMPLATE_OPT(template_name)},
+        {"temp", {"--template-kwargs", OPT_STRING, &kwargs, "JSON", "more variables for the template, a JSON object "
+         "(e.g. '{\"enable_thinking\": false}')", NULL, 0, 0, NULL}},
+        {NULL, CLI_THREADS_OPT(threads)},
+        {NULL, CLI_DEQUANTIZE_OPT(dequantize)},
     };
+    static cli_table tb;
+    if (!cli_table_build(&tb, CMD, moeq_gen_option_info, own, (int)(sizeof own / sizeof own[0]))) return CLI_FAIL;
     const cli_command cmd = {
         CMD, "MODEL_DIR [--system TEXT] [-n N] [--temp T --top-p P ...]",
         "An interactive chat with the model, through its chat template (tokenizer_config.json,\n"
         "chat_template.jinja or the GGUF's). The conversation is kept; each turn reuses the KV\n"
         "cache of what the previous turns fed. Type /reset to start over, /exit or Ctrl-D to leave;\n"
         "Ctrl-C stops the current reply. When stdin is not a terminal, every line is a user message\n"
-        "and every reply is printed on one line of stdout (token counts per turn on stderr).",
-        opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
+        "and every reply is printed on one line of stdout (token counts per turn on stderr).\n"
+        "Each reply is greedy unless a sampling option is given, as in moeq generate.",
+        tb.opts, tb.n_opts, 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) return rc;
-    bool sample = temp_seen || top_p_seen || top_k_seen || min_p_seen || seed_seen;
-    moeq_gen_options go;
-    moeq_gen_options_init(&go);
+    moeq_gen_options go;   /* every option checked here, before anything loads */
+    if ((rc = cli_gen_options(CMD, tb.t, tb.n, false, &go)) >= 0) return rc;
     go.max_tokens = (int32_t)n_max;
-    go.sampling.temperature = sample ? temp : 0.0;
-    go.sampling.top_k = (int32_t)top_k;
-    go.sampling.top_p = top_p;
-    go.sampling.min_p = min_p;
-    go.sampling.repeat_penalty = repeat_penalty;
-    go.sampling.repeat_last_n = (int32_t)repeat_last_n;
-    go.sampling.presence_penalty = presence;
-    go.sampling.frequency_penalty = frequency;
-    go.sampling.seed = (uint64_t)seed;
-    moeq_sampler *probe = NULL;   /* every option checked before anything loads */
-    moeq_status st = moeq_sampler_create(&go.sampling, &probe);
-    moeq_sampler_free(probe);
-    if (st) return cli_usage_error(CMD, "%s", moeq_last_error());
+    moeq_status st;
     if (threads > 0) moeq_set_threads((int)threads);
 
     const char *dir = cli_model_dir(CMD, pos[0], revision);
@@ -139,7 +98,7 @@ int cmd_chat(int argc, char **argv) {
     moeq_model *m = NULL;
     moeq_chat_template *ct = NULL;
     moeq_gen *g = NULL;
-    sbuf msgs = {0}, line = {0};
+    cli_buf msgs = {0}, line = {0};
     char *prompt = NULL;
     int32_t *ids = NULL;
     int ret = CLI_OK;
@@ -165,7 +124,7 @@ int cmd_chat(int argc, char **argv) {
     if (tty)
         fprintf(stderr, "moeq chat: %s, a context of %d tokens. /reset starts over, /exit leaves, "
                         "Ctrl-C stops a reply.\n", pos[0], moeq_gen_n_ctx(g));
-    if (!sb_put(&msgs, "[", 1)) goto nomem;
+    if (!cli_buf_put(&msgs, "[", 1)) goto nomem;
     if (system_msg && !add_message(&msgs, "system", system_msg, strlen(system_msg))) goto nomem;
     size_t base = msgs.n;   /* the conversation before any turn */
     int turn = 0;
@@ -178,10 +137,10 @@ int cmd_chat(int argc, char **argv) {
         int c;
         while ((c = getchar()) != EOF && c != '\n') {
             char ch = (char)c;
-            if (!sb_put(&line, &ch, 1)) goto nomem;
+            if (!cli_buf_put(&line, &ch, 1)) goto nomem;
         }
         if (c == EOF && line.n == 0) break;
-        if (!line.p && !sb_put(&line, "", 0)) goto nomem;
+        if (!line.p && !cli_buf_put(&line, "", 0)) goto nomem;
         if (line.n && line.p[line.n - 1] == '\r') line.p[--line.n] = 0;
         if (!strcmp(line.p, "/exit") || !strcmp(line.p, "/quit")) break;
         if (!strcmp(line.p, "/reset")) {
@@ -192,7 +151,7 @@ int cmd_chat(int argc, char **argv) {
             continue;
         }
         size_t before = msgs.n;
-        if (!add_message(&msgs, "user", line.p, line.n) || !sb_put(&msgs, "]", 1)) goto nomem;
+        if (!add_message(&msgs, "user", line.p, line.n) || !cli_buf_put(&msgs, "]", 1)) goto nomem;
         size_t plen;
         free(prompt);
         prompt = NULL;

@@ -210,21 +210,14 @@ static void print_plan(FILE *f, const moeq_eval_result *r, bool has_base) {
             r->plan.flops / 1e12, r->plan.core_gflops, r->plan.eta_seconds);
 }
 
-/* The command's own flags (the model and how it is opened, the documents, what is printed),
- * each placed in --help before the library's row `before` (NULL: after the last). */
-typedef struct {
-    const char *before;
-    cli_opt opt;
-} own_flag;
-
-enum { MAX_FLAGS = 32, MAX_OWN = 16 };
-
 int cmd_eval(int argc, char **argv) {
     const char *data = NULL, *layout = NULL, *kl_base = NULL, *html = NULL, *act_quant = NULL;
     const char *revision = NULL, *stream = "auto";
     int64_t threads = 0;
     bool json = false, quiet = false, per_doc = false, dequantize = false;
-    const own_flag own[] = {
+    /* the command's own flags (the model and how it is opened, the documents, what is printed),
+     * each placed in --help before the library's row named first (NULL: after the last) */
+    const cli_own_flag own[] = {
         {"max-memory", {"--stream", OPT_CHOICE, &stream, NULL, "run layer by layer, one layer's weights in "
          "memory (auto, the default: when the models do not fit half of --max-memory whole)", "auto|on|off",
          0, 0, NULL}},
@@ -249,24 +242,10 @@ int cmd_eval(int argc, char **argv) {
          NULL}},
         {NULL, {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar", NULL, 0, 0, NULL}},
     };
-    const int n_own = (int)(sizeof own / sizeof own[0]);
-    _Static_assert(sizeof own / sizeof own[0] <= MAX_OWN, "raise MAX_OWN");
-    cli_table_flag t[MAX_FLAGS];
-    cli_opt opts[MAX_FLAGS + MAX_OWN];
-    int n = 0, n_opts = 0;
-    for (const moeq_option_info *x;; n++) {
-        x = n < MAX_FLAGS ? moeq_eval_option_info(n) : NULL;
-        for (int k = 0; k < n_own; k++)
-            if (x ? own[k].before && !strcmp(own[k].before, x->key) : !own[k].before)
-                opts[n_opts++] = own[k].opt;
-        if (!x) break;
-        opts[n_opts++] = cli_table_opt(&t[n], x);
-    }
-    if (moeq_eval_option_info(n) || n_opts != n + n_own) {   /* a library this command does not know */
-        fprintf(stderr, "moeq eval: error: the library's %d options (MAX_FLAGS %d) do not take the "
-                "command's own flags (%d of %d placed)\n", n, MAX_FLAGS, n_opts - n, n_own);
-        return CLI_FAIL;
-    }
+    static cli_table tb;
+    if (!cli_table_build(&tb, "eval", moeq_eval_option_info, own, (int)(sizeof own / sizeof own[0]))) return CLI_FAIL;
+    const cli_table_flag *t = tb.t;
+    const int n = tb.n;
     const cli_command cmd = {
         "eval",
         "MODEL_DIR --data FILE [--task wikitext|text] [options]",
@@ -291,8 +270,8 @@ int cmd_eval(int argc, char **argv) {
         "are the whole-model forward's, bit for bit. An interrupted streamed run continues with\n"
         "--resume. --dry-run prints the plan. MODEL_DIR may be a .gguf file: read in place (its\n"
         "blocks decoded to fp32 as each layer is loaded), streamed like any model too large.",
-        opts,
-        n_opts,
+        tb.opts,
+        tb.n_opts,
         1,
         1,
         "MODEL_DIR"};

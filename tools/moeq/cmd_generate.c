@@ -15,7 +15,6 @@
  * rows past it) print as nothing; --json lists every generated id.
  */
 #include <errno.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -64,36 +63,6 @@ static void json_ids(FILE *f, const char *key, const int32_t *ids, size_t n) {
     fputs("],\n", f);
 }
 
-/* The earliest occurrence at or after from of any stop string in t[0..n): its offset (and which
- * string in *which), or n + 1 when there is none. A match cannot start before the printed text
- * ends (stream_cut held back every tail that could begin one), hence from. */
-static size_t find_stop(const char *t, size_t n, size_t from, const cli_list *stops, int *which) {
-    for (size_t p = from; p < n; p++)
-        for (int k = 0; k < stops->n; k++) {
-            size_t m = strlen(stops->items[k]);
-            if (m <= n - p && memcmp(t + p, stops->items[k], m) == 0) {
-                *which = k;
-                return p;
-            }
-        }
-    return n + 1;
-}
-
-/* How much of t[0..n) may be printed now: all of it less the longest tail that is a proper
- * prefix of a stop string (the next tokens may complete it). */
-static size_t stream_cut(const char *t, size_t n, const cli_list *stops) {
-    size_t hold = 0;
-    for (int k = 0; k < stops->n; k++) {
-        size_t m = strlen(stops->items[k]);
-        for (size_t h = (m - 1 < n ? m - 1 : n); h > hold; h--)
-            if (memcmp(t + n - h, stops->items[k], h) == 0) {
-                hold = h;
-                break;
-            }
-    }
-    return n - hold;
-}
-
 /* Reports an error of the library with what it concerns first ("--prompt-file F: ..."). */
 static int fail_about(const char *what, moeq_status st) {
     const char *msg = moeq_last_error();
@@ -103,60 +72,39 @@ static int fail_about(const char *what, moeq_status st) {
 
 int cmd_generate(int argc, char **argv) {
     const char *prompt_arg = NULL, *prompt_file = NULL, *messages_file = NULL;
-    int64_t n_new = -1, seed = 0, threads = 0, top_k = 0, repeat_last_n = 64;
-    double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0, frequency = 0.0;
+    int64_t n_new = -1, threads = 0;
     const char *act_quant = NULL, *pack_cache = NULL;
     cli_list stops = {NULL, 0};
-    bool greedy = false, ignore_eos = false, no_bos = false, temp_seen = false, top_p_seen = false,
-         top_k_seen = false, min_p_seen = false, seed_seen = false, dequantize = false, json = false;
+    bool greedy = false, no_bos = false, dequantize = false, json = false;
     const char *revision = NULL;
-    const cli_opt opts[] = {
-        CLI_REVISION_OPT(revision),
-        {"--prompt", OPT_STRING, &prompt_arg, "P", "the prompt text; '-' reads it from stdin (as does "
-         "no prompt at all when stdin is not a terminal)", NULL, 0, 0, NULL},
-        {"--prompt-file", OPT_STRING, &prompt_file, "FILE", "read the prompt from FILE (one trailing "
-         "newline dropped, as llama.cpp's -f; also for stdin)", NULL, 0, 0, NULL},
-        {"--messages", OPT_STRING, &messages_file, "FILE", "a JSON list of chat messages ({\"role\", "
+    /* the sampling options are the library's table (moeq_gen_option_info), placed before --stop */
+    const cli_own_flag own[] = {
+        {"temp", CLI_REVISION_OPT(revision)},
+        {"temp", {"--prompt", OPT_STRING, &prompt_arg, "P", "the prompt text; '-' reads it from stdin (as does "
+         "no prompt at all when stdin is not a terminal)", NULL, 0, 0, NULL}},
+        {"temp", {"--prompt-file", OPT_STRING, &prompt_file, "FILE", "read the prompt from FILE (one trailing "
+         "newline dropped, as llama.cpp's -f; also for stdin)", NULL, 0, 0, NULL}},
+        {"temp", {"--messages", OPT_STRING, &messages_file, "FILE", "a JSON list of chat messages ({\"role\", "
          "\"content\"}) rendered with the model's chat template and add_generation_prompt (no BOS "
-         "added: the template writes it); stdout gets the reply only", NULL, 0, 0, NULL},
-        {"-n", OPT_INT, &n_new, "N", "number of tokens to generate", NULL, 0, 1 << 24, NULL},
-        {"--greedy", OPT_FLAG, &greedy, NULL, "always take the most likely token, ties to the lower "
-         "id (the default when no sampling option is given; the same as --temp 0)", NULL, 0, 0, NULL},
-        {"--temp", OPT_DOUBLE, &temp, "T", "sample with temperature T >= 0 (0: greedy; default 1 once "
-         "any sampling option is given)", NULL, 0, 0, &temp_seen},
-        {"--top-k", OPT_INT, &top_k, "K", "sample from the K most likely tokens (0: all, the default)",
-         NULL, 0, INT32_MAX, &top_k_seen},
-        {"--top-p", OPT_DOUBLE, &top_p, "P", "sample from the smallest set of most likely tokens with "
-         "probability >= P (0 < P <= 1, default 1)", NULL, 0, 0, &top_p_seen},
-        {"--min-p", OPT_DOUBLE, &min_p, "P", "sample from the tokens with probability >= P times the "
-         "most likely one's (0 <= P <= 1, default 0)", NULL, 0, 0, &min_p_seen},
-        {"--seed", OPT_INT, &seed, "S", "random seed for sampling (default 0): the same seed and "
-         "options give the same text on any thread count", NULL, 0, -1, &seed_seen},
-        {"--repeat-penalty", OPT_DOUBLE, &repeat_penalty, "R", "divide the positive logits of the "
-         "tokens in the last --repeat-last-n ids by R, multiply the others (llama.cpp, CTRL; "
-         "default 1: off)", NULL, 0, 0, NULL},
-        {"--repeat-last-n", OPT_INT, &repeat_last_n, "N", "the ids the penalties look at: the last N "
-         "of prompt and output (default 64; -1: all, 0: none)", NULL, -1, INT32_MAX, NULL},
-        {"--presence-penalty", OPT_DOUBLE, &presence, "P", "subtract P from the logit of each token "
-         "in that window (OpenAI; default 0)", NULL, 0, 0, NULL},
-        {"--frequency-penalty", OPT_DOUBLE, &frequency, "F", "subtract F times its count in that "
-         "window from each token's logit (OpenAI; default 0)", NULL, 0, 0, NULL},
-        {"--stop", OPT_LIST, &stops, "S", "stop when the generated text contains S, printing it up to "
-         "S (repeatable)", NULL, 0, 0, NULL},
-        {"--json", OPT_FLAG, &json, NULL, "print one JSON object at the end instead of streaming: "
-         "prompt, text, prompt_ids, ids (every generated id), finish_reason, speeds", NULL, 0, 0, NULL},
-        {"--ignore-eos", OPT_FLAG, &ignore_eos, NULL, "do not stop at the end-of-sequence token",
-         NULL, 0, 0, NULL},
-        {"--no-bos", OPT_FLAG, &no_bos, NULL, "do not put the BOS token before the prompt", NULL, 0,
-         0, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 0, 1024,
-         NULL},
-        {"--dequantize", OPT_FLAG, &dequantize, NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL},
-        {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0", 0, 0, NULL},
-        {"--pack-cache", OPT_STRING, &pack_cache, "DIR", "folder of the packed-layout cache that the "
+         "added: the template writes it); stdout gets the reply only", NULL, 0, 0, NULL}},
+        {"temp", {"-n", OPT_INT, &n_new, "N", "number of tokens to generate", NULL, 0, 1 << 24, NULL}},
+        {"temp", {"--greedy", OPT_FLAG, &greedy, NULL, "always take the most likely token, ties to the lower "
+         "id (the default when no sampling option is given; the same as --temp 0)", NULL, 0, 0, NULL}},
+        {NULL, {"--stop", OPT_LIST, &stops, "S", "stop when the generated text contains S, printing it up to "
+         "S (repeatable)", NULL, 0, 0, NULL}},
+        {NULL, {"--json", OPT_FLAG, &json, NULL, "print one JSON object at the end instead of streaming: "
+         "prompt, text, prompt_ids, ids (every generated id), finish_reason, speeds", NULL, 0, 0, NULL}},
+        {NULL, {"--no-bos", OPT_FLAG, &no_bos, NULL, "do not put the BOS token before the prompt", NULL, 0,
+         0, NULL}},
+        {NULL, CLI_THREADS_OPT(threads)},
+        {NULL, CLI_DEQUANTIZE_OPT(dequantize)},
+        {NULL, {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0", 0, 0, NULL}},
+        {NULL, {"--pack-cache", OPT_STRING, &pack_cache, "DIR", "folder of the packed-layout cache that the "
          "next run maps instead of repacking ('off': none; default: beside the model when its folder "
-         "is writable, else $XDG_CACHE_HOME/moeq)", NULL, 0, 0, NULL},
+         "is writable, else $XDG_CACHE_HOME/moeq)", NULL, 0, 0, NULL}},
     };
+    static cli_table tb;
+    if (!cli_table_build(&tb, CMD, moeq_gen_option_info, own, (int)(sizeof own / sizeof own[0]))) return CLI_FAIL;
     const cli_command cmd = {
         CMD, "MODEL_DIR (--prompt P | --prompt-file F | < stdin) -n N [--greedy | --temp T --top-k K "
         "--top-p P --min-p P --seed S] [--repeat-penalty R ...] [--stop S ...] [--json]",
@@ -172,7 +120,7 @@ int cmd_generate(int argc, char **argv) {
         "softmax(logits / T) over what is left (include/moeq.h, \"Sampling\", has the exact rules).\n"
         "Ids past the tokenizer's vocabulary (models pad their embeddings) print as nothing;\n"
         "--json lists them with the others.",
-        opts, (int)(sizeof opts / sizeof opts[0]), 1, 1, "MODEL_DIR"};
+        tb.opts, tb.n_opts, 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     if (rc >= 0) {
@@ -181,46 +129,22 @@ int cmd_generate(int argc, char **argv) {
     }
     /* Usage checks first, each naming its flag, before anything is read or loaded. */
     const char *bad = NULL;
-    char msg[160];
-    bool sample = temp_seen || top_p_seen || top_k_seen || min_p_seen || seed_seen;
     if (prompt_arg && prompt_file) bad = "--prompt and --prompt-file cannot be combined (give one)";
     else if (messages_file && (prompt_arg || prompt_file)) bad = "--messages cannot be combined with --prompt or --prompt-file";
     else if (n_new < 0) bad = "-n is required";
-    else if (greedy && sample)
-        bad = "--greedy cannot be combined with --temp/--top-k/--top-p/--min-p/--seed";
-    else if (!(temp >= 0 && isfinite(temp)))
-        snprintf(msg, sizeof msg, "--temp must be a finite number >= 0 (0: greedy), got %g", temp), bad = msg;
-    else if (!(top_p > 0 && top_p <= 1))
-        snprintf(msg, sizeof msg, "--top-p must be in (0, 1], got %g", top_p), bad = msg;
-    else if (!(min_p >= 0 && min_p <= 1))
-        snprintf(msg, sizeof msg, "--min-p must be in [0, 1], got %g", min_p), bad = msg;
-    else if (!(repeat_penalty > 0 && isfinite(repeat_penalty)))
-        snprintf(msg, sizeof msg, "--repeat-penalty must be a finite number > 0 (1: off), got %g",
-                 repeat_penalty), bad = msg;
-    else if (!isfinite(presence))
-        snprintf(msg, sizeof msg, "--presence-penalty must be finite, got %g", presence), bad = msg;
-    else if (!isfinite(frequency))
-        snprintf(msg, sizeof msg, "--frequency-penalty must be finite, got %g", frequency), bad = msg;
     for (int k = 0; !bad && k < stops.n; k++)
         if (!stops.items[k][0]) bad = "--stop needs a non-empty string";
-    if (bad) {
+    moeq_gen_options go;   /* the sampling flags, each checked by the library's setter */
+    if (bad) rc = cli_usage_error(CMD, "%s", bad);
+    else rc = cli_gen_options(CMD, tb.t, tb.n, greedy, &go);
+    if (rc >= 0) {
         free(stops.items);
-        return cli_usage_error(CMD, "%s", bad);
+        return rc;
     }
-    moeq_sampler_options so;
-    moeq_sampler_options_init(&so);
-    so.temperature = sample ? temp : 0.0;
-    so.top_k = (int32_t)top_k;
-    so.top_p = top_p;
-    so.min_p = min_p;
-    so.repeat_penalty = repeat_penalty;
-    so.repeat_last_n = (int32_t)repeat_last_n;
-    so.presence_penalty = presence;
-    so.frequency_penalty = frequency;
-    so.seed = (uint64_t)seed;
+    const bool ignore_eos = go.ignore_eos;
     moeq_sampler *smp = NULL;
-    moeq_status st = moeq_sampler_create(&so, &smp);
-    if (st) {   /* the checks above cover every option: this would be a missing one */
+    moeq_status st = moeq_sampler_create(&go.sampling, &smp);
+    if (st) {   /* the setter checked every option: this would be a missing one */
         free(stops.items);
         return cli_usage_error(CMD, "%s", moeq_last_error());
     }
@@ -365,7 +289,7 @@ int cmd_generate(int argc, char **argv) {
     double t_prefill = now_s() - t0, t_decode = 0;
     size_t n_gen = 0, n_text_ids = 0, printed = 0, text_len = 0, cut = 0;
     const char *finish = "length";
-    int stop_which = -1;
+    int32_t stop_which = -1;
     cli_install_sigint();
     while (!st && (int64_t)n_gen < n_new) {
         int32_t next;
@@ -383,16 +307,15 @@ int cmd_generate(int argc, char **argv) {
         text = NULL;
         st = moeq_tokenizer_decode_ex(tok, gen, n_gen, MOEQ_DECODE_SKIP_UNKNOWN, &text, &text_len);
         if (st) break;
-        /* What is certain so far: the text less a trailing U+FFFD that more bytes may complete. */
-        size_t sure = text_len;
-        if (sure >= 3 && !memcmp(text + sure - 3, "\xef\xbf\xbd", 3)) sure -= 3;
-        size_t at = find_stop(text, text_len, printed, &stops, &stop_which);
+        /* A stop string cannot start before the printed text ends (what might begin one was held
+         * back), hence the search from there. */
+        size_t at = moeq_gen_find_stop(text, text_len, printed, stops.items, stops.n, &stop_which);
         if (at <= text_len) {
             cut = at;
             finish = "stop";
             break;
         }
-        cut = stream_cut(text, sure, &stops);
+        cut = moeq_gen_certain(text, text_len, stops.items, stops.n);
         if (!json && cut > printed) {
             fwrite(text + printed, 1, cut - printed, stdout);
             fflush(stdout);

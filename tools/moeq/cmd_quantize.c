@@ -79,8 +79,6 @@ static void print_plan(const char *model, const moeq_quant_plan *p) {
     }
 }
 
-enum { MAX_FLAGS = 96 };
-
 /* Hands a given flag to the library: its value as text, read by the same code a binding's value
  * is; the usage error names the flag. */
 static int table_apply(const cli_table_flag *f, moeq_quant_options *o) {
@@ -198,28 +196,22 @@ static void print_gptq(const moeq_quant_result *r, const moeq_quant_options *o, 
 }
 
 int cmd_quantize(int argc, char **argv) {
-    cli_table_flag t[MAX_FLAGS];
     const char *out = NULL, *revision = NULL;
     bool quiet = false;
     int64_t threads = 0;
-    cli_opt opts[MAX_FLAGS + 4];
-    int n = 0, n_opts = 0;
-    opts[n_opts++] = (cli_opt){"--out", OPT_STRING, &out, "OUT_DIR", "output checkpoint directory (required)",
-                               NULL, 0, 0, NULL};
-    for (const moeq_option_info *x; n < MAX_FLAGS && (x = moeq_quant_option_info(n)); n++) {
-        /* the command's own flags keep their places in --help */
-        if (!strcmp(x->key, "scale-search")) opts[n_opts++] = (cli_opt)CLI_REVISION_OPT(revision);
-        opts[n_opts++] = cli_table_opt(&t[n], x);
-        if (!strcmp(x->key, "mpi-timeout"))
-            opts[n_opts++] = (cli_opt){"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary",
-                                       NULL, 0, 0, NULL};
-    }
-    opts[n_opts++] = (cli_opt){"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)",
-                               NULL, 1, 1024, NULL};
-    if (moeq_quant_option_info(n)) {   /* a library with more options than this table holds */
-        fprintf(stderr, "moeq quantize: error: the library has more than %d options: raise MAX_FLAGS\n", MAX_FLAGS);
+    /* the command's own flags keep their places in --help */
+    const cli_own_flag own[] = {
+        {"scheme", {"--out", OPT_STRING, &out, "OUT_DIR", "output checkpoint directory (required)", NULL, 0, 0, NULL}},
+        {"scale-search", CLI_REVISION_OPT(revision)},
+        {"nsamples", {"--quiet", OPT_FLAG, &quiet, NULL, "no progress bar and no summary", NULL, 0, 0, NULL}},
+        {NULL, {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 1, 1024,
+                NULL}},
+    };
+    static cli_table tb;
+    if (!cli_table_build(&tb, "quantize", moeq_quant_option_info, own, (int)(sizeof own / sizeof own[0])))
         return CLI_FAIL;
-    }
+    cli_table_flag *t = tb.t;
+    const int n = tb.n;
     const cli_command cmd = {
         "quantize", "MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4|q3_k..q6_k|q3_k_m|q4_k_m|q5_k_m [options]",
         "Quantizes every decoder Linear (attention, dense and expert MLPs) by round to nearest or\n"
@@ -231,7 +223,7 @@ int cmd_quantize(int argc, char **argv) {
         "q/k/v, by gate/up and by each expert's gate/up, as vLLM requires.\n"
         "The checkpoint is assembled in OUT_DIR.moeq-work and renamed to OUT_DIR when complete;\n"
         "an interrupted run (Ctrl-C, a crash, a kill) continues with the same command and --resume.",
-        opts, n_opts, 1, 1, "MODEL_DIR"};
+        tb.opts, tb.n_opts, 1, 1, "MODEL_DIR"};
     const char *pos[1];
     int n_pos, rc = cli_parse(&cmd, argc, argv, pos, &n_pos);
     const cli_table_flag *ignore = cli_table_find(t, n, "ignore");

@@ -70,27 +70,6 @@ static void on_stop(int sig) {
 }
 
 /* ---- small helpers ---------------------------------------------------------------------- */
-typedef struct {
-    char *p;
-    size_t n, cap;
-    bool too_big;
-} body_t;
-
-static bool buf_put(body_t *b, const char *s, size_t n) {
-    if (b->cap - b->n < n + 1) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap - b->n < n + 1) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) return false;
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-    return true;
-}
-
 static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, char *text, const char *type) {
     if (!text) return MHD_NO;
     struct MHD_Response *r = MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
@@ -191,14 +170,15 @@ static bool stopping(void) {
 
 /* ---- one request ------------------------------------------------------------------------- */
 typedef struct {
-    body_t body;
+    cli_buf body;
+    bool too_big;   /* the body passed MAX_BODY: answered 413 */
 } conn_state;
 
 /* A streamed run: the worker thread writes events, the response's reader hands them to MHD. */
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    body_t out;        /* events not yet sent */
+    cli_buf out;       /* events not yet sent */
     size_t sent;
     bool done, cancelled;
     int refs;          /* the worker and the response */
@@ -230,8 +210,8 @@ static bool stream_event(stream_t *st, char *json) {
     pthread_mutex_lock(&st->mu);
     bool ok = !st->cancelled;
     if (ok) {
-        ok = buf_put(&st->out, "data: ", 6) && buf_put(&st->out, json ? json : "[DONE]", json ? strlen(json) : 6) &&
-             buf_put(&st->out, "\n\n", 2);
+        ok = cli_buf_put(&st->out, "data: ", 6) && cli_buf_put(&st->out, json ? json : "[DONE]", json ? strlen(json) : 6) &&
+             cli_buf_put(&st->out, "\n\n", 2);
         pthread_cond_broadcast(&st->cv);
     }
     pthread_mutex_unlock(&st->mu);
@@ -323,7 +303,7 @@ static int plain_piece(void *user, const char *text, size_t len) {
     return stopping() || peer_gone(p->fd);
 }
 
-static enum MHD_Result completion(struct MHD_Connection *c, const char *path, int chat, const body_t *body) {
+static enum MHD_Result completion(struct MHD_Connection *c, const char *path, int chat, const cli_buf *body) {
     moeq_openai_request req;
     moeq_status s = moeq_openai_parse(body->p ? body->p : "", body->n, chat, g_srv.ct, &req);
     if (s) {
@@ -456,8 +436,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return MHD_YES;
     }
     if (*upload_size) {
-        if (!cs->body.too_big && (cs->body.n + *upload_size > MAX_BODY || !buf_put(&cs->body, upload, *upload_size)))
-            cs->body.too_big = true;
+        if (!cs->too_big && (cs->body.n + *upload_size > MAX_BODY || !cli_buf_put(&cs->body, upload, *upload_size)))
+            cs->too_big = true;
         *upload_size = 0;
         return MHD_YES;
     }
@@ -465,7 +445,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     int chat = !strcmp(url, "/v1/chat/completions");
     if (chat || !strcmp(url, "/v1/completions")) {
         if (!post) return send_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "use POST", "invalid_request_error", NULL, "POST");
-        if (cs->body.too_big)
+        if (cs->too_big)
             return send_error(c, 413, "the request body is over 16 MiB", "invalid_request_error", NULL, NULL);
         return completion(c, url, chat, &cs->body);
     }
@@ -512,11 +492,11 @@ int cmd_serve(int argc, char **argv) {
         {"--host", OPT_STRING, &host, "H", "the IPv4 address to listen on (default 127.0.0.1; 0.0.0.0: every one)", NULL, 0, 0, NULL},
         {"--parallel", OPT_INT, &parallel, "N", "requests generated at once, each on its own session (default 1)", NULL, 1, 256, NULL},
         {"--queue", OPT_INT, &queue, "N", "requests that may wait for a slot; more are answered 503 (default 4 x --parallel)", NULL, 0, 4096, NULL},
-        {"--ctx", OPT_INT, &ctx, "N", "each slot's context in tokens (default: the model's)", NULL, 0, 1 << 24, NULL},
+        CLI_CTX_OPT(ctx, "each slot's context in tokens (default: the model's)"),
         {"--alias", OPT_STRING, &alias, "NAME", "the model's name in responses and /v1/models (default: MODEL_DIR's last part)", NULL, 0, 0, NULL},
-        {"--template", OPT_STRING, &template_name, "NAME", "a named chat template of the model", NULL, 0, 0, NULL},
-        {"--threads", OPT_INT, &threads, "N", "worker threads (default: every CPU it may use)", NULL, 0, 1024, NULL},
-        {"--dequantize", OPT_FLAG, &dequantize, NULL, CLI_HELP_DEQUANTIZE, NULL, 0, 0, NULL},
+        CLI_TEMPLATE_OPT(template_name),
+        CLI_THREADS_OPT(threads),
+        CLI_DEQUANTIZE_OPT(dequantize),
     };
     const cli_command cmd = {
         CMD, "MODEL_DIR --port P [--host H] [--parallel N] [--queue N] [--ctx N]",

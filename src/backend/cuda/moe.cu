@@ -384,16 +384,9 @@ template <bool NV, int B>
 moeq_status run_exact(mq_gpu_moe *m, int64_t T) {
     Ws &w = m->ws;
     const int64_t P = rows_of(m, T), tiles = P / EXACT_BM + std::min<int64_t>(m->n_mats, P) + 1;
-    ExactArgs a;
-    a.mats = m->d_mats;
-    a.tiles = w.tiles;
-    a.n_tiles = w.n_tiles;
-    a.q = w.xq;
-    a.qs = w.xs;
-    a.ldq = m->D;
-    a.perm = w.perm;
-    a.out = w.midf;
-    a.ldo = m->Fmax;
+    ExactArgs a, b;
+    exact_args(m->d_mats, m->n_mats, w.tiles, w.n_tiles, w.perm, w.xq, w.xs, m->D, w.midf, w.midq, w.mids, m->Fmax,
+               w.y, &a, &b);
     k_exact<NV, true, B><<<tile_grid((m->Fmax + 63) / 64, tiles), 256, 0, m->s>>>(a);
     moeq_status st = CU_LAUNCHED("k_exact (gate_up)");
     if (st) return st;
@@ -401,14 +394,7 @@ moeq_status run_exact(mq_gpu_moe *m, int64_t T) {
     k_quant_rows<<<(unsigned)std::min<int64_t>((nq + 255) / 256, 65536), 256, 0, m->s>>>(
         w.midf, P, m->Fmax, m->Fmax, B, w.midq, w.mids, m->Fmax);
     if ((st = CU_LAUNCHED("k_quant_rows"))) return st;
-    a.mats = m->d_mats + m->n_mats;
-    a.q = w.midq;
-    a.qs = w.mids;
-    a.ldq = m->Fmax;
-    a.perm = nullptr;
-    a.out = w.y;
-    a.ldo = m->D;
-    k_exact<NV, false, B><<<tile_grid((m->D + 63) / 64, tiles), 256, 0, m->s>>>(a);
+    k_exact<NV, false, B><<<tile_grid((m->D + 63) / 64, tiles), 256, 0, m->s>>>(b);
     return CU_LAUNCHED("k_exact (down)");
 }
 
@@ -434,22 +420,7 @@ moeq_status forward_dev(mq_gpu_moe *m, const float *xd, int64_t T, int math, flo
         const int64_t P = rows_of(m, T), bm = cfg_bm(cfg);
         const int64_t tiles = P / bm + std::min<int64_t>(m->n_mats, P) + 1;
         GemmArgs gu, dn;
-        memset(&gu, 0, sizeof gu);
-        gu.mats = m->d_mats;
-        gu.tiles = w.tiles;
-        gu.n_tiles = w.n_tiles;
-        gu.act = w.xb;
-        gu.lda = m->D64;
-        gu.perm = w.perm;
-        gu.mid = w.mid;
-        gu.ldm = m->F64m;
-        dn = gu;
-        dn.mats = m->d_mats + m->n_mats;
-        dn.act = w.mid;
-        dn.lda = m->F64m;
-        dn.perm = nullptr;
-        dn.y = w.y;
-        dn.ldy = m->D;
+        gemm_args(m->d_mats, m->n_mats, w.tiles, w.n_tiles, w.perm, w.xb, m->D64, w.mid, m->F64m, w.y, m->D, &gu, &dn);
         const int64_t gu_strips = 2 * (int64_t)std::max(m->F, m->Fs) / 16, dn_strips = m->D / 16;
         st = m->nv ? run_gemms_cfg<true>(m, cfg, gu, dn, gu_strips, dn_strips, tiles)
                    : run_gemms_cfg<false>(m, cfg, gu, dn, gu_strips, dn_strips, tiles);
@@ -482,6 +453,16 @@ extern "C" size_t mq_gpu_moe_bytes(const mq_gpu_moe *m) { return m ? m->resident
 
 extern "C" void mq_gpu_moe_force_tiles(mq_gpu_moe *m, int shape) {
     if (m) m->force_cfg = shape >= 0 && shape < 4 ? shape : -1;
+}
+
+/* The router's settings of the op's arguments (both uploads). */
+static void take_routing(mq_gpu_moe *m, const moeq_moe_ffn_args *r) {
+    m->k = r->top_k;
+    m->scoring = r->scoring == MOEQ_MOE_SIGMOID;
+    m->renorm = r->renormalize;
+    m->route_scale = r->route_scale;
+    m->n_group = r->n_group > 1 ? r->n_group : 0;
+    m->topk_group = r->n_group > 1 ? r->topk_group : 0;
 }
 
 extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
@@ -530,13 +511,7 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
                 return st;
         }
     }
-    bool s32 = false;
-    if (!nv) {
-        s32 = !all_bf16_exact((const float *)d->gate_up.scales.data, E * 2 * F * (D / G)) ||
-              !all_bf16_exact((const float *)d->down.scales.data, E * D * (F / G)) ||
-              (Fs > 0 && (!all_bf16_exact((const float *)d->shared_gate_up.scales.data, 2 * Fs * (D / G)) ||
-                          !all_bf16_exact((const float *)d->shared_down.scales.data, D * (Fs / G))));
-    }
+    const bool s32 = needs_s32(d, nv, E, D, F, Fs, G);
 
     mq_gpu_moe *m = new (std::nothrow) mq_gpu_moe();
     if (!m) return mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -555,12 +530,7 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
     m->D64 = (int)((D + 63) & ~63);
     m->Fmax = (int)std::max(F, Fs);
     m->F64m = (m->Fmax + 63) & ~63;
-    m->k = r->top_k;
-    m->scoring = r->scoring == MOEQ_MOE_SIGMOID;
-    m->renorm = r->renormalize;
-    m->route_scale = r->route_scale;
-    m->n_group = r->n_group > 1 ? r->n_group : 0;
-    m->topk_group = r->n_group > 1 ? r->topk_group : 0;
+    take_routing(m, r);
     m->has_sgate = r->shared_gate.data != NULL;
     m->E1 = (int)E + m->has_sgate;
 
@@ -581,39 +551,18 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
         if (!st) st = CU(cudaMemcpyAsync(m->bias, r->router_bias.data, (size_t)E * 4, cudaMemcpyHostToDevice, m->s));
     }
     /* the blob: codes, scales, zero points, exact scales of every matrix */
-    std::vector<Geom> geo((size_t)nm * 2);
-    for (int64_t i = 0; i < nm; i++) {
-        const int64_t f = i == E ? Fs : F;
-        geo[i] = geom_of(nv, (int)G, (int)(2 * f), (int)D, (int)f, m->asym, s32);
-        geo[nm + i] = geom_of(nv, (int)G, (int)D, (int)f, 0, m->asym, s32);
-    }
-    /* part by part (all codes, then all scales, ...), so that the routed experts' codes follow
-     * each other (pack_codes writes them as one array) */
-    std::vector<size_t> at(geo.size() * 4);
-    size_t total = 0;
-    for (int j = 0; j < 4; j++)
-        for (size_t i = 0; i < geo.size(); i++) {
-            const size_t part = j == 0 ? geo[i].codes : j == 1 ? geo[i].scales : j == 2 ? geo[i].offs : geo[i].s32;
-            at[i * 4 + j] = total;
-            total += align256(part);
-            m->resident += part;
-        }
+    std::vector<Geom> geo;
+    std::vector<size_t> at;
+    size_t parts = 0;
+    const size_t total = layer_layout(nv, (int)G, nm, E, D, F, Fs, m->asym, s32, geo, at, &parts);
+    m->resident += parts;
     if (!st) st = mq_cu_alloc((void **)&m->blob, total, "MoE experts on the GPU");
     m->blob_bytes = total;
     if (!st) {
         m->h_mats.resize(geo.size());
         for (size_t i = 0; i < geo.size(); i++) {
             MoeMat &M = m->h_mats[i];
-            memset(&M, 0, sizeof M);
-            M.codes = (const uint4 *)(m->blob + at[i * 4]);
-            M.scales = m->blob + at[i * 4 + 1];
-            M.offs = m->asym ? m->blob + at[i * 4 + 2] : nullptr;
-            M.s32 = s32 ? (const float *)(m->blob + at[i * 4 + 3]) : nullptr;
-            M.N = geo[i].N;
-            M.K = geo[i].K;
-            M.K64 = geo[i].K64;
-            M.G = (int)G;
-            M.ngs = geo[i].ngs;
+            mat_at(M, m->blob, at, geo[i], i, (int)G, m->asym, s32);
             const int64_t e = (int64_t)i % nm;
             const bool gu = (int64_t)i < nm;
             const float gs2[2] = {gu ? ggu[2 * e] : gdn[e], gu ? ggu[2 * e + 1] : gdn[e]};
@@ -633,19 +582,8 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
     std::vector<uint8_t> sc, of;
     std::vector<float> sv;
     for (size_t i = 0; i < geo.size() && !st; i++) {
-        const bool gu = (int64_t)i < (int64_t)nm;
-        const int64_t e = (int64_t)i % nm;
-        const bool sh = e == E;
-        const moeq_moe_qweight *w = gu ? (sh ? &d->shared_gate_up : &d->gate_up) : (sh ? &d->shared_down : &d->down);
         const Geom &q = geo[i];
-        const size_t per = (size_t)q.N * (size_t)(q.K / G) * (nv ? 1 : 4);
-        const uint8_t *ssrc = (const uint8_t *)w->scales.data + (sh ? 0 : per * (size_t)e);
-        const uint8_t *zsrc = NULL;
-        if (zp) {
-            const moeq_tensor_ref *z = gu ? (sh ? &zp->shared_gate_up : &zp->gate_up) : (sh ? &zp->shared_down : &zp->down);
-            zsrc = (const uint8_t *)z->data + (sh ? 0 : (size_t)q.N * (size_t)(q.K / G) * (size_t)e);
-        }
-        build_scales(q, nv, (int)G, ssrc, zsrc, sc, of, sv);
+        build_scales_of(d, zp, q, i, nm, E, nv, (int)G, sc, of, sv);
         st = CU(cudaMemcpy(m->blob + at[i * 4 + 1], sc.data(), q.scales, cudaMemcpyHostToDevice));
         if (!st && q.offs) st = CU(cudaMemcpy(m->blob + at[i * 4 + 2], of.data(), q.offs, cudaMemcpyHostToDevice));
         if (!st && q.s32) st = CU(cudaMemcpy(m->blob + at[i * 4 + 3], sv.data(), q.s32, cudaMemcpyHostToDevice));
@@ -657,6 +595,31 @@ extern "C" moeq_status mq_gpu_moe_upload(mq_gpu *g, const moeq_moe_experts_desc 
     }
     *out = m;
     return MOEQ_OK;
+}
+
+/* The op's input and output where the caller's pointers are host memory: x staged into the
+ * workspace (xd), the result computed into it (od) and copied back by io_out. */
+struct MoeIo {
+    const float *xd;
+    float *od;
+    bool xdev, odev;
+};
+
+static moeq_status io_in(mq_gpu_moe *m, const float *x, int64_t T, float *out, MoeIo *io) {
+    io->xdev = is_device_ptr(x);
+    io->odev = is_device_ptr(out);
+    io->xd = io->xdev ? x : m->ws.xd;
+    io->od = io->odev ? out : m->ws.outd;
+    if (io->xdev) return MOEQ_OK;
+    return CU(cudaMemcpyAsync(m->ws.xd, x, (size_t)(T * m->D) * 4, cudaMemcpyHostToDevice, m->s));
+}
+
+/* After the forward (its status st): the result to host memory, then the stream synchronized
+ * when a host buffer was involved (or always: `sync`). */
+static moeq_status io_out(mq_gpu_moe *m, moeq_status st, const MoeIo &io, float *out, int64_t T, bool sync) {
+    if (!st && !io.odev) st = CU(cudaMemcpyAsync(out, io.od, (size_t)(T * m->D) * 4, cudaMemcpyDeviceToHost, m->s));
+    if (!st && (sync || !io.odev || !io.xdev)) st = CU(cudaStreamSynchronize(m->s));
+    return st;
 }
 
 extern "C" moeq_status mq_gpu_moe_ffn(mq_gpu_moe *m, const float *x, int64_t T, int math, float *out) {
@@ -671,19 +634,12 @@ extern "C" moeq_status mq_gpu_moe_ffn(mq_gpu_moe *m, const float *x, int64_t T, 
     if (!st) st = ensure_ws(m, T);
     if (!st && math == MQ_GPU_MOE_FP32) st = ensure_exact(m, T);
     if (st) return st;
-    const bool xdev = is_device_ptr(x), odev = is_device_ptr(out);
-    const float *xd = x;
-    if (!xdev) {
-        st = CU(cudaMemcpyAsync(m->ws.xd, x, (size_t)(T * m->D) * 4, cudaMemcpyHostToDevice, m->s));
-        xd = m->ws.xd;
-    }
-    float *od = odev ? out : m->ws.outd;
+    MoeIo io;
+    st = io_in(m, x, T, out, &io);
     if (!st && m->dense && math != MQ_GPU_MOE_BF16)
         st = mq_err(MOEQ_E_UNSUPPORTED, "moe_ffn_cuda: a layer of dense (bf16) experts runs in bf16 only");
-    if (!st) st = m->dense ? forward_baseline(m, xd, T, od) : forward_dev(m, xd, T, math, od);
-    if (!st && !odev) st = CU(cudaMemcpyAsync(out, od, (size_t)(T * m->D) * 4, cudaMemcpyDeviceToHost, m->s));
-    if (!st && (!odev || !xdev)) st = CU(cudaStreamSynchronize(m->s));
-    return st;
+    if (!st) st = m->dense ? forward_baseline(m, io.xd, T, io.od) : forward_dev(m, io.xd, T, math, io.od);
+    return io_out(m, st, io, out, T, false);
 }
 
 extern "C" moeq_status mq_gpu_moe_last_routing(mq_gpu_moe *m, int32_t *sel, float *wt, float *gshared) {
@@ -876,17 +832,10 @@ extern "C" moeq_status mq_gpu_moe_ffn_baseline(mq_gpu_moe *m, const float *x, in
     moeq_status st = set_dev(m);
     if (!st) st = ensure_ws(m, T);
     if (st) return st;
-    const bool xdev = is_device_ptr(x), odev = is_device_ptr(out);
-    const float *xd = x;
-    if (!xdev) {
-        st = CU(cudaMemcpyAsync(m->ws.xd, x, (size_t)(T * m->D) * 4, cudaMemcpyHostToDevice, m->s));
-        xd = m->ws.xd;
-    }
-    float *od = odev ? out : m->ws.outd;
-    if (!st) st = forward_baseline(m, xd, T, od);
-    if (!st && !odev) st = CU(cudaMemcpyAsync(out, od, (size_t)(T * m->D) * 4, cudaMemcpyDeviceToHost, m->s));
-    if (!st) st = CU(cudaStreamSynchronize(m->s));
-    return st;
+    MoeIo io;
+    st = io_in(m, x, T, out, &io);
+    if (!st) st = forward_baseline(m, io.xd, T, io.od);
+    return io_out(m, st, io, out, T, true);
 }
 
 /* ---- timing (bench) --------------------------------------------------------------------------- */
@@ -1074,12 +1023,7 @@ extern "C" moeq_status mq_gpu_moe_upload_dense(mq_gpu *g, int64_t E, int64_t D, 
     m->D64 = (int)((D + 63) & ~63);
     m->Fmax = (int)F;
     m->F64m = (m->Fmax + 63) & ~63;
-    m->k = r->top_k;
-    m->scoring = r->scoring == MOEQ_MOE_SIGMOID;
-    m->renorm = r->renormalize;
-    m->route_scale = r->route_scale;
-    m->n_group = r->n_group > 1 ? r->n_group : 0;
-    m->topk_group = r->n_group > 1 ? r->topk_group : 0;
+    take_routing(m, r);
     m->has_sgate = 0;
     m->E1 = (int)E;
     m->h_mats.resize((size_t)(2 * E));

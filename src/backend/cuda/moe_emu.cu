@@ -309,40 +309,16 @@ moeq_status emu_build(const moeq_moe_experts_desc *d, const moeq_moe_zero_points
     L.F64m = (L.Fmax + 63) & ~63;
     L.D64 = (int)((D + 63) & ~63);
     const int64_t nm = L.nm;
-    bool s32 = false;
-    if (!nv)
-        s32 = !all_bf16_exact((const float *)d->gate_up.scales.data, E * 2 * F * (D / G)) ||
-              !all_bf16_exact((const float *)d->down.scales.data, E * D * (F / G)) ||
-              (Fs > 0 && (!all_bf16_exact((const float *)d->shared_gate_up.scales.data, 2 * Fs * (D / G)) ||
-                          !all_bf16_exact((const float *)d->shared_down.scales.data, D * (Fs / G))));
-    std::vector<Geom> geo((size_t)nm * 2);
-    for (int64_t i = 0; i < nm; i++) {
-        const int64_t f = i == E ? Fs : F;
-        geo[i] = geom_of(nv, (int)G, (int)(2 * f), (int)D, (int)f, zp != NULL, s32);
-        geo[nm + i] = geom_of(nv, (int)G, (int)D, (int)f, 0, zp != NULL, s32);
-    }
-    std::vector<size_t> at(geo.size() * 4);
-    size_t total = 0;
-    for (int j = 0; j < 4; j++)
-        for (size_t i = 0; i < geo.size(); i++) {
-            const size_t part = j == 0 ? geo[i].codes : j == 1 ? geo[i].scales : j == 2 ? geo[i].offs : geo[i].s32;
-            at[i * 4 + j] = total;
-            total += align256(part);
-        }
+    const bool s32 = needs_s32(d, nv, E, D, F, Fs, G);
+    std::vector<Geom> geo;
+    std::vector<size_t> at;
+    size_t parts = 0;
+    const size_t total = layer_layout(nv, (int)G, nm, E, D, F, Fs, zp != NULL, s32, geo, at, &parts);
     uint8_t *blob = halloc<uint8_t>(L.keep, total);
     L.mats.resize(geo.size());
     for (size_t i = 0; i < geo.size(); i++) {
         MoeMat &M = L.mats[i];
-        memset(&M, 0, sizeof M);
-        M.codes = (const uint4 *)(blob + at[i * 4]);
-        M.scales = blob + at[i * 4 + 1];
-        M.offs = zp ? blob + at[i * 4 + 2] : nullptr;
-        M.s32 = s32 ? (const float *)(blob + at[i * 4 + 3]) : nullptr;
-        M.N = geo[i].N;
-        M.K = geo[i].K;
-        M.K64 = geo[i].K64;
-        M.G = (int)G;
-        M.ngs = geo[i].ngs;
+        mat_at(M, blob, at, geo[i], i, (int)G, zp != NULL, s32);
         const int64_t e = (int64_t)i % nm;
         const bool gu = (int64_t)i < nm;
         float gs2[2] = {1.0f, 1.0f};
@@ -374,19 +350,8 @@ moeq_status emu_build(const moeq_moe_experts_desc *d, const moeq_moe_zero_points
     std::vector<uint8_t> sc, of;
     std::vector<float> sv;
     for (size_t i = 0; i < geo.size(); i++) {
-        const bool gu = (int64_t)i < nm;
-        const int64_t e = (int64_t)i % nm;
-        const bool sh = e == E;
-        const moeq_moe_qweight *w = gu ? (sh ? &d->shared_gate_up : &d->gate_up) : (sh ? &d->shared_down : &d->down);
         const Geom &q = geo[i];
-        const size_t per = (size_t)q.N * (size_t)(q.K / G) * (nv ? 1 : 4);
-        const uint8_t *ssrc = (const uint8_t *)w->scales.data + (sh ? 0 : per * (size_t)e);
-        const uint8_t *zsrc = NULL;
-        if (zp) {
-            const moeq_tensor_ref *z = gu ? (sh ? &zp->shared_gate_up : &zp->gate_up) : (sh ? &zp->shared_down : &zp->down);
-            zsrc = (const uint8_t *)z->data + (sh ? 0 : (size_t)q.N * (size_t)(q.K / G) * (size_t)e);
-        }
-        build_scales(q, nv, (int)G, ssrc, zsrc, sc, of, sv);
+        build_scales_of(d, zp, q, i, nm, E, nv, (int)G, sc, of, sv);
         memcpy(blob + at[i * 4 + 1], sc.data(), q.scales);
         if (q.offs) memcpy(blob + at[i * 4 + 2], of.data(), q.offs);
         if (q.s32) memcpy(blob + at[i * 4 + 3], sv.data(), q.s32);
@@ -428,27 +393,11 @@ template <bool NV, int B>
 void emu_exact(const EmuLayer &L, const MoeMat *mats, const Tile *tiles_p, const int32_t *n_tiles, const int16_t *xq,
                const float *xs, const int32_t *perm, float *midf, int16_t *midq, float *mids, float *y, int64_t P,
                int64_t tiles) {
-    ExactArgs a;
-    a.mats = mats;
-    a.tiles = tiles_p;
-    a.n_tiles = n_tiles;
-    a.q = xq;
-    a.qs = xs;
-    a.ldq = L.D;
-    a.perm = perm;
-    a.out = midf;
-    a.ldo = L.Fmax;
+    ExactArgs a, b;
+    exact_args(mats, L.nm, tiles_p, n_tiles, perm, xq, xs, L.D, midf, midq, mids, L.Fmax, y, &a, &b);
     mqm_emu::launch(tile_grid((L.Fmax + 63) / 64, tiles), dim3(256, 1, 1), 0, [&] { k_exact<NV, true, B>(a); });
     mqm_emu::launch(dim3(2, 1, 1), dim3(256, 1, 1), 0,
                     [&] { k_quant_rows(midf, P, L.Fmax, L.Fmax, B, midq, mids, L.Fmax); });
-    ExactArgs b = a;
-    b.mats = mats + L.nm;
-    b.q = midq;
-    b.qs = mids;
-    b.ldq = L.Fmax;
-    b.perm = nullptr;
-    b.out = y;
-    b.ldo = L.D;
     mqm_emu::launch(tile_grid((L.D + 63) / 64, tiles), dim3(256, 1, 1), 0, [&] { k_exact<NV, false, B>(b); });
 }
 
@@ -536,22 +485,7 @@ extern "C" moeq_status mq_gpu_moe_emulate(const moeq_moe_experts_desc *d, const 
     } else {
         const int64_t tiles_b = P / bm + std::min<int64_t>(L.nm, P) + 1;
         GemmArgs gu, dn;
-        memset(&gu, 0, sizeof gu);
-        gu.mats = mats;
-        gu.tiles = tl;
-        gu.n_tiles = n_tiles;
-        gu.act = xb;
-        gu.lda = L.D64;
-        gu.perm = perm;
-        gu.mid = mid;
-        gu.ldm = L.F64m;
-        dn = gu;
-        dn.mats = mats + L.nm;
-        dn.act = mid;
-        dn.lda = L.F64m;
-        dn.perm = nullptr;
-        dn.y = y;
-        dn.ldy = L.D;
+        gemm_args(mats, L.nm, tl, n_tiles, perm, xb, L.D64, mid, L.F64m, y, L.D, &gu, &dn);
         const int64_t gs = 2 * (int64_t)std::max(L.F, L.Fs) / 16, ds = L.D / 16;
         if (L.nv) emu_gemms_cfg<true>(cfg, gu, dn, gs, ds, tiles_b);
         else emu_gemms_cfg<false>(cfg, gu, dn, gs, ds, tiles_b);

@@ -114,6 +114,126 @@ inline bool all_bf16_exact(const float *s, int64_t n) {
     return true;
 }
 
+/* INT4 scales the bf16 layout cannot hold exactly: then every matrix also gets fp32 scales. */
+inline bool needs_s32(const moeq_moe_experts_desc *d, int nv, int64_t E, int64_t D, int64_t F, int64_t Fs, int64_t G) {
+    if (nv) return false;
+    return !all_bf16_exact((const float *)d->gate_up.scales.data, E * 2 * F * (D / G)) ||
+           !all_bf16_exact((const float *)d->down.scales.data, E * D * (F / G)) ||
+           (Fs > 0 && (!all_bf16_exact((const float *)d->shared_gate_up.scales.data, 2 * Fs * (D / G)) ||
+                       !all_bf16_exact((const float *)d->shared_down.scales.data, D * (Fs / G))));
+}
+
+/* A layer's matrices, geo: the nm gate_up ones (index E: the shared expert's, Fs wide), then the
+ * nm down ones; and their one blob, part by part (all codes, then all scales, ...) so that the
+ * routed experts' codes follow each other (pack_codes writes them as one array): part j of
+ * matrix i at at[i * 4 + j], each 256-byte aligned. Returns the blob's size; *parts: the parts'
+ * bytes without the alignment. */
+inline size_t layer_layout(int nv, int G, int64_t nm, int64_t E, int64_t D, int64_t F, int64_t Fs, bool asym,
+                           bool s32, std::vector<Geom> &geo, std::vector<size_t> &at, size_t *parts) {
+    geo.assign((size_t)nm * 2, Geom());
+    for (int64_t i = 0; i < nm; i++) {
+        const int64_t f = i == E ? Fs : F;
+        geo[i] = geom_of(nv, G, (int)(2 * f), (int)D, (int)f, asym, s32);
+        geo[nm + i] = geom_of(nv, G, (int)D, (int)f, 0, asym, s32);
+    }
+    at.assign(geo.size() * 4, 0);
+    size_t total = 0;
+    *parts = 0;
+    for (int j = 0; j < 4; j++)
+        for (size_t i = 0; i < geo.size(); i++) {
+            const size_t part = j == 0 ? geo[i].codes : j == 1 ? geo[i].scales : j == 2 ? geo[i].offs : geo[i].s32;
+            at[i * 4 + j] = total;
+            total += align256(part);
+            *parts += part;
+        }
+    return total;
+}
+
+/* Matrix i's entry of the kernels' table (zeroed first; the factors are the caller's): its parts
+ * in the blob at layer_layout's offsets, and its shape. */
+inline void mat_at(MoeMat &M, const uint8_t *blob, const std::vector<size_t> &at, const Geom &q, size_t i, int G,
+                   bool asym, bool s32) {
+    memset(&M, 0, sizeof M);
+    M.codes = (const uint4 *)(blob + at[i * 4]);
+    M.scales = blob + at[i * 4 + 1];
+    M.offs = asym ? blob + at[i * 4 + 2] : nullptr;
+    M.s32 = s32 ? (const float *)(blob + at[i * 4 + 3]) : nullptr;
+    M.N = q.N;
+    M.K = q.K;
+    M.K64 = q.K64;
+    M.G = G;
+    M.ngs = q.ngs;
+}
+
+/* The bf16 path's two grouped GEMMs: gate_up reads the activation rows xb (row stride D64)
+ * through perm and writes the SwiGLU rows mid (F64m); down reads mid and writes y (D). mats: the
+ * nm gate_up matrices, then the nm down ones. */
+inline void gemm_args(const MoeMat *mats, int nm, const Tile *tiles, const int32_t *n_tiles, const int32_t *perm,
+                      const bf16 *xb, int64_t D64, bf16 *mid, int64_t F64m, float *y, int64_t D, GemmArgs *gu,
+                      GemmArgs *dn) {
+    memset(gu, 0, sizeof *gu);
+    gu->mats = mats;
+    gu->tiles = tiles;
+    gu->n_tiles = n_tiles;
+    gu->act = xb;
+    gu->lda = D64;
+    gu->perm = perm;
+    gu->mid = mid;
+    gu->ldm = F64m;
+    *dn = *gu;
+    dn->mats = mats + nm;
+    dn->act = mid;
+    dn->lda = F64m;
+    dn->perm = nullptr;
+    dn->y = y;
+    dn->ldy = D;
+}
+
+/* The exact path's two: gate_up reads the activation integers xq and their scales xs (row
+ * stride D) through perm and writes the fp32 SwiGLU rows midf (Fmax); down reads them
+ * requantized (midq, mids) and writes y (D). */
+inline void exact_args(const MoeMat *mats, int nm, const Tile *tiles, const int32_t *n_tiles, const int32_t *perm,
+                       const int16_t *xq, const float *xs, int64_t D, float *midf, const int16_t *midq,
+                       const float *mids, int64_t Fmax, float *y, ExactArgs *gu, ExactArgs *dn) {
+    gu->mats = mats;
+    gu->tiles = tiles;
+    gu->n_tiles = n_tiles;
+    gu->q = xq;
+    gu->qs = xs;
+    gu->ldq = D;
+    gu->perm = perm;
+    gu->out = midf;
+    gu->ldo = Fmax;
+    *dn = *gu;
+    dn->mats = mats + nm;
+    dn->q = midq;
+    dn->qs = mids;
+    dn->ldq = Fmax;
+    dn->perm = nullptr;
+    dn->out = y;
+    dn->ldo = D;
+}
+
+/* build_scales of matrix i of a layer's list (geo: the nm gate_up matrices, then the nm down
+ * ones; index E of each half is the shared expert's), from the descriptor's scales and zero
+ * points (zp may be NULL). */
+inline void build_scales_of(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp, const Geom &q,
+                            size_t i, int64_t nm, int64_t E, int nv, int G, std::vector<uint8_t> &sc,
+                            std::vector<uint8_t> &of, std::vector<float> &sv) {
+    const bool gu = (int64_t)i < nm;
+    const int64_t e = (int64_t)i % nm;
+    const bool sh = e == E;
+    const moeq_moe_qweight *w = gu ? (sh ? &d->shared_gate_up : &d->gate_up) : (sh ? &d->shared_down : &d->down);
+    const size_t per = (size_t)q.N * (size_t)(q.K / G) * (nv ? 1 : 4);
+    const uint8_t *ssrc = (const uint8_t *)w->scales.data + (sh ? 0 : per * (size_t)e);
+    const uint8_t *zsrc = NULL;
+    if (zp) {
+        const moeq_tensor_ref *z = gu ? (sh ? &zp->shared_gate_up : &zp->gate_up) : (sh ? &zp->shared_down : &zp->down);
+        zsrc = (const uint8_t *)z->data + (sh ? 0 : (size_t)q.N * (size_t)(q.K / G) * (size_t)e);
+    }
+    build_scales(q, nv, G, ssrc, zsrc, sc, of, sv);
+}
+
 /* Index of expert e's (h = 0 gate, 1 up) global scale in gate_up.global_scale (e < 0: shared). */
 inline int64_t gs_index(const moeq_tensor_ref *g, int64_t e, int h) {
     const bool pairs = g->data && g->shape[g->ndim - 1] == 2 && (g->ndim == 2 || e < 0);

@@ -108,6 +108,25 @@ __device__ __forceinline__ int dt_at(int t16, int u) {
     return u < H ? t16 * H + u : TILE / 2 + t16 * H + u - H;
 }
 
+/* A thread's 8 values of A and of B in slab row (ra, rb) of a 128-wide tile, as float4 reads:
+ * the columns ty*4.. and 64 + ty*4.. of A's row, tx*4.. and 64 + tx*4.. of B's (dt_at<128>). */
+__device__ __forceinline__ void dt_frag128(const float *ra, const float *rb, int tx, int ty, float (&a)[8],
+                                           float (&b)[8]) {
+    const float4 a0 = *(const float4 *)&ra[ty * 4], a1 = *(const float4 *)&ra[64 + ty * 4];
+    const float4 b0 = *(const float4 *)&rb[tx * 4], b1 = *(const float4 *)&rb[64 + tx * 4];
+    a[0] = a0.x, a[1] = a0.y, a[2] = a0.z, a[3] = a0.w, a[4] = a1.x, a[5] = a1.y, a[6] = a1.z, a[7] = a1.w;
+    b[0] = b0.x, b[1] = b0.y, b[2] = b0.z, b[3] = b0.w, b[4] = b1.x, b[5] = b1.y, b[6] = b1.z, b[7] = b1.w;
+}
+
+/* One k of a thread's R x R chains: acc[u][v] = fmaf(a[u], b[v], acc[u][v]). */
+template <int R>
+__device__ __forceinline__ void dt_outer(float (&acc)[R][R], const float (&a)[R], const float (&b)[R]) {
+#pragma unroll
+    for (int u = 0; u < R; u++)
+#pragma unroll
+        for (int v = 0; v < R; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
+}
+
 /* NT: C = A B^T (lda = K for both). SYRK: C (ldc = M = N) += X^T X, X [K, lda]. A CTA computes a
  * TILE x TILE block of C, R x R outputs a thread (R = TILE/16). */
 template <bool SYRK, int TILE>
@@ -143,12 +162,7 @@ __global__ void __launch_bounds__(DT_THREADS, 2) k_det(int64_t M, int64_t N, int
         auto step = [&](int kk) {
             float a[R], b[R];
             if constexpr (TILE == 128) {   /* float4 reads */
-                const float4 a0 = *(const float4 *)&as[buf][kk][ty * 4], a1 = *(const float4 *)&as[buf][kk][64 + ty * 4];
-                const float4 b0 = *(const float4 *)&bs[buf][kk][tx * 4], b1 = *(const float4 *)&bs[buf][kk][64 + tx * 4];
-                const float a8[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                const float b8[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-                for (int u = 0; u < R; u++) a[u] = a8[u], b[u] = b8[u];
+                dt_frag128(as[buf][kk], bs[buf][kk], tx, ty, a, b);
             } else {
 #pragma unroll
                 for (int u = 0; u < R; u++) {
@@ -156,10 +170,7 @@ __global__ void __launch_bounds__(DT_THREADS, 2) k_det(int64_t M, int64_t N, int
                     b[u] = bs[buf][kk][dt_at<TILE>(tx, u)];
                 }
             }
-#pragma unroll
-            for (int u = 0; u < R; u++)
-#pragma unroll
-                for (int v = 0; v < R; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
+            dt_outer<R>(acc, a, b);
         };
         if (nk == DT_BK) {   /* a whole slab, unrolled: shared-memory offsets become constants */
 #pragma unroll
@@ -224,14 +235,9 @@ static __global__ void __launch_bounds__(DT_THREADS, 2) k_det_nt128(int64_t M, i
         }
 #pragma unroll
         for (int kk = 0; kk < DT_BK; kk++) {
-            const float4 a0 = *(const float4 *)&as[buf][kk][ty * 4], a1 = *(const float4 *)&as[buf][kk][64 + ty * 4];
-            const float4 b0 = *(const float4 *)&bs[buf][kk][tx * 4], b1 = *(const float4 *)&bs[buf][kk][64 + tx * 4];
-            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-            for (int u = 0; u < R; u++)
-#pragma unroll
-                for (int v = 0; v < R; v++) acc[u][v] = fmaf(a[u], b[v], acc[u][v]);
+            float a[R], b[R];
+            dt_frag128(as[buf][kk], bs[buf][kk], tx, ty, a, b);
+            dt_outer<R>(acc, a, b);
         }
         if (more) {
             store(buf ^ 1);

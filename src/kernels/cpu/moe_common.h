@@ -1,11 +1,16 @@
 /*
  * What the MoE op's SIMD twins (x86/moe_avx2.c, x86/moe_avx512_body.h, arm/moe_neon_body.h)
- * share besides their instructions: the walk of a GEMM call over blocks of activation rows, tile
- * pairs and micro-tiles; where a tile's software prefetch reads; and the rows' activation planes.
- * Free of any instruction set, so each twin includes it under its own flags.
+ * and the scalar reference (ref/moe_ref.c) share besides their instructions: the walk of a GEMM
+ * call over blocks of activation rows, tile pairs and micro-tiles; a tile's view of its pair and
+ * blocks; where its software prefetch reads; the rows' activation planes; and where quant_act
+ * writes a row and what it writes for a block it cannot scale. Free of any instruction set, so
+ * each twin includes it under its own flags.
  */
 #ifndef MOEQ_KERNELS_CPU_MOE_COMMON_H
 #define MOEQ_KERNELS_CPU_MOE_COMMON_H
+
+#include <math.h>
+#include <string.h>
 
 #include "kernels/moe_ffn.h"
 
@@ -70,6 +75,47 @@ static inline moe_qact_dst moe_qact_at(const mq_qact *A, int64_t row, int64_t co
     return (moe_qact_dst){A->q + row * A->ld + col0, split ? A->q2 + row * A->ld + col0 : NULL,
                           A->scale + row * (A->ld / B) + col0 / B,
                           A->corr + row * (A->ld / B) + col0 / B, split ? 32512.0f : 127.0f};
+}
+
+/* quant_act's blocks without a scale: one holding a NaN (nan) or an infinity, whose products a
+ * NaN scale poisons, and one whose largest magnitude m is below 2^-100 (scale 0). Their codes and
+ * correction are 0. Returns whether block b is one of them (then written). */
+static inline int moe_qact_unscaled(const moe_qact_dst *d, int64_t b, int32_t B, float m, int nan) {
+    const int bad = nan || m == INFINITY;
+    if (!bad && m >= 0x1p-100f) return 0;
+    memset(d->q + b * B, 0, (size_t)B);
+    if (d->q2) memset(d->q2 + b * B, 0, (size_t)B);
+    d->sc[b] = bad ? NAN : 0.0f;
+    d->cr[b] = 0;
+    return 1;
+}
+
+/* How a tile walks a row block: activation blocks of B columns (NVFP4 16: one E4M3 scale each;
+ * INT4 32) in CH chunks of 8 columns, nb of them per row, bpg per weight group; the weights'
+ * scale storage and sign, and the activation scales' row stride lds. */
+typedef struct {
+    int B, CH, bpg, stype, neg;
+    int64_t nb, lds;
+} moe_blocks;
+static inline __attribute__((always_inline)) moe_blocks moe_blocks_of(const mq_pmat *W, const mq_qact *A,
+                                                                      int nvfp4) {
+    const int B = nvfp4 ? 16 : 32;
+    return (moe_blocks){B, B / 8, nvfp4 ? 1 : W->group / B, W->stype, W->neg_scales, W->cols / B,
+                        A->ld / B};
+}
+
+/* The x86 twins' view of tile pair `pair`: its two row blocks and their scales, and where and by
+ * how much per chunk its software prefetch moves (moe_prefetch_at; NULL: none). */
+typedef struct {
+    const uint8_t *rb0, *rb1, *s0, *s1, *pf;
+    size_t pf_step;
+} moe_pair;
+static inline __attribute__((always_inline)) moe_pair moe_pair_at(const mq_pmat *W, int64_t pair,
+                                                                  const uint8_t *next, size_t ahead) {
+    const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes, *rb1 = rb0 + W->rb_bytes;
+    const size_t nch = (size_t)(W->cols / 8);
+    return (moe_pair){rb0, rb1, rb0 + (size_t)W->cols * 4, rb1 + (size_t)W->cols * 4,
+                      moe_prefetch_at(W, pair, rb0, next, ahead), (2 * W->rb_bytes + nch - 1) / nch};
 }
 
 /* mq_moe_kernels' gemm over the twin's micro-tiles fns[nt - 1] of up to ntmax rows: blocks of 64

@@ -65,15 +65,8 @@ static void quant_act_neon(const float *x, int64_t n, const mq_qact *A, int64_t 
             ordered = vandq_u32(ordered, vceqq_f32(a, a));   /* clear in a NaN lane */
             amax = vmaxq_f32(amax, a);
         }
-        float m = vmaxvq_f32(amax);
-        int bad = vminvq_u32(ordered) == 0 || m == INFINITY;
-        if (bad || !(m >= 0x1p-100f)) {
-            memset(d.q + b * B, 0, (size_t)B);
-            if (split) memset(d.q2 + b * B, 0, (size_t)B);
-            d.sc[b] = bad ? NAN : 0.0f;
-            d.cr[b] = 0;
-            continue;
-        }
+        const float m = vmaxvq_f32(amax);
+        if (moe_qact_unscaled(&d, b, B, m, vminvq_u32(ordered) == 0)) continue;
         const float32x4_t inv = vdupq_n_f32(d.qmax / m);
         int32x4_t sum = vdupq_n_s32(0);
         for (int j = 0; j < nv; j += 2) {   /* 8 columns per step */
@@ -135,6 +128,20 @@ INLINE int8x16_t bcast4(const int8_t *p) {
     return vreinterpretq_s8_s32(vdupq_n_s32(v));
 }
 
+#if !MQ_NEON_DOT
+/* A chunk of 8 columns of both row blocks of a pair (their weights l0, h0 and l1, h1, decoded)
+ * times an activation row's 8 codes at xq (two broadcast quads), added to its int16 sums a[0..3]
+ * (rows 0-1, 2-3, 4-5, 6-7): lane j of a row pair's vector is row 2k + j / 4, column j % 4 (+ 4). */
+INLINE void mlal_chunk(int16x8_t a[4], int8x16_t l0, int8x16_t h0, int8x16_t l1, int8x16_t h1,
+                       const int8_t *xq) {
+    const int8x16_t q0 = bcast4(xq), q1 = bcast4(xq + 4);
+    a[0] = vmlal_s8(vmlal_s8(a[0], vget_low_s8(l0), vget_low_s8(q0)), vget_low_s8(h0), vget_low_s8(q1));
+    a[1] = vmlal_high_s8(vmlal_high_s8(a[1], l0, q0), h0, q1);
+    a[2] = vmlal_s8(vmlal_s8(a[2], vget_low_s8(l1), vget_low_s8(q0)), vget_low_s8(h1), vget_low_s8(q1));
+    a[3] = vmlal_high_s8(vmlal_high_s8(a[3], l1, q0), h1, q1);
+}
+#endif
+
 /* ---- GEMM micro-tile -------------------------------------------------------------------------- */
 /* Row block rb (half h of its pair) x nt activation rows: y[t][0..7] = the 8 row results of
  * activation row t (acc * mul[h] / div[h]). pf: where to prefetch this row block's share of the
@@ -142,14 +149,11 @@ INLINE int8x16_t bcast4(const int8_t *p) {
 INLINE void rb_tile(const mq_pmat *W, const uint8_t *rb, int h, const mq_qact *A,
                     const int64_t *arow, float *const *y, const uint8_t *pf, size_t pf_step,
                     const int nt, const int nvfp4, const int split) {
-    const int B = nvfp4 ? 16 : 32, CH = B / 8;
-    const int64_t nb = W->cols / B, lds = A->ld / B;
+    const moe_blocks k = moe_blocks_of(W, A, nvfp4);
     const uint8_t *s = rb + (size_t)W->cols * 4;
-    const int bpg = nvfp4 ? 1 : W->group / B;   /* activation blocks per weight group */
-    const int stype = W->stype, neg = W->neg_scales;
     const int8_t *aq[MQ_MOE_NT], *aq2[MQ_MOE_NT];
     const float *as[MQ_MOE_NT];
-    moe_act_rows(A, arow, nt, split, lds, aq, aq2, as, NULL);
+    moe_act_rows(A, arow, nt, split, k.lds, aq, aq2, as, NULL);
     const uint8x16_t m4 = vdupq_n_u8(0x0f);
     const int8x16_t lut = vld1q_s8(nvfp4 ? k_w_nvfp4 : k_w_int4);
     float32x4_t f[MQ_MOE_NT][2];
@@ -158,8 +162,8 @@ INLINE void rb_tile(const mq_pmat *W, const uint8_t *rb, int h, const mq_qact *A
     float32x4_t sw[2];
     int64_t g = 0;
     int in_group = 0;
-    if (!nvfp4) int4_scales(s, 0, stype, sw);
-    for (int64_t b = 0; b < nb; b++) {
+    if (!nvfp4) int4_scales(s, 0, k.stype, sw);
+    for (int64_t b = 0; b < k.nb; b++) {
 #if MQ_NEON_DOT
         int32x4_t acc[MQ_MOE_NT][2], acc2[MQ_MOE_NT][2];   /* rows 0-3, 4-7 */
 #pragma GCC unroll 4
@@ -176,52 +180,36 @@ INLINE void rb_tile(const mq_pmat *W, const uint8_t *rb, int h, const mq_qact *A
         }
 #endif
 #pragma GCC unroll 4
-        for (int c = 0; c < CH; c++) {
-            const size_t off = (size_t)(b * CH + c) * 32;
-            if (pf) __builtin_prefetch(pf + (size_t)(b * CH + c) * pf_step, 0, 2);
+        for (int c = 0; c < k.CH; c++) {
+            const size_t off = (size_t)(b * k.CH + c) * 32;
+            if (pf) __builtin_prefetch(pf + (size_t)(b * k.CH + c) * pf_step, 0, 2);
             uint8x16_t v0 = vld1q_u8(rb + off), v1 = vld1q_u8(rb + off + 16);
             int8x16_t l0 = vqtbl1q_s8(lut, vandq_u8(v0, m4)), h0 = vqtbl1q_s8(lut, vshrq_n_u8(v0, 4));
             int8x16_t l1 = vqtbl1q_s8(lut, vandq_u8(v1, m4)), h1 = vqtbl1q_s8(lut, vshrq_n_u8(v1, 4));
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
-                const int8_t *xq = aq[t] + b * B + c * 8;
+                const int8_t *xq = aq[t] + b * k.B + c * 8;
 #if MQ_NEON_DOT
                 /* lane 0 of a: the chunk's columns 0-3 (low nibbles), lane 1: columns 4-7 */
                 int8x8_t a = vld1_s8(xq);
                 acc[t][0] = vdotq_lane_s32(vdotq_lane_s32(acc[t][0], l0, a, 0), h0, a, 1);
                 acc[t][1] = vdotq_lane_s32(vdotq_lane_s32(acc[t][1], l1, a, 0), h1, a, 1);
                 if (split) {
-                    int8x8_t a2 = vld1_s8(aq2[t] + b * B + c * 8);
+                    int8x8_t a2 = vld1_s8(aq2[t] + b * k.B + c * 8);
                     acc2[t][0] = vdotq_lane_s32(vdotq_lane_s32(acc2[t][0], l0, a2, 0), h0, a2, 1);
                     acc2[t][1] = vdotq_lane_s32(vdotq_lane_s32(acc2[t][1], l1, a2, 0), h1, a2, 1);
                 }
 #else
-                /* lane j of a row pair's int16 vector: row 2k + j / 4, column j % 4 (+ 4) */
-                int8x16_t a0 = bcast4(xq), a1 = bcast4(xq + 4);
-                acc[t][0] = vmlal_s8(vmlal_s8(acc[t][0], vget_low_s8(l0), vget_low_s8(a0)),
-                                     vget_low_s8(h0), vget_low_s8(a1));
-                acc[t][1] = vmlal_high_s8(vmlal_high_s8(acc[t][1], l0, a0), h0, a1);
-                acc[t][2] = vmlal_s8(vmlal_s8(acc[t][2], vget_low_s8(l1), vget_low_s8(a0)),
-                                     vget_low_s8(h1), vget_low_s8(a1));
-                acc[t][3] = vmlal_high_s8(vmlal_high_s8(acc[t][3], l1, a0), h1, a1);
-                if (split) {
-                    const int8_t *xq2 = aq2[t] + b * B + c * 8;
-                    int8x16_t b0 = bcast4(xq2), b1 = bcast4(xq2 + 4);
-                    acc2[t][0] = vmlal_s8(vmlal_s8(acc2[t][0], vget_low_s8(l0), vget_low_s8(b0)),
-                                          vget_low_s8(h0), vget_low_s8(b1));
-                    acc2[t][1] = vmlal_high_s8(vmlal_high_s8(acc2[t][1], l0, b0), h0, b1);
-                    acc2[t][2] = vmlal_s8(vmlal_s8(acc2[t][2], vget_low_s8(l1), vget_low_s8(b0)),
-                                          vget_low_s8(h1), vget_low_s8(b1));
-                    acc2[t][3] = vmlal_high_s8(vmlal_high_s8(acc2[t][3], l1, b0), h1, b1);
-                }
+                mlal_chunk(acc[t], l0, h0, l1, h1, xq);
+                if (split) mlal_chunk(acc2[t], l0, h0, l1, h1, aq2[t] + b * k.B + c * 8);
 #endif
             }
         }
         if (nvfp4) {
-            e4m3x8(s + b * 8, neg, sw);
-        } else if (in_group == bpg) {   /* the next group's scales */
+            e4m3x8(s + b * 8, k.neg, sw);
+        } else if (in_group == k.bpg) {   /* the next group's scales */
             in_group = 0;
-            int4_scales(s, ++g, stype, sw);
+            int4_scales(s, ++g, k.stype, sw);
         }
         in_group++;
 #pragma GCC unroll 4
@@ -280,8 +268,8 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     if (swiglu) {
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
-            vst1q_f32(o[t], vmulq_f32(mq_silu4_neon(vld1q_f32(g[t])), vld1q_f32(u[t])));
-            vst1q_f32(o[t] + 4, vmulq_f32(mq_silu4_neon(vld1q_f32(g[t] + 4)), vld1q_f32(u[t] + 4)));
+            vst1q_f32(o[t], vmulq_f32(mq_silu_neon(vld1q_f32(g[t])), vld1q_f32(u[t])));
+            vst1q_f32(o[t] + 4, vmulq_f32(mq_silu_neon(vld1q_f32(g[t] + 4)), vld1q_f32(u[t] + 4)));
         }
     }
 }

@@ -99,12 +99,7 @@ static void dot4(const float *W, int64_t ldw, const float *x, int64_t n, float a
     }
 }
 
-static void gemv_neon(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
-                      float alpha, float *y) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) dot4(W + r * ldw, ldw, x, n, alpha, y + r);
-    for (; r < rows; r++) y[r] = alpha * dot_neon(W + r * ldw, x, n);
-}
+MQ_VEC_GEMV(neon, 4, dot4)
 
 static void axpy_neon(float a, const float *x, float *y, int64_t n) {
     const float32x4_t va = vdupq_n_f32(a);
@@ -154,7 +149,7 @@ static void rope_neon(float *x, int64_t half, const float *c, const float *s) {
 
 static void exp_neon(const float *x, float *y, int64_t n) {
     int64_t i = 0;
-    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, mq_exp4_neon(vld1q_f32(x + i)));
+    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, mq_exp_neon(vld1q_f32(x + i)));
     vec_exp_from(i, x, y, n);
 }
 
@@ -191,8 +186,8 @@ static void softmax_neon(float *x, int64_t n) {
     f8 acc[2] = {f8_zero(), f8_zero()};
     int64_t i = 0;
     for (int k = 0; i + 8 <= n; i += 8, k ^= 1) {
-        float32x4_t lo = mq_exp4_neon(vsubq_f32(vld1q_f32(x + i), vmx));
-        float32x4_t hi = mq_exp4_neon(vsubq_f32(vld1q_f32(x + i + 4), vmx));
+        float32x4_t lo = mq_exp_neon(vsubq_f32(vld1q_f32(x + i), vmx));
+        float32x4_t hi = mq_exp_neon(vsubq_f32(vld1q_f32(x + i + 4), vmx));
         vst1q_f32(x + i, lo);
         vst1q_f32(x + i + 4, hi);
         acc[k].lo = vaddq_f32(acc[k].lo, lo);
@@ -210,22 +205,6 @@ static void softmax_neon(float *x, int64_t n) {
     const float32x4_t vs = vdupq_n_f32(sum);
     for (i = 0; i + 4 <= n; i += 4) vst1q_f32(x + i, vdivq_f32(vld1q_f32(x + i), vs));
     for (; i < n; i++) x[i] = x[i] / sum;
-}
-
-/* 2 lanes of mq_vec_exp_sum_term. */
-INLINE float64x2_t expd2(float64x2_t d) {
-    static const double c[13] = {1.0,         1.0,          1.0 / 2,       1.0 / 6,
-                                 1.0 / 24,    1.0 / 120,    1.0 / 720,     1.0 / 5040,
-                                 1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
-                                 1.0 / 479001600};
-    d = vmaxq_f64(vdupq_n_f64(-708.0), d);   /* NaN d passes */
-    float64x2_t n = vrndnq_f64(vmulq_f64(d, vdupq_n_f64(1.4426950408889634)));
-    float64x2_t r = vfmsq_f64(d, n, vdupq_n_f64(6.93147180369123816490e-01));
-    r = vfmsq_f64(r, n, vdupq_n_f64(1.90821492927058770002e-10));
-    float64x2_t p = vdupq_n_f64(c[12]);
-    for (int k = 11; k >= 0; k--) p = vfmaq_f64(vdupq_n_f64(c[k]), p, r);
-    int64x2_t e = vshlq_n_s64(vaddq_s64(vcvtq_s64_f64(n), vdupq_n_s64(1023)), 52);
-    return vmulq_f64(p, vreinterpretq_f64_s64(e));
 }
 
 /* The 8 floats at p widened to doubles minus mx, as 4 pairs: lanes 0-1, 2-3, 4-5, 6-7. */
@@ -264,7 +243,7 @@ static double logsumexp_neon(const float *x, int64_t n, int32_t *argmax) {
     for (; i + 8 <= n; i += 8) {
         float64x2_t v[4];
         widen8(x + i, mx, v);
-        for (int k = 0; k < 4; k++) dq[k] = vaddq_f64(dq[k], expd2(v[k]));
+        for (int k = 0; k < 4; k++) dq[k] = vaddq_f64(dq[k], mq_expd_neon(v[k]));
     }
     double d[2][4];
     store_d(dq, d);
@@ -285,7 +264,7 @@ static double kl_neon(const float *lb, double lse_b, const float *lm, double lse
         widen8(lb + i, zb, a);
         widen8(lm + i, zm, b);
         for (int k = 0; k < 4; k++)
-            dq[k] = vaddq_f64(dq[k], vmulq_f64(expd2(a[k]), vsubq_f64(a[k], b[k])));
+            dq[k] = vaddq_f64(dq[k], vmulq_f64(mq_expd_neon(a[k]), vsubq_f64(a[k], b[k])));
     }
     double d[2][4];
     store_d(dq, d);
@@ -328,20 +307,8 @@ static void rmsnorm_neon(const float *x, int64_t n, const float *w, float eps, f
 static void swiglu_neon(float *g, const float *u, int64_t n) {
     int64_t i = 0;
     for (; i + 4 <= n; i += 4)
-        vst1q_f32(g + i, vmulq_f32(mq_silu4_neon(vld1q_f32(g + i)), vld1q_f32(u + i)));
+        vst1q_f32(g + i, vmulq_f32(mq_silu_neon(vld1q_f32(g + i)), vld1q_f32(u + i)));
     vec_swiglu_from(i, g, u, n);
 }
 
-const mq_vec_kernels mq_vec_neon = {
-    .dot = dot_neon,
-    .gemv = gemv_neon,
-    .gemv_t = gemv_t_neon,
-    .axpy = axpy_neon,
-    .rope = rope_neon,
-    .exp = exp_neon,
-    .softmax = softmax_neon,
-    .logsumexp = logsumexp_neon,
-    .kl = kl_neon,
-    .rmsnorm = rmsnorm_neon,
-    .swiglu = swiglu_neon,
-};
+const mq_vec_kernels mq_vec_neon = MQ_VEC_KERNELS_OF(neon);

@@ -36,28 +36,21 @@ static void quant_act_ref(const float *x, int64_t n, const mq_qact *A, int64_t r
             if (isnan(a)) bad = 1;
             else if (a > amax) amax = a;
         }
-        if (amax == INFINITY) bad = 1;
+        if (moe_qact_unscaled(&d, b, B, amax, bad)) continue;
         int32_t sum = 0;
-        if (bad || !(amax >= 0x1p-100f)) {
-            /* A non-finite block poisons its products with a NaN scale; a (near) zero block is 0. */
-            memset(d.q + b * B, 0, (size_t)B);
-            if (split) memset(d.q2 + b * B, 0, (size_t)B);
-            d.sc[b] = bad ? NAN : 0.0f;
-        } else {
-            float inv = d.qmax / amax;
-            for (int32_t i = 0; i < B; i++) {
-                int32_t c = (int32_t)nearbyintf(v[i] * inv);
-                sum += c;
-                if (split) {
-                    int32_t hi = (c + 128 + 32768) / 256 - 128;   /* floor((c + 128) / 256) */
-                    d.q[b * B + i] = (int8_t)hi;
-                    d.q2[b * B + i] = (int8_t)(c - 256 * hi);
-                } else {
-                    d.q[b * B + i] = (int8_t)c;
-                }
+        float inv = d.qmax / amax;
+        for (int32_t i = 0; i < B; i++) {
+            int32_t c = (int32_t)nearbyintf(v[i] * inv);
+            sum += c;
+            if (split) {
+                int32_t hi = (c + 128 + 32768) / 256 - 128;   /* floor((c + 128) / 256) */
+                d.q[b * B + i] = (int8_t)hi;
+                d.q2[b * B + i] = (int8_t)(c - 256 * hi);
+            } else {
+                d.q[b * B + i] = (int8_t)c;
             }
-            d.sc[b] = amax / d.qmax;
         }
+        d.sc[b] = amax / d.qmax;
         d.cr[b] = sum * A->offset;
     }
 }

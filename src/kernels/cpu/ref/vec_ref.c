@@ -4,24 +4,18 @@
  * order and with fmaf where they fuse, so both give bit-identical results. Also the dispatcher.
  *
  * exp follows the classic Cephes expf scheme (round to n = x log2 e, reduce by n ln2 in two
- * parts, degree-7 polynomial, scale by 2^n); the clamping and the split scale are ours.
+ * parts, degree-7 polynomial, scale by 2^n); the clamping and the split scale are ours. The
+ * constants are exp_coef.h's, the SIMD twins' too (exp_lanes.h).
  */
 #include <math.h>
 #include <string.h>
 
+#include "kernels/cpu/exp_coef.h"
 #include "kernels/cpu/vec_edges.h"
 #include "kernels/vec.h"
 
 /* Lane layout of the reductions (see vec.h). */
 enum { LANES = 8 };
-
-/* Clamp bounds: below -103.98 expf rounds to +0; above 88.7228 it overflows. Both bounds keep
- * n within [-150, 128], so each half of the split scale 2^n is a normal number. */
-static const float EXP_LO = -104.0f, EXP_HI = 88.75f;
-static const float LOG2E = 1.44269504088896341f;
-static const float LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
-static const float P0 = 1.9875691500e-4f, P1 = 1.3981999507e-3f, P2 = 8.3334519073e-3f,
-                   P3 = 4.1665795894e-2f, P4 = 1.6666665459e-1f, P5 = 5.0000001201e-1f;
 
 static float pow2i(float k) {   /* 2^k for an integral k in [-126, 127] */
     uint32_t bits = (uint32_t)((int32_t)k + 127) << 23;
@@ -34,15 +28,11 @@ float mq_vec_expf(float x) {
     if (x != x) return x + x;   /* NaN: the AVX2 lanes propagate it through the polynomial */
     x = EXP_LO > x ? EXP_LO : x;   /* maxps(lo, x) */
     x = EXP_HI < x ? EXP_HI : x;   /* minps(hi, x) */
-    float n = nearbyintf(x * LOG2E);
-    float r = fmaf(-n, LN2_HI, x);
-    r = fmaf(-n, LN2_LO, r);
-    float p = P0;
-    p = fmaf(p, r, P1);
-    p = fmaf(p, r, P2);
-    p = fmaf(p, r, P3);
-    p = fmaf(p, r, P4);
-    p = fmaf(p, r, P5);
+    float n = nearbyintf(x * EXP_LOG2E);
+    float r = fmaf(-n, EXP_LN2_HI, x);
+    r = fmaf(-n, EXP_LN2_LO, r);
+    float p = EXP_POLY[0];
+    for (int k = 1; k < EXP_POLY_N; k++) p = fmaf(p, r, EXP_POLY[k]);
     float y = fmaf(p, r * r, r) + 1.0f;
     float n1 = floorf(n * 0.5f), n2 = n - n1;
     return (y * pow2i(n1)) * pow2i(n2);
@@ -130,33 +120,15 @@ static void softmax_ref(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] / sum;
 }
 
-/* exp of a double d <= 0 for a sum whose largest term is 1: clamped at -708 (terms below
- * 1e-307 cannot change such a sum), degree-12 Taylor polynomial on |r| <= ln2 / 2 (relative
- * error a few 1e-16), exact scale by 2^n. NaN stays NaN. */
-static const double EXPD_LO = -708.0, LOG2E_D = 1.4426950408889634;
-static const double LN2_HI_D = 6.93147180369123816490e-01, LN2_LO_D = 1.90821492927058770002e-10;
-static const double TAYLOR[13] = {1.0,
-                                  1.0,
-                                  1.0 / 2,
-                                  1.0 / 6,
-                                  1.0 / 24,
-                                  1.0 / 120,
-                                  1.0 / 720,
-                                  1.0 / 5040,
-                                  1.0 / 40320,
-                                  1.0 / 362880,
-                                  1.0 / 3628800,
-                                  1.0 / 39916800,
-                                  1.0 / 479001600};
-
+/* exp of a double d <= 0 for a sum whose largest term is 1 (exp_coef.h). NaN stays NaN. */
 double mq_vec_exp_sum_term(double d) {
     if (d != d) return d + d;
     d = EXPD_LO > d ? EXPD_LO : d;   /* maxpd(lo, d) */
-    double n = nearbyint(d * LOG2E_D);
-    double r = fma(-n, LN2_HI_D, d);
-    r = fma(-n, LN2_LO_D, r);
-    double p = TAYLOR[12];
-    for (int k = 11; k >= 0; k--) p = fma(p, r, TAYLOR[k]);
+    double n = nearbyint(d * EXPD_LOG2E);
+    double r = fma(-n, EXPD_LN2_HI, d);
+    r = fma(-n, EXPD_LN2_LO, r);
+    double p = EXPD_TAYLOR[EXPD_TAYLOR_N - 1];
+    for (int k = EXPD_TAYLOR_N - 2; k >= 0; k--) p = fma(p, r, EXPD_TAYLOR[k]);
     uint64_t bits = (uint64_t)((int64_t)n + 1023) << 52;
     double scale;
     memcpy(&scale, &bits, 8);
@@ -206,16 +178,4 @@ static void swiglu_ref(float *g, const float *u, int64_t n) {
     vec_swiglu_from(0, g, u, n);
 }
 
-const mq_vec_kernels mq_vec_ref = {
-    .dot = dot_ref,
-    .gemv = gemv_ref,
-    .gemv_t = gemv_t_ref,
-    .axpy = axpy_ref,
-    .rope = rope_ref,
-    .exp = exp_ref,
-    .softmax = softmax_ref,
-    .logsumexp = logsumexp_ref,
-    .kl = kl_ref,
-    .rmsnorm = rmsnorm_ref,
-    .swiglu = swiglu_ref,
-};
+const mq_vec_kernels mq_vec_ref = MQ_VEC_KERNELS_OF(ref);

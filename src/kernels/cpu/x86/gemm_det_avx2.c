@@ -17,8 +17,39 @@
 
 enum { MR = 16, NR = 6 };
 
-static void store_tile(__m256 v[][2], int nr, float *C, int64_t ldc, int64_t m) {
+/* The one micro-kernel of the GEMM's and the Hessian update's tiles: nr (<= 6) pairs of chains
+ * of 8 lanes, acc[r][h] += v[k * vs + 8 h ..] * b[r][k * bs] for k < n, one fma per lane and k in
+ * k order. v: the 16 lanes' stream (the packed panel of A, vs = MR; a panel of P, vs = SC); b[r]:
+ * chain r's broadcast stream (a row of B, bs = 1; a row's lane of P, bs = SC). Inlined with a
+ * constant nr, so the accumulators and pointers stay in registers. */
+static inline __attribute__((always_inline)) void fma_chains(__m256 acc[][2], int nr, int64_t n,
+                                                             const float *v, int64_t vs,
+                                                             const float *const *b, int64_t bs) {
+    for (int64_t k = 0; k < n; k++) {
+        const __m256 v0 = _mm256_load_ps(v + k * vs), v1 = _mm256_load_ps(v + k * vs + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < nr; r++) {
+            const __m256 bk = _mm256_broadcast_ss(b[r] + k * bs);
+            acc[r][0] = _mm256_fmadd_ps(v0, bk, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(v1, bk, acc[r][1]);
+        }
+    }
+}
+
+/* nr (<= 6) columns of C from +0: the chains over nr rows of B, their lanes into C. */
+static inline __attribute__((always_inline)) void tile(const float *ap, int64_t K, const float *B,
+                                                       int64_t ldb, int nr, float *C, int64_t ldc,
+                                                       int64_t m) {
+    __m256 v[NR][2];
+    const float *b[NR];
+#pragma GCC unroll 6
+    for (int r = 0; r < nr; r++) {
+        v[r][0] = v[r][1] = _mm256_setzero_ps();
+        b[r] = B + r * ldb;
+    }
+    fma_chains(v, nr, K, ap, MR, b, 1);
     float t[NR][MR];
+#pragma GCC unroll 6
     for (int r = 0; r < nr; r++) {
         _mm256_storeu_ps(t[r], v[r][0]);
         _mm256_storeu_ps(t[r] + 8, v[r][1]);
@@ -29,51 +60,13 @@ static void store_tile(__m256 v[][2], int nr, float *C, int64_t ldc, int64_t m) 
 /* The 16 x 6 tile: twelve accumulators in registers. */
 static void tile6(const float *ap, int64_t K, const float *B, int64_t ldb, float *C, int64_t ldc,
                   int64_t m) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *b0 = B, *b1 = B + ldb, *b2 = B + 2 * ldb, *b3 = B + 3 * ldb, *b4 = B + 4 * ldb,
-                *b5 = B + 5 * ldb;
-    for (int64_t k = 0; k < K; k++) {
-        const __m256 a0 = _mm256_load_ps(ap + k * MR), a1 = _mm256_load_ps(ap + k * MR + 8);
-        __m256 b = _mm256_broadcast_ss(b0 + k);
-        c00 = _mm256_fmadd_ps(a0, b, c00);
-        c01 = _mm256_fmadd_ps(a1, b, c01);
-        b = _mm256_broadcast_ss(b1 + k);
-        c10 = _mm256_fmadd_ps(a0, b, c10);
-        c11 = _mm256_fmadd_ps(a1, b, c11);
-        b = _mm256_broadcast_ss(b2 + k);
-        c20 = _mm256_fmadd_ps(a0, b, c20);
-        c21 = _mm256_fmadd_ps(a1, b, c21);
-        b = _mm256_broadcast_ss(b3 + k);
-        c30 = _mm256_fmadd_ps(a0, b, c30);
-        c31 = _mm256_fmadd_ps(a1, b, c31);
-        b = _mm256_broadcast_ss(b4 + k);
-        c40 = _mm256_fmadd_ps(a0, b, c40);
-        c41 = _mm256_fmadd_ps(a1, b, c41);
-        b = _mm256_broadcast_ss(b5 + k);
-        c50 = _mm256_fmadd_ps(a0, b, c50);
-        c51 = _mm256_fmadd_ps(a1, b, c51);
-    }
-    __m256 v[NR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-    store_tile(v, NR, C, ldc, m);
+    tile(ap, K, B, ldb, NR, C, ldc, m);
 }
 
-/* A tile of nr < 6 columns (the last group): the same chains, fewer of them. */
+/* A tile of nr < 6 columns (the last group): the same chains, one column at a time. */
 static void tile_n(const float *ap, int64_t K, const float *B, int64_t ldb, int nr, float *C,
                    int64_t ldc, int64_t m) {
-    __m256 v[NR][2];
-    for (int r = 0; r < nr; r++) {
-        __m256 c0 = _mm256_setzero_ps(), c1 = c0;
-        const float *b = B + r * ldb;
-        for (int64_t k = 0; k < K; k++) {
-            __m256 bk = _mm256_broadcast_ss(b + k);
-            c0 = _mm256_fmadd_ps(_mm256_load_ps(ap + k * MR), bk, c0);
-            c1 = _mm256_fmadd_ps(_mm256_load_ps(ap + k * MR + 8), bk, c1);
-        }
-        v[r][0] = c0;
-        v[r][1] = c1;
-    }
-    store_tile(v, nr, C, ldc, m);
+    for (int r = 0; r < nr; r++) tile(ap, K, B + r * ldb, ldb, 1, C + r, ldc, m);
 }
 
 static void tiles(const float *ap, int64_t K, const float *B, int64_t ldb, int nr, float *C,
@@ -105,73 +98,39 @@ void mq_gemm_det_nt_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_
 enum { SR = SYRK_SR, SC = SYRK_SC, ROWS_BLK = SYRK_ROWS };
 
 
-/* Pi: the panels the six broadcasts (rows i) come from, Pj: those of the 16 columns j (the same
- * panels for the Hessian, the two streams' inputs for the cross sum). */
-static void syrk_tile6(int64_t n, const float *Pi, const float *Pj, int64_t i0, int64_t j0, float *C, int64_t ldc) {
-    const float *P = Pi;
-    float *c0 = C + i0 * ldc + j0, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc, *c4 = c3 + ldc,
-          *c5 = c4 + ldc;
+/* Rows [i0, i0 + nr) (nr <= 6) x columns [j0, j0 + 16) of C, continuing from C. Pi: the panels
+ * the broadcasts (rows i) come from, Pj: those of the 16 columns j (the same panels for the
+ * Hessian, the two streams' inputs for the cross sum). */
+static inline __attribute__((always_inline)) void syrk_rows(int64_t n, const float *Pi, const float *Pj,
+                                                            int64_t i0, int nr, int64_t j0, float *C,
+                                                            int64_t ldc) {
     const int64_t pstride = ROWS_BLK * SC;   /* floats per panel */
-    const float *vj = Pj + (j0 / SC) * pstride;
-    const float *b0 = P + ((i0 + 0) / SC) * pstride + (i0 + 0) % SC,
-                *b1 = P + ((i0 + 1) / SC) * pstride + (i0 + 1) % SC,
-                *b2 = P + ((i0 + 2) / SC) * pstride + (i0 + 2) % SC,
-                *b3 = P + ((i0 + 3) / SC) * pstride + (i0 + 3) % SC,
-                *b4 = P + ((i0 + 4) / SC) * pstride + (i0 + 4) % SC,
-                *b5 = P + ((i0 + 5) / SC) * pstride + (i0 + 5) % SC;
-    __m256 a00 = _mm256_loadu_ps(c0), a01 = _mm256_loadu_ps(c0 + 8);
-    __m256 a10 = _mm256_loadu_ps(c1), a11 = _mm256_loadu_ps(c1 + 8);
-    __m256 a20 = _mm256_loadu_ps(c2), a21 = _mm256_loadu_ps(c2 + 8);
-    __m256 a30 = _mm256_loadu_ps(c3), a31 = _mm256_loadu_ps(c3 + 8);
-    __m256 a40 = _mm256_loadu_ps(c4), a41 = _mm256_loadu_ps(c4 + 8);
-    __m256 a50 = _mm256_loadu_ps(c5), a51 = _mm256_loadu_ps(c5 + 8);
-    for (int64_t r = 0; r < n; r++) {
-        const int64_t o = r * SC;
-        const __m256 v0 = _mm256_load_ps(vj + o), v1 = _mm256_load_ps(vj + o + 8);
-        __m256 b = _mm256_broadcast_ss(b0 + o);
-        a00 = _mm256_fmadd_ps(v0, b, a00);
-        a01 = _mm256_fmadd_ps(v1, b, a01);
-        b = _mm256_broadcast_ss(b1 + o);
-        a10 = _mm256_fmadd_ps(v0, b, a10);
-        a11 = _mm256_fmadd_ps(v1, b, a11);
-        b = _mm256_broadcast_ss(b2 + o);
-        a20 = _mm256_fmadd_ps(v0, b, a20);
-        a21 = _mm256_fmadd_ps(v1, b, a21);
-        b = _mm256_broadcast_ss(b3 + o);
-        a30 = _mm256_fmadd_ps(v0, b, a30);
-        a31 = _mm256_fmadd_ps(v1, b, a31);
-        b = _mm256_broadcast_ss(b4 + o);
-        a40 = _mm256_fmadd_ps(v0, b, a40);
-        a41 = _mm256_fmadd_ps(v1, b, a41);
-        b = _mm256_broadcast_ss(b5 + o);
-        a50 = _mm256_fmadd_ps(v0, b, a50);
-        a51 = _mm256_fmadd_ps(v1, b, a51);
+    float *c[SR];
+    const float *b[SR];
+    __m256 a[SR][2];
+#pragma GCC unroll 6
+    for (int t = 0; t < nr; t++) {
+        c[t] = C + (i0 + t) * ldc + j0;
+        b[t] = Pi + ((i0 + t) / SC) * pstride + (i0 + t) % SC;
+        a[t][0] = _mm256_loadu_ps(c[t]);
+        a[t][1] = _mm256_loadu_ps(c[t] + 8);
     }
-    _mm256_storeu_ps(c0, a00), _mm256_storeu_ps(c0 + 8, a01);
-    _mm256_storeu_ps(c1, a10), _mm256_storeu_ps(c1 + 8, a11);
-    _mm256_storeu_ps(c2, a20), _mm256_storeu_ps(c2 + 8, a21);
-    _mm256_storeu_ps(c3, a30), _mm256_storeu_ps(c3 + 8, a31);
-    _mm256_storeu_ps(c4, a40), _mm256_storeu_ps(c4 + 8, a41);
-    _mm256_storeu_ps(c5, a50), _mm256_storeu_ps(c5 + 8, a51);
+    fma_chains(a, nr, n, Pj + (j0 / SC) * pstride, SC, b, SC);
+#pragma GCC unroll 6
+    for (int t = 0; t < nr; t++) {
+        _mm256_storeu_ps(c[t], a[t][0]);
+        _mm256_storeu_ps(c[t] + 8, a[t][1]);
+    }
+}
+
+static void syrk_tile6(int64_t n, const float *Pi, const float *Pj, int64_t i0, int64_t j0, float *C, int64_t ldc) {
+    syrk_rows(n, Pi, Pj, i0, SR, j0, C, ldc);
 }
 
 /* A row group of nr < 6 rows (the last of a range) over one full panel: the same chains. */
 static void syrk_tile_n(int64_t n, const float *P, const float *Pj, int64_t i0, int nr, int64_t j0, float *C,
                         int64_t ldc) {
-    const int64_t pstride = ROWS_BLK * SC;
-    const float *vj = Pj + (j0 / SC) * pstride;
-    for (int t = 0; t < nr; t++) {
-        float *c = C + (i0 + t) * ldc + j0;
-        const float *bi = P + ((i0 + t) / SC) * pstride + (i0 + t) % SC;
-        __m256 a0 = _mm256_loadu_ps(c), a1 = _mm256_loadu_ps(c + 8);
-        for (int64_t r = 0; r < n; r++) {
-            __m256 b = _mm256_broadcast_ss(bi + r * SC);
-            a0 = _mm256_fmadd_ps(_mm256_load_ps(vj + r * SC), b, a0);
-            a1 = _mm256_fmadd_ps(_mm256_load_ps(vj + r * SC + 8), b, a1);
-        }
-        _mm256_storeu_ps(c, a0);
-        _mm256_storeu_ps(c + 8, a1);
-    }
+    for (int t = 0; t < nr; t++) syrk_rows(n, P, Pj, i0 + t, 1, j0, C, ldc);
 }
 
 /* Rows [i0, i1) of C: whole 16-column panels while they reach the diagonal (det_common.h's

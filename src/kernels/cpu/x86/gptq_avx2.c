@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "kernels/cpu/x86/gptq_x86.h"
 #include "kernels/gptq_kernels.h"
 
 /* 8 int32 lanes (0..255) to 8 bytes. */
@@ -82,31 +83,13 @@ void mq_gptq_qdq_column_avx2(const mq_qspec *s, const float *step, const float *
     if (i < n) mq_gptq_qdq_column(s, step + i, zero + i, x + i, n - i, code + i, dq + i);
 }
 
-static inline double hsum(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_movehdup_ps(a));
-    return (double)_mm_cvtss_f32(a);
-}
-
 double mq_gptq_column_errors_avx2(const float *x, const float *q, float upp, float *w0, int64_t n,
                                   float *e, double *dsq) {
     const __m256 u = _mm256_set1_ps(upp);
     __m256 se = _mm256_setzero_ps(), sd = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        __m256 ev = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), qv), u);
-        _mm256_storeu_ps(e + i, ev);
-        se = _mm256_fmadd_ps(ev, ev, se);
-        __m256 d = _mm256_sub_ps(_mm256_loadu_ps(w0 + i), qv);
-        sd = _mm256_fmadd_ps(d, d, sd);
-        _mm256_storeu_ps(w0 + i, qv);
-    }
-    double tail_d = 0;
-    double r = hsum(se) + (i < n ? mq_gptq_column_errors_ref(x + i, q + i, upp, w0 + i, n - i, e + i, &tail_d) : 0);
-    *dsq += hsum(sd) + tail_d;
-    return r;
+    for (; i + 8 <= n; i += 8) gptq_errors8(x, q, u, w0, e, i, &se, &sd);
+    return gptq_errors_finish(se, sd, x, q, upp, w0, i, n, e, dsq);
 }
 
 /* The column step of mq_gptq_loop_scores_ref for 8 * nv rows from i0: q = qdq(w), the scaled
@@ -165,13 +148,8 @@ static void loop_scores_rows(const mq_qspec *s, const float *ucol, int64_t G, co
 void mq_gptq_loop_scores_avx2(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
                               int64_t ld, int64_t n, const float *step, const float *zero,
                               float *work, uint8_t *code, double *score) {
-    float *e = work, *w = work + G * ld, *q = w + ld;
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) loop_scores_rows(s, ucol, G, x, ld, i, 4, step, zero, e, w, q, score);
-    for (; i + 8 <= n; i += 8) loop_scores_rows(s, ucol, G, x, ld, i, 1, step, zero, e, w, q, score);
-    if (i < n)
-        mq_gptq_loop_scores_ref(s, ucol, G, x + i, ld, n - i, step + i, zero + i, work + i,
-                                code + i, score + i);
+    gptq_loop_scores_run(s, ucol, G, x, ld, n, step, zero, work, code, score, 8, loop_scores_rows,
+                         mq_gptq_loop_scores_ref);
 }
 
 const mq_gptq_kernels mq_gptq_kernels_avx2 = {mq_gptq_qdq_column_avx2, mq_gptq_column_errors_avx2,

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "kernels/cpu/x86/gptq_x86.h"
 #include "kernels/gptq_kernels.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -80,14 +81,6 @@ void mq_gptq_qdq_column_avx512(const mq_qspec *s, const float *step, const float
     if (i < n) mq_gptq_qdq_column(s, step + i, zero + i, x + i, n - i, code + i, dq + i);
 }
 
-/* gptq_avx2.c's hsum */
-static inline double hsum8(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_movehdup_ps(a));
-    return (double)_mm_cvtss_f32(a);
-}
-
 INLINE __m256 lo8(__m512 v) { return _mm512_castps512_ps256(v); }
 INLINE __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
@@ -109,19 +102,10 @@ double mq_gptq_column_errors_avx512(const float *x, const float *q, float upp, f
         sd = _mm256_fmadd_ps(hi8(d), hi8(d), sd);
     }
     if (i + 8 <= n) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        __m256 ev = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), qv), _mm256_set1_ps(upp));
-        _mm256_storeu_ps(e + i, ev);
-        se = _mm256_fmadd_ps(ev, ev, se);
-        __m256 d = _mm256_sub_ps(_mm256_loadu_ps(w0 + i), qv);
-        sd = _mm256_fmadd_ps(d, d, sd);
-        _mm256_storeu_ps(w0 + i, qv);
+        gptq_errors8(x, q, _mm256_set1_ps(upp), w0, e, i, &se, &sd);
         i += 8;
     }
-    double tail_d = 0;
-    double r = hsum8(se) + (i < n ? mq_gptq_column_errors_ref(x + i, q + i, upp, w0 + i, n - i, e + i, &tail_d) : 0);
-    *dsq += hsum8(sd) + tail_d;
-    return r;
+    return gptq_errors_finish(se, sd, x, q, upp, w0, i, n, e, dsq);
 }
 
 /* gptq_avx2.c's loop_column_step for 16 * nv rows from i0, without the codes (the search
@@ -173,17 +157,12 @@ static void loop_scores_rows(const mq_qspec *s, const float *ucol, int64_t G, co
     }
 }
 
+/* The rows past the last 16 as the AVX2 twin computes them (rows are independent). */
 void mq_gptq_loop_scores_avx512(const mq_qspec *s, const float *ucol, int64_t G, const float *x,
                                 int64_t ld, int64_t n, const float *step, const float *zero,
                                 float *work, uint8_t *code, double *score) {
-    float *e = work, *w = work + G * ld, *q = w + ld;
-    int64_t i = 0;
-    for (; i + 64 <= n; i += 64) loop_scores_rows(s, ucol, G, x, ld, i, 4, step, zero, e, w, q, score);
-    for (; i + 16 <= n; i += 16) loop_scores_rows(s, ucol, G, x, ld, i, 1, step, zero, e, w, q, score);
-    /* rows are independent: the rest (under 16) as the AVX2 twin computes them */
-    if (i < n)
-        mq_gptq_loop_scores_avx2(s, ucol, G, x + i, ld, n - i, step + i, zero + i, work + i,
-                                 code + i, score + i);
+    gptq_loop_scores_run(s, ucol, G, x, ld, n, step, zero, work, code, score, 16, loop_scores_rows,
+                         mq_gptq_loop_scores_avx2);
 }
 
 const mq_gptq_kernels mq_gptq_kernels_avx512 = {mq_gptq_qdq_column_avx512, mq_gptq_column_errors_avx512,

@@ -34,6 +34,18 @@ INLINE __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* A chunk of 8 columns of both row blocks of a pair (their weights' low and high nibbles l0, h0
+ * and l1, h1) times an activation row's 8 codes at xq (two broadcast quads): the int16 sums of
+ * row block 0 to *a0, of row block 1 to *a1. */
+INLINE void dot_chunk(__m256i *a0, __m256i *a1, __m256i l0, __m256i h0, __m256i l1, __m256i h1,
+                      const int8_t *xq) {
+    const __m256i q0 = bcast4(xq), q1 = bcast4(xq + 4);
+    *a0 = _mm256_add_epi16(*a0, _mm256_maddubs_epi16(l0, q0));
+    *a0 = _mm256_add_epi16(*a0, _mm256_maddubs_epi16(h0, q1));
+    *a1 = _mm256_add_epi16(*a1, _mm256_maddubs_epi16(l1, q0));
+    *a1 = _mm256_add_epi16(*a1, _mm256_maddubs_epi16(h1, q1));
+}
+
 /* 8 E4M3 bytes -> fp32: the magnitude bits shifted into an fp32 exponent/mantissa are the value
  * times 2^-120 (E4M3 subnormals land on fp32 subnormals), so one exact multiply finishes it.
  * Without negative scales (the usual case: block scales are amax / 6) the sign needs no work. */
@@ -101,15 +113,8 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
             amax = _mm256_max_ps(amax, a);
         }
-        float m = hmax8(amax);
-        int bad = _mm256_movemask_ps(nan) != 0 || m == INFINITY;
-        if (bad || !(m >= 0x1p-100f)) {
-            memset(d.q + b * B, 0, (size_t)B);
-            if (split) memset(d.q2 + b * B, 0, (size_t)B);
-            d.sc[b] = bad ? NAN : 0.0f;
-            d.cr[b] = 0;
-            continue;
-        }
+        const float m = hmax8(amax);
+        if (moe_qact_unscaled(&d, b, B, m, _mm256_movemask_ps(nan) != 0)) continue;
         __m256 inv = _mm256_set1_ps(d.qmax / m);
         __m256i sum = _mm256_setzero_si256(), c[4], lo[4];
         for (int j = 0; j < nv; j++) {
@@ -134,7 +139,6 @@ static void quant_act_avx2(const float *x, int64_t n, const mq_qact *A, int64_t 
 INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow,
                  float *const *o, int swiglu, size_t ahead, const uint8_t *next, const int nt,
                  const int nvfp4, const int split) {
-    const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes;
     /* Software prefetch into L2 of the pair PF_AHEAD bytes ahead (whole pairs, at least the next),
      * at the pace this pair is consumed; past the matrix's last pair the stream continues at
      * `next`, where this thread reads next (the matrix's successor in memory usually is not).
@@ -142,18 +146,12 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
      * this prefetch one token takes 1.6-1.9x as long, with every other line left out 1.3-1.5x;
      * 8-32 KiB ahead read equally fast, 96 KiB and the T0 hint slower; continuing into `next`
      * saved 0-7% at one token (in-process A/B, 2 threads). */
-    const uint8_t *pf = moe_prefetch_at(W, pair, rb0, next, ahead);
-    const size_t pf_step = (2 * W->rb_bytes + (size_t)(W->cols / 8) - 1) / (size_t)(W->cols / 8);
-    const int B = nvfp4 ? 16 : 32, CH = B / 8;
-    const int64_t nb = W->cols / B, lds = A->ld / B;
-    const uint8_t *rb1 = rb0 + W->rb_bytes;
-    const uint8_t *s0 = rb0 + (size_t)W->cols * 4, *s1 = rb1 + (size_t)W->cols * 4;
-    const int bpg = nvfp4 ? 1 : W->group / B;   /* activation blocks per weight group */
-    const int stype = W->stype, neg = W->neg_scales;
+    const moe_pair pr = moe_pair_at(W, pair, next, ahead);
+    const moe_blocks k = moe_blocks_of(W, A, nvfp4);
     const int8_t *aq[MQ_MOE_NT], *aq2[MQ_MOE_NT];
     const float *as[MQ_MOE_NT];
     const int32_t *ac[MQ_MOE_NT];
-    moe_act_rows(A, arow, nt, split, lds, aq, aq2, as, ac);
+    moe_act_rows(A, arow, nt, split, k.lds, aq, aq2, as, ac);
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
     const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
@@ -162,7 +160,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     for (int t = 0; t < nt; t++) f[0][t] = f[1][t] = _mm256_setzero_ps();
     int64_t g = 0;
     int in_group = 0;
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < k.nb; b++) {
         __m256i acc[2][MQ_MOE_NT], acc2[2][MQ_MOE_NT];
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
@@ -170,16 +168,16 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
             if (split) acc2[0][t] = acc2[1][t] = _mm256_setzero_si256();
         }
 #pragma GCC unroll 4
-        for (int c = 0; c < CH; c++) {
-            const size_t off = (size_t)(b * CH + c) * 32;
-            if (pf) {
+        for (int c = 0; c < k.CH; c++) {
+            const size_t off = (size_t)(b * k.CH + c) * 32;
+            if (pr.pf) {
                 /* the next pair, into L2, at the pace this pair is consumed (step < 128) */
-                const uint8_t *p = pf + (size_t)(b * CH + c) * pf_step;
+                const uint8_t *p = pr.pf + (size_t)(b * k.CH + c) * pr.pf_step;
                 _mm_prefetch((const char *)p, _MM_HINT_T1);
                 _mm_prefetch((const char *)p + 64, _MM_HINT_T1);
             }
-            __m256i v0 = _mm256_loadu_si256((const __m256i *)(rb0 + off));
-            __m256i v1 = _mm256_loadu_si256((const __m256i *)(rb1 + off));
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)(pr.rb0 + off));
+            __m256i v1 = _mm256_loadu_si256((const __m256i *)(pr.rb1 + off));
             __m256i l0 = _mm256_and_si256(v0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
             __m256i l1 = _mm256_and_si256(v1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
             if (nvfp4) {
@@ -190,30 +188,19 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
             }
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
-                const int8_t *xq = aq[t] + b * B + c * 8;
-                __m256i a0 = bcast4(xq), a1 = bcast4(xq + 4);
-                acc[0][t] = _mm256_add_epi16(acc[0][t], _mm256_maddubs_epi16(l0, a0));
-                acc[0][t] = _mm256_add_epi16(acc[0][t], _mm256_maddubs_epi16(h0, a1));
-                acc[1][t] = _mm256_add_epi16(acc[1][t], _mm256_maddubs_epi16(l1, a0));
-                acc[1][t] = _mm256_add_epi16(acc[1][t], _mm256_maddubs_epi16(h1, a1));
-                if (split) {
-                    const int8_t *xq2 = aq2[t] + b * B + c * 8;
-                    __m256i b0 = bcast4(xq2), b1 = bcast4(xq2 + 4);
-                    acc2[0][t] = _mm256_add_epi16(acc2[0][t], _mm256_maddubs_epi16(l0, b0));
-                    acc2[0][t] = _mm256_add_epi16(acc2[0][t], _mm256_maddubs_epi16(h0, b1));
-                    acc2[1][t] = _mm256_add_epi16(acc2[1][t], _mm256_maddubs_epi16(l1, b0));
-                    acc2[1][t] = _mm256_add_epi16(acc2[1][t], _mm256_maddubs_epi16(h1, b1));
-                }
+                const size_t at = (size_t)(b * k.B + c * 8);
+                dot_chunk(&acc[0][t], &acc[1][t], l0, h0, l1, h1, aq[t] + at);
+                if (split) dot_chunk(&acc2[0][t], &acc2[1][t], l0, h0, l1, h1, aq2[t] + at);
             }
         }
         __m256 sw0, sw1;
         if (nvfp4) {
-            sw0 = e4m3x8(s0 + b * 8, neg);
-            sw1 = e4m3x8(s1 + b * 8, neg);
+            sw0 = e4m3x8(pr.s0 + b * 8, k.neg);
+            sw1 = e4m3x8(pr.s1 + b * 8, k.neg);
         } else {
-            sw0 = int4_scales(s0, g, stype);
-            sw1 = int4_scales(s1, g, stype);
-            if (++in_group == bpg) {
+            sw0 = int4_scales(pr.s0, g, k.stype);
+            sw1 = int4_scales(pr.s1, g, k.stype);
+            if (++in_group == k.bpg) {
                 in_group = 0;
                 g++;
             }
@@ -240,7 +227,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         __m256 y0 = _mm256_div_ps(_mm256_mul_ps(f[0][t], u0), d0);
         __m256 y1 = _mm256_div_ps(_mm256_mul_ps(f[1][t], u1), d1);
         if (swiglu) {
-            _mm256_storeu_ps(o[t], _mm256_mul_ps(mq_silu8_avx2(y0), y1));
+            _mm256_storeu_ps(o[t], _mm256_mul_ps(mq_silu_avx2(y0), y1));
         } else {
             _mm256_storeu_ps(o[t], y0);
             _mm256_storeu_ps(o[t] + 8, y1);

@@ -108,15 +108,8 @@ static void quant_act_avx512(const float *x, int64_t n, const mq_qact *A, int64_
             amax = _mm512_max_ps(amax, a);
         }
         /* the maximum of the non-NaN magnitudes does not depend on the order it is taken in */
-        float m = _mm512_reduce_max_ps(amax);
-        int bad = nan != 0 || m == INFINITY;
-        if (bad || !(m >= 0x1p-100f)) {
-            memset(d.q + b * B, 0, (size_t)B);
-            if (split) memset(d.q2 + b * B, 0, (size_t)B);
-            d.sc[b] = bad ? NAN : 0.0f;
-            d.cr[b] = 0;
-            continue;
-        }
+        const float m = _mm512_reduce_max_ps(amax);
+        if (moe_qact_unscaled(&d, b, B, m, nan != 0)) continue;
         /* the reference's nearbyintf(x * inv): one rounded product, then the current (nearest
          * even) rounding of the conversion */
         __m512 inv = _mm512_set1_ps(d.qmax / m);
@@ -173,20 +166,13 @@ INLINE __m512i bcast4(const int8_t *p) {
 INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t *arow,
                  float *const *o, int swiglu, size_t ahead, const uint8_t *next, const int nt,
                  const int nvfp4, const int split) {
-    const uint8_t *rb0 = W->data + (size_t)(2 * pair) * W->rb_bytes;
     /* the AVX2 kernel's prefetch (moe_avx2.c says why and how far); ahead = 0: none */
-    const uint8_t *pf = moe_prefetch_at(W, pair, rb0, next, ahead);
-    const size_t pf_step = (2 * W->rb_bytes + (size_t)(W->cols / 8) - 1) / (size_t)(W->cols / 8);
-    const int B = nvfp4 ? 16 : 32, CH = B / 8;
-    const int64_t nb = W->cols / B, lds = A->ld / B;
-    const uint8_t *rb1 = rb0 + W->rb_bytes;
-    const uint8_t *s0 = rb0 + (size_t)W->cols * 4, *s1 = rb1 + (size_t)W->cols * 4;
-    const int bpg = nvfp4 ? 1 : W->group / B;   /* activation blocks per weight group */
-    const int stype = W->stype, neg = W->neg_scales;
+    const moe_pair pr = moe_pair_at(W, pair, next, ahead);
+    const moe_blocks k = moe_blocks_of(W, A, nvfp4);
     const int8_t *aq[NT512], *aq2[NT512];
     const float *as[NT512];
     const int32_t *ac[NT512];
-    moe_act_rows(A, arow, nt, split, lds, aq, aq2, as, ac);
+    moe_act_rows(A, arow, nt, split, k.lds, aq, aq2, as, ac);
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i lut = _mm512_broadcast_i32x4(
         _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
@@ -202,7 +188,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
     const int NW = !MQ_AVX512_VNNI ? 1 : nt == 1 ? 4 : nt <= 4 ? 2 : 1;
     int64_t g = 0;
     int in_group = 0;
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < k.nb; b++) {
         __m512i acc[WMAX][NT512], acc2[WMAX][NT512];
 #pragma GCC unroll 4
         for (int w = 0; w < NW; w++)
@@ -212,17 +198,17 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
                 acc2[w][t] = _mm512_setzero_si512();
             }
 #pragma GCC unroll 4
-        for (int c = 0; c < CH; c++) {
+        for (int c = 0; c < k.CH; c++) {
             const int wl = NW == 4 ? 2 * (c & 1) : 0, wh = NW == 1 ? 0 : wl + 1;
-            const size_t off = (size_t)(b * CH + c) * 32;
-            if (pf) {
-                const uint8_t *p = pf + (size_t)(b * CH + c) * pf_step;
+            const size_t off = (size_t)(b * k.CH + c) * 32;
+            if (pr.pf) {
+                const uint8_t *p = pr.pf + (size_t)(b * k.CH + c) * pr.pf_step;
                 _mm_prefetch((const char *)p, _MM_HINT_T1);
                 _mm_prefetch((const char *)p + 64, _MM_HINT_T1);
             }
             __m512i v = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rb0 + off))),
-                _mm256_loadu_si256((const __m256i *)(rb1 + off)), 1);
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(pr.rb0 + off))),
+                _mm256_loadu_si256((const __m256i *)(pr.rb1 + off)), 1);
             __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
             if (nvfp4) {
                 lo = _mm512_shuffle_epi8(lut, lo);
@@ -230,11 +216,11 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
             }
 #pragma GCC unroll 8
             for (int t = 0; t < nt; t++) {
-                const int8_t *xq = aq[t] + b * B + c * 8;
+                const int8_t *xq = aq[t] + b * k.B + c * 8;
                 acc[wl][t] = dot4(acc[wl][t], lo, bcast4(xq));
                 acc[wh][t] = dot4(acc[wh][t], hi, bcast4(xq + 4));
                 if (split) {
-                    const int8_t *xq2 = aq2[t] + b * B + c * 8;
+                    const int8_t *xq2 = aq2[t] + b * k.B + c * 8;
                     acc2[wl][t] = dot4(acc2[wl][t], lo, bcast4(xq2));
                     acc2[wh][t] = dot4(acc2[wh][t], hi, bcast4(xq2 + 4));
                 }
@@ -254,10 +240,10 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         }
         __m512 sw;
         if (nvfp4) {
-            sw = e4m3x16(s0 + b * 8, s1 + b * 8, neg);
+            sw = e4m3x16(pr.s0 + b * 8, pr.s1 + b * 8, k.neg);
         } else {
-            sw = int4_scales16(s0, s1, g, stype);
-            if (++in_group == bpg) {
+            sw = int4_scales16(pr.s0, pr.s1, g, k.stype);
+            if (++in_group == k.bpg) {
                 in_group = 0;
                 g++;
             }
@@ -280,7 +266,7 @@ INLINE void tile(const mq_pmat *W, int64_t pair, const mq_qact *A, const int64_t
         if (swiglu) {
             __m256 y0 = _mm512_castps512_ps256(y);
             __m256 y1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1));
-            _mm256_storeu_ps(o[t], _mm256_mul_ps(mq_silu8_avx2(y0), y1));
+            _mm256_storeu_ps(o[t], _mm256_mul_ps(mq_silu_avx2(y0), y1));
         } else {
             _mm512_storeu_ps(o[t], y);
         }

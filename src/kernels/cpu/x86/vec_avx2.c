@@ -8,6 +8,7 @@
 #include <math.h>
 
 #include "kernels/cpu/x86/exp_avx2.h"
+#include "kernels/cpu/x86/vec_reduce_avx2.h"
 #include "kernels/cpu/vec_edges.h"
 #include "kernels/vec.h"
 
@@ -17,21 +18,6 @@
 INLINE __m256i mask_tail(int64_t k) {
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)k), idx);
-}
-
-INLINE float hsum8(__m256 a0, __m256 a1) {
-    __m256 v = _mm256_add_ps(a0, a1);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
-INLINE double hsum4d(__m256d d0, __m256d d1) {
-    __m256d v = _mm256_add_pd(d0, d1);
-    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
-    return _mm_cvtsd_f64(s);
 }
 
 static float dot_avx2(const float *a, const float *b, int64_t n) {
@@ -52,7 +38,7 @@ static float dot_avx2(const float *a, const float *b, int64_t n) {
         __m256 va = _mm256_maskload_ps(a + i, m), vb = _mm256_maskload_ps(b + i, m);
         acc[k] = _mm256_fmadd_ps(va, vb, acc[k]);
     }
-    return hsum8(acc[0], acc[1]);
+    return mq_hsum8_avx2(acc[0], acc[1]);
 }
 
 /* Four rows of W against x at once (x loaded once per block); each row as dot_avx2. */
@@ -96,18 +82,13 @@ static void dot4(const float *W, int64_t ldw, const float *x, int64_t n, float a
             b3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + i, m), xb, b3);
         }
     }
-    y[0] = alpha * hsum8(a0, b0);
-    y[1] = alpha * hsum8(a1, b1);
-    y[2] = alpha * hsum8(a2, b2);
-    y[3] = alpha * hsum8(a3, b3);
+    y[0] = alpha * mq_hsum8_avx2(a0, b0);
+    y[1] = alpha * mq_hsum8_avx2(a1, b1);
+    y[2] = alpha * mq_hsum8_avx2(a2, b2);
+    y[3] = alpha * mq_hsum8_avx2(a3, b3);
 }
 
-static void gemv_avx2(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
-                      float alpha, float *y) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) dot4(W + r * ldw, ldw, x, n, alpha, y + r);
-    for (; r < rows; r++) y[r] = alpha * dot_avx2(W + r * ldw, x, n);
-}
+MQ_VEC_GEMV(avx2, 4, dot4)
 
 static void axpy_avx2(float a, const float *x, float *y, int64_t n) {
     __m256 va = _mm256_set1_ps(a);
@@ -169,10 +150,10 @@ static void rope_avx2(float *x, int64_t half, const float *c, const float *s) {
 
 static void exp_avx2(const float *x, float *y, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, mq_exp8_avx2(_mm256_loadu_ps(x + i)));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, mq_exp_avx2(_mm256_loadu_ps(x + i)));
     if (i < n) {
         __m256i m = mask_tail(n - i);
-        _mm256_maskstore_ps(y + i, m, mq_exp8_avx2(_mm256_maskload_ps(x + i, m)));
+        _mm256_maskstore_ps(y + i, m, mq_exp_avx2(_mm256_maskload_ps(x + i, m)));
     }
 }
 
@@ -197,11 +178,7 @@ static float max_avx2(const float *x, int64_t n) {
         __m256 v = _mm256_blendv_ps(x0, _mm256_maskload_ps(x + i, mk), _mm256_castsi256_ps(mk));
         m[k] = _mm256_max_ps(v, m[k]);
     }
-    __m256 v = _mm256_max_ps(m[1], m[0]);
-    __m128 s = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    s = _mm_max_ps(_mm_movehl_ps(s, s), s);
-    s = _mm_max_ss(_mm_shuffle_ps(s, s, 1), s);
-    return _mm_cvtss_f32(s);
+    return mq_hmax8_avx2(m[0], m[1]);
 }
 
 static void softmax_avx2(float *x, int64_t n) {
@@ -210,40 +187,22 @@ static void softmax_avx2(float *x, int64_t n) {
     int64_t i = 0;
     int k = 0;
     for (; i + 8 <= n; i += 8, k ^= 1) {
-        __m256 e = mq_exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx));
+        __m256 e = mq_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx));
         _mm256_storeu_ps(x + i, e);
         acc[k] = _mm256_add_ps(acc[k], e);
     }
     __m256i mk = _mm256_setzero_si256();
     if (i < n) {
         mk = mask_tail(n - i);
-        __m256 e = mq_exp8_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), mx));
+        __m256 e = mq_exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + i, mk), mx));
         e = _mm256_and_ps(e, _mm256_castsi256_ps(mk));
         _mm256_maskstore_ps(x + i, mk, e);
         acc[k] = _mm256_add_ps(acc[k], e);
     }
-    __m256 sum = _mm256_set1_ps(hsum8(acc[0], acc[1]));
+    __m256 sum = _mm256_set1_ps(mq_hsum8_avx2(acc[0], acc[1]));
     for (i = 0; i + 8 <= n; i += 8)
         _mm256_storeu_ps(x + i, _mm256_div_ps(_mm256_loadu_ps(x + i), sum));
     if (i < n) _mm256_maskstore_ps(x + i, mk, _mm256_div_ps(_mm256_maskload_ps(x + i, mk), sum));
-}
-
-/* 4 lanes of mq_vec_exp_sum_term. */
-INLINE __m256d expd4(__m256d d) {
-    d = _mm256_max_pd(_mm256_set1_pd(-708.0), d);   /* NaN d passes */
-    __m256d n = _mm256_round_pd(_mm256_mul_pd(d, _mm256_set1_pd(1.4426950408889634)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), d);
-    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
-    static const double c[13] = {1.0,         1.0,          1.0 / 2,       1.0 / 6,
-                                 1.0 / 24,    1.0 / 120,    1.0 / 720,     1.0 / 5040,
-                                 1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
-                                 1.0 / 479001600};
-    __m256d p = _mm256_set1_pd(c[12]);
-    for (int k = 11; k >= 0; k--) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c[k]));
-    __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n));
-    e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
-    return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
 }
 
 /* Adds exp(v - mx) of the 8 floats of v to the double lanes (low half to d0, high half to d1);
@@ -253,8 +212,8 @@ INLINE void add_exp8(__m256 v, __m256d mx, __m256i keep, __m256d *d0, __m256d *d
     __m256d hi = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), mx);
     __m256d klo = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(keep)));
     __m256d khi = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(keep, 1)));
-    *d0 = _mm256_add_pd(*d0, _mm256_and_pd(expd4(lo), klo));
-    *d1 = _mm256_add_pd(*d1, _mm256_and_pd(expd4(hi), khi));
+    *d0 = _mm256_add_pd(*d0, _mm256_and_pd(mq_expd_avx2(lo), klo));
+    *d1 = _mm256_add_pd(*d1, _mm256_and_pd(mq_expd_avx2(hi), khi));
 }
 
 static double logsumexp_avx2(const float *x, int64_t n, int32_t *argmax) {
@@ -279,14 +238,14 @@ static double logsumexp_avx2(const float *x, int64_t n, int32_t *argmax) {
         __m256i mk = mask_tail(n - i);
         add_exp8(_mm256_maskload_ps(x + i, mk), mx, mk, &d0, &d1);
     }
-    return (double)mxf + log(hsum4d(d0, d1));
+    return (double)mxf + log(mq_hsum4d_avx2(d0, d1));
 }
 
 /* exp(a) * (a - b) of 4 lanes, a = lb - lse_b, b = lm - lse_m. */
 INLINE __m256d kl_term4(__m128 lb, __m128 lm, __m256d lse_b, __m256d lse_m) {
     __m256d a = _mm256_sub_pd(_mm256_cvtps_pd(lb), lse_b);
     __m256d b = _mm256_sub_pd(_mm256_cvtps_pd(lm), lse_m);
-    return _mm256_mul_pd(expd4(a), _mm256_sub_pd(a, b));
+    return _mm256_mul_pd(mq_expd_avx2(a), _mm256_sub_pd(a, b));
 }
 
 static double kl_avx2(const float *lb, double lse_b, const float *lm, double lse_m, int64_t n) {
@@ -310,7 +269,7 @@ static double kl_avx2(const float *lb, double lse_b, const float *lm, double lse
         d0 = _mm256_add_pd(d0, _mm256_and_pd(t0, klo));
         d1 = _mm256_add_pd(d1, _mm256_and_pd(t1, khi));
     }
-    return hsum4d(d0, d1);
+    return mq_hsum4d_avx2(d0, d1);
 }
 
 static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, float *out) {
@@ -330,7 +289,7 @@ static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, f
         d0 = _mm256_fmadd_pd(lo, lo, d0);
         d1 = _mm256_fmadd_pd(hi, hi, d1);
     }
-    float var = (float)(hsum4d(d0, d1) / (double)n);
+    float var = (float)(mq_hsum4d_avx2(d0, d1) / (double)n);
     float invf = 1.0f / sqrtf(var + eps);
     __m256 inv = _mm256_set1_ps(invf);
     for (i = 0; i + 8 <= n; i += 8)
@@ -339,7 +298,7 @@ static void rmsnorm_avx2(const float *x, int64_t n, const float *w, float eps, f
     vec_norm_scale_from(i, x, w, invf, out, n);
 }
 
-INLINE __m256 swiglu8(__m256 g, __m256 u) { return _mm256_mul_ps(mq_silu8_avx2(g), u); }
+INLINE __m256 swiglu8(__m256 g, __m256 u) { return _mm256_mul_ps(mq_silu_avx2(g), u); }
 
 static void swiglu_avx2(float *g, const float *u, int64_t n) {
     int64_t i = 0;
@@ -352,16 +311,4 @@ static void swiglu_avx2(float *g, const float *u, int64_t n) {
     }
 }
 
-const mq_vec_kernels mq_vec_avx2 = {
-    .dot = dot_avx2,
-    .gemv = gemv_avx2,
-    .gemv_t = gemv_t_avx2,
-    .axpy = axpy_avx2,
-    .rope = rope_avx2,
-    .exp = exp_avx2,
-    .softmax = softmax_avx2,
-    .logsumexp = logsumexp_avx2,
-    .kl = kl_avx2,
-    .rmsnorm = rmsnorm_avx2,
-    .swiglu = swiglu_avx2,
-};
+const mq_vec_kernels mq_vec_avx2 = MQ_VEC_KERNELS_OF(avx2);

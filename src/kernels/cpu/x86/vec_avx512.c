@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "kernels/cpu/x86/exp_avx512.h"
+#include "kernels/cpu/x86/vec_reduce_avx2.h"
 #include "kernels/cpu/vec_edges.h"
 #include "kernels/vec.h"
 
@@ -22,24 +23,13 @@ INLINE __mmask16 first(int64_t k) { return (__mmask16)(k >= 16 ? 0xffff : (1u <<
 /* The lanes of the 8-blocks a tail of k (0 < k < 16) elements touches. */
 INLINE __mmask16 blocks(int64_t k) { return (__mmask16)(k > 8 ? 0xffff : 0x00ff); }
 
-/* vec_avx2.c's hsum8(a0, a1) with a0, a1 the halves of v. */
-INLINE float hsum16(__m512 v) {
-    __m256 lo = _mm512_castps512_ps256(v);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
+/* The halves of a zmm (lanes 0-7, 8-15; doubles 0-3, 4-7). */
+INLINE __m256 lo8(__m512 v) { return _mm512_castps512_ps256(v); }
+INLINE __m256 hi8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
-/* vec_avx2.c's hsum4d(d0, d1) with d0, d1 the halves of v. */
-INLINE double hsum8d(__m512d v) {
-    __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
-    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
-    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
-    return _mm_cvtsd_f64(s);
-}
+/* The AVX2 twins' reductions of the two accumulators a zmm holds. */
+INLINE float hsum16(__m512 v) { return mq_hsum8_avx2(lo8(v), hi8(v)); }
+INLINE double hsum8d(__m512d v) { return mq_hsum4d_avx2(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1)); }
 
 static float dot_avx512(const float *a, const float *b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
@@ -79,12 +69,7 @@ static void dot8(const float *W, int64_t ldw, const float *x, int64_t n, float a
     for (int r = 0; r < 8; r++) y[r] = alpha * hsum16(acc[r]);
 }
 
-static void gemv_avx512(const float *W, int64_t ldw, int64_t rows, const float *x, int64_t n,
-                        float alpha, float *y) {
-    int64_t r = 0;
-    for (; r + 8 <= rows; r += 8) dot8(W + r * ldw, ldw, x, n, alpha, y + r);
-    for (; r < rows; r++) y[r] = alpha * dot_avx512(W + r * ldw, x, n);
-}
+MQ_VEC_GEMV(avx512, 8, dot8)
 
 static void axpy_avx512(float a, const float *x, float *y, int64_t n) {
     __m512 va = _mm512_set1_ps(a);
@@ -138,7 +123,7 @@ static void rope_avx512(float *x, int64_t half, const float *c, const float *s) 
 static void exp_avx512(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = first(n - i);
-        _mm512_mask_storeu_ps(y + i, m, mq_exp16_avx512(_mm512_maskz_loadu_ps(m, x + i)));
+        _mm512_mask_storeu_ps(y + i, m, mq_exp_avx512(_mm512_maskz_loadu_ps(m, x + i)));
     }
 }
 
@@ -152,13 +137,7 @@ static float max_avx512(const float *x, int64_t n) {
         __m512 v = _mm512_mask_loadu_ps(x0, first(n - i), x + i);
         m = _mm512_mask_max_ps(m, blocks(n - i), v, m);
     }
-    __m256 lo = _mm512_castps512_ps256(m);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1));
-    __m256 v = _mm256_max_ps(hi, lo);
-    __m128 s = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-    s = _mm_max_ps(_mm_movehl_ps(s, s), s);
-    s = _mm_max_ss(_mm_shuffle_ps(s, s, 1), s);
-    return _mm_cvtss_f32(s);
+    return mq_hmax8_avx2(lo8(m), hi8(m));
 }
 
 static void softmax_avx512(float *x, int64_t n) {
@@ -166,13 +145,13 @@ static void softmax_avx512(float *x, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512 e = mq_exp16_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), mx));
+        __m512 e = mq_exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), mx));
         _mm512_storeu_ps(x + i, e);
         acc = _mm512_add_ps(acc, e);
     }
     if (i < n) {
         __mmask16 m = first(n - i);
-        __m512 e = _mm512_maskz_mov_ps(m, mq_exp16_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), mx)));
+        __m512 e = _mm512_maskz_mov_ps(m, mq_exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), mx)));
         _mm512_mask_storeu_ps(x + i, m, e);
         acc = _mm512_mask_add_ps(acc, blocks(n - i), acc, e);
     }
@@ -186,7 +165,7 @@ static void softmax_avx512(float *x, int64_t n) {
 /* exp(v - mx) of 8 floats (m: the lanes inside n) as 8 doubles, +0 outside m. */
 INLINE __m512d exp8d(const float *p, __mmask8 m, __m512d mx) {
     __m512d d = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, p)), mx);
-    return _mm512_maskz_mov_pd(m, mq_expd8_avx512(d));
+    return _mm512_maskz_mov_pd(m, mq_expd_avx512(d));
 }
 
 static double logsumexp_avx512(const float *x, int64_t n, int32_t *argmax) {
@@ -211,7 +190,7 @@ static double logsumexp_avx512(const float *x, int64_t n, int32_t *argmax) {
 INLINE __m512d kl_term8(const float *lb, const float *lm, __mmask8 m, __m512d zb, __m512d zm) {
     __m512d a = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, lb)), zb);
     __m512d b = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, lm)), zm);
-    return _mm512_maskz_mov_pd(m, _mm512_mul_pd(mq_expd8_avx512(a), _mm512_sub_pd(a, b)));
+    return _mm512_maskz_mov_pd(m, _mm512_mul_pd(mq_expd_avx512(a), _mm512_sub_pd(a, b)));
 }
 
 static double kl_avx512(const float *lb, double lse_b, const float *lm, double lse_m, int64_t n) {
@@ -243,22 +222,10 @@ static void rmsnorm_avx512(const float *x, int64_t n, const float *w, float eps,
 static void swiglu_avx512(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = first(n - i);
-        __m512 y = _mm512_mul_ps(mq_silu16_avx512(_mm512_maskz_loadu_ps(m, g + i)),
+        __m512 y = _mm512_mul_ps(mq_silu_avx512(_mm512_maskz_loadu_ps(m, g + i)),
                                  _mm512_maskz_loadu_ps(m, u + i));
         _mm512_mask_storeu_ps(g + i, m, y);
     }
 }
 
-const mq_vec_kernels mq_vec_avx512 = {
-    .dot = dot_avx512,
-    .gemv = gemv_avx512,
-    .gemv_t = gemv_t_avx512,
-    .axpy = axpy_avx512,
-    .rope = rope_avx512,
-    .exp = exp_avx512,
-    .softmax = softmax_avx512,
-    .logsumexp = logsumexp_avx512,
-    .kl = kl_avx512,
-    .rmsnorm = rmsnorm_avx512,
-    .swiglu = swiglu_avx512,
-};
+const mq_vec_kernels mq_vec_avx512 = MQ_VEC_KERNELS_OF(avx512);
