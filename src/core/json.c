@@ -19,6 +19,10 @@ void mq_json_add_num(cJSON *j, const char *k, double v) {
     cJSON_AddRawToObject(j, k, t);
 }
 
+void mq_json_add_nums(cJSON *j, const mq_json_num *t, size_t n) {
+    for (size_t i = 0; i < n; i++) mq_json_add_num(j, t[i].key, t[i].v);
+}
+
 char *mq_json_take_text(cJSON *j) {
     char *s = j ? cJSON_PrintUnformatted(j) : NULL;
     cJSON_Delete(j);
