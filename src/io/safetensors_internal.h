@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/json.h"
 #include "core/page.h"
 #include "io/safetensors.h"
 
@@ -87,25 +88,10 @@ static inline void sb_str(mq_page *b, const char *s) { mq_page_put(b, s, strlen(
 static inline void sb_json_str(mq_page *b, const char *s) {
     mq_page_put(b, "\"", 1);
     for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        const char *esc = NULL;
-        switch (c) {
-        case '"': esc = "\\\""; break;
-        case '\\': esc = "\\\\"; break;
-        case '\b': esc = "\\b"; break;
-        case '\f': esc = "\\f"; break;
-        case '\n': esc = "\\n"; break;
-        case '\r': esc = "\\r"; break;
-        case '\t': esc = "\\t"; break;
-        default: break;
-        }
-        if (esc) {
-            sb_str(b, esc);
-        } else if (c < 0x20) {
-            mq_page_printf(b, "\\u%04x", c);
-        } else {
-            mq_page_put(b, s, 1);
-        }
+        char t[8];
+        const char *esc = mq_json_escape((unsigned char)*s, t);
+        if (esc) sb_str(b, esc);
+        else mq_page_put(b, s, 1);
     }
     mq_page_put(b, "\"", 1);
 }
