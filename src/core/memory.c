@@ -335,3 +335,20 @@ char *mq_asprintf(const char *fmt, ...) {
     if (!r) mq_err(MOEQ_E_NOMEM, "out of memory formatting a string");
     return r;
 }
+
+bool mq_reserve(void *arrp, size_t *cap, size_t need, size_t elem, size_t first) {
+    if (need <= *cap) return true;
+    size_t c = *cap ? *cap : first;
+    while (c < need) c *= 2;
+    void *arr;
+    memcpy(&arr, arrp, sizeof arr);
+    void *a = realloc(arr, c * elem);
+    if (!a) return false;
+    memcpy(arrp, &a, sizeof a);
+    *cap = c;
+    return true;
+}
+
+moeq_status mq_grow(void *arrp, size_t n, size_t *cap, size_t elem, size_t first, const char *what) {
+    return mq_reserve(arrp, cap, n + 1, elem, first) ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory: %s", what);
+}

@@ -129,21 +129,6 @@ static inline void sb_header_end(mq_page *h) {
     while (!h->oom && h->n % 8 != 0) mq_page_put(h, " ", 1);
 }
 
-/* Room for one more of n elements of `elem` bytes in the array whose pointer is at arrp
- * (capacity *cap, doubled from `first`); the pointer is unchanged when memory runs out. */
-static inline moeq_status st_grow(void *arrp, size_t n, size_t *cap, size_t elem, size_t first,
-                                  const char *what) {
-    if (n < *cap) return MOEQ_OK;
-    void *arr;
-    memcpy(&arr, arrp, sizeof arr);
-    const size_t c = *cap ? *cap * 2 : first;
-    void *a = realloc(arr, c * elem);
-    if (!a) return mq_err(MOEQ_E_NOMEM, "out of memory: %s", what);
-    memcpy(arrp, &a, sizeof a);
-    *cap = c;
-    return MOEQ_OK;
-}
-
 /* *out = a copy of name, registered in names (whose duplicates the caller has refused). */
 static inline moeq_status st_name_add(strset *names, const char *name, char **out) {
     char *nm = mq_strdup(name);

@@ -111,7 +111,7 @@ moeq_status mq_stw_add_owned(mq_st_writer *w, const char *name, moeq_dtype dtype
     if (s == MOEQ_OK && strset_has(&w->names, name))
         s = mq_err(MOEQ_E_EXISTS, "safetensors writer: tensor '%s' added twice", name);
     if (s == MOEQ_OK)
-        s = st_grow(&w->t, w->n, &w->cap, sizeof *w->t, 64, "safetensors writer table");
+        s = mq_grow(&w->t, w->n, &w->cap, sizeof *w->t, 64, "safetensors writer table");
     char *nm = NULL;
     if (s == MOEQ_OK) s = st_name_add(&w->names, name, &nm);
     if (s != MOEQ_OK) {
@@ -299,7 +299,7 @@ moeq_status mq_shards_add_owned(mq_shard_writer *sw, const char *name, moeq_dtyp
     if (s == MOEQ_OK && strset_has(&sw->names, name))
         s = mq_err(MOEQ_E_EXISTS, "%s: tensor '%s' added twice", sw->dir, name);
     if (s == MOEQ_OK)
-        s = st_grow(&sw->map, sw->n_map, &sw->cap_map, sizeof *sw->map, 256, "weight map");
+        s = mq_grow(&sw->map, sw->n_map, &sw->cap_map, sizeof *sw->map, 256, "weight map");
     char *nm = NULL;
     if (s == MOEQ_OK) s = st_name_add(&sw->names, name, &nm);
     if (s != MOEQ_OK) {
