@@ -43,6 +43,13 @@ void *mq_alloc(size_t n, const char *what);
 void *mq_alloc_zero(size_t n, const char *what);
 void *mq_alloc_array(size_t count, size_t elem, const char *what);
 void mq_free(void *p);
+/* Releases each of n pointers (NULLs skipped): with free() (malloc'd) or mq_free (mq_alloc'd).
+ * For a struct's owned arrays, listed once: MQ_FREE_EACH(t->a, t->b), MQ_RELEASE_EACH(...). */
+void mq_free_each(void *const *p, size_t n);
+void mq_release_each(void *const *p, size_t n);
+#define MQ_PTRS_(...) ((void *const[]){__VA_ARGS__}), sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *)
+#define MQ_FREE_EACH(...) mq_free_each(MQ_PTRS_(__VA_ARGS__))
+#define MQ_RELEASE_EACH(...) mq_release_each(MQ_PTRS_(__VA_ARGS__))
 /* Room for need elements of `elem` bytes in the malloc'd array whose pointer is at arrp: its
  * capacity *cap doubled (from `first` when 0) until it holds them; false, the array unchanged,
  * when memory runs out. */

@@ -336,6 +336,14 @@ char *mq_asprintf(const char *fmt, ...) {
     return r;
 }
 
+void mq_free_each(void *const *p, size_t n) {
+    for (size_t i = 0; i < n; i++) free(p[i]);
+}
+
+void mq_release_each(void *const *p, size_t n) {
+    for (size_t i = 0; i < n; i++) mq_free(p[i]);
+}
+
 bool mq_reserve(void *arrp, size_t *cap, size_t need, size_t elem, size_t first) {
     if (need <= *cap) return true;
     size_t c = *cap ? *cap : first;

@@ -229,12 +229,7 @@ void mq_shard_files_close(mq_shard_files *f) {
         if (f->fd[k] >= 0) close(f->fd[k]);
         if (f->tmp) free(f->tmp[k]);
     }
-    free(f->tmp);
-    free(f->fd);
-    free(f->dirty);
-    free(f->done);
-    free(f->dir);
-    free(f);
+    MQ_FREE_EACH(f->tmp, f->fd, f->dirty, f->done, f->dir, f);
 }
 
 static moeq_status files_new(mq_shard_plan *p, const char *dir, mq_shard_files **out) {

@@ -546,10 +546,7 @@ done:
 
 void mq_config_free(mq_config *c) {
     if (!c) return;
-    free(c->layer_is_moe);
-    free(c->layer_sliding);
-    free(c->quant_method);
-    free(c->quant_format);
+    MQ_FREE_EACH(c->layer_is_moe, c->layer_sliding, c->quant_method, c->quant_format);
     c->layer_is_moe = c->layer_sliding = NULL;
     c->quant_method = c->quant_format = NULL;
 }

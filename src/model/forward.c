@@ -420,13 +420,8 @@ void mq_state_free(mq_state *s) {
         if (s->vc) mq_free(s->vc[l]);
         if (s->lc) mq_free(s->lc[l]);
     }
-    free(s->kc);
-    free(s->vc);
-    free(s->lc);
-    free(s->filled);
-    mq_free(s->rope_cos);
-    mq_free(s->rope_sin);
-    mq_free(s->scores);
+    MQ_FREE_EACH(s->kc, s->vc, s->lc, s->filled);
+    MQ_RELEASE_EACH(s->rope_cos, s->rope_sin, s->scores);
     scratch_free(s);
     free(s);
 }

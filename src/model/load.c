@@ -874,9 +874,7 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
 
 /* ---- open / free --------------------------------------------------------------------------- */
 static void linear_free(mq_linear *l) {
-    mq_free(l->w);
-    mq_free(l->gw);
-    mq_free(l->bias);
+    MQ_RELEASE_EACH(l->w, l->gw, l->bias);
     free(l->name);
     mq_packed_weight_free(l->qw);
 }
@@ -893,17 +891,14 @@ void moeq_model_free(moeq_model *m) {
         mq_linear *lin[MQ_LAYER_LINEARS];
         mq_layer_linears(ly, lin);
         for (int i = 0; i < MQ_LAYER_LINEARS; i++) linear_free(lin[i]);
-        float *vec[] = {ly->attn_norm, ly->ffn_norm, ly->q_norm,      ly->k_norm,   ly->q_a_norm,
-                        ly->kv_a_norm, ly->router,   ly->router_bias, ly->sh_gate_w};
-        for (size_t i = 0; i < sizeof vec / sizeof *vec; i++) mq_free(vec[i]);
+        MQ_RELEASE_EACH(ly->attn_norm, ly->ffn_norm, ly->q_norm, ly->k_norm, ly->q_a_norm, ly->kv_a_norm, ly->router,
+                        ly->router_bias, ly->sh_gate_w);
         for (int e = 0; e < m->cfg.n_experts; e++) {
             if (ly->exp_gate) linear_free(&ly->exp_gate[e]);
             if (ly->exp_up) linear_free(&ly->exp_up[e]);
             if (ly->exp_down) linear_free(&ly->exp_down[e]);
         }
-        free(ly->exp_gate);
-        free(ly->exp_up);
-        free(ly->exp_down);
+        MQ_FREE_EACH(ly->exp_gate, ly->exp_up, ly->exp_down);
         moeq_moe_experts_free(ly->pexperts);
     }
     free(m->layers);
