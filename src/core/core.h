@@ -69,6 +69,9 @@ char *mq_strdup(const char *s);
 char *mq_strndup(const char *s, size_t n);
 /* printf into a new malloc'ed string (free with free()). */
 char *mq_asprintf(const char *fmt, ...) MQ_PRINTF(1, 2);
+/* The index i in [0, n) whose name_at(ctx, i) is key, the names ascending in strcmp order; -1
+ * when none is. */
+int64_t mq_find_name(const char *key, size_t n, const char *(*name_at)(const void *ctx, size_t i), const void *ctx);
 
 /* Memory figures (bytes; 0 where /proc is missing). anon: the process's anonymous resident
  * memory (RssAnon), which excludes file-backed pages such as mmapped checkpoints. */

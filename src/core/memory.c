@@ -344,6 +344,18 @@ void mq_release_each(void *const *p, size_t n) {
     for (size_t i = 0; i < n; i++) mq_free(p[i]);
 }
 
+int64_t mq_find_name(const char *key, size_t n, const char *(*name_at)(const void *ctx, size_t i), const void *ctx) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        const size_t mid = lo + (hi - lo) / 2;
+        const int c = strcmp(name_at(ctx, mid), key);
+        if (c == 0) return (int64_t)mid;
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return -1;
+}
+
 bool mq_reserve(void *arrp, size_t *cap, size_t need, size_t elem, size_t first) {
     if (need <= *cap) return true;
     size_t c = *cap ? *cap : first;

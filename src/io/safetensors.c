@@ -463,18 +463,11 @@ static int cmp_entry_tensor(const void *a, const void *b) {
     return strcmp(((const st_map_entry *)a)->tensor, ((const st_map_entry *)b)->tensor);
 }
 
+static const char *view_name(const void *t, size_t i) { return ((const mq_tensor_view *)t)[i].name; }
+
 static const mq_tensor_view *find_view(const mq_tensor_view *t, size_t n, const char *name) {
-    size_t lo = 0, hi = n;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        int c = strcmp(t[mid].name, name);
-        if (c == 0) return &t[mid];
-        if (c < 0)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return NULL;
+    const int64_t i = mq_find_name(name, n, view_name, t);
+    return i < 0 ? NULL : &t[i];
 }
 
 /* Returns the path's last component (shard file names are compared by it). */

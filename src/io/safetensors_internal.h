@@ -129,13 +129,18 @@ static inline void sb_header_end(mq_page *h) {
     while (!h->oom && h->n % 8 != 0) mq_page_put(h, " ", 1);
 }
 
-/* *out = a copy of name, registered in names (whose duplicates the caller has refused). */
-static inline moeq_status st_name_add(strset *names, const char *name, char **out) {
-    char *nm = mq_strdup(name);
-    moeq_status s = nm ? strset_add(names, nm) : MOEQ_E_NOMEM;
+/* After an add's checks (s): *out = a copy of name, registered in names (whose duplicates the
+ * caller has refused); on any failure the tensor's data (owned, mq_alloc'd) is released. */
+static inline moeq_status st_name_add(moeq_status s, strset *names, const char *name, void *data, char **out) {
+    char *nm = NULL;
+    if (s == MOEQ_OK) {
+        nm = mq_strdup(name);
+        s = nm ? strset_add(names, nm) : MOEQ_E_NOMEM;
+    }
     if (s != MOEQ_OK) {
         free(nm);
         nm = NULL;
+        mq_free(data);
     }
     *out = nm;
     return s;
