@@ -43,6 +43,19 @@ void *mq_alloc(size_t n, const char *what);
 void *mq_alloc_zero(size_t n, const char *what);
 void *mq_alloc_array(size_t count, size_t elem, const char *what);
 void mq_free(void *p);
+/* Releases each of n pointers (NULLs skipped): with free() (malloc'd) or mq_free (mq_alloc'd).
+ * For a struct's owned arrays, listed once: MQ_FREE_EACH(t->a, t->b), MQ_RELEASE_EACH(...). */
+void mq_free_each(void *const *p, size_t n);
+void mq_release_each(void *const *p, size_t n);
+#define MQ_PTRS_(...) ((void *const[]){__VA_ARGS__}), sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *)
+#define MQ_FREE_EACH(...) mq_free_each(MQ_PTRS_(__VA_ARGS__))
+#define MQ_RELEASE_EACH(...) mq_release_each(MQ_PTRS_(__VA_ARGS__))
+/* Room for need elements of `elem` bytes in the malloc'd array whose pointer is at arrp: its
+ * capacity *cap doubled (from `first` when 0) until it holds them; false, the array unchanged,
+ * when memory runs out. */
+bool mq_reserve(void *arrp, size_t *cap, size_t need, size_t elem, size_t first);
+/* mq_reserve's room for one more of n elements, MOEQ_E_NOMEM naming `what` when memory runs out. */
+moeq_status mq_grow(void *arrp, size_t n, size_t *cap, size_t elem, size_t first, const char *what);
 /* Unmaps the freed blocks of 1 MB or more kept for reuse (core/memory.c: recycling), e.g. when a
  * job is done and its memory should go back to the system. */
 void mq_mem_release(void);
@@ -56,6 +69,9 @@ char *mq_strdup(const char *s);
 char *mq_strndup(const char *s, size_t n);
 /* printf into a new malloc'ed string (free with free()). */
 char *mq_asprintf(const char *fmt, ...) MQ_PRINTF(1, 2);
+/* The index i in [0, n) whose name_at(ctx, i) is key, the names ascending in strcmp order; -1
+ * when none is. */
+int64_t mq_find_name(const char *key, size_t n, const char *(*name_at)(const void *ctx, size_t i), const void *ctx);
 
 /* Memory figures (bytes; 0 where /proc is missing). anon: the process's anonymous resident
  * memory (RssAnon), which excludes file-backed pages such as mmapped checkpoints. */
@@ -160,6 +176,11 @@ void mq_remove_tree(const char *path);
 typedef void (*mq_task_fn)(void *ctx, int64_t task, int thread);
 void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx);
 int mq_pool_size(void);
+/* fn(ctx, lo, hi) over [0, n) cut into pieces of `step` (the last one shorter): as tasks of
+ * mq_parallel_for when pool, else in order on the calling thread. For elementwise or row-wise
+ * work, whose values do not depend on the cut. */
+typedef void (*mq_range_fn)(void *ctx, int64_t lo, int64_t hi);
+void mq_parallel_ranges(int64_t n, int64_t step, bool pool, mq_range_fn fn, void *ctx);
 /* Wall seconds spent so far in top-level mq_parallel_for calls of two or more tasks (the work that
  * can spread over the threads); a stage's wall time less this is what ran on one thread. */
 double mq_pool_seconds(void);

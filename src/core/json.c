@@ -19,6 +19,26 @@ void mq_json_add_num(cJSON *j, const char *k, double v) {
     cJSON_AddRawToObject(j, k, t);
 }
 
+void mq_json_add_nums(cJSON *j, const mq_json_num *t, size_t n) {
+    for (size_t i = 0; i < n; i++) mq_json_add_num(j, t[i].key, t[i].v);
+}
+
+const char *mq_json_escape(unsigned char c, char t[8]) {
+    switch (c) {
+    case '"': return "\\\"";
+    case '\\': return "\\\\";
+    case '\b': return "\\b";
+    case '\f': return "\\f";
+    case '\n': return "\\n";
+    case '\r': return "\\r";
+    case '\t': return "\\t";
+    default: break;
+    }
+    if (c >= 0x20) return NULL;
+    snprintf(t, 8, "\\u%04x", c);
+    return t;
+}
+
 char *mq_json_take_text(cJSON *j) {
     char *s = j ? cJSON_PrintUnformatted(j) : NULL;
     cJSON_Delete(j);

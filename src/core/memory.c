@@ -335,3 +335,40 @@ char *mq_asprintf(const char *fmt, ...) {
     if (!r) mq_err(MOEQ_E_NOMEM, "out of memory formatting a string");
     return r;
 }
+
+void mq_free_each(void *const *p, size_t n) {
+    for (size_t i = 0; i < n; i++) free(p[i]);
+}
+
+void mq_release_each(void *const *p, size_t n) {
+    for (size_t i = 0; i < n; i++) mq_free(p[i]);
+}
+
+int64_t mq_find_name(const char *key, size_t n, const char *(*name_at)(const void *ctx, size_t i), const void *ctx) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        const size_t mid = lo + (hi - lo) / 2;
+        const int c = strcmp(name_at(ctx, mid), key);
+        if (c == 0) return (int64_t)mid;
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return -1;
+}
+
+bool mq_reserve(void *arrp, size_t *cap, size_t need, size_t elem, size_t first) {
+    if (need <= *cap) return true;
+    size_t c = *cap ? *cap : first;
+    while (c < need) c *= 2;
+    void *arr;
+    memcpy(&arr, arrp, sizeof arr);
+    void *a = realloc(arr, c * elem);
+    if (!a) return false;
+    memcpy(arrp, &a, sizeof a);
+    *cap = c;
+    return true;
+}
+
+moeq_status mq_grow(void *arrp, size_t n, size_t *cap, size_t elem, size_t first, const char *what) {
+    return mq_reserve(arrp, cap, n + 1, elem, first) ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "out of memory: %s", what);
+}

@@ -343,3 +343,24 @@ void mq_parallel_for(int64_t n_tasks, mq_task_fn fn, void *ctx) {
     pthread_mutex_unlock(&g_pool.submit);
     pool_time_add(t0);
 }
+
+typedef struct {
+    mq_range_fn fn;
+    void *ctx;
+    int64_t n, step;
+} range_job;
+
+static void range_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const range_job *j = ctx;
+    const int64_t lo = t * j->step, hi = j->n - lo < j->step ? j->n : lo + j->step;
+    j->fn(j->ctx, lo, hi);
+}
+
+void mq_parallel_ranges(int64_t n, int64_t step, bool pool, mq_range_fn fn, void *ctx) {
+    range_job j = {fn, ctx, n, step};
+    const int64_t nt = (n + step - 1) / step;
+    if (pool) mq_parallel_for(nt, range_task, &j);
+    else
+        for (int64_t t = 0; t < nt; t++) range_task(&j, t, 0);
+}
