@@ -316,5 +316,140 @@ static void test_names(void) {
     }
 }
 
+/* The AVX2 scoring of candidate grids is bit-identical to the scalar reference, for every type
+ * (asymmetric, symmetric with signed steps, Q8_0's codes from 1), candidate counts that fill 1
+ * to 4 vectors partly and more, zero steps, values far off the grid (clamped codes), strides,
+ * weights or none. */
+static void test_sse_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    enum { NC = 70 };
+    static float x[64 * 3], w[64], step[NC + 8], off[NC + 8];
+    static double a[NC + 8], b[NC + 8];
+    for (int tr = 0; tr < 800; tr++) {
+        const mq_kq_info *t = mq_kq_info_of((mq_kq_type)(tr % MQ_KQ_COUNT));
+        const int nc = 1 + (tr * 7) % NC, n = 1 + tr % 64, stride = 1 + tr % 3;
+        for (int i = 0; i < n * stride; i++) x[i] = rnd_gauss() * 0.02f * (i % 13 == 0 ? 8.0f : 1.0f);
+        for (int i = 0; i < n; i++) w[i] = (float)(rnd_u32() % 1000) / 250.0f;
+        for (int c = 0; c < nc + 8; c++) {
+            const float sc = 0.02f / (float)(t->qmax + 1) * (0.3f + (float)(rnd_u32() % 1000) / 400.0f);
+            step[c] = t->zero >= 0 && c % 3 == 1 ? -sc : sc;   /* signed steps on symmetric grids */
+            off[c] = t->zero < 0 ? sc * (float)(rnd_u32() % 12) : 0.0f;
+            if (c % 11 == 4) step[c] = 0;
+        }
+        const float *wp = tr % 2 ? w : NULL;
+        mq_kq_sse_ref(t, step, off, nc, x, n, stride, wp, a);
+#if MQ_TEST_X86
+        mq_kq_sse_avx2(t, step, off, nc, x, n, stride, wp, b);
+#else
+        memcpy(b, a, sizeof(double) * (size_t)nc);   /* unreachable: skipped without AVX2 */
+#endif
+        for (int c = 0; c < nc; c++)
+            if (memcmp(&a[c], &b[c], sizeof(double)) != 0)
+                FAIL("trial %d %s candidate %d: ref %.17g, avx2 %.17g", tr, t->name, c, a[c], b[c]);
+    }
+}
+
+/* The AVX2 trials of the asymmetric sub-block fit are bit-identical to the scalar reference
+ * (every output of the trials with D > 0), with and without weights and the clamp, strided, for
+ * trial counts that fill 1 to 3 vectors partly and more, and values all of one sign. */
+static void test_asym_trials_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    enum { NT = 40 };
+    static float x[64 * 3], w[64], is[NT], D[2][NT], sc[2][NT], mn[2][NT];
+    static double e[2][NT];
+    int checked = 0;
+    for (int tr = 0; tr < 600; tr++) {
+        const int n = 2 + tr % 63, stride = 1 + tr % 3, nt = 1 + (tr * 5) % NT, nmax = tr % 3 ? 15 : 31;
+        const float shift = tr % 4 == 0 ? 0.05f : 0.0f;   /* all positive: the clamp's case */
+        for (int i = 0; i < n * stride; i++) x[i] = rnd_gauss() * 0.02f + shift;
+        for (int i = 0; i < n; i++) w[i] = (float)(rnd_u32() % 1000) / 250.0f;
+        const float *wp = tr % 2 ? w : NULL;
+        mq_kq_sums s = {x[0], 0, 0, nmax, tr % 3 != 2};
+        for (int i = 0; i < n; i++) {
+            const float v = x[i * stride], wi = wp ? wp[i] : 1.0f;
+            s.min = v < s.min ? v : s.min;
+            s.sum_w += wi;
+            s.sum_x += wi * v;
+        }
+        if (s.clamp && s.min > 0) s.min = 0;
+        for (int k = 0; k < nt; k++) is[k] = ((float)nmax - 1.0f + 0.1f * (float)(k % 21)) / 0.1f;
+        mq_kq_asym_trials_ref(x, n, stride, wp, &s, is, nt, D[0], sc[0], mn[0], e[0]);
+#if MQ_TEST_X86
+        mq_kq_asym_trials_avx2(x, n, stride, wp, &s, is, nt, D[1], sc[1], mn[1], e[1]);
+#endif
+        for (int k = 0; k < nt; k++) {
+            if (memcmp(&D[0][k], &D[1][k], sizeof(float))) FAIL("trial %d/%d: D %.9g vs %.9g", tr, k, D[0][k], D[1][k]);
+            if (!(D[0][k] > 0)) continue;
+            checked++;
+            if (memcmp(&sc[0][k], &sc[1][k], sizeof(float)) || memcmp(&mn[0][k], &mn[1][k], sizeof(float)) ||
+                memcmp(&e[0][k], &e[1][k], sizeof(double)))
+                FAIL("trial %d/%d: ref %.9g %.9g %.17g, avx2 %.9g %.9g %.17g", tr, k, sc[0][k], mn[0][k],
+                     e[0][k], sc[1][k], mn[1][k], e[1][k]);
+        }
+    }
+    ASSERT_TRUE(checked > 1000);
+}
+
+/* The AVX2 trials of the symmetric sub-block fit are bit-identical to the scalar reference, for
+ * Q3_K's and Q6_K's code ranges, with and without weights, strided, codes clamped at both ends. */
+static void test_sym_trials_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    enum { NT = 40 };
+    static float x[64 * 3], w[64], is[NT], a[2][NT], b[2][NT];
+    for (int tr = 0; tr < 600; tr++) {
+        const int n = 1 + tr % 64, stride = 1 + tr % 3, nt = 1 + (tr * 5) % NT, nmax = tr % 2 ? 4 : 32;
+        for (int i = 0; i < n * stride; i++) x[i] = rnd_gauss() * 0.02f;
+        for (int i = 0; i < n; i++) w[i] = (float)(rnd_u32() % 1000) / 250.0f;
+        const float *wp = tr % 3 ? w : NULL;
+        /* around nmax / 0.04: the largest values clamped on both sides */
+        for (int k = 0; k < nt; k++) is[k] = -((float)nmax + 0.1f * (float)(k % 19 - 9)) / (0.04f * (tr % 4 ? 1 : -1));
+        mq_kq_sym_trials_ref(x, n, stride, wp, nmax, is, nt, a[0], a[1]);
+#if MQ_TEST_X86
+        mq_kq_sym_trials_avx2(x, n, stride, wp, nmax, is, nt, b[0], b[1]);
+#endif
+        for (int k = 0; k < nt; k++)
+            if (memcmp(&a[0][k], &b[0][k], sizeof(float)) || memcmp(&a[1][k], &b[1][k], sizeof(float)))
+                FAIL("trial %d/%d: ref %.9g %.9g, avx2 %.9g %.9g", tr, k, a[0][k], a[1][k], b[0][k], b[1][k]);
+    }
+}
+
+static bool same_groups(const mq_gparams *a, const mq_gparams *b) {
+    return !memcmp(&a->scale, &b->scale, sizeof(float)) && !memcmp(&a->zero, &b->zero, sizeof(float)) &&
+           a->scale_code == b->scale_code && a->min_code == b->min_code;
+}
+
+/* The block search gives the same groups with the AVX2 scorer as with the scalar reference
+ * (MOEQ_FORCE_REF's switch), for every type, with and without weights, strided. */
+static void test_fit_simd_same(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    enum { N = 512, ST = 3 };
+    static float x[N * ST], w[N];
+    for (int i = 0; i < N * ST; i++) x[i] = rnd_gauss() * 0.02f * (i % 37 == 0 ? 5.0f : 1.0f);
+    for (int i = 0; i < N; i++) w[i] = 0.5f + (float)(rnd_u32() % 100) / 20.0f;
+    for (int ty = 0; ty < MQ_KQ_COUNT; ty++) {
+        const mq_kq_info *t = mq_kq_info_of((mq_kq_type)ty);
+        mq_qspec s = mq_kq_spec((mq_kq_type)ty);
+        s.mse = true;
+        for (int k = 0; k < 2; k++) {
+            mq_gparams g[2][16];
+            float d[2], dmin[2];
+            mq_gparams gs[2] = {{0}};
+            for (int ref = 0; ref < 2; ref++) {
+                moeq_set_force_ref(ref);
+                mq_kq_fit_block_d(t, &s, x, ST, k ? w : NULL, g[ref], &d[ref], &dmin[ref]);
+                mq_kq_fit_sub(t, &s, x + 5, ST, k ? w : NULL, d[ref], dmin[ref], &gs[ref]);
+            }
+            moeq_set_force_ref(0);
+            for (int j = 0; j < t->block / t->sub; j++) ASSERT_TRUE(same_groups(&g[0][j], &g[1][j]));
+            ASSERT_EQ_INT(0, memcmp(d, d + 1, sizeof(float)));
+            ASSERT_EQ_INT(0, memcmp(dmin, dmin + 1, sizeof(float)));
+            ASSERT_TRUE(same_groups(&gs[0], &gs[1]));
+            ASSERT_TRUE(t->mult_hi != 0 ? d[0] != 0.0f : g[0][0].scale != 0.0f);   /* a real fit */
+        }
+    }
+}
+
 TEST_MAIN(T(test_q4_k_by_hand), T(test_q6_k_by_hand), T(test_q3_k_by_hand), T(test_q5_0_by_hand),
-          T(test_random_round_trips), T(test_pack_refuses), T(test_fit), T(test_names), T(test_q8_k_activations))
+          T(test_random_round_trips), T(test_pack_refuses), T(test_fit), T(test_names), T(test_q8_k_activations),
+          T(test_sse_twin), T(test_asym_trials_twin),
+          T(test_sym_trials_twin), T(test_fit_simd_same))

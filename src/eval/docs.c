@@ -133,10 +133,7 @@ static moeq_status terminate_docs(moeq_docs *d, const char *name) {
 
 void moeq_docs_free(moeq_docs *d) {
     if (!d) return;
-    free(d->data);
-    free(d->off);
-    free(d->len);
-    free(d);
+    MQ_FREE_EACH(d->data, d->off, d->len, d);
 }
 
 /* Takes ownership of buf (len bytes plus a NUL). */

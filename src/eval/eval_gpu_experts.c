@@ -18,14 +18,8 @@ static const mq_tensor_view *lookup(void *user, const char *name) { return mq_st
 
 void mq_gpu_experts_free(mq_gpu_experts *x) {
     if (!x) return;
-    mq_free(x->gu_codes);
-    mq_free(x->dn_codes);
-    mq_free(x->gu_scales);
-    mq_free(x->dn_scales);
-    mq_free(x->gu_zero);
-    mq_free(x->dn_zero);
-    free(x->gu_global);
-    free(x->dn_global);
+    MQ_RELEASE_EACH(x->gu_codes, x->dn_codes, x->gu_scales, x->dn_scales, x->gu_zero, x->dn_zero);
+    MQ_FREE_EACH(x->gu_global, x->dn_global);
     memset(x, 0, sizeof *x);
 }
 

@@ -120,22 +120,28 @@ moeq_status moeq_eval_html_flat(const char *path, const char *model, const char 
 char *moeq_eval_result_json(const moeq_eval_result *r) {
     cJSON *j = cJSON_CreateObject();
     if (!j || !r) return mq_json_take_text(j);
-    mq_json_add_num(j, "word_perplexity", r->word_perplexity);
-    mq_json_add_num(j, "byte_perplexity", r->byte_perplexity);
-    mq_json_add_num(j, "bits_per_byte", r->bits_per_byte);
-    mq_json_add_num(j, "token_perplexity", r->token_perplexity);
-    mq_json_add_num(j, "loglikelihood", r->loglikelihood);
-    mq_json_add_num(j, "tokens", (double)r->tokens);
-    mq_json_add_num(j, "words", (double)r->words);
-    mq_json_add_num(j, "bytes", (double)r->bytes);
-    mq_json_add_num(j, "documents", (double)r->documents);
-    mq_json_add_num(j, "seconds", r->seconds);
+    const mq_json_num totals[] = {
+        {"word_perplexity", r->word_perplexity},
+        {"byte_perplexity", r->byte_perplexity},
+        {"bits_per_byte", r->bits_per_byte},
+        {"token_perplexity", r->token_perplexity},
+        {"loglikelihood", r->loglikelihood},
+        {"tokens", (double)r->tokens},
+        {"words", (double)r->words},
+        {"bytes", (double)r->bytes},
+        {"documents", (double)r->documents},
+        {"seconds", r->seconds},
+    };
+    mq_json_add_nums(j, totals, sizeof totals / sizeof *totals);
     cJSON_AddBoolToObject(j, "interrupted", r->interrupted != 0);
     if (r->has_kl) {
-        mq_json_add_num(j, "kl_mean", r->kl_mean);
-        mq_json_add_num(j, "kl_p99", r->kl_p99);
-        mq_json_add_num(j, "top1_changed", r->top1_changed);
-        mq_json_add_num(j, "kl_tokens", (double)r->kl_tokens);
+        const mq_json_num kl[] = {
+            {"kl_mean", r->kl_mean},
+            {"kl_p99", r->kl_p99},
+            {"top1_changed", r->top1_changed},
+            {"kl_tokens", (double)r->kl_tokens},
+        };
+        mq_json_add_nums(j, kl, sizeof kl / sizeof *kl);
     }
     if (r->has_base) mq_json_add_num(j, "base_word_perplexity", r->base_word_perplexity);
     if (r->has_entropy) mq_json_add_num(j, "entropy_mean", r->entropy_mean);

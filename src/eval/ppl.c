@@ -126,16 +126,7 @@ moeq_status mq_eval_scoring_init(mq_eval_ctx *c, mq_eval_scratch *s) {
 static void scratch_free(mq_eval_scratch *s) {
     mq_state_free(s->st);
     mq_state_free(s->st_base);
-    mq_free(s->x);
-    mq_free(s->xb);
-    mq_free(s->lg);
-    mq_free(s->lgb);
-    mq_free(s->ids);
-    mq_free(s->mark);
-    mq_free(s->zeros);
-    mq_free(s->tk_ids);
-    mq_free(s->tk_vals);
-    mq_free(s->rec);
+    MQ_RELEASE_EACH(s->x, s->xb, s->lg, s->lgb, s->ids, s->mark, s->zeros, s->tk_ids, s->tk_vals, s->rec);
 }
 
 /* Runs a model on the window input and leaves the final-normed hidden states of the scored rows
@@ -439,19 +430,8 @@ static void fill_result(const mq_eval_ctx *c, const moeq_eval_options *o, moeq_e
 static void ctx_free(mq_eval_ctx *c) {
     if (c->tok)
         for (int64_t d = 0; d < c->n_docs; d++) free(c->tok[d]);
-    free(c->tok);
-    free(c->ntok);
-    free(c->tok_off);
-    free(c->win_first);
-    free(c->win);
-    free(c->win_doc);
-    free(c->win_ll);
-    free(c->win_done);
-    free(c->tok_kl);
-    free(c->tok_llb);
-    free(c->tok_ent);
-    free(c->tok_bound);
-    free(c->tok_changed);
+    MQ_FREE_EACH(c->tok, c->ntok, c->tok_off, c->win_first, c->win, c->win_doc, c->win_ll, c->win_done, c->tok_kl,
+                 c->tok_llb, c->tok_ent, c->tok_bound, c->tok_changed);
     if (c->sc)
         for (int i = 0; i < c->n_sc; i++) scratch_free(&c->sc[i]);
     free(c->sc);

@@ -158,41 +158,50 @@ static moeq_status worker_state(stream *S, worker *w, int k, int l, mq_state **o
 }
 
 /* The embedding of window item's tokens into every model's boundary (an engine item). */
+/* Where window item `item` of worker t stands: its window, its document and its first row in
+ * the boundaries. */
+typedef struct {
+    worker *w;
+    int64_t wi;   /* the window's index in c->win */
+    const mq_window *win;
+    int64_t doc;   /* c->win_doc[wi] */
+    int64_t r0;
+} item_at;
+
+static item_at item_of(const stream *S, int64_t item, int t) {
+    const mq_eval_ctx *c = S->c;
+    const int64_t wi = c->w_lo + item;
+    return (item_at){&S->W[t], wi, &c->win[wi], c->win_doc[wi], S->row0[item]};
+}
+
 static moeq_status embed_item(void *user, int64_t item, int t) {
     stream *S = user;
-    mq_eval_ctx *c = S->c;
-    worker *w = &S->W[t];
-    const int64_t wi = c->w_lo + item;
-    const mq_window *win = &c->win[wi];
-    const int64_t r0 = S->row0[item], n = win->n_input;
+    const item_at it = item_of(S, item, t);
+    const int64_t n = it.win->n_input;
     moeq_status s = MOEQ_OK;
-    mq_window_input(win, c->tok[c->win_doc[wi]], c->prefix, w->ids);
+    mq_window_input(it.win, S->c->tok[it.doc], S->c->prefix, it.w->ids);
     for (int k = 0; k < S->nm && !s; k++) {
-        float *x = S->B[k].buf[0].f + (size_t)r0 * (size_t)S->D[k];   /* memory or the mapped file */
-        s = S->lz[k] ? mq_lazy_embed(S->lz[k], w->ids, n, x) : mq_embed(S->m[k], w->ids, n, x);
+        float *x = S->B[k].buf[0].f + (size_t)it.r0 * (size_t)S->D[k];   /* memory or the mapped file */
+        s = S->lz[k] ? mq_lazy_embed(S->lz[k], it.w->ids, n, x) : mq_embed(S->m[k], it.w->ids, n, x);
     }
-    return s ? mq_err_prefix(s, "document %lld", (long long)c->win_doc[wi] + 1) : MOEQ_OK;
+    return s ? mq_err_prefix(s, "document %lld", (long long)it.doc + 1) : MOEQ_OK;
 }
 
 /* Window item through layer l of model k (the engine's run_item): the whole-model forward's
  * mq_forward_layers on the window's rows from position 0, its own KV cache. */
 static moeq_status layer_item(void *user, int k, int l, int64_t item, int t) {
     stream *S = user;
-    mq_eval_ctx *c = S->c;
-    worker *w = &S->W[t];
-    const int64_t wi = c->w_lo + item;
-    const int64_t r0 = S->row0[item], n = c->win[wi].n_input;
+    const item_at it = item_of(S, item, t);
+    const int64_t n = it.win->n_input;
     mq_state *st = NULL;
-    moeq_status s = worker_state(S, w, k, l, &st);
+    moeq_status s = worker_state(S, it.w, k, l, &st);
     if (!s) {
-        float *x = boundary_get(S, k, r0, n, w->x);
+        float *x = boundary_get(S, k, it.r0, n, it.w->x);
         s = mq_forward_layers(S->m[k], st, x, n, 0, l, l + 1, NULL);
-        if (!s) boundary_put(S, k, r0, n, x);
+        if (!s) boundary_put(S, k, it.r0, n, x);
     }
     mq_engine_progress_add(&S->progress, n);
-    if (s)
-        return mq_err_prefix(s, "%s, layer %d, document %lld", k ? "KL base" : "model", l,
-                             (long long)c->win_doc[wi] + 1);
+    if (s) return mq_err_prefix(s, "%s, layer %d, document %lld", k ? "KL base" : "model", l, (long long)it.doc + 1);
     return MOEQ_OK;
 }
 
@@ -200,24 +209,22 @@ static moeq_status layer_item(void *user, int k, int l, int64_t item, int t) {
 static moeq_status score_item(void *user, int64_t item, int t) {
     stream *S = user;
     mq_eval_ctx *c = S->c;
-    worker *w = &S->W[t];
-    const int64_t wi = c->w_lo + item;
-    const mq_window *win = &c->win[wi];
-    const int64_t r0 = S->row0[item], n = win->n_input, ns = win->n_score;
+    const item_at it = item_of(S, item, t);
+    const int64_t n = it.win->n_input, ns = it.win->n_score;
     mq_eval_scratch *sc = &c->sc[t];
     float *x[MAX_MODELS] = {NULL, NULL};
     moeq_status s = mq_eval_scoring_init(c, sc);
     for (int k = 0; k < S->nm && !s; k++) {
-        x[k] = boundary_get(S, k, r0 + n - ns, ns, w->x + (size_t)k * (size_t)c->L * (size_t)S->Dmax);
+        x[k] = boundary_get(S, k, it.r0 + n - ns, ns, it.w->x + (size_t)k * (size_t)c->L * (size_t)S->Dmax);
         mq_final_norm(S->m[k], x[k], ns);
     }
-    if (!s) s = mq_eval_score_window(c, sc, wi, x[0], S->nm > 1 ? x[1] : NULL);
+    if (!s) s = mq_eval_score_window(c, sc, it.wi, x[0], S->nm > 1 ? x[1] : NULL);
     if (!s) {
-        c->win_done[wi] = 1;
+        c->win_done[it.wi] = 1;
         atomic_fetch_add(&c->tokens_done, ns);
     }
     mq_engine_progress_add(&S->progress, ns);
-    return s ? mq_err_prefix(s, "document %lld", (long long)c->win_doc[wi] + 1) : MOEQ_OK;
+    return s ? mq_err_prefix(s, "document %lld", (long long)it.doc + 1) : MOEQ_OK;
 }
 
 /* ---- the plan ---------------------------------------------------------------------------- */

@@ -111,21 +111,77 @@ void mq_kq_qdq_column(const mq_kq_info *t, const float *step, const float *off, 
     }
 }
 
-/* Weighted squared error of n values x[i * st] rounded to the grid (step, off), in double. */
-static double grid_sse(const mq_kq_info *t, float step, float off, const float *x, int64_t st,
-                       const float *w, int n) {
-    const mq_gparams g = {step, off, 0, 0};
-    double e = 0;
-    for (int i = 0; i < n; i++) {
-        const double d = (double)x[i * st] - mq_kq_value(t, &g, round_code(t, step, off, x[i * st]));
-        e += (w ? w[i] : 1.0) * d * d;
+/* ---- scoring candidate grids ---------------------------------------------------------------- */
+
+void mq_kq_sse_ref(const mq_kq_info *t, const float *step, const float *off, int nc, const float *x,
+                   int64_t n, int64_t stride, const float *w, double *sse) {
+    for (int c = 0; c < nc; c++) {
+        const mq_gparams g = {step[c], off[c], 0, 0};
+        double e = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = x[i * stride];
+            const double d = (double)v - mq_kq_value(t, &g, round_code(t, step[c], off[c], v));
+            e += (w ? w[i] : 1.0) * d * d;
+        }
+        sse[c] = e;
     }
-    return e;
+}
+
+/* Candidates scored per sub-block and call (a multiple of the AVX2 twin's 8 lanes). */
+enum { KQ_CAND = 256 };
+
+/* mq_kq_sse_ref's scores by the AVX2 twin where the CPU has it (bit-identical); nc <= KQ_CAND,
+ * the arrays KQ_CAND long. */
+static void score(const mq_kq_info *t, float *step, float *off, int nc, const float *x, int64_t n,
+                  int64_t stride, const float *w, double *sse) {
+#if defined(__x86_64__)
+    if (nc > 0 && mq_cpu_has_avx2_fma() && !mq_force_ref()) {
+        for (int k = nc; k % 8; k++) {   /* padding lanes: any valid grid */
+            step[k] = step[0];
+            off[k] = off[0];
+        }
+        mq_kq_sse_avx2(t, step, off, nc, x, n, stride, w, sse);
+        return;
+    }
+#endif
+    mq_kq_sse_ref(t, step, off, nc, x, n, stride, w, sse);
 }
 
 /* ---- one sub-block's continuous fit ----------------------------------------------------------- */
 
 enum { FIT_STEPS = 20 };
+
+void mq_kq_asym_trials_ref(const float *x, int64_t n, int64_t st, const float *w,
+                           const mq_kq_sums *s, const float *iscale, int nt, float *D, float *sc,
+                           float *mn, double *e) {
+    const int nmax = s->nmax;
+    for (int k = 0; k < nt; k++) {
+        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+        for (int64_t i = 0; i < n; i++) {
+            float l = rintf(iscale[k] * (x[i * st] - s->min));
+            l = l < 0 ? 0 : l > nmax ? (float)nmax : l;
+            const float wi = w ? w[i] : 1.0f;
+            sum_l += wi * l;
+            sum_l2 += wi * l * l;
+            sum_xl += wi * l * x[i * st];
+        }
+        D[k] = s->sum_w * sum_l2 - sum_l * sum_l;
+        sc[k] = (s->sum_w * sum_xl - s->sum_x * sum_l) / D[k];
+        mn[k] = (sum_l2 * s->sum_x - sum_l * sum_xl) / D[k];
+        if (s->clamp && mn[k] > 0) {
+            mn[k] = 0;
+            sc[k] = sum_xl / sum_l2;
+        }
+        double err = 0;
+        for (int64_t i = 0; i < n; i++) {
+            float l = rintf(iscale[k] * (x[i * st] - s->min));
+            l = l < 0 ? 0 : l > nmax ? (float)nmax : l;
+            const float d = sc[k] * l + mn[k] - x[i * st];
+            err += (double)(w ? w[i] : 1.0f) * d * d;
+        }
+        e[k] = err;
+    }
+}
 
 /* Asymmetric: the grid scale * l + min (l = 0..nmax) with the least weighted squared error among
  * the trial inverse scales (nmax - 1 + 0.1 k) / (max - min), k = 0..20, each refitted by least
@@ -155,39 +211,42 @@ static void fit_asym(const float *x, int64_t st, const float *w, int n, int nmax
         const float d = best_scale * l + min - x[i * st];
         best += (double)(w ? w[i] : 1.0f) * d * d;
     }
-    for (int is = 0; is <= FIT_STEPS; is++) {
-        iscale = (-1.0f + 0.1f * (float)is + (float)nmax) / (max - min);
-        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
-        for (int i = 0; i < n; i++) {
-            float l = rintf(iscale * (x[i * st] - min));
-            l = l < 0 ? 0 : l > nmax ? (float)nmax : l;
-            const float wi = w ? w[i] : 1.0f;
-            sum_l += wi * l;
-            sum_l2 += wi * l * l;
-            sum_xl += wi * l * x[i * st];
+    /* the trials scored together (by the AVX2 twin where the CPU has it), then taken in order */
+    enum { NT = FIT_STEPS + 1, NT8 = (NT + 7) / 8 * 8 };
+    float is[NT8], D[NT8], sc[NT8], mn[NT8];
+    double e[NT8];
+    for (int k = 0; k < NT8; k++) is[k] = (-1.0f + 0.1f * (float)(k < NT ? k : 0) + (float)nmax) / (max - min);
+    const mq_kq_sums sums = {min, sum_w, sum_x, nmax, clamp};
+#if defined(__x86_64__)
+    if (mq_cpu_has_avx2_fma() && !mq_force_ref())
+        mq_kq_asym_trials_avx2(x, n, st, w, &sums, is, NT, D, sc, mn, e);
+    else
+#endif
+        mq_kq_asym_trials_ref(x, n, st, w, &sums, is, NT, D, sc, mn, e);
+    for (int k = 0; k < NT; k++)
+        if (D[k] > 0 && e[k] < best) {
+            best = e[k];
+            best_scale = sc[k];
+            best_min = mn[k];
         }
-        const float D = sum_w * sum_l2 - sum_l * sum_l;
-        if (!(D > 0)) continue;
-        float sc = (sum_w * sum_xl - sum_x * sum_l) / D, mn = (sum_l2 * sum_x - sum_l * sum_xl) / D;
-        if (clamp && mn > 0) {
-            mn = 0;
-            sc = sum_xl / sum_l2;
-        }
-        double e = 0;
-        for (int i = 0; i < n; i++) {
-            float l = rintf(iscale * (x[i * st] - min));
-            l = l < 0 ? 0 : l > nmax ? (float)nmax : l;
-            const float d = sc * l + mn - x[i * st];
-            e += (double)(w ? w[i] : 1.0f) * d * d;
-        }
-        if (e < best) {
-            best = e;
-            best_scale = sc;
-            best_min = mn;
-        }
-    }
     *scale = best_scale;
     *off = -best_min;
+}
+
+void mq_kq_sym_trials_ref(const float *x, int64_t n, int64_t st, const float *w, int nmax,
+                          const float *iscale, int nt, float *sumlx, float *suml2) {
+    for (int k = 0; k < nt; k++) {
+        float slx = 0, sl2 = 0;
+        for (int64_t i = 0; i < n; i++) {
+            float l = rintf(iscale[k] * x[i * st]);
+            l = l < -nmax ? (float)-nmax : l > nmax - 1 ? (float)(nmax - 1) : l;
+            const float wi = w ? w[i] : 1.0f;
+            slx += wi * x[i * st] * l;
+            sl2 += wi * l * l;
+        }
+        sumlx[k] = slx;
+        suml2[k] = sl2;
+    }
 }
 
 /* Symmetric: the scale of the grid l * scale (l = -nmax .. nmax-1) with the largest weighted
@@ -200,24 +259,24 @@ static float fit_sym(const float *x, int64_t st, const float *w, int n, int nmax
         if (a > amax) amax = a, max = x[i * st];
     }
     if (amax < 1e-15f) return 0.0f;
+    /* the trials summed together (by the AVX2 twin where the CPU has it), then taken in order */
+    enum { NT = 19, NT8 = (NT + 7) / 8 * 8 };
+    float is[NT8], sumlx[NT8], suml2[NT8];
+    for (int k = 0; k < NT8; k++) is[k] = -((float)nmax + 0.1f * (float)(k < NT ? k - 9 : 0)) / max;
+#if defined(__x86_64__)
+    if (mq_cpu_has_avx2_fma() && !mq_force_ref())
+        mq_kq_sym_trials_avx2(x, n, st, w, nmax, is, NT, sumlx, suml2);
+    else
+#endif
+        mq_kq_sym_trials_ref(x, n, st, w, nmax, is, NT, sumlx, suml2);
     float scale = 0, best = 0;
     bool any = false;
-    for (int is = -9; is <= 9; is++) {
-        const float iscale = -((float)nmax + 0.1f * (float)is) / max;
-        float sumlx = 0, suml2 = 0;
-        for (int i = 0; i < n; i++) {
-            float l = rintf(iscale * x[i * st]);
-            l = l < -nmax ? (float)-nmax : l > nmax - 1 ? (float)(nmax - 1) : l;
-            const float wi = w ? w[i] : 1.0f;
-            sumlx += wi * x[i * st] * l;
-            suml2 += wi * l * l;
-        }
-        if (suml2 > 0 && (!any || sumlx * sumlx > best * suml2)) {
-            scale = sumlx / suml2;
-            best = scale * sumlx;
+    for (int k = 0; k < NT; k++)
+        if (suml2[k] > 0 && (!any || sumlx[k] * sumlx[k] > best * suml2[k])) {
+            scale = sumlx[k] / suml2[k];
+            best = scale * sumlx[k];
             any = true;
         }
-    }
     return any ? scale : -max / (float)nmax;
 }
 
@@ -232,43 +291,127 @@ static inline float grid_mult(const mq_qspec *s, int i) {
 
 static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 
-/* One sub-block's multipliers for super-scales d (and dmin): its best among the multipliers
- * within `radius` of its rounded continuous scale (and min), scored on the exact grid; into *g,
- * the error returned. */
-static double assign_one(const mq_kq_info *t, const float *xj, int64_t st, const float *wj,
-                         float scale, float off, float d, float dmin, int radius, mq_gparams *g) {
-    const int asym = t->zero < 0;
-    const int r = d != 0.0f ? clampi((int)rintf(fminf(fmaxf(scale / d, -256.0f), 256.0f)), t->mult_lo,
-                                     t->mult_hi)
-                            : 0;
-    const int rm = asym && dmin != 0.0f
-                       ? clampi((int)rintf(fminf(fmaxf(off / dmin, -256.0f), 256.0f)), 0, t->min_hi)
-                       : 0;
-    const int rs = d != 0.0f ? radius : 0, rms = asym && dmin != 0.0f ? radius : 0;
-    double best = INFINITY;
-    for (int a = clampi(r - rs, t->mult_lo, t->mult_hi); a <= clampi(r + rs, t->mult_lo, t->mult_hi); a++)
-        for (int b = clampi(rm - rms, 0, t->min_hi); b <= clampi(rm + rms, 0, t->min_hi); b++) {
-            const float step = d * (float)a, o = asym ? dmin * (float)b : 0.0f;
-            const double e = grid_sse(t, step, o, xj, st, wj, t->sub);
-            if (e < best) {
-                best = e;
-                *g = (mq_gparams){step, o, mult_code(t, a), (uint8_t)b};
-            }
-        }
-    return best;
+/* A sub-block's candidate multipliers for super-scales d (and dmin): a0..a1 and mins b0..b1,
+ * those within `radius` of its rounded continuous scale (and min). */
+typedef struct {
+    int a0, a1, b0, b1;
+} mult_box;
+
+/* fminf(fmaxf(v, -256), 256), NaN to -256 as there, without the library calls */
+static inline float clamp256(float v) {
+    v = v > -256.0f ? v : -256.0f;
+    return v < 256.0f ? v : 256.0f;
 }
 
-/* The sub-blocks' multipliers for super-scales d (and dmin): each sub-block's own (assign_one);
- * the total error. */
-static double assign(const mq_kq_info *t, const float *x, int64_t st, const float *w,
-                     const float *scale, const float *off, float d, float dmin, int radius,
-                     mq_gparams *g) {
-    const int nsub = t->block / t->sub;
-    double total = 0;
-    for (int j = 0; j < nsub; j++)
-        total += assign_one(t, x + (int64_t)j * t->sub * st, st, w ? w + j * t->sub : NULL, scale[j],
-                            off[j], d, dmin, radius, &g[j]);
-    return total;
+static mult_box box_of(const mq_kq_info *t, float scale, float off, float d, float dmin, int radius) {
+    const int asym = t->zero < 0;
+    const int r = d != 0.0f ? clampi((int)rintf(clamp256(scale / d)), t->mult_lo, t->mult_hi) : 0;
+    const int rm = asym && dmin != 0.0f ? clampi((int)rintf(clamp256(off / dmin)), 0, t->min_hi) : 0;
+    const int rs = d != 0.0f ? radius : 0, rms = asym && dmin != 0.0f ? radius : 0;
+    return (mult_box){clampi(r - rs, t->mult_lo, t->mult_hi), clampi(r + rs, t->mult_lo, t->mult_hi),
+                      clampi(rm - rms, 0, t->min_hi), clampi(rm + rms, 0, t->min_hi)};
+}
+
+/* A block's values and its sub-blocks' continuous fits, for the search of its multipliers. */
+typedef struct {
+    const mq_kq_info *t;
+    const float *x, *w;   /* sub-block j: x + j * sub * st, w + j * sub (w may be NULL) */
+    int64_t st;
+    const float *scale, *off;   /* [nsub] */
+    int nsub, radius;
+} block_search;
+
+/* Super-scale pairs scored per call of search_pairs: every sub-block's candidates of them fit
+ * KQ_CAND. */
+static int pairs_per_call(int radius) { return KQ_CAND / ((2 * radius + 1) * (2 * radius + 1)); }
+
+/* The super-scale pairs (ds[k], dms[k]), k = 0..n-1 (n <= pairs_per_call), in order: each pair's
+ * total error is the sum over the sub-blocks (in order) of each one's least error among its
+ * multipliers (box_of; a, then b, ascending, the first least winning), and the first pair whose
+ * total is below *best replaces *best and the groups g, as a scan one pair and one multiplier at
+ * a time would. All the candidates of a sub-block are scored in one call of the scorer. Returns
+ * the index of the last pair taken, -1 when none. */
+static int search_pairs(const block_search *b, const float *ds, const float *dms, int n,
+                        double *best, mq_gparams *g) {
+    const mq_kq_info *t = b->t;
+    const int asym = t->zero < 0;
+    double sse[KQ_CAND], total[KQ_CAND];
+    float step[KQ_CAND], off[KQ_CAND];
+    mult_box box[KQ_CAND];
+    int16_t pick_a[16][KQ_CAND], pick_b[16][KQ_CAND];   /* each sub-block's choice for pair k */
+    for (int k = 0; k < n; k++) total[k] = 0;
+    for (int j = 0; j < b->nsub; j++) {
+        int nc = 0;
+        for (int k = 0; k < n; k++) {
+            const mult_box m = box[k] = box_of(t, b->scale[j], b->off[j], ds[k], dms[k], b->radius);
+            for (int a = m.a0; a <= m.a1; a++)
+                for (int c = m.b0; c <= m.b1; c++) {
+                    step[nc] = ds[k] * (float)a;
+                    off[nc++] = asym ? dms[k] * (float)c : 0.0f;
+                }
+        }
+        score(t, step, off, nc, b->x + (int64_t)j * t->sub * b->st, t->sub, b->st,
+              b->w ? b->w + j * t->sub : NULL, sse);
+        /* a pair's total adds its sub-blocks' errors in their order whatever the loop order */
+        for (int k = 0, at = 0; k < n; k++) {
+            /* candidate u is (a0 + u / nb, b0 + u % nb): a, then b, ascending; the first least
+             * is kept without a branch (the comparisons are a coin toss to the predictor) */
+            const int nb = box[k].b1 - box[k].b0 + 1, cnt = (box[k].a1 - box[k].a0 + 1) * nb;
+            double bj = INFINITY;
+            int bu = -1;
+            for (int u = 0; u < cnt; u++) {
+                const double e = sse[at + u];
+                const bool lt = e < bj;
+                bj = lt ? e : bj;
+                bu = lt ? u : bu;
+            }
+            at += cnt;
+            if (bu >= 0) {
+                pick_a[j][k] = (int16_t)(box[k].a0 + bu / nb);
+                pick_b[j][k] = (int16_t)(box[k].b0 + bu % nb);
+            }
+            total[k] += bj;
+        }
+    }
+    int found = -1;
+    for (int k = 0; k < n; k++)
+        if (total[k] < *best) {
+            *best = total[k];
+            found = k;
+        }
+    /* a finite total: every sub-block picked a multiplier for that pair */
+    for (int j = 0; found >= 0 && j < b->nsub; j++) {
+        const int a = pick_a[j][found], c = pick_b[j][found];
+        g[j] = (mq_gparams){ds[found] * (float)a, asym ? dms[found] * (float)c : 0.0f,
+                            mult_code(t, a), (uint8_t)c};
+    }
+    return found;
+}
+
+/* A queue of super-scale pairs for search_pairs, scored when full (or flushed); d_best and
+ * dmin_best: the pair taken last. */
+typedef struct {
+    const block_search *b;
+    float ds[KQ_CAND], dms[KQ_CAND];
+    int n, cap;
+    double best;
+    float d_best, dmin_best;
+    mq_gparams *g;
+} pair_queue;
+
+static void queue_flush(pair_queue *q) {
+    const int f = search_pairs(q->b, q->ds, q->dms, q->n, &q->best, q->g);
+    if (f >= 0) {
+        q->d_best = q->ds[f];
+        q->dmin_best = q->dms[f];
+    }
+    q->n = 0;
+}
+
+static void queue_push(pair_queue *q, float d, float dmin) {
+    q->ds[q->n] = d;
+    q->dms[q->n++] = dmin;
+    if (q->n == q->cap) queue_flush(q);
 }
 
 /* Q4_0, Q5_0, Q5_1, Q8_0: one step (and offset) per 32 values, both fp16. */
@@ -290,18 +433,26 @@ static void fit_single(const mq_kq_info *t, const mq_qspec *s, const float *x, i
     }
     const int nd = s->mse ? s->mse_steps : 1;
     const float off = t->zero < 0 ? -m0 : 0.0f;
-    double best = INFINITY;
-    float prev = NAN;
+    double best = INFINITY, sse[KQ_CAND];
+    float prev = NAN, ds[KQ_CAND], offs[KQ_CAND];
+    int n = 0;
     *g = (mq_gparams){0, off, 1, 0};
-    for (int k = 0; k < nd; k++) {
-        const float d = f16r(d0 * (s->mse ? grid_mult(s, k) : 1.0f));
-        if (d == prev || !isfinite(d)) continue;
-        prev = d;
-        const double e = grid_sse(t, d, off, x, st, w, t->block);
-        if (e < best) {
-            best = e;
-            *g = (mq_gparams){d, off, 1, 0};
+    for (int k = 0; k <= nd; k++) {   /* the candidates scored KQ_CAND at a time, then in order */
+        if (k < nd) {
+            const float d = f16r(d0 * (s->mse ? grid_mult(s, k) : 1.0f));
+            if (d == prev || !isfinite(d)) continue;
+            prev = d;
+            offs[n] = off;
+            ds[n++] = d;
+            if (n < KQ_CAND) continue;
         }
+        score(t, ds, offs, n, x, t->block, st, w, sse);
+        for (int c = 0; c < n; c++)
+            if (sse[c] < best) {
+                best = sse[c];
+                *g = (mq_gparams){ds[c], off, 1, 0};
+            }
+        n = 0;
     }
 }
 
@@ -341,35 +492,34 @@ void mq_kq_fit_block_d(const mq_kq_info *t, const mq_qspec *s, const float *x, i
     /* symmetric grids are lopsided (-4..3, -32..31): which side the block's largest values get
      * is the sign of d, taken from one sub-block's fit, so the search tries the other too */
     const int sides = s->mse && !asym ? 2 : 1;
-    mq_gparams cand[16];
-    double best = INFINITY;
-    float prev = NAN, best_d = 0;
+    const block_search bs = {t, x, w, stride, scale, off, nsub, radius};
+    pair_queue q;
+    q.b = &bs;
+    q.n = 0;
+    q.cap = pairs_per_call(radius);
+    q.best = INFINITY;
+    q.d_best = 0;
+    q.g = g;
+    float prev = NAN;
     for (int k = 0; k < nd * sides; k++) {
         const float d = f16r((k < nd ? d0 : -d0) * (s->mse ? grid_mult(s, k % nd) : 1.0f));
         if (d == prev || !isfinite(d)) continue;
         prev = d;
-        const double e = assign(t, x, stride, w, scale, off, d, m0, radius, cand);
-        if (e < best) {
-            best = e;
-            best_d = d;
-            memcpy(g, cand, (size_t)nsub * sizeof *g);
-        }
+        queue_push(&q, d, m0);
     }
-    *d_out = best_d;
-    *dmin_out = m0;
+    queue_flush(&q);
+    *d_out = q.d_best;
+    *dmin_out = q.dmin_best = m0;
     if (!asym || !s->mse || m0 == 0.0f) return;
     prev = m0;   /* the min's super-scale over the same grid, d fixed */
     for (int k = 0; k < nd; k++) {
         const float dm = f16r(top_min / (float)t->min_hi * grid_mult(s, k));
         if (dm == prev || !isfinite(dm)) continue;
         prev = dm;
-        const double e = assign(t, x, stride, w, scale, off, best_d, dm, radius, cand);
-        if (e < best) {
-            best = e;
-            *dmin_out = dm;
-            memcpy(g, cand, (size_t)nsub * sizeof *g);
-        }
+        queue_push(&q, q.d_best, dm);
     }
+    queue_flush(&q);
+    *dmin_out = q.dmin_best;
 }
 
 void mq_kq_fit_sub(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
@@ -377,7 +527,9 @@ void mq_kq_fit_sub(const mq_kq_info *t, const mq_qspec *s, const float *x, int64
     float scale, off = 0.0f;
     if (t->zero < 0) fit_asym(x, stride, w, t->sub, t->qmax, true, &scale, &off);
     else scale = fit_sym(x, stride, w, t->sub, t->zero);
-    assign_one(t, x, stride, w, scale, off, d, dmin, s->mse ? 2 : 0, g);
+    const block_search bs = {t, x, w, stride, &scale, &off, 1, s->mse ? 2 : 0};
+    double best = INFINITY;
+    search_pairs(&bs, &d, &dmin, 1, &best, g);
 }
 
 /* ---- rows ------------------------------------------------------------------------------------- */

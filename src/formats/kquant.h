@@ -106,6 +106,49 @@ void mq_kq_fit_block_d(const mq_kq_info *t, const mq_qspec *s, const float *x, i
 void mq_kq_fit_sub(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
                    const float *w, float d, float dmin, mq_gparams *g);
 
+/* The grid errors of nc candidate grids of one sub-block (step[c], off[c]: as mq_kq_qdq's):
+ * sse[c] = sum over i = 0..n-1, in that order, in double, of (w[i] * d) * d (w NULL: d * d),
+ * d = (double)x[i * stride] - the value of x's code on that grid. The block search scores every
+ * candidate through this. step, off and sse hold nc rounded up to a multiple of 8 entries (the
+ * lanes past nc are read and written but meaningless). */
+void mq_kq_sse_ref(const mq_kq_info *t, const float *step, const float *off, int nc, const float *x,
+                   int64_t n, int64_t stride, const float *w, double *sse);
+/* AVX2 twin (src/formats/cpu/x86/kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical
+ * sse (the same operations per value and candidate, 8 candidates per vector). */
+void mq_kq_sse_avx2(const mq_kq_info *t, const float *step, const float *off, int nc,
+                    const float *x, int64_t n, int64_t stride, const float *w, double *sse);
+
+/* The sub-block's own numbers the asymmetric fit's trials share (see mq_kq_asym_trials_ref). */
+typedef struct {
+    float min;            /* the values' min (clamped to 0 from above when clamp) */
+    float sum_w, sum_x;   /* sum of w[i], of w[i] * x[i] (float, in order) */
+    int nmax;             /* the largest code */
+    bool clamp;           /* the grid must reach 0 (the K-quants' unsigned mins) */
+} mq_kq_sums;
+/* The asymmetric sub-block fit's trials (ggml's make_qkx2_quants): for trial k < nt, codes
+ * l_i = rint(iscale[k] * (x_i - min)) clamped to 0..nmax, the float sums over i in order of
+ * w_i l_i, (w_i l_i) l_i and (w_i l_i) x_i (w NULL: 1) give D[k] = sum_w sum_ll - sum_l^2 and
+ * the least-squares sc[k], mn[k] (mn 0 and sc = sum_xl / sum_ll when clamp and mn > 0), and
+ * e[k] the sum in double of (w_i d_i) d_i, d_i = sc l_i + mn - x_i in float. Where !(D[k] > 0)
+ * the others are meaningless. The arrays hold nt rounded up to a multiple of 8. */
+void mq_kq_asym_trials_ref(const float *x, int64_t n, int64_t stride, const float *w,
+                           const mq_kq_sums *s, const float *iscale, int nt, float *D, float *sc,
+                           float *mn, double *e);
+/* AVX2 twin (kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical outputs. */
+void mq_kq_asym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w,
+                            const mq_kq_sums *s, const float *iscale, int nt, float *D, float *sc,
+                            float *mn, double *e);
+
+/* The symmetric sub-block fit's trials (ggml's make_qx_quants): for trial k < nt, codes
+ * l_i = rint(iscale[k] * x_i) clamped to -nmax..nmax-1 and the float sums over i in order of
+ * (w_i x_i) l_i into sumlx[k] and (w_i l_i) l_i into suml2[k] (w NULL: 1). The arrays hold nt
+ * rounded up to a multiple of 8. */
+void mq_kq_sym_trials_ref(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
+                          const float *iscale, int nt, float *sumlx, float *suml2);
+/* AVX2 twin (kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical sums. */
+void mq_kq_sym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
+                           const float *iscale, int nt, float *sumlx, float *suml2);
+
 /* Packs one block from its groups (t->block / t->sub params) and t->block codes. false when the
  * groups imply no single fp16 d (and dmin) or a code or multiplier is out of range (not from
  * this file's fit). */

@@ -128,12 +128,18 @@ static moeq_status get_str(cursor *c, const uint8_t **s, uint64_t *n, const char
     return MOEQ_OK;
 }
 
-static char *dup_str(const uint8_t *s, uint64_t n) {
-    char *d = malloc((size_t)n + 1);
-    if (!d) return NULL;
-    memcpy(d, s, (size_t)n);
-    d[n] = 0;
-    return d;
+/* A KV key or a tensor name (what): *out its NUL-terminated copy (malloc'd), *n its length; path
+ * names the file in the out-of-memory message. */
+static moeq_status get_name(cursor *c, const char *what, const char *path, const char **out, uint64_t *n) {
+    const uint8_t *s;
+    moeq_status st = get_str(c, &s, n, what);
+    if (st) return st;
+    char *d = malloc((size_t)*n + 1);
+    if (!d) return mq_err(MOEQ_E_NOMEM, "out of memory reading %s", path);
+    memcpy(d, s, (size_t)*n);
+    d[*n] = 0;
+    *out = d;
+    return MOEQ_OK;
 }
 
 void mq_gguf_close(mq_gguf *g) {
@@ -225,10 +231,8 @@ static moeq_status parse(mq_gguf *g, const uint8_t *buf, size_t len) {
     g->alignment = 32;
     for (uint64_t i = 0; i < nkv; i++) {
         mq_gguf_kv *kv = &g->kv[i];
-        const uint8_t *ks;
         uint64_t kn;
-        if ((s = get_str(&c, &ks, &kn, "a KV key"))) return s;
-        if (!(kv->key = dup_str(ks, kn))) return mq_err(MOEQ_E_NOMEM, "out of memory reading %s", L);
+        if ((s = get_name(&c, "a KV key", L, &kv->key, &kn))) return s;
         g->n_kv = (size_t)i + 1;
         if (strlen(kv->key) != kn) return mq_err(MOEQ_E_FORMAT, "%s: KV key %llu holds a NUL byte", L, (unsigned long long)i);
         for (uint64_t j = 0; j < i; j++)
@@ -246,10 +250,8 @@ static moeq_status parse(mq_gguf *g, const uint8_t *buf, size_t len) {
     }
     for (uint64_t i = 0; i < nt; i++) {
         mq_gguf_tensor *t = &g->tensors[i];
-        const uint8_t *ns;
         uint64_t nn;
-        if ((s = get_str(&c, &ns, &nn, "a tensor name"))) return s;
-        if (!(t->name = dup_str(ns, nn))) return mq_err(MOEQ_E_NOMEM, "out of memory reading %s", L);
+        if ((s = get_name(&c, "a tensor name", L, &t->name, &nn))) return s;
         g->n_tensors = (size_t)i + 1;
         const char *N = t->name;
         if (nn == 0 || strlen(N) != nn) return mq_err(MOEQ_E_FORMAT, "%s: tensor %llu has an empty or NUL-holding name", L, (unsigned long long)i);
@@ -782,13 +784,8 @@ moeq_status mq_gguf_writer_tensor(mq_gguf_writer *w, const char *name, uint32_t 
     if (ne[0] % blk)
         return mq_err(MOEQ_E_SHAPE, "%s: %lld columns are not whole %lld-value blocks of its type",
                       name, (long long)ne[0], (long long)blk);
-    if (w->n_t == w->cap_t) {
-        size_t cap = w->cap_t ? 2 * w->cap_t : 64;
-        wtensor *t = realloc(w->t, cap * sizeof *t);
-        if (!t) return mq_err(MOEQ_E_NOMEM, "out of memory");
-        w->t = t;
-        w->cap_t = cap;
-    }
+    moeq_status s = mq_grow(&w->t, w->n_t, &w->cap_t, sizeof *w->t, 64, "GGUF writer's tensors");
+    if (s) return s;
     wtensor *t = &w->t[w->n_t];
     memset(t, 0, sizeof *t);
     if (!(t->name = mq_strdup(name))) return mq_err(MOEQ_E_NOMEM, "out of memory");

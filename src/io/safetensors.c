@@ -463,18 +463,11 @@ static int cmp_entry_tensor(const void *a, const void *b) {
     return strcmp(((const st_map_entry *)a)->tensor, ((const st_map_entry *)b)->tensor);
 }
 
+static const char *view_name(const void *t, size_t i) { return ((const mq_tensor_view *)t)[i].name; }
+
 static const mq_tensor_view *find_view(const mq_tensor_view *t, size_t n, const char *name) {
-    size_t lo = 0, hi = n;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        int c = strcmp(t[mid].name, name);
-        if (c == 0) return &t[mid];
-        if (c < 0)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return NULL;
+    const int64_t i = mq_find_name(name, n, view_name, t);
+    return i < 0 ? NULL : &t[i];
 }
 
 /* Returns the path's last component (shard file names are compared by it). */
@@ -795,6 +788,13 @@ moeq_status mq_tensor_range_to_f32(const mq_tensor_view *t, int64_t k0, int64_t 
     return mq_tensor_to_f32(&v, out);
 }
 
+/* A 16-bit element of an unaligned view. */
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
 moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out) {
     if (t->ggml) return mq_ggml_view_to_f32(t, 0, t->numel, out);
     /* Views may be unaligned (a header length that is not a multiple of 8, mixed dtypes), so
@@ -820,19 +820,11 @@ moeq_status mq_tensor_to_f32(const mq_tensor_view *t, float *out) {
             }
         }
 #endif
-        for (; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, p + 2 * i, 2);
-            out[i] = mq_bf16_to_f32(h);
-        }
+        for (; i < n; i++) out[i] = mq_bf16_to_f32(load_u16(p + 2 * i));
         return MOEQ_OK;
     }
     case MOEQ_DT_F16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, p + 2 * i, 2);
-            out[i] = mq_f16_to_f32(h);
-        }
+        for (size_t i = 0; i < n; i++) out[i] = mq_f16_to_f32(load_u16(p + 2 * i));
         return MOEQ_OK;
     case MOEQ_DT_F64:
         for (size_t i = 0; i < n; i++) {

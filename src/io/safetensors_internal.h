@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/json.h"
 #include "core/page.h"
 #include "io/safetensors.h"
 
@@ -87,25 +88,10 @@ static inline void sb_str(mq_page *b, const char *s) { mq_page_put(b, s, strlen(
 static inline void sb_json_str(mq_page *b, const char *s) {
     mq_page_put(b, "\"", 1);
     for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        const char *esc = NULL;
-        switch (c) {
-        case '"': esc = "\\\""; break;
-        case '\\': esc = "\\\\"; break;
-        case '\b': esc = "\\b"; break;
-        case '\f': esc = "\\f"; break;
-        case '\n': esc = "\\n"; break;
-        case '\r': esc = "\\r"; break;
-        case '\t': esc = "\\t"; break;
-        default: break;
-        }
-        if (esc) {
-            sb_str(b, esc);
-        } else if (c < 0x20) {
-            mq_page_printf(b, "\\u%04x", c);
-        } else {
-            mq_page_put(b, s, 1);
-        }
+        char t[8];
+        const char *esc = mq_json_escape((unsigned char)*s, t);
+        if (esc) sb_str(b, esc);
+        else mq_page_put(b, s, 1);
     }
     mq_page_put(b, "\"", 1);
 }
@@ -143,28 +129,18 @@ static inline void sb_header_end(mq_page *h) {
     while (!h->oom && h->n % 8 != 0) mq_page_put(h, " ", 1);
 }
 
-/* Room for one more of n elements of `elem` bytes in the array whose pointer is at arrp
- * (capacity *cap, doubled from `first`); the pointer is unchanged when memory runs out. */
-static inline moeq_status st_grow(void *arrp, size_t n, size_t *cap, size_t elem, size_t first,
-                                  const char *what) {
-    if (n < *cap) return MOEQ_OK;
-    void *arr;
-    memcpy(&arr, arrp, sizeof arr);
-    const size_t c = *cap ? *cap * 2 : first;
-    void *a = realloc(arr, c * elem);
-    if (!a) return mq_err(MOEQ_E_NOMEM, "out of memory: %s", what);
-    memcpy(arrp, &a, sizeof a);
-    *cap = c;
-    return MOEQ_OK;
-}
-
-/* *out = a copy of name, registered in names (whose duplicates the caller has refused). */
-static inline moeq_status st_name_add(strset *names, const char *name, char **out) {
-    char *nm = mq_strdup(name);
-    moeq_status s = nm ? strset_add(names, nm) : MOEQ_E_NOMEM;
+/* After an add's checks (s): *out = a copy of name, registered in names (whose duplicates the
+ * caller has refused); on any failure the tensor's data (owned, mq_alloc'd) is released. */
+static inline moeq_status st_name_add(moeq_status s, strset *names, const char *name, void *data, char **out) {
+    char *nm = NULL;
+    if (s == MOEQ_OK) {
+        nm = mq_strdup(name);
+        s = nm ? strset_add(names, nm) : MOEQ_E_NOMEM;
+    }
     if (s != MOEQ_OK) {
         free(nm);
         nm = NULL;
+        mq_free(data);
     }
     *out = nm;
     return s;

@@ -191,16 +191,14 @@ const char *mq_shard_plan_file(const mq_shard_plan *p, size_t shard) { return p-
 int64_t mq_shard_plan_file_size(const mq_shard_plan *p, size_t shard) { return p->s[shard].size; }
 uint64_t mq_shard_plan_total(const mq_shard_plan *p) { return p->total; }
 
+static const char *sorted_name(const void *p, size_t i) {
+    const mq_shard_plan *P = p;
+    return P->t[P->by_name[i]].name;
+}
+
 static const sp_tensor *plan_find(const mq_shard_plan *p, const char *name) {
-    size_t lo = 0, hi = p->n;
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        int c = strcmp(p->t[p->by_name[mid]].name, name);
-        if (c == 0) return &p->t[p->by_name[mid]];
-        if (c < 0) lo = mid + 1;
-        else hi = mid;
-    }
-    return NULL;
+    const int64_t i = mq_find_name(name, p->n, sorted_name, p);
+    return i < 0 ? NULL : &p->t[p->by_name[i]];
 }
 
 bool mq_shard_plan_find(const mq_shard_plan *p, const char *name, size_t *shard, int64_t *offset,
@@ -229,12 +227,7 @@ void mq_shard_files_close(mq_shard_files *f) {
         if (f->fd[k] >= 0) close(f->fd[k]);
         if (f->tmp) free(f->tmp[k]);
     }
-    free(f->tmp);
-    free(f->fd);
-    free(f->dirty);
-    free(f->done);
-    free(f->dir);
-    free(f);
+    MQ_FREE_EACH(f->tmp, f->fd, f->dirty, f->done, f->dir, f);
 }
 
 static moeq_status files_new(mq_shard_plan *p, const char *dir, mq_shard_files **out) {

@@ -111,13 +111,9 @@ moeq_status mq_stw_add_owned(mq_st_writer *w, const char *name, moeq_dtype dtype
     if (s == MOEQ_OK && strset_has(&w->names, name))
         s = mq_err(MOEQ_E_EXISTS, "safetensors writer: tensor '%s' added twice", name);
     if (s == MOEQ_OK)
-        s = st_grow(&w->t, w->n, &w->cap, sizeof *w->t, 64, "safetensors writer table");
-    char *nm = NULL;
-    if (s == MOEQ_OK) s = st_name_add(&w->names, name, &nm);
-    if (s != MOEQ_OK) {
-        mq_free(data);
-        return s;
-    }
+        s = mq_grow(&w->t, w->n, &w->cap, sizeof *w->t, 64, "safetensors writer table");
+    char *nm;
+    if ((s = st_name_add(s, &w->names, name, data, &nm)) != MOEQ_OK) return s;
     stw_tensor *t = &w->t[w->n++];
     memset(t, 0, sizeof *t);
     t->name = nm;
@@ -299,13 +295,9 @@ moeq_status mq_shards_add_owned(mq_shard_writer *sw, const char *name, moeq_dtyp
     if (s == MOEQ_OK && strset_has(&sw->names, name))
         s = mq_err(MOEQ_E_EXISTS, "%s: tensor '%s' added twice", sw->dir, name);
     if (s == MOEQ_OK)
-        s = st_grow(&sw->map, sw->n_map, &sw->cap_map, sizeof *sw->map, 256, "weight map");
-    char *nm = NULL;
-    if (s == MOEQ_OK) s = st_name_add(&sw->names, name, &nm);
-    if (s != MOEQ_OK) {
-        mq_free(data);
-        return s;
-    }
+        s = mq_grow(&sw->map, sw->n_map, &sw->cap_map, sizeof *sw->map, 256, "weight map");
+    char *nm;
+    if ((s = st_name_add(s, &sw->names, name, data, &nm)) != MOEQ_OK) return s;
     sw->map[sw->n_map].name = nm;   /* owned from here, also on a later error */
     sw->map[sw->n_map].shard = sw->n_tmp;
     sw->n_map++;

@@ -105,14 +105,7 @@ typedef struct {
 } enc_state;
 
 static moeq_status grow(void **p, size_t *cap, size_t need, size_t elem) {
-    if (need <= *cap) return MOEQ_OK;
-    size_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    void *q = realloc(*p, c * elem);
-    if (!q) return mq_err(MOEQ_E_NOMEM, "tokenizer: out of memory");
-    *p = q;
-    *cap = c;
-    return MOEQ_OK;
+    return mq_reserve(p, cap, need, elem, 64) ? MOEQ_OK : mq_err(MOEQ_E_NOMEM, "tokenizer: out of memory");
 }
 
 static inline moeq_status push_id(enc_state *e, int32_t id) {

@@ -776,21 +776,8 @@ char *mq_tokenizer_find(const char *dir) {
 
 void moeq_tokenizer_free(moeq_tokenizer *t) {
     if (!t) return;
-    free(t->path);
-    free(t->arena);
-    free(t->v_off);
-    free(t->v_len);
-    free(t->v_id);
-    free(t->v_slots);
-    free(t->id_off);
-    free(t->id_len);
-    free(t->dec);
-    free(t->dec_off);
-    free(t->dec_len);
-    free(t->m_slots);
-    free(t->added);
-    free(t->pass[0].order);
-    free(t->pass[1].order);
+    MQ_FREE_EACH(t->path, t->arena, t->v_off, t->v_len, t->v_id, t->v_slots, t->id_off, t->id_len, t->dec,
+                 t->dec_off, t->dec_len, t->m_slots, t->added, t->pass[0].order, t->pass[1].order);
     pcre2_code_free(t->word_re);
     for (int i = 0; i < t->n_split; i++) pcre2_code_free(t->split[i]);
     free(t);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/core.h"
 #include "io/tokenizer.h"
 #include "io/tokenizer_nfc_tables.h"
 
@@ -151,16 +152,7 @@ typedef struct {
     size_t cp_cap;
 } nfc_buf;
 
-static bool reserve(void **p, size_t *cap, size_t need, size_t elem) {
-    if (need <= *cap) return true;
-    size_t c = *cap ? *cap : 256;
-    while (c < need) c *= 2;
-    void *q = realloc(*p, c * elem);
-    if (!q) return false;
-    *p = q;
-    *cap = c;
-    return true;
-}
+static bool reserve(void **p, size_t *cap, size_t need, size_t elem) { return mq_reserve(p, cap, need, elem, 256); }
 
 /* Full NFC of s[0..n) appended to b->o. */
 static bool nfc_span(const uint8_t *s, size_t n, nfc_buf *b) {

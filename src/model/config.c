@@ -54,34 +54,30 @@ static int32_t get_int(const fields *f, const char *key, bool required, int32_t 
     return (int32_t)d;
 }
 
-static double get_num(const fields *f, const char *key, double def) {
+/* The field when present and of its type (is), else NULL: a problem "must be <what>" when of
+ * another type. */
+static const cJSON *typed_field(const fields *f, const char *key, cJSON_bool (*is)(const cJSON *), const char *what) {
     const cJSON *v = field(f, key);
-    if (!v) return def;
-    if (!cJSON_IsNumber(v)) {
-        mq_problems_add(f->p, "field '%s' must be a number", key);
-        return def;
+    if (v && !is(v)) {
+        mq_problems_add(f->p, "field '%s' must be %s", key, what);
+        return NULL;
     }
-    return v->valuedouble;
+    return v;
+}
+
+static double get_num(const fields *f, const char *key, double def) {
+    const cJSON *v = typed_field(f, key, cJSON_IsNumber, "a number");
+    return v ? v->valuedouble : def;
 }
 
 static bool get_bool(const fields *f, const char *key, bool def) {
-    const cJSON *v = field(f, key);
-    if (!v) return def;
-    if (!cJSON_IsBool(v)) {
-        mq_problems_add(f->p, "field '%s' must be true or false", key);
-        return def;
-    }
-    return cJSON_IsTrue(v);
+    const cJSON *v = typed_field(f, key, cJSON_IsBool, "true or false");
+    return v ? cJSON_IsTrue(v) : def;
 }
 
 static const char *get_str(const fields *f, const char *key) {
-    const cJSON *v = field(f, key);
-    if (!v) return NULL;
-    if (!cJSON_IsString(v)) {
-        mq_problems_add(f->p, "field '%s' must be a string", key);
-        return NULL;
-    }
-    return v->valuestring;
+    const cJSON *v = typed_field(f, key, cJSON_IsString, "a string");
+    return v ? v->valuestring : NULL;
 }
 
 /* A missing required field was reported already by get_int. */
@@ -550,10 +546,7 @@ done:
 
 void mq_config_free(mq_config *c) {
     if (!c) return;
-    free(c->layer_is_moe);
-    free(c->layer_sliding);
-    free(c->quant_method);
-    free(c->quant_format);
+    MQ_FREE_EACH(c->layer_is_moe, c->layer_sliding, c->quant_method, c->quant_format);
     c->layer_is_moe = c->layer_sliding = NULL;
     c->quant_method = c->quant_format = NULL;
 }

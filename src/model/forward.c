@@ -133,41 +133,33 @@ typedef struct {
     float eps;
 } norm_job;
 
-static void norm_task(void *ctx, int64_t t, int thread) {
-    (void)thread;
+static void norm_rows(void *ctx, int64_t r0, int64_t r1) {
     const norm_job *j = ctx;
     const mq_vec_kernels *vk = mq_vec();
-    const int64_t r1 = (t + 1) * ROWS_TASK < j->rows ? (t + 1) * ROWS_TASK : j->rows;
-    for (int64_t r = t * ROWS_TASK; r < r1; r++) vk->rmsnorm(j->x + r * j->n, j->n, j->w, j->eps, j->out + r * j->n);
+    for (int64_t r = r0; r < r1; r++) vk->rmsnorm(j->x + r * j->n, j->n, j->w, j->eps, j->out + r * j->n);
 }
 
 /* Row-wise RMSNorm of x[rows, n] into out (may alias x). The mean of squares is accumulated in
  * double and rounded, then everything is fp32 as in LlamaRMSNorm. */
 static void rmsnorm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *out) {
     norm_job j = {x, w, out, rows, n, eps};
-    const int64_t nt = (rows + ROWS_TASK - 1) / ROWS_TASK;
-    if (rows * n >= ROWS_POOL_MIN) mq_parallel_for(nt, norm_task, &j);
-    else
-        for (int64_t t = 0; t < nt; t++) norm_task(&j, t, 0);
+    mq_parallel_ranges(rows, ROWS_TASK, rows * n >= ROWS_POOL_MIN, norm_rows, &j);
 }
 
 typedef struct {
     const float *x;
     float *y;
-    int64_t n;
 } axpy_job;
 
-static void axpy_task(void *ctx, int64_t t, int thread) {
-    (void)thread;
+static void axpy_range(void *ctx, int64_t a, int64_t b) {
     const axpy_job *j = ctx;
-    const int64_t a = t * ROWS_POOL_MIN, b = a + ROWS_POOL_MIN < j->n ? a + ROWS_POOL_MIN : j->n;
     mq_vec()->axpy(1.0f, j->x + a, j->y + a, b - a);
 }
 
 /* y += x over n values (elementwise: any split gives the same sums) */
 static void residual_add(const float *x, float *y, int64_t n) {
-    axpy_job j = {x, y, n};
-    mq_parallel_for((n + ROWS_POOL_MIN - 1) / ROWS_POOL_MIN, axpy_task, &j);
+    axpy_job j = {x, y};
+    mq_parallel_ranges(n, ROWS_POOL_MIN, true, axpy_range, &j);
 }
 
 /* g = silu(g) * u over n values. */
@@ -428,13 +420,8 @@ void mq_state_free(mq_state *s) {
         if (s->vc) mq_free(s->vc[l]);
         if (s->lc) mq_free(s->lc[l]);
     }
-    free(s->kc);
-    free(s->vc);
-    free(s->lc);
-    free(s->filled);
-    mq_free(s->rope_cos);
-    mq_free(s->rope_sin);
-    mq_free(s->scores);
+    MQ_FREE_EACH(s->kc, s->vc, s->lc, s->filled);
+    MQ_RELEASE_EACH(s->rope_cos, s->rope_sin, s->scores);
     scratch_free(s);
     free(s);
 }
@@ -477,16 +464,14 @@ moeq_status mq_lm_head(const moeq_model *m, const float *x, int64_t T, float *lo
 typedef struct {
     const mq_state *s;
     float *x;
-    int64_t T, n_heads, pos;
+    int64_t n_heads, pos;
 } rope_job;
 
-static void rope_task(void *ctx, int64_t task, int thread) {
-    (void)thread;
+static void rope_rows(void *ctx, int64_t t0, int64_t t1) {
     const rope_job *j = ctx;
     const int64_t hd = j->s->m->cfg.head_dim, half = hd / 2;
     const mq_vec_kernels *vk = mq_vec();
-    const int64_t t1 = (task + 1) * ROWS_TASK < j->T ? (task + 1) * ROWS_TASK : j->T;
-    for (int64_t t = task * ROWS_TASK; t < t1; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         const float *cs = j->s->rope_cos + (j->pos + t) * half, *sn = j->s->rope_sin + (j->pos + t) * half;
         for (int64_t h = 0; h < j->n_heads; h++) vk->rope(j->x + (t * j->n_heads + h) * hd, half, cs, sn);
     }
@@ -494,11 +479,8 @@ static void rope_task(void *ctx, int64_t task, int thread) {
 
 /* rotate_half RoPE on x[T, n_heads, hd] for positions pos.. */
 static void rope(const mq_state *s, float *x, int64_t T, int64_t n_heads, int64_t pos) {
-    rope_job j = {s, x, T, n_heads, pos};
-    const int64_t nt = (T + ROWS_TASK - 1) / ROWS_TASK;
-    if (T * n_heads * s->m->cfg.head_dim >= ROWS_POOL_MIN) mq_parallel_for(nt, rope_task, &j);
-    else
-        for (int64_t t = 0; t < nt; t++) rope_task(&j, t, 0);
+    rope_job j = {s, x, n_heads, pos};
+    mq_parallel_ranges(T, ROWS_TASK, T * n_heads * s->m->cfg.head_dim >= ROWS_POOL_MIN, rope_rows, &j);
 }
 
 typedef struct {
@@ -847,15 +829,13 @@ enum { ROUTER_ROWS = 64 };
 
 typedef struct {
     const float *x, *W;
-    int64_t T, E, D;
+    int64_t E, D;
     float *y;
 } router_job;
 
-static void router_task(void *ctx, int64_t t, int thread) {
-    (void)thread;
+static void router_rows(void *ctx, int64_t t0, int64_t t1) {
     const router_job *j = ctx;
-    const int64_t t0 = t * ROUTER_ROWS, m = j->T - t0 < ROUTER_ROWS ? j->T - t0 : ROUTER_ROWS;
-    mq_gemm_nt(m, j->E, j->D, 1.0f, j->x + t0 * j->D, j->D, j->W, j->D, 0.0f, j->y + t0 * j->E, j->E);
+    mq_gemm_nt(t1 - t0, j->E, j->D, 1.0f, j->x + t0 * j->D, j->D, j->W, j->D, 0.0f, j->y + t0 * j->E, j->E);
 }
 
 void mq_moe_route(const moeq_model *m, int l, const float *xn, int64_t T, float *probs,
@@ -864,8 +844,8 @@ void mq_moe_route(const moeq_model *m, int l, const float *xn, int64_t T, float 
     if (T < SMALL_T) {
         matmul_nt(xn, T, m->layers[l].router, c->n_experts, c->D, probs);
     } else {
-        router_job j = {xn, m->layers[l].router, T, c->n_experts, c->D, probs};
-        mq_parallel_for((T + ROUTER_ROWS - 1) / ROUTER_ROWS, router_task, &j);
+        router_job j = {xn, m->layers[l].router, c->n_experts, c->D, probs};
+        mq_parallel_ranges(T, ROUTER_ROWS, true, router_rows, &j);
     }
     route(c, m->layers[l].router_bias, probs, T, sel, w);
 }
@@ -946,26 +926,20 @@ typedef struct {
     const mq_config *c;
     const float *bias;
     float *probs;
-    int64_t T;
     int32_t *sel;
     float *w;
 } route_job;
 
-static void route_task(void *ctx, int64_t t, int thread) {
-    (void)thread;
+static void route_range(void *ctx, int64_t t0, int64_t t1) {
     const route_job *j = ctx;
-    const int64_t t0 = t * ROWS_TASK, t1 = t0 + ROWS_TASK < j->T ? t0 + ROWS_TASK : j->T;
     route_rows(j->c, j->bias, j->probs, t0, t1, j->sel, j->w);
 }
 
 /* Every token alone (any split gives the same choices), in blocks of rows on the pool. */
 static void route(const mq_config *c, const float *bias, float *probs, int64_t T, int32_t *sel,
                   float *w) {
-    route_job j = {c, bias, probs, T, sel, w};
-    const int64_t nt = (T + ROWS_TASK - 1) / ROWS_TASK;
-    if (T * c->n_experts >= ROWS_POOL_MIN / 4) mq_parallel_for(nt, route_task, &j);
-    else
-        for (int64_t t = 0; t < nt; t++) route_task(&j, t, 0);
+    route_job j = {c, bias, probs, sel, w};
+    mq_parallel_ranges(T, ROWS_TASK, T * c->n_experts >= ROWS_POOL_MIN / 4, route_range, &j);
 }
 
 /* Stages of the routed experts: all at once, or (activation quantization, whose global scale

@@ -56,36 +56,43 @@ static void add_config(cJSON *j, const mq_config *c) {
     for (int l = 0; l < c->n_layers; l++) n_moe += c->layer_is_moe[l];
     cJSON_AddStringToObject(j, "model_type", c->model_type);
     cJSON_AddStringToObject(j, "architecture", arch_notes(c));
-    mq_json_add_num(j, "layers", c->n_layers);
-    mq_json_add_num(j, "moe_layers", n_moe);
-    mq_json_add_num(j, "hidden_size", (double)c->D);
-    mq_json_add_num(j, "experts", c->n_experts);
-    mq_json_add_num(j, "experts_per_token", c->top_k);
-    mq_json_add_num(j, "vocab_size", (double)c->vocab);
-    mq_json_add_num(j, "context", c->max_pos);
+    const mq_json_num sizes[] = {
+        {"layers", c->n_layers},
+        {"moe_layers", n_moe},
+        {"hidden_size", (double)c->D},
+        {"experts", c->n_experts},
+        {"experts_per_token", c->top_k},
+        {"vocab_size", (double)c->vocab},
+        {"context", c->max_pos},
+    };
+    mq_json_add_nums(j, sizes, sizeof sizes / sizeof *sizes);
     cJSON *a = cJSON_AddObjectToObject(j, "attention");
-    mq_json_add_num(a, "heads", c->n_heads);
-    mq_json_add_num(a, "kv_heads", c->n_kv_heads);
-    mq_json_add_num(a, "head_dim", c->head_dim);
+    const mq_json_num heads[] = {{"heads", c->n_heads}, {"kv_heads", c->n_kv_heads}, {"head_dim", c->head_dim}};
+    mq_json_add_nums(a, heads, 3);
     cJSON_AddBoolToObject(a, "qkv_bias", c->qkv_bias);
     cJSON_AddBoolToObject(a, "sliding_window", c->sliding_window > 0);
     if (c->mla) {
         cJSON *m = cJSON_AddObjectToObject(j, "latent_attention");
-        mq_json_add_num(m, "q_lora_rank", c->q_lora_rank);
-        mq_json_add_num(m, "kv_lora_rank", c->kv_lora_rank);
-        mq_json_add_num(m, "qk_nope_head_dim", c->qk_nope);
-        mq_json_add_num(m, "qk_rope_head_dim", c->qk_rope);
-        mq_json_add_num(m, "v_head_dim", c->v_head_dim);
+        const mq_json_num ranks[] = {
+            {"q_lora_rank", c->q_lora_rank},
+            {"kv_lora_rank", c->kv_lora_rank},
+            {"qk_nope_head_dim", c->qk_nope},
+            {"qk_rope_head_dim", c->qk_rope},
+            {"v_head_dim", c->v_head_dim},
+        };
+        mq_json_add_nums(m, ranks, sizeof ranks / sizeof *ranks);
         cJSON_AddBoolToObject(m, "rope_interleave", c->rope_interleave);
     }
     cJSON *r = cJSON_AddObjectToObject(j, "rope");
     mq_json_add_num(r, "theta", c->rope_theta);
     if (c->yarn) {
-        cJSON *y = cJSON_AddObjectToObject(r, "yarn");
-        mq_json_add_num(y, "factor", c->yarn_factor);
-        mq_json_add_num(y, "original_context", c->yarn_orig_max_pos);
-        mq_json_add_num(y, "attention_factor", c->rope_attn_factor);
-        mq_json_add_num(y, "softmax_scale", c->attn_scale);
+        const mq_json_num yarn[] = {
+            {"factor", c->yarn_factor},
+            {"original_context", c->yarn_orig_max_pos},
+            {"attention_factor", c->rope_attn_factor},
+            {"softmax_scale", c->attn_scale},
+        };
+        mq_json_add_nums(cJSON_AddObjectToObject(r, "yarn"), yarn, sizeof yarn / sizeof *yarn);
     }
     if (n_moe > 0) {
         mq_json_add_num(j, "expert_ffn", c->moe_ffn);

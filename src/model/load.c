@@ -652,16 +652,14 @@ enum { HEAD_PIECE = 8 << 20 };
 typedef struct {
     const uint8_t *src;
     uint8_t *dst;
-    size_t n;
     uintptr_t pmask;
 } head_copy_job;
 
-/* Piece i: copied, then its whole file pages unmapped (a page shared with a neighbour tensor or
- * piece stays mapped). On the pool: the new pages' faults are most of the cost. */
-static void head_copy_task(void *ctx, int64_t i, int thread) {
-    (void)thread;
+/* A piece [lo, hi): copied, then its whole file pages unmapped (a page shared with a neighbour
+ * tensor or piece stays mapped). On the pool: the new pages' faults are most of the cost. */
+static void head_copy_piece(void *ctx, int64_t lo, int64_t hi) {
     const head_copy_job *j = ctx;
-    const size_t off = (size_t)i * HEAD_PIECE, k = j->n - off < HEAD_PIECE ? j->n - off : HEAD_PIECE;
+    const size_t off = (size_t)lo, k = (size_t)(hi - lo);
     memcpy(j->dst + off, j->src + off, k);
     const uintptr_t a = ((uintptr_t)(j->src + off) + j->pmask) & ~j->pmask;
     const uintptr_t b = ((uintptr_t)(j->src + off + k)) & ~j->pmask;
@@ -680,8 +678,8 @@ static void head_to_anon(moeq_model *m) {
     madvise(p, cap, MADV_HUGEPAGE);
 #endif
     const long pg = sysconf(_SC_PAGESIZE);
-    head_copy_job j = {g->data, p, n, pg > 0 ? (uintptr_t)pg - 1 : 4095};
-    mq_parallel_for((int64_t)((n + HEAD_PIECE - 1) / HEAD_PIECE), head_copy_task, &j);
+    head_copy_job j = {g->data, p, pg > 0 ? (uintptr_t)pg - 1 : 4095};
+    mq_parallel_ranges((int64_t)n, HEAD_PIECE, true, head_copy_piece, &j);
     mprotect(p, cap, PROT_READ);
     g->data = p;
     m->head_copy = p;
@@ -827,16 +825,14 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
     bool all = m->cfg.quant_method == NULL || m->cfg.fp8_block_rows > 0;   /* FP8: all fp32 */
     for (int l = 0; l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
-        mq_linear *v[11] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->gate, &ly->up, &ly->down,
-                            &ly->q_a, &ly->q_b, &ly->kv_a, &ly->kv_b};
-        for (int i = 0; i < 11; i++) v[i]->act_q = v[i]->name && (all || v[i]->stored_quantized);
+        mq_linear *v[MQ_LAYER_LINEARS];
+        mq_layer_linears(ly, v);
+        for (int i = 0; i < MQ_LAYER_LINEARS; i++) v[i]->act_q = v[i]->name && (all || v[i]->stored_quantized);
         if (!ly->is_moe) continue;
         for (int e = 0; e < m->cfg.n_experts; e++) {
             mq_linear *x[3] = {&ly->exp_gate[e], &ly->exp_up[e], &ly->exp_down[e]};
             for (int i = 0; i < 3; i++) x[i]->act_q = all || x[i]->stored_quantized;
         }
-        mq_linear *sh[3] = {&ly->sh_gate, &ly->sh_up, &ly->sh_down};
-        for (int i = 0; i < 3; i++) sh[i]->act_q = sh[i]->name && (all || sh[i]->stored_quantized);
     }
     if (m->act_quant != MOEQ_ACT_QUANT_Q8_0) return MOEQ_OK;
     /* from a GGUF file: by the type each Linear (and lm_head) has in it */
@@ -846,12 +842,11 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
     if (types) m->lm_head_act_q = gguf_activations(types, "lm_head", ".weight");
     for (int l = 0; !s && l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
-        mq_linear *v[14] = {&ly->q,    &ly->k,    &ly->v,       &ly->o,     &ly->gate,
-                            &ly->up,   &ly->down, &ly->q_a,     &ly->q_b,   &ly->kv_a,
-                            &ly->kv_b, &ly->sh_gate, &ly->sh_up, &ly->sh_down};
-        for (int i = 0; types && i < 14; i++)
+        mq_linear *v[MQ_LAYER_LINEARS];
+        mq_layer_linears(ly, v);
+        for (int i = 0; types && i < MQ_LAYER_LINEARS; i++)
             v[i]->act_q = v[i]->name ? gguf_activations(types, v[i]->name, ".weight") : MQ_ACTQ_NONE;
-        for (int i = 0; !s && i < 14; i++) s = check_q8_0_width(m, v[i]);
+        for (int i = 0; !s && i < MQ_LAYER_LINEARS; i++) s = check_q8_0_width(m, v[i]);
         ly->vb_act_q = types && m->cfg.mla && ly->kv_b.name && v_b_q8_0(types, ly->kv_b.name);
         int32_t kr = m->cfg.kv_lora_rank;
         /* a lazily opened model loads kv_b in fp32 later (act_quant never packs) */
@@ -879,9 +874,7 @@ static moeq_status mark_act_quant(moeq_model *m, bool loaded) {
 
 /* ---- open / free --------------------------------------------------------------------------- */
 static void linear_free(mq_linear *l) {
-    mq_free(l->w);
-    mq_free(l->gw);
-    mq_free(l->bias);
+    MQ_RELEASE_EACH(l->w, l->gw, l->bias);
     free(l->name);
     mq_packed_weight_free(l->qw);
 }
@@ -895,37 +888,17 @@ void moeq_model_free(moeq_model *m) {
     mq_gguf_detach_cached(m);
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
-        mq_free(ly->attn_norm);
-        mq_free(ly->ffn_norm);
-        linear_free(&ly->q);
-        linear_free(&ly->k);
-        linear_free(&ly->v);
-        linear_free(&ly->o);
-        mq_free(ly->q_norm);
-        mq_free(ly->k_norm);
-        linear_free(&ly->q_a);
-        linear_free(&ly->q_b);
-        linear_free(&ly->kv_a);
-        linear_free(&ly->kv_b);
-        mq_free(ly->q_a_norm);
-        mq_free(ly->kv_a_norm);
-        mq_free(ly->router_bias);
-        linear_free(&ly->gate);
-        linear_free(&ly->up);
-        linear_free(&ly->down);
-        mq_free(ly->router);
+        mq_linear *lin[MQ_LAYER_LINEARS];
+        mq_layer_linears(ly, lin);
+        for (int i = 0; i < MQ_LAYER_LINEARS; i++) linear_free(lin[i]);
+        MQ_RELEASE_EACH(ly->attn_norm, ly->ffn_norm, ly->q_norm, ly->k_norm, ly->q_a_norm, ly->kv_a_norm, ly->router,
+                        ly->router_bias, ly->sh_gate_w);
         for (int e = 0; e < m->cfg.n_experts; e++) {
             if (ly->exp_gate) linear_free(&ly->exp_gate[e]);
             if (ly->exp_up) linear_free(&ly->exp_up[e]);
             if (ly->exp_down) linear_free(&ly->exp_down[e]);
         }
-        free(ly->exp_gate);
-        free(ly->exp_up);
-        free(ly->exp_down);
-        linear_free(&ly->sh_gate);
-        linear_free(&ly->sh_up);
-        linear_free(&ly->sh_down);
-        mq_free(ly->sh_gate_w);
+        MQ_FREE_EACH(ly->exp_gate, ly->exp_up, ly->exp_down);
         moeq_moe_experts_free(ly->pexperts);
     }
     free(m->layers);

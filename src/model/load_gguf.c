@@ -95,12 +95,9 @@ void mq_gguf_detach_cached(moeq_model *m) {
     if (!c) return;
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
         mq_layer *ly = &m->layers[l];
-        mq_linear *att[11] = {&ly->q, &ly->k, &ly->v, &ly->o, &ly->q_a, &ly->q_b, &ly->kv_a,
-                              &ly->kv_b, &ly->gate, &ly->up, &ly->down};
-        for (int i = 0; i < 11; i++) detach_linear(c, att[i]);
-        detach_linear(c, &ly->sh_gate);
-        detach_linear(c, &ly->sh_up);
-        detach_linear(c, &ly->sh_down);
+        mq_linear *lin[MQ_LAYER_LINEARS];
+        mq_layer_linears(ly, lin);
+        for (int i = 0; i < MQ_LAYER_LINEARS; i++) detach_linear(c, lin[i]);
         for (int e = 0; ly->exp_gate && e < m->cfg.n_experts; e++) {
             detach_linear(c, &ly->exp_gate[e]);
             detach_linear(c, &ly->exp_up[e]);

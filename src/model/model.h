@@ -160,6 +160,16 @@ typedef struct {
     moeq_moe_experts *pexperts;
 } mq_layer;
 
+/* A layer's Linears outside the routed experts, in this order: q k v o, gate up down, q_a q_b
+ * kv_a kv_b, sh_gate sh_up sh_down (those the layer does not use have no name). */
+enum { MQ_LAYER_LINEARS = 14 };
+static inline void mq_layer_linears(mq_layer *ly, mq_linear *v[MQ_LAYER_LINEARS]) {
+    mq_linear *const all[MQ_LAYER_LINEARS] = {&ly->q,   &ly->k,    &ly->v,    &ly->o,    &ly->gate,
+                                              &ly->up,  &ly->down, &ly->q_a,  &ly->q_b,  &ly->kv_a,
+                                              &ly->kv_b, &ly->sh_gate, &ly->sh_up, &ly->sh_down};
+    for (int i = 0; i < MQ_LAYER_LINEARS; i++) v[i] = all[i];
+}
+
 struct moeq_model {
     mq_config cfg;
     moeq_model_info info;

@@ -442,6 +442,31 @@ static moeq_status remember(mq_pack_cache *c, int kind, const char *name, const 
     return MOEQ_OK;
 }
 
+/* The end of a get: obj (read from the map, its checks ok) remembered and counted, true; else
+ * obj dropped and the cache left, false. */
+static bool taken(mq_pack_cache *c, bool ok, int kind, const char *name, void *obj, void (*drop)(void *)) {
+    if (ok && !remember(c, kind, name, obj, false)) {
+        c->next++;
+        return true;
+    }
+    drop(obj);
+    left(c);
+    return false;
+}
+
+/* A got object freed, or NULL; its blob is the map's, not its own. */
+static void drop_experts(void *obj) {
+    moeq_moe_experts *w = obj;
+    if (w) w->blob = NULL;
+    moeq_moe_experts_free(w);
+}
+
+static void drop_weight(void *obj) {
+    struct mq_packed_weight *w = obj;
+    if (w) w->blob = NULL;
+    mq_packed_weight_free(w);
+}
+
 typedef struct {
     int32_t scheme, group, E, D, F, Fs, n_mats, pad;
 } pc_experts_head;
@@ -476,15 +501,8 @@ bool mq_pack_cache_get_experts(mq_pack_cache *c, const char *name, moeq_moe_expe
         w->group = h.group, w->E = h.E, w->D = h.D, w->F = h.F, w->Fs = h.Fs, w->n_mats = h.n_mats;
         w->blob = (uint8_t *)(uintptr_t)blob;   /* read only: the kernels only read */
         w->blob_bytes = (size_t)e->bytes;
-        ok = !remember(c, PC_EXPERTS, name, w, false);
     }
-    if (!ok) {
-        if (w) w->blob = NULL;
-        moeq_moe_experts_free(w);
-        left(c);
-        return false;
-    }
-    c->next++;
+    if (!taken(c, ok, PC_EXPERTS, name, w, drop_experts)) return false;
     *out = w;
     return true;
 }
@@ -519,15 +537,8 @@ bool mq_pack_cache_get_weight(mq_pack_cache *c, const char *name, struct mq_pack
         }
         w->blob = (uint8_t *)(uintptr_t)blob;
         w->bytes = (size_t)e->bytes;
-        ok = !remember(c, PC_WEIGHT, name, w, false);
     }
-    if (!ok) {
-        if (w) w->blob = NULL;
-        mq_packed_weight_free(w);
-        left(c);
-        return false;
-    }
-    c->next++;
+    if (!taken(c, ok, PC_WEIGHT, name, w, drop_weight)) return false;
     *out = w;
     return true;
 }

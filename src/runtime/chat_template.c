@@ -36,12 +36,9 @@ moeq_status moeq_chat_template_parse(const char *name, const char *text, size_t 
                       moeq_utf8_valid_prefix(text, len));
     }
     moeq_status st = mq_tt_parse(&ct->t, text, len);
-    if (st) {
-        free(ct);
-        return st;
-    }
-    *out = ct;
-    return MOEQ_OK;
+    if (st) free(ct);
+    else *out = ct;
+    return st;
 }
 
 void moeq_chat_template_free(moeq_chat_template *t) {

@@ -26,12 +26,9 @@ moeq_status moeq_session_create(const moeq_model *m, int32_t max_tokens, moeq_se
     s->m = m;
     s->max_tokens = max_tokens;
     moeq_status st = mq_state_new(m, max_tokens, &s->st);
-    if (st) {
-        free(s);
-        return st;
-    }
-    *out = s;
-    return MOEQ_OK;
+    if (st) free(s);
+    else *out = s;
+    return st;
 }
 
 void moeq_session_free(moeq_session *s) {

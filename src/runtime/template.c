@@ -66,19 +66,13 @@ static void unescape(ps *P, int line, const char *s, size_t n, tk *out) {
             mq_tt_put(P->c, &b, s + i, 1);
             continue;
         }
-        char e = s[++i];
+        char e = s[++i], byte = e == 'a' ? '\a' : e == 'v' ? '\v' : e == '\'' ? '\'' : mq_tt_unescape(e);
         int nd = 0;
+        if (byte) {
+            mq_tt_put(P->c, &b, &byte, 1);
+            continue;
+        }
         switch (e) {
-        case 'n': mq_tt_puts(P->c, &b, "\n"); break;
-        case 't': mq_tt_puts(P->c, &b, "\t"); break;
-        case 'r': mq_tt_puts(P->c, &b, "\r"); break;
-        case 'a': mq_tt_puts(P->c, &b, "\a"); break;
-        case 'b': mq_tt_puts(P->c, &b, "\b"); break;
-        case 'f': mq_tt_puts(P->c, &b, "\f"); break;
-        case 'v': mq_tt_puts(P->c, &b, "\v"); break;
-        case '\\': mq_tt_puts(P->c, &b, "\\"); break;
-        case '\'': mq_tt_puts(P->c, &b, "'"); break;
-        case '"': mq_tt_puts(P->c, &b, "\""); break;
         case '\n': break;
         case 'x': nd = 2; break;
         case 'u': nd = 4; break;
@@ -548,46 +542,40 @@ static mq_tt_expr *bin(ps *P, const char *op, mq_tt_expr *a, mq_tt_expr *b, int 
     return e;
 }
 
-static mq_tt_expr *parse_pow(ps *P) {
-    mq_tt_expr *e = parse_unary(P, true);
-    while (is_op(cur(P), "**")) {
-        int line = cur(P)->line;
+/* A left-associative level: operands from next, joined by any of ops (NULL-ended). */
+static mq_tt_expr *parse_left(ps *P, mq_tt_expr *(*next)(ps *), const char *const *ops) {
+    mq_tt_expr *e = next(P);
+    for (;;) {
+        const int line = cur(P)->line;
+        const char *op = NULL;
+        for (const char *const *o = ops; *o && !op; o++)
+            if (is_op(cur(P), *o)) op = *o;
+        if (!op) return e;
         P->p++;
-        e = bin(P, "**", e, parse_unary(P, true), line);
+        e = bin(P, op, e, next(P), line);
     }
-    return e;
+}
+
+static mq_tt_expr *parse_filtered(ps *P) { return parse_unary(P, true); }
+
+static mq_tt_expr *parse_pow(ps *P) {
+    static const char *const ops[] = {"**", NULL};
+    return parse_left(P, parse_filtered, ops);
 }
 
 static mq_tt_expr *parse_math2(ps *P) {
-    mq_tt_expr *e = parse_pow(P);
-    for (;;) {
-        tk *t = cur(P);
-        const char *op = is_op(t, "*") ? "*" : is_op(t, "/") ? "/" : is_op(t, "//") ? "//" : is_op(t, "%") ? "%" : NULL;
-        if (!op) return e;
-        P->p++;
-        e = bin(P, op, e, parse_pow(P), t->line);
-    }
+    static const char *const ops[] = {"*", "/", "//", "%", NULL};
+    return parse_left(P, parse_pow, ops);
 }
 
 static mq_tt_expr *parse_concat(ps *P) {
-    mq_tt_expr *e = parse_math2(P);
-    while (is_op(cur(P), "~")) {
-        int line = cur(P)->line;
-        P->p++;
-        e = bin(P, "~", e, parse_math2(P), line);
-    }
-    return e;
+    static const char *const ops[] = {"~", NULL};
+    return parse_left(P, parse_math2, ops);
 }
 
 static mq_tt_expr *parse_math1(ps *P) {
-    mq_tt_expr *e = parse_concat(P);
-    for (;;) {
-        tk *t = cur(P);
-        const char *op = is_op(t, "+") ? "+" : is_op(t, "-") ? "-" : NULL;
-        if (!op) return e;
-        P->p++;
-        e = bin(P, op, e, parse_concat(P), t->line);
-    }
+    static const char *const ops[] = {"+", "-", NULL};
+    return parse_left(P, parse_concat, ops);
 }
 
 static mq_tt_expr *parse_compare(ps *P) {
@@ -631,29 +619,21 @@ static mq_tt_expr *parse_not(ps *P) {
     return parse_compare(P);
 }
 
-static mq_tt_expr *parse_and(ps *P) {
-    mq_tt_expr *e = parse_not(P);
-    while (is_name(cur(P), "and")) {
-        mq_tt_expr *a = ex(P, E_AND, cur(P)->line);
+/* `and` or `or` (left-associative): operands from next. */
+static mq_tt_expr *parse_logic(ps *P, const char *word, mq_tt_expr_op op, mq_tt_expr *(*next)(ps *)) {
+    mq_tt_expr *e = next(P);
+    while (is_name(cur(P), word)) {
+        mq_tt_expr *a = ex(P, op, cur(P)->line);
         P->p++;
         a->a = e;
-        a->b = parse_not(P);
+        a->b = next(P);
         e = a;
     }
     return e;
 }
 
-static mq_tt_expr *parse_or(ps *P) {
-    mq_tt_expr *e = parse_and(P);
-    while (is_name(cur(P), "or")) {
-        mq_tt_expr *a = ex(P, E_OR, cur(P)->line);
-        P->p++;
-        a->a = e;
-        a->b = parse_and(P);
-        e = a;
-    }
-    return e;
-}
+static mq_tt_expr *parse_and(ps *P) { return parse_logic(P, "and", E_AND, parse_not); }
+static mq_tt_expr *parse_or(ps *P) { return parse_logic(P, "or", E_OR, parse_and); }
 
 static mq_tt_expr *parse_expr(ps *P) {
     enter(P, cur(P)->line);

@@ -108,6 +108,9 @@ typedef struct {
 } mq_tt_buf;
 void mq_tt_put(mq_tt_ctx *c, mq_tt_buf *b, const char *s, size_t n);
 void mq_tt_puts(mq_tt_ctx *c, mq_tt_buf *b, const char *s);
+/* The byte that the escape backslash-e stands for in both a template's string literal and JSON
+ * (\" \\ \b \f \n \r \t), 0 for another e. */
+char mq_tt_unescape(char e);
 /* The code point cp (at most 0x10FFFF) as UTF-8. */
 void mq_tt_put_utf8(mq_tt_ctx *c, mq_tt_buf *b, uint32_t cp);
 /* str(x) as Python prints it (Jinja2's {{ x }}: None -> "None", True, 1.5, ['a', 1]). */

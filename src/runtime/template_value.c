@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/json.h"
 #include "runtime/template.h"
 
 struct mq_tt_block {
@@ -390,27 +391,25 @@ void mq_tv_to_str(mq_tt_ctx *c, mq_tt_buf *b, const tv *x) {
     }
 }
 
+char mq_tt_unescape(char e) {
+    switch (e) {
+    case '"': return '"';
+    case '\\': return '\\';
+    case 'b': return '\b';
+    case 'f': return '\f';
+    case 'n': return '\n';
+    case 'r': return '\r';
+    case 't': return '\t';
+    default: return 0;
+    }
+}
+
 static void json_str(mq_tt_ctx *c, mq_tt_buf *b, const char *s, size_t n) {
     mq_tt_puts(c, b, "\"");
     size_t run = 0;
     for (size_t i = 0; i < n; i++) {
-        unsigned char ch = (unsigned char)s[i];
-        const char *e = NULL;
         char t[8];
-        switch (ch) {
-        case '"': e = "\\\""; break;
-        case '\\': e = "\\\\"; break;
-        case '\n': e = "\\n"; break;
-        case '\r': e = "\\r"; break;
-        case '\t': e = "\\t"; break;
-        case '\b': e = "\\b"; break;
-        case '\f': e = "\\f"; break;
-        default:
-            if (ch < 0x20) {
-                snprintf(t, sizeof t, "\\u%04x", ch);
-                e = t;
-            }
-        }
+        const char *e = mq_json_escape((unsigned char)s[i], t);
         if (e) {
             mq_tt_put(c, b, s + run, i - run);
             mq_tt_puts(c, b, e);
@@ -537,16 +536,13 @@ static tv *jr_string(jr *r) {
         mq_tt_put(r->c, &b, r->s + run, r->i - run);
         r->i++;
         if (r->i >= r->n) jr_fail(r, "unterminated string");
-        char e = r->s[r->i++];
+        char e = r->s[r->i++], byte = e == '/' ? '/' : mq_tt_unescape(e);
+        if (byte) {
+            mq_tt_put(r->c, &b, &byte, 1);
+            run = r->i;
+            continue;
+        }
         switch (e) {
-        case '"': mq_tt_puts(r->c, &b, "\""); break;
-        case '\\': mq_tt_puts(r->c, &b, "\\"); break;
-        case '/': mq_tt_puts(r->c, &b, "/"); break;
-        case 'b': mq_tt_puts(r->c, &b, "\b"); break;
-        case 'f': mq_tt_puts(r->c, &b, "\f"); break;
-        case 'n': mq_tt_puts(r->c, &b, "\n"); break;
-        case 'r': mq_tt_puts(r->c, &b, "\r"); break;
-        case 't': mq_tt_puts(r->c, &b, "\t"); break;
         case 'u': {
             uint32_t cp = jr_hex4(r);
             if (cp >= 0xD800 && cp < 0xDC00 && r->n - r->i >= 6 && r->s[r->i] == '\\' && r->s[r->i + 1] == 'u') {
@@ -570,6 +566,21 @@ static tv *jr_string(jr *r) {
     return mq_tv_str_ref(r->c, b.p ? b.p : "", b.n);
 }
 
+/* Whether the next byte is ch, taken when it is. */
+static bool jr_eat(jr *r, char ch) {
+    if (r->i >= r->n || r->s[r->i] != ch) return false;
+    r->i++;
+    return true;
+}
+
+/* After an object's or an array's item: true at ',' (another follows), false at its close. */
+static bool jr_more(jr *r, char close) {
+    jr_ws(r);
+    if (jr_eat(r, ',')) return true;
+    if (jr_eat(r, close)) return false;
+    jr_fail(r, close == '}' ? "expected ',' or '}'" : "expected ',' or ']'");
+}
+
 static tv *jr_value(jr *r) {
     jr_ws(r);
     if (r->i >= r->n) jr_fail(r, "unexpected end");
@@ -580,46 +591,24 @@ static tv *jr_value(jr *r) {
         x = mq_tv_dict(r->c, TV_DICT);
         r->i++;
         jr_ws(r);
-        if (r->i < r->n && r->s[r->i] == '}') r->i++;
-        else
-            for (;;) {
+        if (!jr_eat(r, '}')) {
+            do {
                 jr_ws(r);
                 if (r->i >= r->n || r->s[r->i] != '"') jr_fail(r, "expected a key");
                 tv *k = jr_string(r);
                 jr_ws(r);
-                if (r->i >= r->n || r->s[r->i] != ':') jr_fail(r, "expected ':'");
-                r->i++;
+                if (!jr_eat(r, ':')) jr_fail(r, "expected ':'");
                 mq_tv_dict_set(r->c, x, k, jr_value(r));
-                jr_ws(r);
-                if (r->i < r->n && r->s[r->i] == ',') {
-                    r->i++;
-                    continue;
-                }
-                if (r->i < r->n && r->s[r->i] == '}') {
-                    r->i++;
-                    break;
-                }
-                jr_fail(r, "expected ',' or '}'");
-            }
+            } while (jr_more(r, '}'));
+        }
     } else if (ch == '[') {
         x = mq_tv_list(r->c, 4);
         r->i++;
         jr_ws(r);
-        if (r->i < r->n && r->s[r->i] == ']') r->i++;
-        else
-            for (;;) {
-                mq_tv_list_push(r->c, x, jr_value(r));
-                jr_ws(r);
-                if (r->i < r->n && r->s[r->i] == ',') {
-                    r->i++;
-                    continue;
-                }
-                if (r->i < r->n && r->s[r->i] == ']') {
-                    r->i++;
-                    break;
-                }
-                jr_fail(r, "expected ',' or ']'");
-            }
+        if (!jr_eat(r, ']')) {
+            do mq_tv_list_push(r->c, x, jr_value(r));
+            while (jr_more(r, ']'));
+        }
     } else if (ch == '"') {
         x = jr_string(r);
     } else if (r->n - r->i >= 4 && !memcmp(r->s + r->i, "true", 4)) {

@@ -133,10 +133,9 @@ typedef struct {
     size_t n;
 } copy_job;
 
-static void copy_task(void *ctx, int64_t t, int thread) {
-    (void)thread;
+static void copy_piece(void *ctx, int64_t lo, int64_t hi) {
     const copy_job *j = ctx;
-    const size_t a = (size_t)t * COPY_PIECE, e = a + COPY_PIECE < j->n ? a + COPY_PIECE : j->n;
+    const size_t a = (size_t)lo, e = (size_t)hi;
     if (!j->h)
         memcpy(j->f + a, j->src + a, (e - a) * sizeof(float));
     else if (j->src)
@@ -145,13 +144,7 @@ static void copy_task(void *ctx, int64_t t, int thread) {
         for (size_t i = a; i < e; i++) j->f[i] = mq_bf16_to_f32(j->h[i]);
 }
 
-static void copy_run(copy_job *j) {
-    if (j->n <= COPY_PIECE) {
-        copy_task(j, 0, 0);
-        return;
-    }
-    mq_parallel_for((int64_t)((j->n + COPY_PIECE - 1) / COPY_PIECE), copy_task, j);
-}
+static void copy_run(copy_job *j) { mq_parallel_ranges((int64_t)j->n, COPY_PIECE, j->n > COPY_PIECE, copy_piece, j); }
 
 void mq_copy_floats(float *dst, const float *src, size_t n) {
     if (dst == src || n == 0) return;

@@ -1,0 +1,217 @@
+/*
+ * AVX2 twin of the K-quant grid scoring (mq_kq_sse_ref in src/formats/kquant.c): the candidate
+ * grids (step, offset) of one sub-block go in the 8 lanes, the sub-block's values are walked in
+ * order, so every candidate's double sum is accumulated in exactly the scalar order and the
+ * scores are bit-identical. Per value and candidate the IEEE operations are kquant.c's
+ * round_code and mq_kq_value: q = rint((x + off) / step) (asymmetric) or rint(x / step) + zero
+ * (symmetric), clamped to qmin..qmax, the fixed code of the value 0 when step is 0; x^ = step * q
+ * - off or step * (q - zero); d = (double)x - (double)x^; sum += (w * d) * d (no w: d * d). The
+ * build is ISO C (no FP contraction), so no multiply-add is fused.
+ * Also the twins of the sub-block fits' trials (mq_kq_asym_trials_ref, mq_kq_sym_trials_ref):
+ * the trial inverse scales in the lanes, each lane's float sums over the values in order.
+ */
+#include <immintrin.h>
+
+#include "formats/kquant.h"
+
+/* Scores candidate vectors 0 .. nv - 1 (of 8) together: nv independent chains of double adds
+ * hide their latency, and each lane's sum still runs over the values in order. Inlined into
+ * callers with constant nv, asym and weighted, so the loops unroll, the sums stay in registers
+ * and no test is left in the loop. */
+static inline __attribute__((always_inline)) void
+kq_sse_body(const mq_kq_info *t, const float *step, const float *off, const float *x, int64_t n,
+            int64_t stride, const float *w, double *sse, const int nv, const bool asym,
+            const bool weighted) {
+    const __m256 lo = _mm256_set1_ps((float)t->qmin), hi = _mm256_set1_ps((float)t->qmax);
+    const __m256 zp = _mm256_set1_ps(asym ? 0.0f : (float)t->zero);
+    /* the code a zero step gives every value (round_code) */
+    const __m256 q0 = _mm256_set1_ps((float)(asym ? t->qmin : t->zero));
+    __m256 st[4], of[4], zs[4];
+    __m256d acc[8];
+    for (int k = 0; k < nv; k++) {
+        st[k] = _mm256_loadu_ps(step + 8 * k);
+        of[k] = asym ? _mm256_loadu_ps(off + 8 * k) : _mm256_setzero_ps();
+        zs[k] = _mm256_cmp_ps(st[k], _mm256_setzero_ps(), _CMP_EQ_OQ);
+        acc[2 * k] = acc[2 * k + 1] = _mm256_setzero_pd();
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i * stride];
+        const __m256 xv = _mm256_set1_ps(v);
+        const __m256d vd = _mm256_set1_pd((double)v);
+        const __m256d wv = _mm256_set1_pd(weighted ? (double)w[i] : 1.0);
+#pragma GCC unroll 4
+        for (int k = 0; k < nv; k++) {
+            __m256 q = asym ? _mm256_div_ps(_mm256_add_ps(xv, of[k]), st[k]) : _mm256_div_ps(xv, st[k]);
+            q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (!asym) q = _mm256_add_ps(q, zp);
+            q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+            q = _mm256_blendv_ps(q, q0, zs[k]);
+            const __m256 dq = asym ? _mm256_sub_ps(_mm256_mul_ps(st[k], q), of[k])
+                                   : _mm256_mul_ps(st[k], _mm256_sub_ps(q, zp));
+            __m256d d0 = _mm256_sub_pd(vd, _mm256_cvtps_pd(_mm256_castps256_ps128(dq)));
+            __m256d d1 = _mm256_sub_pd(vd, _mm256_cvtps_pd(_mm256_extractf128_ps(dq, 1)));
+            if (weighted) { /* (w * d) * d, the scalar's order; without w, d * d (1 * d is d) */
+                d0 = _mm256_mul_pd(_mm256_mul_pd(wv, d0), d0);
+                d1 = _mm256_mul_pd(_mm256_mul_pd(wv, d1), d1);
+            } else {
+                d0 = _mm256_mul_pd(d0, d0);
+                d1 = _mm256_mul_pd(d1, d1);
+            }
+            acc[2 * k] = _mm256_add_pd(acc[2 * k], d0);
+            acc[2 * k + 1] = _mm256_add_pd(acc[2 * k + 1], d1);
+        }
+    }
+    for (int k = 0; k < 2 * nv; k++) _mm256_storeu_pd(sse + 4 * k, acc[k]);
+}
+
+/* One instance per vector count, grid kind and weighting. */
+#define KQ_SSE_VARIANT(NAME, NV, ASYM, W)                                                          \
+    static void NAME(const mq_kq_info *t, const float *step, const float *off, const float *x,   \
+                     int64_t n, int64_t stride, const float *w, double *sse) {                    \
+        kq_sse_body(t, step, off, x, n, stride, w, sse, NV, ASYM, W);                             \
+    }
+#define KQ_SSE_VARIANTS(NV)                                                                        \
+    KQ_SSE_VARIANT(kq_sse_##NV##_sym, NV, false, false)                                            \
+    KQ_SSE_VARIANT(kq_sse_##NV##_sym_w, NV, false, true)                                           \
+    KQ_SSE_VARIANT(kq_sse_##NV##_asym, NV, true, false)                                            \
+    KQ_SSE_VARIANT(kq_sse_##NV##_asym_w, NV, true, true)
+KQ_SSE_VARIANTS(1)
+KQ_SSE_VARIANTS(2)
+KQ_SSE_VARIANTS(3)
+KQ_SSE_VARIANTS(4)
+
+typedef void (*kq_sse_fn)(const mq_kq_info *, const float *, const float *, const float *, int64_t,
+                          int64_t, const float *, double *);
+
+void mq_kq_sse_avx2(const mq_kq_info *t, const float *step, const float *off, int nc,
+                    const float *x, int64_t n, int64_t stride, const float *w, double *sse) {
+    /* [vectors - 1][asym][weighted] */
+    static const kq_sse_fn fns[4][2][2] = {
+        {{kq_sse_1_sym, kq_sse_1_sym_w}, {kq_sse_1_asym, kq_sse_1_asym_w}},
+        {{kq_sse_2_sym, kq_sse_2_sym_w}, {kq_sse_2_asym, kq_sse_2_asym_w}},
+        {{kq_sse_3_sym, kq_sse_3_sym_w}, {kq_sse_3_asym, kq_sse_3_asym_w}},
+        {{kq_sse_4_sym, kq_sse_4_sym_w}, {kq_sse_4_asym, kq_sse_4_asym_w}},
+    };
+    const int asym = t->zero < 0, weighted = w != NULL;
+    for (int c0 = 0; c0 < nc; c0 += 32) {
+        const int nv = (nc - c0 + 7) / 8;
+        fns[(nv < 4 ? nv : 4) - 1][asym][weighted](t, step + c0, off + c0, x, n, stride, w, sse + c0);
+    }
+}
+
+/* l = rint(iscale * t) with the scalar's clamp (l < lo ? lo : l > top ? top : l, a -0 kept). */
+static inline __m256 kq_code(__m256 iscale, __m256 t, __m256 lo, __m256 top) {
+    __m256 l = _mm256_round_ps(_mm256_mul_ps(iscale, t), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    l = _mm256_blendv_ps(l, lo, _mm256_cmp_ps(l, lo, _CMP_LT_OQ));
+    return _mm256_blendv_ps(l, top, _mm256_cmp_ps(l, top, _CMP_GT_OQ));
+}
+
+/* The trials of NV vectors (of 8) together: the sums of each lane run over the values in order,
+ * in float, as the scalar's; the refit and its error per lane (the error in double). */
+#define KQ_ASYM_BLOCK(NV)                                                                          \
+    static void kq_asym_##NV(const float *x, int64_t n, int64_t stride, const float *w,           \
+                             const mq_kq_sums *s, const float *iscale, float *D, float *sc,        \
+                             float *mn, double *e) {                                               \
+        const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps((float)s->nmax);            \
+        __m256 is[NV], sl[NV], sl2[NV], sxl[NV], scv[NV], mnv[NV];                                \
+        __m256d acc[2 * NV];                                                                       \
+        for (int k = 0; k < NV; k++) {                                                             \
+            is[k] = _mm256_loadu_ps(iscale + 8 * k);                                               \
+            sl[k] = sl2[k] = sxl[k] = zero;                                                        \
+            acc[2 * k] = acc[2 * k + 1] = _mm256_setzero_pd();                                    \
+        }                                                                                          \
+        for (int64_t i = 0; i < n; i++) {                                                          \
+            const float v = x[i * stride];                                                         \
+            const __m256 xv = _mm256_set1_ps(v), wv = _mm256_set1_ps(w ? w[i] : 1.0f);             \
+            const __m256 t = _mm256_set1_ps(v - s->min);                                           \
+            for (int k = 0; k < NV; k++) {                                                         \
+                const __m256 l = kq_code(is[k], t, zero, top);                                     \
+                const __m256 wl = _mm256_mul_ps(wv, l);                                            \
+                sl[k] = _mm256_add_ps(sl[k], wl);                                                  \
+                sl2[k] = _mm256_add_ps(sl2[k], _mm256_mul_ps(wl, l));                              \
+                sxl[k] = _mm256_add_ps(sxl[k], _mm256_mul_ps(wl, xv));                             \
+            }                                                                                      \
+        }                                                                                          \
+        const __m256 sw = _mm256_set1_ps(s->sum_w), sx = _mm256_set1_ps(s->sum_x);                \
+        for (int k = 0; k < NV; k++) {                                                             \
+            const __m256 dv = _mm256_sub_ps(_mm256_mul_ps(sw, sl2[k]), _mm256_mul_ps(sl[k], sl[k])); \
+            scv[k] = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sw, sxl[k]), _mm256_mul_ps(sx, sl[k])), dv); \
+            mnv[k] = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sl2[k], sx), _mm256_mul_ps(sl[k], sxl[k])), dv); \
+            if (s->clamp) { /* a positive min: 0, the scale refitted alone */                     \
+                const __m256 pos = _mm256_cmp_ps(mnv[k], zero, _CMP_GT_OQ);                        \
+                mnv[k] = _mm256_blendv_ps(mnv[k], zero, pos);                                      \
+                scv[k] = _mm256_blendv_ps(scv[k], _mm256_div_ps(sxl[k], sl2[k]), pos);             \
+            }                                                                                      \
+            _mm256_storeu_ps(D + 8 * k, dv);                                                       \
+            _mm256_storeu_ps(sc + 8 * k, scv[k]);                                                  \
+            _mm256_storeu_ps(mn + 8 * k, mnv[k]);                                                  \
+        }                                                                                          \
+        for (int64_t i = 0; i < n; i++) {                                                          \
+            const float v = x[i * stride];                                                         \
+            const __m256 xv = _mm256_set1_ps(v), t = _mm256_set1_ps(v - s->min);                   \
+            const __m256d wv = _mm256_set1_pd((double)(w ? w[i] : 1.0f));                          \
+            for (int k = 0; k < NV; k++) {                                                         \
+                const __m256 l = kq_code(is[k], t, zero, top);                                     \
+                const __m256 d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(scv[k], l), mnv[k]), xv); \
+                const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d));                     \
+                const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));                   \
+                acc[2 * k] = _mm256_add_pd(acc[2 * k], _mm256_mul_pd(_mm256_mul_pd(wv, d0), d0));  \
+                acc[2 * k + 1] = _mm256_add_pd(acc[2 * k + 1], _mm256_mul_pd(_mm256_mul_pd(wv, d1), d1)); \
+            }                                                                                      \
+        }                                                                                          \
+        for (int k = 0; k < 2 * NV; k++) _mm256_storeu_pd(e + 4 * k, acc[k]);                     \
+    }
+KQ_ASYM_BLOCK(1)
+KQ_ASYM_BLOCK(2)
+KQ_ASYM_BLOCK(3)
+
+void mq_kq_asym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w,
+                            const mq_kq_sums *s, const float *iscale, int nt, float *D, float *sc,
+                            float *mn, double *e) {
+    for (int k0 = 0; k0 < nt; k0 += 24) {
+        const int nv = (nt - k0 + 7) / 8;
+        if (nv >= 3) kq_asym_3(x, n, stride, w, s, iscale + k0, D + k0, sc + k0, mn + k0, e + k0);
+        else if (nv == 2) kq_asym_2(x, n, stride, w, s, iscale + k0, D + k0, sc + k0, mn + k0, e + k0);
+        else kq_asym_1(x, n, stride, w, s, iscale + k0, D + k0, sc + k0, mn + k0, e + k0);
+    }
+}
+
+/* The symmetric fit's trials, NV vectors of 8 together: each lane's float sums over the values
+ * in order, as the scalar's. */
+#define KQ_SYM_BLOCK(NV)                                                                           \
+    static void kq_sym_##NV(const float *x, int64_t n, int64_t stride, const float *w, int nmax,  \
+                            const float *iscale, float *sumlx, float *suml2) {                     \
+        const __m256 lo = _mm256_set1_ps((float)-nmax), top = _mm256_set1_ps((float)(nmax - 1));  \
+        __m256 is[NV], slx[NV], sl2[NV];                                                           \
+        for (int k = 0; k < NV; k++) {                                                             \
+            is[k] = _mm256_loadu_ps(iscale + 8 * k);                                               \
+            slx[k] = sl2[k] = _mm256_setzero_ps();                                                 \
+        }                                                                                          \
+        for (int64_t i = 0; i < n; i++) {                                                          \
+            const float v = x[i * stride], wi = w ? w[i] : 1.0f;                                   \
+            const __m256 xv = _mm256_set1_ps(v), wv = _mm256_set1_ps(wi);                          \
+            const __m256 wx = _mm256_set1_ps(wi * v);                                              \
+            for (int k = 0; k < NV; k++) {                                                         \
+                const __m256 l = kq_code(is[k], xv, lo, top);                                      \
+                slx[k] = _mm256_add_ps(slx[k], _mm256_mul_ps(wx, l));                              \
+                sl2[k] = _mm256_add_ps(sl2[k], _mm256_mul_ps(_mm256_mul_ps(wv, l), l));            \
+            }                                                                                      \
+        }                                                                                          \
+        for (int k = 0; k < NV; k++) {                                                             \
+            _mm256_storeu_ps(sumlx + 8 * k, slx[k]);                                               \
+            _mm256_storeu_ps(suml2 + 8 * k, sl2[k]);                                               \
+        }                                                                                          \
+    }
+KQ_SYM_BLOCK(1)
+KQ_SYM_BLOCK(2)
+KQ_SYM_BLOCK(3)
+
+void mq_kq_sym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
+                           const float *iscale, int nt, float *sumlx, float *suml2) {
+    for (int k0 = 0; k0 < nt; k0 += 24) {
+        const int nv = (nt - k0 + 7) / 8;
+        if (nv >= 3) kq_sym_3(x, n, stride, w, nmax, iscale + k0, sumlx + k0, suml2 + k0);
+        else if (nv == 2) kq_sym_2(x, n, stride, w, nmax, iscale + k0, sumlx + k0, suml2 + k0);
+        else kq_sym_1(x, n, stride, w, nmax, iscale + k0, sumlx + k0, suml2 + k0);
+    }
+}
