@@ -132,6 +132,15 @@ char *mq_test_slurp(const char *path, size_t *n) {
     return b;
 }
 
+int mq_test_same_file(const char *a, const char *b) {
+    size_t na = 0, nb = 0;
+    char *x = mq_test_slurp(a, &na), *y = mq_test_slurp(b, &nb);
+    int same = x && y && na == nb && memcmp(x, y, na) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
 const char *mq_test_tmpdir(void) {
     static char buf[600];
     if (!g_tmp_root[0]) {
@@ -214,11 +223,84 @@ const char *mq_test_with_tokenizer(const char *name) {
 
 uint64_t mq_test_rng;
 
-double mq_test_rnd_unit(void) {
-    mq_test_rng ^= mq_test_rng << 13;
-    mq_test_rng ^= mq_test_rng >> 7;
-    mq_test_rng ^= mq_test_rng << 17;
-    return ((double)(mq_test_rng >> 11) + 0.5) * 0x1p-53;
+uint64_t mq_test_xorshift(uint64_t *state) {
+    uint64_t x = *state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return *state = x;
+}
+
+double mq_test_rnd_unit(void) { return ((double)(mq_test_xorshift(&mq_test_rng) >> 11) + 0.5) * 0x1p-53; }
+
+float mq_test_rnd_unitf(uint64_t *state) {
+    return (float)((uint32_t)(mq_test_xorshift(state) >> 16) & 0xffffff) * 0x1p-24f;
+}
+
+float mq_test_rnd_normalf(uint64_t *state) {
+    float u1 = mq_test_rnd_unitf(state) + 0x1p-25f, u2 = mq_test_rnd_unitf(state);
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+}
+
+double *mq_test_correlated_inputs(int64_t T, int64_t K, uint64_t seed) {
+    mq_test_rng = seed;
+    double *x = malloc((size_t)(T * K) * sizeof(double));
+    double *scale = malloc((size_t)K * sizeof(double));
+    if (!x || !scale) FAIL("out of memory for %lld x %lld inputs", (long long)T, (long long)K);
+    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * mq_test_rnd_normal());
+    for (int64_t t = 0; t < T; t++) {
+        double prev = 0;
+        for (int64_t k = 0; k < K; k++) {
+            double z = mq_test_rnd_normal() + 0.7 * prev;
+            prev = z;
+            x[t * K + k] = z * scale[k];
+        }
+    }
+    free(scale);
+    return x;
+}
+
+moeq_model *mq_test_open_model(const char *dir, const moeq_model_options *o) {
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_model_open(dir, o, &m));
+    return m;
+}
+
+moeq_docs *mq_test_wikitext_docs(void) {
+    moeq_docs *d = NULL;
+    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
+    return d;
+}
+
+moeq_docs *mq_test_demo_docs(void) {
+    moeq_docs *d = NULL;
+    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &d));
+    return d;
+}
+
+void mq_test_on_eval_text(int demo, void (*check)(const moeq_docs *docs, const moeq_eval_options *o,
+                                                  const char *what)) {
+    moeq_docs *docs = demo ? mq_test_demo_docs() : mq_test_wikitext_docs();
+    moeq_eval_options o;
+    moeq_eval_options_init(&o);
+    o.task = demo ? MOEQ_TASK_TEXT : MOEQ_TASK_WIKITEXT;
+    o.limit = demo ? 0 : 2;
+    o.max_length = 512;
+    o.prefix_token = 0;
+    check(docs, &o, demo ? "data/demo-eval.txt" : "wikitext, 2 documents");
+    moeq_docs_free(docs);
+}
+
+float *mq_test_logits(const moeq_model *m, const int32_t *ids, int32_t n) {
+    const int64_t V = moeq_model_get_info(m)->vocab_size;
+    float *l = malloc(sizeof(float) * (size_t)n * (size_t)V);
+    moeq_session *s = NULL;
+    if (!l) FAIL("out of memory for %d x %lld logits", n, (long long)V);
+    ASSERT_OK(moeq_session_create(m, n, &s));
+    moeq_status st = moeq_session_forward(s, ids, n, l);
+    moeq_session_free(s);
+    ASSERT_OK(st);
+    return l;
 }
 
 double mq_test_rnd_normal(void) {

@@ -45,6 +45,8 @@ const char *mq_test_calib_text(void);
 /* The whole file at path, NUL-terminated (malloc'd; its size in *n), or NULL where it cannot be
  * read whole. */
 char *mq_test_slurp(const char *path, size_t *n);
+/* 1 when both files read whole and hold the same bytes. */
+int mq_test_same_file(const char *a, const char *b);
 /* A fresh temporary directory for this case (removed when the test executable ends). */
 const char *mq_test_tmpdir(void);
 /* A copy of tests/data/<name> (config.json, model.safetensors) with the bundled olmoe-tiny's
@@ -55,6 +57,20 @@ const char *mq_test_with_tokenizer(const char *name);
  * computes: shared experts, biases), in the case's temporary directory: its config.json changed,
  * its other files linked. Returns a static path. */
 const char *mq_test_qwen2moe_nonorm(void);
+/* moeq_model_open(dir, o) (o may be NULL); the case fails with the library's error. */
+moeq_model *mq_test_open_model(const char *dir, const moeq_model_options *o);
+/* The shared wikitext-2 test split (fixtures/text/wikitext2_test.txt) as wikitext documents
+ * (skips as mq_test_shared does), and the repository's held-out text data/demo-eval.txt as one
+ * document. */
+moeq_docs *mq_test_wikitext_docs(void);
+moeq_docs *mq_test_demo_docs(void);
+/* The perplexity texts of the runtime comparisons: check(docs, o, what) on the first two
+ * wikitext documents (demo 0) or on data/demo-eval.txt (demo 1), o holding the matching task and
+ * limit, 512-token windows and no prefix token. */
+void mq_test_on_eval_text(int demo, void (*check)(const moeq_docs *docs, const moeq_eval_options *o,
+                                                  const char *what));
+/* The logits [n, vocab_size] a fresh session of m gives for ids (malloc'd). */
+float *mq_test_logits(const moeq_model *m, const int32_t *ids, int32_t n);
 /* A float's bits; mq_test_same_floats fails the case at the first of n values whose bits differ,
  * naming what, the index and both values. */
 uint32_t mq_test_f32_bits(float f);
@@ -68,6 +84,16 @@ double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
 extern uint64_t mq_test_rng;
 double mq_test_rnd_unit(void);
 double mq_test_rnd_normal(void);
+/* Inputs [T, K] (malloc'd) with correlated features and uneven scales, from the state seeded
+ * with seed: feature k has scale exp(0.7 N(0, 1)), and x[t][k] = (z_k + 0.7 z_{k-1}) * scale[k]
+ * with the running z a row (so GPTQ's error feedback and act-order both matter). */
+double *mq_test_correlated_inputs(int64_t T, int64_t K, uint64_t seed);
+/* One xorshift64 (13, 7, 17) step of a test's own state; returns the new state. */
+uint64_t mq_test_xorshift(uint64_t *state);
+/* From a test's own state: a float in [0, 1) of the step's bits 16..39, and N(0, 1) by Box-Muller
+ * from two of those (the first moved off 0 by 2^-25). */
+float mq_test_rnd_unitf(uint64_t *state);
+float mq_test_rnd_normalf(uint64_t *state);
 /* N x K weights 0.02 N(0, 1), 1% of them 6 times larger (so that group scales vary), from the
  * state seeded with seed (malloc'd). */
 float *mq_test_weights(int64_t N, int64_t K, uint64_t seed);

@@ -32,8 +32,7 @@ static void on_expert(void *user, int layer, mq_site site, int expert, const flo
 
 static void pool_of(const char *model, int64_t n, int64_t seqlen, mq_calib_set *pool) {
     moeq_model_options opt = {0};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(model, &opt, &m));
+    moeq_model *m = mq_test_open_model(model, &opt);
     mq_calib_opts co;
     mq_calib_opts_init(&co);
     co.path = mq_test_calib_text();
@@ -50,8 +49,7 @@ static int64_t top_k;
 
 static int32_t *forward_counts(const char *dir, const mq_calib_set *pool, int *n_moe, int64_t *E) {
     moeq_model_options opt = {.no_tokenizer = 1};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &opt, &m));
+    moeq_model *m = mq_test_open_model(dir, &opt);
     mq_model_det_experts(m, true);
     int moe_index[64], nm = 0;
     for (int l = 0; l < m->cfg.n_layers; l++) moe_index[l] = m->layers[l].is_moe ? nm++ : -1;
@@ -153,9 +151,7 @@ static void test_counts_dense(void) {
 
 static uint64_t g_rng = 88172645463325252ull;
 static uint32_t rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     return (uint32_t)(g_rng >> 11);
 }
 
@@ -299,8 +295,7 @@ static void test_pipeline_uses_the_choice(void) {
     write_lines(pool_txt, lines, NULL, n_lines);   /* more lines than the pool takes */
 
     /* the choice, found here: the forward's counts of the first POOL documents, the plain greedy */
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &m));
+    moeq_model *m = mq_test_open_model(dir, NULL);
     mq_calib_opts co;
     mq_calib_opts_init(&co);
     co.path = pool_txt;

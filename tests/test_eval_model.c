@@ -18,9 +18,7 @@
 #include "harness.h"
 
 static moeq_model *open_model(const char *name) {
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_model(name), NULL, &m));
-    return m;
+    return mq_test_open_model(mq_test_model(name), NULL);
 }
 
 /* A model for checks that hold for any model: llama-tiny, or the bundled olmoe-tiny when the
@@ -38,17 +36,13 @@ static moeq_model *open_other_model(void) {
     mq_pipeline_opts_init(&q, MQ_QS_INT4, MQ_FMT_CT);
     q.spec.group_size = 32;
     ASSERT_OK(mq_pipeline_run(src, dir, &q, NULL));
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &m));
+    moeq_model *m = mq_test_open_model(dir, NULL);
     free(dir);
     return m;
 }
 
 static moeq_docs *wikitext_docs(void) {
-    moeq_docs *d = NULL;
-    ASSERT_OK(
-        moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
-    return d;
+    return mq_test_wikitext_docs();
 }
 
 /* Two short documents of calibration text (no detokenizer: --task text). */

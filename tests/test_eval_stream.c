@@ -22,9 +22,7 @@ void mq_eval_set_snapshot_seconds(double s);   /* src/eval/stream.c, for tests *
 
 static moeq_model *open_as(const char *dir, int stream, int packed) {
     moeq_model_options o = {.keep_packed = packed, .stream = stream};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &o, &m));
-    return m;
+    return mq_test_open_model(dir, &o);
 }
 
 /* Three documents of calibration text of different lengths (several windows each at L = 40). */

@@ -23,10 +23,7 @@ static cJSON *load_json(const char *path) {
 }
 
 static moeq_docs *load_wikitext(void) {
-    moeq_docs *d = NULL;
-    ASSERT_OK(
-        moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
-    return d;
+    return mq_test_wikitext_docs();
 }
 
 static void test_detok_matches_lm_eval_on_fixture_pages(void) {

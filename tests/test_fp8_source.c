@@ -336,8 +336,7 @@ static int compare_weights(const moeq_model *m, const char *dir, int br, int bc,
 }
 
 static void check_loaded(const char *dir, int br, int bc, int expect_tensors) {
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &m));
+    moeq_model *m = mq_test_open_model(dir, NULL);
     if (!m) return;
     ASSERT_EQ_STR("fp8/e4m3", moeq_model_get_info(m)->quant_scheme);
     ASSERT_EQ_INT(br, m->cfg.fp8_block_rows);
@@ -359,8 +358,7 @@ static void check_loaded(const char *dir, int br, int bc, int expect_tensors) {
     int32_t ids[3] = {0, 17, 4095};
     float *x = malloc(sizeof(float) * 3 * (size_t)lm->cfg.D);
     ASSERT_OK(mq_lazy_embed(lz, ids, 3, x));
-    moeq_model *full = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &full));
+    moeq_model *full = mq_test_open_model(dir, NULL);
     for (int t = 0; full && t < 3; t++)
         ASSERT_TRUE(memcmp(x + t * lm->cfg.D, full->embed + (int64_t)ids[t] * lm->cfg.D,
                            sizeof(float) * (size_t)lm->cfg.D) == 0);

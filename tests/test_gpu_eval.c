@@ -50,9 +50,7 @@ void mq_eval_set_gpu_resident(bool on);
 /* ---- helpers --------------------------------------------------------------------------------- */
 static uint64_t g_rng = 1;
 static double rnd_unit(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     return ((double)(g_rng >> 11) + 0.5) * 0x1p-53;
 }
 static float rnd_f(double scale) { return (float)(scale * (2.0 * rnd_unit() - 1.0)); }
@@ -73,9 +71,7 @@ static int same_bits_d(double a, double b) { return memcmp(&a, &b, sizeof a) == 
 
 static moeq_model *open_as(const char *dir, int stream) {
     moeq_model_options o = {.stream = stream};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &o, &m));
-    return m;
+    return mq_test_open_model(dir, &o);
 }
 
 /* Three documents of calibration text of different lengths (several windows each at L = 64). */

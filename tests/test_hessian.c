@@ -12,9 +12,7 @@
 
 static uint64_t g_rng = 7;
 static float rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     return (float)((double)(g_rng >> 11) * 0x1p-53 - 0.5);
 }
 

@@ -52,8 +52,7 @@ static const int64_t T = 48;
 
 static moeq_model *open_dir(const char *dir) {
     moeq_model_options opt = {.no_tokenizer = 1};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &opt, &m));
+    moeq_model *m = mq_test_open_model(dir, &opt);
     for (int i = 0; i < T; i++) g_ids[i] = (int32_t)((i * 7919 + 13) % m->cfg.vocab);
     return m;
 }

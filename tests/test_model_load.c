@@ -81,14 +81,10 @@ static void write_st(mq_st_writer *w, const char *dir) {
 
 /* Logits of the golden's input ids through moeq_session_forward. */
 static float *logits_of(const char *dir, const int32_t *ids, int64_t T, int64_t V) {
-    moeq_model *m = NULL;
     moeq_model_options opt = {.no_tokenizer = 1};
-    ASSERT_OK(moeq_model_open(dir, &opt, &m));
-    moeq_session *s = NULL;
-    ASSERT_OK(moeq_session_create(m, (int32_t)T, &s));
-    float *out = malloc(sizeof(float) * (size_t)(T * V));
-    ASSERT_OK(moeq_session_forward(s, ids, (int32_t)T, out));
-    moeq_session_free(s);
+    moeq_model *m = mq_test_open_model(dir, &opt);
+    ASSERT_EQ_INT(V, moeq_model_get_info(m)->vocab_size);
+    float *out = mq_test_logits(m, ids, (int32_t)T);
     moeq_model_free(m);
     return out;
 }
@@ -368,8 +364,7 @@ static int linear_differs(const mq_linear *a, const mq_linear *b) {
 }
 
 static void check_lazy_pieces(const char *dir) {
-    moeq_model *full = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &full));
+    moeq_model *full = mq_test_open_model(dir, NULL);
     if (!full) return;
     const int64_t pieces[] = {1, 1000, 0};
     for (size_t k = 0; k < sizeof pieces / sizeof pieces[0]; k++) {
@@ -408,8 +403,7 @@ static void check_lazy_pieces(const char *dir) {
  * a load after the finish keeps its buffers (they count as loaded), a cancel frees them, and
  * what is loaded already is not read ahead. */
 static void check_lazy_ahead(const char *dir) {
-    moeq_model *full = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &full));
+    moeq_model *full = mq_test_open_model(dir, NULL);
     if (!full) return;
     const int64_t pieces[] = {1000, 0};
     for (size_t k = 0; k < 2; k++) {

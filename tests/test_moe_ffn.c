@@ -15,17 +15,9 @@
 /* ---- random data ---------------------------------------------------------------------------- */
 static uint64_t g_rng = 1;
 static void seed(uint64_t s) { g_rng = s * 0x9E3779B97F4A7C15ull + 1; }
-static uint32_t rnd_u32(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 16);
-}
-static float rnd_unit(void) { return (float)(rnd_u32() & 0xffffff) * 0x1p-24f; }
-static float rnd_normal(void) {
-    float u1 = rnd_unit() + 0x1p-25f, u2 = rnd_unit();
-    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
-}
+static uint32_t rnd_u32(void) { return (uint32_t)(mq_test_xorshift(&g_rng) >> 16); }
+static float rnd_unit(void) { return mq_test_rnd_unitf(&g_rng); }
+static float rnd_normal(void) { return mq_test_rnd_normalf(&g_rng); }
 
 /* (the test's own E2M1 and E4M3 decoders are the harness's mq_test_e2m1_dec, mq_test_e4m3_dec) */
 

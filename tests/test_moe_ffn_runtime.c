@@ -14,13 +14,9 @@
 
 static uint64_t g_rng = 3;
 static float rnd_normal(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     float u1 = ((float)(g_rng >> 40) + 0.5f) * 0x1p-24f;
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     float u2 = (float)(g_rng >> 40) * 0x1p-24f;
     return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
 }

@@ -493,8 +493,7 @@ static void test_rtn_int4(void) {
     }
 
     /* the checkpoint loads; same options give the same bytes, through the API and the CLI */
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(out, NULL, &m));
+    moeq_model *m = mq_test_open_model(out, NULL);
     if (m) ASSERT_EQ_STR("compressed-tensors/pack-quantized", moeq_model_get_info(m)->quant_scheme);
     moeq_model_free(m);
     ASSERT_OK(moeq_quantize(model_dir(), again, &o, NULL));
@@ -545,8 +544,7 @@ static void test_rtn_nvfp4a16(void) {
     size_t nb = 0;
     ASSERT_TRUE(st_get(&f, "model.layers.3.self_attn.q_proj.weight", "BF16", &nb) != NULL);
     free(f.buf);
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(out, NULL, &m));
+    moeq_model *m = mq_test_open_model(out, NULL);
     if (m)
         ASSERT_EQ_STR("compressed-tensors/nvfp4-pack-quantized",
                       moeq_model_get_info(m)->quant_scheme);
@@ -614,8 +612,7 @@ static void test_gptq_small(void) {
     ASSERT_TRUE(file_mentions(path2(out, "gptq_report.json"), "\"mse_weight\":\t\"gptq\""));
 
     /* loadable, and it runs */
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(out, NULL, &m));
+    moeq_model *m = mq_test_open_model(out, NULL);
     if (!m) return;
     ASSERT_EQ_STR("compressed-tensors/pack-quantized", moeq_model_get_info(m)->quant_scheme);
     moeq_session *s = NULL;

@@ -387,8 +387,7 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
 
 static void layers_at(const char *path, const char *name) {
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = g_kind};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(path, &mo, &m));
+    moeq_model *m = mq_test_open_model(path, &mo);
     if (!m) return;
     ASSERT_TRUE(m->cfg.sliding_window == 0 || m->cfg.sliding_window >= T);
     ASSERT_TRUE(m->cfg.n_experts <= 64 && m->cfg.top_k <= 8);
@@ -475,8 +474,7 @@ static void test_only_quantized_linears(void) {
     q.n_ignore = 1;
     ASSERT_OK(mq_pipeline_run(src, dir, &q, NULL));
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_NVFP4};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &mo, &m));
+    moeq_model *m = mq_test_open_model(dir, &mo);
     if (!m) return;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const mq_layer *ly = &m->layers[l];
@@ -496,7 +494,7 @@ static void test_only_quantized_linears(void) {
 
 /* W4A4 emulation on the unquantized model: the perplexity moves a little; without act_quant the
  * result is the default model's bit for bit. */
-static void eval_perplexity(moeq_docs *docs, moeq_eval_task task, int64_t limit, const char *what) {
+static void eval_perplexity(const moeq_docs *docs, const moeq_eval_options *o, const char *what) {
     char d[1024];
     snprintf(d, sizeof d, "%s", mq_test_model("olmoe-tiny"));
     moeq_model *def = NULL, *none = NULL, *aq = NULL;
@@ -506,16 +504,10 @@ static void eval_perplexity(moeq_docs *docs, moeq_eval_task task, int64_t limit,
     mo.act_quant = MOEQ_ACT_QUANT_NVFP4;
     ASSERT_OK(moeq_model_open(d, &mo, &aq));
     if (!def || !none || !aq) return;
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = task;
-    o.limit = limit;
-    o.max_length = 512;
-    o.prefix_token = 0;
     moeq_eval_result r0, r1, r2;
-    ASSERT_OK(moeq_eval(def, docs, &o, &r0));
-    ASSERT_OK(moeq_eval(none, docs, &o, &r1));
-    ASSERT_OK(moeq_eval(aq, docs, &o, &r2));
+    ASSERT_OK(moeq_eval(def, docs, o, &r0));
+    ASSERT_OK(moeq_eval(none, docs, o, &r1));
+    ASSERT_OK(moeq_eval(aq, docs, o, &r2));
     double change = r2.word_perplexity / r0.word_perplexity - 1;
     printf("  olmoe-tiny, %s: word perplexity %.6f, with NVFP4 activations %.6f (%+.3f%%)\n", what,
            r0.word_perplexity, r2.word_perplexity, 100 * change);
@@ -528,23 +520,10 @@ static void eval_perplexity(moeq_docs *docs, moeq_eval_task task, int64_t limit,
     moeq_model_free(aq);
 }
 
-static void test_eval_perplexity(void) {
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
-                             &docs));
-    if (!docs) return;
-    eval_perplexity(docs, MOEQ_TASK_WIKITEXT, 2, "wikitext, 2 documents");
-    moeq_docs_free(docs);
-}
+static void test_eval_perplexity(void) { mq_test_on_eval_text(0, eval_perplexity); }
 
 /* The same on the repository's own held-out text. */
-static void test_eval_perplexity_demo_text(void) {
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &docs));
-    if (!docs) return;
-    eval_perplexity(docs, MOEQ_TASK_TEXT, 0, "data/demo-eval.txt");
-    moeq_docs_free(docs);
-}
+static void test_eval_perplexity_demo_text(void) { mq_test_on_eval_text(1, eval_perplexity); }
 
 /* Q8_0 activations (llama.cpp's) on an RTN INT4 g32 checkpoint, i.e. the Linears llama.cpp runs
  * as Q4_0: the rounding enters where the weight rounding does, with steps of amax/127 per 32
@@ -562,8 +541,7 @@ static void q8_0_eval_for(const char *name) {
     mq_pipeline_opts_init(&q, MQ_QS_INT4, MQ_FMT_CT);
     q.spec.group_size = 32;
     ASSERT_OK(mq_pipeline_run(src, dir, &q, NULL));
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &docs));
+    moeq_docs *docs = mq_test_demo_docs();
     moeq_model *base = NULL, *w = NULL, *wq = NULL;
     moeq_model_options mo = {0};
     ASSERT_OK(moeq_model_open(src, &mo, &base));
@@ -663,16 +641,9 @@ static void test_q8_0_follows_gguf_types(void) {
             enum { N = 24 };
             int32_t ids[N];
             for (int i = 0; i < N; i++) ids[i] = (int32_t)((i * 389 + 5) % m->cfg.vocab);
-            float *a = malloc(sizeof(float) * N * (size_t)m->cfg.vocab);
-            float *b = malloc(sizeof(float) * N * (size_t)m->cfg.vocab);
-            moeq_session *sa = NULL, *sb = NULL;
-            ASSERT_OK(moeq_session_create(m, N, &sa));
-            ASSERT_OK(moeq_session_create(ref, N, &sb));
-            ASSERT_OK(moeq_session_forward(sa, ids, N, a));
-            ASSERT_OK(moeq_session_forward(sb, ids, N, b));
+            ASSERT_EQ_INT(m->cfg.vocab, ref->cfg.vocab);
+            float *a = mq_test_logits(m, ids, N), *b = mq_test_logits(ref, ids, N);
             ASSERT_TRUE(memcmp(a, b, sizeof(float) * N * (size_t)m->cfg.vocab) == 0);
-            moeq_session_free(sa);
-            moeq_session_free(sb);
             free(a);
             free(b);
         }
@@ -697,8 +668,7 @@ static void test_q8_k_layers_gguf(void) {
     moeq_quant_result r;
     ASSERT_OK(moeq_quantize(src, p, &o, &r));
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_Q8_0};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(p, &mo, &m));
+    moeq_model *m = mq_test_open_model(p, &mo);
     if (!m) return;
     for (int l = 0; l < m->cfg.n_layers; l++) {   /* llama.cpp's Q4_K_M for 8 experts */
         const mq_layer *ly = &m->layers[l];

@@ -708,8 +708,7 @@ static void test_model_eos_ids(void) {
     char src[1200];
     snprintf(src, sizeof src, "%s", dir);
     moeq_model_options mo = {.no_tokenizer = 1};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(src, &mo, &m));
+    moeq_model *m = mq_test_open_model(src, &mo);
     if (!m) return;
     int32_t eos[4] = {-5, -5, -5, -5};
     ASSERT_EQ_INT(1, moeq_model_eos_ids(m, eos, 4));   /* config.json: "eos_token_id": 0 */
