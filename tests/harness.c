@@ -278,6 +278,28 @@ moeq_docs *mq_test_demo_docs(void) {
     return d;
 }
 
+moeq_docs *mq_test_calib_docs(const int *len, int n) {
+    static const char *const heading[4] = {"One", "Two", "Three", "Four"};
+    char *buf = NULL, *text = NULL;
+    size_t size = 0, at = 0;
+    ASSERT_TRUE(n >= 1 && n <= 4);
+    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &size));
+    for (int i = 0; i < n; i++) {
+        ASSERT_TRUE(len[i] >= 0 && at + (size_t)len[i] <= size);
+        char *more = mq_asprintf("%s = %s = \n%.*s%s", text ? text : "", heading[i], len[i], buf + at,
+                                 i + 1 < n ? "\n" : "");
+        free(text);
+        text = more;
+        at += (size_t)len[i];
+    }
+    moeq_docs *d = NULL;
+    ASSERT_OK(moeq_docs_parse("calib", text, strlen(text), MOEQ_DOCS_WIKITEXT, &d));
+    ASSERT_EQ_INT(n, moeq_docs_count(d));
+    free(text);
+    free(buf);
+    return d;
+}
+
 void mq_test_on_eval_text(int demo, void (*check)(const moeq_docs *docs, const moeq_eval_options *o,
                                                   const char *what)) {
     moeq_docs *docs = demo ? mq_test_demo_docs() : mq_test_wikitext_docs();

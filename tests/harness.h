@@ -64,6 +64,9 @@ moeq_model *mq_test_open_model(const char *dir, const moeq_model_options *o);
  * document. */
 moeq_docs *mq_test_wikitext_docs(void);
 moeq_docs *mq_test_demo_docs(void);
+/* n (1 to 4) wikitext documents " = One = ", " = Two = ", ... cut from the calibration text
+ * (mq_test_calib_text): document i holds its next len[i] bytes. */
+moeq_docs *mq_test_calib_docs(const int *len, int n);
 /* The perplexity texts of the runtime comparisons: check(docs, o, what) on the first two
  * wikitext documents (demo 0) or on data/demo-eval.txt (demo 1), o holding the matching task and
  * limit, 512-token windows and no prefix token. */

@@ -222,15 +222,6 @@ static void test_select_by_hand(void) {
 
 /* ---- the pipeline: a balanced run calibrates on exactly the samples the choice names ---- */
 
-static int same_file(const char *a, const char *b) {
-    size_t na = 0, nb = 0;
-    char *x = mq_test_slurp(a, &na), *y = mq_test_slurp(b, &nb);
-    int same = x && y && na == nb && memcmp(x, y, na) == 0;
-    free(x);
-    free(y);
-    return same;
-}
-
 /* The first n lines of the calibration text with something besides spaces (docs mode's
  * documents), each with its newline; returns how many. */
 static int doc_lines(char **lines, int n) {
@@ -320,7 +311,7 @@ static void test_pipeline_uses_the_choice(void) {
     quantize_docs(dir, chosen_txt, out_b, WANT, 0, &rb);
     snprintf(st_a, sizeof st_a, "%s/model.safetensors", out_a);
     snprintf(st_b, sizeof st_b, "%s/model.safetensors", out_b);
-    ASSERT_TRUE(same_file(st_a, st_b));
+    ASSERT_TRUE(mq_test_same_file(st_a, st_b));
     ASSERT_EQ_INT(POOL, ra.balance_candidates);
     ASSERT_EQ_INT(0, rb.balance_candidates);
     ASSERT_EQ_INT(rb.gptq_tokens, ra.gptq_tokens);
@@ -345,7 +336,7 @@ static void test_pipeline_dense_unchanged(void) {
     quantize_docs(dir, txt, out_b, 3, 0, &rb);
     snprintf(st_a, sizeof st_a, "%s/model.safetensors", out_a);
     snprintf(st_b, sizeof st_b, "%s/model.safetensors", out_b);
-    ASSERT_TRUE(same_file(st_a, st_b));
+    ASSERT_TRUE(mq_test_same_file(st_a, st_b));
     ASSERT_EQ_INT(3, ra.gptq_samples);
     ASSERT_EQ_INT(0, ra.balance_candidates);
     for (int i = 0; i < n_lines; i++) free(lines[i]);

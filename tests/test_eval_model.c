@@ -47,17 +47,8 @@ static moeq_docs *wikitext_docs(void) {
 
 /* Two short documents of calibration text (no detokenizer: --task text). */
 static moeq_docs *calib_docs(void) {
-    char *buf = NULL;
-    size_t len = 0;
-    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &len));
-    ASSERT_TRUE(len > 3000);
-    char *text = mq_asprintf(" = One = \n%.400s\n = Two = \n%.1500s", buf, buf + 400);
-    moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_parse("calib", text, strlen(text), MOEQ_DOCS_WIKITEXT, &d));
-    ASSERT_EQ_INT(2, moeq_docs_count(d));
-    free(text);
-    free(buf);
-    return d;
+    static const int len[] = {400, 1500};
+    return mq_test_calib_docs(len, 2);
 }
 
 static void test_first_documents_match_reference_and_threads(void) {

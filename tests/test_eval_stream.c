@@ -27,18 +27,8 @@ static moeq_model *open_as(const char *dir, int stream, int packed) {
 
 /* Three documents of calibration text of different lengths (several windows each at L = 40). */
 static moeq_docs *text_docs(void) {
-    char *buf = NULL;
-    size_t len = 0;
-    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &len));
-    ASSERT_TRUE(len > 3000);
-    char *text = mq_asprintf(" = One = \n%.300s\n = Two = \n%.700s\n = Three = \n%.90s", buf,
-                             buf + 300, buf + 1000);
-    moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_parse("calib", text, strlen(text), MOEQ_DOCS_WIKITEXT, &d));
-    ASSERT_EQ_INT(3, moeq_docs_count(d));
-    free(text);
-    free(buf);
-    return d;
+    static const int len[] = {300, 700, 90};
+    return mq_test_calib_docs(len, 3);
 }
 
 static void eval_opts(moeq_eval_options *o, double *ll) {

@@ -369,16 +369,8 @@ static void test_views_llama_permuted(void) {
 /* ---- models: direct against imported ---------------------------------------------------------- */
 
 static moeq_docs *text_docs(void) {
-    char *buf = NULL;
-    size_t len = 0;
-    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &len));
-    ASSERT_TRUE(len > 1200);
-    char *text = mq_asprintf(" = One = \n%.300s\n = Two = \n%.500s\n = Three = \n%.90s", buf, buf + 300, buf + 800);
-    moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_parse("calib", text, strlen(text), MOEQ_DOCS_WIKITEXT, &d));
-    free(text);
-    free(buf);
-    return d;
+    static const int len[] = {300, 500, 90};
+    return mq_test_calib_docs(len, 3);
 }
 
 typedef struct {

@@ -19,25 +19,6 @@
 
 /* ---- small file helpers ---------------------------------------------------------------------- */
 
-static char *slurp(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) {
-        free(b);
-        b = NULL;
-    }
-    fclose(f);
-    if (b) {
-        b[n] = 0;
-        if (len) *len = (size_t)n;
-    }
-    return b;
-}
-
 static char *path2(const char *dir, const char *name) {
     static char buf[4][1024];
     static int k;
@@ -49,15 +30,6 @@ static char *path2(const char *dir, const char *name) {
 static int exists(const char *path) {
     struct stat s;
     return stat(path, &s) == 0;
-}
-
-static int same_file(const char *a, const char *b) {
-    size_t na = 0, nb = 0;
-    char *x = slurp(a, &na), *y = slurp(b, &nb);
-    int same = x && y && na == nb && memcmp(x, y, na) == 0;
-    free(x);
-    free(y);
-    return same;
 }
 
 /* Copies a path2() result out of its rotating buffer. */
@@ -86,7 +58,7 @@ typedef struct {
 } st_file;
 
 static int st_open(const char *path, st_file *f) {
-    f->buf = slurp(path, &f->len);
+    f->buf = mq_test_slurp(path, &f->len);
     if (!f->buf || f->len < 8) return 0;
     memcpy(&f->hlen, f->buf, 8);   /* little-endian host */
     return f->hlen + 8 <= f->len;
@@ -288,7 +260,8 @@ static const char *model_dir(void) {
 }
 
 static int file_mentions(const char *path, const char *what) {
-    char *s = slurp(path, NULL);
+    size_t n;
+    char *s = mq_test_slurp(path, &n);
     int yes = s && strstr(s, what) != NULL;
     free(s);
     return yes;
@@ -485,11 +458,11 @@ static void test_rtn_int4(void) {
     ASSERT_EQ_INT(0, check_int4(&f, "model.layers.1.mlp.experts.5.down_proj", 256, 256, false));
     ASSERT_EQ_INT(0, check_int4(&f, "model.layers.2.self_attn.k_proj", 256, 256, false));
     free(f.buf);
-    ASSERT_FALSE(same_file(path2(out, "model.safetensors"), path2(pos, "model.safetensors")));
+    ASSERT_FALSE(mq_test_same_file(path2(out, "model.safetensors"), path2(pos, "model.safetensors")));
     int prc = run_cli(pos_cli, "--scheme int4 --int4-scale-sign positive");
     if (prc >= 0) {
         ASSERT_EQ_INT(0, prc);
-        ASSERT_TRUE(same_file(path2(pos, "model.safetensors"), path2(pos_cli, "model.safetensors")));
+        ASSERT_TRUE(mq_test_same_file(path2(pos, "model.safetensors"), path2(pos_cli, "model.safetensors")));
     }
 
     /* the checkpoint loads; same options give the same bytes, through the API and the CLI */
@@ -497,13 +470,13 @@ static void test_rtn_int4(void) {
     if (m) ASSERT_EQ_STR("compressed-tensors/pack-quantized", moeq_model_get_info(m)->quant_scheme);
     moeq_model_free(m);
     ASSERT_OK(moeq_quantize(model_dir(), again, &o, NULL));
-    ASSERT_TRUE(same_file(path2(out, "model.safetensors"), path2(again, "model.safetensors")));
-    ASSERT_TRUE(same_file(path2(out, "config.json"), path2(again, "config.json")));
+    ASSERT_TRUE(mq_test_same_file(path2(out, "model.safetensors"), path2(again, "model.safetensors")));
+    ASSERT_TRUE(mq_test_same_file(path2(out, "config.json"), path2(again, "config.json")));
     int rc = run_cli(cli, "--scheme int4");
     if (rc >= 0) {
         ASSERT_EQ_INT(0, rc);
-        ASSERT_TRUE(same_file(path2(out, "model.safetensors"), path2(cli, "model.safetensors")));
-        ASSERT_TRUE(same_file(path2(out, "config.json"), path2(cli, "config.json")));
+        ASSERT_TRUE(mq_test_same_file(path2(out, "model.safetensors"), path2(cli, "model.safetensors")));
+        ASSERT_TRUE(mq_test_same_file(path2(out, "config.json"), path2(cli, "config.json")));
     }
 
     /* an existing output: refused and left alone without force, replaced with it */
@@ -512,7 +485,7 @@ static void test_rtn_int4(void) {
     ASSERT_ERROR_MENTIONS(out);
     ASSERT_ERROR_MENTIONS("already exists");
     ASSERT_EQ_INT(0, r.linears_quantized);
-    ASSERT_TRUE(same_file(path2(out, "model.safetensors"), path2(again, "model.safetensors")));
+    ASSERT_TRUE(mq_test_same_file(path2(out, "model.safetensors"), path2(again, "model.safetensors")));
     ASSERT_TRUE(file_mentions(path2(out, "config.json"), "\"pack-quantized\""));
     o.force = 1;
     ASSERT_OK(moeq_quantize(model_dir(), out, &o, NULL));
@@ -552,8 +525,8 @@ static void test_rtn_nvfp4a16(void) {
     int rc = run_cli(cli, "--scheme nvfp4a16 --ignore 'layers\\.3\\.self_attn'");
     if (rc >= 0) {
         ASSERT_EQ_INT(0, rc);
-        ASSERT_TRUE(same_file(path2(out, "model.safetensors"), path2(cli, "model.safetensors")));
-        ASSERT_TRUE(same_file(path2(out, "config.json"), path2(cli, "config.json")));
+        ASSERT_TRUE(mq_test_same_file(path2(out, "model.safetensors"), path2(cli, "model.safetensors")));
+        ASSERT_TRUE(mq_test_same_file(path2(out, "config.json"), path2(cli, "config.json")));
     }
 }
 
