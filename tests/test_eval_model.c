@@ -41,10 +41,6 @@ static moeq_model *open_other_model(void) {
     return m;
 }
 
-static moeq_docs *wikitext_docs(void) {
-    return mq_test_wikitext_docs();
-}
-
 /* Two short documents of calibration text (no detokenizer: --task text). */
 static moeq_docs *calib_docs(void) {
     static const int len[] = {400, 1500};
@@ -60,7 +56,7 @@ static void test_first_documents_match_reference_and_threads(void) {
     const cJSON *per_doc = cJSON_GetObjectItem(
         cJSON_GetObjectItem(cJSON_GetObjectItem(ref, "olmoe-tiny"), "wikitext_fp32"), "per_doc");
     moeq_model *m = open_model("olmoe-tiny");
-    moeq_docs *docs = wikitext_docs();
+    moeq_docs *docs = mq_test_wikitext_docs();
     double ll[2][62];
     int64_t tok[62];
     moeq_eval_result r[2];
