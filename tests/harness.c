@@ -313,6 +313,18 @@ void mq_test_on_eval_text(int demo, void (*check)(const moeq_docs *docs, const m
     moeq_docs_free(docs);
 }
 
+moeq_quant_options mq_test_gptq_options(moeq_quant_scheme scheme, const char *calib, int64_t nsamples,
+                                        int64_t seqlen) {
+    moeq_quant_options o;
+    moeq_quant_options_init(&o);
+    o.scheme = scheme;
+    o.method = MOEQ_QUANT_GPTQ;
+    o.calib = calib;
+    o.gptq.nsamples = nsamples;
+    o.gptq.seqlen = seqlen;
+    return o;
+}
+
 float *mq_test_logits(const moeq_model *m, const int32_t *ids, int32_t n) {
     const int64_t V = moeq_model_get_info(m)->vocab_size;
     float *l = malloc(sizeof(float) * (size_t)n * (size_t)V);

@@ -255,14 +255,8 @@ static void write_lines(const char *path, char **lines, const int64_t *idx, int6
 
 static void quantize_docs(const char *model, const char *calib, const char *out, int64_t nsamples, int64_t pool,
                           moeq_quant_result *r) {
-    moeq_quant_options o;
-    moeq_quant_options_init(&o);
-    o.scheme = MOEQ_QUANT_INT4;
-    o.method = MOEQ_QUANT_GPTQ;
-    o.calib = calib;
+    moeq_quant_options o = mq_test_gptq_options(MOEQ_QUANT_INT4, calib, nsamples, 32);
     o.gptq.sampling = MOEQ_CALIB_DOCS;
-    o.gptq.nsamples = nsamples;
-    o.gptq.seqlen = 32;
     o.gptq.min_expert_tokens = 4;
     if (pool > 0) {
         o.gptq.calib_balance = MOEQ_CALIB_BALANCE_EXPERTS;

@@ -103,13 +103,7 @@ static void test_layer_plan(void) {
 /* ---- the plan of a run ----------------------------------------------------------------------- */
 
 static moeq_quant_options gptq_on_cuda(int64_t bound, bool dry) {
-    moeq_quant_options o;
-    moeq_quant_options_init(&o);
-    o.scheme = MOEQ_QUANT_NVFP4A16;
-    o.method = MOEQ_QUANT_GPTQ;
-    o.calib = mq_test_calib_text();
-    o.gptq.nsamples = 8;
-    o.gptq.seqlen = 128;
+    moeq_quant_options o = mq_test_gptq_options(MOEQ_QUANT_NVFP4A16, mq_test_calib_text(), 8, 128);
     o.device = "cuda";
     o.max_gpu_memory = bound;
     o.dry_run = dry;

@@ -562,13 +562,7 @@ static void test_gptq_small(void) {
                    "were striking thirteen on a bright cold day in April while rivers ran to the "
                    "sea.\n", i);
     fclose(f);
-    moeq_quant_options o;
-    moeq_quant_options_init(&o);
-    o.scheme = MOEQ_QUANT_INT4;
-    o.method = MOEQ_QUANT_GPTQ;
-    o.calib = calib;
-    o.gptq.nsamples = 4;
-    o.gptq.seqlen = 24;
+    moeq_quant_options o = mq_test_gptq_options(MOEQ_QUANT_INT4, calib, 4, 24);
     o.gptq.expert_fallback = MOEQ_EXPERT_FALLBACK_RTN;
     o.gptq.min_expert_tokens = 8;
     moeq_quant_result r;
@@ -640,13 +634,7 @@ static void test_progress_reaches_total(void) {
     const char *tmp = mq_test_tmpdir();
     char out[1024];
     keep(out, path2(tmp, "progress"));
-    moeq_quant_options o;
-    moeq_quant_options_init(&o);
-    o.scheme = MOEQ_QUANT_INT4;
-    o.method = MOEQ_QUANT_GPTQ;
-    o.calib = mq_test_calib_text();
-    o.gptq.nsamples = 4;
-    o.gptq.seqlen = 16;
+    moeq_quant_options o = mq_test_gptq_options(MOEQ_QUANT_INT4, mq_test_calib_text(), 4, 16);
     o.gptq.expert_fallback = MOEQ_EXPERT_FALLBACK_RTN;
     o.group_size = 16;   /* the fixture's widths (80, 32) take groups of 16 */
     progress_seen seen = {0, 0, 0, 0};

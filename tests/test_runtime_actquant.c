@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "pipeline/pipeline.h"
+#include "capture.h"
 #include "formats/formats.h"
 #include "harness.h"
 #include "model/model.h"
@@ -34,36 +35,11 @@ static int g_kind = MOEQ_ACT_QUANT_NVFP4;   /* the quantizer under test (moeq_ac
  * rather than g_kind everywhere */
 static bool g_by_linear = false;
 
-typedef struct {
-    int site, expert;
-    int64_t rows, cols;
-    float *x;
-} capture;
-
-typedef struct {
-    capture c[64];
-    int n;
-} captures;
-
-static void on_capture(void *user, int layer, mq_site site, int expert, const float *x,
-                       int64_t rows, int64_t cols) {
-    (void)layer;
-    captures *cs = user;
-    if (cs->n >= 64) return;
-    capture *c = &cs->c[cs->n++];
-    c->site = site;
-    c->expert = expert;
-    c->rows = rows;
-    c->cols = cols;
-    c->x = malloc(sizeof(float) * (size_t)(rows * cols + 1));
-    memcpy(c->x, x, sizeof(float) * (size_t)(rows * cols));
-}
-
-static const capture *find(const captures *cs, int site, int expert) {
-    for (int i = 0; i < cs->n; i++)
-        if (cs->c[i].site == site && cs->c[i].expert == expert) return &cs->c[i];
-    FAIL("no capture for site %d expert %d", site, expert);
-    return NULL;
+/* The capture of site and expert (one layer's captures). */
+static const mq_test_capture *find(const mq_test_captures *cs, int site, int expert) {
+    const mq_test_capture *c = mq_test_find_capture(cs, -1, site, expert);
+    if (!c) FAIL("no capture for site %d expert %d", site, expert);
+    return c;
 }
 
 /* ---- reference pieces (double) -------------------------------------------------------------- */
@@ -208,12 +184,12 @@ static double *down_of(const mq_linear *d, const float *h, int64_t rows, bool q)
 /* Checks layer l (x_in -> x_out) and the inputs its hooks captured against the recomputation
  * with the quantizer (must match) and without it (must not). */
 static void check_layer(const moeq_model *m, int l, const float *x_in, const float *x_out,
-                        const captures *cs) {
+                        const mq_test_captures *cs) {
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
     int64_t D = c->D, Q = (int64_t)c->n_heads * c->head_dim;
     /* hooks see the unquantized QKV input: RMSNorm(x) */
-    const capture *cq = find(cs, MQ_SITE_QKV, -1), *co = find(cs, MQ_SITE_O, -1);
+    const mq_test_capture *cq = find(cs, MQ_SITE_QKV, -1), *co = find(cs, MQ_SITE_O, -1);
     if (!cq || !co) return;
     double *xn = malloc(sizeof(double) * (size_t)(T * D));
     for (int64_t i = 0; i < T * D; i++) xn[i] = x_in[i];
@@ -236,7 +212,7 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
 
     double *ffn_q = calloc((size_t)(T * D), sizeof(double)), *ffn_p = calloc((size_t)(T * D), sizeof(double));
     if (!ly->is_moe) {
-        const capture *cm = find(cs, MQ_SITE_MLP, -1), *cd = find(cs, MQ_SITE_MLP_DOWN, -1);
+        const mq_test_capture *cm = find(cs, MQ_SITE_MLP, -1), *cd = find(cs, MQ_SITE_MLP_DOWN, -1);
         if (!cm || !cd) return;
         if (!(relerr(hn, cm->x, T * D) < TOL)) FAIL("layer %d: the MLP hook does not see RMSNorm(h)", l);
         double *a = swiglu_in(&ly->gate, &ly->up, cm->x, T, true);
@@ -277,7 +253,7 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
         }
         int whole_differs = 0;
         for (int64_t e = 0; e < E; e++) {
-            const capture *ci = find(cs, MQ_SITE_EXPERT, (int)e), *cd = find(cs, MQ_SITE_EXPERT_DOWN, (int)e);
+            const mq_test_capture *ci = find(cs, MQ_SITE_EXPERT, (int)e), *cd = find(cs, MQ_SITE_EXPERT_DOWN, (int)e);
             if (!ci || !cd) return;
             int64_t rows = 0, tok[T];
             for (int64_t t = 0; t < T; t++)
@@ -339,7 +315,7 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
         if (g_kind == MOEQ_ACT_QUANT_Q8_0 && whole_differs > 0)   /* row-local: no difference */
             FAIL("layer %d: Q8_0 of the routed rows differs from Q8_0 of the whole input", l);
         if (c->shared_ffn > 0) {
-            const capture *ci = find(cs, MQ_SITE_SHARED, -1), *cd = find(cs, MQ_SITE_SHARED_DOWN, -1);
+            const mq_test_capture *ci = find(cs, MQ_SITE_SHARED, -1), *cd = find(cs, MQ_SITE_SHARED_DOWN, -1);
             if (!ci || !cd) return;
             if (!(relerr(hn, ci->x, T * D) < TOL)) FAIL("layer %d: the shared expert input", l);
             double *a = swiglu_in(&ly->sh_gate, &ly->sh_up, ci->x, T, true);
@@ -399,12 +375,12 @@ static void layers_at(const char *path, const char *name) {
     ASSERT_OK(mq_state_new(m, T, &st));
     ASSERT_OK(mq_embed(m, ids, T, x));
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        captures cs = {.n = 0};
-        mq_hooks hk = {on_capture, &cs};
+        mq_test_captures cs = {.n = 0};
+        mq_hooks hk = {mq_test_on_capture, &cs};
         memcpy(xin, x, sizeof(float) * (size_t)(T * D));
         ASSERT_OK(mq_forward_layers(m, st, x, T, 0, l, l + 1, &hk));
         check_layer(m, l, xin, x, &cs);
-        for (int i = 0; i < cs.n; i++) free(cs.c[i].x);
+        mq_test_free_captures(&cs);
     }
     /* the logits: lm_head(final_norm(x)), lm_head's input rounded where it is marked */
     double *xn = malloc(sizeof(double) * (size_t)(T * D)), *ref = malloc(sizeof(double) * (size_t)(T * V));
