@@ -692,6 +692,61 @@ static void test_value_errors(void) {
     layer_free(&N);
 }
 
+/* Every weight of L's experts and shared expert (gate_up and down each) as dequant(ctx, expert,
+ * which, w) decodes it against the test's own decoders (bf16 scales for INT4), bit for bit; prints
+ * the count after tag and the scheme's name. */
+static void check_decoded(const layer *L, const char *tag,
+                          moeq_status (*dequant)(void *ctx, int e, int which, float *w), void *ctx) {
+    int64_t bad = 0, total = 0;
+    for (int e = 0; e <= L->E; e++)
+        for (int which = 0; which < 2; which++) {
+            const int sh = e == L->E, f = sh ? L->Fs : L->F, i = which + (sh ? 2 : 0);
+            const int rows = which ? L->D : 2 * f, cols = which ? f : L->D, ng = cols / L->G;
+            float *w = malloc(sizeof(float) * (size_t)rows * cols);
+            ASSERT_OK(dequant(ctx, e, which, w));
+            const size_t base = sh ? 0 : (size_t)e * rows * cols, sb = sh ? 0 : (size_t)e * rows * ng;
+            for (int r = 0; r < rows; r++)
+                for (int k = 0; k < cols; k++) {
+                    const uint8_t c = L->c[i][base + (size_t)r * cols + k];
+                    const size_t si = sb + (size_t)r * ng + k / L->G;
+                    float want;
+                    if (L->nv) {
+                        want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L->s[i])[si]));
+                    } else {
+                        const int z = L->asym ? L->z[i][si] : 8;
+                        const float sc = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L->s[i])[si]));
+                        want = mq_bf16_to_f32(mq_f32_to_bf16(sc * (float)((int)c - z)));
+                    }
+                    const float got = w[(size_t)r * cols + k];
+                    total++;
+                    if (memcmp(&want, &got, 4) != 0 && !(want == 0 && got == 0)) {
+                        if (!bad)
+                            printf("    first difference: expert %d matrix %d row %d col %d: %.9g vs %.9g\n", e,
+                                   which, r, k, got, want);
+                        bad++;
+                    }
+                }
+            free(w);
+        }
+    char nm[48];
+    printf("    %s%-24s %lld weights decoded, %lld differ\n", tag, scheme_name(L, nm, sizeof nm), (long long)total,
+           (long long)bad);
+    ASSERT_EQ_INT(0, bad);
+}
+
+static moeq_status gpu_dequant(void *m, int e, int which, float *w) { return mq_gpu_moe_dequant(m, e, which, w); }
+
+typedef struct {
+    const moeq_moe_experts_desc *d;
+    const moeq_moe_zero_points *zp;
+    const moeq_moe_ffn_args *a;
+} emu_dequant_ctx;
+
+static moeq_status emu_dequant(void *ctx, int e, int which, float *w) {
+    const emu_dequant_ctx *c = ctx;
+    return mq_gpu_moe_emulate_dequant(c->d, c->zp, c->a, e, which, w);
+}
+
 /* The bf16 path's decoders: every weight of a few matrices, bit for bit. */
 static void test_decoders(void) {
     mq_gpu *g = gpu_or_skip();
@@ -708,41 +763,7 @@ static void test_decoders(void) {
         moeq_moe_ffn_args a = args_of(&L, x, 1);
         mq_gpu_moe *m = NULL;
         ASSERT_OK(mq_gpu_moe_upload(g, &d, L.asym ? &zp : NULL, &a, &m));
-        int64_t bad = 0, total = 0;
-        for (int e = 0; e <= L.E; e++)
-            for (int which = 0; which < 2; which++) {
-                const int sh = e == L.E, f = sh ? L.Fs : L.F, i = which + (sh ? 2 : 0);
-                const int rows = which ? L.D : 2 * f, cols = which ? f : L.D, ng = cols / L.G;
-                float *w = malloc(sizeof(float) * (size_t)rows * cols);
-                ASSERT_OK(mq_gpu_moe_dequant(m, e, which, w));
-                const size_t base = sh ? 0 : (size_t)e * rows * cols, sb = sh ? 0 : (size_t)e * rows * ng;
-                for (int r = 0; r < rows; r++)
-                    for (int k = 0; k < cols; k++) {
-                        const uint8_t c = L.c[i][base + (size_t)r * cols + k];
-                        const size_t si = sb + (size_t)r * ng + k / L.G;
-                        float want;
-                        if (L.nv) {
-                            want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L.s[i])[si]));
-                        } else {
-                            const int z = L.asym ? L.z[i][si] : 8;
-                            const float s = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L.s[i])[si]));
-                            want = mq_bf16_to_f32(mq_f32_to_bf16(s * (float)((int)c - z)));
-                        }
-                        const float got = w[(size_t)r * cols + k];
-                        total++;
-                        if (memcmp(&want, &got, 4) != 0 && !(want == 0 && got == 0)) {
-                            if (!bad)
-                                printf("    first difference: expert %d matrix %d row %d col %d: %.9g vs %.9g\n", e,
-                                       which, r, k, got, want);
-                            bad++;
-                        }
-                    }
-                free(w);
-            }
-        char nm[48];
-        printf("    %-24s %lld weights decoded, %lld differ\n", scheme_name(&L, nm, sizeof nm), (long long)total,
-               (long long)bad);
-        ASSERT_EQ_INT(0, bad);
+        check_decoded(&L, "", gpu_dequant, m);
         mq_gpu_moe_free(m);
         layer_free(&L);
     }
@@ -1195,41 +1216,8 @@ static void test_emulated_decoders(void) {
         moeq_moe_zero_points zp = L.asym ? zeros_of(&L) : (moeq_moe_zero_points){0};
         float x[256] = {0};
         moeq_moe_ffn_args a = args_of(&L, x, 1);
-        int64_t bad = 0, total = 0;
-        for (int e = 0; e <= L.E; e++)
-            for (int which = 0; which < 2; which++) {
-                const int sh = e == L.E, f = sh ? L.Fs : L.F, i = which + (sh ? 2 : 0);
-                const int rows = which ? L.D : 2 * f, cols = which ? f : L.D, ng = cols / L.G;
-                float *w = malloc(sizeof(float) * (size_t)rows * cols);
-                ASSERT_OK(mq_gpu_moe_emulate_dequant(&d, L.asym ? &zp : NULL, &a, e, which, w));
-                const size_t base = sh ? 0 : (size_t)e * rows * cols, sb = sh ? 0 : (size_t)e * rows * ng;
-                for (int r = 0; r < rows; r++)
-                    for (int k = 0; k < cols; k++) {
-                        const uint8_t c = L.c[i][base + (size_t)r * cols + k];
-                        const size_t si = sb + (size_t)r * ng + k / L.G;
-                        float want;
-                        if (L.nv) {
-                            want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L.s[i])[si]));
-                        } else {
-                            const int z = L.asym ? L.z[i][si] : 8;
-                            const float sc = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L.s[i])[si]));
-                            want = mq_bf16_to_f32(mq_f32_to_bf16(sc * (float)((int)c - z)));
-                        }
-                        const float got = w[(size_t)r * cols + k];
-                        total++;
-                        if (memcmp(&want, &got, 4) != 0 && !(want == 0 && got == 0)) {
-                            if (!bad)
-                                printf("    first difference: expert %d matrix %d row %d col %d: %.9g vs %.9g\n", e,
-                                       which, r, k, got, want);
-                            bad++;
-                        }
-                    }
-                free(w);
-            }
-        char nm[48];
-        printf("    [emulated] %-24s %lld weights decoded, %lld differ\n", scheme_name(&L, nm, sizeof nm),
-               (long long)total, (long long)bad);
-        ASSERT_EQ_INT(0, bad);
+        emu_dequant_ctx ctx = {&d, L.asym ? &zp : NULL, &a};
+        check_decoded(&L, "[emulated] ", emu_dequant, &ctx);
         layer_free(&L);
     }
 }
