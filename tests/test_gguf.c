@@ -618,19 +618,13 @@ static void test_olmoe_q4_1(void) {
 
 static void test_llama_permuted_q4_0(void) {
     rt_counts c;
-    const char *m = mq_test_shared("fixtures/models/llama-tiny");
-    char model[1024];
-    snprintf(model, sizeof model, "%s", m);
-    roundtrip(model, MQ_QS_INT4, 32, false, "llama-g32", 4, 2, &c);
+    roundtrip(mq_test_shared("fixtures/models/llama-tiny"), MQ_QS_INT4, 32, false, "llama-g32", 4, 2, &c);
     ASSERT_EQ_INT(4 * 7, c.n_q4_0);   /* q, k, v, o, gate, up, down */
 }
 
 static void test_llama_nvfp4(void) {
     rt_counts c;
-    const char *m = mq_test_shared("fixtures/models/llama-tiny");
-    char model[1024];
-    snprintf(model, sizeof model, "%s", m);
-    roundtrip(model, MQ_QS_NVFP4, 16, false, "llama-nvfp4", 4, 2, &c);
+    roundtrip(mq_test_shared("fixtures/models/llama-tiny"), MQ_QS_NVFP4, 16, false, "llama-nvfp4", 4, 2, &c);
     ASSERT_EQ_INT(4 * 7, c.n_nvfp4);
     ASSERT_EQ_INT(4 * 7, c.n_scale);
 }

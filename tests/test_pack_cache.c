@@ -105,6 +105,13 @@ static void rewrite(const char *path, const char *data, size_t n) {
     if (f) fclose(f);
 }
 
+/* src opens packed with the cache as `how` says, holding what the fresh packing holds. */
+static void opens_same(const char *src, mq_pack_cache_state how, const moeq_model *fresh) {
+    moeq_model *m = open_packed(src, how);
+    if (m && fresh) same_packed(m, fresh);
+    moeq_model_free(m);
+}
+
 /* The cache of src (a file or folder) in a folder of the case's own. */
 static void cache_cycle(const char *src, const char *tag, bool file_src) {
     char dir[1100];
@@ -116,9 +123,7 @@ static void cache_cycle(const char *src, const char *tag, bool file_src) {
     char path[1300];
     snprintf(path, sizeof path, "%s", built ? mq_pack_cache_path(built->pcache) : "");
     moeq_model_free(built);
-    moeq_model *mapped = open_packed(src, MQ_PACK_CACHE_MAPPED);
-    if (fresh && mapped) same_packed(mapped, fresh);
-    moeq_model_free(mapped);
+    opens_same(src, MQ_PACK_CACHE_MAPPED, fresh);
     size_t n;
     char *good = slurp(path, &n);
     if (!good) return;
@@ -131,9 +136,7 @@ static void cache_cycle(const char *src, const char *tag, bool file_src) {
         if (k < 3) bad[at[k]] ^= 0x20;
         rewrite(path, bad, k < 3 ? n : n / 2);
         free(bad);
-        moeq_model *m = open_packed(src, MQ_PACK_CACHE_REBUILT);
-        if (m && fresh) same_packed(m, fresh);
-        moeq_model_free(m);
+        opens_same(src, MQ_PACK_CACHE_REBUILT, fresh);
         size_t n2;
         char *again = slurp(path, &n2);
         ASSERT_TRUE(again && n2 == n && memcmp(again, good, n) == 0);
