@@ -266,6 +266,12 @@ moeq_model *mq_test_open_model(const char *dir, const moeq_model_options *o) {
     return m;
 }
 
+moeq_tokenizer *mq_test_tokenizer(const char *path) {
+    moeq_tokenizer *t = NULL;
+    ASSERT_OK(moeq_tokenizer_load(path, &t));
+    return t;
+}
+
 moeq_docs *mq_test_wikitext_docs(void) {
     moeq_docs *d = NULL;
     ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));

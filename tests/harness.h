@@ -76,6 +76,8 @@ void mq_test_on_eval_text(int demo, void (*check)(const moeq_docs *docs, const m
  * the rest as moeq_quant_options_init leaves it. */
 moeq_quant_options mq_test_gptq_options(moeq_quant_scheme scheme, const char *calib, int64_t nsamples,
                                         int64_t seqlen);
+/* moeq_tokenizer_load(path); the case fails with the library's error. */
+moeq_tokenizer *mq_test_tokenizer(const char *path);
 /* The logits [n, vocab_size] a fresh session of m gives for ids (malloc'd). */
 float *mq_test_logits(const moeq_model *m, const int32_t *ids, int32_t n);
 /* A float's bits; mq_test_same_floats fails the case at the first of n values whose bits differ,

@@ -644,11 +644,7 @@ static void test_bad_options(void) {
 /* ---- generation helpers ------------------------------------------------------------------- */
 
 static void test_decode_skip_unknown(void) {
-    const char *dir = mq_test_model("olmoe-tiny");
-    char path[1200];
-    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
-    moeq_tokenizer *tok = NULL;
-    ASSERT_OK(moeq_tokenizer_load(path, &tok));
+    moeq_tokenizer *tok = mq_test_tokenizer(mq_test_model("olmoe-tiny"));   /* its tokenizer.json */
     if (!tok) return;
     ASSERT_EQ_INT(4096, moeq_tokenizer_vocab_size(tok));
     int32_t *known = NULL;
@@ -704,9 +700,8 @@ static void test_decode_skip_unknown(void) {
 }
 
 static void test_model_eos_ids(void) {
-    const char *dir = mq_test_model("olmoe-tiny");
     char src[1200];
-    snprintf(src, sizeof src, "%s", dir);
+    snprintf(src, sizeof src, "%s", mq_test_model("olmoe-tiny"));
     moeq_model_options mo = {.no_tokenizer = 1};
     moeq_model *m = mq_test_open_model(src, &mo);
     if (!m) return;
