@@ -436,6 +436,12 @@ uint32_t mq_test_f32_bits(float f) {
     return b;
 }
 
+float mq_test_f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what) {
     for (int64_t i = 0; i < n; i++)
         if (mq_test_f32_bits(want[i]) != mq_test_f32_bits(got[i])) {

@@ -83,6 +83,7 @@ float *mq_test_logits(const moeq_model *m, const int32_t *ids, int32_t n);
 /* A float's bits; mq_test_same_floats fails the case at the first of n values whose bits differ,
  * naming what, the index and both values. */
 uint32_t mq_test_f32_bits(float f);
+float mq_test_f32_from_bits(uint32_t u);
 void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what);
 /* Largest |a-b| / max|b| over n values (0 if b is all zero and a == b). */
 double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);

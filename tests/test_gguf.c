@@ -774,9 +774,7 @@ static void import_check(const char *model, const char *tag) {
     ASSERT_OK(mq_pipeline_run(model, ckpt, &o, NULL));
     ASSERT_OK(mq_gguf_export(ckpt, file, MQ_GGUF_REST_AUTO));
     ASSERT_OK(moeq_import_gguf(file, imp));
-    moeq_model *a, *b;
-    ASSERT_OK(moeq_model_open(ckpt, NULL, &a));
-    ASSERT_OK(moeq_model_open(imp, NULL, &b));
+    moeq_model *a = mq_test_open_model(ckpt, NULL), *b = mq_test_open_model(imp, NULL);
     const char *text = "The tower is 324 metres (1,063 ft) tall, about the same height as an 81-storey building.\n"
                        " = Section = \n Its base is square.";
     int32_t *ia = NULL, *ib = NULL;
@@ -1028,9 +1026,7 @@ static void deepseek_check(const char *fixture, const char *tag, bool qlora, cha
     mq_gguf_close(g);
 
     /* the imported model computes what the checkpoint does, bit for bit */
-    moeq_model *a, *b;
-    ASSERT_OK(moeq_model_open(ckpt, NULL, &a));
-    ASSERT_OK(moeq_model_open(imp, NULL, &b));
+    moeq_model *a = mq_test_open_model(ckpt, NULL), *b = mq_test_open_model(imp, NULL);
     int32_t ids[48];
     for (int i = 0; i < 48; i++) ids[i] = (int32_t)((i * 977 + 13) % 4096);
     same_logits(a, b, ids, 48, tag);
@@ -1256,9 +1252,7 @@ static void test_deepseek3_pre_tokenizer(void) {
     if (pl != 11 || memcmp(pre, "deepseek-v3", 11)) FAIL("tokenizer.ggml.pre '%.*s'", (int)pl, pre);
     mq_gguf_close(g);
     ASSERT_OK(moeq_import_gguf(file, imp));
-    moeq_model *a, *b;
-    ASSERT_OK(moeq_model_open(dir, NULL, &a));
-    ASSERT_OK(moeq_model_open(imp, NULL, &b));
+    moeq_model *a = mq_test_open_model(dir, NULL), *b = mq_test_open_model(imp, NULL);
     const char *text = "Tower 1958: 333 m high, 12345678 yen; don't stop!!\r\n\t(x+y)=z \xe6\x9d\xb1\xe4\xba\xac"
                        "\xe3\x82\xbf\xe3\x83\xaf\xe3\x83\xbc\xe3\x81\xaf";
     int32_t *ia, *ib, *i1, *i2;

@@ -51,10 +51,7 @@ static float *make_hessian(int64_t K, int64_t T, uint64_t seed, int64_t dead) {
 }
 
 static int same_float(float a, float b) {
-    uint32_t x, y;
-    memcpy(&x, &a, 4);
-    memcpy(&y, &b, 4);
-    return x == y || (isnan(a) && isnan(b));
+    return mq_test_f32_bits(a) == mq_test_f32_bits(b) || (isnan(a) && isnan(b));
 }
 
 /* Group params field by field (the struct's padding bytes are not data). */

@@ -83,19 +83,13 @@ static const uint8_t *st_get(const st_file *f, const char *name, const char *dty
 }
 
 static float bf16_at(const uint8_t *p, size_t i) {
-    uint32_t u = (uint32_t)(p[2 * i] | p[2 * i + 1] << 8) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return mq_test_f32_from_bits((uint32_t)(p[2 * i] | p[2 * i + 1] << 8) << 16);
 }
 
 /* fp32 -> bf16 -> fp32, round to nearest even (finite inputs). */
 static float round_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, 4);
-    return x;
+    const uint32_t u = mq_test_f32_bits(x);
+    return mq_test_f32_from_bits((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
 
 /* The source weight of `module` as fp32 ([rows, cols]). */

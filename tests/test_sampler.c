@@ -35,7 +35,7 @@ static double ref_uniform(uint64_t *x) {
 #define REF_MAXV 50304
 
 typedef struct {
-    double l;
+    double l;   /* a logit, or a weight (the old sampler's) */
     int32_t id;
 } ref_cand;
 /* larger logit first, then the lower id */
@@ -521,39 +521,31 @@ static void test_reproducible_by_seed(void) {
  * top_p 1, or temperature 1, the library gives the same ids, so `--temp T --seed S` texts made
  * before stay the same (with both --temp != 1 and --top-p < 1 top-p now cuts the untempered
  * distribution, as llama.cpp does). */
-typedef struct {
-    double p;
-    int32_t id;
-} old_cand;
-static int old_cmp(const void *x, const void *y) {
-    const old_cand *a = x, *b = y;
-    if (a->p != b->p) return a->p > b->p ? -1 : 1;
-    return a->id < b->id ? -1 : a->id > b->id;
-}
-static int32_t old_pick_sample(const float *logits, int32_t V, double temp, double top_p, old_cand *c,
+/* (its candidates sorted as the reference's are: larger weight first, then the lower id) */
+static int32_t old_pick_sample(const float *logits, int32_t V, double temp, double top_p, ref_cand *c,
                                uint64_t *rng) {
     double mx = logits[0];
     for (int32_t i = 1; i < V; i++) mx = logits[i] > mx ? logits[i] : mx;
     double sum = 0;
     for (int32_t i = 0; i < V; i++) {
         c[i].id = i;
-        c[i].p = exp(((double)logits[i] - mx) / temp);
-        sum += c[i].p;
+        c[i].l = exp(((double)logits[i] - mx) / temp);
+        sum += c[i].l;
     }
-    qsort(c, (size_t)V, sizeof *c, old_cmp);
+    qsort(c, (size_t)V, sizeof *c, ref_cmp);
     int32_t keep = 0;
     double mass = 0;
-    while (keep < V && (keep == 0 || mass < top_p * sum)) mass += c[keep++].p;
+    while (keep < V && (keep == 0 || mass < top_p * sum)) mass += c[keep++].l;
     double u = ref_uniform(rng) * mass, acc = 0;
     for (int32_t i = 0; i < keep; i++) {
-        acc += c[i].p;
+        acc += c[i].l;
         if (u < acc) return c[i].id;
     }
     return c[keep - 1].id;
 }
 
 static void test_old_generate_draws(void) {
-    old_cand c[512];
+    ref_cand c[512];
     float l[512];
     int compared = 0;
     for (int rep = 0; rep < 60; rep++) {
