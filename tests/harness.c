@@ -19,25 +19,16 @@ static int g_failed_case, g_skipped_case;
 static char g_tmp_root[512];
 static int g_tmp_count;
 
-void mq_test_fail(const char *file, int line, const char *fmt, ...) {
+void mq_test_end(int skip, const char *file, int line, const char *fmt, ...) {
     va_list ap;
-    fprintf(stderr, "  FAIL %s:%d: ", file, line);
+    if (skip) fprintf(stderr, "  SKIP: ");
+    else fprintf(stderr, "  FAIL %s:%d: ", file, line);
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
-    g_failed_case = 1;
-    longjmp(g_jmp, 1);
-}
-
-void mq_test_skip(const char *fmt, ...) {
-    va_list ap;
-    fprintf(stderr, "  SKIP: ");
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    g_skipped_case = 1;
+    if (skip) g_skipped_case = 1;
+    else g_failed_case = 1;
     longjmp(g_jmp, 1);
 }
 
@@ -58,11 +49,11 @@ const char *mq_test_shared(const char *rel) {
     static char buf[4096];
     const char *root = shared_root();
     if (!mq_test_have_shared())
-        mq_test_skip("shared fixtures folder '%s' not found: set MOEQ_SHARED to the folder that "
+        SKIP("shared fixtures folder '%s' not found: set MOEQ_SHARED to the folder that "
                      "holds fixtures/ and docs/ (default: ../shared beside the repository)", root);
     struct stat st;
     snprintf(buf, sizeof buf, "%s/%s", root, rel);
-    if (stat(buf, &st) != 0) mq_test_skip("shared fixture '%s' is missing", buf);
+    if (stat(buf, &st) != 0) SKIP("shared fixture '%s' is missing", buf);
     return buf;
 }
 

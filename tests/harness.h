@@ -21,8 +21,8 @@ typedef struct {
 } mq_test_case;
 
 int mq_test_run(int argc, char **argv, const mq_test_case *cases, size_t n);
-void mq_test_fail(const char *file, int line, const char *fmt, ...);
-void mq_test_skip(const char *fmt, ...);
+/* Ends the current case: failed (skip 0; the message names file:line) or skipped (skip 1). */
+void mq_test_end(int skip, const char *file, int line, const char *fmt, ...);
 
 /* Path of a file under the shared fixtures folder: $MOEQ_SHARED, default <repo>/../shared.
  * Skips the current case with a clear message when the folder is missing. Returns a static
@@ -139,8 +139,8 @@ void mq_test_ref_groups(const double *s, int64_t E, int n_group, int topk_group,
         return mq_test_run(argc, argv, cases_, sizeof cases_ / sizeof cases_[0]);                  \
     }
 
-#define FAIL(...) mq_test_fail(__FILE__, __LINE__, __VA_ARGS__)
-#define SKIP(...) mq_test_skip(__VA_ARGS__)
+#define FAIL(...) mq_test_end(0, __FILE__, __LINE__, __VA_ARGS__)
+#define SKIP(...) mq_test_end(1, __FILE__, __LINE__, __VA_ARGS__)
 
 #define ASSERT_TRUE(x)                                                                             \
     do {                                                                                           \
