@@ -525,6 +525,24 @@ static char *bf16_copy(const char *src, const char *name) {
     return dir;
 }
 
+/* m's evaluation of docs on GPU 0 at precision prec against the CPU's (fp32), both with base as
+ * --kl-base (NULL: none), within check_within's bounds for eps and eps_b. */
+static deviation cpu_against_gpu(const moeq_model *m, const moeq_model *base, const moeq_docs *docs, int prec,
+                                 double eps, double eps_b) {
+    double ll_c[3], ll_g[3];
+    int64_t ntok[3];
+    moeq_eval_options o;
+    moeq_eval_result rc, rg;
+    eval_opts(&o, ll_c, -1, 0);
+    o.kl_base = base;
+    o.doc_tokens = ntok;
+    ASSERT_OK(moeq_eval(m, docs, &o, &rc));
+    eval_opts(&o, ll_g, 0, prec);
+    o.kl_base = base;
+    ASSERT_OK(moeq_eval(m, docs, &o, &rg));
+    return check_within(&rg, &rc, ll_g, ll_c, ntok, 3, eps, eps_b);
+}
+
 /* A bf16 checkpoint in the bf16 mode: its experts go up as stored (no fp32 copy on the host);
  * against the CPU's fp32 evaluation of the same bf16 values, within the mode's stated 1%. */
 static void test_bf16_source(void) {
@@ -532,17 +550,8 @@ static void test_bf16_source(void) {
     char *dir = bf16_copy(mq_test_model("olmoe-tiny"), "olmoe-bf16");
     moeq_docs *docs = text_docs();
     moeq_model *m = open_as(dir, 1);
-    double ll_c[3], ll_g[3];
-    int64_t ntok[3];
-    moeq_eval_options o;
-    moeq_eval_result rc, rg;
-    eval_opts(&o, ll_c, -1, 0);
-    o.doc_tokens = ntok;
-    ASSERT_OK(moeq_eval(m, docs, &o, &rc));
-    eval_opts(&o, ll_g, 0, MOEQ_GPU_BF16);
-    ASSERT_OK(moeq_eval(m, docs, &o, &rg));
-    deviation dv = check_within(&rg, &rc, ll_g, ll_c, ntok, 3, logit_eps(dir, MOEQ_GPU_BF16),
-                                logit_eps(dir, MOEQ_GPU_BF16));
+    deviation dv = cpu_against_gpu(m, NULL, docs, MOEQ_GPU_BF16, logit_eps(dir, MOEQ_GPU_BF16),
+                                   logit_eps(dir, MOEQ_GPU_BF16));
     log_dev("olmoe-tiny bf16", "bf16", &dv);
     ASSERT_TRUE(dv.rel_ll <= 1e-2);
     moeq_model_free(m);
@@ -648,19 +657,7 @@ static void test_kl_pair(void) {
     snprintf(bd, sizeof bd, "%s", mq_test_model("llama-tiny"));
     moeq_docs *docs = text_docs();
     moeq_model *m = open_as(md, 1), *b = open_as(bd, 1);
-    double ll_c[3], ll_g[3];
-    int64_t ntok[3];
-    moeq_eval_options o;
-    moeq_eval_result rc, rg;
-    eval_opts(&o, ll_c, -1, 0);
-    o.kl_base = b;
-    o.doc_tokens = ntok;
-    ASSERT_OK(moeq_eval(m, docs, &o, &rc));
-    eval_opts(&o, ll_g, 0, 0);
-    o.kl_base = b;
-    ASSERT_OK(moeq_eval(m, docs, &o, &rg));
-    deviation dv = check_within(&rg, &rc, ll_g, ll_c, ntok, 3, logit_eps(md, MOEQ_GPU_FP32),
-                                logit_eps(bd, MOEQ_GPU_FP32));
+    deviation dv = cpu_against_gpu(m, b, docs, 0, logit_eps(md, MOEQ_GPU_FP32), logit_eps(bd, MOEQ_GPU_FP32));
     log_dev("qwen2moe/llama KL", "fp32", &dv);
     moeq_model_free(m);
     moeq_model_free(b);

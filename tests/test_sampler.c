@@ -288,6 +288,16 @@ static void test_long_history(void) {
     }
 }
 
+/* The id a fresh sampler with options o draws first from logits l[0..V). */
+static int32_t sample_once(const moeq_sampler_options *o, const float *l, int32_t V) {
+    moeq_sampler *s = NULL;
+    int32_t id = -1;
+    ASSERT_OK(moeq_sampler_create(o, &s));
+    ASSERT_OK(moeq_sampler_sample(s, l, V, &id));
+    moeq_sampler_free(s);
+    return id;
+}
+
 /* top-p's cut at an exact tie with top_p * Z: four equal logits have w = 1 each and Z = 4, so
  * top_p 0.5 keeps exactly two ids (running sum 2 reaches 0.5 * 4) and 0.25 one. */
 static void test_top_p_exact_boundary(void) {
@@ -299,12 +309,8 @@ static void test_top_p_exact_boundary(void) {
         int seen[4] = {0};
         for (uint64_t seed = 0; seed < 400; seed++) {
             o.seed = seed;
-            moeq_sampler *s = NULL;
-            ASSERT_OK(moeq_sampler_create(&o, &s));
-            int32_t id = -1;
-            ASSERT_OK(moeq_sampler_sample(s, l, 4, &id));
+            const int32_t id = sample_once(&o, l, 4);
             if (id >= 0 && id < 4) seen[id]++;
-            moeq_sampler_free(s);
         }
         ASSERT_TRUE(seen[0] > 0);
         if (k) ASSERT_EQ_INT(400, seen[0]);
@@ -356,13 +362,9 @@ static void test_greedy_ties(void) {
         o.min_p = mode == 2 ? 1.0 : 0.0;
         for (uint64_t seed = 0; seed < 20; seed++) {
             o.seed = seed;
-            moeq_sampler *s = NULL;
-            ASSERT_OK(moeq_sampler_create(&o, &s));
-            int32_t id = -1;
-            ASSERT_OK(moeq_sampler_sample(s, l, 8, &id));
+            const int32_t id = sample_once(&o, l, 8);
             if (mode == 2) ASSERT_TRUE(id == 1 || id == 3 || id == 5);   /* min_p 1 keeps the ties */
             else ASSERT_EQ_INT(1, id);
-            moeq_sampler_free(s);
         }
     }
     /* every logit equal: id 0 */
@@ -370,12 +372,7 @@ static void test_greedy_ties(void) {
     o.temperature = 0;
     o.top_k = 0;
     o.min_p = 0;
-    moeq_sampler *s = NULL;
-    ASSERT_OK(moeq_sampler_create(&o, &s));
-    int32_t id = -1;
-    ASSERT_OK(moeq_sampler_sample(s, flat, 5, &id));
-    ASSERT_EQ_INT(0, id);
-    moeq_sampler_free(s);
+    ASSERT_EQ_INT(0, sample_once(&o, flat, 5));
 }
 
 /* Greedy ids after the given history, one option set per call. */
