@@ -76,20 +76,24 @@ static const char *shared_or_repo(char *buf, size_t size, const char *shared_rel
     return buf;
 }
 
+/* fixtures/models/<name><suffix> of the shared folder, else <repo_dir>/<name><suffix> of the
+ * repository, as shared_or_repo picks. */
+static const char *model_fixture(char *buf, size_t size, const char *name, const char *suffix,
+                                 const char *repo_dir) {
+    char srel[512], rrel[512];
+    snprintf(srel, sizeof srel, "fixtures/models/%s%s", name, suffix);
+    snprintf(rrel, sizeof rrel, "%s/%s%s", repo_dir, name, suffix);
+    return shared_or_repo(buf, size, srel, rrel);
+}
+
 const char *mq_test_model(const char *name) {
     static char buf[4096];
-    char srel[512], rrel[512];
-    snprintf(srel, sizeof srel, "fixtures/models/%s", name);
-    snprintf(rrel, sizeof rrel, "models/%s", name);
-    return shared_or_repo(buf, sizeof buf, srel, rrel);
+    return model_fixture(buf, sizeof buf, name, "", "models");
 }
 
 const char *mq_test_model_golden(const char *name) {
     static char buf[4096];
-    char srel[512], rrel[512];
-    snprintf(srel, sizeof srel, "fixtures/models/%s.golden.safetensors", name);
-    snprintf(rrel, sizeof rrel, "tests/data/%s.golden.safetensors", name);
-    return shared_or_repo(buf, sizeof buf, srel, rrel);
+    return model_fixture(buf, sizeof buf, name, ".golden.safetensors", "tests/data");
 }
 
 const char *mq_test_calib_text(void) {
@@ -421,17 +425,15 @@ void mq_test_ref_groups(const double *s, int64_t E, int n_group, int topk_group,
     for (int64_t e = 0; e < E; e++) taken[e] = !chosen[e / EG];
 }
 
-uint32_t mq_test_f32_bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return b;
-}
-
-float mq_test_f32_from_bits(uint32_t u) {
+/* (reading the member not last written reinterprets its bytes: C11 6.5.2.3) */
+typedef union {
     float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+    uint32_t u;
+} f32_word;
+
+uint32_t mq_test_f32_bits(float f) { return ((f32_word){.f = f}).u; }
+
+float mq_test_f32_from_bits(uint32_t u) { return ((f32_word){.u = u}).f; }
 
 void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what) {
     for (int64_t i = 0; i < n; i++)
