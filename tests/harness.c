@@ -301,6 +301,15 @@ moeq_docs *mq_test_calib_docs(const int *len, int n) {
     return d;
 }
 
+moeq_eval_options mq_test_text_eval(int32_t max_length, const moeq_model *kl_base) {
+    moeq_eval_options o;
+    moeq_eval_options_init(&o);
+    o.task = MOEQ_TASK_TEXT;
+    if (max_length) o.max_length = max_length;
+    o.kl_base = kl_base;
+    return o;
+}
+
 void mq_test_on_eval_text(int demo, void (*check)(const moeq_docs *docs, const moeq_eval_options *o,
                                                   const char *what)) {
     moeq_docs *docs = demo ? mq_test_demo_docs() : mq_test_wikitext_docs();

@@ -67,6 +67,9 @@ moeq_docs *mq_test_demo_docs(void);
 /* n (1 to 4) wikitext documents " = One = ", " = Two = ", ... cut from the calibration text
  * (mq_test_calib_text): document i holds its next len[i] bytes. */
 moeq_docs *mq_test_calib_docs(const int *len, int n);
+/* Evaluation options for the text task (no detokenizer), windows of max_length tokens (0: the
+ * default) and kl_base as --kl-base (may be NULL), the rest as moeq_eval_options_init sets them. */
+moeq_eval_options mq_test_text_eval(int32_t max_length, const moeq_model *kl_base);
 /* The perplexity texts of the runtime comparisons: check(docs, o, what) on the first two
  * wikitext documents (demo 0) or on data/demo-eval.txt (demo 1), o holding the matching task and
  * limit, 512-token windows and no prefix token. */

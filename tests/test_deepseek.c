@@ -756,11 +756,7 @@ static void test_gptq_packed_mtp(void) {
     moeq_docs *docs = mq_test_demo_docs();
     for (int i = 0; i < 2; i++) {
         moeq_model *m = mq_test_open_model(i ? rtn : out, NULL);
-        moeq_eval_options eo;
-        moeq_eval_options_init(&eo);
-        eo.task = MOEQ_TASK_TEXT;
-        eo.max_length = 128;
-        eo.kl_base = base;
+        moeq_eval_options eo = mq_test_text_eval(128, base);
         moeq_eval_result er;
         ASSERT_OK(moeq_eval(m, docs, &eo, &er));
         kl[i] = er.kl_mean;

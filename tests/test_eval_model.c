@@ -169,11 +169,7 @@ static void test_against_slow_session_reference(void) {
     moeq_docs *docs = calib_docs();
     const int32_t L = 48; /* several windows, the last one partial */
     slow_result want = slow_eval(m, base, docs, L, 1.0f);
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = L;
-    o.kl_base = base;
+    moeq_eval_options o = mq_test_text_eval(L, base);
     moeq_eval_result r;
     ASSERT_OK(moeq_eval(m, docs, &o, &r));
     ASSERT_EQ_INT(want.tokens, r.tokens);
@@ -196,11 +192,7 @@ static void test_temperature_and_entropy(void) {
     const int32_t L = 48;
     const float T = 1.3f;
     slow_result want = slow_eval(m, base, docs, L, T);
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = L;
-    o.kl_base = base;
+    moeq_eval_options o = mq_test_text_eval(L, base);
     o.temperature = T;
     o.entropy = 1;
     moeq_eval_result r, plain;
@@ -233,10 +225,7 @@ static void test_temperature_and_entropy(void) {
 static void test_kl_against_itself_is_zero(void) {
     moeq_model *m = open_model(any_model());
     moeq_docs *docs = calib_docs();
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.kl_base = m;
+    moeq_eval_options o = mq_test_text_eval(0, m);
     moeq_eval_result r;
     ASSERT_OK(moeq_eval(m, docs, &o, &r));
     ASSERT_TRUE(r.has_kl && r.kl_tokens == r.tokens && r.tokens > 100);
@@ -249,10 +238,7 @@ static void test_saved_logits(void) {
     moeq_model *m = open_model("olmoe-tiny"), *other = open_other_model();
     moeq_docs *docs = calib_docs();
     char *path = mq_path_join(mq_test_tmpdir(), "olmoe.topk");
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 64;
+    moeq_eval_options o = mq_test_text_eval(64, NULL);
     moeq_eval_result plain, saved, self, approx, exact;
     ASSERT_OK(moeq_eval(m, docs, &o, &plain));
     o.save_logits = path;
@@ -295,10 +281,7 @@ static void test_saved_logits_mismatch(void) {
     moeq_model *m = open_model(any_model());
     moeq_docs *docs = calib_docs();
     char *path = mq_path_join(mq_test_tmpdir(), "saved.topk");
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 64;
+    moeq_eval_options o = mq_test_text_eval(64, NULL);
     o.save_logits = path;
     o.save_top_k = 4;
     moeq_eval_result r;
@@ -490,10 +473,7 @@ static void stop_cb(void *user, const char *label, int64_t done, int64_t total) 
 static void test_interrupt_keeps_finished_documents(void) {
     moeq_model *m = open_model("olmoe-tiny");
     moeq_docs *docs = calib_docs();
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 32;
+    moeq_eval_options o = mq_test_text_eval(32, NULL);
     double ll[2], full_ll[2];
     int64_t tok[2];
     o.doc_loglikelihood = full_ll;

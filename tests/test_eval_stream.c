@@ -32,9 +32,7 @@ static moeq_docs *text_docs(void) {
 }
 
 static void eval_opts(moeq_eval_options *o, double *ll) {
-    moeq_eval_options_init(o);
-    o->task = MOEQ_TASK_TEXT;
-    o->max_length = 40;
+    *o = mq_test_text_eval(40, NULL);
     o->doc_loglikelihood = ll;
     o->entropy = 1;
 }

@@ -487,10 +487,7 @@ static void eval_against(const char *out, const char *fp8) {
                         "the park until the evening came.";
     ASSERT_OK(moeq_docs_parse("text", text, sizeof text - 1, MOEQ_DOCS_WHOLE, &docs));
     if (m && base && docs) {
-        moeq_eval_options eo;
-        moeq_eval_options_init(&eo);
-        eo.task = MOEQ_TASK_TEXT;
-        eo.kl_base = base;
+        moeq_eval_options eo = mq_test_text_eval(0, base);
         moeq_eval_result r;
         ASSERT_OK(moeq_eval(m, docs, &eo, &r));
         ASSERT_TRUE(r.tokens > 10 && isfinite(r.token_perplexity) && r.token_perplexity > 1);

@@ -385,10 +385,7 @@ static ev eval_of(const char *path, int stream, int act_quant, moeq_docs *docs) 
     memset(&r, 0, sizeof r);
     ASSERT_OK(moeq_model_open(path, &mo, &m));
     if (!m) return r;
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 40;
+    moeq_eval_options o = mq_test_text_eval(40, NULL);
     o.doc_loglikelihood = r.doc;
     moeq_eval_result res;
     ASSERT_OK(moeq_eval(m, docs, &o, &res));

@@ -28,10 +28,7 @@ static moeq_docs *eval_docs(void) {
 
 /* The same windows for every model: text task, 256-token windows, entropy; KL against base. */
 static void scoring_options(moeq_eval_options *o, const moeq_model *base) {
-    moeq_eval_options_init(o);
-    o->task = MOEQ_TASK_TEXT;
-    o->max_length = 256;
-    o->kl_base = base;
+    *o = mq_test_text_eval(256, base);
     o->entropy = 1;
 }
 

@@ -83,9 +83,7 @@ static moeq_docs *text_docs(void) {
 enum { L_TEST = 64 };
 
 static void eval_opts(moeq_eval_options *o, double *ll, int device, int prec) {
-    moeq_eval_options_init(o);
-    o->task = MOEQ_TASK_TEXT;
-    o->max_length = L_TEST;
+    *o = mq_test_text_eval(L_TEST, NULL);
     o->doc_loglikelihood = ll;
     o->entropy = 1;
     o->device = device;

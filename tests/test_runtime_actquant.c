@@ -527,10 +527,7 @@ static void q8_0_eval_for(const char *name) {
     if (!docs || !base || !w || !wq) return;
     ASSERT_EQ_INT(MOEQ_ACT_QUANT_Q8_0, moeq_model_get_info(wq)->act_quant);
     ASSERT_EQ_INT(0, moeq_model_get_info(wq)->packed_linears);
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 512;
+    moeq_eval_options o = mq_test_text_eval(512, NULL);
     o.prefix_token = 0;
     moeq_eval_result rw, rq, rq1;
     o.kl_base = base;
