@@ -364,6 +364,18 @@ float *mq_test_weights(int64_t N, int64_t K, uint64_t seed) {
     return w;
 }
 
+moeq_moe_experts_desc mq_test_moe_desc(int nvfp4, int group_size, int E, int D, int F, int Fs) {
+    moeq_moe_experts_desc d;
+    memset(&d, 0, sizeof d);
+    d.scheme = nvfp4 ? MOEQ_MOE_NVFP4 : MOEQ_MOE_INT4;
+    d.group_size = group_size;
+    d.n_experts = E;
+    d.hidden = D;
+    d.ffn = F;
+    d.shared_ffn = Fs;
+    return d;
+}
+
 mq_gpu *mq_test_open_gpu(void) {
     if (!mq_gpu_built()) SKIP("this build has no CUDA backend (configure with -DMOEQ_CUDA=ON)");
     mq_gpu *g = NULL;

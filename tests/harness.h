@@ -110,6 +110,9 @@ float mq_test_rnd_normalf(uint64_t *state);
 /* N x K weights 0.02 N(0, 1), 1% of them 6 times larger (so that group scales vary), from the
  * state seeded with seed (malloc'd). */
 float *mq_test_weights(int64_t N, int64_t K, uint64_t seed);
+/* A MoE experts descriptor (moeq_moe_ffn) with its shape and scheme set and the rest zero (the
+ * tensors and NVFP4's divisor convention to fill in). */
+moeq_moe_experts_desc mq_test_moe_desc(int nvfp4, int group_size, int E, int D, int F, int Fs);
 /* The GPU backend on device 0 (backend/gpu.h's mq_gpu); the case is skipped in a build without
  * CUDA or where no GPU opens. */
 struct mq_gpu *mq_test_open_gpu(void);

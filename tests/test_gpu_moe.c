@@ -173,17 +173,10 @@ static moeq_moe_qweight qw(const layer *L, int i, const float *gs, int pairs) {
 }
 
 static moeq_moe_experts_desc desc_of(const layer *L) {
-    moeq_moe_experts_desc d;
-    memset(&d, 0, sizeof d);
-    d.scheme = L->nv ? MOEQ_MOE_NVFP4 : MOEQ_MOE_INT4;
-    d.group_size = L->G;
+    moeq_moe_experts_desc d = mq_test_moe_desc(L->nv, L->G, L->E, L->D, L->F, L->Fs);
     d.nvfp4_global_multiplier = L->mult;
-    d.n_experts = L->E;
-    d.hidden = L->D;
-    d.ffn = L->F;
     d.gate_up = qw(L, 0, L->gs_pairs ? L->gu_g2 : L->gu_g1, L->gs_pairs);
     d.down = qw(L, 1, L->dn_g, 0);
-    d.shared_ffn = L->Fs;
     if (L->Fs) {
         d.shared_gate_up = qw(L, 2, L->sgu_g, L->gs_pairs);
         d.shared_down = qw(L, 3, &L->sdn_g, 0);
