@@ -9,6 +9,7 @@
 
 #include "backend/gpu.h"
 #include "core/core.h"
+#include "io/safetensors.h"
 
 #ifndef MOEQ_SOURCE_DIR
 #define MOEQ_SOURCE_DIR "."
@@ -134,6 +135,14 @@ int mq_test_same_file(const char *a, const char *b) {
     free(x);
     free(y);
     return same;
+}
+
+void mq_test_write_model_st(mq_st_writer *w, const char *dir) {
+    char *path = mq_path_join(dir, "model.safetensors");
+    moeq_status st = mq_stw_write(w, path);
+    free(path);
+    mq_stw_free(w);
+    ASSERT_OK(st);
 }
 
 const char *mq_test_tmpdir(void) {

@@ -47,6 +47,9 @@ const char *mq_test_calib_text(void);
 char *mq_test_slurp(const char *path, size_t *n);
 /* 1 when both files read whole and hold the same bytes. */
 int mq_test_same_file(const char *a, const char *b);
+/* Writes w (io/safetensors.h) as dir/model.safetensors and frees it. */
+struct mq_st_writer;
+void mq_test_write_model_st(struct mq_st_writer *w, const char *dir);
 /* A fresh temporary directory for this case (removed when the test executable ends). */
 const char *mq_test_tmpdir(void);
 /* A copy of tests/data/<name> (config.json, model.safetensors) with the bundled olmoe-tiny's

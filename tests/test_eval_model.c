@@ -433,10 +433,7 @@ static char *make_other_vocab_model(void) {
             ASSERT_OK(mq_stw_add(w, t->name, t->dtype, t->ndim, t->shape, t->data, t->nbytes));
         }
     }
-    char *st_path = mq_path_join(dir, "model.safetensors");
-    ASSERT_OK(mq_stw_write(w, st_path));
-    free(st_path);
-    mq_stw_free(w);
+    mq_test_write_model_st(w, dir);
     mq_st_close(st);
     free(src_dir);
     return dir;

@@ -210,10 +210,7 @@ static void make_fp8(const char *src, const char *dst, const fp8_spec *sp) {
         free(sc);
         free(codes);
     }
-    char *out = mq_path_join(dst, "model.safetensors");
-    ASSERT_OK(mq_stw_write(w, out));
-    free(out);
-    mq_stw_free(w);
+    mq_test_write_model_st(w, dst);
     mq_st_close(st);
 
     char *cfg = read_all(src, "config.json", NULL);

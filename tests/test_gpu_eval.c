@@ -515,10 +515,7 @@ static char *bf16_copy(const char *src, const char *name) {
         free(f);
         free(h);
     }
-    char *out = mq_path_join(dir, "model.safetensors");
-    ASSERT_OK(mq_stw_write(w, out));
-    free(out);
-    mq_stw_free(w);
+    mq_test_write_model_st(w, dir);
     mq_st_close(st);
     return dir;
 }

@@ -72,13 +72,6 @@ static void add_copy(mq_st_writer *w, const mq_tensor_view *t) {
     ASSERT_OK(mq_stw_add(w, t->name, t->dtype, t->ndim, t->shape, t->data, t->nbytes));
 }
 
-static void write_st(mq_st_writer *w, const char *dir) {
-    char *p = mq_path_join(dir, "model.safetensors");
-    ASSERT_OK(mq_stw_write(w, p));
-    free(p);
-    mq_stw_free(w);
-}
-
 /* Logits of the golden's input ids through moeq_session_forward. */
 static float *logits_of(const char *dir, const int32_t *ids, int64_t T, int64_t V) {
     moeq_model_options opt = {.no_tokenizer = 1};
@@ -153,7 +146,7 @@ static void build_mixtral_from_llama(const char *dst, int n_layers, int window) 
         snprintf(name, sizeof name, "model.layers.%d.block_sparse_moe.gate.weight", l);
         add_f32(w, name, 2, shape, router);
     }
-    write_st(w, dst);
+    mq_test_write_model_st(w, dst);
     char *cfg = read_text(src, "config.json");
     char extra[200], layers[64];
     snprintf(extra, sizeof extra, "\"model_type\": \"mixtral\", \"num_local_experts\": 4, "
@@ -503,7 +496,7 @@ static void test_missing_and_misshapen_listed_together(void) {
         }
         add_copy(w, t);
     }
-    write_st(w, dst);
+    mq_test_write_model_st(w, dst);
     char *cfg = read_text(src, "config.json");
     write_text(dst, "config.json", cfg);
     moeq_model *m = NULL;
