@@ -650,6 +650,8 @@ typedef struct {
         int64_t peak_bytes;      /* planned peak of the run */
         int64_t resident_bytes;  /* models loaded whole (weights) */
         int64_t layer_bytes;     /* the largest layer a stream holds (weights, packed or fp32) */
+        int64_t read_ahead_bytes; /* the next layer, read while this one runs (0: not read ahead;
+                                    on the CPU only where the budget holds it beside the rest) */
         int64_t head_bytes;      /* streamed final norms and lm_heads, held while scoring */
         int64_t window_bytes;    /* per window in flight: states (KV cache, scratch) */
         int64_t score_bytes;     /* per window being scored: logits and records */

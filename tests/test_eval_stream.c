@@ -91,7 +91,10 @@ static void check_family(const char *dir) {
         ASSERT_OK(moeq_eval(f.streamed, f.docs, &o, &rs));
         ASSERT_EQ_INT(1, rs.plan.streamed);
         ASSERT_EQ_INT(0, rs.tokens);   /* planned, not run */
-        const int64_t in_files = rs.plan.peak_bytes - rs.plan.boundary_bytes / 2;
+        /* unbudgeted, the next layer is read ahead; the plan without it, less half a boundary,
+         * holds no boundary */
+        ASSERT_TRUE(rs.plan.read_ahead_bytes == rs.plan.layer_bytes && rs.plan.layer_bytes > 0);
+        const int64_t in_files = rs.plan.peak_bytes - rs.plan.read_ahead_bytes - rs.plan.boundary_bytes / 2;
         for (int files = 0; files < 2; files++) {
             eval_opts(&o, ll_s);
             o.max_memory = files ? in_files : 0;
@@ -181,7 +184,7 @@ static void test_kl_base_in_lockstep(void) {
             o.dry_run = 1;
             ASSERT_OK(moeq_eval(ms, docs, &o, &rs));
             o.dry_run = 0;
-            o.max_memory = rs.plan.peak_bytes - rs.plan.boundary_bytes * 3 / 2;
+            o.max_memory = rs.plan.peak_bytes - rs.plan.read_ahead_bytes - rs.plan.boundary_bytes * 3 / 2;
         }
         ASSERT_OK(moeq_eval(ms, docs, &o, &rs));
         if (i == 1) ASSERT_EQ_INT(0, rs.plan.boundary_in_memory[0] + rs.plan.boundary_in_memory[1]);
@@ -271,7 +274,7 @@ static void check_resume(bool files) {
     o.dry_run = 1;
     ASSERT_OK(moeq_eval(m, docs, &o, &rb));
     o.dry_run = 0;
-    if (files) o.max_memory = rb.plan.peak_bytes - rb.plan.boundary_bytes / 2;
+    if (files) o.max_memory = rb.plan.peak_bytes - rb.plan.read_ahead_bytes - rb.plan.boundary_bytes / 2;
     else mq_eval_set_snapshot_seconds(0);
     g_stop_rows = rb.plan.rows * 2 + 1;   /* during the third layer */
     moeq_set_progress(stop_cb, NULL);

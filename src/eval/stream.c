@@ -75,6 +75,7 @@ typedef struct {
     boundary B[MAX_MODELS];
     worker *W;
     int n_workers;
+    bool read_ahead;                    /* the CPU's: the plan holds a second layer */
     /* progress in rows: rows x (layers of every model) + the scored rows */
     mq_engine_progress progress;
     /* work directory */
@@ -323,6 +324,11 @@ static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_re
         ram[1] = choice[1];
     }
     S->n_workers = workers;
+    /* on the CPU, the next step's weights read ahead (a thread of the lowest priority) where a
+     * second layer fits beside the plan: a cold page cache then overlaps the forward; a GPU plan
+     * counts its own read-ahead layer above */
+    S->read_ahead = o->device < 0 && streamed && plan_peak(S, &z, choice, workers) + z.layer <= budget;
+    if (S->read_ahead) z.fixed += z.layer;
     double flops = 0;
     for (int k = 0; k < S->nm; k++) {
         const mq_config *cfg = &S->m[k]->cfg;
@@ -338,6 +344,7 @@ static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_re
     res->plan.peak_bytes = plan_peak(S, &z, choice, workers);
     res->plan.resident_bytes = z.resident;
     res->plan.layer_bytes = z.layer;
+    res->plan.read_ahead_bytes = streamed && (S->read_ahead || o->device >= 0) ? z.layer : 0;
     res->plan.head_bytes = z.head;
     res->plan.window_bytes = z.window;
     res->plan.score_bytes = z.score;
@@ -765,6 +772,7 @@ static moeq_status run_layers(stream *S, int first, int max_layers) {
         e.run_layer = gpu_layer_pass;
         e.end_layer = gpu_layer_end;
     } else {
+        e.read_ahead = S->read_ahead;
         e.run_item = layer_item;
         e.end_layer = cpu_layer_end;
     }

@@ -20,9 +20,12 @@ static bool num(const cJSON *c, const char *k, double *v) {
     return true;
 }
 
+/* Held to the int32 range: no config size is larger, and sums and products of two stay in int64. */
 static int64_t inum(const cJSON *c, const char *k, int64_t dflt) {
     double v;
-    return num(c, k, &v) ? mq_clamp_i64(v) : dflt;
+    if (!num(c, k, &v)) return dflt;
+    int64_t i = mq_clamp_i64(v);
+    return i > INT32_MAX ? INT32_MAX : i < INT32_MIN ? INT32_MIN : i;
 }
 
 /* dflt when absent, null_val when null (transformers' configs spell "all" / "none" as null) */

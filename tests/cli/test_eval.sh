@@ -168,7 +168,7 @@ expect_fail 2 "--max-memory: cannot read" "$model" --data "$tmp/wiki.txt" --max-
 # directory kept; --resume then gives the uninterrupted run's numbers and removes it.
 if [ $have_python = 1 ]; then
     "$cli" eval "$model" --data "$tmp/long.txt" --stream on --dry-run --json > "$tmp/lp.json" 2>/dev/null
-    budget=$(python3 -c 'import json,sys; p=json.load(open(sys.argv[1]))["plan"]; print(p["peak_bytes"] - p["boundary_bytes"] // 2)' "$tmp/lp.json")
+    budget=$(python3 -c 'import json,sys; p=json.load(open(sys.argv[1]))["plan"]; print(p["peak_bytes"] - p["read_ahead_bytes"] - p["boundary_bytes"] // 2)' "$tmp/lp.json")
     "$cli" eval "$model" --data "$tmp/long.txt" --json --stream on --max-memory "$budget" > "$tmp/full.json" 2>/dev/null ||
         fail "streamed run with files failed"
     grep -q '"boundary_in_memory": \[false' "$tmp/full.json" || fail "--max-memory $budget: the boundary stayed in memory"

@@ -107,14 +107,16 @@ static void print_json(const char *model_dir, const char *data, const char *task
     json_int(f, "peak_rss_bytes", rs->peak_rss);
     fprintf(f, "  \"plan\": {\"streamed\": %s, \"threads\": %d, \"budget_bytes\": %lld, "
             "\"peak_bytes\": %lld, \"resident_bytes\": %lld, \"layer_bytes\": %lld, "
-            "\"head_bytes\": %lld, \"window_bytes\": %lld, \"score_bytes\": %lld, "
+            "\"read_ahead_bytes\": %lld, \"head_bytes\": %lld, \"window_bytes\": %lld, "
+            "\"score_bytes\": %lld, "
             "\"boundary_bytes\": %lld, \"boundary_in_memory\": [%s, %s], \"disk_bytes\": %lld, "
             "\"windows\": %lld, \"rows\": %lld, \"flops\": %.6g, \"core_gflops\": %.6g, "
             "\"eta_seconds\": %.6g, \"layers_resumed\": %d, \"peak_anon_bytes\": %lld, "
             "\"forward_gflops\": %.6g},\n",
             r->plan.streamed ? "true" : "false", r->plan.threads, (long long)r->plan.budget,
             (long long)r->plan.peak_bytes, (long long)r->plan.resident_bytes,
-            (long long)r->plan.layer_bytes, (long long)r->plan.head_bytes,
+            (long long)r->plan.layer_bytes, (long long)r->plan.read_ahead_bytes,
+            (long long)r->plan.head_bytes,
             (long long)r->plan.window_bytes, (long long)r->plan.score_bytes,
             (long long)r->plan.boundary_bytes, r->plan.boundary_in_memory[0] ? "true" : "false",
             r->plan.boundary_in_memory[1] ? "true" : "false", (long long)r->plan.disk_bytes,
@@ -193,6 +195,8 @@ static void print_plan(FILE *f, const moeq_eval_result *r, bool has_base) {
     if (r->plan.resident_bytes) fprintf(f, "  models held whole %s\n", gb((double)r->plan.resident_bytes, a, sizeof a));
     if (r->plan.streamed) {
         fprintf(f, "  largest layer     %s\n", gb((double)r->plan.layer_bytes, a, sizeof a));
+        if (r->plan.read_ahead_bytes)
+            fprintf(f, "  read ahead        %s (the next layer)\n", gb((double)r->plan.read_ahead_bytes, a, sizeof a));
         fprintf(f, "  output layers     %s (while scoring)\n", gb((double)r->plan.head_bytes, a, sizeof a));
         fprintf(f, "  boundary          %s a model: model %s", gb((double)r->plan.boundary_bytes, a, sizeof a),
                 r->plan.boundary_in_memory[0] ? "in memory" : "in files");
