@@ -9,6 +9,7 @@
 
 #include "backend/gpu.h"
 #include "core/core.h"
+#include "io/safetensors.h"
 
 #ifndef MOEQ_SOURCE_DIR
 #define MOEQ_SOURCE_DIR "."
@@ -19,25 +20,16 @@ static int g_failed_case, g_skipped_case;
 static char g_tmp_root[512];
 static int g_tmp_count;
 
-void mq_test_fail(const char *file, int line, const char *fmt, ...) {
+void mq_test_end(int skip, const char *file, int line, const char *fmt, ...) {
     va_list ap;
-    fprintf(stderr, "  FAIL %s:%d: ", file, line);
+    if (skip) fprintf(stderr, "  SKIP: ");
+    else fprintf(stderr, "  FAIL %s:%d: ", file, line);
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
-    g_failed_case = 1;
-    longjmp(g_jmp, 1);
-}
-
-void mq_test_skip(const char *fmt, ...) {
-    va_list ap;
-    fprintf(stderr, "  SKIP: ");
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    g_skipped_case = 1;
+    if (skip) g_skipped_case = 1;
+    else g_failed_case = 1;
     longjmp(g_jmp, 1);
 }
 
@@ -58,11 +50,11 @@ const char *mq_test_shared(const char *rel) {
     static char buf[4096];
     const char *root = shared_root();
     if (!mq_test_have_shared())
-        mq_test_skip("shared fixtures folder '%s' not found: set MOEQ_SHARED to the folder that "
+        SKIP("shared fixtures folder '%s' not found: set MOEQ_SHARED to the folder that "
                      "holds fixtures/ and docs/ (default: ../shared beside the repository)", root);
     struct stat st;
     snprintf(buf, sizeof buf, "%s/%s", root, rel);
-    if (stat(buf, &st) != 0) mq_test_skip("shared fixture '%s' is missing", buf);
+    if (stat(buf, &st) != 0) SKIP("shared fixture '%s' is missing", buf);
     return buf;
 }
 
@@ -85,20 +77,24 @@ static const char *shared_or_repo(char *buf, size_t size, const char *shared_rel
     return buf;
 }
 
+/* fixtures/models/<name><suffix> of the shared folder, else <repo_dir>/<name><suffix> of the
+ * repository, as shared_or_repo picks. */
+static const char *model_fixture(char *buf, size_t size, const char *name, const char *suffix,
+                                 const char *repo_dir) {
+    char srel[512], rrel[512];
+    snprintf(srel, sizeof srel, "fixtures/models/%s%s", name, suffix);
+    snprintf(rrel, sizeof rrel, "%s/%s%s", repo_dir, name, suffix);
+    return shared_or_repo(buf, size, srel, rrel);
+}
+
 const char *mq_test_model(const char *name) {
     static char buf[4096];
-    char srel[512], rrel[512];
-    snprintf(srel, sizeof srel, "fixtures/models/%s", name);
-    snprintf(rrel, sizeof rrel, "models/%s", name);
-    return shared_or_repo(buf, sizeof buf, srel, rrel);
+    return model_fixture(buf, sizeof buf, name, "", "models");
 }
 
 const char *mq_test_model_golden(const char *name) {
     static char buf[4096];
-    char srel[512], rrel[512];
-    snprintf(srel, sizeof srel, "fixtures/models/%s.golden.safetensors", name);
-    snprintf(rrel, sizeof rrel, "tests/data/%s.golden.safetensors", name);
-    return shared_or_repo(buf, sizeof buf, srel, rrel);
+    return model_fixture(buf, sizeof buf, name, ".golden.safetensors", "tests/data");
 }
 
 const char *mq_test_calib_text(void) {
@@ -130,6 +126,23 @@ char *mq_test_slurp(const char *path, size_t *n) {
     }
     fclose(f);
     return b;
+}
+
+int mq_test_same_file(const char *a, const char *b) {
+    size_t na = 0, nb = 0;
+    char *x = mq_test_slurp(a, &na), *y = mq_test_slurp(b, &nb);
+    int same = x && y && na == nb && memcmp(x, y, na) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+void mq_test_write_model_st(mq_st_writer *w, const char *dir) {
+    char *path = mq_path_join(dir, "model.safetensors");
+    moeq_status st = mq_stw_write(w, path);
+    free(path);
+    mq_stw_free(w);
+    ASSERT_OK(st);
 }
 
 const char *mq_test_tmpdir(void) {
@@ -214,11 +227,133 @@ const char *mq_test_with_tokenizer(const char *name) {
 
 uint64_t mq_test_rng;
 
-double mq_test_rnd_unit(void) {
-    mq_test_rng ^= mq_test_rng << 13;
-    mq_test_rng ^= mq_test_rng >> 7;
-    mq_test_rng ^= mq_test_rng << 17;
-    return ((double)(mq_test_rng >> 11) + 0.5) * 0x1p-53;
+uint64_t mq_test_xorshift(uint64_t *state) {
+    uint64_t x = *state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return *state = x;
+}
+
+double mq_test_rnd_unit(void) { return ((double)(mq_test_xorshift(&mq_test_rng) >> 11) + 0.5) * 0x1p-53; }
+
+float mq_test_rnd_unitf(uint64_t *state) {
+    return (float)((uint32_t)(mq_test_xorshift(state) >> 16) & 0xffffff) * 0x1p-24f;
+}
+
+float mq_test_rnd_normalf(uint64_t *state) {
+    float u1 = mq_test_rnd_unitf(state) + 0x1p-25f, u2 = mq_test_rnd_unitf(state);
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+}
+
+double *mq_test_correlated_inputs(int64_t T, int64_t K, uint64_t seed) {
+    mq_test_rng = seed;
+    double *x = malloc((size_t)(T * K) * sizeof(double));
+    double *scale = malloc((size_t)K * sizeof(double));
+    if (!x || !scale) FAIL("out of memory for %lld x %lld inputs", (long long)T, (long long)K);
+    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * mq_test_rnd_normal());
+    for (int64_t t = 0; t < T; t++) {
+        double prev = 0;
+        for (int64_t k = 0; k < K; k++) {
+            double z = mq_test_rnd_normal() + 0.7 * prev;
+            prev = z;
+            x[t * K + k] = z * scale[k];
+        }
+    }
+    free(scale);
+    return x;
+}
+
+moeq_model *mq_test_open_model(const char *dir, const moeq_model_options *o) {
+    moeq_model *m = NULL;
+    ASSERT_OK(moeq_model_open(dir, o, &m));
+    return m;
+}
+
+moeq_tokenizer *mq_test_tokenizer(const char *path) {
+    moeq_tokenizer *t = NULL;
+    ASSERT_OK(moeq_tokenizer_load(path, &t));
+    return t;
+}
+
+moeq_docs *mq_test_wikitext_docs(void) {
+    moeq_docs *d = NULL;
+    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
+    return d;
+}
+
+moeq_docs *mq_test_demo_docs(void) {
+    moeq_docs *d = NULL;
+    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &d));
+    return d;
+}
+
+moeq_docs *mq_test_calib_docs(const int *len, int n) {
+    static const char *const heading[4] = {"One", "Two", "Three", "Four"};
+    char *buf = NULL, *text = NULL;
+    size_t size = 0, at = 0;
+    ASSERT_TRUE(n >= 1 && n <= 4);
+    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &size));
+    for (int i = 0; i < n; i++) {
+        ASSERT_TRUE(len[i] >= 0 && at + (size_t)len[i] <= size);
+        char *more = mq_asprintf("%s = %s = \n%.*s%s", text ? text : "", heading[i], len[i], buf + at,
+                                 i + 1 < n ? "\n" : "");
+        free(text);
+        text = more;
+        at += (size_t)len[i];
+    }
+    moeq_docs *d = NULL;
+    ASSERT_OK(moeq_docs_parse("calib", text, strlen(text), MOEQ_DOCS_WIKITEXT, &d));
+    ASSERT_EQ_INT(n, moeq_docs_count(d));
+    free(text);
+    free(buf);
+    return d;
+}
+
+moeq_eval_options mq_test_text_eval(int32_t max_length, const moeq_model *kl_base) {
+    moeq_eval_options o;
+    moeq_eval_options_init(&o);
+    o.task = MOEQ_TASK_TEXT;
+    if (max_length) o.max_length = max_length;
+    o.kl_base = kl_base;
+    return o;
+}
+
+void mq_test_on_eval_text(int demo, void (*check)(const moeq_docs *docs, const moeq_eval_options *o,
+                                                  const char *what)) {
+    moeq_docs *docs = demo ? mq_test_demo_docs() : mq_test_wikitext_docs();
+    moeq_eval_options o;
+    moeq_eval_options_init(&o);
+    o.task = demo ? MOEQ_TASK_TEXT : MOEQ_TASK_WIKITEXT;
+    o.limit = demo ? 0 : 2;
+    o.max_length = 512;
+    o.prefix_token = 0;
+    check(docs, &o, demo ? "data/demo-eval.txt" : "wikitext, 2 documents");
+    moeq_docs_free(docs);
+}
+
+moeq_quant_options mq_test_gptq_options(moeq_quant_scheme scheme, const char *calib, int64_t nsamples,
+                                        int64_t seqlen) {
+    moeq_quant_options o;
+    moeq_quant_options_init(&o);
+    o.scheme = scheme;
+    o.method = MOEQ_QUANT_GPTQ;
+    o.calib = calib;
+    o.gptq.nsamples = nsamples;
+    o.gptq.seqlen = seqlen;
+    return o;
+}
+
+float *mq_test_logits(const moeq_model *m, const int32_t *ids, int32_t n) {
+    const int64_t V = moeq_model_get_info(m)->vocab_size;
+    float *l = malloc(sizeof(float) * (size_t)n * (size_t)V);
+    moeq_session *s = NULL;
+    if (!l) FAIL("out of memory for %d x %lld logits", n, (long long)V);
+    ASSERT_OK(moeq_session_create(m, n, &s));
+    moeq_status st = moeq_session_forward(s, ids, n, l);
+    moeq_session_free(s);
+    ASSERT_OK(st);
+    return l;
 }
 
 double mq_test_rnd_normal(void) {
@@ -236,6 +371,18 @@ float *mq_test_weights(int64_t N, int64_t K, uint64_t seed) {
         w[i] = (float)v;
     }
     return w;
+}
+
+moeq_moe_experts_desc mq_test_moe_desc(int nvfp4, int group_size, int E, int D, int F, int Fs) {
+    moeq_moe_experts_desc d;
+    memset(&d, 0, sizeof d);
+    d.scheme = nvfp4 ? MOEQ_MOE_NVFP4 : MOEQ_MOE_INT4;
+    d.group_size = group_size;
+    d.n_experts = E;
+    d.hidden = D;
+    d.ffn = F;
+    d.shared_ffn = Fs;
+    return d;
 }
 
 mq_gpu *mq_test_open_gpu(void) {
@@ -308,11 +455,15 @@ void mq_test_ref_groups(const double *s, int64_t E, int n_group, int topk_group,
     for (int64_t e = 0; e < E; e++) taken[e] = !chosen[e / EG];
 }
 
-uint32_t mq_test_f32_bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    return b;
-}
+/* (reading the member not last written reinterprets its bytes: C11 6.5.2.3) */
+typedef union {
+    float f;
+    uint32_t u;
+} f32_word;
+
+uint32_t mq_test_f32_bits(float f) { return ((f32_word){.f = f}).u; }
+
+float mq_test_f32_from_bits(uint32_t u) { return ((f32_word){.u = u}).f; }
 
 void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what) {
     for (int64_t i = 0; i < n; i++)

@@ -21,8 +21,8 @@ typedef struct {
 } mq_test_case;
 
 int mq_test_run(int argc, char **argv, const mq_test_case *cases, size_t n);
-void mq_test_fail(const char *file, int line, const char *fmt, ...);
-void mq_test_skip(const char *fmt, ...);
+/* Ends the current case: failed (skip 0; the message names file:line) or skipped (skip 1). */
+void mq_test_end(int skip, const char *file, int line, const char *fmt, ...);
 
 /* Path of a file under the shared fixtures folder: $MOEQ_SHARED, default <repo>/../shared.
  * Skips the current case with a clear message when the folder is missing. Returns a static
@@ -45,6 +45,11 @@ const char *mq_test_calib_text(void);
 /* The whole file at path, NUL-terminated (malloc'd; its size in *n), or NULL where it cannot be
  * read whole. */
 char *mq_test_slurp(const char *path, size_t *n);
+/* 1 when both files read whole and hold the same bytes. */
+int mq_test_same_file(const char *a, const char *b);
+/* Writes w (io/safetensors.h) as dir/model.safetensors and frees it. */
+struct mq_st_writer;
+void mq_test_write_model_st(struct mq_st_writer *w, const char *dir);
 /* A fresh temporary directory for this case (removed when the test executable ends). */
 const char *mq_test_tmpdir(void);
 /* A copy of tests/data/<name> (config.json, model.safetensors) with the bundled olmoe-tiny's
@@ -55,9 +60,36 @@ const char *mq_test_with_tokenizer(const char *name);
  * computes: shared experts, biases), in the case's temporary directory: its config.json changed,
  * its other files linked. Returns a static path. */
 const char *mq_test_qwen2moe_nonorm(void);
+/* moeq_model_open(dir, o) (o may be NULL); the case fails with the library's error. */
+moeq_model *mq_test_open_model(const char *dir, const moeq_model_options *o);
+/* The shared wikitext-2 test split (fixtures/text/wikitext2_test.txt) as wikitext documents
+ * (skips as mq_test_shared does), and the repository's held-out text data/demo-eval.txt as one
+ * document. */
+moeq_docs *mq_test_wikitext_docs(void);
+moeq_docs *mq_test_demo_docs(void);
+/* n (1 to 4) wikitext documents " = One = ", " = Two = ", ... cut from the calibration text
+ * (mq_test_calib_text): document i holds its next len[i] bytes. */
+moeq_docs *mq_test_calib_docs(const int *len, int n);
+/* Evaluation options for the text task (no detokenizer), windows of max_length tokens (0: the
+ * default) and kl_base as --kl-base (may be NULL), the rest as moeq_eval_options_init sets them. */
+moeq_eval_options mq_test_text_eval(int32_t max_length, const moeq_model *kl_base);
+/* The perplexity texts of the runtime comparisons: check(docs, o, what) on the first two
+ * wikitext documents (demo 0) or on data/demo-eval.txt (demo 1), o holding the matching task and
+ * limit, 512-token windows and no prefix token. */
+void mq_test_on_eval_text(int demo, void (*check)(const moeq_docs *docs, const moeq_eval_options *o,
+                                                  const char *what));
+/* Options for GPTQ of scheme calibrated on the text file calib: nsamples samples of seqlen tokens,
+ * the rest as moeq_quant_options_init leaves it. */
+moeq_quant_options mq_test_gptq_options(moeq_quant_scheme scheme, const char *calib, int64_t nsamples,
+                                        int64_t seqlen);
+/* moeq_tokenizer_load(path); the case fails with the library's error. */
+moeq_tokenizer *mq_test_tokenizer(const char *path);
+/* The logits [n, vocab_size] a fresh session of m gives for ids (malloc'd). */
+float *mq_test_logits(const moeq_model *m, const int32_t *ids, int32_t n);
 /* A float's bits; mq_test_same_floats fails the case at the first of n values whose bits differ,
  * naming what, the index and both values. */
 uint32_t mq_test_f32_bits(float f);
+float mq_test_f32_from_bits(uint32_t u);
 void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what);
 /* Largest |a-b| / max|b| over n values (0 if b is all zero and a == b). */
 double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
@@ -68,9 +100,22 @@ double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
 extern uint64_t mq_test_rng;
 double mq_test_rnd_unit(void);
 double mq_test_rnd_normal(void);
+/* Inputs [T, K] (malloc'd) with correlated features and uneven scales, from the state seeded
+ * with seed: feature k has scale exp(0.7 N(0, 1)), and x[t][k] = (z_k + 0.7 z_{k-1}) * scale[k]
+ * with the running z a row (so GPTQ's error feedback and act-order both matter). */
+double *mq_test_correlated_inputs(int64_t T, int64_t K, uint64_t seed);
+/* One xorshift64 (13, 7, 17) step of a test's own state; returns the new state. */
+uint64_t mq_test_xorshift(uint64_t *state);
+/* From a test's own state: a float in [0, 1) of the step's bits 16..39, and N(0, 1) by Box-Muller
+ * from two of those (the first moved off 0 by 2^-25). */
+float mq_test_rnd_unitf(uint64_t *state);
+float mq_test_rnd_normalf(uint64_t *state);
 /* N x K weights 0.02 N(0, 1), 1% of them 6 times larger (so that group scales vary), from the
  * state seeded with seed (malloc'd). */
 float *mq_test_weights(int64_t N, int64_t K, uint64_t seed);
+/* A MoE experts descriptor (moeq_moe_ffn) with its shape and scheme set and the rest zero (the
+ * tensors and NVFP4's divisor convention to fill in). */
+moeq_moe_experts_desc mq_test_moe_desc(int nvfp4, int group_size, int E, int D, int F, int Fs);
 /* The GPU backend on device 0 (backend/gpu.h's mq_gpu); the case is skipped in a build without
  * CUDA or where no GPU opens. */
 struct mq_gpu *mq_test_open_gpu(void);
@@ -103,8 +148,8 @@ void mq_test_ref_groups(const double *s, int64_t E, int n_group, int topk_group,
         return mq_test_run(argc, argv, cases_, sizeof cases_ / sizeof cases_[0]);                  \
     }
 
-#define FAIL(...) mq_test_fail(__FILE__, __LINE__, __VA_ARGS__)
-#define SKIP(...) mq_test_skip(__VA_ARGS__)
+#define FAIL(...) mq_test_end(0, __FILE__, __LINE__, __VA_ARGS__)
+#define SKIP(...) mq_test_end(1, __FILE__, __LINE__, __VA_ARGS__)
 
 #define ASSERT_TRUE(x)                                                                             \
     do {                                                                                           \

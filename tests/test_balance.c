@@ -32,8 +32,7 @@ static void on_expert(void *user, int layer, mq_site site, int expert, const flo
 
 static void pool_of(const char *model, int64_t n, int64_t seqlen, mq_calib_set *pool) {
     moeq_model_options opt = {0};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(model, &opt, &m));
+    moeq_model *m = mq_test_open_model(model, &opt);
     mq_calib_opts co;
     mq_calib_opts_init(&co);
     co.path = mq_test_calib_text();
@@ -50,8 +49,7 @@ static int64_t top_k;
 
 static int32_t *forward_counts(const char *dir, const mq_calib_set *pool, int *n_moe, int64_t *E) {
     moeq_model_options opt = {.no_tokenizer = 1};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &opt, &m));
+    moeq_model *m = mq_test_open_model(dir, &opt);
     mq_model_det_experts(m, true);
     int moe_index[64], nm = 0;
     for (int l = 0; l < m->cfg.n_layers; l++) moe_index[l] = m->layers[l].is_moe ? nm++ : -1;
@@ -153,9 +151,7 @@ static void test_counts_dense(void) {
 
 static uint64_t g_rng = 88172645463325252ull;
 static uint32_t rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     return (uint32_t)(g_rng >> 11);
 }
 
@@ -226,15 +222,6 @@ static void test_select_by_hand(void) {
 
 /* ---- the pipeline: a balanced run calibrates on exactly the samples the choice names ---- */
 
-static int same_file(const char *a, const char *b) {
-    size_t na = 0, nb = 0;
-    char *x = mq_test_slurp(a, &na), *y = mq_test_slurp(b, &nb);
-    int same = x && y && na == nb && memcmp(x, y, na) == 0;
-    free(x);
-    free(y);
-    return same;
-}
-
 /* The first n lines of the calibration text with something besides spaces (docs mode's
  * documents), each with its newline; returns how many. */
 static int doc_lines(char **lines, int n) {
@@ -268,14 +255,8 @@ static void write_lines(const char *path, char **lines, const int64_t *idx, int6
 
 static void quantize_docs(const char *model, const char *calib, const char *out, int64_t nsamples, int64_t pool,
                           moeq_quant_result *r) {
-    moeq_quant_options o;
-    moeq_quant_options_init(&o);
-    o.scheme = MOEQ_QUANT_INT4;
-    o.method = MOEQ_QUANT_GPTQ;
-    o.calib = calib;
+    moeq_quant_options o = mq_test_gptq_options(MOEQ_QUANT_INT4, calib, nsamples, 32);
     o.gptq.sampling = MOEQ_CALIB_DOCS;
-    o.gptq.nsamples = nsamples;
-    o.gptq.seqlen = 32;
     o.gptq.min_expert_tokens = 4;
     if (pool > 0) {
         o.gptq.calib_balance = MOEQ_CALIB_BALANCE_EXPERTS;
@@ -299,8 +280,7 @@ static void test_pipeline_uses_the_choice(void) {
     write_lines(pool_txt, lines, NULL, n_lines);   /* more lines than the pool takes */
 
     /* the choice, found here: the forward's counts of the first POOL documents, the plain greedy */
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &m));
+    moeq_model *m = mq_test_open_model(dir, NULL);
     mq_calib_opts co;
     mq_calib_opts_init(&co);
     co.path = pool_txt;
@@ -325,7 +305,7 @@ static void test_pipeline_uses_the_choice(void) {
     quantize_docs(dir, chosen_txt, out_b, WANT, 0, &rb);
     snprintf(st_a, sizeof st_a, "%s/model.safetensors", out_a);
     snprintf(st_b, sizeof st_b, "%s/model.safetensors", out_b);
-    ASSERT_TRUE(same_file(st_a, st_b));
+    ASSERT_TRUE(mq_test_same_file(st_a, st_b));
     ASSERT_EQ_INT(POOL, ra.balance_candidates);
     ASSERT_EQ_INT(0, rb.balance_candidates);
     ASSERT_EQ_INT(rb.gptq_tokens, ra.gptq_tokens);
@@ -350,7 +330,7 @@ static void test_pipeline_dense_unchanged(void) {
     quantize_docs(dir, txt, out_b, 3, 0, &rb);
     snprintf(st_a, sizeof st_a, "%s/model.safetensors", out_a);
     snprintf(st_b, sizeof st_b, "%s/model.safetensors", out_b);
-    ASSERT_TRUE(same_file(st_a, st_b));
+    ASSERT_TRUE(mq_test_same_file(st_a, st_b));
     ASSERT_EQ_INT(3, ra.gptq_samples);
     ASSERT_EQ_INT(0, ra.balance_candidates);
     for (int i = 0; i < n_lines; i++) free(lines[i]);

@@ -559,12 +559,7 @@ static float *logits_of(const char *dir, bool packed, const int32_t *ids, int T,
     moeq_model_options opt = {.no_tokenizer = 1, .keep_packed = packed ? 1 : 0};
     ASSERT_OK(moeq_model_open(dir, &opt, &m));
     if (n_packed) *n_packed = moeq_model_get_info(m)->packed_linears;
-    int V = moeq_model_get_info(m)->vocab_size;
-    float *lg = malloc(sizeof(float) * (size_t)T * (size_t)V);
-    moeq_session *s = NULL;
-    ASSERT_OK(moeq_session_create(m, T, &s));
-    ASSERT_OK(moeq_session_forward(s, ids, T, lg));
-    moeq_session_free(s);
+    float *lg = mq_test_logits(m, ids, T);
     moeq_model_free(m);
     return lg;
 }
@@ -757,18 +752,11 @@ static void test_gptq_packed_mtp(void) {
     opts_nvfp4(&o, false);
     ASSERT_OK(moeq_quantize(src, rtn, &o, &r));
     double kl[2];
-    moeq_model *base = NULL;
-    ASSERT_OK(moeq_model_open(src, NULL, &base));
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &docs));
+    moeq_model *base = mq_test_open_model(src, NULL);
+    moeq_docs *docs = mq_test_demo_docs();
     for (int i = 0; i < 2; i++) {
-        moeq_model *m = NULL;
-        ASSERT_OK(moeq_model_open(i ? rtn : out, NULL, &m));
-        moeq_eval_options eo;
-        moeq_eval_options_init(&eo);
-        eo.task = MOEQ_TASK_TEXT;
-        eo.max_length = 128;
-        eo.kl_base = base;
+        moeq_model *m = mq_test_open_model(i ? rtn : out, NULL);
+        moeq_eval_options eo = mq_test_text_eval(128, base);
         moeq_eval_result er;
         ASSERT_OK(moeq_eval(m, docs, &eo, &er));
         kl[i] = er.kl_mean;

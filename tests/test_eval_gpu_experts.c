@@ -24,8 +24,7 @@ static float rnd(void) {
 
 static void check_layers(const char *dir, const char *what) {
     moeq_model_options po = {.keep_packed = 1};
-    moeq_model *pm = NULL;
-    ASSERT_OK(moeq_model_open(dir, &po, &pm));
+    moeq_model *pm = mq_test_open_model(dir, &po);
     mq_lazy_model *lz = NULL;
     ASSERT_OK(mq_lazy_open(dir, false, &lz));
     moeq_model *lm = mq_lazy_model_of(lz);

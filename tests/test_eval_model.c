@@ -18,9 +18,7 @@
 #include "harness.h"
 
 static moeq_model *open_model(const char *name) {
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_model(name), NULL, &m));
-    return m;
+    return mq_test_open_model(mq_test_model(name), NULL);
 }
 
 /* A model for checks that hold for any model: llama-tiny, or the bundled olmoe-tiny when the
@@ -38,32 +36,15 @@ static moeq_model *open_other_model(void) {
     mq_pipeline_opts_init(&q, MQ_QS_INT4, MQ_FMT_CT);
     q.spec.group_size = 32;
     ASSERT_OK(mq_pipeline_run(src, dir, &q, NULL));
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &m));
+    moeq_model *m = mq_test_open_model(dir, NULL);
     free(dir);
     return m;
 }
 
-static moeq_docs *wikitext_docs(void) {
-    moeq_docs *d = NULL;
-    ASSERT_OK(
-        moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
-    return d;
-}
-
 /* Two short documents of calibration text (no detokenizer: --task text). */
 static moeq_docs *calib_docs(void) {
-    char *buf = NULL;
-    size_t len = 0;
-    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &len));
-    ASSERT_TRUE(len > 3000);
-    char *text = mq_asprintf(" = One = \n%.400s\n = Two = \n%.1500s", buf, buf + 400);
-    moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_parse("calib", text, strlen(text), MOEQ_DOCS_WIKITEXT, &d));
-    ASSERT_EQ_INT(2, moeq_docs_count(d));
-    free(text);
-    free(buf);
-    return d;
+    static const int len[] = {400, 1500};
+    return mq_test_calib_docs(len, 2);
 }
 
 static void test_first_documents_match_reference_and_threads(void) {
@@ -75,7 +56,7 @@ static void test_first_documents_match_reference_and_threads(void) {
     const cJSON *per_doc = cJSON_GetObjectItem(
         cJSON_GetObjectItem(cJSON_GetObjectItem(ref, "olmoe-tiny"), "wikitext_fp32"), "per_doc");
     moeq_model *m = open_model("olmoe-tiny");
-    moeq_docs *docs = wikitext_docs();
+    moeq_docs *docs = mq_test_wikitext_docs();
     double ll[2][62];
     int64_t tok[62];
     moeq_eval_result r[2];
@@ -188,11 +169,7 @@ static void test_against_slow_session_reference(void) {
     moeq_docs *docs = calib_docs();
     const int32_t L = 48; /* several windows, the last one partial */
     slow_result want = slow_eval(m, base, docs, L, 1.0f);
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = L;
-    o.kl_base = base;
+    moeq_eval_options o = mq_test_text_eval(L, base);
     moeq_eval_result r;
     ASSERT_OK(moeq_eval(m, docs, &o, &r));
     ASSERT_EQ_INT(want.tokens, r.tokens);
@@ -215,11 +192,7 @@ static void test_temperature_and_entropy(void) {
     const int32_t L = 48;
     const float T = 1.3f;
     slow_result want = slow_eval(m, base, docs, L, T);
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = L;
-    o.kl_base = base;
+    moeq_eval_options o = mq_test_text_eval(L, base);
     o.temperature = T;
     o.entropy = 1;
     moeq_eval_result r, plain;
@@ -252,10 +225,7 @@ static void test_temperature_and_entropy(void) {
 static void test_kl_against_itself_is_zero(void) {
     moeq_model *m = open_model(any_model());
     moeq_docs *docs = calib_docs();
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.kl_base = m;
+    moeq_eval_options o = mq_test_text_eval(0, m);
     moeq_eval_result r;
     ASSERT_OK(moeq_eval(m, docs, &o, &r));
     ASSERT_TRUE(r.has_kl && r.kl_tokens == r.tokens && r.tokens > 100);
@@ -268,10 +238,7 @@ static void test_saved_logits(void) {
     moeq_model *m = open_model("olmoe-tiny"), *other = open_other_model();
     moeq_docs *docs = calib_docs();
     char *path = mq_path_join(mq_test_tmpdir(), "olmoe.topk");
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 64;
+    moeq_eval_options o = mq_test_text_eval(64, NULL);
     moeq_eval_result plain, saved, self, approx, exact;
     ASSERT_OK(moeq_eval(m, docs, &o, &plain));
     o.save_logits = path;
@@ -314,10 +281,7 @@ static void test_saved_logits_mismatch(void) {
     moeq_model *m = open_model(any_model());
     moeq_docs *docs = calib_docs();
     char *path = mq_path_join(mq_test_tmpdir(), "saved.topk");
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 64;
+    moeq_eval_options o = mq_test_text_eval(64, NULL);
     o.save_logits = path;
     o.save_top_k = 4;
     moeq_eval_result r;
@@ -469,10 +433,7 @@ static char *make_other_vocab_model(void) {
             ASSERT_OK(mq_stw_add(w, t->name, t->dtype, t->ndim, t->shape, t->data, t->nbytes));
         }
     }
-    char *st_path = mq_path_join(dir, "model.safetensors");
-    ASSERT_OK(mq_stw_write(w, st_path));
-    free(st_path);
-    mq_stw_free(w);
+    mq_test_write_model_st(w, dir);
     mq_st_close(st);
     free(src_dir);
     return dir;
@@ -509,10 +470,7 @@ static void stop_cb(void *user, const char *label, int64_t done, int64_t total) 
 static void test_interrupt_keeps_finished_documents(void) {
     moeq_model *m = open_model("olmoe-tiny");
     moeq_docs *docs = calib_docs();
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 32;
+    moeq_eval_options o = mq_test_text_eval(32, NULL);
     double ll[2], full_ll[2];
     int64_t tok[2];
     o.doc_loglikelihood = full_ll;

@@ -42,11 +42,8 @@ static void check_model(const char *name) {
     char rel[256];
     snprintf(rel, sizeof rel, "fixtures/models/%s", name);
     char *dir = mq_strdup(mq_test_shared(rel));
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
-                             &docs));
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &m));
+    moeq_docs *docs = mq_test_wikitext_docs();
+    moeq_model *m = mq_test_open_model(dir, NULL);
     const cJSON *ref = reference(name, "wikitext_fp32");
     double *doc_ll = calloc((size_t)moeq_docs_count(docs), sizeof(double));
     int64_t *doc_tok = calloc((size_t)moeq_docs_count(docs), sizeof(int64_t));

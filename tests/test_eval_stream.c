@@ -22,31 +22,17 @@ void mq_eval_set_snapshot_seconds(double s);   /* src/eval/stream.c, for tests *
 
 static moeq_model *open_as(const char *dir, int stream, int packed) {
     moeq_model_options o = {.keep_packed = packed, .stream = stream};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &o, &m));
-    return m;
+    return mq_test_open_model(dir, &o);
 }
 
 /* Three documents of calibration text of different lengths (several windows each at L = 40). */
 static moeq_docs *text_docs(void) {
-    char *buf = NULL;
-    size_t len = 0;
-    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &len));
-    ASSERT_TRUE(len > 3000);
-    char *text = mq_asprintf(" = One = \n%.300s\n = Two = \n%.700s\n = Three = \n%.90s", buf,
-                             buf + 300, buf + 1000);
-    moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_parse("calib", text, strlen(text), MOEQ_DOCS_WIKITEXT, &d));
-    ASSERT_EQ_INT(3, moeq_docs_count(d));
-    free(text);
-    free(buf);
-    return d;
+    static const int len[] = {300, 700, 90};
+    return mq_test_calib_docs(len, 3);
 }
 
 static void eval_opts(moeq_eval_options *o, double *ll) {
-    moeq_eval_options_init(o);
-    o->task = MOEQ_TASK_TEXT;
-    o->max_length = 40;
+    *o = mq_test_text_eval(40, NULL);
     o->doc_loglikelihood = ll;
     o->entropy = 1;
 }
@@ -67,15 +53,33 @@ static void assert_same_result(const moeq_eval_result *a, const moeq_eval_result
     for (int d = 0; d < n_docs; d++) ASSERT_TRUE(lla[d] == llb[d]);
 }
 
+/* Calibration-text documents and one model directory opened whole and streamed (packed). */
+typedef struct {
+    moeq_docs *docs;
+    moeq_model *whole, *streamed;
+} family;
+
+static family open_family(const char *dir) {
+    family f = {text_docs(), open_as(dir, 0, 1), open_as(dir, 1, 1)};
+    return f;
+}
+
+/* Frees the family; the thread count back to the default. */
+static void close_family(family *f) {
+    moeq_set_threads(0);
+    moeq_model_free(f->streamed);
+    moeq_model_free(f->whole);
+    moeq_docs_free(f->docs);
+}
+
 /* Whole against streamed for one model directory, at every storage and thread count. */
 static void check_family(const char *dir) {
-    moeq_docs *docs = text_docs();
-    moeq_model *whole = open_as(dir, 0, 1), *streamed = open_as(dir, 1, 1);
+    family f = open_family(dir);
     double ll_w[3], ll_s[3];
     moeq_eval_options o;
     moeq_eval_result rw, rs;
     eval_opts(&o, ll_w);
-    ASSERT_OK(moeq_eval(whole, docs, &o, &rw));
+    ASSERT_OK(moeq_eval(f.whole, f.docs, &o, &rw));
     ASSERT_EQ_INT(0, rw.plan.streamed);
     ASSERT_TRUE(isfinite(rw.loglikelihood) && rw.tokens > 100);
     /* memory boundary; then a budget that leaves no room for it (files) */
@@ -84,7 +88,7 @@ static void check_family(const char *dir) {
         moeq_set_threads(threads[t]);
         eval_opts(&o, ll_s);
         o.dry_run = 1;
-        ASSERT_OK(moeq_eval(streamed, docs, &o, &rs));
+        ASSERT_OK(moeq_eval(f.streamed, f.docs, &o, &rs));
         ASSERT_EQ_INT(1, rs.plan.streamed);
         ASSERT_EQ_INT(0, rs.tokens);   /* planned, not run */
         /* unbudgeted, the next layer is read ahead; the plan without it, less half a boundary,
@@ -94,39 +98,32 @@ static void check_family(const char *dir) {
         for (int files = 0; files < 2; files++) {
             eval_opts(&o, ll_s);
             o.max_memory = files ? in_files : 0;
-            ASSERT_OK(moeq_eval(streamed, docs, &o, &rs));
+            ASSERT_OK(moeq_eval(f.streamed, f.docs, &o, &rs));
             ASSERT_EQ_INT(1, rs.plan.streamed);
             ASSERT_EQ_INT(!files, rs.plan.boundary_in_memory[0]);
             ASSERT_TRUE(rs.plan.peak_bytes <= (files ? in_files : rs.plan.budget));
             assert_same_result(&rw, &rs, ll_w, ll_s, 3);
         }
     }
-    moeq_set_threads(0);
-    moeq_model_free(streamed);
-    moeq_model_free(whole);
-    moeq_docs_free(docs);
+    close_family(&f);
 }
 
 /* Fewer windows than threads: each window runs with the whole pool inside its forward. */
 static void check_few_windows(const char *dir) {
-    moeq_docs *docs = text_docs();
-    moeq_model *whole = open_as(dir, 0, 1), *streamed = open_as(dir, 1, 1);
+    family f = open_family(dir);
     double ll_w[3], ll_s[3];
     moeq_eval_options o;
     moeq_eval_result rw, rs;
     moeq_set_threads(5);
     eval_opts(&o, ll_w);
     o.limit = 1;
-    ASSERT_OK(moeq_eval(whole, docs, &o, &rw));
+    ASSERT_OK(moeq_eval(f.whole, f.docs, &o, &rw));
     eval_opts(&o, ll_s);
     o.limit = 1;
-    ASSERT_OK(moeq_eval(streamed, docs, &o, &rs));
+    ASSERT_OK(moeq_eval(f.streamed, f.docs, &o, &rs));
     ASSERT_TRUE(rs.plan.windows < 5);
     assert_same_result(&rw, &rs, ll_w, ll_s, 1);
-    moeq_set_threads(0);
-    moeq_model_free(streamed);
-    moeq_model_free(whole);
-    moeq_docs_free(docs);
+    close_family(&f);
 }
 
 static void test_every_family_equals_whole(void) {

@@ -22,16 +22,9 @@ static cJSON *load_json(const char *path) {
     return j;
 }
 
-static moeq_docs *load_wikitext(void) {
-    moeq_docs *d = NULL;
-    ASSERT_OK(
-        moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT, &d));
-    return d;
-}
-
 static void test_detok_matches_lm_eval_on_fixture_pages(void) {
     cJSON *j = load_json(mq_test_shared("fixtures/wikitext2_detok_check.json"));
-    moeq_docs *d = load_wikitext();
+    moeq_docs *d = mq_test_wikitext_docs();
     int i = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, j) {
@@ -66,7 +59,7 @@ static void test_wikitext_documents_words_bytes_match_reference(void) {
     cJSON *j = load_json(mq_test_shared("fixtures/reference.json"));
     const cJSON *fp = cJSON_GetObjectItem(cJSON_GetObjectItem(j, "olmoe-tiny"), "wikitext_fp32");
     const cJSON *per_doc = cJSON_GetObjectItem(fp, "per_doc");
-    moeq_docs *d = load_wikitext();
+    moeq_docs *d = mq_test_wikitext_docs();
     ASSERT_EQ_INT(62, moeq_docs_count(d));
     ASSERT_EQ_INT(cJSON_GetArraySize(per_doc), moeq_docs_count(d));
     int64_t words = 0, bytes = 0;

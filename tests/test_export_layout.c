@@ -162,14 +162,20 @@ static void test_modelopt_nvfp4_layout(void) {
     mq_qtensor_free(&q);
 }
 
+/* An INT4 tensor of spec s, rows x 16, code (column + row) mod 16; its group params left to set. */
+static mq_qtensor int4_codes(const mq_qspec *s, int rows) {
+    mq_qtensor q;
+    ASSERT_OK(mq_qtensor_init(&q, s, rows, 16, "t"));
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 16; c++) q.codes[r * 16 + c] = (uint8_t)((c + r) & 15);
+    return q;
+}
+
 static void test_ct_int4_layout(void) {
     mq_qspec s = mq_qspec_default(MQ_QS_INT4);
     s.group_size = 8;
     s.asym = true;
-    mq_qtensor q;
-    ASSERT_OK(mq_qtensor_init(&q, &s, 3, 16, "t"));
-    for (int r = 0; r < 3; r++)
-        for (int c = 0; c < 16; c++) q.codes[r * 16 + c] = (uint8_t)((c + r) & 15);
+    mq_qtensor q = int4_codes(&s, 3);
     for (int i = 0; i < 6; i++) {
         q.params[i].scale = 0.5f * (float)(i + 1);
         q.params[i].zero = (float)(i + 3);
@@ -227,10 +233,7 @@ static void test_gptq_layout(void) {
     mq_qspec s = mq_qspec_default(MQ_QS_INT4);
     s.group_size = 8;
     s.scale_dtype = MOEQ_DT_F16;
-    mq_qtensor q;
-    ASSERT_OK(mq_qtensor_init(&q, &s, 8, 16, "t"));
-    for (int r = 0; r < 8; r++)
-        for (int c = 0; c < 16; c++) q.codes[r * 16 + c] = (uint8_t)((c + r) & 15);
+    mq_qtensor q = int4_codes(&s, 8);
     for (int i = 0; i < 16; i++) q.params[i].scale = 0.25f * (float)(i + 1);
     memckpt m = {0};
     ASSERT_OK(mq_layout_emit(MQ_FMT_GPTQ, "l.o_proj", &q, 0, mem_emit, &m));

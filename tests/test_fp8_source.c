@@ -210,10 +210,7 @@ static void make_fp8(const char *src, const char *dst, const fp8_spec *sp) {
         free(sc);
         free(codes);
     }
-    char *out = mq_path_join(dst, "model.safetensors");
-    ASSERT_OK(mq_stw_write(w, out));
-    free(out);
-    mq_stw_free(w);
+    mq_test_write_model_st(w, dst);
     mq_st_close(st);
 
     char *cfg = read_all(src, "config.json", NULL);
@@ -336,8 +333,7 @@ static int compare_weights(const moeq_model *m, const char *dir, int br, int bc,
 }
 
 static void check_loaded(const char *dir, int br, int bc, int expect_tensors) {
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &m));
+    moeq_model *m = mq_test_open_model(dir, NULL);
     if (!m) return;
     ASSERT_EQ_STR("fp8/e4m3", moeq_model_get_info(m)->quant_scheme);
     ASSERT_EQ_INT(br, m->cfg.fp8_block_rows);
@@ -359,8 +355,7 @@ static void check_loaded(const char *dir, int br, int bc, int expect_tensors) {
     int32_t ids[3] = {0, 17, 4095};
     float *x = malloc(sizeof(float) * 3 * (size_t)lm->cfg.D);
     ASSERT_OK(mq_lazy_embed(lz, ids, 3, x));
-    moeq_model *full = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &full));
+    moeq_model *full = mq_test_open_model(dir, NULL);
     for (int t = 0; full && t < 3; t++)
         ASSERT_TRUE(memcmp(x + t * lm->cfg.D, full->embed + (int64_t)ids[t] * lm->cfg.D,
                            sizeof(float) * (size_t)lm->cfg.D) == 0);
@@ -489,10 +484,7 @@ static void eval_against(const char *out, const char *fp8) {
                         "the park until the evening came.";
     ASSERT_OK(moeq_docs_parse("text", text, sizeof text - 1, MOEQ_DOCS_WHOLE, &docs));
     if (m && base && docs) {
-        moeq_eval_options eo;
-        moeq_eval_options_init(&eo);
-        eo.task = MOEQ_TASK_TEXT;
-        eo.kl_base = base;
+        moeq_eval_options eo = mq_test_text_eval(0, base);
         moeq_eval_result r;
         ASSERT_OK(moeq_eval(m, docs, &eo, &r));
         ASSERT_TRUE(r.tokens > 10 && isfinite(r.token_perplexity) && r.token_perplexity > 1);

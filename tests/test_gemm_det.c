@@ -14,9 +14,7 @@
 
 static uint64_t g_rng = 0x2545F4914F6CDD1Dull;
 static float rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     return (float)((double)(g_rng >> 11) * 0x1p-53 * 2.0 - 1.0);
 }
 

@@ -618,19 +618,13 @@ static void test_olmoe_q4_1(void) {
 
 static void test_llama_permuted_q4_0(void) {
     rt_counts c;
-    const char *m = mq_test_shared("fixtures/models/llama-tiny");
-    char model[1024];
-    snprintf(model, sizeof model, "%s", m);
-    roundtrip(model, MQ_QS_INT4, 32, false, "llama-g32", 4, 2, &c);
+    roundtrip(mq_test_shared("fixtures/models/llama-tiny"), MQ_QS_INT4, 32, false, "llama-g32", 4, 2, &c);
     ASSERT_EQ_INT(4 * 7, c.n_q4_0);   /* q, k, v, o, gate, up, down */
 }
 
 static void test_llama_nvfp4(void) {
     rt_counts c;
-    const char *m = mq_test_shared("fixtures/models/llama-tiny");
-    char model[1024];
-    snprintf(model, sizeof model, "%s", m);
-    roundtrip(model, MQ_QS_NVFP4, 16, false, "llama-nvfp4", 4, 2, &c);
+    roundtrip(mq_test_shared("fixtures/models/llama-tiny"), MQ_QS_NVFP4, 16, false, "llama-nvfp4", 4, 2, &c);
     ASSERT_EQ_INT(4 * 7, c.n_nvfp4);
     ASSERT_EQ_INT(4 * 7, c.n_scale);
 }
@@ -749,6 +743,21 @@ static void test_rest_q8_0(void) {
     free(text);
 }
 
+/* The model imported from a GGUF computes what the checkpoint it came from does, bit for bit: both
+ * models' logits over ids; frees both models. */
+static void same_logits(moeq_model *ckpt, moeq_model *imported, const int32_t *ids, int32_t n, const char *tag) {
+    const int64_t V = moeq_model_get_info(ckpt)->vocab_size;
+    ASSERT_EQ_INT(V, moeq_model_get_info(imported)->vocab_size);
+    float *la = mq_test_logits(ckpt, ids, n), *lb = mq_test_logits(imported, ids, n);
+    char what[256];
+    snprintf(what, sizeof what, "%s: logits of the checkpoint (expected) and the imported GGUF", tag);
+    mq_test_same_floats(la, lb, n * V, what);
+    free(la);
+    free(lb);
+    moeq_model_free(ckpt);
+    moeq_model_free(imported);
+}
+
 /* GGUF -> checkpoint (moeq_import_gguf): the imported model's logits equal those of the
  * compressed-tensors checkpoint it came from (fp32 path, bit for bit: Q4_0 decodes exactly), and
  * its rebuilt tokenizer gives the same ids. */
@@ -765,9 +774,7 @@ static void import_check(const char *model, const char *tag) {
     ASSERT_OK(mq_pipeline_run(model, ckpt, &o, NULL));
     ASSERT_OK(mq_gguf_export(ckpt, file, MQ_GGUF_REST_AUTO));
     ASSERT_OK(moeq_import_gguf(file, imp));
-    moeq_model *a, *b;
-    ASSERT_OK(moeq_model_open(ckpt, NULL, &a));
-    ASSERT_OK(moeq_model_open(imp, NULL, &b));
+    moeq_model *a = mq_test_open_model(ckpt, NULL), *b = mq_test_open_model(imp, NULL);
     const char *text = "The tower is 324 metres (1,063 ft) tall, about the same height as an 81-storey building.\n"
                        " = Section = \n Its base is square.";
     int32_t *ia = NULL, *ib = NULL;
@@ -780,27 +787,9 @@ static void import_check(const char *model, const char *tag) {
             FAIL("token %zu: %d against %d", i, ia[i], ib[i]);
             break;
         }
-    int32_t V = moeq_model_get_info(a)->vocab_size;
-    ASSERT_EQ_INT(V, moeq_model_get_info(b)->vocab_size);
-    float *la = malloc((size_t)na * V * 4), *lb = malloc((size_t)na * V * 4);
-    moeq_session *sa, *sb;
-    ASSERT_OK(moeq_session_create(a, (int32_t)na, &sa));
-    ASSERT_OK(moeq_session_create(b, (int32_t)na, &sb));
-    ASSERT_OK(moeq_session_forward(sa, ia, (int32_t)na, la));
-    ASSERT_OK(moeq_session_forward(sb, ia, (int32_t)na, lb));
-    for (size_t i = 0; i < na * (size_t)V; i++)
-        if (mq_test_f32_bits(la[i]) != mq_test_f32_bits(lb[i])) {
-            FAIL("%s: logit %zu: checkpoint %.9g, imported GGUF %.9g", tag, i, (double)la[i], (double)lb[i]);
-            break;
-        }
-    free(la);
-    free(lb);
+    same_logits(a, b, ia, (int32_t)na, tag);
     free(ia);
     free(ib);
-    moeq_session_free(sa);
-    moeq_session_free(sb);
-    moeq_model_free(a);
-    moeq_model_free(b);
 }
 
 static void test_import_olmoe(void) { import_check(mq_test_model("olmoe-tiny"), "olmoe"); }
@@ -1037,29 +1026,10 @@ static void deepseek_check(const char *fixture, const char *tag, bool qlora, cha
     mq_gguf_close(g);
 
     /* the imported model computes what the checkpoint does, bit for bit */
-    moeq_model *a, *b;
-    ASSERT_OK(moeq_model_open(ckpt, NULL, &a));
-    ASSERT_OK(moeq_model_open(imp, NULL, &b));
+    moeq_model *a = mq_test_open_model(ckpt, NULL), *b = mq_test_open_model(imp, NULL);
     int32_t ids[48];
     for (int i = 0; i < 48; i++) ids[i] = (int32_t)((i * 977 + 13) % 4096);
-    int32_t V = moeq_model_get_info(a)->vocab_size;
-    float *la = malloc(sizeof(float) * 48 * (size_t)V), *lb = malloc(sizeof(float) * 48 * (size_t)V);
-    moeq_session *sa, *sb;
-    ASSERT_OK(moeq_session_create(a, 48, &sa));
-    ASSERT_OK(moeq_session_create(b, 48, &sb));
-    ASSERT_OK(moeq_session_forward(sa, ids, 48, la));
-    ASSERT_OK(moeq_session_forward(sb, ids, 48, lb));
-    for (size_t i = 0; i < 48 * (size_t)V; i++)
-        if (mq_test_f32_bits(la[i]) != mq_test_f32_bits(lb[i])) {
-            FAIL("%s: logit %zu: checkpoint %.9g, imported GGUF %.9g", tag, i, (double)la[i], (double)lb[i]);
-            break;
-        }
-    free(la);
-    free(lb);
-    moeq_session_free(sa);
-    moeq_session_free(sb);
-    moeq_model_free(a);
-    moeq_model_free(b);
+    same_logits(a, b, ids, 48, tag);
 }
 
 static void test_deepseek_qlora_yarn(void) {
@@ -1117,8 +1087,7 @@ static void test_deepseek_act_quant_latent(void) {
     char imp[1100];
     deepseek_check("deepseekv3-noqlora-tiny", "ds-noqlora", false, imp);
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_Q8_0};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(imp, &mo, &m));
+    moeq_model *m = mq_test_open_model(imp, &mo);
     if (!m) return;
     const mq_layer *ly = &m->layers[0];
     ASSERT_TRUE(ly->vb_act_q && ly->q.act_q && ly->kv_a.act_q && !ly->kv_b.act_q);
@@ -1283,9 +1252,7 @@ static void test_deepseek3_pre_tokenizer(void) {
     if (pl != 11 || memcmp(pre, "deepseek-v3", 11)) FAIL("tokenizer.ggml.pre '%.*s'", (int)pl, pre);
     mq_gguf_close(g);
     ASSERT_OK(moeq_import_gguf(file, imp));
-    moeq_model *a, *b;
-    ASSERT_OK(moeq_model_open(dir, NULL, &a));
-    ASSERT_OK(moeq_model_open(imp, NULL, &b));
+    moeq_model *a = mq_test_open_model(dir, NULL), *b = mq_test_open_model(imp, NULL);
     const char *text = "Tower 1958: 333 m high, 12345678 yen; don't stop!!\r\n\t(x+y)=z \xe6\x9d\xb1\xe4\xba\xac"
                        "\xe3\x82\xbf\xe3\x83\xaf\xe3\x83\xbc\xe3\x81\xaf";
     int32_t *ia, *ib, *i1, *i2;

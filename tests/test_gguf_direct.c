@@ -369,16 +369,8 @@ static void test_views_llama_permuted(void) {
 /* ---- models: direct against imported ---------------------------------------------------------- */
 
 static moeq_docs *text_docs(void) {
-    char *buf = NULL;
-    size_t len = 0;
-    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &len));
-    ASSERT_TRUE(len > 1200);
-    char *text = mq_asprintf(" = One = \n%.300s\n = Two = \n%.500s\n = Three = \n%.90s", buf, buf + 300, buf + 800);
-    moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_parse("calib", text, strlen(text), MOEQ_DOCS_WIKITEXT, &d));
-    free(text);
-    free(buf);
-    return d;
+    static const int len[] = {300, 500, 90};
+    return mq_test_calib_docs(len, 3);
 }
 
 typedef struct {
@@ -393,10 +385,7 @@ static ev eval_of(const char *path, int stream, int act_quant, moeq_docs *docs) 
     memset(&r, 0, sizeof r);
     ASSERT_OK(moeq_model_open(path, &mo, &m));
     if (!m) return r;
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 40;
+    moeq_eval_options o = mq_test_text_eval(40, NULL);
     o.doc_loglikelihood = r.doc;
     moeq_eval_result res;
     ASSERT_OK(moeq_eval(m, docs, &o, &res));
@@ -436,16 +425,10 @@ static void same_logits(const char *a, const char *b, int act_quant, const char 
     ASSERT_EQ_INT(n, nb);
     for (size_t i = 0; i < n && i < nb; i++) ASSERT_EQ_INT(ids[i], idb[i]);
     const int64_t V = ia->vocab_size;
-    float *la = malloc(sizeof(float) * n * (size_t)V), *lb = malloc(sizeof(float) * n * (size_t)V);
-    moeq_session *sa = NULL, *sb = NULL;
-    ASSERT_OK(moeq_session_create(ma, (int32_t)n, &sa));
-    ASSERT_OK(moeq_session_create(mb, (int32_t)n, &sb));
-    ASSERT_OK(moeq_session_forward(sa, ids, (int32_t)n, la));
-    ASSERT_OK(moeq_session_forward(sb, ids, (int32_t)n, lb));
+    ASSERT_EQ_INT(V, ib->vocab_size);
+    float *la = mq_test_logits(ma, ids, (int32_t)n), *lb = mq_test_logits(mb, ids, (int32_t)n);
     mq_test_same_floats(la, lb, (int64_t)n * V, what);
     free(la), free(lb), free(ids), free(idb);
-    moeq_session_free(sa);
-    moeq_session_free(sb);
     moeq_model_free(ma);
     moeq_model_free(mb);
 }
@@ -630,8 +613,7 @@ static void test_stream_open_holds_one_layer(void) {
     char imp[1100];
     snprintf(imp, sizeof imp, "%s/olmoe-mem-imported", mq_test_tmpdir());
     ASSERT_OK(moeq_import_gguf(file, imp));
-    moeq_model *mi = NULL;
-    ASSERT_OK(moeq_model_open(imp, &so, &mi));
+    moeq_model *mi = mq_test_open_model(imp, &so);
     ASSERT_EQ_INT(moeq_model_get_info(mi)->weight_bytes, i->weight_bytes);
     ASSERT_EQ_INT(moeq_model_get_info(mi)->weight_bytes_whole, i->weight_bytes_whole);
     moeq_model_free(mi);

@@ -342,12 +342,7 @@ static void packed_equals_decoded(const char *file, const char *tag, bool repack
     size_t n = 0;
     ASSERT_OK(moeq_tokenizer_encode(moeq_model_tokenizer(mf), text, strlen(text), &ids, &n));
     const int64_t V = ip->vocab_size;
-    float *lp = malloc(sizeof(float) * n * (size_t)V), *lf = malloc(sizeof(float) * n * (size_t)V);
-    moeq_session *sp = NULL, *sf = NULL;
-    ASSERT_OK(moeq_session_create(mp, (int32_t)n, &sp));
-    ASSERT_OK(moeq_session_create(mf, (int32_t)n, &sf));
-    ASSERT_OK(moeq_session_forward(sp, ids, (int32_t)n, lp));
-    ASSERT_OK(moeq_session_forward(sf, ids, (int32_t)n, lf));
+    float *lp = mq_test_logits(mp, ids, (int32_t)n), *lf = mq_test_logits(mf, ids, (int32_t)n);
     const mq_config *c = &mf->cfg;
     int64_t K = c->D;
     if (c->ffn > K) K = c->ffn;
@@ -359,8 +354,6 @@ static void packed_equals_decoded(const char *file, const char *tag, bool repack
            tag, d, tol, (long long)ip->weight_bytes, (long long)ifp->weight_bytes);
     if (!(d <= tol)) FAIL("%s: logits differ by %.3g of their largest (tolerance %.3g)", tag, d, tol);
     free(lp), free(lf), free(ids);
-    moeq_session_free(sp);
-    moeq_session_free(sf);
     moeq_model_free(mp);
     moeq_model_free(mf);
 }
@@ -390,8 +383,7 @@ static void test_checkpoint_bf16_head(void) {
     o.spec.group_size = 32;
     ASSERT_OK(mq_pipeline_run(mq_test_model("olmoe-tiny"), ckpt, &o, NULL));
     moeq_model_options po = {.keep_packed = 1};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(ckpt, &po, &m));
+    moeq_model *m = mq_test_open_model(ckpt, &po);
     if (m) ASSERT_TRUE(m->embed_g && m->head_g && !m->embed && !m->lm_head);
     if (m) ASSERT_TRUE(m->embed_g->type == MQ_GM_BF16 && m->head_g->type == MQ_GM_BF16);
     moeq_model_free(m);

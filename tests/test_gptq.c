@@ -19,18 +19,7 @@
 /* H = (2/T) X^T X for T tokens of inputs with correlated features and uneven scales (so both
  * error feedback and act-order matter). dead: columns of X that are all zero (may be NULL). */
 static float *make_hessian(int64_t K, int64_t T, uint64_t seed, const int *dead, int n_dead) {
-    mq_test_rng = seed;
-    double *x = calloc((size_t)(T * K), sizeof(double));
-    double *scale = malloc((size_t)K * sizeof(double));
-    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * mq_test_rnd_normal());
-    for (int64_t t = 0; t < T; t++) {
-        double prev = 0;
-        for (int64_t k = 0; k < K; k++) {
-            double z = mq_test_rnd_normal() + 0.7 * prev;
-            prev = z;
-            x[t * K + k] = z * scale[k];
-        }
-    }
+    double *x = mq_test_correlated_inputs(T, K, seed);
     for (int i = 0; i < n_dead; i++)
         for (int64_t t = 0; t < T; t++) x[t * K + dead[i]] = 0;
     float *H = malloc((size_t)(K * K) * sizeof(float));
@@ -41,7 +30,6 @@ static float *make_hessian(int64_t K, int64_t T, uint64_t seed, const int *dead,
             H[a * K + b] = H[b * K + a] = (float)(2.0 * s / (double)T);
         }
     free(x);
-    free(scale);
     return H;
 }
 

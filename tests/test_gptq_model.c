@@ -14,9 +14,7 @@
 #include "pipeline/pipeline.h"
 
 static moeq_model *open_model(const char *name) {
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_model(name), NULL, &m));
-    return m;
+    return mq_test_open_model(mq_test_model(name), NULL);
 }
 
 static int64_t count_diff(const uint8_t *a, const uint8_t *b, int64_t n) {

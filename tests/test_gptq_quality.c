@@ -23,24 +23,18 @@ typedef struct {
 } closeness;
 
 static moeq_docs *eval_docs(void) {
-    moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &d));
-    return d;
+    return mq_test_demo_docs();
 }
 
 /* The same windows for every model: text task, 256-token windows, entropy; KL against base. */
 static void scoring_options(moeq_eval_options *o, const moeq_model *base) {
-    moeq_eval_options_init(o);
-    o->task = MOEQ_TASK_TEXT;
-    o->max_length = 256;
-    o->kl_base = base;
+    *o = mq_test_text_eval(256, base);
     o->entropy = 1;
 }
 
 static void eval_model(const char *dir, const moeq_model *base, const moeq_docs *docs,
                        closeness *out) {
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &m));
+    moeq_model *m = mq_test_open_model(dir, NULL);
     if (!m) return;
     moeq_eval_options o;
     scoring_options(&o, base);
@@ -70,8 +64,7 @@ static void check_scheme(moeq_quant_scheme scheme, const char *tag) {
     ASSERT_OK(moeq_quantize(src, gptq, &o, &res));
     ASSERT_TRUE(res.gptq_loss < res.gptq_rtn_loss);
 
-    moeq_model *base = NULL;
-    ASSERT_OK(moeq_model_open(src, NULL, &base));
+    moeq_model *base = mq_test_open_model(src, NULL);
     moeq_docs *docs = eval_docs();
     if (!base || !docs) return;
     moeq_eval_options o0;

@@ -30,19 +30,10 @@
 
 /* Inputs [T, K] with correlated features and uneven scales; `dead` columns all zero. */
 static float *make_inputs(int64_t T, int64_t K, uint64_t seed, int64_t dead) {
-    mq_test_rng = seed;
+    double *xd = mq_test_correlated_inputs(T, K, seed);
     float *x = malloc((size_t)(T * K) * sizeof(float));
-    double *scale = malloc((size_t)K * sizeof(double));
-    for (int64_t k = 0; k < K; k++) scale[k] = exp(0.7 * mq_test_rnd_normal());
-    for (int64_t t = 0; t < T; t++) {
-        double prev = 0;
-        for (int64_t k = 0; k < K; k++) {
-            double z = mq_test_rnd_normal() + 0.7 * prev;
-            prev = z;
-            x[t * K + k] = k < dead ? 0.0f : (float)(z * scale[k]);
-        }
-    }
-    free(scale);
+    for (int64_t i = 0; i < T * K; i++) x[i] = i % K < dead ? 0.0f : (float)xd[i];
+    free(xd);
     return x;
 }
 
@@ -60,10 +51,7 @@ static float *make_hessian(int64_t K, int64_t T, uint64_t seed, int64_t dead) {
 }
 
 static int same_float(float a, float b) {
-    uint32_t x, y;
-    memcpy(&x, &a, 4);
-    memcpy(&y, &b, 4);
-    return x == y || (isnan(a) && isnan(b));
+    return mq_test_f32_bits(a) == mq_test_f32_bits(b) || (isnan(a) && isnan(b));
 }
 
 /* Group params field by field (the struct's padding bytes are not data). */

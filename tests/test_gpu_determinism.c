@@ -20,12 +20,7 @@
 #include "harness.h"
 #include "quant/gptq.h"
 
-static bool same_float(float a, float b) {
-    uint32_t x, y;
-    memcpy(&x, &a, 4);
-    memcpy(&y, &b, 4);
-    return x == y;
-}
+static bool same_float(float a, float b) { return mq_test_f32_bits(a) == mq_test_f32_bits(b); }
 
 static float *weights(int64_t N, int64_t K, uint64_t seed) {
     mq_test_rng = seed;

@@ -50,9 +50,7 @@ void mq_eval_set_gpu_resident(bool on);
 /* ---- helpers --------------------------------------------------------------------------------- */
 static uint64_t g_rng = 1;
 static double rnd_unit(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     return ((double)(g_rng >> 11) + 0.5) * 0x1p-53;
 }
 static float rnd_f(double scale) { return (float)(scale * (2.0 * rnd_unit() - 1.0)); }
@@ -73,33 +71,19 @@ static int same_bits_d(double a, double b) { return memcmp(&a, &b, sizeof a) == 
 
 static moeq_model *open_as(const char *dir, int stream) {
     moeq_model_options o = {.stream = stream};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &o, &m));
-    return m;
+    return mq_test_open_model(dir, &o);
 }
 
 /* Three documents of calibration text of different lengths (several windows each at L = 64). */
 static moeq_docs *text_docs(void) {
-    char *buf = NULL;
-    size_t len = 0;
-    ASSERT_OK(mq_read_file(mq_test_calib_text(), &buf, &len));
-    ASSERT_TRUE(len > 3000);
-    char *text = mq_asprintf(" = One = \n%.900s\n = Two = \n%.1500s\n = Three = \n%.200s", buf, buf + 900,
-                             buf + 2400);
-    moeq_docs *d = NULL;
-    ASSERT_OK(moeq_docs_parse("calib", text, strlen(text), MOEQ_DOCS_WIKITEXT, &d));
-    ASSERT_EQ_INT(3, moeq_docs_count(d));
-    free(text);
-    free(buf);
-    return d;
+    static const int len[] = {900, 1500, 200};
+    return mq_test_calib_docs(len, 3);
 }
 
 enum { L_TEST = 64 };
 
 static void eval_opts(moeq_eval_options *o, double *ll, int device, int prec) {
-    moeq_eval_options_init(o);
-    o->task = MOEQ_TASK_TEXT;
-    o->max_length = L_TEST;
+    *o = mq_test_text_eval(L_TEST, NULL);
     o->doc_loglikelihood = ll;
     o->entropy = 1;
     o->device = device;
@@ -531,12 +515,27 @@ static char *bf16_copy(const char *src, const char *name) {
         free(f);
         free(h);
     }
-    char *out = mq_path_join(dir, "model.safetensors");
-    ASSERT_OK(mq_stw_write(w, out));
-    free(out);
-    mq_stw_free(w);
+    mq_test_write_model_st(w, dir);
     mq_st_close(st);
     return dir;
+}
+
+/* m's evaluation of docs on GPU 0 at precision prec against the CPU's (fp32), both with base as
+ * --kl-base (NULL: none), within check_within's bounds for eps and eps_b. */
+static deviation cpu_against_gpu(const moeq_model *m, const moeq_model *base, const moeq_docs *docs, int prec,
+                                 double eps, double eps_b) {
+    double ll_c[3], ll_g[3];
+    int64_t ntok[3];
+    moeq_eval_options o;
+    moeq_eval_result rc, rg;
+    eval_opts(&o, ll_c, -1, 0);
+    o.kl_base = base;
+    o.doc_tokens = ntok;
+    ASSERT_OK(moeq_eval(m, docs, &o, &rc));
+    eval_opts(&o, ll_g, 0, prec);
+    o.kl_base = base;
+    ASSERT_OK(moeq_eval(m, docs, &o, &rg));
+    return check_within(&rg, &rc, ll_g, ll_c, ntok, 3, eps, eps_b);
 }
 
 /* A bf16 checkpoint in the bf16 mode: its experts go up as stored (no fp32 copy on the host);
@@ -546,17 +545,8 @@ static void test_bf16_source(void) {
     char *dir = bf16_copy(mq_test_model("olmoe-tiny"), "olmoe-bf16");
     moeq_docs *docs = text_docs();
     moeq_model *m = open_as(dir, 1);
-    double ll_c[3], ll_g[3];
-    int64_t ntok[3];
-    moeq_eval_options o;
-    moeq_eval_result rc, rg;
-    eval_opts(&o, ll_c, -1, 0);
-    o.doc_tokens = ntok;
-    ASSERT_OK(moeq_eval(m, docs, &o, &rc));
-    eval_opts(&o, ll_g, 0, MOEQ_GPU_BF16);
-    ASSERT_OK(moeq_eval(m, docs, &o, &rg));
-    deviation dv = check_within(&rg, &rc, ll_g, ll_c, ntok, 3, logit_eps(dir, MOEQ_GPU_BF16),
-                                logit_eps(dir, MOEQ_GPU_BF16));
+    deviation dv = cpu_against_gpu(m, NULL, docs, MOEQ_GPU_BF16, logit_eps(dir, MOEQ_GPU_BF16),
+                                   logit_eps(dir, MOEQ_GPU_BF16));
     log_dev("olmoe-tiny bf16", "bf16", &dv);
     ASSERT_TRUE(dv.rel_ll <= 1e-2);
     moeq_model_free(m);
@@ -662,19 +652,7 @@ static void test_kl_pair(void) {
     snprintf(bd, sizeof bd, "%s", mq_test_model("llama-tiny"));
     moeq_docs *docs = text_docs();
     moeq_model *m = open_as(md, 1), *b = open_as(bd, 1);
-    double ll_c[3], ll_g[3];
-    int64_t ntok[3];
-    moeq_eval_options o;
-    moeq_eval_result rc, rg;
-    eval_opts(&o, ll_c, -1, 0);
-    o.kl_base = b;
-    o.doc_tokens = ntok;
-    ASSERT_OK(moeq_eval(m, docs, &o, &rc));
-    eval_opts(&o, ll_g, 0, 0);
-    o.kl_base = b;
-    ASSERT_OK(moeq_eval(m, docs, &o, &rg));
-    deviation dv = check_within(&rg, &rc, ll_g, ll_c, ntok, 3, logit_eps(md, MOEQ_GPU_FP32),
-                                logit_eps(bd, MOEQ_GPU_FP32));
+    deviation dv = cpu_against_gpu(m, b, docs, 0, logit_eps(md, MOEQ_GPU_FP32), logit_eps(bd, MOEQ_GPU_FP32));
     log_dev("qwen2moe/llama KL", "fp32", &dv);
     moeq_model_free(m);
     moeq_model_free(b);

@@ -103,13 +103,7 @@ static void test_layer_plan(void) {
 /* ---- the plan of a run ----------------------------------------------------------------------- */
 
 static moeq_quant_options gptq_on_cuda(int64_t bound, bool dry) {
-    moeq_quant_options o;
-    moeq_quant_options_init(&o);
-    o.scheme = MOEQ_QUANT_NVFP4A16;
-    o.method = MOEQ_QUANT_GPTQ;
-    o.calib = mq_test_calib_text();
-    o.gptq.nsamples = 8;
-    o.gptq.seqlen = 128;
+    moeq_quant_options o = mq_test_gptq_options(MOEQ_QUANT_NVFP4A16, mq_test_calib_text(), 8, 128);
     o.device = "cuda";
     o.max_gpu_memory = bound;
     o.dry_run = dry;
@@ -117,14 +111,23 @@ static moeq_quant_options gptq_on_cuda(int64_t bound, bool dry) {
     return o;
 }
 
+/* olmoe-tiny and an output folder of the case's own for a run. */
+typedef struct {
+    char model[4096], out[4096];
+} run_dirs;
+
+static run_dirs olmoe_dirs(void) {
+    run_dirs d;
+    snprintf(d.model, sizeof d.model, "%s", mq_test_model("olmoe-tiny"));
+    snprintf(d.out, sizeof d.out, "%s/q", mq_test_tmpdir());
+    return d;
+}
+
 static void test_dry_run_refusal(void) {
-    const char *model = mq_test_model("olmoe-tiny");
-    char model_dir[4096], out[4096];
-    snprintf(model_dir, sizeof model_dir, "%s", model);
-    snprintf(out, sizeof out, "%s/q", mq_test_tmpdir());
+    const run_dirs d = olmoe_dirs();
     moeq_quant_options o = gptq_on_cuda(1000000, true);
     moeq_quant_result r;
-    ASSERT_STATUS(MOEQ_E_NOMEM, moeq_quantize(model_dir, out, &o, &r));
+    ASSERT_STATUS(MOEQ_E_NOMEM, moeq_quantize(d.model, d.out, &o, &r));
     ASSERT_ERROR_MENTIONS("--max-gpu-memory 0.001 GB is too small: one layer needs");
     ASSERT_EQ_INT(1000000, r.plan.gpu_budget);
     ASSERT_TRUE(r.plan.gpu_least > 1000000);
@@ -140,18 +143,18 @@ static void test_dry_run_refusal(void) {
      * what fits beside one layer's least */
     const int64_t least = r.plan.gpu_least;
     o = gptq_on_cuda(least - 1, true);
-    ASSERT_STATUS(MOEQ_E_NOMEM, moeq_quantize(model_dir, out, &o, &r));
+    ASSERT_STATUS(MOEQ_E_NOMEM, moeq_quantize(d.model, d.out, &o, &r));
     o = gptq_on_cuda(least, true);
-    ASSERT_OK(moeq_quantize(model_dir, out, &o, &r));
+    ASSERT_OK(moeq_quantize(d.model, d.out, &o, &r));
     if (!mq_gpu_built()) ASSERT_EQ_INT(least, r.plan.gpu_budget);
     ASSERT_EQ_INT(least, r.plan.gpu_least);
     ASSERT_EQ_INT(1, r.plan.gpu_chunk);
     ASSERT_EQ_INT(1, r.plan.chunk);
     o = gptq_on_cuda((int64_t)4 << 30, true);
-    ASSERT_OK(moeq_quantize(model_dir, out, &o, &r));
+    ASSERT_OK(moeq_quantize(d.model, d.out, &o, &r));
     ASSERT_TRUE(r.plan.gpu_chunk > 1);
     struct stat sb;
-    ASSERT_TRUE(stat(out, &sb) != 0);   /* a dry run writes nothing */
+    ASSERT_TRUE(stat(d.out, &sb) != 0);   /* a dry run writes nothing */
 }
 
 /* ---- on a GPU ------------------------------------------------------------------------------------ */
@@ -194,33 +197,30 @@ static void test_device_counts(void) {
 static void test_bound_end_to_end(void) {
     mq_gpu *probe = mq_test_open_gpu();
     mq_gpu_close(probe);
-    const char *model = mq_test_model("olmoe-tiny");
-    char model_dir[4096], out[4096];
-    snprintf(model_dir, sizeof model_dir, "%s", model);
-    snprintf(out, sizeof out, "%s/q", mq_test_tmpdir());
+    const run_dirs d = olmoe_dirs();
     moeq_quant_options o = gptq_on_cuda(1000000, false);
     moeq_quant_result r;
     /* short of one layer: refused before any work (no checkpoint, no work directory) */
-    ASSERT_STATUS(MOEQ_E_NOMEM, moeq_quantize(model_dir, out, &o, &r));
+    ASSERT_STATUS(MOEQ_E_NOMEM, moeq_quantize(d.model, d.out, &o, &r));
     ASSERT_ERROR_MENTIONS("one layer needs");
     struct stat sb;
-    ASSERT_TRUE(stat(out, &sb) != 0);
+    ASSERT_TRUE(stat(d.out, &sb) != 0);
     char work[4200];
-    snprintf(work, sizeof work, "%s.moeq-work", out);
+    snprintf(work, sizeof work, "%s.moeq-work", d.out);
     ASSERT_TRUE(stat(work, &sb) != 0);
     /* the plan's least, then a run within twice that */
     o = gptq_on_cuda(1000000, true);
-    moeq_quantize(model_dir, out, &o, &r);
+    moeq_quantize(d.model, d.out, &o, &r);
     const int64_t bound = 2 * r.plan.gpu_least;
     o = gptq_on_cuda(bound, false);
-    ASSERT_OK(moeq_quantize(model_dir, out, &o, &r));
+    ASSERT_OK(moeq_quantize(d.model, d.out, &o, &r));
     printf("  bound %.3f GB (twice one layer's least): peak of GPU memory held %.3f GB\n", (double)bound / 1e9,
            (double)r.gpu_peak_bytes / 1e9);
     ASSERT_TRUE(r.gpu_peak_bytes > 0);
     if (r.gpu_peak_bytes > bound)
         FAIL("the run held %lld bytes of GPU memory, over its bound of %lld", (long long)r.gpu_peak_bytes,
              (long long)bound);
-    ASSERT_TRUE(stat(out, &sb) == 0);
+    ASSERT_TRUE(stat(d.out, &sb) == 0);
 }
 
 TEST_MAIN(T(test_attn_bytes), T(test_mlp_and_hessian_bytes), T(test_gptq_bytes), T(test_layer_plan),

@@ -44,17 +44,9 @@
 /* ---- random data ------------------------------------------------------------------------------ */
 static uint64_t g_rng = 1;
 static void seed(uint64_t s) { g_rng = s * 0x9E3779B97F4A7C15ull + 7; }
-static uint32_t rnd_u32(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 16);
-}
-static float rnd_unit(void) { return (float)(rnd_u32() & 0xffffff) * 0x1p-24f; }
-static float rnd_normal(void) {
-    float u1 = rnd_unit() + 0x1p-25f, u2 = rnd_unit();
-    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
-}
+static uint32_t rnd_u32(void) { return (uint32_t)(mq_test_xorshift(&g_rng) >> 16); }
+static float rnd_unit(void) { return mq_test_rnd_unitf(&g_rng); }
+static float rnd_normal(void) { return mq_test_rnd_normalf(&g_rng); }
 static int rnd_int(int n) { return (int)(rnd_u32() % (uint32_t)n); }
 
 /* ---- a layer in canonical form ---------------------------------------------------------------- */
@@ -181,17 +173,10 @@ static moeq_moe_qweight qw(const layer *L, int i, const float *gs, int pairs) {
 }
 
 static moeq_moe_experts_desc desc_of(const layer *L) {
-    moeq_moe_experts_desc d;
-    memset(&d, 0, sizeof d);
-    d.scheme = L->nv ? MOEQ_MOE_NVFP4 : MOEQ_MOE_INT4;
-    d.group_size = L->G;
+    moeq_moe_experts_desc d = mq_test_moe_desc(L->nv, L->G, L->E, L->D, L->F, L->Fs);
     d.nvfp4_global_multiplier = L->mult;
-    d.n_experts = L->E;
-    d.hidden = L->D;
-    d.ffn = L->F;
     d.gate_up = qw(L, 0, L->gs_pairs ? L->gu_g2 : L->gu_g1, L->gs_pairs);
     d.down = qw(L, 1, L->dn_g, 0);
-    d.shared_ffn = L->Fs;
     if (L->Fs) {
         d.shared_gate_up = qw(L, 2, L->sgu_g, L->gs_pairs);
         d.shared_down = qw(L, 3, &L->sdn_g, 0);
@@ -700,6 +685,61 @@ static void test_value_errors(void) {
     layer_free(&N);
 }
 
+/* Every weight of L's experts and shared expert (gate_up and down each) as dequant(ctx, expert,
+ * which, w) decodes it against the test's own decoders (bf16 scales for INT4), bit for bit; prints
+ * the count after tag and the scheme's name. */
+static void check_decoded(const layer *L, const char *tag,
+                          moeq_status (*dequant)(void *ctx, int e, int which, float *w), void *ctx) {
+    int64_t bad = 0, total = 0;
+    for (int e = 0; e <= L->E; e++)
+        for (int which = 0; which < 2; which++) {
+            const int sh = e == L->E, f = sh ? L->Fs : L->F, i = which + (sh ? 2 : 0);
+            const int rows = which ? L->D : 2 * f, cols = which ? f : L->D, ng = cols / L->G;
+            float *w = malloc(sizeof(float) * (size_t)rows * cols);
+            ASSERT_OK(dequant(ctx, e, which, w));
+            const size_t base = sh ? 0 : (size_t)e * rows * cols, sb = sh ? 0 : (size_t)e * rows * ng;
+            for (int r = 0; r < rows; r++)
+                for (int k = 0; k < cols; k++) {
+                    const uint8_t c = L->c[i][base + (size_t)r * cols + k];
+                    const size_t si = sb + (size_t)r * ng + k / L->G;
+                    float want;
+                    if (L->nv) {
+                        want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L->s[i])[si]));
+                    } else {
+                        const int z = L->asym ? L->z[i][si] : 8;
+                        const float sc = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L->s[i])[si]));
+                        want = mq_bf16_to_f32(mq_f32_to_bf16(sc * (float)((int)c - z)));
+                    }
+                    const float got = w[(size_t)r * cols + k];
+                    total++;
+                    if (memcmp(&want, &got, 4) != 0 && !(want == 0 && got == 0)) {
+                        if (!bad)
+                            printf("    first difference: expert %d matrix %d row %d col %d: %.9g vs %.9g\n", e,
+                                   which, r, k, got, want);
+                        bad++;
+                    }
+                }
+            free(w);
+        }
+    char nm[48];
+    printf("    %s%-24s %lld weights decoded, %lld differ\n", tag, scheme_name(L, nm, sizeof nm), (long long)total,
+           (long long)bad);
+    ASSERT_EQ_INT(0, bad);
+}
+
+static moeq_status gpu_dequant(void *m, int e, int which, float *w) { return mq_gpu_moe_dequant(m, e, which, w); }
+
+typedef struct {
+    const moeq_moe_experts_desc *d;
+    const moeq_moe_zero_points *zp;
+    const moeq_moe_ffn_args *a;
+} emu_dequant_ctx;
+
+static moeq_status emu_dequant(void *ctx, int e, int which, float *w) {
+    const emu_dequant_ctx *c = ctx;
+    return mq_gpu_moe_emulate_dequant(c->d, c->zp, c->a, e, which, w);
+}
+
 /* The bf16 path's decoders: every weight of a few matrices, bit for bit. */
 static void test_decoders(void) {
     mq_gpu *g = gpu_or_skip();
@@ -716,41 +756,7 @@ static void test_decoders(void) {
         moeq_moe_ffn_args a = args_of(&L, x, 1);
         mq_gpu_moe *m = NULL;
         ASSERT_OK(mq_gpu_moe_upload(g, &d, L.asym ? &zp : NULL, &a, &m));
-        int64_t bad = 0, total = 0;
-        for (int e = 0; e <= L.E; e++)
-            for (int which = 0; which < 2; which++) {
-                const int sh = e == L.E, f = sh ? L.Fs : L.F, i = which + (sh ? 2 : 0);
-                const int rows = which ? L.D : 2 * f, cols = which ? f : L.D, ng = cols / L.G;
-                float *w = malloc(sizeof(float) * (size_t)rows * cols);
-                ASSERT_OK(mq_gpu_moe_dequant(m, e, which, w));
-                const size_t base = sh ? 0 : (size_t)e * rows * cols, sb = sh ? 0 : (size_t)e * rows * ng;
-                for (int r = 0; r < rows; r++)
-                    for (int k = 0; k < cols; k++) {
-                        const uint8_t c = L.c[i][base + (size_t)r * cols + k];
-                        const size_t si = sb + (size_t)r * ng + k / L.G;
-                        float want;
-                        if (L.nv) {
-                            want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L.s[i])[si]));
-                        } else {
-                            const int z = L.asym ? L.z[i][si] : 8;
-                            const float s = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L.s[i])[si]));
-                            want = mq_bf16_to_f32(mq_f32_to_bf16(s * (float)((int)c - z)));
-                        }
-                        const float got = w[(size_t)r * cols + k];
-                        total++;
-                        if (memcmp(&want, &got, 4) != 0 && !(want == 0 && got == 0)) {
-                            if (!bad)
-                                printf("    first difference: expert %d matrix %d row %d col %d: %.9g vs %.9g\n", e,
-                                       which, r, k, got, want);
-                            bad++;
-                        }
-                    }
-                free(w);
-            }
-        char nm[48];
-        printf("    %-24s %lld weights decoded, %lld differ\n", scheme_name(&L, nm, sizeof nm), (long long)total,
-               (long long)bad);
-        ASSERT_EQ_INT(0, bad);
+        check_decoded(&L, "", gpu_dequant, m);
         mq_gpu_moe_free(m);
         layer_free(&L);
     }
@@ -1203,41 +1209,8 @@ static void test_emulated_decoders(void) {
         moeq_moe_zero_points zp = L.asym ? zeros_of(&L) : (moeq_moe_zero_points){0};
         float x[256] = {0};
         moeq_moe_ffn_args a = args_of(&L, x, 1);
-        int64_t bad = 0, total = 0;
-        for (int e = 0; e <= L.E; e++)
-            for (int which = 0; which < 2; which++) {
-                const int sh = e == L.E, f = sh ? L.Fs : L.F, i = which + (sh ? 2 : 0);
-                const int rows = which ? L.D : 2 * f, cols = which ? f : L.D, ng = cols / L.G;
-                float *w = malloc(sizeof(float) * (size_t)rows * cols);
-                ASSERT_OK(mq_gpu_moe_emulate_dequant(&d, L.asym ? &zp : NULL, &a, e, which, w));
-                const size_t base = sh ? 0 : (size_t)e * rows * cols, sb = sh ? 0 : (size_t)e * rows * ng;
-                for (int r = 0; r < rows; r++)
-                    for (int k = 0; k < cols; k++) {
-                        const uint8_t c = L.c[i][base + (size_t)r * cols + k];
-                        const size_t si = sb + (size_t)r * ng + k / L.G;
-                        float want;
-                        if (L.nv) {
-                            want = (float)(mq_test_e2m1_dec(c) * mq_test_e4m3_dec(((const uint8_t *)L.s[i])[si]));
-                        } else {
-                            const int z = L.asym ? L.z[i][si] : 8;
-                            const float sc = mq_bf16_to_f32(mq_f32_to_bf16(((const float *)L.s[i])[si]));
-                            want = mq_bf16_to_f32(mq_f32_to_bf16(sc * (float)((int)c - z)));
-                        }
-                        const float got = w[(size_t)r * cols + k];
-                        total++;
-                        if (memcmp(&want, &got, 4) != 0 && !(want == 0 && got == 0)) {
-                            if (!bad)
-                                printf("    first difference: expert %d matrix %d row %d col %d: %.9g vs %.9g\n", e,
-                                       which, r, k, got, want);
-                            bad++;
-                        }
-                    }
-                free(w);
-            }
-        char nm[48];
-        printf("    [emulated] %-24s %lld weights decoded, %lld differ\n", scheme_name(&L, nm, sizeof nm),
-               (long long)total, (long long)bad);
-        ASSERT_EQ_INT(0, bad);
+        emu_dequant_ctx ctx = {&d, L.asym ? &zp : NULL, &a};
+        check_decoded(&L, "[emulated] ", emu_dequant, &ctx);
         layer_free(&L);
     }
 }

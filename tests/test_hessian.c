@@ -12,9 +12,7 @@
 
 static uint64_t g_rng = 7;
 static float rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     return (float)((double)(g_rng >> 11) * 0x1p-53 - 0.5);
 }
 
@@ -126,11 +124,9 @@ static void test_calib_chunks_and_random(void) {
 }
 
 static moeq_tokenizer *load_tok(void) {
-    moeq_tokenizer *tok = NULL;
     char path[4200];
     snprintf(path, sizeof path, "%s/tokenizer.json", mq_test_model("olmoe-tiny"));
-    ASSERT_OK(moeq_tokenizer_load(path, &tok));
-    return tok;
+    return mq_test_tokenizer(path);
 }
 
 static const char *write_tmp(const char *name, const char *text) {
@@ -187,28 +183,29 @@ static void test_calib_files(void) {
     ASSERT_EQ_INT(2, s.n);
     ASSERT_EQ_INT((int64_t)n3, s.len[0]);
     mq_calib_free(&s);
-    o.path = write_tmp("bad.jsonl", "{\"text\": \"fine\"}\n{\"txt\": 3}\n");
-    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
-    ASSERT_ERROR_MENTIONS("bad.jsonl:2");
-    o.path = write_tmp("empty.txt", "\n\n");
-    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
-    ASSERT_ERROR_MENTIONS("empty.txt");
-    o.mode = MQ_CALIB_CHUNKS;
-    o.path = write_tmp("empty2.txt", "");
-    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
-    ASSERT_ERROR_MENTIONS("empty2.txt");
-    o.path = "/nonexistent/calib.txt";
-    ASSERT_STATUS(MOEQ_E_IO, mq_calib_load(tok, &o, &s));
-    ASSERT_ERROR_MENTIONS("/nonexistent/calib.txt");
-    /* text that is not UTF-8: the error names the file, and a JSONL record's line (it named only
-     * "tokenizer"; found by fuzz_calib, tests/fuzz/regressions/calib/) */
-    o.path = write_tmp("latin1.txt", "caf\xe9 au lait\n");
-    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
-    ASSERT_ERROR_MENTIONS("latin1.txt: tokenizer: input is not valid UTF-8 at byte offset 3");
-    o.mode = MQ_CALIB_DOCS;
-    o.path = write_tmp("latin1.jsonl", "{\"text\": \"fine\"}\n\n{\"text\": \"caf\xe9\"}\n");
-    ASSERT_STATUS(MOEQ_E_FORMAT, mq_calib_load(tok, &o, &s));
-    ASSERT_ERROR_MENTIONS("latin1.jsonl:3: tokenizer: input is not valid UTF-8");
+    /* refused inputs, each with an error naming the file (and a JSONL record's line); text that is
+     * not UTF-8 named only "tokenizer" before (found by fuzz_calib, tests/fuzz/regressions/calib/) */
+    static const struct {
+        const char *name, *text;   /* text NULL: name is a path that does not exist */
+        mq_calib_mode mode;
+        moeq_status status;
+        const char *mention;
+    } bad[] = {
+        {"bad.jsonl", "{\"text\": \"fine\"}\n{\"txt\": 3}\n", MQ_CALIB_DOCS, MOEQ_E_FORMAT, "bad.jsonl:2"},
+        {"empty.txt", "\n\n", MQ_CALIB_DOCS, MOEQ_E_FORMAT, "empty.txt"},
+        {"empty2.txt", "", MQ_CALIB_CHUNKS, MOEQ_E_FORMAT, "empty2.txt"},
+        {"/nonexistent/calib.txt", NULL, MQ_CALIB_CHUNKS, MOEQ_E_IO, "/nonexistent/calib.txt"},
+        {"latin1.txt", "caf\xe9 au lait\n", MQ_CALIB_CHUNKS, MOEQ_E_FORMAT,
+         "latin1.txt: tokenizer: input is not valid UTF-8 at byte offset 3"},
+        {"latin1.jsonl", "{\"text\": \"fine\"}\n\n{\"text\": \"caf\xe9\"}\n", MQ_CALIB_DOCS, MOEQ_E_FORMAT,
+         "latin1.jsonl:3: tokenizer: input is not valid UTF-8"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        o.path = bad[i].text ? write_tmp(bad[i].name, bad[i].text) : bad[i].name;
+        o.mode = bad[i].mode;
+        ASSERT_STATUS(bad[i].status, mq_calib_load(tok, &o, &s));
+        ASSERT_ERROR_MENTIONS(bad[i].mention);
+    }
     o.mode = MQ_CALIB_CHUNKS;
     free(ids);
     free(d3);

@@ -237,8 +237,7 @@ static void test_threads_bit_identical(void) {
 
 /* moeq_model_open with the tokenizer, and the info it fills. */
 static void test_model_info(void) {
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(mq_test_repo("models/olmoe-tiny"), NULL, &m));
+    moeq_model *m = mq_test_open_model(mq_test_repo("models/olmoe-tiny"), NULL);
     const moeq_model_info *i = moeq_model_get_info(m);
     ASSERT_EQ_STR("olmoe", i->model_type);
     ASSERT_EQ_INT(4096, i->vocab_size);

@@ -7,53 +7,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "capture.h"
 #include "harness.h"
 #include "model/model.h"
-
-typedef struct {
-    int layer, site, expert;
-    int64_t rows, cols;
-    float *x;
-} capture;
-
-typedef struct {
-    capture c[256];
-    int n;
-} captures;
-
-static void on_capture(void *user, int layer, mq_site site, int expert, const float *x, int64_t rows,
-                       int64_t cols) {
-    captures *cs = user;
-    if (cs->n >= 256) return;
-    capture *c = &cs->c[cs->n++];
-    c->layer = layer;
-    c->site = site;
-    c->expert = expert;
-    c->rows = rows;
-    c->cols = cols;
-    c->x = malloc(sizeof(float) * (size_t)(rows * cols + 1));
-    memcpy(c->x, x, sizeof(float) * (size_t)(rows * cols));
-}
-
-static void free_captures(captures *cs) {
-    for (int i = 0; i < cs->n; i++) free(cs->c[i].x);
-    cs->n = 0;
-}
-
-static const capture *find(const captures *cs, int layer, int site, int expert) {
-    for (int i = 0; i < cs->n; i++)
-        if (cs->c[i].layer == layer && cs->c[i].site == site && cs->c[i].expert == expert)
-            return &cs->c[i];
-    return NULL;
-}
 
 static int32_t g_ids[48];
 static const int64_t T = 48;
 
 static moeq_model *open_dir(const char *dir) {
     moeq_model_options opt = {.no_tokenizer = 1};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &opt, &m));
+    moeq_model *m = mq_test_open_model(dir, &opt);
     for (int i = 0; i < T; i++) g_ids[i] = (int32_t)((i * 7919 + 13) % m->cfg.vocab);
     return m;
 }
@@ -69,7 +32,7 @@ static float *run(moeq_model *m, const mq_hooks *h) {
     return x;
 }
 
-static void check_order(const moeq_model *m, const captures *cs) {
+static void check_order(const moeq_model *m, const mq_test_captures *cs) {
     const mq_config *c = &m->cfg;
     int i = 0;
     for (int l = 0; l < c->n_layers; l++) {
@@ -116,7 +79,7 @@ static double dot(const float *a, const float *b, int64_t n) {
 
 /* Experts of one MoE layer: rows are the naive router's picks, down input is SwiGLU of them. */
 /* tol 0: rows must equal xn bit for bit; else within tol (xn rebuilt by the test). */
-static void check_experts(const moeq_model *m, const captures *cs, int l, const float *xn,
+static void check_experts(const moeq_model *m, const mq_test_captures *cs, int l, const float *xn,
                           double tol) {
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
@@ -137,7 +100,7 @@ static void check_experts(const moeq_model *m, const captures *cs, int l, const 
         }
         /* Tokens are listed in increasing order within an expert: token t is the next row. */
         for (int64_t k = 0; k < K; k++) {
-            const capture *x = find(cs, l, MQ_SITE_EXPERT, best[k]);
+            const mq_test_capture *x = mq_test_find_capture(cs, l, MQ_SITE_EXPERT, best[k]);
             ASSERT_TRUE(x != NULL);
             ASSERT_TRUE(next[best[k]] < x->rows);
             const float *row = x->x + next[best[k]]++ * D;
@@ -152,8 +115,8 @@ static void check_experts(const moeq_model *m, const captures *cs, int l, const 
         }
     }
     for (int64_t e = 0; e < E; e++) {
-        const capture *x = find(cs, l, MQ_SITE_EXPERT, (int)e);
-        const capture *h = find(cs, l, MQ_SITE_EXPERT_DOWN, (int)e);
+        const mq_test_capture *x = mq_test_find_capture(cs, l, MQ_SITE_EXPERT, (int)e);
+        const mq_test_capture *h = mq_test_find_capture(cs, l, MQ_SITE_EXPERT_DOWN, (int)e);
         ASSERT_EQ_INT(next[e], x->rows);
         ASSERT_EQ_INT(x->rows, h->rows);
         ASSERT_EQ_INT(D, x->cols);
@@ -174,15 +137,15 @@ static void check_experts(const moeq_model *m, const captures *cs, int l, const 
 static void hooks_for(const char *dir) {
     moeq_model *m = open_dir(dir);
     const mq_config *c = &m->cfg;
-    captures *cs = calloc(1, sizeof *cs);
-    mq_hooks h = {on_capture, cs};
+    mq_test_captures *cs = calloc(1, sizeof *cs);
+    mq_hooks h = {mq_test_on_capture, cs};
     float *plain = run(m, NULL);
     float *hooked = run(m, &h);
     ASSERT_TRUE(memcmp(plain, hooked, sizeof(float) * (size_t)(T * c->D)) == 0);
     check_order(m, cs);
 
     /* Layer 0's QKV input is RMSNorm of the embeddings. */
-    const capture *q = find(cs, 0, MQ_SITE_QKV, -1);
+    const mq_test_capture *q = mq_test_find_capture(cs, 0, MQ_SITE_QKV, -1);
     ASSERT_EQ_INT(T, q->rows);
     ASSERT_EQ_INT(c->D, q->cols);
     float *row = malloc(sizeof(float) * (size_t)c->D);
@@ -190,7 +153,7 @@ static void hooks_for(const char *dir) {
         ref_rmsnorm(m->embed + (int64_t)g_ids[t] * c->D, c->D, m->layers[0].attn_norm, c->rms_eps, row);
         for (int64_t i = 0; i < c->D; i++) ASSERT_NEAR(row[i], q->x[t * c->D + i], 1e-5);
     }
-    const capture *o = find(cs, 0, MQ_SITE_O, -1);
+    const mq_test_capture *o = mq_test_find_capture(cs, 0, MQ_SITE_O, -1);
     ASSERT_EQ_INT(T, o->rows);
     ASSERT_EQ_INT((int64_t)c->n_heads * c->head_dim, o->cols);
 
@@ -198,11 +161,11 @@ static void hooks_for(const char *dir) {
         if (!c->layer_is_moe[l]) continue;
         /* The shared expert sees every token's input: use it as the layer's xn (qwen2_moe); for
          * olmoe rebuild xn from the expert rows themselves, which check_experts re-derives. */
-        const capture *sh = find(cs, l, MQ_SITE_SHARED, -1);
+        const mq_test_capture *sh = mq_test_find_capture(cs, l, MQ_SITE_SHARED, -1);
         if (sh) {
             ASSERT_EQ_INT(T, sh->rows);
             check_experts(m, cs, l, sh->x, 0);
-            const capture *ffn = find(cs, l, MQ_SITE_FFN, -1);
+            const mq_test_capture *ffn = mq_test_find_capture(cs, l, MQ_SITE_FFN, -1);
             ASSERT_TRUE(ffn != NULL && ffn->rows == T);
             ASSERT_TRUE(memcmp(ffn->x, sh->x, sizeof(float) * (size_t)(T * c->D)) == 0);
         } else {
@@ -217,7 +180,7 @@ static void hooks_for(const char *dir) {
             ASSERT_OK(mq_embed(m, g_ids, T, xin));
             ASSERT_OK(mq_forward_layers(m, st, xin, T, 0, 0, l, NULL));
             mq_state_free(st);
-            const capture *att = find(cs, l, MQ_SITE_O, -1);
+            const mq_test_capture *att = mq_test_find_capture(cs, l, MQ_SITE_O, -1);
             const mq_layer *ly = &m->layers[l];
             for (int64_t t = 0; t < T; t++) {
                 for (int64_t i = 0; i < D; i++)
@@ -227,7 +190,7 @@ static void hooks_for(const char *dir) {
             check_experts(m, cs, l, xn, 1e-4);
             /* the FFN site reports that input as the experts see it: within the same tolerance
              * of the rebuild, and bit for bit what they gather */
-            const capture *ffn = find(cs, l, MQ_SITE_FFN, -1);
+            const mq_test_capture *ffn = mq_test_find_capture(cs, l, MQ_SITE_FFN, -1);
             ASSERT_TRUE(ffn != NULL);
             ASSERT_EQ_INT(T, ffn->rows);
             ASSERT_EQ_INT(D, ffn->cols);
@@ -241,7 +204,7 @@ static void hooks_for(const char *dir) {
     free(row);
     free(plain);
     free(hooked);
-    free_captures(cs);
+    mq_test_free_captures(cs);
     free(cs);
     moeq_model_free(m);
 }

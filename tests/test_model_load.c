@@ -72,23 +72,12 @@ static void add_copy(mq_st_writer *w, const mq_tensor_view *t) {
     ASSERT_OK(mq_stw_add(w, t->name, t->dtype, t->ndim, t->shape, t->data, t->nbytes));
 }
 
-static void write_st(mq_st_writer *w, const char *dir) {
-    char *p = mq_path_join(dir, "model.safetensors");
-    ASSERT_OK(mq_stw_write(w, p));
-    free(p);
-    mq_stw_free(w);
-}
-
 /* Logits of the golden's input ids through moeq_session_forward. */
 static float *logits_of(const char *dir, const int32_t *ids, int64_t T, int64_t V) {
-    moeq_model *m = NULL;
     moeq_model_options opt = {.no_tokenizer = 1};
-    ASSERT_OK(moeq_model_open(dir, &opt, &m));
-    moeq_session *s = NULL;
-    ASSERT_OK(moeq_session_create(m, (int32_t)T, &s));
-    float *out = malloc(sizeof(float) * (size_t)(T * V));
-    ASSERT_OK(moeq_session_forward(s, ids, (int32_t)T, out));
-    moeq_session_free(s);
+    moeq_model *m = mq_test_open_model(dir, &opt);
+    ASSERT_EQ_INT(V, moeq_model_get_info(m)->vocab_size);
+    float *out = mq_test_logits(m, ids, (int32_t)T);
     moeq_model_free(m);
     return out;
 }
@@ -157,7 +146,7 @@ static void build_mixtral_from_llama(const char *dst, int n_layers, int window) 
         snprintf(name, sizeof name, "model.layers.%d.block_sparse_moe.gate.weight", l);
         add_f32(w, name, 2, shape, router);
     }
-    write_st(w, dst);
+    mq_test_write_model_st(w, dst);
     char *cfg = read_text(src, "config.json");
     char extra[200], layers[64];
     snprintf(extra, sizeof extra, "\"model_type\": \"mixtral\", \"num_local_experts\": 4, "
@@ -368,8 +357,7 @@ static int linear_differs(const mq_linear *a, const mq_linear *b) {
 }
 
 static void check_lazy_pieces(const char *dir) {
-    moeq_model *full = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &full));
+    moeq_model *full = mq_test_open_model(dir, NULL);
     if (!full) return;
     const int64_t pieces[] = {1, 1000, 0};
     for (size_t k = 0; k < sizeof pieces / sizeof pieces[0]; k++) {
@@ -408,8 +396,7 @@ static void check_lazy_pieces(const char *dir) {
  * a load after the finish keeps its buffers (they count as loaded), a cancel frees them, and
  * what is loaded already is not read ahead. */
 static void check_lazy_ahead(const char *dir) {
-    moeq_model *full = NULL;
-    ASSERT_OK(moeq_model_open(dir, NULL, &full));
+    moeq_model *full = mq_test_open_model(dir, NULL);
     if (!full) return;
     const int64_t pieces[] = {1000, 0};
     for (size_t k = 0; k < 2; k++) {
@@ -509,7 +496,7 @@ static void test_missing_and_misshapen_listed_together(void) {
         }
         add_copy(w, t);
     }
-    write_st(w, dst);
+    mq_test_write_model_st(w, dst);
     char *cfg = read_text(src, "config.json");
     write_text(dst, "config.json", cfg);
     moeq_model *m = NULL;

@@ -15,17 +15,9 @@
 /* ---- random data ---------------------------------------------------------------------------- */
 static uint64_t g_rng = 1;
 static void seed(uint64_t s) { g_rng = s * 0x9E3779B97F4A7C15ull + 1; }
-static uint32_t rnd_u32(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 16);
-}
-static float rnd_unit(void) { return (float)(rnd_u32() & 0xffffff) * 0x1p-24f; }
-static float rnd_normal(void) {
-    float u1 = rnd_unit() + 0x1p-25f, u2 = rnd_unit();
-    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
-}
+static uint32_t rnd_u32(void) { return (uint32_t)(mq_test_xorshift(&g_rng) >> 16); }
+static float rnd_unit(void) { return mq_test_rnd_unitf(&g_rng); }
+static float rnd_normal(void) { return mq_test_rnd_normalf(&g_rng); }
 
 /* (the test's own E2M1 and E4M3 decoders are the harness's mq_test_e2m1_dec, mq_test_e4m3_dec) */
 
@@ -127,19 +119,12 @@ static moeq_moe_qweight qw(const problem *p, const uint8_t *codes, const void *s
 }
 
 static moeq_moe_experts_desc desc_of(const problem *p, float *gu_g_compact) {
-    moeq_moe_experts_desc d;
-    memset(&d, 0, sizeof d);
-    d.scheme = p->nvfp4 ? MOEQ_MOE_NVFP4 : MOEQ_MOE_INT4;
-    d.group_size = p->group;
-    d.n_experts = p->E;
-    d.hidden = p->D;
-    d.ffn = p->F;
+    moeq_moe_experts_desc d = mq_test_moe_desc(p->nvfp4, p->group, p->E, p->D, p->F, p->Fs);
     /* [E] global scales are the gate entries of the [E, 2] array, compacted by the caller */
     for (int e = 0; e < p->E; e++) gu_g_compact[e] = p->gu_g[2 * e];
     d.gate_up = qw(p, p->gu_c, p->gu_s, p->gu_g_pairs ? p->gu_g : gu_g_compact, p->gu_g_pairs, p->E,
                    2 * p->F, p->D);
     d.down = qw(p, p->dn_c, p->dn_s, p->dn_g, 0, p->E, p->D, p->F);
-    d.shared_ffn = p->Fs;
     if (p->Fs) {
         d.shared_gate_up = qw(p, p->sgu_c, p->sgu_s, p->sgu_g, p->gu_g_pairs, 0, 2 * p->Fs, p->D);
         d.shared_down = qw(p, p->sdn_c, p->sdn_s, &p->sdn_g, 0, 0, p->D, p->Fs);

@@ -52,16 +52,9 @@ static void fill_buffers(void) {
 /* A valid descriptor: INT4 g32 or NVFP4, with a shared expert. */
 static moeq_moe_experts_desc valid_desc(int nvfp4) {
     fill_buffers();
-    moeq_moe_experts_desc d;
-    memset(&d, 0, sizeof d);
     const int g = nvfp4 ? 16 : 32;
     const moeq_dtype sdt = nvfp4 ? MOEQ_DT_F8_E4M3 : MOEQ_DT_F32;
-    d.scheme = nvfp4 ? MOEQ_MOE_NVFP4 : MOEQ_MOE_INT4;
-    d.group_size = g;
-    d.n_experts = E;
-    d.hidden = D;
-    d.ffn = F;
-    d.shared_ffn = FS;
+    moeq_moe_experts_desc d = mq_test_moe_desc(nvfp4, g, E, D, F, FS);
     d.gate_up.codes = tr(g_guc, MOEQ_DT_U8, 3, E, 2 * F, D);
     d.gate_up.scales = tr(g_gus, sdt, 3, E, 2 * F, D / g);
     d.down.codes = tr(g_dnc, MOEQ_DT_U8, 3, E, D, F);

@@ -16,9 +16,7 @@
 
 static uint64_t g_rng = 7;
 static uint32_t rnd(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     return (uint32_t)(g_rng >> 11);
 }
 static float rnd_sym(void) { return (float)(rnd() & 0xffffff) * 0x1p-23f - 1.0f; }

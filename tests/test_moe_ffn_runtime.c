@@ -14,13 +14,9 @@
 
 static uint64_t g_rng = 3;
 static float rnd_normal(void) {
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     float u1 = ((float)(g_rng >> 40) + 0.5f) * 0x1p-24f;
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
+    mq_test_xorshift(&g_rng);
     float u2 = (float)(g_rng >> 40) * 0x1p-24f;
     return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
 }
@@ -157,17 +153,10 @@ static moeq_moe_experts *pack_via_desc(const mq_qtensor *gate, const mq_qtensor 
     }
     uint8_t *sdnc = malloc(D * FS);
     memcpy(sdnc, sh[2].codes, D * FS);
-    moeq_moe_experts_desc d;
-    memset(&d, 0, sizeof d);
     const moeq_dtype sdt = nv ? MOEQ_DT_F8_E4M3 : MOEQ_DT_F32;
     const size_t ss = nv ? 1 : 4;
-    d.scheme = nv ? MOEQ_MOE_NVFP4 : MOEQ_MOE_INT4;
-    d.group_size = (int32_t)g;
+    moeq_moe_experts_desc d = mq_test_moe_desc(nv, (int)g, (int)E, (int)D, (int)F, (int)FS);
     d.nvfp4_global_multiplier = nv && gate[0].spec.nvfp4_conv == MQ_NVFP4_MUL;
-    d.n_experts = E;
-    d.hidden = D;
-    d.ffn = F;
-    d.shared_ffn = FS;
     d.gate_up.codes = tr(guc, MOEQ_DT_U8, 3, E, 2 * F, D, 1);
     d.gate_up.scales = tr(gus, sdt, 3, E, 2 * F, D / g, ss);
     d.down.codes = tr(dnc, MOEQ_DT_U8, 3, E, D, F, 1);

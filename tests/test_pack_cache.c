@@ -29,8 +29,7 @@ static void make_ckpt(const char *out, mq_qscheme sch) {
 
 static moeq_model *open_packed(const char *src, mq_pack_cache_state want) {
     moeq_model_options o = {.keep_packed = 1, .no_tokenizer = 1};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(src, &o, &m));
+    moeq_model *m = mq_test_open_model(src, &o);
     if (m) ASSERT_EQ_INT(want, mq_pack_cache_state_of(m->pcache));
     return m;
 }
@@ -88,15 +87,9 @@ static void same_packed(const moeq_model *a, const moeq_model *b) {
     ASSERT_TRUE(n_blobs >= a->cfg.n_layers);   /* the comparison compared something */
     const int32_t ids[5] = {11, 300, 2047, 5, 4000};
     const int64_t V = a->cfg.vocab;
-    float *la = malloc(sizeof(float) * 5 * (size_t)V), *lb = malloc(sizeof(float) * 5 * (size_t)V);
-    moeq_session *sa = NULL, *sb = NULL;
-    ASSERT_OK(moeq_session_create(a, 5, &sa));
-    ASSERT_OK(moeq_session_create(b, 5, &sb));
-    ASSERT_OK(moeq_session_forward(sa, ids, 5, la));
-    ASSERT_OK(moeq_session_forward(sb, ids, 5, lb));
+    ASSERT_EQ_INT(V, b->cfg.vocab);
+    float *la = mq_test_logits(a, ids, 5), *lb = mq_test_logits(b, ids, 5);
     ASSERT_TRUE(memcmp(la, lb, sizeof(float) * 5 * (size_t)V) == 0);
-    moeq_session_free(sa);
-    moeq_session_free(sb);
     free(la), free(lb);
 }
 
@@ -112,6 +105,13 @@ static void rewrite(const char *path, const char *data, size_t n) {
     if (f) fclose(f);
 }
 
+/* src opens packed with the cache as `how` says, holding what the fresh packing holds. */
+static void opens_same(const char *src, mq_pack_cache_state how, const moeq_model *fresh) {
+    moeq_model *m = open_packed(src, how);
+    if (m && fresh) same_packed(m, fresh);
+    moeq_model_free(m);
+}
+
 /* The cache of src (a file or folder) in a folder of the case's own. */
 static void cache_cycle(const char *src, const char *tag, bool file_src) {
     char dir[1100];
@@ -123,9 +123,7 @@ static void cache_cycle(const char *src, const char *tag, bool file_src) {
     char path[1300];
     snprintf(path, sizeof path, "%s", built ? mq_pack_cache_path(built->pcache) : "");
     moeq_model_free(built);
-    moeq_model *mapped = open_packed(src, MQ_PACK_CACHE_MAPPED);
-    if (fresh && mapped) same_packed(mapped, fresh);
-    moeq_model_free(mapped);
+    opens_same(src, MQ_PACK_CACHE_MAPPED, fresh);
     size_t n;
     char *good = slurp(path, &n);
     if (!good) return;
@@ -138,9 +136,7 @@ static void cache_cycle(const char *src, const char *tag, bool file_src) {
         if (k < 3) bad[at[k]] ^= 0x20;
         rewrite(path, bad, k < 3 ? n : n / 2);
         free(bad);
-        moeq_model *m = open_packed(src, MQ_PACK_CACHE_REBUILT);
-        if (m && fresh) same_packed(m, fresh);
-        moeq_model_free(m);
+        opens_same(src, MQ_PACK_CACHE_REBUILT, fresh);
         size_t n2;
         char *again = slurp(path, &n2);
         ASSERT_TRUE(again && n2 == n && memcmp(again, good, n) == 0);

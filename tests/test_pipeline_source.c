@@ -50,12 +50,7 @@ static void test_config_read_once(void) {
     o.rotate = MOEQ_ROTATE_NONE;
     o.format = MOEQ_FORMAT_GGUF;
     ASSERT_EQ_INT(1, reads_of(&o, "q.gguf"));
-    moeq_quant_options_init(&o);
-    o.scheme = MOEQ_QUANT_NVFP4A16;
-    o.method = MOEQ_QUANT_GPTQ;
-    o.calib = calib_file();
-    o.gptq.nsamples = 2;
-    o.gptq.seqlen = 16;
+    o = mq_test_gptq_options(MOEQ_QUANT_NVFP4A16, calib_file(), 2, 16);
     ASSERT_EQ_INT(1, reads_of(&o, "gptq"));
     o.rotate = MOEQ_ROTATE_RESIDUAL;
     ASSERT_EQ_INT(1, reads_of(&o, "gptq-rotated"));

@@ -19,25 +19,6 @@
 
 /* ---- small file helpers ---------------------------------------------------------------------- */
 
-static char *slurp(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) {
-        free(b);
-        b = NULL;
-    }
-    fclose(f);
-    if (b) {
-        b[n] = 0;
-        if (len) *len = (size_t)n;
-    }
-    return b;
-}
-
 static char *path2(const char *dir, const char *name) {
     static char buf[4][1024];
     static int k;
@@ -49,15 +30,6 @@ static char *path2(const char *dir, const char *name) {
 static int exists(const char *path) {
     struct stat s;
     return stat(path, &s) == 0;
-}
-
-static int same_file(const char *a, const char *b) {
-    size_t na = 0, nb = 0;
-    char *x = slurp(a, &na), *y = slurp(b, &nb);
-    int same = x && y && na == nb && memcmp(x, y, na) == 0;
-    free(x);
-    free(y);
-    return same;
 }
 
 /* Copies a path2() result out of its rotating buffer. */
@@ -86,7 +58,7 @@ typedef struct {
 } st_file;
 
 static int st_open(const char *path, st_file *f) {
-    f->buf = slurp(path, &f->len);
+    f->buf = mq_test_slurp(path, &f->len);
     if (!f->buf || f->len < 8) return 0;
     memcpy(&f->hlen, f->buf, 8);   /* little-endian host */
     return f->hlen + 8 <= f->len;
@@ -111,19 +83,13 @@ static const uint8_t *st_get(const st_file *f, const char *name, const char *dty
 }
 
 static float bf16_at(const uint8_t *p, size_t i) {
-    uint32_t u = (uint32_t)(p[2 * i] | p[2 * i + 1] << 8) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return mq_test_f32_from_bits((uint32_t)(p[2 * i] | p[2 * i + 1] << 8) << 16);
 }
 
 /* fp32 -> bf16 -> fp32, round to nearest even (finite inputs). */
 static float round_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, 4);
-    return x;
+    const uint32_t u = mq_test_f32_bits(x);
+    return mq_test_f32_from_bits((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
 
 /* The source weight of `module` as fp32 ([rows, cols]). */
@@ -288,7 +254,8 @@ static const char *model_dir(void) {
 }
 
 static int file_mentions(const char *path, const char *what) {
-    char *s = slurp(path, NULL);
+    size_t n;
+    char *s = mq_test_slurp(path, &n);
     int yes = s && strstr(s, what) != NULL;
     free(s);
     return yes;
@@ -485,26 +452,25 @@ static void test_rtn_int4(void) {
     ASSERT_EQ_INT(0, check_int4(&f, "model.layers.1.mlp.experts.5.down_proj", 256, 256, false));
     ASSERT_EQ_INT(0, check_int4(&f, "model.layers.2.self_attn.k_proj", 256, 256, false));
     free(f.buf);
-    ASSERT_FALSE(same_file(path2(out, "model.safetensors"), path2(pos, "model.safetensors")));
+    ASSERT_FALSE(mq_test_same_file(path2(out, "model.safetensors"), path2(pos, "model.safetensors")));
     int prc = run_cli(pos_cli, "--scheme int4 --int4-scale-sign positive");
     if (prc >= 0) {
         ASSERT_EQ_INT(0, prc);
-        ASSERT_TRUE(same_file(path2(pos, "model.safetensors"), path2(pos_cli, "model.safetensors")));
+        ASSERT_TRUE(mq_test_same_file(path2(pos, "model.safetensors"), path2(pos_cli, "model.safetensors")));
     }
 
     /* the checkpoint loads; same options give the same bytes, through the API and the CLI */
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(out, NULL, &m));
+    moeq_model *m = mq_test_open_model(out, NULL);
     if (m) ASSERT_EQ_STR("compressed-tensors/pack-quantized", moeq_model_get_info(m)->quant_scheme);
     moeq_model_free(m);
     ASSERT_OK(moeq_quantize(model_dir(), again, &o, NULL));
-    ASSERT_TRUE(same_file(path2(out, "model.safetensors"), path2(again, "model.safetensors")));
-    ASSERT_TRUE(same_file(path2(out, "config.json"), path2(again, "config.json")));
+    ASSERT_TRUE(mq_test_same_file(path2(out, "model.safetensors"), path2(again, "model.safetensors")));
+    ASSERT_TRUE(mq_test_same_file(path2(out, "config.json"), path2(again, "config.json")));
     int rc = run_cli(cli, "--scheme int4");
     if (rc >= 0) {
         ASSERT_EQ_INT(0, rc);
-        ASSERT_TRUE(same_file(path2(out, "model.safetensors"), path2(cli, "model.safetensors")));
-        ASSERT_TRUE(same_file(path2(out, "config.json"), path2(cli, "config.json")));
+        ASSERT_TRUE(mq_test_same_file(path2(out, "model.safetensors"), path2(cli, "model.safetensors")));
+        ASSERT_TRUE(mq_test_same_file(path2(out, "config.json"), path2(cli, "config.json")));
     }
 
     /* an existing output: refused and left alone without force, replaced with it */
@@ -513,7 +479,7 @@ static void test_rtn_int4(void) {
     ASSERT_ERROR_MENTIONS(out);
     ASSERT_ERROR_MENTIONS("already exists");
     ASSERT_EQ_INT(0, r.linears_quantized);
-    ASSERT_TRUE(same_file(path2(out, "model.safetensors"), path2(again, "model.safetensors")));
+    ASSERT_TRUE(mq_test_same_file(path2(out, "model.safetensors"), path2(again, "model.safetensors")));
     ASSERT_TRUE(file_mentions(path2(out, "config.json"), "\"pack-quantized\""));
     o.force = 1;
     ASSERT_OK(moeq_quantize(model_dir(), out, &o, NULL));
@@ -545,8 +511,7 @@ static void test_rtn_nvfp4a16(void) {
     size_t nb = 0;
     ASSERT_TRUE(st_get(&f, "model.layers.3.self_attn.q_proj.weight", "BF16", &nb) != NULL);
     free(f.buf);
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(out, NULL, &m));
+    moeq_model *m = mq_test_open_model(out, NULL);
     if (m)
         ASSERT_EQ_STR("compressed-tensors/nvfp4-pack-quantized",
                       moeq_model_get_info(m)->quant_scheme);
@@ -554,8 +519,8 @@ static void test_rtn_nvfp4a16(void) {
     int rc = run_cli(cli, "--scheme nvfp4a16 --ignore 'layers\\.3\\.self_attn'");
     if (rc >= 0) {
         ASSERT_EQ_INT(0, rc);
-        ASSERT_TRUE(same_file(path2(out, "model.safetensors"), path2(cli, "model.safetensors")));
-        ASSERT_TRUE(same_file(path2(out, "config.json"), path2(cli, "config.json")));
+        ASSERT_TRUE(mq_test_same_file(path2(out, "model.safetensors"), path2(cli, "model.safetensors")));
+        ASSERT_TRUE(mq_test_same_file(path2(out, "config.json"), path2(cli, "config.json")));
     }
 }
 
@@ -591,13 +556,7 @@ static void test_gptq_small(void) {
                    "were striking thirteen on a bright cold day in April while rivers ran to the "
                    "sea.\n", i);
     fclose(f);
-    moeq_quant_options o;
-    moeq_quant_options_init(&o);
-    o.scheme = MOEQ_QUANT_INT4;
-    o.method = MOEQ_QUANT_GPTQ;
-    o.calib = calib;
-    o.gptq.nsamples = 4;
-    o.gptq.seqlen = 24;
+    moeq_quant_options o = mq_test_gptq_options(MOEQ_QUANT_INT4, calib, 4, 24);
     o.gptq.expert_fallback = MOEQ_EXPERT_FALLBACK_RTN;
     o.gptq.min_expert_tokens = 8;
     moeq_quant_result r;
@@ -614,8 +573,7 @@ static void test_gptq_small(void) {
     ASSERT_TRUE(file_mentions(path2(out, "gptq_report.json"), "\"mse_weight\":\t\"gptq\""));
 
     /* loadable, and it runs */
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(out, NULL, &m));
+    moeq_model *m = mq_test_open_model(out, NULL);
     if (!m) return;
     ASSERT_EQ_STR("compressed-tensors/pack-quantized", moeq_model_get_info(m)->quant_scheme);
     moeq_session *s = NULL;
@@ -670,13 +628,7 @@ static void test_progress_reaches_total(void) {
     const char *tmp = mq_test_tmpdir();
     char out[1024];
     keep(out, path2(tmp, "progress"));
-    moeq_quant_options o;
-    moeq_quant_options_init(&o);
-    o.scheme = MOEQ_QUANT_INT4;
-    o.method = MOEQ_QUANT_GPTQ;
-    o.calib = mq_test_calib_text();
-    o.gptq.nsamples = 4;
-    o.gptq.seqlen = 16;
+    moeq_quant_options o = mq_test_gptq_options(MOEQ_QUANT_INT4, mq_test_calib_text(), 4, 16);
     o.gptq.expert_fallback = MOEQ_EXPERT_FALLBACK_RTN;
     o.group_size = 16;   /* the fixture's widths (80, 32) take groups of 16 */
     progress_seen seen = {0, 0, 0, 0};

@@ -203,17 +203,6 @@ static void rotate_model(moeq_model *m, const mq_rotation *r, bool fold) {
     }
 }
 
-static float *logits_of(const moeq_model *m, const int32_t *ids, int32_t T) {
-    const int64_t V = m->cfg.vocab;
-    float *out = malloc(sizeof(float) * (size_t)(T * V));
-    moeq_session *s = NULL;
-    ASSERT_TRUE(out != NULL);
-    ASSERT_OK(moeq_session_create(m, T, &s));
-    ASSERT_OK(moeq_session_forward(s, ids, T, out));
-    moeq_session_free(s);
-    return out;
-}
-
 static void check_model(const char *name, int block) {
     const char *dir = mq_test_model(name);
     char path[1024];
@@ -233,7 +222,7 @@ static void check_model(const char *name, int block) {
     enum { T = 48 };
     int32_t ids[T];
     for (int t = 0; t < T; t++) ids[t] = (int32_t)((t * 977 + 13) % m0->cfg.vocab);
-    float *a = logits_of(m0, ids, T), *b = logits_of(m1, ids, T), *c = logits_of(m2, ids, T);
+    float *a = mq_test_logits(m0, ids, T), *b = mq_test_logits(m1, ids, T), *c = mq_test_logits(m2, ids, T);
     const size_t n = (size_t)T * (size_t)m0->cfg.vocab;
     double amax = 0, d1 = 0, d2 = 0;
     size_t nonfinite = 0;   /* counted apart: a NaN would pass a max that skips it */

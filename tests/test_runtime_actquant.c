@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "pipeline/pipeline.h"
+#include "capture.h"
 #include "formats/formats.h"
 #include "harness.h"
 #include "model/model.h"
@@ -34,36 +35,11 @@ static int g_kind = MOEQ_ACT_QUANT_NVFP4;   /* the quantizer under test (moeq_ac
  * rather than g_kind everywhere */
 static bool g_by_linear = false;
 
-typedef struct {
-    int site, expert;
-    int64_t rows, cols;
-    float *x;
-} capture;
-
-typedef struct {
-    capture c[64];
-    int n;
-} captures;
-
-static void on_capture(void *user, int layer, mq_site site, int expert, const float *x,
-                       int64_t rows, int64_t cols) {
-    (void)layer;
-    captures *cs = user;
-    if (cs->n >= 64) return;
-    capture *c = &cs->c[cs->n++];
-    c->site = site;
-    c->expert = expert;
-    c->rows = rows;
-    c->cols = cols;
-    c->x = malloc(sizeof(float) * (size_t)(rows * cols + 1));
-    memcpy(c->x, x, sizeof(float) * (size_t)(rows * cols));
-}
-
-static const capture *find(const captures *cs, int site, int expert) {
-    for (int i = 0; i < cs->n; i++)
-        if (cs->c[i].site == site && cs->c[i].expert == expert) return &cs->c[i];
-    FAIL("no capture for site %d expert %d", site, expert);
-    return NULL;
+/* The capture of site and expert (one layer's captures). */
+static const mq_test_capture *find(const mq_test_captures *cs, int site, int expert) {
+    const mq_test_capture *c = mq_test_find_capture(cs, -1, site, expert);
+    if (!c) FAIL("no capture for site %d expert %d", site, expert);
+    return c;
 }
 
 /* ---- reference pieces (double) -------------------------------------------------------------- */
@@ -208,12 +184,12 @@ static double *down_of(const mq_linear *d, const float *h, int64_t rows, bool q)
 /* Checks layer l (x_in -> x_out) and the inputs its hooks captured against the recomputation
  * with the quantizer (must match) and without it (must not). */
 static void check_layer(const moeq_model *m, int l, const float *x_in, const float *x_out,
-                        const captures *cs) {
+                        const mq_test_captures *cs) {
     const mq_config *c = &m->cfg;
     const mq_layer *ly = &m->layers[l];
     int64_t D = c->D, Q = (int64_t)c->n_heads * c->head_dim;
     /* hooks see the unquantized QKV input: RMSNorm(x) */
-    const capture *cq = find(cs, MQ_SITE_QKV, -1), *co = find(cs, MQ_SITE_O, -1);
+    const mq_test_capture *cq = find(cs, MQ_SITE_QKV, -1), *co = find(cs, MQ_SITE_O, -1);
     if (!cq || !co) return;
     double *xn = malloc(sizeof(double) * (size_t)(T * D));
     for (int64_t i = 0; i < T * D; i++) xn[i] = x_in[i];
@@ -236,7 +212,7 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
 
     double *ffn_q = calloc((size_t)(T * D), sizeof(double)), *ffn_p = calloc((size_t)(T * D), sizeof(double));
     if (!ly->is_moe) {
-        const capture *cm = find(cs, MQ_SITE_MLP, -1), *cd = find(cs, MQ_SITE_MLP_DOWN, -1);
+        const mq_test_capture *cm = find(cs, MQ_SITE_MLP, -1), *cd = find(cs, MQ_SITE_MLP_DOWN, -1);
         if (!cm || !cd) return;
         if (!(relerr(hn, cm->x, T * D) < TOL)) FAIL("layer %d: the MLP hook does not see RMSNorm(h)", l);
         double *a = swiglu_in(&ly->gate, &ly->up, cm->x, T, true);
@@ -277,7 +253,7 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
         }
         int whole_differs = 0;
         for (int64_t e = 0; e < E; e++) {
-            const capture *ci = find(cs, MQ_SITE_EXPERT, (int)e), *cd = find(cs, MQ_SITE_EXPERT_DOWN, (int)e);
+            const mq_test_capture *ci = find(cs, MQ_SITE_EXPERT, (int)e), *cd = find(cs, MQ_SITE_EXPERT_DOWN, (int)e);
             if (!ci || !cd) return;
             int64_t rows = 0, tok[T];
             for (int64_t t = 0; t < T; t++)
@@ -339,7 +315,7 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
         if (g_kind == MOEQ_ACT_QUANT_Q8_0 && whole_differs > 0)   /* row-local: no difference */
             FAIL("layer %d: Q8_0 of the routed rows differs from Q8_0 of the whole input", l);
         if (c->shared_ffn > 0) {
-            const capture *ci = find(cs, MQ_SITE_SHARED, -1), *cd = find(cs, MQ_SITE_SHARED_DOWN, -1);
+            const mq_test_capture *ci = find(cs, MQ_SITE_SHARED, -1), *cd = find(cs, MQ_SITE_SHARED_DOWN, -1);
             if (!ci || !cd) return;
             if (!(relerr(hn, ci->x, T * D) < TOL)) FAIL("layer %d: the shared expert input", l);
             double *a = swiglu_in(&ly->sh_gate, &ly->sh_up, ci->x, T, true);
@@ -387,8 +363,7 @@ static void check_layer(const moeq_model *m, int l, const float *x_in, const flo
 
 static void layers_at(const char *path, const char *name) {
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = g_kind};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(path, &mo, &m));
+    moeq_model *m = mq_test_open_model(path, &mo);
     if (!m) return;
     ASSERT_TRUE(m->cfg.sliding_window == 0 || m->cfg.sliding_window >= T);
     ASSERT_TRUE(m->cfg.n_experts <= 64 && m->cfg.top_k <= 8);
@@ -400,12 +375,12 @@ static void layers_at(const char *path, const char *name) {
     ASSERT_OK(mq_state_new(m, T, &st));
     ASSERT_OK(mq_embed(m, ids, T, x));
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        captures cs = {.n = 0};
-        mq_hooks hk = {on_capture, &cs};
+        mq_test_captures cs = {.n = 0};
+        mq_hooks hk = {mq_test_on_capture, &cs};
         memcpy(xin, x, sizeof(float) * (size_t)(T * D));
         ASSERT_OK(mq_forward_layers(m, st, x, T, 0, l, l + 1, &hk));
         check_layer(m, l, xin, x, &cs);
-        for (int i = 0; i < cs.n; i++) free(cs.c[i].x);
+        mq_test_free_captures(&cs);
     }
     /* the logits: lm_head(final_norm(x)), lm_head's input rounded where it is marked */
     double *xn = malloc(sizeof(double) * (size_t)(T * D)), *ref = malloc(sizeof(double) * (size_t)(T * V));
@@ -475,8 +450,7 @@ static void test_only_quantized_linears(void) {
     q.n_ignore = 1;
     ASSERT_OK(mq_pipeline_run(src, dir, &q, NULL));
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_NVFP4};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &mo, &m));
+    moeq_model *m = mq_test_open_model(dir, &mo);
     if (!m) return;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const mq_layer *ly = &m->layers[l];
@@ -496,7 +470,7 @@ static void test_only_quantized_linears(void) {
 
 /* W4A4 emulation on the unquantized model: the perplexity moves a little; without act_quant the
  * result is the default model's bit for bit. */
-static void eval_perplexity(moeq_docs *docs, moeq_eval_task task, int64_t limit, const char *what) {
+static void eval_perplexity(const moeq_docs *docs, const moeq_eval_options *o, const char *what) {
     char d[1024];
     snprintf(d, sizeof d, "%s", mq_test_model("olmoe-tiny"));
     moeq_model *def = NULL, *none = NULL, *aq = NULL;
@@ -506,16 +480,10 @@ static void eval_perplexity(moeq_docs *docs, moeq_eval_task task, int64_t limit,
     mo.act_quant = MOEQ_ACT_QUANT_NVFP4;
     ASSERT_OK(moeq_model_open(d, &mo, &aq));
     if (!def || !none || !aq) return;
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = task;
-    o.limit = limit;
-    o.max_length = 512;
-    o.prefix_token = 0;
     moeq_eval_result r0, r1, r2;
-    ASSERT_OK(moeq_eval(def, docs, &o, &r0));
-    ASSERT_OK(moeq_eval(none, docs, &o, &r1));
-    ASSERT_OK(moeq_eval(aq, docs, &o, &r2));
+    ASSERT_OK(moeq_eval(def, docs, o, &r0));
+    ASSERT_OK(moeq_eval(none, docs, o, &r1));
+    ASSERT_OK(moeq_eval(aq, docs, o, &r2));
     double change = r2.word_perplexity / r0.word_perplexity - 1;
     printf("  olmoe-tiny, %s: word perplexity %.6f, with NVFP4 activations %.6f (%+.3f%%)\n", what,
            r0.word_perplexity, r2.word_perplexity, 100 * change);
@@ -528,23 +496,10 @@ static void eval_perplexity(moeq_docs *docs, moeq_eval_task task, int64_t limit,
     moeq_model_free(aq);
 }
 
-static void test_eval_perplexity(void) {
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
-                             &docs));
-    if (!docs) return;
-    eval_perplexity(docs, MOEQ_TASK_WIKITEXT, 2, "wikitext, 2 documents");
-    moeq_docs_free(docs);
-}
+static void test_eval_perplexity(void) { mq_test_on_eval_text(0, eval_perplexity); }
 
 /* The same on the repository's own held-out text. */
-static void test_eval_perplexity_demo_text(void) {
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &docs));
-    if (!docs) return;
-    eval_perplexity(docs, MOEQ_TASK_TEXT, 0, "data/demo-eval.txt");
-    moeq_docs_free(docs);
-}
+static void test_eval_perplexity_demo_text(void) { mq_test_on_eval_text(1, eval_perplexity); }
 
 /* Q8_0 activations (llama.cpp's) on an RTN INT4 g32 checkpoint, i.e. the Linears llama.cpp runs
  * as Q4_0: the rounding enters where the weight rounding does, with steps of amax/127 per 32
@@ -562,8 +517,7 @@ static void q8_0_eval_for(const char *name) {
     mq_pipeline_opts_init(&q, MQ_QS_INT4, MQ_FMT_CT);
     q.spec.group_size = 32;
     ASSERT_OK(mq_pipeline_run(src, dir, &q, NULL));
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &docs));
+    moeq_docs *docs = mq_test_demo_docs();
     moeq_model *base = NULL, *w = NULL, *wq = NULL;
     moeq_model_options mo = {0};
     ASSERT_OK(moeq_model_open(src, &mo, &base));
@@ -573,10 +527,7 @@ static void q8_0_eval_for(const char *name) {
     if (!docs || !base || !w || !wq) return;
     ASSERT_EQ_INT(MOEQ_ACT_QUANT_Q8_0, moeq_model_get_info(wq)->act_quant);
     ASSERT_EQ_INT(0, moeq_model_get_info(wq)->packed_linears);
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = MOEQ_TASK_TEXT;
-    o.max_length = 512;
+    moeq_eval_options o = mq_test_text_eval(512, NULL);
     o.prefix_token = 0;
     moeq_eval_result rw, rq, rq1;
     o.kl_base = base;
@@ -663,16 +614,9 @@ static void test_q8_0_follows_gguf_types(void) {
             enum { N = 24 };
             int32_t ids[N];
             for (int i = 0; i < N; i++) ids[i] = (int32_t)((i * 389 + 5) % m->cfg.vocab);
-            float *a = malloc(sizeof(float) * N * (size_t)m->cfg.vocab);
-            float *b = malloc(sizeof(float) * N * (size_t)m->cfg.vocab);
-            moeq_session *sa = NULL, *sb = NULL;
-            ASSERT_OK(moeq_session_create(m, N, &sa));
-            ASSERT_OK(moeq_session_create(ref, N, &sb));
-            ASSERT_OK(moeq_session_forward(sa, ids, N, a));
-            ASSERT_OK(moeq_session_forward(sb, ids, N, b));
+            ASSERT_EQ_INT(m->cfg.vocab, ref->cfg.vocab);
+            float *a = mq_test_logits(m, ids, N), *b = mq_test_logits(ref, ids, N);
             ASSERT_TRUE(memcmp(a, b, sizeof(float) * N * (size_t)m->cfg.vocab) == 0);
-            moeq_session_free(sa);
-            moeq_session_free(sb);
             free(a);
             free(b);
         }
@@ -697,8 +641,7 @@ static void test_q8_k_layers_gguf(void) {
     moeq_quant_result r;
     ASSERT_OK(moeq_quantize(src, p, &o, &r));
     moeq_model_options mo = {.no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_Q8_0};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(p, &mo, &m));
+    moeq_model *m = mq_test_open_model(p, &mo);
     if (!m) return;
     for (int l = 0; l < m->cfg.n_layers; l++) {   /* llama.cpp's Q4_K_M for 8 experts */
         const mq_layer *ly = &m->layers[l];

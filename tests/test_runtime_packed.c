@@ -133,9 +133,7 @@ static const char *checkpoint(const char *model, mq_qscheme scheme, int group, m
 
 static moeq_model *open_model(const char *dir, int packed) {
     moeq_model_options mo = {.keep_packed = packed, .no_tokenizer = 1};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(dir, &mo, &m));
-    return m;
+    return mq_test_open_model(dir, &mo);
 }
 
 /* ---- running ------------------------------------------------------------------------------ */
@@ -433,8 +431,7 @@ static void test_hooks_refused_and_act_quant_unpacks(void) {
     moeq_model_free(p);
 
     moeq_model_options mo = {.keep_packed = 1, .no_tokenizer = 1, .act_quant = MOEQ_ACT_QUANT_NVFP4};
-    moeq_model *a = NULL;
-    ASSERT_OK(moeq_model_open(dir, &mo, &a));
+    moeq_model *a = mq_test_open_model(dir, &mo);
     if (!a) return;
     ASSERT_EQ_INT(0, moeq_model_get_info(a)->packed_linears);
     ASSERT_EQ_INT(MOEQ_ACT_QUANT_NVFP4, moeq_model_get_info(a)->act_quant);
@@ -444,9 +441,9 @@ static void test_hooks_refused_and_act_quant_unpacks(void) {
     ASSERT_ERROR_MENTIONS("act_quant");
 }
 
-/* Packed vs dequantized perplexity on docs (the first `limit` documents); 1 and 2 threads give
+/* Packed vs dequantized perplexity on docs (the first o->limit documents); 1 and 2 threads give
  * the same log-likelihood. */
-static void eval_packed(moeq_docs *docs, moeq_eval_task task, int64_t limit, const char *what) {
+static void eval_packed(const moeq_docs *docs, const moeq_eval_options *o, const char *what) {
     const char *dir = checkpoint("olmoe-tiny", MQ_QS_NVFP4, 0, MQ_FMT_CT, NULL, "nvfp4-eval");
     moeq_model_options mo = {.keep_packed = 1};
     moeq_model *p = NULL, *f = NULL;
@@ -454,19 +451,13 @@ static void eval_packed(moeq_docs *docs, moeq_eval_task task, int64_t limit, con
     mo.keep_packed = 0;
     ASSERT_OK(moeq_model_open(dir, &mo, &f));
     if (!p || !f) return;
-    moeq_eval_options o;
-    moeq_eval_options_init(&o);
-    o.task = task;
-    o.limit = limit;
-    o.max_length = 512;
-    o.prefix_token = 0;
     moeq_eval_result rp, rp1, rf;
     moeq_set_threads(1);
-    ASSERT_OK(moeq_eval(p, docs, &o, &rp1));
+    ASSERT_OK(moeq_eval(p, docs, o, &rp1));
     moeq_set_threads(2);
-    ASSERT_OK(moeq_eval(p, docs, &o, &rp));
+    ASSERT_OK(moeq_eval(p, docs, o, &rp));
     moeq_set_threads(0);
-    ASSERT_OK(moeq_eval(f, docs, &o, &rf));
+    ASSERT_OK(moeq_eval(f, docs, o, &rf));
     if (rp1.loglikelihood != rp.loglikelihood)
         FAIL("%s: packed loglikelihood %.17g with 1 thread, %.17g with 2", what, rp1.loglikelihood,
              rp.loglikelihood);
@@ -482,23 +473,10 @@ static void eval_packed(moeq_docs *docs, moeq_eval_task task, int64_t limit, con
     moeq_model_free(f);
 }
 
-static void test_eval_wikitext_packed(void) {
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_shared("fixtures/text/wikitext2_test.txt"), MOEQ_DOCS_WIKITEXT,
-                             &docs));
-    if (!docs) return;
-    eval_packed(docs, MOEQ_TASK_WIKITEXT, 2, "wikitext, 2 docs");
-    moeq_docs_free(docs);
-}
+static void test_eval_wikitext_packed(void) { mq_test_on_eval_text(0, eval_packed); }
 
 /* The same on the repository's own held-out text (text the bundled model generated). */
-static void test_eval_demo_text_packed(void) {
-    moeq_docs *docs = NULL;
-    ASSERT_OK(moeq_docs_load(mq_test_repo("data/demo-eval.txt"), MOEQ_DOCS_WHOLE, &docs));
-    if (!docs) return;
-    eval_packed(docs, MOEQ_TASK_TEXT, 0, "data/demo-eval.txt");
-    moeq_docs_free(docs);
-}
+static void test_eval_demo_text_packed(void) { mq_test_on_eval_text(1, eval_packed); }
 
 TEST_MAIN(T(test_packed_olmoe), T(test_packed_qwen2moe), T(test_packed_llama),
           T(test_packed_modelopt), T(test_fallback_asym_all), T(test_fallback_mixed),

@@ -35,7 +35,7 @@ static double ref_uniform(uint64_t *x) {
 #define REF_MAXV 50304
 
 typedef struct {
-    double l;
+    double l;   /* a logit, or a weight (the old sampler's) */
     int32_t id;
 } ref_cand;
 /* larger logit first, then the lower id */
@@ -288,6 +288,16 @@ static void test_long_history(void) {
     }
 }
 
+/* The id a fresh sampler with options o draws first from logits l[0..V). */
+static int32_t sample_once(const moeq_sampler_options *o, const float *l, int32_t V) {
+    moeq_sampler *s = NULL;
+    int32_t id = -1;
+    ASSERT_OK(moeq_sampler_create(o, &s));
+    ASSERT_OK(moeq_sampler_sample(s, l, V, &id));
+    moeq_sampler_free(s);
+    return id;
+}
+
 /* top-p's cut at an exact tie with top_p * Z: four equal logits have w = 1 each and Z = 4, so
  * top_p 0.5 keeps exactly two ids (running sum 2 reaches 0.5 * 4) and 0.25 one. */
 static void test_top_p_exact_boundary(void) {
@@ -299,12 +309,8 @@ static void test_top_p_exact_boundary(void) {
         int seen[4] = {0};
         for (uint64_t seed = 0; seed < 400; seed++) {
             o.seed = seed;
-            moeq_sampler *s = NULL;
-            ASSERT_OK(moeq_sampler_create(&o, &s));
-            int32_t id = -1;
-            ASSERT_OK(moeq_sampler_sample(s, l, 4, &id));
+            const int32_t id = sample_once(&o, l, 4);
             if (id >= 0 && id < 4) seen[id]++;
-            moeq_sampler_free(s);
         }
         ASSERT_TRUE(seen[0] > 0);
         if (k) ASSERT_EQ_INT(400, seen[0]);
@@ -356,13 +362,9 @@ static void test_greedy_ties(void) {
         o.min_p = mode == 2 ? 1.0 : 0.0;
         for (uint64_t seed = 0; seed < 20; seed++) {
             o.seed = seed;
-            moeq_sampler *s = NULL;
-            ASSERT_OK(moeq_sampler_create(&o, &s));
-            int32_t id = -1;
-            ASSERT_OK(moeq_sampler_sample(s, l, 8, &id));
+            const int32_t id = sample_once(&o, l, 8);
             if (mode == 2) ASSERT_TRUE(id == 1 || id == 3 || id == 5);   /* min_p 1 keeps the ties */
             else ASSERT_EQ_INT(1, id);
-            moeq_sampler_free(s);
         }
     }
     /* every logit equal: id 0 */
@@ -370,12 +372,7 @@ static void test_greedy_ties(void) {
     o.temperature = 0;
     o.top_k = 0;
     o.min_p = 0;
-    moeq_sampler *s = NULL;
-    ASSERT_OK(moeq_sampler_create(&o, &s));
-    int32_t id = -1;
-    ASSERT_OK(moeq_sampler_sample(s, flat, 5, &id));
-    ASSERT_EQ_INT(0, id);
-    moeq_sampler_free(s);
+    ASSERT_EQ_INT(0, sample_once(&o, flat, 5));
 }
 
 /* Greedy ids after the given history, one option set per call. */
@@ -521,39 +518,31 @@ static void test_reproducible_by_seed(void) {
  * top_p 1, or temperature 1, the library gives the same ids, so `--temp T --seed S` texts made
  * before stay the same (with both --temp != 1 and --top-p < 1 top-p now cuts the untempered
  * distribution, as llama.cpp does). */
-typedef struct {
-    double p;
-    int32_t id;
-} old_cand;
-static int old_cmp(const void *x, const void *y) {
-    const old_cand *a = x, *b = y;
-    if (a->p != b->p) return a->p > b->p ? -1 : 1;
-    return a->id < b->id ? -1 : a->id > b->id;
-}
-static int32_t old_pick_sample(const float *logits, int32_t V, double temp, double top_p, old_cand *c,
+/* (its candidates sorted as the reference's are: larger weight first, then the lower id) */
+static int32_t old_pick_sample(const float *logits, int32_t V, double temp, double top_p, ref_cand *c,
                                uint64_t *rng) {
     double mx = logits[0];
     for (int32_t i = 1; i < V; i++) mx = logits[i] > mx ? logits[i] : mx;
     double sum = 0;
     for (int32_t i = 0; i < V; i++) {
         c[i].id = i;
-        c[i].p = exp(((double)logits[i] - mx) / temp);
-        sum += c[i].p;
+        c[i].l = exp(((double)logits[i] - mx) / temp);
+        sum += c[i].l;
     }
-    qsort(c, (size_t)V, sizeof *c, old_cmp);
+    qsort(c, (size_t)V, sizeof *c, ref_cmp);
     int32_t keep = 0;
     double mass = 0;
-    while (keep < V && (keep == 0 || mass < top_p * sum)) mass += c[keep++].p;
+    while (keep < V && (keep == 0 || mass < top_p * sum)) mass += c[keep++].l;
     double u = ref_uniform(rng) * mass, acc = 0;
     for (int32_t i = 0; i < keep; i++) {
-        acc += c[i].p;
+        acc += c[i].l;
         if (u < acc) return c[i].id;
     }
     return c[keep - 1].id;
 }
 
 static void test_old_generate_draws(void) {
-    old_cand c[512];
+    ref_cand c[512];
     float l[512];
     int compared = 0;
     for (int rep = 0; rep < 60; rep++) {
@@ -644,11 +633,7 @@ static void test_bad_options(void) {
 /* ---- generation helpers ------------------------------------------------------------------- */
 
 static void test_decode_skip_unknown(void) {
-    const char *dir = mq_test_model("olmoe-tiny");
-    char path[1200];
-    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
-    moeq_tokenizer *tok = NULL;
-    ASSERT_OK(moeq_tokenizer_load(path, &tok));
+    moeq_tokenizer *tok = mq_test_tokenizer(mq_test_model("olmoe-tiny"));   /* its tokenizer.json */
     if (!tok) return;
     ASSERT_EQ_INT(4096, moeq_tokenizer_vocab_size(tok));
     int32_t *known = NULL;
@@ -704,12 +689,10 @@ static void test_decode_skip_unknown(void) {
 }
 
 static void test_model_eos_ids(void) {
-    const char *dir = mq_test_model("olmoe-tiny");
     char src[1200];
-    snprintf(src, sizeof src, "%s", dir);
+    snprintf(src, sizeof src, "%s", mq_test_model("olmoe-tiny"));
     moeq_model_options mo = {.no_tokenizer = 1};
-    moeq_model *m = NULL;
-    ASSERT_OK(moeq_model_open(src, &mo, &m));
+    moeq_model *m = mq_test_open_model(src, &mo);
     if (!m) return;
     int32_t eos[4] = {-5, -5, -5, -5};
     ASSERT_EQ_INT(1, moeq_model_eos_ids(m, eos, 4));   /* config.json: "eos_token_id": 0 */

@@ -53,8 +53,7 @@ static void expect_ids(const moeq_tokenizer *tok, const char *what, const char *
 
 static void test_ids_equal_tiktoken(void) {
     cJSON *g = golden();
-    moeq_tokenizer *tok = NULL;
-    ASSERT_OK(moeq_tokenizer_load(fixture_dir(), &tok));   /* a directory: finds tiktoken.model */
+    moeq_tokenizer *tok = mq_test_tokenizer(fixture_dir());   /* a directory: finds tiktoken.model */
     ASSERT_EQ_INT(cJSON_GetObjectItem(g, "vocab_size")->valuedouble, moeq_tokenizer_vocab_size(tok));
     int n = 0;
     const cJSON *c;
@@ -106,8 +105,7 @@ static void test_specials(void) {
  * by merging, so each token is reachable), in rank order, each pair joining into a token of a
  * higher rank than both halves. */
 static void test_recovered_merges(void) {
-    moeq_tokenizer *tok = NULL;
-    ASSERT_OK(moeq_tokenizer_load(fixture_dir(), &tok));
+    moeq_tokenizer *tok = mq_test_tokenizer(fixture_dir());
     int32_t *pairs = NULL;
     size_t n = 0;
     ASSERT_OK(mq_tokenizer_merges(tok, &pairs, &n));
@@ -154,8 +152,7 @@ static void test_split_points(void) {
     write_file(dir, "tokenizer_config.json",
                "{\"auto_map\": {\"AutoTokenizer\": [\"tokenization_kimi.TikTokenTokenizer\", null]}}");
     char *text = ranks_file("dFU= 256\n5a2X44CB 257\nZcyB 258\n");
-    moeq_tokenizer *tok = NULL;
-    ASSERT_OK(moeq_tokenizer_load(write_file(dir, "tiktoken.model", text), &tok));
+    moeq_tokenizer *tok = mq_test_tokenizer(write_file(dir, "tiktoken.model", text));
     free(text);
     static const struct {
         const char *text;

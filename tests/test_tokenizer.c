@@ -22,9 +22,7 @@ static const char *fixture_tokenizer(void) {
 }
 
 static moeq_tokenizer *load_fixture(void) {
-    moeq_tokenizer *tok = NULL;
-    ASSERT_OK(moeq_tokenizer_load(fixture_tokenizer(), &tok));
-    return tok;
+    return mq_test_tokenizer(fixture_tokenizer());
 }
 
 static void assert_ids(const char *what, const int32_t *expect, size_t n_expect, const int32_t *got,
@@ -395,9 +393,7 @@ static const char *write_file(const char *dir, const char *name, const char *con
     "\"Ċ\":9,\"x\":10,\"y\":11,\"xy\":12,\"yy\":13,\"ca\":14}"
 
 static moeq_tokenizer *load_text(const char *dir, const char *json) {
-    moeq_tokenizer *tok = NULL;
-    ASSERT_OK(moeq_tokenizer_load(write_file(dir, "tokenizer.json", json), &tok));
-    return tok;
+    return mq_test_tokenizer(write_file(dir, "tokenizer.json", json));
 }
 
 /* Legacy "a b" merges, add_prefix_space, and added tokens with lstrip/rstrip/single_word. */

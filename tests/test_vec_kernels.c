@@ -18,21 +18,11 @@ static float frand(void) {   /* uniform in [-1, 1) */
     return (float)(g_rng >> 8) * 0x1p-23f - 1.0f;
 }
 
-static uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static float from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* Distance in units in the last place between two non-negative floats (inf counts as the
  * float after FLT_MAX). */
-static int64_t ulp_dist(float a, float b) { return llabs((long long)bits(a) - (long long)bits(b)); }
+static int64_t ulp_dist(float a, float b) {
+    return llabs((long long)mq_test_f32_bits(a) - (long long)mq_test_f32_bits(b));
+}
 
 /* The SIMD twin this CPU runs (AVX2+FMA on x86-64, NEON on every Arm64 CPU), or NULL. */
 static const char *g_twin = "SIMD";
@@ -59,9 +49,9 @@ static const mq_vec_kernels *simd_or_skip(void) {
 static void assert_same(const float *a, const float *b, int64_t n, const char *what, int64_t len) {
     for (int64_t i = 0; i < n; i++) {
         if (isnan(a[i]) && isnan(b[i])) continue;
-        if (bits(a[i]) != bits(b[i]))
+        if (mq_test_f32_bits(a[i]) != mq_test_f32_bits(b[i]))
             FAIL("%s (n=%lld): element %lld: reference %.9g (0x%08x), %s %.9g (0x%08x)", what,
-                 (long long)len, (long long)i, a[i], bits(a[i]), g_twin, b[i], bits(b[i]));
+                 (long long)len, (long long)i, a[i], mq_test_f32_bits(a[i]), g_twin, b[i], mq_test_f32_bits(b[i]));
     }
 }
 
@@ -70,11 +60,11 @@ static void test_expf_ulp_vs_libm(void) {
     /* Every 61st float from -104 to 88.75 (about 36 million values). */
     int64_t worst_normal = 0, worst_sub = 0, n = 0;
     float worst_x = 0;
-    uint32_t neg_lo = bits(-104.0f), pos_hi = bits(88.75f);
+    uint32_t neg_lo = mq_test_f32_bits(-104.0f), pos_hi = mq_test_f32_bits(88.75f);
     for (int side = 0; side < 2; side++) {
         uint32_t start = side ? 0x00000000u : 0x80000000u, end = side ? pos_hi : neg_lo;
         for (uint32_t u = start; u <= end; u += 61) {
-            float x = from_bits(u), want = expf(x), got = mq_vec_expf(x);
+            float x = mq_test_f32_from_bits(u), want = expf(x), got = mq_vec_expf(x);
             int64_t d = ulp_dist(want, got);
             if (want >= 0x1p-126f) {
                 if (d > worst_normal) worst_normal = d, worst_x = x;
@@ -94,9 +84,9 @@ static void test_expf_ulp_vs_libm(void) {
                 ulp_dist(mq_vec_expf(88.7228394f), expf(88.7228394f)) <= 2);
     ASSERT_TRUE(isinf(mq_vec_expf(88.73f)) && isinf(expf(88.73f)));
     ASSERT_TRUE(isinf(mq_vec_expf(1e30f)));
-    ASSERT_EQ_HEX(bits(expf(-103.9f)), bits(mq_vec_expf(-103.9f)));   /* subnormal 2^-149-ish */
-    ASSERT_EQ_HEX(0u, bits(mq_vec_expf(-104.0f)));
-    ASSERT_EQ_HEX(0u, bits(mq_vec_expf(-1e30f)));
+    ASSERT_EQ_HEX(mq_test_f32_bits(expf(-103.9f)), mq_test_f32_bits(mq_vec_expf(-103.9f)));   /* subnormal 2^-149-ish */
+    ASSERT_EQ_HEX(0u, mq_test_f32_bits(mq_vec_expf(-104.0f)));
+    ASSERT_EQ_HEX(0u, mq_test_f32_bits(mq_vec_expf(-1e30f)));
 }
 
 static void test_expf_specials(void) {
@@ -105,11 +95,11 @@ static void test_expf_specials(void) {
     for (int k = 0; k < 2 && ks[k]; k++) {
         float y[9];
         ks[k]->exp(x, y, 9);
-        ASSERT_EQ_HEX(0u, bits(y[0]));          /* exp(-inf) = +0: masked softmax positions */
+        ASSERT_EQ_HEX(0u, mq_test_f32_bits(y[0]));          /* exp(-inf) = +0: masked softmax positions */
         ASSERT_TRUE(isinf(y[1]) && y[1] > 0);
         ASSERT_TRUE(isnan(y[2]));
-        ASSERT_EQ_HEX(bits(1.0f), bits(y[3]));  /* exp(0) = 1 exactly: the row maximum */
-        ASSERT_EQ_HEX(bits(1.0f), bits(y[4]));
+        ASSERT_EQ_HEX(mq_test_f32_bits(1.0f), mq_test_f32_bits(y[3]));  /* exp(0) = 1 exactly: the row maximum */
+        ASSERT_EQ_HEX(mq_test_f32_bits(1.0f), mq_test_f32_bits(y[4]));
         ASSERT_TRUE(ulp_dist(y[5], expf(-87.5f)) <= 1);   /* gradual underflow like expf */
         ASSERT_TRUE(ulp_dist(y[6], expf(-100.0f)) <= 1);
         ASSERT_TRUE(ulp_dist(y[7], expf(1.0f)) <= 2);
@@ -211,19 +201,19 @@ static void test_ref_against_double(void) {
             for (int64_t i = 0; i < half; i++) {
                 float ac = a[i] * b[i], bs = a[i + half] * w[i];
                 float bc = a[i + half] * b[i], as = a[i] * w[i];
-                ASSERT_EQ_HEX(bits(ac - bs), bits(y[i]));
-                ASSERT_EQ_HEX(bits(bc + as), bits(y[i + half]));
+                ASSERT_EQ_HEX(mq_test_f32_bits(ac - bs), mq_test_f32_bits(y[i]));
+                ASSERT_EQ_HEX(mq_test_f32_bits(bc + as), mq_test_f32_bits(y[i + half]));
             }
         }
 
         /* axpy: one fma per element */
         memcpy(y, b, sizeof(float) * (size_t)n);
         mq_vec_ref.axpy(0.75f, a, y, n);
-        for (int i = 0; i < n; i++) ASSERT_EQ_HEX(bits(fmaf(0.75f, a[i], b[i])), bits(y[i]));
+        for (int i = 0; i < n; i++) ASSERT_EQ_HEX(mq_test_f32_bits(fmaf(0.75f, a[i], b[i])), mq_test_f32_bits(y[i]));
     }
     /* the zero-padded tail turns a -0 sum into +0, as the AVX2 masked lanes do */
     float mz[3] = {-0.0f, -0.0f, -0.0f}, pz[3] = {0.0f, 0.0f, 0.0f};
-    ASSERT_EQ_HEX(0u, bits(mq_vec_ref.dot(mz, pz, 3)));
+    ASSERT_EQ_HEX(0u, mq_test_f32_bits(mq_vec_ref.dot(mz, pz, 3)));
 }
 
 static void test_logsumexp_edges(void) {

@@ -90,6 +90,21 @@ static inline int fuzz_split(const uint8_t *data, size_t size, int max, const ui
     return n;
 }
 
+/* The input cut as fuzz_split does into up to `max` parts, of which the first n_files (<= 4) are
+ * files: part i written as names[i] (slot i) where present, removed where not (a part left out is
+ * an absent file). Returns the number of parts; *path0: the path of names[0] (always written). */
+static inline int fuzz_split_files(const uint8_t *data, size_t size, int max, const uint8_t **part,
+                                   size_t *len, int n_files, const char *const *names, const char **path0) {
+    const int n = fuzz_split(data, size, max, part, len);
+    *path0 = NULL;
+    for (int i = 0; i < n_files; i++) {
+        const char *path = i < n ? fuzz_file(i, names[i], part[i], len[i]) : NULL;
+        if (!path) fuzz_unlink(names[i]);
+        if (i == 0) *path0 = path;
+    }
+    return n;
+}
+
 /* The contract on a failed call: a status a reader may give on bad input, and a message naming
  * `name` (a file's base name or path). */
 static inline void fuzz_check_error(moeq_status s, const char *name, const char *what) {

@@ -13,10 +13,9 @@ static const char k_text[] = "[BOS]The tower is 324 metres tall. \xe4\xb8\xad\xe
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t *part[3];
     size_t len[3];
-    int n = fuzz_split(data, size, 3, part, len);
-    const char *path = fuzz_file(0, "tiktoken.model", part[0], len[0]);
-    if (n > 1) fuzz_file(1, "tokenizer_config.json", part[1], len[1]);
-    else fuzz_unlink("tokenizer_config.json");
+    static const char *const files[] = {"tiktoken.model", "tokenizer_config.json"};
+    const char *path;
+    const int n = fuzz_split_files(data, size, 3, part, len, 2, files, &path);
     moeq_tokenizer *t = NULL;
     moeq_status s = moeq_tokenizer_load(path, &t);
     if (s != MOEQ_OK) {

@@ -14,12 +14,9 @@ static const char k_text[] = "The tower is 324 metres tall, \xc3\xa9t\xc3\xa9 ca
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const uint8_t *part[4];
     size_t len[4];
-    int n = fuzz_split(data, size, 4, part, len);
-    const char *path = fuzz_file(0, "tokenizer.json", part[0], len[0]);
-    if (n > 1) fuzz_file(1, "tokenizer_config.json", part[1], len[1]);
-    else fuzz_unlink("tokenizer_config.json");
-    if (n > 2) fuzz_file(2, "config.json", part[2], len[2]);
-    else fuzz_unlink("config.json");
+    static const char *const files[] = {"tokenizer.json", "tokenizer_config.json", "config.json"};
+    const char *path;
+    const int n = fuzz_split_files(data, size, 4, part, len, 3, files, &path);
     moeq_tokenizer *t = NULL;
     moeq_status s = moeq_tokenizer_load(path, &t);
     if (s != MOEQ_OK) {
