@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include "formats/formats.h"
+#include "formats/cpu/simd.h"
 #include "harness.h"
 #include "io/gguf.h"
 

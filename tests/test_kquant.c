@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "formats/kquant.h"
+#include "formats/cpu/simd.h"
 #include "harness.h"
 #include "io/gguf.h"
 

@@ -147,10 +147,6 @@ int mq_group_candidates_rows(const mq_qspec *s, float global_scale, const float 
  * written but meaningless). */
 void mq_mse_sse_ref(const mq_qspec *s, const float *step, const float *zero, int nc,
                     const float *x, int64_t n, int64_t stride, const float *h, double *sse);
-/* AVX2 twin (formats' own, src/formats/cpu/x86/quant_avx2.c; only when mq_cpu_has_avx2_fma()):
- * bit-identical sse (the same operations per value and candidate, 8 candidates per vector). */
-void mq_mse_sse_avx2(const mq_qspec *s, const float *step, const float *zero, int nc,
-                     const float *x, int64_t n, int64_t stride, const float *h, double *sse);
 /* INT4 asymmetric params of a group clipped to [lo, hi] (lo <= 0 <= hi): scale (hi - lo) / 15
  * rounded to the spec's dtype, zero point round(-lo / scale) clamped to [int4_zero_min, 15];
  * what mq_group_params computes from the group's min and max (times the MSE multiplier). */

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "formats/kquant.h"
+#include "formats/cpu/simd.h"
 
 static const mq_kq_info k_info[MQ_KQ_COUNT] = {
     /* name, ggml, block, sub, bytes, qmin, qmax, zero, mult_lo, mult_hi, min_hi */

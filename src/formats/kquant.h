@@ -113,10 +113,6 @@ void mq_kq_fit_sub(const mq_kq_info *t, const mq_qspec *s, const float *x, int64
  * lanes past nc are read and written but meaningless). */
 void mq_kq_sse_ref(const mq_kq_info *t, const float *step, const float *off, int nc, const float *x,
                    int64_t n, int64_t stride, const float *w, double *sse);
-/* AVX2 twin (src/formats/cpu/x86/kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical
- * sse (the same operations per value and candidate, 8 candidates per vector). */
-void mq_kq_sse_avx2(const mq_kq_info *t, const float *step, const float *off, int nc,
-                    const float *x, int64_t n, int64_t stride, const float *w, double *sse);
 
 /* The sub-block's own numbers the asymmetric fit's trials share (see mq_kq_asym_trials_ref). */
 typedef struct {
@@ -134,10 +130,6 @@ typedef struct {
 void mq_kq_asym_trials_ref(const float *x, int64_t n, int64_t stride, const float *w,
                            const mq_kq_sums *s, const float *iscale, int nt, float *D, float *sc,
                            float *mn, double *e);
-/* AVX2 twin (kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical outputs. */
-void mq_kq_asym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w,
-                            const mq_kq_sums *s, const float *iscale, int nt, float *D, float *sc,
-                            float *mn, double *e);
 
 /* The symmetric sub-block fit's trials (ggml's make_qx_quants): for trial k < nt, codes
  * l_i = rint(iscale[k] * x_i) clamped to -nmax..nmax-1 and the float sums over i in order of
@@ -145,9 +137,6 @@ void mq_kq_asym_trials_avx2(const float *x, int64_t n, int64_t stride, const flo
  * rounded up to a multiple of 8. */
 void mq_kq_sym_trials_ref(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
                           const float *iscale, int nt, float *sumlx, float *suml2);
-/* AVX2 twin (kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical sums. */
-void mq_kq_sym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
-                           const float *iscale, int nt, float *sumlx, float *suml2);
 
 /* Packs one block from its groups (t->block / t->sub params) and t->block codes. false when the
  * groups imply no single fp16 d (and dmin) or a code or multiplier is out of range (not from

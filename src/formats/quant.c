@@ -10,6 +10,7 @@
 
 #include "formats/formats.h"
 #include "formats/kquant.h"
+#include "formats/cpu/simd.h"
 
 #define E4M3_MAX 448.0f
 #define E2M1_MAX 6.0f

@@ -12,7 +12,7 @@
  */
 #include <immintrin.h>
 
-#include "formats/kquant.h"
+#include "formats/cpu/simd.h"
 
 /* Scores candidate vectors 0 .. nv - 1 (of 8) together: nv independent chains of double adds
  * hide their latency, and each lane's sum still runs over the values in order. Inlined into

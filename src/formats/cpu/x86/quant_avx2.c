@@ -9,7 +9,7 @@
  */
 #include <immintrin.h>
 
-#include "formats/formats.h"
+#include "formats/cpu/simd.h"
 
 /* E2M1 quantize-dequantize of x over 8 steps (value * step with the sign of x / step). */
 static inline __m256 qdq_e2m1(__m256 x, __m256 st) {

@@ -1,0 +1,33 @@
+/*
+ * The formats' own SIMD twins (x86-64 AVX2+FMA, src/formats/cpu/x86/): the candidate searches of
+ * the MSE scales (formats.h's mq_mse_sse_ref) and of the K-quant block fits (kquant.h's
+ * mq_kq_*_ref). Each is bit-identical to its scalar reference, which its caller runs on other
+ * hosts, without AVX2 and FMA, or under MOEQ_FORCE_REF; only those callers and the twin tests
+ * include this header, so the formats' interface names no ISA.
+ */
+#ifndef MOEQ_FORMATS_SIMD_H
+#define MOEQ_FORMATS_SIMD_H
+
+#include "formats/formats.h"
+#include "formats/kquant.h"
+
+/* AVX2 twin (src/formats/cpu/x86/quant_avx2.c; only when mq_cpu_has_avx2_fma()):
+ * bit-identical sse (the same operations per value and candidate, 8 candidates per vector). */
+void mq_mse_sse_avx2(const mq_qspec *s, const float *step, const float *zero, int nc,
+                     const float *x, int64_t n, int64_t stride, const float *h, double *sse);
+
+/* AVX2 twin (src/formats/cpu/x86/kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical
+ * sse (the same operations per value and candidate, 8 candidates per vector). */
+void mq_kq_sse_avx2(const mq_kq_info *t, const float *step, const float *off, int nc,
+                    const float *x, int64_t n, int64_t stride, const float *w, double *sse);
+
+/* AVX2 twin (kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical outputs. */
+void mq_kq_asym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w,
+                            const mq_kq_sums *s, const float *iscale, int nt, float *D, float *sc,
+                            float *mn, double *e);
+
+/* AVX2 twin (kquant_avx2.c; only when mq_cpu_has_avx2_fma()): bit-identical sums. */
+void mq_kq_sym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
+                           const float *iscale, int nt, float *sumlx, float *suml2);
+
+#endif
