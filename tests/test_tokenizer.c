@@ -51,9 +51,10 @@ static void encode_expect(const moeq_tokenizer *tok, const char *text, const int
 /* ---- HF goldens ------------------------------------------------------------------------------ */
 
 static void test_golden_ids(void) {
+    const char *golden = mq_test_shared("fixtures/tokenizer_golden.json");   /* skips: before any allocation */
     moeq_tokenizer *tok = load_fixture();
     char *json = NULL;
-    ASSERT_OK(mq_read_file(mq_test_shared("fixtures/tokenizer_golden.json"), &json, NULL));
+    ASSERT_OK(mq_read_file(golden, &json, NULL));
     cJSON *root = cJSON_Parse(json);
     ASSERT_TRUE(cJSON_IsArray(root));
     int cases = 0;
