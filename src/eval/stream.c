@@ -75,7 +75,8 @@ typedef struct {
     boundary B[MAX_MODELS];
     worker *W;
     int n_workers;
-    bool read_ahead;                    /* the CPU's: the plan holds a second layer */
+    bool read_ahead;                    /* a stream's next layer read ahead: always on a GPU, on
+                                           the CPU where the plan holds a second layer */
     /* progress in rows: rows x (layers of every model) + the scored rows */
     mq_engine_progress progress;
     /* work directory */
@@ -334,8 +335,8 @@ static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_re
     /* on the CPU, the next step's weights read ahead (a thread of the lowest priority) where a
      * second layer fits beside the plan: a cold page cache then overlaps the forward; a GPU plan
      * counts its own read-ahead layer above */
-    S->read_ahead = o->device < 0 && streamed && plan_peak(S, &z, choice, workers) + z.layer <= budget;
-    if (S->read_ahead) z.fixed += z.layer;
+    S->read_ahead = streamed && (o->device >= 0 || plan_peak(S, &z, choice, workers) + z.layer <= budget);
+    if (S->read_ahead && o->device < 0) z.fixed += z.layer;
     double flops = 0;
     for (int k = 0; k < S->nm; k++) {
         const mq_config *cfg = &S->m[k]->cfg;
@@ -351,7 +352,7 @@ static moeq_status make_plan(stream *S, const moeq_eval_options *o, moeq_eval_re
     res->plan.peak_bytes = plan_peak(S, &z, choice, workers);
     res->plan.resident_bytes = z.resident;
     res->plan.layer_bytes = z.layer;
-    res->plan.read_ahead_bytes = streamed && (S->read_ahead || o->device >= 0) ? z.layer : 0;
+    res->plan.read_ahead_bytes = S->read_ahead ? z.layer : 0;
     res->plan.head_bytes = z.head;
     res->plan.window_bytes = z.window;
     res->plan.score_bytes = z.score;
