@@ -279,6 +279,39 @@ int32_t moeq_session_pos(const moeq_session *s);
 /* Appends n tokens at the current position. logits: [n, vocab] (all rows) or NULL. */
 moeq_status moeq_session_forward(moeq_session *s, const int32_t *ids, int32_t n, float *logits);
 
+/* Where a session runs (`moeq generate --device`). device -1: the CPU (the default of
+ * moeq_session_options_init); N >= 0: CUDA device N (a build with -DMOEQ_CUDA=ON). On a GPU every
+ * layer stays resident on the device with its KV cache: the attention Linears in fp32 (a quantized
+ * checkpoint's are read from its files and dequantized on the host as they go up), the routed
+ * experts of a quantized checkpoint as stored, codes and scales (NVFP4; INT4 symmetric or
+ * asymmetric, groups of 32 or more), on the GPU MoE op, other routed experts, shared experts and
+ * dense MLPs in fp32 (bf16 with MOEQ_GPU_BF16), the final norm and lm_head on the device; the
+ * embeddings are looked up on the host and the logits come back to it. New tokens go through in
+ * one batch (prefill in pieces of as many tokens as the attention's scratch holds).
+ * gpu_precision (moeq_gpu_precision): MOEQ_GPU_FP32 (the default) computes what the CPU session
+ * computes, the sums in another order (fp32; the quantized experts as the CPU's packed kernels do,
+ * bit for bit for the same routing); MOEQ_GPU_BF16 runs the routed experts on the bf16 tensor
+ * cores and the rest as MOEQ_GPU_TF32 (docs/gpu.md states both tolerances). Before any work the
+ * model is checked (deepseek_v3 / kimi_k2, sigmoid or group-limited routing, act_quant, MLP
+ * biases: MOEQ_E_UNSUPPORTED) and its bytes on the device are planned: more than the device has
+ * free, or than max_gpu_memory (> 0) allows, is MOEQ_E_NOMEM naming both figures. No device, or
+ * a build without CUDA: MOEQ_E_UNSUPPORTED. */
+typedef struct {
+    int device;
+    int gpu_precision;
+    int64_t max_gpu_memory;   /* bytes of GPU memory the session may hold; 0: the card's free memory */
+} moeq_session_options;
+void moeq_session_options_init(moeq_session_options *o);
+/* Sets one option by the name of `moeq generate`'s flag without the dashes: "device" ("cpu",
+ * "cuda", "cuda:N"), "gpu-precision" ("fp32", "tf32x3", "tf32", "bf16"), "max-gpu-memory" (a
+ * size: 20GB, 512MiB, bytes). Unknown keys and bad values: MOEQ_E_ARG "KEY=VALUE: expected ...". */
+moeq_status moeq_session_options_set(moeq_session_options *o, const char *key, const char *value);
+/* moeq_session_create on the device o names (NULL: the CPU, as moeq_session_create). */
+moeq_status moeq_session_create_ex(const moeq_model *m, int32_t max_tokens, const moeq_session_options *o,
+                                   moeq_session **out);
+/* "cpu", or "cuda:N NAME (PRECISION)": where s runs. Borrowed, valid while s lives. */
+const char *moeq_session_device(const moeq_session *s);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Sampling (src/runtime): choosing each next token, as `moeq generate` does                  */
 /* ------------------------------------------------------------------------------------------ */

@@ -55,6 +55,26 @@ int64_t mq_gpu_mlp_bytes(int64_t E, int64_t D, int64_t F, bool down, int64_t max
 
 int64_t mq_gpu_hessians_bytes(int64_t K) { return K * K * 4; }   /* hessian.cu: the sum */
 
+int64_t mq_gpu_kvattn_rows_for(const mq_gpu_attn_shape *sh, int64_t rows) {
+    /* decode.cu: a call's scores [rows, H, max_T] stay within MQ_GPU_KVATTN_SCORES_FLOATS */
+    int64_t r = rows > 0 ? rows : 1, fit = MQ_GPU_KVATTN_SCORES_FLOATS / (sh->H * sh->max_T);
+    r = r < sh->max_T ? r : sh->max_T;
+    r = r < fit ? r : fit;
+    return r > 0 ? r : 1;
+}
+
+int64_t mq_gpu_kvattn_bytes(const mq_gpu_attn_shape *sh, int n_layers, int routed, int64_t rows) {
+    /* decode.cu mq_gpu_kvattn_new, its layers' weights and caches, and the routers _set adds */
+    const int64_t D = sh->D, QD = sh->H * sh->hd, KVD = sh->KV * sh->hd, T = sh->max_T;
+    const int64_t R = mq_gpu_kvattn_rows_for(sh, rows);
+    const bool route = sh->E > 0 && sh->top_k > 0;
+    int64_t f = 2 * (T * (sh->hd / 2)) + R * (2 * D + 2 * QD) + R * sh->H * T + R;   /* RoPE, scratch, positions */
+    if (route) f += R * (sh->E + 2 * sh->top_k);
+    const int64_t layer = D + QD * D + 2 * KVD * D + D * QD + QD + 2 * KVD + D + QD + KVD + D + 2 * T * KVD;
+    f += (int64_t)n_layers * layer + (route ? (int64_t)routed * sh->E * D : 0);
+    return f * 4;
+}
+
 /* gptq.cu's carver: each piece rounded up to 256 bytes */
 static int64_t piece(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 

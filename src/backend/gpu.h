@@ -289,6 +289,38 @@ moeq_status mq_gpu_attn_run_samples(mq_gpu_attn *a, const mq_gpu_attn_sample *s,
                                     const mq_gpu_attn_io *io);
 int64_t mq_gpu_attn_rows(const mq_gpu_attn *a);
 
+/* ---- generation (decode.cu): the attention of new tokens over a KV cache on the device --------
+ * What model/forward.c's attention_block does for n new tokens at positions p0 .. p0 + n - 1 of
+ * a sequence whose earlier keys and values are cached: x += o(attention(rmsnorm(x))), with the
+ * q/k/v biases, the q/k norms and clip_qkv as mq_gpu_attn_shape says, rotate-half RoPE at each
+ * token's position from the host's tables, the new keys and values appended to the layer's
+ * cache at rows p0.., each new query attending causally over cache rows [0 .. its position]
+ * (its layer's sliding window, grouped KV heads); then, as asked, the FFN input (the FFN norm of
+ * the result) and its softmax top-k routing. The element-wise kernels are mq_gpu_attn's
+ * (attn_kernels.cuh); the projections are mq_cu_product's (the precision mode's); the scores,
+ * the softmax (moeq's expf) and P V are one block per (new token, head) in fp32, each score one
+ * fmaf chain over the head's dimensions and each output one over the visible keys in key
+ * order. All layers of a model live in one object: their weights and caches, one scratch.
+ * Work is queued on stream 0 (the mq_gpu_buf calls' order); only the routing's copy to the host
+ * waits. shape: max_T the cache's positions (and the RoPE tables' rows), E/top_k/norm_topk the
+ * routing of layers given a router; rows: the most new tokens a call takes (fewer where their
+ * scores would pass 2^26 floats: mq_gpu_kvattn_rows says how many). */
+typedef struct mq_gpu_kvattn mq_gpu_kvattn;
+moeq_status mq_gpu_kvattn_new(mq_gpu *g, const mq_gpu_attn_shape *shape, int n_layers, int64_t rows,
+                              mq_gpu_kvattn **out);
+void mq_gpu_kvattn_free(mq_gpu_kvattn *a);
+int64_t mq_gpu_kvattn_rows(const mq_gpu_kvattn *a);
+/* Layer l's weights (host; copied before the call returns) and window; w->router NULL: that
+ * layer is not routed here (ffn_norm is needed for the FFN input). */
+moeq_status mq_gpu_kvattn_set(mq_gpu_kvattn *a, int l, const mq_gpu_attn_weights *w);
+/* Layer l on the n rows of D values at the start of x (device), tokens at positions p0..p0+n-1;
+ * the cache of layer l must hold positions [0, p0) (the caller's order: p0 is not checked
+ * against what was written). ffn (or NULL): the FFN input of each row, at its start; sel, w
+ * (host [n, top_k], or NULL: no routing; only for a layer given a router): the routing of the
+ * FFN input, the call waiting for it. */
+moeq_status mq_gpu_kvattn_run(mq_gpu_kvattn *a, int l, mq_gpu_buf *x, int64_t n, int64_t p0, mq_gpu_buf *ffn,
+                              int32_t *sel, float *w);
+
 /* ---- planning (gpu.c: the same arithmetic in every build, no GPU needed) -----------------------
  * The bytes the backend's objects take on the device, as their allocations count them
  * (mq_gpu_memory; test_gpu_memory compares on a GPU): the planner's figures for --max-gpu-memory.
@@ -302,9 +334,15 @@ int64_t mq_gpu_attn_rows(const mq_gpu_attn *a);
  *    rows of weights that share it (a wave never holds less), with cuSOLVER's workspace. */
 enum { MQ_GPU_ATTN_GROUP_ROWS = 16384 };                  /* attention.cu's GROUP_ROWS */
 #define MQ_GPU_ATTN_SCORES_FLOATS ((int64_t)1 << 28)       /* attention.cu's SCORES_FLOATS */
+#define MQ_GPU_KVATTN_SCORES_FLOATS ((int64_t)1 << 26)     /* decode.cu: a call's scores at most */
 int64_t mq_gpu_attn_bytes(const mq_gpu_attn_shape *sh, int64_t rows);
 int64_t mq_gpu_mlp_bytes(int64_t E, int64_t D, int64_t F, bool down, int64_t max_rows, int lanes);
 int64_t mq_gpu_hessians_bytes(int64_t K);
+/* mq_gpu_kvattn_new of sh for n_layers layers, `routed` of them given a router, with rows
+ * (mq_gpu_kvattn_rows of it) new tokens a call. */
+int64_t mq_gpu_kvattn_bytes(const mq_gpu_attn_shape *sh, int n_layers, int routed, int64_t rows);
+/* The rows mq_gpu_kvattn_new of sh keeps of `rows` asked for (its scores' bound). */
+int64_t mq_gpu_kvattn_rows_for(const mq_gpu_attn_shape *sh, int64_t rows);
 int64_t mq_gpu_gptq_bytes(const mq_qspec *s, const mq_gptq_opts *o, int64_t K, int64_t rows);
 
 /* ---- the evaluation's pieces (src/backend/cuda/score.cu; src/eval/eval_gpu.c drives them) ------

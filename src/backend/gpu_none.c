@@ -257,6 +257,32 @@ int64_t mq_gpu_attn_rows(const mq_gpu_attn *a) {
     return 0;
 }
 
+/* generation's KV-cached attention */
+moeq_status mq_gpu_kvattn_new(mq_gpu *g, const mq_gpu_attn_shape *shape, int n_layers, int64_t rows,
+                              mq_gpu_kvattn **out) {
+    (void)g, (void)shape, (void)n_layers, (void)rows;
+    *out = NULL;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+void mq_gpu_kvattn_free(mq_gpu_kvattn *a) { (void)a; }
+
+int64_t mq_gpu_kvattn_rows(const mq_gpu_kvattn *a) {
+    (void)a;
+    return 0;
+}
+
+moeq_status mq_gpu_kvattn_set(mq_gpu_kvattn *a, int l, const mq_gpu_attn_weights *w) {
+    (void)a, (void)l, (void)w;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
+moeq_status mq_gpu_kvattn_run(mq_gpu_kvattn *a, int l, mq_gpu_buf *x, int64_t n, int64_t p0, mq_gpu_buf *ffn,
+                              int32_t *sel, float *w) {
+    (void)a, (void)l, (void)x, (void)n, (void)p0, (void)ffn, (void)sel, (void)w;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 /* the evaluation's pieces */
 moeq_status mq_gpu_buf_zero(mq_gpu_buf *b, int64_t off, int64_t n) {
     (void)b, (void)off, (void)n;

@@ -59,36 +59,36 @@ struct mq_eval_gpu {
 };
 
 /* ---- what the GPU path runs ------------------------------------------------------------------ */
-moeq_status mq_eval_gpu_check(const moeq_model *m, const char *role) {
+const char *mq_gpu_model_lacks(const moeq_model *m, bool packed_ok, char *buf, size_t n) {
     const mq_config *c = &m->cfg;
-    const char *name = m->dir ? m->dir : "model";
     const bool family = c->arch == MQ_ARCH_LLAMA || c->arch == MQ_ARCH_OLMOE || c->arch == MQ_ARCH_QWEN2_MOE ||
                         c->arch == MQ_ARCH_QWEN3_MOE || c->arch == MQ_ARCH_MIXTRAL;
-    const char *why = NULL;
-    char buf[160];
     if (!family || c->mla) {
-        snprintf(buf, sizeof buf, "model_type %s (multi-head latent attention and its routing)", c->model_type);
-        why = buf;
-    } else if (c->sigmoid_router || c->router_bias || c->n_group > 1 || c->routed_scale != 1.0f) {
-        why = "sigmoid or group-limited routing";
-    } else if (m->act_quant) {
-        why = "--act-quant (the emulated activation quantizer)";
-    } else if (m->n_packed > 0 || (mq_model_lazy(m) && mq_lazy_packed(mq_model_lazy(m)))) {
-        why = "packed quantized weights (open the model with keep_packed off: moeq eval --dequantize; packed GPU "
-              "kernels are not written yet)";
-    } else if (c->mlp_bias) {
-        why = "MLP biases (mlp_bias)";
-    } else if (c->attn_scale != 1.0 / sqrt((double)c->head_dim) || c->rope_dim != c->head_dim || c->rope_interleave ||
-               c->v_head_dim != c->head_dim) {
-        why = "a softmax scale, rotary layout or value head other than the standard attention's";
-    } else if (c->head_dim % 2 || c->n_kv_heads <= 0 || c->n_heads % c->n_kv_heads) {
-        why = "an odd head size or query heads not a multiple of the KV heads";
-    } else if (c->n_experts > 0 && c->top_k > 64) {
-        why = "more than 64 experts per token";
+        snprintf(buf, n, "model_type %s (multi-head latent attention and its routing)", c->model_type);
+        return buf;
     }
+    if (c->sigmoid_router || c->router_bias || c->n_group > 1 || c->routed_scale != 1.0f)
+        return "sigmoid or group-limited routing";
+    if (m->act_quant) return "--act-quant (the emulated activation quantizer)";
+    if (!packed_ok && (m->n_packed > 0 || (mq_model_lazy(m) && mq_lazy_packed(mq_model_lazy(m)))))
+        return "packed quantized weights (open the model with keep_packed off: moeq eval --dequantize; packed GPU "
+               "kernels are not written yet)";
+    if (c->mlp_bias) return "MLP biases (mlp_bias)";
+    if (c->attn_scale != 1.0 / sqrt((double)c->head_dim) || c->rope_dim != c->head_dim || c->rope_interleave ||
+        c->v_head_dim != c->head_dim)
+        return "a softmax scale, rotary layout or value head other than the standard attention's";
+    if (c->head_dim % 2 || c->n_kv_heads <= 0 || c->n_heads % c->n_kv_heads)
+        return "an odd head size or query heads not a multiple of the KV heads";
+    if (c->n_experts > 0 && c->top_k > 64) return "more than 64 experts per token";
+    return NULL;
+}
+
+moeq_status mq_eval_gpu_check(const moeq_model *m, const char *role) {
+    char buf[160];
+    const char *why = mq_gpu_model_lacks(m, false, buf, sizeof buf);
     if (why)
         return mq_err(MOEQ_E_UNSUPPORTED, "--device cuda: %s (%s) has %s, which the GPU evaluation lacks; evaluate it "
-                      "on the CPU (--device cpu)", role, name, why);
+                      "on the CPU (--device cpu)", role, m->dir ? m->dir : "model", why);
     return MOEQ_OK;
 }
 
@@ -342,29 +342,33 @@ moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l) {
     return MOEQ_OK;
 }
 
-/* The routed experts' slots and the combine's pairs of R rows (routing sel/w [R, K] of E
- * experts), as forward.c's moe_block orders them. */
+/* The routed experts' slots and the combine's pairs of R rows (mq_gpu_route_layout). */
 static moeq_status routed_layout(mq_eval_gpu *G, int64_t R, int64_t K, int64_t E) {
-    int32_t *cnt = G->cnt, *start = G->start;
+    const mq_gpu_routes r = {G->sel, G->w, G->cnt, G->start, G->list, G->slot, G->tok, G->first, G->crow, G->cw};
+    return mq_gpu_route_layout(&r, R, K, E);
+}
+
+moeq_status mq_gpu_route_layout(const mq_gpu_routes *r, int64_t R, int64_t K, int64_t E) {
+    int32_t *cnt = r->cnt, *start = r->start;
     for (int64_t e = 0; e <= E; e++) cnt[e] = 0;
     for (int64_t i = 0; i < R * K; i++) {
-        if (G->sel[i] < 0 || G->sel[i] >= E)
+        if (r->sel[i] < 0 || r->sel[i] >= E)
             return mq_err(MOEQ_E_NUMERIC, "row %lld routed to expert %d of %lld (non-finite router logits?)",
-                          (long long)(i / K), G->sel[i], (long long)E);
-        cnt[G->sel[i]]++;
+                          (long long)(i / K), r->sel[i], (long long)E);
+        cnt[r->sel[i]]++;
     }
     start[0] = 0;
     for (int64_t e = 0; e < E; e++) start[e + 1] = start[e] + cnt[e];
     for (int64_t e = 0; e < E; e++) cnt[e] = start[e];   /* the next slot of each expert */
     for (int64_t t = 0; t < R; t++)
         for (int64_t k = 0; k < K; k++) {
-            const int32_t e = G->sel[t * K + k], slot = cnt[e]++;
-            G->list[slot] = (int32_t)t;
-            G->slot[t * K + k] = slot;
+            const int32_t e = r->sel[t * K + k], slot = cnt[e]++;
+            r->list[slot] = (int32_t)t;
+            r->slot[t * K + k] = slot;
         }
     for (int64_t t = 0; t < R; t++) {
         int32_t order[64];
-        const int32_t *sel = G->sel + t * K;
+        const int32_t *sel = r->sel + t * K;
         for (int64_t k = 0; k < K; k++) order[k] = (int32_t)k;
         for (int64_t a = 1; a < K; a++)   /* by expert id */
             for (int64_t b = a; b > 0 && sel[order[b - 1]] > sel[order[b]]; b--) {
@@ -372,21 +376,23 @@ static moeq_status routed_layout(mq_eval_gpu *G, int64_t R, int64_t K, int64_t E
                 order[b] = order[b - 1];
                 order[b - 1] = x;
             }
-        G->tok[t] = t;
-        G->first[t] = (int32_t)(t * K);
+        r->tok[t] = t;
+        r->first[t] = (int32_t)(t * K);
         for (int64_t k = 0; k < K; k++) {
-            G->crow[t * K + k] = G->slot[t * K + order[k]];
-            G->cw[t * K + k] = G->w[t * K + order[k]];
+            r->crow[t * K + k] = r->slot[t * K + order[k]];
+            r->cw[t * K + k] = r->w[t * K + order[k]];
         }
     }
-    G->first[R] = (int32_t)(R * K);
+    r->first[R] = (int32_t)(R * K);
     return MOEQ_OK;
 }
 
 /* One MLP (E = 1) over all R rows of the FFN input, its outputs kept for add_kept. */
-static moeq_status one_mlp_rows(mq_eval_gpu *G, mq_gpu_mlp *m, int64_t R) {
-    moeq_status s = mq_gpu_mlp_inputs_from(m, G->xn, R);
-    if (!s) s = mq_gpu_mlp_rows_index(m, G->ident, R);
+static moeq_status one_mlp_rows(mq_eval_gpu *G, mq_gpu_mlp *m, int64_t R) { return mq_gpu_one_mlp_rows(m, G->xn, G->ident, R); }
+
+moeq_status mq_gpu_one_mlp_rows(mq_gpu_mlp *m, mq_gpu_buf *xn, const int32_t *ident, int64_t R) {
+    moeq_status s = mq_gpu_mlp_inputs_from(m, xn, R);
+    if (!s) s = mq_gpu_mlp_rows_index(m, ident, R);
     if (!s) s = mq_gpu_mlp_reserve_kept(m, R);
     if (!s) s = mq_gpu_mlp_run_indexed(m, 0, 0, R, true, NULL, NULL);
     return s;

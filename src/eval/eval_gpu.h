@@ -16,6 +16,7 @@
 #ifndef MOEQ_EVAL_GPU_H
 #define MOEQ_EVAL_GPU_H
 
+#include "backend/gpu.h"
 #include "eval/eval_run.h"
 
 typedef struct mq_eval_gpu mq_eval_gpu;
@@ -25,6 +26,11 @@ typedef struct mq_eval_gpu mq_eval_gpu;
  * attention), sigmoid or group-limited routing, the emulated activation quantizer, packed
  * quantized weights (keep_packed), MLP biases, a nonstandard softmax scale or rotary layout. */
 moeq_status mq_eval_gpu_check(const moeq_model *m, const char *role);
+
+/* The same checks for any GPU driver (generation too): what m has that the GPU pieces lack, a
+ * phrase (in buf where it names the model type), or NULL; packed_ok: packed quantized weights
+ * are fine (the driver reads the checkpoint's codes itself). */
+const char *mq_gpu_model_lacks(const moeq_model *m, bool packed_ok, char *buf, size_t n);
 
 /* Opens device o->device with o->gpu_precision for the nm models of c (their per-layer
  * attention twins, the group buffers). */
@@ -74,6 +80,25 @@ void mq_eval_set_gpu_resident(bool on);
  * whole layer, or without the routed experts where the GPU reads their codes itself (bf16, a
  * streamed checkpoint whose experts are stored NVFP4 or INT4). */
 unsigned mq_eval_gpu_layer_parts(const mq_eval_gpu *G, int k, int l);
+
+/* The host's half of the routed experts on the fp32 expert sets (mq_gpu_mlp), forward.c's
+ * moe_block order: from the routing sel, w [R, K] of E experts, the expert-major slots (tokens in
+ * increasing order within an expert: list [R*K] the token of each slot, slot [R, K] the slot of
+ * each choice, start [E + 1] each expert's first slot; cnt [E + 1] scratch) and the combine's
+ * pairs (tok [R] = t, first [R + 1], crow/cw [R*K]: each token's slots and weights in increasing
+ * expert order). MOEQ_E_NUMERIC for an expert id out of range. */
+typedef struct {
+    const int32_t *sel;
+    const float *w;
+    int32_t *cnt, *start, *list, *slot;
+    int64_t *tok;
+    int32_t *first, *crow;
+    float *cw;
+} mq_gpu_routes;
+moeq_status mq_gpu_route_layout(const mq_gpu_routes *r, int64_t R, int64_t K, int64_t E);
+/* One MLP (an expert set of E = 1: a shared expert, a dense MLP) over the R rows of D values at
+ * the start of xn (device), its outputs kept for mq_gpu_mlp_add_kept; ident [R] = 0 .. R - 1. */
+moeq_status mq_gpu_one_mlp_rows(mq_gpu_mlp *m, mq_gpu_buf *xn, const int32_t *ident, int64_t R);
 
 /* A quantized checkpoint's routed experts of one layer in the GPU MoE op's canonical form
  * (eval_gpu_experts.c): codes and scales as stored, read from st by each expert Linear's name. */

@@ -9,6 +9,10 @@
  * so a given seed always gives the same text. Only moeq.h and cli.h are used: this is also an
  * example of a program on the public API.
  *
+ * With --device cuda[:N] the session runs on that GPU (moeq_session_create_ex: every layer, its KV
+ * cache and the output layer resident there; --gpu-precision, --max-gpu-memory); the embeddings
+ * and the sampler stay on the host.
+ *
  * Streaming holds text back in two cases: a trailing U+FFFD (a character cut between tokens,
  * completed by the next ones) and a tail that may be the start of a --stop string (printed once
  * the next tokens show it is not, or cut with the stop string). Ids the tokenizer lacks (embedding
@@ -74,6 +78,7 @@ int cmd_generate(int argc, char **argv) {
     const char *prompt_arg = NULL, *prompt_file = NULL, *messages_file = NULL;
     int64_t n_new = -1, threads = 0;
     const char *act_quant = NULL, *pack_cache = NULL;
+    const char *device = NULL, *gpu_precision = NULL, *max_gpu_memory = NULL;
     cli_list stops = {NULL, 0};
     bool greedy = false, no_bos = false, dequantize = false, json = false;
     const char *revision = NULL;
@@ -99,6 +104,13 @@ int cmd_generate(int argc, char **argv) {
         {NULL, CLI_THREADS_OPT(threads)},
         {NULL, CLI_DEQUANTIZE_OPT(dequantize)},
         {NULL, {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0", 0, 0, NULL}},
+        {NULL, {"--device", OPT_STRING, &device, "DEV", "where the model runs: cpu (the default), cuda or cuda:N "
+         "(every layer, its KV cache and the output layer on that GPU; a build with CUDA)", NULL, 0, 0, NULL}},
+        {NULL, {"--gpu-precision", OPT_CHOICE, &gpu_precision, NULL, "with --device cuda: fp32 (the default: the "
+         "CPU's results up to the order of sums), tf32x3, tf32, or bf16 (the routed experts on the tensor cores, the "
+         "rest as tf32)", "fp32|tf32x3|tf32|bf16", 0, 0, NULL}},
+        {NULL, {"--max-gpu-memory", OPT_STRING, &max_gpu_memory, "SIZE", "with --device cuda: GPU memory the "
+         "session may hold (e.g. 20GB; default: the card's free memory)", NULL, 0, 0, NULL}},
         {NULL, {"--pack-cache", OPT_STRING, &pack_cache, "DIR", "folder of the packed-layout cache that the "
          "next run maps instead of repacking ('off': none; default: beside the model when its folder "
          "is writable, else $XDG_CACHE_HOME/moeq)", NULL, 0, 0, NULL}},
@@ -134,6 +146,15 @@ int cmd_generate(int argc, char **argv) {
     else if (n_new < 0) bad = "-n is required";
     for (int k = 0; !bad && k < stops.n; k++)
         if (!stops.items[k][0]) bad = "--stop needs a non-empty string";
+    if (!bad && (gpu_precision || max_gpu_memory) && (!device || !strcmp(device, "cpu")))
+        bad = "--gpu-precision and --max-gpu-memory need --device cuda";
+    /* the device flags, each checked by the library's setter */
+    moeq_session_options so;
+    moeq_session_options_init(&so);
+    const char *const dev_keys[3] = {"device", "gpu-precision", "max-gpu-memory"};
+    const char *const dev_vals[3] = {device, gpu_precision, max_gpu_memory};
+    for (int k = 0; k < 3 && !bad; k++)
+        if (dev_vals[k] && moeq_session_options_set(&so, dev_keys[k], dev_vals[k])) bad = moeq_last_error();
     moeq_gen_options go;   /* the sampling flags, each checked by the library's setter */
     if (bad) rc = cli_usage_error(CMD, "%s", bad);
     else rc = cli_gen_options(CMD, tb.t, tb.n, greedy, &go);
@@ -272,11 +293,12 @@ int cmd_generate(int argc, char **argv) {
     int32_t *gen = ids + n_prompt;
     /* The prompt (BOS included, as llama.cpp feeds it) is history for the penalties. */
     st = moeq_sampler_accept(smp, ids, n_prompt);
-    if (!st) st = moeq_session_create(m, (int32_t)(n_prompt + (size_t)n_new), &s);
+    if (!st) st = moeq_session_create_ex(m, (int32_t)(n_prompt + (size_t)n_new), &so, &s);
     if (st) {
         ret = cli_fail(CMD, st);
         goto out;
     }
+    if (so.device >= 0) fprintf(stderr, "device: %s\n", moeq_session_device(s));
 
     if (!json && !messages_file) {
         fwrite(prompt, 1, prompt_len, stdout);

@@ -35,66 +35,19 @@
 
 #include <new>
 
+#include "backend/cuda/attn_kernels.cuh"
 #include "backend/cuda/cuda_internal.cuh"
 #include "backend/cuda/tile_det.cuh"
 #include "backend/cuda/vec_dev.cuh"
-#include "kernels/route_inline.h"
 
 namespace {
 
-enum { NORM_THREADS = 256, SOFTMAX_THREADS = 256 };
+enum { SOFTMAX_THREADS = 256 };
 /* The scores buffer holds at most this many floats (the heads are then done in parts). */
 constexpr int64_t SCORES_FLOATS = (int64_t)1 << 28;
 /* Tokens of a group (at least the longest sample): 16K rows of the row-wise work fill the GPU,
  * and its buffers take about 1 GB at a hidden size of 2048. MOEQ_DEBUG_GPU_ATTN_ROWS sets it (tests). */
 constexpr int64_t GROUP_ROWS = 16384;
-
-/* out[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))), one block per row; out may be x. */
-__global__ void k_rmsnorm(float *out, const float *x, int64_t rows, int64_t n, const float *w, float eps) {
-    const int64_t r = blockIdx.x;
-    if (r >= rows) return;
-    const float *xr = x + r * n;
-    __shared__ double part[NORM_THREADS];
-    double d = 0.0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d += (double)xr[i] * (double)xr[i];
-    part[threadIdx.x] = d;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s /= 2) {
-        if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
-        __syncthreads();
-    }
-    const float var = (float)(part[0] / (double)n);
-    const float inv = 1.0f / sqrtf(var + eps);
-    float *o = out + r * n;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
-}
-
-/* y[t, j] += b[j] over T rows of n. */
-__global__ void k_bias(float *y, const float *b, int64_t T, int64_t n) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < T * n; i += (int64_t)gridDim.x * blockDim.x)
-        y[i] = y[i] + b[i % n];
-}
-
-__global__ void k_clip(float *x, int64_t n, float lim) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const float v = x[i];
-        x[i] = v < -lim ? -lim : v > lim ? lim : v;
-    }
-}
-
-/* rotate-half RoPE of x [R, nh, hd], row r at position pos[r] (vec_ref.c's rope_ref). */
-__global__ void k_rope(float *x, int64_t R, int64_t nh, int64_t hd, const int32_t *pos, const float *cs,
-                       const float *sn) {
-    const int64_t half = hd / 2, n = R * nh * half;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t k = i % half, th = i / half, t = pos[th / nh];
-        float *v = x + th * hd;
-        const float c = cs[t * half + k], s = sn[t * half + k];
-        const float a = v[k], b = v[k + half];
-        v[k] = a * c - b * s;
-        v[k + half] = b * c + a * s;
-    }
-}
 
 /* Row i of head blockIdx.y's scores S [T, T] (query i, key j at S[i * T + j]): softmax over the
  * keys [lo, i] a query sees, zero elsewhere. */
@@ -128,25 +81,6 @@ __global__ void k_softmax_causal(float *S, int64_t ld, int64_t stride, int64_t q
     }
     const float total = red[0];
     for (int64_t j = threadIdx.x; j < ld; j += blockDim.x) row[j] = j >= lo && j < hi ? row[j] / total : 0.0f;
-}
-
-/* The routing of token t (one thread each): kernels/route_inline.h, the CPU forward's very lines
- * (softmax over the E logits, the sum in double; the top_k largest probabilities with ties to the
- * lower expert, optionally renormalised). The row of logits becomes the probabilities. */
-__global__ void k_route_softmax(float *logits, int64_t T, int64_t E, int64_t K, bool norm, int32_t *sel, float *w) {
-    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= T) return;
-    mq_route_softmax_topk(logits + t * E, E, K, norm, sel + t * K, w + t * K);
-}
-
-__global__ void k_add(float *x, const float *y, int64_t n) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        x[i] = x[i] + y[i];
-}
-
-unsigned grid_for(int64_t n) {
-    const int64_t b = (n + 255) / 256;
-    return (unsigned)(b < 4096 ? (b > 0 ? b : 1) : 4096);
 }
 
 }  // namespace

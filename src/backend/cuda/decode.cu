@@ -1,0 +1,340 @@
+/*
+ * The attention of generation on the GPU (backend/gpu.h, mq_gpu_kvattn_*): src/model/forward.c's
+ * attention_block for n new tokens at positions p0 .. p0 + n - 1 over a KV cache kept on the
+ * device, every layer of a model resident in one object (its weights and caches; one scratch for
+ * whichever layer runs).
+ *
+ * The order of operations is the CPU's: RMSNorm of x (attn_kernels.cuh, the sum of squares in
+ * double); q, k, v = the projections of it (+ biases), k and v written straight into the cache at
+ * rows p0.. (as forward.c writes them into its cache); the q/k norms, clip_qkv on q, k and v,
+ * RoPE of q and k at the tokens' positions; attention; o projection (+ bias); the residual add.
+ * The projections are mq_cu_product's (the precision mode's: fp32 fmaf chains by default).
+ *
+ * Attention (k_attend_cached): one block per (new token i, query head h), kept simple on purpose:
+ * the query at position p = p0 + i sees cache rows [lo, p] (lo = p - window + 1 under a sliding
+ * window, else 0) of KV head h / (H / KV). Each score is one fmaf chain over the head's
+ * dimensions times the softmax scale 1/sqrt(hd), written into the block's row of the scratch S;
+ * the block's maximum, the exponentials with moeq's expf (vec_dev.cuh) and their sum are tree
+ * reductions in shared memory; each output dimension is one fmaf chain over the visible keys in
+ * key order of p_j v_j, p_j = e_j / sum (the CPU's softmax then P V, summed in another order).
+ * So a token's result does not depend on the tokens beside it in the call: prefill in one call
+ * and token by token give the same bits in the fp32 mode (tests/test_gpu_generate.c).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <new>
+
+#include "backend/cuda/attn_kernels.cuh"
+#include "backend/cuda/cuda_internal.cuh"
+#include "backend/cuda/vec_dev.cuh"
+
+namespace {
+
+enum { ATT_THREADS = 128 };
+
+/* Block (i, h): new token i (position p0 + i), query head h; q [n, H*hd], the caches [max_T,
+ * KV*hd], out [n, H*hd], S [n * H, ldS] scratch (ldS >= p0 + n). */
+__global__ void k_attend_cached(const float *q, const float *kc, const float *vc, float *out, float *S, int64_t ldS,
+                                int64_t p0, int64_t H, int64_t KV, int64_t hd, int64_t window, float scale) {
+    const int64_t i = blockIdx.x, h = blockIdx.y, p = p0 + i;
+    const int64_t kvh = h / (H / KV), QD = H * hd, KVD = KV * hd;
+    const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, hi = p + 1;
+    const float *qv = q + i * QD + h * hd;
+    float *row = S + (i * H + h) * ldS;
+    __shared__ float red[ATT_THREADS];
+    float m = -INFINITY;
+    for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        const float *kv = kc + j * KVD + kvh * hd;
+        float s = 0.0f;
+        for (int64_t d = 0; d < hd; d++) s = fmaf(qv[d], kv[d], s);
+        s = s * scale;
+        row[j] = s;
+        m = s > m ? s : m;
+    }
+    red[threadIdx.x] = m;
+    __syncthreads();
+    for (int r = blockDim.x / 2; r > 0; r /= 2) {
+        if ((int)threadIdx.x < r && red[threadIdx.x + r] > red[threadIdx.x]) red[threadIdx.x] = red[threadIdx.x + r];
+        __syncthreads();
+    }
+    const float mx = red[0];
+    __syncthreads();
+    float sum = 0.0f;
+    for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) {   /* each thread its own keys again */
+        const float e = mqd::vec_expf(row[j] - mx);
+        row[j] = e;
+        sum += e;
+    }
+    red[threadIdx.x] = sum;
+    __syncthreads();
+    for (int r = blockDim.x / 2; r > 0; r /= 2) {
+        if ((int)threadIdx.x < r) red[threadIdx.x] += red[threadIdx.x + r];
+        __syncthreads();
+    }
+    const float total = red[0];
+    /* the row's exponentials, written by every thread above, are visible after the barriers */
+    const float *vh = vc + kvh * hd;
+    for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int64_t j = lo; j < hi; j++) acc = fmaf(row[j] / total, vh[j * KVD + d], acc);
+        out[i * QD + h * hd + d] = acc;
+    }
+}
+
+/* pos[t] = p0 + t: the rows' positions for k_rope. */
+__global__ void k_positions(int32_t *pos, int64_t n, int64_t p0) {
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n) pos[t] = (int32_t)(p0 + t);
+}
+
+struct Layer {
+    bool set;
+    bool has_bq, has_bk, has_bv, has_bo;
+    int64_t window;
+    float *norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *qn, *kn, *fnorm, *router;
+    float *kc, *vc;   /* [max_T, KV*hd] each */
+};
+
+}  // namespace
+
+struct mq_gpu_kvattn {
+    mq_gpu *g;
+    mq_gpu_attn_shape sh;
+    int n_layers;
+    Layer *layers;
+    int64_t QD, KVD, rows;
+    float *cos_t, *sin_t;             /* [max_T, hd / 2] */
+    float *xn, *q, *att, *y, *S;      /* [rows, D], [rows, QD] x2, [rows, D], [rows * H, max_T] */
+    int32_t *pos;                     /* [rows] */
+    float *logits, *rw;               /* [rows, E], [rows, top_k] (with routing) */
+    int32_t *rsel;                    /* [rows, top_k] */
+};
+
+static void layer_free(Layer *L) {
+    float *bufs[] = {L->norm, L->wq, L->wk, L->wv, L->wo, L->bq, L->bk, L->bv, L->bo, L->qn, L->kn, L->fnorm,
+                     L->router, L->kc, L->vc};
+    for (float *p : bufs) mq_cu_free(p);
+}
+
+extern "C" void mq_gpu_kvattn_free(mq_gpu_kvattn *a) {
+    if (!a) return;
+    cudaSetDevice(a->g->device);
+    cudaStreamSynchronize(a->g->stream[0]);
+    if (a->layers)
+        for (int l = 0; l < a->n_layers; l++) layer_free(&a->layers[l]);
+    delete[] a->layers;
+    float *bufs[] = {a->cos_t, a->sin_t, a->xn, a->q, a->att, a->y, a->S, a->logits, a->rw};
+    for (float *p : bufs) mq_cu_free(p);
+    mq_cu_free(a->pos);
+    mq_cu_free(a->rsel);
+    delete a;
+}
+
+extern "C" int64_t mq_gpu_kvattn_rows(const mq_gpu_kvattn *a) { return a->rows; }
+
+extern "C" moeq_status mq_gpu_kvattn_new(mq_gpu *g, const mq_gpu_attn_shape *sh, int n_layers, int64_t rows,
+                                         mq_gpu_kvattn **out) {
+    *out = NULL;
+    if (sh->D <= 0 || sh->H <= 0 || sh->KV <= 0 || sh->hd <= 0 || sh->hd % 2 || sh->H % sh->KV || sh->max_T <= 0 ||
+        n_layers <= 0 || !sh->rope_cos || !sh->rope_sin)
+        return mq_err(MOEQ_E_SHAPE, "GPU KV attention: D %lld, %lld heads, %lld KV heads, head dim %lld, %lld positions, "
+                      "%d layers", (long long)sh->D, (long long)sh->H, (long long)sh->KV, (long long)sh->hd,
+                      (long long)sh->max_T, n_layers);
+    moeq_status st = CU(cudaSetDevice(g->device));
+    if (st) return st;
+    mq_gpu_kvattn *a = new (std::nothrow) mq_gpu_kvattn;
+    if (!a) return mq_err(MOEQ_E_NOMEM, "out of memory");
+    memset((void *)a, 0, sizeof *a);
+    a->g = g;
+    a->sh = *sh;
+    a->sh.rope_cos = a->sh.rope_sin = NULL;
+    a->n_layers = n_layers;
+    a->QD = sh->H * sh->hd;
+    a->KVD = sh->KV * sh->hd;
+    a->rows = mq_gpu_kvattn_rows_for(sh, rows);
+    a->layers = new (std::nothrow) Layer[n_layers];
+    if (!a->layers) {
+        delete a;
+        return mq_err(MOEQ_E_NOMEM, "out of memory");
+    }
+    memset((void *)a->layers, 0, sizeof(Layer) * (size_t)n_layers);
+    const int64_t D = sh->D, R = a->rows, T = sh->max_T, QD = a->QD, KVD = a->KVD;
+    const size_t half_tab = (size_t)(T * (sh->hd / 2));
+    if (!st) st = cu_alloc(&a->cos_t, half_tab, "RoPE table");
+    if (!st) st = cu_alloc(&a->sin_t, half_tab, "RoPE table");
+    if (!st) st = cu_alloc(&a->xn, (size_t)(R * D), "attention input");
+    if (!st) st = cu_alloc(&a->q, (size_t)(R * QD), "queries");
+    if (!st) st = cu_alloc(&a->att, (size_t)(R * QD), "attention output");
+    if (!st) st = cu_alloc(&a->y, (size_t)(R * D), "o_proj output");
+    if (!st) st = cu_alloc(&a->S, (size_t)(R * sh->H * T), "attention scores");
+    if (!st) st = cu_alloc(&a->pos, (size_t)R, "token positions");
+    if (!st && sh->E > 0 && sh->top_k > 0) {
+        st = cu_alloc(&a->logits, (size_t)(R * sh->E), "router logits");
+        if (!st) st = cu_alloc(&a->rw, (size_t)(R * sh->top_k), "routing weights");
+        if (!st) st = cu_alloc(&a->rsel, (size_t)(R * sh->top_k), "routing");
+    }
+    for (int l = 0; l < n_layers && !st; l++) {
+        Layer *L = &a->layers[l];
+        char what[64];
+        snprintf(what, sizeof what, "layer %d attention weights", l);
+        st = cu_alloc(&L->norm, (size_t)D, what);
+        if (!st) st = cu_alloc(&L->wq, (size_t)(QD * D), what);
+        if (!st) st = cu_alloc(&L->wk, (size_t)(KVD * D), what);
+        if (!st) st = cu_alloc(&L->wv, (size_t)(KVD * D), what);
+        if (!st) st = cu_alloc(&L->wo, (size_t)(D * QD), what);
+        if (!st) st = cu_alloc(&L->bq, (size_t)QD, what);
+        if (!st) st = cu_alloc(&L->bk, (size_t)KVD, what);
+        if (!st) st = cu_alloc(&L->bv, (size_t)KVD, what);
+        if (!st) st = cu_alloc(&L->bo, (size_t)D, what);
+        if (!st) st = cu_alloc(&L->qn, (size_t)QD, what);
+        if (!st) st = cu_alloc(&L->kn, (size_t)KVD, what);
+        if (!st) st = cu_alloc(&L->fnorm, (size_t)D, what);
+        snprintf(what, sizeof what, "layer %d KV cache", l);
+        if (!st) st = cu_alloc(&L->kc, (size_t)(T * KVD), what);
+        if (!st) st = cu_alloc(&L->vc, (size_t)(T * KVD), what);
+    }
+    cudaStream_t s = g->stream[0];
+    if (!st) st = CU(cudaMemcpyAsync(a->cos_t, sh->rope_cos, half_tab * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) st = CU(cudaMemcpyAsync(a->sin_t, sh->rope_sin, half_tab * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) st = CU(cudaStreamSynchronize(s));
+    if (st) {
+        mq_gpu_kvattn_free(a);
+        return st;
+    }
+    *out = a;
+    return MOEQ_OK;
+}
+
+extern "C" moeq_status mq_gpu_kvattn_set(mq_gpu_kvattn *a, int l, const mq_gpu_attn_weights *w) {
+    if (l < 0 || l >= a->n_layers) return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d of %d", l, a->n_layers);
+    const mq_gpu_attn_shape *sh = &a->sh;
+    const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd;
+    const int64_t qn = sh->qk_norm == 1 ? QD : hd, kn = sh->qk_norm == 1 ? KVD : hd;
+    if (!w->norm || !w->q || !w->k || !w->v || !w->o || !w->ffn_norm || (sh->qk_norm && (!w->q_norm || !w->k_norm)))
+        return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d: a weight is missing", l);
+    if (w->router && !(sh->E > 0 && sh->top_k > 0))
+        return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d has a router, but the shape no experts", l);
+    Layer *L = &a->layers[l];
+    moeq_status st = CU(cudaSetDevice(a->g->device));
+    if (!st && w->router && !L->router) {
+        char what[64];
+        snprintf(what, sizeof what, "layer %d router", l);
+        st = cu_alloc(&L->router, (size_t)(sh->E * D), what);
+    }
+    struct {
+        float *dst;
+        const float *src;
+        int64_t n;
+    } up[] = {{L->norm, w->norm, D},     {L->wq, w->q, QD * D},   {L->wk, w->k, KVD * D},      {L->wv, w->v, KVD * D},
+              {L->wo, w->o, D * QD},     {L->bq, w->q_bias, QD},  {L->bk, w->k_bias, KVD},     {L->bv, w->v_bias, KVD},
+              {L->bo, w->o_bias, D},     {L->qn, w->q_norm, qn},  {L->kn, w->k_norm, kn},      {L->fnorm, w->ffn_norm, D},
+              {L->router, w->router, sh->E * D}};
+    cudaStream_t s = a->g->stream[0];
+    for (size_t i = 0; i < sizeof up / sizeof up[0] && !st; i++)
+        if (up[i].src)
+            st = CU(cudaMemcpyAsync(up[i].dst, up[i].src, (size_t)up[i].n * sizeof(float), cudaMemcpyHostToDevice, s));
+    if (!st) st = CU(cudaStreamSynchronize(s));   /* the host's buffers may change once this returns */
+    if (st) return st;
+    L->has_bq = w->q_bias != NULL;
+    L->has_bk = w->k_bias != NULL;
+    L->has_bv = w->v_bias != NULL;
+    L->has_bo = w->o_bias != NULL;
+    L->window = w->window;
+    L->set = true;
+    return MOEQ_OK;
+}
+
+namespace {
+
+/* y [R, n_out] (row stride n_out) = x [R, n_in] W^T (+ b): mq_cu_product, then the bias. */
+moeq_status linear(mq_gpu_kvattn *a, const float *x, int64_t R, const float *W, int64_t n_out, int64_t n_in,
+                   const float *b, float *y) {
+    moeq_status st = mq_cu_product(a->g, 0, R, n_out, n_in, x, W, y, n_out);
+    if (!st && b) {
+        k_bias<<<grid_for(R * n_out), 256, 0, a->g->stream[0]>>>(y, b, R, n_out);
+        st = CU_LAUNCHED("k_bias");
+    }
+    return st;
+}
+
+}  // namespace
+
+extern "C" moeq_status mq_gpu_kvattn_run(mq_gpu_kvattn *a, int l, mq_gpu_buf *xb, int64_t n, int64_t p0,
+                                         mq_gpu_buf *ffn, int32_t *sel, float *w) {
+    const mq_gpu_attn_shape *sh = &a->sh;
+    const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd, H = sh->H, KV = sh->KV, K = sh->top_k;
+    if (l < 0 || l >= a->n_layers || !a->layers[l].set)
+        return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d of %d has no weights", l, a->n_layers);
+    Layer *L = &a->layers[l];
+    if (n <= 0 || n > a->rows || p0 < 0 || p0 + n > sh->max_T)
+        return mq_err(MOEQ_E_ARG, "GPU KV attention: %lld tokens at position %lld (at most %lld a call, %lld positions)",
+                      (long long)n, (long long)p0, (long long)a->rows, (long long)sh->max_T);
+    int64_t nx = 0, nf = 0;
+    float *x = mq_gpu_buf_device(xb, &nx);
+    float *xf = ffn ? mq_gpu_buf_device(ffn, &nf) : NULL;
+    if (nx < n * D || (ffn && nf < n * D))
+        return mq_err(MOEQ_E_ARG, "GPU KV attention: a buffer of %lld values for %lld rows of %lld",
+                      (long long)(nx < n * D ? nx : nf), (long long)n, (long long)D);
+    const bool route = sel || w;
+    if (route && (!sel || !w || !L->router || !xf))
+        return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d: routing needs a router, the FFN input and both outputs", l);
+    moeq_status st = CU(cudaSetDevice(a->g->device));
+    cudaStream_t s = a->g->stream[0];
+    float *kc = L->kc + p0 * KVD, *vc = L->vc + p0 * KVD;   /* the new rows of the caches */
+    if (!st) {
+        k_positions<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(a->pos, n, p0);
+        k_rmsnorm<<<(unsigned)n, NORM_THREADS, 0, s>>>(a->xn, x, n, D, L->norm, sh->eps);
+        st = CU_LAUNCHED("k_rmsnorm");
+    }
+    if (!st) st = linear(a, a->xn, n, L->wq, QD, D, L->has_bq ? L->bq : NULL, a->q);
+    if (!st) st = linear(a, a->xn, n, L->wk, KVD, D, L->has_bk ? L->bk : NULL, kc);
+    if (!st) st = linear(a, a->xn, n, L->wv, KVD, D, L->has_bv ? L->bv : NULL, vc);
+    if (!st && sh->qk_norm) {
+        const bool full = sh->qk_norm == 1;
+        k_rmsnorm<<<(unsigned)(full ? n : n * H), NORM_THREADS, 0, s>>>(a->q, a->q, full ? n : n * H, full ? QD : hd,
+                                                                       L->qn, sh->eps);
+        k_rmsnorm<<<(unsigned)(full ? n : n * KV), NORM_THREADS, 0, s>>>(kc, kc, full ? n : n * KV, full ? KVD : hd,
+                                                                        L->kn, sh->eps);
+        st = CU_LAUNCHED("k_rmsnorm");
+    }
+    if (!st && sh->clip_qkv > 0) {
+        k_clip<<<grid_for(n * QD), 256, 0, s>>>(a->q, n * QD, sh->clip_qkv);
+        k_clip<<<grid_for(n * KVD), 256, 0, s>>>(kc, n * KVD, sh->clip_qkv);
+        k_clip<<<grid_for(n * KVD), 256, 0, s>>>(vc, n * KVD, sh->clip_qkv);
+        st = CU_LAUNCHED("k_clip");
+    }
+    if (!st) {
+        k_rope<<<grid_for(n * QD / 2), 256, 0, s>>>(a->q, n, H, hd, a->pos, a->cos_t, a->sin_t);
+        k_rope<<<grid_for(n * KVD / 2), 256, 0, s>>>(kc, n, KV, hd, a->pos, a->cos_t, a->sin_t);
+        st = CU_LAUNCHED("k_rope");
+    }
+    if (!st) {
+        const float scale = (float)(1.0 / sqrt((double)hd));
+        k_attend_cached<<<dim3((unsigned)n, (unsigned)H), ATT_THREADS, 0, s>>>(a->q, L->kc, L->vc, a->att, a->S,
+                                                                               sh->max_T, p0, H, KV, hd, L->window,
+                                                                               scale);
+        st = CU_LAUNCHED("k_attend_cached");
+    }
+    if (!st) st = linear(a, a->att, n, L->wo, D, QD, L->has_bo ? L->bo : NULL, a->y);
+    if (!st) {
+        k_add<<<grid_for(n * D), 256, 0, s>>>(x, a->y, n * D);
+        st = CU_LAUNCHED("k_add");
+    }
+    if (!st && xf) {
+        k_rmsnorm<<<(unsigned)n, NORM_THREADS, 0, s>>>(xf, x, n, D, L->fnorm, sh->eps);
+        st = CU_LAUNCHED("k_rmsnorm");
+    }
+    if (!st && route) st = linear(a, xf, n, L->router, sh->E, D, NULL, a->logits);
+    if (!st && route) {
+        k_route_softmax<<<(unsigned)((n + 127) / 128), 128, 0, s>>>(a->logits, n, sh->E, K, sh->norm_topk, a->rsel,
+                                                                     a->rw);
+        st = CU_LAUNCHED("k_route_softmax");
+        if (!st) st = CU(cudaMemcpyAsync(sel, a->rsel, (size_t)(n * K) * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+        if (!st) st = CU(cudaMemcpyAsync(w, a->rw, (size_t)(n * K) * sizeof(float), cudaMemcpyDeviceToHost, s));
+        moeq_status ws = CU(cudaStreamSynchronize(s));
+        if (!st) st = ws;
+    }
+    return st;
+}
