@@ -10,6 +10,7 @@
 #include "backend/gpu.h"
 #include "core/core.h"
 #include "io/safetensors.h"
+#include "model/model.h"
 
 #ifndef MOEQ_SOURCE_DIR
 #define MOEQ_SOURCE_DIR "."
@@ -472,4 +473,34 @@ void mq_test_same_floats(const float *want, const float *got, int64_t n, const c
                  (double)got[i]);
             return;
         }
+}
+
+double mq_test_logit_eps(const moeq_model *m, moeq_gpu_precision p, int64_t T) {
+    const mq_config *c = &m->cfg;
+    const int64_t D = c->D, V = c->vocab;
+    double gmax = 0, wmax = 0;
+    for (int64_t i = 0; i < D; i++) gmax = fmax(gmax, fabs((double)m->final_norm[i]));
+    for (int64_t v = 0; v < V; v++) {
+        double s = 0;
+        for (int64_t k = 0; k < D; k++) s += (double)m->lm_head[v * D + k] * (double)m->lm_head[v * D + k];
+        wmax = fmax(wmax, sqrt(s));
+    }
+    const double Z = gmax * sqrt((double)D) * wmax;
+    int64_t K = D;
+    const int64_t widths[] = {c->ffn, c->moe_ffn, c->shared_ffn, T, (int64_t)c->n_heads * c->head_dim};
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) K = widths[i] > K ? widths[i] : K;
+    const double u = 0x1p-24, gamma_d = (double)D * u / (1.0 - (double)D * u), lambda = 6, P = 6;
+    const double acc = lambda * sqrt((double)K) * u;   /* one fp32 sum of K terms */
+    double head = 2 * gamma_d, layer = acc;
+    if (p == MOEQ_GPU_TF32X3) {
+        head = 3 * 0x1p-22 + 3 * gamma_d + gamma_d;
+        layer = 3 * 0x1p-22 + 3 * acc;
+    } else if (p == MOEQ_GPU_TF32) {
+        head = 2 * 0x1p-11 + 2 * gamma_d;
+        layer = 2 * 0x1p-11 + acc;
+    } else if (p == MOEQ_GPU_BF16) {
+        head = 2 * 0x1p-11 + 2 * gamma_d;
+        layer = 3 * 0x1p-9 + acc;
+    }
+    return (head + c->n_layers * P * layer) * Z;
 }

@@ -119,6 +119,10 @@ moeq_moe_experts_desc mq_test_moe_desc(int nvfp4, int group_size, int E, int D, 
 /* The GPU backend on device 0 (backend/gpu.h's mq_gpu); the case is skipped in a build without
  * CUDA or where no GPU opens. */
 struct mq_gpu *mq_test_open_gpu(void);
+/* The bound of a logit's difference between a GPU forward at precision p and the CPU's for model m
+ * (loaded with fp32 weights) over sums of up to T positions: tests/test_gpu_eval.c's header
+ * derives it. */
+double mq_test_logit_eps(const moeq_model *m, moeq_gpu_precision p, int64_t T);
 /* The tests' own decoders of an E2M1 code (its 4 bits) and an E4M3 byte, written from the formats'
  * definitions and independent of the library's codecs they check. */
 double mq_test_e2m1_dec(uint8_t c);

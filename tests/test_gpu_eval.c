@@ -94,33 +94,7 @@ static void eval_opts(moeq_eval_options *o, double *ll, int device, int prec) {
 /* eps of the header for the model in dir at precision p (a bound of any logit's difference). */
 static double logit_eps(const char *dir, moeq_gpu_precision p) {
     moeq_model *m = open_as(dir, 0);
-    const mq_config *c = &m->cfg;
-    const int64_t D = c->D, V = c->vocab;
-    double gmax = 0, wmax = 0;
-    for (int64_t i = 0; i < D; i++) gmax = fmax(gmax, fabs((double)m->final_norm[i]));
-    for (int64_t v = 0; v < V; v++) {
-        double s = 0;
-        for (int64_t k = 0; k < D; k++) s += (double)m->lm_head[v * D + k] * (double)m->lm_head[v * D + k];
-        wmax = fmax(wmax, sqrt(s));
-    }
-    const double Z = gmax * sqrt((double)D) * wmax;
-    int64_t K = D;
-    const int64_t widths[] = {c->ffn, c->moe_ffn, c->shared_ffn, L_TEST, (int64_t)c->n_heads * c->head_dim};
-    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) K = widths[i] > K ? widths[i] : K;
-    const double u = 0x1p-24, gamma_d = (double)D * u / (1.0 - (double)D * u), lambda = 6, P = 6;
-    const double acc = lambda * sqrt((double)K) * u;   /* one fp32 sum of K terms */
-    double head = 2 * gamma_d, layer = acc;
-    if (p == MOEQ_GPU_TF32X3) {
-        head = 3 * 0x1p-22 + 3 * gamma_d + gamma_d;
-        layer = 3 * 0x1p-22 + 3 * acc;
-    } else if (p == MOEQ_GPU_TF32) {
-        head = 2 * 0x1p-11 + 2 * gamma_d;
-        layer = 2 * 0x1p-11 + acc;
-    } else if (p == MOEQ_GPU_BF16) {
-        head = 2 * 0x1p-11 + 2 * gamma_d;
-        layer = 3 * 0x1p-9 + acc;
-    }
-    const double eps = (head + c->n_layers * P * layer) * Z;
+    const double eps = mq_test_logit_eps(m, p, L_TEST);
     moeq_model_free(m);
     return eps;
 }

@@ -53,29 +53,7 @@ static moeq_model *open_model(const char *dir, int packed) {
 }
 
 /* The header's eps for model m (opened with fp32 weights) at precision p over T positions. */
-static double logit_eps(const moeq_model *m, moeq_gpu_precision p, int64_t T) {
-    const mq_config *c = &m->cfg;
-    const int64_t D = c->D, V = c->vocab;
-    double gmax = 0, wmax = 0;
-    for (int64_t i = 0; i < D; i++) gmax = fmax(gmax, fabs((double)m->final_norm[i]));
-    for (int64_t v = 0; v < V; v++) {
-        double s = 0;
-        for (int64_t k = 0; k < D; k++) s += (double)m->lm_head[v * D + k] * (double)m->lm_head[v * D + k];
-        wmax = fmax(wmax, sqrt(s));
-    }
-    const double Z = gmax * sqrt((double)D) * wmax;
-    int64_t K = D;
-    const int64_t widths[] = {c->ffn, c->moe_ffn, c->shared_ffn, T, (int64_t)c->n_heads * c->head_dim};
-    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) K = widths[i] > K ? widths[i] : K;
-    const double u = 0x1p-24, gamma_d = (double)D * u / (1.0 - (double)D * u);
-    const double acc = 6 * sqrt((double)K) * u;
-    double head = 2 * gamma_d, layer = acc;
-    if (p == MOEQ_GPU_BF16) {
-        head = 2 * 0x1p-11 + 2 * gamma_d;
-        layer = 3 * 0x1p-9 + acc;
-    }
-    return (head + c->n_layers * 6 * layer) * Z;
-}
+static double logit_eps(const moeq_model *m, moeq_gpu_precision p, int64_t T) { return mq_test_logit_eps(m, p, T); }
 
 /* Token ids for the comparisons: spread over the vocabulary, the same every run. */
 static void test_ids(int32_t *ids, int n, int32_t V) {

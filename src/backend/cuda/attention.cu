@@ -59,27 +59,14 @@ __global__ void k_softmax_causal(float *S, int64_t ld, int64_t stride, int64_t q
     __shared__ float red[SOFTMAX_THREADS];
     float m = row[lo];
     for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) m = row[j] > m ? row[j] : m;
-    red[threadIdx.x] = m;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s /= 2) {
-        if ((int)threadIdx.x < s) red[threadIdx.x] = red[threadIdx.x + s] > red[threadIdx.x] ? red[threadIdx.x + s] : red[threadIdx.x];
-        __syncthreads();
-    }
-    const float mx = red[0];
-    __syncthreads();
+    const float mx = block_max(red, m);
     float sum = 0.0f;
     for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         const float e = mqd::vec_expf(row[j] - mx);
         row[j] = e;
         sum += e;
     }
-    red[threadIdx.x] = sum;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s /= 2) {
-        if ((int)threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
-        __syncthreads();
-    }
-    const float total = red[0];
+    const float total = block_sum(red, sum);
     for (int64_t j = threadIdx.x; j < ld; j += blockDim.x) row[j] = j >= lo && j < hi ? row[j] / total : 0.0f;
 }
 

@@ -80,6 +80,32 @@ __global__ void k_add(float *x, const float *y, int64_t n) {
         x[i] = x[i] + y[i];
 }
 
+/* The maximum and the sum of v over a block's threads (blockDim.x a power of two), every thread
+ * getting the result: trees in red [blockDim.x] of shared memory (free again on return). */
+__device__ float block_max(float *red, float v) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s && red[threadIdx.x + s] > red[threadIdx.x]) red[threadIdx.x] = red[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float r = red[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_sum(float *red, float v) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    const float r = red[0];
+    __syncthreads();
+    return r;
+}
+
 /* Blocks of 256 threads for n elements of a grid-stride loop. */
 unsigned grid_for(int64_t n) {
     const int64_t b = (n + 255) / 256;

@@ -53,27 +53,14 @@ __global__ void k_attend_cached(const float *q, const float *kc, const float *vc
         row[j] = s;
         m = s > m ? s : m;
     }
-    red[threadIdx.x] = m;
-    __syncthreads();
-    for (int r = blockDim.x / 2; r > 0; r /= 2) {
-        if ((int)threadIdx.x < r && red[threadIdx.x + r] > red[threadIdx.x]) red[threadIdx.x] = red[threadIdx.x + r];
-        __syncthreads();
-    }
-    const float mx = red[0];
-    __syncthreads();
+    const float mx = block_max(red, m);
     float sum = 0.0f;
     for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) {   /* each thread its own keys again */
         const float e = mqd::vec_expf(row[j] - mx);
         row[j] = e;
         sum += e;
     }
-    red[threadIdx.x] = sum;
-    __syncthreads();
-    for (int r = blockDim.x / 2; r > 0; r /= 2) {
-        if ((int)threadIdx.x < r) red[threadIdx.x] += red[threadIdx.x + r];
-        __syncthreads();
-    }
-    const float total = red[0];
+    const float total = block_sum(red, sum);
     /* the row's exponentials, written by every thread above, are visible after the barriers */
     const float *vh = vc + kvh * hd;
     for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
