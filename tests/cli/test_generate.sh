@@ -205,6 +205,30 @@ for flag in --top-k --min-p --repeat-penalty --repeat-last-n --presence-penalty 
     "$cli" generate --help | grep -q -- "$flag" || fail "--help does not list $flag"
 done
 
+# --device cuda: on a GPU (a CUDA build) the greedy text is the CPU's; elsewhere exit 1 naming the
+# device before any text. The device flags' usage errors exit 2, naming the flag.
+out=$("$cli" generate "$model" --prompt "The history of the" -n 32 --greedy --device cuda 2>"$tmp/err")
+rc=$?
+if [ $rc -eq 0 ]; then
+    [ "$out" = "$expected" ] || fail "--device cuda: greedy output differs from the CPU's: got [$out]"
+    grep -q "^device: cuda:0 " "$tmp/err" || fail "--device cuda: the device not named on stderr: $(cat "$tmp/err")"
+    out=$("$cli" generate "$model" --prompt "The history of the" -n 8 --device cuda --gpu-precision bf16 2>"$tmp/err") ||
+        fail "--device cuda --gpu-precision bf16 exited $?: $(cat "$tmp/err")"
+else
+    [ $rc -eq 1 ] || fail "--device cuda without a GPU: expected exit 1, got $rc"
+    grep -q "cuda:0" "$tmp/err" || fail "--device cuda without a GPU: the device not named: $(cat "$tmp/err")"
+    [ -z "$out" ] || fail "--device cuda without a GPU printed text: [$out]"
+fi
+for bad in "--device gpu" "--gpu-precision fp16" "--gpu-precision bf16" "--max-gpu-memory 2GB" \
+           "--device cuda --max-gpu-memory lots"; do
+    "$cli" generate "$model" --prompt x -n 4 $bad >/dev/null 2>"$tmp/err"
+    [ $? -eq 2 ] || fail "$bad: expected exit 2"
+    grep -q -- "--" "$tmp/err" || fail "$bad: no flag named: $(cat "$tmp/err")"
+done
+for flag in --device --gpu-precision --max-gpu-memory; do
+    "$cli" generate --help | grep -q -- "$flag" || fail "--help does not list $flag"
+done
+
 # a missing model directory: exit 1, the path named
 "$cli" generate "$tmp/no-such-model" --prompt x -n 4 >/dev/null 2>"$tmp/err"
 [ $? -eq 1 ] || fail "missing model dir: expected exit 1"

@@ -153,8 +153,12 @@ int cmd_generate(int argc, char **argv) {
     moeq_session_options_init(&so);
     const char *const dev_keys[3] = {"device", "gpu-precision", "max-gpu-memory"};
     const char *const dev_vals[3] = {device, gpu_precision, max_gpu_memory};
+    char dev_bad[512];
     for (int k = 0; k < 3 && !bad; k++)
-        if (dev_vals[k] && moeq_session_options_set(&so, dev_keys[k], dev_vals[k])) bad = moeq_last_error();
+        if (dev_vals[k] && moeq_session_options_set(&so, dev_keys[k], dev_vals[k])) {
+            snprintf(dev_bad, sizeof dev_bad, "--%s: %s", dev_keys[k], moeq_last_error());
+            bad = dev_bad;
+        }
     moeq_gen_options go;   /* the sampling flags, each checked by the library's setter */
     if (bad) rc = cli_usage_error(CMD, "%s", bad);
     else rc = cli_gen_options(CMD, tb.t, tb.n, greedy, &go);
