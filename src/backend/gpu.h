@@ -311,8 +311,14 @@ moeq_status mq_gpu_kvattn_new(mq_gpu *g, const mq_gpu_attn_shape *shape, int n_l
 void mq_gpu_kvattn_free(mq_gpu_kvattn *a);
 int64_t mq_gpu_kvattn_rows(const mq_gpu_kvattn *a);
 /* Layer l's weights (host; copied before the call returns) and window; w->router NULL: that
- * layer is not routed here (ffn_norm is needed for the FFN input). */
+ * layer is not routed here (ffn_norm is needed for the FFN input). A NULL q, k, v or o is left
+ * for _set_quantized, which must give it before the layer runs. */
 moeq_status mq_gpu_kvattn_set(mq_gpu_kvattn *a, int l, const mq_gpu_attn_weights *w);
+/* Layer l's Linear `which` (0 q, 1 k, 2 v, 3 o) from its quantized tensor (host; [out, in] as the
+ * shape says), decoded on the device: only the codes and group parameters cross the bus, and the
+ * fp32 weight made there is mq_dequantize's, bit for bit (dequant.cu). NVFP4, INT4 and MXFP4;
+ * MOEQ_E_UNSUPPORTED for other schemes (the caller decodes those on the host). */
+moeq_status mq_gpu_kvattn_set_quantized(mq_gpu_kvattn *a, int l, int which, const mq_qtensor *q);
 /* Layer l on the n rows of D values at the start of x (device), tokens at positions p0..p0+n-1;
  * the cache of layer l must hold positions [0, p0) (the caller's order: p0 is not checked
  * against what was written). ffn (or NULL): the FFN input of each row, at its start; sel, w

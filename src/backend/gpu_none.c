@@ -277,6 +277,11 @@ moeq_status mq_gpu_kvattn_set(mq_gpu_kvattn *a, int l, const mq_gpu_attn_weights
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
 }
 
+moeq_status mq_gpu_kvattn_set_quantized(mq_gpu_kvattn *a, int l, int which, const mq_qtensor *q) {
+    (void)a, (void)l, (void)which, (void)q;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");
+}
+
 moeq_status mq_gpu_kvattn_run(mq_gpu_kvattn *a, int l, mq_gpu_buf *x, int64_t n, int64_t p0, mq_gpu_buf *ffn,
                               int32_t *sel, float *w) {
     (void)a, (void)l, (void)x, (void)n, (void)p0, (void)ffn, (void)sel, (void)w;

@@ -10,10 +10,12 @@
  * stored, codes and scales read from the checkpoint's files, mq_gpu_experts_read; unquantized ones
  * in bf16 with MOEQ_GPU_BF16), or as fp32 expert sets routed on the device and laid out on the
  * host (forward.c's moe_block order, mq_gpu_route_layout); the gated shared expert after them;
- * the residual add; a dense MLP straight onto the residual. Linears the model holds packed (a
- * quantized checkpoint opened with keep_packed) are read from the checkpoint as fp32 for the
- * upload (ckpt's mq_load_linear_weight: the loader's own dequantization, bit for bit).
- * TODO(issue 55): decode the quantized attention Linears on the device instead.
+ * the residual add; a dense MLP straight onto the residual. Attention Linears the model holds
+ * packed (a quantized checkpoint opened with keep_packed) go up as their codes and are decoded on
+ * the device into fp32 weights (mq_gpu_kvattn_set_quantized: mq_dequantize's bits); other packed
+ * Linears (shared experts, dense MLPs, K-quants) are read from the checkpoint as fp32 on the host
+ * (ckpt's mq_load_linear_weight: the loader's own dequantization, bit for bit).
+ * TODO(issue 55): run them packed on the device (the weights are fp32 there today).
  *
  * The tokens of a call go through in pieces of at most mq_gpu_kvattn_rows rows, each piece
  * through every layer before the next: the cache then holds what the CPU's does. Every step is a
@@ -129,6 +131,29 @@ static moeq_status weight_f32(mq_session_gpu *G, const mq_linear *lin, const flo
     }
     *w = *tmp;
     return MOEQ_OK;
+}
+
+static const mq_tensor_view *lookup(void *user, const char *name) { return mq_st_find((const mq_st *)user, name); }
+
+/* Whether lin (not loaded as fp32) is stored in a quantized layout whose codes the device decodes
+ * (compressed-tensors NVFP4 or INT4, ModelOpt NVFP4, GPTQ). */
+static bool decoded_on_device(mq_session_gpu *G, const mq_linear *lin) {
+    const mq_st *st;
+    if (!lin->name || source(G, &st)) return false;
+    const mq_linear_kind k = mq_layout_detect(lin->name, lookup, (void *)st);
+    return k == MQ_LIN_CT_NVFP4 || k == MQ_LIN_CT_INT4 || k == MQ_LIN_MODELOPT_NVFP4 || k == MQ_LIN_GPTQ;
+}
+
+/* Attention Linear `which` of layer l from its codes, decoded on the device. */
+static moeq_status decode_on_device(mq_session_gpu *G, int l, int which, const mq_linear *lin) {
+    const mq_st *st;
+    mq_qtensor q;
+    moeq_status s = source(G, &st);
+    if (s) return s;
+    s = mq_layout_read(lin->name, lin->out, lin->in, lookup, (void *)st, &q);
+    if (!s) s = mq_gpu_kvattn_set_quantized(G->att, l, which, &q);
+    mq_qtensor_free(&q);
+    return s;
 }
 
 /* The expert set's n Linears' fp32 weights into w[0 .. n) (tmp[i] what was read for them). */
@@ -248,9 +273,13 @@ static moeq_status upload_layer(mq_session_gpu *G, int l, int kind) {
         s = one_mlp(G, &ly->gate, &ly->up, &ly->down, &L->dense);
     }
     const mq_linear *lin[4] = {&ly->q, &ly->k, &ly->v, &ly->o};
-    const float *w[4];
+    const float *w[4] = {NULL, NULL, NULL, NULL};
     float *tmp[4] = {NULL, NULL, NULL, NULL};
-    for (int i = 0; i < 4 && !s; i++) s = weight_f32(G, lin[i], &w[i], &tmp[i]);
+    bool dev[4] = {false, false, false, false};
+    for (int i = 0; i < 4 && !s; i++) {
+        dev[i] = !lin[i]->w && decoded_on_device(G, lin[i]);
+        if (!dev[i]) s = weight_f32(G, lin[i], &w[i], &tmp[i]);
+    }
     if (!s) {
         const mq_gpu_attn_weights aw = {
             .norm = ly->attn_norm, .q = w[0], .k = w[1], .v = w[2], .o = w[3], .q_bias = ly->q.bias,
@@ -260,6 +289,8 @@ static moeq_status upload_layer(mq_session_gpu *G, int l, int kind) {
         s = mq_gpu_kvattn_set(G->att, l, &aw);
     }
     MQ_RELEASE_EACH(tmp[0], tmp[1], tmp[2], tmp[3]);
+    for (int i = 0; i < 4 && !s; i++)
+        if (dev[i]) s = decode_on_device(G, l, i, lin[i]);
     return s ? mq_err_prefix(s, "GPU layer %d", l) : MOEQ_OK;
 }
 

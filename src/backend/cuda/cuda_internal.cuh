@@ -130,6 +130,10 @@ moeq_status mq_cu_product_det(const mq_gpu *g, cudaStream_t s, int64_t M, int64_
                               const float *B, float *C, int64_t ldc);
 moeq_status mq_cu_gram_add(mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K);
 
+/* q's values, mq_dequantize's bits, into dev [q->rows, q->cols] (dequant.cu; what names it in
+ * errors); waits for them. MOEQ_E_UNSUPPORTED for a scheme the device does not decode. */
+moeq_status mq_cu_dequantize(mq_gpu *g, const mq_qtensor *q, float *dev, const char *what);
+
 /* mq_gpu_hessians_add for rows already on the device (x: rows x K, on stream s, which must not
  * change x before the kernel has read it: later work on s is ordered after it). A sum is updated
  * on one stream at a time, stream 0 ordered after it before the sum is read. */

@@ -78,6 +78,7 @@ __global__ void k_positions(int32_t *pos, int64_t n, int64_t p0) {
 
 struct Layer {
     bool set;
+    unsigned have;    /* bit i: Linear i (q, k, v, o) given */
     bool has_bq, has_bk, has_bv, has_bo;
     int64_t window;
     float *norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *qn, *kn, *fnorm, *router;
@@ -199,7 +200,7 @@ extern "C" moeq_status mq_gpu_kvattn_set(mq_gpu_kvattn *a, int l, const mq_gpu_a
     const mq_gpu_attn_shape *sh = &a->sh;
     const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd;
     const int64_t qn = sh->qk_norm == 1 ? QD : hd, kn = sh->qk_norm == 1 ? KVD : hd;
-    if (!w->norm || !w->q || !w->k || !w->v || !w->o || !w->ffn_norm || (sh->qk_norm && (!w->q_norm || !w->k_norm)))
+    if (!w->norm || !w->ffn_norm || (sh->qk_norm && (!w->q_norm || !w->k_norm)))
         return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d: a weight is missing", l);
     if (w->router && !(sh->E > 0 && sh->top_k > 0))
         return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d has a router, but the shape no experts", l);
@@ -224,6 +225,8 @@ extern "C" moeq_status mq_gpu_kvattn_set(mq_gpu_kvattn *a, int l, const mq_gpu_a
             st = CU(cudaMemcpyAsync(up[i].dst, up[i].src, (size_t)up[i].n * sizeof(float), cudaMemcpyHostToDevice, s));
     if (!st) st = CU(cudaStreamSynchronize(s));   /* the host's buffers may change once this returns */
     if (st) return st;
+    const float *const lin[4] = {w->q, w->k, w->v, w->o};
+    for (int i = 0; i < 4; i++) L->have |= lin[i] ? 1u << i : 0u;
     L->has_bq = w->q_bias != NULL;
     L->has_bk = w->k_bias != NULL;
     L->has_bv = w->v_bias != NULL;
@@ -231,6 +234,24 @@ extern "C" moeq_status mq_gpu_kvattn_set(mq_gpu_kvattn *a, int l, const mq_gpu_a
     L->window = w->window;
     L->set = true;
     return MOEQ_OK;
+}
+
+extern "C" moeq_status mq_gpu_kvattn_set_quantized(mq_gpu_kvattn *a, int l, int which, const mq_qtensor *q) {
+    if (l < 0 || l >= a->n_layers || which < 0 || which > 3)
+        return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d of %d, Linear %d", l, a->n_layers, which);
+    Layer *L = &a->layers[l];
+    const int64_t D = a->sh.D;
+    const int64_t rows[4] = {a->QD, a->KVD, a->KVD, D}, cols[4] = {D, D, D, a->QD};
+    float *const dst[4] = {L->wq, L->wk, L->wv, L->wo};
+    static const char *const names[4] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    char what[64];
+    snprintf(what, sizeof what, "layer %d %s", l, names[which]);
+    if (q->rows != rows[which] || q->cols != cols[which])
+        return mq_err(MOEQ_E_SHAPE, "GPU KV attention: %s is [%lld, %lld], expected [%lld, %lld]", what,
+                      (long long)q->rows, (long long)q->cols, (long long)rows[which], (long long)cols[which]);
+    moeq_status st = mq_cu_dequantize(a->g, q, dst[which], what);
+    if (!st) L->have |= 1u << which;
+    return st;
 }
 
 namespace {
@@ -252,8 +273,8 @@ extern "C" moeq_status mq_gpu_kvattn_run(mq_gpu_kvattn *a, int l, mq_gpu_buf *xb
                                          mq_gpu_buf *ffn, int32_t *sel, float *w) {
     const mq_gpu_attn_shape *sh = &a->sh;
     const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd, H = sh->H, KV = sh->KV, K = sh->top_k;
-    if (l < 0 || l >= a->n_layers || !a->layers[l].set)
-        return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d of %d has no weights", l, a->n_layers);
+    if (l < 0 || l >= a->n_layers || !a->layers[l].set || a->layers[l].have != 15u)
+        return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d of %d has not all its weights", l, a->n_layers);
     Layer *L = &a->layers[l];
     if (n <= 0 || n > a->rows || p0 < 0 || p0 + n > sh->max_T)
         return mq_err(MOEQ_E_ARG, "GPU KV attention: %lld tokens at position %lld (at most %lld a call, %lld positions)",
