@@ -282,7 +282,7 @@ moeq_status moeq_session_forward(moeq_session *s, const int32_t *ids, int32_t n,
 /* Where a session runs (`moeq generate --device`). device -1: the CPU (the default of
  * moeq_session_options_init); N >= 0: CUDA device N (a build with -DMOEQ_CUDA=ON). On a GPU every
  * layer stays resident on the device with its KV cache: the attention Linears in fp32 (a quantized
- * checkpoint's are read from its files and dequantized on the host as they go up), the routed
+ * checkpoint's go up as codes and are decoded there, bit for bit the loader's values), the routed
  * experts of a quantized checkpoint as stored, codes and scales (NVFP4; INT4 symmetric or
  * asymmetric, groups of 32 or more), on the GPU MoE op, other routed experts, shared experts and
  * dense MLPs in fp32 (bf16 with MOEQ_GPU_BF16), the final norm and lm_head on the device; the

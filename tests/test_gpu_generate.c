@@ -184,9 +184,10 @@ static void test_llama(void) {
     check_fixture(dir, "llama-tiny");
 }
 
-/* olmoe-tiny quantized to `scheme` here, run from its codes: against the CPU's packed session
- * within the header's eps + 2 d; opened packed or dequantized, the GPU session gives the same
- * bits (the attention Linears read from the files are the loader's dequantization). */
+/* olmoe-tiny quantized to `scheme` here (attention Linears too), run from its codes: against the
+ * CPU's packed session within the header's eps + 2 d; opened packed (the attention Linears' codes
+ * decoded on the device) or dequantized (the loader's fp32 weights go up), the GPU session gives
+ * the same bits: the device's decoder is mq_dequantize's twin. */
 static void check_quantized(mq_qscheme scheme, int64_t group, const char *name) {
     need_gpu();
     char *dir = mq_path_join(mq_test_tmpdir(), name);
