@@ -499,6 +499,8 @@ size_t moeq_gen_certain(const char *t, size_t n, const char *const *stop, int32_
 typedef struct moeq_gen moeq_gen;
 /* n_ctx: the positions the session holds (prompt and output), at most the model's context. */
 moeq_status moeq_gen_create(const moeq_model *m, int32_t n_ctx, moeq_gen **out);
+/* The same with its session on the device so names (moeq_session_create_ex; NULL: the CPU). */
+moeq_status moeq_gen_create_ex(const moeq_model *m, int32_t n_ctx, const moeq_session_options *so, moeq_gen **out);
 void moeq_gen_free(moeq_gen *g);
 void moeq_gen_reset(moeq_gen *g);          /* forget the held ids (the next run starts over) */
 int32_t moeq_gen_n_ctx(const moeq_gen *g);

@@ -32,6 +32,10 @@ void moeq_gen_result_free(moeq_gen_result *r) {
 }
 
 moeq_status moeq_gen_create(const moeq_model *m, int32_t n_ctx, moeq_gen **out) {
+    return moeq_gen_create_ex(m, n_ctx, NULL, out);
+}
+
+moeq_status moeq_gen_create_ex(const moeq_model *m, int32_t n_ctx, const moeq_session_options *so, moeq_gen **out) {
     *out = NULL;
     if (!m) return mq_err(MOEQ_E_ARG, "moeq_gen_create: NULL model");
     const moeq_model_info *info = moeq_model_get_info(m);
@@ -43,7 +47,7 @@ moeq_status moeq_gen_create(const moeq_model *m, int32_t n_ctx, moeq_gen **out) 
     g->n_ctx = n_ctx;
     g->held = malloc(sizeof(int32_t) * (size_t)n_ctx);
     g->logits = malloc(sizeof(float) * (size_t)info->vocab_size);
-    moeq_status st = !g->held || !g->logits ? mq_err(MOEQ_E_NOMEM, "out of memory") : moeq_session_create(m, n_ctx, &g->s);
+    moeq_status st = !g->held || !g->logits ? mq_err(MOEQ_E_NOMEM, "out of memory") : moeq_session_create_ex(m, n_ctx, so, &g->s);
     if (st) {
         moeq_gen_free(g);
         return st;

@@ -28,6 +28,19 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) {
     return CLI_USAGE;
 }
 
+int cli_session_options(const char *cmd, const char *device, const char *precision, const char *max_memory,
+                        moeq_session_options *o) {
+    moeq_session_options_init(o);
+    if ((precision || max_memory) && (!device || !strcmp(device, "cpu")))
+        return cli_usage_error(cmd, "--gpu-precision and --max-gpu-memory need --device cuda");
+    const char *const keys[3] = {"device", "gpu-precision", "max-gpu-memory"};
+    const char *const vals[3] = {device, precision, max_memory};
+    for (int k = 0; k < 3; k++)
+        if (vals[k] && moeq_session_options_set(o, keys[k], vals[k]))
+            return cli_usage_error(cmd, "--%s: %s", keys[k], moeq_last_error());
+    return -1;
+}
+
 int cli_fail(const char *cmd, moeq_status st) {
     cli_progress_finish();
     const char *msg = moeq_last_error();

@@ -60,6 +60,7 @@ int cmd_chat(int argc, char **argv) {
     const char *system_msg = NULL, *revision = NULL, *kwargs = NULL, *template_name = NULL;
     int64_t n_max = 0, ctx = 0, threads = 0;
     bool dequantize = false;
+    const char *device = NULL, *gpu_precision = NULL, *max_gpu_memory = NULL;
     /* the sampling options are the library's table (moeq_gen_option_info), as moeq generate's */
     const cli_own_flag own[] = {
         {"temp", CLI_REVISION_OPT(revision)},
@@ -71,6 +72,9 @@ int cmd_chat(int argc, char **argv) {
          "(e.g. '{\"enable_thinking\": false}')", NULL, 0, 0, NULL}},
         {NULL, CLI_THREADS_OPT(threads)},
         {NULL, CLI_DEQUANTIZE_OPT(dequantize)},
+        {NULL, CLI_DEVICE_OPT(device)},
+        {NULL, CLI_GPU_PRECISION_OPT(gpu_precision)},
+        {NULL, CLI_MAX_GPU_MEMORY_OPT(max_gpu_memory)},
     };
     static cli_table tb;
     if (!cli_table_build(&tb, CMD, moeq_gen_option_info, own, (int)(sizeof own / sizeof own[0]))) return CLI_FAIL;
@@ -88,6 +92,8 @@ int cmd_chat(int argc, char **argv) {
     if (rc >= 0) return rc;
     moeq_gen_options go;   /* every option checked here, before anything loads */
     if ((rc = cli_gen_options(CMD, tb.t, tb.n, false, &go)) >= 0) return rc;
+    moeq_session_options so;   /* --device: the session on a GPU */
+    if ((rc = cli_session_options(CMD, device, gpu_precision, max_gpu_memory, &so)) >= 0) return rc;
     go.max_tokens = (int32_t)n_max;
     moeq_status st;
     if (threads > 0) moeq_set_threads((int)threads);
@@ -109,7 +115,7 @@ int cmd_chat(int argc, char **argv) {
         ret = CLI_FAIL;
         goto out;
     }
-    if (!st) st = moeq_gen_create(m, (int32_t)ctx, &g);
+    if (!st) st = moeq_gen_create_ex(m, (int32_t)ctx, &so, &g);
     if (st) {
         ret = cli_fail(CMD, st);
         goto out;

@@ -104,13 +104,9 @@ int cmd_generate(int argc, char **argv) {
         {NULL, CLI_THREADS_OPT(threads)},
         {NULL, CLI_DEQUANTIZE_OPT(dequantize)},
         {NULL, {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0", 0, 0, NULL}},
-        {NULL, {"--device", OPT_STRING, &device, "DEV", "where the model runs: cpu (the default), cuda or cuda:N "
-         "(every layer, its KV cache and the output layer on that GPU; a build with CUDA)", NULL, 0, 0, NULL}},
-        {NULL, {"--gpu-precision", OPT_CHOICE, &gpu_precision, NULL, "with --device cuda: fp32 (the default: the "
-         "CPU's results up to the order of sums), tf32x3, tf32, or bf16 (the routed experts on the tensor cores, the "
-         "rest as tf32)", "fp32|tf32x3|tf32|bf16", 0, 0, NULL}},
-        {NULL, {"--max-gpu-memory", OPT_STRING, &max_gpu_memory, "SIZE", "with --device cuda: GPU memory the "
-         "session may hold (e.g. 20GB; default: the card's free memory)", NULL, 0, 0, NULL}},
+        {NULL, CLI_DEVICE_OPT(device)},
+        {NULL, CLI_GPU_PRECISION_OPT(gpu_precision)},
+        {NULL, CLI_MAX_GPU_MEMORY_OPT(max_gpu_memory)},
         {NULL, {"--pack-cache", OPT_STRING, &pack_cache, "DIR", "folder of the packed-layout cache that the "
          "next run maps instead of repacking ('off': none; default: beside the model when its folder "
          "is writable, else $XDG_CACHE_HOME/moeq)", NULL, 0, 0, NULL}},
@@ -146,22 +142,11 @@ int cmd_generate(int argc, char **argv) {
     else if (n_new < 0) bad = "-n is required";
     for (int k = 0; !bad && k < stops.n; k++)
         if (!stops.items[k][0]) bad = "--stop needs a non-empty string";
-    if (!bad && (gpu_precision || max_gpu_memory) && (!device || !strcmp(device, "cpu")))
-        bad = "--gpu-precision and --max-gpu-memory need --device cuda";
-    /* the device flags, each checked by the library's setter */
+    moeq_gen_options go;   /* the sampling and device flags, each checked by the library's setter */
     moeq_session_options so;
-    moeq_session_options_init(&so);
-    const char *const dev_keys[3] = {"device", "gpu-precision", "max-gpu-memory"};
-    const char *const dev_vals[3] = {device, gpu_precision, max_gpu_memory};
-    char dev_bad[512];
-    for (int k = 0; k < 3 && !bad; k++)
-        if (dev_vals[k] && moeq_session_options_set(&so, dev_keys[k], dev_vals[k])) {
-            snprintf(dev_bad, sizeof dev_bad, "--%s: %s", dev_keys[k], moeq_last_error());
-            bad = dev_bad;
-        }
-    moeq_gen_options go;   /* the sampling flags, each checked by the library's setter */
     if (bad) rc = cli_usage_error(CMD, "%s", bad);
     else rc = cli_gen_options(CMD, tb.t, tb.n, greedy, &go);
+    if (rc < 0) rc = cli_session_options(CMD, device, gpu_precision, max_gpu_memory, &so);
     if (rc >= 0) {
         free(stops.items);
         return rc;
