@@ -145,11 +145,11 @@ int cli_gen_options(const char *cmd, const cli_table_flag *t, int n, bool greedy
     {"--device", OPT_STRING, &(var), "DEV", "where the model runs: cpu (the default), cuda or "    \
      "cuda:N (every layer, its KV cache and the output layer on that GPU; a build with CUDA)",    \
      NULL, 0, 0, NULL}
-#define CLI_GPU_PRECISION_OPT(var)                                                                 \
+#define CLI_PRECISION_OPT(var)                                                                     \
     {"--gpu-precision", OPT_CHOICE, &(var), NULL, "with --device cuda: fp32 (the default: the "    \
      "CPU's results up to the order of sums), tf32x3, tf32, or bf16 (the routed experts on the "  \
      "tensor cores, the rest as tf32)", "fp32|tf32x3|tf32|bf16", 0, 0, NULL}
-#define CLI_MAX_GPU_MEMORY_OPT(var)                                                                \
+#define CLI_GPUMEM_OPT(var)                                                                        \
     {"--max-gpu-memory", OPT_STRING, &(var), "SIZE", "with --device cuda: GPU memory the session " \
      "may hold (e.g. 20GB; default: the card's free memory)", NULL, 0, 0, NULL}
 int cli_session_options(const char *cmd, const char *device, const char *precision, const char *max_memory,

@@ -73,8 +73,8 @@ int cmd_chat(int argc, char **argv) {
         {NULL, CLI_THREADS_OPT(threads)},
         {NULL, CLI_DEQUANTIZE_OPT(dequantize)},
         {NULL, CLI_DEVICE_OPT(device)},
-        {NULL, CLI_GPU_PRECISION_OPT(gpu_precision)},
-        {NULL, CLI_MAX_GPU_MEMORY_OPT(max_gpu_memory)},
+        {NULL, CLI_PRECISION_OPT(gpu_precision)},
+        {NULL, CLI_GPUMEM_OPT(max_gpu_memory)},
     };
     static cli_table tb;
     if (!cli_table_build(&tb, CMD, moeq_gen_option_info, own, (int)(sizeof own / sizeof own[0]))) return CLI_FAIL;

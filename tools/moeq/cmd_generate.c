@@ -105,8 +105,8 @@ int cmd_generate(int argc, char **argv) {
         {NULL, CLI_DEQUANTIZE_OPT(dequantize)},
         {NULL, {"--act-quant", OPT_CHOICE, &act_quant, NULL, CLI_HELP_ACT_QUANT, "none|nvfp4|q8_0", 0, 0, NULL}},
         {NULL, CLI_DEVICE_OPT(device)},
-        {NULL, CLI_GPU_PRECISION_OPT(gpu_precision)},
-        {NULL, CLI_MAX_GPU_MEMORY_OPT(max_gpu_memory)},
+        {NULL, CLI_PRECISION_OPT(gpu_precision)},
+        {NULL, CLI_GPUMEM_OPT(max_gpu_memory)},
         {NULL, {"--pack-cache", OPT_STRING, &pack_cache, "DIR", "folder of the packed-layout cache that the "
          "next run maps instead of repacking ('off': none; default: beside the model when its folder "
          "is writable, else $XDG_CACHE_HOME/moeq)", NULL, 0, 0, NULL}},
