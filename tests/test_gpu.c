@@ -19,6 +19,7 @@
 
 #include "backend/gpu.h"
 #include "core/env.h"
+#include "gpu_attn_twin.h"
 #include "harness.h"
 #include "kernels/gemm_det.h"
 #include "kernels/vec.h"
@@ -708,23 +709,6 @@ static float *cpu_hessian(const float *x, int64_t n, int64_t K) {
     return H;
 }
 
-/* The GPU twin's shape and weights for layer `layer` of m (samples of up to max_T tokens). */
-static void attn_twin_of(const moeq_model *m, mq_state *st, int layer, int64_t max_T, int64_t window,
-                         mq_gpu_attn_shape *sh, mq_gpu_attn_weights *w) {
-    const mq_config *c = &m->cfg;
-    const mq_layer *ly = &m->layers[layer];
-    *sh = (mq_gpu_attn_shape){.D = c->D, .H = c->n_heads, .KV = c->n_kv_heads, .hd = c->head_dim, .max_T = max_T,
-                              .eps = c->rms_eps,
-                              .qk_norm = c->qk_norm == MQ_QKNORM_FULL ? 1 : c->qk_norm == MQ_QKNORM_HEAD ? 2 : 0,
-                              .clip_qkv = c->clip_qkv, .E = c->n_experts, .top_k = c->top_k,
-                              .norm_topk = c->norm_topk_prob};
-    mq_state_rope_tables(st, &sh->rope_cos, &sh->rope_sin);
-    *w = (mq_gpu_attn_weights){.norm = ly->attn_norm, .q = ly->q.w, .k = ly->k.w, .v = ly->v.w, .o = ly->o.w,
-                               .q_bias = ly->q.bias, .k_bias = ly->k.bias, .v_bias = ly->v.bias,
-                               .o_bias = ly->o.bias, .q_norm = ly->q_norm, .k_norm = ly->k_norm, .window = window,
-                               .ffn_norm = ly->ffn_norm, .router = ly->is_moe ? ly->router : NULL};
-}
-
 /* One layer of a fixture through mq_attention_forward and through the GPU twin, from the same
  * input: the output, the hooks' inputs (also as copies) and the Hessian sums of both must agree.
  * Tolerances: the norms and RoPE are the CPU's operations, so the q/k/v input agrees to the
@@ -771,7 +755,7 @@ static void attention_case(mq_gpu *g, const char *dir, int64_t T, int layer, int
     const mq_layer *ly = &m->layers[layer];
     mq_gpu_attn_shape sh;
     mq_gpu_attn_weights w;
-    attn_twin_of(m, st, layer, T, window, &sh, &w);
+    mq_test_attn_twin(m, st, layer, T, window, &sh, &w);
     mq_gpu_attn *a = NULL;
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_new(g, &sh, &a));
     ASSERT_EQ_INT(MOEQ_OK, mq_gpu_attn_set(a, &w));
@@ -941,7 +925,7 @@ static void attention_groups_case(mq_gpu *g, const char *dir, int layer) {
     ASSERT_EQ_INT(MOEQ_OK, mq_state_new(m, (int32_t)Tm, &st));
     mq_gpu_attn_shape sh;
     mq_gpu_attn_weights w;
-    attn_twin_of(m, st, layer, Tm, 0, &sh, &w);
+    mq_test_attn_twin(m, st, layer, Tm, 0, &sh, &w);
     setenv("MOEQ_DEBUG_GPU_ATTN_ROWS", "200", 1);
     mq_env_reload();
     mq_gpu_attn *a = NULL;

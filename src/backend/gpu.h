@@ -433,8 +433,9 @@ void mq_gpu_moe_force_tiles(mq_gpu_moe *m, int shape);
  * order). */
 moeq_status mq_gpu_moe_last_routing(mq_gpu_moe *m, int32_t *sel, float *wt, float *gshared);
 moeq_status mq_gpu_moe_dequant(mq_gpu_moe *m, int64_t expert, int which, float *out);
-/* The same kernels run by a host emulator (moe_emu.cu: one OS thread per CUDA thread, the warp
- * collectives as the PTX manual defines them; no GPU needed, small shapes only): the result of
+/* The same kernels run by a host emulator (moe_emu.cu, simt_emu.cuh: each CUDA thread a
+ * coroutine, the warp collectives as the PTX manual defines them; no GPU needed, small shapes
+ * only): the result of
  * mq_gpu_moe_upload + mq_gpu_moe_ffn with tile shape `tiles` (-1: by the rows), with its routing
  * (sel, wt [T, k], gsh [T]; each may be NULL), and one matrix as mq_gpu_moe_dequant decodes it.
  * The fp32 mode's values are the card's; the bf16 mode's differ from the card's only in how the
@@ -444,6 +445,21 @@ moeq_status mq_gpu_moe_emulate(const moeq_moe_experts_desc *d, const moeq_moe_ze
                                float *out, int32_t *sel, float *wt, float *gsh);
 moeq_status mq_gpu_moe_emulate_dequant(const moeq_moe_experts_desc *d, const moeq_moe_zero_points *zp,
                                        const moeq_moe_ffn_args *routing, int64_t expert, int which, float *out);
+/* Generation's device code run by the same emulator (kvattn_emu.cu; no GPU needed, small shapes
+ * only; MOEQ_E_UNSUPPORTED without a CUDA build). mq_gpu_kvattn_emulate: one layer of shape sh
+ * and fp32 weights w (q, k, v and o all given) through decode.cu's steps on a KV cache of
+ * sh->max_T positions, empty at first: `calls` calls of n[c] new tokens each, in turn from
+ * position 0, as mq_gpu_kvattn_run does them (its kernels, launch shapes and order; the products
+ * by a host GEMM of the operands mq_cu_product gives cuBLAS, each output one fmaf chain in k
+ * order as the fp32 mode's). x [sum n, D]: the rows in order, in place; ffn [sum n, D] (or NULL):
+ * their FFN inputs; sel, wt [sum n, top_k] (or NULL; with w->router and ffn): their routing. The
+ * emulated device memory is NaN until written, and a kernel writing past a buffer of the size
+ * decode.cu allocates fails the call (MOEQ_E_DEVICE, naming it). mq_gpu_dequantize_emulate: q's
+ * values as mq_gpu_kvattn_set_quantized decodes them on the device (dequant.cu) into out
+ * [rows, cols]. */
+moeq_status mq_gpu_kvattn_emulate(const mq_gpu_attn_shape *sh, const mq_gpu_attn_weights *w, const int64_t *n,
+                                  int calls, float *x, float *ffn, int32_t *sel, float *wt);
+moeq_status mq_gpu_dequantize_emulate(const mq_qtensor *q, float *out);
 /* The comparison of the benchmark: every expert dequantized to bf16 (the global scale folded in),
  * then cuBLAS bf16 GEMMs (grouped, fp32 outputs), SwiGLU, the weighted sums. Waits. */
 moeq_status mq_gpu_moe_ffn_baseline(mq_gpu_moe *m, const float *x, int64_t T, float *out);

@@ -379,6 +379,17 @@ moeq_status mq_gpu_moe_emulate_dequant(const moeq_moe_experts_desc *d, const moe
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA (the emulator compiles the CUDA kernels)");
 }
 
+moeq_status mq_gpu_kvattn_emulate(const mq_gpu_attn_shape *sh, const mq_gpu_attn_weights *w, const int64_t *n,
+                                  int calls, float *x, float *ffn, int32_t *sel, float *wt) {
+    (void)sh, (void)w, (void)n, (void)calls, (void)x, (void)ffn, (void)sel, (void)wt;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA (the emulator compiles the CUDA kernels)");
+}
+
+moeq_status mq_gpu_dequantize_emulate(const mq_qtensor *q, float *out) {
+    (void)q, (void)out;
+    return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA (the emulator compiles the CUDA kernels)");
+}
+
 moeq_status mq_gpu_moe_ffn_baseline(mq_gpu_moe *m, const float *x, int64_t T, float *out) {
     (void)m, (void)x, (void)T, (void)out;
     return mq_err(MOEQ_E_UNSUPPORTED, "this moeq was built without CUDA");

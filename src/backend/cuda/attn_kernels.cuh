@@ -5,13 +5,15 @@
  * rotate-half RoPE from the host's tables at each row's position, the residual add) and the
  * router's softmax top-k (kernels/route_inline.h, the CPU forward's very lines). Each is a
  * function of its row alone. In an anonymous namespace: every .cu file that includes this gets
- * its own copy (the backend is built without relocatable device code).
+ * its own copy (the backend is built without relocatable device code). The SIMT emulator compiles
+ * them as host code too (kern_qual.cuh; kvattn_emu.cu).
  */
 #ifndef MOEQ_BACKEND_CUDA_ATTN_KERNELS_CUH
 #define MOEQ_BACKEND_CUDA_ATTN_KERNELS_CUH
 
 #include <stdint.h>
 
+#include "backend/cuda/kern_qual.cuh"
 #include "kernels/route_inline.h"
 
 namespace {
@@ -20,11 +22,11 @@ enum { NORM_THREADS = 256 };
 
 /* out[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))), one block of NORM_THREADS per row; out
  * may be x. */
-__global__ void k_rmsnorm(float *out, const float *x, int64_t rows, int64_t n, const float *w, float eps) {
+MQ_KERNEL0 k_rmsnorm(float *out, const float *x, int64_t rows, int64_t n, const float *w, float eps) {
     const int64_t r = blockIdx.x;
     if (r >= rows) return;
     const float *xr = x + r * n;
-    __shared__ double part[NORM_THREADS];
+    MQ_SHARED_ARR(double, part, [NORM_THREADS]);
     double d = 0.0;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) d += (double)xr[i] * (double)xr[i];
     part[threadIdx.x] = d;
@@ -40,12 +42,12 @@ __global__ void k_rmsnorm(float *out, const float *x, int64_t rows, int64_t n, c
 }
 
 /* y[t, j] += b[j] over T rows of n. */
-__global__ void k_bias(float *y, const float *b, int64_t T, int64_t n) {
+MQ_KERNEL0 k_bias(float *y, const float *b, int64_t T, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < T * n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = y[i] + b[i % n];
 }
 
-__global__ void k_clip(float *x, int64_t n, float lim) {
+MQ_KERNEL0 k_clip(float *x, int64_t n, float lim) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         const float v = x[i];
         x[i] = v < -lim ? -lim : v > lim ? lim : v;
@@ -53,7 +55,7 @@ __global__ void k_clip(float *x, int64_t n, float lim) {
 }
 
 /* rotate-half RoPE of x [R, nh, hd], row r at position pos[r] (vec_ref.c's rope_ref). */
-__global__ void k_rope(float *x, int64_t R, int64_t nh, int64_t hd, const int32_t *pos, const float *cs,
+MQ_KERNEL0 k_rope(float *x, int64_t R, int64_t nh, int64_t hd, const int32_t *pos, const float *cs,
                        const float *sn) {
     const int64_t half = hd / 2, n = R * nh * half;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -69,20 +71,20 @@ __global__ void k_rope(float *x, int64_t R, int64_t nh, int64_t hd, const int32_
 /* The routing of token t (one thread each): kernels/route_inline.h, the CPU forward's very lines
  * (softmax over the E logits, the sum in double; the top_k largest probabilities with ties to the
  * lower expert, optionally renormalised). The row of logits becomes the probabilities. */
-__global__ void k_route_softmax(float *logits, int64_t T, int64_t E, int64_t K, bool norm, int32_t *sel, float *w) {
+MQ_KERNEL0 k_route_softmax(float *logits, int64_t T, int64_t E, int64_t K, bool norm, int32_t *sel, float *w) {
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T) return;
     mq_route_softmax_topk(logits + t * E, E, K, norm, sel + t * K, w + t * K);
 }
 
-__global__ void k_add(float *x, const float *y, int64_t n) {
+MQ_KERNEL0 k_add(float *x, const float *y, int64_t n) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         x[i] = x[i] + y[i];
 }
 
 /* The maximum and the sum of v over a block's threads (blockDim.x a power of two), every thread
  * getting the result: trees in red [blockDim.x] of shared memory (free again on return). */
-__device__ float block_max(float *red, float v) {
+MQD float block_max(float *red, float v) {
     red[threadIdx.x] = v;
     __syncthreads();
     for (int s = blockDim.x / 2; s > 0; s /= 2) {
@@ -94,7 +96,7 @@ __device__ float block_max(float *red, float v) {
     return r;
 }
 
-__device__ float block_sum(float *red, float v) {
+MQD float block_sum(float *red, float v) {
     red[threadIdx.x] = v;
     __syncthreads();
     for (int s = blockDim.x / 2; s > 0; s /= 2) {

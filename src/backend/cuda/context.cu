@@ -505,10 +505,9 @@ moeq_status mq_cu_product(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, con
     if (M <= 0 || N <= 0) return MOEQ_OK;
     if (g->precision == MOEQ_GPU_FP32) return mq_cu_product_det(g, g->stream[j], M, N, K, A, B, C, ldc);
     if (g->precision == MOEQ_GPU_TF32X3) return product_tf32x3(g, j, M, N, K, A, B, C, ldc);
-    /* column-major: C^T [N, M] = B^T-view [N, K] times A^T-view [K, M] */
     const float one = 1.0f, zero = 0.0f;
-    return CUBLAS(cublasSgemm(g->blas[j], CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)M, (int)K, &one, B, (int)K, A,
-                              (int)K, &zero, C, (int)ldc));
+    const mq_cu_sgemm_ops o = mq_cu_product_ops(M, N, K, A, B, C, ldc);
+    return CUBLAS(cublasSgemm(g->blas[j], o.ta, o.tb, o.m, o.n, o.k, &one, o.A, o.lda, o.B, o.ldb, &zero, o.C, o.ldc));
 }
 
 moeq_status mq_cu_gram_add(mq_gpu *g, cudaStream_t s, float *C, const float *X, int64_t n, int64_t K) {

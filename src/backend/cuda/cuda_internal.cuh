@@ -123,6 +123,23 @@ float *mq_gpu_buf_device(mq_gpu_buf *b, int64_t *n);
  *   mq_cu_product: C [M, N] (row stride ldc) = A [M, K] B [N, K]^T, row-major;
  *   mq_cu_gram_add: C [K, K] += X^T X over the n rows of X [n, K]: the lower triangle (with
  *   the TF32 modes both; only the lower one is read). */
+/* The cublasSgemm operands of mq_cu_product's cuBLAS modes (column-major: C^T [N, M] = the
+ * B^T-view [N, K] times the A^T-view [K, M]); the SIMT emulator (kvattn_emu.cu) runs a host GEMM
+ * of the same operands, so a wrong transpose or leading dimension shows there too. */
+struct mq_cu_sgemm_ops {
+    cublasOperation_t ta, tb;
+    int m, n, k;
+    const float *A;
+    int lda;
+    const float *B;
+    int ldb;
+    float *C;
+    int ldc;
+};
+static inline mq_cu_sgemm_ops mq_cu_product_ops(int64_t M, int64_t N, int64_t K, const float *A, const float *B,
+                                                float *C, int64_t ldc) {
+    return {CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)M, (int)K, B, (int)K, A, (int)K, C, (int)ldc};
+}
 moeq_status mq_cu_product(mq_gpu *g, int j, int64_t M, int64_t N, int64_t K, const float *A, const float *B,
                           float *C, int64_t ldc);
 /* mq_cu_product's fmaf chains whatever the precision mode (mq_gpu_gemm_det), on stream s. */

@@ -10,15 +10,8 @@
  * RoPE of q and k at the tokens' positions; attention; o projection (+ bias); the residual add.
  * The projections are mq_cu_product's (the precision mode's: fp32 fmaf chains by default).
  *
- * Attention (k_attend_cached): one block per (new token i, query head h), kept simple on purpose:
- * the query at position p = p0 + i sees cache rows [lo, p] (lo = p - window + 1 under a sliding
- * window, else 0) of KV head h / (H / KV). Each score is one fmaf chain over the head's
- * dimensions times the softmax scale 1/sqrt(hd), written into the block's row of the scratch S;
- * the block's maximum, the exponentials with moeq's expf (vec_dev.cuh) and their sum are tree
- * reductions in shared memory; each output dimension is one fmaf chain over the visible keys in
- * key order of p_j v_j, p_j = e_j / sum (the CPU's softmax then P V, summed in another order).
- * So a token's result does not depend on the tokens beside it in the call: prefill in one call
- * and token by token give the same bits in the fp32 mode (tests/test_gpu_generate.c).
+ * The kernels and the order they run in are kvattn_kernels.cuh's (kv_layer_steps), which the
+ * SIMT emulator also runs on the host (kvattn_emu.cu, the tests of machines without a GPU).
  */
 #include <math.h>
 #include <stdio.h>
@@ -26,63 +19,24 @@
 
 #include <new>
 
-#include "backend/cuda/attn_kernels.cuh"
 #include "backend/cuda/cuda_internal.cuh"
-#include "backend/cuda/vec_dev.cuh"
+#include "backend/cuda/kvattn_kernels.cuh"
 
 namespace {
 
-enum { ATT_THREADS = 128 };
+typedef KvLayer Layer;
 
-/* Block (i, h): new token i (position p0 + i), query head h; q [n, H*hd], the caches [max_T,
- * KV*hd], out [n, H*hd], S [n * H, ldS] scratch (ldS >= p0 + n). */
-__global__ void k_attend_cached(const float *q, const float *kc, const float *vc, float *out, float *S, int64_t ldS,
-                                int64_t p0, int64_t H, int64_t KV, int64_t hd, int64_t window, float scale) {
-    const int64_t i = blockIdx.x, h = blockIdx.y, p = p0 + i;
-    const int64_t kvh = h / (H / KV), QD = H * hd, KVD = KV * hd;
-    const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, hi = p + 1;
-    const float *qv = q + i * QD + h * hd;
-    float *row = S + (i * H + h) * ldS;
-    __shared__ float red[ATT_THREADS];
-    float m = -INFINITY;
-    for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) {
-        const float *kv = kc + j * KVD + kvh * hd;
-        float s = 0.0f;
-        for (int64_t d = 0; d < hd; d++) s = fmaf(qv[d], kv[d], s);
-        s = s * scale;
-        row[j] = s;
-        m = s > m ? s : m;
+/* kv_layer_steps on the device: kernels queued on stream 0, the products mq_cu_product's. */
+struct CudaDev {
+    mq_gpu *g;
+    template <class... P, class... A>
+    moeq_status launch(const char *name, void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
+        kernel<<<grid, block, 0, g->stream[0]>>>(args...);
+        return CU_LAUNCHED(name);
     }
-    const float mx = block_max(red, m);
-    float sum = 0.0f;
-    for (int64_t j = lo + threadIdx.x; j < hi; j += blockDim.x) {   /* each thread its own keys again */
-        const float e = mqd::vec_expf(row[j] - mx);
-        row[j] = e;
-        sum += e;
+    moeq_status product(int64_t M, int64_t N, int64_t K, const float *A, const float *B, float *C, int64_t ldc) {
+        return mq_cu_product(g, 0, M, N, K, A, B, C, ldc);
     }
-    const float total = block_sum(red, sum);
-    /* the row's exponentials, written by every thread above, are visible after the barriers */
-    const float *vh = vc + kvh * hd;
-    for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int64_t j = lo; j < hi; j++) acc = fmaf(row[j] / total, vh[j * KVD + d], acc);
-        out[i * QD + h * hd + d] = acc;
-    }
-}
-
-/* pos[t] = p0 + t: the rows' positions for k_rope. */
-__global__ void k_positions(int32_t *pos, int64_t n, int64_t p0) {
-    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < n) pos[t] = (int32_t)(p0 + t);
-}
-
-struct Layer {
-    bool set;
-    unsigned have;    /* bit i: Linear i (q, k, v, o) given */
-    bool has_bq, has_bk, has_bv, has_bo;
-    int64_t window;
-    float *norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *qn, *kn, *fnorm, *router;
-    float *kc, *vc;   /* [max_T, KV*hd] each */
 };
 
 }  // namespace
@@ -254,25 +208,10 @@ extern "C" moeq_status mq_gpu_kvattn_set_quantized(mq_gpu_kvattn *a, int l, int 
     return st;
 }
 
-namespace {
-
-/* y [R, n_out] (row stride n_out) = x [R, n_in] W^T (+ b): mq_cu_product, then the bias. */
-moeq_status linear(mq_gpu_kvattn *a, const float *x, int64_t R, const float *W, int64_t n_out, int64_t n_in,
-                   const float *b, float *y) {
-    moeq_status st = mq_cu_product(a->g, 0, R, n_out, n_in, x, W, y, n_out);
-    if (!st && b) {
-        k_bias<<<grid_for(R * n_out), 256, 0, a->g->stream[0]>>>(y, b, R, n_out);
-        st = CU_LAUNCHED("k_bias");
-    }
-    return st;
-}
-
-}  // namespace
-
 extern "C" moeq_status mq_gpu_kvattn_run(mq_gpu_kvattn *a, int l, mq_gpu_buf *xb, int64_t n, int64_t p0,
                                          mq_gpu_buf *ffn, int32_t *sel, float *w) {
     const mq_gpu_attn_shape *sh = &a->sh;
-    const int64_t D = sh->D, QD = a->QD, KVD = a->KVD, hd = sh->hd, H = sh->H, KV = sh->KV, K = sh->top_k;
+    const int64_t D = sh->D, K = sh->top_k;
     if (l < 0 || l >= a->n_layers || !a->layers[l].set || a->layers[l].have != 15u)
         return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d of %d has not all its weights", l, a->n_layers);
     Layer *L = &a->layers[l];
@@ -289,56 +228,14 @@ extern "C" moeq_status mq_gpu_kvattn_run(mq_gpu_kvattn *a, int l, mq_gpu_buf *xb
     if (route && (!sel || !w || !L->router || !xf))
         return mq_err(MOEQ_E_ARG, "GPU KV attention: layer %d: routing needs a router, the FFN input and both outputs", l);
     moeq_status st = CU(cudaSetDevice(a->g->device));
-    cudaStream_t s = a->g->stream[0];
-    float *kc = L->kc + p0 * KVD, *vc = L->vc + p0 * KVD;   /* the new rows of the caches */
     if (!st) {
-        k_positions<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(a->pos, n, p0);
-        k_rmsnorm<<<(unsigned)n, NORM_THREADS, 0, s>>>(a->xn, x, n, D, L->norm, sh->eps);
-        st = CU_LAUNCHED("k_rmsnorm");
+        CudaDev dev = {a->g};
+        const KvStep k = {sh, L, n, p0, x, xf, a->xn, a->q, a->att, a->y, a->S, a->pos, a->cos_t, a->sin_t, route,
+                          a->logits, a->rw, a->rsel};
+        st = kv_layer_steps(dev, k);
     }
-    if (!st) st = linear(a, a->xn, n, L->wq, QD, D, L->has_bq ? L->bq : NULL, a->q);
-    if (!st) st = linear(a, a->xn, n, L->wk, KVD, D, L->has_bk ? L->bk : NULL, kc);
-    if (!st) st = linear(a, a->xn, n, L->wv, KVD, D, L->has_bv ? L->bv : NULL, vc);
-    if (!st && sh->qk_norm) {
-        const bool full = sh->qk_norm == 1;
-        k_rmsnorm<<<(unsigned)(full ? n : n * H), NORM_THREADS, 0, s>>>(a->q, a->q, full ? n : n * H, full ? QD : hd,
-                                                                       L->qn, sh->eps);
-        k_rmsnorm<<<(unsigned)(full ? n : n * KV), NORM_THREADS, 0, s>>>(kc, kc, full ? n : n * KV, full ? KVD : hd,
-                                                                        L->kn, sh->eps);
-        st = CU_LAUNCHED("k_rmsnorm");
-    }
-    if (!st && sh->clip_qkv > 0) {
-        k_clip<<<grid_for(n * QD), 256, 0, s>>>(a->q, n * QD, sh->clip_qkv);
-        k_clip<<<grid_for(n * KVD), 256, 0, s>>>(kc, n * KVD, sh->clip_qkv);
-        k_clip<<<grid_for(n * KVD), 256, 0, s>>>(vc, n * KVD, sh->clip_qkv);
-        st = CU_LAUNCHED("k_clip");
-    }
-    if (!st) {
-        k_rope<<<grid_for(n * QD / 2), 256, 0, s>>>(a->q, n, H, hd, a->pos, a->cos_t, a->sin_t);
-        k_rope<<<grid_for(n * KVD / 2), 256, 0, s>>>(kc, n, KV, hd, a->pos, a->cos_t, a->sin_t);
-        st = CU_LAUNCHED("k_rope");
-    }
-    if (!st) {
-        const float scale = (float)(1.0 / sqrt((double)hd));
-        k_attend_cached<<<dim3((unsigned)n, (unsigned)H), ATT_THREADS, 0, s>>>(a->q, L->kc, L->vc, a->att, a->S,
-                                                                               sh->max_T, p0, H, KV, hd, L->window,
-                                                                               scale);
-        st = CU_LAUNCHED("k_attend_cached");
-    }
-    if (!st) st = linear(a, a->att, n, L->wo, D, QD, L->has_bo ? L->bo : NULL, a->y);
-    if (!st) {
-        k_add<<<grid_for(n * D), 256, 0, s>>>(x, a->y, n * D);
-        st = CU_LAUNCHED("k_add");
-    }
-    if (!st && xf) {
-        k_rmsnorm<<<(unsigned)n, NORM_THREADS, 0, s>>>(xf, x, n, D, L->fnorm, sh->eps);
-        st = CU_LAUNCHED("k_rmsnorm");
-    }
-    if (!st && route) st = linear(a, xf, n, L->router, sh->E, D, NULL, a->logits);
-    if (!st && route) {
-        k_route_softmax<<<(unsigned)((n + 127) / 128), 128, 0, s>>>(a->logits, n, sh->E, K, sh->norm_topk, a->rsel,
-                                                                     a->rw);
-        st = CU_LAUNCHED("k_route_softmax");
+    if (route) {
+        cudaStream_t s = a->g->stream[0];
         if (!st) st = CU(cudaMemcpyAsync(sel, a->rsel, (size_t)(n * K) * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
         if (!st) st = CU(cudaMemcpyAsync(w, a->rw, (size_t)(n * K) * sizeof(float), cudaMemcpyDeviceToHost, s));
         moeq_status ws = CU(cudaStreamSynchronize(s));

@@ -27,30 +27,7 @@
 
 #include <stdint.h>
 
-/* Qualifiers, so that moe_emu.cu can compile the same kernels as host code (MQM_EMU: a SIMT
- * emulator runs them on the CPU, for the tests of machines without a GPU). */
-#ifdef MQM_EMU
-#define MQD inline
-#define MQHD inline
-#define MQDF inline
-#define MQHDC
-#define MQ_KERNEL(n) inline void
-#define MQ_KERNEL2(n, m) inline void
-#define MQ_KERNEL0 inline void
-#define MQ_UNROLL
-#else
-#define MQD __device__ __forceinline__
-#define MQHD __host__ __device__ __forceinline__
-#define MQDF __device__
-#define MQHDC __host__ __device__
-#define MQ_KERNEL(n) __global__ void __launch_bounds__(n)
-#define MQ_KERNEL2(n, m) __global__ void __launch_bounds__(n, m)
-#define MQ_KERNEL0 __global__ void
-#define MQ_UNROLL _Pragma("unroll")
-#define MQ_DYN_SMEM(name) extern __shared__ __align__(16) uint8_t name[]
-#define MQ_SHARED(T, name) __shared__ T name
-#define MQ_SHARED_ARR(T, name, dims) __shared__ T name dims
-#endif
+#include "backend/cuda/kern_qual.cuh"
 
 namespace mqm {
 

@@ -18,7 +18,11 @@ extern "C" {
 #include "quant/gptq.h"
 }
 
+#ifdef MQM_EMU   /* compiled as host code by the SIMT emulator (kvattn_emu.cu) */
+#define DEV inline
+#else
 #define DEV __device__ __forceinline__
+#endif
 
 namespace mqd {
 
