@@ -9,7 +9,8 @@
  *               attention's contribution (x_out - x_in), the FFN input and the routing.
  *               Shapes: OLMoE (q/k norms over all heads), a Qwen2-MoE layer (q/k/v biases,
  *               grouped KV heads), Qwen3-MoE (per-head q/k norms, grouped KV heads), Mixtral
- *               (grouped KV heads), sliding windows shorter than the sequence, clip_qkv;
+ *               (grouped KV heads), sliding windows shorter than the sequence, clip_qkv, more
+ *               visible keys than the attention's block has threads;
  *   KV cache    a prefill of some tokens, then decode steps of one token at the later positions,
  *               must give the bits of the whole sequence in one call (every kernel is a function
  *               of its row and the cache), and the emulated device memory is NaN until written
@@ -175,6 +176,14 @@ static void test_attention_grouped_kv(void) {
     attention_case(&(att_case){"tests/data/mixtral-tiny", 1, 9, 0, 20, 14});
 }
 
+/* More visible keys than a block has threads (ATT_THREADS = 128: each thread several keys in the
+ * scores, the softmax's reductions over partial sums), full and windowed. */
+static void test_attention_long(void) {
+    need_emulator();
+    attention_case(&(att_case){"tests/data/qwen3moe-tiny", 0, 0, 0, 150, 140});
+    attention_case(&(att_case){"tests/data/mixtral-tiny", 0, 131, 0, 150, 137});
+}
+
 /* The refusals of the emulated entry point (decode.cu's checks). */
 static void test_attention_args(void) {
     need_emulator();
@@ -232,4 +241,4 @@ static void test_dequant(void) {
     ASSERT_EQ_INT(MOEQ_E_UNSUPPORTED, mq_gpu_dequantize_emulate(&k, out));
 }
 
-TEST_MAIN(T(test_attention_olmoe), T(test_attention_grouped_kv), T(test_attention_args), T(test_dequant))
+TEST_MAIN(T(test_attention_olmoe), T(test_attention_grouped_kv), T(test_attention_long), T(test_attention_args), T(test_dequant))
