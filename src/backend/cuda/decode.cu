@@ -4,14 +4,10 @@
  * device, every layer of a model resident in one object (its weights and caches; one scratch for
  * whichever layer runs).
  *
- * The order of operations is the CPU's: RMSNorm of x (attn_kernels.cuh, the sum of squares in
- * double); q, k, v = the projections of it (+ biases), k and v written straight into the cache at
- * rows p0.. (as forward.c writes them into its cache); the q/k norms, clip_qkv on q, k and v,
- * RoPE of q and k at the tokens' positions; attention; o projection (+ bias); the residual add.
- * The projections are mq_cu_product's (the precision mode's: fp32 fmaf chains by default).
- *
- * The kernels and the order they run in are kvattn_kernels.cuh's (kv_layer_steps), which the
- * SIMT emulator also runs on the host (kvattn_emu.cu, the tests of machines without a GPU).
+ * What a layer runs, in the CPU forward's order, is kvattn_kernels.cuh's kv_layer_steps (its
+ * kernels and their launches), which the SIMT emulator also runs on the host (kvattn_emu.cu, the
+ * tests of machines without a GPU); here its products are mq_cu_product's (the precision mode's:
+ * fp32 fmaf chains by default) and its kernels go on stream 0.
  */
 #include <math.h>
 #include <stdio.h>
