@@ -14,8 +14,8 @@
  *   KV cache    a prefill of some tokens, then decode steps of one token at the later positions,
  *               must give the bits of the whole sequence in one call (every kernel is a function
  *               of its row and the cache), and the emulated device memory is NaN until written
- *               and guarded at every buffer's end: a read of a cache row never written, or a
- *               write past a buffer of decode.cu's sizes, fails the case;
+ *               and guarded at both ends of every buffer: a read of a cache row never written,
+ *               or a write outside a buffer of decode.cu's sizes, fails the case;
  *   dequant     the device's decoding of NVFP4 (both global-scale conventions), INT4 (symmetric,
  *               asymmetric, act-order) and MXFP4: mq_dequantize's bits.
  *

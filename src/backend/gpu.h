@@ -453,7 +453,7 @@ moeq_status mq_gpu_moe_emulate_dequant(const moeq_moe_experts_desc *d, const moe
  * by a host GEMM of the operands mq_cu_product gives cuBLAS, each output one fmaf chain in k
  * order as the fp32 mode's). x [sum n, D]: the rows in order, in place; ffn [sum n, D] (or NULL):
  * their FFN inputs; sel, wt [sum n, top_k] (or NULL; with w->router and ffn): their routing. The
- * emulated device memory is NaN until written, and a kernel writing past a buffer of the size
+ * emulated device memory is NaN until written, and a kernel writing outside a buffer of the size
  * decode.cu allocates fails the call (MOEQ_E_DEVICE, naming it). mq_gpu_dequantize_emulate: q's
  * values as mq_gpu_kvattn_set_quantized decodes them on the device (dequant.cu) into out
  * [rows, cols]. */

@@ -6,8 +6,8 @@
  *    products by a host GEMM of the operands mq_cu_product gives cuBLAS (cuda_internal.cuh's
  *    mq_cu_product_ops; each output one fmaf chain in k order, as the fp32 mode's tile_det.cuh
  *    sums). Buffers are mq_gpu_kvattn_new's, of the sizes it allocates, filled with NaN (device
- *    memory holds garbage until written: a read of a value not written shows) and followed by a
- *    guard that must be intact after every kernel (a write past a buffer is an error naming it).
+ *    memory holds garbage until written: a read of a value not written shows) between guards
+ *    that must be intact after every kernel (a write outside a buffer is an error naming it).
  *  - mq_gpu_dequantize_emulate: dequant.cu's mq_cu_dequantize, dequant_kernels.cuh's kernel and
  *    launch shape.
  */
@@ -33,9 +33,9 @@ extern "C" {
 namespace {
 
 constexpr uint32_t FILL = 0x7fc0dead;   /* a quiet NaN: the never-written values */
-constexpr size_t GUARD = 64;            /* words after each buffer */
+constexpr size_t GUARD = 8192;          /* words before and after each buffer: a few rows of the tests' shapes */
 
-/* The emulated device's memory: buffers of 4-byte words, each NaN-filled and guarded. */
+/* The emulated device's memory: buffers of 4-byte words, each NaN-filled between two guards. */
 struct EmuMem {
     struct Buf {
         std::string name;
@@ -46,8 +46,8 @@ struct EmuMem {
 
     template <typename T> T *alloc(const char *name, int64_t n) {
         static_assert(sizeof(T) == 4, "4-byte words");
-        bufs.push_back(Buf{name, std::vector<uint32_t>((size_t)n + GUARD, FILL), (size_t)n});
-        return (T *)bufs.back().w.data();
+        bufs.push_back(Buf{name, std::vector<uint32_t>((size_t)n + 2 * GUARD, FILL), (size_t)n});
+        return (T *)(bufs.back().w.data() + GUARD);
     }
     /* an upload: n values of src (NULL: left unwritten, as decode.cu leaves an absent bias) */
     float *upload(const char *name, const float *src, int64_t n) {
@@ -57,10 +57,12 @@ struct EmuMem {
     }
     moeq_status check(const char *after) const {
         for (const Buf &b : bufs)
-            for (size_t i = b.n; i < b.w.size(); i++)
-                if (b.w[i] != FILL)
-                    return mq_err(MOEQ_E_DEVICE, "emulated GPU: %s wrote past %s (%zu values) at %zu", after,
-                                  b.name.c_str(), b.n, i);
+            for (size_t i = 0; i < 2 * GUARD; i++) {
+                const size_t at = i < GUARD ? i : b.n + i;   /* the guard before, then the one after */
+                if (b.w[at] != FILL)
+                    return mq_err(MOEQ_E_DEVICE, "emulated GPU: %s wrote outside %s (%zu values) at %lld", after,
+                                  b.name.c_str(), b.n, (long long)at - (long long)GUARD);
+            }
         return MOEQ_OK;
     }
 };
