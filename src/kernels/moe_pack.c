@@ -111,9 +111,16 @@ static moeq_status src_check(const mq_moe_src *s, int64_t rows, int32_t cols, in
     const int32_t ng = cols / group;
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *c = s->codes + r * cols;
-        uint8_t high = 0;   /* the row's high bits first (a loop the compiler vectorizes) */
-        for (int32_t k = 0; k < cols; k++) high |= c[k];
-        for (int32_t k = 0; k < cols && high > 15; k++)
+        /* the row's high nibbles first, 8 codes a word (cols is whole groups: a multiple of 8),
+         * then the first bad code's place only where there is one */
+        uint64_t high = 0;
+        for (int32_t k = 0; k + 8 <= cols; k += 8) {
+            uint64_t w;
+            memcpy(&w, c + k, 8);
+            high |= w;
+        }
+        for (int32_t k = cols / 8 * 8; k < cols; k++) high |= c[k];
+        for (int32_t k = 0; k < cols && (high & 0xF0F0F0F0F0F0F0F0ull); k++)
             if (c[k] > 15)
                 return mq_err(MOEQ_E_FORMAT, "%s: %s.codes: %srow %lld col %d: code %d > 15", what,
                               tensor, ex, (long long)(r + row_off), (int)k, c[k]);
