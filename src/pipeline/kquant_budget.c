@@ -31,12 +31,15 @@
 #include "formats/kquant.h"
 #include "pipeline/internal.h"
 
-enum { PROBE_SAMPLES = 16, ROWS_DENSE = 32, ROWS_EXPERT = 8, N_CAND = 5 };
+enum { PROBE_SAMPLES = 16, ROWS_DENSE = 32, ROWS_EXPERT = 8, N_CAND = 6 };
 
-/* A group's candidates are the K-quants and Q8_0; a member whose rows are no whole 256-value
- * blocks takes each one's llama.cpp fallback (Q3_K -> Q4_0, Q4_K -> Q5_0, ...), whose loss and
- * bits it adds (qwen2moe's 128-input experts' down beside its shared expert's). */
-static const int cand[N_CAND] = {MQ_KQ_Q3_K, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q8_0};
+/* A group's candidates are the K-quants, IQ4_XS and Q8_0, cheapest first; a member whose rows
+ * are no whole 256-value blocks takes each one's llama.cpp fallback (Q3_K -> Q4_0, IQ4_XS ->
+ * IQ4_NL, Q4_K -> Q5_0, ...), whose loss and bits it adds (qwen2moe's 128-input experts' down
+ * beside its shared expert's). IQ4_XS (4.25 bits) sits between Q3_K (3.44) and Q4_K (4.5): its
+ * non-uniform grid errs less than Q3_K's by far for 0.8 bits more, so a budget near 4.5 bits
+ * need not leave most groups at Q3_K. */
+static const int cand[N_CAND] = {MQ_KQ_Q3_K, MQ_KQ_IQ4_XS, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q8_0};
 
 typedef struct {
     double loss[N_CAND];       /* sensitivity of each candidate */
@@ -337,7 +340,10 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
             group *g = &gs[i];
             for (int k = g->used ? g->pick + 1 : N_CAND; k < N_CAND; k++) {
                 const double db = g->bits[k] - g->bits[g->pick];
-                const double gain = db > 0 ? (g->loss[g->pick] - g->loss[k]) / db : 0;
+                /* an upgrade that costs no bits (two fallbacks of one size, IQ4_NL and Q4_0) is
+                 * taken first where it lowers the loss */
+                const double dl = g->loss[g->pick] - g->loss[k];
+                const double gain = db > 0 ? dl / db : db == 0 && dl > 0 ? HUGE_VAL : 0;
                 if (bits + db <= budget && gain > best) best = gain, bg = g, bk = k, add = db;
             }
         }
