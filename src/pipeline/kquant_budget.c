@@ -21,10 +21,11 @@
  *
  * Choice: a multiple-choice knapsack by its Lagrangian greedy: every group at its cheapest type,
  * then the upgrade with the largest loss removed per added bit, one at a time, while it fits the
- * budget. token_embd and output are two more groups (head_losses says how their errors are
- * carried to the residual stream's unit: on small models they are a large share of the file,
- * and a rule that kept output at Q6_K left the Linears under 4 bits at a 4.5-bit budget); the
- * F32 norms and routers count in the budget.
+ * budget. The output (or a tied token_embd) is one more group (head_losses says how its errors
+ * are carried to the residual stream's unit: on small models it is a large share of the file,
+ * and a rule that kept it at Q6_K left the Linears under 4 bits at a 4.5-bit budget); an untied
+ * token_embd keeps the file type's rule; both count in the budget, as do the F32 norms and
+ * routers.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -259,10 +260,14 @@ static moeq_status probe_layer(mq_pipe *p, mq_state *st, float *x, float *xin, f
     return s;
 }
 
-/* token_embd and output as two more groups, hg[0] and hg[1] (tied: hg[0] alone, both uses'
- * losses added), their losses in the residual stream's unit with gain 1:
+/* The output as one more group, hg[1], or a tied token_embd, hg[0], with its losses as output
+ * and as embedding added; their losses in the residual stream's unit with gain 1:
  *   token_embd: its rows' squared errors, each times the row's count in the probe's tokens (a
- *     row's error is added to the residual stream as it is);
+ *     row's error is added to the residual stream as it is). An untied token_embd keeps the
+ *     file type's rule (hg[0] unused, its bits fixed): as a group of its own the knapsack took it
+ *     to Q3_K on olmoe-tiny and llama.cpp's KL doubled (docs/results/kquant.md): its error
+ *     enters before every layer and moves the routing of all of them, which this measure does
+ *     not see; tied, the output's loss holds it up;
  *   output: the Linear's loss under the diagonal of its input's Hessian (the final norm of the
  *     last layer's output x, over the probe's tokens), in the logits' unit, divided by the
  *     logits' response to a change d of x: |W diag(g) d / rms(x)|^2 ~ |d|^2 r with
@@ -319,7 +324,7 @@ static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_c
         o->gain = 1;
         if (tied) for (int k = 0; k < N_CAND; k++) hg[0].loss[k] += og.loss[k];
     }
-    for (int k = 0; !s && k < N_CAND; k++) {   /* token_embd: the probe's rows */
+    for (int k = 0; !s && tied && k < N_CAND; k++) {   /* token_embd: the probe's rows */
         const int eff = mq_gguf_fallback(cand[k], D);
         hg[0].bits[k] += (eff >= 0 ? mq_kq_bpw((mq_kq_type)eff) : 16.0) * (double)(V * D);
         if (eff < 0) continue;
@@ -337,9 +342,9 @@ static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_c
         }
         hg[0].loss[k] += e;
     }
-    hg[0].params = V * D;
-    hg[0].used = hg[1].used = !s;
-    hg[1].used = hg[1].used && !tied;
+    hg[0].params = tied ? V * D : 0;
+    hg[0].used = !s && tied;
+    hg[1].used = !s && !tied;
     hg[0].gain = 1;
     mq_lazy_release(p->lz, -1, what, 0, 0);
     free(h);
@@ -392,6 +397,11 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
     /* the knapsack */
     int64_t total = 0;
     double bits = 0;
+    if (!p->recipe.tied) {   /* token_embd at the file type's rule */
+        const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
+        total += c->vocab * c->D;
+        bits += (double)(c->vocab * c->D) * (te >= 0 ? mq_kq_bpw((mq_kq_type)te) : 16.0);
+    }
     for (size_t i = 0; !s && i < NG; i++) {
         const group *g = &gs[i];
         if (!g->used) continue;
@@ -473,8 +483,10 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
             }
             mq_info("  layer %d:%s", l, line);
         }
-        const int8_t te = p->recipe_table[NG - 2], to = p->recipe_table[NG - 1];
-        mq_info("  token_embd %s%s%s", te >= 0 ? mq_kq_name((mq_kq_type)te) : "-", p->recipe.tied ? " (tied: the output too)" : ", output ",
+        const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
+        const int to = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_OUTPUT, -1, c->D);
+        mq_info("  token_embd %s%s%s", te >= 0 ? mq_kq_name((mq_kq_type)te) : "-",
+                p->recipe.tied ? " (tied: the output too)" : " (the file type's rule), output ",
                 p->recipe.tied ? "" : to >= 0 ? mq_kq_name((mq_kq_type)to) : "-");
     }
     free(gs);
