@@ -93,9 +93,13 @@ static inline uint8_t mult_code(const mq_kq_info *t, int mult) {
 /* The index of the table value nearest v (16 ascending values; a tie between two goes to the
  * lower): the number of midpoints between neighbours that v exceeds. NaN: 0. */
 static inline uint8_t nearest_in_table(const int8_t *tab, float v) {
-    int c = 0;
-    for (int k = 0; k < 15; k++) c += v > 0.5f * (float)(tab[k] + tab[k + 1]);
-    return (uint8_t)c;
+    int lo = 0, hi = 15;   /* the midpoints below v are a prefix: bisect for its length */
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (v > 0.5f * (float)(tab[mid] + tab[mid + 1])) lo = mid + 1;
+        else hi = mid;
+    }
+    return (uint8_t)lo;
 }
 
 static inline uint8_t round_code(const mq_kq_info *t, float step, float off, float x) {
