@@ -286,7 +286,7 @@ static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_c
     if (!s && tied) mm->lm_head = mm->embed;   /* as eval's streamed scoring borrows it */
     double *h = calloc((size_t)D, sizeof(double));
     int64_t *count = calloc((size_t)V, sizeof(int64_t));
-    float *row = malloc(sizeof(float) * (size_t)D), *q = malloc(sizeof(float) * (size_t)D);
+    float *row = malloc(sizeof(float) * (size_t)(2 * D)), *q = row ? row + D : NULL;   /* a row, its rounding */
     mq_gparams *gp = malloc(sizeof(mq_gparams) * (size_t)(D / 16 + 1));
     uint8_t *cd = malloc((size_t)D);
     if (!s && (!h || !count || !row || !q || !gp || !cd)) s = mq_err(MOEQ_E_NOMEM, "out of memory");
@@ -350,7 +350,6 @@ static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_c
     free(h);
     free(count);
     free(row);
-    free(q);
     free(gp);
     free(cd);
     return s;
