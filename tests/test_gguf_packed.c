@@ -150,6 +150,45 @@ static void test_dot_twins(void) {
     }
 }
 
+/* bf16_rows, in every twin, gives each (row, token) pair the bits of the reference's single dot
+ * product: widths with every tail (8, 16, 24 past a multiple of 32), row and token counts that
+ * leave partial tiles, x rows with a stride, y with a leading dimension; a slot outside the pairs
+ * stays untouched. */
+static void test_dot_bf16_rows_twins(void) {
+    uint64_t s = 99;
+    const mq_ggml_dot_kernels *tw[3] = {&mq_ggml_dot_ref, NULL, NULL};
+    const char *names[3] = {"ref", "avx2", "avx512"};
+#if MQ_TEST_X86
+    if (mq_cpu_has_avx2_fma()) tw[1] = &mq_ggml_dot_avx2;
+    if (mq_cpu_has_avx512()) tw[2] = &mq_ggml_dot_avx512;
+#endif
+    for (int it = 0; it < 60; it++) {
+        const int64_t n = 8 * (1 + (int64_t)(rng_next(&s) % 40)), nr = 1 + (int64_t)(rng_next(&s) % MQ_GM_BF16_ROWS);
+        const int64_t T = 1 + (int64_t)(rng_next(&s) % 11), ldx = n + 8 * (int64_t)(rng_next(&s) % 3);
+        const int64_t ldy = nr + (int64_t)(rng_next(&s) % 5);
+        size_t nbytes;
+        uint8_t *p = rand_blocks(MQ_GM_BF16, nr, n, &s, &nbytes);
+        float *x = malloc(sizeof(float) * (size_t)(T * ldx)), *y = malloc(sizeof(float) * (size_t)(T * ldy));
+        for (int64_t i = 0; i < T * ldx; i++) x[i] = (float)((int64_t)(rng_next(&s) % 20001) - 10000) / 3000.0f;
+        const uint8_t *rows[MQ_GM_BF16_ROWS];
+        for (int64_t r = 0; r < nr; r++) rows[r] = p + (size_t)(r * n * 2);
+        for (int k = 0; k < 3; k++) {
+            if (!tw[k]) continue;
+            for (int64_t i = 0; i < T * ldy; i++) y[i] = -7.0f;
+            tw[k]->bf16_rows(rows, nr, x, ldx, T, n, y, ldy);
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t c = 0; c < ldy; c++) {
+                    const float want = c < nr ? mq_ggml_dot_ref.bf16(rows[c], x + t * ldx, n) : -7.0f;
+                    if (fbits(y[t * ldy + c]) != fbits(want))
+                        FAIL("%s n=%lld rows=%lld T=%lld: pair (%lld, %lld) %.9g, reference %.9g", names[k],
+                             (long long)n, (long long)nr, (long long)T, (long long)c, (long long)t,
+                             (double)y[t * ldy + c], (double)want);
+                }
+        }
+        free(p), free(x), free(y);
+    }
+}
+
 /* Experts repacked from GGUF blocks (Q4_0, NVFP4 with a per-matrix multiplier) are byte for byte
  * what the op's own packing makes of the same codes and scales, unpacked here by ggml's layout. */
 static void unpack_ref(uint32_t type, const uint8_t *p, int64_t rows, int64_t cols, uint8_t *codes,
@@ -482,6 +521,6 @@ static void test_llama(void) {
     kquant_family(m, "llama");
 }
 
-TEST_MAIN(T(test_rows_equal_io_decoder), T(test_dot_twins), T(test_experts_repack_equals_op_packing), T(test_asym_repack_forward), T(test_checkpoint_bf16_head), T(test_olmoe), T(test_qwen2moe),
+TEST_MAIN(T(test_rows_equal_io_decoder), T(test_dot_twins), T(test_dot_bf16_rows_twins), T(test_experts_repack_equals_op_packing), T(test_asym_repack_forward), T(test_checkpoint_bf16_head), T(test_olmoe), T(test_qwen2moe),
           T(test_mixtral),
           T(test_llama))

@@ -333,5 +333,52 @@ static void test_dispatch(void) {
 #endif
 }
 
+/* mq_moe_pack_rb byte for byte against the layout element by element (moe_ffn.h): column k of
+ * row l in byte (k / 8) * 32 + l * 4 + k % 4, the low nibble for k % 8 < 4, else the high one;
+ * padding rows past src_rows with weight 0's code (NVFP4 0, INT4 8) and scale 0; the scales after
+ * the codes, group g of row l at (g * 8 + l) * its size, zeros to 64 bytes. NVFP4 with E4M3 bytes,
+ * INT4 with F16. */
+static void test_pack_rb_layout(void) {
+    enum { K = 96, ROWS = 13 };
+    uint8_t codes[ROWS * K], e4m3[ROWS * (K / 16)];
+    float f32s[ROWS * (K / 32)];
+    for (int i = 0; i < ROWS * K; i++) codes[i] = (uint8_t)(rnd() % 16);
+    for (int i = 0; i < ROWS * (K / 16); i++) e4m3[i] = (uint8_t)(1 + rnd() % 0x7e);
+    for (int i = 0; i < ROWS * (K / 32); i++) f32s[i] = (float)(1 + rnd() % 1000) * 0x1p-10f;
+    for (int nvfp4 = 0; nvfp4 < 2; nvfp4++) {
+        const int32_t group = nvfp4 ? 16 : 32, ng = K / group;
+        const mq_moe_stype st = nvfp4 ? MQ_MOE_S_E4M3 : MQ_MOE_S_F16;
+        const size_t sb = nvfp4 ? 1 : 2, rbb = mq_moe_rb_bytes(K, group, st);
+        ASSERT_TRUE(rbb == (((size_t)K * 4 + (size_t)ng * 8 * sb + 63) & ~(size_t)63));   /* padded to 64 bytes */
+        mq_moe_src src = {codes, nvfp4 ? e4m3 : (const uint8_t *)f32s, nvfp4 ? 1 : 4, 1.0f, 0};
+        uint8_t got[2][K * 4 + (K / 16) * 8 * 2], want[K * 4 + (K / 16) * 8 * 2];
+        for (int rb = 0; rb < 2; rb++) {
+            memset(got[rb], 0xA5, sizeof got[rb]);   /* every byte must be written */
+            mq_moe_pack_rb(&src, ROWS, K, group, nvfp4, st, rb * 8, got[rb]);
+            memset(want, 0, rbb);
+            for (int l = 0; l < 8; l++) {
+                const int r = rb * 8 + l;
+                for (int k = 0; k < K; k++) {
+                    const uint8_t v = r < ROWS ? codes[r * K + k] : nvfp4 ? 0 : 8;
+                    want[(k / 8) * 32 + l * 4 + k % 4] |= (uint8_t)(k % 8 < 4 ? v : v << 4);
+                }
+                for (int g = 0; g < ng && r < ROWS; g++) {
+                    uint8_t *o = want + K * 4 + ((size_t)g * 8 + (size_t)l) * sb;
+                    if (nvfp4) {
+                        *o = e4m3[r * ng + g];
+                    } else {
+                        const uint16_t h = mq_f32_to_f16(f32s[r * ng + g]);
+                        memcpy(o, &h, 2);
+                    }
+                }
+            }
+            for (size_t i = 0; i < rbb; i++)
+                if (got[rb][i] != want[i])
+                    FAIL("%s row block %d byte %zu: 0x%02x, the layout's 0x%02x", nvfp4 ? "nvfp4" : "int4", rb,
+                         i, got[rb][i], want[i]);
+        }
+    }
+}
+
 TEST_MAIN(T(test_quant_act_definition_and_twins), T(test_gemm_reference_and_twins),
-          T(test_every_e4m3_scale), T(test_silu), T(test_dispatch))
+          T(test_every_e4m3_scale), T(test_silu), T(test_dispatch), T(test_pack_rb_layout))

@@ -169,12 +169,20 @@ static void gm_task(void *ctx, int64_t task, int thread) {
     const mq_vec_kernels *vk = mq_vec();
     const mq_ggml_dot_kernels *dk = mq_ggml_dot();
     const bool q8 = m->type == MQ_GM_Q8_0, bf = m->type == MQ_GM_BF16 && m->cols % 8 == 0;
-    if ((q8 || bf) && m->scale == 1.0f) {   /* straight from the stored rows */
+    if (bf && m->scale == 1.0f) {   /* straight from the stored rows, several at once */
+        for (int64_t r0 = task * j->task_rows; r0 < end; r0 += MQ_GM_BF16_ROWS) {
+            const uint8_t *p[MQ_GM_BF16_ROWS];
+            const int64_t nr = end - r0 < MQ_GM_BF16_ROWS ? end - r0 : MQ_GM_BF16_ROWS;
+            for (int64_t r = 0; r < nr; r++) p[r] = m->data + (size_t)stored_row(m, r0 + r) * m->row_bytes;
+            dk->bf16_rows(p, nr, j->x, m->cols, j->T, m->cols, j->y + r0, m->rows);
+        }
+        mq_free(w);
+        return;
+    }
+    if (q8 && m->scale == 1.0f) {   /* straight from the stored rows */
         for (int64_t r = task * j->task_rows; r < end; r++) {
             const uint8_t *p = m->data + (size_t)stored_row(m, r) * m->row_bytes;
-            for (int64_t t = 0; t < j->T; t++)
-                j->y[t * m->rows + r] = q8 ? dk->q8_0(p, j->x + t * m->cols, m->cols / 32)
-                                           : dk->bf16(p, j->x + t * m->cols, m->cols);
+            for (int64_t t = 0; t < j->T; t++) j->y[t * m->rows + r] = dk->q8_0(p, j->x + t * m->cols, m->cols / 32);
         }
         mq_free(w);
         return;

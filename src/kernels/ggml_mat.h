@@ -57,18 +57,28 @@ void mq_ggml_mat_row(const mq_ggml_mat *m, int64_t r, float *out);
 moeq_status mq_ggml_mat_forward(const mq_ggml_mat *m, const float *x, int64_t T, float *y);
 
 /* Dot products of one stored row with x, without decoding it: Q8_0 (nb blocks of 32) and BF16
- * (n a multiple of 8). A scalar reference and an AVX2+FMA twin with the same bits (the lane
- * layout in cpu/x86/ggml_dot_avx2.c). */
+ * (n a multiple of 8). bf16_rows: the BF16 dot products of up to MQ_GM_BF16_ROWS stored rows with
+ * T rows of x, y[t * ldy + r] = bf16(rows[r], x + t * ldx, n), bit for bit (a twin may compute
+ * several pairs at once: each pair's operations stay bf16's). A scalar reference, an AVX2+FMA twin
+ * with the same bits (the lane layout in cpu/x86/ggml_dot_avx2.c) and an AVX-512 one whose
+ * bf16_rows holds a tile of rows and tokens in registers (cpu/x86/ggml_dot_avx512.c). */
+enum { MQ_GM_BF16_ROWS = 8 };
 typedef struct {
     float (*q8_0)(const uint8_t *row, const float *x, int64_t nb);
     float (*bf16)(const uint8_t *row, const float *x, int64_t n);
+    void (*bf16_rows)(const uint8_t *const *rows, int64_t nr, const float *x, int64_t ldx, int64_t T,
+                      int64_t n, float *y, int64_t ldy);
 } mq_ggml_dot_kernels;
 extern const mq_ggml_dot_kernels mq_ggml_dot_ref;
 #if defined(__x86_64__) || defined(__i386__)
 extern const mq_ggml_dot_kernels mq_ggml_dot_avx2;
+extern const mq_ggml_dot_kernels mq_ggml_dot_avx512;
+/* the AVX2 twin's single-row products, which the AVX-512 row shares */
+float mq_ggml_dot_q8_0_avx2(const uint8_t *row, const float *x, int64_t nb);
+float mq_ggml_dot_bf16_avx2(const uint8_t *row, const float *x, int64_t n);
 #endif
-/* The twin in use (kernels.c's table): AVX2 when the CPU has it and mq_force_ref() is off, else
- * the reference. */
+/* The twin in use (kernels.c's table): AVX-512 or AVX2 as the CPU has them and mq_force_ref() is
+ * off, else the reference. */
 const mq_ggml_dot_kernels *mq_ggml_dot(void);
 
 /* One expert's three matrices for the repack: gate and up [F, D], down [D, F]. */

@@ -40,9 +40,9 @@ FAMILY(mq_det_kernels, mq_det, &mq_det_ref, &mq_det_avx2, &mq_det_avx512, &mq_de
 FAMILY(mq_moe_kernels, mq_moe_kernels_active, &mq_moe_kernels_ref, &mq_moe_kernels_avx2,
        &mq_moe_kernels_avx512, &mq_moe_kernels_avx512_vnni, &mq_moe_kernels_neon,
        &mq_moe_kernels_neon_dot)
-/* GGUF rows' dot products: the AVX2 twin on every x86 set, the reference on Arm */
-FAMILY(mq_ggml_dot_kernels, mq_ggml_dot, &mq_ggml_dot_ref, &mq_ggml_dot_avx2, &mq_ggml_dot_avx2,
-       &mq_ggml_dot_avx2, &mq_ggml_dot_ref, &mq_ggml_dot_ref)
+/* GGUF rows' dot products: AVX2 and AVX-512 twins (VNNI has nothing to add), the reference on Arm */
+FAMILY(mq_ggml_dot_kernels, mq_ggml_dot, &mq_ggml_dot_ref, &mq_ggml_dot_avx2, &mq_ggml_dot_avx512,
+       &mq_ggml_dot_avx512, &mq_ggml_dot_ref, &mq_ggml_dot_ref)
 /* GPTQ's column steps: AVX2 and AVX-512 twins (VNNI has nothing to add), the reference on Arm */
 FAMILY(mq_gptq_kernels, mq_gptq_cpu, &mq_gptq_kernels_ref, &mq_gptq_kernels_avx2,
        &mq_gptq_kernels_avx512, &mq_gptq_kernels_avx512, &mq_gptq_kernels_ref, &mq_gptq_kernels_ref)

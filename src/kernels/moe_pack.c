@@ -31,15 +31,24 @@ static float src_scale_f32(const mq_moe_src *s, int64_t r, int64_t ng, int64_t g
 
 void mq_moe_pack_rb(const mq_moe_src *src, int64_t src_rows, int32_t cols, int32_t group, int nvfp4,
                     mq_moe_stype st, int64_t row0, uint8_t *dst) {
-    memset(dst, 0, mq_moe_rb_bytes(cols, group, st));
-    const uint8_t zero_code = nvfp4 ? 0 : 8;   /* the code of weight 0 (padding rows) */
+    /* the codes: column k of row l into byte (k / 8) * 32 + l * 4 + k % 4, its low nibble for
+     * k % 8 < 4, else its high one; cols is a multiple of 8 (of the group), so each group of 8
+     * codes of a row fills 4 bytes: its first four in the low nibbles, the next four shifted in
+     * (codes are 0..15: a word's shift moves no bit across bytes) */
+    memset(dst + (size_t)cols * 4, 0, mq_moe_rb_bytes(cols, group, st) - (size_t)cols * 4);
+    const uint32_t zero_word = nvfp4 ? 0 : 0x88888888u;   /* weight 0's codes (padding rows) */
     for (int l = 0; l < MQ_MOE_RB; l++) {
         const bool pad = row0 + l >= src_rows;
         const uint8_t *c = pad ? NULL : src->codes + (size_t)(row0 + l) * (size_t)cols;
-        for (int32_t k = 0; k < cols; k++) {
-            uint8_t v = pad ? zero_code : c[k];
-            uint8_t *byte = dst + (size_t)(k / 8) * 32 + (size_t)l * 4 + (size_t)(k % 4);
-            *byte |= (k % 8) < 4 ? v : (uint8_t)(v << 4);
+        uint8_t *d = dst + (size_t)l * 4;
+        for (int32_t k8 = 0; k8 < cols / 8; k8++) {
+            uint32_t w = zero_word, lo, hi;
+            if (!pad) {
+                memcpy(&lo, c + 8 * k8, 4);
+                memcpy(&hi, c + 8 * k8 + 4, 4);
+                w = lo | hi << 4;
+            }
+            memcpy(d + (size_t)k8 * 32, &w, 4);
         }
     }
     const int32_t ng = cols / group;
@@ -102,7 +111,16 @@ static moeq_status src_check(const mq_moe_src *s, int64_t rows, int32_t cols, in
     const int32_t ng = cols / group;
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *c = s->codes + r * cols;
-        for (int32_t k = 0; k < cols; k++)
+        /* the row's high nibbles first, 8 codes a word (cols is whole groups: a multiple of 8),
+         * then the first bad code's place only where there is one */
+        uint64_t high = 0;
+        for (int32_t k = 0; k + 8 <= cols; k += 8) {
+            uint64_t w;
+            memcpy(&w, c + k, 8);
+            high |= w;
+        }
+        for (int32_t k = cols / 8 * 8; k < cols; k++) high |= c[k];
+        for (int32_t k = 0; k < cols && (high & 0xF0F0F0F0F0F0F0F0ull); k++)
             if (c[k] > 15)
                 return mq_err(MOEQ_E_FORMAT, "%s: %s.codes: %srow %lld col %d: code %d > 15", what,
                               tensor, ex, (long long)(r + row_off), (int)k, c[k]);

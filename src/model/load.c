@@ -497,6 +497,26 @@ static moeq_status pack_linear(const mq_st *st, want *w, moeq_model *m, int *n_f
     return s;
 }
 
+/* The quantized tensors of a MoE layer's expert weights, read on the pool: q[i] from ws[i],
+ * status[i] its reading's. */
+typedef struct {
+    const mq_st *st;
+    want **ws;
+    mq_qtensor *q;
+    moeq_status *status;
+} read_job;
+
+static moeq_status read_one(const read_job *j, int64_t i) {
+    const want *w = j->ws[i];
+    return mq_layout_read(w->module, w->shape[0], w->shape[1], st_lookup, (void *)j->st, &j->q[i]);
+}
+
+static void read_task(void *ctx, int64_t i, int thread) {
+    (void)thread;
+    const read_job *j = ctx;
+    j->status[i] = read_one(j, i);
+}
+
 /* The routed experts (and shared expert) of MoE layer l, all packed into one moeq_moe_experts,
  * or all left for dequantization. ws: the layer's expert weight wants, [part * E + e] for routed
  * expert e, [3 * E + part] for the shared expert. */
@@ -523,12 +543,23 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
         return MOEQ_OK;
     }
     mq_qtensor *q = calloc((size_t)n, sizeof *q);
-    if (!q) return mq_err(MOEQ_E_NOMEM, "%s: out of memory", what);
+    moeq_status *rs = calloc((size_t)n, sizeof *rs);
+    if (!q || !rs) {
+        free(q);
+        free(rs);
+        return mq_err(MOEQ_E_NOMEM, "%s: out of memory", what);
+    }
+    /* every weight read on the pool: one by one on the calling thread, unpacking a layer's
+     * codes was a serial stretch of the load as long as the packing itself at 2 threads */
+    read_job rj = {st, ws, q, rs};
+    mq_parallel_for(n, read_task, &rj);
     moeq_status s = MOEQ_OK;
-    int n_read = 0;
-    for (; n_read < n && !s; n_read++)
-        s = mq_layout_read(ws[n_read]->module, ws[n_read]->shape[0], ws[n_read]->shape[1],
-                           st_lookup, (void *)st, &q[n_read]);
+    for (int i = 0; i < n && !s; i++)
+        if (rs[i]) {   /* the first failure in order, read again here for its message */
+            mq_qtensor_free(&q[i]);
+            s = read_one(&rj, i);
+        }
+    free(rs);
     if (!s) {
         const mq_qtensor *sh = n > 3 * E ? q + 3 * E : NULL;
         s = mq_moe_experts_from_qtensors(q, q + E, q + 2 * E, E, sh, sh ? sh + 1 : NULL,
@@ -543,7 +574,7 @@ static moeq_status pack_moe_layer(const mq_st *st, want **ws, int n, moeq_model 
             s = mq_pack_cache_put_experts(c, what, ly->pexperts);
         }
     }
-    for (int i = 0; i < n_read; i++) mq_qtensor_free(&q[i]);
+    for (int i = 0; i < n; i++) mq_qtensor_free(&q[i]);
     free(q);
     return s;
 }

@@ -5,7 +5,7 @@
  * one fma's latency), element i of a BF16 row into accumulator (i % 32) / 8, lane i % 8; Q8_0's
  * block b (element 8k + l of it into lane l) summed and then scaled into accumulator b % 4 by one
  * fma; the accumulators merged as (0 + 1) + (2 + 3), the lanes reduced as (l + l+4), (l + l+2),
- * (l + l+1).
+ * (l + l+1). Several rows and tokens (bf16_rows): each pair's dot product alone.
  */
 #include <math.h>
 
@@ -48,5 +48,11 @@ static float ref_dot_bf16(const uint8_t *row, const float *x, int64_t n) {
     return lanes_sum(t);
 }
 
-const mq_ggml_dot_kernels mq_ggml_dot_ref = {ref_dot_q8_0, ref_dot_bf16};
+static void ref_dot_bf16_rows(const uint8_t *const *rows, int64_t nr, const float *x, int64_t ldx,
+                              int64_t T, int64_t n, float *y, int64_t ldy) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t r = 0; r < nr; r++) y[t * ldy + r] = ref_dot_bf16(rows[r], x + t * ldx, n);
+}
+
+const mq_ggml_dot_kernels mq_ggml_dot_ref = {ref_dot_q8_0, ref_dot_bf16, ref_dot_bf16_rows};
 

@@ -32,7 +32,7 @@ INLINE float merge4(const __m256 *acc) {
     return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
-static float dot_q8_0(const uint8_t *row, const float *x, int64_t nb) {
+float mq_ggml_dot_q8_0_avx2(const uint8_t *row, const float *x, int64_t nb) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++, row += 34, x += 32) {
@@ -52,7 +52,7 @@ INLINE __m256 bf16x8(const uint8_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static float dot_bf16(const uint8_t *row, const float *x, int64_t n) {
+float mq_ggml_dot_bf16_avx2(const uint8_t *row, const float *x, int64_t n) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
     int64_t i = 0;
@@ -67,4 +67,10 @@ static float dot_bf16(const uint8_t *row, const float *x, int64_t n) {
     return merge4(acc);
 }
 
-const mq_ggml_dot_kernels mq_ggml_dot_avx2 = {dot_q8_0, dot_bf16};
+static void dot_bf16_rows(const uint8_t *const *rows, int64_t nr, const float *x, int64_t ldx, int64_t T,
+                          int64_t n, float *y, int64_t ldy) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t r = 0; r < nr; r++) y[t * ldy + r] = mq_ggml_dot_bf16_avx2(rows[r], x + t * ldx, n);
+}
+
+const mq_ggml_dot_kernels mq_ggml_dot_avx2 = {mq_ggml_dot_q8_0_avx2, mq_ggml_dot_bf16_avx2, dot_bf16_rows};
