@@ -769,6 +769,11 @@ typedef enum {
     MOEQ_QUANT_Q3_K_M = 8,
     MOEQ_QUANT_Q4_K_M = 9,
     MOEQ_QUANT_Q5_K_M = 10,
+    /* ... or llama.cpp's IQ4_NL and IQ4_XS file types (4-bit indices into a fixed non-uniform
+     * table; IQ4_NL blocks of 32 under an fp16 scale, IQ4_XS super-blocks of 256 with 6-bit
+     * sub-block scales; attn_v Q5_K where 4 or more query heads share a KV head, output Q6_K) */
+    MOEQ_QUANT_IQ4_NL = 11,
+    MOEQ_QUANT_IQ4_XS = 12,
 } moeq_quant_scheme;
 
 typedef enum { MOEQ_QUANT_RTN = 0, MOEQ_QUANT_GPTQ = 1 } moeq_quant_method;

@@ -9,7 +9,7 @@
 # llama.cpp snapshot, never part of this repository). Environment:
 #   MOEQ       moeq binary (default build/moeq)          SHARED   fixtures (default ../shared)
 #   MODELS     fixture models (default "olmoe-tiny qwen2moe-tiny llama-tiny")
-#   PRESETS    moeq schemes = llama.cpp file types (default "q4_k_m q3_k_m q5_k_m")
+#   PRESETS    moeq schemes = llama.cpp file types (default "q4_k_m q3_k_m q5_k_m"; also iq4_xs, iq4_nl)
 #   TARGET_BPW moeq --target-bpw runs compared with llama.cpp's Q4_K_M (default "4.5"; "" none)
 #   CHUNKS     llama-perplexity chunks of 512 tokens of wikitext (default 200; rounded down to a
 #              multiple of 4: its --kl-divergence stops without a result on a last batch of fewer

@@ -448,13 +448,14 @@ static void family(const char *model, const char *name, bool moe, bool nvfp4) {
 /* llama.cpp's K-quant files as moeq writes them (moeq_quantize --format gguf): q4_k_m is llama.cpp's
  * mixture (Q4_K, Q5_K for attn_output, Q6_K for some ffn_down and the output, Q8_0 for attn_k/v
  * of MoE models), q3_k, q5_k and q6_k one type for every Linear (a width that is no whole
- * number of 256-blocks falls back as llama.cpp's quantizer does). */
+ * number of 256-blocks falls back as llama.cpp's quantizer does), iq4_xs llama.cpp's IQ4_XS
+ * file (IQ4_NL where it falls back). */
 static void kquant_family(const char *model, const char *name) {
     static const struct {
         moeq_quant_scheme s;
         const char *tag;
     } kq[] = {{MOEQ_QUANT_Q4_K_M, "q4_k_m"}, {MOEQ_QUANT_Q3_K, "q3_k"}, {MOEQ_QUANT_Q5_K, "q5_k"},
-              {MOEQ_QUANT_Q6_K, "q6_k"}};
+              {MOEQ_QUANT_Q6_K, "q6_k"}, {MOEQ_QUANT_IQ4_XS, "iq4_xs"}};
     for (size_t i = 0; i < sizeof kq / sizeof kq[0]; i++) {
         char tag[64], file[1100];
         snprintf(tag, sizeof tag, "%s-%s", name, kq[i].tag);

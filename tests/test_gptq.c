@@ -355,8 +355,10 @@ static void check_against_reference(const mq_qspec *s, const mq_gptq_opts *o, in
     float *back = malloc((size_t)(N * K) * sizeof(float));
     mq_dequantize(&q, back);
     ASSERT_TRUE(memcmp(back, deq, (size_t)(N * K) * sizeof(float)) == 0);
-    /* (an asymmetric K-quant grid need not hold 0: its dead columns take the nearest value) */
-    const bool zero_on_grid = s->scheme != MQ_QS_KQUANT || mq_kq_info_of(s->kq)->zero >= 0;
+    /* (an asymmetric K-quant grid need not hold 0, nor IQ4's table, whose values nearest 0 are
+     * 1 and -10: their dead columns take the nearest value) */
+    const bool zero_on_grid = s->scheme != MQ_QS_KQUANT ||
+                              (mq_kq_info_of(s->kq)->zero >= 0 && !mq_kq_info_of(s->kq)->table);
     for (int i = 0; i < n_dead && zero_on_grid; i++)
         for (int64_t n = 0; n < N; n++) ASSERT_EQ_INT(0, deq[n * K + dead[i]] != 0.0f);
     if (s->scheme == MQ_QS_KQUANT) {   /* the codes GPTQ used are the file's: decode(blocks) == deq */

@@ -1,4 +1,4 @@
-/* K-quant codecs (formats/kquant.h): hand-made blocks of Q4_K, Q6_K, Q3_K and Q5_0 with every
+/* K-quant codecs (formats/kquant.h): hand-made blocks of Q4_K, Q6_K, Q3_K, Q5_0, IQ4_XS and IQ4_NL with every
  * byte and some values worked out by hand from ggml-common.h's layouts, pack/unpack round trips
  * of random blocks of every type decoded by io's independent decoders (gguf.c, ggml's
  * dequantize_row_* transcribed), and the scale search. */
@@ -146,6 +146,81 @@ static void test_q5_0_by_hand(void) {
     check_decodes(t, blk, &g, codes);
 }
 
+/* IQ4_XS: scales_l's nibbles (even sub-blocks low), scales_h's 2-bit pairs, the codes' nibbles
+ * (the first 16 values of a sub-block low) and values d * (ls - 32) * kvalues_iq4nl[code]. */
+static void test_iq4_xs_by_hand(void) {
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_IQ4_XS);
+    const int ls[8] = {0, 17, 33, 48, 63, 32, 1, 47};   /* stored; mult = ls - 32 */
+    int mult[8];
+    for (int j = 0; j < 8; j++) mult[j] = ls[j] - 32;
+    mq_gparams g[8];
+    groups_of(t, 0.5f, 0, mult, NULL, g);
+    uint8_t codes[256], blk[136];
+    for (int i = 0; i < 256; i++) codes[i] = i % 32 < 16 ? 3 : 12;
+    ASSERT_TRUE(mq_kq_pack_block(t, g, codes, blk));
+    /* d 0.5 = 0x3800; scales_h: pairs 0,1,2,3,3,2,0,2 from bit 0 = 0x8BE4; scales_l: low nibbles
+     * 0,1 | 1,0 | 15,0 | 1,15 */
+    const uint8_t head[8] = {0x00, 0x38, 0xE4, 0x8B, 0x10, 0x01, 0x0F, 0xF1};
+    for (int i = 0; i < 8; i++) ASSERT_EQ_HEX(head[i], blk[i]);
+    for (int k = 0; k < 128; k++) ASSERT_EQ_HEX(0xC3, blk[8 + k]);
+    float y[256];
+    ASSERT_OK(mq_ggml_dequantize(MQ_GGML_IQ4_XS, blk, 256, y));
+    ASSERT_NEAR(1040.0, y[0], 0);          /* 0.5 * -32 * -65 */
+    ASSERT_NEAR(-397.5, y[48], 0);         /* sub-block 1, second half: 0.5 * -15 * 53 */
+    ASSERT_NEAR(821.5, y[4 * 32 + 20], 0); /* 0.5 * 31 * 53 */
+    ASSERT_NEAR(0.0, y[5 * 32 + 3], 0);    /* ls 32: multiplier 0 */
+    ASSERT_NEAR(-487.5, y[7 * 32 + 1], 0);  /* 0.5 * 15 * -65 */
+    check_decodes(t, blk, g, codes);
+    mq_gparams g2[8];
+    uint8_t c2[256];
+    mq_kq_unpack_block(t, blk, g2, c2);
+    ASSERT_EQ_INT(0, memcmp(c2, codes, 256));
+    for (int j = 0; j < 8; j++) {
+        ASSERT_EQ_INT(ls[j], g2[j].scale_code);
+        ASSERT_NEAR(g[j].scale, g2[j].scale, 0);
+    }
+}
+
+/* IQ4_NL: Q4_0's nibble order with the table's values. */
+static void test_iq4_nl_by_hand(void) {
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_IQ4_NL);
+    mq_gparams g = {-0.25f, 0.0f, 1, 0};
+    uint8_t codes[32], blk[18];
+    for (int i = 0; i < 32; i++) codes[i] = (uint8_t)(i < 16 ? i : 31 - i);
+    ASSERT_TRUE(mq_kq_pack_block(t, &g, codes, blk));
+    ASSERT_EQ_HEX(0x00, blk[0]);
+    ASSERT_EQ_HEX(0xB4, blk[1]);   /* -0.25 = f16 0xB400 */
+    for (int j = 0; j < 16; j++) ASSERT_EQ_HEX(j | (15 - j) << 4, blk[2 + j]);
+    float y[32];
+    ASSERT_OK(mq_ggml_dequantize(MQ_GGML_IQ4_NL, blk, 32, y));
+    ASSERT_NEAR(31.75, y[0], 0);    /* -0.25 * -127 */
+    ASSERT_NEAR(-28.25, y[16], 0);  /* -0.25 * 113 */
+    ASSERT_NEAR(-9.5, y[20], 0);    /* code 11: -0.25 * 38 */
+    check_decodes(t, blk, &g, codes);
+}
+
+/* Rounding to the table: the nearest value of x / step, a tie to the lower, clamped at the ends,
+ * negative steps mirrored, step 0 the code of value 1 (nearest 0). */
+static void test_iq4_rounding(void) {
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_IQ4_NL);
+    const float x[8] = {0.0f, -4.5f, 200.0f, -115.5f, 100.0f, -300.0f, 13.2f, 101.5f};
+    const uint8_t want[8] = {8, 7, 15, 0, 14, 0, 9, 15};
+    uint8_t c[8];
+    float dq[8];
+    mq_kq_qdq(t, 1.0f, 0.0f, x, 8, c, dq);
+    for (int i = 0; i < 8; i++) {
+        ASSERT_EQ_INT(want[i], c[i]);
+        ASSERT_NEAR((double)mq_kq_iq4_table[want[i]], dq[i], 0);
+    }
+    const float y = 20.0f;
+    mq_kq_qdq(t, -2.0f, 0.0f, &y, 1, c, dq);
+    ASSERT_EQ_INT(7, c[0]);   /* 20 / -2 = -10 */
+    ASSERT_NEAR(20.0, dq[0], 0);
+    mq_kq_qdq(t, 0.0f, 0.0f, &y, 1, c, dq);
+    ASSERT_EQ_INT(8, c[0]);
+    ASSERT_NEAR(0.0, dq[0], 0);
+}
+
 /* Random fp16 scales, multipliers and codes of every type: pack -> the same groups and codes
  * unpacked, and ggml's decoder gives the codec's values. */
 static void test_random_round_trips(void) {
@@ -209,7 +284,7 @@ static double sse(const float *a, const float *b, int n, const float *w) {
  * worse than ggml's one-shot rounding (up to the grid's own multiplier 1 not being exactly 1),
  * weights move the error where they are large, and bits per weight are the layouts'. */
 static void test_fit(void) {
-    const double bpw[MQ_KQ_COUNT] = {3.4375, 4.5, 5.5, 6.5625, 5.5, 6.0, 8.5, 4.5};
+    const double bpw[MQ_KQ_COUNT] = {3.4375, 4.5, 5.5, 6.5625, 5.5, 6.0, 8.5, 4.5, 4.5, 4.25};
     for (int ty = 0; ty < MQ_KQ_COUNT; ty++) {
         const mq_kq_info *t = mq_kq_info_of((mq_kq_type)ty);
         ASSERT_NEAR(bpw[ty], mq_kq_bpw((mq_kq_type)ty), 0);
@@ -328,6 +403,7 @@ static void test_sse_twin(void) {
     static double a[NC + 8], b[NC + 8];
     for (int tr = 0; tr < 800; tr++) {
         const mq_kq_info *t = mq_kq_info_of((mq_kq_type)(tr % MQ_KQ_COUNT));
+        if (t->table) continue;   /* the table types are scored by the reference alone */
         const int nc = 1 + (tr * 7) % NC, n = 1 + tr % 64, stride = 1 + tr % 3;
         for (int i = 0; i < n * stride; i++) x[i] = rnd_gauss() * 0.02f * (i % 13 == 0 ? 8.0f : 1.0f);
         for (int i = 0; i < n; i++) w[i] = (float)(rnd_u32() % 1000) / 250.0f;
@@ -451,6 +527,7 @@ static void test_fit_simd_same(void) {
 }
 
 TEST_MAIN(T(test_q4_k_by_hand), T(test_q6_k_by_hand), T(test_q3_k_by_hand), T(test_q5_0_by_hand),
+          T(test_iq4_xs_by_hand), T(test_iq4_nl_by_hand), T(test_iq4_rounding),
           T(test_random_round_trips), T(test_pack_refuses), T(test_fit), T(test_names), T(test_q8_k_activations),
           T(test_sse_twin), T(test_asym_trials_twin),
           T(test_sym_trials_twin), T(test_fit_simd_same))

@@ -44,6 +44,7 @@ typedef struct {
     /* chosen types (--target-bpw): [n_layers][MQ_GCAT_COUNT], then token_embd and output; a
      * type, or -1 where the rules decide. NULL: the rules alone */
     const int8_t *table;
+    int n_gqa;             /* query heads per KV head (llama.cpp's n_gqa) */
 } mq_gguf_recipe;
 
 /* A recipe for the model of config.json (what: its path for messages): its layers, experts and

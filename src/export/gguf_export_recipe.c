@@ -9,9 +9,11 @@
  *            use_more_bits
  *   attn_output  8 experts: Q5_K for Q3_K_M and Q4_K_M; else Q4_K for Q3_K_M
  *   attn_v, attn_k  8 experts: Q8_0 (every file type)
+ *   IQ4_NL, IQ4_XS (llama.cpp's rules with an importance matrix, which moeq's GPTQ stands for):
+ *            attn_v Q5_K where n_head / n_head_kv >= 4; attn_output Q5_K with 8 experts
  * use_more_bits(i, n) = i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2; then llama.cpp's shape
  * fallback where a row is no whole number of the type's blocks (Q3_K -> Q4_0, Q4_K -> Q5_0,
- * Q5_K -> Q5_1, Q6_K -> Q8_0; F16 where not even 32 divides it). --target-bpw replaces the rules
+ * Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; F16 where not even 32 divides it). --target-bpw replaces the rules
  * by a table of chosen types (pipeline/kquant_budget.c).
  */
 #include <stdio.h>
@@ -25,7 +27,7 @@ moeq_status mq_gguf_recipe_init(mq_gguf_recipe *r, const cJSON *config, const ch
     arch_cfg a;
     moeq_status s = mq_gguf_read_arch(config, what, &a);
     if (s) return s;
-    *r = (mq_gguf_recipe){base, mixture, (int)a.L, (int)a.E, a.tie, NULL};
+    *r = (mq_gguf_recipe){base, mixture, (int)a.L, (int)a.E, a.tie, NULL, a.KV > 0 ? (int)(a.H / a.KV) : 1};
     return MOEQ_OK;
 }
 
@@ -63,6 +65,7 @@ static bool use_more_bits(int i, int n) { return i < n / 8 || i >= 7 * n / 8 || 
 static mq_kq_type mixture(const mq_gguf_recipe *r, mq_gguf_cat cat, int layer) {
     const mq_kq_type b = r->base;
     const bool k3 = b == MQ_KQ_Q3_K, k4 = b == MQ_KQ_Q4_K, k5 = b == MQ_KQ_Q5_K;
+    const bool iq4 = b == MQ_KQ_IQ4_NL || b == MQ_KQ_IQ4_XS;
     const bool eight = r->n_experts == 8;
     switch (cat) {
     case MQ_GCAT_OUTPUT: return MQ_KQ_Q6_K;
@@ -70,6 +73,7 @@ static mq_kq_type mixture(const mq_gguf_recipe *r, mq_gguf_cat cat, int layer) {
     case MQ_GCAT_ATTN_V:
         if (eight) return MQ_KQ_Q8_0;   /* "bumping this to Q8_0 trades just ~128MB" */
         if (k3) return layer < 2 ? MQ_KQ_Q5_K : MQ_KQ_Q4_K;
+        if (iq4 && r->n_gqa >= 4) return MQ_KQ_Q5_K;
         if ((k4 || k5) && use_more_bits(layer, r->n_layers)) return MQ_KQ_Q6_K;
         return b;
     case MQ_GCAT_ATTN_K: return eight ? MQ_KQ_Q8_0 : b;
@@ -78,7 +82,7 @@ static mq_kq_type mixture(const mq_gguf_recipe *r, mq_gguf_cat cat, int layer) {
         if ((k4 || k5) && use_more_bits(layer, r->n_layers)) return MQ_KQ_Q6_K;
         return b;
     case MQ_GCAT_ATTN_OUTPUT:
-        if (eight) return k3 || k4 ? MQ_KQ_Q5_K : b;
+        if (eight) return k3 || k4 || iq4 ? MQ_KQ_Q5_K : b;
         return k3 ? MQ_KQ_Q4_K : b;
     default: return b;
     }
@@ -105,6 +109,7 @@ int mq_gguf_fallback(int t, int64_t cols) {
         case MQ_KQ_Q4_K: t = MQ_KQ_Q5_0; break;
         case MQ_KQ_Q5_K: t = MQ_KQ_Q5_1; break;
         case MQ_KQ_Q6_K: t = MQ_KQ_Q8_0; break;
+        case MQ_KQ_IQ4_XS: t = MQ_KQ_IQ4_NL; break;
         default: break;
         }
         if (cols % 32) return -1;   /* llama.cpp: F16 */
@@ -119,6 +124,8 @@ uint32_t mq_gguf_recipe_ftype(const mq_gguf_recipe *r) {
     case MQ_KQ_Q4_K: return r->mixture ? 15 : 14;
     case MQ_KQ_Q5_K: return r->mixture ? 17 : 16;
     case MQ_KQ_Q6_K: return 18;
+    case MQ_KQ_IQ4_NL: return 25;   /* IQ4_NL and IQ4_XS: only mixtures in llama.cpp */
+    case MQ_KQ_IQ4_XS: return 30;
     default: return 1024;
     }
 }

@@ -54,10 +54,11 @@ float mq_round_to_dtype(float x, moeq_dtype dt);
 typedef enum { MQ_QS_NONE = 0, MQ_QS_NVFP4, MQ_QS_INT4, MQ_QS_MXFP4, MQ_QS_KQUANT } mq_qscheme;
 /* The block types of MQ_QS_KQUANT: the K-quants and the 32-value types llama.cpp falls back to
  * where a row is no whole number of 256-value blocks (Q4_0 is Q3_K's; moeq's INT4 scheme writes
- * Q4_0 too, with its own scale conventions). */
+ * Q4_0 too, with its own scale conventions), and the non-uniform IQ4_XS (256-value blocks) and
+ * its fallback IQ4_NL (32). */
 typedef enum {
     MQ_KQ_Q3_K = 0, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q5_0, MQ_KQ_Q5_1, MQ_KQ_Q8_0,
-    MQ_KQ_Q4_0, MQ_KQ_COUNT
+    MQ_KQ_Q4_0, MQ_KQ_IQ4_NL, MQ_KQ_IQ4_XS, MQ_KQ_COUNT
 } mq_kq_type;
 typedef enum { MQ_NVFP4_CT = 0, MQ_NVFP4_MUL } mq_nvfp4_conv;
 

@@ -18,6 +18,9 @@
 #include "formats/kquant.h"
 #include "formats/cpu/simd.h"
 
+const int8_t mq_kq_iq4_table[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                    1,    13,   25,  38,  53,  69,  89,  113};
+
 static const mq_kq_info k_info[MQ_KQ_COUNT] = {
     /* name, ggml, block, sub, bytes, qmin, qmax, zero, mult_lo, mult_hi, min_hi */
     [MQ_KQ_Q3_K] = {"q3_K", 11, 256, 16, 110, 0, 7, 4, -32, 31, 0},
@@ -28,6 +31,8 @@ static const mq_kq_info k_info[MQ_KQ_COUNT] = {
     [MQ_KQ_Q5_1] = {"q5_1", 7, 32, 32, 24, 0, 31, -1, 0, 0, 0},
     [MQ_KQ_Q8_0] = {"q8_0", 8, 32, 32, 34, 1, 255, 128, 0, 0, 0},
     [MQ_KQ_Q4_0] = {"q4_0", 2, 32, 32, 18, 0, 15, 8, 0, 0, 0},
+    [MQ_KQ_IQ4_NL] = {"iq4_nl", 20, 32, 32, 18, 0, 15, 0, 0, 0, 0, mq_kq_iq4_table},
+    [MQ_KQ_IQ4_XS] = {"iq4_xs", 23, 256, 32, 136, 0, 15, 0, -32, 31, 0, mq_kq_iq4_table},
 };
 
 const mq_kq_info *mq_kq_info_of(mq_kq_type t) {
@@ -85,7 +90,20 @@ static inline uint8_t mult_code(const mq_kq_info *t, int mult) {
 
 /* ---- rounding ------------------------------------------------------------------------------- */
 
+/* The index of the table value nearest v (16 ascending values; a tie between two goes to the
+ * lower): the number of midpoints between neighbours that v exceeds. NaN: 0. */
+static inline uint8_t nearest_in_table(const int8_t *tab, float v) {
+    int lo = 0, hi = 15;   /* the midpoints below v are a prefix: bisect for its length */
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (v > 0.5f * (float)(tab[mid] + tab[mid + 1])) lo = mid + 1;
+        else hi = mid;
+    }
+    return (uint8_t)lo;
+}
+
 static inline uint8_t round_code(const mq_kq_info *t, float step, float off, float x) {
+    if (t->table) return step == 0.0f ? nearest_in_table(t->table, 0.0f) : nearest_in_table(t->table, x / step);
     if (step == 0.0f) return (uint8_t)(t->zero < 0 ? t->qmin : t->zero);
     float q = t->zero < 0 ? rintf((x + off) / step) : rintf(x / step) + (float)t->zero;
     q = q < (float)t->qmin ? (float)t->qmin : q > (float)t->qmax ? (float)t->qmax : q;
@@ -136,7 +154,7 @@ enum { KQ_CAND = 256 };
 static void score(const mq_kq_info *t, float *step, float *off, int nc, const float *x, int64_t n,
                   int64_t stride, const float *w, double *sse) {
 #if defined(__x86_64__)
-    if (nc > 0 && mq_cpu_has_avx2_fma() && !mq_force_ref()) {
+    if (nc > 0 && !t->table && mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         for (int k = nc; k % 8; k++) {   /* padding lanes: any valid grid */
             step[k] = step[0];
             off[k] = off[0];
@@ -281,6 +299,47 @@ static float fit_sym(const float *x, int64_t st, const float *w, int n, int nmax
     return any ? scale : -max / (float)nmax;
 }
 
+/* A table type's sub-block: the step s of the grid s * table[l] with the largest weighted
+ * sum(x t)^2 / sum(t^2) (t the table values of the nearest codes; the least squared error for
+ * those codes, at s = sum(x t) / sum(t^2)) among the trials that put the value of largest
+ * magnitude, max, near either end of the table: s = max / (e + k), e = table[0] or table[15],
+ * k = -TAB_TRIALS .. TAB_TRIALS. The table is lopsided (-127 .. 113), so which end the block's
+ * largest value takes is part of the fit. 0 for an all-zero sub-block. */
+enum { TAB_TRIALS = 8 };
+static float fit_table(const int8_t *tab, const float *x, int64_t st, const float *w, int n) {
+    float amax = 0, max = 0;
+    for (int i = 0; i < n; i++) {
+        const float a = fabsf(x[i * st]);
+        if (a > amax) amax = a, max = x[i * st];
+    }
+    if (amax < 1e-15f) return 0.0f;
+    float scale = 0, best = -1;
+    for (int e = 0; e < 2; e++)
+        for (int k = -TAB_TRIALS; k <= TAB_TRIALS; k++) {
+            const float s = max / ((float)(e ? tab[15] : tab[0]) + (float)k), is = 1.0f / s;
+            float sxt = 0, stt = 0;
+            for (int i = 0; i < n; i++) {
+                const float v = x[i * st], wi = w ? w[i] : 1.0f, tv = (float)tab[nearest_in_table(tab, v * is)];
+                sxt += wi * v * tv;
+                stt += wi * tv * tv;
+            }
+            if (stt > 0 && sxt * sxt > best * stt) {
+                best = sxt * sxt / stt;
+                scale = sxt / stt;
+            }
+        }
+    return best >= 0 ? scale : max / (float)tab[0];
+}
+
+/* One sub-block's continuous fit by its type's family: the step and (asymmetric) the offset. */
+static void fit_sub_cont(const mq_kq_info *t, const float *x, int64_t st, const float *w, int n, float *scale,
+                         float *off) {
+    *off = 0.0f;
+    if (t->table) *scale = fit_table(t->table, x, st, w, n);
+    else if (t->zero < 0) fit_asym(x, st, w, n, t->qmax, true, scale, off);
+    else *scale = fit_sym(x, st, w, n, t->zero);
+}
+
 /* ---- the block's super-scales ---------------------------------------------------------------- */
 
 static inline float f16r(float v) { return mq_f16_to_f32(mq_f32_to_f16(v)); }
@@ -419,7 +478,9 @@ static void queue_push(pair_queue *q, float d, float dmin) {
 static void fit_single(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t st,
                        const float *w, mq_gparams *g) {
     float d0, m0 = 0;
-    if (t->zero >= 0) {
+    if (t->table) {
+        d0 = fit_table(t->table, x, st, w, t->block);
+    } else if (t->zero >= 0) {
         float amax = 0, max = 0;
         for (int i = 0; i < t->block; i++) {
             const float a = fabsf(x[i * st]);
@@ -476,17 +537,16 @@ void mq_kq_fit_block_d(const mq_kq_info *t, const mq_qspec *s, const float *x, i
     for (int j = 0; j < nsub; j++) {
         const float *xj = x + (int64_t)j * t->sub * stride;
         const float *wj = w ? w + j * t->sub : NULL;
+        fit_sub_cont(t, xj, stride, wj, t->sub, &scale[j], &off[j]);
         if (asym) {
-            fit_asym(xj, stride, wj, t->sub, t->qmax, true, &scale[j], &off[j]);
             top = scale[j] > top ? scale[j] : top;
             top_min = off[j] > top_min ? off[j] : top_min;
-        } else {
-            scale[j] = fit_sym(xj, stride, wj, t->sub, t->zero);
-            if (fabsf(scale[j]) > fabsf(top)) top = scale[j];
+        } else if (fabsf(scale[j]) > fabsf(top)) {
+            top = scale[j];
         }
     }
     /* ggml: d = max / 63 and dmin = max min / 63 (Q4_K, Q5_K), or the largest-magnitude scale
-     * over -128 (Q6_K) or -32 (Q3_K), which gets that multiplier */
+     * over -128 (Q6_K) or -32 (Q3_K, IQ4_XS), which gets that multiplier */
     const float d0 = asym ? top / (float)t->mult_hi : top / (float)t->mult_lo;
     const float m0 = asym ? f16r(top_min / (float)t->min_hi) : 0.0f;
     const int nd = s->mse ? s->mse_steps : 1, radius = s->mse ? 1 : 0;
@@ -525,9 +585,8 @@ void mq_kq_fit_block_d(const mq_kq_info *t, const mq_qspec *s, const float *x, i
 
 void mq_kq_fit_sub(const mq_kq_info *t, const mq_qspec *s, const float *x, int64_t stride,
                    const float *w, float d, float dmin, mq_gparams *g) {
-    float scale, off = 0.0f;
-    if (t->zero < 0) fit_asym(x, stride, w, t->sub, t->qmax, true, &scale, &off);
-    else scale = fit_sym(x, stride, w, t->sub, t->zero);
+    float scale, off;
+    fit_sub_cont(t, x, stride, w, t->sub, &scale, &off);
     const block_search bs = {t, x, w, stride, &scale, &off, 1, s->mse ? 2 : 0};
     double best = INFINITY;
     search_pairs(&bs, &d, &dmin, 1, &best, g);
@@ -700,7 +759,21 @@ bool mq_kq_pack_block(const mq_kq_info *t, const mq_gparams *g, const uint8_t *c
         for (int j = 0; j < 16; j++) blk[o + 4 + j] = (uint8_t)((c[j] & 0xF) | (c[j + 16] & 0xF) << 4);
         return true;
     }
-    case 2:   /* Q4_0 */
+    case 23: {   /* IQ4_XS */
+        wr16(blk, d);
+        uint16_t sh = 0;
+        memset(blk + 4, 0, 4);
+        for (int j = 0; j < 8; j++) {
+            blk[4 + j / 2] |= (uint8_t)((sc[j] & 0xF) << (4 * (j % 2)));
+            sh |= (uint16_t)((sc[j] >> 4) << (2 * j));
+        }
+        wr16(blk + 2, sh);
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < 16; i++)
+                blk[8 + 16 * j + i] = (uint8_t)((c[32 * j + i] & 0xF) | (c[32 * j + i + 16] & 0xF) << 4);
+        return true;
+    }
+    case 2: case 20:   /* Q4_0, IQ4_NL */
         wr16(blk, d);
         for (int j = 0; j < 16; j++) blk[2 + j] = (uint8_t)((c[j] & 0xF) | (c[j + 16] & 0xF) << 4);
         return true;
@@ -765,7 +838,20 @@ void mq_kq_unpack_block(const mq_kq_info *t, const uint8_t *blk, mq_gparams *g, 
         }
         return;
     }
-    case 2: {
+    case 23: {
+        const float d = mq_f16_to_f32(rd16(blk));
+        const uint16_t sh = rd16(blk + 2);
+        for (int j = 0; j < 8; j++) {
+            const uint8_t ls = (uint8_t)(((blk[4 + j / 2] >> (4 * (j % 2))) & 0xF) | ((sh >> (2 * j)) & 3) << 4);
+            g[j] = (mq_gparams){d * (float)((int)ls - 32), 0.0f, ls, 0};
+            for (int i = 0; i < 16; i++) {
+                c[32 * j + i] = blk[8 + 16 * j + i] & 0xF;
+                c[32 * j + i + 16] = blk[8 + 16 * j + i] >> 4;
+            }
+        }
+        return;
+    }
+    case 2: case 20: {
         g[0] = (mq_gparams){mq_f16_to_f32(rd16(blk)), 0.0f, 1, 0};
         for (int j = 0; j < 16; j++) {
             c[j] = blk[2 + j] & 0xF;

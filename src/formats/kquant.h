@@ -36,6 +36,14 @@
  *   Q5_1  24 B: d m qh[4] qs[16]: as Q5_0, value code * d + m.
  *   Q8_0  34 B: d qs[32] int8; code - 128 (codes 1..255: int8 -127..127 as ggml's quantizer).
  *   Q4_0  18 B: d qs[16]: value j < 16 low nibble of qs[j], j >= 16 high nibble; code - 8.
+ *
+ * The non-uniform types: a code is an index into the 16 integers of mq_kq_iq4_table (ggml's
+ * kvalues_iq4nl), value step * table[code] (ggml: dl * kvalues_iq4nl[q], dl = d * (ls - 32) or d):
+ *   IQ4_NL 18 B: d qs[16], the nibbles as Q4_0's.
+ *   IQ4_XS 136 B: d scales_h(u16) scales_l[4] qs[128]. 8 sub-blocks of 32: the 6-bit stored
+ *        scale ls of sub-block j has its low 4 bits in scales_l[j/2] (low nibble for even j) and
+ *        its high 2 in scales_h bits 2j; mult = ls - 32 (as Q3_K: .scale_code = ls). Value i of
+ *        sub-block j: qs[16j + i%16], low nibble for i < 16.
  */
 #ifndef MOEQ_FORMATS_KQUANT_H
 #define MOEQ_FORMATS_KQUANT_H
@@ -52,7 +60,11 @@ typedef struct {
     int zero;               /* symmetric: value = step * (code - zero); -1: asymmetric */
     int mult_lo, mult_hi;   /* sub-scale multipliers (mult = 0 unused: no sub-scales) */
     int min_hi;             /* largest min multiplier (Q4_K/Q5_K 63; 0: none) */
+    const int8_t *table;    /* IQ4: the value of each code (qmax + 1 ascending); NULL: uniform */
 } mq_kq_info;
+
+/* ggml's kvalues_iq4nl: the 16 values of the IQ4_NL / IQ4_XS codes, ascending. */
+extern const int8_t mq_kq_iq4_table[16];
 
 const mq_kq_info *mq_kq_info_of(mq_kq_type t);
 /* mq_qspec_default(MQ_QS_KQUANT) for type t (group_size its sub-block; no MSE search). */
@@ -71,11 +83,13 @@ int mq_kq_mult(const mq_kq_info *t, uint8_t scale_code);
 
 /* Value of one code in a sub-block with params g (the dequantization's operations). */
 static inline float mq_kq_value(const mq_kq_info *t, const mq_gparams *g, uint8_t code) {
+    if (t->table) return g->scale * (float)t->table[code];
     return t->zero < 0 ? g->scale * (float)code - g->zero : g->scale * (float)((int)code - t->zero);
 }
 
 /* Round n values to the grid of a sub-block with step `step` and offset `off` (the nearest code,
- * ties to even, clamped to qmin..qmax; step 0: the code of the value 0 or -off). code and dq may be
+ * ties to even, clamped to qmin..qmax; step 0: the code of the value 0 or -off; a table type:
+ * the code whose table value is nearest x / step, a tie to the lower). code and dq may be
  * NULL. Per value a step and offset (GPTQ's column: one row each): mq_kq_qdq_column. */
 void mq_kq_qdq(const mq_kq_info *t, float step, float off, const float *x, int64_t n,
                uint8_t *code, float *dq);
@@ -85,7 +99,8 @@ void mq_kq_qdq_column(const mq_kq_info *t, const float *step, const float *off, 
 /* The scales of one block of t->block values x[i * stride] (w: t->block non-negative weights of
  * the squared error, contiguous; NULL: plain squared error) into g[0 .. block/sub): each
  * sub-block's step and offset fitted by weighted least squares over a grid of trial scales (as
- * ggml's make_qkx2_quants / make_qx_quants), then the fp16 super-scales and the integer
+ * ggml's make_qkx2_quants / make_qx_quants; a table type: trials that put the largest value near
+ * either end of the table, each refitted for its nearest codes), then the fp16 super-scales and the integer
  * sub-scales: with s->mse the super-scale searched over the spec's grid (mse_lo .. mse_hi times
  * the max-based one, mse_steps points) and each sub-block's multipliers among the neighbours of
  * their rounded values, each candidate scored by the weighted squared error of the values

@@ -46,6 +46,7 @@ static const type_row type_rows[] = {
     {MQ_GGML_Q8_0, "q8_0", 32, 34},   {MQ_GGML_Q3_K, "q3_K", 256, 110},
     {MQ_GGML_Q4_K, "q4_K", 256, 144},
     {MQ_GGML_Q5_K, "q5_K", 256, 176}, {MQ_GGML_Q6_K, "q6_K", 256, 210},
+    {MQ_GGML_IQ4_NL, "iq4_nl", 32, 18}, {MQ_GGML_IQ4_XS, "iq4_xs", 256, 136},
     {MQ_GGML_BF16, "bf16", 1, 2},     {MQ_GGML_NVFP4, "nvfp4", 64, 36},
 };
 
@@ -463,6 +464,27 @@ static void k_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *mn) {
     }
 }
 
+/* IQ4_NL and IQ4_XS: 4-bit indices into ggml's kvalues_iq4nl, 32 values per scale. */
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* 32 values of scale dl from 16 bytes: low nibbles the first 16, high nibbles the next. */
+static void dec_iq4_32(const uint8_t *qs, float dl, float *y) {
+    for (int j = 0; j < 16; j++) {
+        y[j] = dl * (float)iq4_values[qs[j] & 0xF];
+        y[j + 16] = dl * (float)iq4_values[qs[j] >> 4];
+    }
+}
+
+/* IQ4_XS: d, scales_h (u16, 2 bits per sub-block), scales_l[4] (a nibble each), qs[128]. */
+static void dec_iq4_xs(const uint8_t *b, float *y) {
+    const float d = mq_f16_to_f32(rd16(b));
+    const uint16_t sh = rd16(b + 2);
+    for (int j = 0; j < 8; j++) {
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | ((sh >> (2 * j)) & 3) << 4;
+        dec_iq4_32(b + 8 + 16 * j, d * (float)(ls - 32), y + 32 * j);
+    }
+}
+
 static void dec_q4_0(const uint8_t *b, float *y) {
     float d = mq_f16_to_f32(rd16(b));
     for (int j = 0; j < 16; j++) {
@@ -614,6 +636,8 @@ moeq_status mq_ggml_dequantize(uint32_t type, const void *src, int64_t n, float 
         case MQ_GGML_Q5_K: dec_q5_k(p, dst); break;
         case MQ_GGML_Q6_K: dec_q6_k(p, dst); break;
         case MQ_GGML_NVFP4: dec_nvfp4(p, dst); break;
+        case MQ_GGML_IQ4_NL: dec_iq4_32(p + 2, mq_f16_to_f32(rd16(p)), dst); break;
+        case MQ_GGML_IQ4_XS: dec_iq4_xs(p, dst); break;
         }
     }
     return MOEQ_OK;

@@ -46,7 +46,7 @@ typedef enum {
 typedef enum {
     MQ_GGML_F32 = 0, MQ_GGML_F16 = 1, MQ_GGML_Q4_0 = 2, MQ_GGML_Q4_1 = 3, MQ_GGML_Q5_0 = 6,
     MQ_GGML_Q5_1 = 7, MQ_GGML_Q8_0 = 8, MQ_GGML_Q3_K = 11, MQ_GGML_Q4_K = 12, MQ_GGML_Q5_K = 13,
-    MQ_GGML_Q6_K = 14, MQ_GGML_BF16 = 30,
+    MQ_GGML_Q6_K = 14, MQ_GGML_IQ4_NL = 20, MQ_GGML_IQ4_XS = 23, MQ_GGML_BF16 = 30,
     MQ_GGML_NVFP4 = 40,
 } mq_ggml_type;
 

@@ -30,7 +30,7 @@ bool mq_ggml_mat_type_ok(uint32_t type, int64_t *block, size_t *block_bytes) {
     case MQ_GM_Q4_1: b = 32, bb = 20; break;
     case MQ_GM_NVFP4: b = 64, bb = 36; break;
     case MQ_GM_Q5_0: case MQ_GM_Q5_1: case MQ_GM_Q3_K: case MQ_GM_Q4_K: case MQ_GM_Q5_K:
-    case MQ_GM_Q6_K: {
+    case MQ_GM_Q6_K: case MQ_GM_IQ4_NL: case MQ_GM_IQ4_XS: {
         mq_kq_type k;
         if (!mq_kq_of_ggml(type, &k)) return false;
         b = mq_kq_info_of(k)->block, bb = (size_t)mq_kq_info_of(k)->bytes;

@@ -29,6 +29,7 @@
 enum {
     MQ_GM_F32 = 0, MQ_GM_F16 = 1, MQ_GM_Q4_0 = 2, MQ_GM_Q4_1 = 3, MQ_GM_Q5_0 = 6, MQ_GM_Q5_1 = 7,
     MQ_GM_Q8_0 = 8, MQ_GM_Q3_K = 11, MQ_GM_Q4_K = 12, MQ_GM_Q5_K = 13, MQ_GM_Q6_K = 14,
+    MQ_GM_IQ4_NL = 20, MQ_GM_IQ4_XS = 23,
     MQ_GM_BF16 = 30, MQ_GM_NVFP4 = 40,
 };
 

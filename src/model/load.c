@@ -819,14 +819,15 @@ static moeq_status gguf_types(const moeq_model *m, cJSON **out) {
 }
 
 /* The activations llama.cpp's CPU backend gives a matmul with a weight of this ggml type (its
- * vec_dot_type): Q8_0 for Q4_0, Q5_0, NVFP4 and Q8_0; Q8_1 (the same values plus a block sum)
- * for Q4_1 and Q5_1; Q8_K for the K-quants; F16/BF16 weights their own type and F32 fp32, both
+ * vec_dot_type): Q8_0 for Q4_0, Q5_0, NVFP4, IQ4_NL and Q8_0; Q8_1 (the same values plus a block
+ * sum) for Q4_1 and Q5_1; Q8_K for the K-quants and IQ4_XS; F16/BF16 weights their own type and F32 fp32, both
  * left as they are (MQ_ACTQ_NONE). */
 static uint8_t act_kind(const char *v) {
     if (!strcmp(v, "q4_0") || !strcmp(v, "q4_1") || !strcmp(v, "q5_0") || !strcmp(v, "q5_1") ||
-        !strcmp(v, "q8_0") || !strcmp(v, "nvfp4"))
+        !strcmp(v, "q8_0") || !strcmp(v, "nvfp4") || !strcmp(v, "iq4_nl"))
         return MQ_ACTQ_MODEL;
-    if (!strcmp(v, "q3_K") || !strcmp(v, "q4_K") || !strcmp(v, "q5_K") || !strcmp(v, "q6_K"))
+    if (!strcmp(v, "q3_K") || !strcmp(v, "q4_K") || !strcmp(v, "q5_K") || !strcmp(v, "q6_K") ||
+        !strcmp(v, "iq4_xs"))
         return MQ_ACTQ_Q8_K;
     return MQ_ACTQ_NONE;
 }

@@ -98,7 +98,7 @@ static moeq_status check_gptq(const moeq_quant_options *o) {
 static moeq_status check_options(const moeq_quant_options *o) {
     if (o->scheme == MOEQ_QUANT_SCHEME_UNSET)
         return BAD("scheme is required (MOEQ_QUANT_NVFP4, MOEQ_QUANT_NVFP4A16 or MOEQ_QUANT_INT4)");
-    if (o->scheme < MOEQ_QUANT_NVFP4 || o->scheme > MOEQ_QUANT_Q5_K_M)
+    if (o->scheme < MOEQ_QUANT_NVFP4 || o->scheme > MOEQ_QUANT_IQ4_XS)
         return BAD("scheme: unknown value %d", (int)o->scheme);
     const bool kq = o->scheme >= MOEQ_QUANT_Q3_K;
     if (kq && o->format != MOEQ_FORMAT_GGUF)
@@ -209,8 +209,8 @@ void mq_pipeline_opts_from(const moeq_quant_options *po, mq_pipeline_opts *o) {
     bool nv = !kq && po->scheme != MOEQ_QUANT_INT4;
     mq_pipeline_opts_init(o, kq ? MQ_QS_KQUANT : nv ? MQ_QS_NVFP4 : MQ_QS_INT4, fmt);
     if (kq) {   /* the base type of the K-quant scheme and whether llama.cpp's mixture applies */
-        static const mq_kq_type base[7] = {MQ_KQ_Q3_K, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K,
-                                           MQ_KQ_Q3_K, MQ_KQ_Q4_K, MQ_KQ_Q5_K};
+        static const mq_kq_type base[9] = {MQ_KQ_Q3_K, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q3_K,
+                                           MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_IQ4_NL, MQ_KQ_IQ4_XS};
         o->spec = mq_kq_spec(base[po->scheme - MOEQ_QUANT_Q3_K]);
         o->kq_mixture = po->scheme >= MOEQ_QUANT_Q3_K_M || po->scheme == MOEQ_QUANT_Q6_K;
         o->target_bpw = po->target_bpw;

@@ -21,8 +21,11 @@
  *
  * Choice: a multiple-choice knapsack by its Lagrangian greedy: every group at its cheapest type,
  * then the upgrade with the largest loss removed per added bit, one at a time, while it fits the
- * budget. token_embd and output keep the file type's rules (output Q6_K: its error is in the
- * logits, another unit) and count in the budget, as do the F32 norms and routers.
+ * budget. The output (or a tied token_embd) is one more group (head_losses says how its errors
+ * are carried to the residual stream's unit: on small models it is a large share of the file,
+ * and a rule that kept it at Q6_K left the Linears under 4 bits at a 4.5-bit budget); an untied
+ * token_embd keeps the file type's rule; both count in the budget, as do the F32 norms and
+ * routers.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -31,12 +34,15 @@
 #include "formats/kquant.h"
 #include "pipeline/internal.h"
 
-enum { PROBE_SAMPLES = 16, ROWS_DENSE = 32, ROWS_EXPERT = 8, N_CAND = 5 };
+enum { PROBE_SAMPLES = 16, ROWS_DENSE = 32, ROWS_EXPERT = 8, N_CAND = 6 };
 
-/* A group's candidates are the K-quants and Q8_0; a member whose rows are no whole 256-value
- * blocks takes each one's llama.cpp fallback (Q3_K -> Q4_0, Q4_K -> Q5_0, ...), whose loss and
- * bits it adds (qwen2moe's 128-input experts' down beside its shared expert's). */
-static const int cand[N_CAND] = {MQ_KQ_Q3_K, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q8_0};
+/* A group's candidates are the K-quants, IQ4_XS and Q8_0, cheapest first; a member whose rows
+ * are no whole 256-value blocks takes each one's llama.cpp fallback (Q3_K -> Q4_0, IQ4_XS ->
+ * IQ4_NL, Q4_K -> Q5_0, ...), whose loss and bits it adds (qwen2moe's 128-input experts' down
+ * beside its shared expert's). IQ4_XS (4.25 bits) sits between Q3_K (3.44) and Q4_K (4.5): its
+ * non-uniform grid errs less than Q3_K's by far for 0.8 bits more, so a budget near 4.5 bits
+ * need not leave most groups at Q3_K. */
+static const int cand[N_CAND] = {MQ_KQ_Q3_K, MQ_KQ_IQ4_XS, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q8_0};
 
 typedef struct {
     double loss[N_CAND];       /* sensitivity of each candidate */
@@ -254,22 +260,99 @@ static moeq_status probe_layer(mq_pipe *p, mq_state *st, float *x, float *xin, f
     return s;
 }
 
-/* Bits of the tensors outside the groups: everything the file holds besides the quantized
- * Linears (token_embd and output at their recipe types, norms and routers F32). */
-static double fixed_bits(const mq_pipe *p, int64_t *params) {
-    double bits = 0;
-    *params = 0;
-    const mq_config *c = &p->m->cfg;
-    const int64_t VD = c->vocab * c->D;
-    const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
-    bits += (double)VD * (te >= 0 ? mq_kq_bpw((mq_kq_type)te) : 16.0);
-    *params += VD;
-    if (!p->recipe.tied) {
-        const int to = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_OUTPUT, -1, c->D);
-        bits += (double)VD * (to >= 0 ? mq_kq_bpw((mq_kq_type)to) : 16.0);
-        *params += VD;
+/* The output as one more group, hg[1], or a tied token_embd, hg[0], with its losses as output
+ * and as embedding added; their losses in the residual stream's unit with gain 1:
+ *   token_embd: its rows' squared errors, each times the row's count in the probe's tokens (a
+ *     row's error is added to the residual stream as it is). An untied token_embd keeps the
+ *     file type's rule (hg[0] unused, its bits fixed): as a group of its own the knapsack took it
+ *     to Q3_K on olmoe-tiny and llama.cpp's KL doubled (docs/results/kquant.md): its error
+ *     enters before every layer and moves the routing of all of them, which this measure does
+ *     not see; tied, the output's loss holds it up;
+ *   output: the Linear's loss under the diagonal of its input's Hessian (the final norm of the
+ *     last layer's output x, over the probe's tokens), in the logits' unit, divided by the
+ *     logits' response to a change d of x: |W diag(g) d / rms(x)|^2 ~ |d|^2 r with
+ *     r = sum_j g_j^2 |W_j|^2 / D * mean over tokens of 1 / mean_j x_j^2 (g the norm's weight,
+ *     W_j the output's column j; an isotropic d, the norm's own projection ignored), so that an
+ *     output error and a layer's residual change that moves the logits as much weigh the same.
+ * x [S][T][D]: the last layer's outputs (xs: scratch of the same size). */
+static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_calib_set *set, int64_t T, group *hg) {
+    const moeq_model *m = p->m;
+    const mq_config *c = &m->cfg;
+    const int64_t D = c->D, V = c->vocab;
+    const bool tied = p->recipe.tied;
+    const unsigned what = MQ_PART_HEAD | (tied ? MQ_PART_EMBED : 0);
+    moeq_status s = mq_lazy_load(p->lz, -1, what, 0, 0);
+    moeq_model *mm = mq_lazy_model_of(p->lz);
+    if (!s && tied) mm->lm_head = mm->embed;   /* as eval's streamed scoring borrows it */
+    double *h = calloc((size_t)D, sizeof(double));
+    int64_t *count = calloc((size_t)V, sizeof(int64_t));
+    float *row = malloc(sizeof(float) * (size_t)(2 * D)), *q = row ? row + D : NULL;   /* a row, its rounding */
+    mq_gparams *gp = malloc(sizeof(mq_gparams) * (size_t)(D / 16 + 1));
+    uint8_t *cd = malloc((size_t)D);
+    if (!s && (!h || !count || !row || !q || !gp || !cd)) s = mq_err(MOEQ_E_NOMEM, "out of memory");
+    if (!s && (!m->lm_head || !m->final_norm))
+        s = mq_err(MOEQ_E_UNSUPPORTED, "--target-bpw: the model's lm_head is not held as floats");
+    double inv_ms = 0;
+    int64_t ntok = 0;
+    for (int64_t i = 0; !s && i < set->n; i++) {
+        float *xn = xs + i * T * D;
+        memcpy(xn, x + i * T * D, sizeof(float) * (size_t)(set->len[i] * D));
+        for (int64_t t = 0; t < set->len[i]; t++) {
+            double ms = 0;
+            for (int64_t j = 0; j < D; j++) ms += (double)xn[t * D + j] * xn[t * D + j];
+            ms /= (double)D;
+            if (ms > 0) inv_ms += 1.0 / ms, ntok++;
+            const int32_t id = set->ids[i][t];
+            if (id >= 0 && id < V) count[id]++;
+        }
+        mq_final_norm(m, xn, set->len[i]);
+        for (int64_t j = 0; j < set->len[i] * D; j++) h[j % D] += (double)xn[j] * xn[j];
     }
-    return bits;
+    double wg = 0;   /* sum_j g_j^2 |W_j|^2 */
+    for (int64_t v = 0; !s && v < V; v++)
+        for (int64_t j = 0; j < D; j++)
+            wg += (double)m->final_norm[j] * m->final_norm[j] * m->lm_head[v * D + j] * m->lm_head[v * D + j];
+    const double r = ntok ? wg / (double)D * inv_ms / (double)ntok : 0;
+    if (!s) {   /* the output's loss through the Linears' measure, then into the residual's unit */
+        const mq_linear head = {.out = V, .in = D, .w = m->lm_head, .name = "lm_head"};
+        group og;
+        memset(&og, 0, sizeof og);
+        linear_losses(&head, h, false, &og);
+        group *o = tied ? &og : &hg[1];
+        if (!tied) *o = og;
+        for (int k = 0; k < N_CAND; k++) o->loss[k] = r > 0 ? o->loss[k] / r : 0;
+        o->gain = 1;
+        if (tied) for (int k = 0; k < N_CAND; k++) hg[0].loss[k] += og.loss[k];
+    }
+    for (int k = 0; !s && tied && k < N_CAND; k++) {   /* token_embd: the probe's rows */
+        const int eff = mq_gguf_fallback(cand[k], D);
+        hg[0].bits[k] += (eff >= 0 ? mq_kq_bpw((mq_kq_type)eff) : 16.0) * (double)(V * D);
+        if (eff < 0) continue;
+        const mq_kq_info *t = mq_kq_info_of((mq_kq_type)eff);
+        const mq_qspec sp = mq_kq_spec((mq_kq_type)eff);
+        double e = 0;
+        for (int32_t v = 0; v < V && !s; v++) {
+            if (!count[v]) continue;
+            s = mq_lazy_embed(p->lz, &v, 1, row);
+            mq_kq_quantize_row(t, &sp, row, D, NULL, gp, cd);
+            mq_kq_dequant_row(t, gp, cd, D, q);
+            double ev = 0;
+            for (int64_t j = 0; j < D; j++) ev += ((double)row[j] - q[j]) * ((double)row[j] - q[j]);
+            e += ev * (double)count[v];
+        }
+        hg[0].loss[k] += e;
+    }
+    hg[0].params = tied ? V * D : 0;
+    hg[0].used = !s && tied;
+    hg[1].used = !s && !tied;
+    hg[0].gain = 1;
+    mq_lazy_release(p->lz, -1, what, 0, 0);
+    free(h);
+    free(count);
+    free(row);
+    free(gp);
+    free(cd);
+    return s;
 }
 
 moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
@@ -288,7 +371,8 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
     moeq_status s = mq_calib_load(moeq_model_tokenizer(m), &co, &set);
     if (s) return s;
     const int64_t S = set.n, T = co.seqlen;
-    group *gs = calloc((size_t)L * MQ_GCAT_COUNT, sizeof *gs);
+    const size_t NG = (size_t)L * MQ_GCAT_COUNT + 2;   /* the layers' groups, token_embd, output */
+    group *gs = calloc(NG, sizeof *gs);
     float *x = mq_alloc_array((size_t)(S * T), (size_t)c->D * sizeof(float), "--target-bpw probe");
     float *xin = mq_alloc_array((size_t)(S * T), (size_t)c->D * sizeof(float), "--target-bpw probe");
     float *xs = mq_alloc_array((size_t)(S * T), (size_t)c->D * sizeof(float), "--target-bpw probe");
@@ -301,18 +385,23 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
         if (!s) s = probe_layer(p, st, x, xin, xs, set.len, S, T, l, gs);
         mq_progress("sensitivity", l + 1, L);
     }
+    if (!s) s = head_losses(p, x, xs, &set, T, gs + (size_t)L * MQ_GCAT_COUNT);
     mq_state_free(st);
     mq_free(x);
     mq_free(xin);
     mq_free(xs);
     mq_calib_free(&set);
-    for (size_t i = 0; i < (size_t)L * MQ_GCAT_COUNT && gs; i++)   /* losses in the residual's unit */
+    for (size_t i = 0; i < NG && gs; i++)   /* losses in the residual's unit */
         for (int k = 0; k < N_CAND; k++) gs[i].loss[k] *= gs[i].gain;
     /* the knapsack */
-    int64_t total = 0, fixed_params;
-    double bits = fixed_bits(p, &fixed_params);
-    total += fixed_params;
-    for (size_t i = 0; !s && i < (size_t)L * MQ_GCAT_COUNT; i++) {
+    int64_t total = 0;
+    double bits = 0;
+    if (!p->recipe.tied) {   /* token_embd at the file type's rule */
+        const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
+        total += c->vocab * c->D;
+        bits += (double)(c->vocab * c->D) * (te >= 0 ? mq_kq_bpw((mq_kq_type)te) : 16.0);
+    }
+    for (size_t i = 0; !s && i < NG; i++) {
         const group *g = &gs[i];
         if (!g->used) continue;
         total += g->params;
@@ -333,11 +422,14 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
         double best = 0, add = 0;
         group *bg = NULL;
         int bk = -1;
-        for (size_t i = 0; i < (size_t)L * MQ_GCAT_COUNT; i++) {
+        for (size_t i = 0; i < NG; i++) {
             group *g = &gs[i];
             for (int k = g->used ? g->pick + 1 : N_CAND; k < N_CAND; k++) {
                 const double db = g->bits[k] - g->bits[g->pick];
-                const double gain = db > 0 ? (g->loss[g->pick] - g->loss[k]) / db : 0;
+                /* an upgrade that costs no bits (two fallbacks of one size, IQ4_NL and Q4_0) is
+                 * taken first where it lowers the loss */
+                const double dl = g->loss[g->pick] - g->loss[k];
+                const double gain = db > 0 ? dl / db : db == 0 && dl > 0 ? HUGE_VAL : 0;
                 if (bits + db <= budget && gain > best) best = gain, bg = g, bk = k, add = db;
             }
         }
@@ -350,28 +442,26 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
         if (!p->recipe_table) s = mq_err(MOEQ_E_NOMEM, "out of memory");
     }
     if (!s) {
-        const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
-        const int to = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_OUTPUT, -1, c->D);
         p->budget_json = cJSON_CreateObject();
         cJSON *arr = p->budget_json ? cJSON_AddArrayToObject(p->budget_json, "tensors") : NULL;
-        for (int l = 0; l < L; l++)
-            for (int k = 0; k < MQ_GCAT_COUNT; k++) {
-                const group *g = &gs[(size_t)l * MQ_GCAT_COUNT + k];
-                p->recipe_table[(size_t)l * MQ_GCAT_COUNT + k] = (int8_t)(g->used ? cand[g->pick] : -1);
-                if (!g->used || !arr) continue;
-                cJSON *j = cJSON_CreateObject();
-                cJSON_AddNumberToObject(j, "layer", l);
-                cJSON_AddStringToObject(j, "tensor", mq_gguf_cat_name((mq_gguf_cat)k));
-                cJSON_AddStringToObject(j, "type", mq_kq_name((mq_kq_type)cand[g->pick]));
-                cJSON_AddNumberToObject(j, "params", (double)g->params);
-                cJSON_AddNumberToObject(j, "residual_gain", g->gain);
-                /* the sensitivity of each candidate: its RTN loss carried to the residual stream */
-                cJSON *ls = cJSON_AddObjectToObject(j, "sensitivity");
-                for (int c2 = 0; c2 < N_CAND; c2++) cJSON_AddNumberToObject(ls, mq_kq_name((mq_kq_type)cand[c2]), g->loss[c2]);
-                cJSON_AddItemToArray(arr, j);
-            }
-        p->recipe_table[(size_t)L * MQ_GCAT_COUNT] = (int8_t)te;
-        p->recipe_table[(size_t)L * MQ_GCAT_COUNT + 1] = (int8_t)to;
+        for (size_t i = 0; i < NG; i++) {   /* the table's order: the layers' groups, token_embd, output */
+            const group *g = &gs[i];
+            const int l = i < (size_t)L * MQ_GCAT_COUNT ? (int)(i / MQ_GCAT_COUNT) : -1;
+            const mq_gguf_cat k = l >= 0 ? (mq_gguf_cat)(i % MQ_GCAT_COUNT)
+                                  : i == NG - 2 ? MQ_GCAT_TOKEN_EMBD : MQ_GCAT_OUTPUT;
+            p->recipe_table[i] = (int8_t)(g->used ? cand[g->pick] : -1);
+            if (!g->used || !arr) continue;
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddNumberToObject(j, "layer", l);
+            cJSON_AddStringToObject(j, "tensor", mq_gguf_cat_name(k));
+            cJSON_AddStringToObject(j, "type", mq_kq_name((mq_kq_type)cand[g->pick]));
+            cJSON_AddNumberToObject(j, "params", (double)g->params);
+            cJSON_AddNumberToObject(j, "residual_gain", g->gain);
+            /* the sensitivity of each candidate: its RTN loss carried to the residual stream */
+            cJSON *ls = cJSON_AddObjectToObject(j, "sensitivity");
+            for (int c2 = 0; c2 < N_CAND; c2++) cJSON_AddNumberToObject(ls, mq_kq_name((mq_kq_type)cand[c2]), g->loss[c2]);
+            cJSON_AddItemToArray(arr, j);
+        }
         p->recipe.table = p->recipe_table;
         if (p->budget_json) {
             cJSON_AddNumberToObject(p->budget_json, "target_bpw", o->target_bpw);
@@ -392,6 +482,11 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
             }
             mq_info("  layer %d:%s", l, line);
         }
+        const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
+        const int to = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_OUTPUT, -1, c->D);
+        mq_info("  token_embd %s%s%s", te >= 0 ? mq_kq_name((mq_kq_type)te) : "-",
+                p->recipe.tied ? " (tied: the output too)" : " (the file type's rule), output ",
+                p->recipe.tied ? "" : to >= 0 ? mq_kq_name((mq_kq_type)to) : "-");
     }
     free(gs);
     return s;

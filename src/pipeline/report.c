@@ -80,7 +80,8 @@ static cJSON *mq_strings_json(const char *const *s, int n) {
 
 /* The K-quant file's recipe as the CLI names it: "q4_k_m", "q6_k", ... */
 static const char *mq_pipe_recipe_name(const mq_pipeline_opts *o) {
-    static const char *const mixed[MQ_KQ_COUNT] = {"q3_k_m", "q4_k_m", "q5_k_m", "q6_k"};
+    static const char *const mixed[MQ_KQ_COUNT] = {"q3_k_m", "q4_k_m", "q5_k_m", "q6_k",
+                                                   [MQ_KQ_IQ4_NL] = "iq4_nl", [MQ_KQ_IQ4_XS] = "iq4_xs"};
     static const char *const pure[MQ_KQ_COUNT] = {"q3_k", "q4_k", "q5_k", "q6_k"};
     const char *n = (unsigned)o->spec.kq < MQ_KQ_COUNT ? (o->kq_mixture ? mixed : pure)[o->spec.kq] : NULL;
     return n ? n : "?";

@@ -25,7 +25,20 @@ has '^  blk.1.ffn_down_exps.weight  *q4_K '
 has '^  blk.2.ffn_down_exps.weight  *q6_K '
 has '^  blk.3.ffn_down_exps.weight  *q6_K '
 
-for s in q4_k q3_k q6_k; do
+# IQ4_XS, llama.cpp's file type 30: 8 experts, so attn_v/attn_k Q8_0 and attn_output Q5_K as
+# its rules say; every other Linear and token_embd IQ4_XS, output Q6_K
+"$cli" quantize "$model" --out "$tmp/iq4_xs.gguf" --scheme iq4_xs --format gguf --quiet || fail "iq4_xs exited $?"
+out=$("$cli" inspect "$tmp/iq4_xs.gguf" --tensors) || fail "inspect iq4_xs exited $?"
+has '^  general.file_type  *UINT32  *30$'
+has '^  token_embd.weight  *iq4_xs '
+has '^  output.weight  *q6_K '
+has '^  blk.1.attn_q.weight  *iq4_xs '
+has '^  blk.1.attn_v.weight  *q8_0 '
+has '^  blk.1.attn_output.weight  *q5_K '
+has '^  blk.2.ffn_down_exps.weight  *iq4_xs  *{256, 256, 8}'
+
+for s in q4_k q3_k q6_k iq4_xs; do
+    [ "$s" = iq4_xs ] && continue   # made above
     "$cli" quantize "$model" --out "$tmp/$s.gguf" --scheme "$s" --format gguf --quiet || fail "$s exited $?"
 done
 out=$("$cli" inspect "$tmp/q4_k.gguf" --tensors) || fail "inspect q4_k exited $?"
@@ -44,6 +57,8 @@ k3=$(kl "$tmp/q3_k.gguf"); k4=$(kl "$tmp/q4_k.gguf"); k6=$(kl "$tmp/q6_k.gguf")
 [ -n "$k3" ] && [ -n "$k4" ] && [ -n "$k6" ] || fail "eval on the K-quant files: KL '$k3' '$k4' '$k6'"
 awk -v a="$k6" -v b="$k4" -v c="$k3" 'BEGIN { exit !(0 < a && a < b && b < c && c < 1) }' ||
     fail "KL not falling with the bits: q3_k $k3, q4_k $k4, q6_k $k6"
+ki=$(kl "$tmp/iq4_xs.gguf")   # IQ4_XS (4.25 bits; attn_v/k Q8_0) read too, and far better than Q3_K
+awk -v a="$ki" -v c="$k3" 'BEGIN { exit !(0 < a && a < c) }' || fail "iq4_xs KL '$ki' not below q3_k's $k3"
 [ -z "$(ls -A "$TMPDIR")" ] || fail "eval left files in TMPDIR: $(ls "$TMPDIR")"
 
 # --target-bpw: the budget met, each module's type in the report
@@ -60,6 +75,9 @@ assert {t["tensor"] for t in b["tensors"]} >= {"attn_q", "attn_k", "attn_v", "at
 for t in b["tensors"]:
     s = t["sensitivity"]
     assert s["q3_K"] >= s["q4_K"] >= s["q5_K"] >= s["q6_K"], t   # more bits, less loss
+    assert s["q3_K"] >= s["iq4_xs"], t
+# the output is chosen too; olmoe-tiny's untied token_embd keeps the file type's rule
+assert "output" in {t["tensor"] for t in b["tensors"]} and "token_embd" not in {t["tensor"] for t in b["tensors"]}, b
 assert r["settings"]["gguf_recipe"] == "q4_k_m" and r["settings"]["target_bpw"] == 4.5
 assert all(m.get("type") for m in r["modules"]), "a module without its type"
 EOF

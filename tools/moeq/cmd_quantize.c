@@ -213,7 +213,7 @@ int cmd_quantize(int argc, char **argv) {
     cli_table_flag *t = tb.t;
     const int n = tb.n;
     const cli_command cmd = {
-        "quantize", "MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4|q3_k..q6_k|q3_k_m|q4_k_m|q5_k_m [options]",
+        "quantize", "MODEL_DIR --out OUT_DIR --scheme nvfp4|nvfp4a16|int4|q3_k..q6_k|q3_k_m|q4_k_m|q5_k_m|iq4_nl|iq4_xs [options]",
         "Quantizes every decoder Linear (attention, dense and expert MLPs) by round to nearest or\n"
         "GPTQ (--method gptq --calib FILE: per-expert Hessians from the tokens routed to each\n"
         "expert) and writes a checkpoint that vLLM loads. One streaming pass over the model, layer\n"
@@ -235,7 +235,7 @@ int cmd_quantize(int argc, char **argv) {
     if (rc < 0 && !out) rc = cli_usage_error("quantize", "--out OUT_DIR is required");
     if (rc < 0 && !cli_table_given(t, n, "scheme"))
         rc = cli_usage_error("quantize", "--scheme is required (nvfp4, nvfp4a16, int4, or with --format gguf "
-                             "q3_k .. q6_k, q3_k_m, q4_k_m, q5_k_m)");
+                             "q3_k .. q6_k, q3_k_m, q4_k_m, q5_k_m, iq4_nl, iq4_xs)");
     if (rc < 0 && threads) moeq_set_threads((int)threads);
     if (rc < 0) rc = check_flags(t, n, &o);
     moeq_quant_result res;
