@@ -47,9 +47,7 @@ struct mq_eval_gpu {
     bool gated;
     /* a group's host scratch */
     mq_gpu_attn_sample *smp;      /* [rows]: a window each */
-    int32_t *sel, *slot, *list, *crow, *first, *ident, *cnt, *start;
-    float *w, *cw;
-    int64_t *tok;
+    mq_gpu_routes rt;             /* the routing and the fp32 expert sets' layout */
     /* scoring */
     mq_gpu_head *head[2];
     int64_t head_rows;
@@ -108,8 +106,8 @@ void mq_eval_gpu_close(mq_eval_gpu *G) {
     for (int k = 0; k < 2; k++) mq_gpu_buf_free(G->res[k]);
     mq_gpu_buf_free(G->xin);
     free(G->smp);
-    void *host[] = {G->sel, G->slot, G->list, G->crow, G->first, G->ident, G->cnt, G->start, G->w, G->cw, G->tok,
-                    G->stats, G->targets};
+    mq_gpu_routes_free(&G->rt);
+    void *host[] = {G->stats, G->targets};
     for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) free(host[i]);
     mq_free(G->logits);
     mq_gpu_close(G->g);
@@ -152,28 +150,16 @@ moeq_status mq_eval_gpu_open(mq_eval_ctx *c, const moeq_eval_options *o, int nm,
     /* a test's smaller groups, never below a window */
     if (!s && g_group_rows > 0 && g_group_rows < rows) rows = g_group_rows > c->L ? g_group_rows : c->L;
     G->rows = rows;
-    const size_t R = (size_t)rows, RK = R * (size_t)(G->Kmax > 0 ? G->Kmax : 1);
+    const size_t R = (size_t)rows;
     if (!s) s = mq_gpu_buf_new(G->g, rows * G->Dmax, &G->h);
     if (!s) s = mq_gpu_buf_new(G->g, rows * G->Dmax, &G->xn);
     if (!s) s = mq_gpu_buf_new(G->g, rows * G->Dmax, &G->out);
     if (!s) s = mq_gpu_buf_new(G->g, G->Dmax, &G->gate);
     if (!s) {
         G->smp = calloc(R, sizeof *G->smp);
-        G->sel = malloc(RK * sizeof *G->sel);
-        G->slot = malloc(RK * sizeof *G->slot);
-        G->list = malloc(RK * sizeof *G->list);
-        G->crow = malloc(RK * sizeof *G->crow);
-        G->w = malloc(RK * sizeof *G->w);
-        G->cw = malloc(RK * sizeof *G->cw);
-        G->first = malloc((R + 1) * sizeof *G->first);
-        G->tok = malloc(R * sizeof *G->tok);
-        G->ident = malloc(R * sizeof *G->ident);
-        G->cnt = malloc((size_t)(G->Emax + 1) * sizeof *G->cnt);
-        G->start = malloc((size_t)(G->Emax + 1) * sizeof *G->start);
-        if (!G->smp || !G->sel || !G->slot || !G->list || !G->crow || !G->w || !G->cw || !G->first || !G->tok ||
-            !G->ident || !G->cnt || !G->start)
+        const bool routes = mq_gpu_routes_alloc(&G->rt, rows, G->Kmax, G->Emax);
+        if (!G->smp || !routes)
             s = mq_err(MOEQ_E_NOMEM, "out of memory for the GPU eval's groups of %lld rows", (long long)rows);
-        for (int64_t i = 0; !s && i < rows; i++) G->ident[i] = (int32_t)i;
     }
     if (s) {
         mq_eval_gpu_close(G);
@@ -342,13 +328,34 @@ moeq_status mq_eval_gpu_layer_begin(mq_eval_gpu *G, int k, int l) {
     return MOEQ_OK;
 }
 
-/* The routed experts' slots and the combine's pairs of R rows (mq_gpu_route_layout). */
-static moeq_status routed_layout(mq_eval_gpu *G, int64_t R, int64_t K, int64_t E) {
-    const mq_gpu_routes r = {G->sel, G->w, G->cnt, G->start, G->list, G->slot, G->tok, G->first, G->crow, G->cw};
-    return mq_gpu_route_layout(&r, R, K, E);
+bool mq_gpu_routes_alloc(mq_gpu_routes *r, int64_t R, int64_t K, int64_t E) {
+    const size_t n = (size_t)R, nk = n * (size_t)(K > 0 ? K : 1), e1 = (size_t)E + 1;
+    memset(r, 0, sizeof *r);
+    r->sel = malloc(nk * sizeof *r->sel);
+    r->w = malloc(nk * sizeof *r->w);
+    r->slot = malloc(nk * sizeof *r->slot);
+    r->list = malloc(nk * sizeof *r->list);
+    r->crow = malloc(nk * sizeof *r->crow);
+    r->cw = malloc(nk * sizeof *r->cw);
+    r->first = malloc((n + 1) * sizeof *r->first);
+    r->tok = malloc(n * sizeof *r->tok);
+    r->ident = malloc(n * sizeof *r->ident);
+    r->cnt = malloc(e1 * sizeof *r->cnt);
+    r->start = malloc(e1 * sizeof *r->start);
+    if (!r->sel || !r->w || !r->slot || !r->list || !r->crow || !r->cw || !r->first || !r->tok || !r->ident ||
+        !r->cnt || !r->start)
+        return false;
+    for (int64_t i = 0; i < R; i++) r->ident[i] = (int32_t)i;
+    return true;
 }
 
-moeq_status mq_gpu_route_layout(const mq_gpu_routes *r, int64_t R, int64_t K, int64_t E) {
+void mq_gpu_routes_free(mq_gpu_routes *r) {
+    MQ_FREE_EACH(r->sel, r->w, r->slot, r->list, r->crow, r->cw, r->first, r->tok, r->ident, r->cnt, r->start);
+    memset(r, 0, sizeof *r);
+}
+
+/* The routed experts' slots and the combine's pairs of R rows. */
+static moeq_status route_layout(const mq_gpu_routes *r, int64_t R, int64_t K, int64_t E) {
     int32_t *cnt = r->cnt, *start = r->start;
     for (int64_t e = 0; e <= E; e++) cnt[e] = 0;
     for (int64_t i = 0; i < R * K; i++) {
@@ -387,8 +394,21 @@ moeq_status mq_gpu_route_layout(const mq_gpu_routes *r, int64_t R, int64_t K, in
     return MOEQ_OK;
 }
 
+moeq_status mq_gpu_routes_run(mq_gpu_routes *r, mq_gpu_mlp *set, mq_gpu_buf *xn, mq_gpu_buf *out, int64_t R,
+                              int64_t D, int64_t K, int64_t E) {
+    moeq_status s = mq_gpu_buf_zero(out, 0, R * D);
+    if (!s) s = route_layout(r, R, K, E);
+    if (!s) s = mq_gpu_mlp_inputs_from(set, xn, R);
+    if (!s) s = mq_gpu_mlp_rows_index(set, r->list, R * K);
+    if (!s) s = mq_gpu_mlp_reserve_kept(set, R * K);
+    for (int64_t e = 0; e < E && !s; e++)
+        if (r->start[e + 1] > r->start[e])
+            s = mq_gpu_mlp_run_indexed(set, e, r->start[e], r->start[e + 1] - r->start[e], true, NULL, NULL);
+    return s ? s : mq_gpu_mlp_combine(set, out, r->tok, r->first, r->crow, r->cw, R);
+}
+
 /* One MLP (E = 1) over all R rows of the FFN input, its outputs kept for add_kept. */
-static moeq_status one_mlp_rows(mq_eval_gpu *G, mq_gpu_mlp *m, int64_t R) { return mq_gpu_one_mlp_rows(m, G->xn, G->ident, R); }
+static moeq_status one_mlp_rows(mq_eval_gpu *G, mq_gpu_mlp *m, int64_t R) { return mq_gpu_one_mlp_rows(m, G->xn, G->rt.ident, R); }
 
 moeq_status mq_gpu_one_mlp_rows(mq_gpu_mlp *m, mq_gpu_buf *xn, const int32_t *ident, int64_t R) {
     moeq_status s = mq_gpu_mlp_inputs_from(m, xn, R);
@@ -456,8 +476,8 @@ moeq_status mq_eval_gpu_layer_run_at(mq_eval_gpu *G, int64_t w0, int64_t w1, flo
         sm->T = T;
         sm->ffn_dev_off = R * D;
         if (K && !G->moe) {
-            sm->sel = G->sel + R * K;
-            sm->w = G->w + R * K;
+            sm->sel = G->rt.sel + R * K;
+            sm->w = G->rt.w + R * K;
         }
         R += T;
     }
@@ -474,15 +494,7 @@ moeq_status mq_eval_gpu_layer_run_at(mq_eval_gpu *G, int64_t w0, int64_t w1, flo
         if (!s && G->shared) s = mq_gpu_mlp_add_kept(G->shared, G->out, G->xn, G->gated ? G->gate : NULL, R);
         if (!s) s = mq_gpu_buf_add(G->h, G->out, R * D);
     } else if (!s && ly->is_moe) {
-        s = mq_gpu_buf_zero(G->out, 0, R * D);
-        if (!s) s = routed_layout(G, R, K, E);
-        if (!s) s = mq_gpu_mlp_inputs_from(G->experts, G->xn, R);
-        if (!s) s = mq_gpu_mlp_rows_index(G->experts, G->list, R * K);
-        if (!s) s = mq_gpu_mlp_reserve_kept(G->experts, R * K);
-        for (int64_t e = 0; e < E && !s; e++)
-            if (G->start[e + 1] > G->start[e])
-                s = mq_gpu_mlp_run_indexed(G->experts, e, G->start[e], G->start[e + 1] - G->start[e], true, NULL, NULL);
-        if (!s) s = mq_gpu_mlp_combine(G->experts, G->out, G->tok, G->first, G->crow, G->cw, R);
+        s = mq_gpu_routes_run(&G->rt, G->experts, G->xn, G->out, R, D, K, E);
         if (!s && G->shared) s = one_mlp_rows(G, G->shared, R);
         if (!s && G->shared) s = mq_gpu_mlp_add_kept(G->shared, G->out, G->xn, G->gated ? G->gate : NULL, R);
         if (!s) s = mq_gpu_buf_add(G->h, G->out, R * D);

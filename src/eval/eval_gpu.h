@@ -82,20 +82,28 @@ void mq_eval_set_gpu_resident(bool on);
 unsigned mq_eval_gpu_layer_parts(const mq_eval_gpu *G, int k, int l);
 
 /* The host's half of the routed experts on the fp32 expert sets (mq_gpu_mlp), forward.c's
- * moe_block order: from the routing sel, w [R, K] of E experts, the expert-major slots (tokens in
- * increasing order within an expert: list [R*K] the token of each slot, slot [R, K] the slot of
- * each choice, start [E + 1] each expert's first slot; cnt [E + 1] scratch) and the combine's
- * pairs (tok [R] = t, first [R + 1], crow/cw [R*K]: each token's slots and weights in increasing
- * expert order). MOEQ_E_NUMERIC for an expert id out of range. */
+ * moe_block order, for up to R rows of K choices among E experts: the routing sel, w [R, K] (the
+ * attention writes it), the expert-major slots (tokens in increasing order within an expert:
+ * list [R*K] the token of each slot, slot [R, K] the slot of each choice, start [E + 1] each
+ * expert's first slot; cnt [E + 1] scratch), the combine's pairs (tok [R] = t, first [R + 1],
+ * crow/cw [R*K]: each token's slots and weights in increasing expert order), and ident [R] =
+ * 0 .. R - 1 (mq_gpu_one_mlp_rows). _alloc: false where memory runs out (the caller names what
+ * for; _free releases what was had). */
 typedef struct {
-    const int32_t *sel;
-    const float *w;
+    int32_t *sel;
+    float *w;
     int32_t *cnt, *start, *list, *slot;
     int64_t *tok;
-    int32_t *first, *crow;
+    int32_t *first, *crow, *ident;
     float *cw;
 } mq_gpu_routes;
-moeq_status mq_gpu_route_layout(const mq_gpu_routes *r, int64_t R, int64_t K, int64_t E);
+bool mq_gpu_routes_alloc(mq_gpu_routes *r, int64_t R, int64_t K, int64_t E);
+void mq_gpu_routes_free(mq_gpu_routes *r);
+/* out [R, D] (device) = the routed experts of `set` on the R rows of the FFN input xn, the
+ * routing r->sel, r->w of R rows: out zeroed, the layout, the experts' rows, each token's sum.
+ * MOEQ_E_NUMERIC for an expert id out of range. */
+moeq_status mq_gpu_routes_run(mq_gpu_routes *r, mq_gpu_mlp *set, mq_gpu_buf *xn, mq_gpu_buf *out, int64_t R,
+                              int64_t D, int64_t K, int64_t E);
 /* One MLP (an expert set of E = 1: a shared expert, a dense MLP) over the R rows of D values at
  * the start of xn (device), its outputs kept for mq_gpu_mlp_add_kept; ident [R] = 0 .. R - 1. */
 moeq_status mq_gpu_one_mlp_rows(mq_gpu_mlp *m, mq_gpu_buf *xn, const int32_t *ident, int64_t R);

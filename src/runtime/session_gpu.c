@@ -9,7 +9,7 @@
  * then the FFN as eval_gpu.c runs it: the routed experts as one GPU MoE op (quantized experts as
  * stored, codes and scales read from the checkpoint's files, mq_gpu_experts_read; unquantized ones
  * in bf16 with MOEQ_GPU_BF16), or as fp32 expert sets routed on the device and laid out on the
- * host (forward.c's moe_block order, mq_gpu_route_layout); the gated shared expert after them;
+ * host (forward.c's moe_block order, mq_gpu_routes_run); the gated shared expert after them;
  * the residual add; a dense MLP straight onto the residual. Attention Linears the model holds
  * packed (a quantized checkpoint opened with keep_packed) go up as their codes and are decoded on
  * the device into fp32 weights (mq_gpu_kvattn_set_quantized: mq_dequantize's bits); other packed
@@ -62,9 +62,9 @@ struct mq_session_gpu {
     mq_gpu_buf *h, *xn, *out; /* [rows, D] each: the residual stream, the FFN input, the FFN output */
     int64_t rows;
     /* host scratch of a piece */
-    int32_t *sel, *slot, *list, *crow, *first, *ident, *cnt, *start, *targets;
-    float *w, *cw, *hx;
-    int64_t *tok;
+    mq_gpu_routes rt;         /* the routing and the fp32 expert sets' layout */
+    int32_t *targets;
+    float *hx;
     mq_gpu_row_stats *stats;
     char desc[160];
 };
@@ -90,8 +90,8 @@ void mq_session_gpu_close(mq_session_gpu *G) {
     mq_gpu_close(G->g);
     mq_state_free(G->st);
     mq_st_close(G->own);
-    MQ_FREE_EACH(G->L, G->sel, G->slot, G->list, G->crow, G->first, G->ident, G->cnt, G->start, G->targets, G->w,
-                 G->cw, G->tok, G->stats);
+    mq_gpu_routes_free(&G->rt);
+    MQ_FREE_EACH(G->L, G->targets, G->stats);
     mq_free(G->hx);
     free(G);
 }
@@ -391,25 +391,13 @@ moeq_status mq_session_gpu_open(const moeq_model *m, int32_t max_tokens, const m
     if (!s) s = mq_gpu_buf_new(G->g, G->rows * D, &G->xn);
     if (!s) s = mq_gpu_buf_new(G->g, G->rows * D, &G->out);
     if (!s) {
-        const size_t R = (size_t)G->rows, RK = R * (size_t)(K > 0 ? K : 1), E1 = (size_t)c->n_experts + 1;
-        G->sel = malloc(RK * sizeof *G->sel);
-        G->w = malloc(RK * sizeof *G->w);
-        G->slot = malloc(RK * sizeof *G->slot);
-        G->list = malloc(RK * sizeof *G->list);
-        G->crow = malloc(RK * sizeof *G->crow);
-        G->cw = malloc(RK * sizeof *G->cw);
-        G->first = malloc((R + 1) * sizeof *G->first);
-        G->tok = malloc(R * sizeof *G->tok);
-        G->ident = malloc(R * sizeof *G->ident);
+        const size_t R = (size_t)G->rows;
+        const bool routes = mq_gpu_routes_alloc(&G->rt, G->rows, K, c->n_experts);
         G->targets = calloc(R, sizeof *G->targets);
         G->stats = malloc(R * sizeof *G->stats);
-        G->cnt = malloc(E1 * sizeof *G->cnt);
-        G->start = malloc(E1 * sizeof *G->start);
         G->hx = mq_alloc_array(R, (size_t)D * sizeof(float), "GPU session rows");
-        if (!G->sel || !G->w || !G->slot || !G->list || !G->crow || !G->cw || !G->first || !G->tok || !G->ident ||
-            !G->targets || !G->stats || !G->cnt || !G->start || !G->hx)
+        if (!routes || !G->targets || !G->stats || !G->hx)
             s = mq_err(MOEQ_E_NOMEM, "out of memory for the GPU session's pieces of %lld rows", (long long)G->rows);
-        for (int64_t i = 0; !s && i < G->rows; i++) G->ident[i] = (int32_t)i;
     }
     /* the checkpoint's files were only needed for the upload */
     mq_st_close(G->own);
@@ -435,24 +423,15 @@ static moeq_status ffn(mq_session_gpu *G, int l, int64_t R) {
     const int64_t D = c->D, E = c->n_experts, K = c->top_k;
     moeq_status s = MOEQ_OK;
     if (L->dense) {   /* the dense MLP onto the residual, one fmaf by 1 (the CPU's axpy) */
-        s = mq_gpu_one_mlp_rows(L->dense, G->xn, G->ident, R);
+        s = mq_gpu_one_mlp_rows(L->dense, G->xn, G->rt.ident, R);
         return s ? s : mq_gpu_mlp_add_kept(L->dense, G->h, G->xn, NULL, R);
     }
     if (L->moe) {
         s = mq_gpu_moe_ffn_buf(L->moe, G->xn, R, L->experts == EX_BF16 ? MQ_GPU_MOE_BF16 : G->moe_math, G->out);
     } else {
-        const mq_gpu_routes r = {G->sel, G->w, G->cnt, G->start, G->list, G->slot, G->tok, G->first, G->crow, G->cw};
-        s = mq_gpu_buf_zero(G->out, 0, R * D);
-        if (!s) s = mq_gpu_route_layout(&r, R, K, E);
-        if (!s) s = mq_gpu_mlp_inputs_from(L->set, G->xn, R);
-        if (!s) s = mq_gpu_mlp_rows_index(L->set, G->list, R * K);
-        if (!s) s = mq_gpu_mlp_reserve_kept(L->set, R * K);
-        for (int64_t e = 0; e < E && !s; e++)
-            if (G->start[e + 1] > G->start[e])
-                s = mq_gpu_mlp_run_indexed(L->set, e, G->start[e], G->start[e + 1] - G->start[e], true, NULL, NULL);
-        if (!s) s = mq_gpu_mlp_combine(L->set, G->out, G->tok, G->first, G->crow, G->cw, R);
+        s = mq_gpu_routes_run(&G->rt, L->set, G->xn, G->out, R, D, K, E);
     }
-    if (!s && L->shared) s = mq_gpu_one_mlp_rows(L->shared, G->xn, G->ident, R);
+    if (!s && L->shared) s = mq_gpu_one_mlp_rows(L->shared, G->xn, G->rt.ident, R);
     if (!s && L->shared) s = mq_gpu_mlp_add_kept(L->shared, G->out, G->xn, L->gate, R);
     if (!s) s = mq_gpu_buf_add(G->h, G->out, R * D);
     return s;
@@ -467,8 +446,8 @@ moeq_status mq_session_gpu_forward(mq_session_gpu *G, const float *x, int64_t n,
         s = mq_gpu_buf_write(G->h, 0, R * D, x + r0 * D);
         for (int l = 0; l < c->n_layers && !s; l++) {
             const bool host_routing = G->L[l].experts == EX_FP32;
-            s = mq_gpu_kvattn_run(G->att, l, G->h, R, pos + r0, G->xn, host_routing ? G->sel : NULL,
-                                  host_routing ? G->w : NULL);
+            s = mq_gpu_kvattn_run(G->att, l, G->h, R, pos + r0, G->xn, host_routing ? G->rt.sel : NULL,
+                                  host_routing ? G->rt.w : NULL);
             if (!s) s = ffn(G, l, R);
             if (s) s = mq_err_prefix(s, "GPU layer %d", l);
         }
