@@ -3,7 +3,8 @@
 # --scheme q4_k_m writes llama.cpp's Q4_K_M mixture tensor by tensor (its rules for an 8-expert
 # model: attn_k/attn_v Q8_0, attn_output Q5_K, ffn_down Q6_K where use_more_bits, output Q6_K),
 # q4_k every Linear Q4_K; eval reads the file in place and more bits give less KL; --target-bpw
-# meets its budget and the report shows each tensor's type; the refusals exit 1 leaving nothing.
+# meets its budget, the report shows each tensor's type (token_embd and output among them) and the
+# file holds them; the refusals exit 1 leaving nothing.
 . "$(dirname "$0")/common.sh"
 
 "$cli" quantize "$model" --out "$tmp/m.gguf" --scheme q4_k_m --format gguf --quiet || fail "q4_k_m exited $?"
@@ -66,7 +67,7 @@ awk -v a="$ki" -v c="$k3" 'BEGIN { exit !(0 < a && a < c) }' || fail "iq4_xs KL 
     --calib "$repo/data/demo-calib.txt" --nsamples 4 --seqlen 128 --format gguf --quiet || fail "--target-bpw exited $?"
 bpw=$("$cli" inspect "$tmp/b.gguf" | sed -n 's/^tensors: .*(\([0-9.]*\) bits per value)$/\1/p')
 awk -v b="$bpw" 'BEGIN { exit !(b > 4.0 && b <= 4.5) }' || fail "--target-bpw 4.5: the tensors hold '$bpw' bits per value"
-python3 - "$tmp/b.gguf.gptq_report.json" <<'EOF' || fail "--target-bpw: the report"
+heads=$(python3 - "$tmp/b.gguf.gptq_report.json" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
 b = r["kquant_budget"]
@@ -76,11 +77,21 @@ for t in b["tensors"]:
     s = t["sensitivity"]
     assert s["q3_K"] >= s["q4_K"] >= s["q5_K"] >= s["q6_K"], t   # more bits, less loss
     assert s["q3_K"] >= s["iq4_xs"], t
-# the output is chosen too; olmoe-tiny's untied token_embd keeps the file type's rule
-assert "output" in {t["tensor"] for t in b["tensors"]} and "token_embd" not in {t["tensor"] for t in b["tensors"]}, b
+# the output and olmoe-tiny's untied token_embd are chosen too, each once, with the params of
+# a 4096 x 256 matrix
+heads = [t for t in b["tensors"] if t["layer"] == -1]
+assert sorted(t["tensor"] for t in heads) == ["output", "token_embd"], heads
+assert all(t["params"] == 4096 * 256 for t in heads), heads
 assert r["settings"]["gguf_recipe"] == "q4_k_m" and r["settings"]["target_bpw"] == 4.5
 assert all(m.get("type") for m in r["modules"]), "a module without its type"
+print(" ".join(t["tensor"] + "=" + t["type"] for t in heads))
 EOF
+) || fail "--target-bpw: the report"
+# the file holds the types the report chose for them
+out=$("$cli" inspect "$tmp/b.gguf" --tensors) || fail "inspect b.gguf exited $?"
+for pick in $heads; do
+    has "^  ${pick%%=*}.weight  *${pick#*=} "
+done
 
 # refused before any work, nothing written: usage errors exit 2, the library's refusal 1
 for args in "2 --scheme q4_k" "1 --scheme q4_k --format gguf --target-bpw 4.5" "2 --scheme int4 --format gguf --target-bpw 4.5" \
