@@ -93,6 +93,53 @@ for pick in $heads; do
     has "^  ${pick%%=*}.weight  *${pick#*=} "
 done
 
+# qwen2moe-tiny (a shared expert beside 8 routed ones of 128 columns): the Q4_K_M rules give the
+# shared expert its role's type (ffn_down: Q6_K in use_more_bits' layers 2 and 3, the routed
+# experts' rows falling back to Q8_0 there and from Q4_K to Q5_0 in layers 0 and 1); --target-bpw
+# chooses the shared expert's gate, up and down apart from the routed experts' and the file holds
+# the report's choice
+q2src=${MOEQ_SHARED:-$repo/../shared}/fixtures/models/qwen2moe-tiny
+if [ -d "$q2src" ]; then
+    # as llama.cpp's qwen2moe graph computes it: the top-k router weights not renormalised
+    q2=$tmp/qwen2moe-tiny
+    mkdir -p "$q2"
+    ln -s "$q2src"/* "$q2/"
+    rm "$q2/config.json"
+    python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["norm_topk_prob"] = False; json.dump(c, open(sys.argv[2], "w"))' \
+        "$q2src/config.json" "$q2/config.json" || fail "qwen2moe-tiny's config"
+    "$cli" quantize "$q2" --out "$tmp/q2.gguf" --scheme q4_k_m --format gguf --quiet || fail "qwen2moe q4_k_m exited $?"
+    out=$("$cli" inspect "$tmp/q2.gguf" --tensors) || fail "inspect q2.gguf exited $?"
+    for l in 0 1; do
+        has "^  blk.$l.ffn_down_shexp.weight  *q4_K "
+        has "^  blk.$l.ffn_down_exps.weight  *q5_0 "
+        has "^  blk.$l.ffn_up_shexp.weight  *q4_K "
+    done
+    for l in 2 3; do
+        has "^  blk.$l.ffn_down_shexp.weight  *q6_K "
+        has "^  blk.$l.ffn_down_exps.weight  *q8_0 "
+    done
+    "$cli" quantize "$q2" --out "$tmp/q2b.gguf" --scheme q4_k_m --target-bpw 4.5 --method gptq \
+        --calib "$repo/data/demo-calib.txt" --nsamples 4 --seqlen 128 --format gguf --quiet || fail "qwen2moe --target-bpw exited $?"
+    picks=$(python3 - "$tmp/q2b.gguf.gptq_report.json" <<'EOF'
+import json, sys
+b = json.load(open(sys.argv[1]))["kquant_budget"]
+assert b["bpw"] <= 4.5, b
+sh = [t for t in b["tensors"] if t["tensor"].endswith("_shexp")]
+# one group per layer and role, the shared expert's 256 x 256
+assert sorted((t["layer"], t["tensor"]) for t in sh) == \
+    [(l, r + "_shexp") for l in range(4) for r in ("ffn_down", "ffn_gate", "ffn_up")], sh
+assert all(t["params"] == 256 * 256 for t in sh), sh
+# the routed experts' groups hold the 8 experts alone
+assert all(t["params"] == 8 * 128 * 256 for t in b["tensors"] if t["tensor"] in ("ffn_gate", "ffn_up", "ffn_down")), b
+print(" ".join("blk.%d.%s=%s" % (t["layer"], t["tensor"], t["type"]) for t in sh))
+EOF
+) || fail "qwen2moe --target-bpw: the report"
+    out=$("$cli" inspect "$tmp/q2b.gguf" --tensors) || fail "inspect q2b.gguf exited $?"
+    for pick in $picks; do
+        has "^  ${pick%%=*}.weight  *${pick#*=} "
+    done
+fi
+
 # refused before any work, nothing written: usage errors exit 2, the library's refusal 1
 for args in "2 --scheme q4_k" "1 --scheme q4_k --format gguf --target-bpw 4.5" "2 --scheme int4 --format gguf --target-bpw 4.5" \
     "2 --scheme q4_k --format gguf --group-size 64" "2 --scheme q4_k --format gguf --asym"; do
