@@ -1,7 +1,11 @@
 /*
  * --target-bpw B: the block type of each tensor group of a K-quant GGUF file (a layer's q, k, v,
- * o, gate, up, down; a layer's experts and shared expert share their role's type, as llama.cpp's
- * stacked tensors must) chosen so that the file holds at most B bits per parameter.
+ * o, gate, up, down: a layer's routed experts share their role's type, as llama.cpp's stacked
+ * tensors must; a shared expert's gate, up and down are groups of their own, llama.cpp's
+ * ffn_*_shexp tensors: always on and gated apart, its Linears move the residual far more per
+ * unit of their loss than the routed experts' (13x on qwen2moe-tiny's gate/up), and one gain for
+ * the mixed group priced its types wrongly) chosen so that the file holds at most B bits per
+ * parameter.
  *
  * Sensitivity of a group to type T: the loss GPTQ minimises, tr((W - Q_T) H (W - Q_T)^T), with
  * H's diagonal (sum over calibration tokens of x_j^2, each Linear's own input: an expert's routed
@@ -43,8 +47,8 @@ enum { PROBE_SAMPLES = 16, ROWS_DENSE = 32, ROWS_EXPERT = 8, N_CAND = 6 };
 
 /* A group's candidates are the K-quants, IQ4_XS and Q8_0, cheapest first; a member whose rows
  * are no whole 256-value blocks takes each one's llama.cpp fallback (Q3_K -> Q4_0, IQ4_XS ->
- * IQ4_NL, Q4_K -> Q5_0, ...), whose loss and bits it adds (qwen2moe's 128-input experts' down
- * beside its shared expert's). IQ4_XS (4.25 bits) sits between Q3_K (3.44) and Q4_K (4.5): its
+ * IQ4_NL, Q4_K -> Q5_0, ...), whose loss and bits it adds (qwen2moe's 128-input experts' down:
+ * Q6_K and Q8_0 are then the same). IQ4_XS (4.25 bits) sits between Q3_K (3.44) and Q4_K (4.5): its
  * non-uniform grid errs less than Q3_K's by far for 0.8 bits more, so a budget near 4.5 bits
  * need not leave most groups at Q3_K. */
 static const int cand[N_CAND] = {MQ_KQ_Q3_K, MQ_KQ_IQ4_XS, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q8_0};
