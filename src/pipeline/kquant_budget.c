@@ -21,8 +21,8 @@
  * own stream. The plain |change|^2 summed over tokens ranked q, k, gate and up far below down
  * and o on qwen2moe-tiny, where llama.cpp's KL of files with one role upgraded said the
  * opposite, and missed the issue's goal there; this measure meets it on the three fixtures
- * (docs/results/kquant.md). GPTQ lowers the losses by a similar factor for every type (its report's loss against
- * RTN: 0.3-0.4 on the fixtures), so the ranking holds. Why not the others the issue names: the
+ * (docs/results/kquant.md). GPTQ lowers the losses by a similar factor for every type (its
+ * report's loss against RTN: 0.3-0.4 on the fixtures), so the ranking holds. Why not the others the issue names: the
  * Hessian's trace ignores the weights' own error; a KL probe on the logits needs a forward of the
  * rest of the model per group and type; GPTQ loss against RTN needs GPTQ per candidate. This
  * costs a forward of a few samples through the unquantized model, one more layer forward per
@@ -48,8 +48,8 @@ enum { PROBE_SAMPLES = 16, ROWS_DENSE = 32, ROWS_EXPERT = 8, N_CAND = 6 };
 /* A group's candidates are the K-quants, IQ4_XS and Q8_0, cheapest first; a member whose rows
  * are no whole 256-value blocks takes each one's llama.cpp fallback (Q3_K -> Q4_0, IQ4_XS ->
  * IQ4_NL, Q4_K -> Q5_0, ...), whose loss and bits it adds (qwen2moe's 128-input experts' down:
- * Q6_K and Q8_0 are then the same). IQ4_XS (4.25 bits) sits between Q3_K (3.44) and Q4_K (4.5): its
- * non-uniform grid errs less than Q3_K's by far for 0.8 bits more, so a budget near 4.5 bits
+ * Q6_K and Q8_0 are then the same). IQ4_XS (4.25 bits) sits between Q3_K (3.44) and Q4_K (4.5):
+ * its non-uniform grid errs less than Q3_K's by far for 0.8 bits more, so a budget near 4.5 bits
  * need not leave most groups at Q3_K. */
 static const int cand[N_CAND] = {MQ_KQ_Q3_K, MQ_KQ_IQ4_XS, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q8_0};
 
@@ -479,23 +479,6 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
             cJSON_AddItemToArray(arr, j);
         }
         p->recipe.table = p->recipe_table;
-        {   /* XXX experiment: MOEQ_TBPW_SET="L:cat:type,..." (L -1: embd/output) */
-            const char *ev = getenv("MOEQ_TBPW_SET");
-            char buf[1024];
-            if (ev) {
-                snprintf(buf, sizeof buf, "%s", ev);
-                for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-                    int l2; char cn[32], tn[32];
-                    if (sscanf(tok, "%d:%31[^:]:%31s", &l2, cn, tn) != 3) continue;
-                    mq_kq_type tt; if (!mq_kq_parse(tn, &tt)) continue;
-                    for (int k = 0; k < MQ_GCAT_COUNT; k++)
-                        if (!strcmp(mq_gguf_cat_name((mq_gguf_cat)k), cn)) {
-                            size_t ix = l2 >= 0 ? (size_t)l2 * MQ_GCAT_COUNT + (size_t)k : (size_t)L * MQ_GCAT_COUNT + (k == MQ_GCAT_OUTPUT);
-                            p->recipe_table[ix] = (int8_t)tt;
-                        }
-                }
-            }
-        }
         if (p->budget_json) {
             cJSON_AddNumberToObject(p->budget_json, "target_bpw", o->target_bpw);
             cJSON_AddNumberToObject(p->budget_json, "bpw", bits / (double)total);
