@@ -10,6 +10,14 @@
 "$cli" quantize "$model" --out "$tmp/m.gguf" --scheme q4_k_m --format gguf --quiet || fail "q4_k_m exited $?"
 out=$("$cli" inspect "$tmp/m.gguf" --tensors) || fail "inspect exited $?"
 has() { printf '%s\n' "$out" | grep -q "$1" || fail "q4_k_m: no line matching '$1'"; }
+# holds FILE "TENSOR=TYPE ...": the file's tensors have the types a --target-bpw report chose
+holds() {
+    local pick
+    out=$("$cli" inspect "$1" --tensors) || fail "inspect $1 exited $?"
+    for pick in $2; do
+        has "^  ${pick%%=*}.weight  *${pick#*=} "
+    done
+}
 has '^  general.file_type  *UINT32  *15$'
 has '^  token_embd.weight  *q4_K '
 has '^  output.weight  *q6_K '
@@ -87,11 +95,7 @@ assert all(m.get("type") for m in r["modules"]), "a module without its type"
 print(" ".join(t["tensor"] + "=" + t["type"] for t in heads))
 EOF
 ) || fail "--target-bpw: the report"
-# the file holds the types the report chose for them
-out=$("$cli" inspect "$tmp/b.gguf" --tensors) || fail "inspect b.gguf exited $?"
-for pick in $heads; do
-    has "^  ${pick%%=*}.weight  *${pick#*=} "
-done
+holds "$tmp/b.gguf" "$heads"
 
 # qwen2moe-tiny (a shared expert beside 8 routed ones of 128 columns): the Q4_K_M rules give the
 # shared expert its role's type (ffn_down: Q6_K in use_more_bits' layers 2 and 3, the routed
@@ -134,10 +138,7 @@ assert all(t["params"] == 8 * 128 * 256 for t in b["tensors"] if t["tensor"] in 
 print(" ".join("blk.%d.%s=%s" % (t["layer"], t["tensor"], t["type"]) for t in sh))
 EOF
 ) || fail "qwen2moe --target-bpw: the report"
-    out=$("$cli" inspect "$tmp/q2b.gguf" --tensors) || fail "inspect q2b.gguf exited $?"
-    for pick in $picks; do
-        has "^  ${pick%%=*}.weight  *${pick#*=} "
-    done
+    holds "$tmp/q2b.gguf" "$picks"
 fi
 
 # refused before any work, nothing written: usage errors exit 2, the library's refusal 1
