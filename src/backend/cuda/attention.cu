@@ -169,6 +169,16 @@ extern "C" moeq_status mq_gpu_attn_new(mq_gpu *g, const mq_gpu_attn_shape *sh, m
     const char *env = mq_env(MQ_ENV_GPU_ATTN_ROWS);
     const int64_t want = env && atoll(env) > 0 ? atoll(env) : GROUP_ROWS;
     a->rows = want > T ? want : T;
+    if (!env) {
+        /* groups of GROUP_ROWS where they take at most a quarter of the free memory, else what
+         * that quarter holds (at least one sample): the planners count one sample's rows, and
+         * what a bound leaves beyond that is the GPTQ waves' and the expert chunks' too */
+        const bool route = sh->E > 0 && sh->top_k > 0;
+        const int64_t per_row =
+            (int64_t)sizeof(float) * (3 * D + 2 * a->QD + 2 * a->KVD + 1 + (route ? sh->E + 2 * sh->top_k : 0));
+        const int64_t fit = (int64_t)(mq_cu_mem_free(g) / 4) / per_row;
+        if (a->rows > fit) a->rows = fit > T ? fit : T;
+    }
     const size_t half_tab = (size_t)(T * (sh->hd / 2));
     cudaStream_t s = g->stream[0];
     if (!st) st = cu_alloc(&a->norm, (size_t)D, "attention norm");
