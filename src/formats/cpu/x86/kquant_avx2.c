@@ -7,25 +7,73 @@
  * (symmetric), clamped to qmin..qmax, the fixed code of the value 0 when step is 0; x^ = step * q
  * - off or step * (q - zero); d = (double)x - (double)x^; sum += (w * d) * d (no w: d * d). The
  * build is ISO C (no FP contraction), so no multiply-add is fused.
- * Also the twins of the sub-block fits' trials (mq_kq_asym_trials_ref, mq_kq_sym_trials_ref):
- * the trial inverse scales in the lanes, each lane's float sums over the values in order.
+ * A table type (IQ4) rounds x / step to the nearest of its 16 values (a tie to the lower) and
+ * x^ = step * value, the rest as the symmetric grids.
+ * Also the twins of the sub-block fits' trials (mq_kq_asym_trials_ref, mq_kq_sym_trials_ref,
+ * mq_kq_table_trials_ref): the trial inverse scales in the lanes, each lane's float sums over
+ * the values in order.
  */
 #include <immintrin.h>
 
 #include "formats/cpu/simd.h"
 
+/* A table type's grid (IQ4: 16 ascending integers) as the vectors of the nearest-value lookup:
+ * the midpoints between neighbours (0.5f * (tab[m] + tab[m + 1]), kquant.c's nearest_in_table)
+ * for a four-level bisection, and the values as floats. */
+typedef struct {
+    __m256 m7, m3, m11;   /* the first two levels' midpoints, broadcast */
+    __m256 l3, l4;        /* level 3: mid[1], mid[5], mid[9], mid[13]; level 4: mid[0], mid[2] .. mid[14] */
+    __m256 tlo, thi;      /* the values of codes 0..7 and 8..15 */
+} kq_tab8;
+
+static inline kq_tab8 kq_tab8_of(const int8_t *tab) {
+    float mid[15], l3[8] = {0}, l4[8], tl[8], th[8];
+    for (int m = 0; m < 15; m++) mid[m] = 0.5f * (float)(tab[m] + tab[m + 1]);
+    for (int j = 0; j < 4; j++) l3[j] = mid[4 * j + 1];
+    for (int j = 0; j < 8; j++) {
+        l4[j] = mid[2 * j];
+        tl[j] = (float)tab[j];
+        th[j] = (float)tab[8 + j];
+    }
+    return (kq_tab8){_mm256_set1_ps(mid[7]), _mm256_set1_ps(mid[3]), _mm256_set1_ps(mid[11]),
+                     _mm256_loadu_ps(l3), _mm256_loadu_ps(l4), _mm256_loadu_ps(tl), _mm256_loadu_ps(th)};
+}
+
+/* The table value of the code nearest v in each lane: the number of midpoints v exceeds
+ * (v > mid, so a tie goes to the lower and NaN to code 0), found by bisection: the code's bits
+ * 8, 4, 2, 1 in turn, each from one comparison with the midpoint below the upper half left. */
+static inline __m256 kq_tab_value(const kq_tab8 *T, __m256 v) {
+    const __m256 c8 = _mm256_cmp_ps(v, T->m7, _CMP_GT_OQ);
+    const __m256 c4 = _mm256_cmp_ps(v, _mm256_blendv_ps(T->m3, T->m11, c8), _CMP_GT_OQ);
+    __m256i idx = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(c8), _mm256_set1_epi32(8)),
+                                  _mm256_and_si256(_mm256_castps_si256(c4), _mm256_set1_epi32(4)));
+    const __m256 c2 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(T->l3, _mm256_srli_epi32(idx, 2)), _CMP_GT_OQ);
+    idx = _mm256_or_si256(idx, _mm256_and_si256(_mm256_castps_si256(c2), _mm256_set1_epi32(2)));
+    const __m256 c1 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(T->l4, _mm256_srli_epi32(idx, 1)), _CMP_GT_OQ);
+    idx = _mm256_or_si256(idx, _mm256_and_si256(_mm256_castps_si256(c1), _mm256_set1_epi32(1)));
+    /* the permutes read idx's low 3 bits: the code within its half */
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(T->tlo, idx), _mm256_permutevar8x32_ps(T->thi, idx), c8);
+}
+
+/* The grid kinds of kq_sse_body. */
+enum { KQ_SYM, KQ_ASYM, KQ_TAB };
+
 /* Scores candidate vectors 0 .. nv - 1 (of 8) together: nv independent chains of double adds
  * hide their latency, and each lane's sum still runs over the values in order. Inlined into
- * callers with constant nv, asym and weighted, so the loops unroll, the sums stay in registers
- * and no test is left in the loop. */
+ * callers with constant nv, kind and weighted, so the loops unroll, the sums stay in registers
+ * and no test is left in the loop. A table grid (KQ_TAB): x / step (0 where the step is 0, as
+ * round_code takes the value 0), its nearest table value tv, x^ = step * tv. */
 static inline __attribute__((always_inline)) void
 kq_sse_body(const mq_kq_info *t, const float *step, const float *off, const float *x, int64_t n,
-            int64_t stride, const float *w, double *sse, const int nv, const bool asym,
+            int64_t stride, const float *w, double *sse, const int nv, const int kind,
             const bool weighted) {
+    const bool asym = kind == KQ_ASYM;
     const __m256 lo = _mm256_set1_ps((float)t->qmin), hi = _mm256_set1_ps((float)t->qmax);
     const __m256 zp = _mm256_set1_ps(asym ? 0.0f : (float)t->zero);
     /* the code a zero step gives every value (round_code) */
     const __m256 q0 = _mm256_set1_ps((float)(asym ? t->qmin : t->zero));
+    kq_tab8 T;
+    if (kind == KQ_TAB) T = kq_tab8_of(t->table);
     __m256 st[4], of[4], zs[4];
     __m256d acc[8];
     for (int k = 0; k < nv; k++) {
@@ -41,13 +89,18 @@ kq_sse_body(const mq_kq_info *t, const float *step, const float *off, const floa
         const __m256d wv = _mm256_set1_pd(weighted ? (double)w[i] : 1.0);
 #pragma GCC unroll 4
         for (int k = 0; k < nv; k++) {
-            __m256 q = asym ? _mm256_div_ps(_mm256_add_ps(xv, of[k]), st[k]) : _mm256_div_ps(xv, st[k]);
-            q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            if (!asym) q = _mm256_add_ps(q, zp);
-            q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
-            q = _mm256_blendv_ps(q, q0, zs[k]);
-            const __m256 dq = asym ? _mm256_sub_ps(_mm256_mul_ps(st[k], q), of[k])
-                                   : _mm256_mul_ps(st[k], _mm256_sub_ps(q, zp));
+            __m256 dq;
+            if (kind == KQ_TAB) {
+                const __m256 q = _mm256_blendv_ps(_mm256_div_ps(xv, st[k]), _mm256_setzero_ps(), zs[k]);
+                dq = _mm256_mul_ps(st[k], kq_tab_value(&T, q));
+            } else {
+                __m256 q = asym ? _mm256_div_ps(_mm256_add_ps(xv, of[k]), st[k]) : _mm256_div_ps(xv, st[k]);
+                q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                if (!asym) q = _mm256_add_ps(q, zp);
+                q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+                q = _mm256_blendv_ps(q, q0, zs[k]);
+                dq = asym ? _mm256_sub_ps(_mm256_mul_ps(st[k], q), of[k]) : _mm256_mul_ps(st[k], _mm256_sub_ps(q, zp));
+            }
             __m256d d0 = _mm256_sub_pd(vd, _mm256_cvtps_pd(_mm256_castps256_ps128(dq)));
             __m256d d1 = _mm256_sub_pd(vd, _mm256_cvtps_pd(_mm256_extractf128_ps(dq, 1)));
             if (weighted) { /* (w * d) * d, the scalar's order; without w, d * d (1 * d is d) */
@@ -65,16 +118,18 @@ kq_sse_body(const mq_kq_info *t, const float *step, const float *off, const floa
 }
 
 /* One instance per vector count, grid kind and weighting. */
-#define KQ_SSE_VARIANT(NAME, NV, ASYM, W)                                                          \
+#define KQ_SSE_VARIANT(NAME, NV, KIND, W)                                                          \
     static void NAME(const mq_kq_info *t, const float *step, const float *off, const float *x,   \
                      int64_t n, int64_t stride, const float *w, double *sse) {                    \
-        kq_sse_body(t, step, off, x, n, stride, w, sse, NV, ASYM, W);                             \
+        kq_sse_body(t, step, off, x, n, stride, w, sse, NV, KIND, W);                             \
     }
 #define KQ_SSE_VARIANTS(NV)                                                                        \
-    KQ_SSE_VARIANT(kq_sse_##NV##_sym, NV, false, false)                                            \
-    KQ_SSE_VARIANT(kq_sse_##NV##_sym_w, NV, false, true)                                           \
-    KQ_SSE_VARIANT(kq_sse_##NV##_asym, NV, true, false)                                            \
-    KQ_SSE_VARIANT(kq_sse_##NV##_asym_w, NV, true, true)
+    KQ_SSE_VARIANT(kq_sse_##NV##_sym, NV, KQ_SYM, false)                                           \
+    KQ_SSE_VARIANT(kq_sse_##NV##_sym_w, NV, KQ_SYM, true)                                          \
+    KQ_SSE_VARIANT(kq_sse_##NV##_asym, NV, KQ_ASYM, false)                                         \
+    KQ_SSE_VARIANT(kq_sse_##NV##_asym_w, NV, KQ_ASYM, true)                                        \
+    KQ_SSE_VARIANT(kq_sse_##NV##_tab, NV, KQ_TAB, false)                                           \
+    KQ_SSE_VARIANT(kq_sse_##NV##_tab_w, NV, KQ_TAB, true)
 KQ_SSE_VARIANTS(1)
 KQ_SSE_VARIANTS(2)
 KQ_SSE_VARIANTS(3)
@@ -85,17 +140,17 @@ typedef void (*kq_sse_fn)(const mq_kq_info *, const float *, const float *, cons
 
 void mq_kq_sse_avx2(const mq_kq_info *t, const float *step, const float *off, int nc,
                     const float *x, int64_t n, int64_t stride, const float *w, double *sse) {
-    /* [vectors - 1][asym][weighted] */
-    static const kq_sse_fn fns[4][2][2] = {
-        {{kq_sse_1_sym, kq_sse_1_sym_w}, {kq_sse_1_asym, kq_sse_1_asym_w}},
-        {{kq_sse_2_sym, kq_sse_2_sym_w}, {kq_sse_2_asym, kq_sse_2_asym_w}},
-        {{kq_sse_3_sym, kq_sse_3_sym_w}, {kq_sse_3_asym, kq_sse_3_asym_w}},
-        {{kq_sse_4_sym, kq_sse_4_sym_w}, {kq_sse_4_asym, kq_sse_4_asym_w}},
+    /* [vectors - 1][kind][weighted] */
+    static const kq_sse_fn fns[4][3][2] = {
+        {{kq_sse_1_sym, kq_sse_1_sym_w}, {kq_sse_1_asym, kq_sse_1_asym_w}, {kq_sse_1_tab, kq_sse_1_tab_w}},
+        {{kq_sse_2_sym, kq_sse_2_sym_w}, {kq_sse_2_asym, kq_sse_2_asym_w}, {kq_sse_2_tab, kq_sse_2_tab_w}},
+        {{kq_sse_3_sym, kq_sse_3_sym_w}, {kq_sse_3_asym, kq_sse_3_asym_w}, {kq_sse_3_tab, kq_sse_3_tab_w}},
+        {{kq_sse_4_sym, kq_sse_4_sym_w}, {kq_sse_4_asym, kq_sse_4_asym_w}, {kq_sse_4_tab, kq_sse_4_tab_w}},
     };
-    const int asym = t->zero < 0, weighted = w != NULL;
+    const int kind = t->table ? KQ_TAB : t->zero < 0 ? KQ_ASYM : KQ_SYM, weighted = w != NULL;
     for (int c0 = 0; c0 < nc; c0 += 32) {
         const int nv = (nc - c0 + 7) / 8;
-        fns[(nv < 4 ? nv : 4) - 1][asym][weighted](t, step + c0, off + c0, x, n, stride, w, sse + c0);
+        fns[(nv < 4 ? nv : 4) - 1][kind][weighted](t, step + c0, off + c0, x, n, stride, w, sse + c0);
     }
 }
 
@@ -213,5 +268,45 @@ void mq_kq_sym_trials_avx2(const float *x, int64_t n, int64_t stride, const floa
         if (nv >= 3) kq_sym_3(x, n, stride, w, nmax, iscale + k0, sumlx + k0, suml2 + k0);
         else if (nv == 2) kq_sym_2(x, n, stride, w, nmax, iscale + k0, sumlx + k0, suml2 + k0);
         else kq_sym_1(x, n, stride, w, nmax, iscale + k0, sumlx + k0, suml2 + k0);
+    }
+}
+
+/* The table fit's trials, NV vectors of 8 together: each lane's float sums over the values in
+ * order, as the scalar's ((w x) t and (w t) t, t the table value nearest x * iscale). */
+#define KQ_TAB_BLOCK(NV)                                                                           \
+    static void kq_tab_##NV(const kq_tab8 *T, const float *x, int64_t n, int64_t stride,          \
+                            const float *w, const float *iscale, float *sxt, float *stt) {         \
+        __m256 is[NV], sx[NV], s2[NV];                                                             \
+        for (int k = 0; k < NV; k++) {                                                             \
+            is[k] = _mm256_loadu_ps(iscale + 8 * k);                                               \
+            sx[k] = s2[k] = _mm256_setzero_ps();                                                   \
+        }                                                                                          \
+        for (int64_t i = 0; i < n; i++) {                                                          \
+            const float v = x[i * stride], wi = w ? w[i] : 1.0f;                                   \
+            const __m256 xv = _mm256_set1_ps(v), wv = _mm256_set1_ps(wi);                          \
+            const __m256 wx = _mm256_set1_ps(wi * v);                                              \
+            for (int k = 0; k < NV; k++) {                                                         \
+                const __m256 tv = kq_tab_value(T, _mm256_mul_ps(xv, is[k]));                       \
+                sx[k] = _mm256_add_ps(sx[k], _mm256_mul_ps(wx, tv));                               \
+                s2[k] = _mm256_add_ps(s2[k], _mm256_mul_ps(_mm256_mul_ps(wv, tv), tv));            \
+            }                                                                                      \
+        }                                                                                          \
+        for (int k = 0; k < NV; k++) {                                                             \
+            _mm256_storeu_ps(sxt + 8 * k, sx[k]);                                                  \
+            _mm256_storeu_ps(stt + 8 * k, s2[k]);                                                  \
+        }                                                                                          \
+    }
+KQ_TAB_BLOCK(1)
+KQ_TAB_BLOCK(2)
+KQ_TAB_BLOCK(3)
+
+void mq_kq_table_trials_avx2(const int8_t *tab, const float *x, int64_t n, int64_t stride,
+                             const float *w, const float *iscale, int nt, float *sxt, float *stt) {
+    const kq_tab8 T = kq_tab8_of(tab);
+    for (int k0 = 0; k0 < nt; k0 += 24) {
+        const int nv = (nt - k0 + 7) / 8;
+        if (nv >= 3) kq_tab_3(&T, x, n, stride, w, iscale + k0, sxt + k0, stt + k0);
+        else if (nv == 2) kq_tab_2(&T, x, n, stride, w, iscale + k0, sxt + k0, stt + k0);
+        else kq_tab_1(&T, x, n, stride, w, iscale + k0, sxt + k0, stt + k0);
     }
 }
