@@ -589,6 +589,59 @@ static void test_table_trials_twin(void) {
     }
 }
 
+/* The AVX2 rounding to a table (mq_kq_qdq_table_avx2, which mq_kq_qdq and mq_kq_qdq_column
+ * call for IQ4) gives the scalar reference's codes and values bit for bit: at ties (where the
+ * lower code must win), zeros, huge values and subnormals, with one step and with a step per
+ * value (0, -0, negative, tiny among them), counts with and without a tail left to the scalar,
+ * codes or values alone. */
+static void test_table_qdq_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    enum { NX = 200 };
+    static float x[NX], xs[NX], st[NX], dq[3][NX];
+    static uint8_t code[3][NX];
+    const float steps[] = {1.0f, -0.5f, 2.0f, 0.0f, -0.0f, 1.0f / 1024, 1e-38f};
+    const int ns = (int)(sizeof steps / sizeof *steps), nx = table_edge_values(steps, 3, x, NX);
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_IQ4_XS);
+    int lower_ties = 0;
+    for (int tr = 0; tr < 300; tr++) {
+        const int n = 1 + (tr * 11) % NX, per = tr % 2;
+        for (int i = 0; i < n; i++) {
+            xs[i] = tr < 2 ? x[i % nx] : x[rnd_u32() % (uint32_t)nx];
+            st[i] = tr < 2 ? 1.0f : steps[rnd_u32() % (uint32_t)ns];
+        }
+        const float s1 = tr < 2 ? 1.0f : steps[tr % ns];
+        for (int run = 0; run < 2; run++) {   /* the reference, then the dispatch (AVX2) */
+            moeq_set_force_ref(run == 0);
+            if (per) mq_kq_qdq_column(t, st, st /* offsets: unused by a table */, xs, n, code[run], dq[run]);
+            else mq_kq_qdq(t, s1, 0.0f, xs, n, code[run], dq[run]);
+        }
+        moeq_set_force_ref(0);
+        memset(code[2], 0xff, sizeof code[2]);
+        int64_t m = 0;
+#if MQ_TEST_X86
+        m = mq_kq_qdq_table_avx2(t->table, per ? st : &s1, per, xs, n, code[2], NULL);
+        ASSERT_EQ_INT(n / 8 * 8, (int)m);
+        ASSERT_EQ_INT(n / 8 * 8, (int)mq_kq_qdq_table_avx2(t->table, per ? st : &s1, per, xs, n, NULL, dq[2]));
+#endif
+        for (int i = 0; i < n; i++) {
+            if (code[0][i] != code[1][i] || memcmp(&dq[0][i], &dq[1][i], sizeof(float)))
+                FAIL("trial %d value %d (x %g, step %g): ref %d %g, simd %d %g", tr, i, xs[i], per ? st[i] : s1,
+                     code[0][i], dq[0][i], code[1][i], dq[1][i]);
+            if (i < m && (code[0][i] != code[2][i] || memcmp(&dq[0][i], &dq[2][i], sizeof(float))))
+                FAIL("trial %d value %d: the kernel alone %d %g, ref %d %g", tr, i, code[2][i], dq[2][i],
+                     code[0][i], dq[0][i]);
+            if (i >= m && code[2][i] != 0xff) FAIL("trial %d: the kernel wrote code %d past %d", tr, i, (int)m);
+            const float q = (per ? st[i] : s1) != 0.0f ? xs[i] / (per ? st[i] : s1) : 0.0f;
+            for (int k = 0; k < 15; k++)   /* a tie: the lower code */
+                if (q == 0.5f * (float)(t->table[k] + t->table[k + 1])) {
+                    ASSERT_EQ_INT(k, code[1][i]);
+                    lower_ties++;
+                }
+        }
+    }
+    ASSERT_TRUE(lower_ties >= 15);
+}
+
 static bool same_groups(const mq_gparams *a, const mq_gparams *b) {
     return !memcmp(&a->scale, &b->scale, sizeof(float)) && !memcmp(&a->zero, &b->zero, sizeof(float)) &&
            a->scale_code == b->scale_code && a->min_code == b->min_code;
@@ -634,5 +687,5 @@ TEST_MAIN(T(test_q4_k_by_hand), T(test_q6_k_by_hand), T(test_q3_k_by_hand), T(te
           T(test_iq4_xs_by_hand), T(test_iq4_nl_by_hand), T(test_iq4_rounding),
           T(test_random_round_trips), T(test_pack_refuses), T(test_fit), T(test_names), T(test_q8_k_activations),
           T(test_sse_twin), T(test_asym_trials_twin),
-          T(test_sym_trials_twin), T(test_table_sse_twin), T(test_table_trials_twin),
+          T(test_sym_trials_twin), T(test_table_sse_twin), T(test_table_trials_twin), T(test_table_qdq_twin),
           T(test_fit_simd_same))

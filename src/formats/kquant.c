@@ -110,10 +110,21 @@ static inline uint8_t round_code(const mq_kq_info *t, float step, float off, flo
     return (uint8_t)(int)q;
 }
 
+/* The values a table type's SIMD rounding took (the first of those left to the scalar loop). */
+static int64_t qdq_table_simd(const mq_kq_info *t, const float *step, bool per_value, const float *x,
+                              int64_t n, uint8_t *code, float *dq) {
+#if defined(__x86_64__)
+    if (t->table && mq_cpu_has_avx2_fma() && !mq_force_ref())
+        return mq_kq_qdq_table_avx2(t->table, step, per_value, x, n, code, dq);
+#endif
+    (void)t, (void)step, (void)per_value, (void)x, (void)n, (void)code, (void)dq;
+    return 0;
+}
+
 void mq_kq_qdq(const mq_kq_info *t, float step, float off, const float *x, int64_t n,
                uint8_t *code, float *dq) {
     const mq_gparams g = {step, off, 0, 0};
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = qdq_table_simd(t, &step, false, x, n, code, dq); i < n; i++) {
         const uint8_t c = round_code(t, step, off, x[i]);
         if (code) code[i] = c;
         if (dq) dq[i] = mq_kq_value(t, &g, c);
@@ -122,7 +133,7 @@ void mq_kq_qdq(const mq_kq_info *t, float step, float off, const float *x, int64
 
 void mq_kq_qdq_column(const mq_kq_info *t, const float *step, const float *off, const float *x,
                       int64_t n, uint8_t *code, float *dq) {
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = qdq_table_simd(t, step, true, x, n, code, dq); i < n; i++) {
         const mq_gparams g = {step[i], off[i], 0, 0};
         const uint8_t c = round_code(t, step[i], off[i], x[i]);
         code[i] = c;

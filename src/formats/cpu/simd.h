@@ -35,6 +35,13 @@ void mq_kq_sym_trials_avx2(const float *x, int64_t n, int64_t stride, const floa
 void mq_kq_table_trials_avx2(const int8_t *tab, const float *x, int64_t n, int64_t stride,
                              const float *w, const float *iscale, int nt, float *sxt, float *stt);
 
+/* AVX2 twin (kquant_avx2.c; only when mq_cpu_has_avx2_fma()) of a table type's rounding
+ * (mq_kq_qdq, or mq_kq_qdq_column when per_value: step[i] for value i): the codes and values of
+ * values 0 .. m - 1, bit-identical, m = n rounded down to a multiple of 8, which it returns (the
+ * caller rounds the rest). code or dq may be NULL. */
+int64_t mq_kq_qdq_table_avx2(const int8_t *tab, const float *step, bool per_value, const float *x,
+                             int64_t n, uint8_t *code, float *dq);
+
 /* AVX-512 twins (src/formats/cpu/x86/kquant_avx512.c; only when mq_cpu_has_avx512()) of the
  * table types' scoring (mq_kq_sse_ref for a t with a table: no offsets) and of their fit's
  * trials: bit-identical, 16 candidates or trials per vector, the arrays as the references'. */

@@ -39,10 +39,10 @@ static inline kq_tab8 kq_tab8_of(const int8_t *tab) {
                      _mm256_loadu_ps(l3), _mm256_loadu_ps(l4), _mm256_loadu_ps(tl), _mm256_loadu_ps(th)};
 }
 
-/* The table value of the code nearest v in each lane: the number of midpoints v exceeds
- * (v > mid, so a tie goes to the lower and NaN to code 0), found by bisection: the code's bits
- * 8, 4, 2, 1 in turn, each from one comparison with the midpoint below the upper half left. */
-static inline __m256 kq_tab_value(const kq_tab8 *T, __m256 v) {
+/* The code nearest v in each lane: the number of midpoints v exceeds (v > mid, so a tie goes
+ * to the lower and NaN to code 0), found by bisection: the code's bits 8, 4, 2, 1 in turn, each
+ * from one comparison with the midpoint just below the upper half of what is left. */
+static inline __m256i kq_tab_code(const kq_tab8 *T, __m256 v) {
     const __m256 c8 = _mm256_cmp_ps(v, T->m7, _CMP_GT_OQ);
     const __m256 c4 = _mm256_cmp_ps(v, _mm256_blendv_ps(T->m3, T->m11, c8), _CMP_GT_OQ);
     __m256i idx = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(c8), _mm256_set1_epi32(8)),
@@ -50,10 +50,17 @@ static inline __m256 kq_tab_value(const kq_tab8 *T, __m256 v) {
     const __m256 c2 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(T->l3, _mm256_srli_epi32(idx, 2)), _CMP_GT_OQ);
     idx = _mm256_or_si256(idx, _mm256_and_si256(_mm256_castps_si256(c2), _mm256_set1_epi32(2)));
     const __m256 c1 = _mm256_cmp_ps(v, _mm256_permutevar8x32_ps(T->l4, _mm256_srli_epi32(idx, 1)), _CMP_GT_OQ);
-    idx = _mm256_or_si256(idx, _mm256_and_si256(_mm256_castps_si256(c1), _mm256_set1_epi32(1)));
-    /* the permutes read idx's low 3 bits: the code within its half */
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(T->tlo, idx), _mm256_permutevar8x32_ps(T->thi, idx), c8);
+    return _mm256_or_si256(idx, _mm256_and_si256(_mm256_castps_si256(c1), _mm256_set1_epi32(1)));
 }
+
+/* The table value of code idx: the permutes read idx's low 3 bits (the code within its half),
+ * the blend its bit 3 (moved to the sign). */
+static inline __m256 kq_tab_at(const kq_tab8 *T, __m256i idx) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(T->tlo, idx), _mm256_permutevar8x32_ps(T->thi, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+static inline __m256 kq_tab_value(const kq_tab8 *T, __m256 v) { return kq_tab_at(T, kq_tab_code(T, v)); }
 
 /* The grid kinds of kq_sse_body. */
 enum { KQ_SYM, KQ_ASYM, KQ_TAB };
@@ -309,4 +316,22 @@ void mq_kq_table_trials_avx2(const int8_t *tab, const float *x, int64_t n, int64
         else if (nv == 2) kq_tab_2(&T, x, n, stride, w, iscale + k0, sxt + k0, stt + k0);
         else kq_tab_1(&T, x, n, stride, w, iscale + k0, sxt + k0, stt + k0);
     }
+}
+
+int64_t mq_kq_qdq_table_avx2(const int8_t *tab, const float *step, bool per_value, const float *x,
+                             int64_t n, uint8_t *code, float *dq) {
+    const kq_tab8 T = kq_tab8_of(tab);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 st = per_value ? _mm256_loadu_ps(step + i) : _mm256_set1_ps(step[0]);
+        const __m256 zs = _mm256_cmp_ps(st, _mm256_setzero_ps(), _CMP_EQ_OQ);
+        const __m256i c = kq_tab_code(&T, _mm256_blendv_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), st),
+                                                           _mm256_setzero_ps(), zs));
+        if (dq) _mm256_storeu_ps(dq + i, _mm256_mul_ps(st, kq_tab_at(&T, c)));
+        if (code) { /* 8 codes 0..15: to 16 bits, then to bytes, in order */
+            const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+            _mm_storel_epi64((__m128i *)(code + i), _mm_packus_epi16(w16, w16));
+        }
+    }
+    return i;
 }
