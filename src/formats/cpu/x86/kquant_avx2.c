@@ -238,84 +238,71 @@ void mq_kq_asym_trials_avx2(const float *x, int64_t n, int64_t stride, const flo
     }
 }
 
-/* The symmetric fit's trials, NV vectors of 8 together: each lane's float sums over the values
- * in order, as the scalar's. */
-#define KQ_SYM_BLOCK(NV)                                                                           \
-    static void kq_sym_##NV(const float *x, int64_t n, int64_t stride, const float *w, int nmax,  \
-                            const float *iscale, float *sumlx, float *suml2) {                     \
-        const __m256 lo = _mm256_set1_ps((float)-nmax), top = _mm256_set1_ps((float)(nmax - 1));  \
-        __m256 is[NV], slx[NV], sl2[NV];                                                           \
-        for (int k = 0; k < NV; k++) {                                                             \
-            is[k] = _mm256_loadu_ps(iscale + 8 * k);                                               \
-            slx[k] = sl2[k] = _mm256_setzero_ps();                                                 \
-        }                                                                                          \
-        for (int64_t i = 0; i < n; i++) {                                                          \
-            const float v = x[i * stride], wi = w ? w[i] : 1.0f;                                   \
-            const __m256 xv = _mm256_set1_ps(v), wv = _mm256_set1_ps(wi);                          \
-            const __m256 wx = _mm256_set1_ps(wi * v);                                              \
-            for (int k = 0; k < NV; k++) {                                                         \
-                const __m256 l = kq_code(is[k], xv, lo, top);                                      \
-                slx[k] = _mm256_add_ps(slx[k], _mm256_mul_ps(wx, l));                              \
-                sl2[k] = _mm256_add_ps(sl2[k], _mm256_mul_ps(_mm256_mul_ps(wv, l), l));            \
-            }                                                                                      \
-        }                                                                                          \
-        for (int k = 0; k < NV; k++) {                                                             \
-            _mm256_storeu_ps(sumlx + 8 * k, slx[k]);                                               \
-            _mm256_storeu_ps(suml2 + 8 * k, sl2[k]);                                               \
-        }                                                                                          \
+/* The symmetric and the table fits' trials, nv vectors of 8 together: per lane the code value c
+ * of x at its trial's inverse scale (symmetric: l = rint(iscale * x) clamped to -nmax..nmax-1;
+ * table: the table value nearest x * iscale) and the float sums over the values in order of
+ * (w x) c and (w c) c, as the scalars'. Inlined with constant nv and kind. */
+static inline __attribute__((always_inline)) void
+kq_lx_body(const kq_tab8 *T, int nmax, const float *x, int64_t n, int64_t stride, const float *w,
+           const float *iscale, float *sumlx, float *suml2, const int nv, const bool table) {
+    const __m256 lo = _mm256_set1_ps((float)-nmax), top = _mm256_set1_ps((float)(nmax - 1));
+    __m256 is[3], slx[3], sl2[3];
+    for (int k = 0; k < nv; k++) {
+        is[k] = _mm256_loadu_ps(iscale + 8 * k);
+        slx[k] = sl2[k] = _mm256_setzero_ps();
     }
-KQ_SYM_BLOCK(1)
-KQ_SYM_BLOCK(2)
-KQ_SYM_BLOCK(3)
-
-void mq_kq_sym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
-                           const float *iscale, int nt, float *sumlx, float *suml2) {
-    for (int k0 = 0; k0 < nt; k0 += 24) {
-        const int nv = (nt - k0 + 7) / 8;
-        if (nv >= 3) kq_sym_3(x, n, stride, w, nmax, iscale + k0, sumlx + k0, suml2 + k0);
-        else if (nv == 2) kq_sym_2(x, n, stride, w, nmax, iscale + k0, sumlx + k0, suml2 + k0);
-        else kq_sym_1(x, n, stride, w, nmax, iscale + k0, sumlx + k0, suml2 + k0);
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i * stride], wi = w ? w[i] : 1.0f;
+        const __m256 xv = _mm256_set1_ps(v), wv = _mm256_set1_ps(wi);
+        const __m256 wx = _mm256_set1_ps(wi * v);
+        for (int k = 0; k < nv; k++) {
+            const __m256 c = table ? kq_tab_value(T, _mm256_mul_ps(xv, is[k])) : kq_code(is[k], xv, lo, top);
+            slx[k] = _mm256_add_ps(slx[k], _mm256_mul_ps(wx, c));
+            sl2[k] = _mm256_add_ps(sl2[k], _mm256_mul_ps(_mm256_mul_ps(wv, c), c));
+        }
+    }
+    for (int k = 0; k < nv; k++) {
+        _mm256_storeu_ps(sumlx + 8 * k, slx[k]);
+        _mm256_storeu_ps(suml2 + 8 * k, sl2[k]);
     }
 }
 
-/* The table fit's trials, NV vectors of 8 together: each lane's float sums over the values in
- * order, as the scalar's ((w x) t and (w t) t, t the table value nearest x * iscale). */
-#define KQ_TAB_BLOCK(NV)                                                                           \
-    static void kq_tab_##NV(const kq_tab8 *T, const float *x, int64_t n, int64_t stride,          \
-                            const float *w, const float *iscale, float *sxt, float *stt) {         \
-        __m256 is[NV], sx[NV], s2[NV];                                                             \
-        for (int k = 0; k < NV; k++) {                                                             \
-            is[k] = _mm256_loadu_ps(iscale + 8 * k);                                               \
-            sx[k] = s2[k] = _mm256_setzero_ps();                                                   \
-        }                                                                                          \
-        for (int64_t i = 0; i < n; i++) {                                                          \
-            const float v = x[i * stride], wi = w ? w[i] : 1.0f;                                   \
-            const __m256 xv = _mm256_set1_ps(v), wv = _mm256_set1_ps(wi);                          \
-            const __m256 wx = _mm256_set1_ps(wi * v);                                              \
-            for (int k = 0; k < NV; k++) {                                                         \
-                const __m256 tv = kq_tab_value(T, _mm256_mul_ps(xv, is[k]));                       \
-                sx[k] = _mm256_add_ps(sx[k], _mm256_mul_ps(wx, tv));                               \
-                s2[k] = _mm256_add_ps(s2[k], _mm256_mul_ps(_mm256_mul_ps(wv, tv), tv));            \
-            }                                                                                      \
-        }                                                                                          \
-        for (int k = 0; k < NV; k++) {                                                             \
-            _mm256_storeu_ps(sxt + 8 * k, sx[k]);                                                  \
-            _mm256_storeu_ps(stt + 8 * k, s2[k]);                                                  \
-        }                                                                                          \
+#define KQ_LX_VARIANT(NAME, NV, TABLE)                                                             \
+    static void NAME(const kq_tab8 *T, int nmax, const float *x, int64_t n, int64_t stride,       \
+                     const float *w, const float *iscale, float *sumlx, float *suml2) {            \
+        kq_lx_body(T, nmax, x, n, stride, w, iscale, sumlx, suml2, NV, TABLE);                     \
     }
-KQ_TAB_BLOCK(1)
-KQ_TAB_BLOCK(2)
-KQ_TAB_BLOCK(3)
+KQ_LX_VARIANT(kq_sym_1, 1, false)
+KQ_LX_VARIANT(kq_sym_2, 2, false)
+KQ_LX_VARIANT(kq_sym_3, 3, false)
+KQ_LX_VARIANT(kq_tab_1, 1, true)
+KQ_LX_VARIANT(kq_tab_2, 2, true)
+KQ_LX_VARIANT(kq_tab_3, 3, true)
+
+typedef void (*kq_lx_fn)(const kq_tab8 *, int, const float *, int64_t, int64_t, const float *,
+                         const float *, float *, float *);
+
+/* Trials k0 .. k0 + 23 at a time by the variant of their vector count. */
+static void kq_lx_trials(const kq_lx_fn fns[3], const kq_tab8 *T, int nmax, const float *x, int64_t n,
+                         int64_t stride, const float *w, const float *iscale, int nt, float *sumlx,
+                         float *suml2) {
+    for (int k0 = 0; k0 < nt; k0 += 24) {
+        const int nv = (nt - k0 + 7) / 8;
+        fns[(nv < 3 ? nv : 3) - 1](T, nmax, x, n, stride, w, iscale + k0, sumlx + k0, suml2 + k0);
+    }
+}
+
+void mq_kq_sym_trials_avx2(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
+                           const float *iscale, int nt, float *sumlx, float *suml2) {
+    static const kq_lx_fn fns[3] = {kq_sym_1, kq_sym_2, kq_sym_3};
+    kq_lx_trials(fns, NULL, nmax, x, n, stride, w, iscale, nt, sumlx, suml2);
+}
 
 void mq_kq_table_trials_avx2(const int8_t *tab, const float *x, int64_t n, int64_t stride,
                              const float *w, const float *iscale, int nt, float *sxt, float *stt) {
+    static const kq_lx_fn fns[3] = {kq_tab_1, kq_tab_2, kq_tab_3};
     const kq_tab8 T = kq_tab8_of(tab);
-    for (int k0 = 0; k0 < nt; k0 += 24) {
-        const int nv = (nt - k0 + 7) / 8;
-        if (nv >= 3) kq_tab_3(&T, x, n, stride, w, iscale + k0, sxt + k0, stt + k0);
-        else if (nv == 2) kq_tab_2(&T, x, n, stride, w, iscale + k0, sxt + k0, stt + k0);
-        else kq_tab_1(&T, x, n, stride, w, iscale + k0, sxt + k0, stt + k0);
-    }
+    kq_lx_trials(fns, &T, 0, x, n, stride, w, iscale, nt, sxt, stt);
 }
 
 int64_t mq_kq_qdq_table_avx2(const int8_t *tab, const float *step, bool per_value, const float *x,
