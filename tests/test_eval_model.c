@@ -230,6 +230,17 @@ static void test_kl_against_itself_is_zero(void) {
     ASSERT_OK(moeq_eval(m, docs, &o, &r));
     ASSERT_TRUE(r.has_kl && r.kl_tokens == r.tokens && r.tokens > 100);
     ASSERT_TRUE(r.kl_mean == 0.0 && r.kl_p99 == 0.0 && r.top1_changed == 0.0);
+    ASSERT_TRUE(r.has_base && r.base_loglikelihood == r.loglikelihood);
+    /* documents of many windows: the base's log-likelihood is summed as the model's (per
+     * window, then per document), so a model against itself prints the same perplexity bits */
+    double ll[2], llb[2];
+    o = mq_test_text_eval(64, m);
+    o.doc_loglikelihood = ll;
+    o.doc_base_loglikelihood = llb;
+    ASSERT_OK(moeq_eval(m, docs, &o, &r));
+    ASSERT_TRUE(r.tokens > 8 * 64 && r.kl_mean == 0.0);
+    ASSERT_TRUE(memcmp(&r.base_loglikelihood, &r.loglikelihood, sizeof(double)) == 0);
+    ASSERT_TRUE(memcmp(llb, ll, sizeof ll) == 0);
     moeq_docs_free(docs);
     moeq_model_free(m);
 }

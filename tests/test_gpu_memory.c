@@ -212,6 +212,9 @@ static void test_bound_end_to_end(void) {
     o = gptq_on_cuda(1000000, true);
     moeq_quantize(d.model, d.out, &o, &r);
     const int64_t bound = 2 * r.plan.gpu_least;
+    printf("  plan: one layer's least %.1f MB (the attention %.1f MB, its stage %.1f MB, an expert's %.1f MB)\n",
+           (double)r.plan.gpu_least / 1e6, (double)r.plan.gpu_attention / 1e6,
+           (double)r.plan.gpu_attention_stage / 1e6, (double)r.plan.gpu_expert / 1e6);
     o = gptq_on_cuda(bound, false);
     ASSERT_OK(moeq_quantize(d.model, d.out, &o, &r));
     printf("  bound %.3f GB (twice one layer's least): peak of GPU memory held %.3f GB\n", (double)bound / 1e9,

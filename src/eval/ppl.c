@@ -390,8 +390,16 @@ static void fill_result(const mq_eval_ctx *c, const moeq_eval_options *o, moeq_e
                 if (kl_vals) kl_vals[kl_n] = c->tok_kl[g];
                 kl_n++;
                 r->kl_hist[kl_bin(c->tok_kl[g])]++;
-                if (c->tok_llb) lb += c->tok_llb[g];
             }
+            /* the base's log-likelihood summed as the model's: each window's tokens in order,
+             * then the windows (a model against itself prints the same bits) */
+            if (c->tok_llb)
+                for (int64_t w = c->win_first[d]; w < c->win_first[d + 1]; w++) {
+                    const int64_t g0 = c->tok_off[d] + c->win[w].first_target;
+                    double lw = 0;
+                    for (int64_t i = 0; i < c->win[w].n_score; i++) lw += c->tok_llb[g0 + i];
+                    lb += lw;
+                }
             const double nt = (double)(c->tok_off[d + 1] - c->tok_off[d]);
             if (o->doc_kl) o->doc_kl[d] = nt > 0 ? kd / nt : NAN;
             if (o->doc_top1_changed) o->doc_top1_changed[d] = nt > 0 ? (double)cd / nt : NAN;

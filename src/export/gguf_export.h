@@ -28,10 +28,13 @@ bool mq_gguf_rest_parse(const char *s, mq_gguf_rest *out);
 
 /* ---- K-quant files: which tensor gets which of llama.cpp's block types (gguf_export_recipe.c) */
 
-/* llama.cpp's categories of tensors (llama-quant.cpp's tensor_category). */
+/* llama.cpp's categories of tensors (llama-quant.cpp's tensor_category), and a shared expert's
+ * gate, up and down apart from the routed experts' (llama.cpp's ffn_*_shexp: its rules give them
+ * their role's type, --target-bpw may choose another). */
 typedef enum {
     MQ_GCAT_OTHER = 0, MQ_GCAT_TOKEN_EMBD, MQ_GCAT_OUTPUT, MQ_GCAT_ATTN_Q, MQ_GCAT_ATTN_K,
     MQ_GCAT_ATTN_V, MQ_GCAT_ATTN_OUTPUT, MQ_GCAT_FFN_GATE, MQ_GCAT_FFN_UP, MQ_GCAT_FFN_DOWN,
+    MQ_GCAT_FFN_GATE_SHEXP, MQ_GCAT_FFN_UP_SHEXP, MQ_GCAT_FFN_DOWN_SHEXP,
     MQ_GCAT_COUNT
 } mq_gguf_cat;
 

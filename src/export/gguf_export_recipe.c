@@ -47,15 +47,19 @@ mq_gguf_cat mq_gguf_category_hf(const char *module, int *layer) {
     if (ends_with(module, ".self_attn.k_proj")) return MQ_GCAT_ATTN_K;
     if (ends_with(module, ".self_attn.v_proj")) return MQ_GCAT_ATTN_V;
     if (ends_with(module, ".self_attn.o_proj")) return MQ_GCAT_ATTN_OUTPUT;
-    if (ends_with(module, "gate_proj") || ends_with(module, ".w1")) return MQ_GCAT_FFN_GATE;
-    if (ends_with(module, "up_proj") || ends_with(module, ".w3")) return MQ_GCAT_FFN_UP;
-    if (ends_with(module, "down_proj") || ends_with(module, ".w2")) return MQ_GCAT_FFN_DOWN;
+    /* qwen2moe's mlp.shared_expert, deepseek's mlp.shared_experts */
+    const int sh = strstr(module, ".shared_expert") ? MQ_GCAT_FFN_GATE_SHEXP - MQ_GCAT_FFN_GATE : 0;
+    if (ends_with(module, "gate_proj") || ends_with(module, ".w1")) return (mq_gguf_cat)(MQ_GCAT_FFN_GATE + sh);
+    if (ends_with(module, "up_proj") || ends_with(module, ".w3")) return (mq_gguf_cat)(MQ_GCAT_FFN_UP + sh);
+    if (ends_with(module, "down_proj") || ends_with(module, ".w2")) return (mq_gguf_cat)(MQ_GCAT_FFN_DOWN + sh);
     return MQ_GCAT_OTHER;   /* deepseek2's q_a/q_b/kv_a/kv_b: none of llama.cpp's categories */
 }
 
 const char *mq_gguf_cat_name(mq_gguf_cat c) {
-    static const char *const names[MQ_GCAT_COUNT] = {"other", "token_embd", "output", "attn_q", "attn_k",
-                                                     "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"};
+    static const char *const names[MQ_GCAT_COUNT] = {"other",     "token_embd", "output",         "attn_q",
+                                                     "attn_k",    "attn_v",     "attn_output",    "ffn_gate",
+                                                     "ffn_up",    "ffn_down",   "ffn_gate_shexp", "ffn_up_shexp",
+                                                     "ffn_down_shexp"};
     return c >= 0 && c < MQ_GCAT_COUNT ? names[c] : "other";
 }
 
@@ -67,6 +71,7 @@ static mq_kq_type mixture(const mq_gguf_recipe *r, mq_gguf_cat cat, int layer) {
     const bool k3 = b == MQ_KQ_Q3_K, k4 = b == MQ_KQ_Q4_K, k5 = b == MQ_KQ_Q5_K;
     const bool iq4 = b == MQ_KQ_IQ4_NL || b == MQ_KQ_IQ4_XS;
     const bool eight = r->n_experts == 8;
+    if (cat >= MQ_GCAT_FFN_GATE_SHEXP) cat = (mq_gguf_cat)(cat - (MQ_GCAT_FFN_GATE_SHEXP - MQ_GCAT_FFN_GATE));
     switch (cat) {
     case MQ_GCAT_OUTPUT: return MQ_KQ_Q6_K;
     case MQ_GCAT_TOKEN_EMBD: return r->tied ? MQ_KQ_Q6_K : b;

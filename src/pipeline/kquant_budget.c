@@ -1,7 +1,11 @@
 /*
  * --target-bpw B: the block type of each tensor group of a K-quant GGUF file (a layer's q, k, v,
- * o, gate, up, down; a layer's experts and shared expert share their role's type, as llama.cpp's
- * stacked tensors must) chosen so that the file holds at most B bits per parameter.
+ * o, gate, up, down: a layer's routed experts share their role's type, as llama.cpp's stacked
+ * tensors must; a shared expert's gate, up and down are groups of their own, llama.cpp's
+ * ffn_*_shexp tensors: always on and gated apart, its Linears move the residual far more per
+ * unit of their loss than the routed experts' (13x on qwen2moe-tiny's gate/up), and one gain for
+ * the mixed group priced its types wrongly) chosen so that the file holds at most B bits per
+ * parameter.
  *
  * Sensitivity of a group to type T: the loss GPTQ minimises, tr((W - Q_T) H (W - Q_T)^T), with
  * H's diagonal (sum over calibration tokens of x_j^2, each Linear's own input: an expert's routed
@@ -10,9 +14,15 @@
  * adds to its outputs. Those outputs are not in one unit (q's error passes a softmax, down's
  * lands in the residual stream as it is), so each group's loss is carried to the layer's
  * output, the residual stream every layer shares: the layer is run again with the group
- * rounded to Q3_K, and gain = |residual change|^2 / the group's Q3_K loss scales all its types'
- * losses. GPTQ lowers the losses by a similar factor for every type (its report's loss against
- * RTN: 0.3-0.4 on the fixtures), so the ranking holds. Why not the others the issue names: the
+ * rounded to Q3_K, and gain = (residual change) / the group's Q3_K loss scales all its types'
+ * losses. The residual change is each token's |change|^2 divided by that token's mean square
+ * of the layer's output (sum over tokens): every reader of the stream (the next layers, the
+ * final norm) sees it through an RMS norm, so an error counts by its size against the token's
+ * own stream. The plain |change|^2 summed over tokens ranked q, k, gate and up far below down
+ * and o on qwen2moe-tiny, where llama.cpp's KL of files with one role upgraded said the
+ * opposite, and missed the issue's goal there; this measure meets it on the three fixtures
+ * (docs/results/kquant.md). GPTQ lowers the losses by a similar factor for every type (its
+ * report's loss against RTN: 0.3-0.4 on the fixtures), so the ranking holds. Why not the others the issue names: the
  * Hessian's trace ignores the weights' own error; a KL probe on the logits needs a forward of the
  * rest of the model per group and type; GPTQ loss against RTN needs GPTQ per candidate. This
  * costs a forward of a few samples through the unquantized model, one more layer forward per
@@ -21,11 +31,10 @@
  *
  * Choice: a multiple-choice knapsack by its Lagrangian greedy: every group at its cheapest type,
  * then the upgrade with the largest loss removed per added bit, one at a time, while it fits the
- * budget. The output (or a tied token_embd) is one more group (head_losses says how its errors
- * are carried to the residual stream's unit: on small models it is a large share of the file,
- * and a rule that kept it at Q6_K left the Linears under 4 bits at a 4.5-bit budget); an untied
- * token_embd keeps the file type's rule; both count in the budget, as do the F32 norms and
- * routers.
+ * budget. The output and token_embd (one group when tied) are groups too (head_losses says how
+ * their errors are carried to the residual stream's unit: on small models they are a large share
+ * of the file, and rules that kept them at Q6_K and the file type's left the Linears under 4
+ * bits at a 4.5-bit budget); the F32 norms and routers count in the budget too.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -38,9 +47,9 @@ enum { PROBE_SAMPLES = 16, ROWS_DENSE = 32, ROWS_EXPERT = 8, N_CAND = 6 };
 
 /* A group's candidates are the K-quants, IQ4_XS and Q8_0, cheapest first; a member whose rows
  * are no whole 256-value blocks takes each one's llama.cpp fallback (Q3_K -> Q4_0, IQ4_XS ->
- * IQ4_NL, Q4_K -> Q5_0, ...), whose loss and bits it adds (qwen2moe's 128-input experts' down
- * beside its shared expert's). IQ4_XS (4.25 bits) sits between Q3_K (3.44) and Q4_K (4.5): its
- * non-uniform grid errs less than Q3_K's by far for 0.8 bits more, so a budget near 4.5 bits
+ * IQ4_NL, Q4_K -> Q5_0, ...), whose loss and bits it adds (qwen2moe's 128-input experts' down:
+ * Q6_K and Q8_0 are then the same). IQ4_XS (4.25 bits) sits between Q3_K (3.44) and Q4_K (4.5):
+ * its non-uniform grid errs less than Q3_K's by far for 0.8 bits more, so a budget near 4.5 bits
  * need not leave most groups at Q3_K. */
 static const int cand[N_CAND] = {MQ_KQ_Q3_K, MQ_KQ_IQ4_XS, MQ_KQ_Q4_K, MQ_KQ_Q5_K, MQ_KQ_Q6_K, MQ_KQ_Q8_0};
 
@@ -162,8 +171,25 @@ static moeq_status swap_rounded(mq_linear **lins, int n, float **saved, bool bac
     return MOEQ_OK;
 }
 
+/* The residual change of the layer's output xout [T][D] against out, one sample of len tokens:
+ * sum over tokens of |out_t - xout_t|^2 / mean_j xout_tj^2 (the change as the RMS norm of the
+ * stream's readers sees it). */
+static double residual_change(const float *out, const float *xout, int64_t len, int64_t D) {
+    double d2 = 0;
+    for (int64_t t = 0; t < len; t++) {
+        double dt = 0, ms = 0;
+        for (int64_t j = t * D; j < (t + 1) * D; j++) {
+            const double d = (double)out[j] - xout[j];
+            dt += d * d;
+            ms += (double)xout[j] * xout[j];
+        }
+        if (ms > 0) d2 += dt / (ms / (double)D);
+    }
+    return d2;
+}
+
 /* The residual-stream gain of each group of layer l: the layer run on its inputs xin with the
- * group rounded, |out - xout|^2 over the probe's tokens, divided by the group's Q3_K loss. */
+ * group rounded, its residual change over the probe's tokens, divided by the group's Q3_K loss. */
 static moeq_status layer_gains(mq_pipe *p, mq_state *st, const float *xin, const float *xout, float *xs,
                                const int64_t *len, int64_t S, int64_t T, int l, group *gs) {
     const moeq_model *m = p->m;
@@ -191,10 +217,7 @@ static moeq_status layer_gains(mq_pipe *p, mq_state *st, const float *xin, const
             float *x = xs + i * T * D;
             memcpy(x, xin + i * T * D, sizeof(float) * (size_t)(len[i] * D));
             s = mq_forward_layers(m, st, x, len[i], 0, l, l + 1, NULL);
-            for (int64_t j = 0; !s && j < len[i] * D; j++) {
-                const double d = (double)x[j] - xout[i * T * D + j];
-                d2 += d * d;
-            }
+            if (!s) d2 += residual_change(x, xout + i * T * D, len[i], D);
         }
         swap_rounded(sel, k, saved, true);
         g->gain = d2 / g->loss[0];
@@ -260,27 +283,28 @@ static moeq_status probe_layer(mq_pipe *p, mq_state *st, float *x, float *xin, f
     return s;
 }
 
-/* The output as one more group, hg[1], or a tied token_embd, hg[0], with its losses as output
- * and as embedding added; their losses in the residual stream's unit with gain 1:
- *   token_embd: its rows' squared errors, each times the row's count in the probe's tokens (a
- *     row's error is added to the residual stream as it is). An untied token_embd keeps the
- *     file type's rule (hg[0] unused, its bits fixed): as a group of its own the knapsack took it
- *     to Q3_K on olmoe-tiny and llama.cpp's KL doubled (docs/results/kquant.md): its error
- *     enters before every layer and moves the routing of all of them, which this measure does
- *     not see; tied, the output's loss holds it up;
+/* token_embd, hg[0], and the output, hg[1], as groups (tied: hg[0] alone, its losses as output
+ * and as embedding added), their losses in the residual stream's unit of layer_gains with gain 1:
+ *   token_embd: each row's squared error divided by the row's mean square, times the row's
+ *     count in the probe's tokens (a row is the stream before the first layer: its error is a
+ *     residual change of that size). Before the residual change was measured against each
+ *     token's stream, the untied token_embd kept the file type's rule: with plain squared errors
+ *     the knapsack took it to Q3_K on olmoe-tiny and llama.cpp's KL doubled; against the row's
+ *     own size it is valued above most Linears (docs/results/kquant.md);
  *   output: the Linear's loss under the diagonal of its input's Hessian (the final norm of the
  *     last layer's output x, over the probe's tokens), in the logits' unit, divided by the
- *     logits' response to a change d of x: |W diag(g) d / rms(x)|^2 ~ |d|^2 r with
- *     r = sum_j g_j^2 |W_j|^2 / D * mean over tokens of 1 / mean_j x_j^2 (g the norm's weight,
- *     W_j the output's column j; an isotropic d, the norm's own projection ignored), so that an
- *     output error and a layer's residual change that moves the logits as much weigh the same.
+ *     logits' response to a change d of x measured as layer_gains measures it, |d|^2 / mean_j
+ *     x_j^2 = u: |W diag(g) d / rms(x)|^2 ~ u r with r = sum_j g_j^2 |W_j|^2 / D (g the norm's
+ *     weight, W_j the output's column j; an isotropic d, the norm's own projection ignored), so
+ *     that an output error and a layer's residual change that moves the logits as much weigh the
+ *     same.
  * x [S][T][D]: the last layer's outputs (xs: scratch of the same size). */
 static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_calib_set *set, int64_t T, group *hg) {
     const moeq_model *m = p->m;
     const mq_config *c = &m->cfg;
     const int64_t D = c->D, V = c->vocab;
     const bool tied = p->recipe.tied;
-    const unsigned what = MQ_PART_HEAD | (tied ? MQ_PART_EMBED : 0);
+    const unsigned what = MQ_PART_HEAD | (tied ? MQ_PART_EMBED : 0);   /* mq_lazy_embed reads rows itself */
     moeq_status s = mq_lazy_load(p->lz, -1, what, 0, 0);
     moeq_model *mm = mq_lazy_model_of(p->lz);
     if (!s && tied) mm->lm_head = mm->embed;   /* as eval's streamed scoring borrows it */
@@ -292,16 +316,10 @@ static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_c
     if (!s && (!h || !count || !row || !q || !gp || !cd)) s = mq_err(MOEQ_E_NOMEM, "out of memory");
     if (!s && (!m->lm_head || !m->final_norm))
         s = mq_err(MOEQ_E_UNSUPPORTED, "--target-bpw: the model's lm_head is not held as floats");
-    double inv_ms = 0;
-    int64_t ntok = 0;
     for (int64_t i = 0; !s && i < set->n; i++) {
         float *xn = xs + i * T * D;
         memcpy(xn, x + i * T * D, sizeof(float) * (size_t)(set->len[i] * D));
         for (int64_t t = 0; t < set->len[i]; t++) {
-            double ms = 0;
-            for (int64_t j = 0; j < D; j++) ms += (double)xn[t * D + j] * xn[t * D + j];
-            ms /= (double)D;
-            if (ms > 0) inv_ms += 1.0 / ms, ntok++;
             const int32_t id = set->ids[i][t];
             if (id >= 0 && id < V) count[id]++;
         }
@@ -312,7 +330,7 @@ static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_c
     for (int64_t v = 0; !s && v < V; v++)
         for (int64_t j = 0; j < D; j++)
             wg += (double)m->final_norm[j] * m->final_norm[j] * m->lm_head[v * D + j] * m->lm_head[v * D + j];
-    const double r = ntok ? wg / (double)D * inv_ms / (double)ntok : 0;
+    const double r = wg / (double)D;
     if (!s) {   /* the output's loss through the Linears' measure, then into the residual's unit */
         const mq_linear head = {.out = V, .in = D, .w = m->lm_head, .name = "lm_head"};
         group og;
@@ -324,7 +342,7 @@ static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_c
         o->gain = 1;
         if (tied) for (int k = 0; k < N_CAND; k++) hg[0].loss[k] += og.loss[k];
     }
-    for (int k = 0; !s && tied && k < N_CAND; k++) {   /* token_embd: the probe's rows */
+    for (int k = 0; !s && k < N_CAND; k++) {   /* token_embd: the probe's rows */
         const int eff = mq_gguf_fallback(cand[k], D);
         hg[0].bits[k] += (eff >= 0 ? mq_kq_bpw((mq_kq_type)eff) : 16.0) * (double)(V * D);
         if (eff < 0) continue;
@@ -336,14 +354,17 @@ static moeq_status head_losses(mq_pipe *p, const float *x, float *xs, const mq_c
             s = mq_lazy_embed(p->lz, &v, 1, row);
             mq_kq_quantize_row(t, &sp, row, D, NULL, gp, cd);
             mq_kq_dequant_row(t, gp, cd, D, q);
-            double ev = 0;
-            for (int64_t j = 0; j < D; j++) ev += ((double)row[j] - q[j]) * ((double)row[j] - q[j]);
-            e += ev * (double)count[v];
+            double ev = 0, ms = 0;
+            for (int64_t j = 0; j < D; j++) {
+                ev += ((double)row[j] - q[j]) * ((double)row[j] - q[j]);
+                ms += (double)row[j] * row[j];
+            }
+            if (ms > 0) e += ev / (ms / (double)D) * (double)count[v];
         }
         hg[0].loss[k] += e;
     }
-    hg[0].params = tied ? V * D : 0;
-    hg[0].used = !s && tied;
+    hg[0].params = V * D;
+    hg[0].used = !s;
     hg[1].used = !s && !tied;
     hg[0].gain = 1;
     mq_lazy_release(p->lz, -1, what, 0, 0);
@@ -396,11 +417,6 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
     /* the knapsack */
     int64_t total = 0;
     double bits = 0;
-    if (!p->recipe.tied) {   /* token_embd at the file type's rule */
-        const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
-        total += c->vocab * c->D;
-        bits += (double)(c->vocab * c->D) * (te >= 0 ? mq_kq_bpw((mq_kq_type)te) : 16.0);
-    }
     for (size_t i = 0; !s && i < NG; i++) {
         const group *g = &gs[i];
         if (!g->used) continue;
@@ -485,7 +501,7 @@ moeq_status mq_pipe_kquant_budget(mq_pipe *p) {
         const int te = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_TOKEN_EMBD, -1, c->D);
         const int to = mq_gguf_recipe_type(&p->recipe, MQ_GCAT_OUTPUT, -1, c->D);
         mq_info("  token_embd %s%s%s", te >= 0 ? mq_kq_name((mq_kq_type)te) : "-",
-                p->recipe.tied ? " (tied: the output too)" : " (the file type's rule), output ",
+                p->recipe.tied ? " (tied: the output too)" : ", output ",
                 p->recipe.tied ? "" : to >= 0 ? mq_kq_name((mq_kq_type)to) : "-");
     }
     free(gs);

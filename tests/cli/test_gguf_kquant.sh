@@ -3,12 +3,21 @@
 # --scheme q4_k_m writes llama.cpp's Q4_K_M mixture tensor by tensor (its rules for an 8-expert
 # model: attn_k/attn_v Q8_0, attn_output Q5_K, ffn_down Q6_K where use_more_bits, output Q6_K),
 # q4_k every Linear Q4_K; eval reads the file in place and more bits give less KL; --target-bpw
-# meets its budget and the report shows each tensor's type; the refusals exit 1 leaving nothing.
+# meets its budget, the report shows each tensor's type (token_embd and output among them) and the
+# file holds them; the refusals exit 1 leaving nothing.
 . "$(dirname "$0")/common.sh"
 
 "$cli" quantize "$model" --out "$tmp/m.gguf" --scheme q4_k_m --format gguf --quiet || fail "q4_k_m exited $?"
 out=$("$cli" inspect "$tmp/m.gguf" --tensors) || fail "inspect exited $?"
 has() { printf '%s\n' "$out" | grep -q "$1" || fail "q4_k_m: no line matching '$1'"; }
+# holds FILE "TENSOR=TYPE ...": the file's tensors have the types a --target-bpw report chose
+holds() {
+    local pick
+    out=$("$cli" inspect "$1" --tensors) || fail "inspect $1 exited $?"
+    for pick in $2; do
+        has "^  ${pick%%=*}.weight  *${pick#*=} "
+    done
+}
 has '^  general.file_type  *UINT32  *15$'
 has '^  token_embd.weight  *q4_K '
 has '^  output.weight  *q6_K '
@@ -66,7 +75,7 @@ awk -v a="$ki" -v c="$k3" 'BEGIN { exit !(0 < a && a < c) }' || fail "iq4_xs KL 
     --calib "$repo/data/demo-calib.txt" --nsamples 4 --seqlen 128 --format gguf --quiet || fail "--target-bpw exited $?"
 bpw=$("$cli" inspect "$tmp/b.gguf" | sed -n 's/^tensors: .*(\([0-9.]*\) bits per value)$/\1/p')
 awk -v b="$bpw" 'BEGIN { exit !(b > 4.0 && b <= 4.5) }' || fail "--target-bpw 4.5: the tensors hold '$bpw' bits per value"
-python3 - "$tmp/b.gguf.gptq_report.json" <<'EOF' || fail "--target-bpw: the report"
+heads=$(python3 - "$tmp/b.gguf.gptq_report.json" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
 b = r["kquant_budget"]
@@ -76,11 +85,61 @@ for t in b["tensors"]:
     s = t["sensitivity"]
     assert s["q3_K"] >= s["q4_K"] >= s["q5_K"] >= s["q6_K"], t   # more bits, less loss
     assert s["q3_K"] >= s["iq4_xs"], t
-# the output is chosen too; olmoe-tiny's untied token_embd keeps the file type's rule
-assert "output" in {t["tensor"] for t in b["tensors"]} and "token_embd" not in {t["tensor"] for t in b["tensors"]}, b
+# the output and olmoe-tiny's untied token_embd are chosen too, each once, with the params of
+# a 4096 x 256 matrix
+heads = [t for t in b["tensors"] if t["layer"] == -1]
+assert sorted(t["tensor"] for t in heads) == ["output", "token_embd"], heads
+assert all(t["params"] == 4096 * 256 for t in heads), heads
 assert r["settings"]["gguf_recipe"] == "q4_k_m" and r["settings"]["target_bpw"] == 4.5
 assert all(m.get("type") for m in r["modules"]), "a module without its type"
+print(" ".join(t["tensor"] + "=" + t["type"] for t in heads))
 EOF
+) || fail "--target-bpw: the report"
+holds "$tmp/b.gguf" "$heads"
+
+# qwen2moe-tiny (a shared expert beside 8 routed ones of 128 columns): the Q4_K_M rules give the
+# shared expert its role's type (ffn_down: Q6_K in use_more_bits' layers 2 and 3, the routed
+# experts' rows falling back to Q8_0 there and from Q4_K to Q5_0 in layers 0 and 1); --target-bpw
+# chooses the shared expert's gate, up and down apart from the routed experts' and the file holds
+# the report's choice
+q2src=${MOEQ_SHARED:-$repo/../shared}/fixtures/models/qwen2moe-tiny
+if [ -d "$q2src" ]; then
+    # as llama.cpp's qwen2moe graph computes it: the top-k router weights not renormalised
+    q2=$tmp/qwen2moe-tiny
+    mkdir -p "$q2"
+    ln -s "$q2src"/* "$q2/"
+    rm "$q2/config.json"
+    python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["norm_topk_prob"] = False; json.dump(c, open(sys.argv[2], "w"))' \
+        "$q2src/config.json" "$q2/config.json" || fail "qwen2moe-tiny's config"
+    "$cli" quantize "$q2" --out "$tmp/q2.gguf" --scheme q4_k_m --format gguf --quiet || fail "qwen2moe q4_k_m exited $?"
+    out=$("$cli" inspect "$tmp/q2.gguf" --tensors) || fail "inspect q2.gguf exited $?"
+    for l in 0 1; do
+        has "^  blk.$l.ffn_down_shexp.weight  *q4_K "
+        has "^  blk.$l.ffn_down_exps.weight  *q5_0 "
+        has "^  blk.$l.ffn_up_shexp.weight  *q4_K "
+    done
+    for l in 2 3; do
+        has "^  blk.$l.ffn_down_shexp.weight  *q6_K "
+        has "^  blk.$l.ffn_down_exps.weight  *q8_0 "
+    done
+    "$cli" quantize "$q2" --out "$tmp/q2b.gguf" --scheme q4_k_m --target-bpw 4.5 --method gptq \
+        --calib "$repo/data/demo-calib.txt" --nsamples 4 --seqlen 128 --format gguf --quiet || fail "qwen2moe --target-bpw exited $?"
+    picks=$(python3 - "$tmp/q2b.gguf.gptq_report.json" <<'EOF'
+import json, sys
+b = json.load(open(sys.argv[1]))["kquant_budget"]
+assert b["bpw"] <= 4.5, b
+sh = [t for t in b["tensors"] if t["tensor"].endswith("_shexp")]
+# one group per layer and role, the shared expert's 256 x 256
+assert sorted((t["layer"], t["tensor"]) for t in sh) == \
+    [(l, r + "_shexp") for l in range(4) for r in ("ffn_down", "ffn_gate", "ffn_up")], sh
+assert all(t["params"] == 256 * 256 for t in sh), sh
+# the routed experts' groups hold the 8 experts alone
+assert all(t["params"] == 8 * 128 * 256 for t in b["tensors"] if t["tensor"] in ("ffn_gate", "ffn_up", "ffn_down")), b
+print(" ".join("blk.%d.%s=%s" % (t["layer"], t["tensor"], t["type"]) for t in sh))
+EOF
+) || fail "qwen2moe --target-bpw: the report"
+    holds "$tmp/q2b.gguf" "$picks"
+fi
 
 # refused before any work, nothing written: usage errors exit 2, the library's refusal 1
 for args in "2 --scheme q4_k" "1 --scheme q4_k --format gguf --target-bpw 4.5" "2 --scheme int4 --format gguf --target-bpw 4.5" \

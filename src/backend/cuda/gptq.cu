@@ -919,9 +919,11 @@ extern "C" moeq_status mq_gpu_gptq_ex(mq_gpu *g, const mq_qspec *s, const mq_gpt
             }
             const size_t b = item_bytes(f, h, loop, nvfp4);
             if (!fs.empty() && used + b > budget) break;
-            if (fs.empty() && b > budget) {
-                st = mq_err(MOEQ_E_NOMEM, "%s: GPTQ needs %.2f GB of GPU memory; %.2f GB are free", hnames[h1],
-                            (double)b / 1e9, (double)free_b / 1e9);
+            /* the 15% kept back is slack for more items a wave; one item alone may take all that is
+             * free (the planner's least counts exactly one) */
+            if (fs.empty() && b > free_b) {
+                st = mq_err(MOEQ_E_NOMEM, "%s: GPTQ needs %.1f MB of GPU memory; %.1f MB are free", hnames[h1],
+                            (double)b / 1e6, (double)free_b / 1e6);
                 break;
             }
             used += b;
