@@ -393,9 +393,9 @@ static void test_names(void) {
 }
 
 /* The AVX2 scoring of candidate grids is bit-identical to the scalar reference, for every type
- * (asymmetric, symmetric with signed steps, Q8_0's codes from 1), candidate counts that fill 1
- * to 4 vectors partly and more, zero steps, values far off the grid (clamped codes), strides,
- * weights or none. */
+ * (asymmetric, symmetric with signed steps, Q8_0's codes from 1, IQ4's tables), candidate counts
+ * that fill 1 to 4 vectors partly and more, zero steps, values far off the grid (clamped codes),
+ * strides, weights or none. */
 static void test_sse_twin(void) {
     if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
     enum { NC = 70 };
@@ -403,7 +403,6 @@ static void test_sse_twin(void) {
     static double a[NC + 8], b[NC + 8];
     for (int tr = 0; tr < 800; tr++) {
         const mq_kq_info *t = mq_kq_info_of((mq_kq_type)(tr % MQ_KQ_COUNT));
-        if (t->table) continue;   /* the table types are scored by the reference alone */
         const int nc = 1 + (tr * 7) % NC, n = 1 + tr % 64, stride = 1 + tr % 3;
         for (int i = 0; i < n * stride; i++) x[i] = rnd_gauss() * 0.02f * (i % 13 == 0 ? 8.0f : 1.0f);
         for (int i = 0; i < n; i++) w[i] = (float)(rnd_u32() % 1000) / 250.0f;
@@ -490,13 +489,167 @@ static void test_sym_trials_twin(void) {
     }
 }
 
+/* Values that test a table grid's rounding at its edges for steps step[0..nsteps): for each
+ * step, a tie at every midpoint between neighbouring table values (x / step exactly the
+ * midpoint: the steps are powers of two), each side of it by one ulp, 0 and -0, subnormals,
+ * values beyond either end, huge ones whose quotient overflows to infinity, and FLT_MAX. The
+ * rest random. Returns how many values it set (at most cap). */
+static int table_edge_values(const float *steps, int nsteps, float *x, int cap) {
+    const int8_t *tab = mq_kq_iq4_table;
+    int n = 0;
+    for (int s = 0; s < nsteps && n + 40 <= cap; s++)
+        for (int m = 0; m < 15; m++) {
+            const float mid = 0.5f * (float)(tab[m] + tab[m + 1]) * steps[s];
+            x[n++] = mid;
+            if (m % 2 == 0) x[n++] = nextafterf(mid, (m % 4 ? 1.0f : -1.0f) * INFINITY);
+        }
+    const float special[] = {0.0f, -0.0f, 1e-40f, -1e-42f, 500.0f, -500.0f, 1e30f, -1e30f, 3.4e38f, -3.4e38f,
+                             127.0f, -127.0f, 113.0f};
+    for (size_t i = 0; i < sizeof special / sizeof *special && n < cap; i++) x[n++] = special[i];
+    while (n < cap) x[n++] = rnd_gauss() * 40.0f;
+    return n;
+}
+
+/* The SIMD scorers of the table types (AVX2; AVX-512 where the CPU has it) are bit-identical to
+ * the scalar reference at the table's edges (table_edge_values: ties, zeros, huge values),
+ * signed steps and zero steps (+0 and -0), every candidate count that leaves a partial vector,
+ * strides, weights or none; the values are shuffled so each call sees a different mix. A tie's
+ * two codes have the same error, so which one a kernel takes shows in the trials' sums
+ * (test_table_trials_twin), not here. */
+static void test_table_sse_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    enum { NC = 72, NX = 256 };
+    static float x[NX * 2], xs[NX * 2], w[NX], step[NC + 8], off[NC + 8];   /* off: 0, no offsets */
+    static double a[NC + 8], b[NC + 8];
+    const float base[] = {1.0f, 0.25f, -0.5f, 2.0f, 1.0f / 1024, -4.0f, 0.0f, -0.0f, 1e-30f, -1e-38f};
+    const int nb = (int)(sizeof base / sizeof *base);
+    const int nx = table_edge_values(base, 6, x, NX);
+    int ties = 0;
+    for (int i = 0; i < nx; i++)
+        for (int m = 0; m < 15; m++) ties += x[i] == 0.5f * (float)(mq_kq_iq4_table[m] + mq_kq_iq4_table[m + 1]);
+    ASSERT_TRUE(ties >= 15);   /* the step-1 ties at least */
+    for (int tr = 0; tr < 400; tr++) {
+        const mq_kq_info *t = mq_kq_info_of(tr % 2 ? MQ_KQ_IQ4_XS : MQ_KQ_IQ4_NL);
+        const int nc = 1 + (tr * 5) % NC, n = 1 + (tr * 37) % 96, stride = 1 + tr % 2;
+        for (int i = 0; i < n * stride; i++) xs[i] = x[rnd_u32() % (uint32_t)nx];
+        for (int i = 0; i < n; i++) w[i] = (float)(rnd_u32() % 1000) / 250.0f;
+        for (int c = 0; c < nc + 8; c++)
+            step[c] = c < nb && tr % 3 == 0 ? base[c] : base[rnd_u32() % (uint32_t)nb] * (c % 2 ? 1.0f : 1.5f);
+        const float *wp = tr % 4 < 2 ? w : NULL;
+        mq_kq_sse_ref(t, step, off, nc, xs, n, stride, wp, a);
+        for (int isa = 0; isa < 2; isa++) {
+            if (isa && !mq_cpu_has_avx512()) break;
+            memset(b, 0xff, sizeof b);
+#if MQ_TEST_X86
+            if (isa) mq_kq_sse_table_avx512(t, step, nc, xs, n, stride, wp, b);
+            else mq_kq_sse_avx2(t, step, off, nc, xs, n, stride, wp, b);
+#endif
+            for (int c = 0; c < nc; c++)
+                if (memcmp(&a[c], &b[c], sizeof(double)) != 0)
+                    FAIL("trial %d %s candidate %d (step %g) %s: ref %.17g, simd %.17g", tr, t->name, c, step[c],
+                         isa ? "avx512" : "avx2", a[c], b[c]);
+            for (int c = nc; c < (nc + 7) / 8 * 8 && isa; c++)   /* masked lanes leave the tail */
+                ASSERT_TRUE(b[c] != b[c]);
+        }
+    }
+}
+
+/* The table fit's SIMD trials (AVX2; AVX-512 where the CPU has it) are bit-identical to the
+ * scalar reference: the fit's own inverse scales (both ends of the table) and ones that put
+ * values exactly on midpoints, at edge values, every trial count up to 3 vectors of 16 and a
+ * partial one, strides, weights or none. */
+static void test_table_trials_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    enum { NT = 56, NX = 128 };
+    static float x[NX * 3], xs[NX * 3], w[NX], is[NT], ref[2][NT], simd[2][NT];
+    const float steps[] = {1.0f, 0.5f, 4.0f};
+    const int nx = table_edge_values(steps, 3, x, NX);
+    for (int tr = 0; tr < 400; tr++) {
+        const int n = 1 + (tr * 13) % 64, stride = 1 + tr % 3, nt = 1 + (tr * 7) % NT;
+        for (int i = 0; i < n * stride; i++) xs[i] = x[rnd_u32() % (uint32_t)nx] * 0.01f;
+        for (int i = 0; i < n; i++) w[i] = (float)(rnd_u32() % 1000) / 250.0f;
+        const float *wp = tr % 2 ? w : NULL;
+        for (int k = 0; k < nt; k++) {
+            const int e = k % 2, kk = k % 17 - 8;   /* fit_table's trials */
+            is[k] = tr % 3 == 0 ? (float)(1 << (k % 8)) * 100.0f
+                                : 1.0f / (0.5f / ((float)(e ? mq_kq_iq4_table[15] : mq_kq_iq4_table[0]) + (float)kk));
+        }
+        mq_kq_table_trials_ref(mq_kq_iq4_table, xs, n, stride, wp, is, nt, ref[0], ref[1]);
+        for (int isa = 0; isa < 2; isa++) {
+            if (isa && !mq_cpu_has_avx512()) break;
+#if MQ_TEST_X86
+            if (isa) mq_kq_table_trials_avx512(mq_kq_iq4_table, xs, n, stride, wp, is, nt, simd[0], simd[1]);
+            else mq_kq_table_trials_avx2(mq_kq_iq4_table, xs, n, stride, wp, is, nt, simd[0], simd[1]);
+#endif
+            for (int k = 0; k < nt; k++)
+                if (memcmp(&ref[0][k], &simd[0][k], sizeof(float)) || memcmp(&ref[1][k], &simd[1][k], sizeof(float)))
+                    FAIL("trial %d/%d %s: ref %.9g %.9g, simd %.9g %.9g", tr, k, isa ? "avx512" : "avx2",
+                         ref[0][k], ref[1][k], simd[0][k], simd[1][k]);
+        }
+    }
+}
+
+/* The AVX2 rounding to a table (mq_kq_qdq_table_avx2, which mq_kq_qdq and mq_kq_qdq_column
+ * call for IQ4) gives the scalar reference's codes and values bit for bit: at ties (where the
+ * lower code must win), zeros, huge values and subnormals, with one step and with a step per
+ * value (0, -0, negative, tiny among them), counts with and without a tail left to the scalar,
+ * codes or values alone. */
+static void test_table_qdq_twin(void) {
+    if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
+    enum { NX = 200 };
+    static float x[NX], xs[NX], st[NX], dq[3][NX];
+    static uint8_t code[3][NX];
+    const float steps[] = {1.0f, -0.5f, 2.0f, 0.0f, -0.0f, 1.0f / 1024, 1e-38f};
+    const int ns = (int)(sizeof steps / sizeof *steps), nx = table_edge_values(steps, 3, x, NX);
+    const mq_kq_info *t = mq_kq_info_of(MQ_KQ_IQ4_XS);
+    int lower_ties = 0;
+    for (int tr = 0; tr < 300; tr++) {
+        const int n = 1 + (tr * 11) % NX, per = tr % 2;
+        for (int i = 0; i < n; i++) {
+            xs[i] = tr < 2 ? x[i % nx] : x[rnd_u32() % (uint32_t)nx];
+            st[i] = tr < 2 ? 1.0f : steps[rnd_u32() % (uint32_t)ns];
+        }
+        const float s1 = tr < 2 ? 1.0f : steps[tr % ns];
+        for (int run = 0; run < 2; run++) {   /* the reference, then the dispatch (AVX2) */
+            moeq_set_force_ref(run == 0);
+            if (per) mq_kq_qdq_column(t, st, st /* offsets: unused by a table */, xs, n, code[run], dq[run]);
+            else mq_kq_qdq(t, s1, 0.0f, xs, n, code[run], dq[run]);
+        }
+        moeq_set_force_ref(0);
+        memset(code[2], 0xff, sizeof code[2]);
+        int64_t m = 0;
+#if MQ_TEST_X86
+        m = mq_kq_qdq_table_avx2(t->table, per ? st : &s1, per, xs, n, code[2], NULL);
+        ASSERT_EQ_INT(n / 8 * 8, (int)m);
+        ASSERT_EQ_INT(n / 8 * 8, (int)mq_kq_qdq_table_avx2(t->table, per ? st : &s1, per, xs, n, NULL, dq[2]));
+#endif
+        for (int i = 0; i < n; i++) {
+            if (code[0][i] != code[1][i] || memcmp(&dq[0][i], &dq[1][i], sizeof(float)))
+                FAIL("trial %d value %d (x %g, step %g): ref %d %g, simd %d %g", tr, i, xs[i], per ? st[i] : s1,
+                     code[0][i], dq[0][i], code[1][i], dq[1][i]);
+            if (i < m && (code[0][i] != code[2][i] || memcmp(&dq[0][i], &dq[2][i], sizeof(float))))
+                FAIL("trial %d value %d: the kernel alone %d %g, ref %d %g", tr, i, code[2][i], dq[2][i],
+                     code[0][i], dq[0][i]);
+            if (i >= m && code[2][i] != 0xff) FAIL("trial %d: the kernel wrote code %d past %d", tr, i, (int)m);
+            const float q = (per ? st[i] : s1) != 0.0f ? xs[i] / (per ? st[i] : s1) : 0.0f;
+            for (int k = 0; k < 15; k++)   /* a tie: the lower code */
+                if (q == 0.5f * (float)(t->table[k] + t->table[k + 1])) {
+                    ASSERT_EQ_INT(k, code[1][i]);
+                    lower_ties++;
+                }
+        }
+    }
+    ASSERT_TRUE(lower_ties >= 15);
+}
+
 static bool same_groups(const mq_gparams *a, const mq_gparams *b) {
     return !memcmp(&a->scale, &b->scale, sizeof(float)) && !memcmp(&a->zero, &b->zero, sizeof(float)) &&
            a->scale_code == b->scale_code && a->min_code == b->min_code;
 }
 
-/* The block search gives the same groups with the AVX2 scorer as with the scalar reference
- * (MOEQ_FORCE_REF's switch), for every type, with and without weights, strided. */
+/* The block search gives the same groups with the SIMD scorers (AVX-512's where the CPU has it,
+ * and AVX2's) as with the scalar reference (MOEQ_FORCE_REF's switch), for every type, with and
+ * without weights, strided. */
 static void test_fit_simd_same(void) {
     if (!mq_cpu_has_avx2_fma()) SKIP("no AVX2+FMA");
     enum { N = 512, ST = 3 };
@@ -508,19 +661,23 @@ static void test_fit_simd_same(void) {
         mq_qspec s = mq_kq_spec((mq_kq_type)ty);
         s.mse = true;
         for (int k = 0; k < 2; k++) {
-            mq_gparams g[2][16];
-            float d[2], dmin[2];
-            mq_gparams gs[2] = {{0}};
-            for (int ref = 0; ref < 2; ref++) {
-                moeq_set_force_ref(ref);
-                mq_kq_fit_block_d(t, &s, x, ST, k ? w : NULL, g[ref], &d[ref], &dmin[ref]);
-                mq_kq_fit_sub(t, &s, x + 5, ST, k ? w : NULL, d[ref], dmin[ref], &gs[ref]);
+            mq_gparams g[3][16];
+            float d[3], dmin[3];
+            mq_gparams gs[3] = {{0}};
+            for (int run = 0; run < 3; run++) {   /* SIMD, the reference, AVX2 alone */
+                moeq_set_force_ref(run == 1);
+                mq_set_avx512_off(run == 2);
+                mq_kq_fit_block_d(t, &s, x, ST, k ? w : NULL, g[run], &d[run], &dmin[run]);
+                mq_kq_fit_sub(t, &s, x + 5, ST, k ? w : NULL, d[run], dmin[run], &gs[run]);
             }
             moeq_set_force_ref(0);
-            for (int j = 0; j < t->block / t->sub; j++) ASSERT_TRUE(same_groups(&g[0][j], &g[1][j]));
-            ASSERT_EQ_INT(0, memcmp(d, d + 1, sizeof(float)));
-            ASSERT_EQ_INT(0, memcmp(dmin, dmin + 1, sizeof(float)));
-            ASSERT_TRUE(same_groups(&gs[0], &gs[1]));
+            mq_set_avx512_off(-1);
+            for (int run = 0; run < 3; run += 2) {
+                for (int j = 0; j < t->block / t->sub; j++) ASSERT_TRUE(same_groups(&g[1][j], &g[run][j]));
+                ASSERT_EQ_INT(0, memcmp(d + 1, d + run, sizeof(float)));
+                ASSERT_EQ_INT(0, memcmp(dmin + 1, dmin + run, sizeof(float)));
+                ASSERT_TRUE(same_groups(&gs[1], &gs[run]));
+            }
             ASSERT_TRUE(t->mult_hi != 0 ? d[0] != 0.0f : g[0][0].scale != 0.0f);   /* a real fit */
         }
     }
@@ -530,4 +687,5 @@ TEST_MAIN(T(test_q4_k_by_hand), T(test_q6_k_by_hand), T(test_q3_k_by_hand), T(te
           T(test_iq4_xs_by_hand), T(test_iq4_nl_by_hand), T(test_iq4_rounding),
           T(test_random_round_trips), T(test_pack_refuses), T(test_fit), T(test_names), T(test_q8_k_activations),
           T(test_sse_twin), T(test_asym_trials_twin),
-          T(test_sym_trials_twin), T(test_fit_simd_same))
+          T(test_sym_trials_twin), T(test_table_sse_twin), T(test_table_trials_twin), T(test_table_qdq_twin),
+          T(test_fit_simd_same))

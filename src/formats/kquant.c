@@ -110,10 +110,21 @@ static inline uint8_t round_code(const mq_kq_info *t, float step, float off, flo
     return (uint8_t)(int)q;
 }
 
+/* The values a table type's SIMD rounding took (the first of those left to the scalar loop). */
+static int64_t qdq_table_simd(const mq_kq_info *t, const float *step, bool per_value, const float *x,
+                              int64_t n, uint8_t *code, float *dq) {
+#if defined(__x86_64__)
+    if (t->table && mq_cpu_has_avx2_fma() && !mq_force_ref())
+        return mq_kq_qdq_table_avx2(t->table, step, per_value, x, n, code, dq);
+#endif
+    (void)t, (void)step, (void)per_value, (void)x, (void)n, (void)code, (void)dq;
+    return 0;
+}
+
 void mq_kq_qdq(const mq_kq_info *t, float step, float off, const float *x, int64_t n,
                uint8_t *code, float *dq) {
     const mq_gparams g = {step, off, 0, 0};
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = qdq_table_simd(t, &step, false, x, n, code, dq); i < n; i++) {
         const uint8_t c = round_code(t, step, off, x[i]);
         if (code) code[i] = c;
         if (dq) dq[i] = mq_kq_value(t, &g, c);
@@ -122,7 +133,7 @@ void mq_kq_qdq(const mq_kq_info *t, float step, float off, const float *x, int64
 
 void mq_kq_qdq_column(const mq_kq_info *t, const float *step, const float *off, const float *x,
                       int64_t n, uint8_t *code, float *dq) {
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = qdq_table_simd(t, step, true, x, n, code, dq); i < n; i++) {
         const mq_gparams g = {step[i], off[i], 0, 0};
         const uint8_t c = round_code(t, step[i], off[i], x[i]);
         code[i] = c;
@@ -149,17 +160,19 @@ void mq_kq_sse_ref(const mq_kq_info *t, const float *step, const float *off, int
 /* Candidates scored per sub-block and call (a multiple of the AVX2 twin's 8 lanes). */
 enum { KQ_CAND = 256 };
 
-/* mq_kq_sse_ref's scores by the AVX2 twin where the CPU has it (bit-identical); nc <= KQ_CAND,
- * the arrays KQ_CAND long. */
+/* mq_kq_sse_ref's scores by a SIMD twin where the CPU has one (bit-identical): the table types'
+ * by the AVX-512 one where there is AVX-512, every type by the AVX2 one where there is AVX2; nc
+ * <= KQ_CAND, the arrays KQ_CAND long. */
 static void score(const mq_kq_info *t, float *step, float *off, int nc, const float *x, int64_t n,
                   int64_t stride, const float *w, double *sse) {
 #if defined(__x86_64__)
-    if (nc > 0 && !t->table && mq_cpu_has_avx2_fma() && !mq_force_ref()) {
+    if (nc > 0 && mq_cpu_has_avx2_fma() && !mq_force_ref()) {
         for (int k = nc; k % 8; k++) {   /* padding lanes: any valid grid */
             step[k] = step[0];
             off[k] = off[0];
         }
-        mq_kq_sse_avx2(t, step, off, nc, x, n, stride, w, sse);
+        if (t->table && mq_cpu_has_avx512()) mq_kq_sse_table_avx512(t, step, nc, x, n, stride, w, sse);
+        else mq_kq_sse_avx2(t, step, off, nc, x, n, stride, w, sse);
         return;
     }
 #endif
@@ -299,6 +312,21 @@ static float fit_sym(const float *x, int64_t st, const float *w, int n, int nmax
     return any ? scale : -max / (float)nmax;
 }
 
+void mq_kq_table_trials_ref(const int8_t *tab, const float *x, int64_t n, int64_t st, const float *w,
+                            const float *iscale, int nt, float *sxt, float *stt) {
+    for (int k = 0; k < nt; k++) {
+        float sx = 0, s2 = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = x[i * st], wi = w ? w[i] : 1.0f;
+            const float tv = (float)tab[nearest_in_table(tab, v * iscale[k])];
+            sx += wi * v * tv;
+            s2 += wi * tv * tv;
+        }
+        sxt[k] = sx;
+        stt[k] = s2;
+    }
+}
+
 /* A table type's sub-block: the step s of the grid s * table[l] with the largest weighted
  * sum(x t)^2 / sum(t^2) (t the table values of the nearest codes; the least squared error for
  * those codes, at s = sum(x t) / sum(t^2)) among the trials that put the value of largest
@@ -313,20 +341,26 @@ static float fit_table(const int8_t *tab, const float *x, int64_t st, const floa
         if (a > amax) amax = a, max = x[i * st];
     }
     if (amax < 1e-15f) return 0.0f;
+    /* the trials summed together (by a SIMD twin where the CPU has one), then taken in order:
+     * both ends of the table, k ascending */
+    enum { NK = 2 * TAB_TRIALS + 1, NT = 2 * NK, NT8 = (NT + 7) / 8 * 8 };
+    float is[NT8], sxt[NT8], stt[NT8];
+    for (int u = 0; u < NT8; u++) {
+        const int e = u < NT ? u / NK : 0, k = u < NT ? u % NK - TAB_TRIALS : 0;
+        is[u] = 1.0f / (max / ((float)(e ? tab[15] : tab[0]) + (float)k));
+    }
+#if defined(__x86_64__)
+    if (mq_cpu_has_avx2_fma() && !mq_force_ref()) {
+        if (mq_cpu_has_avx512()) mq_kq_table_trials_avx512(tab, x, n, st, w, is, NT, sxt, stt);
+        else mq_kq_table_trials_avx2(tab, x, n, st, w, is, NT, sxt, stt);
+    } else
+#endif
+        mq_kq_table_trials_ref(tab, x, n, st, w, is, NT, sxt, stt);
     float scale = 0, best = -1;
-    for (int e = 0; e < 2; e++)
-        for (int k = -TAB_TRIALS; k <= TAB_TRIALS; k++) {
-            const float s = max / ((float)(e ? tab[15] : tab[0]) + (float)k), is = 1.0f / s;
-            float sxt = 0, stt = 0;
-            for (int i = 0; i < n; i++) {
-                const float v = x[i * st], wi = w ? w[i] : 1.0f, tv = (float)tab[nearest_in_table(tab, v * is)];
-                sxt += wi * v * tv;
-                stt += wi * tv * tv;
-            }
-            if (stt > 0 && sxt * sxt > best * stt) {
-                best = sxt * sxt / stt;
-                scale = sxt / stt;
-            }
+    for (int u = 0; u < NT; u++)
+        if (stt[u] > 0 && sxt[u] * sxt[u] > best * stt[u]) {
+            best = sxt[u] * sxt[u] / stt[u];
+            scale = sxt[u] / stt[u];
         }
     return best >= 0 ? scale : max / (float)tab[0];
 }

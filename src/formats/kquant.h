@@ -153,6 +153,13 @@ void mq_kq_asym_trials_ref(const float *x, int64_t n, int64_t stride, const floa
 void mq_kq_sym_trials_ref(const float *x, int64_t n, int64_t stride, const float *w, int nmax,
                           const float *iscale, int nt, float *sumlx, float *suml2);
 
+/* The table fit's trials (kquant.c's fit_table; tab: 16 ascending values): for trial k < nt,
+ * codes l_i = the table index nearest x_i * iscale[k] (mq_kq_qdq's rounding) and the float
+ * sums over i in order of (w_i x_i) t_i into sxt[k] and (w_i t_i) t_i into stt[k],
+ * t_i = tab[l_i] (w NULL: 1). The arrays hold nt rounded up to a multiple of 8. */
+void mq_kq_table_trials_ref(const int8_t *tab, const float *x, int64_t n, int64_t stride,
+                            const float *w, const float *iscale, int nt, float *sxt, float *stt);
+
 /* Packs one block from its groups (t->block / t->sub params) and t->block codes. false when the
  * groups imply no single fp16 d (and dmin) or a code or multiplier is out of range (not from
  * this file's fit). */
