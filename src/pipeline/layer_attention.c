@@ -206,6 +206,7 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
     if (sc->ahead) {
         io.meanwhile = experts_ahead;
         io.meanwhile_user = &ahead;
+        mq_gpu_set_sizing_reserve(p->gpu, p->mp.gpu_ahead_reserve);
     }
     int64_t n_max = rows_max < s_hi - s_lo ? rows_max : s_hi - s_lo;
     mq_gpu_attn_sample *smp = mq_alloc_array((size_t)(n_max > 0 ? n_max : 1), sizeof *smp, "attention samples");
@@ -248,7 +249,10 @@ static moeq_status attention_pass_gpu(mq_pipe *p, int l, bool pass_a, att_captur
         if (io.ho) cap->o->h.n += rows;
         ahead.seconds = ahead.cpu = 0;
         st = mq_gpu_attn_run_samples(p->gatt, smp, n, &io);
-        io.meanwhile = NULL;   /* once: with the first group */
+        /* once: with the first group; the chunk is up then, in the memory in use: no reserve
+         * for it any more (it would count the same bytes twice) */
+        if (io.meanwhile) mq_gpu_set_sizing_reserve(p->gpu, 0);
+        io.meanwhile = NULL;
         for (int64_t i = 0, r = 0; i < n && !st; r += smp[i].T, i++) {   /* the staged results */
             const size_t off = (size_t)((s0 + i) * p->LD), nv = (size_t)(smp[i].T * D);
             if (host_h && !hb->pinned) mq_actbuf_put(hb, off, nv, sc->xt + r * D);

@@ -325,9 +325,12 @@ static moeq_status plan_gpu(mq_pipe *p, int *C) {
     mp->gpu_chunk = p->c->n_experts > 0 ? (*C > 0 ? *C : 1) : 0;
     /* the first chunk of a layer's experts goes up on a thread of its own while the attention's
      * stage sizes its GPTQ waves and buffers from the free memory: they leave it room */
-    if (p->gpu && mp->gpu_chunk > 0)
-        mq_gpu_set_sizing_reserve(p->gpu, mq_gpu_mlp_bytes(mp->gpu_chunk, p->c->D, p->c->moe_ffn, true,
-                                                           mq_plan_batch_rows(p, mp->gpu_chunk), 1));
+    mp->gpu_ahead_reserve = 0;
+    if (p->gpu && mp->gpu_chunk > 0) {
+        mp->gpu_ahead_reserve =
+            mq_gpu_mlp_bytes(mp->gpu_chunk, p->c->D, p->c->moe_ffn, true, mq_plan_batch_rows(p, mp->gpu_chunk), 1);
+        mq_gpu_set_sizing_reserve(p->gpu, mp->gpu_ahead_reserve);
+    }
     return MOEQ_OK;
 }
 

@@ -140,6 +140,7 @@ typedef struct {
     /* GPU memory (moeq_quant_plan's gpu_* say what each holds) */
     int64_t gpu_budget, gpu_least, gpu_attention, gpu_attention_stage, gpu_expert;
     int32_t gpu_chunk;
+    int64_t gpu_ahead_reserve;   /* the first chunk read ahead during the attention: kept out of the free memory until it is up */
 } mq_mem_plan;
 
 /* One finished layer (seconds, peak anonymous memory). */

@@ -169,12 +169,13 @@ size_t mq_cu_mem_free(mq_gpu *g) {
         const size_t used = a->sync_used + a->pool_used, left = used < a->limit ? a->limit - used : 0;
         if (left < free_b) free_b = left;
     }
-    const size_t keep = g->sizing_reserve > 0 ? (size_t)g->sizing_reserve : 0;
+    const int64_t reserve = __atomic_load_n(&g->sizing_reserve, __ATOMIC_RELAXED);
+    const size_t keep = reserve > 0 ? (size_t)reserve : 0;
     return free_b > keep ? free_b - keep : 0;
 }
 
 extern "C" void mq_gpu_set_sizing_reserve(mq_gpu *g, int64_t bytes) {
-    if (g) g->sizing_reserve = bytes > 0 ? bytes : 0;
+    if (g) __atomic_store_n(&g->sizing_reserve, bytes > 0 ? bytes : 0, __ATOMIC_RELAXED);
 }
 
 extern "C" void mq_gpu_set_memory_limit(mq_gpu *g, int64_t bytes) {
@@ -343,7 +344,7 @@ extern "C" void mq_gpu_get_info(mq_gpu *g, mq_gpu_info *info) {
     size_t free_b = 0, total_b = 0;
     cudaSetDevice(g->device);
     if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) {
-        const int64_t keep = g->sizing_reserve;
+        const int64_t keep = __atomic_load_n(&g->sizing_reserve, __ATOMIC_RELAXED);
         info->mem_free = (int64_t)free_b > keep ? (int64_t)free_b - keep : 0;
         info->mem_total = (int64_t)total_b;
     }
