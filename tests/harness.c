@@ -162,6 +162,13 @@ const char *mq_test_tmpdir(void) {
     return buf;
 }
 
+int32_t mq_test_argmax(const float *x, int32_t n) {
+    int32_t b = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
 double mq_test_rel_maxdiff(const float *a, const float *b, size_t n) {
     double maxref = 0, maxdiff = 0;
     for (size_t i = 0; i < n; i++) {

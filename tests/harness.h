@@ -93,6 +93,8 @@ float mq_test_f32_from_bits(uint32_t u);
 void mq_test_same_floats(const float *want, const float *got, int64_t n, const char *what);
 /* Largest |a-b| / max|b| over n values (0 if b is all zero and a == b). */
 double mq_test_rel_maxdiff(const float *a, const float *b, size_t n);
+/* The index of the largest of x[0..n-1], ties to the lower (greedy decoding's pick). */
+int32_t mq_test_argmax(const float *x, int32_t n);
 
 /* Deterministic random data: xorshift64 (13, 7, 17) on the state mq_test_rng (0 until a test
  * seeds it, and 0 stays 0). mq_test_rnd_unit: in (0, 1); mq_test_rnd_normal: N(0, 1) by

@@ -89,20 +89,13 @@ static double max_abs_diff(const float *a, const float *b, size_t n) {
     return d;
 }
 
-static int32_t argmax(const float *l, int32_t V) {
-    int32_t b = 0;
-    for (int32_t v = 1; v < V; v++)
-        if (l[v] > l[b]) b = v;
-    return b;
-}
-
 /* Greedy ids after the prompt ids[0 .. N_PROMPT) from session s. */
 static void greedy(moeq_session *s, const int32_t *ids, int32_t V, int32_t *out) {
     float *l = malloc((size_t)V * sizeof *l);
     ASSERT_OK(moeq_session_forward(s, ids, N_PROMPT - 1, NULL));
     ASSERT_OK(moeq_session_forward(s, ids + N_PROMPT - 1, 1, l));
     for (int i = 0; i < N_GREEDY; i++) {
-        out[i] = argmax(l, V);
+        out[i] = mq_test_argmax(l, V);
         if (i + 1 < N_GREEDY) ASSERT_OK(moeq_session_forward(s, &out[i], 1, l));
     }
     free(l);
@@ -168,21 +161,18 @@ static void test_olmoe(void) {
     check_fixture(mq_test_model("olmoe-tiny"), "olmoe-tiny");
 }
 
-static void test_qwen2moe(void) {
+/* A fixture of the shared folder (skipped without it). */
+static void check_shared_fixture(const char *name) {
     need_gpu();
     if (!mq_test_have_shared()) SKIP("the shared fixtures folder is missing (MOEQ_SHARED)");
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s", mq_test_model("qwen2moe-tiny"));
-    check_fixture(dir, "qwen2moe-tiny");
+    snprintf(dir, sizeof dir, "%s", mq_test_model(name));
+    check_fixture(dir, name);
 }
 
-static void test_llama(void) {
-    need_gpu();
-    if (!mq_test_have_shared()) SKIP("the shared fixtures folder is missing (MOEQ_SHARED)");
-    char dir[1024];
-    snprintf(dir, sizeof dir, "%s", mq_test_model("llama-tiny"));
-    check_fixture(dir, "llama-tiny");
-}
+static void test_qwen2moe(void) { check_shared_fixture("qwen2moe-tiny"); }
+
+static void test_llama(void) { check_shared_fixture("llama-tiny"); }
 
 /* olmoe-tiny quantized to `scheme` here (attention Linears too), run from its codes: against the
  * CPU's packed session within the header's eps + 2 d; opened packed (the attention Linears' codes

@@ -158,13 +158,6 @@ static float *run_logits(const moeq_model *m) {
     return lg;
 }
 
-static int32_t argmax(const float *x, int32_t n) {
-    int32_t b = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (x[i] > x[b]) b = i;
-    return b;
-}
-
 /* n greedy tokens after a 6-token prompt. */
 static void greedy(const moeq_model *m, int32_t *out, int n) {
     int32_t V = m->cfg.vocab, ids[6];
@@ -175,7 +168,7 @@ static void greedy(const moeq_model *m, int32_t *out, int n) {
     ASSERT_OK(moeq_session_forward(s, ids, 5, NULL));
     ASSERT_OK(moeq_session_forward(s, ids + 5, 1, lg));
     for (int i = 0; i < n; i++) {
-        out[i] = argmax(lg, V);
+        out[i] = mq_test_argmax(lg, V);
         if (i + 1 < n) ASSERT_OK(moeq_session_forward(s, &out[i], 1, lg));
     }
     moeq_session_free(s);
